@@ -1,0 +1,52 @@
+"""The `switchboard` command: one entry point, one subcommand per process or tool.
+
+    switchboard up                      # the whole platform on embedded defaults
+    switchboard shard --port 8101       # one inference shard
+    switchboard cache-node --port 8201  # one cache node
+    switchboard gateway --port 8000     # the chat API
+    switchboard control-plane           # registry + admin API
+    switchboard bench engine            # engine throughput vs the naive server
+    switchboard model prepare           # convert the default model once
+
+Each subcommand's module owns its flags (`main(argv)`); they are imported lazily so that
+`switchboard cache-node` never pays for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("control_plane.launcher", "start the whole platform (control plane, shards, cache nodes, gateway)"),
+    "shard": ("data_plane.shard", "run one inference shard"),
+    "cache-node": ("data_plane.cache_node", "run one cache node"),
+    "gateway": ("data_plane.gateway", "run the OpenAI-compatible chat gateway"),
+    "control-plane": ("control_plane.app", "run the control plane (membership registry, admin API)"),
+    "bench": ("data_plane.bench", "benchmarks: engine, serve, overhead"),
+    "model": ("data_plane.model_cli", "model tools: prepare (convert the default model once)"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: switchboard COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<15} {desc}" for name, (_, desc) in COMMANDS.items()]
+    lines += ["", "run `switchboard COMMAND --help` for a command's flags"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage())
+        return
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"switchboard: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        raise SystemExit(2)
+    module = importlib.import_module(COMMANDS[name][0])
+    module.main(rest)
+
+
+if __name__ == "__main__":
+    main()

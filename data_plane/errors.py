@@ -1,0 +1,246 @@
+"""One error tree for the data plane, rendered in the OpenAI error shape.
+
+    raise InvalidRequest("max_tokens must be >= 1", param="max_tokens")
+
+renders as HTTP 400 with::
+
+    {"error": {"message": "max_tokens must be >= 1", "type": "invalid_request_error",
+               "param": "max_tokens", "code": "invalid_value"}}
+
+The tree::
+
+    SwitchboardError                      500 server_error / internal_error
+    ├── InvalidRequest                    400 invalid_request_error
+    │   ├── ContextLengthExceeded         400 ... / context_length_exceeded
+    │   ├── UnsupportedParameter          400 ... / unsupported_parameter
+    │   └── ContentPolicyViolation        400 ... / content_policy_violation
+    ├── AuthenticationError               401 authentication_error / invalid_api_key
+    ├── PermissionDenied                  403 permission_error
+    ├── NotFound                          404 invalid_request_error / not_found
+    │   └── ModelNotFound                 404 ... / model_not_found
+    ├── PayloadTooLarge                   413 invalid_request_error / payload_too_large
+    ├── UnsupportedMediaType              415 invalid_request_error / unsupported_media_type
+    ├── RateLimited                       429 rate_limit_error / rate_limit_exceeded (Retry-After)
+    ├── Overloaded                        503 server_error / overloaded (Retry-After)
+    │   └── NoHealthyBackend              503 ... / no_healthy_backend
+    ├── UpstreamError                     502 server_error / upstream_error
+    └── UpstreamTimeout                   504 server_error / upstream_timeout
+
+Foreign exceptions (pydantic, httpx, JSON) are mapped onto this tree at each service's
+boundary, once (see :func:`install_error_handlers`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+
+class SwitchboardError(Exception):
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.retry_after = retry_after
+        self.headers = dict(headers or {})
+
+    def body(self, request_id: str | None = None) -> dict[str, Any]:
+        err: dict[str, Any] = {
+            "message": self.message,
+            "type": self.type,
+            "param": self.param,
+            "code": self.code,
+        }
+        if request_id:
+            err["request_id"] = request_id
+        return {"error": err}
+
+    def response_headers(self) -> dict[str, str]:
+        headers = dict(self.headers)
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, int(round(self.retry_after))))
+        return headers
+
+
+class InvalidRequest(SwitchboardError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_value"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class UnsupportedParameter(InvalidRequest):
+    code = "unsupported_parameter"
+
+
+class ContentPolicyViolation(InvalidRequest):
+    code = "content_policy_violation"
+
+
+class AuthenticationError(SwitchboardError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class PermissionDenied(SwitchboardError):
+    status = 403
+    type = "permission_error"
+    code = "permission_denied"
+
+
+class NotFound(SwitchboardError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class PayloadTooLarge(SwitchboardError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class UnsupportedMediaType(SwitchboardError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
+class RateLimited(SwitchboardError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+class Overloaded(SwitchboardError):
+    status = 503
+    type = "server_error"
+    code = "overloaded"
+
+
+class NoHealthyBackend(Overloaded):
+    code = "no_healthy_backend"
+
+
+class UpstreamError(SwitchboardError):
+    status = 502
+    type = "server_error"
+    code = "upstream_error"
+
+
+class UpstreamTimeout(SwitchboardError):
+    status = 504
+    type = "server_error"
+    code = "upstream_timeout"
+
+
+_STATUS_TO_ERROR: dict[int, type[SwitchboardError]] = {
+    400: InvalidRequest,
+    401: AuthenticationError,
+    403: PermissionDenied,
+    404: NotFound,
+    405: InvalidRequest,
+    413: PayloadTooLarge,
+    415: UnsupportedMediaType,
+    429: RateLimited,
+    503: Overloaded,
+}
+
+
+def from_openai_body(status: int, body: Any) -> SwitchboardError:
+    """Rebuild an error from an upstream's OpenAI-shaped error body (used by the gateway)."""
+    cls = _STATUS_TO_ERROR.get(status, UpstreamError)
+    message, param, code = f"upstream answered {status}", None, None
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        err = body["error"]
+        message = str(err.get("message") or message)
+        param = err.get("param")
+        code = err.get("code")
+    return cls(message, param=param, code=code)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or None
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return "request body is not valid JSON", None
+    if kind == "extra_forbidden":
+        return f"unrecognized request argument supplied: {param}", param
+    msg = first.get("msg", "invalid value")
+    return (f"{param}: {msg}" if param else msg), param
+
+
+def render(exc: SwitchboardError, request: Request | None = None) -> JSONResponse:
+    request_id = None
+    if request is not None:
+        request_id = getattr(request.state, "request_id", None)
+    headers = exc.response_headers()
+    if request_id:
+        headers.setdefault("X-Request-Id", request_id)
+    return JSONResponse(exc.body(request_id), status_code=exc.status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every exception a service can raise onto the OpenAI error shape, once."""
+
+    @app.exception_handler(SwitchboardError)
+    async def _sb(request: Request, exc: SwitchboardError) -> JSONResponse:
+        return render(exc, request)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        kind = (exc.errors() or [{}])[0].get("type", "")
+        code = "unsupported_parameter" if kind == "extra_forbidden" else "invalid_value"
+        return render(InvalidRequest(message, param=param, code=code), request)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        cls = _STATUS_TO_ERROR.get(exc.status_code, SwitchboardError)
+        err = cls(str(exc.detail), code=None if cls is not SwitchboardError else "http_error")
+        err.status = exc.status_code
+        return render(err, request)
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def _json(request: Request, exc: json.JSONDecodeError) -> JSONResponse:
+        return render(InvalidRequest("request body is not valid JSON", code="invalid_json"), request)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return render(SwitchboardError("internal server error"), request)

@@ -1,0 +1,235 @@
+"""OpenAI chat-completions wire schemas, shared by the shard and the gateway.
+
+    req = ChatCompletionRequest.model_validate(body)   # 400 on unknown / bad fields
+    req.check_supported()                              # 400 naming an unsupported param
+    messages = req.plain_messages()                    # [{"role": ..., "content": str}]
+
+Extension fields the gateway sets on its way to a shard (any OpenAI-compatible server
+ignores what it does not know; ours reads them): ``priority`` (lower runs first),
+``request_id`` and ``deadline`` (unix seconds after which the work is abandoned).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from data_plane.errors import InvalidRequest, UnsupportedParameter
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_LENGTH = 256
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Role
+    content: str | list[TextPart | dict[str, Any]] | None = None
+    name: str | None = Field(default=None, max_length=256)
+    tool_calls: Any = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if isinstance(part, TextPart):
+                parts.append(part.text)
+            else:
+                kind = part.get("type", "unknown") if isinstance(part, dict) else "unknown"
+                raise UnsupportedParameter(
+                    f"content part type {kind!r} is not supported; only 'text' parts are",
+                    param="messages.content",
+                )
+        return "".join(parts)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+# Parameters OpenAI defines that we accept only at their neutral value.
+_NEUTRAL: dict[str, Any] = {
+    "n": (None, 1),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "parallel_tool_calls": (None, False, True),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "reasoning_effort": (None,),
+}
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(default="", max_length=256)
+    messages: list[ChatMessage] = Field(min_length=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0, le=100_000)
+    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(default=None, max_length=256)
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # Accepted only at neutral values (see check_supported).
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    # Switchboard extensions (set by the gateway; harmless for other servers).
+    priority: int | None = Field(default=None, ge=-1_000_000, le=1_000_000)
+    request_id: str | None = Field(default=None, max_length=128)
+    deadline: float | None = None
+    session_id: str | None = Field(default=None, max_length=128)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else list(v)
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        for s in stops:
+            if not s:
+                raise ValueError("stop sequences must be non-empty")
+            if len(s) > MAX_STOP_LENGTH:
+                raise ValueError(f"stop sequences must be at most {MAX_STOP_LENGTH} characters")
+        return stops
+
+    def check_supported(self) -> None:
+        """Reject OpenAI parameters we do not implement, naming them (400)."""
+        for name, neutral in _NEUTRAL.items():
+            value = getattr(self, name)
+            if value not in neutral:
+                raise UnsupportedParameter(
+                    f"parameter {name!r} is not supported by this server", param=name
+                )
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest(
+                "stream_options is only allowed when stream is true", param="stream_options"
+            )
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            if self.max_tokens != self.max_completion_tokens:
+                raise InvalidRequest(
+                    "max_tokens and max_completion_tokens disagree; set one",
+                    param="max_completion_tokens",
+                )
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def plain_messages(self) -> list[dict[str, str]]:
+        """Messages as role/content strings, ready for a chat template."""
+        out = []
+        for m in self.messages:
+            role = "system" if m.role == "developer" else m.role
+            if role == "tool":
+                raise UnsupportedParameter("tool messages are not supported", param="messages.role")
+            out.append({"role": role, "content": m.text()})
+        return out
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def new_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def completion_body(
+    *,
+    completion_id: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    usage: Usage,
+    created: int | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created or int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": usage.model_dump(),
+    }
+
+
+def chunk_body(
+    *,
+    completion_id: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any] | None = None,
+    finish_reason: str | None = None,
+    usage: Usage | None = None,
+    empty_choices: bool = False,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": []
+        if empty_choices
+        else [{"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish_reason}],
+    }
+    if usage is not None:
+        body["usage"] = usage.model_dump()
+    return body

@@ -1,0 +1,133 @@
+"""Process-level telemetry setup: logging, OpenTelemetry SDK, Prometheus exposition.
+
+Entry points call :func:`configure_process` once; components only use the OpenTelemetry
+API (``trace.get_tracer(__name__)``) and metric objects handed to them.
+
+    configure_process("switchboard-shard")
+    app.add_route("/metrics", metrics_endpoint(registry))
+
+Tracing exports over OTLP/HTTP when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set; otherwise spans
+stay in an in-memory ring (:data:`RECENT_SPANS`) served at ``/debug/spans`` so the control
+plane can assemble recent traces. An exporter that fails is logged, never raised.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from typing import Any, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.requests import Request
+from starlette.responses import Response
+
+ENV_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
+"""Standard OTel variable: when set, spans are exported over OTLP/HTTP to it."""
+ENV_LOG_LEVEL = "SWITCHBOARD_LOG_LEVEL"
+"""Log level for every Switchboard process (default INFO)."""
+RECENT_SPAN_CAPACITY = 4096
+
+log = logging.getLogger(__name__)
+
+
+class SpanRing:
+    """A bounded, thread-safe ring of finished spans as plain dicts."""
+
+    def __init__(self, capacity: int = RECENT_SPAN_CAPACITY) -> None:
+        self._spans: collections.deque[dict[str, Any]] = collections.deque(maxlen=capacity)
+        self._lock = threading.Lock()
+
+    def add(self, span: dict[str, Any]) -> None:
+        with self._lock:
+            self._spans.append(span)
+
+    def snapshot(self, trace_id: str | None = None) -> list[dict[str, Any]]:
+        with self._lock:
+            spans = list(self._spans)
+        if trace_id:
+            spans = [s for s in spans if s["trace_id"] == trace_id]
+        return spans
+
+
+RECENT_SPANS = SpanRing()
+
+
+def _span_to_dict(span: Any, service: str) -> dict[str, Any]:
+    ctx = span.get_span_context()
+    parent = span.parent
+    return {
+        "trace_id": format(ctx.trace_id, "032x"),
+        "span_id": format(ctx.span_id, "016x"),
+        "parent_span_id": format(parent.span_id, "016x") if parent else None,
+        "name": span.name,
+        "service": service,
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "status": span.status.status_code.name,
+        "attributes": {k: v for k, v in (span.attributes or {}).items()},
+        "events": [
+            {"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})}
+            for e in span.events
+        ],
+    }
+
+
+_configured = False
+
+
+def configure_logging() -> None:
+    level = os.environ.get(ENV_LOG_LEVEL, "INFO").upper()
+    logging.basicConfig(
+        level=getattr(logging, level, logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def configure_process(service_name: str) -> None:
+    """Configure logging and the OpenTelemetry SDK for this process (idempotent)."""
+    global _configured
+    configure_logging()
+    if _configured:
+        return
+    _configured = True
+    try:
+        from opentelemetry import trace
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        class RingExporter(SpanExporter):
+            def export(self, spans):  # type: ignore[no-untyped-def]
+                for s in spans:
+                    RECENT_SPANS.add(_span_to_dict(s, service_name))
+                return SpanExportResult.SUCCESS
+
+        provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        provider.add_span_processor(SimpleSpanProcessor(RingExporter()))
+        if os.environ.get(ENV_OTLP_ENDPOINT):
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+            log.info("exporting spans over OTLP to %s", os.environ[ENV_OTLP_ENDPOINT])
+        trace.set_tracer_provider(provider)
+    except Exception:  # telemetry must never stop a process from serving
+        log.exception("OpenTelemetry setup failed; continuing without tracing")
+
+
+def metrics_endpoint(registry: CollectorRegistry) -> Callable[[Request], Response]:
+    """A Starlette endpoint serving `registry` in the Prometheus text format."""
+
+    async def _metrics(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return _metrics
+
+
+async def recent_spans_endpoint(request: Request) -> Response:
+    import json
+
+    trace_id = request.query_params.get("trace_id")
+    return Response(json.dumps(RECENT_SPANS.snapshot(trace_id)), media_type="application/json")
