@@ -233,3 +233,42 @@ def chunk_body(
     if usage is not None:
         body["usage"] = usage.model_dump()
     return body
+
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+def parse_chat_request(raw: bytes, content_type: str | None) -> ChatCompletionRequest:
+    """Decode and validate a chat-completions body; every failure is a 4xx SwitchboardError."""
+    import json
+
+    from pydantic import ValidationError
+
+    from data_plane.errors import UnsupportedMediaType
+
+    ctype = (content_type or "").split(";")[0].strip().lower()
+    if ctype and ctype != "application/json" and not ctype.endswith("+json"):
+        raise UnsupportedMediaType(f"Content-Type must be application/json, not {ctype!r}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequest("request body is not valid UTF-8", code="invalid_json") from None
+    try:
+        body = json.loads(text)
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply", code="invalid_json") from None
+    except ValueError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    try:
+        req = ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = [str(p) for p in first.get("loc", ())]
+        param = ".".join(loc) or None
+        if first.get("type") == "extra_forbidden":
+            raise UnsupportedParameter(f"unrecognized request argument supplied: {param}", param=param) from None
+        raise InvalidRequest(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param) from None
+    req.check_supported()
+    return req

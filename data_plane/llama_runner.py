@@ -1,0 +1,233 @@
+"""A slot-based forward pass for Llama-family models over a fixed KV cache.
+
+    runner = LlamaRunner.from_pretrained(path, dtype=torch.bfloat16, max_num_seqs=16, max_len=2048)
+    logits = runner.prefill(slot=0, token_ids=[...], start=0)        # [vocab] for the last token
+    logits = runner.decode(tokens=[t0, t1], positions=[p0, p1])      # rows = slots 0..n-1
+
+The KV cache is one tensor per layer, ``[slots, kv_heads, max_len, head_dim]``. Decoding
+sequences always occupy slots ``0..n-1`` so each decode step attends over a *view* of the
+cache (no gather); the scheduler keeps them compact with :meth:`move_slot`.
+
+Why hand-written rather than `model.generate` or transformers' continuous batching: one
+decode pass over all running sequences with no per-step Python bookkeeping from the
+library was measured at 152 fp32 / 248 bf16 tok/s at 16 streams here, against 85 / 141
+for transformers' own continuous batching (../shared/FACTS.md). The weights, rotary
+tables and tokenizer all come from transformers, so numerics follow the reference model;
+`tests/data_plane/test_llama_runner.py` checks logits against it.
+
+Supported: `LlamaForCausalLM` and architectures with the same block (Mistral, Qwen2 with
+q/k/v bias). Others raise `UnsupportedModel` naming the architecture.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+class UnsupportedModel(RuntimeError):
+    pass
+
+
+@dataclass
+class _Layer:
+    ln_in: torch.Tensor
+    w_qkv: torch.Tensor
+    b_qkv: torch.Tensor | None
+    w_o: torch.Tensor
+    ln_post: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+class LlamaRunner:
+    def __init__(self, model: torch.nn.Module, *, dtype: torch.dtype, max_num_seqs: int, max_len: int) -> None:
+        cfg = model.config
+        arch = (getattr(cfg, "architectures", None) or [type(model).__name__])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModel(
+                f"the torch engine supports {', '.join(SUPPORTED_ARCHITECTURES)}; this model is {arch}"
+            )
+        self.dtype = dtype
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.group = self.num_heads // self.num_kv_heads
+        self.eps = cfg.rms_norm_eps
+        self.vocab_size = cfg.vocab_size
+        self.max_num_seqs = max_num_seqs
+        self.max_len = max_len
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+
+        inner = model.model
+        self.embed = inner.embed_tokens.weight.detach().to(dtype).contiguous()
+        lm_head = model.lm_head.weight.detach().to(dtype)
+        self.lm_head = self.embed if lm_head.data_ptr() == inner.embed_tokens.weight.data_ptr() else lm_head.contiguous()
+        self.norm = inner.norm.weight.detach().to(dtype)
+        self.layers: list[_Layer] = []
+        for layer in inner.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            w_qkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).detach()
+            b_qkv = None
+            if att.q_proj.bias is not None:
+                b_qkv = torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]).detach().to(dtype)
+            self.layers.append(
+                _Layer(
+                    ln_in=layer.input_layernorm.weight.detach().to(dtype),
+                    w_qkv=w_qkv.to(dtype).contiguous(),
+                    b_qkv=b_qkv,
+                    w_o=att.o_proj.weight.detach().to(dtype).contiguous(),
+                    ln_post=layer.post_attention_layernorm.weight.detach().to(dtype),
+                    w_gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().to(dtype).contiguous(),
+                    w_down=mlp.down_proj.weight.detach().to(dtype).contiguous(),
+                )
+            )
+        self.intermediate = self.layers[0].w_down.shape[1]
+        # Rotary tables from the model's own rotary module: every rope variant it knows works.
+        with torch.inference_mode():
+            pos = torch.arange(max_len).unsqueeze(0)
+            probe = torch.zeros(1, max_len, self.head_dim, dtype=torch.float32)
+            cos, sin = inner.rotary_emb(probe, pos)
+        self.cos = cos[0].to(dtype).contiguous()  # [max_len, head_dim]
+        self.sin = sin[0].to(dtype).contiguous()
+        shape = (max_num_seqs, self.num_kv_heads, max_len, self.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=dtype) for _ in range(self.num_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=dtype) for _ in range(self.num_layers)]
+
+    @classmethod
+    def from_pretrained(cls, path: Path, *, dtype: torch.dtype, max_num_seqs: int, max_len: int) -> "LlamaRunner":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        model.eval()
+        return cls(model, dtype=dtype, max_num_seqs=max_num_seqs, max_len=max_len)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        per = self.k_cache[0].numel() * self.k_cache[0].element_size()
+        return 2 * per * self.num_layers
+
+    @property
+    def weight_bytes(self) -> int:
+        n = self.embed.numel() + self.norm.numel()
+        if self.lm_head is not self.embed:
+            n += self.lm_head.numel()
+        for l in self.layers:
+            n += l.w_qkv.numel() + l.w_o.numel() + l.w_gate_up.numel() + l.w_down.numel() + 2 * l.ln_in.numel()
+        return n * self.embed.element_size()
+
+    # -- building blocks -------------------------------------------------------------
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return w * xf.to(self.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rot * sin
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        h = self._rms(x, layer.ln_post)
+        gu = h @ layer.w_gate_up.T
+        g, u = gu.split(self.intermediate, dim=-1)
+        return x + (F.silu(g) * u) @ layer.w_down.T
+
+    def _qkv(self, layer: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self._rms(x, layer.ln_in)
+        qkv = h @ layer.w_qkv.T
+        if layer.b_qkv is not None:
+            qkv = qkv + layer.b_qkv
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        return q, k, v
+
+    # -- passes ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, token_ids: list[int], start: int) -> torch.Tensor:
+        """Run `token_ids` at positions start.. for one slot; return last-token logits [vocab]."""
+        t = len(token_ids)
+        end = start + t
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        x = self.embed[ids]  # [T, H]
+        cos = self.cos[start:end].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[start:end].unsqueeze(1)
+        qpos = torch.arange(start, end).unsqueeze(1)
+        mask = torch.arange(end).unsqueeze(0) <= qpos  # [T, end]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x)
+            q = self._rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+            k = self._rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            kc, vc = self.k_cache[i], self.v_cache[i]
+            kc[slot, :, start:end] = k.transpose(0, 1)
+            vc[slot, :, start:end] = v.transpose(0, 1)
+            keys = kc[slot, :, :end]  # [KVH, end, D]
+            vals = vc[slot, :, :end]
+            # Query heads grouped per shared KV head: [KVH, G*T, D] against [KVH, end, D].
+            qg = q.view(t, self.num_kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)
+            qg = qg.reshape(self.num_kv_heads, self.group * t, self.head_dim)
+            scores = (qg @ keys.transpose(1, 2)) * self.scale  # [KVH, G*T, end]
+            scores = scores.view(self.num_kv_heads, self.group, t, end)
+            scores = scores.masked_fill(~mask, float("-inf"))
+            probs = torch.softmax(scores.float(), dim=-1).to(self.dtype)
+            out = probs.view(self.num_kv_heads, self.group * t, end) @ vals  # [KVH, G*T, D]
+            out = out.view(self.num_kv_heads, self.group, t, self.head_dim).permute(2, 0, 1, 3)
+            x = x + out.reshape(t, self.q_size) @ layer.w_o.T
+            x = self._mlp(layer, x)
+        last = self._rms(x[-1:], self.norm)
+        return (last @ self.lm_head.T)[0].float()
+
+    @torch.inference_mode()
+    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode step for slots 0..n-1 (token i at positions[i]); return logits [n, vocab]."""
+        n = len(tokens)
+        ids = torch.tensor(tokens, dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        span = int(max(positions)) + 1
+        rows = torch.arange(n)
+        x = self.embed[ids]  # [n, H]
+        cos = self.cos[pos].unsqueeze(1)  # [n, 1, D]
+        sin = self.sin[pos].unsqueeze(1)
+        mask = torch.arange(span).unsqueeze(0) <= pos.unsqueeze(1)  # [n, span]
+        mask = mask.view(n, 1, 1, span)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x)
+            q = self._rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
+            k = self._rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+            kc, vc = self.k_cache[i], self.v_cache[i]
+            kc[rows, :, pos] = k
+            vc[rows, :, pos] = v.view(n, self.num_kv_heads, self.head_dim)
+            keys = kc[:n, :, :span]  # a view: decoding slots are 0..n-1
+            vals = vc[:n, :, :span]
+            qg = q.view(n, self.num_kv_heads, self.group, self.head_dim)
+            scores = (qg @ keys.transpose(2, 3)) * self.scale  # [n, KVH, G, span]
+            scores = scores.masked_fill(~mask, float("-inf"))
+            probs = torch.softmax(scores.float(), dim=-1).to(self.dtype)
+            out = probs @ vals  # [n, KVH, G, D]
+            x = x + out.reshape(n, self.q_size) @ layer.w_o.T
+            x = self._mlp(layer, x)
+        x = self._rms(x, self.norm)
+        return (x @ self.lm_head.T).float()
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` cached positions of slot src into slot dst."""
+        if src == dst or length <= 0:
+            return
+        for kc, vc in zip(self.k_cache, self.v_cache):
+            kc[dst, :, :length] = kc[src, :, :length]
+            vc[dst, :, :length] = vc[src, :, :length]

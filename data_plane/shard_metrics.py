@@ -1,0 +1,85 @@
+"""Shard metrics: vLLM's names (so vLLM dashboards work), `switchboard_shard_*` for the rest.
+
+    metrics = ShardMetrics(CollectorRegistry(), model_name="SmolLM2-135M-Instruct")
+    metrics.request_success.labels(model_name=m, finished_reason="stop").inc()
+
+Every metric carries `model_name` (vLLM's label); no label ever holds a request or user id.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from data_plane.engine import EngineStats
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+
+
+class ShardMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        m = ["model_name"]
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch (incl. prefill).", m,
+                             registry=registry)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for a slot.", m, registry=registry)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0..1 (tokens held / capacity).", m,
+                              registry=registry)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival at the engine to first token.", m,
+                              buckets=LATENCY_BUCKETS, registry=registry)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", m,
+                             buckets=ITL_BUCKETS, registry=registry)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish, per request.", m,
+                             buckets=E2E_BUCKETS, registry=registry)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time waiting for a slot.", m,
+                                    buckets=LATENCY_BUCKETS, registry=registry)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "Time in prefill, per request.", m,
+                                      buckets=LATENCY_BUCKETS, registry=registry)
+        self.decode_time = Histogram("vllm:request_decode_time_seconds", "Time in decode, per request.", m,
+                                     buckets=E2E_BUCKETS, registry=registry)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", m, registry=registry)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Output tokens generated.", m,
+                                         registry=registry)
+        self.request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                                       m + ["finished_reason"], registry=registry)
+        self.batch_size = Histogram("switchboard_shard_batch_size", "Sequences per engine step.",
+                                    m + ["kind"], buckets=BATCH_BUCKETS, registry=registry)
+        self.step_seconds = Histogram("switchboard_shard_step_seconds", "Engine step duration.", m + ["kind"],
+                                      buckets=LATENCY_BUCKETS, registry=registry)
+        self.rejected = Counter("switchboard_shard_requests_rejected", "Requests refused before compute.",
+                                m + ["code"], registry=registry)
+        self.ready = Gauge("switchboard_shard_ready", "1 once the model is loaded and serving.", m,
+                           registry=registry)
+        self.max_num_seqs = Gauge("switchboard_shard_max_num_seqs", "Configured batch capacity (slots).", m,
+                                  registry=registry)
+
+    def observe_stats(self, stats: EngineStats) -> None:
+        m = self.model_name
+        self.running.labels(m).set(stats.running)
+        self.waiting.labels(m).set(stats.waiting)
+        self.kv_usage.labels(m).set(stats.kv_usage)
+        self.max_num_seqs.labels(m).set(stats.max_num_seqs)
+
+
+class MetricsListener:
+    """Feeds engine-thread events into ShardMetrics (prometheus_client is thread-safe)."""
+
+    def __init__(self, metrics: ShardMetrics) -> None:
+        self.metrics = metrics
+
+    def on_step(self, batch_size: int, step_s: float, kind: str) -> None:
+        m = self.metrics
+        m.batch_size.labels(m.model_name, kind).observe(batch_size)
+        m.step_seconds.labels(m.model_name, kind).observe(step_s)
+
+    def on_first_token(self, seq_ttft_s: float) -> None:
+        self.metrics.ttft.labels(self.metrics.model_name).observe(seq_ttft_s)
+
+    def on_token(self, itl_s: float) -> None:
+        self.metrics.itl.labels(self.metrics.model_name).observe(itl_s)
+
+    def on_admit(self, queue_s: float) -> None:
+        self.metrics.queue_time.labels(self.metrics.model_name).observe(queue_s)

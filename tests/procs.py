@@ -1,0 +1,90 @@
+"""Real processes on loopback for tests: start, wait for /health, stop.
+
+    with Service(["shard", "--engine", "synthetic"]) as shard:
+        httpx.get(shard.url + "/health")
+
+Each service runs `python -m control_plane.cli ARGS --port P` on a free loopback port;
+its output goes to a log file whose tail is shown if it fails to come up.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    def __init__(self, args: list[str], *, port: int | None = None, ready_timeout: float = 90.0,
+                 env: dict[str, str] | None = None, health: str = "/health") -> None:
+        self.port = port or free_port()
+        self.args = [sys.executable, "-m", "control_plane.cli", *args, "--port", str(self.port)]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ready_timeout = ready_timeout
+        self.env = {**os.environ, **(env or {})}
+        self.health = health
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = Path(tempfile.mkstemp(prefix="sb-test-", suffix=".log")[1])
+
+    def start(self, wait: bool = True) -> "Service":
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env)
+        if wait:
+            self.wait_healthy()
+        return self
+
+    def wait_healthy(self, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout or self.ready_timeout)
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.args} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + self.health, timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.args} not healthy after {timeout or self.ready_timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """kill -9: no clean shutdown, no deregistration."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def __enter__(self) -> "Service":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
