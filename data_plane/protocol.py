@@ -272,3 +272,19 @@ def parse_chat_request(raw: bytes, content_type: str | None) -> ChatCompletionRe
         raise InvalidRequest(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param) from None
     req.check_supported()
     return req
+
+
+async def read_body(request: Any, limit: int) -> bytes:
+    """Read a Starlette request body, refusing (413) past `limit` bytes without buffering more."""
+    from data_plane.errors import PayloadTooLarge
+
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -35,7 +35,6 @@ from data_plane.engine import Engine, GenerationOutput, GenerationRequest, Sampl
 from data_plane.errors import (
     ModelNotFound,
     Overloaded,
-    PayloadTooLarge,
     SwitchboardError,
     install_error_handlers,
 )
@@ -46,6 +45,7 @@ from data_plane.protocol import (
     completion_body,
     new_completion_id,
     parse_chat_request,
+    read_body,
 )
 from data_plane.shard_metrics import MetricsListener, ShardMetrics
 from data_plane.telemetry import configure_process, metrics_endpoint, recent_spans_endpoint
@@ -147,7 +147,8 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
                     service="shard",
                     url=url,
                     meta={"model": engine.model_name, "engine": settings.engine,
-                          "max_num_seqs": str(settings.max_num_seqs)},
+                          "max_num_seqs": str(settings.max_num_seqs),
+                          "max_model_len": str(engine.max_model_len)},
                 )
                 agent = RegistrationAgent(settings.registry_url, member, http)
                 await agent.start()
@@ -199,7 +200,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        raw = await _read_body(request, settings.max_body_bytes)
+        raw = await read_body(request, settings.max_body_bytes)
         req = parse_chat_request(raw, request.headers.get("content-type"))
         if state.load_error:
             raise Overloaded(f"this shard has no model: {state.load_error}", retry_after=30, code="model_unavailable")
@@ -246,19 +247,6 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
 def _model_card(engine: Engine, state: ShardState) -> dict[str, Any]:
     return {"id": engine.model_name, "object": "model", "created": state.started, "owned_by": "switchboard",
             "max_model_len": engine.max_model_len}
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _generation_request(req: ChatCompletionRequest, engine: Engine, request_id: str) -> GenerationRequest:

@@ -1,0 +1,290 @@
+"""`switchboard up`: the whole platform on one machine, on embedded defaults.
+
+    switchboard up                                  # control plane, 2 shards, 2 cache nodes, gateway
+    switchboard up --shards 1 --dtype float32 --gateway-port 9000
+    switchboard up --engine synthetic               # no model: stack testing only
+
+Starts every process as a child on loopback, waits for each to be healthy, prints the URLs,
+one dev API key per tier and the admin token, and writes them to
+`.switchboard/credentials.json` (mode 600) in the working directory. A child that dies is
+reported and restarted (with backoff); Ctrl-C or SIGTERM stops everything cleanly.
+Logs go to `.switchboard/logs/<process>.log`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import httpx
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from data_plane.settings_cli import parse_settings
+
+RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class UpSettings(BaseSettings):
+    """Start the whole Switchboard platform on this machine."""
+
+    model_config = SettingsConfigDict(env_prefix="SWITCHBOARD_UP_")
+
+    host: str = Field("127.0.0.1", description="Address every process binds.")
+    gateway_port: int = Field(8000, ge=1, le=65535, description="Chat API port.")
+    control_plane_port: int = Field(8300, ge=1, le=65535, description="Control plane / registry port.")
+    console_port: int = Field(8501, ge=1, le=65535, description="Admin console port (when the console exists).")
+    shards: int = Field(2, ge=0, le=64, description="Inference shards to start.")
+    cache_nodes: int = Field(2, ge=1, le=64, description="Cache nodes to start.")
+    shard_base_port: int = Field(0, ge=0, le=65535, description="First shard port (0 = free ports).")
+    cache_base_port: int = Field(0, ge=0, le=65535, description="First cache-node port (0 = free ports).")
+    engine: Literal["torch", "synthetic", "vllm"] = Field("torch", description="Shard engine.")
+    model: str | None = Field(None, description="Local HF folder or GGUF (default SmolLM2-135M-Instruct).")
+    dtype: Literal["bfloat16", "float32", "float16"] = Field("bfloat16", description="Shard dtype.")
+    max_num_seqs: int = Field(16, ge=1, le=256, description="Batch slots per shard.")
+    max_model_len: int = Field(2048, ge=16, description="Context window per shard.")
+    state_dir: str = Field(".switchboard", description="Where credentials and logs go.")
+    redis: str | None = Field(None, description="Redis URL for cache nodes (default: in memory).")
+
+
+@dataclass
+class Child:
+    name: str
+    args: list[str]
+    url: str
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    next_restart: float = 0.0
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "control_plane.cli", *self.args],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+            start_new_session=True,  # we deliver signals ourselves, in order
+        )
+        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(sig)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(children: list[Child], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(children)
+    while pending and time.monotonic() < deadline:
+        for child in list(pending):
+            if not child.alive():
+                raise SystemExit(f"switchboard up: {child.name} exited during start-up; see {child.log_path}:\n"
+                                 + _tail(child.log_path))
+            try:
+                if httpx.get(child.url + "/health", timeout=1.0).status_code == 200:
+                    pending.remove(child)
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.2)
+    if pending:
+        raise SystemExit(f"switchboard up: {', '.join(c.name for c in pending)} not healthy after {timeout:.0f} s "
+                         f"({what}); see {pending[0].log_path}:\n" + _tail(pending[0].log_path))
+
+
+def _tail(path: Path, n: int = 1500) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def _credentials(state: Path) -> dict[str, object]:
+    from data_plane.auth import write_dev_keys
+
+    keys = write_dev_keys(state / "keys.yaml")
+    token_path = state / "admin_token"
+    if not token_path.exists():
+        fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("sb-admin-" + secrets.token_urlsafe(32))
+    creds = {"keys": keys, "admin_token": token_path.read_text().strip()}
+    path = state / "credentials.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(creds, f, indent=2)
+    os.chmod(path, 0o600)
+    return creds
+
+
+def plan(s: UpSettings, state: Path, admin_token: str) -> tuple[Child, list[Child], list[Child], Child]:
+    logs = state / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    host = s.host
+    registry = f"http://{host}:{s.control_plane_port}"
+    cp = Child("control-plane", ["control-plane", "--host", host, "--port", str(s.control_plane_port)],
+               registry, logs / "control-plane.log", env={"SWITCHBOARD_ADMIN_TOKEN": admin_token})
+    caches = []
+    for i in range(s.cache_nodes):
+        port = s.cache_base_port + i if s.cache_base_port else _free_port(host)
+        args = ["cache-node", "--host", host, "--port", str(port), "--registry", registry,
+                "--node-id", f"cache-{i}"]
+        if s.redis:
+            args += ["--redis", s.redis]
+        caches.append(Child(f"cache-{i}", args, f"http://{host}:{port}", logs / f"cache-{i}.log"))
+    shards = []
+    threads = max(1, (os.cpu_count() or 2) // max(1, s.shards))
+    for i in range(s.shards):
+        port = s.shard_base_port + i if s.shard_base_port else _free_port(host)
+        args = ["shard", "--host", host, "--port", str(port), "--registry-url", registry, "--node-id", f"shard-{i}",
+                "--engine", s.engine, "--dtype", s.dtype, "--max-num-seqs", str(s.max_num_seqs),
+                "--max-model-len", str(s.max_model_len), "--threads", str(threads)]
+        if s.model:
+            args += ["--model", s.model]
+        shards.append(Child(f"shard-{i}", args, f"http://{host}:{port}", logs / f"shard-{i}.log"))
+    gw_args = ["gateway", "--host", host, "--port", str(s.gateway_port), "--registry-url", registry,
+               "--keys-file", str(state / "keys.yaml"), "--max-model-len", str(s.max_model_len)]
+    if s.engine == "synthetic":
+        gw_args += ["--tokenizer", "whitespace", "--model-name", "synthetic"]
+    elif s.model:
+        gw_args += ["--tokenizer", s.model]
+    gateway = Child("gateway", gw_args, f"http://{host}:{s.gateway_port}", logs / "gateway.log")
+    return cp, caches, shards, gateway
+
+
+class Supervisor:
+    def __init__(self, children: list[Child]) -> None:
+        self.children = children
+        self.stopping = False
+
+    def run(self) -> None:
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        while not self.stopping:
+            now = time.monotonic()
+            for child in self.children:
+                if self.stopping or child.alive():
+                    continue
+                if child.next_restart == 0.0:
+                    code = child.proc.returncode if child.proc else None
+                    delay = RESTART_BACKOFF_S[min(child.restarts, len(RESTART_BACKOFF_S) - 1)]
+                    print(f"[switchboard] {child.name} exited (code {code}); restarting in {delay:.0f} s "
+                          f"(log: {child.log_path})", flush=True)
+                    child.next_restart = now + delay
+                elif now >= child.next_restart:
+                    child.restarts += 1
+                    child.next_restart = 0.0
+                    child.start()
+                    print(f"[switchboard] {child.name} restarted (restart #{child.restarts})", flush=True)
+            time.sleep(0.5)
+        self.shutdown()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.stopping = True
+
+    def shutdown(self) -> None:
+        print("\n[switchboard] stopping...", flush=True)
+        # Front door first, so no new work arrives; registry last, so members can deregister.
+        for child in reversed(self.children):
+            child.stop()
+            if child.proc is not None:
+                try:
+                    child.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    child.stop(signal.SIGKILL)
+        print("[switchboard] stopped.", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    s = parse_settings(UpSettings, argv, prog="switchboard up")
+    state = Path(s.state_dir).resolve()
+    state.mkdir(parents=True, exist_ok=True)
+    os.chmod(state, 0o700)
+    if s.engine == "torch":
+        from data_plane.model_store import ModelNotAvailable, resolve_model
+
+        try:
+            resolve_model(s.model)  # converts the GGUF once, before shards race to do it
+        except ModelNotAvailable as exc:
+            raise SystemExit(f"switchboard up: {exc}") from None
+    creds = _credentials(state)
+    cp, caches, shards, gateway = plan(s, state, str(creds["admin_token"]))
+    order = [cp, *caches, *shards, gateway]
+    supervisor = Supervisor(order)
+    try:
+        print(f"[switchboard] starting control plane, {len(caches)} cache nodes, {len(shards)} shards, gateway...",
+              flush=True)
+        cp.start()
+        _wait_healthy([cp], 30, "control plane")
+        for c in caches + shards:
+            c.start()
+        _wait_healthy(caches, 30, "cache nodes")
+        _wait_healthy(shards, 300, "loading the model")
+        gateway.start()
+        _wait_healthy([gateway], 120, "gateway")
+        _wait_routable(gateway.url, len(shards), 15)
+    except BaseException:
+        supervisor.shutdown()
+        raise
+    _banner(s, creds, cp, caches, shards, gateway, state)
+    supervisor.run()
+
+
+def _wait_routable(url: str, shards: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).json().get("shards", 0) >= min(shards, 1):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+
+
+def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: list[Child], gateway: Child,
+            state: Path) -> None:
+    keys = creds["keys"]
+    model = "synthetic" if s.engine == "synthetic" else None
+    lines = [
+        "",
+        "Switchboard is up.",
+        "",
+        f"  chat API (OpenAI-compatible)  {gateway.url}/v1",
+        f"  control plane / admin API     {cp.url}   (admin token below)",
+        *[f"  {c.name:<28}  {c.url}" for c in shards + caches],
+        "",
+        "  API keys (dev, one per tier):",
+        *[f"    {tier:<11} {key}" for tier, key in keys.items()],
+        f"  admin token: {creds['admin_token']}",
+        f"  saved to {state / 'credentials.json'} (mode 600); logs in {state / 'logs'}",
+        "",
+        "Try it:",
+        f"  curl -s {gateway.url}/v1/chat/completions \\",
+        f"    -H 'Authorization: Bearer {keys.get('plus') or next(iter(keys.values()))}' \\",
+        "    -H 'Content-Type: application/json' \\",
+        "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], "
+        "\"max_tokens\": 64}'" if not model else
+        "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"hello\"}]}'",
+        "",
+        "Ctrl-C stops everything.",
+        "",
+    ]
+    print("\n".join(lines), flush=True)

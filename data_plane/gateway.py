@@ -1,0 +1,568 @@
+"""The gateway: the OpenAI-compatible chat API end users call.
+
+    switchboard gateway --port 8000 --registry-url http://127.0.0.1:8300 --keys-file keys.yaml
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="sk-sb-...")
+    client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[...],
+                                   extra_headers={"X-Session-Id": "new"})
+
+Per request, in order (each a span under `gateway.request`): authenticate the key -> tier;
+read and validate the body (413/415/400); enforce the tier's output cap and message count;
+`safety.input`; with a session, `cache.get_context` and the sliding window (the model's
+tokenizer counts); `router.route` opens a supervised stream on a shard (retrying once
+elsewhere before the first token); `safety.output` over the stream with a hold-back window;
+`cache.append` saves the turn before the reply completes. Every error is decided before the
+first byte when it can be; after that, the stream ends with an error event and `[DONE]`.
+
+Sessions: `X-Session-Id: <id>` (or body `session_id`) continues a conversation kept on the
+cache nodes; `X-Session-Id: new` starts one with an unguessable id, returned in the
+`X-Session-Id` response header. A session belongs to the key that created it; other keys
+get 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.propagate import extract
+from prometheus_client import CollectorRegistry
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from data_plane.auth import KeyStore, Principal, key_digest
+from data_plane.cache_client import SessionStore, validate_session_id
+from data_plane.context import TokenCounter, fit_window
+from data_plane.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    SwitchboardError,
+    install_error_handlers,
+    render,
+)
+from data_plane.gateway_metrics import GatewayMetrics
+from data_plane.membership import HttpMembership, Member, MembershipView, StaticMembership
+from data_plane.protocol import (
+    ChatCompletionRequest,
+    Usage,
+    chunk_body,
+    completion_body,
+    new_completion_id,
+    parse_chat_request,
+    read_body,
+)
+from data_plane.router import Router, RouterMetrics
+from data_plane.safety import ALLOW, OutputStreamFilter, SafetyMetrics, SafetyPolicies, raise_if_blocked
+from data_plane.telemetry import configure_process, metrics_endpoint, recent_spans_endpoint
+from data_plane.tiers import Tier, TierPolicy
+from data_plane.upstream import Delta, Finish, ShardStream, Upstream, UpstreamConfig, UsageEvent
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
+
+NEW_SESSION = "new"
+FINISH_CONTENT_FILTER = "content_filter"
+
+
+class GatewaySettings(BaseSettings):
+    """The chat gateway."""
+
+    model_config = SettingsConfigDict(env_prefix="SWITCHBOARD_GATEWAY_")
+
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on.")
+    registry_url: str | None = Field(None, description="Embedded registry URL (membership of shards/caches).")
+    shard_urls: str | None = Field(None, description="Comma-separated shard URLs (static, instead of a registry).")
+    cache_urls: str | None = Field(None, description="Comma-separated cache-node URLs (static).")
+    keys_file: str | None = Field(None, description="YAML file of API keys -> tenant, tier.")
+    api_keys: str | None = Field(None, description="Extra keys, 'key:tenant:tier,...' (env SWITCHBOARD_GATEWAY_API_KEYS).")
+    tiers_file: str | None = Field(None, description="YAML tier policy (default: built-in free/plus/enterprise).")
+    safety_file: str | None = Field(None, description="YAML safety policies (default: built-in).")
+    tokenizer: str | None = Field(None, description="Model folder/GGUF whose tokenizer counts tokens; 'whitespace' for synthetic shards.")
+    model_name: str = Field("SmolLM2-135M-Instruct", description="Model id served when shards do not say.")
+    max_model_len: int = Field(2048, ge=16, description="Context window when shards do not say.")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body (413 beyond).")
+    max_messages: int = Field(256, ge=1, description="Most messages one request may carry.")
+    session_ttl_s: float = Field(86400.0, gt=0, description="Session transcript lifetime since last use.")
+    connect_timeout_s: float = Field(2.0, gt=0, description="Connect timeout to a shard.")
+    first_token_timeout_s: float = Field(60.0, gt=0, description="Send-to-first-token timeout per attempt.")
+    idle_timeout_s: float = Field(30.0, gt=0, description="Longest pause between streamed tokens.")
+    retries: int = Field(1, ge=0, le=3, description="Retries on another shard before the first token.")
+    eject_after: int = Field(3, ge=1, description="Consecutive failures that eject a shard.")
+    eject_s: float = Field(5.0, gt=0, description="First ejection's duration (doubles on repeat).")
+    routing_policy: str = Field("affinity", description="affinity | least_loaded.")
+    bounded_load_epsilon: float = Field(0.25, ge=0, description="Affinity: no shard above (1+eps) x mean load.")
+    log_prompts: bool = Field(False, description="Log prompt and completion text (off by default).")
+    node_id: str | None = Field(None, description="Member id when registering (default gateway-HOST-PORT).")
+
+
+def _static_members(urls: str | None, service: str) -> list[Member]:
+    out = []
+    for i, url in enumerate(u.strip() for u in (urls or "").split(",") if u.strip()):
+        out.append(Member(id=f"{service}-{i}", service=service, url=url.rstrip("/")))
+    return out
+
+
+@dataclass
+class Gateway:
+    """Everything one gateway process holds; built in `create_app`, owned by the lifespan."""
+
+    settings: GatewaySettings
+    keys: KeyStore
+    tiers: TierPolicy
+    safety: SafetyPolicies
+    counter: TokenCounter
+    registry: CollectorRegistry
+    metrics: GatewayMetrics = field(init=False)
+    safety_metrics: SafetyMetrics = field(init=False)
+    router_metrics: RouterMetrics = field(init=False)
+    membership: MembershipView | None = None
+    router: Router | None = None
+    upstream: Upstream | None = None
+    sessions: SessionStore | None = None
+    http: httpx.AsyncClient | None = None
+
+    def __post_init__(self) -> None:
+        self.metrics = GatewayMetrics(self.registry)
+        self.safety_metrics = SafetyMetrics(self.registry)
+        self.router_metrics = RouterMetrics(self.registry)
+
+    def models(self) -> dict[str, int]:
+        """Model id -> context window, from the shards' registration metadata."""
+        assert self.router is not None
+        found: dict[str, int] = {}
+        for m in self.router.shards():
+            name = m.meta.get("model") or self.settings.model_name
+            ctx = int(m.meta.get("max_model_len") or self.settings.max_model_len)
+            found[name] = min(found.get(name, ctx), ctx)
+        return found or {self.settings.model_name: self.settings.max_model_len}
+
+
+def _load_keys(settings: GatewaySettings) -> KeyStore:
+    stores = []
+    if settings.keys_file:
+        stores.append(KeyStore.from_yaml(settings.keys_file))
+    if settings.api_keys:
+        stores.append(KeyStore.from_env(settings.api_keys))
+    if not stores:
+        raise SystemExit("switchboard gateway: no API keys configured; pass --keys-file or "
+                         "SWITCHBOARD_GATEWAY_API_KEYS='key:tenant:tier' (`switchboard up` makes dev keys)")
+    return KeyStore.merged(*stores)
+
+
+def build_gateway(settings: GatewaySettings, registry: CollectorRegistry | None = None) -> Gateway:
+    tiers = TierPolicy.from_yaml(settings.tiers_file) if settings.tiers_file else TierPolicy.default()
+    safety = SafetyPolicies.from_yaml(settings.safety_file) if settings.safety_file else SafetyPolicies.default()
+    keys = _load_keys(settings)
+    keys.validate_tiers(tiers.names())
+    safety.validate_names(t.safety for t in (tiers.get(n) for n in tiers.names()))
+    counter = TokenCounter.whitespace() if settings.tokenizer == "whitespace" else TokenCounter.for_model(
+        settings.tokenizer)
+    return Gateway(settings, keys, tiers, safety, counter, registry or CollectorRegistry())
+
+
+def create_app(gw: Gateway) -> FastAPI:
+    settings = gw.settings
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
+        gw.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=settings.connect_timeout_s), limits=limits)
+        watcher: HttpMembership | None = None
+        if settings.registry_url:
+            watcher = HttpMembership(settings.registry_url, gw.http, services=("shard", "cache"))
+            await watcher.start()
+            gw.membership = watcher
+        else:
+            gw.membership = StaticMembership(
+                _static_members(settings.shard_urls, "shard") + _static_members(settings.cache_urls, "cache"))
+        gw.router = Router(gw.membership, gw.router_metrics, policy=settings.routing_policy,
+                           epsilon=settings.bounded_load_epsilon, eject_after=settings.eject_after,
+                           eject_s=settings.eject_s)
+        gw.upstream = Upstream(gw.router, gw.http, UpstreamConfig(
+            connect_timeout_s=settings.connect_timeout_s, first_token_timeout_s=settings.first_token_timeout_s,
+            idle_timeout_s=settings.idle_timeout_s, retries=settings.retries))
+        gw.sessions = SessionStore(gw.membership, gw.http, registry=gw.registry)
+        agent = None
+        if settings.registry_url:
+            from data_plane.membership import RegistrationAgent
+
+            agent = RegistrationAgent(settings.registry_url, Member(
+                id=settings.node_id or f"gateway-{settings.host}-{settings.port}", service="gateway",
+                url=f"http://{settings.host}:{settings.port}"), gw.http)
+            await agent.start()
+        try:
+            yield
+        finally:
+            if agent is not None:
+                await agent.aclose()
+            await gw.sessions.aclose()
+            if watcher is not None:
+                await watcher.aclose()
+            await gw.http.aclose()
+
+    app = FastAPI(title="Switchboard gateway", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible chat completions with server-side sessions.")
+    install_error_handlers(app)
+    app.add_route("/debug/spans", recent_spans_endpoint)
+    scrape = metrics_endpoint(gw.registry)
+
+    async def metrics_view(request: Request) -> Response:
+        if isinstance(gw.membership, HttpMembership):
+            gw.metrics.membership_reachable.set(1 if gw.membership.reachable else 0)
+        else:
+            gw.metrics.membership_reachable.set(1)
+        if gw.membership is not None:
+            for service in ("shard", "cache"):
+                gw.metrics.membership_members.labels(service).set(len(gw.membership.members(service)))
+        return await scrape(request)
+
+    app.add_route("/metrics", metrics_view)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        shards = len(gw.router.shards()) if gw.router else 0
+        reachable = gw.membership.reachable if isinstance(gw.membership, HttpMembership) else True
+        return JSONResponse({"status": "ok", "shards": shards, "membership_reachable": reachable})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        gw.keys.authenticate(request.headers.get("authorization"))
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "switchboard", "max_model_len": ctx}
+            for name, ctx in sorted(gw.models().items())]}
+
+    @app.get("/v1/models/{model_id}")
+    async def model(model_id: str, request: Request) -> dict[str, Any]:
+        gw.keys.authenticate(request.headers.get("authorization"))
+        found = gw.models()
+        if model_id not in found:
+            raise ModelNotFound(f"the model {model_id!r} does not exist", param="model")
+        return {"id": model_id, "object": "model", "created": 0, "owned_by": "switchboard",
+                "max_model_len": found[model_id]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await ChatHandler(gw, request).run()
+
+    return app
+
+
+class ChatHandler:
+    """One chat request through the gateway."""
+
+    def __init__(self, gw: Gateway, request: Request) -> None:
+        self.gw = gw
+        self.request = request
+        self.t0 = time.monotonic()
+        self.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request.state.request_id = self.request_id
+        self.tier_name = "unknown"
+        self.tier: Tier | None = None
+        self.principal: Principal | None = None
+        self.session_id: str | None = None
+        self.session_version = 0
+        self.history: list[dict[str, str]] = []
+        self.new_messages: list[dict[str, str]] = []
+        self.span: trace.Span | None = None
+        self.first_token_at: float | None = None
+
+    # -- the request, before any byte goes out ------------------------------------------------
+
+    async def run(self) -> Response:
+        gw = self.gw
+        parent = extract(self.request.headers)
+        span = tracer.start_span("gateway.request", context=parent, attributes={
+            "gen_ai.operation.name": "chat", "switchboard.request_id": self.request_id})
+        self.span = span
+        token = otel_context.attach(trace.set_span_in_context(span))
+        streaming = False
+        try:
+            response = await self._prepare_and_open()
+            streaming = isinstance(response, StreamingResponse)
+            return response
+        except SwitchboardError as exc:
+            self._record(exc.status, exc.code or "error")
+            span.set_attribute("error.type", exc.code or "error")
+            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.code or "error"))
+            exc.headers.setdefault("X-Trace-Id", format(span.get_span_context().trace_id, "032x"))
+            return render(exc, self.request)
+        finally:
+            otel_context.detach(token)
+            if not streaming:
+                span.end()
+
+    def _record(self, status: int, code: str) -> None:
+        self.gw.metrics.requests.labels(self.tier_name, str(status), code).inc()
+
+    async def _prepare_and_open(self) -> Response:
+        gw, settings, span = self.gw, self.gw.settings, self.span
+        assert span is not None
+        principal = gw.keys.authenticate(self.request.headers.get("authorization"))
+        self.principal = principal
+        tier = gw.tiers.get(principal.tier)
+        self.tier, self.tier_name = tier, tier.name
+        span.set_attribute("switchboard.tier", tier.name)
+        raw = await read_body(self.request, settings.max_body_bytes)
+        req = parse_chat_request(raw, self.request.headers.get("content-type"))
+        models = gw.models()
+        model = req.model or next(iter(models))
+        if model not in models:
+            raise ModelNotFound(f"the model {req.model!r} does not exist", param="model")
+        span.set_attribute("gen_ai.request.model", model)
+        if len(req.messages) > settings.max_messages:
+            raise InvalidRequest(f"at most {settings.max_messages} messages are allowed per request",
+                                 param="messages")
+        max_tokens = req.output_limit or tier.max_output_tokens
+        if max_tokens > tier.max_output_tokens:
+            raise InvalidRequest(f"max_tokens is {max_tokens}, above the {tier.name} tier's cap of "
+                                 f"{tier.max_output_tokens}", param="max_tokens")
+        messages = req.plain_messages()
+        self.new_messages = messages
+        policy = gw.safety.get(tier.safety)
+        with tracer.start_as_current_span("safety.input"):
+            verdict = policy.check_input(m["content"] for m in messages if m["role"] in ("user", "system"))
+            gw.safety_metrics.record("input", verdict)
+            raise_if_blocked(verdict)
+
+        prompt = messages
+        session_header = self.request.headers.get("x-session-id") or req.session_id
+        if session_header:
+            prompt = await self._load_session(session_header, messages, tier)
+        context = min(tier.max_context_tokens, models[model])
+        budget = context - max_tokens
+        if budget <= 0:
+            raise InvalidRequest(f"max_tokens {max_tokens} leaves no room for the prompt in a "
+                                 f"{context}-token context", param="max_tokens", code="context_length_exceeded")
+        window = fit_window(prompt, gw.counter, budget)
+        if window.dropped:
+            gw.metrics.context_dropped.labels(tier.name).inc(window.dropped)
+        span.set_attribute("switchboard.context.dropped_messages", window.dropped)
+        if settings.log_prompts:
+            log.info("request %s prompt=%r", self.request_id, window.messages)
+
+        body: dict[str, Any] = {
+            "messages": window.messages, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, "priority": tier.priority,
+            "request_id": self.request_id, "deadline": time.time() + settings.first_token_timeout_s * 5,
+        }
+        for name in ("temperature", "top_p", "top_k", "stop", "seed"):
+            value = getattr(req, name)
+            if value is not None:
+                body[name] = value
+        if req.model:
+            body["model"] = model
+        gw.metrics.inflight.labels(tier.name).inc()
+        try:
+            with tracer.start_as_current_span("router.route") as route_span:
+                assert gw.upstream is not None
+                stream = await gw.upstream.open(body, self.session_id)
+                route_span.set_attribute("switchboard.shard", stream.member.id)
+                route_span.set_attribute("switchboard.attempts", stream.attempts)
+        except BaseException:
+            gw.metrics.inflight.labels(tier.name).dec()
+            raise
+        self.first_token_at = time.monotonic()
+        gw.metrics.ttft.labels(tier.name).observe(self.first_token_at - self.t0)
+        completion = _Completion(self, model, policy.output_stream())
+        headers = {"X-Request-Id": self.request_id}
+        if self.session_id:
+            headers["X-Session-Id"] = self.session_id
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(completion.sse(stream, include_usage), media_type="text/event-stream",
+                                     headers={**headers, "Cache-Control": "no-cache"})
+        try:
+            body_out = await completion.collect(stream)
+        finally:
+            gw.metrics.inflight.labels(tier.name).dec()
+        return JSONResponse(body_out, headers=headers)
+
+    async def _load_session(self, header: str, messages: list[dict[str, str]], tier: Tier) -> list[dict[str, str]]:
+        gw = self.gw
+        assert self.principal is not None and gw.sessions is not None
+        if header == NEW_SESSION:
+            self.session_id = "sess_" + secrets.token_urlsafe(24)
+        else:
+            self.session_id = validate_session_id(header)
+        self.span.set_attribute("switchboard.session", True)
+        transcript = None
+        if header != NEW_SESSION:
+            transcript = await gw.sessions.load(self.session_id, self.owner, tier.replication)
+        if transcript is None:
+            gw.metrics.sessions.labels(tier.name, "new").inc()
+            return messages
+        gw.metrics.sessions.labels(tier.name, "resumed").inc()
+        self.session_version = transcript.version
+        self.history = [dict(m) for m in transcript.messages]
+        if any(m["role"] == "system" for m in messages):
+            history = [m for m in self.history if m["role"] != "system"]
+        else:
+            history = self.history
+        system = [m for m in messages if m["role"] == "system"]
+        rest = [m for m in messages if m["role"] != "system"]
+        return system + history + rest
+
+    @property
+    def owner(self) -> str:
+        """Sessions are bound to the key itself (its full SHA-256), not just to the tenant."""
+        auth = self.request.headers.get("authorization") or ""
+        return key_digest(auth.partition(" ")[2].strip())
+
+    async def save_turn(self, reply: str) -> None:
+        if not self.session_id or self.tier is None or self.gw.sessions is None:
+            return
+        if any(m["role"] == "system" for m in self.new_messages):
+            base = [m for m in self.history if m["role"] != "system"]
+            system = [m for m in self.new_messages if m["role"] == "system"]
+            rest = [m for m in self.new_messages if m["role"] != "system"]
+            transcript = system + base + rest
+        else:
+            transcript = self.history + self.new_messages
+        transcript = transcript + [{"role": "assistant", "content": reply}]
+        await self.gw.sessions.save(self.session_id, self.owner, transcript, self.session_version + 1,
+                                    self.tier.replication, ttl_s=self.gw.settings.session_ttl_s)
+
+
+class _Completion:
+    """Turns a shard's event stream into the client's response, through the output filter."""
+
+    def __init__(self, handler: ChatHandler, model: str, out_filter: OutputStreamFilter) -> None:
+        self.h = handler
+        self.model = model
+        self.filter = out_filter
+        self.completion_id = new_completion_id()
+        self.created = int(time.time())
+        self.text: list[str] = []
+        self.finish_reason: str | None = None
+        self.usage = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+
+    async def _events(self, stream: ShardStream) -> AsyncIterator[str]:
+        """Safe text deltas; sets finish_reason and usage. Raises SwitchboardError mid-stream."""
+        gw = self.h.gw
+        try:
+            async for event in stream:
+                if isinstance(event, Delta):
+                    safe = self.filter.feed(event.text)
+                    if safe:
+                        self.text.append(safe)
+                        yield safe
+                    if self.filter.verdict is not None:
+                        self.finish_reason = FINISH_CONTENT_FILTER
+                        break
+                elif isinstance(event, Finish):
+                    self.finish_reason = event.reason
+                elif isinstance(event, UsageEvent):
+                    self.usage = Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                                       total_tokens=event.prompt_tokens + event.completion_tokens)
+        finally:
+            await stream.aclose()
+        with tracer.start_as_current_span("safety.output") as span:
+            if self.filter.verdict is None:
+                tail = self.filter.finish()
+                if tail:
+                    self.text.append(tail)
+                    yield tail
+            verdict = self.filter.verdict
+            if verdict is not None:
+                self.finish_reason = FINISH_CONTENT_FILTER
+            gw.safety_metrics.record("output", verdict if verdict is not None else ALLOW)
+            span.set_attribute("switchboard.safety.blocked", verdict is not None)
+
+    async def _finish(self, error: str | None) -> None:
+        h, gw = self.h, self.h.gw
+        tier = h.tier_name
+        span = h.span
+        assert span is not None
+        if error is None:
+            await h.save_turn("".join(self.text))
+        gw.metrics.e2e.labels(tier).observe(time.monotonic() - h.t0)
+        gw.metrics.tokens.labels(tier, "prompt").inc(self.usage.prompt_tokens)
+        gw.metrics.tokens.labels(tier, "completion").inc(self.usage.completion_tokens)
+        span.set_attribute("gen_ai.usage.input_tokens", self.usage.prompt_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", self.usage.completion_tokens)
+        if self.finish_reason:
+            span.set_attribute("gen_ai.response.finish_reasons", [self.finish_reason])
+
+    async def collect(self, stream: ShardStream) -> dict[str, Any]:
+        h = self.h
+        async for _ in self._events(stream):
+            pass
+        await self._finish(None)
+        h._record(200, "ok")
+        return completion_body(completion_id=self.completion_id, model=self.model, text="".join(self.text),
+                               finish_reason=self.finish_reason, usage=self.usage, created=self.created)
+
+    async def sse(self, stream: ShardStream, include_usage: bool) -> AsyncIterator[bytes]:
+        h = self.h
+        span = h.span
+        assert span is not None
+        token = otel_context.attach(trace.set_span_in_context(span))
+        common = {"completion_id": self.completion_id, "model": self.model, "created": self.created}
+        error: str | None = None
+        try:
+            yield _event(chunk_body(**common, delta={"role": "assistant", "content": ""}))
+            async for text in self._events(stream):
+                yield _event(chunk_body(**common, delta={"content": text}))
+            yield _event(chunk_body(**common, delta={}, finish_reason=self.finish_reason or "stop"))
+            await self._finish(None)
+            if include_usage:
+                yield _event(chunk_body(**common, usage=self.usage, empty_choices=True))
+        except SwitchboardError as exc:
+            error = exc.code or "error"
+            log.warning("request %s failed mid-stream: %s", h.request_id, exc.message)
+            yield _event(exc.body(h.request_id))
+        except asyncio.CancelledError:
+            error = "client_disconnected"
+            raise
+        finally:
+            if error is not None:
+                await _quiet(self._finish(error))
+                span.set_attribute("error.type", error)
+                span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+            h._record(200, "ok" if error is None else error)
+            h.gw.metrics.inflight.labels(h.tier_name).dec()
+            otel_context.detach(token)
+            span.end()
+        yield b"data: [DONE]\n\n"
+
+
+async def _quiet(coro: Any) -> None:
+    try:
+        await coro
+    except Exception:  # bookkeeping after a failure must not raise over it
+        log.debug("post-failure bookkeeping failed", exc_info=True)
+
+
+def _event(body: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    from data_plane.settings_cli import parse_settings
+
+    settings = parse_settings(GatewaySettings, argv, prog="switchboard gateway")
+    configure_process("switchboard-gateway")
+    gw = build_gateway(settings)
+    uvicorn.run(create_app(gw), host=settings.host, port=settings.port, log_level="warning",
+                timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

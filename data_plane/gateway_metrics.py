@@ -1,0 +1,36 @@
+"""Gateway metrics: `switchboard_gateway_*`, labelled by tier and outcome (bounded labels only).
+
+    metrics = GatewayMetrics(CollectorRegistry())
+    metrics.requests.labels(tier="free", status="200", code="ok").inc()
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from data_plane.shard_metrics import E2E_BUCKETS, LATENCY_BUCKETS
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter("switchboard_gateway_requests", "Chat requests by tier, HTTP status and code.",
+                                ["tier", "status", "code"], registry=registry)
+        self.ttft = Histogram("switchboard_gateway_ttft_seconds",
+                              "Gateway-observed time to first token (request received to first token).",
+                              ["tier"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.e2e = Histogram("switchboard_gateway_e2e_seconds", "Gateway-observed end-to-end request latency.",
+                             ["tier"], buckets=E2E_BUCKETS, registry=registry)
+        self.inflight = Gauge("switchboard_gateway_inflight_requests", "Chat requests in progress.", ["tier"],
+                              registry=registry)
+        self.tokens = Counter("switchboard_gateway_tokens", "Tokens served by tier and kind (prompt|completion).",
+                              ["tier", "kind"], registry=registry)
+        self.context_dropped = Counter("switchboard_gateway_context_dropped_messages",
+                                       "Older session messages left out to fit the context window.", ["tier"],
+                                       registry=registry)
+        self.sessions = Counter("switchboard_gateway_sessions", "Session requests by result (new|resumed).",
+                                ["tier", "result"], registry=registry)
+        self.membership_reachable = Gauge("switchboard_membership_reachable",
+                                          "1 while the membership registry answers; 0 = routing on last view.",
+                                          registry=registry)
+        self.membership_members = Gauge("switchboard_gateway_members", "Routable members seen by this gateway.",
+                                        ["service"], registry=registry)

@@ -1,0 +1,193 @@
+"""The one tier policy: who is served first, how much, and how safely.
+
+    policy = TierPolicy.default()                    # free / plus / enterprise
+    policy = TierPolicy.from_yaml("tiers.yaml")      # or YAML text; ValueError names the bad field
+    tier = policy.get(principal.tier)                # KeyError naming the known tiers
+    tier.priority, tier.rpm, tier.max_output_tokens  # lower priority is served first
+
+An operator's file has one mapping per tier under ``tiers`` (every field required)::
+
+    tiers:
+      free:       {priority: 2, rpm: 60,   tpm: 20000,  max_context_tokens: 2048,
+                   max_output_tokens: 256,  replication: 1, shed_order: 0, safety: default}
+      enterprise: {priority: 0, rpm: 6000, tpm: 2000000, max_context_tokens: 32768,
+                   max_output_tokens: 2048, replication: 2, shed_order: 2}
+
+``safety`` (optional, default ``"default"``) names a policy in
+:class:`data_plane.safety.SafetyPolicies`. Context limits are further capped by the served
+model's own context window at the gateway. ``to_dict()`` returns the same shape, so
+``TierPolicy.from_dict(policy.to_dict()) == policy``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+TIER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+"""Tier names are short identifiers: they appear as metric labels and in config files."""
+
+
+@dataclass(frozen=True)
+class Tier:
+    name: str
+    priority: int
+    """Admission priority; lower is served first (enterprise 0, plus 1, free 2)."""
+    rpm: int
+    """Requests per minute per API key."""
+    tpm: int
+    """Tokens (prompt + completion) per minute per API key."""
+    max_context_tokens: int
+    """Longest prompt context kept for a request (capped again by the model's context)."""
+    max_output_tokens: int
+    """Upper bound on max_tokens for one completion."""
+    replication: int
+    """How many cache nodes hold each session transcript (1..5)."""
+    shed_order: int
+    """Load shedding order under degradation: the lowest value is shed first."""
+    safety: str = "default"
+    """Name of the safety policy applied to this tier's requests and responses."""
+
+
+class _TierSpec(BaseModel):
+    """Validation for one tier (the dataclass stays a plain internal value)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    priority: int = Field(ge=0, le=1000)
+    rpm: int = Field(gt=0)
+    tpm: int = Field(gt=0)
+    max_context_tokens: int = Field(gt=0)
+    max_output_tokens: int = Field(gt=0)
+    replication: int = Field(ge=1, le=5)
+    shed_order: int = Field(ge=0, le=1000)
+    safety: str = Field(default="default", min_length=1, max_length=64)
+
+
+class _PolicySpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tiers: dict[str, _TierSpec] = Field(min_length=1)
+
+
+_DEFAULT_TIERS = (
+    Tier("free", priority=2, rpm=60, tpm=20_000, max_context_tokens=2048,
+         max_output_tokens=256, replication=1, shed_order=0),
+    Tier("plus", priority=1, rpm=600, tpm=200_000, max_context_tokens=8192,
+         max_output_tokens=1024, replication=2, shed_order=1),
+    Tier("enterprise", priority=0, rpm=6000, tpm=2_000_000, max_context_tokens=32768,
+         max_output_tokens=2048, replication=2, shed_order=2),
+)
+
+
+def _validation_message(exc: ValidationError, loc_prefix: str = "") -> str:
+    # Only loc and msg: pydantic's input_value could be anything an operator typed.
+    parts = []
+    for err in exc.errors():
+        loc = ".".join([loc_prefix] * bool(loc_prefix) + [str(p) for p in err.get("loc", ())])
+        parts.append(f"{loc or 'value'}: {err.get('msg', 'invalid value')}")
+    return "invalid tier policy: " + "; ".join(parts)
+
+
+def _load_yaml(text_or_path: str | Path) -> Any:
+    """A Path, or a str without newlines / ': ' / '{', is a file; any other str is YAML text."""
+    if isinstance(text_or_path, Path):
+        return yaml.safe_load(text_or_path.read_text())
+    text = str(text_or_path)
+    if "\n" in text or ": " in text or text.lstrip().startswith("{"):
+        return yaml.safe_load(text)
+    return yaml.safe_load(Path(text).read_text())
+
+
+class TierPolicy:
+    """An immutable mapping of tier name to :class:`Tier`, in the order it was declared."""
+
+    def __init__(self, tiers: Iterable[Tier]) -> None:
+        by_name: dict[str, Tier] = {}
+        for tier in tiers:
+            if tier.name in by_name:
+                raise ValueError(f"tier {tier.name!r} is defined twice")
+            _check_tier(tier)
+            by_name[tier.name] = tier
+        if not by_name:
+            raise ValueError("a tier policy needs at least one tier")
+        self._tiers = by_name
+
+    @classmethod
+    def default(cls) -> TierPolicy:
+        return cls(_DEFAULT_TIERS)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> TierPolicy:
+        """Build from ``{"tiers": {name: {field: value}}}``; ValueError names the bad field."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"tier policy: expected a mapping with 'tiers', got {type(data).__name__}")
+        try:
+            spec = _PolicySpec.model_validate(data)
+        except ValidationError as exc:
+            raise ValueError(_validation_message(exc)) from None
+        return cls(Tier(name=name, **t.model_dump()) for name, t in spec.tiers.items())
+
+    @classmethod
+    def from_yaml(cls, text_or_path: str | Path) -> TierPolicy:
+        """Read a YAML file (a Path, or a str naming one) or YAML text."""
+        return cls.from_dict(_load_yaml(text_or_path))
+
+    def get(self, name: str) -> Tier:
+        try:
+            return self._tiers[name]
+        except KeyError:
+            raise KeyError(f"unknown tier {name!r}; known tiers: {', '.join(self._tiers)}") from None
+
+    def names(self) -> list[str]:
+        return list(self._tiers)
+
+    def to_dict(self) -> dict[str, Any]:
+        tiers = {}
+        for tier in self._tiers.values():
+            fields = asdict(tier)
+            del fields["name"]
+            tiers[tier.name] = fields
+        return {"tiers": tiers}
+
+    def __getitem__(self, name: str) -> Tier:
+        return self.get(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tiers
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tiers)
+
+    def __len__(self) -> int:
+        return len(self._tiers)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TierPolicy):
+            return NotImplemented
+        return self._tiers == other._tiers
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._tiers.values()))
+
+    def __repr__(self) -> str:
+        return f"TierPolicy({list(self._tiers.values())!r})"
+
+
+def _check_tier(tier: Tier) -> None:
+    if not isinstance(tier.name, str) or not re.match(TIER_NAME_PATTERN, tier.name):
+        raise ValueError(
+            f"tier name {tier.name!r} is not valid: use 1-64 letters, digits, '_', '.', '-'"
+        )
+    fields = asdict(tier)
+    del fields["name"]
+    try:
+        _TierSpec.model_validate(fields)
+    except ValidationError as exc:
+        raise ValueError(_validation_message(exc, f"tiers.{tier.name}")) from None

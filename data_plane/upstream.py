@@ -1,0 +1,271 @@
+"""Calling shards under supervision: timeouts, one retry elsewhere, streamed events.
+
+    upstream = Upstream(router, http, UpstreamConfig())
+    stream = await upstream.open(body, session_id="s-1")   # first token already in hand
+    async for event in stream:                             # Delta / Finish / UsageEvent
+        ...
+    await stream.aclose()                                  # closing early aborts the shard's work
+
+`open` returns only once the shard produced its first token (or finished), so the gateway
+can still answer any failure with a proper status code: a connect error, a 5xx/503, a
+first-token timeout or a stream that dies before its first token is retried once on a
+different shard. After that point a failure surfaces as :class:`UpstreamError` from the
+iterator and the gateway ends the SSE stream with an error event. A shard's 4xx is the
+request's fault: it is passed through, not retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import httpx
+from opentelemetry import trace
+from opentelemetry.propagate import inject
+
+from data_plane.errors import (
+    NoHealthyBackend,
+    SwitchboardError,
+    UpstreamError,
+    UpstreamTimeout,
+    from_openai_body,
+)
+from data_plane.membership import Member
+from data_plane.router import Router
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    connect_timeout_s: float = 2.0
+    """TCP connect + response headers from a shard."""
+    first_token_timeout_s: float = 60.0
+    """From sending the request to the first token (includes the shard's queue)."""
+    idle_timeout_s: float = 30.0
+    """Longest gap between two events once streaming."""
+    retries: int = 1
+    """Extra attempts on other shards for failures before the first token."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finish:
+    reason: str
+
+
+@dataclass(frozen=True)
+class UsageEvent:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+Event = Delta | Finish | UsageEvent
+
+
+class _Retryable(Exception):
+    def __init__(self, reason: str, error: SwitchboardError) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error = error
+
+
+def _parse(line: str) -> Event | SwitchboardError | None:
+    """One SSE line from a shard -> an event, an error, or None (role chunk, comment, [DONE])."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return None
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return UpstreamError("a shard sent a malformed stream event")
+    if "error" in body:
+        return from_openai_body(502, body)
+    choices = body.get("choices") or []
+    if choices:
+        choice = choices[0]
+        if choice.get("finish_reason"):
+            return Finish(choice["finish_reason"])
+        content = (choice.get("delta") or {}).get("content")
+        if content:
+            return Delta(content)
+        return None
+    usage = body.get("usage")
+    if usage:
+        return UsageEvent(int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
+    return None
+
+
+class ShardStream:
+    """An open, supervised stream from one shard; iterate for events after the first."""
+
+    def __init__(self, member: Member, response: httpx.Response, lines: AsyncIterator[str], first: list[Event],
+                 leases: ExitStack, router: Router, idle_timeout_s: float, attempts: int) -> None:
+        self.member = member
+        self.attempts = attempts
+        self._response = response
+        self._lines = lines
+        self._pending = first
+        self._leases = leases
+        self._router = router
+        self._idle = idle_timeout_s
+        self._closed = False
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[Event]:
+        while self._pending:
+            yield self._pending.pop(0)
+        try:
+            while True:
+                try:
+                    line = await asyncio.wait_for(self._lines.__anext__(), self._idle)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    self._router.report_failure(self.member, "stream_idle")
+                    raise UpstreamTimeout(f"the shard stopped streaming for {self._idle:.0f} s") from None
+                except httpx.HTTPError as exc:
+                    self._router.report_failure(self.member, "stream_broken")
+                    raise UpstreamError(f"the shard's stream broke: {type(exc).__name__}") from None
+                event = _parse(line)
+                if isinstance(event, SwitchboardError):
+                    raise event
+                if event is not None:
+                    yield event
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._response.aclose()  # the shard sees the disconnect and aborts
+        finally:
+            self._leases.close()
+
+
+class Upstream:
+    def __init__(self, router: Router, http: httpx.AsyncClient, config: UpstreamConfig) -> None:
+        self.router = router
+        self.http = http
+        self.config = config
+
+    async def open(self, body: dict[str, Any], session_id: str | None) -> ShardStream:
+        exclude: set[str] = set()
+        last_error: SwitchboardError | None = None
+        for attempt in range(1 + self.config.retries):
+            try:
+                member = self.router.pick(session_id, exclude)
+            except NoHealthyBackend:
+                if last_error is not None:
+                    raise last_error from None
+                raise
+            try:
+                stream = await self._try(member, body, attempt + 1)
+            except _Retryable as failure:
+                self.router.report_failure(member, failure.reason)
+                exclude.add(member.id)
+                last_error = failure.error
+                if attempt < self.config.retries:
+                    self.router.record_retry(member, failure.reason)
+                continue
+            return stream
+        assert last_error is not None
+        raise last_error
+
+    async def _try(self, member: Member, body: dict[str, Any], attempt: int) -> ShardStream:
+        cfg = self.config
+        leases = ExitStack()
+        leases.enter_context(self.router.lease(member))
+        headers = {"content-type": "application/json"}
+        inject(headers)
+        span = trace.get_current_span()
+        span.set_attribute("switchboard.shard", member.id)
+        request = self.http.build_request(
+            "POST", member.url + "/v1/chat/completions", content=json.dumps(body).encode(), headers=headers,
+            timeout=httpx.Timeout(cfg.first_token_timeout_s, connect=cfg.connect_timeout_s),
+        )
+        response: httpx.Response | None = None
+        try:
+            response = await asyncio.wait_for(self.http.send(request, stream=True), cfg.first_token_timeout_s)
+            if response.status_code != 200:
+                raw = await response.aread()
+                await response.aclose()
+                try:
+                    err_body = json.loads(raw)
+                except ValueError:
+                    err_body = None
+                error = from_openai_body(response.status_code, err_body)
+                if response.status_code >= 500 or response.status_code == 429:
+                    raise _Retryable(f"status_{response.status_code}", error)
+                leases.close()
+                self.router.report_success(member)
+                raise error
+            lines = response.aiter_lines()
+            first: list[Event] = []
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + cfg.first_token_timeout_s
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
+                line = await asyncio.wait_for(lines.__anext__(), remaining)
+                event = _parse(line)
+                if isinstance(event, SwitchboardError):
+                    raise _Retryable("stream_error_before_first_token", event)
+                if event is not None:
+                    first.append(event)
+                    if isinstance(event, (Delta, Finish)):
+                        break
+        except _Retryable:
+            await _close(response)
+            leases.close()
+            raise
+        except StopAsyncIteration:
+            await _close(response)
+            leases.close()
+            raise _Retryable("empty_stream", UpstreamError("a shard closed the stream before any token")) from None
+        except asyncio.TimeoutError:
+            await _close(response)
+            leases.close()
+            raise _Retryable("first_token_timeout", UpstreamTimeout(
+                f"no token from a shard within {cfg.first_token_timeout_s:.0f} s", retry_after=2)) from None
+        except httpx.ConnectError:
+            leases.close()
+            raise _Retryable("connect", NoHealthyBackend("could not connect to a shard", retry_after=2)) from None
+        except httpx.TimeoutException:
+            await _close(response)
+            leases.close()
+            raise _Retryable("timeout", UpstreamTimeout("a shard did not answer in time", retry_after=2)) from None
+        except httpx.HTTPError as exc:
+            await _close(response)
+            leases.close()
+            raise _Retryable("transport", UpstreamError(f"a shard failed: {type(exc).__name__}")) from None
+        except BaseException:
+            await _close(response)
+            leases.close()
+            raise
+        self.router.report_success(member)
+        span.set_attribute("switchboard.attempts", attempt)
+        return ShardStream(member, response, lines, first, leases, self.router, cfg.idle_timeout_s, attempt)
+
+
+async def _close(response: httpx.Response | None) -> None:
+    if response is not None:
+        try:
+            await response.aclose()
+        except Exception:  # closing a broken stream must not mask the real failure
+            pass

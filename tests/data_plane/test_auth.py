@@ -1,0 +1,173 @@
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from data_plane.auth import KeyStore, Principal, generate_key, key_digest, write_dev_keys
+from data_plane.errors import AuthenticationError
+
+KEY_A = "sk-test-aaaaaaaaaaaa"
+KEY_B = "sk-test-bbbbbbbbbbbb"
+
+
+def _store() -> KeyStore:
+    return KeyStore.from_env(f"{KEY_A}:acme:plus,{KEY_B}:globex:free")
+
+
+def test_from_env_and_authenticate():
+    store = _store()
+    assert len(store) == 2
+    p = store.authenticate(f"Bearer {KEY_A}")
+    assert p == Principal(key_id=hashlib.sha256(KEY_A.encode()).hexdigest()[:12], tenant="acme", tier="plus")
+    assert store.authenticate(f"bearer   {KEY_B} ").tenant == "globex"
+    assert KEY_A not in repr(store) and KEY_A not in repr(p)
+
+
+def test_from_env_tolerates_blanks_and_colons_in_keys():
+    store = KeyStore.from_env(" sk-a:t1:free , ,sk:b:c:t2:plus,")
+    assert store.authenticate("Bearer sk-a").tier == "free"
+    assert store.authenticate("Bearer sk:b:c").tenant == "t2"
+    assert len(KeyStore.from_env("")) == 0
+
+
+@pytest.mark.parametrize("value", ["sk-a:free", "sk-a", ":t:free", "sk-a:bad tenant:free", "sk a:t:free"])
+def test_from_env_rejects_malformed_without_echoing_key(value):
+    with pytest.raises(ValueError) as err:
+        KeyStore.from_env(value)
+    assert "sk-a" not in str(err.value) and "sk a" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [None, "", "   ", f"Basic {KEY_A}", KEY_A, "Bearer", "Bearer ", f"Bearer {KEY_A} extra",
+     f"Token {KEY_A}", "Bearer sk-unknown-key-123456", f"Bearer {KEY_A}x", f"Bearer {KEY_A.upper()}"],
+)
+def test_401_never_echoes_the_key(header):
+    with pytest.raises(AuthenticationError) as err:
+        _store().authenticate(header)
+    exc = err.value
+    assert exc.status == 401 and exc.type == "authentication_error"
+    text = str(exc.body())
+    for secret in (KEY_A, KEY_A.upper(), "sk-unknown-key-123456", "sk-test"):
+        assert secret not in text
+
+
+def test_401_messages_are_distinct_and_clear():
+    store = _store()
+    with pytest.raises(AuthenticationError, match="missing API key"):
+        store.authenticate(None)
+    with pytest.raises(AuthenticationError, match="Bearer"):
+        store.authenticate(f"Basic {KEY_A}")
+    with pytest.raises(AuthenticationError, match="invalid API key"):
+        store.authenticate("Bearer sk-nope")
+
+
+def test_yaml_plaintext_and_sha256(tmp_path: Path):
+    path = tmp_path / "keys.yaml"
+    path.write_text(yaml.safe_dump({"keys": [
+        {"key": KEY_A, "tenant": "acme", "tier": "plus"},
+        {"key_sha256": key_digest(KEY_B).upper(), "tenant": "globex", "tier": "enterprise"},
+    ]}))
+    store = KeyStore.from_yaml(path)
+    assert store.authenticate(f"Bearer {KEY_A}").tier == "plus"
+    p = store.authenticate(f"Bearer {KEY_B}")
+    assert (p.tenant, p.tier, p.key_id) == ("globex", "enterprise", key_digest(KEY_B)[:12])
+
+
+@pytest.mark.parametrize(
+    "entry, fragment",
+    [
+        ({"tenant": "a", "tier": "free"}, "exactly one"),
+        ({"key": KEY_A, "key_sha256": key_digest(KEY_A), "tenant": "a", "tier": "free"}, "exactly one"),
+        ({"key_sha256": "abc", "tenant": "a", "tier": "free"}, "64 hexadecimal"),
+        ({"key": KEY_A, "tier": "free"}, "keys.0.tenant"),
+        ({"key": KEY_A, "tenant": "a"}, "keys.0.tier"),
+        ({"key": KEY_A, "tenant": "a", "tier": "free", "extra": 1}, "keys.0.extra"),
+        ({"key": 12345678, "tenant": "a", "tier": "free"}, "keys.0.key"),
+    ],
+)
+def test_yaml_validation_errors(tmp_path: Path, entry, fragment):
+    path = tmp_path / "keys.yaml"
+    path.write_text(yaml.safe_dump({"keys": [entry]}))
+    with pytest.raises(ValueError) as err:
+        KeyStore.from_yaml(path)
+    assert fragment in str(err.value)
+    assert KEY_A not in str(err.value) and "12345678" not in str(err.value)
+
+
+def test_empty_file_is_an_empty_store(tmp_path: Path):
+    path = tmp_path / "keys.yaml"
+    path.write_text("")
+    assert len(KeyStore.from_yaml(path)) == 0
+    with pytest.raises(ValueError, match="mapping"):
+        KeyStore.from_dict(["not", "a", "mapping"])
+
+
+def test_merged_and_conflicts():
+    a = KeyStore.from_env(f"{KEY_A}:acme:plus")
+    b = KeyStore.from_env(f"{KEY_B}:globex:free")
+    merged = KeyStore.merged(a, b, a)
+    assert len(merged) == 2
+    assert merged.authenticate(f"Bearer {KEY_B}").tenant == "globex"
+    clash = KeyStore.from_env(f"{KEY_A}:acme:enterprise")
+    with pytest.raises(ValueError) as err:
+        KeyStore.merged(a, clash)
+    assert key_digest(KEY_A)[:12] in str(err.value) and KEY_A not in str(err.value)
+    with pytest.raises(ValueError):
+        KeyStore.from_env(f"{KEY_A}:acme:plus,{KEY_A}:other:plus")
+
+
+def test_validate_tiers():
+    store = _store()
+    store.validate_tiers(["free", "plus", "enterprise"])
+    with pytest.raises(ValueError) as err:
+        store.validate_tiers(["free", "enterprise"])
+    assert "'plus'" in str(err.value) and key_digest(KEY_A)[:12] in str(err.value)
+    assert KEY_A not in str(err.value)
+
+
+def test_generate_key():
+    k1, k2 = generate_key(), generate_key("sk-x-")
+    assert k1.startswith("sk-sb-") and k2.startswith("sk-x-") and k1 != k2
+    assert len(k1) >= len("sk-sb-") + 43 and ":" not in k1 and not any(c.isspace() for c in k1)
+
+
+def test_write_dev_keys_creates_mode_600_and_is_idempotent(tmp_path: Path):
+    path = tmp_path / "sub" / "keys.yaml"
+    keys = write_dev_keys(path)
+    assert set(keys) == {"free", "plus", "enterprise"}
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert write_dev_keys(path) == keys
+    assert write_dev_keys(path, tiers=("plus", "gold")) == {"plus": keys["plus"]}
+    store = KeyStore.from_yaml(path)
+    for tier, key in keys.items():
+        assert store.authenticate(f"Bearer {key}").tier == tier
+    assert [p.name for p in path.parent.iterdir()] == ["keys.yaml"]  # no temp files left
+
+
+def test_write_dev_keys_reads_existing_file_untouched(tmp_path: Path):
+    path = tmp_path / "keys.yaml"
+    body = yaml.safe_dump({"keys": [{"key": KEY_A, "tenant": "t", "tier": "free"},
+                                    {"key_sha256": key_digest(KEY_B), "tenant": "t", "tier": "plus"}]})
+    path.write_text(body)
+    os.chmod(path, 0o600)
+    assert write_dev_keys(path) == {"free": KEY_A}
+    assert path.read_text() == body
+
+
+def test_write_dev_keys_concurrent_callers_agree(tmp_path: Path):
+    path = tmp_path / "keys.yaml"
+    results: list[dict[str, str]] = []
+    threads = [threading.Thread(target=lambda: results.append(write_dev_keys(path))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 8 and all(r == results[0] for r in results)
+    assert len(KeyStore.from_yaml(path)) == 3
