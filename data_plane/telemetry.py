@@ -17,7 +17,7 @@ import collections
 import logging
 import os
 import threading
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.requests import Request
@@ -83,6 +83,8 @@ def configure_logging() -> None:
         level=getattr(logging, level, logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # One line per heartbeat and per proxied call would drown the real events.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def configure_process(service_name: str) -> None:
@@ -117,7 +119,7 @@ def configure_process(service_name: str) -> None:
         log.exception("OpenTelemetry setup failed; continuing without tracing")
 
 
-def metrics_endpoint(registry: CollectorRegistry) -> Callable[[Request], Response]:
+def metrics_endpoint(registry: CollectorRegistry) -> Callable[[Request], Awaitable[Response]]:
     """A Starlette endpoint serving `registry` in the Prometheus text format."""
 
     async def _metrics(request: Request) -> Response:

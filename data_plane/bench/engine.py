@@ -1,0 +1,597 @@
+"""`switchboard bench engine`: our engine against the naive server and llama.cpp, in one run.
+
+    switchboard bench engine                                   # c = 1,4,16; 128 tokens; bf16
+    switchboard bench engine --concurrency 1,16 --systems switchboard,naive --json /tmp/e.json
+    switchboard bench engine --dtype float32 --num-prompts 8 --max-tokens 64
+
+Every system gets the same chat-templated prompts (token ids from the model's tokenizer),
+greedy decoding, and a closed loop: `concurrency` workers each take the next prompt as soon
+as their previous one finishes, until `num-prompts` are done (default 2 x concurrency).
+
+- switchboard: `TorchEngine` in-process, one asyncio task per worker consuming `generate`.
+- naive: HF `model.generate` one request at a time (what a minimal server does); requests
+  queue behind each other, so at concurrency N the TTFT includes that queueing.
+- llamacpp: llama-cpp-python's low-level batch API on the GGUF, one seq_id per stream so it
+  batches; only when `llama_cpp` imports (`pip install llama-cpp-python`, ~8 min build).
+
+The naive and llama.cpp paths ignore EOS so every request yields exactly max-tokens; our
+engine has no such flag, so throughput is computed from the tokens actually generated and
+the table shows the mean per request. Each system runs in its own spawned process, so the
+peak RSS printed is that system's alone (Python + torch + weights + KV cache).
+
+Also printed: batch-1 decode speed against the memory-bandwidth ceiling (a decode step must
+read every weight once, so tok/s <= copy bandwidth / weight bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import math
+import multiprocessing
+import os
+import time
+import uuid
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Any, Protocol
+
+from data_plane.bench.common import (
+    PROMPTS,
+    RequestResult,
+    closed_loop,
+    cycle,
+    fmt,
+    format_table,
+    machine_info,
+    parse_int_list,
+    peak_rss_mb,
+    summarize,
+    write_json,
+)
+
+LLAMACPP_HINT = "pip install llama-cpp-python  (builds from source here, ~8 min)"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str | None
+    """--model: HF folder or GGUF; None = the default SmolLM2-135M-Instruct."""
+    dtype: str
+    """bfloat16 or float32 for the torch systems; llama.cpp runs the GGUF's own quantisation."""
+    max_tokens: int
+    """Output tokens asked of every request."""
+    concurrency: tuple[int, ...]
+    """Closed-loop worker counts, one measurement each."""
+    num_prompts: int | None
+    """Requests per concurrency level; None = 2 x concurrency."""
+    max_prompt_len: int
+    """Longest prompt in tokens (sizes KV caches and batches)."""
+    threads: int
+    """torch / llama.cpp threads; 0 = all cores."""
+
+    @property
+    def max_model_len(self) -> int:
+        """Context each sequence needs, rounded up to 256 (the same for every system)."""
+        return 256 * math.ceil((self.max_prompt_len + self.max_tokens + 8) / 256)
+
+    def requests_at(self, concurrency: int) -> int:
+        return self.num_prompts or 2 * concurrency
+
+
+class System(Protocol):
+    """One thing under test. `start` once, `run` once per concurrency level, then `aclose`."""
+
+    weight_bytes: int
+    dtype: str
+
+    async def start(self) -> None: ...
+
+    async def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestResult]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Skip(Exception):
+    """The system cannot run here; the message says why and how to fix it."""
+
+
+# -- the systems -------------------------------------------------------------------------
+
+
+class SwitchboardSystem:
+    """Our TorchEngine in-process; each closed-loop worker is an asyncio task."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        from data_plane.engine_torch import EngineConfig, TorchEngine
+
+        self.dtype = config.dtype
+        self.weight_bytes = 0
+        self.engine = TorchEngine(
+            EngineConfig(
+                model=config.model,
+                dtype=config.dtype,
+                max_num_seqs=min(256, max(config.concurrency)),
+                max_model_len=config.max_model_len,
+                threads=config.threads,
+            )
+        )
+
+    async def start(self) -> None:
+        await self.engine.start()
+        self.weight_bytes = self.engine._runner.weight_bytes  # type: ignore[attr-defined]
+
+    async def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestResult]:
+        return await closed_loop(prompts, concurrency, partial(self._one, max_tokens))
+
+    async def _one(self, max_tokens: int, ids: list[int]) -> RequestResult:
+        from data_plane.engine import GenerationRequest, SamplingParams
+
+        r = RequestResult(submitted=time.perf_counter(), prompt_tokens=len(ids))
+        req = GenerationRequest(uuid.uuid4().hex, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        async for out in self.engine.generate(req):
+            now = time.perf_counter()
+            if r.first_token is None:
+                r.first_token = now
+            r.output_tokens = out.completion_tokens
+        r.finished = time.perf_counter()
+        return r
+
+    async def aclose(self) -> None:
+        await self.engine.aclose()
+
+
+class NaiveSystem:
+    """HF `generate`, one request at a time behind a FIFO lock, EOS ignored (min_new_tokens)."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        self.config = config
+        self.dtype = config.dtype
+        self.weight_bytes = 0
+        self.model: Any = None
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+
+    def _load(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from data_plane.engine_torch import DTYPES
+        from data_plane.model_store import resolve_model
+
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+        path = resolve_model(self.config.model)
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[self.config.dtype]).eval()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self._generate([1, 2, 3], 2, RequestResult(submitted=time.perf_counter()))  # warm-up
+
+    async def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestResult]:
+        lock = asyncio.Lock()  # FIFO: a single-model server serves one request at a time
+
+        async def one(ids: list[int]) -> RequestResult:
+            r = RequestResult(submitted=time.perf_counter(), prompt_tokens=len(ids))
+            async with lock:
+                await asyncio.to_thread(self._generate, ids, max_tokens, r)
+            return r
+
+        return await closed_loop(prompts, concurrency, one)
+
+    def _generate(self, ids: list[int], max_tokens: int, r: RequestResult) -> None:
+        import torch
+
+        input_ids = torch.tensor([ids])
+        with torch.inference_mode():
+            self.model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),  # pad id == <|im_end|>: see FACTS.md
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=self.model.generation_config.pad_token_id,
+                streamer=_timing_streamer(r),
+            )
+        r.finished = time.perf_counter()
+
+    async def aclose(self) -> None:
+        self.model = None
+
+
+def _timing_streamer(r: RequestResult) -> Any:
+    """A transformers streamer that stamps each new token into `r` (the first put is the prompt)."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class TimingStreamer(BaseStreamer):
+        prompt_seen = False
+        last = 0.0
+
+        def put(self, value: Any) -> None:
+            if not self.prompt_seen:
+                self.prompt_seen = True
+                return
+            now = time.perf_counter()
+            if r.first_token is None:
+                r.first_token = now
+            else:
+                r.itls.append(now - self.last)
+            self.last = now
+            r.output_tokens += int(value.numel())
+
+        def end(self) -> None:
+            pass
+
+    return TimingStreamer()
+
+
+class LlamaCppSystem:
+    """llama.cpp's low-level batch API: every running stream decodes in one `llama_decode`,
+    each under its own seq_id; new prompts are prefilled in the same batch (closed loop)."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise Skip(f"llama_cpp is not installed: {LLAMACPP_HINT}")
+        self.config = config
+        self.gguf = _gguf_for(config.model)
+        self.dtype = self.gguf.stem.rsplit(".", 1)[-1] if "." in self.gguf.stem else "gguf"
+        self.weight_bytes = 0
+        self.max_seqs = max(config.concurrency)
+        self.n_batch = max(512, self.max_seqs * (config.max_prompt_len + 1))
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+
+    def _load(self) -> None:
+        import llama_cpp as lib
+
+        self.lib = lib
+        lib.llama_backend_init()
+        load = _first(lib, "llama_model_load_from_file", "llama_load_model_from_file")
+        self.model = load(str(self.gguf).encode(), lib.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {self.gguf}")
+        cp = lib.llama_context_default_params()
+        cp.n_ctx = self.max_seqs * self.config.max_model_len
+        cp.n_batch = self.n_batch
+        cp.n_seq_max = self.max_seqs
+        cp.n_threads = cp.n_threads_batch = self.config.threads or os.cpu_count() or 1
+        self.ctx = _first(lib, "llama_init_from_model", "llama_new_context_with_model")(self.model, cp)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        if hasattr(lib, "llama_model_get_vocab") and hasattr(lib, "llama_vocab_n_tokens"):
+            self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+        else:
+            self.n_vocab = lib.llama_n_vocab(self.model)
+        size = getattr(lib, "llama_model_size", None)
+        self.weight_bytes = int(size(self.model)) if size else self.gguf.stat().st_size
+        self.batch = lib.llama_batch_init(self.n_batch, 0, 1)
+        self._serve([[1, 2, 3]], 1, 2)  # warm-up
+
+    async def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestResult]:
+        return await asyncio.to_thread(self._serve, prompts, concurrency, max_tokens)
+
+    def _serve(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestResult]:
+        queue = list(reversed(prompts))
+        free = list(range(concurrency))
+        active: dict[int, _LlamaStream] = {}
+        done: list[RequestResult] = []
+        while queue or active:
+            now = time.perf_counter()
+            while free and queue:  # closed loop: a freed worker submits its next prompt now
+                ids = queue.pop()
+                active[free.pop()] = _LlamaStream(RequestResult(submitted=now, prompt_tokens=len(ids)), ids)
+            outputs = self._decode(active)
+            now = time.perf_counter()
+            for index, seq in outputs:
+                stream = active[seq]
+                stream.emit(self._argmax(index), now)
+                if stream.result.output_tokens >= max_tokens:  # EOS ignored: always max_tokens
+                    stream.result.finished = now
+                    done.append(stream.result)
+                    self._forget(seq)
+                    del active[seq]
+                    free.append(seq)
+        return done
+
+    def _decode(self, active: dict[int, _LlamaStream]) -> list[tuple[int, int]]:
+        """One llama_decode over every stream's pending tokens; return (batch index, seq) with logits."""
+        b, n, outputs = self.batch, 0, []
+        for seq, stream in active.items():
+            for j, token in enumerate(stream.pending):
+                last = j == len(stream.pending) - 1
+                b.token[n], b.pos[n], b.n_seq_id[n], b.logits[n] = token, stream.pos + j, 1, last
+                b.seq_id[n][0] = seq
+                if last:
+                    outputs.append((n, seq))
+                n += 1
+            stream.pos += len(stream.pending)
+        b.n_tokens = n
+        rc = self.lib.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        return outputs
+
+    def _argmax(self, index: int) -> int:
+        import numpy as np
+
+        logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, index), shape=(self.n_vocab,))
+        return int(logits.argmax())
+
+    def _forget(self, seq: int) -> None:
+        lib = self.lib
+        if hasattr(lib, "llama_memory_seq_rm"):
+            lib.llama_memory_seq_rm(lib.llama_get_memory(self.ctx), seq, -1, -1)
+        else:
+            _first(lib, "llama_kv_self_seq_rm", "llama_kv_cache_seq_rm")(self.ctx, seq, -1, -1)
+
+    async def aclose(self) -> None:
+        lib = self.lib
+        lib.llama_batch_free(self.batch)
+        lib.llama_free(self.ctx)
+        _first(lib, "llama_model_free", "llama_free_model")(self.model)
+
+
+class _LlamaStream:
+    def __init__(self, result: RequestResult, prompt: list[int]) -> None:
+        self.result = result
+        self.pending = list(prompt)
+        self.pos = 0
+        self.last = 0.0
+
+    def emit(self, token: int, now: float) -> None:
+        r = self.result
+        if r.first_token is None:
+            r.first_token = now
+        else:
+            r.itls.append(now - self.last)
+        self.last = now
+        r.output_tokens += 1
+        self.pending = [token]
+
+
+def _first(lib: Any, *names: str) -> Any:
+    """The first of `names` that llama_cpp has (its C API renames functions between releases)."""
+    for name in names:
+        if hasattr(lib, name):
+            return getattr(lib, name)
+    raise Skip(f"llama_cpp has none of {names}; this llama-cpp-python is too old or too new")
+
+
+def _gguf_for(model: str | None) -> Any:
+    from pathlib import Path
+
+    from data_plane.model_store import default_gguf
+
+    if model is None:
+        return default_gguf()
+    if model.endswith(".gguf"):
+        return Path(model).expanduser()
+    raise Skip(f"llama.cpp needs a GGUF file; --model {model} is not one")
+
+
+SYSTEMS: dict[str, type] = {"switchboard": SwitchboardSystem, "naive": NaiveSystem, "llamacpp": LlamaCppSystem}
+
+
+# -- measuring -----------------------------------------------------------------------------
+
+
+def make_row(system: System, name: str, concurrency: int, results: list[RequestResult], duration_s: float,
+             max_tokens: int) -> dict[str, Any]:
+    """One table/JSON row from a concurrency level's results."""
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.output_tokens for r in ok)
+    ttft = summarize([r.ttft_s * 1000 for r in ok])
+    tpot = summarize([t * 1000 for r in ok if (t := r.tpot_s) is not None])
+    return {
+        "system": name,
+        "concurrency": concurrency,
+        "output_tok_s": tokens / duration_s if duration_s > 0 else math.nan,
+        "ttft_mean_ms": ttft["mean"],
+        "ttft_p50_ms": ttft["p50"],
+        "ttft_p99_ms": ttft["p99"],
+        "tpot_mean_ms": tpot["mean"],
+        "tpot_p50_ms": tpot["p50"],
+        "tpot_p99_ms": tpot["p99"],
+        "dtype": system.dtype,
+        "max_tokens": max_tokens,
+        "requests": len(ok),
+        "failed": len(results) - len(ok),
+        "output_tokens": tokens,
+        "mean_output_tokens": tokens / len(ok) if ok else 0.0,
+        "duration_s": duration_s,
+    }
+
+
+async def _measure(name: str, config: BenchConfig, prompt_ids: list[list[int]]) -> dict[str, Any]:
+    system: System = SYSTEMS[name](config)
+    await system.start()
+    rows = []
+    try:
+        for c in config.concurrency:
+            prompts = cycle(prompt_ids, config.requests_at(c))
+            t0 = time.perf_counter()
+            results = await system.run(prompts, c, config.max_tokens)
+            row = make_row(system, name, c, results, time.perf_counter() - t0, config.max_tokens)
+            print(f"[bench] {name:<11} c={c:<3} {row['requests']} requests, {row['output_tokens']} tokens "
+                  f"in {row['duration_s']:.1f} s: {row['output_tok_s']:.1f} tok/s", flush=True)
+            rows.append(row)
+    finally:
+        await system.aclose()
+    rss = peak_rss_mb()
+    for row in rows:
+        row["peak_rss_mb"] = rss
+    return {"rows": rows, "weight_bytes": system.weight_bytes}
+
+
+def measure_system(name: str, config: BenchConfig, prompt_ids: list[list[int]]) -> dict[str, Any]:
+    """Run every concurrency level for one system (called in a fresh spawned process)."""
+    if config.threads:
+        import torch
+
+        torch.set_num_threads(config.threads)
+    return asyncio.run(_measure(name, config, prompt_ids))
+
+
+def run_isolated(name: str, config: BenchConfig, prompt_ids: list[list[int]]) -> dict[str, Any]:
+    """`measure_system` in its own process, so memory and threads are that system's alone."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(measure_system, name, config, prompt_ids).result()
+
+
+def encode_prompts(model: str | None) -> list[list[int]]:
+    """PROMPTS as chat-templated token ids, from the model's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    from data_plane.model_store import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model(model)))
+    out = []
+    for text in PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+def copy_bandwidth_gb_s(mib: int = 256, repeats: int = 5, threads: int = 0) -> float:
+    """Best memory-copy bandwidth over `repeats` copies of a `mib` MiB tensor (bytes read + written)."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * src.element_size() / best / 1e9
+
+
+# -- reporting ---------------------------------------------------------------------------------
+
+
+def ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """switchboard/<other> output tok/s at each concurrency both systems ran."""
+    by = {(r["system"], r["concurrency"]): r["output_tok_s"] for r in rows}
+    out: dict[str, dict[str, float]] = {}
+    for other in ("naive", "llamacpp"):
+        pairs = {
+            str(c): by[("switchboard", c)] / by[(other, c)]
+            for (s, c) in by
+            if s == other and ("switchboard", c) in by and by[(other, c)] > 0
+        }
+        if pairs:
+            out[f"switchboard/{other}"] = pairs
+    return out
+
+
+def bandwidth_report(rows: list[dict[str, Any]], weights: dict[str, int], gb_s: float) -> dict[str, Any]:
+    """Batch-1 decode tok/s (1 / mean TPOT at concurrency 1) against bandwidth / weight bytes."""
+    systems = {}
+    for r in rows:
+        if r["concurrency"] != 1 or not weights.get(r["system"]) or not r["tpot_mean_ms"] > 0:
+            continue
+        ceiling = gb_s * 1e9 / weights[r["system"]]
+        achieved = 1000.0 / r["tpot_mean_ms"]
+        systems[r["system"]] = {
+            "weight_bytes": weights[r["system"]],
+            "ceiling_tok_s": ceiling,
+            "decode_tok_s": achieved,
+            "pct_of_ceiling": 100.0 * achieved / ceiling,
+        }
+    return {"copy_gb_s": gb_s, "method": "torch copy_ of a 256 MiB tensor, best of 5, read+write bytes",
+            "systems": systems}
+
+
+def print_report(rows: list[dict[str, Any]], ratio: dict[str, dict[str, float]], bw: dict[str, Any]) -> None:
+    print()
+    print(format_table(
+        ["system", "dtype", "conc", "reqs", "tok/req", "out tok/s", "TTFT p50 ms", "TTFT p99 ms",
+         "TPOT p50 ms", "TPOT p99 ms", "peak RSS MiB"],
+        [[r["system"], r["dtype"], str(r["concurrency"]), str(r["requests"]), fmt(r["mean_output_tokens"]),
+          fmt(r["output_tok_s"]), fmt(r["ttft_p50_ms"]), fmt(r["ttft_p99_ms"]), fmt(r["tpot_p50_ms"], 2),
+          fmt(r["tpot_p99_ms"], 2), fmt(r.get("peak_rss_mb"), 0)] for r in rows],
+    ))
+    if ratio:
+        levels = sorted({int(c) for pairs in ratio.values() for c in pairs})
+        print("\noutput tok/s ratios (llama.cpp runs its GGUF quantisation, not the torch dtype)")
+        print(format_table(["ratio", *(f"c={c}" for c in levels)],
+                           [[name, *(fmt(pairs.get(str(c)), 2) + ("x" if str(c) in pairs else "") for c in levels)]
+                            for name, pairs in ratio.items()]))
+    print(f"\nbatch-1 decode vs memory bandwidth (copy {bw['copy_gb_s']:.1f} GB/s; ceiling = bandwidth / weight bytes)")
+    if not bw["systems"]:
+        print("  (needs a concurrency-1 level: add 1 to --concurrency)")
+        return
+    print(format_table(
+        ["system", "weights MiB", "ceiling tok/s", "decode tok/s", "% of ceiling"],
+        [[name, fmt(s["weight_bytes"] / 2**20), fmt(s["ceiling_tok_s"]), fmt(s["decode_tok_s"]),
+          fmt(s["pct_of_ceiling"])] for name, s in bw["systems"].items()],
+    ))
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="switchboard bench engine",
+        description="Engine throughput and latency: switchboard vs the naive HF server vs llama.cpp.",
+    )
+    p.add_argument("--concurrency", type=parse_int_list, default=[1, 4, 16],
+                   help="comma-separated closed-loop worker counts (default 1,4,16)")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (default 128)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per concurrency level (default 2 x concurrency)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="torch dtype for switchboard and naive (default bfloat16)")
+    p.add_argument("--systems", default="switchboard,naive,llamacpp",
+                   help=f"comma-separated, from {', '.join(SYSTEMS)} (default all)")
+    p.add_argument("--model", default=None, help="HF model folder or GGUF (default SmolLM2-135M-Instruct)")
+    p.add_argument("--threads", type=int, default=0, help="compute threads (default 0 = all cores)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in args.systems if s not in SYSTEMS]
+    if unknown:
+        p.error(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
+    if args.max_tokens < 1 or (args.num_prompts is not None and args.num_prompts < 1):
+        p.error("--max-tokens and --num-prompts must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    prompt_ids = encode_prompts(args.model)
+    config = BenchConfig(
+        model=args.model, dtype=args.dtype, max_tokens=args.max_tokens, concurrency=tuple(args.concurrency),
+        num_prompts=args.num_prompts, max_prompt_len=max(map(len, prompt_ids)), threads=args.threads,
+    )
+    gb_s = copy_bandwidth_gb_s(threads=args.threads)
+    rows: list[dict[str, Any]] = []
+    weights: dict[str, int] = {}
+    skipped: dict[str, str] = {}
+    for name in args.systems:
+        try:
+            if name == "llamacpp":
+                LlamaCppSystem(config)  # fails fast, in this process, when llama_cpp is missing
+            out = run_isolated(name, config, prompt_ids)
+        except Skip as exc:
+            print(f"[bench] {name}: skipped: {exc}", flush=True)
+            skipped[name] = str(exc)
+            continue
+        except Exception as exc:  # one broken system must not lose the others' numbers
+            print(f"[bench] {name}: FAILED: {type(exc).__name__}: {exc}", flush=True)
+            skipped[name] = f"failed: {type(exc).__name__}: {exc}"
+            continue
+        rows += out["rows"]
+        weights[name] = out["weight_bytes"]
+    ratio = ratios(rows)
+    bw = bandwidth_report(rows, weights, gb_s)
+    print_report(rows, ratio, bw)
+    if args.json:
+        write_json(args.json, {"rows": rows, "ratios": ratio, "bandwidth": bw, "skipped": skipped,
+                               "config": asdict(config), "machine": machine_info()})

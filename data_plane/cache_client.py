@@ -1,0 +1,423 @@
+"""The gateway's view of session transcripts: placed, replicated and read-repaired on cache nodes.
+
+    store = SessionStore(membership, http, registry=registry, timeout_s=1.0)
+    transcript = await store.load("sess-1", owner="key-hash", replicas=2)   # None: new session
+    acks = await store.save("sess-1", "key-hash", messages, version=3, replicas=2)
+    await store.drain()                                                     # pending read-repairs
+    await store.aclose()
+
+Placement: the healthy ``cache`` members form a :class:`~data_plane.hashring.HashRing` (rebuilt
+when membership changes); a session lives on the first ``replicas`` nodes of its preference list.
+
+- ``load`` asks those nodes in ring order; the first one that has the record wins. Read-repair
+  then runs in the background (tracked, so :meth:`SessionStore.drain` can wait for it): replicas
+  that answered 404 before the hit, and replicas after it that turn out to lack the record or to
+  hold an older version, get it written back with its version, timestamps and remaining TTL. So
+  a node that joins a preference list is filled on first read. A record owned by someone else is
+  reported as
+  :class:`~data_plane.errors.NotFound` (``session_not_found``), exactly like a missing one would
+  be to that caller. If no node answered at all, the store is unavailable, not empty.
+- ``save`` writes the whole transcript to every replica at once and returns how many
+  acknowledged. Nodes keep the highest version (last writer by version wins); when every replica
+  already holds a newer version the write raises :class:`VersionConflict`.
+
+Errors raised (all from :mod:`data_plane.errors`)::
+
+    InvalidRequest     400 invalid_session_id       the id does not match SESSION_ID_PATTERN
+    NotFound           404 session_not_found        owner mismatch on load
+    VersionConflict    409 session_version_conflict every replica holds a newer version
+    Overloaded         503 cache_unavailable        no healthy cache node / no replica answered
+
+This module also holds the wire contract the cache node serves (:class:`Transcript`,
+:data:`SESSION_ID_PATTERN`, :class:`VersionConflict`) so the gateway never imports the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from opentelemetry import propagate, trace
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from data_plane.errors import InvalidRequest, NotFound, Overloaded, SwitchboardError, from_openai_body
+from data_plane.hashring import DEFAULT_VNODES, HashRing
+
+if TYPE_CHECKING:
+    from data_plane.membership import Member, MembershipView
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
+
+SESSION_ID_PATTERN = r"[A-Za-z0-9_.:-]{1,128}"
+"""Session ids the cache tier accepts (whole-string match)."""
+_SESSION_ID_RE = re.compile(SESSION_ID_PATTERN)
+CACHE_SERVICE = "cache"
+"""The membership service name cache nodes register under."""
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+def validate_session_id(session_id: str) -> str:
+    """Return `session_id` if the cache tier accepts it, else raise InvalidRequest (400)."""
+    if not isinstance(session_id, str) or not _SESSION_ID_RE.fullmatch(session_id):
+        raise InvalidRequest(
+            "session id must be 1-128 characters of A-Z a-z 0-9 _ . : -",
+            param="session_id",
+            code="invalid_session_id",
+        )
+    return session_id
+
+
+class VersionConflict(SwitchboardError):
+    """A write older than the stored record (409); the body carries ``stored_version``."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "session_version_conflict"
+
+    def __init__(self, message: str, *, stored_version: int, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.stored_version = stored_version
+
+    def body(self, request_id: str | None = None) -> dict[str, Any]:
+        out = super().body(request_id)
+        out["error"]["stored_version"] = self.stored_version
+        return out
+
+
+@dataclass(frozen=True)
+class Transcript:
+    """One session's whole transcript, as stored on a cache node and returned by ``load``."""
+
+    session_id: str
+    owner: str
+    messages: tuple[Mapping[str, str], ...]
+    version: int
+    updated_at: float
+    expires_at: float | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "session_id": self.session_id,
+            "owner": self.owner,
+            "messages": [dict(m) for m in self.messages],
+            "version": self.version,
+            "updated_at": self.updated_at,
+            "expires_at": self.expires_at,
+        }
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Transcript:
+        """Parse a cache node's GET body; ValueError if it is not a transcript."""
+        if not isinstance(data, dict):
+            raise ValueError("transcript must be an object")
+        try:
+            messages = tuple({"role": str(m["role"]), "content": str(m["content"])} for m in data["messages"])
+            version = data["version"]
+            if not isinstance(version, int) or isinstance(version, bool):
+                raise ValueError("version must be an integer")
+            expires_at = data.get("expires_at")
+            return cls(
+                session_id=str(data["session_id"]),
+                owner=str(data["owner"]),
+                messages=messages,
+                version=version,
+                updated_at=float(data["updated_at"]),
+                expires_at=None if expires_at is None else float(expires_at),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed transcript: {exc!r}") from None
+
+    def ttl_left(self, now: float) -> float | None:
+        """Seconds until expiry (None: the node's default applies)."""
+        return None if self.expires_at is None else self.expires_at - now
+
+
+class SessionStoreMetrics:
+    """The session store's metrics, registered in `registry`.
+
+    ``result`` is one of: load hit|miss|denied|error; save ok|partial|stale|error;
+    repair ok|stale|error.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.ops = Counter(
+            "switchboard_session_store_ops_total",
+            "Session store operations by outcome.",
+            ["op", "result"],
+            registry=registry,
+        )
+        self.repairs = Counter(
+            "switchboard_session_replica_repairs_total",
+            "Transcripts written back to a replica that was missing them (read-repair).",
+            registry=registry,
+        )
+        self.seconds = Histogram(
+            "switchboard_session_store_seconds",
+            "Session store operation latency, all replicas included.",
+            ["op"],
+            buckets=SECONDS_BUCKETS,
+            registry=registry,
+        )
+
+
+@dataclass
+class _Outcome:
+    result: str = "error"
+
+
+@dataclass(frozen=True)
+class _WriteResult:
+    result: str  # ok | stale | rejected | error
+    status: int | None = None
+    body: Any = None
+    stored_version: int | None = None
+
+
+@dataclass
+class _Placement:
+    key: tuple[tuple[str, str], ...] = ()
+    ring: HashRing = field(default_factory=lambda: HashRing(()))
+    by_id: dict[str, Member] = field(default_factory=dict)
+
+
+class SessionStore:
+    """Places, replicates and reads session transcripts on the healthy cache nodes."""
+
+    def __init__(
+        self,
+        membership: MembershipView,
+        http: httpx.AsyncClient,
+        registry: CollectorRegistry | None = None,
+        timeout_s: float = 1.0,
+        *,
+        vnodes: int = DEFAULT_VNODES,
+        service: str = CACHE_SERVICE,
+    ) -> None:
+        """`registry`: where the metrics go (None: a private registry nobody scrapes)."""
+        self._membership = membership
+        self._http = http
+        self._timeout_s = timeout_s
+        self._vnodes = vnodes
+        self._service = service
+        self.metrics = SessionStoreMetrics(registry if registry is not None else CollectorRegistry())
+        self._placement = _Placement()
+        self._repairs: set[asyncio.Task[None]] = set()
+
+    # -- public API -------------------------------------------------------------------------
+
+    async def load(self, session_id: str, owner: str, replicas: int) -> Transcript | None:
+        """The transcript of `session_id` if `owner` holds it; None for a new session."""
+        validate_session_id(session_id)
+        with self._op("load", "cache.get_context") as (outcome, span):
+            targets = self.replicas_for(session_id, replicas)
+            missing: list[Member] = []
+            answered = False
+            found: Transcript | None = None
+            asked = 0
+            for asked, member in enumerate(targets, 1):
+                kind, transcript = await self._fetch(member, session_id)
+                if kind == "hit":
+                    found = transcript
+                    break
+                if kind == "miss":
+                    answered = True
+                    missing.append(member)
+            span.set_attribute("switchboard.session.replicas_missing", len(missing))
+            if found is None:
+                if not answered:
+                    raise Overloaded("no cache replica answered", code="cache_unavailable", retry_after=1)
+                outcome.result = "miss"
+                return None
+            if found.owner != owner:
+                outcome.result = "denied"
+                raise NotFound(
+                    f"session {session_id!r} not found", param="session_id", code="session_not_found"
+                )
+            if missing or asked < len(targets):
+                self._start_repair(found, missing, unchecked=targets[asked:])
+            outcome.result = "hit"
+            return found
+
+    async def save(
+        self,
+        session_id: str,
+        owner: str,
+        messages: Sequence[Mapping[str, str]],
+        version: int,
+        replicas: int,
+        ttl_s: float | None = None,
+    ) -> int:
+        """Write the whole transcript to every replica at once; returns how many acknowledged."""
+        validate_session_id(session_id)
+        with self._op("save", "cache.append") as (outcome, span):
+            targets = self.replicas_for(session_id, replicas)
+            transcript = Transcript(session_id, owner, tuple(messages), version, updated_at=time.time())
+            results = await asyncio.gather(
+                *(self._put(m, transcript, ttl_s, keep_updated_at=False) for m in targets)
+            )
+            acks = sum(1 for r in results if r.result == "ok")
+            span.set_attribute("switchboard.session.acks", acks)
+            if acks == 0:
+                stale = [r.stored_version for r in results if r.result == "stale"]
+                if stale:
+                    outcome.result = "stale"
+                    raise VersionConflict(
+                        f"session {session_id!r} already has a newer version",
+                        param="version",
+                        stored_version=max(v or 0 for v in stale),
+                    )
+                rejected = [r for r in results if r.result == "rejected"]
+                if len(rejected) == len(results):
+                    raise from_openai_body(rejected[0].status or 400, rejected[0].body)
+                raise Overloaded(
+                    "no cache replica acknowledged the write", code="cache_unavailable", retry_after=1
+                )
+            outcome.result = "ok" if acks == len(targets) else "partial"
+            return acks
+
+    def replicas_for(self, session_id: str, replicas: int) -> list[Member]:
+        """The cache members that should hold `session_id` now, in preference order."""
+        members = self._membership.members(self._service)
+        if not members:
+            raise Overloaded("no healthy cache nodes", code="cache_unavailable", retry_after=1)
+        key = tuple((m.id, m.url) for m in members)
+        if key != self._placement.key:
+            self._placement = _Placement(
+                key, HashRing((m.id for m in members), self._vnodes), {m.id: m for m in members}
+            )
+        placement = self._placement
+        return [placement.by_id[i] for i in placement.ring.preference_list(session_id, max(1, replicas))]
+
+    async def drain(self) -> None:
+        """Wait for every read-repair started so far."""
+        while self._repairs:
+            await asyncio.gather(*list(self._repairs), return_exceptions=True)
+
+    async def aclose(self) -> None:
+        """Cancel pending read-repairs (they are best-effort)."""
+        tasks = list(self._repairs)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- internals --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _op(self, op: str, span_name: str) -> Iterator[tuple[_Outcome, trace.Span]]:
+        outcome = _Outcome()
+        started = time.perf_counter()
+        with tracer.start_as_current_span(span_name) as span:
+            try:
+                yield outcome, span
+            finally:
+                span.set_attribute("switchboard.cache.result", outcome.result)
+                self.metrics.ops.labels(op, outcome.result).inc()
+                self.metrics.seconds.labels(op).observe(time.perf_counter() - started)
+
+    def _url(self, member: Member, session_id: str) -> str:
+        return f"{member.url.rstrip('/')}/v1/sessions/{session_id}"
+
+    @staticmethod
+    def _headers() -> dict[str, str]:
+        headers: dict[str, str] = {}
+        propagate.inject(headers)
+        return headers
+
+    async def _fetch(self, member: Member, session_id: str) -> tuple[str, Transcript | None]:
+        """('hit', t) | ('miss', None) | ('error', None); never raises for a node's failure."""
+        try:
+            resp = await self._http.get(
+                self._url(member, session_id), headers=self._headers(), timeout=self._timeout_s
+            )
+            if resp.status_code == 404:
+                return "miss", None
+            if resp.status_code != 200:
+                log.warning("cache node %s answered GET with %d", member.id, resp.status_code)
+                return "error", None
+            transcript = Transcript.from_wire(resp.json())
+            if transcript.session_id != session_id:
+                raise ValueError("cache node returned another session")
+            return "hit", transcript
+        except (httpx.HTTPError, ValueError) as exc:
+            log.warning("cache node %s unreachable for GET: %s", member.id, type(exc).__name__)
+            return "error", None
+
+    async def _put(
+        self, member: Member, t: Transcript, ttl_s: float | None, *, keep_updated_at: bool
+    ) -> _WriteResult:
+        body: dict[str, Any] = {
+            "owner": t.owner,
+            "messages": [dict(m) for m in t.messages],
+            "version": t.version,
+            "ttl_s": ttl_s,
+        }
+        if keep_updated_at:
+            body["updated_at"] = t.updated_at
+        try:
+            resp = await self._http.put(
+                self._url(member, t.session_id),
+                json=body,
+                headers=self._headers(),
+                timeout=self._timeout_s,
+            )
+        except httpx.HTTPError as exc:
+            log.warning("cache node %s unreachable for PUT: %s", member.id, type(exc).__name__)
+            return _WriteResult("error")
+        if resp.status_code == 200:
+            return _WriteResult("ok", 200)
+        payload = _json_or_none(resp)
+        if resp.status_code == 409:
+            stored = None
+            if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+                stored = payload["error"].get("stored_version")
+            return _WriteResult("stale", 409, payload, stored if isinstance(stored, int) else None)
+        if 400 <= resp.status_code < 500:
+            return _WriteResult("rejected", resp.status_code, payload)
+        log.warning("cache node %s answered PUT with %d", member.id, resp.status_code)
+        return _WriteResult("error", resp.status_code, payload)
+
+    def _start_repair(self, transcript: Transcript, missing: list[Member], unchecked: list[Member]) -> None:
+        task = asyncio.create_task(self._repair(transcript, missing, unchecked), name="session-read-repair")
+        self._repairs.add(task)
+        task.add_done_callback(self._repairs.discard)
+
+    async def _repair(self, transcript: Transcript, missing: list[Member], unchecked: list[Member]) -> None:
+        """Write `transcript` to the replicas that lack it: those that answered 404, and those
+        not asked before the hit (after a membership change a new replica can sit behind it)."""
+        with tracer.start_as_current_span("cache.read_repair") as span:
+            await asyncio.gather(
+                *(self._repair_one(m, transcript, checked=True) for m in missing),
+                *(self._repair_one(m, transcript, checked=False) for m in unchecked),
+            )
+            span.set_attribute("switchboard.session.repair_candidates", len(missing) + len(unchecked))
+
+    async def _repair_one(self, member: Member, transcript: Transcript, *, checked: bool) -> None:
+        if not checked:
+            kind, current = await self._fetch(member, transcript.session_id)
+            if kind == "error" or (current is not None and current.version >= transcript.version):
+                return
+        ttl = transcript.ttl_left(time.time())
+        if ttl is not None and ttl <= 0:
+            return
+        r = await self._put(member, transcript, ttl, keep_updated_at=True)
+        result = r.result if r.result in ("ok", "stale") else "error"
+        self.metrics.ops.labels("repair", result).inc()
+        if result == "ok":
+            self.metrics.repairs.inc()
+        else:
+            log.info("read-repair onto %s: %s", member.id, result)
+
+
+def _json_or_none(resp: httpx.Response) -> Any:
+    try:
+        return resp.json()
+    except ValueError:
+        return None

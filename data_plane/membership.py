@@ -1,0 +1,322 @@
+"""Who is out there: the data plane's view of membership, and self-registration.
+
+    view = StaticMembership([Member("shard-a", "shard", "http://127.0.0.1:8101")])
+    view.members("shard")                       # routable shards, sorted by id
+
+    view = HttpMembership("http://127.0.0.1:8300", http)     # watches the embedded registry
+    await view.start()                          # never raises; keeps the last list if unreachable
+    view.subscribe(router.on_membership_change)
+    ...
+    await view.aclose()
+
+    agent = RegistrationAgent("http://127.0.0.1:8300", Member(...), http, ttl_s=2.0)
+    await agent.start()                         # registers, then heartbeats every ttl_s / 3
+    agent.set_meta(load="3")                    # goes out with the next heartbeat
+    await agent.aclose()                        # deregisters (best effort)
+
+The data plane only needs :class:`MembershipView`; the control plane hosts the registry these
+clients talk to (``control_plane/registry.py``), over HTTP only, so this module never imports
+the control plane. The wire protocol: ``PUT/DELETE /v1/registry/members/{id}`` and the blocking
+query ``GET /v1/registry/members?index=N&wait=S``, which answers once the registry's index
+differs from N or after S seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+ROUTABLE_STATUS = "passing"
+_BACKOFF_START_S = 0.1
+_BACKOFF_MAX_S = 1.0
+_DEREGISTER_TIMEOUT_S = 1.0
+
+
+@dataclass(frozen=True)
+class Member:
+    """One registered process as the registry last reported it."""
+
+    id: str
+    """Unique, e.g. ``shard-127.0.0.1-8101``."""
+    service: str
+    """``shard`` | ``cache`` | ``gateway``."""
+    url: str
+    """Base URL, e.g. ``http://127.0.0.1:8101``."""
+    meta: Mapping[str, str] = field(default_factory=dict, hash=False)
+    """Free-form string facts, e.g. ``{"model": "SmolLM2-135M-Instruct"}``."""
+    status: str = "passing"
+    """``passing`` | ``critical`` | ``draining``; only passing members are routable."""
+    last_heartbeat: float = 0.0
+    """Unix seconds of the member's last accepted heartbeat."""
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Member:
+        """Build from a registry member dict; unknown keys are ignored."""
+        meta = data.get("meta") or {}
+        return cls(
+            id=str(data["id"]),
+            service=str(data["service"]),
+            url=str(data["url"]),
+            meta={str(k): str(v) for k, v in meta.items()},
+            status=str(data.get("status", "passing")),
+            last_heartbeat=float(data.get("last_heartbeat") or 0.0),
+        )
+
+    @property
+    def routable(self) -> bool:
+        return self.status == ROUTABLE_STATUS
+
+
+def _routing_key(member: Member) -> tuple[Any, ...]:
+    """What a change means to a router (heartbeat times excluded)."""
+    return (member.id, member.service, member.url, tuple(sorted(member.meta.items())), member.status)
+
+
+class MembershipView(Protocol):
+    """What the data plane needs to know about membership. Called on every routing decision,
+    so implementations answer from memory, never over the network."""
+
+    def members(self, service: str) -> list[Member]:
+        """Routable members of `service` (passing, not draining), as last known; sorted by id."""
+        ...
+
+
+def _routable(members: Iterable[Member], service: str) -> list[Member]:
+    return sorted((m for m in members if m.service == service and m.routable), key=lambda m: m.id)
+
+
+class StaticMembership:
+    """A fixed list, for tests and ``--shard-url`` style flags.
+
+    StaticMembership([Member("shard-0", "shard", "http://127.0.0.1:8101")]).members("shard")
+    """
+
+    def __init__(self, members: Iterable[Member]) -> None:
+        self._members = tuple(members)
+
+    def members(self, service: str) -> list[Member]:
+        return _routable(self._members, service)
+
+
+class HttpMembership:
+    """Watches the embedded registry with blocking queries; one named task per instance.
+
+    `members()` answers from the last list seen. While the registry is unreachable that list
+    stays in force (``reachable`` is False); right after a registry restart, while it reports
+    ``warming_up``, members it has not heard from again yet are kept too, so a restarted
+    registry does not empty the routing table before every member's next heartbeat.
+    """
+
+    def __init__(
+        self,
+        registry_url: str,
+        http: httpx.AsyncClient,
+        services: Sequence[str] = ("shard", "cache"),
+        wait_s: float = 5.0,
+    ) -> None:
+        self._url = registry_url.rstrip("/") + "/v1/registry/members"
+        self._http = http
+        self._services = frozenset(services)
+        self._wait_s = wait_s
+        self._all: tuple[Member, ...] = ()
+        self._index = 0
+        self._reachable = False
+        self._outage_logged = False
+        self._last_sync = 0.0
+        self._subscribers: list[Callable[[], None]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """First sync (best effort, short timeout), then the watch task."""
+        await self._sync(wait_s=0.0, timeout_s=2.0)
+        self._task = asyncio.create_task(self._watch(), name="membership-watch")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def members(self, service: str) -> list[Member]:
+        return _routable(self._all, service)
+
+    def all_members(self, service: str | None = None) -> list[Member]:
+        """Every known member (critical and draining too), sorted by id."""
+        return sorted((m for m in self._all if service is None or m.service == service), key=lambda m: m.id)
+
+    @property
+    def reachable(self) -> bool:
+        """False while the registry cannot be reached (or before the first sync)."""
+        return self._reachable
+
+    @property
+    def last_sync(self) -> float:
+        """Unix time of the last successful sync; 0.0 if none yet."""
+        return self._last_sync
+
+    def subscribe(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` (in the event loop) after each change of the member list."""
+        self._subscribers.append(callback)
+
+    async def _watch(self) -> None:
+        backoff = _BACKOFF_START_S
+        while True:
+            if await self._sync(wait_s=self._wait_s, timeout_s=self._wait_s + 5.0):
+                backoff = _BACKOFF_START_S
+            else:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+    async def _sync(self, *, wait_s: float, timeout_s: float) -> bool:
+        params = {"index": self._index, "wait": wait_s}
+        try:
+            resp = await self._http.get(self._url, params=params, timeout=timeout_s)
+            resp.raise_for_status()
+            body = resp.json()
+            index = int(body["index"])
+            fresh = [Member.from_dict(d) for d in body["members"]]
+            warming_up = bool(body.get("warming_up", False))
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            self._unreachable(exc)
+            return False
+        if self._outage_logged:
+            log.info("membership registry at %s reachable again (index %d)", self._url, index)
+        self._reachable, self._outage_logged = True, False
+        self._last_sync = time.time()
+        self._index = index
+        self._apply([m for m in fresh if m.service in self._services], warming_up)
+        return True
+
+    def _unreachable(self, exc: Exception) -> None:
+        if not self._outage_logged:
+            self._outage_logged = True
+            log.warning(
+                "membership registry at %s unreachable (%s: %s); routing on the last %d members seen",
+                self._url,
+                type(exc).__name__,
+                exc,
+                len(self._all),
+            )
+        self._reachable = False
+        self._index = 0  # ask afresh next time: the registry may have restarted with a new index
+
+    def _apply(self, fresh: list[Member], warming_up: bool) -> None:
+        if warming_up:
+            known = {m.id for m in fresh}
+            fresh += [m for m in self._all if m.id not in known]
+        fresh.sort(key=lambda m: m.id)
+        changed = [_routing_key(m) for m in fresh] != [_routing_key(m) for m in self._all]
+        self._all = tuple(fresh)
+        if changed:
+            for callback in list(self._subscribers):
+                try:
+                    callback()
+                except Exception:  # a subscriber's bug must not stop the watch
+                    log.exception("membership subscriber %r failed", callback)
+
+
+class RegistrationAgent:
+    """Registers one process in the registry and keeps it alive with heartbeats.
+
+    A heartbeat is the same idempotent ``PUT`` as registration, so a registry that forgot the
+    member (restart, expiry) learns it again from the next heartbeat. Failures are logged once
+    per outage and retried; nothing here raises because the registry is down.
+    """
+
+    def __init__(
+        self, registry_url: str, member: Member, http: httpx.AsyncClient, ttl_s: float = 2.0
+    ) -> None:
+        if ttl_s <= 0:
+            raise ValueError("ttl_s must be > 0")
+        self._url = f"{registry_url.rstrip('/')}/v1/registry/members/{member.id}"
+        self._member = member
+        self._meta = dict(member.meta)
+        self._http = http
+        self._ttl_s = ttl_s
+        self._interval_s = ttl_s / 3
+        self._timeout_s = max(self._interval_s, 0.25)
+        self._registered = False
+        self._failing = False
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def member(self) -> Member:
+        """The member as it is announced (current meta)."""
+        return replace(self._member, meta=dict(self._meta))
+
+    @property
+    def registered(self) -> bool:
+        """True when the last heartbeat was accepted."""
+        return self._registered
+
+    def set_meta(self, **meta: str) -> None:
+        """Merge `meta` into the announced meta; it goes out with the next heartbeat."""
+        self._meta.update({k: str(v) for k, v in meta.items()})
+
+    async def start(self) -> None:
+        await self.heartbeat()
+        self._task = asyncio.create_task(self._run(), name=f"registration-agent:{self._member.id}")
+
+    async def aclose(self) -> None:
+        """Stop heartbeating and deregister (best effort, short timeout)."""
+        if self._task is None:
+            return
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+        try:
+            resp = await self._http.delete(self._url, timeout=_DEREGISTER_TIMEOUT_S)
+            if resp.status_code not in (200, 404):
+                log.warning("deregistering %s: registry answered %d", self._member.id, resp.status_code)
+        except httpx.HTTPError as exc:
+            log.warning("could not deregister %s (%s); it will expire", self._member.id, type(exc).__name__)
+        self._registered = False
+
+    async def heartbeat(self) -> bool:
+        """Send one register/heartbeat now; True when the registry accepted it."""
+        body = {
+            "service": self._member.service,
+            "url": self._member.url,
+            "meta": dict(self._meta),
+            "ttl_s": self._ttl_s,
+        }
+        try:
+            resp = await self._http.put(self._url, json=body, timeout=self._timeout_s)
+        except httpx.HTTPError as exc:
+            return self._failed(f"{type(exc).__name__}: {exc}", logging.WARNING)
+        if resp.status_code != 200:
+            # a 4xx is our own misconfiguration (bad service name, url): say so loudly
+            level = logging.ERROR if 400 <= resp.status_code < 500 else logging.WARNING
+            return self._failed(f"registry answered {resp.status_code}: {resp.text[:300]}", level)
+        if resp.headers.get("X-Registry-Created") == "true" or self._failing:
+            log.info("registered %s (%s) at %s", self._member.id, self._member.service, self._url)
+        self._registered, self._failing = True, False
+        return True
+
+    def _failed(self, why: str, level: int) -> bool:
+        if not self._failing:
+            log.log(level, "registering %s failed (%s); retrying every %.2fs", self._member.id, why, self._interval_s)
+        self._registered, self._failing = False, True
+        return False
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            next_at += self._interval_s
+            now = loop.time()
+            if next_at < now:  # fell behind (slow registry): skip missed beats, keep the rhythm
+                next_at = now
+            await asyncio.sleep(next_at - now)
+            await self.heartbeat()

@@ -1,0 +1,343 @@
+"""The control-plane process and its embedded registry, over real HTTP on loopback.
+
+    .venv/bin/python -m pytest tests/control_plane/test_registry.py -q
+
+`ControlPlaneProcess` and `eventually` are also used by tests/data_plane/test_membership.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from data_plane.membership import HttpMembership, Member, RegistrationAgent
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+ADMIN_TOKEN = "test-admin-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ControlPlaneProcess:
+    """A real `switchboard control-plane` subprocess on a loopback port; restartable on the same port."""
+
+    def __init__(self, log_path: pathlib.Path, *args: str, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = args
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, *extra: str, timeout_s: float = 20.0) -> ControlPlaneProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")}
+        env["PYTHONPATH"] = str(REPO)
+        cmd = [sys.executable, "-m", "control_plane.cli", "control-plane", "--port", str(self.port)]
+        cmd += ["--admin-token", ADMIN_TOKEN, *self.args, *extra]
+        with open(self.log_path, "ab") as log_file:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"control plane exited {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=0.5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"control plane not healthy after {timeout_s}s:\n{self.log_tail()}")
+
+    def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL after 5 s; returns the exit code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+async def eventually(
+    predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float, interval_s: float = 0.02
+) -> float:
+    """Poll until `predicate()` holds; returns the seconds it took, fails after `timeout_s`."""
+    start = time.monotonic()
+    while True:
+        result = predicate()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"condition not met within {timeout_s}s")
+        await asyncio.sleep(interval_s)
+
+
+def unique_id(prefix: str = "shard") -> str:
+    return f"{prefix}-test-{uuid.uuid4().hex[:8]}"
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+def assert_openai_error(resp: httpx.Response, status: int) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    assert err["message"]
+    return dict(err)
+
+
+@pytest.fixture(scope="module")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlaneProcess]:
+    log_path = tmp_path_factory.mktemp("cp") / "control-plane.log"
+    proc = ControlPlaneProcess(log_path, "--warmup", "0", "--deregister-critical-after", "1").start()
+    yield proc
+    proc.stop()
+
+
+async def test_health_and_metrics(control_plane: ControlPlaneProcess) -> None:
+    async with httpx.AsyncClient(base_url=control_plane.url) as http:
+        assert (await http.get("/health")).json() == {"status": "ok"}
+        text = (await http.get("/metrics")).text
+    families = {f.name for f in text_string_to_metric_families(text)}
+    assert {"switchboard_membership_members", "switchboard_membership_changes"} <= families
+    assert 'switchboard_membership_members{service="shard",status="passing"}' in text
+
+
+async def test_agent_registers_heartbeats_updates_meta_and_deregisters(
+    control_plane: ControlPlaneProcess,
+) -> None:
+    member_id = unique_id()
+    async with httpx.AsyncClient(base_url=control_plane.url) as http:
+        before = (await http.get("/metrics")).text
+        agent = RegistrationAgent(
+            control_plane.url,
+            Member(member_id, "shard", "http://127.0.0.1:8101", meta={"model": "m"}),
+            http,
+            ttl_s=0.6,
+        )
+        await agent.start()
+        assert agent.registered
+        first = (await http.get(f"/v1/registry/members/{member_id}")).json()
+        assert first["status"] == "passing" and first["meta"] == {"model": "m"} and first["ttl_s"] == 0.6
+
+        async def heartbeat_seen() -> bool:
+            now = (await http.get(f"/v1/registry/members/{member_id}")).json()
+            return bool(now["last_heartbeat"] > first["last_heartbeat"])
+
+        await eventually(heartbeat_seen, timeout_s=1.0)
+
+        agent.set_meta(load="3")
+
+        async def meta_seen() -> bool:
+            now = (await http.get(f"/v1/registry/members/{member_id}")).json()
+            return bool(now["meta"] == {"model": "m", "load": "3"})
+
+        await eventually(meta_seen, timeout_s=1.0)
+        await asyncio.sleep(0.8)  # longer than the TTL: heartbeats keep it passing
+        assert (await http.get(f"/v1/registry/members/{member_id}")).json()["status"] == "passing"
+
+        await agent.aclose()
+        assert_openai_error(await http.get(f"/v1/registry/members/{member_id}"), 404)
+        after = (await http.get("/metrics")).text
+    for event in ("registered", "deregistered"):
+        name = "switchboard_membership_changes_total"
+        assert metric(after, name, service="shard", event=event) == metric(
+            before, name, service="shard", event=event
+        ) + 1
+
+
+async def test_blocking_query_wakes_on_change_not_on_heartbeat(control_plane: ControlPlaneProcess) -> None:
+    member_id = unique_id("gateway")
+    body = {"service": "gateway", "url": "http://127.0.0.1:8000", "ttl_s": 30}
+    async with httpx.AsyncClient(base_url=control_plane.url, timeout=10) as http:
+        resp = await http.get("/v1/registry/members", params={"service": "gateway"})
+        index = resp.json()["index"]
+        assert resp.headers["X-Registry-Index"] == str(index)
+
+        async def put_later() -> None:
+            await asyncio.sleep(0.3)
+            await http.put(f"/v1/registry/members/{member_id}", json=body)
+
+        started = time.monotonic()
+        writer = asyncio.create_task(put_later())
+        resp = await http.get("/v1/registry/members", params={"service": "gateway", "index": index, "wait": 5})
+        elapsed = time.monotonic() - started
+        await writer
+        assert 0.25 < elapsed < 1.5
+        new_index = resp.json()["index"]
+        assert new_index > index and resp.headers["X-Registry-Index"] == str(new_index)
+        assert member_id in [m["id"] for m in resp.json()["members"]]
+
+        # a heartbeat that changes nothing does not wake a blocking query; it waits out `wait`
+        async def heartbeat_later() -> None:
+            await asyncio.sleep(0.2)
+            await http.put(f"/v1/registry/members/{member_id}", json=body)
+
+        started = time.monotonic()
+        writer = asyncio.create_task(heartbeat_later())
+        params = {"service": "gateway", "index": new_index, "wait": 0.8}
+        resp = await http.get("/v1/registry/members", params=params)
+        elapsed = time.monotonic() - started
+        await writer
+        assert 0.75 < elapsed < 1.6
+        assert resp.json()["index"] == new_index
+
+        await http.delete(f"/v1/registry/members/{member_id}")
+
+
+async def test_silent_member_goes_critical_then_is_removed(control_plane: ControlPlaneProcess) -> None:
+    member_id = unique_id()
+    body = {"service": "shard", "url": "http://127.0.0.1:8102", "ttl_s": 0.3}
+    async with httpx.AsyncClient(base_url=control_plane.url) as http:
+        before = (await http.get("/metrics")).text
+        assert (await http.put(f"/v1/registry/members/{member_id}", json=body)).status_code == 200
+
+        async def status() -> str:
+            resp = await http.get(f"/v1/registry/members/{member_id}")
+            return str(resp.json()["status"]) if resp.status_code == 200 else "gone"
+
+        took = await eventually(lambda: _eq(status(), "critical"), timeout_s=1.5)
+        assert took < 0.3 + 0.25 + 0.2
+        # a heartbeat brings it back
+        assert (await http.put(f"/v1/registry/members/{member_id}", json=body)).json()["status"] == "passing"
+        await eventually(lambda: _eq(status(), "critical"), timeout_s=1.5)
+        await eventually(lambda: _eq(status(), "gone"), timeout_s=2.0)  # --deregister-critical-after 1
+        after = (await http.get("/metrics")).text
+    name = "switchboard_membership_changes_total"
+    assert metric(after, name, service="shard", event="expired") >= metric(
+        before, name, service="shard", event="expired"
+    ) + 2
+
+
+async def _eq(value: Awaitable[str], expected: str) -> bool:
+    return await value == expected
+
+
+async def test_drain_hides_member_until_undrained(control_plane: ControlPlaneProcess) -> None:
+    member_id = unique_id("cache")
+    body = {"service": "cache", "url": "http://127.0.0.1:8201", "ttl_s": 30}
+    async with httpx.AsyncClient(base_url=control_plane.url) as http:
+        await http.put(f"/v1/registry/members/{member_id}", json=body)
+        view = HttpMembership(control_plane.url, http, services=("cache",), wait_s=2.0)
+        await view.start()
+        try:
+            assert member_id in [m.id for m in view.members("cache")]
+
+            resp = await http.post(f"/v1/registry/members/{member_id}/drain")
+            assert resp.json()["status"] == "draining"
+            await eventually(lambda: member_id not in [m.id for m in view.members("cache")], timeout_s=1.0)
+            assert [m.status for m in view.all_members("cache") if m.id == member_id] == ["draining"]
+
+            # the member's own heartbeat does not undo the operator's drain
+            assert (await http.put(f"/v1/registry/members/{member_id}", json=body)).json()["status"] == "draining"
+
+            headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+            resp = await http.post(f"/admin/v1/members/{member_id}/undrain", headers=headers)
+            assert resp.status_code == 200 and resp.json()["status"] == "passing"
+            await eventually(lambda: member_id in [m.id for m in view.members("cache")], timeout_s=1.0)
+        finally:
+            await view.aclose()
+            await http.delete(f"/v1/registry/members/{member_id}")
+
+
+async def test_admin_api_needs_the_bearer_token(control_plane: ControlPlaneProcess) -> None:
+    async with httpx.AsyncClient(base_url=control_plane.url) as http:
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": f"Basic {ADMIN_TOKEN}"},
+            {"Authorization": "Bearer tökén".encode()},
+            {"Authorization": f"Bearer {ADMIN_TOKEN}x"},
+        ):
+            resp = await http.get("/admin/v1/members", headers=headers)
+            err = assert_openai_error(resp, 401)
+            assert err["type"] == "authentication_error"
+            assert resp.headers["WWW-Authenticate"] == "Bearer"
+        resp = await http.get("/admin/v1/members", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+        assert resp.status_code == 200 and isinstance(resp.json()["members"], list)
+
+
+BAD_REQUESTS: list[tuple[str, str, Any, int]] = [
+    ("PUT", "/v1/registry/members/m1", b"{not json", 400),
+    ("PUT", "/v1/registry/members/m1", [1, 2], 400),
+    ("PUT", "/v1/registry/members/m1", {"service": "shard"}, 400),
+    ("PUT", "/v1/registry/members/m1", {"service": "nope", "url": "http://x"}, 400),
+    ("PUT", "/v1/registry/members/m1", {"service": "shard", "url": "ftp://x"}, 400),
+    ("PUT", "/v1/registry/members/m1", {"service": "shard", "url": "http://x:99999"}, 400),
+    ("PUT", "/v1/registry/members/m1", {"service": "shard", "url": "http://x", "ttl_s": -1}, 400),
+    ("PUT", "/v1/registry/members/m1", b'{"service": "shard", "url": "http://x", "ttl_s": 1e400}', 400),
+    ("PUT", "/v1/registry/members/m1", b'{"service": "shard", "url": "http://x", "ttl_s": NaN}', 400),
+    ("PUT", "/v1/registry/members/m1", {"service": "shard", "url": "http://x", "meta": {"a": 1}}, 400),
+    ("PUT", "/v1/registry/members/m1", {"service": "shard", "url": "http://x", "color": "red"}, 400),
+    ("PUT", "/v1/registry/members/-bad%20id", {"service": "shard", "url": "http://x"}, 400),
+    ("GET", "/v1/registry/members?wait=-1", None, 400),
+    ("GET", "/v1/registry/members?wait=nan", None, 400),
+    ("GET", "/v1/registry/members?index=abc", None, 400),
+    ("GET", "/v1/registry/members?service=bogus", None, 400),
+    ("DELETE", "/v1/registry/members/no-such-member", None, 404),
+    ("POST", "/v1/registry/members/no-such-member/drain", None, 404),
+    ("PATCH", "/v1/registry/members/m1", None, 405),
+]
+
+
+async def test_bad_input_gets_a_4xx_in_the_openai_shape(control_plane: ControlPlaneProcess) -> None:
+    async with httpx.AsyncClient(base_url=control_plane.url) as http:
+        for method, path, body, status in BAD_REQUESTS:
+            if isinstance(body, bytes):
+                kwargs: dict[str, Any] = {"content": body, "headers": {"content-type": "application/json"}}
+            else:
+                kwargs = {} if body is None else {"json": body}
+            assert_openai_error(await http.request(method, path, **kwargs), status)
+
+
+async def test_sigterm_answers_blocking_queries_and_exits(tmp_path: pathlib.Path) -> None:
+    proc = ControlPlaneProcess(tmp_path / "cp.log", "--warmup", "0").start()
+    try:
+        async with httpx.AsyncClient(base_url=proc.url, timeout=10) as http:
+            index = (await http.get("/v1/registry/members")).json()["index"]
+            query = asyncio.create_task(http.get("/v1/registry/members", params={"index": index, "wait": 30}))
+            await asyncio.sleep(0.3)
+            started = time.monotonic()
+            assert proc.proc is not None
+            proc.proc.send_signal(signal.SIGTERM)
+            resp = await query
+            assert resp.status_code == 200 and time.monotonic() - started < 2.0
+            await asyncio.to_thread(proc.proc.wait, 5)
+    finally:
+        proc.kill()
+    assert "Application shutdown complete" in proc.log_tail()

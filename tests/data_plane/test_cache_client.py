@@ -1,0 +1,178 @@
+"""SessionStore against real cache-node processes: placement, failover, read-repair, ownership."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from data_plane.cache_client import SessionStore, Transcript, VersionConflict
+from data_plane.errors import InvalidRequest, NotFound, Overloaded
+from data_plane.membership import Member, StaticMembership
+from tests.data_plane.test_cache_node import NodeProcess, free_port, start_nodes
+
+MESSAGES = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}]
+
+
+def members(nodes: list[NodeProcess]) -> list[Member]:
+    return [Member(id=f"cache-{n.port}", service="cache", url=n.url) for n in nodes]
+
+
+def dead_member(name: str = "cache-dead") -> Member:
+    return Member(id=name, service="cache", url=f"http://127.0.0.1:{free_port()}")
+
+
+def holders(nodes: list[NodeProcess], session_id: str) -> set[str]:
+    with httpx.Client(timeout=2.0) as c:
+        return {
+            f"cache-{n.port}"
+            for n in nodes
+            if n.proc.poll() is None and c.get(f"{n.url}/v1/sessions/{session_id}").status_code == 200
+        }
+
+
+def ops(registry: CollectorRegistry, op: str, result: str) -> float:
+    return (
+        registry.get_sample_value("switchboard_session_store_ops_total", {"op": op, "result": result}) or 0.0
+    )
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProcess]]:
+    nodes = start_nodes(tmp_path_factory.mktemp("trio"), 3)
+    yield nodes
+    for n in nodes:
+        n.stop()
+
+
+async def test_save_writes_the_preference_list_and_load_reads_it_back(trio: list[NodeProcess]) -> None:
+    registry = CollectorRegistry()
+    async with httpx.AsyncClient() as http:
+        store = SessionStore(StaticMembership(members(trio)), http, registry=registry)
+        assert await store.save("conv-1", "key-a", MESSAGES, version=1, replicas=2, ttl_s=60) == 2
+        expected = {m.id for m in store.replicas_for("conv-1", 2)}
+        assert holders(trio, "conv-1") == expected and len(expected) == 2
+        got = await store.load("conv-1", "key-a", replicas=2)
+        assert isinstance(got, Transcript)
+        assert (got.owner, list(got.messages), got.version) == ("key-a", MESSAGES, 1)
+        assert await store.load("conv-unknown", "key-a", replicas=2) is None
+        assert await store.save("conv-all", "key-a", MESSAGES, version=1, replicas=9) == 3
+    assert (ops(registry, "save", "ok"), ops(registry, "load", "hit"), ops(registry, "load", "miss")) == (
+        2,
+        1,
+        1,
+    )
+    assert registry.get_sample_value("switchboard_session_store_seconds_count", {"op": "load"}) == 2
+
+
+async def test_owner_mismatch_is_not_found_and_repairs_nothing(trio: list[NodeProcess]) -> None:
+    async with httpx.AsyncClient() as http:
+        full = StaticMembership(members(trio))
+        store = SessionStore(full, http)
+        await store.save("conv-owned", "key-a", MESSAGES, version=1, replicas=1)
+        with pytest.raises(NotFound) as caught:
+            await store.load("conv-owned", "key-b", replicas=3)
+        assert caught.value.code == "session_not_found" and caught.value.status == 404
+        await store.drain()
+        assert len(holders(trio, "conv-owned")) == 1
+
+
+async def test_a_replica_left_behind_is_brought_up_to_the_version_read(trio: list[NodeProcess]) -> None:
+    registry = CollectorRegistry()
+    async with httpx.AsyncClient() as http:
+        store = SessionStore(StaticMembership(members(trio)), http, registry=registry)
+        await store.save("conv-lag", "key-a", MESSAGES[:1], version=1, replicas=2)
+        primary, lagging = store.replicas_for("conv-lag", 2)
+        body = {"owner": "key-a", "messages": MESSAGES, "version": 2}
+        assert (await http.put(f"{primary.url}/v1/sessions/conv-lag", json=body)).status_code == 200
+        got = await store.load("conv-lag", "key-a", replicas=2)
+        assert got is not None and got.version == 2
+        await store.drain()
+        behind = (await http.get(f"{lagging.url}/v1/sessions/conv-lag")).json()
+        assert (behind["version"], behind["messages"]) == (2, MESSAGES)
+    assert registry.get_sample_value("switchboard_session_replica_repairs_total") == 1
+
+
+async def test_stale_write_raises_version_conflict(trio: list[NodeProcess]) -> None:
+    async with httpx.AsyncClient() as http:
+        store = SessionStore(StaticMembership(members(trio)), http)
+        assert await store.save("conv-v", "key-a", MESSAGES, version=5, replicas=2) == 2
+        with pytest.raises(VersionConflict) as caught:
+            await store.save("conv-v", "key-a", MESSAGES[:1], version=4, replicas=2)
+        assert (caught.value.status, caught.value.stored_version) == (409, 5)
+        loaded = await store.load("conv-v", "key-a", replicas=2)
+        assert loaded is not None and loaded.version == 5
+
+
+async def test_partial_acks_are_counted_and_zero_acks_are_overloaded(trio: list[NodeProcess]) -> None:
+    async with httpx.AsyncClient() as http:
+        half = SessionStore(StaticMembership([*members(trio[:1]), dead_member()]), http, timeout_s=0.5)
+        assert await half.save("conv-half", "key-a", MESSAGES, version=1, replicas=2) == 1
+        assert (await half.load("conv-half", "key-a", replicas=2)) is not None
+
+        dead = SessionStore(StaticMembership([dead_member("d1"), dead_member("d2")]), http, timeout_s=0.5)
+        for call in (
+            dead.save("conv-x", "key-a", MESSAGES, version=1, replicas=2),
+            dead.load("conv-x", "key-a", replicas=2),
+        ):
+            with pytest.raises(Overloaded) as caught:
+                await call
+            assert (caught.value.code, caught.value.status, caught.value.retry_after) == (
+                "cache_unavailable",
+                503,
+                1,
+            )
+
+
+async def test_no_cache_members_is_overloaded_and_bad_ids_are_invalid() -> None:
+    async with httpx.AsyncClient() as http:
+        store = SessionStore(StaticMembership([]), http)
+        with pytest.raises(Overloaded) as caught:
+            await store.load("conv-1", "key-a", replicas=2)
+        assert caught.value.code == "cache_unavailable" and caught.value.retry_after == 1
+        with pytest.raises(InvalidRequest):
+            await store.save("no spaces", "key-a", MESSAGES, version=1, replicas=2)
+
+
+async def test_survives_kill_9_and_read_repairs_when_membership_changes(tmp_path: Path) -> None:
+    nodes = start_nodes(tmp_path, 3)
+    by_id = {f"cache-{n.port}": n for n in nodes}
+    registry = CollectorRegistry()
+    try:
+        async with httpx.AsyncClient() as http:
+            store = SessionStore(StaticMembership(members(nodes)), http, registry=registry, timeout_s=0.5)
+            assert await store.save("conv-dur", "key-a", MESSAGES, version=3, replicas=2, ttl_s=120) == 2
+            first, second = (m.id for m in store.replicas_for("conv-dur", 2))
+            (spare,) = set(by_id) - {first, second}
+
+            by_id[first].kill()  # the primary replica dies without a word
+            got = await store.load("conv-dur", "key-a", replicas=2)
+            assert got is not None and got.version == 3 and list(got.messages) == MESSAGES
+            await store.drain()
+            assert registry.get_sample_value("switchboard_session_replica_repairs_total") == 0
+
+            # Membership notices: the spare now sits on the preference list, answers 404, and
+            # gets the record written back from the surviving replica.
+            survivors = [n for n in nodes if f"cache-{n.port}" != first]
+            registry = CollectorRegistry()
+            store = SessionStore(StaticMembership(members(survivors)), http, registry=registry)
+            assert {m.id for m in store.replicas_for("conv-dur", 2)} == {second, spare}
+            assert (await store.load("conv-dur", "key-a", replicas=2)) is not None
+            await store.drain()
+            assert registry.get_sample_value("switchboard_session_replica_repairs_total") == 1
+            assert ops(registry, "repair", "ok") == 1
+            assert holders(nodes, "conv-dur") == {second, spare}
+
+            # The repaired copy kept version, timestamps and TTL: it alone now carries the session.
+            by_id[second].kill()
+            again = await store.load("conv-dur", "key-a", replicas=2)
+            assert again is not None and (again.version, again.updated_at) == (got.version, got.updated_at)
+            assert again.expires_at is not None and got.expires_at is not None
+            assert abs(again.expires_at - got.expires_at) < 1.0
+            await store.aclose()
+    finally:
+        for n in nodes:
+            n.stop()

@@ -1,0 +1,489 @@
+"""The cache node, as real processes on loopback ports: in-memory and Redis backends.
+
+The helpers at the top (free_port, start_nodes, NodeProcess, redis_server) are reused by
+test_cache_client.py.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from data_plane.cache_client import Transcript
+from data_plane.cache_node import MemoryStorage, parse_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 20.0
+
+
+# -- process helpers ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class NodeProcess:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """kill -9: no shutdown hooks run."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def spawn_node(
+    log_dir: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None
+) -> NodeProcess:
+    port = port or free_port()
+    log_path = log_dir / f"cache-node-{port}-{uuid.uuid4().hex[:6]}.log"
+    cmd = [sys.executable, "-m", "control_plane.cli", "cache-node", "--port", str(port), *args]
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_CACHE_")}
+    full_env.update(env or {}, PYTHONUNBUFFERED="1")
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT)
+    return NodeProcess(proc, port, log_path)
+
+
+def wait_healthy(nodes: list[NodeProcess]) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    with httpx.Client(timeout=1.0) as client:
+        for node in nodes:
+            while True:
+                if node.proc.poll() is not None:
+                    raise RuntimeError(f"cache node exited with {node.proc.returncode}:\n{node.log()}")
+                try:
+                    if client.get(node.url + "/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    node.stop()
+                    raise RuntimeError(f"cache node not healthy in {STARTUP_TIMEOUT_S}s:\n{node.log()}")
+                time.sleep(0.05)
+
+
+def start_nodes(log_dir: Path, count: int, *args: str) -> list[NodeProcess]:
+    """Start `count` nodes at once (startup overlaps) and wait until all are healthy."""
+    nodes = [spawn_node(log_dir, *args) for _ in range(count)]
+    try:
+        wait_healthy(nodes)
+    except Exception:
+        for n in nodes:
+            n.stop()
+        raise
+    return nodes
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A throwaway redis-server on a free loopback port, or a skip saying how to get one."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server not on PATH (apt-get install -y redis-server) - Redis backend untested")
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("redis") / "redis.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.2)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.RedisError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"redis-server did not start:\n{log_path.read_text()}")
+            time.sleep(0.05)
+    client.close()
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(5)
+
+
+# -- fixtures -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["memory", "redis"])
+def node(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    args = ("--redis", request.getfixturevalue("redis_url")) if request.param == "redis" else ()
+    (proc,) = start_nodes(tmp_path_factory.mktemp("node"), 1, *args)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def memory_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    (proc,) = start_nodes(tmp_path_factory.mktemp("node"), 1)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def client() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=5.0) as c:
+        yield c
+
+
+def sid() -> str:
+    return f"s-{uuid.uuid4().hex}"
+
+
+def record(version: int = 1, owner: str = "key-a", n: int = 2, **extra: object) -> dict[str, object]:
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(n)]
+    return {"owner": owner, "messages": messages, "version": version, **extra}
+
+
+def metric_value(text: str, name: str, **labels: str) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return None
+
+
+def assert_openai_error(resp: httpx.Response, status: int, code: str | None = None) -> dict[str, object]:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+# -- storage behaviour (both backends) ------------------------------------------------------
+
+
+def test_put_then_get_roundtrip(node: NodeProcess, client: httpx.Client) -> None:
+    s = sid()
+    r = client.put(f"{node.url}/v1/sessions/{s}", json=record(version=3, ttl_s=60))
+    assert r.status_code == 200, r.text
+    assert r.json()["version"] == 3
+    got = client.get(f"{node.url}/v1/sessions/{s}")
+    assert got.status_code == 200
+    body = got.json()
+    assert body["session_id"] == s and body["owner"] == "key-a" and body["version"] == 3
+    assert body["messages"] == record()["messages"]
+    assert abs(body["updated_at"] - time.time()) < 5
+    assert 50 < body["expires_at"] - time.time() <= 60
+    assert Transcript.from_wire(body).messages[1] == {"role": "assistant", "content": "turn 1"}
+
+
+def test_missing_session_is_404_in_openai_shape(node: NodeProcess, client: httpx.Client) -> None:
+    assert_openai_error(client.get(f"{node.url}/v1/sessions/{sid()}"), 404, "session_not_found")
+
+
+def test_lower_version_is_refused_with_stored_version(node: NodeProcess, client: httpx.Client) -> None:
+    s = sid()
+    url = f"{node.url}/v1/sessions/{s}"
+    assert client.put(url, json=record(version=5, n=4)).status_code == 200
+    err = assert_openai_error(client.put(url, json=record(version=4, n=1)), 409, "session_version_conflict")
+    assert err["stored_version"] == 5
+    assert len(client.get(url).json()["messages"]) == 4  # the stale write changed nothing
+    assert client.put(url, json=record(version=5, n=3)).status_code == 200  # same version: replication
+    assert client.put(url, json=record(version=6, n=6)).status_code == 200
+    assert client.get(url).json()["version"] == 6
+
+
+def test_ttl_expiry(node: NodeProcess, client: httpx.Client) -> None:
+    s = sid()
+    url = f"{node.url}/v1/sessions/{s}"
+    assert client.put(url, json=record(ttl_s=0.3)).status_code == 200
+    assert client.get(url).status_code == 200
+    time.sleep(0.5)
+    assert_openai_error(client.get(url), 404, "session_not_found")
+
+
+def test_delete(node: NodeProcess, client: httpx.Client) -> None:
+    url = f"{node.url}/v1/sessions/{sid()}"
+    assert client.put(url, json=record()).status_code == 200
+    assert client.delete(url).json()["deleted"] is True
+    assert client.get(url).status_code == 404
+    assert client.delete(url).json()["deleted"] is False
+
+
+@pytest.mark.parametrize("bad", ["a%20b", "x" * 129, "a/b", "%C3%A9t%C3%A9", "semi;colon", "%00"])
+def test_bad_session_ids_are_400(node: NodeProcess, client: httpx.Client, bad: str) -> None:
+    url = f"{node.url}/v1/sessions/{bad}"
+    for resp in (client.get(url), client.put(url, json=record()), client.delete(url)):
+        assert_openai_error(resp, 400, "invalid_session_id")
+
+
+@pytest.mark.parametrize(
+    ("content", "headers", "status"),
+    [
+        (b"{not json", {"content-type": "application/json"}, 400),
+        (b"", {"content-type": "application/json"}, 400),
+        (b"[1, 2]", {"content-type": "application/json"}, 400),
+        (json.dumps({**record(), "version": "1"}).encode(), {"content-type": "application/json"}, 400),
+        (json.dumps(record(version=-1)).encode(), {"content-type": "application/json"}, 400),
+        (json.dumps(record(ttl_s=0)).encode(), {"content-type": "application/json"}, 400),
+        (json.dumps(record(owner="")).encode(), {"content-type": "application/json"}, 400),
+        (json.dumps({"messages": [], "version": 1}).encode(), {"content-type": "application/json"}, 400),
+        (json.dumps({**record(), "messages": [{"role": "user", "content": 3}]}).encode(), {}, 400),
+        (json.dumps({**record(), "messages": [{"role": "user"}]}).encode(), {}, 400),
+        (json.dumps({**record(), "messages": "hi"}).encode(), {}, 400),
+        (json.dumps({**record(), "surprise": 1}).encode(), {}, 400),
+        (b"\xff\xfe garbage", {"content-type": "application/json"}, 400),
+        (json.dumps(record()).encode(), {"content-type": "text/plain"}, 415),
+    ],
+)
+def test_bad_bodies_are_4xx_never_500(
+    node: NodeProcess, client: httpx.Client, content: bytes, headers: dict[str, str], status: int
+) -> None:
+    resp = client.put(f"{node.url}/v1/sessions/{sid()}", content=content, headers=headers)
+    assert_openai_error(resp, status)
+
+
+def test_oversized_body_is_413(node: NodeProcess, client: httpx.Client) -> None:
+    huge = record()
+    huge["messages"] = [{"role": "user", "content": "x" * (4 * 1024 * 1024 + 10)}]
+    payload = json.dumps(huge).encode()
+    url = f"{node.url}/v1/sessions/{sid()}"
+    assert_openai_error(client.put(url, content=payload, headers={"content-type": "application/json"}), 413)
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: the node must count as it reads
+        for i in range(0, len(payload), 256 * 1024):
+            yield payload[i : i + 256 * 1024]
+
+    assert_openai_error(client.put(url, content=chunked(), headers={"content-type": "application/json"}), 413)
+    assert client.get(url).status_code == 404
+    assert client.get(f"{node.url}/health").status_code == 200
+
+
+def test_metrics_follow_requests(node: NodeProcess, client: httpx.Client) -> None:
+    before = client.get(f"{node.url}/metrics").text
+    url = f"{node.url}/v1/sessions/{sid()}"
+    client.put(url, json=record(version=2))
+    client.put(url, json=record(version=1))
+    client.get(url)
+    client.get(f"{node.url}/v1/sessions/{sid()}")
+    client.get(f"{node.url}/v1/sessions/bad%20id")
+    after = client.get(f"{node.url}/metrics").text
+
+    def delta(op: str, result: str) -> float:
+        name = "switchboard_cache_requests_total"
+        return (metric_value(after, name, op=op, result=result) or 0) - (
+            metric_value(before, name, op=op, result=result) or 0
+        )
+
+    assert [delta("put", "stored"), delta("put", "stale"), delta("get", "hit")] == [1, 1, 1]
+    assert [delta("get", "miss"), delta("get", "error")] == [1, 1]
+    assert metric_value(after, "switchboard_cache_op_seconds_count", op="get") is not None
+    for reason in ("ttl", "lru"):
+        assert metric_value(after, "switchboard_cache_evictions_total", reason=reason) is not None
+    assert metric_value(after, "switchboard_cache_entries") is not None
+    assert metric_value(after, "switchboard_cache_bytes") is not None
+
+
+def test_incoming_traceparent_is_continued(node: NodeProcess, client: httpx.Client) -> None:
+    trace_id, parent = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    headers = {"traceparent": f"00-{trace_id}-{parent}-01"}
+    client.get(f"{node.url}/v1/sessions/{sid()}", headers=headers)
+    spans = {
+        s["span_id"]: s for s in client.get(f"{node.url}/debug/spans", params={"trace_id": trace_id}).json()
+    }
+    (ours,) = [s for s in spans.values() if s["name"] == "cache_node.get"]
+    assert ours["attributes"]["switchboard.cache.result"] == "miss"
+    # Ours hangs off the caller's span, directly or under the framework's server span.
+    up = ours["parent_span_id"]
+    while up in spans:
+        up = spans[up]["parent_span_id"]
+    assert up == parent
+
+
+# -- in-memory backend specifics ------------------------------------------------------------
+
+
+def test_lru_eviction_by_bytes(tmp_path: Path, client: httpx.Client) -> None:
+    (small,) = start_nodes(tmp_path, 1, "--max-bytes", "4096")
+    try:
+        ids = [f"lru-{i}" for i in range(6)]
+        for i, s in enumerate(ids):  # ~900 bytes each: the fifth does not fit beside four
+            body = record(n=1)
+            body["messages"] = [{"role": "user", "content": "y" * 800}]
+            assert client.put(f"{small.url}/v1/sessions/{s}", json=body).status_code == 200
+            if i == 3:
+                assert client.get(f"{small.url}/v1/sessions/{ids[0]}").status_code == 200  # now recent
+        present = [s for s in ids if client.get(f"{small.url}/v1/sessions/{s}").status_code == 200]
+        assert ids[0] in present and ids[1] not in present and ids[5] in present
+        text = client.get(f"{small.url}/metrics").text
+        assert (metric_value(text, "switchboard_cache_bytes") or 0) <= 4096
+        assert metric_value(text, "switchboard_cache_entries") == len(present)
+        assert (metric_value(text, "switchboard_cache_evictions_total", reason="lru") or 0) >= 2
+        too_big = record()
+        too_big["messages"] = [{"role": "user", "content": "z" * 5000}]
+        assert_openai_error(
+            client.put(f"{small.url}/v1/sessions/huge", json=too_big), 413, "record_too_large"
+        )
+    finally:
+        small.stop()
+
+
+async def test_memory_storage_ttl_lru_and_sweep_with_a_fake_clock() -> None:
+    now = [1000.0]
+    evictions: list[tuple[str, int]] = []
+    store = MemoryStorage(3000, on_evict=lambda r, n: evictions.append((r, n)), clock=lambda: now[0])
+
+    def rec(s: str, version: int = 1, size: int = 500) -> Transcript:
+        return Transcript(s, "o", ({"role": "user", "content": "q" * size},), version, now[0])
+
+    assert (await store.put(rec("a"), ttl_s=10)).stored
+    assert (await store.put(rec("b"), ttl_s=100)).stored
+    assert not (await store.put(rec("b", version=0), ttl_s=100)).stored
+    now[0] += 11
+    assert await store.get("a") is None and evictions == [("ttl", 1)]
+    for s in "cdefg":
+        await store.put(rec(s), ttl_s=100)
+    assert store.stats().bytes <= 3000 and await store.get("b") is None
+    assert ("lru", 1) in evictions
+    live = store.stats().entries
+    now[0] += 200
+    assert store.sweep() == live and ("ttl", live) in evictions
+    assert (store.stats().entries, store.stats().bytes) == (0, 0)
+
+
+async def test_memory_storage_expired_record_does_not_block_a_lower_version() -> None:
+    now = [0.0]
+    store = MemoryStorage(10_000, clock=lambda: now[0])
+    await store.put(Transcript("s", "o", (), 9, 0.0), ttl_s=1)
+    now[0] = 2
+    assert (await store.put(Transcript("s", "o", (), 1, 2.0), ttl_s=1)).stored
+
+
+# -- Redis backend specifics ----------------------------------------------------------------
+
+
+def test_redis_records_survive_a_node_restart(redis_url: str, tmp_path: Path, client: httpx.Client) -> None:
+    args = ("--redis", redis_url, "--node-id", f"cache-restart-{uuid.uuid4().hex[:6]}")
+    (first,) = start_nodes(tmp_path, 1, *args)
+    s = sid()
+    try:
+        assert client.put(f"{first.url}/v1/sessions/{s}", json=record(version=7)).status_code == 200
+    finally:
+        first.kill()
+    (second,) = start_nodes(tmp_path, 1, *args)
+    try:
+        assert client.get(f"{second.url}/v1/sessions/{s}").json()["version"] == 7
+    finally:
+        second.stop()
+
+
+def test_redis_down_is_503_not_500(tmp_path: Path, client: httpx.Client) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    proc = spawn_node(tmp_path, "--redis", dead)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:  # /health answers 503 here, so wait for any answer
+            try:
+                health = client.get(f"{proc.url}/health")
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and proc.proc.poll() is None, proc.log()
+                time.sleep(0.05)
+        assert health.status_code == 503
+        assert_openai_error(client.get(f"{proc.url}/v1/sessions/{sid()}"), 503, "cache_backend_unavailable")
+        resp = client.put(f"{proc.url}/v1/sessions/{sid()}", json=record())
+        assert_openai_error(resp, 503, "cache_backend_unavailable")
+        assert resp.headers["retry-after"] == "1"
+    finally:
+        proc.stop()
+
+
+# -- configuration and registration ---------------------------------------------------------
+
+
+def test_settings_flags_override_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SWITCHBOARD_CACHE_TTL_S", "5")
+    monkeypatch.setenv("SWITCHBOARD_CACHE_MAX_BYTES", "2048")
+    s = parse_settings(["--port", "9999", "--max-bytes", "4096", "--node-id", "c1"])
+    assert (s.port, s.ttl_s, s.max_bytes, s.member_id, s.url) == (
+        9999,
+        5.0,
+        4096,
+        "c1",
+        "http://127.0.0.1:9999",
+    )
+    with pytest.raises(SystemExit):
+        parse_settings(["--max-bytes", "10"])
+
+
+class _RegistryStub(http.server.BaseHTTPRequestHandler):
+    """An HTTP stub of the membership registry's two write calls, recording what it hears."""
+
+    calls: ClassVar[list[tuple[str, str, dict[str, object] | None]]] = []
+
+    def _answer(self) -> None:
+        length = int(self.headers.get("content-length") or 0)
+        body = json.loads(self.rfile.read(length)) if length else None
+        type(self).calls.append((self.command, self.path, body))
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    do_PUT = do_DELETE = _answer
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_registers_as_cache_and_deregisters_on_shutdown(tmp_path: Path) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RegistryStub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    registry = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        (proc,) = start_nodes(tmp_path, 1, "--registry", registry, "--node-id", "cache-reg-1")
+        proc.stop()  # SIGTERM: uvicorn runs the lifespan shutdown, which deregisters
+        puts = [c for c in _RegistryStub.calls if c[0] == "PUT"]
+        assert puts and puts[0][1] == "/v1/registry/members/cache-reg-1"
+        assert puts[0][2] is not None and puts[0][2]["service"] == "cache"
+        assert puts[0][2]["url"] == proc.url
+        assert _RegistryStub.calls[-1][:2] == ("DELETE", "/v1/registry/members/cache-reg-1")
+    finally:
+        server.shutdown()

@@ -1,0 +1,257 @@
+"""The gateway end to end: real control plane, cache nodes, shards and gateway on loopback.
+
+Most tests use shards with the synthetic engine (instant deterministic words; it tokenizes by
+whitespace, so prompt token counts are exact and checkable). `test_real_model_through_gateway`
+runs the real model behind the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from tests.cluster import KEYS, Cluster
+from tests.procs import Service, free_port
+
+
+@pytest.fixture(scope="module")
+def tmp_module(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gateway")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_module: Path):
+    # Enterprise gets a "strict" policy whose output rule blocks the synthetic word "charlie".
+    from data_plane.safety import DEFAULT_POLICIES
+    from data_plane.tiers import TierPolicy
+
+    policies = json.loads(json.dumps(DEFAULT_POLICIES))
+    policies["policies"]["strict"] = {"window": 16, "input": policies["policies"]["default"]["input"],
+                                      "output": [{"type": "rules", "categories": {"test_word": ["charlie"]}}]}
+    safety = tmp_module / "safety.yaml"
+    safety.write_text(yaml.safe_dump(policies))
+    tiers = TierPolicy.default().to_dict()
+    tiers["tiers"]["enterprise"]["safety"] = "strict"
+    tiers_file = tmp_module / "tiers.yaml"
+    tiers_file.write_text(yaml.safe_dump(tiers))
+    with Cluster(gateway_args=["--safety-file", str(safety), "--tiers-file", str(tiers_file)]) as c:
+        yield c
+
+
+def client(c: Cluster, tier: str = "plus") -> openai.OpenAI:
+    return openai.OpenAI(base_url=c.gateway.url + "/v1", api_key=KEYS[tier], max_retries=0)
+
+
+def post(c: Cluster, body: dict, key: str | None = KEYS["plus"], headers: dict | None = None, **kw) -> httpx.Response:
+    h = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(c.gateway.url + "/v1/chat/completions", json=body, headers={**h, **(headers or {})},
+                      timeout=30, **kw)
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def test_openai_sdk_non_stream_stream_and_async(cluster: Cluster) -> None:
+    sdk = client(cluster)
+    assert [m.id for m in sdk.models.list().data] == ["synthetic"]
+    msgs = [{"role": "user", "content": "hello there gateway"}]
+    out = sdk.chat.completions.create(model="synthetic", messages=msgs, max_tokens=8)
+    assert out.choices[0].message.content.strip()
+    assert out.usage.prompt_tokens == 1 + 3 + 1 and out.usage.completion_tokens == 8
+    chunks = list(sdk.chat.completions.create(model="synthetic", messages=msgs, max_tokens=8, stream=True,
+                                              stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == out.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 8
+
+    async def many() -> list[str]:
+        a = openai.AsyncOpenAI(base_url=cluster.gateway.url + "/v1", api_key=KEYS["plus"], max_retries=0)
+        rs = await asyncio.gather(*(a.chat.completions.create(
+            model="synthetic", messages=[{"role": "user", "content": f"question number {i}"}], max_tokens=4)
+            for i in range(12)))
+        await a.close()
+        return [r.choices[0].finish_reason for r in rs]
+
+    assert asyncio.run(many()) == ["length"] * 12
+
+
+def test_auth_required(cluster: Cluster) -> None:
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    for key in (None, "sk-wrong"):
+        r = post(cluster, body, key=key)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert "sk-wrong" not in r.text
+    assert httpx.get(cluster.gateway.url + "/v1/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=cluster.gateway.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_session_replays_context_and_is_bound_to_its_key(cluster: Cluster) -> None:
+    r1 = post(cluster, {"messages": [{"role": "user", "content": "my name is zorblax"}], "max_tokens": 5},
+              headers={"X-Session-Id": "new"})
+    assert r1.status_code == 200, r1.text
+    sid = r1.headers["x-session-id"]
+    assert sid.startswith("sess_") and len(sid) > 30
+    reply1 = r1.json()["choices"][0]["message"]["content"]
+    r2 = post(cluster, {"messages": [{"role": "user", "content": "what is my name"}], "max_tokens": 5},
+              headers={"X-Session-Id": sid})
+    assert r2.status_code == 200, r2.text
+    # The shard saw turn 1 (user + assistant) before turn 2: the synthetic engine counts
+    # one token per word plus one per role marker, so the prompt size is exact.
+    expected = (1 + 4) + (1 + words(reply1)) + (1 + 4) + 1
+    assert r2.json()["usage"]["prompt_tokens"] == expected
+    # The same session through the SDK, streaming.
+    stream = client(cluster).chat.completions.create(
+        model="synthetic", messages=[{"role": "user", "content": "and again"}], max_tokens=3, stream=True,
+        stream_options={"include_usage": True}, extra_headers={"X-Session-Id": sid})
+    usage = [c.usage for c in stream if c.usage][0]
+    assert usage.prompt_tokens > expected
+    # Another key, even of the same tenant, cannot see it.
+    for other in ("plus2", "free"):
+        r = post(cluster, {"messages": [{"role": "user", "content": "hi"}]}, key=KEYS[other],
+                 headers={"X-Session-Id": sid})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+
+
+def test_sliding_window_keeps_system_prompt(cluster: Cluster) -> None:
+    sid = post(cluster, {"messages": [{"role": "system", "content": "be brief"},
+                                      {"role": "user", "content": "start"}], "max_tokens": 2},
+               key=KEYS["free"], headers={"X-Session-Id": "new"}).headers["x-session-id"]
+    long_turn = "word " * 600
+    for _ in range(4):
+        r = post(cluster, {"messages": [{"role": "user", "content": long_turn}], "max_tokens": 2},
+                 key=KEYS["free"], headers={"X-Session-Id": sid})
+        assert r.status_code == 200, r.text
+        # Free tier: 2048-token context minus max_tokens; older turns are dropped to fit.
+        assert r.json()["usage"]["prompt_tokens"] <= 2048 - 2
+    metrics = httpx.get(cluster.gateway.url + "/metrics").text
+    assert 'switchboard_gateway_context_dropped_messages_total{tier="free"}' in metrics
+
+
+def test_output_filter_never_sends_blocked_word(cluster: Cluster) -> None:
+    sdk = client(cluster, "enterprise")
+    blocked = 0
+    for i in range(12):
+        msgs = [{"role": "user", "content": f"prompt variant {i}"}]
+        chunks = list(sdk.chat.completions.create(model="synthetic", messages=msgs, max_tokens=12, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert "charlie" not in text and "charl" not in text
+        if finish == ["content_filter"]:
+            blocked += 1
+        out = sdk.chat.completions.create(model="synthetic", messages=msgs, max_tokens=12)
+        assert "charlie" not in out.choices[0].message.content
+    assert blocked > 0, "no synthetic answer contained the test word; the test proves nothing"
+    assert 'switchboard_safety_verdicts_total{category="test_word",stage="output",verdict="block"}' in \
+        httpx.get(cluster.gateway.url + "/metrics").text
+
+
+BAD = [
+    ("unknown parameter", {"messages": [{"role": "user", "content": "x"}], "frobnicate": 1}, 400,
+     "unsupported_parameter", "frobnicate"),
+    ("unsupported tools", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
+     "unsupported_parameter", "tools"),
+    ("empty messages", {"messages": []}, 400, None, "messages"),
+    ("max_tokens over tier cap", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, 400,
+     None, "max_tokens"),
+    ("negative max_tokens", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, 400, None,
+     "max_tokens"),
+    ("unknown model", {"model": "gpt-7", "messages": [{"role": "user", "content": "x"}]}, 404, "model_not_found",
+     "model"),
+    ("blocked input", {"messages": [{"role": "user", "content": "tell me how to build a bomb"}]}, 400,
+     "content_policy_violation", "messages"),
+    ("card number", {"messages": [{"role": "user", "content": "my card is 4111 1111 1111 1111"}]}, 400,
+     "content_policy_violation", "messages"),
+    ("too many messages", {"messages": [{"role": "user", "content": "x"}] * 300}, 400, None, "messages"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,code,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests(cluster: Cluster, name, body, status, code, param) -> None:
+    for stream in (False, True):
+        r = post(cluster, {**body, "stream": stream})
+        assert r.status_code == status, (name, r.text)
+        err = r.json()["error"]
+        assert set(err) >= {"message", "type", "param", "code"}
+        if code:
+            assert err["code"] == code
+        if param:
+            assert (err["param"] or "").startswith(param), err
+
+
+def test_bad_bodies_and_headers(cluster: Cluster) -> None:
+    url = cluster.gateway.url + "/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {KEYS['plus']}"}
+    cases = [
+        (b"{not json", "application/json", 400),
+        (b'{"messages": "\xff"}', "application/json", 400),
+        (b'{"messages": []}', "text/plain", 415),
+        (b"[" * 50000, "application/json", 400),
+    ]
+    for raw, ctype, status in cases:
+        r = httpx.post(url, content=raw, headers={**auth, "content-type": ctype})
+        assert r.status_code == status, (raw[:20], r.text)
+        assert "error" in r.json()
+    r = httpx.post(url, json={"messages": [{"role": "user", "content": "x" * (2 << 20)}]}, headers=auth)
+    assert r.status_code == 413
+    r = post(cluster, {"messages": [{"role": "user", "content": "x"}]}, headers={"X-Session-Id": "bad id!"})
+    assert r.status_code == 400
+    assert r.headers.get("x-request-id")
+
+
+def test_traceparent_continues_across_gateway_and_shard(cluster: Cluster) -> None:
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    r = post(cluster, {"messages": [{"role": "user", "content": "trace me"}], "max_tokens": 2},
+             headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01", "X-Session-Id": "new"})
+    assert r.status_code == 200
+    time.sleep(0.3)
+    gw_spans = httpx.get(cluster.gateway.url + "/debug/spans", params={"trace_id": trace_id}).json()
+    names = {s["name"] for s in gw_spans}
+    assert {"gateway.request", "safety.input", "router.route", "safety.output", "cache.append"} <= names, names
+    shard_spans = []
+    for shard in cluster.shards:
+        shard_spans += httpx.get(shard.url + "/debug/spans", params={"trace_id": trace_id}).json()
+    generate = [s for s in shard_spans if s["name"] == "shard.generate"]
+    assert len(generate) == 1, [s["name"] for s in shard_spans]
+    assert generate[0]["attributes"]["gen_ai.usage.output_tokens"] == 2
+    route = [s for s in gw_spans if s["name"] == "router.route"][0]
+    assert generate[0]["parent_span_id"] == route["span_id"]
+
+
+def test_real_model_through_gateway(fp32_shard: Service) -> None:
+    gw = Service(["gateway", "--shard-urls", fp32_shard.url, "--cache-urls", "http://127.0.0.1:1"],
+                 env={"SWITCHBOARD_GATEWAY_API_KEYS": f"{KEYS['plus']}:acme:plus"})
+    with gw:
+        sdk = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEYS["plus"], max_retries=0)
+        msgs = [{"role": "user", "content": "What is the capital of France?"}]
+        out = sdk.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=12,
+                                          temperature=0)
+        assert "Paris" in out.choices[0].message.content
+        direct = httpx.post(fp32_shard.url + "/v1/chat/completions",
+                            json={"messages": msgs, "max_tokens": 12, "temperature": 0}).json()
+        assert out.choices[0].message.content == direct["choices"][0]["message"]["content"]
+        assert out.usage.prompt_tokens == direct["usage"]["prompt_tokens"]
+        # No cache node reachable: a session request is a clear 503, not a 500.
+        with pytest.raises(openai.APIStatusError) as e:
+            sdk.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=2,
+                                        extra_headers={"X-Session-Id": "new-but-nowhere"})
+        assert e.value.status_code == 503
+
+
+def test_no_shard_is_503_with_retry_after() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    gw = Service(["gateway", "--shard-urls", f"{dead},{dead}/", "--tokenizer", "whitespace"],
+                 env={"SWITCHBOARD_GATEWAY_API_KEYS": f"{KEYS['plus']}:acme:plus"})
+    with gw:
+        r = httpx.post(gw.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},
+                       headers={"Authorization": f"Bearer {KEYS['plus']}"})
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["type"] == "server_error"
