@@ -78,7 +78,7 @@ class CacheNodeSettings(BaseSettings):
     """Redis key prefix (default ``switchboard:<node_id>:session:``, so nodes may share a Redis)."""
     registry: str | None = None
     """Membership registry URL; when set the node registers as service ``cache``."""
-    registration_ttl_s: float = Field(2.0, gt=0.1, le=300)
+    registration_ttl_s: float = Field(0.8, gt=0.1, le=300)
     """TTL of the membership health check."""
     max_bytes: int = Field(256 * MiB, ge=1024, le=1 << 40)
     """In-memory backend: total bytes of stored records before LRU eviction."""

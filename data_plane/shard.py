@@ -74,6 +74,7 @@ class ShardSettings(BaseSettings):
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body.")
     registry_url: str | None = Field(None, description="Embedded registry URL to register with.")
     node_id: str | None = Field(None, description="Member id (default shard-HOST-PORT).")
+    registration_ttl_s: float = Field(0.8, gt=0.1, le=300, description="Membership TTL; a dead shard leaves routing within it.")
     advertise_url: str | None = Field(None, description="URL others use to reach this shard.")
     synthetic_token_delay_ms: float = Field(0.0, ge=0, le=10000, description="Synthetic engine: delay per token.")
     log_prompts: bool = Field(False, description="Log prompt and completion text (off by default).")
@@ -150,7 +151,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
                           "max_num_seqs": str(settings.max_num_seqs),
                           "max_model_len": str(engine.max_model_len)},
                 )
-                agent = RegistrationAgent(settings.registry_url, member, http)
+                agent = RegistrationAgent(settings.registry_url, member, http, ttl_s=settings.registration_ttl_s)
                 await agent.start()
 
         loader = asyncio.create_task(load(), name="shard-model-load")
