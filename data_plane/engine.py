@@ -91,7 +91,9 @@ class Engine(Protocol):
     model_name: str
     max_model_len: int
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+    def encode_chat(self, messages: Sequence[dict[str, str]], continue_final: bool = False) -> list[int]:
+        """Chat template -> token ids; `continue_final` continues the last assistant message."""
+        ...
 
     def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         """Validate and enqueue now (raise InvalidRequest / Overloaded before any compute);

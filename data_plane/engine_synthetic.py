@@ -37,8 +37,7 @@ class SyntheticEngine:
         self.max_model_len = max_model_len
         self.token_delay_s = token_delay_s
         self.max_num_seqs = max_num_seqs
-        self._vocab: dict[str, int] = {}
-        self._words: list[str] = []
+        self._words: dict[int, str] = {}
         self._running = 0
         self._aborted: set[str] = set()
 
@@ -48,25 +47,30 @@ class SyntheticEngine:
     async def aclose(self) -> None:
         return None
 
-    def _id(self, word: str) -> int:
-        if word not in self._vocab:
-            self._vocab[word] = len(self._words)
-            self._words.append(word)
-        return self._vocab[word]
+    @staticmethod
+    def _id(word: str) -> int:
+        """A stable id per word (the same in every process, so shards agree)."""
+        return int.from_bytes(hashlib.blake2b(word.encode(), digest_size=4).digest(), "big")
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def _output_id(self, word: str) -> int:
+        token = self._id(word)
+        self._words.setdefault(token, word)  # only the few output words are ever decoded
+        return token
+
+    def encode_chat(self, messages: Sequence[dict[str, str]], continue_final: bool = False) -> list[int]:
         ids = []
         for m in messages:
             ids.append(self._id(f"<{m['role']}>"))
             ids.extend(self._id(w) for w in m["content"].split())
-        ids.append(self._id("<assistant>"))
+        if not continue_final:
+            ids.append(self._id("<assistant>"))
         return ids
 
     def count_tokens(self, text: str) -> int:
         return len(text.split())
 
     def _decode(self, ids: list[int]) -> str:
-        return "".join(" " + self._words[i] if i < len(self._words) else "" for i in ids)
+        return "".join(" " + self._words.get(i, "") for i in ids)
 
     def stats(self) -> EngineStats:
         return EngineStats(self._running, 0, 0.0, self.max_num_seqs)
@@ -79,12 +83,21 @@ class SyntheticEngine:
         return self._run(req, max_tokens)
 
     async def _run(self, req: GenerationRequest, max_tokens: int) -> AsyncIterator[GenerationOutput]:
-        self._running += 1
         t0 = time.monotonic()
-        seed = hashlib.blake2b(bytes(str(req.prompt_ids), "ascii"), digest_size=4).digest()[0]
-        n = min(max_tokens, DEFAULT_ANSWER_TOKENS)
+        # Words depend on the prompt up to the reply marker, and continue from the words already
+        # in a continued reply, so a resumed stream equals an uninterrupted one.
+        marker = self._id("<assistant>")
+        cut = max((i for i, t in enumerate(req.prompt_ids) if t == marker), default=len(req.prompt_ids) - 1)
+        seed = hashlib.blake2b(bytes(str(req.prompt_ids[: cut + 1]), "ascii"), digest_size=4).digest()[0]
+        done = len(req.prompt_ids) - cut - 1
+        seed += done
+        n = min(max_tokens, max(0, DEFAULT_ANSWER_TOKENS - done))
+        if n == 0:
+            yield self._final(req, "", FINISH_STOP, 0, t0, time.monotonic())
+            return
         stream = TextStream(self._decode, req.params.stop)
         first = None
+        self._running += 1
         try:
             for i in range(n):
                 if req.request_id in self._aborted:
@@ -94,7 +107,7 @@ class SyntheticEngine:
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
                 first = first or time.monotonic()
-                delta = stream.push(self._id(_WORDS[(seed + i) % len(_WORDS)]))
+                delta = stream.push(self._output_id(_WORDS[(seed + i) % len(_WORDS)]))
                 if stream.stopped:
                     yield self._final(req, delta + stream.flush(), FINISH_STOP, i + 1, t0, first)
                     return

@@ -177,8 +177,10 @@ class TorchEngine:
 
     # -- API ---------------------------------------------------------------------------
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        ids = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    def encode_chat(self, messages: Sequence[dict[str, str]], continue_final: bool = False) -> list[int]:
+        ids = self._tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=not continue_final, continue_final_message=continue_final,
+            tokenize=True)
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)

@@ -69,7 +69,7 @@ from data_plane.router import Router, RouterMetrics
 from data_plane.safety import ALLOW, OutputStreamFilter, SafetyMetrics, SafetyPolicies, raise_if_blocked
 from data_plane.telemetry import configure_process, metrics_endpoint, recent_spans_endpoint
 from data_plane.tiers import Tier, TierPolicy
-from data_plane.upstream import Delta, Finish, ShardStream, Upstream, UpstreamConfig, UsageEvent
+from data_plane.upstream import Delta, Finish, ResumableStream, Upstream, UpstreamConfig, UsageEvent
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -102,6 +102,7 @@ class GatewaySettings(BaseSettings):
     first_token_timeout_s: float = Field(60.0, gt=0, description="Send-to-first-token timeout per attempt.")
     idle_timeout_s: float = Field(30.0, gt=0, description="Longest pause between streamed tokens.")
     retries: int = Field(1, ge=0, le=3, description="Retries on another shard before the first token.")
+    resumes: int = Field(2, ge=0, le=5, description="Mid-stream failovers per request (resume on another shard).")
     eject_after: int = Field(3, ge=1, description="Consecutive failures that eject a shard.")
     eject_s: float = Field(5.0, gt=0, description="First ejection's duration (doubles on repeat).")
     routing_policy: str = Field("affinity", description="affinity | least_loaded.")
@@ -195,7 +196,7 @@ def create_app(gw: Gateway) -> FastAPI:
                            eject_s=settings.eject_s)
         gw.upstream = Upstream(gw.router, gw.http, UpstreamConfig(
             connect_timeout_s=settings.connect_timeout_s, first_token_timeout_s=settings.first_token_timeout_s,
-            idle_timeout_s=settings.idle_timeout_s, retries=settings.retries))
+            idle_timeout_s=settings.idle_timeout_s, retries=settings.retries, resumes=settings.resumes))
         gw.sessions = SessionStore(gw.membership, gw.http, registry=gw.registry)
         agent = None
         if settings.registry_url:
@@ -357,7 +358,7 @@ class ChatHandler:
 
         body: dict[str, Any] = {
             "messages": window.messages, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "priority": tier.priority,
+            "priority": tier.priority,
             "request_id": self.request_id, "deadline": time.time() + settings.first_token_timeout_s * 5,
         }
         for name in ("temperature", "top_p", "top_k", "stop", "seed"):
@@ -370,7 +371,7 @@ class ChatHandler:
         try:
             with tracer.start_as_current_span("router.route") as route_span:
                 assert gw.upstream is not None
-                stream = await gw.upstream.open(body, self.session_id)
+                stream = await gw.upstream.open_resumable(body, self.session_id)
                 route_span.set_attribute("switchboard.shard", stream.member.id)
                 route_span.set_attribute("switchboard.attempts", stream.attempts)
         except BaseException:
@@ -451,7 +452,7 @@ class _Completion:
         self.finish_reason: str | None = None
         self.usage = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
 
-    async def _events(self, stream: ShardStream) -> AsyncIterator[str]:
+    async def _events(self, stream: ResumableStream) -> AsyncIterator[str]:
         """Safe text deltas; sets finish_reason and usage. Raises SwitchboardError mid-stream."""
         gw = self.h.gw
         try:
@@ -498,7 +499,7 @@ class _Completion:
         if self.finish_reason:
             span.set_attribute("gen_ai.response.finish_reasons", [self.finish_reason])
 
-    async def collect(self, stream: ShardStream) -> dict[str, Any]:
+    async def collect(self, stream: ResumableStream) -> dict[str, Any]:
         h = self.h
         async for _ in self._events(stream):
             pass
@@ -507,7 +508,7 @@ class _Completion:
         return completion_body(completion_id=self.completion_id, model=self.model, text="".join(self.text),
                                finish_reason=self.finish_reason, usage=self.usage, created=self.created)
 
-    async def sse(self, stream: ShardStream, include_usage: bool) -> AsyncIterator[bytes]:
+    async def sse(self, stream: ResumableStream, include_usage: bool) -> AsyncIterator[bytes]:
         h = self.h
         span = h.span
         assert span is not None

@@ -306,7 +306,13 @@ class RegistrationAgent:
 
     def _failed(self, why: str, level: int) -> bool:
         if not self._failing:
-            log.log(level, "registering %s failed (%s); retrying every %.2fs", self._member.id, why, self._interval_s)
+            log.log(
+                level,
+                "registering %s failed (%s); retrying every %.2fs",
+                self._member.id,
+                why,
+                self._interval_s,
+            )
         self._registered, self._failing = False, True
         return False
 
@@ -316,7 +322,6 @@ class RegistrationAgent:
         while True:
             next_at += self._interval_s
             now = loop.time()
-            if next_at < now:  # fell behind (slow registry): skip missed beats, keep the rhythm
-                next_at = now
+            next_at = max(next_at, now)  # fell behind (slow registry): skip missed beats
             await asyncio.sleep(next_at - now)
             await self.heartbeat()

@@ -60,6 +60,8 @@ class ChatMessage(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's extension: usage (so far) on every chunk; the gateway uses it to resume streams."""
 
 
 # Parameters OpenAI defines that we accept only at their neutral value.
@@ -125,6 +127,9 @@ class ChatCompletionRequest(BaseModel):
     request_id: str | None = Field(default=None, max_length=128)
     deadline: float | None = None
     session_id: str | None = Field(default=None, max_length=128)
+    # vLLM-compatible continuation: the last (assistant) message is continued, not answered.
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
 
     @field_validator("stop")
     @classmethod
@@ -152,6 +157,11 @@ class ChatCompletionRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest(
                 "stream_options is only allowed when stream is true", param="stream_options"
+            )
+        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
+            raise InvalidRequest(
+                "continue_final_message needs add_generation_prompt=false and a final assistant message",
+                param="continue_final_message",
             )
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             if self.max_tokens != self.max_completion_tokens:

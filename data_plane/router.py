@@ -42,6 +42,8 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.retries = Counter("switchboard_router_retries", "Requests retried on another shard.", ["reason"],
                                registry=registry)
+        self.resumes = Counter("switchboard_router_resumes", "Streams resumed on another shard mid-way.",
+                               ["reason"], registry=registry)
         self.ejections = Counter("switchboard_router_ejections", "Shards ejected from routing after failures.",
                                  registry=registry)
         self.failures = Counter("switchboard_router_upstream_failures", "Failed shard calls by reason.",
@@ -213,6 +215,11 @@ class Router:
         self.metrics.retries.labels(reason).inc()
         log.warning("retrying request on another shard after %s failed (%s)", member.id, reason)
         trace.get_current_span().add_event("router.retry", {"failed_shard": member.id, "reason": reason})
+
+    def record_resume(self, member: Member, reason: str) -> None:
+        self.metrics.resumes.labels(reason).inc()
+        log.warning("stream from %s broke mid-way (%s); resuming on another shard", member.id, reason)
+        trace.get_current_span().add_event("router.resume", {"failed_shard": member.id, "reason": reason})
 
     def is_ejected(self, member_id: str) -> bool:
         h = self._health.get(member_id)

@@ -237,7 +237,8 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
         run = _Run(state, gen_req, span, time.monotonic())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(run.sse(outputs, include_usage), media_type="text/event-stream",
+            continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+            return StreamingResponse(run.sse(outputs, include_usage, continuous), media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         body = await run.collect(outputs, request)
         return JSONResponse(body, headers=headers)
@@ -251,7 +252,7 @@ def _model_card(engine: Engine, state: ShardState) -> dict[str, Any]:
 
 
 def _generation_request(req: ChatCompletionRequest, engine: Engine, request_id: str) -> GenerationRequest:
-    ids = engine.encode_chat(req.plain_messages())
+    ids = engine.encode_chat(req.plain_messages(), continue_final=req.continue_final_message)
     params = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -332,7 +333,8 @@ class _Run:
                                text="".join(text), finish_reason=last.finish_reason, usage=usage,
                                created=self.created)
 
-    async def sse(self, outputs: AsyncIterator[GenerationOutput], include_usage: bool) -> AsyncIterator[bytes]:
+    async def sse(self, outputs: AsyncIterator[GenerationOutput], include_usage: bool,
+                  continuous_usage: bool = False) -> AsyncIterator[bytes]:
         model = self.state.engine.model_name
         last: GenerationOutput | None = None
 
@@ -346,7 +348,11 @@ class _Run:
             async for out in outputs:
                 last = out
                 if out.text:
-                    yield event(chunk_body(**common, delta={"content": out.text}))
+                    so_far = None
+                    if continuous_usage:
+                        so_far = Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                                       total_tokens=out.prompt_tokens + out.completion_tokens)
+                    yield event(chunk_body(**common, delta={"content": out.text}, usage=so_far))
                 if out.finish_reason is not None:
                     yield event(chunk_body(**common, delta={}, finish_reason=out.finish_reason))
                     if include_usage:

@@ -74,3 +74,92 @@ def test_killed_cache_node_plus_session_survives() -> None:
             assert r.json()["usage"]["prompt_tokens"] > first_prompt  # history was replayed
             first_prompt = r.json()["usage"]["prompt_tokens"]
             time.sleep(0.3)  # let read-repair / the write land on the survivors
+
+
+def _stream_all(url: str, prompts: list[str], max_tokens: int, on_progress=None) -> list[tuple[str, str]]:
+    """Stream every prompt concurrently; return (text, finish_reason) per prompt."""
+
+    async def run() -> list[tuple[str, str]]:
+        sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=120)
+        chunks_seen = 0
+
+        async def one(p: str) -> tuple[str, str]:
+            nonlocal chunks_seen
+            text, finish = "", ""
+            stream = await sdk.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=max_tokens, temperature=0,
+                stream=True)
+            async for chunk in stream:
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+                    finish = chunk.choices[0].finish_reason or finish
+                    chunks_seen += 1
+                    if on_progress is not None:
+                        on_progress(chunks_seen)
+            return text, finish
+
+        out = await asyncio.gather(*(one(p) for p in prompts))
+        await sdk.close()
+        return out
+
+    return asyncio.run(run())
+
+
+MODEL = None  # set per test: the served model id
+
+
+def test_mid_stream_failover_synthetic_is_seamless() -> None:
+    global MODEL
+    MODEL = "synthetic"
+    with Cluster(shards=2, caches=1, token_delay_ms=40) as c:
+        prompts = [f"tell me story number {i}" for i in range(16)]
+        reference = _stream_all(c.gateway.url, prompts, 16)
+        assert all(f == "length" for _, f in reference)
+        killed = []
+
+        def kill_once(seen: int) -> None:
+            if seen >= 40 and not killed:
+                killed.append(True)
+                c.shards[0].kill()
+
+        got = _stream_all(c.gateway.url, prompts, 16, on_progress=kill_once)
+        assert killed
+        assert got == reference
+        assert metric(c, "switchboard_router_resumes_total") >= 1
+
+
+def test_mid_stream_failover_real_model_float32_equals_uninterrupted() -> None:
+    """kill -9 one of two float32 shards during 16 greedy streams: every stream completes and
+    its text equals the uninterrupted run (the gateway resumes on the other shard)."""
+    global MODEL
+    MODEL = "SmolLM2-135M-Instruct"
+    from tests.cluster import api_keys_env
+    from tests.procs import Service
+
+    shards = [Service(["shard", "--dtype", "float32", "--threads", "1"], ready_timeout=180) for _ in range(2)]
+    for s in shards:
+        s.start(wait=False)
+    try:
+        for s in shards:
+            s.wait_healthy()
+        with Service(["gateway", "--shard-urls", ",".join(s.url for s in shards), "--cache-urls",
+                      "http://127.0.0.1:1"], env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()}) as gw:
+            prompts = [f"Write a short story about a robot named Unit-{i} who learns to paint." for i in range(16)]
+            reference = _stream_all(gw.url, prompts, 40)
+            killed = []
+
+            def kill_once(seen: int) -> None:
+                if seen >= 48 and not killed:
+                    killed.append(True)
+                    shards[0].kill()
+
+            got = _stream_all(gw.url, prompts, 40, on_progress=kill_once)
+            assert killed
+            assert [f for _, f in got] == [f for _, f in reference]
+            assert [t for t, _ in got] == [t for t, _ in reference]
+            resumes = sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(gw.url + "/metrics").text.splitlines()
+                          if line.startswith("switchboard_router_resumes_total"))
+            assert resumes >= 1
+    finally:
+        for s in shards:
+            s.stop()
