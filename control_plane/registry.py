@@ -34,9 +34,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Path, Query
@@ -60,8 +60,8 @@ MAX_META_VALUE_LEN = 1024
 class RegistryMetrics:
     """Prometheus view of the registry; takes its own `registry` so tests can read it back.
 
-        metrics = RegistryMetrics(CollectorRegistry(), services=("shard",))
-        metrics.changed("shard", "registered")
+    metrics = RegistryMetrics(CollectorRegistry(), services=("shard",))
+    metrics.changed("shard", "registered")
     """
 
     def __init__(self, registry: CollectorRegistry, services: Iterable[str] = ()) -> None:

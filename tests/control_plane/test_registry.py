@@ -176,9 +176,10 @@ async def test_agent_registers_heartbeats_updates_meta_and_deregisters(
         after = (await http.get("/metrics")).text
     for event in ("registered", "deregistered"):
         name = "switchboard_membership_changes_total"
-        assert metric(after, name, service="shard", event=event) == metric(
-            before, name, service="shard", event=event
-        ) + 1
+        assert (
+            metric(after, name, service="shard", event=event)
+            == metric(before, name, service="shard", event=event) + 1
+        )
 
 
 async def test_blocking_query_wakes_on_change_not_on_heartbeat(control_plane: ControlPlaneProcess) -> None:
@@ -195,7 +196,9 @@ async def test_blocking_query_wakes_on_change_not_on_heartbeat(control_plane: Co
 
         started = time.monotonic()
         writer = asyncio.create_task(put_later())
-        resp = await http.get("/v1/registry/members", params={"service": "gateway", "index": index, "wait": 5})
+        resp = await http.get(
+            "/v1/registry/members", params={"service": "gateway", "index": index, "wait": 5}
+        )
         elapsed = time.monotonic() - started
         await writer
         assert 0.25 < elapsed < 1.5
@@ -239,9 +242,10 @@ async def test_silent_member_goes_critical_then_is_removed(control_plane: Contro
         await eventually(lambda: _eq(status(), "gone"), timeout_s=2.0)  # --deregister-critical-after 1
         after = (await http.get("/metrics")).text
     name = "switchboard_membership_changes_total"
-    assert metric(after, name, service="shard", event="expired") >= metric(
-        before, name, service="shard", event="expired"
-    ) + 2
+    assert (
+        metric(after, name, service="shard", event="expired")
+        >= metric(before, name, service="shard", event="expired") + 2
+    )
 
 
 async def _eq(value: Awaitable[str], expected: str) -> bool:
@@ -264,7 +268,9 @@ async def test_drain_hides_member_until_undrained(control_plane: ControlPlanePro
             assert [m.status for m in view.all_members("cache") if m.id == member_id] == ["draining"]
 
             # the member's own heartbeat does not undo the operator's drain
-            assert (await http.put(f"/v1/registry/members/{member_id}", json=body)).json()["status"] == "draining"
+            assert (await http.put(f"/v1/registry/members/{member_id}", json=body)).json()[
+                "status"
+            ] == "draining"
 
             headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
             resp = await http.post(f"/admin/v1/members/{member_id}/undrain", headers=headers)
@@ -277,13 +283,14 @@ async def test_drain_hides_member_until_undrained(control_plane: ControlPlanePro
 
 async def test_admin_api_needs_the_bearer_token(control_plane: ControlPlaneProcess) -> None:
     async with httpx.AsyncClient(base_url=control_plane.url) as http:
-        for headers in (
+        cases: list[dict[str, str] | dict[bytes, bytes]] = [
             {},
             {"Authorization": "Bearer wrong"},
             {"Authorization": f"Basic {ADMIN_TOKEN}"},
-            {"Authorization": "Bearer tökén".encode()},
+            {b"Authorization": "Bearer tökén".encode()},  # non-ASCII must not become a 500
             {"Authorization": f"Bearer {ADMIN_TOKEN}x"},
-        ):
+        ]
+        for headers in cases:
             resp = await http.get("/admin/v1/members", headers=headers)
             err = assert_openai_error(resp, 401)
             assert err["type"] == "authentication_error"
@@ -326,7 +333,7 @@ async def test_bad_input_gets_a_4xx_in_the_openai_shape(control_plane: ControlPl
 
 
 async def test_sigterm_answers_blocking_queries_and_exits(tmp_path: pathlib.Path) -> None:
-    proc = ControlPlaneProcess(tmp_path / "cp.log", "--warmup", "0").start()
+    proc = await asyncio.to_thread(ControlPlaneProcess(tmp_path / "cp.log", "--warmup", "0").start)
     try:
         async with httpx.AsyncClient(base_url=proc.url, timeout=10) as http:
             index = (await http.get("/v1/registry/members")).json()["index"]

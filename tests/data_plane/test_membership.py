@@ -1,6 +1,6 @@
 """Membership clients against a real control-plane process on loopback.
 
-    .venv/bin/python -m pytest tests/data_plane/test_membership.py -q
+.venv/bin/python -m pytest tests/data_plane/test_membership.py -q
 """
 
 from __future__ import annotations
@@ -94,10 +94,12 @@ async def test_killed_member_leaves_within_its_ttl(control_plane: ControlPlanePr
     member_id = unique_id()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-c", AGENT_SCRIPT, control_plane.url, member_id]
-    agent = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    agent = await asyncio.create_subprocess_exec(
+        *cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
     try:
         assert agent.stdout is not None
-        line = await asyncio.to_thread(agent.stdout.readline)
+        line = await asyncio.wait_for(agent.stdout.readline(), 15)
         assert line.strip() == b"registered"
         async with httpx.AsyncClient() as http:
             view = HttpMembership(control_plane.url, http, wait_s=5.0)
@@ -112,15 +114,18 @@ async def test_killed_member_leaves_within_its_ttl(control_plane: ControlPlanePr
             finally:
                 await view.aclose()
     finally:
-        agent.kill()
-        agent.wait(5)
+        if agent.returncode is None:
+            agent.kill()
+        await agent.wait()
 
 
 async def test_clients_never_raise_when_the_registry_is_down() -> None:
     nowhere = f"http://127.0.0.1:{free_port()}"
     async with httpx.AsyncClient() as http:
         view = HttpMembership(nowhere, http, wait_s=1.0)
-        agent = RegistrationAgent(nowhere, Member("shard-x", "shard", "http://127.0.0.1:8101"), http, ttl_s=0.6)
+        agent = RegistrationAgent(
+            nowhere, Member("shard-x", "shard", "http://127.0.0.1:8101"), http, ttl_s=0.6
+        )
         await view.start()
         await agent.start()
         await asyncio.sleep(0.5)  # the watch and heartbeat loops keep retrying quietly
@@ -131,13 +136,15 @@ async def test_clients_never_raise_when_the_registry_is_down() -> None:
 
 
 async def test_registry_restart_keeps_routing_and_members_come_back(tmp_path: pathlib.Path) -> None:
-    registry = ControlPlaneProcess(tmp_path / "cp.log", "--warmup", "0").start()
+    registry = await asyncio.to_thread(ControlPlaneProcess(tmp_path / "cp.log", "--warmup", "0").start)
     live = Member(unique_id(), "shard", "http://127.0.0.1:8101")
     gone = Member(unique_id("cache"), "cache", "http://127.0.0.1:8201")  # registered once, never again
     try:
         async with httpx.AsyncClient() as http:
             put = {"service": gone.service, "url": gone.url, "ttl_s": 30}
-            assert (await http.put(f"{registry.url}/v1/registry/members/{gone.id}", json=put)).status_code == 200
+            assert (
+                await http.put(f"{registry.url}/v1/registry/members/{gone.id}", json=put)
+            ).status_code == 200
             agent = RegistrationAgent(registry.url, live, http, ttl_s=1.0)
             view = HttpMembership(registry.url, http, wait_s=2.0)
             await agent.start()
@@ -152,7 +159,7 @@ async def test_registry_restart_keeps_routing_and_members_come_back(tmp_path: pa
                 assert ids(view.members("shard")) == [live.id] and ids(view.members("cache")) == [gone.id]
                 assert not agent.registered
 
-                registry.start("--warmup", "1.5")  # same port, empty memory
+                await asyncio.to_thread(registry.start, "--warmup", "1.5")  # same port, empty memory
                 await eventually(lambda: view.reachable, timeout_s=3.0)
                 assert view.last_sync > synced
 
