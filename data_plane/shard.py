@@ -86,9 +86,7 @@ def build_engine(settings: ShardSettings, metrics: ShardMetrics | None) -> Engin
 
         return SyntheticEngine(settings.max_model_len, settings.synthetic_token_delay_ms / 1000.0, settings.max_num_seqs)
     if settings.engine == "vllm":
-        from data_plane.engine_vllm import VllmEngine  # lazy: vllm is a GPU-only optional extra
-
-        return VllmEngine(settings)
+        raise ValueError("the vllm engine runs as vLLM's own server beside a sidecar (see data_plane.engine_vllm)")
     from data_plane.engine_torch import EngineConfig, TorchEngine
 
     config = EngineConfig(
@@ -378,6 +376,11 @@ def main(argv: list[str] | None = None) -> None:
 
     settings = parse_settings(ShardSettings, argv, prog="switchboard shard")
     configure_process("switchboard-shard")
+    if settings.engine == "vllm":
+        from data_plane.engine_vllm import run_sidecar  # lazy: vllm is a GPU-only optional extra
+
+        run_sidecar(settings)
+        return
     app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", timeout_graceful_shutdown=5)
 
