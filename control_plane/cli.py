@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "control-plane": ("control_plane.app", "run the control plane (membership registry, admin API)"),
     "bench": ("data_plane.bench", "benchmarks: engine, serve, overhead"),
     "model": ("data_plane.model_cli", "model tools: prepare (convert the default model once)"),
+    "dashboards": ("dashboards.push", "Grafana dashboards: push"),
 }
 
 

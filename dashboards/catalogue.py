@@ -17,8 +17,8 @@ The scrape job names in :data:`JOBS` are the ones the alert rules and dashboards
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase

@@ -17,8 +17,9 @@ import json
 import os
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 DASHBOARD_DIR = Path(__file__).resolve().parent / "grafana"
 """The dashboards' JSON, one file per dashboard."""
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     grafana = connect(args.grafana_url, token)
     try:
         titles = push(grafana, dashboards, args.folder)
-    except Exception as exc:  # the client's HTTP / connection errors, reported once, here
+    except Exception as exc:  # noqa: BLE001  the client's HTTP / connection errors, reported once, here
         raise SystemExit(f"switchboard dashboards push: {args.grafana_url}: {type(exc).__name__}: {exc}") from None
     for title in titles:
         print(f"pushed {title!r} to folder {args.folder!r}")

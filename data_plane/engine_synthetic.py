@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from typing import AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 from data_plane.engine import (
     FINISH_ABORT,
@@ -33,7 +33,9 @@ DEFAULT_ANSWER_TOKENS = 16
 class SyntheticEngine:
     model_name = "synthetic"
 
-    def __init__(self, max_model_len: int = 2048, token_delay_s: float = 0.0, max_num_seqs: int = 256) -> None:
+    def __init__(self, max_model_len: int = 2048, token_delay_s: float = 0.0, max_num_seqs: int = 256,
+                 listener: Any = None) -> None:
+        self.listener = listener  # a StepListener: so the shard's step/latency metrics exist here too
         self.max_model_len = max_model_len
         self.token_delay_s = token_delay_s
         self.max_num_seqs = max_num_seqs
@@ -98,6 +100,9 @@ class SyntheticEngine:
         stream = TextStream(self._decode, req.params.stop)
         first = None
         self._running += 1
+        if self.listener is not None:
+            self.listener.on_admit(time.monotonic() - req.arrival)
+        last = time.monotonic()
         try:
             for i in range(n):
                 if req.request_id in self._aborted:
@@ -106,7 +111,15 @@ class SyntheticEngine:
                     return
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
-                first = first or time.monotonic()
+                now = time.monotonic()
+                if self.listener is not None:
+                    self.listener.on_step(self._running, now - last, "decode")
+                    if first is None:
+                        self.listener.on_first_token(now - req.arrival)
+                    else:
+                        self.listener.on_token(now - last)
+                last = now
+                first = first or now
                 delta = stream.push(self._output_id(_WORDS[(seed + i) % len(_WORDS)]))
                 if stream.stopped:
                     yield self._final(req, delta + stream.flush(), FINISH_STOP, i + 1, t0, first)

@@ -199,7 +199,11 @@ class LlamaRunner:
         ids = torch.tensor(tokens, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         span = int(max(positions)) + 1
-        rows = torch.arange(n)
+        # Flat row index of (slot, kv_head, position) in a [slots*kv_heads*max_len, head_dim] view:
+        # index_copy_ there is several times cheaper than advanced-index assignment.
+        kv_rows = ((torch.arange(n) * self.num_kv_heads).unsqueeze(1) + torch.arange(self.num_kv_heads)) \
+            * self.max_len + pos.unsqueeze(1)
+        kv_rows = kv_rows.reshape(-1)
         x = self.embed[ids]  # [n, H]
         cos = self.cos[pos].unsqueeze(1)  # [n, 1, D]
         sin = self.sin[pos].unsqueeze(1)
@@ -210,8 +214,8 @@ class LlamaRunner:
             q = self._rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
             k = self._rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
             kc, vc = self.k_cache[i], self.v_cache[i]
-            kc[rows, :, pos] = k
-            vc[rows, :, pos] = v.view(n, self.num_kv_heads, self.head_dim)
+            kc.view(-1, self.head_dim).index_copy_(0, kv_rows, k.reshape(-1, self.head_dim))
+            vc.view(-1, self.head_dim).index_copy_(0, kv_rows, v.reshape(-1, self.head_dim))
             keys = kc[:n, :, :span]  # a view: decoding slots are 0..n-1
             vals = vc[:n, :, :span]
             qg = q.view(n, self.num_kv_heads, self.group, self.head_dim)

@@ -38,6 +38,7 @@ from data_plane.errors import (
     SwitchboardError,
     install_error_handlers,
 )
+from data_plane.membership_factory import MEMBERSHIP_URL_PATTERN, membership_from_url
 from data_plane.protocol import (
     ChatCompletionRequest,
     Usage,
@@ -73,6 +74,8 @@ class ShardSettings(BaseSettings):
     threads: int = Field(0, ge=0, le=256, description="torch threads (0 = all cores).")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body.")
     registry_url: str | None = Field(None, description="Embedded registry URL to register with.")
+    membership: str | None = Field(None, pattern=MEMBERSHIP_URL_PATTERN,
+                                   description="Membership URL, e.g. consul://127.0.0.1:8500 (wins over --registry-url).")
     node_id: str | None = Field(None, description="Member id (default shard-HOST-PORT).")
     registration_ttl_s: float = Field(0.8, gt=0.1, le=300, description="Membership TTL; a dead shard leaves routing within it.")
     advertise_url: str | None = Field(None, description="URL others use to reach this shard.")
@@ -84,7 +87,8 @@ def build_engine(settings: ShardSettings, metrics: ShardMetrics | None) -> Engin
     if settings.engine == "synthetic":
         from data_plane.engine_synthetic import SyntheticEngine
 
-        return SyntheticEngine(settings.max_model_len, settings.synthetic_token_delay_ms / 1000.0, settings.max_num_seqs)
+        return SyntheticEngine(settings.max_model_len, settings.synthetic_token_delay_ms / 1000.0,
+                               settings.max_num_seqs, MetricsListener(metrics) if metrics else None)
     if settings.engine == "vllm":
         raise ValueError("the vllm engine runs as vLLM's own server beside a sidecar (see data_plane.engine_vllm)")
     from data_plane.engine_torch import EngineConfig, TorchEngine
@@ -137,8 +141,8 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
                 return
             state.ready = True
             metrics.ready.labels(metrics.model_name).set(1)
-            if settings.registry_url:
-                from data_plane.membership import Member, RegistrationAgent
+            if settings.membership or settings.registry_url:
+                from data_plane.membership import Member
 
                 url = settings.advertise_url or f"http://{settings.host}:{settings.port}"
                 member = Member(
@@ -149,7 +153,8 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
                           "max_num_seqs": str(settings.max_num_seqs),
                           "max_model_len": str(engine.max_model_len)},
                 )
-                agent = RegistrationAgent(settings.registry_url, member, http, ttl_s=settings.registration_ttl_s)
+                _, new_agent = membership_from_url(settings.membership or settings.registry_url or "", http, ())
+                agent = new_agent(member, settings.registration_ttl_s)
                 await agent.start()
 
         loader = asyncio.create_task(load(), name="shard-model-load")

@@ -1,0 +1,135 @@
+"""Dashboards and rules use only metrics (and labels) the code exports, per the catalogue."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dashboards.catalogue import TARGET_LABELS, series_names
+from dashboards.push import DASHBOARD_DIR, load_dashboards
+from tests.observability.exprs import (
+    CONTROL_RULES,
+    PENDING_METRICS,
+    dashboard_exprs,
+    dashboards,
+    label_values_queries,
+    panels,
+    recorded_names,
+    references,
+    rule_exprs,
+    substitute,
+)
+
+SERIES = series_names()
+BOARDS = dashboards()
+
+
+def allowed_labels(name: str) -> set[str] | None:
+    """Labels a selector of `name` may use (None: any, for recorded series)."""
+    metric = SERIES.get(name)
+    if name not in SERIES:
+        return None
+    labels = set(TARGET_LABELS) | {"__name__"}
+    if metric is not None:
+        labels |= set(metric.labels)
+    if name.endswith("_bucket"):
+        labels.add("le")
+    return labels
+
+
+def check_expr(where: str, expr: str, known: set[str]) -> list[str]:
+    problems = []
+    names, grouping = references(substitute(expr))
+    if not names:
+        problems.append(f"{where}: selects no metric: {expr!r}")
+    usable: set[str] = {"le"} | set(TARGET_LABELS)
+    for name, labels in names.items():
+        if name not in known:
+            problems.append(f"{where}: {name!r} is not a metric the code exports (see docs/metrics.md)")
+            continue
+        allowed = allowed_labels(name)
+        if allowed is None:
+            usable |= {"tier", "service"}  # recording rules in alerts/ keep these
+            continue
+        usable |= allowed
+        for label in labels - allowed:
+            problems.append(f"{where}: {name} has no label {label!r} (it has {sorted(allowed)})")
+    for label in grouping - usable:
+        problems.append(f"{where}: groups by {label!r}, which none of {sorted(names)} carries")
+    return problems
+
+
+def test_dashboard_files() -> None:
+    assert set(BOARDS) == {"overview.json", "data-plane.json", "gateway.json", "cache.json", "control-plane.json"}
+    assert len(load_dashboards(DASHBOARD_DIR)) == len(BOARDS)
+
+
+@pytest.mark.parametrize("fname", sorted(BOARDS))
+def test_dashboard_structure(fname: str) -> None:
+    board = BOARDS[fname]
+    assert board["schemaVersion"] >= 36 and board["uid"] and board["title"].startswith("Switchboard / ")
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    ids = [p["id"] for p in panels(board)]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    titles = [p["title"] for p in panels(board) if p["type"] != "row"]
+    assert len(titles) == len(set(titles)), "panel titles must be unique within a dashboard"
+    queries = [t["expr"] for p in panels(board) for t in p.get("targets", [])]
+    queries += [selector for _, selector, _ in label_values_queries(board)]
+    for used in set(re.findall(r"\$\{?(\w+)", " ".join(queries))) - {"__rate_interval", "__interval"}:
+        assert used in variables, f"{fname} uses ${used} but defines no such variable"
+    for panel in panels(board):
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        assert panel["targets"], f"{panel['title']} has no query"
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "${datasource}", panel["title"]
+        grid = panel["gridPos"]
+        assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24, panel["title"]
+    for name, var in variables.items():
+        if var["type"] == "query":
+            assert var["datasource"]["uid"] == "${datasource}", name
+
+
+def test_dashboard_exprs_use_only_exported_metrics() -> None:
+    known = set(SERIES)
+    problems = [p for where, expr in dashboard_exprs() for p in check_expr(where, expr, known)]
+    for fname, board in BOARDS.items():
+        for var, selector, label in label_values_queries(board):
+            problems += check_expr(f"{fname}: ${var}", selector, known)
+            names, _ = references(selector)
+            for name in names:
+                allowed = allowed_labels(name)
+                if allowed is not None and label not in allowed:
+                    problems.append(f"{fname}: ${var} lists {label!r}, which {name} does not carry")
+    assert not problems, "\n".join(problems)
+
+
+def test_rule_exprs_use_only_exported_metrics() -> None:
+    recorded = recorded_names()
+    problems = []
+    for where, expr, path in rule_exprs():
+        known = set(SERIES) | recorded | (PENDING_METRICS if path == CONTROL_RULES else set())
+        problems += check_expr(where, expr, known)
+    assert not problems, "\n".join(problems)
+
+
+def test_pending_metrics_are_still_pending() -> None:
+    """When the code starts exporting one, move its rule into switchboard.rules.yaml (and off this list)."""
+    arrived = sorted(name for name in PENDING_METRICS if name in SERIES)
+    assert not arrived, (f"{arrived} now exported: move the rules using them from "
+                         "alerts/switchboard-control.rules.yaml into switchboard.rules.yaml, add them to "
+                         "the dashboards, and drop them from PENDING_METRICS")
+
+
+def test_the_checker_catches_what_it_should() -> None:
+    known = set(SERIES)
+    assert check_expr("t", 'sum by (tier) (rate(switchboard_gateway_requests_total{tier=~"$tier"}[$__rate_interval]))',
+                      known) == []
+    assert check_expr("t", "vllm:prompt_tokens_total offset 5m or vector(0)", known) == []
+    assert "not a metric" in " ".join(check_expr("t", "rate(vllm:prompt_tokens[5m])", known))  # no _total
+    assert "no label 'tier'" in " ".join(check_expr("t", 'vllm:num_requests_running{tier="free"}', known))
+    assert "groups by 'shard'" in " ".join(check_expr("t", "sum by (shard) (switchboard_cache_bytes)", known))
+    assert "not a metric" in " ".join(check_expr("t", 'histogram_quantile(0.9, rate(switchboard_x_bucket[1m]))', known))
