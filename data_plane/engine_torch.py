@@ -272,14 +272,15 @@ class TorchEngine:
     def _step(self) -> bool:
         """One scheduler iteration; returns False when there was nothing to do."""
         self._reap()
-        self._admit()
         did = False
         budget = self.config.prefill_chunk
-        while budget > 0:
-            self._admit()
-            if self._prefilling is None:
-                break
-            budget -= self._prefill_chunk(budget)
+        if self._prefilling is None:
+            batch = self._admit(budget)
+            if batch:
+                self._prefill_batch(batch)
+                did = True
+        if self._prefilling is not None:
+            self._prefill_chunk(budget)
             did = True
         if self._running:
             self._decode_step()
@@ -305,17 +306,51 @@ class TorchEngine:
             if seq is not None and not seq.finished:
                 self._finish(seq, FINISH_ABORT)
 
-    def _admit(self) -> None:
-        if self._prefilling is not None:
-            return
+    def _admit(self, budget: int) -> list[_Sequence]:
+        """Take waiting requests by priority while slots and the prefill budget allow.
+
+        Prompts that fit the budget together are returned to be prefilled in one pass; a
+        prompt longer than the budget (only as the first pick) becomes the chunked
+        `_prefilling` sequence instead.
+        """
+        batch: list[_Sequence] = []
+        used = 0
         with self._lock:
-            if not self._waiting or len(self._running) >= self.config.max_num_seqs:
-                return
-            _, _, seq = heapq.heappop(self._waiting)
-            seq.slot = len(self._running)
-            seq.admitted_at = time.monotonic()
-            self._prefilling = seq
-        self.listener.on_admit(seq.admitted_at - seq.req.arrival)
+            while self._waiting and len(self._running) + len(batch) < self.config.max_num_seqs:
+                seq = self._waiting[0][2]
+                n = len(seq.req.prompt_ids)
+                if used + n > budget:
+                    if not batch:
+                        heapq.heappop(self._waiting)
+                        seq.slot = len(self._running)
+                        self._prefilling = seq
+                        self._mark_admitted([seq])
+                    break
+                heapq.heappop(self._waiting)
+                seq.slot = len(self._running) + len(batch)
+                batch.append(seq)
+                used += n
+        self._mark_admitted(batch)
+        return batch
+
+    def _mark_admitted(self, seqs: list[_Sequence]) -> None:
+        now = time.monotonic()
+        for seq in seqs:
+            seq.admitted_at = now
+            self.listener.on_admit(now - seq.req.arrival)
+
+    def _prefill_batch(self, batch: list[_Sequence]) -> None:
+        t0 = time.monotonic()
+        logits = self._runner.prefill_batch([(s.slot, s.req.prompt_ids, 0) for s in batch])
+        now = time.monotonic()
+        self.listener.on_step(len(batch), now - t0, "prefill")
+        with self._lock:
+            for seq in batch:
+                seq.prefilled = seq.length = len(seq.req.prompt_ids)
+                seq.prefill_done_at = now
+                self._running.append(seq)
+        for seq, token in zip(batch, self._sample(logits, batch)):
+            self._emit(seq, token)
 
     def _prefill_chunk(self, budget: int) -> int:
         """Prefill up to `budget` prompt tokens of the sequence being prefilled; return how many."""

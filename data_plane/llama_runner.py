@@ -73,8 +73,8 @@ class LlamaRunner:
 
         inner = model.model
         self.embed = inner.embed_tokens.weight.detach().to(dtype).contiguous()
-        lm_head = model.lm_head.weight.detach().to(dtype)
-        self.lm_head = self.embed if lm_head.data_ptr() == inner.embed_tokens.weight.data_ptr() else lm_head.contiguous()
+        tied = model.lm_head.weight.data_ptr() == inner.embed_tokens.weight.data_ptr()
+        self.lm_head = self.embed if tied else model.lm_head.weight.detach().to(dtype).contiguous()
         self.norm = inner.norm.weight.detach().to(dtype)
         self.layers: list[_Layer] = []
         for layer in inner.layers:
@@ -110,7 +110,8 @@ class LlamaRunner:
     def from_pretrained(cls, path: Path, *, dtype: torch.dtype, max_num_seqs: int, max_len: int) -> "LlamaRunner":
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        # Load straight into the serving dtype: no transient fp32 copy of the weights.
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         model.eval()
         return cls(model, dtype=dtype, max_num_seqs=max_num_seqs, max_len=max_len)
 
@@ -160,37 +161,53 @@ class LlamaRunner:
     @torch.inference_mode()
     def prefill(self, slot: int, token_ids: list[int], start: int) -> torch.Tensor:
         """Run `token_ids` at positions start.. for one slot; return last-token logits [vocab]."""
-        t = len(token_ids)
-        end = start + t
-        ids = torch.tensor(token_ids, dtype=torch.long)
+        return self.prefill_batch([(slot, token_ids, start)])[0]
+
+    @torch.inference_mode()
+    def prefill_batch(self, items: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """Prefill several sequences in one pass: items are (slot, token_ids, start position).
+
+        The projections and MLP run once over all tokens packed together (no padding);
+        attention runs per sequence against its own slot. Returns last-token logits [k, vocab].
+        """
+        lengths = [len(ids) for _, ids, _ in items]
+        total = sum(lengths)
+        ids = torch.tensor([t for _, seq, _ in items for t in seq], dtype=torch.long)
+        pos = torch.cat([torch.arange(start, start + n) for (_, _, start), n in zip(items, lengths)])
         x = self.embed[ids]  # [T, H]
-        cos = self.cos[start:end].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[start:end].unsqueeze(1)
-        qpos = torch.arange(start, end).unsqueeze(1)
-        mask = torch.arange(end).unsqueeze(0) <= qpos  # [T, end]
+        cos = self.cos[pos].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[pos].unsqueeze(1)
+        masks = [torch.arange(start + n).unsqueeze(0) <= torch.arange(start, start + n).unsqueeze(1)
+                 for (_, _, start), n in zip(items, lengths)]
+        kvh, g, d = self.num_kv_heads, self.group, self.head_dim
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x)
-            q = self._rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-            k = self._rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-            v = v.view(t, self.num_kv_heads, self.head_dim)
+            q = self._rope(q.view(total, self.num_heads, d), cos, sin)
+            k = self._rope(k.view(total, kvh, d), cos, sin)
+            v = v.view(total, kvh, d)
             kc, vc = self.k_cache[i], self.v_cache[i]
-            kc[slot, :, start:end] = k.transpose(0, 1)
-            vc[slot, :, start:end] = v.transpose(0, 1)
-            keys = kc[slot, :, :end]  # [KVH, end, D]
-            vals = vc[slot, :, :end]
-            # Query heads grouped per shared KV head: [KVH, G*T, D] against [KVH, end, D].
-            qg = q.view(t, self.num_kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)
-            qg = qg.reshape(self.num_kv_heads, self.group * t, self.head_dim)
-            scores = (qg @ keys.transpose(1, 2)) * self.scale  # [KVH, G*T, end]
-            scores = scores.view(self.num_kv_heads, self.group, t, end)
-            scores = scores.masked_fill(~mask, float("-inf"))
-            probs = torch.softmax(scores.float(), dim=-1).to(self.dtype)
-            out = probs.view(self.num_kv_heads, self.group * t, end) @ vals  # [KVH, G*T, D]
-            out = out.view(self.num_kv_heads, self.group, t, self.head_dim).permute(2, 0, 1, 3)
-            x = x + out.reshape(t, self.q_size) @ layer.w_o.T
+            outs = []
+            off = 0
+            for (slot, _, start), t, mask in zip(items, lengths, masks):
+                end = start + t
+                kc[slot, :, start:end] = k[off : off + t].transpose(0, 1)
+                vc[slot, :, start:end] = v[off : off + t].transpose(0, 1)
+                keys = kc[slot, :, :end]  # [KVH, end, D]
+                vals = vc[slot, :, :end]
+                # Query heads grouped per shared KV head: [KVH, G*T, D] against [KVH, end, D].
+                qg = q[off : off + t].view(t, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * t, d)
+                scores = (qg @ keys.transpose(1, 2)) * self.scale  # [KVH, G*T, end]
+                scores = scores.view(kvh, g, t, end).masked_fill(~mask, float("-inf"))
+                probs = torch.softmax(scores.float(), dim=-1).to(self.dtype)
+                out = probs.view(kvh, g * t, end) @ vals  # [KVH, G*T, D]
+                outs.append(out.view(kvh, g, t, d).permute(2, 0, 1, 3).reshape(t, self.q_size))
+                off += t
+            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+            x = x + attn @ layer.w_o.T
             x = self._mlp(layer, x)
-        last = self._rms(x[-1:], self.norm)
-        return (last @ self.lm_head.T)[0].float()
+        last = torch.tensor(lengths).cumsum(0) - 1
+        h = self._rms(x[last], self.norm)
+        return (h @ self.lm_head.T).float()
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
