@@ -6,73 +6,44 @@
     app = create_app(ControlPlaneSettings(admin_token="t"))   # in tests or another server
 
 Serves ``/health``, ``/metrics``, ``/debug/spans``, the registry API under ``/v1/registry``
-(see :mod:`control_plane.registry`) and the bearer-protected admin API under ``/admin/v1``.
+(see :mod:`control_plane.registry`), the gateways' ``/v1/state`` (degradation level + tier policy,
+:mod:`control_plane.state_api`) and the bearer-protected admin API under ``/admin/v1``
+(:mod:`control_plane.admin_api`). The degradation ladder (:mod:`control_plane.degradation`) runs
+in the lifespan; ``--state-dir`` persists the tier policy and the ladder across restarts.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import hmac
 import logging
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Path, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
-from pydantic import SecretStr, ValidationError
+from pydantic import ValidationError
 
-from control_plane.registry import MEMBER_ID_PATTERN, Registry, RegistryMetrics, build_router
+from control_plane.admin_api import AdminContext, build_admin_router
+from control_plane.autoscaler import add_autoscaler_flags, build_autoscaler
+from control_plane.degradation import DegradationController, DegradationMetrics, ladder_config
+from control_plane.membership_consul import ConsulMembers
+from control_plane.policy_store import open_store
+from control_plane.registry import Registry, RegistryMetrics, build_router
 from control_plane.settings import ENV_ADMIN_TOKEN, ControlPlaneSettings
-from data_plane.errors import AuthenticationError, install_error_handlers
+from control_plane.signals import build_signal_source
+from control_plane.state_api import StateIndex, build_state_router, cluster_state_body
+from data_plane.errors import install_error_handlers
+from data_plane.membership_consul import token_from_env
 from data_plane.telemetry import configure_process, metrics_endpoint, recent_spans_endpoint
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "switchboard-control-plane"
-
-
-def bearer_guard(token: SecretStr | None) -> Any:
-    """A FastAPI dependency that lets a request through only with ``Authorization: Bearer <token>``."""
-    expected = token.get_secret_value().encode() if token is not None else None
-
-    async def _guard(request: Request) -> None:
-        if not expected:
-            raise AuthenticationError(
-                f"the admin API is disabled: no admin token configured (--admin-token or {ENV_ADMIN_TOKEN})",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
-            raise AuthenticationError(
-                "missing or invalid admin token (Authorization: Bearer <token>)",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
-    return _guard
-
-
-def build_admin_router(registry: Registry, token: SecretStr | None) -> APIRouter:
-    router = APIRouter(prefix="/admin/v1", tags=["admin"], dependencies=[Depends(bearer_guard(token))])
-    member_id_path = Path(pattern=MEMBER_ID_PATTERN)
-
-    @router.get("/members")
-    async def members() -> dict[str, Any]:
-        index, listed = registry.snapshot()
-        return {"index": index, "warming_up": registry.warming_up, "members": listed}
-
-    @router.post("/members/{member_id}/drain")
-    async def drain(member_id: str = member_id_path) -> dict[str, Any]:
-        return registry.set_draining(member_id, True)
-
-    @router.post("/members/{member_id}/undrain")
-    async def undrain(member_id: str = member_id_path) -> dict[str, Any]:
-        return registry.set_draining(member_id, False)
-
-    return router
 
 
 def create_app(settings: ControlPlaneSettings) -> FastAPI:
@@ -87,18 +58,51 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
         warmup_s=settings.warmup_s,
         default_ttl_s=settings.default_ttl_s,
     )
+    consul = None  # with --membership consul://…, members live in Consul: read there, not hosted here
+    if settings.membership:
+        consul = ConsulMembers(settings.membership, settings.services, token=token_from_env())
+    members = consul or registry  # what the admin API and the signals read
+    autoscaler = build_autoscaler(settings, metrics_registry)  # None unless --autoscale
+    store = open_store(settings)
+    state_index = StateIndex(max_wait_s=settings.max_wait_s)
+    store.subscribe(state_index.bump)
+    ladder = DegradationController(store, None, config=ladder_config(settings),
+                                   metrics=DegradationMetrics(metrics_registry))
+    admin = AdminContext(registry=members, store=store, ladder=ladder, token=settings.admin_token,
+                         prometheus_url=getattr(settings, "prometheus", None),
+                         alertmanager_url=settings.alertmanager, state_index=state_index)
+    admin.autoscaler = autoscaler
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        http = httpx.AsyncClient(timeout=5.0)
+        app.state.http = admin.http = http
+        app.state.signal_source = build_signal_source(settings, members, http)
         await registry.start()
+        if consul is not None:
+            await consul.start()
+        await ladder.start(app.state.signal_source)
+        if autoscaler is not None:
+            await autoscaler.start(app.state.signal_source, http)
         try:
             yield
         finally:
+            if autoscaler is not None:
+                await autoscaler.aclose()  # the local actuator stops its shards here
+            await ladder.aclose()
+            if consul is not None:
+                await consul.aclose()
             await registry.aclose()
+            await http.aclose()
 
     app = FastAPI(title="Switchboard control plane", lifespan=lifespan)
     app.state.settings = settings
     app.state.registry = registry
+    app.state.store = store
+    app.state.state_index = state_index
+    app.state.ladder = ladder
+    app.state.autoscaler = autoscaler
+    app.state.admin = admin
     app.state.metrics_registry = metrics_registry
     install_error_handlers(app)
 
@@ -108,20 +112,26 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
 
     app.add_route("/metrics", metrics_endpoint(metrics_registry))
     app.add_route("/debug/spans", recent_spans_endpoint)
-    app.include_router(build_router(registry))
-    app.include_router(build_admin_router(registry, settings.admin_token))
+    if consul is None:
+        app.include_router(build_router(registry))
+    app.include_router(build_state_router(state_index, lambda: cluster_state_body(
+        state_index, store, retry_after_s=ladder.config.lower_dwell_s)))
+    app.include_router(build_admin_router(admin))
     return app
 
 
 class _Server(uvicorn.Server):
     """uvicorn, plus: blocking queries are answered at once when shutdown starts."""
 
-    def __init__(self, config: uvicorn.Config, registry: Registry) -> None:
+    def __init__(self, config: uvicorn.Config, registry: Registry, state_index: StateIndex | None = None) -> None:
         super().__init__(config)
         self._registry = registry
+        self._state_index = state_index
 
     async def shutdown(self, sockets: Any = None) -> None:
         self._registry.close_waiters()
+        if self._state_index is not None:
+            self._state_index.close_waiters()
         await super().shutdown(sockets)
 
 
@@ -135,6 +145,7 @@ def parse_settings(argv: list[str] | None) -> ControlPlaneSettings:
     parser.add_argument("--port", type=int, help="port (default 8300)")
     parser.add_argument("--admin-token", help="bearer token for /admin/v1 (prefer the env variable)")
     parser.add_argument("--services", help="comma-separated service names members may use")
+    parser.add_argument("--membership", help="consul://host:8500: members live in Consul (default: embedded)")
     parser.add_argument("--reap-interval", dest="reap_interval_s", type=float, help="TTL check period, s")
     parser.add_argument(
         "--deregister-critical-after",
@@ -147,6 +158,16 @@ def parse_settings(argv: list[str] | None) -> ControlPlaneSettings:
     parser.add_argument("--default-ttl", dest="default_ttl_s", type=float, help="TTL when none is given, s")
     parser.add_argument("--shutdown-grace", dest="shutdown_grace_s", type=int, help="graceful shutdown, s")
     parser.add_argument("--access-log", action="store_true", default=None, help="log every request")
+    parser.add_argument("--state-dir", help="persist tier policy and degradation level here (JSON)")
+    parser.add_argument("--tiers-file", help="YAML tier policy used when the state dir holds none")
+    parser.add_argument("--alertmanager", help="Alertmanager URL for /admin/v1/alerts")
+    parser.add_argument("--degradation-interval", dest="degradation_interval_s", type=float,
+                        help="seconds between degradation-ladder evaluations (default 2)")
+    parser.add_argument("--degradation-raise-dwell", dest="degradation_raise_dwell_s", type=float,
+                        help="least seconds at a level before raising it (default 10)")
+    parser.add_argument("--degradation-lower-dwell", dest="degradation_lower_dwell_s", type=float,
+                        help="least seconds at a level and of calm before lowering it (default 30)")
+    add_autoscaler_flags(parser)
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if v is not None}
     try:
@@ -167,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         timeout_graceful_shutdown=settings.shutdown_grace_s,
         log_config=None,  # keep the process's logging setup
     )
-    server = _Server(config, app.state.registry)
+    server = _Server(config, app.state.registry, app.state.state_index)
     if settings.admin_token is None:
         log.warning("no admin token configured; /admin/v1 answers 401 (set %s)", ENV_ADMIN_TOKEN)
     log.info("control plane on http://%s:%d", settings.host, settings.port)

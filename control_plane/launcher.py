@@ -140,7 +140,8 @@ def plan(s: UpSettings, state: Path, admin_token: str) -> tuple[Child, list[Chil
     logs.mkdir(parents=True, exist_ok=True)
     host = s.host
     registry = f"http://{host}:{s.control_plane_port}"
-    cp = Child("control-plane", ["control-plane", "--host", host, "--port", str(s.control_plane_port)],
+    cp = Child("control-plane", ["control-plane", "--host", host, "--port", str(s.control_plane_port),
+                                 "--state-dir", str(state / "control-plane")],
                registry, logs / "control-plane.log", env={"SWITCHBOARD_ADMIN_TOKEN": admin_token})
     caches = []
     for i in range(s.cache_nodes):

@@ -11,10 +11,13 @@ except the admin token, which every process that talks to the admin API shares a
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from control_plane.membership_consul import CONSUL_URL_PATTERN
 
 ENV_PREFIX = "SWITCHBOARD_CONTROL_PLANE_"
 """Prefix of the environment variables that configure the control plane."""
@@ -50,10 +53,84 @@ class ControlPlaneSettings(BaseSettings):
     """After a (re)start the registry tells clients its list may still be filling up for this long."""
     default_ttl_s: float = Field(default=10.0, ge=0.1, le=3600.0)
     """TTL of a member that registers without one."""
+    membership: str | None = Field(default=None, pattern=CONSUL_URL_PATTERN)
+    """``consul://host:8500``: members live in Consul and the admin API reads them there; this process
+    then hosts no registry. Unset: the embedded registry, hosted here."""
     shutdown_grace_s: int = Field(default=5, ge=0, le=300)
     """Seconds in-flight requests get to finish on SIGTERM/SIGINT."""
     access_log: bool = False
     """Log every HTTP request (heartbeats make this noisy)."""
+    state_dir: Path | None = None
+    """Directory where the tier policy and the degradation level are persisted (JSON, written
+    atomically) and restored from at start; without one they live in memory only."""
+    tiers_file: Path | None = None
+    """YAML tier policy put in force at start when the state dir holds none (default: built-in)."""
+    alertmanager: str | None = None
+    """Alertmanager base URL; ``/admin/v1/alerts`` then lists its active alerts."""
+    degradation_interval_s: float = Field(default=2.0, gt=0.0, le=60.0)
+    """How often the degradation ladder reads the signals."""
+    degradation_raise_dwell_s: float = Field(default=10.0, ge=0.0, le=3600.0)
+    """Least time at a degradation level before the automatic rule raises it."""
+    degradation_lower_dwell_s: float = Field(default=30.0, ge=0.0, le=3600.0)
+    """Least time at a level, and of unbroken calm signals, before the automatic rule lowers it."""
+
+    # -- signals and autoscaling (control_plane/signals.py, autoscaler.py, actuators/) ----------
+    prometheus: str | None = Field(default=None, pattern=r"^https?://")
+    """Prometheus base URL: read the signals with PromQL instead of scraping members' /metrics."""
+    signals_window_s: float = Field(default=30.0, ge=1.0, le=3600.0)
+    """Window of the rates and percentiles in the signals (TTFT p95, error rate, demand)."""
+    autoscale: bool = False
+    """Run the autoscaler (off by default)."""
+    actuator: Literal["local", "nomad", "kubernetes"] = "local"
+    """How replicas change: local shard processes, Nomad's job scale API, or a Deployment's scale."""
+    min_replicas: int = Field(default=1, ge=0, le=1000)
+    """Fewest shards the autoscaler keeps."""
+    max_replicas: int = Field(default=4, ge=1, le=1000)
+    """Most shards the autoscaler runs."""
+    target_waiting_per_shard: float = Field(default=2.0, gt=0.0, le=10000.0)
+    """Requests waiting for a batch slot per shard that the fleet is sized for."""
+    ttft_slo_s: float = Field(default=2.0, gt=0.0, le=3600.0)
+    """Time-to-first-token p95 objective, seconds (also the degradation ladder's)."""
+    scale_up_cooldown_s: float = Field(default=15.0, ge=0.0, le=86400.0)
+    """Least seconds after a scaling before scaling up again (fast up)."""
+    scale_down_cooldown_s: float = Field(default=120.0, ge=0.0, le=86400.0)
+    """Least seconds after a scaling before scaling down, and how long load must stay low (slow down)."""
+    autoscale_interval_s: float = Field(default=5.0, gt=0.0, le=600.0)
+    """Seconds between autoscaler decisions."""
+    shard_args: str = ""
+    """Local actuator: extra flags for every shard it starts, shell-quoted (e.g. "--engine synthetic")."""
+    shard_log_dir: Path = Path(".switchboard/logs")
+    """Local actuator: where the shards it starts write their logs."""
+    drain_timeout_s: float = Field(default=30.0, ge=0.0, le=3600.0)
+    """Local actuator: longest wait for a drained shard to finish its requests before SIGTERM."""
+    nomad_addr: str = Field(
+        default="http://127.0.0.1:4646", validation_alias=AliasChoices("nomad_addr", "NOMAD_ADDR")
+    )
+    """Nomad actuator: the Nomad HTTP API (also read from NOMAD_ADDR, as the nomad CLI does)."""
+    nomad_token: SecretStr | None = Field(
+        default=None, validation_alias=AliasChoices("nomad_token", "NOMAD_TOKEN")
+    )
+    """Nomad actuator: ACL token with read-job-scaling and scale-job (also read from NOMAD_TOKEN)."""
+    nomad_job: str = "switchboard"
+    """Nomad actuator: the job that runs the shards."""
+    nomad_group: str = "shard"
+    """Nomad actuator: the shards' task group in that job."""
+    nomad_namespace: str | None = None
+    """Nomad actuator: the job's namespace (Nomad's default when unset)."""
+    nomad_region: str | None = None
+    """Nomad actuator: the job's region (the agent's when unset)."""
+    kubeconfig: Path | None = None
+    """Kubernetes actuator: kubeconfig path; unset: in-cluster service account, else $KUBECONFIG."""
+    kube_namespace: str | None = None
+    """Kubernetes actuator: the Deployment's namespace (default: the context's or the pod's)."""
+    kube_deployment: str = "switchboard-shard"
+    """Kubernetes actuator: the shards' Deployment."""
+
+    @model_validator(mode="after")
+    def _check_replicas(self) -> ControlPlaneSettings:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        return self
 
     @field_validator("services", mode="before")
     @classmethod

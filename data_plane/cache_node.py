@@ -54,6 +54,7 @@ from data_plane.errors import (
     UnsupportedMediaType,
     install_error_handlers,
 )
+from data_plane.membership_factory import MEMBERSHIP_URL_PATTERN, membership_from_url
 from data_plane.telemetry import configure_process, metrics_endpoint, recent_spans_endpoint
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ class CacheNodeSettings(BaseSettings):
     """Redis key prefix (default ``switchboard:<node_id>:session:``, so nodes may share a Redis)."""
     registry: str | None = None
     """Membership registry URL; when set the node registers as service ``cache``."""
+    membership: str | None = Field(None, pattern=MEMBERSHIP_URL_PATTERN)
+    """Membership URL, e.g. ``consul://127.0.0.1:8500``; wins over ``registry``."""
     registration_ttl_s: float = Field(0.8, gt=0.1, le=300)
     """TTL of the membership health check."""
     max_bytes: int = Field(256 * MiB, ge=1024, le=1 << 40)
@@ -531,7 +534,7 @@ def create_app(
         async with contextlib.AsyncExitStack() as stack:
             await store.start()
             stack.push_async_callback(store.aclose)
-            if settings.registry:
+            if settings.membership or settings.registry:
                 await _register(settings, store, stack)
             log.info("cache node %s serving on %s (backend %s)", node_id, settings.url, store.backend)
             yield
@@ -612,7 +615,7 @@ async def _register(
     settings: CacheNodeSettings, store: ManagedStorage, stack: contextlib.AsyncExitStack
 ) -> None:
     """Register as service ``cache``; the stack deregisters, then closes the client, on shutdown."""
-    from data_plane.membership import Member, RegistrationAgent
+    from data_plane.membership import Member
 
     http = httpx.AsyncClient(timeout=httpx.Timeout(2.0))
     stack.push_async_callback(http.aclose)
@@ -620,7 +623,8 @@ async def _register(
     if store.backend == "memory":
         meta["max_bytes"] = str(settings.max_bytes)
     member = Member(id=settings.member_id, service="cache", url=settings.url, meta=meta)
-    agent = RegistrationAgent(settings.registry or "", member, http, ttl_s=settings.registration_ttl_s)
+    _, new_agent = membership_from_url(settings.membership or settings.registry or "", http, ())
+    agent = new_agent(member, settings.registration_ttl_s)
     await agent.start()
     stack.push_async_callback(agent.aclose)
 
@@ -638,6 +642,7 @@ def parse_settings(argv: list[str] | None) -> CacheNodeSettings:
     parser.add_argument("--redis", metavar="URL", help="store in Redis at URL instead of memory")
     parser.add_argument("--redis-prefix", help="Redis key prefix (default switchboard:<node-id>:session:)")
     parser.add_argument("--registry", metavar="URL", help="membership registry to register with")
+    parser.add_argument("--membership", metavar="URL", help="membership URL, e.g. consul://127.0.0.1:8500")
     parser.add_argument("--max-bytes", type=int, help="in-memory capacity in bytes (default 256 MiB)")
     parser.add_argument("--ttl-s", type=float, help="default record TTL in seconds (default 86400)")
     parser.add_argument("--max-body-bytes", type=int, help="largest PUT body (default 4 MiB)")

@@ -18,6 +18,7 @@ The tree::
     ├── PermissionDenied                  403 permission_error
     ├── NotFound                          404 invalid_request_error / not_found
     │   └── ModelNotFound                 404 ... / model_not_found
+    ├── RequestTimeout                    408 invalid_request_error / request_timeout
     ├── PayloadTooLarge                   413 invalid_request_error / payload_too_large
     ├── UnsupportedMediaType              415 invalid_request_error / unsupported_media_type
     ├── RateLimited                       429 rate_limit_error / rate_limit_exceeded (Retry-After)
@@ -122,6 +123,12 @@ class NotFound(SwitchboardError):
 
 class ModelNotFound(NotFound):
     code = "model_not_found"
+
+
+class RequestTimeout(SwitchboardError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class PayloadTooLarge(SwitchboardError):

@@ -44,8 +44,17 @@ from prometheus_client import CollectorRegistry
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from data_plane.admission import Admission, AdmissionConfig, AdmissionMetrics, Ticket, shard_capacity
 from data_plane.auth import KeyStore, Principal, key_digest
 from data_plane.cache_client import SessionStore, validate_session_id
+from data_plane.cluster_state import (
+    DEGRADED_HEADER,
+    SPAN_ATTRIBUTE,
+    ClusterState,
+    ClusterStateView,
+    Effects,
+    HttpClusterState,
+)
 from data_plane.context import TokenCounter, fit_window
 from data_plane.errors import (
     InvalidRequest,
@@ -55,7 +64,13 @@ from data_plane.errors import (
     render,
 )
 from data_plane.gateway_metrics import GatewayMetrics
-from data_plane.membership import HttpMembership, Member, MembershipView, StaticMembership
+from data_plane.membership import Member, MembershipView, StaticMembership
+from data_plane.membership_factory import (
+    MEMBERSHIP_URL_PATTERN,
+    AgentFactory,
+    WatchedMembership,
+    membership_from_url,
+)
 from data_plane.protocol import (
     ChatCompletionRequest,
     Usage,
@@ -64,6 +79,15 @@ from data_plane.protocol import (
     new_completion_id,
     parse_chat_request,
     read_body,
+)
+from data_plane.ratelimit import (
+    TIER_INTS_PATTERN,
+    TIER_SECONDS_PATTERN,
+    Grant,
+    RateLimiter,
+    RateLimitMetrics,
+    build_limiter,
+    parse_tier_map,
 )
 from data_plane.router import Router, RouterMetrics
 from data_plane.safety import ALLOW, OutputStreamFilter, SafetyMetrics, SafetyPolicies, raise_if_blocked
@@ -75,6 +99,11 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 NEW_SESSION = "new"
+DEFAULT_REPLY_RESERVE = 256
+"""Reply tokens reserved when a request sets no max_tokens."""
+TEMPLATE_SLACK_TOKENS = 32
+"""Headroom for chat-template tokens the per-message count cannot see (e.g. a default system
+prompt the template inserts), so the shard never refuses what the gateway admitted."""
 FINISH_CONTENT_FILTER = "content_filter"
 
 
@@ -86,6 +115,9 @@ class GatewaySettings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address to bind.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on.")
     registry_url: str | None = Field(None, description="Embedded registry URL (membership of shards/caches).")
+    membership: str | None = Field(None, pattern=MEMBERSHIP_URL_PATTERN,
+                                   description="Membership URL, e.g. consul://127.0.0.1:8500 (wins over --registry-url).")
+    control_plane_url: str | None = Field(None, description="Control plane URL for the degradation level and the hot tier policy (default: --registry-url).")
     shard_urls: str | None = Field(None, description="Comma-separated shard URLs (static, instead of a registry).")
     cache_urls: str | None = Field(None, description="Comma-separated cache-node URLs (static).")
     keys_file: str | None = Field(None, description="YAML file of API keys -> tenant, tier.")
@@ -109,6 +141,16 @@ class GatewaySettings(BaseSettings):
     bounded_load_epsilon: float = Field(0.25, ge=0, description="Affinity: no shard above (1+eps) x mean load.")
     log_prompts: bool = Field(False, description="Log prompt and completion text (off by default).")
     node_id: str | None = Field(None, description="Member id when registering (default gateway-HOST-PORT).")
+    ratelimit_backend: str = Field("local", pattern="^(local|redis)$", description="Rate-limit state: local (one gateway) | redis (shared by all; fails open to local).")
+    redis_url: str | None = Field(None, description="Redis URL for --ratelimit-backend redis, e.g. redis://127.0.0.1:6379/0.")
+    tier_rpm: str | None = Field(None, pattern=TIER_INTS_PATTERN, description="Aggregate RPM per tier over all its keys, e.g. 'free=600' (keys also keep their tier's own rpm).")
+    tier_tpm: str | None = Field(None, pattern=TIER_INTS_PATTERN, description="Aggregate TPM per tier over all its keys, e.g. 'free=200000'.")
+    max_inflight: int = Field(0, ge=0, description="Requests in flight to shards from this gateway (0 = shards' batch slots x --inflight-per-slot).")
+    inflight_per_slot: float = Field(1.0, gt=0, le=16, description="In-flight requests per announced shard batch slot when --max-inflight is 0.")
+    admission_reserve: float = Field(0.125, ge=0, lt=1, description="Share of in-flight capacity each priority level leaves to the levels above it.")
+    queue_size: int = Field(512, ge=0, description="Most requests waiting for admission; beyond, the lowest tier's newest is shed (503).")
+    queue_timeout_s: float = Field(5.0, gt=0, description="Admission-queue deadline of the tier shed first; the k-th shed level waits k times as long.")
+    queue_timeouts: str | None = Field(None, pattern=TIER_SECONDS_PATTERN, description="Per-tier admission-queue deadlines in seconds, e.g. 'free=2,enterprise=30'.")
 
 
 def _static_members(urls: str | None, service: str) -> list[Member]:
@@ -136,11 +178,23 @@ class Gateway:
     upstream: Upstream | None = None
     sessions: SessionStore | None = None
     http: httpx.AsyncClient | None = None
+    cluster: ClusterStateView | None = None
+    limiter: RateLimiter = field(init=False)
+    admission: Admission = field(init=False)
 
     def __post_init__(self) -> None:
         self.metrics = GatewayMetrics(self.registry)
         self.safety_metrics = SafetyMetrics(self.registry)
         self.router_metrics = RouterMetrics(self.registry)
+        s = self.settings
+        self.limiter = build_limiter(s.ratelimit_backend, RateLimitMetrics(self.registry), redis_url=s.redis_url,
+                                     tier_rpm=parse_tier_map(s.tier_rpm, "--tier-rpm"),
+                                     tier_tpm=parse_tier_map(s.tier_tpm, "--tier-tpm"), known_tiers=self.tiers.names())
+        config = AdmissionConfig(max_inflight=s.max_inflight, inflight_per_slot=s.inflight_per_slot,
+                                 reserve=s.admission_reserve, queue_size=s.queue_size, queue_timeout_s=s.queue_timeout_s,
+                                 queue_timeouts=parse_tier_map(s.queue_timeouts, "--queue-timeouts", float))
+        self.admission = Admission(AdmissionMetrics(self.registry), config, capacity=lambda: shard_capacity(
+            [m.meta.get("max_num_seqs") for m in self.router.shards()] if self.router else [], config))
 
     def models(self) -> dict[str, int]:
         """Model id -> context window, from the shards' registration metadata."""
@@ -183,14 +237,21 @@ def create_app(gw: Gateway) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
         gw.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=settings.connect_timeout_s), limits=limits)
-        watcher: HttpMembership | None = None
-        if settings.registry_url:
-            watcher = HttpMembership(settings.registry_url, gw.http, services=("shard", "cache"))
+        watcher: WatchedMembership | None = None
+        new_agent: AgentFactory | None = None
+        if settings.membership or settings.registry_url:
+            watcher, new_agent = membership_from_url(settings.membership or settings.registry_url or "", gw.http)
             await watcher.start()
             gw.membership = watcher
         else:
             gw.membership = StaticMembership(
                 _static_members(settings.shard_urls, "shard") + _static_members(settings.cache_urls, "cache"))
+        cluster: HttpClusterState | None = None
+        if settings.control_plane_url or settings.registry_url:
+            cluster = HttpClusterState(settings.control_plane_url or settings.registry_url or "", gw.http,
+                                       validate=lambda p: gw.safety.validate_names(p[n].safety for n in p))
+            await cluster.start()
+            gw.cluster = cluster
         gw.router = Router(gw.membership, gw.router_metrics, policy=settings.routing_policy,
                            epsilon=settings.bounded_load_epsilon, eject_after=settings.eject_after,
                            eject_s=settings.eject_s)
@@ -199,12 +260,10 @@ def create_app(gw: Gateway) -> FastAPI:
             idle_timeout_s=settings.idle_timeout_s, retries=settings.retries, resumes=settings.resumes))
         gw.sessions = SessionStore(gw.membership, gw.http, registry=gw.registry)
         agent = None
-        if settings.registry_url:
-            from data_plane.membership import RegistrationAgent
-
-            agent = RegistrationAgent(settings.registry_url, Member(
+        if new_agent is not None:
+            agent = new_agent(Member(
                 id=settings.node_id or f"gateway-{settings.host}-{settings.port}", service="gateway",
-                url=f"http://{settings.host}:{settings.port}"), gw.http)
+                url=f"http://{settings.host}:{settings.port}"), 2.0)
             await agent.start()
         try:
             yield
@@ -212,8 +271,11 @@ def create_app(gw: Gateway) -> FastAPI:
             if agent is not None:
                 await agent.aclose()
             await gw.sessions.aclose()
+            await gw.limiter.aclose()
             if watcher is not None:
                 await watcher.aclose()
+            if cluster is not None:
+                await cluster.aclose()
             await gw.http.aclose()
 
     app = FastAPI(title="Switchboard gateway", version="0.1.0", lifespan=lifespan,
@@ -223,10 +285,7 @@ def create_app(gw: Gateway) -> FastAPI:
     scrape = metrics_endpoint(gw.registry)
 
     async def metrics_view(request: Request) -> Response:
-        if isinstance(gw.membership, HttpMembership):
-            gw.metrics.membership_reachable.set(1 if gw.membership.reachable else 0)
-        else:
-            gw.metrics.membership_reachable.set(1)
+        gw.metrics.membership_reachable.set(1 if getattr(gw.membership, "reachable", True) else 0)
         if gw.membership is not None:
             for service in ("shard", "cache"):
                 gw.metrics.membership_members.labels(service).set(len(gw.membership.members(service)))
@@ -237,8 +296,11 @@ def create_app(gw: Gateway) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         shards = len(gw.router.shards()) if gw.router else 0
-        reachable = gw.membership.reachable if isinstance(gw.membership, HttpMembership) else True
-        return JSONResponse({"status": "ok", "shards": shards, "membership_reachable": reachable})
+        reachable = getattr(gw.membership, "reachable", True)
+        state = gw.cluster.current() if gw.cluster is not None else ClusterState()
+        return JSONResponse({"status": "ok", "shards": shards, "membership_reachable": reachable,
+                             "control_plane_reachable": getattr(gw.cluster, "reachable", None),
+                             "degradation_level": state.degradation.level})
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -281,6 +343,13 @@ class ChatHandler:
         self.new_messages: list[dict[str, str]] = []
         self.span: trace.Span | None = None
         self.first_token_at: float | None = None
+        self.grant: Grant | None = None
+        self.ticket: Ticket | None = None
+        self.used_tokens: int | None = None
+        # the level and tier policy are read once, so one request sees one consistent state
+        state = gw.cluster.current() if gw.cluster is not None else ClusterState()
+        self.tiers = state.tiers or gw.tiers
+        self.effects = Effects(state.degradation)
 
     # -- the request, before any byte goes out ------------------------------------------------
 
@@ -288,12 +357,13 @@ class ChatHandler:
         gw = self.gw
         parent = extract(self.request.headers)
         span = tracer.start_span("gateway.request", context=parent, attributes={
-            "gen_ai.operation.name": "chat", "switchboard.request_id": self.request_id})
+            "gen_ai.operation.name": "chat", "switchboard.request_id": self.request_id,
+            SPAN_ATTRIBUTE: self.effects.level})
         self.span = span
         token = otel_context.attach(trace.set_span_in_context(span))
         streaming = False
         try:
-            response = await self._prepare_and_open()
+            response = self._degraded(await self._prepare_and_open())
             streaming = isinstance(response, StreamingResponse)
             return response
         except SwitchboardError as exc:
@@ -301,23 +371,44 @@ class ChatHandler:
             span.set_attribute("error.type", exc.code or "error")
             span.set_status(trace.Status(trace.StatusCode.ERROR, exc.code or "error"))
             exc.headers.setdefault("X-Trace-Id", format(span.get_span_context().trace_id, "032x"))
-            return render(exc, self.request)
+            if self.grant is not None:
+                exc.headers = {**self.grant.headers, **exc.headers}
+            return self._degraded(render(exc, self.request))
         finally:
             otel_context.detach(token)
             if not streaming:
+                self._release_limits()
                 span.end()
+
+    def _degraded(self, response: Response) -> Response:
+        """Tell the client the service is degraded (every chat response while the level is > 0)."""
+        if self.effects.level > 0:
+            response.headers[DEGRADED_HEADER] = str(self.effects.level)
+        return response
 
     def _record(self, status: int, code: str) -> None:
         self.gw.metrics.requests.labels(self.tier_name, str(status), code).inc()
+
+    def _release_limits(self) -> None:
+        """Free the admission slot; settle the token estimate: all refunded if no shard started,
+        real usage once known, kept if the stream broke before usage came (idempotent)."""
+        if self.ticket is not None:
+            self.ticket.release()
+        if self.grant is not None:
+            used = self.used_tokens if self.used_tokens is not None else (None if self.first_token_at else 0)
+            if used is not None:
+                self.gw.limiter.settle_later(self.grant, used)
 
     async def _prepare_and_open(self) -> Response:
         gw, settings, span = self.gw, self.gw.settings, self.span
         assert span is not None
         principal = gw.keys.authenticate(self.request.headers.get("authorization"))
         self.principal = principal
-        tier = gw.tiers.get(principal.tier)
+        tiers = self.tiers if principal.tier in self.tiers else gw.tiers  # a key's tier the hot policy lacks
+        tier = tiers.get(principal.tier)
         self.tier, self.tier_name = tier, tier.name
         span.set_attribute("switchboard.tier", tier.name)
+        self.effects.admit(tier, tiers)
         raw = await read_body(self.request, settings.max_body_bytes)
         req = parse_chat_request(raw, self.request.headers.get("content-type"))
         models = gw.models()
@@ -332,8 +423,11 @@ class ChatHandler:
         if max_tokens > tier.max_output_tokens:
             raise InvalidRequest(f"max_tokens is {max_tokens}, above the {tier.name} tier's cap of "
                                  f"{tier.max_output_tokens}", param="max_tokens")
+        max_tokens = self.effects.max_tokens(max_tokens)
         messages = req.plain_messages()
         self.new_messages = messages
+        # Session history is not known yet: settlement charges it with the rest of the real usage.
+        self.grant = await gw.limiter.admit(principal.key_id, tier, gw.counter.prompt_tokens(messages) + max_tokens)
         policy = gw.safety.get(tier.safety)
         with tracer.start_as_current_span("safety.input"):
             verdict = policy.check_input(m["content"] for m in messages if m["role"] in ("user", "system"))
@@ -345,11 +439,16 @@ class ChatHandler:
         if session_header:
             prompt = await self._load_session(session_header, messages, tier)
         context = min(tier.max_context_tokens, models[model])
-        budget = context - max_tokens
+        # Without max_tokens, reserve a modest reply while fitting the window, then let the reply
+        # use the room the prompt leaves, up to the tier's cap (as vLLM does).
+        reserve = max_tokens if req.output_limit else min(max_tokens, DEFAULT_REPLY_RESERVE, context // 2)
+        budget = context - reserve - TEMPLATE_SLACK_TOKENS
         if budget <= 0:
             raise InvalidRequest(f"max_tokens {max_tokens} leaves no room for the prompt in a "
                                  f"{context}-token context", param="max_tokens", code="context_length_exceeded")
-        window = fit_window(prompt, gw.counter, budget)
+        window = fit_window(prompt, gw.counter, self.effects.prompt_budget(budget, context))
+        if not req.output_limit:
+            max_tokens = max(1, min(max_tokens, context - window.prompt_tokens - TEMPLATE_SLACK_TOKENS))
         if window.dropped:
             gw.metrics.context_dropped.labels(tier.name).inc(window.dropped)
         span.set_attribute("switchboard.context.dropped_messages", window.dropped)
@@ -367,6 +466,7 @@ class ChatHandler:
                 body[name] = value
         if req.model:
             body["model"] = model
+        self.ticket = await gw.admission.acquire(tier, tiers)
         gw.metrics.inflight.labels(tier.name).inc()
         try:
             with tracer.start_as_current_span("router.route") as route_span:
@@ -380,7 +480,7 @@ class ChatHandler:
         self.first_token_at = time.monotonic()
         gw.metrics.ttft.labels(tier.name).observe(self.first_token_at - self.t0)
         completion = _Completion(self, model, policy.output_stream())
-        headers = {"X-Request-Id": self.request_id}
+        headers = {"X-Request-Id": self.request_id, **(self.grant.headers if self.grant else {})}
         if self.session_id:
             headers["X-Session-Id"] = self.session_id
         if req.stream:
@@ -494,6 +594,8 @@ class _Completion:
         gw.metrics.e2e.labels(tier).observe(time.monotonic() - h.t0)
         gw.metrics.tokens.labels(tier, "prompt").inc(self.usage.prompt_tokens)
         gw.metrics.tokens.labels(tier, "completion").inc(self.usage.completion_tokens)
+        if self.usage.total_tokens:  # the shard reported usage: settle the rate limit with it
+            h.used_tokens = self.usage.total_tokens
         span.set_attribute("gen_ai.usage.input_tokens", self.usage.prompt_tokens)
         span.set_attribute("gen_ai.usage.output_tokens", self.usage.completion_tokens)
         if self.finish_reason:
@@ -537,6 +639,7 @@ class _Completion:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, error))
             h._record(200, "ok" if error is None else error)
             h.gw.metrics.inflight.labels(h.tier_name).dec()
+            h._release_limits()
             otel_context.detach(token)
             span.end()
         yield b"data: [DONE]\n\n"

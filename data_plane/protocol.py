@@ -284,15 +284,29 @@ def parse_chat_request(raw: bytes, content_type: str | None) -> ChatCompletionRe
     return req
 
 
-async def read_body(request: Any, limit: int) -> bytes:
-    """Read a Starlette request body, refusing (413) past `limit` bytes without buffering more."""
-    from data_plane.errors import PayloadTooLarge
+BODY_TIMEOUT_S = 30.0
+"""A client that stops sending its body for this long gets 408 (slowloris)."""
+
+
+async def read_body(request: Any, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
+    """Read a Starlette request body: 413 past `limit` bytes (never buffering more), 408 when the
+    client stalls for `timeout_s`."""
+    import asyncio
+
+    from data_plane.errors import PayloadTooLarge, RequestTimeout
 
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
+    stream = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), timeout_s)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"the request body did not arrive within {timeout_s:.0f} s") from None
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes")

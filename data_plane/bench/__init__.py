@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("data_plane.bench.engine", "engine throughput/latency: switchboard vs naive HF vs llama.cpp"),
     "serve": ("data_plane.bench.serve", "latency/throughput of any OpenAI-compatible endpoint (vLLM metrics)"),
     "overhead": ("data_plane.bench.overhead", "what each layer of the stack adds per request"),
+    "tiers": ("data_plane.bench.tiers", "a tier mix above capacity: shedding and enterprise TTFT vs unloaded"),
 }
 
 

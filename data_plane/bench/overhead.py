@@ -29,8 +29,9 @@ Definitions (per system s, concurrency c):
 
 Percentiles interpolate linearly between closest ranks (numpy's default). Targets for
 `switchboard`: c=1 added p50 <= 1.5 ms and added p99 <= 5 ms; c=16 added p99 <= 25 ms; added
-p99 <= 1/3 of LiteLLM's at each concurrency measured. A missed target is reported, not an
-exit status: the numbers are only as quiet as the machine.
+p99 <= 1/3 of LiteLLM's at each concurrency measured. A target passes when the upper quartile
+of its per-round values meets it, fails when the lower quartile misses it, and is inconclusive
+in between (rerun on a quieter machine). A missed target is reported, not an exit status.
 
 LiteLLM is found at `--litellm-bin`, else `.venv-litellm/bin/litellm`, else `litellm` on PATH,
 else skipped with a message. It runs with `LITELLM_LOG=ERROR`, the bundled model-cost map
@@ -42,6 +43,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import json
+import math
 import os
 import platform
 import re
@@ -56,7 +60,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
@@ -211,10 +215,8 @@ class Batch:
 
 
 def request_bodies(n: int, max_tokens: int) -> list[bytes]:
-    import json
-
-    return [json.dumps({"model": MODEL, "messages": [{"role": "user", "content": p}], "max_tokens": max_tokens,
-                        "stream": True}).encode() for p in cycle(PROMPTS, n)]
+    return [json.dumps({"model": MODEL, "messages": [{"role": "user", "content": p}],
+                        "max_tokens": max_tokens, "stream": True}).encode() for p in cycle(PROMPTS, n)]
 
 
 async def send(client: httpx.AsyncClient, system: System, body: bytes) -> RequestResult:
@@ -245,25 +247,28 @@ async def send(client: httpx.AsyncClient, system: System, body: bytes) -> Reques
 
 async def run_batch(client: httpx.AsyncClient, system: System, shard: Proc, bodies: list[bytes],
                     concurrency: int, round_no: int) -> Batch:
-    await closed_loop(bodies[:concurrency], concurrency, lambda b: send(client, system, b))  # warm-up
+    one = functools.partial(send, client, system)
+    await closed_loop(bodies[:concurrency], concurrency, one)  # warm-up
     cpu0 = system.proxy.cpu_s() if system.proxy else None
     shard0 = shard.cpu_s()
-    results = await closed_loop(bodies, concurrency, lambda b: send(client, system, b))
+    results = await closed_loop(bodies, concurrency, one)
     cpu1 = system.proxy.cpu_s() if system.proxy else None
     shard1 = shard.cpu_s()
+
+    def per_req_ms(before: float | None, after: float | None) -> float | None:
+        return None if before is None or after is None else (after - before) * 1000 / max(1, len(results))
+
     ok = [r for r in results if r.ok]
     errors: dict[str, int] = {}
     for r in results:
         if not r.ok:
             key = r.error or "no content"
             errors[key] = errors.get(key, 0) + 1
-    n = max(1, len(results))
     return Batch(
         system.name, concurrency, round_no,
         latencies_ms=[r.e2el_s * 1000 for r in ok], ttfts_ms=[r.ttft_s * 1000 for r in ok], errors=errors,
         content_chunks=statistics.fmean(r.output_tokens for r in ok) if ok else 0.0,
-        proxy_cpu_ms_per_req=(cpu1 - cpu0) * 1000 / n if cpu0 is not None and cpu1 is not None else None,
-        shard_cpu_ms_per_req=(shard1 - shard0) * 1000 / n if shard0 is not None and shard1 is not None else None,
+        proxy_cpu_ms_per_req=per_req_ms(cpu0, cpu1), shard_cpu_ms_per_req=per_req_ms(shard0, shard1),
     )
 
 
@@ -284,14 +289,16 @@ def aggregate(batches: list[Batch]) -> list[dict[str, Any]]:
     for (system, c), rounds in by_key.items():
         direct = by_key.get((DIRECT, c), {})
         stats = {r: b.stats() for r, b in rounds.items() if b.latencies_ms}
-        row: dict[str, Any] = {"system": system, "concurrency": c, "rounds": len(rounds),
-                               "requests": sum(len(b.latencies_ms) + sum(b.errors.values()) for b in rounds.values()),
-                               "errors": sum(sum(b.errors.values()) for b in rounds.values())}
+        errors = sum(sum(b.errors.values()) for b in rounds.values())
+        row: dict[str, Any] = {"system": system, "concurrency": c, "rounds": len(rounds), "errors": errors,
+                               "requests": errors + sum(len(b.latencies_ms) for b in rounds.values())}
         for metric in ("p50", "p99", "ttft_p50", "ttft_p99"):
             row[f"{metric}_ms"] = _median([s[metric] for s in stats.values()])
             diffs = [s[metric] - direct[r].stats()[metric] for r, s in stats.items()
                      if r in direct and direct[r].latencies_ms]
             row[f"added_{metric}_ms"] = _median(diffs)
+            if metric in ("p50", "p99"):
+                row[f"added_{metric}_iqr_ms"] = [percentile(diffs, 25), percentile(diffs, 75)]
         cpu = [b.proxy_cpu_ms_per_req for b in rounds.values() if b.proxy_cpu_ms_per_req is not None]
         shard_cpu = [b.shard_cpu_ms_per_req for b in rounds.values() if b.shard_cpu_ms_per_req is not None]
         row["proxy_cpu_ms_per_req"] = _median(cpu) if cpu else None
@@ -302,61 +309,64 @@ def aggregate(batches: list[Batch]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (r["concurrency"], order.get(r["system"], 9), r["system"]))
 
 
-@dataclass(frozen=True)
-class Target:
-    name: str
-    value: Callable[[dict[tuple[str, int], dict[str, Any]]], float | None]
-    limit: Callable[[dict[tuple[str, int], dict[str, Any]]], float | None]
-
-
-def _get(rows: dict[tuple[str, int], dict[str, Any]], system: str, c: int, key: str) -> float | None:
-    row = rows.get((system, c))
-    return None if row is None else row[key]
-
-
-def _third_of_litellm(c: int) -> Callable[[dict[tuple[str, int], dict[str, Any]]], float | None]:
-    def limit(rows: dict[tuple[str, int], dict[str, Any]]) -> float | None:
-        v = _get(rows, LITELLM, c, "added_p99_ms")
-        return None if v is None else v / 3
-
-    return limit
-
-
-def targets(concurrencies: list[int]) -> list[Target]:
-    out = [
-        Target("c=1 added p50 <= 1.5 ms", lambda t: _get(t, SWITCHBOARD, 1, "added_p50_ms"), lambda t: 1.5),
-        Target("c=1 added p99 <= 5 ms", lambda t: _get(t, SWITCHBOARD, 1, "added_p99_ms"), lambda t: 5.0),
-        Target("c=16 added p99 <= 25 ms", lambda t: _get(t, SWITCHBOARD, 16, "added_p99_ms"), lambda t: 25.0),
-    ]
-    for c in concurrencies:
-        out.append(Target(f"c={c} added p99 <= 1/3 of litellm's",
-                          lambda t, c=c: _get(t, SWITCHBOARD, c, "added_p99_ms"), _third_of_litellm(c)))
-    return out
+TARGETS_MS: tuple[tuple[str, int, str, float], ...] = (
+    ("c=1 added p50 <= 1.5 ms", 1, "added_p50_ms", 1.5),
+    ("c=1 added p99 <= 5 ms", 1, "added_p99_ms", 5.0),
+    ("c=16 added p99 <= 25 ms", 16, "added_p99_ms", 25.0),
+)
+"""(name, concurrency, row field, limit) for switchboard's row."""
+LITELLM_RATIO = 1 / 3
+"""Switchboard's added p99 must stay within this fraction of LiteLLM's, at each concurrency."""
 
 
 def check_targets(rows: list[dict[str, Any]], concurrencies: list[int]) -> list[dict[str, Any]]:
-    """Each target with its value, limit and verdict; `ok` is None when it was not measured."""
+    """Each target with its value (median over rounds), limit and verdict.
+
+    `pass` when even the upper quartile of the per-round values meets the limit, `fail` when even
+    the lower quartile misses it, `inconclusive` when the rounds straddle it (a noisy machine:
+    rerun), `not measured` without the row; `ok` is True / False / None accordingly."""
     table = {(r["system"], r["concurrency"]): r for r in rows}
+
+    def get(system: str, c: int, key: str) -> float | None:
+        value = table.get((system, c), {}).get(key)
+        return None if value is None or math.isnan(value) else value
+
+    specs: list[tuple[str, int, str, float | None]] = list(TARGETS_MS)
+    for c in concurrencies:
+        theirs = get(LITELLM, c, "added_p99_ms")
+        specs.append((f"c={c} added p99 <= 1/3 of litellm's", c, "added_p99_ms",
+                      None if theirs is None else theirs * LITELLM_RATIO))
     checks = []
-    for t in targets(concurrencies):
-        value, limit = t.value(table), t.limit(table)
-        measured = value is not None and limit is not None and value == value and limit == limit  # not NaN
-        checks.append({"target": t.name, "value_ms": value, "limit_ms": limit,
-                       "ok": (value <= limit) if measured else None})
+    for name, c, key, limit in specs:
+        value = get(SWITCHBOARD, c, key)
+        lo, hi = table.get((SWITCHBOARD, c), {}).get(key.replace("_ms", "_iqr_ms")) or (value, value)
+        if value is None or limit is None or lo is None or hi is None:
+            verdict, ok = "not measured", None
+        elif hi <= limit:
+            verdict, ok = "pass", True
+        elif lo > limit:
+            verdict, ok = "fail", False
+        else:
+            verdict, ok = "inconclusive", None
+        checks.append({"target": name, "value_ms": value, "iqr_ms": [lo, hi], "limit_ms": limit,
+                       "verdict": verdict, "ok": ok})
     return checks
 
 
 def render(rows: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str:
     headers = ["system", "concurrency", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms",
                "ttft p50 ms", "proxy cpu ms/req", "errors"]
-    body = [[r["system"], str(r["concurrency"]), fmt(r["p50_ms"], 2), fmt(r["p99_ms"], 2),
-             "-" if r["system"] == DIRECT else fmt(r["added_p50_ms"], 2),
-             "-" if r["system"] == DIRECT else fmt(r["added_p99_ms"], 2),
-             fmt(r["ttft_p50_ms"], 2), fmt(r["proxy_cpu_ms_per_req"], 2), str(r["errors"])] for r in rows]
+    body = []
+    for r in rows:
+        base = r["system"] == DIRECT
+        body.append([r["system"], str(r["concurrency"]), fmt(r["p50_ms"], 2), fmt(r["p99_ms"], 2),
+                     "-" if base else fmt(r["added_p50_ms"], 2), "-" if base else fmt(r["added_p99_ms"], 2),
+                     fmt(r["ttft_p50_ms"], 2), fmt(r["proxy_cpu_ms_per_req"], 2), str(r["errors"])])
     lines = [format_table(headers, body), "", "targets (switchboard):"]
     for c in checks:
-        verdict = {True: "PASS", False: "FAIL", None: "n/a "}[c["ok"]]
-        lines.append(f"  {verdict}  {c['target']:<38} value {fmt(c['value_ms'], 2)} ms, limit {fmt(c['limit_ms'], 2)} ms")
+        lo, hi = c["iqr_ms"]
+        lines.append(f"  {c['verdict'].upper():<12}  {c['target']:<36} {fmt(c['value_ms'], 2)} ms "
+                     f"(rounds' IQR {fmt(lo, 2)}..{fmt(hi, 2)}), limit {fmt(c['limit_ms'], 2)} ms")
     return "\n".join(lines)
 
 
@@ -364,13 +374,17 @@ def render(rows: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="switchboard bench overhead",
-                                description="Latency the gateway+router (and LiteLLM's proxy) add over a direct shard call.")
+    p = argparse.ArgumentParser(
+        prog="switchboard bench overhead",
+        description="Latency the gateway+router (and LiteLLM's proxy) add over calling a shard directly.")
     p.add_argument("--json", metavar="FILE", help="write rows, per-round stats and target checks here")
-    p.add_argument("--requests", type=int, default=200, help="measured requests per system, concurrency and round")
-    p.add_argument("--rounds", type=int, default=6, help="interleaved rounds (medians are taken across them)")
-    p.add_argument("--concurrency", type=parse_int_list, default=[1, 16], help="comma-separated, e.g. 1,16")
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens per completion (the synthetic engine caps at 16)")
+    p.add_argument("--requests", type=int, default=200,
+                   help="measured requests per system, concurrency and round (default 200)")
+    p.add_argument("--rounds", type=int, default=6, help="interleaved rounds; medians are taken across them")
+    p.add_argument("--concurrency", type=parse_int_list, default=[1, 16],
+                   help="comma-separated (default 1,16)")
+    p.add_argument("--max-tokens", type=int, default=16,
+                   help="tokens per completion (the synthetic engine stops at 16)")
     p.add_argument("--no-litellm", action="store_true", help="skip LiteLLM's proxy")
     p.add_argument("--litellm-bin", help="LiteLLM executable (default: .venv-litellm/bin/litellm, else PATH)")
     p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds to wait for each process")
@@ -380,88 +394,110 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def start_processes(args: argparse.Namespace, logs: Path) -> tuple[Proc, list[System], list[Proc], str | None]:
-    """The shard, our gateway and (maybe) LiteLLM, started together; returns (shard, systems, procs, note)."""
-    shard_port = free_port()
+@dataclass
+class Stack:
+    """The processes under test and the systems measured through them."""
+
+    shard: Proc
+    systems: list[System]
+    procs: list[Proc]
+    note: str | None = None
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
+
+def start_stack(args: argparse.Namespace, litellm_bin: str | None, logs: Path) -> Stack:
+    """The shard, our gateway and (with `litellm_bin`) LiteLLM, started together."""
+    json_ct = {"content-type": "application/json"}
+    shard_port, gw_port = free_port(), free_port()
     shard = Proc("shard", switchboard_cmd("shard", "--engine", "synthetic", "--synthetic-token-delay-ms", "0",
                                           "--port", str(shard_port)), shard_port, "/health", logs)
-    gw_port = free_port()
-    gateway = Proc("gateway", switchboard_cmd("gateway", "--shard-urls", shard.url, "--tokenizer", "whitespace",
-                                              "--model-name", MODEL, "--port", str(gw_port)),
-                   gw_port, "/health", logs, env={"SWITCHBOARD_GATEWAY_API_KEYS": f"{BENCH_KEY}:bench:enterprise"})
-    procs = [shard, gateway]
-    systems = [System(DIRECT, shard.url + "/v1", {"content-type": "application/json"}, None),
-               System(SWITCHBOARD, gateway.url + "/v1",
-                      {"content-type": "application/json", "authorization": f"Bearer {BENCH_KEY}"}, gateway)]
-    note = None
+    gateway = Proc("gateway", switchboard_cmd("gateway", "--shard-urls", shard.url, "--tokenizer",
+                                              "whitespace", "--model-name", MODEL, "--port", str(gw_port)),
+                   gw_port, "/health", logs,
+                   env={"SWITCHBOARD_GATEWAY_API_KEYS": f"{BENCH_KEY}:bench:enterprise"})
+    ours = [System(DIRECT, shard.url + "/v1", json_ct, None),
+            System(SWITCHBOARD, gateway.url + "/v1", {**json_ct, "authorization": f"Bearer {BENCH_KEY}"},
+                   gateway)]
+    stack = Stack(shard, ours, [shard, gateway])
     litellm: Proc | None = None
-    binary = None if args.no_litellm else find_litellm(args.litellm_bin)
-    if args.no_litellm:
-        note = "litellm skipped (--no-litellm)"
-    elif binary is None:
-        note = ("litellm skipped: no executable (pass --litellm-bin, or: python3 -m venv .venv-litellm && "
-                ".venv-litellm/bin/pip install 'litellm[proxy]')")
-    else:
+    if litellm_bin is not None:
         cfg = logs / "litellm.yaml"
         cfg.write_text(litellm_config(shard.url))
-        ll_port = free_port()
-        master = "sk-" + secrets.token_hex(16)
-        litellm = Proc("litellm", [binary, "--config", str(cfg), "--port", str(ll_port), "--host", "127.0.0.1",
-                                   "--num_workers", "1"], ll_port, "/health/liveliness", logs,
+        port, master = free_port(), "sk-" + secrets.token_hex(16)
+        cmd = [litellm_bin, "--config", str(cfg), "--port", str(port), "--host", "127.0.0.1",
+               "--num_workers", "1"]
+        litellm = Proc("litellm", cmd, port, "/health/liveliness", logs,
                        env={"LITELLM_LOG": "ERROR", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
                             "LITELLM_MASTER_KEY": master, "LITELLM_DONT_SHOW_FEEDBACK_BOX": "true"})
-        systems.append(System(LITELLM, litellm.url + "/v1", {"content-type": "application/json",
-                                                             "authorization": f"Bearer {master}"}, litellm))
-    for p in procs:
+        try:
+            litellm.start()  # its imports take ~20 s: start it first, while ours come up
+        except OSError as exc:
+            stack.note, litellm = f"litellm skipped: cannot run {litellm_bin}: {exc}", None
+    for p in stack.procs:
         p.start()
-    if litellm is not None:
-        litellm.start()  # its import takes ~20 s: start it while ours come up
     try:
         shard.wait_healthy(args.startup_timeout)
         gateway.wait_healthy(args.startup_timeout)
     except BaseException:
-        for p in procs + ([litellm] if litellm else []):
-            p.stop()
+        stack.stop()
+        if litellm is not None:
+            litellm.stop()
         raise
     if litellm is not None:
         try:
             litellm.wait_healthy(args.startup_timeout)
-            procs.append(litellm)
         except RuntimeError as exc:
             litellm.stop()
-            systems = [s for s in systems if s.name != LITELLM]
-            note = f"litellm skipped: it did not start ({exc})"
-    return shard, systems, procs, note
+            stack.note = f"litellm skipped: it did not start ({exc})"
+        else:
+            stack.procs.append(litellm)
+            stack.systems.append(System(LITELLM, litellm.url + "/v1",
+                                        {**json_ct, "authorization": f"Bearer {master}"}, litellm))
+    return stack
 
 
-async def measure(args: argparse.Namespace, shard: Proc, systems: list[System]) -> list[Batch]:
-    top = max(args.concurrency)
-    limits = httpx.Limits(max_connections=4 * top * len(systems), max_keepalive_connections=4 * top * len(systems))
+async def measure(args: argparse.Namespace, stack: Stack) -> list[Batch]:
+    top, systems = max(args.concurrency), stack.systems
+    pool = 4 * top * len(systems)
     bodies = request_bodies(args.requests, args.max_tokens)
     batches: list[Batch] = []
+    limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
     async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0), limits=limits) as client:
         for s in systems:  # first requests pay for lazy imports and connection set-up
             probe = await send(client, s, bodies[0])
             if not probe.ok:
                 raise RuntimeError(f"{s.name} at {s.url} does not answer a chat request: {probe.error}")
-            await closed_loop(cycle(bodies, 4 * top), top, lambda b, s=s: send(client, s, b))
+            await closed_loop(cycle(bodies, 4 * top), top, functools.partial(send, client, s))
         for r in range(args.rounds):
             for c in args.concurrency:
                 for s in systems:
-                    batches.append(await run_batch(client, s, shard, bodies, c, r))
+                    batches.append(await run_batch(client, s, stack.shard, bodies, c, r))
             print(f"  round {r + 1}/{args.rounds} done", flush=True)
     return batches
 
 
-def _versions() -> dict[str, Any]:
+def _litellm_version(binary: str) -> str | None:
+    """The version of the litellm package beside `binary` (its venv's python), if it says."""
+    python = Path(binary).with_name("python")
+    if not python.exists():
+        return None
+    try:
+        code = "import importlib.metadata as m; print(m.version('litellm'))"
+        out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=30,
+                             check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _machine() -> dict[str, Any]:
     from importlib import metadata
 
     info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "cpu_count": os.cpu_count()}
-    try:
-        info["loadavg"] = os.getloadavg()
-    except OSError:
-        pass
+                            "cpu_count": os.cpu_count(), "loadavg": list(os.getloadavg())}
     for name in ("httpx", "fastapi", "uvicorn", "starlette", "pydantic", "opentelemetry-sdk"):
         try:
             info[name] = metadata.version(name)
@@ -473,56 +509,48 @@ def _versions() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     t0 = time.monotonic()
+    litellm_bin = None if args.no_litellm else find_litellm(args.litellm_bin)
+    note = None
+    if args.no_litellm:
+        note = "litellm skipped (--no-litellm)"
+    elif litellm_bin is None:
+        note = ("litellm skipped: no executable (pass --litellm-bin, or: python3 -m venv .venv-litellm && "
+                ".venv-litellm/bin/pip install 'litellm[proxy]')")
     logs = Path(tempfile.mkdtemp(prefix="sb-bench-overhead-"))
-    print(f"starting shard, gateway{'' if args.no_litellm else ' and litellm'} (logs in {logs})", flush=True)
-    shard, systems, procs, note = start_processes(args, logs)
+    what = "shard, gateway" + ("" if litellm_bin is None else " and litellm")
+    print(f"starting {what} (logs in {logs})", flush=True)
+    stack = start_stack(args, litellm_bin, logs)
+    note = stack.note or note
     try:
         if note:
             print(note, flush=True)
-        litellm_version = None
-        if any(s.name == LITELLM for s in systems):
-            litellm_version = _litellm_version(find_litellm(args.litellm_bin))
-        print(f"measuring {', '.join(s.name for s in systems)}: {args.rounds} rounds x "
-              f"{args.requests} requests x concurrency {args.concurrency}", flush=True)
-        batches = asyncio.run(measure(args, shard, systems))
+        names = [s.name for s in stack.systems]
+        print(f"measuring {', '.join(names)}: {args.rounds} rounds x {args.requests} requests x "
+              f"concurrency {','.join(map(str, args.concurrency))}", flush=True)
+        batches = asyncio.run(measure(args, stack))
     finally:
-        for p in reversed(procs):
-            p.stop()
+        stack.stop()
     rows = aggregate(batches)
     checks = check_targets(rows, args.concurrency)
+    elapsed = time.monotonic() - t0
     print()
     print(render(rows, checks))
-    elapsed = time.monotonic() - t0
     print(f"\n{len(batches)} batches in {elapsed:.0f} s; added = median over rounds of "
           f"(system percentile - direct percentile, same round)")
     if args.json:
         write_json(args.json, {
             "config": {"requests": args.requests, "rounds": args.rounds, "concurrency": args.concurrency,
-                       "max_tokens": args.max_tokens, "systems": [s.name for s in systems], "note": note,
-                       "litellm_version": litellm_version},
+                       "max_tokens": args.max_tokens, "systems": names, "note": note,
+                       "litellm_version": _litellm_version(litellm_bin) if LITELLM in names and litellm_bin
+                       else None},
             "rows": rows,
             "targets": checks,
             "per_round": [{"system": b.system, "concurrency": b.concurrency, "round": b.round, **b.stats(),
                            "errors": b.errors, "proxy_cpu_ms_per_req": b.proxy_cpu_ms_per_req,
                            "shard_cpu_ms_per_req": b.shard_cpu_ms_per_req} for b in batches],
-            "machine": _versions(),
+            "machine": _machine(),
             "elapsed_s": elapsed,
         })
-
-
-def _litellm_version(binary: str | None) -> str | None:
-    """The version of the litellm package next to `binary` (its venv's python), if it says."""
-    if binary is None:
-        return None
-    python = Path(binary).with_name("python")
-    if not python.exists():
-        return None
-    try:
-        out = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
-                             capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,261 @@
+"""The console's only HTTP code: the control plane's admin API, and the gateway for the Playground.
+
+    admin = AdminClient("http://127.0.0.1:8300", token="...")
+    admin.members()["members"]                 # GET /admin/v1/members
+    admin.pin_degradation(3, "load test")      # PUT /admin/v1/degradation
+    try:
+        admin.put_tiers(policy)
+    except Rejected as exc:                    # the server's own validation message
+        print(exc.status, exc.message, exc.param)
+
+    chat = GatewayClient("http://127.0.0.1:8000")
+    for event in chat.stream_chat(api_key, [{"role": "user", "content": "hi"}]):
+        ...                                     # ChatStart, then text deltas, then ChatEnd
+
+Every failure is one of these (httpx's own exceptions never leave this module)::
+
+    ConsoleError
+    ├── Unreachable        connection refused, DNS, timeout: nothing answered
+    ├── Unauthorized       401/403: missing or wrong admin token
+    ├── NotAvailable       404/405 on a route: that endpoint is not implemented by this control plane
+    └── Rejected           any other 4xx/5xx, carrying the OpenAI-shaped error (message, type, param, code)
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+ADMIN_PREFIX = "/admin/v1"
+
+
+class ConsoleError(Exception):
+    """Base of every error the console's HTTP calls raise."""
+
+    def __init__(self, message: str, *, status: int | None = None, param: str | None = None,
+                 code: str | None = None, type: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.type = type
+
+
+class Unreachable(ConsoleError):
+    """Nothing answered at the URL (refused, unresolvable, or timed out)."""
+
+
+class Unauthorized(ConsoleError):
+    """The admin API refused the token (401/403)."""
+
+
+class NotAvailable(ConsoleError):
+    """The route does not exist on this server (an endpoint not implemented yet)."""
+
+
+class Rejected(ConsoleError):
+    """The server answered with an error; ``message``/``param``/``code`` are the server's own."""
+
+
+def _error_from(response: httpx.Response, what: str) -> ConsoleError:
+    """Map one non-2xx response onto the tree above."""
+    status = response.status_code
+    err: dict[str, Any] = {}
+    try:
+        body = response.json()
+        if isinstance(body, dict):
+            raw = body.get("error", body.get("detail"))
+            err = raw if isinstance(raw, dict) else {"message": str(raw)} if raw is not None else {}
+    except ValueError:
+        pass
+    message = str(err.get("message") or response.reason_phrase or f"HTTP {status}")
+    kw = {"status": status, "param": err.get("param"), "code": err.get("code"), "type": err.get("type")}
+    if status in (401, 403):
+        return Unauthorized(message, **kw)
+    # A missing *route* answers the framework's bare "Not Found"; a missing *member* says which.
+    if status == 405 or (status == 404 and message.strip().lower() in ("not found", "")):
+        return NotAvailable(f"{what} is not available on this control plane yet", **kw)
+    return Rejected(message, **kw)
+
+
+class AdminClient:
+    """Typed calls to ``/admin/v1`` with the admin bearer token; thread-safe (one httpx.Client)."""
+
+    def __init__(self, base_url: str, token: str | None, *, timeout_s: float = 3.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport)
+        self.has_token = bool(token)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(self, method: str, path: str, *, json_body: Any = None,
+              params: Mapping[str, Any] | None = None) -> Any:
+        what = f"{method} {ADMIN_PREFIX}{path}"
+        clean = {k: v for k, v in (params or {}).items() if v not in (None, "")}
+        try:
+            response = self._http.request(method, ADMIN_PREFIX + path, json=json_body, params=clean or None)
+        except httpx.TimeoutException as exc:
+            raise Unreachable(f"the control plane at {self.base_url} did not answer in time ({type(exc).__name__})")
+        except httpx.HTTPError as exc:
+            raise Unreachable(f"cannot reach the control plane at {self.base_url} ({type(exc).__name__})")
+        if response.status_code >= 400:
+            raise _error_from(response, what)
+        if not response.content:
+            return {}
+        try:
+            return response.json()
+        except ValueError:
+            raise Rejected(f"{what} answered with something that is not JSON", status=response.status_code)
+
+    def health(self) -> bool:
+        """True when the control plane's ``/health`` answers 200 (no token needed)."""
+        try:
+            return self._http.get("/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    # -- cluster -------------------------------------------------------------------------------
+    def members(self) -> dict[str, Any]:
+        return self._call("GET", "/members")
+
+    def drain(self, member_id: str) -> dict[str, Any]:
+        return self._call("POST", f"/members/{member_id}/drain")
+
+    def undrain(self, member_id: str) -> dict[str, Any]:
+        return self._call("POST", f"/members/{member_id}/undrain")
+
+    # -- signals and decisions -----------------------------------------------------------------
+    def signals(self) -> dict[str, Any]:
+        return self._call("GET", "/signals")
+
+    def decisions(self, limit: int | None = None) -> dict[str, Any]:
+        return self._call("GET", "/decisions", params={"limit": limit})
+
+    # -- degradation ---------------------------------------------------------------------------
+    def degradation(self) -> dict[str, Any]:
+        return self._call("GET", "/degradation")
+
+    def pin_degradation(self, level: int, reason: str) -> dict[str, Any]:
+        return self._call("PUT", "/degradation", json_body={"level": int(level), "reason": reason})
+
+    def release_degradation(self) -> dict[str, Any]:
+        return self._call("DELETE", "/degradation")
+
+    # -- tiers ---------------------------------------------------------------------------------
+    def tiers(self) -> dict[str, Any]:
+        return self._call("GET", "/tiers")
+
+    def put_tiers(self, policy: Mapping[str, Any]) -> dict[str, Any]:
+        return self._call("PUT", "/tiers", json_body=dict(policy))
+
+    # -- traces and alerts ---------------------------------------------------------------------
+    def traces(self, *, limit: int | None = None, tier: str | None = None, status: str | None = None,
+               min_ms: float | None = None, trace_id: str | None = None) -> dict[str, Any]:
+        return self._call("GET", "/traces", params={"limit": limit, "tier": tier, "status": status,
+                                                     "min_ms": min_ms, "trace_id": trace_id})
+
+    def alerts(self) -> dict[str, Any]:
+        return self._call("GET", "/alerts")
+
+
+# -- the Playground's chat -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ChatStart:
+    """The gateway accepted the request: its ids, read from the response headers."""
+
+    request_id: str | None
+    trace_id: str
+    status: int
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ChatDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ChatEnd:
+    finish_reason: str | None
+    usage: dict[str, Any] | None
+    error: str | None = None
+
+
+ChatEvent = ChatStart | ChatDelta | ChatEnd
+
+
+def new_traceparent() -> tuple[str, str]:
+    """A fresh W3C ``traceparent`` (sampled) and its trace id, so the console knows the trace to link."""
+    trace_id = secrets.token_hex(16)
+    return f"00-{trace_id}-{secrets.token_hex(8)}-01", trace_id
+
+
+class GatewayClient:
+    """Streams one chat completion from the gateway as a chosen API key (the Playground)."""
+
+    def __init__(self, base_url: str, *, timeout_s: float = 120.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._timeout = httpx.Timeout(timeout_s, connect=3.0)
+        self._transport = transport
+
+    def stream_chat(self, api_key: str, messages: list[dict[str, str]], *, max_tokens: int | None = None,
+                    temperature: float | None = None, model: str | None = None) -> Iterator[ChatEvent]:
+        traceparent, trace_id = new_traceparent()
+        body: dict[str, Any] = {"messages": messages, "stream": True, "stream_options": {"include_usage": True}}
+        if model:
+            body["model"] = model
+        if max_tokens:
+            body["max_tokens"] = max_tokens
+        if temperature is not None:
+            body["temperature"] = temperature
+        headers = {"Authorization": f"Bearer {api_key}", "traceparent": traceparent}
+        try:
+            with httpx.Client(base_url=self.base_url, timeout=self._timeout, transport=self._transport) as http:
+                with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+                    resp_headers = {k.lower(): v for k, v in response.headers.items()}
+                    yield ChatStart(resp_headers.get("x-request-id"), resp_headers.get("x-trace-id", trace_id),
+                                    response.status_code, resp_headers)
+                    if response.status_code >= 400:
+                        response.read()
+                        yield ChatEnd(None, None, error=str(_error_from(response, "chat")))
+                        return
+                    yield from _sse_events(response.iter_lines())
+        except httpx.HTTPError as exc:
+            raise Unreachable(f"cannot reach the gateway at {self.base_url} ({type(exc).__name__}: {exc})") from None
+
+
+def _sse_events(lines: Iterator[str]) -> Iterator[ChatEvent]:
+    finish: str | None = None
+    usage: dict[str, Any] | None = None
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            continue
+        if "error" in chunk:
+            err = chunk["error"]
+            yield ChatEnd(finish, usage, error=str(err.get("message") if isinstance(err, dict) else err))
+            return
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices") or []:
+            text = (choice.get("delta") or {}).get("content")
+            if text:
+                yield ChatDelta(text)
+            finish = choice.get("finish_reason") or finish
+    yield ChatEnd(finish, usage)

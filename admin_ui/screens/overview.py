@@ -1,0 +1,71 @@
+"""Overview: the platform's SLOs at a glance, with sparklines from the signal history."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from admin_ui import ui, views
+
+ui.header("Overview", "Service-level figures over the control plane's signal window, refreshed live.")
+
+
+@ui.live("overview")
+def body(c: ui.Console) -> None:
+    signals = ui.fetch("Signals", c.admin.signals)
+    degradation = ui.fetch("Degradation", c.admin.degradation, quiet_unavailable=True)
+    members = ui.fetch("Members", c.admin.members)
+    alerts = ui.fetch("Alerts", c.admin.alerts, quiet_unavailable=True)
+    latest, history = views.split_signals(signals)
+    member_list = views.items(members, "members")
+
+    _status_strip(latest, degradation, member_list, alerts)
+    ui.tiles(views.overview_tiles(latest, history, degradation))
+
+    if latest and not latest.get("complete", True):
+        missing = ", ".join(str(m) for m in views.items(latest, "missing")) or "unknown"
+        st.warning(f"**Signals incomplete** — the autoscaler and the ladder hold still until they are whole. "
+                   f"Missing: {missing}", icon=":material/warning:")
+
+    left, right = st.columns(2)
+    with left:
+        st.subheader("Demand by tier", divider="gray")
+        demand = views.tier_history_frame(history, "demand_by_tier")
+        if demand.empty:
+            st.caption("No per-tier demand yet (no gateway traffic in the window).")
+        else:
+            st.area_chart(demand, x="time", y="value", color="tier", y_label="req/s", x_label="", height=220)
+    with right:
+        st.subheader("Load per shard", divider="gray")
+        frame = views.members_frame([m for m in member_list if m.get("service") == "shard"], latest, now=0)
+        if frame.empty:
+            st.caption("No shards registered.")
+        else:
+            chart = frame.set_index("member")[["running", "waiting"]].fillna(0)
+            st.bar_chart(chart, horizontal=True, stack=True, y_label="", x_label="requests", height=220,
+                         color=["#2e7d32", "#f9a825"])
+
+
+def _status_strip(latest: dict, degradation: dict | None, members: list, alerts: dict | None) -> None:
+    counts = views.status_counts(members)
+    parts = []
+    for service in ("shard", "cache", "gateway"):
+        c = counts.get(service, {})
+        total = sum(c.values())
+        passing = c.get("passing", 0)
+        color = "gray" if total == 0 else "green" if passing == total else "red" if passing == 0 else "orange"
+        parts.append(ui.badge(f"{service}s {passing}/{total} passing", color))
+    if degradation is not None:
+        level = int(views.num(degradation.get("level")) or 0)
+        label = ui.LEVEL_LABELS.get(level, str(level))
+        pin = " · pinned" if degradation.get("pinned") else ""
+        parts.append(ui.badge(f"degradation L{level} {label}{pin}", ui.LEVEL_COLORS.get(level, "gray")))
+    if alerts is not None:
+        firing = [a for a in views.alert_rows(alerts) if a["state"] == "firing"]
+        parts.append(ui.badge(f"{len(firing)} alerts firing", "red" if firing else "green"))
+    if latest:
+        parts.append(ui.badge("signals complete" if latest.get("complete", True) else "signals incomplete",
+                              "green" if latest.get("complete", True) else "orange"))
+    st.markdown(" ".join(parts))
+
+
+body()

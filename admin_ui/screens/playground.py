@@ -1,0 +1,108 @@
+"""Playground: send a chat to the gateway as a chosen tier's key, watch it stream, follow its trace."""
+
+from __future__ import annotations
+
+import time
+
+import streamlit as st
+
+from admin_ui import ui
+from admin_ui.client import ChatDelta, ChatEnd, ChatStart, ConsoleError
+
+ui.header("Playground", "Talk to the platform exactly as a user of a tier would, then open the request's trace.")
+
+c = ui.console()
+if not c.admin.health():
+    ui.unreachable_banner(c)
+
+keys = c.settings.dev_keys()
+CUSTOM = "custom key…"
+left, mid, right = st.columns([2, 1, 1])
+choices = [*keys, CUSTOM] if keys else [CUSTOM]
+tier = left.selectbox("Send as", choices, key="pg_tier", index=choices.index("plus") if "plus" in choices else 0,
+                      format_func=lambda t: t if t == CUSTOM else f"{t} tier  ({keys[t][:10]}…)",
+                      help=f"Dev keys from {c.settings.credentials_file} (written by `switchboard up`).")
+if tier == CUSTOM:
+    st.text_input("API key", type="password", key="pg_key")
+max_tokens = mid.number_input("Max tokens", min_value=1, max_value=4096, value=128, step=16, key="pg_max_tokens")
+temperature = right.number_input("Temperature", min_value=0.0, max_value=2.0, value=0.0, step=0.1, key="pg_temp")
+st.caption(f"Gateway: `{c.settings.gateway_url}`")
+
+history: list[dict[str, str]] = st.session_state.setdefault("pg_history", [])
+for turn in history:
+    with st.chat_message(turn["role"]):
+        st.markdown(turn["content"])
+
+prompt = st.text_area("Message", key="pg_prompt", height=90, placeholder="What is the capital of France?")
+send_col, clear_col, _ = st.columns([1, 1, 4])
+send = send_col.button("Send", type="primary", icon=":material/send:", width="stretch")
+if clear_col.button("New conversation", icon=":material/restart_alt:", width="stretch"):
+    st.session_state["pg_history"] = []
+    st.session_state.pop("pg_last", None)
+    st.rerun()
+
+if send:
+    api_key = keys.get(tier) if tier != CUSTOM else st.session_state.get("pg_key")
+    text = (prompt or "").strip()
+    if not api_key:
+        st.error("Choose a tier with a dev key, or enter an API key.", icon=":material/key:")
+    elif not text:
+        st.error("Type a message first.", icon=":material/edit:")
+    else:
+        messages = [*history, {"role": "user", "content": text}]
+        with st.chat_message("user"):
+            st.markdown(text)
+        meta: dict = {"t0": time.monotonic(), "chunks": 0}
+
+        def stream():
+            for event in c.gateway.stream_chat(api_key, messages, max_tokens=int(max_tokens),
+                                               temperature=float(temperature)):
+                if isinstance(event, ChatStart):
+                    meta["start"] = event
+                elif isinstance(event, ChatDelta):
+                    meta.setdefault("ttft", time.monotonic() - meta["t0"])
+                    meta["chunks"] += 1
+                    yield event.text
+                elif isinstance(event, ChatEnd):
+                    meta["end"] = event
+
+        with st.chat_message("assistant"):
+            try:
+                answer = st.write_stream(stream())
+            except ConsoleError as exc:
+                answer = ""
+                st.error(exc.message, icon=":material/power_off:")
+        meta["total"] = time.monotonic() - meta["t0"]
+        end, start = meta.get("end"), meta.get("start")
+        if end is not None and end.error:
+            st.error(f"The gateway answered {start.status if start else '?'}: {end.error}", icon=":material/block:")
+        if answer and not (end and end.error):
+            history.extend([{"role": "user", "content": text}, {"role": "assistant", "content": str(answer)}])
+        st.session_state["pg_last"] = {
+            "request_id": start.request_id if start else None, "trace_id": start.trace_id if start else None,
+            "status": start.status if start else None, "ttft": meta.get("ttft"), "total": meta["total"],
+            "usage": (end.usage if end else None) or {}, "finish": end.finish_reason if end else None,
+            "degraded": (start.headers.get("x-switchboard-degraded") if start else None),
+            "remaining": (start.headers.get("x-ratelimit-remaining-requests") if start else None),
+        }
+
+last = st.session_state.get("pg_last")
+if last:
+    usage = last["usage"]
+    out_tokens = usage.get("completion_tokens")
+    cols = st.columns(5)
+    cols[0].metric("HTTP status", last["status"] or "—", border=True)
+    cols[1].metric("Time to first token", f"{last['ttft'] * 1000:.0f} ms" if last["ttft"] else "—", border=True)
+    cols[2].metric("Total", f"{last['total']:.2f} s", border=True)
+    cols[3].metric("Tokens in / out", f"{usage.get('prompt_tokens', '—')} / {out_tokens or '—'}", border=True)
+    rate = (out_tokens / last["total"]) if out_tokens and last["total"] else None
+    cols[4].metric("Tokens / s", f"{rate:.1f}" if rate else "—", border=True)
+    notes = [f"request id `{last['request_id'] or '—'}`", f"finish `{last['finish'] or '—'}`"]
+    if last.get("degraded"):
+        notes.append(f"degraded to level {last['degraded']}")
+    if last.get("remaining") is not None:
+        notes.append(f"{last['remaining']} requests left this minute")
+    st.caption(" · ".join(notes))
+    if last["trace_id"]:
+        st.page_link("screens/traces.py", label=f"Open trace {last['trace_id']}", icon=":material/timeline:",
+                     query_params={"trace": last["trace_id"]})

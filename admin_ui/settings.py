@@ -1,0 +1,95 @@
+"""Settings of the admin console, parsed once per console process.
+
+    settings = ConsoleSettings.from_argv(["--control-plane-url", "http://127.0.0.1:8300"])
+    settings.admin_token_value()      # env, then .switchboard/credentials.json, else None
+
+Every field reads a flag (``--control-plane-url``) or an environment variable
+(``SWITCHBOARD_CONTROL_PLANE_URL``); flags win. The admin token is read from
+``SWITCHBOARD_ADMIN_TOKEN`` (shared with the control plane) or from the ``admin_token`` field of
+the credentials file that ``switchboard up`` writes; it is never taken as a flag, so it stays
+out of ``ps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import AliasChoices, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_CONTROL_PLANE_URL = "SWITCHBOARD_CONTROL_PLANE_URL"
+"""Base URL of the control plane's admin API."""
+ENV_GATEWAY_URL = "SWITCHBOARD_GATEWAY_URL"
+"""Base URL of the chat gateway (the Playground sends chats there)."""
+ENV_ADMIN_TOKEN = "SWITCHBOARD_ADMIN_TOKEN"
+"""Bearer token of the admin API (same variable as the control plane's)."""
+ENV_CREDENTIALS_FILE = "SWITCHBOARD_CREDENTIALS_FILE"
+"""Credentials written by ``switchboard up``: ``{"keys": {tier: key}, "admin_token": ...}``."""
+ENV_REFRESH_S = "SWITCHBOARD_CONSOLE_REFRESH_S"
+"""Seconds between automatic refreshes of the live parts of each page."""
+
+DEFAULT_CREDENTIALS_FILE = ".switchboard/credentials.json"
+
+
+class ConsoleSettings(BaseSettings):
+    model_config = SettingsConfigDict(extra="ignore", populate_by_name=True, frozen=True)
+
+    control_plane_url: str = Field(
+        default="http://127.0.0.1:8300", validation_alias=AliasChoices("control_plane_url", ENV_CONTROL_PLANE_URL)
+    )
+    """The control plane the console steers (admin API under ``/admin/v1``)."""
+    gateway_url: str = Field(
+        default="http://127.0.0.1:8000", validation_alias=AliasChoices("gateway_url", ENV_GATEWAY_URL)
+    )
+    """The gateway the Playground sends chats to."""
+    admin_token: SecretStr | None = Field(default=None, validation_alias=AliasChoices("admin_token", ENV_ADMIN_TOKEN))
+    """Admin bearer token; falls back to the credentials file's ``admin_token``."""
+    credentials_file: str = Field(
+        default=DEFAULT_CREDENTIALS_FILE, validation_alias=AliasChoices("credentials_file", ENV_CREDENTIALS_FILE)
+    )
+    """Where ``switchboard up`` saved the dev API keys and the admin token."""
+    refresh_s: float = Field(default=3.0, ge=0.5, le=300.0, validation_alias=AliasChoices("refresh_s", ENV_REFRESH_S))
+    """Seconds between automatic refreshes."""
+    timeout_s: float = Field(default=3.0, gt=0.0, le=60.0)
+    """Timeout of one admin-API call; an unreachable control plane is reported after this long."""
+
+    @classmethod
+    def from_argv(cls, argv: list[str] | None = None) -> ConsoleSettings:
+        """Flags override the environment; unknown arguments (Streamlit's own) are ignored."""
+        ns, _ = build_parser().parse_known_args(argv or [])
+        return cls(**{k: v for k, v in vars(ns).items() if v is not None})
+
+    def credentials(self) -> dict[str, Any]:
+        """The credentials file as a dict; ``{}`` if it is missing or unreadable."""
+        try:
+            data = json.loads(Path(self.credentials_file).expanduser().read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def admin_token_value(self) -> str | None:
+        if self.admin_token is not None and self.admin_token.get_secret_value():
+            return self.admin_token.get_secret_value()
+        token = self.credentials().get("admin_token")
+        return str(token) if token else None
+
+    def dev_keys(self) -> dict[str, str]:
+        """``{tier: api key}`` from the credentials file (the Playground's choice of caller)."""
+        keys = self.credentials().get("keys")
+        return {str(k): str(v) for k, v in keys.items()} if isinstance(keys, dict) else {}
+
+
+def build_parser(prog: str = "switchboard console") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="The Switchboard admin console (Streamlit).")
+    parser.add_argument("--control-plane-url", help=f"admin API base URL [env {ENV_CONTROL_PLANE_URL}; "
+                        "default http://127.0.0.1:8300]")
+    parser.add_argument("--gateway-url", help=f"chat gateway for the Playground [env {ENV_GATEWAY_URL}; "
+                        "default http://127.0.0.1:8000]")
+    parser.add_argument("--credentials-file", help=f"credentials from `switchboard up` [env {ENV_CREDENTIALS_FILE}; "
+                        f"default {DEFAULT_CREDENTIALS_FILE}]")
+    parser.add_argument("--refresh", dest="refresh_s", type=float,
+                        help=f"seconds between refreshes [env {ENV_REFRESH_S}; default 3]")
+    return parser

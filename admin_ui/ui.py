@@ -1,0 +1,194 @@
+"""Streamlit plumbing shared by every page: the console's context, fetching with honest errors,
+the live (auto-refreshing) region, status colours.
+
+    console = ui.console()                         # settings + clients, one per process
+    @ui.live("cluster")                            # re-runs every refresh_s; says when the CP is down
+    def body(c: ui.Console) -> None:
+        members = ui.fetch("Members", c.admin.members)
+        if members is not None:
+            ...
+
+Pages never call httpx: every call goes through :mod:`admin_ui.client`, and every failure is
+rendered here, once, in words an operator can act on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import streamlit as st
+
+from admin_ui.client import AdminClient, ConsoleError, GatewayClient, NotAvailable, Rejected, Unauthorized, Unreachable
+from admin_ui.settings import ENV_ADMIN_TOKEN, ConsoleSettings
+
+T = TypeVar("T")
+
+STATUS_COLORS = {"passing": "green", "draining": "orange", "critical": "red"}
+"""Member status -> badge colour."""
+STATUS_CSS = {
+    "green": "background-color: #e6f4ea; color: #1e6b34; font-weight: 600",
+    "orange": "background-color: #fff1de; color: #a35200; font-weight: 600",
+    "red": "background-color: #fde7e7; color: #b3261e; font-weight: 600",
+    "blue": "background-color: #e8f0fe; color: #1a4fb5; font-weight: 600",
+    "gray": "color: #6b6b6b",
+}
+"""Cell styles for status words in tables (st.dataframe renders a pandas Styler's colours)."""
+WORD_COLORS = {
+    "passing": "green", "ok": "green", "steady": "green", "resolved": "green",
+    "draining": "orange", "hold": "gray", "warning": "orange", "scale_up": "blue", "scale_down": "blue",
+    "critical": "red", "error": "red", "firing": "red",
+    "info": "blue", "auto": "gray", "operator": "orange",
+}
+LEVEL_LABELS = {
+    0: "Normal",
+    1: "Shrink context window",
+    2: "Cap output tokens",
+    3: "Shed free tier",
+    4: "Enterprise only",
+}
+"""The degradation ladder, as the design names its rungs."""
+LEVEL_COLORS = {0: "green", 1: "blue", 2: "orange", 3: "red", 4: "red"}
+
+
+@dataclass(frozen=True)
+class Console:
+    settings: ConsoleSettings
+    admin: AdminClient
+    gateway: GatewayClient
+
+
+def _argv() -> list[str]:
+    # `streamlit run admin_ui/app.py -- --control-plane-url ...`: Streamlit leaves our flags in argv.
+    return list(sys.argv[1:]) if "streamlit" in os.path.basename(sys.argv[0]) or sys.argv[0].endswith("app.py") else []
+
+
+@st.cache_resource(show_spinner=False)
+def _console(argv: tuple[str, ...], env_key: tuple[str | None, ...]) -> Console:
+    settings = ConsoleSettings.from_argv(list(argv))
+    admin = AdminClient(settings.control_plane_url, settings.admin_token_value(), timeout_s=settings.timeout_s)
+    return Console(settings, admin, GatewayClient(settings.gateway_url))
+
+
+def console() -> Console:
+    """The console's settings and clients (cached per process, rebuilt if the environment changes)."""
+    keys = ("SWITCHBOARD_CONTROL_PLANE_URL", "SWITCHBOARD_GATEWAY_URL", ENV_ADMIN_TOKEN,
+            "SWITCHBOARD_CREDENTIALS_FILE", "SWITCHBOARD_CONSOLE_REFRESH_S")
+    return _console(tuple(_argv()), tuple(os.environ.get(k) for k in keys))
+
+
+def fetch(what: str, call: Callable[[], T], *, quiet_unavailable: bool = False) -> T | None:
+    """Run one admin-API call; on failure say why (in place) and return None."""
+    try:
+        return call()
+    except Unreachable as exc:
+        st.error(f"**{what}: control plane unreachable.** {exc.message}", icon=":material/power_off:")
+    except Unauthorized as exc:
+        st.error(f"**{what}: the admin token was refused** ({exc.message}). Set {ENV_ADMIN_TOKEN} or the "
+                 "`admin_token` in `.switchboard/credentials.json` to the control plane's token.", icon=":material/lock:")
+    except NotAvailable:
+        if not quiet_unavailable:
+            st.info(f"**{what}: not available yet** on this control plane (the endpoint answered 404).", icon=":material/construction:")
+    except Rejected as exc:
+        st.error(f"**{what}: the control plane answered {exc.status}:** {exc.message}", icon=":material/warning:")
+    return None
+
+
+def act(what: str, call: Callable[[], Any]) -> bool:
+    """Run one state-changing call and leave a flash message for the next render."""
+    try:
+        call()
+    except ConsoleError as exc:
+        kind = "not available yet on this control plane" if isinstance(exc, NotAvailable) else exc.message
+        flash("error", f"{what} failed: {kind}")
+        return False
+    flash("success", f"{what}: done.")
+    return True
+
+
+def flash(kind: str, message: str) -> None:
+    st.session_state.setdefault("_flash", []).append((kind, message))
+
+
+def show_flash() -> None:
+    for kind, message in st.session_state.pop("_flash", []):
+        (st.success if kind == "success" else st.error)(message, icon=":material/check_circle:" if kind == "success" else "⚠️")
+
+
+def header(title: str, caption: str) -> None:
+    st.title(title)
+    st.caption(caption)
+
+
+def live(name: str) -> Callable[[Callable[[Console], None]], Callable[[], None]]:
+    """Decorate a page body: it re-runs every ``refresh_s`` (unless paused in the sidebar), and
+    when the control plane does not answer it shows one clear banner instead of the body."""
+
+    def wrap(body: Callable[[Console], None]) -> Callable[[], None]:
+        c = console()
+        every = c.settings.refresh_s if st.session_state.get("auto_refresh", True) else None
+
+        @st.fragment(run_every=every)
+        def region() -> None:
+            if not c.admin.health():
+                unreachable_banner(c)
+                return
+            if not c.admin.has_token:
+                st.warning(f"No admin token: set {ENV_ADMIN_TOKEN} or run `switchboard up` (it writes "
+                           f"{c.settings.credentials_file}). The admin API will refuse every call.", icon=":material/lock:")
+            body(c)
+            st.caption(f"Updated {time.strftime('%H:%M:%S')} · every {c.settings.refresh_s:g} s"
+                       if every else f"Updated {time.strftime('%H:%M:%S')} · auto-refresh paused")
+
+        def run() -> None:
+            region()
+
+        run.__name__ = name
+        return run
+
+    return wrap
+
+
+def unreachable_banner(c: Console) -> None:
+    st.error(
+        f"### Control plane unreachable\n"
+        f"Nothing answers at **{c.settings.control_plane_url}**, so nothing on this page is live. "
+        f"Start the platform with `switchboard up`, or point the console at the right place with "
+        f"`--control-plane-url` / `SWITCHBOARD_CONTROL_PLANE_URL`. Retrying every {c.settings.refresh_s:g} s.",
+        icon=":material/power_off:",
+    )
+
+
+def colour_words(frame: Any, columns: list[str]) -> Any:
+    """A Styler that colours status words (``passing``, ``error``, ``scale_up``…) in `columns`."""
+
+    def css(value: Any) -> str:
+        word = str(value).split(" ")[0].lower() if value is not None else ""
+        return STATUS_CSS.get(WORD_COLORS.get(word, ""), "")
+
+    present = [c for c in columns if c in frame.columns]
+    return frame.style.map(css, subset=present) if present else frame
+
+
+def badge(label: str, color: str) -> str:
+    """Inline coloured badge markdown (``:green-badge[...]``)."""
+    return f":{color}-badge[{label}]"
+
+
+_TILE_DELTA = {"ok": ("OK", "green"), "warn": ("watch", "orange"), "bad": ("breach", "red"),
+               "unknown": ("no data", "gray"), "absent": ("not reported", "gray")}
+
+
+def tiles(tiles: list[Any], per_row: int = 4) -> None:
+    """SLO tiles (:class:`admin_ui.views.Tile`) as bordered metrics with sparklines and a status word."""
+    for start in range(0, len(tiles), per_row):
+        cols = st.columns(per_row)
+        for col, tile in zip(cols, tiles[start:start + per_row]):
+            word, color = _TILE_DELTA.get(tile.status, ("", "gray"))
+            with col:
+                st.metric(tile.label, tile.value, delta=word, delta_color=color, delta_arrow="off",
+                          help=tile.help, border=True, chart_data=tile.series[-60:] or None, chart_type="area")

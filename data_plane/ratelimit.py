@@ -1,0 +1,537 @@
+"""Exact rate limits: requests and tokens per minute, per API key and per tier, across gateways.
+
+    limiter = RateLimiter(LocalBackend(), RateLimitMetrics(registry), tier_rpm={"free": 600})
+    grant = await limiter.admit(principal.key_id, tier, tokens=prompt_tokens + max_tokens)  # or RateLimited
+    response.headers.update(grant.headers)       # x-ratelimit-{limit,remaining,reset}-{requests,tokens}
+    limiter.settle_later(grant, usage.total_tokens)   # charge or refund the estimate's difference
+
+What is limited. Each API key gets its tier's ``rpm`` and ``tpm`` (:mod:`data_plane.tiers`).
+Optionally a whole tier also has an aggregate allowance over all its keys (gateway settings
+``--tier-rpm free=600`` / ``--tier-tpm free=200000``); a request must fit every bucket that
+applies, and takes from all of them or from none. Tokens are taken at admission as an
+estimate (the gateway's prompt count + ``max_tokens``) and settled after the completion with
+the real ``usage.total_tokens``: the difference is refunded or charged.
+
+The algorithm is a token bucket (equivalently GCRA): a bucket of ``limit`` per minute
+refills continuously at ``limit``/60 s and holds at most ``limit``, so any interval of *t*
+seconds admits at most ``limit * (1 + t/60)`` units, and a burst of exactly ``limit`` from a
+full bucket. It is exact, not sampled or approximated: the state is two integers (the fill
+in units x microseconds, and when) and all arithmetic is integer, here and in the Redis
+script, so e.g. 7 RPM admits a burst of exactly 7. This is the OpenAI semantics: after one request at 60 RPM, ``remaining-requests`` is 59 and
+``reset-requests`` is ``1s`` (the time until the bucket is full again).
+
+Backends (by name, :data:`BACKENDS`), behind the :class:`Backend` protocol:
+
+- ``local``: this process's memory. Exact for one gateway; with N gateways each limits
+  alone (an N-fold overshoot), so use it only for one gateway.
+- ``redis``: one Lua script per request takes from every bucket atomically on one Redis
+  server (a single server or a failover pair, not Redis Cluster: a request's buckets live
+  in different hash slots), timed by the server's clock, so any number of gateways share
+  one exact limit.
+
+When Redis is unreachable the limiter **fails open to local**: each gateway goes on
+limiting alone until Redis answers again (checked at most every ``retry_s``), so service
+stays up and a key can get at most N times its limit from N gateways meanwhile, never an
+unlimited amount. The gauge ``switchboard_ratelimit_backend_up`` drops to 0, errors count in
+``switchboard_ratelimit_backend_errors_total`` and a warning is logged on each change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from data_plane.errors import RateLimited
+from data_plane.tiers import Tier
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
+
+PERIOD_US = 60_000_000
+"""Every limit here is per minute."""
+KINDS = ("requests", "tokens")
+N = TypeVar("N", int, float)
+
+
+class RateLimitMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.rejections = Counter("switchboard_ratelimit_rejections", "Requests refused with 429, by the kind "
+                                  "of limit that refused them (requests|tokens).", ["tier", "kind"],
+                                  registry=registry)
+        self.backend_up = Gauge("switchboard_ratelimit_backend_up", "1 while the shared limiter backend answers; "
+                                "0 = failed open to this gateway's own local limits.", registry=registry)
+        self.backend_errors = Counter("switchboard_ratelimit_backend_errors", "Limiter backend calls that failed, "
+                                      "by operation (take|adjust).", ["op"], registry=registry)
+        self.backend_up.set(1)
+
+
+# -- buckets and backends -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """``cost`` units from a ``limit``-per-minute allowance of ``scope`` (``key:ID`` or ``tier:NAME``)."""
+
+    scope: str
+    kind: str
+    limit: int
+    cost: int
+    period_us: int = PERIOD_US
+
+    @property
+    def key(self) -> str:
+        return f"{self.scope}:{self.kind}"
+
+
+@dataclass(frozen=True)
+class BucketState:
+    allowed: bool
+    """This bucket alone could pay the cost (the request is admitted only if all could)."""
+    remaining: int
+    """Whole units left after this request (before it, when the request was refused)."""
+    reset_us: int
+    """Until the bucket is full again."""
+    retry_us: int
+    """0 when allowed; else until the cost fits; -1 when it never can (cost above the limit)."""
+
+
+class BackendUnavailable(Exception):
+    """The backend could not be reached; the limiter fails open to its local fallback."""
+
+
+class Backend(Protocol):
+    """Where bucket state lives. `take` is called once per request before any work, `adjust`
+    once after it (settlement); both are atomic over the buckets they are given."""
+
+    async def take(self, buckets: Sequence[Bucket]) -> list[BucketState]:
+        """Take every bucket's cost, or none of them if any one cannot pay; say how each stands."""
+        ...
+
+    async def adjust(self, buckets: Sequence[Bucket]) -> None:
+        """Add each bucket's cost (negative: a refund) now, unconditionally."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+State = tuple[int, int]
+"""A bucket's stored state: (fill, at): its fill in units x period_us, as of `at` (unix microseconds)."""
+
+
+def _fill_at(state: State | None, now: int, b: Bucket) -> int:
+    """The fill at `now`: the stored fill less the continuous refill since (`limit` per period)."""
+    if state is None:
+        return 0
+    fill, at = state
+    elapsed = now - at
+    if elapsed <= 0:  # a clock that steps back refills nothing
+        return fill
+    return max(0, fill - elapsed * b.limit)
+
+
+def decide(states: Sequence[State | None], now: int, buckets: Sequence[Bucket]) -> tuple[list[BucketState], list[State] | None]:
+    """Take every bucket's cost at `now`, or none; integer arithmetic, so exact.
+
+    Returns how each bucket stands and, when all could pay, the states to store."""
+    fills = [_fill_at(st, now, b) for st, b in zip(states, buckets)]
+    after = [f + b.cost * b.period_us for f, b in zip(fills, buckets)]
+    allowed, retry = [], []
+    for a, b in zip(after, buckets):
+        capacity = b.limit * b.period_us
+        if b.cost > b.limit:
+            allowed.append(False)
+            retry.append(-1)
+        elif a > capacity:
+            allowed.append(False)
+            retry.append(-(-(a - capacity) // b.limit))
+        else:
+            allowed.append(True)
+            retry.append(0)
+    ok = all(allowed)
+    out = []
+    for f, a, b, yes, r in zip(fills, after, buckets, allowed, retry):
+        fill = a if ok else f
+        remaining = max(0, min(b.limit, (b.limit * b.period_us - fill) // b.period_us))
+        out.append(BucketState(yes, remaining, -(-fill // b.limit), r))
+    return out, ([(a, now) for a in after] if ok else None)
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1000
+
+
+class LocalBackend:
+    """In-process buckets. Safe under asyncio: a decision has no await inside it."""
+
+    PRUNE_EVERY = 4096
+
+    def __init__(self, clock: Callable[[], int] = _now_us) -> None:
+        self._clock = clock
+        self._state: dict[str, State] = {}
+        self._empty_at: dict[str, int] = {}
+        self._ops = 0
+
+    async def take(self, buckets: Sequence[Bucket]) -> list[BucketState]:
+        now = self._clock()
+        out, new = decide([self._state.get(b.key) for b in buckets], now, buckets)
+        if new is not None:
+            for b, state in zip(buckets, new):
+                self._store(b, state)
+        self._ops += 1
+        if self._ops % self.PRUNE_EVERY == 0:  # an empty bucket needs no state
+            for key in [k for k, t in self._empty_at.items() if t <= now]:
+                del self._state[key], self._empty_at[key]
+        return out
+
+    async def adjust(self, buckets: Sequence[Bucket]) -> None:
+        now = self._clock()
+        for b in buckets:
+            self._store(b, (max(0, _fill_at(self._state.get(b.key), now, b) + b.cost * b.period_us), now))
+
+    def _store(self, b: Bucket, state: State) -> None:
+        if state[0] > 0:
+            self._state[b.key] = state
+            self._empty_at[b.key] = state[1] - (-state[0] // b.limit)
+        else:
+            self._state.pop(b.key, None)
+            self._empty_at.pop(b.key, None)
+
+    async def aclose(self) -> None:
+        return None
+
+
+_LUA = """
+-- Exact token buckets over several keys, all or nothing (data_plane/ratelimit.py: decide).
+-- KEYS: bucket keys, each a hash {f = fill in units x period_us, t = as of, unix us}.
+-- ARGV[1]: 'take' | 'adjust'; ARGV[2]: now in us ('' = this server's clock); then per bucket:
+-- limit, period_us, cost. 'take' returns per bucket: allowed (1/0), remaining, reset_us,
+-- retry_us (-1: never fits). Lua numbers are doubles: every value here is an integer below
+-- 2^53 and every division is corrected to the exact integer quotient.
+local now
+if ARGV[2] == '' then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+else
+  now = tonumber(ARGV[2])
+end
+local function idiv(a, b)
+  local q = math.floor(a / b)
+  if (q + 1) * b <= a then q = q + 1 elseif q * b > a then q = q - 1 end
+  return q
+end
+local function cdiv(a, b) return -idiv(-a, b) end
+local function fill_at(key, limit, period)
+  local v = redis.call('HMGET', key, 'f', 't')
+  if not v[1] then return 0 end
+  local fill, elapsed = tonumber(v[1]), now - tonumber(v[2])
+  if elapsed <= 0 then return fill end
+  if elapsed >= period + cdiv(fill, limit) then return 0 end
+  return math.max(0, fill - elapsed * limit)
+end
+local function store(key, fill, limit)
+  if fill > 0 then
+    redis.call('HSET', key, 'f', string.format('%.0f', fill), 't', string.format('%.0f', now))
+    redis.call('PEXPIRE', key, cdiv(cdiv(fill, limit), 1000) + 1000)
+  else
+    redis.call('DEL', key)
+  end
+end
+local n = #KEYS
+local lim, per, cost = {}, {}, {}
+for i = 1, n do
+  local b = 2 + (i - 1) * 3
+  lim[i], per[i], cost[i] = tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
+end
+if ARGV[1] == 'adjust' then
+  for i = 1, n do
+    store(KEYS[i], math.max(0, fill_at(KEYS[i], lim[i], per[i]) + cost[i] * per[i]), lim[i])
+  end
+  return {}
+end
+local fills, after, allowed, retry = {}, {}, {}, {}
+local ok = true
+for i = 1, n do
+  local capacity = lim[i] * per[i]
+  fills[i] = fill_at(KEYS[i], lim[i], per[i])
+  after[i] = fills[i] + cost[i] * per[i]
+  if cost[i] > lim[i] then
+    allowed[i], retry[i] = 0, -1
+  elseif after[i] > capacity then
+    allowed[i], retry[i] = 0, cdiv(after[i] - capacity, lim[i])
+  else
+    allowed[i], retry[i] = 1, 0
+  end
+  if allowed[i] == 0 then ok = false end
+end
+local out = {}
+for i = 1, n do
+  local fill = fills[i]
+  if ok then
+    fill = after[i]
+    store(KEYS[i], fill, lim[i])
+  end
+  out[#out + 1] = allowed[i]
+  out[#out + 1] = math.max(0, math.min(lim[i], idiv(lim[i] * per[i] - fill, per[i])))
+  out[#out + 1] = cdiv(fill, lim[i])
+  out[#out + 1] = retry[i]
+end
+return out
+"""
+
+
+class RedisBackend:
+    """Buckets on one Redis server, shared by every gateway; one atomic script call per request.
+
+    ``clock`` (microseconds) is for tests; by default the Redis server's clock decides, so
+    gateways whose clocks disagree still share one exact limit."""
+
+    def __init__(self, url: str, *, prefix: str = "switchboard:rl:", timeout_s: float = 0.5,
+                 max_connections: int = 32, clock: Callable[[], int] | None = None) -> None:
+        import redis.asyncio as aioredis
+
+        # A bounded pool: a burst of requests queues for a connection instead of opening hundreds.
+        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=2 * timeout_s,
+                                                        socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._pool = pool
+        self._redis = aioredis.Redis(connection_pool=pool)
+        self._script = self._redis.register_script(_LUA)
+        self._prefix = prefix
+        self._clock = clock
+
+    async def _call(self, mode: str, buckets: Sequence[Bucket]) -> list[int]:
+        from redis.exceptions import RedisError
+
+        args: list[str | int] = [mode, "" if self._clock is None else self._clock()]
+        for b in buckets:
+            args += [b.limit, b.period_us, b.cost]
+        try:
+            return list(await self._script(keys=[self._prefix + b.key for b in buckets], args=args))
+        except (TimeoutError, RedisError, OSError) as exc:  # the one place Redis errors are mapped
+            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    async def take(self, buckets: Sequence[Bucket]) -> list[BucketState]:
+        raw = await self._call("take", buckets)
+        return [BucketState(bool(raw[i]), int(raw[i + 1]), int(raw[i + 2]), int(raw[i + 3]))
+                for i in range(0, len(raw), 4)]
+
+    async def adjust(self, buckets: Sequence[Bucket]) -> None:
+        await self._call("adjust", buckets)
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+        await self._pool.disconnect()
+
+
+BACKENDS: dict[str, Callable[..., Backend]] = {"local": LocalBackend, "redis": RedisBackend}
+
+
+# -- the limiter the gateway uses -----------------------------------------------------------
+
+
+def format_reset(us: int) -> str:
+    """OpenAI's (Go's) duration format: ``17ms``, ``1s``, ``1.5s``, ``6m0s``, ``1h0m0s``."""
+    if us <= 0:
+        return "0s"
+    ms = -(-us // 1000)
+    if ms < 1000:
+        return f"{ms}ms"
+    hours, rest = divmod(ms, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    seconds = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
+    out = f"{hours}h" if hours else ""
+    if hours or minutes:
+        out += f"{minutes}m"
+    return out + f"{seconds}s"
+
+
+@dataclass
+class Grant:
+    """An admitted request's standing: its response headers and the estimate to settle."""
+
+    headers: dict[str, str]
+    tokens: int
+    token_buckets: list[Bucket]
+    backend: Backend
+    settled: bool = field(default=False)
+
+
+_ITEM = r"\s*[A-Za-z0-9][A-Za-z0-9_.-]*\s*=\s*{}\s*"
+TIER_INTS_PATTERN = "^({0})?(,{0})*$".format(_ITEM.format(r"[1-9][0-9]*"))
+"""A settings string of ``TIER=POSITIVE_INTEGER`` items, e.g. ``free=600,plus=6000``."""
+TIER_SECONDS_PATTERN = "^({0})?(,{0})*$".format(_ITEM.format(r"[0-9]*\.?[0-9]+"))
+"""A settings string of ``TIER=SECONDS`` items, e.g. ``free=2,enterprise=30.5``."""
+
+
+def parse_tier_map(text: str | None, what: str, number: Callable[[str], N] = int) -> dict[str, N]:  # type: ignore[assignment]
+    """``"free=600,plus=6000"`` -> ``{"free": 600, "plus": 6000}``; ValueError names the bad item."""
+    out: dict[str, N] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        name, sep, raw = item.partition("=")
+        try:
+            value = number(raw.strip())
+        except ValueError:
+            value = None
+        if not sep or not name.strip() or value is None or not value > 0:  # type: ignore[operator]
+            raise ValueError(f"{what}: expected TIER=POSITIVE_NUMBER items, got {item.strip()!r}")
+        out[name.strip()] = value
+    return out
+
+
+class RateLimiter:
+    """Per-key and per-tier RPM/TPM for the gateway; see the module docstring."""
+
+    def __init__(self, backend: Backend, metrics: RateLimitMetrics, *, tier_rpm: Mapping[str, int] | None = None,
+                 tier_tpm: Mapping[str, int] | None = None, fallback: Backend | None = None,
+                 retry_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.backend = backend
+        self.metrics = metrics
+        self.tier_rpm = dict(tier_rpm or {})
+        self.tier_tpm = dict(tier_tpm or {})
+        self.fallback = fallback
+        self.retry_s = retry_s
+        self._clock = clock
+        self._down_until = 0.0
+        self._pending: set[asyncio.Task[None]] = set()
+
+    def buckets(self, key_id: str, tier: Tier, tokens: int) -> list[Bucket]:
+        out = [Bucket(f"key:{key_id}", "requests", tier.rpm, 1), Bucket(f"key:{key_id}", "tokens", tier.tpm, tokens)]
+        if tier.name in self.tier_rpm:
+            out.append(Bucket(f"tier:{tier.name}", "requests", self.tier_rpm[tier.name], 1))
+        if tier.name in self.tier_tpm:
+            out.append(Bucket(f"tier:{tier.name}", "tokens", self.tier_tpm[tier.name], tokens))
+        return out
+
+    async def admit(self, key_id: str, tier: Tier, tokens: int) -> Grant:
+        """Take one request and `tokens` from every bucket of this key and tier, or raise
+        :class:`RateLimited` (429, ``Retry-After``) carrying the same ``x-ratelimit-*`` headers."""
+        tokens = max(0, int(tokens))
+        with tracer.start_as_current_span("ratelimit") as span:
+            buckets = self.buckets(key_id, tier, tokens)
+            states, backend = await self._take(buckets)
+            headers = _headers(buckets, states)
+            span.set_attribute("switchboard.ratelimit.tokens_estimate", tokens)
+            span.set_attribute("switchboard.ratelimit.remaining_requests",
+                               int(headers["x-ratelimit-remaining-requests"]))
+            span.set_attribute("switchboard.ratelimit.remaining_tokens", int(headers["x-ratelimit-remaining-tokens"]))
+            if all(s.allowed for s in states):
+                span.set_attribute("switchboard.ratelimit.allowed", True)
+                return Grant(headers, tokens, [b for b in buckets if b.kind == "tokens"], backend)
+            span.set_attribute("switchboard.ratelimit.allowed", False)
+            raise self._refusal(tier, buckets, states, headers, span)
+
+    def _refusal(self, tier: Tier, buckets: list[Bucket], states: list[BucketState], headers: dict[str, str],
+                 span: trace.Span) -> RateLimited:
+        refused = [(b, s) for b, s in zip(buckets, states) if not s.allowed]
+        # The binding limit is the one that keeps the request out longest (never = longest of all).
+        b, s = max(refused, key=lambda bs: math.inf if bs[1].retry_us < 0 else bs[1].retry_us)
+        self.metrics.rejections.labels(tier.name, b.kind).inc()
+        span.set_attribute("switchboard.ratelimit.kind", b.kind)
+        whose = "this API key" if b.scope.startswith("key:") else f"the {tier.name} tier (all keys together)"
+        if s.retry_us < 0:
+            wait_us = b.period_us
+            message = (f"Request too large for {whose}: it needs {b.cost} {b.kind} but the limit is {b.limit} "
+                       f"{b.kind} per minute. Shorten the prompt or lower max_tokens.")
+        else:
+            wait_us = s.retry_us
+            message = (f"Rate limit reached for {b.kind} per minute on {whose} ({tier.name} tier): limit "
+                       f"{b.limit}, remaining {s.remaining}, requested {b.cost}. "
+                       f"Please try again in {format_reset(wait_us)}.")
+        retry_s = max(1, math.ceil(wait_us / 1_000_000))
+        return RateLimited(message, retry_after=retry_s,
+                           headers={**headers, "retry-after-ms": str(max(1, -(-wait_us // 1000)))})
+
+    async def _take(self, buckets: list[Bucket]) -> tuple[list[BucketState], Backend]:
+        if self.fallback is None:
+            return await self.backend.take(buckets), self.backend
+        if self._clock() >= self._down_until:
+            try:
+                states = await self.backend.take(buckets)
+            except BackendUnavailable as exc:
+                self._mark_down("take", exc)
+            else:
+                self._mark_up()
+                return states, self.backend
+        return await self.fallback.take(buckets), self.fallback
+
+    def _mark_down(self, op: str, exc: Exception) -> None:
+        self.metrics.backend_errors.labels(op).inc()
+        if self._down_until == 0.0:
+            log.warning("rate-limit backend unreachable (%s); failing open to per-gateway local limits "
+                        "until it answers again", exc)
+        self._down_until = self._clock() + self.retry_s
+        self.metrics.backend_up.set(0)
+
+    def _mark_up(self) -> None:
+        if self._down_until != 0.0:
+            log.warning("rate-limit backend answers again; limits are shared across gateways again")
+            self._down_until = 0.0
+            self.metrics.backend_up.set(1)
+
+    async def settle(self, grant: Grant, used_tokens: int) -> None:
+        """Charge or refund ``used_tokens - grant.tokens`` on the token buckets (once per grant)."""
+        if grant.settled:
+            return
+        grant.settled = True
+        delta = int(used_tokens) - grant.tokens
+        if delta == 0 or not grant.token_buckets:
+            return
+        adjusted = [Bucket(b.scope, b.kind, b.limit, delta, b.period_us) for b in grant.token_buckets]
+        try:
+            await grant.backend.adjust(adjusted)
+        except BackendUnavailable as exc:
+            self._mark_down("adjust", exc)
+
+    def settle_later(self, grant: Grant, used_tokens: int) -> None:
+        """:meth:`settle` in a task of its own: never delays a response, never dies with a client."""
+        if grant.settled:
+            return
+        task = asyncio.get_running_loop().create_task(self.settle(grant, used_tokens), name="ratelimit.settle")
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def aclose(self) -> None:
+        if self._pending:
+            await asyncio.wait(set(self._pending), timeout=2.0)
+        await self.backend.aclose()
+        if self.fallback is not None:
+            await self.fallback.aclose()
+
+
+def _headers(buckets: Sequence[Bucket], states: Sequence[BucketState]) -> dict[str, str]:
+    """The OpenAI trio per kind, from the bucket that binds: refused first, then least remaining."""
+    headers: dict[str, str] = {}
+    for kind in KINDS:
+        pairs = [(b, s) for b, s in zip(buckets, states) if b.kind == kind]
+        b, s = min(pairs, key=lambda bs: (bs[1].allowed, bs[1].remaining))
+        headers[f"x-ratelimit-limit-{kind}"] = str(b.limit)
+        headers[f"x-ratelimit-remaining-{kind}"] = str(s.remaining)
+        headers[f"x-ratelimit-reset-{kind}"] = format_reset(s.reset_us)
+    return headers
+
+
+def build_limiter(backend: str, metrics: RateLimitMetrics, *, redis_url: str | None = None,
+                  tier_rpm: Mapping[str, int] | None = None, tier_tpm: Mapping[str, int] | None = None,
+                  known_tiers: Iterable[str] = ()) -> RateLimiter:
+    """The gateway's limiter from its settings: ``local``, or ``redis`` failing open to local."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown rate-limit backend {backend!r}; choose from {sorted(BACKENDS)}")
+    known = set(known_tiers)
+    unknown = sorted((set(tier_rpm or {}) | set(tier_tpm or {})) - known) if known else []
+    if unknown:  # the control plane's hot policy may still bring them
+        log.warning("per-tier rate limits name tiers the local policy lacks: %s", ", ".join(unknown))
+    if backend == "redis":
+        if not redis_url:
+            raise ValueError("the redis rate-limit backend needs --redis-url (e.g. redis://127.0.0.1:6379/0)")
+        return RateLimiter(RedisBackend(redis_url), metrics, tier_rpm=tier_rpm, tier_tpm=tier_tpm,
+                           fallback=LocalBackend())
+    return RateLimiter(LocalBackend(), metrics, tier_rpm=tier_rpm, tier_tpm=tier_tpm)

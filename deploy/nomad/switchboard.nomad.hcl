@@ -1,0 +1,263 @@
+# Switchboard on Nomad, with membership in Consul.
+#
+#   nomad job run -var image=registry.example.com/switchboard:0.1.0 deploy/nomad/switchboard.nomad.hcl
+#   nomad var put nomad/jobs/switchboard admin_token=... api_keys='sk-...:acme:plus,...'
+#
+# Every client node runs a Consul agent on its own address (:8500), as Nomad's Consul
+# integration expects. Groups:
+#
+#   control-plane  1     admin API, signals, degradation ladder, and the autoscaler, which scales
+#                        the `shard` group below through Nomad's job scale API (--actuator nomad)
+#   gateway        2     the chat API; watches shards and cache nodes in Consul
+#   cache          2     session transcripts
+#   shard          1..8  inference; *Nomad* registers these in Consul (service block below), so a
+#                        shard being removed leaves routing first (deregistered, then shutdown_delay),
+#                        then gets SIGTERM and finishes its in-flight requests (kill_timeout)
+#
+# The control plane, gateways and cache nodes register themselves (--membership consul://…) with
+# TTL checks; they bind to the node's address (not 0.0.0.0) because the URL they register is the
+# address they bind. The autoscaler needs a Nomad ACL token with read-job-scaling and scale-job on
+# this job's namespace (NOMAD_TOKEN, from the Nomad variable above when ACLs are on).
+
+variable "image" {
+  type        = string
+  description = "Container image with the switchboard package installed (console script `switchboard`)."
+  default     = "switchboard:0.1.0"
+}
+
+variable "datacenters" {
+  type    = list(string)
+  default = ["dc1"]
+}
+
+variable "shard_engine" {
+  type        = string
+  description = "torch (CPU, default model) | vllm (GPU nodes) | synthetic (no model)."
+  default     = "torch"
+}
+
+variable "shard_max_num_seqs" {
+  type    = number
+  default = 16
+}
+
+job "switchboard" {
+  datacenters = var.datacenters
+  type        = "service"
+
+  update {
+    max_parallel     = 1
+    min_healthy_time = "10s"
+    healthy_deadline = "5m"
+    auto_revert      = true
+  }
+
+  group "control-plane" {
+    count = 1
+
+    network {
+      port "http" { static = 8300 }
+    }
+
+    # gateways find the control plane (degradation level, tier policy) by this name
+    service {
+      name     = "switchboard-control-plane"
+      port     = "http"
+      provider = "consul"
+      check {
+        type     = "http"
+        path     = "/health"
+        interval = "5s"
+        timeout  = "2s"
+      }
+    }
+
+    task "control-plane" {
+      driver = "docker"
+
+      config {
+        image        = var.image
+        network_mode = "host"
+        command      = "switchboard"
+        args = [
+          "control-plane",
+          "--host", "${NOMAD_IP_http}",
+          "--port", "${NOMAD_PORT_http}",
+          "--membership", "consul://${attr.unique.network.ip-address}:8500",
+          "--state-dir", "/alloc/data/state",
+          "--autoscale",
+          "--actuator", "nomad",
+          "--nomad-job", "${NOMAD_JOB_ID}",
+          "--nomad-group", "shard",
+          "--min-replicas", "1",
+          "--max-replicas", "8",
+          "--ttft-slo-s", "2",
+          "--scale-down-cooldown-s", "300"
+        ]
+      }
+
+      env {
+        NOMAD_ADDR = "http://${attr.unique.network.ip-address}:4646"
+      }
+
+      template {
+        destination = "secrets/switchboard.env"
+        env         = true
+        data        = <<-EOT
+          {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_ADMIN_TOKEN={{ .admin_token }}{{ end }}
+        EOT
+      }
+
+      resources {
+        cpu    = 500
+        memory = 256
+      }
+    }
+  }
+
+  group "gateway" {
+    count = 2
+
+    network {
+      port "http" {}
+    }
+
+    # For a load balancer in front (Traefik, Fabio, Consul API gateway): a separate name, so it
+    # never mixes with the gateways' own `switchboard-gateway` registrations.
+    service {
+      name     = "switchboard-api"
+      port     = "http"
+      provider = "consul"
+      tags     = ["http", "openai-compatible"]
+      check {
+        type     = "http"
+        path     = "/health"
+        interval = "5s"
+        timeout  = "2s"
+      }
+    }
+
+    task "gateway" {
+      driver = "docker"
+
+      config {
+        image        = var.image
+        network_mode = "host"
+        command      = "switchboard"
+        args = [
+          "gateway",
+          "--host", "${NOMAD_IP_http}",
+          "--port", "${NOMAD_PORT_http}",
+          "--membership", "consul://${attr.unique.network.ip-address}:8500",
+          "--control-plane-url", "http://switchboard-control-plane.service.consul:8300",
+          "--node-id", "gateway-${NOMAD_ALLOC_ID}"
+        ]
+      }
+
+      template {
+        destination = "secrets/gateway.env"
+        env         = true
+        data        = <<-EOT
+          {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_GATEWAY_API_KEYS={{ .api_keys }}{{ end }}
+        EOT
+      }
+
+      resources {
+        cpu    = 1000
+        memory = 512
+      }
+    }
+  }
+
+  group "cache" {
+    count = 2
+
+    network {
+      port "http" {}
+    }
+
+    task "cache-node" {
+      driver = "docker"
+
+      config {
+        image        = var.image
+        network_mode = "host"
+        command      = "switchboard"
+        args = [
+          "cache-node",
+          "--host", "${NOMAD_IP_http}",
+          "--port", "${NOMAD_PORT_http}",
+          "--membership", "consul://${attr.unique.network.ip-address}:8500",
+          "--node-id", "cache-${NOMAD_ALLOC_INDEX}"
+        ]
+      }
+
+      resources {
+        cpu    = 500
+        memory = 512
+      }
+    }
+  }
+
+  group "shard" {
+    count = 1
+
+    # The autoscaler moves `count` within these bounds (Nomad refuses a scale request outside
+    # them); `enabled = false` keeps the Nomad Autoscaler, if you run one, out of the way.
+    scaling {
+      enabled = false
+      min     = 1
+      max     = 8
+    }
+
+    network {
+      port "http" {}
+    }
+
+    service {
+      name     = "switchboard-shard"
+      port     = "http"
+      provider = "consul"
+      meta {
+        url          = "http://${NOMAD_ADDR_http}"
+        engine       = "${var.shard_engine}"
+        max_num_seqs = "${var.shard_max_num_seqs}"
+      }
+      check {
+        type     = "http"
+        path     = "/health" # 503 until the model is loaded: no traffic before that
+        interval = "2s"
+        timeout  = "1s"
+      }
+    }
+
+    # scale-down: deregistered from Consul, gateways stop routing here, then SIGTERM; the shard
+    # stops admitting and finishes what it runs within kill_timeout
+    shutdown_delay = "5s"
+
+    task "shard" {
+      driver       = "docker"
+      kill_signal  = "SIGTERM"
+      kill_timeout = "60s"
+
+      config {
+        image        = var.image
+        network_mode = "host"
+        command      = "switchboard"
+        args = [
+          "shard",
+          "--host", "${NOMAD_IP_http}",
+          "--port", "${NOMAD_PORT_http}",
+          "--engine", "${var.shard_engine}",
+          "--max-num-seqs", "${var.shard_max_num_seqs}",
+          "--threads", "4"
+        ]
+      }
+
+      resources {
+        cpu    = 4000
+        memory = 3072
+      }
+    }
+  }
+}

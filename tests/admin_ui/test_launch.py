@@ -1,0 +1,30 @@
+"""`switchboard console` runs Streamlit on loopback with our flags; the token stays out of argv."""
+
+from __future__ import annotations
+
+from admin_ui import launch
+from admin_ui.settings import ConsoleSettings
+
+
+def test_command_runs_streamlit_headless_on_loopback(monkeypatch):
+    monkeypatch.setenv("SWITCHBOARD_ADMIN_TOKEN", "secret-token")
+    cmd = launch.command(["--port", "8502", "--control-plane-url", "http://127.0.0.1:9300"])
+    assert cmd[1:4] == ["-m", "streamlit", "run"] and cmd[4].endswith("admin_ui/app.py")
+    flags = dict(zip(cmd[5::2], cmd[6::2]))
+    assert flags["--server.port"] == "8502" and flags["--server.address"] == "127.0.0.1"
+    assert flags["--server.headless"] == "true" and flags["--browser.gatherUsageStats"] == "false"
+    assert cmd[cmd.index("--") + 1:] == ["--control-plane-url", "http://127.0.0.1:9300"]
+    assert "secret-token" not in " ".join(cmd)
+
+
+def test_settings_read_flags_then_env_then_credentials(monkeypatch, tmp_path):
+    creds = tmp_path / "credentials.json"
+    creds.write_text('{"admin_token": "from-file", "keys": {"plus": "sk-plus"}}')
+    monkeypatch.delenv("SWITCHBOARD_ADMIN_TOKEN", raising=False)
+    monkeypatch.setenv("SWITCHBOARD_CONTROL_PLANE_URL", "http://env:1")
+    s = ConsoleSettings.from_argv(["--credentials-file", str(creds)])
+    assert s.control_plane_url == "http://env:1" and s.admin_token_value() == "from-file"
+    assert s.dev_keys() == {"plus": "sk-plus"}
+    assert ConsoleSettings.from_argv(["--control-plane-url", "http://flag:2"]).control_plane_url == "http://flag:2"
+    monkeypatch.setenv("SWITCHBOARD_ADMIN_TOKEN", "from-env")
+    assert ConsoleSettings.from_argv(["--credentials-file", str(creds)]).admin_token_value() == "from-env"

@@ -1,0 +1,78 @@
+"""Admin-API answers -> tables and tiles: unknown stays unknown, edits round-trip."""
+
+from __future__ import annotations
+
+import math
+
+from admin_ui import views
+
+POLICY = {"tiers": {
+    "free": {"priority": 2, "rpm": 60, "tpm": 20000, "max_context_tokens": 2048, "max_output_tokens": 256,
+             "replication": 1, "shed_order": 0, "safety": "default"},
+    "enterprise": {"priority": 0, "rpm": 6000, "tpm": 2000000, "max_context_tokens": 32768,
+                   "max_output_tokens": 2048, "replication": 2, "shed_order": 2, "safety": "strict"},
+}}
+
+
+def test_tier_table_round_trips_to_the_put_body():
+    frame = views.tiers_frame(POLICY)
+    assert list(frame["tier"]) == ["enterprise", "free"]  # highest priority first
+    assert views.policy_from_frame(frame) == POLICY
+
+
+def test_blank_cells_are_left_out_and_unnamed_or_duplicate_rows_are_flagged():
+    frame = views.tiers_frame(POLICY)
+    frame.loc[0, "rpm"] = math.nan
+    assert "rpm" not in views.policy_from_frame(frame)["tiers"]["enterprise"]
+    frame.loc[1, "tier"] = "enterprise"
+    assert any("duplicate" in p for p in views.frame_problems(frame))
+    assert views.local_policy_problems({"tiers": {"x": {"rpm": 0, "replication": 9}}}) == [
+        "x.rpm must be > 0 (got 0)", "x.replication must be 1..5 (got 9)"]
+
+
+def test_a_shard_never_scraped_shows_unknown_not_zero():
+    members = [{"id": "shard-0", "service": "shard", "status": "passing", "last_heartbeat": 100.0, "meta": {}}]
+    latest = {"shards": [{"member_id": "shard-0", "running": None, "waiting": None, "kv_usage": None,
+                          "error": "scrape failed"}]}
+    row = views.members_frame(members, latest, now=101.5).iloc[0]
+    assert row["running"] is None and row["utilisation"] is None and row["problem"] == "scrape failed"
+    assert row["heartbeat_s"] == 1.5
+
+
+def test_signals_split_and_tiles():
+    payload = {"latest": {"at": 2.0, "healthy_shards": 1, "shards": [{}, {}], "demand_by_tier": {"free": 1.5,
+                                                                                               "plus": 0.5},
+                          "ttft_p95_s": 0.25, "error_rate": 0.0, "tokens_per_s": 40.0, "complete": True},
+               "history": [{"at": 2.0, "healthy_shards": 1}, {"at": 1.0, "healthy_shards": 2}]}
+    latest, history = views.split_signals(payload)
+    assert [h["at"] for h in history] == [1.0, 2.0]
+    tiles = {t.label: t for t in views.overview_tiles(latest, history, {"level": 3, "pinned": True})}
+    assert tiles["Requests / s"].value == "2.0 req/s"
+    assert tiles["TTFT p95"].value == "250 ms" and tiles["TTFT p95"].status == "ok"
+    assert tiles["TTFT p50"].status == "absent"  # not in these signals at all
+    assert tiles["Healthy shards"].value == "1 / 2" and tiles["Healthy shards"].status == "warn"
+    assert tiles["Healthy shards"].series == [2.0, 1.0]
+    assert tiles["Degradation"].value == "L3 (pinned)" and tiles["Degradation"].status == "bad"
+
+
+def test_alert_rows_put_firing_first():
+    rows = views.alert_rows({"source": "alertmanager", "alerts": [
+        {"name": "A", "state": "resolved", "severity": "info", "summary": "", "active_at": 5},
+        {"name": "B", "state": "active", "severity": "critical", "summary": "down", "labels": {"job": "x"}}]})
+    assert [(r["name"], r["state"]) for r in rows] == [("B", "firing"), ("A", "resolved")]
+    assert rows[0]["labels"] == "job=x"
+
+
+def test_waterfall_puts_children_under_parents_with_offsets():
+    span = lambda sid, parent, name, start, end, service="switchboard-gateway": {  # noqa: E731
+        "span_id": sid, "parent_span_id": parent, "name": name, "service": service, "start_ns": start,
+        "end_ns": end, "status": "OK", "attributes": {}, "events": []}
+    trace = {"spans": [span("c", "a", "router.route", 3_000_000, 9_000_000),
+                       span("a", "x", "gateway.request", 1_000_000, 10_000_000),
+                       span("d", "c", "shard.generate", 4_000_000, 8_000_000, "switchboard-shard"),
+                       span("b", "a", "ratelimit", 1_500_000, 1_600_000)]}
+    spans, events = views.waterfall_frames(trace)
+    assert list(spans["name"]) == ["gateway.request", "ratelimit", "router.route", "shard.generate"]
+    assert spans.iloc[0]["start_ms"] == 0 and spans.iloc[3]["duration_ms"] == 4.0
+    assert list(spans["service"]) == ["gateway", "gateway", "gateway", "shard"]
+    assert events.empty

@@ -1,0 +1,263 @@
+"""The degradation ladder's automatic rule, pins and events, fed synthetic signals on a fake clock.
+
+    .venv/bin/python -m pytest tests/control_plane/test_degradation.py -q
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from control_plane.degradation import (
+    DegradationController,
+    DegradationMetrics,
+    LadderConfig,
+    _Clock,
+    assess,
+)
+from control_plane.policy_store import PolicyStore
+from control_plane.signals import Signals
+
+CONFIG = LadderConfig(ttft_slo_s=2.0, raise_dwell_s=10.0, lower_dwell_s=30.0, history=5)
+
+
+class FakeClock:
+    """Wall and monotonic time that move only when the test says so."""
+
+    def __init__(self) -> None:
+        self.t = 1_000.0
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+    def clock(self) -> _Clock:
+        return _Clock(wall=self.now, monotonic=self.now)
+
+
+def signals(*, ttft: float | None = 0.2, waiting: float | None = 0.0, errors: float | None = 0.0,
+            kv: float | None = 0.1, complete: bool = True, missing: tuple[str, ...] = ()) -> Signals:
+    return Signals(at=0.0, shards=(), healthy_shards=2, waiting_per_shard=waiting, ttft_p95_s=ttft,
+                   error_rate=errors, tokens_per_s=10.0, kv_usage=kv, demand_by_tier={"free": 1.0},
+                   rejections_by_tier={}, complete=complete, missing=missing or (() if complete else ("shard-0",)))
+
+
+HOT = signals(ttft=3.0)  # p95 above the 2 s SLO
+CALM = signals(ttft=0.3, waiting=0.5)
+WARM = signals(ttft=1.5)  # between the lower (1 s) and raise (2 s) TTFT thresholds
+
+
+class ListSource:
+    """Feeds a fixed sequence of readings (the test's stand-in for ScrapeSignals)."""
+
+    def __init__(self, readings: list[Any]) -> None:
+        self.readings = list(readings)
+
+    async def read(self) -> Signals:
+        item = self.readings.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+
+def make(tmp_path: Any = None, clock: FakeClock | None = None, source: Any = None,
+         config: LadderConfig = CONFIG) -> tuple[DegradationController, PolicyStore, CollectorRegistry, FakeClock]:
+    clock = clock or FakeClock()
+    store = PolicyStore(tmp_path, clock=clock.now)
+    registry = CollectorRegistry()
+    controller = DegradationController(store, source, config=config, metrics=DegradationMetrics(registry),
+                                       clock=clock.clock())
+    return controller, store, registry, clock
+
+
+def metric(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    value = registry.get_sample_value(name, labels)
+    assert value is not None, f"{name}{labels} not exported"
+    return value
+
+
+def test_assess_classifies_with_hysteresis_band() -> None:
+    assert assess(HOT, CONFIG).verdict == "hot"
+    assert assess(CALM, CONFIG).verdict == "calm"
+    assert assess(WARM, CONFIG).verdict == "hold"
+    assert assess(signals(waiting=9.0), CONFIG).verdict == "hot"
+    assert assess(signals(errors=0.2), CONFIG).verdict == "hot"
+    assert assess(signals(kv=0.99), CONFIG).verdict == "hot"
+    assert assess(signals(complete=False), CONFIG).verdict == "incomplete"
+    assert assess(None, CONFIG).verdict == "incomplete"
+    # no data in a dimension (no requests in the window) is no pressure, not a zero
+    assert assess(signals(ttft=None, errors=None), CONFIG).verdict == "calm"
+    assert "ttft_p95 3.00s > 2.00s" in assess(HOT, CONFIG).reasons[0]
+
+
+def test_config_needs_lower_below_raise() -> None:
+    with pytest.raises(ValueError, match="hysteresis"):
+        LadderConfig(raise_waiting_per_shard=2.0, lower_waiting_per_shard=2.0)
+
+
+def test_raises_one_step_at_a_time_after_the_dwell() -> None:
+    ladder, _, registry, clock = make()
+    clock.advance(10)
+    event = ladder.observe(HOT)
+    assert event is not None and (event["from"], event["to"], event["actor"]) == (0, 1, "auto")
+    assert "ttft_p95" in event["reason"] and event["signals"]["ttft_p95_s"] == 3.0
+    assert "shards" not in event["signals"]  # the summary, not the per-shard list
+    # still hot, but the level was held only 9 s: no second step yet
+    clock.advance(9)
+    assert ladder.observe(HOT) is None and ladder.level == 1
+    clock.advance(1)
+    assert ladder.observe(HOT)["to"] == 2
+    for expected in (3, 4):
+        clock.advance(10)
+        assert ladder.observe(HOT)["to"] == expected
+    clock.advance(10)
+    assert ladder.observe(HOT) is None and ladder.level == 4  # the top
+    assert metric(registry, "switchboard_degradation_level") == 4
+    assert metric(registry, "switchboard_degradation_changes_total", direction="up", actor="auto") == 4
+    assert metric(registry, "switchboard_degradation_evaluations_total", outcome="raise") == 4
+
+
+def test_lowers_only_after_unbroken_calm_and_one_step_per_dwell() -> None:
+    ladder, _, registry, clock = make()
+    for _ in range(2):
+        clock.advance(10)
+        ladder.observe(HOT)
+    assert ladder.level == 2
+    # in the band between the thresholds nothing moves, however long
+    for _ in range(10):
+        clock.advance(10)
+        assert ladder.observe(WARM) is None
+    assert ladder.level == 2
+    clock.advance(1)
+    ladder.observe(CALM)  # calm starts now
+    clock.advance(29)
+    assert ladder.observe(CALM) is None  # calm for 29 s < 30 s
+    clock.advance(1)
+    event = ladder.observe(CALM)
+    assert event is not None and (event["from"], event["to"]) == (2, 1)
+    assert event["reason"].startswith("calm for 30s")
+    # the next step down needs another full calm period at the new level
+    clock.advance(29)
+    assert ladder.observe(CALM) is None
+    clock.advance(1)
+    assert ladder.observe(CALM)["to"] == 0
+    clock.advance(100)
+    assert ladder.observe(CALM) is None and ladder.level == 0
+    assert metric(registry, "switchboard_degradation_changes_total", direction="down", actor="auto") == 2
+
+
+def test_a_warm_reading_breaks_the_calm_streak() -> None:
+    ladder, _, _, clock = make()
+    clock.advance(10)
+    ladder.observe(HOT)
+    clock.advance(30)
+    ladder.observe(CALM)
+    clock.advance(20)
+    ladder.observe(WARM)  # breaks it
+    clock.advance(1)
+    ladder.observe(CALM)
+    clock.advance(29)
+    assert ladder.observe(CALM) is None
+    clock.advance(1)
+    assert ladder.observe(CALM)["to"] == 0
+
+
+def test_incomplete_signals_never_move_the_ladder() -> None:
+    ladder, _, registry, clock = make()
+    clock.advance(10)
+    ladder.observe(HOT)
+    hot_but_incomplete = signals(ttft=9.0, waiting=50.0, complete=False)
+    for _ in range(5):
+        clock.advance(60)
+        assert ladder.observe(hot_but_incomplete) is None
+        assert ladder.observe(None) is None
+    assert ladder.level == 1
+    assert ladder.snapshot()["automatic"]["verdict"] == "incomplete"
+    # and they break a calm streak: calm must be seen for the whole dwell
+    ladder.observe(CALM)
+    clock.advance(20)
+    ladder.observe(signals(complete=False))
+    clock.advance(1)
+    ladder.observe(CALM)
+    clock.advance(15)
+    assert ladder.observe(CALM) is None and ladder.level == 1
+    assert metric(registry, "switchboard_degradation_evaluations_total", outcome="incomplete") == 11
+
+
+def test_pin_holds_the_level_and_release_hands_it_back() -> None:
+    ladder, store, registry, clock = make()
+    event = ladder.pin(3, "incident 42")
+    assert (event["from"], event["to"], event["actor"], event["pinned"]) == (0, 3, "operator", True)
+    assert store.degradation.pinned and store.degradation.reason == "pinned: incident 42"
+    assert metric(registry, "switchboard_degradation_pinned") == 1
+    # while pinned, the rule is evaluated but not applied, whatever it sees
+    for reading in (CALM, HOT, CALM):
+        clock.advance(100)
+        assert ladder.observe(reading) is None
+    assert ladder.level == 3
+    assert metric(registry, "switchboard_degradation_evaluations_total", outcome="pinned") == 3
+    event = ladder.release("fixed")
+    assert (event["from"], event["to"], event["pinned"]) == (3, 3, False)
+    assert not ladder.pinned and ladder.level == 3
+    assert ladder.release("again") is None  # not pinned: nothing to release
+    # back to the rule, which walks down one step per dwell, counted from the release
+    clock.advance(29)
+    assert ladder.observe(CALM) is None
+    clock.advance(1)
+    assert ladder.observe(CALM)["to"] == 2
+    assert metric(registry, "switchboard_degradation_pinned") == 0
+    assert metric(registry, "switchboard_degradation_changes_total", direction="up", actor="operator") == 1
+    assert metric(registry, "switchboard_degradation_changes_total", direction="none", actor="operator") == 1
+    with pytest.raises(ValueError):
+        ladder.pin(5, "no such level")
+
+
+def test_history_is_bounded_and_snapshot_reports_it() -> None:
+    ladder, _, _, clock = make()
+    for level in (1, 2, 3, 4, 0, 1, 2):
+        clock.advance(1)
+        ladder.pin(level, f"to {level}")
+    snap = ladder.snapshot()
+    assert [e["to"] for e in snap["history"]] == [3, 4, 0, 1, 2]  # the last 5 of 7
+    assert snap["level"] == 2 and snap["pinned"] and snap["name"] == "cap_output_tokens"
+    assert set(snap["history"][0]) >= {"at", "from", "to", "reason", "signals", "actor"}
+
+
+def test_state_survives_a_restart(tmp_path: Any) -> None:
+    ladder, _, _, clock = make(tmp_path)
+    ladder.pin(3, "maintenance")
+    ladder2, _, registry2, _ = make(tmp_path, clock)
+    assert ladder2.level == 3 and ladder2.pinned
+    assert metric(registry2, "switchboard_degradation_level") == 3
+    assert [e["to"] for e in ladder2.snapshot()["history"]] == [3]
+    # an automatic level is restored too, and held a full dwell after the restart
+    ladder2.release("done")
+    ladder3, _, _, clock3 = make(tmp_path, clock)
+    ladder3.observe(CALM)
+    clock3.advance(29)
+    assert ladder3.observe(CALM) is None and ladder3.level == 3
+    clock3.advance(1)
+    assert ladder3.observe(CALM)["to"] == 2
+
+
+async def test_task_reads_the_source_and_survives_failures() -> None:
+    config = LadderConfig(raise_dwell_s=0.0, lower_dwell_s=0.0, interval_s=0.01)
+    source = ListSource([RuntimeError("prometheus down"), HOT, HOT] + [CALM] * 200)
+    ladder = DegradationController(PolicyStore(None), source, config=config)  # real clock: the task sleeps
+    await ladder.start()
+    try:
+        for _ in range(200):
+            if len(ladder.snapshot()["history"]) >= 3:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await ladder.aclose()
+    moves = [(e["from"], e["to"]) for e in ladder.snapshot()["history"]]
+    assert moves[:3] == [(0, 1), (1, 2), (2, 1)]
+    history = ladder.signal_history()
+    assert history and history[0]["ttft_p95_s"] == 3.0 and "at" in history[0]

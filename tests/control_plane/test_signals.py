@@ -1,0 +1,263 @@
+"""Signals: the percentile math, then both readers against a real cluster on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from control_plane.signals import (
+    PrometheusSignals,
+    ScrapeSignals,
+    Signals,
+    histogram_quantile,
+    parse_exposition,
+)
+from data_plane.membership import Member
+from tests.cluster import Cluster
+from tests.procs import free_port
+
+# -- math ----------------------------------------------------------------------------------------
+
+
+def test_histogram_quantile_matches_promql() -> None:
+    # 100 observations: 50 <= 0.1, 90 <= 0.5, 100 <= 1.0
+    buckets = {0.1: 50.0, 0.5: 90.0, 1.0: 100.0, math.inf: 100.0}
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.1)
+    assert histogram_quantile(0.95, buckets) == pytest.approx(0.75)  # halfway through (0.5, 1.0]
+    assert histogram_quantile(0.95, {0.1: 0.0, math.inf: 0.0}) is None  # no observations: unknown
+    assert histogram_quantile(0.95, {0.1: 1.0, 1.0: 1.0, math.inf: 10.0}) == 1.0  # in +Inf: top bound
+
+
+def test_parse_exposition_keeps_names_and_labels() -> None:
+    text = (
+        '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name="m"} 3.0\n'
+        "# TYPE switchboard_gateway_requests counter\n"
+        'switchboard_gateway_requests_total{code="ok",status="200",tier="free"} 7.0\n'
+    )
+    samples = parse_exposition(text)
+    assert ("vllm:num_requests_waiting", (("model_name", "m"),), 3.0) in samples
+    assert (
+        "switchboard_gateway_requests_total",
+        (("code", "ok"), ("status", "200"), ("tier", "free")),
+        7.0,
+    ) in samples
+
+
+async def test_rates_survive_a_counter_reset_and_critical_members_do_not_poison_the_means() -> None:
+    """Canned /metrics at the transport boundary, a fake clock: exact window arithmetic."""
+    now = [0.0]
+    gateway_total = [100.0]
+
+    def shard_metrics(waiting: float) -> str:
+        return (
+            'vllm:num_requests_running{model_name="m"} 2\n'
+            f'vllm:num_requests_waiting{{model_name="m"}} {waiting}\n'
+            'vllm:kv_cache_usage_perc{model_name="m"} 0.5\nswitchboard_shard_max_num_seqs{model_name="m"} 4\n'
+        )
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.port == 9000:
+            return httpx.Response(
+                200,
+                text=(
+                    'switchboard_gateway_requests_total{code="ok",status="200",tier="plus"} '
+                    f"{gateway_total[0]}\n"
+                    'switchboard_admission_queue_depth{tier="plus"} 4\n'
+                ),
+            )
+        return httpx.Response(200, text=shard_metrics(3.0))
+
+    members = [
+        Member("shard-a", "shard", "http://127.0.0.1:9001"),
+        Member("shard-b", "shard", "http://127.0.0.1:9002", status="critical"),
+        Member("gw", "gateway", "http://127.0.0.1:9000"),
+    ]
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        source = ScrapeSignals(
+            lambda s: [m for m in members if m.service == s],
+            http,
+            window_s=10,
+            min_interval_s=0,
+            clock=lambda: now[0],
+        )
+        first = await source.read()
+        assert not first.complete and first.missing == ("history: one scrape so far, no rates yet",)
+        now[0], gateway_total[0] = 5.0, 150.0
+        second = await source.read()
+        now[0], gateway_total[0] = 10.0, 20.0  # the gateway restarted: 20 since, not -130
+        third = await source.read()
+    assert second.complete and second.demand_by_tier == {"plus": pytest.approx(10.0)}
+    assert third.demand_by_tier == {"plus": pytest.approx((50 + 20) / 10)}
+    assert third.healthy_shards == 1
+    assert third.waiting_per_shard == pytest.approx(3.0 + 4.0)  # shard queue + gateway admission queue
+    assert third.load_per_shard == pytest.approx(2 + 3 + 4) and third.capacity_per_shard == 4
+    b = next(s for s in third.shards if s.member_id == "shard-b")
+    assert b.stale and b.error == "member critical (heartbeat missed)" and math.isnan(b.waiting)
+
+
+# -- against real processes ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # shard-1 heartbeats with a long TTL so that, frozen, it stays "passing" while its scrape fails
+    c = Cluster(shards=2, caches=1, token_delay_ms=20)
+    c.shards[1].args[-2:-2] = ["--registration-ttl-s", "30"]
+    with c:
+        yield c
+
+
+class _RegistryMembers:
+    """The cluster's members as the control plane's Registry would list them (read over HTTP)."""
+
+    def __init__(self, registry_url: str, http: httpx.AsyncClient) -> None:
+        self.url, self.http = registry_url, http
+        self.members: list[Member] = []
+
+    async def refresh(self) -> None:
+        body = (await self.http.get(self.url + "/v1/registry/members")).json()
+        self.members = [Member.from_dict(d) for d in body["members"]]
+
+    def __call__(self, service: str) -> list[Member]:
+        return [m for m in self.members if m.service == service]
+
+
+async def _chat_load(c: Cluster, http: httpx.AsyncClient, n: int, tier: str = "plus") -> list[int]:
+    async def one() -> int:
+        r = await http.post(
+            c.gateway.url + "/v1/chat/completions",
+            timeout=30,
+            headers={"Authorization": f"Bearer {c.keys[tier]}"},
+            json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 20},
+        )
+        return r.status_code
+
+    return await asyncio.gather(*(one() for _ in range(n)))
+
+
+async def test_scrape_signals_from_a_live_cluster(cluster: Cluster) -> None:
+    async with httpx.AsyncClient() as http:
+        members = _RegistryMembers(cluster.registry, http)
+        await members.refresh()
+        source = ScrapeSignals(members, http, window_s=20, min_interval_s=0)
+        idle = await source.read()
+        load = asyncio.create_task(_chat_load(cluster, http, 40))
+        await asyncio.sleep(0.3)
+        busy = await source.read()
+        statuses = await load
+        after = await source.read()
+        assert statuses == [200] * 40
+
+        assert idle.healthy_shards == 2 and idle.waiting_per_shard == 0.0  # known zero, not unknown
+        assert {s.member_id for s in busy.shards} == {"shard-0", "shard-1"}
+        assert sum(s.running for s in busy.shards) > 0 and busy.load_per_shard and busy.load_per_shard > 0
+        assert after.complete, after.missing
+        assert after.demand_by_tier["plus"] > 0 and after.rejections_by_tier.get("plus", 0.0) == 0.0
+        assert after.error_rate == 0.0
+        assert after.ttft_p95_s is not None and after.ttft_p95_s > 0
+        assert after.tokens_per_s and after.tokens_per_s > 0
+        assert after.capacity_per_shard == 16
+        assert after.to_dict()["shards"][0]["member_id"] == "shard-0"  # JSON-ready for the admin API
+
+        # freeze shard-1: it still counts as passing (30 s TTL) but its /metrics cannot be read
+        frozen = cluster.shards[1].proc
+        assert frozen is not None
+        frozen.send_signal(signal.SIGSTOP)
+        try:
+            await members.refresh()
+            stale = await source.read()
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+        assert not stale.complete
+        assert stale.waiting_per_shard is None and stale.kv_usage is None  # unknown, never 0
+        assert any(m.startswith("shard-1: scrape failed") for m in stale.missing), stale.missing
+        s1 = next(s for s in stale.shards if s.member_id == "shard-1")
+        assert s1.stale and s1.error and s1.running == 0.0  # last known values, flagged stale
+
+        await members.refresh()
+        assert (await source.read()).complete
+
+
+# -- Prometheus -------------------------------------------------------------------------------------
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (apt-get install prometheus)")
+async def test_prometheus_signals_match_the_scrape_ones(cluster: Cluster) -> None:
+    port = free_port()
+    shard_targets = [s.url.removeprefix("http://") for s in cluster.shards]
+    config = f"""
+global: {{scrape_interval: 1s, scrape_timeout: 800ms}}
+scrape_configs:
+  - job_name: switchboard-shard
+    static_configs: [{{targets: {shard_targets}}}]
+  - job_name: switchboard-gateway
+    static_configs: [{{targets: ["{cluster.gateway.url.removeprefix("http://")}"]}}]
+"""
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "prometheus.yml").write_text(config)
+        proc = subprocess.Popen(
+            [
+                str(PROMETHEUS),
+                f"--config.file={d}/prometheus.yml",
+                f"--storage.tsdb.path={d}/data",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            async with httpx.AsyncClient() as http:
+                source = PrometheusSignals(url, http, window_s=10)
+                await _until(lambda s: s.healthy_shards == 2 and s.complete, source, 20)
+                # a counter series Prometheus first sees at N has no rate yet: let it see the tier first
+                statuses = await _chat_load(cluster, http, 3, tier="enterprise")
+                await asyncio.sleep(2.5)
+                statuses += await _chat_load(cluster, http, 30, tier="enterprise")
+                assert statuses == [200] * 33
+                s = await _until(
+                    lambda s: s.demand_by_tier.get("enterprise", 0) > 0 and s.ttft_p95_s is not None,
+                    source,
+                    15,
+                )
+                assert s.complete and s.source == "prometheus"
+                assert s.waiting_per_shard == 0.0 and s.capacity_per_shard == 16 and s.error_rate == 0.0
+                assert {sh.member_id for sh in s.shards} == set(shard_targets)
+
+                frozen = cluster.shards[1].proc
+                assert frozen is not None
+                frozen.send_signal(signal.SIGSTOP)
+                try:
+                    s = await _until(lambda s: not s.complete, source, 10)
+                finally:
+                    frozen.send_signal(signal.SIGCONT)
+                assert any("up == 0" in m for m in s.missing), s.missing
+                assert s.waiting_per_shard is None
+
+                gone = PrometheusSignals(f"http://127.0.0.1:{free_port()}", http)
+                s = await gone.read()
+                assert not s.complete and s.missing[0].startswith("prometheus: ")
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+async def _until(cond, source: PrometheusSignals, timeout: float) -> Signals:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        s = await source.read()
+        if cond(s) or time.monotonic() > deadline:
+            assert cond(s), f"condition not met within {timeout}s: {s.summary()}"
+            return s
+        await asyncio.sleep(0.5)

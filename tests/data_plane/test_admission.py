@@ -1,0 +1,168 @@
+"""Priority admission: order, per-tier reserve, deadlines, shedding order, no leaked slots.
+
+    .venv/bin/python -m pytest tests/data_plane/test_admission.py -q     # ~2 s
+
+The Admission object is built directly with a fresh registry; nothing runs but asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from data_plane.admission import Admission, AdmissionConfig, AdmissionMetrics, Ticket, shard_capacity
+from data_plane.errors import Overloaded
+from data_plane.tiers import TierPolicy
+
+POLICY = TierPolicy.default()
+FREE, PLUS, ENT = POLICY["free"], POLICY["plus"], POLICY["enterprise"]
+
+
+def admission(capacity: int | None, **config: object) -> tuple[Admission, CollectorRegistry]:
+    registry = CollectorRegistry()
+    cap = {"value": capacity}
+    adm = Admission(AdmissionMetrics(registry), AdmissionConfig(**config),  # type: ignore[arg-type]
+                    capacity=lambda: cap["value"])
+    return adm, registry
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_waiters_are_served_by_priority_then_arrival() -> None:
+    adm, registry = admission(1, reserve=0.0)
+    held = await adm.acquire(FREE, POLICY)
+    order: list[str] = []
+
+    async def one(name: str, tier) -> None:  # type: ignore[no-untyped-def]
+        ticket = await adm.acquire(tier, POLICY)
+        order.append(name)
+        await asyncio.sleep(0)
+        ticket.release()
+
+    tasks = []
+    for name, tier in [("free-1", FREE), ("plus-1", PLUS), ("enterprise", ENT), ("free-2", FREE), ("plus-2", PLUS)]:
+        tasks.append(asyncio.create_task(one(name, tier)))
+        await settle()
+    assert adm.waiting == 5 and registry.get_sample_value("switchboard_admission_queue_depth", {"tier": "free"}) == 2
+    held.release()
+    await asyncio.gather(*tasks)
+    assert order == ["enterprise", "plus-1", "plus-2", "free-1", "free-2"]
+    assert adm.inflight == 0 and adm.waiting == 0
+    assert registry.get_sample_value("switchboard_admission_wait_seconds_count", {"tier": "free"}) == 3
+
+
+async def test_lower_tiers_leave_a_reserve_for_higher_ones() -> None:
+    adm, _ = admission(16)  # reserve 0.125 per level: free may fill 12, plus 14, enterprise 16
+    assert [adm.cap(rank, 16) for rank in (2, 1, 0)] == [12, 14, 16]
+    free = [await adm.acquire(FREE, POLICY) for _ in range(12)]
+    blocked = asyncio.create_task(adm.acquire(FREE, POLICY))
+    await settle()
+    assert not blocked.done()
+    plus = [await adm.acquire(PLUS, POLICY) for _ in range(2)]
+    ent = [await adm.acquire(ENT, POLICY) for _ in range(2)]  # at once, though free is waiting
+    assert adm.inflight == 16 and not blocked.done()
+    for t in plus + ent:
+        t.release()
+    await settle()
+    assert not blocked.done()  # 12 in flight: still free's cap
+    free[0].release()
+    (await blocked).release()
+    for t in free[1:]:
+        t.release()
+    assert adm.inflight == 0
+
+
+async def test_a_waiter_past_its_deadline_is_shed_with_503_and_retry_after() -> None:
+    adm, registry = admission(1, queue_timeouts={"free": 0.05})
+    held = await adm.acquire(ENT, POLICY)
+    with pytest.raises(Overloaded) as info:
+        await adm.acquire(FREE, POLICY)
+    err = info.value
+    assert err.status == 503 and err.code == "overloaded" and err.response_headers()["Retry-After"] == "2"
+    assert registry.get_sample_value("switchboard_admission_shed_total", {"tier": "free", "reason": "deadline"}) == 1
+    assert adm.waiting == 0
+    held.release()
+    assert adm.inflight == 0
+
+
+def test_deadlines_grow_along_the_shed_order() -> None:
+    adm, _ = admission(1)
+    tiers = [POLICY.get(n) for n in POLICY.names()]
+    assert [adm.timeout_s(t, tiers) for t in (FREE, PLUS, ENT)] == [5.0, 10.0, 15.0]
+    adm2, _ = admission(1, queue_timeout_s=1.0, queue_timeouts={"enterprise": 60.0})
+    assert [adm2.timeout_s(t, tiers) for t in (FREE, PLUS, ENT)] == [1.0, 2.0, 60.0]
+
+
+async def test_a_full_queue_sheds_free_first_and_enterprise_last() -> None:
+    adm, registry = admission(1, queue_size=2)
+    held = await adm.acquire(ENT, POLICY)
+    ent = asyncio.create_task(adm.acquire(ENT, POLICY))
+    free = asyncio.create_task(adm.acquire(FREE, POLICY))
+    await settle()
+    plus = asyncio.create_task(adm.acquire(PLUS, POLICY))  # queue full: the free waiter goes
+    await settle()
+    with pytest.raises(Overloaded):
+        await free
+    free2 = asyncio.create_task(adm.acquire(FREE, POLICY))  # full again: the newcomer itself goes
+    with pytest.raises(Overloaded):
+        await free2
+    ent2 = asyncio.create_task(adm.acquire(ENT, POLICY))  # enterprise displaces plus
+    with pytest.raises(Overloaded):
+        await plus
+    assert registry.get_sample_value("switchboard_admission_shed_total", {"tier": "free", "reason": "queue_full"}) == 2
+    assert registry.get_sample_value("switchboard_admission_shed_total", {"tier": "plus", "reason": "queue_full"}) == 1
+    held.release()
+    (await ent).release()
+    (await ent2).release()
+    assert adm.inflight == 0 and adm.waiting == 0
+
+
+async def test_a_cancelled_waiter_leaves_the_queue_and_a_cancelled_grant_frees_its_slot() -> None:
+    adm, registry = admission(1)
+    held = await adm.acquire(PLUS, POLICY)
+    waiter = asyncio.create_task(adm.acquire(FREE, POLICY))
+    await settle()
+    waiter.cancel()
+    await settle()
+    assert adm.waiting == 0 and registry.get_sample_value("switchboard_admission_queue_depth", {"tier": "free"}) == 0
+    late = asyncio.create_task(adm.acquire(FREE, POLICY))
+    await settle()
+    held.release()  # the slot goes to `late`, which is cancelled before it runs again
+    late.cancel()
+    await settle()
+    assert adm.inflight == 0
+
+
+async def test_a_ticket_dropped_unreleased_frees_its_slot_when_collected() -> None:
+    adm, _ = admission(1)
+    ticket: Ticket | None = await adm.acquire(FREE, POLICY)
+    assert adm.inflight == 1
+    del ticket
+    gc.collect()
+    await settle()
+    assert adm.inflight == 0
+
+
+async def test_unknown_capacity_admits_at_once() -> None:
+    adm, registry = admission(None)
+    tickets = [await adm.acquire(FREE, POLICY) for _ in range(100)]
+    assert adm.inflight == 100 and registry.get_sample_value("switchboard_admission_capacity") == -1
+    for t in tickets:
+        t.release()
+
+
+def test_capacity_comes_from_the_shards_batch_slots() -> None:
+    config = AdmissionConfig()
+    assert shard_capacity(["16", "8"], config) == 24
+    assert shard_capacity([None], config) == 16  # a shard that does not say
+    assert shard_capacity([], config) is None
+    assert shard_capacity(["16", "16"], AdmissionConfig(inflight_per_slot=0.5)) == 16
+    assert shard_capacity(["16"], AdmissionConfig(max_inflight=3)) == 3
+    with pytest.raises(ValueError):
+        AdmissionConfig(reserve=1.0)

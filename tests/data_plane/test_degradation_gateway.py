@@ -1,0 +1,271 @@
+"""The degradation ladder and hot tier policy as a user of a running gateway sees them.
+
+    .venv/bin/python -m pytest tests/data_plane/test_degradation_gateway.py -q
+
+Real processes on loopback: a control plane with a state dir, one synthetic shard, one gateway
+that watches the control plane's ``/v1/state``. The operator steers through the admin API only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from data_plane.tiers import TierPolicy
+from tests.cluster import ADMIN_TOKEN, KEYS, api_keys_env
+from tests.procs import Service
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+PROPAGATION_S = 2.0
+
+
+class Stack:
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.control_plane = self._control_plane()
+        registry = self.control_plane.url
+        self.shard = Service(["shard", "--engine", "synthetic", "--registry-url", registry, "--node-id", "shard-0",
+                              "--synthetic-token-delay-ms", "1"])
+        self.gateway = Service(["gateway", "--registry-url", registry, "--tokenizer", "whitespace",
+                                "--model-name", "synthetic"], env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()})
+        self.admin = httpx.Client(base_url=registry, headers=ADMIN, timeout=10.0)
+
+    def _control_plane(self, port: int | None = None) -> Service:
+        return Service(["control-plane", "--admin-token", ADMIN_TOKEN, "--warmup", "0",
+                        "--state-dir", str(self.state_dir)], port=port)
+
+    def start(self) -> Stack:
+        self.control_plane.start()
+        self.shard.start()
+        self.gateway.start()
+        eventually(lambda: self.health()["shards"] == 1, 15.0)
+        return self
+
+    def restart_control_plane(self) -> None:
+        self.control_plane = self._control_plane(self.control_plane.port)
+        self.control_plane.start()
+
+    def stop(self) -> None:
+        self.admin.close()
+        for svc in (self.gateway, self.shard, self.control_plane):
+            svc.stop()
+
+    def health(self) -> dict[str, Any]:
+        return httpx.get(self.gateway.url + "/health", timeout=2.0).json()
+
+    def chat(self, tier: str, content: str = "hello there", **body: Any) -> httpx.Response:
+        messages = body.pop("messages", None) or [{"role": "user", "content": content}]
+        body.setdefault("max_tokens", 16)  # the tiers' default caps fill the synthetic 2048-token context
+        body = {k: v for k, v in body.items() if v is not None}
+        return httpx.post(self.gateway.url + "/v1/chat/completions", json={"messages": messages, **body},
+                          headers={"Authorization": f"Bearer {KEYS[tier]}"}, timeout=10.0)
+
+    def pin(self, level: int) -> float:
+        """Pin `level` through the admin API; returns how long the gateway took to apply it."""
+        resp = self.admin.put("/admin/v1/degradation", json={"level": level, "reason": f"test level {level}"})
+        assert resp.status_code == 200, resp.text
+        return eventually(lambda: self.health()["degradation_level"] == level, PROPAGATION_S)
+
+
+def eventually(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> float:
+    start = time.monotonic()
+    while True:
+        try:
+            if predicate():
+                return time.monotonic() - start
+        except (httpx.HTTPError, KeyError):
+            pass
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"condition not met within {timeout_s}s")
+        time.sleep(interval_s)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(tmp_path_factory.mktemp("state"))
+    try:
+        s.start()
+    except BaseException:
+        s.stop()
+        raise
+    yield s
+    s.stop()
+
+
+def assert_shed(resp: httpx.Response, level: int) -> None:
+    assert resp.status_code == 503, resp.text
+    assert resp.json()["error"]["code"] == "overloaded" and resp.json()["error"]["type"] == "server_error"
+    assert int(resp.headers["Retry-After"]) >= 1
+    assert resp.headers["x-switchboard-degraded"] == str(level)
+
+
+def test_normal_service_has_no_degraded_header(stack: Stack) -> None:
+    health = stack.health()
+    assert health["degradation_level"] == 0 and health["control_plane_reachable"] is True
+    for tier in ("free", "plus", "enterprise"):
+        resp = stack.chat(tier)
+        assert resp.status_code == 200, resp.text
+        assert "x-switchboard-degraded" not in resp.headers
+
+
+def test_level_3_sheds_free_and_level_4_keeps_only_enterprise(stack: Stack) -> None:
+    took = stack.pin(3)
+    assert took < PROPAGATION_S
+    assert_shed(stack.chat("free"), 3)
+    for tier in ("plus", "enterprise"):
+        resp = stack.chat(tier)
+        assert resp.status_code == 200 and resp.headers["x-switchboard-degraded"] == "3"
+    with httpx.stream("POST", stack.gateway.url + "/v1/chat/completions", timeout=10.0,
+                      json={"messages": [{"role": "user", "content": "hi"}], "stream": True},
+                      headers={"Authorization": f"Bearer {KEYS['enterprise']}"}) as streamed:
+        assert streamed.status_code == 200 and streamed.headers["x-switchboard-degraded"] == "3"
+        assert "[DONE]" in streamed.read().decode()
+
+    stack.pin(4)
+    assert_shed(stack.chat("free"), 4)
+    assert_shed(stack.chat("plus"), 4)
+    resp = stack.chat("enterprise")
+    assert resp.status_code == 200 and resp.headers["x-switchboard-degraded"] == "4"
+
+    spans = httpx.get(stack.gateway.url + "/debug/spans").json()
+    levels = [s["attributes"].get("switchboard.degradation_level") for s in spans if s["name"] == "gateway.request"]
+    assert levels[-1] == 4 and 0 in levels
+
+
+def test_level_1_shrinks_the_context_and_level_2_caps_output(stack: Stack) -> None:
+    long_history = [{"role": "user", "content": "word " * 1200}, {"role": "assistant", "content": "ok"},
+                    {"role": "user", "content": "and now?"}]
+    stack.pin(0)
+    full = stack.chat("free", messages=long_history, max_tokens=16)
+    assert full.status_code == 200, full.text
+    assert full.json()["usage"]["prompt_tokens"] > 1200
+    stack.pin(1)
+    shrunk = stack.chat("free", messages=long_history, max_tokens=16)
+    assert shrunk.status_code == 200 and shrunk.headers["x-switchboard-degraded"] == "1"
+    assert shrunk.json()["usage"]["prompt_tokens"] < 20  # the 1200-word turn no longer fits in 1024
+
+    # above the level-2 cap (256) but within the tier's own (2048): capped, not refused
+    assert stack.chat("enterprise", max_tokens=1000).status_code == 200
+    stack.pin(2)
+    capped = stack.chat("enterprise", max_tokens=1000)
+    assert capped.status_code == 200 and capped.headers["x-switchboard-degraded"] == "2"
+    stack.pin(0)
+
+
+def test_tier_policy_is_hot_reloaded(stack: Stack) -> None:
+    policy = TierPolicy.default().to_dict()
+    policy["tiers"]["plus"]["max_output_tokens"] = 4
+    resp = stack.admin.put("/admin/v1/tiers", json=policy)
+    assert resp.status_code == 200, resp.text
+
+    def capped() -> bool:
+        r = stack.chat("plus", max_tokens=8)
+        return r.status_code == 400 and "cap of 4" in r.json()["error"]["message"]
+
+    assert eventually(capped, PROPAGATION_S) < PROPAGATION_S
+    default = stack.chat("plus", max_tokens=None).json()  # the tier's cap is the default
+    assert default["usage"]["completion_tokens"] == 4 and default["choices"][0]["finish_reason"] == "length"
+    bad = stack.admin.put("/admin/v1/tiers", json={"tiers": {"plus": {"priority": 1}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tiers"
+    assert stack.chat("plus", max_tokens=8).status_code == 400  # the valid policy stays in force
+
+
+def test_gateway_keeps_the_last_state_without_the_control_plane(stack: Stack) -> None:
+    stack.pin(3)
+    stack.control_plane.kill()
+    eventually(lambda: stack.health()["control_plane_reachable"] is False, 5.0)
+    assert stack.health()["degradation_level"] == 3
+    assert_shed(stack.chat("free"), 3)
+    ent = stack.chat("enterprise")
+    assert ent.status_code == 200 and ent.headers["x-switchboard-degraded"] == "3"
+    assert stack.chat("plus", max_tokens=8).status_code == 400  # the hot policy too
+
+    stack.restart_control_plane()  # same port, same state dir
+    got = stack.admin.get("/admin/v1/degradation").json()
+    assert (got["level"], got["pinned"]) == (3, True)
+    assert stack.admin.get("/admin/v1/tiers").json()["tiers"]["plus"]["max_output_tokens"] == 4
+    eventually(lambda: stack.health()["control_plane_reachable"] is True, 5.0)
+    assert_shed(stack.chat("free"), 3)
+
+    stack.pin(0)
+    assert stack.admin.delete("/admin/v1/degradation").json()["pinned"] is False
+    assert stack.admin.put("/admin/v1/tiers", json=TierPolicy.default().to_dict()).status_code == 200
+    eventually(lambda: stack.chat("plus", max_tokens=8).status_code == 200, PROPAGATION_S)
+    resp = stack.chat("free")
+    assert resp.status_code == 200 and "x-switchboard-degraded" not in resp.headers
+
+
+def test_admin_traces_show_a_request_across_processes(stack: Stack) -> None:
+    resp = stack.chat("enterprise", content="trace me")
+    assert resp.status_code == 200
+    trace_id = resp.headers.get("x-trace-id")
+
+    def found() -> bool:
+        traces = stack.admin.get("/admin/v1/traces", params={"tier": "enterprise", "limit": 5}).json()["traces"]
+        return any(
+            t["root"] == "gateway.request" and {"switchboard-gateway", "switchboard-shard"} <= set(t["services"])
+            and (trace_id is None or t["trace_id"] == trace_id)
+            for t in traces
+        )
+
+    eventually(found, 5.0, 0.2)
+
+
+# -- the rules themselves, without processes ---------------------------------------------------
+
+
+def test_effects_by_level() -> None:
+    from data_plane.cluster_state import Degradation, Effects
+    from data_plane.errors import Overloaded
+
+    policy = TierPolicy.default()
+    for level in range(5):
+        fx = Effects(Degradation(level=level, retry_after_s=7))
+        assert fx.max_tokens(1000) == (256 if level >= 2 else 1000)
+        assert fx.max_tokens(100) == 100
+        assert fx.prompt_budget(2032, 2048) == (1024 if level >= 1 else 2032)
+        assert fx.prompt_budget(500, 2048) == 500  # never more than it had
+        shed = set()
+        for name in policy.names():
+            try:
+                fx.admit(policy[name], policy)
+            except Overloaded as exc:
+                assert exc.retry_after == 7 and exc.status == 503
+                shed.add(name)
+        assert shed == [set(), set(), set(), {"free"}, {"free", "plus"}][level]
+    # one tier only: nothing below it in the shed order, so nothing is shed
+    solo = TierPolicy.from_dict({"tiers": {"solo": policy.to_dict()["tiers"]["free"]}})
+    Effects(Degradation(level=4)).admit(solo["solo"], solo)
+
+
+async def test_watcher_refuses_a_policy_the_gateway_cannot_serve() -> None:
+    from data_plane.cluster_state import HttpClusterState
+
+    strict = TierPolicy.default().to_dict()
+    strict["tiers"]["plus"]["safety"] = "no-such-policy"
+    bodies = [{"index": 2, "degradation": {"level": 2, "reason": "r", "pinned": False, "since": 1.0},
+               "tiers": TierPolicy.default().to_dict()},
+              {"index": 3, "degradation": {"level": 3, "reason": "r", "pinned": True, "since": 2.0},
+               "tiers": strict}]
+
+    def handler(request: httpx.Request) -> httpx.Response:  # a fake at the transport boundary
+        return httpx.Response(200, json=bodies.pop(0)) if bodies else httpx.Response(503)
+
+    def validate(policy: TierPolicy) -> None:
+        if any(policy[n].safety != "default" for n in policy):
+            raise ValueError("unknown safety policy")
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        watcher = HttpClusterState("http://cp", http, validate=validate)
+        await watcher._sync(index=0, wait_s=0, timeout_s=1)
+        assert watcher.current().degradation.level == 2 and watcher.current().tiers == TierPolicy.default()
+        await watcher._sync(index=2, wait_s=0, timeout_s=1)
+        # the level applies; the unservable policy does not, the previous one stays
+        assert watcher.current().degradation.level == 3 and watcher.current().tiers == TierPolicy.default()
+        assert not await watcher._sync(index=3, wait_s=0, timeout_s=1)  # 503: unreachable, last state kept
+        assert not watcher.reachable and watcher.current().degradation.level == 3
