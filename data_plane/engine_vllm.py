@@ -57,7 +57,8 @@ def _free_port() -> int:
 
 
 def create_sidecar(settings: "ShardSettings") -> FastAPI:
-    from data_plane.membership import Member, RegistrationAgent
+    from data_plane.membership import Member
+    from data_plane.membership_factory import membership_from_url
     from data_plane.model_store import resolve_model, served_name
 
     try:
@@ -75,7 +76,8 @@ def create_sidecar(settings: "ShardSettings") -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         proc = subprocess.Popen(cmd)
         http = httpx.AsyncClient(timeout=5.0)
-        agent: RegistrationAgent | None = None
+        agent = None
+        registry = settings.membership or settings.registry_url
         member = Member(id=settings.node_id or f"shard-{settings.host}-{settings.port}", service="shard",
                         url=settings.advertise_url or vllm_url,
                         meta={"model": name, "engine": "vllm", "max_num_seqs": str(settings.max_num_seqs),
@@ -94,10 +96,10 @@ def create_sidecar(settings: "ShardSettings") -> FastAPI:
                 if ok != state["healthy"]:
                     log.info("vLLM is %s", "healthy" if ok else "unhealthy")
                 state["healthy"] = ok
-                if settings.registry_url:
+                if registry:
                     if ok and agent is None:
-                        agent = RegistrationAgent(settings.registry_url, member, http,
-                                                  ttl_s=settings.registration_ttl_s)
+                        _, new_agent = membership_from_url(registry, http, ())
+                        agent = new_agent(member, settings.registration_ttl_s)
                         await agent.start()
                     elif not ok and agent is not None:
                         await agent.aclose()  # leave routing while vLLM is sick
