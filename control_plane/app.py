@@ -112,6 +112,15 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
 
     app.add_route("/metrics", metrics_endpoint(metrics_registry))
     app.add_route("/debug/spans", recent_spans_endpoint)
+
+    @app.get("/v1/sd/prometheus")
+    async def prometheus_sd(service: str) -> JSONResponse:
+        """Prometheus HTTP service discovery: the live members of `service` as scrape targets,
+        so autoscaled shards are scraped without editing the Prometheus config."""
+        _, members = (consul or registry).snapshot(service)
+        targets = [m["url"].split("://", 1)[-1].rstrip("/") for m in members if m.get("status") != "critical"]
+        return JSONResponse([{"targets": targets, "labels": {"switchboard_service": service}}] if targets else [])
+
     if consul is None:
         app.include_router(build_router(registry))
     app.include_router(build_state_router(state_index, lambda: cluster_state_body(

@@ -54,6 +54,8 @@ class UpSettings(BaseSettings):
     max_model_len: int = Field(2048, ge=16, description="Context window per shard.")
     state_dir: str = Field(".switchboard", description="Where credentials and logs go.")
     redis: str | None = Field(None, description="Redis URL for cache nodes (default: in memory).")
+    prometheus: bool = Field(False, description="Also start Prometheus (when the binary exists) with the alert rules.")
+    prometheus_port: int = Field(9090, ge=1, le=65535, description="Prometheus port (with --prometheus).")
 
 
 @dataclass
@@ -63,6 +65,9 @@ class Child:
     url: str
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
+    health: str = "/health"
+    command: list[str] | None = None
+    """A foreign program (e.g. prometheus); default: `python -m control_plane.cli ARGS`."""
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     next_restart: float = 0.0
@@ -70,7 +75,7 @@ class Child:
     def start(self) -> None:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "control_plane.cli", *self.args],
+            self.command or [sys.executable, "-m", "control_plane.cli", *self.args],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
             start_new_session=True,  # we deliver signals ourselves, in order
         )
@@ -100,7 +105,7 @@ def _wait_healthy(children: list[Child], timeout: float, what: str) -> None:
                 raise SystemExit(f"switchboard up: {child.name} exited during start-up; see {child.log_path}:\n"
                                  + _tail(child.log_path))
             try:
-                if httpx.get(child.url + "/health", timeout=1.0).status_code == 200:
+                if httpx.get(child.url + child.health, timeout=1.0).status_code == 200:
                     pending.remove(child)
             except httpx.HTTPError:
                 pass
@@ -171,6 +176,40 @@ def plan(s: UpSettings, state: Path, admin_token: str) -> tuple[Child, list[Chil
     return cp, caches, shards, gateway
 
 
+ALERTS_DIR = Path(__file__).resolve().parent.parent / "alerts"
+SCRAPE_JOBS = {"gateway": "switchboard-gateway", "shard": "switchboard-shard", "cache": "switchboard-cache"}
+"""Job names the alert rules and dashboards assume (dashboards/catalogue.py JOBS)."""
+
+
+def prometheus_child(s: UpSettings, state: Path, cp: Child) -> Child | None:
+    """A Prometheus that discovers members through the control plane (HTTP SD), with our rules."""
+    import shutil
+
+    import yaml
+
+    binary = shutil.which("prometheus")
+    if binary is None:
+        print("[switchboard] --prometheus: no prometheus binary on PATH (apt-get install prometheus); skipping",
+              flush=True)
+        return None
+    folder = state / "prometheus"
+    (folder / "data").mkdir(parents=True, exist_ok=True)
+    config = {
+        "global": {"scrape_interval": "5s", "evaluation_interval": "5s"},
+        "rule_files": [str(p) for p in sorted(ALERTS_DIR.glob("*.rules.yaml"))],
+        "scrape_configs": [{"job_name": "switchboard-control-plane", "static_configs": [
+            {"targets": [cp.url.split("://", 1)[1]]}]}] + [
+            {"job_name": job, "http_sd_configs": [{"url": f"{cp.url}/v1/sd/prometheus?service={service}",
+                                                    "refresh_interval": "5s"}]}
+            for service, job in SCRAPE_JOBS.items()],
+    }
+    (folder / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
+    url = f"http://{s.host}:{s.prometheus_port}"
+    return Child("prometheus", [], url, state / "logs" / "prometheus.log", health="/-/ready", command=[
+        binary, f"--config.file={folder / 'prometheus.yml'}", f"--storage.tsdb.path={folder / 'data'}",
+        f"--web.listen-address={s.host}:{s.prometheus_port}", "--storage.tsdb.retention.time=2d"])
+
+
 class Supervisor:
     def __init__(self, children: list[Child]) -> None:
         self.children = children
@@ -228,7 +267,10 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"switchboard up: {exc}") from None
     creds = _credentials(state)
     cp, caches, shards, gateway = plan(s, state, str(creds["admin_token"]))
-    order = [cp, *caches, *shards, gateway]
+    prometheus = prometheus_child(s, state, cp) if s.prometheus else None
+    if prometheus is not None:
+        cp.args += ["--prometheus", prometheus.url]
+    order = [cp, *caches, *shards, gateway] + ([prometheus] if prometheus else [])
     supervisor = Supervisor(order)
     try:
         print(f"[switchboard] starting control plane, {len(caches)} cache nodes, {len(shards)} shards, gateway...",
@@ -242,6 +284,9 @@ def main(argv: list[str] | None = None) -> None:
         gateway.start()
         _wait_healthy([gateway], 120, "gateway")
         _wait_routable(gateway.url, len(shards), 15)
+        if prometheus is not None:
+            prometheus.start()
+            _wait_healthy([prometheus], 60, "prometheus")
     except BaseException:
         supervisor.shutdown()
         raise
@@ -271,6 +316,8 @@ def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: 
         f"  chat API (OpenAI-compatible)  {gateway.url}/v1",
         f"  control plane / admin API     {cp.url}   (admin token below)",
         *[f"  {c.name:<28}  {c.url}" for c in shards + caches],
+        *([f"  prometheus                    {s.host}:{s.prometheus_port}  (alerts: /alerts)"]
+          if s.prometheus else []),
         "",
         "  API keys (dev, one per tier):",
         *[f"    {tier:<11} {key}" for tier, key in keys.items()],
