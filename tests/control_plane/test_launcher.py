@@ -1,0 +1,81 @@
+"""`switchboard up` end to end: starts everything, prints and saves credentials, answers a chat,
+restarts a child that dies, and stops every child on SIGINT."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.procs import ROOT, free_port
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_up_starts_platform_and_stops_cleanly(tmp_path: Path) -> None:
+    gw, cp = free_port(), free_port()
+    log = open(tmp_path / "up.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "control_plane.cli", "up", "--engine", "synthetic",
+                             "--gateway-port", str(gw), "--control-plane-port", str(cp), "--shards", "2",
+                             "--cache-nodes", "2"], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 90
+        while b"Ctrl-C stops everything" not in (tmp_path / "up.log").read_bytes():
+            assert proc.poll() is None, (tmp_path / "up.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "up.log").read_text()
+            time.sleep(0.3)
+        banner = (tmp_path / "up.log").read_text()
+        creds_path = tmp_path / ".switchboard" / "credentials.json"
+        assert stat.S_IMODE(creds_path.stat().st_mode) == 0o600
+        creds = json.loads(creds_path.read_text())
+        assert set(creds["keys"]) == {"free", "plus", "enterprise"} and creds["admin_token"]
+        for key in creds["keys"].values():
+            assert key in banner
+        assert f"http://127.0.0.1:{gw}/v1" in banner and "curl" in banner
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{gw}/v1", api_key=creds["keys"]["plus"], max_retries=0)
+        out = client.chat.completions.create(model="synthetic", messages=[{"role": "user", "content": "hi"}])
+        assert out.choices[0].message.content
+
+        # A child that dies is reported and restarted.
+        shard_pids = [p for p in _children(proc.pid) if " shard " in _cmdline(p)]
+        assert len(shard_pids) == 2
+        os.kill(shard_pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while b"shard-0 restarted" not in (tmp_path / "up.log").read_bytes() and b"shard-1 restarted" not in \
+                (tmp_path / "up.log").read_bytes():
+            assert time.monotonic() < deadline, (tmp_path / "up.log").read_text()
+            time.sleep(0.3)
+        assert "exited" in (tmp_path / "up.log").read_text()
+
+        children = _children(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0 or proc.returncode in (0, -signal.SIGINT)
+        time.sleep(0.5)
+        alive = [p for p in children if Path(f"/proc/{p}").exists() and "zombie" not in
+                 Path(f"/proc/{p}/status").read_text().lower()]
+        assert not alive, [(p, _cmdline(p)) for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
