@@ -21,7 +21,7 @@ The rule (:meth:`TargetTracking.decide`), in order:
    - *up* when TTFT p95 > SLO x (1 + ``tolerance``): ``ceil(current x ttft / slo)`` — but only
      once a whole TTFT window has passed since the fleet settled (every shard asked for serving),
      so the p95 is about the current fleet;
-   - *down* only when both are well inside the band: waiting per shard <= target x (1 - tolerance),
+   - *down* only when every shard asked for is serving and both are well inside the band: waiting per shard <= target x (1 - tolerance),
      TTFT p95 <= SLO x ``scale_down_below`` (or no first token in the window), and the load would
      fill at most ``scale_down_below`` of the remaining shards' slots: ``ceil(load / (slots x
      scale_down_below))``. Between the up and down thresholds nothing moves (hysteresis).
@@ -246,7 +246,7 @@ class TargetTracking:
             want, why, code = max(wants)
             return want, f"{why}: {figures}", code
         calm_ttft = ttft is None or ttft <= slo * cfg.scale_down_below
-        if wps <= target * (1 - cfg.tolerance) and calm_ttft:
+        if wps <= target * (1 - cfg.tolerance) and calm_ttft and not starting:
             fits = math.ceil(load / (slots * cfg.scale_down_below)) if slots else current - (wps == 0)
             want = max(fits, cfg.min_replicas)
             if want < current:

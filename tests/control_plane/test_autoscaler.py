@@ -92,6 +92,9 @@ def test_no_extra_shard_while_asked_for_shards_are_still_starting() -> None:
     # one serving shard, queue 6: load 10 -> ceil(10 / 6) = 2 = already asked for
     d = p.decide(busy(1, 6.0), current=2, now=20.0)
     assert d.action == "steady", d
+    # nor a scale-down while the fleet is incomplete, however idle the serving shard looks
+    assert p.decide(sig(1, running=0), current=2, now=500.0).action == "steady"
+    assert p.decide(sig(2, running=0), current=2, now=561.0).action == "scale_down"
 
 
 def test_ttft_above_slo_scales_up_only_once_the_window_is_about_the_current_fleet() -> None:

@@ -12,9 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import openai
-import pytest
 
 from tests.procs import ROOT, free_port
 
