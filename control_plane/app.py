@@ -39,7 +39,7 @@ from control_plane.signals import build_signal_source
 from control_plane.state_api import StateIndex, build_state_router, cluster_state_body
 from data_plane.errors import install_error_handlers
 from data_plane.membership_consul import token_from_env
-from data_plane.telemetry import configure_process, metrics_endpoint, recent_spans_endpoint
+from data_plane.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
             await registry.aclose()
             await http.aclose()
 
-    app = FastAPI(title="Switchboard control plane", lifespan=lifespan)
+    app = FastAPI(title="Switchboard control plane", lifespan=lifespan, **fastapi_options())
     app.state.settings = settings
     app.state.registry = registry
     app.state.store = store

@@ -60,16 +60,19 @@ WAIT_BUCKETS = (0.0, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 
 class AdmissionMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.queue_depth = Gauge("switchboard_admission_queue_depth", "Requests waiting for admission to a shard.",
-                                 ["tier"], registry=registry)
-        self.wait = Histogram("switchboard_admission_wait_seconds", "Time admitted requests waited in the queue.",
-                              ["tier"], buckets=WAIT_BUCKETS, registry=registry)
-        self.shed = Counter("switchboard_admission_shed", "Requests shed by admission (503), by reason "
-                            "(deadline|queue_full).", ["tier", "reason"], registry=registry)
-        self.inflight = Gauge("switchboard_admission_inflight", "Requests this gateway has in flight to shards.",
+        self.queue_depth = Gauge("switchboard_admission_queue_depth",
+                                 "Requests waiting for admission to a shard.", ["tier"], registry=registry)
+        self.wait = Histogram("switchboard_admission_wait_seconds",
+                              "Time admitted requests waited in the queue.", ["tier"], buckets=WAIT_BUCKETS,
                               registry=registry)
-        self.capacity = Gauge("switchboard_admission_capacity", "Requests this gateway lets in flight to shards "
-                              "at once (-1: unbounded, no shard known).", registry=registry)
+        self.shed = Counter("switchboard_admission_shed",
+                            "Requests shed by admission (503), by reason (deadline|queue_full).",
+                            ["tier", "reason"], registry=registry)
+        self.inflight = Gauge("switchboard_admission_inflight",
+                              "Requests this gateway has in flight to shards.", registry=registry)
+        self.capacity = Gauge("switchboard_admission_capacity",
+                              "Requests this gateway lets in flight to shards at once "
+                              "(-1: unbounded, no shard known).", registry=registry)
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,8 @@ class AdmissionConfig:
     def __post_init__(self) -> None:
         if self.max_inflight < 0 or self.inflight_per_slot <= 0 or not 0 <= self.reserve < 1:
             raise ValueError("admission: max_inflight >= 0, inflight_per_slot > 0 and 0 <= reserve < 1")
-        if self.queue_size < 0 or self.queue_timeout_s <= 0 or any(v <= 0 for v in self.queue_timeouts.values()):
+        timeouts = [self.queue_timeout_s, *self.queue_timeouts.values()]
+        if self.queue_size < 0 or any(t <= 0 for t in timeouts):
             raise ValueError("admission: queue_size >= 0 and queue timeouts > 0")
 
 
@@ -258,19 +262,21 @@ class Admission:
         self._remove(w)
         w.shed_reason = reason
         self.metrics.shed.labels(w.tier.name, reason).inc()
-        log.debug("admission shed a %s request (%s) after %.2fs", w.tier.name, reason, self._clock() - w.enqueued)
+        log.debug("admission shed a %s request (%s) after %.2fs", w.tier.name, reason,
+                  self._clock() - w.enqueued)
         w.future.set_exception(Overloaded(message, retry_after=self.config.retry_after_s))
 
     def _expire(self, w: _Waiter) -> None:
         if not w.gone:
             waited = self._clock() - w.enqueued
-            self._shed(w, "deadline", f"the service is at capacity and this {w.tier.name}-tier request waited "
-                                      f"{waited:.1f}s without a slot; please retry shortly")
+            self._shed(w, "deadline", f"the service is at capacity and this {w.tier.name}-tier request "
+                                      f"waited {waited:.1f}s without a slot; please retry shortly")
 
     def _shed_one(self) -> None:
         victim = min((e[2] for e in self._heap if not e[2].gone), key=lambda w: (w.tier.shed_order, -w.seq))
         self._shed(victim, "queue_full", f"the service is at capacity and its queue is full; "
-                                         f"{victim.tier.name}-tier requests are shed first; please retry shortly")
+                                         f"{victim.tier.name}-tier requests are shed first; please retry "
+                                         "shortly")
 
     def _set_depth(self, tier: str, delta: int) -> None:
         self._depth[tier] += delta

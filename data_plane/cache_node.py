@@ -55,7 +55,7 @@ from data_plane.errors import (
     install_error_handlers,
 )
 from data_plane.membership_factory import MEMBERSHIP_URL_PATTERN, membership_from_url
-from data_plane.telemetry import configure_process, metrics_endpoint, recent_spans_endpoint
+from data_plane.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -539,7 +539,7 @@ def create_app(
             log.info("cache node %s serving on %s (backend %s)", node_id, settings.url, store.backend)
             yield
 
-    app = FastAPI(title="Switchboard cache node", lifespan=lifespan)
+    app = FastAPI(title="Switchboard cache node", lifespan=lifespan, **fastapi_options())
     install_error_handlers(app)
     app.add_route("/metrics", metrics_endpoint(registry))
     app.add_route("/debug/spans", recent_spans_endpoint)

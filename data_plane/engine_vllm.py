@@ -26,6 +26,8 @@ import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from data_plane.telemetry import fastapi_options
+
 if TYPE_CHECKING:
     from data_plane.shard import ShardSettings
 
@@ -120,7 +122,7 @@ def create_sidecar(settings: "ShardSettings") -> FastAPI:
                 proc.kill()
             await http.aclose()
 
-    app = FastAPI(title="Switchboard vLLM sidecar", lifespan=lifespan)
+    app = FastAPI(title="Switchboard vLLM sidecar", lifespan=lifespan, **fastapi_options())
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -9,8 +9,11 @@
 
 Per request, in order (each a span under `gateway.request`): authenticate the key -> tier;
 read and validate the body (413/415/400); enforce the tier's output cap and message count;
-`safety.input`; with a session, `cache.get_context` and the sliding window (the model's
-tokenizer counts); `router.route` opens a supervised stream on a shard (retrying once
+`ratelimit` takes one request and the estimated tokens from the key's and tier's RPM/TPM
+(429 + Retry-After; `x-ratelimit-*` headers from here on; settled with real usage at the end,
+data_plane/ratelimit.py); `safety.input`; with a session, `cache.get_context` and the sliding
+window (the model's tokenizer counts); `admission.queue` waits for an in-flight slot in tier
+order (503 when shed, data_plane/admission.py); `router.route` opens a supervised stream on a shard (retrying once
 elsewhere before the first token); `safety.output` over the stream with a hold-back window;
 `cache.append` saves the turn before the reply completes. Every error is decided before the
 first byte when it can be; after that, the stream ends with an error event and `[DONE]`.
@@ -31,7 +34,6 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 import httpx
@@ -72,7 +74,6 @@ from data_plane.membership_factory import (
     membership_from_url,
 )
 from data_plane.protocol import (
-    ChatCompletionRequest,
     Usage,
     chunk_body,
     completion_body,
@@ -91,7 +92,7 @@ from data_plane.ratelimit import (
 )
 from data_plane.router import Router, RouterMetrics
 from data_plane.safety import ALLOW, OutputStreamFilter, SafetyMetrics, SafetyPolicies, raise_if_blocked
-from data_plane.telemetry import configure_process, metrics_endpoint, recent_spans_endpoint
+from data_plane.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
 from data_plane.tiers import Tier, TierPolicy
 from data_plane.upstream import Delta, Finish, ResumableStream, Upstream, UpstreamConfig, UsageEvent
 
@@ -278,7 +279,7 @@ def create_app(gw: Gateway) -> FastAPI:
                 await cluster.aclose()
             await gw.http.aclose()
 
-    app = FastAPI(title="Switchboard gateway", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="Switchboard gateway", version="0.1.0", lifespan=lifespan, **fastapi_options(),
                   description="OpenAI-compatible chat completions with server-side sessions.")
     install_error_handlers(app)
     app.add_route("/debug/spans", recent_spans_endpoint)
@@ -354,7 +355,6 @@ class ChatHandler:
     # -- the request, before any byte goes out ------------------------------------------------
 
     async def run(self) -> Response:
-        gw = self.gw
         parent = extract(self.request.headers)
         span = tracer.start_span("gateway.request", context=parent, attributes={
             "gen_ai.operation.name": "chat", "switchboard.request_id": self.request_id,

@@ -17,8 +17,9 @@ refills continuously at ``limit``/60 s and holds at most ``limit``, so any inter
 seconds admits at most ``limit * (1 + t/60)`` units, and a burst of exactly ``limit`` from a
 full bucket. It is exact, not sampled or approximated: the state is two integers (the fill
 in units x microseconds, and when) and all arithmetic is integer, here and in the Redis
-script, so e.g. 7 RPM admits a burst of exactly 7. This is the OpenAI semantics: after one request at 60 RPM, ``remaining-requests`` is 59 and
-``reset-requests`` is ``1s`` (the time until the bucket is full again).
+script, so e.g. 7 RPM admits a burst of exactly 7. This is the OpenAI semantics: after one
+request at 60 RPM, ``remaining-requests`` is 59 and ``reset-requests`` is ``1s`` (the time
+until the bucket is full again).
 
 Backends (by name, :data:`BACKENDS`), behind the :class:`Backend` protocol:
 
@@ -63,13 +64,17 @@ N = TypeVar("N", int, float)
 
 class RateLimitMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.rejections = Counter("switchboard_ratelimit_rejections", "Requests refused with 429, by the kind "
-                                  "of limit that refused them (requests|tokens).", ["tier", "kind"],
-                                  registry=registry)
-        self.backend_up = Gauge("switchboard_ratelimit_backend_up", "1 while the shared limiter backend answers; "
-                                "0 = failed open to this gateway's own local limits.", registry=registry)
-        self.backend_errors = Counter("switchboard_ratelimit_backend_errors", "Limiter backend calls that failed, "
-                                      "by operation (take|adjust).", ["op"], registry=registry)
+        self.rejections = Counter(
+            "switchboard_ratelimit_rejections",
+            "Requests refused with 429, by the kind of limit that refused them (requests|tokens).",
+            ["tier", "kind"], registry=registry)
+        self.backend_up = Gauge(
+            "switchboard_ratelimit_backend_up",
+            "1 while the shared limiter backend answers; 0 = failed open to this gateway's own local limits.",
+            registry=registry)
+        self.backend_errors = Counter(
+            "switchboard_ratelimit_backend_errors",
+            "Limiter backend calls that failed, by operation (take|adjust).", ["op"], registry=registry)
         self.backend_up.set(1)
 
 
@@ -137,7 +142,8 @@ def _fill_at(state: State | None, now: int, b: Bucket) -> int:
     return max(0, fill - elapsed * b.limit)
 
 
-def decide(states: Sequence[State | None], now: int, buckets: Sequence[Bucket]) -> tuple[list[BucketState], list[State] | None]:
+def decide(states: Sequence[State | None], now: int,
+           buckets: Sequence[Bucket]) -> tuple[list[BucketState], list[State] | None]:
     """Take every bucket's cost at `now`, or none; integer arithmetic, so exact.
 
     Returns how each bucket stands and, when all could pay, the states to store."""
@@ -298,8 +304,9 @@ class RedisBackend:
         import redis.asyncio as aioredis
 
         # A bounded pool: a burst of requests queues for a connection instead of opening hundreds.
-        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=2 * timeout_s,
-                                                        socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=2 * timeout_s, socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s)
         self._pool = pool
         self._redis = aioredis.Redis(connection_pool=pool)
         self._script = self._redis.register_script(_LUA)
@@ -370,7 +377,7 @@ TIER_SECONDS_PATTERN = "^({0})?(,{0})*$".format(_ITEM.format(r"[0-9]*\.?[0-9]+")
 """A settings string of ``TIER=SECONDS`` items, e.g. ``free=2,enterprise=30.5``."""
 
 
-def parse_tier_map(text: str | None, what: str, number: Callable[[str], N] = int) -> dict[str, N]:  # type: ignore[assignment]
+def parse_tier_map(text: str | None, what: str, number: Callable[[str], N] = int) -> dict[str, N]:
     """``"free=600,plus=6000"`` -> ``{"free": 600, "plus": 6000}``; ValueError names the bad item."""
     out: dict[str, N] = {}
     for item in (text or "").split(","):
@@ -381,7 +388,7 @@ def parse_tier_map(text: str | None, what: str, number: Callable[[str], N] = int
             value = number(raw.strip())
         except ValueError:
             value = None
-        if not sep or not name.strip() or value is None or not value > 0:  # type: ignore[operator]
+        if not sep or not name.strip() or value is None or not value > 0:
             raise ValueError(f"{what}: expected TIER=POSITIVE_NUMBER items, got {item.strip()!r}")
         out[name.strip()] = value
     return out
@@ -390,9 +397,10 @@ def parse_tier_map(text: str | None, what: str, number: Callable[[str], N] = int
 class RateLimiter:
     """Per-key and per-tier RPM/TPM for the gateway; see the module docstring."""
 
-    def __init__(self, backend: Backend, metrics: RateLimitMetrics, *, tier_rpm: Mapping[str, int] | None = None,
-                 tier_tpm: Mapping[str, int] | None = None, fallback: Backend | None = None,
-                 retry_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, backend: Backend, metrics: RateLimitMetrics, *,
+                 tier_rpm: Mapping[str, int] | None = None, tier_tpm: Mapping[str, int] | None = None,
+                 fallback: Backend | None = None, retry_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.backend = backend
         self.metrics = metrics
         self.tier_rpm = dict(tier_rpm or {})
@@ -404,7 +412,8 @@ class RateLimiter:
         self._pending: set[asyncio.Task[None]] = set()
 
     def buckets(self, key_id: str, tier: Tier, tokens: int) -> list[Bucket]:
-        out = [Bucket(f"key:{key_id}", "requests", tier.rpm, 1), Bucket(f"key:{key_id}", "tokens", tier.tpm, tokens)]
+        out = [Bucket(f"key:{key_id}", "requests", tier.rpm, 1),
+               Bucket(f"key:{key_id}", "tokens", tier.tpm, tokens)]
         if tier.name in self.tier_rpm:
             out.append(Bucket(f"tier:{tier.name}", "requests", self.tier_rpm[tier.name], 1))
         if tier.name in self.tier_tpm:
@@ -422,7 +431,8 @@ class RateLimiter:
             span.set_attribute("switchboard.ratelimit.tokens_estimate", tokens)
             span.set_attribute("switchboard.ratelimit.remaining_requests",
                                int(headers["x-ratelimit-remaining-requests"]))
-            span.set_attribute("switchboard.ratelimit.remaining_tokens", int(headers["x-ratelimit-remaining-tokens"]))
+            span.set_attribute("switchboard.ratelimit.remaining_tokens",
+                               int(headers["x-ratelimit-remaining-tokens"]))
             if all(s.allowed for s in states):
                 span.set_attribute("switchboard.ratelimit.allowed", True)
                 return Grant(headers, tokens, [b for b in buckets if b.kind == "tokens"], backend)
@@ -439,8 +449,8 @@ class RateLimiter:
         whose = "this API key" if b.scope.startswith("key:") else f"the {tier.name} tier (all keys together)"
         if s.retry_us < 0:
             wait_us = b.period_us
-            message = (f"Request too large for {whose}: it needs {b.cost} {b.kind} but the limit is {b.limit} "
-                       f"{b.kind} per minute. Shorten the prompt or lower max_tokens.")
+            message = (f"Request too large for {whose}: it needs {b.cost} {b.kind} but the limit is "
+                       f"{b.limit} {b.kind} per minute. Shorten the prompt or lower max_tokens.")
         else:
             wait_us = s.retry_us
             message = (f"Rate limit reached for {b.kind} per minute on {whose} ({tier.name} tier): limit "
@@ -495,7 +505,8 @@ class RateLimiter:
         """:meth:`settle` in a task of its own: never delays a response, never dies with a client."""
         if grant.settled:
             return
-        task = asyncio.get_running_loop().create_task(self.settle(grant, used_tokens), name="ratelimit.settle")
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self.settle(grant, used_tokens), name="ratelimit.settle")
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 

@@ -49,7 +49,7 @@ from data_plane.protocol import (
     read_body,
 )
 from data_plane.shard_metrics import MetricsListener, ShardMetrics
-from data_plane.telemetry import configure_process, metrics_endpoint, recent_spans_endpoint
+from data_plane.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -168,7 +168,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
             await engine.aclose()
             await http.aclose()
 
-    app = FastAPI(title="Switchboard shard", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="Switchboard shard", version="0.1.0", lifespan=lifespan, **fastapi_options())
     install_error_handlers(app)
     app.add_route("/debug/spans", recent_spans_endpoint)
 

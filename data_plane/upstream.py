@@ -137,10 +137,12 @@ class ShardStream:
         try:
             while True:
                 try:
-                    line = await asyncio.wait_for(self._lines.__anext__(), self._idle)
+                    # asyncio.timeout, not wait_for: no extra Task per line on the hot path.
+                    async with asyncio.timeout(self._idle):
+                        line = await self._lines.__anext__()
                 except StopAsyncIteration:
                     return
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     self._router.report_failure(self.member, "stream_idle")
                     raise UpstreamTimeout(f"the shard stopped streaming for {self._idle:.0f} s") from None
                 except httpx.HTTPError as exc:

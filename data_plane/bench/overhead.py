@@ -518,7 +518,7 @@ def main(argv: list[str] | None = None) -> None:
                 ".venv-litellm/bin/pip install 'litellm[proxy]')")
     logs = Path(tempfile.mkdtemp(prefix="sb-bench-overhead-"))
     what = "shard, gateway" + ("" if litellm_bin is None else " and litellm")
-    print(f"starting {what} (logs in {logs})", flush=True)
+    print(f"starting {what} (logs in {logs}, kept if it fails)", flush=True)
     stack = start_stack(args, litellm_bin, logs)
     note = stack.note or note
     try:
@@ -530,6 +530,7 @@ def main(argv: list[str] | None = None) -> None:
         batches = asyncio.run(measure(args, stack))
     finally:
         stack.stop()
+    shutil.rmtree(logs, ignore_errors=True)  # kept only when something failed
     rows = aggregate(batches)
     checks = check_targets(rows, args.concurrency)
     elapsed = time.monotonic() - t0

@@ -84,7 +84,8 @@ class TierReport:
     ttft_ms: list[float] = field(default_factory=list)
 
     def row(self) -> dict[str, Any]:
-        return {"tier": self.tier, "requests": self.requests, "admitted": self.admitted, "shed_429": self.shed_429,
+        return {"tier": self.tier, "requests": self.requests, "admitted": self.admitted,
+                "shed_429": self.shed_429,
                 "shed_503_queue": self.shed_503, "shed_503_ladder": self.shed_503_ladder,
                 "shed_with_retry_after": self.with_retry_after, "errors": self.errors,
                 "ttft_p50_ms": percentile(self.ttft_ms, 50), "ttft_p95_ms": percentile(self.ttft_ms, 95)}
@@ -162,7 +163,8 @@ async def gateway_capacity(client: httpx.AsyncClient, base: str) -> int | None:
     return None
 
 
-async def probe(client: httpx.AsyncClient, endpoint: Endpoint, key: str, workers: int, seconds: float) -> float:
+async def probe(client: httpx.AsyncClient, endpoint: Endpoint, key: str, workers: int,
+                seconds: float) -> float:
     """Completed requests per second of a closed loop of `workers` for `seconds`."""
     done = 0
     stop = time.perf_counter() + seconds
@@ -171,7 +173,8 @@ async def probe(client: httpx.AsyncClient, endpoint: Endpoint, key: str, workers
         nonlocal done
         i = 0
         while time.perf_counter() < stop:
-            o = await send(client, endpoint, key, "enterprise", f"{PROMPTS[(w + i) % len(PROMPTS)]} (probe {w}.{i})")
+            prompt = f"{PROMPTS[(w + i) % len(PROMPTS)]} (probe {w}.{i})"
+            o = await send(client, endpoint, key, "enterprise", prompt)
             done += o.ok
             i += 1
 
@@ -203,7 +206,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     mix = parse_mix(args.mix)
     missing = [t for t in mix if t not in keys]
     if missing:
-        raise SystemExit(f"switchboard bench tiers: no key for tier(s) {', '.join(missing)} in {args.keys_file}")
+        raise SystemExit(f"switchboard bench tiers: no key for tier(s) {', '.join(missing)} "
+                         f"in {args.keys_file}")
     if "enterprise" not in keys:
         raise SystemExit("switchboard bench tiers: the baseline needs an 'enterprise' key")
     limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
@@ -213,9 +217,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             endpoint.model = await discover_model(client, endpoint)
         rng = random.Random(args.seed)
 
-        print(f"[bench tiers] unloaded baseline: {args.baseline} enterprise requests, one at a time", flush=True)
-        baseline = [await send(client, endpoint, keys["enterprise"], "enterprise", f"{PROMPTS[i % len(PROMPTS)]} "
-                               f"(baseline {i})") for i in range(args.baseline)]
+        print(f"[bench tiers] unloaded baseline: {args.baseline} enterprise requests, one at a time",
+              flush=True)
+        baseline = [await send(client, endpoint, keys["enterprise"], "enterprise",
+                               f"{PROMPTS[i % len(PROMPTS)]} (baseline {i})") for i in range(args.baseline)]
         base_ok = [o for o in baseline if o.ok]
         if not base_ok:
             raise SystemExit(f"switchboard bench tiers: the baseline failed: {[o.status for o in baseline]}")
@@ -223,7 +228,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         e2e_s = sum((o.finished or o.submitted) - o.submitted for o in base_ok) / len(base_ok)
         capacity = await gateway_capacity(client, endpoint.base)
         print(f"[bench tiers] baseline TTFT p50 {percentile(base_ttft, 50):.0f} ms, p95 "
-              f"{percentile(base_ttft, 95):.0f} ms, e2e {e2e_s:.2f} s; gateway capacity {capacity or 'unknown'}",
+              f"{percentile(base_ttft, 95):.0f} ms, e2e {e2e_s:.2f} s; "
+              f"gateway capacity {capacity or 'unknown'}",
               flush=True)
         rate, throughput = args.rate, None
         if rate is None:
@@ -257,12 +263,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
          "TTFT p50 ms", "TTFT p95 ms"],
         [[r["tier"], str(r["requests"]), str(r["admitted"]), str(r["shed_429"]), str(r["shed_503_queue"]),
           str(r["shed_503_ladder"]),
-          str(r["shed_with_retry_after"]), str(r["errors"]), fmt(r["ttft_p50_ms"], 0), fmt(r["ttft_p95_ms"], 0)]
+          str(r["shed_with_retry_after"]), str(r["errors"]), fmt(r["ttft_p50_ms"], 0),
+          fmt(r["ttft_p95_ms"], 0)]
          for r in rows]))
     verdict = "meets" if ratio <= args.target else "misses"
     level = max((o.degraded for o in outcomes), default=0)
     print(f"enterprise TTFT p95: loaded {fmt(loaded_p95, 0)} ms / unloaded {fmt(unloaded_p95, 0)} ms = "
-          f"{fmt(ratio, 2)}x ({verdict} the {args.target:g}x target); highest degradation level seen: {level}")
+          f"{fmt(ratio, 2)}x ({verdict} the {args.target:g}x target); "
+          f"highest degradation level seen: {level}")
     return {"tiers": rows, "baseline": {"requests": len(baseline), "ttft_p50_ms": percentile(base_ttft, 50),
                                          "ttft_p95_ms": unloaded_p95, "e2e_s": e2e_s},
             "enterprise_ttft_p95_ratio": ratio, "target": args.target, "meets_target": ratio <= args.target,
@@ -274,25 +282,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="switchboard bench tiers",
-                                description="A tier mix above capacity: who is served, who is shed, enterprise TTFT.")
+                                description="A tier mix above capacity: who is served, who is shed, "
+                                            "enterprise TTFT.")
     p.add_argument("--url", required=True, help="gateway base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--keys-file", default=".switchboard/credentials.json",
                    help="credentials.json from `switchboard up`, or a keys YAML (default %(default)s)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of overload (default 60)")
     p.add_argument("--rate", type=float, default=None,
                    help="arrivals per second (default: --overload x capacity / unloaded request time)")
-    p.add_argument("--overload", type=float, default=2.0, help="how far above capacity the default rate is (2.0)")
-    p.add_argument("--probe", type=float, default=10.0, help="seconds of capacity probe before the overload (10)")
+    p.add_argument("--overload", type=float, default=2.0,
+                   help="how far above capacity the default rate is (2.0)")
+    p.add_argument("--probe", type=float, default=10.0,
+                   help="seconds of capacity probe before the overload (10)")
     p.add_argument("--mix", default=DEFAULT_MIX, help=f"tier shares (default {DEFAULT_MIX})")
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens per request (default 32)")
     p.add_argument("--baseline", type=int, default=8, help="unloaded enterprise requests (default 8)")
-    p.add_argument("--target", type=float, default=1.5, help="enterprise loaded/unloaded TTFT p95 target (1.5)")
+    p.add_argument("--target", type=float, default=1.5,
+                   help="enterprise loaded/unloaded TTFT p95 target (1.5)")
     p.add_argument("--model", default=None, help="model id (default: the first one /v1/models lists)")
     p.add_argument("--seed", type=int, default=0, help="seed for arrivals and the tier draw")
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout in seconds")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
-    if args.duration <= 0 or args.max_tokens < 1 or args.baseline < 1 or (args.rate is not None and args.rate <= 0):
+    if args.duration <= 0 or args.max_tokens < 1 or args.baseline < 1 or (
+            args.rate is not None and args.rate <= 0):
         p.error("--duration, --rate, --max-tokens and --baseline must be positive")
     try:
         parse_mix(args.mix)
