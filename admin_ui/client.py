@@ -75,13 +75,13 @@ def _error_from(response: httpx.Response, what: str) -> ConsoleError:
     except ValueError:
         pass
     message = str(err.get("message") or response.reason_phrase or f"HTTP {status}")
-    kw = {"status": status, "param": err.get("param"), "code": err.get("code"), "type": err.get("type")}
+    cls: type[ConsoleError] = Rejected
     if status in (401, 403):
-        return Unauthorized(message, **kw)
+        cls = Unauthorized
     # A missing *route* answers the framework's bare "Not Found"; a missing *member* says which.
-    if status == 405 or (status == 404 and message.strip().lower() in ("not found", "")):
-        return NotAvailable(f"{what} is not available on this control plane yet", **kw)
-    return Rejected(message, **kw)
+    elif status == 405 or (status == 404 and message.strip().lower() in ("not found", "")):
+        cls, message = NotAvailable, f"{what} is not available on this control plane yet"
+    return cls(message, status=status, param=err.get("param"), code=err.get("code"), type=err.get("type"))
 
 
 class AdminClient:
@@ -221,16 +221,16 @@ class GatewayClient:
             body["temperature"] = temperature
         headers = {"Authorization": f"Bearer {api_key}", "traceparent": traceparent}
         try:
-            with httpx.Client(base_url=self.base_url, timeout=self._timeout, transport=self._transport) as http:
-                with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
-                    resp_headers = {k.lower(): v for k, v in response.headers.items()}
-                    yield ChatStart(resp_headers.get("x-request-id"), resp_headers.get("x-trace-id", trace_id),
-                                    response.status_code, resp_headers)
-                    if response.status_code >= 400:
-                        response.read()
-                        yield ChatEnd(None, None, error=str(_error_from(response, "chat")))
-                        return
-                    yield from _sse_events(response.iter_lines())
+            with (httpx.Client(base_url=self.base_url, timeout=self._timeout, transport=self._transport) as http,
+                  http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response):
+                resp_headers = {k.lower(): v for k, v in response.headers.items()}
+                yield ChatStart(resp_headers.get("x-request-id"), resp_headers.get("x-trace-id", trace_id),
+                                response.status_code, resp_headers)
+                if response.status_code >= 400:
+                    response.read()
+                    yield ChatEnd(None, None, error=str(_error_from(response, "chat")))
+                    return
+                yield from _sse_events(response.iter_lines())
         except httpx.HTTPError as exc:
             raise Unreachable(f"cannot reach the gateway at {self.base_url} ({type(exc).__name__}: {exc})") from None
 

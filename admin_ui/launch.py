@@ -28,7 +28,7 @@ HEALTH_PATH = "/_stcore/health"
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = build_parser("switchboard console")
-    parser.add_argument("--port", type=int, default=int(os.environ.get(ENV_PORT, 8501)),
+    parser.add_argument("--port", type=int, default=int(os.environ.get(ENV_PORT, "8501")),
                         help=f"console port [env {ENV_PORT}; default 8501]")
     parser.add_argument("--host", default=os.environ.get(ENV_HOST, "127.0.0.1"),
                         help=f"address to bind [env {ENV_HOST}; default 127.0.0.1]")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import itertools
 import json
 import shutil
@@ -27,7 +28,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -98,16 +99,17 @@ class Chromium:
     """A headless Chromium and one page, driven over the DevTools protocol (sync, one socket)."""
 
     def __init__(self, binary: str | None = None, *, width: int = 1440, height: int = 900) -> None:
-        self.binary = binary or find_chromium()
-        if self.binary is None:
+        found = binary or find_chromium()
+        if found is None:
             raise FileNotFoundError("no chromium binary found (apt-get install chromium)")
+        self.binary: str = found
         self.width, self.height = width, height
         self._ids = itertools.count(1)
         self._proc: subprocess.Popen[bytes] | None = None
         self._profile: tempfile.TemporaryDirectory[str] | None = None
         self._ws: Any = None
 
-    def __enter__(self) -> Chromium:
+    def __enter__(self) -> Self:
         import websocket  # websocket-client
 
         self._profile = tempfile.TemporaryDirectory(prefix="sb-chromium-", ignore_cleanup_errors=True)
@@ -143,10 +145,10 @@ class Chromium:
 
     def __exit__(self, *exc: object) -> None:
         if self._ws is not None:
-            try:
+            import websocket
+
+            with contextlib.suppress(OSError, websocket.WebSocketException):
                 self._ws.close()
-            except Exception:
-                pass
             self._ws = None
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
@@ -230,7 +232,7 @@ def send_chat(browser: Chromium, text: str, timeout: float = 60.0) -> str:
 
 
 def capture_pages(base_url: str, out: Path, pages: list[str], *, width: int = 1440,
-                  query: dict[str, str] | None = None, expect: dict[str, list[str]] | None = None) -> list[Path]:
+                  query: dict[str, dict[str, str]] | None = None, expect: dict[str, list[str]] | None = None) -> list[Path]:
     """Screenshot each page (url path) of the console at `base_url` to ``out/console-<page>.png``."""
     written = []
     with Chromium(width=width) as browser:

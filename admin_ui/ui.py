@@ -23,7 +23,15 @@ from typing import Any, TypeVar
 
 import streamlit as st
 
-from admin_ui.client import AdminClient, ConsoleError, GatewayClient, NotAvailable, Rejected, Unauthorized, Unreachable
+from admin_ui.client import (
+    AdminClient,
+    ConsoleError,
+    GatewayClient,
+    NotAvailable,
+    Rejected,
+    Unauthorized,
+    Unreachable,
+)
 from admin_ui.settings import ENV_ADMIN_TOKEN, ConsoleSettings
 
 T = TypeVar("T")
@@ -190,5 +198,5 @@ def tiles(tiles: list[Any], per_row: int = 4) -> None:
         for col, tile in zip(cols, tiles[start:start + per_row]):
             word, color = _TILE_DELTA.get(tile.status, ("", "gray"))
             with col:
-                st.metric(tile.label, tile.value, delta=word, delta_color=color, delta_arrow="off",
+                st.metric(tile.label, tile.value, delta=word, delta_color=color, delta_arrow="off",  # type: ignore[arg-type]
                           help=tile.help, border=True, chart_data=tile.series[-60:] or None, chart_type="area")

@@ -36,6 +36,12 @@ def num(value: Any) -> float | None:
     return out if math.isfinite(out) else None
 
 
+def ms(seconds: Any) -> float | None:
+    """Seconds -> milliseconds, unknown staying unknown."""
+    v = num(seconds)
+    return None if v is None else v * 1000
+
+
 def first(data: Mapping[str, Any] | None, *keys: str) -> Any:
     """The first of `keys` present (and not None) in `data`."""
     if not isinstance(data, Mapping):
@@ -44,6 +50,11 @@ def first(data: Mapping[str, Any] | None, *keys: str) -> Any:
         if data.get(key) is not None:
             return data[key]
     return None
+
+
+def mapping(value: Any) -> Mapping[str, Any]:
+    """`value` if it is a mapping, else an empty one."""
+    return value if isinstance(value, Mapping) else {}
 
 
 def items(data: Any, *keys: str) -> list[Any]:
@@ -215,8 +226,8 @@ def members_frame(members: Sequence[Mapping[str, Any]], latest: Mapping[str, Any
     by_id = {str(s.get("member_id") or s.get("id")): s for s in items(latest or {}, "shards") if isinstance(s, Mapping)}
     rows = []
     for m in members:
-        meta = m.get("meta") if isinstance(m.get("meta"), Mapping) else {}
-        sig = by_id.get(str(m.get("id")), {})
+        meta = mapping(m.get("meta"))
+        sig = mapping(by_id.get(str(m.get("id"))))
         running, waiting = num(sig.get("running")), num(sig.get("waiting"))
         slots = num(sig.get("max_num_seqs")) or num(meta.get("max_num_seqs"))
         load = None if running is None or waiting is None else running + waiting
@@ -232,7 +243,7 @@ def members_frame(members: Sequence[Mapping[str, Any]], latest: Mapping[str, Any
             "slots": slots,
             "utilisation": util,
             "kv_usage": num(sig.get("kv_usage")),
-            "ttft_p95_ms": None if num(sig.get("ttft_p95_s")) is None else num(sig.get("ttft_p95_s")) * 1000,
+            "ttft_p95_ms": ms(sig.get("ttft_p95_s")),
             "heartbeat_s": None if hb is None else max(0.0, now - hb),
             "ttl_s": num(m.get("ttl_s")),
             "url": m.get("url", ""),
@@ -332,10 +343,9 @@ def frame_problems(frame: pd.DataFrame) -> list[str]:
 
 def tier_traffic_frame(latest: Mapping[str, Any], policy_tiers: Iterable[str] = ()) -> pd.DataFrame:
     """Per tier: demand, rejections and shed (req/s) over the signal window."""
-    demand = latest.get("demand_by_tier") if isinstance(latest.get("demand_by_tier"), Mapping) else {}
-    rejected = latest.get("rejections_by_tier") if isinstance(latest.get("rejections_by_tier"), Mapping) else {}
-    shed = first(latest, "shed_by_tier")
-    shed = shed if isinstance(shed, Mapping) else {}
+    demand = mapping(latest.get("demand_by_tier"))
+    rejected = mapping(latest.get("rejections_by_tier"))
+    shed = mapping(first(latest, "shed_by_tier"))
     names = list(dict.fromkeys([*policy_tiers, *demand, *rejected, *shed]))
     rows = []
     for name in names:
@@ -374,8 +384,8 @@ def alert_rows(payload: Any) -> list[dict[str, Any]]:
     for a in raw:
         if not isinstance(a, Mapping):
             continue
-        labels = a.get("labels") if isinstance(a.get("labels"), Mapping) else {}
-        annotations = a.get("annotations") if isinstance(a.get("annotations"), Mapping) else {}
+        labels = mapping(a.get("labels"))
+        annotations = mapping(a.get("annotations"))
         rows.append({
             "state": _alert_state(first(a, "state", "status")),
             "name": str(first(a, "name", "alertname") or labels.get("alertname") or "?"),
@@ -405,7 +415,7 @@ def decisions_frame(decisions: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     """The decision log, newest first, with the inputs that mattered as columns."""
     rows = []
     for d in decisions:
-        inputs = d.get("inputs") if isinstance(d.get("inputs"), Mapping) else {}
+        inputs = mapping(d.get("inputs"))
         at, last = num(d.get("at")), num(d.get("last_at"))
         action = str(d.get("action", "?"))
         frm, to = d.get("from"), d.get("to")
@@ -417,7 +427,7 @@ def decisions_frame(decisions: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
             "reason": str(d.get("reason", "")),
             "outcome": str(d.get("outcome", "")),
             "waiting_per_shard": num(inputs.get("waiting_per_shard")),
-            "ttft_p95_ms": None if num(inputs.get("ttft_p95_s")) is None else num(inputs.get("ttft_p95_s")) * 1000,
+            "ttft_p95_ms": ms(inputs.get("ttft_p95_s")),
             "load_per_shard": num(inputs.get("load_per_shard")),
             "healthy_shards": num(inputs.get("healthy_shards")),
             "qps": qps(inputs),
@@ -466,9 +476,15 @@ def short_service(name: Any) -> str:
 
 
 def is_chat_trace(trace: Mapping[str, Any]) -> bool:
-    """A trace that passed through a gateway (a user's request, not the control plane's own work)."""
-    return any(short_service(s) == "gateway" for s in trace.get("services") or []) or str(
-        trace.get("root", "")).startswith(("gateway.", "POST /v1/chat"))
+    """A finished user request: the trace holds the gateway's own ``gateway.request`` span.
+
+    Spans reach the ring when they end, so a request still streaming shows up as loose children
+    (``ratelimit``, ``router.route``…) until its ``gateway.request`` span closes; those, and the
+    control plane's own work (admin calls, autoscaler ticks), are left out."""
+    spans = trace.get("spans")
+    if isinstance(spans, list) and spans:
+        return any(isinstance(s, Mapping) and s.get("name") == "gateway.request" for s in spans)
+    return str(trace.get("root", "")) == "gateway.request"
 
 
 def traces_frame(traces: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
@@ -514,7 +530,7 @@ def waterfall_frames(trace: Mapping[str, Any]) -> tuple[pd.DataFrame, pd.DataFra
         start = (int(s.get("start_ns") or t0) - t0) / 1e6
         end_ns = s.get("end_ns")
         end = (int(end_ns) - t0) / 1e6 if end_ns else start
-        attrs = s.get("attributes") if isinstance(s.get("attributes"), Mapping) else {}
+        attrs = mapping(s.get("attributes"))
         label = f"{i:02d} {'  ' * depth}{s.get('name', '?')}"
         rows.append({
             "row": label,

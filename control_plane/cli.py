@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("data_plane.bench", "benchmarks: engine, serve, overhead"),
     "model": ("data_plane.model_cli", "model tools: prepare (convert the default model once)"),
     "dashboards": ("dashboards.push", "Grafana dashboards: push"),
+    "console": ("admin_ui.launch", "run the admin console (Streamlit)"),
     "autoscale": ("control_plane.autoscale_cli", "autoscaling tools: simulate (replay a load trace; PNG)"),
 }
 

@@ -56,6 +56,7 @@ class UpSettings(BaseSettings):
     redis: str | None = Field(None, description="Redis URL for cache nodes (default: in memory).")
     prometheus: bool = Field(False, description="Also start Prometheus (when the binary exists) with the alert rules.")
     prometheus_port: int = Field(9090, ge=1, le=65535, description="Prometheus port (with --prometheus).")
+    console: bool = Field(True, description="Start the admin console (Streamlit) on --console-port.")
 
 
 @dataclass
@@ -176,6 +177,14 @@ def plan(s: UpSettings, state: Path, admin_token: str) -> tuple[Child, list[Chil
     return cp, caches, shards, gateway
 
 
+def console_child(s: UpSettings, state: Path, cp: Child, gateway: Child, admin_token: str) -> Child:
+    return Child("console", ["console", "--host", s.host, "--port", str(s.console_port), "--control-plane-url",
+                             cp.url, "--gateway-url", gateway.url, "--credentials-file",
+                             str(state / "credentials.json")],
+                 f"http://{s.host}:{s.console_port}", state / "logs" / "console.log",
+                 env={"SWITCHBOARD_ADMIN_TOKEN": admin_token}, health="/_stcore/health")
+
+
 ALERTS_DIR = Path(__file__).resolve().parent.parent / "alerts"
 SCRAPE_JOBS = {"gateway": "switchboard-gateway", "shard": "switchboard-shard", "cache": "switchboard-cache"}
 """Job names the alert rules and dashboards assume (dashboards/catalogue.py JOBS)."""
@@ -268,9 +277,10 @@ def main(argv: list[str] | None = None) -> None:
     creds = _credentials(state)
     cp, caches, shards, gateway = plan(s, state, str(creds["admin_token"]))
     prometheus = prometheus_child(s, state, cp) if s.prometheus else None
+    console = console_child(s, state, cp, gateway, str(creds["admin_token"])) if s.console else None
     if prometheus is not None:
         cp.args += ["--prometheus", prometheus.url]
-    order = [cp, *caches, *shards, gateway] + ([prometheus] if prometheus else [])
+    order = [cp, *caches, *shards, gateway] + [c for c in (prometheus, console) if c is not None]
     supervisor = Supervisor(order)
     try:
         print(f"[switchboard] starting control plane, {len(caches)} cache nodes, {len(shards)} shards, gateway...",
@@ -284,9 +294,10 @@ def main(argv: list[str] | None = None) -> None:
         gateway.start()
         _wait_healthy([gateway], 120, "gateway")
         _wait_routable(gateway.url, len(shards), 15)
-        if prometheus is not None:
-            prometheus.start()
-            _wait_healthy([prometheus], 60, "prometheus")
+        extras = [c for c in (prometheus, console) if c is not None]
+        for child in extras:
+            child.start()
+        _wait_healthy(extras, 90, "prometheus / console")
     except BaseException:
         supervisor.shutdown()
         raise
@@ -315,6 +326,7 @@ def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: 
         "",
         f"  chat API (OpenAI-compatible)  {gateway.url}/v1",
         f"  control plane / admin API     {cp.url}   (admin token below)",
+        *([f"  admin console                 http://{s.host}:{s.console_port}"] if s.console else []),
         *[f"  {c.name:<28}  {c.url}" for c in shards + caches],
         *([f"  prometheus                    {s.host}:{s.prometheus_port}  (alerts: /alerts)"]
           if s.prometheus else []),

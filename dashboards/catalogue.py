@@ -72,13 +72,15 @@ def _shard(registry: CollectorRegistry) -> list[object]:
 
 def _gateway(registry: CollectorRegistry) -> list[object]:
     # What data_plane.gateway.Gateway and its SessionStore register on the gateway's registry.
+    from data_plane.admission import AdmissionMetrics
     from data_plane.cache_client import SessionStoreMetrics
     from data_plane.gateway_metrics import GatewayMetrics
+    from data_plane.ratelimit import RateLimitMetrics
     from data_plane.router import RouterMetrics
     from data_plane.safety import SafetyMetrics
 
     return [GatewayMetrics(registry), SafetyMetrics(registry), RouterMetrics(registry),
-            SessionStoreMetrics(registry)]
+            SessionStoreMetrics(registry), RateLimitMetrics(registry), AdmissionMetrics(registry)]
 
 
 def _cache_node(registry: CollectorRegistry) -> list[object]:
@@ -88,10 +90,12 @@ def _cache_node(registry: CollectorRegistry) -> list[object]:
 
 
 def _control_plane(registry: CollectorRegistry) -> list[object]:
+    from control_plane.autoscaler import AutoscalerMetrics
+    from control_plane.degradation import DegradationMetrics
     from control_plane.registry import RegistryMetrics
     from control_plane.settings import DEFAULT_SERVICES
 
-    return [RegistryMetrics(registry, DEFAULT_SERVICES)]
+    return [RegistryMetrics(registry, DEFAULT_SERVICES), DegradationMetrics(registry), AutoscalerMetrics(registry)]
 
 
 PROCESSES: dict[str, Callable[[CollectorRegistry], list[object]]] = {

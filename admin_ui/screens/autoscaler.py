@@ -47,7 +47,7 @@ def body(c: ui.Console) -> None:
     desired = views.num(last.get("to"))
     cols[1].metric("Desired", "—" if desired is None else f"{desired:.0f}", border=True,
                    delta=None if not last else str(last.get("action")), delta_arrow="off",
-                   delta_color={"scale_up": "orange", "scale_down": "blue", "error": "red"}.get(
+                   delta_color={"scale_up": "orange", "scale_down": "blue", "error": "red"}.get(  # type: ignore[arg-type]
                        str(last.get("action")), "gray"))
     waiting = views.num(latest.get("waiting_per_shard"))
     cols[2].metric("Waiting / shard", "—" if waiting is None else f"{waiting:.1f}", border=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import altair as alt
+import pandas as pd
 import streamlit as st
 
 from admin_ui import ui, views
@@ -18,15 +19,15 @@ if wanted and st.session_state.get("_trace_from_url") != wanted:
 CHAT, ALL = "chat requests", "everything"
 f0, f1, f2, f3, f4 = st.columns([1.2, 1, 1, 1, 1])
 f0.selectbox("Show", [CHAT, ALL], key="trace_kind",
-             help="Chat requests are traces that pass through a gateway; everything adds the control plane's "
-                  "own work (admin API calls, autoscaler ticks).")
+             help="Chat requests: finished traces with a gateway.request span. Everything adds requests still "
+                  "in flight (their spans so far) and the control plane's own work (admin calls, autoscaler ticks).")
 f1.selectbox("Tier", [ANY, "free", "plus", "enterprise"], key="trace_tier")
 f2.selectbox("Status", [ANY, "ok", "error"], key="trace_status")
 f3.number_input("Slower than (ms)", min_value=0, value=0, step=50, key="trace_min_ms")
 f4.number_input("Show at most", min_value=5, max_value=200, value=25, step=5, key="trace_limit")
 
 
-def _waterfall(spans, events) -> alt.LayerChart:
+def _waterfall(spans: pd.DataFrame, events: pd.DataFrame) -> alt.LayerChart:
     order = list(spans["row"])
     y = alt.Y("row:N", sort=order, title=None, axis=alt.Axis(labelLimit=320, labelFontSize=12))
     bars = alt.Chart(spans).mark_bar(cornerRadius=2, height={"band": 0.7}).encode(
@@ -43,7 +44,7 @@ def _waterfall(spans, events) -> alt.LayerChart:
     if not events.empty:
         layers.append(alt.Chart(events).mark_tick(color="black", thickness=2, size=16).encode(
             x="at_ms:Q", y=alt.Y("row:N", sort=order), tooltip=["event:N", alt.Tooltip("at_ms:Q", format=".1f")]))
-    return alt.layer(*layers).properties(height=alt.Step(24))
+    return alt.layer(*layers).properties(height=alt.Step(24))  # type: ignore[return-value]
 
 
 @ui.live("traces")

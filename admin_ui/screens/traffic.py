@@ -15,7 +15,12 @@ ui.header("Traffic & tiers", "Who is being served, who is being refused, and the
 def body(c: ui.Console) -> None:
     signals = ui.fetch("Signals", c.admin.signals)
     latest, history = views.split_signals(signals)
-    policy = st.session_state.get("tiers_loaded") or {}
+    policy = ui.fetch("Tier policy", c.admin.tiers, quiet_unavailable=True) or {}
+    loaded = st.session_state.get("tiers_loaded")
+    if policy and loaded and policy.get("updated_at") != loaded.get("updated_at"):
+        st.warning(f"The tier policy changed on the control plane at {views.fmt_time(policy.get('updated_at'))} "
+                   f"(by {policy.get('source', '?')}) after the editor below loaded it: press **Reload** before "
+                   "editing, or Save will overwrite that change.", icon=":material/sync_problem:")
     traffic = views.tier_traffic_frame(latest, (policy.get("tiers") or {}).keys())
     if traffic.empty:
         st.info("No per-tier traffic in the signal window yet (no gateway requests, or no gateway registered).",

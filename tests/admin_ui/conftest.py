@@ -14,10 +14,10 @@ import httpx
 import pytest
 
 pytest.importorskip("streamlit")
-from streamlit.testing.v1 import AppTest  # noqa: E402
+from streamlit.testing.v1 import AppTest
 
-from tests.cluster import ADMIN_TOKEN, Cluster  # noqa: E402
-from tests.procs import free_port  # noqa: E402
+from tests.cluster import ADMIN_TOKEN, Cluster
+from tests.procs import free_port
 
 APP = str(Path(__file__).resolve().parents[2] / "admin_ui" / "app.py")
 PAGES = ["overview", "cluster", "traffic", "autoscaler", "degradation", "traces", "alerts", "playground"]

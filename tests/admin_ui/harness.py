@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -42,7 +43,7 @@ class Console:
         self.log_path = credentials.parent / "console.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def __enter__(self) -> Console:
+    def __enter__(self) -> Self:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env)
         log.close()
@@ -87,7 +88,7 @@ class LivePlatform:
         self.credentials.write_text(json.dumps({"keys": TIER_OF_KEY, "admin_token": ADMIN_TOKEN}))
         self.admin = httpx.Client(base_url=registry, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=5)
 
-    def __enter__(self) -> LivePlatform:
+    def __enter__(self) -> Self:
         try:
             self.control_plane.start()
             self.cache.start()
@@ -149,15 +150,42 @@ class LivePlatform:
         return counts
 
 
+SHOT_PAGES = ["overview", "cluster", "tiers", "autoscaler", "degradation", "alerts"]
+
+
+def screenshot_tour(console_url: str, out: Path) -> list[Path]:
+    """Screenshots of the main pages, then a Playground chat and its trace's waterfall.
+
+    Writes ``out/console-<page>.png``; returns the paths."""
+    from admin_ui.screenshot import Chromium, capture_pages, send_chat
+
+    written = capture_pages(console_url, out, SHOT_PAGES)
+    with Chromium() as browser:
+        browser.capture(console_url + "/playground", out / ".playground-empty.png", expect=["Playground"])
+        (out / ".playground-empty.png").unlink()
+        trace_id = send_chat(browser, "What does Switchboard do?")
+        written.append(browser.snapshot(out / "console-playground.png", expect=["Open trace"]))
+        written.append(browser.capture(f"{console_url}/traces?trace={trace_id}", out / "console-traces.png",
+                                       expect=["Traces", "Updated ", "Waterfall", trace_id[:12]]))
+    return written
+
+
 if __name__ == "__main__":
     import tempfile
 
+    shots = Path(sys.argv[1]) if len(sys.argv) > 1 else None  # python -m tests.admin_ui.harness docs/img
     with LivePlatform(Path(tempfile.mkdtemp(prefix="sb-console-"))) as p:
-        print("traffic:", p.traffic(20), flush=True)
+        print("traffic:", p.traffic(15), flush=True)
         with p.console() as console:
             print(f"console {console.url}  control plane {p.control_plane.url}  gateway {p.gateway.url}", flush=True)
+            background = threading.Thread(target=p.traffic, args=(150 if shots else 10**9,), kwargs={"workers": 4},
+                                          daemon=True)
+            background.start()
             try:
-                while True:
-                    p.traffic(15, workers=4)
+                if shots:
+                    for path in screenshot_tour(console.url, shots):
+                        print(path, flush=True)
+                else:
+                    background.join()
             except KeyboardInterrupt:
                 pass

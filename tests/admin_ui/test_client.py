@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from admin_ui.client import (AdminClient, ChatDelta, ChatEnd, ChatStart, GatewayClient, NotAvailable, Rejected,
-                             Unauthorized, Unreachable)
+from admin_ui.client import (
+    AdminClient,
+    ChatDelta,
+    ChatEnd,
+    ChatStart,
+    GatewayClient,
+    NotAvailable,
+    Rejected,
+    Unauthorized,
+    Unreachable,
+)
 from tests.cluster import ADMIN_TOKEN
 from tests.procs import free_port
 

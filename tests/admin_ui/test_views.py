@@ -64,7 +64,7 @@ def test_alert_rows_put_firing_first():
 
 
 def test_waterfall_puts_children_under_parents_with_offsets():
-    span = lambda sid, parent, name, start, end, service="switchboard-gateway": {  # noqa: E731
+    span = lambda sid, parent, name, start, end, service="switchboard-gateway": {
         "span_id": sid, "parent_span_id": parent, "name": name, "service": service, "start_ns": start,
         "end_ns": end, "status": "OK", "attributes": {}, "events": []}
     trace = {"spans": [span("c", "a", "router.route", 3_000_000, 9_000_000),

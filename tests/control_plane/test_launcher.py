@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 
 from tests.procs import ROOT, free_port
@@ -30,10 +31,11 @@ def _cmdline(pid: int) -> str:
 
 
 def test_up_starts_platform_and_stops_cleanly(tmp_path: Path) -> None:
-    gw, cp = free_port(), free_port()
+    gw, cp, console = free_port(), free_port(), free_port()
     log = open(tmp_path / "up.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "control_plane.cli", "up", "--engine", "synthetic",
                              "--gateway-port", str(gw), "--control-plane-port", str(cp), "--shards", "2",
+                             "--console-port", str(console),
                              "--cache-nodes", "2"], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
@@ -50,6 +52,8 @@ def test_up_starts_platform_and_stops_cleanly(tmp_path: Path) -> None:
         for key in creds["keys"].values():
             assert key in banner
         assert f"http://127.0.0.1:{gw}/v1" in banner and "curl" in banner
+        assert f"http://127.0.0.1:{console}" in banner
+        assert httpx.get(f"http://127.0.0.1:{console}/_stcore/health").text == "ok"
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{gw}/v1", api_key=creds["keys"]["plus"], max_retries=0)
         out = client.chat.completions.create(model="synthetic", messages=[{"role": "user", "content": "hi"}])

@@ -22,17 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD_DIR = ROOT / "dashboards" / "grafana"
 ALERTS_DIR = ROOT / "alerts"
 RULE_FILES = sorted(ALERTS_DIR.glob("*.rules.yaml"))
-CONTROL_RULES = ALERTS_DIR / "switchboard-control.rules.yaml"
 RUNBOOK = ROOT / "docs" / "runbook.md"
-
-PENDING_METRICS = {
-    "switchboard_degradation_level",
-    "switchboard_autoscaler_desired_replicas",
-    "switchboard_autoscaler_actual_replicas",
-    "switchboard_autoscaler_max_replicas",
-    "switchboard_ratelimit_rejections_total",
-}
-"""Metrics the control plane is to export; only alerts/switchboard-control.rules.yaml may use them."""
 
 # Grafana's built-in interval variables -> a value Prometheus accepts; any other variable is a
 # label-value filter (`=~"$tier"`), which ".*" opens fully.

@@ -43,9 +43,7 @@ def test_metric_names_are_unique_across_processes() -> None:
 
 METRIC_TYPES = {"Counter", "Gauge", "Histogram", "Summary", "Info", "Enum"}
 
-NOT_IN_A_PROCESS_YET = {
-    "DegradationMetrics": "control_plane/degradation.py: not yet created by the control plane app",
-}
+NOT_IN_A_PROCESS_YET: dict[str, str] = {}
 """Metrics classes no process instantiates yet; once one does, it belongs in catalogue.PROCESSES."""
 
 

@@ -9,8 +9,6 @@ import pytest
 from dashboards.catalogue import TARGET_LABELS, series_names
 from dashboards.push import DASHBOARD_DIR, load_dashboards
 from tests.observability.exprs import (
-    CONTROL_RULES,
-    PENDING_METRICS,
     dashboard_exprs,
     dashboards,
     label_values_queries,
@@ -110,18 +108,10 @@ def test_dashboard_exprs_use_only_exported_metrics() -> None:
 def test_rule_exprs_use_only_exported_metrics() -> None:
     recorded = recorded_names()
     problems = []
-    for where, expr, path in rule_exprs():
-        known = set(SERIES) | recorded | (PENDING_METRICS if path == CONTROL_RULES else set())
+    known = set(SERIES) | recorded
+    for where, expr, _ in rule_exprs():
         problems += check_expr(where, expr, known)
     assert not problems, "\n".join(problems)
-
-
-def test_pending_metrics_are_still_pending() -> None:
-    """When the code starts exporting one, move its rule into switchboard.rules.yaml (and off this list)."""
-    arrived = sorted(name for name in PENDING_METRICS if name in SERIES)
-    assert not arrived, (f"{arrived} now exported: move the rules using them from "
-                         "alerts/switchboard-control.rules.yaml into switchboard.rules.yaml, add them to "
-                         "the dashboards, and drop them from PENDING_METRICS")
 
 
 def test_the_checker_catches_what_it_should() -> None:
