@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 
 QUANTILE = 0.95
 REJECTED_STATUSES = frozenset({"429", "503"})
+SHED_CODES = ("overloaded",)
+"""Error codes of deliberate load shedding, left out of the error rate."""
 
 # metric names (sample names, as exposed)
 M_RUNNING = "vllm:num_requests_running"
@@ -361,7 +363,10 @@ class ScrapeSignals:
                 window_sources, M_GW_REQUESTS, "tier", lambda d: d.get("status") in REJECTED_STATUSES
             )
             total = sum(demand.values())
-            errors = self._rate(window_sources, M_GW_REQUESTS, lambda d: d.get("status", "").startswith("5"))
+            # Deliberate shedding (503 `overloaded` from admission or the ladder) is the remedy, not
+            # a failure: counting it would let shedding keep the ladder raised by itself.
+            errors = self._rate(window_sources, M_GW_REQUESTS, lambda d: d.get("status", "").startswith("5")
+                                and d.get("code") not in SHED_CODES)
             error_rate = (errors or 0.0) / total if total > 0 else None
             # a gateway without the series has never queued a request: 0, not unknown
             queue: float | None = sum(h.last.total(M_GW_QUEUE) or 0.0 for h in window_sources if h.last)
