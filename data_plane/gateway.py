@@ -27,6 +27,7 @@ get 404.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -36,6 +37,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -61,6 +63,7 @@ from data_plane.context import TokenCounter, fit_window
 from data_plane.errors import (
     InvalidRequest,
     ModelNotFound,
+    NotFound,
     SwitchboardError,
     install_error_handlers,
     render,
@@ -100,6 +103,10 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 NEW_SESSION = "new"
+DISCONNECT_POLL_S = 0.25
+"""How often a non-streaming request checks that its client is still there."""
+CLIENT_CLOSED_STATUS = 499
+"""Recorded (never sent) when the client left before its answer, as nginx does."""
 DEFAULT_REPLY_RESERVE = 256
 """Reply tokens reserved when a request sets no max_tokens."""
 TEMPLATE_SLACK_TOKENS = 32
@@ -488,9 +495,11 @@ class ChatHandler:
             return StreamingResponse(completion.sse(stream, include_usage), media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         try:
-            body_out = await completion.collect(stream)
+            body_out = await completion.collect(stream, self.request)
         finally:
             gw.metrics.inflight.labels(tier.name).dec()
+        if body_out is None:  # nobody is listening; the status is for the access log only
+            return Response(status_code=CLIENT_CLOSED_STATUS, headers=headers)
         return JSONResponse(body_out, headers=headers)
 
     async def _load_session(self, header: str, messages: list[dict[str, str]], tier: Tier) -> list[dict[str, str]]:
@@ -504,6 +513,13 @@ class ChatHandler:
         transcript = None
         if header != NEW_SESSION:
             transcript = await gw.sessions.load(self.session_id, self.owner, tier.replication)
+        if transcript is None and header != NEW_SESSION:
+            # Ids are minted by the gateway (unguessable), so an unknown one expired, was lost with
+            # its cache replicas, or never existed: say so rather than silently starting over.
+            gw.metrics.sessions.labels(tier.name, "not_found").inc()
+            raise NotFound(f"session {self.session_id!r} not found: it expired, was lost, or never existed; "
+                           "start a new conversation with 'X-Session-Id: new'", param="session_id",
+                           code="session_not_found")
         if transcript is None:
             gw.metrics.sessions.labels(tier.name, "new").inc()
             return messages
@@ -571,7 +587,10 @@ class _Completion:
                     self.usage = Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
                                        total_tokens=event.prompt_tokens + event.completion_tokens)
         finally:
-            await stream.aclose()
+            # Shielded: after a client disconnect the surrounding cancel scope would cancel this
+            # await too, leaving the shard streaming to nobody instead of aborting.
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
         with tracer.start_as_current_span("safety.output") as span:
             if self.filter.verdict is None:
                 tail = self.filter.finish()
@@ -601,10 +620,26 @@ class _Completion:
         if self.finish_reason:
             span.set_attribute("gen_ai.response.finish_reasons", [self.finish_reason])
 
-    async def collect(self, stream: ResumableStream) -> dict[str, Any]:
+    async def collect(self, stream: ResumableStream, request: Request) -> dict[str, Any] | None:
+        """The whole completion, or None if the client went away first (the shard is aborted)."""
         h = self.h
-        async for _ in self._events(stream):
-            pass
+
+        async def drain() -> None:
+            async for _ in self._events(stream):
+                pass
+
+        task = asyncio.create_task(drain(), name=f"collect-{h.request_id}")
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                log.info("request %s: client disconnected; generation aborted", h.request_id)
+                await _quiet(self._finish("client_disconnected"))
+                h._record(CLIENT_CLOSED_STATUS, "client_disconnected")
+                return None
+        task.result()
         await self._finish(None)
         h._record(200, "ok")
         return completion_body(completion_id=self.completion_id, model=self.model, text="".join(self.text),
@@ -634,7 +669,8 @@ class _Completion:
             raise
         finally:
             if error is not None:
-                await _quiet(self._finish(error))
+                with anyio.CancelScope(shield=True):
+                    await _quiet(self._finish(error))
                 span.set_attribute("error.type", error)
                 span.set_status(trace.Status(trace.StatusCode.ERROR, error))
             h._record(200, "ok" if error is None else error)

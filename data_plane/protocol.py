@@ -25,10 +25,24 @@ MAX_STOP_SEQUENCES = 4
 MAX_STOP_LENGTH = 256
 
 
+def _valid_unicode(value: str) -> str:
+    """JSON can carry lone surrogates ("\\ud800") that no tokenizer or UTF-8 encoder accepts."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text contains invalid Unicode (a lone surrogate)") from None
+    return value
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
+
+    @field_validator("text")
+    @classmethod
+    def _text_unicode(cls, v: str) -> str:
+        return _valid_unicode(v)
 
 
 class ChatMessage(BaseModel):
@@ -38,6 +52,17 @@ class ChatMessage(BaseModel):
     name: str | None = Field(default=None, max_length=256)
     tool_calls: Any = None
     tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_unicode(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            _valid_unicode(v)
+        elif isinstance(v, list):
+            for part in v:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    _valid_unicode(part["text"])
+        return v
 
     def text(self) -> str:
         if self.content is None:
@@ -140,6 +165,7 @@ class ChatCompletionRequest(BaseModel):
         if len(stops) > MAX_STOP_SEQUENCES:
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
         for s in stops:
+            _valid_unicode(s)
             if not s:
                 raise ValueError("stop sequences must be non-empty")
             if len(s) > MAX_STOP_LENGTH:
