@@ -82,6 +82,7 @@ def _stream_all(url: str, prompts: list[str], max_tokens: int, on_progress=None)
     async def run() -> list[tuple[str, str]]:
         sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=120)
         chunks_seen = 0
+        started: set[str] = set()
 
         async def one(p: str) -> tuple[str, str]:
             nonlocal chunks_seen
@@ -94,8 +95,10 @@ def _stream_all(url: str, prompts: list[str], max_tokens: int, on_progress=None)
                     text += chunk.choices[0].delta.content or ""
                     finish = chunk.choices[0].finish_reason or finish
                     chunks_seen += 1
+                    if chunk.choices[0].delta.content:
+                        started.add(p)
                     if on_progress is not None:
-                        on_progress(chunks_seen)
+                        on_progress(len(started), chunks_seen)
             return text, finish
 
         out = await asyncio.gather(*(one(p) for p in prompts))
@@ -111,14 +114,15 @@ MODEL = None  # set per test: the served model id
 def test_mid_stream_failover_synthetic_is_seamless() -> None:
     global MODEL
     MODEL = "synthetic"
-    with Cluster(shards=2, caches=1, token_delay_ms=40) as c:
+    with Cluster(shards=2, caches=1, token_delay_ms=100) as c:
         prompts = [f"tell me story number {i}" for i in range(16)]
         reference = _stream_all(c.gateway.url, prompts, 16)
         assert all(f == "length" for _, f in reference)
         killed = []
 
-        def kill_once(seen: int) -> None:
-            if seen >= 40 and not killed:
+        def kill_once(streams_started: int, chunks: int) -> None:
+            # Every stream has sent text (so all are past their first token): kill mid-way.
+            if streams_started == len(prompts) and not killed:
                 killed.append(True)
                 c.shards[0].kill()
 
@@ -148,8 +152,8 @@ def test_mid_stream_failover_real_model_float32_equals_uninterrupted() -> None:
             reference = _stream_all(gw.url, prompts, 40)
             killed = []
 
-            def kill_once(seen: int) -> None:
-                if seen >= 48 and not killed:
+            def kill_once(streams_started: int, chunks: int) -> None:
+                if streams_started == len(prompts) and not killed:
                     killed.append(True)
                     shards[0].kill()
 
