@@ -247,6 +247,12 @@ class LlamaCppSystem:
         import llama_cpp as lib
 
         self.lib = lib
+        if hasattr(lib, "llama_log_set") and hasattr(lib, "llama_log_callback"):
+            import ctypes
+
+            # llama.cpp logs every graph tensor at load; keep the bench's table readable.
+            self._log_cb = lib.llama_log_callback(lambda level, text, user_data: None)
+            lib.llama_log_set(self._log_cb, ctypes.c_void_p(0))
         lib.llama_backend_init()
         load = _first(lib, "llama_model_load_from_file", "llama_load_model_from_file")
         self.model = load(str(self.gguf).encode(), lib.llama_model_default_params())
