@@ -67,7 +67,7 @@ class SwitchboardError(Exception):
         self.retry_after = retry_after
         self.headers = dict(headers or {})
 
-    def body(self, request_id: str | None = None) -> dict[str, Any]:
+    def body(self, request_id: str | None = None, trace_id: str | None = None) -> dict[str, Any]:
         err: dict[str, Any] = {
             "message": self.message,
             "type": self.type,
@@ -76,6 +76,8 @@ class SwitchboardError(Exception):
         }
         if request_id:
             err["request_id"] = request_id
+        if trace_id:
+            err["trace_id"] = trace_id  # a user's complaint leads straight to the trace
         return {"error": err}
 
     def response_headers(self) -> dict[str, str]:
@@ -213,13 +215,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def render(exc: SwitchboardError, request: Request | None = None) -> JSONResponse:
-    request_id = None
+    request_id = trace_id = None
     if request is not None:
         request_id = getattr(request.state, "request_id", None)
+        trace_id = getattr(request.state, "trace_id", None)
     headers = exc.response_headers()
     if request_id:
         headers.setdefault("X-Request-Id", request_id)
-    return JSONResponse(exc.body(request_id), status_code=exc.status, headers=headers)
+    if trace_id:
+        headers.setdefault("X-Trace-Id", trace_id)
+    return JSONResponse(exc.body(request_id, trace_id), status_code=exc.status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -377,7 +377,7 @@ class ChatHandler:
             self._record(exc.status, exc.code or "error")
             span.set_attribute("error.type", exc.code or "error")
             span.set_status(trace.Status(trace.StatusCode.ERROR, exc.code or "error"))
-            exc.headers.setdefault("X-Trace-Id", format(span.get_span_context().trace_id, "032x"))
+            self.request.state.trace_id = format(span.get_span_context().trace_id, "032x")
             if self.grant is not None:
                 exc.headers = {**self.grant.headers, **exc.headers}
             return self._degraded(render(exc, self.request))
@@ -663,7 +663,7 @@ class _Completion:
         except SwitchboardError as exc:
             error = exc.code or "error"
             log.warning("request %s failed mid-stream: %s", h.request_id, exc.message)
-            yield _event(exc.body(h.request_id))
+            yield _event(exc.body(h.request_id, format(span.get_span_context().trace_id, "032x")))
         except asyncio.CancelledError:
             error = "client_disconnected"
             raise

@@ -181,6 +181,7 @@ def test_bad_requests(cluster: Cluster, name, body, status, code, param) -> None
         assert r.status_code == status, (name, r.text)
         err = r.json()["error"]
         assert set(err) >= {"message", "type", "param", "code"}
+        assert len(err.get("trace_id", "")) == 32 and r.headers["x-trace-id"] == err["trace_id"]
         if code:
             assert err["code"] == code
         if param:
