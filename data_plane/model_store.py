@@ -54,7 +54,8 @@ def default_gguf() -> Path:
 
 def _converted_dir(gguf: Path) -> Path:
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    # Keyed by name, size and mtime (not path): every virtualenv with the same wheel shares one copy.
+    key = hashlib.sha256(f"{gguf.name}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
     return model_cache_dir() / f"{gguf.stem}-{key}"
 
 
