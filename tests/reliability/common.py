@@ -51,7 +51,9 @@ def metric(url: str, name: str, **labels: str) -> float:
     return sum(v for have, v in samples(text, name) if all(have.get(k) == w for k, w in labels.items()))
 
 
-def eventually(predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.05, what: str = "") -> float:
+def eventually(
+    predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.05, what: str = ""
+) -> float:
     """Poll `predicate` until it is truthy; seconds it took. Connection errors count as 'not yet'."""
     start = time.monotonic()
     while True:
@@ -73,14 +75,26 @@ def rss_kb(pid: int) -> int:
     raise ValueError(f"no VmRSS for pid {pid}")
 
 
-def chat(url: str, tier: str = "plus", content: str = "hello there", *, key: str | None = None,
-         headers: dict[str, str] | None = None, timeout: float = 30.0, **body: Any) -> httpx.Response:
+def chat(
+    url: str,
+    tier: str = "plus",
+    content: str = "hello there",
+    *,
+    key: str | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 30.0,
+    **body: Any,
+) -> httpx.Response:
     """One chat completion through a gateway (non-streaming unless stream=True is passed)."""
     body.setdefault("max_tokens", 4)
     messages = body.pop("messages", None) or [{"role": "user", "content": content}]
     auth = {"Authorization": f"Bearer {key or KEYS[tier]}"}
-    return httpx.post(url + "/v1/chat/completions", json={"messages": messages, **body},
-                      headers={**auth, **(headers or {})}, timeout=timeout)
+    return httpx.post(
+        url + "/v1/chat/completions",
+        json={"messages": messages, **body},
+        headers={**auth, **(headers or {})},
+        timeout=timeout,
+    )
 
 
 def assert_openai_error(resp: httpx.Response, status: int | Iterable[int], code: str | None = None) -> dict:
@@ -127,8 +141,9 @@ class StatefulCluster(Cluster):
         self.control_plane = self._control_plane(self.control_plane.port)
 
     def _control_plane(self, port: int) -> Service:
-        return Service(["control-plane", "--admin-token", ADMIN_TOKEN, "--state-dir", str(self.state_dir)],
-                       port=port)
+        return Service(
+            ["control-plane", "--admin-token", ADMIN_TOKEN, "--state-dir", str(self.state_dir)], port=port
+        )
 
     def restart_control_plane(self) -> None:
         old = self.control_plane
