@@ -66,6 +66,10 @@ tracer = trace.get_tracer(__name__)
 ACTIONS = ("scale_up", "scale_down", "hold", "steady", "error")
 
 
+SHEDDING_HOLD_PER_S = 0.2
+"""Deliberate sheds per second above which the autoscaler never scales in."""
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     """Knobs of :class:`TargetTracking`; validated on construction."""
@@ -246,6 +250,10 @@ class TargetTracking:
             want, why, code = max(wants)
             return want, f"{why}: {figures}", code
         calm_ttft = ttft is None or ttft <= slo * cfg.scale_down_below
+        if s.shed_per_s > SHEDDING_HOLD_PER_S:
+            # Demand is being turned away (degradation or admission): admitted load is low
+            # because of the shedding, not because the fleet is too big.
+            return current, f"within band: shedding {s.shed_per_s:.1f} req/s; {figures}", "steady"
         if wps <= target * (1 - cfg.tolerance) and calm_ttft and not starting:
             fits = math.ceil(load / (slots * cfg.scale_down_below)) if slots else current - (wps == 0)
             want = max(fits, cfg.min_replicas)

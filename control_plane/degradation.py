@@ -167,7 +167,37 @@ def assess(signals: Any, config: LadderConfig) -> Assessment:
         return Assessment("hot", tuple(hot))
     if warm:
         return Assessment("hold", tuple(warm))
+    returning = _shed_demand_that_would_not_fit(signals)
+    if returning:
+        return Assessment("hold", (returning,))
     return Assessment("calm", ("all signals below their lower thresholds",))
+
+
+SHED_FLOOR_PER_S = 0.2
+"""Sheds per second below which shedding is noise, not demand held back."""
+RETURN_HEADROOM = 0.9
+"""Lowering needs the shed demand to fit in this share of the fleet's slots."""
+
+
+def _shed_demand_that_would_not_fit(signals: Any) -> str | None:
+    """Shedding makes the fleet look calm. Before stepping down, estimate (Little's law) how many
+    slots the shed demand would occupy if let back in; None when it fits or cannot be judged."""
+    shed = _num(signals, "shed_per_s") or 0.0
+    per_shard, slots = _num(signals, "load_per_shard"), _num(signals, "capacity_per_shard")
+    healthy = getattr(signals, "healthy_shards", 0) or 0
+    if shed <= SHED_FLOOR_PER_S or per_shard is None or not slots or not healthy:
+        return None
+    demand = sum(getattr(signals, "demand_by_tier", {}).values())
+    admitted = demand - sum(getattr(signals, "rejections_by_tier", {}).values())
+    load = per_shard * healthy
+    if admitted <= 0 or load <= 0:
+        return None
+    extra = shed * load / admitted  # requests/s x seconds each = concurrent requests
+    capacity = slots * healthy
+    if load + extra <= capacity * RETURN_HEADROOM:
+        return None
+    return (f"shedding {shed:.1f} req/s; letting it back would need ~{load + extra:.0f} of "
+            f"{capacity:.0f} slots")
 
 
 def _num(signals: Any, name: str) -> float | None:

@@ -124,6 +124,9 @@ class Signals:
     """``scrape`` | ``prometheus``."""
     gateway_queue: float | None = None
     """Requests waiting in the gateways' admission queues (0 without gateways); None if unknown."""
+    shed_per_s: float = 0.0
+    """Requests per second the gateways shed on purpose (503 `overloaded`): demand the fleet is
+    not serving, so low admitted load then does not mean the fleet is too big."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (NaN becomes None), for the admin API and the decision log."""
@@ -208,6 +211,7 @@ def _aggregate(
     window_s: float,
     source: str,
     gateway_queue: float | None = 0.0,
+    shed_per_s: float = 0.0,
 ) -> Signals:
     """Per-shard readings → fleet figures; any passing shard that is stale poisons the means."""
     passing = [s for s in shards if s.status == "passing"]
@@ -238,6 +242,7 @@ def _aggregate(
         window_s=window_s,
         source=source,
         gateway_queue=gateway_queue,
+        shed_per_s=shed_per_s,
     )
 
 
@@ -368,6 +373,8 @@ class ScrapeSignals:
             errors = self._rate(window_sources, M_GW_REQUESTS, lambda d: d.get("status", "").startswith("5")
                                 and d.get("code") not in SHED_CODES)
             error_rate = (errors or 0.0) / total if total > 0 else None
+            shed = self._rate(window_sources, M_GW_REQUESTS, lambda d: d.get("status") == "503"
+                              and d.get("code") in SHED_CODES) or 0.0
             # a gateway without the series has never queued a request: 0, not unknown
             queue: float | None = sum(h.last.total(M_GW_QUEUE) or 0.0 for h in window_sources if h.last)
             if len(window_sources) < len(gw_hist):
@@ -379,6 +386,7 @@ class ScrapeSignals:
             tokens = self._rate(window_sources, M_SHARD_TOKENS)
             demand, rejected, error_rate = {}, {}, None
             queue = 0.0
+            shed = 0.0
         spans = [h.scrapes[-1].t - h.scrapes[0].t for h in window_sources if len(h.scrapes) > 1]
         span = max(spans, default=0.0)
         if window_sources and span == 0.0:
@@ -396,6 +404,7 @@ class ScrapeSignals:
             window_s=span,
             source="scrape",
             gateway_queue=queue,
+            shed_per_s=shed,
         )
 
     def _forget(self, keep: set[str]) -> None:

@@ -104,6 +104,7 @@ class PrometheusSignals:
             "demand": f"sum by (tier) (rate({M_GW_REQUESTS}{{{gw}}}[{w}]))",
             "rejected": f'sum by (tier) (rate({M_GW_REQUESTS}{{{gw},status=~"429|503"}}[{w}]))',
             "errors": f'sum(rate({M_GW_REQUESTS}{{{gw},status=~"5..",code!~"{"|".join(SHED_CODES)}"}}[{w}]))',
+            "shed": f'sum(rate({M_GW_REQUESTS}{{{gw},status="503",code=~"{"|".join(SHED_CODES)}"}}[{w}]))',
             "gw_queue": f"sum({M_GW_QUEUE}{{{gw}}})",
             "gw_tokens": f'sum(rate({M_GW_TOKENS}{{{gw},kind="completion"}}[{w}]))',
             "shard_tokens": f"sum(rate({M_SHARD_TOKENS}{{{sh}}}[{w}]))",
@@ -168,6 +169,7 @@ class PrometheusSignals:
             window_s=self.window_s,
             source="prometheus",
             gateway_queue=results["gw_queue"][0][1] if results["gw_queue"] else 0.0,
+            shed_per_s=(_finite(results["shed"][0][1]) or 0.0) if has_gateways and results["shed"] else 0.0,
         )
 
     def _unreachable(self, why: str) -> Signals:

@@ -128,6 +128,20 @@ def test_scales_down_slowly_one_at_a_time_after_the_down_cooldown() -> None:
     assert p.decide(sig(3, running=1), current=3, now=120.0).desired == 2
 
 
+def test_never_scales_in_while_the_gateways_shed_demand() -> None:
+    """Low admitted load while the ladder or admission turns requests away is not spare capacity."""
+    import dataclasses
+
+    p = TargetTracking(CFG)
+    idle = sig(4, running=1, waiting=0, ttft=0.2)
+    shedding = dataclasses.replace(idle, shed_per_s=20.0)
+    for now in (0.0, 60.0, 120.0, 240.0):
+        d = p.decide(shedding, current=4, now=now)
+        assert d.action != "scale_down" and d.desired == 4, d
+    assert "shedding 20.0 req/s" in p.decide(shedding, current=4, now=300.0).reason
+    assert p.decide(idle, current=4, now=400.0).action == "scale_down"
+
+
 def test_a_busy_moment_inside_the_down_window_postpones_the_scale_down() -> None:
     p = TargetTracking(CFG)
     assert p.decide(sig(3, running=1), current=3, now=0.0).code == "cooldown_down"

@@ -95,6 +95,20 @@ def test_assess_classifies_with_hysteresis_band() -> None:
     assert "ttft_p95 3.00s > 2.00s" in assess(HOT, CONFIG).reasons[0]
 
 
+def test_calm_while_shedding_is_hold_when_the_shed_demand_would_not_fit() -> None:
+    """Shedding makes the fleet look calm; stepping down would let the shed demand back in."""
+    import dataclasses
+
+    base = dataclasses.replace(CALM, load_per_shard=3.0, capacity_per_shard=4.0,
+                               demand_by_tier={"free": 20.0, "enterprise": 2.0}, rejections_by_tier={"free": 18.0})
+    # 2 shards x 4 slots; 6 busy serving 4 req/s; 18 req/s shed would need ~27 more slots.
+    verdict = assess(dataclasses.replace(base, shed_per_s=18.0), CONFIG)
+    assert verdict.verdict == "hold" and "shedding 18.0 req/s" in verdict.reasons[0]
+    # A trickle of shedding that fits in the spare slots does not hold the ladder up.
+    assert assess(dataclasses.replace(base, shed_per_s=0.1), CONFIG).verdict == "calm"
+    assert assess(dataclasses.replace(base, load_per_shard=0.5, shed_per_s=1.0), CONFIG).verdict == "calm"
+
+
 def test_config_needs_lower_below_raise() -> None:
     with pytest.raises(ValueError, match="hysteresis"):
         LadderConfig(raise_waiting_per_shard=2.0, lower_waiting_per_shard=2.0)
