@@ -189,8 +189,11 @@ def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     configure_process(SERVICE_NAME)
     app = create_app(settings)
+    from data_plane.http_server import GuardedHttpProtocol
+
     config = uvicorn.Config(
         app,
+        http=GuardedHttpProtocol,
         host=settings.host,
         port=settings.port,
         access_log=settings.access_log,

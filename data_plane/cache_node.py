@@ -661,4 +661,6 @@ def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     configure_process("switchboard-cache-node")
     app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, access_log=False)
+    from data_plane.http_server import GuardedHttpProtocol
+
+    uvicorn.run(app, host=settings.host, port=settings.port, access_log=False, http=GuardedHttpProtocol)

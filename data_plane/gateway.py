@@ -340,7 +340,11 @@ class ChatHandler:
         self.gw = gw
         self.request = request
         self.t0 = time.monotonic()
-        self.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        # Always our own id: it keys the request in the engine, so a client-chosen one could collide
+        # (and a collision must never look like a shard failure). The client's id is kept on the span.
+        self.request_id = uuid.uuid4().hex
+        client_id = request.headers.get("x-request-id") or ""
+        self.client_request_id = client_id[:128] if client_id.isprintable() else ""
         request.state.request_id = self.request_id
         self.tier_name = "unknown"
         self.tier: Tier | None = None
@@ -365,7 +369,7 @@ class ChatHandler:
         parent = extract(self.request.headers)
         span = tracer.start_span("gateway.request", context=parent, attributes={
             "gen_ai.operation.name": "chat", "switchboard.request_id": self.request_id,
-            SPAN_ATTRIBUTE: self.effects.level})
+            "switchboard.client_request_id": self.client_request_id, SPAN_ATTRIBUTE: self.effects.level})
         self.span = span
         token = otel_context.attach(trace.set_span_in_context(span))
         streaming = False
@@ -700,7 +704,9 @@ def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(GatewaySettings, argv, prog="switchboard gateway")
     configure_process("switchboard-gateway")
     gw = build_gateway(settings)
-    uvicorn.run(create_app(gw), host=settings.host, port=settings.port, log_level="warning",
+    from data_plane.http_server import GuardedHttpProtocol
+
+    uvicorn.run(create_app(gw), host=settings.host, port=settings.port, log_level="warning", http=GuardedHttpProtocol,
                 timeout_graceful_shutdown=5)
 
 

@@ -387,7 +387,10 @@ def main(argv: list[str] | None = None) -> None:
         run_sidecar(settings)
         return
     app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", timeout_graceful_shutdown=5)
+    from data_plane.http_server import GuardedHttpProtocol
+
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", timeout_graceful_shutdown=5,
+                http=GuardedHttpProtocol)
 
 
 if __name__ == "__main__":

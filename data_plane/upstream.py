@@ -40,10 +40,17 @@ from data_plane.router import Router
 log = logging.getLogger(__name__)
 
 
+REQUEST_NOT_SHARD_CODES = frozenset({"duplicate_request_id"})
+"""Shard errors caused by the request itself: never counted against the shard."""
+
+
 @dataclass(frozen=True)
 class UpstreamConfig:
     connect_timeout_s: float = 2.0
-    """TCP connect + response headers from a shard."""
+    """TCP connect to a shard."""
+    headers_timeout_s: float = 5.0
+    """Sending the request to response headers. Shards answer headers before queueing, so a
+    silent one (e.g. a partitioned host on a pooled connection) is given up on quickly."""
     first_token_timeout_s: float = 60.0
     """From sending the request to the first token (includes the shard's queue)."""
     idle_timeout_s: float = 30.0
@@ -215,7 +222,8 @@ class Upstream:
         )
         response: httpx.Response | None = None
         try:
-            response = await asyncio.wait_for(self.http.send(request, stream=True), cfg.first_token_timeout_s)
+            response = await asyncio.wait_for(self.http.send(request, stream=True),
+                                              min(cfg.headers_timeout_s, cfg.first_token_timeout_s))
             if response.status_code != 200:
                 raw = await response.aread()
                 await response.aclose()
@@ -224,6 +232,9 @@ class Upstream:
                 except ValueError:
                     err_body = None
                 error = from_openai_body(response.status_code, err_body)
+                if error.code in REQUEST_NOT_SHARD_CODES:
+                    leases.close()
+                    raise error  # the request's fault, not the shard's: no retry, no ejection
                 if response.status_code >= 500 or response.status_code == 429:
                     raise _Retryable(f"status_{response.status_code}", error)
                 leases.close()

@@ -368,11 +368,11 @@ def test_client_disconnect_mid_stream_aborts_the_generation(slow_stack: tuple[Se
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):  # the first chunk is out; the reply needs ~3.75 s more
-                assert httpx.get(shard.url + "/health").json()["running"] == 1
                 break  # walk away: dropping the line iterator closes the connection
     t0 = time.monotonic()
     freed_s = eventually(lambda: _slot_freed(shard, gw), 3.0, what="slot freed after the client left")
-    assert metric(shard.url, "vllm:request_success_total", finished_reason="abort") == aborted + 1
+    eventually(lambda: metric(shard.url, "vllm:request_success_total", finished_reason="abort") == aborted + 1,
+               3.0, what="the shard counted the abort")
     assert metric(gw.url, "switchboard_gateway_requests_total", code="client_disconnected") >= 1
     report("disconnect_mid_stream", slot_freed_after_s=round(freed_s, 2), natural_finish_s=3.75)
     assert time.monotonic() - t0 < 3.0
