@@ -13,7 +13,7 @@ The HTTP API (:func:`build_router`), the wire side of ``data_plane.membership``:
     PUT    /v1/registry/members/{id}          {"service", "url", "meta", "ttl_s"}  register / heartbeat
     DELETE /v1/registry/members/{id}                                              deregister
     GET    /v1/registry/members?service=&index=&wait=                             blocking query
-    POST   /v1/registry/members/{id}/drain | /undrain                             operator's drain
+    (drain / undrain: POST /admin/v1/members/{id}/drain | /undrain, with the admin token)
 
 A member's life::
 
@@ -412,14 +412,7 @@ def build_router(registry: Registry) -> APIRouter:
     async def get_member(member_id: str = MemberId) -> JSONResponse:
         return _member_response(registry.get(member_id), registry)
 
-    @router.post("/members/{member_id}/drain")
-    async def drain(member_id: str = MemberId) -> JSONResponse:
-        return _member_response(registry.set_draining(member_id, True), registry)
-
-    @router.post("/members/{member_id}/undrain")
-    async def undrain(member_id: str = MemberId) -> JSONResponse:
-        return _member_response(registry.set_draining(member_id, False), registry)
-
+    # Drain/undrain are operator actions: only under /admin/v1 (admin token), never here.
     return router
 
 

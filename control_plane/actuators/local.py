@@ -8,7 +8,7 @@
 
 Each shard runs ``python -m control_plane.cli shard --host H --port P --registry-url R
 --node-id shard-local-P <shard_args>`` with its output in ``<log_dir>/shard-local-P.log``.
-Removing a shard (newest first): ``POST /v1/registry/members/{id}/drain`` so routers stop
+Removing a shard (newest first): ``POST /admin/v1/members/{id}/drain`` (admin token) so routers stop
 sending it work, wait until its ``/health`` shows ``running == 0`` and ``waiting == 0`` for
 `settle_s` (or `drain_timeout_s` passes), then SIGTERM: the shard finishes what is left and
 deregisters; SIGKILL after `stop_timeout_s`. A shard process that dies is forgotten (and logged),
@@ -69,8 +69,10 @@ class LocalActuator:
         stop_timeout_s: float = 15.0,
         poll_interval_s: float = 0.2,
         python: str = sys.executable,
+        admin_token: str | None = None,
     ) -> None:
         self._registry_url = registry_url.rstrip("/")
+        self._admin_token = admin_token
         self._http = http
         self._shard_args = list(shard_args)
         self._host = host
@@ -93,6 +95,7 @@ class LocalActuator:
             host=host,
             log_dir=settings.shard_log_dir,
             drain_timeout_s=settings.drain_timeout_s,
+            admin_token=settings.admin_token.get_secret_value() if settings.admin_token else None,
         )
 
     # -- Actuator --------------------------------------------------------------------------
@@ -200,9 +203,11 @@ class LocalActuator:
 
     async def _mark_draining(self, shard: _Shard) -> bool:
         """Ask the registry to drain `shard`; False when it is not registered (nothing routes to it)."""
-        url = f"{self._registry_url}/v1/registry/members/{shard.id}/drain"
+        # Draining is an operator action: the admin API, with the admin token.
+        url = f"{self._registry_url}/admin/v1/members/{shard.id}/drain"
+        headers = {"Authorization": f"Bearer {self._admin_token}"} if self._admin_token else {}
         try:
-            resp = await self._http.post(url, timeout=2.0)
+            resp = await self._http.post(url, timeout=2.0, headers=headers)
         except httpx.HTTPError as exc:
             log.warning("could not drain %s (%s); waiting for it to go idle anyway", shard.id, exc)
             return True

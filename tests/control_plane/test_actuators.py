@@ -52,11 +52,12 @@ async def _eventually(cond, timeout: float, what: str) -> None:  # type: ignore[
 
 
 async def test_local_actuator_starts_drains_and_stops_real_shards(tmp_path: Path) -> None:
-    with Service(["control-plane"]) as cp:
+    with Service(["control-plane", "--admin-token", "actuator-test-token"]) as cp:
         async with httpx.AsyncClient() as http:
             actuator = LocalActuator(
                 cp.url,
                 http,
+                admin_token="actuator-test-token",
                 log_dir=tmp_path,
                 settle_s=0.3,
                 shard_args=["--engine", "synthetic", "--synthetic-token-delay-ms", "40"],

@@ -262,7 +262,9 @@ async def test_drain_hides_member_until_undrained(control_plane: ControlPlanePro
         try:
             assert member_id in [m.id for m in view.members("cache")]
 
-            resp = await http.post(f"/v1/registry/members/{member_id}/drain")
+            assert (await http.post(f"/v1/registry/members/{member_id}/drain")).status_code in (404, 405)
+            resp = await http.post(f"/admin/v1/members/{member_id}/drain",
+                                   headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
             assert resp.json()["status"] == "draining"
             await eventually(lambda: member_id not in [m.id for m in view.members("cache")], timeout_s=1.0)
             assert [m.status for m in view.all_members("cache") if m.id == member_id] == ["draining"]

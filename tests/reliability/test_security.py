@@ -216,7 +216,7 @@ def test_registry_drain_needs_the_admin_token(lone_control_plane: Service) -> No
     try:
         drained = httpx.post(url + "/v1/registry/members/shard-victim/drain")
         report("registry_writes_without_token", register=registered.status_code, drain=drained.status_code)
-        assert drained.status_code == 401, (
+        assert drained.status_code in (401, 403, 404, 405), (
             f"PRODUCT BUG: anyone who reaches the control plane drains a member without the admin token "
             f"(POST /v1/registry/members/{{id}}/drain -> {drained.status_code}); registering a member (and so "
             f"receiving prompts as a 'shard') needs no credential either ({registered.status_code})"
