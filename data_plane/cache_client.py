@@ -86,8 +86,8 @@ class VersionConflict(SwitchboardError):
         super().__init__(message, **kwargs)
         self.stored_version = stored_version
 
-    def body(self, request_id: str | None = None) -> dict[str, Any]:
-        out = super().body(request_id)
+    def body(self, request_id: str | None = None, trace_id: str | None = None) -> dict[str, Any]:
+        out = super().body(request_id, trace_id)
         out["error"]["stored_version"] = self.stored_version
         return out
 
