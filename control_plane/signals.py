@@ -61,6 +61,7 @@ M_MAX_SEQS = "switchboard_shard_max_num_seqs"
 M_SHARD_TTFT = "vllm:time_to_first_token_seconds_bucket"
 M_SHARD_TOKENS = "vllm:generation_tokens_total"
 M_GW_TTFT = "switchboard_gateway_ttft_seconds_bucket"
+M_SHARD_ITL = "vllm:inter_token_latency_seconds_bucket"
 M_GW_REQUESTS = "switchboard_gateway_requests_total"
 M_GW_TOKENS = "switchboard_gateway_tokens_total"
 M_GW_QUEUE = "switchboard_admission_queue_depth"
@@ -124,6 +125,10 @@ class Signals:
     """``scrape`` | ``prometheus``."""
     gateway_queue: float | None = None
     """Requests waiting in the gateways' admission queues (0 without gateways); None if unknown."""
+    ttft_p50_s: float | None = None
+    """Median time to first token over the window (same source as ``ttft_p95_s``); display only."""
+    tpot_s: float | None = None
+    """Median inter-token latency over the window, from the shards; display only."""
     shed_per_s: float = 0.0
     """Requests per second the gateways shed on purpose (503 `overloaded`): demand the fleet is
     not serving, so low admitted load then does not mean the fleet is too big."""
@@ -212,6 +217,8 @@ def _aggregate(
     source: str,
     gateway_queue: float | None = 0.0,
     shed_per_s: float = 0.0,
+    ttft_p50_s: float | None = None,
+    tpot_s: float | None = None,
 ) -> Signals:
     """Per-shard readings → fleet figures; any passing shard that is stale poisons the means."""
     passing = [s for s in shards if s.status == "passing"]
@@ -243,6 +250,8 @@ def _aggregate(
         source=source,
         gateway_queue=gateway_queue,
         shed_per_s=shed_per_s,
+        ttft_p50_s=ttft_p50_s,
+        tpot_s=tpot_s,
     )
 
 
@@ -362,6 +371,7 @@ class ScrapeSignals:
         if gateways:
             window_sources = [h for h in gw_hist if h.error is None]
             ttft = self._quantile(window_sources, M_GW_TTFT)
+            ttft_p50 = self._quantile(window_sources, M_GW_TTFT, 0.5)
             tokens = self._rate(window_sources, M_GW_TOKENS, lambda d: d.get("kind") == "completion")
             demand = self._rates_by(window_sources, M_GW_REQUESTS, "tier")
             rejected = self._rates_by(
@@ -383,6 +393,7 @@ class ScrapeSignals:
             window_sources = [self._history[m.id] for m in shards if m.id in self._history]
             window_sources = [h for h in window_sources if h.error is None]
             ttft = self._quantile(window_sources, M_SHARD_TTFT)
+            ttft_p50 = self._quantile(window_sources, M_SHARD_TTFT, 0.5)
             tokens = self._rate(window_sources, M_SHARD_TOKENS)
             demand, rejected, error_rate = {}, {}, None
             queue = 0.0
@@ -405,6 +416,9 @@ class ScrapeSignals:
             source="scrape",
             gateway_queue=queue,
             shed_per_s=shed,
+            ttft_p50_s=ttft_p50,
+            tpot_s=self._quantile([self._history[m.id] for m in shards if m.id in self._history
+                                   and self._history[m.id].error is None], M_SHARD_ITL, 0.5),
         )
 
     def _forget(self, keep: set[str]) -> None:
@@ -498,14 +512,14 @@ class ScrapeSignals:
             return None
         return sum(self._rates_by(hs, name, "", match).values())
 
-    def _quantile(self, hs: Sequence[_History], bucket_name: str) -> float | None:
-        """p95 of the observations inside the window, summed over members (bucket increases)."""
+    def _quantile(self, hs: Sequence[_History], bucket_name: str, q: float = QUANTILE) -> float | None:
+        """Quantile `q` (p95) of the observations inside the window, summed over members (bucket increases)."""
         buckets: dict[float, float] = {}
         for h in hs:
             increase, _ = self._increase(h, lambda scrape: scrape.by_label(bucket_name, "le"))
             for le, value in increase.items():
                 buckets[float(le)] = buckets.get(float(le), 0.0) + value
-        return histogram_quantile(QUANTILE, buckets)
+        return histogram_quantile(q, buckets)
 
 
 def build_signal_source(settings: Any, registry: Any, http: httpx.AsyncClient) -> SignalSource:
