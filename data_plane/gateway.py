@@ -26,9 +26,6 @@ get 404.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import logging
 import secrets
 import time
@@ -37,7 +34,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -45,8 +41,6 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.propagate import extract
 from prometheus_client import CollectorRegistry
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from data_plane.admission import Admission, AdmissionConfig, AdmissionMetrics, Ticket, shard_capacity
 from data_plane.auth import KeyStore, Principal, key_digest
@@ -69,24 +63,19 @@ from data_plane.errors import (
     render,
 )
 from data_plane.gateway_metrics import GatewayMetrics
+from data_plane.gateway_settings import GatewaySettings
+from data_plane.gateway_stream import CLIENT_CLOSED_STATUS, Completion
 from data_plane.membership import Member, MembershipView, StaticMembership
 from data_plane.membership_factory import (
-    MEMBERSHIP_URL_PATTERN,
     AgentFactory,
     WatchedMembership,
     membership_from_url,
 )
 from data_plane.protocol import (
-    Usage,
-    chunk_body,
-    completion_body,
-    new_completion_id,
     parse_chat_request,
     read_body,
 )
 from data_plane.ratelimit import (
-    TIER_INTS_PATTERN,
-    TIER_SECONDS_PATTERN,
     Grant,
     RateLimiter,
     RateLimitMetrics,
@@ -94,71 +83,20 @@ from data_plane.ratelimit import (
     parse_tier_map,
 )
 from data_plane.router import Router, RouterMetrics
-from data_plane.safety import ALLOW, OutputStreamFilter, SafetyMetrics, SafetyPolicies, raise_if_blocked
+from data_plane.safety import SafetyMetrics, SafetyPolicies, raise_if_blocked
 from data_plane.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
 from data_plane.tiers import Tier, TierPolicy
-from data_plane.upstream import Delta, Finish, ResumableStream, Upstream, UpstreamConfig, UsageEvent
+from data_plane.upstream import Upstream, UpstreamConfig
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 NEW_SESSION = "new"
-DISCONNECT_POLL_S = 0.25
-"""How often a non-streaming request checks that its client is still there."""
-CLIENT_CLOSED_STATUS = 499
-"""Recorded (never sent) when the client left before its answer, as nginx does."""
 DEFAULT_REPLY_RESERVE = 256
 """Reply tokens reserved when a request sets no max_tokens."""
 TEMPLATE_SLACK_TOKENS = 32
 """Headroom for chat-template tokens the per-message count cannot see (e.g. a default system
 prompt the template inserts), so the shard never refuses what the gateway admitted."""
-FINISH_CONTENT_FILTER = "content_filter"
-
-
-class GatewaySettings(BaseSettings):
-    """The chat gateway."""
-
-    model_config = SettingsConfigDict(env_prefix="SWITCHBOARD_GATEWAY_")
-
-    host: str = Field("127.0.0.1", description="Address to bind.")
-    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on.")
-    registry_url: str | None = Field(None, description="Embedded registry URL (membership of shards/caches).")
-    membership: str | None = Field(None, pattern=MEMBERSHIP_URL_PATTERN,
-                                   description="Membership URL, e.g. consul://127.0.0.1:8500 (wins over --registry-url).")
-    control_plane_url: str | None = Field(None, description="Control plane URL for the degradation level and the hot tier policy (default: --registry-url).")
-    shard_urls: str | None = Field(None, description="Comma-separated shard URLs (static, instead of a registry).")
-    cache_urls: str | None = Field(None, description="Comma-separated cache-node URLs (static).")
-    keys_file: str | None = Field(None, description="YAML file of API keys -> tenant, tier.")
-    api_keys: str | None = Field(None, description="Extra keys, 'key:tenant:tier,...' (env SWITCHBOARD_GATEWAY_API_KEYS).")
-    tiers_file: str | None = Field(None, description="YAML tier policy (default: built-in free/plus/enterprise).")
-    safety_file: str | None = Field(None, description="YAML safety policies (default: built-in).")
-    tokenizer: str | None = Field(None, description="Model folder/GGUF whose tokenizer counts tokens; 'whitespace' for synthetic shards.")
-    model_name: str = Field("SmolLM2-135M-Instruct", description="Model id served when shards do not say.")
-    max_model_len: int = Field(2048, ge=16, description="Context window when shards do not say.")
-    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body (413 beyond).")
-    max_messages: int = Field(256, ge=1, description="Most messages one request may carry.")
-    session_ttl_s: float = Field(86400.0, gt=0, description="Session transcript lifetime since last use.")
-    connect_timeout_s: float = Field(2.0, gt=0, description="Connect timeout to a shard.")
-    first_token_timeout_s: float = Field(60.0, gt=0, description="Send-to-first-token timeout per attempt.")
-    idle_timeout_s: float = Field(30.0, gt=0, description="Longest pause between streamed tokens.")
-    retries: int = Field(1, ge=0, le=3, description="Retries on another shard before the first token.")
-    resumes: int = Field(2, ge=0, le=5, description="Mid-stream failovers per request (resume on another shard).")
-    eject_after: int = Field(3, ge=1, description="Consecutive failures that eject a shard.")
-    eject_s: float = Field(5.0, gt=0, description="First ejection's duration (doubles on repeat).")
-    routing_policy: str = Field("affinity", description="affinity | least_loaded.")
-    bounded_load_epsilon: float = Field(0.25, ge=0, description="Affinity: no shard above (1+eps) x mean load.")
-    log_prompts: bool = Field(False, description="Log prompt and completion text (off by default).")
-    node_id: str | None = Field(None, description="Member id when registering (default gateway-HOST-PORT).")
-    ratelimit_backend: str = Field("local", pattern="^(local|redis)$", description="Rate-limit state: local (one gateway) | redis (shared by all; fails open to local).")
-    redis_url: str | None = Field(None, description="Redis URL for --ratelimit-backend redis, e.g. redis://127.0.0.1:6379/0.")
-    tier_rpm: str | None = Field(None, pattern=TIER_INTS_PATTERN, description="Aggregate RPM per tier over all its keys, e.g. 'free=600' (keys also keep their tier's own rpm).")
-    tier_tpm: str | None = Field(None, pattern=TIER_INTS_PATTERN, description="Aggregate TPM per tier over all its keys, e.g. 'free=200000'.")
-    max_inflight: int = Field(0, ge=0, description="Requests in flight to shards from this gateway (0 = shards' batch slots x --inflight-per-slot).")
-    inflight_per_slot: float = Field(1.0, gt=0, le=16, description="In-flight requests per announced shard batch slot when --max-inflight is 0.")
-    admission_reserve: float = Field(0.125, ge=0, lt=1, description="Share of in-flight capacity each priority level leaves to the levels above it.")
-    queue_size: int = Field(512, ge=0, description="Most requests waiting for admission; beyond, the lowest tier's newest is shed (503).")
-    queue_timeout_s: float = Field(5.0, gt=0, description="Admission-queue deadline of the tier shed first; the k-th shed level waits k times as long.")
-    queue_timeouts: str | None = Field(None, pattern=TIER_SECONDS_PATTERN, description="Per-tier admission-queue deadlines in seconds, e.g. 'free=2,enterprise=30'.")
 
 
 def _static_members(urls: str | None, service: str) -> list[Member]:
@@ -490,7 +428,7 @@ class ChatHandler:
             raise
         self.first_token_at = time.monotonic()
         gw.metrics.ttft.labels(tier.name).observe(self.first_token_at - self.t0)
-        completion = _Completion(self, model, policy.output_stream())
+        completion = Completion(self, model, policy.output_stream())
         headers = {"X-Request-Id": self.request_id, **(self.grant.headers if self.grant else {})}
         if self.session_id:
             headers["X-Session-Id"] = self.session_id
@@ -557,143 +495,6 @@ class ChatHandler:
         transcript = transcript + [{"role": "assistant", "content": reply}]
         await self.gw.sessions.save(self.session_id, self.owner, transcript, self.session_version + 1,
                                     self.tier.replication, ttl_s=self.gw.settings.session_ttl_s)
-
-
-class _Completion:
-    """Turns a shard's event stream into the client's response, through the output filter."""
-
-    def __init__(self, handler: ChatHandler, model: str, out_filter: OutputStreamFilter) -> None:
-        self.h = handler
-        self.model = model
-        self.filter = out_filter
-        self.completion_id = new_completion_id()
-        self.created = int(time.time())
-        self.text: list[str] = []
-        self.finish_reason: str | None = None
-        self.usage = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
-
-    async def _events(self, stream: ResumableStream) -> AsyncIterator[str]:
-        """Safe text deltas; sets finish_reason and usage. Raises SwitchboardError mid-stream."""
-        gw = self.h.gw
-        try:
-            async for event in stream:
-                if isinstance(event, Delta):
-                    safe = self.filter.feed(event.text)
-                    if safe:
-                        self.text.append(safe)
-                        yield safe
-                    if self.filter.verdict is not None:
-                        self.finish_reason = FINISH_CONTENT_FILTER
-                        break
-                elif isinstance(event, Finish):
-                    self.finish_reason = event.reason
-                elif isinstance(event, UsageEvent):
-                    self.usage = Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
-                                       total_tokens=event.prompt_tokens + event.completion_tokens)
-        finally:
-            # Shielded: after a client disconnect the surrounding cancel scope would cancel this
-            # await too, leaving the shard streaming to nobody instead of aborting.
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()
-        with tracer.start_as_current_span("safety.output") as span:
-            if self.filter.verdict is None:
-                tail = self.filter.finish()
-                if tail:
-                    self.text.append(tail)
-                    yield tail
-            verdict = self.filter.verdict
-            if verdict is not None:
-                self.finish_reason = FINISH_CONTENT_FILTER
-            gw.safety_metrics.record("output", verdict if verdict is not None else ALLOW)
-            span.set_attribute("switchboard.safety.blocked", verdict is not None)
-
-    async def _finish(self, error: str | None) -> None:
-        h, gw = self.h, self.h.gw
-        tier = h.tier_name
-        span = h.span
-        assert span is not None
-        if error is None:
-            await h.save_turn("".join(self.text))
-        gw.metrics.e2e.labels(tier).observe(time.monotonic() - h.t0)
-        gw.metrics.tokens.labels(tier, "prompt").inc(self.usage.prompt_tokens)
-        gw.metrics.tokens.labels(tier, "completion").inc(self.usage.completion_tokens)
-        if self.usage.total_tokens:  # the shard reported usage: settle the rate limit with it
-            h.used_tokens = self.usage.total_tokens
-        span.set_attribute("gen_ai.usage.input_tokens", self.usage.prompt_tokens)
-        span.set_attribute("gen_ai.usage.output_tokens", self.usage.completion_tokens)
-        if self.finish_reason:
-            span.set_attribute("gen_ai.response.finish_reasons", [self.finish_reason])
-
-    async def collect(self, stream: ResumableStream, request: Request) -> dict[str, Any] | None:
-        """The whole completion, or None if the client went away first (the shard is aborted)."""
-        h = self.h
-
-        async def drain() -> None:
-            async for _ in self._events(stream):
-                pass
-
-        task = asyncio.create_task(drain(), name=f"collect-{h.request_id}")
-        while not task.done():
-            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                log.info("request %s: client disconnected; generation aborted", h.request_id)
-                await _quiet(self._finish("client_disconnected"))
-                h._record(CLIENT_CLOSED_STATUS, "client_disconnected")
-                return None
-        task.result()
-        await self._finish(None)
-        h._record(200, "ok")
-        return completion_body(completion_id=self.completion_id, model=self.model, text="".join(self.text),
-                               finish_reason=self.finish_reason, usage=self.usage, created=self.created)
-
-    async def sse(self, stream: ResumableStream, include_usage: bool) -> AsyncIterator[bytes]:
-        h = self.h
-        span = h.span
-        assert span is not None
-        token = otel_context.attach(trace.set_span_in_context(span))
-        common = {"completion_id": self.completion_id, "model": self.model, "created": self.created}
-        error: str | None = None
-        try:
-            yield _event(chunk_body(**common, delta={"role": "assistant", "content": ""}))
-            async for text in self._events(stream):
-                yield _event(chunk_body(**common, delta={"content": text}))
-            yield _event(chunk_body(**common, delta={}, finish_reason=self.finish_reason or "stop"))
-            await self._finish(None)
-            if include_usage:
-                yield _event(chunk_body(**common, usage=self.usage, empty_choices=True))
-        except SwitchboardError as exc:
-            error = exc.code or "error"
-            log.warning("request %s failed mid-stream: %s", h.request_id, exc.message)
-            yield _event(exc.body(h.request_id, format(span.get_span_context().trace_id, "032x")))
-        except asyncio.CancelledError:
-            error = "client_disconnected"
-            raise
-        finally:
-            if error is not None:
-                with anyio.CancelScope(shield=True):
-                    await _quiet(self._finish(error))
-                span.set_attribute("error.type", error)
-                span.set_status(trace.Status(trace.StatusCode.ERROR, error))
-            h._record(200, "ok" if error is None else error)
-            h.gw.metrics.inflight.labels(h.tier_name).dec()
-            h._release_limits()
-            otel_context.detach(token)
-            span.end()
-        yield b"data: [DONE]\n\n"
-
-
-async def _quiet(coro: Any) -> None:
-    try:
-        await coro
-    except Exception:  # bookkeeping after a failure must not raise over it
-        log.debug("post-failure bookkeeping failed", exc_info=True)
-
-
-def _event(body: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
 def main(argv: list[str] | None = None) -> None:
