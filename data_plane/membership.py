@@ -225,20 +225,16 @@ class HttpMembership:
                     log.exception("membership subscriber %r failed", callback)
 
 
-class RegistrationAgent:
-    """Registers one process in the registry and keeps it alive with heartbeats.
+class HeartbeatAgent:
+    """What every registration backend shares: the announced member, the heartbeat loop (every
+    ``ttl_s / 3``, skipping beats it fell behind on), one log line per outage, and
+    deregistration on close. Backends implement :meth:`heartbeat` and :meth:`_deregister`."""
 
-    A heartbeat is the same idempotent ``PUT`` as registration, so a registry that forgot the
-    member (restart, expiry) learns it again from the next heartbeat. Failures are logged once
-    per outage and retried; nothing here raises because the registry is down.
-    """
+    backend = "registry"
 
-    def __init__(
-        self, registry_url: str, member: Member, http: httpx.AsyncClient, ttl_s: float = 2.0
-    ) -> None:
+    def __init__(self, member: Member, http: httpx.AsyncClient, ttl_s: float) -> None:
         if ttl_s <= 0:
             raise ValueError("ttl_s must be > 0")
-        self._url = f"{registry_url.rstrip('/')}/v1/registry/members/{member.id}"
         self._member = member
         self._meta = dict(member.meta)
         self._http = http
@@ -263,9 +259,16 @@ class RegistrationAgent:
         """Merge `meta` into the announced meta; it goes out with the next heartbeat."""
         self._meta.update({k: str(v) for k, v in meta.items()})
 
+    async def heartbeat(self) -> bool:
+        """Send one register/heartbeat now; True when it was accepted."""
+        raise NotImplementedError
+
+    async def _deregister(self) -> None:
+        raise NotImplementedError
+
     async def start(self) -> None:
         await self.heartbeat()
-        self._task = asyncio.create_task(self._run(), name=f"registration-agent:{self._member.id}")
+        self._task = asyncio.create_task(self._run(), name=f"{self.backend}-registration:{self._member.id}")
 
     async def aclose(self) -> None:
         """Stop heartbeating and deregister (best effort, short timeout)."""
@@ -275,13 +278,54 @@ class RegistrationAgent:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         self._task = None
+        await self._deregister()
+        self._registered = False
+
+    def _ok(self, again: str | None = None) -> bool:
+        if self._failing and again:
+            log.info("%s: %s for %s", self.backend, again, self._member.id)
+        self._registered, self._failing = True, False
+        return True
+
+    def _failed(self, why: str, level: int) -> bool:
+        if not self._failing:
+            log.log(level, "registering %s in the %s failed (%s); retrying every %.2fs",
+                    self._member.id, self.backend, why, self._interval_s)
+        self._registered, self._failing = False, True
+        return False
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            next_at += self._interval_s
+            now = loop.time()
+            next_at = max(next_at, now)  # fell behind (slow registry): skip missed beats
+            await asyncio.sleep(next_at - now)
+            await self.heartbeat()
+
+
+class RegistrationAgent(HeartbeatAgent):
+    """Registers one process in the embedded registry and keeps it alive with heartbeats.
+
+    A heartbeat is the same idempotent ``PUT`` as registration, so a registry that forgot the
+    member (restart, expiry) learns it again from the next heartbeat. Failures are logged once
+    per outage and retried; nothing here raises because the registry is down.
+    """
+
+    def __init__(
+        self, registry_url: str, member: Member, http: httpx.AsyncClient, ttl_s: float = 2.0
+    ) -> None:
+        super().__init__(member, http, ttl_s)
+        self._url = f"{registry_url.rstrip('/')}/v1/registry/members/{member.id}"
+
+    async def _deregister(self) -> None:
         try:
             resp = await self._http.delete(self._url, timeout=_DEREGISTER_TIMEOUT_S)
             if resp.status_code not in (200, 404):
                 log.warning("deregistering %s: registry answered %d", self._member.id, resp.status_code)
         except httpx.HTTPError as exc:
             log.warning("could not deregister %s (%s); it will expire", self._member.id, type(exc).__name__)
-        self._registered = False
 
     async def heartbeat(self) -> bool:
         """Send one register/heartbeat now; True when the registry accepted it."""
@@ -301,27 +345,5 @@ class RegistrationAgent:
             return self._failed(f"registry answered {resp.status_code}: {resp.text[:300]}", level)
         if resp.headers.get("X-Registry-Created") == "true" or self._failing:
             log.info("registered %s (%s) at %s", self._member.id, self._member.service, self._url)
-        self._registered, self._failing = True, False
-        return True
+        return self._ok()
 
-    def _failed(self, why: str, level: int) -> bool:
-        if not self._failing:
-            log.log(
-                level,
-                "registering %s failed (%s); retrying every %.2fs",
-                self._member.id,
-                why,
-                self._interval_s,
-            )
-        self._registered, self._failing = False, True
-        return False
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        next_at = loop.time()
-        while True:
-            next_at += self._interval_s
-            now = loop.time()
-            next_at = max(next_at, now)  # fell behind (slow registry): skip missed beats
-            await asyncio.sleep(next_at - now)
-            await self.heartbeat()

@@ -37,13 +37,12 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 import httpx
 
-from data_plane.membership import Member, _routable, _routing_key
+from data_plane.membership import HeartbeatAgent, Member, _routable, _routing_key
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +268,7 @@ class ConsulMembership:
                     log.exception("membership subscriber %r failed", callback)
 
 
-class ConsulRegistrationAgent:
+class ConsulRegistrationAgent(HeartbeatAgent):
     """Registers one process as a Consul service with a TTL check and keeps the check passing.
 
     A heartbeat is ``PUT /v1/agent/check/pass/service:<id>``; when the agent no longer knows the
@@ -277,6 +276,8 @@ class ConsulRegistrationAgent:
     heartbeat registers again. Failures are logged once per outage and retried; nothing here raises
     because Consul is down.
     """
+
+    backend = "Consul"
 
     def __init__(
         self,
@@ -289,34 +290,14 @@ class ConsulRegistrationAgent:
         service_prefix: str = SERVICE_PREFIX,
         token: str | None = None,
     ) -> None:
-        if ttl_s <= 0:
-            raise ValueError("ttl_s must be > 0")
         check_meta(member.meta)
+        super().__init__(member, http, ttl_s)
         self._base = consul_http_url(consul_url)
-        self._member = member
-        self._meta = dict(member.meta)
-        self._http = http
-        self._ttl_s = ttl_s
         self._deregister_after_s = deregister_critical_after_s
         self._service_name = service_prefix + member.service
         self._check_id = f"service:{member.id}"
         self._headers = consul_headers(token)
-        self._interval_s = ttl_s / 3
-        self._timeout_s = max(self._interval_s, 0.25)
         self._needs_register = True
-        self._registered = False
-        self._failing = False
-        self._task: asyncio.Task[None] | None = None
-
-    @property
-    def member(self) -> Member:
-        """The member as it is announced (current meta)."""
-        return replace(self._member, meta=dict(self._meta))
-
-    @property
-    def registered(self) -> bool:
-        """True when the last register/heartbeat was accepted."""
-        return self._registered
 
     def set_meta(self, **meta: str) -> None:
         """Merge `meta` into the announced meta; the next heartbeat re-registers with it."""
@@ -325,18 +306,7 @@ class ConsulRegistrationAgent:
             check_meta(merged)
             self._meta, self._needs_register = merged, True
 
-    async def start(self) -> None:
-        await self.heartbeat()
-        self._task = asyncio.create_task(self._run(), name=f"consul-registration:{self._member.id}")
-
-    async def aclose(self) -> None:
-        """Stop heartbeating and deregister (best effort, short timeout)."""
-        if self._task is None:
-            return
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        self._task = None
+    async def _deregister(self) -> None:
         url = f"{self._base}/v1/agent/service/deregister/{quote(self._member.id, safe='')}"
         try:
             resp = await self._http.put(url, headers=self._headers, timeout=_DEREGISTER_TIMEOUT_S)
@@ -345,7 +315,6 @@ class ConsulRegistrationAgent:
         except httpx.HTTPError as exc:
             log.warning("could not deregister %s from Consul (%s); its check will go critical",
                         self._member.id, type(exc).__name__)
-        self._registered = False
 
     async def heartbeat(self) -> bool:
         """Register (first time, after a meta change, or when Consul forgot us) or pass the TTL check."""
@@ -398,29 +367,6 @@ class ConsulRegistrationAgent:
         log.info("registered %s as %s in Consul at %s (TTL %s)", self._member.id, self._service_name,
                  self._base, go_duration(self._ttl_s))
         return self._ok(None)
-
-    def _ok(self, again: str | None) -> bool:
-        if self._failing and again:
-            log.info("Consul at %s: %s for %s", self._base, again, self._member.id)
-        self._registered, self._failing = True, False
-        return True
-
-    def _failed(self, why: str, level: int) -> bool:
-        if not self._failing:
-            log.log(level, "registering %s in Consul failed (%s); retrying every %.2fs",
-                    self._member.id, why, self._interval_s)
-        self._registered, self._failing = False, True
-        return False
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        next_at = loop.time()
-        while True:
-            next_at += self._interval_s
-            now = loop.time()
-            next_at = max(next_at, now)  # fell behind (slow agent): skip missed beats
-            await asyncio.sleep(next_at - now)
-            await self.heartbeat()
 
 
 __all__ = [
