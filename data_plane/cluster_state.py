@@ -26,10 +26,7 @@ The ladder's effects, per request (the level is read once, when the request star
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -37,6 +34,7 @@ from typing import Any, Protocol
 import httpx
 
 from data_plane.errors import Overloaded
+from data_plane.membership import BlockingWatcher
 from data_plane.tiers import Tier, TierPolicy
 
 log = logging.getLogger(__name__)
@@ -48,8 +46,6 @@ DEGRADED_MAX_OUTPUT_TOKENS = 256
 """Cap on max_tokens from level 2."""
 DEFAULT_RETRY_AFTER_S = 30
 SHRINK_CONTEXT, CAP_OUTPUT, SHED_LOWEST, ENTERPRISE_ONLY = 1, 2, 3, 4
-_BACKOFF_START_S = 0.1
-_BACKOFF_MAX_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -103,13 +99,15 @@ class StaticClusterState:
         return self._state
 
 
-class HttpClusterState:
+class HttpClusterState(BlockingWatcher):
     """Watches the control plane's ``/v1/state`` with blocking queries; one named task per instance.
 
     `validate` (optional) is called with each new tier policy before it is put in force; if it
     raises ValueError the policy is refused (logged), the previous one stays, and the level is
     still applied. `subscribe` callbacks run after each change.
     """
+
+    what = "control plane"
 
     def __init__(
         self,
@@ -119,57 +117,16 @@ class HttpClusterState:
         wait_s: float = 5.0,
         validate: Callable[[TierPolicy], None] | None = None,
     ) -> None:
-        self._url = url.rstrip("/") + "/v1/state"
-        self._http = http
-        self._wait_s = wait_s
+        super().__init__(url.rstrip("/") + "/v1/state", http, wait_s, "cluster-state-watch")
         self._validate = validate
         self._state = ClusterState()
         self._tiers_raw: Any = None
-        self._reachable = False
-        self._outage_logged = False
-        self._last_sync = 0.0
-        self._subscribers: list[Callable[[], None]] = []
-        self._task: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        """First sync (best effort, short timeout), then the watch task."""
-        await self._sync(index=0, wait_s=0.0, timeout_s=2.0)
-        self._task = asyncio.create_task(self._watch(), name="cluster-state-watch")
-
-    async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
 
     def current(self) -> ClusterState:
         return self._state
 
-    @property
-    def reachable(self) -> bool:
-        """False while the control plane cannot be reached (or before the first sync)."""
-        return self._reachable
-
-    @property
-    def last_sync(self) -> float:
-        """Unix time of the last successful sync; 0.0 if none yet."""
-        return self._last_sync
-
-    def subscribe(self, callback: Callable[[], None]) -> None:
-        self._subscribers.append(callback)
-
-    async def _watch(self) -> None:
-        backoff = _BACKOFF_START_S
-        while True:
-            index = self._state.index if self._reachable else 0
-            if await self._sync(index=index, wait_s=self._wait_s, timeout_s=self._wait_s + 5.0):
-                backoff = _BACKOFF_START_S
-            else:
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, _BACKOFF_MAX_S)
-
-    async def _sync(self, *, index: int, wait_s: float, timeout_s: float) -> bool:
+    async def _sync(self, *, wait_s: float, timeout_s: float) -> bool:
+        index = self._state.index if self._reachable else 0
         try:
             resp = await self._http.get(self._url, params={"index": index, "wait": wait_s}, timeout=timeout_s)
             resp.raise_for_status()
@@ -178,24 +135,12 @@ class HttpClusterState:
             degradation = Degradation.from_dict(body["degradation"])
             tiers_raw = body.get("tiers")
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            self._unreachable(exc)
+            self._unreachable(exc, f"keeping degradation level {self._state.degradation.level} and the last "
+                                   "tier policy")
             return False
-        if self._outage_logged:
-            log.info("control plane at %s reachable again (state index %d)", self._url, new_index)
-        self._reachable, self._outage_logged = True, False
-        self._last_sync = time.time()
+        self._synced(new_index)
         self._apply(new_index, degradation, tiers_raw)
         return True
-
-    def _unreachable(self, exc: Exception) -> None:
-        if not self._outage_logged:
-            self._outage_logged = True
-            d = self._state.degradation
-            log.warning(
-                "control plane at %s unreachable (%s: %s); keeping degradation level %d and the last tier policy",
-                self._url, type(exc).__name__, exc, d.level,
-            )
-        self._reachable = False
 
     def _apply(self, index: int, degradation: Degradation, tiers_raw: Any) -> None:
         old = self._state
@@ -222,11 +167,7 @@ class HttpClusterState:
             )
         self._state = ClusterState(index=index, degradation=degradation, tiers=tiers)
         if self._state != old:
-            for callback in list(self._subscribers):
-                try:
-                    callback()
-                except Exception:  # a subscriber's bug must not stop the watch
-                    log.exception("cluster state subscriber %r failed", callback)
+            self._notify()
 
 
 @dataclass(frozen=True)

@@ -107,28 +107,24 @@ class StaticMembership:
         return _routable(self._members, service)
 
 
-class HttpMembership:
-    """Watches the embedded registry with blocking queries; one named task per instance.
+class BlockingWatcher:
+    """A view kept fresh by long-polling one HTTP endpoint ("blocking queries").
 
-    `members()` answers from the last list seen. While the registry is unreachable that list
-    stays in force (``reachable`` is False); right after a registry restart, while it reports
-    ``warming_up``, members it has not heard from again yet are kept too, so a restarted
-    registry does not empty the routing table before every member's next heartbeat.
+    Owns one named watch task: `start` does a first sync (best effort, short timeout) and starts
+    it; `aclose` stops it. While the endpoint is unreachable the last view stays in force
+    (``reachable`` is False), the outage is logged once, and the poll backs off up to 1 s.
+    Subclasses implement :meth:`_sync` and call :meth:`_synced` / :meth:`_unreachable` /
+    :meth:`_notify` from it.
     """
 
-    def __init__(
-        self,
-        registry_url: str,
-        http: httpx.AsyncClient,
-        services: Sequence[str] = ("shard", "cache"),
-        wait_s: float = 5.0,
-    ) -> None:
-        self._url = registry_url.rstrip("/") + "/v1/registry/members"
+    what = "endpoint"
+    """Named in log lines ("membership registry", "control plane")."""
+
+    def __init__(self, url: str, http: httpx.AsyncClient, wait_s: float, task_name: str) -> None:
+        self._url = url
         self._http = http
-        self._services = frozenset(services)
         self._wait_s = wait_s
-        self._all: tuple[Member, ...] = ()
-        self._index = 0
+        self._task_name = task_name
         self._reachable = False
         self._outage_logged = False
         self._last_sync = 0.0
@@ -138,7 +134,7 @@ class HttpMembership:
     async def start(self) -> None:
         """First sync (best effort, short timeout), then the watch task."""
         await self._sync(wait_s=0.0, timeout_s=2.0)
-        self._task = asyncio.create_task(self._watch(), name="membership-watch")
+        self._task = asyncio.create_task(self._watch(), name=self._task_name)
 
     async def aclose(self) -> None:
         if self._task is not None:
@@ -147,16 +143,9 @@ class HttpMembership:
                 await self._task
             self._task = None
 
-    def members(self, service: str) -> list[Member]:
-        return _routable(self._all, service)
-
-    def all_members(self, service: str | None = None) -> list[Member]:
-        """Every known member (critical and draining too), sorted by id."""
-        return sorted((m for m in self._all if service is None or m.service == service), key=lambda m: m.id)
-
     @property
     def reachable(self) -> bool:
-        """False while the registry cannot be reached (or before the first sync)."""
+        """False while the endpoint cannot be reached (or before the first sync)."""
         return self._reachable
 
     @property
@@ -165,8 +154,12 @@ class HttpMembership:
         return self._last_sync
 
     def subscribe(self, callback: Callable[[], None]) -> None:
-        """Call `callback()` (in the event loop) after each change of the member list."""
+        """Call `callback()` (in the event loop) after each change of the view."""
         self._subscribers.append(callback)
+
+    async def _sync(self, *, wait_s: float, timeout_s: float) -> bool:
+        """One (blocking) query; True when it answered. Never raises for a network failure."""
+        raise NotImplementedError
 
     async def _watch(self) -> None:
         backoff = _BACKOFF_START_S
@@ -176,6 +169,56 @@ class HttpMembership:
             else:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+    def _synced(self, index: int) -> None:
+        if self._outage_logged:
+            log.info("%s at %s reachable again (index %d)", self.what, self._url, index)
+        self._reachable, self._outage_logged = True, False
+        self._last_sync = time.time()
+
+    def _unreachable(self, exc: Exception, keeping: str) -> None:
+        if not self._outage_logged:
+            self._outage_logged = True
+            log.warning("%s at %s unreachable (%s: %s); %s", self.what, self._url, type(exc).__name__, exc, keeping)
+        self._reachable = False
+
+    def _notify(self) -> None:
+        for callback in list(self._subscribers):
+            try:
+                callback()
+            except Exception:  # a subscriber's bug must not stop the watch
+                log.exception("%s subscriber %r failed", self.what, callback)
+
+
+class HttpMembership(BlockingWatcher):
+    """Watches the embedded registry with blocking queries; one named task per instance.
+
+    `members()` answers from the last list seen. While the registry is unreachable that list
+    stays in force (``reachable`` is False); right after a registry restart, while it reports
+    ``warming_up``, members it has not heard from again yet are kept too, so a restarted
+    registry does not empty the routing table before every member's next heartbeat.
+    """
+
+    what = "membership registry"
+
+    def __init__(
+        self,
+        registry_url: str,
+        http: httpx.AsyncClient,
+        services: Sequence[str] = ("shard", "cache"),
+        wait_s: float = 5.0,
+    ) -> None:
+        super().__init__(registry_url.rstrip("/") + "/v1/registry/members", http, wait_s, "membership-watch")
+        self._services = frozenset(services)
+        self._all: tuple[Member, ...] = ()
+        self._index = 0
+
+    def members(self, service: str) -> list[Member]:
+        return _routable(self._all, service)
+
+    def all_members(self, service: str | None = None) -> list[Member]:
+        """Every known member (critical and draining too), sorted by id."""
+        return sorted((m for m in self._all if service is None or m.service == service), key=lambda m: m.id)
 
     async def _sync(self, *, wait_s: float, timeout_s: float) -> bool:
         params = {"index": self._index, "wait": wait_s}
@@ -187,28 +230,13 @@ class HttpMembership:
             fresh = [Member.from_dict(d) for d in body["members"]]
             warming_up = bool(body.get("warming_up", False))
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            self._unreachable(exc)
+            self._unreachable(exc, f"routing on the last {len(self._all)} members seen")
+            self._index = 0  # ask afresh next time: the registry may have restarted with a new index
             return False
-        if self._outage_logged:
-            log.info("membership registry at %s reachable again (index %d)", self._url, index)
-        self._reachable, self._outage_logged = True, False
-        self._last_sync = time.time()
+        self._synced(index)
         self._index = index
         self._apply([m for m in fresh if m.service in self._services], warming_up)
         return True
-
-    def _unreachable(self, exc: Exception) -> None:
-        if not self._outage_logged:
-            self._outage_logged = True
-            log.warning(
-                "membership registry at %s unreachable (%s: %s); routing on the last %d members seen",
-                self._url,
-                type(exc).__name__,
-                exc,
-                len(self._all),
-            )
-        self._reachable = False
-        self._index = 0  # ask afresh next time: the registry may have restarted with a new index
 
     def _apply(self, fresh: list[Member], warming_up: bool) -> None:
         if warming_up:
@@ -218,11 +246,7 @@ class HttpMembership:
         changed = [_routing_key(m) for m in fresh] != [_routing_key(m) for m in self._all]
         self._all = tuple(fresh)
         if changed:
-            for callback in list(self._subscribers):
-                try:
-                    callback()
-                except Exception:  # a subscriber's bug must not stop the watch
-                    log.exception("membership subscriber %r failed", callback)
+            self._notify()
 
 
 class HeartbeatAgent:

@@ -262,10 +262,10 @@ async def test_watcher_refuses_a_policy_the_gateway_cannot_serve() -> None:
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
         watcher = HttpClusterState("http://cp", http, validate=validate)
-        await watcher._sync(index=0, wait_s=0, timeout_s=1)
+        await watcher._sync(wait_s=0, timeout_s=1)
         assert watcher.current().degradation.level == 2 and watcher.current().tiers == TierPolicy.default()
-        await watcher._sync(index=2, wait_s=0, timeout_s=1)
+        await watcher._sync(wait_s=0, timeout_s=1)
         # the level applies; the unservable policy does not, the previous one stays
         assert watcher.current().degradation.level == 3 and watcher.current().tiers == TierPolicy.default()
-        assert not await watcher._sync(index=3, wait_s=0, timeout_s=1)  # 503: unreachable, last state kept
+        assert not await watcher._sync(wait_s=0, timeout_s=1)  # 503: unreachable, last state kept
         assert not watcher.reachable and watcher.current().degradation.level == 3
