@@ -2,26 +2,25 @@
 chunks or one JSON body, with usage, metrics, span attributes and the session turn saved.
 
     completion = Completion(handler, model, policy.output_stream())
-    return StreamingResponse(completion.sse(stream, include_usage), ...)   # or
-    body = await completion.collect(stream, request)                       # None: client left
+    await completion.stream_to(send, stream, include_usage, headers)   # SSE onto the ASGI send, or
+    body = await completion.collect(stream)                            # one chat.completion body
 
-A client that goes away mid-way closes the upstream stream (shielded from the cancellation),
-so the shard aborts the generation at its next step.
+A client that goes away mid-way cancels the request's task (ChatHandler watches for the
+disconnect); the upstream stream is closed synchronously on the way out, so the shard aborts
+the generation at its next step.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
-import anyio
-from fastapi import Request
-from opentelemetry import context as otel_context
 from opentelemetry import trace
+from starlette.types import Send
 
 from data_plane.errors import SwitchboardError
 from data_plane.protocol import Usage, chunk_body, completion_body, new_completion_id
@@ -34,8 +33,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
-DISCONNECT_POLL_S = 0.25
-"""How often a non-streaming request checks that its client is still there."""
 CLIENT_CLOSED_STATUS = 499
 """Recorded (never sent) when the client left before its answer, as nginx does."""
 FINISH_CONTENT_FILTER = "content_filter"
@@ -53,36 +50,45 @@ class Completion:
         self.text: list[str] = []
         self.finish_reason: str | None = None
         self.usage = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+        # A content chunk is the same JSON but for the text: built once, the text spliced in.
+        head = _json({"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
+                      "model": model})
+        self._content_prefix = b"data: " + head[:-1] + b',"choices":[{"index":0,"delta":{"content":'
+        self._content_suffix = b'},"logprobs":null,"finish_reason":null}]}\n\n'
 
-    async def _events(self, stream: ResumableStream) -> AsyncIterator[str]:
-        """Safe text deltas; sets finish_reason and usage. Raises SwitchboardError mid-stream."""
+    async def _batches(self, stream: ResumableStream) -> AsyncIterator[list[str]]:
+        """Safe text deltas, a batch per arrival; sets finish_reason and usage. Raises
+        SwitchboardError mid-stream."""
         gw = self.h.gw
         try:
-            async for event in stream:
-                if isinstance(event, Delta):
-                    safe = self.filter.feed(event.text)
-                    if safe:
-                        self.text.append(safe)
-                        yield safe
-                    if self.filter.verdict is not None:
-                        self.finish_reason = FINISH_CONTENT_FILTER
-                        break
-                elif isinstance(event, Finish):
-                    self.finish_reason = event.reason
-                elif isinstance(event, UsageEvent):
-                    self.usage = Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
-                                       total_tokens=event.prompt_tokens + event.completion_tokens)
+            async for events in stream.batches():
+                out: list[str] = []
+                for event in events:
+                    if isinstance(event, Delta):
+                        safe = self.filter.feed(event.text)
+                        if safe:
+                            self.text.append(safe)
+                            out.append(safe)
+                        if self.filter.verdict is not None:
+                            self.finish_reason = FINISH_CONTENT_FILTER
+                            break
+                    elif isinstance(event, Finish):
+                        self.finish_reason = event.reason
+                    elif isinstance(event, UsageEvent):
+                        self.usage = Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                                           total_tokens=event.prompt_tokens + event.completion_tokens)
+                if out:
+                    yield out
+                if self.filter.verdict is not None:
+                    break
         finally:
-            # Shielded: after a client disconnect the surrounding cancel scope would cancel this
-            # await too, leaving the shard streaming to nobody instead of aborting.
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()
+            stream.close()  # synchronous: nothing for a cancellation to interrupt; the shard aborts
         with tracer.start_as_current_span("safety.output") as span:
             if self.filter.verdict is None:
                 tail = self.filter.finish()
                 if tail:
                     self.text.append(tail)
-                    yield tail
+                    yield [tail]
             verdict = self.filter.verdict
             if verdict is not None:
                 self.finish_reason = FINISH_CONTENT_FILTER
@@ -106,65 +112,62 @@ class Completion:
         if self.finish_reason:
             span.set_attribute("gen_ai.response.finish_reasons", [self.finish_reason])
 
-    async def collect(self, stream: ResumableStream, request: Request) -> dict[str, Any] | None:
-        """The whole completion, or None if the client went away first (the shard is aborted)."""
-        h = self.h
-
-        async def drain() -> None:
-            async for _ in self._events(stream):
+    async def collect(self, stream: ResumableStream) -> dict[str, Any]:
+        """The whole completion as one chat.completion body. A client that leaves meanwhile
+        cancels the task (see ChatHandler), which closes the stream: the shard aborts."""
+        try:
+            async for _ in self._batches(stream):
                 pass
-
-        task = asyncio.create_task(drain(), name=f"collect-{h.request_id}")
-        while not task.done():
-            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                log.info("request %s: client disconnected; generation aborted", h.request_id)
+            await self._finish(None)
+        except asyncio.CancelledError:
+            if self.h.client_gone:
                 await _quiet(self._finish("client_disconnected"))
-                h._record(CLIENT_CLOSED_STATUS, "client_disconnected")
-                return None
-        task.result()
-        await self._finish(None)
-        h._record(200, "ok")
+            raise
         return completion_body(completion_id=self.completion_id, model=self.model, text="".join(self.text),
                                finish_reason=self.finish_reason, usage=self.usage, created=self.created)
 
-    async def sse(self, stream: ResumableStream, include_usage: bool) -> AsyncIterator[bytes]:
+    async def stream_to(self, send: Send, stream: ResumableStream, include_usage: bool,
+                        headers: list[tuple[bytes, bytes]]) -> None:
+        """The completion as SSE, straight onto the ASGI `send`: one write per batch of tokens,
+        the role chunk riding with the first, the finish, usage and `[DONE]` with the last."""
         h = self.h
         span = h.span
         assert span is not None
-        token = otel_context.attach(trace.set_span_in_context(span))
         common = {"completion_id": self.completion_id, "model": self.model, "created": self.created}
         error: str | None = None
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        out = [_event(chunk_body(**common, delta={"role": "assistant", "content": ""}))]
+        prefix, suffix = self._content_prefix, self._content_suffix
         try:
-            yield _event(chunk_body(**common, delta={"role": "assistant", "content": ""}))
-            async for text in self._events(stream):
-                yield _event(chunk_body(**common, delta={"content": text}))
-            yield _event(chunk_body(**common, delta={}, finish_reason=self.finish_reason or "stop"))
+            async for texts in self._batches(stream):
+                for text in texts:
+                    out.append(prefix + _json(text) + suffix)
+                await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                out = []
+            out.append(_event(chunk_body(**common, delta={}, finish_reason=self.finish_reason or "stop")))
             await self._finish(None)
             if include_usage:
-                yield _event(chunk_body(**common, usage=self.usage, empty_choices=True))
+                out.append(_event(chunk_body(**common, usage=self.usage, empty_choices=True)))
         except SwitchboardError as exc:
             error = exc.code or "error"
             log.warning("request %s failed mid-stream: %s", h.request_id, exc.message)
-            yield _event(exc.body(h.request_id, format(span.get_span_context().trace_id, "032x")))
+            out.append(_event(exc.body(h.request_id, format(span.get_span_context().trace_id, "032x"))))
         except asyncio.CancelledError:
             error = "client_disconnected"
             raise
         finally:
             if error is not None:
-                with anyio.CancelScope(shield=True):
-                    await _quiet(self._finish(error))
+                await _quiet(self._finish(error))
                 span.set_attribute("error.type", error)
                 span.set_status(trace.Status(trace.StatusCode.ERROR, error))
-            h._record(200, "ok" if error is None else error)
+            h._record(CLIENT_CLOSED_STATUS if error == "client_disconnected" else 200,
+                      "ok" if error is None else error)
             h.gw.metrics.inflight.labels(h.tier_name).dec()
             h._release_limits()
-            otel_context.detach(token)
             span.end()
-        yield b"data: [DONE]\n\n"
+        out.append(b"data: [DONE]\n\n")
+        h.stop_watching()
+        await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
 
 
 async def _quiet(coro: Any) -> None:
@@ -174,5 +177,9 @@ async def _quiet(coro: Any) -> None:
         log.debug("post-failure bookkeeping failed", exc_info=True)
 
 
+def _json(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 def _event(body: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _json(body) + b"\n\n"

@@ -91,7 +91,23 @@ class MembershipView(Protocol):
 
 
 def _routable(members: Iterable[Member], service: str) -> list[Member]:
-    return sorted((m for m in members if m.service == service and m.routable), key=lambda m: m.id)
+    """Routable members of `service`, sorted by id. Asked several times per request, so for a
+    tuple (views replace theirs on change, never mutate it) the answer is kept until it changes."""
+    if not isinstance(members, tuple):
+        return sorted((m for m in members if m.service == service and m.routable), key=lambda m: m.id)
+    key = (id(members), service)
+    hit = _ROUTABLE_MEMO.get(key)
+    if hit is not None and hit[0] is members:
+        return list(hit[1])
+    found = tuple(sorted((m for m in members if m.service == service and m.routable), key=lambda m: m.id))
+    if len(_ROUTABLE_MEMO) > 64:
+        _ROUTABLE_MEMO.clear()
+    _ROUTABLE_MEMO[key] = (members, found)
+    return list(found)
+
+
+_ROUTABLE_MEMO: dict[tuple[int, str], tuple[tuple[Member, ...], tuple[Member, ...]]] = {}
+"""(id of a members tuple, service) -> (that tuple, kept alive so the id stays unique; the answer)."""
 
 
 class StaticMembership:

@@ -325,16 +325,16 @@ async def read_body(request: Any, limit: int, timeout_s: float = BODY_TIMEOUT_S)
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
     chunks, size = [], 0
-    stream = request.stream().__aiter__()
-    while True:
-        try:
-            chunk = await asyncio.wait_for(stream.__anext__(), timeout_s)
-        except StopAsyncIteration:
-            break
-        except asyncio.TimeoutError:
-            raise RequestTimeout(f"the request body did not arrive within {timeout_s:.0f} s") from None
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        chunks.append(chunk)
+    loop = asyncio.get_running_loop()
+    try:
+        # One timer for the whole body, pushed back as each chunk arrives (no Task per chunk).
+        async with asyncio.timeout(timeout_s) as deadline:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+                chunks.append(chunk)
+                deadline.reschedule(loop.time() + timeout_s)
+    except TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive within {timeout_s:.0f} s") from None
     return b"".join(chunks)

@@ -198,6 +198,9 @@ class LocalBackend:
         return out
 
     async def adjust(self, buckets: Sequence[Bucket]) -> None:
+        self.adjust_now(buckets)
+
+    def adjust_now(self, buckets: Sequence[Bucket]) -> None:
         now = self._clock()
         for b in buckets:
             self._store(b, (max(0, _fill_at(self._state.get(b.key), now, b) + b.cost * b.period_us), now))
@@ -489,21 +492,23 @@ class RateLimiter:
 
     async def settle(self, grant: Grant, used_tokens: int) -> None:
         """Charge or refund ``used_tokens - grant.tokens`` on the token buckets (once per grant)."""
-        if grant.settled:
+        adjusted = _settlement(grant, used_tokens)
+        if adjusted is None:
             return
-        grant.settled = True
-        delta = int(used_tokens) - grant.tokens
-        if delta == 0 or not grant.token_buckets:
-            return
-        adjusted = [Bucket(b.scope, b.kind, b.limit, delta, b.period_us) for b in grant.token_buckets]
         try:
             await grant.backend.adjust(adjusted)
         except BackendUnavailable as exc:
             self._mark_down("adjust", exc)
 
     def settle_later(self, grant: Grant, used_tokens: int) -> None:
-        """:meth:`settle` in a task of its own: never delays a response, never dies with a client."""
+        """:meth:`settle` in a task of its own: never delays a response, never dies with a client.
+        In-process buckets involve no I/O: settled right here (a task per request costs more)."""
         if grant.settled:
+            return
+        if isinstance(grant.backend, LocalBackend):
+            adjusted = _settlement(grant, used_tokens)
+            if adjusted is not None:
+                grant.backend.adjust_now(adjusted)
             return
         loop = asyncio.get_running_loop()
         task = loop.create_task(self.settle(grant, used_tokens), name="ratelimit.settle")
@@ -516,6 +521,17 @@ class RateLimiter:
         await self.backend.aclose()
         if self.fallback is not None:
             await self.fallback.aclose()
+
+
+def _settlement(grant: Grant, used_tokens: int) -> list[Bucket] | None:
+    """Mark `grant` settled; the token-bucket adjustments still to apply (None: nothing to do)."""
+    if grant.settled:
+        return None
+    grant.settled = True
+    delta = int(used_tokens) - grant.tokens
+    if delta == 0 or not grant.token_buckets:
+        return None
+    return [Bucket(b.scope, b.kind, b.limit, delta, b.period_us) for b in grant.token_buckets]
 
 
 def _headers(buckets: Sequence[Bucket], states: Sequence[BucketState]) -> dict[str, str]:

@@ -1,10 +1,10 @@
 """Calling shards under supervision: timeouts, one retry elsewhere, streamed events.
 
-    upstream = Upstream(router, http, UpstreamConfig())
+    upstream = Upstream(router, ShardPool(), UpstreamConfig())
     stream = await upstream.open(body, session_id="s-1")   # first token already in hand
-    async for event in stream:                             # Delta / Finish / UsageEvent
+    async for events in stream.batches():                  # [Delta / Finish / UsageEvent, ...]
         ...
-    await stream.aclose()                                  # closing early aborts the shard's work
+    stream.close()                                         # closing early aborts the shard's work
 
 `open` returns only once the shard produced its first token (or finished), so the gateway
 can still answer any failure with a proper status code: a connect error, a 5xx/503, a
@@ -12,6 +12,9 @@ first-token timeout or a stream that dies before its first token is retried once
 different shard. After that point a failure surfaces as :class:`UpstreamError` from the
 iterator and the gateway ends the SSE stream with an error event. A shard's 4xx is the
 request's fault: it is passed through, not retried.
+
+Events come in batches: everything the shard has sent by the time the consumer asks, so a
+burst of tokens is one wake-up here and one write to the client (data_plane/shard_client.py).
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, NoReturn
 
-import httpx
 from opentelemetry import trace
 from opentelemetry.propagate import inject
 
@@ -36,10 +39,12 @@ from data_plane.errors import (
 )
 from data_plane.membership import Member
 from data_plane.router import Router
+from data_plane.shard_client import ShardClientError, ShardConnectError, ShardPool, ShardResponse
 
 log = logging.getLogger(__name__)
 
 
+CHAT_PATH = "/v1/chat/completions"
 REQUEST_NOT_SHARD_CODES = frozenset({"duplicate_request_id"})
 """Shard errors caused by the request itself: never counted against the shard."""
 
@@ -89,16 +94,18 @@ class _Retryable(Exception):
         self.error = error
 
 
-def _parse(line: str) -> Event | SwitchboardError | None:
+def _parse(line: bytes) -> Event | SwitchboardError | None:
     """One SSE line from a shard -> an event, an error, or None (role chunk, comment, [DONE])."""
-    if not line.startswith("data:"):
+    if not line.startswith(b"data:"):
         return None
     data = line[5:].strip()
-    if data == "[DONE]":
+    if data == b"[DONE]":
         return None
     try:
         body = json.loads(data)
     except ValueError:
+        return UpstreamError("a shard sent a malformed stream event")
+    if not isinstance(body, dict):
         return UpstreamError("a shard sent a malformed stream event")
     if "error" in body:
         return from_openai_body(502, body)
@@ -121,68 +128,81 @@ def _parse(line: str) -> Event | SwitchboardError | None:
 
 
 class ShardStream:
-    """An open, supervised stream from one shard; iterate for events after the first."""
+    """An open, supervised stream from one shard; iterate `batches()` for the events after the
+    first batch: every event that has arrived, at once."""
 
-    def __init__(self, member: Member, response: httpx.Response, lines: AsyncIterator[str], first: list[Event],
-                 leases: ExitStack, router: Router, idle_timeout_s: float, attempts: int) -> None:
+    def __init__(self, member: Member, response: ShardResponse, first: list[Event], leases: ExitStack,
+                 router: Router, idle_timeout_s: float, attempts: int) -> None:
         self.member = member
         self.attempts = attempts
         self._response = response
-        self._lines = lines
         self._pending = first
         self._leases = leases
         self._router = router
         self._idle = idle_timeout_s
         self._closed = False
 
-    def __aiter__(self) -> AsyncIterator[Event]:
-        return self._events()
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        async for batch in self.batches():
+            for event in batch:
+                yield event
 
-    async def _events(self) -> AsyncIterator[Event]:
-        while self._pending:
-            yield self._pending.pop(0)
+    async def batches(self) -> AsyncIterator[list[Event]]:
+        if self._pending:
+            first, self._pending = self._pending, []
+            yield first
         try:
             while True:
                 try:
-                    # asyncio.timeout, not wait_for: no extra Task per line on the hot path.
                     async with asyncio.timeout(self._idle):
-                        line = await self._lines.__anext__()
-                except StopAsyncIteration:
-                    return
+                        lines = await self._response.lines()
                 except TimeoutError:
                     self._router.report_failure(self.member, "stream_idle")
                     raise UpstreamTimeout(f"the shard stopped streaming for {self._idle:.0f} s") from None
-                except httpx.HTTPError as exc:
+                except ShardClientError as exc:
                     self._router.report_failure(self.member, "stream_broken")
-                    raise UpstreamError(f"the shard's stream broke: {type(exc).__name__}") from None
-                event = _parse(line)
-                if isinstance(event, SwitchboardError):
-                    raise event
-                if event is not None:
-                    yield event
+                    raise UpstreamError(f"the shard's stream broke: {exc}") from None
+                if not lines:
+                    return
+                events: list[Event] = []
+                for line in lines:
+                    event = _parse(line)
+                    if isinstance(event, SwitchboardError):
+                        if events:
+                            yield events
+                        raise event
+                    if event is not None:
+                        events.append(event)
+                if events:
+                    yield events
         finally:
-            await self.aclose()
+            self.close()
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
+        """Idempotent. A stream not read to its end drops the connection: the shard aborts."""
         if self._closed:
             return
         self._closed = True
         try:
-            await self._response.aclose()  # the shard sees the disconnect and aborts
+            self._response.close()
         finally:
             self._leases.close()
 
+    async def aclose(self) -> None:
+        self.close()
+
 
 class Upstream:
-    def __init__(self, router: Router, http: httpx.AsyncClient, config: UpstreamConfig) -> None:
+    def __init__(self, router: Router, pool: ShardPool, config: UpstreamConfig) -> None:
         self.router = router
-        self.http = http
+        self.pool = pool
         self.config = config
 
     async def open(self, body: dict[str, Any], session_id: str | None,
                    exclude: set[str] | None = None) -> ShardStream:
         exclude = set(exclude or ())
         last_error: SwitchboardError | None = None
+        payload = json.dumps(body, ensure_ascii=False).encode()
         for attempt in range(1 + self.config.retries):
             try:
                 member = self.router.pick(session_id, exclude)
@@ -191,7 +211,7 @@ class Upstream:
                     raise last_error from None
                 raise
             try:
-                stream = await self._try(member, body, attempt + 1)
+                stream = await self._try(member, payload, attempt + 1)
             except _Retryable as failure:
                 self.router.report_failure(member, failure.reason)
                 exclude.add(member.id)
@@ -203,98 +223,87 @@ class Upstream:
         assert last_error is not None
         raise last_error
 
-    async def open_resumable(self, body: dict[str, Any], session_id: str | None) -> "ResumableStream":
+    async def open_resumable(self, body: dict[str, Any], session_id: str | None) -> ResumableStream:
         """Like `open`, but the stream resumes on another shard if it breaks mid-way."""
         body = {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         return ResumableStream(self, body, session_id, await self.open(body, session_id))
 
-    async def _try(self, member: Member, body: dict[str, Any], attempt: int) -> ShardStream:
+    async def _try(self, member: Member, payload: bytes, attempt: int) -> ShardStream:
         cfg = self.config
         leases = ExitStack()
         leases.enter_context(self.router.lease(member))
-        headers = {"content-type": "application/json"}
+        headers: dict[str, str] = {}
         inject(headers)
         span = trace.get_current_span()
         span.set_attribute("switchboard.shard", member.id)
-        request = self.http.build_request(
-            "POST", member.url + "/v1/chat/completions", content=json.dumps(body).encode(), headers=headers,
-            timeout=httpx.Timeout(cfg.first_token_timeout_s, connect=cfg.connect_timeout_s),
-        )
-        response: httpx.Response | None = None
+        response: ShardResponse | None = None
+        sent_at = asyncio.get_running_loop().time()
         try:
-            response = await asyncio.wait_for(self.http.send(request, stream=True),
-                                              min(cfg.headers_timeout_s, cfg.first_token_timeout_s))
-            if response.status_code != 200:
-                raw = await response.aread()
-                await response.aclose()
-                try:
-                    err_body = json.loads(raw)
-                except ValueError:
-                    err_body = None
-                error = from_openai_body(response.status_code, err_body)
-                if error.code in REQUEST_NOT_SHARD_CODES:
-                    leases.close()
-                    raise error  # the request's fault, not the shard's: no retry, no ejection
-                if response.status_code >= 500 or response.status_code == 429:
-                    raise _Retryable(f"status_{response.status_code}", error)
-                leases.close()
-                self.router.report_success(member)
-                raise error
-            lines = response.aiter_lines()
+            try:
+                async with asyncio.timeout(min(cfg.headers_timeout_s, cfg.first_token_timeout_s)):
+                    response = await self.pool.post(member.url, CHAT_PATH, payload, headers)
+            except TimeoutError:
+                raise _Retryable("timeout", UpstreamTimeout("a shard did not answer in time", retry_after=2)) from None
+            if response.status != 200:
+                await self._refuse(member, response, leases)
             first: list[Event] = []
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + cfg.first_token_timeout_s
-            while True:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise asyncio.TimeoutError
-                line = await asyncio.wait_for(lines.__anext__(), remaining)
-                event = _parse(line)
-                if isinstance(event, SwitchboardError):
-                    raise _Retryable("stream_error_before_first_token", event)
-                if event is not None:
-                    first.append(event)
-                    if isinstance(event, (Delta, Finish)):
-                        break
-        except _Retryable:
-            await _close(response)
-            leases.close()
-            raise
-        except StopAsyncIteration:
-            await _close(response)
-            leases.close()
-            raise _Retryable("empty_stream", UpstreamError("a shard closed the stream before any token")) from None
-        except asyncio.TimeoutError:
-            await _close(response)
-            leases.close()
-            raise _Retryable("first_token_timeout", UpstreamTimeout(
-                f"no token from a shard within {cfg.first_token_timeout_s:.0f} s", retry_after=2)) from None
-        except httpx.ConnectError:
+            try:
+                async with asyncio.timeout_at(sent_at + cfg.first_token_timeout_s):
+                    while not any(isinstance(e, (Delta, Finish)) for e in first):
+                        lines = await response.lines()
+                        if not lines:
+                            raise _Retryable("empty_stream", UpstreamError("a shard closed the stream before any token"))
+                        for line in lines:
+                            event = _parse(line)
+                            if isinstance(event, SwitchboardError):
+                                raise _Retryable("stream_error_before_first_token", event)
+                            if event is not None:
+                                first.append(event)
+            except TimeoutError:
+                raise _Retryable("first_token_timeout", UpstreamTimeout(
+                    f"no token from a shard within {cfg.first_token_timeout_s:.0f} s", retry_after=2)) from None
+        except ShardConnectError:
             leases.close()
             raise _Retryable("connect", NoHealthyBackend("could not connect to a shard", retry_after=2)) from None
-        except httpx.TimeoutException:
-            await _close(response)
+        except ShardClientError as exc:
+            _close(response)
             leases.close()
-            raise _Retryable("timeout", UpstreamTimeout("a shard did not answer in time", retry_after=2)) from None
-        except httpx.HTTPError as exc:
-            await _close(response)
-            leases.close()
-            raise _Retryable("transport", UpstreamError(f"a shard failed: {type(exc).__name__}")) from None
+            raise _Retryable("transport", UpstreamError(f"a shard failed: {exc}")) from None
         except BaseException:
-            await _close(response)
+            _close(response)
             leases.close()
             raise
         self.router.report_success(member)
         span.set_attribute("switchboard.attempts", attempt)
-        return ShardStream(member, response, lines, first, leases, self.router, cfg.idle_timeout_s, attempt)
+        return ShardStream(member, response, first, leases, self.router, cfg.idle_timeout_s, attempt)
 
-
-async def _close(response: httpx.Response | None) -> None:
-    if response is not None:
+    async def _refuse(self, member: Member, response: ShardResponse, leases: ExitStack) -> NoReturn:
+        """A non-200 answer: the shard's own error, retried elsewhere if it is the shard's fault."""
         try:
-            await response.aclose()
-        except Exception:  # closing a broken stream must not mask the real failure
-            pass
+            async with asyncio.timeout(self.config.headers_timeout_s):
+                raw = await response.read()
+        except TimeoutError:
+            raw = b""
+        finally:
+            response.close()
+        try:
+            err_body = json.loads(raw)
+        except ValueError:
+            err_body = None
+        error = from_openai_body(response.status, err_body)
+        if error.code in REQUEST_NOT_SHARD_CODES:
+            leases.close()
+            raise error  # the request's fault, not the shard's: no retry, no ejection
+        if response.status >= 500 or response.status == 429:
+            raise _Retryable(f"status_{response.status}", error)
+        leases.close()
+        self.router.report_success(member)
+        raise error
+
+
+def _close(response: ShardResponse | None) -> None:
+    if response is not None:
+        response.close()
 
 
 class ResumableStream:
@@ -310,7 +319,7 @@ class ResumableStream:
     text as an uninterrupted run. Usage is reported against the original prompt.
     """
 
-    def __init__(self, upstream: "Upstream", body: dict[str, Any], session_id: str | None,
+    def __init__(self, upstream: Upstream, body: dict[str, Any], session_id: str | None,
                  first: ShardStream) -> None:
         self._upstream = upstream
         self._body = body
@@ -324,28 +333,33 @@ class ResumableStream:
         self._base_completion = 0  # tokens generated by earlier, failed streams
         self._completion = 0
 
-    def __aiter__(self) -> AsyncIterator[Event]:
-        return self._events()
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        async for batch in self.batches():
+            for event in batch:
+                yield event
 
-    async def _events(self) -> AsyncIterator[Event]:
+    async def batches(self) -> AsyncIterator[list[Event]]:
         tried: set[str] = set()
         while True:
             finished = False
             try:
-                async for event in self._stream:
-                    if isinstance(event, Delta):
-                        self._received.append(event.text)
-                        if event.usage is not None:
-                            if self._prompt_tokens is None:
-                                self._prompt_tokens = event.usage[0]
-                            self._completion = self._base_completion + event.usage[1]
-                        yield Delta(event.text)
-                    elif isinstance(event, Finish):
-                        finished = True
-                        yield event
-                    elif isinstance(event, UsageEvent):
-                        prompt = self._prompt_tokens if self._prompt_tokens is not None else event.prompt_tokens
-                        yield UsageEvent(prompt, self._base_completion + event.completion_tokens)
+                async for events in self._stream.batches():
+                    out: list[Event] = []
+                    for event in events:
+                        if isinstance(event, Delta):
+                            self._received.append(event.text)
+                            if event.usage is not None:
+                                if self._prompt_tokens is None:
+                                    self._prompt_tokens = event.usage[0]
+                                self._completion = self._base_completion + event.usage[1]
+                            out.append(Delta(event.text))
+                        elif isinstance(event, Finish):
+                            finished = True
+                            out.append(event)
+                        elif isinstance(event, UsageEvent):
+                            prompt = self._prompt_tokens if self._prompt_tokens is not None else event.prompt_tokens
+                            out.append(UsageEvent(prompt, self._base_completion + event.completion_tokens))
+                    yield out
                 return
             except (UpstreamError, UpstreamTimeout) as exc:
                 if finished or self.resumes >= self._upstream.config.resumes:
@@ -357,7 +371,7 @@ class ResumableStream:
                 remaining = int(self._body.get("max_tokens") or 0) - self._base_completion
                 self._upstream.router.record_resume(failed, exc.code or "error")
                 if remaining <= 0:
-                    yield Finish("length")
+                    yield [Finish("length")]
                     return
                 body = dict(self._body)
                 body["messages"] = list(self._body["messages"]) + [
@@ -371,5 +385,8 @@ class ResumableStream:
                     raise exc from None
                 self.member = self._stream.member
 
+    def close(self) -> None:
+        self._stream.close()
+
     async def aclose(self) -> None:
-        await self._stream.aclose()
+        self.close()

@@ -188,14 +188,31 @@ def test_dashboards_and_rules_against_a_live_cluster(tmp_path: Path) -> None:
         cluster.stop()
 
 
+def shard_requests(cluster: Cluster) -> float:
+    """Requests the shards' engines finished so far, read from the shards themselves."""
+    found = 0.0
+    for shard in cluster.shards:
+        for line in httpx.get(shard.url + "/metrics", timeout=5.0).text.splitlines():
+            if line.startswith("vllm:e2e_request_latency_seconds_count"):
+                found += float(line.rsplit(" ", 1)[1])
+    return found
+
+
 def check_queries_and_alert(cluster: Cluster, prometheus: Prometheus) -> None:
     total = "sum(switchboard_gateway_requests_total)"
 
     # Wave 1 creates the labelled series; wave 2, scraped later, makes every rate() non-zero.
+    # Each wave must be scraped from every process before the next starts: targets are scraped at
+    # staggered offsets, and a series whose first sample already holds both waves has no increase.
+    engine_total = "sum(vllm:e2e_request_latency_seconds_count)"
     sent = drive_traffic(cluster)
     wait_for(lambda: prometheus.value(total) >= sent, 20, f"Prometheus to scrape {sent} gateway requests")
+    done = shard_requests(cluster)
+    wait_for(lambda: prometheus.value(engine_total) >= done, 20, f"Prometheus to scrape {done} shard requests")
     sent += drive_traffic(cluster)
     wait_for(lambda: prometheus.value(total) >= sent, 20, f"Prometheus to scrape {sent} gateway requests")
+    done = shard_requests(cluster)
+    wait_for(lambda: prometheus.value(engine_total) >= done, 20, f"Prometheus to scrape {done} shard requests")
     wait_for(lambda: prometheus.value('count(up{job=~"switchboard-.*"} == 1)') == 6, 10, "all 6 targets up")
     time.sleep(1.5)  # one more scrape of every target after the last request
 

@@ -1,0 +1,353 @@
+"""The gateway's HTTP/1.1 client for shards: POST a chat request, read the SSE stream in batches.
+
+    pool = ShardPool(connect_timeout_s=2.0)
+    response = await pool.post("http://127.0.0.1:8101", "/v1/chat/completions", body, headers)
+    if response.status != 200:
+        error_body = await response.read()
+    while lines := await response.lines():   # every complete line that has arrived, at once
+        ...
+    response.close()     # before the end: drops the connection, so the shard aborts the work
+    await pool.aclose()
+
+This is the request path's one hop per token, so it is built for that alone. httpx cost the
+gateway ~1.5 ms of CPU per streamed completion (its pool, anyio and h11 layers run per body
+chunk); here the response is parsed by httptools (the C parser uvicorn itself uses) inside an
+asyncio protocol, and `lines()` hands over everything that has arrived in one call, so a burst
+of tokens costs one wake-up and, in the gateway, one write to the client.
+
+Connections are kept alive per shard and reused (LIFO, expired after `keepalive_s` idle, below
+uvicorn's 5 s server-side keep-alive). A reused connection that the shard closed before
+answering a single byte is the keep-alive race, not a failure: the request is sent again once
+on a fresh connection. The read buffer is bounded: reading from the shard pauses while more
+than `HIGH_WATER` bytes wait for a slow client (TCP backpressure reaches the shard).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from urllib.parse import urlsplit
+
+import httptools
+
+HIGH_WATER = 256 * 1024
+"""Buffered response bytes above which reading from the shard pauses."""
+MAX_READ_BYTES = 8 * 1024 * 1024
+"""`read()` refuses a larger body (a shard's JSON answer or error is far smaller)."""
+
+
+class ShardClientError(Exception):
+    """Any failure talking to a shard."""
+
+
+class ShardConnectError(ShardClientError):
+    """The TCP connection could not be made (refused, unreachable, timed out)."""
+
+
+class ShardDisconnected(ShardClientError):
+    """The shard closed the connection before the response was complete."""
+
+
+class ShardProtocolError(ShardClientError):
+    """The shard's bytes are not valid HTTP/1.1 (or a body is too large)."""
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; parses one response at a time."""
+
+    def __init__(self, pool: ShardPool, key: tuple[str, int]) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.idle_since = 0.0
+        self.requests = 0
+        self._begin()
+
+    def _begin(self) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.headers_done = False
+        self.keep_alive = False
+        self.complete = False
+        self.got_bytes = False
+        self.buffer = bytearray()
+        self.error: ShardClientError | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.paused = False
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(ShardProtocolError("a shard tried to upgrade the connection"))
+        except httptools.HttpParserError as exc:
+            self._fail(ShardProtocolError(f"a shard sent invalid HTTP: {exc}"))
+        if len(self.buffer) > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool._forget(self)
+        if not self.complete and self.error is None:
+            if self.headers_done and not self._framed():
+                self.complete = True  # a close-delimited body ends with the connection
+            else:
+                self.error = ShardDisconnected("the shard closed the connection mid-response" if self.got_bytes
+                                               else "the shard closed the connection without answering")
+        self._wake()
+
+    # -- httptools callbacks ------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()  # llhttp forgets it once the message ends
+        self.headers_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.buffer += body
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+    # -- used by ShardResponse / ShardPool ----------------------------------------------------
+
+    def _framed(self) -> bool:
+        return any(n in (b"content-length", b"transfer-encoding") for n, _ in self.headers)
+
+    def _fail(self, error: ShardClientError) -> None:
+        if self.error is None:
+            self.error = error
+        self.abort()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until more bytes, the end of the response, or a failure."""
+        self.waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+
+    def resume(self) -> None:
+        if self.paused and len(self.buffer) <= HIGH_WATER // 2 and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def send(self, request: bytes) -> None:
+        assert self.transport is not None
+        self._begin()
+        self.requests += 1
+        self.transport.write(request)
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()  # no FIN-wait on a half-read stream: the shard sees the reset now
+
+    def reusable(self) -> bool:
+        return not self.closed and self.complete and self.error is None and not self.buffer and self.keep_alive
+
+
+class ShardResponse:
+    """A response whose status and headers have arrived; the body is read on demand."""
+
+    def __init__(self, pool: ShardPool, conn: _Connection) -> None:
+        self._pool = pool
+        self._conn: _Connection | None = conn
+        self.status = conn.status
+        self.headers = conn.headers
+
+    def header(self, name: bytes) -> bytes | None:
+        for n, v in self.headers:
+            if n == name:
+                return v
+        return None
+
+    async def read(self) -> bytes:
+        """The whole body (for errors and non-streaming answers); releases the connection."""
+        conn = self._conn
+        if conn is None:
+            raise ShardClientError("the response is closed")
+        while not conn.complete:
+            if conn.error is not None:
+                raise conn.error
+            if len(conn.buffer) > MAX_READ_BYTES:
+                conn.abort()
+                raise ShardProtocolError(f"a shard's response exceeds {MAX_READ_BYTES} bytes")
+            conn.resume()
+            await conn.wait()
+        body = bytes(conn.buffer)
+        conn.buffer.clear()
+        self.close()
+        return body
+
+    async def lines(self) -> list[bytes]:
+        """Every complete, non-empty line received so far (waiting for at least one); `[]` once
+        the body has ended. Raises ShardClientError if the stream breaks."""
+        conn = self._conn
+        if conn is None:
+            return []
+        while True:
+            buf = conn.buffer
+            end = buf.rfind(b"\n")
+            if end >= 0:
+                chunk = bytes(buf[:end + 1])
+                del buf[:end + 1]
+                conn.resume()
+                lines = [line.rstrip(b"\r") for line in chunk.split(b"\n") if line and line != b"\r"]
+                if lines:
+                    return lines
+                continue
+            if conn.complete:
+                rest = bytes(buf).strip()
+                buf.clear()
+                return [rest] if rest else []
+            if conn.error is not None:
+                raise conn.error
+            await conn.wait()
+
+    @property
+    def complete(self) -> bool:
+        return self._conn is None or (self._conn.complete and not self._conn.buffer)
+
+    def close(self) -> None:
+        """Back to the pool if the response was read to its end, else the connection is dropped
+        (which is how a shard learns that nobody wants the rest). Idempotent."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if conn.reusable():
+            self._pool._release(conn)
+        else:
+            conn.abort()
+
+
+class ShardPool:
+    """Keep-alive connections to shards, by host and port."""
+
+    def __init__(self, connect_timeout_s: float = 2.0, keepalive_s: float = 4.0, max_idle_per_host: int = 64) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.keepalive_s = keepalive_s
+        self.max_idle_per_host = max_idle_per_host
+        self._idle: dict[tuple[str, int], collections.deque[_Connection]] = {}
+        self._targets: dict[str, tuple[str, int, bytes]] = {}
+        self._closed = False
+
+    async def post(self, base_url: str, path: str, body: bytes, headers: dict[str, str]) -> ShardResponse:
+        """Send `body` as JSON to `base_url + path`; returns once the status and headers arrived.
+
+        Cancel it (e.g. with asyncio.timeout) to give up: the connection is dropped."""
+        host, port, host_header = self._target(base_url)
+        head = [b"POST ", path.encode("ascii"), b" HTTP/1.1\r\nhost: ", host_header,
+                b"\r\ncontent-type: application/json\r\ncontent-length: ", str(len(body)).encode()]
+        for name, value in headers.items():
+            if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+                raise ValueError(f"invalid header {name!r}")
+            head += [b"\r\n", name.encode("latin-1"), b": ", value.encode("latin-1")]
+        request = b"".join(head) + b"\r\n\r\n" + body
+        for _ in range(2):
+            conn = self._take((host, port))
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(host, port)
+            try:
+                conn.send(request)
+                while not conn.headers_done:
+                    if conn.error is not None:
+                        raise conn.error
+                    await conn.wait()
+            except ShardDisconnected:
+                conn.abort()
+                if reused and not conn.got_bytes:
+                    continue  # the keep-alive race: the shard closed it as we sent; once more, fresh
+                raise
+            except BaseException:
+                conn.abort()
+                raise
+            return ShardResponse(self, conn)
+        raise ShardDisconnected("the shard closed two connections without answering")
+
+    def _target(self, base_url: str) -> tuple[str, int, bytes]:
+        target = self._targets.get(base_url)
+        if target is None:
+            parts = urlsplit(base_url)
+            if parts.scheme != "http" or not parts.hostname:
+                raise ShardConnectError(f"unsupported shard URL {base_url!r} (http://host:port expected)")
+            port = parts.port or 80
+            target = (parts.hostname, port, f"{parts.hostname}:{port}".encode("idna"))
+            if len(self._targets) > 4096:
+                self._targets.clear()
+            self._targets[base_url] = target
+        return target
+
+    async def _connect(self, host: str, port: int) -> _Connection:
+        if self._closed:
+            raise ShardConnectError("the shard pool is closed")
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await loop.create_connection(lambda: _Connection(self, (host, port)), host, port)
+        except TimeoutError:
+            raise ShardConnectError(f"connecting to {host}:{port} timed out") from None
+        except OSError as exc:
+            raise ShardConnectError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
+        return conn
+
+    def _take(self, key: tuple[str, int]) -> _Connection | None:
+        idle = self._idle.get(key)
+        if not idle:
+            return None
+        cutoff = time.monotonic() - self.keepalive_s
+        while idle:
+            conn = idle.pop()  # newest first: the warmest, least likely to have been closed
+            if conn.closed:
+                continue
+            if conn.idle_since < cutoff:
+                conn.abort()
+                continue
+            return conn
+        return None
+
+    def _release(self, conn: _Connection) -> None:
+        idle = self._idle.setdefault(conn.key, collections.deque())
+        if self._closed or len(idle) >= self.max_idle_per_host:
+            conn.abort()
+            return
+        conn.idle_since = time.monotonic()
+        idle.append(conn)
+
+    def _forget(self, conn: _Connection) -> None:
+        idle = self._idle.get(conn.key)
+        if idle:
+            try:
+                idle.remove(conn)
+            except ValueError:
+                pass
+
+    def idle_connections(self) -> int:
+        return sum(len(q) for q in self._idle.values())
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for idle in self._idle.values():
+            while idle:
+                idle.pop().abort()
+        self._idle.clear()

@@ -1,0 +1,226 @@
+"""The gateway's shard client (data_plane/shard_client.py) against real sockets on loopback.
+
+A real synthetic shard answers the normal cases; a small asyncio server that misbehaves on
+purpose (closes kept-alive connections, dies mid-body, sends garbage) injects the faults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+
+import pytest
+
+from data_plane.shard_client import (
+    HIGH_WATER,
+    ShardConnectError,
+    ShardDisconnected,
+    ShardPool,
+    ShardProtocolError,
+)
+from tests.procs import Service, free_port
+
+CHAT = "/v1/chat/completions"
+pytestmark = pytest.mark.asyncio(loop_scope="session")  # the pool fixture's loop is the tests' loop
+
+
+def _body(max_tokens: int = 4, stream: bool = True) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": "hello"}], "max_tokens": max_tokens,
+                       "stream": stream}).encode()
+
+
+@pytest.fixture(scope="module")
+def shard() -> Iterator[Service]:
+    with Service(["shard", "--engine", "synthetic", "--synthetic-token-delay-ms", "20"]) as s:
+        yield s
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[ShardPool]:
+    p = ShardPool(connect_timeout_s=1.0)
+    yield p
+    await p.aclose()
+
+
+async def _all_lines(response) -> list[bytes]:  # type: ignore[no-untyped-def]
+    out = []
+    while lines := await response.lines():
+        out += lines
+    return out
+
+
+async def test_streams_a_completion_and_reuses_the_connection(shard: Service, pool: ShardPool) -> None:
+    texts = []
+    for _ in range(3):
+        response = await pool.post(shard.url, CHAT, _body(), {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"})
+        assert response.status == 200
+        assert response.header(b"content-type").startswith(b"text/event-stream")
+        lines = await _all_lines(response)
+        assert lines[-1] == b"data: [DONE]"
+        assert all(line.startswith(b"data: ") for line in lines)
+        texts.append(b"".join(lines[1:-1]))
+        assert response.complete
+        response.close()
+        assert pool.idle_connections() == 1  # read to the end: back to the pool
+    assert len(pool._idle[next(iter(pool._idle))]) == 1
+
+
+async def test_a_non_200_body_is_read_whole(shard: Service, pool: ShardPool) -> None:
+    response = await pool.post(shard.url, CHAT, b'{"messages": []}', {})
+    assert response.status == 400
+    error = json.loads(await response.read())["error"]
+    assert error["type"] == "invalid_request_error"
+    assert pool.idle_connections() == 1
+
+
+async def test_closing_early_drops_the_connection_and_the_shard_aborts(shard: Service, pool: ShardPool) -> None:
+    response = await pool.post(shard.url, CHAT, _body(max_tokens=200), {})
+    assert response.status == 200
+    assert await response.lines()
+    response.close()
+    assert pool.idle_connections() == 0  # half-read: never reused
+    # the shard notices the disconnect and aborts the generation
+    for _ in range(100):
+        metrics = (await _get(shard.url + "/metrics")).decode()
+        if 'finished_reason="abort"' in metrics or "abort" in _request_success(metrics):
+            break
+        await asyncio.sleep(0.05)
+    else:
+        pytest.fail("the shard never recorded the aborted request")
+
+
+def _request_success(metrics: str) -> str:
+    return "\n".join(line for line in metrics.splitlines() if line.startswith("vllm:request_success_total"))
+
+
+async def _get(url: str) -> bytes:
+    import httpx
+
+    async with httpx.AsyncClient() as client:
+        return (await client.get(url)).content
+
+
+async def test_connect_refused_is_a_connect_error(pool: ShardPool) -> None:
+    with pytest.raises(ShardConnectError):
+        await pool.post(f"http://127.0.0.1:{free_port()}", CHAT, _body(), {})
+
+
+async def test_header_injection_is_refused(shard: Service, pool: ShardPool) -> None:
+    with pytest.raises(ValueError):
+        await pool.post(shard.url, CHAT, _body(), {"traceparent": "x\r\nevil: 1"})
+
+
+# -- a misbehaving server ------------------------------------------------------------------------
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def _serve(handler: Handler) -> tuple[asyncio.AbstractServer, str]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}"
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bool:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    await reader.readexactly(length)
+    return True
+
+
+SSE_OK = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+          b"d\r\ndata: one\r\n\r\n\r\n"  # CRLF line endings inside the body
+          b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+
+
+async def test_a_kept_alive_connection_the_server_closed_is_retried_fresh(pool: ShardPool) -> None:
+    served = []
+
+    async def once_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        served.append(1)
+        writer.write(SSE_OK)
+        await writer.drain()
+        writer.close()  # keep-alive was promised, but the server closes (its idle timeout)
+
+    server, url = await _serve(once_then_close)
+    async with server:
+        first = await pool.post(url, CHAT, _body(), {})
+        assert await _all_lines(first) == [b"data: one", b"data: [DONE]"]
+        first.close()
+        await asyncio.sleep(0.05)  # the close arrives; the pooled connection is forgotten or stale
+        second = await pool.post(url, CHAT, _body(), {})
+        assert await _all_lines(second) == [b"data: one", b"data: [DONE]"]
+        second.close()
+    assert len(served) == 2
+
+
+async def test_a_stream_cut_mid_body_raises(pool: ShardPool) -> None:
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(SSE_OK[: SSE_OK.index(b"e\r\ndata: [DONE]")])
+        await writer.drain()
+        writer.close()
+
+    server, url = await _serve(cut)
+    async with server:
+        response = await pool.post(url, CHAT, _body(), {})
+        assert await response.lines() == [b"data: one"]
+        with pytest.raises(ShardDisconnected):
+            await response.lines()
+        response.close()
+    assert pool.idle_connections() == 0
+
+
+async def test_garbage_is_a_protocol_error(pool: ShardPool) -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"SMTP READY\r\n\r\n")
+        await writer.drain()
+
+    server, url = await _serve(garbage)
+    async with server:
+        with pytest.raises(ShardProtocolError):
+            await pool.post(url, CHAT, _body(), {})
+
+
+async def test_a_silent_server_can_be_given_up_on(pool: ShardPool) -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        await asyncio.sleep(5)
+
+    server, url = await _serve(silent)
+    async with server:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await pool.post(url, CHAT, _body(), {})
+    assert pool.idle_connections() == 0
+
+
+async def test_a_slow_reader_pauses_the_socket_instead_of_buffering_everything(pool: ShardPool) -> None:
+    total = 8 * HIGH_WATER
+
+    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n" % total)
+        line = b"data: " + b"x" * 1017 + b"\n"
+        for _ in range(total // len(line)):
+            writer.write(line)
+            await writer.drain()
+        writer.write(b"\n" * (total - (total // len(line)) * len(line)))
+        await writer.drain()
+
+    server, url = await _serve(flood)
+    async with server:
+        response = await pool.post(url, CHAT, _body(), {})
+        await asyncio.sleep(0.3)  # the server writes as fast as the socket lets it
+        conn = response._conn
+        assert conn is not None and conn.paused
+        assert len(conn.buffer) < 2 * HIGH_WATER
+        received = sum(len(line) + 1 for line in await _all_lines(response))
+        assert received == (total // 1024) * 1024
+        response.close()
