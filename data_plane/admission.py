@@ -181,6 +181,17 @@ class Admission:
             loop = asyncio.get_running_loop()
             tiers = [policy.get(name) for name in policy.names()]
             rank = len({t.priority for t in tiers if t.priority < tier.priority})
+            if self.waiting == 0:  # nobody queued: admit now if the tier's cap allows (the common case)
+                capacity = self._capacity()
+                if capacity is None or self._inflight < self.cap(rank, capacity):
+                    self.metrics.capacity.set(-1 if capacity is None else capacity)
+                    self._inflight += 1
+                    self.metrics.inflight.set(self._inflight)
+                    self.metrics.wait.labels(tier.name).observe(0.0)
+                    span.set_attribute("switchboard.admission.queue_depth", 0)
+                    span.set_attribute("switchboard.admission.outcome", "admitted")
+                    span.set_attribute("switchboard.admission.wait_s", 0.0)
+                    return Ticket(self, tier.name)
             w = _Waiter(tier, rank, next(self._seq), self._clock(), loop.create_future())
             span.set_attribute("switchboard.admission.queue_depth", self.waiting)
             heapq.heappush(self._heap, (tier.priority, w.seq, w))

@@ -27,6 +27,7 @@ get 404.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import secrets
 import time
@@ -241,6 +242,10 @@ def create_app(gw: Gateway) -> FastAPI:
                 id=settings.node_id or f"gateway-{settings.host}-{settings.port}", service="gateway",
                 url=f"http://{settings.host}:{settings.port}"), 2.0)
             await agent.start()
+        # Everything built so far lives as long as the process: move it out of the cyclic GC's
+        # sight, so a full collection walks per-request garbage only (p99, not just CPU).
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:

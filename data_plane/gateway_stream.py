@@ -56,31 +56,30 @@ class Completion:
         self._content_prefix = b"data: " + head[:-1] + b',"choices":[{"index":0,"delta":{"content":'
         self._content_suffix = b'},"logprobs":null,"finish_reason":null}]}\n\n'
 
-    async def _batches(self, stream: ResumableStream) -> AsyncIterator[list[str]]:
-        """Safe text deltas, a batch per arrival; sets finish_reason and usage. Raises
-        SwitchboardError mid-stream."""
+    async def _batches(self, stream: ResumableStream) -> AsyncIterator[str]:
+        """Safe text, one piece per batch of deltas that arrived together (the filter sees the
+        same text either way; the client gets one chunk per burst instead of one per token).
+        Sets finish_reason and usage. Raises SwitchboardError mid-stream."""
         gw = self.h.gw
         try:
             async for events in stream.batches():
-                out: list[str] = []
+                texts: list[str] = []
                 for event in events:
                     if isinstance(event, Delta):
-                        safe = self.filter.feed(event.text)
-                        if safe:
-                            self.text.append(safe)
-                            out.append(safe)
-                        if self.filter.verdict is not None:
-                            self.finish_reason = FINISH_CONTENT_FILTER
-                            break
+                        texts.append(event.text)
                     elif isinstance(event, Finish):
                         self.finish_reason = event.reason
                     elif isinstance(event, UsageEvent):
                         self.usage = Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
                                            total_tokens=event.prompt_tokens + event.completion_tokens)
-                if out:
-                    yield out
-                if self.filter.verdict is not None:
-                    break
+                if texts:
+                    safe = self.filter.feed(texts[0] if len(texts) == 1 else "".join(texts))
+                    if safe:
+                        self.text.append(safe)
+                        yield safe
+                    if self.filter.verdict is not None:
+                        self.finish_reason = FINISH_CONTENT_FILTER
+                        break
         finally:
             stream.close()  # synchronous: nothing for a cancellation to interrupt; the shard aborts
         with tracer.start_as_current_span("safety.output") as span:
@@ -88,7 +87,7 @@ class Completion:
                 tail = self.filter.finish()
                 if tail:
                     self.text.append(tail)
-                    yield [tail]
+                    yield tail
             verdict = self.filter.verdict
             if verdict is not None:
                 self.finish_reason = FINISH_CONTENT_FILTER
@@ -139,9 +138,8 @@ class Completion:
         out = [_event(chunk_body(**common, delta={"role": "assistant", "content": ""}))]
         prefix, suffix = self._content_prefix, self._content_suffix
         try:
-            async for texts in self._batches(stream):
-                for text in texts:
-                    out.append(prefix + _json(text) + suffix)
+            async for text in self._batches(stream):
+                out.append(prefix + _json(text) + suffix)
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                 out = []
             out.append(_event(chunk_body(**common, delta={}, finish_reason=self.finish_reason or "stop")))

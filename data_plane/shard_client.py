@@ -31,6 +31,9 @@ from urllib.parse import urlsplit
 
 import httptools
 
+SWEEP_S = 0.1
+"""How often deadlines are checked: one timer per pool, not one per wait (an `asyncio.timeout`
+per batch of tokens cost more than parsing the batch)."""
 HIGH_WATER = 256 * 1024
 """Buffered response bytes above which reading from the shard pauses."""
 MAX_READ_BYTES = 8 * 1024 * 1024
@@ -47,6 +50,10 @@ class ShardConnectError(ShardClientError):
 
 class ShardDisconnected(ShardClientError):
     """The shard closed the connection before the response was complete."""
+
+
+class ShardTimeout(ShardClientError):
+    """The shard said nothing before the deadline; the connection was dropped."""
 
 
 class ShardProtocolError(ShardClientError):
@@ -76,6 +83,8 @@ class _Connection(asyncio.Protocol):
         self.buffer = bytearray()
         self.error: ShardClientError | None = None
         self.waiter: asyncio.Future[None] | None = None
+        self.deadline = 0.0
+        """Loop time by which the current wait must end (0: none); enforced by the pool's sweep."""
         self.paused = False
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
@@ -138,13 +147,18 @@ class _Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def wait(self) -> None:
-        """Until more bytes, the end of the response, or a failure."""
-        self.waiter = asyncio.get_running_loop().create_future()
+    async def wait(self, deadline: float = 0.0) -> None:
+        """Until more bytes, the end of the response, a failure, or `deadline` (loop time; 0 for
+        none), when the connection fails with ShardTimeout."""
+        self.waiter = self.pool._loop().create_future()
+        self.deadline = deadline
+        if deadline:
+            self.pool._watch(self)
         try:
             await self.waiter
         finally:
             self.waiter = None
+            self.deadline = 0.0
 
     def resume(self) -> None:
         if self.paused and len(self.buffer) <= HIGH_WATER // 2 and self.transport is not None:
@@ -156,6 +170,10 @@ class _Connection(asyncio.Protocol):
         self._begin()
         self.requests += 1
         self.transport.write(request)
+
+    def expire(self) -> None:
+        self._fail(ShardTimeout("the shard sent nothing in time"))
+        self._wake()
 
     def abort(self) -> None:
         self.closed = True
@@ -181,8 +199,9 @@ class ShardResponse:
                 return v
         return None
 
-    async def read(self) -> bytes:
-        """The whole body (for errors and non-streaming answers); releases the connection."""
+    async def read(self, deadline: float = 0.0) -> bytes:
+        """The whole body (for errors and non-streaming answers); releases the connection.
+        `deadline`: loop time for the whole body (0: none)."""
         conn = self._conn
         if conn is None:
             raise ShardClientError("the response is closed")
@@ -193,15 +212,16 @@ class ShardResponse:
                 conn.abort()
                 raise ShardProtocolError(f"a shard's response exceeds {MAX_READ_BYTES} bytes")
             conn.resume()
-            await conn.wait()
+            await conn.wait(deadline)
         body = bytes(conn.buffer)
         conn.buffer.clear()
         self.close()
         return body
 
-    async def lines(self) -> list[bytes]:
-        """Every complete, non-empty line received so far (waiting for at least one); `[]` once
-        the body has ended. Raises ShardClientError if the stream breaks."""
+    async def lines(self, timeout: float = 0.0) -> list[bytes]:
+        """Every complete, non-empty line received so far (waiting for at least one, for at most
+        `timeout` seconds if given); `[]` once the body has ended. Raises ShardClientError if the
+        stream breaks (ShardTimeout if it stays silent)."""
         conn = self._conn
         if conn is None:
             return []
@@ -222,7 +242,7 @@ class ShardResponse:
                 return [rest] if rest else []
             if conn.error is not None:
                 raise conn.error
-            await conn.wait()
+            await conn.wait(self._pool._loop().time() + timeout if timeout else 0.0)
 
     @property
     def complete(self) -> bool:
@@ -250,11 +270,16 @@ class ShardPool:
         self._idle: dict[tuple[str, int], collections.deque[_Connection]] = {}
         self._targets: dict[str, tuple[str, int, bytes]] = {}
         self._closed = False
+        self._watched: set[_Connection] = set()
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None
 
-    async def post(self, base_url: str, path: str, body: bytes, headers: dict[str, str]) -> ShardResponse:
-        """Send `body` as JSON to `base_url + path`; returns once the status and headers arrived.
+    async def post(self, base_url: str, path: str, body: bytes, headers: dict[str, str],
+                   timeout: float = 0.0) -> ShardResponse:
+        """Send `body` as JSON to `base_url + path`; returns once the status and headers arrived,
+        raising ShardTimeout if they do not within `timeout` seconds (0: no limit).
 
-        Cancel it (e.g. with asyncio.timeout) to give up: the connection is dropped."""
+        Cancelling it also gives up: the connection is dropped."""
         host, port, host_header = self._target(base_url)
         head = [b"POST ", path.encode("ascii"), b" HTTP/1.1\r\nhost: ", host_header,
                 b"\r\ncontent-type: application/json\r\ncontent-length: ", str(len(body)).encode()]
@@ -263,6 +288,7 @@ class ShardPool:
                 raise ValueError(f"invalid header {name!r}")
             head += [b"\r\n", name.encode("latin-1"), b": ", value.encode("latin-1")]
         request = b"".join(head) + b"\r\n\r\n" + body
+        deadline = self._loop().time() + timeout if timeout else 0.0
         for _ in range(2):
             conn = self._take((host, port))
             reused = conn is not None
@@ -273,7 +299,7 @@ class ShardPool:
                 while not conn.headers_done:
                     if conn.error is not None:
                         raise conn.error
-                    await conn.wait()
+                    await conn.wait(deadline)
             except ShardDisconnected:
                 conn.abort()
                 if reused and not conn.got_bytes:
@@ -284,6 +310,30 @@ class ShardPool:
                 raise
             return ShardResponse(self, conn)
         raise ShardDisconnected("the shard closed two connections without answering")
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._event_loop
+        if loop is None:
+            loop = self._event_loop = asyncio.get_running_loop()
+        return loop
+
+    def _watch(self, conn: _Connection) -> None:
+        self._watched.add(conn)
+        if self._sweeper is None:
+            self._sweeper = self._loop().call_later(SWEEP_S, self._sweep)
+
+    def _sweep(self) -> None:
+        """Fail the waits past their deadline; re-arm while any wait has one."""
+        self._sweeper = None
+        now = self._loop().time()
+        for conn in list(self._watched):
+            if conn.waiter is None or not conn.deadline:
+                self._watched.discard(conn)
+            elif now >= conn.deadline:
+                self._watched.discard(conn)
+                conn.expire()
+        if self._watched:
+            self._sweeper = self._loop().call_later(SWEEP_S, self._sweep)
 
     def _target(self, base_url: str) -> tuple[str, int, bytes]:
         target = self._targets.get(base_url)
@@ -347,6 +397,9 @@ class ShardPool:
 
     async def aclose(self) -> None:
         self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for idle in self._idle.values():
             while idle:
                 idle.pop().abort()

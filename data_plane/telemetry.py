@@ -6,9 +6,12 @@ API (``trace.get_tracer(__name__)``) and metric objects handed to them.
     configure_process("switchboard-shard")
     app.add_route("/metrics", metrics_endpoint(registry))
 
-Tracing exports over OTLP/HTTP when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set; otherwise spans
-stay in an in-memory ring (:data:`RECENT_SPANS`) served at ``/debug/spans`` so the control
-plane can assemble recent traces. An exporter that fails is logged, never raised.
+Spans are recorded by the lean tracer of data_plane/tracing.py (the OTel API, a fraction of
+the SDK's cost per span). They always go to an in-memory ring (:data:`RECENT_SPANS`) served at
+``/debug/spans`` so the control plane can assemble recent traces, and are also exported over
+OTLP/HTTP (the SDK's batch processor and exporter) when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set.
+Sampling follows ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG``. An exporter that fails
+is logged, never raised.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import collections
 import logging
 import os
 import threading
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.requests import Request
@@ -109,31 +113,37 @@ def configure_process(service_name: str) -> None:
     if _configured:
         return
     _configured = True
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        log.info("OTEL_SDK_DISABLED=true: tracing is off")
+        return
     try:
         from opentelemetry import trace
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import (
-            BatchSpanProcessor,
-            SimpleSpanProcessor,
-            SpanExporter,
-            SpanExportResult,
-        )
 
-        class RingExporter(SpanExporter):
-            def export(self, spans):  # type: ignore[no-untyped-def]
-                for s in spans:
-                    RECENT_SPANS.add_sdk_span(s, service_name)
-                return SpanExportResult.SUCCESS
+        from data_plane.tracing import LeanSpan, LeanTracerProvider, readable
 
-        provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-        provider.add_span_processor(SimpleSpanProcessor(RingExporter()))
+        export: Callable[[LeanSpan], None] | None = None
         if os.environ.get(ENV_OTLP_ENDPOINT):
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+            resource = Resource.create({"service.name": service_name})
+            scope = InstrumentationScope("switchboard")
+            batch = BatchSpanProcessor(OTLPSpanExporter())  # its own thread; drops when full, never blocks
+
+            def export(span: LeanSpan) -> None:
+                batch.on_end(readable(span, resource, scope))
+
             log.info("exporting spans over OTLP to %s", os.environ[ENV_OTLP_ENDPOINT])
-        trace.set_tracer_provider(provider)
+
+        def sink(span: LeanSpan) -> None:
+            # Into the ring as they are (converted to dicts only when read), then to OTLP.
+            RECENT_SPANS.add_sdk_span(span, service_name)
+            if export is not None:
+                export(span)
+
+        trace.set_tracer_provider(LeanTracerProvider(sink))
     except Exception:  # telemetry must never stop a process from serving
         log.exception("OpenTelemetry setup failed; continuing without tracing")
 

@@ -39,7 +39,13 @@ from data_plane.errors import (
 )
 from data_plane.membership import Member
 from data_plane.router import Router
-from data_plane.shard_client import ShardClientError, ShardConnectError, ShardPool, ShardResponse
+from data_plane.shard_client import (
+    ShardClientError,
+    ShardConnectError,
+    ShardPool,
+    ShardResponse,
+    ShardTimeout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -154,9 +160,8 @@ class ShardStream:
         try:
             while True:
                 try:
-                    async with asyncio.timeout(self._idle):
-                        lines = await self._response.lines()
-                except TimeoutError:
+                    lines = await self._response.lines(self._idle)
+                except ShardTimeout:
                     self._router.report_failure(self.member, "stream_idle")
                     raise UpstreamTimeout(f"the shard stopped streaming for {self._idle:.0f} s") from None
                 except ShardClientError as exc:
@@ -237,29 +242,34 @@ class Upstream:
         span = trace.get_current_span()
         span.set_attribute("switchboard.shard", member.id)
         response: ShardResponse | None = None
-        sent_at = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        first_token_by = loop.time() + cfg.first_token_timeout_s
         try:
             try:
-                async with asyncio.timeout(min(cfg.headers_timeout_s, cfg.first_token_timeout_s)):
-                    response = await self.pool.post(member.url, CHAT_PATH, payload, headers)
-            except TimeoutError:
+                response = await self.pool.post(member.url, CHAT_PATH, payload, headers,
+                                                timeout=min(cfg.headers_timeout_s, cfg.first_token_timeout_s))
+            except ShardTimeout:
                 raise _Retryable("timeout", UpstreamTimeout("a shard did not answer in time", retry_after=2)) from None
             if response.status != 200:
                 await self._refuse(member, response, leases)
             first: list[Event] = []
+            token = False
             try:
-                async with asyncio.timeout_at(sent_at + cfg.first_token_timeout_s):
-                    while not any(isinstance(e, (Delta, Finish)) for e in first):
-                        lines = await response.lines()
-                        if not lines:
-                            raise _Retryable("empty_stream", UpstreamError("a shard closed the stream before any token"))
-                        for line in lines:
-                            event = _parse(line)
-                            if isinstance(event, SwitchboardError):
-                                raise _Retryable("stream_error_before_first_token", event)
-                            if event is not None:
-                                first.append(event)
-            except TimeoutError:
+                while not token:
+                    remaining = first_token_by - loop.time()
+                    if remaining <= 0:
+                        raise ShardTimeout("no first token")
+                    lines = await response.lines(remaining)
+                    if not lines:
+                        raise _Retryable("empty_stream", UpstreamError("a shard closed the stream before any token"))
+                    for line in lines:
+                        event = _parse(line)
+                        if isinstance(event, SwitchboardError):
+                            raise _Retryable("stream_error_before_first_token", event)
+                        if event is not None:
+                            first.append(event)
+                            token = token or isinstance(event, (Delta, Finish))
+            except ShardTimeout:
                 raise _Retryable("first_token_timeout", UpstreamTimeout(
                     f"no token from a shard within {cfg.first_token_timeout_s:.0f} s", retry_after=2)) from None
         except ShardConnectError:
@@ -280,9 +290,8 @@ class Upstream:
     async def _refuse(self, member: Member, response: ShardResponse, leases: ExitStack) -> NoReturn:
         """A non-200 answer: the shard's own error, retried elsewhere if it is the shard's fault."""
         try:
-            async with asyncio.timeout(self.config.headers_timeout_s):
-                raw = await response.read()
-        except TimeoutError:
+            raw = await response.read(asyncio.get_running_loop().time() + self.config.headers_timeout_s)
+        except ShardClientError:
             raw = b""
         finally:
             response.close()
@@ -352,7 +361,7 @@ class ResumableStream:
                                 if self._prompt_tokens is None:
                                     self._prompt_tokens = event.usage[0]
                                 self._completion = self._base_completion + event.usage[1]
-                            out.append(Delta(event.text))
+                            out.append(event)
                         elif isinstance(event, Finish):
                             finished = True
                             out.append(event)

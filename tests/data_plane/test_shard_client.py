@@ -18,6 +18,7 @@ from data_plane.shard_client import (
     ShardDisconnected,
     ShardPool,
     ShardProtocolError,
+    ShardTimeout,
 )
 from tests.procs import Service, free_port
 
@@ -224,3 +225,35 @@ async def test_a_slow_reader_pauses_the_socket_instead_of_buffering_everything(p
         received = sum(len(line) + 1 for line in await _all_lines(response))
         assert received == (total // 1024) * 1024
         response.close()
+
+
+async def test_silence_past_the_deadline_is_a_timeout_and_drops_the_connection(pool: ShardPool) -> None:
+    async def stalls_mid_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(SSE_OK[: SSE_OK.index(b"e\r\ndata: [DONE]")])
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    server, url = await _serve(stalls_mid_stream)
+    async with server:
+        with pytest.raises(ShardTimeout):  # no headers within the post timeout
+            await _silent_headers(pool)
+        response = await pool.post(url, CHAT, _body(), {}, timeout=2.0)
+        assert await response.lines(timeout=1.0) == [b"data: one"]
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(ShardTimeout):
+            await response.lines(timeout=0.3)
+        waited = asyncio.get_running_loop().time() - started
+        assert 0.3 <= waited < 1.0  # enforced by the pool's sweep (every SWEEP_S)
+        response.close()
+    assert pool.idle_connections() == 0
+
+
+async def _silent_headers(pool: ShardPool) -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        await asyncio.sleep(5)
+
+    server, url = await _serve(silent)
+    async with server:
+        await pool.post(url, CHAT, _body(), {}, timeout=0.2)
