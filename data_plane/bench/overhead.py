@@ -13,7 +13,9 @@ same streaming request (`max_tokens` tokens) then goes to three systems:
 - `litellm`: LiteLLM proxy -> shard.
 
 Each round runs, for each concurrency, `--requests` requests per system in a closed loop of
-`concurrency` workers over one httpx.AsyncClient, systems interleaved (direct, switchboard,
+`concurrency` workers over one keep-alive connection pool (the gateway's own lean HTTP/1.1
+client, data_plane/shard_client.py: with httpx the load generator's CPU, ~1 ms a request,
+made the c=16 tail mostly its own), systems interleaved (direct, switchboard,
 litellm, direct, ...) so machine noise lands on all of them alike; `concurrency` warm-up
 requests before each batch are not counted. Per request we record latency to the last byte
 of the stream (after `data: [DONE]`) and TTFT (first chunk with non-empty `delta.content`).
@@ -61,6 +63,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -75,12 +78,14 @@ from data_plane.bench.common import (
     percentile,
     write_json,
 )
+from data_plane.shard_client import ShardClientError, ShardPool
 
 DIRECT, SWITCHBOARD, LITELLM = "direct", "switchboard", "litellm"
 BENCH_KEY = "sk-bench"
 MODEL = "synthetic"
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CONTENT = re.compile(r'"content":\s*"(?!")')
+REQUEST_TIMEOUT_S = 60.0
+CONTENT = re.compile(rb'"content":\s*"(?!")')
 """An SSE chunk carrying non-empty `delta.content` (cheap: no JSON parse per line)."""
 
 
@@ -194,6 +199,11 @@ class System:
     proxy: Proc | None
     """The process whose CPU counts as this system's overhead (None for direct)."""
 
+    def endpoint(self) -> tuple[str, str]:
+        """(scheme://host:port, path of chat completions)."""
+        parts = urlsplit(self.url)
+        return f"{parts.scheme}://{parts.netloc}", parts.path.rstrip("/") + "/chat/completions"
+
 
 @dataclass
 class Batch:
@@ -219,33 +229,38 @@ def request_bodies(n: int, max_tokens: int) -> list[bytes]:
                         "max_tokens": max_tokens, "stream": True}).encode() for p in cycle(PROMPTS, n)]
 
 
-async def send(client: httpx.AsyncClient, system: System, body: bytes) -> RequestResult:
+async def send(client: ShardPool, system: System, body: bytes) -> RequestResult:
     """One streaming request; `finished` is taken after the last byte (`data: [DONE]`)."""
     r = RequestResult(submitted=time.perf_counter())
     done = False
+    base, path = system.endpoint()
     try:
-        async with client.stream("POST", system.url + "/chat/completions", content=body,
-                                 headers=system.headers) as resp:
-            if resp.status_code != 200:
-                await resp.aread()
-                r.error = f"HTTP {resp.status_code}"
+        headers = {k: v for k, v in system.headers.items() if k.lower() != "content-type"}  # post sets it
+        response = await client.post(base, path, body, headers, timeout=REQUEST_TIMEOUT_S)
+        try:
+            if response.status != 200:
+                await response.read()
+                r.error = f"HTTP {response.status}"
                 return r
-            async for line in resp.aiter_lines():
-                if line.startswith("data: [DONE]"):
-                    done = True
-                elif CONTENT.search(line):
-                    r.output_tokens += 1
-                    if r.first_token is None:
-                        r.first_token = time.perf_counter()
+            while lines := await response.lines(REQUEST_TIMEOUT_S):
+                for line in lines:
+                    if line.startswith(b"data: [DONE]"):
+                        done = True
+                    elif CONTENT.search(line):
+                        r.output_tokens += 1
+                        if r.first_token is None:
+                            r.first_token = time.perf_counter()
+        finally:
+            response.close()
         r.finished = time.perf_counter()
         if not done:
             r.error = "stream ended without [DONE]"
-    except httpx.HTTPError as exc:
+    except ShardClientError as exc:
         r.error = type(exc).__name__
     return r
 
 
-async def run_batch(client: httpx.AsyncClient, system: System, shard: Proc, bodies: list[bytes],
+async def run_batch(client: ShardPool, system: System, shard: Proc, bodies: list[bytes],
                     concurrency: int, round_no: int) -> Batch:
     one = functools.partial(send, client, system)
     await closed_loop(bodies[:concurrency], concurrency, one)  # warm-up
@@ -461,11 +476,11 @@ def start_stack(args: argparse.Namespace, litellm_bin: str | None, logs: Path) -
 
 async def measure(args: argparse.Namespace, stack: Stack) -> list[Batch]:
     top, systems = max(args.concurrency), stack.systems
-    pool = 4 * top * len(systems)
+    pool = 4 * top
     bodies = request_bodies(args.requests, args.max_tokens)
     batches: list[Batch] = []
-    limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0), limits=limits) as client:
+    client = ShardPool(connect_timeout_s=5.0, max_idle_per_host=pool)
+    try:
         for s in systems:  # first requests pay for lazy imports and connection set-up
             probe = await send(client, s, bodies[0])
             if not probe.ok:
@@ -476,6 +491,8 @@ async def measure(args: argparse.Namespace, stack: Stack) -> list[Batch]:
                 for s in systems:
                     batches.append(await run_batch(client, s, stack.shard, bodies, c, r))
             print(f"  round {r + 1}/{args.rounds} done", flush=True)
+    finally:
+        await client.aclose()
     return batches
 
 
