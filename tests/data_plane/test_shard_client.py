@@ -189,12 +189,14 @@ async def test_garbage_is_a_protocol_error(pool: ShardPool) -> None:
             await pool.post(url, CHAT, _body(), {})
 
 
-async def test_a_silent_server_can_be_given_up_on(pool: ShardPool) -> None:
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
-        await asyncio.sleep(5)
+async def _silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Reads the request, answers nothing."""
+    await _read_request(reader)
+    await asyncio.sleep(5)
 
-    server, url = await _serve(silent)
+
+async def test_a_silent_server_can_be_given_up_on(pool: ShardPool) -> None:
+    server, url = await _serve(_silent)
     async with server:
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.2):
@@ -250,10 +252,6 @@ async def test_silence_past_the_deadline_is_a_timeout_and_drops_the_connection(p
 
 
 async def _silent_headers(pool: ShardPool) -> None:
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
-        await asyncio.sleep(5)
-
-    server, url = await _serve(silent)
+    server, url = await _serve(_silent)
     async with server:
         await pool.post(url, CHAT, _body(), {}, timeout=0.2)
