@@ -122,7 +122,11 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
         return JSONResponse([{"targets": targets, "labels": {"switchboard_service": service}}] if targets else [])
 
     if consul is None:
-        app.include_router(build_router(registry))
+        cluster_token = settings.cluster_token.get_secret_value() if settings.cluster_token else None
+        if cluster_token is None:
+            log.warning("no cluster token (SWITCHBOARD_CLUSTER_TOKEN): any process that reaches port %d can "
+                        "register as a shard and be sent user prompts", settings.port)
+        app.include_router(build_router(registry, cluster_token))
     app.include_router(build_state_router(state_index, lambda: cluster_state_body(
         state_index, store, retry_after_s=ladder.config.lower_dwell_s)))
     app.include_router(build_admin_router(admin))
@@ -153,6 +157,8 @@ def parse_settings(argv: list[str] | None) -> ControlPlaneSettings:
     parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port (default 8300)")
     parser.add_argument("--admin-token", help="bearer token for /admin/v1 (prefer the env variable)")
+    parser.add_argument("--cluster-token", help="bearer token members need to register (prefer "
+                        "SWITCHBOARD_CLUSTER_TOKEN)")
     parser.add_argument("--services", help="comma-separated service names members may use")
     parser.add_argument("--membership", help="consul://host:8500: members live in Consul (default: embedded)")
     parser.add_argument("--reap-interval", dest="reap_interval_s", type=float, help="TTL check period, s")

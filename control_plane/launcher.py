@@ -29,6 +29,7 @@ import httpx
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from data_plane.membership import CLUSTER_TOKEN_ENV
 from data_plane.settings_cli import parse_settings
 
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
@@ -123,16 +124,22 @@ def _tail(path: Path, n: int = 1500) -> str:
         return ""
 
 
+def _secret(path: Path, prefix: str) -> str:
+    """A token made once (mode 600) and reused on every later run."""
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(prefix + secrets.token_urlsafe(32))
+    return path.read_text().strip()
+
+
 def _credentials(state: Path) -> dict[str, object]:
     from data_plane.auth import write_dev_keys
 
     keys = write_dev_keys(state / "keys.yaml")
-    token_path = state / "admin_token"
-    if not token_path.exists():
-        fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write("sb-admin-" + secrets.token_urlsafe(32))
-    creds = {"keys": keys, "admin_token": token_path.read_text().strip()}
+    creds = {"keys": keys, "admin_token": _secret(state / "admin_token", "sb-admin-"),
+             # what a shard or cache node started by hand needs to join (SWITCHBOARD_CLUSTER_TOKEN)
+             "cluster_token": _secret(state / "cluster_token", "sb-cluster-")}
     path = state / "credentials.json"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -141,14 +148,16 @@ def _credentials(state: Path) -> dict[str, object]:
     return creds
 
 
-def plan(s: UpSettings, state: Path, admin_token: str) -> tuple[Child, list[Child], list[Child], Child]:
+def plan(s: UpSettings, state: Path, admin_token: str,
+         cluster_token: str) -> tuple[Child, list[Child], list[Child], Child]:
+    member_env = {CLUSTER_TOKEN_ENV: cluster_token}  # registering in the control plane needs it
     logs = state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     host = s.host
     registry = f"http://{host}:{s.control_plane_port}"
     cp = Child("control-plane", ["control-plane", "--host", host, "--port", str(s.control_plane_port),
                                  "--state-dir", str(state / "control-plane")],
-               registry, logs / "control-plane.log", env={"SWITCHBOARD_ADMIN_TOKEN": admin_token})
+               registry, logs / "control-plane.log", env={"SWITCHBOARD_ADMIN_TOKEN": admin_token, **member_env})
     caches = []
     for i in range(s.cache_nodes):
         port = s.cache_base_port + i if s.cache_base_port else _free_port(host)
@@ -156,7 +165,7 @@ def plan(s: UpSettings, state: Path, admin_token: str) -> tuple[Child, list[Chil
                 "--node-id", f"cache-{i}"]
         if s.redis:
             args += ["--redis", s.redis]
-        caches.append(Child(f"cache-{i}", args, f"http://{host}:{port}", logs / f"cache-{i}.log"))
+        caches.append(Child(f"cache-{i}", args, f"http://{host}:{port}", logs / f"cache-{i}.log", env=member_env))
     shards = []
     threads = max(1, (os.cpu_count() or 2) // max(1, s.shards))
     for i in range(s.shards):
@@ -166,14 +175,14 @@ def plan(s: UpSettings, state: Path, admin_token: str) -> tuple[Child, list[Chil
                 "--max-model-len", str(s.max_model_len), "--threads", str(threads)]
         if s.model:
             args += ["--model", s.model]
-        shards.append(Child(f"shard-{i}", args, f"http://{host}:{port}", logs / f"shard-{i}.log"))
+        shards.append(Child(f"shard-{i}", args, f"http://{host}:{port}", logs / f"shard-{i}.log", env=member_env))
     gw_args = ["gateway", "--host", host, "--port", str(s.gateway_port), "--registry-url", registry,
                "--keys-file", str(state / "keys.yaml"), "--max-model-len", str(s.max_model_len)]
     if s.engine == "synthetic":
         gw_args += ["--tokenizer", "whitespace", "--model-name", "synthetic"]
     elif s.model:
         gw_args += ["--tokenizer", s.model]
-    gateway = Child("gateway", gw_args, f"http://{host}:{s.gateway_port}", logs / "gateway.log")
+    gateway = Child("gateway", gw_args, f"http://{host}:{s.gateway_port}", logs / "gateway.log", env=member_env)
     return cp, caches, shards, gateway
 
 
@@ -275,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         except ModelNotAvailable as exc:
             raise SystemExit(f"switchboard up: {exc}") from None
     creds = _credentials(state)
-    cp, caches, shards, gateway = plan(s, state, str(creds["admin_token"]))
+    cp, caches, shards, gateway = plan(s, state, str(creds["admin_token"]), str(creds["cluster_token"]))
     prometheus = prometheus_child(s, state, cp) if s.prometheus else None
     console = console_child(s, state, cp, gateway, str(creds["admin_token"])) if s.console else None
     if prometheus is not None:

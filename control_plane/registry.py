@@ -12,6 +12,7 @@ The HTTP API (:func:`build_router`), the wire side of ``data_plane.membership``:
 
     PUT    /v1/registry/members/{id}          {"service", "url", "meta", "ttl_s"}  register / heartbeat
     DELETE /v1/registry/members/{id}                                              deregister
+    (both with "Authorization: Bearer <cluster token>" when the control plane has one)
     GET    /v1/registry/members?service=&index=&wait=                             blocking query
     (drain / undrain: POST /admin/v1/members/{id}/drain | /undrain, with the admin token)
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 import uuid
@@ -39,12 +41,12 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from data_plane.errors import InvalidRequest, NotFound
+from data_plane.errors import AuthenticationError, InvalidRequest, NotFound
 
 log = logging.getLogger(__name__)
 
@@ -375,12 +377,30 @@ def _member_response(member: dict[str, Any], registry: Registry) -> JSONResponse
     return JSONResponse(member, headers={INDEX_HEADER: str(registry.index)})
 
 
-def build_router(registry: Registry) -> APIRouter:
-    """The registry's HTTP API over `registry` (see the module docstring)."""
+def member_auth(cluster_token: str | None) -> Callable[[Request], None]:
+    """A dependency: with a cluster token, `Authorization: Bearer <it>` or 401 (compared in
+    constant time); without one, everyone (the open mode `create_app` warns about)."""
+    expected = cluster_token.encode() if cluster_token else None
+
+    def check(request: Request) -> None:
+        if expected is None:
+            return
+        scheme, _, presented = (request.headers.get("authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), expected):
+            raise AuthenticationError("registering needs the cluster token: send 'Authorization: Bearer "
+                                      "<SWITCHBOARD_CLUSTER_TOKEN>'", code="invalid_cluster_token")
+
+    return check
+
+
+def build_router(registry: Registry, cluster_token: str | None = None) -> APIRouter:
+    """The registry's HTTP API over `registry` (see the module docstring). Writes need
+    `cluster_token` when one is given; reads are open (membership is no secret to a member)."""
     router = APIRouter(prefix="/v1/registry", tags=["registry"])
+    writes = [Depends(member_auth(cluster_token))]
     MemberId = Path(pattern=MEMBER_ID_PATTERN, description="unique member id, e.g. shard-127.0.0.1-8101")
 
-    @router.put("/members/{member_id}")
+    @router.put("/members/{member_id}", dependencies=writes)
     async def register(body: RegisterBody, member_id: str = MemberId) -> JSONResponse:
         member, created = registry.upsert(
             member_id, service=body.service, url=body.url, meta=body.meta, ttl_s=body.ttl_s
@@ -389,7 +409,7 @@ def build_router(registry: Registry) -> APIRouter:
         response.headers["X-Registry-Created"] = "true" if created else "false"
         return response
 
-    @router.delete("/members/{member_id}")
+    @router.delete("/members/{member_id}", dependencies=writes)
     async def deregister(member_id: str = MemberId) -> JSONResponse:
         return _member_response(registry.remove(member_id), registry)
 

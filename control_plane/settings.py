@@ -18,10 +18,13 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator, model_vali
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from control_plane.membership_consul import CONSUL_URL_PATTERN
+from data_plane.membership import CLUSTER_TOKEN_ENV
 
 ENV_PREFIX = "SWITCHBOARD_CONTROL_PLANE_"
 """Prefix of the environment variables that configure the control plane."""
 ENV_ADMIN_TOKEN = "SWITCHBOARD_ADMIN_TOKEN"
+ENV_CLUSTER_TOKEN = CLUSTER_TOKEN_ENV
+"""Shared by the control plane and its members: registering and deregistering need it."""
 """Bearer token that protects ``/admin/v1/...`` (shared with the admin console)."""
 
 DEFAULT_SERVICES = ("shard", "cache", "gateway")
@@ -40,6 +43,12 @@ class ControlPlaneSettings(BaseSettings):
         default=None, validation_alias=AliasChoices("admin_token", ENV_ADMIN_TOKEN)
     )
     """Bearer token for ``/admin/v1/...``; without one the admin API answers 401 to everyone."""
+    cluster_token: SecretStr | None = Field(
+        default=None, validation_alias=AliasChoices("cluster_token", ENV_CLUSTER_TOKEN)
+    )
+    """Bearer token members present to register or deregister in the embedded registry (a member
+    is sent user prompts, so joining is not for everyone). Unset: anyone who can reach the port
+    may register, which is logged as a warning at start (`switchboard up` always sets one)."""
     services: Annotated[tuple[str, ...], NoDecode] = DEFAULT_SERVICES
     """Service names members may register under, comma-separated in env/flags (they become metric
     labels, so the set is closed)."""

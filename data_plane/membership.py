@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 ROUTABLE_STATUS = "passing"
 _BACKOFF_START_S = 0.1
+CLUSTER_TOKEN_ENV = "SWITCHBOARD_CLUSTER_TOKEN"
+"""The shared secret a member presents to the embedded registry (its control plane has the same)."""
 _BACKOFF_MAX_S = 1.0
 _DEREGISTER_TIMEOUT_S = 1.0
 
@@ -354,14 +356,16 @@ class RegistrationAgent(HeartbeatAgent):
     """
 
     def __init__(
-        self, registry_url: str, member: Member, http: httpx.AsyncClient, ttl_s: float = 2.0
+        self, registry_url: str, member: Member, http: httpx.AsyncClient, ttl_s: float = 2.0,
+        token: str | None = None,
     ) -> None:
         super().__init__(member, http, ttl_s)
         self._url = f"{registry_url.rstrip('/')}/v1/registry/members/{member.id}"
+        self._headers = {"authorization": f"Bearer {token}"} if token else {}
 
     async def _deregister(self) -> None:
         try:
-            resp = await self._http.delete(self._url, timeout=_DEREGISTER_TIMEOUT_S)
+            resp = await self._http.delete(self._url, headers=self._headers, timeout=_DEREGISTER_TIMEOUT_S)
             if resp.status_code not in (200, 404):
                 log.warning("deregistering %s: registry answered %d", self._member.id, resp.status_code)
         except httpx.HTTPError as exc:
@@ -376,13 +380,14 @@ class RegistrationAgent(HeartbeatAgent):
             "ttl_s": self._ttl_s,
         }
         try:
-            resp = await self._http.put(self._url, json=body, timeout=self._timeout_s)
+            resp = await self._http.put(self._url, json=body, headers=self._headers, timeout=self._timeout_s)
         except httpx.HTTPError as exc:
             return self._failed(f"{type(exc).__name__}: {exc}", logging.WARNING)
         if resp.status_code != 200:
             # a 4xx is our own misconfiguration (bad service name, url): say so loudly
             level = logging.ERROR if 400 <= resp.status_code < 500 else logging.WARNING
-            return self._failed(f"registry answered {resp.status_code}: {resp.text[:300]}", level)
+            hint = f" (set {CLUSTER_TOKEN_ENV} to the control plane's)" if resp.status_code == 401 else ""
+            return self._failed(f"registry answered {resp.status_code}: {resp.text[:300]}{hint}", level)
         if resp.headers.get("X-Registry-Created") == "true" or self._failing:
             log.info("registered %s (%s) at %s", self._member.id, self._member.service, self._url)
         return self._ok()

@@ -16,13 +16,14 @@ view; one that only watches never calls ``new_agent``. The Consul backend sends 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Protocol
 from urllib.parse import urlsplit
 
 import httpx
 
-from data_plane.membership import HttpMembership, Member, MembershipView, RegistrationAgent
+from data_plane.membership import CLUSTER_TOKEN_ENV, HttpMembership, Member, MembershipView, RegistrationAgent
 from data_plane.membership_consul import ConsulMembership, ConsulRegistrationAgent, token_from_env
 
 MEMBERSHIP_URL_PATTERN = r"^(https?|consul|consul\+https?)://[^/\s]+/?$"
@@ -63,8 +64,10 @@ Backend = Callable[[str, httpx.AsyncClient, Sequence[str]], tuple[WatchedMembers
 
 
 def _embedded(url: str, http: httpx.AsyncClient, services: Sequence[str]) -> tuple[WatchedMembership, AgentFactory]:
+    token = os.environ.get(CLUSTER_TOKEN_ENV) or None
+
     def new_agent(member: Member, ttl_s: float) -> Registrar:
-        return RegistrationAgent(url, member, http, ttl_s=ttl_s)
+        return RegistrationAgent(url, member, http, ttl_s=ttl_s, token=token)
 
     return HttpMembership(url, http, services=services), new_agent
 

@@ -23,6 +23,9 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 
 
+CLUSTER_TOKEN = "test-cluster-token"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -36,7 +39,9 @@ class Service:
         self.args = [sys.executable, "-m", "control_plane.cli", *args, "--port", str(self.port)]
         self.url = f"http://127.0.0.1:{self.port}"
         self.ready_timeout = ready_timeout
-        self.env = {**os.environ, **(env or {})}
+        # Every spawned control plane requires it, every spawned member presents it (the pytest
+        # process itself stays without one, so in-process apps run in the open mode).
+        self.env = {**os.environ, "SWITCHBOARD_CLUSTER_TOKEN": CLUSTER_TOKEN, **(env or {})}
         self.health = health
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = Path(tempfile.mkstemp(prefix="sb-test-", suffix=".log")[1])

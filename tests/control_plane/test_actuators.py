@@ -26,7 +26,7 @@ from control_plane.actuators import ActuatorError
 from control_plane.actuators.kubernetes import KubernetesActuator, default_kubeconfig
 from control_plane.actuators.local import LocalActuator
 from control_plane.actuators.nomad import NomadActuator
-from tests.procs import Service, free_port
+from tests.procs import CLUSTER_TOKEN, Service, free_port
 
 ENV_NOMAD_ADDR = "NOMAD_ADDR"
 """Set to run the Nomad adapter against that live cluster too (read and no-op scale only)."""
@@ -51,7 +51,10 @@ async def _eventually(cond, timeout: float, what: str) -> None:  # type: ignore[
         await asyncio.sleep(0.1)
 
 
-async def test_local_actuator_starts_drains_and_stops_real_shards(tmp_path: Path) -> None:
+async def test_local_actuator_starts_drains_and_stops_real_shards(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # The shards it starts inherit the control plane's environment, cluster token included.
+    monkeypatch.setenv("SWITCHBOARD_CLUSTER_TOKEN", CLUSTER_TOKEN)
     with Service(["control-plane", "--admin-token", "actuator-test-token"]) as cp:
         async with httpx.AsyncClient() as http:
             actuator = LocalActuator(

@@ -55,6 +55,13 @@ def test_up_starts_platform_and_stops_cleanly(tmp_path: Path) -> None:
         assert f"http://127.0.0.1:{console}" in banner
         assert httpx.get(f"http://127.0.0.1:{console}/_stcore/health").text == "ok"
 
+        # Members joined with the generated cluster token; without it nobody can join.
+        assert creds["cluster_token"].startswith("sb-cluster-")
+        members = httpx.get(f"http://127.0.0.1:{cp}/v1/registry/members").json()["members"]
+        assert len([m for m in members if m["service"] == "shard"]) == 2
+        rogue = {"service": "shard", "url": "http://127.0.0.1:9"}
+        assert httpx.put(f"http://127.0.0.1:{cp}/v1/registry/members/rogue", json=rogue).status_code == 401
+
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{gw}/v1", api_key=creds["keys"]["plus"], max_retries=0)
         out = client.chat.completions.create(model="synthetic", messages=[{"role": "user", "content": "hi"}])
         assert out.choices[0].message.content

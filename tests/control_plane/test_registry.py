@@ -350,3 +350,40 @@ async def test_sigterm_answers_blocking_queries_and_exits(tmp_path: pathlib.Path
     finally:
         proc.kill()
     assert "Application shutdown complete" in proc.log_tail()
+
+
+async def test_joining_needs_the_cluster_token(tmp_path: pathlib.Path) -> None:
+    """With a cluster token, register and deregister are refused without it (a member is sent
+    user prompts); reads stay open; the agent presents the token it is given."""
+    cp = ControlPlaneProcess(tmp_path / "cp.log", "--warmup", "0", "--cluster-token", "s3cret-cluster").start()
+    member_id = unique_id()
+    body = {"service": "shard", "url": "http://127.0.0.1:8101"}
+    try:
+        async with httpx.AsyncClient(base_url=cp.url) as http:
+            err = assert_openai_error(await http.put(f"/v1/registry/members/{member_id}", json=body), 401)
+            assert err["code"] == "invalid_cluster_token"
+            for bad in ("Bearer wrong", "s3cret-cluster", "Basic s3cret-cluster"):
+                resp = await http.put(f"/v1/registry/members/{member_id}", json=body, headers={"authorization": bad})
+                assert_openai_error(resp, 401)
+            assert (await http.get("/v1/registry/members")).json()["members"] == []
+
+            intruder = RegistrationAgent(cp.url, Member(unique_id(), "shard", "http://127.0.0.1:9"), http,
+                                         token="guess")
+            assert not await intruder.heartbeat()
+            agent = RegistrationAgent(cp.url, Member(member_id, "shard", "http://127.0.0.1:8101"), http,
+                                      token="s3cret-cluster")
+            await agent.start()
+            assert agent.registered
+            members = (await http.get("/v1/registry/members")).json()["members"]
+            assert [m["id"] for m in members] == [member_id]
+
+            assert_openai_error(await http.delete(f"/v1/registry/members/{member_id}"), 401)
+            await agent.aclose()  # deregisters with the token
+            assert (await http.get("/v1/registry/members")).json()["members"] == []
+    finally:
+        cp.stop()
+    assert "no cluster token" not in cp.log_path.read_text()
+
+
+async def test_without_a_cluster_token_the_open_registry_is_logged(control_plane: ControlPlaneProcess) -> None:
+    assert "no cluster token (SWITCHBOARD_CLUSTER_TOKEN)" in control_plane.log_path.read_text()

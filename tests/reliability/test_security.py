@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.cluster import ADMIN_TOKEN, KEYS, Cluster, api_keys_env
-from tests.procs import Service
+from tests.procs import CLUSTER_TOKEN, Service
 from tests.reliability.common import (
     all_services,
     assert_openai_error,
@@ -211,18 +211,22 @@ def test_registry_drain_needs_the_admin_token(lone_control_plane: Service) -> No
     registry's own /v1/registry/members/{id}/drain must not be a way around it."""
     url = lone_control_plane.url
     member = {"service": "shard", "url": "http://127.0.0.1:9", "meta": {}, "ttl_s": 30}
-    registered = httpx.put(url + "/v1/registry/members/shard-victim", json=member)
+    rogue = httpx.put(url + "/v1/registry/members/shard-rogue", json=member)
+    assert rogue.status_code == 401, (
+        f"PRODUCT BUG: registering a member (and so receiving prompts as a 'shard') needs no credential "
+        f"({rogue.status_code})")
+    joined = {"Authorization": f"Bearer {CLUSTER_TOKEN}"}
+    registered = httpx.put(url + "/v1/registry/members/shard-victim", json=member, headers=joined)
     assert registered.status_code == 200, registered.text
     try:
         drained = httpx.post(url + "/v1/registry/members/shard-victim/drain")
-        report("registry_writes_without_token", register=registered.status_code, drain=drained.status_code)
+        report("registry_writes_without_token", register=rogue.status_code, drain=drained.status_code)
         assert drained.status_code in (401, 403, 404, 405), (
             f"PRODUCT BUG: anyone who reaches the control plane drains a member without the admin token "
-            f"(POST /v1/registry/members/{{id}}/drain -> {drained.status_code}); registering a member (and so "
-            f"receiving prompts as a 'shard') needs no credential either ({registered.status_code})"
+            f"(POST /v1/registry/members/{{id}}/drain -> {drained.status_code})"
         )
     finally:
-        httpx.delete(url + "/v1/registry/members/shard-victim")
+        httpx.delete(url + "/v1/registry/members/shard-victim", headers=joined)
 
 
 # -- sessions ------------------------------------------------------------------------------------
