@@ -1,7 +1,7 @@
 """Signals: what the autoscaler and the degradation controller decide on, from either source.
 
     source = ScrapeSignals.from_registry(registry, http)            # embedded: scrapes /metrics
-    source = PrometheusSignals("http://127.0.0.1:9090", http)       # --prometheus URL
+    source = PrometheusSignals("http://127.0.0.1:9090", http)       # --prometheus URL (signals_prometheus)
     signals = await source.read()
     if not signals.complete:
         log.info("holding: missing %s", ", ".join(signals.missing))
@@ -527,13 +527,13 @@ def build_signal_source(settings: Any, registry: Any, http: httpx.AsyncClient) -
     window_s = getattr(settings, "signals_window_s", 30.0)
     prometheus = getattr(settings, "prometheus", None)
     if prometheus:
+        from control_plane.signals_prometheus import PrometheusSignals  # builds on this module
+
         return PrometheusSignals(prometheus, http, window_s=window_s)
     return ScrapeSignals.from_registry(registry, http, window_s=window_s)
 
 
 __all__ = [
-    "PrometheusError",
-    "PrometheusSignals",
     "ScrapeSignals",
     "ShardSignal",
     "SignalSource",
@@ -542,6 +542,3 @@ __all__ = [
     "histogram_quantile",
     "parse_exposition",
 ]
-
-# at the bottom: the Prometheus reader builds on the definitions above
-from control_plane.signals_prometheus import PrometheusError, PrometheusSignals  # noqa: E402

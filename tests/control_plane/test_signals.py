@@ -15,12 +15,12 @@ import httpx
 import pytest
 
 from control_plane.signals import (
-    PrometheusSignals,
     ScrapeSignals,
     Signals,
     histogram_quantile,
     parse_exposition,
 )
+from control_plane.signals_prometheus import PrometheusSignals
 from data_plane.membership import Member
 from tests.cluster import Cluster
 from tests.procs import free_port
