@@ -473,7 +473,7 @@ class DegradationController:
         if self._metrics is not None:
             self._metrics.changes.labels(direction, actor).inc()
         self._publish_metrics()
-        attributes = {
+        attributes: dict[str, Any] = {
             "switchboard.degradation.from": record.level,
             "switchboard.degradation.to": to,
             "switchboard.degradation.actor": actor,

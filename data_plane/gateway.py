@@ -206,7 +206,7 @@ def build_gateway(settings: GatewaySettings, registry: CollectorRegistry | None 
     return Gateway(settings, keys, tiers, safety, counter, registry or CollectorRegistry())
 
 
-def create_app(gw: Gateway) -> FastAPI:
+def create_app(gw: Gateway) -> GatewayApp:
     settings = gw.settings
 
     @asynccontextmanager
@@ -448,7 +448,7 @@ class ChatHandler:
         (or the response is complete): then the request's task is cancelled, which aborts
         whatever it waits on (admission queue, shard, stream) and the shard's work with it."""
         task = asyncio.current_task()
-        if task is None or self._watcher is not None:
+        if task is None or self._watcher is not None or self._receive is None:
             return
 
         def on_message(watcher: asyncio.Future[Any]) -> None:
@@ -590,6 +590,7 @@ class ChatHandler:
             self.session_id = "sess_" + secrets.token_urlsafe(24)
         else:
             self.session_id = validate_session_id(header)
+        assert self.span is not None
         self.span.set_attribute("switchboard.session", True)
         transcript = None
         if header != NEW_SESSION:

@@ -132,7 +132,7 @@ class Completion:
         h = self.h
         span = h.span
         assert span is not None
-        common = {"completion_id": self.completion_id, "model": self.model, "created": self.created}
+        common: dict[str, Any] = {"completion_id": self.completion_id, "model": self.model, "created": self.created}
         error: str | None = None
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         out = [_event(chunk_body(**common, delta={"role": "assistant", "content": ""}))]
