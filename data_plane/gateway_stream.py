@@ -28,7 +28,7 @@ from data_plane.safety import ALLOW, OutputStreamFilter
 from data_plane.upstream import Delta, Finish, ResumableStream, UsageEvent
 
 if TYPE_CHECKING:
-    from data_plane.gateway import ChatHandler
+    from data_plane.gateway_chat import ChatHandler
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)

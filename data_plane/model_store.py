@@ -102,7 +102,7 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     print("[switchboard]   tokenizer loaded; dequantizing weights...", flush=True)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     # The dequantized weights are plain tensors; drop the GGUF quantizer so save works.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
