@@ -27,7 +27,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from data_plane.cache_client import Transcript
-from data_plane.cache_node import MemoryStorage, parse_settings
+from data_plane.cache_node import parse_settings
+from data_plane.cache_storage import MemoryStorage
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 20.0
