@@ -1,6 +1,6 @@
 """The gateway's view of session transcripts: placed, replicated and read-repaired on cache nodes.
 
-    store = SessionStore(membership, http, registry=registry, timeout_s=1.0)
+    store = SessionStore(membership, HopPool(), registry=registry, timeout_s=1.0)
     transcript = await store.load("sess-1", owner="key-hash", replicas=2)   # None: new session
     acks = await store.save("sess-1", "key-hash", messages, version=3, replicas=2)
     await store.drain()                                                     # pending read-repairs
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import time
@@ -43,12 +44,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import httpx
 from opentelemetry import propagate, trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from data_plane.errors import InvalidRequest, NotFound, Overloaded, SwitchboardError, from_openai_body
 from data_plane.hashring import DEFAULT_VNODES, HashRing
+from data_plane.hop_client import HopError, HopPool
 
 if TYPE_CHECKING:
     from data_plane.membership import Member, MembershipView
@@ -60,6 +61,8 @@ SESSION_ID_PATTERN = r"[A-Za-z0-9_.:-]{1,128}"
 """Session ids the cache tier accepts (whole-string match)."""
 _SESSION_ID_RE = re.compile(SESSION_ID_PATTERN)
 CACHE_SERVICE = "cache"
+MAX_RECORD_BYTES = 256 * 1024 * 1024
+"""The largest session record a cache node may hold (its --max-body-bytes ceiling)."""
 """The membership service name cache nodes register under."""
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -194,7 +197,7 @@ class SessionStore:
     def __init__(
         self,
         membership: MembershipView,
-        http: httpx.AsyncClient,
+        http: HopPool,
         registry: CollectorRegistry | None = None,
         timeout_s: float = 1.0,
         *,
@@ -322,8 +325,9 @@ class SessionStore:
                 self.metrics.ops.labels(op, outcome.result).inc()
                 self.metrics.seconds.labels(op).observe(time.perf_counter() - started)
 
-    def _url(self, member: Member, session_id: str) -> str:
-        return f"{member.url.rstrip('/')}/v1/sessions/{session_id}"
+    @staticmethod
+    def _path(session_id: str) -> str:
+        return f"/v1/sessions/{session_id}"  # the id is validated: URL-safe characters only
 
     @staticmethod
     def _headers() -> dict[str, str]:
@@ -334,19 +338,19 @@ class SessionStore:
     async def _fetch(self, member: Member, session_id: str) -> tuple[str, Transcript | None]:
         """('hit', t) | ('miss', None) | ('error', None); never raises for a node's failure."""
         try:
-            resp = await self._http.get(
-                self._url(member, session_id), headers=self._headers(), timeout=self._timeout_s
-            )
-            if resp.status_code == 404:
+            resp = await self._http.request("GET", member.url, self._path(session_id), headers=self._headers(),
+                                            timeout=self._timeout_s)
+            raw = await resp.read(self._deadline(), limit=MAX_RECORD_BYTES)
+            if resp.status == 404:
                 return "miss", None
-            if resp.status_code != 200:
-                log.warning("cache node %s answered GET with %d", member.id, resp.status_code)
+            if resp.status != 200:
+                log.warning("cache node %s answered GET with %d", member.id, resp.status)
                 return "error", None
-            transcript = Transcript.from_wire(resp.json())
+            transcript = Transcript.from_wire(json.loads(raw))
             if transcript.session_id != session_id:
                 raise ValueError("cache node returned another session")
             return "hit", transcript
-        except (httpx.HTTPError, ValueError) as exc:
+        except (HopError, ValueError) as exc:
             log.warning("cache node %s unreachable for GET: %s", member.id, type(exc).__name__)
             return "error", None
 
@@ -362,27 +366,28 @@ class SessionStore:
         if keep_updated_at:
             body["updated_at"] = t.updated_at
         try:
-            resp = await self._http.put(
-                self._url(member, t.session_id),
-                json=body,
-                headers=self._headers(),
-                timeout=self._timeout_s,
-            )
-        except httpx.HTTPError as exc:
+            resp = await self._http.request("PUT", member.url, self._path(t.session_id),
+                                            json.dumps(body, ensure_ascii=False).encode(),
+                                            headers=self._headers(), timeout=self._timeout_s)
+            raw = await resp.read(self._deadline())
+        except HopError as exc:
             log.warning("cache node %s unreachable for PUT: %s", member.id, type(exc).__name__)
             return _WriteResult("error")
-        if resp.status_code == 200:
+        if resp.status == 200:
             return _WriteResult("ok", 200)
-        payload = _json_or_none(resp)
-        if resp.status_code == 409:
+        payload = _json_or_none(raw)
+        if resp.status == 409:
             stored = None
             if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
                 stored = payload["error"].get("stored_version")
             return _WriteResult("stale", 409, payload, stored if isinstance(stored, int) else None)
-        if 400 <= resp.status_code < 500:
-            return _WriteResult("rejected", resp.status_code, payload)
-        log.warning("cache node %s answered PUT with %d", member.id, resp.status_code)
-        return _WriteResult("error", resp.status_code, payload)
+        if 400 <= resp.status < 500:
+            return _WriteResult("rejected", resp.status, payload)
+        log.warning("cache node %s answered PUT with %d", member.id, resp.status)
+        return _WriteResult("error", resp.status, payload)
+
+    def _deadline(self) -> float:
+        return asyncio.get_running_loop().time() + self._timeout_s
 
     def _start_repair(self, transcript: Transcript, missing: list[Member], unchecked: list[Member]) -> None:
         task = asyncio.create_task(self._repair(transcript, missing, unchecked), name="session-read-repair")
@@ -416,8 +421,8 @@ class SessionStore:
             log.info("read-repair onto %s: %s", member.id, result)
 
 
-def _json_or_none(resp: httpx.Response) -> Any:
+def _json_or_none(raw: bytes) -> Any:
     try:
-        return resp.json()
+        return json.loads(raw)
     except ValueError:
         return None

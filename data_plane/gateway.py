@@ -62,7 +62,7 @@ from data_plane.ratelimit import (
 )
 from data_plane.router import Router, RouterMetrics
 from data_plane.safety import SafetyMetrics, SafetyPolicies
-from data_plane.shard_client import ShardPool
+from data_plane.hop_client import HopPool
 from data_plane.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
 from data_plane.tiers import TierPolicy
 from data_plane.upstream import CHAT_PATH, Upstream, UpstreamConfig
@@ -106,7 +106,7 @@ class Gateway:
     sessions: SessionStore | None = None
     http: httpx.AsyncClient | None = None
     """For cache nodes, membership and the control plane; shards are called through `pool`."""
-    pool: ShardPool | None = None
+    pool: HopPool | None = None
     cluster: ClusterStateView | None = None
     limiter: RateLimiter = field(init=False)
     admission: Admission = field(init=False)
@@ -184,11 +184,11 @@ def create_app(gw: Gateway) -> GatewayApp:
         gw.router = Router(gw.membership, gw.router_metrics, policy=settings.routing_policy,
                            epsilon=settings.bounded_load_epsilon, eject_after=settings.eject_after,
                            eject_s=settings.eject_s)
-        gw.pool = ShardPool(connect_timeout_s=settings.connect_timeout_s)
+        gw.pool = HopPool(connect_timeout_s=settings.connect_timeout_s)
         gw.upstream = Upstream(gw.router, gw.pool, UpstreamConfig(
             connect_timeout_s=settings.connect_timeout_s, first_token_timeout_s=settings.first_token_timeout_s,
             idle_timeout_s=settings.idle_timeout_s, retries=settings.retries, resumes=settings.resumes))
-        gw.sessions = SessionStore(gw.membership, gw.http, registry=gw.registry)
+        gw.sessions = SessionStore(gw.membership, gw.pool, registry=gw.registry)
         agent = None
         if new_agent is not None:
             agent = new_agent(Member(

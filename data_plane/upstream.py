@@ -1,6 +1,6 @@
 """Calling shards under supervision: timeouts, one retry elsewhere, streamed events.
 
-    upstream = Upstream(router, ShardPool(), UpstreamConfig())
+    upstream = Upstream(router, HopPool(), UpstreamConfig())
     stream = await upstream.open(body, session_id="s-1")   # first token already in hand
     async for events in stream.batches():                  # [Delta / Finish / UsageEvent, ...]
         ...
@@ -14,7 +14,7 @@ iterator and the gateway ends the SSE stream with an error event. A shard's 4xx 
 request's fault: it is passed through, not retried.
 
 Events come in batches: everything the shard has sent by the time the consumer asks, so a
-burst of tokens is one wake-up here and one write to the client (data_plane/shard_client.py).
+burst of tokens is one wake-up here and one write to the client (data_plane/hop_client.py).
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ from data_plane.errors import (
 )
 from data_plane.membership import Member
 from data_plane.router import Router
-from data_plane.shard_client import (
-    ShardClientError,
-    ShardConnectError,
-    ShardPool,
-    ShardResponse,
-    ShardTimeout,
+from data_plane.hop_client import (
+    HopError,
+    HopConnectError,
+    HopPool,
+    HopResponse,
+    HopTimeout,
 )
 
 log = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ class ShardStream:
     """An open, supervised stream from one shard; iterate `batches()` for the events after the
     first batch: every event that has arrived, at once."""
 
-    def __init__(self, member: Member, response: ShardResponse, first: list[Event], leases: ExitStack,
+    def __init__(self, member: Member, response: HopResponse, first: list[Event], leases: ExitStack,
                  router: Router, idle_timeout_s: float, attempts: int) -> None:
         self.member = member
         self.attempts = attempts
@@ -161,10 +161,10 @@ class ShardStream:
             while True:
                 try:
                     lines = await self._response.lines(self._idle)
-                except ShardTimeout:
+                except HopTimeout:
                     self._router.report_failure(self.member, "stream_idle")
                     raise UpstreamTimeout(f"the shard stopped streaming for {self._idle:.0f} s") from None
-                except ShardClientError as exc:
+                except HopError as exc:
                     self._router.report_failure(self.member, "stream_broken")
                     raise UpstreamError(f"the shard's stream broke: {exc}") from None
                 if not lines:
@@ -198,7 +198,7 @@ class ShardStream:
 
 
 class Upstream:
-    def __init__(self, router: Router, pool: ShardPool, config: UpstreamConfig) -> None:
+    def __init__(self, router: Router, pool: HopPool, config: UpstreamConfig) -> None:
         self.router = router
         self.pool = pool
         self.config = config
@@ -241,14 +241,14 @@ class Upstream:
         inject(headers)
         span = trace.get_current_span()
         span.set_attribute("switchboard.shard", member.id)
-        response: ShardResponse | None = None
+        response: HopResponse | None = None
         loop = asyncio.get_running_loop()
         first_token_by = loop.time() + cfg.first_token_timeout_s
         try:
             try:
                 response = await self.pool.post(member.url, CHAT_PATH, payload, headers,
                                                 timeout=min(cfg.headers_timeout_s, cfg.first_token_timeout_s))
-            except ShardTimeout:
+            except HopTimeout:
                 raise _Retryable("timeout", UpstreamTimeout("a shard did not answer in time", retry_after=2)) from None
             if response.status != 200:
                 await self._refuse(member, response, leases)
@@ -258,7 +258,7 @@ class Upstream:
                 while not token:
                     remaining = first_token_by - loop.time()
                     if remaining <= 0:
-                        raise ShardTimeout("no first token")
+                        raise HopTimeout("no first token")
                     lines = await response.lines(remaining)
                     if not lines:
                         raise _Retryable("empty_stream", UpstreamError("a shard closed the stream before any token"))
@@ -269,13 +269,13 @@ class Upstream:
                         if event is not None:
                             first.append(event)
                             token = token or isinstance(event, (Delta, Finish))
-            except ShardTimeout:
+            except HopTimeout:
                 raise _Retryable("first_token_timeout", UpstreamTimeout(
                     f"no token from a shard within {cfg.first_token_timeout_s:.0f} s", retry_after=2)) from None
-        except ShardConnectError:
+        except HopConnectError:
             leases.close()
             raise _Retryable("connect", NoHealthyBackend("could not connect to a shard", retry_after=2)) from None
-        except ShardClientError as exc:
+        except HopError as exc:
             _close(response)
             leases.close()
             raise _Retryable("transport", UpstreamError(f"a shard failed: {exc}")) from None
@@ -287,11 +287,11 @@ class Upstream:
         span.set_attribute("switchboard.attempts", attempt)
         return ShardStream(member, response, first, leases, self.router, cfg.idle_timeout_s, attempt)
 
-    async def _refuse(self, member: Member, response: ShardResponse, leases: ExitStack) -> NoReturn:
+    async def _refuse(self, member: Member, response: HopResponse, leases: ExitStack) -> NoReturn:
         """A non-200 answer: the shard's own error, retried elsewhere if it is the shard's fault."""
         try:
             raw = await response.read(asyncio.get_running_loop().time() + self.config.headers_timeout_s)
-        except ShardClientError:
+        except HopError:
             raw = b""
         finally:
             response.close()
@@ -310,7 +310,7 @@ class Upstream:
         raise error
 
 
-def _close(response: ShardResponse | None) -> None:
+def _close(response: HopResponse | None) -> None:
     if response is not None:
         response.close()
 

@@ -14,7 +14,7 @@ same streaming request (`max_tokens` tokens) then goes to three systems:
 
 Each round runs, for each concurrency, `--requests` requests per system in a closed loop of
 `concurrency` workers over one keep-alive connection pool (the gateway's own lean HTTP/1.1
-client, data_plane/shard_client.py: with httpx the load generator's CPU, ~1 ms a request,
+client, data_plane/hop_client.py: with httpx the load generator's CPU, ~1 ms a request,
 made the c=16 tail mostly its own), systems interleaved (direct, switchboard,
 litellm, direct, ...) so machine noise lands on all of them alike; `concurrency` warm-up
 requests before each batch are not counted. Per request we record latency to the last byte
@@ -78,7 +78,7 @@ from data_plane.bench.common import (
     percentile,
     write_json,
 )
-from data_plane.shard_client import ShardClientError, ShardPool
+from data_plane.hop_client import HopError, HopPool
 
 DIRECT, SWITCHBOARD, LITELLM = "direct", "switchboard", "litellm"
 BENCH_KEY = "sk-bench"
@@ -229,7 +229,7 @@ def request_bodies(n: int, max_tokens: int) -> list[bytes]:
                         "max_tokens": max_tokens, "stream": True}).encode() for p in cycle(PROMPTS, n)]
 
 
-async def send(client: ShardPool, system: System, body: bytes) -> RequestResult:
+async def send(client: HopPool, system: System, body: bytes) -> RequestResult:
     """One streaming request; `finished` is taken after the last byte (`data: [DONE]`)."""
     r = RequestResult(submitted=time.perf_counter())
     done = False
@@ -255,12 +255,12 @@ async def send(client: ShardPool, system: System, body: bytes) -> RequestResult:
         r.finished = time.perf_counter()
         if not done:
             r.error = "stream ended without [DONE]"
-    except ShardClientError as exc:
+    except HopError as exc:
         r.error = type(exc).__name__
     return r
 
 
-async def run_batch(client: ShardPool, system: System, shard: Proc, bodies: list[bytes],
+async def run_batch(client: HopPool, system: System, shard: Proc, bodies: list[bytes],
                     concurrency: int, round_no: int) -> Batch:
     one = functools.partial(send, client, system)
     await closed_loop(bodies[:concurrency], concurrency, one)  # warm-up
@@ -479,7 +479,7 @@ async def measure(args: argparse.Namespace, stack: Stack) -> list[Batch]:
     pool = 4 * top
     bodies = request_bodies(args.requests, args.max_tokens)
     batches: list[Batch] = []
-    client = ShardPool(connect_timeout_s=5.0, max_idle_per_host=pool)
+    client = HopPool(connect_timeout_s=5.0, max_idle_per_host=pool)
     try:
         for s in systems:  # first requests pay for lazy imports and connection set-up
             probe = await send(client, s, bodies[0])

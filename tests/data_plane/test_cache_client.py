@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from data_plane.cache_client import SessionStore, Transcript, VersionConflict
+from data_plane.hop_client import HopPool
 from data_plane.errors import InvalidRequest, NotFound, Overloaded
 from data_plane.membership import Member, StaticMembership
 from tests.data_plane.test_cache_node import NodeProcess, free_port, start_nodes
@@ -50,7 +51,7 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProcess]
 
 async def test_save_writes_the_preference_list_and_load_reads_it_back(trio: list[NodeProcess]) -> None:
     registry = CollectorRegistry()
-    async with httpx.AsyncClient() as http:
+    async with HopPool() as http:
         store = SessionStore(StaticMembership(members(trio)), http, registry=registry)
         assert await store.save("conv-1", "key-a", MESSAGES, version=1, replicas=2, ttl_s=60) == 2
         expected = {m.id for m in store.replicas_for("conv-1", 2)}
@@ -69,7 +70,7 @@ async def test_save_writes_the_preference_list_and_load_reads_it_back(trio: list
 
 
 async def test_owner_mismatch_is_not_found_and_repairs_nothing(trio: list[NodeProcess]) -> None:
-    async with httpx.AsyncClient() as http:
+    async with HopPool() as http:
         full = StaticMembership(members(trio))
         store = SessionStore(full, http)
         await store.save("conv-owned", "key-a", MESSAGES, version=1, replicas=1)
@@ -82,8 +83,8 @@ async def test_owner_mismatch_is_not_found_and_repairs_nothing(trio: list[NodePr
 
 async def test_a_replica_left_behind_is_brought_up_to_the_version_read(trio: list[NodeProcess]) -> None:
     registry = CollectorRegistry()
-    async with httpx.AsyncClient() as http:
-        store = SessionStore(StaticMembership(members(trio)), http, registry=registry)
+    async with HopPool() as pool, httpx.AsyncClient() as http:  # the test talks to nodes on its own
+        store = SessionStore(StaticMembership(members(trio)), pool, registry=registry)
         await store.save("conv-lag", "key-a", MESSAGES[:1], version=1, replicas=2)
         primary, lagging = store.replicas_for("conv-lag", 2)
         body = {"owner": "key-a", "messages": MESSAGES, "version": 2}
@@ -97,7 +98,7 @@ async def test_a_replica_left_behind_is_brought_up_to_the_version_read(trio: lis
 
 
 async def test_stale_write_raises_version_conflict(trio: list[NodeProcess]) -> None:
-    async with httpx.AsyncClient() as http:
+    async with HopPool() as http:
         store = SessionStore(StaticMembership(members(trio)), http)
         assert await store.save("conv-v", "key-a", MESSAGES, version=5, replicas=2) == 2
         with pytest.raises(VersionConflict) as caught:
@@ -108,7 +109,7 @@ async def test_stale_write_raises_version_conflict(trio: list[NodeProcess]) -> N
 
 
 async def test_partial_acks_are_counted_and_zero_acks_are_overloaded(trio: list[NodeProcess]) -> None:
-    async with httpx.AsyncClient() as http:
+    async with HopPool() as http:
         half = SessionStore(StaticMembership([*members(trio[:1]), dead_member()]), http, timeout_s=0.5)
         assert await half.save("conv-half", "key-a", MESSAGES, version=1, replicas=2) == 1
         assert (await half.load("conv-half", "key-a", replicas=2)) is not None
@@ -128,7 +129,7 @@ async def test_partial_acks_are_counted_and_zero_acks_are_overloaded(trio: list[
 
 
 async def test_no_cache_members_is_overloaded_and_bad_ids_are_invalid() -> None:
-    async with httpx.AsyncClient() as http:
+    async with HopPool() as http:
         store = SessionStore(StaticMembership([]), http)
         with pytest.raises(Overloaded) as caught:
             await store.load("conv-1", "key-a", replicas=2)
@@ -142,7 +143,7 @@ async def test_survives_kill_9_and_read_repairs_when_membership_changes(tmp_path
     by_id = {f"cache-{n.port}": n for n in nodes}
     registry = CollectorRegistry()
     try:
-        async with httpx.AsyncClient() as http:
+        async with HopPool() as http:
             store = SessionStore(StaticMembership(members(nodes)), http, registry=registry, timeout_s=0.5)
             assert await store.save("conv-dur", "key-a", MESSAGES, version=3, replicas=2, ttl_s=120) == 2
             first, second = (m.id for m in store.replicas_for("conv-dur", 2))

@@ -1,4 +1,4 @@
-"""The gateway's shard client (data_plane/shard_client.py) against real sockets on loopback.
+"""The gateway's shard client (data_plane/hop_client.py) against real sockets on loopback.
 
 A real synthetic shard answers the normal cases; a small asyncio server that misbehaves on
 purpose (closes kept-alive connections, dies mid-body, sends garbage) injects the faults.
@@ -12,13 +12,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 
-from data_plane.shard_client import (
+from data_plane.hop_client import (
     HIGH_WATER,
-    ShardConnectError,
-    ShardDisconnected,
-    ShardPool,
-    ShardProtocolError,
-    ShardTimeout,
+    HopConnectError,
+    HopDisconnected,
+    HopPool,
+    HopProtocolError,
+    HopTimeout,
 )
 from tests.procs import Service, free_port
 
@@ -38,8 +38,8 @@ def shard() -> Iterator[Service]:
 
 
 @pytest.fixture
-async def pool() -> AsyncIterator[ShardPool]:
-    p = ShardPool(connect_timeout_s=1.0)
+async def pool() -> AsyncIterator[HopPool]:
+    p = HopPool(connect_timeout_s=1.0)
     yield p
     await p.aclose()
 
@@ -51,7 +51,7 @@ async def _all_lines(response) -> list[bytes]:  # type: ignore[no-untyped-def]
     return out
 
 
-async def test_streams_a_completion_and_reuses_the_connection(shard: Service, pool: ShardPool) -> None:
+async def test_streams_a_completion_and_reuses_the_connection(shard: Service, pool: HopPool) -> None:
     texts = []
     for _ in range(3):
         response = await pool.post(shard.url, CHAT, _body(), {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"})
@@ -67,7 +67,7 @@ async def test_streams_a_completion_and_reuses_the_connection(shard: Service, po
     assert len(pool._idle[next(iter(pool._idle))]) == 1
 
 
-async def test_a_non_200_body_is_read_whole(shard: Service, pool: ShardPool) -> None:
+async def test_a_non_200_body_is_read_whole(shard: Service, pool: HopPool) -> None:
     response = await pool.post(shard.url, CHAT, b'{"messages": []}', {})
     assert response.status == 400
     error = json.loads(await response.read())["error"]
@@ -75,7 +75,7 @@ async def test_a_non_200_body_is_read_whole(shard: Service, pool: ShardPool) -> 
     assert pool.idle_connections() == 1
 
 
-async def test_closing_early_drops_the_connection_and_the_shard_aborts(shard: Service, pool: ShardPool) -> None:
+async def test_closing_early_drops_the_connection_and_the_shard_aborts(shard: Service, pool: HopPool) -> None:
     response = await pool.post(shard.url, CHAT, _body(max_tokens=200), {})
     assert response.status == 200
     assert await response.lines()
@@ -102,12 +102,12 @@ async def _get(url: str) -> bytes:
         return (await client.get(url)).content
 
 
-async def test_connect_refused_is_a_connect_error(pool: ShardPool) -> None:
-    with pytest.raises(ShardConnectError):
+async def test_connect_refused_is_a_connect_error(pool: HopPool) -> None:
+    with pytest.raises(HopConnectError):
         await pool.post(f"http://127.0.0.1:{free_port()}", CHAT, _body(), {})
 
 
-async def test_header_injection_is_refused(shard: Service, pool: ShardPool) -> None:
+async def test_header_injection_is_refused(shard: Service, pool: HopPool) -> None:
     with pytest.raises(ValueError):
         await pool.post(shard.url, CHAT, _body(), {"traceparent": "x\r\nevil: 1"})
 
@@ -138,7 +138,7 @@ SSE_OK = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encod
           b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
 
 
-async def test_a_kept_alive_connection_the_server_closed_is_retried_fresh(pool: ShardPool) -> None:
+async def test_a_kept_alive_connection_the_server_closed_is_retried_fresh(pool: HopPool) -> None:
     served = []
 
     async def once_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -160,7 +160,7 @@ async def test_a_kept_alive_connection_the_server_closed_is_retried_fresh(pool: 
     assert len(served) == 2
 
 
-async def test_a_stream_cut_mid_body_raises(pool: ShardPool) -> None:
+async def test_a_stream_cut_mid_body_raises(pool: HopPool) -> None:
     async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _read_request(reader)
         writer.write(SSE_OK[: SSE_OK.index(b"e\r\ndata: [DONE]")])
@@ -171,13 +171,13 @@ async def test_a_stream_cut_mid_body_raises(pool: ShardPool) -> None:
     async with server:
         response = await pool.post(url, CHAT, _body(), {})
         assert await response.lines() == [b"data: one"]
-        with pytest.raises(ShardDisconnected):
+        with pytest.raises(HopDisconnected):
             await response.lines()
         response.close()
     assert pool.idle_connections() == 0
 
 
-async def test_garbage_is_a_protocol_error(pool: ShardPool) -> None:
+async def test_garbage_is_a_protocol_error(pool: HopPool) -> None:
     async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _read_request(reader)
         writer.write(b"SMTP READY\r\n\r\n")
@@ -185,7 +185,7 @@ async def test_garbage_is_a_protocol_error(pool: ShardPool) -> None:
 
     server, url = await _serve(garbage)
     async with server:
-        with pytest.raises(ShardProtocolError):
+        with pytest.raises(HopProtocolError):
             await pool.post(url, CHAT, _body(), {})
 
 
@@ -195,7 +195,7 @@ async def _silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
     await asyncio.sleep(5)
 
 
-async def test_a_silent_server_can_be_given_up_on(pool: ShardPool) -> None:
+async def test_a_silent_server_can_be_given_up_on(pool: HopPool) -> None:
     server, url = await _serve(_silent)
     async with server:
         with pytest.raises(TimeoutError):
@@ -204,7 +204,7 @@ async def test_a_silent_server_can_be_given_up_on(pool: ShardPool) -> None:
     assert pool.idle_connections() == 0
 
 
-async def test_a_slow_reader_pauses_the_socket_instead_of_buffering_everything(pool: ShardPool) -> None:
+async def test_a_slow_reader_pauses_the_socket_instead_of_buffering_everything(pool: HopPool) -> None:
     total = 8 * HIGH_WATER
 
     async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -229,7 +229,7 @@ async def test_a_slow_reader_pauses_the_socket_instead_of_buffering_everything(p
         response.close()
 
 
-async def test_silence_past_the_deadline_is_a_timeout_and_drops_the_connection(pool: ShardPool) -> None:
+async def test_silence_past_the_deadline_is_a_timeout_and_drops_the_connection(pool: HopPool) -> None:
     async def stalls_mid_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _read_request(reader)
         writer.write(SSE_OK[: SSE_OK.index(b"e\r\ndata: [DONE]")])
@@ -238,12 +238,12 @@ async def test_silence_past_the_deadline_is_a_timeout_and_drops_the_connection(p
 
     server, url = await _serve(stalls_mid_stream)
     async with server:
-        with pytest.raises(ShardTimeout):  # no headers within the post timeout
+        with pytest.raises(HopTimeout):  # no headers within the post timeout
             await _silent_headers(pool)
         response = await pool.post(url, CHAT, _body(), {}, timeout=2.0)
         assert await response.lines(timeout=1.0) == [b"data: one"]
         started = asyncio.get_running_loop().time()
-        with pytest.raises(ShardTimeout):
+        with pytest.raises(HopTimeout):
             await response.lines(timeout=0.3)
         waited = asyncio.get_running_loop().time() - started
         assert 0.3 <= waited < 1.0  # enforced by the pool's sweep (every SWEEP_S)
@@ -251,7 +251,7 @@ async def test_silence_past_the_deadline_is_a_timeout_and_drops_the_connection(p
     assert pool.idle_connections() == 0
 
 
-async def _silent_headers(pool: ShardPool) -> None:
+async def _silent_headers(pool: HopPool) -> None:
     server, url = await _serve(_silent)
     async with server:
         await pool.post(url, CHAT, _body(), {}, timeout=0.2)

@@ -1,25 +1,28 @@
-"""The gateway's HTTP/1.1 client for shards: POST a chat request, read the SSE stream in batches.
+"""The gateway's HTTP/1.1 client for its internal hops: shards (a streamed chat completion per
+request) and cache nodes (a session GET and PUTs per turn).
 
-    pool = ShardPool(connect_timeout_s=2.0)
+    pool = HopPool(connect_timeout_s=2.0)
     response = await pool.post("http://127.0.0.1:8101", "/v1/chat/completions", body, headers)
     if response.status != 200:
         error_body = await response.read()
     while lines := await response.lines():   # every complete line that has arrived, at once
         ...
     response.close()     # before the end: drops the connection, so the shard aborts the work
+    session = await (await pool.request("GET", cache_url, "/v1/sessions/s1", timeout=1.0)).read()
     await pool.aclose()
 
-This is the request path's one hop per token, so it is built for that alone. httpx cost the
+These hops are on every request's path, so the client is built for them alone. httpx cost the
 gateway ~1.5 ms of CPU per streamed completion (its pool, anyio and h11 layers run per body
-chunk); here the response is parsed by httptools (the C parser uvicorn itself uses) inside an
+chunk); here responses are parsed by httptools (the C parser uvicorn itself uses) inside an
 asyncio protocol, and `lines()` hands over everything that has arrived in one call, so a burst
 of tokens costs one wake-up and, in the gateway, one write to the client.
 
-Connections are kept alive per shard and reused (LIFO, expired after `keepalive_s` idle, below
-uvicorn's 5 s server-side keep-alive). A reused connection that the shard closed before
+Connections are kept alive per host and reused (LIFO, expired after `keepalive_s` idle, below
+uvicorn's 5 s server-side keep-alive). A reused connection that the server closed before
 answering a single byte is the keep-alive race, not a failure: the request is sent again once
-on a fresh connection. The read buffer is bounded: reading from the shard pauses while more
-than `HIGH_WATER` bytes wait for a slow client (TCP backpressure reaches the shard).
+on a fresh connection. The read buffer is bounded: reading pauses while more than `HIGH_WATER`
+bytes wait for a slow client (TCP backpressure reaches the server). Deadlines (`timeout=`) are
+enforced by one sweep timer per pool, not a timer per wait.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from typing import Self
 from urllib.parse import urlsplit
 
 import httptools
@@ -35,35 +39,35 @@ SWEEP_S = 0.1
 """How often deadlines are checked: one timer per pool, not one per wait (an `asyncio.timeout`
 per batch of tokens cost more than parsing the batch)."""
 HIGH_WATER = 256 * 1024
-"""Buffered response bytes above which reading from the shard pauses."""
+"""Buffered response bytes above which reading from the server pauses."""
 MAX_READ_BYTES = 8 * 1024 * 1024
-"""`read()` refuses a larger body (a shard's JSON answer or error is far smaller)."""
+"""`read()` refuses a larger body (a shard's or cache node's answer is far smaller)."""
 
 
-class ShardClientError(Exception):
-    """Any failure talking to a shard."""
+class HopError(Exception):
+    """Any failure on an internal hop."""
 
 
-class ShardConnectError(ShardClientError):
+class HopConnectError(HopError):
     """The TCP connection could not be made (refused, unreachable, timed out)."""
 
 
-class ShardDisconnected(ShardClientError):
-    """The shard closed the connection before the response was complete."""
+class HopDisconnected(HopError):
+    """The server closed the connection before the response was complete."""
 
 
-class ShardTimeout(ShardClientError):
-    """The shard said nothing before the deadline; the connection was dropped."""
+class HopTimeout(HopError):
+    """The server said nothing before the deadline; the connection was dropped."""
 
 
-class ShardProtocolError(ShardClientError):
-    """The shard's bytes are not valid HTTP/1.1 (or a body is too large)."""
+class HopProtocolError(HopError):
+    """The server's bytes are not valid HTTP/1.1 (or a body is too large)."""
 
 
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; parses one response at a time."""
 
-    def __init__(self, pool: ShardPool, key: tuple[str, int]) -> None:
+    def __init__(self, pool: HopPool, key: tuple[str, int]) -> None:
         self.pool = pool
         self.key = key
         self.transport: asyncio.Transport | None = None
@@ -81,7 +85,7 @@ class _Connection(asyncio.Protocol):
         self.complete = False
         self.got_bytes = False
         self.buffer = bytearray()
-        self.error: ShardClientError | None = None
+        self.error: HopError | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.deadline = 0.0
         """Loop time by which the current wait must end (0: none); enforced by the pool's sweep."""
@@ -97,9 +101,9 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._fail(ShardProtocolError("a shard tried to upgrade the connection"))
+            self._fail(HopProtocolError("the server tried to upgrade the connection"))
         except httptools.HttpParserError as exc:
-            self._fail(ShardProtocolError(f"a shard sent invalid HTTP: {exc}"))
+            self._fail(HopProtocolError(f"the server sent invalid HTTP: {exc}"))
         if len(self.buffer) > HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
@@ -112,8 +116,8 @@ class _Connection(asyncio.Protocol):
             if self.headers_done and not self._framed():
                 self.complete = True  # a close-delimited body ends with the connection
             else:
-                self.error = ShardDisconnected("the shard closed the connection mid-response" if self.got_bytes
-                                               else "the shard closed the connection without answering")
+                self.error = HopDisconnected("the server closed the connection mid-response" if self.got_bytes
+                                               else "the server closed the connection without answering")
         self._wake()
 
     # -- httptools callbacks ------------------------------------------------------------------
@@ -132,12 +136,12 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self.complete = True
 
-    # -- used by ShardResponse / ShardPool ----------------------------------------------------
+    # -- used by HopResponse / HopPool ----------------------------------------------------
 
     def _framed(self) -> bool:
         return any(n in (b"content-length", b"transfer-encoding") for n, _ in self.headers)
 
-    def _fail(self, error: ShardClientError) -> None:
+    def _fail(self, error: HopError) -> None:
         if self.error is None:
             self.error = error
         self.abort()
@@ -149,7 +153,7 @@ class _Connection(asyncio.Protocol):
 
     async def wait(self, deadline: float = 0.0) -> None:
         """Until more bytes, the end of the response, a failure, or `deadline` (loop time; 0 for
-        none), when the connection fails with ShardTimeout."""
+        none), when the connection fails with HopTimeout."""
         self.waiter = self.pool._loop().create_future()
         self.deadline = deadline
         if deadline:
@@ -172,22 +176,22 @@ class _Connection(asyncio.Protocol):
         self.transport.write(request)
 
     def expire(self) -> None:
-        self._fail(ShardTimeout("the shard sent nothing in time"))
+        self._fail(HopTimeout("the server sent nothing in time"))
         self._wake()
 
     def abort(self) -> None:
         self.closed = True
         if self.transport is not None:
-            self.transport.abort()  # no FIN-wait on a half-read stream: the shard sees the reset now
+            self.transport.abort()  # no FIN-wait on a half-read stream: the server sees the reset now
 
     def reusable(self) -> bool:
         return not self.closed and self.complete and self.error is None and not self.buffer and self.keep_alive
 
 
-class ShardResponse:
+class HopResponse:
     """A response whose status and headers have arrived; the body is read on demand."""
 
-    def __init__(self, pool: ShardPool, conn: _Connection) -> None:
+    def __init__(self, pool: HopPool, conn: _Connection) -> None:
         self._pool = pool
         self._conn: _Connection | None = conn
         self.status = conn.status
@@ -199,18 +203,18 @@ class ShardResponse:
                 return v
         return None
 
-    async def read(self, deadline: float = 0.0) -> bytes:
+    async def read(self, deadline: float = 0.0, limit: int = MAX_READ_BYTES) -> bytes:
         """The whole body (for errors and non-streaming answers); releases the connection.
-        `deadline`: loop time for the whole body (0: none)."""
+        `deadline`: loop time for the whole body (0: none); more than `limit` bytes is an error."""
         conn = self._conn
         if conn is None:
-            raise ShardClientError("the response is closed")
+            raise HopError("the response is closed")
         while not conn.complete:
             if conn.error is not None:
                 raise conn.error
-            if len(conn.buffer) > MAX_READ_BYTES:
+            if len(conn.buffer) > limit:
                 conn.abort()
-                raise ShardProtocolError(f"a shard's response exceeds {MAX_READ_BYTES} bytes")
+                raise HopProtocolError(f"a response exceeds {limit} bytes")
             conn.resume()
             await conn.wait(deadline)
         body = bytes(conn.buffer)
@@ -220,8 +224,8 @@ class ShardResponse:
 
     async def lines(self, timeout: float = 0.0) -> list[bytes]:
         """Every complete, non-empty line received so far (waiting for at least one, for at most
-        `timeout` seconds if given); `[]` once the body has ended. Raises ShardClientError if the
-        stream breaks (ShardTimeout if it stays silent)."""
+        `timeout` seconds if given); `[]` once the body has ended. Raises HopError if the
+        stream breaks (HopTimeout if it stays silent)."""
         conn = self._conn
         if conn is None:
             return []
@@ -260,8 +264,8 @@ class ShardResponse:
             conn.abort()
 
 
-class ShardPool:
-    """Keep-alive connections to shards, by host and port."""
+class HopPool:
+    """Keep-alive connections to shards and cache nodes, by host and port."""
 
     def __init__(self, connect_timeout_s: float = 2.0, keepalive_s: float = 4.0, max_idle_per_host: int = 64) -> None:
         self.connect_timeout_s = connect_timeout_s
@@ -274,16 +278,21 @@ class ShardPool:
         self._sweeper: asyncio.TimerHandle | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
 
-    async def post(self, base_url: str, path: str, body: bytes, headers: dict[str, str],
-                   timeout: float = 0.0) -> ShardResponse:
-        """Send `body` as JSON to `base_url + path`; returns once the status and headers arrived,
-        raising ShardTimeout if they do not within `timeout` seconds (0: no limit).
+    async def post(self, base_url: str, path: str, body: bytes, headers: dict[str, str] | None = None,
+                   timeout: float = 0.0) -> HopResponse:
+        """`request("POST", ...)` with a JSON body."""
+        return await self.request("POST", base_url, path, body, headers, timeout)
 
-        Cancelling it also gives up: the connection is dropped."""
+    async def request(self, method: str, base_url: str, path: str, body: bytes = b"",
+                      headers: dict[str, str] | None = None, timeout: float = 0.0) -> HopResponse:
+        """Send the request (a non-empty `body` goes as JSON) to `base_url + path`; returns once the
+        status and headers arrived, raising HopTimeout if they do not within `timeout` seconds
+        (0: no limit). Cancelling it also gives up: the connection is dropped."""
         host, port, host_header = self._target(base_url)
-        head = [b"POST ", path.encode("ascii"), b" HTTP/1.1\r\nhost: ", host_header,
-                b"\r\ncontent-type: application/json\r\ncontent-length: ", str(len(body)).encode()]
-        for name, value in headers.items():
+        head = [method.encode("ascii"), b" ", path.encode("ascii"), b" HTTP/1.1\r\nhost: ", host_header]
+        if body or method in ("POST", "PUT", "PATCH"):
+            head += [b"\r\ncontent-type: application/json\r\ncontent-length: ", str(len(body)).encode()]
+        for name, value in (headers or {}).items():
             if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
                 raise ValueError(f"invalid header {name!r}")
             head += [b"\r\n", name.encode("latin-1"), b": ", value.encode("latin-1")]
@@ -300,16 +309,16 @@ class ShardPool:
                     if conn.error is not None:
                         raise conn.error
                     await conn.wait(deadline)
-            except ShardDisconnected:
+            except HopDisconnected:
                 conn.abort()
                 if reused and not conn.got_bytes:
-                    continue  # the keep-alive race: the shard closed it as we sent; once more, fresh
+                    continue  # the keep-alive race: the server closed it as we sent; once more, fresh
                 raise
             except BaseException:
                 conn.abort()
                 raise
-            return ShardResponse(self, conn)
-        raise ShardDisconnected("the shard closed two connections without answering")
+            return HopResponse(self, conn)
+        raise HopDisconnected("the server closed two connections without answering")
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         loop = self._event_loop
@@ -340,7 +349,7 @@ class ShardPool:
         if target is None:
             parts = urlsplit(base_url)
             if parts.scheme != "http" or not parts.hostname:
-                raise ShardConnectError(f"unsupported shard URL {base_url!r} (http://host:port expected)")
+                raise HopConnectError(f"unsupported URL {base_url!r} (http://host:port expected)")
             port = parts.port or 80
             target = (parts.hostname, port, f"{parts.hostname}:{port}".encode("idna"))
             if len(self._targets) > 4096:
@@ -350,15 +359,15 @@ class ShardPool:
 
     async def _connect(self, host: str, port: int) -> _Connection:
         if self._closed:
-            raise ShardConnectError("the shard pool is closed")
+            raise HopConnectError("the pool is closed")
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, conn = await loop.create_connection(lambda: _Connection(self, (host, port)), host, port)
         except TimeoutError:
-            raise ShardConnectError(f"connecting to {host}:{port} timed out") from None
+            raise HopConnectError(f"connecting to {host}:{port} timed out") from None
         except OSError as exc:
-            raise ShardConnectError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
+            raise HopConnectError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
         return conn
 
     def _take(self, key: tuple[str, int]) -> _Connection | None:
@@ -394,6 +403,12 @@ class ShardPool:
 
     def idle_connections(self) -> int:
         return sum(len(q) for q in self._idle.values())
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
     async def aclose(self) -> None:
         self._closed = True
