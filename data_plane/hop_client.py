@@ -104,7 +104,7 @@ class _Connection(asyncio.Protocol):
             self._fail(HopProtocolError("the server tried to upgrade the connection"))
         except httptools.HttpParserError as exc:
             self._fail(HopProtocolError(f"the server sent invalid HTTP: {exc}"))
-        if len(self.buffer) > HIGH_WATER and not self.paused and self.transport is not None:
+        if len(self.buffer) > HIGH_WATER and not self.paused and not self.complete and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
         self._wake()
@@ -164,13 +164,17 @@ class _Connection(asyncio.Protocol):
             self.waiter = None
             self.deadline = 0.0
 
-    def resume(self) -> None:
-        if self.paused and len(self.buffer) <= HIGH_WATER // 2 and self.transport is not None:
+    def resume(self, whole_body: bool = False) -> None:
+        """Read again once the consumer caught up (or at once when it wants the whole body, which
+        `read()` bounds by its own limit)."""
+        if self.paused and (whole_body or len(self.buffer) <= HIGH_WATER // 2) and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
 
     def send(self, request: bytes) -> None:
         assert self.transport is not None
+        if self.paused:  # a reused connection must read again, whatever the last response left
+            self.transport.resume_reading()
         self._begin()
         self.requests += 1
         self.transport.write(request)
@@ -215,7 +219,7 @@ class HopResponse:
             if len(conn.buffer) > limit:
                 conn.abort()
                 raise HopProtocolError(f"a response exceeds {limit} bytes")
-            conn.resume()
+            conn.resume(whole_body=True)
             await conn.wait(deadline)
         body = bytes(conn.buffer)
         conn.buffer.clear()

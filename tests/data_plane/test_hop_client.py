@@ -255,3 +255,27 @@ async def _silent_headers(pool: HopPool) -> None:
     server, url = await _serve(_silent)
     async with server:
         await pool.post(url, CHAT, _body(), {}, timeout=0.2)
+
+
+async def test_read_takes_a_body_far_larger_than_the_stream_buffer(pool: HopPool) -> None:
+    body = b'{"x": "' + b"y" * (6 * HIGH_WATER) + b'"}'
+
+    async def big(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:  # keep-alive: one answer per request on the connection
+            try:
+                await _read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                         % len(body))
+            writer.write(body)
+            await writer.drain()
+
+    server, url = await _serve(big)
+    async with server:
+        response = await pool.request("GET", url, "/v1/sessions/s1", timeout=2.0)
+        await asyncio.sleep(0.2)  # everything arrives while nobody reads: the socket pauses
+        assert await response.read(asyncio.get_running_loop().time() + 2.0) == body
+        with pytest.raises(HopProtocolError):  # and a limit still holds
+            small = await pool.request("GET", url, "/v1/sessions/s1", timeout=2.0)
+            await small.read(limit=HIGH_WATER)
