@@ -153,6 +153,11 @@ class Completion:
         except asyncio.CancelledError:
             error = "client_disconnected"
             raise
+        except Exception:  # a bug must still end the stream properly, not cut it off
+            error = "internal_error"
+            log.exception("request %s: unhandled error mid-stream", h.request_id)
+            internal = SwitchboardError("internal server error")
+            out.append(_event(internal.body(h.request_id, format(span.get_span_context().trace_id, "032x"))))
         finally:
             if error is not None:
                 await _quiet(self._finish(error))
