@@ -38,8 +38,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -61,6 +63,12 @@ SESSION_ID_PATTERN = r"[A-Za-z0-9_.:-]{1,128}"
 """Session ids the cache tier accepts (whole-string match)."""
 _SESSION_ID_RE = re.compile(SESSION_ID_PATTERN)
 CACHE_SERVICE = "cache"
+MAX_SUSPECTS = 10_000
+CLOCK_SLACK_S = 5.0
+"""Records written this soon after a placement change (node and gateway clocks may differ) are
+treated as possibly written under the old placement."""
+AUDIT_SHARE = 0.05
+"""Share of reads that check the replicas they did not need to ask, whatever the above says."""
 MAX_RECORD_BYTES = 256 * 1024 * 1024
 """The largest session record a cache node may hold (its --max-body-bytes ceiling)."""
 """The membership service name cache nodes register under."""
@@ -189,6 +197,8 @@ class _Placement:
     key: tuple[tuple[str, str], ...] = ()
     ring: HashRing = field(default_factory=lambda: HashRing(()))
     by_id: dict[str, Member] = field(default_factory=dict)
+    since: float = field(default_factory=time.time)
+    """Wall-clock time this preference order took effect here."""
 
 
 class SessionStore:
@@ -213,6 +223,8 @@ class SessionStore:
         self.metrics = SessionStoreMetrics(registry if registry is not None else CollectorRegistry())
         self._placement = _Placement()
         self._repairs: set[asyncio.Task[None]] = set()
+        self._suspects: OrderedDict[str, None] = OrderedDict()
+        """Sessions whose last save here missed a replica (bounded, oldest forgotten first)."""
 
     # -- public API -------------------------------------------------------------------------
 
@@ -244,8 +256,9 @@ class SessionStore:
                 raise NotFound(
                     f"session {session_id!r} not found", param="session_id", code="session_not_found"
                 )
-            if missing or asked < len(targets):
-                self._start_repair(found, missing, unchecked=targets[asked:])
+            unchecked = targets[asked:] if self._may_lag(found) else []
+            if missing or unchecked:
+                self._start_repair(found, missing, unchecked=unchecked)
             outcome.result = "hit"
             return found
 
@@ -268,6 +281,12 @@ class SessionStore:
             )
             acks = sum(1 for r in results if r.result == "ok")
             span.set_attribute("switchboard.session.acks", acks)
+            if 0 < acks < len(targets):
+                self._suspects[session_id] = None  # a replica missed this write: check it on the next read
+                if len(self._suspects) > MAX_SUSPECTS:
+                    self._suspects.popitem(last=False)
+            elif acks == len(targets):
+                self._suspects.pop(session_id, None)
             if acks == 0:
                 stale = [r.stored_version for r in results if r.result == "stale"]
                 if stale:
@@ -388,6 +407,15 @@ class SessionStore:
 
     def _deadline(self) -> float:
         return asyncio.get_running_loop().time() + self._timeout_s
+
+    def _may_lag(self, found: Transcript) -> bool:
+        """Whether replicas not asked during a read may lack `found`. Every save writes all current
+        replicas, so only: the preference order changed since the record was written (a new node
+        sits on the list), a save here missed a replica, or a small random audit (anti-entropy for
+        what this gateway cannot know, e.g. another gateway's partial write). Asking every time
+        doubled the cache reads of every resumed session."""
+        return (found.updated_at < self._placement.since + CLOCK_SLACK_S
+                or found.session_id in self._suspects or random.random() < AUDIT_SHARE)
 
     def _start_repair(self, transcript: Transcript, missing: list[Member], unchecked: list[Member]) -> None:
         task = asyncio.create_task(self._repair(transcript, missing, unchecked), name="session-read-repair")

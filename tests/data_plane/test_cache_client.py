@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,8 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from data_plane.cache_client import SessionStore, Transcript, VersionConflict
-from data_plane.hop_client import HopPool
 from data_plane.errors import InvalidRequest, NotFound, Overloaded
+from data_plane.hop_client import HopPool
 from data_plane.membership import Member, StaticMembership
 from tests.data_plane.test_cache_node import NodeProcess, free_port, start_nodes
 
@@ -174,6 +175,36 @@ async def test_survives_kill_9_and_read_repairs_when_membership_changes(tmp_path
             assert again.expires_at is not None and got.expires_at is not None
             assert abs(again.expires_at - got.expires_at) < 1.0
             await store.aclose()
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+async def test_steady_reads_ask_one_replica_and_a_missed_write_is_checked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every save writes all current replicas, so a read that hits the first one leaves the others
+    alone, unless the placement changed since the write or a save here missed a replica."""
+    from data_plane import cache_client
+
+    monkeypatch.setattr(cache_client, "AUDIT_SHARE", 0.0)
+    monkeypatch.setattr(cache_client, "CLOCK_SLACK_S", -0.2)  # clocks agree here: no slack needed
+    nodes = start_nodes(tmp_path, 3)
+    try:
+        async with HopPool() as http:
+            store = SessionStore(StaticMembership(members(nodes)), http)
+            store.replicas_for("conv-steady", 2)  # the placement takes effect before the write
+            await asyncio.sleep(0.3)
+            assert await store.save("conv-steady", "key-a", MESSAGES, version=1, replicas=2) == 2
+            for _ in range(3):
+                assert await store.load("conv-steady", "key-a", replicas=2) is not None
+                assert not store._repairs, "a steady read asked the other replica too"
+
+            _, second = store.replicas_for("conv-steady", 2)
+            next(n for n in nodes if f"cache-{n.port}" == second.id).kill()
+            assert await store.save("conv-steady", "key-a", MESSAGES, version=2, replicas=2) == 1
+            assert await store.load("conv-steady", "key-a", replicas=2) is not None
+            assert store._repairs, "the replica that missed the write was not checked"
+            await store.drain()
     finally:
         for n in nodes:
             n.stop()
