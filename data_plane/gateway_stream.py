@@ -122,6 +122,8 @@ class Completion:
             if self.h.client_gone:
                 await _quiet(self._finish("client_disconnected"))
             raise
+        finally:
+            stream.close()  # idempotent; here for a cancellation before the first batch
         return completion_body(completion_id=self.completion_id, model=self.model, text="".join(self.text),
                                finish_reason=self.finish_reason, usage=self.usage, created=self.created)
 
@@ -134,10 +136,10 @@ class Completion:
         assert span is not None
         common: dict[str, Any] = {"completion_id": self.completion_id, "model": self.model, "created": self.created}
         error: str | None = None
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
         out = [_event(chunk_body(**common, delta={"role": "assistant", "content": ""}))]
         prefix, suffix = self._content_prefix, self._content_suffix
         try:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
             async for text in self._batches(stream):
                 out.append(prefix + _json(text) + suffix)
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
@@ -159,6 +161,7 @@ class Completion:
             internal = SwitchboardError("internal server error")
             out.append(_event(internal.body(h.request_id, format(span.get_span_context().trace_id, "032x"))))
         finally:
+            stream.close()  # idempotent; here for a cancellation before the first batch
             if error is not None:
                 await _quiet(self._finish(error))
                 span.set_attribute("error.type", error)
