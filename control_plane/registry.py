@@ -82,6 +82,14 @@ class RegistryMetrics:
         self.index = Gauge(
             "switchboard_membership_index", "The registry's current change index.", registry=registry
         )
+        self.refused = Counter(
+            "switchboard_membership_refused",
+            "Registry writes refused for a missing or wrong cluster token, by HTTP method.",
+            ["method"],
+            registry=registry,
+        )
+        for method in ("PUT", "DELETE"):
+            self.refused.labels(method)
         for service in services:  # every series exists from the start, at 0
             for status in STATUSES:
                 self.members.labels(service, status).set(0)
@@ -157,6 +165,7 @@ class Registry:
         self.default_ttl_s = default_ttl_s
         self.instance_id = uuid.uuid4().hex
         self._metrics = metrics
+        self.metrics = metrics
         self._reap_interval_s = reap_interval_s
         self._deregister_after_s = deregister_critical_after_s
         self._max_wait_s = max_wait_s
@@ -377,9 +386,10 @@ def _member_response(member: dict[str, Any], registry: Registry) -> JSONResponse
     return JSONResponse(member, headers={INDEX_HEADER: str(registry.index)})
 
 
-def member_auth(cluster_token: str | None) -> Callable[[Request], None]:
+def member_auth(cluster_token: str | None, metrics: RegistryMetrics | None = None) -> Callable[[Request], None]:
     """A dependency: with a cluster token, `Authorization: Bearer <it>` or 401 (compared in
-    constant time); without one, everyone (the open mode `create_app` warns about)."""
+    constant time; counted and logged with the caller's address); without one, everyone (the open
+    mode `create_app` warns about)."""
     expected = cluster_token.encode() if cluster_token else None
 
     def check(request: Request) -> None:
@@ -387,6 +397,10 @@ def member_auth(cluster_token: str | None) -> Callable[[Request], None]:
             return
         scheme, _, presented = (request.headers.get("authorization") or "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), expected):
+            if metrics is not None:
+                metrics.refused.labels(request.method).inc()
+            client = request.client.host if request.client else "?"
+            log.warning("refused %s %s from %s: no valid cluster token", request.method, request.url.path, client)
             raise AuthenticationError("registering needs the cluster token: send 'Authorization: Bearer "
                                       "<SWITCHBOARD_CLUSTER_TOKEN>'", code="invalid_cluster_token")
 
@@ -397,7 +411,7 @@ def build_router(registry: Registry, cluster_token: str | None = None) -> APIRou
     """The registry's HTTP API over `registry` (see the module docstring). Writes need
     `cluster_token` when one is given; reads are open (membership is no secret to a member)."""
     router = APIRouter(prefix="/v1/registry", tags=["registry"])
-    writes = [Depends(member_auth(cluster_token))]
+    writes = [Depends(member_auth(cluster_token, registry.metrics))]
     MemberId = Path(pattern=MEMBER_ID_PATTERN, description="unique member id, e.g. shard-127.0.0.1-8101")
 
     @router.put("/members/{member_id}", dependencies=writes)

@@ -378,11 +378,16 @@ async def test_joining_needs_the_cluster_token(tmp_path: pathlib.Path) -> None:
             assert [m["id"] for m in members] == [member_id]
 
             assert_openai_error(await http.delete(f"/v1/registry/members/{member_id}"), 401)
+            text = (await http.get("/metrics")).text
+            assert metric(text, "switchboard_membership_refused_total", method="PUT") == 5
+            assert metric(text, "switchboard_membership_refused_total", method="DELETE") == 1
             await agent.aclose()  # deregisters with the token
             assert (await http.get("/v1/registry/members")).json()["members"] == []
     finally:
         cp.stop()
-    assert "no cluster token" not in cp.log_path.read_text()
+    log_text = cp.log_path.read_text()
+    assert "no cluster token" not in log_text
+    assert "refused PUT /v1/registry/members/" in log_text and "s3cret-cluster" not in log_text
 
 
 async def test_without_a_cluster_token_the_open_registry_is_logged(control_plane: ControlPlaneProcess) -> None:
