@@ -45,6 +45,7 @@ from data_plane.errors import (
 from data_plane.gateway_chat import ChatHandler
 from data_plane.gateway_metrics import GatewayMetrics
 from data_plane.gateway_settings import GatewaySettings
+from data_plane.hop_client import HOP_EVENTS, HopPool
 from data_plane.membership import Member, MembershipView, StaticMembership
 from data_plane.membership_factory import (
     AgentFactory,
@@ -62,7 +63,6 @@ from data_plane.ratelimit import (
 )
 from data_plane.router import Router, RouterMetrics
 from data_plane.safety import SafetyMetrics, SafetyPolicies
-from data_plane.hop_client import HopPool
 from data_plane.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
 from data_plane.tiers import TierPolicy
 from data_plane.upstream import CHAT_PATH, Upstream, UpstreamConfig
@@ -184,7 +184,9 @@ def create_app(gw: Gateway) -> GatewayApp:
         gw.router = Router(gw.membership, gw.router_metrics, policy=settings.routing_policy,
                            epsilon=settings.bounded_load_epsilon, eject_after=settings.eject_after,
                            eject_s=settings.eject_s)
-        gw.pool = HopPool(connect_timeout_s=settings.connect_timeout_s)
+        hop_events = {event: gw.metrics.hop_connections.labels(event) for event in HOP_EVENTS}
+        gw.pool = HopPool(connect_timeout_s=settings.connect_timeout_s,
+                          on_event=lambda event: hop_events[event].inc())
         gw.upstream = Upstream(gw.router, gw.pool, UpstreamConfig(
             connect_timeout_s=settings.connect_timeout_s, first_token_timeout_s=settings.first_token_timeout_s,
             idle_timeout_s=settings.idle_timeout_s, retries=settings.retries, resumes=settings.resumes))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from data_plane.hop_client import HOP_EVENTS
 from data_plane.shard_metrics import E2E_BUCKETS, LATENCY_BUCKETS
 
 
@@ -34,3 +35,10 @@ class GatewayMetrics:
                                           registry=registry)
         self.membership_members = Gauge("switchboard_gateway_members", "Routable members seen by this gateway.",
                                         ["service"], registry=registry)
+        self.hop_connections = Counter(
+            "switchboard_gateway_hop_connections",
+            "Connections to shards and cache nodes by event: opened, reused (keep-alive), stale_retry "
+            "(a kept-alive one the server had closed; sent again fresh), timeout, connect_error.",
+            ["event"], registry=registry)
+        for event in HOP_EVENTS:
+            self.hop_connections.labels(event)

@@ -30,11 +30,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Callable
 from typing import Self
 from urllib.parse import urlsplit
 
 import httptools
 
+HOP_EVENTS = ("opened", "reused", "stale_retry", "timeout", "connect_error")
+"""What `HopPool(on_event=...)` reports (the gateway counts them)."""
 SWEEP_S = 0.1
 """How often deadlines are checked: one timer per pool, not one per wait (an `asyncio.timeout`
 per batch of tokens cost more than parsing the batch)."""
@@ -271,8 +274,10 @@ class HopResponse:
 class HopPool:
     """Keep-alive connections to shards and cache nodes, by host and port."""
 
-    def __init__(self, connect_timeout_s: float = 2.0, keepalive_s: float = 4.0, max_idle_per_host: int = 64) -> None:
+    def __init__(self, connect_timeout_s: float = 2.0, keepalive_s: float = 4.0, max_idle_per_host: int = 64,
+                 on_event: Callable[[str], None] | None = None) -> None:
         self.connect_timeout_s = connect_timeout_s
+        self._on_event = on_event or (lambda event: None)
         self.keepalive_s = keepalive_s
         self.max_idle_per_host = max_idle_per_host
         self._idle: dict[tuple[str, int], collections.deque[_Connection]] = {}
@@ -307,6 +312,9 @@ class HopPool:
             reused = conn is not None
             if conn is None:
                 conn = await self._connect(host, port)
+                self._on_event("opened")
+            else:
+                self._on_event("reused")
             try:
                 conn.send(request)
                 while not conn.headers_done:
@@ -316,6 +324,7 @@ class HopPool:
             except HopDisconnected:
                 conn.abort()
                 if reused and not conn.got_bytes:
+                    self._on_event("stale_retry")
                     continue  # the keep-alive race: the server closed it as we sent; once more, fresh
                 raise
             except BaseException:
@@ -344,6 +353,7 @@ class HopPool:
                 self._watched.discard(conn)
             elif now >= conn.deadline:
                 self._watched.discard(conn)
+                self._on_event("timeout")
                 conn.expire()
         if self._watched:
             self._sweeper = self._loop().call_later(SWEEP_S, self._sweep)
@@ -369,8 +379,10 @@ class HopPool:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, conn = await loop.create_connection(lambda: _Connection(self, (host, port)), host, port)
         except TimeoutError:
+            self._on_event("connect_error")
             raise HopConnectError(f"connecting to {host}:{port} timed out") from None
         except OSError as exc:
+            self._on_event("connect_error")
             raise HopConnectError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
         return conn
 

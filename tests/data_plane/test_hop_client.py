@@ -38,8 +38,14 @@ def shard() -> Iterator[Service]:
 
 
 @pytest.fixture
-async def pool() -> AsyncIterator[HopPool]:
-    p = HopPool(connect_timeout_s=1.0)
+def events() -> list[str]:
+    """What the pool reported (on_event), in order."""
+    return []
+
+
+@pytest.fixture
+async def pool(events: list[str]) -> AsyncIterator[HopPool]:
+    p = HopPool(connect_timeout_s=1.0, on_event=events.append)
     yield p
     await p.aclose()
 
@@ -51,7 +57,8 @@ async def _all_lines(response) -> list[bytes]:  # type: ignore[no-untyped-def]
     return out
 
 
-async def test_streams_a_completion_and_reuses_the_connection(shard: Service, pool: HopPool) -> None:
+async def test_streams_a_completion_and_reuses_the_connection(shard: Service, pool: HopPool,
+                                                              events: list[str]) -> None:
     texts = []
     for _ in range(3):
         response = await pool.post(shard.url, CHAT, _body(), {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"})
@@ -65,6 +72,7 @@ async def test_streams_a_completion_and_reuses_the_connection(shard: Service, po
         response.close()
         assert pool.idle_connections() == 1  # read to the end: back to the pool
     assert len(pool._idle[next(iter(pool._idle))]) == 1
+    assert events == ["opened", "reused", "reused"]
 
 
 async def test_a_non_200_body_is_read_whole(shard: Service, pool: HopPool) -> None:
@@ -102,9 +110,10 @@ async def _get(url: str) -> bytes:
         return (await client.get(url)).content
 
 
-async def test_connect_refused_is_a_connect_error(pool: HopPool) -> None:
+async def test_connect_refused_is_a_connect_error(pool: HopPool, events: list[str]) -> None:
     with pytest.raises(HopConnectError):
         await pool.post(f"http://127.0.0.1:{free_port()}", CHAT, _body(), {})
+    assert events == ["connect_error"]
 
 
 async def test_header_injection_is_refused(shard: Service, pool: HopPool) -> None:
@@ -138,7 +147,7 @@ SSE_OK = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encod
           b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
 
 
-async def test_a_kept_alive_connection_the_server_closed_is_retried_fresh(pool: HopPool) -> None:
+async def test_a_kept_alive_connection_the_server_closed_is_retried_fresh(pool: HopPool, events: list[str]) -> None:
     served = []
 
     async def once_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -158,6 +167,8 @@ async def test_a_kept_alive_connection_the_server_closed_is_retried_fresh(pool: 
         assert await _all_lines(second) == [b"data: one", b"data: [DONE]"]
         second.close()
     assert len(served) == 2
+    # the pooled connection is either already forgotten (the close arrived) or found stale on send
+    assert events in (["opened", "opened"], ["opened", "reused", "stale_retry", "opened"])
 
 
 async def test_a_stream_cut_mid_body_raises(pool: HopPool) -> None:
@@ -229,7 +240,8 @@ async def test_a_slow_reader_pauses_the_socket_instead_of_buffering_everything(p
         response.close()
 
 
-async def test_silence_past_the_deadline_is_a_timeout_and_drops_the_connection(pool: HopPool) -> None:
+async def test_silence_past_the_deadline_is_a_timeout_and_drops_the_connection(pool: HopPool,
+                                                                                events: list[str]) -> None:
     async def stalls_mid_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _read_request(reader)
         writer.write(SSE_OK[: SSE_OK.index(b"e\r\ndata: [DONE]")])
@@ -248,6 +260,7 @@ async def test_silence_past_the_deadline_is_a_timeout_and_drops_the_connection(p
         waited = asyncio.get_running_loop().time() - started
         assert 0.3 <= waited < 1.0  # enforced by the pool's sweep (every SWEEP_S)
         response.close()
+    assert events.count("timeout") == 2
     assert pool.idle_connections() == 0
 
 
