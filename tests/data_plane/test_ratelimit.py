@@ -22,16 +22,12 @@ from prometheus_client import CollectorRegistry
 
 from data_plane.errors import RateLimited
 from data_plane.ratelimit import (
-    PERIOD_US,
-    Backend,
-    Bucket,
-    LocalBackend,
     RateLimiter,
     RateLimitMetrics,
-    RedisBackend,
     format_reset,
     parse_tier_map,
 )
+from data_plane.ratelimit_buckets import PERIOD_US, Backend, Bucket, LocalBackend, RedisBackend
 from data_plane.tiers import Tier
 from tests.procs import free_port
 
