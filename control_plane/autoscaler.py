@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import itertools
 import logging
 import math
@@ -59,6 +58,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from control_plane.actuators import Actuator, ActuatorError, build_actuator
 from control_plane.signals import Signals, SignalSource
+from data_plane.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -387,11 +387,8 @@ class Autoscaler:
 
     async def aclose(self) -> None:
         """Stop the task, then the actuator (the local one stops the shards it started)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_tasks(self._task)
+        self._task = None
         if self.actuator is not None:
             await self.actuator.aclose()
 

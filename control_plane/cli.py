@@ -14,8 +14,7 @@ Each subcommand's module owns its flags (`main(argv)`); they are imported lazily
 
 from __future__ import annotations
 
-import importlib
-import sys
+from data_plane.settings_cli import dispatch
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("control_plane.launcher", "start the whole platform (control plane, shards, cache nodes, gateway)"),
@@ -31,24 +30,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def usage() -> str:
-    lines = ["usage: switchboard COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<15} {desc}" for name, (_, desc) in COMMANDS.items()]
-    lines += ["", "run `switchboard COMMAND --help` for a command's flags"]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help", "help"):
-        print(usage())
-        return
-    name, rest = args[0], args[1:]
-    if name not in COMMANDS:
-        print(f"switchboard: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
-        raise SystemExit(2)
-    module = importlib.import_module(COMMANDS[name][0])
-    module.main(rest)
+    dispatch("switchboard", COMMANDS, argv)
 
 
 if __name__ == "__main__":

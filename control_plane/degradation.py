@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import logging
 import math
@@ -49,6 +48,7 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from control_plane.policy_store import MAX_LEVEL, DegradationRecord, PolicyStore
+from data_plane.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -328,11 +328,8 @@ class DegradationController:
         self._task = asyncio.create_task(self._run(), name="degradation-controller")
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_tasks(self._task)
+        self._task = None
 
     # -- reads -----------------------------------------------------------------------------
 

@@ -17,7 +17,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ import httpx
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from data_plane.http_server import free_port
 from data_plane.membership import CLUSTER_TOKEN_ENV
 from data_plane.settings_cli import parse_settings
 
@@ -92,12 +92,6 @@ class Child:
             self.proc.send_signal(sig)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _wait_healthy(children: list[Child], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     pending = list(children)
@@ -137,7 +131,7 @@ def _credentials(state: Path) -> dict[str, object]:
     from data_plane.auth import write_dev_keys
 
     keys = write_dev_keys(state / "keys.yaml")
-    creds = {"keys": keys, "admin_token": _secret(state / "admin_token", "sb-admin-"),
+    creds: dict[str, object] = {"keys": keys, "admin_token": _secret(state / "admin_token", "sb-admin-"),
              # what a shard or cache node started by hand needs to join (SWITCHBOARD_CLUSTER_TOKEN)
              "cluster_token": _secret(state / "cluster_token", "sb-cluster-")}
     path = state / "credentials.json"
@@ -160,7 +154,7 @@ def plan(s: UpSettings, state: Path, admin_token: str,
                registry, logs / "control-plane.log", env={"SWITCHBOARD_ADMIN_TOKEN": admin_token, **member_env})
     caches = []
     for i in range(s.cache_nodes):
-        port = s.cache_base_port + i if s.cache_base_port else _free_port(host)
+        port = s.cache_base_port + i if s.cache_base_port else free_port(host)
         args = ["cache-node", "--host", host, "--port", str(port), "--registry", registry,
                 "--node-id", f"cache-{i}"]
         if s.redis:
@@ -169,7 +163,7 @@ def plan(s: UpSettings, state: Path, admin_token: str,
     shards = []
     threads = max(1, (os.cpu_count() or 2) // max(1, s.shards))
     for i in range(s.shards):
-        port = s.shard_base_port + i if s.shard_base_port else _free_port(host)
+        port = s.shard_base_port + i if s.shard_base_port else free_port(host)
         args = ["shard", "--host", host, "--port", str(port), "--registry-url", registry, "--node-id", f"shard-{i}",
                 "--engine", s.engine, "--dtype", s.dtype, "--max-num-seqs", str(s.max_num_seqs),
                 "--max-model-len", str(s.max_model_len), "--threads", str(threads)]

@@ -47,6 +47,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_plane.errors import AuthenticationError, InvalidRequest, NotFound
+from data_plane.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
 
@@ -190,11 +191,8 @@ class Registry:
 
     async def aclose(self) -> None:
         self.close_waiters()
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
-            self._reaper = None
+        await stop_tasks(self._reaper)
+        self._reaper = None
 
     # -- reads -----------------------------------------------------------------------------
 

@@ -181,17 +181,10 @@ class Admission:
             loop = asyncio.get_running_loop()
             tiers = [policy.get(name) for name in policy.names()]
             rank = len({t.priority for t in tiers if t.priority < tier.priority})
-            if self.waiting == 0:  # nobody queued: admit now if the tier's cap allows (the common case)
-                capacity = self._capacity()
-                if capacity is None or self._inflight < self.cap(rank, capacity):
-                    self.metrics.capacity.set(-1 if capacity is None else capacity)
-                    self._inflight += 1
-                    self.metrics.inflight.set(self._inflight)
-                    self.metrics.wait.labels(tier.name).observe(0.0)
-                    span.set_attribute("switchboard.admission.queue_depth", 0)
-                    span.set_attribute("switchboard.admission.outcome", "admitted")
-                    span.set_attribute("switchboard.admission.wait_s", 0.0)
-                    return Ticket(self, tier.name)
+            if self.waiting == 0 and self._fits(rank, self._capacity_now()):  # the common case: no queue
+                span.set_attributes({"switchboard.admission.queue_depth": 0,
+                                     "switchboard.admission.outcome": "admitted", "switchboard.admission.wait_s": 0.0})
+                return self._start(tier.name, 0.0)
             w = _Waiter(tier, rank, next(self._seq), self._clock(), loop.create_future())
             span.set_attribute("switchboard.admission.queue_depth", self.waiting)
             heapq.heappush(self._heap, (tier.priority, w.seq, w))
@@ -234,23 +227,33 @@ class Admission:
 
     # -- state changes (no awaits below) ------------------------------------------------------
 
-    def _dispatch(self) -> None:
+    def _capacity_now(self) -> int | None:
         capacity = self._capacity()
         self.metrics.capacity.set(-1 if capacity is None else capacity)
+        return capacity
+
+    def _fits(self, rank: int, capacity: int | None) -> bool:
+        return capacity is None or self._inflight < self.cap(rank, capacity)
+
+    def _start(self, tier: str, waited_s: float) -> Ticket:
+        self._inflight += 1
+        self.metrics.inflight.set(self._inflight)
+        self.metrics.wait.labels(tier).observe(waited_s)
+        return Ticket(self, tier)
+
+    def _dispatch(self) -> None:
+        capacity = self._capacity_now()
         while self._heap:
             _, _, w = self._heap[0]
             if w.gone:
                 heapq.heappop(self._heap)
                 continue
             # Caps only grow with priority, so when the best waiter cannot start, none can.
-            if capacity is not None and self._inflight >= self.cap(w.rank, capacity):
+            if not self._fits(w.rank, capacity):
                 break
             heapq.heappop(self._heap)
             self._take_out(w)
-            self._inflight += 1
-            self.metrics.inflight.set(self._inflight)
-            self.metrics.wait.labels(w.tier.name).observe(self._clock() - w.enqueued)
-            w.future.set_result(Ticket(self, w.tier.name))
+            w.future.set_result(self._start(w.tier.name, self._clock() - w.enqueued))
 
     def _release(self) -> None:
         self._inflight -= 1

@@ -28,6 +28,7 @@ from data_plane.errors import (
     Overloaded,
     PayloadTooLarge,
 )
+from data_plane.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +106,8 @@ class MemoryStorage:
         self._sweeper = asyncio.create_task(self._sweep_loop(), name="cache-node-ttl-sweeper")
 
     async def aclose(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
-            self._sweeper = None
+        await stop_tasks(self._sweeper)
+        self._sweeper = None
 
     async def ready(self) -> bool:
         return True
@@ -228,10 +226,7 @@ class RedisStorage:
         self._stats_task = asyncio.create_task(self._stats_loop(), name="cache-node-redis-stats")
 
     async def aclose(self) -> None:
-        if self._stats_task is not None:
-            self._stats_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._stats_task
+        await stop_tasks(self._stats_task)
         await self._redis.aclose()
 
     async def ready(self) -> bool:

@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING
 
 import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from data_plane.http_server import free_port
 from data_plane.telemetry import fastapi_options
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 HEALTH_POLL_S = 1.0
 
 
-def vllm_command(settings: "ShardSettings", model_path: str, served_name: str, port: int) -> list[str]:
+def vllm_command(settings: ShardSettings, model_path: str, served_name: str, port: int) -> list[str]:
     """The vLLM server command line for these shard settings."""
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -52,13 +53,7 @@ def vllm_command(settings: "ShardSettings", model_path: str, served_name: str, p
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def create_sidecar(settings: "ShardSettings") -> FastAPI:
+def create_sidecar(settings: ShardSettings) -> FastAPI:
     from data_plane.membership import Member
     from data_plane.membership_factory import membership_from_url
     from data_plane.model_store import resolve_model, served_name
@@ -68,7 +63,7 @@ def create_sidecar(settings: "ShardSettings") -> FastAPI:
     except ImportError:
         raise SystemExit("switchboard shard --engine vllm needs vLLM (CUDA only): "
                          "pip install 'switchboard[vllm]' on a GPU machine") from None
-    port = _free_port()
+    port = free_port()
     name = served_name(settings.model)
     cmd = vllm_command(settings, str(resolve_model(settings.model)), name, port)
     vllm_url = f"http://127.0.0.1:{port}"
@@ -142,7 +137,7 @@ def create_sidecar(settings: "ShardSettings") -> FastAPI:
     return app
 
 
-def run_sidecar(settings: "ShardSettings") -> None:
+def run_sidecar(settings: ShardSettings) -> None:
     import uvicorn
 
     uvicorn.run(create_sidecar(settings), host=settings.host, port=settings.port, log_level="warning")

@@ -151,21 +151,20 @@ class ChatHandler:
                     self.gw.metrics.inflight.labels(self.tier_name).dec()
                 self._record(200, "ok")
                 response: Response = self._degraded(JSONResponse(body, headers=opened.headers))
-            except SwitchboardError as exc:
-                self._record(exc.status, exc.code or "error")
-                span.set_attribute("error.type", exc.code or "error")
-                span.set_status(trace.Status(trace.StatusCode.ERROR, exc.code or "error"))
-                self.request.state.trace_id = format(span.get_span_context().trace_id, "032x")
-                if self.grant is not None:
-                    exc.headers = {**self.grant.headers, **exc.headers}
-                response = self._degraded(render(exc, self.request))
             except ClientDisconnect:
                 raise
-            except Exception:
-                log.exception("request %s: unhandled error", self.request_id)
-                self._record(500, "internal_error")
-                span.set_status(trace.Status(trace.StatusCode.ERROR, "internal_error"))
-                response = render(SwitchboardError("internal server error"), self.request)
+            except Exception as exc:
+                error = exc if isinstance(exc, SwitchboardError) else None
+                if error is None:  # a bug: still an OpenAI-shaped 500 with the ids, never a bare one
+                    log.exception("request %s: unhandled error", self.request_id)
+                    error = SwitchboardError("internal server error")
+                self._record(error.status, error.code or "error")
+                span.set_attribute("error.type", error.code or "error")
+                span.set_status(trace.Status(trace.StatusCode.ERROR, error.code or "error"))
+                self.request.state.trace_id = self.trace_id
+                if self.grant is not None:
+                    error.headers = {**self.grant.headers, **error.headers}
+                response = self._degraded(render(error, self.request))
             self.stop_watching()
             await response(scope, receive, send)
         except ClientDisconnect:  # gone while sending its body
@@ -182,6 +181,12 @@ class ChatHandler:
             if not streaming:
                 self._release_limits()
                 span.end()
+
+    @property
+    def trace_id(self) -> str:
+        """This request's trace id (hex), for error bodies and headers."""
+        assert self.span is not None
+        return format(self.span.get_span_context().trace_id, "032x")
 
     def _client_left(self, span: trace.Span) -> None:
         span.set_attribute("error.type", "client_disconnected")

@@ -148,18 +148,18 @@ class Completion:
             await self._finish(None)
             if include_usage:
                 out.append(_event(chunk_body(**common, usage=self.usage, empty_choices=True)))
-        except SwitchboardError as exc:
-            error = exc.code or "error"
-            log.warning("request %s failed mid-stream: %s", h.request_id, exc.message)
-            out.append(_event(exc.body(h.request_id, format(span.get_span_context().trace_id, "032x"))))
         except asyncio.CancelledError:
             error = "client_disconnected"
             raise
-        except Exception:  # a bug must still end the stream properly, not cut it off
-            error = "internal_error"
-            log.exception("request %s: unhandled error mid-stream", h.request_id)
-            internal = SwitchboardError("internal server error")
-            out.append(_event(internal.body(h.request_id, format(span.get_span_context().trace_id, "032x"))))
+        except Exception as exc:
+            failure = exc if isinstance(exc, SwitchboardError) else None
+            if failure is None:  # a bug must still end the stream properly, not cut it off
+                log.exception("request %s: unhandled error mid-stream", h.request_id)
+                failure = SwitchboardError("internal server error")
+            else:
+                log.warning("request %s failed mid-stream: %s", h.request_id, failure.message)
+            error = failure.code or "error"
+            out.append(_event(failure.body(h.request_id, h.trace_id)))
         finally:
             stream.close()  # idempotent; here for a cancellation before the first batch
             if error is not None:

@@ -77,7 +77,6 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = 0.0
-        self.requests = 0
         self._begin()
 
     def _begin(self) -> None:
@@ -179,7 +178,6 @@ class _Connection(asyncio.Protocol):
         if self.paused:  # a reused connection must read again, whatever the last response left
             self.transport.resume_reading()
         self._begin()
-        self.requests += 1
         self.transport.write(request)
 
     def expire(self) -> None:

@@ -13,6 +13,7 @@ stalls is handled by the application (408, see `data_plane.protocol.read_body`).
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -46,3 +47,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._first_request_timer = None
         if not self.transport.is_closing():
             self.transport.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (for child processes started on it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

@@ -24,7 +24,6 @@ differs from N or after S seconds.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -32,6 +31,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import httpx
+
+from data_plane.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
 
@@ -155,11 +156,8 @@ class BlockingWatcher:
         self._task = asyncio.create_task(self._watch(), name=self._task_name)
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_tasks(self._task)
+        self._task = None
 
     @property
     def reachable(self) -> bool:
@@ -316,9 +314,7 @@ class HeartbeatAgent:
         """Stop heartbeating and deregister (best effort, short timeout)."""
         if self._task is None:
             return
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        await stop_tasks(self._task)
         self._task = None
         await self._deregister()
         self._registered = False

@@ -31,7 +31,6 @@ their own host; views may ask any agent.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import re
@@ -43,6 +42,7 @@ from urllib.parse import quote, urlsplit
 import httpx
 
 from data_plane.membership import HeartbeatAgent, Member, _routable, _routing_key
+from data_plane.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
 
@@ -176,11 +176,7 @@ class ConsulMembership:
                        for s in self._services]
 
     async def aclose(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_tasks(*self._tasks)
         self._tasks = []
 
     def members(self, service: str) -> list[Member]:

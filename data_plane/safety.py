@@ -52,10 +52,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import yaml
 from prometheus_client import CollectorRegistry, Counter
 
 from data_plane.errors import ContentPolicyViolation
+from data_plane.yaml_source import load_yaml
 
 DEFAULT_WINDOW = 64
 """Characters of output held back by default: a bound on the longest blockable match."""
@@ -414,16 +414,6 @@ def _build_filters(specs: Any, where: str, filters: Mapping[str, type[Filter]]) 
     return built
 
 
-def _load_yaml(text_or_path: str | Path) -> Any:
-    """A Path, or a str without newlines / ': ' / '{', is a file; any other str is YAML text."""
-    if isinstance(text_or_path, Path):
-        return yaml.safe_load(text_or_path.read_text())
-    text = str(text_or_path)
-    if "\n" in text or ": " in text or text.lstrip().startswith("{"):
-        return yaml.safe_load(text)
-    return yaml.safe_load(Path(text).read_text())
-
-
 class SafetyPolicies:
     """An immutable mapping of policy name to :class:`SafetyPolicy`."""
 
@@ -462,7 +452,7 @@ class SafetyPolicies:
         cls, text_or_path: str | Path, filters: Mapping[str, type[Filter]] = FILTERS
     ) -> SafetyPolicies:
         """Read a YAML file (a Path, or a str naming one) or YAML text; it replaces the defaults."""
-        return cls.from_dict(_load_yaml(text_or_path), filters)
+        return cls.from_dict(load_yaml(text_or_path), filters)
 
     def get(self, name: str) -> SafetyPolicy:
         try:

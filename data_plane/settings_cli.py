@@ -6,11 +6,14 @@
 
     settings = parse_settings(ShardSettings, argv, prog="switchboard shard")
     # precedence: flag > environment variable > default; validated once, here
+
+    dispatch("switchboard", {"shard": ("data_plane.shard", "run one shard")}, argv)   # subcommands
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import typing
 from typing import Any, TypeVar
@@ -50,3 +53,20 @@ def parse_settings(cls: type[S], argv: list[str] | None, prog: str, description:
             loc = ".".join(str(p) for p in err["loc"])
             print(f"{prog}: --{loc.replace('_', '-')}: {err['msg']}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def dispatch(prog: str, commands: dict[str, tuple[str, str]], argv: list[str] | None = None) -> None:
+    """Run `commands[argv[0]]` (`name -> (module, description)`): the module is imported only now
+    and its `main(rest_of_argv)` called; no argument or `--help` prints the table."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    usage = "\n".join([f"usage: {prog} COMMAND [ARGS...]", "", "commands:",
+                       *(f"  {name:<15} {desc}" for name, (_, desc) in commands.items()),
+                       "", f"run `{prog} COMMAND --help` for its flags"])
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage)
+        return
+    name, rest = args[0], args[1:]
+    if name not in commands:
+        print(f"{prog}: unknown command {name!r}\n\n{usage}", file=sys.stderr)
+        raise SystemExit(2)
+    importlib.import_module(commands[name][0]).main(rest)

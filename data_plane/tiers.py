@@ -27,8 +27,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from data_plane.yaml_source import load_yaml
 
 TIER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 """Tier names are short identifiers: they appear as metric labels and in config files."""
@@ -95,16 +96,6 @@ def _validation_message(exc: ValidationError, loc_prefix: str = "") -> str:
     return "invalid tier policy: " + "; ".join(parts)
 
 
-def _load_yaml(text_or_path: str | Path) -> Any:
-    """A Path, or a str without newlines / ': ' / '{', is a file; any other str is YAML text."""
-    if isinstance(text_or_path, Path):
-        return yaml.safe_load(text_or_path.read_text())
-    text = str(text_or_path)
-    if "\n" in text or ": " in text or text.lstrip().startswith("{"):
-        return yaml.safe_load(text)
-    return yaml.safe_load(Path(text).read_text())
-
-
 class TierPolicy:
     """An immutable mapping of tier name to :class:`Tier`, in the order it was declared."""
 
@@ -137,7 +128,7 @@ class TierPolicy:
     @classmethod
     def from_yaml(cls, text_or_path: str | Path) -> TierPolicy:
         """Read a YAML file (a Path, or a str naming one) or YAML text."""
-        return cls.from_dict(_load_yaml(text_or_path))
+        return cls.from_dict(load_yaml(text_or_path))
 
     def get(self, name: str) -> Tier:
         try:

@@ -22,7 +22,6 @@ import contextlib
 import logging
 import shlex
 import signal
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -33,14 +32,10 @@ from typing import Any
 import httpx
 
 from control_plane.actuators import ActuatorError
+from data_plane.http_server import free_port
+from data_plane.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -126,11 +121,7 @@ class LocalActuator:
 
     async def aclose(self) -> None:
         """Stop every shard this actuator started (drains in progress are cut short)."""
-        for task in list(self._drains.values()):
-            task.cancel()
-        for task in list(self._drains.values()):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_tasks(*self._drains.values())
         await asyncio.gather(*(self._stop(s) for s in list(self._shards.values())))
 
     # -- introspection ---------------------------------------------------------------------
@@ -150,7 +141,7 @@ class LocalActuator:
     # -- internals -------------------------------------------------------------------------
 
     async def _start(self, reason: str) -> _Shard:
-        port = _free_port(self._host)
+        port = free_port(self._host)
         member_id = f"shard-local-{port}"
         url = f"http://{self._host}:{port}"
         self._log_dir.mkdir(parents=True, exist_ok=True)

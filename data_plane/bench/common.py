@@ -17,9 +17,10 @@ import os
 import platform
 import resource
 import statistics
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -163,13 +164,17 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def machine_info() -> dict[str, Any]:
-    """CPU model, cores, ISA flags that matter for bf16, and library versions."""
+def machine_info(packages: Iterable[str] = ("torch", "transformers")) -> dict[str, Any]:
+    """CPU model, cores, load, ISA flags that matter for bf16, and the versions of `packages`
+    (read from their metadata: nothing is imported)."""
+    from importlib import metadata
+
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "cpu_model": platform.processor() or None,
+        "loadavg": list(os.getloadavg()),
     }
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -181,10 +186,10 @@ def machine_info() -> dict[str, Any]:
         info["cpu_flags"] = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     except OSError:
         pass
-    for name in ("torch", "transformers"):
+    for name in packages:
         try:
-            info[name] = __import__(name).__version__
-        except ImportError:
+            info[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
             info[name] = None
     return info
 

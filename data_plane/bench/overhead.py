@@ -49,12 +49,10 @@ import functools
 import json
 import math
 import os
-import platform
 import re
 import secrets
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -74,11 +72,13 @@ from data_plane.bench.common import (
     cycle,
     fmt,
     format_table,
+    machine_info,
     parse_int_list,
     percentile,
     write_json,
 )
 from data_plane.hop_client import HopError, HopPool
+from data_plane.http_server import free_port
 
 DIRECT, SWITCHBOARD, LITELLM = "direct", "switchboard", "litellm"
 BENCH_KEY = "sk-bench"
@@ -90,12 +90,6 @@ CONTENT = re.compile(rb'"content":\s*"(?!")')
 
 
 # -- processes -----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:
@@ -196,6 +190,7 @@ class System:
     url: str
     """Base URL of the OpenAI API (…/v1)."""
     headers: dict[str, str]
+    """Besides content-type (the client sets it), e.g. authorization."""
     proxy: Proc | None
     """The process whose CPU counts as this system's overhead (None for direct)."""
 
@@ -235,8 +230,7 @@ async def send(client: HopPool, system: System, body: bytes) -> RequestResult:
     done = False
     base, path = system.endpoint()
     try:
-        headers = {k: v for k, v in system.headers.items() if k.lower() != "content-type"}  # post sets it
-        response = await client.post(base, path, body, headers, timeout=REQUEST_TIMEOUT_S)
+        response = await client.post(base, path, body, system.headers, timeout=REQUEST_TIMEOUT_S)
         try:
             if response.status != 200:
                 await response.read()
@@ -425,7 +419,6 @@ class Stack:
 
 def start_stack(args: argparse.Namespace, litellm_bin: str | None, logs: Path) -> Stack:
     """The shard, our gateway and (with `litellm_bin`) LiteLLM, started together."""
-    json_ct = {"content-type": "application/json"}
     shard_port, gw_port = free_port(), free_port()
     shard = Proc("shard", switchboard_cmd("shard", "--engine", "synthetic", "--synthetic-token-delay-ms", "0",
                                           "--port", str(shard_port)), shard_port, "/health", logs)
@@ -433,8 +426,8 @@ def start_stack(args: argparse.Namespace, litellm_bin: str | None, logs: Path) -
                                               "whitespace", "--model-name", MODEL, "--port", str(gw_port)),
                    gw_port, "/health", logs,
                    env={"SWITCHBOARD_GATEWAY_API_KEYS": f"{BENCH_KEY}:bench:enterprise"})
-    ours = [System(DIRECT, shard.url + "/v1", json_ct, None),
-            System(SWITCHBOARD, gateway.url + "/v1", {**json_ct, "authorization": f"Bearer {BENCH_KEY}"},
+    ours = [System(DIRECT, shard.url + "/v1", {}, None),
+            System(SWITCHBOARD, gateway.url + "/v1", {"authorization": f"Bearer {BENCH_KEY}"},
                    gateway)]
     stack = Stack(shard, ours, [shard, gateway])
     litellm: Proc | None = None
@@ -470,7 +463,7 @@ def start_stack(args: argparse.Namespace, litellm_bin: str | None, logs: Path) -
         else:
             stack.procs.append(litellm)
             stack.systems.append(System(LITELLM, litellm.url + "/v1",
-                                        {**json_ct, "authorization": f"Bearer {master}"}, litellm))
+                                        {"authorization": f"Bearer {master}"}, litellm))
     return stack
 
 
@@ -508,19 +501,6 @@ def _litellm_version(binary: str) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
-
-
-def _machine() -> dict[str, Any]:
-    from importlib import metadata
-
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "cpu_count": os.cpu_count(), "loadavg": list(os.getloadavg())}
-    for name in ("httpx", "fastapi", "uvicorn", "starlette", "pydantic", "opentelemetry-sdk"):
-        try:
-            info[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            info[name] = None
-    return info
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -566,7 +546,8 @@ def main(argv: list[str] | None = None) -> None:
             "per_round": [{"system": b.system, "concurrency": b.concurrency, "round": b.round, **b.stats(),
                            "errors": b.errors, "proxy_cpu_ms_per_req": b.proxy_cpu_ms_per_req,
                            "shard_cpu_ms_per_req": b.shard_cpu_ms_per_req} for b in batches],
-            "machine": _machine(),
+            "machine": machine_info(("httpx", "httptools", "fastapi", "uvicorn", "starlette", "pydantic",
+                                       "opentelemetry-sdk")),
             "elapsed_s": elapsed,
         })
 

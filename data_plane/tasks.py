@@ -1,0 +1,21 @@
+"""Stopping a component's background tasks (watchers, sweepers, control loops) on close.
+
+    await stop_tasks(self._task)              # None is fine: nothing was started
+    await stop_tasks(*self._drains.values())
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+
+async def stop_tasks(*tasks: asyncio.Task[object] | None) -> None:
+    """Cancel every task, then wait for each to finish its cleanup (its cancellation is swallowed,
+    any other failure is not)."""
+    running = [t for t in tasks if t is not None]
+    for task in running:
+        task.cancel()
+    for task in running:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
