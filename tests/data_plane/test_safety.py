@@ -379,13 +379,121 @@ def test_stream_random_splits_of_long_text():
             assert len(out) >= start - DEFAULT_WINDOW - 2 - max(map(len, split_at(text, cuts)))
 
 
-def test_stream_releases_text_while_streaming_not_only_at_finish():
-    policy = default_policy()
-    stream = policy.output_stream()
-    text = "word " * 100
+def test_benign_text_is_released_in_the_same_call_it_arrives():
+    """No hold-back for text that cannot begin a match: every token-sized delta comes straight back."""
+    stream = default_policy().output_stream()
+    deltas = ["Sure", "!", " Paris", " is", " the", " capital", " of", " France", ".", "\n\n", "It", " has",
+              " about", " 2", ".1", " million", " people", ".", " Ünïcödé", " 日本", " 🙂"]
+    for delta in deltas:
+        assert stream.feed(delta) == delta
+    assert stream.finish() == "" and stream.max_held == 0
+
+
+def test_character_deltas_hold_at_most_the_word_that_may_begin_a_match():
+    stream = default_policy().output_stream()
+    text = "Sure! Here is how we bake bread, step by step, with water and salt. " * 3
     emitted = "".join(stream.feed(ch) for ch in text)
-    assert len(emitted) == len(text) - DEFAULT_WINDOW - 2
     assert emitted + stream.finish() == text and stream.verdict is None
+    assert len(text) - len(emitted) <= 1 and stream.max_held <= len("how we")
+
+
+def test_a_possible_beginning_is_held_only_while_it_could_still_match():
+    stream = default_policy().output_stream()
+    assert stream.feed("I know ") == "I know "
+    assert stream.feed("how") == ""              # may begin "how to build a bomb"
+    assert stream.feed(" to") == ""
+    assert stream.feed(" bake") == "how to bake"  # no rule can continue: released at once
+    assert stream.feed(" bread.") == " bread."
+    assert stream.finish() == "" and stream.verdict is None
+
+
+def test_reply_shorter_than_the_old_window_streams_in_many_pieces():
+    stream = default_policy().output_stream()
+    words = "Paris is the capital of France.".split(" ")
+    outs = [stream.feed(w + " ") for w in words]
+    assert all(outs) and "".join(outs) == "Paris is the capital of France. "
+
+
+EMAIL_POLICY = {"name": "p", "output": [{"type": "pii", "cards": False, "emails": True}]}
+
+
+def test_tail_that_looks_like_an_email_is_held_until_it_stops_looking_like_one():
+    stream = SafetyPolicy.from_config(EMAIL_POLICY).output_stream()
+    assert stream.feed("Write to ") == "Write to "
+    assert stream.feed("bob") == ""                  # a word may be an email's local part
+    assert stream.feed(".smith") == ""
+    assert stream.feed(" tomorrow") == "bob.smith "  # a space ends it: released; "tomorrow" held
+    assert stream.feed("!") == "tomorrow!"
+    assert stream.finish() == "" and stream.verdict is None
+
+
+def test_email_prefix_held_then_released_exactly_when_disproved():
+    stream = SafetyPolicy.from_config(EMAIL_POLICY).output_stream()
+    out = [stream.feed(ch) for ch in "mail bob@ex"]
+    assert "".join(out) == "mail "                   # "bob@ex" could still be an address
+    assert stream.feed("!") == "bob@ex!"             # an address cannot contain "!" there
+    assert stream.finish() == "" and stream.verdict is None
+
+
+def test_digits_are_held_while_they_could_be_a_card_number():
+    stream = default_policy_with_cards().output_stream()
+    assert stream.feed("The answer is 4") == "The answer is "
+    assert stream.feed("2") == ""
+    assert stream.feed(".") == "42."                 # "42." can no longer grow into a card number
+    for ch in "4111 1111 1111 1111":
+        assert stream.feed(ch) == ""
+    stream.feed(" ok")
+    assert stream.verdict is not None and stream.verdict.rule == "credit_card"
+
+
+def default_policy_with_cards() -> SafetyPolicy:
+    return SafetyPolicy.from_config({"name": "p", "output": [{"type": "pii", "cards": True, "emails": False}]})
+
+
+ALL_KINDS = SafetyPolicy.from_config({"name": "all", "output": [
+    {"type": "rules", "categories": {WMD: [r"how\s+to\s+build\s+a\s+bomb"], "violence": [r"straße\s+der\s+gewalt"]}},
+    {"type": "pii", "cards": True, "emails": True, "phones": True}]})
+
+
+@pytest.mark.parametrize("blocked, rule", [
+    ("HOW TO build a BOMB", f"{WMD}#0"),                 # case folding
+    ("how\u00a0to build a bomb", f"{WMD}#0"),          # Unicode whitespace
+    ("STRASSE der Gewalt", "violence#0"),                 # full case folding: ß ~ SS
+    ("4111-1111-1111-1111", "credit_card"),
+    ("jane.doe+tag@mail.example.org", "email"),
+    ("+1 415 555 2671", "phone"),
+])
+def test_blocked_text_split_into_single_characters_is_never_sent(blocked, rule):
+    for before, after in [("Well: ", " is it."), ("", ""), ("ünï 日本 🙂 ", "\n")]:
+        text = before + blocked + after
+        stream = ALL_KINDS.output_stream()
+        out, outs = stream_through(stream, list(text))
+        assert stream.verdict is not None and stream.verdict.rule == rule, text
+        assert out == before[: len(out)], (text, out)   # nothing of the match went out
+        assert "".join(outs) == out
+
+
+def test_held_candidate_is_bounded_by_the_window():
+    """The documented worst case: a tail that looks like a beginning forever is released once it
+    is longer than the window."""
+    stream = SafetyPolicy.from_config({"name": "p", "window": 16, "output": [
+        {"type": "rules", "categories": {WMD: [r"how\s+to\s+build\s+a\s+bomb"]}}]}).output_stream()
+    out = "".join(stream.feed(ch) for ch in "how to" + " " * 40)
+    assert out.startswith("how to") and stream.max_held <= 16 + 1
+    assert stream.verdict is None
+
+
+def test_filter_without_possible_start_keeps_the_fixed_window():
+    class Legacy:
+        name = "legacy"
+
+        def find(self, text: str, pos: int = 0) -> Match | None:
+            i = text.find("secret", pos)
+            return Match(i, i + 6, Verdict(False, "legacy", "secret")) if i >= 0 else None
+
+    stream = OutputStreamFilter([Legacy()], window=10)
+    emitted = "".join(stream.feed(ch) for ch in "word " * 10)
+    assert len(emitted) == 50 - 10 - 2 and emitted + stream.finish() == "word " * 10
 
 
 @pytest.mark.parametrize(
