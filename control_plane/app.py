@@ -181,7 +181,11 @@ def parse_settings(argv: list[str] | None) -> ControlPlaneSettings:
     parser.add_argument("--degradation-raise-dwell", dest="degradation_raise_dwell_s", type=float,
                         help="least seconds at a level before raising it (default 10)")
     parser.add_argument("--degradation-lower-dwell", dest="degradation_lower_dwell_s", type=float,
-                        help="least seconds at a level and of calm before lowering it (default 30)")
+                        help="seconds of calm before lowering a level a windowed figure raised (default 30)")
+    parser.add_argument("--degradation-lower-dwell-gauge", dest="degradation_lower_dwell_gauge_s", type=float,
+                        help="seconds of calm before lowering a level a queue gauge or a pin raised (default 10)")
+    parser.add_argument("--degradation-raise-queue-time", dest="degradation_raise_queue_time_s", type=float,
+                        help="queue time p95 above which the ladder rises, with a queue (default 1)")
     add_autoscaler_flags(parser)
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if v is not None}

@@ -1,4 +1,4 @@
-"""The autoscaler: target tracking on waiting requests per shard and on TTFT p95 vs the SLO.
+"""The autoscaler: target tracking on waiting requests per shard, queue time and TTFT beyond prefill.
 
     policy = TargetTracking(PolicyConfig(min_replicas=1, max_replicas=4, ttft_slo_s=2.0))
     proposal = policy.decide(signals, current=2, now=time.monotonic())    # pure rule + its memory
@@ -18,13 +18,18 @@ The rule (:meth:`TargetTracking.decide`), in order:
    - *up* when waiting per shard > target x (1 + ``tolerance``): enough shards that the queue
      spread over them is back at the target, given each shard's batch slots:
      ``ceil(load / (slots + target))`` with load = running + waiting over the fleet;
-   - *up* when TTFT p95 > SLO x (1 + ``tolerance``): ``ceil(current x ttft / slo)`` — but only
-     once a whole TTFT window has passed since the fleet settled (every shard asked for serving),
-     so the p95 is about the current fleet;
-   - *down* only when every shard asked for is serving and both are well inside the band: waiting per shard <= target x (1 - tolerance),
-     TTFT p95 <= SLO x ``scale_down_below`` (or no first token in the window), and the load would
-     fill at most ``scale_down_below`` of the remaining shards' slots: ``ceil(load / (slots x
-     scale_down_below))``. Between the up and down thresholds nothing moves (hysteresis).
+   - *up* when the queue time p95 (admission wait + shard queue) > ``target_queue_time_s`` x (1 +
+     ``tolerance``), or TTFT *beyond prefill* p95 > SLO x (1 + ``tolerance``): enough shards for the
+     load without a queue, ``max(current + 1, ceil(load / slots))`` — but only under pressure (a
+     queue now, or batches >= 75 % full) and once a whole window has passed since the fleet
+     settled (every shard asked for serving), so the p95 is about the current fleet. Raw TTFT
+     never scales: it grows with the prompt (one long conversation is not load);
+   - *down* only when every shard asked for is serving and all are well inside the band: waiting
+     per shard <= target x (1 - tolerance), queue time p95 <= its target x ``scale_down_below``,
+     TTFT beyond prefill <= SLO x ``scale_down_below`` (None: nothing in the window counts as
+     low), and the load would fill at most ``scale_down_below`` of the remaining shards' slots:
+     ``ceil(load / (slots x scale_down_below))``. Between the up and down thresholds nothing
+     moves (hysteresis).
 4. fast up: at most ``max(max_scale_up_step, current)`` more at once, after
    ``scale_up_cooldown_s`` since the last scaling.
 5. slow down: one shard at a time (``max_scale_down_step``), after ``scale_down_cooldown_s``
@@ -81,7 +86,11 @@ class PolicyConfig:
     target_waiting_per_shard: float = 2.0
     """Requests waiting for a batch slot per shard that the fleet is sized for."""
     ttft_slo_s: float = 2.0
-    """Time-to-first-token p95 objective, seconds."""
+    """Time-to-first-token p95 objective, seconds, held against TTFT beyond prefill."""
+    target_queue_time_s: float = 0.5
+    """Queue time p95 (admission wait + shard queue), seconds, that the fleet is sized for."""
+    busy_batch_usage: float = 0.75
+    """Batch usage (running / slots) from which the fleet is under pressure without a queue."""
     scale_up_cooldown_s: float = 15.0
     """Seconds after any scaling before scaling up again (fast up)."""
     scale_down_cooldown_s: float = 120.0
@@ -103,6 +112,8 @@ class PolicyConfig:
             (1 <= self.max_replicas <= 1000, "max_replicas must be in 1..1000"),
             (0 < self.target_waiting_per_shard <= 10_000, "target_waiting_per_shard must be in (0, 10000]"),
             (0 < self.ttft_slo_s <= 3600, "ttft_slo_s must be in (0, 3600]"),
+            (0 < self.target_queue_time_s <= 600, "target_queue_time_s must be in (0, 600]"),
+            (0 < self.busy_batch_usage <= 1, "busy_batch_usage must be in (0, 1]"),
             (self.scale_up_cooldown_s >= 0 and self.scale_down_cooldown_s >= 0, "cooldowns must be >= 0"),
             (0 <= self.tolerance < 1, "tolerance must be in [0, 1)"),
             (0 < self.scale_down_below < 1, "scale_down_below must be in (0, 1)"),
@@ -225,11 +236,12 @@ class TargetTracking:
         slots = s.capacity_per_shard if s.capacity_per_shard and math.isfinite(s.capacity_per_shard) else None
         load = (s.load_per_shard or 0.0) * n
         target = cfg.target_waiting_per_shard
-        slo = cfg.ttft_slo_s
-        ttft = s.ttft_p95_s
+        slo, queue_target = cfg.ttft_slo_s, cfg.target_queue_time_s
+        queue, excess = s.queue_time_p95_s, s.ttft_excess_p95_s
         figures = (
-            f"waiting/shard {wps:.1f} (target {target:g}), TTFT p95 "
-            f"{'n/a' if ttft is None else f'{ttft:.2f}s'} (SLO {slo:g}s), load {load:.0f}"
+            f"waiting/shard {wps:.1f} (target {target:g}), queue p95 {_secs(queue)} (target {queue_target:g}s), "
+            f"TTFT beyond prefill p95 {_secs(excess)} (SLO {slo:g}s; raw TTFT p95 {_secs(s.ttft_p95_s)}), "
+            f"batches {_pct(s.batch_usage)} full, load {load:.0f}"
             f"{'' if slots is None else f' on {n}x{slots:.0f} slots'}"
         )
         wants: list[tuple[int, str, str]] = []
@@ -237,29 +249,42 @@ class TargetTracking:
         if wps > target * (1 + cfg.tolerance):
             want = math.ceil(load / (slots + target)) if slots else math.ceil(current * wps / target)
             wants.append((want if starting else max(want, current + 1), "waiting above target", "waiting"))
-        # TTFT p95 lags by its window: only a window that started after the fleet last settled
+        # p95s lag by their window: only a window that started after the fleet last settled
         # (every asked-for shard serving) says anything about the current fleet
         if starting:
             self._settled_at = None
         elif self._settled_at is None:
             self._settled_at = now
-        ttft_fresh = self._settled_at is not None and now - self._settled_at >= s.window_s
-        if ttft is not None and ttft > slo * (1 + cfg.tolerance) and ttft_fresh:
-            wants.append((max(math.ceil(current * ttft / slo), current + 1), "TTFT p95 above SLO", "ttft"))
+        fresh = self._settled_at is not None and now - self._settled_at >= s.window_s
+        pressure = wps > 0 or (s.batch_usage or 0.0) >= cfg.busy_batch_usage
+        sized = max(current + 1, math.ceil(load / slots) if slots else current + 1)
+        if fresh and pressure and queue is not None and queue > queue_target * (1 + cfg.tolerance):
+            wants.append((sized, "queue time p95 above target", "queue_time"))
+        if fresh and pressure and excess is not None and excess > slo * (1 + cfg.tolerance):
+            wants.append((sized, "TTFT beyond prefill above SLO", "ttft_excess"))
         if wants:
             want, why, code = max(wants)
             return want, f"{why}: {figures}", code
-        calm_ttft = ttft is None or ttft <= slo * cfg.scale_down_below
+        calm_latency = ((queue is None or queue <= queue_target * cfg.scale_down_below)
+                        and (excess is None or excess <= slo * cfg.scale_down_below))
         if s.shed_per_s > SHEDDING_HOLD_PER_S:
             # Demand is being turned away (degradation or admission): admitted load is low
             # because of the shedding, not because the fleet is too big.
             return current, f"within band: shedding {s.shed_per_s:.1f} req/s; {figures}", "steady"
-        if wps <= target * (1 - cfg.tolerance) and calm_ttft and not starting:
+        if wps <= target * (1 - cfg.tolerance) and calm_latency and not starting:
             fits = math.ceil(load / (slots * cfg.scale_down_below)) if slots else current - (wps == 0)
             want = max(fits, cfg.min_replicas)
             if want < current:
                 return want, f"low load: {figures}", "low_load"
         return current, f"within band: {figures}", "steady"
+
+
+def _secs(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}s"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0%}"
 
 
 class AutoscalerMetrics:
@@ -475,7 +500,8 @@ class Autoscaler:
         }
         if entry.current is not None and entry.desired is not None:
             attributes.update({"from": entry.current, "to": entry.desired})
-        for key in ("waiting_per_shard", "ttft_p95_s", "healthy_shards", "load_per_shard"):
+        for key in ("waiting_per_shard", "queue_time_p95_s", "ttft_excess_p95_s", "ttft_p95_s", "batch_usage",
+                    "healthy_shards", "load_per_shard"):
             value = entry.inputs.get(key)
             if isinstance(value, (int, float)):
                 attributes[f"signals.{key}"] = value
@@ -489,6 +515,7 @@ def policy_config(settings: Any) -> PolicyConfig:
         max_replicas=settings.max_replicas,
         target_waiting_per_shard=settings.target_waiting_per_shard,
         ttft_slo_s=settings.ttft_slo_s,
+        target_queue_time_s=settings.target_queue_time_s,
         scale_up_cooldown_s=settings.scale_up_cooldown_s,
         scale_down_cooldown_s=settings.scale_down_cooldown_s,
     )
@@ -539,7 +566,8 @@ def add_autoscaler_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--min-replicas", type=int, help="fewest shards (default 1)")
     g.add_argument("--max-replicas", type=int, help="most shards (default 4)")
     g.add_argument("--target-waiting-per-shard", type=float, help="queue per shard to size for (default 2)")
-    g.add_argument("--ttft-slo-s", type=float, help="TTFT p95 objective, s (default 2)")
+    g.add_argument("--ttft-slo-s", type=float, help="TTFT p95 objective, s (default 2), held against TTFT beyond prefill")
+    g.add_argument("--target-queue-time-s", type=float, help="queue time p95 to size for, s (default 0.5)")
     g.add_argument("--scale-up-cooldown-s", type=float, help="s after a scaling before scaling up (15)")
     g.add_argument("--scale-down-cooldown-s", type=float, help="s after a scaling before scaling down (120)")
     g.add_argument("--autoscale-interval-s", type=float, help="s between decisions (default 5)")

@@ -13,19 +13,27 @@ The levels (enforced by the gateway, ``data_plane/cluster_state.py``)::
     0 normal            1 shrink context window      2 cap output tokens
     3 shed free tier    4 enterprise only
 
-The automatic rule, evaluated on every read of the signals:
+The automatic rule (control_plane/degradation_rule.py), evaluated on every read of the signals,
+reads only what means overload: a queue (waiting per shard, queue time), TTFT *beyond* prefill, and
+busy batches / KV. Raw TTFT grows with the prompt and never moves the ladder; without a queue and
+with the batches not busy, nothing raises it.
 
-- *hot*: any of TTFT p95 > SLO x ``raise_ttft_ratio``, waiting per shard > ``raise_waiting_per_shard``,
-  error rate > ``raise_error_rate``, KV usage > ``raise_kv_usage``. Raises one level once the current
-  level has been held ``raise_dwell_s`` (fast up).
-- *calm*: every one of them below its (lower) ``lower_*`` threshold. Lowers one level once calm has
-  lasted ``lower_dwell_s`` without a break and the level has been held as long (slow down).
+- *hot*: one overload figure above its raise threshold. Raises one level once the current level
+  has been held ``raise_dwell_s`` (fast up).
+- *calm*: every figure below its (lower) threshold. Lowers one level once calm has lasted the
+  dwell *of the cause that raised the level* without a break, and the level has been held as long:
+  ``lower_dwell_gauge_s`` (10 s) for a queue or KV gauge and for an operator's pin,
+  ``lower_dwell_s`` (30 s, one signals window) for a windowed figure (queue time p95, TTFT beyond
+  prefill, error rate) or an unknown cause (after a restart).
 - between the two thresholds nothing moves (hysteresis); signals that are incomplete (a shard not
-  scraped, a stale metric) or that cannot be read never move the ladder, and they break a calm streak.
+  scraped, a stale metric, a figure a complete reading must carry) never move the ladder, and they
+  break a calm streak.
 
 While an operator pins a level the rule is still evaluated (and shown) but not applied. Releasing
-a pin keeps the level in force and hands it back to the rule, which then walks it down one step at
-a time: dropping straight from 4 to 0 would let back all the load that was shed at once.
+a pin keeps the level in force and hands it back to the rule; the pinned time counts as time at
+the level and calm seen while pinned counts, so with calm signals the ladder steps down at the
+next reading, then one step per dwell: dropping straight from 4 to 0 would let back all the load
+that was shed at once.
 
 Every change is an event ``{at, from, to, reason, signals, actor}`` in a bounded history (persisted
 with the level by :class:`~control_plane.policy_store.PolicyStore`), a metric, a span with a
@@ -47,7 +55,10 @@ from typing import Any, Protocol
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from control_plane.degradation_rule import Assessment, LadderConfig, assess
 from control_plane.policy_store import MAX_LEVEL, DegradationRecord, PolicyStore
+from control_plane.settings import ControlPlaneSettings
+from control_plane.signals import Signals
 from data_plane.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
@@ -65,169 +76,17 @@ DIRECTIONS = ("up", "down", "none")
 OUTCOMES = ("raise", "lower", "hold", "incomplete", "pinned")
 
 
-class LadderSignals(Protocol):
-    """What the ladder reads from a :class:`control_plane.signals.Signals` (None = no data)."""
-
-    complete: bool
-    ttft_p95_s: float | None
-    error_rate: float | None
-    waiting_per_shard: float | None
-    kv_usage: float | None
-
-
 class SignalReader(Protocol):
     """A source of signals; ``read()`` is called once per ``interval_s`` by the controller's task."""
 
-    async def read(self) -> Any: ...
+    async def read(self) -> Signals: ...
 
 
-@dataclass(frozen=True)
-class LadderConfig:
-    """Thresholds and timings of the automatic rule. Raise thresholds sit above lower ones."""
-
-    ttft_slo_s: float = 2.0
-    """Target p95 time to first token, seconds."""
-    raise_ttft_ratio: float = 1.0
-    """Hot when TTFT p95 > SLO x this."""
-    lower_ttft_ratio: float = 0.5
-    """Calm needs TTFT p95 < SLO x this."""
-    raise_waiting_per_shard: float = 8.0
-    """Hot when requests waiting per healthy shard exceed this."""
-    lower_waiting_per_shard: float = 2.0
-    """Calm needs waiting per shard below this."""
-    raise_error_rate: float = 0.10
-    """Hot when the fraction of failed requests exceeds this."""
-    lower_error_rate: float = 0.02
-    """Calm needs the error rate below this."""
-    raise_kv_usage: float = 0.97
-    """Hot when KV-cache usage (0..1) exceeds this."""
-    lower_kv_usage: float = 0.85
-    """Calm needs KV usage below this."""
-    raise_dwell_s: float = 10.0
-    """Least time at a level before the rule raises it again."""
-    lower_dwell_s: float = 30.0
-    """Least time at a level, and of unbroken calm, before the rule lowers it."""
-    interval_s: float = 2.0
-    """How often the signals are read."""
-    history: int = 200
-    """Change events kept (and persisted)."""
-    signal_history: int = 150
-    """Signal readings kept for the admin API's sparklines."""
-
-    def __post_init__(self) -> None:
-        pairs = [
-            ("ttft_ratio", self.lower_ttft_ratio, self.raise_ttft_ratio),
-            ("waiting_per_shard", self.lower_waiting_per_shard, self.raise_waiting_per_shard),
-            ("error_rate", self.lower_error_rate, self.raise_error_rate),
-            ("kv_usage", self.lower_kv_usage, self.raise_kv_usage),
-        ]
-        for name, low, high in pairs:
-            if not 0 <= low < high:
-                raise ValueError(f"{name}: need 0 <= lower ({low}) < raise ({high}) for hysteresis")
-        if self.ttft_slo_s <= 0 or self.interval_s <= 0:
-            raise ValueError("ttft_slo_s and interval_s must be > 0")
-        if self.raise_dwell_s < 0 or self.lower_dwell_s < 0:
-            raise ValueError("dwell times must be >= 0")
-        if self.history < 1 or self.signal_history < 1:
-            raise ValueError("history sizes must be >= 1")
-
-
-@dataclass(frozen=True)
-class Assessment:
-    """The rule's reading of one set of signals."""
-
-    verdict: str
-    """``hot`` | ``calm`` | ``hold`` | ``incomplete``."""
-    reasons: tuple[str, ...]
-    """Human-readable facts behind the verdict."""
-
-
-def assess(signals: Any, config: LadderConfig) -> Assessment:
-    """Classify `signals` as hot, calm, in between (hold) or incomplete."""
-    if signals is None or not getattr(signals, "complete", False):
-        missing = list(getattr(signals, "missing", None) or [])
-        return Assessment("incomplete", (f"signals incomplete: missing {', '.join(map(str, missing)) or 'all'}",))
-    slo = config.ttft_slo_s
-    checks = [  # (name, value, raise above, calm below, format)
-        ("ttft_p95", _num(signals, "ttft_p95_s"), slo * config.raise_ttft_ratio, slo * config.lower_ttft_ratio, "{:.2f}s"),
-        ("waiting/shard", _num(signals, "waiting_per_shard"), config.raise_waiting_per_shard,
-         config.lower_waiting_per_shard, "{:.1f}"),
-        ("error_rate", _num(signals, "error_rate"), config.raise_error_rate, config.lower_error_rate, "{:.1%}"),
-        ("kv_usage", _num(signals, "kv_usage"), config.raise_kv_usage, config.lower_kv_usage, "{:.0%}"),
-    ]
-    hot, warm = [], []
-    for name, value, high, low, fmt in checks:
-        if value is None:  # no data for this dimension (e.g. no requests in the window): no pressure
-            continue
-        if value > high:
-            hot.append(f"{name} {fmt.format(value)} > {fmt.format(high)}")
-        elif value >= low:
-            warm.append(f"{name} {fmt.format(value)} >= {fmt.format(low)}")
-    if hot:
-        return Assessment("hot", tuple(hot))
-    if warm:
-        return Assessment("hold", tuple(warm))
-    returning = _shed_demand_that_would_not_fit(signals)
-    if returning:
-        return Assessment("hold", (returning,))
-    return Assessment("calm", ("all signals below their lower thresholds",))
-
-
-SHED_FLOOR_PER_S = 0.2
-"""Sheds per second below which shedding is noise, not demand held back."""
-RETURN_HEADROOM = 0.9
-"""Lowering needs the shed demand to fit in this share of the fleet's slots."""
-
-
-def _shed_demand_that_would_not_fit(signals: Any) -> str | None:
-    """Shedding makes the fleet look calm. Before stepping down, estimate (Little's law) how many
-    slots the shed demand would occupy if let back in; None when it fits or cannot be judged."""
-    shed = _num(signals, "shed_per_s") or 0.0
-    per_shard, slots = _num(signals, "load_per_shard"), _num(signals, "capacity_per_shard")
-    healthy = getattr(signals, "healthy_shards", 0) or 0
-    if shed <= SHED_FLOOR_PER_S or per_shard is None or not slots or not healthy:
-        return None
-    demand = sum(getattr(signals, "demand_by_tier", {}).values())
-    admitted = demand - sum(getattr(signals, "rejections_by_tier", {}).values())
-    load = per_shard * healthy
-    if admitted <= 0 or load <= 0:
-        return None
-    extra = shed * load / admitted  # requests/s x seconds each = concurrent requests
-    capacity = slots * healthy
-    if load + extra <= capacity * RETURN_HEADROOM:
-        return None
-    return (f"shedding {shed:.1f} req/s; letting it back would need ~{load + extra:.0f} of "
-            f"{capacity:.0f} slots")
-
-
-def _num(signals: Any, name: str) -> float | None:
-    value = getattr(signals, name, None)
-    if value is None:
-        return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
-
-
-def signals_dict(signals: Any, *, full: bool = False) -> dict[str, Any]:
+def signals_dict(signals: Signals | None, *, full: bool = False) -> dict[str, Any]:
     """A JSON-ready dict of a Signals value: its ``summary()`` (no per-shard list) unless `full`."""
     if signals is None:
         return {}
-    if not full and hasattr(signals, "summary"):
-        data = signals.summary()
-    elif hasattr(signals, "to_dict"):
-        data = signals.to_dict()
-    elif dataclasses.is_dataclass(signals) and not isinstance(signals, type):
-        data = dataclasses.asdict(signals)
-    elif hasattr(signals, "model_dump"):
-        data = signals.model_dump()
-    elif isinstance(signals, Mapping):
-        data = dict(signals)
-    else:
-        data = dict(vars(signals))
-    return _jsonable(data)
+    return _jsonable(signals.to_dict() if full else signals.summary())
 
 
 def _jsonable(value: Any) -> Any:
@@ -308,9 +167,11 @@ class DegradationController:
         # dwell restarts at (re)start: a restored level is held at least one dwell time
         self._changed_at = self._clock.monotonic()
         self._calm_since: float | None = None
+        self._cause: tuple[str, ...] = ()
+        """What raised the level in force (``operator`` for a pin); () when unknown (restart)."""
         self._last_assessment = Assessment("incomplete", ("no signals read yet",))
         self._signals: collections.deque[dict[str, Any]] = collections.deque(maxlen=self.config.signal_history)
-        self._latest: Any = None
+        self._latest: Signals | None = None
         self._read_failing = False
         self._task: asyncio.Task[None] | None = None
         self._publish_metrics()
@@ -342,7 +203,7 @@ class DegradationController:
         return self._store.degradation.pinned
 
     @property
-    def latest_signals(self) -> Any:
+    def latest_signals(self) -> Signals | None:
         """The last Signals read (None before the first read)."""
         return self._latest
 
@@ -365,7 +226,8 @@ class DegradationController:
                 "calm_for_s": self._calm_for(),
                 "held_for_s": round(self._clock.monotonic() - self._changed_at, 3),
                 "raise_dwell_s": self.config.raise_dwell_s,
-                "lower_dwell_s": self.config.lower_dwell_s,
+                "lower_dwell_s": self._lower_dwell(),
+                "cause": list(self._cause),
             },
             "history": [dict(e) for e in record.history],
         }
@@ -374,7 +236,7 @@ class DegradationController:
 
     async def tick(self) -> dict[str, Any] | None:
         """Read the source once and apply the rule; returns the change event, if any."""
-        signals = None
+        signals: Signals | None = None
         if self._source is not None:
             try:
                 signals = await self._source.read()
@@ -388,7 +250,7 @@ class DegradationController:
                 self._read_failing = False
         return self.observe(signals)
 
-    def observe(self, signals: Any) -> dict[str, Any] | None:
+    def observe(self, signals: Signals | None) -> dict[str, Any] | None:
         """Apply the rule to one reading; returns the change event if the level moved."""
         now = self._clock.monotonic()
         if signals is not None:
@@ -403,6 +265,7 @@ class DegradationController:
             self._calm_since = None
         record = self._store.degradation
         held = now - self._changed_at
+        dwell = self._lower_dwell()
         outcome, target = "hold", record.level
         if assessment.verdict == "incomplete":
             outcome = "incomplete"
@@ -413,8 +276,8 @@ class DegradationController:
         elif (
             assessment.verdict == "calm"
             and record.level > 0
-            and held >= self.config.lower_dwell_s
-            and self._calm_for() >= self.config.lower_dwell_s
+            and held >= dwell
+            and self._calm_for() >= dwell
         ):
             outcome, target = "lower", record.level - 1
         if self._metrics is not None:
@@ -426,8 +289,12 @@ class DegradationController:
         else:
             reason = "; ".join(assessment.reasons)
         event = self._change(target, reason, actor="auto", pinned=False, signals=signals)
+        if outcome == "raise":
+            self._cause = assessment.causes
         if outcome == "lower":
             self._calm_since = now  # the next step down needs a fresh calm period at the new level
+            if target == 0:
+                self._cause = ()
         return event
 
     # -- operator --------------------------------------------------------------------------
@@ -436,21 +303,34 @@ class DegradationController:
         """Hold `level` until `release`; takes effect at once (no dwell, any distance)."""
         if not 0 <= level <= MAX_LEVEL:
             raise ValueError(f"level must be 0..{MAX_LEVEL}")
+        self._cause = ("operator",)
         return self._change(level, f"pinned: {reason}", actor="operator", pinned=True, signals=self._latest)
 
     def release(self, reason: str = "released") -> dict[str, Any] | None:
-        """Hand the level back to the automatic rule (from where it stands); None if not pinned."""
+        """Hand the level back to the automatic rule (from where it stands); None if not pinned.
+
+        The time the pin held the level counts as time at the level, and calm seen while pinned
+        counts as calm: with calm signals the rule steps down at its next reading, then one step
+        per ``lower_dwell_gauge_s`` (a pin is the operator's cause, not a windowed signal's)."""
         record = self._store.degradation
         if not record.pinned:
             return None
-        return self._change(record.level, f"released: {reason}", actor="operator", pinned=False, signals=self._latest)
+        changed_at = self._changed_at
+        event = self._change(record.level, f"released: {reason}", actor="operator", pinned=False,
+                             signals=self._latest)
+        self._changed_at = changed_at
+        return event
 
     # -- internals -------------------------------------------------------------------------
+
+    def _lower_dwell(self) -> float:
+        return self.config.lower_dwell_for(self._cause)
 
     def _calm_for(self) -> float:
         return 0.0 if self._calm_since is None else round(self._clock.monotonic() - self._calm_since, 3)
 
-    def _change(self, to: int, reason: str, *, actor: str, pinned: bool, signals: Any) -> dict[str, Any]:
+    def _change(self, to: int, reason: str, *, actor: str, pinned: bool,
+                signals: Signals | None) -> dict[str, Any]:
         record = self._store.degradation
         at = self._clock.wall()
         event = {
@@ -504,12 +384,18 @@ class DegradationController:
             await asyncio.sleep(self.config.interval_s)
 
 
-def ladder_config(settings: Any) -> LadderConfig:
+def ladder_config(settings: ControlPlaneSettings) -> LadderConfig:
     """A :class:`LadderConfig` from :class:`~control_plane.settings.ControlPlaneSettings` (the TTFT
-    SLO is the autoscaler's, when the settings have one, so both act on the same objective)."""
+    SLO is the autoscaler's, so both act on the same objective)."""
     return LadderConfig(
-        ttft_slo_s=getattr(settings, "ttft_slo_s", LadderConfig.ttft_slo_s),
+        ttft_slo_s=settings.ttft_slo_s,
         interval_s=settings.degradation_interval_s,
         raise_dwell_s=settings.degradation_raise_dwell_s,
         lower_dwell_s=settings.degradation_lower_dwell_s,
+        lower_dwell_gauge_s=settings.degradation_lower_dwell_gauge_s,
+        raise_queue_time_s=settings.degradation_raise_queue_time_s,
     )
+
+
+__all__ = ["LEVELS", "Assessment", "DegradationController", "DegradationMetrics", "LadderConfig", "assess",
+           "ladder_config", "signals_dict"]

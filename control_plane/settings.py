@@ -81,7 +81,12 @@ class ControlPlaneSettings(BaseSettings):
     degradation_raise_dwell_s: float = Field(default=10.0, ge=0.0, le=3600.0)
     """Least time at a degradation level before the automatic rule raises it."""
     degradation_lower_dwell_s: float = Field(default=30.0, ge=0.0, le=3600.0)
-    """Least time at a level, and of unbroken calm signals, before the automatic rule lowers it."""
+    """Least time at a level, and of unbroken calm signals, before the automatic rule lowers a level
+    raised by a windowed figure (queue time p95, TTFT beyond prefill, error rate)."""
+    degradation_lower_dwell_gauge_s: float = Field(default=10.0, ge=0.0, le=3600.0)
+    """The same for a level raised by a gauge (waiting per shard, KV usage) or pinned by an operator."""
+    degradation_raise_queue_time_s: float = Field(default=1.0, gt=0.0, le=600.0)
+    """Queue time p95 (admission wait + shard queue) above which the ladder rises (with a queue)."""
 
     # -- signals and autoscaling (control_plane/signals.py, autoscaler.py, actuators/) ----------
     prometheus: str | None = Field(default=None, pattern=r"^https?://")
@@ -99,7 +104,11 @@ class ControlPlaneSettings(BaseSettings):
     target_waiting_per_shard: float = Field(default=2.0, gt=0.0, le=10000.0)
     """Requests waiting for a batch slot per shard that the fleet is sized for."""
     ttft_slo_s: float = Field(default=2.0, gt=0.0, le=3600.0)
-    """Time-to-first-token p95 objective, seconds (also the degradation ladder's)."""
+    """Time-to-first-token p95 objective, seconds (also the degradation ladder's); scaling and the
+    ladder hold it against TTFT *beyond prefill*, never raw TTFT (which grows with the prompt)."""
+    target_queue_time_s: float = Field(default=0.5, gt=0.0, le=600.0)
+    """Queue time p95 (admission wait + shard queue) the fleet is sized for; above it (with a
+    queue or busy batches) the autoscaler scales out."""
     scale_up_cooldown_s: float = Field(default=15.0, ge=0.0, le=86400.0)
     """Least seconds after a scaling before scaling up again (fast up)."""
     scale_down_cooldown_s: float = Field(default=120.0, ge=0.0, le=86400.0)

@@ -27,6 +27,19 @@ What counts:
   error rate, tokens/s and per-tier demand and rejections (429 and 503). Without any gateway,
   TTFT and tokens/s come from the shards (``vllm:time_to_first_token_seconds``,
   ``vllm:generation_tokens``) and the per-tier figures are empty.
+
+Overload is a queue, not a long prompt: TTFT grows with prefill, which grows with the prompt and
+not with load. So next to raw TTFT (kept for operators and the SLO) the signals carry what does
+mean overload, and only these drive the ladder and the autoscaler:
+
+- ``queue_time_p95_s``: time waiting for a batch slot, p95 over the window: the gateways' admission
+  wait (``switchboard_admission_wait_seconds``) plus the shards' own queue
+  (``vllm:request_queue_time_seconds``);
+- ``ttft_excess_p95_s``: TTFT beyond what the prompt explains: the shards' TTFT p95 minus their
+  prefill-time p95 (``vllm:request_prefill_time_seconds``; same buckets, so one long prompt cancels
+  out), plus the admission wait p95;
+- ``batch_usage``: running / batch slots, mean over passing shards (with ``kv_usage`` and
+  ``waiting_per_shard``).
 """
 
 from __future__ import annotations
@@ -52,6 +65,10 @@ QUANTILE = 0.95
 REJECTED_STATUSES = frozenset({"429", "503"})
 SHED_CODES = ("overloaded",)
 """Error codes of deliberate load shedding, left out of the error rate."""
+PRESSURE_BATCH_USAGE = 0.75
+"""Batch usage (running / slots) from which the fleet counts as busy without a queue."""
+PRESSURE_KV_USAGE = 0.90
+"""KV-cache usage from which the fleet counts as busy without a queue."""
 
 # metric names (sample names, as exposed)
 M_RUNNING = "vllm:num_requests_running"
@@ -65,6 +82,9 @@ M_SHARD_ITL = "vllm:inter_token_latency_seconds_bucket"
 M_GW_REQUESTS = "switchboard_gateway_requests_total"
 M_GW_TOKENS = "switchboard_gateway_tokens_total"
 M_GW_QUEUE = "switchboard_admission_queue_depth"
+M_GW_WAIT = "switchboard_admission_wait_seconds_bucket"
+M_SHARD_QUEUE = "vllm:request_queue_time_seconds_bucket"
+M_SHARD_PREFILL = "vllm:request_prefill_time_seconds_bucket"
 
 
 @dataclass(frozen=True)
@@ -132,6 +152,28 @@ class Signals:
     shed_per_s: float = 0.0
     """Requests per second the gateways shed on purpose (503 `overloaded`): demand the fleet is
     not serving, so low admitted load then does not mean the fleet is too big."""
+    batch_usage: float | None = None
+    """Mean running / batch slots (0..1) over passing shards; None when unknown."""
+    admission_wait_p95_s: float | None = None
+    """p95 of the gateways' admission wait over the window; None: nothing admitted in it."""
+    shard_queue_p95_s: float | None = None
+    """p95 of the shards' queue time (``vllm:request_queue_time_seconds``); None: nothing admitted."""
+    prefill_p95_s: float | None = None
+    """p95 of the shards' prefill time (``vllm:request_prefill_time_seconds``); grows with prompts."""
+    shard_ttft_p95_s: float | None = None
+    """p95 of the shards' own TTFT (arrival at the engine to first token), same buckets as prefill."""
+    queue_time_p95_s: float | None = None
+    """Admission wait p95 + shard queue p95 (None when neither is known): waiting for a slot."""
+    ttft_excess_p95_s: float | None = None
+    """TTFT beyond what the prompt explains: max(0, shard TTFT p95 - prefill p95) + admission wait
+    p95; None without first tokens in the window. Unlike raw TTFT, one long prompt leaves it ~0."""
+
+    @property
+    def under_pressure(self) -> bool:
+        """A queue now, or the batches mostly full: the only state in which latency means overload
+        (one long prompt on an idle fleet has a high TTFT but neither)."""
+        return bool((self.waiting_per_shard or 0.0) > 0.0 or (self.batch_usage or 0.0) >= PRESSURE_BATCH_USAGE
+                    or (self.kv_usage or 0.0) >= PRESSURE_KV_USAGE)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (NaN becomes None), for the admin API and the decision log."""
@@ -219,6 +261,10 @@ def _aggregate(
     shed_per_s: float = 0.0,
     ttft_p50_s: float | None = None,
     tpot_s: float | None = None,
+    admission_wait_p95_s: float | None = None,
+    shard_queue_p95_s: float | None = None,
+    prefill_p95_s: float | None = None,
+    shard_ttft_p95_s: float | None = None,
 ) -> Signals:
     """Per-shard readings → fleet figures; any passing shard that is stale poisons the means."""
     passing = [s for s in shards if s.status == "passing"]
@@ -231,6 +277,7 @@ def _aggregate(
     known = bool(passing) and len(fresh) == len(passing) and gateway_queue is not None
     queued = gateway_queue or 0.0
     n = len(passing)
+    usage = [s.running / s.max_num_seqs for s in fresh if s.max_num_seqs > 0]
     return Signals(
         at=at,
         shards=tuple(shards),
@@ -252,7 +299,27 @@ def _aggregate(
         shed_per_s=shed_per_s,
         ttft_p50_s=ttft_p50_s,
         tpot_s=tpot_s,
+        batch_usage=_mean(usage) if known and usage else None,
+        admission_wait_p95_s=admission_wait_p95_s,
+        shard_queue_p95_s=shard_queue_p95_s,
+        prefill_p95_s=prefill_p95_s,
+        shard_ttft_p95_s=shard_ttft_p95_s,
+        queue_time_p95_s=_sum_known(admission_wait_p95_s, shard_queue_p95_s),
+        ttft_excess_p95_s=ttft_excess(shard_ttft_p95_s, prefill_p95_s, admission_wait_p95_s),
     )
+
+
+def _sum_known(*values: float | None) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def ttft_excess(shard_ttft_s: float | None, prefill_s: float | None, admission_wait_s: float | None) -> float | None:
+    """TTFT beyond what the prompt explains (see ``Signals.ttft_excess_p95_s``); None without TTFT."""
+    if shard_ttft_s is None:
+        return admission_wait_s
+    beyond = max(0.0, shard_ttft_s - (prefill_s or 0.0))
+    return beyond + (admission_wait_s or 0.0)
 
 
 # -- embedded: scrape every member ------------------------------------------------------------
@@ -389,6 +456,7 @@ class ScrapeSignals:
             queue: float | None = sum(h.last.total(M_GW_QUEUE) or 0.0 for h in window_sources if h.last)
             if len(window_sources) < len(gw_hist):
                 queue = None
+            admission_wait = self._quantile(window_sources, M_GW_WAIT)
         else:
             window_sources = [self._history[m.id] for m in shards if m.id in self._history]
             window_sources = [h for h in window_sources if h.error is None]
@@ -398,6 +466,9 @@ class ScrapeSignals:
             demand, rejected, error_rate = {}, {}, None
             queue = 0.0
             shed = 0.0
+            admission_wait = None
+        shard_sources = [self._history[m.id] for m in shards
+                         if m.id in self._history and self._history[m.id].error is None]
         spans = [h.scrapes[-1].t - h.scrapes[0].t for h in window_sources if len(h.scrapes) > 1]
         span = max(spans, default=0.0)
         if window_sources and span == 0.0:
@@ -417,8 +488,11 @@ class ScrapeSignals:
             gateway_queue=queue,
             shed_per_s=shed,
             ttft_p50_s=ttft_p50,
-            tpot_s=self._quantile([self._history[m.id] for m in shards if m.id in self._history
-                                   and self._history[m.id].error is None], M_SHARD_ITL, 0.5),
+            tpot_s=self._quantile(shard_sources, M_SHARD_ITL, 0.5),
+            admission_wait_p95_s=admission_wait,
+            shard_queue_p95_s=self._quantile(shard_sources, M_SHARD_QUEUE),
+            prefill_p95_s=self._quantile(shard_sources, M_SHARD_PREFILL),
+            shard_ttft_p95_s=self._quantile(shard_sources, M_SHARD_TTFT),
         )
 
     def _forget(self, keep: set[str]) -> None:

@@ -18,9 +18,12 @@ from control_plane.signals import (
     M_GW_REQUESTS,
     M_GW_TOKENS,
     M_GW_TTFT,
+    M_GW_WAIT,
     M_KV,
     M_MAX_SEQS,
     M_RUNNING,
+    M_SHARD_PREFILL,
+    M_SHARD_QUEUE,
     M_SHARD_TOKENS,
     M_SHARD_TTFT,
     M_WAITING,
@@ -108,6 +111,9 @@ class PrometheusSignals:
             "gw_queue": f"sum({M_GW_QUEUE}{{{gw}}})",
             "gw_tokens": f'sum(rate({M_GW_TOKENS}{{{gw},kind="completion"}}[{w}]))',
             "shard_tokens": f"sum(rate({M_SHARD_TOKENS}{{{sh}}}[{w}]))",
+            "admission_wait": f"histogram_quantile({QUANTILE}, sum by (le) (rate({M_GW_WAIT}{{{gw}}}[{w}])))",
+            "shard_queue": f"histogram_quantile({QUANTILE}, sum by (le) (rate({M_SHARD_QUEUE}{{{sh}}}[{w}])))",
+            "prefill": f"histogram_quantile({QUANTILE}, sum by (le) (rate({M_SHARD_PREFILL}{{{sh}}}[{w}])))",
         }
         names = list(queries)
         answers = await asyncio.gather(*(self.query(queries[n]) for n in names), return_exceptions=True)
@@ -170,6 +176,10 @@ class PrometheusSignals:
             source="prometheus",
             gateway_queue=results["gw_queue"][0][1] if results["gw_queue"] else 0.0,
             shed_per_s=(_finite(results["shed"][0][1]) or 0.0) if has_gateways and results["shed"] else 0.0,
+            admission_wait_p95_s=_first(results["admission_wait"]) if has_gateways else None,
+            shard_queue_p95_s=_first(results["shard_queue"]),
+            prefill_p95_s=_first(results["prefill"]),
+            shard_ttft_p95_s=_first(results["all_shard_ttft"]),
         )
 
     def _unreachable(self, why: str) -> Signals:
@@ -188,6 +198,11 @@ class PrometheusSignals:
             missing=(why,),
             source="prometheus",
         )
+
+
+def _first(result: list[tuple[dict[str, str], float]]) -> float | None:
+    """The finite value of a one-element answer (a histogram_quantile over no observations is NaN)."""
+    return _finite(result[0][1]) if result else None
 
 
 def _finite(value: float | None) -> float | None:

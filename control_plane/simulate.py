@@ -151,9 +151,12 @@ def fleet_signals(
     ttft_p95_s: float | None,
     window_s: float,
     source: str = "simulation",
+    queue_time_p95_s: float | None = None,
+    prefill_p95_s: float | None = None,
 ) -> Signals:
     """Signals of `ready` identical shards sharing `running` and `waiting` (the simulator's and the
-    tests' way to feed the policy what ScrapeSignals would read)."""
+    tests' way to feed the policy what ScrapeSignals would read). TTFT beyond prefill is
+    ``ttft_p95_s - prefill_p95_s`` (the whole TTFT without a prefill figure)."""
     shards = tuple(
         ShardSignal(
             f"shard-{i}",
@@ -185,6 +188,11 @@ def fleet_signals(
         capacity_per_shard=float(slots) if ready else None,
         window_s=window_s,
         source=source,
+        batch_usage=min(1.0, running / (ready * slots)) if ready and slots else None,
+        queue_time_p95_s=queue_time_p95_s,
+        prefill_p95_s=prefill_p95_s,
+        shard_ttft_p95_s=ttft_p95_s,
+        ttft_excess_p95_s=None if ttft_p95_s is None else max(0.0, ttft_p95_s - (prefill_p95_s or 0.0)),
     )
 
 
@@ -251,6 +259,8 @@ def simulate(
                 slots=model.slots,
                 ttft_p95_s=p95,
                 window_s=min(window_s, t - points[0].time_s),
+                queue_time_p95_s=None if p95 is None else max(0.0, p95 - model.prefill_s),
+                prefill_p95_s=model.prefill_s,
             )
             proposal = policy.decide(signals, desired, t)
             if proposal.desired != desired:

@@ -38,8 +38,11 @@ def sig(
     ttft: float | None = 0.2,
     window_s: float = 30.0,
     missing: tuple[str, ...] = (),
+    queue: float | None = None,
+    prefill: float | None = None,
 ) -> Signals:
-    """Signals of `ready` equal shards with `running`/`waiting` in total."""
+    """Signals of `ready` equal shards with `running`/`waiting` in total. Without `prefill`, all of
+    `ttft` is beyond prefill."""
     s = fleet_signals(
         at=time.time(),
         ready=ready,
@@ -48,6 +51,8 @@ def sig(
         slots=SLOTS,
         ttft_p95_s=ttft,
         window_s=window_s,
+        queue_time_p95_s=queue,
+        prefill_p95_s=prefill,
     )
     if missing:
         s = dataclasses.replace(s, complete=False, missing=missing, waiting_per_shard=None)
@@ -97,13 +102,34 @@ def test_no_extra_shard_while_asked_for_shards_are_still_starting() -> None:
     assert p.decide(sig(2, running=0), current=2, now=561.0).action == "scale_down"
 
 
-def test_ttft_above_slo_scales_up_only_once_the_window_is_about_the_current_fleet() -> None:
+def test_queue_time_above_target_scales_up_only_once_the_window_is_about_the_current_fleet() -> None:
     p = TargetTracking(CFG)
-    calm_queue = sig(2, running=4, waiting=0, ttft=2.5, window_s=30.0)
-    assert p.decide(calm_queue, current=2, now=0.0).action == "steady"  # fleet just settled
-    assert p.decide(calm_queue, current=2, now=20.0).action == "steady"
-    d = p.decide(calm_queue, current=2, now=31.0)
-    assert (d.action, d.code, d.desired) == ("scale_up", "ttft", 5)  # ceil(2 * 2.5 / 1.0)
+    # 2 shards x 4 slots all busy, 2 waiting, queue p95 2 s (target 0.5 s): load 10 -> ceil(10 / 4) = 3
+    queued = sig(2, running=8, waiting=2, ttft=2.5, queue=2.0, window_s=30.0)
+    assert p.decide(queued, current=2, now=0.0).action == "steady"  # fleet just settled
+    assert p.decide(queued, current=2, now=20.0).action == "steady"
+    d = p.decide(queued, current=2, now=31.0)
+    assert (d.action, d.code, d.desired) == ("scale_up", "queue_time", 3)
+    assert "queue p95 2.00s" in d.reason
+
+
+def test_ttft_beyond_prefill_above_slo_scales_up_under_pressure() -> None:
+    p = TargetTracking(CFG)
+    busy_batches = sig(2, running=7, waiting=0, ttft=2.5, prefill=0.3, window_s=30.0)  # 88 % full
+    p.decide(busy_batches, current=2, now=0.0)
+    d = p.decide(busy_batches, current=2, now=31.0)
+    assert (d.action, d.code, d.desired) == ("scale_up", "ttft_excess", 3)
+
+
+def test_one_long_prompt_never_scales_out() -> None:
+    """TTFT 2.5 s from prefill alone (a long conversation), or even beyond prefill, on a fleet with
+    no queue and one busy slot is not load: raw TTFT never scales."""
+    p = TargetTracking(dataclasses.replace(CFG, min_replicas=2))
+    for now in range(0, 600, 5):
+        long_prompt = sig(2, running=1, waiting=0, ttft=2.5, prefill=2.4, window_s=30.0)
+        assert p.decide(long_prompt, current=2, now=float(now)).action == "steady"
+        slow_but_idle = sig(2, running=1, waiting=0, ttft=2.5, queue=1.5, window_s=30.0)
+        assert p.decide(slow_but_idle, current=2, now=now + 1.0).action == "steady"
 
 
 def test_hysteresis_band_nothing_moves_between_thresholds() -> None:

@@ -41,15 +41,19 @@ class FakeClock:
 
 
 def signals(*, ttft: float | None = 0.2, waiting: float | None = 0.0, errors: float | None = 0.0,
-            kv: float | None = 0.1, complete: bool = True, missing: tuple[str, ...] = ()) -> Signals:
+            kv: float | None = 0.1, complete: bool = True, missing: tuple[str, ...] = (),
+            queue: float | None = 0.0, excess: float | None = 0.05, batch: float | None = 0.2) -> Signals:
     return Signals(at=0.0, shards=(), healthy_shards=2, waiting_per_shard=waiting, ttft_p95_s=ttft,
                    error_rate=errors, tokens_per_s=10.0, kv_usage=kv, demand_by_tier={"free": 1.0},
-                   rejections_by_tier={}, complete=complete, missing=missing or (() if complete else ("shard-0",)))
+                   rejections_by_tier={}, complete=complete, missing=missing or (() if complete else ("shard-0",)),
+                   load_per_shard=(waiting or 0.0) + 4.0 * (batch or 0.0), capacity_per_shard=4.0,
+                   batch_usage=batch, queue_time_p95_s=queue, ttft_excess_p95_s=excess)
 
 
-HOT = signals(ttft=3.0)  # p95 above the 2 s SLO
+HOT = signals(ttft=3.0, queue=3.0, excess=2.8, waiting=1.0, batch=1.0)  # a queue: 3 s waiting for a slot
 CALM = signals(ttft=0.3, waiting=0.5)
-WARM = signals(ttft=1.5)  # between the lower (1 s) and raise (2 s) TTFT thresholds
+WARM = signals(ttft=1.5, excess=1.5)  # beyond prefill between the lower (1 s) and raise (2 s) thresholds
+LONG_PROMPT = signals(ttft=2.6, excess=0.1, batch=0.06)  # prefill of one long conversation, nothing queued
 
 
 class ListSource:
@@ -83,16 +87,48 @@ def metric(registry: CollectorRegistry, name: str, **labels: str) -> float:
 
 def test_assess_classifies_with_hysteresis_band() -> None:
     assert assess(HOT, CONFIG).verdict == "hot"
+    assert assess(HOT, CONFIG).causes == ("queue_time", "ttft_excess")
     assert assess(CALM, CONFIG).verdict == "calm"
     assert assess(WARM, CONFIG).verdict == "hold"
     assert assess(signals(waiting=9.0), CONFIG).verdict == "hot"
-    assert assess(signals(errors=0.2), CONFIG).verdict == "hot"
+    assert assess(signals(errors=0.2, waiting=1.0), CONFIG).verdict == "hot"
     assert assess(signals(kv=0.99), CONFIG).verdict == "hot"
     assert assess(signals(complete=False), CONFIG).verdict == "incomplete"
     assert assess(None, CONFIG).verdict == "incomplete"
-    # no data in a dimension (no requests in the window) is no pressure, not a zero
-    assert assess(signals(ttft=None, errors=None), CONFIG).verdict == "calm"
-    assert "ttft_p95 3.00s > 2.00s" in assess(HOT, CONFIG).reasons[0]
+    # no data in a latency dimension (no requests in the window) is no pressure, not a zero
+    assert assess(signals(ttft=None, excess=None, queue=None, errors=None), CONFIG).verdict == "calm"
+    assert "queue_time_p95 3.00s > 1.00s" in assess(HOT, CONFIG).reasons[0]
+
+
+def test_a_long_prompt_is_not_overload() -> None:
+    """Raw TTFT over the SLO from prefill alone never moves the ladder; nor does any latency figure
+    while there is no queue and the batches are not busy (the tail of a window, a slow prompt)."""
+    assert assess(LONG_PROMPT, CONFIG).verdict == "calm"
+    idle_but_slow = signals(ttft=4.0, excess=3.0, queue=2.0, errors=0.5, batch=0.1)
+    a = assess(idle_but_slow, CONFIG)
+    assert a.verdict == "hold" and "not overload" in a.reasons[0]
+    # the same figures with a queue are overload
+    assert assess(signals(ttft=4.0, excess=3.0, queue=2.0, waiting=0.5), CONFIG).verdict == "hot"
+    assert assess(signals(ttft=4.0, excess=3.0, queue=0.0, batch=0.8), CONFIG).verdict == "hot"
+    ladder, _, _, clock = make()
+    for _ in range(60):  # 10 minutes of one long conversation
+        clock.advance(10)
+        assert ladder.observe(LONG_PROMPT) is None
+    assert ladder.level == 0
+
+
+def test_a_missing_required_figure_is_incomplete_never_calm() -> None:
+    import dataclasses
+
+    for name in ("waiting_per_shard", "batch_usage", "load_per_shard", "capacity_per_shard"):
+        a = assess(dataclasses.replace(CALM, **{name: None}), CONFIG)
+        assert a.verdict == "incomplete" and name in a.reasons[0], (name, a)
+    # a renamed field is a type error at construction, not a silently absent figure
+    with pytest.raises(TypeError):
+        Signals(**{**dataclasses.asdict(CALM), "queue_p95_s": 1.0})  # type: ignore[arg-type]
+    # and reading one that is not there fails loudly (mypy flags it before it runs)
+    with pytest.raises(AttributeError):
+        assess(object(), CONFIG)  # type: ignore[arg-type]
 
 
 def test_calm_while_shedding_is_hold_when_the_shed_demand_would_not_fit() -> None:
@@ -119,7 +155,7 @@ def test_raises_one_step_at_a_time_after_the_dwell() -> None:
     clock.advance(10)
     event = ladder.observe(HOT)
     assert event is not None and (event["from"], event["to"], event["actor"]) == (0, 1, "auto")
-    assert "ttft_p95" in event["reason"] and event["signals"]["ttft_p95_s"] == 3.0
+    assert "queue_time_p95" in event["reason"] and event["signals"]["queue_time_p95_s"] == 3.0
     assert "shards" not in event["signals"]  # the summary, not the per-shard list
     # still hot, but the level was held only 9 s: no second step yet
     clock.advance(9)
@@ -165,6 +201,27 @@ def test_lowers_only_after_unbroken_calm_and_one_step_per_dwell() -> None:
     assert metric(registry, "switchboard_degradation_changes_total", direction="down", actor="auto") == 2
 
 
+def test_recovery_dwell_matches_the_cause_that_raised_the_level() -> None:
+    """A queue gauge (waiting) reflects a step's effect at once: 10 s of calm per step. A windowed
+    figure (queue time p95) needs one window to show it: 30 s per step."""
+    ladder, _, _, clock = make()
+    clock.advance(10)
+    assert ladder.observe(signals(waiting=9.0, batch=1.0))["to"] == 1
+    assert ladder.snapshot()["automatic"]["cause"] == ["waiting"]
+    ladder.observe(CALM)
+    clock.advance(10)
+    event = ladder.observe(CALM)
+    assert event is not None and event["to"] == 0
+    clock.advance(10)
+    ladder.observe(signals(queue=2.0, waiting=1.0))  # raised by queue time p95
+    assert ladder.level == 1 and ladder.snapshot()["automatic"]["lower_dwell_s"] == 30.0
+    ladder.observe(CALM)
+    clock.advance(29)
+    assert ladder.observe(CALM) is None
+    clock.advance(1)
+    assert ladder.observe(CALM)["to"] == 0
+
+
 def test_a_warm_reading_breaks_the_calm_streak() -> None:
     ladder, _, _, clock = make()
     clock.advance(10)
@@ -185,7 +242,7 @@ def test_incomplete_signals_never_move_the_ladder() -> None:
     ladder, _, registry, clock = make()
     clock.advance(10)
     ladder.observe(HOT)
-    hot_but_incomplete = signals(ttft=9.0, waiting=50.0, complete=False)
+    hot_but_incomplete = signals(ttft=9.0, queue=9.0, waiting=50.0, complete=False)
     for _ in range(5):
         clock.advance(60)
         assert ladder.observe(hot_but_incomplete) is None
@@ -219,16 +276,39 @@ def test_pin_holds_the_level_and_release_hands_it_back() -> None:
     assert (event["from"], event["to"], event["pinned"]) == (3, 3, False)
     assert not ladder.pinned and ladder.level == 3
     assert ladder.release("again") is None  # not pinned: nothing to release
-    # back to the rule, which walks down one step per dwell, counted from the release
-    clock.advance(29)
+    # back to the rule: the pinned time and the calm seen while pinned count (here calm began with
+    # the last reading), then one step per gauge dwell (10 s): a pin is no windowed signal
+    clock.advance(9)
     assert ladder.observe(CALM) is None
     clock.advance(1)
     assert ladder.observe(CALM)["to"] == 2
+    clock.advance(9)
+    assert ladder.observe(CALM) is None
+    clock.advance(1)
+    assert ladder.observe(CALM)["to"] == 1
+    clock.advance(10)
+    assert ladder.observe(CALM)["to"] == 0
     assert metric(registry, "switchboard_degradation_pinned") == 0
     assert metric(registry, "switchboard_degradation_changes_total", direction="up", actor="operator") == 1
     assert metric(registry, "switchboard_degradation_changes_total", direction="none", actor="operator") == 1
     with pytest.raises(ValueError):
         ladder.pin(5, "no such level")
+
+
+def test_release_after_a_long_calm_pin_steps_down_at_once() -> None:
+    ladder, _, _, clock = make()
+    ladder.pin(4, "incident")
+    ladder.observe(CALM)
+    clock.advance(120)
+    ladder.observe(CALM)
+    ladder.release("fixed")
+    assert ladder.observe(CALM)["to"] == 3  # no dwell restarts at the release
+    steps = 0
+    while ladder.level:
+        clock.advance(1)
+        steps += 1
+        ladder.observe(CALM)
+    assert steps == 30  # 4 -> 0 in 3 gauge dwells after the release
 
 
 def test_history_is_bounded_and_snapshot_reports_it() -> None:

@@ -166,6 +166,12 @@ async def test_scrape_signals_from_a_live_cluster(cluster: Cluster) -> None:
         assert after.ttft_p95_s is not None and after.ttft_p95_s > 0
         assert after.tokens_per_s and after.tokens_per_s > 0
         assert after.capacity_per_shard == 16
+        # the overload figures (what the ladder and the autoscaler read), all known after load
+        for name in ("admission_wait_p95_s", "shard_queue_p95_s", "prefill_p95_s", "shard_ttft_p95_s",
+                     "queue_time_p95_s", "ttft_excess_p95_s"):
+            value = getattr(after, name)
+            assert value is not None and value >= 0, name
+        assert idle.batch_usage == 0.0 and busy.batch_usage is not None and busy.batch_usage > 0
         assert after.to_dict()["shards"][0]["member_id"] == "shard-0"  # JSON-ready for the admin API
 
         # freeze shard-1: it still counts as passing (30 s TTL) but its /metrics cannot be read
@@ -234,6 +240,11 @@ scrape_configs:
                 assert s.complete and s.source == "prometheus"
                 assert s.waiting_per_shard == 0.0 and s.capacity_per_shard == 16 and s.error_rate == 0.0
                 assert {sh.member_id for sh in s.shards} == set(shard_targets)
+                assert s.batch_usage is not None
+                for name in ("admission_wait_p95_s", "shard_queue_p95_s", "prefill_p95_s", "shard_ttft_p95_s",
+                             "queue_time_p95_s", "ttft_excess_p95_s"):
+                    value = getattr(s, name)
+                    assert value is not None and value >= 0, name
 
                 frozen = cluster.shards[1].proc
                 assert frozen is not None
