@@ -112,6 +112,9 @@ class ChatHandler:
         self.new_messages: list[dict[str, str]] = []
         self.span: trace.Span | None = None
         self.first_token_at: float | None = None
+        """Monotonic time the shard's first token arrived."""
+        self.first_content_at: float | None = None
+        """Monotonic time the first content left for the client (after the output filter)."""
         self.grant: Grant | None = None
         self.ticket: Ticket | None = None
         self.used_tokens: int | None = None
@@ -324,8 +327,7 @@ class ChatHandler:
         except BaseException:
             gw.metrics.inflight.labels(tier.name).dec()
             raise
-        self.first_token_at = time.monotonic()
-        gw.metrics.ttft.labels(tier.name).observe(self.first_token_at - self.t0)
+        self.first_token_at = time.monotonic()  # from the shard; the client's TTFT is observed in Completion
         completion = Completion(self, model, policy.output_stream())
         headers = {"X-Request-Id": self.request_id, **(self.grant.headers if self.grant else {})}
         if self.session_id:

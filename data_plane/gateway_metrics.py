@@ -11,14 +11,21 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from data_plane.hop_client import HOP_EVENTS
 from data_plane.shard_metrics import E2E_BUCKETS, LATENCY_BUCKETS
 
+HOLDBACK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
 
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter("switchboard_gateway_requests", "Chat requests by tier, HTTP status and code.",
                                 ["tier", "status", "code"], registry=registry)
         self.ttft = Histogram("switchboard_gateway_ttft_seconds",
-                              "Gateway-observed time to first token (request received to first token).",
-                              ["tier"], buckets=LATENCY_BUCKETS, registry=registry)
+                              "Time to first token as the client sees it: request received to the first content "
+                              "byte written (after the output filter).", ["tier"], buckets=LATENCY_BUCKETS,
+                              registry=registry)
+        self.holdback = Histogram("switchboard_gateway_output_holdback_seconds",
+                                  "Shard's first token to the client's first content byte: what the output filter "
+                                  "(and the gateway) add to TTFT.", ["tier"], buckets=HOLDBACK_BUCKETS,
+                                  registry=registry)
         self.e2e = Histogram("switchboard_gateway_e2e_seconds", "Gateway-observed end-to-end request latency.",
                              ["tier"], buckets=E2E_BUCKETS, registry=registry)
         self.inflight = Gauge("switchboard_gateway_inflight_requests", "Chat requests in progress.", ["tier"],

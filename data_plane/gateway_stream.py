@@ -77,6 +77,8 @@ class Completion:
                     if safe:
                         self.text.append(safe)
                         yield safe
+                        if self.h.first_content_at is None:
+                            self._first_content()
                     if self.filter.verdict is not None:
                         self.finish_reason = FINISH_CONTENT_FILTER
                         break
@@ -88,11 +90,28 @@ class Completion:
                 if tail:
                     self.text.append(tail)
                     yield tail
+                    if self.h.first_content_at is None:
+                        self._first_content()
             verdict = self.filter.verdict
             if verdict is not None:
                 self.finish_reason = FINISH_CONTENT_FILTER
             gw.safety_metrics.record("output", verdict if verdict is not None else ALLOW)
             span.set_attribute("switchboard.safety.blocked", verdict is not None)
+            span.set_attribute("switchboard.safety.max_held_chars", self.filter.max_held)
+
+    def _first_content(self) -> None:
+        """The client's time to first token: called right after the first content was handed to the
+        client (streaming: written to the socket; otherwise released into the body)."""
+        h = self.h
+        now = h.first_content_at = time.monotonic()
+        tier = h.tier_name
+        h.gw.metrics.ttft.labels(tier).observe(now - h.t0)
+        if h.first_token_at is not None:
+            h.gw.metrics.holdback.labels(tier).observe(now - h.first_token_at)
+            if h.span is not None:
+                h.span.set_attribute("switchboard.gateway.holdback_s", round(now - h.first_token_at, 6))
+        if h.span is not None:
+            h.span.set_attribute("switchboard.gateway.ttft_s", round(now - h.t0, 6))
 
     async def _finish(self, error: str | None) -> None:
         h, gw = self.h, self.h.gw

@@ -4,7 +4,7 @@
     switchboard bench overhead --requests 50 --rounds 3 --concurrency 1,16 --no-litellm
 
 Starts, on free loopback ports, one shard with the synthetic engine (instant deterministic
-tokens, `--synthetic-token-delay-ms 0`), our gateway in static mode pointed at it, and, unless
+tokens, or one every `--token-interval-ms`, which is what shows the output filter's hold-back), our gateway in static mode pointed at it, and, unless
 `--no-litellm`, LiteLLM's proxy pointed at the same shard (one worker, like our gateway). The
 same streaming request (`max_tokens` tokens) then goes to three systems:
 
@@ -31,7 +31,9 @@ Definitions (per system s, concurrency c):
 
 Percentiles interpolate linearly between closest ranks (numpy's default). Targets for
 `switchboard`: c=1 added p50 <= 1.5 ms and added p99 <= 5 ms; c=16 added p99 <= 25 ms; added
-p99 <= 1/3 of LiteLLM's at each concurrency measured. A target passes when the upper quartile
+p99 <= 1/3 of LiteLLM's at each concurrency measured; with a paced engine, c=1 added TTFT
+p50 <= 5 ms and p99 <= 15 ms (the gateway's default safety policy is on, so these include the
+output filter's hold-back): e.g. `--token-interval-ms 40 --requests 40 --rounds 3`. A target passes when the upper quartile
 of its per-round values meets it, fails when the lower quartile misses it, and is inconclusive
 in between (rerun on a quieter machine). A missed target is reported, not an exit status.
 
@@ -306,8 +308,7 @@ def aggregate(batches: list[Batch]) -> list[dict[str, Any]]:
             diffs = [s[metric] - direct[r].stats()[metric] for r, s in stats.items()
                      if r in direct and direct[r].latencies_ms]
             row[f"added_{metric}_ms"] = _median(diffs)
-            if metric in ("p50", "p99"):
-                row[f"added_{metric}_iqr_ms"] = [percentile(diffs, 25), percentile(diffs, 75)]
+            row[f"added_{metric}_iqr_ms"] = [percentile(diffs, 25), percentile(diffs, 75)]
         cpu = [b.proxy_cpu_ms_per_req for b in rounds.values() if b.proxy_cpu_ms_per_req is not None]
         shard_cpu = [b.shard_cpu_ms_per_req for b in rounds.values() if b.shard_cpu_ms_per_req is not None]
         row["proxy_cpu_ms_per_req"] = _median(cpu) if cpu else None
@@ -324,11 +325,19 @@ TARGETS_MS: tuple[tuple[str, int, str, float], ...] = (
     ("c=16 added p99 <= 25 ms", 16, "added_p99_ms", 25.0),
 )
 """(name, concurrency, row field, limit) for switchboard's row."""
+TTFT_TARGETS_MS: tuple[tuple[str, int, str, float], ...] = (
+    ("c=1 added TTFT p50 <= 5 ms", 1, "added_ttft_p50_ms", 5.0),
+    ("c=1 added TTFT p99 <= 15 ms", 1, "added_ttft_p99_ms", 15.0),
+)
+"""First content chunk, safety filter on. Only a paced engine (``--token-interval-ms`` > 0) can
+show a hold-back: with instant tokens the whole reply arrives in one burst, so these are
+"not measured" then."""
 LITELLM_RATIO = 1 / 3
 """Switchboard's added p99 must stay within this fraction of LiteLLM's, at each concurrency."""
 
 
-def check_targets(rows: list[dict[str, Any]], concurrencies: list[int]) -> list[dict[str, Any]]:
+def check_targets(rows: list[dict[str, Any]], concurrencies: list[int],
+                  paced: bool = False) -> list[dict[str, Any]]:
     """Each target with its value (median over rounds), limit and verdict.
 
     `pass` when even the upper quartile of the per-round values meets the limit, `fail` when even
@@ -341,6 +350,7 @@ def check_targets(rows: list[dict[str, Any]], concurrencies: list[int]) -> list[
         return None if value is None or math.isnan(value) else value
 
     specs: list[tuple[str, int, str, float | None]] = list(TARGETS_MS)
+    specs += [(name, c, key, limit if paced else None) for name, c, key, limit in TTFT_TARGETS_MS]
     for c in concurrencies:
         theirs = get(LITELLM, c, "added_p99_ms")
         specs.append((f"c={c} added p99 <= 1/3 of litellm's", c, "added_p99_ms",
@@ -364,13 +374,15 @@ def check_targets(rows: list[dict[str, Any]], concurrencies: list[int]) -> list[
 
 def render(rows: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str:
     headers = ["system", "concurrency", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms",
-               "ttft p50 ms", "proxy cpu ms/req", "errors"]
+               "ttft p50 ms", "added ttft p50", "added ttft p99", "chunks", "proxy cpu ms/req", "errors"]
     body = []
     for r in rows:
         base = r["system"] == DIRECT
-        body.append([r["system"], str(r["concurrency"]), fmt(r["p50_ms"], 2), fmt(r["p99_ms"], 2),
-                     "-" if base else fmt(r["added_p50_ms"], 2), "-" if base else fmt(r["added_p99_ms"], 2),
-                     fmt(r["ttft_p50_ms"], 2), fmt(r["proxy_cpu_ms_per_req"], 2), str(r["errors"])])
+        added = [("-" if base else fmt(r[k], 2)) for k in ("added_p50_ms", "added_p99_ms")]
+        added_ttft = [("-" if base else fmt(r[k], 2)) for k in ("added_ttft_p50_ms", "added_ttft_p99_ms")]
+        body.append([r["system"], str(r["concurrency"]), fmt(r["p50_ms"], 2), fmt(r["p99_ms"], 2), *added,
+                     fmt(r["ttft_p50_ms"], 2), *added_ttft, fmt(r["content_chunks"], 1),
+                     fmt(r["proxy_cpu_ms_per_req"], 2), str(r["errors"])])
     lines = [format_table(headers, body), "", "targets (switchboard):"]
     for c in checks:
         lo, hi = c["iqr_ms"]
@@ -394,12 +406,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma-separated (default 1,16)")
     p.add_argument("--max-tokens", type=int, default=16,
                    help="tokens per completion (the synthetic engine stops at 16)")
+    p.add_argument("--token-interval-ms", type=float, default=0.0,
+                   help="pace the synthetic engine: one token every N ms (e.g. 40, a realistic decode); 0 = "
+                        "instant. Only a paced engine shows what the output filter holds back (TTFT targets)")
     p.add_argument("--no-litellm", action="store_true", help="skip LiteLLM's proxy")
     p.add_argument("--litellm-bin", help="LiteLLM executable (default: .venv-litellm/bin/litellm, else PATH)")
     p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds to wait for each process")
     args = p.parse_args(argv)
     if args.requests < 1 or args.rounds < 1 or args.max_tokens < 1:
         p.error("--requests, --rounds and --max-tokens must be positive")
+    if not 0 <= args.token_interval_ms <= 10_000:
+        p.error("--token-interval-ms must be in 0..10000")
     return args
 
 
@@ -420,7 +437,8 @@ class Stack:
 def start_stack(args: argparse.Namespace, litellm_bin: str | None, logs: Path) -> Stack:
     """The shard, our gateway and (with `litellm_bin`) LiteLLM, started together."""
     shard_port, gw_port = free_port(), free_port()
-    shard = Proc("shard", switchboard_cmd("shard", "--engine", "synthetic", "--synthetic-token-delay-ms", "0",
+    delay = f"{args.token_interval_ms:g}"
+    shard = Proc("shard", switchboard_cmd("shard", "--engine", "synthetic", "--synthetic-token-delay-ms", delay,
                                           "--port", str(shard_port)), shard_port, "/health", logs)
     gateway = Proc("gateway", switchboard_cmd("gateway", "--shard-urls", shard.url, "--tokenizer",
                                               "whitespace", "--model-name", MODEL, "--port", str(gw_port)),
@@ -529,7 +547,7 @@ def main(argv: list[str] | None = None) -> None:
         stack.stop()
     shutil.rmtree(logs, ignore_errors=True)  # kept only when something failed
     rows = aggregate(batches)
-    checks = check_targets(rows, args.concurrency)
+    checks = check_targets(rows, args.concurrency, paced=args.token_interval_ms > 0)
     elapsed = time.monotonic() - t0
     print()
     print(render(rows, checks))
@@ -538,7 +556,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         write_json(args.json, {
             "config": {"requests": args.requests, "rounds": args.rounds, "concurrency": args.concurrency,
-                       "max_tokens": args.max_tokens, "systems": names, "note": note,
+                       "max_tokens": args.max_tokens, "token_interval_ms": args.token_interval_ms,
+                       "systems": names, "note": note,
                        "litellm_version": _litellm_version(litellm_bin) if LITELLM in names and litellm_bin
                        else None},
             "rows": rows,

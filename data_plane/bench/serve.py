@@ -16,6 +16,15 @@ httpx.AsyncClient and reads the SSE events. Metric definitions follow vLLM's `be
   instead, with a warning, if the server sends no usage)
 - goodput: completed requests per second meeting every `--goodput` SLO (ms)
 
+Two systems in one run: `--compare-url` (e.g. a shard directly, with `--compare-api-key`) is
+measured beside `--url` (e.g. the gateway in front of it), in `--rounds` interleaved rounds
+(A, B, B, A, ...) of the same workload so machine drift lands on both alike; both result blocks
+are printed, then the ratios of A to B (TTFT p50/p99, E2EL p50), the first of which is what a
+chat user feels of the stack in front of the engine:
+
+    switchboard bench serve --url http://127.0.0.1:8000 --api-key $KEY \
+        --compare-url http://127.0.0.1:8101 --compare-api-key none --max-tokens 40 --num-prompts 20
+
 Load: `--request-rate inf` (default) is a closed loop of `--concurrency` workers; a finite
 rate sends Poisson arrivals, at most `--concurrency` in flight (unbounded if not given).
 Each prompt gets a `(request N)` suffix so a response cache cannot answer it
@@ -242,34 +251,88 @@ async def discover_model(client: httpx.AsyncClient, endpoint: Endpoint) -> str:
     return str(data[0]["id"])
 
 
-async def run(args: argparse.Namespace, slos: dict[str, float]) -> dict[str, Any]:
+def _workload(args: argparse.Namespace) -> tuple[int | None, list[str]]:
     concurrency = args.concurrency or (1 if math.isinf(args.request_rate) else None)
     num = args.num_prompts or 2 * (concurrency or 4)
     texts = cycle(PROMPTS, num)
     if not args.same_prompts:
         texts = [f"{t} (request {i})" for i, t in enumerate(texts)]
+    return concurrency, texts
+
+
+async def _load(client: httpx.AsyncClient, endpoint: Endpoint, texts: list[str], concurrency: int | None,
+                args: argparse.Namespace) -> tuple[list[RequestResult], float]:
+    async def one(prompt: str) -> RequestResult:
+        return await send(client, endpoint, prompt)
+
+    t0 = time.perf_counter()
+    if math.isinf(args.request_rate):
+        results = await closed_loop(texts, concurrency or len(texts), one)
+    else:
+        results = await poisson_load(texts, args.request_rate, concurrency, args.seed, one)
+    return results, time.perf_counter() - t0
+
+
+async def run(args: argparse.Namespace, slos: dict[str, float]) -> dict[str, Any]:
+    concurrency, texts = _workload(args)
+    num = len(texts)
     limits = httpx.Limits(max_connections=concurrency or num, max_keepalive_connections=concurrency or num)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout, connect=10.0), limits=limits) as client:
         endpoint = Endpoint(args.url, args.api_key, args.model or "", args.max_tokens)
         if not args.model:
             endpoint.model = await discover_model(client, endpoint)
-
-        async def one(prompt: str) -> RequestResult:
-            return await send(client, endpoint, prompt)
-
         print(f"[bench] {num} requests to {endpoint.chat_url} (model {endpoint.model}, "
               f"concurrency {concurrency or 'unbounded'}, rate {args.request_rate})", flush=True)
-        t0 = time.perf_counter()
-        if math.isinf(args.request_rate):
-            results = await closed_loop(texts, concurrency or num, one)
-        else:
-            results = await poisson_load(texts, args.request_rate, concurrency, args.seed, one)
-        duration = time.perf_counter() - t0
+        results, duration = await _load(client, endpoint, texts, concurrency, args)
     m = compute_metrics(results, duration, slos)
     print_metrics(m, concurrency, args.request_rate)
     return {**m, "config": {"url": args.url, "model": endpoint.model, "concurrency": concurrency,
                             "request_rate": args.request_rate, "num_prompts": num,
                             "max_tokens": args.max_tokens, "goodput": slos}}
+
+
+RATIOS = (("ttft_p50", "median_ttft_ms"), ("ttft_p99", "p99_ttft_ms"), ("e2el_p50", "median_e2el_ms"))
+"""(name, metric) pairs reported as A / B by a comparison run."""
+
+
+async def run_compare(args: argparse.Namespace, slos: dict[str, float]) -> dict[str, Any]:
+    """`--url` (A) and `--compare-url` (B) in interleaved rounds of the same workload."""
+    concurrency, texts = _workload(args)
+    limits = httpx.Limits(max_connections=2 * (concurrency or len(texts)))
+    results: dict[str, list[RequestResult]] = {"a": [], "b": []}
+    durations = {"a": 0.0, "b": 0.0}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout, connect=10.0), limits=limits) as client:
+        a = Endpoint(args.url, args.api_key, args.model or "", args.max_tokens)
+        b = Endpoint(args.compare_url, args.compare_api_key, args.model or "", args.max_tokens)
+        for e in (a, b):
+            if not args.model:
+                e.model = await discover_model(client, e)
+        print(f"[bench] A {a.chat_url} vs B {b.chat_url}: {args.rounds} rounds x {len(texts)} requests each "
+              f"(concurrency {concurrency or 'unbounded'}, rate {args.request_rate})", flush=True)
+        await _load(client, a, texts[:1], 1, args)  # warm both paths (connections, first-request costs)
+        await _load(client, b, texts[:1], 1, args)
+        for r in range(args.rounds):
+            order = [("a", a), ("b", b)] if r % 2 == 0 else [("b", b), ("a", a)]
+            for key, endpoint in order:
+                got, took = await _load(client, endpoint, texts, concurrency, args)
+                results[key] += got
+                durations[key] += took
+    metrics = {k: compute_metrics(results[k], durations[k], slos) for k in ("a", "b")}
+    for key, url in (("a", args.url), ("b", args.compare_url)):
+        print(f"\n[{key.upper()}] {url}")
+        print_metrics(metrics[key], concurrency, args.request_rate)
+    ratios = {}
+    for name, metric in RATIOS:
+        va, vb = metrics["a"][metric], metrics["b"][metric]
+        ratios[name] = va / vb if vb and not math.isnan(vb) and not math.isnan(va) else None
+    print("\nA / B (same run):  " + "   ".join(
+        f"{name} {'n/a' if v is None else f'{v:.3f}x'}" for name, v in ratios.items()))
+    print(f"TTFT p50: A {metrics['a']['median_ttft_ms']:.1f} ms, B {metrics['b']['median_ttft_ms']:.1f} ms "
+          f"(A - B = {metrics['a']['median_ttft_ms'] - metrics['b']['median_ttft_ms']:+.1f} ms)")
+    return {"a": metrics["a"], "b": metrics["b"], "ratios": ratios,
+            "config": {"url": args.url, "compare_url": args.compare_url, "model": a.model,
+                       "concurrency": concurrency, "request_rate": args.request_rate, "rounds": args.rounds,
+                       "num_prompts": len(texts), "max_tokens": args.max_tokens, "goodput": slos}}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -291,7 +354,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed for Poisson arrivals")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the metrics as JSON")
+    p.add_argument("--compare-url", default=None,
+                   help="a second endpoint (e.g. the shard behind --url) measured in the same run; prints A/B ratios")
+    p.add_argument("--compare-api-key", default="none", help="bearer key for --compare-url")
+    p.add_argument("--rounds", type=int, default=3, help="with --compare-url: interleaved rounds (default 3)")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be positive")
     for name in ("concurrency", "num_prompts", "max_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -307,6 +376,6 @@ def main(argv: list[str] | None = None) -> None:
         slos = parse_goodput(args.goodput)
     except ValueError as exc:
         raise SystemExit(f"switchboard bench serve: {exc}") from None
-    result = asyncio.run(run(args, slos))
+    result = asyncio.run(run_compare(args, slos) if args.compare_url else run(args, slos))
     if args.json:
         write_json(args.json, result)

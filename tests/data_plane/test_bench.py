@@ -14,11 +14,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from data_plane import bench
 from data_plane.bench.common import RequestResult, closed_loop, percentile, summarize
 from data_plane.bench.serve import compute_metrics, parse_goodput
+from tests.cluster import Cluster
 from tests.procs import ROOT, Service
 
 ENGINE_ROW_KEYS = {
@@ -99,6 +101,28 @@ def test_bench_serve_against_a_synthetic_shard(tmp_path: Path, capsys: pytest.Ca
     assert result["total_output_tokens"] == 6 * 8  # from usage: the synthetic engine fills max_tokens
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
     assert result["config"]["model"] == "synthetic"
+
+
+def test_bench_serve_compares_gateway_and_shard_in_one_run(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "compare.json"
+    with Cluster(shards=1, caches=1, engine="synthetic", token_delay_ms=5) as c:
+        bench.main(["serve", "--url", c.gateway.url, "--api-key", c.keys["plus"],
+                    "--compare-url", c.shards[0].url + "/v1", "--num-prompts", "3", "--max-tokens", "12",
+                    "--rounds", "2", "--json", str(out)])
+        metrics = httpx.get(c.gateway.url + "/metrics").text
+    printed = capsys.readouterr().out
+    assert "A / B (same run):" in printed and "ttft_p50" in printed
+    result = json.loads(out.read_text())
+    assert SERVE_KEYS <= result["a"].keys() and SERVE_KEYS <= result["b"].keys()
+    assert result["a"]["completed"] == result["b"]["completed"] == 2 * 3 and result["a"]["failed"] == 0
+    assert result["ratios"]["ttft_p50"] == pytest.approx(
+        result["a"]["median_ttft_ms"] / result["b"]["median_ttft_ms"])
+    assert result["config"]["compare_url"].startswith("http://127.0.0.1")
+    # the gateway observed the client's TTFT (first content byte) and the hold-back for each request
+    # it served: 2 rounds x 3 plus the warm-up request
+    for name in ("switchboard_gateway_ttft_seconds_count", "switchboard_gateway_output_holdback_seconds_count"):
+        assert f'{name}{{tier="plus"}} 7.0' in metrics, name
 
 
 @needs_model

@@ -44,10 +44,21 @@ def test_targets_pass_fail_or_inconclusive_by_the_rounds_quartiles() -> None:
     assert {c["target"]: c["ok"] for c in check_targets(rows, [1])}["c=1 added p99 <= 5 ms"] is False
 
 
+def test_ttft_targets_need_a_paced_engine() -> None:
+    rows = aggregate(_rounds([40.0, 40.0, 40.0], [42.0, 43.0, 44.0]))  # TTFT +2, +3, +4
+    instant = {c["target"]: c for c in check_targets(rows, [1])}
+    assert instant["c=1 added TTFT p50 <= 5 ms"]["verdict"] == "not measured"
+    paced = {c["target"]: c for c in check_targets(rows, [1], paced=True)}
+    assert paced["c=1 added TTFT p50 <= 5 ms"]["ok"] is True and paced["c=1 added TTFT p50 <= 5 ms"]["value_ms"] == 3.0
+    rows = aggregate(_rounds([40.0, 40.0, 40.0], [140.0, 150.0, 160.0]))  # a hold-back of ~100 ms
+    paced = {c["target"]: c for c in check_targets(rows, [1], paced=True)}
+    assert paced["c=1 added TTFT p99 <= 15 ms"]["verdict"] == "fail"
+
+
 def test_bench_overhead_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "overhead.json"
     bench.main(["overhead", "--no-litellm", "--requests", "4", "--rounds", "2", "--concurrency", "1,2",
-                "--json", str(out)])
+                "--token-interval-ms", "5", "--json", str(out)])
     printed = capsys.readouterr().out
     assert "added p99 ms" in printed and "targets (switchboard):" in printed
     assert "litellm skipped (--no-litellm)" in printed
@@ -61,6 +72,12 @@ def test_bench_overhead_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         assert row["content_chunks"] >= 1  # every answer streamed text
         if system == SWITCHBOARD:
             assert row["proxy_cpu_ms_per_req"] is not None
+            # paced tokens go out as they come, through the default output filter: a 16-word reply
+            # (shorter than the old 66-character hold-back) arrives in many chunks, not in one
+            assert row["content_chunks"] >= 8, row
+            assert row["added_ttft_p50_ms"] is not None
     assert len(result["per_round"]) == 2 * 2 * 2
     assert result["config"]["systems"] == [DIRECT, SWITCHBOARD]
-    assert {c["target"] for c in result["targets"]} >= {"c=1 added p50 <= 1.5 ms", "c=16 added p99 <= 25 ms"}
+    assert {c["target"] for c in result["targets"]} >= {"c=1 added p50 <= 1.5 ms", "c=16 added p99 <= 25 ms",
+                                                        "c=1 added TTFT p50 <= 5 ms"}
+    assert result["config"]["token_interval_ms"] == 5
