@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml | $(PY)
 	$(VENV)/bin/switchboard model prepare
 	touch $(STAMP)
 
-# Test-only system packages (Redis, Prometheus), installed when running as root.
+# Test-only system packages (Redis, Prometheus, PostgreSQL), installed when running as root.
 sysdeps: $(SYSDEPS_STAMP)
 
 $(SYSDEPS_STAMP): | $(PY)
@@ -36,10 +36,11 @@ $(SYSDEPS_STAMP): | $(PY)
 	  command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	  command -v prometheus >/dev/null || missing="$$missing prometheus"; \
 	  command -v promtool >/dev/null || missing="$$missing prometheus"; \
+	  ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
 	  if [ -n "$$missing" ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	  fi; \
-	else echo "not root: skipping apt-get (tests needing redis/prometheus skip when absent)"; fi
+	else echo "not root: skipping apt-get (tests needing redis/prometheus/postgresql skip when absent)"; fi
 	touch $(SYSDEPS_STAMP)
 
 up: $(STAMP)

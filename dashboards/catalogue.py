@@ -75,12 +75,14 @@ def _gateway(registry: CollectorRegistry) -> list[object]:
     from data_plane.admission import AdmissionMetrics
     from data_plane.cache_client import SessionStoreMetrics
     from data_plane.gateway_metrics import GatewayMetrics
+    from data_plane.ledger import LedgerMetrics
     from data_plane.ratelimit import RateLimitMetrics
     from data_plane.router import RouterMetrics
     from data_plane.safety import SafetyMetrics
 
     return [GatewayMetrics(registry), SafetyMetrics(registry), RouterMetrics(registry),
-            SessionStoreMetrics(registry), RateLimitMetrics(registry), AdmissionMetrics(registry)]
+            SessionStoreMetrics(registry), RateLimitMetrics(registry), AdmissionMetrics(registry),
+            LedgerMetrics(registry)]
 
 
 def _cache_node(registry: CollectorRegistry) -> list[object]:

@@ -46,6 +46,8 @@ from data_plane.gateway_chat import ChatHandler
 from data_plane.gateway_metrics import GatewayMetrics
 from data_plane.gateway_settings import GatewaySettings
 from data_plane.hop_client import HOP_EVENTS, HopPool
+from data_plane.ledger import UsageLedger
+from data_plane.ledger_http import ledger_from_settings, usage_route
 from data_plane.membership import Member, MembershipView, StaticMembership
 from data_plane.membership_factory import (
     AgentFactory,
@@ -110,6 +112,8 @@ class Gateway:
     cluster: ClusterStateView | None = None
     limiter: RateLimiter = field(init=False)
     admission: Admission = field(init=False)
+    ledger: UsageLedger | None = None
+    """One usage record per request (data_plane/ledger.py); None with --usage-db off."""
 
     def __post_init__(self) -> None:
         self.metrics = GatewayMetrics(self.registry)
@@ -191,6 +195,9 @@ def create_app(gw: Gateway) -> GatewayApp:
             connect_timeout_s=settings.connect_timeout_s, first_token_timeout_s=settings.first_token_timeout_s,
             idle_timeout_s=settings.idle_timeout_s, retries=settings.retries, resumes=settings.resumes))
         gw.sessions = SessionStore(gw.membership, gw.pool, registry=gw.registry)
+        gw.ledger = ledger_from_settings(settings, gw.registry)
+        if gw.ledger is not None:
+            await gw.ledger.start()
         agent = None
         if new_agent is not None:
             agent = new_agent(Member(
@@ -207,6 +214,8 @@ def create_app(gw: Gateway) -> GatewayApp:
             if agent is not None:
                 await agent.aclose()
             await gw.sessions.aclose()
+            if gw.ledger is not None:
+                await gw.ledger.aclose()
             await gw.limiter.aclose()
             if watcher is not None:
                 await watcher.aclose()
@@ -254,6 +263,8 @@ def create_app(gw: Gateway) -> GatewayApp:
             raise ModelNotFound(f"the model {model_id!r} does not exist", param="model")
         return {"id": model_id, "object": "model", "created": 0, "owned_by": "switchboard",
                 "max_model_len": found[model_id]}
+
+    app.add_api_route("/v1/usage", usage_route(gw), methods=["GET"])
 
     @app.post(CHAT_PATH, openapi_extra=CHAT_OPENAPI)
     async def chat(request: Request) -> Response:  # pragma: no cover - GatewayApp serves this path

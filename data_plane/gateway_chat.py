@@ -120,6 +120,8 @@ class ChatHandler:
         self.used_tokens: int | None = None
         self.client_gone = False
         self._recorded = False
+        self.opened: Opened | None = None
+        """Set once a shard stream is open: the usage ledger reads the completion and shard from it."""
         self._receive: Receive | None = None
         self._watcher: asyncio.Future[Any] | None = None
         # the level and tier policy are read once, so one request sees one consistent state
@@ -141,7 +143,7 @@ class ChatHandler:
         streaming = False
         try:
             try:
-                opened = await self._prepare_and_open()
+                opened = self.opened = await self._prepare_and_open()
                 if opened.include_usage is not None:
                     streaming = True
                     headers = self._headers(opened.headers, {"content-type": "text/event-stream; charset=utf-8",
@@ -237,12 +239,15 @@ class ChatHandler:
             return
         self._recorded = True
         self.gw.metrics.requests.labels(self.tier_name, str(status), code).inc()
+        if self.gw.ledger is not None:  # spooled before the reply's last byte: see data_plane/ledger.py
+            self.gw.ledger.record_request(self, status, code)
 
     def _release_limits(self) -> None:
         """Free the admission slot; settle the token estimate: all refunded if no shard started,
         real usage once known, kept if the stream broke before usage came (idempotent)."""
-        if self.ticket is not None:
-            self.ticket.release()
+        if self.ticket is not None:  # the real tokens settle the tenant's fair share (estimate if unknown)
+            self.ticket.release(self.used_tokens if self.used_tokens is not None else
+                                (None if self.first_token_at else 0))
         if self.grant is not None:
             used = self.used_tokens if self.used_tokens is not None else (None if self.first_token_at else 0)
             if used is not None:
@@ -316,7 +321,8 @@ class ChatHandler:
                 body[name] = value
         if req.model:
             body["model"] = model
-        self.ticket = await gw.admission.acquire(tier, tiers)
+        self.ticket = await gw.admission.acquire(tier, tiers, tenant=principal.tenant,
+                                                 tokens=window.prompt_tokens + max_tokens)
         gw.metrics.inflight.labels(tier.name).inc()
         try:
             with tracer.start_as_current_span("router.route") as route_span:

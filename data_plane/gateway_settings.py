@@ -57,3 +57,8 @@ class GatewaySettings(BaseSettings):
     queue_size: int = Field(512, ge=0, description="Most requests waiting for admission; beyond, the lowest tier's newest is shed (503).")
     queue_timeout_s: float = Field(5.0, gt=0, description="Admission-queue deadline of the tier shed first; the k-th shed level waits k times as long.")
     queue_timeouts: str | None = Field(None, pattern=TIER_SECONDS_PATTERN, description="Per-tier admission-queue deadlines in seconds, e.g. 'free=2,enterprise=30'.")
+    state_dir: str = Field(".switchboard", description="Folder for the gateway's local state (the usage ledger's spool and default SQLite file).")
+    usage_db: str | None = Field(None, description="Usage ledger database: sqlite:///path (default STATE_DIR/usage.db), postgresql://..., or 'off'.")
+    usage_spool_dir: str | None = Field(None, description="Usage spool folder, one per gateway (default STATE_DIR/ledger-spool/<node>-<pid>-<rand>; orphans are adopted).")
+    usage_flush_interval_s: float = Field(1.0, gt=0, le=60, description="Seconds between batch writes of spooled usage records to the database.")
+    usage_retention_days: float = Field(90.0, ge=0, description="Usage records older than this are deleted (0 = keep forever).")

@@ -1,0 +1,304 @@
+"""The usage ledger: the store (SQLite and PostgreSQL), the spool, and real gateways writing it.
+
+    .venv/bin/python -m pytest tests/data_plane/test_ledger.py -q
+
+PostgreSQL tests start a throwaway server (tests/postgres.py) and skip when it is not installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from data_plane.ledger import LedgerMetrics, Spool, UsageLedger, UsageRecord, read_segment
+from data_plane.ledger_sql import MIGRATIONS, UsageQuery, open_ledger_store
+from tests.cluster import KEYS, Cluster, api_keys_env
+from tests.postgres import PostgresServer
+from tests.procs import Service
+
+
+def _record(i: int, **over: Any) -> UsageRecord:
+    now = time.time()
+    base: dict[str, Any] = dict(
+        request_id=f"req-{i}", trace_id="0" * 32, key_id="k1", tenant="acme", tier="plus", model="m",
+        prompt_tokens=10, cached_tokens=2, completion_tokens=5, status=200, error_code="", ttft_s=0.01,
+        latency_s=0.05, shard="shard-0", degradation_level=0, session=False, gateway="gw", started_at=now,
+        finished_at=now)
+    base.update(over)
+    return UsageRecord(**base)
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    with PostgresServer() as pg:
+        yield pg
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'usage.db'}"
+    return request.getfixturevalue("postgres").create_database("store")
+
+
+def test_migrations_are_versioned_and_applied_once(store_url: str) -> None:
+    store = open_ledger_store(store_url)
+    assert store.migrate() == MIGRATIONS[-1][0]
+    assert store.migrate() == MIGRATIONS[-1][0]  # the second run applies nothing
+    rows = store._run(lambda conn: conn.execute("SELECT version FROM schema_version").fetchall())  # type: ignore[attr-defined]
+    assert sorted(r[0] for r in rows) == [v for v, _, _ in MIGRATIONS]
+    store.close()
+
+
+def test_inserts_are_idempotent_and_reads_group_and_filter(store_url: str) -> None:
+    store = open_ledger_store(store_url)
+    store.migrate()
+    hour = 3600 * (int(time.time()) // 3600)
+    records = [_record(1, started_at=hour + 10), _record(2, started_at=hour + 20, tier="free", status=429,
+                                                          error_code="rate_limit_exceeded", prompt_tokens=0,
+                                                          completion_tokens=0, cached_tokens=0),
+               _record(3, started_at=hour - 100, tenant="bigco", key_id="k2", tier="enterprise")]
+    assert store.insert_many([r.as_row() for r in records]) == 3
+    assert store.insert_many([r.as_row() for r in records]) == 0  # a replayed spool adds nothing
+    out = store.usage(UsageQuery(bucket_s=3600, group_by=("tenant", "tier")))
+    assert out["totals"] == {"requests": 3, "errors": 1, "prompt_tokens": 20, "cached_tokens": 4,
+                             "completion_tokens": 10}
+    assert [(r["start"], r["tenant"], r["tier"]) for r in out["rows"]][0] == (hour - 3600, "bigco", "enterprise")
+    assert {(r["tenant"], r["tier"]) for r in out["rows"]} == {("bigco", "enterprise"), ("acme", "plus"),
+                                                               ("acme", "free")}
+    acme = store.usage(UsageQuery(tenant="acme", start=hour, end=hour + 3600))
+    assert acme["totals"]["requests"] == 2 and len(acme["rows"]) == 1
+    assert store.usage(UsageQuery(key_id="k2"))["totals"]["prompt_tokens"] == 10
+    with pytest.raises(ValueError):
+        store.usage(UsageQuery(group_by=("prompt",)))
+    assert store.prune(before=hour) == 1
+    assert store.usage(UsageQuery())["totals"]["requests"] == 2
+    store.close()
+
+
+def test_spool_survives_a_crash_and_replays_once(tmp_path: Path) -> None:
+    """A ledger that never flushed (the process died): the next one on the same spool writes
+    every record; a segment replayed after it was written adds no duplicate."""
+    db = f"sqlite:///{tmp_path / 'usage.db'}"
+
+    async def crash_run() -> None:
+        ledger = UsageLedger(open_ledger_store(db), Spool(tmp_path / "spool"), LedgerMetrics(CollectorRegistry()),
+                             gateway="gw", flush_interval_s=3600)
+        await ledger.start()
+        for i in range(50):
+            ledger.record(_record(i))
+        os.close(ledger.spool._lock_fd)  # "killed": no flush, the lock released
+
+    asyncio.run(crash_run())
+    segment = next((tmp_path / "spool").glob("*.jsonl"))
+    assert len(read_segment(segment)) == 50
+    copy = segment.read_bytes()
+
+    async def restart() -> tuple[float, float]:
+        registry = CollectorRegistry()
+        ledger = UsageLedger(open_ledger_store(db), Spool(tmp_path / "spool"), LedgerMetrics(registry), gateway="gw")
+        await ledger.start()
+        assert registry.get_sample_value("switchboard_ledger_spool_records") == 50
+        assert await ledger.flush()
+        (tmp_path / "spool" / "again.jsonl").write_bytes(copy + b'{"torn')  # replayed + a torn line
+        assert await ledger.flush()
+        await ledger.aclose()
+        return (registry.get_sample_value("switchboard_ledger_records_total", {"outcome": "written"}) or 0,
+                registry.get_sample_value("switchboard_ledger_records_total", {"outcome": "duplicate"}) or 0)
+
+    assert asyncio.run(restart()) == (50, 50)
+    assert open_ledger_store(db).usage(UsageQuery())["totals"]["requests"] == 50
+    assert not list((tmp_path / "spool").glob("*.jsonl"))
+
+
+def test_a_spool_has_one_owner_and_orphans_are_adopted(tmp_path: Path) -> None:
+    live = Spool(tmp_path / "a")
+    with pytest.raises(SystemExit):
+        Spool(tmp_path / "a")
+    dead = Spool(tmp_path / "b")
+    dead.append(b'{"x": 1}\n')
+    dead.close()  # released, as a kill -9 releases it
+    mine = Spool(tmp_path / "c")
+    assert mine.adopt_orphans() == 1  # b's segment; a is held
+    assert (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert len(mine.segments()) == 1
+    live.close()
+    mine.close()
+
+
+def test_a_database_that_is_down_keeps_records_spooled(tmp_path: Path) -> None:
+    async def run() -> None:
+        registry = CollectorRegistry()
+        ledger = UsageLedger(open_ledger_store("postgresql://nobody@127.0.0.1:1/none"), Spool(tmp_path / "s"),
+                             LedgerMetrics(registry), gateway="gw")
+        await ledger.start()
+        ledger.record(_record(1))
+        assert not await ledger.flush()
+        assert registry.get_sample_value("switchboard_ledger_write_failures_total") == 1
+        assert registry.get_sample_value("switchboard_ledger_spool_records") == 1
+        await ledger.aclose()
+
+    asyncio.run(run())
+    assert len(list((tmp_path / "s").glob("*.jsonl"))) == 1
+
+
+# -- real gateways -------------------------------------------------------------------------------
+
+
+def _client_usage(gateway: str, tier: str, *, stream: bool, session: str | None = None,
+                  text: str = "hello there friend") -> tuple[str, dict[str, int], str | None]:
+    """One chat request: (request id, usage the client saw, session id)."""
+    headers = {"Authorization": f"Bearer {KEYS[tier]}"}
+    if session:
+        headers["X-Session-Id"] = session
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": text}], "max_tokens": 8}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+        usage: dict[str, int] = {}
+        with httpx.stream("POST", gateway + "/v1/chat/completions", json=body, headers=headers, timeout=30) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    usage = json.loads(line[6:]).get("usage") or usage
+        return r.headers["x-request-id"], usage, r.headers.get("x-session-id")
+    r = httpx.post(gateway + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.headers["x-request-id"], r.json()["usage"], r.headers.get("x-session-id")
+
+
+def _traffic(gateway: str) -> dict[str, int]:
+    """Streaming, non-streaming, a two-turn session and errors; the totals the clients saw."""
+    seen = {"requests": 0, "errors": 0, "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+
+    def add(usage: dict[str, int]) -> None:
+        seen["requests"] += 1
+        seen["prompt_tokens"] += usage["prompt_tokens"]
+        seen["completion_tokens"] += usage["completion_tokens"]
+        seen["cached_tokens"] += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    for stream in (False, True, False, True):
+        add(_client_usage(gateway, "plus", stream=stream)[1])
+    _, usage, sid = _client_usage(gateway, "enterprise", stream=False, session="new")
+    add(usage)
+    add(_client_usage(gateway, "enterprise", stream=True, session=sid)[1])
+    for body in ({"messages": [{"role": "user", "content": "x"}], "temperature": 9}, {"messages": "nope"}):
+        r = httpx.post(gateway + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEYS['free']}"})
+        assert r.status_code == 400
+        seen["requests"] += 1
+        seen["errors"] += 1
+    return seen
+
+
+def _totals(url: str) -> dict[str, int]:
+    store = open_ledger_store(url)
+    try:
+        return store.usage(UsageQuery())["totals"]
+    finally:
+        store.close()
+
+
+def _wait_totals(url: str, requests: int, timeout: float = 10.0) -> dict[str, int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            totals = _totals(url)
+            if totals["requests"] >= requests or time.monotonic() > deadline:
+                return totals
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)
+
+
+def test_ledger_totals_equal_what_clients_saw_sqlite(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path / 'usage.db'}"
+    with Cluster(shards=1, caches=2, gateway_args=["--usage-db", db, "--usage-flush-interval-s", "0.2",
+                                                   "--state-dir", str(tmp_path)]) as c:
+        seen = _traffic(c.gateway.url)
+        totals = _wait_totals(db, seen["requests"])
+        assert {k: totals[k] for k in seen} == seen
+        # the key's own view, in OpenAI's usage shape
+        r = httpx.get(c.gateway.url + "/v1/usage", params={"bucket_width": "1h"},
+                      headers={"Authorization": f"Bearer {KEYS['enterprise']}"})
+        assert r.status_code == 200, r.text
+        page = r.json()
+        assert page["object"] == "page" and page["data"][-1]["object"] == "bucket"
+        results = [x for b in page["data"] for x in b["results"]]
+        assert sum(x["num_model_requests"] for x in results) == 2  # the session's two turns only
+        assert httpx.get(c.gateway.url + "/v1/usage").status_code == 401
+    store = open_ledger_store(db)
+    rows = store._run(lambda conn: conn.execute("SELECT * FROM usage_records").fetchall())  # type: ignore[attr-defined]
+    assert {r[16] for r in rows} and all(r[9] in (200, 400) for r in rows)
+    assert sum(1 for r in rows if r[15]) == 2  # two session turns
+    assert all(r[13] == "shard-0" for r in rows if r[9] == 200)
+
+
+def test_two_gateways_write_one_postgresql(postgres: PostgresServer, tmp_path: Path) -> None:
+    url = postgres.create_database("two")
+    args = ["--usage-db", url, "--usage-flush-interval-s", "0.2", "--state-dir", str(tmp_path)]
+    with Cluster(shards=1, caches=1, gateway_args=args) as c:
+        second = Service(["gateway", "--registry-url", c.registry, "--tokenizer", "whitespace", "--model-name",
+                          "synthetic", *args], env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()})
+        with second:
+            seen: list[dict[str, int]] = [{}, {}]
+            threads = [threading.Thread(target=lambda i=i, g=g: seen.__setitem__(i, _traffic(g)))
+                       for i, g in enumerate((c.gateway.url, second.url))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            want = {k: seen[0][k] + seen[1][k] for k in seen[0]}
+            totals = _wait_totals(url, want["requests"])
+            assert {k: totals[k] for k in want} == want
+    store = open_ledger_store(url)
+    gateways = store._run(lambda conn: conn.execute("SELECT DISTINCT gateway FROM usage_records").fetchall())  # type: ignore[attr-defined]
+    assert len(gateways) == 2
+    store.close()
+
+
+@pytest.mark.slow
+def test_kill_9_under_load_loses_no_acknowledged_record(tmp_path: Path) -> None:
+    """Flushes are 60 s apart, so every record is only in the spool when the gateway is killed:
+    each request the client saw complete must be in the database once a new gateway has replayed it."""
+    db = f"sqlite:///{tmp_path / 'usage.db'}"
+    spool = str(tmp_path / "spool")
+    args = ["--usage-db", db, "--usage-flush-interval-s", "60", "--usage-spool-dir", spool]
+    acked: list[str] = []
+    with Cluster(shards=2, caches=1, gateway_args=args, token_delay_ms=5) as c:
+        stop = threading.Event()
+
+        def load(tier: str, stream: bool) -> None:
+            while not stop.is_set():
+                try:
+                    acked.append(_client_usage(c.gateway.url, tier, stream=stream)[0])
+                except (httpx.HTTPError, AssertionError, KeyError):
+                    pass
+
+        threads = [threading.Thread(target=load, args=(t, s)) for t in ("plus", "enterprise") for s in (True, False)]
+        for t in threads:
+            t.start()
+        time.sleep(3.0)
+        c.gateway.kill()
+        stop.set()
+        for t in threads:
+            t.join()
+        assert len(acked) > 20
+        restarted = Service(["gateway", "--registry-url", c.registry, "--tokenizer", "whitespace", "--model-name",
+                             "synthetic", *args[:-4], "--usage-flush-interval-s", "0.2", "--usage-spool-dir", spool],
+                            env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()})
+        with restarted:
+            _wait_totals(db, len(acked))
+    store = open_ledger_store(db)
+    stored = {r[0] for r in store._run(lambda conn: conn.execute("SELECT request_id FROM usage_records").fetchall())}  # type: ignore[attr-defined]
+    missing = set(acked) - stored
+    print(f"LEDGER kill -9: {len(acked)} acknowledged, {len(stored)} stored, {len(missing)} missing")
+    assert not missing, f"{len(missing)} of {len(acked)} acknowledged requests have no record"
