@@ -166,3 +166,93 @@ def test_capacity_comes_from_the_shards_batch_slots() -> None:
     assert shard_capacity(["16"], AdmissionConfig(max_inflight=3)) == 3
     with pytest.raises(ValueError):
         AdmissionConfig(reserve=1.0)
+
+
+# -- fair share between the tenants of a tier (VTC) --------------------------------------------------
+
+
+async def test_a_flooding_tenant_does_not_starve_a_light_one_of_its_tier() -> None:
+    """One slot; the flood queues 20 requests first, then a light tenant sends 2: the light one is
+    served right after the request in flight, although it came last, and tier order stays above."""
+    adm, registry = admission(1, reserve=0.0)
+    held = await adm.acquire(FREE, POLICY, tenant="flood", tokens=100)
+    order: list[str] = []
+
+    async def one(name: str, tenant: str, tier=FREE) -> None:  # type: ignore[no-untyped-def]
+        ticket = await adm.acquire(tier, POLICY, tenant=tenant, tokens=100)
+        order.append(name)
+        await asyncio.sleep(0)
+        ticket.release(120)
+
+    tasks = [asyncio.create_task(one(f"flood-{i}", "flood")) for i in range(20)]
+    await settle()
+    tasks += [asyncio.create_task(one(f"light-{i}", "light")) for i in range(2)]
+    await settle()
+    tasks.append(asyncio.create_task(one("enterprise", "big", ENT)))
+    await settle()
+    held.release(120)
+    await asyncio.gather(*tasks)
+    assert order[:3] == ["enterprise", "light-0", "flood-0"], order
+    assert order.index("light-1") <= 4, order  # alternates with the flood, never behind all of it
+    assert [o for o in order if o.startswith("flood")] == [f"flood-{i}" for i in range(20)]  # FIFO per tenant
+    # service is counted in real tokens (120 each) and exported per tenant
+    assert adm.fair_share.counter("free", "light") == pytest.approx(adm.fair_share.counter("free", "flood"),
+                                                                    abs=21 * 120)
+    adm.fair_share._publish(force=True)
+    assert registry.get_sample_value("switchboard_admission_tenant_service_tokens",
+                                     {"tier": "free", "tenant": "flood"}) == 21 * 120
+    assert registry.get_sample_value("switchboard_admission_tenant_service_tokens",
+                                     {"tier": "free", "tenant": "light"}) == 2 * 120
+
+
+async def test_a_returning_tenant_is_lifted_to_the_active_ones() -> None:
+    """An idle tenant's low counter would let it take every slot until it caught up: it is lifted
+    to the least-served active tenant when it comes back."""
+    adm, _ = admission(1, reserve=0.0)
+    early = await adm.acquire(FREE, POLICY, tenant="early", tokens=10)
+    early.release(10)
+    for _ in range(5):
+        t = await adm.acquire(FREE, POLICY, tenant="busy", tokens=1000)
+        t.release(1000)
+    held = await adm.acquire(FREE, POLICY, tenant="busy", tokens=1000)  # busy is active from here
+    waiter = asyncio.create_task(adm.acquire(FREE, POLICY, tenant="early", tokens=10))
+    await settle()
+    assert adm.fair_share.counter("free", "early") >= 5000  # lifted, not 10
+    held.release(1000)
+    (await waiter).release(10)
+
+
+async def test_queue_full_sheds_the_most_served_tenant_first() -> None:
+    adm, registry = admission(1, reserve=0.0, queue_size=3)
+    held = await adm.acquire(FREE, POLICY, tenant="flood", tokens=500)
+
+    async def one(tenant: str, tokens: int) -> str:
+        ticket = await adm.acquire(FREE, POLICY, tenant=tenant, tokens=tokens)
+        ticket.release(tokens)
+        return tenant
+
+    flood = [asyncio.create_task(one("flood", 500)) for _ in range(3)]
+    await settle()
+    light = asyncio.create_task(one("light", 10))
+    await settle()
+    assert not light.done()  # the newcomer stays: the flood, with 1,500 tokens waiting, loses its newest
+    shed = [t for t in flood if t.done()]
+    assert len(shed) == 1 and isinstance(shed[0].exception(), Overloaded)
+    assert registry.get_sample_value("switchboard_admission_shed_total", {"tier": "free", "reason": "queue_full"}) == 1
+    held.release(500)
+    assert await light == "light"
+    assert [await t for t in flood if t is not shed[0]] == ["flood", "flood"]
+
+
+def test_the_service_metric_is_bounded_to_the_top_n_and_other() -> None:
+    from data_plane.fair_share import FairShare
+
+    registry = CollectorRegistry()
+    metrics = AdmissionMetrics(registry)
+    share = FairShare(metrics.tenant_service, top_n=3, publish_interval_s=0.0)
+    for i in range(10):
+        share.arrive("free", f"t{i}", 2)
+        share.charge("free", f"t{i}", 100 * (i + 1))
+    tenants = {s.labels["tenant"]: s.value for m in registry.collect() for s in m.samples
+               if m.name == "switchboard_admission_tenant_service_tokens"}
+    assert tenants == {"t9": 1000, "t8": 900, "t7": 800, "other": sum(100 * (i + 1) for i in range(7))}
