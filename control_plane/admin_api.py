@@ -19,6 +19,8 @@ Routes (the console uses nothing else; shapes are the response models below, in 
     GET    /tiers  |  PUT /tiers        the tier policy ({"tiers": {...}}); PUT validates and persists
     GET    /traces?limit=&tier=&status=&min_ms=&trace_id=&internal=   recent traces across processes
     GET    /alerts                      firing alerts (Alertmanager / Prometheus, else built-in checks)
+    GET    /usage?tenant=&key=&tier=&model=&start=&end=&group_by=hour|day&by=&format=csv
+                                        the usage ledger (control_plane/usage.py)
 
 Every error is OpenAI-shaped (``{"error": {...}}``); 401 without the right token.
 """

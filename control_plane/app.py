@@ -37,7 +37,10 @@ from control_plane.registry import Registry, RegistryMetrics, build_router
 from control_plane.settings import ENV_ADMIN_TOKEN, ControlPlaneSettings
 from control_plane.signals import build_signal_source
 from control_plane.state_api import StateIndex, build_state_router, cluster_state_body
+from control_plane.usage import build_usage_router
 from data_plane.errors import install_error_handlers
+from data_plane.ledger_http import default_usage_db
+from data_plane.ledger_sql import open_ledger_store
 from data_plane.membership_consul import token_from_env
 from data_plane.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
 
@@ -72,6 +75,8 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
                          prometheus_url=getattr(settings, "prometheus", None),
                          alertmanager_url=settings.alertmanager, state_index=state_index)
     admin.autoscaler = autoscaler
+    usage_db = settings.usage_db or default_usage_db(".switchboard")
+    usage_store = None if usage_db == "off" else open_ledger_store(usage_db)  # connects on first read
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -94,6 +99,8 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
                 await consul.aclose()
             await registry.aclose()
             await http.aclose()
+            if usage_store is not None:
+                usage_store.close()
 
     app = FastAPI(title="Switchboard control plane", lifespan=lifespan, **fastapi_options())
     app.state.settings = settings
@@ -130,6 +137,7 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
     app.include_router(build_state_router(state_index, lambda: cluster_state_body(
         state_index, store, retry_after_s=ladder.config.lower_dwell_s)))
     app.include_router(build_admin_router(admin))
+    app.include_router(build_usage_router(usage_store, settings.admin_token))
     return app
 
 
@@ -176,6 +184,8 @@ def parse_settings(argv: list[str] | None) -> ControlPlaneSettings:
     parser.add_argument("--state-dir", help="persist tier policy and degradation level here (JSON)")
     parser.add_argument("--tiers-file", help="YAML tier policy used when the state dir holds none")
     parser.add_argument("--alertmanager", help="Alertmanager URL for /admin/v1/alerts")
+    parser.add_argument("--usage-db", help="usage ledger database for /admin/v1/usage (sqlite:///path, "
+                        "postgresql://..., off; default the gateway's default SQLite file)")
     parser.add_argument("--degradation-interval", dest="degradation_interval_s", type=float,
                         help="seconds between degradation-ladder evaluations (default 2)")
     parser.add_argument("--degradation-raise-dwell", dest="degradation_raise_dwell_s", type=float,

@@ -3,12 +3,18 @@
     switchboard up                                  # control plane, 2 shards, 2 cache nodes, gateway
     switchboard up --shards 1 --dtype float32 --gateway-port 9000
     switchboard up --engine synthetic               # no model: stack testing only
+    switchboard up --autoscale --min-replicas 1 --max-replicas 3   # the control plane starts the shards
 
 Starts every process as a child on loopback, waits for each to be healthy, prints the URLs,
 one dev API key per tier and the admin token, and writes them to
 `.switchboard/credentials.json` (mode 600) in the working directory. A child that dies is
 reported and restarted (with backoff); Ctrl-C or SIGTERM stops everything cleanly.
 Logs go to `.switchboard/logs/<process>.log`.
+
+With ``--autoscale`` the launcher starts no shard itself: the control plane's autoscaler (local
+actuator) starts ``--min-replicas`` shards with the same engine flags, scales out to
+``--max-replicas`` on a queue (not on a long prompt), drains and stops them when load falls, and
+stops them on exit. The decisions are in the console's Autoscaler page and ``/admin/v1/decisions``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -58,6 +65,10 @@ class UpSettings(BaseSettings):
     prometheus: bool = Field(False, description="Also start Prometheus (when the binary exists) with the alert rules.")
     prometheus_port: int = Field(9090, ge=1, le=65535, description="Prometheus port (with --prometheus).")
     console: bool = Field(True, description="Start the admin console (Streamlit) on --console-port.")
+    autoscale: bool = Field(False, description="Let the control plane's autoscaler start and stop the shards.")
+    min_replicas: int = Field(1, ge=1, le=64, description="With --autoscale: fewest shards.")
+    max_replicas: int = Field(4, ge=1, le=64, description="With --autoscale: most shards.")
+    usage_db: str | None = Field(None, description="Usage ledger database for gateways and control plane (default: sqlite in --state-dir; postgresql://... to share).")
 
 
 @dataclass
@@ -149,9 +160,16 @@ def plan(s: UpSettings, state: Path, admin_token: str,
     logs.mkdir(parents=True, exist_ok=True)
     host = s.host
     registry = f"http://{host}:{s.control_plane_port}"
+    usage_db = s.usage_db or f"sqlite:///{state / 'usage.db'}"  # gateways write it, the control plane reads it
     cp = Child("control-plane", ["control-plane", "--host", host, "--port", str(s.control_plane_port),
-                                 "--state-dir", str(state / "control-plane")],
+                                 "--state-dir", str(state / "control-plane"), "--usage-db", usage_db],
                registry, logs / "control-plane.log", env={"SWITCHBOARD_ADMIN_TOKEN": admin_token, **member_env})
+    if s.autoscale:
+        if s.min_replicas > s.max_replicas:
+            raise SystemExit(f"switchboard up: --min-replicas {s.min_replicas} > --max-replicas {s.max_replicas}")
+        scaled_threads = max(1, (os.cpu_count() or 2) // s.max_replicas)
+        cp.args += ["--autoscale", "--min-replicas", str(s.min_replicas), "--max-replicas", str(s.max_replicas),
+                    "--shard-log-dir", str(logs), "--shard-args", shlex.join(_shard_flags(s, scaled_threads))]
     caches = []
     for i in range(s.cache_nodes):
         port = s.cache_base_port + i if s.cache_base_port else free_port(host)
@@ -162,22 +180,27 @@ def plan(s: UpSettings, state: Path, admin_token: str,
         caches.append(Child(f"cache-{i}", args, f"http://{host}:{port}", logs / f"cache-{i}.log", env=member_env))
     shards = []
     threads = max(1, (os.cpu_count() or 2) // max(1, s.shards))
-    for i in range(s.shards):
+    for i in range(0 if s.autoscale else s.shards):
         port = s.shard_base_port + i if s.shard_base_port else free_port(host)
         args = ["shard", "--host", host, "--port", str(port), "--registry-url", registry, "--node-id", f"shard-{i}",
-                "--engine", s.engine, "--dtype", s.dtype, "--max-num-seqs", str(s.max_num_seqs),
-                "--max-model-len", str(s.max_model_len), "--threads", str(threads)]
-        if s.model:
-            args += ["--model", s.model]
+                *_shard_flags(s, threads)]
         shards.append(Child(f"shard-{i}", args, f"http://{host}:{port}", logs / f"shard-{i}.log", env=member_env))
     gw_args = ["gateway", "--host", host, "--port", str(s.gateway_port), "--registry-url", registry,
-               "--keys-file", str(state / "keys.yaml"), "--max-model-len", str(s.max_model_len)]
+               "--keys-file", str(state / "keys.yaml"), "--max-model-len", str(s.max_model_len),
+               "--state-dir", str(state / "gateway"), "--usage-db", usage_db]
     if s.engine == "synthetic":
         gw_args += ["--tokenizer", "whitespace", "--model-name", "synthetic"]
     elif s.model:
         gw_args += ["--tokenizer", s.model]
     gateway = Child("gateway", gw_args, f"http://{host}:{s.gateway_port}", logs / "gateway.log", env=member_env)
     return cp, caches, shards, gateway
+
+
+def _shard_flags(s: UpSettings, threads: int) -> list[str]:
+    """Engine flags of every shard, started here or by the autoscaler."""
+    args = ["--engine", s.engine, "--dtype", s.dtype, "--max-num-seqs", str(s.max_num_seqs),
+            "--max-model-len", str(s.max_model_len), "--threads", str(threads)]
+    return args + (["--model", s.model] if s.model else [])
 
 
 def console_child(s: UpSettings, state: Path, cp: Child, gateway: Child, admin_token: str) -> Child:
@@ -296,7 +319,14 @@ def main(argv: list[str] | None = None) -> None:
         _wait_healthy(shards, 300, "loading the model")
         gateway.start()
         _wait_healthy([gateway], 120, "gateway")
-        _wait_routable(gateway.url, len(shards), 15)
+        if s.autoscale:
+            print(f"[switchboard] the autoscaler starts {s.min_replicas} shard(s) (up to {s.max_replicas})...",
+                  flush=True)
+            if not _wait_routable(gateway.url, s.min_replicas, 300):
+                raise SystemExit(f"switchboard up: the autoscaler's shards did not serve within 300 s; see "
+                                 f"{cp.log_path} and {state / 'logs'}/shard-local-*.log")
+        else:
+            _wait_routable(gateway.url, len(shards), 15)
         extras = [c for c in (prometheus, console) if c is not None]
         for child in extras:
             child.start()
@@ -308,15 +338,16 @@ def main(argv: list[str] | None = None) -> None:
     supervisor.run()
 
 
-def _wait_routable(url: str, shards: int, timeout: float) -> None:
+def _wait_routable(url: str, shards: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             if httpx.get(url + "/health", timeout=1).json().get("shards", 0) >= min(shards, 1):
-                return
+                return True
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
+    return False
 
 
 def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: list[Child], gateway: Child,
@@ -331,6 +362,8 @@ def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: 
         f"  control plane / admin API     {cp.url}   (admin token below)",
         *([f"  admin console                 http://{s.host}:{s.console_port}"] if s.console else []),
         *[f"  {c.name:<28}  {c.url}" for c in shards + caches],
+        *([f"  shards                        autoscaled, {s.min_replicas}..{s.max_replicas} (console: Autoscaler)"]
+          if s.autoscale else []),
         *([f"  prometheus                    {s.host}:{s.prometheus_port}  (alerts: /alerts)"]
           if s.prometheus else []),
         "",

@@ -74,6 +74,9 @@ class ControlPlaneSettings(BaseSettings):
     atomically) and restored from at start; without one they live in memory only."""
     tiers_file: Path | None = None
     """YAML tier policy put in force at start when the state dir holds none (default: built-in)."""
+    usage_db: str | None = None
+    """Usage ledger database the gateways write (``sqlite:///path``, ``postgresql://…``, or ``off``);
+    ``/admin/v1/usage`` reads it. Default: ``sqlite:///.switchboard/usage.db``, the gateway's default."""
     alertmanager: str | None = None
     """Alertmanager base URL; ``/admin/v1/alerts`` then lists its active alerts."""
     degradation_interval_s: float = Field(default=2.0, gt=0.0, le=60.0)

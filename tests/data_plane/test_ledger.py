@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from data_plane.ledger import LedgerMetrics, Spool, UsageLedger, UsageRecord, read_segment
 from data_plane.ledger_sql import MIGRATIONS, UsageQuery, open_ledger_store
-from tests.cluster import KEYS, Cluster, api_keys_env
+from tests.cluster import ADMIN_TOKEN, KEYS, Cluster, api_keys_env
 from tests.postgres import PostgresServer
 from tests.procs import Service
 
@@ -235,6 +235,13 @@ def test_ledger_totals_equal_what_clients_saw_sqlite(tmp_path: Path) -> None:
         results = [x for b in page["data"] for x in b["results"]]
         assert sum(x["num_model_requests"] for x in results) == 2  # the session's two turns only
         assert httpx.get(c.gateway.url + "/v1/usage").status_code == 401
+        # the operators' view: a control plane on the same database URL
+        with Service(["control-plane", "--admin-token", ADMIN_TOKEN, "--usage-db", db]) as cp:
+            admin = httpx.get(cp.url + "/admin/v1/usage", params={"group_by": "hour", "by": "tenant,tier"},
+                              headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).json()
+            assert {k: admin["totals"][k] for k in seen} == seen
+            assert {(r["tenant"], r["tier"]) for r in admin["rows"]} == {("acme", "plus"), ("bigco", "enterprise"),
+                                                                        ("acme", "free")}
     store = open_ledger_store(db)
     rows = store._run(lambda conn: conn.execute("SELECT * FROM usage_records").fetchall())  # type: ignore[attr-defined]
     assert {r[16] for r in rows} and all(r[9] in (200, 400) for r in rows)
