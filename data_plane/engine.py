@@ -55,6 +55,10 @@ class GenerationRequest:
     deadline: float | None = None
     """Unix seconds; a request still waiting then is abandoned."""
     arrival: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None
+    """Prefix-cache scope (the gateway sends the tenant): prompts reuse KV only within one salt."""
+    public_prefix_tokens: int = 0
+    """Leading prompt tokens the operator marked public: their KV is shared across salts."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,8 @@ class GenerationOutput:
     completion_tokens: int
     timings: RequestTimings | None = None
     """Set on the final output only."""
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache (not recomputed)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,10 @@ class EngineStats:
     waiting: int
     kv_usage: float
     max_num_seqs: int
+    prefix_cache_blocks: int = 0
+    """Blocks held by the prefix cache (referenced or not)."""
+    prefix_cache_block_bytes: int = 0
+    prefix_cache_capacity_bytes: int = 0
 
 
 class Engine(Protocol):

@@ -13,6 +13,12 @@ step over every running sequence together, and (5) fans outputs out to per-reque
 asyncio queues on the event loop. Finished and aborted sequences leave the batch at once
 and their slot is reused by the next admission; requests join between steps.
 
+Prefix caching (on by default, data_plane/kv_cache.py): at admission a request's longest cached
+prefix (full 16-token blocks, chained digests salted with its `cache_salt`) is copied into its
+slot and only the rest is prefilled; its prompt blocks are kept once prefilled and its output
+blocks when it ends, so the next turn of a conversation computes only its new tokens. The
+blocks a running sequence uses are referenced and never evicted.
+
 Compute runs in that thread (torch releases the GIL inside ops) so the event loop stays
 free to stream tokens and accept requests.
 """
@@ -43,6 +49,7 @@ from data_plane.engine import (
     check_lengths,
 )
 from data_plane.errors import Overloaded
+from data_plane.kv_cache import DEFAULT_BLOCK_SIZE, BlockHasher, CacheEvents, PrefixCache, auto_budget_bytes, layout_seed
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +72,12 @@ class EngineConfig:
     """Queue bound; beyond it new requests get 503 with Retry-After."""
     threads: int = 0
     """torch intra-op threads; 0 = all cores."""
+    prefix_caching: bool = True
+    """Keep KV after requests end and reuse the longest cached prompt prefix."""
+    prefix_cache_bytes: int = 0
+    """Byte budget of the prefix cache; 0 = auto (1/16 of RAM, at most 1 GiB)."""
+    kv_block_size: int = DEFAULT_BLOCK_SIZE
+    """Tokens per prefix-cache block, 1..1024 (the reuse granularity)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -75,6 +88,10 @@ class EngineConfig:
             raise ValueError("max_model_len must be in 16..131072")
         if not 1 <= self.prefill_chunk <= 8192:
             raise ValueError("prefill_chunk must be in 1..8192")
+        if not 1 <= self.kv_block_size <= 1024:
+            raise ValueError("kv_block_size must be in 1..1024")
+        if self.prefix_cache_bytes < 0:
+            raise ValueError("prefix_cache_bytes must be >= 0 (0 = auto)")
 
 
 @dataclass
@@ -93,6 +110,9 @@ class _Sequence:
     prefill_done_at: float = 0.0
     first_token_at: float | None = None
     finished: bool = False
+    block_hashes: list[bytes] = field(default_factory=list)  # the prompt's full blocks
+    cached: int = 0  # prompt tokens whose KV came from the prefix cache
+    held: list[int] = field(default_factory=list)  # prefix-cache blocks referenced by this sequence
 
 
 class StepListener:
@@ -105,6 +125,10 @@ class StepListener:
     def on_token(self, itl_s: float) -> None: ...
 
     def on_admit(self, queue_s: float) -> None: ...
+
+    def on_prefix_lookup(self, queried_tokens: int, hit_tokens: int) -> None: ...
+
+    def on_kv_evict(self, reason: str, blocks: int) -> None: ...
 
 
 class TorchEngine:
@@ -128,6 +152,8 @@ class TorchEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dead: BaseException | None = None
+        self.prefix_cache: PrefixCache | None = None
+        self._hasher: BlockHasher | None = None
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -159,15 +185,29 @@ class TorchEngine:
         if self._tokenizer.eos_token_id is not None:
             self._eos.add(self._tokenizer.eos_token_id)
         self.model_name = served_name(self.config.model)
+        if self.config.prefix_caching:
+            self._build_prefix_cache(str(path))
         # One tiny warm-up pass so the first request doesn't pay for lazy kernel setup.
         self._runner.prefill(0, [self._tokenizer.bos_token_id or 1], 0)
         self._runner.decode([1], [1])
         print(
             f"[switchboard] model {self.model_name} ready in {time.monotonic() - t0:.1f} s "
             f"(KV cache {self._runner.kv_cache_bytes / 2**20:.0f} MiB for "
-            f"{self.config.max_num_seqs} x {self.max_model_len} tokens)",
+            f"{self.config.max_num_seqs} x {self.max_model_len} tokens; prefix cache "
+            f"{self.prefix_cache.capacity_bytes / 2**20 if self.prefix_cache else 0:.0f} MiB)",
             flush=True,
         )
+
+    def _build_prefix_cache(self, model_id: str) -> None:
+        r, bs = self._runner, self.config.kv_block_size
+        layout = f"llama.L{r.num_layers}.kvh{r.num_kv_heads}.d{r.head_dim}.bs{bs}"
+        self._hasher = BlockHasher(layout_seed(model_id, self.config.dtype, layout), bs)
+        budget = self.config.prefix_cache_bytes or auto_budget_bytes()
+        self.prefix_cache = PrefixCache(
+            num_layers=r.num_layers, kv_heads=r.num_kv_heads, head_dim=r.head_dim, block_size=bs,
+            dtype=DTYPES[self.config.dtype], budget_bytes=budget, events=CacheEvents(on_evict=self.listener.on_kv_evict))
+        log.info("prefix cache: %d blocks of %d tokens (%.0f MiB budget)", self.prefix_cache.num_blocks, bs,
+                 self.prefix_cache.capacity_bytes / 2**20)
 
     async def aclose(self) -> None:
         self._stop = True
@@ -194,7 +234,11 @@ class TorchEngine:
             waiting = len(self._waiting)
             used = sum(s.length for s in self._running) + (self._prefilling.length if self._prefilling else 0)
         cap = self.config.max_num_seqs * self.max_model_len
-        return EngineStats(running=running, waiting=waiting, kv_usage=used / cap, max_num_seqs=self.config.max_num_seqs)
+        pc = self.prefix_cache
+        return EngineStats(running=running, waiting=waiting, kv_usage=used / cap, max_num_seqs=self.config.max_num_seqs,
+                           prefix_cache_blocks=pc.used_blocks if pc else 0,
+                           prefix_cache_block_bytes=pc.block_bytes if pc else 0,
+                           prefix_cache_capacity_bytes=pc.capacity_bytes if pc else 0)
 
     def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         """Validate and enqueue `req` now (raising 4xx/503 errors before any compute);
@@ -219,6 +263,8 @@ class TorchEngine:
             stream=TextStream(self._decode_ids, req.params.stop),
             generator=gen,
         )
+        if self._hasher is not None:
+            seq.block_hashes = self._hasher.hashes(req.prompt_ids, req.cache_salt, req.public_prefix_tokens)
         with self._lock:
             if len(self._waiting) >= self.config.max_waiting:
                 raise Overloaded("the shard's queue is full; retry shortly", retry_after=1)
@@ -314,34 +360,49 @@ class TorchEngine:
         `_prefilling` sequence instead.
         """
         batch: list[_Sequence] = []
+        chunked: list[_Sequence] = []
         used = 0
         with self._lock:
             while self._waiting and len(self._running) + len(batch) < self.config.max_num_seqs:
                 seq = self._waiting[0][2]
-                n = len(seq.req.prompt_ids)
+                n = len(seq.req.prompt_ids) - self._cached_prefix(seq)
                 if used + n > budget:
                     if not batch:
                         heapq.heappop(self._waiting)
                         seq.slot = len(self._running)
                         self._prefilling = seq
-                        self._mark_admitted([seq])
+                        chunked.append(seq)
                     break
                 heapq.heappop(self._waiting)
                 seq.slot = len(self._running) + len(batch)
                 batch.append(seq)
                 used += n
-        self._mark_admitted(batch)
+        self._mark_admitted(chunked + batch)
         return batch
+
+    def _cached_prefix(self, seq: _Sequence) -> int:
+        """Prompt tokens the prefix cache holds for `seq` (leaving at least one to compute)."""
+        if self.prefix_cache is None or not seq.block_hashes:
+            return 0
+        bs = self.prefix_cache.block_size
+        return bs * self.prefix_cache.probe(seq.block_hashes, (len(seq.req.prompt_ids) - 1) // bs)
 
     def _mark_admitted(self, seqs: list[_Sequence]) -> None:
         now = time.monotonic()
         for seq in seqs:
             seq.admitted_at = now
             self.listener.on_admit(now - seq.req.arrival)
+            pc = self.prefix_cache
+            if pc is not None:
+                hit = self._cached_prefix(seq)
+                seq.held = pc.acquire(seq.block_hashes[: hit // pc.block_size])
+                pc.load(seq.held, self._runner.k_cache, self._runner.v_cache, seq.slot)
+                seq.cached = seq.prefilled = seq.length = hit
+                self.listener.on_prefix_lookup(len(seq.req.prompt_ids), hit)
 
     def _prefill_batch(self, batch: list[_Sequence]) -> None:
         t0 = time.monotonic()
-        logits = self._runner.prefill_batch([(s.slot, s.req.prompt_ids, 0) for s in batch])
+        logits = self._runner.prefill_batch([(s.slot, s.req.prompt_ids[s.prefilled :], s.prefilled) for s in batch])
         now = time.monotonic()
         self.listener.on_step(len(batch), now - t0, "prefill")
         with self._lock:
@@ -349,6 +410,8 @@ class TorchEngine:
                 seq.prefilled = seq.length = len(seq.req.prompt_ids)
                 seq.prefill_done_at = now
                 self._running.append(seq)
+        for seq in batch:
+            self._keep_prompt_blocks(seq)
         for seq, token in zip(batch, self._sample(logits, batch)):
             self._emit(seq, token)
 
@@ -369,9 +432,32 @@ class TorchEngine:
         with self._lock:
             self._prefilling = None
             self._running.append(seq)
+        self._keep_prompt_blocks(seq)
         token = self._sample(logits.unsqueeze(0), [seq])[0]
         self._emit(seq, token)
         return len(chunk)
+
+    def _keep_prompt_blocks(self, seq: _Sequence) -> None:
+        """Once prefilled, the prompt's new full blocks enter the cache, held by `seq` (so a
+        concurrent request with the same prefix, e.g. a shared system prompt, hits at once)."""
+        pc = self.prefix_cache
+        if pc is not None and seq.block_hashes:
+            first = seq.cached // pc.block_size
+            seq.held += pc.store(seq.block_hashes, self._runner.k_cache, self._runner.v_cache, seq.slot, first,
+                                 hold=True)
+
+    def _keep_all_blocks(self, seq: _Sequence) -> None:
+        """When `seq` ends: every full block of what its slot holds (prompt + output so far)
+        is kept for the conversation's next turn; then its references are released."""
+        pc = self.prefix_cache
+        if pc is None or self._hasher is None:
+            return
+        if seq.slot >= 0 and seq.length >= pc.block_size:
+            tokens = (seq.req.prompt_ids + seq.output_ids)[: seq.length]
+            hashes = self._hasher.hashes(tokens, seq.req.cache_salt, seq.req.public_prefix_tokens)
+            pc.store(hashes, self._runner.k_cache, self._runner.v_cache, seq.slot, seq.cached // pc.block_size)
+        pc.release(seq.held)
+        seq.held = []
 
     def _decode_step(self) -> None:
         batch = self._running
@@ -412,13 +498,15 @@ class TorchEngine:
             self._finish(seq, FINISH_LENGTH, delta)
             return
         if delta:
-            seq.sink(GenerationOutput(delta, None, len(seq.req.prompt_ids), len(seq.output_ids)))
+            seq.sink(GenerationOutput(delta, None, len(seq.req.prompt_ids), len(seq.output_ids),
+                                      cached_tokens=seq.cached))
 
     def _finish(self, seq: _Sequence, reason: str, delta: str = "") -> None:
         seq.finished = True
         if reason != FINISH_ABORT:
             delta += seq.stream.flush()
         now = time.monotonic()
+        self._keep_all_blocks(seq)  # before its slot is reused or overwritten by a move
         with self._lock:
             self._by_id.pop(seq.req.request_id, None)
             if seq in self._running:
@@ -443,7 +531,8 @@ class TorchEngine:
             decode_s=(now - seq.prefill_done_at) if seq.prefill_done_at else 0.0,
             first_token_at=seq.first_token_at,
         )
-        seq.sink(GenerationOutput(delta, reason, len(seq.req.prompt_ids), len(seq.output_ids), timings))
+        seq.sink(GenerationOutput(delta, reason, len(seq.req.prompt_ids), len(seq.output_ids), timings,
+                                  cached_tokens=seq.cached))
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

@@ -313,6 +313,8 @@ class ChatHandler:
         body: dict[str, Any] = {
             "messages": window.messages, "max_tokens": max_tokens, "stream": True,
             "priority": tier.priority,
+            # Prefix-cache scope: KV is reused within a tenant only (no timing side channel across tenants).
+            "cache_salt": f"tenant:{principal.tenant}",
             "request_id": self.request_id, "deadline": time.time() + settings.first_token_timeout_s * 5,
         }
         for name in ("temperature", "top_p", "top_k", "stop", "seed"):

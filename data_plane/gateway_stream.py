@@ -23,7 +23,7 @@ from opentelemetry import trace
 from starlette.types import Send
 
 from data_plane.errors import SwitchboardError
-from data_plane.protocol import Usage, chunk_body, completion_body, new_completion_id
+from data_plane.protocol import PromptTokensDetails, Usage, chunk_body, completion_body, new_completion_id
 from data_plane.safety import ALLOW, OutputStreamFilter
 from data_plane.upstream import Delta, Finish, ResumableStream, UsageEvent
 
@@ -70,8 +70,10 @@ class Completion:
                     elif isinstance(event, Finish):
                         self.finish_reason = event.reason
                     elif isinstance(event, UsageEvent):
+                        cached = PromptTokensDetails(cached_tokens=event.cached_tokens)
                         self.usage = Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
-                                           total_tokens=event.prompt_tokens + event.completion_tokens)
+                                           total_tokens=event.prompt_tokens + event.completion_tokens,
+                                           prompt_tokens_details=cached)
                 if texts:
                     safe = self.filter.feed(texts[0] if len(texts) == 1 else "".join(texts))
                     if safe:

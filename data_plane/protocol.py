@@ -6,7 +6,9 @@
 
 Extension fields the gateway sets on its way to a shard (any OpenAI-compatible server
 ignores what it does not know; ours reads them): ``priority`` (lower runs first),
-``request_id`` and ``deadline`` (unix seconds after which the work is abandoned).
+``request_id`` and ``deadline`` (unix seconds after which the work is abandoned), and vLLM's
+``cache_salt`` (the prefix-cache scope: the gateway sets the tenant, so reuse never crosses
+tenants).
 """
 
 from __future__ import annotations
@@ -152,6 +154,7 @@ class ChatCompletionRequest(BaseModel):
     request_id: str | None = Field(default=None, max_length=128)
     deadline: float | None = None
     session_id: str | None = Field(default=None, max_length=128)
+    cache_salt: str | None = Field(default=None, max_length=256)
     # vLLM-compatible continuation: the last (assistant) message is continued, not answered.
     continue_final_message: bool = False
     add_generation_prompt: bool = True
@@ -211,10 +214,19 @@ class ChatCompletionRequest(BaseModel):
         return out
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (OpenAI's field)."""
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    def wire(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
 
 
 def new_completion_id() -> str:
@@ -243,7 +255,7 @@ def completion_body(
                 "finish_reason": finish_reason,
             }
         ],
-        "usage": usage.model_dump(),
+        "usage": usage.wire(),
     }
 
 
@@ -267,7 +279,7 @@ def chunk_body(
         else [{"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish_reason}],
     }
     if usage is not None:
-        body["usage"] = usage.model_dump()
+        body["usage"] = usage.wire()
     return body
 
 

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from opentelemetry.propagate import extract
 from prometheus_client import CollectorRegistry
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from data_plane.engine import Engine, GenerationOutput, GenerationRequest, SamplingParams
@@ -41,6 +41,7 @@ from data_plane.errors import (
 from data_plane.membership_factory import MEMBERSHIP_URL_PATTERN, membership_from_url
 from data_plane.protocol import (
     ChatCompletionRequest,
+    PromptTokensDetails,
     Usage,
     chunk_body,
     completion_body,
@@ -81,6 +82,17 @@ class ShardSettings(BaseSettings):
     advertise_url: str | None = Field(None, description="URL others use to reach this shard.")
     synthetic_token_delay_ms: float = Field(0.0, ge=0, le=10000, description="Synthetic engine: delay per token.")
     log_prompts: bool = Field(False, description="Log prompt and completion text (off by default).")
+    prefix_caching: Literal["on", "off"] = Field("on", description="Reuse cached KV of prompt prefixes: on | off.")
+    prefix_cache_bytes: int = Field(0, ge=0, le=1 << 40,
+                                    description="Prefix-cache byte budget (0 = auto: 1/16 of RAM, at most 1 GiB).")
+    kv_block_size: int = Field(16, ge=1, le=1024, description="Tokens per prefix-cache block (reuse granularity).")
+    kv_public_prefix: list[str] = Field(default_factory=list, description=(
+        "System prompts the operator marks public: their KV is shared across tenants (JSON list)."))
+
+    @field_validator("kv_public_prefix", mode="before")
+    @classmethod
+    def _json_list(cls, v: Any) -> Any:
+        return json.loads(v) if isinstance(v, str) else v
 
 
 def build_engine(settings: ShardSettings, metrics: ShardMetrics | None) -> Engine:
@@ -101,6 +113,9 @@ def build_engine(settings: ShardSettings, metrics: ShardMetrics | None) -> Engin
         prefill_chunk=settings.prefill_chunk,
         max_waiting=settings.max_waiting,
         threads=settings.threads,
+        prefix_caching=settings.prefix_caching == "on",
+        prefix_cache_bytes=settings.prefix_cache_bytes,
+        kv_block_size=settings.kv_block_size,
     )
     return TorchEngine(config, MetricsListener(metrics) if metrics else None)
 
@@ -227,7 +242,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
             "switchboard.stream": req.stream,
         })
         try:
-            gen_req = _generation_request(req, engine, request_id)
+            gen_req = _generation_request(req, engine, request_id, settings.kv_public_prefix)
             outputs = engine.generate(gen_req)
         except SwitchboardError as exc:
             metrics.rejected.labels(metrics.model_name, exc.code or "error").inc()
@@ -254,8 +269,10 @@ def _model_card(engine: Engine, state: ShardState) -> dict[str, Any]:
             "max_model_len": engine.max_model_len}
 
 
-def _generation_request(req: ChatCompletionRequest, engine: Engine, request_id: str) -> GenerationRequest:
-    ids = engine.encode_chat(req.plain_messages(), continue_final=req.continue_final_message)
+def _generation_request(req: ChatCompletionRequest, engine: Engine, request_id: str,
+                        public_prefixes: list[str] | tuple[str, ...] = ()) -> GenerationRequest:
+    messages = req.plain_messages()
+    ids = engine.encode_chat(messages, continue_final=req.continue_final_message)
     params = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -264,7 +281,24 @@ def _generation_request(req: ChatCompletionRequest, engine: Engine, request_id: 
         stop=tuple(req.stop or ()),
         seed=req.seed,
     )
-    return GenerationRequest(request_id, ids, params, priority=req.priority or 0, deadline=req.deadline)
+    return GenerationRequest(request_id, ids, params, priority=req.priority or 0, deadline=req.deadline,
+                             cache_salt=req.cache_salt, public_prefix_tokens=_public_tokens(messages, ids, engine,
+                                                                                           public_prefixes))
+
+
+def _public_tokens(messages: list[dict[str, str]], ids: list[int], engine: Engine,
+                   public_prefixes: list[str] | tuple[str, ...]) -> int:
+    """How many leading prompt tokens are an operator-marked public system prompt (shared KV)."""
+    if not public_prefixes or messages[0]["role"] != "system" or messages[0]["content"] not in public_prefixes:
+        return 0
+    head = engine.encode_chat(messages[:1], continue_final=True)
+    return len(head) if ids[: len(head)] == head else 0
+
+
+def _usage(out: GenerationOutput) -> Usage:
+    return Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                 total_tokens=out.prompt_tokens + out.completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.cached_tokens))
 
 
 class _Run:
@@ -288,6 +322,16 @@ class _Run:
             m.generation_tokens.labels(name).inc(last.completion_tokens)
             reason = last.finish_reason or "abort"
             m.request_success.labels(name, reason).inc()
+            m.request_prompt_tokens.labels(name).observe(last.prompt_tokens)
+            m.request_generation_tokens.labels(name).observe(last.completion_tokens)
+            m.prompt_tokens_cached.labels(name).inc(last.cached_tokens)
+            m.prefill_computed.labels(name).observe(last.prompt_tokens - last.cached_tokens)
+            span.set_attribute("gen_ai.usage.cache_read_input_tokens", last.cached_tokens)
+            span.add_event("prefix_cache", {"tokens_cached": last.cached_tokens,
+                                            "tokens_computed": last.prompt_tokens - last.cached_tokens})
+            if last.cached_tokens:
+                log.debug("request %s: %d of %d prompt tokens from the prefix cache", self.req.request_id,
+                          last.cached_tokens, last.prompt_tokens)
             span.set_attribute("gen_ai.usage.input_tokens", last.prompt_tokens)
             span.set_attribute("gen_ai.usage.output_tokens", last.completion_tokens)
             span.set_attribute("gen_ai.response.finish_reasons", [reason])
@@ -330,8 +374,7 @@ class _Run:
             raise
         assert last is not None
         self._finish(last)
-        usage = Usage(prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
-                      total_tokens=last.prompt_tokens + last.completion_tokens)
+        usage = _usage(last)
         return completion_body(completion_id=self.completion_id, model=self.state.engine.model_name,
                                text="".join(text), finish_reason=last.finish_reason, usage=usage,
                                created=self.created)
@@ -353,14 +396,12 @@ class _Run:
                 if out.text:
                     so_far = None
                     if continuous_usage:
-                        so_far = Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                                       total_tokens=out.prompt_tokens + out.completion_tokens)
+                        so_far = _usage(out)
                     yield event(chunk_body(**common, delta={"content": out.text}, usage=so_far))
                 if out.finish_reason is not None:
                     yield event(chunk_body(**common, delta={}, finish_reason=out.finish_reason))
                     if include_usage:
-                        usage = Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                                      total_tokens=out.prompt_tokens + out.completion_tokens)
+                        usage = _usage(out)
                         yield event(chunk_body(**common, usage=usage, empty_choices=True))
         except SwitchboardError as exc:
             error = exc.code or "error"

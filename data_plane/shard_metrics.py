@@ -17,6 +17,8 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+"""vLLM's request token-count buckets (1-2-5 steps)."""
 
 
 class ShardMetrics:
@@ -55,6 +57,31 @@ class ShardMetrics:
                            registry=registry)
         self.max_num_seqs = Gauge("switchboard_shard_max_num_seqs", "Configured batch capacity (slots).", m,
                                   registry=registry)
+        # Prefix caching (vLLM's names, counted in tokens as vLLM does).
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      m, registry=registry)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", m,
+                                   registry=registry)
+        self.prompt_tokens_cached = Counter("vllm:prompt_tokens_cached",
+                                            "Prompt tokens of finished requests served from the prefix cache.", m,
+                                            registry=registry)
+        self.prefill_computed = Histogram("vllm:request_prefill_kv_computed_tokens",
+                                          "Prompt tokens whose KV was computed (not cached), per request.", m,
+                                          buckets=TOKEN_BUCKETS, registry=registry)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", m,
+                                               buckets=TOKEN_BUCKETS, registry=registry)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens", "Output tokens per request.",
+                                                   m, buckets=TOKEN_BUCKETS, registry=registry)
+        self.kv_evictions = Counter("switchboard_shard_prefix_cache_evictions",
+                                    "Prefix-cache blocks evicted (capacity: LRU reuse under the byte budget) "
+                                    "or not stored (no_space: every block referenced).", m + ["reason"],
+                                    registry=registry)
+        self.kv_blocks = Gauge("switchboard_shard_prefix_cache_blocks", "Blocks held by the prefix cache.", m,
+                               registry=registry)
+        self.kv_bytes = Gauge("switchboard_shard_prefix_cache_bytes", "Bytes of KV held by the prefix cache.", m,
+                              registry=registry)
+        self.kv_capacity = Gauge("switchboard_shard_prefix_cache_capacity_bytes",
+                                 "The prefix cache's byte budget (0: prefix caching off).", m, registry=registry)
 
     def observe_stats(self, stats: EngineStats) -> None:
         m = self.model_name
@@ -62,6 +89,9 @@ class ShardMetrics:
         self.waiting.labels(m).set(stats.waiting)
         self.kv_usage.labels(m).set(stats.kv_usage)
         self.max_num_seqs.labels(m).set(stats.max_num_seqs)
+        self.kv_blocks.labels(m).set(stats.prefix_cache_blocks)
+        self.kv_bytes.labels(m).set(stats.prefix_cache_blocks * stats.prefix_cache_block_bytes)
+        self.kv_capacity.labels(m).set(stats.prefix_cache_capacity_bytes)
 
 
 class MetricsListener:
@@ -83,3 +113,12 @@ class MetricsListener:
 
     def on_admit(self, queue_s: float) -> None:
         self.metrics.queue_time.labels(self.metrics.model_name).observe(queue_s)
+
+    def on_prefix_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
+        m = self.metrics
+        m.prefix_queries.labels(m.model_name).inc(queried_tokens)
+        m.prefix_hits.labels(m.model_name).inc(hit_tokens)
+
+    def on_kv_evict(self, reason: str, blocks: int) -> None:
+        m = self.metrics
+        m.kv_evictions.labels(m.model_name, reason).inc(blocks)

@@ -88,6 +88,8 @@ class Finish:
 class UsageEvent:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
+    """Prompt tokens the shard served from its prefix cache (usage.prompt_tokens_details)."""
 
 
 Event = Delta | Finish | UsageEvent
@@ -129,7 +131,9 @@ def _parse(line: bytes) -> Event | SwitchboardError | None:
             return Delta(content, so_far)
         return None
     if usage:
-        return UsageEvent(int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
+        details = usage.get("prompt_tokens_details")
+        cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+        return UsageEvent(int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)), cached)
     return None
 
 
@@ -354,7 +358,8 @@ class ResumableStream:
                             out.append(event)
                         elif isinstance(event, UsageEvent):
                             prompt = self._prompt_tokens if self._prompt_tokens is not None else event.prompt_tokens
-                            out.append(UsageEvent(prompt, self._base_completion + event.completion_tokens))
+                            out.append(UsageEvent(prompt, self._base_completion + event.completion_tokens,
+                                                  event.cached_tokens))
                     yield out
                 return
             except (UpstreamError, UpstreamTimeout) as exc:
