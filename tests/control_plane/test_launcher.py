@@ -88,3 +88,48 @@ def test_up_starts_platform_and_stops_cleanly(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
         log.close()
+
+
+def test_up_autoscale_lets_the_control_plane_start_and_stop_the_shards(tmp_path: Path) -> None:
+    """`switchboard up --autoscale`: no shard of its own; the autoscaler starts --min-replicas shards
+    (local actuator, same engine flags), chat works, and Ctrl-C stops the autoscaler's shards too."""
+    gw, cp = free_port(), free_port()
+    log_path = tmp_path / "up.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "control_plane.cli", "up", "--engine", "synthetic",
+                             "--gateway-port", str(gw), "--control-plane-port", str(cp), "--no-console",
+                             "--cache-nodes", "1", "--autoscale", "--min-replicas", "1", "--max-replicas", "2"],
+                            cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 120
+        while b"Ctrl-C stops everything" not in log_path.read_bytes():
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.3)
+        assert "autoscaled, 1..2" in log_path.read_text()
+        creds = json.loads((tmp_path / ".switchboard" / "credentials.json").read_text())
+        members = httpx.get(f"http://127.0.0.1:{cp}/v1/registry/members").json()["members"]
+        shards = [m for m in members if m["service"] == "shard"]
+        assert len(shards) == 1 and shards[0]["id"].startswith("shard-local-"), shards
+        admin = {"Authorization": f"Bearer {creds['admin_token']}"}
+        decisions = httpx.get(f"http://127.0.0.1:{cp}/admin/v1/decisions", headers=admin).json()
+        entries = decisions["decisions"] if isinstance(decisions, dict) else decisions
+        assert any(d["action"] == "scale_up" and d["code"] == "bounds" for d in entries), entries
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{gw}/v1", api_key=creds["keys"]["plus"], max_retries=0)
+        out = client.chat.completions.create(model="synthetic", messages=[{"role": "user", "content": "hi"}])
+        assert out.choices[0].message.content
+        shard_url = shards[0]["url"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0 or proc.returncode in (0, -signal.SIGINT)
+        time.sleep(0.5)
+        try:
+            httpx.get(shard_url + "/health", timeout=1)
+            alive = True
+        except httpx.HTTPError:
+            alive = False
+        assert not alive, f"the autoscaler's shard {shard_url} outlived `switchboard up`"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
