@@ -26,6 +26,7 @@ PAGES = [
     ("screens/degradation.py", "Degradation", ":material/stairs:", "degradation"),
     ("screens/traces.py", "Traces", ":material/timeline:", "traces"),
     ("screens/alerts.py", "Alerts", ":material/notifications_active:", "alerts"),
+    ("screens/usage.py", "Usage", ":material/receipt_long:", "usage"),
     ("screens/playground.py", "Playground", ":material/chat:", "playground"),
 ]
 

@@ -98,7 +98,7 @@ class AdminClient:
         self._http.close()
 
     def _call(self, method: str, path: str, *, json_body: Any = None,
-              params: Mapping[str, Any] | None = None) -> Any:
+              params: Mapping[str, Any] | None = None, text: bool = False) -> Any:
         what = f"{method} {ADMIN_PREFIX}{path}"
         clean = {k: v for k, v in (params or {}).items() if v not in (None, "")}
         try:
@@ -109,6 +109,8 @@ class AdminClient:
             raise Unreachable(f"cannot reach the control plane at {self.base_url} ({type(exc).__name__})")
         if response.status_code >= 400:
             raise _error_from(response, what)
+        if text:
+            return response.text
         if not response.content:
             return {}
         try:
@@ -165,6 +167,15 @@ class AdminClient:
 
     def alerts(self) -> dict[str, Any]:
         return self._call("GET", "/alerts")
+
+    # -- usage ledger --------------------------------------------------------------------------
+    def usage(self, **filters: Any) -> dict[str, Any]:
+        """``GET /usage`` (tenant, key, tier, model, start, end, group_by=hour|day|none, by=...)."""
+        return self._call("GET", "/usage", params=filters)
+
+    def usage_csv(self, **filters: Any) -> str:
+        """The same rows as CSV text (``format=csv``)."""
+        return str(self._call("GET", "/usage", params={**filters, "format": "csv"}, text=True))
 
 
 # -- the Playground's chat -------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from tests.cluster import ADMIN_TOKEN, Cluster
 from tests.procs import free_port
 
 APP = str(Path(__file__).resolve().parents[2] / "admin_ui" / "app.py")
-PAGES = ["overview", "cluster", "traffic", "autoscaler", "degradation", "traces", "alerts", "playground"]
+PAGES = ["overview", "cluster", "traffic", "autoscaler", "degradation", "traces", "alerts", "playground", "usage"]
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,8 @@ import yaml
 from tests.admin_ui.conftest import PAGES, require, texts
 
 TITLES = {"overview": "Overview", "cluster": "Cluster", "traffic": "Traffic & tiers", "autoscaler": "Autoscaler",
-          "degradation": "Degradation", "traces": "Traces", "alerts": "Alerts", "playground": "Playground"}
+          "degradation": "Degradation", "traces": "Traces", "alerts": "Alerts", "playground": "Playground",
+          "usage": "Usage"}
 
 
 @pytest.mark.parametrize("page", PAGES)

@@ -1,0 +1,33 @@
+"""The console's Usage page against a real cluster whose gateway writes the ledger the control
+plane reads (both on the default SQLite file)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from tests.admin_ui.conftest import require, texts
+
+
+def test_usage_page_shows_the_ledger_per_tenant_and_tier_with_a_csv(console, cluster, admin):
+    require(admin, "/admin/v1/usage")
+    before = admin.get("/admin/v1/usage").json()["totals"]["requests"]
+    for tier in ("plus", "enterprise"):
+        r = httpx.post(cluster.gateway.url + "/v1/chat/completions", timeout=30,
+                       headers={"Authorization": f"Bearer {cluster.keys[tier]}"},
+                       json={"messages": [{"role": "user", "content": "count me"}], "max_tokens": 4})
+        assert r.status_code == 200
+    deadline = time.monotonic() + 10
+    while admin.get("/admin/v1/usage").json()["totals"]["requests"] < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.3)
+    at = console.page("usage")
+    assert not at.error, [e.value for e in at.error]
+    tiles = {m.label: m.value for m in at.metric}
+    assert int(tiles["Requests"].replace(",", "")) >= before + 2
+    assert len(at.get("arrow_vega_lite_chart")) + len(at.get("vega_lite_chart")) >= 2  # per tenant, per tier
+    assert "No usage recorded" not in texts(at)
+    tenants = set(at.dataframe[-1].value["tenant"])
+    assert {"acme", "bigco"} <= tenants
+    csv = admin.get("/admin/v1/usage", params={"format": "csv", "by": "tenant,tier"}).text
+    assert csv.splitlines()[0].startswith("start,end,start_unix,end_unix,tenant,tier,requests")
