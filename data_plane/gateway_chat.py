@@ -306,6 +306,7 @@ class ChatHandler:
             max_tokens = max(1, min(max_tokens, context - window.prompt_tokens - TEMPLATE_SLACK_TOKENS))
         if window.dropped:
             gw.metrics.context_dropped.labels(tier.name).inc(window.dropped)
+            gw.metrics.context_slides.labels(tier.name).inc()
         span.set_attribute("switchboard.context.dropped_messages", window.dropped)
         if settings.log_prompts:
             log.info("request %s prompt=%r", self.request_id, window.messages)

@@ -35,6 +35,10 @@ class GatewayMetrics:
         self.context_dropped = Counter("switchboard_gateway_context_dropped_messages",
                                        "Older session messages left out to fit the context window.", ["tier"],
                                        registry=registry)
+        self.context_slides = Counter("switchboard_gateway_context_slides",
+                                      "Requests whose window dropped older messages: the prompt no longer starts "
+                                      "with the previous turn's, so the shard re-prefills it (no prefix-cache hit).",
+                                      ["tier"], registry=registry)
         self.sessions = Counter("switchboard_gateway_sessions", "Session requests by result (new|resumed).",
                                 ["tier", "result"], registry=registry)
         self.membership_reachable = Gauge("switchboard_membership_reachable",
