@@ -82,6 +82,12 @@ class ShardMetrics:
                               registry=registry)
         self.kv_capacity = Gauge("switchboard_shard_prefix_cache_capacity_bytes",
                                  "The prefix cache's byte budget (0: prefix caching off).", m, registry=registry)
+        # Series exist from the start (at 0), so rate() and the KV-reuse panels work before the first hit.
+        for metric in (self.prefix_queries, self.prefix_hits, self.prompt_tokens_cached, self.prefill_computed,
+                       self.request_prompt_tokens, self.request_generation_tokens):
+            metric.labels(model_name)
+        for reason in ("capacity", "no_space"):
+            self.kv_evictions.labels(model_name, reason)
 
     def observe_stats(self, stats: EngineStats) -> None:
         m = self.model_name
