@@ -138,6 +138,20 @@ def _secret(path: Path, prefix: str) -> str:
     return path.read_text().strip()
 
 
+def _session_keys(path: Path) -> Path:
+    """The key that encrypts session transcripts at rest, made once (mode 600). To rotate: put a
+    new line first (`python -c "from data_plane.session_crypto import new_key_line as k; print(k('k2'))"`),
+    keep the old line below it until old sessions have expired."""
+    if not path.exists():
+        from data_plane.session_crypto import new_key_line
+
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("# session transcript keys: '<key id> <base64 32 bytes>', the first seals\n"
+                    + new_key_line("k" + time.strftime("%Y%m%d")) + "\n")
+    return path
+
+
 def _credentials(state: Path) -> dict[str, object]:
     from data_plane.auth import write_dev_keys
 
@@ -145,6 +159,7 @@ def _credentials(state: Path) -> dict[str, object]:
     creds: dict[str, object] = {"keys": keys, "admin_token": _secret(state / "admin_token", "sb-admin-"),
              # what a shard or cache node started by hand needs to join (SWITCHBOARD_CLUSTER_TOKEN)
              "cluster_token": _secret(state / "cluster_token", "sb-cluster-")}
+    creds["session_keys_file"] = str(_session_keys(state / "session_keys"))
     path = state / "credentials.json"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -187,7 +202,8 @@ def plan(s: UpSettings, state: Path, admin_token: str,
         shards.append(Child(f"shard-{i}", args, f"http://{host}:{port}", logs / f"shard-{i}.log", env=member_env))
     gw_args = ["gateway", "--host", host, "--port", str(s.gateway_port), "--registry-url", registry,
                "--keys-file", str(state / "keys.yaml"), "--max-model-len", str(s.max_model_len),
-               "--state-dir", str(state / "gateway"), "--usage-db", usage_db]
+               "--state-dir", str(state / "gateway"), "--usage-db", usage_db,
+               "--session-keys-file", str(state / "session_keys")]
     if s.engine == "synthetic":
         gw_args += ["--tokenizer", "whitespace", "--model-name", "synthetic"]
     elif s.model:

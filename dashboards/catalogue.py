@@ -79,10 +79,11 @@ def _gateway(registry: CollectorRegistry) -> list[object]:
     from data_plane.ratelimit import RateLimitMetrics
     from data_plane.router import RouterMetrics
     from data_plane.safety import SafetyMetrics
+    from data_plane.session_crypto import SealMetrics
 
     return [GatewayMetrics(registry), SafetyMetrics(registry), RouterMetrics(registry),
             SessionStoreMetrics(registry), RateLimitMetrics(registry), AdmissionMetrics(registry),
-            LedgerMetrics(registry)]
+            LedgerMetrics(registry), SealMetrics(registry)]
 
 
 def _cache_node(registry: CollectorRegistry) -> list[object]:

@@ -43,7 +43,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import propagate, trace
@@ -52,6 +52,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from data_plane.errors import InvalidRequest, NotFound, Overloaded, SwitchboardError, from_openai_body
 from data_plane.hashring import DEFAULT_VNODES, HashRing
 from data_plane.hop_client import HopError, HopPool
+from data_plane.session_crypto import SealError, TranscriptSealer
 
 if TYPE_CHECKING:
     from data_plane.membership import Member, MembershipView
@@ -213,8 +214,12 @@ class SessionStore:
         *,
         vnodes: int = DEFAULT_VNODES,
         service: str = CACHE_SERVICE,
+        sealer: TranscriptSealer | None = None,
     ) -> None:
-        """`registry`: where the metrics go (None: a private registry nobody scrapes)."""
+        """`registry`: where the metrics go (None: a private registry nobody scrapes). `sealer`:
+        transcripts are encrypted before they leave and opened on arrival (data_plane/session_crypto.py);
+        None stores plaintext (tests of the node itself)."""
+        self._sealer = sealer
         self._membership = membership
         self._http = http
         self._timeout_s = timeout_s
@@ -242,7 +247,7 @@ class SessionStore:
                 if kind == "hit":
                     found = transcript
                     break
-                if kind == "miss":
+                if kind in ("miss", "unreadable"):  # unreadable: repaired like a missing one if another has it
                     answered = True
                     missing.append(member)
             span.set_attribute("switchboard.session.replicas_missing", len(missing))
@@ -355,7 +360,9 @@ class SessionStore:
         return headers
 
     async def _fetch(self, member: Member, session_id: str) -> tuple[str, Transcript | None]:
-        """('hit', t) | ('miss', None) | ('error', None); never raises for a node's failure."""
+        """('hit', t) | ('miss', None) | ('unreadable', None) | ('error', None); never raises for
+        a node's failure. Unreadable: a sealed record that does not open for this session and owner
+        (moved, tampered, or an unknown key): to the caller it does not exist."""
         try:
             resp = await self._http.request("GET", member.url, self._path(session_id), headers=self._headers(),
                                             timeout=self._timeout_s)
@@ -368,6 +375,13 @@ class SessionStore:
             transcript = Transcript.from_wire(json.loads(raw))
             if transcript.session_id != session_id:
                 raise ValueError("cache node returned another session")
+            if self._sealer is not None:
+                try:
+                    opened = self._sealer.open(session_id, transcript.owner, transcript.messages)
+                except SealError as exc:
+                    log.warning("cache node %s holds an unreadable record for a session: %s", member.id, exc)
+                    return "unreadable", None
+                transcript = replace(transcript, messages=tuple(opened))
             return "hit", transcript
         except (HopError, ValueError) as exc:
             log.warning("cache node %s unreachable for GET: %s", member.id, type(exc).__name__)
@@ -376,9 +390,11 @@ class SessionStore:
     async def _put(
         self, member: Member, t: Transcript, ttl_s: float | None, *, keep_updated_at: bool
     ) -> _WriteResult:
+        messages = (self._sealer.seal(t.session_id, t.owner, t.messages) if self._sealer is not None
+                    else [dict(m) for m in t.messages])
         body: dict[str, Any] = {
             "owner": t.owner,
-            "messages": [dict(m) for m in t.messages],
+            "messages": messages,
             "version": t.version,
             "ttl_s": ttl_s,
         }

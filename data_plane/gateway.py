@@ -45,6 +45,7 @@ from data_plane.errors import (
 from data_plane.gateway_chat import ChatHandler
 from data_plane.gateway_metrics import GatewayMetrics
 from data_plane.gateway_settings import GatewaySettings
+from data_plane.hop_auth import cluster_token_from_env
 from data_plane.hop_client import HOP_EVENTS, HopPool
 from data_plane.ledger import UsageLedger
 from data_plane.ledger_http import ledger_from_settings, usage_route
@@ -65,6 +66,7 @@ from data_plane.ratelimit import (
 )
 from data_plane.router import Router, RouterMetrics
 from data_plane.safety import SafetyMetrics, SafetyPolicies
+from data_plane.session_crypto import Keyring, SealMetrics, TranscriptSealer
 from data_plane.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
 from data_plane.tiers import TierPolicy
 from data_plane.upstream import CHAT_PATH, Upstream, UpstreamConfig
@@ -194,7 +196,11 @@ def create_app(gw: Gateway) -> GatewayApp:
         gw.upstream = Upstream(gw.router, gw.pool, UpstreamConfig(
             connect_timeout_s=settings.connect_timeout_s, first_token_timeout_s=settings.first_token_timeout_s,
             idle_timeout_s=settings.idle_timeout_s, retries=settings.retries, resumes=settings.resumes))
-        gw.sessions = SessionStore(gw.membership, gw.pool, registry=gw.registry)
+        keys = Keyring.from_settings(keys_file=settings.session_keys_file, keys_env=settings.session_keys,
+                                     cluster_token=cluster_token_from_env())
+        log.info("session transcripts are encrypted at rest (AES-256-GCM, key %s, %s)", keys.current, keys.source)
+        gw.sessions = SessionStore(gw.membership, gw.pool, registry=gw.registry,
+                                   sealer=TranscriptSealer(keys, SealMetrics(gw.registry)))
         gw.ledger = ledger_from_settings(settings, gw.registry)
         if gw.ledger is not None:
             await gw.ledger.start()

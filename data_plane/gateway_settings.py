@@ -61,4 +61,6 @@ class GatewaySettings(BaseSettings):
     usage_db: str | None = Field(None, description="Usage ledger database: sqlite:///path (default STATE_DIR/usage.db), postgresql://..., or 'off'.")
     usage_spool_dir: str | None = Field(None, description="Usage spool folder, one per gateway (default STATE_DIR/ledger-spool/<node>-<pid>-<rand>; orphans are adopted).")
     usage_flush_interval_s: float = Field(1.0, gt=0, le=60, description="Seconds between batch writes of spooled usage records to the database.")
+    session_keys_file: str | None = Field(None, description="Keys that encrypt session transcripts at rest: one '<key id> <base64 32 bytes>' per line, the first seals (default: derived from the cluster token).")
+    session_keys: str | None = Field(None, description="The same as 'kid:base64,kid:base64' (env SWITCHBOARD_GATEWAY_SESSION_KEYS); the first seals.")
     usage_retention_days: float = Field(90.0, ge=0, description="Usage records older than this are deleted (0 = keep forever).")

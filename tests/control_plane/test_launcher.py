@@ -66,6 +66,14 @@ def test_up_starts_platform_and_stops_cleanly(tmp_path: Path) -> None:
         out = client.chat.completions.create(model="synthetic", messages=[{"role": "user", "content": "hi"}])
         assert out.choices[0].message.content
 
+        # Transcripts are sealed with a key made for this platform; the ledger is shared by gateway and CP.
+        assert stat.S_IMODE(Path(creds["session_keys_file"]).stat().st_mode) == 0o600
+        admin = {"Authorization": f"Bearer {creds['admin_token']}"}
+        deadline = time.monotonic() + 10
+        while httpx.get(f"http://127.0.0.1:{cp}/admin/v1/usage", headers=admin).json()["totals"]["requests"] < 1:
+            assert time.monotonic() < deadline, "the request never reached the usage ledger"
+            time.sleep(0.3)
+
         # A child that dies is reported and restarted.
         shard_pids = [p for p in _children(proc.pid) if " shard " in _cmdline(p)]
         assert len(shard_pids) == 2
