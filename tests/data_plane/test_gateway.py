@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tests.cluster import KEYS, Cluster
-from tests.procs import Service, free_port
+from tests.procs import CLUSTER_TOKEN, Service, free_port
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +154,18 @@ def test_output_filter_never_sends_blocked_word(cluster: Cluster) -> None:
         httpx.get(cluster.gateway.url + "/metrics").text
 
 
+def test_benign_reply_streams_as_it_is_generated_through_the_default_filter(cluster: Cluster) -> None:
+    """An 8-word answer (~50 characters, shorter than the old 66-character hold-back, which sent it
+    in one piece at the end) reaches the client in many chunks, as the shard emits it."""
+    sdk = client(cluster, "plus")  # the default safety policy
+    msgs = [{"role": "user", "content": "stream me"}]
+    chunks = list(sdk.chat.completions.create(model="synthetic", messages=msgs, max_tokens=8, stream=True))
+    contents = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len("".join(contents)) < 66 and len(contents) >= 4, contents
+    whole = sdk.chat.completions.create(model="synthetic", messages=msgs, max_tokens=8)
+    assert "".join(contents) == whole.choices[0].message.content
+
+
 BAD = [
     ("unknown parameter", {"messages": [{"role": "user", "content": "x"}], "frobnicate": 1}, 400,
      "unsupported_parameter", "frobnicate"),
@@ -214,12 +226,17 @@ def test_traceparent_continues_across_gateway_and_shard(cluster: Cluster) -> Non
              headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01", "X-Session-Id": "new"})
     assert r.status_code == 200
     time.sleep(0.3)
-    gw_spans = httpx.get(cluster.gateway.url + "/debug/spans", params={"trace_id": trace_id}).json()
+    auth = {"Authorization": f"Bearer {CLUSTER_TOKEN}"}  # spans carry ids and timings: cluster only
+    gw_spans = httpx.get(cluster.gateway.url + "/debug/spans", params={"trace_id": trace_id}, headers=auth).json()
     names = {s["name"] for s in gw_spans}
     assert {"gateway.request", "safety.input", "router.route", "safety.output", "cache.append"} <= names, names
+    request = [s for s in gw_spans if s["name"] == "gateway.request"][0]["attributes"]
+    assert 0 < request["switchboard.gateway.ttft_s"] < 30 and request["switchboard.gateway.holdback_s"] >= 0
+    output = [s for s in gw_spans if s["name"] == "safety.output"][0]["attributes"]
+    assert output["switchboard.safety.max_held_chars"] >= 0
     shard_spans = []
     for shard in cluster.shards:
-        shard_spans += httpx.get(shard.url + "/debug/spans", params={"trace_id": trace_id}).json()
+        shard_spans += httpx.get(shard.url + "/debug/spans", params={"trace_id": trace_id}, headers=auth).json()
     generate = [s for s in shard_spans if s["name"] == "shard.generate"]
     assert len(generate) == 1, [s["name"] for s in shard_spans]
     assert generate[0]["attributes"]["gen_ai.usage.output_tokens"] == 2
