@@ -3,6 +3,7 @@
     switchboard bench engine --concurrency 1,16 --systems switchboard,naive --json /tmp/engine.json
     switchboard bench serve --url http://127.0.0.1:8000 --api-key KEY --concurrency 8
     switchboard bench overhead --json /tmp/overhead.json
+    switchboard bench multiturn --conversations 8 --turns 8 --json /tmp/multiturn.json --png /tmp/mt.png
 
 Subcommand modules are imported lazily, so `bench serve` never imports torch.
 """
@@ -16,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("data_plane.bench.serve", "latency/throughput of any OpenAI-compatible endpoint (vLLM metrics)"),
     "overhead": ("data_plane.bench.overhead", "what each layer of the stack adds per request"),
     "tiers": ("data_plane.bench.tiers", "a tier mix above capacity: shedding and enterprise TTFT vs unloaded"),
+    "multiturn": ("data_plane.bench.multiturn", "growing conversations, prefix caching off vs on: TTFT per turn, hit rate"),
 }
 
 

@@ -1,0 +1,321 @@
+"""`switchboard bench multiturn`: conversations that grow, with prefix caching off vs on, in one run.
+
+    flock /tmp/sb-bench.lock switchboard bench multiturn --conversations 8 --turns 8 \\
+        --json /tmp/multiturn.json --png docs/img/multiturn-ttft.png
+
+For each system (`--systems off,on`: `--prefix-caching off` / `on`) it starts a real stack on
+loopback — one torch shard on the real model, one cache node, one gateway (static URLs) — and
+drives `--conversations` concurrent sessions (`X-Session-Id`) of `--turns` turns each: every user
+turn adds about `--user-tokens` new tokens and the reply up to `--max-tokens`, so the history
+grows to ~1.5-1.8k tokens with the defaults. Each turn is streamed; TTFT is request sent -> first
+content chunk, as in `bench serve`. Per system and turn it reports TTFT p50/p90, prompt tokens
+(`history_tokens`: the whole prompt the shard saw), prefill tokens computed (prompt minus
+`usage.prompt_tokens_details.cached_tokens`), the hit rate, and the ideal hit rate under
+affinity (every full 16-token block the previous turn's slot held). Then throughput at a 0 % hit
+rate (one-shot prompts that each start with a unique system line), in interleaved rounds
+(off, on, on, off, ...) so machine drift lands on both alike: aggregate output tokens/s, on/off.
+
+JSON rows carry `system`, `turn`, `history_tokens`, `ttft_p50_ms`, ...; `--png` plots TTFT p50
+against history length per system (matplotlib, the `test`/`sim` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from data_plane.bench.common import fmt, format_table, machine_info, percentile, write_json
+from data_plane.bench.overhead import Proc, switchboard_cmd
+from data_plane.http_server import free_port
+
+BENCH_KEY = "sk-bench-multiturn-0123456789"
+BLOCK = 16
+SYSTEM_PROMPT = "You are a patient assistant who helps people plan trips, cook and fix things at home."
+WORDS = ("river mountain kitchen bicycle window garden letter market station engine cloud harbour lantern "
+         "library orchard bridge village candle forest ladder pocket stone winter summer morning evening "
+         "journey recipe hammer pencil blanket mirror basket violin compass meadow castle tunnel island "
+         "valley desert").split()
+
+
+@dataclass
+class Turn:
+    conversation: int
+    turn: int
+    ttft_s: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    ideal_cached: int = 0
+    error: str | None = None
+
+
+def user_message(conversation: int, turn: int, tokens: int) -> str:
+    """About `tokens` tokens of plain words (~1.3 tokens a word), different per conversation and turn."""
+    rng = random.Random(conversation * 1000 + turn)
+    words = [rng.choice(WORDS) for _ in range(int(tokens / 1.3))]
+    return f"Question {turn + 1}: I keep thinking about " + " ".join(words) + ". What would you suggest?"
+
+
+async def stream_turn(http: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
+                      t: Turn) -> str | None:
+    """One streamed request; fills `t`; returns the session id the gateway answered with."""
+    sent = time.perf_counter()
+    async with http.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+        if r.status_code != 200:
+            t.error = f"{r.status_code}: {(await r.aread())[:200]!r}"
+            return None
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            for choice in event.get("choices") or []:
+                if (choice.get("delta") or {}).get("content") and t.ttft_s is None:
+                    t.ttft_s = time.perf_counter() - sent
+                if choice.get("finish_reason"):
+                    t.finish_reason = choice["finish_reason"]
+            usage = event.get("usage")
+            if usage:
+                t.prompt_tokens, t.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+                t.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        return r.headers.get("x-session-id")
+
+
+async def conversation(http: httpx.AsyncClient, url: str, c: int, args: argparse.Namespace) -> list[Turn]:
+    headers = {"authorization": f"Bearer {BENCH_KEY}", "x-session-id": "new"}
+    out: list[Turn] = []
+    prev: Turn | None = None
+    for i in range(args.turns):
+        messages = [{"role": "user", "content": user_message(c, i, args.user_tokens)}]
+        if i == 0:
+            messages.insert(0, {"role": "system", "content": SYSTEM_PROMPT})
+        body = {"messages": messages, "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        t = Turn(c, i)
+        session = await stream_turn(http, url, body, headers, t)
+        if prev is not None and prev.error is None:
+            held = prev.prompt_tokens + prev.completion_tokens - (prev.finish_reason == "length")
+            t.ideal_cached = min(held, t.prompt_tokens - 1) // BLOCK * BLOCK
+        out.append(t)
+        if t.error or not session:
+            break
+        headers["x-session-id"] = session
+        prev = t
+    return out
+
+
+def turn_rows(system: str, turns: list[Turn]) -> list[dict[str, Any]]:
+    rows = []
+    for i in sorted({t.turn for t in turns}):
+        ok = [t for t in turns if t.turn == i and t.error is None and t.ttft_s is not None]
+        if not ok:
+            continue
+        ttfts = [t.ttft_s * 1000 for t in ok if t.ttft_s is not None]
+        prompt = sum(t.prompt_tokens for t in ok)
+        rows.append({
+            "system": system, "turn": i, "conversations": len(ok),
+            "history_tokens": round(prompt / len(ok)),
+            "ttft_p50_ms": percentile(ttfts, 50), "ttft_p90_ms": percentile(ttfts, 90),
+            "prefill_tokens_computed": round(sum(t.prompt_tokens - t.cached_tokens for t in ok) / len(ok)),
+            "hit_rate": sum(t.cached_tokens for t in ok) / prompt if prompt else 0.0,
+            "ideal_hit_rate": sum(t.ideal_cached for t in ok) / prompt if prompt else 0.0,
+        })
+    return rows
+
+
+async def throughput(http: httpx.AsyncClient, url: str, args: argparse.Namespace, round_no: int) -> dict[str, Any]:
+    """Closed loop of --conversations workers over one-shot prompts that share no prefix."""
+    headers = {"authorization": f"Bearer {BENCH_KEY}"}
+    queue = list(range(args.throughput_requests))
+    done: list[Turn] = []
+
+    async def worker() -> None:
+        while queue:
+            n = queue.pop()
+            body = {"messages": [{"role": "system", "content": f"Request {round_no}-{n}-{os.urandom(4).hex()}. "
+                                  + SYSTEM_PROMPT},
+                                 {"role": "user", "content": user_message(10_000 + n, round_no, args.user_tokens)}],
+                    "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            t = Turn(-1, n)
+            await stream_turn(http, url, body, headers, t)
+            done.append(t)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(args.conversations)))
+    wall = time.perf_counter() - t0
+    ok = [t for t in done if t.error is None]
+    return {"requests": len(ok), "errors": len(done) - len(ok), "wall_s": wall,
+            "output_tok_s": sum(t.completion_tokens for t in ok) / wall,
+            "cached_tokens": sum(t.cached_tokens for t in ok), "prompt_tokens": sum(t.prompt_tokens for t in ok)}
+
+
+class Stack:
+    """One shard (prefix caching on or off), one cache node and one gateway, on loopback."""
+
+    def __init__(self, system: str, args: argparse.Namespace, logs: Path) -> None:
+        sp, cp, gp = free_port(), free_port(), free_port()
+        self.shard = Proc(f"shard-{system}", switchboard_cmd(
+            "shard", "--port", str(sp), "--prefix-caching", system, "--dtype", args.dtype,
+            "--max-num-seqs", str(args.max_num_seqs), "--threads", str(args.threads)), sp, "/health", logs)
+        self.cache = Proc(f"cache-{system}", switchboard_cmd("cache-node", "--port", str(cp)), cp, "/health", logs)
+        self.gateway = Proc(f"gateway-{system}", switchboard_cmd(
+            "gateway", "--port", str(gp), "--shard-urls", self.shard.url, "--cache-urls", self.cache.url,
+            "--usage-db", "off", "--state-dir", str(logs / f"state-{system}"),
+            "--first-token-timeout-s", "300"), gp, "/health", logs,
+            env={"SWITCHBOARD_GATEWAY_API_KEYS": f"{BENCH_KEY}:bench:enterprise"})
+        self.procs = [self.shard, self.cache, self.gateway]
+
+    def start(self, timeout: float) -> None:
+        for p in self.procs:
+            p.start()
+        for p in self.procs:
+            p.wait_healthy(timeout)
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
+
+async def measure(args: argparse.Namespace, stacks: dict[str, Stack]) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    raw: dict[str, list[dict[str, Any]]] = {}
+    async with httpx.AsyncClient(timeout=600) as http:
+        for system, stack in stacks.items():  # warm-up: lazy imports, first kernels
+            t = Turn(-1, -1)
+            await stream_turn(http, stack.gateway.url, {"messages": [{"role": "user", "content": "Hello"}],
+                                                        "max_tokens": 4, "stream": True},
+                              {"authorization": f"Bearer {BENCH_KEY}"}, t)
+            if t.error:
+                raise RuntimeError(f"{system}: the stack does not answer: {t.error}")
+        for system, stack in stacks.items():
+            t0 = time.perf_counter()
+            load0 = os.getloadavg()[0]
+            convs = await asyncio.gather(*(conversation(http, stack.gateway.url, c, args)
+                                           for c in range(args.conversations)))
+            turns = [t for conv in convs for t in conv]
+            raw[system] = [t.__dict__ for t in turns]
+            rows += turn_rows(system, turns)
+            print(f"{system}: {len(turns)} turns in {time.perf_counter() - t0:.0f} s "
+                  f"(load {load0:.2f} -> {os.getloadavg()[0]:.2f}), errors: "
+                  f"{sum(1 for t in turns if t.error)}", flush=True)
+        order = list(stacks)
+        rounds = [order if r % 2 == 0 else order[::-1] for r in range(args.throughput_rounds)]
+        tput: dict[str, list[dict[str, Any]]] = {s: [] for s in stacks}
+        for r, systems in enumerate(rounds):
+            for system in systems:
+                tput[system].append(await throughput(http, stacks[system].gateway.url, args, r))
+    return {"rows": rows, "throughput": tput, "turns": raw}
+
+
+def summary(result: dict[str, Any]) -> dict[str, Any]:
+    rows = result["rows"]
+    out: dict[str, Any] = {}
+    by = {(r["system"], r["turn"]): r for r in rows}
+    last = max((r["turn"] for r in rows), default=0)
+    if ("off", last) in by and ("on", last) in by:
+        out["last_turn"] = last
+        out["last_turn_history_tokens"] = by[("on", last)]["history_tokens"]
+        out["last_turn_ttft_speedup"] = by[("off", last)]["ttft_p50_ms"] / by[("on", last)]["ttft_p50_ms"]
+    on = [r for r in rows if r["system"] == "on" and r["turn"] > 0]
+    if on:
+        hit = sum(r["hit_rate"] * r["history_tokens"] for r in on)
+        ideal = sum(r["ideal_hit_rate"] * r["history_tokens"] for r in on)
+        out["follow_up_hit_rate"] = hit / sum(r["history_tokens"] for r in on)
+        out["hit_rate_vs_ideal"] = hit / ideal if ideal else None
+    tput = result["throughput"]
+    if "on" in tput and "off" in tput:
+        med = {s: sorted(x["output_tok_s"] for x in v)[len(v) // 2] for s, v in tput.items()}
+        out["zero_hit_output_tok_s"] = med
+        out["zero_hit_on_over_off"] = med["on"] / med["off"]
+        out["zero_hit_cached_tokens_on"] = sum(x["cached_tokens"] for x in tput["on"])
+    return out
+
+
+def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    labels = {"off": "(a) prefix caching off", "on": "(b) prefix caching on"}
+    for system in dict.fromkeys(r["system"] for r in rows):
+        mine = sorted((r for r in rows if r["system"] == system), key=lambda r: r["history_tokens"])
+        ax.plot([r["history_tokens"] for r in mine], [r["ttft_p50_ms"] / 1000 for r in mine], marker="o",
+                label=labels.get(system, system))
+    ax.set_xlabel("prompt tokens (history + new turn)")
+    ax.set_ylabel("TTFT p50 (s)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"wrote {path}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="switchboard bench multiturn", description=__doc__.split("\n\n")[0])
+    p.add_argument("--systems", default="off,on", help="prefix caching settings to compare (off,on)")
+    p.add_argument("--conversations", type=int, default=8, help="concurrent conversations (default 8)")
+    p.add_argument("--turns", type=int, default=8, help="turns per conversation (default 8)")
+    p.add_argument("--user-tokens", type=int, default=150, help="new tokens per user turn (~)")
+    p.add_argument("--max-tokens", type=int, default=48, help="reply cap per turn")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--threads", type=int, default=0, help="torch threads per shard (0 = all cores)")
+    p.add_argument("--throughput-requests", type=int, default=16, help="one-shot requests per throughput round")
+    p.add_argument("--throughput-rounds", type=int, default=2, help="interleaved rounds (off,on / on,off ...)")
+    p.add_argument("--startup-timeout", type=float, default=240.0)
+    p.add_argument("--json", help="write rows, throughput and summary here")
+    p.add_argument("--png", help="plot TTFT p50 against history length here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if not set(systems) <= {"on", "off"}:
+        raise SystemExit("--systems takes on and/or off")
+    logs = Path(tempfile.mkdtemp(prefix="sb-multiturn-"))
+    stacks = {s: Stack(s, args, logs) for s in systems}
+    machine = machine_info()
+    try:
+        for s in stacks.values():
+            s.start(args.startup_timeout)
+        result = asyncio.run(measure(args, stacks))
+    finally:
+        for s in stacks.values():
+            s.stop()
+    result["summary"] = summary(result)
+    result["machine"] = {**machine, "loadavg_end": list(os.getloadavg())}
+    result["args"] = vars(args)
+    headers = ["system", "turn", "history_tokens", "ttft_p50_ms", "ttft_p90_ms", "prefill_computed", "hit_rate",
+               "ideal_hit"]
+    print(format_table(headers, [[r["system"], str(r["turn"]), str(r["history_tokens"]), fmt(r["ttft_p50_ms"], 0),
+                                  fmt(r["ttft_p90_ms"], 0), str(r["prefill_tokens_computed"]),
+                                  f"{r['hit_rate']:.1%}", f"{r['ideal_hit_rate']:.1%}"] for r in result["rows"]]))
+    for system, rounds in result["throughput"].items():
+        print(f"throughput at 0 % hit rate, {system}: " + ", ".join(
+            f"{x['output_tok_s']:.1f} tok/s ({x['requests']} req, cached {x['cached_tokens']})" for x in rounds))
+    print(json.dumps(result["summary"], indent=2))
+    print(f"logs in {logs}")
+    if args.json:
+        write_json(args.json, result)
+    if args.png:
+        plot(result["rows"], args.png, f"{args.conversations} conversations x {args.turns} turns, "
+             f"{machine.get('cpu_model')}, {args.dtype}")
+
+
+if __name__ == "__main__":
+    main()
