@@ -123,6 +123,42 @@ def split_signals(payload: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return dict(latest), [dict(h) for h in history]
 
 
+@dataclass(frozen=True)
+class SignalsView:
+    """The overload figures of one reading (``GET /admin/v1/signals`` ``latest``), read by attribute.
+
+        sig = SignalsView.from_api(latest)
+        sig.queue_time_p95_s, sig.ttft_excess_p95_s, sig.complete, sig.missing
+
+    The console reads only the admin API, so it keeps its own copy of the field names
+    (``control_plane.signals.Signals``); a field the API no longer sends (renamed, removed) makes
+    the view incomplete and is named in ``missing``, instead of showing as an empty, calm figure.
+    """
+
+    healthy_shards: float | None
+    waiting_per_shard: float | None
+    load_per_shard: float | None
+    capacity_per_shard: float | None
+    batch_usage: float | None
+    kv_usage: float | None
+    queue_time_p95_s: float | None
+    ttft_excess_p95_s: float | None
+    prefill_p95_s: float | None
+    ttft_p95_s: float | None
+    complete: bool
+    missing: tuple[str, ...]
+
+    @classmethod
+    def from_api(cls, reading: Mapping[str, Any] | None) -> SignalsView:
+        data = mapping(reading)
+        names = [f for f in cls.__dataclass_fields__ if f not in ("complete", "missing")]
+        absent = tuple(f"field {name!r} absent from the signals" for name in names if name not in data)
+        missing = tuple(str(m) for m in items(data, "missing")) + absent
+        values = {name: num(data.get(name)) for name in names}
+        complete = bool(data) and data.get("complete") is True and not absent
+        return cls(complete=complete, missing=missing if data else ("no signals read yet",), **values)
+
+
 def qps(reading: Mapping[str, Any]) -> float | None:
     """Requests per second at the gateways: the reading's own figure, or the sum of tier demand."""
     direct = num(first(reading, "qps", "requests_per_s"))

@@ -49,13 +49,24 @@ def body(c: ui.Console) -> None:
                    delta=None if not last else str(last.get("action")), delta_arrow="off",
                    delta_color={"scale_up": "orange", "scale_down": "blue", "error": "red"}.get(  # type: ignore[arg-type]
                        str(last.get("action")), "gray"))
-    waiting = views.num(latest.get("waiting_per_shard"))
+    sig = views.SignalsView.from_api(latest)
+    waiting = sig.waiting_per_shard
     cols[2].metric("Waiting / shard", "—" if waiting is None else f"{waiting:.1f}", border=True,
                    help="Mean queued requests per passing shard: the target-tracking input.")
-    load, cap = views.num(latest.get("load_per_shard")), views.num(latest.get("capacity_per_shard"))
+    load, cap = sig.load_per_shard, sig.capacity_per_shard
     cols[3].metric("Load / shard", "—" if load is None else f"{load:.1f}" + (f" / {cap:.0f}" if cap else ""),
                    border=True, help="Mean running + waiting requests per passing shard / its batch slots.")
-    cols[4].metric("TTFT p95", views.fmt_seconds(latest.get("ttft_p95_s")), border=True)
+    cols[4].metric("TTFT p95", views.fmt_seconds(sig.ttft_p95_s), border=True,
+                   delta=f"beyond prefill {views.fmt_seconds(sig.ttft_excess_p95_s)}", delta_arrow="off",
+                   delta_color="gray",
+                   help="Raw TTFT grows with the prompt (prefill) and is never acted on; the autoscaler and the "
+                        "ladder read TTFT beyond prefill and the queue time, with a queue or busy batches.")
+    st.caption(f"Queue time p95 {views.fmt_seconds(sig.queue_time_p95_s)} · batches "
+               f"{'—' if sig.batch_usage is None else f'{sig.batch_usage:.0%}'} full · KV "
+               f"{'—' if sig.kv_usage is None else f'{sig.kv_usage:.0%}'}: what overload means here.")
+    if latest and not sig.complete:
+        st.warning("Signals incomplete: the autoscaler and the ladder hold. " + "; ".join(sig.missing)[:400],
+                   icon=":material/warning:")
 
     st.subheader("Replicas against demand", divider="gray")
     frame = views.replicas_frame(history, decisions)

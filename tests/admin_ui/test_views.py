@@ -76,3 +76,16 @@ def test_waterfall_puts_children_under_parents_with_offsets():
     assert spans.iloc[0]["start_ms"] == 0 and spans.iloc[3]["duration_ms"] == 4.0
     assert list(spans["service"]) == ["gateway", "gateway", "gateway", "shard"]
     assert events.empty
+
+
+def test_signals_view_reads_fields_by_attribute_and_a_missing_field_is_incomplete() -> None:
+    reading = {"complete": True, "missing": [], "healthy_shards": 2, "waiting_per_shard": 0.0,
+               "load_per_shard": 1.0, "capacity_per_shard": 16, "batch_usage": 0.06, "kv_usage": 0.1,
+               "queue_time_p95_s": 0.0, "ttft_excess_p95_s": 0.02, "prefill_p95_s": 2.4, "ttft_p95_s": 2.42}
+    sig = views.SignalsView.from_api(reading)
+    assert sig.complete and sig.missing == () and sig.ttft_excess_p95_s == 0.02
+    renamed = {k: v for k, v in reading.items() if k != "queue_time_p95_s"} | {"queue_p95_s": 0.0}
+    sig = views.SignalsView.from_api(renamed)
+    assert not sig.complete and sig.queue_time_p95_s is None
+    assert sig.missing == ("field 'queue_time_p95_s' absent from the signals",)
+    assert not views.SignalsView.from_api(None).complete
