@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol
 
 import httpx
@@ -105,6 +105,8 @@ class AdminContext:
     alertmanager_url: str | None = None
     """With it, ``/alerts`` lists Alertmanager's active, unsilenced alerts (preferred)."""
     state_index: StateIndex | None = None
+    hop_headers: dict[str, str] = field(default_factory=dict)
+    """The cluster token members' ``/debug/spans`` require (data_plane/hop_auth.py cluster_headers)."""
     """The ``/v1/state`` index, reported by ``/tiers`` so an operator can see the push went out."""
 
 
@@ -334,7 +336,7 @@ def build_admin_router(ctx: AdminContext) -> APIRouter:
         trace_id: str | None = Query(default=None, pattern="^[0-9a-f]{32}$"),
         internal: bool = Query(default=False, description="include health checks, scrapes, heartbeats, polls"),
     ) -> dict[str, Any]:
-        spans, sources = await collect_spans(ctx.registry.snapshot()[1], ctx.http, trace_id)
+        spans, sources = await collect_spans(ctx.registry.snapshot()[1], ctx.http, trace_id, ctx.hop_headers)
         assembled = assemble_traces(spans)
         picked = [
             t for t in assembled

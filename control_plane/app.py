@@ -39,6 +39,7 @@ from control_plane.signals import build_signal_source
 from control_plane.state_api import StateIndex, build_state_router, cluster_state_body
 from control_plane.usage import build_usage_router
 from data_plane.errors import install_error_handlers
+from data_plane.hop_auth import cluster_headers, guarded
 from data_plane.ledger_http import default_usage_db
 from data_plane.ledger_sql import open_ledger_store
 from data_plane.membership_consul import token_from_env
@@ -75,6 +76,8 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
                          prometheus_url=getattr(settings, "prometheus", None),
                          alertmanager_url=settings.alertmanager, state_index=state_index)
     admin.autoscaler = autoscaler
+    cluster_token = settings.cluster_token.get_secret_value() if settings.cluster_token else None
+    admin.hop_headers = cluster_headers(cluster_token)
     usage_db = settings.usage_db or default_usage_db(".switchboard")
     usage_store = None if usage_db == "off" else open_ledger_store(usage_db)  # connects on first read
 
@@ -118,7 +121,7 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
         return JSONResponse({"status": "ok"})
 
     app.add_route("/metrics", metrics_endpoint(metrics_registry))
-    app.add_route("/debug/spans", recent_spans_endpoint)
+    app.add_route("/debug/spans", guarded(recent_spans_endpoint, cluster_token))
 
     @app.get("/v1/sd/prometheus")
     async def prometheus_sd(service: str) -> JSONResponse:

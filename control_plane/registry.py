@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 import uuid
@@ -47,6 +46,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_plane.errors import AuthenticationError, InvalidRequest, NotFound
+from data_plane.placement import DEFAULT_ZONE
+from data_plane.hop_auth import bearer_matches
 from data_plane.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class _Entry:
             "service": self.service,
             "url": self.url,
             "meta": dict(self.meta),
+            "zone": self.meta.get("zone") or DEFAULT_ZONE,
             "status": self.status,
             "last_heartbeat": self.last_heartbeat,
             "ttl_s": self.ttl_s,
@@ -393,8 +395,7 @@ def member_auth(cluster_token: str | None, metrics: RegistryMetrics | None = Non
     def check(request: Request) -> None:
         if expected is None:
             return
-        scheme, _, presented = (request.headers.get("authorization") or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), expected):
+        if not bearer_matches(request.headers.get("authorization"), expected):
             if metrics is not None:
                 metrics.refused.labels(request.method).inc()
             client = request.client.host if request.client else "?"

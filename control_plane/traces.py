@@ -34,10 +34,12 @@ def is_housekeeping(root_name: str) -> bool:
 
 
 async def collect_spans(
-    members: Iterable[Mapping[str, Any]], http: httpx.AsyncClient | None, trace_id: str | None = None
+    members: Iterable[Mapping[str, Any]], http: httpx.AsyncClient | None, trace_id: str | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """This process's spans plus those of every member not critical (registry member dicts),
-    fetched concurrently; returns the spans and ``{source: "ok" | why it is missing}``."""
+    fetched concurrently; returns the spans and ``{source: "ok" | why it is missing}``.
+    `headers`: the cluster token members' ``/debug/spans`` require (data_plane/hop_auth.py)."""
     sources: dict[str, str] = {SELF: "ok"}
     spans = list(RECENT_SPANS.snapshot(trace_id))
 
@@ -47,7 +49,8 @@ async def collect_spans(
             return []
         params = {"trace_id": trace_id} if trace_id else None
         try:
-            resp = await http.get(member["url"] + "/debug/spans", params=params, timeout=SPANS_TIMEOUT_S)
+            resp = await http.get(member["url"] + "/debug/spans", params=params, timeout=SPANS_TIMEOUT_S,
+                                  headers=dict(headers or {}))
             resp.raise_for_status()
             body = resp.json()
             if not isinstance(body, list):

@@ -215,11 +215,14 @@ class SessionStore:
         vnodes: int = DEFAULT_VNODES,
         service: str = CACHE_SERVICE,
         sealer: TranscriptSealer | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         """`registry`: where the metrics go (None: a private registry nobody scrapes). `sealer`:
         transcripts are encrypted before they leave and opened on arrival (data_plane/session_crypto.py);
         None stores plaintext (tests of the node itself)."""
         self._sealer = sealer
+        self._auth = dict(headers or {})
+        """Sent on every call: the cluster token cache nodes require (data_plane/hop_auth.py)."""
         self._membership = membership
         self._http = http
         self._timeout_s = timeout_s
@@ -353,9 +356,8 @@ class SessionStore:
     def _path(session_id: str) -> str:
         return f"/v1/sessions/{session_id}"  # the id is validated: URL-safe characters only
 
-    @staticmethod
-    def _headers() -> dict[str, str]:
-        headers: dict[str, str] = {}
+    def _headers(self) -> dict[str, str]:
+        headers: dict[str, str] = dict(self._auth)
         propagate.inject(headers)
         return headers
 

@@ -15,6 +15,11 @@ HTTP API (errors in the OpenAI shape)::
     GET    /health             200 ready, 503 when the backend is unreachable
     GET    /metrics            Prometheus; GET /debug/spans recent spans
 
+With a cluster token (``SWITCHBOARD_CLUSTER_TOKEN``, as ``switchboard up`` sets), ``/v1/sessions/*``
+and ``/debug/spans`` need ``Authorization: Bearer <token>`` (401 otherwise, counted in
+``switchboard_cache_refused_total``); without one the node runs open and warns at start. What it
+stores is sealed by the gateway (data_plane/session_crypto.py): the node never sees plaintext.
+
 Placement, replication and read-repair are the client's job (:mod:`data_plane.cache_client`);
 a node only stores what it is given. Transcript contents are never logged.
 """
@@ -33,7 +38,7 @@ from typing import Any
 
 import httpx
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from opentelemetry import propagate, trace
@@ -51,6 +56,7 @@ from data_plane.errors import (
     UnsupportedMediaType,
     install_error_handlers,
 )
+from data_plane.hop_auth import cluster_token_from_env, guarded, require_cluster_token
 from data_plane.membership_factory import MEMBERSHIP_URL_PATTERN, membership_from_url
 from data_plane.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
 
@@ -169,6 +175,14 @@ class CacheNodeMetrics:
                 self.requests.labels(op, result)
         for reason in ("ttl", "lru"):
             self.evictions.labels(reason)
+        self.refused = Counter(
+            "switchboard_cache_refused_total",
+            "Requests refused for a missing or wrong cluster token, by route (sessions|debug_spans).",
+            ["route"],
+            registry=registry,
+        )
+        for route in ("sessions", "debug_spans"):
+            self.refused.labels(route)
 
     def evicted(self, reason: str, count: int) -> None:
         self.evictions.labels(reason).inc(count)
@@ -245,8 +259,10 @@ def create_app(
     settings: CacheNodeSettings,
     storage: ManagedStorage | None = None,
     registry: CollectorRegistry | None = None,
+    cluster_token: str | None = None,
 ) -> FastAPI:
-    """The node's ASGI app; `storage` and `registry` default to what `settings` describe."""
+    """The node's ASGI app; `storage` and `registry` default to what `settings` describe.
+    `cluster_token`: what session and span reads and writes must present (None: open)."""
     registry = registry if registry is not None else CollectorRegistry()
     metrics = CacheNodeMetrics(registry)
     store: ManagedStorage = storage if storage is not None else build_storage(settings, metrics)
@@ -266,7 +282,13 @@ def create_app(
     app = FastAPI(title="Switchboard cache node", lifespan=lifespan, **fastapi_options())
     install_error_handlers(app)
     app.add_route("/metrics", metrics_endpoint(registry))
-    app.add_route("/debug/spans", recent_spans_endpoint)
+    app.add_route("/debug/spans", guarded(recent_spans_endpoint, cluster_token,
+                                          on_refused=lambda _: metrics.refused.labels("debug_spans").inc()))
+    hop = [Depends(require_cluster_token(cluster_token, "the cache node's session API",
+                                         lambda _: metrics.refused.labels("sessions").inc()))]
+    if cluster_token is None:
+        log.warning("no cluster token (SWITCHBOARD_CLUSTER_TOKEN): anyone who reaches this port can read and "
+                    "write session records (they are sealed by the gateway, but can be deleted)")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -274,7 +296,7 @@ def create_app(
         body = {"status": "ok" if ready else "unavailable", "node_id": node_id, "backend": store.backend}
         return JSONResponse(body, status_code=200 if ready else 503)
 
-    @app.get("/v1/sessions/{session_id:path}")
+    @app.get("/v1/sessions/{session_id:path}", dependencies=hop)
     async def get_session(session_id: str, request: Request) -> JSONResponse:
         with metrics.track("get", request, node_id) as op:
             validate_session_id(session_id)
@@ -287,7 +309,7 @@ def create_app(
             op.result = "hit"
             return JSONResponse(record.to_wire())
 
-    @app.put("/v1/sessions/{session_id:path}")
+    @app.put("/v1/sessions/{session_id:path}", dependencies=hop)
     async def put_session(session_id: str, request: Request) -> JSONResponse:
         with metrics.track("put", request, node_id) as op:
             validate_session_id(session_id)
@@ -324,7 +346,7 @@ def create_app(
                 }
             )
 
-    @app.delete("/v1/sessions/{session_id:path}")
+    @app.delete("/v1/sessions/{session_id:path}", dependencies=hop)
     async def delete_session(session_id: str, request: Request) -> JSONResponse:
         with metrics.track("delete", request, node_id) as op:
             validate_session_id(session_id)
@@ -384,7 +406,7 @@ def parse_settings(argv: list[str] | None) -> CacheNodeSettings:
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     configure_process("switchboard-cache-node")
-    app = create_app(settings)
+    app = create_app(settings, cluster_token=cluster_token_from_env())
     from data_plane.http_server import GuardedHttpProtocol
 
     uvicorn.run(app, host=settings.host, port=settings.port, access_log=False, http=GuardedHttpProtocol)

@@ -49,7 +49,8 @@ from data_plane.engine import (
     check_lengths,
 )
 from data_plane.errors import Overloaded
-from data_plane.kv_cache import DEFAULT_BLOCK_SIZE, BlockHasher, CacheEvents, PrefixCache, auto_budget_bytes, layout_seed
+from data_plane.engine_prefix import SlotPrefix
+from data_plane.kv_cache import DEFAULT_BLOCK_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +153,7 @@ class TorchEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dead: BaseException | None = None
-        self.prefix_cache: PrefixCache | None = None
-        self._hasher: BlockHasher | None = None
+        self.prefix: SlotPrefix | None = None
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -186,7 +186,10 @@ class TorchEngine:
             self._eos.add(self._tokenizer.eos_token_id)
         self.model_name = served_name(self.config.model)
         if self.config.prefix_caching:
-            self._build_prefix_cache(str(path))
+            self.prefix = SlotPrefix.build(self._runner, model_id=str(path), dtype=self.config.dtype,
+                                           block_size=self.config.kv_block_size,
+                                           budget_bytes=self.config.prefix_cache_bytes,
+                                           on_evict=self.listener.on_kv_evict)
         # One tiny warm-up pass so the first request doesn't pay for lazy kernel setup.
         self._runner.prefill(0, [self._tokenizer.bos_token_id or 1], 0)
         self._runner.decode([1], [1])
@@ -194,20 +197,9 @@ class TorchEngine:
             f"[switchboard] model {self.model_name} ready in {time.monotonic() - t0:.1f} s "
             f"(KV cache {self._runner.kv_cache_bytes / 2**20:.0f} MiB for "
             f"{self.config.max_num_seqs} x {self.max_model_len} tokens; prefix cache "
-            f"{self.prefix_cache.capacity_bytes / 2**20 if self.prefix_cache else 0:.0f} MiB)",
+            f"{self.prefix.cache.capacity_bytes / 2**20 if self.prefix else 0:.0f} MiB)",
             flush=True,
         )
-
-    def _build_prefix_cache(self, model_id: str) -> None:
-        r, bs = self._runner, self.config.kv_block_size
-        layout = f"llama.L{r.num_layers}.kvh{r.num_kv_heads}.d{r.head_dim}.bs{bs}"
-        self._hasher = BlockHasher(layout_seed(model_id, self.config.dtype, layout), bs)
-        budget = self.config.prefix_cache_bytes or auto_budget_bytes()
-        self.prefix_cache = PrefixCache(
-            num_layers=r.num_layers, kv_heads=r.num_kv_heads, head_dim=r.head_dim, block_size=bs,
-            dtype=DTYPES[self.config.dtype], budget_bytes=budget, events=CacheEvents(on_evict=self.listener.on_kv_evict))
-        log.info("prefix cache: %d blocks of %d tokens (%.0f MiB budget)", self.prefix_cache.num_blocks, bs,
-                 self.prefix_cache.capacity_bytes / 2**20)
 
     async def aclose(self) -> None:
         self._stop = True
@@ -234,7 +226,7 @@ class TorchEngine:
             waiting = len(self._waiting)
             used = sum(s.length for s in self._running) + (self._prefilling.length if self._prefilling else 0)
         cap = self.config.max_num_seqs * self.max_model_len
-        pc = self.prefix_cache
+        pc = self.prefix.cache if self.prefix else None
         return EngineStats(running=running, waiting=waiting, kv_usage=used / cap, max_num_seqs=self.config.max_num_seqs,
                            prefix_cache_blocks=pc.used_blocks if pc else 0,
                            prefix_cache_block_bytes=pc.block_bytes if pc else 0,
@@ -263,8 +255,8 @@ class TorchEngine:
             stream=TextStream(self._decode_ids, req.params.stop),
             generator=gen,
         )
-        if self._hasher is not None:
-            seq.block_hashes = self._hasher.hashes(req.prompt_ids, req.cache_salt, req.public_prefix_tokens)
+        if self.prefix is not None:
+            seq.block_hashes = self.prefix.hashes(req.prompt_ids, req.cache_salt, req.public_prefix_tokens)
         with self._lock:
             if len(self._waiting) >= self.config.max_waiting:
                 raise Overloaded("the shard's queue is full; retry shortly", retry_after=1)
@@ -382,21 +374,18 @@ class TorchEngine:
 
     def _cached_prefix(self, seq: _Sequence) -> int:
         """Prompt tokens the prefix cache holds for `seq` (leaving at least one to compute)."""
-        if self.prefix_cache is None or not seq.block_hashes:
+        if self.prefix is None or not seq.block_hashes:
             return 0
-        bs = self.prefix_cache.block_size
-        return bs * self.prefix_cache.probe(seq.block_hashes, (len(seq.req.prompt_ids) - 1) // bs)
+        return self.prefix.cached_tokens(seq.block_hashes, len(seq.req.prompt_ids))
 
     def _mark_admitted(self, seqs: list[_Sequence]) -> None:
         now = time.monotonic()
         for seq in seqs:
             seq.admitted_at = now
             self.listener.on_admit(now - seq.req.arrival)
-            pc = self.prefix_cache
-            if pc is not None:
+            if self.prefix is not None:
                 hit = self._cached_prefix(seq)
-                seq.held = pc.acquire(seq.block_hashes[: hit // pc.block_size])
-                pc.load(seq.held, self._runner.k_cache, self._runner.v_cache, seq.slot)
+                seq.held = self.prefix.load(seq.block_hashes, hit, seq.slot)
                 seq.cached = seq.prefilled = seq.length = hit
                 self.listener.on_prefix_lookup(len(seq.req.prompt_ids), hit)
 
@@ -438,26 +427,15 @@ class TorchEngine:
         return len(chunk)
 
     def _keep_prompt_blocks(self, seq: _Sequence) -> None:
-        """Once prefilled, the prompt's new full blocks enter the cache, held by `seq` (so a
-        concurrent request with the same prefix, e.g. a shared system prompt, hits at once)."""
-        pc = self.prefix_cache
-        if pc is not None and seq.block_hashes:
-            first = seq.cached // pc.block_size
-            seq.held += pc.store(seq.block_hashes, self._runner.k_cache, self._runner.v_cache, seq.slot, first,
-                                 hold=True)
+        if self.prefix is not None and seq.block_hashes:
+            seq.held += self.prefix.keep(seq.block_hashes, seq.cached, seq.slot)
 
     def _keep_all_blocks(self, seq: _Sequence) -> None:
-        """When `seq` ends: every full block of what its slot holds (prompt + output so far)
-        is kept for the conversation's next turn; then its references are released."""
-        pc = self.prefix_cache
-        if pc is None or self._hasher is None:
-            return
-        if seq.slot >= 0 and seq.length >= pc.block_size:
+        if self.prefix is not None:
             tokens = (seq.req.prompt_ids + seq.output_ids)[: seq.length]
-            hashes = self._hasher.hashes(tokens, seq.req.cache_salt, seq.req.public_prefix_tokens)
-            pc.store(hashes, self._runner.k_cache, self._runner.v_cache, seq.slot, seq.cached // pc.block_size)
-        pc.release(seq.held)
-        seq.held = []
+            self.prefix.finish(tokens, seq.req.cache_salt, seq.req.public_prefix_tokens, seq.slot, seq.cached,
+                               seq.held)
+            seq.held = []
 
     def _decode_step(self) -> None:
         batch = self._running

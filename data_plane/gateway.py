@@ -45,7 +45,7 @@ from data_plane.errors import (
 from data_plane.gateway_chat import ChatHandler
 from data_plane.gateway_metrics import GatewayMetrics
 from data_plane.gateway_settings import GatewaySettings
-from data_plane.hop_auth import cluster_token_from_env
+from data_plane.hop_auth import cluster_headers, cluster_token_from_env, guarded
 from data_plane.hop_client import HOP_EVENTS, HopPool
 from data_plane.ledger import UsageLedger
 from data_plane.ledger_http import ledger_from_settings, usage_route
@@ -200,7 +200,8 @@ def create_app(gw: Gateway) -> GatewayApp:
                                      cluster_token=cluster_token_from_env())
         log.info("session transcripts are encrypted at rest (AES-256-GCM, key %s, %s)", keys.current, keys.source)
         gw.sessions = SessionStore(gw.membership, gw.pool, registry=gw.registry,
-                                   sealer=TranscriptSealer(keys, SealMetrics(gw.registry)))
+                                   sealer=TranscriptSealer(keys, SealMetrics(gw.registry)),
+                                   headers=cluster_headers(cluster_token_from_env()))
         gw.ledger = ledger_from_settings(settings, gw.registry)
         if gw.ledger is not None:
             await gw.ledger.start()
@@ -233,7 +234,7 @@ def create_app(gw: Gateway) -> GatewayApp:
     app = FastAPI(title="Switchboard gateway", version="0.1.0", lifespan=lifespan, **fastapi_options(),
                   description="OpenAI-compatible chat completions with server-side sessions.")
     install_error_handlers(app)
-    app.add_route("/debug/spans", recent_spans_endpoint)
+    app.add_route("/debug/spans", guarded(recent_spans_endpoint, cluster_token_from_env()))
     scrape = metrics_endpoint(gw.registry)
 
     async def metrics_view(request: Request) -> Response:

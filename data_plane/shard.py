@@ -50,6 +50,7 @@ from data_plane.protocol import (
     read_body,
 )
 from data_plane.shard_metrics import MetricsListener, ShardMetrics
+from data_plane.hop_auth import cluster_token_from_env, guarded
 from data_plane.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
 
 log = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
 
     app = FastAPI(title="Switchboard shard", version="0.1.0", lifespan=lifespan, **fastapi_options())
     install_error_handlers(app)
-    app.add_route("/debug/spans", recent_spans_endpoint)
+    app.add_route("/debug/spans", guarded(recent_spans_endpoint, cluster_token_from_env()))
 
     async def metrics_view(request: Request) -> Response:
         if state.ready:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.procs import Service
+from tests.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, Service
 
 KEYS = {
     "free": "sk-test-free-0123456789",
@@ -84,6 +84,20 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def stored_session(cache_url: str, session_id: str) -> dict | None:
+    """What a cache node holds for a session, its transcript opened as the cluster's gateways open
+    it (their key is derived from the cluster token); None when the node lacks it."""
+    from data_plane.session_crypto import Keyring, TranscriptSealer
+
+    r = httpx.get(f"{cache_url}/v1/sessions/{session_id}", headers=CLUSTER_HEADERS)
+    if r.status_code == 404:
+        return None
+    r.raise_for_status()
+    record = r.json()
+    sealer = TranscriptSealer(Keyring.derived(CLUSTER_TOKEN))
+    return {**record, "messages": sealer.open(session_id, record["owner"], record["messages"])}
 
 
 def write(path: Path, text: str) -> str:

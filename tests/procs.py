@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 CLUSTER_TOKEN = "test-cluster-token"
+CLUSTER_HEADERS = {"Authorization": f"Bearer {CLUSTER_TOKEN}"}
+"""What a test sends to a spawned member's internal routes (/debug/spans, a cache node's sessions)."""
 
 
 def free_port() -> int:

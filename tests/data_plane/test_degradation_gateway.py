@@ -18,7 +18,7 @@ import pytest
 
 from data_plane.tiers import TierPolicy
 from tests.cluster import ADMIN_TOKEN, KEYS, api_keys_env
-from tests.procs import Service
+from tests.procs import CLUSTER_HEADERS, Service
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 PROPAGATION_S = 2.0
@@ -132,7 +132,7 @@ def test_level_3_sheds_free_and_level_4_keeps_only_enterprise(stack: Stack) -> N
     resp = stack.chat("enterprise")
     assert resp.status_code == 200 and resp.headers["x-switchboard-degraded"] == "4"
 
-    spans = httpx.get(stack.gateway.url + "/debug/spans").json()
+    spans = httpx.get(stack.gateway.url + "/debug/spans", headers=CLUSTER_HEADERS).json()
     levels = [s["attributes"].get("switchboard.degradation_level") for s in spans if s["name"] == "gateway.request"]
     assert levels[-1] == 4 and 0 in levels
 

@@ -8,7 +8,7 @@ import time
 import httpx
 import openai
 
-from tests.cluster import KEYS, Cluster
+from tests.cluster import KEYS, Cluster, stored_session
 
 
 def post(c: Cluster, body: dict, key: str = KEYS["plus"], headers: dict | None = None) -> httpx.Response:
@@ -63,7 +63,7 @@ def test_killed_cache_node_plus_session_survives() -> None:
         # and read-repair restores the second copy after each loss).
         for victim in range(2):
             holders = [s for s in c.caches if s.proc.poll() is None and
-                       httpx.get(f"{s.url}/v1/sessions/{sid}").status_code == 200]
+                       stored_session(s.url, sid) is not None]
             assert len(holders) >= 1
             holders[0].kill()
             alive = [s for s in c.caches if s.proc.poll() is None]

@@ -27,7 +27,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.data_plane.test_ratelimit import RedisServer
-from tests.procs import ROOT, Service
+from tests.procs import CLUSTER_HEADERS, ROOT, Service
 
 KEYS = {
     "free": "sk-lim-free-0123456789",       # rpm 3
@@ -198,7 +198,7 @@ def test_ratelimit_and_admission_spans(one: Service) -> None:
                             "traceparent": f"00-{trace_id}-b7ad6b7169203331-01"})
     assert r.status_code == 200
     time.sleep(0.3)
-    spans = httpx.get(one.url + "/debug/spans", params={"trace_id": trace_id}).json()
+    spans = httpx.get(one.url + "/debug/spans", params={"trace_id": trace_id}, headers=CLUSTER_HEADERS).json()
     by_name = {s["name"]: s for s in spans}
     assert {"gateway.request", "ratelimit", "admission.queue", "router.route"} <= set(by_name), set(by_name)
     assert by_name["ratelimit"]["attributes"]["switchboard.ratelimit.allowed"] is True

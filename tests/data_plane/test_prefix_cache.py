@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.data_plane.test_shard import metric
-from tests.procs import Service
+from tests.procs import CLUSTER_HEADERS, Service
 
 BLOCK = 16
 SYSTEM = ("You are a careful assistant for a bicycle shop. Answer briefly and precisely, name parts by "
@@ -58,7 +58,7 @@ def test_second_turn_computes_only_its_new_tokens(fp32_shard: Service) -> None:
     assert delta["vllm:prefix_cache_hits_total"] == cached(r2)
     assert delta["vllm:prompt_tokens_cached_total"] == cached(r2)
     assert delta["vllm:request_prefill_kv_computed_tokens_sum"] == p2 - cached(r2) < BLOCK + (p2 - in_kv)
-    span = next(s for s in httpx.get(url + "/debug/spans").json()
+    span = next(s for s in httpx.get(url + "/debug/spans", headers=CLUSTER_HEADERS).json()
                 if s["name"] == "shard.generate" and s["attributes"].get("switchboard.request_id") == rid)
     event = next(e for e in span["events"] if e["name"] == "prefix_cache")
     assert event["attributes"] == {"tokens_cached": cached(r2), "tokens_computed": p2 - cached(r2)}

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.cluster import Cluster
+from tests.cluster import Cluster, stored_session
 from tests.reliability.common import ADMIN, all_services, eventually, metric, report, rss_kb
 
 pytestmark = pytest.mark.slow
@@ -206,7 +206,7 @@ def test_twice_capacity_for_two_minutes_with_a_tier_mix() -> None:
         # Nothing lost: every enterprise turn answered 200 is in its transcript (user + assistant each).
         lost_turns = 0
         for sid, turns in load.turns.items():
-            stored = [httpx.get(f"{n.url}/v1/sessions/{sid}").json() for n in c.caches]
+            stored = [stored_session(n.url, sid) or {} for n in c.caches]
             kept = max((len(s.get("messages", [])) for s in stored), default=0)
             lost_turns += max(0, turns - kept // 2)
         ok = sum(v for counts in by_stream.values() for k, v in counts.items() if k.startswith("200"))

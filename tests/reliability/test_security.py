@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.cluster import ADMIN_TOKEN, KEYS, Cluster, api_keys_env
-from tests.procs import CLUSTER_TOKEN, Service
+from tests.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, Service
 from tests.reliability.common import (
     all_services,
     assert_openai_error,
@@ -40,7 +40,7 @@ def _trace() -> tuple[str, dict[str, str]]:
 def _spans(urls: list[str], trace_id: str) -> list[dict]:
     out: list[dict] = []
     for url in urls:
-        out += httpx.get(url + "/debug/spans", params={"trace_id": trace_id}).json()
+        out += httpx.get(url + "/debug/spans", params={"trace_id": trace_id}, headers=CLUSTER_HEADERS).json()
     return out
 
 
@@ -314,7 +314,7 @@ def test_prompts_and_completions_never_reach_logs_metrics_or_spans(cluster: Clus
         name = svc.args[3]
         haystacks[f"{name}:{svc.port} log"] = svc.log_path.read_text(errors="replace")
         haystacks[f"{name}:{svc.port} /metrics"] = httpx.get(svc.url + "/metrics").text
-        haystacks[f"{name}:{svc.port} /debug/spans"] = httpx.get(svc.url + "/debug/spans").text
+        haystacks[f"{name}:{svc.port} /debug/spans"] = httpx.get(svc.url + "/debug/spans", headers=CLUSTER_HEADERS).text
     haystacks["admin traces"] = httpx.get(
         cluster.control_plane.url + "/admin/v1/traces",
         params={"limit": 200, "internal": "true"},
