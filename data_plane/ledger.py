@@ -220,7 +220,7 @@ class UsageLedger:
         self._lock = asyncio.Lock()  # one flush at a time (the task's and an explicit one)
         self._failures = 0
         self._retry_at = 0.0
-        self._pruned_at = 0.0
+        self._pruned_at: float | None = None  # first prune right after the first successful flush
         self._pending = 0
         self._migrated = False
 
@@ -310,7 +310,8 @@ class UsageLedger:
                 log.exception("usage ledger: flush failed")
 
     async def _prune(self) -> None:
-        if self.retention_days <= 0 or time.monotonic() - self._pruned_at < PRUNE_INTERVAL_S:
+        if self.retention_days <= 0 or (self._pruned_at is not None
+                                        and time.monotonic() - self._pruned_at < PRUNE_INTERVAL_S):
             return
         self._pruned_at = time.monotonic()
         gone = await self._in_thread(lambda: self.store.prune(time.time() - self.retention_days * 86400))

@@ -135,6 +135,26 @@ def test_a_spool_has_one_owner_and_orphans_are_adopted(tmp_path: Path) -> None:
     mine.close()
 
 
+def test_retention_prunes_old_records_after_a_flush(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path / 'usage.db'}"
+    open_ledger_store(db).migrate()
+
+    async def run() -> None:
+        ledger = UsageLedger(open_ledger_store(db), Spool(tmp_path / "s"), LedgerMetrics(CollectorRegistry()),
+                             gateway="gw", flush_interval_s=0.05, retention_days=30)
+        await ledger.start()
+        ledger.record(_record(1, started_at=time.time() - 31 * 86400))
+        ledger.record(_record(2))
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if open_ledger_store(db).usage(UsageQuery())["totals"]["requests"] == 1:
+                break
+        await ledger.aclose()
+
+    asyncio.run(run())
+    assert open_ledger_store(db).usage(UsageQuery())["totals"]["requests"] == 1
+
+
 def test_a_database_that_is_down_keeps_records_spooled(tmp_path: Path) -> None:
     async def run() -> None:
         registry = CollectorRegistry()
@@ -272,7 +292,6 @@ def test_two_gateways_write_one_postgresql(postgres: PostgresServer, tmp_path: P
     store.close()
 
 
-@pytest.mark.slow
 def test_kill_9_under_load_loses_no_acknowledged_record(tmp_path: Path) -> None:
     """Flushes are 60 s apart, so every record is only in the spool when the gateway is killed:
     each request the client saw complete must be in the database once a new gateway has replayed it."""

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.cluster import ADMIN_TOKEN, KEYS, Cluster, api_keys_env
-from tests.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, Service
+from tests.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, ROOT, Service
 from tests.reliability.common import (
     all_services,
     assert_openai_error,
@@ -323,6 +323,17 @@ def test_prompts_and_completions_never_reach_logs_metrics_or_spans(cluster: Clus
     haystacks["admin members"] = httpx.get(
         cluster.control_plane.url + "/admin/v1/members", headers=admin
     ).text
+    # at rest: what the cache nodes hold for the session (sealed), and the usage ledger (no text at all)
+    sid = s1.headers["x-session-id"]
+    for node in cluster.caches:
+        haystacks[f"cache {node.port} record"] = httpx.get(f"{node.url}/v1/sessions/{sid}", headers=CLUSTER_HEADERS).text
+    httpx.get(url + "/v1/usage", headers={"Authorization": f"Bearer {KEYS['plus']}"})  # flushes the gateway's spool
+    state = ROOT / ".switchboard"  # the spawned gateway's and control plane's default ledger
+    for path in [*state.glob("usage.db*"), *state.glob("ledger-spool/*/*")]:
+        haystacks[f"ledger {path.name}"] = path.read_bytes().decode("latin-1")
+    haystacks["admin usage"] = httpx.get(cluster.control_plane.url + "/admin/v1/usage",
+                                         params={"format": "csv", "by": "tenant,tier,model,key_id"}, headers=admin).text
+    assert any(k.startswith("ledger usage.db") for k in haystacks)
     needles = [canary] + [c.strip() for c in completions if len(c.split()) >= 4]
     assert len(needles) >= 4
     leaks = [(where, n[:24]) for where, text in haystacks.items() for n in needles if n in text]
