@@ -273,6 +273,7 @@ def members_frame(members: Sequence[Mapping[str, Any]], latest: Mapping[str, Any
         rows.append({
             "member": m.get("id", "?"),
             "service": m.get("service", "?"),
+            "zone": str(m.get("zone") or meta.get("zone") or "local"),
             "status": str(m.get("status") or ("draining" if m.get("draining") else "unknown")),
             "running": running,
             "waiting": waiting,
@@ -287,7 +288,7 @@ def members_frame(members: Sequence[Mapping[str, Any]], latest: Mapping[str, Any
             "problem": sig.get("error") or "",
         })
     order = {"shard": 0, "gateway": 1, "cache": 2}
-    frame = pd.DataFrame(rows, columns=["member", "service", "status", "running", "waiting", "slots", "utilisation",
+    frame = pd.DataFrame(rows, columns=["member", "service", "zone", "status", "running", "waiting", "slots", "utilisation",
                                         "kv_usage", "ttft_p95_ms", "heartbeat_s", "ttl_s", "url", "detail", "problem"])
     if not frame.empty:
         frame = frame.sort_values(by=["service", "member"], key=lambda c: c.map(order) if c.name == "service" else c)

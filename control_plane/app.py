@@ -23,12 +23,12 @@ from typing import Any
 
 import httpx
 import uvicorn
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from control_plane.admin_api import AdminContext, build_admin_router
+from control_plane.admin_api import AdminContext, bearer_guard, build_admin_router
 from control_plane.autoscaler import add_autoscaler_flags, build_autoscaler
 from control_plane.degradation import DegradationController, DegradationMetrics, ladder_config
 from control_plane.membership_consul import ConsulMembers
@@ -38,6 +38,7 @@ from control_plane.settings import ENV_ADMIN_TOKEN, ControlPlaneSettings
 from control_plane.signals import build_signal_source
 from control_plane.state_api import StateIndex, build_state_router, cluster_state_body
 from control_plane.usage import build_usage_router
+from control_plane.zones import ZoneMetrics, ZoneWatch, build_zones_router
 from data_plane.errors import install_error_handlers
 from data_plane.hop_auth import cluster_headers, guarded
 from data_plane.ledger_http import default_usage_db
@@ -66,6 +67,7 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
     if settings.membership:
         consul = ConsulMembers(settings.membership, settings.services, token=token_from_env())
     members = consul or registry  # what the admin API and the signals read
+    zones = ZoneWatch(members, ZoneMetrics(metrics_registry))
     autoscaler = build_autoscaler(settings, metrics_registry)  # None unless --autoscale
     store = open_store(settings)
     state_index = StateIndex(max_wait_s=settings.max_wait_s)
@@ -90,6 +92,7 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
         if consul is not None:
             await consul.start()
         await ladder.start(app.state.signal_source)
+        await zones.start()
         if autoscaler is not None:
             await autoscaler.start(app.state.signal_source, http)
         try:
@@ -97,6 +100,7 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
         finally:
             if autoscaler is not None:
                 await autoscaler.aclose()  # the local actuator stops its shards here
+            await zones.aclose()
             await ladder.aclose()
             if consul is not None:
                 await consul.aclose()
@@ -140,6 +144,7 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
     app.include_router(build_state_router(state_index, lambda: cluster_state_body(
         state_index, store, retry_after_s=ladder.config.lower_dwell_s)))
     app.include_router(build_admin_router(admin))
+    app.include_router(build_zones_router(zones, [Depends(bearer_guard(settings.admin_token))]))
     app.include_router(build_usage_router(usage_store, settings.admin_token))
     return app
 

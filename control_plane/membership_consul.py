@@ -78,6 +78,7 @@ def _member_dict(member: Member) -> dict[str, Any]:
         "service": member.service,
         "url": member.url,
         "meta": dict(member.meta),
+        "zone": member.zone,
         "status": member.status,
         "last_heartbeat": 0.0,
         "ttl_s": 0.0,

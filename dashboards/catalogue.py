@@ -97,8 +97,10 @@ def _control_plane(registry: CollectorRegistry) -> list[object]:
     from control_plane.degradation import DegradationMetrics
     from control_plane.registry import RegistryMetrics
     from control_plane.settings import DEFAULT_SERVICES
+    from control_plane.zones import ZoneMetrics
 
-    return [RegistryMetrics(registry, DEFAULT_SERVICES), DegradationMetrics(registry), AutoscalerMetrics(registry)]
+    return [RegistryMetrics(registry, DEFAULT_SERVICES), DegradationMetrics(registry), AutoscalerMetrics(registry),
+            ZoneMetrics(registry)]
 
 
 PROCESSES: dict[str, Callable[[CollectorRegistry], list[object]]] = {

@@ -52,6 +52,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from data_plane.errors import InvalidRequest, NotFound, Overloaded, SwitchboardError, from_openai_body
 from data_plane.hashring import DEFAULT_VNODES, HashRing
 from data_plane.hop_client import HopError, HopPool
+from data_plane.placement import DEFAULT_ZONE, local_first, replicas_across_zones
 from data_plane.session_crypto import SealError, TranscriptSealer
 
 if TYPE_CHECKING:
@@ -195,9 +196,10 @@ class _WriteResult:
 
 @dataclass
 class _Placement:
-    key: tuple[tuple[str, str], ...] = ()
+    key: tuple[tuple[str, str, str], ...] = ()
     ring: HashRing = field(default_factory=lambda: HashRing(()))
     by_id: dict[str, Member] = field(default_factory=dict)
+    zone_of: dict[str, str] = field(default_factory=dict)
     since: float = field(default_factory=time.time)
     """Wall-clock time this preference order took effect here."""
 
@@ -216,11 +218,14 @@ class SessionStore:
         service: str = CACHE_SERVICE,
         sealer: TranscriptSealer | None = None,
         headers: Mapping[str, str] | None = None,
+        zone: str = DEFAULT_ZONE,
     ) -> None:
         """`registry`: where the metrics go (None: a private registry nobody scrapes). `sealer`:
         transcripts are encrypted before they leave and opened on arrival (data_plane/session_crypto.py);
         None stores plaintext (tests of the node itself)."""
         self._sealer = sealer
+        self._zone = zone
+        """This gateway's zone: replicas go one per zone (data_plane/placement.py), reads ask ours first."""
         self._auth = dict(headers or {})
         """Sent on every call: the cluster token cache nodes require (data_plane/hop_auth.py)."""
         self._membership = membership
@@ -318,13 +323,16 @@ class SessionStore:
         members = self._membership.members(self._service)
         if not members:
             raise Overloaded("no healthy cache nodes", code="cache_unavailable", retry_after=1)
-        key = tuple((m.id, m.url) for m in members)
+        key = tuple((m.id, m.url, m.zone) for m in members)
         if key != self._placement.key:
             self._placement = _Placement(
-                key, HashRing((m.id for m in members), self._vnodes), {m.id: m for m in members}
+                key, HashRing((m.id for m in members), self._vnodes), {m.id: m for m in members},
+                zone_of={m.id: m.zone for m in members},
             )
         placement = self._placement
-        return [placement.by_id[i] for i in placement.ring.preference_list(session_id, max(1, replicas))]
+        ids = replicas_across_zones(placement.ring.walk(session_id), max(1, replicas), placement.zone_of,
+                                    local=self._zone)
+        return [placement.by_id[i] for i in local_first(ids, placement.zone_of, self._zone)]
 
     async def drain(self) -> None:
         """Wait for every read-repair started so far."""

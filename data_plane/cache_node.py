@@ -58,6 +58,7 @@ from data_plane.errors import (
 )
 from data_plane.hop_auth import cluster_token_from_env, guarded, require_cluster_token
 from data_plane.membership_factory import MEMBERSHIP_URL_PATTERN, membership_from_url
+from data_plane.placement import DEFAULT_ZONE, ZONE_PATTERN
 from data_plane.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class CacheNodeSettings(BaseSettings):
     """Largest accepted PUT body (413 beyond)."""
     node_id: str | None = None
     """Member id (default ``cache-<hostname>-<port>``)."""
+    zone: str = Field(DEFAULT_ZONE, pattern=ZONE_PATTERN)
+    """Zone (failure domain) this node runs in: paid sessions keep one replica per zone."""
     advertise_url: str | None = None
     """URL other processes use to reach this node (default ``http://<host>:<port>``)."""
 
@@ -365,7 +368,7 @@ async def _register(
 
     http = httpx.AsyncClient(timeout=httpx.Timeout(2.0))
     stack.push_async_callback(http.aclose)
-    meta = {"backend": store.backend}
+    meta = {"backend": store.backend, "zone": settings.zone}
     if store.backend == "memory":
         meta["max_bytes"] = str(settings.max_bytes)
     member = Member(id=settings.member_id, service="cache", url=settings.url, meta=meta)
@@ -393,6 +396,7 @@ def parse_settings(argv: list[str] | None) -> CacheNodeSettings:
     parser.add_argument("--ttl-s", type=float, help="default record TTL in seconds (default 86400)")
     parser.add_argument("--max-body-bytes", type=int, help="largest PUT body (default 4 MiB)")
     parser.add_argument("--node-id", help="member id (default cache-<hostname>-<port>)")
+    parser.add_argument("--zone", help="zone (failure domain) this node runs in (default local)")
     parser.add_argument("--advertise-url", help="URL peers use to reach this node")
     args = parser.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if v is not None}

@@ -79,7 +79,7 @@ def create_sidecar(settings: ShardSettings) -> FastAPI:
                         url=settings.advertise_url or vllm_url,
                         meta={"model": name, "engine": "vllm", "max_num_seqs": str(settings.max_num_seqs),
                               "max_model_len": str(settings.max_model_len),
-                              "sidecar": f"http://{settings.host}:{settings.port}"})
+                              "sidecar": f"http://{settings.host}:{settings.port}", "zone": settings.zone})
 
         async def watch() -> None:
             nonlocal agent

@@ -189,7 +189,7 @@ def create_app(gw: Gateway) -> GatewayApp:
             gw.cluster = cluster
         gw.router = Router(gw.membership, gw.router_metrics, policy=settings.routing_policy,
                            epsilon=settings.bounded_load_epsilon, eject_after=settings.eject_after,
-                           eject_s=settings.eject_s)
+                           eject_s=settings.eject_s, zone=settings.zone, zone_slack=settings.zone_spill_slack)
         hop_events = {event: gw.metrics.hop_connections.labels(event) for event in HOP_EVENTS}
         gw.pool = HopPool(connect_timeout_s=settings.connect_timeout_s,
                           on_event=lambda event: hop_events[event].inc())
@@ -201,7 +201,7 @@ def create_app(gw: Gateway) -> GatewayApp:
         log.info("session transcripts are encrypted at rest (AES-256-GCM, key %s, %s)", keys.current, keys.source)
         gw.sessions = SessionStore(gw.membership, gw.pool, registry=gw.registry,
                                    sealer=TranscriptSealer(keys, SealMetrics(gw.registry)),
-                                   headers=cluster_headers(cluster_token_from_env()))
+                                   headers=cluster_headers(cluster_token_from_env()), zone=settings.zone)
         gw.ledger = ledger_from_settings(settings, gw.registry)
         if gw.ledger is not None:
             await gw.ledger.start()
@@ -209,7 +209,7 @@ def create_app(gw: Gateway) -> GatewayApp:
         if new_agent is not None:
             agent = new_agent(Member(
                 id=settings.node_id or f"gateway-{settings.host}-{settings.port}", service="gateway",
-                url=f"http://{settings.host}:{settings.port}"), 2.0)
+                url=f"http://{settings.host}:{settings.port}", meta={"zone": settings.zone}), 2.0)
             await agent.start()
         # Everything built so far lives as long as the process: move it out of the cyclic GC's
         # sight, so a full collection walks per-request garbage only (p99, not just CPU).

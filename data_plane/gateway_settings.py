@@ -10,6 +10,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from data_plane.membership_factory import MEMBERSHIP_URL_PATTERN
+from data_plane.placement import DEFAULT_ZONE, ZONE_PATTERN
 from data_plane.ratelimit import TIER_INTS_PATTERN, TIER_SECONDS_PATTERN
 
 
@@ -47,6 +48,10 @@ class GatewaySettings(BaseSettings):
     bounded_load_epsilon: float = Field(0.25, ge=0, description="Affinity: no shard above (1+eps) x mean load.")
     log_prompts: bool = Field(False, description="Log prompt and completion text (off by default).")
     node_id: str | None = Field(None, description="Member id when registering (default gateway-HOST-PORT).")
+    zone: str = Field(DEFAULT_ZONE, pattern=ZONE_PATTERN, description=(
+        "Zone (failure domain) this gateway runs in: it prefers shards and session replicas of its own zone."))
+    zone_spill_slack: float = Field(0.25, ge=0, le=100, description=(
+        "Route to other zones only when the local zone's mean load exceeds (1 + this) x theirs + 1 request."))
     ratelimit_backend: str = Field("local", pattern="^(local|redis)$", description="Rate-limit state: local (one gateway) | redis (shared by all; fails open to local).")
     redis_url: str | None = Field(None, description="Redis URL for --ratelimit-backend redis, e.g. redis://127.0.0.1:6379/0.")
     tier_rpm: str | None = Field(None, pattern=TIER_INTS_PATTERN, description="Aggregate RPM per tier over all its keys, e.g. 'free=600' (keys also keep their tier's own rpm).")

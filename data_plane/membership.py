@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from data_plane.placement import DEFAULT_ZONE
 from data_plane.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,11 @@ class Member:
     @property
     def routable(self) -> bool:
         return self.status == ROUTABLE_STATUS
+
+    @property
+    def zone(self) -> str:
+        """The failure domain it announced (meta ``zone``), ``local`` if none: data_plane/placement.py."""
+        return self.meta.get("zone") or DEFAULT_ZONE
 
 
 def _routing_key(member: Member) -> tuple[Any, ...]:

@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from data_plane.errors import NoHealthyBackend
 from data_plane.hashring import HashRing
 from data_plane.membership import Member, MembershipView
+from data_plane.placement import prefer_zone
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,11 @@ class RouterMetrics:
                             registry=registry)
         self.outstanding = Gauge("switchboard_router_outstanding_requests",
                                  "Requests in flight from this router to shards.", registry=registry)
+        self.zone_decisions = Counter(
+            "switchboard_router_zone_decisions",
+            "Routing decisions where the healthy shards span zones, by locality: local (own zone), spill "
+            "(own zone too loaded: all zones), remote (no healthy shard in the own zone).", ["locality"],
+            registry=registry)
 
 
 @dataclass
@@ -124,7 +130,12 @@ class Router:
         max_eject_s: float = 60.0,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
+        zone: str | None = None,
+        zone_slack: float = 0.25,
     ) -> None:
+        """`zone`: this router's zone; it then prefers shards announcing the same zone and spills
+        to other zones only when its own has none healthy or is loaded past `zone_slack`
+        (data_plane/placement.py: :func:`prefer_zone`). None: zones are ignored."""
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; choose from {sorted(POLICIES)}")
         self.membership = membership
@@ -134,6 +145,8 @@ class Router:
         self.eject_s = eject_s
         self.max_eject_s = max_eject_s
         self.clock = clock
+        self.zone = zone
+        self.zone_slack = zone_slack
         self._health: dict[str, _Health] = {}
         self._loads: dict[str, int] = {}
 
@@ -167,9 +180,25 @@ class Router:
                 "no healthy inference shard is available" + (f" ({known} known, all failing)" if known else ""),
                 retry_after=2,
             )
+        if self.zone is not None:
+            healthy = self._zone_candidates(healthy)
         chosen = self.policy.choose(healthy, session_id, self._loads)
         self.metrics.decisions.labels(self.policy.name if session_id else "least_loaded").inc()
         return chosen
+
+    def _zone_candidates(self, healthy: list[Member]) -> list[Member]:
+        zone_of = {m.id: m.zone for m in healthy}
+        if len(set(zone_of.values())) < 2 and self.zone in zone_of.values():
+            return healthy  # one zone, ours: nothing to decide
+        keep = prefer_zone({m.id: self._loads.get(m.id, 0) for m in healthy}, zone_of, self.zone or "",
+                           self.zone_slack)
+        if keep is None:
+            locality = "remote" if self.zone not in zone_of.values() else "spill"
+            self.metrics.zone_decisions.labels(locality).inc()
+            trace.get_current_span().set_attribute("switchboard.router.locality", locality)
+            return healthy
+        self.metrics.zone_decisions.labels("local").inc()
+        return [m for m in healthy if m.id in keep]
 
     @contextmanager
     def lease(self, member: Member) -> Iterator[None]:

@@ -39,6 +39,7 @@ from data_plane.errors import (
     install_error_handlers,
 )
 from data_plane.membership_factory import MEMBERSHIP_URL_PATTERN, membership_from_url
+from data_plane.placement import DEFAULT_ZONE, ZONE_PATTERN
 from data_plane.protocol import (
     ChatCompletionRequest,
     PromptTokensDetails,
@@ -79,6 +80,7 @@ class ShardSettings(BaseSettings):
     membership: str | None = Field(None, pattern=MEMBERSHIP_URL_PATTERN,
                                    description="Membership URL, e.g. consul://127.0.0.1:8500 (wins over --registry-url).")
     node_id: str | None = Field(None, description="Member id (default shard-HOST-PORT).")
+    zone: str = Field(DEFAULT_ZONE, pattern=ZONE_PATTERN, description="Zone (failure domain) this shard runs in.")
     registration_ttl_s: float = Field(0.8, gt=0.1, le=300, description="Membership TTL; a dead shard leaves routing within it.")
     advertise_url: str | None = Field(None, description="URL others use to reach this shard.")
     synthetic_token_delay_ms: float = Field(0.0, ge=0, le=10000, description="Synthetic engine: delay per token.")
@@ -167,7 +169,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
                     url=url,
                     meta={"model": engine.model_name, "engine": settings.engine,
                           "max_num_seqs": str(settings.max_num_seqs),
-                          "max_model_len": str(engine.max_model_len)},
+                          "max_model_len": str(engine.max_model_len), "zone": settings.zone},
                 )
                 _, new_agent = membership_from_url(settings.membership or settings.registry_url or "", http, ())
                 agent = new_agent(member, settings.registration_ttl_s)

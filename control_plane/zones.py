@@ -1,0 +1,166 @@
+"""Zone outage as a decision: the control plane watches which zones still have healthy shards.
+
+    watch = ZoneWatch(members, ZoneMetrics(registry))   # members: the Registry or ConsulMembers
+    await watch.start()                                  # a tick every interval_s
+    watch.zones()        # [{"zone": "a", "state": "up", "members": {"shard": 2, "cache": 1, ...}}, ...]
+    watch.events()       # [{"at": ..., "zone": "a", "state": "down", "reason": "..."}], newest last
+    await watch.aclose()
+
+Each tick counts the passing members of every service per zone (membership meta ``zone``; see
+data_plane/placement.py). A zone is *up* while it has a passing shard; it goes *down* when a
+zone that had shards has none passing, and *up* again when one returns. Each change is an event
+with its reason (kept for the admin API and the console's banner), a log line, and the metrics
+``switchboard_zone_up{zone}`` (1/0; the alert ``SwitchboardZoneDown`` reads it) and
+``switchboard_zone_members{service,zone}``. A zone seen once is remembered (at 0), so losing
+all of it shows instead of vanishing; zone names come from the operator's ``--zone`` flags, so
+the label stays bounded. Gateways route around a dead zone by themselves (membership drops its
+members within their TTL): this is the operator's view of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
+
+from fastapi import APIRouter
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from data_plane.placement import DEFAULT_ZONE
+
+log = logging.getLogger(__name__)
+
+SERVICES = ("shard", "cache", "gateway")
+MAX_EVENTS = 200
+
+
+class MemberSnapshot(Protocol):
+    """The membership read (the embedded Registry or ConsulMembers): called once per tick."""
+
+    def snapshot(self, service: str | None = None) -> tuple[int, list[dict[str, Any]]]: ...
+
+
+class ZoneMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.up = Gauge("switchboard_zone_up", "1 while the zone has a passing shard, 0 once it lost all of them.",
+                        ["zone"], registry=registry)
+        self.members = Gauge("switchboard_zone_members", "Passing members by service and zone.",
+                             ["service", "zone"], registry=registry)
+        self.transitions = Counter("switchboard_zone_transitions", "Zone state changes by zone and new state.",
+                                   ["zone", "state"], registry=registry)
+
+
+def count_by_zone(members: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+    """``{zone: {service: passing members}}`` from member dicts (``zone`` or ``meta.zone``)."""
+    out: dict[str, dict[str, int]] = {}
+    for m in members:
+        meta = m.get("meta") or {}
+        zone = str(m.get("zone") or meta.get("zone") or DEFAULT_ZONE)
+        per = out.setdefault(zone, {s: 0 for s in SERVICES})
+        if m.get("status", "passing") == "passing":
+            service = str(m.get("service"))
+            per[service] = per.get(service, 0) + 1
+    return out
+
+
+class ZoneWatch:
+    """Owns one background task (``zone-watch``); see the module docstring."""
+
+    def __init__(self, members: MemberSnapshot, metrics: ZoneMetrics | None = None, *, interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        if interval_s <= 0:
+            raise ValueError("interval_s must be > 0")
+        self._members = members
+        self._metrics = metrics
+        self._interval_s = interval_s
+        self._clock = clock
+        self._counts: dict[str, dict[str, int]] = {}
+        self._state: dict[str, str] = {}
+        self._since: dict[str, float] = {}
+        self._events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.tick()
+        self._task = asyncio.create_task(self._loop(), name="zone-watch")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            try:
+                self.tick()
+            except Exception:  # a broken read must not end the watch
+                log.exception("zone watch tick failed")
+
+    def tick(self) -> None:
+        """Read membership once and record what changed."""
+        _, listed = self._members.snapshot()
+        now_counts = count_by_zone(listed)
+        for zone in self._counts:  # remembered zones stay, at 0
+            now_counts.setdefault(zone, {s: 0 for s in SERVICES})
+        now = self._clock()
+        for zone, per in sorted(now_counts.items()):
+            before = self._state.get(zone)
+            if per.get("shard", 0) > 0:
+                state = "up"
+            elif before in ("up", "down"):
+                state = "down"  # it had shards: losing all of them is an outage
+            else:
+                state = "no_shards"  # caches or gateways only, never a shard: nothing to decide
+            if state != before:
+                self._transition(zone, before, state, per, now)
+            if self._metrics is not None:
+                if state != "no_shards":
+                    self._metrics.up.labels(zone).set(1 if state == "up" else 0)
+                for service, n in per.items():
+                    self._metrics.members.labels(service, zone).set(n)
+        self._counts = now_counts
+
+    def _transition(self, zone: str, before: str | None, state: str, per: Mapping[str, int], now: float) -> None:
+        self._state[zone] = state
+        self._since[zone] = now
+        if before in (None, "no_shards"):
+            return  # first sight, or a zone's first shard: not an outage or a recovery
+        if state == "down":
+            reason = (f"zone {zone} has no passing shard (caches {per.get('cache', 0)}, "
+                      f"gateways {per.get('gateway', 0)}); gateways route to the other zones")
+            log.warning("zone %s is DOWN: %s", zone, reason)
+        else:
+            reason = f"zone {zone} has {per.get('shard', 0)} passing shard(s) again"
+            log.info("zone %s is up: %s", zone, reason)
+        self._events.append({"at": now, "zone": zone, "state": state, "previous": before, "reason": reason})
+        if self._metrics is not None:
+            self._metrics.transitions.labels(zone, state).inc()
+
+    def zones(self) -> list[dict[str, Any]]:
+        return [{"zone": z, "state": self._state.get(z, "no_shards"), "since": self._since.get(z),
+                 "members": dict(self._counts.get(z, {}))} for z in sorted(self._counts)]
+
+    def events(self) -> list[dict[str, Any]]:
+        return list(self._events)
+
+    def down(self) -> list[str]:
+        return [z for z, s in sorted(self._state.items()) if s == "down"]
+
+
+def build_zones_router(watch: ZoneWatch, dependencies: list[Any]) -> APIRouter:
+    """``GET /admin/v1/zones``: every zone's state and members, and recent zone events."""
+    router = APIRouter(prefix="/admin/v1", tags=["admin"], dependencies=dependencies)
+
+    @router.get("/zones", summary="Zones: state (up | down | no_shards), passing members, recent events")
+    async def zones() -> dict[str, Any]:
+        return {"zones": watch.zones(), "down": watch.down(), "events": watch.events()}
+
+    return router

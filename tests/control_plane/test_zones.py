@@ -1,0 +1,94 @@
+"""Zone outage as a decision: ZoneWatch's rule, and the control plane seeing a real zone lose its shards.
+
+    .venv/bin/python -m pytest tests/control_plane/test_zones.py -q      # ~10 s
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from control_plane.zones import ZoneMetrics, ZoneWatch, count_by_zone
+from tests.cluster import ADMIN_TOKEN
+from tests.procs import Service
+from tests.reliability.common import eventually
+
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+class Listing:
+    """The member dicts a registry snapshot returns, set by the test (ZoneWatch's input)."""
+
+    def __init__(self) -> None:
+        self.members: list[dict[str, Any]] = []
+
+    def snapshot(self, service: str | None = None) -> tuple[int, list[dict[str, Any]]]:
+        return 0, list(self.members)
+
+
+def member(mid: str, service: str, zone: str | None, status: str = "passing") -> dict[str, Any]:
+    return {"id": mid, "service": service, "meta": {"zone": zone} if zone else {}, "status": status}
+
+
+def test_a_zone_that_loses_every_shard_is_down_until_one_returns() -> None:
+    listing, registry = Listing(), CollectorRegistry()
+    clock = iter(range(100, 200))
+    watch = ZoneWatch(listing, ZoneMetrics(registry), clock=lambda: float(next(clock)))
+    listing.members = [member("s-a", "shard", "a"), member("c-a", "cache", "a"), member("s-b", "shard", "b"),
+                       member("c-only", "cache", "c")]
+    watch.tick()
+    assert [z["state"] for z in watch.zones()] == ["up", "up", "no_shards"] and watch.events() == []
+    listing.members = [member("s-a", "shard", "a", status="critical"), member("s-b", "shard", "b")]
+    watch.tick()
+    assert watch.down() == ["a"]
+    (event,) = watch.events()
+    assert event["zone"] == "a" and event["state"] == "down" and "no passing shard" in event["reason"]
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    assert value("switchboard_zone_up", zone="a") == 0 and value("switchboard_zone_up", zone="b") == 1
+    assert value("switchboard_zone_up", zone="c") is None  # never had a shard: nothing to alert on
+    assert value("switchboard_zone_members", service="cache", zone="a") == 0  # remembered at 0
+    watch.tick()
+    assert len(watch.events()) == 1  # no repeat while it stays down
+    listing.members.append(member("s-a2", "shard", "a"))
+    watch.tick()
+    assert watch.down() == [] and watch.events()[-1]["state"] == "up"
+    assert value("switchboard_zone_transitions_total", zone="a", state="down") == 1
+
+
+def test_members_without_a_zone_count_as_local() -> None:
+    assert count_by_zone([member("s", "shard", None)]) == {"local": {"shard": 1, "cache": 0, "gateway": 0}}
+
+
+def test_control_plane_reports_a_real_zone_going_down() -> None:
+    with Service(["control-plane", "--admin-token", ADMIN_TOKEN]) as cp:
+        shards = [Service(["shard", "--engine", "synthetic", "--registry-url", cp.url, "--node-id", f"shard-{z}",
+                           "--zone", z]) for z in ("a", "b")]
+        try:
+            for s in shards:
+                s.start()
+            eventually(lambda: _zones(cp, lambda body: [z["state"] for z in body["zones"]] == ["up", "up"]), 10,
+                       what="zones a and b up")
+            assert {z["zone"] for z in _zones(cp, bool)["zones"]} == {"a", "b"}
+            members = httpx.get(cp.url + "/admin/v1/members", headers=AUTH).json()["members"]
+            assert {m["zone"] for m in members} == {"a", "b"}
+            shards[0].kill()  # no deregistration: the TTL check must notice
+            took = eventually(lambda: _zones(cp, lambda body: body["down"] == ["a"]), 15, what="zone a down")
+            down = _zones(cp, bool)
+            print(f"zone a seen down {took:.2f} s after its shard was killed")
+            assert down["events"][-1]["zone"] == "a" and down["events"][-1]["state"] == "down"
+            metrics = httpx.get(cp.url + "/metrics").text
+            assert 'switchboard_zone_up{zone="a"} 0.0' in metrics and 'switchboard_zone_up{zone="b"} 1.0' in metrics
+            assert httpx.get(cp.url + "/admin/v1/zones").status_code == 401
+        finally:
+            for s in shards:
+                s.stop()
+
+
+def _zones(cp: Service, ok: Any) -> dict[str, Any] | None:
+    body = httpx.get(cp.url + "/admin/v1/zones", headers=AUTH).json()
+    return body if ok(body) else None
