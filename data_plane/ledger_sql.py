@@ -214,7 +214,8 @@ class _SqlStore:
         for name in query.group_by:
             if name not in GROUP_FIELDS:
                 raise ValueError(f"cannot group by {name!r}; choose from {', '.join(GROUP_FIELDS)}")
-        where, params = [], []
+        where: list[str] = []
+        params: list[Any] = []
         for column, value in (("tenant", query.tenant), ("key_id", query.key_id), ("tier", query.tier),
                               ("model", query.model)):
             if value is not None:
