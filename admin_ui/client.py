@@ -135,6 +135,10 @@ class AdminClient:
     def undrain(self, member_id: str) -> dict[str, Any]:
         return self._call("POST", f"/members/{member_id}/undrain")
 
+    def zones(self) -> dict[str, Any]:
+        """``GET /admin/v1/zones``: each zone's state and members, ``down`` and recent events."""
+        return self._call("GET", "/zones")
+
     # -- signals and decisions -----------------------------------------------------------------
     def signals(self) -> dict[str, Any]:
         return self._call("GET", "/signals")

@@ -148,6 +148,7 @@ def live(name: str) -> Callable[[Callable[[Console], None]], Callable[[], None]]
             if not c.admin.has_token:
                 st.warning(f"No admin token: set {ENV_ADMIN_TOKEN} or run `switchboard up` (it writes "
                            f"{c.settings.credentials_file}). The admin API will refuse every call.", icon=":material/lock:")
+            zone_banner(c)
             body(c)
             st.caption(f"Updated {time.strftime('%H:%M:%S')} · every {c.settings.refresh_s:g} s"
                        if every else f"Updated {time.strftime('%H:%M:%S')} · auto-refresh paused")
@@ -159,6 +160,26 @@ def live(name: str) -> Callable[[Callable[[Console], None]], Callable[[], None]]
         return run
 
     return wrap
+
+
+def zone_banner(c: Console) -> None:
+    """On every page, while a zone has lost all its shards: which, since when, and what it means."""
+    try:
+        zones = c.admin.zones()
+    except ConsoleError:
+        return  # the page's own calls say what is wrong with the control plane
+    down = [z for z in zones.get("zones", []) if z.get("state") == "down"]
+    if not down:
+        return
+    names = ", ".join(f"**{z['zone']}**" for z in down)
+    since = min((z.get("since") or time.time()) for z in down)
+    st.error(
+        f"### Zone down: {names}\n"
+        f"No passing shard there for {max(0, time.time() - since):.0f} s. Gateways route to the other zones; "
+        f"paid sessions continue from their replica elsewhere, free sessions that lived there are lost. "
+        f"Add capacity in the surviving zones (runbook: SwitchboardZoneDown).",
+        icon=":material/public_off:",
+    )
 
 
 def unreachable_banner(c: Console) -> None:
