@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shlex
 import signal
@@ -29,14 +30,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from data_plane.http_server import free_port
 from data_plane.membership import CLUSTER_TOKEN_ENV
+from data_plane.placement import DEFAULT_ZONE, ZONE_PATTERN
 from data_plane.settings_cli import parse_settings
 
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
@@ -69,6 +71,26 @@ class UpSettings(BaseSettings):
     min_replicas: int = Field(1, ge=1, le=64, description="With --autoscale: fewest shards.")
     max_replicas: int = Field(4, ge=1, le=64, description="With --autoscale: most shards.")
     usage_db: str | None = Field(None, description="Usage ledger database for gateways and control plane (default: sqlite in --state-dir; postgresql://... to share).")
+    zones: list[str] = Field(default_factory=list, description=(
+        "Zones to spread the processes over, e.g. a,b: shards and cache nodes round-robin (at least one of each "
+        "per zone), one gateway per zone on --gateway-port, +1, ... (default: one zone, 'local')."))
+
+    @field_validator("zones", mode="before")
+    @classmethod
+    def _zone_list(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = json.loads(v) if v.startswith("[") else [z.strip() for z in v.split(",") if z.strip()]
+        return v
+
+    @field_validator("zones")
+    @classmethod
+    def _zone_names(cls, v: list[str]) -> list[str]:
+        bad = [z for z in v if not re.match(ZONE_PATTERN, z)]
+        if bad:
+            raise ValueError(f"zone names must match {ZONE_PATTERN}: {bad}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"zones listed twice: {v}")
+        return v
 
 
 @dataclass
@@ -169,7 +191,9 @@ def _credentials(state: Path) -> dict[str, object]:
 
 
 def plan(s: UpSettings, state: Path, admin_token: str,
-         cluster_token: str) -> tuple[Child, list[Child], list[Child], Child]:
+         cluster_token: str) -> tuple[Child, list[Child], list[Child], list[Child]]:
+    """The children to start: control plane, cache nodes, shards, gateways (one per zone)."""
+    zones = s.zones or [DEFAULT_ZONE]
     member_env = {CLUSTER_TOKEN_ENV: cluster_token}  # registering in the control plane needs it
     logs = state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -186,30 +210,37 @@ def plan(s: UpSettings, state: Path, admin_token: str,
         cp.args += ["--autoscale", "--min-replicas", str(s.min_replicas), "--max-replicas", str(s.max_replicas),
                     "--shard-log-dir", str(logs), "--shard-args", shlex.join(_shard_flags(s, scaled_threads))]
     caches = []
-    for i in range(s.cache_nodes):
+    for i in range(max(s.cache_nodes, len(zones))):
         port = s.cache_base_port + i if s.cache_base_port else free_port(host)
+        zone = zones[i % len(zones)]
         args = ["cache-node", "--host", host, "--port", str(port), "--registry", registry,
-                "--node-id", f"cache-{i}"]
+                "--node-id", f"cache-{i}", "--zone", zone]
         if s.redis:
             args += ["--redis", s.redis]
         caches.append(Child(f"cache-{i}", args, f"http://{host}:{port}", logs / f"cache-{i}.log", env=member_env))
     shards = []
-    threads = max(1, (os.cpu_count() or 2) // max(1, s.shards))
-    for i in range(0 if s.autoscale else s.shards):
+    n_shards = 0 if s.autoscale else (max(s.shards, len(zones)) if s.shards else 0)
+    threads = max(1, (os.cpu_count() or 2) // max(1, n_shards))
+    for i in range(n_shards):
         port = s.shard_base_port + i if s.shard_base_port else free_port(host)
         args = ["shard", "--host", host, "--port", str(port), "--registry-url", registry, "--node-id", f"shard-{i}",
-                *_shard_flags(s, threads)]
+                "--zone", zones[i % len(zones)], *_shard_flags(s, threads)]
         shards.append(Child(f"shard-{i}", args, f"http://{host}:{port}", logs / f"shard-{i}.log", env=member_env))
-    gw_args = ["gateway", "--host", host, "--port", str(s.gateway_port), "--registry-url", registry,
-               "--keys-file", str(state / "keys.yaml"), "--max-model-len", str(s.max_model_len),
-               "--state-dir", str(state / "gateway"), "--usage-db", usage_db,
-               "--session-keys-file", str(state / "session_keys")]
-    if s.engine == "synthetic":
-        gw_args += ["--tokenizer", "whitespace", "--model-name", "synthetic"]
-    elif s.model:
-        gw_args += ["--tokenizer", s.model]
-    gateway = Child("gateway", gw_args, f"http://{host}:{s.gateway_port}", logs / "gateway.log", env=member_env)
-    return cp, caches, shards, gateway
+    gateways = []
+    for i, zone in enumerate(zones):
+        port = s.gateway_port + i
+        name = "gateway" if i == 0 else f"gateway-{zone}"
+        gw_args = ["gateway", "--host", host, "--port", str(port), "--registry-url", registry,
+                   "--keys-file", str(state / "keys.yaml"), "--max-model-len", str(s.max_model_len),
+                   "--state-dir", str(state / name), "--usage-db", usage_db,
+                   "--session-keys-file", str(state / "session_keys"), "--node-id", f"{name}-{port}",
+                   "--zone", zone]
+        if s.engine == "synthetic":
+            gw_args += ["--tokenizer", "whitespace", "--model-name", "synthetic"]
+        elif s.model:
+            gw_args += ["--tokenizer", s.model]
+        gateways.append(Child(name, gw_args, f"http://{host}:{port}", logs / f"{name}.log", env=member_env))
+    return cp, caches, shards, gateways
 
 
 def _shard_flags(s: UpSettings, threads: int) -> list[str]:
@@ -317,12 +348,13 @@ def main(argv: list[str] | None = None) -> None:
         except ModelNotAvailable as exc:
             raise SystemExit(f"switchboard up: {exc}") from None
     creds = _credentials(state)
-    cp, caches, shards, gateway = plan(s, state, str(creds["admin_token"]), str(creds["cluster_token"]))
+    cp, caches, shards, gateways = plan(s, state, str(creds["admin_token"]), str(creds["cluster_token"]))
+    gateway = gateways[0]
     prometheus = prometheus_child(s, state, cp) if s.prometheus else None
     console = console_child(s, state, cp, gateway, str(creds["admin_token"])) if s.console else None
     if prometheus is not None:
         cp.args += ["--prometheus", prometheus.url]
-    order = [cp, *caches, *shards, gateway] + [c for c in (prometheus, console) if c is not None]
+    order = [cp, *caches, *shards, *gateways] + [c for c in (prometheus, console) if c is not None]
     supervisor = Supervisor(order)
     try:
         print(f"[switchboard] starting control plane, {len(caches)} cache nodes, {len(shards)} shards, gateway...",
@@ -333,8 +365,9 @@ def main(argv: list[str] | None = None) -> None:
             c.start()
         _wait_healthy(caches, 30, "cache nodes")
         _wait_healthy(shards, 300, "loading the model")
-        gateway.start()
-        _wait_healthy([gateway], 120, "gateway")
+        for g in gateways:
+            g.start()
+        _wait_healthy(gateways, 120, "gateway")
         if s.autoscale:
             print(f"[switchboard] the autoscaler starts {s.min_replicas} shard(s) (up to {s.max_replicas})...",
                   flush=True)
@@ -350,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException:
         supervisor.shutdown()
         raise
-    _banner(s, creds, cp, caches, shards, gateway, state)
+    _banner(s, creds, cp, caches, shards, gateways, state)
     supervisor.run()
 
 
@@ -366,18 +399,22 @@ def _wait_routable(url: str, shards: int, timeout: float) -> bool:
     return False
 
 
-def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: list[Child], gateway: Child,
-            state: Path) -> None:
+def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: list[Child],
+            gateways: list[Child], state: Path) -> None:
     keys = creds["keys"]
+    gateway = gateways[0]
+    zones = s.zones or [DEFAULT_ZONE]
     model = "synthetic" if s.engine == "synthetic" else None
     lines = [
         "",
         "Switchboard is up.",
         "",
-        f"  chat API (OpenAI-compatible)  {gateway.url}/v1",
+        f"  chat API (OpenAI-compatible)  {gateway.url}/v1" + (f"   (zone {zones[0]})" if s.zones else ""),
+        *[f"  chat API, zone {zone:<14}  {g.url}/v1" for zone, g in zip(zones[1:], gateways[1:])],
         f"  control plane / admin API     {cp.url}   (admin token below)",
         *([f"  admin console                 http://{s.host}:{s.console_port}"] if s.console else []),
-        *[f"  {c.name:<28}  {c.url}" for c in shards + caches],
+        *[f"  {c.name:<28}  {c.url}" + (f"   (zone {c.args[c.args.index('--zone') + 1]})" if s.zones else "")
+          for c in shards + caches],
         *([f"  shards                        autoscaled, {s.min_replicas}..{s.max_replicas} (console: Autoscaler)"]
           if s.autoscale else []),
         *([f"  prometheus                    {s.host}:{s.prometheus_port}  (alerts: /alerts)"]

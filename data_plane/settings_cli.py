@@ -38,7 +38,8 @@ def parse_settings(cls: type[S], argv: list[str] | None, prog: str, description:
     for name, field in cls.model_fields.items():
         flag = "--" + name.replace("_", "-")
         env = (prefix + name).upper()
-        help_text = f"{field.description or ''} [env {env}; default {field.default!r}]"
+        default = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
+        help_text = f"{field.description or ''} [env {env}; default {default!r}]"
         annotation = field.annotation
         if annotation is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
