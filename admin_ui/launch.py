@@ -56,8 +56,15 @@ def command(argv: list[str] | None = None) -> list[str]:
         "--client.toolbarMode", "minimal",
         "--theme.base", "light",
         "--theme.primaryColor", PRIMARY_COLOR,  # blue: red stays the colour of trouble
+        *tls_flags(),
         "--", *app_args,
     ]
+
+
+def tls_flags() -> list[str]:
+    """Streamlit's own TLS flags when the platform runs on TLS (the variables of data_plane/tls.py)."""
+    cert, key = os.environ.get("SWITCHBOARD_TLS_CERT"), os.environ.get("SWITCHBOARD_TLS_KEY")
+    return ["--server.sslCertFile", cert, "--server.sslKeyFile", key] if cert and key else []
 
 
 def main(argv: list[str] | None = None) -> None:

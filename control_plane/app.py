@@ -41,6 +41,7 @@ from control_plane.usage import build_usage_router
 from control_plane.zones import ZoneMetrics, ZoneWatch, build_zones_router
 from data_plane.errors import install_error_handlers
 from data_plane.hop_auth import cluster_headers, guarded
+from data_plane.tls import TlsConfig
 from data_plane.ledger_http import default_usage_db
 from data_plane.ledger_sql import open_ledger_store
 from data_plane.membership_consul import token_from_env
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         access_log=settings.access_log,
         timeout_graceful_shutdown=settings.shutdown_grace_s,
         log_config=None,  # keep the process's logging setup
+        **TlsConfig.from_env().uvicorn_kwargs(),
     )
     server = _Server(config, app.state.registry, app.state.state_index)
     if settings.admin_token is None:

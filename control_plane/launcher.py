@@ -40,6 +40,7 @@ from data_plane.http_server import free_port
 from data_plane.membership import CLUSTER_TOKEN_ENV
 from data_plane.placement import DEFAULT_ZONE, ZONE_PATTERN
 from data_plane.settings_cli import parse_settings
+from data_plane.tls import make_dev_pki
 
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 
@@ -71,6 +72,7 @@ class UpSettings(BaseSettings):
     min_replicas: int = Field(1, ge=1, le=64, description="With --autoscale: fewest shards.")
     max_replicas: int = Field(4, ge=1, le=64, description="With --autoscale: most shards.")
     usage_db: str | None = Field(None, description="Usage ledger database for gateways and control plane (default: sqlite in --state-dir; postgresql://... to share).")
+    tls: bool = Field(False, description="Run every listener and hop on TLS with a local CA and certificate made in STATE_DIR/tls.")
     zones: list[str] = Field(default_factory=list, description=(
         "Zones to spread the processes over, e.g. a,b: shards and cache nodes round-robin (at least one of each "
         "per zone), one gateway per zone on --gateway-port, +1, ... (default: one zone, 'local')."))
@@ -348,10 +350,17 @@ def main(argv: list[str] | None = None) -> None:
         except ModelNotAvailable as exc:
             raise SystemExit(f"switchboard up: {exc}") from None
     creds = _credentials(state)
+    if s.tls:  # every child inherits it: listen with the certificate, verify peers with the CA
+        os.environ.update(make_dev_pki(state / "tls", tuple(dict.fromkeys((s.host, "127.0.0.1", "localhost")))).env())
     cp, caches, shards, gateways = plan(s, state, str(creds["admin_token"]), str(creds["cluster_token"]))
     gateway = gateways[0]
+    if s.tls:
+        for child in (cp, *caches, *shards, *gateways):
+            _https(child)
     prometheus = prometheus_child(s, state, cp) if s.prometheus else None
     console = console_child(s, state, cp, gateway, str(creds["admin_token"])) if s.console else None
+    if s.tls and console is not None:
+        _https(console)
     if prometheus is not None:
         cp.args += ["--prometheus", prometheus.url]
     order = [cp, *caches, *shards, *gateways] + [c for c in (prometheus, console) if c is not None]
@@ -385,6 +394,12 @@ def main(argv: list[str] | None = None) -> None:
         raise
     _banner(s, creds, cp, caches, shards, gateways, state)
     supervisor.run()
+
+
+def _https(child: Child) -> None:
+    """The child's own URL and the URLs in its flags (the registry's) on https."""
+    child.url = child.url.replace("http://", "https://", 1)
+    child.args = [a.replace("http://", "https://") for a in child.args]
 
 
 def _wait_routable(url: str, shards: int, timeout: float) -> bool:

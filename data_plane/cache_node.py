@@ -58,6 +58,7 @@ from data_plane.errors import (
 )
 from data_plane.hop_auth import cluster_token_from_env, guarded, require_cluster_token
 from data_plane.membership_factory import MEMBERSHIP_URL_PATTERN, membership_from_url
+from data_plane.tls import TlsConfig
 from data_plane.placement import DEFAULT_ZONE, ZONE_PATTERN
 from data_plane.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
 
@@ -106,7 +107,7 @@ class CacheNodeSettings(BaseSettings):
 
     @property
     def url(self) -> str:
-        return self.advertise_url or f"http://{self.host}:{self.port}"
+        return self.advertise_url or f"{TlsConfig.from_env().scheme}://{self.host}:{self.port}"
 
 
 # -- wire schemas ---------------------------------------------------------------------------
@@ -413,4 +414,5 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(settings, cluster_token=cluster_token_from_env())
     from data_plane.http_server import GuardedHttpProtocol
 
-    uvicorn.run(app, host=settings.host, port=settings.port, access_log=False, http=GuardedHttpProtocol)
+    uvicorn.run(app, host=settings.host, port=settings.port, access_log=False, http=GuardedHttpProtocol,
+                **TlsConfig.from_env().uvicorn_kwargs())

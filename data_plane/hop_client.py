@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ssl
 import time
 from collections.abc import Callable
 from typing import Self
@@ -280,6 +281,10 @@ class HopPool:
         self.max_idle_per_host = max_idle_per_host
         self._idle: dict[tuple[str, int], collections.deque[_Connection]] = {}
         self._targets: dict[str, tuple[str, int, bytes]] = {}
+        self._tls: set[tuple[str, int]] = set()
+        """Targets reached over TLS (``https://`` members), verified with `ssl.create_default_context()`
+        (the CA bundle in SSL_CERT_FILE, data_plane/tls.py)."""
+        self._ssl: ssl.SSLContext | None = None
         self._closed = False
         self._watched: set[_Connection] = set()
         self._sweeper: asyncio.TimerHandle | None = None
@@ -309,7 +314,7 @@ class HopPool:
             conn = self._take((host, port))
             reused = conn is not None
             if conn is None:
-                conn = await self._connect(host, port)
+                conn = await self._connect(host, port, (host, port) in self._tls)
                 self._on_event("opened")
             else:
                 self._on_event("reused")
@@ -360,25 +365,34 @@ class HopPool:
         target = self._targets.get(base_url)
         if target is None:
             parts = urlsplit(base_url)
-            if parts.scheme != "http" or not parts.hostname:
-                raise HopConnectError(f"unsupported URL {base_url!r} (http://host:port expected)")
-            port = parts.port or 80
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise HopConnectError(f"unsupported URL {base_url!r} (http(s)://host:port expected)")
+            port = parts.port or (443 if parts.scheme == "https" else 80)
             target = (parts.hostname, port, f"{parts.hostname}:{port}".encode("idna"))
+            if parts.scheme == "https":
+                self._tls.add((parts.hostname, port))
             if len(self._targets) > 4096:
                 self._targets.clear()
             self._targets[base_url] = target
         return target
 
-    async def _connect(self, host: str, port: int) -> _Connection:
+    async def _connect(self, host: str, port: int, tls: bool = False) -> _Connection:
         if self._closed:
             raise HopConnectError("the pool is closed")
         loop = asyncio.get_running_loop()
+        if tls and self._ssl is None:
+            self._ssl = ssl.create_default_context()  # verifies the peer against SSL_CERT_FILE / system CAs
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                _, conn = await loop.create_connection(lambda: _Connection(self, (host, port)), host, port)
+                _, conn = await loop.create_connection(lambda: _Connection(self, (host, port)), host, port,
+                                                       ssl=self._ssl if tls else None,
+                                                       server_hostname=host if tls else None)
         except TimeoutError:
             self._on_event("connect_error")
             raise HopConnectError(f"connecting to {host}:{port} timed out") from None
+        except ssl.SSLError as exc:  # an unverified peer, or a plain-HTTP one: refused
+            self._on_event("connect_error")
+            raise HopConnectError(f"TLS with {host}:{port} failed: {exc.reason or exc}") from None
         except OSError as exc:
             self._on_event("connect_error")
             raise HopConnectError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None

@@ -52,6 +52,7 @@ from data_plane.protocol import (
 )
 from data_plane.shard_metrics import MetricsListener, ShardMetrics
 from data_plane.hop_auth import cluster_token_from_env, guarded
+from data_plane.tls import TlsConfig
 from data_plane.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
             if settings.membership or settings.registry_url:
                 from data_plane.membership import Member
 
-                url = settings.advertise_url or f"http://{settings.host}:{settings.port}"
+                url = settings.advertise_url or f"{TlsConfig.from_env().scheme}://{settings.host}:{settings.port}"
                 member = Member(
                     id=settings.node_id or f"shard-{settings.host}-{settings.port}",
                     service="shard",
@@ -434,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
     from data_plane.http_server import GuardedHttpProtocol
 
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", timeout_graceful_shutdown=5,
-                http=GuardedHttpProtocol)
+                http=GuardedHttpProtocol, **TlsConfig.from_env().uvicorn_kwargs())
 
 
 if __name__ == "__main__":
