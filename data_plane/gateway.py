@@ -196,8 +196,7 @@ def create_app(gw: Gateway) -> GatewayApp:
                           on_event=lambda event: hop_events[event].inc())
         gw.upstream = Upstream(gw.router, gw.pool, UpstreamConfig(
             connect_timeout_s=settings.connect_timeout_s, first_token_timeout_s=settings.first_token_timeout_s,
-            idle_timeout_s=settings.idle_timeout_s, silence_timeout_s=settings.silence_timeout_s,
-            retries=settings.retries, resumes=settings.resumes))
+            idle_timeout_s=settings.idle_timeout_s, retries=settings.retries, resumes=settings.resumes))
         keys = Keyring.from_settings(keys_file=settings.session_keys_file, keys_env=settings.session_keys,
                                      cluster_token=cluster_token_from_env())
         log.info("session transcripts are encrypted at rest (AES-256-GCM, key %s, %s)", keys.current, keys.source)
@@ -211,7 +210,8 @@ def create_app(gw: Gateway) -> GatewayApp:
         if new_agent is not None:
             agent = new_agent(Member(
                 id=settings.node_id or f"gateway-{settings.host}-{settings.port}", service="gateway",
-                url=f"{TlsConfig.from_env().scheme}://{settings.host}:{settings.port}", meta={"zone": settings.zone}), 2.0)
+                url=f"{TlsConfig.from_env().scheme}://{settings.host}:{settings.port}",
+                meta={"zone": settings.zone}), 2.0)
             await agent.start()
         # Everything built so far lives as long as the process: move it out of the cyclic GC's
         # sight, so a full collection walks per-request garbage only (p99, not just CPU).
