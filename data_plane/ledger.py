@@ -128,8 +128,10 @@ class Spool:
     """Append-only segment files (`<ns>-<pid>.jsonl`) in one directory, owned by one process
     (an flock on `lock`; a second gateway pointed at the same directory refuses to start)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *, remove_when_empty: bool = False) -> None:
+        """`remove_when_empty`: a folder of its own (auto-named), removed on close if nothing is left."""
         self.folder = folder
+        self.remove_when_empty = remove_when_empty
         folder.mkdir(parents=True, exist_ok=True)
         self._lock_fd = os.open(folder / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -188,6 +190,10 @@ class Spool:
 
     def close(self) -> None:
         self.rotate()
+        if self.remove_when_empty and not self.segments():
+            with contextlib.suppress(OSError):
+                (self.folder / "lock").unlink()
+                self.folder.rmdir()
         os.close(self._lock_fd)
 
 
@@ -334,7 +340,8 @@ def open_ledger(store: LedgerStore, registry: CollectorRegistry, *, gateway: str
     """The gateway's ledger: its own spool folder under `state_dir/ledger-spool/` (adopting the
     orphans of dead gateways there), unless `spool_dir` names one."""
     if spool_dir is None:
-        spool = Spool(state_dir / "ledger-spool" / f"{gateway}-{os.getpid()}-{os.urandom(3).hex()}")
+        spool = Spool(state_dir / "ledger-spool" / f"{gateway}-{os.getpid()}-{os.urandom(3).hex()}",
+                      remove_when_empty=True)
         adopted = spool.adopt_orphans()
         if adopted:
             log.info("usage ledger: adopted %d spool segments left by gateways that died", adopted)
