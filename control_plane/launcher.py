@@ -287,6 +287,12 @@ def prometheus_child(s: UpSettings, state: Path, cp: Child) -> Child | None:
                                                     "refresh_interval": "5s"}]}
             for service, job in SCRAPE_JOBS.items()],
     }
+    ca = os.environ.get("SSL_CERT_FILE")
+    if cp.url.startswith("https://") and ca:  # --tls: scrape and discover over https, verified with our CA
+        for job in config["scrape_configs"]:
+            job.update(scheme="https", tls_config={"ca_file": ca})
+            for sd in job.get("http_sd_configs", []):
+                sd["tls_config"] = {"ca_file": ca}
     (folder / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
     url = f"http://{s.host}:{s.prometheus_port}"
     return Child("prometheus", [], url, state / "logs" / "prometheus.log", health="/-/ready", command=[
