@@ -160,6 +160,28 @@ async def throughput(http: httpx.AsyncClient, url: str, args: argparse.Namespace
             "cached_tokens": sum(t.cached_tokens for t in ok), "prompt_tokens": sum(t.prompt_tokens for t in ok)}
 
 
+def shard_sums(url: str) -> dict[str, float]:
+    """The shard's TTFT and prefill-time histogram sums and counts (its own view, without the
+    gateway's hops and output hold-back)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        for name in ("vllm:time_to_first_token_seconds", "vllm:request_prefill_time_seconds"):
+            for part in ("_sum", "_count"):
+                if line.startswith(name + part + "{"):
+                    out[name + part] = out.get(name + part, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def engine_view(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    view = {}
+    for name, key in (("vllm:time_to_first_token_seconds", "engine_ttft_mean_ms"),
+                      ("vllm:request_prefill_time_seconds", "engine_prefill_mean_ms")):
+        n = d.get(name + "_count", 0.0)
+        view[key] = 1000 * d.get(name + "_sum", 0.0) / n if n else float("nan")
+    return view
+
+
 class Stack:
     """One shard (prefix caching on or off), one cache node and one gateway, on loopback."""
 
@@ -190,6 +212,7 @@ class Stack:
 async def measure(args: argparse.Namespace, stacks: dict[str, Stack]) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     raw: dict[str, list[dict[str, Any]]] = {}
+    engine: dict[str, dict[str, float]] = {}
     async with httpx.AsyncClient(timeout=600) as http:
         for system, stack in stacks.items():  # warm-up: lazy imports, first kernels
             t = Turn(-1, -1)
@@ -201,11 +224,13 @@ async def measure(args: argparse.Namespace, stacks: dict[str, Stack]) -> dict[st
         for system, stack in stacks.items():
             t0 = time.perf_counter()
             load0 = os.getloadavg()[0]
+            sums = shard_sums(stack.shard.url)
             convs = await asyncio.gather(*(conversation(http, stack.gateway.url, c, args)
                                            for c in range(args.conversations)))
             turns = [t for conv in convs for t in conv]
             raw[system] = [t.__dict__ for t in turns]
             rows += turn_rows(system, turns)
+            engine[system] = engine_view(sums, shard_sums(stack.shard.url))
             print(f"{system}: {len(turns)} turns in {time.perf_counter() - t0:.0f} s "
                   f"(load {load0:.2f} -> {os.getloadavg()[0]:.2f}), errors: "
                   f"{sum(1 for t in turns if t.error)}", flush=True)
@@ -215,7 +240,7 @@ async def measure(args: argparse.Namespace, stacks: dict[str, Stack]) -> dict[st
         for r, systems in enumerate(rounds):
             for system in systems:
                 tput[system].append(await throughput(http, stacks[system].gateway.url, args, r))
-    return {"rows": rows, "throughput": tput, "turns": raw}
+    return {"rows": rows, "throughput": tput, "turns": raw, "engine": engine}
 
 
 def summary(result: dict[str, Any]) -> dict[str, Any]:
@@ -233,9 +258,13 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
         ideal = sum(r["ideal_hit_rate"] * r["history_tokens"] for r in on)
         out["follow_up_hit_rate"] = hit / sum(r["history_tokens"] for r in on)
         out["hit_rate_vs_ideal"] = hit / ideal if ideal else None
+    eng = result.get("engine", {})
+    if "on" in eng and "off" in eng:
+        out["engine_ttft_mean_ms"] = {s: v["engine_ttft_mean_ms"] for s, v in eng.items()}
+        out["engine_ttft_mean_speedup"] = eng["off"]["engine_ttft_mean_ms"] / eng["on"]["engine_ttft_mean_ms"]
     tput = result["throughput"]
-    if "on" in tput and "off" in tput:
-        med = {s: sorted(x["output_tok_s"] for x in v)[len(v) // 2] for s, v in tput.items()}
+    if tput.get("on") and tput.get("off"):
+        med = {s: sorted(x["output_tok_s"] for x in v)[len(v) // 2] for s, v in tput.items() if v}
         out["zero_hit_output_tok_s"] = med
         out["zero_hit_on_over_off"] = med["on"] / med["off"]
         out["zero_hit_cached_tokens_on"] = sum(x["cached_tokens"] for x in tput["on"])

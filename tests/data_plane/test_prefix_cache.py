@@ -5,6 +5,7 @@ lengths, and under a budget small enough to evict all the time)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 
 import httpx
@@ -100,11 +101,12 @@ async def _all_at_once(url: str, prompts: list[list[dict[str, str]]], max_tokens
 @pytest.fixture(scope="module")
 def reuse_shards():
     """A shard without prefix caching, and one whose budget holds only 12 blocks (it evicts all
-    the time), both float32."""
+    the time, and marks SYSTEM public), both float32."""
     off = Service(["shard", "--dtype", "float32", "--max-num-seqs", "12", "--prefix-caching", "off"],
                   ready_timeout=180)
     tiny = Service(["shard", "--dtype", "float32", "--max-num-seqs", "12",
-                    "--prefix-cache-bytes", str(12 * 737280)], ready_timeout=180)
+                    "--prefix-cache-bytes", str(12 * 737280), "--kv-public-prefix", json.dumps([SYSTEM])],
+                   ready_timeout=180)
     off.start(wait=False)
     tiny.start(wait=False)
     try:
@@ -132,3 +134,21 @@ def test_greedy_output_is_identical_with_and_without_reuse(fp32_shard: Service, 
         assert solo_warm == reference and batched == reference
     assert metric(tiny.url, "switchboard_shard_prefix_cache_evictions_total", 'reason="capacity"') > 0
     assert metric(off.url, "vllm:prefix_cache_hits_total") == 0
+
+
+@pytest.mark.slow
+def test_an_operator_marked_public_system_prompt_is_shared_across_tenants(reuse_shards) -> None:
+    _, shard = reuse_shards
+    tag = uuid.uuid4().hex
+    first = ask(shard.url, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Hi {tag}"}], "a")
+    other = ask(shard.url, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Yo {tag}"}], "b")
+    private = ask(shard.url, [{"role": "system", "content": SYSTEM + " Be terse."},
+                              {"role": "user", "content": f"Hi {tag}"}], "a")
+    same = ask(shard.url, [{"role": "system", "content": SYSTEM + " Be terse."},
+                           {"role": "user", "content": f"Hi {tag}"}], "b")
+    # Tenant b reuses the public system prompt's blocks, and only those (its question is salted);
+    # tenant a found them too if an earlier test left them (public means shared).
+    assert BLOCK <= cached(other) <= first["usage"]["prompt_tokens"] - BLOCK
+    assert cached(first) in (0, cached(other))
+    # A system prompt that is not marked public is not shared: b gets nothing of a's.
+    assert cached(private) == 0 and cached(same) == 0
