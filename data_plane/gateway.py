@@ -196,7 +196,8 @@ def create_app(gw: Gateway) -> GatewayApp:
                           on_event=lambda event: hop_events[event].inc())
         gw.upstream = Upstream(gw.router, gw.pool, UpstreamConfig(
             connect_timeout_s=settings.connect_timeout_s, first_token_timeout_s=settings.first_token_timeout_s,
-            idle_timeout_s=settings.idle_timeout_s, retries=settings.retries, resumes=settings.resumes))
+            idle_timeout_s=settings.idle_timeout_s, silence_timeout_s=settings.silence_timeout_s,
+            retries=settings.retries, resumes=settings.resumes))
         keys = Keyring.from_settings(keys_file=settings.session_keys_file, keys_env=settings.session_keys,
                                      cluster_token=cluster_token_from_env())
         log.info("session transcripts are encrypted at rest (AES-256-GCM, key %s, %s)", keys.current, keys.source)

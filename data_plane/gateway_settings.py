@@ -40,6 +40,8 @@ class GatewaySettings(BaseSettings):
     connect_timeout_s: float = Field(2.0, gt=0, description="Connect timeout to a shard.")
     first_token_timeout_s: float = Field(60.0, gt=0, description="Send-to-first-token timeout per attempt.")
     idle_timeout_s: float = Field(30.0, gt=0, description="Longest pause between streamed tokens.")
+    silence_timeout_s: float = Field(2.0, gt=0, le=600, description=(
+        "A shard that announces SSE keep-alives and sends nothing for this long has failed: retry or resume elsewhere."))
     retries: int = Field(1, ge=0, le=3, description="Retries on another shard before the first token.")
     resumes: int = Field(2, ge=0, le=5, description="Mid-stream failovers per request (resume on another shard).")
     eject_after: int = Field(3, ge=1, description="Consecutive failures that eject a shard.")

@@ -39,6 +39,7 @@ from data_plane.errors import (
     install_error_handlers,
 )
 from data_plane.membership_factory import MEMBERSHIP_URL_PATTERN, membership_from_url
+from data_plane.keepalive import KEEPALIVE_COMMENT, KEEPALIVE_META, with_keepalives
 from data_plane.placement import DEFAULT_ZONE, ZONE_PATTERN
 from data_plane.protocol import (
     ChatCompletionRequest,
@@ -82,6 +83,9 @@ class ShardSettings(BaseSettings):
                                    description="Membership URL, e.g. consul://127.0.0.1:8500 (wins over --registry-url).")
     node_id: str | None = Field(None, description="Member id (default shard-HOST-PORT).")
     zone: str = Field(DEFAULT_ZONE, pattern=ZONE_PATTERN, description="Zone (failure domain) this shard runs in.")
+    keepalive_s: float = Field(0.5, ge=0, le=60, description=(
+        "Send an SSE keep-alive comment after this long without output, so gateways tell a slow shard from a "
+        "dead one in ~2 s (0 = never; announced in membership)."))
     registration_ttl_s: float = Field(0.8, gt=0.1, le=300, description="Membership TTL; a dead shard leaves routing within it.")
     advertise_url: str | None = Field(None, description="URL others use to reach this shard.")
     synthetic_token_delay_ms: float = Field(0.0, ge=0, le=10000, description="Synthetic engine: delay per token.")
@@ -170,7 +174,8 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
                     url=url,
                     meta={"model": engine.model_name, "engine": settings.engine,
                           "max_num_seqs": str(settings.max_num_seqs),
-                          "max_model_len": str(engine.max_model_len), "zone": settings.zone},
+                          "max_model_len": str(engine.max_model_len), "zone": settings.zone,
+                          **({KEEPALIVE_META: f"{settings.keepalive_s:g}"} if settings.keepalive_s else {})},
                 )
                 _, new_agent = membership_from_url(settings.membership or settings.registry_url or "", http, ())
                 agent = new_agent(member, settings.registration_ttl_s)
@@ -260,7 +265,8 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-            return StreamingResponse(run.sse(outputs, include_usage, continuous), media_type="text/event-stream",
+            return StreamingResponse(run.sse(outputs, include_usage, continuous, settings.keepalive_s),
+                                     media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         body = await run.collect(outputs, request)
         return JSONResponse(body, headers=headers)
@@ -384,7 +390,7 @@ class _Run:
                                created=self.created)
 
     async def sse(self, outputs: AsyncIterator[GenerationOutput], include_usage: bool,
-                  continuous_usage: bool = False) -> AsyncIterator[bytes]:
+                  continuous_usage: bool = False, keepalive_s: float = 0.0) -> AsyncIterator[bytes]:
         model = self.state.engine.model_name
         last: GenerationOutput | None = None
 
@@ -395,7 +401,11 @@ class _Run:
         error = None
         try:
             yield event(chunk_body(**common, delta={"role": "assistant", "content": ""}))
-            async for out in outputs:
+            stream = with_keepalives(outputs, keepalive_s) if keepalive_s else outputs
+            async for out in stream:
+                if out is None:  # nothing from the engine for keepalive_s: tell the gateway we are alive
+                    yield KEEPALIVE_COMMENT
+                    continue
                 last = out
                 if out.text:
                     so_far = None

@@ -44,6 +44,7 @@ from data_plane.hop_client import (
     HopResponse,
     HopTimeout,
 )
+from data_plane.keepalive import KEEPALIVE_META
 from data_plane.membership import Member
 from data_plane.router import Router
 
@@ -66,6 +67,10 @@ class UpstreamConfig:
     """From sending the request to the first token (includes the shard's queue)."""
     idle_timeout_s: float = 30.0
     """Longest gap between two events once streaming."""
+    silence_timeout_s: float = 2.0
+    """For a shard that announces SSE keep-alives (meta ``keepalive_s``, data_plane/keepalive.py): the
+    longest it may send nothing at all, before or after its first token, before the attempt fails
+    over (a dead host, process or link). Used instead of the idle timeout for those shards."""
     retries: int = 1
     """Extra attempts on other shards for failures before the first token."""
     resumes: int = 2
@@ -162,7 +167,7 @@ class ShardStream:
                     lines = await self._response.lines(self._idle)
                 except HopTimeout:
                     self._router.report_failure(self.member, "stream_idle")
-                    raise UpstreamTimeout(f"the shard stopped streaming for {self._idle:.0f} s") from None
+                    raise UpstreamTimeout(f"the shard stopped streaming for {self._idle:g} s") from None
                 except HopError as exc:
                     self._router.report_failure(self.member, "stream_broken")
                     raise UpstreamError(f"the shard's stream broke: {exc}") from None
@@ -240,10 +245,11 @@ class Upstream:
         response: HopResponse | None = None
         loop = asyncio.get_running_loop()
         first_token_by = loop.time() + cfg.first_token_timeout_s
+        silence = cfg.silence_timeout_s if KEEPALIVE_META in member.meta else None
         try:
             try:
-                response = await self.pool.post(member.url, CHAT_PATH, payload, headers,
-                                                timeout=min(cfg.headers_timeout_s, cfg.first_token_timeout_s))
+                response = await self.pool.post(member.url, CHAT_PATH, payload, headers, timeout=min(
+                    cfg.headers_timeout_s, cfg.first_token_timeout_s, silence or cfg.headers_timeout_s))
             except HopTimeout:
                 raise _Retryable("timeout", UpstreamTimeout("a shard did not answer in time", retry_after=2)) from None
             if response.status != 200:
@@ -255,7 +261,14 @@ class Upstream:
                     remaining = first_token_by - loop.time()
                     if remaining <= 0:
                         raise HopTimeout("no first token")
-                    lines = await response.lines(remaining)
+                    try:
+                        lines = await response.lines(min(remaining, silence) if silence else remaining)
+                    except HopTimeout:
+                        if silence and first_token_by - loop.time() > 0:
+                            raise _Retryable("silent", UpstreamTimeout(
+                                f"a shard sent nothing, not even a keep-alive, for {silence:g} s",
+                                retry_after=2)) from None
+                        raise
                     if not lines:
                         raise _Retryable("empty_stream", UpstreamError("a shard closed the stream before any token"))
                     for line in lines:
@@ -281,7 +294,7 @@ class Upstream:
             raise
         self.router.report_success(member)
         span.set_attribute("switchboard.attempts", attempt)
-        return ShardStream(member, response, first, leases, self.router, cfg.idle_timeout_s, attempt)
+        return ShardStream(member, response, first, leases, self.router, silence or cfg.idle_timeout_s, attempt)
 
     async def _refuse(self, member: Member, response: HopResponse, leases: ExitStack) -> NoReturn:
         """A non-200 answer: the shard's own error, retried elsewhere if it is the shard's fault."""
