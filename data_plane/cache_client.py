@@ -7,7 +7,14 @@
     await store.aclose()
 
 Placement: the healthy ``cache`` members form a :class:`~data_plane.hashring.HashRing` (rebuilt
-when membership changes); a session lives on the first ``replicas`` nodes of its preference list.
+when membership changes); a session lives on ``replicas`` nodes chosen along its preference list,
+one per zone first (data_plane/placement.py: a paid session's two copies sit in different zones,
+a free session in the gateway's own zone), and reads ask the local zone's copy first.
+
+- When nodes join the placement (a zone that comes back, a restarted node), the sessions saved
+  through this store lately (up to ``MAX_RECENT``) that now place a replica on them are copied
+  there in the background, so a paid session that is not read again still regains its second
+  copy. Older sessions are repaired on their next read (below).
 
 - ``load`` asks those nodes in ring order; the first one that has the record wins. Read-repair
   then runs in the background (tracked, so :meth:`SessionStore.drain` can wait for it): replicas
@@ -66,6 +73,9 @@ SESSION_ID_PATTERN = r"[A-Za-z0-9_.:-]{1,128}"
 _SESSION_ID_RE = re.compile(SESSION_ID_PATTERN)
 CACHE_SERVICE = "cache"
 MAX_SUSPECTS = 10_000
+MAX_RECENT = 10_000
+"""Sessions saved here lately that a returning node or zone gets back in the background (bounded LRU)."""
+REPAIR_CONCURRENCY = 8
 CLOCK_SLACK_S = 5.0
 """Records written this soon after a placement change (node and gateway clocks may differ) are
 treated as possibly written under the old placement."""
@@ -238,6 +248,11 @@ class SessionStore:
         self._repairs: set[asyncio.Task[None]] = set()
         self._suspects: OrderedDict[str, None] = OrderedDict()
         """Sessions whose last save here missed a replica (bounded, oldest forgotten first)."""
+        self._recent: OrderedDict[str, int] = OrderedDict()
+        """Sessions saved here lately -> their replica count: what a node that joins is repaired with."""
+        self._rejoined: set[str] = set()
+        """Node ids added to the placement whose background repair has not run yet."""
+        self._placement_repair: asyncio.Task[None] | None = None
 
     # -- public API -------------------------------------------------------------------------
 
@@ -294,6 +309,11 @@ class SessionStore:
             )
             acks = sum(1 for r in results if r.result == "ok")
             span.set_attribute("switchboard.session.acks", acks)
+            if acks:
+                self._recent[session_id] = replicas
+                self._recent.move_to_end(session_id)
+                if len(self._recent) > MAX_RECENT:
+                    self._recent.popitem(last=False)
             if 0 < acks < len(targets):
                 self._suspects[session_id] = None  # a replica missed this write: check it on the next read
                 if len(self._suspects) > MAX_SUSPECTS:
@@ -325,6 +345,9 @@ class SessionStore:
             raise Overloaded("no healthy cache nodes", code="cache_unavailable", retry_after=1)
         key = tuple((m.id, m.url, m.zone) for m in members)
         if key != self._placement.key:
+            added = {m.id for m in members} - set(self._placement.by_id)
+            if added and self._placement.key:  # a node (or a zone) joined or came back
+                self._schedule_placement_repair(added)
             self._placement = _Placement(
                 key, HashRing((m.id for m in members), self._vnodes), {m.id: m for m in members},
                 zone_of={m.id: m.zone for m in members},
@@ -335,9 +358,53 @@ class SessionStore:
         return [placement.by_id[i] for i in local_first(ids, placement.zone_of, self._zone)]
 
     async def drain(self) -> None:
-        """Wait for every read-repair started so far."""
+        """Wait for every read-repair (and background placement repair) started so far."""
         while self._repairs:
             await asyncio.gather(*list(self._repairs), return_exceptions=True)
+
+    def _schedule_placement_repair(self, added: set[str]) -> None:
+        """Give nodes that joined the sessions saved here lately that now place a replica on them: read
+        repair alone would leave a paid session that is not read again with one copy after a zone returns."""
+        self._rejoined |= added
+        if self._placement_repair is None or self._placement_repair.done():
+            task = asyncio.get_running_loop().create_task(self._repair_placement(), name="session-placement-repair")
+            self._placement_repair = task
+            self._repairs.add(task)
+            task.add_done_callback(self._repairs.discard)
+
+    async def _repair_placement(self) -> None:
+        await asyncio.sleep(0)  # let the request that noticed the change go on first
+        while self._rejoined:
+            added, self._rejoined = self._rejoined, set()
+            sessions = list(self._recent.items())
+            gate = asyncio.Semaphore(REPAIR_CONCURRENCY)
+            written = 0
+
+            async def one(session_id: str, replicas: int) -> None:
+                nonlocal written
+                try:
+                    targets = self.replicas_for(session_id, replicas)
+                except Overloaded:
+                    return
+                fresh = [m for m in targets if m.id in added]
+                sources = [m for m in targets if m.id not in added]
+                if not fresh or not sources:
+                    return
+                async with gate:
+                    for source in sources:
+                        kind, transcript = await self._fetch(source, session_id)
+                        if kind == "hit" and transcript is not None:
+                            done = await asyncio.gather(*(self._repair_one(m, transcript, checked=False)
+                                                          for m in fresh))
+                            written += sum(done)
+                            return
+
+            with tracer.start_as_current_span("cache.placement_repair") as span:
+                await asyncio.gather(*(one(sid, n) for sid, n in sessions))
+                span.set_attribute("switchboard.session.repair_candidates", len(sessions))
+                span.set_attribute("switchboard.session.repaired", written)
+            log.info("background repair after %s joined: %d session(s) checked, %d replica(s) written",
+                     ", ".join(sorted(added)), len(sessions), written)
 
     async def aclose(self) -> None:
         """Cancel pending read-repairs (they are best-effort)."""
@@ -458,14 +525,15 @@ class SessionStore:
             )
             span.set_attribute("switchboard.session.repair_candidates", len(missing) + len(unchecked))
 
-    async def _repair_one(self, member: Member, transcript: Transcript, *, checked: bool) -> None:
+    async def _repair_one(self, member: Member, transcript: Transcript, *, checked: bool) -> bool:
+        """Write `transcript` to `member` unless it holds it already; True if it was written."""
         if not checked:
             kind, current = await self._fetch(member, transcript.session_id)
             if kind == "error" or (current is not None and current.version >= transcript.version):
-                return
+                return False
         ttl = transcript.ttl_left(time.time())
         if ttl is not None and ttl <= 0:
-            return
+            return False
         r = await self._put(member, transcript, ttl, keep_updated_at=True)
         result = r.result if r.result in ("ok", "stale") else "error"
         self.metrics.ops.labels("repair", result).inc()
@@ -473,6 +541,7 @@ class SessionStore:
             self.metrics.repairs.inc()
         else:
             log.info("read-repair onto %s: %s", member.id, result)
+        return result == "ok"
 
 
 def _json_or_none(raw: bytes) -> Any:

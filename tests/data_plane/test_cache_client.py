@@ -208,3 +208,33 @@ async def test_steady_reads_ask_one_replica_and_a_missed_write_is_checked(
     finally:
         for n in nodes:
             n.stop()
+
+
+class ChangingView:
+    """A membership view whose members the test changes (a zone leaving and coming back)."""
+
+    def __init__(self, members: list[Member]) -> None:
+        self.now = members
+
+    def members(self, service: str) -> list[Member]:
+        return [m for m in self.now if m.service == service]
+
+
+async def test_a_zone_that_comes_back_gets_recent_sessions_in_the_background(trio: list[NodeProcess]) -> None:
+    """Read repair alone would leave paid sessions saved during an outage with one copy until read."""
+    registry = CollectorRegistry()
+    zoned = [Member(id=f"cache-{n.port}", service="cache", url=n.url, meta={"zone": z}) for n, z in zip(trio, "ab")]
+    view = ChangingView(zoned[:1])  # zone b is away
+    async with HopPool() as http:
+        store = SessionStore(view, http, registry=registry, zone="a")
+        for i in range(5):
+            assert await store.save(f"away-{i}", "key-a", MESSAGES, version=1, replicas=2, ttl_s=60) == 1
+        assert holders(trio[:2], "away-0") == {zoned[0].id}
+        view.now = zoned  # zone b is back
+        assert {m.zone for m in store.replicas_for("any-request", 2)} == {"a", "b"}  # the next request notices
+        await store.drain()
+        for i in range(5):
+            assert holders(trio[:2], f"away-{i}") == {zoned[0].id, zoned[1].id}, i
+        assert registry.get_sample_value("switchboard_session_replica_repairs_total") == 5
+        got = await store.load("away-3", "key-a", replicas=2)
+        assert got is not None and list(got.messages) == MESSAGES
