@@ -333,6 +333,8 @@ class ChatHandler:
                 stream = await gw.upstream.open_resumable(body, self.session_id)
                 route_span.set_attribute("switchboard.shard", stream.member.id)
                 route_span.set_attribute("switchboard.attempts", stream.attempts)
+                if gw.router is not None:  # kv_aware routing: this session's KV will be on that shard
+                    gw.router.observe_kv(self.session_id, stream.member.id, window.prompt_tokens)
         except BaseException:
             gw.metrics.inflight.labels(tier.name).dec()
             raise

@@ -9,7 +9,9 @@
 Policies (by name, :data:`POLICIES`): a request with a session goes to its shard on a
 consistent-hash ring with bounded loads (no shard above ``ceil((1+eps) * mean)``
 outstanding), so its prefix stays warm where possible; one without a session takes the
-less loaded of two random shards (least outstanding requests).
+less loaded of two random shards (least outstanding requests). ``kv_aware``
+(data_plane/kv_routing.py) weighs the shard holding the session's KV against the ring's choice:
+expected cached tokens against load, with session affinity as the case where they agree.
 
 Health is passive, Envoy-style outlier detection: ``eject_after`` consecutive failures
 eject a shard for ``eject_s`` (doubling on repeat, capped); when that expires the shard is
@@ -55,6 +57,10 @@ class RouterMetrics:
                             registry=registry)
         self.outstanding = Gauge("switchboard_router_outstanding_requests",
                                  "Requests in flight from this router to shards.", registry=registry)
+        self.kv_decisions = Counter("switchboard_router_kv_decisions",
+                                    "kv_aware routing of session turns by outcome (holder: where its KV is; ring: "
+                                    "no known KV; holder_overloaded: recomputed elsewhere).", ["outcome"],
+                                    registry=registry)
         self.zone_decisions = Counter(
             "switchboard_router_zone_decisions",
             "Routing decisions where the healthy shards span zones, by locality: local (own zone), spill "
@@ -95,6 +101,10 @@ class AffinityPolicy:
         chosen = self._ring.bounded_load_choice(session_id, loads, self.epsilon)
         return next(m for m in candidates if m.id == chosen)
 
+    def load_cap(self, loads: dict[str, int]) -> int:
+        """The bounded-load cap over the ring's current nodes (after a choose with a session)."""
+        return self._ring.load_cap(loads, self.epsilon) if self._ring is not None else 1 << 30
+
 
 class LeastLoadedPolicy:
     """Power of two choices on outstanding requests."""
@@ -111,9 +121,16 @@ class LeastLoadedPolicy:
         return a if loads.get(a.id, 0) <= loads.get(b.id, 0) else b
 
 
+def _kv_aware(eps: float, rng: random.Random) -> Policy:
+    from data_plane.kv_routing import KVAwarePolicy
+
+    return KVAwarePolicy(eps, rng)
+
+
 POLICIES: dict[str, Callable[[float, random.Random], Policy]] = {
     "affinity": lambda eps, rng: AffinityPolicy(eps, rng),
     "least_loaded": lambda eps, rng: LeastLoadedPolicy(rng),
+    "kv_aware": _kv_aware,
 }
 
 
@@ -184,7 +201,18 @@ class Router:
             healthy = self._zone_candidates(healthy)
         chosen = self.policy.choose(healthy, session_id, self._loads)
         self.metrics.decisions.labels(self.policy.name if session_id else "least_loaded").inc()
+        outcome = getattr(self.policy, "last_outcome", None)
+        if session_id and outcome is not None:
+            self.metrics.kv_decisions.labels(outcome).inc()
+            trace.get_current_span().set_attribute("switchboard.router.expected_cached_tokens",
+                                                   getattr(self.policy, "last_expected_cached", 0))
         return chosen
+
+    def observe_kv(self, session_id: str | None, member_id: str, tokens: int) -> None:
+        """A session's turn was routed to `member_id` with `tokens` of prompt: its KV will be there."""
+        observe = getattr(self.policy, "observe", None)
+        if session_id and observe is not None:
+            observe(session_id, member_id, tokens)
 
     def _zone_candidates(self, healthy: list[Member]) -> list[Member]:
         zone_of = {m.id: m.zone for m in healthy}
