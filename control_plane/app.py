@@ -204,7 +204,7 @@ def parse_settings(argv: list[str] | None) -> ControlPlaneSettings:
     parser.add_argument("--degradation-lower-dwell-gauge", dest="degradation_lower_dwell_gauge_s", type=float,
                         help="seconds of calm before lowering a level a queue gauge or a pin raised (default 10)")
     parser.add_argument("--degradation-raise-queue-time", dest="degradation_raise_queue_time_s", type=float,
-                        help="queue time p95 above which the ladder rises, with a queue (default 1)")
+                        help="queue time p95 above which the ladder rises, with a queue (default 2)")
     add_autoscaler_flags(parser)
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if v is not None}

@@ -87,7 +87,7 @@ class PolicyConfig:
     """Requests waiting for a batch slot per shard that the fleet is sized for."""
     ttft_slo_s: float = 2.0
     """Time-to-first-token p95 objective, seconds, held against TTFT beyond prefill."""
-    target_queue_time_s: float = 0.5
+    target_queue_time_s: float = 1.0
     """Queue time p95 (admission wait + shard queue), seconds, that the fleet is sized for."""
     busy_batch_usage: float = 0.75
     """Batch usage (running / slots) from which the fleet is under pressure without a queue."""
@@ -567,7 +567,7 @@ def add_autoscaler_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-replicas", type=int, help="most shards (default 4)")
     g.add_argument("--target-waiting-per-shard", type=float, help="queue per shard to size for (default 2)")
     g.add_argument("--ttft-slo-s", type=float, help="TTFT p95 objective, s (default 2), held against TTFT beyond prefill")
-    g.add_argument("--target-queue-time-s", type=float, help="queue time p95 to size for, s (default 0.5)")
+    g.add_argument("--target-queue-time-s", type=float, help="queue time p95 to size for, s (default 1)")
     g.add_argument("--scale-up-cooldown-s", type=float, help="s after a scaling before scaling up (15)")
     g.add_argument("--scale-down-cooldown-s", type=float, help="s after a scaling before scaling down (120)")
     g.add_argument("--autoscale-interval-s", type=float, help="s between decisions (default 5)")

@@ -11,7 +11,7 @@ by attribute, so a renamed field is a type error, not a silent calm):
 | cause | signal | hot above | calm below | needs pressure | dwell down |
 |---|---|---|---|---|---|
 | ``waiting`` | ``waiting_per_shard`` | 8 | 2 | no (it is the queue) | gauge (10 s) |
-| ``queue_time`` | ``queue_time_p95_s`` | 1 s | 0.25 s | yes | window (30 s) |
+| ``queue_time`` | ``queue_time_p95_s`` | 2 s (the SLO) | 0.5 s | yes | window (30 s) |
 | ``ttft_excess`` | ``ttft_excess_p95_s`` | SLO x 1.0 | SLO x 0.5 | yes | window (30 s) |
 | ``error_rate`` | ``error_rate`` | 10 % | 2 % | yes | window (30 s) |
 | ``kv_usage`` | ``kv_usage`` | 97 % | 85 % | no (it is utilisation) | gauge (10 s) |
@@ -56,9 +56,10 @@ class LadderConfig:
     """Hot when TTFT beyond prefill (p95) > SLO x this (under pressure)."""
     lower_ttft_ratio: float = 0.5
     """Calm needs TTFT beyond prefill (p95) < SLO x this."""
-    raise_queue_time_s: float = 1.0
-    """Hot when time waiting for a slot (p95, admission + shard queue) exceeds this (under pressure)."""
-    lower_queue_time_s: float = 0.25
+    raise_queue_time_s: float = 2.0
+    """Hot when time waiting for a slot (p95, admission + shard queue) exceeds this (under pressure):
+    by default the TTFT SLO, i.e. queueing alone would miss it."""
+    lower_queue_time_s: float = 0.5
     """Calm needs the queue time p95 below this."""
     raise_waiting_per_shard: float = 8.0
     """Hot when requests waiting per healthy shard exceed this."""

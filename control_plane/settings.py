@@ -88,7 +88,7 @@ class ControlPlaneSettings(BaseSettings):
     raised by a windowed figure (queue time p95, TTFT beyond prefill, error rate)."""
     degradation_lower_dwell_gauge_s: float = Field(default=10.0, ge=0.0, le=3600.0)
     """The same for a level raised by a gauge (waiting per shard, KV usage) or pinned by an operator."""
-    degradation_raise_queue_time_s: float = Field(default=1.0, gt=0.0, le=600.0)
+    degradation_raise_queue_time_s: float = Field(default=2.0, gt=0.5, le=600.0)
     """Queue time p95 (admission wait + shard queue) above which the ladder rises (with a queue)."""
 
     # -- signals and autoscaling (control_plane/signals.py, autoscaler.py, actuators/) ----------
@@ -109,7 +109,7 @@ class ControlPlaneSettings(BaseSettings):
     ttft_slo_s: float = Field(default=2.0, gt=0.0, le=3600.0)
     """Time-to-first-token p95 objective, seconds (also the degradation ladder's); scaling and the
     ladder hold it against TTFT *beyond prefill*, never raw TTFT (which grows with the prompt)."""
-    target_queue_time_s: float = Field(default=0.5, gt=0.0, le=600.0)
+    target_queue_time_s: float = Field(default=1.0, gt=0.0, le=600.0)
     """Queue time p95 (admission wait + shard queue) the fleet is sized for; above it (with a
     queue or busy batches) the autoscaler scales out."""
     scale_up_cooldown_s: float = Field(default=15.0, ge=0.0, le=86400.0)

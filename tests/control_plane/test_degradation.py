@@ -97,18 +97,18 @@ def test_assess_classifies_with_hysteresis_band() -> None:
     assert assess(None, CONFIG).verdict == "incomplete"
     # no data in a latency dimension (no requests in the window) is no pressure, not a zero
     assert assess(signals(ttft=None, excess=None, queue=None, errors=None), CONFIG).verdict == "calm"
-    assert "queue_time_p95 3.00s > 1.00s" in assess(HOT, CONFIG).reasons[0]
+    assert "queue_time_p95 3.00s > 2.00s" in assess(HOT, CONFIG).reasons[0]
 
 
 def test_a_long_prompt_is_not_overload() -> None:
     """Raw TTFT over the SLO from prefill alone never moves the ladder; nor does any latency figure
     while there is no queue and the batches are not busy (the tail of a window, a slow prompt)."""
     assert assess(LONG_PROMPT, CONFIG).verdict == "calm"
-    idle_but_slow = signals(ttft=4.0, excess=3.0, queue=2.0, errors=0.5, batch=0.1)
+    idle_but_slow = signals(ttft=4.0, excess=3.0, queue=2.5, errors=0.5, batch=0.1)
     a = assess(idle_but_slow, CONFIG)
     assert a.verdict == "hold" and "not overload" in a.reasons[0]
     # the same figures with a queue are overload
-    assert assess(signals(ttft=4.0, excess=3.0, queue=2.0, waiting=0.5), CONFIG).verdict == "hot"
+    assert assess(signals(ttft=4.0, excess=3.0, queue=2.5, waiting=0.5), CONFIG).verdict == "hot"
     assert assess(signals(ttft=4.0, excess=3.0, queue=0.0, batch=0.8), CONFIG).verdict == "hot"
     ladder, _, _, clock = make()
     for _ in range(60):  # 10 minutes of one long conversation
@@ -213,7 +213,7 @@ def test_recovery_dwell_matches_the_cause_that_raised_the_level() -> None:
     event = ladder.observe(CALM)
     assert event is not None and event["to"] == 0
     clock.advance(10)
-    ladder.observe(signals(queue=2.0, waiting=1.0))  # raised by queue time p95
+    ladder.observe(signals(queue=2.5, waiting=1.0))  # raised by queue time p95
     assert ladder.level == 1 and ladder.snapshot()["automatic"]["lower_dwell_s"] == 30.0
     ladder.observe(CALM)
     clock.advance(29)
