@@ -9,7 +9,9 @@
     switchboard model prepare           # convert the default model once
 
 Each subcommand's module owns its flags (`main(argv)`); they are imported lazily so that
-`switchboard cache-node` never pays for importing torch.
+`switchboard cache-node` never pays for importing torch. Every subcommand also takes
+`--tls-cert FILE --tls-key FILE --ca-bundle FILE` (TLS on its listeners, peers verified with the
+bundle: data_plane/tls.py).
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    dispatch("switchboard", COMMANDS, argv)
+    import sys
+
+    from data_plane.tls import take_tls_flags
+
+    dispatch("switchboard", COMMANDS, take_tls_flags(list(sys.argv[1:] if argv is None else argv)))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from data_plane.http_server import free_port
 from data_plane.membership import CLUSTER_TOKEN_ENV
 from data_plane.placement import DEFAULT_ZONE, ZONE_PATTERN
 from data_plane.settings_cli import parse_settings
-from data_plane.tls import make_dev_pki
+from data_plane.tls import TlsConfig, make_dev_pki
 
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 
@@ -356,16 +356,17 @@ def main(argv: list[str] | None = None) -> None:
         except ModelNotAvailable as exc:
             raise SystemExit(f"switchboard up: {exc}") from None
     creds = _credentials(state)
-    if s.tls:  # every child inherits it: listen with the certificate, verify peers with the CA
+    tls = s.tls or TlsConfig.from_env().enabled  # --tls, or certificates given (--tls-cert/--tls-key)
+    if s.tls and not TlsConfig.from_env().enabled:  # every child inherits it: listen, and verify peers with the CA
         os.environ.update(make_dev_pki(state / "tls", tuple(dict.fromkeys((s.host, "127.0.0.1", "localhost")))).env())
     cp, caches, shards, gateways = plan(s, state, str(creds["admin_token"]), str(creds["cluster_token"]))
     gateway = gateways[0]
-    if s.tls:
+    if tls:
         for child in (cp, *caches, *shards, *gateways):
             _https(child)
     prometheus = prometheus_child(s, state, cp) if s.prometheus else None
     console = console_child(s, state, cp, gateway, str(creds["admin_token"])) if s.console else None
-    if s.tls and console is not None:
+    if tls and console is not None:
         _https(console)
     if prometheus is not None:
         cp.args += ["--prometheus", prometheus.url]

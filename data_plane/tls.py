@@ -1,6 +1,7 @@
 """TLS on every listener and every hop, configured once for all processes by environment.
 
     SWITCHBOARD_TLS_CERT=cert.pem SWITCHBOARD_TLS_KEY=key.pem SSL_CERT_FILE=ca.pem switchboard gateway ...
+    switchboard gateway --tls-cert cert.pem --tls-key key.pem --ca-bundle ca.pem ...   # the same, as flags
     switchboard up --tls                     # makes a local CA and a certificate, sets all three
 
     tls = TlsConfig.from_env()
@@ -29,6 +30,30 @@ TLS_KEY_ENV = "SWITCHBOARD_TLS_KEY"
 """Its PEM private key."""
 CA_BUNDLE_ENV = "SSL_CERT_FILE"
 """The CA bundle clients verify peers with (the standard OpenSSL / httpx variable)."""
+
+
+TLS_FLAGS = {"--tls-cert": TLS_CERT_ENV, "--tls-key": TLS_KEY_ENV, "--ca-bundle": CA_BUNDLE_ENV}
+"""Flags every `switchboard` subcommand accepts (taken off its argv by `take_tls_flags`)."""
+
+
+def take_tls_flags(argv: list[str]) -> list[str]:
+    """Remove the TLS flags from `argv` (``--tls-cert P`` or ``--tls-cert=P``), put them in the
+    environment (where every process reads them and its children inherit them); the rest is returned."""
+    rest: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        name, eq, value = arg.partition("=")
+        if name in TLS_FLAGS:
+            if not eq:
+                value = next(args, "")
+            if not value:
+                raise SystemExit(f"{name} needs a file")
+            if not Path(value).is_file():
+                raise SystemExit(f"{name}: no such file {value!r}")
+            os.environ[TLS_FLAGS[name]] = str(Path(value).resolve())
+        else:
+            rest.append(arg)
+    return rest
 
 
 @dataclass(frozen=True)

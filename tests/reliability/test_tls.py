@@ -9,6 +9,7 @@ client and a peer the CA did not sign are refused.
 from __future__ import annotations
 
 import asyncio
+import os
 import ssl
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,7 +119,6 @@ def test_the_hop_client_refuses_a_peer_the_ca_did_not_sign(tls_cluster: dict, tm
 
 def test_switchboard_up_tls_runs_the_platform_on_tls(tmp_path: Path) -> None:
     import json
-    import os
     import signal
     import subprocess
     import sys
@@ -158,3 +158,23 @@ def test_switchboard_up_tls_runs_the_platform_on_tls(tmp_path: Path) -> None:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_tls_flags_on_any_subcommand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--tls-cert/--tls-key/--ca-bundle` work on every subcommand (taken off argv by the `switchboard`
+    entry point, data_plane/tls.py take_tls_flags)."""
+    from data_plane.tls import TLS_CERT_ENV, TLS_FLAGS, take_tls_flags
+
+    pki = make_dev_pki(tmp_path / "pki")
+    for env in TLS_FLAGS.values():  # restored after the test, whatever take_tls_flags writes
+        monkeypatch.setenv(env, "")
+    rest = take_tls_flags(["--port", "1", f"--tls-cert={pki.cert}", "--tls-key", str(pki.key), "--ca-bundle",
+                           str(pki.ca)])
+    assert rest == ["--port", "1"] and os.environ[TLS_CERT_ENV] == str(pki.cert)
+    with pytest.raises(SystemExit):
+        take_tls_flags(["--tls-key", str(tmp_path / "missing.pem")])
+    monkeypatch.setenv(TLS_CERT_ENV, "")
+    node = TlsService(["cache-node", "--tls-cert", str(pki.cert), "--tls-key", str(pki.key)],
+                      {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_TLS_")})
+    with node:
+        assert httpx.get(node.url + "/health").status_code == 200
