@@ -343,6 +343,19 @@ class SessionStore:
         members = self._membership.members(self._service)
         if not members:
             raise Overloaded("no healthy cache nodes", code="cache_unavailable", retry_after=1)
+        placement = self._refresh_placement(members)
+        ids = replicas_across_zones(placement.ring.walk(session_id), max(1, replicas), placement.zone_of,
+                                    local=self._zone)
+        return [placement.by_id[i] for i in local_first(ids, placement.zone_of, self._zone)]
+
+    def on_membership_change(self) -> None:
+        """Subscribed to the membership view: a node that joins gets its background repair at once,
+        not at the next session request."""
+        members = self._membership.members(self._service)
+        if members:
+            self._refresh_placement(members)
+
+    def _refresh_placement(self, members: list[Member]) -> _Placement:
         key = tuple((m.id, m.url, m.zone) for m in members)
         if key != self._placement.key:
             added = {m.id for m in members} - set(self._placement.by_id)
@@ -352,10 +365,7 @@ class SessionStore:
                 key, HashRing((m.id for m in members), self._vnodes), {m.id: m for m in members},
                 zone_of={m.id: m.zone for m in members},
             )
-        placement = self._placement
-        ids = replicas_across_zones(placement.ring.walk(session_id), max(1, replicas), placement.zone_of,
-                                    local=self._zone)
-        return [placement.by_id[i] for i in local_first(ids, placement.zone_of, self._zone)]
+        return self._placement
 
     async def drain(self) -> None:
         """Wait for every read-repair (and background placement repair) started so far."""

@@ -204,6 +204,8 @@ def create_app(gw: Gateway) -> GatewayApp:
         gw.sessions = SessionStore(gw.membership, gw.pool, registry=gw.registry,
                                    sealer=TranscriptSealer(keys, SealMetrics(gw.registry)),
                                    headers=cluster_headers(cluster_token_from_env()), zone=settings.zone)
+        if watcher is not None:
+            watcher.subscribe(gw.sessions.on_membership_change)  # a rejoining node is repaired at once
         gw.ledger = ledger_from_settings(settings, gw.registry)
         if gw.ledger is not None:
             await gw.ledger.start()

@@ -44,6 +44,10 @@ class WatchedMembership(MembershipView, Protocol):
         """False while the registry cannot be reached (routing goes on with the last list)."""
         ...
 
+    def subscribe(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` in the event loop after each change of the view."""
+        ...
+
 
 class Registrar(Protocol):
     """Keeps one process registered: ``start`` in the lifespan, ``aclose`` (deregister) on shutdown."""

@@ -2,8 +2,7 @@
 
     sudo .venv/bin/python -m pytest tests/reliability/test_many_hosts.py -q -s     # ~6 s
 
-Skips unless the run is root and ``ip netns`` works. The layout (ADDR is a 10.X/16 block no route or
-address on this machine uses, X from the pid so concurrent runs do not collide)::
+Skips unless the run is root and ``ip netns`` works (tests/reliability/netns.py makes the hosts)::
 
     root namespace                                    netns <prefix>-h1 / -h2 ("hosts")
       veth  <p>cp   ADDR.0.1/32   control plane         <p>h1n  ADDR.1.2/30   shard-h1 (binds here)
@@ -21,8 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 
@@ -32,80 +29,13 @@ import pytest
 from tests.cluster import ADMIN_TOKEN, KEYS, api_keys_env
 from tests.procs import Service
 from tests.reliability.common import chat, eventually, metric, report
+from tests.reliability.netns import Hosts
 
-PID = os.getpid()
-
-
-def _free_block() -> str:
-    """A 10.X/16 block (X in 200..249, starting from the pid) that no route or address here uses."""
-    used = ""
-    for cmd in (["ip", "-4", "route", "show", "table", "all"], ["ip", "-4", "addr"]):
-        used += subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=10).stdout
-    for i in range(50):
-        block = f"10.{200 + (PID + i) % 50}"
-        if f" {block}." not in used and f"\n{block}." not in used and not used.startswith(block + "."):
-            return block
-    return ""
-
-
-ADDR = _free_block() if shutil.which("ip") else ""
-P = f"sb{PID % 100000}"  # interface names stay under 15 characters
-NETNS = {n: f"{P}-h{n}" for n in (1, 2)}
+HOSTS = Hosts(f"sb{os.getpid() % 100000}", [1, 2])
+ADDR = HOSTS.addr
+NETNS = HOSTS.netns
 CLIENT_TIMEOUT_S = 10.0
 """How long a client waits for an answer during the cut; a slower answer counts as a failure."""
-
-
-def ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
-    cmd = (["ip", "netns", "exec", ns, "ip"] if ns else ["ip"]) + list(args)
-    return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=10)
-
-
-def _can_netns() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (ip netns)"
-    if shutil.which("ip") is None:
-        return "no `ip` command"
-    if not ADDR:
-        return "no free 10.200-249.0.0/16 block for the test hosts"
-    probe = f"{P}-probe"
-    if ip("netns", "add", probe, check=False).returncode != 0:
-        return "ip netns add failed (no CAP_SYS_ADMIN / netns support)"
-    ip("netns", "del", probe, check=False)
-    return None
-
-
-def _teardown() -> None:
-    for ns in NETNS.values():
-        ip("netns", "del", ns, check=False)  # takes its veth ends, and so their peers, with it
-    ip("link", "del", f"{P}cp", check=False)
-    for n in NETNS:
-        ip("link", "del", f"{P}h{n}r", check=False)
-    ip("route", "del", "unreachable", f"{ADDR}.0.0/16", check=False)
-
-
-def _setup() -> None:
-    ip("route", "add", "unreachable", f"{ADDR}.0.0/16")
-    # The control plane's address lives on a veth pair kept in the root namespace (a stand-in for a
-    # dummy device, whose module this kernel may lack), so no host's link carries it.
-    ip("link", "add", f"{P}cp", "type", "veth", "peer", "name", f"{P}cq")
-    ip("addr", "add", f"{ADDR}.0.1/32", "dev", f"{P}cp")
-    ip("link", "set", f"{P}cp", "up")
-    ip("link", "set", f"{P}cq", "up")
-    for n, ns in NETNS.items():
-        root_end, host_end = f"{P}h{n}r", f"{P}h{n}n"
-        ip("netns", "add", ns)
-        ip("link", "add", root_end, "type", "veth", "peer", "name", host_end)
-        ip("link", "set", host_end, "netns", ns)
-        ip("addr", "add", f"{ADDR}.{n}.1/30", "dev", root_end)
-        ip("link", "set", root_end, "up")
-        ip("link", "set", "lo", "up", ns=ns)
-        ip("addr", "add", f"{ADDR}.{n}.2/30", "dev", host_end, ns=ns)
-        ip("link", "set", host_end, "up", ns=ns)
-        _route_to_control_plane(n)
-
-
-def _route_to_control_plane(n: int) -> None:
-    ip("route", "replace", f"{ADDR}.0.1/32", "via", f"{ADDR}.{n}.1", ns=NETNS[n])
 
 
 class HostShard(Service):
@@ -128,21 +58,20 @@ class HostShard(Service):
                 f"shard-h{n}",
             ]
         )
-        self.args = ["ip", "netns", "exec", NETNS[n], *self.args]
+        self.args = HOSTS.wrap(n, self.args)
         self.url = f"http://{self.addr}:{self.port}"
 
 
 @pytest.fixture()
 def hosts() -> Iterator[None]:
-    why = _can_netns()
+    why = HOSTS.unavailable()
     if why:
         pytest.skip(why)
-    _teardown()  # leftovers of an interrupted run with the same pid
     try:
-        _setup()
+        HOSTS.setup()
         yield
     finally:
-        _teardown()
+        HOSTS.teardown()
 
 
 def _shards_seen(gw: Service) -> float:
@@ -171,7 +100,7 @@ def test_a_cut_host_leaves_routing_and_rejoins_when_its_link_returns(hosts: None
 
         # Cut host 1: its NIC goes down; the gateway's calls to it and its heartbeats are dropped.
         # Meanwhile clients keep asking, 10 a second for 5 s, each willing to wait CLIENT_TIMEOUT_S.
-        ip("link", "set", f"{P}h1n", "down", ns=NETNS[1])
+        HOSTS.cut(1)
         t_cut = time.monotonic()
         left: list[float] = []
 
@@ -212,8 +141,7 @@ def test_a_cut_host_leaves_routing_and_rejoins_when_its_link_returns(hosts: None
         h2_before = metric(shards[1].url, "vllm:request_success_total")
 
         # Restore: the link comes back (its routes with it), the shard's next heartbeat re-registers it.
-        ip("link", "set", f"{P}h1n", "up", ns=NETNS[1])
-        _route_to_control_plane(1)
+        HOSTS.restore(1)
         t_up = time.monotonic()
         rejoin_s = eventually(lambda: _shards_seen(gw) == 2, 10.0, what="cut host rejoining")
         h1_before = metric(shards[0].url, "vllm:request_success_total")
