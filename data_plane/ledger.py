@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -128,10 +129,13 @@ class Spool:
     """Append-only segment files (`<ns>-<pid>.jsonl`) in one directory, owned by one process
     (an flock on `lock`; a second gateway pointed at the same directory refuses to start)."""
 
-    def __init__(self, folder: Path, *, remove_when_empty: bool = False) -> None:
-        """`remove_when_empty`: a folder of its own (auto-named), removed on close if nothing is left."""
+    def __init__(self, folder: Path, *, remove_when_empty: bool = False, target: str = "") -> None:
+        """`remove_when_empty`: a folder of its own (auto-named), removed on close if nothing is left.
+        `target`: which database the records are for (a digest of its URL), so only spools bound for
+        the same database are adopted."""
         self.folder = folder
         self.remove_when_empty = remove_when_empty
+        self.target = target
         folder.mkdir(parents=True, exist_ok=True)
         self._lock_fd = os.open(folder / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -143,6 +147,7 @@ class Spool:
         self._fd: int | None = None
         self._path: Path | None = None
         self._count = 0
+        (folder / "target").write_text(target)
 
     def adopt_orphans(self) -> int:
         """Move into this spool the segments of sibling spools no live process holds (a gateway
@@ -157,10 +162,13 @@ class Spool:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if _read(other / "target") != self.target:
+                    continue  # bound for another database: left for a gateway that writes there
                 for segment in sorted(other.glob("*.jsonl")):
                     segment.rename(self.folder / segment.name)
                     moved += 1
-                (other / "lock").unlink()
+                for name in ("lock", "target"):
+                    (other / name).unlink(missing_ok=True)
                 other.rmdir()
             except OSError:  # held by a live gateway, or another one adopted it first
                 pass
@@ -192,9 +200,17 @@ class Spool:
         self.rotate()
         if self.remove_when_empty and not self.segments():
             with contextlib.suppress(OSError):
-                (self.folder / "lock").unlink()
+                for name in ("lock", "target"):
+                    (self.folder / name).unlink(missing_ok=True)
                 self.folder.rmdir()
         os.close(self._lock_fd)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
 
 
 def read_segment(path: Path) -> list[tuple[Any, ...]]:
@@ -341,7 +357,7 @@ def open_ledger(store: LedgerStore, registry: CollectorRegistry, *, gateway: str
     orphans of dead gateways there), unless `spool_dir` names one."""
     if spool_dir is None:
         spool = Spool(state_dir / "ledger-spool" / f"{gateway}-{os.getpid()}-{os.urandom(3).hex()}",
-                      remove_when_empty=True)
+                      remove_when_empty=True, target=hashlib.sha256(store.url.encode()).hexdigest()[:16])
         adopted = spool.adopt_orphans()
         if adopted:
             log.info("usage ledger: adopted %d spool segments left by gateways that died", adopted)

@@ -127,9 +127,12 @@ def test_a_spool_has_one_owner_and_orphans_are_adopted(tmp_path: Path) -> None:
     dead = Spool(tmp_path / "b")
     dead.append(b'{"x": 1}\n')
     dead.close()  # released, as a kill -9 releases it
+    elsewhere = Spool(tmp_path / "d", target="another-db")
+    elsewhere.append(b'{"x": 2}\n')
+    elsewhere.close()
     mine = Spool(tmp_path / "c")
-    assert mine.adopt_orphans() == 1  # b's segment; a is held
-    assert (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert mine.adopt_orphans() == 1  # b's segment; a is held, d is bound for another database
+    assert (tmp_path / "a").exists() and not (tmp_path / "b").exists() and (tmp_path / "d").exists()
     assert len(mine.segments()) == 1
     live.close()
     mine.close()
