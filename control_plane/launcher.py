@@ -278,7 +278,7 @@ def prometheus_child(s: UpSettings, state: Path, cp: Child) -> Child | None:
         return None
     folder = state / "prometheus"
     (folder / "data").mkdir(parents=True, exist_ok=True)
-    config = {
+    config: dict[str, Any] = {
         "global": {"scrape_interval": "5s", "evaluation_interval": "5s"},
         "rule_files": [str(p) for p in sorted(ALERTS_DIR.glob("*.rules.yaml"))],
         "scrape_configs": [{"job_name": "switchboard-control-plane", "static_configs": [

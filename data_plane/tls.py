@@ -23,6 +23,7 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 TLS_CERT_ENV = "SWITCHBOARD_TLS_CERT"
 """PEM certificate (chain) every listener of this process presents."""
@@ -76,7 +77,8 @@ class TlsConfig:
     def scheme(self) -> str:
         return "https" if self.enabled else "http"
 
-    def uvicorn_kwargs(self) -> dict[str, str]:
+    def uvicorn_kwargs(self) -> dict[str, Any]:
+        """``ssl_certfile`` / ``ssl_keyfile`` for uvicorn.run or uvicorn.Config ({} without TLS)."""
         return {"ssl_certfile": self.cert, "ssl_keyfile": self.key} if self.cert and self.key else {}
 
 
