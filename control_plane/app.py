@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
+from control_plane.actuators.local import LocalActuator
 from control_plane.admin_api import AdminContext, bearer_guard, build_admin_router
 from control_plane.autoscaler import add_autoscaler_flags, build_autoscaler
 from control_plane.degradation import DegradationController, DegradationMetrics, ladder_config
@@ -96,6 +97,9 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
         await zones.start()
         if autoscaler is not None:
             await autoscaler.start(app.state.signal_source, http)
+            zones.on_down(autoscaler.replace_lost)  # replacements in the surviving zones
+            if isinstance(autoscaler.actuator, LocalActuator):  # it tags the shards it starts with a zone
+                autoscaler.actuator.zone_for_new = zones.zone_for_new_shard
         try:
             yield
         finally:

@@ -422,6 +422,33 @@ class Autoscaler:
         reason, outcome, inputs}`` (inputs: the aggregate signals plus ``current``)."""
         return [e.to_dict() for e in self._log]
 
+    async def replace_lost(self, zone: str, lost: int) -> dict[str, Any]:
+        """A zone lost `lost` shards (control_plane/zones.py): ask the actuator for as many more, up to
+        the maximum, at once and whatever the cooldowns; a local actuator starts them in a live zone.
+        The usual target tracking scales the surplus back down once the zone returns."""
+        assert self.actuator is not None, "start() first"
+        with tracer.start_as_current_span("autoscaler.zone_down") as span:
+            try:
+                current = await self.actuator.current()
+            except (ActuatorError, httpx.HTTPError, OSError) as exc:
+                entry = self._record("error", "read_failed", None, None, f"cannot read state: {exc}", {}, "error")
+                self._emit(span, entry)
+                return entry.to_dict()
+            desired = min(self.policy.config.max_replicas, current + max(0, lost))
+            reason = (f"zone {zone} lost {lost} shard(s): {desired - current} replacement(s) in the surviving zones"
+                      + ("" if desired - current == lost else f" (capped by max_replicas {desired})"))
+            outcome = "-"
+            if desired > current:
+                try:
+                    await self.actuator.scale_to(desired, reason)
+                    outcome = "ok"
+                except ActuatorError as exc:
+                    outcome = f"error: {exc}"
+            entry = self._record("scale_up" if desired > current else "hold", "zone_down", current, desired, reason,
+                                 {"current": current, "zone": zone, "lost": lost}, outcome)
+            self._emit(span, entry)
+            return entry.to_dict()
+
     async def _run(self) -> None:
         while True:
             try:

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from fastapi import APIRouter
@@ -82,12 +82,28 @@ class ZoneWatch:
         self._since: dict[str, float] = {}
         self._events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
         self._task: asyncio.Task[None] | None = None
+        self._on_down: list[Callable[[str, int], Awaitable[Any]]] = []
+        self._reactions: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> None:
         self.tick()
         self._task = asyncio.create_task(self._loop(), name="zone-watch")
 
+    def on_down(self, callback: Callable[[str, int], Awaitable[Any]]) -> None:
+        """Call ``await callback(zone, shards_lost)`` when a zone goes down (e.g. the autoscaler's
+        ``replace_lost``); run as a task, its failure logged."""
+        self._on_down.append(callback)
+
+    def zone_for_new_shard(self) -> str | None:
+        """Where a new shard should go: the named zone that is up with the fewest passing shards (ties
+        by name); None while no named zone is up (the default zone needs no ``--zone``)."""
+        up = [(per.get("shard", 0), zone) for zone, per in self._counts.items()
+              if self._state.get(zone) == "up" and zone != DEFAULT_ZONE]
+        return min(up)[1] if up else None
+
     async def aclose(self) -> None:
+        for task in list(self._reactions):
+            task.cancel()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -134,15 +150,32 @@ class ZoneWatch:
         if before in (None, "no_shards"):
             return  # first sight, or a zone's first shard: not an outage or a recovery
         if state == "down":
-            reason = (f"zone {zone} has no passing shard (caches {per.get('cache', 0)}, "
+            lost = self._counts.get(zone, {}).get("shard", 0)
+            reason = (f"zone {zone} has no passing shard (it had {lost}; caches {per.get('cache', 0)}, "
                       f"gateways {per.get('gateway', 0)}); gateways route to the other zones")
             log.warning("zone %s is DOWN: %s", zone, reason)
+            for callback in self._on_down:
+                self._react(callback, zone, lost)
         else:
             reason = f"zone {zone} has {per.get('shard', 0)} passing shard(s) again"
             log.info("zone %s is up: %s", zone, reason)
         self._events.append({"at": now, "zone": zone, "state": state, "previous": before, "reason": reason})
         if self._metrics is not None:
             self._metrics.transitions.labels(zone, state).inc()
+
+    def _react(self, callback: Callable[[str, int], Awaitable[Any]], zone: str, lost: int) -> None:
+        async def run() -> None:
+            try:
+                await callback(zone, lost)
+            except Exception:  # a failed reaction must not end the watch
+                log.exception("reaction to zone %s going down failed", zone)
+
+        try:
+            task = asyncio.get_running_loop().create_task(run(), name=f"zone-down:{zone}")
+        except RuntimeError:  # no loop (a synchronous test of the rule): nothing to run it on
+            return
+        self._reactions.add(task)
+        task.add_done_callback(self._reactions.discard)
 
     def zones(self) -> list[dict[str, Any]]:
         return [{"zone": z, "state": self._state.get(z, "no_shards"), "since": self._since.get(z),

@@ -24,7 +24,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +79,8 @@ class LocalActuator:
         self._python = python
         self._shards: dict[str, _Shard] = {}
         self._drains: dict[str, asyncio.Task[None]] = {}
+        self.zone_for_new: Callable[[], str | None] | None = None
+        """Set by the control plane (ZoneWatch.zone_for_new_shard): the zone a new shard joins."""
 
     @classmethod
     def from_settings(cls, settings: Any, http: httpx.AsyncClient) -> LocalActuator:
@@ -161,6 +163,10 @@ class LocalActuator:
             member_id,
             *self._shard_args,
         ]
+        zone = self.zone_for_new() if self.zone_for_new is not None and "--zone" not in self._shard_args else None
+        if zone is not None:
+            args += ["--zone", zone]
+            log.info("starting %s in zone %s: %s", member_id, zone, reason)
         try:
             with open(log_path, "ab") as out:
                 proc = await asyncio.create_subprocess_exec(

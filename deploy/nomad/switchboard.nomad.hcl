@@ -116,6 +116,11 @@ job "switchboard" {
   }
 
   group "gateway" {
+    # one datacenter (zone) losing everything must not take every replica with it
+    spread {
+      attribute = "${node.datacenter}"
+    }
+
     count = 2
 
     network {
@@ -150,7 +155,8 @@ job "switchboard" {
           "--port", "${NOMAD_PORT_http}",
           "--membership", "consul://${attr.unique.network.ip-address}:8500",
           "--control-plane-url", "http://switchboard-control-plane.service.consul:8300",
-          "--node-id", "gateway-${NOMAD_ALLOC_ID}"
+          "--node-id", "gateway-${NOMAD_ALLOC_ID}",
+          "--zone", "${node.datacenter}"
         ]
       }
 
@@ -170,6 +176,11 @@ job "switchboard" {
   }
 
   group "cache" {
+    # one datacenter (zone) losing everything must not take every replica with it
+    spread {
+      attribute = "${node.datacenter}"
+    }
+
     count = 2
 
     network {
@@ -188,7 +199,8 @@ job "switchboard" {
           "--host", "${NOMAD_IP_http}",
           "--port", "${NOMAD_PORT_http}",
           "--membership", "consul://${attr.unique.network.ip-address}:8500",
-          "--node-id", "cache-${NOMAD_ALLOC_INDEX}"
+          "--node-id", "cache-${NOMAD_ALLOC_INDEX}",
+          "--zone", "${node.datacenter}"
         ]
       }
 
@@ -200,6 +212,11 @@ job "switchboard" {
   }
 
   group "shard" {
+    # one datacenter (zone) losing everything must not take every replica with it
+    spread {
+      attribute = "${node.datacenter}"
+    }
+
     count = 1
 
     # The autoscaler moves `count` within these bounds (Nomad refuses a scale request outside
@@ -222,6 +239,8 @@ job "switchboard" {
         url          = "http://${NOMAD_ADDR_http}"
         engine       = "${var.shard_engine}"
         max_num_seqs = "${var.shard_max_num_seqs}"
+        zone         = "${node.datacenter}"
+        keepalive_s  = "0.5"
       }
       check {
         type     = "http"
@@ -250,7 +269,8 @@ job "switchboard" {
           "--port", "${NOMAD_PORT_http}",
           "--engine", "${var.shard_engine}",
           "--max-num-seqs", "${var.shard_max_num_seqs}",
-          "--threads", "4"
+          "--threads", "4",
+          "--zone", "${node.datacenter}"
         ]
       }
 

@@ -473,6 +473,7 @@ _DUMMY = {
     "NOMAD_ALLOC_ID": "a1",
     "NOMAD_ALLOC_INDEX": "0",
     "attr.unique.network.ip-address": "10.0.0.1",
+    "node.datacenter": "dc1",
     "var.shard_engine": "torch",
     "var.shard_max_num_seqs": "16",
 }
@@ -543,3 +544,6 @@ def test_nomad_job_uses_real_flags_and_matches_the_nomad_actuator() -> None:
     )
     assert 'job "switchboard"' in hcl and 'group "shard"' in hcl
     assert settings["shard"].membership is None  # Nomad registers the shards in Consul itself
+    # every member knows its zone (the datacenter), and each group spreads over datacenters
+    assert {settings[c].zone for c in ("shard", "gateway", "cache-node")} == {"dc1"}
+    assert hcl.count('attribute = "${node.datacenter}"') >= 3 and 'zone         = "${node.datacenter}"' in hcl

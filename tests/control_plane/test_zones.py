@@ -92,3 +92,53 @@ def test_control_plane_reports_a_real_zone_going_down() -> None:
 def _zones(cp: Service, ok: Any) -> dict[str, Any] | None:
     body = httpx.get(cp.url + "/admin/v1/zones", headers=AUTH).json()
     return body if ok(body) else None
+
+
+def test_zone_for_new_shards_is_the_least_filled_live_zone() -> None:
+    listing = Listing()
+    watch = ZoneWatch(listing)
+    listing.members = [member("s-a1", "shard", "a"), member("s-a2", "shard", "a"), member("s-b", "shard", "b")]
+    watch.tick()
+    assert watch.zone_for_new_shard() == "b"
+    listing.members = [member("s-a1", "shard", "a")]  # b lost its shard: down
+    watch.tick()
+    assert watch.zone_for_new_shard() == "a"
+    solo = ZoneWatch(Listing())
+    solo._members.members = [member("s", "shard", None)]  # type: ignore[attr-defined]
+    solo.tick()
+    assert solo.zone_for_new_shard() is None  # one default zone: shards need no --zone
+
+
+def test_autoscaler_replaces_a_lost_zone_in_the_surviving_one(tmp_path) -> None:
+    """Real control plane, local actuator: zone a's shard dies -> a replacement starts in zone b."""
+    with Service(["control-plane", "--admin-token", ADMIN_TOKEN, "--autoscale", "--min-replicas", "1",
+                  "--max-replicas", "3", "--autoscale-interval-s", "0.5", "--scale-down-cooldown-s", "600",
+                  "--shard-log-dir", str(tmp_path), "--shard-args", "--engine synthetic"]) as cp:
+        zone_a = Service(["shard", "--engine", "synthetic", "--registry-url", cp.url, "--node-id", "shard-a",
+                          "--zone", "a"])
+        zone_b = Service(["shard", "--engine", "synthetic", "--registry-url", cp.url, "--node-id", "shard-b",
+                          "--zone", "b"])
+        try:
+            zone_a.start()
+            zone_b.start()
+
+            def shards() -> list[dict[str, Any]]:
+                listed = httpx.get(cp.url + "/admin/v1/members", headers=AUTH).json()["members"]
+                return [m for m in listed if m["service"] == "shard" and m["status"] == "passing"]
+
+            eventually(lambda: len(shards()) == 3, 30, what="the autoscaler's minimum shard beside a and b")
+            local = [m for m in shards() if m["id"].startswith("shard-local-")]
+            assert len(local) == 1  # its zone depends on whether a and b had registered by then
+            zone_a.kill()
+            eventually(lambda: any(d["code"] == "zone_down" for d in httpx.get(
+                cp.url + "/admin/v1/decisions", headers=AUTH).json()["decisions"]), 15, what="a zone_down decision")
+            decision = [d for d in httpx.get(cp.url + "/admin/v1/decisions", headers=AUTH).json()["decisions"]
+                        if d["code"] == "zone_down"][-1]
+            assert decision["action"] == "scale_up" and "zone a lost 1 shard" in decision["reason"]
+            eventually(lambda: len([m for m in shards() if m["id"].startswith("shard-local-")]) == 2, 30,
+                       what="the replacement serving")
+            new = [m for m in shards() if m["id"].startswith("shard-local-") and m["id"] != local[0]["id"]]
+            assert [m["zone"] for m in new] == ["b"]
+        finally:
+            zone_a.stop()
+            zone_b.stop()
