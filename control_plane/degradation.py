@@ -19,7 +19,9 @@ busy batches / KV. Raw TTFT grows with the prompt and never moves the ladder; wi
 with the batches not busy, nothing raises it.
 
 - *hot*: one overload figure above its raise threshold. Raises one level once the current level
-  has been held ``raise_dwell_s`` (fast up).
+  has been held ``raise_dwell_s`` (fast up); when only windowed figures (queue time p95, TTFT
+  beyond prefill, error rate) are hot, also at least one signals window, since until then the
+  window still shows the load the current level sheds (no overshoot to 4 on a stale p95).
 - *calm*: every figure below its (lower) threshold. Lowers one level once calm has lasted the
   dwell *of the cause that raised the level* without a break, and the level has been held as long:
   ``lower_dwell_gauge_s`` (10 s) for a queue or KV gauge and for an operator's pin,
@@ -55,7 +57,7 @@ from typing import Any, Protocol
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from control_plane.degradation_rule import Assessment, LadderConfig, assess
+from control_plane.degradation_rule import WINDOWED_CAUSES, Assessment, LadderConfig, assess
 from control_plane.policy_store import MAX_LEVEL, DegradationRecord, PolicyStore
 from control_plane.settings import ControlPlaneSettings
 from control_plane.signals import Signals
@@ -271,7 +273,7 @@ class DegradationController:
             outcome = "incomplete"
         elif record.pinned:
             outcome = "pinned"
-        elif assessment.verdict == "hot" and record.level < MAX_LEVEL and held >= self.config.raise_dwell_s:
+        elif assessment.verdict == "hot" and record.level < MAX_LEVEL and held >= self._raise_dwell(assessment, signals):
             outcome, target = "raise", record.level + 1
         elif (
             assessment.verdict == "calm"
@@ -322,6 +324,13 @@ class DegradationController:
         return event
 
     # -- internals -------------------------------------------------------------------------
+
+    def _raise_dwell(self, assessment: Assessment, signals: Signals | None) -> float:
+        """``raise_dwell_s``; when only windowed figures are hot, at least their window too: until
+        the window holds only readings at the current level, they still show the load it sheds."""
+        if signals is not None and assessment.causes and set(assessment.causes) <= WINDOWED_CAUSES:
+            return max(self.config.raise_dwell_s, signals.window_s)
+        return self.config.raise_dwell_s
 
     def _lower_dwell(self) -> float:
         return self.config.lower_dwell_for(self._cause)

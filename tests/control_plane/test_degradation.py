@@ -222,6 +222,23 @@ def test_recovery_dwell_matches_the_cause_that_raised_the_level() -> None:
     assert ladder.observe(CALM)["to"] == 0
 
 
+def test_a_windowed_figure_raises_again_only_once_its_window_has_seen_the_new_level() -> None:
+    """A queue-time p95 over a 30 s window still shows, for 30 s, the load the level now sheds:
+    raising again after the 10 s dwell would overshoot. A queue gauge raises after the dwell."""
+    import dataclasses
+
+    ladder, _, _, clock = make()
+    windowed = dataclasses.replace(signals(queue=3.0, waiting=1.0, excess=0.1), window_s=30.0)
+    clock.advance(30)
+    assert ladder.observe(windowed)["to"] == 1
+    clock.advance(10)
+    assert ladder.observe(windowed) is None  # held 10 s of the 30 s window
+    clock.advance(20)
+    assert ladder.observe(windowed)["to"] == 2
+    clock.advance(10)
+    assert ladder.observe(dataclasses.replace(windowed, waiting_per_shard=9.0))["to"] == 3  # a gauge: 10 s
+
+
 def test_a_warm_reading_breaks_the_calm_streak() -> None:
     ladder, _, _, clock = make()
     clock.advance(10)
