@@ -196,10 +196,18 @@ class LlamaRunner:
                 vals = vc[slot, :, :end]
                 # Query heads grouped per shared KV head: [KVH, G*T, D] against [KVH, end, D].
                 qg = q[off : off + t].view(t, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * t, d)
-                scores = (qg @ keys.transpose(1, 2)) * self.scale  # [KVH, G*T, end]
-                scores = scores.view(kvh, g, t, end).masked_fill(~mask, float("-inf"))
-                probs = torch.softmax(scores.float(), dim=-1).to(self.dtype)
-                out = probs.view(kvh, g * t, end) @ vals  # [KVH, G*T, D]
+                if self.dtype == torch.float32:
+                    # fp32 is the batch-invariant mode: the same kernels as ever (tests hold it to that).
+                    scores = (qg @ keys.transpose(1, 2)) * self.scale  # [KVH, G*T, end]
+                    scores = scores.view(kvh, g, t, end).masked_fill(~mask, float("-inf"))
+                    probs = torch.softmax(scores.float(), dim=-1).to(self.dtype)
+                    out = probs.view(kvh, g * t, end) @ vals  # [KVH, G*T, D]
+                else:
+                    # bf16/fp16: the fused kernel, ~2x faster for a turn's suffix over a long cached
+                    # history (145 tokens after 1,520: 269 -> 133 ms here), no [G*T, end] scores in memory.
+                    out = F.scaled_dot_product_attention(
+                        qg.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=mask.repeat(g, 1),
+                        scale=self.scale)[0]
                 outs.append(out.view(kvh, g, t, d).permute(2, 0, 1, 3).reshape(t, self.q_size))
                 off += t
             attn = outs[0] if len(outs) == 1 else torch.cat(outs)
