@@ -51,6 +51,7 @@ from data_plane.engine import (
 from data_plane.errors import Overloaded
 from data_plane.engine_prefix import SlotPrefix
 from data_plane.kv_cache import DEFAULT_BLOCK_SIZE
+from data_plane.kv_transcript import GeneratedTokens
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,8 @@ class StepListener:
 
     def on_kv_evict(self, reason: str, blocks: int) -> None: ...
 
+    def on_tokens_restored(self, replies: int) -> None: ...
+
 
 class TorchEngine:
     def __init__(self, config: EngineConfig, listener: StepListener | None = None) -> None:
@@ -154,6 +157,7 @@ class TorchEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dead: BaseException | None = None
         self.prefix: SlotPrefix | None = None
+        self.transcripts = GeneratedTokens()
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -216,6 +220,16 @@ class TorchEngine:
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
+
+    def restore_generated(self, messages: Sequence[dict[str, str]], ids: list[int], salt: str | None) -> list[int]:
+        """`ids` with earlier replies this shard generated put back as the tokens it generated
+        (their re-tokenization may differ, which would end a prefix-cache hit there)."""
+        if self.prefix is None:
+            return ids
+        out, restored = self.transcripts.splice(messages, ids, salt, self.encode_chat)
+        if restored:
+            self.listener.on_tokens_restored(restored)
+        return out
 
     def count_tokens(self, text: str) -> int:
         return len(self._tokenizer.encode(text, add_special_tokens=False))
@@ -483,6 +497,8 @@ class TorchEngine:
         seq.finished = True
         if reason != FINISH_ABORT:
             delta += seq.stream.flush()
+            if self.prefix is not None and self._decode_ids(seq.output_ids) == seq.stream.text:
+                self.transcripts.remember(seq.req.cache_salt, seq.stream.text, seq.output_ids)
         now = time.monotonic()
         self._keep_all_blocks(seq)  # before its slot is reused or overwritten by a move
         with self._lock:

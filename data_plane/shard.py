@@ -283,6 +283,9 @@ def _generation_request(req: ChatCompletionRequest, engine: Engine, request_id: 
                         public_prefixes: list[str] | tuple[str, ...] = ()) -> GenerationRequest:
     messages = req.plain_messages()
     ids = engine.encode_chat(messages, continue_final=req.continue_final_message)
+    restore = getattr(engine, "restore_generated", None)  # token-exact transcripts (data_plane/kv_transcript.py)
+    if restore is not None:
+        ids = restore(messages, ids, req.cache_salt)
     params = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,

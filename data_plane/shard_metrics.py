@@ -82,9 +82,13 @@ class ShardMetrics:
                               registry=registry)
         self.kv_capacity = Gauge("switchboard_shard_prefix_cache_capacity_bytes",
                                  "The prefix cache's byte budget (0: prefix caching off).", m, registry=registry)
+        self.tokens_restored = Counter(
+            "switchboard_shard_transcript_tokens_restored",
+            "Earlier replies in a prompt whose re-tokenization differed from the tokens this shard generated, "
+            "put back as generated (else the prefix-cache hit would end there).", m, registry=registry)
         # Series exist from the start (at 0), so rate() and the KV-reuse panels work before the first hit.
         for metric in (self.prefix_queries, self.prefix_hits, self.prompt_tokens_cached, self.prefill_computed,
-                       self.request_prompt_tokens, self.request_generation_tokens):
+                       self.request_prompt_tokens, self.request_generation_tokens, self.tokens_restored):
             metric.labels(model_name)
         for reason in ("capacity", "no_space"):
             self.kv_evictions.labels(model_name, reason)
@@ -128,3 +132,6 @@ class MetricsListener:
     def on_kv_evict(self, reason: str, blocks: int) -> None:
         m = self.metrics
         m.kv_evictions.labels(m.model_name, reason).inc(blocks)
+
+    def on_tokens_restored(self, replies: int) -> None:
+        self.metrics.tokens_restored.labels(self.metrics.model_name).inc(replies)

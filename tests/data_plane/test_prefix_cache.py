@@ -152,3 +152,20 @@ def test_an_operator_marked_public_system_prompt_is_shared_across_tenants(reuse_
     assert cached(first) in (0, cached(other))
     # A system prompt that is not marked public is not shared: b gets nothing of a's.
     assert cached(private) == 0 and cached(same) == 0
+
+
+def test_a_reply_reenters_the_prompt_as_the_tokens_generated(fp32_shard: Service) -> None:
+    """SmolLM2 emits "\\n\\n" as one token before a word, which its tokenizer splits in two when the
+    reply comes back as text: restored to the generated tokens, the next turn still hits it all."""
+    url = fp32_shard.url
+    salt = uuid.uuid4().hex
+    turn1 = [{"role": "user", "content": "Explain step by step how a bicycle works, covering the frame and gears."}]
+    r1 = ask(url, turn1, salt, max_tokens=40)
+    reply = r1["choices"][0]["message"]["content"]
+    assert "\n\n" in reply, reply   # the case this test is about
+    in_kv = r1["usage"]["prompt_tokens"] + r1["usage"]["completion_tokens"] - (r1["choices"][0]["finish_reason"] == "length")
+    restored = metric(url, "switchboard_shard_transcript_tokens_restored_total")
+    r2 = ask(url, turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And the brakes?"}],
+             salt)
+    assert cached(r2) == in_kv // BLOCK * BLOCK
+    assert metric(url, "switchboard_shard_transcript_tokens_restored_total") == restored + 1
