@@ -22,6 +22,7 @@ def _drain(member_id: str, drain: bool) -> None:
 COLUMNS = {
     "member": st.column_config.TextColumn("Member", width="medium"),
     "service": st.column_config.TextColumn("Service", width="small"),
+    "zone": st.column_config.TextColumn("Zone", width="small", help="Failure domain (--zone); see docs/ZONES.md"),
     "status": st.column_config.TextColumn("Health", width="small"),
     "running": st.column_config.NumberColumn("Running", format="%d"),
     "waiting": st.column_config.NumberColumn("Waiting", format="%d"),
@@ -66,7 +67,7 @@ def body(c: ui.Console) -> None:
     shown = frame
     if not shown["problem"].astype(bool).any():
         shown = shown.drop(columns=["problem"])
-    order = [c for c in ("member", "service", "status", "heartbeat_s", "running", "waiting", "slots", "utilisation",
+    order = [c for c in ("member", "service", "zone", "status", "heartbeat_s", "running", "waiting", "slots", "utilisation",
                          "kv_usage", "ttft_p95_ms", "problem", "detail", "ttl_s", "url") if c in shown.columns]
     st.dataframe(ui.colour_words(shown, ["status"]), hide_index=True, column_config=COLUMNS, width="stretch",
                  placeholder="—", column_order=order)
