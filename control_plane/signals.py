@@ -85,6 +85,7 @@ M_GW_QUEUE = "switchboard_admission_queue_depth"
 M_GW_WAIT = "switchboard_admission_wait_seconds_bucket"
 M_SHARD_QUEUE = "vllm:request_queue_time_seconds_bucket"
 M_SHARD_PREFILL = "vllm:request_prefill_time_seconds_bucket"
+M_SHARD_E2E = "vllm:e2e_request_latency_seconds_bucket"
 
 
 @dataclass(frozen=True)
@@ -307,6 +308,21 @@ def _aggregate(
         queue_time_p95_s=_sum_known(admission_wait_p95_s, shard_queue_p95_s),
         ttft_excess_p95_s=ttft_excess(shard_ttft_p95_s, prefill_p95_s, admission_wait_p95_s),
     )
+
+
+OVERLOAD_HISTOGRAMS = (M_SHARD_QUEUE, M_SHARD_PREFILL)
+"""What a shard that has finished requests must also export, or the overload figures go blind."""
+
+
+def overload_histograms_missing(names: set[str]) -> str | None:
+    """Why a shard's exposition (sample names) leaves the overload figures blind, or None: it has
+    finished requests (``vllm:e2e_request_latency_seconds``, observed with prefill time at the end
+    of each) but lacks the queue or prefill histogram (renamed, an engine that does not export
+    it). Incomplete, never a silent zero."""
+    if M_SHARD_E2E not in names:
+        return None
+    lacking = [m.removesuffix("_bucket") for m in OVERLOAD_HISTOGRAMS if m not in names]
+    return f"exports no {', '.join(lacking)} (overload signals would be blind)" if lacking else None
 
 
 def _sum_known(*values: float | None) -> float | None:
@@ -537,6 +553,10 @@ class ScrapeSignals:
         stale = error is not None or last is None or gauges_missing
         if error is None and stale:
             error = "no engine gauges in /metrics (still loading?)"
+        if not stale and last is not None:
+            blind = overload_histograms_missing({n for n, _, _ in last.samples})
+            if blind:
+                stale, error = True, blind
         ttft = self._quantile([h], M_SHARD_TTFT) if h and h.error is None else None
         return ShardSignal(
             member.id,

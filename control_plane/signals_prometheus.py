@@ -22,16 +22,19 @@ from control_plane.signals import (
     M_KV,
     M_MAX_SEQS,
     M_RUNNING,
+    M_SHARD_E2E,
     M_SHARD_PREFILL,
     M_SHARD_QUEUE,
     M_SHARD_TOKENS,
     M_SHARD_TTFT,
     M_WAITING,
+    OVERLOAD_HISTOGRAMS,
     QUANTILE,
     SHED_CODES,
     ShardSignal,
     Signals,
     _aggregate,
+    overload_histograms_missing,
 )
 
 
@@ -114,6 +117,8 @@ class PrometheusSignals:
             "admission_wait": f"histogram_quantile({QUANTILE}, sum by (le) (rate({M_GW_WAIT}{{{gw}}}[{w}])))",
             "shard_queue": f"histogram_quantile({QUANTILE}, sum by (le) (rate({M_SHARD_QUEUE}{{{sh}}}[{w}])))",
             "prefill": f"histogram_quantile({QUANTILE}, sum by (le) (rate({M_SHARD_PREFILL}{{{sh}}}[{w}])))",
+            **{f"blind:{m}": f"count by ({by}) ({M_SHARD_E2E}{{{sh}}}) unless on ({by}) "
+                             f"count by ({by}) ({m}{{{sh}}})" for m in OVERLOAD_HISTOGRAMS},
         }
         names = list(queries)
         answers = await asyncio.gather(*(self.query(queries[n]) for n in names), return_exceptions=True)
@@ -127,6 +132,7 @@ class PrometheusSignals:
             return {labels.get(by, ""): value for labels, value in results[name]}
 
         values = {k: per_member(k) for k in ("running", "waiting", "kv", "max_seqs", "age", "shard_ttft")}
+        blind = {m: set(per_member(f"blind:{m}")) for m in OVERLOAD_HISTOGRAMS}
         shards = []
         for labels, up in sorted(results["up"], key=lambda r: r[0].get(by, "")):
             member = labels.get(by, "")
@@ -137,6 +143,9 @@ class PrometheusSignals:
                 error = "no engine gauges (still loading?)"
             elif values["age"].get(member, math.inf) > self._stale_after_s:
                 error = f"gauges older than {self._stale_after_s:.0f}s"
+            elif any(member in lacking for lacking in blind.values()):
+                error = overload_histograms_missing(
+                    {M_SHARD_E2E} | {m for m, lacking in blind.items() if member not in lacking})
             shards.append(
                 ShardSignal(
                     member_id=member,

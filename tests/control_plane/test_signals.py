@@ -104,6 +104,32 @@ async def test_rates_survive_a_counter_reset_and_critical_members_do_not_poison_
     assert b.stale and b.error == "member critical (heartbeat missed)" and math.isnan(b.waiting)
 
 
+async def test_a_shard_without_the_overload_histograms_makes_the_signals_incomplete() -> None:
+    """A shard that finishes requests but exports no queue-time histogram (renamed, another engine)
+    would leave queue time silently unknown: the reading is incomplete instead, and names why."""
+    gauges = ('vllm:num_requests_running{model_name="m"} 1\nvllm:num_requests_waiting{model_name="m"} 0\n'
+              'vllm:kv_cache_usage_perc{model_name="m"} 0.1\nswitchboard_shard_max_num_seqs{model_name="m"} 4\n')
+    histogram = 'vllm:{}_bucket{{le="+Inf",model_name="m"}} 3\n'
+    exports = {"full": gauges + "".join(histogram.format(n) for n in (
+        "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds")),
+        "renamed": gauges + "".join(histogram.format(n) for n in (
+            "e2e_request_latency_seconds", "request_queueing_seconds", "request_prefill_time_seconds"))}
+    for case, text in exports.items():
+        def handler(request: httpx.Request, text: str = text) -> httpx.Response:
+            return httpx.Response(200, text=text)
+
+        members = [Member("shard-a", "shard", "http://127.0.0.1:9001")]
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            source = ScrapeSignals(lambda s: [m for m in members if m.service == s], http, min_interval_s=0)
+            await source.read()
+            s = await source.read()
+        if case == "full":
+            assert s.complete and s.batch_usage == 0.25, s.missing
+        else:
+            assert not s.complete and s.waiting_per_shard is None
+            assert any("exports no vllm:request_queue_time_seconds" in m for m in s.missing), s.missing
+
+
 # -- against real processes ------------------------------------------------------------------------
 
 
