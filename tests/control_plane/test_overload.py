@@ -120,7 +120,7 @@ def test_a_queue_built_by_many_concurrent_requests_raises_the_level_and_its_end_
         shard.start()
         gateway.start()
         _eventually(lambda: httpx.get(gateway.url + "/health", timeout=2).json().get("shards", 0) >= 1, 30, "shard")
-        # 40 requests of 30 tokens (0.6 s each) on 2 slots: a queue of ~38, drained in ~12 s
+        # 30 requests of 25 tokens (0.5 s each) on 2 slots: a queue of ~28, drained in ~8 s
         load = asyncio.run(_flood_until_raised(cp, gateway.url))
         statuses, peak = load
         assert peak >= 1, "the ladder did not rise for a real queue"
@@ -136,7 +136,7 @@ def test_a_queue_built_by_many_concurrent_requests_raises_the_level_and_its_end_
 
 
 async def _flood_until_raised(cp: Service, url: str) -> tuple[list[int], int]:
-    task = asyncio.create_task(_flood(url, KEYS["enterprise"], 40, 30))
+    task = asyncio.create_task(_flood(url, KEYS["enterprise"], 30, 25))
     peak = 0
     async with httpx.AsyncClient(timeout=5, headers=ADMIN) as admin:
         while not task.done():
