@@ -67,7 +67,8 @@ class Metric:
 def _shard(registry: CollectorRegistry) -> list[object]:
     from data_plane.shard_metrics import ShardMetrics
 
-    return [ShardMetrics(registry, model_name="catalogue")]
+    metrics = ShardMetrics(registry, model_name="catalogue")
+    return [metrics, metrics.spec]
 
 
 def _gateway(registry: CollectorRegistry) -> list[object]:

@@ -80,6 +80,12 @@ class GenerationOutput:
     """Set on the final output only."""
     cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache (not recomputed)."""
+    spec_drafts: int = 0
+    """Speculative decoding, final output only: drafts proposed for this request ..."""
+    spec_draft_tokens: int = 0
+    """... the tokens in them ..."""
+    spec_accepted_tokens: int = 0
+    """... and how many of those the model accepted."""
 
 
 @dataclass(frozen=True)

@@ -50,8 +50,10 @@ from data_plane.engine import (
 )
 from data_plane.errors import Overloaded
 from data_plane.engine_prefix import SlotPrefix
+from data_plane.engine_spec import Speculator
 from data_plane.kv_cache import DEFAULT_BLOCK_SIZE
 from data_plane.kv_transcript import GeneratedTokens
+from data_plane.speculation import SeqSpec
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,12 @@ class EngineConfig:
     """Byte budget of the prefix cache; 0 = auto (1/16 of RAM, at most 1 GiB)."""
     kv_block_size: int = DEFAULT_BLOCK_SIZE
     """Tokens per prefix-cache block, 1..1024 (the reuse granularity)."""
+    speculation: str = "off"
+    """ngram (prompt-lookup drafts verified in the decode pass, data_plane/engine_spec.py) or off."""
+    num_speculative_tokens: int = 4
+    """Most draft tokens per sequence and step, 1..16."""
+    spec_max_batch: int = 4
+    """No drafting while more sequences than this run, 1..256 (measured: docs/BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -94,6 +102,12 @@ class EngineConfig:
             raise ValueError("kv_block_size must be in 1..1024")
         if self.prefix_cache_bytes < 0:
             raise ValueError("prefix_cache_bytes must be >= 0 (0 = auto)")
+        if self.speculation not in ("ngram", "off"):
+            raise ValueError("speculation must be ngram or off")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in 1..16")
+        if not 1 <= self.spec_max_batch <= 256:
+            raise ValueError("spec_max_batch must be in 1..256")
 
 
 @dataclass
@@ -115,6 +129,8 @@ class _Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # the prompt's full blocks
     cached: int = 0  # prompt tokens whose KV came from the prefix cache
     held: list[int] = field(default_factory=list)  # prefix-cache blocks referenced by this sequence
+    spec: SeqSpec | None = None  # speculation state (data_plane/engine_spec.py), when drafting is on
+    spec_ctx: list[int] = field(default_factory=list)  # prompt + output, append-only, for the n-gram index
 
 
 class StepListener:
@@ -133,6 +149,10 @@ class StepListener:
     def on_kv_evict(self, reason: str, blocks: int) -> None: ...
 
     def on_tokens_restored(self, replies: int) -> None: ...
+
+    def on_iteration_tokens(self, tokens: int) -> None: ...
+
+    def on_spec_draft(self, drafted: int, accepted: int) -> None: ...
 
 
 class TorchEngine:
@@ -158,6 +178,8 @@ class TorchEngine:
         self.dead: BaseException | None = None
         self.prefix: SlotPrefix | None = None
         self.transcripts = GeneratedTokens()
+        self.spec = (Speculator(config.num_speculative_tokens, config.spec_max_batch)
+                     if config.speculation == "ngram" else None)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -406,6 +428,7 @@ class TorchEngine:
         logits = self._runner.prefill_batch([(s.slot, s.req.prompt_ids[s.prefilled :], s.prefilled) for s in batch])
         now = time.monotonic()
         self.listener.on_step(len(batch), now - t0, "prefill")
+        self.listener.on_iteration_tokens(sum(len(s.req.prompt_ids) - s.prefilled for s in batch))
         with self._lock:
             for seq in batch:
                 seq.prefilled = seq.length = len(seq.req.prompt_ids)
@@ -425,6 +448,7 @@ class TorchEngine:
         t0 = time.monotonic()
         logits = self._runner.prefill(seq.slot, chunk, seq.prefilled)
         self.listener.on_step(1, time.monotonic() - t0, "prefill")
+        self.listener.on_iteration_tokens(len(chunk))
         seq.prefilled += len(chunk)
         seq.length = seq.prefilled
         if seq.prefilled < len(ids):
@@ -451,6 +475,8 @@ class TorchEngine:
 
     def _decode_step(self) -> None:
         batch = self._running
+        if self.spec is not None and self.spec.step(self, batch):
+            return
         t0 = time.monotonic()
         logits = self._runner.decode([s.last_token for s in batch], [s.length for s in batch])
         for s in batch:
@@ -458,6 +484,7 @@ class TorchEngine:
         tokens = self._sample(logits, batch)
         step_s = time.monotonic() - t0
         self.listener.on_step(len(batch), step_s, "decode")
+        self.listener.on_iteration_tokens(len(batch))
         for seq, token in zip(list(batch), tokens):
             self.listener.on_token(step_s)
             self._emit(seq, token)
@@ -470,26 +497,31 @@ class TorchEngine:
             out.append(greedy[i] if p.greedy else _sample_row(logits[i], p, seq.generator))
         return out
 
-    def _emit(self, seq: _Sequence, token: int) -> None:
+    def _emit(self, seq: _Sequence, token: int, held: str = "", send: bool = True) -> str:
+        """Take one sampled token; with `send` False its text is returned (prefixed by `held`)
+        instead of streamed, so a speculative step's tokens leave as one output."""
         now = time.monotonic()
         if seq.first_token_at is None:
             seq.first_token_at = now
             self.listener.on_first_token(now - seq.req.arrival)
         seq.last_token = token
         if token in self._eos:
-            self._finish(seq, FINISH_STOP)
-            return
+            self._finish(seq, FINISH_STOP, held)
+            return ""
         seq.output_ids.append(token)
-        delta = seq.stream.push(token)
+        delta = held + seq.stream.push(token)
         if seq.stream.stopped:
             self._finish(seq, FINISH_STOP, delta)
-            return
+            return ""
         if len(seq.output_ids) >= seq.max_tokens or seq.length + 1 >= self.max_model_len:
             self._finish(seq, FINISH_LENGTH, delta)
-            return
+            return ""
+        if not send:
+            return delta
         if delta:
             seq.sink(GenerationOutput(delta, None, len(seq.req.prompt_ids), len(seq.output_ids),
                                       cached_tokens=seq.cached))
+        return ""
 
     def _finish(self, seq: _Sequence, reason: str, delta: str = "") -> None:
         seq.finished = True
@@ -524,8 +556,11 @@ class TorchEngine:
             decode_s=(now - seq.prefill_done_at) if seq.prefill_done_at else 0.0,
             first_token_at=seq.first_token_at,
         )
+        sp = seq.spec
         seq.sink(GenerationOutput(delta, reason, len(seq.req.prompt_ids), len(seq.output_ids), timings,
-                                  cached_tokens=seq.cached))
+                                  cached_tokens=seq.cached, spec_drafts=sp.drafts if sp else 0,
+                                  spec_draft_tokens=sp.draft_tokens if sp else 0,
+                                  spec_accepted_tokens=sp.accepted_tokens if sp else 0))
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

@@ -94,6 +94,10 @@ class ShardSettings(BaseSettings):
     prefix_cache_bytes: int = Field(0, ge=0, le=1 << 40,
                                     description="Prefix-cache byte budget (0 = auto: 1/16 of RAM, at most 1 GiB).")
     kv_block_size: int = Field(16, ge=1, le=1024, description="Tokens per prefix-cache block (reuse granularity).")
+    speculation: Literal["ngram", "off"] = Field("off", description=(
+        "Speculative decoding: ngram (prompt-lookup drafts, verified in the decode pass) | off."))
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="Most draft tokens per sequence and step.")
+    spec_max_batch: int = Field(4, ge=1, le=256, description="No drafting while more sequences than this run.")
     kv_public_prefix: list[str] = Field(default_factory=list, description=(
         "System prompts the operator marks public: their KV is shared across tenants (JSON list)."))
 
@@ -124,6 +128,9 @@ def build_engine(settings: ShardSettings, metrics: ShardMetrics | None) -> Engin
         prefix_caching=settings.prefix_caching == "on",
         prefix_cache_bytes=settings.prefix_cache_bytes,
         kv_block_size=settings.kv_block_size,
+        speculation=settings.speculation,
+        num_speculative_tokens=settings.num_speculative_tokens,
+        spec_max_batch=settings.spec_max_batch,
     )
     return TorchEngine(config, MetricsListener(metrics) if metrics else None)
 
@@ -345,6 +352,11 @@ class _Run:
             if last.cached_tokens:
                 log.debug("request %s: %d of %d prompt tokens from the prefix cache", self.req.request_id,
                           last.cached_tokens, last.prompt_tokens)
+            if last.spec_drafts:
+                span.add_event("speculation", {"drafts": last.spec_drafts, "draft_tokens": last.spec_draft_tokens,
+                                               "accepted_tokens": last.spec_accepted_tokens})
+                log.debug("request %s: %d drafts, %d of %d draft tokens accepted", self.req.request_id,
+                          last.spec_drafts, last.spec_accepted_tokens, last.spec_draft_tokens)
             span.set_attribute("gen_ai.usage.input_tokens", last.prompt_tokens)
             span.set_attribute("gen_ai.usage.output_tokens", last.completion_tokens)
             span.set_attribute("gen_ai.response.finish_reasons", [reason])

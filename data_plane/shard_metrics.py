@@ -11,6 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.engine import EngineStats
+from data_plane.spec_metrics import SpecMetrics
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
@@ -92,6 +93,7 @@ class ShardMetrics:
             metric.labels(model_name)
         for reason in ("capacity", "no_space"):
             self.kv_evictions.labels(model_name, reason)
+        self.spec = SpecMetrics(registry, model_name)  # vllm:spec_decode_*, vllm:iteration_tokens_total
 
     def observe_stats(self, stats: EngineStats) -> None:
         m = self.model_name
@@ -135,3 +137,9 @@ class MetricsListener:
 
     def on_tokens_restored(self, replies: int) -> None:
         self.metrics.tokens_restored.labels(self.metrics.model_name).inc(replies)
+
+    def on_iteration_tokens(self, tokens: int) -> None:
+        self.metrics.spec.observe_iteration(tokens)
+
+    def on_spec_draft(self, drafted: int, accepted: int) -> None:
+        self.metrics.spec.observe_draft(drafted, accepted)

@@ -1,0 +1,169 @@
+"""N-gram speculation in the real torch engine (in-process, float32 so greedy output is
+batch-invariant): text identical with speculation on and off (solo, batched, mixed lengths,
+stop strings, max_tokens landing inside an accepted draft), an abort mid-draft frees the slot,
+and the listener's speculation hooks move on a quote prompt and stay put when off."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import Counter
+from typing import Iterator
+
+import pytest
+
+from data_plane.engine import GenerationOutput, GenerationRequest, SamplingParams
+from data_plane.engine_torch import EngineConfig, StepListener, TorchEngine
+
+PASSAGE = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.\n"
+           "def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n")
+QUOTE = [{"role": "user", "content": "Copy the text below exactly, unchanged:\n" + PASSAGE * 2}]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+SHORT_QUOTE = [{"role": "user", "content": "Repeat this text exactly:\n" + PASSAGE}]
+
+
+class Recorder(StepListener):
+    def __init__(self) -> None:
+        self.drafts: list[tuple[int, int]] = []
+        self.iteration_tokens: list[int] = []
+
+    def on_spec_draft(self, drafted: int, accepted: int) -> None:
+        self.drafts.append((drafted, accepted))
+
+    def on_iteration_tokens(self, tokens: int) -> None:
+        self.iteration_tokens.append(tokens)
+
+
+class Harness:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.listener = Recorder()
+        self.engine = TorchEngine(EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=1024,
+                                               speculation="ngram", spec_max_batch=8), self.listener)
+        self.loop.run_until_complete(self.engine.start())
+        self.speculator = self.engine.spec
+
+    def speculation(self, on: bool) -> None:
+        self.engine.spec = self.speculator if on else None
+
+    def run(self, jobs: list[tuple[list[dict[str, str]], SamplingParams]]) -> list[tuple[str, GenerationOutput]]:
+        async def one(messages: list[dict[str, str]], params: SamplingParams) -> tuple[str, GenerationOutput]:
+            req = GenerationRequest(uuid.uuid4().hex, self.engine.encode_chat(messages), params)
+            text, last = "", None
+            async for out in self.engine.generate(req):
+                text += out.text
+                last = out
+            assert last is not None
+            return text, last
+
+        async def all_jobs() -> list[tuple[str, GenerationOutput]]:
+            return list(await asyncio.gather(*(one(m, p) for m, p in jobs)))
+
+        return self.loop.run_until_complete(all_jobs())
+
+
+@pytest.fixture(scope="module")
+def harness() -> Iterator[Harness]:
+    h = Harness()
+    yield h
+    h.loop.run_until_complete(h.engine.aclose())
+    h.loop.close()
+
+
+def greedy(max_tokens: int, stop: tuple[str, ...] = ()) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=stop)
+
+
+def both(h: Harness, jobs: list[tuple[list[dict[str, str]], SamplingParams]], batched: bool):
+    out = {}
+    for on in (True, False):
+        h.speculation(on)
+        try:
+            out[on] = h.run(jobs) if batched else [h.run([j])[0] for j in jobs]
+        finally:
+            h.speculation(True)
+    return out[True], out[False]
+
+
+def test_greedy_text_identical_on_and_off_solo_and_batched(harness: Harness) -> None:
+    jobs = [(QUOTE, greedy(60)), (CHAT, greedy(24)), (SHORT_QUOTE, greedy(40)),
+            (QUOTE, greedy(48, stop=("def mul",))), (SHORT_QUOTE, greedy(40, stop=("lazy",)))]
+    for batched in (False, True):
+        on, off = both(harness, jobs, batched)
+        assert [(t, o.finish_reason, o.completion_tokens) for t, o in on] == \
+            [(t, o.finish_reason, o.completion_tokens) for t, o in off]
+        assert on[0][1].spec_accepted_tokens >= 10  # the quote prompt did speculate
+        assert all(o.spec_drafts == 0 for _, o in off)
+    assert "def mul" not in on[3][0] and on[3][1].finish_reason == "stop"
+
+
+def test_max_tokens_inside_an_accepted_draft(harness: Harness) -> None:
+    # Every cap from 3 to 14 tokens: several land inside a draft the model accepts.
+    jobs = [(QUOTE, greedy(n)) for n in range(3, 15)]
+    on, off = both(harness, jobs, batched=True)
+    for (t_on, o_on), (t_off, o_off), n in zip(on, off, range(3, 15)):
+        assert (t_on, o_on.completion_tokens, o_on.finish_reason) == (t_off, o_off.completion_tokens, "length")
+        assert o_on.completion_tokens == n
+
+
+def test_abort_mid_draft_frees_the_slot(harness: Harness) -> None:
+    h = harness
+    h.speculation(True)
+
+    async def abort_after_first_output() -> int:
+        req = GenerationRequest(uuid.uuid4().hex, h.engine.encode_chat(QUOTE), greedy(200))
+        outputs = h.engine.generate(req)
+        got = 0
+        async for out in outputs:
+            got += 1
+            if got == 3:
+                break
+        await outputs.aclose()
+        deadline = time.monotonic() + 10
+        while h.engine.stats().running and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return h.engine.stats().running
+
+    before = len(h.listener.drafts)
+    assert h.loop.run_until_complete(abort_after_first_output()) == 0
+    assert len(h.listener.drafts) > before  # it was drafting when aborted
+    text, last = h.run([(CHAT, greedy(8))])[0]
+    assert last.finish_reason in ("stop", "length") and text
+
+
+def test_listener_moves_on_quote_and_stays_put_when_off(harness: Harness) -> None:
+    h = harness
+    h.speculation(False)
+    try:
+        before = len(h.listener.drafts)
+        h.run([(QUOTE, greedy(32))])
+        assert len(h.listener.drafts) == before
+        assert all(t == 1 for t in h.listener.iteration_tokens[-20:])  # plain decode: one token a row
+    finally:
+        h.speculation(True)
+    h.run([(QUOTE, greedy(32))])
+    new = h.listener.drafts[before:]
+    assert new and sum(a for _, a in new) > 10
+    assert max(h.listener.iteration_tokens[-10:]) > 1
+
+
+@pytest.mark.slow
+def test_seeded_sampling_same_distribution_on_and_off(harness: Harness) -> None:
+    """A top-k 3 slice of the vocabulary, 4 sampled tokens of a quote prompt, 120 seeds each way:
+    the distribution of the sampled continuations must agree (chi-square on the common ones)."""
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=4, seed=s) for s in range(120)]
+    jobs = [(SHORT_QUOTE, p) for p in params]
+    on, off = both(harness, jobs, batched=True)
+    c_on = Counter(t for t, _ in on)
+    c_off = Counter(t for t, _ in off)
+    assert sum(o.spec_drafts for _, o in on) > 0
+    keys = set(c_on) | set(c_off)
+    common = [k for k in keys if c_on[k] + c_off[k] >= 10]
+    rest_on = sum(c_on[k] for k in keys if k not in common)
+    rest_off = sum(c_off[k] for k in keys if k not in common)
+    stat = sum((c_on[k] - c_off[k]) ** 2 / (c_on[k] + c_off[k]) for k in common)
+    if rest_on + rest_off:
+        stat += (rest_on - rest_off) ** 2 / (rest_on + rest_off)
+    df = max(1, len(common) + (1 if rest_on + rest_off else 0) - 1)
+    assert stat < df + 4 * (2 * df) ** 0.5 + 10, (stat, df, c_on.most_common(5), c_off.most_common(5))
