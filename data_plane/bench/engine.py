@@ -71,6 +71,10 @@ class BenchConfig:
     """Longest prompt in tokens (sizes KV caches and batches)."""
     threads: int
     """torch / llama.cpp threads; 0 = all cores."""
+    workload: str = "chat"
+    """chat (open-ended PROMPTS) or quote (the reply repeats the prompt: data_plane/bench/engine_spec.py)."""
+    spec_max_batch: int = 4
+    """switchboard-spec: no drafting while more sequences than this run (EngineConfig.spec_max_batch)."""
 
     @property
     def max_model_len(self) -> int:
@@ -104,11 +108,15 @@ class Skip(Exception):
 class SwitchboardSystem:
     """Our TorchEngine in-process; each closed-loop worker is an asyncio task."""
 
+    speculation = "off"
+
     def __init__(self, config: BenchConfig) -> None:
+        from data_plane.bench.engine_spec import AcceptanceCounter
         from data_plane.engine_torch import EngineConfig, TorchEngine
 
         self.dtype = config.dtype
         self.weight_bytes = 0
+        self.counter = AcceptanceCounter()
         self.engine = TorchEngine(
             EngineConfig(
                 model=config.model,
@@ -116,8 +124,17 @@ class SwitchboardSystem:
                 max_num_seqs=min(256, max(config.concurrency)),
                 max_model_len=config.max_model_len,
                 threads=config.threads,
-            )
+                speculation=self.speculation,
+                spec_max_batch=config.spec_max_batch,
+            ),
+            self.counter,
         )
+
+    def spec_report(self) -> dict[str, Any]:
+        """Acceptance since the last call (one concurrency level)."""
+        out = self.counter.report()
+        self.counter.reset()
+        return out
 
     async def start(self) -> None:
         await self.engine.start()
@@ -141,6 +158,12 @@ class SwitchboardSystem:
 
     async def aclose(self) -> None:
         await self.engine.aclose()
+
+
+class SpeculativeSystem(SwitchboardSystem):
+    """The same engine with n-gram speculative decoding on (`--speculation on`)."""
+
+    speculation = "ngram"
 
 
 class NaiveSystem:
@@ -377,7 +400,8 @@ def _gguf_for(model: str | None) -> Any:
     raise Skip(f"llama.cpp needs a GGUF file; --model {model} is not one")
 
 
-SYSTEMS: dict[str, type] = {"switchboard": SwitchboardSystem, "naive": NaiveSystem, "llamacpp": LlamaCppSystem}
+SYSTEMS: dict[str, type] = {"switchboard": SwitchboardSystem, "switchboard-spec": SpeculativeSystem,
+                            "naive": NaiveSystem, "llamacpp": LlamaCppSystem}
 
 
 # -- measuring -----------------------------------------------------------------------------
@@ -420,6 +444,10 @@ async def _measure(name: str, config: BenchConfig, prompt_ids: list[list[int]]) 
             t0 = time.perf_counter()
             results = await system.run(prompts, c, config.max_tokens)
             row = make_row(system, name, c, results, time.perf_counter() - t0, config.max_tokens)
+            report = getattr(system, "spec_report", None)
+            if report is not None:
+                row.update(report())
+            row["workload"] = config.workload
             print(f"[bench] {name:<11} c={c:<3} {row['requests']} requests, {row['output_tokens']} tokens "
                   f"in {row['duration_s']:.1f} s: {row['output_tok_s']:.1f} tok/s", flush=True)
             rows.append(row)
@@ -446,15 +474,16 @@ def run_isolated(name: str, config: BenchConfig, prompt_ids: list[list[int]]) ->
         return pool.submit(measure_system, name, config, prompt_ids).result()
 
 
-def encode_prompts(model: str | None) -> list[list[int]]:
-    """PROMPTS as chat-templated token ids, from the model's own tokenizer."""
+def encode_prompts(model: str | None, workload: str = "chat") -> list[list[int]]:
+    """The workload's prompts (PROMPTS for chat) as chat-templated token ids, from the model's own tokenizer."""
     from transformers import AutoTokenizer
 
+    from data_plane.bench.engine_spec import workload_prompts
     from data_plane.model_store import resolve_model
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model(model)))
     out = []
-    for text in PROMPTS:
+    for text in workload_prompts(workload):
         ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
         out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return out
@@ -484,14 +513,15 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """switchboard/<other> output tok/s at each concurrency both systems ran."""
     by = {(r["system"], r["concurrency"]): r["output_tok_s"] for r in rows}
     out: dict[str, dict[str, float]] = {}
-    for other in ("naive", "llamacpp"):
+    for ours, other in (("switchboard", "naive"), ("switchboard", "llamacpp"), ("switchboard-spec", "switchboard"),
+                        ("switchboard-spec", "naive"), ("switchboard-spec", "llamacpp")):
         pairs = {
-            str(c): by[("switchboard", c)] / by[(other, c)]
+            str(c): by[(ours, c)] / by[(other, c)]
             for (s, c) in by
-            if s == other and ("switchboard", c) in by and by[(other, c)] > 0
+            if s == other and (ours, c) in by and by[(other, c)] > 0
         }
         if pairs:
-            out[f"switchboard/{other}"] = pairs
+            out[f"{ours}/{other}"] = pairs
     return out
 
 
@@ -528,6 +558,15 @@ def print_report(rows: list[dict[str, Any]], ratio: dict[str, dict[str, float]],
         print(format_table(["ratio", *(f"c={c}" for c in levels)],
                            [[name, *(fmt(pairs.get(str(c)), 2) + ("x" if str(c) in pairs else "") for c in levels)]
                             for name, pairs in ratio.items()]))
+    spec = [r for r in rows if r.get("spec_drafts")]
+    if spec:
+        print("\nspeculation (n-gram): acceptance = accepted / draft tokens; mean accepted length = tokens per "
+              "drafting step; per position: share of drafts accepted there")
+        print(format_table(
+            ["system", "conc", "drafts", "acceptance", "mean acc. len", "accepted per position"],
+            [[r["system"], str(r["concurrency"]), str(r["spec_drafts"]), fmt(r["acceptance_rate"], 2),
+              fmt(r["mean_accepted_length"], 2), " ".join(f"{x:.2f}" for x in r["accepted_per_pos"])]
+             for r in spec]))
     print(f"\nbatch-1 decode vs memory bandwidth (copy {bw['copy_gb_s']:.1f} GB/s; ceiling = bandwidth / weight bytes)")
     if not bw["systems"]:
         print("  (needs a concurrency-1 level: add 1 to --concurrency)")
@@ -556,11 +595,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="torch dtype for switchboard and naive (default bfloat16)")
     p.add_argument("--systems", default="switchboard,naive,llamacpp",
                    help=f"comma-separated, from {', '.join(SYSTEMS)} (default all)")
+    p.add_argument("--workload", choices=["chat", "quote"], default="chat",
+                   help="chat: open-ended prompts; quote: summarise/rewrite/edit a given passage or code (default chat)")
+    p.add_argument("--speculation", default="off",
+                   help="comma-separated on,off: switchboard without (off) and with (on) n-gram speculation "
+                        "(default off)")
+    p.add_argument("--spec-max-batch", type=int, default=4,
+                   help="speculation on: no drafting above this many running sequences (default 4)")
     p.add_argument("--model", default=None, help="HF model folder or GGUF (default SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=0, help="compute threads (default 0 = all cores)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    modes = [m.strip() for m in args.speculation.split(",") if m.strip()]
+    if not modes or set(modes) - {"on", "off"}:
+        p.error("--speculation takes on, off or on,off")
+    if "switchboard" in args.systems:
+        i = args.systems.index("switchboard")
+        args.systems[i : i + 1] = [{"off": "switchboard", "on": "switchboard-spec"}[m] for m in modes]
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown:
         p.error(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
@@ -571,10 +623,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    prompt_ids = encode_prompts(args.model)
+    prompt_ids = encode_prompts(args.model, args.workload)
     config = BenchConfig(
         model=args.model, dtype=args.dtype, max_tokens=args.max_tokens, concurrency=tuple(args.concurrency),
         num_prompts=args.num_prompts, max_prompt_len=max(map(len, prompt_ids)), threads=args.threads,
+        workload=args.workload, spec_max_batch=args.spec_max_batch,
     )
     gb_s = copy_bandwidth_gb_s(threads=args.threads)
     rows: list[dict[str, Any]] = []
