@@ -270,6 +270,7 @@ def members_frame(members: Sequence[Mapping[str, Any]], latest: Mapping[str, Any
         util = None if load is None or not slots else min(load / slots, 1.0)
         detail = ", ".join(f"{k}={meta[k]}" for k in ("model", "engine", "backend") if meta.get(k))
         hb = num(m.get("last_heartbeat"))
+        kv_bytes = num(sig.get("prefix_cache_bytes"))
         rows.append({
             "member": m.get("id", "?"),
             "service": m.get("service", "?"),
@@ -280,6 +281,8 @@ def members_frame(members: Sequence[Mapping[str, Any]], latest: Mapping[str, Any
             "slots": slots,
             "utilisation": util,
             "kv_usage": num(sig.get("kv_usage")),
+            "prefix_hit_rate": num(sig.get("prefix_hit_rate")),
+            "prefix_cache_mib": None if kv_bytes is None else kv_bytes / 2**20,
             "ttft_p95_ms": ms(sig.get("ttft_p95_s")),
             "heartbeat_s": None if hb is None else max(0.0, now - hb),
             "ttl_s": num(m.get("ttl_s")),
@@ -289,7 +292,8 @@ def members_frame(members: Sequence[Mapping[str, Any]], latest: Mapping[str, Any
         })
     order = {"shard": 0, "gateway": 1, "cache": 2}
     frame = pd.DataFrame(rows, columns=["member", "service", "zone", "status", "running", "waiting", "slots", "utilisation",
-                                        "kv_usage", "ttft_p95_ms", "heartbeat_s", "ttl_s", "url", "detail", "problem"])
+                                        "kv_usage", "prefix_hit_rate", "prefix_cache_mib", "ttft_p95_ms", "heartbeat_s",
+                                        "ttl_s", "url", "detail", "problem"])
     if not frame.empty:
         frame = frame.sort_values(by=["service", "member"], key=lambda c: c.map(order) if c.name == "service" else c)
     return frame.reset_index(drop=True)

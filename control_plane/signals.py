@@ -74,6 +74,9 @@ PRESSURE_KV_USAGE = 0.90
 M_RUNNING = "vllm:num_requests_running"
 M_WAITING = "vllm:num_requests_waiting"
 M_KV = "vllm:kv_cache_usage_perc"
+M_PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+M_PREFIX_HITS = "vllm:prefix_cache_hits_total"
+M_PREFIX_BYTES = "switchboard_shard_prefix_cache_bytes"
 M_MAX_SEQS = "switchboard_shard_max_num_seqs"
 M_SHARD_TTFT = "vllm:time_to_first_token_seconds_bucket"
 M_SHARD_TOKENS = "vllm:generation_tokens_total"
@@ -106,6 +109,11 @@ class ShardSignal:
     status: str = "passing"
     """The member's registry status: passing | draining | critical."""
     url: str = ""
+    prefix_hit_rate: float | None = None
+    """Prompt tokens found in its prefix cache / looked up, over the window (scrape reader only);
+    None without lookups."""
+    prefix_cache_bytes: float | None = None
+    """KV bytes its prefix cache holds (None: not exported, e.g. another engine)."""
 
 
 @dataclass(frozen=True)
@@ -558,6 +566,13 @@ class ScrapeSignals:
             if blind:
                 stale, error = True, blind
         ttft = self._quantile([h], M_SHARD_TTFT) if h and h.error is None else None
+        hit_rate = None
+        if h is not None and h.error is None:
+            increase, _ = self._increase(h, lambda s: {k: v for k, v in (("q", s.total(M_PREFIX_QUERIES)),
+                                                                         ("h", s.total(M_PREFIX_HITS)))
+                                                       if v is not None})
+            if increase.get("q"):
+                hit_rate = increase.get("h", 0.0) / increase["q"]
         return ShardSignal(
             member.id,
             ttft_p95_s=ttft,
@@ -565,6 +580,8 @@ class ScrapeSignals:
             stale=stale,
             status=member.status,
             url=member.url,
+            prefix_hit_rate=hit_rate,
+            prefix_cache_bytes=last.total(M_PREFIX_BYTES) if last is not None else None,
             **values,
         )
 

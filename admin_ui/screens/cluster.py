@@ -30,6 +30,10 @@ COLUMNS = {
     "utilisation": st.column_config.ProgressColumn("Batch load", min_value=0.0, max_value=1.0, format="percent",
                                                    help="(running + waiting) / slots"),
     "kv_usage": st.column_config.ProgressColumn("KV cache", min_value=0.0, max_value=1.0, format="percent"),
+    "prefix_hit_rate": st.column_config.ProgressColumn("KV reuse", min_value=0.0, max_value=1.0, format="percent",
+                                                       help="Prefix-cache hit rate (prompt tokens) over the window"),
+    "prefix_cache_mib": st.column_config.NumberColumn("KV kept", format="%.0f MiB",
+                                                      help="KV bytes the shard's prefix cache holds"),
     "ttft_p95_ms": st.column_config.NumberColumn("TTFT p95", format="%.0f ms"),
     "heartbeat_s": st.column_config.NumberColumn("Heartbeat", format="%.1f s ago"),
     "ttl_s": st.column_config.NumberColumn("TTL", format="%.1f s", help="Heartbeat TTL: critical after this long"),
@@ -68,7 +72,8 @@ def body(c: ui.Console) -> None:
     if not shown["problem"].astype(bool).any():
         shown = shown.drop(columns=["problem"])
     order = [c for c in ("member", "service", "zone", "status", "heartbeat_s", "running", "waiting", "slots", "utilisation",
-                         "kv_usage", "ttft_p95_ms", "problem", "detail", "ttl_s", "url") if c in shown.columns]
+                         "kv_usage", "prefix_hit_rate", "prefix_cache_mib", "ttft_p95_ms", "problem", "detail",
+                         "ttl_s", "url") if c in shown.columns]
     st.dataframe(ui.colour_words(shown, ["status"]), hide_index=True, column_config=COLUMNS, width="stretch",
                  placeholder="—", column_order=order)
 

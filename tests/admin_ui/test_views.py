@@ -39,6 +39,15 @@ def test_a_shard_never_scraped_shows_unknown_not_zero():
     assert row["heartbeat_s"] == 1.5
 
 
+def test_a_shards_kv_reuse_and_bytes_in_the_cluster_table():
+    members = [{"id": "shard-0", "service": "shard", "status": "passing", "meta": {}}]
+    latest = {"shards": [{"member_id": "shard-0", "prefix_hit_rate": 0.85, "prefix_cache_bytes": 3 * 2**20}]}
+    row = views.members_frame(members, latest, now=1.0).iloc[0]
+    assert row["prefix_hit_rate"] == 0.85 and row["prefix_cache_mib"] == 3.0
+    never = views.members_frame(members, {"shards": [{"member_id": "shard-0"}]}, now=1.0).iloc[0]
+    assert never["prefix_hit_rate"] is None and never["prefix_cache_mib"] is None
+
+
 def test_signals_split_and_tiles():
     payload = {"latest": {"at": 2.0, "healthy_shards": 1, "shards": [{}, {}], "demand_by_tier": {"free": 1.5,
                                                                                                "plus": 0.5},

@@ -298,3 +298,25 @@ async def _until(cond, source: PrometheusSignals, timeout: float) -> Signals:  #
             assert cond(s), f"condition not met within {timeout}s: {s.summary()}"
             return s
         await asyncio.sleep(0.5)
+
+
+async def test_a_shards_prefix_cache_hit_rate_and_bytes_over_the_window() -> None:
+    now, hits = [0.0], [0.0]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text=(
+            'vllm:num_requests_running{model_name="m"} 0\nvllm:num_requests_waiting{model_name="m"} 0\n'
+            'vllm:kv_cache_usage_perc{model_name="m"} 0\nswitchboard_shard_max_num_seqs{model_name="m"} 4\n'
+            f'vllm:prefix_cache_queries_total{{model_name="m"}} {1000 + 400 * now[0]}\n'
+            f'vllm:prefix_cache_hits_total{{model_name="m"}} {hits[0]}\n'
+            'switchboard_shard_prefix_cache_bytes{model_name="m"} 1048576\n'))
+
+    members = [Member("shard-a", "shard", "http://127.0.0.1:9001")]
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        source = ScrapeSignals(lambda s: [m for m in members if m.service == s], http, window_s=10,
+                               min_interval_s=0, clock=lambda: now[0])
+        first = (await source.read()).shards[0]
+        now[0], hits[0] = 5.0, 1500.0
+        second = (await source.read()).shards[0]
+    assert first.prefix_hit_rate is None and first.prefix_cache_bytes == 1048576
+    assert second.prefix_hit_rate == pytest.approx(1500 / 2000)
