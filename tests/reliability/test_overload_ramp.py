@@ -170,6 +170,11 @@ def _p95(values: list[float]) -> float | None:
     return statistics.quantiles(values, n=20, method="inclusive")[-1] if len(values) >= 2 else None
 
 
+def _serving(cp: Service) -> int:
+    members = httpx.get(cp.url + "/v1/registry/members", timeout=10).json()["members"]
+    return sum(m["service"] == "shard" and m["status"] == "passing" for m in members)
+
+
 def _get(cp: Service, path: str) -> Any:
     return httpx.get(cp.url + path, headers=ADMIN, timeout=10).json()
 
@@ -205,12 +210,14 @@ def test_short_and_long_conversations_at_half_one_and_twice_capacity(tmp_path: P
                     for j in range(16)]
         base = _p95([t for t in unloaded if t is not None])
         figures.update(capacity_rps=round(capacity, 2), enterprise_unloaded_ttft_p95_s=base)
-        # the capacity loop ran the fleet at 1x: the ladder may have risen; start the ramp from 0
+        # the capacity loop ran the fleet at 1x: the ladder may have risen and the autoscaler scaled
+        # out; start the ramp from level 0 on the two shards C was measured for
         settle_deadline = time.monotonic() + RECOVER_S
-        while _get(cp, "/admin/v1/degradation")["level"] != 0:
-            assert time.monotonic() < settle_deadline, "the ladder did not settle at 0 before the ramp"
+        while _get(cp, "/admin/v1/degradation")["level"] != 0 or _serving(cp) != 2:
+            assert time.monotonic() < settle_deadline, "level 0 on two shards not reached before the ramp"
             time.sleep(1.0)
-        t_load = time.monotonic()
+        figures["settled_s"] = round(RECOVER_S - (settle_deadline - time.monotonic()), 1)
+        t_load, load_wall = time.monotonic(), time.time()
         for n, factor in enumerate(FACTORS):
             asyncio.run(_open_loop(gateway.url, cp.url, factor * capacity, PHASE_S, f"{factor:g}x", run, seed=n))
         t_end = time.monotonic()
@@ -223,8 +230,9 @@ def test_short_and_long_conversations_at_half_one_and_twice_capacity(tmp_path: P
         decisions = _get(cp, "/admin/v1/decisions")["decisions"]
         history = _get(cp, "/admin/v1/degradation")["history"]
         figures.update(load_s=round(t_end - t_load, 1), recovered_to_level_0_s=recovered_s,
-                       scale_ups=[(d["from"], d["to"], d["code"]) for d in decisions
-                                  if d["action"] == "scale_up" and d["code"] != "bounds"],
+                       scale_ups=[(d["from"], d["to"], d["code"]) for d in decisions  # during the ramp
+                                  if d["action"] == "scale_up" and d["code"] != "bounds"
+                                  and d["last_at"] >= load_wall],
                        ladder=[(e["from"], e["to"], e["reason"][:80]) for e in history])
     finally:
         for svc in (gateway, cache, cp):
