@@ -8,7 +8,11 @@
 
 Each tick counts the passing members of every service per zone (membership meta ``zone``; see
 data_plane/placement.py). A zone is *up* while it has a passing shard; it goes *down* when a
-zone that had shards has none passing, and *up* again when one returns. Each change is an event
+zone that had shards has none passing and lost at least one by accident (it vanished or went
+critical without draining first), and *up* again when one returns. A zone whose shards were all
+drained on purpose (a scale-in, maintenance) is *drained*: a log line, no event, alert or
+replacement. On *down*, the ``on_down`` callbacks (the autoscaler's ``replace_lost``) run only
+while another zone is up: replacements need a surviving zone. Each change is an event
 with its reason (kept for the admin API and the console's banner), a log line, and the metrics
 ``switchboard_zone_up{zone}`` (1/0; the alert ``SwitchboardZoneDown`` reads it) and
 ``switchboard_zone_members{service,zone}``. A zone seen once is remembered (at 0), so losing
@@ -83,6 +87,10 @@ class ZoneWatch:
         self._events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
         self._task: asyncio.Task[None] | None = None
         self._on_down: list[Callable[[str, int], Awaitable[Any]]] = []
+        self._shards: dict[str, tuple[str, str]] = {}
+        """shard id -> (zone, status) at the last tick."""
+        self._lost: dict[str, int] = {}
+        """zone -> shards lost by accident since it was last up."""
         self._reactions: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> None:
@@ -120,9 +128,26 @@ class ZoneWatch:
             except Exception:  # a broken read must not end the watch
                 log.exception("zone watch tick failed")
 
+    def _follow_shards(self, listed: list[dict[str, Any]]) -> None:
+        """Per zone, the shards that left routing by accident since the zone was last up: gone or
+        critical without draining first. A shard drained on purpose (a scale-in, maintenance) that
+        then deregisters is not a loss."""
+        now: dict[str, tuple[str, str]] = {}
+        for m in listed:
+            if m.get("service") == "shard":
+                meta = m.get("meta") or {}
+                now[str(m.get("id"))] = (str(m.get("zone") or meta.get("zone") or DEFAULT_ZONE),
+                                         str(m.get("status", "passing")))
+        for shard_id, (zone, status) in self._shards.items():
+            later = now.get(shard_id)
+            if status == "passing" and (later is None or later[1] == "critical"):
+                self._lost[zone] = self._lost.get(zone, 0) + 1
+        self._shards = now
+
     def tick(self) -> None:
         """Read membership once and record what changed."""
         _, listed = self._members.snapshot()
+        self._follow_shards(listed)
         now_counts = count_by_zone(listed)
         for zone in self._counts:  # remembered zones stay, at 0
             now_counts.setdefault(zone, {s: 0 for s in SERVICES})
@@ -131,14 +156,17 @@ class ZoneWatch:
             before = self._state.get(zone)
             if per.get("shard", 0) > 0:
                 state = "up"
-            elif before in ("up", "down"):
-                state = "down"  # it had shards: losing all of them is an outage
+                self._lost[zone] = 0
+            elif before == "down" or (before in ("up", "drained") and self._lost.get(zone, 0)):
+                state = "down"  # it had shards and lost them: an outage
+            elif before in ("up", "drained"):
+                state = "drained"  # every shard was drained on purpose: no outage, nothing to replace
             else:
                 state = "no_shards"  # caches or gateways only, never a shard: nothing to decide
             if state != before:
                 self._transition(zone, before, state, per, now)
             if self._metrics is not None:
-                if state != "no_shards":
+                if state in ("up", "down"):
                     self._metrics.up.labels(zone).set(1 if state == "up" else 0)
                 for service, n in per.items():
                     self._metrics.members.labels(service, zone).set(n)
@@ -147,15 +175,19 @@ class ZoneWatch:
     def _transition(self, zone: str, before: str | None, state: str, per: Mapping[str, int], now: float) -> None:
         self._state[zone] = state
         self._since[zone] = now
-        if before in (None, "no_shards"):
-            return  # first sight, or a zone's first shard: not an outage or a recovery
+        if before in (None, "no_shards") or "drained" in (before, state):
+            if state == "drained":
+                log.info("zone %s has no passing shard: all were drained on purpose", zone)
+            return  # first sight, a zone's first shard, or a deliberate drain: not an outage or a recovery
         if state == "down":
-            lost = self._counts.get(zone, {}).get("shard", 0)
-            reason = (f"zone {zone} has no passing shard (it had {lost}; caches {per.get('cache', 0)}, "
+            lost = self._lost.get(zone, 0)
+            reason = (f"zone {zone} has no passing shard (lost {lost}; caches {per.get('cache', 0)}, "
                       f"gateways {per.get('gateway', 0)}); gateways route to the other zones")
             log.warning("zone %s is DOWN: %s", zone, reason)
-            for callback in self._on_down:
-                self._react(callback, zone, lost)
+            survivors = [z for z, s in self._state.items() if s == "up" and z != zone]
+            if survivors:  # replacements need somewhere to go; a whole-fleet outage is the autoscaler's own case
+                for callback in self._on_down:
+                    self._react(callback, zone, lost)
         else:
             reason = f"zone {zone} has {per.get('shard', 0)} passing shard(s) again"
             log.info("zone %s is up: %s", zone, reason)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import asyncio
+
 import httpx
 from prometheus_client import CollectorRegistry
 
@@ -58,6 +60,34 @@ def test_a_zone_that_loses_every_shard_is_down_until_one_returns() -> None:
     watch.tick()
     assert watch.down() == [] and watch.events()[-1]["state"] == "up"
     assert value("switchboard_zone_transitions_total", zone="a", state="down") == 1
+
+
+async def test_a_drained_zone_is_not_an_outage_and_replacements_need_a_survivor() -> None:
+    listing = Listing()
+    watch = ZoneWatch(listing, ZoneMetrics(CollectorRegistry()))
+    asked: list[tuple[str, int]] = []
+
+    async def replace(zone: str, lost: int) -> None:
+        asked.append((zone, lost))
+
+    watch.on_down(replace)
+    listing.members = [member("s-a", "shard", "a"), member("s-b", "shard", "b")]
+    watch.tick()
+    listing.members = [member("s-a", "shard", "a", status="draining"), member("s-b", "shard", "b")]
+    watch.tick()
+    listing.members = [member("s-b", "shard", "b")]  # the drained shard deregistered: a scale-in
+    watch.tick()
+    assert [z["state"] for z in watch.zones()] == ["drained", "up"] and watch.events() == [] and watch.down() == []
+    listing.members = []  # zone b's shard dies: an outage, but no zone is left to put replacements in
+    watch.tick()
+    await asyncio.sleep(0)
+    assert watch.down() == ["b"] and asked == []
+    listing.members = [member("s-a2", "shard", "a"), member("s-b2", "shard", "b")]
+    watch.tick()
+    listing.members = [member("s-b2", "shard", "b")]  # a's shard vanishes while b is up
+    watch.tick()
+    await asyncio.sleep(0)
+    assert watch.down() == ["a"] and asked == [("a", 1)]
 
 
 def test_members_without_a_zone_count_as_local() -> None:
