@@ -49,7 +49,7 @@ from data_plane.hop_auth import cluster_headers, cluster_token_from_env, guarded
 from data_plane.hop_client import HOP_EVENTS, HopPool
 from data_plane.ledger import UsageLedger
 from data_plane.ledger_http import ledger_from_settings, usage_route
-from data_plane.membership import Member, MembershipView, StaticMembership
+from data_plane.membership import HttpMembership, Member, MembershipView, StaticMembership
 from data_plane.membership_factory import (
     AgentFactory,
     WatchedMembership,
@@ -206,6 +206,9 @@ def create_app(gw: Gateway) -> GatewayApp:
                                    headers=cluster_headers(cluster_token_from_env()), zone=settings.zone)
         if watcher is not None:
             watcher.subscribe(gw.sessions.on_membership_change)  # a rejoining node is repaired at once
+        if isinstance(watcher, HttpMembership):  # it knows every member's status, draining ones too
+            known, upstream = watcher, gw.upstream
+            watcher.subscribe(lambda: upstream.drop_lost({m.id: m.status for m in known.all_members("shard")}))
         gw.ledger = ledger_from_settings(settings, gw.registry)
         if gw.ledger is not None:
             await gw.ledger.start()

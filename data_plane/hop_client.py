@@ -258,6 +258,14 @@ class HopResponse:
     def complete(self) -> bool:
         return self._conn is None or (self._conn.complete and not self._conn.buffer)
 
+    def fail(self, error: HopError) -> None:
+        """Break the response now: a reader waiting in `lines()`/`read()` gets `error` (e.g. the
+        server left membership while streaming). Idempotent; `close()` still releases it."""
+        conn = self._conn
+        if conn is not None and not conn.complete:
+            conn._fail(error)
+            conn._wake()
+
     def close(self) -> None:
         """Back to the pool if the response was read to its end, else the connection is dropped
         (which is how a shard learns that nobody wants the rest). Idempotent."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -39,6 +39,7 @@ from data_plane.errors import (
 )
 from data_plane.hop_client import (
     HopConnectError,
+    HopDisconnected,
     HopError,
     HopPool,
     HopResponse,
@@ -156,6 +157,15 @@ class ShardStream:
         self._router = router
         self._idle = idle_timeout_s
         self._closed = False
+        self._lost = False
+        self.on_close: Callable[[ShardStream], None] | None = None
+
+    def lose(self) -> None:
+        """The shard left membership (critical or gone) mid-stream: fail the stream now, so it
+        resumes elsewhere instead of waiting for silence."""
+        if not self._closed and not self._lost:
+            self._lost = True
+            self._response.fail(HopDisconnected("the shard left membership"))
 
     async def batches(self) -> AsyncIterator[list[Event]]:
         if self._pending:
@@ -169,6 +179,9 @@ class ShardStream:
                     self._router.report_failure(self.member, "stream_idle")
                     raise UpstreamTimeout(f"the shard stopped streaming for {self._idle:g} s") from None
                 except HopError as exc:
+                    if self._lost:
+                        self._router.report_failure(self.member, "membership_lost")
+                        raise UpstreamError("the shard left membership mid-stream") from None
                     self._router.report_failure(self.member, "stream_broken")
                     raise UpstreamError(f"the shard's stream broke: {exc}") from None
                 if not lines:
@@ -196,6 +209,8 @@ class ShardStream:
             self._response.close()
         finally:
             self._leases.close()
+            if self.on_close is not None:
+                self.on_close(self)
 
 
 class Upstream:
@@ -203,6 +218,17 @@ class Upstream:
         self.router = router
         self.pool = pool
         self.config = config
+        self._live: set[ShardStream] = set()
+        """Open streams, so a membership change can fail those whose shard left."""
+
+    def drop_lost(self, statuses: Mapping[str, str]) -> None:
+        """Subscribed to a membership view that knows every member's status (shard id -> status):
+        a stream whose shard is now critical or gone fails over at once (a drained shard keeps its
+        streams: it is finishing them)."""
+        for stream in list(self._live):
+            if statuses.get(stream.member.id, "critical") == "critical":
+                log.warning("shard %s left membership mid-stream; resuming elsewhere", stream.member.id)
+                stream.lose()
 
     async def open(self, body: dict[str, Any], session_id: str | None,
                    exclude: set[str] | None = None) -> ShardStream:
@@ -294,7 +320,10 @@ class Upstream:
             raise
         self.router.report_success(member)
         span.set_attribute("switchboard.attempts", attempt)
-        return ShardStream(member, response, first, leases, self.router, silence or cfg.idle_timeout_s, attempt)
+        stream = ShardStream(member, response, first, leases, self.router, silence or cfg.idle_timeout_s, attempt)
+        self._live.add(stream)
+        stream.on_close = self._live.discard
+        return stream
 
     async def _refuse(self, member: Member, response: HopResponse, leases: ExitStack) -> NoReturn:
         """A non-200 answer: the shard's own error, retried elsewhere if it is the shard's fault."""

@@ -89,6 +89,44 @@ def test_silent_shard_mid_stream_resumes_elsewhere_within_seconds() -> None:
                 shard.proc.send_signal(signal.SIGCONT)  # type: ignore[attr-defined]
 
 
+def test_a_shard_that_leaves_membership_mid_stream_is_resumed_without_waiting_for_silence() -> None:
+    """With a 60 s silence timeout only the membership change (TTL 0.8 s) can move the stream."""
+    with Cluster(shards=2, caches=1, token_delay_ms=60, gateway_args=["--silence-timeout-s", "60"]) as c:
+        sdk = openai.OpenAI(base_url=c.gateway.url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=90)
+        msgs = [{"role": "user", "content": "another long story"}]
+        reference = sdk.chat.completions.create(model="synthetic", max_tokens=40, messages=msgs)
+        stopped: list[object] = []
+
+        def freeze() -> None:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not stopped:
+                for shard in c.shards:
+                    if _running(shard.url) >= 1:
+                        shard.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
+                        stopped.append(shard)
+                        return
+                time.sleep(0.05)
+
+        try:
+            gaps, text, last = [], [], time.monotonic()
+            for i, chunk in enumerate(sdk.chat.completions.create(model="synthetic", max_tokens=40, stream=True,
+                                                                  messages=msgs)):
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+                if i == 3:
+                    threading.Thread(target=freeze, daemon=True).start()
+                if chunk.choices:
+                    text.append(chunk.choices[0].delta.content or "")
+            assert stopped and "".join(text) == reference.choices[0].message.content
+            print(f"longest gap {max(gaps):.2f} s (membership TTL 0.8 s; silence timeout 60 s)")
+            assert max(gaps) < 30  # far below the 60 s the silence rule alone would take
+            assert _gateway_metric(c, 'switchboard_router_upstream_failures_total{reason="membership_lost"}') >= 1
+        finally:
+            for shard in stopped:
+                shard.proc.send_signal(signal.SIGCONT)  # type: ignore[attr-defined]
+
+
 def test_silent_shard_before_the_first_token_is_retried_elsewhere() -> None:
     with Cluster(shards=2, caches=1, token_delay_ms=1) as c:
         assert c.shards[0].proc is not None
