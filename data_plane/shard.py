@@ -94,7 +94,7 @@ class ShardSettings(BaseSettings):
     prefix_cache_bytes: int = Field(0, ge=0, le=1 << 40,
                                     description="Prefix-cache byte budget (0 = auto: 1/16 of RAM, at most 1 GiB).")
     kv_block_size: int = Field(16, ge=1, le=1024, description="Tokens per prefix-cache block (reuse granularity).")
-    speculation: Literal["ngram", "off"] = Field("off", description=(
+    speculation: Literal["ngram", "off"] = Field("ngram", description=(
         "Speculative decoding: ngram (prompt-lookup drafts, verified in the decode pass) | off."))
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="Most draft tokens per sequence and step.")
     spec_max_batch: int = Field(4, ge=1, le=256, description="No drafting while more sequences than this run.")

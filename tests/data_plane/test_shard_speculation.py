@@ -1,6 +1,6 @@
-"""`--speculation ngram` on a real shard (float32): vLLM's spec-decode metrics and the request
-span's `speculation` event move on a quote prompt, the streamed text equals the session's
-speculation-off shard's, and on that shard the metrics stay at 0."""
+"""`--speculation ngram` (the shard's default) on a real shard (float32): vLLM's spec-decode metrics
+and the request span's `speculation` event move on a quote prompt, the streamed text equals a
+`--speculation off` shard's, and on that shard the metrics stay at 0."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ NAMES = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens
 
 
 @pytest.fixture(scope="module")
-def spec_shard() -> Iterator[Service]:
+def off_shard() -> Iterator[Service]:
     svc = Service(["shard", "--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "1024",
-                   "--speculation", "ngram"], ready_timeout=180)
+                   "--speculation", "off"], ready_timeout=180)
     svc.start()
     yield svc
     svc.stop()
@@ -42,8 +42,8 @@ def stream(url: str, request_id: str) -> str:
     return text
 
 
-def test_metrics_and_span_move_on_a_quote_prompt(spec_shard: Service, fp32_shard: Service) -> None:
-    url = spec_shard.url
+def test_metrics_and_span_move_on_a_quote_prompt(fp32_shard: Service, off_shard: Service) -> None:
+    url = fp32_shard.url
     before = {n: metric(url, n) for n in NAMES}
     iters = metric(url, "vllm:iteration_tokens_total_count")
     rid = uuid.uuid4().hex
@@ -60,7 +60,7 @@ def test_metrics_and_span_move_on_a_quote_prompt(spec_shard: Service, fp32_shard
     event = next(e for e in span["events"] if e["name"] == "speculation")
     assert event["attributes"]["accepted_tokens"] > 0 and event["attributes"]["drafts"] > 0
 
-    off = fp32_shard.url
+    off = off_shard.url
     before_off = {n: metric(off, n) for n in NAMES}
     assert stream(off, uuid.uuid4().hex) == text
     assert {n: metric(off, n) for n in NAMES} == before_off == {n: 0.0 for n in NAMES}
