@@ -351,6 +351,12 @@ class TorchEngine:
             if batch:
                 self._prefill_batch(batch)
                 did = True
+        else:
+            batch = self._admit_ahead(budget)
+            if batch:
+                self._prefill_batch(batch)
+                budget = max(1, budget - sum(len(s.req.prompt_ids) - s.cached for s in batch))
+                did = True
         if self._prefilling is not None:
             self._prefill_chunk(budget)
             did = True
@@ -404,6 +410,37 @@ class TorchEngine:
                 batch.append(seq)
                 used += n
         self._mark_admitted(chunked + batch)
+        return batch
+
+    def _admit_ahead(self, budget: int) -> list[_Sequence]:
+        """While a long prompt is prefilled chunk by chunk, let waiting requests of strictly higher
+        priority whose prompts fit the budget go first: without it an enterprise request waits for
+        the whole prefill of a free-tier prompt that was admitted before it (head-of-line blocking
+        the admission queue cannot see). The chunked sequence moves one slot up per request taken,
+        so slots stay compact (index == slot)."""
+        p = self._prefilling
+        assert p is not None
+        batch: list[_Sequence] = []
+        used = 0
+        with self._lock:
+            while (self._waiting and self._waiting[0][2].req.priority < p.req.priority
+                   and len(self._running) + len(batch) + 2 <= self.config.max_num_seqs):  # +1 taken, +1 chunked
+                seq = self._waiting[0][2]
+                n = len(seq.req.prompt_ids) - self._cached_prefix(seq)
+                if used + n > budget:
+                    break
+                heapq.heappop(self._waiting)
+                batch.append(seq)
+                used += n
+            if not batch:
+                return batch
+            base = len(self._running)
+            target = base + len(batch)
+            self._runner.move_slot(p.slot, target, p.length)
+            p.slot = target
+            for i, seq in enumerate(batch):
+                seq.slot = base + i
+        self._mark_admitted(batch)
         return batch
 
     def _cached_prefix(self, seq: _Sequence) -> int:
