@@ -67,7 +67,7 @@ class Speculator:
         t0 = time.monotonic()
         rows = [[s.last_token] + d for s, d in zip(batch, drafts)]
         starts = [s.length for s in batch]
-        logits = verify(eng._runner, rows, starts)
+        logits = verify(eng._runner, rows, starts)  # type: ignore[arg-type]  # set once loaded
         argmax = logits.argmax(dim=-1).tolist()
         results: list[list[int]] = []
         off = 0
@@ -89,7 +89,7 @@ class Speculator:
         for seq, start, draft, tokens in zip(list(batch), starts, drafts, results):
             accepted = len(tokens) - 1
             if draft:
-                seq.spec.record(len(draft), accepted)
+                self._state(seq).record(len(draft), accepted)
                 eng.listener.on_spec_draft(len(draft), accepted)
             held = ""
             for i, token in enumerate(tokens):
