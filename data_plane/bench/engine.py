@@ -75,6 +75,8 @@ class BenchConfig:
     """chat (open-ended PROMPTS) or quote (the reply repeats the prompt: data_plane/bench/engine_spec.py)."""
     spec_max_batch: int = 4
     """switchboard-spec: no drafting while more sequences than this run (EngineConfig.spec_max_batch)."""
+    num_speculative_tokens: int = 4
+    """switchboard-spec: most draft tokens per sequence and step, 1..16."""
 
     @property
     def max_model_len(self) -> int:
@@ -126,6 +128,7 @@ class SwitchboardSystem:
                 threads=config.threads,
                 speculation=self.speculation,
                 spec_max_batch=config.spec_max_batch,
+                num_speculative_tokens=config.num_speculative_tokens,
             ),
             self.counter,
         )
@@ -602,6 +605,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(default off)")
     p.add_argument("--spec-max-batch", type=int, default=4,
                    help="speculation on: no drafting above this many running sequences (default 4)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="speculation on: most draft tokens per sequence and step, 1..16 (default 4)")
     p.add_argument("--model", default=None, help="HF model folder or GGUF (default SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=0, help="compute threads (default 0 = all cores)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
@@ -628,6 +633,7 @@ def main(argv: list[str] | None = None) -> None:
         model=args.model, dtype=args.dtype, max_tokens=args.max_tokens, concurrency=tuple(args.concurrency),
         num_prompts=args.num_prompts, max_prompt_len=max(map(len, prompt_ids)), threads=args.threads,
         workload=args.workload, spec_max_batch=args.spec_max_batch,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
     gb_s = copy_bandwidth_gb_s(threads=args.threads)
     rows: list[dict[str, Any]] = []
