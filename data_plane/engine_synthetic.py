@@ -114,6 +114,7 @@ class SyntheticEngine:
                 now = time.monotonic()
                 if self.listener is not None:
                     self.listener.on_step(self._running, now - last, "decode")
+                    self.listener.on_iteration_tokens(1)  # one token per (per-request) step here
                     if first is None:
                         self.listener.on_first_token(now - req.arrival)
                     else:

@@ -46,6 +46,12 @@ the test Cluster runs keeps no KV (it never looks up): 0 / 0 is NaN there. The t
 are tested in tests/data_plane/test_prefix_cache.py; the test asserts the synthetic shards really
 report no lookups, so this exemption lapses loudly if that changes."""
 
+NEEDS_SPECULATION = "vllm:spec_decode_"
+"""The speculative-decoding panels divide by drafted tokens, and the synthetic engine the test Cluster
+runs never drafts: 0 / 0 is NaN there. The torch engine's drafts are tested in
+tests/data_plane/test_shard_speculation.py; the test asserts the synthetic shards really report no
+drafts, so this exemption lapses loudly if that changes."""
+
 BAD_CARD = "my card is 4111 1111 1111 1111"  # the default input policy blocks card numbers (400)
 
 
@@ -226,6 +232,7 @@ def check_queries_and_alert(cluster: Cluster, prometheus: Prometheus) -> None:
     assert NEEDS_AUTOSCALER not in control_metrics, "the control plane runs an autoscaler: drop NEEDS_AUTOSCALER"
     assert "switchboard_degradation_level " in control_metrics  # exported with the autoscaler off
     assert prometheus.value("sum(vllm:prefix_cache_queries_total)") == 0, "drop NEEDS_PREFIX_LOOKUPS"
+    assert not prometheus.value("sum(vllm:spec_decode_num_drafts_total)") > 0, "drop NEEDS_SPECULATION"
 
     problems: list[str] = []
     for where, expr in dashboard_exprs():
@@ -234,7 +241,8 @@ def check_queries_and_alert(cluster: Cluster, prometheus: Prometheus) -> None:
         if answer.get("status") != "success":
             problems.append(f"{where}: {answer.get('errorType')}: {answer.get('error')}\n    {expr}")
             continue
-        if fname not in MUST_HAVE_DATA or NEEDS_AUTOSCALER in expr or NEEDS_PREFIX_LOOKUPS in expr:
+        if fname not in MUST_HAVE_DATA or any(n in expr for n in (NEEDS_AUTOSCALER, NEEDS_PREFIX_LOOKUPS,
+                                                                  NEEDS_SPECULATION)):
             continue
         result = answer["data"]["result"]
         if not result:
