@@ -64,7 +64,7 @@ class Cluster:
             raise
         return self
 
-    def wait_members(self, shards: int, caches: int, timeout: float = 15.0) -> None:
+    def wait_members(self, shards: int, caches: int, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             text = httpx.get(self.gateway.url + "/metrics").text
