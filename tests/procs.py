@@ -28,10 +28,20 @@ CLUSTER_HEADERS = {"Authorization": f"Bearer {CLUSTER_TOKEN}"}
 """What a test sends to a spawned member's internal routes (/debug/spans, a cache node's sessions)."""
 
 
+_GIVEN: set[int] = set()
+"""Ports handed out by this test process: never twice. Services are built (ports chosen) before any
+starts, and the kernel may hand the same free port to two bind(0) calls in a row; two children on
+one port make the loser exit and its health check succeed against the winner."""
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 class Service:
