@@ -34,6 +34,7 @@ from fastapi import APIRouter
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from data_plane.placement import DEFAULT_ZONE
+from data_plane.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
 
@@ -110,15 +111,8 @@ class ZoneWatch:
         return min(up)[1] if up else None
 
     async def aclose(self) -> None:
-        for task in list(self._reactions):
-            task.cancel()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await stop_tasks(self._task, *self._reactions)
+        self._task = None
 
     async def _loop(self) -> None:
         while True:

@@ -105,3 +105,21 @@ class Service:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def start_up(cwd: Path, *args: str) -> subprocess.Popen[bytes]:
+    """`switchboard up ARGS` as a child process in `cwd`, its output in ``cwd/up.log``."""
+    with open(cwd / "up.log", "wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "control_plane.cli", "up", *args], cwd=cwd, stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def wait_up(proc: subprocess.Popen[bytes], cwd: Path, timeout: float = 90.0) -> str:
+    """Until `switchboard up` (from :func:`start_up`) prints its banner; returns its output so far."""
+    log_path = cwd / "up.log"
+    deadline = time.monotonic() + timeout
+    while b"Ctrl-C stops everything" not in log_path.read_bytes():
+        assert proc.poll() is None, log_path.read_text()
+        assert time.monotonic() < deadline, log_path.read_text()
+        time.sleep(0.3)
+    return log_path.read_text()

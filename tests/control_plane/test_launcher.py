@@ -8,14 +8,13 @@ import os
 import signal
 import stat
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import openai
 
-from tests.procs import ROOT, free_port
+from tests.procs import free_port, start_up, wait_up
 
 
 def _children(pid: int) -> list[int]:
@@ -32,19 +31,10 @@ def _cmdline(pid: int) -> str:
 
 def test_up_starts_platform_and_stops_cleanly(tmp_path: Path) -> None:
     gw, cp, console = free_port(), free_port(), free_port()
-    log = open(tmp_path / "up.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "control_plane.cli", "up", "--engine", "synthetic",
-                             "--gateway-port", str(gw), "--control-plane-port", str(cp), "--shards", "2",
-                             "--console-port", str(console),
-                             "--cache-nodes", "2"], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = start_up(tmp_path, "--engine", "synthetic", "--gateway-port", str(gw), "--control-plane-port", str(cp),
+                    "--shards", "2", "--console-port", str(console), "--cache-nodes", "2")
     try:
-        deadline = time.monotonic() + 90
-        while b"Ctrl-C stops everything" not in (tmp_path / "up.log").read_bytes():
-            assert proc.poll() is None, (tmp_path / "up.log").read_text()
-            assert time.monotonic() < deadline, (tmp_path / "up.log").read_text()
-            time.sleep(0.3)
-        banner = (tmp_path / "up.log").read_text()
+        banner = wait_up(proc, tmp_path)
         creds_path = tmp_path / ".switchboard" / "credentials.json"
         assert stat.S_IMODE(creds_path.stat().st_mode) == 0o600
         creds = json.loads(creds_path.read_text())
@@ -95,27 +85,16 @@ def test_up_starts_platform_and_stops_cleanly(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-        log.close()
 
 
 def test_up_autoscale_lets_the_control_plane_start_and_stop_the_shards(tmp_path: Path) -> None:
     """`switchboard up --autoscale`: no shard of its own; the autoscaler starts --min-replicas shards
     (local actuator, same engine flags), chat works, and Ctrl-C stops the autoscaler's shards too."""
     gw, cp = free_port(), free_port()
-    log_path = tmp_path / "up.log"
-    log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "control_plane.cli", "up", "--engine", "synthetic",
-                             "--gateway-port", str(gw), "--control-plane-port", str(cp), "--no-console",
-                             "--cache-nodes", "1", "--autoscale", "--min-replicas", "1", "--max-replicas", "2"],
-                            cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = start_up(tmp_path, "--engine", "synthetic", "--gateway-port", str(gw), "--control-plane-port", str(cp),
+                    "--no-console", "--cache-nodes", "1", "--autoscale", "--min-replicas", "1", "--max-replicas", "2")
     try:
-        deadline = time.monotonic() + 120
-        while b"Ctrl-C stops everything" not in log_path.read_bytes():
-            assert proc.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.3)
-        assert "autoscaled, 1..2" in log_path.read_text()
+        assert "autoscaled, 1..2" in wait_up(proc, tmp_path, 120)
         creds = json.loads((tmp_path / ".switchboard" / "credentials.json").read_text())
         members = httpx.get(f"http://127.0.0.1:{cp}/v1/registry/members").json()["members"]
         shards = [m for m in members if m["service"] == "shard"]
@@ -140,4 +119,3 @@ def test_up_autoscale_lets_the_control_plane_start_and_stop_the_shards(tmp_path:
     finally:
         if proc.poll() is None:
             proc.kill()
-        log.close()

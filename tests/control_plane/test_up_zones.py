@@ -6,18 +6,14 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 
-from tests.procs import ROOT, free_port
+from tests.procs import free_port, start_up, wait_up
 
 
 def _two_free_ports() -> int:
@@ -43,18 +39,10 @@ def _value(text: str, name: str, **labels: str) -> float:
 
 def test_up_with_two_zones_keeps_traffic_and_free_sessions_local(tmp_path: Path) -> None:
     gw, cp = _two_free_ports(), free_port()
-    log = open(tmp_path / "up.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "control_plane.cli", "up", "--engine", "synthetic",
-                             "--gateway-port", str(gw), "--control-plane-port", str(cp), "--zones", "a,b",
-                             "--no-console"], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = start_up(tmp_path, "--engine", "synthetic", "--gateway-port", str(gw), "--control-plane-port", str(cp),
+                    "--zones", "a,b", "--no-console")
     try:
-        deadline = time.monotonic() + 90
-        while b"Ctrl-C stops everything" not in (tmp_path / "up.log").read_bytes():
-            assert proc.poll() is None, (tmp_path / "up.log").read_text()
-            assert time.monotonic() < deadline, (tmp_path / "up.log").read_text()
-            time.sleep(0.3)
-        banner = (tmp_path / "up.log").read_text()
+        banner = wait_up(proc, tmp_path)
         assert f"http://127.0.0.1:{gw + 1}/v1" in banner and "zone b" in banner
         creds = json.loads((tmp_path / ".switchboard" / "credentials.json").read_text())
         admin = {"Authorization": f"Bearer {creds['admin_token']}"}
@@ -92,4 +80,3 @@ def test_up_with_two_zones_keeps_traffic_and_free_sessions_local(tmp_path: Path)
     finally:
         if proc.poll() is None:
             proc.kill()
-        log.close()

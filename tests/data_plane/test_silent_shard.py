@@ -25,6 +25,22 @@ def _running(url: str) -> float:
     return 0.0
 
 
+def _freeze_the_streaming_shard(c: Cluster, stopped: list[object]) -> None:
+    """In the background: SIGSTOP the first shard seen running a request (a frozen host), into `stopped`."""
+    def freeze() -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not stopped:
+            for shard in c.shards:
+                if _running(shard.url) >= 1:
+                    assert shard.proc is not None
+                    shard.proc.send_signal(signal.SIGSTOP)
+                    stopped.append(shard)
+                    return
+            time.sleep(0.05)
+
+    threading.Thread(target=freeze, daemon=True).start()
+
+
 def _gateway_metric(c: Cluster, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(c.gateway.url + "/metrics").text.splitlines()
                if line.startswith(name))
@@ -52,17 +68,6 @@ def test_silent_shard_mid_stream_resumes_elsewhere_within_seconds() -> None:
         stopped: list[object] = []
         gaps: list[float] = []
 
-        def freeze_the_streaming_shard() -> None:
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and not stopped:
-                for shard in c.shards:
-                    if _running(shard.url) >= 1:
-                        assert shard.proc is not None
-                        shard.proc.send_signal(signal.SIGSTOP)
-                        stopped.append(shard)
-                        return
-                time.sleep(0.05)
-
         msgs = [{"role": "user", "content": "a long story please"}]
         reference = sdk.chat.completions.create(model="synthetic", max_tokens=40, messages=msgs)
         try:
@@ -74,7 +79,7 @@ def test_silent_shard_mid_stream_resumes_elsewhere_within_seconds() -> None:
                 gaps.append(now - last)
                 last = now
                 if i == 3:
-                    threading.Thread(target=freeze_the_streaming_shard, daemon=True).start()
+                    _freeze_the_streaming_shard(c, stopped)
                 if chunk.choices:
                     text.append(chunk.choices[0].delta.content or "")
                     finish = chunk.choices[0].finish_reason or finish
@@ -97,16 +102,6 @@ def test_a_shard_that_leaves_membership_mid_stream_is_resumed_without_waiting_fo
         reference = sdk.chat.completions.create(model="synthetic", max_tokens=40, messages=msgs)
         stopped: list[object] = []
 
-        def freeze() -> None:
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and not stopped:
-                for shard in c.shards:
-                    if _running(shard.url) >= 1:
-                        shard.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
-                        stopped.append(shard)
-                        return
-                time.sleep(0.05)
-
         try:
             gaps, text, last = [], [], time.monotonic()
             for i, chunk in enumerate(sdk.chat.completions.create(model="synthetic", max_tokens=40, stream=True,
@@ -115,7 +110,7 @@ def test_a_shard_that_leaves_membership_mid_stream_is_resumed_without_waiting_fo
                 gaps.append(now - last)
                 last = now
                 if i == 3:
-                    threading.Thread(target=freeze, daemon=True).start()
+                    _freeze_the_streaming_shard(c, stopped)
                 if chunk.choices:
                     text.append(chunk.choices[0].delta.content or "")
             assert stopped and "".join(text) == reference.choices[0].message.content

@@ -1,9 +1,8 @@
 """Network-namespace "hosts" for tests: each host a netns with one veth link to the root namespace.
 
     hosts = Hosts("sbz", [1, 2])          # names sbz-h1, sbz-h2; addresses ADDR.1.2, ADDR.2.2
-    if (why := hosts.unavailable()):
-        pytest.skip(why)
-    hosts.setup()                         # and hosts.teardown() in a finally
+    with hosts.up():                      # skips where netns cannot be made; torn down afterwards
+        ...
     hosts.cut(1); hosts.restore(1)        # NIC down / up inside host 1: a silent partition
     hosts.wrap(1, args)                   # ["ip", "netns", "exec", "sbz-h1", *args]
 
@@ -24,10 +23,13 @@ the root namespace (gateways, the test) reach every host.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+
+import pytest
 
 
 def free_block(seed: int) -> str:
@@ -79,6 +81,18 @@ class Hosts:
             return "ip netns add failed (no CAP_SYS_ADMIN / netns support)"
         ip("netns", "del", probe, check=False)
         return None
+
+    @contextlib.contextmanager
+    def up(self) -> Iterator[None]:
+        """The hosts for the length of a test (a fixture's body); the test skips where they cannot be made."""
+        why = self.unavailable()
+        if why:
+            pytest.skip(why)
+        try:
+            self.setup()
+            yield
+        finally:
+            self.teardown()
 
     def setup(self) -> None:
         self.teardown()  # leftovers of an interrupted run with the same prefix

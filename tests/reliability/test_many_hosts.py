@@ -64,14 +64,8 @@ class HostShard(Service):
 
 @pytest.fixture()
 def hosts() -> Iterator[None]:
-    why = HOSTS.unavailable()
-    if why:
-        pytest.skip(why)
-    try:
-        HOSTS.setup()
+    with HOSTS.up():
         yield
-    finally:
-        HOSTS.teardown()
 
 
 def _shards_seen(gw: Service) -> float:

@@ -49,14 +49,8 @@ class HostService(Service):
 
 @pytest.fixture()
 def hosts() -> Iterator[None]:
-    why = HOSTS.unavailable()
-    if why:
-        pytest.skip(why)
-    try:
-        HOSTS.setup()
+    with HOSTS.up():
         yield
-    finally:
-        HOSTS.teardown()
 
 
 def _sdk(gw: Service, tier: str) -> openai.OpenAI:
