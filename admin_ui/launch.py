@@ -62,7 +62,7 @@ def command(argv: list[str] | None = None) -> list[str]:
 
 
 def tls_flags() -> list[str]:
-    """Streamlit's own TLS flags when the platform runs on TLS (the variables of data_plane/tls.py)."""
+    """Streamlit's own TLS flags when the platform runs on TLS (the variables of data_plane/common/tls.py)."""
     cert, key = os.environ.get("SWITCHBOARD_TLS_CERT"), os.environ.get("SWITCHBOARD_TLS_KEY")
     return ["--server.sslCertFile", cert, "--server.sslKeyFile", key] if cert and key else []
 

@@ -6,9 +6,9 @@
     app = create_app(ControlPlaneSettings(admin_token="t"))   # in tests or another server
 
 Serves ``/health``, ``/metrics``, ``/debug/spans``, the registry API under ``/v1/registry``
-(see :mod:`control_plane.registry`), the gateways' ``/v1/state`` (degradation level + tier policy,
+(see :mod:`control_plane.registry.embedded`), the gateways' ``/v1/state`` (degradation level + tier policy,
 :mod:`control_plane.state_api`) and the bearer-protected admin API under ``/admin/v1``
-(:mod:`control_plane.admin_api`). The degradation ladder (:mod:`control_plane.degradation`) runs
+(:mod:`control_plane.admin.api`). The degradation ladder (:mod:`control_plane.degradation`) runs
 in the lifespan; ``--state-dir`` persists the tier policy and the ladder across restarts.
 """
 
@@ -28,25 +28,25 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from control_plane.actuators.local import LocalActuator
-from control_plane.admin_api import AdminContext, bearer_guard, build_admin_router
-from control_plane.autoscaler import add_autoscaler_flags, build_autoscaler
+from control_plane.scaling.actuators.local import LocalActuator
+from control_plane.admin.api import AdminContext, bearer_guard, build_admin_router
+from control_plane.scaling.autoscaler import add_autoscaler_flags, build_autoscaler
 from control_plane.degradation import DegradationController, DegradationMetrics, ladder_config
-from control_plane.membership_consul import ConsulMembers
+from control_plane.registry.consul import ConsulMembers
 from control_plane.policy_store import open_store
-from control_plane.registry import Registry, RegistryMetrics, build_router
+from control_plane.registry.embedded import Registry, RegistryMetrics, build_router
 from control_plane.settings import ENV_ADMIN_TOKEN, ControlPlaneSettings
-from control_plane.signals import build_signal_source
+from control_plane.signals.source import build_signal_source
 from control_plane.state_api import StateIndex, build_state_router, cluster_state_body
-from control_plane.usage import build_usage_router
+from control_plane.admin.usage import build_usage_router
 from control_plane.zones import ZoneMetrics, ZoneWatch, build_zones_router
-from data_plane.errors import install_error_handlers
-from data_plane.hop_auth import cluster_headers, guarded
-from data_plane.tls import TlsConfig
-from data_plane.ledger_http import default_usage_db
-from data_plane.ledger_sql import open_ledger_store
-from data_plane.membership_consul import token_from_env
-from data_plane.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
+from data_plane.common.errors import install_error_handlers
+from data_plane.common.hop_auth import cluster_headers, guarded
+from data_plane.common.tls import TlsConfig
+from data_plane.ledger.store import default_usage_db
+from data_plane.ledger.store import open_ledger_store
+from data_plane.membership.consul import token_from_env
+from data_plane.common.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     configure_process(SERVICE_NAME)
     app = create_app(settings)
-    from data_plane.http_server import GuardedHttpProtocol
+    from data_plane.common.http_server import GuardedHttpProtocol
 
     config = uvicorn.Config(
         app,

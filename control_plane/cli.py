@@ -11,31 +11,31 @@
 Each subcommand's module owns its flags (`main(argv)`); they are imported lazily so that
 `switchboard cache-node` never pays for importing torch. Every subcommand also takes
 `--tls-cert FILE --tls-key FILE --ca-bundle FILE` (TLS on its listeners, peers verified with the
-bundle: data_plane/tls.py).
+bundle: data_plane/common/tls.py).
 """
 
 from __future__ import annotations
 
-from data_plane.settings_cli import dispatch
+from data_plane.common.settings_cli import dispatch
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("control_plane.launcher", "start the whole platform (control plane, shards, cache nodes, gateway)"),
-    "shard": ("data_plane.shard", "run one inference shard"),
-    "cache-node": ("data_plane.cache_node", "run one cache node"),
-    "gateway": ("data_plane.gateway", "run the OpenAI-compatible chat gateway"),
+    "shard": ("data_plane.shard.app", "run one inference shard"),
+    "cache-node": ("data_plane.cache.node", "run one cache node"),
+    "gateway": ("data_plane.gateway.app", "run the OpenAI-compatible chat gateway"),
     "control-plane": ("control_plane.app", "run the control plane (membership registry, admin API)"),
     "bench": ("data_plane.bench", "benchmarks: engine, serve, overhead"),
     "model": ("data_plane.model_cli", "model tools: prepare (convert the default model once)"),
     "dashboards": ("dashboards.push", "Grafana dashboards: push"),
     "console": ("admin_ui.launch", "run the admin console (Streamlit)"),
-    "autoscale": ("control_plane.autoscale_cli", "autoscaling tools: simulate (replay a load trace; PNG)"),
+    "autoscale": ("control_plane.scaling.cli", "autoscaling tools: simulate (replay a load trace; PNG)"),
 }
 
 
 def main(argv: list[str] | None = None) -> None:
     import sys
 
-    from data_plane.tls import take_tls_flags
+    from data_plane.common.tls import take_tls_flags
 
     dispatch("switchboard", COMMANDS, take_tls_flags(list(sys.argv[1:] if argv is None else argv)))
 

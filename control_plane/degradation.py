@@ -8,7 +8,7 @@
     controller.snapshot()             # {"level", "pinned", "reason", "since", "history", ...}
     await controller.aclose()
 
-The levels (enforced by the gateway, ``data_plane/cluster_state.py``)::
+The levels (enforced by the gateway, ``data_plane/gateway/cluster_state.py``)::
 
     0 normal            1 shrink context window      2 cap output tokens
     3 shed free tier    4 enterprise only
@@ -60,8 +60,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from control_plane.degradation_rule import WINDOWED_CAUSES, Assessment, LadderConfig, assess
 from control_plane.policy_store import MAX_LEVEL, DegradationRecord, PolicyStore
 from control_plane.settings import ControlPlaneSettings
-from control_plane.signals import Signals
-from data_plane.tasks import stop_tasks
+from control_plane.signals.core import Signals
+from data_plane.common.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)

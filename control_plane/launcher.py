@@ -36,11 +36,11 @@ import httpx
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from data_plane.http_server import free_port
-from data_plane.membership import CLUSTER_TOKEN_ENV
-from data_plane.placement import DEFAULT_ZONE, ZONE_PATTERN
-from data_plane.settings_cli import parse_settings
-from data_plane.tls import TlsConfig, make_dev_pki
+from data_plane.common.http_server import free_port
+from data_plane.membership.view import CLUSTER_TOKEN_ENV
+from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
+from data_plane.common.settings_cli import parse_settings
+from data_plane.common.tls import TlsConfig, make_dev_pki
 
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 
@@ -164,10 +164,10 @@ def _secret(path: Path, prefix: str) -> str:
 
 def _session_keys(path: Path) -> Path:
     """The key that encrypts session transcripts at rest, made once (mode 600). To rotate: put a
-    new line first (`python -c "from data_plane.session_crypto import new_key_line as k; print(k('k2'))"`),
+    new line first (`python -c "from data_plane.common.crypto import new_key_line as k; print(k('k2'))"`),
     keep the old line below it until old sessions have expired."""
     if not path.exists():
-        from data_plane.session_crypto import new_key_line
+        from data_plane.common.crypto import new_key_line
 
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -177,7 +177,7 @@ def _session_keys(path: Path) -> Path:
 
 
 def _credentials(state: Path) -> dict[str, object]:
-    from data_plane.auth import write_dev_keys
+    from data_plane.gateway.auth import write_dev_keys
 
     keys = write_dev_keys(state / "keys.yaml")
     creds: dict[str, object] = {"keys": keys, "admin_token": _secret(state / "admin_token", "sb-admin-"),

@@ -7,7 +7,7 @@
     await watch.aclose()
 
 Each tick counts the passing members of every service per zone (membership meta ``zone``; see
-data_plane/placement.py). A zone is *up* while it has a passing shard; it goes *down* when a
+data_plane/membership/placement.py). A zone is *up* while it has a passing shard; it goes *down* when a
 zone that had shards has none passing and lost at least one by accident (it vanished or went
 critical without draining first), and *up* again when one returns. A zone whose shards were all
 drained on purpose (a scale-in, maintenance) is *drained*: a log line, no event, alert or
@@ -33,8 +33,8 @@ from typing import Any, Protocol
 from fastapi import APIRouter
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from data_plane.placement import DEFAULT_ZONE
-from data_plane.tasks import stop_tasks
+from data_plane.membership.placement import DEFAULT_ZONE
+from data_plane.common.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
 

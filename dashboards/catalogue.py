@@ -65,22 +65,22 @@ class Metric:
 
 
 def _shard(registry: CollectorRegistry) -> list[object]:
-    from data_plane.shard_metrics import ShardMetrics
+    from data_plane.shard.metrics import ShardMetrics
 
     metrics = ShardMetrics(registry, model_name="catalogue")
     return [metrics, metrics.spec]
 
 
 def _gateway(registry: CollectorRegistry) -> list[object]:
-    # What data_plane.gateway.Gateway and its SessionStore register on the gateway's registry.
-    from data_plane.admission import AdmissionMetrics
-    from data_plane.cache_client import SessionStoreMetrics
-    from data_plane.gateway_metrics import GatewayMetrics
-    from data_plane.ledger import LedgerMetrics
-    from data_plane.ratelimit import RateLimitMetrics
-    from data_plane.router import RouterMetrics
-    from data_plane.safety import SafetyMetrics
-    from data_plane.session_crypto import SealMetrics
+    # What data_plane.gateway.app.Gateway and its SessionStore register on the gateway's registry.
+    from data_plane.gateway.admission import AdmissionMetrics
+    from data_plane.cache.client import SessionStoreMetrics
+    from data_plane.gateway.metrics import GatewayMetrics
+    from data_plane.ledger.writer import LedgerMetrics
+    from data_plane.gateway.ratelimit.limiter import RateLimitMetrics
+    from data_plane.routing.router import RouterMetrics
+    from data_plane.gateway.safety.pipeline import SafetyMetrics
+    from data_plane.common.crypto import SealMetrics
 
     return [GatewayMetrics(registry), SafetyMetrics(registry), RouterMetrics(registry),
             SessionStoreMetrics(registry), RateLimitMetrics(registry), AdmissionMetrics(registry),
@@ -88,15 +88,15 @@ def _gateway(registry: CollectorRegistry) -> list[object]:
 
 
 def _cache_node(registry: CollectorRegistry) -> list[object]:
-    from data_plane.cache_node import CacheNodeMetrics
+    from data_plane.cache.node import CacheNodeMetrics
 
     return [CacheNodeMetrics(registry)]
 
 
 def _control_plane(registry: CollectorRegistry) -> list[object]:
-    from control_plane.autoscaler import AutoscalerMetrics
+    from control_plane.scaling.autoscaler import AutoscalerMetrics
     from control_plane.degradation import DegradationMetrics
-    from control_plane.registry import RegistryMetrics
+    from control_plane.registry.embedded import RegistryMetrics
     from control_plane.settings import DEFAULT_SERVICES
     from control_plane.zones import ZoneMetrics
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from data_plane.errors import InvalidRequest, UnsupportedParameter
+from data_plane.common.errors import InvalidRequest, UnsupportedParameter
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -292,7 +292,7 @@ def parse_chat_request(raw: bytes, content_type: str | None) -> ChatCompletionRe
 
     from pydantic import ValidationError
 
-    from data_plane.errors import UnsupportedMediaType
+    from data_plane.common.errors import UnsupportedMediaType
 
     ctype = (content_type or "").split(";")[0].strip().lower()
     if ctype and ctype != "application/json" and not ctype.endswith("+json"):
@@ -331,7 +331,7 @@ async def read_body(request: Any, limit: int, timeout_s: float = BODY_TIMEOUT_S)
     client stalls for `timeout_s`."""
     import asyncio
 
-    from data_plane.errors import PayloadTooLarge, RequestTimeout
+    from data_plane.common.errors import PayloadTooLarge, RequestTimeout
 
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:

@@ -14,7 +14,7 @@ An operator's file has one mapping per tier under ``tiers`` (every field require
                    max_output_tokens: 2048, replication: 2, shed_order: 2}
 
 ``safety`` (optional, default ``"default"``) names a policy in
-:class:`data_plane.safety.SafetyPolicies`. Context limits are further capped by the served
+:class:`data_plane.gateway.safety.pipeline.SafetyPolicies`. Context limits are further capped by the served
 model's own context window at the gateway. ``to_dict()`` returns the same shape, so
 ``TierPolicy.from_dict(policy.to_dict()) == policy``.
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from data_plane.yaml_source import load_yaml
+from data_plane.common.yaml_source import load_yaml
 
 TIER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 """Tier names are short identifiers: they appear as metric labels and in config files."""

@@ -89,7 +89,7 @@ class Cluster:
 def stored_session(cache_url: str, session_id: str) -> dict | None:
     """What a cache node holds for a session, its transcript opened as the cluster's gateways open
     it (their key is derived from the cluster token); None when the node lacks it."""
-    from data_plane.session_crypto import Keyring, TranscriptSealer
+    from data_plane.common.crypto import Keyring, TranscriptSealer
 
     r = httpx.get(f"{cache_url}/v1/sessions/{session_id}", headers=CLUSTER_HEADERS)
     if r.status_code == 404:

@@ -50,7 +50,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from data_plane.membership_consul import consul_headers, consul_http_url, token_from_env
+from data_plane.membership.consul import consul_headers, consul_http_url, token_from_env
 from tests.procs import Service
 
 ENV_LIVE_CONSUL = "CONSUL_HTTP_ADDR"

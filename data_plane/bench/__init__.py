@@ -10,7 +10,7 @@ Subcommand modules are imported lazily, so `bench serve` never imports torch.
 
 from __future__ import annotations
 
-from data_plane.settings_cli import dispatch
+from data_plane.common.settings_cli import dispatch
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("data_plane.bench.engine", "engine throughput/latency: switchboard vs naive HF vs llama.cpp"),

@@ -114,7 +114,7 @@ class SwitchboardSystem:
 
     def __init__(self, config: BenchConfig) -> None:
         from data_plane.bench.engine_spec import AcceptanceCounter
-        from data_plane.engine_torch import EngineConfig, TorchEngine
+        from data_plane.shard.engines.torch_engine import EngineConfig, TorchEngine
 
         self.dtype = config.dtype
         self.weight_bytes = 0
@@ -147,7 +147,7 @@ class SwitchboardSystem:
         return await closed_loop(prompts, concurrency, partial(self._one, max_tokens))
 
     async def _one(self, max_tokens: int, ids: list[int]) -> RequestResult:
-        from data_plane.engine import GenerationRequest, SamplingParams
+        from data_plane.shard.engines.base import GenerationRequest, SamplingParams
 
         r = RequestResult(submitted=time.perf_counter(), prompt_tokens=len(ids))
         req = GenerationRequest(uuid.uuid4().hex, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
@@ -185,7 +185,7 @@ class NaiveSystem:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from data_plane.engine_torch import DTYPES
+        from data_plane.shard.engines.torch_engine import DTYPES
         from data_plane.model_store import resolve_model
 
         if self.config.threads:

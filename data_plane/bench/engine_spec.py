@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from data_plane.bench.common import PROMPTS
-from data_plane.engine_torch import StepListener
+from data_plane.shard.engines.torch_engine import StepListener
 
 _CODE = '''def parse_config(path):
     """Read a key=value file into a dict, skipping comments and blank lines."""

@@ -36,7 +36,7 @@ import httpx
 
 from data_plane.bench.common import fmt, format_table, machine_info, percentile, write_json
 from data_plane.bench.overhead import Proc, switchboard_cmd
-from data_plane.http_server import free_port
+from data_plane.common.http_server import free_port
 
 BENCH_KEY = "sk-bench-multiturn-0123456789"
 BLOCK = 16

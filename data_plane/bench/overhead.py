@@ -14,7 +14,7 @@ same streaming request (`max_tokens` tokens) then goes to three systems:
 
 Each round runs, for each concurrency, `--requests` requests per system in a closed loop of
 `concurrency` workers over one keep-alive connection pool (the gateway's own lean HTTP/1.1
-client, data_plane/hop_client.py: with httpx the load generator's CPU, ~1 ms a request,
+client, data_plane/routing/hop_client.py: with httpx the load generator's CPU, ~1 ms a request,
 made the c=16 tail mostly its own), systems interleaved (direct, switchboard,
 litellm, direct, ...) so machine noise lands on all of them alike; `concurrency` warm-up
 requests before each batch are not counted. Per request we record latency to the last byte
@@ -77,8 +77,8 @@ from data_plane.bench.common import (
     write_json,
 )
 from data_plane.bench.overhead_report import DIRECT, LITELLM, SWITCHBOARD, Batch, aggregate, check_targets, render
-from data_plane.hop_client import HopError, HopPool
-from data_plane.http_server import free_port
+from data_plane.routing.hop_client import HopError, HopPool
+from data_plane.common.http_server import free_port
 
 BENCH_KEY = "sk-bench"
 MODEL = "synthetic"

@@ -22,10 +22,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from control_plane.actuators import ActuatorError
-from control_plane.actuators.kubernetes import KubernetesActuator, default_kubeconfig
-from control_plane.actuators.local import LocalActuator
-from control_plane.actuators.nomad import NomadActuator
+from control_plane.scaling.actuators import ActuatorError
+from control_plane.scaling.actuators.kubernetes import KubernetesActuator, default_kubeconfig
+from control_plane.scaling.actuators.local import LocalActuator
+from control_plane.scaling.actuators.nomad import NomadActuator
 from tests.procs import CLUSTER_TOKEN, Service, free_port
 
 ENV_NOMAD_ADDR = "NOMAD_ADDR"
@@ -482,10 +482,10 @@ _DUMMY = {
 def _parse_command(args: list[str]) -> Any:
     """Parse a `switchboard ...` command line with the subcommand's own parser (exits on a bad flag)."""
     from control_plane.app import parse_settings as control_plane
-    from data_plane.cache_node import parse_settings as cache_node
-    from data_plane.gateway import GatewaySettings
-    from data_plane.settings_cli import parse_settings
-    from data_plane.shard import ShardSettings
+    from data_plane.cache.node import parse_settings as cache_node
+    from data_plane.gateway.app import GatewaySettings
+    from data_plane.common.settings_cli import parse_settings
+    from data_plane.shard.app import ShardSettings
 
     parsers = {
         "control-plane": control_plane,

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from control_plane.traces import assemble_traces
+from control_plane.admin.traces import assemble_traces
 from data_plane.tiers import TierPolicy
 from tests.control_plane.test_registry import (
     ADMIN_TOKEN,

@@ -10,10 +10,10 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from control_plane.actuators import ActuatorError
-from control_plane.autoscaler import Autoscaler, AutoscalerMetrics, PolicyConfig, TargetTracking
-from control_plane.signals import Signals
-from control_plane.simulate import ShardModel, fleet_signals, load_trace, simulate
+from control_plane.scaling.actuators import ActuatorError
+from control_plane.scaling.autoscaler import Autoscaler, AutoscalerMetrics, PolicyConfig, TargetTracking
+from control_plane.signals.core import Signals
+from control_plane.scaling.simulate import ShardModel, fleet_signals, load_trace, simulate
 from tests.cluster import ADMIN_TOKEN, KEYS, api_keys_env
 from tests.procs import ROOT, Service
 
@@ -196,7 +196,7 @@ def test_config_is_validated() -> None:
 
 
 def test_simulation_of_the_shipped_trace_scales_out_and_back_in(tmp_path) -> None:
-    from control_plane import simulate as sim
+    from control_plane.scaling import simulate as sim
 
     result = simulate(
         load_trace(TRACE),

@@ -18,10 +18,10 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 
-from control_plane.membership_consul import ConsulKV, ConsulMembers
-from data_plane.errors import NotFound, UpstreamError
-from data_plane.membership import Member
-from data_plane.membership_consul import ConsulRegistrationAgent
+from control_plane.registry.consul import ConsulKV, ConsulMembers
+from data_plane.common.errors import NotFound, UpstreamError
+from data_plane.membership.view import Member
+from data_plane.membership.consul import ConsulRegistrationAgent
 from tests.consul_stub import ConsulStub, consul_agent, consul_client
 from tests.control_plane.test_registry import ADMIN_TOKEN, ControlPlaneProcess, eventually, free_port
 

@@ -23,7 +23,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from data_plane.membership import HttpMembership, Member, RegistrationAgent
+from data_plane.membership.view import HttpMembership, Member, RegistrationAgent
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 ADMIN_TOKEN = "test-admin-token"

@@ -14,14 +14,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from control_plane.signals import (
+from control_plane.signals.core import (
     ScrapeSignals,
     Signals,
     histogram_quantile,
     parse_exposition,
 )
-from control_plane.signals_prometheus import PrometheusSignals
-from data_plane.membership import Member
+from control_plane.signals.prometheus import PrometheusSignals
+from data_plane.membership.view import Member
 from tests.cluster import Cluster
 from tests.procs import free_port
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from data_plane.ledger_sql import open_ledger_store
+from data_plane.ledger.store import open_ledger_store
 from tests.cluster import ADMIN_TOKEN
 from tests.data_plane.test_ledger import _record
 from tests.procs import Service

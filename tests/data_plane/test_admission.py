@@ -13,8 +13,8 @@ import gc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from data_plane.admission import Admission, AdmissionConfig, AdmissionMetrics, Ticket, shard_capacity
-from data_plane.errors import Overloaded
+from data_plane.gateway.admission import Admission, AdmissionConfig, AdmissionMetrics, Ticket, shard_capacity
+from data_plane.common.errors import Overloaded
 from data_plane.tiers import TierPolicy
 
 POLICY = TierPolicy.default()
@@ -245,7 +245,7 @@ async def test_queue_full_sheds_the_most_served_tenant_first() -> None:
 
 
 def test_the_service_metric_is_bounded_to_the_top_n_and_other() -> None:
-    from data_plane.fair_share import FairShare
+    from data_plane.gateway.fair_share import FairShare
 
     registry = CollectorRegistry()
     metrics = AdmissionMetrics(registry)

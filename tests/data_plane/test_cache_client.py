@@ -10,10 +10,11 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from data_plane.cache_client import SessionStore, Transcript, VersionConflict
-from data_plane.errors import InvalidRequest, NotFound, Overloaded
-from data_plane.hop_client import HopPool
-from data_plane.membership import Member, StaticMembership
+from data_plane.cache.client import SessionStore
+from data_plane.cache.model import Transcript, VersionConflict
+from data_plane.common.errors import InvalidRequest, NotFound, Overloaded
+from data_plane.routing.hop_client import HopPool
+from data_plane.membership.view import Member, StaticMembership
 from tests.data_plane.test_cache_node import NodeProcess, free_port, start_nodes
 
 MESSAGES = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}]
@@ -184,7 +185,7 @@ async def test_steady_reads_ask_one_replica_and_a_missed_write_is_checked(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every save writes all current replicas, so a read that hits the first one leaves the others
     alone, unless the placement changed since the write or a save here missed a replica."""
-    from data_plane import cache_client
+    from data_plane.cache import client as cache_client
 
     monkeypatch.setattr(cache_client, "AUDIT_SHARE", 0.0)
     monkeypatch.setattr(cache_client, "CLOCK_SLACK_S", -0.2)  # clocks agree here: no slack needed

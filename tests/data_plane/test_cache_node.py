@@ -26,9 +26,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from data_plane.cache_client import Transcript
-from data_plane.cache_node import parse_settings
-from data_plane.cache_storage import MemoryStorage
+from data_plane.cache.model import Transcript
+from data_plane.cache.node import parse_settings
+from data_plane.cache.storage import MemoryStorage
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 20.0

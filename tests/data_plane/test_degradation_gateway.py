@@ -220,8 +220,8 @@ def test_admin_traces_show_a_request_across_processes(stack: Stack) -> None:
 
 
 def test_effects_by_level() -> None:
-    from data_plane.cluster_state import Degradation, Effects
-    from data_plane.errors import Overloaded
+    from data_plane.gateway.cluster_state import Degradation, Effects
+    from data_plane.common.errors import Overloaded
 
     policy = TierPolicy.default()
     for level in range(5):
@@ -244,7 +244,7 @@ def test_effects_by_level() -> None:
 
 
 async def test_watcher_refuses_a_policy_the_gateway_cannot_serve() -> None:
-    from data_plane.cluster_state import HttpClusterState
+    from data_plane.gateway.cluster_state import HttpClusterState
 
     strict = TierPolicy.default().to_dict()
     strict["tiers"]["plus"]["safety"] = "no-such-policy"

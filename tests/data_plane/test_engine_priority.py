@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from data_plane.engine import GenerationRequest, SamplingParams
-from data_plane.engine_torch import EngineConfig, TorchEngine
+from data_plane.shard.engines.base import GenerationRequest, SamplingParams
+from data_plane.shard.engines.torch_engine import EngineConfig, TorchEngine
 
 LONG = [{"role": "user", "content": "Summarise the following notes. " + "The meeting covered budgets, hiring, "
          "the roadmap for the next two quarters, and the open questions about the data migration. " * 30}]

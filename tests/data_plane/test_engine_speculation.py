@@ -13,8 +13,8 @@ from typing import Iterator
 
 import pytest
 
-from data_plane.engine import GenerationOutput, GenerationRequest, SamplingParams
-from data_plane.engine_torch import EngineConfig, StepListener, TorchEngine
+from data_plane.shard.engines.base import GenerationOutput, GenerationRequest, SamplingParams
+from data_plane.shard.engines.torch_engine import EngineConfig, StepListener, TorchEngine
 
 PASSAGE = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.\n"
            "def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n")

@@ -6,8 +6,8 @@ import importlib.util
 
 import pytest
 
-from data_plane.engine_vllm import vllm_command
-from data_plane.shard import ShardSettings
+from data_plane.shard.engines.vllm_engine import vllm_command
+from data_plane.shard.app import ShardSettings
 
 
 def test_vllm_command_carries_shard_settings() -> None:

@@ -29,7 +29,7 @@ def tmp_module(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def cluster(tmp_module: Path):
     # Enterprise gets a "strict" policy whose output rule blocks the synthetic word "charlie".
-    from data_plane.safety import DEFAULT_POLICIES
+    from data_plane.gateway.safety.pipeline import DEFAULT_POLICIES
     from data_plane.tiers import TierPolicy
 
     policies = json.loads(json.dumps(DEFAULT_POLICIES))

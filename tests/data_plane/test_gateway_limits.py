@@ -78,7 +78,7 @@ def metric(url: str, name: str, **labels: str) -> float:
 
 
 def estimate(content: str, max_tokens: int) -> int:
-    """The gateway's admission estimate with the whitespace counter (data_plane/context.py)."""
+    """The gateway's admission estimate with the whitespace counter (data_plane/gateway/context.py)."""
     return len(content.split()) + 1 + 5 + 3 + max_tokens
 
 

@@ -1,4 +1,4 @@
-"""The gateway's shard client (data_plane/hop_client.py) against real sockets on loopback.
+"""The gateway's shard client (data_plane/routing/hop_client.py) against real sockets on loopback.
 
 A real synthetic shard answers the normal cases; a small asyncio server that misbehaves on
 purpose (closes kept-alive connections, dies mid-body, sends garbage) injects the faults.
@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 
-from data_plane.hop_client import (
+from data_plane.routing.hop_client import (
     HIGH_WATER,
     HopConnectError,
     HopDisconnected,

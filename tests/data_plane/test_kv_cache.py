@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from data_plane.kv_cache import EVICT_CAPACITY, EVICT_NO_SPACE, BlockHasher, PrefixCache, layout_seed
+from data_plane.shard.engines.kv_cache import EVICT_CAPACITY, EVICT_NO_SPACE, BlockHasher, PrefixCache, layout_seed
 
 BS = 4
 

@@ -1,4 +1,4 @@
-"""kv_aware routing (data_plane/kv_routing.py) with a real Router over a static membership: a
+"""kv_aware routing (data_plane/routing/kv_routing.py) with a real Router over a static membership: a
 session's turn goes where its KV is, unless that shard is overloaded or gone; without known KV
 it is today's session affinity."""
 
@@ -8,9 +8,9 @@ import random
 
 from prometheus_client import CollectorRegistry
 
-from data_plane.kv_routing import KVIndex
-from data_plane.membership import Member, StaticMembership
-from data_plane.router import Router, RouterMetrics
+from data_plane.routing.kv_routing import KVIndex
+from data_plane.membership.view import Member, StaticMembership
+from data_plane.routing.router import Router, RouterMetrics
 
 
 class Fleet:

@@ -1,10 +1,10 @@
-"""GeneratedTokens (data_plane/kv_transcript.py) against a ChatML-like encoder: a remembered reply is put
+"""GeneratedTokens (data_plane/shard/kv_transcript.py) against a ChatML-like encoder: a remembered reply is put
 back as its generated ids; unknown text, another salt or a template that does not render message by
 message keep the canonical ids."""
 
 from __future__ import annotations
 
-from data_plane.kv_transcript import GeneratedTokens
+from data_plane.shard.kv_transcript import GeneratedTokens
 
 START, END, NL = 1, 2, 10
 

@@ -19,8 +19,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from data_plane.ledger import LedgerMetrics, Spool, UsageLedger, UsageRecord, read_segment
-from data_plane.ledger_sql import MIGRATIONS, UsageQuery, open_ledger_store
+from data_plane.ledger.writer import LedgerMetrics, Spool, UsageLedger, UsageRecord, read_segment
+from data_plane.ledger.store import MIGRATIONS, UsageQuery, open_ledger_store
 from tests.cluster import ADMIN_TOKEN, KEYS, Cluster, api_keys_env
 from tests.postgres import PostgresServer
 from tests.procs import Service

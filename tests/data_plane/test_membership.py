@@ -16,13 +16,13 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from data_plane.membership import HttpMembership, Member, RegistrationAgent, StaticMembership
+from data_plane.membership.view import HttpMembership, Member, RegistrationAgent, StaticMembership
 from tests.control_plane.test_registry import REPO, ControlPlaneProcess, eventually, free_port, unique_id
 
 # A member process that registers with ttl 1 s and then just lives until it is SIGKILLed.
 AGENT_SCRIPT = """
 import asyncio, sys, httpx
-from data_plane.membership import Member, RegistrationAgent
+from data_plane.membership.view import Member, RegistrationAgent
 
 async def main():
     registry_url, member_id = sys.argv[1:3]

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from data_plane.membership import HttpMembership, Member, RegistrationAgent
-from data_plane.membership_consul import (
+from data_plane.membership.view import HttpMembership, Member, RegistrationAgent
+from data_plane.membership.consul import (
     ConsulMembership,
     ConsulRegistrationAgent,
     check_meta,
@@ -29,7 +29,7 @@ from data_plane.membership_consul import (
     member_from_health,
     member_status,
 )
-from data_plane.membership_factory import membership_from_url
+from data_plane.membership.factory import membership_from_url
 from tests.cluster import KEYS, api_keys_env
 from tests.consul_stub import ConsulStub, consul_agent, consul_client
 from tests.control_plane.test_registry import eventually, metric

@@ -9,12 +9,12 @@ import random
 
 from prometheus_client import CollectorRegistry
 
-from data_plane.cache_client import SessionStore
-from data_plane.hashring import HashRing
-from data_plane.hop_client import HopPool
-from data_plane.membership import Member, StaticMembership
-from data_plane.placement import DEFAULT_ZONE, local_first, prefer_zone, replicas_across_zones
-from data_plane.router import Router, RouterMetrics
+from data_plane.cache.client import SessionStore
+from data_plane.routing.hashring import HashRing
+from data_plane.routing.hop_client import HopPool
+from data_plane.membership.view import Member, StaticMembership
+from data_plane.membership.placement import DEFAULT_ZONE, local_first, prefer_zone, replicas_across_zones
+from data_plane.routing.router import Router, RouterMetrics
 
 ZONES = {"a1": "a", "a2": "a", "a3": "a", "b1": "b", "b2": "b", "c1": "c"}
 

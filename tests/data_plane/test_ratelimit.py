@@ -20,14 +20,14 @@ import pytest
 import pytest_asyncio
 from prometheus_client import CollectorRegistry
 
-from data_plane.errors import RateLimited
-from data_plane.ratelimit import (
+from data_plane.common.errors import RateLimited
+from data_plane.gateway.ratelimit.limiter import (
     RateLimiter,
     RateLimitMetrics,
     format_reset,
     parse_tier_map,
 )
-from data_plane.ratelimit_buckets import PERIOD_US, Backend, Bucket, LocalBackend, RedisBackend
+from data_plane.gateway.ratelimit.buckets import PERIOD_US, Backend, Bucket, LocalBackend, RedisBackend
 from data_plane.tiers import Tier
 from tests.procs import free_port
 

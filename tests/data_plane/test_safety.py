@@ -9,8 +9,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from data_plane.errors import ContentPolicyViolation
-from data_plane.safety import (
+from data_plane.common.errors import ContentPolicyViolation
+from data_plane.gateway.safety.pipeline import (
     ALLOW,
     DEFAULT_POLICIES,
     DEFAULT_WINDOW,

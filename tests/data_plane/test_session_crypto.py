@@ -1,4 +1,4 @@
-"""Transcripts sealed at rest (data_plane/session_crypto.py): binding, rotation, key sources.
+"""Transcripts sealed at rest (data_plane/common/crypto.py): binding, rotation, key sources.
 
     .venv/bin/python -m pytest tests/data_plane/test_session_crypto.py -q
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from data_plane.session_crypto import (
+from data_plane.common.crypto import (
     SEALED_ROLE,
     Keyring,
     SealError,

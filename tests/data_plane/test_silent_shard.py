@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from data_plane.keepalive import KEEPALIVE_COMMENT, with_keepalives
+from data_plane.common.keepalive import KEEPALIVE_COMMENT, with_keepalives
 from tests.cluster import KEYS, Cluster
 
 

@@ -1,4 +1,4 @@
-"""N-gram drafting, adaptive draft length and the acceptance rules (data_plane/speculation.py),
+"""N-gram drafting, adaptive draft length and the acceptance rules (data_plane/shard/engines/speculation.py),
 on synthetic inputs: the rejection sampler's output law is checked exactly against sampling the
 target distributions one step at a time."""
 
@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 import torch
 
-from data_plane.engine import SamplingParams
-from data_plane.speculation import NgramIndex, SeqSpec, accept_greedy, accept_sampled, target_probs
+from data_plane.shard.engines.base import SamplingParams
+from data_plane.shard.engines.speculation import NgramIndex, SeqSpec, accept_greedy, accept_sampled, target_probs
 
 
 def test_ngram_proposes_what_followed_the_latest_match() -> None:
@@ -130,7 +130,7 @@ def test_rejection_sampler_point_mass_draft_is_always_accepted() -> None:
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(top_k=2),
                                     SamplingParams(top_p=0.6), SamplingParams(temperature=1.3, top_k=3, top_p=0.9)])
 def test_target_probs_matches_the_engine_sampler(params: SamplingParams) -> None:
-    from data_plane.engine_torch import _sample_row
+    from data_plane.shard.engines.torch_engine import _sample_row
 
     logits = torch.randn(2, 11, generator=torch.Generator().manual_seed(7))
     probs = target_probs(logits, params)

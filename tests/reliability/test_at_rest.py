@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from data_plane.session_crypto import SEALED_ROLE
+from data_plane.common.crypto import SEALED_ROLE
 from tests.cluster import KEYS, Cluster
 from tests.data_plane.test_cache_node import redis_url  # noqa: F401  (a fixture)
 from tests.procs import CLUSTER_TOKEN

@@ -1,5 +1,5 @@
 """A whole cluster on TLS (real processes): every listener serves HTTPS with a certificate a local CA
-signed (data_plane/tls.py make_dev_pki, what `switchboard up --tls` uses); members register https
+signed (data_plane/common/tls.py make_dev_pki, what `switchboard up --tls` uses); members register https
 URLs; hops verify peers against the CA bundle; the openai SDK works given that bundle; a plain-HTTP
 client and a peer the CA did not sign are refused.
 
@@ -18,8 +18,8 @@ import httpx
 import openai
 import pytest
 
-from data_plane.hop_client import HopConnectError, HopPool
-from data_plane.tls import CA_BUNDLE_ENV, make_dev_pki
+from data_plane.routing.hop_client import HopConnectError, HopPool
+from data_plane.common.tls import CA_BUNDLE_ENV, make_dev_pki
 from tests.cluster import KEYS, api_keys_env
 from tests.procs import CLUSTER_HEADERS, Service
 
@@ -162,8 +162,8 @@ def test_switchboard_up_tls_runs_the_platform_on_tls(tmp_path: Path) -> None:
 
 def test_tls_flags_on_any_subcommand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`--tls-cert/--tls-key/--ca-bundle` work on every subcommand (taken off argv by the `switchboard`
-    entry point, data_plane/tls.py take_tls_flags)."""
-    from data_plane.tls import TLS_CERT_ENV, TLS_FLAGS, take_tls_flags
+    entry point, data_plane/common/tls.py take_tls_flags)."""
+    from data_plane.common.tls import TLS_CERT_ENV, TLS_FLAGS, take_tls_flags
 
     pki = make_dev_pki(tmp_path / "pki")
     for env in TLS_FLAGS.values():  # restored after the test, whatever take_tls_flags writes

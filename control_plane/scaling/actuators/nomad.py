@@ -1,0 +1,107 @@
+"""The ``nomad`` actuator: Nomad's job scale API, for a task group of shards.
+
+    actuator = NomadActuator(http, addr="http://127.0.0.1:4646", job="switchboard", group="shard")
+    await actuator.current()              # GET  /v1/job/switchboard/scale -> TaskGroups.shard.Desired
+    await actuator.scale_to(3, "waiting above target")
+                                          # POST /v1/job/switchboard/scale
+                                          #   {"Count": 3, "Target": {"Group": "shard"}, "Message": ...}
+
+Nomad places (and on scale-down stops) the allocations and registers the shards in Consul
+itself, from the job's ``service`` block (``deploy/nomad/switchboard.nomad.hcl``). With ACLs the
+token needs ``read-job-scaling`` and ``scale-job`` on the job's namespace (``X-Nomad-Token``).
+A removed allocation gets the group's ``kill_signal`` after ``shutdown_delay``: the job file sets
+both so a shard leaves Consul first and finishes its in-flight requests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from control_plane.scaling.actuators import ActuatorError
+
+TOKEN_HEADER = "X-Nomad-Token"
+
+
+class NomadActuator:
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        *,
+        addr: str = "http://127.0.0.1:4646",
+        job: str = "switchboard",
+        group: str = "shard",
+        namespace: str | None = None,
+        region: str | None = None,
+        token: str | None = None,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self._http = http
+        self._url = f"{addr.rstrip('/')}/v1/job/{quote(job, safe='')}/scale"
+        self.job, self.group = job, group
+        self._params = {k: v for k, v in (("namespace", namespace), ("region", region)) if v}
+        self._headers = {TOKEN_HEADER: token} if token else {}
+        self._timeout_s = timeout_s
+
+    @classmethod
+    def from_settings(cls, settings: Any, http: httpx.AsyncClient) -> NomadActuator:
+        token = settings.nomad_token.get_secret_value() if settings.nomad_token is not None else None
+        return cls(
+            http,
+            addr=settings.nomad_addr,
+            job=settings.nomad_job,
+            group=settings.nomad_group,
+            namespace=settings.nomad_namespace,
+            region=settings.nomad_region,
+            token=token,
+        )
+
+    async def current(self) -> int:
+        body = await self._call("GET")
+        groups = body.get("TaskGroups") or {}
+        if self.group not in groups:
+            raise ActuatorError(
+                f"nomad job {self.job!r} has no task group {self.group!r} "
+                f"(groups: {', '.join(groups) or 'none'})"
+            )
+        if body.get("JobStopped"):
+            return 0
+        return int(groups[self.group].get("Desired") or 0)
+
+    async def scale_to(self, n: int, reason: str) -> None:
+        await self._call(
+            "POST",
+            json={
+                "Count": n,
+                "Target": {"Group": self.group},
+                "Message": reason[:500],
+                "Meta": {"source": "switchboard-autoscaler"},
+            },
+        )
+
+    async def aclose(self) -> None:
+        """Nothing to release: the http client belongs to the process."""
+
+    async def _call(self, method: str, json: dict[str, Any] | None = None) -> dict[str, Any]:
+        try:
+            resp = await self._http.request(
+                method,
+                self._url,
+                params=self._params,
+                headers=self._headers,
+                json=json,
+                timeout=self._timeout_s,
+            )
+        except httpx.HTTPError as exc:
+            raise ActuatorError(f"nomad at {self._url}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code != 200:
+            raise ActuatorError(f"nomad {method} {self._url} answered {resp.status_code}: {resp.text[:300]}")
+        try:
+            body = resp.json()
+        except ValueError as exc:
+            raise ActuatorError(f"nomad answered non-JSON: {resp.text[:200]}") from exc
+        if not isinstance(body, dict):
+            raise ActuatorError(f"nomad answered {type(body).__name__}, expected an object")
+        return body

@@ -1,0 +1,643 @@
+"""Signals: what the autoscaler and the degradation controller decide on, from either source.
+
+    source = ScrapeSignals.from_registry(registry, http)            # embedded: scrapes /metrics
+    source = PrometheusSignals("http://127.0.0.1:9090", http)       # --prometheus URL (signals_prometheus)
+    signals = await source.read()
+    if not signals.complete:
+        log.info("holding: missing %s", ", ".join(signals.missing))
+    signals.waiting_per_shard, signals.ttft_p95_s, signals.demand_by_tier["free"]
+
+Both sources yield the same :class:`Signals`. Missing or stale metrics are a signal in
+themselves, never a zero: an unscrapable shard makes ``complete`` False and is named in
+``missing``; a value that cannot be known is ``None``. Rates and percentiles are taken over a
+window (``window_s``), from counter and histogram-bucket deltas (``ScrapeSignals`` keeps the
+scrapes of the last window per member; ``PrometheusSignals`` asks PromQL ``rate()``).
+
+What counts:
+
+- shards: members of service ``shard``. ``passing`` ones are the routable fleet: their
+  running/waiting/KV gauges make the per-shard figures, and a failed scrape of one of them
+  makes the signals incomplete. ``draining`` and ``critical`` ones are listed (not averaged):
+  the routers already ignore them.
+- waiting counts every request that waits for a batch slot: the shards' own queues
+  (``vllm:num_requests_waiting``) plus the gateways' admission queues
+  (``switchboard_admission_queue_depth``), where the gateways hold requests once the shards'
+  slots are taken. ``waiting_per_shard`` is that sum over the passing shards.
+- gateways: members of service ``gateway`` give TTFT (``switchboard_gateway_ttft_seconds``),
+  error rate, tokens/s and per-tier demand and rejections (429 and 503). Without any gateway,
+  TTFT and tokens/s come from the shards (``vllm:time_to_first_token_seconds``,
+  ``vllm:generation_tokens``) and the per-tier figures are empty.
+
+Overload is a queue, not a long prompt: TTFT grows with prefill, which grows with the prompt and
+not with load. So next to raw TTFT (kept for operators and the SLO) the signals carry what does
+mean overload, and only these drive the ladder and the autoscaler:
+
+- ``queue_time_p95_s``: time waiting for a batch slot, p95 over the window: the gateways' admission
+  wait (``switchboard_admission_wait_seconds``) plus the shards' own queue
+  (``vllm:request_queue_time_seconds``);
+- ``ttft_excess_p95_s``: TTFT beyond what the prompt explains: the shards' TTFT p95 minus their
+  prefill-time p95 (``vllm:request_prefill_time_seconds``; same buckets, so one long prompt cancels
+  out), plus the admission wait p95;
+- ``batch_usage``: running / batch slots, mean over passing shards (with ``kv_usage`` and
+  ``waiting_per_shard``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from data_plane.membership.view import Member
+
+log = logging.getLogger(__name__)
+
+QUANTILE = 0.95
+REJECTED_STATUSES = frozenset({"429", "503"})
+SHED_CODES = ("overloaded",)
+"""Error codes of deliberate load shedding, left out of the error rate."""
+PRESSURE_BATCH_USAGE = 0.75
+"""Batch usage (running / slots) from which the fleet counts as busy without a queue."""
+PRESSURE_KV_USAGE = 0.90
+"""KV-cache usage from which the fleet counts as busy without a queue."""
+
+# metric names (sample names, as exposed)
+M_RUNNING = "vllm:num_requests_running"
+M_WAITING = "vllm:num_requests_waiting"
+M_KV = "vllm:kv_cache_usage_perc"
+M_PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+M_PREFIX_HITS = "vllm:prefix_cache_hits_total"
+M_PREFIX_BYTES = "switchboard_shard_prefix_cache_bytes"
+M_MAX_SEQS = "switchboard_shard_max_num_seqs"
+M_SHARD_TTFT = "vllm:time_to_first_token_seconds_bucket"
+M_SHARD_TOKENS = "vllm:generation_tokens_total"
+M_GW_TTFT = "switchboard_gateway_ttft_seconds_bucket"
+M_SHARD_ITL = "vllm:inter_token_latency_seconds_bucket"
+M_GW_REQUESTS = "switchboard_gateway_requests_total"
+M_GW_TOKENS = "switchboard_gateway_tokens_total"
+M_GW_QUEUE = "switchboard_admission_queue_depth"
+M_GW_WAIT = "switchboard_admission_wait_seconds_bucket"
+M_SHARD_QUEUE = "vllm:request_queue_time_seconds_bucket"
+M_SHARD_PREFILL = "vllm:request_prefill_time_seconds_bucket"
+M_SHARD_E2E = "vllm:e2e_request_latency_seconds_bucket"
+
+
+@dataclass(frozen=True)
+class ShardSignal:
+    """One shard as last read. Values of a shard never read are NaN (never 0)."""
+
+    member_id: str
+    running: float
+    waiting: float
+    kv_usage: float
+    max_num_seqs: float
+    ttft_p95_s: float | None
+    """Over the window, from the shard's own histogram; None without first tokens in it."""
+    error: str | None
+    """Why the last scrape failed; None when it worked."""
+    stale: bool
+    """True when the values are not from this read (scrape failed, member not passing)."""
+    status: str = "passing"
+    """The member's registry status: passing | draining | critical."""
+    url: str = ""
+    prefix_hit_rate: float | None = None
+    """Prompt tokens found in its prefix cache / looked up, over the window (scrape reader only);
+    None without lookups."""
+    prefix_cache_bytes: float | None = None
+    """KV bytes its prefix cache holds (None: not exported, e.g. another engine)."""
+
+
+@dataclass(frozen=True)
+class Signals:
+    """One reading of the cluster. ``None`` means unknown; see ``missing`` for why."""
+
+    at: float
+    """Unix time of the read."""
+    shards: tuple[ShardSignal, ...]
+    healthy_shards: int
+    """Passing shards (the routable fleet)."""
+    waiting_per_shard: float | None
+    """(Shards' waiting + gateways' admission queues) / passing shards; None if any part is unknown
+    or no shard passes."""
+    ttft_p95_s: float | None
+    """Over the window, gateway-observed (or shard-observed without gateways); None: no first token."""
+    error_rate: float | None
+    """5xx share of gateway requests over the window; None without requests."""
+    tokens_per_s: float | None
+    """Completion tokens per second over the window."""
+    kv_usage: float | None
+    """Mean KV-cache usage (0..1) over passing shards."""
+    demand_by_tier: Mapping[str, float]
+    """Chat requests per second arriving at gateways, by tier (all outcomes)."""
+    rejections_by_tier: Mapping[str, float]
+    """429 + 503 answers per second, by tier."""
+    complete: bool
+    """False if any needed source was missing or stale: act on nothing then."""
+    missing: tuple[str, ...]
+    """What was missing, in words, for the decision log."""
+    load_per_shard: float | None = None
+    """(Running + waiting, as in ``waiting_per_shard``) / passing shards."""
+    capacity_per_shard: float | None = None
+    """Mean batch slots (``switchboard_shard_max_num_seqs``) over passing shards."""
+    window_s: float = 0.0
+    """The span the rates and percentiles cover (shorter than configured right after start)."""
+    source: str = ""
+    """``scrape`` | ``prometheus``."""
+    gateway_queue: float | None = None
+    """Requests waiting in the gateways' admission queues (0 without gateways); None if unknown."""
+    ttft_p50_s: float | None = None
+    """Median time to first token over the window (same source as ``ttft_p95_s``); display only."""
+    tpot_s: float | None = None
+    """Median inter-token latency over the window, from the shards; display only."""
+    shed_per_s: float = 0.0
+    """Requests per second the gateways shed on purpose (503 `overloaded`): demand the fleet is
+    not serving, so low admitted load then does not mean the fleet is too big."""
+    batch_usage: float | None = None
+    """Mean running / batch slots (0..1) over passing shards; None when unknown."""
+    admission_wait_p95_s: float | None = None
+    """p95 of the gateways' admission wait over the window; None: nothing admitted in it."""
+    shard_queue_p95_s: float | None = None
+    """p95 of the shards' queue time (``vllm:request_queue_time_seconds``); None: nothing admitted."""
+    prefill_p95_s: float | None = None
+    """p95 of the shards' prefill time (``vllm:request_prefill_time_seconds``); grows with prompts."""
+    shard_ttft_p95_s: float | None = None
+    """p95 of the shards' own TTFT (arrival at the engine to first token), same buckets as prefill."""
+    queue_time_p95_s: float | None = None
+    """Admission wait p95 + shard queue p95 (None when neither is known): waiting for a slot."""
+    ttft_excess_p95_s: float | None = None
+    """TTFT beyond what the prompt explains: max(0, shard TTFT p95 - prefill p95) + admission wait
+    p95; None without first tokens in the window. Unlike raw TTFT, one long prompt leaves it ~0."""
+
+    @property
+    def under_pressure(self) -> bool:
+        """A queue now, or the batches mostly full: the only state in which latency means overload
+        (one long prompt on an idle fleet has a high TTFT but neither)."""
+        return bool((self.waiting_per_shard or 0.0) > 0.0 or (self.batch_usage or 0.0) >= PRESSURE_BATCH_USAGE
+                    or (self.kv_usage or 0.0) >= PRESSURE_KV_USAGE)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (NaN becomes None), for the admin API and the decision log."""
+        out: dict[str, Any] = _json_safe(asdict(self))
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """The aggregate inputs without the per-shard list (decision-log sized)."""
+        out = self.to_dict()
+        out.pop("shards")
+        return out
+
+
+class SignalSource(Protocol):
+    """Where signals come from. `read` is called by the autoscaler and the degradation
+    controller on their ticks (possibly both); it never raises for a broken member or source:
+    that is reported in ``Signals.missing``."""
+
+    async def read(self) -> Signals: ...
+
+
+# -- shared math ------------------------------------------------------------------------------
+
+
+Sample = tuple[str, tuple[tuple[str, str], ...], float]  # (name, sorted labels, value)
+
+
+def parse_exposition(text: str) -> list[Sample]:
+    """Samples of a Prometheus text exposition, label sets sorted."""
+    out: list[Sample] = []
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.append((s.name, tuple(sorted(s.labels.items())), float(s.value)))
+    return out
+
+
+def histogram_quantile(q: float, buckets: Mapping[float, float]) -> float | None:
+    """PromQL's ``histogram_quantile`` over cumulative bucket counts ``{le: count}``; None when
+    empty. Linear within the bucket; a rank in the +Inf bucket answers the highest finite bound."""
+    les = sorted(buckets)
+    if not les or buckets[les[-1]] <= 0:
+        return None
+    total = buckets[les[-1]]
+    rank = q * total
+    prev_le, prev_count = 0.0, 0.0
+    for le in les:
+        count = buckets[le]
+        if count >= rank:
+            if math.isinf(le):
+                return prev_le
+            if count == prev_count:
+                return le
+            return prev_le + (le - prev_le) * (rank - prev_count) / (count - prev_count)
+        prev_le, prev_count = le, count
+    return les[-1] if not math.isinf(les[-1]) else prev_le
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _aggregate(
+    *,
+    at: float,
+    shards: Sequence[ShardSignal],
+    missing: list[str],
+    ttft_p95_s: float | None,
+    error_rate: float | None,
+    tokens_per_s: float | None,
+    demand: Mapping[str, float],
+    rejections: Mapping[str, float],
+    window_s: float,
+    source: str,
+    gateway_queue: float | None = 0.0,
+    shed_per_s: float = 0.0,
+    ttft_p50_s: float | None = None,
+    tpot_s: float | None = None,
+    admission_wait_p95_s: float | None = None,
+    shard_queue_p95_s: float | None = None,
+    prefill_p95_s: float | None = None,
+    shard_ttft_p95_s: float | None = None,
+) -> Signals:
+    """Per-shard readings → fleet figures; any passing shard that is stale poisons the means."""
+    passing = [s for s in shards if s.status == "passing"]
+    fresh = [s for s in passing if not s.stale]
+    for s in passing:
+        if s.stale:
+            missing.append(f"{s.member_id}: {s.error or 'stale'}")
+    if not passing:
+        missing.append("shards: none passing")
+    known = bool(passing) and len(fresh) == len(passing) and gateway_queue is not None
+    queued = gateway_queue or 0.0
+    n = len(passing)
+    usage = [s.running / s.max_num_seqs for s in fresh if s.max_num_seqs > 0]
+    return Signals(
+        at=at,
+        shards=tuple(shards),
+        healthy_shards=len(passing),
+        waiting_per_shard=(sum(s.waiting for s in fresh) + queued) / n if known else None,
+        ttft_p95_s=ttft_p95_s,
+        error_rate=error_rate,
+        tokens_per_s=tokens_per_s,
+        kv_usage=_mean([s.kv_usage for s in fresh]) if known else None,
+        demand_by_tier=dict(demand),
+        rejections_by_tier=dict(rejections),
+        complete=not missing,
+        missing=tuple(missing),
+        load_per_shard=(sum(s.running + s.waiting for s in fresh) + queued) / n if known else None,
+        capacity_per_shard=_mean([s.max_num_seqs for s in fresh]) if known else None,
+        window_s=window_s,
+        source=source,
+        gateway_queue=gateway_queue,
+        shed_per_s=shed_per_s,
+        ttft_p50_s=ttft_p50_s,
+        tpot_s=tpot_s,
+        batch_usage=_mean(usage) if known and usage else None,
+        admission_wait_p95_s=admission_wait_p95_s,
+        shard_queue_p95_s=shard_queue_p95_s,
+        prefill_p95_s=prefill_p95_s,
+        shard_ttft_p95_s=shard_ttft_p95_s,
+        queue_time_p95_s=_sum_known(admission_wait_p95_s, shard_queue_p95_s),
+        ttft_excess_p95_s=ttft_excess(shard_ttft_p95_s, prefill_p95_s, admission_wait_p95_s),
+    )
+
+
+OVERLOAD_HISTOGRAMS = (M_SHARD_QUEUE, M_SHARD_PREFILL)
+"""What a shard that has finished requests must also export, or the overload figures go blind."""
+
+
+def overload_histograms_missing(names: set[str]) -> str | None:
+    """Why a shard's exposition (sample names) leaves the overload figures blind, or None: it has
+    finished requests (``vllm:e2e_request_latency_seconds``, observed with prefill time at the end
+    of each) but lacks the queue or prefill histogram (renamed, an engine that does not export
+    it). Incomplete, never a silent zero."""
+    if M_SHARD_E2E not in names:
+        return None
+    lacking = [m.removesuffix("_bucket") for m in OVERLOAD_HISTOGRAMS if m not in names]
+    return f"exports no {', '.join(lacking)} (overload signals would be blind)" if lacking else None
+
+
+def _sum_known(*values: float | None) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def ttft_excess(shard_ttft_s: float | None, prefill_s: float | None, admission_wait_s: float | None) -> float | None:
+    """TTFT beyond what the prompt explains (see ``Signals.ttft_excess_p95_s``); None without TTFT."""
+    if shard_ttft_s is None:
+        return admission_wait_s
+    beyond = max(0.0, shard_ttft_s - (prefill_s or 0.0))
+    return beyond + (admission_wait_s or 0.0)
+
+
+# -- embedded: scrape every member ------------------------------------------------------------
+
+
+@dataclass
+class _Scrape:
+    t: float  # monotonic
+    samples: list[Sample]
+
+    def total(self, name: str, match: Callable[[dict[str, str]], bool] | None = None) -> float | None:
+        """Sum of the samples named `name` (optionally filtered by labels); None if none exist."""
+        found = False
+        acc = 0.0
+        for n, labels, value in self.samples:
+            if n == name and (match is None or match(dict(labels))):
+                found, acc = True, acc + value
+        return acc if found else None
+
+    def by_label(
+        self, name: str, key: str, match: Callable[[dict[str, str]], bool] | None = None
+    ) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for n, labels, value in self.samples:
+            if n == name:
+                d = dict(labels)
+                if match is None or match(d):
+                    out[d.get(key, "")] = out.get(d.get(key, ""), 0.0) + value
+        return out
+
+
+@dataclass
+class _History:
+    url: str
+    scrapes: deque[_Scrape] = field(default_factory=deque)
+    error: str | None = None
+
+    @property
+    def last(self) -> _Scrape | None:
+        return self.scrapes[-1] if self.scrapes else None
+
+
+def _counter_delta(new: float | None, old: float | None) -> float:
+    if new is None:
+        return 0.0
+    if old is None or new < old:  # appeared, or the process restarted: count from zero
+        return new
+    return new - old
+
+
+class ScrapeSignals:
+    """Scrapes every shard's and gateway's ``/metrics`` on each read (embedded mode).
+
+        source = ScrapeSignals.from_registry(app.state.registry, http, window_s=30)
+        signals = await source.read()
+
+    `members(service)` lists members of a service in any status (``Member.status`` says which).
+    Reads closer together than `min_interval_s` share one scrape, so the autoscaler and the
+    degradation controller can both read on their own ticks.
+    """
+
+    def __init__(
+        self,
+        members: Callable[[str], Iterable[Member]],
+        http: httpx.AsyncClient,
+        *,
+        window_s: float = 30.0,
+        scrape_timeout_s: float = 1.0,
+        min_interval_s: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        if window_s <= 0:
+            raise ValueError("window_s must be > 0")
+        self._members = members
+        self._http = http
+        self.window_s = window_s
+        self._timeout_s = scrape_timeout_s
+        self._min_interval_s = min_interval_s
+        self._clock, self._wall = clock, wall
+        self._history: dict[str, _History] = {}
+        self._lock = asyncio.Lock()
+        self._last: tuple[float, Signals] | None = None
+
+    @classmethod
+    def from_registry(cls, registry: Any, http: httpx.AsyncClient, **kwargs: Any) -> ScrapeSignals:
+        """Members from the control plane's own :class:`~control_plane.registry.embedded.Registry`."""
+
+        def members(service: str) -> list[Member]:
+            return [Member.from_dict(d) for d in registry.snapshot(service)[1]]
+
+        return cls(members, http, **kwargs)
+
+    async def read(self) -> Signals:
+        async with self._lock:
+            if self._last is not None and self._clock() - self._last[0] < self._min_interval_s:
+                return self._last[1]
+            signals = await self._read()
+            self._last = (self._clock(), signals)
+            return signals
+
+    async def _read(self) -> Signals:
+        shards = list(self._members("shard"))
+        gateways = [m for m in self._members("gateway") if m.status == "passing"]
+        scraped = [m for m in shards if m.status != "critical"] + gateways
+        self._forget({m.id for m in scraped})
+        now = self._clock()
+        await asyncio.gather(*(self._scrape(m, now) for m in scraped))
+        missing: list[str] = []
+        shard_signals = [self._shard_signal(m) for m in shards]
+
+        gw_hist = [self._history[m.id] for m in gateways]
+        for m, h in zip(gateways, gw_hist, strict=True):
+            if h.error is not None:
+                missing.append(f"{m.id}: {h.error}")
+        if gateways:
+            window_sources = [h for h in gw_hist if h.error is None]
+            ttft = self._quantile(window_sources, M_GW_TTFT)
+            ttft_p50 = self._quantile(window_sources, M_GW_TTFT, 0.5)
+            tokens = self._rate(window_sources, M_GW_TOKENS, lambda d: d.get("kind") == "completion")
+            demand = self._rates_by(window_sources, M_GW_REQUESTS, "tier")
+            rejected = self._rates_by(
+                window_sources, M_GW_REQUESTS, "tier", lambda d: d.get("status") in REJECTED_STATUSES
+            )
+            total = sum(demand.values())
+            # Deliberate shedding (503 `overloaded` from admission or the ladder) is the remedy, not
+            # a failure: counting it would let shedding keep the ladder raised by itself.
+            errors = self._rate(window_sources, M_GW_REQUESTS, lambda d: d.get("status", "").startswith("5")
+                                and d.get("code") not in SHED_CODES)
+            error_rate = (errors or 0.0) / total if total > 0 else None
+            shed = self._rate(window_sources, M_GW_REQUESTS, lambda d: d.get("status") == "503"
+                              and d.get("code") in SHED_CODES) or 0.0
+            # a gateway without the series has never queued a request: 0, not unknown
+            queue: float | None = sum(h.last.total(M_GW_QUEUE) or 0.0 for h in window_sources if h.last)
+            if len(window_sources) < len(gw_hist):
+                queue = None
+            admission_wait = self._quantile(window_sources, M_GW_WAIT)
+        else:
+            window_sources = [self._history[m.id] for m in shards if m.id in self._history]
+            window_sources = [h for h in window_sources if h.error is None]
+            ttft = self._quantile(window_sources, M_SHARD_TTFT)
+            ttft_p50 = self._quantile(window_sources, M_SHARD_TTFT, 0.5)
+            tokens = self._rate(window_sources, M_SHARD_TOKENS)
+            demand, rejected, error_rate = {}, {}, None
+            queue = 0.0
+            shed = 0.0
+            admission_wait = None
+        shard_sources = [self._history[m.id] for m in shards
+                         if m.id in self._history and self._history[m.id].error is None]
+        spans = [h.scrapes[-1].t - h.scrapes[0].t for h in window_sources if len(h.scrapes) > 1]
+        span = max(spans, default=0.0)
+        if window_sources and span == 0.0:
+            missing.append("history: one scrape so far, no rates yet")
+            tokens = None
+        return _aggregate(
+            at=self._wall(),
+            shards=shard_signals,
+            missing=missing,
+            ttft_p95_s=ttft,
+            error_rate=error_rate,
+            tokens_per_s=tokens,
+            demand=demand,
+            rejections=rejected,
+            window_s=span,
+            source="scrape",
+            gateway_queue=queue,
+            shed_per_s=shed,
+            ttft_p50_s=ttft_p50,
+            tpot_s=self._quantile(shard_sources, M_SHARD_ITL, 0.5),
+            admission_wait_p95_s=admission_wait,
+            shard_queue_p95_s=self._quantile(shard_sources, M_SHARD_QUEUE),
+            prefill_p95_s=self._quantile(shard_sources, M_SHARD_PREFILL),
+            shard_ttft_p95_s=self._quantile(shard_sources, M_SHARD_TTFT),
+        )
+
+    def _forget(self, keep: set[str]) -> None:
+        for member_id in list(self._history):
+            if member_id not in keep:
+                del self._history[member_id]
+
+    async def _scrape(self, member: Member, now: float) -> None:
+        h = self._history.get(member.id)
+        if h is None or h.url != member.url:
+            h = self._history[member.id] = _History(member.url)
+        try:
+            resp = await self._http.get(member.url + "/metrics", timeout=self._timeout_s)
+            resp.raise_for_status()
+            samples = parse_exposition(resp.text)
+        except (httpx.HTTPError, ValueError) as exc:
+            h.error = f"scrape failed ({type(exc).__name__}: {str(exc)[:120] or 'no detail'})"
+            return
+        h.error = None
+        h.scrapes.append(_Scrape(now, samples))
+        while len(h.scrapes) > 2 and h.scrapes[1].t <= now - self.window_s:
+            h.scrapes.popleft()
+
+    def _shard_signal(self, member: Member) -> ShardSignal:
+        h = self._history.get(member.id)
+        last = h.last if h else None
+        nan = math.nan
+        values = {"running": nan, "waiting": nan, "kv_usage": nan, "max_num_seqs": nan}
+        if last is not None:
+            for key, name in (
+                ("running", M_RUNNING),
+                ("waiting", M_WAITING),
+                ("kv_usage", M_KV),
+                ("max_num_seqs", M_MAX_SEQS),
+            ):
+                v = last.total(name)
+                values[key] = nan if v is None else v
+        error = h.error if h else None
+        if member.status == "critical":
+            error = "member critical (heartbeat missed)"
+        gauges_missing = any(math.isnan(v) for k, v in values.items() if k != "kv_usage")
+        stale = error is not None or last is None or gauges_missing
+        if error is None and stale:
+            error = "no engine gauges in /metrics (still loading?)"
+        if not stale and last is not None:
+            blind = overload_histograms_missing({n for n, _, _ in last.samples})
+            if blind:
+                stale, error = True, blind
+        ttft = self._quantile([h], M_SHARD_TTFT) if h and h.error is None else None
+        hit_rate = None
+        if h is not None and h.error is None:
+            increase, _ = self._increase(h, lambda s: {k: v for k, v in (("q", s.total(M_PREFIX_QUERIES)),
+                                                                         ("h", s.total(M_PREFIX_HITS)))
+                                                       if v is not None})
+            if increase.get("q"):
+                hit_rate = increase.get("h", 0.0) / increase["q"]
+        return ShardSignal(
+            member.id,
+            ttft_p95_s=ttft,
+            error=error,
+            stale=stale,
+            status=member.status,
+            url=member.url,
+            prefix_hit_rate=hit_rate,
+            prefix_cache_bytes=last.total(M_PREFIX_BYTES) if last is not None else None,
+            **values,
+        )
+
+    @staticmethod
+    def _increase(
+        h: _History, extract: Callable[[_Scrape], dict[str, float]]
+    ) -> tuple[dict[str, float], float]:
+        """Per-key counter increase over the window and the seconds it spans; a value that went
+        down (the process restarted) counts from zero, as PromQL's ``increase`` does."""
+        out: dict[str, float] = {}
+        if len(h.scrapes) < 2:
+            return out, 0.0
+        prev = extract(h.scrapes[0])
+        for scrape in itertools.islice(h.scrapes, 1, None):
+            cur = extract(scrape)
+            for key, value in cur.items():
+                out[key] = out.get(key, 0.0) + _counter_delta(value, prev.get(key))
+            prev = cur
+        return out, h.scrapes[-1].t - h.scrapes[0].t
+
+    def _rates_by(
+        self,
+        hs: Sequence[_History],
+        name: str,
+        key: str,
+        match: Callable[[dict[str, str]], bool] | None = None,
+    ) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for h in hs:
+            increase, span = self._increase(h, lambda scrape: scrape.by_label(name, key, match))
+            for label, value in increase.items():
+                out[label] = out.get(label, 0.0) + value / span
+        return out
+
+    def _rate(
+        self, hs: Sequence[_History], name: str, match: Callable[[dict[str, str]], bool] | None = None
+    ) -> float | None:
+        if not any(len(h.scrapes) > 1 for h in hs):
+            return None
+        return sum(self._rates_by(hs, name, "", match).values())
+
+    def _quantile(self, hs: Sequence[_History], bucket_name: str, q: float = QUANTILE) -> float | None:
+        """Quantile `q` (p95) of the observations inside the window, summed over members (bucket increases)."""
+        buckets: dict[float, float] = {}
+        for h in hs:
+            increase, _ = self._increase(h, lambda scrape: scrape.by_label(bucket_name, "le"))
+            for le, value in increase.items():
+                buckets[float(le)] = buckets.get(float(le), 0.0) + value
+        return histogram_quantile(q, buckets)
+
+
+__all__ = [
+    "ScrapeSignals",
+    "ShardSignal",
+    "SignalSource",
+    "Signals",
+    "histogram_quantile",
+    "parse_exposition",
+]

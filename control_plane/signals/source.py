@@ -1,0 +1,26 @@
+"""Which signal source a control plane reads: Prometheus with ``--prometheus URL``, else its own scrapes.
+
+    source = build_signal_source(settings, registry, http)    # control_plane/app.py, once at start-up
+    signals = await source.read()
+
+Both sources live beside it: control_plane/signals/core.py (scraping every member's /metrics) and
+control_plane/signals/prometheus.py (PromQL over a Prometheus that scrapes them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from control_plane.signals.core import ScrapeSignals, SignalSource
+from control_plane.signals.prometheus import PrometheusSignals
+
+
+def build_signal_source(settings: Any, registry: Any, http: httpx.AsyncClient) -> SignalSource:
+    """The source the settings ask for: Prometheus with ``--prometheus URL``, else scraping."""
+    window_s = getattr(settings, "signals_window_s", 30.0)
+    prometheus = getattr(settings, "prometheus", None)
+    if prometheus:
+        return PrometheusSignals(prometheus, http, window_s=window_s)
+    return ScrapeSignals.from_registry(registry, http, window_s=window_s)

@@ -1,0 +1,479 @@
+"""The gateway's view of session transcripts: placed, replicated and read-repaired on cache nodes.
+
+    store = SessionStore(membership, HopPool(), registry=registry, timeout_s=1.0)
+    transcript = await store.load("sess-1", owner="key-hash", replicas=2)   # None: new session
+    acks = await store.save("sess-1", "key-hash", messages, version=3, replicas=2)
+    await store.drain()                                                     # pending read-repairs
+    await store.aclose()
+
+Placement: the healthy ``cache`` members form a :class:`~data_plane.routing.hashring.HashRing` (rebuilt
+when membership changes); a session lives on ``replicas`` nodes chosen along its preference list,
+one per zone first (data_plane/membership/placement.py: a paid session's two copies sit in different zones,
+a free session in the gateway's own zone), and reads ask the local zone's copy first.
+
+- When nodes join the placement (a zone that comes back, a restarted node), the sessions saved
+  through this store lately (up to ``MAX_RECENT``) that now place a replica on them are copied
+  there in the background, so a paid session that is not read again still regains its second
+  copy. Older sessions are repaired on their next read (below).
+
+- ``load`` asks those nodes in ring order; the first one that has the record wins. Read-repair
+  then runs in the background (tracked, so :meth:`SessionStore.drain` can wait for it): replicas
+  that answered 404 before the hit, and replicas after it that turn out to lack the record or to
+  hold an older version, get it written back with its version, timestamps and remaining TTL. So
+  a node that joins a preference list is filled on first read. A record owned by someone else is
+  reported as
+  :class:`~data_plane.common.errors.NotFound` (``session_not_found``), exactly like a missing one would
+  be to that caller. If no node answered at all, the store is unavailable, not empty.
+- ``save`` writes the whole transcript to every replica at once and returns how many
+  acknowledged. Nodes keep the highest version (last writer by version wins); when every replica
+  already holds a newer version the write raises :class:`VersionConflict`.
+
+Errors raised (all from :mod:`data_plane.common.errors`)::
+
+    InvalidRequest     400 invalid_session_id       the id does not match SESSION_ID_PATTERN
+    NotFound           404 session_not_found        owner mismatch on load
+    VersionConflict    409 session_version_conflict every replica holds a newer version
+    Overloaded         503 cache_unavailable        no healthy cache node / no replica answered
+
+The wire contract both sides share (:class:`Transcript`, :data:`SESSION_ID_PATTERN`,
+:class:`VersionConflict`) is data_plane/cache/model.py, so neither side imports the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import propagate, trace
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from data_plane.common.errors import NotFound, Overloaded, from_openai_body
+from data_plane.routing.hashring import DEFAULT_VNODES, HashRing
+from data_plane.routing.hop_client import HopError, HopPool
+from data_plane.membership.placement import DEFAULT_ZONE, local_first, replicas_across_zones
+from data_plane.common.crypto import SealError, TranscriptSealer
+from data_plane.cache.model import MAX_RECORD_BYTES, SECONDS_BUCKETS, Transcript, VersionConflict, validate_session_id
+
+if TYPE_CHECKING:
+    from data_plane.membership.view import Member, MembershipView
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
+
+CACHE_SERVICE = "cache"
+"""The membership service name cache nodes register under."""
+MAX_SUSPECTS = 10_000
+MAX_RECENT = 10_000
+"""Sessions saved here lately that a returning node or zone gets back in the background (bounded LRU)."""
+REPAIR_CONCURRENCY = 8
+CLOCK_SLACK_S = 5.0
+"""Records written this soon after a placement change (node and gateway clocks may differ) are
+treated as possibly written under the old placement."""
+AUDIT_SHARE = 0.05
+"""Share of reads that check the replicas they did not need to ask, whatever the above says."""
+
+
+class SessionStoreMetrics:
+    """The session store's metrics, registered in `registry`.
+
+    ``result`` is one of: load hit|miss|denied|error; save ok|partial|stale|error;
+    repair ok|stale|error.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.ops = Counter(
+            "switchboard_session_store_ops_total",
+            "Session store operations by outcome.",
+            ["op", "result"],
+            registry=registry,
+        )
+        self.repairs = Counter(
+            "switchboard_session_replica_repairs_total",
+            "Transcripts written back to a replica that was missing them (read-repair).",
+            registry=registry,
+        )
+        self.seconds = Histogram(
+            "switchboard_session_store_seconds",
+            "Session store operation latency, all replicas included.",
+            ["op"],
+            buckets=SECONDS_BUCKETS,
+            registry=registry,
+        )
+
+
+@dataclass
+class _Outcome:
+    result: str = "error"
+
+
+@dataclass(frozen=True)
+class _WriteResult:
+    result: str  # ok | stale | rejected | error
+    status: int | None = None
+    body: Any = None
+    stored_version: int | None = None
+
+
+@dataclass
+class _Placement:
+    key: tuple[tuple[str, str, str], ...] = ()
+    ring: HashRing = field(default_factory=lambda: HashRing(()))
+    by_id: dict[str, Member] = field(default_factory=dict)
+    zone_of: dict[str, str] = field(default_factory=dict)
+    since: float = field(default_factory=time.time)
+    """Wall-clock time this preference order took effect here."""
+
+
+class SessionStore:
+    """Places, replicates and reads session transcripts on the healthy cache nodes."""
+
+    def __init__(
+        self,
+        membership: MembershipView,
+        http: HopPool,
+        registry: CollectorRegistry | None = None,
+        timeout_s: float = 1.0,
+        *,
+        vnodes: int = DEFAULT_VNODES,
+        service: str = CACHE_SERVICE,
+        sealer: TranscriptSealer | None = None,
+        headers: Mapping[str, str] | None = None,
+        zone: str = DEFAULT_ZONE,
+    ) -> None:
+        """`registry`: where the metrics go (None: a private registry nobody scrapes). `sealer`:
+        transcripts are encrypted before they leave and opened on arrival (data_plane/common/crypto.py);
+        None stores plaintext (tests of the node itself)."""
+        self._sealer = sealer
+        self._zone = zone
+        """This gateway's zone: replicas go one per zone (data_plane/membership/placement.py), reads ask ours first."""
+        self._auth = dict(headers or {})
+        """Sent on every call: the cluster token cache nodes require (data_plane/common/hop_auth.py)."""
+        self._membership = membership
+        self._http = http
+        self._timeout_s = timeout_s
+        self._vnodes = vnodes
+        self._service = service
+        self.metrics = SessionStoreMetrics(registry if registry is not None else CollectorRegistry())
+        self._placement = _Placement()
+        self._repairs: set[asyncio.Task[None]] = set()
+        self._suspects: OrderedDict[str, None] = OrderedDict()
+        """Sessions whose last save here missed a replica (bounded, oldest forgotten first)."""
+        self._recent: OrderedDict[str, int] = OrderedDict()
+        """Sessions saved here lately -> their replica count: what a node that joins is repaired with."""
+        self._rejoined: set[str] = set()
+        """Node ids added to the placement whose background repair has not run yet."""
+        self._placement_repair: asyncio.Task[None] | None = None
+
+    # -- public API -------------------------------------------------------------------------
+
+    async def load(self, session_id: str, owner: str, replicas: int) -> Transcript | None:
+        """The transcript of `session_id` if `owner` holds it; None for a new session."""
+        validate_session_id(session_id)
+        with self._op("load", "cache.get_context") as (outcome, span):
+            targets = self.replicas_for(session_id, replicas)
+            missing: list[Member] = []
+            answered = False
+            found: Transcript | None = None
+            asked = 0
+            for asked, member in enumerate(targets, 1):
+                kind, transcript = await self._fetch(member, session_id)
+                if kind == "hit":
+                    found = transcript
+                    break
+                if kind in ("miss", "unreadable"):  # unreadable: repaired like a missing one if another has it
+                    answered = True
+                    missing.append(member)
+            span.set_attribute("switchboard.session.replicas_missing", len(missing))
+            if found is None:
+                if not answered:
+                    raise Overloaded("no cache replica answered", code="cache_unavailable", retry_after=1)
+                outcome.result = "miss"
+                return None
+            if found.owner != owner:
+                outcome.result = "denied"
+                raise NotFound(
+                    f"session {session_id!r} not found", param="session_id", code="session_not_found"
+                )
+            unchecked = targets[asked:] if self._may_lag(found) else []
+            if missing or unchecked:
+                self._start_repair(found, missing, unchecked=unchecked)
+            outcome.result = "hit"
+            return found
+
+    async def save(
+        self,
+        session_id: str,
+        owner: str,
+        messages: Sequence[Mapping[str, str]],
+        version: int,
+        replicas: int,
+        ttl_s: float | None = None,
+    ) -> int:
+        """Write the whole transcript to every replica at once; returns how many acknowledged."""
+        validate_session_id(session_id)
+        with self._op("save", "cache.append") as (outcome, span):
+            targets = self.replicas_for(session_id, replicas)
+            transcript = Transcript(session_id, owner, tuple(messages), version, updated_at=time.time())
+            results = await asyncio.gather(
+                *(self._put(m, transcript, ttl_s, keep_updated_at=False) for m in targets)
+            )
+            acks = sum(1 for r in results if r.result == "ok")
+            span.set_attribute("switchboard.session.acks", acks)
+            if acks:
+                self._recent[session_id] = replicas
+                self._recent.move_to_end(session_id)
+                if len(self._recent) > MAX_RECENT:
+                    self._recent.popitem(last=False)
+            if 0 < acks < len(targets):
+                self._suspects[session_id] = None  # a replica missed this write: check it on the next read
+                if len(self._suspects) > MAX_SUSPECTS:
+                    self._suspects.popitem(last=False)
+            elif acks == len(targets):
+                self._suspects.pop(session_id, None)
+            if acks == 0:
+                stale = [r.stored_version for r in results if r.result == "stale"]
+                if stale:
+                    outcome.result = "stale"
+                    raise VersionConflict(
+                        f"session {session_id!r} already has a newer version",
+                        param="version",
+                        stored_version=max(v or 0 for v in stale),
+                    )
+                rejected = [r for r in results if r.result == "rejected"]
+                if len(rejected) == len(results):
+                    raise from_openai_body(rejected[0].status or 400, rejected[0].body)
+                raise Overloaded(
+                    "no cache replica acknowledged the write", code="cache_unavailable", retry_after=1
+                )
+            outcome.result = "ok" if acks == len(targets) else "partial"
+            return acks
+
+    def replicas_for(self, session_id: str, replicas: int) -> list[Member]:
+        """The cache members that should hold `session_id` now, in preference order."""
+        members = self._membership.members(self._service)
+        if not members:
+            raise Overloaded("no healthy cache nodes", code="cache_unavailable", retry_after=1)
+        placement = self._refresh_placement(members)
+        ids = replicas_across_zones(placement.ring.walk(session_id), max(1, replicas), placement.zone_of,
+                                    local=self._zone)
+        return [placement.by_id[i] for i in local_first(ids, placement.zone_of, self._zone)]
+
+    def on_membership_change(self) -> None:
+        """Subscribed to the membership view: a node that joins gets its background repair at once,
+        not at the next session request."""
+        members = self._membership.members(self._service)
+        if members:
+            self._refresh_placement(members)
+
+    def _refresh_placement(self, members: list[Member]) -> _Placement:
+        key = tuple((m.id, m.url, m.zone) for m in members)
+        if key != self._placement.key:
+            added = {m.id for m in members} - set(self._placement.by_id)
+            if added and self._placement.key:  # a node (or a zone) joined or came back
+                self._schedule_placement_repair(added)
+            self._placement = _Placement(
+                key, HashRing((m.id for m in members), self._vnodes), {m.id: m for m in members},
+                zone_of={m.id: m.zone for m in members},
+            )
+        return self._placement
+
+    async def drain(self) -> None:
+        """Wait for every read-repair (and background placement repair) started so far."""
+        while self._repairs:
+            await asyncio.gather(*list(self._repairs), return_exceptions=True)
+
+    def _schedule_placement_repair(self, added: set[str]) -> None:
+        """Give nodes that joined the sessions saved here lately that now place a replica on them: read
+        repair alone would leave a paid session that is not read again with one copy after a zone returns."""
+        self._rejoined |= added
+        if self._placement_repair is None or self._placement_repair.done():
+            task = asyncio.get_running_loop().create_task(self._repair_placement(), name="session-placement-repair")
+            self._placement_repair = task
+            self._repairs.add(task)
+            task.add_done_callback(self._repairs.discard)
+
+    async def _repair_placement(self) -> None:
+        await asyncio.sleep(0)  # let the request that noticed the change go on first
+        while self._rejoined:
+            added, self._rejoined = self._rejoined, set()
+            sessions = list(self._recent.items())
+            gate = asyncio.Semaphore(REPAIR_CONCURRENCY)
+            written = 0
+
+            async def one(session_id: str, replicas: int) -> None:
+                nonlocal written
+                try:
+                    targets = self.replicas_for(session_id, replicas)
+                except Overloaded:
+                    return
+                fresh = [m for m in targets if m.id in added]
+                sources = [m for m in targets if m.id not in added]
+                if not fresh or not sources:
+                    return
+                async with gate:
+                    for source in sources:
+                        kind, transcript = await self._fetch(source, session_id)
+                        if kind == "hit" and transcript is not None:
+                            done = await asyncio.gather(*(self._repair_one(m, transcript, checked=False)
+                                                          for m in fresh))
+                            written += sum(done)
+                            return
+
+            with tracer.start_as_current_span("cache.placement_repair") as span:
+                await asyncio.gather(*(one(sid, n) for sid, n in sessions))
+                span.set_attribute("switchboard.session.repair_candidates", len(sessions))
+                span.set_attribute("switchboard.session.repaired", written)
+            log.info("background repair after %s joined: %d session(s) checked, %d replica(s) written",
+                     ", ".join(sorted(added)), len(sessions), written)
+
+    async def aclose(self) -> None:
+        """Cancel pending read-repairs (they are best-effort)."""
+        tasks = list(self._repairs)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- internals --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _op(self, op: str, span_name: str) -> Iterator[tuple[_Outcome, trace.Span]]:
+        outcome = _Outcome()
+        started = time.perf_counter()
+        with tracer.start_as_current_span(span_name) as span:
+            try:
+                yield outcome, span
+            finally:
+                span.set_attribute("switchboard.cache.result", outcome.result)
+                self.metrics.ops.labels(op, outcome.result).inc()
+                self.metrics.seconds.labels(op).observe(time.perf_counter() - started)
+
+    @staticmethod
+    def _path(session_id: str) -> str:
+        return f"/v1/sessions/{session_id}"  # the id is validated: URL-safe characters only
+
+    def _headers(self) -> dict[str, str]:
+        headers: dict[str, str] = dict(self._auth)
+        propagate.inject(headers)
+        return headers
+
+    async def _fetch(self, member: Member, session_id: str) -> tuple[str, Transcript | None]:
+        """('hit', t) | ('miss', None) | ('unreadable', None) | ('error', None); never raises for
+        a node's failure. Unreadable: a sealed record that does not open for this session and owner
+        (moved, tampered, or an unknown key): to the caller it does not exist."""
+        try:
+            resp = await self._http.request("GET", member.url, self._path(session_id), headers=self._headers(),
+                                            timeout=self._timeout_s)
+            raw = await resp.read(self._deadline(), limit=MAX_RECORD_BYTES)
+            if resp.status == 404:
+                return "miss", None
+            if resp.status != 200:
+                log.warning("cache node %s answered GET with %d", member.id, resp.status)
+                return "error", None
+            transcript = Transcript.from_wire(json.loads(raw))
+            if transcript.session_id != session_id:
+                raise ValueError("cache node returned another session")
+            if self._sealer is not None:
+                try:
+                    opened = self._sealer.open(session_id, transcript.owner, transcript.messages)
+                except SealError as exc:
+                    log.warning("cache node %s holds an unreadable record for a session: %s", member.id, exc)
+                    return "unreadable", None
+                transcript = replace(transcript, messages=tuple(opened))
+            return "hit", transcript
+        except (HopError, ValueError) as exc:
+            log.warning("cache node %s unreachable for GET: %s", member.id, type(exc).__name__)
+            return "error", None
+
+    async def _put(
+        self, member: Member, t: Transcript, ttl_s: float | None, *, keep_updated_at: bool
+    ) -> _WriteResult:
+        messages = (self._sealer.seal(t.session_id, t.owner, t.messages) if self._sealer is not None
+                    else [dict(m) for m in t.messages])
+        body: dict[str, Any] = {
+            "owner": t.owner,
+            "messages": messages,
+            "version": t.version,
+            "ttl_s": ttl_s,
+        }
+        if keep_updated_at:
+            body["updated_at"] = t.updated_at
+        try:
+            resp = await self._http.request("PUT", member.url, self._path(t.session_id),
+                                            json.dumps(body, ensure_ascii=False).encode(),
+                                            headers=self._headers(), timeout=self._timeout_s)
+            raw = await resp.read(self._deadline())
+        except HopError as exc:
+            log.warning("cache node %s unreachable for PUT: %s", member.id, type(exc).__name__)
+            return _WriteResult("error")
+        if resp.status == 200:
+            return _WriteResult("ok", 200)
+        payload = _json_or_none(raw)
+        if resp.status == 409:
+            stored = None
+            if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+                stored = payload["error"].get("stored_version")
+            return _WriteResult("stale", 409, payload, stored if isinstance(stored, int) else None)
+        if 400 <= resp.status < 500:
+            return _WriteResult("rejected", resp.status, payload)
+        log.warning("cache node %s answered PUT with %d", member.id, resp.status)
+        return _WriteResult("error", resp.status, payload)
+
+    def _deadline(self) -> float:
+        return asyncio.get_running_loop().time() + self._timeout_s
+
+    def _may_lag(self, found: Transcript) -> bool:
+        """Whether replicas not asked during a read may lack `found`. Every save writes all current
+        replicas, so only: the preference order changed since the record was written (a new node
+        sits on the list), a save here missed a replica, or a small random audit (anti-entropy for
+        what this gateway cannot know, e.g. another gateway's partial write). Asking every time
+        doubled the cache reads of every resumed session."""
+        return (found.updated_at < self._placement.since + CLOCK_SLACK_S
+                or found.session_id in self._suspects or random.random() < AUDIT_SHARE)
+
+    def _start_repair(self, transcript: Transcript, missing: list[Member], unchecked: list[Member]) -> None:
+        task = asyncio.create_task(self._repair(transcript, missing, unchecked), name="session-read-repair")
+        self._repairs.add(task)
+        task.add_done_callback(self._repairs.discard)
+
+    async def _repair(self, transcript: Transcript, missing: list[Member], unchecked: list[Member]) -> None:
+        """Write `transcript` to the replicas that lack it: those that answered 404, and those
+        not asked before the hit (after a membership change a new replica can sit behind it)."""
+        with tracer.start_as_current_span("cache.read_repair") as span:
+            await asyncio.gather(
+                *(self._repair_one(m, transcript, checked=True) for m in missing),
+                *(self._repair_one(m, transcript, checked=False) for m in unchecked),
+            )
+            span.set_attribute("switchboard.session.repair_candidates", len(missing) + len(unchecked))
+
+    async def _repair_one(self, member: Member, transcript: Transcript, *, checked: bool) -> bool:
+        """Write `transcript` to `member` unless it holds it already; True if it was written."""
+        if not checked:
+            kind, current = await self._fetch(member, transcript.session_id)
+            if kind == "error" or (current is not None and current.version >= transcript.version):
+                return False
+        ttl = transcript.ttl_left(time.time())
+        if ttl is not None and ttl <= 0:
+            return False
+        r = await self._put(member, transcript, ttl, keep_updated_at=True)
+        result = r.result if r.result in ("ok", "stale") else "error"
+        self.metrics.ops.labels("repair", result).inc()
+        if result == "ok":
+            self.metrics.repairs.inc()
+        else:
+            log.info("read-repair onto %s: %s", member.id, result)
+        return result == "ok"
+
+
+def _json_or_none(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None

@@ -1,0 +1,418 @@
+"""A cache node: keeps whole session transcripts, in memory (TTL + LRU by bytes) or in Redis.
+
+    switchboard cache-node --port 8201                                  # in-memory, 256 MiB
+    switchboard cache-node --port 8202 --redis redis://127.0.0.1:6379/0 --registry http://127.0.0.1:8300
+    SWITCHBOARD_CACHE_MAX_BYTES=67108864 switchboard cache-node --port 8203
+
+HTTP API (errors in the OpenAI shape)::
+
+    GET    /v1/sessions/{id}   200 {"session_id","owner","messages","version","updated_at","expires_at"}
+                               404 session_not_found
+    PUT    /v1/sessions/{id}   {"owner","messages":[{"role","content"}],"version","ttl_s"?,"updated_at"?}
+                               200 stored; 409 session_version_conflict (+ "stored_version") when the
+                               stored version is higher: whole records, last writer by version wins
+    DELETE /v1/sessions/{id}   200 {"session_id","deleted": bool}
+    GET    /health             200 ready, 503 when the backend is unreachable
+    GET    /metrics            Prometheus; GET /debug/spans recent spans
+
+With a cluster token (``SWITCHBOARD_CLUSTER_TOKEN``, as ``switchboard up`` sets), ``/v1/sessions/*``
+and ``/debug/spans`` need ``Authorization: Bearer <token>`` (401 otherwise, counted in
+``switchboard_cache_refused_total``); without one the node runs open and warns at start. What it
+stores is sealed by the gateway (data_plane/common/crypto.py): the node never sees plaintext.
+
+Placement, replication and read-repair are the client's job (:mod:`data_plane.cache.client`);
+a node only stores what it is given. Transcript contents are never logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from opentelemetry import propagate, trace
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from data_plane.cache.model import SECONDS_BUCKETS, Transcript, VersionConflict, validate_session_id
+from data_plane.cache.storage import ManagedStorage, MemoryStorage, RedisStorage
+from data_plane.common.errors import (
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    SwitchboardError,
+    UnsupportedMediaType,
+    install_error_handlers,
+)
+from data_plane.common.hop_auth import cluster_token_from_env, guarded, require_cluster_token
+from data_plane.membership.factory import MEMBERSHIP_URL_PATTERN, membership_from_url
+from data_plane.common.tls import TlsConfig
+from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
+from data_plane.common.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
+
+MiB = 1024 * 1024
+MAX_TTL_S = 30 * 24 * 3600.0
+
+
+class CacheNodeSettings(BaseSettings):
+    """Every knob of one cache node: flags first, then ``SWITCHBOARD_CACHE_*``, then defaults."""
+
+    model_config = SettingsConfigDict(env_prefix="SWITCHBOARD_CACHE_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    """Address to bind."""
+    port: int = Field(8201, ge=1, le=65535)
+    """Port to bind."""
+    redis: str | None = None
+    """``redis://`` URL: store transcripts in Redis instead of process memory."""
+    redis_prefix: str | None = None
+    """Redis key prefix (default ``switchboard:<node_id>:session:``, so nodes may share a Redis)."""
+    registry: str | None = None
+    """Membership registry URL; when set the node registers as service ``cache``."""
+    membership: str | None = Field(None, pattern=MEMBERSHIP_URL_PATTERN)
+    """Membership URL, e.g. ``consul://127.0.0.1:8500``; wins over ``registry``."""
+    registration_ttl_s: float = Field(0.8, gt=0.1, le=300)
+    """TTL of the membership health check."""
+    max_bytes: int = Field(256 * MiB, ge=1024, le=1 << 40)
+    """In-memory backend: total bytes of stored records before LRU eviction."""
+    ttl_s: float = Field(24 * 3600.0, gt=0, le=MAX_TTL_S)
+    """Default record TTL when a PUT leaves ``ttl_s`` null."""
+    max_body_bytes: int = Field(4 * MiB, ge=1024, le=256 * MiB)
+    """Largest accepted PUT body (413 beyond)."""
+    node_id: str | None = None
+    """Member id (default ``cache-<hostname>-<port>``)."""
+    zone: str = Field(DEFAULT_ZONE, pattern=ZONE_PATTERN)
+    """Zone (failure domain) this node runs in: paid sessions keep one replica per zone."""
+    advertise_url: str | None = None
+    """URL other processes use to reach this node (default ``http://<host>:<port>``)."""
+
+    @property
+    def member_id(self) -> str:
+        return self.node_id or f"cache-{socket.gethostname()}-{self.port}"
+
+    @property
+    def url(self) -> str:
+        return self.advertise_url or f"{TlsConfig.from_env().scheme}://{self.host}:{self.port}"
+
+
+# -- wire schemas ---------------------------------------------------------------------------
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: str = Field(min_length=1, max_length=32)
+    content: str
+
+
+class PutSessionBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    owner: str = Field(min_length=1, max_length=256)
+    messages: list[Message] = Field(max_length=100_000)
+    version: int = Field(ge=0, le=2**53 - 1)
+    ttl_s: float | None = Field(default=None, gt=0, le=MAX_TTL_S)
+    updated_at: float | None = Field(default=None, ge=0)
+    """Kept when replicating or repairing a record; the node's clock otherwise."""
+
+
+# -- storage (data_plane/cache/storage.py) ---------------------------------------------------
+
+
+def build_storage(settings: CacheNodeSettings, metrics: CacheNodeMetrics) -> ManagedStorage:
+    if settings.redis:
+        prefix = settings.redis_prefix or f"switchboard:{settings.member_id}:session:"
+        return RedisStorage(settings.redis, prefix)
+    return MemoryStorage(settings.max_bytes, on_evict=metrics.evicted)
+
+
+# -- metrics --------------------------------------------------------------------------------
+
+RESULTS = {
+    "get": ("hit", "miss", "error"),
+    "put": ("stored", "stale", "error"),
+    "delete": ("hit", "miss", "error"),
+}
+
+
+class CacheNodeMetrics:
+    """The cache node's metrics in `registry`; every label value is from a fixed set."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "switchboard_cache_requests_total",
+            "Cache node requests by operation and result (hit|miss|stored|stale|error).",
+            ["op", "result"],
+            registry=registry,
+        )
+        self.entries = Gauge("switchboard_cache_entries", "Transcripts stored.", registry=registry)
+        self.bytes = Gauge("switchboard_cache_bytes", "Bytes of stored transcripts.", registry=registry)
+        self.evictions = Counter(
+            "switchboard_cache_evictions_total",
+            "Transcripts dropped by the node (reason ttl|lru).",
+            ["reason"],
+            registry=registry,
+        )
+        self.op_seconds = Histogram(
+            "switchboard_cache_op_seconds",
+            "Time to serve one cache operation.",
+            ["op"],
+            buckets=SECONDS_BUCKETS,
+            registry=registry,
+        )
+        for op, results in RESULTS.items():  # series exist at zero for dashboards and alerts
+            self.op_seconds.labels(op)
+            for result in results:
+                self.requests.labels(op, result)
+        for reason in ("ttl", "lru"):
+            self.evictions.labels(reason)
+        self.refused = Counter(
+            "switchboard_cache_refused_total",
+            "Requests refused for a missing or wrong cluster token, by route (sessions|debug_spans).",
+            ["route"],
+            registry=registry,
+        )
+        for route in ("sessions", "debug_spans"):
+            self.refused.labels(route)
+
+    def evicted(self, reason: str, count: int) -> None:
+        self.evictions.labels(reason).inc(count)
+
+    def watch(self, storage: ManagedStorage) -> None:
+        self.entries.set_function(lambda: storage.stats().entries)
+        self.bytes.set_function(lambda: storage.stats().bytes)
+
+    @contextlib.contextmanager
+    def track(self, op: str, request: Request, node_id: str) -> Iterator[_Result]:
+        """A span continuing the caller's trace, a latency sample and a result count.
+
+        FastAPI's own telemetry may already have opened the server span from ``traceparent``;
+        then ours nests under it, otherwise ours is the server span.
+        """
+        outcome = _Result()
+        started = time.perf_counter()
+        nested = trace.get_current_span().get_span_context().is_valid
+        with tracer.start_as_current_span(
+            f"cache_node.{op}",
+            context=None if nested else propagate.extract(request.headers),
+            kind=trace.SpanKind.INTERNAL if nested else trace.SpanKind.SERVER,
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            span.set_attribute("switchboard.cache.op", op)
+            span.set_attribute("switchboard.cache.node_id", node_id)
+            try:
+                yield outcome
+            except SwitchboardError as exc:
+                span.set_attribute("http.response.status_code", exc.status)
+                if exc.status >= 500:
+                    span.set_status(trace.StatusCode.ERROR, exc.code or "")
+                raise
+            except Exception as exc:
+                span.record_exception(exc)
+                span.set_status(trace.StatusCode.ERROR, type(exc).__name__)
+                raise
+            finally:
+                span.set_attribute("switchboard.cache.result", outcome.result)
+                self.requests.labels(op, outcome.result).inc()
+                self.op_seconds.labels(op).observe(time.perf_counter() - started)
+
+
+@dataclass
+class _Result:
+    result: str = "error"
+
+
+# -- HTTP -----------------------------------------------------------------------------------
+
+
+async def read_json_body(request: Request, limit: int) -> Any:
+    """The request's JSON body, refusing more than `limit` bytes (413) or non-JSON (400/415)."""
+    ctype = request.headers.get("content-type", "")
+    if ctype and "json" not in ctype.lower():
+        raise UnsupportedMediaType("request body must be application/json")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidRequest("request body is not valid JSON", code="invalid_json") from None
+
+
+def create_app(
+    settings: CacheNodeSettings,
+    storage: ManagedStorage | None = None,
+    registry: CollectorRegistry | None = None,
+    cluster_token: str | None = None,
+) -> FastAPI:
+    """The node's ASGI app; `storage` and `registry` default to what `settings` describe.
+    `cluster_token`: what session and span reads and writes must present (None: open)."""
+    registry = registry if registry is not None else CollectorRegistry()
+    metrics = CacheNodeMetrics(registry)
+    store: ManagedStorage = storage if storage is not None else build_storage(settings, metrics)
+    metrics.watch(store)
+    node_id = settings.member_id
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with contextlib.AsyncExitStack() as stack:
+            await store.start()
+            stack.push_async_callback(store.aclose)
+            if settings.membership or settings.registry:
+                await _register(settings, store, stack)
+            log.info("cache node %s serving on %s (backend %s)", node_id, settings.url, store.backend)
+            yield
+
+    app = FastAPI(title="Switchboard cache node", lifespan=lifespan, **fastapi_options())
+    install_error_handlers(app)
+    app.add_route("/metrics", metrics_endpoint(registry))
+    app.add_route("/debug/spans", guarded(recent_spans_endpoint, cluster_token,
+                                          on_refused=lambda _: metrics.refused.labels("debug_spans").inc()))
+    hop = [Depends(require_cluster_token(cluster_token, "the cache node's session API",
+                                         lambda _: metrics.refused.labels("sessions").inc()))]
+    if cluster_token is None:
+        log.warning("no cluster token (SWITCHBOARD_CLUSTER_TOKEN): anyone who reaches this port can read and "
+                    "write session records (they are sealed by the gateway, but can be deleted)")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ready = await store.ready()
+        body = {"status": "ok" if ready else "unavailable", "node_id": node_id, "backend": store.backend}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/v1/sessions/{session_id:path}", dependencies=hop)
+    async def get_session(session_id: str, request: Request) -> JSONResponse:
+        with metrics.track("get", request, node_id) as op:
+            validate_session_id(session_id)
+            record = await store.get(session_id)
+            if record is None:
+                op.result = "miss"
+                raise NotFound(
+                    f"session {session_id!r} not found", param="session_id", code="session_not_found"
+                )
+            op.result = "hit"
+            return JSONResponse(record.to_wire())
+
+    @app.put("/v1/sessions/{session_id:path}", dependencies=hop)
+    async def put_session(session_id: str, request: Request) -> JSONResponse:
+        with metrics.track("put", request, node_id) as op:
+            validate_session_id(session_id)
+            raw = await read_json_body(request, settings.max_body_bytes)
+            try:
+                body = PutSessionBody.model_validate(raw)
+            except ValidationError as exc:
+                raise RequestValidationError(exc.errors(include_url=False)) from None
+            now = time.time()
+            ttl_s = body.ttl_s if body.ttl_s is not None else settings.ttl_s
+            record = Transcript(
+                session_id=session_id,
+                owner=body.owner,
+                messages=tuple(m.model_dump() for m in body.messages),
+                version=body.version,
+                updated_at=body.updated_at if body.updated_at is not None else now,
+                expires_at=now + ttl_s,
+            )
+            outcome = await store.put(record, ttl_s)
+            if not outcome.stored:
+                op.result = "stale"
+                raise VersionConflict(
+                    f"session {session_id!r} holds version {outcome.version} > {body.version}",
+                    param="version",
+                    stored_version=outcome.version,
+                )
+            op.result = "stored"
+            return JSONResponse(
+                {
+                    "session_id": session_id,
+                    "version": record.version,
+                    "updated_at": record.updated_at,
+                    "expires_at": record.expires_at,
+                }
+            )
+
+    @app.delete("/v1/sessions/{session_id:path}", dependencies=hop)
+    async def delete_session(session_id: str, request: Request) -> JSONResponse:
+        with metrics.track("delete", request, node_id) as op:
+            validate_session_id(session_id)
+            deleted = await store.delete(session_id)
+            op.result = "hit" if deleted else "miss"
+            return JSONResponse({"session_id": session_id, "deleted": deleted})
+
+    return app
+
+
+async def _register(
+    settings: CacheNodeSettings, store: ManagedStorage, stack: contextlib.AsyncExitStack
+) -> None:
+    """Register as service ``cache``; the stack deregisters, then closes the client, on shutdown."""
+    from data_plane.membership.view import Member
+
+    http = httpx.AsyncClient(timeout=httpx.Timeout(2.0))
+    stack.push_async_callback(http.aclose)
+    meta = {"backend": store.backend, "zone": settings.zone}
+    if store.backend == "memory":
+        meta["max_bytes"] = str(settings.max_bytes)
+    member = Member(id=settings.member_id, service="cache", url=settings.url, meta=meta)
+    _, new_agent = membership_from_url(settings.membership or settings.registry or "", http, ())
+    agent = new_agent(member, settings.registration_ttl_s)
+    await agent.start()
+    stack.push_async_callback(agent.aclose)
+
+
+# -- entry point ----------------------------------------------------------------------------
+
+
+def parse_settings(argv: list[str] | None) -> CacheNodeSettings:
+    parser = argparse.ArgumentParser(
+        prog="switchboard cache-node",
+        description="Run one cache node. Every flag also reads SWITCHBOARD_CACHE_<FLAG>.",
+    )
+    parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to bind (default 8201)")
+    parser.add_argument("--redis", metavar="URL", help="store in Redis at URL instead of memory")
+    parser.add_argument("--redis-prefix", help="Redis key prefix (default switchboard:<node-id>:session:)")
+    parser.add_argument("--registry", metavar="URL", help="membership registry to register with")
+    parser.add_argument("--membership", metavar="URL", help="membership URL, e.g. consul://127.0.0.1:8500")
+    parser.add_argument("--max-bytes", type=int, help="in-memory capacity in bytes (default 256 MiB)")
+    parser.add_argument("--ttl-s", type=float, help="default record TTL in seconds (default 86400)")
+    parser.add_argument("--max-body-bytes", type=int, help="largest PUT body (default 4 MiB)")
+    parser.add_argument("--node-id", help="member id (default cache-<hostname>-<port>)")
+    parser.add_argument("--zone", help="zone (failure domain) this node runs in (default local)")
+    parser.add_argument("--advertise-url", help="URL peers use to reach this node")
+    args = parser.parse_args(argv)
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    try:
+        return CacheNodeSettings(**given)
+    except ValidationError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = parse_settings(argv)
+    configure_process("switchboard-cache-node")
+    app = create_app(settings, cluster_token=cluster_token_from_env())
+    from data_plane.common.http_server import GuardedHttpProtocol
+
+    uvicorn.run(app, host=settings.host, port=settings.port, access_log=False, http=GuardedHttpProtocol,
+                **TlsConfig.from_env().uvicorn_kwargs())

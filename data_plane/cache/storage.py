@@ -1,0 +1,302 @@
+"""Where a cache node keeps transcripts: in process memory (LRU by bytes, TTL) or in Redis.
+
+    storage = MemoryStorage(max_bytes=256 << 20, on_evict=metrics.evicted)   # or
+    storage = RedisStorage("redis://127.0.0.1:6379/0", prefix="switchboard:cache-0:session:")
+    await storage.start()
+    outcome = await storage.put(transcript, ttl_s=3600)   # PutOutcome(stored, version)
+    transcript = await storage.get("sess_...")
+
+Both keep whole records, the newer version winning (a put older than what is stored is refused
+and says which version is stored); the HTTP API over them is data_plane/cache/node.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from data_plane.cache.model import Transcript
+from data_plane.common.errors import (
+    Overloaded,
+    PayloadTooLarge,
+)
+from data_plane.common.tasks import stop_tasks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PutOutcome:
+    stored: bool
+    version: int
+    """The version now stored (the caller's when stored, the newer one when not)."""
+
+
+@dataclass(frozen=True)
+class StorageStats:
+    entries: int
+    bytes: int
+
+
+class Storage(Protocol):
+    """What the HTTP handlers need; called once per request, on the event loop."""
+
+    async def get(self, session_id: str) -> Transcript | None: ...
+    async def put(self, record: Transcript, ttl_s: float) -> PutOutcome: ...
+    async def delete(self, session_id: str) -> bool: ...
+
+
+class ManagedStorage(Storage, Protocol):
+    """A backend with a lifecycle: ``start`` in the lifespan, ``stats`` per scrape, ``ready`` per /health."""
+
+    backend: str
+
+    async def start(self) -> None: ...
+    async def aclose(self) -> None: ...
+    async def ready(self) -> bool: ...
+    def stats(self) -> StorageStats: ...
+
+
+def encode_record(record: Transcript) -> bytes:
+    return json.dumps(record.to_wire(), separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+@dataclass
+class _Entry:
+    record: Transcript
+    size: int
+    expires_at: float
+
+
+class MemoryStorage:
+    """Records in an OrderedDict kept in LRU order, bounded by `max_bytes` and expired by TTL.
+
+    Expired records vanish on read and from a sweeper task (``cache-node-ttl-sweeper``) that
+    pops a heap of expiry times; `on_evict(reason, count)` hears of every eviction.
+    """
+
+    backend = "memory"
+
+    def __init__(
+        self,
+        max_bytes: int,
+        *,
+        on_evict: Callable[[str, int], None] | None = None,
+        clock: Callable[[], float] = time.time,
+        sweep_interval_s: float = 0.5,
+    ) -> None:
+        self.max_bytes = max_bytes
+        self._on_evict = on_evict or (lambda reason, n: None)
+        self._clock = clock
+        self._sweep_interval_s = sweep_interval_s
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._bytes = 0
+        self._expiries: list[tuple[float, str]] = []
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._sweeper = asyncio.create_task(self._sweep_loop(), name="cache-node-ttl-sweeper")
+
+    async def aclose(self) -> None:
+        await stop_tasks(self._sweeper)
+        self._sweeper = None
+
+    async def ready(self) -> bool:
+        return True
+
+    def stats(self) -> StorageStats:
+        return StorageStats(len(self._entries), self._bytes)
+
+    async def get(self, session_id: str) -> Transcript | None:
+        entry = self._live(session_id)
+        if entry is None:
+            return None
+        self._entries.move_to_end(session_id)
+        return entry.record
+
+    async def put(self, record: Transcript, ttl_s: float) -> PutOutcome:
+        current = self._live(record.session_id)
+        if current is not None and current.record.version > record.version:
+            return PutOutcome(False, current.record.version)
+        size = len(encode_record(record))
+        if size > self.max_bytes:
+            raise PayloadTooLarge(
+                f"record of {size} bytes exceeds this node's capacity of {self.max_bytes}",
+                code="record_too_large",
+            )
+        if current is not None:
+            self._remove(record.session_id)
+        expires_at = self._clock() + ttl_s
+        self._entries[record.session_id] = _Entry(record, size, expires_at)
+        self._bytes += size
+        heapq.heappush(self._expiries, (expires_at, record.session_id))
+        evicted = 0
+        while self._bytes > self.max_bytes:
+            oldest = next(iter(self._entries))
+            self._remove(oldest)
+            evicted += 1
+        if evicted:
+            self._on_evict("lru", evicted)
+        return PutOutcome(True, record.version)
+
+    async def delete(self, session_id: str) -> bool:
+        if self._live(session_id) is None:
+            return False
+        self._remove(session_id)
+        return True
+
+    def sweep(self) -> int:
+        """Drop every expired record now; returns how many."""
+        now, dropped = self._clock(), 0
+        while self._expiries and self._expiries[0][0] <= now:
+            _, session_id = heapq.heappop(self._expiries)
+            entry = self._entries.get(session_id)
+            if entry is not None and entry.expires_at <= now:
+                self._remove(session_id)
+                dropped += 1
+        if len(self._expiries) > 2 * len(self._entries) + 1024:  # overwritten records linger
+            self._expiries = [(e.expires_at, sid) for sid, e in self._entries.items()]
+            heapq.heapify(self._expiries)
+        if dropped:
+            self._on_evict("ttl", dropped)
+        return dropped
+
+    def _live(self, session_id: str) -> _Entry | None:
+        entry = self._entries.get(session_id)
+        if entry is not None and entry.expires_at <= self._clock():
+            self._remove(session_id)
+            self._on_evict("ttl", 1)
+            return None
+        return entry
+
+    def _remove(self, session_id: str) -> None:
+        entry = self._entries.pop(session_id)
+        self._bytes -= entry.size
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._sweep_interval_s)
+            self.sweep()
+
+
+# Compare-and-set by version, atomically: keep the stored record when it is newer.
+_PUT_IF_NOT_OLDER = """
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local ok, rec = pcall(cjson.decode, cur)
+  if ok and type(rec) == 'table' and tonumber(rec['version']) ~= nil
+     and tonumber(rec['version']) > tonumber(ARGV[2]) then
+    return {0, tostring(rec['version'])}
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+return {1, ARGV[2]}
+"""
+
+
+class RedisStorage:
+    """One Redis string per session (JSON, expiring with PX); Redis does TTL and memory eviction.
+
+    Entry and byte gauges come from a SCAN of this node's prefix every `stats_interval_s`
+    (task ``cache-node-redis-stats``); evictions happen inside Redis and are not counted here.
+    Redis failures surface as 503 ``cache_backend_unavailable``.
+    """
+
+    backend = "redis"
+
+    def __init__(self, url: str, prefix: str, *, stats_interval_s: float = 10.0) -> None:
+        import redis.asyncio as aioredis  # only Redis-backed nodes pay for the import
+
+        self._redis = aioredis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=1.0)
+        self._put_script = self._redis.register_script(_PUT_IF_NOT_OLDER)
+        self._prefix = prefix
+        self._stats_interval_s = stats_interval_s
+        self._stats = StorageStats(0, 0)
+        self._stats_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._stats_task = asyncio.create_task(self._stats_loop(), name="cache-node-redis-stats")
+
+    async def aclose(self) -> None:
+        await stop_tasks(self._stats_task)
+        await self._redis.aclose()
+
+    async def ready(self) -> bool:
+        from redis.exceptions import RedisError
+
+        try:
+            return bool(await self._redis.ping())
+        except (RedisError, OSError):
+            return False
+
+    def stats(self) -> StorageStats:
+        return self._stats
+
+    async def get(self, session_id: str) -> Transcript | None:
+        with _redis_errors():
+            raw = await self._redis.get(self._prefix + session_id)
+        return None if raw is None else Transcript.from_wire(json.loads(raw))
+
+    async def put(self, record: Transcript, ttl_s: float) -> PutOutcome:
+        px = max(1, int(ttl_s * 1000))
+        with _redis_errors():
+            stored, version = await self._put_script(
+                keys=[self._prefix + record.session_id], args=[encode_record(record), record.version, px]
+            )
+        return PutOutcome(bool(int(stored)), int(version))
+
+    async def delete(self, session_id: str) -> bool:
+        with _redis_errors():
+            return bool(await self._redis.delete(self._prefix + session_id))
+
+    async def refresh_stats(self) -> StorageStats:
+        entries = size = 0
+        async for keys in self._scan_batches():
+            entries += len(keys)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.strlen(key)
+                size += sum(await pipe.execute())
+        self._stats = StorageStats(entries, size)
+        return self._stats
+
+    async def _scan_batches(self) -> AsyncIterator[list[bytes | str]]:
+        cursor = 0
+        while True:
+            cursor, keys = await self._redis.scan(cursor, match=self._prefix + "*", count=1000)
+            if keys:
+                yield keys
+            if cursor == 0:
+                return
+
+    async def _stats_loop(self) -> None:
+        while True:
+            try:
+                await self.refresh_stats()
+            except Exception as exc:  # noqa: BLE001 - stats are advisory; never kill the loop
+                log.debug("redis stats refresh failed: %s", type(exc).__name__)
+            await asyncio.sleep(self._stats_interval_s)
+
+
+@contextlib.contextmanager
+def _redis_errors() -> Iterator[None]:
+    """The one place Redis' exceptions become ours."""
+    from redis.exceptions import RedisError
+
+    try:
+        yield
+    except (RedisError, OSError) as exc:
+        log.warning("redis backend failed: %s", type(exc).__name__)
+        raise Overloaded(
+            "cache backend unavailable", code="cache_backend_unavailable", retry_after=1
+        ) from None
+
+

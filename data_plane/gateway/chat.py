@@ -1,0 +1,400 @@
+"""One chat request through the gateway: `ChatHandler` (see data_plane/gateway/app.py for the app).
+
+Per request, in order (each a span under `gateway.request`): authenticate the key -> tier;
+read and validate the body (413/415/400); enforce the tier's output cap and message count;
+`ratelimit` takes one request and the estimated tokens from the key's and tier's RPM/TPM
+(429 + Retry-After; `x-ratelimit-*` headers from here on; settled with real usage at the end,
+data_plane/gateway/ratelimit/limiter.py); `safety.input`; with a session, `cache.get_context` and the sliding
+window (the model's tokenizer counts); `admission.queue` waits for an in-flight slot in tier
+order (503 when shed, data_plane/gateway/admission.py); `router.route` opens a supervised stream on a shard
+(retrying once elsewhere before the first token); `safety.output` over the stream with a hold-back
+window; `cache.append` saves the turn before the reply completes. Every error is decided before
+the first byte when it can be; after that, the stream ends with an error event and `[DONE]`.
+Once the body is read, a client that goes away cancels the request (and so the shard's work).
+
+Sessions: `X-Session-Id: <id>` (or body `session_id`) continues a conversation kept on the
+cache nodes; `X-Session-Id: new` starts one with an unguessable id, returned in the
+`X-Session-Id` response header. A session belongs to the key that created it; other keys
+get 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.propagate import extract
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
+
+from data_plane.gateway.admission import Ticket
+from data_plane.gateway.auth import Principal, key_digest
+from data_plane.cache.model import validate_session_id
+from data_plane.gateway.cluster_state import (
+    DEGRADED_HEADER,
+    SPAN_ATTRIBUTE,
+    ClusterState,
+    Effects,
+)
+from data_plane.gateway.context import fit_window
+from data_plane.common.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    NotFound,
+    SwitchboardError,
+    render,
+)
+from data_plane.gateway.stream import CLIENT_CLOSED_STATUS, Completion
+from data_plane.protocol import (
+    parse_chat_request,
+    read_body,
+)
+from data_plane.gateway.ratelimit.limiter import (
+    Grant,
+)
+from data_plane.gateway.safety.pipeline import raise_if_blocked
+from data_plane.tiers import Tier
+from data_plane.routing.upstream import ResumableStream
+
+if TYPE_CHECKING:
+    from data_plane.gateway.app import Gateway
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
+
+NEW_SESSION = "new"
+DEFAULT_REPLY_RESERVE = 256
+"""Reply tokens reserved when a request sets no max_tokens."""
+TEMPLATE_SLACK_TOKENS = 32
+"""Headroom for chat-template tokens the per-message count cannot see (e.g. a default system
+prompt the template inserts), so the shard never refuses what the gateway admitted."""
+
+
+@dataclass
+class Opened:
+    """A request that passed every check, with its shard stream's first token in hand."""
+
+    stream: ResumableStream
+    completion: Completion
+    headers: dict[str, str]
+    include_usage: bool | None
+    """None: answer with one JSON body; else stream SSE (with a usage chunk when True)."""
+
+
+class ChatHandler:
+    """One chat request through the gateway."""
+
+    def __init__(self, gw: Gateway, request: Request) -> None:
+        self.gw = gw
+        self.request = request
+        self.t0 = time.monotonic()
+        # Always our own id: it keys the request in the engine, so a client-chosen one could collide
+        # (and a collision must never look like a shard failure). The client's id is kept on the span.
+        self.request_id = uuid.uuid4().hex
+        client_id = request.headers.get("x-request-id") or ""
+        self.client_request_id = client_id[:128] if client_id.isprintable() else ""
+        request.state.request_id = self.request_id
+        self.tier_name = "unknown"
+        self.tier: Tier | None = None
+        self.principal: Principal | None = None
+        self.session_id: str | None = None
+        self.session_version = 0
+        self.history: list[dict[str, str]] = []
+        self.new_messages: list[dict[str, str]] = []
+        self.span: trace.Span | None = None
+        self.first_token_at: float | None = None
+        """Monotonic time the shard's first token arrived."""
+        self.first_content_at: float | None = None
+        """Monotonic time the first content left for the client (after the output filter)."""
+        self.grant: Grant | None = None
+        self.ticket: Ticket | None = None
+        self.used_tokens: int | None = None
+        self.client_gone = False
+        self._recorded = False
+        self.opened: Opened | None = None
+        """Set once a shard stream is open: the usage ledger reads the completion and shard from it."""
+        self._receive: Receive | None = None
+        self._watcher: asyncio.Future[Any] | None = None
+        # the level and tier policy are read once, so one request sees one consistent state
+        state = gw.cluster.current() if gw.cluster is not None else ClusterState()
+        self.tiers = state.tiers or gw.tiers
+        self.effects = Effects(state.degradation)
+
+    # -- the request, before any byte goes out ------------------------------------------------
+
+    async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer the request on `send`: an error, one JSON body or an SSE stream."""
+        parent = extract(self.request.headers)
+        span = tracer.start_span("gateway.request", context=parent, attributes={
+            "gen_ai.operation.name": "chat", "switchboard.request_id": self.request_id,
+            "switchboard.client_request_id": self.client_request_id, SPAN_ATTRIBUTE: self.effects.level})
+        self.span = span
+        self._receive = receive
+        token = otel_context.attach(trace.set_span_in_context(span))
+        streaming = False
+        try:
+            try:
+                opened = self.opened = await self._prepare_and_open()
+                if opened.include_usage is not None:
+                    streaming = True
+                    headers = self._headers(opened.headers, {"content-type": "text/event-stream; charset=utf-8",
+                                                             "cache-control": "no-cache"})
+                    await opened.completion.stream_to(send, opened.stream, opened.include_usage, headers)
+                    return
+                try:
+                    body = await opened.completion.collect(opened.stream)
+                finally:
+                    self.gw.metrics.inflight.labels(self.tier_name).dec()
+                self._record(200, "ok")
+                response: Response = self._degraded(JSONResponse(body, headers=opened.headers))
+            except ClientDisconnect:
+                raise
+            except Exception as exc:
+                error = exc if isinstance(exc, SwitchboardError) else None
+                if error is None:  # a bug: still an OpenAI-shaped 500 with the ids, never a bare one
+                    log.exception("request %s: unhandled error", self.request_id)
+                    error = SwitchboardError("internal server error")
+                self._record(error.status, error.code or "error")
+                span.set_attribute("error.type", error.code or "error")
+                span.set_status(trace.Status(trace.StatusCode.ERROR, error.code or "error"))
+                self.request.state.trace_id = self.trace_id
+                if self.grant is not None:
+                    error.headers = {**self.grant.headers, **error.headers}
+                response = self._degraded(render(error, self.request))
+            self.stop_watching()
+            await response(scope, receive, send)
+        except ClientDisconnect:  # gone while sending its body
+            self._client_left(span)
+        except asyncio.CancelledError:
+            if not self.client_gone:
+                raise
+            # The client left: the cancellation was ours (see _watch_disconnect), not the server's.
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            self._client_left(span)
+        finally:
+            self.stop_watching()
+            otel_context.detach(token)
+            if not streaming:
+                self._release_limits()
+                span.end()
+
+    @property
+    def trace_id(self) -> str:
+        """This request's trace id (hex), for error bodies and headers."""
+        assert self.span is not None
+        return format(self.span.get_span_context().trace_id, "032x")
+
+    def _client_left(self, span: trace.Span) -> None:
+        span.set_attribute("error.type", "client_disconnected")
+        log.info("request %s: client disconnected; generation aborted", self.request_id)
+        self._record(CLIENT_CLOSED_STATUS, "client_disconnected")
+
+    def _watch_disconnect(self) -> None:
+        """Once the body is read, the next ASGI `receive` only returns when the client goes away
+        (or the response is complete): then the request's task is cancelled, which aborts
+        whatever it waits on (admission queue, shard, stream) and the shard's work with it."""
+        task = asyncio.current_task()
+        if task is None or self._watcher is not None or self._receive is None:
+            return
+
+        def on_message(watcher: asyncio.Future[Any]) -> None:
+            if watcher.cancelled() or watcher.exception() is not None or self._watcher is None:
+                return
+            if watcher.result().get("type") == "http.disconnect":
+                self.client_gone = True
+                task.cancel()
+
+        self._watcher = asyncio.ensure_future(self._receive())
+        self._watcher.add_done_callback(on_message)
+
+    def stop_watching(self) -> None:
+        """Before the last write: the response completing must not look like a disconnect."""
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None and not watcher.done():
+            watcher.cancel()
+
+    def _headers(self, base: dict[str, str], extra: dict[str, str]) -> list[tuple[bytes, bytes]]:
+        headers = {**base, **extra}
+        if self.effects.level > 0:
+            headers[DEGRADED_HEADER] = str(self.effects.level)
+        return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+
+    def _degraded(self, response: Response) -> Response:
+        """Tell the client the service is degraded (every chat response while the level is > 0)."""
+        if self.effects.level > 0:
+            response.headers[DEGRADED_HEADER] = str(self.effects.level)
+        return response
+
+    def _record(self, status: int, code: str) -> None:
+        if self._recorded:
+            return
+        self._recorded = True
+        self.gw.metrics.requests.labels(self.tier_name, str(status), code).inc()
+        if self.gw.ledger is not None:  # spooled before the reply's last byte: see data_plane/ledger/writer.py
+            self.gw.ledger.record_request(self, status, code)
+
+    def _release_limits(self) -> None:
+        """Free the admission slot; settle the token estimate: all refunded if no shard started,
+        real usage once known, kept if the stream broke before usage came (idempotent)."""
+        if self.ticket is not None:  # the real tokens settle the tenant's fair share (estimate if unknown)
+            self.ticket.release(self.used_tokens if self.used_tokens is not None else
+                                (None if self.first_token_at else 0))
+        if self.grant is not None:
+            used = self.used_tokens if self.used_tokens is not None else (None if self.first_token_at else 0)
+            if used is not None:
+                self.gw.limiter.settle_later(self.grant, used)
+
+    async def _prepare_and_open(self) -> Opened:
+        gw, settings, span = self.gw, self.gw.settings, self.span
+        assert span is not None
+        principal = gw.keys.authenticate(self.request.headers.get("authorization"))
+        self.principal = principal
+        tiers = self.tiers if principal.tier in self.tiers else gw.tiers  # a key's tier the hot policy lacks
+        tier = tiers.get(principal.tier)
+        self.tier, self.tier_name = tier, tier.name
+        span.set_attribute("switchboard.tier", tier.name)
+        self.effects.admit(tier, tiers)
+        raw = await read_body(self.request, settings.max_body_bytes)
+        self._watch_disconnect()
+        req = parse_chat_request(raw, self.request.headers.get("content-type"))
+        models = gw.models()
+        model = req.model or next(iter(models))
+        if model not in models:
+            raise ModelNotFound(f"the model {req.model!r} does not exist", param="model")
+        span.set_attribute("gen_ai.request.model", model)
+        if len(req.messages) > settings.max_messages:
+            raise InvalidRequest(f"at most {settings.max_messages} messages are allowed per request",
+                                 param="messages")
+        max_tokens = req.output_limit or tier.max_output_tokens
+        if max_tokens > tier.max_output_tokens:
+            raise InvalidRequest(f"max_tokens is {max_tokens}, above the {tier.name} tier's cap of "
+                                 f"{tier.max_output_tokens}", param="max_tokens")
+        max_tokens = self.effects.max_tokens(max_tokens)
+        messages = req.plain_messages()
+        self.new_messages = messages
+        # Session history is not known yet: settlement charges it with the rest of the real usage.
+        self.grant = await gw.limiter.admit(principal.key_id, tier, gw.counter.prompt_tokens(messages) + max_tokens)
+        policy = gw.safety.get(tier.safety)
+        with tracer.start_as_current_span("safety.input"):
+            verdict = policy.check_input(m["content"] for m in messages if m["role"] in ("user", "system"))
+            gw.safety_metrics.record("input", verdict)
+            raise_if_blocked(verdict)
+
+        prompt = messages
+        session_header = self.request.headers.get("x-session-id") or req.session_id
+        if session_header:
+            prompt = await self._load_session(session_header, messages, tier)
+        context = min(tier.max_context_tokens, models[model])
+        # Without max_tokens, reserve a modest reply while fitting the window, then let the reply
+        # use the room the prompt leaves, up to the tier's cap (as vLLM does).
+        reserve = max_tokens if req.output_limit else min(max_tokens, DEFAULT_REPLY_RESERVE, context // 2)
+        budget = context - reserve - TEMPLATE_SLACK_TOKENS
+        if budget <= 0:
+            raise InvalidRequest(f"max_tokens {max_tokens} leaves no room for the prompt in a "
+                                 f"{context}-token context", param="max_tokens", code="context_length_exceeded")
+        window = fit_window(prompt, gw.counter, self.effects.prompt_budget(budget, context))
+        if not req.output_limit:
+            max_tokens = max(1, min(max_tokens, context - window.prompt_tokens - TEMPLATE_SLACK_TOKENS))
+        if window.dropped:
+            gw.metrics.context_dropped.labels(tier.name).inc(window.dropped)
+            gw.metrics.context_slides.labels(tier.name).inc()
+        span.set_attribute("switchboard.context.dropped_messages", window.dropped)
+        if settings.log_prompts:
+            log.info("request %s prompt=%r", self.request_id, window.messages)
+
+        body: dict[str, Any] = {
+            "messages": window.messages, "max_tokens": max_tokens, "stream": True,
+            "priority": tier.priority,
+            # Prefix-cache scope: KV is reused within a tenant only (no timing side channel across tenants).
+            "cache_salt": f"tenant:{principal.tenant}",
+            "request_id": self.request_id, "deadline": time.time() + settings.first_token_timeout_s * 5,
+        }
+        for name in ("temperature", "top_p", "top_k", "stop", "seed"):
+            value = getattr(req, name)
+            if value is not None:
+                body[name] = value
+        if req.model:
+            body["model"] = model
+        self.ticket = await gw.admission.acquire(tier, tiers, tenant=principal.tenant,
+                                                 tokens=window.prompt_tokens + max_tokens)
+        gw.metrics.inflight.labels(tier.name).inc()
+        try:
+            with tracer.start_as_current_span("router.route") as route_span:
+                assert gw.upstream is not None
+                stream = await gw.upstream.open_resumable(body, self.session_id)
+                route_span.set_attribute("switchboard.shard", stream.member.id)
+                route_span.set_attribute("switchboard.attempts", stream.attempts)
+                if gw.router is not None:  # kv_aware routing: this session's KV will be on that shard
+                    gw.router.observe_kv(self.session_id, stream.member.id, window.prompt_tokens)
+        except BaseException:
+            gw.metrics.inflight.labels(tier.name).dec()
+            raise
+        self.first_token_at = time.monotonic()  # from the shard; the client's TTFT is observed in Completion
+        completion = Completion(self, model, policy.output_stream())
+        headers = {"X-Request-Id": self.request_id, **(self.grant.headers if self.grant else {})}
+        if self.session_id:
+            headers["X-Session-Id"] = self.session_id
+        include_usage = bool(req.stream_options and req.stream_options.include_usage) if req.stream else None
+        return Opened(stream, completion, headers, include_usage)
+
+    async def _load_session(self, header: str, messages: list[dict[str, str]], tier: Tier) -> list[dict[str, str]]:
+        gw = self.gw
+        assert self.principal is not None and gw.sessions is not None
+        if header == NEW_SESSION:
+            self.session_id = "sess_" + secrets.token_urlsafe(24)
+        else:
+            self.session_id = validate_session_id(header)
+        assert self.span is not None
+        self.span.set_attribute("switchboard.session", True)
+        transcript = None
+        if header != NEW_SESSION:
+            transcript = await gw.sessions.load(self.session_id, self.owner, tier.replication)
+        if transcript is None and header != NEW_SESSION:
+            # Ids are minted by the gateway (unguessable), so an unknown one expired, was lost with
+            # its cache replicas, or never existed: say so rather than silently starting over.
+            gw.metrics.sessions.labels(tier.name, "not_found").inc()
+            raise NotFound(f"session {self.session_id!r} not found: it expired, was lost, or never existed; "
+                           "start a new conversation with 'X-Session-Id: new'", param="session_id",
+                           code="session_not_found")
+        if transcript is None:
+            gw.metrics.sessions.labels(tier.name, "new").inc()
+            return messages
+        gw.metrics.sessions.labels(tier.name, "resumed").inc()
+        self.session_version = transcript.version
+        self.history = [dict(m) for m in transcript.messages]
+        if any(m["role"] == "system" for m in messages):
+            history = [m for m in self.history if m["role"] != "system"]
+        else:
+            history = self.history
+        system = [m for m in messages if m["role"] == "system"]
+        rest = [m for m in messages if m["role"] != "system"]
+        return system + history + rest
+
+    @property
+    def owner(self) -> str:
+        """Sessions are bound to the key itself (its full SHA-256), not just to the tenant."""
+        auth = self.request.headers.get("authorization") or ""
+        return key_digest(auth.partition(" ")[2].strip())
+
+    async def save_turn(self, reply: str) -> None:
+        if not self.session_id or self.tier is None or self.gw.sessions is None:
+            return
+        if any(m["role"] == "system" for m in self.new_messages):
+            base = [m for m in self.history if m["role"] != "system"]
+            system = [m for m in self.new_messages if m["role"] == "system"]
+            rest = [m for m in self.new_messages if m["role"] != "system"]
+            transcript = system + base + rest
+        else:
+            transcript = self.history + self.new_messages
+        transcript = transcript + [{"role": "assistant", "content": reply}]
+        await self.gw.sessions.save(self.session_id, self.owner, transcript, self.session_version + 1,
+                                    self.tier.replication, ttl_s=self.gw.settings.session_ttl_s)

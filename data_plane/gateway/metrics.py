@@ -1,0 +1,55 @@
+"""Gateway metrics: `switchboard_gateway_*`, labelled by tier and outcome (bounded labels only).
+
+    metrics = GatewayMetrics(CollectorRegistry())
+    metrics.requests.labels(tier="free", status="200", code="ok").inc()
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from data_plane.routing.hop_client import HOP_EVENTS
+from data_plane.common.telemetry import E2E_BUCKETS, LATENCY_BUCKETS
+
+HOLDBACK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter("switchboard_gateway_requests", "Chat requests by tier, HTTP status and code.",
+                                ["tier", "status", "code"], registry=registry)
+        self.ttft = Histogram("switchboard_gateway_ttft_seconds",
+                              "Time to first token as the client sees it: request received to the first content "
+                              "byte written (after the output filter).", ["tier"], buckets=LATENCY_BUCKETS,
+                              registry=registry)
+        self.holdback = Histogram("switchboard_gateway_output_holdback_seconds",
+                                  "Shard's first token to the client's first content byte: what the output filter "
+                                  "(and the gateway) add to TTFT.", ["tier"], buckets=HOLDBACK_BUCKETS,
+                                  registry=registry)
+        self.e2e = Histogram("switchboard_gateway_e2e_seconds", "Gateway-observed end-to-end request latency.",
+                             ["tier"], buckets=E2E_BUCKETS, registry=registry)
+        self.inflight = Gauge("switchboard_gateway_inflight_requests", "Chat requests in progress.", ["tier"],
+                              registry=registry)
+        self.tokens = Counter("switchboard_gateway_tokens", "Tokens served by tier and kind (prompt|completion).",
+                              ["tier", "kind"], registry=registry)
+        self.context_dropped = Counter("switchboard_gateway_context_dropped_messages",
+                                       "Older session messages left out to fit the context window.", ["tier"],
+                                       registry=registry)
+        self.context_slides = Counter("switchboard_gateway_context_slides",
+                                      "Requests whose window dropped older messages: the prompt no longer starts "
+                                      "with the previous turn's, so the shard re-prefills it (no prefix-cache hit).",
+                                      ["tier"], registry=registry)
+        self.sessions = Counter("switchboard_gateway_sessions", "Session requests by result (new|resumed).",
+                                ["tier", "result"], registry=registry)
+        self.membership_reachable = Gauge("switchboard_membership_reachable",
+                                          "1 while the membership registry answers; 0 = routing on last view.",
+                                          registry=registry)
+        self.membership_members = Gauge("switchboard_gateway_members", "Routable members seen by this gateway.",
+                                        ["service"], registry=registry)
+        self.hop_connections = Counter(
+            "switchboard_gateway_hop_connections",
+            "Connections to shards and cache nodes by event: opened, reused (keep-alive), stale_retry "
+            "(a kept-alive one the server had closed; sent again fresh), timeout, connect_error.",
+            ["event"], registry=registry)
+        for event in HOP_EVENTS:
+            self.hop_connections.labels(event)

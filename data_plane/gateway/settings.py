@@ -1,0 +1,73 @@
+"""Settings of the gateway process: every flag is also an environment variable
+(``SWITCHBOARD_GATEWAY_<FIELD>``); parsed once in `data_plane.gateway.app.main`.
+
+    settings = GatewaySettings(port=8000, registry_url="http://127.0.0.1:8300")
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from data_plane.membership.factory import MEMBERSHIP_URL_PATTERN
+from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
+from data_plane.gateway.ratelimit.limiter import TIER_INTS_PATTERN, TIER_SECONDS_PATTERN
+
+
+class GatewaySettings(BaseSettings):
+    """The chat gateway."""
+
+    model_config = SettingsConfigDict(env_prefix="SWITCHBOARD_GATEWAY_")
+
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on.")
+    registry_url: str | None = Field(None, description="Embedded registry URL (membership of shards/caches).")
+    membership: str | None = Field(None, pattern=MEMBERSHIP_URL_PATTERN,
+                                   description="Membership URL, e.g. consul://127.0.0.1:8500 (wins over --registry-url).")
+    control_plane_url: str | None = Field(None, description="Control plane URL for the degradation level and the hot tier policy (default: --registry-url).")
+    shard_urls: str | None = Field(None, description="Comma-separated shard URLs (static, instead of a registry).")
+    cache_urls: str | None = Field(None, description="Comma-separated cache-node URLs (static).")
+    keys_file: str | None = Field(None, description="YAML file of API keys -> tenant, tier.")
+    api_keys: str | None = Field(None, description="Extra keys, 'key:tenant:tier,...' (env SWITCHBOARD_GATEWAY_API_KEYS).")
+    tiers_file: str | None = Field(None, description="YAML tier policy (default: built-in free/plus/enterprise).")
+    safety_file: str | None = Field(None, description="YAML safety policies (default: built-in).")
+    tokenizer: str | None = Field(None, description="Model folder/GGUF whose tokenizer counts tokens; 'whitespace' for synthetic shards.")
+    model_name: str = Field("SmolLM2-135M-Instruct", description="Model id served when shards do not say.")
+    max_model_len: int = Field(2048, ge=16, description="Context window when shards do not say.")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body (413 beyond).")
+    max_messages: int = Field(256, ge=1, description="Most messages one request may carry.")
+    session_ttl_s: float = Field(86400.0, gt=0, description="Session transcript lifetime since last use.")
+    connect_timeout_s: float = Field(2.0, gt=0, description="Connect timeout to a shard.")
+    first_token_timeout_s: float = Field(60.0, gt=0, description="Send-to-first-token timeout per attempt.")
+    idle_timeout_s: float = Field(30.0, gt=0, description="Longest pause between streamed tokens.")
+    silence_timeout_s: float = Field(2.0, gt=0, le=600, description=(
+        "A shard that announces SSE keep-alives and sends nothing for this long has failed: retry or resume elsewhere."))
+    retries: int = Field(1, ge=0, le=3, description="Retries on another shard before the first token.")
+    resumes: int = Field(2, ge=0, le=5, description="Mid-stream failovers per request (resume on another shard).")
+    eject_after: int = Field(3, ge=1, description="Consecutive failures that eject a shard.")
+    eject_s: float = Field(5.0, gt=0, description="First ejection's duration (doubles on repeat).")
+    routing_policy: str = Field("affinity", description="affinity | least_loaded | kv_aware (KV holder vs ring, by cached tokens and load).")
+    bounded_load_epsilon: float = Field(0.25, ge=0, description="Affinity: no shard above (1+eps) x mean load.")
+    log_prompts: bool = Field(False, description="Log prompt and completion text (off by default).")
+    node_id: str | None = Field(None, description="Member id when registering (default gateway-HOST-PORT).")
+    zone: str = Field(DEFAULT_ZONE, pattern=ZONE_PATTERN, description=(
+        "Zone (failure domain) this gateway runs in: it prefers shards and session replicas of its own zone."))
+    zone_spill_slack: float = Field(0.25, ge=0, le=100, description=(
+        "Route to other zones only when the local zone's mean load exceeds (1 + this) x theirs + 1 request."))
+    ratelimit_backend: str = Field("local", pattern="^(local|redis)$", description="Rate-limit state: local (one gateway) | redis (shared by all; fails open to local).")
+    redis_url: str | None = Field(None, description="Redis URL for --ratelimit-backend redis, e.g. redis://127.0.0.1:6379/0.")
+    tier_rpm: str | None = Field(None, pattern=TIER_INTS_PATTERN, description="Aggregate RPM per tier over all its keys, e.g. 'free=600' (keys also keep their tier's own rpm).")
+    tier_tpm: str | None = Field(None, pattern=TIER_INTS_PATTERN, description="Aggregate TPM per tier over all its keys, e.g. 'free=200000'.")
+    max_inflight: int = Field(0, ge=0, description="Requests in flight to shards from this gateway (0 = shards' batch slots x --inflight-per-slot).")
+    inflight_per_slot: float = Field(1.0, gt=0, le=16, description="In-flight requests per announced shard batch slot when --max-inflight is 0.")
+    admission_reserve: float = Field(0.125, ge=0, lt=1, description="Share of in-flight capacity each priority level leaves to the levels above it.")
+    queue_size: int = Field(512, ge=0, description="Most requests waiting for admission; beyond, the lowest tier's newest is shed (503).")
+    queue_timeout_s: float = Field(5.0, gt=0, description="Admission-queue deadline of the tier shed first; the k-th shed level waits k times as long.")
+    queue_timeouts: str | None = Field(None, pattern=TIER_SECONDS_PATTERN, description="Per-tier admission-queue deadlines in seconds, e.g. 'free=2,enterprise=30'.")
+    state_dir: str = Field(".switchboard", description="Folder for the gateway's local state (the usage ledger's spool and default SQLite file).")
+    usage_db: str | None = Field(None, description="Usage ledger database: sqlite:///path (default STATE_DIR/usage.db), postgresql://..., or 'off'.")
+    usage_spool_dir: str | None = Field(None, description="Usage spool folder, one per gateway (default STATE_DIR/ledger-spool/<node>-<pid>-<rand>; orphans are adopted).")
+    usage_flush_interval_s: float = Field(1.0, gt=0, le=60, description="Seconds between batch writes of spooled usage records to the database.")
+    session_keys_file: str | None = Field(None, description="Keys that encrypt session transcripts at rest: one '<key id> <base64 32 bytes>' per line, the first seals (default: derived from the cluster token).")
+    session_keys: str | None = Field(None, description="The same as 'kid:base64,kid:base64' (env SWITCHBOARD_GATEWAY_SESSION_KEYS); the first seals.")
+    usage_retention_days: float = Field(90.0, ge=0, description="Usage records older than this are deleted (0 = keep forever).")

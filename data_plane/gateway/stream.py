@@ -1,0 +1,212 @@
+"""A chat completion on its way back to the client: through the output safety filter, as SSE
+chunks or one JSON body, with usage, metrics, span attributes and the session turn saved.
+
+    completion = Completion(handler, model, policy.output_stream())
+    await completion.stream_to(send, stream, include_usage, headers)   # SSE onto the ASGI send, or
+    body = await completion.collect(stream)                            # one chat.completion body
+
+A client that goes away mid-way cancels the request's task (ChatHandler watches for the
+disconnect); the upstream stream is closed synchronously on the way out, so the shard aborts
+the generation at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import trace
+from starlette.types import Send
+
+from data_plane.common.errors import SwitchboardError
+from data_plane.protocol import PromptTokensDetails, Usage, chunk_body, completion_body, new_completion_id
+from data_plane.gateway.safety.pipeline import ALLOW, OutputStreamFilter
+from data_plane.routing.upstream import Delta, Finish, ResumableStream, UsageEvent
+
+if TYPE_CHECKING:
+    from data_plane.gateway.chat import ChatHandler
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
+
+CLIENT_CLOSED_STATUS = 499
+"""Recorded (never sent) when the client left before its answer, as nginx does."""
+FINISH_CONTENT_FILTER = "content_filter"
+
+
+class Completion:
+    """Turns a shard's event stream into the client's response, through the output filter."""
+
+    def __init__(self, handler: ChatHandler, model: str, out_filter: OutputStreamFilter) -> None:
+        self.h = handler
+        self.model = model
+        self.filter = out_filter
+        self.completion_id = new_completion_id()
+        self.created = int(time.time())
+        self.text: list[str] = []
+        self.finish_reason: str | None = None
+        self.usage = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+        # A content chunk is the same JSON but for the text: built once, the text spliced in.
+        head = _json({"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
+                      "model": model})
+        self._content_prefix = b"data: " + head[:-1] + b',"choices":[{"index":0,"delta":{"content":'
+        self._content_suffix = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+
+    async def _batches(self, stream: ResumableStream) -> AsyncIterator[str]:
+        """Safe text, one piece per batch of deltas that arrived together (the filter sees the
+        same text either way; the client gets one chunk per burst instead of one per token).
+        Sets finish_reason and usage. Raises SwitchboardError mid-stream."""
+        gw = self.h.gw
+        try:
+            async for events in stream.batches():
+                texts: list[str] = []
+                for event in events:
+                    if isinstance(event, Delta):
+                        texts.append(event.text)
+                    elif isinstance(event, Finish):
+                        self.finish_reason = event.reason
+                    elif isinstance(event, UsageEvent):
+                        cached = PromptTokensDetails(cached_tokens=event.cached_tokens)
+                        self.usage = Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                                           total_tokens=event.prompt_tokens + event.completion_tokens,
+                                           prompt_tokens_details=cached)
+                if texts:
+                    safe = self.filter.feed(texts[0] if len(texts) == 1 else "".join(texts))
+                    if safe:
+                        self.text.append(safe)
+                        yield safe
+                        if self.h.first_content_at is None:
+                            self._first_content()
+                    if self.filter.verdict is not None:
+                        self.finish_reason = FINISH_CONTENT_FILTER
+                        break
+        finally:
+            stream.close()  # synchronous: nothing for a cancellation to interrupt; the shard aborts
+        with tracer.start_as_current_span("safety.output") as span:
+            if self.filter.verdict is None:
+                tail = self.filter.finish()
+                if tail:
+                    self.text.append(tail)
+                    yield tail
+                    if self.h.first_content_at is None:
+                        self._first_content()
+            verdict = self.filter.verdict
+            if verdict is not None:
+                self.finish_reason = FINISH_CONTENT_FILTER
+            gw.safety_metrics.record("output", verdict if verdict is not None else ALLOW)
+            span.set_attribute("switchboard.safety.blocked", verdict is not None)
+            span.set_attribute("switchboard.safety.max_held_chars", self.filter.max_held)
+
+    def _first_content(self) -> None:
+        """The client's time to first token: called right after the first content was handed to the
+        client (streaming: written to the socket; otherwise released into the body)."""
+        h = self.h
+        now = h.first_content_at = time.monotonic()
+        tier = h.tier_name
+        h.gw.metrics.ttft.labels(tier).observe(now - h.t0)
+        if h.first_token_at is not None:
+            h.gw.metrics.holdback.labels(tier).observe(now - h.first_token_at)
+            if h.span is not None:
+                h.span.set_attribute("switchboard.gateway.holdback_s", round(now - h.first_token_at, 6))
+        if h.span is not None:
+            h.span.set_attribute("switchboard.gateway.ttft_s", round(now - h.t0, 6))
+
+    async def _finish(self, error: str | None) -> None:
+        h, gw = self.h, self.h.gw
+        tier = h.tier_name
+        span = h.span
+        assert span is not None
+        if error is None:
+            await h.save_turn("".join(self.text))
+        gw.metrics.e2e.labels(tier).observe(time.monotonic() - h.t0)
+        gw.metrics.tokens.labels(tier, "prompt").inc(self.usage.prompt_tokens)
+        gw.metrics.tokens.labels(tier, "completion").inc(self.usage.completion_tokens)
+        if self.usage.total_tokens:  # the shard reported usage: settle the rate limit with it
+            h.used_tokens = self.usage.total_tokens
+        span.set_attribute("gen_ai.usage.input_tokens", self.usage.prompt_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", self.usage.completion_tokens)
+        if self.finish_reason:
+            span.set_attribute("gen_ai.response.finish_reasons", [self.finish_reason])
+
+    async def collect(self, stream: ResumableStream) -> dict[str, Any]:
+        """The whole completion as one chat.completion body. A client that leaves meanwhile
+        cancels the task (see ChatHandler), which closes the stream: the shard aborts."""
+        try:
+            async for _ in self._batches(stream):
+                pass
+            await self._finish(None)
+        except asyncio.CancelledError:
+            if self.h.client_gone:
+                await _quiet(self._finish("client_disconnected"))
+            raise
+        finally:
+            stream.close()  # idempotent; here for a cancellation before the first batch
+        return completion_body(completion_id=self.completion_id, model=self.model, text="".join(self.text),
+                               finish_reason=self.finish_reason, usage=self.usage, created=self.created)
+
+    async def stream_to(self, send: Send, stream: ResumableStream, include_usage: bool,
+                        headers: list[tuple[bytes, bytes]]) -> None:
+        """The completion as SSE, straight onto the ASGI `send`: one write per batch of tokens,
+        the role chunk riding with the first, the finish, usage and `[DONE]` with the last."""
+        h = self.h
+        span = h.span
+        assert span is not None
+        common: dict[str, Any] = {"completion_id": self.completion_id, "model": self.model, "created": self.created}
+        error: str | None = None
+        out = [_event(chunk_body(**common, delta={"role": "assistant", "content": ""}))]
+        prefix, suffix = self._content_prefix, self._content_suffix
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            async for text in self._batches(stream):
+                out.append(prefix + _json(text) + suffix)
+                await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                out = []
+            out.append(_event(chunk_body(**common, delta={}, finish_reason=self.finish_reason or "stop")))
+            await self._finish(None)
+            if include_usage:
+                out.append(_event(chunk_body(**common, usage=self.usage, empty_choices=True)))
+        except asyncio.CancelledError:
+            error = "client_disconnected"
+            raise
+        except Exception as exc:
+            failure = exc if isinstance(exc, SwitchboardError) else None
+            if failure is None:  # a bug must still end the stream properly, not cut it off
+                log.exception("request %s: unhandled error mid-stream", h.request_id)
+                failure = SwitchboardError("internal server error")
+            else:
+                log.warning("request %s failed mid-stream: %s", h.request_id, failure.message)
+            error = failure.code or "error"
+            out.append(_event(failure.body(h.request_id, h.trace_id)))
+        finally:
+            stream.close()  # idempotent; here for a cancellation before the first batch
+            if error is not None:
+                await _quiet(self._finish(error))
+                span.set_attribute("error.type", error)
+                span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+            h._record(CLIENT_CLOSED_STATUS if error == "client_disconnected" else 200,
+                      "ok" if error is None else error)
+            h.gw.metrics.inflight.labels(h.tier_name).dec()
+            h._release_limits()
+            span.end()
+        out.append(b"data: [DONE]\n\n")
+        h.stop_watching()
+        await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
+
+
+async def _quiet(coro: Any) -> None:
+    try:
+        await coro
+    except Exception:  # bookkeeping after a failure must not raise over it
+        log.debug("post-failure bookkeeping failed", exc_info=True)
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _event(body: dict[str, Any]) -> bytes:
+    return b"data: " + _json(body) + b"\n\n"

@@ -1,0 +1,467 @@
+"""The inference shard: one engine behind the OpenAI chat-completions protocol.
+
+    switchboard shard --port 8101                       # torch engine, default model, bfloat16
+    switchboard shard --port 8101 --dtype float32       # batch-invariant greedy output
+    switchboard shard --model /models/qwen.gguf --registry-url http://127.0.0.1:8300
+
+    curl -s localhost:8101/v1/chat/completions -H 'content-type: application/json' \\
+         -d '{"messages":[{"role":"user","content":"Hi"}],"max_tokens":32}'
+
+Extension fields the gateway sets: `priority` (lower first), `request_id`, `deadline`
+(unix seconds). `/health` answers 503 until the model is loaded, then 200. `/metrics`
+uses vLLM's metric names. Every 4xx/503 is decided before the first SSE byte; after it, a
+failure ends the stream with an error event and `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
+from opentelemetry.propagate import extract
+from prometheus_client import CollectorRegistry
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from data_plane.shard.engines.base import Engine, GenerationOutput, GenerationRequest, SamplingParams
+from data_plane.common.errors import (
+    ModelNotFound,
+    Overloaded,
+    SwitchboardError,
+    install_error_handlers,
+)
+from data_plane.membership.factory import MEMBERSHIP_URL_PATTERN, membership_from_url
+from data_plane.common.keepalive import KEEPALIVE_COMMENT, KEEPALIVE_META, with_keepalives
+from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
+from data_plane.protocol import (
+    ChatCompletionRequest,
+    PromptTokensDetails,
+    Usage,
+    chunk_body,
+    completion_body,
+    new_completion_id,
+    parse_chat_request,
+    read_body,
+)
+from data_plane.shard.metrics import MetricsListener, ShardMetrics
+from data_plane.common.hop_auth import cluster_token_from_env, guarded
+from data_plane.common.tls import TlsConfig
+from data_plane.common.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
+
+
+class ShardSettings(BaseSettings):
+    """An inference shard."""
+
+    model_config = SettingsConfigDict(env_prefix="SWITCHBOARD_SHARD_")
+
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8101, ge=0, le=65535, description="TCP port to listen on.")
+    engine: Literal["torch", "synthetic", "vllm"] = Field("torch", description="Engine: torch | synthetic | vllm.")
+    model: str | None = Field(None, description="Local HF model folder or GGUF file (default SmolLM2-135M).")
+    dtype: Literal["bfloat16", "float32", "float16"] = Field(
+        "bfloat16", description="Weights/activations dtype: bfloat16 (fast) or float32 (batch-invariant)."
+    )
+    max_num_seqs: int = Field(16, ge=1, le=256, description="Sequences decoded together (KV slots).")
+    max_model_len: int = Field(2048, ge=16, le=131072, description="Context window (prompt + output).")
+    prefill_chunk: int = Field(256, ge=1, le=8192, description="Prompt tokens prefilled per scheduler step.")
+    max_waiting: int = Field(256, ge=1, le=100000, description="Waiting-queue bound (beyond: 503).")
+    threads: int = Field(0, ge=0, le=256, description="torch threads (0 = all cores).")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body.")
+    registry_url: str | None = Field(None, description="Embedded registry URL to register with.")
+    membership: str | None = Field(None, pattern=MEMBERSHIP_URL_PATTERN,
+                                   description="Membership URL, e.g. consul://127.0.0.1:8500 (wins over --registry-url).")
+    node_id: str | None = Field(None, description="Member id (default shard-HOST-PORT).")
+    zone: str = Field(DEFAULT_ZONE, pattern=ZONE_PATTERN, description="Zone (failure domain) this shard runs in.")
+    keepalive_s: float = Field(0.5, ge=0, le=60, description=(
+        "Send an SSE keep-alive comment after this long without output, so gateways tell a slow shard from a "
+        "dead one in ~2 s (0 = never; announced in membership)."))
+    registration_ttl_s: float = Field(0.8, gt=0.1, le=300, description="Membership TTL; a dead shard leaves routing within it.")
+    advertise_url: str | None = Field(None, description="URL others use to reach this shard.")
+    synthetic_token_delay_ms: float = Field(0.0, ge=0, le=10000, description="Synthetic engine: delay per token.")
+    log_prompts: bool = Field(False, description="Log prompt and completion text (off by default).")
+    prefix_caching: Literal["on", "off"] = Field("on", description="Reuse cached KV of prompt prefixes: on | off.")
+    prefix_cache_bytes: int = Field(0, ge=0, le=1 << 40,
+                                    description="Prefix-cache byte budget (0 = auto: 1/16 of RAM, at most 1 GiB).")
+    kv_block_size: int = Field(16, ge=1, le=1024, description="Tokens per prefix-cache block (reuse granularity).")
+    speculation: Literal["ngram", "off"] = Field("ngram", description=(
+        "Speculative decoding: ngram (prompt-lookup drafts, verified in the decode pass) | off."))
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="Most draft tokens per sequence and step.")
+    spec_max_batch: int = Field(4, ge=1, le=256, description="No drafting while more sequences than this run.")
+    kv_public_prefix: list[str] = Field(default_factory=list, description=(
+        "System prompts the operator marks public: their KV is shared across tenants (JSON list)."))
+
+    @field_validator("kv_public_prefix", mode="before")
+    @classmethod
+    def _json_list(cls, v: Any) -> Any:
+        return json.loads(v) if isinstance(v, str) else v
+
+
+def build_engine(settings: ShardSettings, metrics: ShardMetrics | None) -> Engine:
+    if settings.engine == "synthetic":
+        from data_plane.shard.engines.synthetic import SyntheticEngine
+
+        return SyntheticEngine(settings.max_model_len, settings.synthetic_token_delay_ms / 1000.0,
+                               settings.max_num_seqs, MetricsListener(metrics) if metrics else None)
+    if settings.engine == "vllm":
+        raise ValueError("the vllm engine runs as vLLM's own server beside a sidecar (see data_plane.shard.engines.vllm_engine)")
+    from data_plane.shard.engines.torch_engine import EngineConfig, TorchEngine
+
+    config = EngineConfig(
+        model=settings.model,
+        dtype=settings.dtype,
+        max_num_seqs=settings.max_num_seqs,
+        max_model_len=settings.max_model_len,
+        prefill_chunk=settings.prefill_chunk,
+        max_waiting=settings.max_waiting,
+        threads=settings.threads,
+        prefix_caching=settings.prefix_caching == "on",
+        prefix_cache_bytes=settings.prefix_cache_bytes,
+        kv_block_size=settings.kv_block_size,
+        speculation=settings.speculation,
+        num_speculative_tokens=settings.num_speculative_tokens,
+        spec_max_batch=settings.spec_max_batch,
+    )
+    return TorchEngine(config, MetricsListener(metrics) if metrics else None)
+
+
+class ShardState:
+    def __init__(self, settings: ShardSettings, engine: Engine, metrics: ShardMetrics) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.metrics = metrics
+        self.ready = False
+        self.load_error: str | None = None
+        self.started = int(time.time())
+
+
+def create_app(settings: ShardSettings, registry: CollectorRegistry | None = None) -> FastAPI:
+    from data_plane.model_store import served_name
+
+    registry = registry or CollectorRegistry()
+    name = "synthetic" if settings.engine == "synthetic" else served_name(settings.model)
+    metrics = ShardMetrics(registry, name)
+    engine = build_engine(settings, metrics)
+    state = ShardState(settings, engine, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        import httpx
+
+        http = httpx.AsyncClient(timeout=5.0)
+        agent = None
+
+        async def load() -> None:
+            nonlocal agent
+            try:
+                await engine.start()
+            except Exception as exc:  # the shard stays up, unhealthy, saying why
+                state.load_error = f"{type(exc).__name__}: {exc}"
+                log.error("model load failed: %s", state.load_error)
+                return
+            state.ready = True
+            metrics.ready.labels(metrics.model_name).set(1)
+            if settings.membership or settings.registry_url:
+                from data_plane.membership.view import Member
+
+                url = settings.advertise_url or f"{TlsConfig.from_env().scheme}://{settings.host}:{settings.port}"
+                member = Member(
+                    id=settings.node_id or f"shard-{settings.host}-{settings.port}",
+                    service="shard",
+                    url=url,
+                    meta={"model": engine.model_name, "engine": settings.engine,
+                          "max_num_seqs": str(settings.max_num_seqs),
+                          "max_model_len": str(engine.max_model_len), "zone": settings.zone,
+                          **({KEEPALIVE_META: f"{settings.keepalive_s:g}"} if settings.keepalive_s else {})},
+                )
+                _, new_agent = membership_from_url(settings.membership or settings.registry_url or "", http, ())
+                agent = new_agent(member, settings.registration_ttl_s)
+                await agent.start()
+
+        loader = asyncio.create_task(load(), name="shard-model-load")
+        app.state.shard = state
+        try:
+            yield
+        finally:
+            loader.cancel()
+            if agent is not None:
+                await agent.aclose()
+            await engine.aclose()
+            await http.aclose()
+
+    app = FastAPI(title="Switchboard shard", version="0.1.0", lifespan=lifespan, **fastapi_options())
+    install_error_handlers(app)
+    app.add_route("/debug/spans", guarded(recent_spans_endpoint, cluster_token_from_env()))
+
+    async def metrics_view(request: Request) -> Response:
+        if state.ready:
+            metrics.observe_stats(engine.stats())
+        return await metrics_endpoint(registry)(request)
+
+    app.add_route("/metrics", metrics_view)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.load_error:
+            return JSONResponse({"status": "failed", "error": state.load_error}, status_code=503)
+        dead = getattr(engine, "dead", None)
+        if dead is not None:
+            return JSONResponse({"status": "failed", "error": str(dead)}, status_code=503)
+        if not state.ready:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        stats = engine.stats()
+        return JSONResponse({"status": "ok", "model": engine.model_name, "running": stats.running,
+                             "waiting": stats.waiting, "kv_usage": stats.kv_usage})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(engine, state)]}
+
+    @app.get("/v1/models/{model_id}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != engine.model_name:
+            raise ModelNotFound(f"the model {model_id!r} does not exist", param="model")
+        return _model_card(engine, state)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        raw = await read_body(request, settings.max_body_bytes)
+        req = parse_chat_request(raw, request.headers.get("content-type"))
+        if state.load_error:
+            raise Overloaded(f"this shard has no model: {state.load_error}", retry_after=30, code="model_unavailable")
+        if not state.ready:
+            raise Overloaded("the model is still loading", retry_after=2, code="model_loading")
+        if req.model and req.model != engine.model_name:
+            raise ModelNotFound(f"the model {req.model!r} does not exist; this shard serves "
+                                f"{engine.model_name!r}", param="model")
+        ctx = extract(request.headers)
+        request_id = req.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
+        request.state.request_id = request_id
+        span = tracer.start_span("shard.generate", context=ctx, attributes={
+            "gen_ai.operation.name": "chat",
+            "gen_ai.system": "switchboard",
+            "gen_ai.request.model": engine.model_name,
+            "gen_ai.request.max_tokens": req.output_limit or 0,
+            "gen_ai.request.temperature": req.temperature if req.temperature is not None else 1.0,
+            "switchboard.request_id": request_id,
+            "switchboard.priority": req.priority or 0,
+            "switchboard.stream": req.stream,
+        })
+        try:
+            gen_req = _generation_request(req, engine, request_id, settings.kv_public_prefix)
+            outputs = engine.generate(gen_req)
+        except SwitchboardError as exc:
+            metrics.rejected.labels(metrics.model_name, exc.code or "error").inc()
+            span.set_attribute("error.type", exc.code or "error")
+            span.end()
+            raise
+        if settings.log_prompts:
+            log.info("request %s prompt=%r", request_id, req.plain_messages())
+        headers = {"X-Request-Id": request_id}
+        run = _Run(state, gen_req, span, time.monotonic())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+            return StreamingResponse(run.sse(outputs, include_usage, continuous, settings.keepalive_s),
+                                     media_type="text/event-stream",
+                                     headers={**headers, "Cache-Control": "no-cache"})
+        body = await run.collect(outputs, request)
+        return JSONResponse(body, headers=headers)
+
+    return app
+
+
+def _model_card(engine: Engine, state: ShardState) -> dict[str, Any]:
+    return {"id": engine.model_name, "object": "model", "created": state.started, "owned_by": "switchboard",
+            "max_model_len": engine.max_model_len}
+
+
+def _generation_request(req: ChatCompletionRequest, engine: Engine, request_id: str,
+                        public_prefixes: list[str] | tuple[str, ...] = ()) -> GenerationRequest:
+    messages = req.plain_messages()
+    ids = engine.encode_chat(messages, continue_final=req.continue_final_message)
+    restore = getattr(engine, "restore_generated", None)  # token-exact transcripts (data_plane/shard/kv_transcript.py)
+    if restore is not None:
+        ids = restore(messages, ids, req.cache_salt)
+    params = SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        max_tokens=req.output_limit,
+        stop=tuple(req.stop or ()),
+        seed=req.seed,
+    )
+    return GenerationRequest(request_id, ids, params, priority=req.priority or 0, deadline=req.deadline,
+                             cache_salt=req.cache_salt, public_prefix_tokens=_public_tokens(messages, ids, engine,
+                                                                                           public_prefixes))
+
+
+def _public_tokens(messages: list[dict[str, str]], ids: list[int], engine: Engine,
+                   public_prefixes: list[str] | tuple[str, ...]) -> int:
+    """How many leading prompt tokens are an operator-marked public system prompt (shared KV)."""
+    if not public_prefixes or messages[0]["role"] != "system" or messages[0]["content"] not in public_prefixes:
+        return 0
+    head = engine.encode_chat(messages[:1], continue_final=True)
+    return len(head) if ids[: len(head)] == head else 0
+
+
+def _usage(out: GenerationOutput) -> Usage:
+    return Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                 total_tokens=out.prompt_tokens + out.completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.cached_tokens))
+
+
+class _Run:
+    """One request's trip through the engine: metrics, span and wire format."""
+
+    def __init__(self, state: ShardState, req: GenerationRequest, span: trace.Span, t0: float) -> None:
+        self.state = state
+        self.req = req
+        self.span = span
+        self.t0 = t0
+        self.completion_id = new_completion_id()
+        self.created = int(time.time())
+
+    def _finish(self, last: GenerationOutput | None, error: str | None = None) -> None:
+        m = self.state.metrics
+        name = m.model_name
+        span = self.span
+        if last is not None:
+            m.e2e.labels(name).observe(time.monotonic() - self.t0)
+            m.prompt_tokens.labels(name).inc(last.prompt_tokens)
+            m.generation_tokens.labels(name).inc(last.completion_tokens)
+            reason = last.finish_reason or "abort"
+            m.request_success.labels(name, reason).inc()
+            m.request_prompt_tokens.labels(name).observe(last.prompt_tokens)
+            m.request_generation_tokens.labels(name).observe(last.completion_tokens)
+            m.prompt_tokens_cached.labels(name).inc(last.cached_tokens)
+            m.prefill_computed.labels(name).observe(last.prompt_tokens - last.cached_tokens)
+            span.set_attribute("gen_ai.usage.cache_read_input_tokens", last.cached_tokens)
+            span.add_event("prefix_cache", {"tokens_cached": last.cached_tokens,
+                                            "tokens_computed": last.prompt_tokens - last.cached_tokens})
+            if last.cached_tokens:
+                log.debug("request %s: %d of %d prompt tokens from the prefix cache", self.req.request_id,
+                          last.cached_tokens, last.prompt_tokens)
+            if last.spec_drafts:
+                span.add_event("speculation", {"drafts": last.spec_drafts, "draft_tokens": last.spec_draft_tokens,
+                                               "accepted_tokens": last.spec_accepted_tokens})
+                log.debug("request %s: %d drafts, %d of %d draft tokens accepted", self.req.request_id,
+                          last.spec_drafts, last.spec_accepted_tokens, last.spec_draft_tokens)
+            span.set_attribute("gen_ai.usage.input_tokens", last.prompt_tokens)
+            span.set_attribute("gen_ai.usage.output_tokens", last.completion_tokens)
+            span.set_attribute("gen_ai.response.finish_reasons", [reason])
+            if last.timings:
+                t = last.timings
+                m.prefill_time.labels(name).observe(t.prefill_s)
+                m.decode_time.labels(name).observe(t.decode_s)
+                span.add_event("queue", {"duration_s": t.queued_s})
+                span.add_event("prefill", {"duration_s": t.prefill_s})
+                span.add_event("decode", {"duration_s": t.decode_s})
+        if error:
+            span.set_attribute("error.type", error)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+        span.end()
+
+    async def collect(self, outputs: AsyncIterator[GenerationOutput], request: Request) -> dict[str, Any]:
+        text: list[str] = []
+        last: GenerationOutput | None = None
+
+        async def consume() -> None:
+            nonlocal last
+            async for out in outputs:
+                text.append(out.text)
+                last = out
+
+        task = asyncio.create_task(consume(), name=f"collect-{self.req.request_id}")
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.5)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()  # the client went away: abort at the engine's next step
+                    log.info("request %s: client disconnected, aborted", self.req.request_id)
+            await task
+        except asyncio.CancelledError:
+            task.cancel()
+            self._finish(last, "client_disconnected")
+            raise
+        except SwitchboardError as exc:
+            self._finish(last, exc.code)
+            raise
+        assert last is not None
+        self._finish(last)
+        usage = _usage(last)
+        return completion_body(completion_id=self.completion_id, model=self.state.engine.model_name,
+                               text="".join(text), finish_reason=last.finish_reason, usage=usage,
+                               created=self.created)
+
+    async def sse(self, outputs: AsyncIterator[GenerationOutput], include_usage: bool,
+                  continuous_usage: bool = False, keepalive_s: float = 0.0) -> AsyncIterator[bytes]:
+        model = self.state.engine.model_name
+        last: GenerationOutput | None = None
+
+        def event(body: dict[str, Any]) -> bytes:
+            return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+        common = {"completion_id": self.completion_id, "model": model, "created": self.created}
+        error = None
+        try:
+            yield event(chunk_body(**common, delta={"role": "assistant", "content": ""}))
+            stream = with_keepalives(outputs, keepalive_s) if keepalive_s else outputs
+            async for out in stream:
+                if out is None:  # nothing from the engine for keepalive_s: tell the gateway we are alive
+                    yield KEEPALIVE_COMMENT
+                    continue
+                last = out
+                if out.text:
+                    so_far = None
+                    if continuous_usage:
+                        so_far = _usage(out)
+                    yield event(chunk_body(**common, delta={"content": out.text}, usage=so_far))
+                if out.finish_reason is not None:
+                    yield event(chunk_body(**common, delta={}, finish_reason=out.finish_reason))
+                    if include_usage:
+                        usage = _usage(out)
+                        yield event(chunk_body(**common, usage=usage, empty_choices=True))
+        except SwitchboardError as exc:
+            error = exc.code or "error"
+            yield event(exc.body(self.req.request_id))
+        except asyncio.CancelledError:
+            error = "client_disconnected"
+            log.info("request %s: client disconnected mid-stream, aborted", self.req.request_id)
+            raise
+        finally:
+            self._finish(last, error)
+        yield b"data: [DONE]\n\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    from data_plane.common.settings_cli import parse_settings
+
+    settings = parse_settings(ShardSettings, argv, prog="switchboard shard")
+    configure_process("switchboard-shard")
+    if settings.engine == "vllm":
+        from data_plane.shard.engines.vllm_engine import run_sidecar  # lazy: vllm is a GPU-only optional extra
+
+        run_sidecar(settings)
+        return
+    app = create_app(settings)
+    from data_plane.common.http_server import GuardedHttpProtocol
+
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", timeout_graceful_shutdown=5,
+                http=GuardedHttpProtocol, **TlsConfig.from_env().uvicorn_kwargs())
+
+
+if __name__ == "__main__":
+    main()

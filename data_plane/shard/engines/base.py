@@ -1,0 +1,222 @@
+"""The engine contract a shard serves, and the per-request text plumbing every engine shares.
+
+    engine = build_engine(settings)            # see ENGINES
+    ids = engine.encode_chat([{"role": "user", "content": "hi"}])
+    req = GenerationRequest("req-1", ids, SamplingParams(max_tokens=32, temperature=0.0))
+    async for out in engine.generate(req):     # text deltas, then one output with finish_reason
+        print(out.text, end="")
+
+`generate` validates and enqueues at call time, before any compute (context length,
+parameters, queue bound), raising `data_plane.common.errors` types; the shard answers those
+before the first SSE byte. Cancelling the iterator (a client that went
+away) aborts the request at the engine's next step and frees its slot.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Protocol, Sequence
+
+from data_plane.common.errors import ContextLengthExceeded, InvalidRequest
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    """0 means greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 disables."""
+    max_tokens: int | None = None
+    """Output token cap; None means up to the context limit."""
+    stop: tuple[str, ...] = ()
+    """Strings that end generation; never included in the output."""
+    seed: int | None = None
+    """Seeds this request's own generator: same seed, same prompt -> same sample."""
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 1e-5 or self.top_k == 1
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    """Lower runs first (the gateway maps tiers: enterprise 0, plus 1, free 2)."""
+    deadline: float | None = None
+    """Unix seconds; a request still waiting then is abandoned."""
+    arrival: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None
+    """Prefix-cache scope (the gateway sends the tenant): prompts reuse KV only within one salt."""
+    public_prefix_tokens: int = 0
+    """Leading prompt tokens the operator marked public: their KV is shared across salts."""
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    queued_s: float
+    prefill_s: float
+    decode_s: float
+    first_token_at: float | None
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    text: str
+    """New text since the previous output (may be empty)."""
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    timings: RequestTimings | None = None
+    """Set on the final output only."""
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache (not recomputed)."""
+    spec_drafts: int = 0
+    """Speculative decoding, final output only: drafts proposed for this request ..."""
+    spec_draft_tokens: int = 0
+    """... the tokens in them ..."""
+    spec_accepted_tokens: int = 0
+    """... and how many of those the model accepted."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_usage: float
+    max_num_seqs: int
+    prefix_cache_blocks: int = 0
+    """Blocks held by the prefix cache (referenced or not)."""
+    prefix_cache_block_bytes: int = 0
+    prefix_cache_capacity_bytes: int = 0
+
+
+class Engine(Protocol):
+    """What a shard needs from an engine. `start` is awaited once before serving,
+    `aclose` once at shutdown; `generate` may be called concurrently from any task."""
+
+    model_name: str
+    max_model_len: int
+
+    def encode_chat(self, messages: Sequence[dict[str, str]], continue_final: bool = False) -> list[int]:
+        """Chat template -> token ids; `continue_final` continues the last assistant message."""
+        ...
+
+    def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        """Validate and enqueue now (raise InvalidRequest / Overloaded before any compute);
+        return the outputs. Closing the iterator early aborts the request."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def start(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+def check_lengths(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
+    """Validate a request against the context window; return the effective max_tokens."""
+    if prompt_len == 0:
+        raise InvalidRequest("the prompt is empty", param="messages")
+    if max_tokens is not None and max_tokens < 1:
+        raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+    if prompt_len >= max_model_len:
+        raise ContextLengthExceeded(
+            f"this model's maximum context length is {max_model_len} tokens; "
+            f"the messages use {prompt_len} tokens",
+            param="messages",
+        )
+    if max_tokens is None:
+        return max_model_len - prompt_len
+    if prompt_len + max_tokens > max_model_len:
+        raise ContextLengthExceeded(
+            f"this model's maximum context length is {max_model_len} tokens; the messages use "
+            f"{prompt_len} tokens and max_tokens asks for {max_tokens} more "
+            f"(at most {max_model_len - prompt_len} fit)",
+            param="max_tokens",
+        )
+    return max_tokens
+
+
+class TextStream:
+    """Incremental detokenizer with stop strings for one request.
+
+    Emits text that never splits a multi-byte character (a trailing U+FFFD means the
+    token ended mid-character, so we wait for the next one), and holds back any tail that
+    could still become a stop string so a stop string is never half-sent.
+
+        ts = TextStream(tokenizer.decode, stop=("\\n\\n",))
+        delta = ts.push(token_id)      # "" while undecidable
+        if ts.stopped: ...             # a stop string was produced; finish with "stop"
+        tail = ts.flush()              # at the end: whatever was held back
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()) -> None:
+        self._decode = decode
+        self._stop = tuple(stop)
+        self._max_stop = max((len(s) for s in self._stop), default=0)
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._text = ""
+        self._emitted = 0
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        if self.stopped:
+            return ""
+        self._ids.append(token_id)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self._text += full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        if self._stop:
+            search_from = max(0, self._emitted - self._max_stop)
+            cut = min(
+                (i for i in (self._text.find(s, search_from) for s in self._stop) if i >= 0),
+                default=-1,
+            )
+            if cut >= 0:
+                self.stopped = True
+                self._text = self._text[:cut]
+                return self._take(len(self._text))
+            return self._take(len(self._text) - self._held_back())
+        return self._take(len(self._text))
+
+    def flush(self) -> str:
+        return self._take(len(self._text))
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        text = self._text
+        best = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def _take(self, end: int) -> str:
+        end = max(end, self._emitted)
+        out = self._text[self._emitted : end]
+        self._emitted = end
+        return out

@@ -1,0 +1,101 @@
+"""The torch engine's speculative decode step (n-gram drafts, verified in the batch's one pass).
+
+    spec = Speculator(max_k=4, max_batch=4)      # EngineConfig(speculation="ngram") builds it
+    if not spec.step(engine, engine._running):   # called from TorchEngine._decode_step
+        ...                                      # nobody drafted: the plain decode step runs
+
+Per step: every running sequence may propose up to its adaptive k tokens (data_plane/shard/engines/speculation.py);
+if at least one did, all running sequences go through one `spec_runner.verify` pass (rows:
+last token + draft, 1..k+1 per sequence) instead of the plain decode. Each sequence then keeps
+its accepted drafts plus one model token, its length moves past exactly those (rejected drafts'
+KV is rolled back by not counting it), and the tokens go through the engine's normal emit path
+one by one (EOS, stop strings, max_tokens and the context limit cut exactly where they would
+without speculation), their text leaving as one stream output. Above `max_batch` running
+sequences no one drafts (verification costs more than it saves there: docs/BENCHMARKS.md).
+Runs on the scheduler thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Sequence
+
+from data_plane.shard.engines.spec_runner import verify
+from data_plane.shard.engines.speculation import NgramIndex, SeqSpec, accept_greedy, accept_sampled, target_probs
+
+if TYPE_CHECKING:
+    from data_plane.shard.engines.torch_engine import TorchEngine, _Sequence
+
+log = logging.getLogger(__name__)
+
+
+class Speculator:
+    def __init__(self, max_k: int = 4, max_batch: int = 4, miss_limit: int = 3, min_n: int = 2,
+                 max_n: int = 4) -> None:
+        self.max_k = max_k
+        self.max_batch = max_batch
+        self.miss_limit = miss_limit
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def _state(self, seq: _Sequence) -> SeqSpec:
+        if seq.spec is None:
+            seq.spec = SeqSpec(max_k=self.max_k, miss_limit=self.miss_limit,
+                               index=NgramIndex(self.min_n, self.max_n))
+            seq.spec_ctx = list(seq.req.prompt_ids)
+        return seq.spec
+
+    def _draft(self, seq: _Sequence, max_model_len: int) -> list[int]:
+        state = self._state(seq)
+        ctx = seq.spec_ctx
+        ctx.extend(seq.output_ids[len(ctx) - len(seq.req.prompt_ids):])
+        # Drafts may run up to max_tokens (the cap then lands inside an accepted draft and the rest
+        # is dropped by the emit path), never to within 2 positions of the context limit.
+        room = min(seq.max_tokens - len(seq.output_ids), max_model_len - seq.length - 3)
+        k = min(state.draft_len(), room)
+        return state.index.propose(ctx, k) if k > 0 else []
+
+    def step(self, eng: TorchEngine, batch: Sequence[_Sequence]) -> bool:
+        """One speculative decode step over `batch` (the running sequences, slots 0..n-1); False
+        (nothing done) when no sequence has a draft or the batch is above `max_batch`."""
+        if len(batch) > self.max_batch:
+            return False
+        drafts = [self._draft(s, eng.max_model_len) for s in batch]
+        if not any(drafts):
+            return False
+        t0 = time.monotonic()
+        rows = [[s.last_token] + d for s, d in zip(batch, drafts)]
+        starts = [s.length for s in batch]
+        logits = verify(eng._runner, rows, starts)  # type: ignore[arg-type]  # set once loaded
+        argmax = logits.argmax(dim=-1).tolist()
+        results: list[list[int]] = []
+        off = 0
+        for seq, row, draft in zip(batch, rows, drafts):
+            n = len(row)
+            params = seq.req.params
+            if params.greedy:
+                results.append(accept_greedy(draft, argmax[off : off + n]))
+            else:
+                results.append(accept_sampled(draft, target_probs(logits[off : off + n], params), seq.generator))
+            off += n
+        step_s = time.monotonic() - t0
+        eng.listener.on_step(len(batch), step_s, "decode")
+        eng.listener.on_iteration_tokens(off)
+        # Every length first: a sequence that finishes below moves the last slot's KV, which must
+        # include that sequence's accepted rows.
+        for seq, start, tokens in zip(batch, starts, results):
+            seq.length = start + len(tokens)
+        for seq, start, draft, tokens in zip(list(batch), starts, drafts, results):
+            accepted = len(tokens) - 1
+            if draft:
+                self._state(seq).record(len(draft), accepted)
+                eng.listener.on_spec_draft(len(draft), accepted)
+            held = ""
+            for i, token in enumerate(tokens):
+                seq.length = start + 1 + i
+                eng.listener.on_token(step_s / len(tokens))
+                held = eng._emit(seq, token, held, send=i == len(tokens) - 1)
+                if seq.finished:
+                    break
+        return True

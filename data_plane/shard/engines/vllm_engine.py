@@ -1,0 +1,143 @@
+"""`--engine vllm`: vLLM's own OpenAI server as a shard, beside a small sidecar (GPU machines).
+
+    switchboard shard --engine vllm --port 8101 --registry-url http://127.0.0.1:8300 \\
+        --model /models/llama-3-8b --dtype bfloat16
+
+vLLM speaks the same protocol as our shards (OpenAI chat completions, `vllm:*` metrics,
+`continue_final_message`, `priority`), so the gateway talks to it directly. This module only
+runs it: the sidecar starts `python -m vllm.entrypoints.openai.api_server` on an internal
+port, serves `/health` (ready only while vLLM is) and `/metrics` (relayed from vLLM) on the
+shard port, and registers vLLM's URL in membership while — and only while — vLLM is healthy,
+so a sick vLLM leaves routing by itself. vllm is an optional extra (`pip install
+'switchboard[vllm]'`, CUDA only); nothing else in Switchboard imports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+import httpx
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from data_plane.common.http_server import free_port
+from data_plane.common.telemetry import fastapi_options
+
+if TYPE_CHECKING:
+    from data_plane.shard.app import ShardSettings
+
+log = logging.getLogger(__name__)
+
+HEALTH_POLL_S = 1.0
+
+
+def vllm_command(settings: ShardSettings, model_path: str, served_name: str, port: int) -> list[str]:
+    """The vLLM server command line for these shard settings."""
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model_path,
+        "--served-model-name", served_name,
+        "--host", "127.0.0.1" if settings.host in ("127.0.0.1", "localhost") else settings.host,
+        "--port", str(port),
+        "--dtype", settings.dtype,
+        "--max-model-len", str(settings.max_model_len),
+        "--max-num-seqs", str(settings.max_num_seqs),
+        "--scheduling-policy", "priority",  # honours the gateway's per-tier `priority`
+        "--disable-uvicorn-access-log",
+    ]
+
+
+def create_sidecar(settings: ShardSettings) -> FastAPI:
+    from data_plane.membership.view import Member
+    from data_plane.membership.factory import membership_from_url
+    from data_plane.model_store import resolve_model, served_name
+
+    try:
+        import vllm  # noqa: F401  (only to fail fast with a clear message)
+    except ImportError:
+        raise SystemExit("switchboard shard --engine vllm needs vLLM (CUDA only): "
+                         "pip install 'switchboard[vllm]' on a GPU machine") from None
+    port = free_port()
+    name = served_name(settings.model)
+    cmd = vllm_command(settings, str(resolve_model(settings.model)), name, port)
+    vllm_url = f"http://127.0.0.1:{port}"
+    state = {"healthy": False}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        proc = subprocess.Popen(cmd)
+        http = httpx.AsyncClient(timeout=5.0)
+        agent = None
+        registry = settings.membership or settings.registry_url
+        member = Member(id=settings.node_id or f"shard-{settings.host}-{settings.port}", service="shard",
+                        url=settings.advertise_url or vllm_url,
+                        meta={"model": name, "engine": "vllm", "max_num_seqs": str(settings.max_num_seqs),
+                              "max_model_len": str(settings.max_model_len),
+                              "sidecar": f"http://{settings.host}:{settings.port}", "zone": settings.zone})
+
+        async def watch() -> None:
+            nonlocal agent
+            while True:
+                try:
+                    ok = (await http.get(vllm_url + "/health")).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                if proc.poll() is not None:
+                    ok = False
+                if ok != state["healthy"]:
+                    log.info("vLLM is %s", "healthy" if ok else "unhealthy")
+                state["healthy"] = ok
+                if registry:
+                    if ok and agent is None:
+                        _, new_agent = membership_from_url(registry, http, ())
+                        agent = new_agent(member, settings.registration_ttl_s)
+                        await agent.start()
+                    elif not ok and agent is not None:
+                        await agent.aclose()  # leave routing while vLLM is sick
+                        agent = None
+                await asyncio.sleep(HEALTH_POLL_S)
+
+        task = asyncio.create_task(watch(), name="vllm-health-watch")
+        try:
+            yield
+        finally:
+            task.cancel()
+            if agent is not None:
+                await agent.aclose()
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            await http.aclose()
+
+    app = FastAPI(title="Switchboard vLLM sidecar", lifespan=lifespan, **fastapi_options())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state["healthy"]:
+            return JSONResponse({"status": "ok", "engine": "vllm", "upstream": vllm_url})
+        return JSONResponse({"status": "loading", "engine": "vllm"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            try:
+                r = await client.get(vllm_url + "/metrics")
+            except httpx.HTTPError:
+                return Response("# vLLM unreachable\n", status_code=503, media_type="text/plain")
+        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+
+    return app
+
+
+def run_sidecar(settings: ShardSettings) -> None:
+    import uvicorn
+
+    uvicorn.run(create_sidecar(settings), host=settings.host, port=settings.port, log_level="warning")

@@ -1,0 +1,143 @@
+"""Shard metrics: vLLM's names (so vLLM dashboards work), `switchboard_shard_*` for the rest.
+
+    metrics = ShardMetrics(CollectorRegistry(), model_name="SmolLM2-135M-Instruct")
+    metrics.request_success.labels(model_name=m, finished_reason="stop").inc()
+
+Every metric carries `model_name` (vLLM's label); no label ever holds a request or user id.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from data_plane.common.telemetry import E2E_BUCKETS, LATENCY_BUCKETS
+from data_plane.shard.engines.base import EngineStats
+from data_plane.shard.spec_metrics import SpecMetrics
+
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+"""vLLM's request token-count buckets (1-2-5 steps)."""
+
+
+class ShardMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        m = ["model_name"]
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch (incl. prefill).", m,
+                             registry=registry)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for a slot.", m, registry=registry)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0..1 (tokens held / capacity).", m,
+                              registry=registry)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival at the engine to first token.", m,
+                              buckets=LATENCY_BUCKETS, registry=registry)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", m,
+                             buckets=ITL_BUCKETS, registry=registry)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish, per request.", m,
+                             buckets=E2E_BUCKETS, registry=registry)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time waiting for a slot.", m,
+                                    buckets=LATENCY_BUCKETS, registry=registry)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "Time in prefill, per request.", m,
+                                      buckets=LATENCY_BUCKETS, registry=registry)
+        self.decode_time = Histogram("vllm:request_decode_time_seconds", "Time in decode, per request.", m,
+                                     buckets=E2E_BUCKETS, registry=registry)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", m, registry=registry)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Output tokens generated.", m,
+                                         registry=registry)
+        self.request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                                       m + ["finished_reason"], registry=registry)
+        self.batch_size = Histogram("switchboard_shard_batch_size", "Sequences per engine step.",
+                                    m + ["kind"], buckets=BATCH_BUCKETS, registry=registry)
+        self.step_seconds = Histogram("switchboard_shard_step_seconds", "Engine step duration.", m + ["kind"],
+                                      buckets=LATENCY_BUCKETS, registry=registry)
+        self.rejected = Counter("switchboard_shard_requests_rejected", "Requests refused before compute.",
+                                m + ["code"], registry=registry)
+        self.ready = Gauge("switchboard_shard_ready", "1 once the model is loaded and serving.", m,
+                           registry=registry)
+        self.max_num_seqs = Gauge("switchboard_shard_max_num_seqs", "Configured batch capacity (slots).", m,
+                                  registry=registry)
+        # Prefix caching (vLLM's names, counted in tokens as vLLM does).
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      m, registry=registry)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", m,
+                                   registry=registry)
+        self.prompt_tokens_cached = Counter("vllm:prompt_tokens_cached",
+                                            "Prompt tokens of finished requests served from the prefix cache.", m,
+                                            registry=registry)
+        self.prefill_computed = Histogram("vllm:request_prefill_kv_computed_tokens",
+                                          "Prompt tokens whose KV was computed (not cached), per request.", m,
+                                          buckets=TOKEN_BUCKETS, registry=registry)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", m,
+                                               buckets=TOKEN_BUCKETS, registry=registry)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens", "Output tokens per request.",
+                                                   m, buckets=TOKEN_BUCKETS, registry=registry)
+        self.kv_evictions = Counter("switchboard_shard_prefix_cache_evictions",
+                                    "Prefix-cache blocks evicted (capacity: LRU reuse under the byte budget) "
+                                    "or not stored (no_space: every block referenced).", m + ["reason"],
+                                    registry=registry)
+        self.kv_blocks = Gauge("switchboard_shard_prefix_cache_blocks", "Blocks held by the prefix cache.", m,
+                               registry=registry)
+        self.kv_bytes = Gauge("switchboard_shard_prefix_cache_bytes", "Bytes of KV held by the prefix cache.", m,
+                              registry=registry)
+        self.kv_capacity = Gauge("switchboard_shard_prefix_cache_capacity_bytes",
+                                 "The prefix cache's byte budget (0: prefix caching off).", m, registry=registry)
+        self.tokens_restored = Counter(
+            "switchboard_shard_transcript_tokens_restored",
+            "Earlier replies in a prompt whose re-tokenization differed from the tokens this shard generated, "
+            "put back as generated (else the prefix-cache hit would end there).", m, registry=registry)
+        # Series exist from the start (at 0), so rate() and the KV-reuse panels work before the first hit.
+        for metric in (self.prefix_queries, self.prefix_hits, self.prompt_tokens_cached, self.prefill_computed,
+                       self.request_prompt_tokens, self.request_generation_tokens, self.tokens_restored):
+            metric.labels(model_name)
+        for reason in ("capacity", "no_space"):
+            self.kv_evictions.labels(model_name, reason)
+        self.spec = SpecMetrics(registry, model_name)  # vllm:spec_decode_*, vllm:iteration_tokens_total
+
+    def observe_stats(self, stats: EngineStats) -> None:
+        m = self.model_name
+        self.running.labels(m).set(stats.running)
+        self.waiting.labels(m).set(stats.waiting)
+        self.kv_usage.labels(m).set(stats.kv_usage)
+        self.max_num_seqs.labels(m).set(stats.max_num_seqs)
+        self.kv_blocks.labels(m).set(stats.prefix_cache_blocks)
+        self.kv_bytes.labels(m).set(stats.prefix_cache_blocks * stats.prefix_cache_block_bytes)
+        self.kv_capacity.labels(m).set(stats.prefix_cache_capacity_bytes)
+
+
+class MetricsListener:
+    """Feeds engine-thread events into ShardMetrics (prometheus_client is thread-safe)."""
+
+    def __init__(self, metrics: ShardMetrics) -> None:
+        self.metrics = metrics
+
+    def on_step(self, batch_size: int, step_s: float, kind: str) -> None:
+        m = self.metrics
+        m.batch_size.labels(m.model_name, kind).observe(batch_size)
+        m.step_seconds.labels(m.model_name, kind).observe(step_s)
+
+    def on_first_token(self, seq_ttft_s: float) -> None:
+        self.metrics.ttft.labels(self.metrics.model_name).observe(seq_ttft_s)
+
+    def on_token(self, itl_s: float) -> None:
+        self.metrics.itl.labels(self.metrics.model_name).observe(itl_s)
+
+    def on_admit(self, queue_s: float) -> None:
+        self.metrics.queue_time.labels(self.metrics.model_name).observe(queue_s)
+
+    def on_prefix_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
+        m = self.metrics
+        m.prefix_queries.labels(m.model_name).inc(queried_tokens)
+        m.prefix_hits.labels(m.model_name).inc(hit_tokens)
+
+    def on_kv_evict(self, reason: str, blocks: int) -> None:
+        m = self.metrics
+        m.kv_evictions.labels(m.model_name, reason).inc(blocks)
+
+    def on_tokens_restored(self, replies: int) -> None:
+        self.metrics.tokens_restored.labels(self.metrics.model_name).inc(replies)
+
+    def on_iteration_tokens(self, tokens: int) -> None:
+        self.metrics.spec.observe_iteration(tokens)
+
+    def on_spec_draft(self, drafted: int, accepted: int) -> None:
+        self.metrics.spec.observe_draft(drafted, accepted)
