@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.procs import Service
+from tests.support.procs import Service
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,8 @@ import pytest
 pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest
 
-from tests.cluster import ADMIN_TOKEN, Cluster
-from tests.procs import free_port
+from tests.support.cluster import ADMIN_TOKEN, Cluster
+from tests.support.procs import free_port
 
 APP = str(Path(__file__).resolve().parents[2] / "admin_ui" / "app.py")
 PAGES = ["overview", "cluster", "traffic", "autoscaler", "degradation", "traces", "alerts", "playground", "usage"]

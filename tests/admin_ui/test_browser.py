@@ -21,7 +21,7 @@ pytestmark = [
 pytest.importorskip("websocket", reason="needs websocket-client")
 pytest.importorskip("streamlit")
 
-from tests.admin_ui.harness import SHOT_PAGES, LivePlatform, screenshot_tour
+from tests.support.live_platform import SHOT_PAGES, LivePlatform, screenshot_tour
 
 DOCS_IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
 

@@ -15,8 +15,8 @@ from admin_ui.client import (
     Unauthorized,
     Unreachable,
 )
-from tests.cluster import ADMIN_TOKEN
-from tests.procs import free_port
+from tests.support.cluster import ADMIN_TOKEN
+from tests.support.procs import free_port
 
 
 @pytest.fixture

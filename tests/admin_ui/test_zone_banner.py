@@ -5,9 +5,9 @@ from __future__ import annotations
 import httpx
 
 from tests.admin_ui.conftest import ConsoleRunner, texts
-from tests.cluster import ADMIN_TOKEN
-from tests.procs import Service
-from tests.reliability.common import eventually
+from tests.support.cluster import ADMIN_TOKEN
+from tests.support.procs import Service
+from tests.support.waits import eventually
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 

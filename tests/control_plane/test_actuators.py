@@ -26,7 +26,7 @@ from control_plane.scaling.actuators import ActuatorError
 from control_plane.scaling.actuators.kubernetes import KubernetesActuator, default_kubeconfig
 from control_plane.scaling.actuators.local import LocalActuator
 from control_plane.scaling.actuators.nomad import NomadActuator
-from tests.procs import CLUSTER_TOKEN, Service, free_port
+from tests.support.procs import CLUSTER_TOKEN, Service, free_port
 
 ENV_NOMAD_ADDR = "NOMAD_ADDR"
 """Set to run the Nomad adapter against that live cluster too (read and no-op scale only)."""

@@ -14,8 +14,8 @@ from control_plane.scaling.actuators import ActuatorError
 from control_plane.scaling.autoscaler import Autoscaler, AutoscalerMetrics, PolicyConfig, TargetTracking
 from control_plane.signals.core import Signals
 from control_plane.scaling.simulate import ShardModel, fleet_signals, load_trace, simulate
-from tests.cluster import ADMIN_TOKEN, KEYS, api_keys_env
-from tests.procs import ROOT, Service
+from tests.support.cluster import ADMIN_TOKEN, KEYS, api_keys_env
+from tests.support.procs import ROOT, Service
 
 TRACE = ROOT / "deploy" / "traces" / "ramp.csv"
 

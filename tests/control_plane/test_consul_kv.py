@@ -1,5 +1,5 @@
 """The control plane's Consul side: KV for desired state and policies, members for the admin API.
-Runs against the Consul HTTP STUB (tests/consul_stub.py) and, when ``CONSUL_HTTP_ADDR`` is set,
+Runs against the Consul HTTP STUB (tests/support/consul_stub.py) and, when ``CONSUL_HTTP_ADDR`` is set,
 against that live agent too.
 
     .venv/bin/python -m pytest tests/control_plane/test_consul_kv.py -q
@@ -22,8 +22,8 @@ from control_plane.registry.consul import ConsulKV, ConsulMembers
 from data_plane.common.errors import NotFound, UpstreamError
 from data_plane.membership.view import Member
 from data_plane.membership.consul import ConsulRegistrationAgent
-from tests.consul_stub import ConsulStub, consul_agent, consul_client
 from tests.control_plane.test_registry import ADMIN_TOKEN, ControlPlaneProcess, eventually, free_port
+from tests.support.consul_stub import ConsulStub, consul_agent, consul_client
 
 
 @pytest.fixture(scope="module", params=["stub", "live"])

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from tests.procs import free_port, start_up, wait_up
+from tests.support.procs import free_port, start_up, wait_up
 
 
 def _children(pid: int) -> list[int]:

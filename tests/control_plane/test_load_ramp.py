@@ -36,8 +36,8 @@ import httpx
 import pytest
 
 from data_plane.bench.common import percentile
-from tests.cluster import ADMIN_TOKEN
-from tests.procs import Service
+from tests.support.cluster import ADMIN_TOKEN
+from tests.support.procs import Service
 
 pytestmark = pytest.mark.slow
 

@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.cluster import ADMIN_TOKEN, KEYS, api_keys_env
-from tests.procs import Service
+from tests.support.cluster import ADMIN_TOKEN, KEYS, api_keys_env
+from tests.support.procs import Service
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 SLO_S = 0.5

@@ -22,8 +22,8 @@ from control_plane.signals.core import (
 )
 from control_plane.signals.prometheus import PrometheusSignals
 from data_plane.membership.view import Member
-from tests.cluster import Cluster
-from tests.procs import free_port
+from tests.support.cluster import Cluster
+from tests.support.procs import free_port
 
 # -- math ----------------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.procs import ROOT
+from tests.support.procs import ROOT
 
 TYPED = ["control_plane/signals/core.py", "control_plane/signals/prometheus.py", "control_plane/degradation.py",
          "control_plane/degradation_rule.py", "control_plane/scaling/autoscaler.py", "control_plane/scaling/simulate.py",

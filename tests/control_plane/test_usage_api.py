@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from data_plane.ledger.store import open_ledger_store
-from tests.cluster import ADMIN_TOKEN
 from tests.data_plane.test_ledger import _record
-from tests.procs import Service
+from tests.support.cluster import ADMIN_TOKEN
+from tests.support.procs import Service
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 DAY = 86400

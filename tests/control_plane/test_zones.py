@@ -13,9 +13,9 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from control_plane.zones import ZoneMetrics, ZoneWatch, count_by_zone
-from tests.cluster import ADMIN_TOKEN
-from tests.procs import Service
-from tests.reliability.common import eventually
+from tests.support.cluster import ADMIN_TOKEN
+from tests.support.procs import Service
+from tests.support.waits import eventually
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 

@@ -20,8 +20,8 @@ import pytest
 from data_plane import bench
 from data_plane.bench.common import RequestResult, closed_loop, percentile, summarize
 from data_plane.bench.serve import compute_metrics, parse_goodput
-from tests.cluster import Cluster
-from tests.procs import ROOT, Service
+from tests.support.cluster import Cluster
+from tests.support.procs import ROOT, Service
 
 ENGINE_ROW_KEYS = {
     "system", "concurrency", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",

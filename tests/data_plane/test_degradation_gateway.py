@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from data_plane.tiers import TierPolicy
-from tests.cluster import ADMIN_TOKEN, KEYS, api_keys_env
-from tests.procs import CLUSTER_HEADERS, Service
+from tests.support.cluster import ADMIN_TOKEN, KEYS, api_keys_env
+from tests.support.procs import CLUSTER_HEADERS, Service
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 PROPAGATION_S = 2.0

@@ -35,7 +35,7 @@ def _cuda() -> bool:
 def test_vllm_shard_serves_chat_on_gpu() -> None:
     import httpx
 
-    from tests.procs import Service
+    from tests.support.procs import Service
 
     with Service(["shard", "--engine", "vllm", "--dtype", "bfloat16"], ready_timeout=600) as shard:
         upstream = httpx.get(shard.url + "/health").json()["upstream"]

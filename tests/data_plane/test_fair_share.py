@@ -18,8 +18,8 @@ import time
 import httpx
 import pytest
 
-from tests.cluster import ADMIN_TOKEN
-from tests.procs import Service
+from tests.support.cluster import ADMIN_TOKEN
+from tests.support.procs import Service
 
 FLOOD_KEY, LIGHT_KEY = "sk-test-flood-0123456789", "sk-test-light-0123456789"
 KEYS_ENV = f"{FLOOD_KEY}:flood:free,{LIGHT_KEY}:light:free"

@@ -8,7 +8,7 @@ import time
 import httpx
 import openai
 
-from tests.cluster import KEYS, Cluster, stored_session
+from tests.support.cluster import KEYS, Cluster, stored_session
 
 
 def post(c: Cluster, body: dict, key: str = KEYS["plus"], headers: dict | None = None) -> httpx.Response:
@@ -137,8 +137,8 @@ def test_mid_stream_failover_real_model_float32_equals_uninterrupted() -> None:
     its text equals the uninterrupted run (the gateway resumes on the other shard)."""
     global MODEL
     MODEL = "SmolLM2-135M-Instruct"
-    from tests.cluster import api_keys_env
-    from tests.procs import Service
+    from tests.support.cluster import api_keys_env
+    from tests.support.procs import Service
 
     shards = [Service(["shard", "--dtype", "float32", "--threads", "1"], ready_timeout=180) for _ in range(2)]
     for s in shards:

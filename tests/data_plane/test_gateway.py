@@ -17,8 +17,8 @@ import openai
 import pytest
 import yaml
 
-from tests.cluster import KEYS, Cluster
-from tests.procs import CLUSTER_TOKEN, Service, free_port
+from tests.support.cluster import KEYS, Cluster
+from tests.support.procs import CLUSTER_TOKEN, Service, free_port
 
 
 @pytest.fixture(scope="module")

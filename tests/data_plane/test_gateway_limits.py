@@ -27,7 +27,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.data_plane.test_ratelimit import RedisServer
-from tests.procs import CLUSTER_HEADERS, ROOT, Service
+from tests.support.procs import CLUSTER_HEADERS, ROOT, Service
 
 KEYS = {
     "free": "sk-lim-free-0123456789",       # rpm 3

@@ -12,9 +12,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.cluster import Cluster
-from tests.procs import CLUSTER_TOKEN
-from tests.reliability.common import chat, metric
+from tests.support.chat import chat
+from tests.support.cluster import Cluster
+from tests.support.metrics import metric
+from tests.support.procs import CLUSTER_TOKEN
 
 GOOD = {"Authorization": f"Bearer {CLUSTER_TOKEN}"}
 BAD = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": CLUSTER_TOKEN}, {"Authorization": f"Basic {CLUSTER_TOKEN}"}]

@@ -20,7 +20,7 @@ from data_plane.routing.hop_client import (
     HopProtocolError,
     HopTimeout,
 )
-from tests.procs import Service, free_port
+from tests.support.procs import Service, free_port
 
 CHAT = "/v1/chat/completions"
 pytestmark = pytest.mark.asyncio(loop_scope="session")  # the pool fixture's loop is the tests' loop

@@ -84,8 +84,8 @@ def test_the_index_is_bounded() -> None:
 def test_a_gateway_routes_session_turns_to_their_kv() -> None:
     import httpx
 
-    from tests.cluster import Cluster
     from tests.data_plane.test_shard import metric
+    from tests.support.cluster import Cluster
 
     with Cluster(shards=2, caches=1, gateway_args=["--routing-policy", "kv_aware"]) as c:
         headers = {"authorization": f"Bearer {c.keys['plus']}", "x-session-id": "new"}

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m pytest tests/data_plane/test_ledger.py -q
 
-PostgreSQL tests start a throwaway server (tests/postgres.py) and skip when it is not installed.
+PostgreSQL tests start a throwaway server (tests/support/postgres.py) and skip when it is not installed.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from prometheus_client import CollectorRegistry
 
 from data_plane.ledger.writer import LedgerMetrics, Spool, UsageLedger, UsageRecord, read_segment
 from data_plane.ledger.store import MIGRATIONS, UsageQuery, open_ledger_store
-from tests.cluster import ADMIN_TOKEN, KEYS, Cluster, api_keys_env
-from tests.postgres import PostgresServer
-from tests.procs import Service
+from tests.support.cluster import ADMIN_TOKEN, KEYS, Cluster, api_keys_env
+from tests.support.postgres import PostgresServer
+from tests.support.procs import Service
 
 
 def _record(i: int, **over: Any) -> UsageRecord:

@@ -1,4 +1,4 @@
-"""The Consul membership backend, against the Consul HTTP STUB (tests/consul_stub.py) and, when
+"""The Consul membership backend, against the Consul HTTP STUB (tests/support/consul_stub.py) and, when
 ``CONSUL_HTTP_ADDR`` is set, against that live agent too.
 
     .venv/bin/python -m pytest tests/data_plane/test_membership_consul.py -q
@@ -30,10 +30,10 @@ from data_plane.membership.consul import (
     member_status,
 )
 from data_plane.membership.factory import membership_from_url
-from tests.cluster import KEYS, api_keys_env
-from tests.consul_stub import ConsulStub, consul_agent, consul_client
 from tests.control_plane.test_registry import eventually, metric
-from tests.procs import Service
+from tests.support.cluster import KEYS, api_keys_env
+from tests.support.consul_stub import ConsulStub, consul_agent, consul_client
+from tests.support.procs import Service
 
 
 @pytest.fixture(scope="module", params=["stub", "live"])

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.data_plane.test_shard import metric
-from tests.procs import CLUSTER_HEADERS, Service
+from tests.support.procs import CLUSTER_HEADERS, Service
 
 BLOCK = 16
 SYSTEM = ("You are a careful assistant for a bicycle shop. Answer briefly and precisely, name parts by "

@@ -29,7 +29,7 @@ from data_plane.gateway.ratelimit.limiter import (
 )
 from data_plane.gateway.ratelimit.buckets import PERIOD_US, Backend, Bucket, LocalBackend, RedisBackend
 from data_plane.tiers import Tier
-from tests.procs import free_port
+from tests.support.procs import free_port
 
 S = 1_000_000  # microseconds
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.procs import Service
+from tests.support.procs import Service
 
 PROMPTS = [
     "What is the capital of France?",

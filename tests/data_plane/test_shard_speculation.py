@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.data_plane.test_shard import metric
-from tests.procs import CLUSTER_HEADERS, Service
+from tests.support.procs import CLUSTER_HEADERS, Service
 
 PASSAGE = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.\n"
            "def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n")

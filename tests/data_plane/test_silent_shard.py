@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from data_plane.common.keepalive import KEEPALIVE_COMMENT, with_keepalives
-from tests.cluster import KEYS, Cluster
+from tests.support.cluster import KEYS, Cluster
 
 
 def _running(url: str) -> float:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.cluster import Cluster
 from tests.data_plane.test_shard import metric
+from tests.support.cluster import Cluster
 
 BLOCK = 16
 QUESTIONS = [

@@ -25,9 +25,9 @@ import pytest
 import yaml
 
 from dashboards.catalogue import JOBS
-from tests.cluster import Cluster
 from tests.observability.exprs import RULE_FILES, dashboard_exprs, rule_exprs, substitute
-from tests.procs import free_port
+from tests.support.cluster import Cluster
+from tests.support.procs import free_port
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (apt-get install prometheus)")

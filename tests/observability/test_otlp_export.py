@@ -16,7 +16,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from data_plane.common.tracing import LeanSpan, LeanTracerProvider, Sampler
-from tests.procs import Service
+from tests.support.procs import Service
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 

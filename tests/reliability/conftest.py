@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.cluster import ADMIN_TOKEN, Cluster
-from tests.procs import Service
+from tests.support.cluster import ADMIN_TOKEN, Cluster
+from tests.support.procs import Service
 
 
 @pytest.fixture(scope="package")

@@ -19,10 +19,10 @@ import httpx
 import pytest
 
 from data_plane.common.crypto import SEALED_ROLE
-from tests.cluster import KEYS, Cluster
+from tests.support.cluster import KEYS, Cluster
 from tests.data_plane.test_cache_node import redis_url  # noqa: F401  (a fixture)
-from tests.procs import CLUSTER_TOKEN
-from tests.reliability.common import chat
+from tests.support.chat import chat
+from tests.support.procs import CLUSTER_TOKEN
 
 HOP = {"Authorization": f"Bearer {CLUSTER_TOKEN}"}
 

@@ -26,10 +26,13 @@ import httpx
 import pytest
 
 from data_plane.protocol import BODY_TIMEOUT_S, ChatCompletionRequest
-from tests.cluster import ADMIN_TOKEN, KEYS, Cluster, api_keys_env
-from tests.procs import Service
-from tests.reliability.common import assert_no_leak, assert_openai_error, chat, eventually, metric, report
+from tests.reliability.common import report
 from tests.reliability.inputs import CASES
+from tests.support.chat import assert_no_leak, assert_openai_error, chat
+from tests.support.cluster import ADMIN_TOKEN, KEYS, Cluster, api_keys_env
+from tests.support.metrics import metric
+from tests.support.procs import Service
+from tests.support.waits import eventually
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
 MAX_EXAMPLES = 25

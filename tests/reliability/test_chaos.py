@@ -21,16 +21,11 @@ from pathlib import Path
 import httpx
 
 from data_plane.tiers import TierPolicy
-from tests.cluster import KEYS, Cluster, stored_session
-from tests.reliability.common import (
-    ADMIN,
-    StatefulCluster,
-    assert_openai_error,
-    chat,
-    eventually,
-    metric,
-    report,
-)
+from tests.reliability.common import ADMIN, StatefulCluster, report
+from tests.support.chat import assert_openai_error, chat
+from tests.support.cluster import KEYS, Cluster, stored_session
+from tests.support.metrics import metric
+from tests.support.waits import eventually
 
 
 def _members(c: Cluster, service: str) -> float:

@@ -30,8 +30,10 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.cluster import Cluster, stored_session
-from tests.reliability.common import ADMIN, all_services, eventually, metric, report, rss_kb
+from tests.reliability.common import ADMIN, all_services, report, rss_kb
+from tests.support.cluster import Cluster, stored_session
+from tests.support.metrics import metric
+from tests.support.waits import eventually
 
 pytestmark = pytest.mark.slow
 

@@ -26,10 +26,13 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.cluster import ADMIN_TOKEN, KEYS, api_keys_env
-from tests.procs import Service
-from tests.reliability.common import chat, eventually, metric, report
+from tests.reliability.common import report
 from tests.reliability.netns import Hosts
+from tests.support.chat import chat
+from tests.support.cluster import ADMIN_TOKEN, KEYS, api_keys_env
+from tests.support.metrics import metric
+from tests.support.procs import Service
+from tests.support.waits import eventually
 
 HOSTS = Hosts(f"sb{os.getpid() % 100000}", [1, 2])
 ADDR = HOSTS.addr

@@ -38,8 +38,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.cluster import ADMIN_TOKEN
-from tests.procs import Service
+from tests.support.cluster import ADMIN_TOKEN
+from tests.support.procs import Service
 
 pytestmark = pytest.mark.slow
 

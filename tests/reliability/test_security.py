@@ -21,15 +21,11 @@ import time
 import httpx
 import pytest
 
-from tests.cluster import ADMIN_TOKEN, KEYS, Cluster, api_keys_env
-from tests.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, ROOT, Service
-from tests.reliability.common import (
-    all_services,
-    assert_openai_error,
-    chat,
-    metric,
-    report,
-)
+from tests.reliability.common import all_services, report
+from tests.support.chat import assert_openai_error, chat
+from tests.support.cluster import ADMIN_TOKEN, KEYS, Cluster, api_keys_env
+from tests.support.metrics import metric
+from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, ROOT, Service
 
 
 def _trace() -> tuple[str, dict[str, str]]:

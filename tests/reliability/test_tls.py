@@ -20,8 +20,8 @@ import pytest
 
 from data_plane.routing.hop_client import HopConnectError, HopPool
 from data_plane.common.tls import CA_BUNDLE_ENV, make_dev_pki
-from tests.cluster import KEYS, api_keys_env
-from tests.procs import CLUSTER_HEADERS, Service
+from tests.support.cluster import KEYS, api_keys_env
+from tests.support.procs import CLUSTER_HEADERS, Service
 
 
 class TlsService(Service):
@@ -124,7 +124,7 @@ def test_switchboard_up_tls_runs_the_platform_on_tls(tmp_path: Path) -> None:
     import sys
     import time
 
-    from tests.procs import ROOT, free_port
+    from tests.support.procs import ROOT, free_port
 
     gw, cp = free_port(), free_port()
     log_path = tmp_path / "up.log"

@@ -24,10 +24,12 @@ import httpx
 import openai
 import pytest
 
-from tests.cluster import ADMIN_TOKEN, KEYS, api_keys_env
-from tests.procs import Service
-from tests.reliability.common import eventually, metric, report
+from tests.reliability.common import report
 from tests.reliability.netns import Hosts
+from tests.support.cluster import ADMIN_TOKEN, KEYS, api_keys_env
+from tests.support.metrics import metric
+from tests.support.procs import Service
+from tests.support.waits import eventually
 
 HOSTS = Hosts(f"sz{os.getpid() % 100000}", [1, 2], seed=os.getpid() + 17)
 ZONE_HOST = {"a": 1, "b": 2}

@@ -4,7 +4,7 @@
         p.traffic(seconds=20)                   # mixed tiers, enough to queue and to hit the free tier's RPM
         console = p.console()                   # `switchboard console` on a free port (Service)
 
-    python -m tests.admin_ui.harness            # the same, left running for a person: prints the URLs
+    python -m tests.support.live_platform            # the same, left running for a person: prints the URLs
 
 Shards are started by the control plane's own autoscaler (synthetic engine, 2 batch slots, slow
 tokens), so queueing makes it scale out: the Autoscaler page then shows real decisions.
@@ -23,8 +23,8 @@ from typing import Self
 
 import httpx
 
-from tests.cluster import ADMIN_TOKEN, KEYS, api_keys_env
-from tests.procs import ROOT, Service, free_port
+from tests.support.cluster import ADMIN_TOKEN, KEYS, api_keys_env
+from tests.support.procs import ROOT, Service, free_port
 
 TIER_OF_KEY = {"free": KEYS["free"], "plus": KEYS["plus"], "enterprise": KEYS["enterprise"]}
 
@@ -173,7 +173,7 @@ def screenshot_tour(console_url: str, out: Path) -> list[Path]:
 if __name__ == "__main__":
     import tempfile
 
-    shots = Path(sys.argv[1]) if len(sys.argv) > 1 else None  # python -m tests.admin_ui.harness docs/img
+    shots = Path(sys.argv[1]) if len(sys.argv) > 1 else None  # python -m tests.support.live_platform docs/img
     with LivePlatform(Path(tempfile.mkdtemp(prefix="sb-console-"))) as p:
         print("traffic:", p.traffic(15), flush=True)
         with p.console() as console:

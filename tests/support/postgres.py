@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import free_port
+from tests.support.procs import free_port
 
 USER = "switchboard"
 

@@ -3,7 +3,7 @@
     with ConsulStub() as stub:                         # a real process on a free loopback port
         httpx.put(stub.url + "/v1/agent/service/register", json={"Name": "switchboard-shard", ...})
 
-    .venv/bin/python -m tests.consul_stub --port 8500  # by hand
+    .venv/bin/python -m tests.support.consul_stub --port 8500  # by hand
 
 This is not Consul: no agent can be installed on our machines (../shared/FACTS.md), so the Consul
 backend's tests run against this stub, and against a live agent when ``CONSUL_HTTP_ADDR`` is set.
@@ -51,7 +51,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from data_plane.membership.consul import consul_headers, consul_http_url, token_from_env
-from tests.procs import Service
+from tests.support.procs import Service
 
 ENV_LIVE_CONSUL = "CONSUL_HTTP_ADDR"
 """Set (e.g. ``127.0.0.1:8500``) to run the Consul tests against that live agent as well."""
@@ -507,7 +507,7 @@ class ConsulStub(Service):
 
     def __init__(self, port: int | None = None) -> None:
         super().__init__([], port=port, ready_timeout=30.0, health="/v1/status/leader")
-        self.args = [sys.executable, "-m", "tests.consul_stub", "--port", str(self.port)]
+        self.args = [sys.executable, "-m", "tests.support.consul_stub", "--port", str(self.port)]
 
     @property
     def membership_url(self) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, Service
+from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, Service
 
 KEYS = {
     "free": "sk-test-free-0123456789",

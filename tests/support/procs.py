@@ -20,7 +20,8 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository root (children run there)."""
 
 
 CLUSTER_TOKEN = "test-cluster-token"
