@@ -131,7 +131,7 @@ class SignalsView:
         sig.queue_time_p95_s, sig.ttft_excess_p95_s, sig.complete, sig.missing
 
     The console reads only the admin API, so it keeps its own copy of the field names
-    (``control_plane.signals.core.Signals``); a field the API no longer sends (renamed, removed) makes
+    (``control_plane.signals.model.Signals``); a field the API no longer sends (renamed, removed) makes
     the view incomplete and is named in ``missing``, instead of showing as an empty, calm figure.
     """
 

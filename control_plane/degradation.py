@@ -60,7 +60,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from control_plane.degradation_rule import WINDOWED_CAUSES, Assessment, LadderConfig, assess
 from control_plane.policy_store import MAX_LEVEL, DegradationRecord, PolicyStore
 from control_plane.settings import ControlPlaneSettings
-from control_plane.signals.core import Signals
+from control_plane.signals.model import Signals
 from data_plane.common.tasks import stop_tasks
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@
     config.lower_dwell_for(a.causes)     # how long calm must last before a step down
 
 Overload is a queue, not a long prompt. Prefill grows with the prompt, so raw TTFT is never read
-here; the rule reads only what means overload (fields of :class:`~control_plane.signals.core.Signals`,
+here; the rule reads only what means overload (fields of :class:`~control_plane.signals.model.Signals`,
 by attribute, so a renamed field is a type error, not a silent calm):
 
 | cause | signal | hot above | calm below | needs pressure | dwell down |
@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from control_plane.signals.core import Signals
+from control_plane.signals.model import Signals
 
 CAUSES = ("waiting", "queue_time", "ttft_excess", "error_rate", "kv_usage", "operator")
 WINDOWED_CAUSES = frozenset({"queue_time", "ttft_excess", "error_rate"})

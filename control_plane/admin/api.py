@@ -135,7 +135,7 @@ class MembersResponse(BaseModel):
 
 
 class SignalsResponse(BaseModel):
-    latest: dict[str, Any] | None = Field(description="the last Signals read (control_plane.signals.core.Signals), "
+    latest: dict[str, Any] | None = Field(description="the last Signals read (control_plane.signals.model.Signals), "
                                           "or null before the first read")
     history: list[dict[str, Any]] = Field(description="recent readings without per-shard detail, oldest first, "
                                           "each with 'at' (unix s)")

@@ -62,7 +62,7 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from control_plane.scaling.actuators import Actuator, ActuatorError, build_actuator
-from control_plane.signals.core import Signals, SignalSource
+from control_plane.signals.model import Signals, SignalSource
 from data_plane.common.tasks import stop_tasks
 
 log = logging.getLogger(__name__)

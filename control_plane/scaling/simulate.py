@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from control_plane.scaling.autoscaler import PolicyConfig, TargetTracking
-from control_plane.signals.core import ShardSignal, Signals
+from control_plane.signals.model import ShardSignal, Signals
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The Prometheus reader of :mod:`control_plane.signals.core` (``--prometheus URL``).
+"""The Prometheus reader of :mod:`control_plane.signals.model` (``--prometheus URL``), built by signals/source.py.
 
 source = PrometheusSignals("http://127.0.0.1:9090", http, window_s=60)
 signals = await source.read()          # the same Signals as ScrapeSignals yields
@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import httpx
 
-from control_plane.signals.core import (
+from control_plane.signals.model import (
     M_GW_QUEUE,
     M_GW_REQUESTS,
     M_GW_TOKENS,
@@ -33,7 +33,7 @@ from control_plane.signals.core import (
     SHED_CODES,
     ShardSignal,
     Signals,
-    _aggregate,
+    aggregate,
     overload_histograms_missing,
 )
 
@@ -172,7 +172,7 @@ class PrometheusSignals:
         ttft_key, tokens_key = (
             ("gw_ttft", "gw_tokens") if has_gateways else ("all_shard_ttft", "shard_tokens")
         )
-        return _aggregate(
+        return aggregate(
             at=self._wall(),
             shards=shards,
             missing=missing,

@@ -3,7 +3,7 @@
     source = build_signal_source(settings, registry, http)    # control_plane/app.py, once at start-up
     signals = await source.read()
 
-Both sources live beside it: control_plane/signals/core.py (scraping every member's /metrics) and
+Both sources live beside it: control_plane/signals/scrape.py (scraping every member's /metrics) and
 control_plane/signals/prometheus.py (PromQL over a Prometheus that scrapes them).
 """
 
@@ -13,8 +13,9 @@ from typing import Any
 
 import httpx
 
-from control_plane.signals.core import ScrapeSignals, SignalSource
+from control_plane.signals.model import SignalSource
 from control_plane.signals.prometheus import PrometheusSignals
+from control_plane.signals.scrape import ScrapeSignals
 
 
 def build_signal_source(settings: Any, registry: Any, http: httpx.AsyncClient) -> SignalSource:

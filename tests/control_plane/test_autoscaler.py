@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from control_plane.scaling.actuators import ActuatorError
 from control_plane.scaling.autoscaler import Autoscaler, AutoscalerMetrics, PolicyConfig, TargetTracking
-from control_plane.signals.core import Signals
+from control_plane.signals.model import Signals
 from control_plane.scaling.simulate import ShardModel, fleet_signals, load_trace, simulate
 from tests.support.cluster import ADMIN_TOKEN, KEYS, api_keys_env
 from tests.support.procs import ROOT, Service

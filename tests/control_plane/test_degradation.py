@@ -19,7 +19,7 @@ from control_plane.degradation import (
     assess,
 )
 from control_plane.policy_store import PolicyStore
-from control_plane.signals.core import Signals
+from control_plane.signals.model import Signals
 
 CONFIG = LadderConfig(ttft_slo_s=2.0, raise_dwell_s=10.0, lower_dwell_s=30.0, history=5)
 

@@ -14,13 +14,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from control_plane.signals.core import (
-    ScrapeSignals,
+from control_plane.signals.model import (
     Signals,
     histogram_quantile,
     parse_exposition,
 )
 from control_plane.signals.prometheus import PrometheusSignals
+from control_plane.signals.scrape import ScrapeSignals
 from data_plane.membership.view import Member
 from tests.support.cluster import Cluster
 from tests.support.procs import free_port

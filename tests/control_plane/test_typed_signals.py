@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tests.support.procs import ROOT
 
-TYPED = ["control_plane/signals/core.py", "control_plane/signals/prometheus.py", "control_plane/degradation.py",
+TYPED = ["control_plane/signals/model.py", "control_plane/signals/scrape.py", "control_plane/signals/prometheus.py", "control_plane/degradation.py",
          "control_plane/degradation_rule.py", "control_plane/scaling/autoscaler.py", "control_plane/scaling/simulate.py",
          "admin_ui/views.py"]
 
@@ -27,7 +27,7 @@ def test_the_signal_readers_type_check(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     # a reader of a field that does not exist (a rename on one side) is caught before it runs
     probe = tmp_path / "renamed_probe.py"
-    probe.write_text("from control_plane.signals.core import Signals\n\n"
+    probe.write_text("from control_plane.signals.model import Signals\n\n"
                      "def hot(s: Signals) -> bool:\n"
                      "    return (s.queue_p95_s or 0.0) > 1.0\n")
     out = _mypy(str(probe))
