@@ -6,7 +6,7 @@
     await store.drain()                                                     # pending read-repairs
     await store.aclose()
 
-Placement: the healthy ``cache`` members form a :class:`~data_plane.routing.hashring.HashRing` (rebuilt
+Placement: the healthy ``cache`` members form a :class:`~data_plane.membership.hashring.HashRing` (rebuilt
 when membership changes); a session lives on ``replicas`` nodes chosen along its preference list,
 one per zone first (data_plane/membership/placement.py: a paid session's two copies sit in different zones,
 a free session in the gateway's own zone), and reads ask the local zone's copy first.
@@ -56,7 +56,7 @@ from opentelemetry import propagate, trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from data_plane.common.errors import NotFound, Overloaded, from_openai_body
-from data_plane.routing.hashring import DEFAULT_VNODES, HashRing
+from data_plane.membership.hashring import DEFAULT_VNODES, HashRing
 from data_plane.routing.hop_client import HopError, HopPool
 from data_plane.membership.placement import DEFAULT_ZONE, local_first, replicas_across_zones
 from data_plane.common.crypto import SealError, TranscriptSealer

@@ -13,7 +13,7 @@ import random
 from typing import Protocol
 
 from data_plane.membership.view import Member
-from data_plane.routing.hashring import HashRing
+from data_plane.membership.hashring import HashRing
 
 
 class Policy(Protocol):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from data_plane.routing.hashring import HashRing, stable_hash
+from data_plane.membership.hashring import HashRing, stable_hash
 
 NODES = [f"node-{i}" for i in range(10)]
 KEYS = [f"session-{i}" for i in range(20_000)]
@@ -90,7 +90,7 @@ def test_bounded_load_keeps_affinity_while_under_cap_and_spills_in_ring_order() 
 
 def test_hash_is_stable_across_processes() -> None:
     code = (
-        "from data_plane.routing.hashring import HashRing, stable_hash;"
+        "from data_plane.membership.hashring import HashRing, stable_hash;"
         "print(stable_hash('session-1'), HashRing(['a','b','c']).preference_list('session-1', 3))"
     )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
