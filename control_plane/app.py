@@ -19,10 +19,8 @@ import contextlib
 import logging
 import sys
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
-import uvicorn
 from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
@@ -30,7 +28,7 @@ from pydantic import ValidationError
 
 from control_plane.scaling.actuators.local import LocalActuator
 from control_plane.admin.api import AdminContext, bearer_guard, build_admin_router
-from control_plane.scaling.autoscaler import add_autoscaler_flags, build_autoscaler
+from control_plane.scaling.loop import add_autoscaler_flags, build_autoscaler
 from control_plane.degradation import DegradationController, DegradationMetrics, ladder_config
 from control_plane.registry.consul import ConsulMembers
 from control_plane.policy_store import open_store
@@ -42,7 +40,7 @@ from control_plane.admin.usage import build_usage_router
 from control_plane.zones import ZoneMetrics, ZoneWatch, build_zones_router
 from data_plane.common.errors import install_error_handlers
 from data_plane.common.hop_auth import cluster_headers, guarded
-from data_plane.common.tls import TlsConfig
+from data_plane.common.http_server import serve
 from data_plane.ledger.store import default_usage_db
 from data_plane.ledger.store import open_ledger_store
 from data_plane.membership.consul import token_from_env
@@ -154,21 +152,6 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
     return app
 
 
-class _Server(uvicorn.Server):
-    """uvicorn, plus: blocking queries are answered at once when shutdown starts."""
-
-    def __init__(self, config: uvicorn.Config, registry: Registry, state_index: StateIndex | None = None) -> None:
-        super().__init__(config)
-        self._registry = registry
-        self._state_index = state_index
-
-    async def shutdown(self, sockets: Any = None) -> None:
-        self._registry.close_waiters()
-        if self._state_index is not None:
-            self._state_index.close_waiters()
-        await super().shutdown(sockets)
-
-
 def parse_settings(argv: list[str] | None) -> ControlPlaneSettings:
     parser = argparse.ArgumentParser(
         prog="switchboard control-plane",
@@ -222,23 +205,15 @@ def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     configure_process(SERVICE_NAME)
     app = create_app(settings)
-    from data_plane.common.http_server import GuardedHttpProtocol
-
-    config = uvicorn.Config(
-        app,
-        http=GuardedHttpProtocol,
-        host=settings.host,
-        port=settings.port,
-        access_log=settings.access_log,
-        timeout_graceful_shutdown=settings.shutdown_grace_s,
-        log_config=None,  # keep the process's logging setup
-        **TlsConfig.from_env().uvicorn_kwargs(),
-    )
-    server = _Server(config, app.state.registry, app.state.state_index)
     if settings.admin_token is None:
         log.warning("no admin token configured; /admin/v1 answers 401 (set %s)", ENV_ADMIN_TOKEN)
     log.info("control plane on http://%s:%d", settings.host, settings.port)
-    server.run()
+    # blocking queries (membership watches, the state index) answer at once when shutdown starts
+    hooks = [app.state.registry.close_waiters]
+    if app.state.state_index is not None:
+        hooks.append(app.state.state_index.close_waiters)
+    serve(app, host=settings.host, port=settings.port, graceful_s=settings.shutdown_grace_s,
+          access_log=settings.access_log, on_shutdown=tuple(hooks))
 
 
 if __name__ == "__main__":

@@ -1,22 +1,31 @@
-"""The HTTP protocol every Switchboard server runs under uvicorn: uvicorn's httptools protocol,
-plus a deadline for a new connection's first request.
+"""How every Switchboard process serves HTTP: `serve()` (uvicorn under the guarded protocol, the
+app's lifespan, SIGTERM/SIGINT as a graceful shutdown, TLS when configured). Called by the `main()`
+of the gateway, shard, vLLM sidecar, cache node and control plane.
 
-    uvicorn.run(app, host=h, port=p, http=GuardedHttpProtocol)
+    serve(app, host="127.0.0.1", port=8101)                               # blocks until SIGTERM
+    serve(app, host=h, port=p, graceful_s=settings.shutdown_grace_s, on_shutdown=registry.close_waiters)
+
+The protocol (`GuardedHttpProtocol`) is uvicorn's httptools protocol plus a deadline for a new
+connection's first request.
 
 uvicorn arms its keep-alive timer only after a first response (Kludex/uvicorn#1192), so a
 client that connects and never sends a byte holds a connection forever: the cheapest
 slowloris. Here a connection that has not started a request within
 :data:`FIRST_REQUEST_TIMEOUT_S` is closed. A request whose headers arrived but whose body
-stalls is handled by the application (408, see `data_plane.protocol.read_body`).
+stalls is handled by the application (408, see `data_plane.common.http_body.read_body`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 from typing import Any
 
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from data_plane.common.tls import TlsConfig
 
 FIRST_REQUEST_TIMEOUT_S = 10.0
 
@@ -47,6 +56,33 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._first_request_timer = None
         if not self.transport.is_closing():
             self.transport.close()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus hooks run the moment shutdown starts (before in-flight requests are waited
+    for): e.g. a registry answering its blocking queries at once instead of after their wait."""
+
+    def __init__(self, config: uvicorn.Config, on_shutdown: tuple[Callable[[], None], ...]) -> None:
+        super().__init__(config)
+        self._on_shutdown = on_shutdown
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        for hook in self._on_shutdown:
+            hook()
+        await super().shutdown(sockets)
+
+
+def serve(app: Any, *, host: str, port: int, graceful_s: float = 5.0, access_log: bool = False,
+          on_shutdown: Callable[[], None] | tuple[Callable[[], None], ...] = ()) -> None:
+    """Serve `app` on host:port until SIGTERM/SIGINT, then give in-flight requests `graceful_s`
+    seconds and run the lifespan's shutdown. Logging stays as the process configured it
+    (`configure_process`): uvicorn's start/stop lines at INFO, no access log unless `access_log`.
+    TLS from the environment (data_plane/common/tls.py)."""
+    hooks = (on_shutdown,) if callable(on_shutdown) else tuple(on_shutdown)
+    config = uvicorn.Config(app, host=host, port=port, http=GuardedHttpProtocol, lifespan="on",
+                            access_log=access_log, log_config=None, timeout_graceful_shutdown=graceful_s,
+                            **TlsConfig.from_env().uvicorn_kwargs())
+    _Server(config, hooks).run()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

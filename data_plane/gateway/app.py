@@ -327,17 +327,12 @@ class GatewayApp:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import uvicorn
-
+    from data_plane.common.http_server import serve
     from data_plane.common.settings_cli import parse_settings
 
     settings = parse_settings(GatewaySettings, argv, prog="switchboard gateway")
     configure_process("switchboard-gateway")
-    gw = build_gateway(settings)
-    from data_plane.common.http_server import GuardedHttpProtocol
-
-    uvicorn.run(create_app(gw), host=settings.host, port=settings.port, log_level="warning", http=GuardedHttpProtocol,
-                timeout_graceful_shutdown=5, **TlsConfig.from_env().uvicorn_kwargs())
+    serve(create_app(build_gateway(settings)), host=settings.host, port=settings.port)
 
 
 if __name__ == "__main__":

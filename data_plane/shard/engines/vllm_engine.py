@@ -26,7 +26,7 @@ import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from data_plane.common.http_server import free_port
+from data_plane.common.http_server import free_port, serve
 from data_plane.common.telemetry import fastapi_options
 
 if TYPE_CHECKING:
@@ -138,6 +138,4 @@ def create_sidecar(settings: ShardSettings) -> FastAPI:
 
 
 def run_sidecar(settings: ShardSettings) -> None:
-    import uvicorn
-
-    uvicorn.run(create_sidecar(settings), host=settings.host, port=settings.port, log_level="warning")
+    serve(create_sidecar(settings), host=settings.host, port=settings.port)
