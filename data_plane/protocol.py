@@ -320,33 +320,3 @@ def parse_chat_request(raw: bytes, content_type: str | None) -> ChatCompletionRe
         raise InvalidRequest(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param) from None
     req.check_supported()
     return req
-
-
-BODY_TIMEOUT_S = 30.0
-"""A client that stops sending its body for this long gets 408 (slowloris)."""
-
-
-async def read_body(request: Any, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
-    """Read a Starlette request body: 413 past `limit` bytes (never buffering more), 408 when the
-    client stalls for `timeout_s`."""
-    import asyncio
-
-    from data_plane.common.errors import PayloadTooLarge, RequestTimeout
-
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-    chunks, size = [], 0
-    loop = asyncio.get_running_loop()
-    try:
-        # One timer for the whole body, pushed back as each chunk arrives (no Task per chunk).
-        async with asyncio.timeout(timeout_s) as deadline:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-                chunks.append(chunk)
-                deadline.reschedule(loop.time() + timeout_s)
-    except TimeoutError:
-        raise RequestTimeout(f"the request body did not arrive within {timeout_s:.0f} s") from None
-    return b"".join(chunks)

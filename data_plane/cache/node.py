@@ -28,16 +28,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
-import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -46,17 +43,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from data_plane.cache.kv_routes import mount_kv
 from data_plane.cache.model import SECONDS_BUCKETS, Transcript, VersionConflict, validate_session_id
 from data_plane.cache.storage import ManagedStorage, MemoryStorage, RedisStorage
-from data_plane.common.errors import (
-    InvalidRequest,
-    NotFound,
-    PayloadTooLarge,
-    SwitchboardError,
-    UnsupportedMediaType,
-    install_error_handlers,
-)
+from data_plane.common.errors import NotFound, SwitchboardError, install_error_handlers
+from data_plane.common.http_body import read_json_body
 from data_plane.common.hop_auth import cluster_token_from_env, guarded, require_cluster_token
+from data_plane.common.http_server import serve
 from data_plane.membership.factory import MEMBERSHIP_URL_PATTERN, membership_from_url
 from data_plane.common.tls import TlsConfig
 from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
@@ -94,6 +87,10 @@ class CacheNodeSettings(BaseSettings):
     """Default record TTL when a PUT leaves ``ttl_s`` null."""
     max_body_bytes: int = Field(4 * MiB, ge=1024, le=256 * MiB)
     """Largest accepted PUT body (413 beyond)."""
+    kv_max_bytes: int = Field(512 * MiB, ge=0, le=1 << 40)
+    """In-memory backend: bytes of KV blocks kept before LRU eviction (their own budget, data_plane/cache/kv_store.py)."""
+    kv_max_body_bytes: int = Field(64 * MiB, ge=1024, le=1 << 30)
+    """Largest accepted KV store body (413 beyond)."""
     node_id: str | None = None
     """Member id (default ``cache-<hostname>-<port>``)."""
     zone: str = Field(DEFAULT_ZONE, pattern=ZONE_PATTERN)
@@ -239,26 +236,6 @@ class _Result:
 # -- HTTP -----------------------------------------------------------------------------------
 
 
-async def read_json_body(request: Request, limit: int) -> Any:
-    """The request's JSON body, refusing more than `limit` bytes (413) or non-JSON (400/415)."""
-    ctype = request.headers.get("content-type", "")
-    if ctype and "json" not in ctype.lower():
-        raise UnsupportedMediaType("request body must be application/json")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError):
-        raise InvalidRequest("request body is not valid JSON", code="invalid_json") from None
-
-
 def create_app(
     settings: CacheNodeSettings,
     storage: ManagedStorage | None = None,
@@ -278,6 +255,8 @@ def create_app(
         async with contextlib.AsyncExitStack() as stack:
             await store.start()
             stack.push_async_callback(store.aclose)
+            await kv.store.start()
+            stack.push_async_callback(kv.store.aclose)
             if settings.membership or settings.registry:
                 await _register(settings, store, stack)
             log.info("cache node %s serving on %s (backend %s)", node_id, settings.url, store.backend)
@@ -293,6 +272,7 @@ def create_app(
     if cluster_token is None:
         log.warning("no cluster token (SWITCHBOARD_CLUSTER_TOKEN): anyone who reaches this port can read and "
                     "write session records (they are sealed by the gateway, but can be deleted)")
+    kv = mount_kv(app, settings, hop, node_id, registry)  # KV blocks: data_plane/cache/kv_routes.py
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -355,6 +335,7 @@ def create_app(
         with metrics.track("delete", request, node_id) as op:
             validate_session_id(session_id)
             deleted = await store.delete(session_id)
+            await kv.store.drop_session(session_id)  # its KV blocks go with it
             op.result = "hit" if deleted else "miss"
             return JSONResponse({"session_id": session_id, "deleted": deleted})
 
@@ -411,8 +392,4 @@ def parse_settings(argv: list[str] | None) -> CacheNodeSettings:
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     configure_process("switchboard-cache-node")
-    app = create_app(settings, cluster_token=cluster_token_from_env())
-    from data_plane.common.http_server import GuardedHttpProtocol
-
-    uvicorn.run(app, host=settings.host, port=settings.port, access_log=False, http=GuardedHttpProtocol,
-                **TlsConfig.from_env().uvicorn_kwargs())
+    serve(create_app(settings, cluster_token=cluster_token_from_env()), host=settings.host, port=settings.port)

@@ -54,10 +54,8 @@ from data_plane.common.errors import (
     render,
 )
 from data_plane.gateway.stream import CLIENT_CLOSED_STATUS, Completion
-from data_plane.protocol import (
-    parse_chat_request,
-    read_body,
-)
+from data_plane.common.http_body import read_body
+from data_plane.protocol import parse_chat_request
 from data_plane.gateway.ratelimit.limiter import (
     Grant,
 )

@@ -49,8 +49,8 @@ from data_plane.protocol import (
     completion_body,
     new_completion_id,
     parse_chat_request,
-    read_body,
 )
+from data_plane.common.http_body import read_body
 from data_plane.shard.metrics import MetricsListener, ShardMetrics
 from data_plane.common.hop_auth import cluster_token_from_env, guarded
 from data_plane.common.tls import TlsConfig
@@ -445,8 +445,7 @@ class _Run:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import uvicorn
-
+    from data_plane.common.http_server import serve
     from data_plane.common.settings_cli import parse_settings
 
     settings = parse_settings(ShardSettings, argv, prog="switchboard shard")
@@ -456,11 +455,7 @@ def main(argv: list[str] | None = None) -> None:
 
         run_sidecar(settings)
         return
-    app = create_app(settings)
-    from data_plane.common.http_server import GuardedHttpProtocol
-
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", timeout_graceful_shutdown=5,
-                http=GuardedHttpProtocol, **TlsConfig.from_env().uvicorn_kwargs())
+    serve(create_app(settings), host=settings.host, port=settings.port)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
-from data_plane.protocol import BODY_TIMEOUT_S, ChatCompletionRequest
+from data_plane.common.http_body import BODY_TIMEOUT_S
+from data_plane.protocol import ChatCompletionRequest
 from tests.reliability.common import report
 from tests.reliability.inputs import CASES
 from tests.support.chat import assert_no_leak, assert_openai_error, chat
@@ -289,7 +290,7 @@ def test_idle_and_half_open_connections_do_not_hurt_serving(cluster: Cluster) ->
 
 @pytest.mark.slow
 def test_headers_without_body_get_408_after_the_body_timeout(cluster: Cluster) -> None:
-    """No flag shortens the gateway's body timeout (data_plane/protocol.py BODY_TIMEOUT_S = 30 s)."""
+    """No flag shortens the gateway's body timeout (data_plane/common/http_body.py BODY_TIMEOUT_S = 30 s)."""
     s = _raw_request_head(cluster.gateway.port, KEYS["plus"], 100)
     s.settimeout(BODY_TIMEOUT_S + 15)
     t0 = time.monotonic()

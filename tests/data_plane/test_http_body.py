@@ -1,0 +1,52 @@
+"""One body reader for every process (data_plane/common/http_body.py): 413, 408, 415, 400."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from data_plane.common.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
+from data_plane.common.http_body import read_body, read_json_body
+
+
+class _Request:
+    """What read_body needs of a Starlette request: headers and stream()."""
+
+    def __init__(self, chunks: list[bytes], headers: dict[str, str] | None = None, stall_after: int | None = None):
+        self.headers = headers or {}
+        self._chunks = chunks
+        self._stall_after = stall_after
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        for i, chunk in enumerate(self._chunks):
+            if self._stall_after is not None and i >= self._stall_after:
+                await asyncio.sleep(3600)
+            yield chunk
+
+
+def test_reads_every_chunk() -> None:
+    assert asyncio.run(read_body(_Request([b"ab", b"cd"]), 10)) == b"abcd"
+
+
+def test_too_large_declared_or_streamed() -> None:
+    with pytest.raises(PayloadTooLarge):
+        asyncio.run(read_body(_Request([b"x"], {"content-length": "11"}), 10))
+    with pytest.raises(PayloadTooLarge):
+        asyncio.run(read_body(_Request([b"123456", b"789012"]), 10))
+
+
+def test_a_stalled_body_is_a_408() -> None:
+    with pytest.raises(RequestTimeout):
+        asyncio.run(read_body(_Request([b"{", b"}"], stall_after=1), 10, timeout_s=0.05))
+
+
+def test_json_body_of_the_cache_node_has_the_same_timeout() -> None:
+    with pytest.raises(RequestTimeout):
+        asyncio.run(read_json_body(_Request([b"{", b"}"], stall_after=1), 10, timeout_s=0.05))
+    assert asyncio.run(read_json_body(_Request([b'{"a":', b"1}"]), 100)) == {"a": 1}
+    with pytest.raises(InvalidRequest):
+        asyncio.run(read_json_body(_Request([b"{"]), 100))
+    with pytest.raises(UnsupportedMediaType):
+        asyncio.run(read_json_body(_Request([b"{}"], {"content-type": "text/plain"}), 100))
