@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from control_plane.scaling.actuators.local import LocalActuator
 from control_plane.admin.api import AdminContext, bearer_guard, build_admin_router
-from control_plane.scaling.autoscaler import add_autoscaler_flags, build_autoscaler
+from control_plane.scaling.loop import add_autoscaler_flags, build_autoscaler
 from control_plane.degradation import DegradationController, DegradationMetrics, ladder_config
 from control_plane.registry.consul import ConsulMembers
 from control_plane.policy_store import open_store

@@ -91,7 +91,7 @@ class ControlPlaneSettings(BaseSettings):
     degradation_raise_queue_time_s: float = Field(default=2.0, gt=0.5, le=600.0)
     """Queue time p95 (admission wait + shard queue) above which the ladder rises (with a queue)."""
 
-    # -- signals and autoscaling (control_plane/signals/, scaling/autoscaler.py, actuators/) ----------
+    # -- signals and autoscaling (control_plane/signals/, scaling/ policy + loop, actuators/) ----------
     prometheus: str | None = Field(default=None, pattern=r"^https?://")
     """Prometheus base URL: read the signals with PromQL instead of scraping members' /metrics."""
     signals_window_s: float = Field(default=30.0, ge=1.0, le=3600.0)

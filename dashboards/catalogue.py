@@ -94,7 +94,7 @@ def _cache_node(registry: CollectorRegistry) -> list[object]:
 
 
 def _control_plane(registry: CollectorRegistry) -> list[object]:
-    from control_plane.scaling.autoscaler import AutoscalerMetrics
+    from control_plane.scaling.loop import AutoscalerMetrics
     from control_plane.degradation import DegradationMetrics
     from control_plane.registry.embedded import RegistryMetrics
     from control_plane.settings import DEFAULT_SERVICES

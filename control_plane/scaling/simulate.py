@@ -9,7 +9,7 @@
 The trace is CSV (header row) or JSON (a list of objects, or ``{"points": [...]}``) with
 ``time_s`` and either ``arrival_rate`` (requests/s arriving; the queue is modelled) or
 ``waiting`` (requests waiting in total, replayed as observed); values are interpolated linearly
-between points. The same :class:`~control_plane.scaling.autoscaler.TargetTracking` the control plane
+between points. The same :class:`~control_plane.scaling.policy.TargetTracking` the control plane
 runs decides every ``--interval-s`` on signals built from a fluid model of the shards:
 
 - each ready shard runs up to ``slots`` requests at once, each taking ``service_time_s``,
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from control_plane.scaling.autoscaler import PolicyConfig, TargetTracking
+from control_plane.scaling.policy import PolicyConfig, TargetTracking
 from control_plane.signals.model import ShardSignal, Signals
 
 

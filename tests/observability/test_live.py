@@ -36,7 +36,7 @@ MUST_HAVE_DATA = {"overview.json", "data-plane.json", "control-plane.json"}
 
 NEEDS_AUTOSCALER = "switchboard_autoscaler_"
 """Panels selecting these series may be empty: the control plane creates AutoscalerMetrics only with
-``--autoscale`` (control_plane.scaling.autoscaler.build_autoscaler), which the test Cluster does not pass, and
+``--autoscale`` (control_plane.scaling.loop.build_autoscaler), which the test Cluster does not pass, and
 an autoscaler here would start and stop shards of its own. They must still parse; the test asserts
 the control plane really exports none of them, so this exemption lapses loudly if that changes."""
 
