@@ -25,7 +25,8 @@ from data_plane.shard.engines.spec_runner import verify
 from data_plane.shard.engines.speculation import NgramIndex, SeqSpec, accept_greedy, accept_sampled, target_probs
 
 if TYPE_CHECKING:
-    from data_plane.shard.engines.torch_engine import TorchEngine, _Sequence
+    from data_plane.shard.engines.torch_config import SeqState
+    from data_plane.shard.engines.torch_engine import TorchEngine
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +40,14 @@ class Speculator:
         self.min_n = min_n
         self.max_n = max_n
 
-    def _state(self, seq: _Sequence) -> SeqSpec:
+    def _state(self, seq: SeqState) -> SeqSpec:
         if seq.spec is None:
             seq.spec = SeqSpec(max_k=self.max_k, miss_limit=self.miss_limit,
                                index=NgramIndex(self.min_n, self.max_n))
             seq.spec_ctx = list(seq.req.prompt_ids)
         return seq.spec
 
-    def _draft(self, seq: _Sequence, max_model_len: int) -> list[int]:
+    def _draft(self, seq: SeqState, max_model_len: int) -> list[int]:
         state = self._state(seq)
         ctx = seq.spec_ctx
         ctx.extend(seq.output_ids[len(ctx) - len(seq.req.prompt_ids):])
@@ -56,7 +57,7 @@ class Speculator:
         k = min(state.draft_len(), room)
         return state.index.propose(ctx, k) if k > 0 else []
 
-    def step(self, eng: TorchEngine, batch: Sequence[_Sequence]) -> bool:
+    def step(self, eng: TorchEngine, batch: Sequence[SeqState]) -> bool:
         """One speculative decode step over `batch` (the running sequences, slots 0..n-1); False
         (nothing done) when no sequence has a draft or the batch is above `max_batch`."""
         if len(batch) > self.max_batch:

@@ -1,0 +1,118 @@
+"""The torch engine's configuration, per-sequence state and metrics hooks.
+
+    config = EngineConfig(dtype="float32", max_num_seqs=8)   # validated on construction
+    engine = TorchEngine(config, listener=MyListener())       # a StepListener subclass
+
+Imported by the engine's modules (torch_engine, torch_admission, torch_step, torch_spec), by the
+shard (data_plane/shard/app.py) and by the bench; it holds no behaviour beyond validation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from data_plane.shard.engines.base import GenerationOutput, GenerationRequest, TextStream
+from data_plane.shard.engines.kv_cache import DEFAULT_BLOCK_SIZE
+from data_plane.shard.engines.speculation import SeqSpec
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None
+    """Local HF folder or GGUF file; None = the default SmolLM2-135M-Instruct."""
+    dtype: str = "bfloat16"
+    """bfloat16 (fast) or float32 (batch-invariant greedy output)."""
+    max_num_seqs: int = 16
+    """Sequences decoded together (KV slots), 1..256."""
+    max_model_len: int = 2048
+    """Context window served (prompt + output), capped by the model's own."""
+    prefill_chunk: int = 256
+    """Prompt tokens processed per scheduler iteration, so long prompts don't stall decoding."""
+    max_waiting: int = 256
+    """Queue bound; beyond it new requests get 503 with Retry-After."""
+    threads: int = 0
+    """torch intra-op threads; 0 = all cores."""
+    prefix_caching: bool = True
+    """Keep KV after requests end and reuse the longest cached prompt prefix."""
+    prefix_cache_bytes: int = 0
+    """Byte budget of the prefix cache; 0 = auto (1/16 of RAM, at most 1 GiB)."""
+    kv_block_size: int = DEFAULT_BLOCK_SIZE
+    """Tokens per prefix-cache block, 1..1024 (the reuse granularity)."""
+    speculation: str = "off"
+    """ngram (prompt-lookup drafts verified in the decode pass, data_plane/shard/engines/torch_spec.py) or off."""
+    num_speculative_tokens: int = 4
+    """Most draft tokens per sequence and step, 1..16."""
+    spec_max_batch: int = 4
+    """No drafting while more sequences than this run, 1..256 (measured: docs/BENCHMARKS.md)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}")
+        if not 1 <= self.max_num_seqs <= 256:
+            raise ValueError("max_num_seqs must be in 1..256")
+        if not 16 <= self.max_model_len <= 131072:
+            raise ValueError("max_model_len must be in 16..131072")
+        if not 1 <= self.prefill_chunk <= 8192:
+            raise ValueError("prefill_chunk must be in 1..8192")
+        if not 1 <= self.kv_block_size <= 1024:
+            raise ValueError("kv_block_size must be in 1..1024")
+        if self.prefix_cache_bytes < 0:
+            raise ValueError("prefix_cache_bytes must be >= 0 (0 = auto)")
+        if self.speculation not in ("ngram", "off"):
+            raise ValueError("speculation must be ngram or off")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in 1..16")
+        if not 1 <= self.spec_max_batch <= 256:
+            raise ValueError("spec_max_batch must be in 1..256")
+
+
+@dataclass
+class SeqState:
+    """One request inside the engine, from admission to finish (scheduler thread only)."""
+
+    req: GenerationRequest
+    max_tokens: int
+    sink: Callable[[GenerationOutput], None]
+    stream: TextStream
+    generator: torch.Generator | None
+    slot: int = -1
+    prefilled: int = 0
+    length: int = 0  # tokens in the KV cache
+    last_token: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    admitted_at: float = 0.0
+    prefill_done_at: float = 0.0
+    first_token_at: float | None = None
+    finished: bool = False
+    block_hashes: list[bytes] = field(default_factory=list)  # the prompt's full blocks
+    cached: int = 0  # prompt tokens whose KV came from the prefix cache
+    held: list[int] = field(default_factory=list)  # prefix-cache blocks referenced by this sequence
+    spec: SeqSpec | None = None  # speculation state (data_plane/shard/engines/torch_spec.py), when drafting is on
+    spec_ctx: list[int] = field(default_factory=list)  # prompt + output, append-only, for the n-gram index
+
+
+class StepListener:
+    """Hooks the shard's metrics into the scheduler (called from the engine thread)."""
+
+    def on_step(self, batch_size: int, step_s: float, kind: str) -> None: ...
+
+    def on_first_token(self, seq_ttft_s: float) -> None: ...
+
+    def on_token(self, itl_s: float) -> None: ...
+
+    def on_admit(self, queue_s: float) -> None: ...
+
+    def on_prefix_lookup(self, queried_tokens: int, hit_tokens: int) -> None: ...
+
+    def on_kv_evict(self, reason: str, blocks: int) -> None: ...
+
+    def on_tokens_restored(self, replies: int) -> None: ...
+
+    def on_iteration_tokens(self, tokens: int) -> None: ...
+
+    def on_spec_draft(self, drafted: int, accepted: int) -> None: ...
