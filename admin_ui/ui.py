@@ -213,7 +213,7 @@ _TILE_DELTA = {"ok": ("OK", "green"), "warn": ("watch", "orange"), "bad": ("brea
 
 
 def tiles(tiles: list[Any], per_row: int = 4) -> None:
-    """SLO tiles (:class:`admin_ui.views.Tile`) as bordered metrics with sparklines and a status word."""
+    """SLO tiles (:class:`admin_ui.views.signals.Tile`) as bordered metrics with sparklines and a status word."""
     for start in range(0, len(tiles), per_row):
         cols = st.columns(per_row)
         for col, tile in zip(cols, tiles[start:start + per_row]):

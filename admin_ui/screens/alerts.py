@@ -8,7 +8,9 @@ import time
 import pandas as pd
 import streamlit as st
 
-from admin_ui import ui, views
+from admin_ui import ui
+from admin_ui.views.alerts import alert_rows
+from admin_ui.views.read import fmt_age, fmt_time
 
 ui.header("Alerts", "Firing alerts from Alertmanager or Prometheus when configured, else the control plane's "
                     "built-in checks.")
@@ -50,9 +52,9 @@ def _frame(rows: list[dict], resolved: bool = False) -> pd.DataFrame:
         "severity": r["severity"] or "—",
         "alert": r["name"],
         "summary": r["summary"],
-        "since": views.fmt_time(r["since"] or r.get("first_seen")),
-        **({"resolved": views.fmt_time(r.get("resolved_at"))} if resolved else
-           {"for": views.fmt_age(time.time() - (r["since"] or r.get("first_seen") or time.time())).replace(" ago", "")}),
+        "since": fmt_time(r["since"] or r.get("first_seen")),
+        **({"resolved": fmt_time(r.get("resolved_at"))} if resolved else
+           {"for": fmt_age(time.time() - (r["since"] or r.get("first_seen") or time.time())).replace(" ago", "")}),
         "labels": r["labels"],
     } for r in rows])
 
@@ -62,7 +64,7 @@ def body(c: ui.Console) -> None:
     payload = ui.fetch("Alerts", c.admin.alerts)
     if payload is None:
         return
-    rows = views.alert_rows(payload)
+    rows = alert_rows(payload)
     firing = [r for r in rows if r["state"] == "firing"]
     source = payload.get("source", "?")
     st.caption(f"Source: **{source}**")

@@ -5,7 +5,10 @@ from __future__ import annotations
 import altair as alt
 import streamlit as st
 
-from admin_ui import ui, views
+from admin_ui import ui
+from admin_ui.views.decisions import decisions_frame, replicas_frame
+from admin_ui.views.read import fmt_seconds, items, num
+from admin_ui.views.signals import SignalsView, split_signals
 
 ui.header("Autoscaler", "Target tracking on waiting requests per shard and TTFT p95 against the SLO. "
                         "Fast up, slow down; never acts on incomplete signals.")
@@ -33,8 +36,8 @@ def _replicas_chart(frame) -> alt.LayerChart:
 def body(c: ui.Console) -> None:
     payload = ui.fetch("Decisions", c.admin.decisions)
     signals = ui.fetch("Signals", c.admin.signals, quiet_unavailable=True)
-    latest, history = views.split_signals(signals)
-    decisions = [d for d in views.items(payload, "decisions") if isinstance(d, dict)]
+    latest, history = split_signals(signals)
+    decisions = [d for d in items(payload, "decisions") if isinstance(d, dict)]
     running = payload.get("autoscaler", True) if isinstance(payload, dict) else None
     if running is False:
         st.info("No autoscaler runs on this control plane (start it with `--autoscale`). "
@@ -42,26 +45,26 @@ def body(c: ui.Console) -> None:
 
     last = decisions[-1] if decisions else {}
     cols = st.columns(5)
-    healthy = views.num(latest.get("healthy_shards"))
+    healthy = num(latest.get("healthy_shards"))
     cols[0].metric("Healthy shards", "—" if healthy is None else f"{healthy:.0f}", border=True)
-    desired = views.num(last.get("to"))
+    desired = num(last.get("to"))
     cols[1].metric("Desired", "—" if desired is None else f"{desired:.0f}", border=True,
                    delta=None if not last else str(last.get("action")), delta_arrow="off",
                    delta_color={"scale_up": "orange", "scale_down": "blue", "error": "red"}.get(  # type: ignore[arg-type]
                        str(last.get("action")), "gray"))
-    sig = views.SignalsView.from_api(latest)
+    sig = SignalsView.from_api(latest)
     waiting = sig.waiting_per_shard
     cols[2].metric("Waiting / shard", "—" if waiting is None else f"{waiting:.1f}", border=True,
                    help="Mean queued requests per passing shard: the target-tracking input.")
     load, cap = sig.load_per_shard, sig.capacity_per_shard
     cols[3].metric("Load / shard", "—" if load is None else f"{load:.1f}" + (f" / {cap:.0f}" if cap else ""),
                    border=True, help="Mean running + waiting requests per passing shard / its batch slots.")
-    cols[4].metric("TTFT p95", views.fmt_seconds(sig.ttft_p95_s), border=True,
-                   delta=f"beyond prefill {views.fmt_seconds(sig.ttft_excess_p95_s)}", delta_arrow="off",
+    cols[4].metric("TTFT p95", fmt_seconds(sig.ttft_p95_s), border=True,
+                   delta=f"beyond prefill {fmt_seconds(sig.ttft_excess_p95_s)}", delta_arrow="off",
                    delta_color="gray",
                    help="Raw TTFT grows with the prompt (prefill) and is never acted on; the autoscaler and the "
                         "ladder read TTFT beyond prefill and the queue time, with a queue or busy batches.")
-    st.caption(f"Queue time p95 {views.fmt_seconds(sig.queue_time_p95_s)} · batches "
+    st.caption(f"Queue time p95 {fmt_seconds(sig.queue_time_p95_s)} · batches "
                f"{'—' if sig.batch_usage is None else f'{sig.batch_usage:.0%}'} full · KV "
                f"{'—' if sig.kv_usage is None else f'{sig.kv_usage:.0%}'}: what overload means here.")
     if latest and not sig.complete:
@@ -69,7 +72,7 @@ def body(c: ui.Console) -> None:
                    icon=":material/warning:")
 
     st.subheader("Replicas against demand", divider="gray")
-    frame = views.replicas_frame(history, decisions)
+    frame = replicas_frame(history, decisions)
     if frame.empty:
         st.caption("No history yet: the chart fills as the control plane reads signals.")
     else:
@@ -84,7 +87,7 @@ def body(c: ui.Console) -> None:
     every_tick = st.session_state.get("decisions_every_tick", False)
     shown = decisions if every_tick else [d for d in decisions[:-1] if d.get("action") not in ("hold", "steady")] + [
         decisions[-1]]
-    table = views.decisions_frame(shown).drop(columns=["healthy_shards"])
+    table = decisions_frame(shown).drop(columns=["healthy_shards"])
     st.dataframe(ui.colour_words(table, ["action"]), hide_index=True, width="stretch", placeholder="—",
                  column_config={
         "time": st.column_config.DatetimeColumn("When", format="HH:mm:ss"),

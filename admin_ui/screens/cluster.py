@@ -6,7 +6,10 @@ import time
 
 import streamlit as st
 
-from admin_ui import ui, views
+from admin_ui import ui
+from admin_ui.views.cluster import members_frame, status_counts
+from admin_ui.views.read import items
+from admin_ui.views.signals import split_signals
 
 ui.header("Cluster", "Every registered process. Shard load and KV usage come from the control plane's last scrape.")
 
@@ -50,16 +53,16 @@ def body(c: ui.Console) -> None:
     if members is None:
         return
     signals = ui.fetch("Signals", c.admin.signals, quiet_unavailable=True)
-    latest, _ = views.split_signals(signals)
-    member_list = views.items(members, "members")
+    latest, _ = split_signals(signals)
+    member_list = items(members, "members")
     if members.get("warming_up"):
         st.info("The registry restarted recently: members are still re-registering.", icon=":material/hourglass_top:")
     if not member_list:
         st.warning("No members registered. Start shards, cache nodes and a gateway (`switchboard up`).", icon=":material/search_off:")
         return
 
-    frame = views.members_frame(member_list, latest, now=time.time())
-    counts = views.status_counts(member_list)
+    frame = members_frame(member_list, latest, now=time.time())
+    counts = status_counts(member_list)
     cols = st.columns(len(counts) or 1)
     for col, (service, by_status) in zip(cols, sorted(counts.items())):
         total = sum(by_status.values())

@@ -8,7 +8,8 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from admin_ui import ui, views
+from admin_ui import ui
+from admin_ui.views.read import fmt_age, fmt_time, items, num
 
 ui.header("Degradation", "0 normal → 1 shrink context → 2 cap output → 3 shed free tier → 4 enterprise only. "
                          "Raised and lowered automatically with hysteresis unless an operator pins a level.")
@@ -33,31 +34,31 @@ def body(c: ui.Console) -> None:
     d = ui.fetch("Degradation", c.admin.degradation)
     if d is None:
         return
-    level = int(views.num(d.get("level")) or 0)
+    level = int(num(d.get("level")) or 0)
     pinned = bool(d.get("pinned"))
-    since = views.num(d.get("since"))
+    since = num(d.get("since"))
     head = f"## :{ui.LEVEL_COLORS.get(level, 'gray')}[Level {level} — {ui.LEVEL_LABELS.get(level, d.get('name'))}]"
     st.markdown(head + (" &nbsp; :orange-badge[:material/push_pin: pinned by operator]" if pinned else
                         " &nbsp; :blue-badge[automatic]"))
     st.markdown(f"**Why:** {d.get('reason') or '—'}  \n"
-                f"**Since:** {views.fmt_time(since)} ({views.fmt_age(time.time() - since if since else None)})")
+                f"**Since:** {fmt_time(since)} ({fmt_age(time.time() - since if since else None)})")
     _ladder(level)
 
     auto = d.get("automatic") or {}
     verdict = str(auto.get("verdict", "?"))
     reasons = "; ".join(str(r) for r in auto.get("reasons") or []) or "—"
     st.markdown(f"**Automatic rule:** {ui.badge(verdict, VERDICT_COLORS.get(verdict, 'gray'))} {reasons}  \n"
-                f"calm for {views.num(auto.get('calm_for_s')) or 0:.0f} s · level held for "
-                f"{views.num(auto.get('held_for_s')) or 0:.0f} s · dwell up {auto.get('raise_dwell_s', '?')} s / "
+                f"calm for {num(auto.get('calm_for_s')) or 0:.0f} s · level held for "
+                f"{num(auto.get('held_for_s')) or 0:.0f} s · dwell up {auto.get('raise_dwell_s', '?')} s / "
                 f"down {auto.get('lower_dwell_s', '?')} s" + (" · *ignored while pinned*" if pinned else ""))
 
-    history = [e for e in views.items(d, "history") if isinstance(e, dict)]
+    history = [e for e in items(d, "history") if isinstance(e, dict)]
     st.subheader("History", divider="gray")
     if not history:
         st.caption("No level changes yet.")
         return
     frame = pd.DataFrame([{
-        "time": pd.Timestamp(views.num(e.get("at")) or 0, unit="s", tz="UTC"),
+        "time": pd.Timestamp(num(e.get("at")) or 0, unit="s", tz="UTC"),
         "change": f"L{e.get('from')} → L{e.get('to')}",
         "level": e.get("to"),
         "actor": str(e.get("actor", "")) + (" (pin)" if e.get("pinned") else ""),

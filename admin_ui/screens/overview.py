@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import streamlit as st
 
-from admin_ui import ui, views
+from admin_ui import ui
+from admin_ui.views.alerts import alert_rows
+from admin_ui.views.cluster import members_frame, status_counts
+from admin_ui.views.read import items, num
+from admin_ui.views.signals import overview_tiles, split_signals
+from admin_ui.views.tiers import tier_history_frame
 
 ui.header("Overview", "Service-level figures over the control plane's signal window, refreshed live.")
 
@@ -15,28 +20,28 @@ def body(c: ui.Console) -> None:
     degradation = ui.fetch("Degradation", c.admin.degradation, quiet_unavailable=True)
     members = ui.fetch("Members", c.admin.members)
     alerts = ui.fetch("Alerts", c.admin.alerts, quiet_unavailable=True)
-    latest, history = views.split_signals(signals)
-    member_list = views.items(members, "members")
+    latest, history = split_signals(signals)
+    member_list = items(members, "members")
 
     _status_strip(latest, degradation, member_list, alerts)
-    ui.tiles(views.overview_tiles(latest, history, degradation))
+    ui.tiles(overview_tiles(latest, history, degradation))
 
     if latest and not latest.get("complete", True):
-        missing = ", ".join(str(m) for m in views.items(latest, "missing")) or "unknown"
+        missing = ", ".join(str(m) for m in items(latest, "missing")) or "unknown"
         st.warning(f"**Signals incomplete** — the autoscaler and the ladder hold still until they are whole. "
                    f"Missing: {missing}", icon=":material/warning:")
 
     left, right = st.columns(2)
     with left:
         st.subheader("Demand by tier", divider="gray")
-        demand = views.tier_history_frame(history, "demand_by_tier")
+        demand = tier_history_frame(history, "demand_by_tier")
         if demand.empty:
             st.caption("No per-tier demand yet (no gateway traffic in the window).")
         else:
             st.area_chart(demand, x="time", y="value", color="tier", y_label="req/s", x_label="", height=220)
     with right:
         st.subheader("Load per shard", divider="gray")
-        frame = views.members_frame([m for m in member_list if m.get("service") == "shard"], latest, now=0)
+        frame = members_frame([m for m in member_list if m.get("service") == "shard"], latest, now=0)
         if frame.empty:
             st.caption("No shards registered.")
         else:
@@ -46,7 +51,7 @@ def body(c: ui.Console) -> None:
 
 
 def _status_strip(latest: dict, degradation: dict | None, members: list, alerts: dict | None) -> None:
-    counts = views.status_counts(members)
+    counts = status_counts(members)
     parts = []
     for service in ("shard", "cache", "gateway"):
         c = counts.get(service, {})
@@ -55,12 +60,12 @@ def _status_strip(latest: dict, degradation: dict | None, members: list, alerts:
         color = "gray" if total == 0 else "green" if passing == total else "red" if passing == 0 else "orange"
         parts.append(ui.badge(f"{service}s {passing}/{total} passing", color))
     if degradation is not None:
-        level = int(views.num(degradation.get("level")) or 0)
+        level = int(num(degradation.get("level")) or 0)
         label = ui.LEVEL_LABELS.get(level, str(level))
         pin = " · pinned" if degradation.get("pinned") else ""
         parts.append(ui.badge(f"degradation L{level} {label}{pin}", ui.LEVEL_COLORS.get(level, "gray")))
     if alerts is not None:
-        firing = [a for a in views.alert_rows(alerts) if a["state"] == "firing"]
+        firing = [a for a in alert_rows(alerts) if a["state"] == "firing"]
         parts.append(ui.badge(f"{len(firing)} alerts firing", "red" if firing else "green"))
     if latest:
         parts.append(ui.badge("signals complete" if latest.get("complete", True) else "signals incomplete",

@@ -6,7 +6,9 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from admin_ui import ui, views
+from admin_ui import ui
+from admin_ui.views.read import fmt_ms, fmt_time, items
+from admin_ui.views.traces import is_chat_trace, short_service, traces_frame, waterfall_frames
 
 ui.header("Traces", "Recent requests assembled from every process's spans (one trace per chat request).")
 
@@ -58,16 +60,16 @@ def body(c: ui.Console) -> None:
         status=None if status == ANY else status, min_ms=float(st.session_state.get("trace_min_ms", 0)) or None))
     if payload is None:
         return
-    traces = [t for t in views.items(payload, "traces") if isinstance(t, dict)]
+    traces = [t for t in items(payload, "traces") if isinstance(t, dict)]
     if chat_only:
-        traces = [t for t in traces if views.is_chat_trace(t)][:limit]
+        traces = [t for t in traces if is_chat_trace(t)][:limit]
     broken = {k: v for k, v in (payload.get("sources") or {}).items() if v != "ok"}
     if broken:
         st.warning("Spans missing from: " + "; ".join(f"**{k}** ({v})" for k, v in broken.items()), icon=":material/extension_off:")
     if not traces:
         st.info("No traces match. Send some traffic (e.g. from the Playground) or loosen the filters.", icon=":material/search:")
     else:
-        st.dataframe(ui.colour_words(views.traces_frame(traces), ["status"]), hide_index=True, width="stretch",
+        st.dataframe(ui.colour_words(traces_frame(traces), ["status"]), hide_index=True, width="stretch",
                      height=min(36 + 35 * len(traces), 360), column_config={
             "time": st.column_config.DatetimeColumn("When", format="HH:mm:ss.SSS"),
             "status": st.column_config.TextColumn("Status", width="small"),
@@ -83,7 +85,7 @@ def body(c: ui.Console) -> None:
     picked = st.session_state.get("trace_pick")
     if picked and picked not in by_id:
         one = ui.fetch("Trace", lambda: c.admin.traces(trace_id=picked, limit=1))
-        for t in views.items(one, "traces"):
+        for t in items(one, "traces"):
             by_id[t["trace_id"]] = t
     if not by_id:
         return
@@ -91,18 +93,18 @@ def body(c: ui.Console) -> None:
 
     def label(tid: str) -> str:
         t = by_id[tid]
-        return (f"{views.fmt_time(t.get('start'))} · {t.get('root')} · {t.get('tier') or '—'} · "
-                f"{views.fmt_ms(t.get('duration_ms'))} · {t.get('status')} · {tid[:12]}…")
+        return (f"{fmt_time(t.get('start'))} · {t.get('root')} · {t.get('tier') or '—'} · "
+                f"{fmt_ms(t.get('duration_ms'))} · {t.get('status')} · {tid[:12]}…")
 
     st.subheader("Waterfall", divider="gray")
     choice = st.selectbox("Trace", options, index=options.index(picked) if picked in options else 0,
                           format_func=label)
     st.session_state["trace_pick"] = choice
     trace = by_id[choice]
-    spans, events = views.waterfall_frames(trace)
+    spans, events = waterfall_frames(trace)
     st.caption(f"Trace `{choice}` · {trace.get('span_count') or len(spans)} spans across "
-               f"{', '.join(views.short_service(s) for s in trace.get('services') or [])} · "
-               f"{views.fmt_ms(trace.get('duration_ms'))} · ticks mark span events (queue, prefill, decode…)")
+               f"{', '.join(short_service(s) for s in trace.get('services') or [])} · "
+               f"{fmt_ms(trace.get('duration_ms'))} · ticks mark span events (queue, prefill, decode…)")
     if spans.empty:
         st.caption("This trace has no spans.")
     else:

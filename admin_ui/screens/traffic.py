@@ -5,8 +5,18 @@ from __future__ import annotations
 import streamlit as st
 import yaml
 
-from admin_ui import ui, views
+from admin_ui import ui
 from admin_ui.client import ConsoleError, Rejected
+from admin_ui.views.read import fmt_time
+from admin_ui.views.signals import split_signals
+from admin_ui.views.tiers import (
+    frame_problems,
+    local_policy_problems,
+    policy_from_frame,
+    tier_history_frame,
+    tier_traffic_frame,
+    tiers_frame,
+)
 
 ui.header("Traffic & tiers", "Who is being served, who is being refused, and the one tier policy everything reads.")
 
@@ -14,14 +24,14 @@ ui.header("Traffic & tiers", "Who is being served, who is being refused, and the
 @ui.live("traffic")
 def body(c: ui.Console) -> None:
     signals = ui.fetch("Signals", c.admin.signals)
-    latest, history = views.split_signals(signals)
+    latest, history = split_signals(signals)
     policy = ui.fetch("Tier policy", c.admin.tiers, quiet_unavailable=True) or {}
     loaded = st.session_state.get("tiers_loaded")
     if policy and loaded and policy.get("updated_at") != loaded.get("updated_at"):
-        st.warning(f"The tier policy changed on the control plane at {views.fmt_time(policy.get('updated_at'))} "
+        st.warning(f"The tier policy changed on the control plane at {fmt_time(policy.get('updated_at'))} "
                    f"(by {policy.get('source', '?')}) after the editor below loaded it: press **Reload** before "
                    "editing, or Save will overwrite that change.", icon=":material/sync_problem:")
-    traffic = views.tier_traffic_frame(latest, (policy.get("tiers") or {}).keys())
+    traffic = tier_traffic_frame(latest, (policy.get("tiers") or {}).keys())
     if traffic.empty:
         st.info("No per-tier traffic in the signal window yet (no gateway requests, or no gateway registered).",
                 icon=":material/inbox:")
@@ -40,14 +50,14 @@ def body(c: ui.Console) -> None:
         })
     left, right = st.columns(2)
     with left:
-        demand = views.tier_history_frame(history, "demand_by_tier")
+        demand = tier_history_frame(history, "demand_by_tier")
         st.caption("Requests per second by tier")
         if demand.empty:
             st.caption("— no history yet —")
         else:
             st.line_chart(demand, x="time", y="value", color="tier", y_label="req/s", x_label="", height=200)
     with right:
-        rejected = views.tier_history_frame(history, "rejections_by_tier")
+        rejected = tier_history_frame(history, "rejections_by_tier")
         st.caption("Rejections per second by tier (429 rate limit, 503 shed/overload)")
         if rejected.empty:
             st.caption("— no rejections in the history —")
@@ -77,12 +87,12 @@ loaded = st.session_state.get("tiers_loaded")
 if loaded is None:
     st.info("The tier policy could not be read (see above); the editor appears once it can.", icon=":material/construction:")
 else:
-    st.caption(f"In force since {views.fmt_time(loaded.get('updated_at'))} · source **{loaded.get('source', '?')}** · "
+    st.caption(f"In force since {fmt_time(loaded.get('updated_at'))} · source **{loaded.get('source', '?')}** · "
                f"pushed to gateways as state index {loaded.get('state_index', '?')}. Lower priority is served first; "
                "the lowest shed order is shed first.")
     version = st.session_state.get("tiers_editor_version", 0)
     edited = st.data_editor(
-        views.tiers_frame(loaded), key=f"tier_editor_{version}", num_rows="dynamic", hide_index=True,
+        tiers_frame(loaded), key=f"tier_editor_{version}", num_rows="dynamic", hide_index=True,
         width="stretch",
         column_config={
             "tier": st.column_config.TextColumn("Tier", required=True, validate=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"),
@@ -108,8 +118,8 @@ else:
         _load()
         st.rerun()
 
-    def _save(policy: dict, frame_problems: list[str] | None = None) -> None:
-        problems = (frame_problems or []) + views.local_policy_problems(policy)
+    def _save(policy: dict, table_problems: list[str] | None = None) -> None:
+        problems = (table_problems or []) + local_policy_problems(policy)
         if problems:
             st.session_state["tiers_error"] = "Not saved: " + "; ".join(problems)
             return
@@ -130,7 +140,7 @@ else:
         st.rerun()
 
     if save:
-        _save(views.policy_from_frame(edited), views.frame_problems(edited))
+        _save(policy_from_frame(edited), frame_problems(edited))
 
     with st.expander("Edit as YAML (paste a whole policy file)"):
         text = st.text_area("Policy YAML", value=yaml.safe_dump({"tiers": loaded.get("tiers", {})}, sort_keys=False),

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import math
 
-from admin_ui import views
+from admin_ui.views.alerts import alert_rows
+from admin_ui.views.cluster import members_frame
+from admin_ui.views.signals import SignalsView, overview_tiles, split_signals
+from admin_ui.views.tiers import frame_problems, local_policy_problems, policy_from_frame, tiers_frame
+from admin_ui.views.traces import waterfall_frames
 
 POLICY = {"tiers": {
     "free": {"priority": 2, "rpm": 60, "tpm": 20000, "max_context_tokens": 2048, "max_output_tokens": 256,
@@ -15,18 +19,18 @@ POLICY = {"tiers": {
 
 
 def test_tier_table_round_trips_to_the_put_body():
-    frame = views.tiers_frame(POLICY)
+    frame = tiers_frame(POLICY)
     assert list(frame["tier"]) == ["enterprise", "free"]  # highest priority first
-    assert views.policy_from_frame(frame) == POLICY
+    assert policy_from_frame(frame) == POLICY
 
 
 def test_blank_cells_are_left_out_and_unnamed_or_duplicate_rows_are_flagged():
-    frame = views.tiers_frame(POLICY)
+    frame = tiers_frame(POLICY)
     frame.loc[0, "rpm"] = math.nan
-    assert "rpm" not in views.policy_from_frame(frame)["tiers"]["enterprise"]
+    assert "rpm" not in policy_from_frame(frame)["tiers"]["enterprise"]
     frame.loc[1, "tier"] = "enterprise"
-    assert any("duplicate" in p for p in views.frame_problems(frame))
-    assert views.local_policy_problems({"tiers": {"x": {"rpm": 0, "replication": 9}}}) == [
+    assert any("duplicate" in p for p in frame_problems(frame))
+    assert local_policy_problems({"tiers": {"x": {"rpm": 0, "replication": 9}}}) == [
         "x.rpm must be > 0 (got 0)", "x.replication must be 1..5 (got 9)"]
 
 
@@ -34,7 +38,7 @@ def test_a_shard_never_scraped_shows_unknown_not_zero():
     members = [{"id": "shard-0", "service": "shard", "status": "passing", "last_heartbeat": 100.0, "meta": {}}]
     latest = {"shards": [{"member_id": "shard-0", "running": None, "waiting": None, "kv_usage": None,
                           "error": "scrape failed"}]}
-    row = views.members_frame(members, latest, now=101.5).iloc[0]
+    row = members_frame(members, latest, now=101.5).iloc[0]
     assert row["running"] is None and row["utilisation"] is None and row["problem"] == "scrape failed"
     assert row["heartbeat_s"] == 1.5
 
@@ -42,9 +46,9 @@ def test_a_shard_never_scraped_shows_unknown_not_zero():
 def test_a_shards_kv_reuse_and_bytes_in_the_cluster_table():
     members = [{"id": "shard-0", "service": "shard", "status": "passing", "meta": {}}]
     latest = {"shards": [{"member_id": "shard-0", "prefix_hit_rate": 0.85, "prefix_cache_bytes": 3 * 2**20}]}
-    row = views.members_frame(members, latest, now=1.0).iloc[0]
+    row = members_frame(members, latest, now=1.0).iloc[0]
     assert row["prefix_hit_rate"] == 0.85 and row["prefix_cache_mib"] == 3.0
-    never = views.members_frame(members, {"shards": [{"member_id": "shard-0"}]}, now=1.0).iloc[0]
+    never = members_frame(members, {"shards": [{"member_id": "shard-0"}]}, now=1.0).iloc[0]
     assert never["prefix_hit_rate"] is None and never["prefix_cache_mib"] is None
 
 
@@ -53,9 +57,9 @@ def test_signals_split_and_tiles():
                                                                                                "plus": 0.5},
                           "ttft_p95_s": 0.25, "error_rate": 0.0, "tokens_per_s": 40.0, "complete": True},
                "history": [{"at": 2.0, "healthy_shards": 1}, {"at": 1.0, "healthy_shards": 2}]}
-    latest, history = views.split_signals(payload)
+    latest, history = split_signals(payload)
     assert [h["at"] for h in history] == [1.0, 2.0]
-    tiles = {t.label: t for t in views.overview_tiles(latest, history, {"level": 3, "pinned": True})}
+    tiles = {t.label: t for t in overview_tiles(latest, history, {"level": 3, "pinned": True})}
     assert tiles["Requests / s"].value == "2.0 req/s"
     assert tiles["TTFT p95"].value == "250 ms" and tiles["TTFT p95"].status == "ok"
     assert tiles["TTFT p50"].status == "absent"  # not in these signals at all
@@ -65,7 +69,7 @@ def test_signals_split_and_tiles():
 
 
 def test_alert_rows_put_firing_first():
-    rows = views.alert_rows({"source": "alertmanager", "alerts": [
+    rows = alert_rows({"source": "alertmanager", "alerts": [
         {"name": "A", "state": "resolved", "severity": "info", "summary": "", "active_at": 5},
         {"name": "B", "state": "active", "severity": "critical", "summary": "down", "labels": {"job": "x"}}]})
     assert [(r["name"], r["state"]) for r in rows] == [("B", "firing"), ("A", "resolved")]
@@ -80,7 +84,7 @@ def test_waterfall_puts_children_under_parents_with_offsets():
                        span("a", "x", "gateway.request", 1_000_000, 10_000_000),
                        span("d", "c", "shard.generate", 4_000_000, 8_000_000, "switchboard-shard"),
                        span("b", "a", "ratelimit", 1_500_000, 1_600_000)]}
-    spans, events = views.waterfall_frames(trace)
+    spans, events = waterfall_frames(trace)
     assert list(spans["name"]) == ["gateway.request", "ratelimit", "router.route", "shard.generate"]
     assert spans.iloc[0]["start_ms"] == 0 and spans.iloc[3]["duration_ms"] == 4.0
     assert list(spans["service"]) == ["gateway", "gateway", "gateway", "shard"]
@@ -91,10 +95,10 @@ def test_signals_view_reads_fields_by_attribute_and_a_missing_field_is_incomplet
     reading = {"complete": True, "missing": [], "healthy_shards": 2, "waiting_per_shard": 0.0,
                "load_per_shard": 1.0, "capacity_per_shard": 16, "batch_usage": 0.06, "kv_usage": 0.1,
                "queue_time_p95_s": 0.0, "ttft_excess_p95_s": 0.02, "prefill_p95_s": 2.4, "ttft_p95_s": 2.42}
-    sig = views.SignalsView.from_api(reading)
+    sig = SignalsView.from_api(reading)
     assert sig.complete and sig.missing == () and sig.ttft_excess_p95_s == 0.02
     renamed = {k: v for k, v in reading.items() if k != "queue_time_p95_s"} | {"queue_p95_s": 0.0}
-    sig = views.SignalsView.from_api(renamed)
+    sig = SignalsView.from_api(renamed)
     assert not sig.complete and sig.queue_time_p95_s is None
     assert sig.missing == ("field 'queue_time_p95_s' absent from the signals",)
-    assert not views.SignalsView.from_api(None).complete
+    assert not SignalsView.from_api(None).complete

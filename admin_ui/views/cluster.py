@@ -1,0 +1,69 @@
+"""The Cluster and Overview pages' member table: health, load, KV usage and heartbeat age per member.
+
+    frame = members_frame(admin.members()["members"], latest, now=time.time())
+    counts = status_counts(members)       # {service: {status: n}}
+
+Called by admin_ui/screens/cluster.py and overview.py. Pure functions, no Streamlit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pandas as pd
+
+from admin_ui.views.read import items, mapping, ms, num
+
+
+def members_frame(members: Sequence[Mapping[str, Any]], latest: Mapping[str, Any] | None, *,
+                  now: float) -> pd.DataFrame:
+    """Every member with its health, load, KV usage and heartbeat age (shard figures from signals)."""
+    by_id = {str(s.get("member_id") or s.get("id")): s for s in items(latest or {}, "shards") if isinstance(s, Mapping)}
+    rows = []
+    for m in members:
+        meta = mapping(m.get("meta"))
+        sig = mapping(by_id.get(str(m.get("id"))))
+        running, waiting = num(sig.get("running")), num(sig.get("waiting"))
+        slots = num(sig.get("max_num_seqs")) or num(meta.get("max_num_seqs"))
+        load = None if running is None or waiting is None else running + waiting
+        util = None if load is None or not slots else min(load / slots, 1.0)
+        detail = ", ".join(f"{k}={meta[k]}" for k in ("model", "engine", "backend") if meta.get(k))
+        hb = num(m.get("last_heartbeat"))
+        kv_bytes = num(sig.get("prefix_cache_bytes"))
+        rows.append({
+            "member": m.get("id", "?"),
+            "service": m.get("service", "?"),
+            "zone": str(m.get("zone") or meta.get("zone") or "local"),
+            "status": str(m.get("status") or ("draining" if m.get("draining") else "unknown")),
+            "running": running,
+            "waiting": waiting,
+            "slots": slots,
+            "utilisation": util,
+            "kv_usage": num(sig.get("kv_usage")),
+            "prefix_hit_rate": num(sig.get("prefix_hit_rate")),
+            "prefix_cache_mib": None if kv_bytes is None else kv_bytes / 2**20,
+            "ttft_p95_ms": ms(sig.get("ttft_p95_s")),
+            "heartbeat_s": None if hb is None else max(0.0, now - hb),
+            "ttl_s": num(m.get("ttl_s")),
+            "url": m.get("url", ""),
+            "detail": detail,
+            "problem": sig.get("error") or "",
+        })
+    order = {"shard": 0, "gateway": 1, "cache": 2}
+    frame = pd.DataFrame(rows, columns=["member", "service", "zone", "status", "running", "waiting", "slots", "utilisation",
+                                        "kv_usage", "prefix_hit_rate", "prefix_cache_mib", "ttft_p95_ms", "heartbeat_s",
+                                        "ttl_s", "url", "detail", "problem"])
+    if not frame.empty:
+        frame = frame.sort_values(by=["service", "member"], key=lambda c: c.map(order) if c.name == "service" else c)
+    return frame.reset_index(drop=True)
+
+
+def status_counts(members: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+    """``{service: {status: n}}``."""
+    out: dict[str, dict[str, int]] = {}
+    for m in members:
+        svc = out.setdefault(str(m.get("service", "?")), {})
+        st = str(m.get("status", "unknown"))
+        svc[st] = svc.get(st, 0) + 1
+    return out
