@@ -28,7 +28,9 @@ The tree::
     └── UpstreamTimeout                   504 server_error / upstream_timeout
 
 Foreign exceptions (pydantic, httpx, JSON) are mapped onto this tree at each service's
-boundary, once (see :func:`install_error_handlers`).
+boundary, once (see :func:`install_error_handlers`). Anything else is a bug: `as_error` logs it with
+its traceback and stands a 500 in for it, the one place that does (FastAPI's handler here, the
+gateway's chat path before and after its first byte).
 """
 
 from __future__ import annotations
@@ -214,6 +216,19 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else msg), param
 
 
+def as_error(exc: BaseException, what: str) -> SwitchboardError:
+    """`exc` itself if it is one of ours; otherwise (a bug) it is logged with its traceback as
+    "`what`: unhandled error" and an OpenAI-shaped 500 stands in for it.
+
+        except Exception as exc:
+            error = as_error(exc, f"request {request_id}")
+    """
+    if isinstance(exc, SwitchboardError):
+        return exc
+    log.error("%s: unhandled error", what, exc_info=exc)
+    return SwitchboardError("internal server error")
+
+
 def render(exc: SwitchboardError, request: Request | None = None) -> JSONResponse:
     request_id = trace_id = None
     if request is not None:
@@ -254,5 +269,4 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return render(SwitchboardError("internal server error"), request)
+        return render(as_error(exc, f"{request.method} {request.url.path}"), request)

@@ -72,7 +72,7 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def serve(app: Any, *, host: str, port: int, graceful_s: float = 5.0, access_log: bool = False,
+def serve(app: Any, *, host: str, port: int, graceful_s: int = 5, access_log: bool = False,
           on_shutdown: Callable[[], None] | tuple[Callable[[], None], ...] = ()) -> None:
     """Serve `app` on host:port until SIGTERM/SIGINT, then give in-flight requests `graceful_s`
     seconds and run the lifespan's shutdown. Logging stays as the process configured it

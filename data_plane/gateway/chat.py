@@ -50,7 +50,7 @@ from data_plane.common.errors import (
     InvalidRequest,
     ModelNotFound,
     NotFound,
-    SwitchboardError,
+    as_error,
     render,
 )
 from data_plane.gateway.stream import CLIENT_CLOSED_STATUS, Completion
@@ -157,10 +157,7 @@ class ChatHandler:
             except ClientDisconnect:
                 raise
             except Exception as exc:
-                error = exc if isinstance(exc, SwitchboardError) else None
-                if error is None:  # a bug: still an OpenAI-shaped 500 with the ids, never a bare one
-                    log.exception("request %s: unhandled error", self.request_id)
-                    error = SwitchboardError("internal server error")
+                error = as_error(exc, f"request {self.request_id}")  # a bug: still a 500 with the ids
                 self._record(error.status, error.code or "error")
                 span.set_attribute("error.type", error.code or "error")
                 span.set_status(trace.Status(trace.StatusCode.ERROR, error.code or "error"))
@@ -316,6 +313,8 @@ class ChatHandler:
             "cache_salt": f"tenant:{principal.tenant}",
             "request_id": self.request_id, "deadline": time.time() + settings.first_token_timeout_s * 5,
         }
+        if self.session_id:  # the shard keeps this session's KV blocks on its transcript's cache nodes
+            body.update(session_id=self.session_id, kv_replicas=tier.replication, kv_ttl_s=settings.session_ttl_s)
         for name in ("temperature", "top_p", "top_k", "stop", "seed"):
             value = getattr(req, name)
             if value is not None:

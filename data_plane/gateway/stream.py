@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 from starlette.types import Send
 
-from data_plane.common.errors import SwitchboardError
+from data_plane.common.errors import as_error
 from data_plane.protocol import PromptTokensDetails, Usage, chunk_body, completion_body, new_completion_id
 from data_plane.gateway.safety.pipeline import ALLOW, OutputStreamFilter
 from data_plane.routing.upstream import Delta, Finish, ResumableStream, UsageEvent
@@ -173,11 +173,9 @@ class Completion:
             error = "client_disconnected"
             raise
         except Exception as exc:
-            failure = exc if isinstance(exc, SwitchboardError) else None
-            if failure is None:  # a bug must still end the stream properly, not cut it off
-                log.exception("request %s: unhandled error mid-stream", h.request_id)
-                failure = SwitchboardError("internal server error")
-            else:
+            # a bug must still end the stream properly, not cut it off
+            failure = as_error(exc, f"request {h.request_id} mid-stream")
+            if failure is exc:
                 log.warning("request %s failed mid-stream: %s", h.request_id, failure.message)
             error = failure.code or "error"
             out.append(_event(failure.body(h.request_id, h.trace_id)))

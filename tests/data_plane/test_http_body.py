@@ -1,4 +1,4 @@
-"""One body reader for every process (data_plane/common/http_body.py): 413, 408, 415, 400."""
+"""One body reader for every process (data_plane/common/http_body.py): 413, 408, 415, 400; one error mapper."""
 
 from __future__ import annotations
 
@@ -50,3 +50,18 @@ def test_json_body_of_the_cache_node_has_the_same_timeout() -> None:
         asyncio.run(read_json_body(_Request([b"{"]), 100))
     with pytest.raises(UnsupportedMediaType):
         asyncio.run(read_json_body(_Request([b"{}"], {"content-type": "text/plain"}), 100))
+
+
+def test_one_error_mapper_for_foreign_exceptions(caplog: pytest.LogCaptureFixture) -> None:
+    """Ours pass through untouched; anything else is logged with its traceback and becomes a 500."""
+    from data_plane.common.errors import SwitchboardError, as_error
+
+    ours = InvalidRequest("bad")
+    assert as_error(ours, "request r1") is ours
+    try:
+        raise KeyError("boom")
+    except KeyError as exc:
+        mapped = as_error(exc, "request r2")
+    assert type(mapped) is SwitchboardError and mapped.status == 500 and mapped.code == "internal_error"
+    record = next(r for r in caplog.records if "request r2: unhandled error" in r.getMessage())
+    assert record.exc_info is not None and record.exc_info[0] is KeyError
