@@ -27,13 +27,12 @@ Every error is OpenAI-shaped (``{"error": {...}}``); 401 without the right token
 
 from __future__ import annotations
 
-import hmac
 import logging
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol
 
 import httpx
-from fastapi import APIRouter, Body, Depends, Path, Query, Request
+from fastapi import APIRouter, Body, Depends, Path, Query
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from control_plane.admin.alerting import builtin_alerts, fetch_alerts
@@ -43,7 +42,8 @@ from control_plane.registry.embedded import MEMBER_ID_PATTERN
 from control_plane.settings import ENV_ADMIN_TOKEN
 from control_plane.state_api import StateIndex
 from control_plane.admin.traces import assemble_traces, collect_spans, is_housekeeping
-from data_plane.common.errors import AuthenticationError, InvalidRequest, SwitchboardError
+from data_plane.common.errors import InvalidRequest, SwitchboardError
+from data_plane.common.hop_auth import RequireBearer
 from data_plane.tiers import TierPolicy
 
 log = logging.getLogger(__name__)
@@ -51,24 +51,14 @@ log = logging.getLogger(__name__)
 _EXAMPLE_POLICY = TierPolicy.default().to_dict()
 
 
-def bearer_guard(token: SecretStr | None) -> Any:
-    """A FastAPI dependency that lets a request through only with ``Authorization: Bearer <token>``."""
-    expected = token.get_secret_value().encode() if token is not None else None
-
-    async def _guard(request: Request) -> None:
-        if not expected:
-            raise AuthenticationError(
-                f"the admin API is disabled: no admin token configured (--admin-token or {ENV_ADMIN_TOKEN})",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
-            raise AuthenticationError(
-                "missing or invalid admin token (Authorization: Bearer <token>)",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
-    return _guard
+def bearer_guard(token: SecretStr | None) -> RequireBearer:
+    """The admin API's dependency: ``Authorization: Bearer <admin token>``, and closed (401 for
+    everyone) while no admin token is configured (data_plane/common/hop_auth.py)."""
+    return RequireBearer(
+        token.get_secret_value() if token is not None else None, "the admin API",
+        refused="missing or invalid admin token (Authorization: Bearer <token>)",
+        closed_without_token=f"the admin API is disabled: no admin token configured (--admin-token or "
+                             f"{ENV_ADMIN_TOKEN})")
 
 
 class MemberDirectory(Protocol):

@@ -40,14 +40,14 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi import APIRouter, Depends, Path, Query
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from data_plane.common.errors import AuthenticationError, InvalidRequest, NotFound
+from data_plane.common.errors import InvalidRequest, NotFound
 from data_plane.membership.placement import DEFAULT_ZONE
-from data_plane.common.hop_auth import bearer_matches
+from data_plane.common.hop_auth import require_cluster_token
 from data_plane.common.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
@@ -386,31 +386,13 @@ def _member_response(member: dict[str, Any], registry: Registry) -> JSONResponse
     return JSONResponse(member, headers={INDEX_HEADER: str(registry.index)})
 
 
-def member_auth(cluster_token: str | None, metrics: RegistryMetrics | None = None) -> Callable[[Request], None]:
-    """A dependency: with a cluster token, `Authorization: Bearer <it>` or 401 (compared in
-    constant time; counted and logged with the caller's address); without one, everyone (the open
-    mode `create_app` warns about)."""
-    expected = cluster_token.encode() if cluster_token else None
-
-    def check(request: Request) -> None:
-        if expected is None:
-            return
-        if not bearer_matches(request.headers.get("authorization"), expected):
-            if metrics is not None:
-                metrics.refused.labels(request.method).inc()
-            client = request.client.host if request.client else "?"
-            log.warning("refused %s %s from %s: no valid cluster token", request.method, request.url.path, client)
-            raise AuthenticationError("registering needs the cluster token: send 'Authorization: Bearer "
-                                      "<SWITCHBOARD_CLUSTER_TOKEN>'", code="invalid_cluster_token")
-
-    return check
-
-
 def build_router(registry: Registry, cluster_token: str | None = None) -> APIRouter:
     """The registry's HTTP API over `registry` (see the module docstring). Writes need
     `cluster_token` when one is given; reads are open (membership is no secret to a member)."""
     router = APIRouter(prefix="/v1/registry", tags=["registry"])
-    writes = [Depends(member_auth(cluster_token, registry.metrics))]
+    metrics = registry.metrics
+    count = None if metrics is None else lambda request: metrics.refused.labels(request.method).inc()
+    writes = [Depends(require_cluster_token(cluster_token, "registering", count))]
     MemberId = Path(pattern=MEMBER_ID_PATTERN, description="unique member id, e.g. shard-127.0.0.1-8101")
 
     @router.put("/members/{member_id}", dependencies=writes)
