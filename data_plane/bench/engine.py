@@ -14,6 +14,10 @@ as their previous one finishes, until `num-prompts` are done (default 2 x concur
 - llamacpp: llama-cpp-python's low-level batch API on the GGUF, one seq_id per stream so it
   batches; only when `llama_cpp` imports (`pip install llama-cpp-python`, ~8 min build).
 
+The systems live in data_plane/bench/engine_systems.py (switchboard, naive) and
+engine_llamacpp.py; this module, run by `switchboard bench` (data_plane/bench/__init__.py), measures
+each in its own process, reports and parses the command line.
+
 The naive and llama.cpp paths ignore EOS so every request yields exactly max-tokens; our
 engine has no such flag, so throughput is computed from the tokens actually generated and
 the table shows the mean per request. Each system runs in its own spawned process, so the
@@ -27,21 +31,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import math
 import multiprocessing
-import os
 import time
-import uuid
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
-from functools import partial
-from typing import Any, Protocol
+from dataclasses import asdict
+from typing import Any
 
 from data_plane.bench.common import (
-    PROMPTS,
     RequestResult,
-    closed_loop,
     cycle,
     fmt,
     format_table,
@@ -51,357 +49,15 @@ from data_plane.bench.common import (
     summarize,
     write_json,
 )
-
-LLAMACPP_HINT = "pip install llama-cpp-python  (builds from source here, ~8 min)"
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    model: str | None
-    """--model: HF folder or GGUF; None = the default SmolLM2-135M-Instruct."""
-    dtype: str
-    """bfloat16 or float32 for the torch systems; llama.cpp runs the GGUF's own quantisation."""
-    max_tokens: int
-    """Output tokens asked of every request."""
-    concurrency: tuple[int, ...]
-    """Closed-loop worker counts, one measurement each."""
-    num_prompts: int | None
-    """Requests per concurrency level; None = 2 x concurrency."""
-    max_prompt_len: int
-    """Longest prompt in tokens (sizes KV caches and batches)."""
-    threads: int
-    """torch / llama.cpp threads; 0 = all cores."""
-    workload: str = "chat"
-    """chat (open-ended PROMPTS) or quote (the reply repeats the prompt: data_plane/bench/engine_spec.py)."""
-    spec_max_batch: int = 4
-    """switchboard-spec: no drafting while more sequences than this run (EngineConfig.spec_max_batch)."""
-    num_speculative_tokens: int = 4
-    """switchboard-spec: most draft tokens per sequence and step, 1..16."""
-
-    @property
-    def max_model_len(self) -> int:
-        """Context each sequence needs, rounded up to 256 (the same for every system)."""
-        return 256 * math.ceil((self.max_prompt_len + self.max_tokens + 8) / 256)
-
-    def requests_at(self, concurrency: int) -> int:
-        return self.num_prompts or 2 * concurrency
-
-
-class System(Protocol):
-    """One thing under test. `start` once, `run` once per concurrency level, then `aclose`."""
-
-    weight_bytes: int
-    dtype: str
-
-    async def start(self) -> None: ...
-
-    async def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestResult]: ...
-
-    async def aclose(self) -> None: ...
-
-
-class Skip(Exception):
-    """The system cannot run here; the message says why and how to fix it."""
-
-
-# -- the systems -------------------------------------------------------------------------
-
-
-class SwitchboardSystem:
-    """Our TorchEngine in-process; each closed-loop worker is an asyncio task."""
-
-    speculation = "off"
-
-    def __init__(self, config: BenchConfig) -> None:
-        from data_plane.bench.engine_spec import AcceptanceCounter
-        from data_plane.shard.engines.torch_engine import EngineConfig, TorchEngine
-
-        self.dtype = config.dtype
-        self.weight_bytes = 0
-        self.counter = AcceptanceCounter()
-        self.engine = TorchEngine(
-            EngineConfig(
-                model=config.model,
-                dtype=config.dtype,
-                max_num_seqs=min(256, max(config.concurrency)),
-                max_model_len=config.max_model_len,
-                threads=config.threads,
-                speculation=self.speculation,
-                spec_max_batch=config.spec_max_batch,
-                num_speculative_tokens=config.num_speculative_tokens,
-            ),
-            self.counter,
-        )
-
-    def spec_report(self) -> dict[str, Any]:
-        """Acceptance since the last call (one concurrency level)."""
-        out = self.counter.report()
-        self.counter.reset()
-        return out
-
-    async def start(self) -> None:
-        await self.engine.start()
-        self.weight_bytes = self.engine._runner.weight_bytes  # type: ignore[attr-defined]
-
-    async def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestResult]:
-        return await closed_loop(prompts, concurrency, partial(self._one, max_tokens))
-
-    async def _one(self, max_tokens: int, ids: list[int]) -> RequestResult:
-        from data_plane.shard.engines.base import GenerationRequest, SamplingParams
-
-        r = RequestResult(submitted=time.perf_counter(), prompt_tokens=len(ids))
-        req = GenerationRequest(uuid.uuid4().hex, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-        async for out in self.engine.generate(req):
-            now = time.perf_counter()
-            if r.first_token is None:
-                r.first_token = now
-            r.output_tokens = out.completion_tokens
-        r.finished = time.perf_counter()
-        return r
-
-    async def aclose(self) -> None:
-        await self.engine.aclose()
-
-
-class SpeculativeSystem(SwitchboardSystem):
-    """The same engine with n-gram speculative decoding on (`--speculation on`)."""
-
-    speculation = "ngram"
-
-
-class NaiveSystem:
-    """HF `generate`, one request at a time behind a FIFO lock, EOS ignored (min_new_tokens)."""
-
-    def __init__(self, config: BenchConfig) -> None:
-        self.config = config
-        self.dtype = config.dtype
-        self.weight_bytes = 0
-        self.model: Any = None
-
-    async def start(self) -> None:
-        await asyncio.to_thread(self._load)
-
-    def _load(self) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from data_plane.shard.engines.torch_engine import DTYPES
-        from data_plane.model_store import resolve_model
-
-        if self.config.threads:
-            torch.set_num_threads(self.config.threads)
-        path = resolve_model(self.config.model)
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[self.config.dtype]).eval()
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self._generate([1, 2, 3], 2, RequestResult(submitted=time.perf_counter()))  # warm-up
-
-    async def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestResult]:
-        lock = asyncio.Lock()  # FIFO: a single-model server serves one request at a time
-
-        async def one(ids: list[int]) -> RequestResult:
-            r = RequestResult(submitted=time.perf_counter(), prompt_tokens=len(ids))
-            async with lock:
-                await asyncio.to_thread(self._generate, ids, max_tokens, r)
-            return r
-
-        return await closed_loop(prompts, concurrency, one)
-
-    def _generate(self, ids: list[int], max_tokens: int, r: RequestResult) -> None:
-        import torch
-
-        input_ids = torch.tensor([ids])
-        with torch.inference_mode():
-            self.model.generate(
-                input_ids=input_ids,
-                attention_mask=torch.ones_like(input_ids),  # pad id == <|im_end|>: see FACTS.md
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=self.model.generation_config.pad_token_id,
-                streamer=_timing_streamer(r),
-            )
-        r.finished = time.perf_counter()
-
-    async def aclose(self) -> None:
-        self.model = None
-
-
-def _timing_streamer(r: RequestResult) -> Any:
-    """A transformers streamer that stamps each new token into `r` (the first put is the prompt)."""
-    from transformers.generation.streamers import BaseStreamer
-
-    class TimingStreamer(BaseStreamer):
-        prompt_seen = False
-        last = 0.0
-
-        def put(self, value: Any) -> None:
-            if not self.prompt_seen:
-                self.prompt_seen = True
-                return
-            now = time.perf_counter()
-            if r.first_token is None:
-                r.first_token = now
-            else:
-                r.itls.append(now - self.last)
-            self.last = now
-            r.output_tokens += int(value.numel())
-
-        def end(self) -> None:
-            pass
-
-    return TimingStreamer()
-
-
-class LlamaCppSystem:
-    """llama.cpp's low-level batch API: every running stream decodes in one `llama_decode`,
-    each under its own seq_id; new prompts are prefilled in the same batch (closed loop)."""
-
-    def __init__(self, config: BenchConfig) -> None:
-        if importlib.util.find_spec("llama_cpp") is None:
-            raise Skip(f"llama_cpp is not installed: {LLAMACPP_HINT}")
-        self.config = config
-        self.gguf = _gguf_for(config.model)
-        self.dtype = self.gguf.stem.rsplit(".", 1)[-1] if "." in self.gguf.stem else "gguf"
-        self.weight_bytes = 0
-        self.max_seqs = max(config.concurrency)
-        self.n_batch = max(512, self.max_seqs * (config.max_prompt_len + 1))
-
-    async def start(self) -> None:
-        await asyncio.to_thread(self._load)
-
-    def _load(self) -> None:
-        import llama_cpp as lib
-
-        self.lib = lib
-        if hasattr(lib, "llama_log_set") and hasattr(lib, "llama_log_callback"):
-            import ctypes
-
-            # llama.cpp logs every graph tensor at load; keep the bench's table readable.
-            self._log_cb = lib.llama_log_callback(lambda level, text, user_data: None)
-            lib.llama_log_set(self._log_cb, ctypes.c_void_p(0))
-        lib.llama_backend_init()
-        load = _first(lib, "llama_model_load_from_file", "llama_load_model_from_file")
-        self.model = load(str(self.gguf).encode(), lib.llama_model_default_params())
-        if not self.model:
-            raise RuntimeError(f"llama.cpp could not load {self.gguf}")
-        cp = lib.llama_context_default_params()
-        cp.n_ctx = self.max_seqs * self.config.max_model_len
-        cp.n_batch = self.n_batch
-        cp.n_seq_max = self.max_seqs
-        cp.n_threads = cp.n_threads_batch = self.config.threads or os.cpu_count() or 1
-        self.ctx = _first(lib, "llama_init_from_model", "llama_new_context_with_model")(self.model, cp)
-        if not self.ctx:
-            raise RuntimeError("llama.cpp could not create a context")
-        if hasattr(lib, "llama_model_get_vocab") and hasattr(lib, "llama_vocab_n_tokens"):
-            self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
-        else:
-            self.n_vocab = lib.llama_n_vocab(self.model)
-        size = getattr(lib, "llama_model_size", None)
-        self.weight_bytes = int(size(self.model)) if size else self.gguf.stat().st_size
-        self.batch = lib.llama_batch_init(self.n_batch, 0, 1)
-        self._serve([[1, 2, 3]], 1, 2)  # warm-up
-
-    async def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestResult]:
-        return await asyncio.to_thread(self._serve, prompts, concurrency, max_tokens)
-
-    def _serve(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestResult]:
-        queue = list(reversed(prompts))
-        free = list(range(concurrency))
-        active: dict[int, _LlamaStream] = {}
-        done: list[RequestResult] = []
-        while queue or active:
-            now = time.perf_counter()
-            while free and queue:  # closed loop: a freed worker submits its next prompt now
-                ids = queue.pop()
-                active[free.pop()] = _LlamaStream(RequestResult(submitted=now, prompt_tokens=len(ids)), ids)
-            outputs = self._decode(active)
-            now = time.perf_counter()
-            for index, seq in outputs:
-                stream = active[seq]
-                stream.emit(self._argmax(index), now)
-                if stream.result.output_tokens >= max_tokens:  # EOS ignored: always max_tokens
-                    stream.result.finished = now
-                    done.append(stream.result)
-                    self._forget(seq)
-                    del active[seq]
-                    free.append(seq)
-        return done
-
-    def _decode(self, active: dict[int, _LlamaStream]) -> list[tuple[int, int]]:
-        """One llama_decode over every stream's pending tokens; return (batch index, seq) with logits."""
-        b, n, outputs = self.batch, 0, []
-        for seq, stream in active.items():
-            for j, token in enumerate(stream.pending):
-                last = j == len(stream.pending) - 1
-                b.token[n], b.pos[n], b.n_seq_id[n], b.logits[n] = token, stream.pos + j, 1, last
-                b.seq_id[n][0] = seq
-                if last:
-                    outputs.append((n, seq))
-                n += 1
-            stream.pos += len(stream.pending)
-        b.n_tokens = n
-        rc = self.lib.llama_decode(self.ctx, b)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc}")
-        return outputs
-
-    def _argmax(self, index: int) -> int:
-        import numpy as np
-
-        logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, index), shape=(self.n_vocab,))
-        return int(logits.argmax())
-
-    def _forget(self, seq: int) -> None:
-        lib = self.lib
-        if hasattr(lib, "llama_memory_seq_rm"):
-            lib.llama_memory_seq_rm(lib.llama_get_memory(self.ctx), seq, -1, -1)
-        else:
-            _first(lib, "llama_kv_self_seq_rm", "llama_kv_cache_seq_rm")(self.ctx, seq, -1, -1)
-
-    async def aclose(self) -> None:
-        lib = self.lib
-        lib.llama_batch_free(self.batch)
-        lib.llama_free(self.ctx)
-        _first(lib, "llama_model_free", "llama_free_model")(self.model)
-
-
-class _LlamaStream:
-    def __init__(self, result: RequestResult, prompt: list[int]) -> None:
-        self.result = result
-        self.pending = list(prompt)
-        self.pos = 0
-        self.last = 0.0
-
-    def emit(self, token: int, now: float) -> None:
-        r = self.result
-        if r.first_token is None:
-            r.first_token = now
-        else:
-            r.itls.append(now - self.last)
-        self.last = now
-        r.output_tokens += 1
-        self.pending = [token]
-
-
-def _first(lib: Any, *names: str) -> Any:
-    """The first of `names` that llama_cpp has (its C API renames functions between releases)."""
-    for name in names:
-        if hasattr(lib, name):
-            return getattr(lib, name)
-    raise Skip(f"llama_cpp has none of {names}; this llama-cpp-python is too old or too new")
-
-
-def _gguf_for(model: str | None) -> Any:
-    from pathlib import Path
-
-    from data_plane.model_store import default_gguf
-
-    if model is None:
-        return default_gguf()
-    if model.endswith(".gguf"):
-        return Path(model).expanduser()
-    raise Skip(f"llama.cpp needs a GGUF file; --model {model} is not one")
-
+from data_plane.bench.engine_llamacpp import LlamaCppSystem
+from data_plane.bench.engine_systems import (
+    BenchConfig,
+    NaiveSystem,
+    Skip,
+    SpeculativeSystem,
+    SwitchboardSystem,
+    System,
+)
 
 SYSTEMS: dict[str, type] = {"switchboard": SwitchboardSystem, "switchboard-spec": SpeculativeSystem,
                             "naive": NaiveSystem, "llamacpp": LlamaCppSystem}

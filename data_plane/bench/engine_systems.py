@@ -1,0 +1,226 @@
+"""The torch systems `switchboard bench engine` measures, and what every system is built from.
+
+    config = BenchConfig(model=None, dtype="bfloat16", max_tokens=128, concurrency=(1, 16),
+                         num_prompts=None, max_prompt_len=64, threads=0)
+    system = SwitchboardSystem(config)        # or SpeculativeSystem, NaiveSystem
+    await system.start(); results = await system.run(prompts, 16, 128); await system.aclose()
+
+Used by data_plane/bench/engine.py (which runs each system in its own process) and by
+data_plane/bench/engine_llamacpp.py (the llama.cpp system, on the same :class:`BenchConfig` and
+:class:`System` protocol).
+
+- switchboard: `TorchEngine` in-process, one asyncio task per worker consuming `generate`
+  (switchboard-spec: the same with n-gram speculative decoding on).
+- naive: HF `model.generate` one request at a time (what a minimal server does); requests
+  queue behind each other, so at concurrency N the TTFT includes that queueing. EOS is ignored
+  so every request yields exactly max-tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+from data_plane.bench.common import RequestResult, closed_loop
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str | None
+    """--model: HF folder or GGUF; None = the default SmolLM2-135M-Instruct."""
+    dtype: str
+    """bfloat16 or float32 for the torch systems; llama.cpp runs the GGUF's own quantisation."""
+    max_tokens: int
+    """Output tokens asked of every request."""
+    concurrency: tuple[int, ...]
+    """Closed-loop worker counts, one measurement each."""
+    num_prompts: int | None
+    """Requests per concurrency level; None = 2 x concurrency."""
+    max_prompt_len: int
+    """Longest prompt in tokens (sizes KV caches and batches)."""
+    threads: int
+    """torch / llama.cpp threads; 0 = all cores."""
+    workload: str = "chat"
+    """chat (open-ended PROMPTS) or quote (the reply repeats the prompt: data_plane/bench/engine_spec.py)."""
+    spec_max_batch: int = 4
+    """switchboard-spec: no drafting while more sequences than this run (EngineConfig.spec_max_batch)."""
+    num_speculative_tokens: int = 4
+    """switchboard-spec: most draft tokens per sequence and step, 1..16."""
+
+    @property
+    def max_model_len(self) -> int:
+        """Context each sequence needs, rounded up to 256 (the same for every system)."""
+        return 256 * math.ceil((self.max_prompt_len + self.max_tokens + 8) / 256)
+
+    def requests_at(self, concurrency: int) -> int:
+        return self.num_prompts or 2 * concurrency
+
+
+class System(Protocol):
+    """One thing under test. `start` once, `run` once per concurrency level, then `aclose`."""
+
+    weight_bytes: int
+    dtype: str
+
+    async def start(self) -> None: ...
+
+    async def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestResult]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Skip(Exception):
+    """The system cannot run here; the message says why and how to fix it."""
+
+
+class SwitchboardSystem:
+    """Our TorchEngine in-process; each closed-loop worker is an asyncio task."""
+
+    speculation = "off"
+
+    def __init__(self, config: BenchConfig) -> None:
+        from data_plane.bench.engine_spec import AcceptanceCounter
+        from data_plane.shard.engines.torch_engine import EngineConfig, TorchEngine
+
+        self.dtype = config.dtype
+        self.weight_bytes = 0
+        self.counter = AcceptanceCounter()
+        self.engine = TorchEngine(
+            EngineConfig(
+                model=config.model,
+                dtype=config.dtype,
+                max_num_seqs=min(256, max(config.concurrency)),
+                max_model_len=config.max_model_len,
+                threads=config.threads,
+                speculation=self.speculation,
+                spec_max_batch=config.spec_max_batch,
+                num_speculative_tokens=config.num_speculative_tokens,
+            ),
+            self.counter,
+        )
+
+    def spec_report(self) -> dict[str, Any]:
+        """Acceptance since the last call (one concurrency level)."""
+        out = self.counter.report()
+        self.counter.reset()
+        return out
+
+    async def start(self) -> None:
+        await self.engine.start()
+        self.weight_bytes = self.engine._runner.weight_bytes  # type: ignore[attr-defined]
+
+    async def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestResult]:
+        return await closed_loop(prompts, concurrency, partial(self._one, max_tokens))
+
+    async def _one(self, max_tokens: int, ids: list[int]) -> RequestResult:
+        from data_plane.shard.engines.base import GenerationRequest, SamplingParams
+
+        r = RequestResult(submitted=time.perf_counter(), prompt_tokens=len(ids))
+        req = GenerationRequest(uuid.uuid4().hex, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        async for out in self.engine.generate(req):
+            now = time.perf_counter()
+            if r.first_token is None:
+                r.first_token = now
+            r.output_tokens = out.completion_tokens
+        r.finished = time.perf_counter()
+        return r
+
+    async def aclose(self) -> None:
+        await self.engine.aclose()
+
+
+class SpeculativeSystem(SwitchboardSystem):
+    """The same engine with n-gram speculative decoding on (`--speculation on`)."""
+
+    speculation = "ngram"
+
+
+class NaiveSystem:
+    """HF `generate`, one request at a time behind a FIFO lock, EOS ignored (min_new_tokens)."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        self.config = config
+        self.dtype = config.dtype
+        self.weight_bytes = 0
+        self.model: Any = None
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+
+    def _load(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from data_plane.shard.engines.torch_engine import DTYPES
+        from data_plane.model_store import resolve_model
+
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+        path = resolve_model(self.config.model)
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[self.config.dtype]).eval()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self._generate([1, 2, 3], 2, RequestResult(submitted=time.perf_counter()))  # warm-up
+
+    async def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestResult]:
+        lock = asyncio.Lock()  # FIFO: a single-model server serves one request at a time
+
+        async def one(ids: list[int]) -> RequestResult:
+            r = RequestResult(submitted=time.perf_counter(), prompt_tokens=len(ids))
+            async with lock:
+                await asyncio.to_thread(self._generate, ids, max_tokens, r)
+            return r
+
+        return await closed_loop(prompts, concurrency, one)
+
+    def _generate(self, ids: list[int], max_tokens: int, r: RequestResult) -> None:
+        import torch
+
+        input_ids = torch.tensor([ids])
+        with torch.inference_mode():
+            self.model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),  # pad id == <|im_end|>: see FACTS.md
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=self.model.generation_config.pad_token_id,
+                streamer=_timing_streamer(r),
+            )
+        r.finished = time.perf_counter()
+
+    async def aclose(self) -> None:
+        self.model = None
+
+
+def _timing_streamer(r: RequestResult) -> Any:
+    """A transformers streamer that stamps each new token into `r` (the first put is the prompt)."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class TimingStreamer(BaseStreamer):
+        prompt_seen = False
+        last = 0.0
+
+        def put(self, value: Any) -> None:
+            if not self.prompt_seen:
+                self.prompt_seen = True
+                return
+            now = time.perf_counter()
+            if r.first_token is None:
+                r.first_token = now
+            else:
+                r.itls.append(now - self.last)
+            self.last = now
+            r.output_tokens += int(value.numel())
+
+        def end(self) -> None:
+            pass
+
+    return TimingStreamer()
+
+
+__all__ = ["BenchConfig", "NaiveSystem", "Skip", "SpeculativeSystem", "SwitchboardSystem", "System"]
