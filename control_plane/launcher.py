@@ -36,8 +36,8 @@ import httpx
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV
 from data_plane.common.http_server import free_port
-from data_plane.membership.view import CLUSTER_TOKEN_ENV
 from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
 from data_plane.common.settings_cli import parse_settings
 from data_plane.common.tls import TlsConfig, make_dev_pki

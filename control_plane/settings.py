@@ -18,7 +18,7 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator, model_vali
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from control_plane.registry.consul import CONSUL_URL_PATTERN
-from data_plane.membership.view import CLUSTER_TOKEN_ENV
+from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV
 
 ENV_PREFIX = "SWITCHBOARD_CONTROL_PLANE_"
 """Prefix of the environment variables that configure the control plane."""

@@ -8,7 +8,7 @@
     app.include_router(build_router(registry))
     await registry.aclose()
 
-The HTTP API (:func:`build_router`), the wire side of ``data_plane.membership.view``::
+The HTTP API (:func:`build_router`), the wire side of ``data_plane.membership.embedded``::
 
     PUT    /v1/registry/members/{id}          {"service", "url", "meta", "ttl_s"}  register / heartbeat
     DELETE /v1/registry/members/{id}                                              deregister

@@ -49,7 +49,8 @@ from data_plane.common.hop_auth import cluster_headers, cluster_token_from_env, 
 from data_plane.routing.hop_client import HOP_EVENTS, HopPool
 from data_plane.ledger.writer import UsageLedger
 from data_plane.gateway.usage import ledger_from_settings, usage_route
-from data_plane.membership.view import HttpMembership, Member, MembershipView, StaticMembership
+from data_plane.membership.embedded import HttpMembership
+from data_plane.membership.view import Member, MembershipView, StaticMembership
 from data_plane.membership.factory import (
     AgentFactory,
     WatchedMembership,

@@ -11,7 +11,7 @@
 
     StaticClusterState()                # level 0 and the local policy (no control plane)
 
-The watch mirrors :class:`data_plane.membership.view.HttpMembership`: blocking queries on
+The watch mirrors :class:`data_plane.membership.embedded.HttpMembership`: blocking queries on
 ``GET /v1/state?index=N&wait=S`` (served by ``control_plane/state_api.py``), one named task,
 backoff while the control plane is unreachable, and the last state seen stays in force
 meanwhile (``reachable`` is False). Talks HTTP only: the data plane never imports the control plane.
@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import httpx
 
 from data_plane.common.errors import Overloaded
-from data_plane.membership.view import BlockingWatcher
+from data_plane.membership.embedded import BlockingWatcher
 from data_plane.tiers import Tier, TierPolicy
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@
     agent.set_meta(load="3")            # re-registers with the next heartbeat
     await agent.aclose()                # deregisters (best effort)
 
-The same surface as :mod:`data_plane.membership.view` (``HttpMembership``, ``RegistrationAgent``), so
+The same surface as :mod:`data_plane.membership.embedded` (``HttpMembership``, ``RegistrationAgent``), so
 a process picks one by URL (:mod:`data_plane.membership.factory`). The wire, as in Consul's docs::
 
     PUT /v1/agent/service/register        {"ID", "Name": "switchboard-shard", "Address", "Port", "Meta",
@@ -41,8 +41,9 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 
-from data_plane.membership.view import HeartbeatAgent, Member, _routable, _routing_key
 from data_plane.common.tasks import stop_tasks
+from data_plane.membership.embedded import HeartbeatAgent
+from data_plane.membership.view import Member, routable, routing_key
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ class ConsulMembership:
         self._tasks = []
 
     def members(self, service: str) -> list[Member]:
-        return _routable(self._lists.get(service, ()), service)
+        return routable(self._lists.get(service, ()), service)
 
     def all_members(self, service: str | None = None) -> list[Member]:
         """Every known member (with passing_only=False: critical, warning and draining too), sorted by id."""
@@ -254,7 +255,7 @@ class ConsulMembership:
 
     def _apply(self, service: str, fresh: list[Member]) -> None:
         fresh = sorted((m for m in fresh if m.service == service), key=lambda m: m.id)
-        changed = [_routing_key(m) for m in fresh] != [_routing_key(m) for m in self._lists[service]]
+        changed = [routing_key(m) for m in fresh] != [routing_key(m) for m in self._lists[service]]
         self._lists[service] = tuple(fresh)
         if changed:
             for callback in list(self._subscribers):

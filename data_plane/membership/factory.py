@@ -23,8 +23,10 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from data_plane.membership.view import CLUSTER_TOKEN_ENV, HttpMembership, Member, MembershipView, RegistrationAgent
+from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV
 from data_plane.membership.consul import ConsulMembership, ConsulRegistrationAgent, token_from_env
+from data_plane.membership.embedded import HttpMembership, RegistrationAgent
+from data_plane.membership.view import Member, MembershipView
 
 MEMBERSHIP_URL_PATTERN = r"^(https?|consul|consul\+https?)://[^/\s]+/?$"
 """What a ``--membership`` flag accepts: ``consul://host:8500`` or the embedded ``http://host:8300``."""

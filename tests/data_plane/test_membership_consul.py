@@ -19,7 +19,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from data_plane.membership.view import HttpMembership, Member, RegistrationAgent
+from data_plane.membership.embedded import HttpMembership, RegistrationAgent
+from data_plane.membership.view import Member
 from data_plane.membership.consul import (
     ConsulMembership,
     ConsulRegistrationAgent,
