@@ -25,11 +25,101 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from data_plane.membership.embedded import HttpMembership, RegistrationAgent
 from data_plane.membership.view import Member
-from tests.support.chat import assert_openai_error
-from tests.support.cluster import ADMIN_TOKEN, open_control_plane, unique_id
-from tests.support.metrics import metric_in
-from tests.support.procs import Service
-from tests.support.waits import eventually_async
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+ADMIN_TOKEN = "test-admin-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ControlPlaneProcess:
+    """A real `switchboard control-plane` subprocess on a loopback port; restartable on the same port."""
+
+    def __init__(self, log_path: pathlib.Path, *args: str, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = args
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, *extra: str, timeout_s: float = 20.0) -> ControlPlaneProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")}
+        env["PYTHONPATH"] = str(REPO)
+        cmd = [sys.executable, "-m", "control_plane.cli", "control-plane", "--port", str(self.port)]
+        cmd += ["--admin-token", ADMIN_TOKEN, *self.args, *extra]
+        with open(self.log_path, "ab") as log_file:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"control plane exited {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=0.5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"control plane not healthy after {timeout_s}s:\n{self.log_tail()}")
+
+    def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL after 5 s; returns the exit code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+async def eventually(
+    predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float, interval_s: float = 0.02
+) -> float:
+    """Poll until `predicate()` holds; returns the seconds it took, fails after `timeout_s`."""
+    start = time.monotonic()
+    while True:
+        result = predicate()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"condition not met within {timeout_s}s")
+        await asyncio.sleep(interval_s)
+
+
+def unique_id(prefix: str = "shard") -> str:
+    return f"{prefix}-test-{uuid.uuid4().hex[:8]}"
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+def assert_openai_error(resp: httpx.Response, status: int) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    assert err["message"]
+    return dict(err)
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,7 @@ import pytest
 
 from data_plane.membership.embedded import HttpMembership, RegistrationAgent
 from data_plane.membership.view import Member, StaticMembership
-from tests.support.cluster import open_control_plane, unique_id
-from tests.support.procs import ROOT as REPO
-from tests.support.procs import Service, free_port
-from tests.support.waits import eventually_async
+from tests.control_plane.test_registry import REPO, ControlPlaneProcess, eventually, free_port, unique_id
 
 # A member process that registers with ttl 1 s and then just lives until it is SIGKILLed.
 AGENT_SCRIPT = """
