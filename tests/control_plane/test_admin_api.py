@@ -20,13 +20,11 @@ import pytest
 
 from control_plane.admin.traces import assemble_traces
 from data_plane.tiers import TierPolicy
-from tests.control_plane.test_registry import (
-    ADMIN_TOKEN,
-    ControlPlaneProcess,
-    assert_openai_error,
-    eventually,
-    metric,
-)
+from tests.support.chat import assert_openai_error
+from tests.support.cluster import ADMIN_TOKEN, open_control_plane
+from tests.support.metrics import metric_in
+from tests.support.procs import Service
+from tests.support.waits import eventually_async
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 TRACE = "ab" * 16
@@ -91,16 +89,15 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def control_plane(tmp_path_factory: pytest.TempPathFactory, state_dir: Path,
-                  stub: StubServer) -> Iterator[ControlPlaneProcess]:
+                  stub: StubServer) -> Iterator[Service]:
     log_path = tmp_path_factory.mktemp("cp") / "control-plane.log"
-    proc = ControlPlaneProcess(log_path, "--warmup", "0", "--state-dir", str(state_dir),
-                               "--degradation-interval", "0.2").start()
+    proc = open_control_plane("--warmup", "0", "--state-dir", str(state_dir), "--degradation-interval", "0.2", log_path=log_path).start()
     yield proc
     proc.stop()
 
 
 @pytest.fixture
-def admin_url(control_plane: ControlPlaneProcess) -> Iterator[str]:
+def admin_url(control_plane: Service) -> Iterator[str]:
     """The shared control plane's URL; its ladder and tiers are reset after each test."""
     yield control_plane.url
     with httpx.Client(base_url=control_plane.url, headers=AUTH) as http:
@@ -121,7 +118,7 @@ ENDPOINTS = [
 ]
 
 
-async def test_every_admin_endpoint_needs_the_token(control_plane: ControlPlaneProcess) -> None:
+async def test_every_admin_endpoint_needs_the_token(control_plane: Service) -> None:
     async with httpx.AsyncClient(base_url=control_plane.url) as http:
         for method, path in ENDPOINTS:
             body = {"level": 4, "reason": "x"} if path.endswith("degradation") and method == "PUT" else None
@@ -154,9 +151,9 @@ async def test_pin_wakes_state_watchers_and_release_keeps_the_level(admin_url: s
         assert (last["from"], last["to"], last["actor"], last["reason"]) == (0, 3, "operator", "pinned: drill")
         assert got["automatic"]["verdict"] == "incomplete"  # no shards: the rule holds
         text = (await admin.get("/metrics")).text
-        assert metric(text, "switchboard_degradation_level") == 3
-        assert metric(text, "switchboard_degradation_pinned") == 1
-        assert metric(text, "switchboard_degradation_changes_total", direction="up", actor="operator") >= 1
+        assert metric_in(text, "switchboard_degradation_level") == 3
+        assert metric_in(text, "switchboard_degradation_pinned") == 1
+        assert metric_in(text, "switchboard_degradation_changes_total", direction="up", actor="operator") >= 1
 
         released = (await admin.delete("/admin/v1/degradation", params={"reason": "drill over"})).json()
         assert released["level"] == 3 and not released["pinned"]
@@ -211,7 +208,7 @@ async def test_signals_decisions_and_builtin_alerts(admin_url: str) -> None:
         async def has_signals() -> bool:
             return (await admin.get("/admin/v1/signals")).json()["latest"] is not None
 
-        await eventually(has_signals, 5.0, 0.1)
+        await eventually_async(has_signals, 5.0, 0.1)
         sig = (await admin.get("/admin/v1/signals")).json()
         assert sig["latest"]["complete"] is False and sig["latest"]["missing"]
         assert sig["history"] and "at" in sig["history"][-1] and "shards" not in sig["history"][-1]
@@ -280,7 +277,7 @@ def test_assemble_traces_orders_and_summarises() -> None:
 
 
 async def test_alerts_from_alertmanager(tmp_path: Path, stub: StubServer) -> None:
-    proc = ControlPlaneProcess(tmp_path / "cp.log", "--warmup", "0", "--alertmanager", stub.url).start()
+    proc = open_control_plane("--warmup", "0", "--alertmanager", stub.url, log_path=tmp_path / "cp.log").start()
     try:
         async with httpx.AsyncClient(base_url=proc.url, headers=AUTH) as http:
             body = (await http.get("/admin/v1/alerts")).json()
@@ -290,7 +287,7 @@ async def test_alerts_from_alertmanager(tmp_path: Path, stub: StubServer) -> Non
         assert alert["summary"] == "TTFT p95 above the SLO" and alert["active_at"] == pytest.approx(1714564800.12)
     finally:
         proc.stop()
-    down = ControlPlaneProcess(tmp_path / "cp2.log", "--warmup", "0", "--alertmanager", "http://127.0.0.1:9").start()
+    down = open_control_plane("--warmup", "0", "--alertmanager", "http://127.0.0.1:9", log_path=tmp_path / "cp2.log").start()
     try:
         async with httpx.AsyncClient(base_url=down.url, headers=AUTH) as http:
             body = (await http.get("/admin/v1/alerts")).json()
@@ -302,7 +299,7 @@ async def test_alerts_from_alertmanager(tmp_path: Path, stub: StubServer) -> Non
 
 async def test_restart_restores_pinned_level_and_tiers(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    proc = ControlPlaneProcess(tmp_path / "cp.log", "--warmup", "0", "--state-dir", str(state)).start()
+    proc = open_control_plane("--warmup", "0", "--state-dir", str(state), log_path=tmp_path / "cp.log").start()
     try:
         async with httpx.AsyncClient(base_url=proc.url, headers=AUTH) as http:
             fresh = (await http.get("/v1/state")).json()
@@ -319,7 +316,7 @@ async def test_restart_restores_pinned_level_and_tiers(tmp_path: Path) -> None:
             assert got["history"][-1]["to"] == 2
             tiers = (await http.get("/admin/v1/tiers")).json()
             assert tiers["tiers"]["free"]["rpm"] == 7 and tiers["source"] == "state"
-            assert metric((await http.get("/metrics")).text, "switchboard_degradation_level") == 2
+            assert metric_in((await http.get("/metrics")).text, "switchboard_degradation_level") == 2
             assert (await http.get("/v1/state")).json()["degradation"]["pinned"] is True
     finally:
         proc.stop()

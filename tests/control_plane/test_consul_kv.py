@@ -22,8 +22,10 @@ from control_plane.registry.consul import ConsulKV, ConsulMembers
 from data_plane.common.errors import NotFound, UpstreamError
 from data_plane.membership.view import Member
 from data_plane.membership.consul import ConsulRegistrationAgent
-from tests.control_plane.test_registry import ADMIN_TOKEN, ControlPlaneProcess, eventually, free_port
+from tests.support.cluster import ADMIN_TOKEN, open_control_plane
 from tests.support.consul_stub import ConsulStub, consul_agent, consul_client
+from tests.support.procs import free_port
+from tests.support.waits import eventually_async
 
 
 @pytest.fixture(scope="module", params=["stub", "live"])
@@ -120,7 +122,7 @@ async def test_members_lists_every_status_and_drains_with_maintenance(consul_url
         try:
             await shard.start()
             await gateway.start()
-            await eventually(lambda: len(members.snapshot()[1]) == 2, timeout_s=2.0)
+            await eventually_async(lambda: len(members.snapshot()[1]) == 2, timeout_s=2.0)
             listed = {m["id"]: m for m in members.snapshot()[1]}
             assert listed[f"{prefix}shard-0"]["status"] == "passing"
             assert listed[f"{prefix}shard-0"]["meta"] == {"model": "m"}
@@ -128,22 +130,22 @@ async def test_members_lists_every_status_and_drains_with_maintenance(consul_url
 
             drained = await members.maintenance(f"{prefix}shard-0", True)
             assert drained["status"] == "draining" and drained["draining"]
-            await eventually(lambda: [m["status"] for m in members.snapshot("shard")[1]] == ["draining"], 2.0)
+            await eventually_async(lambda: [m["status"] for m in members.snapshot("shard")[1]] == ["draining"], 2.0)
             members.set_draining(f"{prefix}shard-0", False)  # the Registry-compatible call: in the background
-            await eventually(lambda: [m["status"] for m in members.snapshot("shard")[1]] == ["passing"], 2.0)
+            await eventually_async(lambda: [m["status"] for m in members.snapshot("shard")[1]] == ["passing"], 2.0)
             with pytest.raises(NotFound):
                 members.set_draining(f"{prefix}nobody", True)
         finally:
             await shard.aclose()
             await gateway.aclose()
-        await eventually(lambda: members.snapshot()[1] == [], timeout_s=2.0)
+        await eventually_async(lambda: members.snapshot()[1] == [], timeout_s=2.0)
         await members.aclose()
 
 
 def test_control_plane_reads_members_from_consul(tmp_path_factory: pytest.TempPathFactory) -> None:
     """``--membership consul://…``: no embedded registry; the admin API lists what Consul holds."""
     with ConsulStub() as stub:
-        cp = ControlPlaneProcess(tmp_path_factory.mktemp("cp") / "cp.log", "--membership", stub.membership_url)
+        cp = open_control_plane("--membership", stub.membership_url, log_path=tmp_path_factory.mktemp("cp") / "cp.log")
         cp.start()
         try:
             assert httpx.get(f"{cp.url}/v1/registry/members").status_code == 404  # not hosted here
@@ -162,12 +164,12 @@ def test_control_plane_reads_members_from_consul(tmp_path_factory: pytest.TempPa
                     async def shows(expected: list[str]) -> bool:
                         return await listed() == expected
 
-                    await eventually(lambda: shows(["shard-9:passing"]), timeout_s=3.0)
+                    await eventually_async(lambda: shows(["shard-9:passing"]), timeout_s=3.0)
                     resp = await http.post(f"{cp.url}/admin/v1/members/shard-9/drain", headers=auth)
                     assert resp.status_code == 200, resp.text
-                    await eventually(lambda: shows(["shard-9:draining"]), timeout_s=3.0)
+                    await eventually_async(lambda: shows(["shard-9:draining"]), timeout_s=3.0)
                     await agent.aclose()
-                    await eventually(lambda: shows([]), timeout_s=3.0)
+                    await eventually_async(lambda: shows([]), timeout_s=3.0)
 
             asyncio.run(register_and_watch())
         finally:

@@ -2,21 +2,16 @@
 
     .venv/bin/python -m pytest tests/control_plane/test_registry.py -q
 
-`ControlPlaneProcess` and `eventually` are also used by tests/data_plane/test_membership.py.
+The control plane runs in the registry's open mode (tests.support.cluster.open_control_plane).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import pathlib
 import signal
-import socket
-import subprocess
-import sys
 import time
-import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Iterator
 from typing import Any
 
 import httpx
@@ -25,112 +20,22 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from data_plane.membership.embedded import HttpMembership, RegistrationAgent
 from data_plane.membership.view import Member
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
-ADMIN_TOKEN = "test-admin-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ControlPlaneProcess:
-    """A real `switchboard control-plane` subprocess on a loopback port; restartable on the same port."""
-
-    def __init__(self, log_path: pathlib.Path, *args: str, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args = args
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, *extra: str, timeout_s: float = 20.0) -> ControlPlaneProcess:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")}
-        env["PYTHONPATH"] = str(REPO)
-        cmd = [sys.executable, "-m", "control_plane.cli", "control-plane", "--port", str(self.port)]
-        cmd += ["--admin-token", ADMIN_TOKEN, *self.args, *extra]
-        with open(self.log_path, "ab") as log_file:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"control plane exited {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=0.5).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"control plane not healthy after {timeout_s}s:\n{self.log_tail()}")
-
-    def stop(self) -> int | None:
-        """SIGTERM, then SIGKILL after 5 s; returns the exit code."""
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return None
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
-
-    def log_tail(self, n: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-
-async def eventually(
-    predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float, interval_s: float = 0.02
-) -> float:
-    """Poll until `predicate()` holds; returns the seconds it took, fails after `timeout_s`."""
-    start = time.monotonic()
-    while True:
-        result = predicate()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return time.monotonic() - start
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"condition not met within {timeout_s}s")
-        await asyncio.sleep(interval_s)
-
-
-def unique_id(prefix: str = "shard") -> str:
-    return f"{prefix}-test-{uuid.uuid4().hex[:8]}"
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    return 0.0
-
-
-def assert_openai_error(resp: httpx.Response, status: int) -> dict[str, Any]:
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert set(err) >= {"message", "type", "param", "code"}
-    assert err["message"]
-    return dict(err)
+from tests.support.chat import assert_openai_error
+from tests.support.cluster import ADMIN_TOKEN, open_control_plane, unique_id
+from tests.support.metrics import metric_in
+from tests.support.procs import Service
+from tests.support.waits import eventually_async
 
 
 @pytest.fixture(scope="module")
-def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlaneProcess]:
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     log_path = tmp_path_factory.mktemp("cp") / "control-plane.log"
-    proc = ControlPlaneProcess(log_path, "--warmup", "0", "--deregister-critical-after", "1").start()
+    proc = open_control_plane("--warmup", "0", "--deregister-critical-after", "1", log_path=log_path).start()
     yield proc
     proc.stop()
 
 
-async def test_health_and_metrics(control_plane: ControlPlaneProcess) -> None:
+async def test_health_and_metrics(control_plane: Service) -> None:
     async with httpx.AsyncClient(base_url=control_plane.url) as http:
         assert (await http.get("/health")).json() == {"status": "ok"}
         text = (await http.get("/metrics")).text
@@ -140,7 +45,7 @@ async def test_health_and_metrics(control_plane: ControlPlaneProcess) -> None:
 
 
 async def test_agent_registers_heartbeats_updates_meta_and_deregisters(
-    control_plane: ControlPlaneProcess,
+    control_plane: Service,
 ) -> None:
     member_id = unique_id()
     async with httpx.AsyncClient(base_url=control_plane.url) as http:
@@ -160,7 +65,7 @@ async def test_agent_registers_heartbeats_updates_meta_and_deregisters(
             now = (await http.get(f"/v1/registry/members/{member_id}")).json()
             return bool(now["last_heartbeat"] > first["last_heartbeat"])
 
-        await eventually(heartbeat_seen, timeout_s=1.0)
+        await eventually_async(heartbeat_seen, timeout_s=1.0)
 
         agent.set_meta(load="3")
 
@@ -168,7 +73,7 @@ async def test_agent_registers_heartbeats_updates_meta_and_deregisters(
             now = (await http.get(f"/v1/registry/members/{member_id}")).json()
             return bool(now["meta"] == {"model": "m", "load": "3"})
 
-        await eventually(meta_seen, timeout_s=1.0)
+        await eventually_async(meta_seen, timeout_s=1.0)
         await asyncio.sleep(0.8)  # longer than the TTL: heartbeats keep it passing
         assert (await http.get(f"/v1/registry/members/{member_id}")).json()["status"] == "passing"
 
@@ -178,12 +83,12 @@ async def test_agent_registers_heartbeats_updates_meta_and_deregisters(
     for event in ("registered", "deregistered"):
         name = "switchboard_membership_changes_total"
         assert (
-            metric(after, name, service="shard", event=event)
-            == metric(before, name, service="shard", event=event) + 1
+            metric_in(after, name, service="shard", event=event)
+            == metric_in(before, name, service="shard", event=event) + 1
         )
 
 
-async def test_blocking_query_wakes_on_change_not_on_heartbeat(control_plane: ControlPlaneProcess) -> None:
+async def test_blocking_query_wakes_on_change_not_on_heartbeat(control_plane: Service) -> None:
     member_id = unique_id("gateway")
     body = {"service": "gateway", "url": "http://127.0.0.1:8000", "ttl_s": 30}
     async with httpx.AsyncClient(base_url=control_plane.url, timeout=10) as http:
@@ -224,7 +129,7 @@ async def test_blocking_query_wakes_on_change_not_on_heartbeat(control_plane: Co
         await http.delete(f"/v1/registry/members/{member_id}")
 
 
-async def test_silent_member_goes_critical_then_is_removed(control_plane: ControlPlaneProcess) -> None:
+async def test_silent_member_goes_critical_then_is_removed(control_plane: Service) -> None:
     member_id = unique_id()
     body = {"service": "shard", "url": "http://127.0.0.1:8102", "ttl_s": 0.3}
     async with httpx.AsyncClient(base_url=control_plane.url) as http:
@@ -235,17 +140,17 @@ async def test_silent_member_goes_critical_then_is_removed(control_plane: Contro
             resp = await http.get(f"/v1/registry/members/{member_id}")
             return str(resp.json()["status"]) if resp.status_code == 200 else "gone"
 
-        took = await eventually(lambda: _eq(status(), "critical"), timeout_s=1.5)
+        took = await eventually_async(lambda: _eq(status(), "critical"), timeout_s=1.5)
         assert took < 0.3 + 0.25 + 0.2
         # a heartbeat brings it back
         assert (await http.put(f"/v1/registry/members/{member_id}", json=body)).json()["status"] == "passing"
-        await eventually(lambda: _eq(status(), "critical"), timeout_s=1.5)
-        await eventually(lambda: _eq(status(), "gone"), timeout_s=2.0)  # --deregister-critical-after 1
+        await eventually_async(lambda: _eq(status(), "critical"), timeout_s=1.5)
+        await eventually_async(lambda: _eq(status(), "gone"), timeout_s=2.0)  # --deregister-critical-after 1
         after = (await http.get("/metrics")).text
     name = "switchboard_membership_changes_total"
     assert (
-        metric(after, name, service="shard", event="expired")
-        >= metric(before, name, service="shard", event="expired") + 2
+        metric_in(after, name, service="shard", event="expired")
+        >= metric_in(before, name, service="shard", event="expired") + 2
     )
 
 
@@ -253,7 +158,7 @@ async def _eq(value: Awaitable[str], expected: str) -> bool:
     return await value == expected
 
 
-async def test_drain_hides_member_until_undrained(control_plane: ControlPlaneProcess) -> None:
+async def test_drain_hides_member_until_undrained(control_plane: Service) -> None:
     member_id = unique_id("cache")
     body = {"service": "cache", "url": "http://127.0.0.1:8201", "ttl_s": 30}
     async with httpx.AsyncClient(base_url=control_plane.url) as http:
@@ -267,7 +172,7 @@ async def test_drain_hides_member_until_undrained(control_plane: ControlPlanePro
             resp = await http.post(f"/admin/v1/members/{member_id}/drain",
                                    headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
             assert resp.json()["status"] == "draining"
-            await eventually(lambda: member_id not in [m.id for m in view.members("cache")], timeout_s=1.0)
+            await eventually_async(lambda: member_id not in [m.id for m in view.members("cache")], timeout_s=1.0)
             assert [m.status for m in view.all_members("cache") if m.id == member_id] == ["draining"]
 
             # the member's own heartbeat does not undo the operator's drain
@@ -278,13 +183,13 @@ async def test_drain_hides_member_until_undrained(control_plane: ControlPlanePro
             headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
             resp = await http.post(f"/admin/v1/members/{member_id}/undrain", headers=headers)
             assert resp.status_code == 200 and resp.json()["status"] == "passing"
-            await eventually(lambda: member_id in [m.id for m in view.members("cache")], timeout_s=1.0)
+            await eventually_async(lambda: member_id in [m.id for m in view.members("cache")], timeout_s=1.0)
         finally:
             await view.aclose()
             await http.delete(f"/v1/registry/members/{member_id}")
 
 
-async def test_admin_api_needs_the_bearer_token(control_plane: ControlPlaneProcess) -> None:
+async def test_admin_api_needs_the_bearer_token(control_plane: Service) -> None:
     async with httpx.AsyncClient(base_url=control_plane.url) as http:
         cases: list[dict[str, str] | dict[bytes, bytes]] = [
             {},
@@ -325,7 +230,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int]] = [
 ]
 
 
-async def test_bad_input_gets_a_4xx_in_the_openai_shape(control_plane: ControlPlaneProcess) -> None:
+async def test_bad_input_gets_a_4xx_in_the_openai_shape(control_plane: Service) -> None:
     async with httpx.AsyncClient(base_url=control_plane.url) as http:
         for method, path, body, status in BAD_REQUESTS:
             if isinstance(body, bytes):
@@ -336,7 +241,7 @@ async def test_bad_input_gets_a_4xx_in_the_openai_shape(control_plane: ControlPl
 
 
 async def test_sigterm_answers_blocking_queries_and_exits(tmp_path: pathlib.Path) -> None:
-    proc = await asyncio.to_thread(ControlPlaneProcess(tmp_path / "cp.log", "--warmup", "0").start)
+    proc = await asyncio.to_thread(open_control_plane("--warmup", "0", log_path=tmp_path / "cp.log").start)
     try:
         async with httpx.AsyncClient(base_url=proc.url, timeout=10) as http:
             index = (await http.get("/v1/registry/members")).json()["index"]
@@ -356,7 +261,7 @@ async def test_sigterm_answers_blocking_queries_and_exits(tmp_path: pathlib.Path
 async def test_joining_needs_the_cluster_token(tmp_path: pathlib.Path) -> None:
     """With a cluster token, register and deregister are refused without it (a member is sent
     user prompts); reads stay open; the agent presents the token it is given."""
-    cp = ControlPlaneProcess(tmp_path / "cp.log", "--warmup", "0", "--cluster-token", "s3cret-cluster").start()
+    cp = open_control_plane("--warmup", "0", "--cluster-token", "s3cret-cluster", log_path=tmp_path / "cp.log").start()
     member_id = unique_id()
     body = {"service": "shard", "url": "http://127.0.0.1:8101"}
     try:
@@ -380,8 +285,8 @@ async def test_joining_needs_the_cluster_token(tmp_path: pathlib.Path) -> None:
 
             assert_openai_error(await http.delete(f"/v1/registry/members/{member_id}"), 401)
             text = (await http.get("/metrics")).text
-            assert metric(text, "switchboard_membership_refused_total", method="PUT") == 5
-            assert metric(text, "switchboard_membership_refused_total", method="DELETE") == 1
+            assert metric_in(text, "switchboard_membership_refused_total", method="PUT") == 5
+            assert metric_in(text, "switchboard_membership_refused_total", method="DELETE") == 1
             await agent.aclose()  # deregisters with the token
             assert (await http.get("/v1/registry/members")).json()["members"] == []
     finally:
@@ -391,5 +296,5 @@ async def test_joining_needs_the_cluster_token(tmp_path: pathlib.Path) -> None:
     assert "refused PUT /v1/registry/members/" in log_text and "s3cret-cluster" not in log_text
 
 
-async def test_without_a_cluster_token_the_open_registry_is_logged(control_plane: ControlPlaneProcess) -> None:
+async def test_without_a_cluster_token_the_open_registry_is_logged(control_plane: Service) -> None:
     assert "no cluster token (SWITCHBOARD_CLUSTER_TOKEN)" in control_plane.log_path.read_text()

@@ -15,12 +15,13 @@ from data_plane.cache.model import Transcript, VersionConflict
 from data_plane.common.errors import InvalidRequest, NotFound, Overloaded
 from data_plane.routing.hop_client import HopPool
 from data_plane.membership.view import Member, StaticMembership
-from tests.data_plane.test_cache_node import NodeProcess, free_port, start_nodes
+from tests.support.cluster import start_cache_nodes
+from tests.support.procs import Service, free_port
 
 MESSAGES = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}]
 
 
-def members(nodes: list[NodeProcess]) -> list[Member]:
+def members(nodes: list[Service]) -> list[Member]:
     return [Member(id=f"cache-{n.port}", service="cache", url=n.url) for n in nodes]
 
 
@@ -28,7 +29,7 @@ def dead_member(name: str = "cache-dead") -> Member:
     return Member(id=name, service="cache", url=f"http://127.0.0.1:{free_port()}")
 
 
-def holders(nodes: list[NodeProcess], session_id: str) -> set[str]:
+def holders(nodes: list[Service], session_id: str) -> set[str]:
     with httpx.Client(timeout=2.0) as c:
         return {
             f"cache-{n.port}"
@@ -44,14 +45,14 @@ def ops(registry: CollectorRegistry, op: str, result: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProcess]]:
-    nodes = start_nodes(tmp_path_factory.mktemp("trio"), 3)
+def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Service]]:
+    nodes = start_cache_nodes(3, log_dir=tmp_path_factory.mktemp("trio"))
     yield nodes
     for n in nodes:
         n.stop()
 
 
-async def test_save_writes_the_preference_list_and_load_reads_it_back(trio: list[NodeProcess]) -> None:
+async def test_save_writes_the_preference_list_and_load_reads_it_back(trio: list[Service]) -> None:
     registry = CollectorRegistry()
     async with HopPool() as http:
         store = SessionStore(StaticMembership(members(trio)), http, registry=registry)
@@ -71,7 +72,7 @@ async def test_save_writes_the_preference_list_and_load_reads_it_back(trio: list
     assert registry.get_sample_value("switchboard_session_store_seconds_count", {"op": "load"}) == 2
 
 
-async def test_owner_mismatch_is_not_found_and_repairs_nothing(trio: list[NodeProcess]) -> None:
+async def test_owner_mismatch_is_not_found_and_repairs_nothing(trio: list[Service]) -> None:
     async with HopPool() as http:
         full = StaticMembership(members(trio))
         store = SessionStore(full, http)
@@ -83,7 +84,7 @@ async def test_owner_mismatch_is_not_found_and_repairs_nothing(trio: list[NodePr
         assert len(holders(trio, "conv-owned")) == 1
 
 
-async def test_a_replica_left_behind_is_brought_up_to_the_version_read(trio: list[NodeProcess]) -> None:
+async def test_a_replica_left_behind_is_brought_up_to_the_version_read(trio: list[Service]) -> None:
     registry = CollectorRegistry()
     async with HopPool() as pool, httpx.AsyncClient() as http:  # the test talks to nodes on its own
         store = SessionStore(StaticMembership(members(trio)), pool, registry=registry)
@@ -99,7 +100,7 @@ async def test_a_replica_left_behind_is_brought_up_to_the_version_read(trio: lis
     assert registry.get_sample_value("switchboard_session_replica_repairs_total") == 1
 
 
-async def test_stale_write_raises_version_conflict(trio: list[NodeProcess]) -> None:
+async def test_stale_write_raises_version_conflict(trio: list[Service]) -> None:
     async with HopPool() as http:
         store = SessionStore(StaticMembership(members(trio)), http)
         assert await store.save("conv-v", "key-a", MESSAGES, version=5, replicas=2) == 2
@@ -110,7 +111,7 @@ async def test_stale_write_raises_version_conflict(trio: list[NodeProcess]) -> N
         assert loaded is not None and loaded.version == 5
 
 
-async def test_partial_acks_are_counted_and_zero_acks_are_overloaded(trio: list[NodeProcess]) -> None:
+async def test_partial_acks_are_counted_and_zero_acks_are_overloaded(trio: list[Service]) -> None:
     async with HopPool() as http:
         half = SessionStore(StaticMembership([*members(trio[:1]), dead_member()]), http, timeout_s=0.5)
         assert await half.save("conv-half", "key-a", MESSAGES, version=1, replicas=2) == 1
@@ -141,7 +142,7 @@ async def test_no_cache_members_is_overloaded_and_bad_ids_are_invalid() -> None:
 
 
 async def test_survives_kill_9_and_read_repairs_when_membership_changes(tmp_path: Path) -> None:
-    nodes = start_nodes(tmp_path, 3)
+    nodes = start_cache_nodes(3, log_dir=tmp_path)
     by_id = {f"cache-{n.port}": n for n in nodes}
     registry = CollectorRegistry()
     try:
@@ -189,7 +190,7 @@ async def test_steady_reads_ask_one_replica_and_a_missed_write_is_checked(
 
     monkeypatch.setattr(cache_client, "AUDIT_SHARE", 0.0)
     monkeypatch.setattr(cache_client, "CLOCK_SLACK_S", -0.2)  # clocks agree here: no slack needed
-    nodes = start_nodes(tmp_path, 3)
+    nodes = start_cache_nodes(3, log_dir=tmp_path)
     try:
         async with HopPool() as http:
             store = SessionStore(StaticMembership(members(nodes)), http)
@@ -221,7 +222,7 @@ class ChangingView:
         return [m for m in self.now if m.service == service]
 
 
-async def test_a_zone_that_comes_back_gets_recent_sessions_in_the_background(trio: list[NodeProcess]) -> None:
+async def test_a_zone_that_comes_back_gets_recent_sessions_in_the_background(trio: list[Service]) -> None:
     """Read repair alone would leave paid sessions saved during an outage with one copy until read."""
     registry = CollectorRegistry()
     zoned = [Member(id=f"cache-{n.port}", service="cache", url=n.url, meta={"zone": z}) for n, z in zip(trio, "ab")]

@@ -1,166 +1,49 @@
 """The cache node, as real processes on loopback ports: in-memory and Redis backends.
 
-The helpers at the top (free_port, start_nodes, NodeProcess, redis_server) are reused by
-test_cache_client.py.
+The nodes come from tests.support.cluster (cache_node, start_cache_nodes); Redis from the
+`redis_server` fixture (tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import http.server
 import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from data_plane.cache.model import Transcript
 from data_plane.cache.node import parse_settings
-from data_plane.cache.storage import MemoryStorage
+from data_plane.cache.storage import MemoryStorage, encode_record
+from tests.support.chat import assert_openai_error
+from tests.support.cluster import cache_node, start_cache_nodes
+from tests.support.metrics import metric_in, series
+from tests.support.procs import Service, free_port
+from tests.support.redis import RedisServer
 
-ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 20.0
-
-
-# -- process helpers ------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class NodeProcess:
-    proc: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def kill(self) -> None:
-        """kill -9: no shutdown hooks run."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(5)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
-def spawn_node(
-    log_dir: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None
-) -> NodeProcess:
-    port = port or free_port()
-    log_path = log_dir / f"cache-node-{port}-{uuid.uuid4().hex[:6]}.log"
-    cmd = [sys.executable, "-m", "control_plane.cli", "cache-node", "--port", str(port), *args]
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_CACHE_")}
-    full_env.update(env or {}, PYTHONUNBUFFERED="1")
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT)
-    return NodeProcess(proc, port, log_path)
-
-
-def wait_healthy(nodes: list[NodeProcess]) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    with httpx.Client(timeout=1.0) as client:
-        for node in nodes:
-            while True:
-                if node.proc.poll() is not None:
-                    raise RuntimeError(f"cache node exited with {node.proc.returncode}:\n{node.log()}")
-                try:
-                    if client.get(node.url + "/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    node.stop()
-                    raise RuntimeError(f"cache node not healthy in {STARTUP_TIMEOUT_S}s:\n{node.log()}")
-                time.sleep(0.05)
-
-
-def start_nodes(log_dir: Path, count: int, *args: str) -> list[NodeProcess]:
-    """Start `count` nodes at once (startup overlaps) and wait until all are healthy."""
-    nodes = [spawn_node(log_dir, *args) for _ in range(count)]
-    try:
-        wait_healthy(nodes)
-    except Exception:
-        for n in nodes:
-            n.stop()
-        raise
-    return nodes
-
-
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A throwaway redis-server on a free loopback port, or a skip saying how to get one."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server not on PATH (apt-get install -y redis-server) - Redis backend untested")
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("redis") / "redis.log"
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    import redis
-
-    client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.2)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.RedisError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"redis-server did not start:\n{log_path.read_text()}")
-            time.sleep(0.05)
-    client.close()
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(5)
 
 
 # -- fixtures -------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module", params=["memory", "redis"])
-def node(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
-    args = ("--redis", request.getfixturevalue("redis_url")) if request.param == "redis" else ()
-    (proc,) = start_nodes(tmp_path_factory.mktemp("node"), 1, *args)
+def node(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    args = ("--redis", request.getfixturevalue("redis_server").url) if request.param == "redis" else ()
+    (proc,) = start_cache_nodes(1, *args, log_dir=tmp_path_factory.mktemp("node"))
     yield proc
     proc.stop()
 
 
 @pytest.fixture(scope="module")
-def memory_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
-    (proc,) = start_nodes(tmp_path_factory.mktemp("node"), 1)
+def memory_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    (proc,) = start_cache_nodes(1, log_dir=tmp_path_factory.mktemp("node"))
     yield proc
     proc.stop()
 
@@ -180,27 +63,10 @@ def record(version: int = 1, owner: str = "key-a", n: int = 2, **extra: object) 
     return {"owner": owner, "messages": messages, "version": version, **extra}
 
 
-def metric_value(text: str, name: str, **labels: str) -> float | None:
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return None
-
-
-def assert_openai_error(resp: httpx.Response, status: int, code: str | None = None) -> dict[str, object]:
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert set(err) >= {"message", "type", "param", "code"}
-    if code is not None:
-        assert err["code"] == code
-    return err
-
-
 # -- storage behaviour (both backends) ------------------------------------------------------
 
 
-def test_put_then_get_roundtrip(node: NodeProcess, client: httpx.Client) -> None:
+def test_put_then_get_roundtrip(node: Service, client: httpx.Client) -> None:
     s = sid()
     r = client.put(f"{node.url}/v1/sessions/{s}", json=record(version=3, ttl_s=60))
     assert r.status_code == 200, r.text
@@ -215,11 +81,11 @@ def test_put_then_get_roundtrip(node: NodeProcess, client: httpx.Client) -> None
     assert Transcript.from_wire(body).messages[1] == {"role": "assistant", "content": "turn 1"}
 
 
-def test_missing_session_is_404_in_openai_shape(node: NodeProcess, client: httpx.Client) -> None:
+def test_missing_session_is_404_in_openai_shape(node: Service, client: httpx.Client) -> None:
     assert_openai_error(client.get(f"{node.url}/v1/sessions/{sid()}"), 404, "session_not_found")
 
 
-def test_lower_version_is_refused_with_stored_version(node: NodeProcess, client: httpx.Client) -> None:
+def test_lower_version_is_refused_with_stored_version(node: Service, client: httpx.Client) -> None:
     s = sid()
     url = f"{node.url}/v1/sessions/{s}"
     assert client.put(url, json=record(version=5, n=4)).status_code == 200
@@ -231,7 +97,7 @@ def test_lower_version_is_refused_with_stored_version(node: NodeProcess, client:
     assert client.get(url).json()["version"] == 6
 
 
-def test_ttl_expiry(node: NodeProcess, client: httpx.Client) -> None:
+def test_ttl_expiry(node: Service, client: httpx.Client) -> None:
     s = sid()
     url = f"{node.url}/v1/sessions/{s}"
     assert client.put(url, json=record(ttl_s=0.3)).status_code == 200
@@ -240,7 +106,7 @@ def test_ttl_expiry(node: NodeProcess, client: httpx.Client) -> None:
     assert_openai_error(client.get(url), 404, "session_not_found")
 
 
-def test_delete(node: NodeProcess, client: httpx.Client) -> None:
+def test_delete(node: Service, client: httpx.Client) -> None:
     url = f"{node.url}/v1/sessions/{sid()}"
     assert client.put(url, json=record()).status_code == 200
     assert client.delete(url).json()["deleted"] is True
@@ -249,7 +115,7 @@ def test_delete(node: NodeProcess, client: httpx.Client) -> None:
 
 
 @pytest.mark.parametrize("bad", ["a%20b", "x" * 129, "a/b", "%C3%A9t%C3%A9", "semi;colon", "%00"])
-def test_bad_session_ids_are_400(node: NodeProcess, client: httpx.Client, bad: str) -> None:
+def test_bad_session_ids_are_400(node: Service, client: httpx.Client, bad: str) -> None:
     url = f"{node.url}/v1/sessions/{bad}"
     for resp in (client.get(url), client.put(url, json=record()), client.delete(url)):
         assert_openai_error(resp, 400, "invalid_session_id")
@@ -275,13 +141,13 @@ def test_bad_session_ids_are_400(node: NodeProcess, client: httpx.Client, bad: s
     ],
 )
 def test_bad_bodies_are_4xx_never_500(
-    node: NodeProcess, client: httpx.Client, content: bytes, headers: dict[str, str], status: int
+    node: Service, client: httpx.Client, content: bytes, headers: dict[str, str], status: int
 ) -> None:
     resp = client.put(f"{node.url}/v1/sessions/{sid()}", content=content, headers=headers)
     assert_openai_error(resp, status)
 
 
-def test_oversized_body_is_413(node: NodeProcess, client: httpx.Client) -> None:
+def test_oversized_body_is_413(node: Service, client: httpx.Client) -> None:
     huge = record()
     huge["messages"] = [{"role": "user", "content": "x" * (4 * 1024 * 1024 + 10)}]
     payload = json.dumps(huge).encode()
@@ -297,32 +163,36 @@ def test_oversized_body_is_413(node: NodeProcess, client: httpx.Client) -> None:
     assert client.get(f"{node.url}/health").status_code == 200
 
 
-def test_metrics_follow_requests(node: NodeProcess, client: httpx.Client) -> None:
+def test_metrics_follow_requests(node: Service, client: httpx.Client) -> None:
+    """Each request moves its own counter by one, each op's latency count by its calls, and (in
+    memory; a Redis-backed node re-counts its keys every 10 s) the gauges by the stored record."""
     before = client.get(f"{node.url}/metrics").text
     url = f"{node.url}/v1/sessions/{sid()}"
     client.put(url, json=record(version=2))
     client.put(url, json=record(version=1))
-    client.get(url)
+    stored = client.get(url).json()
     client.get(f"{node.url}/v1/sessions/{sid()}")
     client.get(f"{node.url}/v1/sessions/bad%20id")
     after = client.get(f"{node.url}/metrics").text
 
-    def delta(op: str, result: str) -> float:
-        name = "switchboard_cache_requests_total"
-        return (metric_value(after, name, op=op, result=result) or 0) - (
-            metric_value(before, name, op=op, result=result) or 0
-        )
+    def delta(name: str, **labels: str) -> float:
+        assert series(after, name, **labels), f"no series {name}{labels}"
+        return metric_in(after, name, **labels) - metric_in(before, name, **labels)
 
-    assert [delta("put", "stored"), delta("put", "stale"), delta("get", "hit")] == [1, 1, 1]
-    assert [delta("get", "miss"), delta("get", "error")] == [1, 1]
-    assert metric_value(after, "switchboard_cache_op_seconds_count", op="get") is not None
+    requests = "switchboard_cache_requests_total"
+    assert [delta(requests, op="put", result="stored"), delta(requests, op="put", result="stale")] == [1, 1]
+    assert [delta(requests, op="get", result=r) for r in ("hit", "miss", "error")] == [1, 1, 1]
+    assert [delta(requests, op="put", result="error"), delta(requests, op="delete", result="hit")] == [0, 0]
+    assert delta("switchboard_cache_op_seconds_count", op="get") == 3
+    assert delta("switchboard_cache_op_seconds_count", op="put") == 2
     for reason in ("ttl", "lru"):
-        assert metric_value(after, "switchboard_cache_evictions_total", reason=reason) is not None
-    assert metric_value(after, "switchboard_cache_entries") is not None
-    assert metric_value(after, "switchboard_cache_bytes") is not None
+        assert delta("switchboard_cache_evictions_total", reason=reason) == 0
+    if "--redis" not in node.args:
+        assert delta("switchboard_cache_entries") == 1
+        assert delta("switchboard_cache_bytes") == len(encode_record(Transcript.from_wire(stored)))
 
 
-def test_incoming_traceparent_is_continued(node: NodeProcess, client: httpx.Client) -> None:
+def test_incoming_traceparent_is_continued(node: Service, client: httpx.Client) -> None:
     trace_id, parent = uuid.uuid4().hex, uuid.uuid4().hex[:16]
     headers = {"traceparent": f"00-{trace_id}-{parent}-01"}
     client.get(f"{node.url}/v1/sessions/{sid()}", headers=headers)
@@ -342,7 +212,7 @@ def test_incoming_traceparent_is_continued(node: NodeProcess, client: httpx.Clie
 
 
 def test_lru_eviction_by_bytes(tmp_path: Path, client: httpx.Client) -> None:
-    (small,) = start_nodes(tmp_path, 1, "--max-bytes", "4096")
+    (small,) = start_cache_nodes(1, "--max-bytes", "4096", log_dir=tmp_path)
     try:
         ids = [f"lru-{i}" for i in range(6)]
         for i, s in enumerate(ids):  # ~900 bytes each: the fifth does not fit beside four
@@ -354,9 +224,9 @@ def test_lru_eviction_by_bytes(tmp_path: Path, client: httpx.Client) -> None:
         present = [s for s in ids if client.get(f"{small.url}/v1/sessions/{s}").status_code == 200]
         assert ids[0] in present and ids[1] not in present and ids[5] in present
         text = client.get(f"{small.url}/metrics").text
-        assert (metric_value(text, "switchboard_cache_bytes") or 0) <= 4096
-        assert metric_value(text, "switchboard_cache_entries") == len(present)
-        assert (metric_value(text, "switchboard_cache_evictions_total", reason="lru") or 0) >= 2
+        assert metric_in(text, "switchboard_cache_bytes") <= 4096
+        assert metric_in(text, "switchboard_cache_entries") == len(present)
+        assert metric_in(text, "switchboard_cache_evictions_total", reason="lru") >= 2
         too_big = record()
         too_big["messages"] = [{"role": "user", "content": "z" * 5000}]
         assert_openai_error(
@@ -400,15 +270,16 @@ async def test_memory_storage_expired_record_does_not_block_a_lower_version() ->
 # -- Redis backend specifics ----------------------------------------------------------------
 
 
-def test_redis_records_survive_a_node_restart(redis_url: str, tmp_path: Path, client: httpx.Client) -> None:
-    args = ("--redis", redis_url, "--node-id", f"cache-restart-{uuid.uuid4().hex[:6]}")
-    (first,) = start_nodes(tmp_path, 1, *args)
+def test_redis_records_survive_a_node_restart(redis_server: RedisServer, tmp_path: Path,
+                                              client: httpx.Client) -> None:
+    args = ("--redis", redis_server.url, "--node-id", f"cache-restart-{uuid.uuid4().hex[:6]}")
+    (first,) = start_cache_nodes(1, *args, log_dir=tmp_path)
     s = sid()
     try:
         assert client.put(f"{first.url}/v1/sessions/{s}", json=record(version=7)).status_code == 200
     finally:
         first.kill()
-    (second,) = start_nodes(tmp_path, 1, *args)
+    (second,) = start_cache_nodes(1, *args, log_dir=tmp_path)
     try:
         assert client.get(f"{second.url}/v1/sessions/{s}").json()["version"] == 7
     finally:
@@ -417,7 +288,7 @@ def test_redis_records_survive_a_node_restart(redis_url: str, tmp_path: Path, cl
 
 def test_redis_down_is_503_not_500(tmp_path: Path, client: httpx.Client) -> None:
     dead = f"redis://127.0.0.1:{free_port()}/0"
-    proc = spawn_node(tmp_path, "--redis", dead)
+    proc = cache_node("--redis", dead, log_dir=tmp_path).start(wait=False)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:  # /health answers 503 here, so wait for any answer
@@ -425,7 +296,7 @@ def test_redis_down_is_503_not_500(tmp_path: Path, client: httpx.Client) -> None
                 health = client.get(f"{proc.url}/health")
                 break
             except httpx.HTTPError:
-                assert time.monotonic() < deadline and proc.proc.poll() is None, proc.log()
+                assert time.monotonic() < deadline and proc.proc.poll() is None, proc.log_tail()
                 time.sleep(0.05)
         assert health.status_code == 503
         assert_openai_error(client.get(f"{proc.url}/v1/sessions/{sid()}"), 503, "cache_backend_unavailable")
@@ -479,7 +350,7 @@ def test_registers_as_cache_and_deregisters_on_shutdown(tmp_path: Path) -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     registry = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        (proc,) = start_nodes(tmp_path, 1, "--registry", registry, "--node-id", "cache-reg-1")
+        (proc,) = start_cache_nodes(1, "--registry", registry, "--node-id", "cache-reg-1", log_dir=tmp_path)
         proc.stop()  # SIGTERM: uvicorn runs the lifespan shutdown, which deregisters
         puts = [c for c in _RegistryStub.calls if c[0] == "PUT"]
         assert puts and puts[0][1] == "/v1/registry/members/cache-reg-1"

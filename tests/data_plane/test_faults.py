@@ -9,19 +9,12 @@ import httpx
 import openai
 
 from tests.support.cluster import KEYS, Cluster, stored_session
+from tests.support.metrics import metric
 
 
 def post(c: Cluster, body: dict, key: str = KEYS["plus"], headers: dict | None = None) -> httpx.Response:
     return httpx.post(c.gateway.url + "/v1/chat/completions", json=body, timeout=30,
                       headers={"Authorization": f"Bearer {key}", **(headers or {})})
-
-
-def metric(c: Cluster, name: str) -> float:
-    total = 0.0
-    for line in httpx.get(c.gateway.url + "/metrics").text.splitlines():
-        if line.startswith(name):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_killed_shard_requests_still_succeed_and_it_leaves_routing() -> None:
@@ -39,14 +32,14 @@ def test_killed_shard_requests_still_succeed_and_it_leaves_routing() -> None:
 
         # Right after the kill the registry still lists the dead shard: the router must retry.
         assert asyncio.run(burst()) == [200] * 16
-        assert metric(c, "switchboard_router_retries_total") >= 1
+        assert metric(c.gateway.url, "switchboard_router_retries_total") >= 1
         # The registry notices (TTL) and the gateway stops routing there.
         c.wait_members(shards=1, caches=1, timeout=5)
         left_after = time.monotonic() - t_kill
         assert left_after < 5
-        retries = metric(c, "switchboard_router_retries_total")
+        retries = metric(c.gateway.url, "switchboard_router_retries_total")
         assert asyncio.run(burst()) == [200] * 16
-        assert metric(c, "switchboard_router_retries_total") == retries  # no more retries needed
+        assert metric(c.gateway.url, "switchboard_router_retries_total") == retries  # no more retries needed
         # A restarted shard rejoins.
         c.shards[0].start()
         c.wait_members(shards=2, caches=1, timeout=10)
@@ -129,7 +122,7 @@ def test_mid_stream_failover_synthetic_is_seamless() -> None:
         got = _stream_all(c.gateway.url, prompts, 16, on_progress=kill_once)
         assert killed
         assert got == reference
-        assert metric(c, "switchboard_router_resumes_total") >= 1
+        assert metric(c.gateway.url, "switchboard_router_resumes_total") >= 1
 
 
 def test_mid_stream_failover_real_model_float32_equals_uninterrupted() -> None:

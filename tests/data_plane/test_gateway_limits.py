@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -24,10 +23,10 @@ import httpx
 import openai
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.data_plane.test_ratelimit import RedisServer
+from tests.support.metrics import metric
 from tests.support.procs import CLUSTER_HEADERS, ROOT, Service
+from tests.support.redis import RedisServer
 
 KEYS = {
     "free": "sk-lim-free-0123456789",       # rpm 3
@@ -67,14 +66,6 @@ def chat(url: str, key: str, *, max_tokens: int = 4, content: str = "hi", stream
             "stream": stream}
     return httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
                       timeout=timeout)
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and sample.labels == labels:
-                return float(sample.value)
-    return 0.0
 
 
 def estimate(content: str, max_tokens: int) -> int:
@@ -224,15 +215,6 @@ def test_bench_tiers_reports_every_tier(one: Service, tmp_path: Path) -> None:
 
 
 # -- three gateways, one Redis -----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not on PATH")
-    server = RedisServer().start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

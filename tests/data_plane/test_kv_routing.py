@@ -84,8 +84,8 @@ def test_the_index_is_bounded() -> None:
 def test_a_gateway_routes_session_turns_to_their_kv() -> None:
     import httpx
 
-    from tests.data_plane.test_shard import metric
     from tests.support.cluster import Cluster
+    from tests.support.metrics import metric
 
     with Cluster(shards=2, caches=1, gateway_args=["--routing-policy", "kv_aware"]) as c:
         headers = {"authorization": f"Bearer {c.keys['plus']}", "x-session-id": "new"}
@@ -97,6 +97,6 @@ def test_a_gateway_routes_session_turns_to_their_kv() -> None:
             headers["x-session-id"] = r.headers["x-session-id"]
             served.append(sum(metric(s.url, "vllm:request_success_total") for s in c.shards[:1]))
         text = httpx.get(c.gateway.url + "/metrics").text
-        assert metric(c.gateway.url, "switchboard_router_kv_decisions_total", 'outcome="ring"') == 1, text
-        assert metric(c.gateway.url, "switchboard_router_kv_decisions_total", 'outcome="holder"') == 3
+        assert metric(c.gateway.url, "switchboard_router_kv_decisions_total", outcome="ring") == 1, text
+        assert metric(c.gateway.url, "switchboard_router_kv_decisions_total", outcome="holder") == 3
         assert served in ([0, 0, 0, 0], [1, 2, 3, 4])   # every turn on the same shard

@@ -18,7 +18,10 @@ import pytest
 
 from data_plane.membership.embedded import HttpMembership, RegistrationAgent
 from data_plane.membership.view import Member, StaticMembership
-from tests.control_plane.test_registry import REPO, ControlPlaneProcess, eventually, free_port, unique_id
+from tests.support.cluster import open_control_plane, unique_id
+from tests.support.procs import ROOT as REPO
+from tests.support.procs import Service, free_port
+from tests.support.waits import eventually_async
 
 # A member process that registers with ttl 1 s and then just lives until it is SIGKILLed.
 AGENT_SCRIPT = """
@@ -43,8 +46,8 @@ def ids(members: list[Member]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlaneProcess]:
-    proc = ControlPlaneProcess(tmp_path_factory.mktemp("cp") / "control-plane.log", "--warmup", "0").start()
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    proc = open_control_plane("--warmup", "0", log_path=tmp_path_factory.mktemp("cp") / "control-plane.log").start()
     yield proc
     proc.stop()
 
@@ -65,7 +68,7 @@ def test_static_membership_lists_routable_members_sorted() -> None:
     assert hash(view.members("shard")[0])  # frozen and hashable despite the meta mapping
 
 
-async def test_http_membership_sees_members_come_and_go(control_plane: ControlPlaneProcess) -> None:
+async def test_http_membership_sees_members_come_and_go(control_plane: Service) -> None:
     member = Member(unique_id(), "shard", "http://127.0.0.1:8101", meta={"model": "SmolLM2-135M-Instruct"})
     async with httpx.AsyncClient() as http:
         view = HttpMembership(control_plane.url, http, wait_s=2.0)
@@ -76,7 +79,7 @@ async def test_http_membership_sees_members_come_and_go(control_plane: ControlPl
         agent = RegistrationAgent(control_plane.url, member, http, ttl_s=1.0)
         try:
             await agent.start()
-            took = await eventually(lambda: member.id in ids(view.members("shard")), timeout_s=1.0)
+            took = await eventually_async(lambda: member.id in ids(view.members("shard")), timeout_s=1.0)
             assert took < 0.5  # a blocking query answers on the change, not after `wait`
             seen = next(m for m in view.members("shard") if m.id == member.id)
             assert seen.url == member.url and seen.meta == member.meta and seen.status == "passing"
@@ -87,12 +90,12 @@ async def test_http_membership_sees_members_come_and_go(control_plane: ControlPl
             assert len(changes) == quiet_since
         finally:
             await agent.aclose()
-        await eventually(lambda: member.id not in ids(view.members("shard")), timeout_s=1.0)
+        await eventually_async(lambda: member.id not in ids(view.members("shard")), timeout_s=1.0)
         assert len(changes) > quiet_since
         await view.aclose()
 
 
-async def test_killed_member_leaves_within_its_ttl(control_plane: ControlPlaneProcess) -> None:
+async def test_killed_member_leaves_within_its_ttl(control_plane: Service) -> None:
     member_id = unique_id()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-c", AGENT_SCRIPT, control_plane.url, member_id]
@@ -110,7 +113,7 @@ async def test_killed_member_leaves_within_its_ttl(control_plane: ControlPlanePr
                 assert member_id in ids(view.members("shard"))
                 await asyncio.sleep(0.7)  # mid heartbeat cycle
                 agent.kill()  # no deregistration: only the TTL can notice
-                took = await eventually(lambda: member_id not in ids(view.members("shard")), timeout_s=3.0)
+                took = await eventually_async(lambda: member_id not in ids(view.members("shard")), timeout_s=3.0)
                 assert took < 1.5, f"left routing after {took:.2f}s"
                 assert [m.status for m in view.all_members("shard") if m.id == member_id] == ["critical"]
             finally:
@@ -138,7 +141,7 @@ async def test_clients_never_raise_when_the_registry_is_down() -> None:
 
 
 async def test_registry_restart_keeps_routing_and_members_come_back(tmp_path: pathlib.Path) -> None:
-    registry = await asyncio.to_thread(ControlPlaneProcess(tmp_path / "cp.log", "--warmup", "0").start)
+    registry = await asyncio.to_thread(open_control_plane("--warmup", "0", log_path=tmp_path / "cp.log").start)
     live = Member(unique_id(), "shard", "http://127.0.0.1:8101")
     gone = Member(unique_id("cache"), "cache", "http://127.0.0.1:8201")  # registered once, never again
     try:
@@ -156,24 +159,26 @@ async def test_registry_restart_keeps_routing_and_members_come_back(tmp_path: pa
                 synced = view.last_sync
 
                 registry.kill()
-                await eventually(lambda: not view.reachable, timeout_s=2.0)
+                await eventually_async(lambda: not view.reachable, timeout_s=2.0)
                 await asyncio.sleep(1.2)  # past every TTL: the last list still routes
                 assert ids(view.members("shard")) == [live.id] and ids(view.members("cache")) == [gone.id]
                 assert not agent.registered
 
-                await asyncio.to_thread(registry.start, "--warmup", "1.5")  # same port, empty memory
-                await eventually(lambda: view.reachable, timeout_s=3.0)
+                registry.stop()  # already dead: closes its log
+                registry = open_control_plane("--warmup", "1.5", log_path=tmp_path / "cp.log", port=registry.port)
+                await asyncio.to_thread(registry.start)  # same port, empty memory
+                await eventually_async(lambda: view.reachable, timeout_s=3.0)
                 assert view.last_sync > synced
 
                 async def live_reregistered() -> bool:
                     resp = await http.get(f"{registry.url}/v1/registry/members", params={"service": "shard"})
                     return [(m["id"], m["status"]) for m in resp.json()["members"]] == [(live.id, "passing")]
 
-                await eventually(live_reregistered, timeout_s=2.0)
+                await eventually_async(live_reregistered, timeout_s=2.0)
                 assert agent.registered
                 # while the new registry warms up it may not know everyone yet: keep what we had
                 assert ids(view.members("cache")) == [gone.id]
-                await eventually(lambda: view.members("cache") == [], timeout_s=3.0)
+                await eventually_async(lambda: view.members("cache") == [], timeout_s=3.0)
                 assert ids(view.members("shard")) == [live.id]
             finally:
                 await agent.aclose()

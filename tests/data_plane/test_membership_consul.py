@@ -31,10 +31,11 @@ from data_plane.membership.consul import (
     member_status,
 )
 from data_plane.membership.factory import membership_from_url
-from tests.control_plane.test_registry import eventually, metric
 from tests.support.cluster import KEYS, api_keys_env
 from tests.support.consul_stub import ConsulStub, consul_agent, consul_client
+from tests.support.metrics import metric
 from tests.support.procs import Service
+from tests.support.waits import eventually_async
 
 
 @pytest.fixture(scope="module", params=["stub", "live"])
@@ -127,17 +128,17 @@ async def test_registered_member_appears_at_once_and_leaves_on_deregister(consul
         try:
             await agent.start()
             assert agent.registered
-            took = await eventually(lambda: ids(view.members("shard")) == [member.id], timeout_s=2.0)
+            took = await eventually_async(lambda: ids(view.members("shard")) == [member.id], timeout_s=2.0)
             assert took < 1.0  # the blocking query answers on the change, not after `wait`
             assert view.members("shard")[0] == member and view.members("cache") == []
             await asyncio.sleep(1.2)  # heartbeats keep it passing past its TTL, and wake nobody
             assert ids(view.members("shard")) == [member.id] and len(changes) == 1
             agent.set_meta(load="3")
-            await eventually(lambda: view.members("shard")[0].meta.get("load") == "3", timeout_s=2.0)
+            await eventually_async(lambda: view.members("shard")[0].meta.get("load") == "3", timeout_s=2.0)
         finally:
             await agent.aclose()
         assert not agent.registered
-        await eventually(lambda: view.members("shard") == [], timeout_s=2.0)
+        await eventually_async(lambda: view.members("shard") == [], timeout_s=2.0)
         await view.aclose()
 
 
@@ -151,10 +152,10 @@ async def test_silent_member_goes_critical_after_its_ttl_and_leaves_routing(cons
         try:
             t0 = time.monotonic()
             await register_raw(http, consul_url, sid, f"{prefix}shard", "1s")  # registers, never heartbeats
-            await eventually(lambda: ids(live.members("shard")) == [sid], timeout_s=0.9)
-            await eventually(lambda: live.members("shard") == [], timeout_s=5.0)
+            await eventually_async(lambda: ids(live.members("shard")) == [sid], timeout_s=0.9)
+            await eventually_async(lambda: live.members("shard") == [], timeout_s=5.0)
             assert 0.9 < time.monotonic() - t0 < 3.0  # critical once its TTL passed, and not long after
-            await eventually(lambda: [m.status for m in every.all_members("shard")] == ["critical"], timeout_s=2.0)
+            await eventually_async(lambda: [m.status for m in every.all_members("shard")] == ["critical"], timeout_s=2.0)
             assert every.members("shard") == []  # known, but not routable
         finally:
             await http.put(f"{consul_url}/v1/agent/service/deregister/{sid}")
@@ -170,11 +171,11 @@ async def test_agent_registers_again_when_consul_forgets_it(consul_url: str, pre
         agent = ConsulRegistrationAgent(consul_url, member, http, ttl_s=0.6, service_prefix=prefix)
         try:
             await agent.start()
-            await eventually(lambda: ids(view.members("cache")) == [member.id], timeout_s=2.0)
+            await eventually_async(lambda: ids(view.members("cache")) == [member.id], timeout_s=2.0)
             # an operator (or the agent's reaper) removes it; the next heartbeat's 404 re-registers it
             (await http.put(f"{consul_url}/v1/agent/service/deregister/{member.id}")).raise_for_status()
-            await eventually(lambda: view.members("cache") == [], timeout_s=2.0)
-            await eventually(lambda: ids(view.members("cache")) == [member.id], timeout_s=2.0)
+            await eventually_async(lambda: view.members("cache") == [], timeout_s=2.0)
+            await eventually_async(lambda: ids(view.members("cache")) == [member.id], timeout_s=2.0)
             assert agent.registered
         finally:
             await agent.aclose()
@@ -191,13 +192,13 @@ async def test_maintenance_mode_takes_a_member_out_of_routing(consul_url: str, p
         agent = ConsulRegistrationAgent(consul_url, member, http, ttl_s=1.0, service_prefix=prefix)
         try:
             await agent.start()
-            await eventually(lambda: ids(live.members("shard")) == [member.id], timeout_s=2.0)
+            await eventually_async(lambda: ids(live.members("shard")) == [member.id], timeout_s=2.0)
             maint = f"{consul_url}/v1/agent/service/maintenance/{member.id}"
             (await http.put(maint, params={"enable": "true", "reason": "test"})).raise_for_status()
-            await eventually(lambda: live.members("shard") == [], timeout_s=2.0)
-            await eventually(lambda: [m.status for m in every.all_members()] == ["draining"], timeout_s=2.0)
+            await eventually_async(lambda: live.members("shard") == [], timeout_s=2.0)
+            await eventually_async(lambda: [m.status for m in every.all_members()] == ["draining"], timeout_s=2.0)
             (await http.put(maint, params={"enable": "false"})).raise_for_status()
-            await eventually(lambda: ids(live.members("shard")) == [member.id], timeout_s=2.0)
+            await eventually_async(lambda: ids(live.members("shard")) == [member.id], timeout_s=2.0)
         finally:
             await agent.aclose()
             await live.aclose()
@@ -216,14 +217,14 @@ async def test_view_keeps_the_last_list_while_consul_is_down_and_recovers(prefix
             await view.start()
             agent = ConsulRegistrationAgent(stub.membership_url, member, http, ttl_s=0.6, service_prefix=prefix)
             await agent.start()
-            await eventually(lambda: ids(view.members("shard")) == [member.id], timeout_s=2.0)
+            await eventually_async(lambda: ids(view.members("shard")) == [member.id], timeout_s=2.0)
             stub.stop()
-            await eventually(lambda: not view.reachable, timeout_s=4.0)
-            await eventually(lambda: not agent.registered, timeout_s=2.0)
+            await eventually_async(lambda: not view.reachable, timeout_s=4.0)
+            await eventually_async(lambda: not agent.registered, timeout_s=2.0)
             assert ids(view.members("shard")) == [member.id]  # routing goes on with the last list
             stub.start()  # a wiped agent: it knows nobody until heartbeats register them again
-            await eventually(lambda: view.reachable and agent.registered, timeout_s=5.0)
-            await eventually(lambda: ids(view.members("shard")) == [member.id], timeout_s=3.0)
+            await eventually_async(lambda: view.reachable and agent.registered, timeout_s=5.0)
+            await eventually_async(lambda: ids(view.members("shard")) == [member.id], timeout_s=3.0)
             await agent.aclose()
             await view.aclose()
     finally:
@@ -241,7 +242,7 @@ async def test_stub_deregisters_services_critical_for_too_long(prefix: str) -> N
             async def gone() -> bool:
                 return f"{prefix}x" not in (await http.get(services)).json()
 
-            await eventually(gone, timeout_s=3.0)
+            await eventually_async(gone, timeout_s=3.0)
 
 
 # -- a whole cluster on the stub ------------------------------------------------------------------
@@ -257,7 +258,7 @@ def chat(gateway: Service) -> httpx.Response:
 def wait_metric(gateway: Service, name: str, value: float, timeout_s: float, **labels: str) -> float:
     start = time.monotonic()
     while True:
-        seen = metric(httpx.get(gateway.url + "/metrics").text, name, **labels)
+        seen = metric(gateway.url, name, **labels)
         if seen == value:
             return time.monotonic() - start
         if time.monotonic() - start > timeout_s:
@@ -282,7 +283,7 @@ def test_cluster_on_consul_stub_routes_loses_a_shard_and_survives_consul_outage(
         gateway.start()
         wait_metric(gateway, "switchboard_gateway_members", 2, 10.0, service="shard")
         wait_metric(gateway, "switchboard_gateway_members", 1, 5.0, service="cache")
-        assert metric(httpx.get(gateway.url + "/metrics").text, "switchboard_membership_reachable") == 1
+        assert metric(gateway.url, "switchboard_membership_reachable") == 1
         registered = httpx.get(stub.url + "/v1/agent/services").json()
         assert {s["Service"] for s in registered.values()} == {
             "switchboard-shard", "switchboard-cache", "switchboard-gateway"}
@@ -297,7 +298,7 @@ def test_cluster_on_consul_stub_routes_loses_a_shard_and_survives_consul_outage(
 
         stub.stop()  # Consul goes away: the gateway routes on what it saw last, and says so
         wait_metric(gateway, "switchboard_membership_reachable", 0, 10.0)
-        assert metric(httpx.get(gateway.url + "/metrics").text, "switchboard_gateway_members", service="shard") == 1
+        assert metric(gateway.url, "switchboard_gateway_members", service="shard") == 1
         assert all(chat(gateway).status_code == 200 for _ in range(4))
     finally:
         for p in reversed(procs):

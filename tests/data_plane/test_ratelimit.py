@@ -11,10 +11,7 @@ not on PATH.
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import pytest_asyncio
@@ -30,50 +27,9 @@ from data_plane.gateway.ratelimit.limiter import (
 from data_plane.gateway.ratelimit.buckets import PERIOD_US, Backend, Bucket, LocalBackend, RedisBackend
 from data_plane.tiers import Tier
 from tests.support.procs import free_port
+from tests.support.redis import RedisServer
 
 S = 1_000_000  # microseconds
-
-
-class RedisServer:
-    """A throwaway redis-server on a free loopback port (no persistence)."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> RedisServer:
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                redis.Redis(port=self.port, socket_timeout=1).ping()
-                return self
-            except redis.exceptions.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not come up")
-
-    def flush(self) -> None:
-        import redis
-
-        redis.Redis(port=self.port).flushall()
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not on PATH")
-    server = RedisServer().start()
-    yield server
-    server.stop()
 
 
 class Clock:

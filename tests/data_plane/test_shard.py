@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from tests.support.metrics import metric
 from tests.support.procs import Service
 
 PROMPTS = [
@@ -32,15 +33,6 @@ def chat(url: str, content: str, **kw: object) -> dict:
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def metric(url: str, name: str, labels: str = "") -> float:
-    text = httpx.get(url + "/metrics", timeout=5).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and labels in line and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_openai_sdk_stream_and_non_stream(fp32_shard: Service) -> None:
@@ -86,11 +78,11 @@ def test_batched_equals_solo_in_float32(fp32_shard: Service) -> None:
                 return r.json()["choices"][0]["message"]["content"]
             return await asyncio.gather(*(one(p, m) for p, m in zip(PROMPTS, max_tokens)))
 
-    batch_size_before = metric(fp32_shard.url, "switchboard_shard_batch_size_sum", 'kind="decode"')
-    steps_before = metric(fp32_shard.url, "switchboard_shard_batch_size_count", 'kind="decode"')
+    batch_size_before = metric(fp32_shard.url, "switchboard_shard_batch_size_sum", kind="decode")
+    steps_before = metric(fp32_shard.url, "switchboard_shard_batch_size_count", kind="decode")
     batched = asyncio.run(all_at_once())
-    sizes = metric(fp32_shard.url, "switchboard_shard_batch_size_sum", 'kind="decode"') - batch_size_before
-    steps = metric(fp32_shard.url, "switchboard_shard_batch_size_count", 'kind="decode"') - steps_before
+    sizes = metric(fp32_shard.url, "switchboard_shard_batch_size_sum", kind="decode") - batch_size_before
+    steps = metric(fp32_shard.url, "switchboard_shard_batch_size_count", kind="decode") - steps_before
     assert sizes / steps > 3, "requests did not actually share decode steps"
     assert batched == solo
 
@@ -118,7 +110,7 @@ def test_length_finish_and_usage(fp32_shard: Service) -> None:
 
 
 def test_client_disconnect_aborts_and_frees_slot(fp32_shard: Service) -> None:
-    aborted_before = metric(fp32_shard.url, "vllm:request_success_total", 'finished_reason="abort"')
+    aborted_before = metric(fp32_shard.url, "vllm:request_success_total", finished_reason="abort")
     body = {"messages": [{"role": "user", "content": PROMPTS[3]}], "max_tokens": 1500, "stream": True,
             "temperature": 0.8, "seed": 1}
     with httpx.stream("POST", fp32_shard.url + "/v1/chat/completions", json=body, timeout=60) as r:
@@ -132,8 +124,8 @@ def test_client_disconnect_aborts_and_frees_slot(fp32_shard: Service) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         health = httpx.get(fp32_shard.url + "/health").json()
-        if health["running"] == 0 and metric(fp32_shard.url, "vllm:request_success_total",
-                                            'finished_reason="abort"') > aborted_before:
+        aborted = metric(fp32_shard.url, "vllm:request_success_total", finished_reason="abort")
+        if health["running"] == 0 and aborted > aborted_before:
             break
         time.sleep(0.1)
     else:

@@ -11,7 +11,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.data_plane.test_shard import metric
+from tests.support.metrics import metric
 from tests.support.procs import CLUSTER_HEADERS, Service
 
 PASSAGE = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.\n"
@@ -53,7 +53,7 @@ def test_metrics_and_span_move_on_a_quote_prompt(fp32_shard: Service, off_shard:
     assert 0 < delta["vllm:spec_decode_num_accepted_tokens_total"] <= delta["vllm:spec_decode_num_draft_tokens_total"]
     assert delta["vllm:spec_decode_num_accepted_tokens_per_pos_total"] == delta[
         "vllm:spec_decode_num_accepted_tokens_total"]
-    assert metric(url, "vllm:spec_decode_num_accepted_tokens_per_pos_total", 'position="0"') > 0
+    assert metric(url, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
     assert metric(url, "vllm:iteration_tokens_total_count") > iters
     span = next(s for s in httpx.get(url + "/debug/spans", headers=CLUSTER_HEADERS).json()
                 if s["name"] == "shard.generate" and s["attributes"].get("switchboard.request_id") == rid)

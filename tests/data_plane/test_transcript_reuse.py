@@ -9,8 +9,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.data_plane.test_shard import metric
 from tests.support.cluster import Cluster
+from tests.support.metrics import metric
 
 BLOCK = 16
 QUESTIONS = [

@@ -20,7 +20,6 @@ import pytest
 
 from data_plane.common.crypto import SEALED_ROLE
 from tests.support.cluster import KEYS, Cluster
-from tests.data_plane.test_cache_node import redis_url  # noqa: F401  (a fixture)
 from tests.support.chat import chat
 from tests.support.procs import CLUSTER_TOKEN
 
@@ -35,7 +34,7 @@ def sealed_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
     c.ledger_path = db  # type: ignore[attr-defined]
     c.redis = None  # type: ignore[attr-defined]
     if request.param == "redis":
-        url = request.getfixturevalue("redis_url")
+        url = request.getfixturevalue("redis_server").url
         c.redis = url  # type: ignore[attr-defined]
         for cache in c.caches:
             cache.args[-2:-2] = ["--redis", url]

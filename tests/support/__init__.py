@@ -2,7 +2,7 @@
 
     from tests.support.procs import Service, free_port          # a real process on a free loopback port
     from tests.support.cluster import Cluster, KEYS, ADMIN_TOKEN  # control plane, caches, shards, gateway
-    from tests.support.metrics import metric, value, samples    # Prometheus text: sum / all samples
+    from tests.support.metrics import metric, metric_in       # a live process's /metrics, or its text
     from tests.support.waits import eventually                  # poll until true (async: eventually_async)
     from tests.support.chat import chat, assert_openai_error    # one chat call; the OpenAI error shape
 

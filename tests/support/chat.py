@@ -48,6 +48,7 @@ def assert_openai_error(resp: httpx.Response, status: int | Iterable[int], code:
     assert resp.status_code in statuses, (resp.status_code, resp.text[:500])
     err = resp.json()["error"]
     assert {"message", "type", "param", "code"} <= set(err), err
+    assert err["message"], err
     if code is not None:
         assert err["code"] == code, err
     if resp.status_code in (429, 503):

@@ -10,11 +10,12 @@ loads the real model in each shard.
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
 
 import httpx
 
-from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, Service
+from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, Service, free_port
 
 KEYS = {
     "free": "sk-test-free-0123456789",
@@ -84,6 +85,42 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def open_control_plane(*args: str, log_path: Path | None = None, port: int | None = None) -> Service:
+    """`switchboard control-plane --admin-token ADMIN_TOKEN ARGS` without a cluster token (the
+    registry's open mode) and without the pytest process's SWITCHBOARD_* variables; not started.
+    Restart one on the same port with `port=old.port`."""
+    return Service(["control-plane", "--admin-token", ADMIN_TOKEN, *args], port=port, ready_timeout=20.0,
+                   isolated=True, log_path=log_path)
+
+
+def cache_node(*args: str, log_dir: Path | None = None, port: int | None = None) -> Service:
+    """`switchboard cache-node ARGS` without a cluster token (its sessions routes open), not started."""
+    port = port or free_port()
+    log_path = log_dir / f"cache-node-{port}.log" if log_dir is not None else None
+    return Service(["cache-node", *args], port=port, ready_timeout=20.0, isolated=True, log_path=log_path,
+                   env={"PYTHONUNBUFFERED": "1"})
+
+
+def start_cache_nodes(count: int, *args: str, log_dir: Path | None = None) -> list[Service]:
+    """`count` :func:`cache_node`s started at once (start-up overlaps), all healthy (or all stopped)."""
+    nodes = [cache_node(*args, log_dir=log_dir) for _ in range(count)]
+    try:
+        for n in nodes:
+            n.start(wait=False)
+        for n in nodes:
+            n.wait_healthy()
+    except BaseException:
+        for n in nodes:
+            n.stop()
+        raise
+    return nodes
+
+
+def unique_id(prefix: str = "shard") -> str:
+    """A member id no other test uses (`shard-test-1a2b3c4d`)."""
+    return f"{prefix}-test-{uuid.uuid4().hex[:8]}"
 
 
 def stored_session(cache_url: str, session_id: str) -> dict | None:

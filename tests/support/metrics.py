@@ -2,7 +2,7 @@
 
     total = metric(gateway.url, "switchboard_router_retries_total")              # summed over labels
     aborts = metric(shard.url, "vllm:request_success_total", finished_reason="abort")
-    text = scrape(node.url); value(text, "switchboard_cache_requests_total", op="get")
+    text = scrape(node.url); metric_in(text, "switchboard_cache_requests_total", op="get")
     series(text, "switchboard_cache_sessions")                                   # [] when absent
 
 Labels given select the samples whose labels include them (other labels are summed over). Names
@@ -35,7 +35,7 @@ def series(text: str, name: str, **labels: str) -> list[float]:
     return [v for have, v in samples(text, name) if all(have.get(k) == w for k, w in labels.items())]
 
 
-def value(text: str, name: str, **labels: str) -> float:
+def metric_in(text: str, name: str, **labels: str) -> float:
     """Sum of :func:`series` (0.0 when there is none)."""
     return sum(series(text, name, **labels))
 
@@ -49,4 +49,4 @@ def scrape(url: str, headers: dict[str, str] | None = None) -> str:
 
 def metric(url: str, name: str, **labels: str) -> float:
     """Sum of metric `name` at `url`/metrics over the samples whose labels include `labels`."""
-    return value(scrape(url), name, **labels)
+    return metric_in(scrape(url), name, **labels)

@@ -46,24 +46,40 @@ def free_port() -> int:
 
 
 class Service:
+    """`python -m MODULE ARGS --port P` (MODULE: the `switchboard` CLI unless given) as a child process.
+
+    It gets the cluster token unless `isolated` (then it also drops the pytest process's
+    SWITCHBOARD_* variables: a registry in the open mode). Restart one on the same port by building
+    a new Service with `port=old.port`.
+    """
+
     def __init__(self, args: list[str], *, port: int | None = None, ready_timeout: float = 90.0,
-                 env: dict[str, str] | None = None, health: str = "/health") -> None:
+                 env: dict[str, str] | None = None, health: str = "/health", module: str = "control_plane.cli",
+                 isolated: bool = False, log_path: Path | None = None) -> None:
         self.port = port or free_port()
-        self.args = [sys.executable, "-m", "control_plane.cli", *args, "--port", str(self.port)]
+        self.args = [sys.executable, "-m", module, *args, "--port", str(self.port)]
         self.url = f"http://127.0.0.1:{self.port}"
         self.ready_timeout = ready_timeout
         # Every spawned control plane requires it, every spawned member presents it (the pytest
         # process itself stays without one, so in-process apps run in the open mode).
-        self.env = {**os.environ, "SWITCHBOARD_CLUSTER_TOKEN": CLUSTER_TOKEN, **(env or {})}
+        if isolated:
+            base = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")}
+        else:
+            base = {**os.environ, "SWITCHBOARD_CLUSTER_TOKEN": CLUSTER_TOKEN}
+        self.env = {**base, **(env or {})}
         self.health = health
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = Path(tempfile.mkstemp(prefix="sb-test-", suffix=".log")[1])
+        self.log_path = log_path or Path(tempfile.mkstemp(prefix="sb-test-", suffix=".log")[1])
 
     def start(self, wait: bool = True) -> "Service":
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env)
         if wait:
-            self.wait_healthy()
+            try:
+                self.wait_healthy()
+            except BaseException:
+                self.stop()
+                raise
         return self
 
     def wait_healthy(self, timeout: float | None = None) -> None:
@@ -76,7 +92,7 @@ class Service:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.1)
+            time.sleep(0.05)
         raise RuntimeError(f"{self.args} not healthy after {timeout or self.ready_timeout}s:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 3000) -> str:
@@ -91,7 +107,8 @@ class Service:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
 
-    def stop(self) -> None:
+    def stop(self) -> int | None:
+        """SIGTERM, then kill -9 after 15 s; the exit code (None if it never started)."""
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -100,6 +117,7 @@ class Service:
                 self.kill()
         if getattr(self, "_log", None):
             self._log.close()
+        return None if self.proc is None else self.proc.returncode
 
     def __enter__(self) -> "Service":
         return self.start()
