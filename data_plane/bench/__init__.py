@@ -4,6 +4,7 @@
     switchboard bench serve --url http://127.0.0.1:8000 --api-key KEY --concurrency 8
     switchboard bench overhead --json /tmp/overhead.json
     switchboard bench multiturn --conversations 8 --turns 8 --json /tmp/multiturn.json --png /tmp/mt.png
+    switchboard bench route --sizes 10,100,1000,10000 --json /tmp/route.json
 
 Subcommand modules are imported lazily, so `bench serve` never imports torch.
 """
@@ -18,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "overhead": ("data_plane.bench.overhead", "what each layer of the stack adds per request"),
     "tiers": ("data_plane.bench.tiers", "a tier mix above capacity: shedding and enterprise TTFT vs unloaded"),
     "multiturn": ("data_plane.bench.multiturn", "growing conversations, prefix caching off vs on: TTFT per turn, hit rate"),
+    "route": ("data_plane.bench.route", "per-request routing cost (pick + lease) at 10 to 10,000 shards"),
 }
 
 

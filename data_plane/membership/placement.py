@@ -88,8 +88,13 @@ def prefer_zone(loads: Mapping[str, float], zone_of: Mapping[str, str], local: s
     others = [m for m in loads if zone_of.get(m, DEFAULT_ZONE) != local]
     if not others:
         return set(mine)
-    local_load = sum(loads[m] for m in mine) / len(mine)
-    remote_load = sum(loads[m] for m in others) / len(others)
-    if local_load > (1 + slack) * remote_load + 1:
+    if spills(sum(loads[m] for m in mine) / len(mine), sum(loads[m] for m in others) / len(others), slack):
         return None
     return set(mine)
+
+
+def spills(local_load: float, remote_load: float, slack: float) -> bool:
+    """Does a zone whose members carry `local_load` on average spill to the others (mean
+    `remote_load`)? Past ``(1 + slack) x remote + 1``: the rule of :func:`prefer_zone`, which the
+    router evaluates from running per-zone sums (data_plane/routing/router.py)."""
+    return local_load > (1 + slack) * remote_load + 1

@@ -12,7 +12,7 @@ from a URL. ``routable`` and ``routing_key`` are the helpers those implementatio
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -106,6 +106,9 @@ class StaticMembership:
 
     def members(self, service: str) -> list[Member]:
         return routable(self._members, service)
+
+    def subscribe(self, callback: Callable[[], None]) -> None:
+        """The list never changes, so `callback` is never called (a router reads it once)."""
 
 
 __all__ = ["ROUTABLE_STATUS", "Member", "MembershipView", "StaticMembership", "routable", "routing_key"]

@@ -2,34 +2,42 @@
 
     router = Router(membership, metrics, policy="kv_aware")        # --routing-policy kv_aware
     shard = router.pick(session_id="s-1")                          # holder, ring choice, or other
-    router.observe_kv("s-1", shard.id, prompt_tokens)              # after routing a turn there
+    router.observe_kv("s-1", shard.id, prompt_tokens, chain)       # after routing a turn there
+    router.kv_reports.request_headers(shard.id)                    # {"x-switchboard-kv-since": "41"}
+    router.kv_reports.read(shard.id, response.header)              # the shard's eviction reports
 
 The router remembers, from its own decisions, which shard holds each session's KV and about how
-many tokens of it (:class:`KVIndex`, a bounded LRU: approximate by design). For a turn it weighs
-two candidates, Dynamo-style: the shard holding the session's KV and the consistent-hash ring's
-bounded-load choice (today's session affinity). Cost = tokens still to prefill + ``load_cost_tokens``
-per outstanding request, so the holder wins unless it is loaded enough that recomputing elsewhere
-is cheaper; a holder above the bounded-load cap is never chosen, and a holder that is gone (dead,
-drained, ejected) is simply not a candidate: the ring picks, and the turn recomputes its prefix.
-When holder and ring agree this *is* session affinity; they differ after membership changes (the
-ring moved the session, its KV did not move) and under overload.
+many tokens of it, plus the holder before that (:class:`KVIndex`, a bounded LRU: approximate by
+design). For a turn it weighs, Dynamo-style, the consistent-hash ring's bounded-load choice
+(today's session affinity) against the holders: cost = ``load_cost_tokens`` per outstanding
+request minus the tokens expected cached there. The holder wins unless it is loaded enough that
+recomputing elsewhere is cheaper; a holder above the bounded-load cap is never chosen; a holder
+that is gone (dead, drained, ejected) or overloaded hands the turn to the best other shard: the
+previous holder (an older prefix of the same conversation) when it is cheaper, else the ring's
+choice. When holder and ring agree this *is* session affinity; they differ after membership
+changes (the ring moved the session, its KV did not move) and under overload.
 
-Not (yet) known to the index: the shards' evictions (a holder that evicted the session's blocks
-still looks warm until the next turn lands elsewhere) and prefixes shared between sessions.
+Evictions: each shard names the prompt's last cached block on its response headers (a chain id,
+data_plane/common/kv_report.py) and reports the chain ids it has since evicted on later responses
+(:class:`KVReports`, one cursor per shard, so several gateways each get every report); the index
+then forgets that shard as the session's holder (LRU eviction is tail first, so the prompt's last
+block going means the session's KV there is no longer whole).
 """
 
 from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 
-from data_plane.routing.policies import AffinityPolicy
+from data_plane.common.kv_report import EVICTED_HEADER, SINCE_HEADER, parse_evicted
 
 if TYPE_CHECKING:
     from data_plane.membership.view import Member
+    from data_plane.routing.fleet import Scope
 
 DEFAULT_LOAD_COST_TOKENS = 128.0
 """One outstanding request on a shard costs as much as prefilling this many tokens."""
@@ -39,68 +47,175 @@ DEFAULT_MAX_SESSIONS = 100_000
 OUTCOME_HOLDER = "holder"
 """The turn went to the shard holding its KV (the ring agreed or was outweighed)."""
 OUTCOME_RING = "ring"
-"""No known KV for the session (or its holder is gone): the ring's choice."""
+"""No known KV for the session: the ring's choice."""
 OUTCOME_OVERLOADED = "holder_overloaded"
-"""The holder was above the load cap or too loaded for its cached tokens: recompute elsewhere."""
+"""The holder was above the load cap or too loaded for its cached tokens: the ring's choice."""
+OUTCOME_GONE = "holder_gone"
+"""The holder is dead, drained or ejected: the ring's choice (the prefix is recomputed)."""
+OUTCOME_PREVIOUS = "previous_holder"
+"""The holder was gone or overloaded; the shard that held the conversation before was cheaper."""
+OUTCOMES = (OUTCOME_HOLDER, OUTCOME_RING, OUTCOME_OVERLOADED, OUTCOME_GONE, OUTCOME_PREVIOUS)
+
+
+class _Entry:
+    __slots__ = ("shard", "tokens", "chain", "prev_shard", "prev_tokens", "prev_chain")
+
+    def __init__(self, shard: str, tokens: int, chain: str | None) -> None:
+        self.shard, self.tokens, self.chain = shard, tokens, chain
+        self.prev_shard: str | None = None
+        self.prev_tokens = 0
+        self.prev_chain: str | None = None
 
 
 class KVIndex:
-    """session id -> (shard id, cached tokens), least recently used forgotten first."""
+    """session id -> (shard, cached tokens, chain id) and the holder before; LRU beyond `max_sessions`.
+
+    ``(shard, chain id) -> session`` is kept alongside, so an eviction report costs one lookup."""
 
     def __init__(self, max_sessions: int = DEFAULT_MAX_SESSIONS) -> None:
         self.max_sessions = max_sessions
-        self._where: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self._where: OrderedDict[str, _Entry] = OrderedDict()
+        self._by_chain: dict[tuple[str, str], str] = {}
 
-    def record(self, session_id: str, shard_id: str, tokens: int) -> None:
-        self._where[session_id] = (shard_id, tokens)
+    def record(self, session_id: str, shard_id: str, tokens: int, chain: str | None = None) -> None:
+        e = self._where.get(session_id)
+        if e is None:
+            e = self._where[session_id] = _Entry(shard_id, tokens, None)
+        elif e.shard != shard_id:
+            self._unlink(e.prev_shard, e.prev_chain)
+            e.prev_shard, e.prev_tokens, e.prev_chain = e.shard, e.tokens, e.chain
+            if e.prev_shard == shard_id:  # back where it was: no older holder left
+                self._unlink(e.prev_shard, e.prev_chain)
+                e.prev_shard, e.prev_tokens, e.prev_chain = None, 0, None
+            e.shard, e.tokens, e.chain = shard_id, tokens, None
+        else:
+            e.tokens = tokens
+        if chain is not None and chain != e.chain:
+            self._unlink(shard_id, e.chain)
+            e.chain = chain
+            self._by_chain[(shard_id, chain)] = session_id
         self._where.move_to_end(session_id)
         while len(self._where) > self.max_sessions:
-            self._where.popitem(last=False)
+            _, old = self._where.popitem(last=False)
+            self._unlink(old.shard, old.chain)
+            self._unlink(old.prev_shard, old.prev_chain)
+
+    def _unlink(self, shard: str | None, chain: str | None) -> None:
+        if shard is not None and chain is not None:
+            self._by_chain.pop((shard, chain), None)
 
     def holder(self, session_id: str) -> tuple[str, int] | None:
-        return self._where.get(session_id)
+        e = self._where.get(session_id)
+        return (e.shard, e.tokens) if e is not None and e.tokens > 0 else None
+
+    def holders(self, session_id: str) -> tuple[tuple[str, int] | None, tuple[str, int] | None]:
+        """((holder, tokens), (previous holder, tokens)), each None when not known (or evicted)."""
+        e = self._where.get(session_id)
+        if e is None:
+            return None, None
+        cur = (e.shard, e.tokens) if e.tokens > 0 else None
+        prev = (e.prev_shard, e.prev_tokens) if e.prev_shard is not None and e.prev_tokens > 0 else None
+        return cur, prev
+
+    def evicted(self, shard_id: str, chain: str) -> bool:
+        """`shard_id` evicted the block named `chain`: forget it as that session's holder."""
+        session = self._by_chain.pop((shard_id, chain), None)
+        e = self._where.get(session) if session is not None else None
+        if e is None:
+            return False
+        if e.shard == shard_id and e.chain == chain:
+            e.tokens, e.chain = 0, None
+        elif e.prev_shard == shard_id and e.prev_chain == chain:
+            e.prev_shard, e.prev_tokens, e.prev_chain = None, 0, None
+        else:
+            return False
+        return True
 
     def __len__(self) -> int:
         return len(self._where)
 
 
+class KVReports:
+    """Reads shards' eviction reports off chat responses; one cursor per shard (bounded by the fleet)."""
+
+    def __init__(self, index: KVIndex, on_forgotten: Callable[[int], None] = lambda n: None) -> None:
+        self.index = index
+        self.on_forgotten = on_forgotten
+        self._seen: dict[str, int] = {}
+
+    def request_headers(self, shard_id: str) -> dict[str, str]:
+        return {SINCE_HEADER: str(self._seen.get(shard_id, 0))}
+
+    def read(self, shard_id: str, header: Callable[[bytes], bytes | None]) -> int:
+        """Apply the reports on one response (`header`: name -> value); returns sessions forgotten."""
+        report = parse_evicted(header(EVICTED_HEADER.encode()))
+        if report is None:
+            return 0
+        seq, chains = report
+        if len(self._seen) > 4 * max(1, len(self.index)) + 1024:
+            self._seen.clear()  # shards come and go; a lost cursor only repeats a few reports
+        self._seen[shard_id] = seq
+        forgotten = sum(1 for chain in chains if self.index.evicted(shard_id, chain))
+        if forgotten:
+            self.on_forgotten(forgotten)
+            trace.get_current_span().add_event("router.kv_evicted", {"shard": shard_id, "sessions": forgotten})
+        return forgotten
+
+
 class KVAwarePolicy:
-    """Expected cached tokens against load between the KV holder and the ring's choice."""
+    """Expected cached tokens against load between the KV holders and the ring's choice."""
 
     name = "kv_aware"
 
     def __init__(self, epsilon: float, rng: random.Random, *, load_cost_tokens: float = DEFAULT_LOAD_COST_TOKENS,
                  index: KVIndex | None = None) -> None:
         self.epsilon = epsilon
-        self.ring = AffinityPolicy(epsilon, rng)
+        self.rng = rng
         self.load_cost_tokens = load_cost_tokens
         self.index = index or KVIndex()
+        self.reports = KVReports(self.index)
         self.last_outcome = OUTCOME_RING
         self.last_expected_cached = 0
 
-    def choose(self, candidates: list[Member], session_id: str | None, loads: dict[str, int]) -> Member:
-        ring_choice = self.ring.choose(candidates, session_id, loads)
+    def choose(self, scope: Scope, session_id: str | None) -> Member:
         self.last_outcome, self.last_expected_cached = OUTCOME_RING, 0
-        known = self.index.holder(session_id) if session_id else None
-        if known is None:
-            return ring_choice
-        holder_id, tokens = known
-        if holder_id == ring_choice.id:
-            self.last_outcome, self.last_expected_cached = OUTCOME_HOLDER, tokens
-            return ring_choice
-        holder = next((m for m in candidates if m.id == holder_id), None)
-        if holder is None:
-            return ring_choice  # dead, drained or ejected: its KV is out of reach
-        cap = self.ring.load_cap(loads)
-        w = self.load_cost_tokens
-        holder_cost = w * loads.get(holder.id, 0) - tokens
-        ring_cost = w * loads.get(ring_choice.id, 0)
-        if loads.get(holder.id, 0) + 1 > cap or holder_cost > ring_cost:
-            self.last_outcome = OUTCOME_OVERLOADED
-            trace.get_current_span().add_event("router.kv_moved", {"tokens_lost": tokens})
-            return ring_choice
-        self.last_outcome, self.last_expected_cached = OUTCOME_HOLDER, tokens
-        return holder
+        if not session_id:
+            return scope.two_choices(self.rng)
+        ring = scope.ring_choice(session_id, self.epsilon)
+        cur, prev = self.index.holders(session_id)
+        if cur is None and prev is None:
+            return ring
+        w, cap = self.load_cost_tokens, scope.cap(self.epsilon)
+        cached = dict(x for x in (prev, cur) if x is not None)  # cur last: it wins on one shard
+        best, best_tokens = ring, cached.get(ring.id, 0)
+        best_cost = w * scope.load(ring.id) - best_tokens
+        holder_state = None
+        for rank, known in enumerate((cur, prev)):
+            if known is None or known[0] == ring.id or (rank and cur is not None and known[0] == cur[0]):
+                continue
+            if rank and best is not ring:
+                break  # the holder itself won: the older prefix is not considered
+            shard, tokens = known
+            cost = w * scope.load(shard) - tokens
+            if not scope.ok(shard):
+                state = OUTCOME_GONE  # dead, drained or ejected: its KV is out of reach
+            elif scope.load(shard) + 1 > cap or cost > best_cost or (rank and cost == best_cost):
+                state = OUTCOME_OVERLOADED
+            else:
+                best, best_tokens, best_cost, state = scope.member(shard), tokens, cost, ""
+            if rank == 0:
+                holder_state = state
+        if cur is not None and best.id == cur[0]:
+            outcome = OUTCOME_HOLDER
+        elif prev is not None and best.id == prev[0]:
+            outcome = OUTCOME_PREVIOUS
+        else:
+            outcome = holder_state or OUTCOME_RING
+        if cur is not None and outcome != OUTCOME_HOLDER:
+            trace.get_current_span().add_event("router.kv_moved", {
+                "reason": outcome, "tokens_lost": max(0, cur[1] - best_tokens), "shard": best.id})
+        self.last_outcome, self.last_expected_cached = outcome, best_tokens
+        return best
 
-    def observe(self, session_id: str, shard_id: str, tokens: int) -> None:
-        self.index.record(session_id, shard_id, tokens)
+    def observe(self, session_id: str, shard_id: str, tokens: int, chain: str | None = None) -> None:
+        self.index.record(session_id, shard_id, tokens, chain)

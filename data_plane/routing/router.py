@@ -32,10 +32,11 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from data_plane.common.errors import NoHealthyBackend
-from data_plane.routing.kv_routing import KVAwarePolicy
-from data_plane.routing.policies import AffinityPolicy, LeastLoadedPolicy, Policy
+from data_plane.membership.placement import spills
 from data_plane.membership.view import Member, MembershipView
-from data_plane.membership.placement import prefer_zone
+from data_plane.routing.fleet import Scope, ShardFleet
+from data_plane.routing.kv_routing import KVAwarePolicy, KVReports
+from data_plane.routing.policies import AffinityPolicy, LeastLoadedPolicy, Policy
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,12 @@ class RouterMetrics:
                                  "Requests in flight from this router to shards.", registry=registry)
         self.kv_decisions = Counter("switchboard_router_kv_decisions",
                                     "kv_aware routing of session turns by outcome (holder: where its KV is; ring: "
-                                    "no known KV; holder_overloaded: recomputed elsewhere).", ["outcome"],
-                                    registry=registry)
+                                    "no known KV; holder_overloaded / holder_gone: the holder was too loaded / is "
+                                    "out of routing, so the ring's choice; previous_holder: the shard that held "
+                                    "the conversation before was cheaper).", ["outcome"], registry=registry)
+        self.kv_forgotten = Counter("switchboard_router_kv_forgotten",
+                                    "Sessions the kv_aware index stopped placing on a shard because that shard "
+                                    "reported the prompt's KV evicted.", registry=registry)
         self.zone_decisions = Counter(
             "switchboard_router_zone_decisions",
             "Routing decisions where the healthy shards span zones, by locality: local (own zone), spill "
@@ -83,6 +88,8 @@ POLICIES: dict[str, Callable[[float, random.Random], Policy]] = {
     "kv_aware": lambda eps, rng: KVAwarePolicy(eps, rng),
 }
 
+_NOTHING: frozenset[str] = frozenset()
+
 
 class Router:
     def __init__(
@@ -102,7 +109,10 @@ class Router:
     ) -> None:
         """`zone`: this router's zone; it then prefers shards announcing the same zone and spills
         to other zones only when its own has none healthy or is loaded past `zone_slack`
-        (data_plane/membership/placement.py: :func:`prefer_zone`). None: zones are ignored."""
+        (data_plane/membership/placement.py: :func:`spills`). None: zones are ignored.
+
+        A view with ``subscribe`` (the registry and Consul watchers, StaticMembership) is read
+        once per change; one without is asked per decision and compared with the last list."""
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; choose from {sorted(POLICIES)}")
         self.membership = membership
@@ -115,42 +125,64 @@ class Router:
         self.zone = zone
         self.zone_slack = zone_slack
         self._health: dict[str, _Health] = {}
-        self._loads: dict[str, int] = {}
+        self.fleet = ShardFleet()
+        """The incremental view every decision reads (data_plane/routing/fleet.py)."""
+        self._stale = True
+        subscribe = getattr(membership, "subscribe", None)
+        self._subscribed = subscribe is not None
+        if subscribe is not None:
+            subscribe(self.on_membership_change)
+        reports = self.kv_reports
+        if reports is not None:
+            reports.on_forgotten = self._kv_forgotten
+        self._decided = {name: metrics.decisions.labels(name) for name in ("probe", "least_loaded", self.policy.name)}
+        self._healthy_gauge = metrics.shards.labels("healthy")
+        self._ejected_gauge = metrics.shards.labels("ejected")
 
     # -- choosing ---------------------------------------------------------------------------
 
     def shards(self) -> list[Member]:
         return self.membership.members(SHARD_SERVICE)
 
-    def pick(self, session_id: str | None, exclude: set[str] | frozenset[str] = frozenset()) -> Member:
-        now = self.clock()
-        members = [m for m in self.shards() if m.id not in exclude]
-        healthy, probes = [], []
-        for m in members:
-            h = self._health.get(m.id)
-            if h is None or (h.failures < self.eject_after and h.ejected_until == 0.0):
-                healthy.append(m)
-            elif now >= h.ejected_until and not h.probing:
-                probes.append(m)
-        self._update_gauges(members, healthy)
-        if probes:
+    def on_membership_change(self) -> None:
+        """Subscribed to the membership view: the next decision re-reads the shard list (once)."""
+        self._stale = True
+
+    def _refresh(self) -> ShardFleet:
+        fleet = self.fleet
+        if self._stale or not self._subscribed:
+            self._stale = False
+            if fleet.sync(self.membership.members(SHARD_SERVICE)):
+                for gone in [mid for mid in self._health if mid not in fleet.by_id]:
+                    del self._health[gone]
+                log.info("routing view: %d shards (change %d)", len(fleet), fleet.changes)
+        return fleet
+
+    def pick(self, session_id: str | None, exclude: set[str] | frozenset[str] = _NOTHING) -> Member:
+        fleet = self._refresh()
+        skip, probe = self._unhealthy(exclude)
+        excluded = sum(1 for mid in exclude if mid in fleet.by_id and mid not in skip) if exclude else 0
+        healthy = len(fleet) - excluded - len(skip)
+        self._healthy_gauge.set(healthy)
+        self._ejected_gauge.set(len(skip))
+        if probe is not None:
             # Half-open: an ejected shard whose time is up gets exactly one probe request.
-            probe = probes[0]
-            self._health[probe.id].probing = True
-            log.info("probing ejected shard %s (half-open)", probe.id)
-            trace.get_current_span().add_event("router.probe", {"shard": probe.id})
-            self.metrics.decisions.labels("probe").inc()
-            return probe
-        if not healthy:
-            known = len(self.shards())
+            self._health[probe].probing = True
+            log.info("probing ejected shard %s (half-open)", probe)
+            trace.get_current_span().add_event("router.probe", {"shard": probe})
+            self._decided["probe"].inc()
+            return fleet.by_id[probe]
+        if healthy <= 0:
+            known = len(fleet)
             raise NoHealthyBackend(
                 "no healthy inference shard is available" + (f" ({known} known, all failing)" if known else ""),
                 retry_after=2,
             )
-        if self.zone is not None:
-            healthy = self._zone_candidates(healthy)
-        chosen = self.policy.choose(healthy, session_id, self._loads)
-        self.metrics.decisions.labels(self.policy.name if session_id else "least_loaded").inc()
+        if excluded:
+            skip = skip | {mid for mid in exclude if mid in fleet.by_id}
+        scope = self._zone_scope(fleet, skip) if self.zone is not None else fleet.scope(skip)
+        chosen = self.policy.choose(scope, session_id)
+        self._decided[self.policy.name if session_id else "least_loaded"].inc()
         outcome = getattr(self.policy, "last_outcome", None)
         if session_id and outcome is not None:
             self.metrics.kv_decisions.labels(outcome).inc()
@@ -158,38 +190,74 @@ class Router:
                                                    getattr(self.policy, "last_expected_cached", 0))
         return chosen
 
-    def observe_kv(self, session_id: str | None, member_id: str, tokens: int) -> None:
-        """A session's turn was routed to `member_id` with `tokens` of prompt: its KV will be there."""
+    def _unhealthy(self, exclude: set[str] | frozenset[str]) -> tuple[frozenset[str] | set[str], str | None]:
+        """Shards out of routing (ejected or failing past the threshold), and the one to probe.
+        Reads only the health entries (shards with recent failures), never the whole fleet."""
+        if not self._health:
+            return _NOTHING, None
+        now = self.clock()
+        out: set[str] = set()
+        probe: str | None = None
+        for mid, h in self._health.items():
+            if (h.failures < self.eject_after and h.ejected_until == 0.0) or mid in exclude \
+                    or mid not in self.fleet.by_id:
+                continue
+            out.add(mid)
+            if now >= h.ejected_until and not h.probing and (probe is None or mid < probe):
+                probe = mid
+        return out, probe
+
+    def observe_kv(self, session_id: str | None, member_id: str, tokens: int, chain: str | None = None) -> None:
+        """A session's turn was routed to `member_id` with `tokens` of prompt: its KV will be there
+        (`chain`: the shard's id for the prompt's last block, so an eviction report can name it)."""
         observe = getattr(self.policy, "observe", None)
         if session_id and observe is not None:
-            observe(session_id, member_id, tokens)
+            observe(session_id, member_id, tokens, chain)
 
-    def _zone_candidates(self, healthy: list[Member]) -> list[Member]:
-        zone_of = {m.id: m.zone for m in healthy}
-        if len(set(zone_of.values())) < 2 and self.zone in zone_of.values():
-            return healthy  # one zone, ours: nothing to decide
-        keep = prefer_zone({m.id: self._loads.get(m.id, 0) for m in healthy}, zone_of, self.zone or "",
-                           self.zone_slack)
-        if keep is None:
-            locality = "remote" if self.zone not in zone_of.values() else "spill"
+    def _kv_forgotten(self, sessions: int) -> None:
+        self.metrics.kv_forgotten.inc(sessions)
+        log.info("kv_aware: %d session(s) forgotten on their holder after its eviction report", sessions)
+
+    @property
+    def kv_reports(self) -> KVReports | None:
+        """The kv_aware policy's reader of shards' eviction reports (None for other policies)."""
+        return getattr(self.policy, "reports", None)
+
+    def _zone_scope(self, fleet: ShardFleet, skip: frozenset[str] | set[str]) -> Scope:
+        counts = {z: len(ms) for z, ms in fleet.zone_members.items()}
+        loads = dict(fleet.zone_load)
+        for mid in skip:
+            z = fleet.zone_of.get(mid)
+            if z is not None:
+                counts[z] -= 1
+                loads[z] -= fleet.loads.get(mid, 0)
+        present = [z for z, n in counts.items() if n > 0]
+        if len(present) < 2 and self.zone in present:
+            return fleet.scope(skip)  # one zone, ours: nothing to decide
+        mine = counts.get(self.zone or "", 0)
+        rest = sum(counts[z] for z in present) - mine
+        if mine <= 0 or (rest > 0 and spills(loads.get(self.zone or "", 0) / mine,
+                                              sum(loads[z] for z in present if z != self.zone) / rest,
+                                              self.zone_slack)):
+            locality = "remote" if mine <= 0 else "spill"
             self.metrics.zone_decisions.labels(locality).inc()
             trace.get_current_span().set_attribute("switchboard.router.locality", locality)
-            return healthy
+            return fleet.scope(skip)
         self.metrics.zone_decisions.labels("local").inc()
-        return [m for m in healthy if m.id in keep]
+        return fleet.scope(skip, self.zone)
 
     @contextmanager
     def lease(self, member: Member) -> Iterator[None]:
-        self._loads[member.id] = self._loads.get(member.id, 0) + 1
+        self.fleet.acquire(member.id)
         self.metrics.outstanding.inc()
         try:
             yield
         finally:
-            self._loads[member.id] -= 1
+            self.fleet.release(member.id)
             self.metrics.outstanding.dec()
 
     def load(self, member_id: str) -> int:
-        return self._loads.get(member_id, 0)
+        return self.fleet.loads.get(member_id, 0)
 
     # -- health -----------------------------------------------------------------------------
 
@@ -231,7 +299,3 @@ class Router:
     def is_ejected(self, member_id: str) -> bool:
         h = self._health.get(member_id)
         return h is not None and h.ejected_until > 0.0
-
-    def _update_gauges(self, members: list[Member], healthy: list[Member]) -> None:
-        self.metrics.shards.labels("healthy").set(len(healthy))
-        self.metrics.shards.labels("ejected").set(len(members) - len(healthy))

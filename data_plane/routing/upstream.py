@@ -47,6 +47,7 @@ from data_plane.routing.hop_client import (
 )
 from data_plane.common.keepalive import KEEPALIVE_META
 from data_plane.membership.view import Member
+from data_plane.common.kv_report import CHAIN_HEADER, parse_chain
 from data_plane.routing.router import Router
 
 log = logging.getLogger(__name__)
@@ -243,7 +244,7 @@ class Upstream:
                     raise last_error from None
                 raise
             try:
-                stream = await self._try(member, payload, attempt + 1)
+                stream = await self._try(member, payload, attempt + 1, session_id)
             except _Retryable as failure:
                 self.router.report_failure(member, failure.reason)
                 exclude.add(member.id)
@@ -260,11 +261,12 @@ class Upstream:
         body = {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         return ResumableStream(self, body, session_id, await self.open(body, session_id))
 
-    async def _try(self, member: Member, payload: bytes, attempt: int) -> ShardStream:
+    async def _try(self, member: Member, payload: bytes, attempt: int, session_id: str | None = None) -> ShardStream:
         cfg = self.config
         leases = ExitStack()
         leases.enter_context(self.router.lease(member))
-        headers: dict[str, str] = {}
+        reports = self.router.kv_reports
+        headers: dict[str, str] = reports.request_headers(member.id) if reports is not None else {}
         inject(headers)
         span = trace.get_current_span()
         span.set_attribute("switchboard.shard", member.id)
@@ -280,6 +282,11 @@ class Upstream:
                 raise _Retryable("timeout", UpstreamTimeout("a shard did not answer in time", retry_after=2)) from None
             if response.status != 200:
                 await self._refuse(member, response, leases)
+            if reports is not None:  # kv_aware: what the shard evicted, and where this prompt's KV is
+                reports.read(member.id, response.header)
+                chain = parse_chain(response.header(CHAIN_HEADER.encode()))
+                if chain is not None:
+                    self.router.observe_kv(session_id, member.id, chain[1], chain[0])
             first: list[Event] = []
             token = False
             try:
