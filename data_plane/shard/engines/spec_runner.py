@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from data_plane.shard.engines.llama_runner import LlamaRunner
@@ -36,17 +37,16 @@ def verify(r: LlamaRunner, rows: list[list[int]], starts: list[int]) -> torch.Te
     kvh, g, d, heads = r.num_kv_heads, r.group, r.head_dim, r.num_heads
     kv_rows = (((slot * kvh).unsqueeze(1) + torch.arange(kvh)) * r.max_len + pos.unsqueeze(1)).reshape(-1)
     x = r.embed[ids]
-    cos = r.cos[pos].unsqueeze(1)
-    sin = r.sin[pos].unsqueeze(1)
+    cos, sin = r.rope_tables(pos)
     # [n, T, span] mask: query row j of slot i sees positions <= its own; filler rows see position 0.
     mask = torch.zeros(n, t_max, span, dtype=torch.bool)
     mask[:, :, 0] = True
     mask[slot, within] = torch.arange(span).unsqueeze(0) <= pos.unsqueeze(1)
     mask = mask.view(n, 1, t_max, 1, span)
+    fused = r.dtype != torch.float32  # bf16/fp16: SDPA, as in LlamaRunner.decode; fp32 unchanged
+    mask_g = mask.expand(n, 1, t_max, g, span).reshape(n, 1, t_max * g, span) if fused else mask
     for i, layer in enumerate(r.layers):
-        q, k, v = r._qkv(layer, x)
-        q = r._rope(q.view(total, heads, d), cos, sin)
-        k = r._rope(k.view(total, kvh, d), cos, sin)
+        q, k, v = r._qkv(layer, x, cos, sin)
         kc, vc = r.k_cache[i], r.v_cache[i]
         kc.view(-1, d).index_copy_(0, kv_rows, k.reshape(-1, d))
         vc.view(-1, d).index_copy_(0, kv_rows, v.reshape(-1, d))
@@ -55,12 +55,16 @@ def verify(r: LlamaRunner, rows: list[list[int]], starts: list[int]) -> torch.Te
         qp = q.new_zeros(n, t_max, heads, d)
         qp[slot, within] = q
         qg = qp.view(n, t_max, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(n, kvh, t_max * g, d)
-        scores = (qg @ keys.transpose(2, 3)) * r.scale  # [n, KVH, T*G, span]
-        scores = scores.view(n, kvh, t_max, g, span).masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(r.dtype).view(n, kvh, t_max * g, span)
-        out = (probs @ vals).view(n, kvh, t_max, g, d).permute(0, 2, 1, 3, 4)  # [n, T, KVH, G, D]
+        if fused:
+            out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask_g, scale=r.scale)
+        else:
+            scores = (qg @ keys.transpose(2, 3)) * r.scale  # [n, KVH, T*G, span]
+            scores = scores.view(n, kvh, t_max, g, span).masked_fill(~mask, float("-inf"))
+            probs = torch.softmax(scores.float(), dim=-1).to(r.dtype).view(n, kvh, t_max * g, span)
+            out = probs @ vals
+        out = out.view(n, kvh, t_max, g, d).permute(0, 2, 1, 3, 4)  # [n, T, KVH, G, D]
         attn = out[slot, within].reshape(total, r.q_size)
-        x = x + attn @ layer.w_o.T
+        x = layer.o.add(attn, x)
         x = r._mlp(layer, x)
     x = r._rms(x, r.norm)
-    return (x @ r.lm_head.T).float()
+    return r.lm_head(x).float()
