@@ -53,7 +53,8 @@ from data_plane.common.errors import (
     as_error,
     render,
 )
-from data_plane.gateway.stream import CLIENT_CLOSED_STATUS, Completion
+from data_plane.gateway.stream import Completion
+from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, DisconnectWatch
 from data_plane.common.http_body import read_body
 from data_plane.protocol import parse_chat_request
 from data_plane.gateway.ratelimit.limiter import (
@@ -116,12 +117,12 @@ class ChatHandler:
         self.grant: Grant | None = None
         self.ticket: Ticket | None = None
         self.used_tokens: int | None = None
-        self.client_gone = False
         self._recorded = False
         self.opened: Opened | None = None
         """Set once a shard stream is open: the usage ledger reads the completion and shard from it."""
-        self._receive: Receive | None = None
-        self._watcher: asyncio.Future[Any] | None = None
+        self.disconnect = DisconnectWatch(request.receive)
+        """Once the body is read, a client that goes away cancels this request's task (and so
+        whatever it waits on: admission queue, shard, stream, and the shard's work with it)."""
         # the level and tier policy are read once, so one request sees one consistent state
         state = gw.cluster.current() if gw.cluster is not None else ClusterState()
         self.tiers = state.tiers or gw.tiers
@@ -136,7 +137,6 @@ class ChatHandler:
             "gen_ai.operation.name": "chat", "switchboard.request_id": self.request_id,
             "switchboard.client_request_id": self.client_request_id, SPAN_ATTRIBUTE: self.effects.level})
         self.span = span
-        self._receive = receive
         token = otel_context.attach(trace.set_span_in_context(span))
         streaming = False
         try:
@@ -165,18 +165,16 @@ class ChatHandler:
                 if self.grant is not None:
                     error.headers = {**self.grant.headers, **error.headers}
                 response = self._degraded(render(error, self.request))
-            self.stop_watching()
+            self.disconnect.stop()
             await response(scope, receive, send)
         except ClientDisconnect:  # gone while sending its body
             self._client_left(span)
         except asyncio.CancelledError:
-            if not self.client_gone:
+            if not self.disconnect.swallow():  # not the client leaving: the server's own
                 raise
-            # The client left: the cancellation was ours (see _watch_disconnect), not the server's.
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
             self._client_left(span)
         finally:
-            self.stop_watching()
+            self.disconnect.stop()
             otel_context.detach(token)
             if not streaming:
                 self._release_limits()
@@ -193,29 +191,9 @@ class ChatHandler:
         log.info("request %s: client disconnected; generation aborted", self.request_id)
         self._record(CLIENT_CLOSED_STATUS, "client_disconnected")
 
-    def _watch_disconnect(self) -> None:
-        """Once the body is read, the next ASGI `receive` only returns when the client goes away
-        (or the response is complete): then the request's task is cancelled, which aborts
-        whatever it waits on (admission queue, shard, stream) and the shard's work with it."""
-        task = asyncio.current_task()
-        if task is None or self._watcher is not None or self._receive is None:
-            return
-
-        def on_message(watcher: asyncio.Future[Any]) -> None:
-            if watcher.cancelled() or watcher.exception() is not None or self._watcher is None:
-                return
-            if watcher.result().get("type") == "http.disconnect":
-                self.client_gone = True
-                task.cancel()
-
-        self._watcher = asyncio.ensure_future(self._receive())
-        self._watcher.add_done_callback(on_message)
-
-    def stop_watching(self) -> None:
-        """Before the last write: the response completing must not look like a disconnect."""
-        watcher, self._watcher = self._watcher, None
-        if watcher is not None and not watcher.done():
-            watcher.cancel()
+    @property
+    def client_gone(self) -> bool:
+        return self.disconnect.gone
 
     def _headers(self, base: dict[str, str], extra: dict[str, str]) -> list[tuple[bytes, bytes]]:
         headers = {**base, **extra}
@@ -259,7 +237,7 @@ class ChatHandler:
         span.set_attribute("switchboard.tier", tier.name)
         self.effects.admit(tier, tiers)
         raw = await read_body(self.request, settings.max_body_bytes)
-        self._watch_disconnect()
+        self.disconnect.start()
         req = parse_chat_request(raw, self.request.headers.get("content-type"))
         models = gw.models()
         model = req.model or next(iter(models))

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 from starlette.types import Send
 
+from data_plane.common.disconnect import CLIENT_CLOSED_STATUS
 from data_plane.common.errors import as_error
 from data_plane.protocol import PromptTokensDetails, Usage, chunk_body, completion_body, new_completion_id
 from data_plane.gateway.safety.pipeline import ALLOW, OutputStreamFilter
@@ -33,8 +34,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
-CLIENT_CLOSED_STATUS = 499
-"""Recorded (never sent) when the client left before its answer, as nginx does."""
 FINISH_CONTENT_FILTER = "content_filter"
 
 
@@ -191,7 +190,7 @@ class Completion:
             h._release_limits()
             span.end()
         out.append(b"data: [DONE]\n\n")
-        h.stop_watching()
+        h.disconnect.stop()
         await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
 
 

@@ -50,6 +50,7 @@ from data_plane.protocol import (
     new_completion_id,
     parse_chat_request,
 )
+from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, DisconnectWatch
 from data_plane.common.http_body import read_body
 from data_plane.shard.metrics import MetricsListener, ShardMetrics
 from data_plane.common.hop_auth import cluster_token_from_env, guarded
@@ -276,6 +277,8 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
                                      media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         body = await run.collect(outputs, request)
+        if body is None:  # the client is gone: nothing to send
+            return Response(status_code=CLIENT_CLOSED_STATUS)
         return JSONResponse(body, headers=headers)
 
     return app
@@ -372,31 +375,28 @@ class _Run:
             span.set_status(trace.Status(trace.StatusCode.ERROR, error))
         span.end()
 
-    async def collect(self, outputs: AsyncIterator[GenerationOutput], request: Request) -> dict[str, Any]:
+    async def collect(self, outputs: AsyncIterator[GenerationOutput], request: Request) -> dict[str, Any] | None:
+        """The whole completion as one body; None when the client left first (the engine's
+        generator is closed by the cancellation: it aborts at its next step)."""
         text: list[str] = []
         last: GenerationOutput | None = None
-
-        async def consume() -> None:
-            nonlocal last
+        watch = DisconnectWatch(request.receive)
+        watch.start()
+        try:
             async for out in outputs:
                 text.append(out.text)
                 last = out
-
-        task = asyncio.create_task(consume(), name=f"collect-{self.req.request_id}")
-        try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=0.5)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()  # the client went away: abort at the engine's next step
-                    log.info("request %s: client disconnected, aborted", self.req.request_id)
-            await task
         except asyncio.CancelledError:
-            task.cancel()
             self._finish(last, "client_disconnected")
-            raise
+            if not watch.swallow():  # the server is shutting down
+                raise
+            log.info("request %s: client disconnected, aborted", self.req.request_id)
+            return None
         except SwitchboardError as exc:
             self._finish(last, exc.code)
             raise
+        finally:
+            watch.stop()
         assert last is not None
         self._finish(last)
         usage = _usage(last)

@@ -1,4 +1,4 @@
-"""One body reader for every process (data_plane/common/http_body.py): 413, 408, 415, 400; one error mapper."""
+"""What every server shares (data_plane/common): one body reader (413, 408, 415, 400), one error mapper, one disconnect watch."""
 
 from __future__ import annotations
 
@@ -65,3 +65,47 @@ def test_one_error_mapper_for_foreign_exceptions(caplog: pytest.LogCaptureFixtur
     assert type(mapped) is SwitchboardError and mapped.status == 500 and mapped.code == "internal_error"
     record = next(r for r in caplog.records if "request r2: unhandled error" in r.getMessage())
     assert record.exc_info is not None and record.exc_info[0] is KeyError
+
+
+def test_a_disconnect_cancels_the_watched_task_and_only_that() -> None:
+    """One pending receive per request (data_plane/common/disconnect.py): the client leaving cancels
+    the task, `swallow` tells that apart from the server's own cancellation."""
+    from data_plane.common.disconnect import DisconnectWatch
+
+    async def scenario() -> tuple[bool, bool]:
+        leave = asyncio.Event()
+
+        async def receive() -> dict[str, str]:
+            await leave.wait()
+            return {"type": "http.disconnect"}
+
+        async def handler() -> str:
+            watch = DisconnectWatch(receive)
+            watch.start()
+            try:
+                await asyncio.sleep(3600)  # waiting on the engine
+                return "finished"
+            except asyncio.CancelledError:
+                if not watch.swallow():
+                    raise
+                return "client left"
+            finally:
+                watch.stop()
+
+        task = asyncio.create_task(handler())
+        await asyncio.sleep(0)
+        leave.set()
+        left = await task == "client left"
+
+        leave.clear()
+        task = asyncio.create_task(handler())
+        await asyncio.sleep(0)
+        task.cancel()  # the server shutting down: not swallowed
+        try:
+            await task
+            server_cancel_raised = False
+        except asyncio.CancelledError:
+            server_cancel_raised = True
+        return left, server_cancel_raised
+
+    assert asyncio.run(scenario()) == (True, True)
