@@ -7,7 +7,7 @@ import time
 import pytest
 import yaml
 
-from tests.admin_ui.conftest import PAGES, require, texts
+from tests.support.console import PAGES, require, texts
 
 TITLES = {"overview": "Overview", "cluster": "Cluster", "traffic": "Traffic & tiers", "autoscaler": "Autoscaler",
           "degradation": "Degradation", "traces": "Traces", "alerts": "Alerts", "playground": "Playground",

@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from tests.admin_ui.conftest import require, texts
+from tests.support.console import require, texts
 
 
 def test_usage_page_shows_the_ledger_per_tenant_and_tier_with_a_csv(console, cluster, admin):

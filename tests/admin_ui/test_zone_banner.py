@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import httpx
 
-from tests.admin_ui.conftest import ConsoleRunner, texts
 from tests.support.cluster import ADMIN_TOKEN
+from tests.support.console import ConsoleRunner, texts
 from tests.support.procs import Service
 from tests.support.waits import eventually
 

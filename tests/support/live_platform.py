@@ -4,7 +4,7 @@
         p.traffic(seconds=20)                   # mixed tiers, enough to queue and to hit the free tier's RPM
         console = p.console()                   # `switchboard console` on a free port (Service)
 
-    python -m tests.support.live_platform            # the same, left running for a person: prints the URLs
+    python -m tests.support.live_platform       # the same, left running for a person: prints the URLs
 
 Shards are started by the control plane's own autoscaler (synthetic engine, 2 batch slots, slow
 tokens), so queueing makes it scale out: the Autoscaler page then shows real decisions.
@@ -13,8 +13,6 @@ tokens), so queueing makes it scale out: the Autoscaler page then shows real dec
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import threading
 import time
@@ -24,48 +22,18 @@ from typing import Self
 import httpx
 
 from tests.support.cluster import ADMIN_TOKEN, KEYS, api_keys_env
-from tests.support.procs import ROOT, Service, free_port
+from tests.support.procs import Service
 
 TIER_OF_KEY = {"free": KEYS["free"], "plus": KEYS["plus"], "enterprise": KEYS["enterprise"]}
 
 
-class Console:
-    """`python -m admin_ui.launch` (what `switchboard console` runs) as a child process."""
-
-    def __init__(self, control_plane_url: str, gateway_url: str, credentials: Path, *, refresh_s: float = 3.0,
-                 token: str = ADMIN_TOKEN) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [sys.executable, "-m", "admin_ui.launch", "--port", str(self.port),
-                     "--control-plane-url", control_plane_url, "--gateway-url", gateway_url,
-                     "--credentials-file", str(credentials), "--refresh", str(refresh_s)]
-        self.env = {**os.environ, "SWITCHBOARD_ADMIN_TOKEN": token}
-        self.log_path = credentials.parent / "console.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> Self:
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env)
-        log.close()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"console exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/_stcore/health", timeout=1).text.strip() == "ok":
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"console not healthy after 60 s: {self.log_path.read_text()[-2000:]}")
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+def console_service(control_plane_url: str, gateway_url: str, credentials: Path, *, refresh_s: float = 3.0,
+                    token: str = ADMIN_TOKEN) -> Service:
+    """`python -m admin_ui.launch` (what `switchboard console` runs) as a :class:`Service`, not started."""
+    return Service(["--control-plane-url", control_plane_url, "--gateway-url", gateway_url,
+                    "--credentials-file", str(credentials), "--refresh", str(refresh_s)],
+                   module="admin_ui.launch", health="/_stcore/health", ready_timeout=60.0,
+                   env={"SWITCHBOARD_ADMIN_TOKEN": token}, log_path=credentials.parent / "console.log")
 
 
 class LivePlatform:
@@ -116,8 +84,8 @@ class LivePlatform:
             time.sleep(0.3)
         return False
 
-    def console(self, refresh_s: float = 3.0) -> Console:
-        return Console(self.control_plane.url, self.gateway.url, self.credentials, refresh_s=refresh_s)
+    def console(self, refresh_s: float = 3.0) -> Service:
+        return console_service(self.control_plane.url, self.gateway.url, self.credentials, refresh_s=refresh_s)
 
     def traffic(self, seconds: float, *, workers: int = 8) -> dict[str, int]:
         """Mixed-tier chats for `seconds` from `workers` threads; returns status counts."""
