@@ -85,12 +85,24 @@ class ShardMetrics:
             "switchboard_shard_transcript_tokens_restored",
             "Earlier replies in a prompt whose re-tokenization differed from the tokens this shard generated, "
             "put back as generated (else the prefix-cache hit would end there).", m, registry=registry)
+        # Priority scheduling (data_plane/shard/engines/torch_admission.py): vLLM's preemption counter, and ours by kind.
+        self.preemptions = Counter("vllm:num_preemptions", "Sequences preempted (a chunked prefill parked for a "
+                                   "higher-priority prompt; its KV kept, resumed where it stopped).", m,
+                                   registry=registry)
+        self.priority_yields = Counter(
+            "switchboard_shard_priority_preemptions",
+            "Priority preemptions by kind: prefill (a chunked prefill parked for a higher-priority prompt), "
+            "decode (a decode pass of lower tiers skipped while a higher tier's prompt is prefilled).",
+            m + ["kind"], registry=registry)
         # Series exist from the start (at 0), so rate() and the KV-reuse panels work before the first hit.
         for metric in (self.prefix_queries, self.prefix_hits, self.prompt_tokens_cached, self.prefill_computed,
                        self.request_prompt_tokens, self.request_generation_tokens, self.tokens_restored):
             metric.labels(model_name)
         for reason in ("capacity", "no_space"):
             self.kv_evictions.labels(model_name, reason)
+        self.preemptions.labels(model_name)
+        for kind in ("prefill", "decode"):
+            self.priority_yields.labels(model_name, kind)
         self.spec = SpecMetrics(registry, model_name)  # vllm:spec_decode_*, vllm:iteration_tokens_total
 
     def observe_stats(self, stats: EngineStats) -> None:
@@ -141,3 +153,9 @@ class MetricsListener:
 
     def on_spec_draft(self, drafted: int, accepted: int) -> None:
         self.metrics.spec.observe_draft(drafted, accepted)
+
+    def on_preempt(self, kind: str) -> None:
+        m = self.metrics
+        m.priority_yields.labels(m.model_name, kind).inc()
+        if kind == "prefill":
+            m.preemptions.labels(m.model_name).inc()

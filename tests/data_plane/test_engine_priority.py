@@ -1,6 +1,8 @@
-"""Priority inside the torch engine: a short request of a higher tier is not stuck behind the chunked
+"""Priority inside the torch engine: a request of a higher tier is not stuck behind the chunked
 prefill of a long lower-tier prompt admitted before it (the head-of-line blocking that kept
-enterprise TTFT high under a 2x mixed load), and moving the chunked sequence's slot changes no output.
+enterprise TTFT high under a 2x mixed load): a short one is prefilled ahead of it, a long one
+preempts it (the chunked one is parked with its KV and resumed); lower tiers' decode passes yield
+to a higher tier's prefill. None of it changes any output (fp32 greedy, against solo runs).
 
     .venv/bin/python -m pytest tests/data_plane/test_engine_priority.py -q      # ~20 s (real model)
 """
@@ -15,11 +17,24 @@ from collections.abc import Iterator
 import pytest
 
 from data_plane.shard.engines.base import GenerationRequest, SamplingParams
+from data_plane.shard.engines.torch_config import StepListener
 from data_plane.shard.engines.torch_engine import EngineConfig, TorchEngine
 
 LONG = [{"role": "user", "content": "Summarise the following notes. " + "The meeting covered budgets, hiring, "
          "the roadmap for the next two quarters, and the open questions about the data migration. " * 30}]
+LONG_B = [{"role": "user", "content": "Rewrite this report in plain words. " + "The harbour town kept its "
+           "lighthouse lit through every storm of the winter, and the keeper wrote down each ship. " * 20}]
 SHORT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class Preemptions(StepListener):
+    """Counts the engine's priority preemptions by kind (called from the engine thread)."""
+
+    def __init__(self) -> None:
+        self.kinds: list[str] = []
+
+    def on_preempt(self, kind: str) -> None:
+        self.kinds.append(kind)
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
@@ -28,17 +43,17 @@ def engine() -> Iterator[tuple[TorchEngine, asyncio.AbstractEventLoop]]:
     loop = asyncio.new_event_loop()
     # float32: batch-invariant greedy output; a small prefill chunk so the long prompt takes many steps
     eng = TorchEngine(EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=1024, prefill_chunk=64,
-                                   prefix_caching=False))
+                                   prefix_caching=False), listener=Preemptions())
     loop.run_until_complete(eng.start())
     yield eng, loop
     loop.run_until_complete(eng.aclose())
     loop.close()
 
 
-async def _run(eng: TorchEngine, messages: list[dict[str, str]], priority: int,
-               delay_s: float = 0.0) -> tuple[str, float]:
+async def _run(eng: TorchEngine, messages: list[dict[str, str]], priority: int, delay_s: float = 0.0,
+               params: SamplingParams = GREEDY, request_id: str | None = None) -> tuple[str, float]:
     await asyncio.sleep(delay_s)
-    req = GenerationRequest(uuid.uuid4().hex, eng.encode_chat(messages), GREEDY, priority=priority)
+    req = GenerationRequest(request_id or uuid.uuid4().hex, eng.encode_chat(messages), params, priority=priority)
     t0, first, text = time.perf_counter(), None, ""
     async for out in eng.generate(req):
         if out.text and first is None:
@@ -71,3 +86,89 @@ def test_the_same_priority_does_not_overtake(engine) -> None:  # type: ignore[no
 
     (_, long_ttft), (_, short_ttft) = loop.run_until_complete(together())
     assert short_ttft + 0.05 >= long_ttft * 0.9  # FIFO within a priority: the short one waits its turn
+
+
+def _kinds(eng: TorchEngine) -> list[str]:
+    listener = eng.listener
+    assert isinstance(listener, Preemptions)
+    kinds, listener.kinds = listener.kinds, []
+    return kinds
+
+
+async def _when_prefilling(eng: TorchEngine, priority: int) -> None:
+    """Wait until a prompt of `priority` is being prefilled chunk by chunk (not a fixed sleep)."""
+    for _ in range(2000):
+        p = eng._prefilling
+        if p is not None and p.req.priority == priority and p.prefilled > 0:
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError("the long prompt was never seen in chunked prefill")
+
+
+def test_a_long_higher_priority_prompt_preempts_a_chunked_prefill(engine) -> None:  # type: ignore[no-untyped-def]
+    eng, loop = engine
+    assert len(eng.encode_chat(LONG_B)) > 64 * 4  # too long for one step's budget: it cannot go ahead
+    solo_free, _ = loop.run_until_complete(_run(eng, LONG, priority=2))
+    solo_ent, ent_alone_s = loop.run_until_complete(_run(eng, LONG_B, priority=0))
+    _kinds(eng)
+
+    async def together() -> list[tuple[str, float]]:
+        free = asyncio.ensure_future(_run(eng, LONG, priority=2))
+        await _when_prefilling(eng, 2)
+        ent = await _run(eng, LONG_B, priority=0)
+        return [await free, ent]
+
+    (free_text, free_ttft), (ent_text, ent_ttft) = loop.run_until_complete(together())
+    print(f"\nenterprise long prompt alone {ent_alone_s * 1000:.0f} ms, behind a chunked free prefill "
+          f"{ent_ttft * 1000:.0f} ms; free {free_ttft * 1000:.0f} ms")
+    assert "prefill" in _kinds(eng)  # the free prompt was parked, not finished first
+    assert ent_ttft < free_ttft
+    assert free_text == solo_free and ent_text == solo_ent  # parked KV resumed exactly where it stopped
+
+
+def test_nested_preemption_and_an_aborted_parked_prompt(engine) -> None:  # type: ignore[no-untyped-def]
+    eng, loop = engine
+    solo = {p: loop.run_until_complete(_run(eng, m, priority=p))[0] for p, m in ((2, LONG), (0, LONG_B))}
+    _kinds(eng)
+
+    async def scenario() -> tuple[str, str, str]:
+        free = asyncio.ensure_future(_run(eng, LONG, priority=2))
+        await _when_prefilling(eng, 2)
+        plus = asyncio.ensure_future(_run(eng, LONG, priority=1, request_id="plus-1"))
+        await _when_prefilling(eng, 1)           # free parked by plus
+        ent = asyncio.ensure_future(_run(eng, LONG_B, priority=0))
+        await _when_prefilling(eng, 0)           # plus parked by enterprise, above free
+        await eng.abort("plus-1")                # a parked prompt goes away: the slots close up
+        plus_text, _ = await plus
+        return (await free)[0], plus_text, (await ent)[0]
+
+    free_text, plus_text, ent_text = loop.run_until_complete(scenario())
+    assert _kinds(eng).count("prefill") == 2
+    assert plus_text == ""  # aborted while parked, before its first token
+    assert ent_text == solo[0] and free_text == solo[2]
+    # and the engine is whole afterwards: slots compact, nothing left pending
+    assert eng._prefilling is None and not eng._parked and not eng._running
+    assert loop.run_until_complete(_run(eng, SHORT, priority=1))[0] == loop.run_until_complete(
+        _run(eng, SHORT, priority=2))[0]
+
+
+def test_lower_tier_decode_yields_to_a_higher_tier_prefill(engine) -> None:  # type: ignore[no-untyped-def]
+    eng, loop = engine
+    long_reply = SamplingParams(max_tokens=48, temperature=0.0)
+    solo_free, _ = loop.run_until_complete(_run(eng, SHORT, priority=2, params=long_reply))
+    solo_ent, _ = loop.run_until_complete(_run(eng, LONG_B, priority=0))
+    _kinds(eng)
+
+    async def together() -> list[tuple[str, float]]:
+        free = asyncio.ensure_future(_run(eng, SHORT, priority=2, params=long_reply))
+        for _ in range(2000):  # the free request is decoding
+            if eng._running:
+                break
+            await asyncio.sleep(0.002)
+        ent = await _run(eng, LONG_B, priority=0)
+        return [await free, ent]
+
+    (free_text, _), (ent_text, _) = loop.run_until_complete(together())
+    kinds = _kinds(eng)
+    assert kinds.count("decode") >= 3  # one per prefill chunk of the enterprise prompt, about
+    assert free_text == solo_free and ent_text == solo_ent

@@ -116,3 +116,7 @@ class StepListener:
     def on_iteration_tokens(self, tokens: int) -> None: ...
 
     def on_spec_draft(self, drafted: int, accepted: int) -> None: ...
+
+    def on_preempt(self, kind: str) -> None:
+        """A priority preemption: ``prefill`` (a chunked prefill parked for a higher-priority prompt)
+        or ``decode`` (a decode pass skipped while a higher-priority prompt is prefilled)."""

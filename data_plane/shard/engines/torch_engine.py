@@ -69,6 +69,7 @@ class TorchEngine(Admission, Stepper):
         self._counter = itertools.count()
         self._running: list[SeqState] = []  # decode batch, index == slot
         self._prefilling: SeqState | None = None
+        self._parked: list[SeqState] = []
         self._aborts: set[str] = set()
         self._by_id: dict[str, SeqState] = {}
         self._lock = threading.Lock()
@@ -157,9 +158,10 @@ class TorchEngine(Admission, Stepper):
 
     def stats(self) -> EngineStats:
         with self._lock:
-            running = len(self._running) + (1 if self._prefilling else 0)
+            pending = self._pending()
+            running = len(self._running) + len(pending)
             waiting = len(self._waiting)
-            used = sum(s.length for s in self._running) + (self._prefilling.length if self._prefilling else 0)
+            used = sum(s.length for s in self._running + pending)
         cap = self.config.max_num_seqs * self.max_model_len
         pc = self.prefix.cache if self.prefix else None
         return EngineStats(running=running, waiting=waiting, kv_usage=used / cap, max_num_seqs=self.config.max_num_seqs,
@@ -262,6 +264,9 @@ class TorchEngine(Admission, Stepper):
             self._prefill_chunk(budget)
             did = True
         if self._running:
-            self._decode_step()
+            if self._decode_yields():
+                self.listener.on_preempt("decode")
+            else:
+                self._decode_step()
             did = True
         return did

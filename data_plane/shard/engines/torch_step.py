@@ -41,7 +41,10 @@ class Stepper:
     _lock: threading.Lock
     _running: list[SeqState]
     _prefilling: SeqState | None
+    _parked: list[SeqState]
     _by_id: dict[str, SeqState]
+    _place_pending: Callable[[int], None]  # torch_admission.Admission
+    _resume_parked: Callable[[], None]
     _decode_ids: Callable[[list[int]], str]
 
     def _prefill_batch(self, batch: list[SeqState]) -> None:
@@ -76,8 +79,8 @@ class Stepper:
             return len(chunk)
         seq.prefill_done_at = time.monotonic()
         with self._lock:
-            self._prefilling = None
             self._running.append(seq)
+            self._resume_parked()
         self._keep_prompt_blocks(seq)
         token = self._sample(logits.unsqueeze(0), [seq])[0]
         self._emit(seq, token)
@@ -160,12 +163,12 @@ class Stepper:
                     last.slot = seq.slot
                     self._running[idx] = last
                 self._running.pop()
-                if self._prefilling is not None and self._prefilling.slot != len(self._running):
-                    p = self._prefilling
-                    self._runner.move_slot(p.slot, len(self._running), p.length)
-                    p.slot = len(self._running)
+                self._place_pending(len(self._running))
             elif self._prefilling is seq:
-                self._prefilling = None
+                self._resume_parked()
+            elif seq in self._parked:
+                self._parked.remove(seq)
+                self._place_pending(len(self._running))
         admitted = seq.admitted_at or now
         timings = RequestTimings(
             queued_s=admitted - seq.req.arrival,
