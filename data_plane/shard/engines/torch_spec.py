@@ -19,16 +19,26 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Protocol, Sequence
 
 from data_plane.shard.engines.spec_runner import verify
 from data_plane.shard.engines.speculation import NgramIndex, SeqSpec, accept_greedy, accept_sampled, target_probs
-
-if TYPE_CHECKING:
-    from data_plane.shard.engines.torch_config import SeqState
-    from data_plane.shard.engines.torch_engine import TorchEngine
+from data_plane.shard.engines.torch_config import SeqState, StepListener
 
 log = logging.getLogger(__name__)
+
+
+class SpecEngine(Protocol):
+    """What a speculative step uses of the engine (``TorchEngine`` has it all; declared here so this
+    module never imports the engine that imports it)."""
+
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def listener(self) -> StepListener: ...
+    @property
+    def _runner(self) -> Any: ...
+    def _emit(self, seq: SeqState, token: int, held: str = "", send: bool = True) -> str: ...
 
 
 class Speculator:
@@ -57,7 +67,7 @@ class Speculator:
         k = min(state.draft_len(), room)
         return state.index.propose(ctx, k) if k > 0 else []
 
-    def step(self, eng: TorchEngine, batch: Sequence[SeqState]) -> bool:
+    def step(self, eng: SpecEngine, batch: Sequence[SeqState]) -> bool:
         """One speculative decode step over `batch` (the running sequences, slots 0..n-1); False
         (nothing done) when no sequence has a draft or the batch is above `max_batch`."""
         if len(batch) > self.max_batch:

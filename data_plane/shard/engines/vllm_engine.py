@@ -20,7 +20,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import httpx
 from fastapi import FastAPI
@@ -29,12 +29,39 @@ from fastapi.responses import JSONResponse, Response
 from data_plane.common.http_server import free_port, serve
 from data_plane.common.telemetry import fastapi_options
 
-if TYPE_CHECKING:
-    from data_plane.shard.app import ShardSettings
-
 log = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 1.0
+
+
+class ShardSettings(Protocol):
+    """What the sidecar reads of the shard's settings: data_plane/shard/app.py's ``ShardSettings``
+    has every one (declared here, not imported, so the engines never import the shard app)."""
+
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def model(self) -> str | None: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def registry_url(self) -> str | None: ...
+    @property
+    def membership(self) -> str | None: ...
+    @property
+    def node_id(self) -> str | None: ...
+    @property
+    def zone(self) -> str: ...
+    @property
+    def registration_ttl_s(self) -> float: ...
+    @property
+    def advertise_url(self) -> str | None: ...
 
 
 def vllm_command(settings: ShardSettings, model_path: str, served_name: str, port: int) -> list[str]:
