@@ -65,10 +65,11 @@ class Metric:
 
 
 def _shard(registry: CollectorRegistry) -> list[object]:
+    from data_plane.shard.kv_reports import KVReportMetrics
     from data_plane.shard.metrics import ShardMetrics
 
     metrics = ShardMetrics(registry, model_name="catalogue")
-    return [metrics, metrics.spec]
+    return [metrics, metrics.spec, KVReportMetrics(registry, "catalogue")]
 
 
 def _gateway(registry: CollectorRegistry) -> list[object]:

@@ -7,7 +7,7 @@ For each fleet size it builds a synthetic membership of that many shards (a view
 the router its own zone) and drives the real :class:`~data_plane.routing.router.Router`: with
 ``--background`` requests held open per shard (so bounded loads have something to bound), it
 times ``pick`` + ``lease`` enter/exit over ``--requests`` session ids, the median of
-``--repeats`` passes, per policy: ``affinity`` (session hashing on the bounded-load ring),
+``--repeats`` passes (the sizes' passes interleaved, so drift lands on all), per policy: ``affinity`` (session hashing on the bounded-load ring),
 ``kv_aware`` (every session has a known holder) and ``no_session`` (power of two choices). It
 also times the first decision (the ring built from scratch) and the decision right after one
 shard joins (the ring patched in place). The ratio column is each size's cost over the smallest
@@ -58,37 +58,56 @@ class SyntheticFleet:
             callback()
 
 
-def measure(n: int, policy: str, args: argparse.Namespace) -> dict[str, Any]:
-    fleet = SyntheticFleet(n, args.zones)
-    router = Router(fleet, RouterMetrics(CollectorRegistry()), policy="affinity" if policy == "no_session" else policy,
-                    rng=random.Random(1), zone="z0" if args.zones > 1 else None)
-    keys: list[str | None] = [None] * args.requests if policy == "no_session" else [
-        f"sess-{i}" for i in range(args.requests)]
-    t0 = time.perf_counter()
-    router.pick(keys[0])
-    build_ms = 1000 * (time.perf_counter() - t0)
-    held = ExitStack()
-    for i in range(min(n * args.background, args.max_background)):  # requests in flight elsewhere
-        held.enter_context(router.lease(router.pick(f"bg-{i}")))
-    if policy == "kv_aware":
-        for k in keys:
-            router.observe_kv(k, router.pick(k).id, 1500)
-    passes = []
-    for _ in range(args.repeats):
+class Setup:
+    """One router over a synthetic fleet of `n` shards, loaded and (kv_aware) with known holders."""
+
+    def __init__(self, n: int, policy: str, args: argparse.Namespace) -> None:
+        self.n, self.policy = n, policy
+        self.fleet = SyntheticFleet(n, args.zones)
+        self.router = Router(self.fleet, RouterMetrics(CollectorRegistry()),
+                             policy="affinity" if policy == "no_session" else policy,
+                             rng=random.Random(1), zone="z0" if args.zones > 1 else None)
+        self.keys: list[str | None] = [None] * args.requests if policy == "no_session" else [
+            f"sess-{i}" for i in range(args.requests)]
+        t0 = time.perf_counter()
+        self.router.pick(self.keys[0])
+        self.build_ms = 1000 * (time.perf_counter() - t0)
+        self.held = ExitStack()
+        for i in range(min(n * args.background, args.max_background)):  # requests in flight elsewhere
+            self.held.enter_context(self.router.lease(self.router.pick(f"bg-{i}")))
+        if policy == "kv_aware":
+            for k in self.keys:
+                self.router.observe_kv(k, self.router.pick(k).id, 1500)
+        self.passes: list[float] = []
+
+    def timed_pass(self) -> None:
+        router, keys = self.router, self.keys
         t0 = time.perf_counter()
         for k in keys:
             with router.lease(router.pick(k)):
                 pass
-        passes.append((time.perf_counter() - t0) / len(keys))
-    fleet.join()
-    t0 = time.perf_counter()
-    router.pick(keys[0])
-    change_ms = 1000 * (time.perf_counter() - t0)
-    held.close()
-    return {"shards": n, "policy": policy, "pick_lease_us": 1e6 * statistics.median(passes),
-            "pick_lease_us_min": 1e6 * min(passes), "first_decision_ms": build_ms, "after_join_ms": change_ms,
-            "ring_builds": router.fleet.ring.builds, "ring_patches": router.fleet.ring.patches,
-            "membership_changes": router.fleet.changes}
+        self.passes.append((time.perf_counter() - t0) / len(keys))
+
+    def finish(self) -> dict[str, Any]:
+        self.fleet.join()
+        t0 = time.perf_counter()
+        self.router.pick(self.keys[0])
+        change_ms = 1000 * (time.perf_counter() - t0)
+        self.held.close()
+        fleet = self.router.fleet
+        return {"shards": self.n, "policy": self.policy, "pick_lease_us": 1e6 * statistics.median(self.passes),
+                "pick_lease_us_min": 1e6 * min(self.passes), "first_decision_ms": self.build_ms,
+                "after_join_ms": change_ms, "ring_builds": fleet.ring.builds, "ring_patches": fleet.ring.patches,
+                "membership_changes": fleet.changes}
+
+
+def measure(policy: str, sizes: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every size's passes interleaved (10, 100, ..., 10, 100, ...), so machine drift lands on all."""
+    setups = [Setup(n, policy, args) for n in sizes]
+    for _ in range(args.repeats):
+        for setup in setups:
+            setup.timed_pass()
+    return [setup.finish() for setup in setups]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -96,7 +115,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sizes", default="10,100,1000,10000", help="fleet sizes (shards)")
     p.add_argument("--policies", default=",".join(POLICIES), help=f"of {', '.join(POLICIES)}")
     p.add_argument("--requests", type=int, default=20_000, help="decisions per timed pass")
-    p.add_argument("--repeats", type=int, default=5, help="timed passes (the median is reported)")
+    p.add_argument("--repeats", type=int, default=7, help="timed passes (the median is reported)")
     p.add_argument("--background", type=int, default=2, help="requests held open per shard while timing")
     p.add_argument("--max-background", type=int, default=20_000, help="cap on requests held open")
     p.add_argument("--zones", type=int, default=1, help="zones the shards are spread over (router in z0)")
@@ -114,10 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     load0 = os.getloadavg()
     rows = []
     for policy in policies:
-        for n in sizes:
-            row = measure(n, policy, args)
+        for row in measure(policy, sizes, args):
             rows.append(row)
-            print(f"{policy:>10} {n:>6} shards: {row['pick_lease_us']:.1f} us", flush=True)
+            print(f"{policy:>10} {row['shards']:>6} shards: {row['pick_lease_us']:.1f} us", flush=True)
     base = {r["policy"]: r["pick_lease_us"] for r in rows if r["shards"] == min(sizes)}
     for r in rows:
         r["ratio_to_smallest"] = r["pick_lease_us"] / base[r["policy"]]

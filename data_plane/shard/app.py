@@ -39,6 +39,7 @@ from data_plane.common.errors import (
     install_error_handlers,
 )
 from data_plane.membership.factory import MEMBERSHIP_URL_PATTERN, membership_from_url
+from data_plane.common.kv_report import SINCE_HEADER
 from data_plane.common.keepalive import KEEPALIVE_COMMENT, KEEPALIVE_META, with_keepalives
 from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
 from data_plane.protocol import (
@@ -52,6 +53,7 @@ from data_plane.protocol import (
 )
 from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, DisconnectWatch
 from data_plane.common.http_body import read_body
+from data_plane.shard.kv_reports import KVReportMetrics, KVReports
 from data_plane.shard.metrics import MetricsListener, ShardMetrics
 from data_plane.common.hop_auth import cluster_token_from_env, guarded
 from data_plane.common.tls import TlsConfig
@@ -154,6 +156,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
     metrics = ShardMetrics(registry, name)
     engine = build_engine(settings, metrics)
     state = ShardState(settings, engine, metrics)
+    kv_reports = KVReports(lambda: getattr(engine, "prefix", None), on_evicted=KVReportMetrics(registry, name).counting())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -268,7 +271,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
             raise
         if settings.log_prompts:
             log.info("request %s prompt=%r", request_id, req.plain_messages())
-        headers = {"X-Request-Id": request_id}
+        headers = {"X-Request-Id": request_id, **kv_reports.headers(gen_req, request.headers.get(SINCE_HEADER))}
         run = _Run(state, gen_req, span, time.monotonic())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -1,0 +1,77 @@
+"""A shard's prefix-cache reports to routers (data_plane/shard/kv_reports.py): the chain id of each
+prompt, and the announced chains it has since evicted, read by the router's index. No processes."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from data_plane.common.kv_report import CHAIN_HEADER, EVICTED_HEADER, parse_chain, parse_evicted
+from data_plane.routing.kv_routing import KVIndex, KVReports as RouterReports
+from data_plane.shard.engines.base import GenerationRequest, SamplingParams
+from data_plane.shard.kv_reports import KVReportMetrics, KVReports
+
+
+class Cache:
+    def __init__(self) -> None:
+        self.held: set[bytes] = set()
+
+    def probe(self, hashes: list[bytes], max_blocks: int) -> int:
+        return 1 if hashes[0] in self.held else 0
+
+
+class Prefix:
+    """Block 'digests' are the prompt's token ids in 16-token groups (enough for the reports)."""
+
+    def __init__(self) -> None:
+        self.cache = Cache()
+
+    def hashes(self, ids: list[int], salt: str | None, public: int) -> list[bytes]:
+        return [bytes(f"{salt}|{ids[: i + 16]}", "ascii").ljust(16, b"-")[-16:] for i in range(0, len(ids) - 15, 16)]
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def request(n: int, first: int = 0) -> GenerationRequest:
+    return GenerationRequest("r", list(range(first, first + n)), SamplingParams(), cache_salt="tenant:a")
+
+
+def test_an_announced_chain_is_reported_once_evicted_and_read_by_the_router() -> None:
+    prefix, clock, registry = Prefix(), Clock(), CollectorRegistry()
+    shard = KVReports(lambda: prefix, clock=clock, on_evicted=KVReportMetrics(registry, "m").counting())
+    req = request(40)
+    out = shard.headers(req, None)
+    chain = parse_chain(out[CHAIN_HEADER])
+    assert chain is not None and chain[1] == 40 and EVICTED_HEADER not in out
+    digest = prefix.hashes(req.prompt_ids, "tenant:a", 0)[-1]
+    index = KVIndex()
+    index.record("s-1", "shard-a", 40, chain[0])
+    router = RouterReports(index)
+    prefix.cache.held.add(digest)            # prefilled: the prompt's blocks are cached
+    clock.now += 1
+    assert EVICTED_HEADER not in shard.headers(request(20, 1000), "0")
+    prefix.cache.held.clear()                # evicted (LRU)
+    clock.now += 1
+    out = shard.headers(request(20, 2000), "0")
+    assert parse_evicted(out[EVICTED_HEADER]) == (1, [chain[0]])
+    assert router.read("shard-a", lambda name: out.get(name.decode(), "").encode() or None) == 1
+    assert index.holder("s-1") is None
+    clock.now += 1
+    assert EVICTED_HEADER not in shard.headers(request(20, 3000), "1")   # nothing new since 1
+    assert registry.get_sample_value("switchboard_shard_kv_evictions_reported_total", {"model_name": "m"}) == 1
+
+
+def test_reports_stay_bounded_and_a_never_cached_chain_is_dropped_silently() -> None:
+    prefix, clock = Prefix(), Clock()
+    shard = KVReports(lambda: prefix, clock=clock, max_announced=5, unseen_ttl_s=10)
+    for i in range(20):
+        shard.headers(request(32, 100 * i), None)
+    assert len(shard._announced) == 5
+    clock.now += 11
+    shard.headers(request(8), None)          # too short for a full block: no chain
+    assert len(shard._announced) == 0 and shard.since(0) == []
+    assert KVReports(lambda: None).headers(request(32), "0") == {}   # no prefix cache: no headers
