@@ -215,7 +215,7 @@ def plan(s: UpSettings, state: Path, admin_token: str,
     for i in range(max(s.cache_nodes, len(zones))):
         port = s.cache_base_port + i if s.cache_base_port else free_port(host)
         zone = zones[i % len(zones)]
-        args = ["cache-node", "--host", host, "--port", str(port), "--registry", registry,
+        args = ["cache-node", "--host", host, "--port", str(port), "--registry-url", registry,
                 "--node-id", f"cache-{i}", "--zone", zone]
         if s.redis:
             args += ["--redis", s.redis]

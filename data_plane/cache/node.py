@@ -1,7 +1,7 @@
 """A cache node: keeps whole session transcripts, in memory (TTL + LRU by bytes) or in Redis.
 
     switchboard cache-node --port 8201                                  # in-memory, 256 MiB
-    switchboard cache-node --port 8202 --redis redis://127.0.0.1:6379/0 --registry http://127.0.0.1:8300
+    switchboard cache-node --port 8202 --redis redis://127.0.0.1:6379/0 --registry-url http://127.0.0.1:8300
     SWITCHBOARD_CACHE_MAX_BYTES=67108864 switchboard cache-node --port 8203
 
 HTTP API (errors in the OpenAI shape)::
@@ -26,13 +26,13 @@ a node only stores what it is given. Transcript contents are never logged.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import httpx
 from fastapi import Depends, FastAPI, Request
@@ -49,6 +49,7 @@ from data_plane.common.errors import NotFound, SwitchboardError, install_error_h
 from data_plane.common.http_body import read_json_body
 from data_plane.common.hop_auth import cluster_token_from_env, guarded, require_cluster_token
 from data_plane.common.http_server import serve
+from data_plane.common.settings_cli import parse_settings as cli_settings
 from data_plane.membership.factory import MEMBERSHIP_URL_PATTERN, membership_from_url
 from data_plane.common.tls import TlsConfig
 from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
@@ -64,7 +65,9 @@ MAX_TTL_S = 30 * 24 * 3600.0
 class CacheNodeSettings(BaseSettings):
     """Every knob of one cache node: flags first, then ``SWITCHBOARD_CACHE_*``, then defaults."""
 
-    model_config = SettingsConfigDict(env_prefix="SWITCHBOARD_CACHE_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="SWITCHBOARD_CACHE_", extra="ignore", use_attribute_docstrings=True)
+    FLAG_ALIASES: ClassVar[dict[str, str]] = {"--registry": "registry_url"}
+    """Deprecated flag spellings (data_plane/common/settings_cli.py)."""
 
     host: str = "127.0.0.1"
     """Address to bind."""
@@ -74,10 +77,10 @@ class CacheNodeSettings(BaseSettings):
     """``redis://`` URL: store transcripts in Redis instead of process memory."""
     redis_prefix: str | None = None
     """Redis key prefix (default ``switchboard:<node_id>:session:``, so nodes may share a Redis)."""
-    registry: str | None = None
-    """Membership registry URL; when set the node registers as service ``cache``."""
+    registry_url: str | None = None
+    """Embedded membership registry URL (the control plane's); when set the node registers as service ``cache``."""
     membership: str | None = Field(None, pattern=MEMBERSHIP_URL_PATTERN)
-    """Membership URL, e.g. ``consul://127.0.0.1:8500``; wins over ``registry``."""
+    """Membership URL, e.g. ``consul://127.0.0.1:8500``; wins over ``--registry-url``."""
     registration_ttl_s: float = Field(0.8, gt=0.1, le=300)
     """TTL of the membership health check."""
     max_bytes: int = Field(256 * MiB, ge=1024, le=1 << 40)
@@ -250,7 +253,7 @@ def create_app(
         async with contextlib.AsyncExitStack() as stack:
             await store.start()
             stack.push_async_callback(store.aclose)
-            if settings.membership or settings.registry:
+            if settings.membership or settings.registry_url:
                 await _register(settings, store, stack)
             log.info("cache node %s serving on %s (backend %s)", node_id, settings.url, store.backend)
             yield
@@ -345,7 +348,7 @@ async def _register(
     if store.backend == "memory":
         meta["max_bytes"] = str(settings.max_bytes)
     member = Member(id=settings.member_id, service="cache", url=settings.url, meta=meta)
-    _, new_agent = membership_from_url(settings.membership or settings.registry or "", http, ())
+    _, new_agent = membership_from_url(settings.membership or settings.registry_url or "", http, ())
     agent = new_agent(member, settings.registration_ttl_s)
     await agent.start()
     stack.push_async_callback(agent.aclose)
@@ -355,29 +358,9 @@ async def _register(
 
 
 def parse_settings(argv: list[str] | None) -> CacheNodeSettings:
-    parser = argparse.ArgumentParser(
-        prog="switchboard cache-node",
-        description="Run one cache node. Every flag also reads SWITCHBOARD_CACHE_<FLAG>.",
-    )
-    parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="port to bind (default 8201)")
-    parser.add_argument("--redis", metavar="URL", help="store in Redis at URL instead of memory")
-    parser.add_argument("--redis-prefix", help="Redis key prefix (default switchboard:<node-id>:session:)")
-    parser.add_argument("--registry", metavar="URL", help="membership registry to register with")
-    parser.add_argument("--membership", metavar="URL", help="membership URL, e.g. consul://127.0.0.1:8500")
-    parser.add_argument("--max-bytes", type=int, help="in-memory capacity in bytes (default 256 MiB)")
-    parser.add_argument("--ttl-s", type=float, help="default record TTL in seconds (default 86400)")
-    parser.add_argument("--max-body-bytes", type=int, help="largest PUT body (default 4 MiB)")
-    parser.add_argument("--node-id", help="member id (default cache-<hostname>-<port>)")
-    parser.add_argument("--zone", help="zone (failure domain) this node runs in (default local)")
-    parser.add_argument("--advertise-url", help="URL peers use to reach this node")
-    args = parser.parse_args(argv)
-    given = {k: v for k, v in vars(args).items() if v is not None}
-    try:
-        return CacheNodeSettings(**given)
-    except ValidationError as exc:
-        parser.error(str(exc))
-        raise  # unreachable: parser.error exits
+    """Flags, then ``SWITCHBOARD_CACHE_*``, then defaults (data_plane/common/settings_cli.py)."""
+    return cli_settings(CacheNodeSettings, argv, prog="switchboard cache-node",
+                        description="Run one cache node (session transcripts and KV blocks).")
 
 
 def main(argv: list[str] | None = None) -> None:

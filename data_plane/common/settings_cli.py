@@ -1,13 +1,23 @@
-"""Flags from a settings class: each field is an env var (via pydantic-settings) and a flag.
+"""Flags from a settings class: each field is an env var (via pydantic-settings) and a flag. The one
+settings/CLI mechanism of every process (gateway, shard, cache node, control plane, `switchboard up`).
 
     class ShardSettings(BaseSettings):
-        model_config = SettingsConfigDict(env_prefix="SWITCHBOARD_SHARD_")
-        port: int = Field(8101, ge=1, le=65535, description="TCP port to listen on.")
+        model_config = SettingsConfigDict(env_prefix="SWITCHBOARD_SHARD_", use_attribute_docstrings=True)
+        FLAG_ALIASES: ClassVar[dict[str, str]] = {"--registry": "registry_url"}   # deprecated spellings
+        port: int = Field(8101, ge=1, le=65535)
+        \"\"\"TCP port to listen on.\"\"\"                                    # the flag's help text
+        peers: CommaList[AnyHttpUrl] = []                                   # "--peers http://a,http://b"
+        tier_rpm: TierMap[int] = {}                                         # "--tier-rpm free=600,plus=6000"
 
     settings = parse_settings(ShardSettings, argv, prog="switchboard shard")
     # precedence: flag > environment variable > default; validated once, here
 
     dispatch("switchboard", {"shard": ("data_plane.shard.app", "run one shard")}, argv)   # subcommands
+
+Help text comes from the field (its `description` or attribute docstring), followed by the env
+variable(s) and the default, so no help string restates a default by hand. `Literal` fields get
+`choices`, booleans `--x/--no-x`. Typed collections (`CommaList`, `TierMap`) arrive as one string in
+a flag or an env variable and are split by the model itself, so both paths validate the same way.
 """
 
 from __future__ import annotations
@@ -15,37 +25,119 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import types
 import typing
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Annotated, Any, TypeVar
 
-from pydantic import ValidationError
-from pydantic_settings import BaseSettings
+from pydantic import AliasChoices, BeforeValidator, ValidationError
+from pydantic_settings import BaseSettings, NoDecode
 
 S = TypeVar("S", bound=BaseSettings)
+T = TypeVar("T")
 
 
-def _flag_type(annotation: Any) -> Any:
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    base = args[0] if args else annotation
-    if typing.get_origin(base) is typing.Literal:
-        return str
-    return base if base in (int, float, str) else str
+def split_commas(value: object) -> object:
+    """``"a, b,,c"`` -> ``["a", "b", "c"]``; anything else unchanged (lists, JSON from code)."""
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return value
+
+
+def split_pairs(value: object) -> object:
+    """``"free=600, plus=6000"`` -> ``{"free": "600", "plus": "6000"}`` (the model types the values);
+    an item without ``=`` or a name is a ValueError naming it."""
+    if not isinstance(value, str):
+        return value
+    out: dict[str, str] = {}
+    for item in value.split(","):
+        if not item.strip():
+            continue
+        name, sep, raw = item.partition("=")
+        if not sep or not name.strip() or not raw.strip():
+            raise ValueError(f"expected NAME=VALUE items, got {item.strip()!r}")
+        out[name.strip()] = raw.strip()
+    return out
+
+
+CommaList = Annotated[list[T], NoDecode, BeforeValidator(split_commas)]
+"""A list given as ``a,b,c`` in a flag or env variable (a list from code)."""
+TierMap = Annotated[dict[str, T], NoDecode, BeforeValidator(split_pairs)]
+"""A mapping given as ``free=600,plus=6000`` in a flag or env variable (a dict from code)."""
+
+
+def _base(annotation: Any) -> Any:
+    while typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _base(args[0]) if len(args) == 1 else str
+    return annotation
+
+
+def _env_names(cls: type[BaseSettings], name: str, field: Any) -> list[str]:
+    prefix = cls.model_config.get("env_prefix", "")
+    alias = field.validation_alias
+    if isinstance(alias, AliasChoices):
+        names = [c.upper() for c in alias.choices if isinstance(c, str) and c != name]
+        return [(prefix + name).upper(), *names] if name not in alias.choices else names or [(prefix + name).upper()]
+    return [(prefix + name).upper()]
+
+
+def _show_default(field: Any) -> str:
+    default = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
+    if isinstance(default, (list, tuple)):
+        return ",".join(str(v) for v in default) or "none"
+    if isinstance(default, dict):
+        return ",".join(f"{k}={v}" for k, v in default.items()) or "none"
+    return "none" if default is None else str(default)
+
+
+class _Deprecated(argparse.Action):
+    """A deprecated spelling of a flag: stores into the same field, says so on stderr."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, canonical: str = "", **kwargs: Any) -> None:
+        self.canonical = canonical
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"{parser.prog}: {option_string} is deprecated; use {self.canonical}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def build_parser(cls: type[BaseSettings], prog: str, description: str | None = None) -> argparse.ArgumentParser:
+    """The argparse parser of `cls`: one flag per field (help from its description), plus the
+    deprecated spellings in ``cls.FLAG_ALIASES`` (``{"--old-flag": "field_name"}``)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description or (cls.__doc__ or "").strip())
+    for name, field in cls.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        envs = " or ".join(_env_names(cls, name, field))
+        help_text = f"{(field.description or '').strip()} [env {envs}; default {_show_default(field)}]"
+        base = _base(field.annotation)
+        if base is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif typing.get_origin(base) is typing.Literal:
+            parser.add_argument(flag, dest=name, choices=[str(c) for c in typing.get_args(base)], default=None,
+                                help=help_text)
+        else:
+            parser.add_argument(flag, dest=name, type=base if base in (int, float) else str, default=None,
+                                help=help_text)
+    aliases: dict[str, str] = getattr(cls, "FLAG_ALIASES", {})
+    for old, name in aliases.items():
+        canonical = "--" + name.replace("_", "-")
+        base = _base(cls.model_fields[name].annotation)
+        if base is bool:
+            parser.add_argument(old, dest=name, action="store_const", const=True, default=None,
+                                help=f"deprecated spelling of {canonical}")
+        else:
+            parser.add_argument(old, dest=name, action=_Deprecated, canonical=canonical, default=None,
+                                type=base if base in (int, float) else str, help=f"deprecated spelling of {canonical}")
+    return parser
 
 
 def parse_settings(cls: type[S], argv: list[str] | None, prog: str, description: str | None = None) -> S:
-    parser = argparse.ArgumentParser(prog=prog, description=description or (cls.__doc__ or "").strip())
-    prefix = cls.model_config.get("env_prefix", "")
-    for name, field in cls.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        env = (prefix + name).upper()
-        default = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
-        help_text = f"{field.description or ''} [env {env}; default {default!r}]"
-        annotation = field.annotation
-        if annotation is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            parser.add_argument(flag, dest=name, type=_flag_type(annotation), default=None, help=help_text)
-    ns = parser.parse_args(argv)
+    ns = build_parser(cls, prog, description).parse_args(argv)
     overrides = {k: v for k, v in vars(ns).items() if v is not None}
     try:
         return cls(**overrides)
