@@ -3,6 +3,6 @@
 ``policy`` is the pure target-tracking rule (``TargetTracking.decide``); ``loop`` the control loop
 that reads signals, asks the policy and calls an actuator every tick (``Autoscaler``, built by
 control_plane/app.py with ``--autoscale``); ``simulate`` replays a load trace through the same rule
-(``switchboard autoscale simulate``, via ``cli``); ``actuators/`` hold the local, Nomad and Kubernetes
-ways of changing the shard count.
+and ``simulate_plot`` draws it (``switchboard autoscale simulate``, in ``cli``); ``actuators/`` hold
+the local, Nomad and Kubernetes ways of changing the shard count.
 """

@@ -4,7 +4,10 @@
     switchboard autoscale simulate --trace t.json --max-replicas 8 --service-time-s 3 --json out.json
 
     result = simulate(load_trace("ramp.csv"), PolicyConfig(max_replicas=6), ShardModel())
-    plot(result, "sim.png")
+    plot(result, "sim.png")                     # control_plane/scaling/simulate_plot.py
+
+The command line is control_plane/scaling/cli.py; tests/control_plane/test_autoscaler.py drives
+:func:`simulate` directly.
 
 The trace is CSV (header row) or JSON (a list of objects, or ``{"points": [...]}``) with
 ``time_s`` and either ``arrival_rate`` (requests/s arriving; the queue is modelled) or
@@ -19,17 +22,13 @@ runs decides every ``--interval-s`` on signals built from a fluid model of the s
 - a new shard is ready ``startup_s`` after it is asked for; a removed one stops taking work at
   once and its capacity is gone (its requests finish elsewhere in this model).
 
-The PNG shows load vs capacity, replicas (asked for and ready) with the bounds, and TTFT p95 vs
-the SLO, with every scaling decision marked.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
-import sys
 from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass, field
@@ -287,180 +286,3 @@ def simulate(
         result.ttft_p95_s.append(p95)
         t += dt
     return result
-
-
-def plot(result: SimResult, out: str | Path, title: str = "") -> None:
-    """A three-panel PNG: load vs capacity, replicas, TTFT p95 vs SLO."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cfg = result.config
-    t = result.t
-    fig, (ax1, ax2, ax3) = plt.subplots(
-        3, 1, figsize=(11, 8.5), sharex=True, gridspec_kw={"height_ratios": [1.1, 1, 1.1]}
-    )
-    if not all(math.isnan(v) for v in result.arrival_rate):
-        ax1.plot(t, result.arrival_rate, color="tab:blue", lw=2, label="arrivals (req/s)")
-        ax1.plot(
-            t,
-            result.capacity_rps,
-            color="tab:green",
-            lw=1.5,
-            ls="--",
-            label="capacity of serving shards (req/s)",
-        )
-        ax1.set_ylabel("requests / s")
-    else:
-        ax1.plot(
-            t,
-            [w * r for w, r in zip(result.waiting_per_shard, result.ready, strict=True)],
-            color="tab:blue",
-            lw=2,
-            label="waiting (replayed)",
-        )
-        ax1.set_ylabel("requests waiting")
-    ax1.set_title(
-        title or "Autoscaling simulation: the real TargetTracking policy on a fluid shard model", fontsize=12
-    )
-    ax1.set_ylim(0, max(max(result.capacity_rps, default=1.0), 1.0) * 1.3)
-    ax1.legend(loc="upper right", fontsize=9, ncol=2)
-    ax1.grid(alpha=0.3)
-
-    ax2.step(t, result.desired, where="post", color="tab:orange", lw=2, label="replicas asked for")
-    ax2.step(t, result.ready, where="post", color="tab:purple", lw=1.5, ls="--", label="replicas serving")
-    ax2.axhline(cfg.max_replicas, color="grey", ls=":", lw=1)
-    ax2.axhline(cfg.min_replicas, color="grey", ls=":", lw=1)
-    ax2.text(t[-1], cfg.max_replicas, "max ", ha="right", va="bottom", fontsize=8, color="grey")
-    ax2.text(t[-1], cfg.min_replicas, "min ", ha="right", va="bottom", fontsize=8, color="grey")
-    for d in result.decisions:
-        up = d["to"] > d["from"]
-        ax2.annotate(
-            "▲" if up else "▼",
-            (d["t"], d["to"]),
-            color="tab:red" if up else "tab:blue",
-            ha="center",
-            va="bottom" if up else "top",
-            fontsize=10,
-        )
-    ax2.set_ylabel("shards")
-    ax2.set_ylim(0, cfg.max_replicas + 2)
-    ax2.yaxis.get_major_locator().set_params(integer=True)
-    ax2.legend(loc="upper right", fontsize=9, ncol=2)
-    ax2.grid(alpha=0.3)
-
-    ttft = [math.nan if v is None else v for v in result.ttft_p95_s]
-    ax3.plot(t, ttft, color="tab:red", lw=2, label="TTFT p95 (window)")
-    ax3.axhline(cfg.ttft_slo_s, color="black", ls="--", lw=1.2, label=f"SLO {cfg.ttft_slo_s:g} s")
-    ax3.fill_between(
-        t,
-        cfg.ttft_slo_s,
-        ttft,
-        where=[v > cfg.ttft_slo_s for v in ttft],
-        color="tab:red",
-        alpha=0.15,
-        interpolate=True,
-    )
-    ax3.set_ylabel("seconds")
-    ax3.set_xlabel("time (s)")
-    finite = [v for v in ttft if not math.isnan(v)]
-    ax3.set_ylim(0, max(cfg.ttft_slo_s * 2.5, min(max(finite, default=1.0) * 1.3, cfg.ttft_slo_s * 8)))
-    ax3.legend(loc="upper right", fontsize=9, ncol=2)
-    ax3.grid(alpha=0.3)
-
-    s = result.summary()
-    note = (
-        f"target waiting/shard {cfg.target_waiting_per_shard:g} · "
-        f"cooldowns up {cfg.scale_up_cooldown_s:g}s / "
-        f"down {cfg.scale_down_cooldown_s:g}s · shard: {result.model.slots} slots × "
-        f"{result.model.service_time_s:g}s, ready after {result.model.startup_s:g}s · "
-        f"over SLO {s['share_of_time_over_slo']:.0%} of the time"
-    )
-    fig.text(0.5, 0.005, note, ha="center", fontsize=8.5, color="dimgrey")
-    fig.tight_layout(rect=(0, 0.02, 1, 1))
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``switchboard autoscale simulate`` (argv: the flags after ``simulate``)."""
-    p = argparse.ArgumentParser(
-        prog="switchboard autoscale simulate",
-        description="Replay a load trace through the autoscaling policy; write a PNG.",
-    )
-    p.add_argument("--trace", required=True, help="CSV or JSON: time_s, and arrival_rate or waiting")
-    p.add_argument("--out", default="autoscale-sim.png", help="PNG to write (default autoscale-sim.png)")
-    p.add_argument("--json", dest="json_out", help="also write the series and decisions as JSON here")
-    d = PolicyConfig()
-    p.add_argument("--min-replicas", type=int, default=d.min_replicas)
-    p.add_argument("--max-replicas", type=int, default=d.max_replicas)
-    p.add_argument("--start-replicas", type=int, help="shards at t=0 (default min-replicas)")
-    p.add_argument("--target-waiting-per-shard", type=float, default=d.target_waiting_per_shard)
-    p.add_argument("--ttft-slo-s", type=float, default=d.ttft_slo_s)
-    p.add_argument("--scale-up-cooldown-s", type=float, default=d.scale_up_cooldown_s)
-    p.add_argument("--scale-down-cooldown-s", type=float, default=d.scale_down_cooldown_s)
-    p.add_argument("--interval-s", type=float, default=5.0, help="seconds between decisions (5)")
-    p.add_argument("--window-s", type=float, default=30.0, help="TTFT p95 window (30)")
-    m = ShardModel()
-    p.add_argument("--slots", type=int, default=m.slots, help=f"batch slots per shard ({m.slots})")
-    p.add_argument(
-        "--service-time-s",
-        type=float,
-        default=m.service_time_s,
-        help=f"seconds a request holds a slot ({m.service_time_s:g})",
-    )
-    p.add_argument(
-        "--prefill-s", type=float, default=m.prefill_s, help=f"TTFT without a queue ({m.prefill_s:g})"
-    )
-    p.add_argument(
-        "--startup-s", type=float, default=m.startup_s, help=f"shard start-up time ({m.startup_s:g})"
-    )
-    args = p.parse_args(argv)
-    try:
-        config = PolicyConfig(
-            min_replicas=args.min_replicas,
-            max_replicas=args.max_replicas,
-            target_waiting_per_shard=args.target_waiting_per_shard,
-            ttft_slo_s=args.ttft_slo_s,
-            scale_up_cooldown_s=args.scale_up_cooldown_s,
-            scale_down_cooldown_s=args.scale_down_cooldown_s,
-        )
-        model = ShardModel(args.slots, args.service_time_s, args.prefill_s, args.startup_s)
-        points = load_trace(args.trace)
-    except (OSError, ValueError) as exc:
-        p.exit(2, f"switchboard autoscale simulate: {exc}\n")
-    result = simulate(
-        points,
-        config,
-        model,
-        interval_s=args.interval_s,
-        window_s=args.window_s,
-        start_replicas=args.start_replicas,
-    )
-    try:
-        plot(result, args.out, title=f"Autoscaling simulation of {Path(args.trace).name}")
-    except ImportError:
-        p.exit(2, "switchboard autoscale simulate: the PNG needs matplotlib (pip install matplotlib)\n")
-    if args.json_out:
-        Path(args.json_out).write_text(
-            json.dumps(
-                {
-                    "summary": result.summary(),
-                    "decisions": result.decisions,
-                    "series": {
-                        k: getattr(result, k) for k in ("t", "arrival_rate", "desired", "ready", "ttft_p95_s")
-                    },
-                },
-                default=lambda v: None,
-            )
-        )
-    for dec in result.decisions:
-        print(f"t={dec['t']:7.1f}s  {dec['action']:<10} {dec['from']} -> {dec['to']}  {dec['reason']}")
-    print(json.dumps(result.summary()))
-    print(f"wrote {args.out}", file=sys.stderr)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

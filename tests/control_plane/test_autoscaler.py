@@ -197,7 +197,7 @@ def test_config_is_validated() -> None:
 
 
 def test_simulation_of_the_shipped_trace_scales_out_and_back_in(tmp_path) -> None:
-    from control_plane.scaling import simulate as sim
+    from control_plane.scaling.cli import simulate_main
 
     result = simulate(
         load_trace(TRACE),
@@ -207,7 +207,7 @@ def test_simulation_of_the_shipped_trace_scales_out_and_back_in(tmp_path) -> Non
     assert max(result.desired) >= 5 and result.desired[-1] == 1
     assert [d["action"] for d in result.decisions][:2] == ["scale_up", "scale_up"]
     pytest.importorskip("matplotlib")
-    sim.main(["--trace", str(TRACE), "--out", str(tmp_path / "s.png"), "--max-replicas", "6"])
+    simulate_main(["--trace", str(TRACE), "--out", str(tmp_path / "s.png"), "--max-replicas", "6"])
     assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
