@@ -9,7 +9,8 @@ Starts every process as a child on loopback, waits for each to be healthy, print
 one dev API key per tier and the admin token, and writes them to
 `.switchboard/credentials.json` (mode 600) in the working directory. A child that dies is
 reported and restarted (with backoff); Ctrl-C or SIGTERM stops everything cleanly.
-Logs go to `.switchboard/logs/<process>.log`.
+Logs go to `.switchboard/logs/<process>.log`. Dispatched by `switchboard up` (control_plane/cli.py); the
+children and their supervision are control_plane/supervisor.py.
 
 With ``--autoscale`` the launcher starts no shard itself: the control plane's autoscaler (local
 actuator) starts ``--min-replicas`` shards with the same engine flags, scales out to
@@ -24,11 +25,7 @@ import os
 import re
 import secrets
 import shlex
-import signal
-import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,13 +33,12 @@ import httpx
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from control_plane.supervisor import Child, Supervisor, wait_healthy
 from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV
 from data_plane.common.http_server import free_port
 from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
 from data_plane.common.settings_cli import parse_settings
 from data_plane.common.tls import TlsConfig, make_dev_pki
-
-RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 class UpSettings(BaseSettings):
@@ -93,64 +89,6 @@ class UpSettings(BaseSettings):
         if len(set(v)) != len(v):
             raise ValueError(f"zones listed twice: {v}")
         return v
-
-
-@dataclass
-class Child:
-    name: str
-    args: list[str]
-    url: str
-    log_path: Path
-    env: dict[str, str] = field(default_factory=dict)
-    health: str = "/health"
-    command: list[str] | None = None
-    """A foreign program (e.g. prometheus); default: `python -m control_plane.cli ARGS`."""
-    proc: subprocess.Popen[bytes] | None = None
-    restarts: int = 0
-    next_restart: float = 0.0
-
-    def start(self) -> None:
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            self.command or [sys.executable, "-m", "control_plane.cli", *self.args],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
-            start_new_session=True,  # we deliver signals ourselves, in order
-        )
-        log.close()
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.alive():
-            assert self.proc is not None
-            self.proc.send_signal(sig)
-
-
-def _wait_healthy(children: list[Child], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    pending = list(children)
-    while pending and time.monotonic() < deadline:
-        for child in list(pending):
-            if not child.alive():
-                raise SystemExit(f"switchboard up: {child.name} exited during start-up; see {child.log_path}:\n"
-                                 + _tail(child.log_path))
-            try:
-                if httpx.get(child.url + child.health, timeout=1.0).status_code == 200:
-                    pending.remove(child)
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.2)
-    if pending:
-        raise SystemExit(f"switchboard up: {', '.join(c.name for c in pending)} not healthy after {timeout:.0f} s "
-                         f"({what}); see {pending[0].log_path}:\n" + _tail(pending[0].log_path))
-
-
-def _tail(path: Path, n: int = 1500) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError:
-        return ""
 
 
 def _secret(path: Path, prefix: str) -> str:
@@ -300,49 +238,6 @@ def prometheus_child(s: UpSettings, state: Path, cp: Child) -> Child | None:
         f"--web.listen-address={s.host}:{s.prometheus_port}", "--storage.tsdb.retention.time=2d"])
 
 
-class Supervisor:
-    def __init__(self, children: list[Child]) -> None:
-        self.children = children
-        self.stopping = False
-
-    def run(self) -> None:
-        signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(signal.SIGTERM, self._on_signal)
-        while not self.stopping:
-            now = time.monotonic()
-            for child in self.children:
-                if self.stopping or child.alive():
-                    continue
-                if child.next_restart == 0.0:
-                    code = child.proc.returncode if child.proc else None
-                    delay = RESTART_BACKOFF_S[min(child.restarts, len(RESTART_BACKOFF_S) - 1)]
-                    print(f"[switchboard] {child.name} exited (code {code}); restarting in {delay:.0f} s "
-                          f"(log: {child.log_path})", flush=True)
-                    child.next_restart = now + delay
-                elif now >= child.next_restart:
-                    child.restarts += 1
-                    child.next_restart = 0.0
-                    child.start()
-                    print(f"[switchboard] {child.name} restarted (restart #{child.restarts})", flush=True)
-            time.sleep(0.5)
-        self.shutdown()
-
-    def _on_signal(self, signum: int, frame: object) -> None:
-        self.stopping = True
-
-    def shutdown(self) -> None:
-        print("\n[switchboard] stopping...", flush=True)
-        # Front door first, so no new work arrives; registry last, so members can deregister.
-        for child in reversed(self.children):
-            child.stop()
-            if child.proc is not None:
-                try:
-                    child.proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    child.stop(signal.SIGKILL)
-        print("[switchboard] stopped.", flush=True)
-
-
 def main(argv: list[str] | None = None) -> None:
     s = parse_settings(UpSettings, argv, prog="switchboard up")
     state = Path(s.state_dir).resolve()
@@ -376,14 +271,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[switchboard] starting control plane, {len(caches)} cache nodes, {len(shards)} shards, gateway...",
               flush=True)
         cp.start()
-        _wait_healthy([cp], 30, "control plane")
+        wait_healthy([cp], 30, "control plane")
         for c in caches + shards:
             c.start()
-        _wait_healthy(caches, 30, "cache nodes")
-        _wait_healthy(shards, 300, "loading the model")
+        wait_healthy(caches, 30, "cache nodes")
+        wait_healthy(shards, 300, "loading the model")
         for g in gateways:
             g.start()
-        _wait_healthy(gateways, 120, "gateway")
+        wait_healthy(gateways, 120, "gateway")
         if s.autoscale:
             print(f"[switchboard] the autoscaler starts {s.min_replicas} shard(s) (up to {s.max_replicas})...",
                   flush=True)
@@ -395,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
         extras = [c for c in (prometheus, console) if c is not None]
         for child in extras:
             child.start()
-        _wait_healthy(extras, 90, "prometheus / console")
+        wait_healthy(extras, 90, "prometheus / console")
     except BaseException:
         supervisor.shutdown()
         raise
