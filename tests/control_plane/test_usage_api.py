@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from data_plane.ledger.store import open_ledger_store
-from tests.data_plane.test_ledger import _record
+from tests.support.ledger import usage_record
 from tests.support.cluster import ADMIN_TOKEN
 from tests.support.procs import Service
 
@@ -30,10 +30,10 @@ def usage_cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service
     store.migrate()
     today = DAY * (int(time.time()) // DAY)
     records = [
-        _record(1, started_at=today + 60, tenant="acme", tier="plus", key_id="ka", prompt_tokens=10),
-        _record(2, started_at=today + 3600 + 60, tenant="acme", tier="free", key_id="kb", prompt_tokens=20,
+        usage_record(1, started_at=today + 60, tenant="acme", tier="plus", key_id="ka", prompt_tokens=10),
+        usage_record(2, started_at=today + 3600 + 60, tenant="acme", tier="free", key_id="kb", prompt_tokens=20,
                 status=429, error_code="rate_limit_exceeded"),
-        _record(3, started_at=today - DAY + 60, tenant="bigco", tier="enterprise", key_id="kc", prompt_tokens=40,
+        usage_record(3, started_at=today - DAY + 60, tenant="bigco", tier="enterprise", key_id="kc", prompt_tokens=40,
                 model="other"),
     ]
     store.insert_many([r.as_row() for r in records])

