@@ -14,7 +14,6 @@ in the lifespan; ``--state-dir`` persists the tier policy and the ladder across 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import sys
@@ -24,11 +23,10 @@ import httpx
 from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
-from pydantic import ValidationError
 
 from control_plane.scaling.actuators.local import LocalActuator
 from control_plane.admin.api import AdminContext, bearer_guard, build_admin_router
-from control_plane.scaling.loop import add_autoscaler_flags, build_autoscaler
+from control_plane.scaling.loop import build_autoscaler
 from control_plane.degradation import DegradationController, DegradationMetrics, ladder_config
 from control_plane.registry.consul import ConsulMembers
 from control_plane.policy_store import open_store
@@ -41,6 +39,7 @@ from control_plane.zones import ZoneMetrics, ZoneWatch, build_zones_router
 from data_plane.common.errors import install_error_handlers
 from data_plane.common.hop_auth import cluster_headers, guarded
 from data_plane.common.http_server import serve
+from data_plane.common.settings_cli import parse_settings as cli_settings
 from data_plane.ledger.store import default_usage_db
 from data_plane.ledger.store import open_ledger_store
 from data_plane.membership.consul import token_from_env
@@ -153,52 +152,9 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
 
 
 def parse_settings(argv: list[str] | None) -> ControlPlaneSettings:
-    parser = argparse.ArgumentParser(
-        prog="switchboard control-plane",
-        description="Run the control plane (membership registry, admin API). "
-        "Every flag also reads SWITCHBOARD_CONTROL_PLANE_<NAME>; the token reads " + ENV_ADMIN_TOKEN + ".",
-    )
-    parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="port (default 8300)")
-    parser.add_argument("--admin-token", help="bearer token for /admin/v1 (prefer the env variable)")
-    parser.add_argument("--cluster-token", help="bearer token members need to register (prefer "
-                        "SWITCHBOARD_CLUSTER_TOKEN)")
-    parser.add_argument("--services", help="comma-separated service names members may use")
-    parser.add_argument("--membership", help="consul://host:8500: members live in Consul (default: embedded)")
-    parser.add_argument("--reap-interval", dest="reap_interval_s", type=float, help="TTL check period, s")
-    parser.add_argument(
-        "--deregister-critical-after",
-        dest="deregister_critical_after_s",
-        type=float,
-        help="remove members critical this long, s (default 60)",
-    )
-    parser.add_argument("--max-wait", dest="max_wait_s", type=float, help="cap on blocking-query wait, s")
-    parser.add_argument("--warmup", dest="warmup_s", type=float, help="post-restart warm-up, s (default 3)")
-    parser.add_argument("--default-ttl", dest="default_ttl_s", type=float, help="TTL when none is given, s")
-    parser.add_argument("--shutdown-grace", dest="shutdown_grace_s", type=int, help="graceful shutdown, s")
-    parser.add_argument("--access-log", action="store_true", default=None, help="log every request")
-    parser.add_argument("--state-dir", help="persist tier policy and degradation level here (JSON)")
-    parser.add_argument("--tiers-file", help="YAML tier policy used when the state dir holds none")
-    parser.add_argument("--alertmanager", help="Alertmanager URL for /admin/v1/alerts")
-    parser.add_argument("--usage-db", help="usage ledger database for /admin/v1/usage (sqlite:///path, "
-                        "postgresql://..., off; default the gateway's default SQLite file)")
-    parser.add_argument("--degradation-interval", dest="degradation_interval_s", type=float,
-                        help="seconds between degradation-ladder evaluations (default 2)")
-    parser.add_argument("--degradation-raise-dwell", dest="degradation_raise_dwell_s", type=float,
-                        help="least seconds at a level before raising it (default 10)")
-    parser.add_argument("--degradation-lower-dwell", dest="degradation_lower_dwell_s", type=float,
-                        help="seconds of calm before lowering a level a windowed figure raised (default 30)")
-    parser.add_argument("--degradation-lower-dwell-gauge", dest="degradation_lower_dwell_gauge_s", type=float,
-                        help="seconds of calm before lowering a level a queue gauge or a pin raised (default 10)")
-    parser.add_argument("--degradation-raise-queue-time", dest="degradation_raise_queue_time_s", type=float,
-                        help="queue time p95 above which the ladder rises, with a queue (default 2)")
-    add_autoscaler_flags(parser)
-    args = parser.parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if v is not None}
-    try:
-        return ControlPlaneSettings(**overrides)
-    except ValidationError as exc:
-        parser.exit(2, f"switchboard control-plane: invalid settings\n{exc}\n")
+    """Flags, then ``SWITCHBOARD_CONTROL_PLANE_*`` (the tokens: SWITCHBOARD_ADMIN_TOKEN,
+    SWITCHBOARD_CLUSTER_TOKEN), then defaults (data_plane/common/settings_cli.py)."""
+    return cli_settings(ControlPlaneSettings, argv, prog="switchboard control-plane")
 
 
 def main(argv: list[str] | None = None) -> None:

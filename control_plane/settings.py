@@ -3,7 +3,7 @@
     settings = ControlPlaneSettings(port=8300, admin_token="s3cret")
     app = create_app(settings)
 
-Every field can be set by flag (see :func:`control_plane.app.main`) or by environment
+Every field can be set by flag (``--<field-name>``, data_plane/common/settings_cli.py) or by environment
 variable: ``SWITCHBOARD_CONTROL_PLANE_<FIELD>`` (e.g. ``SWITCHBOARD_CONTROL_PLANE_PORT=8300``),
 except the admin token, which every process that talks to the admin API shares as
 :data:`ENV_ADMIN_TOKEN`. Flags win over the environment, the environment over defaults.
@@ -12,7 +12,7 @@ except the admin token, which every process that talks to the admin API shares a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -23,17 +23,29 @@ from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV
 ENV_PREFIX = "SWITCHBOARD_CONTROL_PLANE_"
 """Prefix of the environment variables that configure the control plane."""
 ENV_ADMIN_TOKEN = "SWITCHBOARD_ADMIN_TOKEN"
+"""Bearer token that protects ``/admin/v1/...`` (shared with the admin console)."""
 ENV_CLUSTER_TOKEN = CLUSTER_TOKEN_ENV
 """Shared by the control plane and its members: registering and deregistering need it."""
-"""Bearer token that protects ``/admin/v1/...`` (shared with the admin console)."""
 
 DEFAULT_SERVICES = ("shard", "cache", "gateway")
 
 
 class ControlPlaneSettings(BaseSettings):
+    """Run the control plane: membership registry, admin API, degradation ladder, autoscaler."""
+
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, extra="ignore", populate_by_name=True, frozen=True
+        env_prefix=ENV_PREFIX, extra="ignore", populate_by_name=True, frozen=True, use_attribute_docstrings=True
     )
+    FLAG_ALIASES: ClassVar[dict[str, str]] = {
+        "--reap-interval": "reap_interval_s", "--deregister-critical-after": "deregister_critical_after_s",
+        "--max-wait": "max_wait_s", "--warmup": "warmup_s", "--default-ttl": "default_ttl_s",
+        "--shutdown-grace": "shutdown_grace_s", "--degradation-interval": "degradation_interval_s",
+        "--degradation-raise-dwell": "degradation_raise_dwell_s",
+        "--degradation-lower-dwell": "degradation_lower_dwell_s",
+        "--degradation-lower-dwell-gauge": "degradation_lower_dwell_gauge_s",
+        "--degradation-raise-queue-time": "degradation_raise_queue_time_s", "--signals-window": "signals_window_s",
+    }
+    """Deprecated flag spellings (before every flag was its field's name), kept working."""
 
     host: str = "127.0.0.1"
     """Address to bind; loopback unless told otherwise."""

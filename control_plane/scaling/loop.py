@@ -20,7 +20,6 @@ it differs from the previous one).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import itertools
@@ -314,43 +313,6 @@ __all__ = [
     "ACTIONS",
     "Autoscaler",
     "AutoscalerMetrics",
-    "add_autoscaler_flags",
     "build_autoscaler",
 ]
 
-
-def add_autoscaler_flags(parser: argparse.ArgumentParser) -> None:
-    """The signals/autoscaler/actuator flags of ``switchboard control-plane`` (fields of
-    :class:`~control_plane.settings.ControlPlaneSettings`; each also reads its env variable)."""
-    g = parser.add_argument_group("signals and autoscaling")
-    g.add_argument("--prometheus", metavar="URL", help="read signals from Prometheus instead of scraping")
-    g.add_argument("--signals-window", dest="signals_window_s", type=float, help="rate/p95 window, s (30)")
-    g.add_argument(
-        "--autoscale", action="store_true", default=None, help="run the autoscaler (off by default)"
-    )
-    g.add_argument(
-        "--actuator", choices=("local", "nomad", "kubernetes"), help="how to scale (default local)"
-    )
-    g.add_argument("--min-replicas", type=int, help="fewest shards (default 1)")
-    g.add_argument("--max-replicas", type=int, help="most shards (default 4)")
-    g.add_argument("--target-waiting-per-shard", type=float, help="queue per shard to size for (default 2)")
-    g.add_argument("--ttft-slo-s", type=float, help="TTFT p95 objective, s (default 2), held against TTFT beyond prefill")
-    g.add_argument("--target-queue-time-s", type=float, help="queue time p95 to size for, s (default 1)")
-    g.add_argument("--scale-up-cooldown-s", type=float, help="s after a scaling before scaling up (15)")
-    g.add_argument("--scale-down-cooldown-s", type=float, help="s after a scaling before scaling down (120)")
-    g.add_argument("--autoscale-interval-s", type=float, help="s between decisions (default 5)")
-    g.add_argument(
-        "--shard-args", help='local actuator: flags for the shards it starts, e.g. "--engine synthetic"'
-    )
-    g.add_argument("--shard-log-dir", help="local actuator: shard logs (default .switchboard/logs)")
-    g.add_argument("--drain-timeout-s", type=float, help="local actuator: longest drain before SIGTERM (30)")
-    g.add_argument("--nomad-addr", help="nomad actuator: API address (or NOMAD_ADDR)")
-    g.add_argument("--nomad-job", help="nomad actuator: job id (default switchboard)")
-    g.add_argument("--nomad-group", help="nomad actuator: shards' task group (default shard)")
-    g.add_argument("--nomad-namespace", help="nomad actuator: namespace")
-    g.add_argument("--nomad-region", help="nomad actuator: region")
-    g.add_argument(
-        "--kubeconfig", help="kubernetes actuator: kubeconfig (default in-cluster, then $KUBECONFIG)"
-    )
-    g.add_argument("--kube-namespace", help="kubernetes actuator: namespace")
-    g.add_argument("--kube-deployment", help="kubernetes actuator: shards' Deployment (switchboard-shard)")
