@@ -1,5 +1,8 @@
 """The degradation ladder's automatic rule: one reading of the signals -> hot, calm, hold or incomplete.
 
+Called by the degradation controller (control_plane/degradation.py) on every tick; pure, so its
+tests (tests/control_plane/test_degradation.py) drive it with built Signals.
+
     config = LadderConfig(ttft_slo_s=2.0)
     a = assess(signals, config)          # Assessment(verdict="hot", reasons=(...), causes=("queue_time",))
     config.lower_dwell_for(a.causes)     # how long calm must last before a step down

@@ -1,4 +1,8 @@
-"""Alerts: what is firing now, and what fired recently (as seen by this console)."""
+"""Alerts: what is firing now, and what fired recently (as seen by this console).
+
+A console page: Streamlit runs it from admin_ui/app.py's navigation (``PAGES``); it reads only the
+admin API (``ui.Console``) and draws what admin_ui/views/ computes.
+"""
 
 from __future__ import annotations
 

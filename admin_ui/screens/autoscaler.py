@@ -1,4 +1,8 @@
-"""Autoscaler: replicas over time against demand, and the decision log with inputs and reasons."""
+"""Autoscaler: replicas over time against demand, and the decision log with inputs and reasons.
+
+A console page: Streamlit runs it from admin_ui/app.py's navigation (``PAGES``); it reads only the
+admin API (``ui.Console``) and draws what admin_ui/views/ computes.
+"""
 
 from __future__ import annotations
 

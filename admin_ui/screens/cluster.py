@@ -1,4 +1,8 @@
-"""Cluster: every member with its health, load, KV usage and heartbeat; drain / undrain shards."""
+"""Cluster: every member with its health, load, KV usage and heartbeat; drain / undrain shards.
+
+A console page: Streamlit runs it from admin_ui/app.py's navigation (``PAGES``); it reads only the
+admin API (``ui.Console``) and draws what admin_ui/views/ computes.
+"""
 
 from __future__ import annotations
 

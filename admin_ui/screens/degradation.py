@@ -1,4 +1,8 @@
-"""Degradation: the ladder's level, why it is there, its history; pin a level or release it."""
+"""Degradation: the ladder's level, why it is there, its history; pin a level or release it.
+
+A console page: Streamlit runs it from admin_ui/app.py's navigation (``PAGES``); it reads only the
+admin API (``ui.Console``) and draws what admin_ui/views/ computes.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Overview: the platform's SLOs at a glance, with sparklines from the signal history."""
+"""Overview: the platform's SLOs at a glance, with sparklines from the signal history.
+
+A console page: Streamlit runs it from admin_ui/app.py's navigation (``PAGES``); it reads only the
+admin API (``ui.Console``) and draws what admin_ui/views/ computes.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Traces: recent requests (filter by tier, status, latency) and one trace's spans as a waterfall."""
+"""Traces: recent requests (filter by tier, status, latency) and one trace's spans as a waterfall.
+
+A console page: Streamlit runs it from admin_ui/app.py's navigation (``PAGES``); it reads only the
+admin API (``ui.Console``) and draws what admin_ui/views/ computes.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Traffic & tiers: per-tier demand, rejections and shedding; the tier policy as an editable table."""
+"""Traffic & tiers: per-tier demand, rejections and shedding; the tier policy as an editable table.
+
+A console page: Streamlit runs it from admin_ui/app.py's navigation (``PAGES``); it reads only the
+admin API (``ui.Console``) and draws what admin_ui/views/ computes.
+"""
 
 from __future__ import annotations
 

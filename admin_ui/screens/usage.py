@@ -1,4 +1,8 @@
-"""Usage: requests and tokens from the usage ledger, per tenant and per tier, with a CSV download."""
+"""Usage: requests and tokens from the usage ledger, per tenant and per tier, with a CSV download.
+
+A console page: Streamlit runs it from admin_ui/app.py's navigation (``PAGES``); it reads only the
+admin API (``ui.Console``) and draws what admin_ui/views/ computes.
+"""
 
 from __future__ import annotations
 

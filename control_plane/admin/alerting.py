@@ -1,6 +1,9 @@
 """Firing alerts for the admin API: from Alertmanager or Prometheus when configured, else a few
 built-in checks evaluated in-process, so a console without a monitoring stack still warns.
 
+Called by the admin API's ``GET /admin/v1/alerts`` (control_plane/admin/api.py), which the console's
+Alerts and Overview pages read.
+
     alerts = await fetch_alerts(http, alertmanager_url=None, prometheus_url="http://127.0.0.1:9090")
     alerts = builtin_alerts(members, warming_up=False, degradation=store.degradation, signals=latest)
 

@@ -1,5 +1,8 @@
 """What every benchmark shares: per-request results, percentiles, tables, machine facts.
 
+Imported by every `switchboard bench` subcommand's module in data_plane/bench/ (serve, engine,
+multiturn, tiers, overhead, route, ...), and by tests/data_plane/test_bench.py.
+
     results = await closed_loop(prompts, concurrency=4, one=send)   # list[RequestResult]
     ttft = summarize([r.ttft_s * 1000 for r in results if r.ok])    # {"mean", "median", "p99", ...}
     print(format_table(["system", "tok/s"], [["switchboard", "248.1"]]))

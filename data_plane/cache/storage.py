@@ -1,5 +1,8 @@
 """Where a cache node keeps transcripts: in process memory (LRU by bytes, TTL) or in Redis.
 
+Built and owned by the cache node (data_plane/cache/node.py) from its storage settings; nothing
+else reads or writes it.
+
     storage = MemoryStorage(max_bytes=256 << 20, on_evict=metrics.evicted)   # or
     storage = RedisStorage("redis://127.0.0.1:6379/0", prefix="switchboard:cache-0:session:")
     await storage.start()

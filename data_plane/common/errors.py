@@ -1,5 +1,8 @@
 """One error tree for the data plane, rendered in the OpenAI error shape.
 
+Raised by every component of both planes; ``install_error_handlers(app)`` renders them in every
+process's FastAPI app (gateway, shard, cache node, control plane), the gateway's chat path too.
+
     raise InvalidRequest("max_tokens must be >= 1", param="max_tokens")
 
 renders as HTTP 400 with::

@@ -1,5 +1,9 @@
 """Stopping a component's background tasks (watchers, sweepers, control loops) on close.
 
+Called from the ``aclose()`` of every component that owns a background task: membership watchers
+and agents, the cache storage sweeper, the ledger writer, the registry, the degradation ladder,
+the autoscaler loop, the zone watch, the local actuator.
+
     await stop_tasks(self._task)              # None is fine: nothing was started
     await stop_tasks(*self._drains.values())
 """

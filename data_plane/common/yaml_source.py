@@ -1,5 +1,8 @@
 """Policy files given as a path or inline: the tier and safety flags accept either.
 
+Called by the tier policy loader (data_plane/tiers.py) and the safety policy loader
+(data_plane/gateway/safety/pipeline.py).
+
     load_yaml(Path("tiers.yaml"))           # a file
     load_yaml("tiers.yaml")                 # a file (no newline, no ': ', no '{')
     load_yaml("free: {rpm: 60}")            # YAML text

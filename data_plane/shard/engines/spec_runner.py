@@ -1,5 +1,8 @@
 """The verification pass of speculative decoding: every decoding slot's last token plus its draft.
 
+Called by the speculative decode step (data_plane/shard/engines/torch_spec.py), on the scheduler
+thread, with the engine's loaded LlamaRunner.
+
     logits = verify(runner, rows=[[t0, d0, d1], [t1]], starts=[p0, p1])   # [4, vocab]
 
 Slot i (decoding slots are 0..n-1, as in `LlamaRunner.decode`) runs `rows[i]` at positions

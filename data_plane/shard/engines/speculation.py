@@ -1,5 +1,8 @@
 """N-gram (prompt-lookup) speculative decoding: drafting, adaptive draft length, acceptance.
 
+Used by the speculative decode step (data_plane/shard/engines/torch_spec.py); each sequence keeps
+its :class:`SeqSpec` in its ``SeqState`` (data_plane/shard/engines/torch_config.py).
+
     index = NgramIndex(min_n=2, max_n=4)
     draft = index.propose(prompt_ids + output_ids, k=4)    # up to 4 tokens that followed the tail before
     state = SeqSpec(max_k=4)
