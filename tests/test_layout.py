@@ -1,4 +1,5 @@
-"""The layout's import rules hold (pyproject.toml, [tool.importlinter]; the README's map of the code).
+"""The layout holds: the import rules (pyproject.toml, [tool.importlinter]; the README's map of the
+code), no module over 500 lines, every module with a docstring (STYLE.md; issue 17 item 5).
 
     .venv/bin/python -m pytest tests/test_layout.py -q        # ~5 s
     .venv/bin/lint-imports                                     # the same check, with the full report
@@ -8,6 +9,7 @@ A broken contract fails with the import chain that breaks it (module, line), as 
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -22,3 +24,26 @@ def test_import_contracts_are_kept() -> None:
     assert "Contracts:" in report, report  # it analysed the tree rather than failing to start
     assert out.returncode == 0, report
     assert " broken." in report and ", 0 broken." in report, report
+
+
+MAX_MODULE_LINES = 500
+"""STYLE.md: a module that passes ~500 lines wants splitting (issue 17 item 5)."""
+TREES = ("data_plane", "control_plane", "admin_ui", "dashboards")
+
+
+def _modules() -> list[Path]:
+    return sorted(p for tree in TREES for p in (ROOT / tree).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_no_module_is_over_500_lines() -> None:
+    sizes = {p.relative_to(ROOT).as_posix(): len(p.read_text(encoding="utf-8").splitlines()) for p in _modules()}
+    assert len(sizes) > 100, sorted(sizes)  # it found the tree
+    over = sorted((n, path) for path, n in sizes.items() if n > MAX_MODULE_LINES)
+    assert not over, "modules over %d lines (split them by what they do): %s" % (
+        MAX_MODULE_LINES, ", ".join(f"{path} ({n})" for n, path in reversed(over)))
+
+
+def test_every_module_has_a_docstring() -> None:
+    missing = [p.relative_to(ROOT).as_posix() for p in _modules()
+               if not ast.get_docstring(ast.parse(p.read_text(encoding="utf-8")))]
+    assert not missing, "modules without a docstring (say what it is for and who calls it): " + ", ".join(missing)
