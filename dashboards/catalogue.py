@@ -69,7 +69,7 @@ def _shard(registry: CollectorRegistry) -> list[object]:
     from data_plane.shard.metrics import ShardMetrics
 
     metrics = ShardMetrics(registry, model_name="catalogue")
-    return [metrics, metrics.spec, KVReportMetrics(registry, "catalogue")]
+    return [metrics, metrics.spec, metrics.kv_tier, KVReportMetrics(registry, "catalogue")]
 
 
 def _gateway(registry: CollectorRegistry) -> list[object]:
@@ -89,9 +89,10 @@ def _gateway(registry: CollectorRegistry) -> list[object]:
 
 
 def _cache_node(registry: CollectorRegistry) -> list[object]:
+    from data_plane.cache.kv_routes import KVNodeMetrics
     from data_plane.cache.node import CacheNodeMetrics
 
-    return [CacheNodeMetrics(registry)]
+    return [CacheNodeMetrics(registry), KVNodeMetrics(registry)]
 
 
 def _control_plane(registry: CollectorRegistry) -> list[object]:

@@ -155,6 +155,10 @@ class ChatCompletionRequest(BaseModel):
     deadline: float | None = None
     session_id: str | None = Field(default=None, max_length=128)
     cache_salt: str | None = Field(default=None, max_length=256)
+    kv_replicas: int | None = Field(default=None, ge=1, le=16)
+    """Cache nodes that keep this session's KV blocks (the tier's transcript replication)."""
+    kv_ttl_s: float | None = Field(default=None, gt=0, le=30 * 24 * 3600.0)
+    """Their TTL: the session's (the blocks expire with it)."""
     # vLLM-compatible continuation: the last (assistant) message is continued, not answered.
     continue_final_message: bool = False
     add_generation_prompt: bool = True

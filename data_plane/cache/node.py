@@ -43,6 +43,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from data_plane.cache.kv_routes import mount_kv
 from data_plane.cache.model import SECONDS_BUCKETS, Transcript, VersionConflict, validate_session_id
 from data_plane.cache.storage import ManagedStorage, MemoryStorage, RedisStorage
 from data_plane.common.errors import NotFound, SwitchboardError, install_error_handlers
@@ -89,6 +90,10 @@ class CacheNodeSettings(BaseSettings):
     """Default record TTL when a PUT leaves ``ttl_s`` null."""
     max_body_bytes: int = Field(4 * MiB, ge=1024, le=256 * MiB)
     """Largest accepted PUT body (413 beyond)."""
+    kv_max_bytes: int = Field(512 * MiB, ge=0, le=1 << 40)
+    """In-memory backend: bytes of KV blocks kept before LRU eviction (their own budget, data_plane/cache/kv_store.py)."""
+    kv_max_body_bytes: int = Field(64 * MiB, ge=1024, le=1 << 30)
+    """Largest accepted KV store body (413 beyond)."""
     node_id: str | None = None
     """Member id (default ``cache-<hostname>-<port>``)."""
     zone: str = Field(DEFAULT_ZONE, pattern=ZONE_PATTERN)
@@ -253,6 +258,8 @@ def create_app(
         async with contextlib.AsyncExitStack() as stack:
             await store.start()
             stack.push_async_callback(store.aclose)
+            await kv.store.start()
+            stack.push_async_callback(kv.store.aclose)
             if settings.membership or settings.registry_url:
                 await _register(settings, store, stack)
             log.info("cache node %s serving on %s (backend %s)", node_id, settings.url, store.backend)
@@ -268,6 +275,7 @@ def create_app(
     if cluster_token is None:
         log.warning("no cluster token (SWITCHBOARD_CLUSTER_TOKEN): anyone who reaches this port can read and "
                     "write session records (they are sealed by the gateway, but can be deleted)")
+    kv = mount_kv(app, settings, hop, node_id, registry)  # KV blocks: data_plane/cache/kv_routes.py
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -330,6 +338,7 @@ def create_app(
         with metrics.track("delete", request, node_id) as op:
             validate_session_id(session_id)
             deleted = await store.delete(session_id)
+            await kv.store.drop_session(session_id)  # its KV blocks go with it
             op.result = "hit" if deleted else "miss"
             return JSONResponse({"session_id": session_id, "deleted": deleted})
 

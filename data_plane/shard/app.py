@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from data_plane.shard.engines.base import Engine, GenerationOutput, GenerationRequest, SamplingParams
+from data_plane.shard.engines.base import Engine, GenerationOutput, GenerationRequest, KVSessionRef, SamplingParams
 from data_plane.common.errors import (
     ModelNotFound,
     Overloaded,
@@ -55,7 +55,8 @@ from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, DisconnectWatch
 from data_plane.common.http_body import read_body
 from data_plane.shard.kv_reports import KVReportMetrics, KVReports
 from data_plane.shard.metrics import MetricsListener, ShardMetrics
-from data_plane.common.hop_auth import cluster_token_from_env, guarded
+from data_plane.common.hop_auth import cluster_headers, cluster_token_from_env, guarded
+from data_plane.shard.kv_tier import KVTier, start_kv_tier
 from data_plane.common.tls import TlsConfig
 from data_plane.common.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
 
@@ -103,6 +104,14 @@ class ShardSettings(BaseSettings):
     spec_max_batch: int = Field(4, ge=1, le=256, description="No drafting while more sequences than this run.")
     kv_public_prefix: list[str] = Field(default_factory=list, description=(
         "System prompts the operator marks public: their KV is shared across tenants (JSON list)."))
+    kv_tier: Literal["on", "off"] = Field("on", description=(
+        "Keep sessions' KV blocks on the cache nodes and fetch missing prefixes from them when cheaper: on | off."))
+    kv_fetch_prior_mbps: float = Field(200.0, gt=0, le=1e6, description=(
+        "Assumed cache-node transfer rate in MB/s until one is measured (then learned online)."))
+    kv_prefill_prior_tok_s: float = Field(500.0, gt=0, le=1e7, description=(
+        "Assumed prefill speed in tokens/s until one is measured (then learned online)."))
+    kv_offload_queue_bytes: int = Field(256 << 20, ge=0, le=1 << 36, description=(
+        "KV of finished turns waiting to go to the cache nodes; beyond it new turns' blocks are dropped."))
 
     @field_validator("kv_public_prefix", mode="before")
     @classmethod
@@ -145,6 +154,7 @@ class ShardState:
         self.metrics = metrics
         self.ready = False
         self.load_error: str | None = None
+        self.kv_tier: KVTier | None = None
         self.started = int(time.time())
 
 
@@ -164,6 +174,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
 
         http = httpx.AsyncClient(timeout=5.0)
         agent = None
+        views: list[Any] = []
 
         async def load() -> None:
             nonlocal agent
@@ -188,9 +199,18 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
                           "max_model_len": str(engine.max_model_len), "zone": settings.zone,
                           **({KEEPALIVE_META: f"{settings.keepalive_s:g}"} if settings.keepalive_s else {})},
                 )
-                _, new_agent = membership_from_url(settings.membership or settings.registry_url or "", http, ())
+                view, new_agent = membership_from_url(settings.membership or settings.registry_url or "", http,
+                                                      ("cache",) if settings.kv_tier == "on" else ())
                 agent = new_agent(member, settings.registration_ttl_s)
                 await agent.start()
+                if settings.kv_tier == "on":  # KV blocks on the cache nodes: data_plane/shard/kv_tier.py
+                    await view.start()
+                    views.append(view)
+                    state.kv_tier = start_kv_tier(
+                        engine, metrics.kv_tier, view, http, zone=settings.zone,
+                        headers=cluster_headers(cluster_token_from_env()), prior_mbps=settings.kv_fetch_prior_mbps,
+                        prior_prefill_tok_s=settings.kv_prefill_prior_tok_s,
+                        max_pending_bytes=settings.kv_offload_queue_bytes)
 
         loader = asyncio.create_task(load(), name="shard-model-load")
         app.state.shard = state
@@ -200,6 +220,10 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
             loader.cancel()
             if agent is not None:
                 await agent.aclose()
+            if state.kv_tier is not None:
+                await state.kv_tier.aclose()
+            for view in views:
+                await view.aclose()
             await engine.aclose()
             await http.aclose()
 
@@ -263,6 +287,9 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
         })
         try:
             gen_req = _generation_request(req, engine, request_id, settings.kv_public_prefix)
+            if req.session_id and state.kv_tier is not None:  # blocks missing here may come from the cache nodes
+                gen_req.kv_session = KVSessionRef(req.session_id, req.kv_replicas or 1, req.kv_ttl_s)
+                await state.kv_tier.prepare(gen_req, span)
             outputs = engine.generate(gen_req)
         except SwitchboardError as exc:
             metrics.rejected.labels(metrics.model_name, exc.code or "error").inc()
@@ -369,6 +396,8 @@ class _Run:
             if last.timings:
                 t = last.timings
                 m.prefill_time.labels(name).observe(t.prefill_s)
+                if self.state.kv_tier is not None:  # learns this shard's prefill speed (fetch-or-recompute)
+                    self.state.kv_tier.observe_prefill(last.prompt_tokens - last.cached_tokens, t.prefill_s)
                 m.decode_time.labels(name).observe(t.decode_s)
                 span.add_event("queue", {"duration_s": t.queued_s})
                 span.add_event("prefill", {"duration_s": t.prefill_s})

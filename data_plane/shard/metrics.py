@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.common.telemetry import E2E_BUCKETS, LATENCY_BUCKETS
 from data_plane.shard.engines.base import EngineStats
+from data_plane.shard.kv_metrics import KVTierMetrics
 from data_plane.shard.spec_metrics import SpecMetrics
 
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
@@ -104,6 +105,7 @@ class ShardMetrics:
         for kind in ("prefill", "decode"):
             self.priority_yields.labels(model_name, kind)
         self.spec = SpecMetrics(registry, model_name)  # vllm:spec_decode_*, vllm:iteration_tokens_total
+        self.kv_tier = KVTierMetrics(registry, model_name)  # vllm:external_prefix_cache_*, vllm:kv_offload_*
 
     def observe_stats(self, stats: EngineStats) -> None:
         m = self.model_name

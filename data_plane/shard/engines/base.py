@@ -45,6 +45,16 @@ class SamplingParams:
         return self.temperature <= 1e-5 or self.top_k == 1
 
 
+@dataclass(frozen=True)
+class KVSessionRef:
+    """Where a session's KV blocks live on the cache nodes: placed by `session_id` like its
+    transcript, on `replicas` nodes (its tier's), expiring with it after `ttl_s` (None: the node's default)."""
+
+    session_id: str
+    replicas: int = 1
+    ttl_s: float | None = None
+
+
 @dataclass
 class GenerationRequest:
     request_id: str
@@ -59,6 +69,8 @@ class GenerationRequest:
     """Prefix-cache scope (the gateway sends the tenant): prompts reuse KV only within one salt."""
     public_prefix_tokens: int = 0
     """Leading prompt tokens the operator marked public: their KV is shared across salts."""
+    kv_session: KVSessionRef | None = None
+    """The conversation this turn belongs to: its new KV blocks go to the cache nodes (data_plane/shard/kv_tier.py)."""
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,9 @@ class PrefixCache:
     def used_blocks(self) -> int:
         return len(self._by_hash)
 
+    def has(self, block_hash: bytes) -> bool:
+        return block_hash in self._by_hash
+
     def probe(self, hashes: Sequence[bytes], max_blocks: int) -> int:
         """How many leading blocks of `hashes` (at most `max_blocks`) are cached."""
         n = 0
@@ -231,6 +234,34 @@ class PrefixCache:
                 self._refs[idx] += 1
             else:
                 self._lru[idx] = None
+        self.events.on_store(len(new))
+        return [i for _, i in new]
+
+    def insert(self, hashes: Sequence[bytes], kv: torch.Tensor) -> list[int]:
+        """Keep blocks that arrived from elsewhere (the cache nodes): block j of `hashes` is
+        ``kv[j]``, shaped ``[2, layers, kv_heads, block_size, head_dim]`` (K then V). Blocks already
+        cached are skipped; the new ones come back referenced (the caller releases them)."""
+        new: list[tuple[int, int]] = []
+        for j, h in enumerate(hashes):
+            if h in self._by_hash:
+                continue
+            idx = self._take()
+            if idx is None:
+                self.evictions[EVICT_NO_SPACE] += len(hashes) - j
+                self.events.on_evict(EVICT_NO_SPACE, len(hashes) - j)
+                break
+            self._by_hash[h] = idx
+            self._hash_of[idx] = h
+            self._refs[idx] += 1
+            new.append((j, idx))
+        if not new:
+            return []
+        src = torch.tensor([j for j, _ in new], dtype=torch.long)
+        dst = torch.tensor([i for _, i in new], dtype=torch.long)
+        for which, pool in enumerate((self.k_pool, self.v_pool)):
+            for layer in range(self.num_layers):
+                # kv[:, which, layer]: [n, kv_heads, bs, head_dim] -> the pool's [kv_heads, blocks, bs, head_dim]
+                pool[layer].index_copy_(1, dst, kv[:, which, layer].index_select(0, src).transpose(0, 1))
         self.events.on_store(len(new))
         return [i for _, i in new]
 

@@ -6,23 +6,51 @@
     hit = prefix.cached_tokens(hashes, len(prompt_ids))             # while admitting (no side effect)
     held = prefix.load(hashes, hit, slot)                           # copy-in, blocks referenced
     held += prefix.keep(hashes, hit, slot)                          # once the prompt is prefilled
-    prefix.finish(tokens_in_slot, salt, public, slot, hit, held)    # when the sequence ends
+    prefix.finish(tokens_in_slot, salt, public, slot, hit, held, req)  # when the sequence ends
 
-All of it runs on the engine's scheduler thread (data_plane/shard/engines/torch_engine.py); the cache itself,
-its addressing and why slots + copy-in are in data_plane/shard/engines/kv_cache.py.
+    prefix.offer(hashes[k:n], kv)      # any thread: blocks fetched from the cache nodes, [n-k, 2, L, H, bs, D]
+    prefix.remote = tier               # data_plane/shard/kv_tier.py: a finished session's new blocks go out
+
+All of it runs on the engine's scheduler thread (data_plane/shard/engines/torch_engine.py) except
+`offer`, which queues (under a lock) what the next admission's lookup inserts first, so a request
+enqueued after its blocks were offered always sees them. Offered blocks stay referenced until a
+request loads them (or for OFFER_HOLD_S), so a busy cache cannot evict them in between. The cache
+itself, its addressing and why slots + copy-in are in data_plane/shard/engines/kv_cache.py.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Sequence
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+import torch
 
 from data_plane.shard.engines.kv_cache import BlockHasher, CacheEvents, PrefixCache, auto_budget_bytes, layout_seed
 
 if TYPE_CHECKING:
+    from data_plane.shard.engines.base import GenerationRequest
     from data_plane.shard.engines.llama_runner import LlamaRunner
 
 log = logging.getLogger(__name__)
+
+OFFER_HOLD_S = 30.0
+"""How long blocks fetched for a request stay referenced waiting for it to be admitted."""
+
+
+class RemoteTier(Protocol):
+    """Where a finished session turn's new blocks go (data_plane/shard/kv_tier.py); called on the
+    scheduler thread, so both return at once."""
+
+    def stored_blocks(self, req: GenerationRequest, hashes: Sequence[bytes]) -> int | None:
+        """Leading blocks of `hashes` the cache nodes already hold for the request's session; None:
+        nothing goes out for this request."""
+        ...
+
+    def export(self, req: GenerationRequest, hashes: Sequence[bytes], first: int, kv: torch.Tensor) -> None:
+        """Send blocks ``first..`` of `hashes`; `kv` is ``[n, 2, layers, kv_heads, bs, head_dim]``."""
+        ...
 
 
 class SlotPrefix:
@@ -31,6 +59,23 @@ class SlotPrefix:
         self.cache = cache
         self.hasher = hasher
         self.block_size = cache.block_size
+        self.model_id = ""
+        self.dtype = ""
+        self.layout = ""
+        self.remote: RemoteTier | None = None
+        self._offers: list[tuple[list[bytes], torch.Tensor]] = []
+        self._offer_lock = threading.Lock()
+        self._offered: dict[bytes, tuple[int, float]] = {}  # hash -> (pool index held, since)
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """One block's KV on the wire: (K/V, layers, kv_heads, block_size, head_dim)."""
+        r = self._runner
+        return (2, r.num_layers, r.num_kv_heads, self.block_size, r.head_dim)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return self._runner.dtype
 
     @classmethod
     def build(cls, runner: LlamaRunner, *, model_id: str, dtype: str, block_size: int, budget_bytes: int,
@@ -44,20 +89,50 @@ class SlotPrefix:
                             events=CacheEvents(on_evict=on_evict))
         log.info("prefix cache: %d blocks of %d tokens (%.0f MiB budget)", cache.num_blocks, block_size,
                  cache.capacity_bytes / 2**20)
-        return cls(runner, cache, hasher)
+        prefix = cls(runner, cache, hasher)
+        prefix.model_id, prefix.dtype, prefix.layout = model_id, dtype, layout
+        return prefix
 
     def hashes(self, ids: Sequence[int], salt: str | None, public_tokens: int) -> list[bytes]:
         return self.hasher.hashes(ids, salt, public_tokens)
 
     def cached_tokens(self, hashes: Sequence[bytes], prompt_len: int) -> int:
         """Prompt tokens the cache holds, leaving at least one to compute (its logits start the reply)."""
+        if self._offers or self._offered:
+            self._take_offers()
         bs = self.block_size
         return bs * self.cache.probe(hashes, (prompt_len - 1) // bs)
 
     def load(self, hashes: Sequence[bytes], hit_tokens: int, slot: int) -> list[int]:
         held = self.cache.acquire(hashes[: hit_tokens // self.block_size])
         self.cache.load(held, self._runner.k_cache, self._runner.v_cache, slot)
+        if self._offered:  # the request's own references now keep what was offered for it
+            for h in hashes[: hit_tokens // self.block_size]:
+                got = self._offered.pop(h, None)
+                if got is not None:
+                    self.cache.release([got[0]])
         return held
+
+    def offer(self, hashes: list[bytes], kv: torch.Tensor) -> None:
+        """Blocks from the cache nodes for a request about to be enqueued (any thread)."""
+        with self._offer_lock:
+            self._offers.append((hashes, kv))
+
+    def _take_offers(self) -> None:
+        with self._offer_lock:
+            offers, self._offers = self._offers, []
+        now = time.monotonic()
+        for hashes, kv in offers:
+            fresh = [j for j, h in enumerate(hashes) if not self.cache.has(h)]
+            if not fresh:
+                continue
+            picked = [hashes[j] for j in fresh]
+            idxs = self.cache.insert(picked, kv if len(fresh) == len(hashes) else kv[torch.tensor(fresh)])
+            for h, idx in zip(picked, idxs):
+                self._offered[h] = (idx, now)
+        stale = [h for h, (_, since) in self._offered.items() if now - since > OFFER_HOLD_S]
+        for h in stale:
+            self.cache.release([self._offered.pop(h)[0]])
 
     def keep(self, hashes: Sequence[bytes], hit_tokens: int, slot: int) -> list[int]:
         """The prompt's new full blocks enter the cache, referenced (a concurrent request with the
@@ -66,10 +141,25 @@ class SlotPrefix:
                                 hit_tokens // self.block_size, hold=True)
 
     def finish(self, tokens: Sequence[int], salt: str | None, public_tokens: int, slot: int, hit_tokens: int,
-               held: Sequence[int]) -> None:
+               held: Sequence[int], req: Any = None) -> None:
         """Every full block of what the slot holds (prompt + output so far) is kept for the
-        conversation's next turn; then the sequence's references are released."""
+        conversation's next turn, and (with a remote tier and a session) the ones the cache nodes
+        lack are copied out for them; then the sequence's references are released."""
         if slot >= 0 and len(tokens) >= self.block_size:
-            self.cache.store(self.hashes(tokens, salt, public_tokens), self._runner.k_cache,
-                             self._runner.v_cache, slot, hit_tokens // self.block_size)
+            hashes = self.hashes(tokens, salt, public_tokens)
+            self.cache.store(hashes, self._runner.k_cache, self._runner.v_cache, slot, hit_tokens // self.block_size)
+            if self.remote is not None and req is not None:
+                first = self.remote.stored_blocks(req, hashes)
+                if first is not None and first < len(hashes):
+                    self.remote.export(req, hashes, first, self._copy_out(slot, first, len(hashes)))
         self.cache.release(held)
+
+    def _copy_out(self, slot: int, first: int, end: int) -> torch.Tensor:
+        """Blocks ``first..end`` of `slot` as ``[n, 2, layers, kv_heads, bs, head_dim]`` (a copy)."""
+        r, bs, n = self._runner, self.block_size, end - first
+        out = torch.empty((n, *self.block_shape), dtype=r.dtype)
+        for which, cache in enumerate((r.k_cache, r.v_cache)):
+            for layer in range(r.num_layers):
+                src = cache[layer][slot, :, first * bs : end * bs]  # [kv_heads, n*bs, head_dim]
+                out[:, which, layer].copy_(src.reshape(src.shape[0], n, bs, src.shape[2]).transpose(0, 1))
+        return out

@@ -94,7 +94,7 @@ class Stepper:
         if self.prefix is not None:
             tokens = (seq.req.prompt_ids + seq.output_ids)[: seq.length]
             self.prefix.finish(tokens, seq.req.cache_salt, seq.req.public_prefix_tokens, seq.slot, seq.cached,
-                               seq.held)
+                               seq.held, seq.req)
             seq.held = []
 
     def _decode_step(self) -> None:

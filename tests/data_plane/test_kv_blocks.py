@@ -1,0 +1,133 @@
+"""KV blocks on the cache nodes, the parts without a model: the wire format, the node's block store
+(LRU byte budget, session expiry, links), its HTTP API in process, the engine pool's insert, the
+fetch-or-recompute policy and the shard's verification of fetched frames."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from data_plane.cache.kv_store import MemoryKVStore
+from data_plane.cache.node import CacheNodeSettings, create_app
+from data_plane.kv_wire import (
+    BlockHeader,
+    KVWireError,
+    decode_frame,
+    encode_frame,
+    encode_put,
+    peek_hash,
+    split_frames,
+)
+from data_plane.shard.engines.kv_cache import PrefixCache
+from data_plane.shard.kv_tier import FetchPolicy
+
+SHAPE = (2, 2, 1, 4, 8)
+
+
+def header(h: bytes, dtype: str = "float32") -> BlockHeader:
+    return BlockHeader(h, "model-x", dtype, "llama.L2.kvh1.d8.bs4", SHAPE)
+
+
+def frame(i: int, size: int = 64) -> bytes:
+    return encode_frame(header(bytes([i]) * 16), bytes([i % 251]) * size)
+
+
+def test_frame_round_trip_and_every_way_it_is_refused() -> None:
+    f = frame(7)
+    h, payload = decode_frame(f)
+    assert h == header(bytes([7]) * 16) and bytes(payload) == bytes([7]) * 64
+    assert peek_hash(f) == bytes([7]) * 16
+    assert [bytes(x) for x in split_frames(f + frame(8))] == [f, frame(8)]
+    corrupt = bytearray(f)
+    corrupt[-3] ^= 0x10
+    with pytest.raises(KVWireError) as err:
+        decode_frame(bytes(corrupt))
+    assert err.value.reason == "checksum"
+    tampered = bytearray(f)
+    tampered[50] ^= 1  # inside the header's variable part (shape / names): covered by the checksum
+    with pytest.raises(KVWireError) as err:
+        decode_frame(bytes(tampered))
+    assert err.value.reason in ("checksum", "malformed")
+    with pytest.raises(KVWireError) as err:
+        decode_frame(f[:-1])
+    assert err.value.reason == "malformed"
+    assert not header(b"x" * 16, "bfloat16").same_kind(header(b"x" * 16))
+
+
+def test_store_keeps_its_byte_budget_and_sessions_expire_with_their_blocks() -> None:
+    now = [1000.0]
+    evicted: dict[str, int] = {}
+    size = len(frame(0))
+    store = MemoryKVStore(3 * size, on_evict=lambda r, n: evicted.__setitem__(r, evicted.get(r, 0) + n),
+                          clock=lambda: now[0])
+
+    async def go() -> None:
+        assert await store.put("s1", [frame(0), frame(1)], [], ttl_s=10) == 2
+        # s2 shares block 0 (a common system prompt): linked, not re-sent
+        assert await store.put("s2", [frame(2)], [bytes([0]) * 16], ttl_s=100) == 1
+        assert [peek_hash(f)[0] for f in await store.fetch([bytes([0]) * 16, bytes([1]) * 16])] == [0, 1]
+        assert await store.fetch([bytes([9]) * 16, bytes([0]) * 16]) == []  # the leading run only
+        await store.put("s3", [frame(3)], [], ttl_s=100)  # over budget: the least recently used goes
+        assert store.stats().bytes <= 3 * size and evicted == {"lru": 1}
+        assert await store.fetch([bytes([2]) * 16]) == []  # block 2 was least recently used
+        now[0] += 50  # s1 expires; block 0 is still linked by s2, block 1 only by s1
+        store.sweep()
+        assert [peek_hash(f)[0] for f in await store.fetch([bytes([0]) * 16])] == [0]
+        assert await store.fetch([bytes([1]) * 16]) == []
+        assert await store.drop_session("s2") == 1 and await store.fetch([bytes([0]) * 16]) == []
+        assert store.stats().sessions == 1
+
+    asyncio.run(go())
+
+
+def test_node_http_api_put_fetch_skip_and_session_delete_drops_blocks() -> None:
+    app = create_app(CacheNodeSettings(port=1, node_id="cache-t", kv_max_bytes=1 << 20))
+    with TestClient(app) as client:
+        body = encode_put([], [frame(1), frame(2), frame(3)])
+        r = client.put("/v1/kv/sessions/sess-1", content=body, params={"ttl_s": 60})
+        assert r.status_code == 200 and r.json() == {"stored": 3, "linked": 0}
+        hashes = b"".join(bytes([i]) * 16 for i in (1, 2, 3, 4))
+        r = client.post("/v1/kv/fetch", content=hashes, params={"skip": 1})
+        assert r.headers["x-kv-run"] == "3"
+        assert [peek_hash(f)[0] for f in split_frames(r.content)] == [2, 3]
+        assert client.put("/v1/kv/sessions/sess-1", content=b"junk").status_code == 400
+        assert client.post("/v1/kv/fetch", content=b"short").status_code == 400
+        metrics = client.get("/metrics").text
+        assert "switchboard_cache_kv_blocks 3.0" in metrics
+        r = client.put("/v1/sessions/sess-1", json={"owner": "o", "messages": [], "version": 1})
+        assert r.status_code == 200
+        assert client.delete("/v1/sessions/sess-1").status_code == 200  # the transcript and its KV
+        assert client.post("/v1/kv/fetch", content=hashes).headers["x-kv-run"] == "0"
+        assert 'switchboard_cache_kv_evictions_total{reason="session"} 3.0' in client.get("/metrics").text
+
+
+def test_pool_insert_serves_exactly_the_inserted_kv() -> None:
+    cache = PrefixCache(num_layers=2, kv_heads=1, head_dim=8, block_size=4, dtype=torch.float32,
+                        budget_bytes=3 * 2 * 2 * 4 * 8 * 4)
+    kv = torch.randn(2, *SHAPE)
+    held = cache.insert([b"a" * 16, b"b" * 16], kv)
+    assert len(held) == 2 and cache.probe([b"a" * 16, b"b" * 16], 2) == 2
+    k = [torch.zeros(1, 1, 8, 8) for _ in range(2)]
+    v = [torch.zeros(1, 1, 8, 8) for _ in range(2)]
+    cache.load(held, k, v, 0)
+    for layer in range(2):
+        for j in range(2):
+            assert torch.equal(k[layer][0, :, j * 4 : (j + 1) * 4], kv[j, 0, layer])
+            assert torch.equal(v[layer][0, :, j * 4 : (j + 1) * 4], kv[j, 1, layer])
+    cache.release(held)
+    assert cache.insert([b"a" * 16], kv[:1]) == []  # already cached: skipped
+
+
+def test_policy_learns_and_prices_both_ways() -> None:
+    p = FetchPolicy(prior_bytes_per_s=100e6, prior_prefill_tok_s=500)
+    fetch_s, prefill_s = p.estimate(160, 160 * 46_000)
+    assert fetch_s < prefill_s
+    for _ in range(20):  # a slow network, learned
+        p.observe_transfer(10 << 20, 10.0)
+    fetch_s, prefill_s = p.estimate(160, 160 * 46_000)
+    assert fetch_s > prefill_s
+    p.observe_prefill(10, 100.0)  # too small a sample: ignored
+    assert p.prefill_tok_s == 500

@@ -1,0 +1,242 @@
+"""KV blocks on the cache nodes, with real processes and the real model (float32, greedy):
+
+- the session's shard is killed: the next turn, on the other shard, fetches the conversation's KV
+  from the cache nodes (metrics and span events say fetched, not computed) and its output is the
+  same as a full recompute;
+- a corrupted stored block is never used (counted, recomputed, same output);
+- another tenant's identical prompt (even under the same session id) gets no hit;
+- a small cache-node budget evicts all the time and never serves a stale block;
+- cache nodes down: the turn recomputes and answers 200.
+
+One cluster for the module (control plane, two cache nodes with a small KV budget, two fp32
+shards, a gateway); each shard process loads the model once. The last test kills the cache nodes.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import pytest
+
+from tests.support.chat import chat
+from tests.support.cluster import Cluster
+from tests.support.metrics import metric
+from tests.support.procs import CLUSTER_HEADERS, Service
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16
+FRAME_BYTES = 2 * 30 * 3 * BLOCK * 64 * 4 + 128  # one fp32 SmolLM2 block on the wire, header included
+KV_BUDGET_BLOCKS = 48
+MAX_TOKENS = 24
+SALT = "tenant:acme"  # what the gateway sends for the test keys' tenant
+STORY = ("Tell me, in plain words, how a bicycle's gears, chain and derailleur work together when a rider "
+         "climbs a steep hill, and why the cassette has so many sprockets. ")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(shards=2, caches=2, engine="torch",
+                shard_args=["--dtype", "float32", "--max-num-seqs", "4", "--speculation", "off"])
+    for cache in c.caches:
+        cache.env["SWITCHBOARD_CACHE_KV_MAX_BYTES"] = str(KV_BUDGET_BLOCKS * FRAME_BYTES)
+    c.start()
+    yield c
+    c.stop()
+
+
+def total(url: str, name: str, **labels: str) -> float:
+    try:
+        return metric(url, name, **labels)
+    except (AssertionError, KeyError, StopIteration, ValueError):
+        return 0.0
+
+
+def direct(shard: Service, messages: list[dict[str, str]], *, session: str | None, salt: str,
+           replicas: int = 2) -> dict:
+    """One greedy turn sent straight to a shard, as the gateway would send it."""
+    body: dict = {"messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS, "cache_salt": salt,
+                  "request_id": uuid.uuid4().hex}
+    if session:
+        body.update(session_id=session, kv_replicas=replicas, kv_ttl_s=600)
+    r = httpx.post(shard.url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return {**r.json(), "request_id": body["request_id"]}
+
+
+def reference(shard: Service, messages: list[dict[str, str]]) -> str:
+    """The same turn computed from scratch (a fresh salt: nothing cached can match, no session)."""
+    return direct(shard, messages, session=None, salt=uuid.uuid4().hex)["choices"][0]["message"]["content"]
+
+
+def fresh() -> tuple[str, str]:
+    """A new session id and tenant salt: nothing any earlier test left in a prefix cache can match."""
+    return "sess_" + uuid.uuid4().hex, "tenant:" + uuid.uuid4().hex
+
+
+def text(resp: dict) -> str:
+    return resp["choices"][0]["message"]["content"]
+
+
+def cached(resp: dict) -> int:
+    return resp["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def wait_offloaded(shard: Service, before: float, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while total(shard.url, "switchboard_shard_kv_offload_blocks_total", result="stored") <= before:
+        assert time.monotonic() < deadline, "the turn's KV blocks never reached the cache nodes"
+        time.sleep(0.2)
+
+
+def span_event(shard: Service, request_id: str, name: str) -> dict:
+    spans = httpx.get(shard.url + "/debug/spans", headers=CLUSTER_HEADERS).json()
+    span = next(s for s in spans if s["name"] == "shard.generate"
+                and s["attributes"].get("switchboard.request_id") == request_id)
+    return next(e for e in span["events"] if e["name"] == name)["attributes"]
+
+
+def two_turns(a: Service, content: str, session: str, salt: str) -> tuple[list[dict[str, str]], dict]:
+    """Turn 1 on shard `a` (its blocks go to the cache nodes); the messages of turn 2."""
+    stored = total(a.url, "switchboard_shard_kv_offload_blocks_total", result="stored")
+    t1 = [{"role": "user", "content": content}]
+    r1 = direct(a, t1, session=session, salt=salt)
+    wait_offloaded(a, stored)
+    return t1 + [{"role": "assistant", "content": text(r1)}, {"role": "user", "content": "And when going downhill?"}], r1
+
+
+def test_killed_shard_next_turn_fetches_kv_from_the_cache_nodes(cluster: Cluster) -> None:
+    gw = cluster.gateway.url
+    done = {s.url: total(s.url, "vllm:request_success_total", finished_reason="length")
+            + total(s.url, "vllm:request_success_total", finished_reason="stop") for s in cluster.shards}
+    r1 = chat(gw, "plus", STORY * 3, headers={"X-Session-Id": "new"}, temperature=0, max_tokens=MAX_TOKENS,
+              timeout=300)
+    assert r1.status_code == 200, r1.text
+    session = r1.headers["x-session-id"]
+    owner = next(s for s in cluster.shards if total(s.url, "vllm:request_success_total", finished_reason="length")
+                 + total(s.url, "vllm:request_success_total", finished_reason="stop") > done[s.url])
+    other = next(s for s in cluster.shards if s is not owner)
+    wait_offloaded(owner, 0)
+    assert sum(total(c.url, "switchboard_cache_kv_blocks") for c in cluster.caches) > 0
+    owner.kill()
+    cluster.wait_members(1, 2)
+
+    before = {n: total(other.url, n) for n in ("vllm:external_prefix_cache_hits_total",
+                                                 "vllm:external_prefix_cache_queries_total")}
+    fetch_decisions = total(other.url, "switchboard_shard_kv_fetch_decisions_total", decision="fetch")
+    r2 = chat(gw, "plus", "And when going downhill?", headers={"X-Session-Id": session}, temperature=0,
+              max_tokens=MAX_TOKENS, timeout=300)
+    assert r2.status_code == 200, r2.text
+    fetched = total(other.url, "vllm:external_prefix_cache_hits_total") - before["vllm:external_prefix_cache_hits_total"]
+    assert fetched >= 4 * BLOCK  # the conversation's prefix came from the cache nodes
+    assert total(other.url, "switchboard_shard_kv_fetch_decisions_total", decision="fetch") == fetch_decisions + 1
+    usage = r2.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == fetched  # served, not computed
+    assert total(other.url, "switchboard_shard_kv_blocks_rejected_total", reason="checksum") == 0
+    # The same turn recomputed from scratch on the survivor gives the same greedy text.
+    messages = [{"role": "user", "content": STORY * 3},
+                {"role": "assistant", "content": r1.json()["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "And when going downhill?"}]
+    assert r2.json()["choices"][0]["message"]["content"] == reference(other, messages)
+    cluster.survivor = other  # type: ignore[attr-defined]
+
+
+def test_fetched_turn_span_events_say_fetched_not_computed(cluster: Cluster) -> None:
+    a = cluster.survivor  # type: ignore[attr-defined]
+    # A second shard again, so blocks can cross between shards for the remaining tests.
+    b = Service(["shard", "--engine", "torch", "--registry-url", cluster.registry, "--node-id", "shard-b",
+                 "--dtype", "float32", "--max-num-seqs", "4", "--speculation", "off"], ready_timeout=180).start()
+    cluster.other = b  # type: ignore[attr-defined]
+    cluster.extra = [b]  # type: ignore[attr-defined]
+    session, salt = fresh()
+    t2, _ = two_turns(a, STORY * 2 + "Be brief.", session, salt)
+    r2 = direct(b, t2, session=session, salt=salt)
+    event = span_event(b, r2["request_id"], "kv_fetch")
+    assert event["decision"] == "fetch" and event["result"] == "hit"
+    assert event["tokens_fetched"] == cached(r2) >= 4 * BLOCK and event["tokens_cached"] == 0
+    prefix = span_event(b, r2["request_id"], "prefix_cache")
+    assert prefix["tokens_cached"] == event["tokens_fetched"]
+    assert prefix["tokens_computed"] == r2["usage"]["prompt_tokens"] - cached(r2)
+    assert text(r2) == reference(b, t2)
+
+
+def test_corrupt_block_is_recomputed_and_counted(cluster: Cluster) -> None:
+    a, b = cluster.survivor, cluster.other  # type: ignore[attr-defined]
+    session, salt = fresh()
+    t2, _ = two_turns(a, STORY * 2 + "Answer as a mechanic.", session, salt)
+    corrupted = 0
+    for node in cluster.caches:  # flip one byte of the third block's payload on every replica
+        hashes = httpx.get(f"{node.url}/v1/kv/sessions/{session}", headers=CLUSTER_HEADERS).json()["blocks"]
+        if len(hashes) < 3:
+            continue
+        r = httpx.post(f"{node.url}/v1/kv/fetch", content=b"".join(bytes.fromhex(h) for h in hashes[2:3]),
+                       headers=CLUSTER_HEADERS)
+        frame = bytearray(r.content)
+        frame[-100] ^= 0x40
+        body = (b"SBKL" + (0).to_bytes(4, "little")) + bytes(frame)
+        assert httpx.put(f"{node.url}/v1/kv/sessions/{session}", content=body, headers=CLUSTER_HEADERS,
+                         params={"ttl_s": 600}).status_code == 200
+        corrupted += 1
+    assert corrupted
+    rejected = total(b.url, "switchboard_shard_kv_blocks_rejected_total", reason="checksum")
+    r2 = direct(b, t2, session=session, salt=salt)
+    assert total(b.url, "switchboard_shard_kv_blocks_rejected_total", reason="checksum") == rejected + 1
+    assert cached(r2) == 2 * BLOCK  # the two good blocks before it; the rest recomputed
+    assert text(r2) == reference(b, t2)
+
+
+def test_another_tenants_identical_prompt_gets_no_hit(cluster: Cluster) -> None:
+    a, b = cluster.survivor, cluster.other  # type: ignore[attr-defined]
+    session, salt = fresh()
+    t2, _ = two_turns(a, STORY * 2 + "One paragraph.", session, salt)
+    hits = total(b.url, "vllm:external_prefix_cache_hits_total")
+    r = direct(b, t2, session=session, salt="tenant:" + uuid.uuid4().hex)  # same session id, same prompt, other tenant
+    assert cached(r) == 0
+    assert total(b.url, "vllm:external_prefix_cache_hits_total") == hits
+
+
+def test_small_budget_evicts_and_never_serves_a_stale_block(cluster: Cluster) -> None:
+    a, b = cluster.survivor, cluster.other  # type: ignore[attr-defined]
+    evictions = sum(total(c.url, "switchboard_cache_kv_evictions_total", reason="lru") for c in cluster.caches)
+    turns = []
+    for i in range(5):  # ~11 blocks each on two replicas of a 48-block budget: older ones get evicted
+        session, salt = fresh()
+        t2, _ = two_turns(a, f"Question {i}: " + STORY * 3, session, salt)
+        turns.append((session, salt, t2))
+    assert sum(total(c.url, "switchboard_cache_kv_evictions_total", reason="lru")
+               for c in cluster.caches) > evictions
+    rejected = sum(total(b.url, "switchboard_shard_kv_blocks_rejected_total", reason=r) for r in
+                   ("checksum", "layout", "malformed"))
+    fetched_any = False
+    for session, salt, t2 in turns:
+        r2 = direct(b, t2, session=session, salt=salt)
+        fetched_any |= cached(r2) > 0
+        assert text(r2) == reference(b, t2)
+    assert fetched_any
+    assert sum(total(b.url, "switchboard_shard_kv_blocks_rejected_total", reason=r) for r in
+               ("checksum", "layout", "malformed")) == rejected
+
+
+def test_cache_nodes_down_means_recompute_not_an_error(cluster: Cluster) -> None:
+    a, b = cluster.survivor, cluster.other  # type: ignore[attr-defined]
+    session, salt = fresh()
+    t2, _ = two_turns(a, STORY + "Short answer.", session, salt)
+    def down() -> float:
+        return (total(b.url, "switchboard_shard_kv_fetches_total", result="unavailable")
+                + total(b.url, "switchboard_shard_kv_fetch_decisions_total", decision="no_cache_nodes"))
+
+    before = down()
+    for node in cluster.caches:
+        node.kill()
+    r2 = direct(b, t2, session=session, salt=salt)  # connection refused (or already out of membership)
+    assert cached(r2) == 0 and text(r2) == reference(b, t2)
+    assert down() == before + 1
+    time.sleep(3)  # membership drops them: no cache node to ask at all
+    r3 = direct(b, t2 + [{"role": "assistant", "content": text(r2)}, {"role": "user", "content": "Thanks."}],
+                session=session, salt=salt)
+    assert r3["choices"][0]["message"]["content"] is not None
+    assert total(b.url, "switchboard_shard_kv_fetch_decisions_total", decision="no_cache_nodes") >= 1
+    for extra in getattr(cluster, "extra", []):
+        extra.stop()
