@@ -1,0 +1,212 @@
+"""Upstream supervision on its own (data_plane/routing/upstream.py), over a scripted hop pool:
+one retry on another shard before the first token, an error (the gateway's error event) after
+it, never a second retry, 4xx passed through, and a mid-stream resume that continues the text.
+
+    .venv/bin/python -m pytest tests/data_plane/test_upstream.py -q       # < 1 s
+
+The pool hands out scripted responses in call order, so the tests assert on which shard each
+attempt went to and how many attempts there were. No processes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from data_plane.common.errors import NoHealthyBackend, SwitchboardError, UpstreamError
+from data_plane.membership.view import Member, StaticMembership
+from data_plane.routing.hop_client import HopConnectError, HopDisconnected
+from data_plane.routing.router import Router, RouterMetrics
+from data_plane.routing.upstream import Delta, Finish, Upstream, UpstreamConfig, UsageEvent
+
+
+def token(text: str, completion: int | None = None) -> bytes:
+    chunk: dict[str, Any] = {"choices": [{"delta": {"content": text}}]}
+    if completion is not None:
+        chunk["usage"] = {"prompt_tokens": 7, "completion_tokens": completion}
+    return b"data: " + json.dumps(chunk).encode()
+
+
+FINISH = b'data: {"choices": [{"delta": {}, "finish_reason": "stop"}]}'
+USAGE = b'data: {"usage": {"prompt_tokens": 7, "completion_tokens": 3}}'
+ERROR_EVENT = b'data: {"error": {"message": "engine died", "type": "server_error", "param": null, "code": null}}'
+
+
+class Response:
+    """A HopResponse stand-in: `batches` are returned by successive lines() calls (an exception
+    in the list is raised instead); after the last, end of stream."""
+
+    def __init__(self, status: int = 200, batches: list[Any] | None = None, body: bytes = b"") -> None:
+        self.status = status
+        self._batches = list(batches or [])
+        self._body = body
+        self.closed = False
+
+    def header(self, name: bytes) -> bytes | None:
+        return None
+
+    async def read(self, deadline: float = 0.0) -> bytes:
+        return self._body
+
+    async def lines(self, timeout: float = 0.0) -> list[bytes]:
+        if not self._batches:
+            return []
+        item = self._batches.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def fail(self, error: Exception) -> None:
+        self._batches = [error]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Pool:
+    """Answers the n-th post with `script[n]` (a Response, or an exception to raise)."""
+
+    def __init__(self, *script: Response | BaseException) -> None:
+        self.script = list(script)
+        self.posts: list[tuple[str, dict[str, Any]]] = []
+
+    async def post(self, url: str, path: str, body: bytes, headers: dict[str, str] | None = None,
+                   timeout: float = 0.0) -> Response:
+        self.posts.append((url, json.loads(body)))
+        item = self.script.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+def upstream(pool: Pool, shards: int = 3, **config: Any) -> tuple[Upstream, CollectorRegistry]:
+    registry = CollectorRegistry()
+    members = [Member(f"s{i}", "shard", f"http://s{i}") for i in range(shards)]
+    router = Router(StaticMembership(members), RouterMetrics(registry), policy="least_loaded",
+                    rng=random.Random(3))
+    return Upstream(router, pool, UpstreamConfig(**config)), registry  # type: ignore[arg-type]
+
+
+def count(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "stream": True}
+
+
+async def drain(stream: Any) -> list[Any]:
+    return [e async for batch in stream.batches() for e in batch]
+
+
+# -- before the first token: one retry elsewhere ----------------------------------------------
+
+
+@pytest.mark.parametrize("failure, reason", [
+    (HopConnectError("refused"), "connect"),
+    (Response(503, body=b'{"error": {"message": "busy", "type": "server_error", "code": "overloaded"}}'),
+     "status_503"),
+    (Response(200, [HopDisconnected("reset")]), "transport"),
+    (Response(200, []), "empty_stream"),
+    (Response(200, [[ERROR_EVENT]]), "stream_error_before_first_token"),
+])
+async def test_a_failure_before_the_first_token_is_retried_once_on_another_shard(failure: Any, reason: str) -> None:
+    pool = Pool(failure, Response(200, [[token("Hello")], [FINISH]]))
+    up, registry = upstream(pool)
+    stream = await up.open(BODY, session_id=None)
+    (first_url, _), (second_url, _) = pool.posts
+    assert second_url != first_url and stream.member.url == second_url and stream.attempts == 2
+    assert await drain(stream) == [Delta("Hello"), Finish("stop")]
+    assert count(registry, "switchboard_router_retries_total", reason=reason) == 1
+    assert count(registry, "switchboard_router_upstream_failures_total", reason=reason) == 1
+
+
+async def test_a_second_failure_is_not_retried_again_and_the_last_error_is_raised() -> None:
+    busy = b'{"error": {"message": "busy", "type": "server_error", "code": "overloaded"}}'
+    pool = Pool(HopConnectError("refused"), Response(503, body=busy), Response(200, [[token("never")]]))
+    up, registry = upstream(pool, shards=3)
+    with pytest.raises(SwitchboardError) as raised:
+        await up.open(BODY, session_id=None)
+    assert len(pool.posts) == 2 and len({url for url, _ in pool.posts}) == 2  # the third shard is never asked
+    assert raised.value.code == "overloaded"
+    assert count(registry, "switchboard_router_retries_total", reason="connect") == 1
+    assert count(registry, "switchboard_router_retries_total", reason="status_503") == 0
+
+
+async def test_with_one_shard_a_failure_is_not_retried_on_the_same_shard() -> None:
+    pool = Pool(HopConnectError("refused"), Response(200, [[token("never")]]))
+    up, _ = upstream(pool, shards=1)
+    with pytest.raises(NoHealthyBackend):
+        await up.open(BODY, session_id=None)
+    assert len(pool.posts) == 1
+
+
+async def test_a_shards_4xx_is_the_requests_fault_passed_through_without_retry() -> None:
+    bad = b'{"error": {"message": "max_tokens too large", "type": "invalid_request_error", "code": "bad"}}'
+    pool = Pool(Response(400, body=bad), Response(200, [[token("never")]]))
+    up, registry = upstream(pool)
+    with pytest.raises(SwitchboardError) as raised:
+        await up.open(BODY, session_id=None)
+    assert raised.value.status == 400 and len(pool.posts) == 1
+    assert count(registry, "switchboard_router_upstream_failures_total", reason="status_400") == 0
+
+
+# -- after the first token: an error, no retry -----------------------------------------------
+
+
+async def test_a_stream_that_breaks_after_its_first_token_raises_and_is_not_retried() -> None:
+    pool = Pool(Response(200, [[token("Hel")], [token("lo")], HopDisconnected("reset")]),
+                Response(200, [[token("never")]]))
+    up, registry = upstream(pool)
+    stream = await up.open(BODY, session_id=None)
+    seen: list[Any] = []
+    with pytest.raises(UpstreamError):
+        async for batch in stream.batches():
+            seen += batch
+    assert seen == [Delta("Hel"), Delta("lo")] and len(pool.posts) == 1
+    assert count(registry, "switchboard_router_upstream_failures_total", reason="stream_broken") == 1
+    assert count(registry, "switchboard_router_retries_total", reason="stream_broken") == 0
+
+
+async def test_an_error_event_after_the_first_token_is_raised_after_the_tokens_before_it() -> None:
+    pool = Pool(Response(200, [[token("Hel")], [token("lo"), ERROR_EVENT, token("never")]]))
+    up, _ = upstream(pool)
+    stream = await up.open(BODY, session_id=None)
+    seen: list[Any] = []
+    with pytest.raises(SwitchboardError, match="engine died"):
+        async for batch in stream.batches():
+            seen += batch
+    assert seen == [Delta("Hel"), Delta("lo")] and len(pool.posts) == 1
+
+
+# -- resumable: mid-stream failover continues the text ---------------------------------------
+
+
+async def test_a_resumable_stream_continues_on_another_shard_with_the_text_so_far() -> None:
+    pool = Pool(Response(200, [[token("Hel", 1)], [token("lo", 2)], HopDisconnected("reset")]),
+                Response(200, [[token(" there", 1)], [FINISH], [USAGE]]))
+    up, registry = upstream(pool)
+    stream = await up.open_resumable(BODY, session_id=None)
+    events = await drain(stream)
+    assert events == [Delta("Hel", (7, 1)), Delta("lo", (7, 2)), Delta(" there", (7, 1)), Finish("stop"),
+                      UsageEvent(7, 5)]
+    (first_url, _), (second_url, resumed) = pool.posts
+    assert second_url != first_url and stream.resumes == 1
+    assert resumed["messages"][-1] == {"role": "assistant", "content": "Hello"}
+    assert resumed["continue_final_message"] is True and resumed["max_tokens"] == 10 - 2
+    assert count(registry, "switchboard_router_resumes_total", reason="upstream_error") == 1
+
+
+async def test_resumes_stop_at_the_configured_number() -> None:
+    def broken(text: str) -> Response:
+        return Response(200, [[token(text, 1)], HopDisconnected("reset")])
+
+    pool = Pool(broken("a"), broken("b"), broken("c"), Response(200, [[token("never")]]))
+    up, _ = upstream(pool, shards=4, resumes=2)
+    stream = await up.open_resumable(BODY, session_id=None)
+    with pytest.raises(UpstreamError):
+        await drain(stream)
+    assert len(pool.posts) == 3 and stream.resumes == 2
