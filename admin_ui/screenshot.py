@@ -1,5 +1,8 @@
 """Screenshots of the running console, taken by headless Chromium over the DevTools protocol.
 
+Run by hand against a running console to refresh the README's images in docs/img/;
+tests/admin_ui/test_browser.py reuses its Chromium launcher.
+
     python -m admin_ui.screenshot --url http://127.0.0.1:8501 --out docs/img
     python -m admin_ui.screenshot --url http://127.0.0.1:8501 --pages overview,cluster --width 1600
 

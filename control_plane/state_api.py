@@ -1,5 +1,8 @@
 """What the data plane reads from the control plane: the ladder's level and the tier policy.
 
+Mounted by the control plane (control_plane/app.py) as ``GET /v1/state``; every gateway watches it
+(data_plane/gateway/cluster_state.py).
+
     index = StateIndex()
     store.subscribe(index.bump)                      # every policy / ladder change wakes readers
     app.include_router(build_state_router(index, lambda: cluster_state_body(store, controller)))

@@ -1,5 +1,8 @@
 """The one tier policy: who is served first, how much, and how safely.
 
+Read by both planes: the gateway (auth, rate limits, admission, chat) serves by it; the control
+plane stores, validates and serves it (control_plane/policy_store.py, the admin API's ``/tiers``).
+
     policy = TierPolicy.default()                    # free / plus / enterprise
     policy = TierPolicy.from_yaml("tiers.yaml")      # or YAML text; ValueError names the bad field
     tier = policy.get(principal.tier)                # KeyError naming the known tiers

@@ -1,4 +1,8 @@
-"""Playground: send a chat to the gateway as a chosen tier's key, watch it stream, follow its trace."""
+"""Playground: send a chat to the gateway as a chosen tier's key, watch it stream, follow its trace.
+
+A console page: Streamlit runs it from admin_ui/app.py's navigation (``PAGES``); it talks to the
+gateway (admin_ui/client.py) and links the request's trace on the Traces page.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """Recent traces across processes, assembled from every process's ``/debug/spans`` ring.
 
+Called by the admin API's ``GET /admin/v1/traces`` (control_plane/admin/api.py), which the console's
+Traces page reads.
+
     spans, sources = await collect_spans(members, http)         # members' rings + this process's
     traces = assemble_traces(spans)                             # most recent first
     [t for t in traces if not is_housekeeping(t["root"])]       # drop heartbeats, scrapes, polls

@@ -1,5 +1,8 @@
 """The control plane on Consul: every member with its health, and desired state / policies in KV.
 
+Built by the control plane (control_plane/app.py) with ``--membership consul://...``, in place of the
+embedded registry.
+
     members = ConsulMembers("consul://127.0.0.1:8500")           # owns an httpx client unless given one
     await members.start()                                         # watches switchboard-{shard,cache,gateway}
     index, listed = members.snapshot()                            # same dicts as the embedded Registry's

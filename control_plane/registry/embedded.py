@@ -1,5 +1,8 @@
 """The embedded membership registry: members with TTL health checks, blocking queries.
 
+Built by the control plane (control_plane/app.py) unless ``--membership consul://``; members register
+through data_plane/membership/embedded.py.
+
     registry = Registry(services=("shard", "cache"), metrics=RegistryMetrics(CollectorRegistry()))
     await registry.start()                       # starts the reaper task
     registry.upsert("shard-1", service="shard", url="http://127.0.0.1:8101", meta={}, ttl_s=2.0)

@@ -1,5 +1,8 @@
 """API keys: who is calling, for which tenant, on which tier.
 
+Built once by the gateway (data_plane/gateway/app.py) from its keys file and environment; every
+request is authenticated against it. The dev launcher writes the development keys file.
+
     keys = KeyStore.merged(KeyStore.from_yaml("keys.yaml"), KeyStore.from_env("sk-a:acme:plus"))
     keys.validate_tiers(tier_policy.names())            # at startup: ValueError on unknown tiers
     principal = keys.authenticate(request.headers.get("authorization"))

@@ -1,6 +1,9 @@
 """Fair share between the tenants of a tier: a virtual token counter (VTC), as in Sheng et al.,
 "Fairness in Serving Large Language Models" (OSDI 2024).
 
+Owned by the gateway's admission queue (data_plane/gateway/admission.py), which asks it which
+tenant's request goes next within a tier.
+
     share = FairShare(AdmissionMetrics(registry).tenant_service, top_n=20)
     share.arrive("free", "acme", priority=2)        # a tenant's request joins the queue (lift, see below)
     share.charge("free", "acme", 300)               # tokens served: prompt + output (estimate at admission,

@@ -1,5 +1,7 @@
 """Gateway metrics: `switchboard_gateway_*`, labelled by tier and outcome (bounded labels only).
 
+Built once by the gateway (data_plane/gateway/app.py); the chat handler and the stream record into it.
+
     metrics = GatewayMetrics(CollectorRegistry())
     metrics.requests.labels(tier="free", status="200", code="ok").inc()
 """

@@ -1,5 +1,8 @@
 """Membership on Consul: the data plane's view and self-registration, over Consul's HTTP API.
 
+Built by data_plane/membership/factory.py for a ``consul://`` membership URL, in place of the embedded
+registry's client (data_plane/membership/embedded.py).
+
     view = ConsulMembership("consul://127.0.0.1:8500", http, services=("shard", "cache"))
     await view.start()                  # never raises; keeps the last list while Consul is unreachable
     view.members("shard")               # passing instances of `switchboard-shard`, sorted by id

@@ -1,5 +1,8 @@
 """Token-exact transcripts: a previous reply re-enters the prompt as the tokens the model generated.
 
+Owned by the torch engine (data_plane/shard/engines/torch_engine.py): it remembers each reply's
+tokens when a request ends and splices them into the next turn's prompt.
+
     memory = GeneratedTokens()
     memory.remember("tenant:acme", reply_text, output_ids)        # when a request ends (engine thread)
     ids, restored = memory.splice(messages, ids, "tenant:acme", engine.encode_chat)   # next turn

@@ -1,5 +1,8 @@
 """The ``kubernetes`` actuator: the ``scale`` subresource of the shards' Deployment.
 
+Built by ``build_actuator`` (control_plane/scaling/actuators/__init__.py) for ``--actuator kubernetes``;
+the autoscaler loop (control_plane/scaling/loop.py) calls it.
+
     actuator = KubernetesActuator.from_kubeconfig(namespace="switchboard", deployment="switchboard-shard")
     actuator = KubernetesActuator.in_cluster(deployment="switchboard-shard")   # service-account token
     await actuator.current()     # GET   /apis/apps/v1/namespaces/NS/deployments/NAME/scale -> spec.replicas

@@ -1,5 +1,8 @@
 """The ``nomad`` actuator: Nomad's job scale API, for a task group of shards.
 
+Built by ``build_actuator`` (control_plane/scaling/actuators/__init__.py) for ``--actuator nomad``;
+the autoscaler loop (control_plane/scaling/loop.py) calls it.
+
     actuator = NomadActuator(http, addr="http://127.0.0.1:4646", job="switchboard", group="shard")
     await actuator.current()              # GET  /v1/job/switchboard/scale -> TaskGroups.shard.Desired
     await actuator.scale_to(3, "waiting above target")

@@ -1,5 +1,8 @@
 """Input and output safety filters: a pipeline of pluggable filters per named policy.
 
+Built by the gateway (data_plane/gateway/app.py) from ``--safety-file`` (or the built-in policies);
+the chat handler checks input with it, the stream (data_plane/gateway/safety/stream.py) filters output.
+
     policies = SafetyPolicies.default()                  # or SafetyPolicies.from_yaml(path)
     policy = policies.get(tier.safety)
     raise_if_blocked(policy.check_input(m.text() for m in req.messages))   # 400, before any byte

@@ -1,5 +1,8 @@
 """A slot-based forward pass for Llama-family models over a fixed KV cache.
 
+Loaded by the torch engine (data_plane/shard/engines/torch_engine.py), which calls it on its
+scheduler thread only; the prefix cache and the speculative verify pass use its KV cache.
+
     runner = LlamaRunner.from_pretrained(path, dtype=torch.bfloat16, max_num_seqs=16, max_len=2048)
     logits = runner.prefill(slot=0, token_ids=[...], start=0)        # [vocab] for the last token
     logits = runner.decode(tokens=[t0, t1], positions=[p0, p1])      # rows = slots 0..n-1
