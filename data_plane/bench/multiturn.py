@@ -15,6 +15,9 @@ affinity (every full 16-token block the previous turn's slot held). Then through
 rate (one-shot prompts that each start with a unique system line), in interleaved rounds
 (off, on, on, off, ...) so machine drift lands on both alike: aggregate output tokens/s, on/off.
 
+`--systems affinity,kv_aware` compares the gateway's routing policies instead, across a scale-out
+mid-conversation (data_plane/bench/multiturn_routing.py).
+
 JSON rows carry `system`, `turn`, `history_tokens`, `ttft_p50_ms`, ...; `--png` plots TTFT p50
 against history length per system (matplotlib, the `test`/`sim` extra).
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import os
 import random
@@ -306,6 +310,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--throughput-requests", type=int, default=16, help="one-shot requests per throughput round")
     p.add_argument("--throughput-rounds", type=int, default=2, help="interleaved rounds (off,on / on,off ...)")
     p.add_argument("--startup-timeout", type=float, default=240.0)
+    p.add_argument("--join-after", type=int, default=3,
+                   help="routing systems (affinity,kv_aware): a second shard joins after this turn")
     p.add_argument("--json", help="write rows, throughput and summary here")
     p.add_argument("--png", help="plot TTFT p50 against history length here")
     return p.parse_args(argv)
@@ -314,8 +320,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if systems and set(systems) <= {"affinity", "kv_aware"}:  # KV-aware routing vs session hashing
+        # Imported by name: multiturn_routing builds on this module (no import cycle).
+        return importlib.import_module("data_plane.bench.multiturn_routing").run(args, systems)
     if not set(systems) <= {"on", "off"}:
-        raise SystemExit("--systems takes on and/or off")
+        raise SystemExit("--systems takes on and/or off, or routing policies affinity and/or kv_aware")
     logs = Path(tempfile.mkdtemp(prefix="sb-multiturn-"))
     stacks = {s: Stack(s, args, logs) for s in systems}
     machine = machine_info()
