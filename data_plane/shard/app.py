@@ -21,15 +21,13 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from opentelemetry.propagate import extract
 from prometheus_client import CollectorRegistry
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from data_plane.shard.engines.base import Engine, GenerationOutput, GenerationRequest, KVSessionRef, SamplingParams
 from data_plane.common.errors import (
@@ -38,10 +36,9 @@ from data_plane.common.errors import (
     SwitchboardError,
     install_error_handlers,
 )
-from data_plane.membership.factory import MEMBERSHIP_URL_PATTERN, membership_from_url
+from data_plane.membership.factory import membership_from_url
 from data_plane.common.kv_report import SINCE_HEADER
 from data_plane.common.keepalive import KEEPALIVE_COMMENT, KEEPALIVE_META, with_keepalives
-from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
 from data_plane.protocol import (
     ChatCompletionRequest,
     PromptTokensDetails,
@@ -55,6 +52,7 @@ from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, DisconnectWatch
 from data_plane.common.http_body import read_body
 from data_plane.shard.kv_reports import KVReportMetrics, KVReports
 from data_plane.shard.metrics import MetricsListener, ShardMetrics
+from data_plane.shard.settings import ShardSettings
 from data_plane.common.hop_auth import cluster_headers, cluster_token_from_env, guarded
 from data_plane.shard.kv_tier import KVTier, start_kv_tier
 from data_plane.common.tls import TlsConfig
@@ -62,61 +60,6 @@ from data_plane.common.telemetry import configure_process, fastapi_options, metr
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
-
-
-class ShardSettings(BaseSettings):
-    """An inference shard."""
-
-    model_config = SettingsConfigDict(env_prefix="SWITCHBOARD_SHARD_")
-
-    host: str = Field("127.0.0.1", description="Address to bind.")
-    port: int = Field(8101, ge=0, le=65535, description="TCP port to listen on.")
-    engine: Literal["torch", "synthetic", "vllm"] = Field("torch", description="Engine: torch | synthetic | vllm.")
-    model: str | None = Field(None, description="Local HF model folder or GGUF file (default SmolLM2-135M).")
-    dtype: Literal["bfloat16", "float32", "float16"] = Field(
-        "bfloat16", description="Weights/activations dtype: bfloat16 (fast) or float32 (batch-invariant)."
-    )
-    max_num_seqs: int = Field(16, ge=1, le=256, description="Sequences decoded together (KV slots).")
-    max_model_len: int = Field(2048, ge=16, le=131072, description="Context window (prompt + output).")
-    prefill_chunk: int = Field(256, ge=1, le=8192, description="Prompt tokens prefilled per scheduler step.")
-    max_waiting: int = Field(256, ge=1, le=100000, description="Waiting-queue bound (beyond: 503).")
-    threads: int = Field(0, ge=0, le=256, description="torch threads (0 = all cores).")
-    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body.")
-    registry_url: str | None = Field(None, description="Embedded registry URL to register with.")
-    membership: str | None = Field(None, pattern=MEMBERSHIP_URL_PATTERN,
-                                   description="Membership URL, e.g. consul://127.0.0.1:8500 (wins over --registry-url).")
-    node_id: str | None = Field(None, description="Member id (default shard-HOST-PORT).")
-    zone: str = Field(DEFAULT_ZONE, pattern=ZONE_PATTERN, description="Zone (failure domain) this shard runs in.")
-    keepalive_s: float = Field(0.5, ge=0, le=60, description=(
-        "Send an SSE keep-alive comment after this long without output, so gateways tell a slow shard from a "
-        "dead one in ~2 s (0 = never; announced in membership)."))
-    registration_ttl_s: float = Field(0.8, gt=0.1, le=300, description="Membership TTL; a dead shard leaves routing within it.")
-    advertise_url: str | None = Field(None, description="URL others use to reach this shard.")
-    synthetic_token_delay_ms: float = Field(0.0, ge=0, le=10000, description="Synthetic engine: delay per token.")
-    log_prompts: bool = Field(False, description="Log prompt and completion text (off by default).")
-    prefix_caching: Literal["on", "off"] = Field("on", description="Reuse cached KV of prompt prefixes: on | off.")
-    prefix_cache_bytes: int = Field(0, ge=0, le=1 << 40,
-                                    description="Prefix-cache byte budget (0 = auto: 1/16 of RAM, at most 1 GiB).")
-    kv_block_size: int = Field(16, ge=1, le=1024, description="Tokens per prefix-cache block (reuse granularity).")
-    speculation: Literal["ngram", "off"] = Field("ngram", description=(
-        "Speculative decoding: ngram (prompt-lookup drafts, verified in the decode pass) | off."))
-    num_speculative_tokens: int = Field(4, ge=1, le=16, description="Most draft tokens per sequence and step.")
-    spec_max_batch: int = Field(4, ge=1, le=256, description="No drafting while more sequences than this run.")
-    kv_public_prefix: list[str] = Field(default_factory=list, description=(
-        "System prompts the operator marks public: their KV is shared across tenants (JSON list)."))
-    kv_tier: Literal["on", "off"] = Field("on", description=(
-        "Keep sessions' KV blocks on the cache nodes and fetch missing prefixes from them when cheaper: on | off."))
-    kv_fetch_prior_mbps: float = Field(200.0, gt=0, le=1e6, description=(
-        "Assumed cache-node transfer rate in MB/s until one is measured (then learned online)."))
-    kv_prefill_prior_tok_s: float = Field(500.0, gt=0, le=1e7, description=(
-        "Assumed prefill speed in tokens/s until one is measured (then learned online)."))
-    kv_offload_queue_bytes: int = Field(256 << 20, ge=0, le=1 << 36, description=(
-        "KV of finished turns waiting to go to the cache nodes; beyond it new turns' blocks are dropped."))
-
-    @field_validator("kv_public_prefix", mode="before")
-    @classmethod
-    def _json_list(cls, v: Any) -> Any:
-        return json.loads(v) if isinstance(v, str) else v
 
 
 def build_engine(settings: ShardSettings, metrics: ShardMetrics | None) -> Engine:

@@ -485,7 +485,7 @@ def _parse_command(args: list[str]) -> Any:
     from data_plane.cache.node import parse_settings as cache_node
     from data_plane.gateway.app import GatewaySettings
     from data_plane.common.settings_cli import parse_settings
-    from data_plane.shard.app import ShardSettings
+    from data_plane.shard.settings import ShardSettings
 
     parsers = {
         "control-plane": control_plane,

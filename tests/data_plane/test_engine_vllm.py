@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 
 from data_plane.shard.engines.vllm_engine import vllm_command
-from data_plane.shard.app import ShardSettings
+from data_plane.shard.settings import ShardSettings
 
 
 def test_vllm_command_carries_shard_settings() -> None:

@@ -35,8 +35,8 @@ HEALTH_POLL_S = 1.0
 
 
 class ShardSettings(Protocol):
-    """What the sidecar reads of the shard's settings: data_plane/shard/app.py's ``ShardSettings``
-    has every one (declared here, not imported, so the engines never import the shard app)."""
+    """What the sidecar reads of the shard's settings: data_plane/shard/settings.py's ``ShardSettings``
+    has every one (declared here, not imported: the engines import nothing of the shard above them)."""
 
     @property
     def host(self) -> str: ...
