@@ -1,8 +1,10 @@
 """A shard's prefix-cache reports to routers (data_plane/shard/kv_reports.py): the chain id of each
-prompt, and the announced chains it has since evicted, read by the router's index. No processes."""
+prompt, and the announced chains it has since evicted, read by the router's index (and, slow: through
+real processes, a real shard's eviction makes the gateway forget the session's holder)."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from data_plane.common.kv_report import CHAIN_HEADER, EVICTED_HEADER, parse_chain, parse_evicted
@@ -75,3 +77,37 @@ def test_reports_stay_bounded_and_a_never_cached_chain_is_dropped_silently() -> 
     shard.headers(request(8), None)          # too short for a full block: no chain
     assert len(shard._announced) == 0 and shard.since(0) == []
     assert KVReports(lambda: None).headers(request(32), "0") == {}   # no prefix cache: no headers
+
+
+@pytest.mark.slow
+def test_a_real_shard_reports_an_evicted_session_prefix_and_the_gateway_forgets_it() -> None:
+    """Real processes: a bf16 shard whose prefix cache holds 12 blocks; a session's prompt is evicted
+    by other prompts, and the next response carries the report the gateway's kv_aware index reads."""
+    import time
+
+    import httpx
+
+    from tests.support.cluster import Cluster
+    from tests.support.metrics import metric
+
+    block_bytes = 2 * 30 * 3 * 16 * 64 * 2   # SmolLM2-135M, bf16: one 16-token block of K and V
+    with Cluster(shards=1, caches=1, engine="torch", shard_args=[
+            "--dtype", "bfloat16", "--prefix-cache-bytes", str(12 * block_bytes), "--speculation", "off"],
+            gateway_args=["--routing-policy", "kv_aware"]) as c:
+        url = c.gateway.url + "/v1/chat/completions"
+        auth = {"authorization": f"Bearer {c.keys['plus']}"}
+
+        def ask(words: str, session: str | None = None) -> httpx.Response:
+            headers = {**auth, **({"x-session-id": session} if session else {})}
+            r = httpx.post(url, headers=headers, timeout=120,
+                           json={"messages": [{"role": "user", "content": words}], "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            return r
+
+        ask("Tell me about rivers and the mountains they come from, briefly. " * 3, "new")
+        for i in range(3):   # other prompts fill the 12 blocks: the session's prefix is evicted
+            time.sleep(0.6)  # the shard checks its announced prefixes at most every 0.5 s
+            ask(f"Unrelated question number {i}: " + "lantern orchard bridge village candle " * 12)
+        shard = c.shards[0].url
+        assert metric(shard, "switchboard_shard_kv_evictions_reported_total") >= 1
+        assert metric(c.gateway.url, "switchboard_router_kv_forgotten_total") == 1
