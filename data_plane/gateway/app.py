@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
+from pydantic import AnyHttpUrl
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
@@ -63,7 +64,6 @@ from data_plane.gateway.ratelimit.limiter import (
     RateLimiter,
     RateLimitMetrics,
     build_limiter,
-    parse_tier_map,
 )
 from data_plane.routing.router import Router, RouterMetrics
 from data_plane.gateway.safety.pipeline import SafetyMetrics, SafetyPolicies
@@ -86,11 +86,8 @@ CHAT_OPENAPI: dict[str, Any] = {
 }
 
 
-def _static_members(urls: str | None, service: str) -> list[Member]:
-    out = []
-    for i, url in enumerate(u.strip() for u in (urls or "").split(",") if u.strip()):
-        out.append(Member(id=f"{service}-{i}", service=service, url=url.rstrip("/")))
-    return out
+def _static_members(urls: list[AnyHttpUrl], service: str) -> list[Member]:
+    return [Member(id=f"{service}-{i}", service=service, url=str(url).rstrip("/")) for i, url in enumerate(urls)]
 
 
 @dataclass
@@ -125,11 +122,10 @@ class Gateway:
         self.router_metrics = RouterMetrics(self.registry)
         s = self.settings
         self.limiter = build_limiter(s.ratelimit_backend, RateLimitMetrics(self.registry), redis_url=s.redis_url,
-                                     tier_rpm=parse_tier_map(s.tier_rpm, "--tier-rpm"),
-                                     tier_tpm=parse_tier_map(s.tier_tpm, "--tier-tpm"), known_tiers=self.tiers.names())
+                                     tier_rpm=s.tier_rpm, tier_tpm=s.tier_tpm, known_tiers=self.tiers.names())
         config = AdmissionConfig(max_inflight=s.max_inflight, inflight_per_slot=s.inflight_per_slot,
                                  reserve=s.admission_reserve, queue_size=s.queue_size, queue_timeout_s=s.queue_timeout_s,
-                                 queue_timeouts=parse_tier_map(s.queue_timeouts, "--queue-timeouts", float))
+                                 queue_timeouts=s.queue_timeouts)
         self.admission = Admission(AdmissionMetrics(self.registry), config, capacity=lambda: shard_capacity(
             [m.meta.get("max_num_seqs") for m in self.router.shards()] if self.router else [], config))
 

@@ -6,12 +6,14 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import AnyHttpUrl, Field, PositiveFloat, PositiveInt
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from data_plane.common.settings_cli import CommaList, TierMap
 from data_plane.membership.factory import MEMBERSHIP_URL_PATTERN
 from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
-from data_plane.gateway.ratelimit.limiter import TIER_INTS_PATTERN, TIER_SECONDS_PATTERN
 
 
 class GatewaySettings(BaseSettings):
@@ -25,8 +27,8 @@ class GatewaySettings(BaseSettings):
     membership: str | None = Field(None, pattern=MEMBERSHIP_URL_PATTERN,
                                    description="Membership URL, e.g. consul://127.0.0.1:8500 (wins over --registry-url).")
     control_plane_url: str | None = Field(None, description="Control plane URL for the degradation level and the hot tier policy (default: --registry-url).")
-    shard_urls: str | None = Field(None, description="Comma-separated shard URLs (static, instead of a registry).")
-    cache_urls: str | None = Field(None, description="Comma-separated cache-node URLs (static).")
+    shard_urls: CommaList[AnyHttpUrl] = Field(default_factory=list, description="Comma-separated shard URLs (static, instead of a registry).")
+    cache_urls: CommaList[AnyHttpUrl] = Field(default_factory=list, description="Comma-separated cache-node URLs (static).")
     keys_file: str | None = Field(None, description="YAML file of API keys -> tenant, tier.")
     api_keys: str | None = Field(None, description="Extra keys, 'key:tenant:tier,...' (env SWITCHBOARD_GATEWAY_API_KEYS).")
     tiers_file: str | None = Field(None, description="YAML tier policy (default: built-in free/plus/enterprise).")
@@ -46,7 +48,7 @@ class GatewaySettings(BaseSettings):
     resumes: int = Field(2, ge=0, le=5, description="Mid-stream failovers per request (resume on another shard).")
     eject_after: int = Field(3, ge=1, description="Consecutive failures that eject a shard.")
     eject_s: float = Field(5.0, gt=0, description="First ejection's duration (doubles on repeat).")
-    routing_policy: str = Field("affinity", description="affinity | least_loaded | kv_aware (KV holder vs ring, by cached tokens and load).")
+    routing_policy: Literal["affinity", "least_loaded", "kv_aware"] = Field("affinity", description="affinity | least_loaded | kv_aware (KV holder vs ring, by cached tokens and load).")
     bounded_load_epsilon: float = Field(0.25, ge=0, description="Affinity: no shard above (1+eps) x mean load.")
     log_prompts: bool = Field(False, description="Log prompt and completion text (off by default).")
     node_id: str | None = Field(None, description="Member id when registering (default gateway-HOST-PORT).")
@@ -54,16 +56,16 @@ class GatewaySettings(BaseSettings):
         "Zone (failure domain) this gateway runs in: it prefers shards and session replicas of its own zone."))
     zone_spill_slack: float = Field(0.25, ge=0, le=100, description=(
         "Route to other zones only when the local zone's mean load exceeds (1 + this) x theirs + 1 request."))
-    ratelimit_backend: str = Field("local", pattern="^(local|redis)$", description="Rate-limit state: local (one gateway) | redis (shared by all; fails open to local).")
+    ratelimit_backend: Literal["local", "redis"] = Field("local", description="Rate-limit state: local (one gateway) | redis (shared by all; fails open to local).")
     redis_url: str | None = Field(None, description="Redis URL for --ratelimit-backend redis, e.g. redis://127.0.0.1:6379/0.")
-    tier_rpm: str | None = Field(None, pattern=TIER_INTS_PATTERN, description="Aggregate RPM per tier over all its keys, e.g. 'free=600' (keys also keep their tier's own rpm).")
-    tier_tpm: str | None = Field(None, pattern=TIER_INTS_PATTERN, description="Aggregate TPM per tier over all its keys, e.g. 'free=200000'.")
+    tier_rpm: TierMap[PositiveInt] = Field(default_factory=dict, description="Aggregate RPM per tier over all its keys, e.g. 'free=600' (keys also keep their tier's own rpm).")
+    tier_tpm: TierMap[PositiveInt] = Field(default_factory=dict, description="Aggregate TPM per tier over all its keys, e.g. 'free=200000'.")
     max_inflight: int = Field(0, ge=0, description="Requests in flight to shards from this gateway (0 = shards' batch slots x --inflight-per-slot).")
     inflight_per_slot: float = Field(1.0, gt=0, le=16, description="In-flight requests per announced shard batch slot when --max-inflight is 0.")
     admission_reserve: float = Field(0.125, ge=0, lt=1, description="Share of in-flight capacity each priority level leaves to the levels above it.")
     queue_size: int = Field(512, ge=0, description="Most requests waiting for admission; beyond, the lowest tier's newest is shed (503).")
     queue_timeout_s: float = Field(5.0, gt=0, description="Admission-queue deadline of the tier shed first; the k-th shed level waits k times as long.")
-    queue_timeouts: str | None = Field(None, pattern=TIER_SECONDS_PATTERN, description="Per-tier admission-queue deadlines in seconds, e.g. 'free=2,enterprise=30'.")
+    queue_timeouts: TierMap[PositiveFloat] = Field(default_factory=dict, description="Per-tier admission-queue deadlines in seconds, e.g. 'free=2,enterprise=30'.")
     state_dir: str = Field(".switchboard", description="Folder for the gateway's local state (the usage ledger's spool and default SQLite file).")
     usage_db: str | None = Field(None, description="Usage ledger database: sqlite:///path (default STATE_DIR/usage.db), postgresql://..., or 'off'.")
     usage_spool_dir: str | None = Field(None, description="Usage spool folder, one per gateway (default STATE_DIR/ledger-spool/<node>-<pid>-<rand>; orphans are adopted).")

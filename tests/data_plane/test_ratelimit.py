@@ -22,7 +22,6 @@ from data_plane.gateway.ratelimit.limiter import (
     RateLimiter,
     RateLimitMetrics,
     format_reset,
-    parse_tier_map,
 )
 from data_plane.gateway.ratelimit.buckets import PERIOD_US, Backend, Bucket, LocalBackend, RedisBackend
 from data_plane.tiers import Tier
@@ -247,9 +246,15 @@ def test_reset_format_is_openais() -> None:
 
 
 def test_tier_maps_parse_and_refuse_nonsense() -> None:
-    assert parse_tier_map("free=600, plus=6000", "--tier-rpm") == {"free": 600, "plus": 6000}
-    assert parse_tier_map("free=2.5", "--queue-timeouts", float) == {"free": 2.5}
-    assert parse_tier_map(None, "--tier-rpm") == {}
+    """Typed settings fields (data_plane/common/settings_cli.py TierMap): a flag or env string is
+    split and typed by the model itself."""
+    from pydantic import ValidationError
+
+    from data_plane.gateway.settings import GatewaySettings
+
+    s = GatewaySettings(tier_rpm="free=600, plus=6000", queue_timeouts="free=2.5")
+    assert s.tier_rpm == {"free": 600, "plus": 6000} and s.queue_timeouts == {"free": 2.5}
+    assert GatewaySettings().tier_rpm == {}
     for bad in ("free", "free=0", "free=x", "=5"):
-        with pytest.raises(ValueError):
-            parse_tier_map(bad, "--tier-rpm")
+        with pytest.raises(ValidationError):
+            GatewaySettings(tier_rpm=bad)

@@ -46,7 +46,6 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -67,7 +66,6 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 KINDS = ("requests", "tokens")
-N = TypeVar("N", int, float)
 
 
 class RateLimitMetrics:
@@ -114,30 +112,6 @@ class Grant:
     token_buckets: list[Bucket]
     backend: Backend
     settled: bool = field(default=False)
-
-
-_ITEM = r"\s*[A-Za-z0-9][A-Za-z0-9_.-]*\s*=\s*{}\s*"
-TIER_INTS_PATTERN = "^({0})?(,{0})*$".format(_ITEM.format(r"[1-9][0-9]*"))
-"""A settings string of ``TIER=POSITIVE_INTEGER`` items, e.g. ``free=600,plus=6000``."""
-TIER_SECONDS_PATTERN = "^({0})?(,{0})*$".format(_ITEM.format(r"[0-9]*\.?[0-9]+"))
-"""A settings string of ``TIER=SECONDS`` items, e.g. ``free=2,enterprise=30.5``."""
-
-
-def parse_tier_map(text: str | None, what: str, number: Callable[[str], N] = int) -> dict[str, N]:
-    """``"free=600,plus=6000"`` -> ``{"free": 600, "plus": 6000}``; ValueError names the bad item."""
-    out: dict[str, N] = {}
-    for item in (text or "").split(","):
-        if not item.strip():
-            continue
-        name, sep, raw = item.partition("=")
-        try:
-            value = number(raw.strip())
-        except ValueError:
-            value = None
-        if not sep or not name.strip() or value is None or not value > 0:
-            raise ValueError(f"{what}: expected TIER=POSITIVE_NUMBER items, got {item.strip()!r}")
-        out[name.strip()] = value
-    return out
 
 
 class RateLimiter:

@@ -1,0 +1,72 @@
+"""Every flag of every process has help text, all from one mechanism (data_plane/common/settings_cli.py):
+gateway, shard, cache node, control plane and `switchboard up` build their parsers from their settings
+classes; deprecated spellings still parse into the same field."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tests.support.procs import switchboard
+
+
+def _settings_classes() -> dict[str, type]:
+    from control_plane.launcher import UpSettings
+    from control_plane.settings import ControlPlaneSettings
+    from data_plane.cache.node import CacheNodeSettings
+    from data_plane.gateway.settings import GatewaySettings
+    from data_plane.shard.app import ShardSettings
+
+    return {"gateway": GatewaySettings, "shard": ShardSettings, "cache-node": CacheNodeSettings,
+            "control-plane": ControlPlaneSettings, "up": UpSettings}
+
+
+@pytest.mark.parametrize("command", ["gateway", "shard", "cache-node", "control-plane", "up"])
+def test_every_flag_has_help_text(command: str) -> None:
+    from data_plane.common.settings_cli import build_parser
+
+    parser = build_parser(_settings_classes()[command], f"switchboard {command}")
+    flags = [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+    assert flags
+    missing = [a.option_strings[0] for a in flags
+               if not a.help or not a.help.split("[env")[0].strip()]
+    assert not missing, f"switchboard {command}: flags without help text: {missing}"
+
+
+def test_the_console_flags_have_help_text() -> None:
+    from admin_ui.settings import build_parser
+
+    actions = [a for a in build_parser()._actions if not isinstance(a, argparse._HelpAction)]
+    assert actions and all(a.help for a in actions)
+
+
+@pytest.mark.parametrize("command", ["control-plane", "cache-node", "gateway", "shard"])
+def test_help_runs(command: str) -> None:
+    shown = switchboard(command, "--help")
+    assert shown.returncode == 0, shown.stderr
+    assert "[env SWITCHBOARD_" in shown.stdout
+
+
+def test_deprecated_spellings_parse_into_the_same_field(capsys: pytest.CaptureFixture[str]) -> None:
+    from control_plane.app import parse_settings as control_plane
+    from data_plane.cache.node import parse_settings as cache_node
+
+    assert cache_node(["--registry", "http://127.0.0.1:8300"]).registry_url == "http://127.0.0.1:8300"
+    assert cache_node(["--registry-url", "http://127.0.0.1:8300"]).registry_url == "http://127.0.0.1:8300"
+    assert control_plane(["--warmup", "0", "--reap-interval", "0.5"]).warmup_s == 0
+    assert control_plane(["--warmup-s", "1.5"]).warmup_s == 1.5
+    assert "--warmup is deprecated; use --warmup-s" in capsys.readouterr().err
+
+
+def test_typed_fields_validate_once_at_parse_time(capsys: pytest.CaptureFixture[str]) -> None:
+    from data_plane.common.settings_cli import parse_settings
+    from data_plane.gateway.settings import GatewaySettings
+
+    s = parse_settings(GatewaySettings, ["--shard-urls", "http://127.0.0.1:8101,http://127.0.0.1:8102/",
+                                         "--tier-rpm", "free=600", "--routing-policy", "kv_aware"], prog="gw")
+    assert [str(u) for u in s.shard_urls] == ["http://127.0.0.1:8101/", "http://127.0.0.1:8102/"]
+    assert s.tier_rpm == {"free": 600} and s.routing_policy == "kv_aware"
+    with pytest.raises(SystemExit):
+        parse_settings(GatewaySettings, ["--tier-rpm", "free=0"], prog="gw")
+    assert "gw: --tier-rpm" in capsys.readouterr().err
