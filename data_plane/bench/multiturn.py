@@ -312,6 +312,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=240.0)
     p.add_argument("--join-after", type=int, default=3,
                    help="routing systems (affinity,kv_aware): a second shard joins after this turn")
+    p.add_argument("--shard-args", default="",
+                   help="routing systems: extra shard flags, e.g. '--kv-tier off' (a moved session recomputes)")
     p.add_argument("--json", help="write rows, throughput and summary here")
     p.add_argument("--png", help="plot TTFT p50 against history length here")
     return p.parse_args(argv)

@@ -2,7 +2,7 @@
 when the fleet grows mid-conversation.
 
     flock /tmp/sb-bench.lock switchboard bench multiturn --systems affinity,kv_aware \\
-        --conversations 4 --turns 8 --join-after 3 --json /tmp/mt-routing.json
+        --conversations 4 --turns 8 --join-after 3 --shard-args "--kv-tier off" --json /tmp/mt-routing.json
 
 Per system (the gateway's ``--routing-policy``) it starts a registry-backed stack on loopback —
 a control plane (embedded registry), one cache node, one torch shard on the real model
@@ -12,7 +12,9 @@ second shard starts and registers (scale-out); then the turns go on. Session has
 (``affinity``) moves about half the sessions to the new shard, where their whole history is
 prefilled again; ``kv_aware`` keeps each on the shard holding its KV (the ring's move is
 outweighed by the cached tokens). Rows as in bench multiturn, plus per system the first turn
-after the join (TTFT p50, hit rate) and the turns served by the new shard.
+after the join (TTFT p50, hit rate) and the turns served by the new shard. With KV blocks on the
+cache nodes (the shards' KV tier) a moved session fetches its prefix there, so the policies differ
+most with ``--shard-args "--kv-tier off"`` (a move recomputes the history).
 
 Called by data_plane/bench/multiturn.py (``main``) when ``--systems`` names routing policies.
 """
@@ -24,6 +26,7 @@ import asyncio
 import json
 import os
 import secrets
+import shlex
 import tempfile
 import time
 from pathlib import Path
@@ -64,7 +67,8 @@ class RoutingStack:
         return Proc(f"shard{i}-{policy}", switchboard_cmd(
             "shard", "--port", str(port), "--registry-url", self.control.url, "--node-id", f"shard-{i}",
             "--prefix-caching", "on", "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-            "--threads", str(args.threads)), port, "/health", logs, env=env)
+            "--threads", str(args.threads), *shlex.split(getattr(args, "shard_args", "") or "")), port, "/health",
+            logs, env=env)
 
     def start(self, timeout: float) -> None:
         self.control.start().wait_healthy(timeout)
