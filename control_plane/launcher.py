@@ -149,6 +149,8 @@ def plan(s: UpSettings, state: Path, admin_token: str,
         scaled_threads = max(1, (os.cpu_count() or 2) // s.max_replicas)
         cp.args += ["--autoscale", "--min-replicas", str(s.min_replicas), "--max-replicas", str(s.max_replicas),
                     "--shard-log-dir", str(logs), "--shard-args", shlex.join(_shard_flags(s, scaled_threads))]
+        if s.engine == "torch":  # a torch shard past the cores slows the others (the synthetic one uses none)
+            cp.args += ["--local-max-shards", str(max(s.min_replicas, (os.cpu_count() or 2) // scaled_threads))]
     caches = []
     for i in range(max(s.cache_nodes, len(zones))):
         port = s.cache_base_port + i if s.cache_base_port else free_port(host)

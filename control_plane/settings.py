@@ -136,6 +136,10 @@ class ControlPlaneSettings(BaseSettings):
     """Local actuator: where the shards it starts write their logs."""
     drain_timeout_s: float = Field(default=30.0, ge=0.0, le=3600.0)
     """Local actuator: longest wait for a drained shard to finish its requests before SIGTERM."""
+    local_max_shards: int = Field(default=0, ge=0, le=4096)
+    """Local actuator: most shard processes this host runs (0 = no cap); set it to cores / --threads, as
+    a shard beyond the cores slows every shard instead of adding capacity. A scale-out past it is
+    recorded with the outcome "capped"."""
     nomad_addr: str = Field(
         default="http://127.0.0.1:4646", validation_alias=AliasChoices("nomad_addr", "NOMAD_ADDR")
     )

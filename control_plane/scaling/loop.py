@@ -33,7 +33,7 @@ import httpx
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from control_plane.scaling.actuators import Actuator, ActuatorError, build_actuator
+from control_plane.scaling.actuators import Actuator, ActuatorCapped, ActuatorError, build_actuator
 from control_plane.scaling.policy import PolicyConfig, TargetTracking, policy_config
 from control_plane.signals.model import SignalSource
 from data_plane.common.tasks import stop_tasks
@@ -233,6 +233,8 @@ class Autoscaler:
                 try:
                     await self.actuator.scale_to(proposal.desired, proposal.reason)
                     outcome = "ok"
+                except ActuatorCapped as exc:
+                    outcome = f"capped: {exc}"
                 except ActuatorError as exc:
                     outcome = f"error: {exc}"
             entry = self._record(
@@ -255,8 +257,9 @@ class Autoscaler:
         last = self._log[-1] if self._log else None
         if (
             last is not None
-            and action in ("hold", "steady")
-            and (last.action, last.code, last.current, last.desired) == (action, code, current, desired)
+            and (action in ("hold", "steady") or outcome.startswith("capped"))
+            and (last.action, last.code, last.current, last.desired, last.outcome)
+            == (action, code, current, desired, outcome)
         ):
             last.repeats += 1
             last.last_at, last.reason, last.inputs = now, reason, inputs

@@ -6,7 +6,8 @@ capacity of two torch shards (slow; ~5 min; bounded; loopback only).
 The synthetic engine hides prefill (its TTFT does not depend on the prompt), which is how a ladder
 driven by raw TTFT shipped (docs/RELIABILITY.md G4). Here every figure comes from SmolLM2-135M in the
 torch engine: a control plane with ``--autoscale`` (local actuator, 2..3 shards of 4 slots, 1 thread
-each, prefix caching off so a long conversation prefills all of it), one cache node, one gateway.
+each, at most one per core: ``--local-max-shards``; prefix caching off so a long conversation
+prefills all of it), one cache node, one gateway.
 Rate limits are lifted (a tiers file) so what is measured is overload, not RPM.
 
 1. capacity: a closed loop of 8 clients (the two shards' slots) of the mix for CAPACITY_S; the
@@ -18,7 +19,8 @@ Rate limits are lifted (a tiers file) so what is measured is overload, not RPM.
 
 Pass: at 0.5x the level stays 0 and nothing is shed; at 2x free is shed (and more than plus, and
 enterprise never), enterprise TTFT p95 stays within ENTERPRISE_RATIO of its unloaded value, the
-autoscaler scales out (a ``scale_up`` decision that is not the min-replicas bound); level 0 after.
+autoscaler scales out (a ``scale_up`` decision that is not the min-replicas bound: carried out, or
+"capped" on a host with fewer cores than shards asked); level 0 after.
 The figures are printed as one JSON line (``overload_ramp``) for docs/RELIABILITY.md.
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import shlex
 import statistics
@@ -42,6 +45,10 @@ from tests.support.cluster import ADMIN_TOKEN
 from tests.support.procs import Service
 
 pytestmark = pytest.mark.slow
+
+HOST_SHARDS = max(2, os.cpu_count() or 2)
+"""One-thread shards this host holds: past its cores a third shard slows all three (on 2 cores it made
+enterprise TTFT p95 3.1x unloaded at 2x); the scale-out is then recorded with the outcome "capped"."""
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 CAPACITY_S = 25.0
@@ -189,6 +196,7 @@ def test_short_and_long_conversations_at_half_one_and_twice_capacity(tmp_path: P
                   "--degradation-lower-dwell", "20", "--degradation-lower-dwell-gauge", "5",
                   "--autoscale", "--min-replicas", "2", "--max-replicas", "3", "--autoscale-interval-s", "2",
                   "--scale-up-cooldown-s", "5", "--scale-down-cooldown-s", "30", "--shard-log-dir", str(tmp_path),
+                  "--local-max-shards", str(HOST_SHARDS),
                   "--shard-args", shlex.join(shard_args)])
     cache = Service(["cache-node", "--registry", cp.url, "--node-id", "cache-0"])
     keys = ",".join(f"{key}:{tier}-co:{tier}" for tier, key in KEYS.items())
@@ -230,7 +238,7 @@ def test_short_and_long_conversations_at_half_one_and_twice_capacity(tmp_path: P
         decisions = _get(cp, "/admin/v1/decisions")["decisions"]
         history = _get(cp, "/admin/v1/degradation")["history"]
         figures.update(load_s=round(t_end - t_load, 1), recovered_to_level_0_s=recovered_s,
-                       scale_ups=[(d["from"], d["to"], d["code"]) for d in decisions  # during the ramp
+                       scale_ups=[(d["from"], d["to"], d["code"], d["outcome"][:40]) for d in decisions  # the ramp
                                   if d["action"] == "scale_up" and d["code"] != "bounds"
                                   and d["last_at"] >= load_wall],
                        ladder=[(e["from"], e["to"], e["reason"][:80]) for e in history])

@@ -26,6 +26,11 @@ class ActuatorError(Exception):
     """Scaling could not be read or carried out (unreachable API, refused request, bad answer)."""
 
 
+class ActuatorCapped(ActuatorError):
+    """Scaled as far as the actuator can go, short of what was asked (the local actuator's host is
+    full: more shard processes than its cores would slow every shard instead of adding capacity)."""
+
+
 class Actuator(Protocol):
     """What the autoscaler drives. Called from its task, one call at a time."""
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from control_plane.scaling.actuators import ActuatorError
+from control_plane.scaling.actuators import ActuatorCapped, ActuatorError
 from data_plane.common.http_server import free_port
 from data_plane.common.tasks import stop_tasks
 
@@ -65,7 +65,9 @@ class LocalActuator:
         poll_interval_s: float = 0.2,
         python: str = sys.executable,
         admin_token: str | None = None,
+        max_shards: int = 0,
     ) -> None:
+        self._max_shards = max_shards
         self._registry_url = registry_url.rstrip("/")
         self._admin_token = admin_token
         self._http = http
@@ -92,6 +94,7 @@ class LocalActuator:
             host=host,
             log_dir=settings.shard_log_dir,
             drain_timeout_s=settings.drain_timeout_s,
+            max_shards=settings.local_max_shards,
             admin_token=settings.admin_token.get_secret_value() if settings.admin_token else None,
         )
 
@@ -105,6 +108,7 @@ class LocalActuator:
         if n < 0:
             raise ActuatorError(f"cannot scale to {n}")
         have = await self.current()
+        asked, n = n, min(n, self._max_shards) if self._max_shards else n
         if n > have:
             for _ in range(n - have):
                 await self._start(reason)
@@ -120,6 +124,8 @@ class LocalActuator:
                 self._drains[shard.id] = asyncio.create_task(
                     self._drain_and_stop(shard), name=f"local-actuator-drain:{shard.id}"
                 )
+        if asked > n:
+            raise ActuatorCapped(f"this host holds {n} shards (--local-max-shards); {asked} asked")
 
     async def aclose(self) -> None:
         """Stop every shard this actuator started (drains in progress are cut short)."""
