@@ -40,7 +40,8 @@ COLUMNS = {
     "prefix_hit_rate": st.column_config.ProgressColumn("KV reuse", min_value=0.0, max_value=1.0, format="percent",
                                                        help="Prefix-cache hit rate (prompt tokens) over the window"),
     "prefix_cache_mib": st.column_config.NumberColumn("KV kept", format="%.0f MiB",
-                                                      help="KV bytes the shard's prefix cache holds"),
+                                                      help="KV bytes the shard's prefix cache holds; for a cache node, the "
+                                                           "KV blocks it keeps for sessions (announced every 10 s)"),
     "ttft_p95_ms": st.column_config.NumberColumn("TTFT p95", format="%.0f ms"),
     "heartbeat_s": st.column_config.NumberColumn("Heartbeat", format="%.1f s ago"),
     "ttl_s": st.column_config.NumberColumn("TTL", format="%.1f s", help="Heartbeat TTL: critical after this long"),

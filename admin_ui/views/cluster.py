@@ -31,6 +31,8 @@ def members_frame(members: Sequence[Mapping[str, Any]], latest: Mapping[str, Any
         detail = ", ".join(f"{k}={meta[k]}" for k in ("model", "engine", "backend") if meta.get(k))
         hb = num(m.get("last_heartbeat"))
         kv_bytes = num(sig.get("prefix_cache_bytes"))
+        if kv_bytes is None and m.get("service") == "cache":  # a cache node's KV blocks, from its meta
+            kv_bytes = num(meta.get("kv_bytes"))
         rows.append({
             "member": m.get("id", "?"),
             "service": m.get("service", "?"),

@@ -15,6 +15,10 @@ affinity (every full 16-token block the previous turn's slot held). Then through
 rate (one-shot prompts that each start with a unique system line), in interleaved rounds
 (off, on, on, off, ...) so machine drift lands on both alike: aggregate output tokens/s, on/off.
 
+`--systems failover,failover-off` adds rows (c) and (c'): the session's shard killed mid-conversation,
+the next turn on another shard with its KV from the cache nodes, or recomputed
+(data_plane/bench/multiturn_failover.py; `--failover-turn`).
+
 `--systems affinity,kv_aware` compares the gateway's routing policies instead, across a scale-out
 mid-conversation (data_plane/bench/multiturn_routing.py).
 
@@ -29,113 +33,22 @@ import asyncio
 import importlib
 import json
 import os
-import random
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from data_plane.bench.common import fmt, format_table, machine_info, percentile, write_json
+from data_plane.bench.common import fmt, format_table, machine_info, write_json
+from data_plane.bench.multiturn_failover import FAILOVER_SYSTEMS, LABELS, run_failover
+from data_plane.bench.multiturn_turns import BENCH_KEY, BLOCK, SYSTEM_PROMPT, Turn, conversation, stream_turn, \
+    turn_rows, user_message, warm_up
 from data_plane.bench.overhead import Proc, switchboard_cmd
 from data_plane.common.http_server import free_port
 
-BENCH_KEY = "sk-bench-multiturn-0123456789"
-BLOCK = 16
-SYSTEM_PROMPT = "You are a patient assistant who helps people plan trips, cook and fix things at home."
-WORDS = ("river mountain kitchen bicycle window garden letter market station engine cloud harbour lantern "
-         "library orchard bridge village candle forest ladder pocket stone winter summer morning evening "
-         "journey recipe hammer pencil blanket mirror basket violin compass meadow castle tunnel island "
-         "valley desert").split()
-
-
-@dataclass
-class Turn:
-    conversation: int
-    turn: int
-    ttft_s: float | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    finish_reason: str | None = None
-    ideal_cached: int = 0
-    error: str | None = None
-
-
-def user_message(conversation: int, turn: int, tokens: int) -> str:
-    """About `tokens` tokens of plain words (~1.3 tokens a word), different per conversation and turn."""
-    rng = random.Random(conversation * 1000 + turn)
-    words = [rng.choice(WORDS) for _ in range(int(tokens / 1.3))]
-    return f"Question {turn + 1}: I keep thinking about " + " ".join(words) + ". What would you suggest?"
-
-
-async def stream_turn(http: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
-                      t: Turn) -> str | None:
-    """One streamed request; fills `t`; returns the session id the gateway answered with."""
-    sent = time.perf_counter()
-    async with http.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
-        if r.status_code != 200:
-            t.error = f"{r.status_code}: {(await r.aread())[:200]!r}"
-            return None
-        async for line in r.aiter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            event = json.loads(line[5:])
-            for choice in event.get("choices") or []:
-                if (choice.get("delta") or {}).get("content") and t.ttft_s is None:
-                    t.ttft_s = time.perf_counter() - sent
-                if choice.get("finish_reason"):
-                    t.finish_reason = choice["finish_reason"]
-            usage = event.get("usage")
-            if usage:
-                t.prompt_tokens, t.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
-                t.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        return r.headers.get("x-session-id")
-
-
-async def conversation(http: httpx.AsyncClient, url: str, c: int, args: argparse.Namespace) -> list[Turn]:
-    headers = {"authorization": f"Bearer {BENCH_KEY}", "x-session-id": "new"}
-    out: list[Turn] = []
-    prev: Turn | None = None
-    for i in range(args.turns):
-        messages = [{"role": "user", "content": user_message(c, i, args.user_tokens)}]
-        if i == 0:
-            messages.insert(0, {"role": "system", "content": SYSTEM_PROMPT})
-        body = {"messages": messages, "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
-        t = Turn(c, i)
-        session = await stream_turn(http, url, body, headers, t)
-        if prev is not None and prev.error is None:
-            held = prev.prompt_tokens + prev.completion_tokens - (prev.finish_reason == "length")
-            t.ideal_cached = min(held, t.prompt_tokens - 1) // BLOCK * BLOCK
-        out.append(t)
-        if t.error or not session:
-            break
-        headers["x-session-id"] = session
-        prev = t
-    return out
-
-
-def turn_rows(system: str, turns: list[Turn]) -> list[dict[str, Any]]:
-    rows = []
-    for i in sorted({t.turn for t in turns}):
-        ok = [t for t in turns if t.turn == i and t.error is None and t.ttft_s is not None]
-        if not ok:
-            continue
-        ttfts = [t.ttft_s * 1000 for t in ok if t.ttft_s is not None]
-        prompt = sum(t.prompt_tokens for t in ok)
-        rows.append({
-            "system": system, "turn": i, "conversations": len(ok),
-            "history_tokens": round(prompt / len(ok)),
-            "ttft_p50_ms": percentile(ttfts, 50), "ttft_p90_ms": percentile(ttfts, 90),
-            "prefill_tokens_computed": round(sum(t.prompt_tokens - t.cached_tokens for t in ok) / len(ok)),
-            "hit_rate": sum(t.cached_tokens for t in ok) / prompt if prompt else 0.0,
-            "ideal_hit_rate": sum(t.ideal_cached for t in ok) / prompt if prompt else 0.0,
-        })
-    return rows
-
+__all__ = ["BENCH_KEY", "BLOCK", "SYSTEM_PROMPT", "Turn", "conversation", "main", "stream_turn", "turn_rows",
+           "user_message"]  # the client side lives in multiturn_turns.py; re-exported for older importers
 
 async def throughput(http: httpx.AsyncClient, url: str, args: argparse.Namespace, round_no: int) -> dict[str, Any]:
     """Closed loop of --conversations workers over one-shot prompts that share no prefix."""
@@ -219,12 +132,7 @@ async def measure(args: argparse.Namespace, stacks: dict[str, Stack]) -> dict[st
     engine: dict[str, dict[str, float]] = {}
     async with httpx.AsyncClient(timeout=600) as http:
         for system, stack in stacks.items():  # warm-up: lazy imports, first kernels
-            t = Turn(-1, -1)
-            await stream_turn(http, stack.gateway.url, {"messages": [{"role": "user", "content": "Hello"}],
-                                                        "max_tokens": 4, "stream": True},
-                              {"authorization": f"Bearer {BENCH_KEY}"}, t)
-            if t.error:
-                raise RuntimeError(f"{system}: the stack does not answer: {t.error}")
+            await warm_up(http, stack.gateway.url, system)
         for system, stack in stacks.items():
             t0 = time.perf_counter()
             load0 = os.getloadavg()[0]
@@ -282,7 +190,7 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    labels = {"off": "(a) prefix caching off", "on": "(b) prefix caching on"}
+    labels = {"off": "(a) prefix caching off", "on": "(b) prefix caching on", **LABELS}
     for system in dict.fromkeys(r["system"] for r in rows):
         mine = sorted((r for r in rows if r["system"] == system), key=lambda r: r["history_tokens"])
         ax.plot([r["history_tokens"] for r in mine], [r["ttft_p50_ms"] / 1000 for r in mine], marker="o",
@@ -310,6 +218,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--throughput-requests", type=int, default=16, help="one-shot requests per throughput round")
     p.add_argument("--throughput-rounds", type=int, default=2, help="interleaved rounds (off,on / on,off ...)")
     p.add_argument("--startup-timeout", type=float, default=240.0)
+    p.add_argument("--failover-turn", type=int, default=None,
+                   help="failover systems: the session's shard is killed before this turn (default turns - 2)")
     p.add_argument("--join-after", type=int, default=3,
                    help="routing systems (affinity,kv_aware): a second shard joins after this turn")
     p.add_argument("--shard-args", default="",
@@ -325,19 +235,29 @@ def main(argv: list[str] | None = None) -> None:
     if systems and set(systems) <= {"affinity", "kv_aware"}:  # KV-aware routing vs session hashing
         # Imported by name: multiturn_routing builds on this module (no import cycle).
         return importlib.import_module("data_plane.bench.multiturn_routing").run(args, systems)
-    if not set(systems) <= {"on", "off"}:
-        raise SystemExit("--systems takes on and/or off, or routing policies affinity and/or kv_aware")
+    if not set(systems) <= {"on", "off", *FAILOVER_SYSTEMS}:
+        raise SystemExit("--systems takes on, off, failover and/or failover-off, or routing policies affinity "
+                         "and/or kv_aware")
     logs = Path(tempfile.mkdtemp(prefix="sb-multiturn-"))
-    stacks = {s: Stack(s, args, logs) for s in systems}
+    stacks = {s: Stack(s, args, logs) for s in systems if s in ("on", "off")}
     machine = machine_info()
+    result: dict[str, Any] = {"rows": [], "throughput": {}, "turns": {}, "engine": {}}
     try:
         for s in stacks.values():
             s.start(args.startup_timeout)
-        result = asyncio.run(measure(args, stacks))
+        if stacks:
+            result = asyncio.run(measure(args, stacks))
     finally:
         for s in stacks.values():
             s.stop()
     result["summary"] = summary(result)
+    failover = [s for s in systems if s in FAILOVER_SYSTEMS]
+    if failover:  # rows (c) / (c'): data_plane/bench/multiturn_failover.py
+        got = run_failover(args, failover, logs)
+        result["rows"] += got["rows"]
+        result["turns"].update(got["turns"])
+        result["failover"] = got["failover"]
+        result["summary"].update(got.get("summary", {}))
     result["machine"] = {**machine, "loadavg_end": list(os.getloadavg())}
     result["args"] = vars(args)
     headers = ["system", "turn", "history_tokens", "ttft_p50_ms", "ttft_p90_ms", "prefill_computed", "hit_rate",

@@ -20,6 +20,7 @@ token as the session API guards it. Block contents are never logged.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +94,22 @@ def build_kv_store(settings: Any, metrics: KVNodeMetrics) -> KVStore:
         return RedisKVStore(settings.redis, prefix)
     metrics.capacity.set(settings.kv_max_bytes)
     return MemoryKVStore(settings.kv_max_bytes, on_evict=metrics.evicted)
+
+
+ANNOUNCE_INTERVAL_S = 10.0
+"""How often a registered node puts its KV bytes (whole MiB) in its membership meta (``kv_bytes``):
+the console's Cluster page shows them; at most one re-registration per interval, only on change."""
+
+
+async def announce_kv_bytes(agent: Any, store: KVStore, interval_s: float = ANNOUNCE_INTERVAL_S) -> None:
+    """Keep ``kv_bytes`` in the node's membership meta (started by data_plane/cache/node.py)."""
+    last = None
+    while True:
+        mib = store.stats().bytes >> 20
+        if mib != last:
+            agent.set_meta(kv_bytes=str(mib << 20))
+            last = mib
+        await asyncio.sleep(interval_s)
 
 
 def mount_kv(app: FastAPI, settings: Any, hop: list[Any], node_id: str, registry: CollectorRegistry,

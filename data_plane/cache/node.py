@@ -26,6 +26,7 @@ a node only stores what it is given. Transcript contents are never logged.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import socket
@@ -43,12 +44,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from data_plane.cache.kv_routes import mount_kv
+from data_plane.cache.kv_routes import KVNode, announce_kv_bytes, mount_kv
 from data_plane.cache.model import SECONDS_BUCKETS, Transcript, VersionConflict, validate_session_id
 from data_plane.cache.storage import ManagedStorage, MemoryStorage, RedisStorage
 from data_plane.common.errors import NotFound, SwitchboardError, install_error_handlers
 from data_plane.common.http_body import read_json_body
 from data_plane.common.hop_auth import cluster_token_from_env, guarded, require_cluster_token
+from data_plane.common.tasks import stop_tasks
 from data_plane.common.http_server import serve
 from data_plane.common.settings_cli import parse_settings as cli_settings
 from data_plane.membership.factory import MEMBERSHIP_URL_PATTERN, membership_from_url
@@ -261,7 +263,7 @@ def create_app(
             await kv.store.start()
             stack.push_async_callback(kv.store.aclose)
             if settings.membership or settings.registry_url:
-                await _register(settings, store, stack)
+                await _register(settings, store, stack, kv)
             log.info("cache node %s serving on %s (backend %s)", node_id, settings.url, store.backend)
             yield
 
@@ -346,7 +348,7 @@ def create_app(
 
 
 async def _register(
-    settings: CacheNodeSettings, store: ManagedStorage, stack: contextlib.AsyncExitStack
+    settings: CacheNodeSettings, store: ManagedStorage, stack: contextlib.AsyncExitStack, kv: KVNode
 ) -> None:
     """Register as service ``cache``; the stack deregisters, then closes the client, on shutdown."""
     from data_plane.membership.view import Member
@@ -361,6 +363,8 @@ async def _register(
     agent = new_agent(member, settings.registration_ttl_s)
     await agent.start()
     stack.push_async_callback(agent.aclose)
+    announce = asyncio.create_task(announce_kv_bytes(agent, kv.store), name="cache-node-kv-announce")
+    stack.push_async_callback(stop_tasks, announce)
 
 
 # -- entry point ----------------------------------------------------------------------------

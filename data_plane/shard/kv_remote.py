@@ -13,14 +13,21 @@ data_plane/kv_wire.py; the node's side data_plane/cache/kv_routes.py.
 
 Failures never raise: a node that is down, slow or answers an error is skipped (logged, counted by
 the caller), and a fetch that no node answers is None (the shard recomputes).
+
+Fetches, which sit on the request path and carry tens of MB, go over a bare HTTP/1.1 exchange on
+an asyncio stream (:func:`post_raw`, TLS through ``ssl.create_default_context()`` like the hop
+client) rather than httpx: measured on loopback here, a 30 MB body took 191 ms through httpx and
+59 ms read with ``readexactly`` (curl: 39-53 ms). Stores, off the request path, use httpx.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Mapping, Sequence
+from urllib.parse import urlsplit
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,6 +43,51 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CACHE_SERVICE = "cache"
+MAX_FETCH_BODY = 1 << 30
+"""A fetch answer larger than this is refused (a node that misbehaves cannot exhaust memory)."""
+
+
+class RawHTTPError(Exception):
+    pass
+
+
+async def post_raw(url: str, path: str, body: bytes, headers: Mapping[str, str],
+                   timeout_s: float) -> tuple[int, dict[str, str], bytes]:
+    """POST `body` and read the whole answer: (status, lower-cased headers, body). One connection
+    per call (``connection: close``). Raises RawHTTPError, OSError or TimeoutError."""
+    parts = urlsplit(url)
+    tls = parts.scheme == "https"
+    host, port = parts.hostname or "127.0.0.1", parts.port or (443 if tls else 80)
+    async with asyncio.timeout(timeout_s):
+        reader, writer = await asyncio.open_connection(
+            host, port, ssl=ssl.create_default_context() if tls else None, server_hostname=host if tls else None)
+        try:
+            lines = [f"POST {path} HTTP/1.1", f"host: {parts.netloc}", f"content-length: {len(body)}",
+                     "connection: close", *(f"{k}: {v}" for k, v in headers.items())]
+            writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+            head = await reader.readuntil(b"\r\n\r\n")
+            status_line, *header_lines = head.decode("latin-1").split("\r\n")
+            try:
+                status = int(status_line.split(" ", 2)[1])
+            except (IndexError, ValueError):
+                raise RawHTTPError(f"bad status line {status_line[:40]!r}") from None
+            got = {}
+            for line in header_lines:
+                name, sep, value = line.partition(":")
+                if sep:
+                    got[name.strip().lower()] = value.strip()
+            if "chunked" in got.get("transfer-encoding", "").lower():
+                raise RawHTTPError("chunked answers are not expected from a cache node")
+            length = got.get("content-length")
+            if length is not None:
+                if not length.isdigit() or int(length) > MAX_FETCH_BODY:
+                    raise RawHTTPError("bad content-length")
+                data = await reader.readexactly(int(length))
+            else:
+                data = await reader.read(MAX_FETCH_BODY)
+            return status, got, data
+        finally:
+            writer.close()
 
 
 @dataclass(frozen=True)
@@ -107,21 +159,21 @@ class KVRemote:
         for member in self.replicas_for(session_id, replicas):
             started = time.perf_counter()
             try:
-                r = await self._http.post(f"{member.url}/v1/kv/fetch", content=b"".join(hashes),
-                                          params={"skip": str(skip)},
-                                          headers={**self._headers, "content-type": CONTENT_TYPE},
-                                          timeout=self._timeout_s)
-            except httpx.HTTPError as exc:
+                status, headers, body = await post_raw(
+                    member.url, f"/v1/kv/fetch?skip={skip}", b"".join(hashes),
+                    {**self._headers, "content-type": CONTENT_TYPE}, self._timeout_s)
+            except (OSError, TimeoutError, RawHTTPError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                    ssl.SSLError) as exc:
                 log.warning("cache node %s unreachable for a KV fetch: %s", member.id, type(exc).__name__)
                 continue
-            if r.status_code != 200:
-                log.warning("cache node %s answered a KV fetch with %d", member.id, r.status_code)
+            if status != 200:
+                log.warning("cache node %s answered a KV fetch with %d", member.id, status)
                 continue
             try:
-                run = int(r.headers.get("x-kv-run", "0"))
+                run = int(headers.get("x-kv-run", "0"))
             except ValueError:
                 run = 0
-            got = Fetched(run, r.content, member.id, time.perf_counter() - started)
+            got = Fetched(run, body, member.id, time.perf_counter() - started)
             if best is None or got.run > best.run:
                 best = got
             if got.run >= len(hashes):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
+
 from admin_ui.views.alerts import alert_rows
 from admin_ui.views.cluster import members_frame
 from admin_ui.views.signals import SignalsView, overview_tiles, split_signals
@@ -50,6 +52,13 @@ def test_a_shards_kv_reuse_and_bytes_in_the_cluster_table():
     assert row["prefix_hit_rate"] == 0.85 and row["prefix_cache_mib"] == 3.0
     never = members_frame(members, {"shards": [{"member_id": "shard-0"}]}, now=1.0).iloc[0]
     assert never["prefix_hit_rate"] is None and never["prefix_cache_mib"] is None
+
+
+def test_a_cache_nodes_kv_bytes_in_the_cluster_table():
+    members = [{"id": "cache-0", "service": "cache", "status": "passing", "meta": {"kv_bytes": str(5 * 2**20)}},
+               {"id": "cache-1", "service": "cache", "status": "passing", "meta": {}}]
+    rows = members_frame(members, None, now=1.0)
+    assert rows["prefix_cache_mib"][0] == 5.0 and pd.isna(rows["prefix_cache_mib"][1])
 
 
 def test_signals_split_and_tiles():

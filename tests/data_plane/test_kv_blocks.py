@@ -5,6 +5,7 @@ fetch-or-recompute policy and the shard's verification of fetched frames."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import pytest
 import torch
@@ -131,3 +132,24 @@ def test_policy_learns_and_prices_both_ways() -> None:
     assert fetch_s > prefill_s
     p.observe_prefill(10, 100.0)  # too small a sample: ignored
     assert p.prefill_tok_s == 500
+
+
+def test_redis_store_keeps_blocks_links_and_session_index(redis_server) -> None:
+    from data_plane.cache.kv_store import RedisKVStore
+
+    async def go() -> None:
+        store = RedisKVStore(redis_server.url, f"t-{uuid.uuid4().hex[:8]}:")
+        await store.start()
+        try:
+            assert await store.put("s1", [frame(1), frame(2)], [], ttl_s=60) == 2
+            await store.put("s2", [frame(3)], [bytes([1]) * 16], ttl_s=60)
+            got = await store.fetch([bytes([1]) * 16, bytes([2]) * 16, bytes([9]) * 16, bytes([3]) * 16])
+            assert [peek_hash(f)[0] for f in got] == [1, 2]
+            assert sorted(h[0] for h in await store.session_blocks("s2")) == [1, 3]
+            stats = await store.refresh_stats()
+            assert stats.blocks == 3 and stats.sessions == 2 and stats.bytes == 3 * len(frame(1))
+            assert await store.drop_session("s1") == 1 and await store.session_blocks("s1") == []
+        finally:
+            await store.aclose()
+
+    asyncio.run(go())
