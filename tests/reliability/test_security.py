@@ -12,6 +12,7 @@ reading a session by header is 404 (test_gateway.py::test_session_replays_contex
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import secrets
@@ -26,6 +27,7 @@ from tests.support.chat import assert_openai_error, chat
 from tests.support.cluster import ADMIN_TOKEN, KEYS, Cluster, api_keys_env
 from tests.support.metrics import metric
 from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, ROOT, Service
+from tests.support.waits import eventually
 
 
 def _trace() -> tuple[str, dict[str, str]]:
@@ -273,6 +275,7 @@ def test_another_key_can_neither_read_nor_write_a_session(cluster: Cluster) -> N
 def test_prompts_and_completions_never_reach_logs_metrics_or_spans(cluster: Cluster) -> None:
     canary = "cnry" + secrets.token_hex(12)
     completions: list[str] = []
+    served: list[str] = []  # the gateway's request ids of the replies that went through
     url = cluster.gateway.url
     system = {"role": "system", "content": f"you are {canary}-system"}
     for stream in (False, True):
@@ -285,9 +288,11 @@ def test_prompts_and_completions_never_reach_logs_metrics_or_spans(cluster: Clus
             messages=[system, {"role": "user", "content": f"tell me about {canary}-user"}],
         )
         assert r.status_code == 200
+        served.append(r.headers["x-request-id"])
         if not stream:
             completions.append(r.json()["choices"][0]["message"]["content"])
     s1 = chat(url, "enterprise", f"remember {canary}-session", headers={"X-Session-Id": "new"}, max_tokens=16)
+    served.append(s1.headers["x-request-id"])
     completions.append(s1.json()["choices"][0]["message"]["content"])
     s2 = chat(
         url,
@@ -296,13 +301,26 @@ def test_prompts_and_completions_never_reach_logs_metrics_or_spans(cluster: Clus
         headers={"X-Session-Id": s1.headers["x-session-id"]},
         max_tokens=16,
     )
+    served.append(s2.headers["x-request-id"])
     completions.append(s2.json()["choices"][0]["message"]["content"])
     assert_openai_error(
         chat(url, "plus", f"tell me how to build a bomb {canary}-blocked"), 400, "content_policy_violation"
     )
     assert_openai_error(chat(url, "plus", f"{canary}-invalid", temperature=9), 400)
     assert_openai_error(chat(url, "plus", f"{canary}-model", model="no-such-model"), 404, "model_not_found")
-    time.sleep(0.5)  # spans end and logs flush
+
+    def spans(svc: Service) -> list[dict]:
+        r = httpx.get(svc.url + "/debug/spans", headers=CLUSTER_HEADERS)
+        assert r.status_code == 200, (svc.url, r.status_code, r.text[:200])
+        return r.json()
+
+    def request_ids(services: list[Service]) -> set[str]:
+        return {str(s["attributes"].get("switchboard.request_id")) for svc in services for s in spans(svc)}
+
+    # The spans searched below are there: every served request's span on the gateway and on a shard
+    # (they are recorded when they end, so wait for them rather than for a fixed time).
+    eventually(lambda: set(served) <= request_ids([cluster.gateway]) and set(served) <= request_ids(cluster.shards),
+               timeout_s=10, what="the spans of this test's requests on the gateway and the shards")
 
     haystacks: dict[str, str] = {}
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -310,19 +328,20 @@ def test_prompts_and_completions_never_reach_logs_metrics_or_spans(cluster: Clus
         name = svc.args[3]
         haystacks[f"{name}:{svc.port} log"] = svc.log_path.read_text(errors="replace")
         haystacks[f"{name}:{svc.port} /metrics"] = httpx.get(svc.url + "/metrics").text
-        haystacks[f"{name}:{svc.port} /debug/spans"] = httpx.get(svc.url + "/debug/spans", headers=CLUSTER_HEADERS).text
-    haystacks["admin traces"] = httpx.get(
-        cluster.control_plane.url + "/admin/v1/traces",
-        params={"limit": 200, "internal": "true"},
-        headers=admin,
-    ).text
-    haystacks["admin members"] = httpx.get(
-        cluster.control_plane.url + "/admin/v1/members", headers=admin
-    ).text
+        haystacks[f"{name}:{svc.port} /debug/spans"] = json.dumps(spans(svc))
+    traces = httpx.get(cluster.control_plane.url + "/admin/v1/traces", params={"limit": 200, "internal": "true"},
+                       headers=admin)
+    assert traces.status_code == 200 and traces.json()["traces"], traces.text[:300]
+    haystacks["admin traces"] = traces.text
+    members = httpx.get(cluster.control_plane.url + "/admin/v1/members", headers=admin)
+    assert members.status_code == 200 and members.json()["members"], members.text[:300]
+    haystacks["admin members"] = members.text
     # at rest: what the cache nodes hold for the session (sealed), and the usage ledger (no text at all)
     sid = s1.headers["x-session-id"]
-    for node in cluster.caches:
-        haystacks[f"cache {node.port} record"] = httpx.get(f"{node.url}/v1/sessions/{sid}", headers=CLUSTER_HEADERS).text
+    records = [httpx.get(f"{node.url}/v1/sessions/{sid}", headers=CLUSTER_HEADERS) for node in cluster.caches]
+    assert any(r.status_code == 200 for r in records), [r.status_code for r in records]
+    for node, record in zip(cluster.caches, records):
+        haystacks[f"cache {node.port} record"] = record.text
     httpx.get(url + "/v1/usage", headers={"Authorization": f"Bearer {KEYS['plus']}"})  # flushes the gateway's spool
     state = ROOT / ".switchboard"  # the spawned gateway's and control plane's default ledger
     for path in [*state.glob("usage.db*"), *state.glob("ledger-spool/*/*")]:
@@ -330,6 +349,11 @@ def test_prompts_and_completions_never_reach_logs_metrics_or_spans(cluster: Clus
     haystacks["admin usage"] = httpx.get(cluster.control_plane.url + "/admin/v1/usage",
                                          params={"format": "csv", "by": "tenant,tier,model,key_id"}, headers=admin).text
     assert any(k.startswith("ledger usage.db") for k in haystacks)
+    # Everything searched has content; not the spool files (may be empty) nor the control plane's
+    # spans (it records its own actions only, e.g. a degradation change: none here).
+    empty = [where for where, text in haystacks.items() if text.strip() in ("", "[]", "{}")
+             and not where.startswith("ledger ") and not re.match(r"control-plane:\d+ /debug/spans$", where)]
+    assert not empty, f"searched nothing in {empty}"
     needles = [canary] + [c.strip() for c in completions if len(c.split()) >= 4]
     assert len(needles) >= 4
     leaks = [(where, n[:24]) for where, text in haystacks.items() for n in needles if n in text]
