@@ -32,15 +32,41 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.ledger.store import COLUMNS, LedgerStore, UsageQuery
 from data_plane.common.tasks import stop_tasks
 
-if TYPE_CHECKING:
-    from data_plane.gateway.chat import ChatHandler
+
+class _Principal(Protocol):
+    key_id: str
+    tenant: str
+
+
+class _Effects(Protocol):
+    level: int
+
+
+class EndedRequest(Protocol):
+    """What the ledger reads of a request as it ends: the gateway's ChatHandler (data_plane/gateway/chat.py)
+    has these; declared here so the ledger never imports the gateway."""
+
+    request_id: str
+    tier_name: str
+    t0: float
+    first_token_at: float | None
+    session_id: str | None
+
+    @property
+    def principal(self) -> _Principal | None: ...
+
+    @property
+    def span(self) -> Any: ...
+
+    @property
+    def effects(self) -> _Effects: ...
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +107,7 @@ class UsageRecord:
 assert tuple(f.name for f in fields(UsageRecord)) == COLUMNS, "UsageRecord and ledger_sql.COLUMNS disagree"
 
 
-def record_for(h: ChatHandler, status: int, code: str, gateway: str) -> UsageRecord:
+def record_for(h: EndedRequest, status: int, code: str, gateway: str) -> UsageRecord:
     """The record of one request as the gateway's ChatHandler ends it."""
     now, mono = time.time(), time.monotonic()
     opened = getattr(h, "opened", None)
@@ -256,7 +282,7 @@ class UsageLedger:
         self.metrics.spool_records.set(left)
         self._task = asyncio.create_task(self._run(), name="ledger-flush")
 
-    def record_request(self, h: ChatHandler, status: int, code: str) -> None:
+    def record_request(self, h: EndedRequest, status: int, code: str) -> None:
         """Spool the record of the request `h` ends with `status` (never raises)."""
         try:
             rec = record_for(h, status, code, self.gateway)
