@@ -27,6 +27,7 @@ import yaml
 from tests.support.metrics import metric
 from tests.support.procs import CLUSTER_HEADERS, ROOT, Service
 from tests.support.redis import RedisServer
+from tests.support.waits import eventually, eventually_async
 
 KEYS = {
     "free": "sk-lim-free-0123456789",       # rpm 3
@@ -158,15 +159,16 @@ async def test_admission_serves_enterprise_first_and_sheds_free_past_its_deadlin
         return r
 
     async with httpx.AsyncClient(timeout=60) as client:
+        def depth(tier: str) -> float:
+            return metric(one.url, "switchboard_admission_queue_depth", tier=tier)
+
         holder = asyncio.create_task(call(client, "enterprise-hold"))
-        deadline = time.monotonic() + 10
-        while metric(one.url, "switchboard_admission_inflight") < 1:  # the one slot is taken: the rest queue
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.02)
+        await eventually_async(lambda: metric(one.url, "switchboard_admission_inflight") == 1, 10,
+                               what="the one slot taken")  # the rest queue
         bulk = [asyncio.create_task(call(client, f"bulk-{i}")) for i in range(2)]
-        await asyncio.sleep(0.05)
+        await eventually_async(lambda: depth("bulk") == 2, 10, what="both bulk requests queued")
         free = asyncio.create_task(call(client, "free2"))
-        await asyncio.sleep(0.05)
+        await eventually_async(lambda: depth("free") == 1, 0.4, what="free2 queued (before its 0.4 s deadline)")
         ent = asyncio.create_task(call(client, "enterprise-late"))
         shed = await free
         assert shed.status_code == 503 and shed.json()["error"]["code"] == "overloaded", shed.text
@@ -188,10 +190,15 @@ def test_ratelimit_and_admission_spans(one: Service) -> None:
                    headers={"Authorization": f"Bearer {KEYS['enterprise']}",
                             "traceparent": f"00-{trace_id}-b7ad6b7169203331-01"})
     assert r.status_code == 200
-    time.sleep(0.3)
+    want = {"gateway.request", "ratelimit", "admission.queue", "router.route"}
+
+    def names() -> set[str]:
+        return {s["name"] for s in httpx.get(one.url + "/debug/spans", params={"trace_id": trace_id},
+                                             headers=CLUSTER_HEADERS).json()}
+
+    eventually(lambda: want <= names(), 10, what=f"spans {want}")  # recorded when they end
     spans = httpx.get(one.url + "/debug/spans", params={"trace_id": trace_id}, headers=CLUSTER_HEADERS).json()
     by_name = {s["name"]: s for s in spans}
-    assert {"gateway.request", "ratelimit", "admission.queue", "router.route"} <= set(by_name), set(by_name)
     assert by_name["ratelimit"]["attributes"]["switchboard.ratelimit.allowed"] is True
     assert by_name["admission.queue"]["attributes"]["switchboard.admission.outcome"] == "admitted"
 

@@ -152,6 +152,7 @@ SSE_OK = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encod
 
 async def test_a_kept_alive_connection_the_server_closed_is_retried_fresh(pool: HopPool, events: list[str]) -> None:
     served = []
+    closed = asyncio.Event()
 
     async def once_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _read_request(reader)
@@ -159,13 +160,16 @@ async def test_a_kept_alive_connection_the_server_closed_is_retried_fresh(pool: 
         writer.write(SSE_OK)
         await writer.drain()
         writer.close()  # keep-alive was promised, but the server closes (its idle timeout)
+        await writer.wait_closed()
+        closed.set()
 
     server, url = await _serve(once_then_close)
     async with server:
         first = await pool.post(url, CHAT, _body(), {})
         assert await _all_lines(first) == [b"data: one", b"data: [DONE]"]
         first.close()
-        await asyncio.sleep(0.05)  # the close arrives; the pooled connection is forgotten or stale
+        await asyncio.wait_for(closed.wait(), 5)  # the server has closed its end; the pooled
+        # connection is forgotten (if the client saw the close yet) or found stale on send
         second = await pool.post(url, CHAT, _body(), {})
         assert await _all_lines(second) == [b"data: one", b"data: [DONE]"]
         second.close()
