@@ -11,7 +11,8 @@ many tokens of it, plus the holder before that (:class:`KVIndex`, a bounded LRU:
 design). For a turn it weighs, Dynamo-style, the consistent-hash ring's bounded-load choice
 (today's session affinity) against the holders: cost = ``load_cost_tokens`` per outstanding
 request minus the tokens expected cached there. The holder wins unless it is loaded enough that
-recomputing elsewhere is cheaper; a holder above the bounded-load cap is never chosen; a holder
+recomputing elsewhere is cheaper; a holder past twice the bounded-load cap is never chosen (within
+that the cost decides: spreading a conversation away from its KV costs its whole history); a holder
 that is gone (dead, drained, ejected) or overloaded hands the turn to the best other shard: the
 previous holder (an older prefix of the same conversation) when it is cheaper, else the ring's
 choice. When holder and ring agree this *is* session affinity; they differ after membership
@@ -41,6 +42,9 @@ if TYPE_CHECKING:
 
 DEFAULT_LOAD_COST_TOKENS = 128.0
 """One outstanding request on a shard costs as much as prefilling this many tokens."""
+DEFAULT_HOLDER_CAP_FACTOR = 2.0
+"""A shard holding the session's KV may take it up to this many times the bounded-load cap: within
+that, the cost (cached tokens against load) decides, not the ring's balance rule."""
 DEFAULT_MAX_SESSIONS = 100_000
 """Sessions the index remembers (LRU beyond)."""
 
@@ -168,10 +172,11 @@ class KVAwarePolicy:
     name = "kv_aware"
 
     def __init__(self, epsilon: float, rng: random.Random, *, load_cost_tokens: float = DEFAULT_LOAD_COST_TOKENS,
-                 index: KVIndex | None = None) -> None:
+                 holder_cap_factor: float = DEFAULT_HOLDER_CAP_FACTOR, index: KVIndex | None = None) -> None:
         self.epsilon = epsilon
         self.rng = rng
         self.load_cost_tokens = load_cost_tokens
+        self.holder_cap_factor = holder_cap_factor
         self.index = index or KVIndex()
         self.reports = KVReports(self.index)
         self.last_outcome = OUTCOME_RING
@@ -185,7 +190,7 @@ class KVAwarePolicy:
         cur, prev = self.index.holders(session_id)
         if cur is None and prev is None:
             return ring
-        w, cap = self.load_cost_tokens, scope.cap(self.epsilon)
+        w, cap = self.load_cost_tokens, self.holder_cap_factor * scope.cap(self.epsilon)
         cached = dict(x for x in (prev, cur) if x is not None)  # cur last: it wins on one shard
         best, best_tokens = ring, cached.get(ring.id, 0)
         best_cost = w * scope.load(ring.id) - best_tokens

@@ -202,3 +202,18 @@ def test_bench_route_reports_each_size_against_the_smallest(tmp_path) -> None:  
     data = json.loads(out.read_text())
     assert {(r["policy"], r["shards"]) for r in data["rows"]} == {(p, n) for p in route.POLICIES for n in (10, 200)}
     assert all(r["ratio_to_smallest"] > 0 and r["membership_changes"] == 2 for r in data["rows"])
+
+
+def test_a_holder_past_the_ring_cap_keeps_the_turn_while_its_cached_tokens_outweigh_its_load() -> None:
+    view = View(IDS[:2])
+    r, registry, _ = make(view, policy="kv_aware")
+    holder = r.pick("s-1").id
+    r.observe_kv("s-1", holder, 1500)
+    leases = ExitStack()
+    for _ in range(3):   # ring cap ceil(1.25 x 4 / 2) = 3: the ring alone would spill this turn
+        leases.enter_context(r.lease(shard(holder)))
+    assert r.pick("s-1").id == holder and outcomes(registry)["holder"] == 1
+    for _ in range(9):   # 12 outstanding x 128 tokens > 1,500 cached: recomputing elsewhere is cheaper
+        leases.enter_context(r.lease(shard(holder)))
+    assert r.pick("s-1").id != holder and outcomes(registry)["holder_overloaded"] == 1
+    leases.close()
