@@ -15,7 +15,11 @@ or by default the batch slots its shards announce (membership meta ``max_num_seq
 Order. Waiters are served by tier priority (lower first); within one priority level, by fair
 share between tenants (data_plane/gateway/fair_share.py: the tenant with the least recent service, counted
 in prompt + output tokens, goes first; a tenant's own requests in arrival order), so one tenant
-flooding the free tier does not starve the other free users. A tier may only
+flooding the free tier does not starve the other free users. Fair order alone still makes a
+light tenant wait for one of the flood's requests to finish, so while more than one tenant of a
+tier has been active lately (``tenant_window_s``), a tenant that already has a request in flight
+leaves the last ``tenant_headroom`` slots of its tier's share to tenants with none: the light
+tenant finds a slot free. A tenant alone in its tier uses the whole share. A tier may only
 fill part of the capacity: each priority level below the best leaves ``reserve`` of it for
 the levels above (by default free 75 %, plus 87.5 %, enterprise 100 %). That headroom is what
 keeps enterprise time-to-first-token near its unloaded value under saturation: the engine
@@ -42,7 +46,7 @@ import itertools
 import logging
 import math
 import time
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -100,6 +104,11 @@ class AdmissionConfig:
     """Retry-After sent with a shed request."""
     tenant_top_n: int = 20
     """Tenants per tier with their own series in the fair-share service metric (>= 1); the rest are `other`."""
+    tenant_headroom: int = 1
+    """Slots of a tier's share that a tenant with a request in flight leaves to tenants of the tier with
+    none, while another tenant of the tier has been active lately (0 = off)."""
+    tenant_window_s: float = 30.0
+    """How long a tenant counts as active in its tier after its last admitted request."""
 
     def __post_init__(self) -> None:
         if self.max_inflight < 0 or self.inflight_per_slot <= 0 or not 0 <= self.reserve < 1:
@@ -107,6 +116,8 @@ class AdmissionConfig:
         timeouts = [self.queue_timeout_s, *self.queue_timeouts.values()]
         if self.queue_size < 0 or any(t <= 0 for t in timeouts) or self.tenant_top_n < 1:
             raise ValueError("admission: queue_size >= 0, queue timeouts > 0 and tenant_top_n >= 1")
+        if self.tenant_headroom < 0 or self.tenant_window_s <= 0:
+            raise ValueError("admission: tenant_headroom >= 0 and tenant_window_s > 0")
 
 
 def shard_capacity(slots: Iterable[str | None], config: AdmissionConfig) -> int | None:
@@ -183,6 +194,9 @@ class Admission:
         self._seq = itertools.count()
         self._inflight = 0
         self._depth: dict[str, int] = defaultdict(int)
+        self._tenant_inflight: dict[tuple[str, str], int] = defaultdict(int)
+        self._recent: dict[str, OrderedDict[str, float]] = defaultdict(OrderedDict)
+        """tier -> tenant -> when its last request was admitted (oldest first; pruned past the window)."""
 
     @property
     def inflight(self) -> int:
@@ -207,7 +221,7 @@ class Admission:
             tiers = [policy.get(name) for name in policy.names()]
             rank = len({t.priority for t in tiers if t.priority < tier.priority})
             self.fair_share.arrive(tier.name, tenant, tier.priority)
-            if self.waiting == 0 and self._fits(rank, self._capacity_now()):  # the common case: no queue
+            if self.waiting == 0 and self._fits(rank, self._capacity_now(), tier.name, tenant):  # no queue
                 span.set_attributes({"switchboard.admission.queue_depth": 0,
                                      "switchboard.admission.outcome": "admitted", "switchboard.admission.wait_s": 0.0})
                 return self._start(tier.name, 0.0, tenant, tokens)
@@ -259,11 +273,33 @@ class Admission:
         self.metrics.capacity.set(-1 if capacity is None else capacity)
         return capacity
 
-    def _fits(self, rank: int, capacity: int | None) -> bool:
-        return capacity is None or self._inflight < self.cap(rank, capacity)
+    def _fits(self, rank: int, capacity: int | None, tier: str, tenant: str) -> bool:
+        if capacity is None:
+            return True
+        cap = self.cap(rank, capacity)
+        if self._keeps_headroom(tier, tenant):
+            cap = max(1, cap - self.config.tenant_headroom)
+        return self._inflight < cap
+
+    def _keeps_headroom(self, tier: str, tenant: str) -> bool:
+        """Whether `tenant` must leave its tier's last slots free: it has a request in flight, and
+        another tenant of the tier was admitted within the window."""
+        if not self.config.tenant_headroom or not self._tenant_inflight.get((tier, tenant)):
+            return False
+        recent = self._recent.get(tier)
+        if not recent:
+            return False
+        horizon = self._clock() - self.config.tenant_window_s
+        while recent and next(iter(recent.values())) < horizon:
+            recent.popitem(last=False)
+        return any(other != tenant for other in reversed(recent))  # at most two looked at
 
     def _start(self, tier: str, waited_s: float, tenant: str, tokens: int) -> Ticket:
         self._inflight += 1
+        self._tenant_inflight[(tier, tenant)] += 1
+        recent = self._recent[tier]
+        recent[tenant] = self._clock()
+        recent.move_to_end(tenant)
         self.metrics.inflight.set(self._inflight)
         self.metrics.wait.labels(tier).observe(waited_s)
         self.fair_share.charge(tier, tenant, tokens)
@@ -282,17 +318,32 @@ class Admission:
             return level[key][0]
         return None
 
+    def _idle_tenant_waiter(self, w: _Waiter) -> _Waiter | None:
+        """Another waiter of `w`'s level whose tenant has nothing in flight (it may use the headroom)."""
+        for key, waiters in self._queues.get(w.tier.priority, {}).items():
+            if waiters and not self._tenant_inflight.get(key):
+                return waiters[0]
+        return None
+
     def _dispatch(self) -> None:
         capacity = self._capacity_now()
         while (w := self._next()) is not None:
-            # Caps only grow with priority, so when the best waiter cannot start, none can.
-            if not self._fits(w.rank, capacity):
-                break
+            # Caps only grow with priority, so when the best waiter cannot start, none can; the one
+            # exception is the tenant headroom, which another tenant of the same level may use.
+            if not self._fits(w.rank, capacity, w.tier.name, w.tenant):
+                other = self._idle_tenant_waiter(w)
+                if other is None or not self._fits(other.rank, capacity, other.tier.name, other.tenant):
+                    break
+                w = other
             self._take_out(w)
             w.future.set_result(self._start(w.tier.name, self._clock() - w.enqueued, w.tenant, w.tokens))
 
     def _release(self, ticket: Ticket, used_tokens: int | None) -> None:
         self._inflight -= 1
+        key = (ticket.tier, ticket.tenant)
+        self._tenant_inflight[key] -= 1
+        if not self._tenant_inflight[key]:
+            del self._tenant_inflight[key]
         self.metrics.inflight.set(self._inflight)
         if used_tokens is not None:
             self.fair_share.charge(ticket.tier, ticket.tenant, used_tokens - ticket.charged)
