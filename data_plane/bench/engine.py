@@ -49,6 +49,7 @@ from data_plane.bench.common import (
     summarize,
     write_json,
 )
+from data_plane.bench.engine_baseline import SUFFIX as BASE, run_baseline
 from data_plane.bench.engine_llamacpp import LlamaCppSystem
 from data_plane.bench.engine_systems import (
     BenchConfig,
@@ -173,7 +174,9 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     by = {(r["system"], r["concurrency"]): r["output_tok_s"] for r in rows}
     out: dict[str, dict[str, float]] = {}
     for ours, other in (("switchboard", "naive"), ("switchboard", "llamacpp"), ("switchboard-spec", "switchboard"),
-                        ("switchboard-spec", "naive"), ("switchboard-spec", "llamacpp")):
+                        ("switchboard-spec", "naive"), ("switchboard-spec", "llamacpp"),
+                        ("switchboard", "switchboard" + BASE), ("switchboard-spec", "switchboard-spec" + BASE),
+                        ("switchboard" + BASE, "naive"), ("switchboard" + BASE, "llamacpp")):
         pairs = {
             str(c): by[(ours, c)] / by[(other, c)]
             for (s, c) in by
@@ -266,6 +269,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="HF model folder or GGUF (default SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=0, help="compute threads (default 0 = all cores)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--baseline-tree", default=None, metavar="DIR",
+                   help="also measure the switchboard system(s) with the code of this checkout (a git worktree "
+                        "of an older commit), rows <system>@base: data_plane/bench/engine_baseline.py")
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     modes = [m.strip() for m in args.speculation.split(",") if m.strip()]
@@ -277,6 +283,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown:
         p.error(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
+    if args.baseline_tree:
+        # Each right after its counterpart, so both see the same load.
+        args.systems = [x for s in args.systems for x in ([s, s + BASE] if s.startswith("switchboard") else [s])]
     if args.max_tokens < 1 or (args.num_prompts is not None and args.num_prompts < 1):
         p.error("--max-tokens and --num-prompts must be positive")
     return args
@@ -299,7 +308,10 @@ def main(argv: list[str] | None = None) -> None:
         try:
             if name == "llamacpp":
                 LlamaCppSystem(config)  # fails fast, in this process, when llama_cpp is missing
-            out = run_isolated(name, config, prompt_ids)
+            if name.endswith(BASE):
+                out = run_baseline(args.baseline_tree, name, config, prompt_ids)
+            else:
+                out = run_isolated(name, config, prompt_ids)
         except Skip as exc:
             print(f"[bench] {name}: skipped: {exc}", flush=True)
             skipped[name] = str(exc)
