@@ -153,3 +153,35 @@ def test_redis_store_keeps_blocks_links_and_session_index(redis_server) -> None:
             await store.aclose()
 
     asyncio.run(go())
+
+
+def test_fetched_frames_of_another_model_dtype_or_hash_are_never_used() -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from data_plane.shard.kv_metrics import KVTierMetrics
+    from data_plane.shard.kv_tier import KVTier
+
+    tier = KVTier(None, KVTierMetrics(CollectorRegistry(), "m"))  # type: ignore[arg-type]  # no remote needed
+    tier.prefix = SimpleNamespace(model_id="model-x", dtype="float32", layout="llama.L2.kvh1.d8.bs4",
+                                  block_shape=SHAPE, torch_dtype=torch.float32)  # type: ignore[assignment]
+    kv = torch.randn(3, *SHAPE)
+    hashes = [bytes([i]) * 16 for i in range(3)]
+
+    def frames(dtype: str = "float32", model: str = "model-x", swap: bool = False) -> bytes:
+        out = []
+        for j, h in enumerate(hashes):
+            hdr = BlockHeader(hashes[2 - j] if swap else h, model, dtype, "llama.L2.kvh1.d8.bs4", SHAPE)
+            out.append(encode_frame(hdr, kv[j].numpy().tobytes()))
+        return b"".join(out)
+
+    got, n, reason = tier._verify(frames(), hashes)
+    assert n == 3 and reason is None and torch.equal(got, kv)
+    for bad in (frames(dtype="bfloat16"), frames(model="model-y"), frames(swap=True)):
+        got, n, reason = tier._verify(bad, hashes)
+        assert (got, n, reason) == (None, 0, "layout")
+    mixed = bytearray(frames())
+    mixed[-5] ^= 1  # the last block's payload: the first two are still good
+    got, n, reason = tier._verify(bytes(mixed), hashes)
+    assert n == 2 and reason == "checksum" and torch.equal(got, kv[:2])
