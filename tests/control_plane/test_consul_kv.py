@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -82,20 +81,17 @@ async def test_watch_blocks_until_the_key_changes(consul_url: str) -> None:
         index, entry = await kv.watch("desired/shards")  # index 0: answers at once
         assert entry is None and index >= 1
 
-        async def write_later() -> None:
-            await asyncio.sleep(0.3)
-            await kv.put_json("desired/shards", {"replicas": 5})
-
-        writer = asyncio.create_task(write_later())
-        start = time.monotonic()
-        index2, entry = await kv.watch("desired/shards", index, wait_s=5.0)
-        took = time.monotonic() - start
-        await writer
-        assert entry is not None and entry.json() == {"replicas": 5}
-        assert 0.2 < took < 2.0 and index2 > index
-        start = time.monotonic()
-        index3, same = await kv.watch("desired/shards", index2, wait_s=0.5)  # nothing changes: waits it out
-        assert time.monotonic() - start >= 0.4 and index3 == index2 and same == entry
+        watch = asyncio.create_task(kv.watch("desired/shards", index, wait_s=30.0))
+        done, _ = await asyncio.wait({watch}, timeout=0.3)
+        assert not done, "the watch answered with nothing changed"
+        await kv.put_json("desired/shards", {"replicas": 5})
+        index2, entry = await asyncio.wait_for(watch, 10)  # on the change; 10 s is the hang bound
+        assert entry is not None and entry.json() == {"replicas": 5} and index2 > index
+        watch = asyncio.create_task(kv.watch("desired/shards", index2, wait_s=1.0))  # nothing changes
+        done, _ = await asyncio.wait({watch}, timeout=0.5)
+        assert not done, "the watch answered with nothing changed"
+        index3, same = await asyncio.wait_for(watch, 10)  # waits out its 1 s
+        assert index3 == index2 and same == entry
 
 
 async def test_bad_keys_and_unreachable_consul() -> None:

@@ -114,8 +114,7 @@ def test_normal_service_has_no_degraded_header(stack: Stack) -> None:
 
 
 def test_level_3_sheds_free_and_level_4_keeps_only_enterprise(stack: Stack) -> None:
-    took = stack.pin(3)
-    assert took < PROPAGATION_S
+    stack.pin(3)  # fails unless the gateways see it within PROPAGATION_S
     assert_shed(stack.chat("free"), 3)
     for tier in ("plus", "enterprise"):
         resp = stack.chat(tier)
