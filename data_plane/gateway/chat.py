@@ -26,7 +26,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -36,13 +36,13 @@ from opentelemetry.propagate import extract
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from data_plane.gateway.admission import Ticket
+from data_plane.gateway.exchange import Exchange
+from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.gateway.auth import Principal, key_digest
 from data_plane.cache.model import validate_session_id
 from data_plane.gateway.cluster_state import (
     DEGRADED_HEADER,
     SPAN_ATTRIBUTE,
-    ClusterState,
     Effects,
 )
 from data_plane.gateway.context import fit_window
@@ -57,15 +57,10 @@ from data_plane.gateway.stream import Completion
 from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, DisconnectWatch
 from data_plane.common.http_body import read_body
 from data_plane.protocol import parse_chat_request
-from data_plane.gateway.ratelimit.limiter import (
-    Grant,
-)
 from data_plane.gateway.safety.pipeline import raise_if_blocked
 from data_plane.tiers import Tier
 from data_plane.routing.upstream import ResumableStream
 
-if TYPE_CHECKING:
-    from data_plane.gateway.app import Gateway
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -90,110 +85,106 @@ class Opened:
 
 
 class ChatHandler:
-    """One chat request through the gateway."""
+    """One chat request through the gateway: `gw` (what the settings describe) and `rt` (what the
+    lifespan opened, data_plane/gateway/runtime.py); its holdings live in `self.x` (an Exchange)."""
 
-    def __init__(self, gw: Gateway, request: Request) -> None:
+    def __init__(self, gw: Gateway, rt: Runtime, request: Request) -> None:
         self.gw = gw
+        self.rt = rt
         self.request = request
-        self.t0 = time.monotonic()
+        t0 = time.monotonic()
         # Always our own id: it keys the request in the engine, so a client-chosen one could collide
         # (and a collision must never look like a shard failure). The client's id is kept on the span.
         self.request_id = uuid.uuid4().hex
         client_id = request.headers.get("x-request-id") or ""
         self.client_request_id = client_id[:128] if client_id.isprintable() else ""
         request.state.request_id = self.request_id
-        self.tier_name = "unknown"
         self.tier: Tier | None = None
         self.principal: Principal | None = None
         self.session_id: str | None = None
         self.session_version = 0
         self.history: list[dict[str, str]] = []
         self.new_messages: list[dict[str, str]] = []
-        self.span: trace.Span | None = None
-        self.first_token_at: float | None = None
-        """Monotonic time the shard's first token arrived."""
-        self.first_content_at: float | None = None
-        """Monotonic time the first content left for the client (after the output filter)."""
-        self.grant: Grant | None = None
-        self.ticket: Ticket | None = None
-        self.used_tokens: int | None = None
-        self._recorded = False
         self.opened: Opened | None = None
         """Set once a shard stream is open: the usage ledger reads the completion and shard from it."""
-        self.disconnect = DisconnectWatch(request.receive)
-        """Once the body is read, a client that goes away cancels this request's task (and so
-        whatever it waits on: admission queue, shard, stream, and the shard's work with it)."""
         # the level and tier policy are read once, so one request sees one consistent state
-        state = gw.cluster.current() if gw.cluster is not None else ClusterState()
+        state = rt.cluster.current()
         self.tiers = state.tiers or gw.tiers
         self.effects = Effects(state.degradation)
+        span = tracer.start_span("gateway.request", context=extract(request.headers), attributes={
+            "gen_ai.operation.name": "chat", "switchboard.request_id": self.request_id,
+            "switchboard.client_request_id": self.client_request_id, SPAN_ATTRIBUTE: self.effects.level})
+        ledger = gw.ledger
+        ended: Any = self  # the ledger reads the properties below (its EndedRequest)
+        self.x = Exchange(gw.metrics, gw.limiter, span, self.request_id, DisconnectWatch(request.receive),
+                          on_record=None if ledger is None else lambda status, code: ledger.record_request(
+                              ended, status, code), t0=t0)
+        """Slot, grant, in-flight gauge, metrics record and span, released once by `x.close`. Once
+        the body is read, a client that goes away cancels this request's task (`x.disconnect`), and
+        so whatever it waits on: admission queue, shard, stream, and the shard's work with it."""
 
     # -- the request, before any byte goes out ------------------------------------------------
 
     async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer the request on `send`: an error, one JSON body or an SSE stream."""
-        parent = extract(self.request.headers)
-        span = tracer.start_span("gateway.request", context=parent, attributes={
-            "gen_ai.operation.name": "chat", "switchboard.request_id": self.request_id,
-            "switchboard.client_request_id": self.client_request_id, SPAN_ATTRIBUTE: self.effects.level})
-        self.span = span
+        x, span = self.x, self.x.span
         token = otel_context.attach(trace.set_span_in_context(span))
-        streaming = False
         try:
             try:
                 opened = self.opened = await self._prepare_and_open()
                 if opened.include_usage is not None:
-                    streaming = True
                     headers = self._headers(opened.headers, {"content-type": "text/event-stream; charset=utf-8",
                                                              "cache-control": "no-cache"})
                     await opened.completion.stream_to(send, opened.stream, opened.include_usage, headers)
                     return
-                try:
-                    body = await opened.completion.collect(opened.stream)
-                finally:
-                    self.gw.metrics.inflight.labels(self.tier_name).dec()
-                self._record(200, "ok")
+                body = await opened.completion.collect(opened.stream)
+                x.close(200, "ok")
                 response: Response = self._degraded(JSONResponse(body, headers=opened.headers))
             except ClientDisconnect:
                 raise
             except Exception as exc:
                 error = as_error(exc, f"request {self.request_id}")  # a bug: still a 500 with the ids
-                self._record(error.status, error.code or "error")
                 span.set_attribute("error.type", error.code or "error")
                 span.set_status(trace.Status(trace.StatusCode.ERROR, error.code or "error"))
-                self.request.state.trace_id = self.trace_id
-                if self.grant is not None:
-                    error.headers = {**self.grant.headers, **error.headers}
+                self.request.state.trace_id = x.trace_id
+                if x.grant is not None:
+                    error.headers = {**x.grant.headers, **error.headers}
+                x.close(error.status, error.code or "error")
                 response = self._degraded(render(error, self.request))
-            self.disconnect.stop()
+            x.disconnect.stop()
             await response(scope, receive, send)
         except ClientDisconnect:  # gone while sending its body
-            self._client_left(span)
+            self._client_left()
         except asyncio.CancelledError:
-            if not self.disconnect.swallow():  # not the client leaving: the server's own
+            if not x.disconnect.swallow():  # not the client leaving: the server's own
                 raise
-            self._client_left(span)
+            self._client_left()
         finally:
-            self.disconnect.stop()
+            x.disconnect.stop()
             otel_context.detach(token)
-            if not streaming:
-                self._release_limits()
-                span.end()
+            x.close(None)  # a no-op unless the server cancelled the request
+
+    # what the usage ledger reads of an ended request (data_plane/ledger/writer.py EndedRequest)
+    @property
+    def tier_name(self) -> str:
+        return self.x.tier_name
 
     @property
-    def trace_id(self) -> str:
-        """This request's trace id (hex), for error bodies and headers."""
-        assert self.span is not None
-        return format(self.span.get_span_context().trace_id, "032x")
+    def t0(self) -> float:
+        return self.x.t0
 
-    def _client_left(self, span: trace.Span) -> None:
-        span.set_attribute("error.type", "client_disconnected")
+    @property
+    def first_token_at(self) -> float | None:
+        return self.x.first_token_at
+
+    @property
+    def span(self) -> trace.Span:
+        return self.x.span
+
+    def _client_left(self) -> None:
+        self.x.span.set_attribute("error.type", "client_disconnected")
         log.info("request %s: client disconnected; generation aborted", self.request_id)
-        self._record(CLIENT_CLOSED_STATUS, "client_disconnected")
-
-    @property
-    def client_gone(self) -> bool:
-        return self.disconnect.gone
+        self.x.close(CLIENT_CLOSED_STATUS, "client_disconnected")
 
     def _headers(self, base: dict[str, str], extra: dict[str, str]) -> list[tuple[bytes, bytes]]:
         headers = {**base, **extra}
@@ -207,39 +198,20 @@ class ChatHandler:
             response.headers[DEGRADED_HEADER] = str(self.effects.level)
         return response
 
-    def _record(self, status: int, code: str) -> None:
-        if self._recorded:
-            return
-        self._recorded = True
-        self.gw.metrics.requests.labels(self.tier_name, str(status), code).inc()
-        if self.gw.ledger is not None:  # spooled before the reply's last byte: see data_plane/ledger/writer.py
-            self.gw.ledger.record_request(self, status, code)
-
-    def _release_limits(self) -> None:
-        """Free the admission slot; settle the token estimate: all refunded if no shard started,
-        real usage once known, kept if the stream broke before usage came (idempotent)."""
-        if self.ticket is not None:  # the real tokens settle the tenant's fair share (estimate if unknown)
-            self.ticket.release(self.used_tokens if self.used_tokens is not None else
-                                (None if self.first_token_at else 0))
-        if self.grant is not None:
-            used = self.used_tokens if self.used_tokens is not None else (None if self.first_token_at else 0)
-            if used is not None:
-                self.gw.limiter.settle_later(self.grant, used)
-
     async def _prepare_and_open(self) -> Opened:
-        gw, settings, span = self.gw, self.gw.settings, self.span
-        assert span is not None
+        gw, rt, settings, x = self.gw, self.rt, self.gw.settings, self.x
+        span = x.span
         principal = gw.keys.authenticate(self.request.headers.get("authorization"))
         self.principal = principal
         tiers = self.tiers if principal.tier in self.tiers else gw.tiers  # a key's tier the hot policy lacks
         tier = tiers.get(principal.tier)
-        self.tier, self.tier_name = tier, tier.name
+        self.tier, x.tier_name = tier, tier.name
         span.set_attribute("switchboard.tier", tier.name)
         self.effects.admit(tier, tiers)
         raw = await read_body(self.request, settings.max_body_bytes)
-        self.disconnect.start()
+        x.disconnect.start()
         req = parse_chat_request(raw, self.request.headers.get("content-type"))
-        models = gw.models()
+        models = rt.models()
         model = req.model or next(iter(models))
         if model not in models:
             raise ModelNotFound(f"the model {req.model!r} does not exist", param="model")
@@ -255,7 +227,7 @@ class ChatHandler:
         messages = req.plain_messages()
         self.new_messages = messages
         # Session history is not known yet: settlement charges it with the rest of the real usage.
-        self.grant = await gw.limiter.admit(principal.key_id, tier, gw.counter.prompt_tokens(messages) + max_tokens)
+        x.grant = await gw.limiter.admit(principal.key_id, tier, gw.counter.prompt_tokens(messages) + max_tokens)
         policy = gw.safety.get(tier.safety)
         with tracer.start_as_current_span("safety.input"):
             verdict = policy.check_input(m["content"] for m in messages if m["role"] in ("user", "system"))
@@ -299,40 +271,32 @@ class ChatHandler:
                 body[name] = value
         if req.model:
             body["model"] = model
-        self.ticket = await gw.admission.acquire(tier, tiers, tenant=principal.tenant,
-                                                 tokens=window.prompt_tokens + max_tokens)
-        gw.metrics.inflight.labels(tier.name).inc()
-        try:
-            with tracer.start_as_current_span("router.route") as route_span:
-                assert gw.upstream is not None
-                stream = await gw.upstream.open_resumable(body, self.session_id)
-                route_span.set_attribute("switchboard.shard", stream.member.id)
-                route_span.set_attribute("switchboard.attempts", stream.attempts)
-                if gw.router is not None:  # kv_aware routing: this session's KV will be on that shard
-                    gw.router.observe_kv(self.session_id, stream.member.id, window.prompt_tokens)
-        except BaseException:
-            gw.metrics.inflight.labels(tier.name).dec()
-            raise
-        self.first_token_at = time.monotonic()  # from the shard; the client's TTFT is observed in Completion
-        completion = Completion(self, model, policy.output_stream())
-        headers = {"X-Request-Id": self.request_id, **(self.grant.headers if self.grant else {})}
+        x.admitted(await rt.admission.acquire(tier, tiers, tenant=principal.tenant,
+                                              tokens=window.prompt_tokens + max_tokens))
+        with tracer.start_as_current_span("router.route") as route_span:
+            stream = await rt.upstream.open_resumable(body, self.session_id)
+            route_span.set_attribute("switchboard.shard", stream.member.id)
+            route_span.set_attribute("switchboard.attempts", stream.attempts)
+            rt.router.observe_kv(self.session_id, stream.member.id, window.prompt_tokens)  # kv_aware routing
+        x.first_token_at = time.monotonic()  # from the shard; the client's TTFT is observed in Completion
+        completion = Completion(x, model, policy.output_stream(), gw.safety_metrics, self.save_turn)
+        headers = {"X-Request-Id": self.request_id, **(x.grant.headers if x.grant else {})}
         if self.session_id:
             headers["X-Session-Id"] = self.session_id
         include_usage = bool(req.stream_options and req.stream_options.include_usage) if req.stream else None
         return Opened(stream, completion, headers, include_usage)
 
     async def _load_session(self, header: str, messages: list[dict[str, str]], tier: Tier) -> list[dict[str, str]]:
-        gw = self.gw
-        assert self.principal is not None and gw.sessions is not None
+        gw, sessions = self.gw, self.rt.sessions
+        assert self.principal is not None
         if header == NEW_SESSION:
             self.session_id = "sess_" + secrets.token_urlsafe(24)
         else:
             self.session_id = validate_session_id(header)
-        assert self.span is not None
-        self.span.set_attribute("switchboard.session", True)
+        self.x.span.set_attribute("switchboard.session", True)
         transcript = None
         if header != NEW_SESSION:
-            transcript = await gw.sessions.load(self.session_id, self.owner, tier.replication)
+            transcript = await sessions.load(self.session_id, self.owner, tier.replication)
         if transcript is None and header != NEW_SESSION:
             # Ids are minted by the gateway (unguessable), so an unknown one expired, was lost with
             # its cache replicas, or never existed: say so rather than silently starting over.
@@ -361,7 +325,7 @@ class ChatHandler:
         return key_digest(auth.partition(" ")[2].strip())
 
     async def save_turn(self, reply: str) -> None:
-        if not self.session_id or self.tier is None or self.gw.sessions is None:
+        if not self.session_id or self.tier is None:
             return
         if any(m["role"] == "system" for m in self.new_messages):
             base = [m for m in self.history if m["role"] != "system"]
@@ -371,5 +335,5 @@ class ChatHandler:
         else:
             transcript = self.history + self.new_messages
         transcript = transcript + [{"role": "assistant", "content": reply}]
-        await self.gw.sessions.save(self.session_id, self.owner, transcript, self.session_version + 1,
+        await self.rt.sessions.save(self.session_id, self.owner, transcript, self.session_version + 1,
                                     self.tier.replication, ttl_s=self.gw.settings.session_ttl_s)

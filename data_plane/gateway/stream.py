@@ -1,13 +1,14 @@
 """A chat completion on its way back to the client: through the output safety filter, as SSE
 chunks or one JSON body, with usage, metrics, span attributes and the session turn saved.
 
-    completion = Completion(handler, model, policy.output_stream())
+    completion = Completion(exchange, model, policy.output_stream(), safety_metrics, save_turn)
     await completion.stream_to(send, stream, include_usage, headers)   # SSE onto the ASGI send, or
     body = await completion.collect(stream)                            # one chat.completion body
 
-A client that goes away mid-way cancels the request's task (ChatHandler watches for the
-disconnect); the upstream stream is closed synchronously on the way out, so the shard aborts
-the generation at its next step.
+A client that goes away mid-way cancels the request's task (the Exchange's DisconnectWatch);
+the upstream stream is closed synchronously on the way out, so the shard aborts the generation at
+its next step. Streaming, the Exchange (data_plane/gateway/exchange.py) is closed here, before the
+last write; with one JSON body, by ChatHandler once the body is ready.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from opentelemetry import trace
 from starlette.types import Send
@@ -25,11 +27,9 @@ from starlette.types import Send
 from data_plane.common.disconnect import CLIENT_CLOSED_STATUS
 from data_plane.common.errors import as_error
 from data_plane.protocol import PromptTokensDetails, Usage, chunk_body, completion_body, new_completion_id
-from data_plane.gateway.safety.pipeline import ALLOW, OutputStreamFilter
+from data_plane.gateway.exchange import Exchange
+from data_plane.gateway.safety.pipeline import ALLOW, OutputStreamFilter, SafetyMetrics
 from data_plane.routing.upstream import Delta, Finish, ResumableStream, UsageEvent
-
-if TYPE_CHECKING:
-    from data_plane.gateway.chat import ChatHandler
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -40,8 +40,11 @@ FINISH_CONTENT_FILTER = "content_filter"
 class Completion:
     """Turns a shard's event stream into the client's response, through the output filter."""
 
-    def __init__(self, handler: ChatHandler, model: str, out_filter: OutputStreamFilter) -> None:
-        self.h = handler
+    def __init__(self, exchange: Exchange, model: str, out_filter: OutputStreamFilter, safety_metrics: SafetyMetrics,
+                 save_turn: Callable[[str], Awaitable[None]]) -> None:
+        self.x = exchange
+        self.safety_metrics = safety_metrics
+        self.save_turn = save_turn
         self.model = model
         self.filter = out_filter
         self.completion_id = new_completion_id()
@@ -59,7 +62,6 @@ class Completion:
         """Safe text, one piece per batch of deltas that arrived together (the filter sees the
         same text either way; the client gets one chunk per burst instead of one per token).
         Sets finish_reason and usage. Raises SwitchboardError mid-stream."""
-        gw = self.h.gw
         try:
             async for events in stream.batches():
                 texts: list[str] = []
@@ -78,7 +80,7 @@ class Completion:
                     if safe:
                         self.text.append(safe)
                         yield safe
-                        if self.h.first_content_at is None:
+                        if self.x.first_content_at is None:
                             self._first_content()
                     if self.filter.verdict is not None:
                         self.finish_reason = FINISH_CONTENT_FILTER
@@ -91,41 +93,37 @@ class Completion:
                 if tail:
                     self.text.append(tail)
                     yield tail
-                    if self.h.first_content_at is None:
+                    if self.x.first_content_at is None:
                         self._first_content()
             verdict = self.filter.verdict
             if verdict is not None:
                 self.finish_reason = FINISH_CONTENT_FILTER
-            gw.safety_metrics.record("output", verdict if verdict is not None else ALLOW)
+            self.safety_metrics.record("output", verdict if verdict is not None else ALLOW)
             span.set_attribute("switchboard.safety.blocked", verdict is not None)
             span.set_attribute("switchboard.safety.max_held_chars", self.filter.max_held)
 
     def _first_content(self) -> None:
         """The client's time to first token: called right after the first content was handed to the
         client (streaming: written to the socket; otherwise released into the body)."""
-        h = self.h
-        now = h.first_content_at = time.monotonic()
-        tier = h.tier_name
-        h.gw.metrics.ttft.labels(tier).observe(now - h.t0)
-        if h.first_token_at is not None:
-            h.gw.metrics.holdback.labels(tier).observe(now - h.first_token_at)
-            if h.span is not None:
-                h.span.set_attribute("switchboard.gateway.holdback_s", round(now - h.first_token_at, 6))
-        if h.span is not None:
-            h.span.set_attribute("switchboard.gateway.ttft_s", round(now - h.t0, 6))
+        x = self.x
+        now = x.first_content_at = time.monotonic()
+        tier = x.tier_name
+        x.metrics.ttft.labels(tier).observe(now - x.t0)
+        if x.first_token_at is not None:
+            x.metrics.holdback.labels(tier).observe(now - x.first_token_at)
+            x.span.set_attribute("switchboard.gateway.holdback_s", round(now - x.first_token_at, 6))
+        x.span.set_attribute("switchboard.gateway.ttft_s", round(now - x.t0, 6))
 
     async def _finish(self, error: str | None) -> None:
-        h, gw = self.h, self.h.gw
-        tier = h.tier_name
-        span = h.span
-        assert span is not None
+        x = self.x
+        tier, span = x.tier_name, x.span
         if error is None:
-            await h.save_turn("".join(self.text))
-        gw.metrics.e2e.labels(tier).observe(time.monotonic() - h.t0)
-        gw.metrics.tokens.labels(tier, "prompt").inc(self.usage.prompt_tokens)
-        gw.metrics.tokens.labels(tier, "completion").inc(self.usage.completion_tokens)
+            await self.save_turn("".join(self.text))
+        x.metrics.e2e.labels(tier).observe(time.monotonic() - x.t0)
+        x.metrics.tokens.labels(tier, "prompt").inc(self.usage.prompt_tokens)
+        x.metrics.tokens.labels(tier, "completion").inc(self.usage.completion_tokens)
         if self.usage.total_tokens:  # the shard reported usage: settle the rate limit with it
-            h.used_tokens = self.usage.total_tokens
+            x.used_tokens = self.usage.total_tokens
         span.set_attribute("gen_ai.usage.input_tokens", self.usage.prompt_tokens)
         span.set_attribute("gen_ai.usage.output_tokens", self.usage.completion_tokens)
         if self.finish_reason:
@@ -133,13 +131,13 @@ class Completion:
 
     async def collect(self, stream: ResumableStream) -> dict[str, Any]:
         """The whole completion as one chat.completion body. A client that leaves meanwhile
-        cancels the task (see ChatHandler), which closes the stream: the shard aborts."""
+        cancels the task (the Exchange's DisconnectWatch), which closes the stream: the shard aborts."""
         try:
             async for _ in self._batches(stream):
                 pass
             await self._finish(None)
         except asyncio.CancelledError:
-            if self.h.client_gone:
+            if self.x.client_gone:
                 await _quiet(self._finish("client_disconnected"))
             raise
         finally:
@@ -151,9 +149,8 @@ class Completion:
                         headers: list[tuple[bytes, bytes]]) -> None:
         """The completion as SSE, straight onto the ASGI `send`: one write per batch of tokens,
         the role chunk riding with the first, the finish, usage and `[DONE]` with the last."""
-        h = self.h
-        span = h.span
-        assert span is not None
+        x = self.x
+        span = x.span
         common: dict[str, Any] = {"completion_id": self.completion_id, "model": self.model, "created": self.created}
         error: str | None = None
         out = [_event(chunk_body(**common, delta={"role": "assistant", "content": ""}))]
@@ -173,24 +170,20 @@ class Completion:
             raise
         except Exception as exc:
             # a bug must still end the stream properly, not cut it off
-            failure = as_error(exc, f"request {h.request_id} mid-stream")
+            failure = as_error(exc, f"request {x.request_id} mid-stream")
             if failure is exc:
-                log.warning("request %s failed mid-stream: %s", h.request_id, failure.message)
+                log.warning("request %s failed mid-stream: %s", x.request_id, failure.message)
             error = failure.code or "error"
-            out.append(_event(failure.body(h.request_id, h.trace_id)))
+            out.append(_event(failure.body(x.request_id, x.trace_id)))
         finally:
             stream.close()  # idempotent; here for a cancellation before the first batch
             if error is not None:
                 await _quiet(self._finish(error))
                 span.set_attribute("error.type", error)
                 span.set_status(trace.Status(trace.StatusCode.ERROR, error))
-            h._record(CLIENT_CLOSED_STATUS if error == "client_disconnected" else 200,
-                      "ok" if error is None else error)
-            h.gw.metrics.inflight.labels(h.tier_name).dec()
-            h._release_limits()
-            span.end()
+            x.close(CLIENT_CLOSED_STATUS if error == "client_disconnected" else 200, "ok" if error is None else error)
         out.append(b"data: [DONE]\n\n")
-        h.disconnect.stop()
+        x.disconnect.stop()
         await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
 
 

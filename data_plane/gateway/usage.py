@@ -2,7 +2,7 @@
 an API key's own usage in the shape of OpenAI's usage API (`/v1/organization/usage/completions`).
 
     gw.ledger = ledger_from_settings(settings, registry)       # None with --usage-db off
-    app.add_api_route("/v1/usage", usage_route(gw), methods=["GET"])
+    app.add_api_route("/v1/usage", usage_route(gw.keys, gw.ledger), methods=["GET"])
 
     curl -H "Authorization: Bearer $KEY" "http://127.0.0.1:8000/v1/usage?start_time=1767225600&bucket_width=1h"
     {"object": "page", "data": [{"object": "bucket", "start_time": ..., "end_time": ...,
@@ -28,7 +28,7 @@ from data_plane.ledger.writer import UsageLedger, open_ledger
 from data_plane.ledger.store import UsageQuery, default_usage_db, open_ledger_store
 
 if TYPE_CHECKING:
-    from data_plane.gateway.app import Gateway
+    from data_plane.gateway.auth import KeyStore
     from data_plane.gateway.settings import GatewaySettings
 
 BUCKET_WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
@@ -66,7 +66,7 @@ def openai_usage_page(result: dict[str, Any], width: int, group_by: tuple[str, .
         for start, results in sorted(buckets.items())]}
 
 
-def usage_route(gw: Gateway) -> Any:
+def usage_route(keys: KeyStore, ledger: UsageLedger | None) -> Any:
     async def usage(request: Request,
                     start_time: int | None = Query(None, description="unix seconds (inclusive); default: "
                                                    "as many buckets back as OpenAI's default"),
@@ -75,8 +75,8 @@ def usage_route(gw: Gateway) -> Any:
                     group_by: str | None = Query(None, description="'model' splits each bucket by model")
                     ) -> JSONResponse:
         """This API key's own usage (tokens and requests per time bucket), from the usage ledger."""
-        principal = gw.keys.authenticate(request.headers.get("authorization"))
-        if gw.ledger is None:
+        principal = keys.authenticate(request.headers.get("authorization"))
+        if ledger is None:
             raise NotFound("the usage ledger is off on this gateway (--usage-db off)", code="usage_disabled")
         groups = tuple(g for g in (group_by or "").split(",") if g)
         if any(g != "model" for g in groups):
@@ -86,7 +86,7 @@ def usage_route(gw: Gateway) -> Any:
         start = float(start_time) if start_time is not None else end - width * DEFAULT_BUCKETS[bucket_width]
         if start >= end:
             raise InvalidRequest("start_time must be before end_time", param="start_time")
-        result = await gw.ledger.usage(UsageQuery(start=start, end=end, key_id=principal.key_id, bucket_s=width,
+        result = await ledger.usage(UsageQuery(start=start, end=end, key_id=principal.key_id, bucket_s=width,
                                                   group_by=groups))
         return JSONResponse(openai_usage_page(result, width, groups))
 

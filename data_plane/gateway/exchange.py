@@ -1,0 +1,91 @@
+"""One chat request's hold on the gateway, owned by one object and released exactly once.
+
+    x = Exchange(gw.metrics, gw.limiter, span, request_id, disconnect, on_record=ledger_hook)
+    x.grant = await limiter.admit(...)        # the rate-limit grant (settled at close)
+    x.admitted(await admission.acquire(...))  # the in-flight slot, and the in-flight gauge up
+    ...
+    x.close(200, "ok")                        # count the request, usage record, gauge down, slot
+                                              # freed, grant settled, span ended: once, whoever calls
+
+ChatHandler (data_plane/gateway/chat.py) creates it; Completion (data_plane/gateway/stream.py)
+records timings on it and closes it before the stream's last write. A second `close` is a no-op,
+so every exit path may call it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from opentelemetry import trace
+
+from data_plane.common.disconnect import DisconnectWatch
+from data_plane.gateway.admission import Ticket
+from data_plane.gateway.metrics import GatewayMetrics
+from data_plane.gateway.ratelimit.limiter import Grant, RateLimiter
+
+
+class Exchange:
+    """A request's slot, rate-limit grant, in-flight gauge, metrics and span; see the module docstring."""
+
+    def __init__(self, metrics: GatewayMetrics, limiter: RateLimiter, span: trace.Span, request_id: str,
+                 disconnect: DisconnectWatch, on_record: Callable[[int, str], None] | None = None,
+                 t0: float | None = None) -> None:
+        self.metrics = metrics
+        self.span = span
+        self.request_id = request_id
+        self.disconnect = disconnect
+        self.t0 = time.monotonic() if t0 is None else t0
+        self.tier_name = "unknown"
+        self.grant: Grant | None = None
+        self.ticket: Ticket | None = None
+        self.first_token_at: float | None = None
+        """Monotonic time the shard's first token arrived."""
+        self.first_content_at: float | None = None
+        """Monotonic time the first content left for the client (after the output filter)."""
+        self.used_tokens: int | None = None
+        """Real usage once the shard reported it (settles the rate limit and the fair share)."""
+        self._limiter = limiter
+        self._on_record = on_record
+        self._inflight = False
+        self._closed = False
+
+    @property
+    def trace_id(self) -> str:
+        """This request's trace id (hex), for error bodies and headers."""
+        return format(self.span.get_span_context().trace_id, "032x")
+
+    @property
+    def client_gone(self) -> bool:
+        return self.disconnect.gone
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def admitted(self, ticket: Ticket) -> None:
+        """Hold an in-flight slot (the in-flight gauge counts it until `close`)."""
+        self.ticket = ticket
+        self.metrics.inflight.labels(self.tier_name).inc()
+        self._inflight = True
+
+    def close(self, status: int | None, code: str = "ok") -> None:
+        """Release everything, once: the request counted with `status`/`code` and its usage record
+        written (not when `status` is None: the server, not the request, ended it), the in-flight
+        gauge down, the admission slot freed, the token estimate settled (all refunded if no shard
+        started, real usage once known, kept if the stream broke before usage came), the span ended."""
+        if self._closed:
+            return
+        self._closed = True
+        if status is not None:
+            self.metrics.requests.labels(self.tier_name, str(status), code).inc()
+            if self._on_record is not None:  # spooled before the reply's last byte (data_plane/ledger/writer.py)
+                self._on_record(status, code)
+        if self._inflight:
+            self.metrics.inflight.labels(self.tier_name).dec()
+        used = self.used_tokens if self.used_tokens is not None else (None if self.first_token_at else 0)
+        if self.ticket is not None:  # the real tokens settle the tenant's fair share (estimate if unknown)
+            self.ticket.release(used)
+        if self.grant is not None and used is not None:
+            self._limiter.settle_later(self.grant, used)
+        self.span.end()
