@@ -13,16 +13,17 @@ from tests.support.procs import switchboard
 
 def _settings_classes() -> dict[str, type]:
     from control_plane.launcher import UpSettings
+    from control_plane.scaling.cli import SimulateSettings
     from control_plane.settings import ControlPlaneSettings
     from data_plane.cache.node import CacheNodeSettings
     from data_plane.gateway.settings import GatewaySettings
     from data_plane.shard.app import ShardSettings
 
     return {"gateway": GatewaySettings, "shard": ShardSettings, "cache-node": CacheNodeSettings,
-            "control-plane": ControlPlaneSettings, "up": UpSettings}
+            "control-plane": ControlPlaneSettings, "up": UpSettings, "autoscale simulate": SimulateSettings}
 
 
-@pytest.mark.parametrize("command", ["gateway", "shard", "cache-node", "control-plane", "up"])
+@pytest.mark.parametrize("command", ["gateway", "shard", "cache-node", "control-plane", "up", "autoscale simulate"])
 def test_every_flag_has_help_text(command: str) -> None:
     from data_plane.common.settings_cli import build_parser
 

@@ -1,7 +1,7 @@
 """`switchboard autoscale simulate --trace FILE [--out PNG]`: autoscaling tools.
 
     switchboard autoscale simulate --trace deploy/traces/ramp.csv --max-replicas 6 --out sim.png
-    switchboard autoscale simulate --trace t.json --max-replicas 8 --service-time-s 3 --json out.json
+    switchboard autoscale simulate --trace t.json --max-replicas 8 --service-time-s 3 --json-out out.json
 
 Dispatched by ``switchboard autoscale`` (control_plane/cli.py). ``simulate`` replays the trace
 through the real policy (control_plane/scaling/simulate.py), prints every decision and a summary,
@@ -10,14 +10,18 @@ and writes the PNG (control_plane/scaling/simulate_plot.py) and optionally the s
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+from typing import ClassVar
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from control_plane.scaling.policy import PolicyConfig
 from control_plane.scaling.simulate import ShardModel, load_trace, simulate
 from control_plane.scaling.simulate_plot import plot
+from data_plane.common.settings_cli import parse_settings
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,40 +36,54 @@ def main(argv: list[str] | None = None) -> None:
     simulate_main(args[1:])
 
 
+_POLICY, _SHARD = PolicyConfig(), ShardModel()
+
+
+class SimulateSettings(BaseSettings):
+    """Replay a load trace through the autoscaling policy; write a PNG."""
+
+    model_config = SettingsConfigDict(env_prefix="SWITCHBOARD_SIMULATE_", use_attribute_docstrings=True)
+    FLAG_ALIASES: ClassVar[dict[str, str]] = {"--json": "json_out"}
+    """Deprecated flag spellings (data_plane/common/settings_cli.py)."""
+
+    trace: str
+    """CSV or JSON: time_s, and arrival_rate or waiting."""
+    out: str = "autoscale-sim.png"
+    """PNG to write."""
+    json_out: str | None = None
+    """Also write the series and decisions as JSON here."""
+    min_replicas: int = Field(_POLICY.min_replicas, ge=0, le=1000)
+    """Fewest shards the policy keeps."""
+    max_replicas: int = Field(_POLICY.max_replicas, ge=1, le=1000)
+    """Most shards the policy runs."""
+    start_replicas: int | None = Field(None, ge=0, le=1000)
+    """Shards at t=0 (default: min replicas)."""
+    target_waiting_per_shard: float = Field(_POLICY.target_waiting_per_shard, gt=0)
+    """Requests waiting for a batch slot per shard that the fleet is sized for."""
+    ttft_slo_s: float = Field(_POLICY.ttft_slo_s, gt=0)
+    """Time-to-first-token p95 objective, seconds."""
+    scale_up_cooldown_s: float = Field(_POLICY.scale_up_cooldown_s, ge=0)
+    """Least seconds after a scaling before scaling up again."""
+    scale_down_cooldown_s: float = Field(_POLICY.scale_down_cooldown_s, ge=0)
+    """Least seconds after a scaling before scaling down."""
+    interval_s: float = Field(5.0, gt=0)
+    """Seconds between decisions."""
+    window_s: float = Field(30.0, gt=0)
+    """TTFT p95 window, seconds."""
+    slots: int = Field(_SHARD.slots, ge=1)
+    """Batch slots per simulated shard."""
+    service_time_s: float = Field(_SHARD.service_time_s, gt=0)
+    """Seconds a request holds a slot."""
+    prefill_s: float = Field(_SHARD.prefill_s, ge=0)
+    """TTFT without a queue, seconds."""
+    startup_s: float = Field(_SHARD.startup_s, ge=0)
+    """Shard start-up time, seconds."""
+
+
 def simulate_main(argv: list[str] | None = None) -> None:
     """``switchboard autoscale simulate`` (argv: the flags after ``simulate``)."""
-    p = argparse.ArgumentParser(
-        prog="switchboard autoscale simulate",
-        description="Replay a load trace through the autoscaling policy; write a PNG.",
-    )
-    p.add_argument("--trace", required=True, help="CSV or JSON: time_s, and arrival_rate or waiting")
-    p.add_argument("--out", default="autoscale-sim.png", help="PNG to write (default autoscale-sim.png)")
-    p.add_argument("--json", dest="json_out", help="also write the series and decisions as JSON here")
-    d = PolicyConfig()
-    p.add_argument("--min-replicas", type=int, default=d.min_replicas)
-    p.add_argument("--max-replicas", type=int, default=d.max_replicas)
-    p.add_argument("--start-replicas", type=int, help="shards at t=0 (default min-replicas)")
-    p.add_argument("--target-waiting-per-shard", type=float, default=d.target_waiting_per_shard)
-    p.add_argument("--ttft-slo-s", type=float, default=d.ttft_slo_s)
-    p.add_argument("--scale-up-cooldown-s", type=float, default=d.scale_up_cooldown_s)
-    p.add_argument("--scale-down-cooldown-s", type=float, default=d.scale_down_cooldown_s)
-    p.add_argument("--interval-s", type=float, default=5.0, help="seconds between decisions (5)")
-    p.add_argument("--window-s", type=float, default=30.0, help="TTFT p95 window (30)")
-    m = ShardModel()
-    p.add_argument("--slots", type=int, default=m.slots, help=f"batch slots per shard ({m.slots})")
-    p.add_argument(
-        "--service-time-s",
-        type=float,
-        default=m.service_time_s,
-        help=f"seconds a request holds a slot ({m.service_time_s:g})",
-    )
-    p.add_argument(
-        "--prefill-s", type=float, default=m.prefill_s, help=f"TTFT without a queue ({m.prefill_s:g})"
-    )
-    p.add_argument(
-        "--startup-s", type=float, default=m.startup_s, help=f"shard start-up time ({m.startup_s:g})"
-    )
-    args = p.parse_args(argv)
+    prog = "switchboard autoscale simulate"
+    args = parse_settings(SimulateSettings, argv, prog=prog)
     try:
         config = PolicyConfig(
             min_replicas=args.min_replicas,
@@ -78,7 +96,8 @@ def simulate_main(argv: list[str] | None = None) -> None:
         model = ShardModel(args.slots, args.service_time_s, args.prefill_s, args.startup_s)
         points = load_trace(args.trace)
     except (OSError, ValueError) as exc:
-        p.exit(2, f"switchboard autoscale simulate: {exc}\n")
+        print(f"{prog}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     result = simulate(
         points,
         config,
@@ -90,7 +109,8 @@ def simulate_main(argv: list[str] | None = None) -> None:
     try:
         plot(result, args.out, title=f"Autoscaling simulation of {Path(args.trace).name}")
     except ImportError:
-        p.exit(2, "switchboard autoscale simulate: the PNG needs matplotlib (pip install matplotlib)\n")
+        print(f"{prog}: the PNG needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        raise SystemExit(2) from None
     if args.json_out:
         Path(args.json_out).write_text(
             json.dumps(

@@ -85,6 +85,8 @@ def _env_names(cls: type[BaseSettings], name: str, field: Any) -> list[str]:
 
 
 def _show_default(field: Any) -> str:
+    if field.is_required():
+        return "none: required"
     default = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
     if isinstance(default, (list, tuple)):
         return ",".join(str(v) for v in default) or "none"
