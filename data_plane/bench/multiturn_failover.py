@@ -52,7 +52,7 @@ class FailoverStack:
         self.control = Proc(f"control-{system}", switchboard_cmd(
             "control-plane", "--port", str(cp), "--admin-token", ADMIN_TOKEN), cp, "/health", logs, env=env)
         self.cache = Proc(f"cache-{system}", switchboard_cmd(
-            "cache-node", "--port", str(cache), "--registry", self.registry, "--node-id", f"cache-{system}"),
+            "cache-node", "--port", str(cache), "--registry-url", self.registry, "--node-id", f"cache-{system}"),
             cache, "/health", logs, env=env)
         self.shards: dict[str, Proc] = {}
         for name in ("a", "b"):

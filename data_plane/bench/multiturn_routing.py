@@ -53,7 +53,7 @@ class RoutingStack:
             "control-plane", "--port", str(cp), "--admin-token", secrets.token_hex(8)), cp, "/health", logs, env=env)
         reg = self.control.url
         c = free_port()
-        self.cache = Proc(f"cache-{policy}", switchboard_cmd("cache-node", "--port", str(c), "--registry", reg,
+        self.cache = Proc(f"cache-{policy}", switchboard_cmd("cache-node", "--port", str(c), "--registry-url", reg,
                                                              "--node-id", "cache-0"), c, "/health", logs, env=env)
         self.shards = [self._shard(policy, i, args, logs, env) for i in range(2)]
         g = free_port()
