@@ -27,6 +27,7 @@ from control_plane.scaling.actuators.kubernetes import KubernetesActuator, defau
 from control_plane.scaling.actuators.local import LocalActuator
 from control_plane.scaling.actuators.nomad import NomadActuator
 from tests.support.procs import CLUSTER_TOKEN, Service, free_port
+from tests.support.waits import eventually_async
 
 ENV_NOMAD_ADDR = "NOMAD_ADDR"
 """Set to run the Nomad adapter against that live cluster too (read and no-op scale only)."""
@@ -42,13 +43,6 @@ ENV_K8S_DEPLOYMENT = "SWITCHBOARD_TEST_K8S_DEPLOYMENT"
 def _members(cp: Service) -> dict[str, dict[str, Any]]:
     body = httpx.get(cp.url + "/v1/registry/members", params={"service": "shard"}).json()
     return {m["id"]: m for m in body["members"]}
-
-
-async def _eventually(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.1)
 
 
 async def test_local_actuator_starts_drains_and_stops_real_shards(tmp_path: Path,
@@ -68,24 +62,23 @@ async def test_local_actuator_starts_drains_and_stops_real_shards(tmp_path: Path
             try:
                 await actuator.scale_to(2, "test: two shards")
                 assert await actuator.current() == 2  # starting ones count: no double start
-                await _eventually(lambda: len(_members(cp)) == 2, 30, "two shards registered")
+                await eventually_async(lambda: len(_members(cp)) == 2, 30, 0.1, what="two shards registered")
                 first, second = actuator.shards()
                 assert first["id"].startswith("shard-local-") and Path(first["log"]).parent == tmp_path
 
                 os.kill(first["pid"], signal.SIGKILL)  # a shard that dies is forgotten
-                await _eventually(lambda: len(actuator.shards()) == 1, 5, "dead shard forgotten")
+                await eventually_async(lambda: len(actuator.shards()) == 1, 5, 0.1,
+                                       what="dead shard forgotten")
                 assert await actuator.current() == 1
 
                 # a request in flight on the shard being removed finishes before it stops
                 stream = asyncio.create_task(_stream(http, second["url"], max_tokens=40))  # ~1.6 s
-                await _eventually(lambda: _health(second["url"]).get("running") == 1, 5, "request running")
+                await eventually_async(lambda: _health(second["url"]).get("running") == 1, 5, 0.1,
+                                       what="request running")
                 await actuator.scale_to(0, "test: low load")
                 assert await actuator.current() == 0
-                await _eventually(
-                    lambda: _members(cp).get(second["id"], {}).get("status") == "draining",
-                    3,
-                    "marked draining in the registry",
-                )
+                await eventually_async(lambda: _members(cp).get(second["id"], {}).get("status") == "draining", 3, 0.1,
+                                       what="marked draining in the registry")
                 assert not stream.done()
                 assert (await stream).endswith("data: [DONE]")
                 await actuator.wait_drained()

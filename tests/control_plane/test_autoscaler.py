@@ -17,6 +17,7 @@ from control_plane.signals.model import Signals
 from control_plane.scaling.simulate import ShardModel, fleet_signals, load_trace, simulate
 from tests.support.cluster import ADMIN_TOKEN, KEYS, api_keys_env
 from tests.support.procs import ROOT, Service
+from tests.support.waits import eventually
 
 TRACE = ROOT / "deploy" / "traces" / "ramp.csv"
 
@@ -325,13 +326,9 @@ def _shards(cp: Service) -> list[dict]:
     return [m for m in members if m["status"] == "passing"]
 
 
-def _wait(cond, timeout: float, what: str, cp: Service) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.25)
-    raise AssertionError(f"{what} within {timeout}s; decisions:\n{_fmt(_decisions(cp))}\n{cp.log_tail()}")
+def _context(cp: Service) -> str:
+    """What a failed wait shows: the autoscaler's decisions and the control plane's log."""
+    return f"decisions:\n{_fmt(_decisions(cp))}\n{cp.log_tail()}"
 
 
 def test_end_to_end_scales_out_under_a_load_ramp_and_back_in_after(tmp_path) -> None:
@@ -370,7 +367,8 @@ def test_end_to_end_scales_out_under_a_load_ramp_and_back_in_after(tmp_path) -> 
         env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()},
     )
     with cp:
-        _wait(lambda: len(_shards(cp)) == 1, 30, "min_replicas shard registered", cp)
+        eventually(lambda: len(_shards(cp)) == 1, 30, 0.25, what="min_replicas shard registered",
+                   detail=lambda: _context(cp))
         urls: set[str] = set()
         with gw:
             # 12 clients on 1 shard x 2 slots: ~10 waiting -> target 1/shard wants 3
@@ -382,15 +380,13 @@ def test_end_to_end_scales_out_under_a_load_ramp_and_back_in_after(tmp_path) -> 
             assert ups and max(d["to"] for d in ups) == 3, _fmt(log)
             assert ups[0]["from"] == 0 and ups[0]["code"] == "bounds"
             assert any(d["code"] == "waiting" for d in ups), _fmt(log)
-            _wait(
-                lambda: any(d["action"] == "scale_down" and d["to"] == 1 for d in _decisions(cp)),
-                40,
-                "scaled back in to 1",
-                cp,
-            )
-            _wait(lambda: len(_shards(cp)) == 1, 20, "drained shards gone from the registry", cp)
+            eventually(lambda: any(d["action"] == "scale_down" and d["to"] == 1 for d in _decisions(cp)),
+                       40, 0.25, what="scaled back in to 1", detail=lambda: _context(cp))
+            eventually(lambda: len(_shards(cp)) == 1, 20, 0.25, what="drained shards gone from the registry",
+                       detail=lambda: _context(cp))
         actual = 'switchboard_autoscaler_actual_replicas{service="shard"} 1.0'
-        _wait(lambda: actual in httpx.get(cp.url + "/metrics").text, 5, "actual replicas gauge at 1", cp)
+        eventually(lambda: actual in httpx.get(cp.url + "/metrics").text, 5, 0.25,
+                   what="actual replicas gauge at 1", detail=lambda: _context(cp))
         log = _decisions(cp)
         print(_fmt(log))
     for url in urls:  # the control plane stopped the shards it started

@@ -38,6 +38,7 @@ import pytest
 from data_plane.bench.common import percentile
 from tests.support.cluster import ADMIN_TOKEN
 from tests.support.procs import Service
+from tests.support.waits import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -323,11 +324,10 @@ def test_load_ramp_scales_out_degrades_sheds_free_and_recovers_by_itself(tmp_pat
         env={"SWITCHBOARD_GATEWAY_API_KEYS": _keys_env()},
     )
     with cp, cache:
-        _wait(lambda: _serving(cp) == 1, 60, "the autoscaler's first shard serving")
+        eventually(lambda: _serving(cp) == 1, 60, 0.25, what="the autoscaler's first shard serving")
         with gw:
-            _wait(
-                lambda: httpx.get(gw.url + "/health").json()["shards"] == 1, 20, "the gateway sees the shard"
-            )
+            eventually(lambda: httpx.get(gw.url + "/health").json()["shards"] == 1, 20, 0.25,
+                       what="the gateway sees the shard")
             ramp = Ramp(gw.url, cp.url)
             started = time.monotonic()
             asyncio.run(_run(ramp))

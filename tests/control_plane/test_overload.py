@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import shlex
 import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -22,6 +21,7 @@ import pytest
 
 from tests.support.cluster import ADMIN_TOKEN, KEYS, api_keys_env
 from tests.support.procs import Service
+from tests.support.waits import eventually
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 SLO_S = 0.5
@@ -29,13 +29,6 @@ SLO_S = 0.5
 LADDER = ["--degradation-interval", "0.5", "--degradation-raise-dwell", "0", "--degradation-lower-dwell", "3",
           "--degradation-lower-dwell-gauge", "2", "--signals-window", "6", "--ttft-slo-s", str(SLO_S)]
 """A twitchy ladder: it would rise on the first hot reading (the old rule did, on raw TTFT)."""
-
-
-def _eventually(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.25)
 
 
 def _level(cp: Service) -> dict[str, Any]:
@@ -61,8 +54,8 @@ def test_one_long_conversation_real_model_never_raises_the_level_nor_scales_out(
     try:
         cache.start()
         gateway.start()
-        _eventually(lambda: httpx.get(gateway.url + "/health", timeout=2).json().get("shards", 0) >= 1, 180,
-                    "the autoscaler's torch shard")
+        eventually(lambda: httpx.get(gateway.url + "/health", timeout=2).json().get("shards", 0) >= 1, 180, 0.25,
+                   what="the autoscaler's torch shard")
         # ~350 prompt tokens at the first turn, ~1,000 at the last: 0.7 s .. 2 s of prefill each
         text = ("The harbour town kept its lighthouse lit through every storm of the long winter, and the "
                 "keeper wrote each night in a ledger what ships passed and what the weather did. ") * 10
@@ -119,7 +112,8 @@ def test_a_queue_built_by_many_concurrent_requests_raises_the_level_and_its_end_
     try:
         shard.start()
         gateway.start()
-        _eventually(lambda: httpx.get(gateway.url + "/health", timeout=2).json().get("shards", 0) >= 1, 30, "shard")
+        eventually(lambda: httpx.get(gateway.url + "/health", timeout=2).json().get("shards", 0) >= 1, 30, 0.25,
+                   what="shard")
         # 30 requests of 25 tokens (0.5 s each) on 2 slots: a queue of ~28, drained in ~8 s
         load = asyncio.run(_flood_until_raised(cp, gateway.url))
         statuses, peak = load
@@ -129,7 +123,7 @@ def test_a_queue_built_by_many_concurrent_requests_raises_the_level_and_its_end_
         assert events and events[0]["actor"] == "auto" and events[0]["to"] == 1
         assert "waiting/shard" in events[0]["reason"] or "queue_time" in events[0]["reason"], events[0]
         # the queue gone, the ladder comes back to 0 by itself (dwells of 2-3 s here)
-        _eventually(lambda: _level(cp)["level"] == 0, 60, "level 0 after the queue drained")
+        eventually(lambda: _level(cp)["level"] == 0, 60, 0.25, what="level 0 after the queue drained")
     finally:
         for svc in (gateway, shard, cp):
             svc.stop()

@@ -28,6 +28,7 @@ from dashboards.catalogue import JOBS
 from tests.observability.exprs import RULE_FILES, dashboard_exprs, rule_exprs, substitute
 from tests.support.cluster import Cluster
 from tests.support.procs import free_port
+from tests.support.waits import eventually
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (apt-get install prometheus)")
@@ -90,7 +91,7 @@ class Prometheus:
                 return httpx.get(self.url + "/-/ready", timeout=1.0).status_code == 200
             except httpx.HTTPError:
                 return False
-        wait_for(ready, timeout, "prometheus ready")
+        eventually(ready, timeout, what="prometheus ready")
 
     def query(self, expr: str) -> dict[str, Any]:
         body: dict[str, Any] = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10.0).json()
@@ -218,14 +219,19 @@ def check_queries_and_alert(cluster: Cluster, prometheus: Prometheus) -> None:
     # staggered offsets, and a series whose first sample already holds both waves has no increase.
     engine_total = "sum(vllm:e2e_request_latency_seconds_count)"
     sent = drive_traffic(cluster)
-    wait_for(lambda: prometheus.value(total) >= sent, 20, f"Prometheus to scrape {sent} gateway requests")
+    eventually(lambda: prometheus.value(total) >= sent, 20,
+               what=f"Prometheus to scrape {sent} gateway requests")
     done = shard_requests(cluster)
-    wait_for(lambda: prometheus.value(engine_total) >= done, 20, f"Prometheus to scrape {done} shard requests")
+    eventually(lambda: prometheus.value(engine_total) >= done, 20,
+               what=f"Prometheus to scrape {done} shard requests")
     sent += drive_traffic(cluster)
-    wait_for(lambda: prometheus.value(total) >= sent, 20, f"Prometheus to scrape {sent} gateway requests")
+    eventually(lambda: prometheus.value(total) >= sent, 20,
+               what=f"Prometheus to scrape {sent} gateway requests")
     done = shard_requests(cluster)
-    wait_for(lambda: prometheus.value(engine_total) >= done, 20, f"Prometheus to scrape {done} shard requests")
-    wait_for(lambda: prometheus.value('count(up{job=~"switchboard-.*"} == 1)') == 6, 10, "all 6 targets up")
+    eventually(lambda: prometheus.value(engine_total) >= done, 20,
+               what=f"Prometheus to scrape {done} shard requests")
+    eventually(lambda: prometheus.value('count(up{job=~"switchboard-.*"} == 1)') == 6, 10,
+               what="all 6 targets up")
     time.sleep(1.5)  # one more scrape of every target after the last request
 
     control_metrics = httpx.get(cluster.control_plane.url + "/metrics", timeout=5.0).text
@@ -261,12 +267,12 @@ def check_queries_and_alert(cluster: Cluster, prometheus: Prometheus) -> None:
     assert not [r["name"] for r in loaded if r["health"] == "err"], [r.get("lastError") for r in loaded]
 
     # Startup scrapes may have fired it before the shards were up; it must clear, then fire on a kill.
-    wait_for(lambda: not prometheus.alerts("SwitchboardShardDown"), 15, "SwitchboardShardDown to clear")
+    eventually(lambda: not prometheus.alerts("SwitchboardShardDown"), 15,
+               what="SwitchboardShardDown to clear")
     victim = cluster.shards[0]
     victim.kill()
     instance = victim.url.removeprefix("http://")
-    wait_for(lambda: any(a["labels"]["instance"] == instance for a in prometheus.alerts("SwitchboardShardDown")),
-             30, f"SwitchboardShardDown firing for {instance}")
+    eventually(lambda: any(a["labels"]["instance"] == instance for a in prometheus.alerts("SwitchboardShardDown")), 30, what=f"SwitchboardShardDown firing for {instance}")
     firing = prometheus.alerts("SwitchboardShardDown")
     assert [a["labels"]["instance"] for a in firing] == [instance]
     assert firing[0]["annotations"]["runbook_url"] == "docs/runbook.md#switchboardsharddown"

@@ -20,13 +20,17 @@ NOT_YET = (httpx.HTTPError, KeyError, ValueError, IndexError)
 """What a predicate may raise while the thing it polls is not there yet."""
 
 
-def _failed(what: str, timeout_s: float, last: BaseException | None) -> AssertionError:
+def _failed(what: str, timeout_s: float, last: BaseException | None,
+            detail: Callable[[], str] | None) -> AssertionError:
     tail = f" (last error: {last!r})" if last is not None else ""
-    return AssertionError(f"{what or 'condition'} not met within {timeout_s} s{tail}")
+    more = f"\n{detail()}" if detail is not None else ""
+    return AssertionError(f"{what or 'condition'} not met within {timeout_s} s{tail}{more}")
 
 
-def eventually(predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.05, what: str = "") -> float:
-    """Poll `predicate` until it is truthy; seconds it took."""
+def eventually(predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.05, what: str = "",
+               detail: Callable[[], str] | None = None) -> float:
+    """Poll `predicate` until it is truthy; seconds it took. `detail()` is added to the failure
+    (e.g. a process's log tail)."""
     start = time.monotonic()
     last: BaseException | None = None
     while True:
@@ -36,12 +40,12 @@ def eventually(predicate: Callable[[], Any], timeout_s: float, interval_s: float
         except NOT_YET as e:
             last = e
         if time.monotonic() - start > timeout_s:
-            raise _failed(what, timeout_s, last)
+            raise _failed(what, timeout_s, last, detail)
         time.sleep(interval_s)
 
 
 async def eventually_async(predicate: Callable[[], Any | Awaitable[Any]], timeout_s: float,
-                           interval_s: float = 0.02, what: str = "") -> float:
+                           interval_s: float = 0.02, what: str = "", detail: Callable[[], str] | None = None) -> float:
     """:func:`eventually` on an event loop; `predicate` may return an awaitable."""
     start = time.monotonic()
     last: BaseException | None = None
@@ -55,5 +59,5 @@ async def eventually_async(predicate: Callable[[], Any | Awaitable[Any]], timeou
         except NOT_YET as e:
             last = e
         if time.monotonic() - start > timeout_s:
-            raise _failed(what, timeout_s, last)
+            raise _failed(what, timeout_s, last, detail)
         await asyncio.sleep(interval_s)
