@@ -350,7 +350,7 @@ def test_registers_as_cache_and_deregisters_on_shutdown(tmp_path: Path) -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     registry = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        (proc,) = start_cache_nodes(1, "--registry", registry, "--node-id", "cache-reg-1", log_dir=tmp_path)
+        (proc,) = start_cache_nodes(1, "--registry-url", registry, "--node-id", "cache-reg-1", log_dir=tmp_path)
         proc.stop()  # SIGTERM: uvicorn runs the lifespan shutdown, which deregisters
         puts = [c for c in _RegistryStub.calls if c[0] == "PUT"]
         assert puts and puts[0][1] == "/v1/registry/members/cache-reg-1"

@@ -198,7 +198,7 @@ def test_short_and_long_conversations_at_half_one_and_twice_capacity(tmp_path: P
                   "--scale-up-cooldown-s", "5", "--scale-down-cooldown-s", "30", "--shard-log-dir", str(tmp_path),
                   "--local-max-shards", str(HOST_SHARDS),
                   "--shard-args", shlex.join(shard_args)])
-    cache = Service(["cache-node", "--registry", cp.url, "--node-id", "cache-0"])
+    cache = Service(["cache-node", "--registry-url", cp.url, "--node-id", "cache-0"])
     keys = ",".join(f"{key}:{tier}-co:{tier}" for tier, key in KEYS.items())
     gateway = Service(["gateway", "--registry-url", cp.url, "--max-model-len", "2048", "--tiers-file", str(tiers)],
                       env={"SWITCHBOARD_GATEWAY_API_KEYS": keys}, ready_timeout=120)

@@ -37,7 +37,7 @@ def tls_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(CA_BUNDLE_ENV, str(pki.ca))  # this process's httpx (health polls) verifies with the CA
         cp = TlsService(["control-plane", "--admin-token", "t"], env)
-        cache = TlsService(["cache-node", "--registry", cp.url, "--node-id", "cache-0"], env)
+        cache = TlsService(["cache-node", "--registry-url", cp.url, "--node-id", "cache-0"], env)
         shard = TlsService(["shard", "--engine", "synthetic", "--registry-url", cp.url, "--node-id", "shard-0",
                             "--synthetic-token-delay-ms", "1"], env)
         gateway = TlsService(["gateway", "--registry-url", cp.url, "--tokenizer", "whitespace", "--model-name",

@@ -70,7 +70,7 @@ def test_a_zone_outage_loses_no_paid_conversation(hosts: None) -> None:
     cp.url = f"http://{HOSTS.cp_addr}:{cp.port}"
     zone_procs = {z: [HostService(z, ["shard", "--engine", "synthetic", "--synthetic-token-delay-ms",
                                       str(TOKEN_DELAY_MS), "--registry-url", cp.url, "--node-id", f"shard-{z}"]),
-                      HostService(z, ["cache-node", "--registry", cp.url, "--node-id", f"cache-{z}"])]
+                      HostService(z, ["cache-node", "--registry-url", cp.url, "--node-id", f"cache-{z}"])]
                   for z in ZONE_HOST}
     gws = {z: Service(["gateway", "--registry-url", cp.url, "--tokenizer", "whitespace", "--model-name", "synthetic",
                        "--zone", z, "--node-id", f"gateway-{z}"], env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()})

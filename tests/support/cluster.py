@@ -38,7 +38,7 @@ class Cluster:
         self.control_plane = Service(["control-plane", "--admin-token", ADMIN_TOKEN])
         registry = self.control_plane.url
         self.registry = registry
-        self.caches = [Service(["cache-node", "--registry", registry, "--node-id", f"cache-{i}"])
+        self.caches = [Service(["cache-node", "--registry-url", registry, "--node-id", f"cache-{i}"])
                        for i in range(caches)]
         extra = list(shard_args or [])
         if engine == "synthetic":

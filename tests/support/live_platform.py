@@ -49,7 +49,7 @@ class LivePlatform:
             "--degradation-interval", "1", "--ttft-slo-s", "1.5",
         ])
         registry = self.control_plane.url
-        self.cache = Service(["cache-node", "--registry", registry, "--node-id", "cache-0"])
+        self.cache = Service(["cache-node", "--registry-url", registry, "--node-id", "cache-0"])
         self.gateway = Service(["gateway", "--registry-url", registry, "--tokenizer", "whitespace",
                                 "--model-name", "synthetic"], env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()})
         self.credentials = state / "credentials.json"
