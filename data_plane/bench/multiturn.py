@@ -192,7 +192,8 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     labels = {"off": "(a) prefix caching off", "on": "(b) prefix caching on", **LABELS}
     for system in dict.fromkeys(r["system"] for r in rows):
-        mine = sorted((r for r in rows if r["system"] == system), key=lambda r: r["history_tokens"])
+        # In turn order: a degraded gateway's shorter window (bench rows (c')) must not fold the line back.
+        mine = sorted((r for r in rows if r["system"] == system), key=lambda r: r["turn"])
         ax.plot([r["history_tokens"] for r in mine], [r["ttft_p50_ms"] / 1000 for r in mine], marker="o",
                 label=labels.get(system, system))
     ax.set_xlabel("prompt tokens (history + new turn)")
