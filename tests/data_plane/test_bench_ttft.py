@@ -1,0 +1,31 @@
+"""`switchboard bench ttft` (data_plane/bench/ttft_breakdown.py): a request's spans split into parts."""
+
+from __future__ import annotations
+
+from data_plane.bench.ttft_breakdown import PARTS, breakdown
+
+
+def span(trace: str, name: str, start_ms: float, end_ms: float, attributes: dict | None = None,
+         events: list | None = None) -> dict:
+    return {"trace_id": trace, "name": name, "start_ns": int(start_ms * 1e6), "end_ns": int(end_ms * 1e6),
+            "attributes": attributes or {}, "events": events or []}
+
+
+def test_the_parts_of_one_request_add_up() -> None:
+    spans = [
+        span("t1", "gateway.request", 0, 900, {"switchboard.gateway.ttft_s": 0.262, "switchboard.gateway.holdback_s": 0.001}),
+        span("t1", "router.route", 5, 261),
+        span("t1", "shard.generate", 7, 800, {"gen_ai.usage.input_tokens": 1500},
+             [{"name": "queue", "attributes": {"duration_s": 0.030}},
+              {"name": "prefill", "attributes": {"duration_s": 0.200}}]),
+        span("t2", "gateway.request", 0, 10),   # no shard span: left out
+        span("t3", "gateway.request", 0, 10), span("t3", "router.route", 1, 9),
+        span("t3", "shard.generate", 2, 9, {"gen_ai.usage.input_tokens": 20},
+             [{"name": "queue", "attributes": {"duration_s": 0}}, {"name": "prefill", "attributes": {"duration_s": 0}}]),
+    ]
+    (row,) = breakdown(spans, min_prompt=1400)
+    assert set(row) == set(PARTS)
+    assert round(row["gateway before routing"], 3) == 5 and round(row["hop to the shard"], 3) == 2
+    assert round(row["shard queue"], 3) == 30 and round(row["shard copy-in + prefill"], 3) == 200
+    assert round(row["prefill done -> first token at the gateway"], 3) == 24
+    assert round(row["gateway TTFT"], 3) == 262 and round(row["gateway hold-back"], 3) == 1
