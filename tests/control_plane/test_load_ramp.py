@@ -381,15 +381,3 @@ def test_load_ramp_scales_out_degrades_sheds_free_and_recovers_by_itself(tmp_pat
 def _serving(cp: Service) -> int:
     members = httpx.get(cp.url + "/v1/registry/members", params={"service": "shard"}).json()["members"]
     return sum(m["status"] == "passing" for m in members)
-
-
-def _wait(cond: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if cond():
-                return
-        except (httpx.HTTPError, ValueError, KeyError):
-            pass
-        time.sleep(0.25)
-    raise AssertionError(f"{what}: not within {timeout}s")

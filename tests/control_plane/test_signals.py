@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-import shutil
 import signal
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ from control_plane.signals.scrape import ScrapeSignals
 from data_plane.membership.view import Member
 from tests.support.cluster import Cluster
 from tests.support.procs import free_port
+from tests.support.prometheus import PROMETHEUS, Prometheus
 
 # -- math ----------------------------------------------------------------------------------------
 
@@ -221,35 +220,16 @@ async def test_scrape_signals_from_a_live_cluster(cluster: Cluster) -> None:
 
 # -- Prometheus -------------------------------------------------------------------------------------
 
-PROMETHEUS = shutil.which("prometheus")
-
-
 @pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (apt-get install prometheus)")
 async def test_prometheus_signals_match_the_scrape_ones(cluster: Cluster) -> None:
-    port = free_port()
     shard_targets = [s.url.removeprefix("http://") for s in cluster.shards]
-    config = f"""
-global: {{scrape_interval: 1s, scrape_timeout: 800ms}}
-scrape_configs:
-  - job_name: switchboard-shard
-    static_configs: [{{targets: {shard_targets}}}]
-  - job_name: switchboard-gateway
-    static_configs: [{{targets: ["{cluster.gateway.url.removeprefix("http://")}"]}}]
-"""
     with tempfile.TemporaryDirectory() as d:
-        Path(d, "prometheus.yml").write_text(config)
-        proc = subprocess.Popen(
-            [
-                str(PROMETHEUS),
-                f"--config.file={d}/prometheus.yml",
-                f"--storage.tsdb.path={d}/data",
-                f"--web.listen-address=127.0.0.1:{port}",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        prometheus = Prometheus(Path(d), {"switchboard-shard": shard_targets,
+                                          "switchboard-gateway": [cluster.gateway.url.removeprefix("http://")]},
+                                scrape_timeout="800ms")
+        prometheus.start()
         try:
-            url = f"http://127.0.0.1:{port}"
+            url = prometheus.url
             async with httpx.AsyncClient() as http:
                 source = PrometheusSignals(url, http, window_s=10)
                 await _until(lambda s: s.healthy_shards == 2 and s.complete, source, 20)
@@ -289,8 +269,7 @@ scrape_configs:
                 s = await gone.read()
                 assert not s.complete and s.missing[0].startswith("prometheus: ")
         finally:
-            proc.terminate()
-            proc.wait(10)
+            prometheus.stop()
 
 
 async def _until(cond, source: PrometheusSignals, timeout: float) -> Signals:  # type: ignore[no-untyped-def]

@@ -1,6 +1,6 @@
 """The proof: every dashboard query and rule evaluates against a real Prometheus scraping a real cluster.
 
-A synthetic-engine :class:`~tests.cluster.Cluster` and a Prometheus (Debian's `prometheus` binary, on
+A synthetic-engine :class:`~tests.support.cluster.Cluster` and a Prometheus (Debian's `prometheus` binary, on
 a free loopback port, scraping every second with the job names the rules assume) run side by side.
 After two waves of traffic (normal, streamed, sessions, a few 4xx, one request a shard refuses)
 every panel query and every rule expression must parse; every panel of the Overview, Data plane and
@@ -13,10 +13,7 @@ Skips when the `prometheus` binary is absent (`apt-get install prometheus`, or `
 from __future__ import annotations
 
 import math
-import shutil
-import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +24,9 @@ import yaml
 from dashboards.catalogue import JOBS
 from tests.observability.exprs import RULE_FILES, dashboard_exprs, rule_exprs, substitute
 from tests.support.cluster import Cluster
-from tests.support.procs import free_port
+from tests.support.prometheus import PROMETHEUS, Prometheus
 from tests.support.waits import eventually
 
-PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (apt-get install prometheus)")
 
 MUST_HAVE_DATA = {"overview.json", "data-plane.json", "control-plane.json"}
@@ -54,77 +50,6 @@ tests/data_plane/test_shard_speculation.py; the test asserts the synthetic shard
 drafts, so this exemption lapses loudly if that changes."""
 
 BAD_CARD = "my card is 4111 1111 1111 1111"  # the default input policy blocks card numbers (400)
-
-
-class Prometheus:
-    """A Prometheus process on a loopback port; `query` and `alerts` use its HTTP API."""
-
-    def __init__(self, workdir: Path, scrape: dict[str, list[str]], rule_files: list[Path]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = {
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(p) for p in rule_files],
-            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": targets}]}
-                               for job, targets in scrape.items()],
-        }
-        self.config = workdir / "prometheus.yml"
-        self.config.write_text(yaml.safe_dump(config))
-        self.data = workdir / "tsdb"
-        self.log_path = workdir / "prometheus.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        assert PROMETHEUS is not None
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [PROMETHEUS, f"--config.file={self.config}", f"--storage.tsdb.path={self.data}",
-                 f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-                stdout=log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        def ready() -> bool:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                return httpx.get(self.url + "/-/ready", timeout=1.0).status_code == 200
-            except httpx.HTTPError:
-                return False
-        eventually(ready, timeout, what="prometheus ready")
-
-    def query(self, expr: str) -> dict[str, Any]:
-        body: dict[str, Any] = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10.0).json()
-        return body
-
-    def value(self, expr: str) -> float:
-        result = self.query(expr)["data"]["result"]
-        return float(result[0]["value"][1]) if result else math.nan
-
-    def alerts(self, name: str, state: str = "firing") -> list[dict[str, Any]]:
-        alerts = httpx.get(self.url + "/api/v1/alerts", timeout=5.0).json()["data"]["alerts"]
-        return [a for a in alerts if a["labels"]["alertname"] == name and a["state"] == state]
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
-def wait_for(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.25) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def fast_rules(workdir: Path) -> list[Path]:

@@ -1,0 +1,89 @@
+"""A real Prometheus (Debian's `prometheus` binary) on a free loopback port, for tests.
+
+    prometheus = Prometheus(tmp_path, {"switchboard-gateway": ["127.0.0.1:8080"]}, rule_files)
+    prometheus.start(); prometheus.wait_ready()
+    prometheus.value("sum(up)"); prometheus.alerts("SwitchboardShardDown"); prometheus.stop()
+
+It scrapes (and evaluates rules) every second. Tests skip when :data:`PROMETHEUS` is None. Used by
+tests/observability/test_live.py and tests/control_plane/test_signals.py.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from tests.support.procs import free_port
+from tests.support.waits import eventually
+
+PROMETHEUS = shutil.which("prometheus")
+"""The binary, or None (`apt-get install prometheus`, or `make sysdeps`)."""
+
+
+class Prometheus:
+    """A Prometheus process on a loopback port; `query` and `alerts` use its HTTP API."""
+
+    def __init__(self, workdir: Path, scrape: dict[str, list[str]], rule_files: list[Path] | None = None, *,
+                 scrape_timeout: str = "1s") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": scrape_timeout, "evaluation_interval": "1s"},
+            "rule_files": [str(p) for p in rule_files or []],
+            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": targets}]}
+                               for job, targets in scrape.items()],
+        }
+        self.config = workdir / "prometheus.yml"
+        self.config.write_text(yaml.safe_dump(config))
+        self.data = workdir / "tsdb"
+        self.log_path = workdir / "prometheus.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        assert PROMETHEUS is not None
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [PROMETHEUS, f"--config.file={self.config}", f"--storage.tsdb.path={self.data}",
+                 f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+                stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        def ready() -> bool:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                return httpx.get(self.url + "/-/ready", timeout=1.0).status_code == 200
+            except httpx.HTTPError:
+                return False
+        eventually(ready, timeout, what="prometheus ready")
+
+    def query(self, expr: str) -> dict[str, Any]:
+        body: dict[str, Any] = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10.0).json()
+        return body
+
+    def value(self, expr: str) -> float:
+        result = self.query(expr)["data"]["result"]
+        return float(result[0]["value"][1]) if result else math.nan
+
+    def alerts(self, name: str, state: str = "firing") -> list[dict[str, Any]]:
+        alerts = httpx.get(self.url + "/api/v1/alerts", timeout=5.0).json()["data"]["alerts"]
+        return [a for a in alerts if a["labels"]["alertname"] == name and a["state"] == state]
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
