@@ -11,36 +11,32 @@ Streamlit answers ``GET /_stcore/health`` with ``ok`` once it serves.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
 
-from admin_ui.settings import build_parser
+from admin_ui.settings import ConsoleSettings
+from data_plane.common.settings_cli import parse_flags
 
 APP = Path(__file__).resolve().parent / "app.py"
-ENV_PORT = "SWITCHBOARD_CONSOLE_PORT"
-ENV_HOST = "SWITCHBOARD_CONSOLE_HOST"
 PRIMARY_COLOR = "#1f5fbf"
 HEALTH_PATH = "/_stcore/health"
 """Where a supervisor polls the console's readiness."""
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    parser = build_parser("switchboard console")
-    parser.add_argument("--port", type=int, default=int(os.environ.get(ENV_PORT, "8501")),
-                        help=f"console port [env {ENV_PORT}; default 8501]")
-    parser.add_argument("--host", default=os.environ.get(ENV_HOST, "127.0.0.1"),
-                        help=f"address to bind [env {ENV_HOST}; default 127.0.0.1]")
-    args = parser.parse_args(argv)
-    if not 1 <= args.port <= 65535:
-        parser.error("--port must be 1..65535")
+APP_FIELDS = ("control_plane_url", "gateway_url", "credentials_file", "refresh_s", "timeout_s")
+"""What the Streamlit app itself reads from its argv (ConsoleSettings.from_argv)."""
+
+
+def parse_args(argv: list[str] | None) -> tuple[ConsoleSettings, list[str]]:
+    """The console's settings (data_plane/common/settings_cli.py) and the flags handed on to the
+    app: the ones given here, never the token."""
+    settings, given = parse_flags(ConsoleSettings, argv, prog="switchboard console")
     app_args = []
-    for flag in ("control_plane_url", "gateway_url", "credentials_file", "refresh_s"):
-        value = getattr(args, flag)
-        if value is not None:
-            app_args += ["--" + ("refresh" if flag == "refresh_s" else flag.replace("_", "-")), str(value)]
-    return args, app_args
+    for name in APP_FIELDS:
+        if name in given:
+            app_args += ["--" + name.replace("_", "-"), str(getattr(settings, name))]
+    return settings, app_args
 
 
 def command(argv: list[str] | None = None) -> list[str]:

@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from data_plane.common.settings_cli import build_parser as settings_parser
 
 ENV_CONTROL_PLANE_URL = "SWITCHBOARD_CONTROL_PLANE_URL"
 """Base URL of the control plane's admin API."""
@@ -35,7 +37,12 @@ DEFAULT_CREDENTIALS_FILE = ".switchboard/credentials.json"
 
 
 class ConsoleSettings(BaseSettings):
-    model_config = SettingsConfigDict(extra="ignore", populate_by_name=True, frozen=True)
+    model_config = SettingsConfigDict(env_prefix="SWITCHBOARD_CONSOLE_", extra="ignore", populate_by_name=True,
+                                      frozen=True, use_attribute_docstrings=True)
+    FLAG_ALIASES: ClassVar[dict[str, str]] = {"--refresh": "refresh_s"}
+    """Deprecated flag spellings."""
+    ENV_ONLY: ClassVar[frozenset[str]] = frozenset({"admin_token"})
+    """Never a flag: the token stays out of ``ps``."""
 
     control_plane_url: str = Field(
         default="http://127.0.0.1:8300", validation_alias=AliasChoices("control_plane_url", ENV_CONTROL_PLANE_URL)
@@ -55,6 +62,10 @@ class ConsoleSettings(BaseSettings):
     """Seconds between automatic refreshes."""
     timeout_s: float = Field(default=3.0, gt=0.0, le=60.0)
     """Timeout of one admin-API call; an unreachable control plane is reported after this long."""
+    port: int = Field(default=8501, ge=1, le=65535)
+    """Port the console serves on (read by `switchboard console`, which starts Streamlit)."""
+    host: str = Field(default="127.0.0.1")
+    """Address the console binds."""
 
     @classmethod
     def from_argv(cls, argv: list[str] | None = None) -> ConsoleSettings:
@@ -83,13 +94,5 @@ class ConsoleSettings(BaseSettings):
 
 
 def build_parser(prog: str = "switchboard console") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="The Switchboard admin console (Streamlit).")
-    parser.add_argument("--control-plane-url", help=f"admin API base URL [env {ENV_CONTROL_PLANE_URL}; "
-                        "default http://127.0.0.1:8300]")
-    parser.add_argument("--gateway-url", help=f"chat gateway for the Playground [env {ENV_GATEWAY_URL}; "
-                        "default http://127.0.0.1:8000]")
-    parser.add_argument("--credentials-file", help=f"credentials from `switchboard up` [env {ENV_CREDENTIALS_FILE}; "
-                        f"default {DEFAULT_CREDENTIALS_FILE}]")
-    parser.add_argument("--refresh", dest="refresh_s", type=float,
-                        help=f"seconds between refreshes [env {ENV_REFRESH_S}; default 3]")
-    return parser
+    """The console's flags, one per field (data_plane/common/settings_cli.py); none for the token."""
+    return settings_parser(ConsoleSettings, prog, "The Switchboard admin console (Streamlit).")

@@ -4,6 +4,7 @@ settings/CLI mechanism of every process (gateway, shard, cache node, control pla
     class ShardSettings(BaseSettings):
         model_config = SettingsConfigDict(env_prefix="SWITCHBOARD_SHARD_", use_attribute_docstrings=True)
         FLAG_ALIASES: ClassVar[dict[str, str]] = {"--registry": "registry_url"}   # deprecated spellings
+        ENV_ONLY: ClassVar[frozenset[str]] = frozenset({"admin_token"})          # secrets: no flag (ps)
         port: int = Field(8101, ge=1, le=65535)
         \"\"\"TCP port to listen on.\"\"\"                                    # the flag's help text
         peers: CommaList[AnyHttpUrl] = []                                   # "--peers http://a,http://b"
@@ -110,9 +111,13 @@ class _Deprecated(argparse.Action):
 
 def build_parser(cls: type[BaseSettings], prog: str, description: str | None = None) -> argparse.ArgumentParser:
     """The argparse parser of `cls`: one flag per field (help from its description), plus the
-    deprecated spellings in ``cls.FLAG_ALIASES`` (``{"--old-flag": "field_name"}``)."""
+    deprecated spellings in ``cls.FLAG_ALIASES`` (``{"--old-flag": "field_name"}``); the fields in
+    ``cls.ENV_ONLY`` (secrets that must stay out of ``ps``) get none."""
     parser = argparse.ArgumentParser(prog=prog, description=description or (cls.__doc__ or "").strip())
+    env_only: frozenset[str] = getattr(cls, "ENV_ONLY", frozenset())
     for name, field in cls.model_fields.items():
+        if name in env_only:
+            continue
         flag = "--" + name.replace("_", "-")
         envs = " or ".join(_env_names(cls, name, field))
         help_text = f"{(field.description or '').strip()} [env {envs}; default {_show_default(field)}]"
@@ -139,10 +144,17 @@ def build_parser(cls: type[BaseSettings], prog: str, description: str | None = N
 
 
 def parse_settings(cls: type[S], argv: list[str] | None, prog: str, description: str | None = None) -> S:
+    """`cls` from flags, then its env variables, then defaults; a bad value exits 2 naming the flag."""
+    return parse_flags(cls, argv, prog, description)[0]
+
+
+def parse_flags(cls: type[S], argv: list[str] | None, prog: str,
+                description: str | None = None) -> tuple[S, dict[str, Any]]:
+    """`parse_settings`, plus the fields given as flags (``{field: raw value}``)."""
     ns = build_parser(cls, prog, description).parse_args(argv)
     overrides = {k: v for k, v in vars(ns).items() if v is not None}
     try:
-        return cls(**overrides)
+        return cls(**overrides), overrides
     except ValidationError as exc:
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"])
