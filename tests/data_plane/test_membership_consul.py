@@ -35,7 +35,7 @@ from tests.support.cluster import KEYS, api_keys_env
 from tests.support.consul_stub import ConsulStub, consul_agent, consul_client
 from tests.support.metrics import metric
 from tests.support.procs import Service
-from tests.support.waits import eventually_async
+from tests.support.waits import eventually, eventually_async
 
 
 @pytest.fixture(scope="module", params=["stub", "live"])
@@ -255,14 +255,9 @@ def chat(gateway: Service) -> httpx.Response:
 
 
 def wait_metric(gateway: Service, name: str, value: float, timeout_s: float, **labels: str) -> float:
-    start = time.monotonic()
-    while True:
-        seen = metric(gateway.url, name, **labels)
-        if seen == value:
-            return time.monotonic() - start
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"{name}{labels} = {seen}, wanted {value} within {timeout_s}s")
-        time.sleep(0.05)
+    return eventually(lambda: metric(gateway.url, name, **labels) == value, timeout_s,
+                      what=f"{name}{labels} == {value}",
+                      detail=lambda: f"it is {metric(gateway.url, name, **labels)}")
 
 
 def test_cluster_on_consul_stub_routes_loses_a_shard_and_survives_consul_outage() -> None:

@@ -16,6 +16,7 @@ import pytest
 
 from data_plane.common.keepalive import KEEPALIVE_COMMENT, with_keepalives
 from tests.support.cluster import KEYS, Cluster
+from tests.support.metrics import metric
 
 
 def _running(url: str) -> float:
@@ -39,11 +40,6 @@ def _freeze_the_streaming_shard(c: Cluster, stopped: list[object]) -> None:
             time.sleep(0.05)
 
     threading.Thread(target=freeze, daemon=True).start()
-
-
-def _gateway_metric(c: Cluster, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(c.gateway.url + "/metrics").text.splitlines()
-               if line.startswith(name))
 
 
 def test_shard_sends_keepalives_while_the_engine_is_quiet() -> None:
@@ -88,7 +84,7 @@ def test_silent_shard_mid_stream_resumes_elsewhere_within_seconds() -> None:
             assert "".join(text) == reference.choices[0].message.content  # seamless: nothing lost or repeated
             print(f"longest gap {max(gaps):.2f} s (silence timeout 2 s; idle timeout 30 s)")
             assert max(gaps) < 10  # resumed on the other shard long before the 30 s idle timeout
-            assert _gateway_metric(c, "switchboard_router_resumes_total") >= 1
+            assert metric(c.gateway.url, "switchboard_router_resumes_total") >= 1
         finally:
             for shard in stopped:
                 shard.proc.send_signal(signal.SIGCONT)  # type: ignore[attr-defined]
@@ -116,7 +112,7 @@ def test_a_shard_that_leaves_membership_mid_stream_is_resumed_without_waiting_fo
             assert stopped and "".join(text) == reference.choices[0].message.content
             print(f"longest gap {max(gaps):.2f} s (membership TTL 0.8 s; silence timeout 60 s)")
             assert max(gaps) < 30  # far below the 60 s the silence rule alone would take
-            assert _gateway_metric(c, 'switchboard_router_upstream_failures_total{reason="membership_lost"}') >= 1
+            assert metric(c.gateway.url, "switchboard_router_upstream_failures_total", reason="membership_lost") >= 1
         finally:
             for shard in stopped:
                 shard.proc.send_signal(signal.SIGCONT)  # type: ignore[attr-defined]

@@ -18,7 +18,8 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.procs import ROOT
+
 DASHBOARD_DIR = ROOT / "dashboards" / "grafana"
 ALERTS_DIR = ROOT / "alerts"
 RULE_FILES = sorted(ALERTS_DIR.glob("*.rules.yaml"))
