@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CACHE_SERVICE = "cache"
+SUSPECT_S = 5.0
+"""A node a fetch could not reach is skipped by fetches for this long (a stopped node would otherwise
+cost every resumed turn a timeout); stores still try it."""
 MAX_FETCH_BODY = 1 << 30
 """A fetch answer larger than this is refused (a node that misbehaves cannot exhaust memory)."""
 
@@ -115,6 +118,7 @@ class KVRemote:
         self._ring = HashRing(())
         self._by_id: dict[str, Member] = {}
         self._zone_of: dict[str, str] = {}
+        self._suspect_until: dict[str, float] = {}
 
     def replicas_for(self, session_id: str, replicas: int) -> list[Member]:
         """The cache members that hold `session_id`'s blocks now, local zone first ([] if none)."""
@@ -157,6 +161,8 @@ class KVRemote:
         with fewer blocks than another might have is followed by the next. None: nobody answered."""
         best: Fetched | None = None
         for member in self.replicas_for(session_id, replicas):
+            if self._suspect_until.get(member.id, 0.0) > time.monotonic():
+                continue
             started = time.perf_counter()
             try:
                 status, headers, body = await post_raw(
@@ -164,7 +170,9 @@ class KVRemote:
                     {**self._headers, "content-type": CONTENT_TYPE}, self._timeout_s)
             except (OSError, TimeoutError, RawHTTPError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
                     ssl.SSLError) as exc:
-                log.warning("cache node %s unreachable for a KV fetch: %s", member.id, type(exc).__name__)
+                log.warning("cache node %s unreachable for a KV fetch: %s (skipped for %.0f s)", member.id,
+                            type(exc).__name__, SUSPECT_S)
+                self._suspect_until[member.id] = time.monotonic() + SUSPECT_S
                 continue
             if status != 200:
                 log.warning("cache node %s answered a KV fetch with %d", member.id, status)

@@ -89,7 +89,7 @@ class _Export:
 
 class KVTier:
     def __init__(self, remote: KVRemote, metrics: KVTierMetrics, policy: FetchPolicy | None = None, *,
-                 max_pending_bytes: int = 256 << 20) -> None:
+                 max_pending_bytes: int = 256 << 20, max_concurrent_fetches: int = 1) -> None:
         self.remote = remote
         self.metrics = metrics
         self.policy = policy or FetchPolicy()
@@ -99,6 +99,9 @@ class KVTier:
         self._queue: asyncio.Queue[_Export] = asyncio.Queue()
         self._pending_bytes = 0
         self._worker: asyncio.Task[None] | None = None
+        self._fetch_gate = asyncio.Semaphore(max_concurrent_fetches)
+        """Fetches are CPU-bound on both ends here (Python HTTP, checksums, copies): run side by side
+        they all finish late, one after another the first turn starts prefilling early."""
         self._stored: OrderedDict[str, tuple[int, bytes]] = OrderedDict()
         """session -> (leading blocks the cache nodes hold, the last of those blocks' hash)."""
         self._publish()
@@ -240,15 +243,19 @@ class KVTier:
             span.add_event("kv_fetch", {"decision": decision, "tokens_missing": tokens,
                                         "estimated_fetch_s": fetch_s, "estimated_prefill_s": prefill_s})
             return
-        started = time.perf_counter()
-        got = await self.remote.fetch(ref.session_id, ref.replicas, hashes[:usable], skip=local)
+        queued = time.perf_counter()
+        async with self._fetch_gate:  # one at a time: the first resumes (prefills) while the next arrives
+            started = time.perf_counter()
+            got = await self.remote.fetch(ref.session_id, ref.replicas, hashes[:usable], skip=local)
+            if got is not None:
+                kv, used, reason = await asyncio.to_thread(self._verify, got.body,
+                                                           hashes[local : min(got.run, usable)])
+            seconds = time.perf_counter() - started
         if got is None:
             m.fetches.labels(name, "unavailable").inc()
             span.add_event("kv_fetch", {"decision": decision, "result": "unavailable", "tokens_missing": tokens})
             log.warning("KV fetch: no cache node answered; recomputing %d tokens", tokens)
             return
-        kv, used, reason = await asyncio.to_thread(self._verify, got.body, hashes[local : min(got.run, usable)])
-        seconds = time.perf_counter() - started
         m.load_bytes.labels(name).inc(len(got.body))
         m.load_time.labels(name).inc(seconds)
         self.policy.observe_transfer(len(got.body), seconds)
@@ -267,6 +274,7 @@ class KVTier:
         span.add_event("kv_fetch", {"decision": decision, "result": "hit" if used else "miss",
                                     "tokens_cached": local * bs, "tokens_fetched": used * bs,
                                     "tokens_missing": tokens, "bytes": len(got.body), "seconds": seconds,
+                                    "queued_s": started - queued,
                                     "node": got.node, **({"rejected": reason} if reason else {})})
 
     def _verify(self, body: bytes, expected: Sequence[bytes]) -> tuple[torch.Tensor | None, int, str | None]:
