@@ -115,10 +115,9 @@ class ChatHandler:
             "gen_ai.operation.name": "chat", "switchboard.request_id": self.request_id,
             "switchboard.client_request_id": self.client_request_id, SPAN_ATTRIBUTE: self.effects.level})
         ledger = gw.ledger
-        ended: Any = self  # the ledger reads the properties below (its EndedRequest)
         self.x = Exchange(gw.metrics, gw.limiter, span, self.request_id, DisconnectWatch(request.receive),
                           on_record=None if ledger is None else lambda status, code: ledger.record_request(
-                              ended, status, code), t0=t0)
+                              self, status, code), t0=t0)  # the ledger reads its EndedRequest properties
         """Slot, grant, in-flight gauge, metrics record and span, released once by `x.close`. Once
         the body is read, a client that goes away cancels this request's task (`x.disconnect`), and
         so whatever it waits on: admission queue, shard, stream, and the shard's work with it."""

@@ -41,23 +41,36 @@ from data_plane.common.tasks import stop_tasks
 
 
 class _Principal(Protocol):
-    key_id: str
-    tenant: str
+    @property
+    def key_id(self) -> str: ...
+
+    @property
+    def tenant(self) -> str: ...
 
 
 class _Effects(Protocol):
-    level: int
+    @property
+    def level(self) -> int: ...
 
 
 class EndedRequest(Protocol):
     """What the ledger reads of a request as it ends: the gateway's ChatHandler (data_plane/gateway/chat.py)
     has these; declared here so the ledger never imports the gateway."""
 
-    request_id: str
-    tier_name: str
-    t0: float
-    first_token_at: float | None
-    session_id: str | None
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def tier_name(self) -> str: ...
+
+    @property
+    def t0(self) -> float: ...
+
+    @property
+    def first_token_at(self) -> float | None: ...
+
+    @property
+    def session_id(self) -> str | None: ...
 
     @property
     def principal(self) -> _Principal | None: ...
