@@ -153,7 +153,9 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
         watcher.subscribe(lambda: upstream.drop_lost({m.id: m.status for m in known.all_members("shard")}))
     config = AdmissionConfig(max_inflight=settings.max_inflight, inflight_per_slot=settings.inflight_per_slot,
                              reserve=settings.admission_reserve, queue_size=settings.queue_size,
-                             queue_timeout_s=settings.queue_timeout_s, queue_timeouts=settings.queue_timeouts)
+                             queue_timeout_s=settings.queue_timeout_s, queue_timeouts=settings.queue_timeouts,
+                             tenant_headroom=settings.admission_tenant_headroom,
+                             tenant_window_s=settings.admission_tenant_window_s)
     admission = Admission(AdmissionMetrics(gw.registry), config, capacity=lambda: shard_capacity(
         [m.meta.get("max_num_seqs") for m in router.shards()], config))
     if gw.ledger is not None:

@@ -63,6 +63,8 @@ class GatewaySettings(BaseSettings):
     max_inflight: int = Field(0, ge=0, description="Requests in flight to shards from this gateway (0 = shards' batch slots x --inflight-per-slot).")
     inflight_per_slot: float = Field(1.0, gt=0, le=16, description="In-flight requests per announced shard batch slot when --max-inflight is 0.")
     admission_reserve: float = Field(0.125, ge=0, lt=1, description="Share of in-flight capacity each priority level leaves to the levels above it.")
+    admission_tenant_headroom: int = Field(1, ge=0, le=1024, description="Slots of a tier's share that a tenant with a request in flight leaves to the tier's other tenants while more than one is active (0 = off).")
+    admission_tenant_window_s: float = Field(30.0, gt=0, le=86400, description="Seconds a tenant counts as active in its tier after its last admitted request (for the tenant headroom).")
     queue_size: int = Field(512, ge=0, description="Most requests waiting for admission; beyond, the lowest tier's newest is shed (503).")
     queue_timeout_s: float = Field(5.0, gt=0, description="Admission-queue deadline of the tier shed first; the k-th shed level waits k times as long.")
     queue_timeouts: TierMap[PositiveFloat] = Field(default_factory=dict, description="Per-tier admission-queue deadlines in seconds, e.g. 'free=2,enterprise=30'.")
