@@ -9,7 +9,8 @@ The wire is data_plane/common/kv_report.py; the gateway's reader is data_plane/r
 (it forgets the shard as that session's KV holder). A chain id names the prompt's whole cached
 prefix (its last block's digest, salt included), so no session id is needed here.
 
-Cheap and bounded: one chain digest per request (the prompt's block hashes, ~0.06 ms at 1.5k
+Cheap and bounded: nothing at all unless the caller is a kv_aware router (it sends
+``x-switchboard-kv-since``); then one chain digest per request (the prompt's block hashes, ~0.06 ms at 1.5k
 tokens), at most ``max_announced`` chains remembered (oldest dropped), ``max_events`` evictions
 kept for late readers, and a sweep that checks at most ``sweep_batch`` remembered chains against
 the cache no more than every ``sweep_s`` seconds (``probe`` is a dict lookup; nothing in the
@@ -74,9 +75,10 @@ class KVReports:
         self._lock = threading.Lock()
 
     def headers(self, req: GenerationRequest, since: str | None) -> dict[str, str]:
-        """The response headers for `req` (none on an engine without a prefix cache)."""
+        """The response headers for `req` (none on an engine without a prefix cache, nor for a caller
+        that does not read them: only a kv_aware router sends `since`)."""
         prefix = self._prefix()
-        if prefix is None:
+        if prefix is None or since is None:
             return {}
         out: dict[str, str] = {}
         hashes = prefix.hashes(req.prompt_ids, req.cache_salt, req.public_prefix_tokens)
@@ -89,7 +91,7 @@ class KVReports:
                     self._announced.popitem(last=False)
                 out[CHAIN_HEADER] = format_chain(chain, len(req.prompt_ids))
             self._sweep(prefix.cache)
-            if since is not None and since.isdigit():
+            if since.isdigit():
                 evicted = self.since(int(since))
                 if evicted:
                     out[EVICTED_HEADER] = format_evicted(self._seq, evicted)

@@ -46,7 +46,8 @@ def test_an_announced_chain_is_reported_once_evicted_and_read_by_the_router() ->
     prefix, clock, registry = Prefix(), Clock(), CollectorRegistry()
     shard = KVReports(lambda: prefix, clock=clock, on_evicted=KVReportMetrics(registry, "m").counting())
     req = request(40)
-    out = shard.headers(req, None)
+    assert shard.headers(req, None) == {}    # not a kv_aware router: nothing computed, nothing sent
+    out = shard.headers(req, "0")
     chain = parse_chain(out[CHAIN_HEADER])
     assert chain is not None and chain[1] == 40 and EVICTED_HEADER not in out
     digest = prefix.hashes(req.prompt_ids, "tenant:a", 0)[-1]
@@ -71,10 +72,10 @@ def test_reports_stay_bounded_and_a_never_cached_chain_is_dropped_silently() -> 
     prefix, clock = Prefix(), Clock()
     shard = KVReports(lambda: prefix, clock=clock, max_announced=5, unseen_ttl_s=10)
     for i in range(20):
-        shard.headers(request(32, 100 * i), None)
+        shard.headers(request(32, 100 * i), "0")
     assert len(shard._announced) == 5
     clock.now += 11
-    shard.headers(request(8), None)          # too short for a full block: no chain
+    shard.headers(request(8), "0")           # too short for a full block: no chain
     assert len(shard._announced) == 0 and shard.since(0) == []
     assert KVReports(lambda: None).headers(request(32), "0") == {}   # no prefix cache: no headers
 
