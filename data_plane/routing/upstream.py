@@ -267,6 +267,7 @@ class Upstream:
         leases.enter_context(self.router.lease(member))
         reports = self.router.kv_reports
         headers: dict[str, str] = reports.request_headers(member.id) if reports is not None else {}
+        chain: tuple[str, int] | None = None
         inject(headers)
         span = trace.get_current_span()
         span.set_attribute("switchboard.shard", member.id)
@@ -282,11 +283,9 @@ class Upstream:
                 raise _Retryable("timeout", UpstreamTimeout("a shard did not answer in time", retry_after=2)) from None
             if response.status != 200:
                 await self._refuse(member, response, leases)
-            if reports is not None:  # kv_aware: what the shard evicted, and where this prompt's KV is
+            if reports is not None:  # kv_aware: what the shard evicted, and where this prompt's KV will be
                 reports.read(member.id, response.header)
                 chain = parse_chain(response.header(CHAIN_HEADER.encode()))
-                if chain is not None:
-                    self.router.observe_kv(session_id, member.id, chain[1], chain[0])
             first: list[Event] = []
             token = False
             try:
@@ -326,6 +325,8 @@ class Upstream:
             leases.close()
             raise
         self.router.report_success(member)
+        if chain is not None:  # only once it streams: a shard that failed first holds no KV of it
+            self.router.observe_kv(session_id, member.id, chain[1], chain[0])
         span.set_attribute("switchboard.attempts", attempt)
         stream = ShardStream(member, response, first, leases, self.router, silence or cfg.idle_timeout_s, attempt)
         self._live.add(stream)
