@@ -101,7 +101,7 @@ def _secret(path: Path, prefix: str) -> str:
 
 
 def _session_keys(path: Path) -> Path:
-    """The key that encrypts session transcripts at rest, made once (mode 600). To rotate: put a
+    """The key that encrypts session transcripts and (through shards, data_plane/shard/kv_seal.py) KV blocks at rest, made once (mode 600). To rotate: put a
     new line first (`python -c "from data_plane.common.crypto import new_key_line as k; print(k('k2'))"`),
     keep the old line below it until old sessions have expired."""
     if not path.exists():
@@ -109,7 +109,7 @@ def _session_keys(path: Path) -> Path:
 
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write("# session transcript keys: '<key id> <base64 32 bytes>', the first seals\n"
+            f.write("# session transcript and KV block keys: '<key id> <base64 32 bytes>', the first seals\n"
                     + new_key_line("k" + time.strftime("%Y%m%d")) + "\n")
     return path
 
@@ -148,7 +148,7 @@ def plan(s: UpSettings, state: Path, admin_token: str,
             raise SystemExit(f"switchboard up: --min-replicas {s.min_replicas} > --max-replicas {s.max_replicas}")
         scaled_threads = max(1, (os.cpu_count() or 2) // s.max_replicas)
         cp.args += ["--autoscale", "--min-replicas", str(s.min_replicas), "--max-replicas", str(s.max_replicas),
-                    "--shard-log-dir", str(logs), "--shard-args", shlex.join(_shard_flags(s, scaled_threads))]
+                    "--shard-log-dir", str(logs), "--shard-args", shlex.join(_shard_flags(s, scaled_threads, state))]
         if s.engine == "torch":  # a torch shard past the cores slows the others (the synthetic one uses none)
             cp.args += ["--local-max-shards", str(max(s.min_replicas, (os.cpu_count() or 2) // scaled_threads))]
     caches = []
@@ -166,7 +166,7 @@ def plan(s: UpSettings, state: Path, admin_token: str,
     for i in range(n_shards):
         port = s.shard_base_port + i if s.shard_base_port else free_port(host)
         args = ["shard", "--host", host, "--port", str(port), "--registry-url", registry, "--node-id", f"shard-{i}",
-                "--zone", zones[i % len(zones)], *_shard_flags(s, threads)]
+                "--zone", zones[i % len(zones)], *_shard_flags(s, threads, state)]
         shards.append(Child(f"shard-{i}", args, f"http://{host}:{port}", logs / f"shard-{i}.log", env=member_env))
     gateways = []
     for i, zone in enumerate(zones):
@@ -185,10 +185,12 @@ def plan(s: UpSettings, state: Path, admin_token: str,
     return cp, caches, shards, gateways
 
 
-def _shard_flags(s: UpSettings, threads: int) -> list[str]:
-    """Engine flags of every shard, started here or by the autoscaler."""
+def _shard_flags(s: UpSettings, threads: int, state: Path) -> list[str]:
+    """Engine flags of every shard, started here or by the autoscaler; KV blocks are sealed with
+    keys derived from the gateway's session keys file (data_plane/shard/kv_seal.py)."""
     args = ["--engine", s.engine, "--dtype", s.dtype, "--max-num-seqs", str(s.max_num_seqs),
-            "--max-model-len", str(s.max_model_len), "--threads", str(threads)]
+            "--max-model-len", str(s.max_model_len), "--threads", str(threads),
+            "--kv-keys-file", str(state / "session_keys")]
     return args + (["--model", s.model] if s.model else [])
 
 

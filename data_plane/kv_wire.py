@@ -12,12 +12,18 @@ little-endian::
 
     magic  "SBKV"        4 bytes
     version              u16   (1)
-    flags                u16   (0)
+    flags                u16   (bit 0: sealed; other bits must be 0)
     block hash           16 bytes (the chained xxh3-128 digest naming the whole prefix up to it)
     checksum             u64   xxh3-64 over the header's fields after this one and the payload
     payload length       u64
     ndim, shape[ndim]    u8, u32 x ndim
     model, dtype, layout u16 length + UTF-8 each
+
+Sealed frames (flag bit 0, what shards send by default: data_plane/shard/kv_seal.py) carry an
+AES-256-GCM envelope as their payload instead of the raw bytes; the header stays readable (the node
+indexes by the hash), and :func:`associated_data` binds it to the ciphertext, so a frame moved
+under another hash, scope (tenant salt), model, dtype, layout or shape does not open. The checksum
+then covers the ciphertext: it still tells corruption (``checksum``) from tampering (``sealed``).
 
 The consumer (a shard) checks everything before it uses a block: the checksum (end to end: the
 cache node stores frames as it got them and does not re-hash them), that the hash is the one it
@@ -31,7 +37,7 @@ Pure Python + xxhash (no torch), so the cache node imports it without the engine
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import xxhash
@@ -52,6 +58,11 @@ REJECT_LAYOUT = "layout"
 """Made by another model, dtype or KV layout (or another hash than the one asked for)."""
 REJECT_MALFORMED = "malformed"
 """Not a frame at all (truncated, wrong magic or version)."""
+REJECT_SEALED = "sealed"
+"""A sealed frame that does not open here (tampered with, moved to another hash or scope, sealed with
+a key this shard lacks), or a plaintext frame where sealed ones are required."""
+FLAG_SEALED = 1
+AAD_PREFIX = b"switchboard-kv-v1\x00"
 
 
 class KVWireError(ValueError):
@@ -69,6 +80,8 @@ class BlockHeader:
     dtype: str
     layout: str
     shape: tuple[int, ...]
+    sealed: bool = False
+    """The payload is a sealed envelope (flag bit 0), not the raw K/V bytes."""
 
     def same_kind(self, other: BlockHeader) -> bool:
         """Whether a block with this header may stand in for one described by `other` (hash aside)."""
@@ -86,7 +99,7 @@ def _var_part(h: BlockHeader) -> bytes:
 
 
 def encode_frame(header: BlockHeader, payload: bytes | memoryview) -> bytes:
-    """One frame: header + `payload` (the block's raw K/V bytes)."""
+    """One frame: header + `payload` (the block's raw K/V bytes, or a sealed envelope)."""
     if len(header.block_hash) != HASH_BYTES:
         raise ValueError("block hash must be 16 bytes")
     var = _var_part(header)
@@ -94,17 +107,44 @@ def encode_frame(header: BlockHeader, payload: bytes | memoryview) -> bytes:
     digest.update(struct.pack("<Q", len(payload)))
     digest.update(var)
     digest.update(payload)
-    fixed = _FIXED.pack(MAGIC, VERSION, 0, header.block_hash, digest.intdigest(), len(payload))
+    fixed = _FIXED.pack(MAGIC, VERSION, FLAG_SEALED if header.sealed else 0, header.block_hash,
+                        digest.intdigest(), len(payload))
     return b"".join((fixed, var, payload))
+
+
+def encode_frame_with(header: BlockHeader, payload_len: int, fill: Callable[[memoryview], None]) -> bytearray:
+    """One frame whose payload `fill` writes in place (``payload_len`` bytes): sealing straight into
+    the frame's buffer costs no copy of the block."""
+    if len(header.block_hash) != HASH_BYTES:
+        raise ValueError("block hash must be 16 bytes")
+    var = _var_part(header)
+    start = FIXED_BYTES + len(var)
+    buf = bytearray(start + payload_len)
+    view = memoryview(buf)
+    view[FIXED_BYTES:start] = var
+    fill(view[start:])
+    digest = xxhash.xxh3_64()
+    digest.update(struct.pack("<Q", payload_len))
+    digest.update(view[FIXED_BYTES:])
+    _FIXED.pack_into(buf, 0, MAGIC, VERSION, FLAG_SEALED if header.sealed else 0, header.block_hash,
+                     digest.intdigest(), payload_len)
+    return buf
+
+
+def associated_data(header: BlockHeader, scope: str) -> bytes:
+    """What a sealed frame's ciphertext is bound to: its block hash, shape, model, dtype and layout,
+    and `scope` (the tenant salt the block's hash chain was made under, "" for shared blocks)."""
+    raw = scope.encode()
+    return b"".join((AAD_PREFIX, header.block_hash, _var_part(header), struct.pack("<H", len(raw)), raw))
 
 
 def _parse(view: memoryview, offset: int) -> tuple[BlockHeader, int, int, int, int]:
     """(header, checksum, var start, payload start, frame end) of the frame at `offset`."""
     if len(view) - offset < FIXED_BYTES:
         raise KVWireError(REJECT_MALFORMED, "truncated frame header")
-    magic, version, _flags, block_hash, checksum, length = _FIXED.unpack_from(view, offset)
-    if magic != MAGIC or version != VERSION:
-        raise KVWireError(REJECT_MALFORMED, "not a KV frame (magic or version)")
+    magic, version, flags, block_hash, checksum, length = _FIXED.unpack_from(view, offset)
+    if magic != MAGIC or version != VERSION or flags & ~FLAG_SEALED:
+        raise KVWireError(REJECT_MALFORMED, "not a KV frame (magic, version or flags)")
     pos = var_start = offset + FIXED_BYTES
     try:
         (ndim,) = struct.unpack_from("<B", view, pos)
@@ -119,7 +159,7 @@ def _parse(view: memoryview, offset: int) -> tuple[BlockHeader, int, int, int, i
         raise KVWireError(REJECT_MALFORMED, "malformed frame header") from None
     if pos - offset > MAX_HEADER_BYTES or pos + length > len(view):
         raise KVWireError(REJECT_MALFORMED, "truncated frame")
-    header = BlockHeader(bytes(block_hash), texts[0], texts[1], texts[2], tuple(shape))
+    header = BlockHeader(bytes(block_hash), texts[0], texts[1], texts[2], tuple(shape), bool(flags & FLAG_SEALED))
     return header, checksum, var_start, pos, pos + length
 
 

@@ -48,6 +48,9 @@ ENVELOPE_VERSION = "sb1"
 KEY_BYTES = 32
 NONCE_BYTES = 12
 AAD_PREFIX = b"switchboard-session-v1\x00"
+TRANSCRIPT_KEY_INFO = b"switchboard session transcripts v1"
+"""HKDF info of the transcript key derived from the cluster token (KV blocks use their own label:
+data_plane/shard/kv_seal.py), so the two keys differ."""
 
 
 class SealError(Exception):
@@ -112,9 +115,9 @@ class Keyring:
         return cls.parse(pairs, SESSION_KEYS_ENV)  # type: ignore[arg-type]
 
     @classmethod
-    def derived(cls, cluster_token: str) -> Keyring:
-        key = HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None,
-                   info=b"switchboard session transcripts v1").derive(cluster_token.encode())
+    def derived(cls, cluster_token: str, info: bytes = TRANSCRIPT_KEY_INFO) -> Keyring:
+        """One key from the cluster token (HKDF-SHA256); `info` names what it is for."""
+        key = HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=info).derive(cluster_token.encode())
         kid = "ct" + hashlib.sha256(b"kid" + key).hexdigest()[:8]
         return cls({kid: key}, kid, "derived from the cluster token")
 
@@ -123,17 +126,20 @@ class Keyring:
         return cls({"eph": os.urandom(KEY_BYTES)}, "eph", "ephemeral (this process only)")
 
     @classmethod
-    def from_settings(cls, *, keys_file: str | None, keys_env: str | None, cluster_token: str | None) -> Keyring:
-        """The first that is given: a keys file, the env value, the cluster token; else ephemeral."""
+    def from_settings(cls, *, keys_file: str | None, keys_env: str | None, cluster_token: str | None,
+                      info: bytes = TRANSCRIPT_KEY_INFO, env_name: str = SESSION_KEYS_ENV,
+                      consequence: str = "sessions will not survive a gateway restart or move between gateways",
+                      ) -> Keyring:
+        """The first that is given: a keys file, the env value, the cluster token (HKDF with `info`);
+        else ephemeral, with a warning saying the `consequence`."""
         if keys_file:
             return cls.from_file(keys_file)
         if keys_env:
             return cls.from_env_value(keys_env)
         if cluster_token:
-            return cls.derived(cluster_token)
-        log.warning("no session keys (--session-keys-file or %s) and no cluster token: transcripts are sealed "
-                    "with a per-process key; sessions will not survive a gateway restart or move between gateways",
-                    SESSION_KEYS_ENV)
+            return cls.derived(cluster_token, info)
+        log.warning("no keys (a keys file or %s) and no cluster token: sealing with a per-process key; %s",
+                    env_name, consequence)
         return cls.ephemeral()
 
 

@@ -54,6 +54,7 @@ from data_plane.shard.kv_reports import KVReportMetrics, KVReports
 from data_plane.shard.metrics import MetricsListener, ShardMetrics
 from data_plane.shard.settings import ShardSettings
 from data_plane.common.hop_auth import cluster_headers, cluster_token_from_env, guarded
+from data_plane.shard.kv_seal import KVSealer, kv_keyring
 from data_plane.shard.kv_tier import KVTier, start_kv_tier
 from data_plane.common.tls import TlsConfig
 from data_plane.common.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
@@ -110,6 +111,10 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
     engine = build_engine(settings, metrics)
     state = ShardState(settings, engine, metrics)
     kv_reports = KVReports(lambda: getattr(engine, "prefix", None), on_evicted=KVReportMetrics(registry, name).counting())
+    sealer = None  # keys read now, so a bad keys file fails the start, not the first turn
+    if settings.kv_tier == "on" and settings.kv_seal == "on" and settings.engine == "torch":
+        sealer = KVSealer(kv_keyring(keys_file=settings.kv_keys_file, keys_env=settings.kv_keys,
+                                     cluster_token=cluster_token_from_env()), metrics.kv_tier)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -153,7 +158,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
                         engine, metrics.kv_tier, view, http, zone=settings.zone,
                         headers=cluster_headers(cluster_token_from_env()), prior_mbps=settings.kv_fetch_prior_mbps,
                         prior_prefill_tok_s=settings.kv_prefill_prior_tok_s,
-                        max_pending_bytes=settings.kv_offload_queue_bytes)
+                        max_pending_bytes=settings.kv_offload_queue_bytes, sealer=sealer)
 
         loader = asyncio.create_task(load(), name="shard-model-load")
         app.state.shard = state

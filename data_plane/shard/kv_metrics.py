@@ -19,7 +19,10 @@ prefilling was estimated cheaper; no_cache_nodes: none is known to membership.""
 FETCH_RESULTS = ("hit", "miss", "unavailable")
 """hit: at least one block came back and was used; miss: the nodes lacked it (or every block was
 rejected); unavailable: no node answered (the shard recomputes)."""
-REJECT_REASONS = ("checksum", "layout", "malformed")
+REJECT_REASONS = ("checksum", "layout", "malformed", "sealed")
+"""sealed: a sealed frame that does not open here (tampered, moved to another hash or tenant, unknown
+key) or a plaintext one where sealed frames are required (data_plane/shard/kv_seal.py)."""
+CRYPTO_RESULTS = ("ok", "failed", "unknown_key", "plaintext")
 OFFLOAD_RESULTS = ("stored", "failed", "dropped")
 """stored: acknowledged by at least one replica; failed: by none; dropped: the offload queue was full."""
 
@@ -50,11 +53,20 @@ class KVTierMetrics:
                                m + ["result"], registry=registry)
         self.rejected = Counter("switchboard_shard_kv_blocks_rejected",
                                 "Fetched KV blocks never used: checksum mismatch, another model/dtype/layout/hash "
-                                "(layout), or not a frame (malformed); their tokens are recomputed.",
+                                "(layout), not a frame (malformed), or a sealed frame that does not open "
+                                "(sealed); their tokens are recomputed.",
                                 m + ["reason"], registry=registry)
         self.offloaded = Counter("switchboard_shard_kv_offload_blocks",
                                  "KV blocks of finished session turns sent to the cache nodes, by result.",
                                  m + ["result"], registry=registry)
+        self.crypto = Counter("switchboard_shard_kv_crypto",
+                              "KV frames sealed (op=seal) before they go to the cache nodes or opened (op=open) "
+                              "after a fetch, by result: ok, failed (tampered, or moved to another hash or "
+                              "tenant), unknown_key, plaintext (an unsealed frame, refused).",
+                              m + ["op", "result"], registry=registry)
+        self.crypto_time = Counter("switchboard_shard_kv_crypto_seconds",
+                                   "Seconds spent sealing (op=seal) and opening (op=open) KV frames.",
+                                   m + ["op"], registry=registry)
         self.fetch_bandwidth = Gauge("switchboard_shard_kv_fetch_bandwidth_bytes_per_second",
                                      "Learned transfer rate to and from the cache nodes (fetch estimate).", m,
                                      registry=registry)
@@ -70,3 +82,8 @@ class KVTierMetrics:
             self.rejected.labels(model_name, reason)
         for result in OFFLOAD_RESULTS:
             self.offloaded.labels(model_name, result)
+        self.crypto.labels(model_name, "seal", "ok")
+        for result in CRYPTO_RESULTS:
+            self.crypto.labels(model_name, "open", result)
+        for op in ("seal", "open"):
+            self.crypto_time.labels(model_name, op)

@@ -17,7 +17,9 @@ two ways from what this shard has measured (:class:`FetchPolicy`): fetching them
 learned transfer rate, plus a round trip) or prefilling them (tokens over the learned prefill speed).
 The cheaper wins; each decision is logged and counted. Fetched frames are verified one by one
 (checksum, hash, model, dtype, layout, shape): the first bad one ends the run, its reason is
-counted, and its tokens are recomputed. Verified blocks are offered to the engine, which inserts
+counted, and its tokens are recomputed. Frames are sealed before they leave (AES-256-GCM,
+data_plane/shard/kv_seal.py) and opened after a fetch: one that does not open counts as ``sealed``
+and is recomputed like a checksum failure. Verified blocks are offered to the engine, which inserts
 them before the request's admission. A cache node that is down or slow means recompute, never an error.
 """
 
@@ -34,8 +36,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from data_plane.kv_wire import BlockHeader, KVWireError, decode_frame, encode_frame, split_frames
+from data_plane.kv_wire import REJECT_SEALED, BlockHeader, KVWireError, decode_frame, encode_frame, split_frames
 from data_plane.shard.kv_metrics import KVTierMetrics
+from data_plane.shard.kv_seal import KVSealer, block_scopes
 
 from data_plane.shard.kv_remote import KVRemote
 
@@ -85,12 +88,17 @@ class _Export:
     hashes: list[bytes]
     first: int
     kv: torch.Tensor
+    salt: str | None = None
+    public_tokens: int = 0
 
 
 class KVTier:
     def __init__(self, remote: KVRemote, metrics: KVTierMetrics, policy: FetchPolicy | None = None, *,
-                 max_pending_bytes: int = 256 << 20, max_concurrent_fetches: int = 1) -> None:
+                 max_pending_bytes: int = 256 << 20, max_concurrent_fetches: int = 1,
+                 sealer: KVSealer | None = None) -> None:
         self.remote = remote
+        self.sealer = sealer
+        """Seals frames before they leave and opens fetched ones (None: plaintext frames, --kv-seal off)."""
         self.metrics = metrics
         self.policy = policy or FetchPolicy()
         self.max_pending_bytes = max_pending_bytes
@@ -152,7 +160,7 @@ class KVTier:
 
     def export(self, req: GenerationRequest, hashes: Sequence[bytes], first: int, kv: torch.Tensor) -> None:
         assert self._loop is not None and req.kv_session is not None
-        job = _Export(req.kv_session, list(hashes), first, kv)
+        job = _Export(req.kv_session, list(hashes), first, kv, req.cache_salt, req.public_prefix_tokens)
         self._loop.call_soon_threadsafe(self._enqueue, job)
 
     def _enqueue(self, job: _Export) -> None:
@@ -179,7 +187,8 @@ class KVTier:
     async def _offload(self, job: _Export) -> None:
         m, name = self.metrics, self.metrics.model_name
         new = job.hashes[job.first:]
-        frames = await asyncio.to_thread(self._frames, new, job.kv)
+        frames = await asyncio.to_thread(self._frames, new, job.kv,
+                                         self._scopes(len(job.hashes), job.salt, job.public_tokens)[job.first:])
         sent = acked_blocks = 0
         started = time.perf_counter()
         for i in range(0, len(frames), CHUNK_BLOCKS):
@@ -201,8 +210,15 @@ class KVTier:
             self._remember(job.ref.session_id, job.hashes[: job.first + acked_blocks])
         log.debug("KV offload: %d of %d new blocks stored in %.3f s", acked_blocks, len(new), seconds)
 
-    def _frames(self, hashes: list[bytes], kv: torch.Tensor) -> list[bytes]:
+    def _scopes(self, n: int, salt: str | None, public_tokens: int) -> list[str]:
+        assert self.prefix is not None
+        return block_scopes(n, self.prefix.block_size, salt, public_tokens)
+
+    def _frames(self, hashes: list[bytes], kv: torch.Tensor, scopes: Sequence[str]) -> list[bytes | bytearray]:
         raw = kv.contiguous().view(torch.uint8).reshape(len(hashes), -1).numpy()
+        if self.sealer is not None:
+            return [self.sealer.seal_frame(self._header(h), memoryview(raw[j]), scopes[j])
+                    for j, h in enumerate(hashes)]
         return [encode_frame(self._header(h), memoryview(raw[j])) for j, h in enumerate(hashes)]
 
     def _remember(self, session_id: str, run: Sequence[bytes]) -> None:
@@ -248,8 +264,9 @@ class KVTier:
             started = time.perf_counter()
             got = await self.remote.fetch(ref.session_id, ref.replicas, hashes[:usable], skip=local)
             if got is not None:
+                scopes = self._scopes(usable, req.cache_salt, req.public_prefix_tokens)
                 kv, used, reason = await asyncio.to_thread(self._verify, got.body,
-                                                           hashes[local : min(got.run, usable)])
+                                                           hashes[local : min(got.run, usable)], scopes[local:])
             seconds = time.perf_counter() - started
         if got is None:
             m.fetches.labels(name, "unavailable").inc()
@@ -262,8 +279,8 @@ class KVTier:
         self._publish()
         if reason is not None:
             m.rejected.labels(name, reason).inc()
-            log.warning("KV fetch from %s: a block failed verification (%s); its tokens are recomputed",
-                        got.node, reason)
+            log.warning("KV fetch from %s: block %d of the run failed verification (%s); it and the rest of the "
+                        "run are recomputed", got.node, local + used, reason)
         if used:
             assert kv is not None
             p.offer(hashes[local : local + used], kv)
@@ -277,11 +294,13 @@ class KVTier:
                                     "queued_s": started - queued,
                                     "node": got.node, **({"rejected": reason} if reason else {})})
 
-    def _verify(self, body: bytes, expected: Sequence[bytes]) -> tuple[torch.Tensor | None, int, str | None]:
-        """(KV of the leading good blocks, how many, why the run ended early or None)."""
+    def _verify(self, body: bytes, expected: Sequence[bytes],
+                scopes: Sequence[str]) -> tuple[torch.Tensor | None, int, str | None]:
+        """(KV of the leading good blocks, how many, why the run ended early or None). Sealed frames
+        are opened straight into the result (no copy beyond the decryption's)."""
         p = self.prefix
         assert p is not None
-        payloads: list[memoryview] = []
+        frames: list[tuple[BlockHeader, memoryview]] = []
         reason: str | None = None
         try:
             for j, frame in enumerate(split_frames(body)):
@@ -290,23 +309,32 @@ class KVTier:
                 header, payload = decode_frame(frame, verify=True)
                 if header.block_hash != expected[j] or not header.same_kind(self._header(expected[j])):
                     raise KVWireError("layout", "another block, model, dtype or layout than asked for")
-                payloads.append(payload)
+                if header.sealed and self.sealer is None:
+                    raise KVWireError(REJECT_SEALED, "a sealed KV frame and no keys (--kv-seal off)")
+                frames.append((header, payload))
         except KVWireError as exc:
             reason = exc.reason
-        if not payloads:
+        if not frames:
             return None, 0, reason
-        kv = torch.empty((len(payloads), *p.block_shape), dtype=p.torch_dtype)
-        flat = kv.view(torch.uint8).reshape(len(payloads), -1).numpy()
-        for j, payload in enumerate(payloads):
-            if len(payload) != flat.shape[1]:
+        kv = torch.empty((len(frames), *p.block_shape), dtype=p.torch_dtype)
+        flat = kv.view(torch.uint8).reshape(len(frames), -1).numpy()
+        for j, (header, payload) in enumerate(frames):
+            if self.sealer is not None:
+                try:
+                    self.sealer.open_into(header, payload, scopes[j], memoryview(flat[j]))
+                except KVWireError as exc:
+                    log.warning("KV frame %s does not open: %s; recomputed", header.block_hash.hex()[:12], exc)
+                    return (kv[:j] if j else None), j, exc.reason
+            elif len(payload) != flat.shape[1]:
                 return (kv[:j] if j else None), j, "layout"
-            flat[j] = np.frombuffer(payload, dtype=np.uint8)
-        return kv, len(payloads), reason
+            else:
+                flat[j] = np.frombuffer(payload, dtype=np.uint8)
+        return kv, len(frames), reason
 
 
 def start_kv_tier(engine: Any, metrics: KVTierMetrics, membership: MembershipView, http: httpx.AsyncClient, *,
                   zone: str, headers: dict[str, str], prior_mbps: float, prior_prefill_tok_s: float,
-                  max_pending_bytes: int) -> KVTier | None:
+                  max_pending_bytes: int, sealer: KVSealer | None = None) -> KVTier | None:
     """The tier for a loaded engine (the shard's lifespan calls it); None when the engine keeps no
     prefix cache (the synthetic engine, or --prefix-caching off)."""
     prefix = getattr(engine, "prefix", None)
@@ -314,7 +342,9 @@ def start_kv_tier(engine: Any, metrics: KVTierMetrics, membership: MembershipVie
         return None
     tier = KVTier(KVRemote(membership, http, zone=zone, headers=headers), metrics,
                   FetchPolicy(prior_bytes_per_s=prior_mbps * 1e6, prior_prefill_tok_s=prior_prefill_tok_s),
-                  max_pending_bytes=max_pending_bytes)
+                  max_pending_bytes=max_pending_bytes, sealer=sealer)
     tier.bind(prefix, asyncio.get_running_loop())
-    log.info("KV tier on: session blocks go to the cache nodes; missing prefixes fetched when cheaper")
+    log.info("KV tier on: session blocks go to the cache nodes (%s); missing prefixes fetched when cheaper",
+             f"sealed, AES-256-GCM, key {sealer.keys.current}, {sealer.keys.source}" if sealer is not None
+             else "NOT sealed: --kv-seal off")
     return tier

@@ -11,7 +11,7 @@ which declares the fields it reads as a protocol). The local actuator starts sha
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -24,6 +24,8 @@ class ShardSettings(BaseSettings):
     """An inference shard."""
 
     model_config = SettingsConfigDict(env_prefix="SWITCHBOARD_SHARD_")
+    ENV_ONLY: ClassVar[frozenset[str]] = frozenset({"kv_keys"})
+    """Secrets: an environment variable only, never a flag (it would show in ``ps``)."""
 
     host: str = Field("127.0.0.1", description="Address to bind.")
     port: int = Field(8101, ge=0, le=65535, description="TCP port to listen on.")
@@ -68,6 +70,15 @@ class ShardSettings(BaseSettings):
         "Assumed prefill speed in tokens/s until one is measured (then learned online)."))
     kv_offload_queue_bytes: int = Field(256 << 20, ge=0, le=1 << 36, description=(
         "KV of finished turns waiting to go to the cache nodes; beyond it new turns' blocks are dropped."))
+    kv_seal: Literal["on", "off"] = Field("on", description=(
+        "Seal KV blocks (AES-256-GCM) before they reach a cache node and open them after a fetch: on | off "
+        "(off stores plaintext KV: only to measure the cost)."))
+    kv_keys_file: str | None = Field(None, description=(
+        "Keys that seal KV blocks: one '<key id> <base64 32 bytes>' per line, the first seals, every one opens; "
+        "may be the gateway's --session-keys-file (KV keys are derived from it with their own label). "
+        "Default: SWITCHBOARD_SHARD_KV_KEYS, else derived from the cluster token."))
+    kv_keys: str | None = Field(None, description=(
+        "The KV keys as 'kid:base64,kid:base64' (environment only: SWITCHBOARD_SHARD_KV_KEYS); the first seals."))
 
     @field_validator("kv_public_prefix", mode="before")
     @classmethod

@@ -176,12 +176,78 @@ def test_fetched_frames_of_another_model_dtype_or_hash_are_never_used() -> None:
             out.append(encode_frame(hdr, kv[j].numpy().tobytes()))
         return b"".join(out)
 
-    got, n, reason = tier._verify(frames(), hashes)
+    scopes = [""] * 3
+    got, n, reason = tier._verify(frames(), hashes, scopes)
     assert n == 3 and reason is None and torch.equal(got, kv)
     for bad in (frames(dtype="bfloat16"), frames(model="model-y"), frames(swap=True)):
-        got, n, reason = tier._verify(bad, hashes)
+        got, n, reason = tier._verify(bad, hashes, scopes)
         assert (got, n, reason) == (None, 0, "layout")
     mixed = bytearray(frames())
     mixed[-5] ^= 1  # the last block's payload: the first two are still good
-    got, n, reason = tier._verify(bytes(mixed), hashes)
+    got, n, reason = tier._verify(bytes(mixed), hashes, scopes)
     assert n == 2 and reason == "checksum" and torch.equal(got, kv[:2])
+
+
+def _relabel(frame: bytes | bytearray, new_hash: bytes) -> bytes:
+    """What an attacker on a cache node does to move a frame: rewrite the hash it claims (the
+    checksum does not cover it), or re-encode a changed payload with a fresh checksum."""
+    out = bytearray(frame)
+    out[8:24] = new_hash
+    return bytes(out)
+
+
+def test_sealed_frames_open_only_under_their_hash_scope_and_keys() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from data_plane.shard.kv_seal import block_scopes
+    from tests.support.kv import kv_tier, ring
+
+    registry = CollectorRegistry()
+    keys = ring("k1")
+    tier = kv_tier(keys, registry)
+    kv = torch.randn(3, *SHAPE)
+    hashes = [bytes([i]) * 16 for i in range(3)]
+    scopes = ["tenant:a"] * 3
+    frames = tier._frames(hashes, kv, scopes)
+    body = b"".join(frames)
+    for j, f in enumerate(frames):
+        h, payload = decode_frame(f)
+        assert h.sealed and peek_hash(f) == hashes[j]  # the node still indexes by hash
+        assert kv[j].numpy().tobytes()[:64] not in bytes(f)  # no plaintext KV on the wire or at rest
+    got, n, reason = tier._verify(body, hashes, scopes)
+    assert n == 3 and reason is None and torch.equal(got, kv)
+
+    def rejected(b: bytes, want: int, sc: list[str] = scopes, t=tier) -> None:
+        got, n, reason = t._verify(b, hashes, sc)
+        assert (n, reason) == (want, "sealed") and (want == 0 or torch.equal(got, kv[:want]))
+
+    rejected(body, 0, ["tenant:b"] * 3)  # another tenant's scope: nothing opens
+    rejected(frames[0] + _relabel(frames[2], hashes[1]) + frames[2], 1)  # copied under another hash
+    h1, payload = decode_frame(frames[1])
+    flipped = bytearray(payload)
+    flipped[-40] ^= 1  # tampered ciphertext with a fresh checksum: only the seal catches it
+    rejected(frames[0] + encode_frame(h1, bytes(flipped)) + frames[2], 1)
+    plain = encode_frame(BlockHeader(hashes[0], "model-x", "float32", h1.layout, SHAPE), kv[0].numpy().tobytes())
+    rejected(plain + frames[1], 0)  # a plaintext frame where sealed ones are required
+    rejected(body, 0, t=kv_tier(ring("k3")))  # sealed with a key this shard lacks
+    rotated = kv_tier(ring("k2", "k1", keys={"k1": keys.keys["k1"]}))  # new key first, old one still listed
+    got, n, reason = rotated._verify(body, hashes, scopes)
+    assert n == 3 and reason is None and torch.equal(got, kv)
+    assert decode_frame(rotated._frames(hashes[:1], kv[:1], scopes)[0])[1][1:3].tobytes() == b"k2"
+    text = "\n".join(line for line in __import__("prometheus_client").generate_latest(registry).decode().splitlines()
+                     if line.startswith("switchboard_shard_kv_"))
+    assert 'switchboard_shard_kv_crypto_total{model_name="m",op="seal",result="ok"} 3.0' in text
+    assert 'switchboard_shard_kv_crypto_total{model_name="m",op="open",result="failed"} 3.0' in text
+    assert 'switchboard_shard_kv_crypto_total{model_name="m",op="open",result="plaintext"} 1.0' in text
+    # scopes follow the hash chain's salting: public blocks are shared (""), the rest the tenant's
+    assert block_scopes(4, 4, "t", 8) == ["", "", "t", "t"]
+    assert block_scopes(2, 4, None, 0) == ["", ""]
+
+
+def test_kv_keys_differ_from_transcript_keys() -> None:
+    from data_plane.common.crypto import Keyring
+    from data_plane.shard.kv_seal import kv_keyring
+
+    assert kv_keyring(keys_file=None, keys_env=None, cluster_token="tok").keys != Keyring.derived("tok").keys
+    env = "k1:" + __import__("base64").b64encode(b"x" * 32).decode()
+    assert kv_keyring(keys_file=None, keys_env=env, cluster_token="tok").current == "k1"

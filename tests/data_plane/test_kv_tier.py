@@ -4,6 +4,9 @@
   from the cache nodes (metrics and span events say fetched, not computed) and its output is the
   same as a full recompute;
 - a corrupted stored block is never used (counted, recomputed, same output);
+- the cache nodes hold only sealed frames (the conversation's KV, opened with the cluster's keys,
+  appears nowhere in what they store), and a frame tampered on a node with a valid checksum does not
+  open: counted as sealed, recomputed, same output;
 - another tenant's identical prompt (even under the same session id) gets no hit;
 - a small cache-node budget evicts all the time and never serves a stale block;
 - cache nodes down: the turn recomputes and answers 200.
@@ -23,12 +26,12 @@ import pytest
 from tests.support.chat import chat
 from tests.support.cluster import Cluster
 from tests.support.metrics import metric
-from tests.support.procs import CLUSTER_HEADERS, Service
+from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, Service
 
 pytestmark = pytest.mark.slow
 
 BLOCK = 16
-FRAME_BYTES = 2 * 30 * 3 * BLOCK * 64 * 4 + 128  # one fp32 SmolLM2 block on the wire, header included
+FRAME_BYTES = 2 * 30 * 3 * BLOCK * 64 * 4 + 128 + 64  # one fp32 SmolLM2 block on the wire: header, seal
 KV_BUDGET_BLOCKS = 48
 MAX_TOKENS = 24
 SALT = "tenant:acme"  # what the gateway sends for the test keys' tenant
@@ -187,6 +190,52 @@ def test_corrupt_block_is_recomputed_and_counted(cluster: Cluster) -> None:
     assert text(r2) == reference(b, t2)
 
 
+def test_nodes_hold_only_sealed_kv_and_a_tampered_frame_is_recomputed(cluster: Cluster) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from data_plane.kv_wire import decode_frame, encode_frame, split_frames
+    from data_plane.shard.kv_metrics import KVTierMetrics
+    from data_plane.shard.kv_seal import KVSealer, kv_keyring
+
+    a, b = cluster.survivor, cluster.other  # type: ignore[attr-defined]
+    session, salt = fresh()
+    t2, _ = two_turns(a, STORY * 2 + "Answer as a teacher.", session, salt)
+    opener = KVSealer(kv_keyring(keys_file=None, keys_env=None, cluster_token=CLUSTER_TOKEN),
+                      KVTierMetrics(CollectorRegistry(), "test"))  # the keys every shard of this cluster derives
+    tampered = 0
+    for node in cluster.caches:
+        hashes = httpx.get(f"{node.url}/v1/kv/sessions/{session}", headers=CLUSTER_HEADERS).json()["blocks"]
+        if len(hashes) < 3:
+            continue
+        stored = httpx.post(f"{node.url}/v1/kv/fetch", content=b"".join(bytes.fromhex(h) for h in hashes),
+                            headers=CLUSTER_HEADERS).content  # exactly the bytes the node keeps
+        frames = list(split_frames(stored))
+        assert len(frames) == len(hashes)
+        for frame in frames:
+            header, payload = decode_frame(frame)
+            assert header.sealed
+            plain = bytearray(4 * header.shape[0] * header.shape[1] * header.shape[2] * header.shape[3]
+                              * header.shape[4])
+            opener.open_into(header, payload, salt, memoryview(plain))  # the conversation's real KV (fp32)
+            assert any(plain) and bytes(plain[:4096]) not in stored and bytes(plain[-4096:]) not in stored
+        # An attacker on the node flips a ciphertext byte of the third block and fixes the checksum.
+        header, payload = decode_frame(frames[2])
+        forged = bytearray(payload)
+        forged[-100] ^= 0x40
+        body = (b"SBKL" + (0).to_bytes(4, "little")) + encode_frame(header, bytes(forged))
+        assert httpx.put(f"{node.url}/v1/kv/sessions/{session}", content=body, headers=CLUSTER_HEADERS,
+                         params={"ttl_s": 600}).status_code == 200
+        tampered += 1
+    assert tampered
+    before = {r: total(b.url, "switchboard_shard_kv_blocks_rejected_total", reason=r) for r in ("checksum", "sealed")}
+    r2 = direct(b, t2, session=session, salt=salt)
+    assert total(b.url, "switchboard_shard_kv_blocks_rejected_total", reason="sealed") == before["sealed"] + 1
+    assert total(b.url, "switchboard_shard_kv_blocks_rejected_total", reason="checksum") == before["checksum"]
+    assert total(b.url, "switchboard_shard_kv_crypto_total", op="open", result="failed") >= 1
+    assert cached(r2) == 2 * BLOCK  # the two good blocks before it; the rest recomputed
+    assert text(r2) == reference(b, t2)
+
+
 def test_another_tenants_identical_prompt_gets_no_hit(cluster: Cluster) -> None:
     a, b = cluster.survivor, cluster.other  # type: ignore[attr-defined]
     session, salt = fresh()
@@ -208,7 +257,7 @@ def test_small_budget_evicts_and_never_serves_a_stale_block(cluster: Cluster) ->
     assert sum(total(c.url, "switchboard_cache_kv_evictions_total", reason="lru")
                for c in cluster.caches) > evictions
     rejected = sum(total(b.url, "switchboard_shard_kv_blocks_rejected_total", reason=r) for r in
-                   ("checksum", "layout", "malformed"))
+                   ("checksum", "layout", "malformed", "sealed"))
     fetched_any = False
     for session, salt, t2 in turns:
         r2 = direct(b, t2, session=session, salt=salt)
@@ -216,7 +265,7 @@ def test_small_budget_evicts_and_never_serves_a_stale_block(cluster: Cluster) ->
         assert text(r2) == reference(b, t2)
     assert fetched_any
     assert sum(total(b.url, "switchboard_shard_kv_blocks_rejected_total", reason=r) for r in
-               ("checksum", "layout", "malformed")) == rejected
+               ("checksum", "layout", "malformed", "sealed")) == rejected
 
 
 def test_cache_nodes_down_means_recompute_not_an_error(cluster: Cluster) -> None:

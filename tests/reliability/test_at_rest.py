@@ -1,5 +1,7 @@
-"""Transcripts at rest: a cache node (memory or Redis) holds only ciphertext; a sealed record moved to
-another session id does not open; the usage ledger holds no text.
+"""Transcripts and KV blocks at rest: a cache node (memory or Redis) holds only ciphertext; a sealed
+record moved to another session id does not open; a KV frame tampered on the node, or moved under
+another hash, is refused by the shard's check (the real-model version, recompute and same output
+included, is tests/data_plane/test_kv_tier.py); the usage ledger holds no text.
 
     .venv/bin/python -m pytest tests/reliability/test_at_rest.py -q -s
 
@@ -115,3 +117,48 @@ def test_the_ledger_holds_no_text(sealed_cluster: Cluster) -> None:
     path: Path = c.ledger_path  # type: ignore[attr-defined]
     raw = b"".join(p.read_bytes() for p in path.parent.glob(path.name + "*"))
     assert raw and canary.encode() not in raw
+
+
+def test_kv_frames_at_rest_are_sealed_and_a_tampered_one_is_refused(sealed_cluster: Cluster) -> None:
+    import torch
+
+    from data_plane.kv_wire import decode_frame, encode_frame, encode_put, split_frames
+    from tests.support.kv import SHAPE, kv_tier, ring
+
+    c = sealed_cluster
+    canary = ("cnry" + secrets.token_hex(10)).encode()
+    # Stand-in KV whose bytes are a canary (the real model's KV: test_kv_tier.py), sealed on the shard's path
+    size = 3 * 4 * 2 * 2 * 1 * 4 * 8  # three float32 blocks of SHAPE
+    raw = (canary * (size // len(canary) + 1))[:size]
+    kv = torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(3, *SHAPE)
+    tier = kv_tier(ring("k1"))
+    hashes = [secrets.token_bytes(16) for _ in range(3)]
+    scopes = ["tenant:acme"] * 3
+    frames = tier._frames(hashes, kv, scopes)
+    sid = "sess_" + secrets.token_urlsafe(16)
+    for node in c.caches:
+        r = httpx.put(node.url + f"/v1/kv/sessions/{sid}", content=encode_put([], frames), headers=HOP,
+                      params={"ttl_s": 600})
+        assert r.status_code == 200, r.text
+    body = b"".join(hashes)
+    held = [httpx.post(n.url + "/v1/kv/fetch", content=body, headers=HOP).content for n in c.caches]
+    assert all(h == b"".join(frames) for h in held)  # what the node keeps is the sealed frames as sent
+    assert not any(canary in h for h in held)
+    if c.redis:  # type: ignore[attr-defined]
+        dump = _redis_dump(c.redis)  # type: ignore[attr-defined]
+        assert b"SBKV" in dump and canary not in dump
+    got, n, reason = tier._verify(held[0], hashes, scopes)
+    assert n == 3 and reason is None and torch.equal(got, kv)
+    # tampered on the node (ciphertext changed, checksum recomputed) or moved under another hash
+    header, payload = decode_frame(list(split_frames(held[0]))[1])
+    forged = bytearray(payload)
+    forged[-30] ^= 1
+    moved = bytearray(frames[2])
+    moved[8:24] = hashes[1]
+    for bad in (encode_frame(header, bytes(forged)), bytes(moved)):
+        for node in c.caches:
+            httpx.put(node.url + f"/v1/kv/sessions/{sid}", content=encode_put(hashes[:1], [bad]), headers=HOP,
+                      params={"ttl_s": 600})
+        again = httpx.post(c.caches[0].url + "/v1/kv/fetch", content=body, headers=HOP).content
+        got, n, reason = tier._verify(again, hashes, scopes)
+        assert n == 1 and reason == "sealed" and torch.equal(got, kv[:1])
