@@ -15,7 +15,8 @@ HTTP (bodies in the binary format of data_plane/kv_wire.py, media type ``applica
 
 Who calls it: the shard's KV-block client (data_plane/shard/kv_remote.py), which also places and
 replicates blocks over the cache nodes; storage is data_plane/cache/kv_store.py. The same cluster
-token as the session API guards it. Block contents are never logged.
+token as the session API guards it. Block contents (sealed by the shards: the node holds only
+ciphertext) are never logged.
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ Blocks are content-addressed (the chained block hash names the whole prefix up t
 tenant by the shard) and linked to the sessions that use them, so a block shared by two sessions
 (a common system prompt) is stored once and lives while either session does. A session's links
 expire with the session (``ttl_s``, the transcript's TTL, refreshed by every put) or when it is
-deleted; a block no live session links is dropped. Blocks are opaque here: the node never checks
-a checksum (the shard that uses a block does, end to end: data_plane/kv_wire.py); it only reads
-each frame's claimed hash to index it. Called by data_plane/cache/kv_routes.py on the event loop.
+deleted; a block no live session links is dropped. Blocks are opaque here: shards seal them before
+they are sent (AES-256-GCM, data_plane/shard/kv_seal.py), so memory and Redis hold only ciphertext and
+the node has no key; it never checks a checksum (the shard that uses a block does, end to end:
+data_plane/kv_wire.py); it only reads each frame's claimed hash to index it. Called by data_plane/cache/kv_routes.py on the event loop.
 """
 
 from __future__ import annotations
