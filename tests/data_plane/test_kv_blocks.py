@@ -251,3 +251,18 @@ def test_kv_keys_differ_from_transcript_keys() -> None:
     assert kv_keyring(keys_file=None, keys_env=None, cluster_token="tok").keys != Keyring.derived("tok").keys
     env = "k1:" + __import__("base64").b64encode(b"x" * 32).decode()
     assert kv_keyring(keys_file=None, keys_env=env, cluster_token="tok").current == "k1"
+
+
+def test_switchboard_up_gives_every_shard_the_session_keys_file(tmp_path) -> None:
+    from control_plane.launcher import UpSettings, plan
+    from data_plane.common.settings_cli import parse_settings
+    from data_plane.shard.settings import ShardSettings
+
+    keys = str(tmp_path / "session_keys")
+    _, _, shards, gateways = plan(UpSettings(shards=2, engine="synthetic"), tmp_path, "admin", "cluster")
+    for shard in shards:  # the shard's own parser reads it (and sealing is on by default)
+        settings = parse_settings(ShardSettings, shard.args[1:], "switchboard shard")
+        assert settings.kv_keys_file == keys and settings.kv_seal == "on"
+    assert all(keys in g.args for g in gateways)
+    cp, *_ = plan(UpSettings(autoscale=True, engine="synthetic"), tmp_path, "admin", "cluster")
+    assert f"--kv-keys-file {keys}" in " ".join(cp.args)  # shards the autoscaler starts too
