@@ -38,7 +38,7 @@ class ShardSettings(BaseSettings):
     max_model_len: int = Field(2048, ge=16, le=131072, description="Context window (prompt + output).")
     prefill_chunk: int = Field(256, ge=1, le=8192, description="Prompt tokens prefilled per scheduler step.")
     max_waiting: int = Field(256, ge=1, le=100000, description="Waiting-queue bound (beyond: 503).")
-    threads: int = Field(0, ge=0, le=256, description="torch threads (0 = all cores).")
+    threads: int = Field(0, ge=0, le=256, description="torch threads (0 = all cores but one, at least 1).")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body.")
     registry_url: str | None = Field(None, description="Embedded registry URL to register with.")
     membership: str | None = Field(None, pattern=MEMBERSHIP_URL_PATTERN,

@@ -36,7 +36,7 @@ class EngineConfig:
     max_waiting: int = 256
     """Queue bound; beyond it new requests get 503 with Retry-After."""
     threads: int = 0
-    """torch intra-op threads; 0 = all cores."""
+    """torch intra-op threads, 0..256; 0 = auto: all cores but one (left to the event loop), at least 1."""
     prefix_caching: bool = True
     """Keep KV after requests end and reuse the longest cached prompt prefix."""
     prefix_cache_bytes: int = 0
