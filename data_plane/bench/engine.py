@@ -3,6 +3,7 @@
     switchboard bench engine                                   # c = 1,4,16; 128 tokens; bf16
     switchboard bench engine --concurrency 1,16 --systems switchboard,naive --json /tmp/e.json
     switchboard bench engine --dtype float32 --num-prompts 8 --max-tokens 64
+    switchboard bench engine --systems switchboard --baseline-tree /tmp/sb-base   # + an older checkout's engine
 
 Every system gets the same chat-templated prompts (token ids from the model's tokenizer),
 greedy decoding, and a closed loop: `concurrency` workers each take the next prompt as soon
