@@ -48,7 +48,7 @@ class GatewaySettings(BaseSettings):
     resumes: int = Field(2, ge=0, le=5, description="Mid-stream failovers per request (resume on another shard).")
     eject_after: int = Field(3, ge=1, description="Consecutive failures that eject a shard.")
     eject_s: float = Field(5.0, gt=0, description="First ejection's duration (doubles on repeat).")
-    routing_policy: Literal["affinity", "least_loaded", "kv_aware"] = Field("affinity", description="affinity | least_loaded | kv_aware (KV holder vs ring, by cached tokens and load).")
+    routing_policy: Literal["affinity", "least_loaded", "kv_aware"] = Field("kv_aware", description="kv_aware (the default: the shard holding the session's KV against the ring's choice, by expected cached tokens and load; session affinity is the case where they agree) | affinity (the ring alone) | least_loaded.")
     bounded_load_epsilon: float = Field(0.25, ge=0, description="Affinity: no shard above (1+eps) x mean load.")
     log_prompts: bool = Field(False, description="Log prompt and completion text (off by default).")
     node_id: str | None = Field(None, description="Member id when registering (default gateway-HOST-PORT).")
