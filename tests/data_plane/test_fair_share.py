@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.cluster import ADMIN_TOKEN
+from tests.support.cluster import ADMIN_TOKEN, LIFTED_TIERS
 from tests.support.procs import Service
 
 FLOOD_KEY, LIGHT_KEY = "sk-test-flood-0123456789", "sk-test-light-0123456789"
@@ -77,22 +77,12 @@ class Flood:
             await asyncio.gather(*(client() for _ in range(FLOOD_CLIENTS)))
 
 
-TIERS = """
-tiers:
-  free:       {priority: 2, rpm: 1000000, tpm: 100000000, max_context_tokens: 2048,
-               max_output_tokens: 256, replication: 1, shed_order: 0}
-  plus:       {priority: 1, rpm: 1000000, tpm: 100000000, max_context_tokens: 2048,
-               max_output_tokens: 256, replication: 1, shed_order: 1}
-  enterprise: {priority: 0, rpm: 1000000, tpm: 100000000, max_context_tokens: 2048,
-               max_output_tokens: 256, replication: 1, shed_order: 2}
-"""
-"""Rate limits out of the way: the flood must reach admission (a 429 is not what is tested here)."""
 
 
 @pytest.fixture
 def stack(tmp_path):  # type: ignore[no-untyped-def]
     tiers = tmp_path / "tiers.yaml"
-    tiers.write_text(TIERS)
+    tiers.write_text(LIFTED_TIERS)
     cp = Service(["control-plane", "--admin-token", ADMIN_TOKEN, "--warmup", "0", "--tiers-file", str(tiers)])
     shard = Service(["shard", "--engine", "synthetic", "--registry-url", cp.url, "--node-id", "shard-0",
                      "--synthetic-token-delay-ms", "100", "--max-num-seqs", "8"])

@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.cluster import ADMIN_TOKEN
+from tests.support.cluster import ADMIN_TOKEN, LIFTED_TIERS
 from tests.support.procs import Service
 
 pytestmark = pytest.mark.slow
@@ -63,15 +63,6 @@ KEYS = {"free": "sk-ramp-free-0123456789", "plus": "sk-ramp-plus-0123456789",
         "enterprise": "sk-ramp-ent-0123456789"}
 LONG_CONTEXT = ("The harbour town kept its lighthouse lit through every storm of the long winter, and the keeper "
                 "wrote each night in a ledger what ships passed and what the weather did. ") * 16
-TIERS = """
-tiers:
-  free:       {priority: 2, rpm: 1000000, tpm: 100000000, max_context_tokens: 2048,
-               max_output_tokens: 256, replication: 1, shed_order: 0}
-  plus:       {priority: 1, rpm: 1000000, tpm: 100000000, max_context_tokens: 2048,
-               max_output_tokens: 256, replication: 1, shed_order: 1}
-  enterprise: {priority: 0, rpm: 1000000, tpm: 100000000, max_context_tokens: 2048,
-               max_output_tokens: 256, replication: 1, shed_order: 2}
-"""
 
 
 @dataclass
@@ -188,7 +179,7 @@ def _get(cp: Service, path: str) -> Any:
 
 def test_short_and_long_conversations_at_half_one_and_twice_capacity(tmp_path: Path) -> None:
     tiers = tmp_path / "tiers.yaml"
-    tiers.write_text(TIERS)
+    tiers.write_text(LIFTED_TIERS)
     shard_args = ["--engine", "torch", "--max-num-seqs", "4", "--threads", "1", "--max-model-len", "2048",
                   "--prefix-caching", "off"]
     cp = Service(["control-plane", "--admin-token", ADMIN_TOKEN, "--warmup", "0", "--tiers-file", str(tiers),

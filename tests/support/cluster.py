@@ -140,3 +140,16 @@ def stored_session(cache_url: str, session_id: str) -> dict | None:
 def write(path: Path, text: str) -> str:
     path.write_text(text)
     return str(path)
+
+
+LIFTED_TIERS = """
+tiers:
+  free:       {priority: 2, rpm: 1000000, tpm: 100000000, max_context_tokens: 2048,
+               max_output_tokens: 256, replication: 1, shed_order: 0}
+  plus:       {priority: 1, rpm: 1000000, tpm: 100000000, max_context_tokens: 2048,
+               max_output_tokens: 256, replication: 1, shed_order: 1}
+  enterprise: {priority: 0, rpm: 1000000, tpm: 100000000, max_context_tokens: 2048,
+               max_output_tokens: 256, replication: 1, shed_order: 2}
+"""
+"""The default tiers with rate limits out of the way, for tests of admission and overload (a 429 is not
+what they test): tiers-file contents."""
