@@ -79,6 +79,7 @@ def build_engine(settings: ShardSettings, metrics: ShardMetrics | None) -> Engin
         max_num_seqs=settings.max_num_seqs,
         max_model_len=settings.max_model_len,
         prefill_chunk=settings.prefill_chunk,
+        beside_prefill_share=settings.beside_prefill_share,
         max_waiting=settings.max_waiting,
         threads=settings.threads,
         prefix_caching=settings.prefix_caching == "on",

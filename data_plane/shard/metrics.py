@@ -95,6 +95,11 @@ class ShardMetrics:
             "Priority preemptions by kind: prefill (a chunked prefill parked for a higher-priority prompt), "
             "decode (a decode pass of lower tiers skipped while a higher tier's prompt is prefilled).",
             m + ["kind"], registry=registry)
+        self.prefill_beside = Counter(
+            "switchboard_shard_prefill_beside_chunk",
+            "Waiting prompts prefilled beside a chunked prefill of their own priority, in its forward pass "
+            "(the step's prefill budget shared, as vLLM's chunked prefill does; not FIFO behind the long one).",
+            m, registry=registry)
         # Series exist from the start (at 0), so rate() and the KV-reuse panels work before the first hit.
         for metric in (self.prefix_queries, self.prefix_hits, self.prompt_tokens_cached, self.prefill_computed,
                        self.request_prompt_tokens, self.request_generation_tokens, self.tokens_restored):
@@ -102,6 +107,7 @@ class ShardMetrics:
         for reason in ("capacity", "no_space"):
             self.kv_evictions.labels(model_name, reason)
         self.preemptions.labels(model_name)
+        self.prefill_beside.labels(model_name)
         for kind in ("prefill", "decode"):
             self.priority_yields.labels(model_name, kind)
         self.spec = SpecMetrics(registry, model_name)  # vllm:spec_decode_*, vllm:iteration_tokens_total
@@ -161,3 +167,6 @@ class MetricsListener:
         m.priority_yields.labels(m.model_name, kind).inc()
         if kind == "prefill":
             m.preemptions.labels(m.model_name).inc()
+
+    def on_prefill_beside(self, prompts: int) -> None:
+        self.metrics.prefill_beside.labels(self.metrics.model_name).inc(prompts)

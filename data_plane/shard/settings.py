@@ -37,6 +37,9 @@ class ShardSettings(BaseSettings):
     max_num_seqs: int = Field(16, ge=1, le=256, description="Sequences decoded together (KV slots).")
     max_model_len: int = Field(2048, ge=16, le=131072, description="Context window (prompt + output).")
     prefill_chunk: int = Field(256, ge=1, le=8192, description="Prompt tokens prefilled per scheduler step.")
+    beside_prefill_share: float = Field(0.5, ge=0, le=0.9, description=(
+        "Share of a chunked prefill's step that waiting prompts of its priority may take, prefilled in its pass "
+        "(0 = FIFO within a priority)."))
     max_waiting: int = Field(256, ge=1, le=100000, description="Waiting-queue bound (beyond: 503).")
     threads: int = Field(0, ge=0, le=256, description="torch threads (0 = all cores but one, at least 1).")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body.")

@@ -105,25 +105,9 @@ class Admission:
         compact. A longer one preempts the chunked sequence instead (`_preempt_prefill`)."""
         p = self._prefilling
         assert p is not None
-        batch: list[SeqState] = []
-        used = 0
         with self._lock:
-            pending = 1 + len(self._parked)
-            while (self._waiting and self._waiting[0][2].req.priority < p.req.priority
-                   and len(self._running) + len(batch) + 1 + pending <= self.config.max_num_seqs):
-                seq = self._waiting[0][2]
-                n = len(seq.req.prompt_ids) - self._cached_prefix(seq)
-                if used + n > budget:
-                    break
-                heapq.heappop(self._waiting)
-                batch.append(seq)
-                used += n
+            batch, _ = self._take_head(lambda priority: priority < p.req.priority, budget)
             preempted = None if batch else self._preempt_prefill(p)
-            if batch:
-                base = len(self._running)
-                self._place_pending(base + len(batch))
-                for i, seq in enumerate(batch):
-                    seq.slot = base + i
         if preempted is not None:
             self._mark_admitted([preempted])
             self.listener.on_preempt("prefill")
@@ -131,6 +115,29 @@ class Admission:
                      p.req.priority, preempted.req.priority, len(preempted.req.prompt_ids))
         self._mark_admitted(batch)
         return batch
+
+    def _take_head(self, accept: Callable[[int], bool], budget: int) -> tuple[list[SeqState], int]:
+        """Pop waiting requests from the head while `accept(priority)`, a slot beside the pending ones and
+        `budget` (their uncached prompt tokens together) allow; give them the slots after the decoding
+        ones (the pending sequences move up). Returns them and their tokens. Under the lock."""
+        batch: list[SeqState] = []
+        used = 0
+        pending = len(self._pending())
+        while (self._waiting and accept(self._waiting[0][2].req.priority)
+               and len(self._running) + len(batch) + 1 + pending <= self.config.max_num_seqs):
+            seq = self._waiting[0][2]
+            n = len(seq.req.prompt_ids) - self._cached_prefix(seq)
+            if used + n > budget:
+                break
+            heapq.heappop(self._waiting)
+            batch.append(seq)
+            used += n
+        if batch:
+            base = len(self._running)
+            self._place_pending(base + len(batch))
+            for i, seq in enumerate(batch):
+                seq.slot = base + i
+        return batch, used
 
     def _preempt_prefill(self, p: SeqState) -> SeqState | None:
         """Park the chunked prefill `p` for a waiting request of strictly higher priority whose prompt

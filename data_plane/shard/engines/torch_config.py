@@ -33,6 +33,9 @@ class EngineConfig:
     """Context window served (prompt + output), capped by the model's own."""
     prefill_chunk: int = 256
     """Prompt tokens processed per scheduler iteration, so long prompts don't stall decoding."""
+    beside_prefill_share: float = 0.5
+    """Share of prefill_chunk, 0..0.9, that waiting prompts of a chunked prefill's priority may take in its
+    step (prefilled in the same pass, data_plane/shard/engines/torch_beside.py); 0 = FIFO within a priority."""
     max_waiting: int = 256
     """Queue bound; beyond it new requests get 503 with Retry-After."""
     threads: int = 0
@@ -59,6 +62,8 @@ class EngineConfig:
             raise ValueError("max_model_len must be in 16..131072")
         if not 1 <= self.prefill_chunk <= 8192:
             raise ValueError("prefill_chunk must be in 1..8192")
+        if not 0.0 <= self.beside_prefill_share <= 0.9:
+            raise ValueError("beside_prefill_share must be in 0..0.9")
         if not 1 <= self.kv_block_size <= 1024:
             raise ValueError("kv_block_size must be in 1..1024")
         if self.prefix_cache_bytes < 0:
@@ -116,6 +121,9 @@ class StepListener:
     def on_iteration_tokens(self, tokens: int) -> None: ...
 
     def on_spec_draft(self, drafted: int, accepted: int) -> None: ...
+
+    def on_prefill_beside(self, prompts: int) -> None:
+        """`prompts` waiting prompts were prefilled beside a chunked prefill of their priority, in its pass."""
 
     def on_preempt(self, kind: str) -> None:
         """A priority preemption: ``prefill`` (a chunked prefill parked for a higher-priority prompt)

@@ -8,7 +8,8 @@
 
 One scheduler thread owns the model. Each iteration it (1) drops aborted and expired
 requests, (2) admits waiting requests by priority into free slots while the KV budget
-allows, (3) runs one prefill chunk for the sequence being prefilled, (4) runs one decode
+allows, (3) runs one prefill chunk for the sequence being prefilled, in the same pass as the
+short prompts admitted beside or ahead of it (torch_beside), (4) runs one decode
 step over every running sequence together, and (5) fans outputs out to per-request
 asyncio queues on the event loop. Finished and aborted sequences leave the batch at once
 and their slot is reused by the next admission; requests join between steps.
@@ -24,6 +25,7 @@ free to stream tokens and accept requests.
 
 This module holds the lifecycle, the API and the scheduler loop; the rest is split by concern:
 torch_config (EngineConfig, SeqState, StepListener), torch_admission (reap, admit),
+torch_beside (same-priority prompts prefilled in a chunked prefill's pass),
 torch_step (prefill, decode, emit, finish), torch_sampling, torch_spec (speculative decode step),
 torch_prefix + kv_cache (prefix cache), llama_runner (the forward passes).
 """
@@ -44,6 +46,7 @@ import torch
 from data_plane.common.errors import Overloaded
 from data_plane.shard.engines.base import EngineStats, GenerationOutput, GenerationRequest, TextStream, check_lengths
 from data_plane.shard.engines.torch_admission import Admission
+from data_plane.shard.engines.torch_beside import Beside
 from data_plane.shard.engines.torch_config import DTYPES, EngineConfig, SeqState, StepListener
 from data_plane.shard.engines.torch_prefix import SlotPrefix
 from data_plane.shard.engines.torch_sampling import sample_row as _sample_row
@@ -66,7 +69,7 @@ def auto_threads() -> int:
     return max(1, (os.cpu_count() or 1) - 1)
 
 
-class TorchEngine(Admission, Stepper):
+class TorchEngine(Beside, Admission, Stepper):
     def __init__(self, config: EngineConfig, listener: StepListener | None = None) -> None:
         self.config = config
         self.listener = listener or StepListener()
@@ -284,19 +287,14 @@ class TorchEngine(Admission, Stepper):
         self._reap()
         did = False
         budget = self.config.prefill_chunk
-        if self._prefilling is None:
-            batch = self._admit(budget)
-            if batch:
-                self._prefill_batch(batch)
-                did = True
-        else:
-            batch = self._admit_ahead(budget)
-            if batch:
-                self._prefill_batch(batch)
-                budget = max(1, budget - sum(len(s.req.prompt_ids) - s.cached for s in batch))
-                did = True
+        batch = self._admit(budget) if self._prefilling is None else self._admit_ahead(budget)
+        if self._prefilling is not None and not batch:
+            batch = self._admit_beside(budget)  # same-priority prompts share the chunk's step
         if self._prefilling is not None:
-            self._prefill_chunk(budget)
+            self._prefill_with_chunk(batch, budget)  # one pass: batch, then what is left for the chunk
+            did = True
+        elif batch:
+            self._prefill_batch(batch)
             did = True
         if self._running:
             if self._decode_yields():

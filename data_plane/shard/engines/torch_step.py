@@ -1,7 +1,7 @@
 """The torch engine's compute steps: prefill (batched or chunked), decode, emit and finish.
 
     class TorchEngine(Admission, Stepper): ...   # data_plane/shard/engines/torch_engine.py
-    self._prefill_batch(batch); self._prefill_chunk(budget); self._decode_step()
+    self._prefill_batch(batch); self._decode_step()   # a chunk's pass: torch_beside._prefill_with_chunk
     self._emit(seq, token)                       # EOS, stop strings, max_tokens, context limit
     self._finish(seq, FINISH_STOP)               # slot freed (the last one moves in), final output
 
@@ -62,29 +62,6 @@ class Stepper:
             self._keep_prompt_blocks(seq)
         for seq, token in zip(batch, self._sample(logits, batch)):
             self._emit(seq, token)
-
-    def _prefill_chunk(self, budget: int) -> int:
-        """Prefill up to `budget` prompt tokens of the sequence being prefilled; return how many."""
-        seq = self._prefilling
-        assert seq is not None
-        ids = seq.req.prompt_ids
-        chunk = ids[seq.prefilled : seq.prefilled + budget]
-        t0 = time.monotonic()
-        logits = self._runner.prefill(seq.slot, chunk, seq.prefilled)
-        self.listener.on_step(1, time.monotonic() - t0, "prefill")
-        self.listener.on_iteration_tokens(len(chunk))
-        seq.prefilled += len(chunk)
-        seq.length = seq.prefilled
-        if seq.prefilled < len(ids):
-            return len(chunk)
-        seq.prefill_done_at = time.monotonic()
-        with self._lock:
-            self._running.append(seq)
-            self._resume_parked()
-        self._keep_prompt_blocks(seq)
-        token = self._sample(logits.unsqueeze(0), [seq])[0]
-        self._emit(seq, token)
-        return len(chunk)
 
     def _keep_prompt_blocks(self, seq: SeqState) -> None:
         if self.prefix is not None and seq.block_hashes:
