@@ -14,6 +14,10 @@ as their previous one finishes, until `num-prompts` are done (default 2 x concur
   queue behind each other, so at concurrency N the TTFT includes that queueing.
 - llamacpp: llama-cpp-python's low-level batch API on the GGUF, one seq_id per stream so it
   batches; only when `llama_cpp` imports (`pip install llama-cpp-python`, ~8 min build).
+- llamacpp-lookup: llama.cpp with its prompt-lookup draft (`LlamaPromptLookupDecoding`), one request
+  at a time (its high-level API holds one sequence).
+
+Every system runs with the same number of compute threads (`--threads`, 0 = all cores).
 
 The systems live in data_plane/bench/engine_systems.py (switchboard, naive) and
 engine_llamacpp.py; this module, run by `switchboard bench` (data_plane/bench/__init__.py), measures
@@ -34,6 +38,7 @@ import argparse
 import asyncio
 import math
 import multiprocessing
+import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
@@ -51,7 +56,7 @@ from data_plane.bench.common import (
     write_json,
 )
 from data_plane.bench.engine_baseline import SUFFIX as BASE, run_baseline
-from data_plane.bench.engine_llamacpp import LlamaCppSystem
+from data_plane.bench.engine_llamacpp import LlamaCppLookupSystem, LlamaCppSystem
 from data_plane.bench.engine_systems import (
     BenchConfig,
     NaiveSystem,
@@ -62,7 +67,7 @@ from data_plane.bench.engine_systems import (
 )
 
 SYSTEMS: dict[str, type] = {"switchboard": SwitchboardSystem, "switchboard-spec": SpeculativeSystem,
-                            "naive": NaiveSystem, "llamacpp": LlamaCppSystem}
+                            "naive": NaiveSystem, "llamacpp": LlamaCppSystem, "llamacpp-lookup": LlamaCppLookupSystem}
 
 
 # -- measuring -----------------------------------------------------------------------------
@@ -176,6 +181,7 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for ours, other in (("switchboard", "naive"), ("switchboard", "llamacpp"), ("switchboard-spec", "switchboard"),
                         ("switchboard-spec", "naive"), ("switchboard-spec", "llamacpp"),
+                        ("switchboard-spec", "llamacpp-lookup"), ("llamacpp-lookup", "llamacpp"),
                         ("switchboard", "switchboard" + BASE), ("switchboard-spec", "switchboard-spec" + BASE),
                         ("switchboard" + BASE, "naive"), ("switchboard" + BASE, "llamacpp")):
         pairs = {
@@ -256,7 +262,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="requests per concurrency level (default 2 x concurrency)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="torch dtype for switchboard and naive (default bfloat16)")
-    p.add_argument("--systems", default="switchboard,naive,llamacpp",
+    p.add_argument("--systems", default="switchboard,naive,llamacpp,llamacpp-lookup",
                    help=f"comma-separated, from {', '.join(SYSTEMS)} (default all)")
     p.add_argument("--workload", choices=["chat", "quote"], default="chat",
                    help="chat: open-ended prompts; quote: summarise/rewrite/edit a given passage or code (default chat)")
@@ -265,8 +271,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(default off)")
     p.add_argument("--spec-max-batch", type=int, default=4,
                    help="speculation on: no drafting above this many running sequences (default 4)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4,
-                   help="speculation on: most draft tokens per sequence and step, 1..16 (default 4)")
+    p.add_argument("--num-speculative-tokens", type=int, default=8,
+                   help="speculation on: most draft tokens per sequence and step, 1..16 (default 8)")
     p.add_argument("--model", default=None, help="HF model folder or GGUF (default SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=0, help="compute threads (default 0 = all cores)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
@@ -294,6 +300,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # One thread count for every system (the torch engine's own 0 means "all cores but one").
+    args.threads = args.threads or os.cpu_count() or 1
     prompt_ids = encode_prompts(args.model, args.workload)
     config = BenchConfig(
         model=args.model, dtype=args.dtype, max_tokens=args.max_tokens, concurrency=tuple(args.concurrency),
@@ -307,8 +315,8 @@ def main(argv: list[str] | None = None) -> None:
     skipped: dict[str, str] = {}
     for name in args.systems:
         try:
-            if name == "llamacpp":
-                LlamaCppSystem(config)  # fails fast, in this process, when llama_cpp is missing
+            if name.startswith("llamacpp"):
+                SYSTEMS[name](config)  # fails fast, in this process, when llama_cpp is missing
             if name.endswith(BASE):
                 out = run_baseline(args.baseline_tree, name, config, prompt_ids)
             else:

@@ -6,6 +6,11 @@
 Used by data_plane/bench/engine.py (``--systems llamacpp``). One seq_id per stream so it batches;
 only when `llama_cpp` imports (`pip install llama-cpp-python`, ~8 min build). EOS is ignored so
 every request yields exactly max-tokens, as for the naive system.
+
+``--systems llamacpp-lookup`` is llama.cpp with its prompt-lookup draft
+(`llama_cpp.llama_speculative.LlamaPromptLookupDecoding`, verified by the high-level `Llama.generate`),
+the n-gram speculation to hold ours against. That API serves one sequence at a time, so at
+concurrency N requests queue behind each other, as for the naive system.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import os
 import time
 from typing import Any
 
-from data_plane.bench.common import RequestResult
+from data_plane.bench.common import RequestResult, closed_loop
 from data_plane.bench.engine_systems import BenchConfig, Skip
 
 LLAMACPP_HINT = "pip install llama-cpp-python  (builds from source here, ~8 min)"
@@ -133,6 +138,66 @@ class LlamaCppSystem:
         lib.llama_batch_free(self.batch)
         lib.llama_free(self.ctx)
         _first(lib, "llama_model_free", "llama_free_model")(self.model)
+
+
+class LlamaCppLookupSystem:
+    """llama.cpp's high-level `Llama.generate` with `LlamaPromptLookupDecoding` drafts (greedy), one
+    request at a time behind a FIFO lock; EOS ignored (exactly max_tokens per request)."""
+
+    def __init__(self, config: BenchConfig, num_pred_tokens: int = 10, max_ngram_size: int = 2) -> None:
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise Skip(f"llama_cpp is not installed: {LLAMACPP_HINT}")
+        self.config = config
+        self.gguf = _gguf_for(config.model)
+        self.dtype = self.gguf.stem.rsplit(".", 1)[-1] if "." in self.gguf.stem else "gguf"
+        self.weight_bytes = self.gguf.stat().st_size
+        self.num_pred_tokens = num_pred_tokens
+        self.max_ngram_size = max_ngram_size
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+
+    def _load(self) -> None:
+        import llama_cpp as lib
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        threads = self.config.threads or os.cpu_count() or 1
+        self.llm = lib.Llama(model_path=str(self.gguf), n_ctx=self.config.max_model_len, n_batch=512,
+                             n_threads=threads, n_threads_batch=threads, verbose=False,
+                             draft_model=LlamaPromptLookupDecoding(num_pred_tokens=self.num_pred_tokens,
+                                                                   max_ngram_size=self.max_ngram_size))
+        self._generate([1, 2, 3], 2, RequestResult(submitted=time.perf_counter()))  # warm-up
+
+    async def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestResult]:
+        lock = asyncio.Lock()  # FIFO: the high-level API holds one sequence
+
+        async def one(ids: list[int]) -> RequestResult:
+            r = RequestResult(submitted=time.perf_counter(), prompt_tokens=len(ids))
+            async with lock:
+                await asyncio.to_thread(self._generate, ids, max_tokens, r)
+            return r
+
+        return await closed_loop(prompts, concurrency, one)
+
+    def _generate(self, ids: list[int], max_tokens: int, r: RequestResult) -> None:
+        last = 0.0
+        # top_k=1 and temp 0: greedy, as every other system of the bench.
+        for token in self.llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, reset=True):
+            now = time.perf_counter()
+            if r.first_token is None:
+                r.first_token = now
+            else:
+                r.itls.append(now - last)
+            last = now
+            r.output_tokens += 1
+            if r.output_tokens >= max_tokens:
+                break
+        r.finished = time.perf_counter()
+
+    async def aclose(self) -> None:
+        close = getattr(self.llm, "close", None)
+        if close is not None:
+            close()
 
 
 class _LlamaStream:

@@ -49,7 +49,7 @@ class BenchConfig:
     """chat (open-ended PROMPTS) or quote (the reply repeats the prompt: data_plane/bench/engine_spec.py)."""
     spec_max_batch: int = 4
     """switchboard-spec: no drafting while more sequences than this run (EngineConfig.spec_max_batch)."""
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 8
     """switchboard-spec: most draft tokens per sequence and step, 1..16."""
 
     @property

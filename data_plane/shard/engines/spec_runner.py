@@ -47,6 +47,7 @@ def verify(r: LlamaRunner, rows: list[list[int]], starts: list[int]) -> torch.Te
     mask[slot, within] = torch.arange(span).unsqueeze(0) <= pos.unsqueeze(1)
     mask = mask.view(n, 1, t_max, 1, span)
     fused = r.dtype != torch.float32  # bf16/fp16: SDPA, as in LlamaRunner.decode; fp32 unchanged
+    uniform = total == n * t_max  # one slot (batch 1), or every draft as long: no per-layer scatter/gather
     mask_g = mask.expand(n, 1, t_max, g, span).reshape(n, 1, t_max * g, span) if fused else mask
     for i, layer in enumerate(r.layers):
         q, k, v = r._qkv(layer, x, cos, sin)
@@ -55,8 +56,11 @@ def verify(r: LlamaRunner, rows: list[list[int]], starts: list[int]) -> torch.Te
         vc.view(-1, d).index_copy_(0, kv_rows, v.reshape(-1, d))
         keys = kc[:n, :, :span]
         vals = vc[:n, :, :span]
-        qp = q.new_zeros(n, t_max, heads, d)
-        qp[slot, within] = q
+        if uniform:  # every slot has t_max rows: the packed rows already are [n, t_max] (no scatter)
+            qp = q.view(n, t_max, heads, d)
+        else:
+            qp = q.new_zeros(n, t_max, heads, d)
+            qp[slot, within] = q
         qg = qp.view(n, t_max, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(n, kvh, t_max * g, d)
         if fused:
             out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask_g, scale=r.scale)
@@ -66,7 +70,7 @@ def verify(r: LlamaRunner, rows: list[list[int]], starts: list[int]) -> torch.Te
             probs = torch.softmax(scores.float(), dim=-1).to(r.dtype).view(n, kvh, t_max * g, span)
             out = probs @ vals
         out = out.view(n, kvh, t_max, g, d).permute(0, 2, 1, 3, 4)  # [n, T, KVH, G, D]
-        attn = out[slot, within].reshape(total, r.q_size)
+        attn = (out if uniform else out[slot, within]).reshape(total, r.q_size)
         x = layer.o.add(attn, x)
         x = r._mlp(layer, x)
     x = r._rms(x, r.norm)

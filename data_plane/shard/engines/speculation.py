@@ -83,7 +83,7 @@ class NgramIndex:
 class SeqSpec:
     """One sequence's speculation state: adaptive draft length, back-off, and its totals."""
 
-    max_k: int = 4
+    max_k: int = 8
     miss_limit: int = 3
     k: int = 0
     misses: int = 0

@@ -48,7 +48,7 @@ class EngineConfig:
     """Tokens per prefix-cache block, 1..1024 (the reuse granularity)."""
     speculation: str = "off"
     """ngram (prompt-lookup drafts verified in the decode pass, data_plane/shard/engines/torch_spec.py) or off."""
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 8
     """Most draft tokens per sequence and step, 1..16."""
     spec_max_batch: int = 4
     """No drafting while more sequences than this run, 1..256 (measured: docs/BENCHMARKS.md)."""
