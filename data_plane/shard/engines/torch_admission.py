@@ -10,6 +10,8 @@ While it is prefilled chunk by chunk, strictly higher-priority requests go first
 the budget are prefilled ahead of it, and a longer one *preempts* it: the chunked sequence is
 parked with its KV in its slot (`_parked`, resumed where it stopped once the higher one is done,
 nothing recomputed). So a long enterprise prompt never waits for a free prompt's whole prefill.
+Short prompts of the chunked one's *own* priority are prefilled beside it (torch_beside), so within a
+tier only a long prompt waits for another long one.
 At admission the prefix cache's longest hit is copied into the slot. Scheduler thread only.
 
 Slots: decoding sequences hold slots 0..len(_running)-1 (index == slot); the chunked prefill the

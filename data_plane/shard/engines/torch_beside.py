@@ -2,7 +2,7 @@
 
     class TorchEngine(Beside, Admission, Stepper): ...   # data_plane/shard/engines/torch_engine.py
     batch = self._admit_beside(budget)                   # while a long prompt is chunk-prefilled
-    self._prefill_with_chunk(batch, budget)              # one pass: batch + the chunk's share
+    self._prefill_with_chunk(batch, budget, decoding)    # one pass: decodes, batch, the chunk's share
 
 Without it a long prompt's chunked prefill (``prefill_chunk`` tokens a step) holds back every
 waiting prompt of its own priority until its last chunk: a 46-token enterprise question waited
@@ -19,7 +19,8 @@ share so short prompts are not blocked). Here, with the tier order kept strictly
 - a strictly higher-priority waiter is never passed (it goes ahead or parks the chunk:
   torch_admission), and a lower-priority one never joins;
 - the prompts taken ahead of a lower-priority chunk (torch_admission._admit_ahead) share that same
-  single pass.
+  single pass, and so do the running sequences' decode tokens (one pass a step, not a prefill pass and
+  then a decode pass: vLLM's mixed batch; not with speculative decoding on, whose verify pass decodes).
 
 Slots as in torch_admission: the prompts taken get the slots after the decoding ones and the
 chunked (and parked) sequences move up. Counted in ``switchboard_shard_prefill_beside_chunk``
@@ -72,23 +73,28 @@ class Beside:
                       len(batch), p.req.priority, used, len(p.req.prompt_ids) - p.prefilled, len(p.req.prompt_ids))
         return batch
 
-    def _prefill_with_chunk(self, batch: list[SeqState], budget: int) -> None:
-        """One forward pass over `batch` (whole prompts) and the chunked prefill's next chunk, which
-        gets what `batch` leaves of `budget` (at least one token); the prompts and, when this was its
-        last chunk, the chunked one join the decode batch and get their first token."""
+    def _prefill_with_chunk(self, batch: list[SeqState], budget: int, decoding: Sequence[SeqState] = ()) -> None:
+        """One forward pass over the `decoding` sequences' next token, `batch` (whole prompts) and the chunked
+        prefill's next chunk, which gets what `batch` leaves of `budget` (at least one token): vLLM's mixed
+        step, one pass instead of a prefill pass and a decode pass. The prompts and, when this was its last
+        chunk, the chunked one join the decode batch and get their first token; the decoding ones their next."""
         p = self._prefilling
         assert p is not None
         used = sum(len(s.req.prompt_ids) - s.prefilled for s in batch)
         chunk = p.req.prompt_ids[p.prefilled : p.prefilled + max(1, budget - used)]
-        items = [(s.slot, s.req.prompt_ids[s.prefilled :], s.prefilled) for s in batch]
+        items = [(s.slot, [s.last_token], s.length) for s in decoding]
+        items += [(s.slot, s.req.prompt_ids[s.prefilled :], s.prefilled) for s in batch]
         t0 = time.monotonic()
         logits = self._runner.prefill_batch(items + [(p.slot, chunk, p.prefilled)])
         now = time.monotonic()
-        self.listener.on_step(len(items) + 1, now - t0, "prefill")
-        self.listener.on_iteration_tokens(used + len(chunk))
+        step_s = now - t0
+        self.listener.on_step(len(items) + 1, step_s, "prefill")
+        self.listener.on_iteration_tokens(len(decoding) + used + len(chunk))
+        for seq in decoding:
+            seq.length += 1
         p.prefilled += len(chunk)
         p.length = p.prefilled
-        done = list(batch)
+        first = list(batch)
         last = p.prefilled >= len(p.req.prompt_ids)
         with self._lock:
             for seq in batch:
@@ -99,9 +105,12 @@ class Beside:
                 p.prefill_done_at = now
                 self._running.append(p)  # its slot is the next one: the batch's slots came before it
                 self._resume_parked()
-                done.append(p)
-        rows = list(range(len(done)))  # the chunk's row is the last one, used only when it was its last
-        for seq in done:
+                first.append(p)
+        for seq in first:
             self._keep_prompt_blocks(seq)
-        for seq, token in zip(done, self._sample(logits[rows], done)):
+        seqs = list(decoding) + first  # the chunk's row is the last one, used only when it was its last
+        tokens = self._sample(logits[: len(seqs)], seqs)
+        for seq in decoding:
+            self.listener.on_token(step_s)
+        for seq, token in zip(seqs, tokens):
             self._emit(seq, token)
