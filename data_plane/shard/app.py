@@ -82,6 +82,7 @@ def build_engine(settings: ShardSettings, metrics: ShardMetrics | None) -> Engin
         beside_prefill_share=settings.beside_prefill_share,
         max_waiting=settings.max_waiting,
         threads=settings.threads,
+        adaptive_threads=settings.adaptive_threads == "on",
         prefix_caching=settings.prefix_caching == "on",
         prefix_cache_bytes=settings.prefix_cache_bytes,
         kv_block_size=settings.kv_block_size,

@@ -100,6 +100,13 @@ class ShardMetrics:
             "Waiting prompts prefilled beside a chunked prefill of their own priority, in its forward pass "
             "(the step's prefill budget shared, as vLLM's chunked prefill does; not FIFO behind the long one).",
             m, registry=registry)
+        # Adaptive intra-op threads (data_plane/shard/engines/torch_threads.py).
+        self.intra_op_threads = Gauge("switchboard_shard_intra_op_threads",
+                                      "torch intra-op threads the decode step runs with now.", m, registry=registry)
+        self.thread_switches = Counter(
+            "switchboard_shard_thread_switches", "Changes of the intra-op thread count after a probe measured "
+            "the other count faster (1 thread while another process holds a core).", m, registry=registry)
+        self.thread_switches.labels(model_name)
         # Series exist from the start (at 0), so rate() and the KV-reuse panels work before the first hit.
         for metric in (self.prefix_queries, self.prefix_hits, self.prompt_tokens_cached, self.prefill_computed,
                        self.request_prompt_tokens, self.request_generation_tokens, self.tokens_restored):
@@ -170,3 +177,9 @@ class MetricsListener:
 
     def on_prefill_beside(self, prompts: int) -> None:
         self.metrics.prefill_beside.labels(self.metrics.model_name).inc(prompts)
+
+    def on_threads(self, threads: int, reason: str) -> None:
+        m = self.metrics
+        m.intra_op_threads.labels(m.model_name).set(threads)
+        if reason == "probe":
+            m.thread_switches.labels(m.model_name).inc()

@@ -39,7 +39,9 @@ class EngineConfig:
     max_waiting: int = 256
     """Queue bound; beyond it new requests get 503 with Retry-After."""
     threads: int = 0
-    """torch intra-op threads, 0..256; 0 = auto: all cores but one (left to the event loop), at least 1."""
+    """torch intra-op threads, 0..256; 0 = auto: all cores when adaptive, else all cores but one (at least 1)."""
+    adaptive_threads: bool = True
+    """Measure the decode step at 1 and at `threads` threads and keep the faster (data_plane/shard/engines/torch_threads.py)."""
     prefix_caching: bool = True
     """Keep KV after requests end and reuse the longest cached prompt prefix."""
     prefix_cache_bytes: int = 0
@@ -124,6 +126,9 @@ class StepListener:
 
     def on_prefill_beside(self, prompts: int) -> None:
         """`prompts` waiting prompts were prefilled beside a chunked prefill of their priority, in its pass."""
+
+    def on_threads(self, threads: int, reason: str) -> None:
+        """The intra-op thread count is now `threads` (reason ``start`` or ``probe``: torch_threads.ThreadTuner)."""
 
     def on_preempt(self, kind: str) -> None:
         """A priority preemption: ``prefill`` (a chunked prefill parked for a higher-priority prompt)

@@ -52,6 +52,7 @@ from data_plane.shard.engines.torch_prefix import SlotPrefix
 from data_plane.shard.engines.torch_sampling import sample_row as _sample_row
 from data_plane.shard.engines.torch_spec import Speculator
 from data_plane.shard.engines.torch_step import Stepper
+from data_plane.shard.engines.torch_threads import ThreadTuner
 from data_plane.shard.kv_transcript import GeneratedTokens
 
 # Re-exported: the shard, the bench and tests import these from here.
@@ -60,13 +61,14 @@ __all__ = ["DTYPES", "EngineConfig", "StepListener", "TorchEngine", "_sample_row
 log = logging.getLogger(__name__)
 
 
-def auto_threads() -> int:
-    """Intra-op threads when none are configured: every core but one, which the event loop (streaming,
-    HTTP) needs beside the scheduler thread. Measured on 2 cores (bf16, bench engine, chat): 1 thread
-    26.0 / 289 tok/s at 1 / 16 streams against 22.8 / 273 with 2 (OpenMP's threads then contend
-    with the loop and with any other process: a 2-thread decode step went from 26 ms to > 1 s on a
-    busy core); an idle 2-thread runner alone is faster (26 vs 40 ms a step), the served engine is not."""
-    return max(1, (os.cpu_count() or 1) - 1)
+def auto_threads(adaptive: bool = True) -> int:
+    """Intra-op threads when none are configured. Adaptive (the default): every core, the
+    `ThreadTuner` (data_plane/shard/engines/torch_threads.py) dropping to one thread while another
+    process holds a core. Fixed: every core but one, which the event loop (streaming, HTTP) needs
+    beside the scheduler thread; N fixed threads on N cores collapse when any other process runs
+    (2 cores, streamed: 2.9 tok/s against 25 at 1 thread; 38 against 26 when the host is idle)."""
+    cores = os.cpu_count() or 1
+    return cores if adaptive else max(1, cores - 1)
 
 
 class TorchEngine(Beside, Admission, Stepper):
@@ -92,6 +94,7 @@ class TorchEngine(Beside, Admission, Stepper):
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dead: BaseException | None = None
         self.prefix: SlotPrefix | None = None
+        self.threads: ThreadTuner | None = None  # adaptive intra-op threads, set at load
         self.transcripts = GeneratedTokens()
         self.spec = (Speculator(config.num_speculative_tokens, config.spec_max_batch)
                      if config.speculation == "ngram" else None)
@@ -134,8 +137,11 @@ class TorchEngine(Beside, Admission, Stepper):
         from data_plane.shard.engines.llama_runner import LlamaRunner
         from data_plane.model_store import resolve_model, served_name
 
-        threads = self.config.threads or auto_threads()
+        threads = self.config.threads or auto_threads(self.config.adaptive_threads)
         torch.set_num_threads(threads)
+        if self.config.adaptive_threads and threads > 1:
+            self.threads = ThreadTuner(threads, torch.set_num_threads, self.listener.on_threads)
+            self.threads.start()
         t0 = time.monotonic()
         path = resolve_model(self.config.model)
         print(f"[switchboard] loading model from {path} ({self.config.dtype})...", flush=True)
@@ -162,7 +168,7 @@ class TorchEngine(Beside, Admission, Stepper):
             f"[switchboard] model {self.model_name} ready in {time.monotonic() - t0:.1f} s "
             f"(KV cache {self._runner.kv_cache_bytes / 2**20:.0f} MiB for "
             f"{self.config.max_num_seqs} x {self.max_model_len} tokens; prefix cache "
-            f"{self.prefix.cache.capacity_bytes / 2**20 if self.prefix else 0:.0f} MiB; {threads} threads; "
+            f"{self.prefix.cache.capacity_bytes / 2**20 if self.prefix else 0:.0f} MiB; {threads} threads{' (adaptive: 1 while another process holds a core)' if self.threads else ''}; "
             f"{'oneDNN-packed' if self._runner.packed else 'plain'} weights)",
             flush=True,
         )
@@ -304,6 +310,9 @@ class TorchEngine(Beside, Admission, Stepper):
             if self._decode_yields():
                 self.listener.on_preempt("decode")
             else:
+                n, t0 = len(self._running), time.monotonic()
                 self._decode_step()
+                if self.threads is not None:
+                    self.threads.observe(n, time.monotonic() - t0)
             did = True
         return did

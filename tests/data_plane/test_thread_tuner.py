@@ -1,0 +1,106 @@
+"""The adaptive intra-op thread count (data_plane/shard/engines/torch_threads.py), driven by step times.
+
+The step times are given, not measured: what is tested is the decision rule (probe, hysteresis,
+collapse detection, back-off, batch changes). The measured effect on this machine, a real shard
+streaming with and without a busy core, is in docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from data_plane.shard.engines.torch_threads import ThreadTuner
+
+
+class Host:
+    """Step time as a function of the thread count set: `fast` per thread count while idle, or
+    `busy` while another process holds a core (N threads then collapse)."""
+
+    def __init__(self) -> None:
+        self.threads = 0
+        self.sets: list[int] = []
+        self.changes: list[tuple[int, str]] = []
+        self.busy = False
+
+    def set(self, n: int) -> None:
+        self.threads = n
+        self.sets.append(n)
+
+    def step_s(self) -> float:
+        if self.busy:
+            return {1: 0.036, 2: 0.300}[self.threads]
+        return {1: 0.035, 2: 0.023}[self.threads]
+
+
+def run(tuner: ThreadTuner, host: Host, steps: int, batch: int = 1) -> list[int]:
+    seen = []
+    for _ in range(steps):
+        seen.append(host.threads)
+        tuner.observe(batch, host.step_s())
+    return seen
+
+
+def make(host: Host, **kw: float) -> ThreadTuner:
+    t = ThreadTuner(2, host.set, lambda n, why: host.changes.append((n, why)), **kw)  # type: ignore[arg-type]
+    t.start()
+    return t
+
+
+def test_an_idle_host_keeps_every_thread_and_probes_less_and_less() -> None:
+    host = Host()
+    tuner = make(host)
+    seen = run(tuner, host, 2000)
+    assert tuner.threads == 2 and tuner.switches == 0
+    assert seen.count(1) < 0.03 * len(seen)  # probes at 1 thread are a small share of the steps
+    assert tuner.period > tuner.base_period  # each kept verdict doubles the period
+    assert host.changes == [(2, "start")]
+
+
+def test_contention_drops_to_one_thread_at_once_and_idle_brings_the_threads_back() -> None:
+    host = Host()
+    tuner = make(host)
+    run(tuner, host, 100)
+    host.busy = True
+    seen = run(tuner, host, 40)
+    # three slow steps in a row start a probe (a warm-up step and the probed ones), then 1 thread
+    assert tuner.threads == 1 and seen[-1] == 1 and seen.count(2) <= 4
+    assert host.changes[-1] == (1, "probe")
+    # still busy: probes of 2 threads stop after one counted step; nearly every step runs at 1
+    seen = run(tuner, host, 3000)
+    assert tuner.threads == 1 and seen.count(2) < 0.02 * len(seen)
+    host.busy = False
+    seen = run(tuner, host, 3000)
+    assert tuner.threads == 2 and host.changes[-1] == (2, "probe")
+
+
+def test_one_slow_step_is_not_contention() -> None:
+    host = Host()
+    tuner = make(host)
+    run(tuner, host, 100)
+    for _ in range(20):  # a GC pause now and then
+        tuner.observe(1, 0.5)
+        run(tuner, host, 30)
+    assert tuner.threads == 2 and tuner.switches == 0
+
+
+def test_a_small_difference_does_not_switch() -> None:
+    host = Host()
+    tuner = make(host)
+    for _ in range(1000):  # 1 thread only 5 % faster: under the 15 % margin, no switch
+        tuner.observe(1, 0.0300 if host.threads == 2 else 0.0285)
+    assert tuner.threads == 2 and tuner.switches == 0
+
+
+def test_a_batch_change_cancels_a_probe() -> None:
+    host = Host()
+    tuner = make(host, period=8)
+    run(tuner, host, 9)
+    assert host.threads == 1  # probing
+    tuner.observe(1, 0.035)  # warm-up at 1 thread
+    tuner.observe(5, 0.020)  # another batch size: no verdict from mixed sizes
+    assert host.threads == 2 and tuner.threads == 2 and tuner.switches == 0
+
+
+def test_one_thread_is_nothing_to_tune() -> None:
+    with pytest.raises(ValueError):
+        ThreadTuner(1, lambda n: None)
