@@ -353,8 +353,9 @@ def test_short_and_long_conversations_at_half_one_and_twice_capacity(tmp_path: P
     assert figures["recovered_to_level_0_s"] is not None, "the ladder did not come back to 0"
     assert base is not None and double["enterprise"]["ttft_p95_s"] is not None
     ratio = double["enterprise"]["ttft_p95_s"] / base
-    # Met since the engine preempts by priority and the host cap keeps one shard per core
-    # (docs/RELIABILITY.md §8: 0.90x in the run recorded there).
+    # At the bound, not reliably under it (docs/RELIABILITY.md §8): with same-priority prompts beside a
+    # chunked prefill and one mixed pass a step, 1.48x / 1.51x; the tail is long enterprise prompts
+    # queued behind long ones on the same shard (routing counts requests, not prompt tokens).
     assert ratio <= ENTERPRISE_RATIO, f"enterprise TTFT p95 {ratio:.2f}x its unloaded value (bound {ENTERPRISE_RATIO}x)"
 
 
