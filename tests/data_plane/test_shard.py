@@ -199,7 +199,8 @@ def test_metrics_use_vllm_names(fp32_shard: Service) -> None:
                  "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
                  "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
-                 "switchboard_shard_batch_size_bucket", "switchboard_shard_step_seconds_bucket"]:
+                 "switchboard_shard_batch_size_bucket", "switchboard_shard_step_seconds_bucket",
+                 "switchboard_shard_intra_op_threads", "switchboard_shard_thread_switches_total"]:
         assert re.search(rf'^{re.escape(name)}\{{.*model_name="SmolLM2-135M-Instruct"', text, re.M), name
 
 

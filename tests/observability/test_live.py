@@ -43,6 +43,12 @@ the test Cluster runs keeps no KV (it never looks up): 0 / 0 is NaN there. The t
 are tested in tests/data_plane/test_prefix_cache.py; the test asserts the synthetic shards really
 report no lookups, so this exemption lapses loudly if that changes."""
 
+NEEDS_TORCH_THREADS = "switchboard_shard_intra_op_threads"
+"""The torch engine reports its intra-op thread count (data_plane/shard/engines/torch_threads.py); the
+synthetic engine the test Cluster runs has no torch threads and no such series. The torch shard's is
+checked in tests/data_plane/test_shard.py; the test asserts the synthetic shards really report none,
+so this exemption lapses loudly if that changes."""
+
 NEEDS_SPECULATION = "vllm:spec_decode_"
 """The speculative-decoding panels divide by drafted tokens, and the synthetic engine the test Cluster
 runs never drafts: 0 / 0 is NaN there. The torch engine's drafts are tested in
@@ -164,6 +170,7 @@ def check_queries_and_alert(cluster: Cluster, prometheus: Prometheus) -> None:
     assert "switchboard_degradation_level " in control_metrics  # exported with the autoscaler off
     assert prometheus.value("sum(vllm:prefix_cache_queries_total)") == 0, "drop NEEDS_PREFIX_LOOKUPS"
     assert not prometheus.value("sum(vllm:spec_decode_num_drafts_total)") > 0, "drop NEEDS_SPECULATION"
+    assert not prometheus.query(NEEDS_TORCH_THREADS)["data"]["result"], "drop NEEDS_TORCH_THREADS"
 
     problems: list[str] = []
     for where, expr in dashboard_exprs():
@@ -173,7 +180,7 @@ def check_queries_and_alert(cluster: Cluster, prometheus: Prometheus) -> None:
             problems.append(f"{where}: {answer.get('errorType')}: {answer.get('error')}\n    {expr}")
             continue
         if fname not in MUST_HAVE_DATA or any(n in expr for n in (NEEDS_AUTOSCALER, NEEDS_PREFIX_LOOKUPS,
-                                                                  NEEDS_SPECULATION)):
+                                                                  NEEDS_SPECULATION, NEEDS_TORCH_THREADS)):
             continue
         result = answer["data"]["result"]
         if not result:

@@ -142,6 +142,8 @@ class TorchEngine(Beside, Admission, Stepper):
         if self.config.adaptive_threads and threads > 1:
             self.threads = ThreadTuner(threads, torch.set_num_threads, self.listener.on_threads)
             self.threads.start()
+        else:
+            self.listener.on_threads(threads, "start")
         t0 = time.monotonic()
         path = resolve_model(self.config.model)
         print(f"[switchboard] loading model from {path} ({self.config.dtype})...", flush=True)
