@@ -20,7 +20,8 @@ share so short prompts are not blocked). Here, with the tier order kept strictly
   torch_admission), and a lower-priority one never joins;
 - the prompts taken ahead of a lower-priority chunk (torch_admission._admit_ahead) share that same
   single pass, and so do the running sequences' decode tokens (one pass a step, not a prefill pass and
-  then a decode pass: vLLM's mixed batch; not with speculative decoding on, whose verify pass decodes).
+  then a decode pass: vLLM's mixed batch). With speculative decoding on, such a step drafts nothing
+  (the n-gram drafts resume at the next step without a chunk; its context catches up from the outputs).
 
 Slots as in torch_admission: the prompts taken get the slots after the decoding ones and the
 chunked (and parked) sequences move up. Counted in ``switchboard_shard_prefill_beside_chunk``

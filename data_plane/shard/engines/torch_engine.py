@@ -298,12 +298,12 @@ class TorchEngine(Beside, Admission, Stepper):
         batch = self._admit(budget) if self._prefilling is None else self._admit_ahead(budget)
         if self._prefilling is not None and not batch:
             batch = self._admit_beside(budget)  # same-priority prompts share the chunk's step
-        mixed = self._prefilling is not None and self.spec is None  # decode tokens ride in the chunk's pass
-        if self._prefilling is not None:
+        mixed = self._prefilling is not None  # decode tokens ride in the chunk's pass (no drafts that step)
+        if mixed:
             yields = bool(self._running) and self._decode_yields()
-            if yields and mixed:
+            if yields:
                 self.listener.on_preempt("decode")
-            self._prefill_with_chunk(batch, budget, [] if yields or not mixed else list(self._running))
+            self._prefill_with_chunk(batch, budget, [] if yields else list(self._running))
             did = True
         elif batch:
             self._prefill_batch(batch)
