@@ -353,9 +353,9 @@ def test_short_and_long_conversations_at_half_one_and_twice_capacity(tmp_path: P
     assert figures["recovered_to_level_0_s"] is not None, "the ladder did not come back to 0"
     assert base is not None and double["enterprise"]["ttft_p95_s"] is not None
     ratio = double["enterprise"]["ttft_p95_s"] / base
-    # At the bound, not reliably under it (docs/RELIABILITY.md §8): with same-priority prompts beside a
-    # chunked prefill, 1.46x-1.51x in four runs on clean baselines; the tail is long enterprise prompts
-    # queued behind long ones on the same shard (routing counts requests, not prompt tokens).
+    # Met with a small margin (docs/RELIABILITY.md §8): with same-priority prompts beside a chunked
+    # prefill in one mixed pass, 1.46x and 1.40x on clean baselines (1.48-1.51x without the mixed pass);
+    # the tail is long enterprise prompts behind long ones on one shard (routing counts requests).
     assert ratio <= ENTERPRISE_RATIO, f"enterprise TTFT p95 {ratio:.2f}x its unloaded value (bound {ENTERPRISE_RATIO}x)"
 
 
