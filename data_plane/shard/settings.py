@@ -43,7 +43,7 @@ class ShardSettings(BaseSettings):
     max_waiting: int = Field(256, ge=1, le=100000, description="Waiting-queue bound (beyond: 503).")
     threads: int = Field(0, ge=0, le=256, description="torch threads (0 = all cores when adaptive, else all but one).")
     adaptive_threads: Literal["on", "off"] = Field(
-        "on", description="Measure decode steps at 1 and at --threads threads and keep the faster: on | off.")
+        "on", description="Measure decode steps at 1 and at --threads threads, keep the faster (bf16/fp16): on | off.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body.")
     registry_url: str | None = Field(None, description="Embedded registry URL to register with.")
     membership: str | None = Field(None, pattern=MEMBERSHIP_URL_PATTERN,

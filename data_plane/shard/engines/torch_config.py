@@ -41,7 +41,8 @@ class EngineConfig:
     threads: int = 0
     """torch intra-op threads, 0..256; 0 = auto: all cores when adaptive, else all cores but one (at least 1)."""
     adaptive_threads: bool = True
-    """Measure the decode step at 1 and at `threads` threads and keep the faster (data_plane/shard/engines/torch_threads.py)."""
+    """Measure the decode step at 1 and at `threads` threads and keep the faster (data_plane/shard/engines/torch_threads.py);
+    bf16/fp16 only: float32, the batch-invariant mode, keeps one fixed count."""
     prefix_caching: bool = True
     """Keep KV after requests end and reuse the longest cached prompt prefix."""
     prefix_cache_bytes: int = 0

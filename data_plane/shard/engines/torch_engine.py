@@ -137,9 +137,11 @@ class TorchEngine(Beside, Admission, Stepper):
         from data_plane.shard.engines.llama_runner import LlamaRunner
         from data_plane.model_store import resolve_model, served_name
 
-        threads = self.config.threads or auto_threads(self.config.adaptive_threads)
+        # fp32 is the batch-invariant mode: its numerics must not depend on when a probe switches threads.
+        adaptive = self.config.adaptive_threads and self.config.dtype != "float32"
+        threads = self.config.threads or auto_threads(adaptive)
         torch.set_num_threads(threads)
-        if self.config.adaptive_threads and threads > 1:
+        if adaptive and threads > 1:
             self.threads = ThreadTuner(threads, torch.set_num_threads, self.listener.on_threads)
             self.threads.start()
         else:
