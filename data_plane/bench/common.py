@@ -20,6 +20,7 @@ import os
 import platform
 import resource
 import statistics
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,6 +125,22 @@ async def closed_loop(
 
     await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, len(items))))))
     return [r for r in results if r is not None]
+
+
+async def one_at_a_time(prompts: Sequence[list[int]], concurrency: int, max_tokens: int,
+                        generate: Callable[[list[int], int, RequestResult], None]) -> list[RequestResult]:
+    """A server that holds one sequence (naive HF `generate`, llama.cpp's high-level API): a closed
+    loop of `concurrency` clients whose requests are served in FIFO order, `generate(ids, max_tokens,
+    result)` run in a worker thread, so at concurrency N the TTFT includes the queueing."""
+    lock = asyncio.Lock()
+
+    async def one(ids: list[int]) -> RequestResult:
+        r = RequestResult(submitted=time.perf_counter(), prompt_tokens=len(ids))
+        async with lock:
+            await asyncio.to_thread(generate, ids, max_tokens, r)
+        return r
+
+    return await closed_loop(prompts, concurrency, one)
 
 
 def cycle(items: Sequence[T], n: int) -> list[T]:

@@ -21,7 +21,7 @@ import os
 import time
 from typing import Any
 
-from data_plane.bench.common import RequestResult, closed_loop
+from data_plane.bench.common import RequestResult, one_at_a_time
 from data_plane.bench.engine_systems import BenchConfig, Skip
 
 LLAMACPP_HINT = "pip install llama-cpp-python  (builds from source here, ~8 min)"
@@ -169,15 +169,7 @@ class LlamaCppLookupSystem:
         self._generate([1, 2, 3], 2, RequestResult(submitted=time.perf_counter()))  # warm-up
 
     async def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestResult]:
-        lock = asyncio.Lock()  # FIFO: the high-level API holds one sequence
-
-        async def one(ids: list[int]) -> RequestResult:
-            r = RequestResult(submitted=time.perf_counter(), prompt_tokens=len(ids))
-            async with lock:
-                await asyncio.to_thread(self._generate, ids, max_tokens, r)
-            return r
-
-        return await closed_loop(prompts, concurrency, one)
+        return await one_at_a_time(prompts, concurrency, max_tokens, self._generate)
 
     def _generate(self, ids: list[int], max_tokens: int, r: RequestResult) -> None:
         last = 0.0

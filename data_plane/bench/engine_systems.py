@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
-from data_plane.bench.common import RequestResult, closed_loop
+from data_plane.bench.common import RequestResult, closed_loop, one_at_a_time
 
 
 @dataclass(frozen=True)
@@ -167,15 +167,7 @@ class NaiveSystem:
         self._generate([1, 2, 3], 2, RequestResult(submitted=time.perf_counter()))  # warm-up
 
     async def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestResult]:
-        lock = asyncio.Lock()  # FIFO: a single-model server serves one request at a time
-
-        async def one(ids: list[int]) -> RequestResult:
-            r = RequestResult(submitted=time.perf_counter(), prompt_tokens=len(ids))
-            async with lock:
-                await asyncio.to_thread(self._generate, ids, max_tokens, r)
-            return r
-
-        return await closed_loop(prompts, concurrency, one)
+        return await one_at_a_time(prompts, concurrency, max_tokens, self._generate)
 
     def _generate(self, ids: list[int], max_tokens: int, r: RequestResult) -> None:
         import torch

@@ -94,7 +94,7 @@ class TorchEngine(Beside, Admission, Stepper):
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dead: BaseException | None = None
         self.prefix: SlotPrefix | None = None
-        self.threads: ThreadTuner | None = None  # adaptive intra-op threads, set at load
+        self.thread_tuner: ThreadTuner | None = None  # adaptive intra-op threads, set at load
         self.transcripts = GeneratedTokens()
         self.spec = (Speculator(config.num_speculative_tokens, config.spec_max_batch)
                      if config.speculation == "ngram" else None)
@@ -115,8 +115,12 @@ class TorchEngine(Beside, Admission, Stepper):
         ready: asyncio.Future[None] = loop.create_future()
 
         def settle(exc: BaseException | None) -> None:
-            if not ready.done():
-                ready.set_result(None) if exc is None else ready.set_exception(exc)
+            if ready.done():
+                return
+            if exc is None:
+                ready.set_result(None)
+            else:
+                ready.set_exception(exc)
 
         def scheduler() -> None:
             try:
@@ -142,8 +146,8 @@ class TorchEngine(Beside, Admission, Stepper):
         threads = self.config.threads or auto_threads(adaptive)
         torch.set_num_threads(threads)
         if adaptive and threads > 1:
-            self.threads = ThreadTuner(threads, torch.set_num_threads, self.listener.on_threads)
-            self.threads.start()
+            self.thread_tuner = ThreadTuner(threads, torch.set_num_threads, self.listener.on_threads)
+            self.thread_tuner.start()
         else:
             self.listener.on_threads(threads, "start")
         t0 = time.monotonic()
@@ -172,7 +176,7 @@ class TorchEngine(Beside, Admission, Stepper):
             f"[switchboard] model {self.model_name} ready in {time.monotonic() - t0:.1f} s "
             f"(KV cache {self._runner.kv_cache_bytes / 2**20:.0f} MiB for "
             f"{self.config.max_num_seqs} x {self.max_model_len} tokens; prefix cache "
-            f"{self.prefix.cache.capacity_bytes / 2**20 if self.prefix else 0:.0f} MiB; {threads} threads{' (adaptive: 1 while another process holds a core)' if self.threads else ''}; "
+            f"{self.prefix.cache.capacity_bytes / 2**20 if self.prefix else 0:.0f} MiB; {threads} threads{' (adaptive: 1 while another process holds a core)' if self.thread_tuner else ''}; "
             f"{'oneDNN-packed' if self._runner.packed else 'plain'} weights)",
             flush=True,
         )
@@ -316,7 +320,7 @@ class TorchEngine(Beside, Admission, Stepper):
             else:
                 n, t0 = len(self._running), time.monotonic()
                 self._decode_step()
-                if self.threads is not None:
-                    self.threads.observe(n, time.monotonic() - t0)
+                if self.thread_tuner is not None:
+                    self.thread_tuner.observe(n, time.monotonic() - t0)
             did = True
         return did

@@ -106,10 +106,7 @@ class ThreadTuner:
             self._warm = True
             return
         self._probe.append(seconds)
-        current = statistics.median(self._recent) if self._recent else None
-        if current is None:
-            self._end_probe(None, "")
-            return
+        current = statistics.median(self._recent)  # never empty here: a probe starts from >= `persist` samples
         if len(self._probe) == 1 and seconds > 2 * current:
             self._end_probe(False, "")
             return
