@@ -33,8 +33,10 @@ class Host:
 
 
 def run(tuner: ThreadTuner, host: Host, steps: int, batch: int = 1) -> list[int]:
+    """`steps` decode steps as the engine runs them; the thread count each one ran with."""
     seen = []
     for _ in range(steps):
+        tuner.for_decode()
         seen.append(host.threads)
         tuner.observe(batch, host.step_s())
     return seen
@@ -46,24 +48,27 @@ def make(host: Host, **kw: float) -> ThreadTuner:
     return t
 
 
-def test_an_idle_host_keeps_every_thread_and_probes_less_and_less() -> None:
+def test_an_idle_host_moves_to_every_thread_and_probes_less_and_less() -> None:
     host = Host()
     tuner = make(host)
     seen = run(tuner, host, 2000)
-    assert tuner.threads == 2 and tuner.switches == 0
-    assert seen.count(1) < 0.03 * len(seen)  # probes at 1 thread are a small share of the steps
-    assert tuner.period > tuner.base_period  # each kept verdict doubles the period
-    assert host.changes == [(2, "start")]
+    assert seen[0] == 1 and seen.index(2) <= 40  # 1 thread (safe) until a second of decode, then 2
+    assert tuner.threads == 2 and tuner.switches == 1
+    assert seen[40:].count(1) < 0.03 * len(seen)  # later probes at 1 thread are a small share
+    assert tuner.period_s > tuner.base_period_s  # each kept verdict doubles the period
+    assert host.changes == [(1, "start"), (2, "probe")]
 
 
 def test_contention_drops_to_one_thread_at_once_and_idle_brings_the_threads_back() -> None:
     host = Host()
     tuner = make(host)
     run(tuner, host, 100)
+    assert tuner.threads == 2
     host.busy = True
     seen = run(tuner, host, 40)
-    # three slow steps in a row start a probe (a warm-up step and the probed ones), then 1 thread
-    assert tuner.threads == 1 and seen[-1] == 1 and seen.count(2) <= 4
+    # three slow steps in a row start a probe of 1 thread (a warm-up step and the probed ones), then
+    # 1 thread; one later probe of 2 threads (after a second) costs two slow steps
+    assert seen.index(1) == 3 and tuner.threads == 1 and seen[-1] == 1 and seen.count(2) <= 5
     assert host.changes[-1] == (1, "probe")
     # still busy: probes of 2 threads stop after one counted step; nearly every step runs at 1
     seen = run(tuner, host, 3000)
@@ -73,6 +78,26 @@ def test_contention_drops_to_one_thread_at_once_and_idle_brings_the_threads_back
     assert tuner.threads == 2 and host.changes[-1] == (2, "probe")
 
 
+def test_a_host_busy_from_the_start_is_left_within_seconds() -> None:
+    host = Host()
+    host.busy = True
+    tuner = make(host)
+    seen = run(tuner, host, 40)
+    # 1 thread from the start; the probe of 2 threads stops at its collapsed warm-up step
+    assert tuner.threads == 1 and tuner.switches == 0 and seen.count(2) <= 1
+
+
+def test_prefill_runs_at_the_chosen_count_during_a_probe() -> None:
+    host = Host()
+    tuner = make(host, period_s=0.1)
+    while host.threads != 2:  # until a probe of 2 threads runs
+        run(tuner, host, 1)
+    tuner.for_other()  # a prefill pass now
+    assert host.threads == 1
+    tuner.for_decode()  # the probe goes on with the next decode step
+    assert host.threads == 2
+
+
 def test_one_slow_step_is_not_contention() -> None:
     host = Host()
     tuner = make(host)
@@ -80,25 +105,26 @@ def test_one_slow_step_is_not_contention() -> None:
     for _ in range(20):  # a GC pause now and then
         tuner.observe(1, 0.5)
         run(tuner, host, 30)
-    assert tuner.threads == 2 and tuner.switches == 0
+    assert tuner.threads == 2 and tuner.switches == 1  # the first probe's move to 2, nothing since
 
 
 def test_a_small_difference_does_not_switch() -> None:
     host = Host()
     tuner = make(host)
-    for _ in range(1000):  # 1 thread only 5 % faster: under the 15 % margin, no switch
-        tuner.observe(1, 0.0300 if host.threads == 2 else 0.0285)
-    assert tuner.threads == 2 and tuner.switches == 0
+    for _ in range(1000):  # 2 threads only 5 % faster: under the 15 % margin, no switch
+        tuner.for_decode()
+        tuner.observe(1, 0.0285 if host.threads == 2 else 0.0300)
+    assert tuner.threads == 1 and tuner.switches == 0
 
 
 def test_a_batch_change_cancels_a_probe() -> None:
     host = Host()
-    tuner = make(host, period=8)
-    run(tuner, host, 9)
-    assert host.threads == 1  # probing
-    tuner.observe(1, 0.035)  # warm-up at 1 thread
-    tuner.observe(5, 0.020)  # another batch size: no verdict from mixed sizes
-    assert host.threads == 2 and tuner.threads == 2 and tuner.switches == 0
+    tuner = make(host, period_s=0.1)
+    while host.threads != 2:  # until a probe of 2 threads runs
+        run(tuner, host, 1)
+    run(tuner, host, 1, batch=5)  # another batch size: no verdict from mixed sizes
+    tuner.for_decode()
+    assert host.threads == 1 and tuner.threads == 1 and tuner.switches == 0
 
 
 def test_one_thread_is_nothing_to_tune() -> None:

@@ -176,7 +176,7 @@ class TorchEngine(Beside, Admission, Stepper):
             f"[switchboard] model {self.model_name} ready in {time.monotonic() - t0:.1f} s "
             f"(KV cache {self._runner.kv_cache_bytes / 2**20:.0f} MiB for "
             f"{self.config.max_num_seqs} x {self.max_model_len} tokens; prefix cache "
-            f"{self.prefix.cache.capacity_bytes / 2**20 if self.prefix else 0:.0f} MiB; {threads} threads{' (adaptive: 1 while another process holds a core)' if self.thread_tuner else ''}; "
+            f"{self.prefix.cache.capacity_bytes / 2**20 if self.prefix else 0:.0f} MiB; {f'1..{threads} threads (adaptive)' if self.thread_tuner else f'{threads} threads'}; "
             f"{'oneDNN-packed' if self._runner.packed else 'plain'} weights)",
             flush=True,
         )
@@ -305,6 +305,9 @@ class TorchEngine(Beside, Admission, Stepper):
         if self._prefilling is not None and not batch:
             batch = self._admit_beside(budget)  # same-priority prompts share the chunk's step
         mixed = self._prefilling is not None  # decode tokens ride in the chunk's pass (no drafts that step)
+        tuner = self.thread_tuner
+        if tuner is not None and (mixed or batch):
+            tuner.for_other()  # prefill passes run at the chosen thread count, never at a probed one
         if mixed:
             yields = bool(self._running) and self._decode_yields()
             if yields:
@@ -318,9 +321,11 @@ class TorchEngine(Beside, Admission, Stepper):
             if self._decode_yields():
                 self.listener.on_preempt("decode")
             else:
+                if tuner is not None:
+                    tuner.for_decode()
                 n, t0 = len(self._running), time.monotonic()
                 self._decode_step()
-                if self.thread_tuner is not None:
-                    self.thread_tuner.observe(n, time.monotonic() - t0)
+                if tuner is not None:
+                    tuner.observe(n, time.monotonic() - t0)
             did = True
         return did

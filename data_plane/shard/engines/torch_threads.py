@@ -2,8 +2,10 @@
 and keeps the faster, again and again.
 
     tuner = ThreadTuner(max_threads=2, set_threads=torch.set_num_threads, on_change=listener.on_threads)
-    tuner.start()                          # on the scheduler thread: N threads
-    tuner.observe(batch=4, seconds=0.031)  # after every decode step; may switch the thread count
+    tuner.start()                          # on the scheduler thread: 1 thread until N measures faster
+    tuner.for_other()                      # before a prefill pass: the chosen count
+    tuner.for_decode()                     # before a decode step: the chosen count, or the probed one
+    tuner.observe(batch=4, seconds=0.031)  # after that decode step; may switch the thread count
 
 Built by the torch engine (data_plane/shard/engines/torch_engine.py) when `EngineConfig.adaptive_threads`
 is on and more than one thread is allowed; called on its scheduler thread only.
@@ -11,25 +13,33 @@ is on and more than one thread is allowed; called on its scheduler thread only.
 Why: when the engine has the cores to itself, N OpenMP threads make a decode step faster than one
 (2 cores, bf16, batch 1: 23 against 35 ms a step; streamed through the shard 38 against 26 tok/s). When
 another process takes a core, the same N threads collapse: every parallel region waits at its
-barrier for a thread the kernel has descheduled (streamed: 2.9 tok/s against 25 at one thread). No
-fixed count is right on a host the shard shares with a gateway, a cache node or another shard.
+barrier for a thread the kernel has descheduled (a step 0.3-0.9 s; streamed: 2.9 tok/s against 25 at
+one thread). No fixed count is right on a host the shard shares with a gateway, a cache node or
+another shard.
+
+It starts at one thread, the count that cannot collapse: on an idle host the first probe (after a
+second of decode) moves it to N; on a busy one that probe costs one collapsed step.
 
 How: a *probe* runs `probe_steps` decode steps at the other count (after one warm-up step, which is
 not counted) and compares their median step time with the current count's recent median at the same
-batch size. The other count wins only when it is faster by more than `margin` (hysteresis: no
-flapping on noise). A probe starts every `period` decode steps; the period doubles (up to
-`max_period`) each time the probe keeps the count, and resets when it switches. `persist` steps in a
-row slower than `collapse` times the current median (contention arrived; one slow step is a GC pause)
-start a probe at once, against those slow steps. A probe whose first
-counted step is already twice as slow as the current median stops there (it costs one slow step, not
-`probe_steps`). A change of batch size mid-probe cancels it (step times are only compared at one size).
+batch size (a window per batch size, so arrivals and departures do not reset the evidence). The
+other count wins only when it is faster by more than `margin` (hysteresis: no flapping on noise).
+Only decode steps are probed: prefill passes always run at the chosen count.
+
+When: a probe starts once `period_s` seconds of decode have passed since the last one (time, not
+steps: a collapsed step can take a second); the period doubles (up to `max_period_s`) each time the
+probe keeps the count and resets when it switches. `persist` steps in a row slower than `collapse`
+times the current median (contention arrived; one slow step is a GC pause) start a probe at once,
+against those slow steps. A probe stops early when its warm-up step already collapsed or its first
+counted step is twice as slow as the current median, and the next one waits at least its cost over
+`overhead` (probes take at most 5 % of decode time). A change of batch size mid-probe cancels it.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
-from collections import deque
+from collections import defaultdict, deque
 from typing import Callable
 
 log = logging.getLogger(__name__)
@@ -38,75 +48,95 @@ log = logging.getLogger(__name__)
 class ThreadTuner:
     def __init__(self, max_threads: int, set_threads: Callable[[int], None],
                  on_change: Callable[[int, str], None] | None = None, *, probe_steps: int = 4,
-                 period: int = 64, max_period: int = 2048, margin: float = 0.15, collapse: float = 3.0,
-                 window: int = 16, persist: int = 3) -> None:
+                 period_s: float = 1.0, max_period_s: float = 64.0, margin: float = 0.15,
+                 collapse: float = 3.0, window: int = 16, persist: int = 3, overhead: float = 0.05) -> None:
         if max_threads < 2:
             raise ValueError("a thread tuner needs at least 2 threads to choose from")
         self.max_threads = max_threads
         self.set_threads = set_threads
         self.on_change = on_change or (lambda threads, reason: None)
         self.probe_steps = probe_steps
-        self.base_period = self.period = period
-        self.max_period = max_period
+        self.base_period_s = self.period_s = period_s
+        self.max_period_s = max_period_s
         self.margin = margin
         self.collapse = collapse
         self.persist = persist
-        self._slow: list[float] = []  # consecutive steps slower than `collapse` x the median
-        self.threads = max_threads
+        self.overhead = overhead
+        self.threads = 1  # the chosen count: the safe one until a probe shows N faster
         self.switches = 0
-        self._recent: deque[float] = deque(maxlen=window)  # step seconds at the current count, this batch
-        self._batch = -1
-        self._since_probe = 0
+        self._applied = 0  # the count set now
+        self._window = window
+        self._recent: defaultdict[int, deque[float]] = defaultdict(lambda: deque(maxlen=self._window))
+        self._slow: list[float] = []  # consecutive decode steps slower than `collapse` x the median
+        self._since_probe_s = 0.0
         self._probe: list[float] | None = None  # counted step times at the other count
+        self._probe_batch = -1
+        self._probe_s = 0.0  # decode time spent in the probe under way
         self._warm = False
-
-    def start(self) -> None:
-        self.set_threads(self.threads)
-        self.on_change(self.threads, "start")
 
     @property
     def other(self) -> int:
         return 1 if self.threads != 1 else self.max_threads
 
+    def start(self) -> None:
+        self._apply(self.threads)
+        self.on_change(self.threads, "start")
+
+    def for_other(self) -> None:
+        """Before a pass that is not a decode step: the chosen count."""
+        self._apply(self.threads)
+
+    def for_decode(self) -> None:
+        """Before a decode step: the probed count while a probe runs, else the chosen one."""
+        self._apply(self.other if self._probe is not None else self.threads)
+
+    def _apply(self, n: int) -> None:
+        if n != self._applied:
+            self.set_threads(n)
+            self._applied = n
+
     def observe(self, batch: int, seconds: float) -> None:
-        """One decode step of `batch` sequences took `seconds` at the thread count set now."""
-        if batch != self._batch:
-            self._batch = batch
-            self._recent.clear()
-            if self._probe is not None:
-                self._end_probe(None, "")
+        """The decode step of `batch` sequences just run (after `for_decode`) took `seconds`."""
         if self._probe is not None:
-            self._probe_step(seconds)
+            if batch != self._probe_batch:
+                self._end_probe(None, "")  # no verdict from two batch sizes
+            else:
+                self._probe_step(seconds)
             return
-        current = statistics.median(self._recent) if len(self._recent) >= 4 else None
-        self._since_probe += 1
+        recent = self._recent[batch]
+        current = statistics.median(recent) if len(recent) >= 4 else None
+        self._since_probe_s += seconds
         if current is not None and seconds > self.collapse * current:
             # Kept out of the baseline until it persists (a GC pause is one slow step, contention is not);
             # then the slow steps are the baseline the probe must beat.
             self._slow.append(seconds)
             if len(self._slow) >= self.persist:
-                self._recent.clear()
-                self._recent.extend(self._slow)
+                recent.clear()
+                recent.extend(self._slow)
                 self._slow.clear()
-                self._start_probe()
+                self._start_probe(batch)
             return
         self._slow.clear()
-        self._recent.append(seconds)
-        if self._since_probe >= self.period and current is not None:
-            self._start_probe()
+        recent.append(seconds)
+        if current is not None and self._since_probe_s >= self.period_s:
+            self._start_probe(batch)
 
-    def _start_probe(self) -> None:
+    def _start_probe(self, batch: int) -> None:
         self._probe = []
+        self._probe_batch = batch
+        self._probe_s = 0.0
         self._warm = False
-        self.set_threads(self.other)
 
     def _probe_step(self, seconds: float) -> None:
         assert self._probe is not None
-        if not self._warm:  # the first step at a new count pays for waking its threads
-            self._warm = True
+        self._probe_s += seconds
+        current = statistics.median(self._recent[self._probe_batch])  # >= `persist` samples when it began
+        if not self._warm:  # the first step at a new count pays for waking its threads: not counted,
+            self._warm = True  # unless it already collapsed
+            if seconds > self.collapse * current:
+                self._end_probe(False, "")
             return
         self._probe.append(seconds)
-        current = statistics.median(self._recent)  # never empty here: a probe starts from >= `persist` samples
         if len(self._probe) == 1 and seconds > 2 * current:
             self._end_probe(False, "")
             return
@@ -120,15 +150,15 @@ class ThreadTuner:
         cancel it (None: no verdict, probe again after another period)."""
         probed = self.other
         self._probe = None
-        self._since_probe = 0
+        self._since_probe_s = 0.0
         if switch:
             self.threads = probed
             self.switches += 1
-            self.period = self.base_period
+            self.period_s = self.base_period_s
             self._recent.clear()
             log.info("intra-op threads -> %d (%s)", probed, why)
             self.on_change(probed, "probe")
-            return
-        self.set_threads(self.threads)
-        if switch is False:
-            self.period = min(self.max_period, self.period * 2)
+        elif switch is False:
+            self.period_s = min(self.max_period_s, self.period_s * 2)
+        # Probing never costs more than `overhead` of decode time (a collapsed step can take a second).
+        self.period_s = max(self.period_s, self._probe_s / self.overhead)
