@@ -4,6 +4,7 @@
     switchboard bench engine --concurrency 1,16 --systems switchboard,naive --json /tmp/e.json
     switchboard bench engine --dtype float32 --num-prompts 8 --max-tokens 64
     switchboard bench engine --systems switchboard --baseline-tree /tmp/sb-base   # + an older checkout's engine
+    switchboard bench engine --workload quote --speculation on,off --rounds 4       # orders A B, B A, A B, B A; pooled
 
 Every system gets the same chat-templated prompts (token ids from the model's tokenizer),
 greedy decoding, and a closed loop: `concurrency` workers each take the next prompt as soon
@@ -172,6 +173,58 @@ def copy_bandwidth_gb_s(mib: int = 256, repeats: int = 5, threads: int = 0) -> f
     return 2 * src.numel() * src.element_size() / best / 1e9
 
 
+# -- rounds ------------------------------------------------------------------------------------
+
+
+def round_orders(systems: list[str], rounds: int) -> list[list[str]]:
+    """Each round's order: as listed, then reversed, alternately (A B, B A, A B, ...). A system
+    measured first on a just-quiet host reads a few percent differently from the next one (seen on
+    spec on vs off, which run the same steps above 4 streams); alternating cancels that in the pool."""
+    return [list(systems) if r % 2 == 0 else systems[::-1] for r in range(rounds)]
+
+
+_SUMMED = ("requests", "failed", "output_tokens", "duration_s", "spec_drafts", "spec_draft_tokens",
+           "spec_accepted_tokens")
+
+
+def pool_rounds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (system, concurrency) from every round's rows: throughput over all rounds' tokens
+    and time, latency figures the mean of the rounds', each round's tok/s kept (`round_tok_s`)."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["system"], r["concurrency"]), []).append(r)
+    pooled = []
+    for group in groups.values():
+        if len(group) == 1:
+            pooled.append(group[0])
+            continue
+        row = dict(group[0])
+        row.pop("round", None)
+        row["rounds"] = len(group)
+        for key, value in group[0].items():
+            values = [g[key] for g in group if g.get(key) is not None]
+            if key in _SUMMED:
+                row[key] = sum(values)
+            elif isinstance(value, float) and key != "output_tok_s" and len(values) == len(group):
+                row[key] = sum(values) / len(values)
+        row["peak_rss_mb"] = max((g.get("peak_rss_mb") or 0) for g in group)
+        row["round_tok_s"] = [g["output_tok_s"] for g in group]
+        row["output_tok_s"] = row["output_tokens"] / row["duration_s"] if row["duration_s"] > 0 else math.nan
+        row["mean_output_tokens"] = row["output_tokens"] / row["requests"] if row["requests"] else 0.0
+        drafts = row.get("spec_drafts")
+        if drafts:
+            row["acceptance_rate"] = row["spec_accepted_tokens"] / row["spec_draft_tokens"]
+            row["mean_accepted_length"] = 1 + row["spec_accepted_tokens"] / drafts
+            width = max(len(g.get("accepted_per_pos") or []) for g in group)
+            row["accepted_per_pos"] = [
+                sum(g["spec_drafts"] * (g["accepted_per_pos"][p] if p < len(g["accepted_per_pos"]) else 0.0)
+                    for g in group if g.get("spec_drafts")) / drafts
+                for p in range(width)
+            ]
+        pooled.append(row)
+    return pooled
+
+
 # -- reporting ---------------------------------------------------------------------------------
 
 
@@ -221,6 +274,11 @@ def print_report(rows: list[dict[str, Any]], ratio: dict[str, dict[str, float]],
           fmt(r["output_tok_s"]), fmt(r["ttft_p50_ms"]), fmt(r["ttft_p99_ms"]), fmt(r["tpot_p50_ms"], 2),
           fmt(r["tpot_p99_ms"], 2), fmt(r.get("peak_rss_mb"), 0)] for r in rows],
     ))
+    pooled = [r for r in rows if r.get("round_tok_s")]
+    if pooled:
+        print(f"\n{pooled[0]['rounds']} rounds pooled (orders alternate); out tok/s of each round:")
+        for r in pooled:
+            print(f"  {r['system']:<24} c={r['concurrency']:<3} " + "  ".join(fmt(x) for x in r["round_tok_s"]))
     if ratio:
         levels = sorted({int(c) for pairs in ratio.values() for c in pairs})
         print("\noutput tok/s ratios (llama.cpp runs its GGUF quantisation, not the torch dtype)")
@@ -275,6 +333,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="speculation on: most draft tokens per sequence and step, 1..16 (default 8)")
     p.add_argument("--model", default=None, help="HF model folder or GGUF (default SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=0, help="compute threads (default 0 = all cores)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every system this many times, the order reversed each round (A B, B A, ...); "
+                        "the table pools the rounds (default 1)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--baseline-tree", default=None, metavar="DIR",
                    help="also measure the switchboard system(s) with the code of this checkout (a git worktree "
@@ -293,8 +354,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.baseline_tree:
         # Each right after its counterpart, so both see the same load.
         args.systems = [x for s in args.systems for x in ([s, s + BASE] if s.startswith("switchboard") else [s])]
-    if args.max_tokens < 1 or (args.num_prompts is not None and args.num_prompts < 1):
-        p.error("--max-tokens and --num-prompts must be positive")
+    if args.max_tokens < 1 or args.rounds < 1 or (args.num_prompts is not None and args.num_prompts < 1):
+        p.error("--max-tokens, --rounds and --num-prompts must be positive")
     return args
 
 
@@ -310,30 +371,41 @@ def main(argv: list[str] | None = None) -> None:
         num_speculative_tokens=args.num_speculative_tokens,
     )
     gb_s = copy_bandwidth_gb_s(threads=args.threads)
-    rows: list[dict[str, Any]] = []
+    rounds_rows: list[dict[str, Any]] = []
     weights: dict[str, int] = {}
     skipped: dict[str, str] = {}
-    for name in args.systems:
-        try:
-            if name.startswith("llamacpp"):
-                SYSTEMS[name](config)  # fails fast, in this process, when llama_cpp is missing
-            if name.endswith(BASE):
-                out = run_baseline(args.baseline_tree, name, config, prompt_ids)
-            else:
-                out = run_isolated(name, config, prompt_ids)
-        except Skip as exc:
-            print(f"[bench] {name}: skipped: {exc}", flush=True)
-            skipped[name] = str(exc)
-            continue
-        except Exception as exc:  # one broken system must not lose the others' numbers
-            print(f"[bench] {name}: FAILED: {type(exc).__name__}: {exc}", flush=True)
-            skipped[name] = f"failed: {type(exc).__name__}: {exc}"
-            continue
-        rows += out["rows"]
-        weights[name] = out["weight_bytes"]
+    failed: set[str] = set()
+    for round_no, order in enumerate(round_orders(args.systems, args.rounds)):
+        if args.rounds > 1:
+            print(f"[bench] round {round_no + 1}/{args.rounds}: {', '.join(order)}", flush=True)
+        for name in order:
+            if name in failed:
+                continue
+            try:
+                if name.startswith("llamacpp"):
+                    SYSTEMS[name](config)  # fails fast, in this process, when llama_cpp is missing
+                if name.endswith(BASE):
+                    out = run_baseline(args.baseline_tree, name, config, prompt_ids)
+                else:
+                    out = run_isolated(name, config, prompt_ids)
+            except Skip as exc:
+                print(f"[bench] {name}: skipped: {exc}", flush=True)
+                skipped[name] = str(exc)
+                failed.add(name)
+                continue
+            except Exception as exc:  # one broken system must not lose the others' numbers
+                print(f"[bench] {name}: FAILED: {type(exc).__name__}: {exc}", flush=True)
+                skipped[name] = f"failed: {type(exc).__name__}: {exc}"
+                failed.add(name)
+                continue
+            for row in out["rows"]:
+                row["round"] = round_no
+            rounds_rows += out["rows"]
+            weights[name] = out["weight_bytes"]
+    rows = pool_rounds(rounds_rows)
     ratio = ratios(rows)
     bw = bandwidth_report(rows, weights, gb_s)
     print_report(rows, ratio, bw)
     if args.json:
-        write_json(args.json, {"rows": rows, "ratios": ratio, "bandwidth": bw, "skipped": skipped,
+        write_json(args.json, {"rows": rows, "round_rows": rounds_rows, "ratios": ratio, "bandwidth": bw, "skipped": skipped,
                                "config": asdict(config), "machine": machine_info()})

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from data_plane.shard.engines.base import SamplingParams
-from data_plane.shard.engines.speculation import NgramIndex, SeqSpec, accept_greedy, accept_sampled, target_probs
+from data_plane.shard.engines.speculation import (
+    NgramIndex,
+    SeqSpec,
+    VerifyCost,
+    accept_greedy,
+    accept_sampled,
+    target_probs,
+)
 
 
 def test_ngram_proposes_what_followed_the_latest_match() -> None:
@@ -32,21 +39,56 @@ def test_ngram_short_continuation_and_no_self_match() -> None:
     assert index.propose([5, 6, 5, 6], 4) == [5, 6]  # only two tokens followed the earlier (5,6)
 
 
-def test_seq_spec_adapts_and_backs_off() -> None:
-    s = SeqSpec(max_k=4, miss_limit=2)
-    assert s.draft_len() == 4
-    s.record(4, 1)
-    assert s.draft_len() == 2  # cut to accepted + 1
-    s.record(2, 2)
-    assert s.draft_len() == 3  # full acceptance grows it
-    s.record(3, 0)
-    s.record(1, 0)  # second miss in a row: off for the back-off
-    assert [s.draft_len() for _ in range(16)] == [0] * 16
-    assert s.draft_len() == 1
-    s.record(1, 0)
-    s.record(1, 0)
-    assert sum(1 for _ in range(40) if s.draft_len() == 0) == 32  # the back-off doubled
-    assert (s.drafts, s.draft_tokens, s.accepted_tokens) == (6, 12, 3)
+def test_seq_spec_drafts_as_many_tokens_as_pay() -> None:
+    s = SeqSpec(max_k=8)
+    assert s.draft_len(0.0) == 8  # rows free: the most
+    assert s.draft_len(0.02) == 5  # no evidence (a = 0.5): 0.5^5 > 0.02 > 0.5^6
+    s.record(5, 5)  # a = 6/7: even the 8th token pays
+    assert s.accept_rate() == pytest.approx(6 / 7)
+    assert s.draft_len(0.02) == 8
+    assert s.draft_len(0.3) == 7  # dearer rows (a bigger batch): a shorter draft
+    s.record(8, 0)  # a rejection at once: a = (0.9 * 5 + 1) / (0.9 * 5 + 1 + 2)
+    assert s.accept_rate() == pytest.approx(5.5 / 7.5)
+    assert s.draft_len(0.1) == int(math.log(0.1) / math.log(5.5 / 7.5)) == 7
+    assert (s.drafts, s.draft_tokens, s.accepted_tokens) == (2, 13, 5)
+
+
+def test_seq_spec_backs_off_after_misses_then_probes_one_token() -> None:
+    s = SeqSpec(max_k=8, miss_limit=3)
+    for _ in range(3):
+        s.record(s.draft_len(0.02) or 1, 0)  # nothing ever accepted
+    assert [s.draft_len(0.02) for _ in range(8)] == [0] * 8  # off for the back-off
+    assert s.draft_len(0.02) == 1  # then one token, to see whether the text copies again
+    s.record(1, 1)
+    assert s.draft_len(0.02) >= 1 and s.misses == 0  # it did: drafting goes on
+    for _ in range(3):
+        s.record(1, 0)
+    assert sum(1 for _ in range(40) if s.draft_len(0.02) == 0) == 16  # the back-off doubled
+
+
+def test_seq_spec_backs_off_when_not_even_one_token_pays() -> None:
+    s = SeqSpec(max_k=8)
+    s.record(4, 0)
+    s.record(4, 0)  # a = 1 / (1.9 + 2) = 0.26 < row cost 0.3: expected to lose
+    assert s.draft_len(0.3) == 0
+    assert s.cooldown == 8 and s.probe
+
+
+def test_verify_cost_learns_the_row_price_per_batch_size() -> None:
+    c = VerifyCost(prior=0.02)
+    assert c.row_cost(1) == pytest.approx(0.02)  # unseen: the prior, x batch
+    assert c.row_cost(4) == pytest.approx(0.08)
+    c.verify(1, 9, 0.030)  # no plain step at batch 1 yet: nothing to price the rows against
+    assert c.row_cost(1) == pytest.approx(0.02)
+    c.plain(1, 0.026)
+    c.verify(1, 9, 0.030)  # 8 extra rows cost 4 ms against a 26 ms token
+    assert c.row_cost(1) == pytest.approx(0.004 / 8 / 0.026)
+    c.plain(4, 0.032)
+    c.verify(4, 12, 0.036)  # at batch 4 a token is 8 ms of the step: each row costs 4/8 ms of it
+    assert c.row_cost(4) == pytest.approx(0.0005 * 4 / 0.032)
+    c.verify(1, 9, 0.020)  # faster than a plain step (noise): the rows cost nothing, clamped
+    assert c.row_cost(1) == pytest.approx(0.9 * 0.004 / 8 / 0.026)
+    assert VerifyCost().row_cost(64) == 1.0  # never above one token's share
 
 
 def test_accept_greedy() -> None:

@@ -6,7 +6,7 @@ its :class:`SeqSpec` in its ``SeqState`` (data_plane/shard/engines/torch_config.
     index = NgramIndex(min_n=2, max_n=4)
     draft = index.propose(prompt_ids + output_ids, k=4)    # up to 4 tokens that followed the tail before
     state = SeqSpec(max_k=4)
-    k = state.draft_len()                                   # 0 while backed off
+    k = state.draft_len(cost.row_cost(batch=1))             # 0 while backed off (cost: VerifyCost)
     tokens = accept_greedy(draft, argmax_rows)              # accepted drafts + one model token
     tokens = accept_sampled(draft, probs_rows, generator)   # the same, distribution-exact
     state.record(len(draft), len(tokens) - 1)
@@ -25,15 +25,16 @@ and renormalised, i.e. (p - q)+ / |p - q|+ with q = one-hot(x). If every draft i
 bonus token is sampled from the last row. `p` is the request's own processed distribution
 (temperature, top_k, top_p: `target_probs`), the same one the non-speculative path samples.
 
-"Never slower": a sequence's draft length adapts (full acceptance grows it, a rejection at
-position j cuts it to j + 1), `miss_limit` drafts in a row with nothing accepted turn drafting
-off for that sequence for a back-off that doubles each time, and the engine drafts for no one
-when more than `max_batch` sequences run (EngineConfig.spec_max_batch, measured: see
-docs/BENCHMARKS.md).
+"Never slower": a sequence drafts only as many tokens as are expected to pay for their verify
+rows (`SeqSpec.draft_len`: its acceptance so far against what a row costs on this machine,
+learnt by `VerifyCost` from the engine's own steps), backs off after repeated misses or when
+even one token would not pay, and the engine drafts for no one when more than `max_batch`
+sequences run (EngineConfig.spec_max_batch, measured: see docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -81,28 +82,54 @@ class NgramIndex:
 
 @dataclass
 class SeqSpec:
-    """One sequence's speculation state: adaptive draft length, back-off, and its totals."""
+    """One sequence's speculation state: its acceptance evidence, draft length, back-off, totals.
+
+    The draft length is the longest k whose last token still pays for itself: with `a` the chance
+    a draft token is accepted once the one before it was (`accept_rate`), position j yields a token
+    with probability a^j, and every verified row costs `row_cost` (a share of one token's decode
+    time, learnt by :class:`VerifyCost`). So k = floor(log(row_cost) / log(a)), at most max_k:
+    on a CPU a row costs ~2 % of a step at batch 1, so a sequence that copies its prompt drafts the
+    full max_k and a chatty one drafts 1-2 tokens. `miss_limit` drafts in a row with nothing
+    accepted, or an `a` at which even one token does not pay, turn drafting off for `backoff`
+    steps (doubling each time, up to MAX_BACKOFF_STEPS); the first draft after it is one token."""
 
     max_k: int = 8
-    miss_limit: int = 3
-    k: int = 0
+    miss_limit: int = 6
+    decay: float = 0.9
+    """Weight the evidence of earlier drafts keeps at each new one (recent text matters most)."""
+    accepted_ev: float = 0.0
+    rejected_ev: float = 0.0
     misses: int = 0
     cooldown: int = 0
-    backoff: int = 16
+    backoff: int = 8
+    probe: bool = False
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     index: NgramIndex = field(default_factory=NgramIndex)
 
-    def __post_init__(self) -> None:
-        self.k = self.k or self.max_k
+    def accept_rate(self) -> float:
+        """P(a draft token is accepted | the one before it was), Laplace-smoothed: 0.5 before any draft."""
+        return (self.accepted_ev + 1.0) / (self.accepted_ev + self.rejected_ev + 2.0)
 
-    def draft_len(self) -> int:
+    def draft_len(self, row_cost: float = 0.0) -> int:
         """How many tokens to draft this step (0 while backed off); call once per decode step."""
         if self.cooldown > 0:
             self.cooldown -= 1
             return 0
-        return self.k
+        if self.probe:  # back from a back-off: one token tells whether the text copies again
+            self.probe = False
+            return 1
+        if row_cost <= 0.0:
+            return self.max_k
+        k = min(self.max_k, int(math.log(min(row_cost, 0.999)) / math.log(self.accept_rate())))
+        if k < 1:
+            self._back_off()
+        return max(k, 0)
+
+    def _back_off(self) -> None:
+        self.cooldown, self.misses, self.probe = self.backoff, 0, True
+        self.backoff = min(MAX_BACKOFF_STEPS, self.backoff * 2)
 
     def record(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
@@ -110,14 +137,50 @@ class SeqSpec:
         self.drafts += 1
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
-        self.k = min(self.max_k, self.k + 1) if accepted == drafted else max(1, accepted + 1)
-        if accepted == 0:
-            self.misses += 1
-            if self.misses >= self.miss_limit:
-                self.cooldown, self.misses = self.backoff, 0
-                self.backoff = min(MAX_BACKOFF_STEPS, self.backoff * 2)
-        else:
+        self.accepted_ev = self.decay * self.accepted_ev + accepted
+        self.rejected_ev = self.decay * self.rejected_ev + (accepted < drafted)
+        if accepted:
             self.misses = 0
+            return
+        self.misses += 1
+        if self.misses >= self.miss_limit:
+            self._back_off()
+
+
+class VerifyCost:
+    """What one more verified row costs, as a share of one token's decode time, per batch size:
+    learnt from the engine's own steps (EWMA), so the draft length follows the machine.
+
+        cost.plain(batch=1, seconds=0.026)                 # a decode step where nobody drafted
+        cost.verify(batch=1, rows=9, seconds=0.030)        # a verify pass: 8 draft rows beside 1
+        cost.row_cost(1)                                   # (0.030 - 0.026) / 8 / (0.026 / 1) = 0.019
+
+    Until both kinds were seen at a batch size, `prior` x batch (a row's cost is nearly flat while a
+    token's share of a step shrinks as 1 / batch): 0.02 from the measurement in docs/BENCHMARKS.md
+    (2 cores, bf16, batch 1: 9 rows 30.0 ms against 26.4 ms for one)."""
+
+    def __init__(self, prior: float = 0.02, alpha: float = 0.1) -> None:
+        self.prior = prior
+        self.alpha = alpha
+        self._step_s: dict[int, float] = {}
+        self._row_s: dict[int, float] = {}
+
+    def _ewma(self, table: dict[int, float], key: int, value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else old + self.alpha * (value - old)
+
+    def plain(self, batch: int, seconds: float) -> None:
+        self._ewma(self._step_s, batch, seconds)
+
+    def verify(self, batch: int, rows: int, seconds: float) -> None:
+        step = self._step_s.get(batch)
+        if step is not None and rows > batch:
+            self._ewma(self._row_s, batch, max(0.0, seconds - step) / (rows - batch))
+
+    def row_cost(self, batch: int) -> float:
+        step, row = self._step_s.get(batch), self._row_s.get(batch)
+        cost = self.prior * batch if step is None or row is None or step <= 0.0 else row * batch / step
+        return min(1.0, max(1e-3, cost))
 
 
 def accept_greedy(draft: Sequence[int], argmax: Sequence[int]) -> list[int]:

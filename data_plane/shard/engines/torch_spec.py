@@ -22,7 +22,14 @@ import time
 from typing import Any, Protocol, Sequence
 
 from data_plane.shard.engines.spec_runner import verify
-from data_plane.shard.engines.speculation import NgramIndex, SeqSpec, accept_greedy, accept_sampled, target_probs
+from data_plane.shard.engines.speculation import (
+    NgramIndex,
+    SeqSpec,
+    VerifyCost,
+    accept_greedy,
+    accept_sampled,
+    target_probs,
+)
 from data_plane.shard.engines.torch_config import SeqState, StepListener
 
 log = logging.getLogger(__name__)
@@ -42,13 +49,18 @@ class SpecEngine(Protocol):
 
 
 class Speculator:
-    def __init__(self, max_k: int = 8, max_batch: int = 4, miss_limit: int = 3, min_n: int = 2,
+    def __init__(self, max_k: int = 8, max_batch: int = 4, miss_limit: int = 6, min_n: int = 2,
                  max_n: int = 4) -> None:
         self.max_k = max_k
         self.max_batch = max_batch
         self.miss_limit = miss_limit
         self.min_n = min_n
         self.max_n = max_n
+        self.cost = VerifyCost()
+
+    def observe_plain(self, batch: int, seconds: float) -> None:
+        """A decode step where nobody drafted took `seconds` (the verify rows' cost is against it)."""
+        self.cost.plain(batch, seconds)
 
     def _state(self, seq: SeqState) -> SeqSpec:
         if seq.spec is None:
@@ -57,14 +69,14 @@ class Speculator:
             seq.spec_ctx = list(seq.req.prompt_ids)
         return seq.spec
 
-    def _draft(self, seq: SeqState, max_model_len: int) -> list[int]:
+    def _draft(self, seq: SeqState, max_model_len: int, row_cost: float) -> list[int]:
         state = self._state(seq)
         ctx = seq.spec_ctx
         ctx.extend(seq.output_ids[len(ctx) - len(seq.req.prompt_ids):])
         # Drafts may run up to max_tokens (the cap then lands inside an accepted draft and the rest
         # is dropped by the emit path), never to within 2 positions of the context limit.
         room = min(seq.max_tokens - len(seq.output_ids), max_model_len - seq.length - 3)
-        k = min(state.draft_len(), room)
+        k = min(state.draft_len(row_cost), room)
         return state.index.propose(ctx, k) if k > 0 else []
 
     def step(self, eng: SpecEngine, batch: Sequence[SeqState]) -> bool:
@@ -72,7 +84,8 @@ class Speculator:
         (nothing done) when no sequence has a draft or the batch is above `max_batch`."""
         if len(batch) > self.max_batch:
             return False
-        drafts = [self._draft(s, eng.max_model_len) for s in batch]
+        row_cost = self.cost.row_cost(len(batch))
+        drafts = [self._draft(s, eng.max_model_len, row_cost) for s in batch]
         if not any(drafts):
             return False
         t0 = time.monotonic()
@@ -91,6 +104,7 @@ class Speculator:
                 results.append(accept_sampled(draft, target_probs(logits[off : off + n], params), seq.generator))
             off += n
         step_s = time.monotonic() - t0
+        self.cost.verify(len(batch), off, step_s)
         eng.listener.on_step(len(batch), step_s, "decode")
         eng.listener.on_iteration_tokens(off)
         # Every length first: a sequence that finishes below moves the last slot's KV, which must

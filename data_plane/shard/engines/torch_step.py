@@ -74,21 +74,25 @@ class Stepper:
                                seq.held, seq.req)
             seq.held = []
 
-    def _decode_step(self) -> None:
+    def _decode_step(self) -> bool:
+        """One decode step of the running sequences; True when it was a speculative (verify) step."""
         batch = self._running
         if self.spec is not None and self.spec.step(self, batch):  # type: ignore[arg-type]  # a TorchEngine
-            return
+            return True
         t0 = time.monotonic()
         logits = self._runner.decode([s.last_token for s in batch], [s.length for s in batch])
         for s in batch:
             s.length += 1
         tokens = self._sample(logits, batch)
         step_s = time.monotonic() - t0
+        if self.spec is not None:
+            self.spec.observe_plain(len(batch), step_s)
         self.listener.on_step(len(batch), step_s, "decode")
         self.listener.on_iteration_tokens(len(batch))
         for seq, token in zip(list(batch), tokens):
             self.listener.on_token(step_s)
             self._emit(seq, token)
+        return False
 
     @staticmethod
     def _sample(logits: torch.Tensor, seqs: Sequence[SeqState]) -> list[int]:
