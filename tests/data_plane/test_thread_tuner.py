@@ -130,3 +130,24 @@ def test_a_batch_change_cancels_a_probe() -> None:
 def test_one_thread_is_nothing_to_tune() -> None:
     with pytest.raises(ValueError):
         ThreadTuner(1, lambda n: None)
+
+
+def test_verify_passes_count_toward_the_period_but_never_decide() -> None:
+    """Speculative verify passes (more rows than sequences, slower than a decode step) run beside
+    plain steps: their time brings the probe on as decode time does, and no verdict uses them."""
+    host = Host()
+    tuner = make(host)
+    seen = []
+    for i in range(200):  # three verify passes to every plain step, each 1.5x a plain step
+        tuner.for_decode()
+        seen.append(host.threads)
+        tuner.observe(1, host.step_s() * (1.5 if i % 4 else 1.0), comparable=i % 4 == 0)
+    # A second of decode, most of it in verify passes, then the probe's plain steps at 2 threads.
+    assert seen.index(2) <= 40 and tuner.threads == 2
+    slow = ThreadTuner(2, lambda n: None)
+    slow.start()
+    for _ in range(8):
+        slow.observe(1, 0.035)
+    for _ in range(10):  # verify passes 3x slower than the plain median: not contention
+        slow.observe(1, 0.105, comparable=False)
+    assert slow._probe is None and slow._slow == []

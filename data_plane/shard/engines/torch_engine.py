@@ -325,7 +325,7 @@ class TorchEngine(Beside, Admission, Stepper):
                     tuner.for_decode()
                 n, t0 = len(self._running), time.monotonic()
                 verified = self._decode_step()
-                if tuner is not None and not verified:  # a verify pass has more rows: not comparable
-                    tuner.observe(n, time.monotonic() - t0)
+                if tuner is not None:  # a verify pass has more rows than a decode step: no sample
+                    tuner.observe(n, time.monotonic() - t0, comparable=not verified)
             did = True
         return did

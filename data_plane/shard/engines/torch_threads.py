@@ -6,6 +6,7 @@ and keeps the faster, again and again.
     tuner.for_other()                      # before a prefill pass: the chosen count
     tuner.for_decode()                     # before a decode step: the chosen count, or the probed one
     tuner.observe(batch=4, seconds=0.031)  # after that decode step; may switch the thread count
+    tuner.observe(1, 0.035, comparable=False)  # a verify pass: time toward the period, not a sample
 
 Built by the torch engine (data_plane/shard/engines/torch_engine.py) when `EngineConfig.adaptive_threads`
 is on and more than one thread is allowed; called on its scheduler thread only.
@@ -95,8 +96,16 @@ class ThreadTuner:
             self.set_threads(n)
             self._applied = n
 
-    def observe(self, batch: int, seconds: float) -> None:
-        """The decode step of `batch` sequences just run (after `for_decode`) took `seconds`."""
+    def observe(self, batch: int, seconds: float, comparable: bool = True) -> None:
+        """The decode step of `batch` sequences just run (after `for_decode`) took `seconds`. A step
+        that is not `comparable` (a speculative verify pass: more rows than sequences) counts toward
+        the probe period and the probe's cost, never toward a verdict."""
+        if not comparable:
+            if self._probe is not None:
+                self._probe_s += seconds
+            else:
+                self._since_probe_s += seconds
+            return
         if self._probe is not None:
             if batch != self._probe_batch:
                 self._end_probe(None, "")  # no verdict from two batch sizes
