@@ -115,8 +115,9 @@ async def _measure(name: str, config: BenchConfig, prompt_ids: list[list[int]]) 
             if report is not None:
                 row.update(report())
             row["workload"] = config.workload
+            threads = f" ({row['intra_op_threads']} threads, {row['thread_switches']} switches)" if report else ""
             print(f"[bench] {name:<11} c={c:<3} {row['requests']} requests, {row['output_tokens']} tokens "
-                  f"in {row['duration_s']:.1f} s: {row['output_tok_s']:.1f} tok/s", flush=True)
+                  f"in {row['duration_s']:.1f} s: {row['output_tok_s']:.1f} tok/s{threads}", flush=True)
             rows.append(row)
     finally:
         await system.aclose()
@@ -329,8 +330,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(default off)")
     p.add_argument("--spec-max-batch", type=int, default=4,
                    help="speculation on: no drafting above this many running sequences (default 4)")
-    p.add_argument("--num-speculative-tokens", type=int, default=8,
-                   help="speculation on: most draft tokens per sequence and step, 1..16 (default 8)")
+    p.add_argument("--num-speculative-tokens", type=int, default=15,
+                   help="speculation on: most draft tokens per sequence and step, 1..16 (default 15)")
     p.add_argument("--model", default=None, help="HF model folder or GGUF (default SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=0, help="compute threads (default 0 = all cores)")
     p.add_argument("--rounds", type=int, default=1,

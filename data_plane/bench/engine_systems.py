@@ -49,7 +49,7 @@ class BenchConfig:
     """chat (open-ended PROMPTS) or quote (the reply repeats the prompt: data_plane/bench/engine_spec.py)."""
     spec_max_batch: int = 4
     """switchboard-spec: no drafting while more sequences than this run (EngineConfig.spec_max_batch)."""
-    num_speculative_tokens: int = 8
+    num_speculative_tokens: int = 15
     """switchboard-spec: most draft tokens per sequence and step, 1..16."""
 
     @property
@@ -105,9 +105,12 @@ class SwitchboardSystem:
         )
 
     def spec_report(self) -> dict[str, Any]:
-        """Acceptance since the last call (one concurrency level)."""
+        """Acceptance since the last call (one concurrency level), and where the thread tuner stands."""
         out = self.counter.report()
         self.counter.reset()
+        tuner = self.engine.thread_tuner
+        out["intra_op_threads"] = tuner.threads if tuner is not None else self.counter.threads
+        out["thread_switches"] = tuner.switches if tuner is not None else 0
         return out
 
     async def start(self) -> None:

@@ -63,7 +63,7 @@ class ShardSettings(BaseSettings):
     kv_block_size: int = Field(16, ge=1, le=1024, description="Tokens per prefix-cache block (reuse granularity).")
     speculation: Literal["ngram", "off"] = Field("ngram", description=(
         "Speculative decoding: ngram (prompt-lookup drafts, verified in the decode pass) | off."))
-    num_speculative_tokens: int = Field(8, ge=1, le=16, description="Most draft tokens per sequence and step.")
+    num_speculative_tokens: int = Field(15, ge=1, le=16, description="Most draft tokens per sequence and step.")
     spec_max_batch: int = Field(4, ge=1, le=256, description="No drafting while more sequences than this run.")
     kv_public_prefix: list[str] = Field(default_factory=list, description=(
         "System prompts the operator marks public: their KV is shared across tenants (JSON list)."))

@@ -51,8 +51,9 @@ class EngineConfig:
     """Tokens per prefix-cache block, 1..1024 (the reuse granularity)."""
     speculation: str = "off"
     """ngram (prompt-lookup drafts verified in the decode pass, data_plane/shard/engines/torch_spec.py) or off."""
-    num_speculative_tokens: int = 8
-    """Most draft tokens per sequence and step, 1..16."""
+    num_speculative_tokens: int = 15
+    """Most draft tokens per sequence and step, 1..16 (15: a 16-row verify pass costs ~1.2x a decode step
+    on a CPU, a 17th row another ~4 ms: docs/BENCHMARKS.md); each sequence drafts what pays (SeqSpec)."""
     spec_max_batch: int = 4
     """No drafting while more sequences than this run, 1..256 (measured: docs/BENCHMARKS.md)."""
 

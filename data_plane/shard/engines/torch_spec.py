@@ -1,6 +1,6 @@
 """The torch engine's speculative decode step (n-gram drafts, verified in the batch's one pass).
 
-    spec = Speculator(max_k=8, max_batch=4)      # EngineConfig(speculation="ngram") builds it
+    spec = Speculator(max_k=15, max_batch=4)      # EngineConfig(speculation="ngram") builds it
     if not spec.step(engine, engine._running):   # called from TorchEngine._decode_step
         ...                                      # nobody drafted: the plain decode step runs
 
@@ -49,7 +49,7 @@ class SpecEngine(Protocol):
 
 
 class Speculator:
-    def __init__(self, max_k: int = 8, max_batch: int = 4, miss_limit: int = 6, min_n: int = 2,
+    def __init__(self, max_k: int = 15, max_batch: int = 4, miss_limit: int = 6, min_n: int = 2,
                  max_n: int = 4) -> None:
         self.max_k = max_k
         self.max_batch = max_batch
