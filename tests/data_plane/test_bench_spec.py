@@ -78,3 +78,17 @@ def test_bench_engine_quote_speculation_on_off(tmp_path: Path) -> None:
     for row in rows.values():
         assert row["rounds"] == 2 and len(row["round_tok_s"]) == 2
         assert row["requests"] == 4
+
+
+@needs_model
+def test_bench_verify_prices_a_draft_row(tmp_path: Path) -> None:
+    out = tmp_path / "verify.json"
+    run = switchboard("bench", "verify", "--batch", "1,2", "--rows", "1,4", "--repeats", "3", "--context", "16",
+                      "--json", str(out), timeout=200)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "row cost" in run.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["rows_per_slot"]) for r in rows] == [(1, 1), (1, 4), (2, 1), (2, 4)]
+    for r in rows:
+        assert r["decode_ms"] > 0 and r["verify_ms"] > 0
+        assert (r["row_cost"] is None) == (r["rows_per_slot"] == 1)

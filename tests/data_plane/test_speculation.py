@@ -74,6 +74,26 @@ def test_seq_spec_backs_off_when_not_even_one_token_pays() -> None:
     assert s.cooldown == 8 and s.probe
 
 
+def test_weak_matches_keep_their_own_evidence_and_never_stop_strong_drafts() -> None:
+    s = SeqSpec(max_k=8)
+    for _ in range(10):
+        s.record(s.draft_len(0.3, weak=True) or 1, 0, weak=True)  # one-token matches never accepted
+    assert s.accept_rate(weak=True) < 0.3 and s.draft_len(0.3, weak=True) == 0  # they stop by themselves
+    assert s.cooldown == 0 and s.misses == 0  # and cost the strong drafts nothing
+    assert s.accept_rate() == 0.5 and s.draft_len(0.3) == 1
+    s.record(1, 1)
+    assert s.accept_rate() == pytest.approx(2 / 3) and s.accept_rate(weak=True) < 0.3
+
+
+def test_ngram_match_says_how_long_the_match_is() -> None:
+    index = NgramIndex(min_n=1, max_n=3)
+    tokens = [1, 2, 3, 4, 9, 3]
+    assert index.match(tokens) == (1, 3)  # only (3,) occurred before: it ended at 2, so 4 followed
+    tokens += [4]
+    assert index.match(tokens) == (2, 4)  # (3, 4) ended at 3: 9 followed
+    assert index.match([7]) is None
+
+
 def test_verify_cost_learns_the_row_price_per_batch_size() -> None:
     c = VerifyCost(prior=0.02)
     assert c.row_cost(1) == pytest.approx(0.02)  # unseen: the prior, x batch

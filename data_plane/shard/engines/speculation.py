@@ -60,11 +60,9 @@ class NgramIndex:
         self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
         self._indexed = 0  # n-grams ending before this position are in _ends
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to `k` tokens that followed the latest earlier occurrence of the longest matching
-        tail of `tokens` (an append-only list: the same one every call); [] when none matches."""
-        if k <= 0:
-            return []
+    def match(self, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """(n, at): the longest tail of `tokens` (an append-only list: the same one every call) that
+        occurred before, n tokens long, and where its latest earlier occurrence ended; None if none."""
         last = len(tokens) - 1  # the tail n-gram ends at `last`; only earlier ends are indexed
         for end in range(self._indexed, last):
             for n, table in self._ends.items():
@@ -76,8 +74,16 @@ class NgramIndex:
                 continue
             at = self._ends[n].get(tuple(tokens[len(tokens) - n :]))
             if at is not None:
-                return list(tokens[at : at + k])
-        return []
+                return n, at
+        return None
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to `k` tokens that followed the latest earlier occurrence of the longest matching
+        tail of `tokens`; [] when none matches."""
+        found = self.match(tokens)
+        if k <= 0 or found is None:
+            return []
+        return list(tokens[found[1] : found[1] + k])
 
 
 @dataclass
@@ -89,16 +95,20 @@ class SeqSpec:
     with probability a^j, and every verified row costs `row_cost` (a share of one token's decode
     time, learnt by :class:`VerifyCost`). So k = floor(log(row_cost) / log(a)), at most max_k:
     on a CPU a row costs ~2 % of a step at batch 1, so a sequence that copies its prompt drafts the
-    full max_k and a chatty one drafts 1-2 tokens. `miss_limit` drafts in a row with nothing
-    accepted, or an `a` at which even one token does not pay, turn drafting off for `backoff`
+    full max_k and a chatty one drafts 1-2 tokens.
+
+    Drafts from a one-token match (`weak`: the tail's last token alone occurred before) keep their
+    own evidence, as they are accepted less often than longer matches; they stop by themselves when
+    not even one such token pays. `miss_limit` (strong) drafts in a row with nothing accepted, or
+    a rate at which even one strong draft token does not pay, turn drafting off for `backoff`
     steps (doubling each time, up to MAX_BACKOFF_STEPS); the first draft after it is one token."""
 
     max_k: int = 8
     miss_limit: int = 6
     decay: float = 0.9
     """Weight the evidence of earlier drafts keeps at each new one (recent text matters most)."""
-    accepted_ev: float = 0.0
-    rejected_ev: float = 0.0
+    evidence: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0], [0.0, 0.0]])
+    """[accepted tokens, rejections] (decayed), for strong drafts [0] and weak ones [1]."""
     misses: int = 0
     cooldown: int = 0
     backoff: int = 8
@@ -108,22 +118,22 @@ class SeqSpec:
     accepted_tokens: int = 0
     index: NgramIndex = field(default_factory=NgramIndex)
 
-    def accept_rate(self) -> float:
+    def accept_rate(self, weak: bool = False) -> float:
         """P(a draft token is accepted | the one before it was), Laplace-smoothed: 0.5 before any draft."""
-        return (self.accepted_ev + 1.0) / (self.accepted_ev + self.rejected_ev + 2.0)
+        accepted, rejected = self.evidence[weak]
+        return (accepted + 1.0) / (accepted + rejected + 2.0)
 
-    def draft_len(self, row_cost: float = 0.0) -> int:
+    def draft_len(self, row_cost: float = 0.0, weak: bool = False) -> int:
         """How many tokens to draft this step (0 while backed off); call once per decode step."""
         if self.cooldown > 0:
             self.cooldown -= 1
             return 0
         if self.probe:  # back from a back-off: one token tells whether the text copies again
-            self.probe = False
             return 1
         if row_cost <= 0.0:
             return self.max_k
-        k = min(self.max_k, int(math.log(min(row_cost, 0.999)) / math.log(self.accept_rate())))
-        if k < 1:
+        k = min(self.max_k, int(math.log(min(row_cost, 0.999)) / math.log(self.accept_rate(weak))))
+        if k < 1 and not weak:
             self._back_off()
         return max(k, 0)
 
@@ -131,20 +141,22 @@ class SeqSpec:
         self.cooldown, self.misses, self.probe = self.backoff, 0, True
         self.backoff = min(MAX_BACKOFF_STEPS, self.backoff * 2)
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, weak: bool = False) -> None:
         if drafted <= 0:
             return
         self.drafts += 1
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
-        self.accepted_ev = self.decay * self.accepted_ev + accepted
-        self.rejected_ev = self.decay * self.rejected_ev + (accepted < drafted)
+        self.probe = False
+        ev = self.evidence[weak]
+        ev[0] = self.decay * ev[0] + accepted
+        ev[1] = self.decay * ev[1] + (accepted < drafted)
         if accepted:
             self.misses = 0
-            return
-        self.misses += 1
-        if self.misses >= self.miss_limit:
-            self._back_off()
+        elif not weak:
+            self.misses += 1
+            if self.misses >= self.miss_limit:
+                self._back_off()
 
 
 class VerifyCost:

@@ -49,7 +49,7 @@ class SpecEngine(Protocol):
 
 
 class Speculator:
-    def __init__(self, max_k: int = 15, max_batch: int = 4, miss_limit: int = 6, min_n: int = 2,
+    def __init__(self, max_k: int = 15, max_batch: int = 4, miss_limit: int = 6, min_n: int = 1,
                  max_n: int = 4) -> None:
         self.max_k = max_k
         self.max_batch = max_batch
@@ -69,15 +69,20 @@ class Speculator:
             seq.spec_ctx = list(seq.req.prompt_ids)
         return seq.spec
 
-    def _draft(self, seq: SeqState, max_model_len: int, row_cost: float) -> list[int]:
+    def _draft(self, seq: SeqState, max_model_len: int, row_cost: float) -> tuple[list[int], bool]:
+        """This step's draft for `seq` and whether it came from a one-token (weak) match."""
         state = self._state(seq)
         ctx = seq.spec_ctx
         ctx.extend(seq.output_ids[len(ctx) - len(seq.req.prompt_ids):])
+        found = state.index.match(ctx)
+        weak = found is not None and found[0] < 2
         # Drafts may run up to max_tokens (the cap then lands inside an accepted draft and the rest
         # is dropped by the emit path), never to within 2 positions of the context limit.
         room = min(seq.max_tokens - len(seq.output_ids), max_model_len - seq.length - 3)
-        k = min(state.draft_len(row_cost), room)
-        return state.index.propose(ctx, k) if k > 0 else []
+        k = min(state.draft_len(row_cost, weak), room)
+        if found is None or k <= 0:
+            return [], False
+        return ctx[found[1] : found[1] + k], weak
 
     def step(self, eng: SpecEngine, batch: Sequence[SeqState]) -> bool:
         """One speculative decode step over `batch` (the running sequences, slots 0..n-1); False
@@ -85,7 +90,8 @@ class Speculator:
         if len(batch) > self.max_batch:
             return False
         row_cost = self.cost.row_cost(len(batch))
-        drafts = [self._draft(s, eng.max_model_len, row_cost) for s in batch]
+        drafted = [self._draft(s, eng.max_model_len, row_cost) for s in batch]
+        drafts = [d for d, _ in drafted]
         if not any(drafts):
             return False
         t0 = time.monotonic()
@@ -111,10 +117,10 @@ class Speculator:
         # include that sequence's accepted rows.
         for seq, start, tokens in zip(batch, starts, results):
             seq.length = start + len(tokens)
-        for seq, start, draft, tokens in zip(list(batch), starts, drafts, results):
+        for seq, start, (draft, weak), tokens in zip(list(batch), starts, drafted, results):
             accepted = len(tokens) - 1
             if draft:
-                self._state(seq).record(len(draft), accepted)
+                self._state(seq).record(len(draft), accepted, weak)
                 eng.listener.on_spec_draft(len(draft), accepted)
             held = ""
             for i, token in enumerate(tokens):
