@@ -3,16 +3,17 @@
 Used by the speculative decode step (data_plane/shard/engines/torch_spec.py); each sequence keeps
 its :class:`SeqSpec` in its ``SeqState`` (data_plane/shard/engines/torch_config.py).
 
-    index = NgramIndex(min_n=2, max_n=4)
-    draft = index.propose(prompt_ids + output_ids, k=4)    # up to 4 tokens that followed the tail before
-    state = SeqSpec(max_k=4)
-    k = state.draft_len(cost.row_cost(batch=1))             # 0 while backed off (cost: VerifyCost)
+    index = NgramIndex(min_n=1, max_n=4)
+    n, at = index.match(ctx)                                # ctx = prompt_ids + output_ids; None: no match
+    state = SeqSpec(max_k=15)
+    k = state.draft_len(cost.row_cost(batch=1), weak=n < 2) # 0 while backed off (cost: VerifyCost)
+    draft = ctx[at : at + k]                                # what followed the tail's latest occurrence
     tokens = accept_greedy(draft, argmax_rows)              # accepted drafts + one model token
     tokens = accept_sampled(draft, probs_rows, generator)   # the same, distribution-exact
-    state.record(len(draft), len(tokens) - 1)
+    state.record(len(draft), len(tokens) - 1, weak=n < 2)
 
 The draft needs no draft model: the most recent earlier occurrence of the sequence's last n
-tokens (n from max_n down to min_n) in prompt + output proposes the tokens that followed it
+tokens (n from max_n down to min_n = 1) in prompt + output proposes the tokens that followed it
 (transformers' `prompt_lookup_num_tokens`, vLLM's `method: ngram`). The target model scores
 the last token plus the draft in one pass (data_plane/shard/engines/spec_runner.py); row j's logits say
 what follows draft token j.

@@ -1,10 +1,12 @@
 """The torch engine's speculative decode step (n-gram drafts, verified in the batch's one pass).
 
-    spec = Speculator(max_k=15, max_batch=4)      # EngineConfig(speculation="ngram") builds it
+    spec = Speculator(max_k=15, max_batch=4)     # EngineConfig(speculation="ngram") builds it
     if not spec.step(engine, engine._running):   # called from TorchEngine._decode_step
         ...                                      # nobody drafted: the plain decode step runs
+        spec.observe_plain(batch, step_s)        # which prices the verify rows (VerifyCost)
 
-Per step: every running sequence may propose up to its adaptive k tokens (data_plane/shard/engines/speculation.py);
+Per step: every running sequence may propose the draft tokens expected to pay for their rows
+(data_plane/shard/engines/speculation.py);
 if at least one did, all running sequences go through one `spec_runner.verify` pass (rows:
 last token + draft, 1..k+1 per sequence) instead of the plain decode. Each sequence then keeps
 its accepted drafts plus one model token, its length moves past exactly those (rejected drafts'
