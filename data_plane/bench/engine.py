@@ -375,12 +375,11 @@ def main(argv: list[str] | None = None) -> None:
     rounds_rows: list[dict[str, Any]] = []
     weights: dict[str, int] = {}
     skipped: dict[str, str] = {}
-    failed: set[str] = set()
     for round_no, order in enumerate(round_orders(args.systems, args.rounds)):
         if args.rounds > 1:
             print(f"[bench] round {round_no + 1}/{args.rounds}: {', '.join(order)}", flush=True)
         for name in order:
-            if name in failed:
+            if name in skipped:  # skipped or failed in an earlier round
                 continue
             try:
                 if name.startswith("llamacpp"):
@@ -392,12 +391,10 @@ def main(argv: list[str] | None = None) -> None:
             except Skip as exc:
                 print(f"[bench] {name}: skipped: {exc}", flush=True)
                 skipped[name] = str(exc)
-                failed.add(name)
                 continue
             except Exception as exc:  # one broken system must not lose the others' numbers
                 print(f"[bench] {name}: FAILED: {type(exc).__name__}: {exc}", flush=True)
                 skipped[name] = f"failed: {type(exc).__name__}: {exc}"
-                failed.add(name)
                 continue
             for row in out["rows"]:
                 row["round"] = round_no

@@ -62,11 +62,13 @@ class AcceptanceCounter(StepListener):
     """Counts what the engine's speculation hooks report (called on the scheduler thread)."""
 
     def __init__(self) -> None:
-        self.threads = 0  # intra-op threads the engine set last (on_threads)
+        self.threads = 0  # intra-op threads the engine set last (on_threads: at start, then each switch)
+        self.thread_switches = 0
         self.reset()
 
     def on_threads(self, threads: int, reason: str) -> None:
         self.threads = threads
+        self.thread_switches += reason == "probe"
 
     def reset(self) -> None:
         self.drafts = 0

@@ -108,9 +108,8 @@ class SwitchboardSystem:
         """Acceptance since the last call (one concurrency level), and where the thread tuner stands."""
         out = self.counter.report()
         self.counter.reset()
-        tuner = self.engine.thread_tuner
-        out["intra_op_threads"] = tuner.threads if tuner is not None else self.counter.threads
-        out["thread_switches"] = tuner.switches if tuner is not None else 0
+        out["intra_op_threads"] = self.counter.threads
+        out["thread_switches"] = self.counter.thread_switches
         return out
 
     async def start(self) -> None:

@@ -21,22 +21,21 @@ from data_plane.shard.engines.speculation import (
 )
 
 
-def test_ngram_proposes_what_followed_the_latest_match() -> None:
+def test_ngram_matches_the_longest_tail_at_its_latest_occurrence() -> None:
     index = NgramIndex(min_n=2, max_n=3)
     tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
-    # tail (1,2,3) matched at 0..2 (max_n first) -> 4 5 9
-    assert index.propose(tokens, 3) == [4, 5, 9]
-    tokens += [7]  # tail (2,3,7) occurred at 6..8 -> 8 1 2
-    assert index.propose(tokens, 3) == [8, 1, 2]
+    # tail (1,2,3) matched at 0..2 (max_n first): 4 5 9 followed
+    assert index.match(tokens) == (3, 3) and tokens[3:6] == [4, 5, 9]
+    tokens += [7]  # tail (2,3,7) occurred at 6..8: 8 1 2 followed
+    assert index.match(tokens) == (3, 9) and tokens[9:12] == [8, 1, 2]
     tokens += [6]  # (3,7,6), (7,6) never seen
-    assert index.propose(tokens, 3) == []
-    assert index.propose(tokens, 0) == []
+    assert index.match(tokens) is None
 
 
 def test_ngram_short_continuation_and_no_self_match() -> None:
     index = NgramIndex(min_n=2, max_n=2)
-    assert index.propose([5, 6], 4) == []  # the tail itself is no match
-    assert index.propose([5, 6, 5, 6], 4) == [5, 6]  # only two tokens followed the earlier (5,6)
+    assert index.match([5, 6]) is None  # the tail itself is no match
+    assert index.match([5, 6, 5, 6]) == (2, 2)  # only two tokens (5, 6) followed the earlier (5,6)
 
 
 def test_seq_spec_drafts_as_many_tokens_as_pay() -> None:

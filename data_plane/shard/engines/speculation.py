@@ -50,7 +50,7 @@ MAX_BACKOFF_STEPS = 256
 class NgramIndex:
     """Where each n-gram (min_n..max_n tokens) of a growing token list last ended.
 
-    Indexed incrementally: `propose` only hashes the tokens appended since its last call, so a
+    Indexed incrementally: `match` only hashes the tokens appended since its last call, so a
     step costs O(new tokens), not O(context)."""
 
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
@@ -77,14 +77,6 @@ class NgramIndex:
             if at is not None:
                 return n, at
         return None
-
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to `k` tokens that followed the latest earlier occurrence of the longest matching
-        tail of `tokens`; [] when none matches."""
-        found = self.match(tokens)
-        if k <= 0 or found is None:
-            return []
-        return list(tokens[found[1] : found[1] + k])
 
 
 @dataclass
