@@ -12,7 +12,7 @@ TORCH_PIN ?= torch==2.13.0
 UP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install up test test-all bench sysdeps clean
+.PHONY: install up check test test-all bench sysdeps clean
 
 install: $(STAMP)
 
@@ -46,10 +46,15 @@ $(SYSDEPS_STAMP): | $(PY)
 up: $(STAMP)
 	$(VENV)/bin/switchboard up $(UP_ARGS)
 
-test: $(STAMP) sysdeps
+# Lint and types first (seconds once mypy's cache is warm): pyproject.toml's [tool.ruff] and [tool.mypy].
+check: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m mypy
+
+test: $(STAMP) sysdeps check
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-test-all: $(STAMP) sysdeps
+test-all: $(STAMP) sysdeps check
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -20,24 +20,9 @@ from control_plane.degradation import (
 )
 from control_plane.policy_store import PolicyStore
 from control_plane.signals.model import Signals
+from tests.support.clock import FakeClock
 
 CONFIG = LadderConfig(ttft_slo_s=2.0, raise_dwell_s=10.0, lower_dwell_s=30.0, history=5)
-
-
-class FakeClock:
-    """Wall and monotonic time that move only when the test says so."""
-
-    def __init__(self) -> None:
-        self.t = 1_000.0
-
-    def now(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
-
-    def clock(self) -> _Clock:
-        return _Clock(wall=self.now, monotonic=self.now)
 
 
 def signals(*, ttft: float | None = 0.2, waiting: float | None = 0.0, errors: float | None = 0.0,
@@ -71,11 +56,11 @@ class ListSource:
 
 def make(tmp_path: Any = None, clock: FakeClock | None = None, source: Any = None,
          config: LadderConfig = CONFIG) -> tuple[DegradationController, PolicyStore, CollectorRegistry, FakeClock]:
-    clock = clock or FakeClock()
-    store = PolicyStore(tmp_path, clock=clock.now)
+    clock = clock or FakeClock(1_000.0)
+    store = PolicyStore(tmp_path, clock=clock)
     registry = CollectorRegistry()
     controller = DegradationController(store, source, config=config, metrics=DegradationMetrics(registry),
-                                       clock=clock.clock())
+                                       clock=_Clock(wall=clock, monotonic=clock))
     return controller, store, registry, clock
 
 

@@ -11,6 +11,7 @@ from data_plane.common.kv_report import CHAIN_HEADER, EVICTED_HEADER, parse_chai
 from data_plane.routing.kv_routing import KVIndex, KVReports as RouterReports
 from data_plane.shard.engines.base import GenerationRequest, SamplingParams
 from data_plane.shard.kv_reports import KVReportMetrics, KVReports
+from tests.support.clock import FakeClock
 
 
 class Cache:
@@ -31,19 +32,12 @@ class Prefix:
         return [bytes(f"{salt}|{ids[: i + 16]}", "ascii").ljust(16, b"-")[-16:] for i in range(0, len(ids) - 15, 16)]
 
 
-class Clock:
-    now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def request(n: int, first: int = 0) -> GenerationRequest:
     return GenerationRequest("r", list(range(first, first + n)), SamplingParams(), cache_salt="tenant:a")
 
 
 def test_an_announced_chain_is_reported_once_evicted_and_read_by_the_router() -> None:
-    prefix, clock, registry = Prefix(), Clock(), CollectorRegistry()
+    prefix, clock, registry = Prefix(), FakeClock(), CollectorRegistry()
     shard = KVReports(lambda: prefix, clock=clock, on_evicted=KVReportMetrics(registry, "m").counting())
     req = request(40)
     assert shard.headers(req, None) == {}    # not a kv_aware router: nothing computed, nothing sent
@@ -69,7 +63,7 @@ def test_an_announced_chain_is_reported_once_evicted_and_read_by_the_router() ->
 
 
 def test_reports_stay_bounded_and_a_never_cached_chain_is_dropped_silently() -> None:
-    prefix, clock = Prefix(), Clock()
+    prefix, clock = Prefix(), FakeClock()
     shard = KVReports(lambda: prefix, clock=clock, max_announced=5, unseen_ttl_s=10)
     for i in range(20):
         shard.headers(request(32, 100 * i), "0")

@@ -25,28 +25,23 @@ from data_plane.gateway.ratelimit.limiter import (
 )
 from data_plane.gateway.ratelimit.buckets import PERIOD_US, Backend, Bucket, LocalBackend, RedisBackend
 from data_plane.tiers import Tier
+from tests.support.clock import FakeClock
 from tests.support.procs import free_port
 from tests.support.redis import RedisServer
 
 S = 1_000_000  # microseconds
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_800_000_000 * S
-
-    def __call__(self) -> int:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += round(seconds * S)
+def micro_clock() -> FakeClock:
+    """The one fake clock, counting microseconds as the buckets do."""
+    return FakeClock(1_800_000_000 * S, per_second=S)
 
 
 @pytest_asyncio.fixture(params=["local", "redis"], loop_scope="function")
-async def make_backend(request: pytest.FixtureRequest) -> AsyncIterator[Callable[[Clock], Backend]]:
+async def make_backend(request: pytest.FixtureRequest) -> AsyncIterator[Callable[[FakeClock], Backend]]:
     made: list[Backend] = []
 
-    def make(clock: Clock) -> Backend:
+    def make(clock: FakeClock) -> Backend:
         if request.param == "local":
             backend: Backend = LocalBackend(clock)
         else:
@@ -75,7 +70,7 @@ def limiter(backend: Backend, **kw: object) -> tuple[RateLimiter, CollectorRegis
 
 
 async def test_a_full_bucket_admits_exactly_the_limit_then_one_per_interval(make_backend) -> None:
-    clock = Clock()
+    clock = micro_clock()
     backend = make_backend(clock)
     b = Bucket("key:k", "requests", 60, 1)
     states = [(await backend.take([b]))[0] for _ in range(61)]
@@ -91,7 +86,7 @@ async def test_a_full_bucket_admits_exactly_the_limit_then_one_per_interval(make
 
 
 async def test_any_interval_admits_at_most_limit_times_one_plus_t_over_a_minute(make_backend) -> None:
-    clock = Clock()
+    clock = micro_clock()
     backend = make_backend(clock)
     b = Bucket("key:k", "requests", 60, 1)
     admitted = 0
@@ -102,7 +97,7 @@ async def test_any_interval_admits_at_most_limit_times_one_plus_t_over_a_minute(
 
 
 async def test_all_or_nothing_across_buckets(make_backend) -> None:
-    clock = Clock()
+    clock = micro_clock()
     backend = make_backend(clock)
     req = Bucket("key:k", "requests", 10, 1)
     tok = Bucket("key:k", "tokens", 100, 80)
@@ -115,13 +110,13 @@ async def test_all_or_nothing_across_buckets(make_backend) -> None:
 
 
 async def test_a_cost_above_the_limit_never_fits(make_backend) -> None:
-    backend = make_backend(Clock())
+    backend = make_backend(micro_clock())
     state = (await backend.take([Bucket("key:k", "tokens", 100, 101)]))[0]
     assert not state.allowed and state.retry_us == -1 and state.remaining == 100
 
 
 async def test_adjust_refunds_and_charges_exactly(make_backend) -> None:
-    clock = Clock()
+    clock = micro_clock()
     backend = make_backend(clock)
     tok = Bucket("key:k", "tokens", 1000, 600)
     assert (await backend.take([tok]))[0].remaining == 400
@@ -135,7 +130,7 @@ async def test_adjust_refunds_and_charges_exactly(make_backend) -> None:
 
 
 async def test_limits_that_do_not_divide_a_minute_are_exact(make_backend) -> None:
-    clock = Clock()
+    clock = micro_clock()
     backend = make_backend(clock)
     b = Bucket("key:k", "requests", 7, 1)  # 8.571428...s per request: no whole number of microseconds
     states = [(await backend.take([b]))[0] for _ in range(8)]
@@ -162,7 +157,7 @@ async def test_redis_shares_one_exact_limit_between_clients(redis_server: RedisS
 
 
 async def test_headers_on_admit_and_429_with_retry_after() -> None:
-    clock = Clock()
+    clock = micro_clock()
     lim, registry = limiter(LocalBackend(clock))
     t = tier(rpm=2, tpm=1000)
     g = await lim.admit("k1", t, 100)
@@ -185,7 +180,7 @@ async def test_headers_on_admit_and_429_with_retry_after() -> None:
 
 
 async def test_tokens_refusal_and_request_too_large() -> None:
-    lim, registry = limiter(LocalBackend(Clock()))
+    lim, registry = limiter(LocalBackend(micro_clock()))
     t = tier(rpm=100, tpm=1000)
     await lim.admit("k", t, 900)
     with pytest.raises(RateLimited) as info:
@@ -198,7 +193,7 @@ async def test_tokens_refusal_and_request_too_large() -> None:
 
 
 async def test_tier_aggregate_binds_across_keys_and_headers_show_the_binding_limit() -> None:
-    lim, _ = limiter(LocalBackend(Clock()), tier_rpm={"free": 3})
+    lim, _ = limiter(LocalBackend(micro_clock()), tier_rpm={"free": 3})
     t = tier(rpm=60)
     for key in ("a", "b"):
         g = await lim.admit(key, t, 1)
@@ -210,7 +205,7 @@ async def test_tier_aggregate_binds_across_keys_and_headers_show_the_binding_lim
 
 
 async def test_settle_refunds_the_estimate_once() -> None:
-    lim, _ = limiter(LocalBackend(Clock()))
+    lim, _ = limiter(LocalBackend(micro_clock()))
     t = tier(rpm=60, tpm=1000)
     g = await lim.admit("k", t, 600)
     await lim.settle(g, 100)

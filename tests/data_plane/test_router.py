@@ -15,22 +15,15 @@ from prometheus_client import CollectorRegistry
 from data_plane.common.errors import NoHealthyBackend
 from data_plane.membership.view import Member, StaticMembership
 from data_plane.routing.router import Router, RouterMetrics
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import FakeClock
 
 
 def shard(mid: str, zone: str | None = None) -> Member:
     return Member(mid, "shard", f"http://{mid}", meta={"zone": zone} if zone else {})
 
 
-def router(*members: Member, **kw: object) -> tuple[Router, Clock, CollectorRegistry]:
-    registry, clock = CollectorRegistry(), Clock()
+def router(*members: Member, **kw: object) -> tuple[Router, FakeClock, CollectorRegistry]:
+    registry, clock = CollectorRegistry(), FakeClock(1000.0)
     r = Router(StaticMembership(members), RouterMetrics(registry), rng=random.Random(7), clock=clock,
                **kw)  # type: ignore[arg-type]
     return r, clock, registry

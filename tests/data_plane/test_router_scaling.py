@@ -18,6 +18,7 @@ from data_plane.membership.placement import prefer_zone
 from data_plane.membership.view import Member
 from data_plane.routing.fleet import FastRing
 from data_plane.routing.router import Router, RouterMetrics
+from tests.support.clock import FakeClock
 
 
 class View:
@@ -43,16 +44,8 @@ class View:
         self._subscribers.append(callback)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make(view: View, policy: str = "affinity", **kw: object) -> tuple[Router, CollectorRegistry, Clock]:
-    registry, clock = CollectorRegistry(), Clock()
+def make(view: View, policy: str = "affinity", **kw: object) -> tuple[Router, CollectorRegistry, FakeClock]:
+    registry, clock = CollectorRegistry(), FakeClock(100.0)
     return Router(view, RouterMetrics(registry), policy=policy, rng=random.Random(3), clock=clock,
                   **kw), registry, clock  # type: ignore[arg-type]
 
