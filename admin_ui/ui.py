@@ -33,6 +33,7 @@ from admin_ui.client import (
     Unreachable,
 )
 from admin_ui.settings import ENV_ADMIN_TOKEN, ConsoleSettings
+from data_plane.common.ladder import Level
 
 T = TypeVar("T")
 
@@ -52,13 +53,7 @@ WORD_COLORS = {
     "critical": "red", "error": "red", "firing": "red",
     "info": "blue", "auto": "gray", "operator": "orange",
 }
-LEVEL_LABELS = {
-    0: "Normal",
-    1: "Shrink context window",
-    2: "Cap output tokens",
-    3: "Shed free tier",
-    4: "Enterprise only",
-}
+LEVEL_LABELS = {int(level): level.title for level in Level}
 """The degradation ladder, as the design names its rungs."""
 LEVEL_COLORS = {0: "green", 1: "blue", 2: "orange", 3: "red", 4: "red"}
 

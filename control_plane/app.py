@@ -24,26 +24,30 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
-from control_plane.scaling.actuators.local import LocalActuator
 from control_plane.admin.api import AdminContext, bearer_guard, build_admin_router
-from control_plane.scaling.loop import build_autoscaler
+from control_plane.admin.usage import build_usage_router
 from control_plane.degradation import DegradationController, DegradationMetrics, ladder_config
-from control_plane.registry.consul import ConsulMembers
 from control_plane.policy_store import open_store
+from control_plane.registry.consul import ConsulMembers
 from control_plane.registry.embedded import Registry, RegistryMetrics, build_router
+from control_plane.scaling.actuators.local import LocalActuator
+from control_plane.scaling.loop import build_autoscaler
 from control_plane.settings import ENV_ADMIN_TOKEN, ControlPlaneSettings
 from control_plane.signals.source import build_signal_source
 from control_plane.state_api import StateIndex, build_state_router, cluster_state_body
-from control_plane.admin.usage import build_usage_router
 from control_plane.zones import ZoneMetrics, ZoneWatch, build_zones_router
 from data_plane.common.errors import install_error_handlers
 from data_plane.common.hop_auth import cluster_headers, guarded
 from data_plane.common.http_server import serve
 from data_plane.common.settings_cli import parse_settings as cli_settings
-from data_plane.ledger.store import default_usage_db
-from data_plane.ledger.store import open_ledger_store
+from data_plane.common.telemetry import (
+    configure_process,
+    fastapi_options,
+    metrics_endpoint,
+    recent_spans_endpoint,
+)
+from data_plane.ledger.store import default_usage_db, open_ledger_store
 from data_plane.membership.consul import token_from_env
-from data_plane.common.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
 
 log = logging.getLogger(__name__)
 

@@ -3,12 +3,13 @@
     controller = DegradationController(store, source, config=LadderConfig(ttft_slo_s=2.0),
                                        metrics=DegradationMetrics(registry))
     await controller.start()          # named task: read signals every interval_s, maybe step
-    controller.pin(3, "incident 42")  # operator: hold level 3 (persisted)
+    controller.pin(Level.SHED_FREE_TIER, "incident 42")  # operator: hold level 3 (persisted)
     controller.release("fixed")       # back to automatic, from the level in force
     controller.snapshot()             # {"level", "pinned", "reason", "since", "history", ...}
     await controller.aclose()
 
-The levels (enforced by the gateway, ``data_plane/gateway/cluster_state.py``)::
+The levels (:class:`data_plane.common.ladder.Level`; enforced by the gateway,
+``data_plane/gateway/cluster_state.py``)::
 
     0 normal            1 shrink context window      2 cap output tokens
     3 shed free tier    4 enterprise only
@@ -37,8 +38,9 @@ the level and calm seen while pinned counts, so with calm signals the ladder ste
 next reading, then one step per dwell: dropping straight from 4 to 0 would let back all the load
 that was shed at once.
 
-Every change is an event ``{at, from, to, reason, signals, actor}`` in a bounded history (persisted
-with the level by :class:`~control_plane.policy_store.PolicyStore`), a metric, a span with a
+Every change is a :class:`~control_plane.ladder.LevelChange` (``{at, from, to, reason, signals, actor,
+pinned}`` on the wire) in a bounded history (persisted with the level by
+:class:`~control_plane.policy_store.PolicyStore`), a metric, a span with a
 ``degradation.level_changed`` event, and a log line.
 """
 
@@ -46,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import math
 import time
@@ -57,25 +58,19 @@ from typing import Any, Protocol
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from control_plane.degradation_rule import WINDOWED_CAUSES, Assessment, LadderConfig, assess
-from control_plane.policy_store import MAX_LEVEL, DegradationRecord, PolicyStore
+from control_plane.degradation_rule import Assessment, LadderConfig, assess
+from control_plane.ladder import WINDOWED_CAUSES, Actor, Cause, Direction, LevelChange, Outcome, Verdict
+from control_plane.policy_store import DegradationRecord, PolicyStore
 from control_plane.settings import ControlPlaneSettings
 from control_plane.signals.model import Signals
+from data_plane.common.ladder import Level
 from data_plane.common.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
-LEVELS: dict[int, str] = {
-    0: "normal",
-    1: "shrink_context",
-    2: "cap_output_tokens",
-    3: "shed_free_tier",
-    4: "enterprise_only",
-}
-ACTORS = ("auto", "operator")
-DIRECTIONS = ("up", "down", "none")
-OUTCOMES = ("raise", "lower", "hold", "incomplete", "pinned")
+LEVELS: dict[int, str] = {int(level): level.label for level in Level}
+"""Level number -> machine name, as the admin API's ``name`` field says it."""
 
 
 class SignalReader(Protocol):
@@ -130,17 +125,20 @@ class DegradationMetrics:
             ["outcome"],
             registry=registry,
         )
-        for direction in DIRECTIONS:
-            for actor in ACTORS:
+        for direction in Direction:
+            for actor in Actor:
                 self.changes.labels(direction, actor)
-        for outcome in OUTCOMES:
+        for outcome in Outcome:
             self.evaluations.labels(outcome)
 
 
 @dataclass
-class _Clock:
+class Clock:
+    """The controller's two clocks (tests pass one fake clock for both)."""
+
     wall: Callable[[], float] = time.time
     monotonic: Callable[[], float] = time.monotonic
+
 
 
 class DegradationController:
@@ -159,19 +157,19 @@ class DegradationController:
         *,
         config: LadderConfig | None = None,
         metrics: DegradationMetrics | None = None,
-        clock: _Clock | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.config = config or LadderConfig()
         self._store = store
         self._source = source
         self._metrics = metrics
-        self._clock = clock or _Clock()
+        self._clock = clock or Clock()
         # dwell restarts at (re)start: a restored level is held at least one dwell time
         self._changed_at = self._clock.monotonic()
         self._calm_since: float | None = None
-        self._cause: tuple[str, ...] = ()
+        self._cause: tuple[Cause, ...] = ()
         """What raised the level in force (``operator`` for a pin); () when unknown (restart)."""
-        self._last_assessment = Assessment("incomplete", ("no signals read yet",))
+        self._last_assessment = Assessment(Verdict.INCOMPLETE, ("no signals read yet",))
         self._signals: collections.deque[dict[str, Any]] = collections.deque(maxlen=self.config.signal_history)
         self._latest: Signals | None = None
         self._read_failing = False
@@ -197,7 +195,7 @@ class DegradationController:
     # -- reads -----------------------------------------------------------------------------
 
     @property
-    def level(self) -> int:
+    def level(self) -> Level:
         return self._store.degradation.level
 
     @property
@@ -217,8 +215,8 @@ class DegradationController:
         record = self._store.degradation
         assessment = self._last_assessment
         return {
-            "level": record.level,
-            "name": LEVELS[record.level],
+            "level": int(record.level),
+            "name": record.level.label,
             "pinned": record.pinned,
             "reason": record.reason,
             "since": record.since,
@@ -231,12 +229,12 @@ class DegradationController:
                 "lower_dwell_s": self._lower_dwell(),
                 "cause": list(self._cause),
             },
-            "history": [dict(e) for e in record.history],
+            "history": [e.to_dict() for e in record.history],
         }
 
     # -- the automatic rule ------------------------------------------------------------------
 
-    async def tick(self) -> dict[str, Any] | None:
+    async def tick(self) -> LevelChange | None:
         """Read the source once and apply the rule; returns the change event, if any."""
         signals: Signals | None = None
         if self._source is not None:
@@ -252,7 +250,7 @@ class DegradationController:
                 self._read_failing = False
         return self.observe(signals)
 
-    def observe(self, signals: Signals | None) -> dict[str, Any] | None:
+    def observe(self, signals: Signals | None) -> LevelChange | None:
         """Apply the rule to one reading; returns the change event if the level moved."""
         now = self._clock.monotonic()
         if signals is not None:
@@ -260,7 +258,7 @@ class DegradationController:
             self._signals.append({"at": self._clock.wall(), **signals_dict(signals)})
         assessment = assess(signals, self.config)
         self._last_assessment = assessment
-        if assessment.verdict == "calm":
+        if assessment.verdict is Verdict.CALM:
             if self._calm_since is None:
                 self._calm_since = now
         else:
@@ -268,47 +266,48 @@ class DegradationController:
         record = self._store.degradation
         held = now - self._changed_at
         dwell = self._lower_dwell()
-        outcome, target = "hold", record.level
-        if assessment.verdict == "incomplete":
-            outcome = "incomplete"
+        outcome, target = Outcome.HOLD, record.level
+        if assessment.verdict is Verdict.INCOMPLETE:
+            outcome = Outcome.INCOMPLETE
         elif record.pinned:
-            outcome = "pinned"
-        elif assessment.verdict == "hot" and record.level < MAX_LEVEL and held >= self._raise_dwell(assessment, signals):
-            outcome, target = "raise", record.level + 1
+            outcome = Outcome.PINNED
+        elif (assessment.verdict is Verdict.HOT and record.level < max(Level)
+              and held >= self._raise_dwell(assessment, signals)):
+            outcome, target = Outcome.RAISE, Level(record.level + 1)
         elif (
-            assessment.verdict == "calm"
-            and record.level > 0
+            assessment.verdict is Verdict.CALM
+            and record.level > Level.NORMAL
             and held >= dwell
             and self._calm_for() >= dwell
         ):
-            outcome, target = "lower", record.level - 1
+            outcome, target = Outcome.LOWER, Level(record.level - 1)
         if self._metrics is not None:
             self._metrics.evaluations.labels(outcome).inc()
         if target == record.level:
             return None
-        if outcome == "lower":
+        if outcome is Outcome.LOWER:
             reason = f"calm for {self._calm_for():.0f}s: " + "; ".join(assessment.reasons)
         else:
             reason = "; ".join(assessment.reasons)
-        event = self._change(target, reason, actor="auto", pinned=False, signals=signals)
-        if outcome == "raise":
+        event = self._change(target, reason, actor=Actor.AUTO, pinned=False, signals=signals)
+        if outcome is Outcome.RAISE:
             self._cause = assessment.causes
-        if outcome == "lower":
+        if outcome is Outcome.LOWER:
             self._calm_since = now  # the next step down needs a fresh calm period at the new level
-            if target == 0:
+            if target == Level.NORMAL:
                 self._cause = ()
         return event
 
     # -- operator --------------------------------------------------------------------------
 
-    def pin(self, level: int, reason: str) -> dict[str, Any]:
-        """Hold `level` until `release`; takes effect at once (no dwell, any distance)."""
-        if not 0 <= level <= MAX_LEVEL:
-            raise ValueError(f"level must be 0..{MAX_LEVEL}")
-        self._cause = ("operator",)
-        return self._change(level, f"pinned: {reason}", actor="operator", pinned=True, signals=self._latest)
+    def pin(self, level: int, reason: str) -> LevelChange:
+        """Hold `level` until `release`; takes effect at once (no dwell, any distance).
+        ValueError for a level outside 0..4."""
+        target = Level.parse(level)
+        self._cause = (Cause.OPERATOR,)
+        return self._change(target, f"pinned: {reason}", actor=Actor.OPERATOR, pinned=True, signals=self._latest)
 
-    def release(self, reason: str = "released") -> dict[str, Any] | None:
+    def release(self, reason: str = "released") -> LevelChange | None:
         """Hand the level back to the automatic rule (from where it stands); None if not pinned.
 
         The time the pin held the level counts as time at the level, and calm seen while pinned
@@ -318,7 +317,7 @@ class DegradationController:
         if not record.pinned:
             return None
         changed_at = self._changed_at
-        event = self._change(record.level, f"released: {reason}", actor="operator", pinned=False,
+        event = self._change(record.level, f"released: {reason}", actor=Actor.OPERATOR, pinned=False,
                              signals=self._latest)
         self._changed_at = changed_at
         return event
@@ -338,42 +337,34 @@ class DegradationController:
     def _calm_for(self) -> float:
         return 0.0 if self._calm_since is None else round(self._clock.monotonic() - self._calm_since, 3)
 
-    def _change(self, to: int, reason: str, *, actor: str, pinned: bool,
-                signals: Signals | None) -> dict[str, Any]:
+    def _change(self, to: Level, reason: str, *, actor: Actor, pinned: bool,
+                signals: Signals | None) -> LevelChange:
         record = self._store.degradation
         at = self._clock.wall()
-        event = {
-            "at": at,
-            "from": record.level,
-            "to": to,
-            "reason": reason,
-            "signals": signals_dict(signals),
-            "actor": actor,
-            "pinned": pinned,
-        }
+        event = LevelChange(at=at, from_level=record.level, to=to, reason=reason, actor=actor, pinned=pinned,
+                            signals=signals_dict(signals))
         history = (*record.history, event)[-self.config.history:]
         self._store.save_degradation(DegradationRecord(level=to, reason=reason, pinned=pinned, since=at,
                                                        history=history))
         self._changed_at = self._clock.monotonic()
-        direction = "up" if to > record.level else "down" if to < record.level else "none"
         if self._metrics is not None:
-            self._metrics.changes.labels(direction, actor).inc()
+            self._metrics.changes.labels(event.direction, actor).inc()
         self._publish_metrics()
         attributes: dict[str, Any] = {
-            "switchboard.degradation.from": record.level,
-            "switchboard.degradation.to": to,
-            "switchboard.degradation.actor": actor,
+            "switchboard.degradation.from": int(record.level),
+            "switchboard.degradation.to": int(to),
+            "switchboard.degradation.actor": actor.value,
             "switchboard.degradation.pinned": pinned,
             "switchboard.degradation.reason": reason,
         }
         with tracer.start_as_current_span("degradation.change", attributes=attributes) as span:
             span.add_event("degradation.level_changed", attributes)
-        level_name = f"{record.level} ({LEVELS[record.level]}) -> {to} ({LEVELS[to]})"
+        level_name = f"{int(record.level)} ({record.level.label}) -> {int(to)} ({to.label})"
         log.log(
             logging.WARNING if to > record.level else logging.INFO,
             "degradation %s by %s: %s",
             level_name,
-            actor,
+            actor.value,
             reason,
         )
         return event
@@ -406,5 +397,5 @@ def ladder_config(settings: ControlPlaneSettings) -> LadderConfig:
     )
 
 
-__all__ = ["LEVELS", "Assessment", "DegradationController", "DegradationMetrics", "LadderConfig", "assess",
-           "ladder_config", "signals_dict"]
+__all__ = ["LEVELS", "Assessment", "Clock", "DegradationController", "DegradationMetrics", "LadderConfig",
+           "Level", "LevelChange", "assess", "ladder_config", "signals_dict"]

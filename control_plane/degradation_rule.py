@@ -4,7 +4,7 @@ Called by the degradation controller (control_plane/degradation.py) on every tic
 tests (tests/control_plane/test_degradation.py) drive it with built Signals.
 
     config = LadderConfig(ttft_slo_s=2.0)
-    a = assess(signals, config)          # Assessment(verdict="hot", reasons=(...), causes=("queue_time",))
+    a = assess(signals, config)          # Assessment(Verdict.HOT, reasons=(...), causes=(Cause.QUEUE_TIME,))
     config.lower_dwell_for(a.causes)     # how long calm must last before a step down
 
 Overload is a queue, not a long prompt. Prefill grows with the prompt, so raw TTFT is never read
@@ -19,8 +19,9 @@ by attribute, so a renamed field is a type error, not a silent calm):
 | ``error_rate`` | ``error_rate`` | 10 % | 2 % | yes | window (30 s) |
 | ``kv_usage`` | ``kv_usage`` | 97 % | 85 % | no (it is utilisation) | gauge (10 s) |
 
-*Pressure* is a queue now (``waiting_per_shard > 0``) or busy batches (``batch_usage`` >=
-``busy_batch_usage``, or KV >= ``lower_kv_usage``). Without it the ladder never rises: a latency
+*Pressure* is :class:`~control_plane.signals.model.Pressure` (``config.pressure``, the autoscaler's
+definition too): a queue now, or busy batches (``batch_usage`` >= 0.75), or KV >= 0.85. Without it
+the ladder never rises: a latency
 figure over the threshold on an idle fleet is a tail of the window or a slow prompt, and counts as
 *hold* (it still blocks a step down until the window has moved past it).
 
@@ -36,13 +37,12 @@ steps down after ``lower_dwell_gauge_s`` of calm, one raised by a windowed figur
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from control_plane.signals.model import Signals
+from control_plane.ladder import WINDOWED_CAUSES, Cause, Verdict
+from control_plane.signals.model import Pressure, Signals
 
-CAUSES = ("waiting", "queue_time", "ttft_excess", "error_rate", "kv_usage", "operator")
-WINDOWED_CAUSES = frozenset({"queue_time", "ttft_excess", "error_rate"})
-"""Causes read over the signals' window (p95s, rates): they lag a step by up to one window."""
+CAUSES = tuple(Cause)
 SHED_FLOOR_PER_S = 0.2
 """Sheds per second below which shedding is noise, not demand held back."""
 RETURN_HEADROOM = 0.9
@@ -75,9 +75,9 @@ class LadderConfig:
     raise_kv_usage: float = 0.97
     """Hot when KV-cache usage (0..1) exceeds this."""
     lower_kv_usage: float = 0.85
-    """Calm needs KV usage below this; from it the fleet also counts as under pressure."""
-    busy_batch_usage: float = 0.75
-    """Batch usage (running / slots, 0..1] from which the fleet is under pressure without a queue."""
+    """Calm needs KV usage below this."""
+    pressure: Pressure = field(default_factory=Pressure)
+    """When latency figures count at all (shared with the autoscaler)."""
     raise_dwell_s: float = 10.0
     """Least time at a level before the rule raises it again."""
     lower_dwell_s: float = 30.0
@@ -105,17 +105,15 @@ class LadderConfig:
                 raise ValueError(f"{name}: need 0 <= lower ({low}) < raise ({high}) for hysteresis")
         if self.ttft_slo_s <= 0 or self.interval_s <= 0:
             raise ValueError("ttft_slo_s and interval_s must be > 0")
-        if not 0 < self.busy_batch_usage <= 1:
-            raise ValueError("busy_batch_usage must be in (0, 1]")
         if min(self.raise_dwell_s, self.lower_dwell_s, self.lower_dwell_gauge_s) < 0:
             raise ValueError("dwell times must be >= 0")
         if self.history < 1 or self.signal_history < 1:
             raise ValueError("history sizes must be >= 1")
 
-    def lower_dwell_for(self, causes: Iterable[str]) -> float:
+    def lower_dwell_for(self, causes: Iterable[Cause]) -> float:
         """Calm needed before stepping down a level raised by `causes` (empty: unknown cause)."""
-        causes = set(causes)
-        if causes and not causes & WINDOWED_CAUSES:
+        seen = set(causes)
+        if seen and not seen & WINDOWED_CAUSES:
             return self.lower_dwell_gauge_s
         return self.lower_dwell_s
 
@@ -124,17 +122,16 @@ class LadderConfig:
 class Assessment:
     """The rule's reading of one set of signals."""
 
-    verdict: str
-    """``hot`` | ``calm`` | ``hold`` | ``incomplete``."""
+    verdict: Verdict
     reasons: tuple[str, ...]
     """Human-readable facts behind the verdict."""
-    causes: tuple[str, ...] = ()
-    """The checks that made it hot (names of :data:`CAUSES`)."""
+    causes: tuple[Cause, ...] = ()
+    """The checks that made it hot."""
 
 
 @dataclass(frozen=True)
 class _Check:
-    cause: str
+    cause: Cause
     label: str
     value: float | None
     high: float
@@ -152,36 +149,30 @@ REQUIRED: tuple[tuple[str, Callable[[Signals], float | None]], ...] = (
 """Figures every complete reading carries; None in one of them is an incomplete reading."""
 
 
-def under_pressure(s: Signals, config: LadderConfig) -> bool:
-    """A queue now, or busy batches / KV: the only state in which latency means overload."""
-    return ((s.waiting_per_shard or 0.0) > 0.0 or (s.batch_usage or 0.0) >= config.busy_batch_usage
-            or (s.kv_usage or 0.0) >= config.lower_kv_usage)
-
-
 def assess(signals: Signals | None, config: LadderConfig) -> Assessment:
     """Classify `signals` as hot, calm, in between (hold) or incomplete."""
     if signals is None or not signals.complete:
         missing = list(signals.missing) if signals is not None else []
-        return Assessment("incomplete", (f"signals incomplete: missing {', '.join(missing) or 'all'}",))
+        return Assessment(Verdict.INCOMPLETE, (f"signals incomplete: missing {', '.join(missing) or 'all'}",))
     absent = [name for name, get in REQUIRED if get(signals) is None]
     if absent:
-        return Assessment("incomplete", (f"signals incomplete: no {', '.join(absent)}",))
+        return Assessment(Verdict.INCOMPLETE, (f"signals incomplete: no {', '.join(absent)}",))
     slo = config.ttft_slo_s
     checks = (
-        _Check("waiting", "waiting/shard", signals.waiting_per_shard, config.raise_waiting_per_shard,
+        _Check(Cause.WAITING, "waiting/shard", signals.waiting_per_shard, config.raise_waiting_per_shard,
                config.lower_waiting_per_shard, "{:.1f}", False),
-        _Check("queue_time", "queue_time_p95", signals.queue_time_p95_s, config.raise_queue_time_s,
+        _Check(Cause.QUEUE_TIME, "queue_time_p95", signals.queue_time_p95_s, config.raise_queue_time_s,
                config.lower_queue_time_s, "{:.2f}s", True),
-        _Check("ttft_excess", "ttft_beyond_prefill_p95", signals.ttft_excess_p95_s, slo * config.raise_ttft_ratio,
+        _Check(Cause.TTFT_EXCESS, "ttft_beyond_prefill_p95", signals.ttft_excess_p95_s, slo * config.raise_ttft_ratio,
                slo * config.lower_ttft_ratio, "{:.2f}s", True),
-        _Check("error_rate", "error_rate", signals.error_rate, config.raise_error_rate, config.lower_error_rate,
+        _Check(Cause.ERROR_RATE, "error_rate", signals.error_rate, config.raise_error_rate, config.lower_error_rate,
                "{:.1%}", True),
-        _Check("kv_usage", "kv_usage", signals.kv_usage, config.raise_kv_usage, config.lower_kv_usage,
+        _Check(Cause.KV_USAGE, "kv_usage", signals.kv_usage, config.raise_kv_usage, config.lower_kv_usage,
                "{:.0%}", False),
     )
-    pressure = under_pressure(signals, config)
+    pressure = config.pressure.on(signals)
     hot: list[str] = []
-    causes: list[str] = []
+    causes: list[Cause] = []
     warm: list[str] = []
     for c in checks:
         if c.value is None:  # no data for this dimension (e.g. no requests in the window): no pressure
@@ -195,13 +186,13 @@ def assess(signals: Signals | None, config: LadderConfig) -> Assessment:
         elif c.value >= c.low:
             warm.append(f"{c.label} {c.fmt.format(c.value)} >= {c.fmt.format(c.low)}")
     if hot:
-        return Assessment("hot", tuple(hot), tuple(causes))
+        return Assessment(Verdict.HOT, tuple(hot), tuple(causes))
     if warm:
-        return Assessment("hold", tuple(warm))
+        return Assessment(Verdict.HOLD, tuple(warm))
     returning = shed_demand_that_would_not_fit(signals)
     if returning:
-        return Assessment("hold", (returning,))
-    return Assessment("calm", ("all signals below their lower thresholds",))
+        return Assessment(Verdict.HOLD, (returning,))
+    return Assessment(Verdict.CALM, ("all signals below their lower thresholds",))
 
 
 def shed_demand_that_would_not_fit(signals: Signals) -> str | None:
@@ -225,4 +216,4 @@ def shed_demand_that_would_not_fit(signals: Signals) -> str | None:
             f"{capacity:.0f} slots")
 
 
-__all__ = ["CAUSES", "Assessment", "LadderConfig", "assess", "shed_demand_that_would_not_fit", "under_pressure"]
+__all__ = ["CAUSES", "Assessment", "LadderConfig", "assess", "shed_demand_that_would_not_fit"]

@@ -36,9 +36,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from control_plane.supervisor import Child, Supervisor, wait_healthy
 from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV
 from data_plane.common.http_server import free_port
-from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
 from data_plane.common.settings_cli import parse_settings
 from data_plane.common.tls import TlsConfig, make_dev_pki
+from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
 
 
 class UpSettings(BaseSettings):

@@ -30,47 +30,49 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from control_plane.ladder import LevelChange
+from data_plane.common.ladder import Level
 from data_plane.tiers import TierPolicy
+
+if TYPE_CHECKING:
+    from control_plane.settings import ControlPlaneSettings
 
 log = logging.getLogger(__name__)
 
 TIERS_FILE = "tiers.json"
 DEGRADATION_FILE = "degradation.json"
 FORMAT_VERSION = 1
-MAX_LEVEL = 4
 
 
 @dataclass(frozen=True)
 class DegradationRecord:
     """The ladder's persisted state: where it stands and how it got there."""
 
-    level: int = 0
-    """Level in force, 0 (normal) .. 4 (enterprise only)."""
+    level: Level = Level.NORMAL
+    """Level in force."""
     reason: str = "initial"
     """Why the last change happened (operator text, or the signals that caused it)."""
     pinned: bool = False
     """True while an operator holds the level; the automatic controller does not move it."""
     since: float = 0.0
     """Unix time of the last change."""
-    history: tuple[Mapping[str, Any], ...] = field(default=(), hash=False)
-    """Recent change events, oldest first (bounded by the controller)."""
+    history: tuple[LevelChange, ...] = field(default=(), hash=False)
+    """Recent changes, oldest first (bounded by the controller)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "level": self.level,
+            "level": int(self.level),
             "reason": self.reason,
             "pinned": self.pinned,
             "since": self.since,
-            "history": [dict(e) for e in self.history],
+            "history": [e.to_dict() for e in self.history],
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DegradationRecord:
-        level = int(data["level"])
-        if not 0 <= level <= MAX_LEVEL:
-            raise ValueError(f"level {level} is outside 0..{MAX_LEVEL}")
+        level = Level.parse(data["level"])
         history = data.get("history") or []
         if not isinstance(history, list) or not all(isinstance(e, dict) for e in history):
             raise ValueError("history must be a list of objects")
@@ -79,7 +81,7 @@ class DegradationRecord:
             reason=str(data.get("reason") or ""),
             pinned=bool(data.get("pinned", False)),
             since=float(data.get("since") or 0.0),
-            history=tuple(history),
+            history=tuple(LevelChange.from_dict(e) for e in history),
         )
 
 
@@ -225,7 +227,7 @@ def _tiers_from_file(data: Mapping[str, Any]) -> tuple[TierPolicy, float]:
     return TierPolicy.from_dict({"tiers": data.get("tiers")}), float(data.get("updated_at") or 0.0)
 
 
-def open_store(settings: Any) -> PolicyStore:
+def open_store(settings: ControlPlaneSettings) -> PolicyStore:
     """The store :class:`~control_plane.settings.ControlPlaneSettings` ask for: ``state_dir`` to
     persist in, ``tiers_file`` (YAML) as the policy when the state dir holds none."""
     if settings.tiers_file is not None:

@@ -132,4 +132,4 @@ class Supervisor:
         print("[switchboard] stopped.", flush=True)
 
 
-__all__ = ["Child", "RESTART_BACKOFF_S", "Supervisor", "tail", "wait_healthy"]
+__all__ = ["RESTART_BACKOFF_S", "Child", "Supervisor", "tail", "wait_healthy"]

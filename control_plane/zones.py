@@ -33,8 +33,8 @@ from typing import Any, Protocol
 from fastapi import APIRouter
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from data_plane.membership.placement import DEFAULT_ZONE
 from data_plane.common.tasks import stop_tasks
+from data_plane.membership.placement import DEFAULT_ZONE
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import httpx
 
-from control_plane.degradation import LEVELS
 from control_plane.policy_store import DegradationRecord
+from data_plane.common.ladder import Level
 
 log = logging.getLogger(__name__)
 
@@ -106,18 +106,19 @@ def builtin_alerts(
     degradation: DegradationRecord,
     signals: Any,
 ) -> list[dict[str, Any]]:
-    """The in-process checks: no healthy shard, degradation >= 3, critical members, blind signals."""
+    """The in-process checks: no healthy shard, degradation from shedding up, critical members, blind signals."""
     out: list[dict[str, Any]] = []
     members = list(members)
     shards = [m for m in members if m["service"] == "shard"]
     if not warming_up and not any(m["status"] == "passing" for m in shards):
         out.append(_alert("SwitchboardNoHealthyShard", "critical",
                           f"no shard passes its health check ({len(shards)} known): chat requests fail with 503"))
-    if degradation.level >= 3:
-        severity = "critical" if degradation.level >= 4 else "warning"
+    level = degradation.level
+    if level >= Level.SHED_FREE_TIER:
+        severity = "critical" if level >= Level.ENTERPRISE_ONLY else "warning"
         out.append(_alert("SwitchboardDegraded", severity,
-                          f"degradation level {degradation.level} ({LEVELS[degradation.level]}): {degradation.reason}",
-                          {"level": str(degradation.level)}, active_at=degradation.since))
+                          f"degradation level {int(level)} ({level.label}): {degradation.reason}",
+                          {"level": str(int(level))}, active_at=degradation.since))
     critical = sorted(m["id"] for m in members if m["status"] == "critical")
     if critical:
         shown = ", ".join(critical[:10]) + (f" and {len(critical) - 10} more" if len(critical) > 10 else "")

@@ -36,14 +36,16 @@ from fastapi import APIRouter, Body, Depends, Path, Query
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from control_plane.admin.alerting import builtin_alerts, fetch_alerts
-from control_plane.degradation import LEVELS, DegradationController, signals_dict
-from control_plane.policy_store import MAX_LEVEL, PolicyStore
+from control_plane.admin.traces import assemble_traces, collect_spans, is_housekeeping
+from control_plane.degradation import DegradationController, signals_dict
+from control_plane.ladder import Actor, Verdict
+from control_plane.policy_store import PolicyStore
 from control_plane.registry.embedded import MEMBER_ID_PATTERN
 from control_plane.settings import ENV_ADMIN_TOKEN
 from control_plane.state_api import StateIndex
-from control_plane.admin.traces import assemble_traces, collect_spans, is_housekeeping
 from data_plane.common.errors import InvalidRequest, SwitchboardError
 from data_plane.common.hop_auth import RequireBearer
+from data_plane.common.ladder import MAX_LEVEL, Level
 from data_plane.tiers import TierPolicy
 
 log = logging.getLogger(__name__)
@@ -143,11 +145,12 @@ class DegradationEvent(_Open):
     to: int = Field(ge=0, le=MAX_LEVEL)
     reason: str
     signals: dict[str, Any] = Field(description="the signals at the time (summary)")
-    actor: str = Field(description="auto | operator")
+    actor: Actor = Field(description="who changed the level")
+    pinned: bool = Field(default=False, description="whether the level is pinned after this change")
 
 
 class AutomaticView(_Open):
-    verdict: str = Field(description="hot | calm | hold | incomplete, from the last reading")
+    verdict: Verdict = Field(description="the automatic rule's reading of the last signals")
     reasons: list[str]
     calm_for_s: float
     held_for_s: float
@@ -155,7 +158,7 @@ class AutomaticView(_Open):
 
 class DegradationResponse(BaseModel):
     level: int = Field(ge=0, le=MAX_LEVEL)
-    name: str = Field(description=", ".join(f"{k} {v}" for k, v in LEVELS.items()))
+    name: str = Field(description=", ".join(f"{int(level)} {level.label}" for level in Level))
     pinned: bool
     reason: str
     since: float = Field(description="unix seconds of the last change")

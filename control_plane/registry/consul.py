@@ -38,7 +38,6 @@ from urllib.parse import quote
 import httpx
 
 from data_plane.common.errors import NotFound, UpstreamError
-from data_plane.membership.view import Member
 from data_plane.membership.consul import (
     INDEX_HEADER,
     SERVICE_PREFIX,
@@ -47,6 +46,7 @@ from data_plane.membership.consul import (
     consul_http_url,
     go_duration,
 )
+from data_plane.membership.view import Member
 
 log = logging.getLogger(__name__)
 

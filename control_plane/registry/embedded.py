@@ -49,9 +49,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_plane.common.errors import InvalidRequest, NotFound
-from data_plane.membership.placement import DEFAULT_ZONE
 from data_plane.common.hop_auth import require_cluster_token
 from data_plane.common.tasks import stop_tasks
+from data_plane.membership.placement import DEFAULT_ZONE
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from opentelemetry import trace
@@ -37,6 +37,9 @@ from control_plane.scaling.actuators import Actuator, ActuatorCapped, ActuatorEr
 from control_plane.scaling.policy import PolicyConfig, TargetTracking, policy_config
 from control_plane.signals.model import SignalSource
 from data_plane.common.tasks import stop_tasks
+
+if TYPE_CHECKING:
+    from control_plane.settings import ControlPlaneSettings
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -295,7 +298,7 @@ class Autoscaler:
         span.add_event("autoscaler.decision", attributes)
 
 
-def build_autoscaler(settings: Any, metrics_registry: CollectorRegistry) -> Autoscaler | None:
+def build_autoscaler(settings: ControlPlaneSettings, metrics_registry: CollectorRegistry) -> Autoscaler | None:
     """The autoscaler the settings ask for (None without ``--autoscale``); its actuator is built
     from the settings in ``start(source, http)``.
 

@@ -19,8 +19,9 @@ The rule (:meth:`TargetTracking.decide`), in order:
      ``ceil(load / (slots + target))`` with load = running + waiting over the fleet;
    - *up* when the queue time p95 (admission wait + shard queue) > ``target_queue_time_s`` x (1 +
      ``tolerance``), or TTFT *beyond prefill* p95 > SLO x (1 + ``tolerance``): enough shards for the
-     load without a queue, ``max(current + 1, ceil(load / slots))`` — but only under pressure (a
-     queue now, or batches >= 75 % full) and once a whole window has passed since the fleet
+     load without a queue, ``max(current + 1, ceil(load / slots))`` — but only under pressure
+     (:class:`~control_plane.signals.model.Pressure`, the degradation ladder's definition too: a
+     queue now, or batches >= 75 % full, or KV >= 85 %) and once a whole window has passed since the fleet
      settled (every shard asked for serving), so the p95 is about the current fleet. Raw TTFT
      never scales: it grows with the prompt (one long conversation is not load);
    - *down* only when every shard asked for is serving and all are well inside the band: waiting
@@ -40,10 +41,13 @@ from __future__ import annotations
 
 import collections
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from control_plane.signals.model import Signals
+from control_plane.signals.model import Pressure, Signals
+
+if TYPE_CHECKING:
+    from control_plane.settings import ControlPlaneSettings
 
 SHEDDING_HOLD_PER_S = 0.2
 """Deliberate sheds per second above which the autoscaler never scales in."""
@@ -63,8 +67,8 @@ class PolicyConfig:
     """Time-to-first-token p95 objective, seconds, held against TTFT beyond prefill."""
     target_queue_time_s: float = 1.0
     """Queue time p95 (admission wait + shard queue), seconds, that the fleet is sized for."""
-    busy_batch_usage: float = 0.75
-    """Batch usage (running / slots) from which the fleet is under pressure without a queue."""
+    pressure: Pressure = field(default_factory=Pressure)
+    """When latency figures may scale up at all (shared with the degradation ladder)."""
     scale_up_cooldown_s: float = 15.0
     """Seconds after any scaling before scaling up again (fast up)."""
     scale_down_cooldown_s: float = 120.0
@@ -87,7 +91,6 @@ class PolicyConfig:
             (0 < self.target_waiting_per_shard <= 10_000, "target_waiting_per_shard must be in (0, 10000]"),
             (0 < self.ttft_slo_s <= 3600, "ttft_slo_s must be in (0, 3600]"),
             (0 < self.target_queue_time_s <= 600, "target_queue_time_s must be in (0, 600]"),
-            (0 < self.busy_batch_usage <= 1, "busy_batch_usage must be in (0, 1]"),
             (self.scale_up_cooldown_s >= 0 and self.scale_down_cooldown_s >= 0, "cooldowns must be >= 0"),
             (0 <= self.tolerance < 1, "tolerance must be in [0, 1)"),
             (0 < self.scale_down_below < 1, "scale_down_below must be in (0, 1)"),
@@ -230,7 +233,7 @@ class TargetTracking:
         elif self._settled_at is None:
             self._settled_at = now
         fresh = self._settled_at is not None and now - self._settled_at >= s.window_s
-        pressure = wps > 0 or (s.batch_usage or 0.0) >= cfg.busy_batch_usage
+        pressure = cfg.pressure.on(s)
         sized = max(current + 1, math.ceil(load / slots) if slots else current + 1)
         if fresh and pressure and queue is not None and queue > queue_target * (1 + cfg.tolerance):
             wants.append((sized, "queue time p95 above target", "queue_time"))
@@ -261,7 +264,7 @@ def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.0%}"
 
 
-def policy_config(settings: Any) -> PolicyConfig:
+def policy_config(settings: ControlPlaneSettings) -> PolicyConfig:
     """A :class:`PolicyConfig` from :class:`~control_plane.settings.ControlPlaneSettings`."""
     return PolicyConfig(
         min_replicas=settings.min_replicas,

@@ -58,10 +58,6 @@ QUANTILE = 0.95
 REJECTED_STATUSES = frozenset({"429", "503"})
 SHED_CODES = ("overloaded",)
 """Error codes of deliberate load shedding, left out of the error rate."""
-PRESSURE_BATCH_USAGE = 0.75
-"""Batch usage (running / slots) from which the fleet counts as busy without a queue."""
-PRESSURE_KV_USAGE = 0.90
-"""KV-cache usage from which the fleet counts as busy without a queue."""
 
 # metric names (sample names, as exposed)
 M_RUNNING = "vllm:num_requests_running"
@@ -170,13 +166,6 @@ class Signals:
     """TTFT beyond what the prompt explains: max(0, shard TTFT p95 - prefill p95) + admission wait
     p95; None without first tokens in the window. Unlike raw TTFT, one long prompt leaves it ~0."""
 
-    @property
-    def under_pressure(self) -> bool:
-        """A queue now, or the batches mostly full: the only state in which latency means overload
-        (one long prompt on an idle fleet has a high TTFT but neither)."""
-        return bool((self.waiting_per_shard or 0.0) > 0.0 or (self.batch_usage or 0.0) >= PRESSURE_BATCH_USAGE
-                    or (self.kv_usage or 0.0) >= PRESSURE_KV_USAGE)
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (NaN becomes None), for the admin API and the decision log."""
         out: dict[str, Any] = _json_safe(asdict(self))
@@ -242,6 +231,31 @@ def _json_safe(value: Any) -> Any:
         return [_json_safe(v) for v in value]
     return value
 
+
+
+@dataclass(frozen=True)
+class Pressure:
+    """The one definition of *under pressure*: a queue now, or busy batches, or a nearly full KV cache.
+    The only state in which latency means overload (one long prompt on an idle fleet has a high TTFT
+    but none of these). The degradation rule and the autoscaler both hold one (``config.pressure``).
+
+        Pressure().on(signals)          # True / False
+        Pressure(busy_kv_usage=0.9)     # validated: thresholds in (0, 1]
+    """
+
+    busy_batch_usage: float = 0.75
+    """Batch usage (running / slots, mean over passing shards) from which the fleet is busy without a queue."""
+    busy_kv_usage: float = 0.85
+    """KV-cache usage (0..1) from which the fleet is busy without a queue."""
+
+    def __post_init__(self) -> None:
+        if not (0 < self.busy_batch_usage <= 1 and 0 < self.busy_kv_usage <= 1):
+            raise ValueError("pressure thresholds busy_batch_usage and busy_kv_usage must be in (0, 1]")
+
+    def on(self, s: Signals) -> bool:
+        """Whether `s` shows pressure (a missing figure counts as none)."""
+        return ((s.waiting_per_shard or 0.0) > 0.0 or (s.batch_usage or 0.0) >= self.busy_batch_usage
+                or (s.kv_usage or 0.0) >= self.busy_kv_usage)
 
 def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None

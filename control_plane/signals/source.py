@@ -9,7 +9,7 @@ control_plane/signals/prometheus.py (PromQL over a Prometheus that scrapes them)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -17,8 +17,11 @@ from control_plane.signals.model import SignalSource
 from control_plane.signals.prometheus import PrometheusSignals
 from control_plane.signals.scrape import ScrapeSignals
 
+if TYPE_CHECKING:
+    from control_plane.settings import ControlPlaneSettings
 
-def build_signal_source(settings: Any, registry: Any, http: httpx.AsyncClient) -> SignalSource:
+
+def build_signal_source(settings: ControlPlaneSettings, registry: Any, http: httpx.AsyncClient) -> SignalSource:
     """The source the settings ask for: Prometheus with ``--prometheus URL``, else scraping."""
     window_s = getattr(settings, "signals_window_s", 30.0)
     prometheus = getattr(settings, "prometheus", None)

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import httpx
 
 from data_plane.common.errors import Overloaded
+from data_plane.common.ladder import Level
 from data_plane.membership.embedded import BlockingWatcher
 from data_plane.tiers import Tier, TierPolicy
 
@@ -45,15 +46,13 @@ SPAN_ATTRIBUTE = "switchboard.degradation_level"
 DEGRADED_MAX_OUTPUT_TOKENS = 256
 """Cap on max_tokens from level 2."""
 DEFAULT_RETRY_AFTER_S = 30
-SHRINK_CONTEXT, CAP_OUTPUT, SHED_LOWEST, ENTERPRISE_ONLY = 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
 class Degradation:
     """The ladder as the control plane last reported it."""
 
-    level: int = 0
-    """0 normal .. 4 enterprise only."""
+    level: Level = Level.NORMAL
     reason: str = ""
     pinned: bool = False
     since: float = 0.0
@@ -62,11 +61,8 @@ class Degradation:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Degradation:
-        level = int(data["level"])
-        if not 0 <= level <= ENTERPRISE_ONLY:
-            raise ValueError(f"degradation level {level} outside 0..{ENTERPRISE_ONLY}")
         return cls(
-            level=level,
+            level=Level.parse(data["level"]),
             reason=str(data.get("reason") or ""),
             pinned=bool(data.get("pinned", False)),
             since=float(data.get("since") or 0.0),
@@ -177,29 +173,29 @@ class Effects:
     degradation: Degradation = Degradation()
 
     @property
-    def level(self) -> int:
+    def level(self) -> Level:
         return self.degradation.level
 
     def max_tokens(self, requested: int) -> int:
         """From level 2, a request's max_tokens is capped, not refused."""
-        return min(requested, DEGRADED_MAX_OUTPUT_TOKENS) if self.level >= CAP_OUTPUT else requested
+        return min(requested, DEGRADED_MAX_OUTPUT_TOKENS) if self.level >= Level.CAP_OUTPUT_TOKENS else requested
 
     def prompt_budget(self, budget: int, context: int) -> int:
         """From level 1 the prompt window shrinks to half the context (older turns are dropped
         first); `budget` is what the prompt could use otherwise (context - max_tokens)."""
-        return min(budget, max(1, context // 2)) if self.level >= SHRINK_CONTEXT else budget
+        return min(budget, max(1, context // 2)) if self.level >= Level.SHRINK_CONTEXT else budget
 
     def admit(self, tier: Tier, policy: TierPolicy) -> None:
         """Raise :class:`Overloaded` (503 + Retry-After) if `tier` is shed at this level."""
-        if self.level < SHED_LOWEST:
+        if self.level < Level.SHED_FREE_TIER:
             return
         orders = [policy.get(name).shed_order for name in policy.names()]
         lowest, highest = min(orders), max(orders)
         if tier.shed_order >= highest:
             return  # the last tier in the shed order (enterprise) is never shed by the ladder
-        if self.level >= ENTERPRISE_ONLY or tier.shed_order <= lowest:
+        if self.level >= Level.ENTERPRISE_ONLY or tier.shed_order <= lowest:
             raise Overloaded(
-                f"the service is degraded (level {self.level}) and is not serving the {tier.name} tier "
+                f"the service is degraded (level {int(self.level)}) and is not serving the {tier.name} tier "
                 f"right now; retry later",
                 retry_after=self.degradation.retry_after_s,
             )

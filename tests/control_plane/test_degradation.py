@@ -12,10 +12,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from control_plane.degradation import (
+    Clock,
     DegradationController,
     DegradationMetrics,
     LadderConfig,
-    _Clock,
     assess,
 )
 from control_plane.policy_store import PolicyStore
@@ -60,7 +60,7 @@ def make(tmp_path: Any = None, clock: FakeClock | None = None, source: Any = Non
     store = PolicyStore(tmp_path, clock=clock)
     registry = CollectorRegistry()
     controller = DegradationController(store, source, config=config, metrics=DegradationMetrics(registry),
-                                       clock=_Clock(wall=clock, monotonic=clock))
+                                       clock=Clock(wall=clock, monotonic=clock))
     return controller, store, registry, clock
 
 
@@ -139,17 +139,17 @@ def test_raises_one_step_at_a_time_after_the_dwell() -> None:
     ladder, _, registry, clock = make()
     clock.advance(10)
     event = ladder.observe(HOT)
-    assert event is not None and (event["from"], event["to"], event["actor"]) == (0, 1, "auto")
-    assert "queue_time_p95" in event["reason"] and event["signals"]["queue_time_p95_s"] == 3.0
-    assert "shards" not in event["signals"]  # the summary, not the per-shard list
+    assert event is not None and (event.from_level, event.to, event.actor) == (0, 1, "auto")
+    assert "queue_time_p95" in event.reason and event.signals["queue_time_p95_s"] == 3.0
+    assert "shards" not in event.signals  # the summary, not the per-shard list
     # still hot, but the level was held only 9 s: no second step yet
     clock.advance(9)
     assert ladder.observe(HOT) is None and ladder.level == 1
     clock.advance(1)
-    assert ladder.observe(HOT)["to"] == 2
+    assert ladder.observe(HOT).to == 2
     for expected in (3, 4):
         clock.advance(10)
-        assert ladder.observe(HOT)["to"] == expected
+        assert ladder.observe(HOT).to == expected
     clock.advance(10)
     assert ladder.observe(HOT) is None and ladder.level == 4  # the top
     assert metric(registry, "switchboard_degradation_level") == 4
@@ -174,13 +174,13 @@ def test_lowers_only_after_unbroken_calm_and_one_step_per_dwell() -> None:
     assert ladder.observe(CALM) is None  # calm for 29 s < 30 s
     clock.advance(1)
     event = ladder.observe(CALM)
-    assert event is not None and (event["from"], event["to"]) == (2, 1)
-    assert event["reason"].startswith("calm for 30s")
+    assert event is not None and (event.from_level, event.to) == (2, 1)
+    assert event.reason.startswith("calm for 30s")
     # the next step down needs another full calm period at the new level
     clock.advance(29)
     assert ladder.observe(CALM) is None
     clock.advance(1)
-    assert ladder.observe(CALM)["to"] == 0
+    assert ladder.observe(CALM).to == 0
     clock.advance(100)
     assert ladder.observe(CALM) is None and ladder.level == 0
     assert metric(registry, "switchboard_degradation_changes_total", direction="down", actor="auto") == 2
@@ -191,12 +191,12 @@ def test_recovery_dwell_matches_the_cause_that_raised_the_level() -> None:
     figure (queue time p95) needs one window to show it: 30 s per step."""
     ladder, _, _, clock = make()
     clock.advance(10)
-    assert ladder.observe(signals(waiting=9.0, batch=1.0))["to"] == 1
+    assert ladder.observe(signals(waiting=9.0, batch=1.0)).to == 1
     assert ladder.snapshot()["automatic"]["cause"] == ["waiting"]
     ladder.observe(CALM)
     clock.advance(10)
     event = ladder.observe(CALM)
-    assert event is not None and event["to"] == 0
+    assert event is not None and event.to == 0
     clock.advance(10)
     ladder.observe(signals(queue=2.5, waiting=1.0))  # raised by queue time p95
     assert ladder.level == 1 and ladder.snapshot()["automatic"]["lower_dwell_s"] == 30.0
@@ -204,7 +204,7 @@ def test_recovery_dwell_matches_the_cause_that_raised_the_level() -> None:
     clock.advance(29)
     assert ladder.observe(CALM) is None
     clock.advance(1)
-    assert ladder.observe(CALM)["to"] == 0
+    assert ladder.observe(CALM).to == 0
 
 
 def test_a_windowed_figure_raises_again_only_once_its_window_has_seen_the_new_level() -> None:
@@ -215,13 +215,13 @@ def test_a_windowed_figure_raises_again_only_once_its_window_has_seen_the_new_le
     ladder, _, _, clock = make()
     windowed = dataclasses.replace(signals(queue=3.0, waiting=1.0, excess=0.1), window_s=30.0)
     clock.advance(30)
-    assert ladder.observe(windowed)["to"] == 1
+    assert ladder.observe(windowed).to == 1
     clock.advance(10)
     assert ladder.observe(windowed) is None  # held 10 s of the 30 s window
     clock.advance(20)
-    assert ladder.observe(windowed)["to"] == 2
+    assert ladder.observe(windowed).to == 2
     clock.advance(10)
-    assert ladder.observe(dataclasses.replace(windowed, waiting_per_shard=9.0))["to"] == 3  # a gauge: 10 s
+    assert ladder.observe(dataclasses.replace(windowed, waiting_per_shard=9.0)).to == 3  # a gauge: 10 s
 
 
 def test_a_warm_reading_breaks_the_calm_streak() -> None:
@@ -237,7 +237,7 @@ def test_a_warm_reading_breaks_the_calm_streak() -> None:
     clock.advance(29)
     assert ladder.observe(CALM) is None
     clock.advance(1)
-    assert ladder.observe(CALM)["to"] == 0
+    assert ladder.observe(CALM).to == 0
 
 
 def test_incomplete_signals_never_move_the_ladder() -> None:
@@ -265,7 +265,7 @@ def test_incomplete_signals_never_move_the_ladder() -> None:
 def test_pin_holds_the_level_and_release_hands_it_back() -> None:
     ladder, store, registry, clock = make()
     event = ladder.pin(3, "incident 42")
-    assert (event["from"], event["to"], event["actor"], event["pinned"]) == (0, 3, "operator", True)
+    assert (event.from_level, event.to, event.actor, event.pinned) == (0, 3, "operator", True)
     assert store.degradation.pinned and store.degradation.reason == "pinned: incident 42"
     assert metric(registry, "switchboard_degradation_pinned") == 1
     # while pinned, the rule is evaluated but not applied, whatever it sees
@@ -275,7 +275,7 @@ def test_pin_holds_the_level_and_release_hands_it_back() -> None:
     assert ladder.level == 3
     assert metric(registry, "switchboard_degradation_evaluations_total", outcome="pinned") == 3
     event = ladder.release("fixed")
-    assert (event["from"], event["to"], event["pinned"]) == (3, 3, False)
+    assert (event.from_level, event.to, event.pinned) == (3, 3, False)
     assert not ladder.pinned and ladder.level == 3
     assert ladder.release("again") is None  # not pinned: nothing to release
     # back to the rule: the pinned time and the calm seen while pinned count (here calm began with
@@ -283,13 +283,13 @@ def test_pin_holds_the_level_and_release_hands_it_back() -> None:
     clock.advance(9)
     assert ladder.observe(CALM) is None
     clock.advance(1)
-    assert ladder.observe(CALM)["to"] == 2
+    assert ladder.observe(CALM).to == 2
     clock.advance(9)
     assert ladder.observe(CALM) is None
     clock.advance(1)
-    assert ladder.observe(CALM)["to"] == 1
+    assert ladder.observe(CALM).to == 1
     clock.advance(10)
-    assert ladder.observe(CALM)["to"] == 0
+    assert ladder.observe(CALM).to == 0
     assert metric(registry, "switchboard_degradation_pinned") == 0
     assert metric(registry, "switchboard_degradation_changes_total", direction="up", actor="operator") == 1
     assert metric(registry, "switchboard_degradation_changes_total", direction="none", actor="operator") == 1
@@ -304,7 +304,7 @@ def test_release_after_a_long_calm_pin_steps_down_at_once() -> None:
     clock.advance(120)
     ladder.observe(CALM)
     ladder.release("fixed")
-    assert ladder.observe(CALM)["to"] == 3  # no dwell restarts at the release
+    assert ladder.observe(CALM).to == 3  # no dwell restarts at the release
     steps = 0
     while ladder.level:
         clock.advance(1)
@@ -338,7 +338,7 @@ def test_state_survives_a_restart(tmp_path: Any) -> None:
     clock3.advance(29)
     assert ladder3.observe(CALM) is None and ladder3.level == 3
     clock3.advance(1)
-    assert ladder3.observe(CALM)["to"] == 2
+    assert ladder3.observe(CALM).to == 2
 
 
 async def test_task_reads_the_source_and_survives_failures() -> None:

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+from control_plane.ladder import Actor, LevelChange
 from control_plane.policy_store import (
     DEGRADATION_FILE,
     TIERS_FILE,
@@ -17,6 +18,7 @@ from control_plane.policy_store import (
     open_store,
     write_json_atomic,
 )
+from data_plane.common.ladder import Level
 from data_plane.tiers import TierPolicy
 
 
@@ -39,8 +41,10 @@ def test_tiers_and_degradation_survive_a_restart(tmp_path: Path) -> None:
     changes: list[str] = []
     store.subscribe(lambda: changes.append("x"))
     store.set_tiers(smaller_policy())
-    record = DegradationRecord(level=3, reason="pinned: drill", pinned=True, since=123.0,
-                               history=({"at": 123.0, "from": 0, "to": 3, "actor": "operator"},))
+    change = LevelChange(at=123.0, from_level=Level.NORMAL, to=Level.SHED_FREE_TIER, reason="pinned: drill",
+                         actor=Actor.OPERATOR, pinned=True)
+    record = DegradationRecord(level=Level.SHED_FREE_TIER, reason="pinned: drill", pinned=True, since=123.0,
+                               history=(change,))
     store.save_degradation(record)
     assert changes == ["x", "x"]
     on_disk = json.loads((tmp_path / TIERS_FILE).read_text())
@@ -49,7 +53,9 @@ def test_tiers_and_degradation_survive_a_restart(tmp_path: Path) -> None:
     again = PolicyStore(tmp_path)
     assert again.tiers == smaller_policy() and again.tiers_source == "state"
     assert again.degradation == record
-    assert [dict(e) for e in again.degradation.history] == [dict(e) for e in record.history]
+    assert again.degradation.history == record.history
+    assert again.degradation.history[0].to_dict() == {"at": 123.0, "from": 0, "to": 3, "reason": "pinned: drill",
+                                                      "signals": {}, "actor": "operator", "pinned": True}
     assert sorted(p.name for p in tmp_path.iterdir()) == [DEGRADATION_FILE, TIERS_FILE]  # no temp files left
 
 

@@ -8,7 +8,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from data_plane.common.kv_report import CHAIN_HEADER, EVICTED_HEADER, parse_chain, parse_evicted
-from data_plane.routing.kv_routing import KVIndex, KVReports as RouterReports
+from data_plane.routing.kv_routing import KVIndex
+from data_plane.routing.kv_routing import KVReports as RouterReports
 from data_plane.shard.engines.base import GenerationRequest, SamplingParams
 from data_plane.shard.kv_reports import KVReportMetrics, KVReports
 from tests.support.clock import FakeClock

@@ -18,12 +18,12 @@ import pytest_asyncio
 from prometheus_client import CollectorRegistry
 
 from data_plane.common.errors import RateLimited
+from data_plane.gateway.ratelimit.buckets import PERIOD_US, Backend, Bucket, LocalBackend, RedisBackend
 from data_plane.gateway.ratelimit.limiter import (
     RateLimiter,
     RateLimitMetrics,
     format_reset,
 )
-from data_plane.gateway.ratelimit.buckets import PERIOD_US, Backend, Bucket, LocalBackend, RedisBackend
 from data_plane.tiers import Tier
 from tests.support.clock import FakeClock
 from tests.support.procs import free_port

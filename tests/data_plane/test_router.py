@@ -140,9 +140,8 @@ def test_a_lease_counts_one_outstanding_request_and_is_released_on_error() -> No
             assert r.load("a") == 2
             assert sample(registry, "switchboard_router_outstanding_requests") == 2
         assert r.load("a") == 1
-    with pytest.raises(RuntimeError):
-        with r.lease(a):
-            raise RuntimeError("the call failed")
+    with pytest.raises(RuntimeError), r.lease(a):
+        raise RuntimeError("the call failed")
     assert r.load("a") == 0 and sample(registry, "switchboard_router_outstanding_requests") == 0
 
 

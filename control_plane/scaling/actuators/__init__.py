@@ -17,9 +17,12 @@ its boundary; the autoscaler records them as the decision's outcome and carries 
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import httpx
+
+if TYPE_CHECKING:
+    from control_plane.settings import ControlPlaneSettings
 
 
 class ActuatorError(Exception):
@@ -47,19 +50,19 @@ class Actuator(Protocol):
         ...
 
 
-def _local(settings: Any, http: httpx.AsyncClient) -> Actuator:
+def _local(settings: ControlPlaneSettings, http: httpx.AsyncClient) -> Actuator:
     from control_plane.scaling.actuators.local import LocalActuator
 
     return LocalActuator.from_settings(settings, http)
 
 
-def _nomad(settings: Any, http: httpx.AsyncClient) -> Actuator:
+def _nomad(settings: ControlPlaneSettings, http: httpx.AsyncClient) -> Actuator:
     from control_plane.scaling.actuators.nomad import NomadActuator
 
     return NomadActuator.from_settings(settings, http)
 
 
-def _kubernetes(settings: Any, http: httpx.AsyncClient) -> Actuator:
+def _kubernetes(settings: ControlPlaneSettings, http: httpx.AsyncClient) -> Actuator:
     from control_plane.scaling.actuators.kubernetes import KubernetesActuator
 
     return KubernetesActuator.from_settings(settings)
@@ -69,7 +72,7 @@ ACTUATORS = {"local": _local, "nomad": _nomad, "kubernetes": _kubernetes}
 """Actuator factories by ``--actuator`` name."""
 
 
-def build_actuator(settings: Any, http: httpx.AsyncClient) -> Actuator:
+def build_actuator(settings: ControlPlaneSettings, http: httpx.AsyncClient) -> Actuator:
     name = getattr(settings, "actuator", "local")
     try:
         factory = ACTUATORS[name]

@@ -24,13 +24,16 @@ import os
 import ssl
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import httpx
 import yaml
 
 from control_plane.scaling.actuators import ActuatorError
+
+if TYPE_CHECKING:
+    from control_plane.settings import ControlPlaneSettings
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 """Where Kubernetes mounts a pod's service-account token, CA and namespace."""
@@ -100,7 +103,7 @@ class KubernetesActuator:
         )
 
     @classmethod
-    def from_settings(cls, settings: Any) -> KubernetesActuator:
+    def from_settings(cls, settings: ControlPlaneSettings) -> KubernetesActuator:
         if settings.kubeconfig is None and os.environ.get(ENV_SERVICE_HOST):
             return cls.in_cluster(deployment=settings.kube_deployment, namespace=settings.kube_namespace)
         return cls.from_kubeconfig(

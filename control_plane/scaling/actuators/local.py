@@ -27,13 +27,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from control_plane.scaling.actuators import ActuatorCapped, ActuatorError
 from data_plane.common.http_server import free_port
 from data_plane.common.tasks import stop_tasks
+
+if TYPE_CHECKING:
+    from control_plane.settings import ControlPlaneSettings
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +88,7 @@ class LocalActuator:
         """Set by the control plane (ZoneWatch.zone_for_new_shard): the zone a new shard joins."""
 
     @classmethod
-    def from_settings(cls, settings: Any, http: httpx.AsyncClient) -> LocalActuator:
+    def from_settings(cls, settings: ControlPlaneSettings, http: httpx.AsyncClient) -> LocalActuator:
         host = settings.host if settings.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         return cls(
             f"http://{host}:{settings.port}",

@@ -18,12 +18,15 @@ both so a shard leaves Consul first and finishes its in-flight requests.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import httpx
 
 from control_plane.scaling.actuators import ActuatorError
+
+if TYPE_CHECKING:
+    from control_plane.settings import ControlPlaneSettings
 
 TOKEN_HEADER = "X-Nomad-Token"
 
@@ -49,7 +52,7 @@ class NomadActuator:
         self._timeout_s = timeout_s
 
     @classmethod
-    def from_settings(cls, settings: Any, http: httpx.AsyncClient) -> NomadActuator:
+    def from_settings(cls, settings: ControlPlaneSettings, http: httpx.AsyncClient) -> NomadActuator:
         token = settings.nomad_token.get_secret_value() if settings.nomad_token is not None else None
         return cls(
             http,
