@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import pytest
@@ -357,3 +358,29 @@ async def test_task_reads_the_source_and_survives_failures() -> None:
     assert moves[:3] == [(0, 1), (1, 2), (2, 1)]
     history = ladder.signal_history()
     assert history and history[0]["ttft_p95_s"] == 3.0 and "at" in history[0]
+
+
+def test_one_pressure_definition_for_the_ladder_and_the_autoscaler() -> None:
+    from control_plane.scaling.policy import PolicyConfig
+    from control_plane.signals.model import Pressure
+
+    assert LadderConfig().pressure == PolicyConfig().pressure == Pressure()
+    kv_busy = signals(kv=0.9, waiting=0.0, batch=0.1, excess=3.0, queue=0.0)  # no queue, batches idle, KV full
+    assert Pressure().on(kv_busy) and not Pressure(busy_kv_usage=0.95).on(kv_busy)
+    assert assess(kv_busy, CONFIG).verdict == "hot"  # TTFT beyond prefill counts under KV pressure
+    assert assess(kv_busy, dataclasses.replace(CONFIG, pressure=Pressure(busy_kv_usage=0.95))).verdict == "hold"
+
+
+def test_a_level_and_a_change_keep_their_wire_form() -> None:
+    from control_plane.ladder import Actor, LevelChange
+    from data_plane.common.ladder import Level
+
+    assert Level.parse("3") is Level.SHED_FREE_TIER and Level(4).label == "enterprise_only"
+    with pytest.raises(ValueError, match="outside 0..4"):
+        Level.parse(5)
+    wire = {"at": 1.0, "from": 2, "to": 3, "reason": "r", "signals": {"kv_usage": 0.5}, "actor": "auto",
+            "pinned": False}
+    change = LevelChange.from_dict(wire)
+    assert change.actor is Actor.AUTO and change.direction == "up" and change.to_dict() == wire
+    with pytest.raises(ValueError):
+        LevelChange.from_dict({**wire, "actor": "someone"})
