@@ -26,8 +26,8 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from data_plane.membership.view import Member
 from data_plane.membership.hashring import DEFAULT_VNODES, stable_hash
+from data_plane.membership.view import Member
 
 _FULL_REBUILD_FRACTION = 0.25
 """A change touching more than this share of the nodes rebuilds the ring instead of patching it."""
@@ -245,7 +245,7 @@ class ShardFleet:
 class Scope:
     """The candidate shards of one routing decision (made per request; holds no copies)."""
 
-    __slots__ = ("fleet", "ring", "members", "skip", "zone", "n", "total")
+    __slots__ = ("fleet", "members", "n", "ring", "skip", "total", "zone")
 
     def __init__(self, fleet: ShardFleet, ring: FastRing, members: Sequence[Member],
                  skip: frozenset[str] | set[str], zone: str | None, n: int, total: int) -> None:

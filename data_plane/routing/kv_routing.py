@@ -62,7 +62,7 @@ OUTCOMES = (OUTCOME_HOLDER, OUTCOME_RING, OUTCOME_OVERLOADED, OUTCOME_GONE, OUTC
 
 
 class _Entry:
-    __slots__ = ("shard", "tokens", "chain", "prev_shard", "prev_tokens", "prev_chain")
+    __slots__ = ("chain", "prev_chain", "prev_shard", "prev_tokens", "shard", "tokens")
 
     def __init__(self, shard: str, tokens: int, chain: str | None) -> None:
         self.shard, self.tokens, self.chain = shard, tokens, chain

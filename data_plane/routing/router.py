@@ -4,7 +4,7 @@
     shard = router.pick(session_id="s-123", exclude=set())     # raises NoHealthyBackend
     with router.lease(shard):                                  # counts outstanding requests
         ...                                                    # call the shard
-    router.report_success(shard)   /   router.report_failure(shard, "connect")
+    router.report_success(shard)   /   router.report_failure(shard, FailureReason.CONNECT)
 
 Policies (by name, :data:`POLICIES`; data_plane/routing/policies.py): a request with a session goes to its shard on a
 consistent-hash ring with bounded loads (no shard above ``ceil((1+eps) * mean)``
@@ -13,10 +13,12 @@ less loaded of two random shards (least outstanding requests). ``kv_aware``
 (data_plane/routing/kv_routing.py) weighs the shard holding the session's KV against the ring's choice:
 expected cached tokens against load, with session affinity as the case where they agree.
 
-Health is passive, Envoy-style outlier detection: ``eject_after`` consecutive failures
-eject a shard for ``eject_s`` (doubling on repeat, capped); when that expires the shard is
-*half-open*: it gets a single probe request; success restores it, failure ejects it again.
-Every retry and ejection is a metric, a span event on the current span and a log line.
+Health is passive, Envoy-style outlier detection, one :class:`~data_plane.routing.failures.Circuit`
+per shard with recent failures: ``eject_after`` consecutive failures open it (the shard is ejected)
+for ``eject_s`` (doubling on repeat, capped); when that expires the next decision sends the shard a
+single probe (half-open); success closes the circuit, failure opens it again. Every failure, retry
+and state change is a metric (reasons from :class:`~data_plane.routing.failures.FailureReason`,
+bounded), a span event on the current span and a log line.
 """
 
 from __future__ import annotations
@@ -24,9 +26,8 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -34,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from data_plane.common.errors import NoHealthyBackend
 from data_plane.membership.placement import spills
 from data_plane.membership.view import Member, MembershipView
+from data_plane.routing.failures import Circuit, CircuitState, FailureReason
 from data_plane.routing.fleet import Scope, ShardFleet
 from data_plane.routing.kv_routing import KVAwarePolicy, KVReports
 from data_plane.routing.policies import AffinityPolicy, LeastLoadedPolicy, Policy
@@ -72,14 +74,6 @@ class RouterMetrics:
             "Routing decisions where the healthy shards span zones, by locality: local (own zone), spill "
             "(own zone too loaded: all zones), remote (no healthy shard in the own zone).", ["locality"],
             registry=registry)
-
-
-@dataclass
-class _Health:
-    failures: int = 0
-    ejected_until: float = 0.0
-    ejections: int = 0
-    probing: bool = False  # half-open: one probe request in flight
 
 
 POLICIES: dict[str, Callable[[float, random.Random], Policy]] = {
@@ -124,7 +118,8 @@ class Router:
         self.clock = clock
         self.zone = zone
         self.zone_slack = zone_slack
-        self._health: dict[str, _Health] = {}
+        self._circuits: dict[str, Circuit] = {}
+        """Shards with recent failures; a shard without an entry is CLOSED."""
         self.fleet = ShardFleet()
         """The incremental view every decision reads (data_plane/routing/fleet.py)."""
         self._stale = True
@@ -153,8 +148,8 @@ class Router:
         if self._stale or not self._subscribed:
             self._stale = False
             if fleet.sync(self.membership.members(SHARD_SERVICE)):
-                for gone in [mid for mid in self._health if mid not in fleet.by_id]:
-                    del self._health[gone]
+                for gone in [mid for mid in self._circuits if mid not in fleet.by_id]:
+                    del self._circuits[gone]
                 log.info("routing view: %d shards (change %d)", len(fleet), fleet.changes)
         return fleet
 
@@ -167,9 +162,7 @@ class Router:
         self._ejected_gauge.set(len(skip))
         if probe is not None:
             # Half-open: an ejected shard whose time is up gets exactly one probe request.
-            self._health[probe].probing = True
-            log.info("probing ejected shard %s (half-open)", probe)
-            trace.get_current_span().add_event("router.probe", {"shard": probe})
+            self._transition(probe, self._circuits[probe], CircuitState.HALF_OPEN)
             self._decided["probe"].inc()
             return fleet.by_id[probe]
         if healthy <= 0:
@@ -191,19 +184,18 @@ class Router:
         return chosen
 
     def _unhealthy(self, exclude: set[str] | frozenset[str]) -> tuple[frozenset[str] | set[str], str | None]:
-        """Shards out of routing (ejected or failing past the threshold), and the one to probe.
-        Reads only the health entries (shards with recent failures), never the whole fleet."""
-        if not self._health:
+        """Shards out of routing (circuit open or half-open), and the one to probe.
+        Reads only the circuits (shards with recent failures), never the whole fleet."""
+        if not self._circuits:
             return _NOTHING, None
         now = self.clock()
         out: set[str] = set()
         probe: str | None = None
-        for mid, h in self._health.items():
-            if (h.failures < self.eject_after and h.ejected_until == 0.0) or mid in exclude \
-                    or mid not in self.fleet.by_id:
+        for mid, circuit in self._circuits.items():
+            if circuit.state is CircuitState.CLOSED or mid in exclude or mid not in self.fleet.by_id:
                 continue
             out.add(mid)
-            if now >= h.ejected_until and not h.probing and (probe is None or mid < probe):
+            if circuit.probe_due(now) and (probe is None or mid < probe):
                 probe = mid
         return out, probe
 
@@ -262,40 +254,54 @@ class Router:
     # -- health -----------------------------------------------------------------------------
 
     def report_success(self, member: Member) -> None:
-        h = self._health.get(member.id)
-        if h is None:
-            return
-        if h.ejected_until:
-            log.info("shard %s passed its probe; back in routing", member.id)
-            trace.get_current_span().add_event("router.restored", {"shard": member.id})
-        del self._health[member.id]
+        circuit = self._circuits.get(member.id)
+        if circuit is not None:
+            self._transition(member.id, circuit, CircuitState.CLOSED)
 
-    def report_failure(self, member: Member, reason: str) -> None:
+    def report_failure(self, member: Member, reason: FailureReason) -> None:
+        reason = FailureReason(reason)  # a value outside the enum is a bug, never a new label
         self.metrics.failures.labels(reason).inc()
-        h = self._health.setdefault(member.id, _Health())
-        h.failures += 1
-        was_probe = h.probing
-        h.probing = False
-        if h.failures >= self.eject_after or was_probe:
-            h.ejections += 1
-            hold = min(self.max_eject_s, self.eject_s * 2 ** (h.ejections - 1))
-            h.ejected_until = self.clock() + hold
+        circuit = self._circuits.setdefault(member.id, Circuit())
+        circuit.failures += 1
+        if circuit.failures >= self.eject_after or circuit.state is CircuitState.HALF_OPEN:
+            self._transition(member.id, circuit, CircuitState.OPEN, reason)
+
+    def circuit_state(self, member_id: str) -> CircuitState:
+        circuit = self._circuits.get(member_id)
+        return CircuitState.CLOSED if circuit is None else circuit.state
+
+    def _transition(self, member_id: str, circuit: Circuit, state: CircuitState,
+                    reason: FailureReason | None = None) -> None:
+        """Every circuit change, with its log line, span event and metric."""
+        span = trace.get_current_span()
+        if state is CircuitState.OPEN:
+            hold = min(self.max_eject_s, self.eject_s * 2 ** circuit.openings)
+            circuit.transition_to(state, now=self.clock(), hold_s=hold)
             self.metrics.ejections.inc()
             log.warning("ejecting shard %s for %.1f s after %d consecutive failures (last: %s)",
-                        member.id, hold, h.failures, reason)
-            trace.get_current_span().add_event(
-                "router.eject", {"shard": member.id, "reason": reason, "hold_s": hold})
+                        member_id, hold, circuit.failures, reason)
+            span.add_event("router.eject", {"shard": member_id, "reason": str(reason), "hold_s": hold})
+        elif state is CircuitState.HALF_OPEN:
+            circuit.transition_to(state)
+            log.info("probing ejected shard %s (half-open)", member_id)
+            span.add_event("router.probe", {"shard": member_id})
+        else:
+            if circuit.state is not CircuitState.CLOSED:
+                log.info("shard %s passed its probe; back in routing", member_id)
+                span.add_event("router.restored", {"shard": member_id})
+            del self._circuits[member_id]  # CLOSED with no failures: no entry
 
-    def record_retry(self, member: Member, reason: str) -> None:
+    def record_retry(self, member: Member, reason: FailureReason) -> None:
+        reason = FailureReason(reason)
         self.metrics.retries.labels(reason).inc()
         log.warning("retrying request on another shard after %s failed (%s)", member.id, reason)
-        trace.get_current_span().add_event("router.retry", {"failed_shard": member.id, "reason": reason})
+        trace.get_current_span().add_event("router.retry", {"failed_shard": member.id, "reason": str(reason)})
 
-    def record_resume(self, member: Member, reason: str) -> None:
+    def record_resume(self, member: Member, reason: FailureReason) -> None:
+        reason = FailureReason(reason)
         self.metrics.resumes.labels(reason).inc()
         log.warning("stream from %s broke mid-way (%s); resuming on another shard", member.id, reason)
-        trace.get_current_span().add_event("router.resume", {"failed_shard": member.id, "reason": reason})
+        trace.get_current_span().add_event("router.resume", {"failed_shard": member.id, "reason": str(reason)})
 
     def is_ejected(self, member_id: str) -> bool:
-        h = self._health.get(member_id)
-        return h is not None and h.ejected_until > 0.0
+        return self.circuit_state(member_id) is not CircuitState.CLOSED

@@ -37,18 +37,19 @@ from data_plane.common.errors import (
     UpstreamTimeout,
     from_openai_body,
 )
+from data_plane.common.keepalive import KEEPALIVE_META
+from data_plane.common.kv_report import CHAIN_HEADER, parse_chain
+from data_plane.membership.view import Member
+from data_plane.routing.failures import FailureReason
 from data_plane.routing.hop_client import (
     HopConnectError,
     HopDisconnected,
     HopError,
-    HopPool,
-    HopResponse,
     HopTimeout,
 )
-from data_plane.common.keepalive import KEEPALIVE_META
-from data_plane.membership.view import Member
-from data_plane.common.kv_report import CHAIN_HEADER, parse_chain
+from data_plane.routing.retry import Retryable, with_retries
 from data_plane.routing.router import Router
+from data_plane.routing.transport import ShardResponse, ShardTransport
 
 log = logging.getLogger(__name__)
 
@@ -102,13 +103,6 @@ class UsageEvent:
 Event = Delta | Finish | UsageEvent
 
 
-class _Retryable(Exception):
-    def __init__(self, reason: str, error: SwitchboardError) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.error = error
-
-
 def _parse(line: bytes) -> Event | SwitchboardError | None:
     """One SSE line from a shard -> an event, an error, or None (role chunk, comment, [DONE])."""
     if not line.startswith(b"data:"):
@@ -148,7 +142,7 @@ class ShardStream:
     """An open, supervised stream from one shard; iterate `batches()` for the events after the
     first batch: every event that has arrived, at once."""
 
-    def __init__(self, member: Member, response: HopResponse, first: list[Event], leases: ExitStack,
+    def __init__(self, member: Member, response: ShardResponse, first: list[Event], leases: ExitStack,
                  router: Router, idle_timeout_s: float, attempts: int) -> None:
         self.member = member
         self.attempts = attempts
@@ -159,6 +153,8 @@ class ShardStream:
         self._idle = idle_timeout_s
         self._closed = False
         self._lost = False
+        self.failure: FailureReason | None = None
+        """Why the stream broke mid-way (None while it has not)."""
         self.on_close: Callable[[ShardStream], None] | None = None
 
     def lose(self) -> None:
@@ -177,13 +173,13 @@ class ShardStream:
                 try:
                     lines = await self._response.lines(self._idle)
                 except HopTimeout:
-                    self._router.report_failure(self.member, "stream_idle")
+                    self._fail(FailureReason.STREAM_IDLE)
                     raise UpstreamTimeout(f"the shard stopped streaming for {self._idle:g} s") from None
                 except HopError as exc:
                     if self._lost:
-                        self._router.report_failure(self.member, "membership_lost")
+                        self._fail(FailureReason.MEMBERSHIP_LOST)
                         raise UpstreamError("the shard left membership mid-stream") from None
-                    self._router.report_failure(self.member, "stream_broken")
+                    self._fail(FailureReason.STREAM_BROKEN)
                     raise UpstreamError(f"the shard's stream broke: {exc}") from None
                 if not lines:
                     return
@@ -191,6 +187,7 @@ class ShardStream:
                 for line in lines:
                     event = _parse(line)
                     if isinstance(event, SwitchboardError):
+                        self.failure = FailureReason.STREAM_ERROR  # the shard said so: not held against it
                         if events:
                             yield events
                         raise event
@@ -200,6 +197,10 @@ class ShardStream:
                     yield events
         finally:
             self.close()
+
+    def _fail(self, reason: FailureReason) -> None:
+        self.failure = reason
+        self._router.report_failure(self.member, reason)
 
     def close(self) -> None:
         """Idempotent. A stream not read to its end drops the connection: the shard aborts."""
@@ -215,7 +216,7 @@ class ShardStream:
 
 
 class Upstream:
-    def __init__(self, router: Router, pool: HopPool, config: UpstreamConfig) -> None:
+    def __init__(self, router: Router, pool: ShardTransport, config: UpstreamConfig) -> None:
         self.router = router
         self.pool = pool
         self.config = config
@@ -233,28 +234,33 @@ class Upstream:
 
     async def open(self, body: dict[str, Any], session_id: str | None,
                    exclude: set[str] | None = None) -> ShardStream:
-        exclude = set(exclude or ())
-        last_error: SwitchboardError | None = None
+        """A stream from the first shard to produce a token: up to 1 + ``retries`` shards, each tried
+        once; a failure before the first token is held against its shard."""
+        tried = set(exclude or ())
         payload = json.dumps(body, ensure_ascii=False).encode()
-        for attempt in range(1 + self.config.retries):
+        failed: list[Retryable] = []
+
+        async def attempt(n: int) -> ShardStream:
             try:
-                member = self.router.pick(session_id, exclude)
+                member = self.router.pick(session_id, tried)
             except NoHealthyBackend:
-                if last_error is not None:
-                    raise last_error from None
+                if failed:
+                    raise failed[-1].error from None  # every other shard is out: the real failure
                 raise
             try:
-                stream = await self._try(member, payload, attempt + 1, session_id)
-            except _Retryable as failure:
+                return await self._try(member, payload, n, session_id)
+            except Retryable as failure:
                 self.router.report_failure(member, failure.reason)
-                exclude.add(member.id)
-                last_error = failure.error
-                if attempt < self.config.retries:
-                    self.router.record_retry(member, failure.reason)
-                continue
-            return stream
-        assert last_error is not None
-        raise last_error
+                tried.add(member.id)
+                failure.member = member
+                failed.append(failure)
+                raise
+
+        def on_retry(failure: Retryable) -> None:
+            assert failure.member is not None
+            self.router.record_retry(failure.member, failure.reason)
+
+        return await with_retries(attempt, 1 + self.config.retries, on_retry)
 
     async def open_resumable(self, body: dict[str, Any], session_id: str | None) -> ResumableStream:
         """Like `open`, but the stream resumes on another shard if it breaks mid-way."""
@@ -262,64 +268,24 @@ class Upstream:
         return ResumableStream(self, body, session_id, await self.open(body, session_id))
 
     async def _try(self, member: Member, payload: bytes, attempt: int, session_id: str | None = None) -> ShardStream:
+        """One attempt on `member`: connect, headers, first token. Raises :class:`Retryable` for a
+        failure another shard may not have, the request's own error (4xx) as it is."""
         cfg = self.config
         leases = ExitStack()
         leases.enter_context(self.router.lease(member))
-        reports = self.router.kv_reports
-        headers: dict[str, str] = reports.request_headers(member.id) if reports is not None else {}
-        chain: tuple[str, int] | None = None
-        inject(headers)
         span = trace.get_current_span()
         span.set_attribute("switchboard.shard", member.id)
-        response: HopResponse | None = None
-        loop = asyncio.get_running_loop()
-        first_token_by = loop.time() + cfg.first_token_timeout_s
+        first_token_by = asyncio.get_running_loop().time() + cfg.first_token_timeout_s
         silence = cfg.silence_timeout_s if KEEPALIVE_META in member.meta else None
+        response: ShardResponse | None = None
         try:
-            try:
-                response = await self.pool.post(member.url, CHAT_PATH, payload, headers, timeout=min(
-                    cfg.headers_timeout_s, cfg.first_token_timeout_s, silence or cfg.headers_timeout_s))
-            except HopTimeout:
-                raise _Retryable("timeout", UpstreamTimeout("a shard did not answer in time", retry_after=2)) from None
-            if response.status != 200:
-                await self._refuse(member, response, leases)
-            if reports is not None:  # kv_aware: what the shard evicted, and where this prompt's KV will be
-                reports.read(member.id, response.header)
-                chain = parse_chain(response.header(CHAIN_HEADER.encode()))
-            first: list[Event] = []
-            token = False
-            try:
-                while not token:
-                    remaining = first_token_by - loop.time()
-                    if remaining <= 0:
-                        raise HopTimeout("no first token")
-                    try:
-                        lines = await response.lines(min(remaining, silence) if silence else remaining)
-                    except HopTimeout:
-                        if silence and first_token_by - loop.time() > 0:
-                            raise _Retryable("silent", UpstreamTimeout(
-                                f"a shard sent nothing, not even a keep-alive, for {silence:g} s",
-                                retry_after=2)) from None
-                        raise
-                    if not lines:
-                        raise _Retryable("empty_stream", UpstreamError("a shard closed the stream before any token"))
-                    for line in lines:
-                        event = _parse(line)
-                        if isinstance(event, SwitchboardError):
-                            raise _Retryable("stream_error_before_first_token", event)
-                        if event is not None:
-                            first.append(event)
-                            token = token or isinstance(event, (Delta, Finish))
-            except HopTimeout:
-                raise _Retryable("first_token_timeout", UpstreamTimeout(
-                    f"no token from a shard within {cfg.first_token_timeout_s:.0f} s", retry_after=2)) from None
-        except HopConnectError:
-            leases.close()
-            raise _Retryable("connect", NoHealthyBackend("could not connect to a shard", retry_after=2)) from None
-        except HopError as exc:
+            response = await self._connect(member, payload, silence)
+            chain = await self._headers(member, response, leases)
+            first = await self._first_token(response, first_token_by, silence)
+        except HopError as exc:  # HopConnectError / HopTimeout are mapped in their stage
             _close(response)
             leases.close()
-            raise _Retryable("transport", UpstreamError(f"a shard failed: {exc}")) from None
+            raise Retryable(FailureReason.TRANSPORT, UpstreamError(f"a shard failed: {exc}")) from None
         except BaseException:
             _close(response)
             leases.close()
@@ -333,7 +299,68 @@ class Upstream:
         stream.on_close = self._live.discard
         return stream
 
-    async def _refuse(self, member: Member, response: HopResponse, leases: ExitStack) -> NoReturn:
+    async def _connect(self, member: Member, payload: bytes, silence: float | None) -> ShardResponse:
+        """Send the request; returns once the shard's headers arrived."""
+        cfg = self.config
+        reports = self.router.kv_reports
+        headers: dict[str, str] = reports.request_headers(member.id) if reports is not None else {}
+        inject(headers)
+        timeout = min(cfg.headers_timeout_s, cfg.first_token_timeout_s, silence or cfg.headers_timeout_s)
+        try:
+            return await self.pool.post(member.url, CHAT_PATH, payload, headers, timeout=timeout)
+        except HopConnectError:
+            raise Retryable(FailureReason.CONNECT,
+                             NoHealthyBackend("could not connect to a shard", retry_after=2)) from None
+        except HopTimeout:
+            raise Retryable(FailureReason.TIMEOUT,
+                             UpstreamTimeout("a shard did not answer in time", retry_after=2)) from None
+
+    async def _headers(self, member: Member, response: ShardResponse,
+                       leases: ExitStack) -> tuple[str, int] | None:
+        """A non-200 status is the shard's refusal; under kv_aware, read what the shard evicted and
+        where this prompt's KV will be (its chain)."""
+        if response.status != 200:
+            await self._refuse(member, response, leases)
+        reports = self.router.kv_reports
+        if reports is None:
+            return None
+        reports.read(member.id, response.header)
+        return parse_chain(response.header(CHAIN_HEADER.encode()))
+
+    async def _first_token(self, response: ShardResponse, by: float, silence: float | None) -> list[Event]:
+        """Every event up to and including the batch with the first token (or finish)."""
+        loop = asyncio.get_running_loop()
+        first: list[Event] = []
+        while True:
+            remaining = by - loop.time()
+            if remaining <= 0:
+                raise self._no_first_token()
+            try:
+                lines = await response.lines(min(remaining, silence) if silence else remaining)
+            except HopTimeout:
+                if silence and by - loop.time() > 0:
+                    raise Retryable(FailureReason.SILENT, UpstreamTimeout(
+                        f"a shard sent nothing, not even a keep-alive, for {silence:g} s", retry_after=2)) from None
+                raise self._no_first_token() from None
+            if not lines:
+                raise Retryable(FailureReason.EMPTY_STREAM,
+                                 UpstreamError("a shard closed the stream before any token"))
+            token = False
+            for line in lines:
+                event = _parse(line)
+                if isinstance(event, SwitchboardError):
+                    raise Retryable(FailureReason.STREAM_ERROR_BEFORE_FIRST_TOKEN, event)
+                if event is not None:
+                    first.append(event)
+                    token = token or isinstance(event, (Delta, Finish))
+            if token:
+                return first
+
+    def _no_first_token(self) -> Retryable:
+        return Retryable(FailureReason.FIRST_TOKEN_TIMEOUT, UpstreamTimeout(
+            f"no token from a shard within {self.config.first_token_timeout_s:.0f} s", retry_after=2))
+
+    async def _refuse(self, member: Member, response: ShardResponse, leases: ExitStack) -> NoReturn:
         """A non-200 answer: the shard's own error, retried elsewhere if it is the shard's fault."""
         try:
             raw = await response.read(asyncio.get_running_loop().time() + self.config.headers_timeout_s)
@@ -350,13 +377,13 @@ class Upstream:
             leases.close()
             raise error  # the request's fault, not the shard's: no retry, no ejection
         if response.status >= 500 or response.status == 429:
-            raise _Retryable(f"status_{response.status}", error)
+            raise Retryable(FailureReason.for_status(response.status), error)
         leases.close()
         self.router.report_success(member)
         raise error
 
 
-def _close(response: HopResponse | None) -> None:
+def _close(response: ShardResponse | None) -> None:
     if response is not None:
         response.close()
 
@@ -420,7 +447,7 @@ class ResumableStream:
                 self.resumes += 1
                 self._base_completion = self._completion
                 remaining = int(self._body.get("max_tokens") or 0) - self._base_completion
-                self._upstream.router.record_resume(failed, exc.code or "error")
+                self._upstream.router.record_resume(failed, self._stream.failure or FailureReason.STREAM_ERROR)
                 if remaining <= 0:
                     yield [Finish("length")]
                     return

@@ -19,9 +19,11 @@ from prometheus_client import CollectorRegistry
 
 from data_plane.common.errors import NoHealthyBackend, SwitchboardError, UpstreamError
 from data_plane.membership.view import Member, StaticMembership
+from data_plane.routing.failures import CircuitState, FailureReason
 from data_plane.routing.hop_client import HopConnectError, HopDisconnected
 from data_plane.routing.router import Router, RouterMetrics
 from data_plane.routing.upstream import Delta, Finish, Upstream, UpstreamConfig, UsageEvent
+from tests.support.clock import FakeClock
 
 
 def token(text: str, completion: int | None = None) -> bytes:
@@ -88,7 +90,7 @@ def upstream(pool: Pool, shards: int = 3, **config: Any) -> tuple[Upstream, Coll
     members = [Member(f"s{i}", "shard", f"http://s{i}") for i in range(shards)]
     router = Router(StaticMembership(members), RouterMetrics(registry), policy="least_loaded",
                     rng=random.Random(3))
-    return Upstream(router, pool, UpstreamConfig(**config)), registry  # type: ignore[arg-type]
+    return Upstream(router, pool, UpstreamConfig(**config)), registry
 
 
 def count(registry: CollectorRegistry, name: str, **labels: str) -> float:
@@ -197,7 +199,7 @@ async def test_a_resumable_stream_continues_on_another_shard_with_the_text_so_fa
     assert second_url != first_url and stream.resumes == 1
     assert resumed["messages"][-1] == {"role": "assistant", "content": "Hello"}
     assert resumed["continue_final_message"] is True and resumed["max_tokens"] == 10 - 2
-    assert count(registry, "switchboard_router_resumes_total", reason="upstream_error") == 1
+    assert count(registry, "switchboard_router_resumes_total", reason="stream_broken") == 1
 
 
 async def test_resumes_stop_at_the_configured_number() -> None:
@@ -210,3 +212,44 @@ async def test_resumes_stop_at_the_configured_number() -> None:
     with pytest.raises(UpstreamError):
         await drain(stream)
     assert len(pool.posts) == 3 and stream.resumes == 2
+
+
+async def test_failure_labels_stay_bounded_whatever_the_shard_answers() -> None:
+    """A remote status or error code never becomes a label: 507 is status_5xx, a mid-stream error
+    event with the shard's own code resumes as stream_error."""
+    odd = b'data: {"error": {"message": "x", "type": "server_error", "code": "my-own-code-123"}}'
+    pool = Pool(Response(507, body=b'{"error": {"message": "full", "type": "server_error", "code": "disk_full"}}'),
+                Response(200, [[token("Hel", 1)], [odd]]),
+                Response(200, [[token("lo", 1)], [FINISH]]))
+    up, registry = upstream(pool)
+    stream = await up.open_resumable(BODY, session_id=None)
+    await drain(stream)
+    assert count(registry, "switchboard_router_upstream_failures_total", reason="status_5xx") == 1
+    assert count(registry, "switchboard_router_resumes_total", reason="stream_error") == 1
+    labels = {s.labels.get("reason") for m in registry.collect() for s in m.samples if "reason" in s.labels}
+    assert labels <= {r.value for r in FailureReason}
+
+
+def test_a_shard_circuit_goes_closed_open_half_open_closed() -> None:
+    registry = CollectorRegistry()
+    clock = FakeClock(0.0)
+    a, b = Member("a", "shard", "http://a"), Member("b", "shard", "http://b")
+    router = Router(StaticMembership([a, b]), RouterMetrics(registry), policy="least_loaded", eject_after=2,
+                    eject_s=5.0, clock=clock, rng=random.Random(1))
+    router.report_failure(a, FailureReason.CONNECT)
+    assert router.circuit_state("a") is CircuitState.CLOSED
+    router.report_failure(a, FailureReason.CONNECT)
+    assert router.circuit_state("a") is CircuitState.OPEN and router.pick(None).id == "b"
+    clock.advance(5.0)
+    assert router.pick(None).id == "a" and router.circuit_state("a") is CircuitState.HALF_OPEN  # the probe
+    assert router.pick(None).id == "b"  # one probe at a time
+    router.report_failure(a, FailureReason.TIMEOUT)  # the probe failed: open again, for twice as long
+    assert router.circuit_state("a") is CircuitState.OPEN
+    clock.advance(9.9)
+    assert router.pick(None).id == "b"
+    clock.advance(0.1)
+    assert router.pick(None).id == "a"
+    router.report_success(a)
+    assert router.circuit_state("a") is CircuitState.CLOSED and not router.is_ejected("a")
+    with pytest.raises(ValueError):
+        router.report_failure(a, "status_418")  # type: ignore[arg-type]  # not a FailureReason
