@@ -40,6 +40,17 @@ SCRAPE_SERIES: dict[str, tuple[str, str]] = {
 }
 """Series Prometheus itself writes for every target (not exported by the code)."""
 
+PROCESS_SERIES: dict[str, tuple[str, str]] = {
+    "process_cpu_seconds_total": ("counter", "CPU time (user + system) the process used, seconds."),
+    "process_resident_memory_bytes": ("gauge", "Resident memory, bytes."),
+    "process_virtual_memory_bytes": ("gauge", "Virtual memory, bytes."),
+    "process_start_time_seconds": ("gauge", "Start time of the process, Unix seconds."),
+    "process_open_fds": ("gauge", "Open file descriptors."),
+    "process_max_fds": ("gauge", "The open file descriptor limit."),
+}
+"""prometheus_client's process collector, on every process's registry (data_plane/common/telemetry.py
+``add_process_collector``); Linux only."""
+
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",),
             "summary": ("", "_sum", "_count"), "info": ("_info",)}
 """What prometheus_client appends to a family's name in the exposition (``_created`` left out:
@@ -74,14 +85,14 @@ def _shard(registry: CollectorRegistry) -> list[object]:
 
 def _gateway(registry: CollectorRegistry) -> list[object]:
     # What data_plane.gateway.app.Gateway and its SessionStore register on the gateway's registry.
-    from data_plane.gateway.admission import AdmissionMetrics
     from data_plane.cache.client import SessionStoreMetrics
-    from data_plane.gateway.metrics import GatewayMetrics
-    from data_plane.ledger.writer import LedgerMetrics
-    from data_plane.gateway.ratelimit.limiter import RateLimitMetrics
-    from data_plane.routing.router import RouterMetrics
-    from data_plane.gateway.safety.pipeline import SafetyMetrics
     from data_plane.common.crypto import SealMetrics
+    from data_plane.gateway.admission import AdmissionMetrics
+    from data_plane.gateway.metrics import GatewayMetrics
+    from data_plane.gateway.ratelimit.limiter import RateLimitMetrics
+    from data_plane.gateway.safety.pipeline import SafetyMetrics
+    from data_plane.ledger.writer import LedgerMetrics
+    from data_plane.routing.router import RouterMetrics
 
     return [GatewayMetrics(registry), SafetyMetrics(registry), RouterMetrics(registry),
             SessionStoreMetrics(registry), RateLimitMetrics(registry), AdmissionMetrics(registry),
@@ -96,9 +107,9 @@ def _cache_node(registry: CollectorRegistry) -> list[object]:
 
 
 def _control_plane(registry: CollectorRegistry) -> list[object]:
-    from control_plane.scaling.loop import AutoscalerMetrics
     from control_plane.degradation import DegradationMetrics
     from control_plane.registry.embedded import RegistryMetrics
+    from control_plane.scaling.loop import AutoscalerMetrics
     from control_plane.settings import DEFAULT_SERVICES
     from control_plane.zones import ZoneMetrics
 
@@ -145,7 +156,7 @@ def catalogue() -> list[Metric]:
 
 def series_names() -> dict[str, Metric | None]:
     """Every series name PromQL may select -> its metric (None for Prometheus' own ``up`` & co)."""
-    names: dict[str, Metric | None] = {name: None for name in SCRAPE_SERIES}
+    names: dict[str, Metric | None] = {name: None for name in (*SCRAPE_SERIES, *PROCESS_SERIES)}
     for metric in catalogue():
         for series in metric.series:
             names[series] = metric
@@ -176,11 +187,69 @@ def render_markdown() -> str:
             labels = ", ".join(f"`{label}`" for label in m.labels) or "—"
             lines.append(f"| {series} | {m.type} | {labels} | {m.help.replace('|', chr(92) + '|')} |")
         lines.append("")
-    lines += ["## Prometheus (every target)", "", "| metric | type | labels | help |", "|---|---|---|---|"]
+    lines += ["## Every process (the process collector)", "", "| metric | type | labels | help |", "|---|---|---|---|"]
+    for name, (kind, help_text) in PROCESS_SERIES.items():
+        lines.append(f"| `{name}` | {kind} | — | {help_text} |")
+    lines += ["", "## Prometheus (every target)", "", "| metric | type | labels | help |", "|---|---|---|---|"]
     for name, (kind, help_text) in SCRAPE_SERIES.items():
         lines.append(f"| `{name}` | {kind} | — | {help_text} |")
     lines.append("")
+    lines += [*_label_values(), NOTES]
     return "\n".join(lines)
+
+
+def _label_values() -> list[str]:
+    """The bounded label values the code defines as enums or constants, read from them."""
+    from control_plane.ladder import Actor, Direction, Outcome
+    from data_plane.routing.failures import FailureReason
+    from data_plane.shard.metrics import CACHED_SOURCES, FINISHED_REASONS, PROMPT_SOURCES, WAITING_REASONS
+
+    values = [
+        ("`switchboard_router_upstream_failures_total`, `switchboard_router_retries_total`, "
+         "`switchboard_router_resumes_total`", "reason", [r.value for r in FailureReason]),
+        ("`switchboard_degradation_evaluations_total`", "outcome", [o.value for o in Outcome]),
+        ("`switchboard_degradation_changes_total`", "direction", [d.value for d in Direction]),
+        ("`switchboard_degradation_changes_total`", "actor", [a.value for a in Actor]),
+        ("`vllm:request_success_total`", "finished_reason", list(FINISHED_REASONS)),
+        ("`vllm:prompt_tokens_by_source_total`", "source", list(PROMPT_SOURCES)),
+        ("`vllm:prompt_tokens_cached_by_source_total`", "source", list(CACHED_SOURCES)),
+        ("`vllm:num_requests_waiting_by_reason`", "reason", list(WAITING_REASONS)),
+    ]
+    lines = ["## Label values", "", "Labels whose values come from an enum in the code (bounded by construction).",
+             "", "| metric | label | values |", "|---|---|---|"]
+    lines += [f"| {metric} | `{label}` | {', '.join(f'`{v}`' for v in vals)} |" for metric, label, vals in values]
+    return [*lines, ""]
+
+
+NOTES = """## Changes to label values
+
+- `switchboard_router_upstream_failures_total{reason}` and `switchboard_router_retries_total{reason}`: a
+  shard's HTTP status other than 429, 500, 502, 503 and 504 is `status_5xx` (it was `status_<code>`, one
+  value per status a shard could send).
+- `switchboard_router_resumes_total{reason}`: what broke the stream (`stream_broken`, `stream_idle`,
+  `membership_lost`, `stream_error`), where it was the error code of the failure (`upstream_error`,
+  `upstream_timeout`, or whatever code a shard's error event carried: unbounded). The dashboards sum by
+  `reason` and the alerts do not select values, so both keep working.
+
+## vLLM dashboard panels that cannot apply here
+
+vLLM's own Grafana dashboards run against `switchboard up` unchanged; these panels stay empty by design:
+
+- GPU transfers and memory: `vllm:kv_offload_*` with `transfer_type` (CPU_to_GPU / GPU_to_CPU), GPU
+  cache usage and CUDA graph panels. Shards run on CPU; the cache-node tier is reported under the flat
+  names (`vllm:kv_offload_store_bytes`, `..._load_bytes`, `..._store_time`, `..._load_time`,
+  `..._store_size`, `..._load_size`).
+- `vllm:kv_offload_lookup_sync_delay_seconds` / `..._async_delay_seconds`: a shard decides
+  fetch-or-recompute from its own index without a lookup call; the fetch itself is `..._load_time`.
+- `vllm:num_requests_waiting_by_reason{reason="deferred"}`: nothing waits on a KV transfer here (a
+  shard fetches from the cache nodes before it queues the request); only `capacity` is exported.
+- `vllm:prompt_tokens_cached_by_source` tiers `host`, `p2p` and `disk`: no such tiers here.
+- LoRA (`vllm:lora_requests_info`), multimodal cache (`vllm:mm_cache_*`), sleep mode
+  (`vllm:engine_sleep_state`), MFU/FLOPs estimates, corrupted requests (NaN logits) and the
+  `engine` label (one engine per shard process: `instance` tells them apart).
+- `vllm:kv_block_*_seconds` come from the torch engine's prefix cache (every block, not sampled); the
+  synthetic and vLLM engines report none.
+"""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,10 +20,11 @@ import collections
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -142,8 +143,21 @@ def configure_process(service_name: str) -> None:
         log.exception("OpenTelemetry setup failed; continuing without tracing")
 
 
+_WITH_PROCESS: weakref.WeakSet[CollectorRegistry] = weakref.WeakSet()
+
+
+def add_process_collector(registry: CollectorRegistry) -> None:
+    """The standard ``process_*`` metrics (CPU seconds, resident memory, open fds, start time) on
+    `registry`, once: the "Instances" panels of vLLM's and everyone's dashboards read them."""
+    if registry not in _WITH_PROCESS:
+        _WITH_PROCESS.add(registry)
+        ProcessCollector(registry=registry)
+
+
 def metrics_endpoint(registry: CollectorRegistry) -> Callable[[Request], Awaitable[Response]]:
-    """A Starlette endpoint serving `registry` in the Prometheus text format."""
+    """A Starlette endpoint serving `registry` in the Prometheus text format (with the ``process_*``
+    metrics: :func:`add_process_collector`)."""
+    add_process_collector(registry)
 
     async def _metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -183,7 +183,14 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
 
     async def metrics_view(request: Request) -> Response:
         if state.ready:
-            metrics.observe_stats(engine.stats())
+            stats = engine.stats()
+            metrics.observe_stats(stats)
+            prefix = getattr(engine, "prefix", None)
+            metrics.describe_cache(
+                block_size=settings.kv_block_size, prefix_caching=prefix is not None,
+                cache_dtype=str(getattr(prefix, "torch_dtype", settings.dtype)).removeprefix("torch."),
+                num_blocks=stats.prefix_cache_capacity_bytes // stats.prefix_cache_block_bytes
+                if stats.prefix_cache_block_bytes else 0)
         return await metrics_endpoint(registry)(request)
 
     app.add_route("/metrics", metrics_view)
@@ -235,11 +242,12 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
             "switchboard.priority": req.priority or 0,
             "switchboard.stream": req.stream,
         })
+        external_tokens = 0
         try:
             gen_req = _generation_request(req, engine, request_id, settings.kv_public_prefix)
             if req.session_id and state.kv_tier is not None:  # blocks missing here may come from the cache nodes
                 gen_req.kv_session = KVSessionRef(req.session_id, req.kv_replicas or 1, req.kv_ttl_s)
-                await state.kv_tier.prepare(gen_req, span)
+                external_tokens = await state.kv_tier.prepare(gen_req, span)
             outputs = engine.generate(gen_req)
         except SwitchboardError as exc:
             metrics.rejected.labels(metrics.model_name, exc.code or "error").inc()
@@ -250,6 +258,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
             log.info("request %s prompt=%r", request_id, req.plain_messages())
         headers = {"X-Request-Id": request_id, **kv_reports.headers(gen_req, request.headers.get(SINCE_HEADER))}
         run = _Run(state, gen_req, span, time.monotonic())
+        run.external_tokens = external_tokens
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
@@ -314,6 +323,8 @@ class _Run:
         self.t0 = t0
         self.completion_id = new_completion_id()
         self.created = int(time.time())
+        self.external_tokens = 0
+        """Prompt tokens whose KV came from the cache nodes (data_plane/shard/kv_tier.py)."""
 
     def _finish(self, last: GenerationOutput | None, error: str | None = None) -> None:
         m = self.state.metrics
@@ -324,7 +335,8 @@ class _Run:
             m.prompt_tokens.labels(name).inc(last.prompt_tokens)
             m.generation_tokens.labels(name).inc(last.completion_tokens)
             reason = last.finish_reason or "abort"
-            m.request_success.labels(name, reason).inc()
+            m.observe_finished(last.finish_reason, last.prompt_tokens, last.cached_tokens, self.external_tokens,
+                               last.completion_tokens, last.timings.decode_s if last.timings else None)
             m.request_prompt_tokens.labels(name).observe(last.prompt_tokens)
             m.request_generation_tokens.labels(name).observe(last.completion_tokens)
             m.prompt_tokens_cached.labels(name).inc(last.cached_tokens)

@@ -11,7 +11,7 @@ data_plane/shard/kv_tier.py.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 DECISIONS = ("fetch", "recompute", "no_cache_nodes")
 """fetch: the cache nodes were asked (cheaper than recomputing by the learned estimates); recompute:
@@ -23,6 +23,8 @@ REJECT_REASONS = ("checksum", "layout", "malformed", "sealed")
 """sealed: a sealed frame that does not open here (tampered, moved to another hash or tenant, unknown
 key) or a plaintext one where sealed frames are required (data_plane/shard/kv_seal.py)."""
 CRYPTO_RESULTS = ("ok", "failed", "unknown_key", "plaintext")
+TRANSFER_SIZE_BUCKETS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)
+"""vLLM's ``vllm:kv_offload_{store,load}_size`` buckets, bytes."""
 OFFLOAD_RESULTS = ("stored", "failed", "dropped")
 """stored: acknowledged by at least one replica; failed: by none; dropped: the offload queue was full."""
 
@@ -46,6 +48,10 @@ class KVTierMetrics:
         self.load_time = Counter("vllm:kv_offload_load_time",
                                  "Seconds spent fetching KV from the cache nodes (on the request path).", m,
                                  registry=registry)
+        self.store_size = Histogram("vllm:kv_offload_store_size", "KV bytes per store to the cache nodes.", m,
+                                    buckets=TRANSFER_SIZE_BUCKETS, registry=registry)
+        self.load_size = Histogram("vllm:kv_offload_load_size", "KV bytes per fetch from the cache nodes.", m,
+                                   buckets=TRANSFER_SIZE_BUCKETS, registry=registry)
         self.decisions = Counter("switchboard_shard_kv_fetch_decisions",
                                  "Fetch-or-recompute decisions for prompt prefixes missing locally.",
                                  m + ["decision"], registry=registry)
@@ -72,7 +78,8 @@ class KVTierMetrics:
                                      registry=registry)
         self.prefill_rate = Gauge("switchboard_shard_kv_prefill_tokens_per_second",
                                   "Learned prefill speed of this shard (recompute estimate).", m, registry=registry)
-        for metric in (self.queries, self.hits, self.store_bytes, self.load_bytes, self.store_time, self.load_time):
+        for metric in (self.queries, self.hits, self.store_bytes, self.load_bytes, self.store_time, self.load_time,
+                       self.store_size, self.load_size):
             metric.labels(model_name)
         for decision in DECISIONS:
             self.decisions.labels(model_name, decision)

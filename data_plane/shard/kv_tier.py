@@ -203,6 +203,8 @@ class KVTier:
             acked_blocks = i + len(chunk)
         seconds = time.perf_counter() - started
         m.store_bytes.labels(name).inc(sent)
+        if sent:
+            m.store_size.labels(name).observe(sent)
         m.store_time.labels(name).inc(seconds)
         self.policy.observe_transfer(sent, seconds)
         self._publish()
@@ -230,26 +232,27 @@ class KVTier:
 
     # -- before a turn ----------------------------------------------------------------------
 
-    async def prepare(self, req: GenerationRequest, span: Any) -> None:
+    async def prepare(self, req: GenerationRequest, span: Any) -> int:
         """Fetch the prompt's blocks missing locally from the cache nodes when that is cheaper than
-        recomputing them; they are offered to the engine before `req` is enqueued. Never raises."""
+        recomputing them; they are offered to the engine before `req` is enqueued. Returns the prompt
+        tokens whose KV was fetched and offered (0: none). Never raises."""
         p, ref = self.prefix, req.kv_session
         if p is None or ref is None:
-            return
+            return 0
         m, name, bs = self.metrics, self.metrics.model_name, p.block_size
         hashes = p.hashes(req.prompt_ids, req.cache_salt, req.public_prefix_tokens)
         usable = (len(req.prompt_ids) - 1) // bs
         local = p.cache.probe(hashes, usable)
         known, tail = self._stored.get(ref.session_id, (0, b""))
         if local >= usable or (known and known <= local and known <= len(hashes) and hashes[known - 1] == tail):
-            return  # nothing missing, or the nodes hold nothing this shard lacks (it stored them itself)
+            return 0  # nothing missing, or the nodes hold nothing this shard lacks (it stored them itself)
         missing = usable - local
         tokens, nbytes = missing * bs, missing * p.cache.block_bytes
         m.queries.labels(name).inc(tokens)
         if not self.remote.replicas_for(ref.session_id, ref.replicas):
             m.decisions.labels(name, "no_cache_nodes").inc()
             span.add_event("kv_fetch", {"decision": "no_cache_nodes", "tokens_missing": tokens})
-            return
+            return 0
         fetch_s, prefill_s = self.policy.estimate(tokens, nbytes)
         decision = "fetch" if fetch_s < prefill_s else "recompute"
         m.decisions.labels(name, decision).inc()
@@ -258,7 +261,7 @@ class KVTier:
         if decision != "fetch":
             span.add_event("kv_fetch", {"decision": decision, "tokens_missing": tokens,
                                         "estimated_fetch_s": fetch_s, "estimated_prefill_s": prefill_s})
-            return
+            return 0
         queued = time.perf_counter()
         async with self._fetch_gate:  # one at a time: the first resumes (prefills) while the next arrives
             started = time.perf_counter()
@@ -272,8 +275,9 @@ class KVTier:
             m.fetches.labels(name, "unavailable").inc()
             span.add_event("kv_fetch", {"decision": decision, "result": "unavailable", "tokens_missing": tokens})
             log.warning("KV fetch: no cache node answered; recomputing %d tokens", tokens)
-            return
+            return 0
         m.load_bytes.labels(name).inc(len(got.body))
+        m.load_size.labels(name).observe(len(got.body))
         m.load_time.labels(name).inc(seconds)
         self.policy.observe_transfer(len(got.body), seconds)
         self._publish()
@@ -293,6 +297,7 @@ class KVTier:
                                     "tokens_missing": tokens, "bytes": len(got.body), "seconds": seconds,
                                     "queued_s": started - queued,
                                     "node": got.node, **({"rejected": reason} if reason else {})})
+        return used * bs if used else 0
 
     def _verify(self, body: bytes, expected: Sequence[bytes],
                 scopes: Sequence[str]) -> tuple[torch.Tensor | None, int, str | None]:

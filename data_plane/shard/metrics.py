@@ -3,7 +3,9 @@
     metrics = ShardMetrics(CollectorRegistry(), model_name="SmolLM2-135M-Instruct")
     metrics.request_success.labels(model_name=m, finished_reason="stop").inc()
 
-Every metric carries `model_name` (vLLM's label); no label ever holds a request or user id.
+Every metric carries `model_name` (vLLM's label); no label ever holds a request or user id. Names,
+labels and buckets follow vLLM's ``vllm/v1/metrics/loggers.py`` where vLLM has the metric; what a vLLM
+dashboard shows that cannot apply here is listed in docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -19,6 +21,32 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 """vLLM's request token-count buckets (1-2-5 steps)."""
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+"""vLLM's ``vllm:request_time_per_output_token_seconds`` buckets."""
+KV_RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600,
+                        1200, 1800)
+"""vLLM's KV block residency buckets (lifetime, idle before eviction, reuse gap), seconds."""
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+"""vLLM's ``FinishReason`` values, the ``finished_reason`` label of ``vllm:request_success``."""
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+"""Where a prompt token's KV came from: computed here, this shard's prefix cache, the cache nodes."""
+CACHED_SOURCES = ("device", "external_unspecified")
+"""Where a cached prompt token's KV sat: the engine's own KV memory (``device``, host RAM on a CPU
+engine), or the cache nodes (``external_unspecified``). vLLM's ``host``, ``p2p`` and ``disk`` tiers
+do not exist here."""
+WAITING_REASONS = ("capacity",)
+"""Why requests wait: for a batch slot. vLLM's ``deferred`` (waiting on a KV transfer) does not happen
+here: a shard fetches KV from the cache nodes before it queues the request."""
+
+
+def finished_reason(reason: str | None) -> str:
+    """An OpenAI finish reason as vLLM's bounded ``finished_reason`` (tool calls end as ``stop``)."""
+    if reason in FINISHED_REASONS:
+        return str(reason)
+    if reason is None:
+        return "abort"
+    return "stop" if reason == "tool_calls" else "error"
 
 
 class ShardMetrics:
@@ -47,6 +75,33 @@ class ShardMetrics:
                                          registry=registry)
         self.request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                        m + ["finished_reason"], registry=registry)
+        self.waiting_by_reason = Gauge("vllm:num_requests_waiting_by_reason",
+                                       "Requests waiting, by reason (capacity: for a batch slot).",
+                                       m + ["reason"], registry=registry)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                              "Per request: time from the first to the last output token / (output tokens - 1).", m,
+                              buckets=TPOT_BUCKETS, registry=registry)
+        self.prompt_by_source = Counter("vllm:prompt_tokens_by_source",
+                                        "Prompt tokens of finished requests by where their KV came from "
+                                        "(local_compute | local_cache_hit | external_kv_transfer: the cache nodes).",
+                                        m + ["source"], registry=registry)
+        self.cached_by_source = Counter("vllm:prompt_tokens_cached_by_source",
+                                        "Cached prompt tokens of finished requests by tier (device: this shard's "
+                                        "prefix cache; external_unspecified: fetched from the cache nodes).",
+                                        m + ["source"], registry=registry)
+        self.cache_config = Gauge("vllm:cache_config_info", "The engine's KV cache configuration (value 1).",
+                                  ["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks", "engine"],
+                                  registry=registry)
+        self.kv_block_lifetime = Histogram("vllm:kv_block_lifetime_seconds",
+                                           "Prefix-cache blocks evicted for capacity: time from storing to eviction.",
+                                           m, buckets=KV_RESIDENCY_BUCKETS, registry=registry)
+        self.kv_block_idle = Histogram("vllm:kv_block_idle_before_evict_seconds",
+                                       "Prefix-cache blocks evicted for capacity: time since their last use.", m,
+                                       buckets=KV_RESIDENCY_BUCKETS, registry=registry)
+        self.kv_block_reuse_gap = Histogram("vllm:kv_block_reuse_gap_seconds",
+                                            "Time between consecutive uses of a prefix-cache block (a hit).", m,
+                                            buckets=KV_RESIDENCY_BUCKETS, registry=registry)
+        self._cache_described = False
         self.batch_size = Histogram("switchboard_shard_batch_size", "Sequences per engine step.",
                                     m + ["kind"], buckets=BATCH_BUCKETS, registry=registry)
         self.step_seconds = Histogram("switchboard_shard_step_seconds", "Engine step duration.", m + ["kind"],
@@ -109,8 +164,17 @@ class ShardMetrics:
         self.thread_switches.labels(model_name)
         # Series exist from the start (at 0), so rate() and the KV-reuse panels work before the first hit.
         for metric in (self.prefix_queries, self.prefix_hits, self.prompt_tokens_cached, self.prefill_computed,
-                       self.request_prompt_tokens, self.request_generation_tokens, self.tokens_restored):
+                       self.request_prompt_tokens, self.request_generation_tokens, self.tokens_restored, self.tpot,
+                       self.kv_block_lifetime, self.kv_block_idle, self.kv_block_reuse_gap):
             metric.labels(model_name)
+        for reason in FINISHED_REASONS:
+            self.request_success.labels(model_name, reason)
+        for source in PROMPT_SOURCES:
+            self.prompt_by_source.labels(model_name, source)
+        for source in CACHED_SOURCES:
+            self.cached_by_source.labels(model_name, source)
+        for reason in WAITING_REASONS:
+            self.waiting_by_reason.labels(model_name, reason)
         for reason in ("capacity", "no_space"):
             self.kv_evictions.labels(model_name, reason)
         self.preemptions.labels(model_name)
@@ -120,10 +184,33 @@ class ShardMetrics:
         self.spec = SpecMetrics(registry, model_name)  # vllm:spec_decode_*, vllm:iteration_tokens_total
         self.kv_tier = KVTierMetrics(registry, model_name)  # vllm:external_prefix_cache_*, vllm:kv_offload_*
 
+    def observe_finished(self, reason: str | None, prompt_tokens: int, cached_tokens: int, external_tokens: int,
+                         completion_tokens: int, decode_s: float | None) -> None:
+        """One finished request: its finish reason, where its prompt's KV came from (`external_tokens`
+        of the `cached_tokens` were fetched from the cache nodes) and its time per output token."""
+        m = self.model_name
+        self.request_success.labels(m, finished_reason(reason)).inc()
+        external = max(0, min(external_tokens, cached_tokens))
+        self.prompt_by_source.labels(m, "local_compute").inc(max(0, prompt_tokens - cached_tokens))
+        self.prompt_by_source.labels(m, "local_cache_hit").inc(cached_tokens - external)
+        self.prompt_by_source.labels(m, "external_kv_transfer").inc(external)
+        self.cached_by_source.labels(m, "device").inc(cached_tokens - external)
+        self.cached_by_source.labels(m, "external_unspecified").inc(external)
+        if decode_s is not None and completion_tokens > 1:
+            self.tpot.labels(m).observe(decode_s / (completion_tokens - 1))
+
+    def describe_cache(self, *, block_size: int, cache_dtype: str, prefix_caching: bool, num_blocks: int) -> None:
+        """``vllm:cache_config_info`` (once the engine is serving; set once)."""
+        if self._cache_described:
+            return
+        self._cache_described = True
+        self.cache_config.labels(str(block_size), cache_dtype, str(prefix_caching), str(num_blocks), "0").set(1)
+
     def observe_stats(self, stats: EngineStats) -> None:
         m = self.model_name
         self.running.labels(m).set(stats.running)
         self.waiting.labels(m).set(stats.waiting)
+        self.waiting_by_reason.labels(m, "capacity").set(stats.waiting)
         self.kv_usage.labels(m).set(stats.kv_usage)
         self.max_num_seqs.labels(m).set(stats.max_num_seqs)
         self.kv_blocks.labels(m).set(stats.prefix_cache_blocks)
@@ -159,6 +246,14 @@ class MetricsListener:
     def on_kv_evict(self, reason: str, blocks: int) -> None:
         m = self.metrics
         m.kv_evictions.labels(m.model_name, reason).inc(blocks)
+
+    def on_kv_block_evicted(self, lifetime_s: float, idle_s: float) -> None:
+        m = self.metrics
+        m.kv_block_lifetime.labels(m.model_name).observe(lifetime_s)
+        m.kv_block_idle.labels(m.model_name).observe(idle_s)
+
+    def on_kv_block_reused(self, gap_s: float) -> None:
+        self.metrics.kv_block_reuse_gap.labels(self.metrics.model_name).observe(gap_s)
 
     def on_tokens_restored(self, replies: int) -> None:
         self.metrics.tokens_restored.labels(self.metrics.model_name).inc(replies)

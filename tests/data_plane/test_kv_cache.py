@@ -3,9 +3,17 @@ references, LRU eviction, and that a reused block never serves stale KV."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from data_plane.shard.engines.kv_cache import EVICT_CAPACITY, EVICT_NO_SPACE, BlockHasher, PrefixCache, layout_seed
+from data_plane.shard.engines.kv_cache import (
+    EVICT_CAPACITY,
+    EVICT_NO_SPACE,
+    BlockHasher,
+    CacheEvents,
+    PrefixCache,
+    layout_seed,
+)
 
 BS = 4
 
@@ -72,7 +80,7 @@ def test_store_probe_load_round_trip() -> None:
 def test_referenced_blocks_are_never_evicted_and_lru_goes_first() -> None:
     pc, k, v = cache(4)
     h = hasher()
-    a, b, c = list(range(0, 8)), list(range(100, 108)), list(range(200, 208))
+    a, b, c = list(range(8)), list(range(100, 108)), list(range(200, 208))
     for ids in (a, b):
         fill(k, v, 0, ids)
         pc.store(h.hashes(ids), k, v, 0)
@@ -106,3 +114,27 @@ def test_eviction_under_a_tiny_budget_never_serves_a_stale_block() -> None:
             pc.store(hashes, k, v, 0, n)
             pc.release(held)
     assert pc.evictions[EVICT_CAPACITY] > 0 and pc.used_blocks <= 3
+
+
+def test_block_residency_is_reported_on_reuse_and_eviction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What feeds vllm:kv_block_{lifetime,idle_before_evict,reuse_gap}_seconds."""
+    from data_plane.shard.engines import kv_cache
+
+    now = [100.0]
+    monkeypatch.setattr(kv_cache.time, "monotonic", lambda: now[0])
+    evicted: list[tuple[float, float]] = []
+    reused: list[float] = []
+    pc, k, v = cache(2)
+    pc.events = CacheEvents(on_block_evicted=lambda life, idle: evicted.append((life, idle)),
+                            on_block_reused=reused.append)
+    h = hasher()
+    a, b = list(range(8)), list(range(20, 28))
+    fill(k, v, 0, a)
+    pc.store(h.hashes(a), k, v, 0)        # 2 blocks stored at t=100
+    now[0] = 103.0
+    pc.release(pc.acquire(h.hashes(a)[:1]))  # block 0 used again after 3 s
+    assert reused == [3.0]
+    now[0] = 110.0
+    fill(k, v, 0, b)
+    pc.store(h.hashes(b), k, v, 0)        # evicts both: block 1 (idle since 100), then block 0 (used at 103)
+    assert evicted == [(10.0, 10.0), (10.0, 7.0)]

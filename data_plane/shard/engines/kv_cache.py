@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -105,6 +106,10 @@ class CacheEvents:
 
     on_evict: Callable[[str, int], None] = lambda reason, blocks: None
     on_store: Callable[[int], None] = lambda blocks: None
+    on_block_evicted: Callable[[float, float], None] = lambda lifetime_s, idle_s: None
+    """A block evicted for capacity: seconds since it was stored, and since it was last used."""
+    on_block_reused: Callable[[float], None] = lambda gap_s: None
+    """A cached block used again: seconds since its previous use."""
 
 
 def auto_budget_bytes() -> int:
@@ -137,6 +142,8 @@ class PrefixCache:
         self._refs = [0] * self.num_blocks
         self._free = list(range(self.num_blocks - 1, -1, -1))  # never-used blocks, popped from the end
         self._lru: OrderedDict[int, None] = OrderedDict()       # unreferenced, cached blocks; oldest first
+        self._stored_at = [0.0] * self.num_blocks               # residency (vllm:kv_block_*_seconds)
+        self._used_at = [0.0] * self.num_blocks
         self.evictions: dict[str, int] = {EVICT_CAPACITY: 0, EVICT_NO_SPACE: 0}
 
     # -- queries ---------------------------------------------------------------------------
@@ -166,13 +173,19 @@ class PrefixCache:
     def acquire(self, hashes: Sequence[bytes]) -> list[int]:
         """Reference the blocks of `hashes` (all cached: call probe first); return pool indices."""
         idxs = [self._by_hash[h] for h in hashes]
+        now = time.monotonic()
         for i in reversed(idxs):  # tail first: the chain's head ends up most recently used
+            if self._refs[i] == 0:
+                self.events.on_block_reused(now - self._used_at[i])
+            self._used_at[i] = now
             self._refs[i] += 1
             self._lru.pop(i, None)
         return idxs
 
     def release(self, idxs: Sequence[int]) -> None:
+        now = time.monotonic()
         for i in reversed(idxs):
+            self._used_at[i] = now
             self._refs[i] -= 1
             if self._refs[i] == 0 and self._hash_of[i] is not None:
                 self._lru[i] = None
@@ -211,6 +224,7 @@ class PrefixCache:
                 break
             self._by_hash[h] = idx
             self._hash_of[idx] = h
+            self._stored_at[idx] = self._used_at[idx] = time.monotonic()
             new.append((b, idx))
         if not new:
             return []
@@ -252,6 +266,7 @@ class PrefixCache:
                 break
             self._by_hash[h] = idx
             self._hash_of[idx] = h
+            self._stored_at[idx] = self._used_at[idx] = time.monotonic()
             self._refs[idx] += 1
             new.append((j, idx))
         if not new:
@@ -277,6 +292,8 @@ class PrefixCache:
         self._hash_of[idx] = None
         self.evictions[EVICT_CAPACITY] += 1
         self.events.on_evict(EVICT_CAPACITY, 1)
+        now = time.monotonic()
+        self.events.on_block_evicted(now - self._stored_at[idx], now - self._used_at[idx])
         return idx
 
     def clear(self) -> None:

@@ -120,6 +120,12 @@ class StepListener:
 
     def on_kv_evict(self, reason: str, blocks: int) -> None: ...
 
+    def on_kv_block_evicted(self, lifetime_s: float, idle_s: float) -> None:
+        """A prefix-cache block evicted for capacity: seconds since stored, and since last used."""
+
+    def on_kv_block_reused(self, gap_s: float) -> None:
+        """A cached prefix-cache block used again, `gap_s` after its previous use."""
+
     def on_tokens_restored(self, replies: int) -> None: ...
 
     def on_iteration_tokens(self, tokens: int) -> None: ...

@@ -168,7 +168,9 @@ class TorchEngine(Beside, Admission, Stepper):
             self.prefix = SlotPrefix.build(self._runner, model_id=str(path), dtype=self.config.dtype,
                                            block_size=self.config.kv_block_size,
                                            budget_bytes=self.config.prefix_cache_bytes,
-                                           on_evict=self.listener.on_kv_evict)
+                                           on_evict=self.listener.on_kv_evict,
+                                           on_block_evicted=self.listener.on_kv_block_evicted,
+                                           on_block_reused=self.listener.on_kv_block_reused)
         # One tiny warm-up pass so the first request doesn't pay for lazy kernel setup.
         self._runner.prefill(0, [self._tokenizer.bos_token_id or 1], 0)
         self._runner.decode([1], [1])

@@ -79,7 +79,9 @@ class SlotPrefix:
 
     @classmethod
     def build(cls, runner: LlamaRunner, *, model_id: str, dtype: str, block_size: int, budget_bytes: int,
-              on_evict: Callable[[str, int], None]) -> "SlotPrefix":
+              on_evict: Callable[[str, int], None],
+              on_block_evicted: Callable[[float, float], None] | None = None,
+              on_block_reused: Callable[[float], None] | None = None) -> "SlotPrefix":
         r = runner
         layout = f"llama.L{r.num_layers}.kvh{r.num_kv_heads}.d{r.head_dim}.bs{block_size}"
         hasher = BlockHasher(layout_seed(model_id, dtype, layout), block_size)
@@ -87,6 +89,10 @@ class SlotPrefix:
                             head_dim=r.head_dim, block_size=block_size,
                             dtype=r.dtype, budget_bytes=budget_bytes or auto_budget_bytes(),
                             events=CacheEvents(on_evict=on_evict))
+        if on_block_evicted is not None:
+            cache.events.on_block_evicted = on_block_evicted
+        if on_block_reused is not None:
+            cache.events.on_block_reused = on_block_reused
         log.info("prefix cache: %d blocks of %d tokens (%.0f MiB budget)", cache.num_blocks, block_size,
                  cache.capacity_bytes / 2**20)
         prefix = cls(runner, cache, hasher)
