@@ -205,8 +205,8 @@ def _label_values() -> list[str]:
     from data_plane.shard.metrics import CACHED_SOURCES, FINISHED_REASONS, PROMPT_SOURCES, WAITING_REASONS
 
     values = [
-        ("`switchboard_router_upstream_failures_total`, `switchboard_router_retries_total`, "
-         "`switchboard_router_resumes_total`", "reason", [r.value for r in FailureReason]),
+        (("`switchboard_router_upstream_failures_total`, `switchboard_router_retries_total`, "
+         "`switchboard_router_resumes_total`"), "reason", [r.value for r in FailureReason]),
         ("`switchboard_degradation_evaluations_total`", "outcome", [o.value for o in Outcome]),
         ("`switchboard_degradation_changes_total`", "direction", [d.value for d in Direction]),
         ("`switchboard_degradation_changes_total`", "actor", [a.value for a in Actor]),
