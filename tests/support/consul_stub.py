@@ -5,7 +5,7 @@
 
     .venv/bin/python -m tests.support.consul_stub --port 8500  # by hand
 
-This is not Consul: no agent can be installed on our machines (../shared/FACTS.md), so the Consul
+This is not Consul: no agent can be installed on our machines (docs/FACTS.md), so the Consul
 backend's tests run against this stub, and against a live agent when ``CONSUL_HTTP_ADDR`` is set.
 It answers with the request/response shapes of Consul's API docs (agent services and TTL checks,
 health, KV) for a single node, ``consul-stub``, in datacenter ``dc1``::

@@ -14,7 +14,7 @@ cache (no gather); the scheduler keeps them compact with :meth:`move_slot`.
 Why hand-written rather than `model.generate` or transformers' continuous batching: one
 decode pass over all running sequences with no per-step Python bookkeeping from the
 library was measured at 152 fp32 / 248 bf16 tok/s at 16 streams here, against 85 / 141
-for transformers' own continuous batching (../shared/FACTS.md). The weights, rotary
+for transformers' own continuous batching (docs/FACTS.md). The weights, rotary
 tables and tokenizer all come from transformers, so numerics follow the reference model;
 `tests/data_plane/test_llama_runner.py` checks logits against it.
 
