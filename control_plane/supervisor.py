@@ -42,7 +42,7 @@ class Child:
     next_restart: float = 0.0
 
     def start(self) -> None:
-        log = open(self.log_path, "ab")
+        log = open(self.log_path, "ab")  # noqa: SIM115 -- the child writes to it for its whole life
         self.proc = subprocess.Popen(
             self.command or [sys.executable, "-m", "control_plane.cli", *self.args],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},

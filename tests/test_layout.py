@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_import_contracts_are_kept() -> None:
     lint = Path(sys.executable).with_name("lint-imports")
-    out = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         check=False)
     report = out.stdout + out.stderr
     assert "Contracts:" in report, report  # it analysed the tree rather than failing to start
     assert out.returncode == 0, report
@@ -39,8 +40,8 @@ def test_no_module_is_over_500_lines() -> None:
     sizes = {p.relative_to(ROOT).as_posix(): len(p.read_text(encoding="utf-8").splitlines()) for p in _modules()}
     assert len(sizes) > 100, sorted(sizes)  # it found the tree
     over = sorted((n, path) for path, n in sizes.items() if n > MAX_MODULE_LINES)
-    assert not over, "modules over %d lines (split them by what they do): %s" % (
-        MAX_MODULE_LINES, ", ".join(f"{path} ({n})" for n, path in reversed(over)))
+    listed = ", ".join(f"{path} ({n})" for n, path in reversed(over))
+    assert not over, f"modules over {MAX_MODULE_LINES} lines (split them by what they do): {listed}"
 
 
 def test_every_module_has_a_docstring() -> None:

@@ -17,7 +17,6 @@ import pandas as pd
 
 from admin_ui.views.read import first, mapping, num
 
-
 TIER_FIELDS = ("priority", "rpm", "tpm", "max_context_tokens", "max_output_tokens", "replication", "shed_order",
                "safety")
 """Columns of the tier policy, in the order of ``data_plane.tiers.Tier``."""

@@ -15,7 +15,6 @@ import pandas as pd
 
 from admin_ui.views.read import mapping, num
 
-
 SERVICE_SHORT = {"switchboard-gateway": "gateway", "switchboard-shard": "shard", "switchboard-cache": "cache",
                  "switchboard-cache-node": "cache", "switchboard-control-plane": "control-plane"}
 

@@ -80,7 +80,7 @@ def assemble_traces(spans: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     by_trace: dict[str, dict[str, dict[str, Any]]] = {}
     for span in spans:
         by_trace.setdefault(str(span["trace_id"]), {})[str(span["span_id"])] = dict(span)
-    traces = []
+    traces: list[dict[str, Any]] = []
     for trace_id, by_id in by_trace.items():
         ordered = sorted(by_id.values(), key=lambda s: (s.get("start_ns") or 0, s.get("name", "")))
         roots = [s for s in ordered if not s.get("parent_span_id") or s["parent_span_id"] not in by_id]

@@ -186,7 +186,8 @@ def run_failover(args: argparse.Namespace, systems: list[str], logs: Path) -> di
         out["turns"][system] = got.pop("turns")
         out["failover"][system] = got
     by = {(r["system"], r["turn"]): r for r in out["rows"]}
-    k = next(iter(out["failover"].values()), {}).get("failover_turn")
+    first: dict[str, Any] = next(iter(out["failover"].values()), {})
+    k = first.get("failover_turn")
     if ("failover", k) in by and ("failover-off", k) in by:
         c, c_off = by[("failover", k)], by[("failover-off", k)]
         out["summary"] = {"failover_turn": k, "failover_history_tokens": c["history_tokens"],

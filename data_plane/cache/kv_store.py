@@ -254,7 +254,7 @@ class RedisKVStore:
         for v in values:
             if v is None:
                 break
-            out.append(bytes(v))
+            out.append(v if isinstance(v, bytes) else bytes(v, "latin-1"))  # the client returns bytes (no decoding)
         return out
 
     async def session_blocks(self, session_id: str) -> list[bytes]:

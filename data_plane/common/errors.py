@@ -88,7 +88,7 @@ class SwitchboardError(Exception):
     def response_headers(self) -> dict[str, str]:
         headers = dict(self.headers)
         if self.retry_after is not None:
-            headers["Retry-After"] = str(max(1, int(round(self.retry_after))))
+            headers["Retry-After"] = str(max(1, round(self.retry_after)))
         return headers
 
 

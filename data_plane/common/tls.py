@@ -105,7 +105,7 @@ def make_dev_pki(folder: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost
     pki = DevPki(folder / "ca.pem", folder / "cert.pem", folder / "key.pem")
     if pki.ca.exists() and pki.cert.exists() and pki.key.exists():
         return pki
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "Switchboard local CA")])
     ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())

@@ -13,9 +13,9 @@ import pytest
 
 pytest.importorskip("streamlit")
 
-from tests.support.cluster import ADMIN_TOKEN, Cluster  # noqa: E402
-from tests.support.console import ConsoleRunner  # noqa: E402
-from tests.support.procs import free_port  # noqa: E402
+from tests.support.cluster import ADMIN_TOKEN, Cluster
+from tests.support.console import ConsoleRunner
+from tests.support.procs import free_port
 
 
 @pytest.fixture(scope="session")

@@ -86,7 +86,7 @@ async def test_local_actuator_starts_drains_and_stops_real_shards(tmp_path: Path
                 # it deregistered itself on SIGTERM (not left to expire)
                 assert second["id"] not in _members(cp)
                 with pytest.raises(httpx.HTTPError):
-                    httpx.get(second["url"] + "/health", timeout=1)
+                    httpx.get(second["url"] + "/health", timeout=1)  # noqa: ASYNC210 -- a 1 s probe of a dead port
 
                 # closing the actuator (control-plane shutdown) stops what it started
                 await actuator.scale_to(1, "test: one more")
@@ -476,8 +476,8 @@ def _parse_command(args: list[str]) -> Any:
     """Parse a `switchboard ...` command line with the subcommand's own parser (exits on a bad flag)."""
     from control_plane.app import parse_settings as control_plane
     from data_plane.cache.node import parse_settings as cache_node
-    from data_plane.gateway.app import GatewaySettings
     from data_plane.common.settings_cli import parse_settings
+    from data_plane.gateway.app import GatewaySettings
     from data_plane.shard.settings import ShardSettings
 
     parsers = {

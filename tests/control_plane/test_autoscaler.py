@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry
 from control_plane.scaling.actuators import ActuatorError
 from control_plane.scaling.loop import Autoscaler, AutoscalerMetrics
 from control_plane.scaling.policy import PolicyConfig, TargetTracking
-from control_plane.signals.model import Signals
 from control_plane.scaling.simulate import ShardModel, fleet_signals, load_trace, simulate
+from control_plane.signals.model import Signals
 from tests.support.cluster import ADMIN_TOKEN, KEYS, api_keys_env
 from tests.support.procs import ROOT, Service
 from tests.support.waits import eventually

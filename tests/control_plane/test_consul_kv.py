@@ -19,8 +19,8 @@ import pytest
 
 from control_plane.registry.consul import ConsulKV, ConsulMembers
 from data_plane.common.errors import NotFound, UpstreamError
-from data_plane.membership.view import Member
 from data_plane.membership.consul import ConsulRegistrationAgent
+from data_plane.membership.view import Member
 from tests.support.cluster import ADMIN_TOKEN, open_control_plane
 from tests.support.consul_stub import ConsulStub, consul_agent, consul_client
 from tests.support.procs import free_port

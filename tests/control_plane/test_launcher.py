@@ -18,7 +18,8 @@ from tests.support.procs import free_port, start_up, wait_up
 
 
 def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True,
+                         check=False).stdout
     return [int(p) for p in out.split()]
 
 

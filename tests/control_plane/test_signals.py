@@ -119,7 +119,8 @@ async def test_a_shard_without_the_overload_histograms_makes_the_signals_incompl
 
         members = [Member("shard-a", "shard", "http://127.0.0.1:9001")]
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
-            source = ScrapeSignals(lambda s: [m for m in members if m.service == s], http, min_interval_s=0)
+            source = ScrapeSignals(lambda s, members=members: [m for m in members if m.service == s], http,
+                                   min_interval_s=0)
             await source.read()
             s = await source.read()
         if case == "full":

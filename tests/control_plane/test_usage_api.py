@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from data_plane.ledger.store import open_ledger_store
-from tests.support.ledger import usage_record
 from tests.support.cluster import ADMIN_TOKEN
+from tests.support.ledger import usage_record
 from tests.support.procs import Service
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -50,11 +50,11 @@ def test_usage_needs_the_admin_token(usage_cp: tuple[Service, float]) -> None:
 
 def test_usage_groups_filters_and_totals(usage_cp: tuple[Service, float]) -> None:
     cp, today = usage_cp
-    get = lambda **p: httpx.get(cp.url + "/admin/v1/usage", params=p, headers=AUTH)  # noqa: E731
+    get = lambda **p: httpx.get(cp.url + "/admin/v1/usage", params=p, headers=AUTH)
     body = get(group_by="day").json()
     assert body["totals"]["requests"] == 3 and body["totals"]["errors"] == 1
     assert body["totals"]["prompt_tokens"] == 70
-    assert [(r["start"], r["tenant"], r["tier"]) for r in body["rows"]][0] == (today - DAY, "bigco", "enterprise")
+    assert next((r["start"], r["tenant"], r["tier"]) for r in body["rows"]) == (today - DAY, "bigco", "enterprise")
     hours = get(group_by="hour", tenant="acme", by="tier").json()
     assert [(r["start"] - today, r["tier"]) for r in hours["rows"]] == [(0, "plus"), (3600, "free")]
     assert get(key="kc").json()["totals"]["prompt_tokens"] == 40
@@ -66,7 +66,7 @@ def test_usage_groups_filters_and_totals(usage_cp: tuple[Service, float]) -> Non
 
 
 def test_usage_as_csv(usage_cp: tuple[Service, float]) -> None:
-    cp, today = usage_cp
+    cp, _today = usage_cp
     r = httpx.get(cp.url + "/admin/v1/usage", params={"format": "csv", "group_by": "day"}, headers=AUTH)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/csv")
     rows = list(csv.DictReader(io.StringIO(r.text)))

@@ -5,9 +5,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import asyncio
+from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -51,7 +52,7 @@ class Cluster:
         self.gateway = Service(gw, env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()})
         self.keys = KEYS
 
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         try:
             self.control_plane.start()
             for s in self.caches + self.shards:
@@ -80,7 +81,7 @@ class Cluster:
         for s in [self.gateway, *self.shards, *self.caches, self.control_plane]:
             s.stop()
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -19,10 +19,10 @@ import httpx
 import pytest
 
 pytest.importorskip("streamlit")
-from streamlit.testing.v1 import AppTest  # noqa: E402
+from streamlit.testing.v1 import AppTest
 
-from tests.support.cluster import ADMIN_TOKEN  # noqa: E402
-from tests.support.procs import ROOT  # noqa: E402
+from tests.support.cluster import ADMIN_TOKEN
+from tests.support.procs import ROOT
 
 APP = str(ROOT / "admin_ui" / "app.py")
 PAGES = ["overview", "cluster", "traffic", "autoscaler", "degradation", "traces", "alerts", "playground", "usage"]

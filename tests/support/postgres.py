@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Self
 
 import pytest
 
@@ -79,11 +80,11 @@ class PostgresServer:
         if self.dir is None or self.bin is None:
             return
         subprocess.run(self._as_owner([str(self.bin / "pg_ctl"), "-D", str(self.dir / "data"), "-m", "fast", "-w",
-                                       "stop"]), capture_output=True)
+                                       "stop"]), capture_output=True, check=False)
         shutil.rmtree(self.dir, ignore_errors=True)
         self.dir = None
 
-    def __enter__(self) -> PostgresServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -71,8 +72,8 @@ class Service:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = log_path or Path(tempfile.mkstemp(prefix="sb-test-", suffix=".log")[1])
 
-    def start(self, wait: bool = True) -> "Service":
-        self._log = open(self.log_path, "ab")
+    def start(self, wait: bool = True) -> Service:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 -- the process writes to it until stop()
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env)
         if wait:
             try:
@@ -119,7 +120,7 @@ class Service:
             self._log.close()
         return None if self.proc is None else self.proc.returncode
 
-    def __enter__(self) -> "Service":
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
