@@ -83,7 +83,8 @@ def signals_dict(signals: Signals | None, *, full: bool = False) -> dict[str, An
     """A JSON-ready dict of a Signals value: its ``summary()`` (no per-shard list) unless `full`."""
     if signals is None:
         return {}
-    return _jsonable(signals.to_dict() if full else signals.summary())
+    out: dict[str, Any] = _jsonable(signals.to_dict() if full else signals.summary())
+    return out
 
 
 def _jsonable(value: Any) -> Any:
