@@ -15,6 +15,7 @@ from control_plane.scaling.loop import Autoscaler, AutoscalerMetrics
 from control_plane.scaling.policy import PolicyConfig, TargetTracking
 from control_plane.scaling.simulate import ShardModel, fleet_signals, load_trace, simulate
 from control_plane.signals.model import Signals
+from tests.support.clock import FakeClock
 from tests.support.cluster import ADMIN_TOKEN, KEYS, api_keys_env
 from tests.support.procs import ROOT, Service
 from tests.support.waits import eventually
@@ -245,15 +246,15 @@ class _CountingActuator:
 
 async def test_every_decision_is_logged_folded_and_counted() -> None:
     registry = CollectorRegistry()
-    now = [0.0]
+    clock = FakeClock(0.0)
     source = _Source(sig(1, running=1))
     actuator = _CountingActuator(1)
     scaler = Autoscaler(
-        TargetTracking(CFG), source, actuator, metrics=AutoscalerMetrics(registry), clock=lambda: now[0]
+        TargetTracking(CFG), source, actuator, metrics=AutoscalerMetrics(registry), clock=clock
     )
     for _ in range(3):
         await scaler.tick()
-        now[0] += 5
+        clock.now += 5
     source.signals = busy(1, 10.0)
     await scaler.tick()
     log = scaler.decisions()

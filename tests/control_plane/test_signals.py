@@ -20,6 +20,7 @@ from control_plane.signals.model import (
 from control_plane.signals.prometheus import PrometheusSignals
 from control_plane.signals.scrape import ScrapeSignals
 from data_plane.membership.view import Member
+from tests.support.clock import FakeClock
 from tests.support.cluster import Cluster
 from tests.support.procs import free_port
 from tests.support.prometheus import PROMETHEUS, Prometheus
@@ -53,7 +54,7 @@ def test_parse_exposition_keeps_names_and_labels() -> None:
 
 async def test_rates_survive_a_counter_reset_and_critical_members_do_not_poison_the_means() -> None:
     """Canned /metrics at the transport boundary, a fake clock: exact window arithmetic."""
-    now = [0.0]
+    clock = FakeClock(0.0)
     gateway_total = [100.0]
 
     def shard_metrics(waiting: float) -> str:
@@ -86,13 +87,13 @@ async def test_rates_survive_a_counter_reset_and_critical_members_do_not_poison_
             http,
             window_s=10,
             min_interval_s=0,
-            clock=lambda: now[0],
+            clock=clock,
         )
         first = await source.read()
         assert not first.complete and first.missing == ("history: one scrape so far, no rates yet",)
-        now[0], gateway_total[0] = 5.0, 150.0
+        clock.now, gateway_total[0] = 5.0, 150.0
         second = await source.read()
-        now[0], gateway_total[0] = 10.0, 20.0  # the gateway restarted: 20 since, not -130
+        clock.now, gateway_total[0] = 10.0, 20.0  # the gateway restarted: 20 since, not -130
         third = await source.read()
     assert second.complete and second.demand_by_tier == {"plus": pytest.approx(10.0)}
     assert third.demand_by_tier == {"plus": pytest.approx((50 + 20) / 10)}
@@ -284,22 +285,22 @@ async def _until(cond, source: PrometheusSignals, timeout: float) -> Signals:  #
 
 
 async def test_a_shards_prefix_cache_hit_rate_and_bytes_over_the_window() -> None:
-    now, hits = [0.0], [0.0]
+    clock, hits = FakeClock(0.0), [0.0]
 
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, text=(
             'vllm:num_requests_running{model_name="m"} 0\nvllm:num_requests_waiting{model_name="m"} 0\n'
             'vllm:kv_cache_usage_perc{model_name="m"} 0\nswitchboard_shard_max_num_seqs{model_name="m"} 4\n'
-            f'vllm:prefix_cache_queries_total{{model_name="m"}} {1000 + 400 * now[0]}\n'
+            f'vllm:prefix_cache_queries_total{{model_name="m"}} {1000 + 400 * clock.now}\n'
             f'vllm:prefix_cache_hits_total{{model_name="m"}} {hits[0]}\n'
             'switchboard_shard_prefix_cache_bytes{model_name="m"} 1048576\n'))
 
     members = [Member("shard-a", "shard", "http://127.0.0.1:9001")]
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
         source = ScrapeSignals(lambda s: [m for m in members if m.service == s], http, window_s=10,
-                               min_interval_s=0, clock=lambda: now[0])
+                               min_interval_s=0, clock=clock)
         first = (await source.read()).shards[0]
-        now[0], hits[0] = 5.0, 1500.0
+        clock.now, hits[0] = 5.0, 1500.0
         second = (await source.read()).shards[0]
     assert first.prefix_hit_rate is None and first.prefix_cache_bytes == 1048576
     assert second.prefix_hit_rate == pytest.approx(1500 / 2000)

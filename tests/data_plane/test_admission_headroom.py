@@ -15,16 +15,17 @@ from prometheus_client import CollectorRegistry
 
 from data_plane.gateway.admission import Admission, AdmissionConfig, AdmissionMetrics, Ticket
 from data_plane.tiers import TierPolicy
+from tests.support.clock import FakeClock
 
 POLICY = TierPolicy.default()
 ENT = POLICY["enterprise"]
 
 
-def admission(capacity: int, **config: object) -> tuple[Admission, list[float]]:
-    now = [0.0]
+def admission(capacity: int, **config: object) -> tuple[Admission, FakeClock]:
+    clock = FakeClock(0.0)
     adm = Admission(AdmissionMetrics(CollectorRegistry()), AdmissionConfig(reserve=0.0, **config),  # type: ignore[arg-type]
-                    capacity=lambda: capacity, clock=lambda: now[0])
-    return adm, now
+                    capacity=lambda: capacity, clock=clock)
+    return adm, clock
 
 
 async def fill(adm: Admission, tenant: str, n: int) -> tuple[list[Ticket], list[asyncio.Task[Ticket]]]:
@@ -36,7 +37,7 @@ async def fill(adm: Admission, tenant: str, n: int) -> tuple[list[Ticket], list[
 
 
 async def test_a_flood_leaves_the_last_slot_to_a_light_tenant_of_its_tier() -> None:
-    adm, now = admission(4)
+    adm, clock = admission(4)
     light = await adm.acquire(ENT, POLICY, tenant="light")  # the light tenant was here first
     light.release(10)
     held, waiting = await fill(adm, "flood", 6)
@@ -51,7 +52,7 @@ async def test_a_flood_leaves_the_last_slot_to_a_light_tenant_of_its_tier() -> N
     for _ in range(5):
         await asyncio.sleep(0)
     assert sum(t.done() for t in waiting) == 1  # a slot of the flood's own share goes back to it
-    now[0] += 31  # the light tenant has been quiet for longer than the window
+    clock.now += 31  # the light tenant has been quiet for longer than the window
     held[1].release(10)
     for _ in range(5):
         await asyncio.sleep(0)

@@ -22,6 +22,7 @@ from data_plane.cache.model import Transcript
 from data_plane.cache.node import parse_settings
 from data_plane.cache.storage import MemoryStorage, encode_record
 from tests.support.chat import assert_openai_error
+from tests.support.clock import FakeClock
 from tests.support.cluster import cache_node, start_cache_nodes
 from tests.support.metrics import metric_in, series
 from tests.support.procs import Service, free_port
@@ -237,33 +238,33 @@ def test_lru_eviction_by_bytes(tmp_path: Path, client: httpx.Client) -> None:
 
 
 async def test_memory_storage_ttl_lru_and_sweep_with_a_fake_clock() -> None:
-    now = [1000.0]
+    clock = FakeClock(1000.0)
     evictions: list[tuple[str, int]] = []
-    store = MemoryStorage(3000, on_evict=lambda r, n: evictions.append((r, n)), clock=lambda: now[0])
+    store = MemoryStorage(3000, on_evict=lambda r, n: evictions.append((r, n)), clock=clock)
 
     def rec(s: str, version: int = 1, size: int = 500) -> Transcript:
-        return Transcript(s, "o", ({"role": "user", "content": "q" * size},), version, now[0])
+        return Transcript(s, "o", ({"role": "user", "content": "q" * size},), version, clock.now)
 
     assert (await store.put(rec("a"), ttl_s=10)).stored
     assert (await store.put(rec("b"), ttl_s=100)).stored
     assert not (await store.put(rec("b", version=0), ttl_s=100)).stored
-    now[0] += 11
+    clock.now += 11
     assert await store.get("a") is None and evictions == [("ttl", 1)]
     for s in "cdefg":
         await store.put(rec(s), ttl_s=100)
     assert store.stats().bytes <= 3000 and await store.get("b") is None
     assert ("lru", 1) in evictions
     live = store.stats().entries
-    now[0] += 200
+    clock.now += 200
     assert store.sweep() == live and ("ttl", live) in evictions
     assert (store.stats().entries, store.stats().bytes) == (0, 0)
 
 
 async def test_memory_storage_expired_record_does_not_block_a_lower_version() -> None:
-    now = [0.0]
-    store = MemoryStorage(10_000, clock=lambda: now[0])
+    clock = FakeClock(0.0)
+    store = MemoryStorage(10_000, clock=clock)
     await store.put(Transcript("s", "o", (), 9, 0.0), ttl_s=1)
-    now[0] = 2
+    clock.now = 2
     assert (await store.put(Transcript("s", "o", (), 1, 2.0), ttl_s=1)).stored
 
 

@@ -24,6 +24,7 @@ from data_plane.kv_wire import (
 )
 from data_plane.shard.engines.kv_cache import PrefixCache
 from data_plane.shard.kv_tier import FetchPolicy
+from tests.support.clock import FakeClock
 
 SHAPE = (2, 2, 1, 4, 8)
 
@@ -59,11 +60,11 @@ def test_frame_round_trip_and_every_way_it_is_refused() -> None:
 
 
 def test_store_keeps_its_byte_budget_and_sessions_expire_with_their_blocks() -> None:
-    now = [1000.0]
+    clock = FakeClock(1000.0)
     evicted: dict[str, int] = {}
     size = len(frame(0))
     store = MemoryKVStore(3 * size, on_evict=lambda r, n: evicted.__setitem__(r, evicted.get(r, 0) + n),
-                          clock=lambda: now[0])
+                          clock=clock)
 
     async def go() -> None:
         assert await store.put("s1", [frame(0), frame(1)], [], ttl_s=10) == 2
@@ -74,7 +75,7 @@ def test_store_keeps_its_byte_budget_and_sessions_expire_with_their_blocks() -> 
         await store.put("s3", [frame(3)], [], ttl_s=100)  # over budget: the least recently used goes
         assert store.stats().bytes <= 3 * size and evicted == {"lru": 1}
         assert await store.fetch([bytes([2]) * 16]) == []  # block 2 was least recently used
-        now[0] += 50  # s1 expires; block 0 is still linked by s2, block 1 only by s1
+        clock.now += 50  # s1 expires; block 0 is still linked by s2, block 1 only by s1
         store.sweep()
         assert [peek_hash(f)[0] for f in await store.fetch([bytes([0]) * 16])] == [0]
         assert await store.fetch([bytes([1]) * 16]) == []

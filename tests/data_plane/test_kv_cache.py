@@ -14,6 +14,7 @@ from data_plane.shard.engines.kv_cache import (
     PrefixCache,
     layout_seed,
 )
+from tests.support.clock import FakeClock
 
 BS = 4
 
@@ -120,8 +121,8 @@ def test_block_residency_is_reported_on_reuse_and_eviction(monkeypatch: pytest.M
     """What feeds vllm:kv_block_{lifetime,idle_before_evict,reuse_gap}_seconds."""
     from data_plane.shard.engines import kv_cache
 
-    now = [100.0]
-    monkeypatch.setattr(kv_cache.time, "monotonic", lambda: now[0])
+    clock = FakeClock(100.0)
+    monkeypatch.setattr(kv_cache.time, "monotonic", clock)
     evicted: list[tuple[float, float]] = []
     reused: list[float] = []
     pc, k, v = cache(2)
@@ -131,10 +132,10 @@ def test_block_residency_is_reported_on_reuse_and_eviction(monkeypatch: pytest.M
     a, b = list(range(8)), list(range(20, 28))
     fill(k, v, 0, a)
     pc.store(h.hashes(a), k, v, 0)        # 2 blocks stored at t=100
-    now[0] = 103.0
+    clock.now = 103.0
     pc.release(pc.acquire(h.hashes(a)[:1]))  # block 0 used again after 3 s
     assert reused == [3.0]
-    now[0] = 110.0
+    clock.now = 110.0
     fill(k, v, 0, b)
     pc.store(h.hashes(b), k, v, 0)        # evicts both: block 1 (idle since 100), then block 0 (used at 103)
     assert evicted == [(10.0, 10.0), (10.0, 7.0)]
