@@ -52,7 +52,7 @@ class Cluster:
         self.gateway = Service(gw, env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()})
         self.keys = KEYS
 
-    def start(self) -> Cluster:
+    def start(self) -> Self:
         try:
             self.control_plane.start()
             for s in self.caches + self.shards:

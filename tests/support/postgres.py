@@ -45,7 +45,7 @@ class PostgresServer:
             return args
         return ["runuser", "-u", "postgres", "--", *args]
 
-    def start(self) -> PostgresServer:
+    def start(self) -> Self:
         if self.bin is None:
             pytest.skip("PostgreSQL is not installed (apt-get install postgresql)")
         if os.geteuid() == 0:

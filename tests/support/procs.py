@@ -72,7 +72,7 @@ class Service:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = log_path or Path(tempfile.mkstemp(prefix="sb-test-", suffix=".log")[1])
 
-    def start(self, wait: bool = True) -> Service:
+    def start(self, wait: bool = True) -> Self:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 -- the process writes to it until stop()
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env)
         if wait:
