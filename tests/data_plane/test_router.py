@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from data_plane.common.errors import NoHealthyBackend
 from data_plane.membership.view import Member, StaticMembership
+from data_plane.routing.failures import FailureReason
 from data_plane.routing.router import Router, RouterMetrics
 from tests.support.clock import FakeClock
 
@@ -43,14 +44,14 @@ def picks(r: Router, n: int = 40, session: str | None = None) -> set[str]:
 def test_a_shard_is_ejected_after_eject_after_consecutive_failures_only() -> None:
     a, b = shard("a"), shard("b")
     r, _, registry = router(a, b, eject_after=3)
-    r.report_failure(a, "connect")
-    r.report_failure(a, "connect")
+    r.report_failure(a, FailureReason.CONNECT)
+    r.report_failure(a, FailureReason.CONNECT)
     assert picks(r) == {"a", "b"} and not r.is_ejected("a")  # two failures: still routed
     r.report_success(a)  # a success resets the streak
-    r.report_failure(a, "connect")
-    r.report_failure(a, "connect")
+    r.report_failure(a, FailureReason.CONNECT)
+    r.report_failure(a, FailureReason.CONNECT)
     assert not r.is_ejected("a")
-    r.report_failure(a, "timeout")
+    r.report_failure(a, FailureReason.TIMEOUT)
     assert r.is_ejected("a") and picks(r) == {"b"}
     assert sample(registry, "switchboard_router_ejections_total") == 1
     assert sample(registry, "switchboard_router_upstream_failures_total", reason="connect") == 4
@@ -61,8 +62,8 @@ def test_a_shard_is_ejected_after_eject_after_consecutive_failures_only() -> Non
 def test_with_every_shard_ejected_and_none_due_a_pick_is_no_healthy_backend() -> None:
     a, b = shard("a"), shard("b")
     r, _, _ = router(a, b, eject_after=1)
-    r.report_failure(a, "connect")
-    r.report_failure(b, "connect")
+    r.report_failure(a, FailureReason.CONNECT)
+    r.report_failure(b, FailureReason.CONNECT)
     with pytest.raises(NoHealthyBackend):
         r.pick(None)
     r2, _, _ = router(a, b)
@@ -77,7 +78,7 @@ def test_with_every_shard_ejected_and_none_due_a_pick_is_no_healthy_backend() ->
 def test_when_the_hold_expires_the_shard_gets_exactly_one_probe_and_success_restores_it() -> None:
     a, b = shard("a"), shard("b")
     r, clock, registry = router(a, b, eject_after=1, eject_s=5.0)
-    r.report_failure(a, "connect")
+    r.report_failure(a, FailureReason.CONNECT)
     clock.now += 4.9
     assert picks(r) == {"b"}  # still held
     clock.now += 0.2
@@ -91,7 +92,7 @@ def test_when_the_hold_expires_the_shard_gets_exactly_one_probe_and_success_rest
 def test_a_failed_probe_ejects_again_for_twice_as_long_capped_at_max_eject_s() -> None:
     a, b = shard("a"), shard("b")
     r, clock, registry = router(a, b, eject_after=1, eject_s=5.0, max_eject_s=12.0)
-    r.report_failure(a, "connect")
+    r.report_failure(a, FailureReason.CONNECT)
     holds = []
     for _ in range(3):
         start = clock.now
@@ -99,7 +100,7 @@ def test_a_failed_probe_ejects_again_for_twice_as_long_capped_at_max_eject_s() -
             clock.now += 0.5
             assert clock.now - start < 60
         holds.append(clock.now - start)
-        r.report_failure(a, "connect")  # the probe fails
+        r.report_failure(a, FailureReason.CONNECT)  # the probe fails
     assert holds == [5.0, 10.0, 12.0]
     assert sample(registry, "switchboard_router_ejections_total") == 4
 
@@ -158,7 +159,7 @@ def test_a_zoned_router_prefers_its_zone_spills_when_loaded_and_leaves_when_it_i
         with r.lease(a1):  # 2 > 1: spill to all zones, where b1 is the less loaded
             assert r.pick(None).id == "b1"
             assert sample(registry, "switchboard_router_zone_decisions_total", locality="spill") == 1
-    r.report_failure(a1, "connect")  # the own zone has no healthy shard left
+    r.report_failure(a1, FailureReason.CONNECT)  # the own zone has no healthy shard left
     assert picks(r, 10) == {"b1"}
     assert sample(registry, "switchboard_router_zone_decisions_total", locality="remote") == 10
 

@@ -16,6 +16,7 @@ from data_plane.common.kv_report import CHAIN_HEADER, EVICTED_HEADER, SINCE_HEAD
 from data_plane.membership.hashring import HashRing
 from data_plane.membership.placement import prefer_zone
 from data_plane.membership.view import Member
+from data_plane.routing.failures import FailureReason
 from data_plane.routing.fleet import FastRing
 from data_plane.routing.router import Router, RouterMetrics
 from tests.support.clock import FakeClock
@@ -95,7 +96,7 @@ def test_choices_match_a_per_request_rebuild_under_load_ejection_and_exclusion()
     for _ in range(40):                     # uneven outstanding load
         leases.enter_context(r.lease(shard(rnd.choice(IDS))))
     for _ in range(2):
-        r.report_failure(shard("shard-4"), "connect")   # ejected
+        r.report_failure(shard("shard-4"), FailureReason.CONNECT)   # ejected
     for i in range(300):
         exclude = {rnd.choice(IDS)} if i % 3 == 0 else set()
         candidates = [m for m in IDS if m != "shard-4" and m not in exclude]
