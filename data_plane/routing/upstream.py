@@ -310,10 +310,10 @@ class Upstream:
             return await self.pool.post(member.url, CHAT_PATH, payload, headers, timeout=timeout)
         except HopConnectError:
             raise Retryable(FailureReason.CONNECT,
-                             NoHealthyBackend("could not connect to a shard", retry_after=2)) from None
+                            NoHealthyBackend("could not connect to a shard", retry_after=2)) from None
         except HopTimeout:
             raise Retryable(FailureReason.TIMEOUT,
-                             UpstreamTimeout("a shard did not answer in time", retry_after=2)) from None
+                            UpstreamTimeout("a shard did not answer in time", retry_after=2)) from None
 
     async def _headers(self, member: Member, response: ShardResponse,
                        leases: ExitStack) -> tuple[str, int] | None:
