@@ -344,7 +344,7 @@ class Upstream:
                 raise self._no_first_token() from None
             if not lines:
                 raise Retryable(FailureReason.EMPTY_STREAM,
-                                 UpstreamError("a shard closed the stream before any token"))
+                                UpstreamError("a shard closed the stream before any token"))
             token = False
             for line in lines:
                 event = _parse(line)
