@@ -112,10 +112,10 @@ class LevelChange:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LevelChange:
-        """Parse the wire form; ValueError (or KeyError/TypeError) when it is not one."""
+        """Parse the wire form; ValueError (or KeyError) when it is not one."""
         signals = data.get("signals") or {}
         if not isinstance(signals, Mapping):
-            raise TypeError("a level change's signals must be an object")
+            raise ValueError("a level change's signals must be an object")
         return cls(
             at=float(data["at"]),
             from_level=Level.parse(data["from"]),
