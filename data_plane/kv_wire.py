@@ -202,7 +202,7 @@ _LINKS = struct.Struct("<4sI")
 LINKS_MAGIC = b"SBKL"
 
 
-def encode_put(links: list[bytes], frames: list[bytes]) -> bytes:
+def encode_put(links: list[bytes], frames: list[bytes | bytearray]) -> bytes:
     """A store request's body: the hashes of blocks the session already has stored (linked, not
     re-sent), then the new frames."""
     return b"".join((_LINKS.pack(LINKS_MAGIC, len(links)), *links, *frames))

@@ -45,7 +45,7 @@ def default_gguf() -> Path:
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotAvailable(f"default model not installed: {INSTALL_HINT}")
-    folder = Path(list(spec.submodule_search_locations)[0])
+    folder = Path(next(iter(spec.submodule_search_locations)))
     ggufs = sorted(folder.glob("*.gguf"))
     if not ggufs:
         raise ModelNotAvailable(f"no .gguf file in {folder}: {INSTALL_HINT}")

@@ -196,12 +196,12 @@ class ChatCompletionRequest(BaseModel):
                 "continue_final_message needs add_generation_prompt=false and a final assistant message",
                 param="continue_final_message",
             )
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            if self.max_tokens != self.max_completion_tokens:
-                raise InvalidRequest(
-                    "max_tokens and max_completion_tokens disagree; set one",
-                    param="max_completion_tokens",
-                )
+        if (self.max_tokens is not None and self.max_completion_tokens is not None
+                and self.max_tokens != self.max_completion_tokens):
+            raise InvalidRequest(
+                "max_tokens and max_completion_tokens disagree; set one",
+                param="max_completion_tokens",
+            )
 
     @property
     def output_limit(self) -> int | None:

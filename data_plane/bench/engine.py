@@ -56,7 +56,8 @@ from data_plane.bench.common import (
     summarize,
     write_json,
 )
-from data_plane.bench.engine_baseline import SUFFIX as BASE, run_baseline
+from data_plane.bench.engine_baseline import SUFFIX as BASE
+from data_plane.bench.engine_baseline import run_baseline
 from data_plane.bench.engine_llamacpp import LlamaCppLookupSystem, LlamaCppSystem
 from data_plane.bench.engine_systems import (
     BenchConfig,
@@ -150,9 +151,9 @@ def encode_prompts(model: str | None, workload: str = "chat") -> list[list[int]]
     from data_plane.model_store import resolve_model
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model(model)))
-    out = []
+    out: list[list[int]] = []
     for text in workload_prompts(workload):
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        ids: Any = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
         out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return out
 
@@ -392,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"[bench] {name}: skipped: {exc}", flush=True)
                 skipped[name] = str(exc)
                 continue
-            except Exception as exc:  # one broken system must not lose the others' numbers
+            except Exception as exc:  # noqa: BLE001 -- one broken system must not lose the others' numbers
                 print(f"[bench] {name}: FAILED: {type(exc).__name__}: {exc}", flush=True)
                 skipped[name] = f"failed: {type(exc).__name__}: {exc}"
                 continue

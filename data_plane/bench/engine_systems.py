@@ -158,8 +158,8 @@ class NaiveSystem:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from data_plane.shard.engines.torch_engine import DTYPES
         from data_plane.model_store import resolve_model
+        from data_plane.shard.engines.torch_engine import DTYPES
 
         if self.config.threads:
             torch.set_num_threads(self.config.threads)

@@ -42,8 +42,17 @@ import httpx
 
 from data_plane.bench.common import fmt, format_table, machine_info, write_json
 from data_plane.bench.multiturn_failover import FAILOVER_SYSTEMS, LABELS, run_failover
-from data_plane.bench.multiturn_turns import BENCH_KEY, BLOCK, SYSTEM_PROMPT, Turn, conversation, stream_turn, \
-    turn_rows, user_message, warm_up
+from data_plane.bench.multiturn_turns import (
+    BENCH_KEY,
+    BLOCK,
+    SYSTEM_PROMPT,
+    Turn,
+    conversation,
+    stream_turn,
+    turn_rows,
+    user_message,
+    warm_up,
+)
 from data_plane.bench.overhead import Proc, switchboard_cmd
 from data_plane.common.http_server import free_port
 

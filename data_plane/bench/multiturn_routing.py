@@ -35,7 +35,15 @@ from typing import Any
 import httpx
 
 from data_plane.bench.common import fmt, format_table, machine_info, percentile, write_json
-from data_plane.bench.multiturn import BENCH_KEY, BLOCK, SYSTEM_PROMPT, Turn, stream_turn, turn_rows, user_message
+from data_plane.bench.multiturn import (
+    BENCH_KEY,
+    BLOCK,
+    SYSTEM_PROMPT,
+    Turn,
+    stream_turn,
+    turn_rows,
+    user_message,
+)
 from data_plane.bench.overhead import Proc, switchboard_cmd
 from data_plane.common.http_server import free_port
 

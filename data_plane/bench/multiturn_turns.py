@@ -26,10 +26,7 @@ from data_plane.bench.common import percentile
 BENCH_KEY = "sk-bench-multiturn-0123456789"
 BLOCK = 16
 SYSTEM_PROMPT = "You are a patient assistant who helps people plan trips, cook and fix things at home."
-WORDS = ("river mountain kitchen bicycle window garden letter market station engine cloud harbour lantern "
-         "library orchard bridge village candle forest ladder pocket stone winter summer morning evening "
-         "journey recipe hammer pencil blanket mirror basket violin compass meadow castle tunnel island "
-         "valley desert").split()
+WORDS = ["river", "mountain", "kitchen", "bicycle", "window", "garden", "letter", "market", "station", "engine", "cloud", "harbour", "lantern", "library", "orchard", "bridge", "village", "candle", "forest", "ladder", "pocket", "stone", "winter", "summer", "morning", "evening", "journey", "recipe", "hammer", "pencil", "blanket", "mirror", "basket", "violin", "compass", "meadow", "castle", "tunnel", "island", "valley", "desert"]
 
 
 @dataclass

@@ -76,9 +76,17 @@ from data_plane.bench.common import (
     parse_int_list,
     write_json,
 )
-from data_plane.bench.overhead_report import DIRECT, LITELLM, SWITCHBOARD, Batch, aggregate, check_targets, render
-from data_plane.routing.hop_client import HopError, HopPool
+from data_plane.bench.overhead_report import (
+    DIRECT,
+    LITELLM,
+    SWITCHBOARD,
+    Batch,
+    aggregate,
+    check_targets,
+    render,
+)
 from data_plane.common.http_server import free_port
+from data_plane.routing.hop_client import HopError, HopPool
 
 BENCH_KEY = "sk-bench"
 MODEL = "synthetic"

@@ -56,7 +56,7 @@ class Endpoint:
 
     def __init__(self, url: str, api_key: str, model: str, max_tokens: int) -> None:
         base = url.rstrip("/")
-        self.base = base[: -len("/v1")] if base.endswith("/v1") else base
+        self.base = base.removesuffix("/v1")
         self.headers = {"authorization": f"Bearer {api_key}"}
         self.model = model
         self.max_tokens = max_tokens

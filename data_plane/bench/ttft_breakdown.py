@@ -26,7 +26,15 @@ from typing import Any
 import httpx
 
 from data_plane.bench.common import format_table, machine_info, write_json
-from data_plane.bench.multiturn import BENCH_KEY, Stack, Turn, conversation, parse_args, stream_turn, turn_rows
+from data_plane.bench.multiturn import (
+    BENCH_KEY,
+    Stack,
+    Turn,
+    conversation,
+    parse_args,
+    stream_turn,
+    turn_rows,
+)
 
 PARTS = ("gateway TTFT", "gateway before routing", "hop to the shard", "shard queue", "shard copy-in + prefill",
          "prefill done -> first token at the gateway", "gateway hold-back")

@@ -20,7 +20,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from data_plane.bench.common import fmt, format_table, machine_info, parse_int_list, write_json
 
@@ -54,9 +55,10 @@ def measure(batches: list[int], rows: list[int], context: int, repeats: int, dty
         for slot in range(b):
             runner.prefill(slot, [10 + (i * 7 + slot) % 1000 for i in range(context)], 0)
         starts = [context] * b
-        decode_ms = _median_ms(lambda: runner.decode([5] * b, starts), repeats)
+        decode_ms = _median_ms(lambda: runner.decode([5] * b, starts), repeats)  # noqa: B023 -- called here
         for r in rows:
-            verify_ms = _median_ms(lambda: verify(runner, [[5] + [7] * (r - 1) for _ in range(b)], starts), repeats)
+            verify_ms = _median_ms(lambda: verify(runner, [[5] + [7] * (r - 1) for _ in range(b)], starts),  # noqa: B023
+                                   repeats)  # (called here, in this iteration)
             extra = b * (r - 1)
             out.append({
                 "batch": b, "rows_per_slot": r, "decode_ms": decode_ms, "verify_ms": verify_ms,

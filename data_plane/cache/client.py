@@ -55,12 +55,18 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import propagate, trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from data_plane.cache.model import (
+    MAX_RECORD_BYTES,
+    SECONDS_BUCKETS,
+    Transcript,
+    VersionConflict,
+    validate_session_id,
+)
+from data_plane.common.crypto import SealError, TranscriptSealer
 from data_plane.common.errors import NotFound, Overloaded, from_openai_body
 from data_plane.membership.hashring import DEFAULT_VNODES, HashRing
-from data_plane.routing.hop_client import HopError, HopPool
 from data_plane.membership.placement import DEFAULT_ZONE, local_first, replicas_across_zones
-from data_plane.common.crypto import SealError, TranscriptSealer
-from data_plane.cache.model import MAX_RECORD_BYTES, SECONDS_BUCKETS, Transcript, VersionConflict, validate_session_id
+from data_plane.routing.hop_client import HopError, HopPool
 
 if TYPE_CHECKING:
     from data_plane.membership.view import Member, MembershipView
@@ -314,11 +320,12 @@ class SessionStore:
                     targets = self.replicas_for(session_id, replicas)
                 except Overloaded:
                     return
-                fresh = [m for m in targets if m.id in added]
-                sources = [m for m in targets if m.id not in added]
+                # `one` runs to completion within this pass of the loop (gathered below): B023 cannot bite
+                fresh = [m for m in targets if m.id in added]  # noqa: B023
+                sources = [m for m in targets if m.id not in added]  # noqa: B023
                 if not fresh or not sources:
                     return
-                async with gate:
+                async with gate:  # noqa: B023
                     for source in sources:
                         kind, transcript = await self._fetch(source, session_id)
                         if kind == "hit" and transcript is not None:

@@ -31,7 +31,14 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from data_plane.cache.kv_store import EVICT_LRU, EVICT_SESSION, EVICT_TTL, KVStore, MemoryKVStore, RedisKVStore
+from data_plane.cache.kv_store import (
+    EVICT_LRU,
+    EVICT_SESSION,
+    EVICT_TTL,
+    KVStore,
+    MemoryKVStore,
+    RedisKVStore,
+)
 from data_plane.cache.model import validate_session_id
 from data_plane.common.errors import InvalidRequest
 from data_plane.common.http_body import read_body

@@ -48,15 +48,20 @@ from data_plane.cache.kv_routes import KVNode, announce_kv_bytes, mount_kv
 from data_plane.cache.model import SECONDS_BUCKETS, Transcript, VersionConflict, validate_session_id
 from data_plane.cache.storage import ManagedStorage, MemoryStorage, RedisStorage
 from data_plane.common.errors import NotFound, SwitchboardError, install_error_handlers
-from data_plane.common.http_body import read_json_body
 from data_plane.common.hop_auth import cluster_token_from_env, guarded, require_cluster_token
-from data_plane.common.tasks import stop_tasks
+from data_plane.common.http_body import read_json_body
 from data_plane.common.http_server import serve
 from data_plane.common.settings_cli import parse_settings as cli_settings
-from data_plane.membership.factory import MEMBERSHIP_URL_PATTERN, membership_from_url
+from data_plane.common.tasks import stop_tasks
+from data_plane.common.telemetry import (
+    configure_process,
+    fastapi_options,
+    metrics_endpoint,
+    recent_spans_endpoint,
+)
 from data_plane.common.tls import TlsConfig
+from data_plane.membership.factory import MEMBERSHIP_URL_PATTERN, membership_from_url
 from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
-from data_plane.common.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)

@@ -28,7 +28,12 @@ from starlette.types import Receive, Scope, Send
 
 from data_plane.common.errors import ModelNotFound, Overloaded, install_error_handlers, render
 from data_plane.common.hop_auth import cluster_token_from_env, guarded
-from data_plane.common.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
+from data_plane.common.telemetry import (
+    configure_process,
+    fastapi_options,
+    metrics_endpoint,
+    recent_spans_endpoint,
+)
 from data_plane.gateway.auth import KeyStore
 from data_plane.gateway.chat import ChatHandler
 from data_plane.gateway.context import TokenCounter

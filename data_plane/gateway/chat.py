@@ -36,16 +36,8 @@ from opentelemetry.propagate import extract
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from data_plane.gateway.exchange import Exchange
-from data_plane.gateway.runtime import Gateway, Runtime
-from data_plane.gateway.auth import Principal, key_digest
 from data_plane.cache.model import validate_session_id
-from data_plane.gateway.cluster_state import (
-    DEGRADED_HEADER,
-    SPAN_ATTRIBUTE,
-    Effects,
-)
-from data_plane.gateway.context import fit_window
+from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, DisconnectWatch
 from data_plane.common.errors import (
     InvalidRequest,
     ModelNotFound,
@@ -53,14 +45,21 @@ from data_plane.common.errors import (
     as_error,
     render,
 )
-from data_plane.gateway.stream import Completion
-from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, DisconnectWatch
 from data_plane.common.http_body import read_body
-from data_plane.protocol import parse_chat_request
+from data_plane.gateway.auth import Principal, key_digest
+from data_plane.gateway.cluster_state import (
+    DEGRADED_HEADER,
+    SPAN_ATTRIBUTE,
+    Effects,
+)
+from data_plane.gateway.context import fit_window
+from data_plane.gateway.exchange import Exchange
+from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.gateway.safety.pipeline import raise_if_blocked
-from data_plane.tiers import Tier
+from data_plane.gateway.stream import Completion
+from data_plane.protocol import parse_chat_request
 from data_plane.routing.upstream import ResumableStream
-
+from data_plane.tiers import Tier
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -141,8 +140,8 @@ class ChatHandler:
                 response: Response = self._degraded(JSONResponse(body, headers=opened.headers))
             except ClientDisconnect:
                 raise
-            except Exception as exc:
-                error = as_error(exc, f"request {self.request_id}")  # a bug: still a 500 with the ids
+            except Exception as exc:  # noqa: BLE001 -- a bug: still a 500 with the ids
+                error = as_error(exc, f"request {self.request_id}")
                 span.set_attribute("error.type", error.code or "error")
                 span.set_status(trace.Status(trace.StatusCode.ERROR, error.code or "error"))
                 self.request.state.trace_id = x.trace_id

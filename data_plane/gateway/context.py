@@ -14,8 +14,8 @@ call per *new* message, not per request.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from data_plane.common.errors import ContextLengthExceeded
 
@@ -32,7 +32,7 @@ class TokenCounter:
         self._cache_size = cache_size
 
     @classmethod
-    def for_model(cls, model: str | None) -> "TokenCounter":
+    def for_model(cls, model: str | None) -> TokenCounter:
         from transformers import AutoTokenizer
 
         from data_plane.model_store import resolve_model
@@ -41,7 +41,7 @@ class TokenCounter:
         return cls(lambda text: len(tok.encode(text, add_special_tokens=False)))
 
     @classmethod
-    def whitespace(cls) -> "TokenCounter":
+    def whitespace(cls) -> TokenCounter:
         """For the synthetic engine, whose tokens are words."""
         return cls(lambda text: len(text.split()))
 

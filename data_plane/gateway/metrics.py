@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from data_plane.routing.hop_client import HOP_EVENTS
 from data_plane.common.telemetry import E2E_BUCKETS, LATENCY_BUCKETS
+from data_plane.routing.hop_client import HOP_EVENTS
 
 HOLDBACK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 

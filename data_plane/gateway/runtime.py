@@ -36,8 +36,8 @@ from data_plane.gateway.safety.pipeline import SafetyMetrics, SafetyPolicies
 from data_plane.gateway.settings import GatewaySettings
 from data_plane.gateway.usage import ledger_from_settings
 from data_plane.ledger.writer import UsageLedger
-from data_plane.membership.factory import membership_from_url
 from data_plane.membership.embedded import HttpMembership
+from data_plane.membership.factory import membership_from_url
 from data_plane.membership.view import Member, MembershipView, StaticMembership
 from data_plane.routing.hop_client import HOP_EVENTS, HopPool
 from data_plane.routing.router import Router, RouterMetrics

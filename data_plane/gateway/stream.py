@@ -17,8 +17,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from opentelemetry import trace
@@ -26,9 +25,9 @@ from starlette.types import Send
 
 from data_plane.common.disconnect import CLIENT_CLOSED_STATUS
 from data_plane.common.errors import as_error
-from data_plane.protocol import PromptTokensDetails, Usage, chunk_body, completion_body, new_completion_id
 from data_plane.gateway.exchange import Exchange
 from data_plane.gateway.safety.pipeline import ALLOW, OutputStreamFilter, SafetyMetrics
+from data_plane.protocol import PromptTokensDetails, Usage, chunk_body, completion_body, new_completion_id
 from data_plane.routing.upstream import Delta, Finish, ResumableStream, UsageEvent
 
 log = logging.getLogger(__name__)
@@ -168,8 +167,7 @@ class Completion:
         except asyncio.CancelledError:
             error = "client_disconnected"
             raise
-        except Exception as exc:
-            # a bug must still end the stream properly, not cut it off
+        except Exception as exc:  # noqa: BLE001 -- a bug must still end the stream properly, not cut it off
             failure = as_error(exc, f"request {x.request_id} mid-stream")
             if failure is exc:
                 log.warning("request %s failed mid-stream: %s", x.request_id, failure.message)

@@ -24,8 +24,8 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
 from data_plane.common.errors import InvalidRequest, NotFound
-from data_plane.ledger.writer import UsageLedger, open_ledger
 from data_plane.ledger.store import UsageQuery, default_usage_db, open_ledger_store
+from data_plane.ledger.writer import UsageLedger, open_ledger
 
 if TYPE_CHECKING:
     from data_plane.gateway.auth import KeyStore

@@ -136,7 +136,7 @@ class _SqlStore:
                 try:
                     conn.rollback()
                     conn.close()
-                except Exception:  # the connection is gone anyway
+                except Exception:  # noqa: BLE001, S110 -- the connection is gone anyway
                     pass
                 self._conn = None
                 raise

@@ -36,8 +36,8 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from data_plane.ledger.store import COLUMNS, LedgerStore, UsageQuery
 from data_plane.common.tasks import stop_tasks
+from data_plane.ledger.store import COLUMNS, LedgerStore, UsageQuery
 
 
 class _Principal(Protocol):
@@ -328,7 +328,7 @@ class UsageLedger:
                 started = time.monotonic()
                 try:
                     written, total = await self._in_thread(lambda p=path: self._write_segment(p))
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 -- any failure to write is retried with backoff
                     self._failures += 1
                     delay = RETRY_BACKOFF_S[min(self._failures - 1, len(RETRY_BACKOFF_S) - 1)]
                     self._retry_at = time.monotonic() + delay

@@ -20,8 +20,9 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -29,16 +30,25 @@ from opentelemetry import trace
 from opentelemetry.propagate import extract
 from prometheus_client import CollectorRegistry
 
-from data_plane.shard.engines.base import Engine, GenerationOutput, GenerationRequest, KVSessionRef, SamplingParams
+from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, DisconnectWatch
 from data_plane.common.errors import (
     ModelNotFound,
     Overloaded,
     SwitchboardError,
     install_error_handlers,
 )
-from data_plane.membership.factory import membership_from_url
-from data_plane.common.kv_report import SINCE_HEADER
+from data_plane.common.hop_auth import cluster_headers, cluster_token_from_env, guarded
+from data_plane.common.http_body import read_body
 from data_plane.common.keepalive import KEEPALIVE_COMMENT, KEEPALIVE_META, with_keepalives
+from data_plane.common.kv_report import SINCE_HEADER
+from data_plane.common.telemetry import (
+    configure_process,
+    fastapi_options,
+    metrics_endpoint,
+    recent_spans_endpoint,
+)
+from data_plane.common.tls import TlsConfig
+from data_plane.membership.factory import membership_from_url
 from data_plane.protocol import (
     ChatCompletionRequest,
     PromptTokensDetails,
@@ -48,16 +58,18 @@ from data_plane.protocol import (
     new_completion_id,
     parse_chat_request,
 )
-from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, DisconnectWatch
-from data_plane.common.http_body import read_body
+from data_plane.shard.engines.base import (
+    Engine,
+    GenerationOutput,
+    GenerationRequest,
+    KVSessionRef,
+    SamplingParams,
+)
 from data_plane.shard.kv_reports import KVReportMetrics, KVReports
-from data_plane.shard.metrics import MetricsListener, ShardMetrics
-from data_plane.shard.settings import ShardSettings
-from data_plane.common.hop_auth import cluster_headers, cluster_token_from_env, guarded
 from data_plane.shard.kv_seal import KVSealer, kv_keyring
 from data_plane.shard.kv_tier import KVTier, start_kv_tier
-from data_plane.common.tls import TlsConfig
-from data_plane.common.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
+from data_plane.shard.metrics import MetricsListener, ShardMetrics
+from data_plane.shard.settings import ShardSettings
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -130,7 +142,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
             nonlocal agent
             try:
                 await engine.start()
-            except Exception as exc:  # the shard stays up, unhealthy, saying why
+            except Exception as exc:  # noqa: BLE001 -- the shard stays up, unhealthy, saying why
                 state.load_error = f"{type(exc).__name__}: {exc}"
                 log.error("model load failed: %s", state.load_error)
                 return
@@ -406,7 +418,7 @@ class _Run:
         def event(body: dict[str, Any]) -> bytes:
             return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
-        common = {"completion_id": self.completion_id, "model": model, "created": self.created}
+        common: dict[str, Any] = {"completion_id": self.completion_id, "model": model, "created": self.created}
         error = None
         try:
             yield event(chunk_body(**common, delta={"role": "assistant", "content": ""}))
@@ -445,7 +457,9 @@ def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(ShardSettings, argv, prog="switchboard shard")
     configure_process("switchboard-shard")
     if settings.engine == "vllm":
-        from data_plane.shard.engines.vllm_engine import run_sidecar  # lazy: vllm is a GPU-only optional extra
+        from data_plane.shard.engines.vllm_engine import (
+            run_sidecar,  # lazy: vllm is a GPU-only optional extra
+        )
 
         run_sidecar(settings)
         return

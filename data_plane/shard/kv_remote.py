@@ -27,9 +27,9 @@ import logging
 import ssl
 import time
 from collections.abc import Mapping, Sequence
-from urllib.parse import urlsplit
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -134,7 +134,7 @@ class KVRemote:
         ids = replicas_across_zones(self._ring.walk(session_id), max(1, replicas), self._zone_of, local=self._zone)
         return [self._by_id[i] for i in local_first(ids, self._zone_of, self._zone)]
 
-    async def store(self, session_id: str, replicas: int, links: list[bytes], frames: list[bytes],
+    async def store(self, session_id: str, replicas: int, links: list[bytes], frames: list[bytes | bytearray],
                     ttl_s: float | None) -> int:
         """PUT the frames (and links to blocks already there) on every replica; returns acks."""
         targets = self.replicas_for(session_id, replicas)

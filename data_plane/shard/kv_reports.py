@@ -28,6 +28,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter
+
 from data_plane.common.kv_report import (
     CHAIN_HEADER,
     EVICTED_HEADER,
@@ -36,8 +38,6 @@ from data_plane.common.kv_report import (
     format_chain,
     format_evicted,
 )
-from prometheus_client import CollectorRegistry, Counter
-
 from data_plane.shard.engines.base import GenerationRequest
 
 log = logging.getLogger(__name__)

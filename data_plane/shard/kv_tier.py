@@ -36,11 +36,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from data_plane.kv_wire import REJECT_SEALED, BlockHeader, KVWireError, decode_frame, encode_frame, split_frames
+from data_plane.kv_wire import (
+    REJECT_SEALED,
+    BlockHeader,
+    KVWireError,
+    decode_frame,
+    encode_frame,
+    split_frames,
+)
 from data_plane.shard.kv_metrics import KVTierMetrics
-from data_plane.shard.kv_seal import KVSealer, block_scopes
-
 from data_plane.shard.kv_remote import KVRemote
+from data_plane.shard.kv_seal import KVSealer, block_scopes
 
 if TYPE_CHECKING:
     import httpx
@@ -179,7 +185,7 @@ class KVTier:
             job = await self._queue.get()
             try:
                 await self._offload(job)
-            except Exception:  # noqa: BLE001 - offload is best effort; the worker must live on
+            except Exception:
                 log.exception("KV offload failed")
             finally:
                 self._pending_bytes -= job.kv.numel() * job.kv.element_size()

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.common.telemetry import E2E_BUCKETS, LATENCY_BUCKETS
 from data_plane.shard.engines.base import EngineStats
+from data_plane.shard.engines.torch_config import StepListener
 from data_plane.shard.kv_metrics import KVTierMetrics
 from data_plane.shard.spec_metrics import SpecMetrics
 
@@ -218,7 +219,7 @@ class ShardMetrics:
         self.kv_capacity.labels(m).set(stats.prefix_cache_capacity_bytes)
 
 
-class MetricsListener:
+class MetricsListener(StepListener):
     """Feeds engine-thread events into ShardMetrics (prometheus_client is thread-safe)."""
 
     def __init__(self, metrics: ShardMetrics) -> None:

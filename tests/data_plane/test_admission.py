@@ -13,8 +13,8 @@ import gc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from data_plane.gateway.admission import Admission, AdmissionConfig, AdmissionMetrics, Ticket, shard_capacity
 from data_plane.common.errors import Overloaded
+from data_plane.gateway.admission import Admission, AdmissionConfig, AdmissionMetrics, Ticket, shard_capacity
 from data_plane.tiers import TierPolicy
 
 POLICY = TierPolicy.default()

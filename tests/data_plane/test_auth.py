@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from data_plane.gateway.auth import KeyStore, Principal, generate_key, key_digest, write_dev_keys
 from data_plane.common.errors import AuthenticationError
+from data_plane.gateway.auth import KeyStore, Principal, generate_key, key_digest, write_dev_keys
 
 KEY_A = "sk-test-aaaaaaaaaaaa"
 KEY_B = "sk-test-bbbbbbbbbbbb"

@@ -17,8 +17,8 @@ import pytest
 from data_plane import bench
 from data_plane.bench.common import RequestResult, closed_loop, percentile, summarize
 from data_plane.bench.serve import compute_metrics, parse_goodput
-from tests.support.cluster import Cluster
 from tests.support.bench import ENGINE_ROW_KEYS, needs_model
+from tests.support.cluster import Cluster
 from tests.support.procs import Service, switchboard
 
 SERVE_KEYS = {

@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry
 from data_plane.cache.client import SessionStore
 from data_plane.cache.model import Transcript, VersionConflict
 from data_plane.common.errors import InvalidRequest, NotFound, Overloaded
-from data_plane.routing.hop_client import HopPool
 from data_plane.membership.view import Member, StaticMembership
+from data_plane.routing.hop_client import HopPool
 from tests.support.cluster import start_cache_nodes
 from tests.support.procs import Service, free_port
 

@@ -206,8 +206,8 @@ def test_admin_traces_show_a_request_across_processes(stack: Stack) -> None:
 
 
 def test_effects_by_level() -> None:
-    from data_plane.gateway.cluster_state import Degradation, Effects
     from data_plane.common.errors import Overloaded
+    from data_plane.gateway.cluster_state import Degradation, Effects
 
     policy = TierPolicy.default()
     for level in range(5):

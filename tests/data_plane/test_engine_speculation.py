@@ -9,7 +9,7 @@ import asyncio
 import time
 import uuid
 from collections import Counter
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 

@@ -25,7 +25,7 @@ def _cuda() -> bool:
         import torch
 
         return torch.cuda.is_available()
-    except Exception:
+    except Exception:  # noqa: BLE001 -- any failure to ask means no usable GPU
         return False
 
 

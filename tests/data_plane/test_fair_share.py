@@ -14,6 +14,7 @@ import asyncio
 import statistics
 import threading
 import time
+from typing import Self
 
 import httpx
 import pytest
@@ -54,7 +55,7 @@ class Flood:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
-    def __enter__(self) -> Flood:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 

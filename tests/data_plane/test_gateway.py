@@ -112,7 +112,7 @@ def test_session_replays_context_and_is_bound_to_its_key(cluster: Cluster) -> No
     stream = client(cluster).chat.completions.create(
         model="synthetic", messages=[{"role": "user", "content": "and again"}], max_tokens=3, stream=True,
         stream_options={"include_usage": True}, extra_headers={"X-Session-Id": sid})
-    usage = [c.usage for c in stream if c.usage][0]
+    usage = next(c.usage for c in stream if c.usage)
     assert usage.prompt_tokens > expected
     # Another key, even of the same tenant, cannot see it.
     for other in ("plus2", "free"):
@@ -230,9 +230,9 @@ def test_traceparent_continues_across_gateway_and_shard(cluster: Cluster) -> Non
     gw_spans = httpx.get(cluster.gateway.url + "/debug/spans", params={"trace_id": trace_id}, headers=auth).json()
     names = {s["name"] for s in gw_spans}
     assert {"gateway.request", "safety.input", "router.route", "safety.output", "cache.append"} <= names, names
-    request = [s for s in gw_spans if s["name"] == "gateway.request"][0]["attributes"]
+    request = next(s for s in gw_spans if s["name"] == "gateway.request")["attributes"]
     assert 0 < request["switchboard.gateway.ttft_s"] < 30 and request["switchboard.gateway.holdback_s"] >= 0
-    output = [s for s in gw_spans if s["name"] == "safety.output"][0]["attributes"]
+    output = next(s for s in gw_spans if s["name"] == "safety.output")["attributes"]
     assert output["switchboard.safety.max_held_chars"] >= 0
     shard_spans = []
     for shard in cluster.shards:
@@ -240,7 +240,7 @@ def test_traceparent_continues_across_gateway_and_shard(cluster: Cluster) -> Non
     generate = [s for s in shard_spans if s["name"] == "shard.generate"]
     assert len(generate) == 1, [s["name"] for s in shard_spans]
     assert generate[0]["attributes"]["gen_ai.usage.output_tokens"] == 2
-    route = [s for s in gw_spans if s["name"] == "router.route"][0]
+    route = next(s for s in gw_spans if s["name"] == "router.route")
     assert generate[0]["parent_span_id"] == route["span_id"]
 
 

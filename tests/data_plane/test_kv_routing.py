@@ -8,8 +8,8 @@ import random
 
 from prometheus_client import CollectorRegistry
 
-from data_plane.routing.kv_routing import KVIndex
 from data_plane.membership.view import Member, StaticMembership
+from data_plane.routing.kv_routing import KVIndex
 from data_plane.routing.router import Router, RouterMetrics
 
 

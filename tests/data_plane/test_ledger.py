@@ -19,8 +19,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from data_plane.ledger.writer import LedgerMetrics, Spool, UsageLedger, read_segment
 from data_plane.ledger.store import MIGRATIONS, UsageQuery, open_ledger_store
+from data_plane.ledger.writer import LedgerMetrics, Spool, UsageLedger, read_segment
 from tests.support.cluster import ADMIN_TOKEN, KEYS, Cluster, api_keys_env
 from tests.support.ledger import usage_record
 from tests.support.postgres import PostgresServer
@@ -62,7 +62,7 @@ def test_inserts_are_idempotent_and_reads_group_and_filter(store_url: str) -> No
     out = store.usage(UsageQuery(bucket_s=3600, group_by=("tenant", "tier")))
     assert out["totals"] == {"requests": 3, "errors": 1, "prompt_tokens": 20, "cached_tokens": 4,
                              "completion_tokens": 10}
-    assert [(r["start"], r["tenant"], r["tier"]) for r in out["rows"]][0] == (hour - 3600, "bigco", "enterprise")
+    assert next((r["start"], r["tenant"], r["tier"]) for r in out["rows"]) == (hour - 3600, "bigco", "enterprise")
     assert {(r["tenant"], r["tier"]) for r in out["rows"]} == {("bigco", "enterprise"), ("acme", "plus"),
                                                                ("acme", "free")}
     acme = store.usage(UsageQuery(tenant="acme", start=hour, end=hour + 3600))

@@ -19,8 +19,6 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from data_plane.membership.embedded import HttpMembership, RegistrationAgent
-from data_plane.membership.view import Member
 from data_plane.membership.consul import (
     ConsulMembership,
     ConsulRegistrationAgent,
@@ -30,7 +28,9 @@ from data_plane.membership.consul import (
     member_from_health,
     member_status,
 )
+from data_plane.membership.embedded import HttpMembership, RegistrationAgent
 from data_plane.membership.factory import membership_from_url
+from data_plane.membership.view import Member
 from tests.support.cluster import KEYS, api_keys_env
 from tests.support.consul_stub import ConsulStub, consul_agent, consul_client
 from tests.support.metrics import metric

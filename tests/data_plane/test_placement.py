@@ -11,9 +11,9 @@ from prometheus_client import CollectorRegistry
 
 from data_plane.cache.client import SessionStore
 from data_plane.membership.hashring import HashRing
-from data_plane.routing.hop_client import HopPool
-from data_plane.membership.view import Member, StaticMembership
 from data_plane.membership.placement import DEFAULT_ZONE, local_first, prefer_zone, replicas_across_zones
+from data_plane.membership.view import Member, StaticMembership
+from data_plane.routing.hop_client import HopPool
 from data_plane.routing.router import Router, RouterMetrics
 
 ZONES = {"a1": "a", "a2": "a", "a3": "a", "b1": "b", "b2": "b", "c1": "c"}

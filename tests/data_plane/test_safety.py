@@ -49,7 +49,7 @@ def stream_through(stream: OutputStreamFilter, deltas: list[str]) -> tuple[str, 
 
 def split_at(text: str, cuts: list[int]) -> list[str]:
     bounds = [0, *sorted(cuts), len(text)]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [text[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 # --- verdicts and rules -------------------------------------------------------------------
@@ -372,7 +372,7 @@ def test_stream_random_splits_of_long_text():
         start = where + 1
         cuts = sorted(rng.sample(range(1, len(text)), rng.randrange(0, 60)))
         stream = default_policy().output_stream()
-        out, outs = stream_through(stream, split_at(text, cuts))
+        out, _outs = stream_through(stream, split_at(text, cuts))
         assert stream.verdict is not None and stream.verdict.category == WMD
         assert out == text[: len(out)] and len(out) <= start
         if start > 3 * DEFAULT_WINDOW:
@@ -409,7 +409,7 @@ def test_a_possible_beginning_is_held_only_while_it_could_still_match():
 
 def test_reply_shorter_than_the_old_window_streams_in_many_pieces():
     stream = default_policy().output_stream()
-    words = "Paris is the capital of France.".split(" ")
+    words = ["Paris", "is", "the", "capital", "of", "France."]
     outs = [stream.feed(w + " ") for w in words]
     assert all(outs) and "".join(outs) == "Paris is the capital of France. "
 

@@ -42,7 +42,7 @@ def test_a_sealed_transcript_holds_no_plaintext_and_opens_for_its_session_only()
     version, kid, nonce, body = wire[0]["content"].split(".")
     flipped = body[:-2] + ("A" if body[-2] != "A" else "B") + body[-1]
     with pytest.raises(SealError):
-        sealer.open("sess_a", "owner-1", [{"role": SEALED_ROLE, "content": ".".join([version, kid, nonce, flipped])}])
+        sealer.open("sess_a", "owner-1", [{"role": SEALED_ROLE, "content": f"{version}.{kid}.{nonce}.{flipped}"}])
     assert sealer.seal("sess_a", "owner-1", MESSAGES) != wire  # a fresh nonce every time
     assert registry.get_sample_value("switchboard_session_crypto_total", {"op": "open", "result": "failed"}) == 3
 

@@ -17,8 +17,8 @@ PROMPTS = [
     "What is the capital of France?",
     "Write one sentence about the sea.",
     "List three colours.",
-    "Explain in detail, step by step, how a bicycle works, covering the frame, the wheels, the chain, "
-    "the gears and the brakes, and say why each part matters to the rider.",
+    ("Explain in detail, step by step, how a bicycle works, covering the frame, the wheels, the chain, "
+    "the gears and the brakes, and say why each part matters to the rider."),
     "Hi",
     "What is 2 + 2?",
     "Name a famous scientist and say what they discovered, in two sentences.",
@@ -93,7 +93,7 @@ def test_stop_strings_and_seeded_sampling(fp32_shard: Service) -> None:
     cut = chat(fp32_shard.url, PROMPTS[0], max_tokens=16, stop=[" is "])
     assert cut["choices"][0]["message"]["content"] == full.split(" is ")[0]
     assert cut["choices"][0]["finish_reason"] == "stop"
-    kw = dict(max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    kw = {"max_tokens": 20, "temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": 1234}
     a = chat(fp32_shard.url, PROMPTS[1], **kw)["choices"][0]["message"]["content"]
     b = chat(fp32_shard.url, PROMPTS[1], **kw)["choices"][0]["message"]["content"]
     assert a == b
@@ -201,7 +201,7 @@ def test_metrics_use_vllm_names(fp32_shard: Service) -> None:
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
                  "switchboard_shard_batch_size_bucket", "switchboard_shard_step_seconds_bucket",
                  "switchboard_shard_intra_op_threads", "switchboard_shard_thread_switches_total"]:
-        assert re.search(rf'^{re.escape(name)}\{{.*model_name="SmolLM2-135M-Instruct"', text, re.M), name
+        assert re.search(rf'^{re.escape(name)}\{{.*model_name="SmolLM2-135M-Instruct"', text, re.MULTILINE), name
 
 
 def test_missing_model_is_a_clear_error() -> None:

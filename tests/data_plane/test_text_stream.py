@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from data_plane.shard.engines.base import TextStream, check_lengths
 from data_plane.common.errors import ContextLengthExceeded, InvalidRequest
+from data_plane.shard.engines.base import TextStream, check_lengths
 
 
 def byte_decode(ids: list[int]) -> str:

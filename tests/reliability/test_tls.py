@@ -18,8 +18,8 @@ import httpx
 import openai
 import pytest
 
-from data_plane.routing.hop_client import HopConnectError, HopPool
 from data_plane.common.tls import CA_BUNDLE_ENV, make_dev_pki
+from data_plane.routing.hop_client import HopConnectError, HopPool
 from tests.support.cluster import KEYS, api_keys_env
 from tests.support.procs import CLUSTER_HEADERS, Service
 

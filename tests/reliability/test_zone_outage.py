@@ -86,8 +86,8 @@ def test_a_zone_outage_loses_no_paid_conversation(hosts: None) -> None:
             gw.start()
             started.append(gw)
         for gw in gws.values():
-            eventually(lambda: metric(gw.url, "switchboard_gateway_members", service="shard") == 2
-                       and metric(gw.url, "switchboard_gateway_members", service="cache") == 2, 15,
+            eventually(lambda: metric(gw.url, "switchboard_gateway_members", service="shard") == 2  # noqa: B023
+                       and metric(gw.url, "switchboard_gateway_members", service="cache") == 2, 15,  # noqa: B023
                        what="both zones in the gateways' membership")
 
         # Conversations before the outage: paid and free, started on zone A's gateway (so free ones live
@@ -145,7 +145,7 @@ def test_a_zone_outage_loses_no_paid_conversation(hosts: None) -> None:
             assert r.http_response.status_code == 200
             body = r.parse()
             # the prompt replayed the first turn (user + assistant) before the new message
-            history_ok += body.usage.prompt_tokens > len("and now?".split()) + 10
+            history_ok += body.usage.prompt_tokens > len(["and", "now?"]) + 10
         assert history_ok == len(paid)
         # Free conversations that lived only in zone A are gone: 404, never a 500.
         for session in free_a:

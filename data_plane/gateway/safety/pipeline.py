@@ -55,6 +55,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 
 from data_plane.common.errors import ContentPolicyViolation
+from data_plane.common.yaml_source import load_yaml
 from data_plane.gateway.safety.filters import (
     ALLOW,
     FILTERS,
@@ -67,7 +68,6 @@ from data_plane.gateway.safety.filters import (
     luhn_valid,
 )
 from data_plane.gateway.safety.stream import DEFAULT_WINDOW, RIGHT_CONTEXT, OutputStreamFilter, first_block
-from data_plane.common.yaml_source import load_yaml
 
 __all__ = [
     "ALLOW", "DEFAULT_POLICIES", "DEFAULT_RULES", "DEFAULT_WINDOW", "FILTERS", "RIGHT_CONTEXT", "Filter",

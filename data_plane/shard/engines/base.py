@@ -15,8 +15,9 @@ away) aborts the request at the engine's next step and frees its slot.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Protocol, Sequence
+from typing import Protocol
 
 from data_plane.common.errors import ContextLengthExceeded, InvalidRequest
 

@@ -41,8 +41,8 @@ import sys
 import time
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import xxhash

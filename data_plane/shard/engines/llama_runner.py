@@ -28,6 +28,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,8 +55,10 @@ class _Layer:
 
 
 class LlamaRunner:
-    def __init__(self, model: torch.nn.Module, *, dtype: torch.dtype, max_num_seqs: int, max_len: int,
+    def __init__(self, model: Any, *, dtype: torch.dtype, max_num_seqs: int, max_len: int,
                  pack: bool | None = None) -> None:
+        # `model`: a transformers causal LM; its submodules and config are reached by attribute, which
+        # torch types as Tensor | Module, so it is Any here.
         cfg = model.config
         arch = (getattr(cfg, "architectures", None) or [type(model).__name__])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -123,7 +126,7 @@ class LlamaRunner:
         self.v_cache = [torch.zeros(shape, dtype=dtype) for _ in range(self.num_layers)]
 
     @classmethod
-    def from_pretrained(cls, path: Path, *, dtype: torch.dtype, max_num_seqs: int, max_len: int) -> "LlamaRunner":
+    def from_pretrained(cls, path: Path, *, dtype: torch.dtype, max_num_seqs: int, max_len: int) -> LlamaRunner:
         from transformers import AutoModelForCausalLM
 
         # Load straight into the serving dtype: no transient fp32 copy of the weights.

@@ -36,8 +36,8 @@ sequences run (EngineConfig.spec_max_batch, measured: see docs/BENCHMARKS.md).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 

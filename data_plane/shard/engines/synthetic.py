@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from typing import Any, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from data_plane.shard.engines.base import (
     FINISH_ABORT,

@@ -24,7 +24,8 @@ import heapq
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from data_plane.shard.engines.base import FINISH_ABORT
 from data_plane.shard.engines.torch_config import EngineConfig, SeqState, StepListener

@@ -33,7 +33,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from data_plane.shard.engines.torch_config import EngineConfig, SeqState, StepListener
 

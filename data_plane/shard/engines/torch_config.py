@@ -9,8 +9,8 @@ shard (data_plane/shard/app.py) and by the bench; it holds no behaviour beyond v
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -86,7 +86,7 @@ class SeqState:
 
     req: GenerationRequest
     max_tokens: int
-    sink: Callable[[GenerationOutput], None]
+    sink: Callable[[GenerationOutput | BaseException], None]
     stream: TextStream
     generator: torch.Generator | None
     slot: int = -1

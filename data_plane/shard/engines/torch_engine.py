@@ -39,12 +39,19 @@ import logging
 import os
 import threading
 import time
-from typing import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import torch
 
 from data_plane.common.errors import Overloaded
-from data_plane.shard.engines.base import EngineStats, GenerationOutput, GenerationRequest, TextStream, check_lengths
+from data_plane.shard.engines.base import (
+    EngineStats,
+    GenerationOutput,
+    GenerationRequest,
+    TextStream,
+    check_lengths,
+)
 from data_plane.shard.engines.torch_admission import Admission
 from data_plane.shard.engines.torch_beside import Beside
 from data_plane.shard.engines.torch_config import DTYPES, EngineConfig, SeqState, StepListener
@@ -78,7 +85,7 @@ class TorchEngine(Beside, Admission, Stepper):
         self.model_name = "unloaded"
         self.max_model_len = config.max_model_len
         self._runner = None
-        self._tokenizer = None
+        self._tokenizer: Any = None  # a transformers tokenizer, once loaded
         self._eos: set[int] = set()
         self._waiting: list[tuple[int, int, SeqState]] = []
         self._counter = itertools.count()
@@ -138,8 +145,8 @@ class TorchEngine(Beside, Admission, Stepper):
     def _load(self) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
-        from data_plane.shard.engines.llama_runner import LlamaRunner
         from data_plane.model_store import resolve_model, served_name
+        from data_plane.shard.engines.llama_runner import LlamaRunner
 
         # fp32 is the batch-invariant mode: its numerics must not depend on when a probe switches threads.
         adaptive = self.config.adaptive_threads and self.config.dtype != "float32"

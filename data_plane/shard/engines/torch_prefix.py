@@ -23,11 +23,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from data_plane.shard.engines.kv_cache import BlockHasher, CacheEvents, PrefixCache, auto_budget_bytes, layout_seed
+from data_plane.shard.engines.kv_cache import (
+    BlockHasher,
+    CacheEvents,
+    PrefixCache,
+    auto_budget_bytes,
+    layout_seed,
+)
 
 if TYPE_CHECKING:
     from data_plane.shard.engines.base import GenerationRequest
@@ -81,7 +88,7 @@ class SlotPrefix:
     def build(cls, runner: LlamaRunner, *, model_id: str, dtype: str, block_size: int, budget_bytes: int,
               on_evict: Callable[[str, int], None],
               on_block_evicted: Callable[[float, float], None] | None = None,
-              on_block_reused: Callable[[float], None] | None = None) -> "SlotPrefix":
+              on_block_reused: Callable[[float], None] | None = None) -> SlotPrefix:
         r = runner
         layout = f"llama.L{r.num_layers}.kvh{r.num_kv_heads}.d{r.head_dim}.bs{block_size}"
         hasher = BlockHasher(layout_seed(model_id, dtype, layout), block_size)

@@ -9,7 +9,7 @@ speculation.target_probs applies the same processing batched, for verification.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from data_plane.shard.engines.spec_runner import verify
 from data_plane.shard.engines.speculation import (

@@ -15,11 +15,18 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from data_plane.shard.engines.base import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, GenerationOutput, RequestTimings
+from data_plane.shard.engines.base import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationOutput,
+    RequestTimings,
+)
 from data_plane.shard.engines.torch_config import SeqState, StepListener
 from data_plane.shard.engines.torch_sampling import sample
 from data_plane.shard.kv_transcript import GeneratedTokens

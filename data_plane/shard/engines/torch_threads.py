@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import defaultdict, deque
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 

@@ -81,8 +81,8 @@ def vllm_command(settings: ShardSettings, model_path: str, served_name: str, por
 
 
 def create_sidecar(settings: ShardSettings) -> FastAPI:
-    from data_plane.membership.view import Member
     from data_plane.membership.factory import membership_from_url
+    from data_plane.membership.view import Member
     from data_plane.model_store import resolve_model, served_name
 
     try:
@@ -98,7 +98,7 @@ def create_sidecar(settings: ShardSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        proc = subprocess.Popen(cmd)
+        proc = subprocess.Popen(cmd)  # noqa: ASYNC220 -- once, at start-up, before serving
         http = httpx.AsyncClient(timeout=5.0)
         agent = None
         registry = settings.membership or settings.registry_url
