@@ -2,9 +2,10 @@
 
     .venv/bin/python -m pytest tests/test_self_contained.py -q      # < 1 s
 
-A relative path to a file (``../x/y.md``) must resolve inside the repository, from the file that
-names it or, for prose that names paths from the top (README, docstrings), from the root; and the
-design notes the project grew from are in docs/, not in a sibling folder.
+A relative path to a file (parent-directory steps, then a file name) must resolve inside the
+repository, from the file that names it or, for prose that names paths from the top (README,
+docstrings), from the root; and the design notes the project grew from are in docs/, not in a
+sibling folder.
 """
 
 from __future__ import annotations
