@@ -12,7 +12,8 @@ stored, `num_computed_tokens` catches up with the tokens (prompt + output). A RU
 whose count is below its prompt length is being prefilled; once the prompt is in, the last
 sampled token is the one not yet in the KV, so a decoding sequence always has
 ``num_computed_tokens == num_tokens - 1``. Where it sits (slot) and what it is (status) are
-fields, not membership of some list. Torch is imported for types only.
+fields, not membership of some list. Neither this module nor the scheduler imports torch (an
+import contract in pyproject.toml holds it).
 """
 
 from __future__ import annotations
@@ -20,15 +21,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from data_plane.shard.engines.base import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 
 if TYPE_CHECKING:
-    import torch
-
     from data_plane.shard.engines.base import GenerationOutput, GenerationRequest, TextStream
-    from data_plane.shard.engines.speculation import SeqSpec
 
 
 class SeqStatus(enum.Enum):
@@ -65,7 +63,7 @@ class SeqState:
     max_tokens: int
     sink: Callable[[GenerationOutput | BaseException], None]
     stream: TextStream
-    generator: torch.Generator | None
+    generator: Any  # torch.Generator | None (typed loosely: this module and the scheduler never import torch)
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the slot
     slot: int = -1
@@ -77,7 +75,7 @@ class SeqState:
     block_hashes: list[bytes] = field(default_factory=list)  # the prompt's full blocks
     cached: int = 0  # prompt tokens whose KV came from the prefix cache
     held: list[int] = field(default_factory=list)  # prefix-cache blocks referenced by this sequence
-    spec: SeqSpec | None = None  # speculation state (data_plane/shard/engines/torch_spec.py), when drafting is on
+    spec: Any = None  # speculation.SeqSpec (torch_spec.py), when drafting is on
     spec_ctx: list[int] = field(default_factory=list)  # prompt + output, append-only, for the n-gram index
 
     @property
