@@ -41,20 +41,21 @@ class SlotBatched:
     def __init__(self, r: Heads, lens: Sequence[int], starts: Sequence[int]) -> None:
         self.r = r
         n = self.n = len(lens)
-        lens_t = torch.tensor(list(lens), dtype=torch.long)
-        self.t_max = t_max = int(lens_t.max())
-        self.total = total = int(lens_t.sum())
+        self.t_max = t_max = max(lens)
+        self.total = total = sum(lens)
+        self.fused = r.dtype != torch.float32
+        self.uniform = total == n * t_max  # one slot, or every row as long: no per-layer scatter/gather
         first = torch.tensor(list(starts), dtype=torch.long)
+        if t_max == 1:  # a plain decode step
+            self.span = span = max(starts) + 1
+            self.mask = (torch.arange(span).unsqueeze(0) <= first.unsqueeze(1)).view(n, 1, 1, span)
+            return
+        lens_t = torch.tensor(list(lens), dtype=torch.long)
         self.slot = slot = torch.repeat_interleave(torch.arange(n), lens_t)
         self.within = within = torch.arange(total) - (lens_t.cumsum(0) - lens_t)[slot]  # row's index inside its slot
         pos = first[slot] + within
         self.span = span = int(pos.max()) + 1
-        self.fused = r.dtype != torch.float32
-        self.uniform = total == n * t_max  # one slot, or every row as long: no per-layer scatter/gather
         g = r.group
-        if t_max == 1:
-            self.mask = (torch.arange(span).unsqueeze(0) <= pos.unsqueeze(1)).view(n, 1, 1, span)
-            return
         # [n, T, span] mask: query row j of slot i sees positions <= its own; filler rows see position 0.
         mask = torch.zeros(n, t_max, span, dtype=torch.bool)
         mask[:, :, 0] = True

@@ -191,8 +191,11 @@ class LlamaRunner:
         lens = [len(ids) for _, ids, _ in items]
         starts = [start for _, _, start in items]
         ids = torch.tensor([t for _, seq, _ in items for t in seq], dtype=torch.long)
-        pos = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, lens)])
-        slot_of = torch.repeat_interleave(torch.tensor(slots, dtype=torch.long), torch.tensor(lens))
+        if max(lens) == 1:  # a decode step: one token a slot
+            pos, slot_of = torch.tensor(starts, dtype=torch.long), torch.tensor(slots, dtype=torch.long)
+        else:
+            pos = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, lens)])
+            slot_of = torch.repeat_interleave(torch.tensor(slots, dtype=torch.long), torch.tensor(lens))
         # Flat row index of (slot, kv_head, position) in a [slots*kv_heads*max_len, head_dim] view:
         # index_copy_ there is several times cheaper than advanced-index assignment.
         kv_rows = (((slot_of * self.num_kv_heads).unsqueeze(1) + torch.arange(self.num_kv_heads)) * self.max_len
