@@ -49,7 +49,11 @@ def test_second_turn_computes_only_its_new_tokens(fp32_shard: Service) -> None:
                      {"role": "user", "content": "And a cassette?"}]
     before = {name: metric(url, name) for name in (
         "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
-        "vllm:request_prefill_kv_computed_tokens_sum", "vllm:prompt_tokens_cached_total")}
+        "vllm:request_prefill_kv_computed_tokens_sum", "vllm:prompt_tokens_cached_total",
+        "vllm:kv_block_reuse_gap_seconds_count")}
+    by_source = {(name, source): metric(url, name, source=source) for name, source in (
+        ("vllm:prompt_tokens_by_source_total", "local_cache_hit"), ("vllm:prompt_tokens_by_source_total", "local_compute"),
+        ("vllm:prompt_tokens_cached_by_source_total", "device"))}
     rid = uuid.uuid4().hex
     r2 = ask(url, turn2, salt, request_id=rid)
     p2 = r2["usage"]["prompt_tokens"]
@@ -59,6 +63,11 @@ def test_second_turn_computes_only_its_new_tokens(fp32_shard: Service) -> None:
     assert delta["vllm:prefix_cache_hits_total"] == cached(r2)
     assert delta["vllm:prompt_tokens_cached_total"] == cached(r2)
     assert delta["vllm:request_prefill_kv_computed_tokens_sum"] == p2 - cached(r2) < BLOCK + (p2 - in_kv)
+    assert delta["vllm:kv_block_reuse_gap_seconds_count"] >= cached(r2) // BLOCK  # each reused block: one gap
+    moved = {key: metric(url, key[0], source=key[1]) - v for key, v in by_source.items()}
+    assert moved == {("vllm:prompt_tokens_by_source_total", "local_cache_hit"): cached(r2),
+                     ("vllm:prompt_tokens_by_source_total", "local_compute"): p2 - cached(r2),
+                     ("vllm:prompt_tokens_cached_by_source_total", "device"): cached(r2)}
     span = next(s for s in httpx.get(url + "/debug/spans", headers=CLUSTER_HEADERS).json()
                 if s["name"] == "shard.generate" and s["attributes"].get("switchboard.request_id") == rid)
     event = next(e for e in span["events"] if e["name"] == "prefix_cache")
