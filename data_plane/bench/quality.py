@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     info = machine_info()
     rows = measure([f.strip() for f in args.formats.split(",") if f.strip()], args.prompts, args.tokens,
                    args.model, args.threads)
-    print(f"machine: {info.get('cpu')} | flags {info.get('cpu_flags')}")
+    print(f"machine: {info.get('cpu_model')} | flags {' '.join(info.get('cpu_flags') or []) or '-'}")
     print(format_table(
         ["format", "served as", "weights", "MiB", "x bf16", "perplexity", "vs fp32", "agree prompts", "agree tokens"],
         [[r["format"], f"{r['dtype']}/{r['quantization']}", r["weights"], fmt(r["weight_bytes"] / 2**20),

@@ -111,6 +111,9 @@ class GGUFWeights:
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
 
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
     def kinds(self) -> dict[str, int]:
         return dict(Counter(t.kind for t in self._tensors.values()))
 

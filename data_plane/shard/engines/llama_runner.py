@@ -116,6 +116,10 @@ class LlamaRunner:
             )
         self.intermediate = self.layers[0].down.in_features
         self.weight_format = weights.label
+        self.weight_params = (self.lm_head.numel + (0 if tied else self.lm_head.numel) + self.norm.numel()
+                              + sum(l.qkv.numel + l.o.numel + l.gate_up.numel + l.down.numel + 2 * l.ln_in.numel()
+                                    for l in self.layers))
+        """Parameters (a tied head and embedding once): 2x this is the model's dense bf16 bytes."""
         # Bytes a decode step reads: each weight once (a tied head and embedding are one table).
         self._weight_bytes = (nbytes(self.lm_head) + (0 if tied else nbytes(self.embed)) + nbytes(self.norm)
                               + sum(nbytes(l.qkv) + nbytes(l.o) + nbytes(l.gate_up) + nbytes(l.down)
@@ -145,14 +149,13 @@ class LlamaRunner:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if plan is not None and plan.quantization != "none" and gguf is not None:
-            from data_plane.shard.engines.gguf_weights import GGUFWeights
+            from data_plane.shard.engines.prepared_weights import load_or_prepare
 
             cfg = AutoConfig.from_pretrained(str(path))
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
             kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-            source = GGUFWeights.open(gguf, num_heads=cfg.num_attention_heads, num_kv_heads=kv_heads)
-            weights = WeightBuilder(plan, gguf=source)
+            weights = WeightBuilder(plan, gguf=load_or_prepare(gguf, path, cfg.num_attention_heads, kv_heads))
             return cls(model, dtype=dtype, max_num_seqs=max_num_seqs, max_len=max_len, weights=weights)
         # Load straight into the serving dtype: no transient fp32 copy of the weights.
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)

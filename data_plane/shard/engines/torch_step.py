@@ -104,7 +104,8 @@ class Stepper:
         now = time.monotonic()
         if seq.first_token_at is None:
             seq.first_token_at = now
-            self.listener.on_first_token(now - seq.req.arrival)
+            self.listener.on_first_token(now - seq.req.arrival, (seq.prefill_done_at - (seq.admitted_at or now))
+                                         if seq.prefill_done_at else None)
         seq.last_token = token
         if token in self._eos:
             self._finish(seq, FINISH_STOP, held)

@@ -51,6 +51,7 @@ import torch
 
 from data_plane.shard.engines.gguf_weights import INT4_KINDS, GGUFWeights
 from data_plane.shard.engines.packed_linear import Linear, should_pack
+from data_plane.shard.engines.prepared_weights import PreparedWeights
 from data_plane.shard.engines.quant_linear import Int4Linear, Int8Embedding, Int8Linear
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
@@ -168,7 +169,7 @@ class WeightBuilder:
     """Builds the runner's layers in the plan's format from a dense state dict and/or a GGUF."""
 
     def __init__(self, plan: WeightPlan, *, state: Mapping[str, torch.Tensor] | None = None,
-                 gguf: GGUFWeights | None = None, pack: bool | None = None) -> None:
+                 gguf: GGUFWeights | PreparedWeights | None = None, pack: bool | None = None) -> None:
         if state is None and gguf is None:
             raise ValueError("WeightBuilder needs a state dict or a GGUF")
         self.plan = plan
@@ -226,6 +227,16 @@ class WeightBuilder:
             embed = self._dense("model.embed_tokens.weight").to(self.dtype).contiguous()
             head = embed if tied else self._dense("lm_head.weight").to(self.dtype).contiguous()
             return embed, Linear(head, pack=self.pack)
-        table = Int8Linear.from_dense(self._dense("model.embed_tokens.weight"), dtype=self.dtype)
-        qhead = table if tied else Int8Linear.from_dense(self._dense("lm_head.weight"), dtype=self.dtype)
+        table = self._int8("model.embed_tokens.weight")
+        qhead = table if tied else self._int8("lm_head.weight")
         return table.embedding(), qhead
+
+    def _int8(self, name: str) -> Int8Linear:
+        """A per-channel int8 table: as prepared (data_plane/shard/engines/prepared_weights.py) or quantized now."""
+        if isinstance(self._gguf, PreparedWeights) and name in self._gguf:
+            t = self._gguf[name]
+            parts = t.int8_parts()
+            if parts is not None:
+                self._origins.add(t.kind.lower())
+                return Int8Linear(*parts, dtype=self.dtype)
+        return Int8Linear.from_dense(self._dense(name), dtype=self.dtype)
