@@ -124,7 +124,7 @@ def test_quality_against_float32(served: Engine, reference: dict[str, object]) -
         pytest.skip("the same int4 weights as bfloat16-int4 (checked there); float32 activations only make "
                     "the int kernels ~6x slower, which a perplexity pass would pay 160 times")
     runner = served.engine._runner  # the engine's own: its slots are free between this module's requests
-    prompts = reference["prompts"]
+    prompts: list[list[int]] = reference["prompts"]  # type: ignore[assignment]
     ppl = perplexity(runner, reference["text"])  # type: ignore[arg-type]
     got = greedy(runner, prompts, N_TOKENS)
     _, tokens = agreement(reference["greedy"], got)  # type: ignore[arg-type]
