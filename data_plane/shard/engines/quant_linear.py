@@ -20,11 +20,22 @@ bit-identical alone and in a batch of 16, checked by tests/data_plane/test_quant
 
 from __future__ import annotations
 
+
 import torch
 
 INT4_GROUP = 32
 """Weights per (scale, zero) pair along K: GGUF's Q4_0/Q4_1 block size, one the kernel takes."""
 INT4_INNER_K_TILES = 2
+
+
+def int4_parts(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [N, K] in 0..15, scale, zero [N, K/group]) of `w`, GGUF Q4_1's rule: per group, min..max in 16 levels."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q = ((g - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).reshape(n, k)
+    return q.to(torch.int32), scale, lo + 8 * scale
 
 
 class Int4Linear:
@@ -49,12 +60,7 @@ class Int4Linear:
     def from_dense(cls, w: torch.Tensor, *, dtype: torch.dtype, bias: torch.Tensor | None = None,
                    group: int = INT4_GROUP) -> Int4Linear:
         """Quantize at load like GGUF's Q4_1: per group, min..max over 16 levels."""
-        n, k = w.shape
-        g = w.float().reshape(n, k // group, group)
-        lo, hi = g.amin(-1), g.amax(-1)
-        scale = ((hi - lo) / 15).clamp(min=1e-12)
-        q = ((g - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).reshape(n, k)
-        return cls(q, scale, lo + 8 * scale, dtype=dtype, bias=bias, group=group)
+        return cls(*int4_parts(w, group), dtype=dtype, bias=bias, group=group)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] the kernel computes with (tests; never on a serving path)."""

@@ -31,7 +31,9 @@ quantization auto
 
 What is quantized (int8 and int4): every projection (q/k/v fused, o, gate/up fused, down). The LM head
 and the embedding (tied: one table) are int8 per output channel in both formats: the head is 21 % of
-SmolLM2-135M's weights and its logits decide greedy output, so it keeps 8 bits; a GGUF's Q8_0 table
+SmolLM2-135M's weights and its logits decide greedy output, so it keeps 8 bits (measured: an int4 head,
+per 32 like Q4_1, took perplexity from +0.9 % to +4.4 % of float32 and greedy agreement on 32 tokens
+from 0.65 to 0.21, though its GEMM was 2.5 ms against 6.0 ms int8 and 4.8 ms packed bf16); a GGUF's Q8_0 table
 (one scale per 32) is requantized to one scale per row (no kernel takes per-32 int8 scales).
 Norms and biases stay in the serving dtype. int4 from a GGUF is exact (its Q4_0/Q4_1 blocks,
 data_plane/shard/engines/gguf_weights.py); from a dense model it is quantized at load like Q4_1
