@@ -20,7 +20,6 @@ bit-identical alone and in a batch of 16, checked by tests/data_plane/test_quant
 
 from __future__ import annotations
 
-
 import torch
 
 INT4_GROUP = 32
