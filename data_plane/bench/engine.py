@@ -127,7 +127,8 @@ async def _measure(name: str, config: BenchConfig, prompt_ids: list[list[int]]) 
     for row in rows:  # what the system resolved its dtype/format to (auto), known once it started
         row["dtype"] = system.dtype
     return {"rows": rows, "weight_bytes": system.weight_bytes,
-            "dense_bf16_bytes": getattr(system, "dense_bf16_bytes", 0)}
+            "dense_bf16_bytes": getattr(system, "dense_bf16_bytes", 0),
+            "resident_weight_bytes": getattr(system, "resident_weight_bytes", system.weight_bytes)}
 
 
 def measure_system(name: str, config: BenchConfig, prompt_ids: list[list[int]]) -> dict[str, Any]:
@@ -316,15 +317,16 @@ def cpu_summary() -> str:
     return CpuCaps.detect().summary()
 
 
-def print_weights(rows: list[dict[str, Any]], weights: dict[str, int], dense: dict[str, int]) -> None:
-    """Weights in memory per system, against the same model's dense bf16 bytes."""
+def print_weights(rows: list[dict[str, Any]], weights: dict[str, int], dense: dict[str, int],
+                  resident: dict[str, int]) -> None:
+    """Weights per system: read by a decode step and resident, against the model's dense bf16 bytes."""
     ref = max(dense.values(), default=0)
     served = {r["system"]: r["dtype"] for r in rows}
-    print(f"\nweights in memory (x dense bf16 = {ref / 2**20:.1f} MiB; llama.cpp: its GGUF file)" if ref else
-          "\nweights in memory")
-    print(format_table(["system", "served as", "weights MiB", "x bf16"],
-                       [[n, served.get(n, "-"), fmt(b / 2**20), fmt(b / ref, 3) if ref else "-"]
-                        for n, b in weights.items()]))
+    print(f"\nweights (x dense bf16 = {ref / 2**20:.1f} MiB, each weight once; llama.cpp: its GGUF file)" if ref
+          else "\nweights")
+    print(format_table(["system", "served as", "MiB read/step", "x bf16", "MiB resident"],
+                       [[n, served.get(n, "-"), fmt(b / 2**20), fmt(b / ref, 3) if ref else "-",
+                         fmt(resident.get(n, b) / 2**20)] for n, b in weights.items()]))
     print(f"CPU: {cpu_summary()}")
 
 
@@ -400,6 +402,7 @@ def main(argv: list[str] | None = None) -> None:
     rounds_rows: list[dict[str, Any]] = []
     weights: dict[str, int] = {}
     dense: dict[str, int] = {}
+    resident: dict[str, int] = {}
     skipped: dict[str, str] = {}
     for round_no, order in enumerate(round_orders(args.systems, args.rounds)):
         if args.rounds > 1:
@@ -427,11 +430,12 @@ def main(argv: list[str] | None = None) -> None:
             rounds_rows += out["rows"]
             weights[name] = out["weight_bytes"]
             dense[name] = out.get("dense_bf16_bytes") or 0
+            resident[name] = out.get("resident_weight_bytes") or out["weight_bytes"]
     rows = pool_rounds(rounds_rows)
     ratio = ratios(rows)
     bw = bandwidth_report(rows, weights, gb_s)
     print_report(rows, ratio, bw)
-    print_weights(rows, weights, dense)
+    print_weights(rows, weights, dense, resident)
     if args.json:
         write_json(args.json, {"rows": rows, "round_rows": rounds_rows, "ratios": ratio, "bandwidth": bw, "skipped": skipped,
                                "config": asdict(config), "machine": machine_info()})

@@ -119,6 +119,7 @@ class SwitchboardSystem:
         await self.engine.start()
         runner, plan = self.engine._runner, self.engine.weight_plan  # type: ignore[attr-defined]
         self.weight_bytes = runner.weight_bytes
+        self.resident_weight_bytes = runner.resident_weight_bytes
         self.dense_bf16_bytes = 2 * runner.weight_params
         self.dtype = f"{plan.dtype}/{plan.quantization}"  # what auto resolved to, in the report
 

@@ -10,7 +10,8 @@ For each format (``DTYPE:QUANTIZATION``, as the shard's --dtype / --quantization
   generated for all prompts together (one decode batch, as a shard serves them); ``agree_prompts`` is
   the share of prompts whose tokens are all identical, ``agree_tokens`` the mean share of tokens
   before the first difference;
-- the weights' bytes (each weight once) and that figure over bf16 dense.
+- the weights' bytes a decode step reads (each weight once) and those resident (dense bf16 holds its
+  tied table twice: the embedding and the oneDNN-packed head), each over dense bf16's.
 The reference is always float32 with dense weights (`--quantization none`). Quantized rows are checked
 in tests too: tests/data_plane/test_quant_engine.py.
 """
@@ -119,7 +120,7 @@ def measure(formats: list[str], n_prompts: int, tokens: int, model: str | None, 
     max_len = max(len(text_ids), max(len(p) for p in prompts) + tokens) + 8
     rows: list[dict[str, Any]] = []
     ref: list[list[int]] = []
-    bf16_bytes = 0
+    bf16_bytes = bf16_resident = 0
     for spec in ["float32:none", "bfloat16:none", *[f for f in formats if f not in ("float32:none", "bfloat16:none")]]:
         t0 = time.monotonic()
         runner, plan = _runner(src.path, src.gguf, src.kind, spec, len(prompts), max_len)
@@ -129,10 +130,11 @@ def measure(formats: list[str], n_prompts: int, tokens: int, model: str | None, 
         if spec == "float32:none":
             ref = out
         if spec == "bfloat16:none":
-            bf16_bytes = runner.weight_bytes
+            bf16_bytes, bf16_resident = runner.weight_bytes, runner.resident_weight_bytes
         same, prefix = agreement(ref, out)
         rows.append({"format": spec, "dtype": plan.dtype, "quantization": plan.quantization,
                      "weights": runner.weight_format, "weight_bytes": runner.weight_bytes,
+                     "resident_bytes": runner.resident_weight_bytes,
                      "load_s": load_s, "perplexity": ppl, "agree_prompts": same, "agree_tokens": prefix})
         print(f"[bench] {spec} -> {plan.describe()}: ppl {ppl:.3f}, agreement {same:.2f} / {prefix:.2f}", flush=True)
         del runner
@@ -140,6 +142,7 @@ def measure(formats: list[str], n_prompts: int, tokens: int, model: str | None, 
     for r in rows:
         r["perplexity_vs_fp32"] = r["perplexity"] / base - 1
         r["bytes_vs_bf16"] = r["weight_bytes"] / bf16_bytes if bf16_bytes else None
+        r["resident_vs_bf16"] = r["resident_bytes"] / bf16_resident if bf16_resident else None
     return rows
 
 
@@ -160,9 +163,11 @@ def main(argv: list[str] | None = None) -> None:
                    args.model, args.threads)
     print(f"machine: {info.get('cpu_model')} | flags {' '.join(info.get('cpu_flags') or []) or '-'}")
     print(format_table(
-        ["format", "served as", "weights", "MiB", "x bf16", "perplexity", "vs fp32", "agree prompts", "agree tokens"],
+        ["format", "served as", "weights", "MiB read/step", "x bf16", "MiB resident", "x bf16", "perplexity",
+         "vs fp32", "agree prompts", "agree tokens"],
         [[r["format"], f"{r['dtype']}/{r['quantization']}", r["weights"], fmt(r["weight_bytes"] / 2**20),
-          fmt(r["bytes_vs_bf16"], 3), fmt(r["perplexity"], 3), f"{100 * r['perplexity_vs_fp32']:+.2f} %",
+          fmt(r["bytes_vs_bf16"], 3), fmt(r["resident_bytes"] / 2**20), fmt(r["resident_vs_bf16"], 3),
+          fmt(r["perplexity"], 3), f"{100 * r['perplexity_vs_fp32']:+.2f} %",
           f"{100 * r['agree_prompts']:.0f} %", f"{100 * r['agree_tokens']:.0f} %"] for r in rows]))
     if args.json:
         write_json(args.json, {"machine": info, "tokens": args.tokens, "rows": rows})

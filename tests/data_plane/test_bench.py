@@ -131,7 +131,7 @@ def test_bench_engine_tiny(tmp_path: Path) -> None:
     plan = resolve_plan("auto", "auto", source=model_source(None).kind, caps=caps)
     served = {"switchboard": f"{plan.dtype}/{plan.quantization}",
               "naive": resolve_plan("auto", "none", source="dense", caps=caps).dtype}
-    assert "weights in memory" in run.stdout and f"CPU: {caps.summary()}" in run.stdout
+    assert "MiB read/step" in run.stdout and f"CPU: {caps.summary()}" in run.stdout
     for name, row in rows.items():
         assert ENGINE_ROW_KEYS <= row.keys()
         assert (row["concurrency"], row["requests"], row["max_tokens"], row["dtype"]) == (1, 2, 4, served[name])

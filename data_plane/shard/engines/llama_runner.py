@@ -124,6 +124,8 @@ class LlamaRunner:
         self._weight_bytes = (nbytes(self.lm_head) + (0 if tied else nbytes(self.embed)) + nbytes(self.norm)
                               + sum(nbytes(l.qkv) + nbytes(l.o) + nbytes(l.gate_up) + nbytes(l.down)
                                     + 2 * nbytes(l.ln_in) for l in self.layers))
+        # Resident: a packed head is a second copy beside the dense embedding table (quantized formats share one).
+        self.resident_weight_bytes = self._weight_bytes + (nbytes(self.embed) if tied and self.packed else 0)
         # Rotary tables from the model's own rotary module: every rope variant it knows works.
         rotary = inner.rotary_emb
         if any(b.is_meta for b in rotary.buffers()):  # a weightless (meta) model: build its rotary for real
