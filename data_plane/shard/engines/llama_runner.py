@@ -164,8 +164,8 @@ class LlamaRunner:
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
             kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-            weights = WeightBuilder(plan, gguf=load_or_prepare(gguf, path, cfg.num_attention_heads, kv_heads))
-            return cls(model, dtype=dtype, max_num_seqs=max_num_seqs, max_len=max_len, weights=weights)
+            quantized = WeightBuilder(plan, gguf=load_or_prepare(gguf, path, cfg.num_attention_heads, kv_heads))
+            return cls(model, dtype=dtype, max_num_seqs=max_num_seqs, max_len=max_len, weights=quantized)
         # Load straight into the serving dtype: no transient fp32 copy of the weights.
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         model.eval()
