@@ -33,6 +33,7 @@ from data_plane.shard.engines.speculation import (
     target_probs,
 )
 from data_plane.shard.engines.torch_config import SeqState, StepListener
+from data_plane.shard.engines.torch_sampling import sample
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,8 @@ class Speculator:
 
     def _draft(self, seq: SeqState, max_model_len: int, row_cost: float) -> tuple[list[int], bool]:
         """This step's draft for `seq` and whether it came from a one-token (weak) match."""
+        if seq.req.processor is not None:
+            return [], False  # processed/constrained sequences decode one token a step (no drafts)
         state = self._state(seq)
         ctx = seq.spec_ctx
         ctx.extend(seq.output_ids[len(ctx) - len(seq.req.prompt_ids):])
@@ -106,7 +109,9 @@ class Speculator:
         for seq, row, draft in zip(batch, rows, drafts):
             n = len(row)
             params = seq.req.params
-            if params.greedy:
+            if seq.req.processor is not None:  # never drafts: its one row goes through the processing sampler
+                results.append(sample(logits[off : off + 1], [params], [seq.generator], [seq.req.processor]))
+            elif params.greedy:
                 results.append(accept_greedy(draft, argmax[off : off + n]))
             else:
                 results.append(accept_sampled(draft, target_probs(logits[off : off + n], params), seq.generator))

@@ -96,7 +96,8 @@ class Stepper:
 
     @staticmethod
     def _sample(logits: torch.Tensor, seqs: Sequence[SeqState]) -> list[int]:
-        return sample(logits, [s.req.params for s in seqs], [s.generator for s in seqs])
+        return sample(logits, [s.req.params for s in seqs], [s.generator for s in seqs],
+                      [s.req.processor for s in seqs])
 
     def _emit(self, seq: SeqState, token: int, held: str = "", send: bool = True) -> str:
         """Take one sampled token; with `send` False its text is returned (prefixed by `held`)
