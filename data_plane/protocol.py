@@ -262,16 +262,21 @@ class ChatCompletionRequest(BaseModel):
 
     def plain_messages(self, tools_prompt: bool = True) -> list[dict[str, str]]:
         """Messages as role/content strings, ready for a chat template: an assistant message's tool calls
-        are written as the tool envelope the model produced, a tool result as a ``tool`` message naming its
-        call; with tools (and tool_choice not none) a system message describing them comes first."""
+        are written as the tool envelope the model produced, a tool result as a user message naming the tool
+        (the default template has no tool role); with tools (and tool_choice not none) a system message describing them comes first."""
         out = []
+        names: dict[str, str] = {}  # tool call id -> function name, from the assistant messages so far
         for m in self.messages:
             role = "system" if m.role == "developer" else m.role
             content = m.text()
             if role == "assistant" and m.tool_calls:
                 content = envelope_text(content or None, _tool_call_list(m.tool_calls))
-            elif role == "tool":
-                content = json.dumps({"tool_call_id": m.tool_call_id or "", "result": content}, ensure_ascii=False)
+            elif role == "tool":  # the template has no tool role: the result comes back as the user's turn
+                role = "user"
+                content = f"The tool {names.get(m.tool_call_id or '', 'call')} returned: {content}"
+            if m.role == "assistant" and m.tool_calls:
+                names.update({c.get("id", ""): (c.get("function") or {}).get("name", "") for c in m.tool_calls
+                              if isinstance(c, dict)})
             out.append({"role": role, "content": content})
         prompt = self.output_plan().tools_prompt if tools_prompt else None
         if prompt:

@@ -18,7 +18,8 @@ grammar source the engine compiles: data_plane/shard/engines/grammar.py):
       {"tool_calls": [{"name": "<function>", "arguments": {...its parameters...}}, ...]}
       {"response": "<text for the user>"}                       # auto only
 
-  ``required`` and a named choice allow only ``tool_calls`` (a named one: that function, one call);
+  ``required`` and a named choice allow only ``tool_calls`` (a named one: that function, one call; a
+  response_format has nothing left to shape then, as with OpenAI);
   ``parallel_tool_calls: false`` allows one call. The tools and the envelope are described to the model
   in a system message (`tools_prompt`); data_plane/tool_calls.py parses the envelope back into OpenAI's
   ``tool_calls`` (streamed as deltas). ``tool_choice: none`` leaves tools out entirely.
@@ -226,7 +227,8 @@ def tools_prompt(tools: list[ToolDef], mode: ToolMode) -> str:
     lines.append('Answer with JSON only. To call tools: {"tool_calls": [{"name": "<tool name>", '
                  '"arguments": {<the arguments>}}]}.')
     if mode == ToolMode.AUTO:
-        lines.append('To answer the user directly instead: {"response": "<your answer>"}.')
+        lines.append('To answer the user directly instead, or once a tool has returned what you need: '
+                     '{"response": <your answer>}.')
     return "\n".join(lines)
 
 
@@ -294,8 +296,6 @@ def check_output_fields(response_format: ResponseFormat | None, structured: Stru
     if constrained and structured is not None:
         return "structured_outputs", "set response_format or structured_outputs, not both"
     mode = tool_mode(tools, choice)
-    if mode in (ToolMode.REQUIRED, ToolMode.NAMED) and (constrained or structured is not None):
-        return "response_format", "a forced tool call cannot also follow a response_format"
-    if mode == ToolMode.AUTO and structured is not None:
+    if mode != ToolMode.NONE and structured is not None:
         return "structured_outputs", "structured_outputs cannot be combined with tools"
     return None
