@@ -13,7 +13,6 @@ tenants).
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, Literal

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -153,7 +154,7 @@ def test_every_unsupported_keyword_is_a_400_naming_it(cluster: Cluster) -> None:
 
 def test_sampling_parameters(cluster: Cluster) -> None:
     client = sdk(cluster)
-    kw = dict(model="", messages=ASK_PERSON, max_tokens=12, temperature=1.0, seed=1234)
+    kw: dict[str, Any] = {"model": "", "messages": ASK_PERSON, "max_tokens": 12, "temperature": 1.0, "seed": 1234}
     texts = {client.chat.completions.create(**kw).choices[0].message.content for _ in range(3)}
     assert len(texts) == 1  # same seed, same text (float32)
     many = client.chat.completions.create(**kw, n=3, logprobs=True, top_logprobs=2, presence_penalty=0.5,
@@ -199,7 +200,14 @@ def test_langchain_structured_output_and_bind_tools(cluster: Cluster) -> None:
 
 
 def test_agents_sdk_chat_completions_model(cluster: Cluster) -> None:
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
 
     set_tracing_disabled(True)
     calls: list[str] = []
@@ -244,7 +252,7 @@ def test_guidellm_fixed_length_benchmark(cluster: Cluster, tmp_path: Path) -> No
            "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=16",
            "--tokenizer", f"kind=hf_auto,model={resolve_model(None)}",
            "--output", f"kind=json,path={out}", "--disable-console-interactive"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (bench,) = json.loads(out.read_text())["benchmarks"]
