@@ -32,6 +32,7 @@ from data_plane.shard.engines.speculation import (
     accept_sampled,
     target_probs,
 )
+from data_plane.shard.engines.torch_sampling import sample
 
 if TYPE_CHECKING:
     import torch
