@@ -231,6 +231,13 @@ class ChatCompletionRequest(BaseModel):
                 )
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        called: set[str] = set()
+        for m in self.messages:
+            if m.role == "assistant" and m.tool_calls:
+                called.update(c.get("id", "") for c in _tool_call_list(m.tool_calls))
+            elif m.role == "tool" and (not m.tool_call_id or m.tool_call_id not in called):
+                raise InvalidRequest("messages with role 'tool' must answer a preceding assistant message's "
+                                     "tool_calls (tool_call_id)", param="messages")
         clash = check_output_fields(self.response_format, self.structured_outputs, self.tools, self.tool_choice)
         if clash is not None:
             raise InvalidRequest(clash[1], param=clash[0])
