@@ -13,8 +13,9 @@ different shard. After that point a failure surfaces as :class:`UpstreamError` f
 iterator and the gateway ends the SSE stream with an error event. A shard's 4xx is the
 request's fault: it is passed through, not retried.
 
-Events come in batches: everything the shard has sent by the time the consumer asks, so a
-burst of tokens is one wake-up here and one write to the client (data_plane/routing/hop_client.py).
+Events (data_plane/routing/events.py) come in batches: everything the shard has sent by the time the
+consumer asks, so a burst of tokens is one wake-up here and one write to the client
+(data_plane/routing/hop_client.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from data_plane.common.errors import (
 from data_plane.common.keepalive import KEEPALIVE_META
 from data_plane.common.kv_report import CHAIN_HEADER, parse_chain
 from data_plane.membership.view import Member
+from data_plane.routing.events import Delta, Event, Finish, ToolCallDelta, UsageEvent, parse_line
 from data_plane.routing.failures import FailureReason
 from data_plane.routing.hop_client import (
     HopConnectError,
@@ -78,64 +80,6 @@ class UpstreamConfig:
     """Extra attempts on other shards for failures before the first token."""
     resumes: int = 2
     """Mid-stream failovers per request: the stream continues on another shard."""
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
-    usage: tuple[int, int] | None = None
-    """(prompt_tokens, completion_tokens so far), when the shard reports continuous usage."""
-
-
-@dataclass(frozen=True)
-class Finish:
-    reason: str
-
-
-@dataclass(frozen=True)
-class UsageEvent:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-    """Prompt tokens the shard served from its prefix cache (usage.prompt_tokens_details)."""
-
-
-Event = Delta | Finish | UsageEvent
-
-
-def _parse(line: bytes) -> Event | SwitchboardError | None:
-    """One SSE line from a shard -> an event, an error, or None (role chunk, comment, [DONE])."""
-    if not line.startswith(b"data:"):
-        return None
-    data = line[5:].strip()
-    if data == b"[DONE]":
-        return None
-    try:
-        body = json.loads(data)
-    except ValueError:
-        return UpstreamError("a shard sent a malformed stream event")
-    if not isinstance(body, dict):
-        return UpstreamError("a shard sent a malformed stream event")
-    if "error" in body:
-        return from_openai_body(502, body)
-    choices = body.get("choices") or []
-    usage = body.get("usage")
-    if choices:
-        choice = choices[0]
-        if choice.get("finish_reason"):
-            return Finish(choice["finish_reason"])
-        content = (choice.get("delta") or {}).get("content")
-        if content:
-            so_far = None
-            if usage:
-                so_far = (int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
-            return Delta(content, so_far)
-        return None
-    if usage:
-        details = usage.get("prompt_tokens_details")
-        cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
-        return UsageEvent(int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)), cached)
-    return None
 
 
 class ShardStream:
@@ -185,7 +129,7 @@ class ShardStream:
                     return
                 events: list[Event] = []
                 for line in lines:
-                    event = _parse(line)
+                    event = parse_line(line)
                     if isinstance(event, SwitchboardError):
                         self.failure = FailureReason.STREAM_ERROR  # the shard said so: not held against it
                         if events:
@@ -347,12 +291,12 @@ class Upstream:
                                 UpstreamError("a shard closed the stream before any token"))
             token = False
             for line in lines:
-                event = _parse(line)
+                event = parse_line(line)
                 if isinstance(event, SwitchboardError):
                     raise Retryable(FailureReason.STREAM_ERROR_BEFORE_FIRST_TOKEN, event)
                 if event is not None:
                     first.append(event)
-                    token = token or isinstance(event, (Delta, Finish))
+                    token = token or isinstance(event, (Delta, ToolCallDelta, Finish))
             if token:
                 return first
 
@@ -386,6 +330,19 @@ class Upstream:
 def _close(response: ShardResponse | None) -> None:
     if response is not None:
         response.close()
+
+
+CONSTRAINING_FIELDS = ("tools", "response_format", "structured_outputs")
+
+
+def resumable(body: dict[str, Any]) -> bool:
+    """A stream may continue on another shard as a plain continuation of its text: not when its output
+    follows a grammar or carries tool calls (the continuation would not continue the grammar, so the
+    stream ends with an error event instead), nor with several choices."""
+    rf = body.get("response_format")
+    constrained = any(body.get(k) for k in CONSTRAINING_FIELDS if k != "response_format") or (
+        isinstance(rf, dict) and rf.get("type") not in (None, "text"))
+    return not constrained and int(body.get("n") or 1) == 1
 
 
 class ResumableStream:
@@ -430,6 +387,8 @@ class ResumableStream:
                                     self._prompt_tokens = event.usage[0]
                                 self._completion = self._base_completion + event.usage[1]
                             out.append(event)
+                        elif isinstance(event, ToolCallDelta):
+                            out.append(event)
                         elif isinstance(event, Finish):
                             finished = True
                             out.append(event)
@@ -440,7 +399,7 @@ class ResumableStream:
                     yield out
                 return
             except (UpstreamError, UpstreamTimeout) as exc:
-                if finished or self.resumes >= self._upstream.config.resumes:
+                if finished or self.resumes >= self._upstream.config.resumes or not resumable(self._body):
                     raise
                 failed = self._stream.member
                 tried.add(failed.id)
@@ -465,3 +424,7 @@ class ResumableStream:
 
     def close(self) -> None:
         self._stream.close()
+
+
+__all__ = ["CHAT_PATH", "Delta", "Event", "Finish", "ResumableStream", "ShardStream", "ToolCallDelta", "Upstream",
+           "UpstreamConfig", "UsageEvent"]

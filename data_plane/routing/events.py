@@ -1,0 +1,103 @@
+"""What a shard's SSE stream says, parsed: the events :class:`~data_plane.routing.upstream.Upstream`
+hands the gateway.
+
+    event = parse_line(b'data: {"choices": [{"delta": {"content": "Hi"}}]}')   # Delta("Hi")
+    isinstance(event, SwitchboardError)       # the shard's error event, as one of ours
+
+Role chunks, comments and ``[DONE]`` parse to None.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from data_plane.common.errors import SwitchboardError, UpstreamError, from_openai_body
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    usage: tuple[int, int] | None = None
+    """(prompt_tokens, completion_tokens so far), when the shard reports continuous usage."""
+    index: int = 0
+    """The choice (``n``)."""
+    logprobs: tuple[Any, ...] = ()
+    """OpenAI logprobs ``content`` entries of this chunk, as the shard sent them."""
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """One streamed tool-call fragment (OpenAI's shape): `id` and `name` on a call's first, `arguments`
+    fragments after."""
+
+    call: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+    index: int = 0
+
+
+@dataclass(frozen=True)
+class Finish:
+    reason: str
+    index: int = 0
+
+
+@dataclass(frozen=True)
+class UsageEvent:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    """Prompt tokens the shard served from its prefix cache (usage.prompt_tokens_details)."""
+
+
+Event = Delta | ToolCallDelta | Finish | UsageEvent
+
+
+def parse_line(line: bytes) -> Event | SwitchboardError | None:
+    """One SSE line from a shard -> an event, an error, or None (role chunk, comment, [DONE])."""
+    if not line.startswith(b"data:"):
+        return None
+    data = line[5:].strip()
+    if data == b"[DONE]":
+        return None
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return UpstreamError("a shard sent a malformed stream event")
+    if not isinstance(body, dict):
+        return UpstreamError("a shard sent a malformed stream event")
+    if "error" in body:
+        return from_openai_body(502, body)
+    choices = body.get("choices") or []
+    usage = body.get("usage")
+    if choices:
+        choice = choices[0]
+        index = int(choice.get("index") or 0)
+        if choice.get("finish_reason"):
+            return Finish(choice["finish_reason"], index)
+        delta = choice.get("delta") or {}
+        calls = delta.get("tool_calls")
+        if calls:
+            call = calls[0]
+            fn = call.get("function") or {}
+            return ToolCallDelta(int(call.get("index") or 0), call.get("id"), fn.get("name"),
+                                 fn.get("arguments") or "", index)
+        content = delta.get("content")
+        logprobs = tuple((choice.get("logprobs") or {}).get("content") or ())
+        if content or logprobs:
+            so_far = None
+            if usage:
+                so_far = (int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
+            return Delta(content or "", so_far, index, logprobs)
+        return None
+    if usage:
+        details = usage.get("prompt_tokens_details")
+        cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+        return UsageEvent(int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)), cached)
+    return None
+
+
+__all__ = ["Delta", "Event", "Finish", "ToolCallDelta", "UsageEvent", "parse_line"]
