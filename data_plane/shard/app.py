@@ -200,14 +200,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
 
     async def metrics_view(request: Request) -> Response:
         if state.ready:
-            stats = engine.stats()
-            metrics.observe_stats(stats)
-            prefix = getattr(engine, "prefix", None)
-            metrics.describe_cache(
-                block_size=settings.kv_block_size, prefix_caching=prefix is not None,
-                cache_dtype=str(getattr(prefix, "torch_dtype", settings.dtype)).removeprefix("torch."),
-                num_blocks=stats.prefix_cache_capacity_bytes // stats.prefix_cache_block_bytes
-                if stats.prefix_cache_block_bytes else 0)
+            metrics.observe_engine(engine, settings.kv_block_size, settings.dtype)
         return await metrics_endpoint(registry)(request)
 
     app.add_route("/metrics", metrics_view)
@@ -373,20 +366,10 @@ class _Run:
         """Prompt tokens whose KV came from the cache nodes (data_plane/shard/kv_tier.py)."""
 
     def _finish(self, last: GenerationOutput | None, error: str | None = None) -> None:
-        m = self.state.metrics
-        name = m.model_name
         span = self.span
         if last is not None:
-            m.e2e.labels(name).observe(time.monotonic() - self.t0)
-            m.prompt_tokens.labels(name).inc(last.prompt_tokens)
-            m.generation_tokens.labels(name).inc(last.completion_tokens)
+            self.state.metrics.observe_finished(last, time.monotonic() - self.t0, self.external_tokens)
             reason = last.finish_reason or "abort"
-            m.observe_finished(last.finish_reason, last.prompt_tokens, last.cached_tokens, self.external_tokens,
-                               last.completion_tokens, last.timings.decode_s if last.timings else None)
-            m.request_prompt_tokens.labels(name).observe(last.prompt_tokens)
-            m.request_generation_tokens.labels(name).observe(last.completion_tokens)
-            m.prompt_tokens_cached.labels(name).inc(last.cached_tokens)
-            m.prefill_computed.labels(name).observe(last.prompt_tokens - last.cached_tokens)
             span.set_attribute("gen_ai.usage.cache_read_input_tokens", last.cached_tokens)
             span.add_event("prefix_cache", {"tokens_cached": last.cached_tokens,
                                             "tokens_computed": last.prompt_tokens - last.cached_tokens})
@@ -405,7 +388,6 @@ class _Run:
                 t = last.timings
                 if self.state.kv_tier is not None:  # learns this shard's prefill speed (fetch-or-recompute)
                     self.state.kv_tier.observe_prefill(last.prompt_tokens - last.cached_tokens, t.prefill_s)
-                m.decode_time.labels(name).observe(t.decode_s)
                 span.add_event("queue", {"duration_s": t.queued_s})
                 span.add_event("prefill", {"duration_s": t.prefill_s})
                 span.add_event("decode", {"duration_s": t.decode_s})

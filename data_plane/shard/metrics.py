@@ -13,7 +13,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.common.telemetry import E2E_BUCKETS, LATENCY_BUCKETS
-from data_plane.shard.engines.base import EngineStats
+from data_plane.shard.engines.base import Engine, EngineStats, GenerationOutput
 from data_plane.shard.engines.torch_config import StepListener
 from data_plane.shard.grammar_metrics import StructuredMetrics
 from data_plane.shard.kv_metrics import KVTierMetrics
@@ -196,12 +196,23 @@ class ShardMetrics:
         self.grammar = StructuredMetrics(registry, model_name)  # constrained decoding (engines/grammar.py)
         self.structured = self.grammar.requests
 
-    def observe_finished(self, reason: str | None, prompt_tokens: int, cached_tokens: int, external_tokens: int,
-                         completion_tokens: int, decode_s: float | None) -> None:
-        """One finished request: its finish reason, where its prompt's KV came from (`external_tokens`
-        of the `cached_tokens` were fetched from the cache nodes) and its time per output token."""
+    def observe_finished(self, last: GenerationOutput, e2e_s: float, external_tokens: int) -> None:
+        """One finished request (its final output): tokens, finish reason, where its prompt's KV came
+        from (`external_tokens` of its cached tokens were fetched from the cache nodes), decode time and
+        time per output token."""
         m = self.model_name
-        self.request_success.labels(m, finished_reason(reason)).inc()
+        prompt_tokens, cached_tokens, completion_tokens = last.prompt_tokens, last.cached_tokens, last.completion_tokens
+        decode_s = last.timings.decode_s if last.timings else None
+        self.e2e.labels(m).observe(e2e_s)
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.generation_tokens.labels(m).inc(completion_tokens)
+        self.request_prompt_tokens.labels(m).observe(prompt_tokens)
+        self.request_generation_tokens.labels(m).observe(completion_tokens)
+        self.prompt_tokens_cached.labels(m).inc(cached_tokens)
+        self.prefill_computed.labels(m).observe(prompt_tokens - cached_tokens)
+        if decode_s is not None:
+            self.decode_time.labels(m).observe(decode_s)
+        self.request_success.labels(m, finished_reason(last.finish_reason)).inc()
         external = max(0, min(external_tokens, cached_tokens))
         self.prompt_by_source.labels(m, "local_compute").inc(max(0, prompt_tokens - cached_tokens))
         self.prompt_by_source.labels(m, "local_cache_hit").inc(cached_tokens - external)
@@ -211,12 +222,17 @@ class ShardMetrics:
         if decode_s is not None and completion_tokens > 1:
             self.tpot.labels(m).observe(decode_s / (completion_tokens - 1))
 
-    def describe_cache(self, *, block_size: int, cache_dtype: str, prefix_caching: bool, num_blocks: int) -> None:
-        """``vllm:cache_config_info`` (once the engine is serving; set once)."""
+    def observe_engine(self, engine: Engine, block_size: int, dtype: str) -> None:
+        """At a scrape of a serving shard: the engine's gauges, and ``vllm:cache_config_info`` once."""
+        stats = engine.stats()
+        self.observe_stats(stats)
         if self._cache_described:
             return
         self._cache_described = True
-        self.cache_config.labels(str(block_size), cache_dtype, str(prefix_caching), str(num_blocks), "0").set(1)
+        prefix = getattr(engine, "prefix", None)  # the torch engine's prefix cache (None: no KV kept)
+        cache_dtype = str(getattr(prefix, "torch_dtype", dtype)).removeprefix("torch.")
+        blocks = stats.prefix_cache_capacity_bytes // stats.prefix_cache_block_bytes if stats.prefix_cache_block_bytes else 0
+        self.cache_config.labels(str(block_size), cache_dtype, str(prefix is not None), str(blocks), "0").set(1)
 
     def observe_stats(self, stats: EngineStats) -> None:
         m = self.model_name
