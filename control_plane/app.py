@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     if app.state.state_index is not None:
         hooks.append(app.state.state_index.close_waiters)
     serve(app, host=settings.host, port=settings.port, graceful_s=settings.shutdown_grace_s,
-          access_log=settings.access_log, on_shutdown=tuple(hooks))
+          access_log=settings.access_log, on_shutdown=tuple(hooks), registry=app.state.metrics_registry)
 
 
 if __name__ == "__main__":
