@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
         hooks.append(app.state.state_index.close_waiters)
     hooks.append(app.state.abuse.index.close_waiters)
     serve(app, host=settings.host, port=settings.port, graceful_s=settings.shutdown_grace_s,
-          access_log=settings.access_log, on_shutdown=tuple(hooks), registry=app.state.metrics_registry)
+          access_log=settings.access_log, on_shutdown=tuple(hooks), registry=app.state.metrics_registry,
+          process="control_plane")
 
 
 if __name__ == "__main__":

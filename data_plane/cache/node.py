@@ -381,4 +381,4 @@ def main(argv: list[str] | None = None) -> None:
     configure_process("switchboard-cache-node")
     registry = CollectorRegistry()
     serve(create_app(settings, registry=registry, cluster_token=cluster_token_from_env()), host=settings.host,
-          port=settings.port, registry=registry)
+          port=settings.port, registry=registry, process="cache")

@@ -9,7 +9,7 @@ The protocol (`GuardedHttpProtocol`) is uvicorn's httptools protocol plus the sl
 (data_plane/common/slow_clients.py: the table of what each stops, and the SWITCHBOARD_HTTP_*
 variables): a deadline for a new connection's first request, for a request head (headers trickled a
 byte at a time), for a body that never finishes, and for a response the client stops reading.
-Each cut is counted in ``switchboard_http_slow_clients_total{reason}`` of the registry given to
+Each cut is counted in ``switchboard_<process>_slow_clients_total{reason}`` of the registry given to
 `serve()` and logged (never the request's content).
 
 uvicorn arms its keep-alive timer only after a first response (Kludex/uvicorn#1192), so a
@@ -37,6 +37,8 @@ from data_plane.common.tls import TlsConfig
 log = logging.getLogger(__name__)
 
 FIRST_REQUEST_TIMEOUT_S = HttpLimits.first_request_s
+LINGER_S = 2.0
+"""After a 408, how long a cut connection's late bytes are read and dropped before it is closed."""
 
 _TIMEOUT_BODY = json.dumps({"error": {"message": "the request did not arrive in time (slow client)",
                                       "type": "invalid_request_error", "param": None,
@@ -120,7 +122,20 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         if reason is SlowClient.HEADERS or (reason is SlowClient.BODY and not self._response_started()):
             self.transport.write(_TIMEOUT_408)
-        self.transport.close()
+        # A lingering close (nginx's lingering_close): the client is still sending, and closing now
+        # would answer its next bytes with a reset that can destroy the 408 before it is read.
+        self._lingering = True
+        if self.cycle is not None:  # the app sees its client gone now (its sends become no-ops)
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if getattr(self, "_lingering", False):
+            return  # cut: what still arrives is dropped
+        super().data_received(data)
 
     def _response_started(self) -> bool:
         cycle = self.cycle
@@ -141,23 +156,24 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def guarded_protocol(limits: HttpLimits, registry: CollectorRegistry | None = None) -> type[GuardedHttpProtocol]:
+def guarded_protocol(limits: HttpLimits, registry: CollectorRegistry | None = None,
+                     process: str = "gateway") -> type[GuardedHttpProtocol]:
     """The protocol class for one server: its limits, and its cuts counted in `registry`."""
-    metrics = SlowClientMetrics(registry) if registry is not None else None
+    metrics = SlowClientMetrics(registry, process) if registry is not None else None
     attrs: dict[str, Any] = {"limits": limits, "on_cut": metrics.record if metrics is not None else None}
     return type("GuardedHttpProtocol", (GuardedHttpProtocol,), attrs)
 
 
 def serve(app: Any, *, host: str, port: int, graceful_s: int = 5, access_log: bool = False,
           on_shutdown: Callable[[], None] | tuple[Callable[[], None], ...] = (),
-          registry: CollectorRegistry | None = None) -> None:
+          registry: CollectorRegistry | None = None, process: str = "gateway") -> None:
     """Serve `app` on host:port until SIGTERM/SIGINT, then give in-flight requests `graceful_s`
     seconds and run the lifespan's shutdown. Logging stays as the process configured it
     (`configure_process`): uvicorn's start/stop lines at INFO, no access log unless `access_log`.
     TLS from the environment (data_plane/common/tls.py); slow-client bounds from the environment too,
     their cuts counted in `registry` (the one the app's /metrics shows)."""
     hooks = (on_shutdown,) if callable(on_shutdown) else tuple(on_shutdown)
-    protocol = guarded_protocol(HttpLimits.from_env(), registry)
+    protocol = guarded_protocol(HttpLimits.from_env(), registry, process)
     config = uvicorn.Config(app, host=host, port=port, http=protocol, lifespan="on",
                             access_log=access_log, log_config=None, timeout_graceful_shutdown=graceful_s,
                             **TlsConfig.from_env().uvicorn_kwargs())

@@ -1,8 +1,8 @@
 """Bounds on slow clients (slowloris and its cousins), shared by every Switchboard server.
 
     limits = HttpLimits.from_env()                 # SWITCHBOARD_HTTP_* (below), else the defaults
-    metrics = SlowClientMetrics(registry)          # switchboard_http_slow_clients_total{reason}
-    serve(app, host=h, port=p, registry=registry)  # data_plane/common/http_server.py applies both
+    metrics = SlowClientMetrics(registry, "gateway")   # switchboard_gateway_slow_clients_total{reason}
+    serve(app, host=h, port=p, registry=registry, process="gateway")   # http_server.py applies both
 
 What each bound stops, and what the client sees (the protocol, ``GuardedHttpProtocol``, enforces
 them on the connection, before and beside the application):
@@ -19,6 +19,8 @@ that stops arriving altogether (30 s between chunks); the protocol's ``body_s`` 
 that keeps arriving too slowly to finish. A closed or aborted connection reaches the application
 as a client disconnect, so the gateway aborts the generation and frees its admission slot, and the
 shard its sequence (the same path as a client that hangs up).
+
+Counted in ``switchboard_<process>_slow_clients_total{reason}``.
 
 Environment (each a named constant; 0 switches a bound off, not recommended): see ``ENV_*``.
 """
@@ -85,11 +87,17 @@ class HttpLimits:
                    send_buffer_bytes=int(num(ENV_SEND_BUFFER_BYTES, d.send_buffer_bytes)))
 
 
-class SlowClientMetrics:
-    """``switchboard_http_slow_clients_total{reason}``: connections cut by a slow-client bound."""
+PROCESSES = ("gateway", "shard", "cache", "control_plane")
+"""The metric's prefix per process (metric names stay unique across processes)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.cut = Counter("switchboard_http_slow_clients", "Connections cut by a slow-client bound, by reason "
+
+class SlowClientMetrics:
+    """``switchboard_<process>_slow_clients_total{reason}``: connections cut by a slow-client bound."""
+
+    def __init__(self, registry: CollectorRegistry, process: str) -> None:
+        if process not in PROCESSES:
+            raise ValueError(f"process must be one of {PROCESSES}")
+        self.cut = Counter(f"switchboard_{process}_slow_clients", "Connections cut by a slow-client bound, by reason "
                            "(first_request, headers, body, stalled_reader).", ["reason"], registry=registry)
         for reason in SlowClient:
             self.cut.labels(reason.value)
@@ -98,5 +106,5 @@ class SlowClientMetrics:
         self.cut.labels(reason.value).inc()
 
 
-__all__ = ["ENV_BODY_S", "ENV_FIRST_REQUEST_S", "ENV_HEADERS_S", "ENV_SEND_BUFFER_BYTES", "ENV_WRITE_STALL_S",
+__all__ = ["PROCESSES", "ENV_BODY_S", "ENV_FIRST_REQUEST_S", "ENV_HEADERS_S", "ENV_SEND_BUFFER_BYTES", "ENV_WRITE_STALL_S",
            "HttpLimits", "SlowClient", "SlowClientMetrics"]

@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
         run_sidecar(settings)
         return
     registry = CollectorRegistry()
-    serve(create_app(settings, registry), host=settings.host, port=settings.port, registry=registry)
+    serve(create_app(settings, registry), host=settings.host, port=settings.port, registry=registry, process="shard")
 
 
 if __name__ == "__main__":

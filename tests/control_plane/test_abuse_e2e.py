@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import pytest
@@ -94,7 +94,7 @@ class _NormalLoad:
             self.statuses.append(_chat(self.c, self.key, f"normal question {len(self.statuses)}").status_code)
             self._stop.wait(1.2)
 
-    def __enter__(self) -> _NormalLoad:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 

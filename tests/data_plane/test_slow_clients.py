@@ -2,7 +2,7 @@
 trickled a byte at a time and a body that never finishes (against a real gateway), a reader that
 never reads its stream (against uvicorn with our protocol and an endless stream: the synthetic
 engine's 16-token answers never fill a socket's buffers). Each is cut by its bound (short ones here,
-set through SWITCHBOARD_HTTP_*), counted in ``switchboard_http_slow_clients_total{reason}``, and
+set through SWITCHBOARD_HTTP_*), counted in ``switchboard_gateway_slow_clients_total{reason}``, and
 ends the request's work (a cut connection is a client disconnect to the app).
 
     PYTHONPATH=$PWD .venv/bin/python -m pytest tests/data_plane/test_slow_clients.py -x -q
@@ -52,7 +52,7 @@ def _metric(url: str, name: str, **labels: str) -> float:
 
 
 def _cut(url: str, reason: str) -> float:
-    return _metric(url, "switchboard_http_slow_clients_total", reason=reason)
+    return _metric(url, "switchboard_gateway_slow_clients_total", reason=reason)
 
 
 def _connect(url: str, rcvbuf: int | None = None) -> socket.socket:
@@ -109,6 +109,8 @@ def test_headers_trickled_a_byte_at_a_time_get_408_and_the_door(cluster: Cluster
                 chunk = sock.recv(4096)
             except TimeoutError:
                 continue
+            except ConnectionResetError:
+                break
             if not chunk:
                 break
             reply += chunk
@@ -205,7 +207,7 @@ def test_a_reader_that_never_reads_its_stream_is_cut_and_its_worker_freed() -> N
             time.sleep(0.05)
         assert app.ended == "http.disconnect" and app.sent < 5000, (app.ended, app.sent)
         assert time.monotonic() - stalled_from < 10
-        assert registry.get_sample_value("switchboard_http_slow_clients_total", {"reason": "stalled_reader"}) == 1
+        assert registry.get_sample_value("switchboard_gateway_slow_clients_total", {"reason": "stalled_reader"}) == 1
         sock.close()
     finally:
         server.should_exit = True
