@@ -106,11 +106,16 @@ class Finding:
     threshold: float
     tenant: str = ""
     baseline: float = 0.0
+    tokens: bool = False
+    """A burst of tokens rather than of requests."""
 
     @property
     def reason(self) -> str:
-        what = {Rule.BURST: "requests (or tokens) in the window, against a threshold from its baseline",
-                Rule.BLOCKED_PROMPTS: "prompts refused by the input filter",
+        if self.rule is Rule.BURST:
+            unit = "tokens" if self.tokens else "requests"
+            return (f"{self.observed:g} {unit} in the window, usually {self.baseline:.3g} "
+                    f"(threshold {self.threshold:g})")
+        what = {Rule.BLOCKED_PROMPTS: "prompts refused by the input filter",
                 Rule.SESSION_PROBING: "requests for sessions that do not exist (session id probing)",
                 Rule.ERRORS: "rejected requests (4xx)",
                 Rule.AUTH_FAILURES: "failed authentications from this address"}[self.rule]

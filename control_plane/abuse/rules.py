@@ -69,7 +69,7 @@ def evaluate(config: AbuseConfig, recent: Iterable[KeyActivity], baseline: Itera
         if t.requests >= req_bar:
             found.append(Finding(Rule.BURST, key, t.requests, req_bar, t.tenant, base.requests * scale))
         elif t.tokens >= tok_bar:
-            found.append(Finding(Rule.BURST, key, t.tokens, tok_bar, t.tenant, base.tokens * scale))
+            found.append(Finding(Rule.BURST, key, t.tokens, tok_bar, t.tenant, base.tokens * scale, tokens=True))
         for rule, observed, bar in ((Rule.BLOCKED_PROMPTS, t.blocked, config.blocked_prompts),
                                     (Rule.SESSION_PROBING, t.session_404s, config.session_404s),
                                     (Rule.ERRORS, t.errors, config.errors)):
