@@ -70,6 +70,8 @@ class UpSettings(BaseSettings):
     min_replicas: int = Field(1, ge=1, le=64, description="With --autoscale: fewest shards.")
     max_replicas: int = Field(4, ge=1, le=64, description="With --autoscale: most shards.")
     usage_db: str | None = Field(None, description="Usage ledger database for gateways and control plane (default: sqlite in --state-dir; postgresql://... to share).")
+    abuse_rules: str | None = Field(None, description="YAML of abuse-monitor thresholds for the control plane "
+                                    "(control_plane/abuse/model.py; default: built-in).")
     tls: bool = Field(False, description="Run every listener and hop on TLS with a local CA and certificate made in STATE_DIR/tls.")
     zones: list[str] = Field(default_factory=list, description=(
         "Zones to spread the processes over, e.g. a,b: shards and cache nodes round-robin (at least one of each "
@@ -145,6 +147,8 @@ def plan(s: UpSettings, state: Path, admin_token: str,
     cp = Child("control-plane", ["control-plane", "--host", host, "--port", str(s.control_plane_port),
                                  "--state-dir", str(state / "control-plane"), "--usage-db", usage_db],
                registry, logs / "control-plane.log", env={"SWITCHBOARD_ADMIN_TOKEN": admin_token, **member_env})
+    if s.abuse_rules:
+        cp.args += ["--abuse-rules", str(Path(s.abuse_rules).resolve())]
     if s.autoscale:
         if s.min_replicas > s.max_replicas:
             raise SystemExit(f"switchboard up: --min-replicas {s.min_replicas} > --max-replicas {s.max_replicas}")

@@ -14,7 +14,7 @@ Thresholds (defaults; every one is a field of :class:`AbuseConfig`, set from a Y
 
 | rule | subject | fires when, over the last ``window_s`` (300 s) | ladder |
 |---|---|---|---|
-| ``burst`` | key | requests >= max(``burst_min_requests`` 120, ``burst_factor`` 10 x the key's own rate over the previous ``baseline_s`` 24 h), or tokens likewise (``burst_min_tokens`` 200,000) | flag, throttle, block |
+| ``burst`` | key | requests >= max(``burst_min_requests`` 600, ``burst_factor`` 10 x the key's own rate over the previous ``baseline_s`` 24 h), or tokens likewise (``burst_min_tokens`` 500,000) | flag, throttle, block |
 | ``blocked_prompts`` | key | prompts refused by the input filter >= ``blocked_prompts`` 5 | strict checks, block |
 | ``session_probing`` | key | ``session_not_found`` answers >= ``session_404s`` 10 (guessing other conversations' ids) | flag, throttle, block |
 | ``errors`` | key | other 4xx answers >= ``errors`` 100 | flag |
@@ -178,9 +178,9 @@ class AbuseConfig:
     """The history a key's usual rate is taken from (before the window)."""
     burst_factor: float = 10.0
     """A burst is this many times the key's usual rate..."""
-    burst_min_requests: int = 120
-    """...and at least this many requests in the window (new keys have no baseline)."""
-    burst_min_tokens: int = 200_000
+    burst_min_requests: int = 600
+    """...and at least this many requests in the window (new keys have no baseline; 2 a second)."""
+    burst_min_tokens: int = 500_000
     """...or at least this many tokens in the window."""
     blocked_prompts: int = 5
     session_404s: int = 10

@@ -146,8 +146,13 @@ class Mix:
 
 def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
     gw = free_port()
+    # The mix sends a blocked prompt and a bad body from the dev keys every few seconds, on purpose:
+    # the abuse monitor would rightly restrict those keys (tests/control_plane/test_abuse_e2e.py),
+    # so the soak raises its thresholds out of the way and measures endurance only.
+    rules = tmp_path / "abuse.yaml"
+    rules.write_text("burst_min_requests: 1000000\nblocked_prompts: 1000000\nerrors: 1000000\n")
     proc = start_up(tmp_path, "--gateway-port", str(gw), "--control-plane-port", str(free_port()), "--no-console",
-                    "--shards", "2", "--cache-nodes", "1", "--max-num-seqs", "4")
+                    "--shards", "2", "--cache-nodes", "1", "--max-num-seqs", "4", "--abuse-rules", str(rules))
     try:
         wait_up(proc, tmp_path, 600)
         keys = json.loads((tmp_path / ".switchboard" / "credentials.json").read_text())["keys"]
