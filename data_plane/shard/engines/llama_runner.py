@@ -1,9 +1,13 @@
 """A slot-based forward pass for Llama-family models over a fixed KV cache.
 
-Loaded by the torch engine (data_plane/shard/engines/torch_engine.py), which calls it on its
-scheduler thread only; the prefix cache and the speculative verify pass use its KV cache.
+Loaded by the torch engine (data_plane/shard/engines/torch_engine.py); its executor
+(torch_executor.py) calls `forward` on the scheduler thread only; the prefix cache uses its KV cache.
+gpt-fast's `forward(idx, input_pos)` is the model: one pass for prefill, decode, mixed and verify
+steps, one place that writes the KV (`_write_kv`); the attention variants are in attention.py.
 
     runner = LlamaRunner.from_pretrained(path, dtype=torch.bfloat16, max_num_seqs=16, max_len=2048)
+    logits = runner.forward([(slot, token_ids, start), ...])         # last-token logits per item
+    logits = runner.forward(items, logits=[1, 4], batched=True)      # decode/verify: slots 0..n-1
     logits = runner.prefill(slot=0, token_ids=[...], start=0)        # [vocab] for the last token
     logits = runner.decode(tokens=[t0, t1], positions=[p0, p1])      # rows = slots 0..n-1
 
@@ -26,17 +30,30 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from data_plane.shard.engines.packed_linear import Linear, should_pack
+from data_plane.shard.engines.attention import PerSequence, SlotBatched
+from data_plane.shard.engines.weight_source import (
+    DtypeReason,
+    LinearLike,
+    QuantReason,
+    WeightBuilder,
+    WeightPlan,
+    nbytes,
+)
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 
 
 class UnsupportedModel(RuntimeError):
@@ -46,16 +63,16 @@ class UnsupportedModel(RuntimeError):
 @dataclass
 class _Layer:
     ln_in: torch.Tensor
-    qkv: Linear  # q, k and v projections fused: one GEMM
-    o: Linear
+    qkv: LinearLike  # q, k and v projections fused: one GEMM
+    o: LinearLike
     ln_post: torch.Tensor
-    gate_up: Linear  # gate and up fused: one GEMM
-    down: Linear
+    gate_up: LinearLike  # gate and up fused: one GEMM
+    down: LinearLike
 
 
 class LlamaRunner:
-    def __init__(self, model: torch.nn.Module, *, dtype: torch.dtype, max_num_seqs: int, max_len: int,
-                 pack: bool | None = None) -> None:
+    def __init__(self, model: Any, *, dtype: torch.dtype, max_num_seqs: int, max_len: int,
+                 pack: bool | None = None, weights: WeightBuilder | None = None) -> None:
         cfg = model.config
         arch = (getattr(cfg, "architectures", None) or [type(model).__name__])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -63,56 +80,67 @@ class LlamaRunner:
                 f"the torch engine supports {', '.join(SUPPORTED_ARCHITECTURES)}; this model is {arch}"
             )
         self.dtype = dtype
-        self.num_layers = cfg.num_hidden_layers
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.num_heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
         self.group = self.num_heads // self.num_kv_heads
-        self.eps = cfg.rms_norm_eps
-        self.vocab_size = cfg.vocab_size
+        self.eps = float(cfg.rms_norm_eps)
+        self.vocab_size = int(cfg.vocab_size)
         self.max_num_seqs = max_num_seqs
         self.max_len = max_len
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
 
-        # Prepacked oneDNN weights for bf16/fp16 (data_plane/shard/engines/packed_linear.py); fp32 stays plain.
-        self.packed = should_pack(dtype) if pack is None else pack
+        # The layers in the served weight format (data_plane/shard/engines/weight_source.py): dense
+        # (oneDNN-packed for bf16/fp16, plain fp32), int8 or int4; the loops below call them alike.
         inner = model.model
-        self.embed = inner.embed_tokens.weight.detach().to(dtype).contiguous()
-        tied = model.lm_head.weight.data_ptr() == inner.embed_tokens.weight.data_ptr()
-        head = self.embed if tied else model.lm_head.weight.detach().to(dtype).contiguous()
-        self.lm_head = Linear(head, pack=self.packed)
-        self.norm = inner.norm.weight.detach().to(dtype)
+        if weights is None:
+            plan = WeightPlan(_DTYPE_NAMES[dtype], DtypeReason.REQUESTED, "none", QuantReason.REQUESTED)
+            weights = WeightBuilder(plan, state=model.state_dict(), pack=pack)
+        self.weights = weights
+        self.packed = weights.pack and weights.plan.quantization == "none"
+        tied = bool(getattr(cfg, "tie_word_embeddings", False)) or not weights.has("lm_head.weight")
+        self.embed, self.lm_head = weights.embed_and_head(tied)
+        self.norm = weights.vector("model.norm.weight")
         self.layers: list[_Layer] = []
 
-        def lin(*ws: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            return Linear(torch.cat([w.detach() for w in ws]).to(dtype), bias, pack=self.packed)
-
-        for layer in inner.layers:
-            att, mlp = layer.self_attn, layer.mlp
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
             b_qkv = None
-            if att.q_proj.bias is not None:
-                b_qkv = torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]).detach().to(dtype)
+            if weights.has(p + "self_attn.q_proj.bias"):
+                b_qkv = torch.cat([weights.vector(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
             self.layers.append(
                 _Layer(
-                    ln_in=layer.input_layernorm.weight.detach().to(dtype),
-                    qkv=lin(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight, bias=b_qkv),
-                    o=lin(att.o_proj.weight),
-                    ln_post=layer.post_attention_layernorm.weight.detach().to(dtype),
-                    gate_up=lin(mlp.gate_proj.weight, mlp.up_proj.weight),
-                    down=lin(mlp.down_proj.weight),
+                    ln_in=weights.vector(p + "input_layernorm.weight"),
+                    qkv=weights.linear([p + f"self_attn.{x}_proj.weight" for x in "qkv"], bias=b_qkv),
+                    o=weights.linear([p + "self_attn.o_proj.weight"]),
+                    ln_post=weights.vector(p + "post_attention_layernorm.weight"),
+                    gate_up=weights.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                    down=weights.linear([p + "mlp.down_proj.weight"]),
                 )
             )
         self.intermediate = self.layers[0].down.in_features
-        self._weight_bytes = (self.embed.numel() + self.norm.numel() + (0 if tied else head.numel())
+        self.weight_format = weights.label
+        self.weight_params = (self.lm_head.numel + (0 if tied else self.lm_head.numel) + self.norm.numel()
                               + sum(l.qkv.numel + l.o.numel + l.gate_up.numel + l.down.numel + 2 * l.ln_in.numel()
-                                    for l in self.layers)) * self.embed.element_size()
+                                    for l in self.layers))
+        """Parameters (a tied head and embedding once): 2x this is the model's dense bf16 bytes."""
+        # Bytes a decode step reads: each weight once (a tied head and embedding are one table).
+        self._weight_bytes = (nbytes(self.lm_head) + (0 if tied else nbytes(self.embed)) + nbytes(self.norm)
+                              + sum(nbytes(l.qkv) + nbytes(l.o) + nbytes(l.gate_up) + nbytes(l.down)
+                                    + 2 * nbytes(l.ln_in) for l in self.layers))
+        # Resident: a packed head is a second copy beside the dense embedding table (quantized formats share one).
+        self.resident_weight_bytes = self._weight_bytes + (nbytes(self.embed) if tied and self.packed else 0)
         # Rotary tables from the model's own rotary module: every rope variant it knows works.
+        rotary = inner.rotary_emb
+        if any(b.is_meta for b in rotary.buffers()):  # a weightless (meta) model: build its rotary for real
+            rotary = type(rotary)(config=cfg)
         with torch.inference_mode():
             pos = torch.arange(max_len).unsqueeze(0)
             probe = torch.zeros(1, max_len, self.head_dim, dtype=torch.float32)
-            cos, sin = inner.rotary_emb(probe, pos)
+            cos, sin = rotary(probe, pos)
         self.cos = cos[0].to(dtype).contiguous()  # [max_len, head_dim]
         self.sin = sin[0].to(dtype).contiguous()
         # rotate_half(x) * sin == x.roll(half) * sin_signed, exactly (a sign flip is exact): one op, not four.
@@ -123,13 +151,26 @@ class LlamaRunner:
         self.v_cache = [torch.zeros(shape, dtype=dtype) for _ in range(self.num_layers)]
 
     @classmethod
-    def from_pretrained(cls, path: Path, *, dtype: torch.dtype, max_num_seqs: int, max_len: int) -> "LlamaRunner":
-        from transformers import AutoModelForCausalLM
+    def from_pretrained(cls, path: Path, *, dtype: torch.dtype, max_num_seqs: int, max_len: int,
+                        plan: WeightPlan | None = None, gguf: Path | None = None) -> LlamaRunner:
+        """Load `path` (a HF folder) in `plan`'s format (default: dense `dtype`). With a quantized plan
+        and the model's GGUF, the weights come from the GGUF's blocks and no dense copy is loaded."""
+        from transformers import AutoConfig, AutoModelForCausalLM
 
+        if plan is not None and plan.quantization != "none" and gguf is not None:
+            from data_plane.shard.engines.prepared_weights import load_or_prepare
+
+            cfg = AutoConfig.from_pretrained(str(path))
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+            kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+            quantized = WeightBuilder(plan, gguf=load_or_prepare(gguf, path, cfg.num_attention_heads, kv_heads))
+            return cls(model, dtype=dtype, max_num_seqs=max_num_seqs, max_len=max_len, weights=quantized)
         # Load straight into the serving dtype: no transient fp32 copy of the weights.
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         model.eval()
-        return cls(model, dtype=dtype, max_num_seqs=max_num_seqs, max_len=max_len)
+        weights = None if plan is None else WeightBuilder(plan, state=model.state_dict())
+        return cls(model, dtype=dtype, max_num_seqs=max_num_seqs, max_len=max_len, weights=weights)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -167,102 +208,71 @@ class LlamaRunner:
         qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin_signed
         return qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, self.num_heads + self.num_kv_heads :]
 
-    # -- passes ----------------------------------------------------------------------
+    # -- the forward pass ----------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, slot: int, token_ids: list[int], start: int) -> torch.Tensor:
-        """Run `token_ids` at positions start.. for one slot; return last-token logits [vocab]."""
-        return self.prefill_batch([(slot, token_ids, start)])[0]
+    def forward(self, items: Sequence[tuple[int, Sequence[int], int]], logits: Sequence[int] | None = None,
+                *, batched: bool = False) -> torch.Tensor:
+        """One pass for prefill, decode, mixed and verify steps: item i runs its token ids at positions
+        start.. in its slot; returns the logits of the last `logits[i]` tokens of each item (default:
+        the last one of each; 0 = none), in order, as fp32 [rows, vocab].
 
-    @torch.inference_mode()
-    def prefill_batch(self, items: list[tuple[int, list[int], int]]) -> torch.Tensor:
-        """Prefill several sequences in one pass: items are (slot, token_ids, start position).
-
-        The projections and MLP run once over all tokens packed together (no padding);
-        attention runs per sequence against its own slot. Returns last-token logits [k, vocab].
-        """
-        lengths = [len(ids) for _, ids, _ in items]
+        The projections and MLP run once over every token packed together (no padding). With
+        `batched` the items are slots 0..n-1 in order (a decode or verify step: attention batched
+        over cache views, attention.SlotBatched); else each attends against its own slot
+        (attention.PerSequence). KV is written in one place, `_write_kv`."""
+        slots = [slot for slot, _, _ in items]
+        lens = [len(ids) for _, ids, _ in items]
+        starts = [start for _, _, start in items]
         ids = torch.tensor([t for _, seq, _ in items for t in seq], dtype=torch.long)
-        pos = torch.cat([torch.arange(start, start + n) for (_, _, start), n in zip(items, lengths)])
-        x = self.embed[ids]  # [T, H]
-        cos, sin = self.rope_tables(pos)  # [T, 1, D]
-        masks = [torch.arange(start + n).unsqueeze(0) <= torch.arange(start, start + n).unsqueeze(1)
-                 for (_, _, start), n in zip(items, lengths)]
-        kvh, g, d = self.num_kv_heads, self.group, self.head_dim
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, cos, sin)
-            kc, vc = self.k_cache[i], self.v_cache[i]
-            outs = []
-            off = 0
-            for (slot, _, start), t, mask in zip(items, lengths, masks):
-                end = start + t
-                kc[slot, :, start:end] = k[off : off + t].transpose(0, 1)
-                vc[slot, :, start:end] = v[off : off + t].transpose(0, 1)
-                keys = kc[slot, :, :end]  # [KVH, end, D]
-                vals = vc[slot, :, :end]
-                # Query heads grouped per shared KV head: [KVH, G*T, D] against [KVH, end, D].
-                qg = q[off : off + t].view(t, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * t, d)
-                if self.dtype == torch.float32:
-                    # fp32 is the batch-invariant mode: the same kernels as ever (tests hold it to that).
-                    scores = (qg @ keys.transpose(1, 2)) * self.scale  # [KVH, G*T, end]
-                    scores = scores.view(kvh, g, t, end).masked_fill(~mask, float("-inf"))
-                    probs = torch.softmax(scores.float(), dim=-1).to(self.dtype)
-                    out = probs.view(kvh, g * t, end) @ vals  # [KVH, G*T, D]
-                else:
-                    # bf16/fp16: the fused kernel, ~2x faster for a turn's suffix over a long cached
-                    # history (145 tokens after 1,520: 269 -> 133 ms here), no [G*T, end] scores in memory.
-                    out = F.scaled_dot_product_attention(
-                        qg.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=mask.repeat(g, 1),
-                        scale=self.scale)[0]
-                outs.append(out.view(kvh, g, t, d).permute(2, 0, 1, 3).reshape(t, self.q_size))
-                off += t
-            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-            x = layer.o.add(attn, x)
-            x = self._mlp(layer, x)
-        last = torch.tensor(lengths).cumsum(0) - 1
-        h = self._rms(x[last], self.norm)
-        return self.lm_head(h).float()
-
-    @torch.inference_mode()
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One decode step for slots 0..n-1 (token i at positions[i]); return logits [n, vocab]."""
-        n = len(tokens)
-        ids = torch.tensor(tokens, dtype=torch.long)
-        pos = torch.tensor(positions, dtype=torch.long)
-        span = int(max(positions)) + 1
+        if max(lens) == 1:  # a decode step: one token a slot
+            pos, slot_of = torch.tensor(starts, dtype=torch.long), torch.tensor(slots, dtype=torch.long)
+        else:
+            pos = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, lens)])
+            slot_of = torch.repeat_interleave(torch.tensor(slots, dtype=torch.long), torch.tensor(lens))
         # Flat row index of (slot, kv_head, position) in a [slots*kv_heads*max_len, head_dim] view:
         # index_copy_ there is several times cheaper than advanced-index assignment.
-        kv_rows = ((torch.arange(n) * self.num_kv_heads).unsqueeze(1) + torch.arange(self.num_kv_heads)) \
-            * self.max_len + pos.unsqueeze(1)
-        kv_rows = kv_rows.reshape(-1)
-        x = self.embed[ids]  # [n, H]
-        cos, sin = self.rope_tables(pos)  # [n, 1, D]
-        mask = torch.arange(span).unsqueeze(0) <= pos.unsqueeze(1)  # [n, span]
-        mask = mask.view(n, 1, 1, span)
-        fused = self.dtype != torch.float32
+        kv_rows = (((slot_of * self.num_kv_heads).unsqueeze(1) + torch.arange(self.num_kv_heads)) * self.max_len
+                   + pos.unsqueeze(1)).reshape(-1)
+        attend = SlotBatched(self, lens, starts) if batched else PerSequence(self, slots, lens, starts)
+        x = self.embed[ids]  # [T, H]
+        cos, sin = self.rope_tables(pos)  # [T, 1, D]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
-            kc, vc = self.k_cache[i], self.v_cache[i]
-            kc.view(-1, self.head_dim).index_copy_(0, kv_rows, k.reshape(-1, self.head_dim))
-            vc.view(-1, self.head_dim).index_copy_(0, kv_rows, v.reshape(-1, self.head_dim))
-            keys = kc[:n, :, :span]  # a view: decoding slots are 0..n-1
-            vals = vc[:n, :, :span]
-            qg = q.view(n, self.num_kv_heads, self.group, self.head_dim)  # query heads grouped per KV head
-            if fused:
-                # bf16/fp16: the fused kernel reads the strided cache views as they are; the
-                # unfused path below copied them and round-tripped the scores through fp32
-                # (attention 616 -> 193 us per layer at batch 16, 150 tokens of context).
-                out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=self.scale)
-            else:
-                # fp32 is the batch-invariant mode: the same kernels as ever (tests hold it to that).
-                scores = (qg @ keys.transpose(2, 3)) * self.scale  # [n, KVH, G, span]
-                scores = scores.masked_fill(~mask, float("-inf"))
-                probs = torch.softmax(scores.float(), dim=-1).to(self.dtype)
-                out = probs @ vals  # [n, KVH, G, D]
-            x = layer.o.add(out.reshape(n, self.q_size), x)
+            self._write_kv(i, kv_rows, k, v)
+            x = layer.o.add(attend(q, self.k_cache[i], self.v_cache[i]), x)
             x = self._mlp(layer, x)
-        x = self._rms(x, self.norm)
-        return self.lm_head(x).float()
+        wanted = [1] * len(items) if logits is None else list(logits)
+        if sum(wanted) < len(x):
+            ends = torch.tensor(lens).cumsum(0).tolist()
+            x = x[torch.tensor([e - j for e, n in zip(ends, wanted) for j in range(n, 0, -1)], dtype=torch.long)]
+        return self.lm_head(self._rms(x, self.norm)).float()
+
+    def _write_kv(self, layer: int, kv_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The one place the KV cache is written: rows of the flat [slots*kv_heads*max_len, head_dim] view."""
+        self.k_cache[layer].view(-1, self.head_dim).index_copy_(0, kv_rows, k.reshape(-1, self.head_dim))
+        self.v_cache[layer].view(-1, self.head_dim).index_copy_(0, kv_rows, v.reshape(-1, self.head_dim))
+
+    # Shapes of `forward` the warm-up, the benches and the tests call by name.
+
+    def prefill(self, slot: int, token_ids: list[int], start: int) -> torch.Tensor:
+        """Run `token_ids` at positions start.. for one slot; return last-token logits [vocab]."""
+        return self.forward([(slot, token_ids, start)])[0]
+
+    def prefill_batch(self, items: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """Prefill several sequences in one pass: items are (slot, token_ids, start); last-token logits [k, vocab]."""
+        return self.forward(items)
+
+    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode step for slots 0..n-1 (token i at positions[i]); return logits [n, vocab]."""
+        return self.forward([(i, [t], p) for i, (t, p) in enumerate(zip(tokens, positions))], batched=True)
+
+    def verify(self, rows: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Speculative verification for slots 0..n-1: slot i runs `rows[i]` (its last token and a draft) at
+        positions starts[i]..; logits for every row, in order. A rejected draft's KV is rolled back
+        by not counting it (the next step overwrites those positions)."""
+        return self.forward([(i, row, s) for i, (row, s) in enumerate(zip(rows, starts))],
+                            [len(row) for row in rows], batched=True)
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` cached positions of slot src into slot dst."""

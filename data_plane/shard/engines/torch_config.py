@@ -3,20 +3,19 @@
     config = EngineConfig(dtype="float32", max_num_seqs=8)   # validated on construction
     engine = TorchEngine(config, listener=MyListener())       # a StepListener subclass
 
-Imported by the engine's modules (torch_engine, torch_admission, torch_step, torch_spec), by the
-shard (data_plane/shard/app.py) and by the bench; it holds no behaviour beyond validation.
+Imported by the engine's modules (torch_engine, torch_output), by the shard
+(data_plane/shard/app.py) and by the bench; it holds no behaviour beyond validation. A request's
+state inside the engine is sequence.SeqState.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 
-from data_plane.shard.engines.base import GenerationOutput, GenerationRequest, TextStream
 from data_plane.shard.engines.kv_cache import DEFAULT_BLOCK_SIZE
-from data_plane.shard.engines.speculation import SeqSpec
+from data_plane.shard.engines.weight_source import DTYPE_CHOICES, QUANTIZATION_CHOICES
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -25,8 +24,11 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 class EngineConfig:
     model: str | None = None
     """Local HF folder or GGUF file; None = the default SmolLM2-135M-Instruct."""
-    dtype: str = "bfloat16"
-    """bfloat16 (fast) or float32 (batch-invariant greedy output)."""
+    dtype: str = "auto"
+    """auto (the fastest on this CPU: data_plane/shard/engines/weight_source.py), bfloat16, float16 or float32
+    (batch-invariant greedy output)."""
+    quantization: str = "auto"
+    """Weight format (vLLM's flag): auto (what the model ships: a GGUF's Q4 blocks -> int4), none, int8, int4."""
     max_num_seqs: int = 16
     """Sequences decoded together (KV slots), 1..256."""
     max_model_len: int = 2048
@@ -35,7 +37,7 @@ class EngineConfig:
     """Prompt tokens processed per scheduler iteration, so long prompts don't stall decoding."""
     beside_prefill_share: float = 0.5
     """Share of prefill_chunk, 0..0.9, that waiting prompts of a chunked prefill's priority may take in its
-    step (prefilled in the same pass, data_plane/shard/engines/torch_beside.py); 0 = FIFO within a priority."""
+    step (prefilled in the same pass, data_plane/shard/engines/scheduler.py); 0 = FIFO within a priority."""
     max_waiting: int = 256
     """Queue bound; beyond it new requests get 503 with Retry-After."""
     threads: int = 0
@@ -58,8 +60,10 @@ class EngineConfig:
     """No drafting while more sequences than this run, 1..256 (measured: docs/BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}")
         if not 1 <= self.max_num_seqs <= 256:
             raise ValueError("max_num_seqs must be in 1..256")
         if not 16 <= self.max_model_len <= 131072:
@@ -80,37 +84,14 @@ class EngineConfig:
             raise ValueError("spec_max_batch must be in 1..256")
 
 
-@dataclass
-class SeqState:
-    """One request inside the engine, from admission to finish (scheduler thread only)."""
-
-    req: GenerationRequest
-    max_tokens: int
-    sink: Callable[[GenerationOutput], None]
-    stream: TextStream
-    generator: torch.Generator | None
-    slot: int = -1
-    prefilled: int = 0
-    length: int = 0  # tokens in the KV cache
-    last_token: int = -1
-    output_ids: list[int] = field(default_factory=list)
-    admitted_at: float = 0.0
-    prefill_done_at: float = 0.0
-    first_token_at: float | None = None
-    finished: bool = False
-    block_hashes: list[bytes] = field(default_factory=list)  # the prompt's full blocks
-    cached: int = 0  # prompt tokens whose KV came from the prefix cache
-    held: list[int] = field(default_factory=list)  # prefix-cache blocks referenced by this sequence
-    spec: SeqSpec | None = None  # speculation state (data_plane/shard/engines/torch_spec.py), when drafting is on
-    spec_ctx: list[int] = field(default_factory=list)  # prompt + output, append-only, for the n-gram index
-
-
 class StepListener:
     """Hooks the shard's metrics into the scheduler (called from the engine thread)."""
 
     def on_step(self, batch_size: int, step_s: float, kind: str) -> None: ...
 
-    def on_first_token(self, seq_ttft_s: float) -> None: ...
+    def on_first_token(self, seq_ttft_s: float, prefill_s: float | None = None) -> None:
+        """A sequence's first token, `seq_ttft_s` after it reached the engine; `prefill_s`: its prompt's prefill
+        time, reported here (not at the request's end) so the prefill and TTFT histograms move together."""
 
     def on_token(self, itl_s: float) -> None: ...
 
@@ -128,6 +109,10 @@ class StepListener:
 
     def on_prefill_beside(self, prompts: int) -> None:
         """`prompts` waiting prompts were prefilled beside a chunked prefill of their priority, in its pass."""
+
+    def on_weights(self, dtype: str, dtype_reason: str, quantization: str, quantization_reason: str,
+                   weight_bytes: int) -> None:
+        """The model is loaded in this dtype and weight format, chosen for that reason (weight_source.WeightPlan)."""
 
     def on_threads(self, threads: int, reason: str) -> None:
         """The intra-op thread count is now `threads` (reason ``start`` or ``probe``: torch_threads.ThreadTuner)."""
