@@ -106,5 +106,14 @@ class SlowClientMetrics:
         self.cut.labels(reason.value).inc()
 
 
-__all__ = ["PROCESSES", "ENV_BODY_S", "ENV_FIRST_REQUEST_S", "ENV_HEADERS_S", "ENV_SEND_BUFFER_BYTES", "ENV_WRITE_STALL_S",
-           "HttpLimits", "SlowClient", "SlowClientMetrics"]
+__all__ = [
+    "ENV_BODY_S",
+    "ENV_FIRST_REQUEST_S",
+    "ENV_HEADERS_S",
+    "ENV_SEND_BUFFER_BYTES",
+    "ENV_WRITE_STALL_S",
+    "PROCESSES",
+    "HttpLimits",
+    "SlowClient",
+    "SlowClientMetrics",
+]
