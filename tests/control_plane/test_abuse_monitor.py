@@ -36,6 +36,7 @@ def _row(key: str, at: float, code: str = "", tokens: int = 10) -> tuple[object,
               "model": "m", "prompt_tokens": tokens, "cached_tokens": 0, "completion_tokens": 0,
               "status": 200 if not code else 400, "error_code": code, "ttft_s": None, "latency_s": 0.1, "shard": "",
               "degradation_level": 0, "session": False, "gateway": "gw", "started_at": at, "finished_at": at}
+    values.update(output_kind="text", tool_calls=0)  # columns added later, at their defaults
     return tuple(values[c] for c in COLUMNS)
 
 
