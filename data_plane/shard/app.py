@@ -32,12 +32,7 @@ from opentelemetry.propagate import extract
 from prometheus_client import CollectorRegistry
 
 from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, DisconnectWatch
-from data_plane.common.errors import (
-    ModelNotFound,
-    Overloaded,
-    SwitchboardError,
-    install_error_handlers,
-)
+from data_plane.common.errors import ModelNotFound, Overloaded, SwitchboardError, install_error_handlers
 from data_plane.common.hop_auth import cluster_headers, cluster_token_from_env, guarded
 from data_plane.common.http_body import read_body
 from data_plane.common.keepalive import KEEPALIVE_COMMENT, KEEPALIVE_META, with_keepalives
