@@ -45,7 +45,7 @@ from data_plane.gateway.cluster_state import (
     SPAN_ATTRIBUTE,
     Effects,
 )
-from data_plane.gateway.context import fit_window
+from data_plane.gateway.context import Window, fit_window
 from data_plane.common.errors import (
     InvalidRequest,
     ModelNotFound,
@@ -53,10 +53,11 @@ from data_plane.common.errors import (
     as_error,
     render,
 )
+from data_plane.gateway.response_store import META_ROLE
 from data_plane.gateway.stream import Completion
 from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, DisconnectWatch
 from data_plane.common.http_body import read_body
-from data_plane.protocol import parse_chat_request
+from data_plane.protocol import ChatCompletionRequest, parse_chat_request
 from data_plane.gateway.safety.pipeline import raise_if_blocked
 from data_plane.tiers import Tier
 from data_plane.routing.upstream import ResumableStream
@@ -86,7 +87,15 @@ class Opened:
 
 class ChatHandler:
     """One chat request through the gateway: `gw` (what the settings describe) and `rt` (what the
-    lifespan opened, data_plane/gateway/runtime.py); its holdings live in `self.x` (an Exchange)."""
+    lifespan opened, data_plane/gateway/runtime.py); its holdings live in `self.x` (an Exchange).
+
+    Other OpenAI APIs served over this same path (the Responses API, data_plane/gateway/responses.py)
+    subclass it and override the hooks: `parse` (their body -> a chat request), `context` (the
+    conversation the new messages continue), `respond_body` / `respond_stream` (the reply's shape)
+    and `save_turn` (what is kept afterwards)."""
+
+    OPERATION = "chat"
+    """gen_ai.operation.name on the request's span."""
 
     def __init__(self, gw: Gateway, rt: Runtime, request: Request) -> None:
         self.gw = gw
@@ -112,7 +121,7 @@ class ChatHandler:
         self.tiers = state.tiers or gw.tiers
         self.effects = Effects(state.degradation)
         span = tracer.start_span("gateway.request", context=extract(request.headers), attributes={
-            "gen_ai.operation.name": "chat", "switchboard.request_id": self.request_id,
+            "gen_ai.operation.name": self.OPERATION, "switchboard.request_id": self.request_id,
             "switchboard.client_request_id": self.client_request_id, SPAN_ATTRIBUTE: self.effects.level})
         ledger = gw.ledger
         self.x = Exchange(gw.metrics, gw.limiter, span, self.request_id, DisconnectWatch(request.receive),
@@ -134,9 +143,9 @@ class ChatHandler:
                 if opened.include_usage is not None:
                     headers = self._headers(opened.headers, {"content-type": "text/event-stream; charset=utf-8",
                                                              "cache-control": "no-cache"})
-                    await opened.completion.stream_to(send, opened.stream, opened.include_usage, headers)
+                    await self.respond_stream(opened, send, headers)
                     return
-                body = await opened.completion.collect(opened.stream)
+                body = await self.respond_body(opened)
                 x.close(200, "ok")
                 response: Response = self._degraded(JSONResponse(body, headers=opened.headers))
             except ClientDisconnect:
@@ -162,6 +171,31 @@ class ChatHandler:
             x.disconnect.stop()
             otel_context.detach(token)
             x.close(None)  # a no-op unless the server cancelled the request
+
+    async def respond_stream(self, opened: Opened, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        """Stream the reply as SSE onto `send` (the Exchange is closed before the last write)."""
+        assert opened.include_usage is not None
+        await opened.completion.stream_to(send, opened.stream, opened.include_usage, headers)
+
+    async def respond_body(self, opened: Opened) -> dict[str, Any]:
+        """The whole reply as one JSON body."""
+        return await opened.completion.collect(opened.stream)
+
+    def parse(self, raw: bytes) -> ChatCompletionRequest:
+        """The request body as a chat request (4xx SwitchboardError when it is not one)."""
+        return parse_chat_request(raw, self.request.headers.get("content-type"))
+
+    async def context(self, req: ChatCompletionRequest, messages: list[dict[str, str]],
+                      tier: Tier) -> list[dict[str, str]]:
+        """The prompt: `messages` after the conversation they continue (an X-Session-Id session)."""
+        session_header = self.request.headers.get("x-session-id") or req.session_id
+        if session_header:
+            return await self._load_session(session_header, messages, tier)
+        return messages
+
+    def fit(self, prompt: list[dict[str, str]], budget: int) -> Window:
+        """The prompt fitted into `budget` tokens (the sliding window: oldest turns out first)."""
+        return fit_window(prompt, self.gw.counter, budget)
 
     # what the usage ledger reads of an ended request (data_plane/ledger/writer.py EndedRequest)
     @property
@@ -209,7 +243,7 @@ class ChatHandler:
         self.effects.admit(tier, tiers)
         raw = await read_body(self.request, settings.max_body_bytes)
         x.disconnect.start()
-        req = parse_chat_request(raw, self.request.headers.get("content-type"))
+        req = self.parse(raw)
         models = rt.models()
         model = req.model or next(iter(models))
         if model not in models:
@@ -233,10 +267,7 @@ class ChatHandler:
             gw.safety_metrics.record("input", verdict)
             raise_if_blocked(verdict)
 
-        prompt = messages
-        session_header = self.request.headers.get("x-session-id") or req.session_id
-        if session_header:
-            prompt = await self._load_session(session_header, messages, tier)
+        prompt = await self.context(req, messages, tier)
         context = min(tier.max_context_tokens, models[model])
         # Without max_tokens, reserve a modest reply while fitting the window, then let the reply
         # use the room the prompt leaves, up to the tier's cap (as vLLM does).
@@ -245,7 +276,7 @@ class ChatHandler:
         if budget <= 0:
             raise InvalidRequest(f"max_tokens {max_tokens} leaves no room for the prompt in a "
                                  f"{context}-token context", param="max_tokens", code="context_length_exceeded")
-        window = fit_window(prompt, gw.counter, self.effects.prompt_budget(budget, context))
+        window = self.fit(prompt, self.effects.prompt_budget(budget, context))
         if not req.output_limit:
             max_tokens = max(1, min(max_tokens, context - window.prompt_tokens - TEMPLATE_SLACK_TOKENS))
         if window.dropped:
@@ -306,6 +337,9 @@ class ChatHandler:
         if transcript is None:
             gw.metrics.sessions.labels(tier.name, "new").inc()
             return messages
+        if any(m["role"] == META_ROLE for m in transcript.messages):  # a Responses API record
+            raise NotFound(f"session {self.session_id!r} is a Responses API conversation: continue it with "
+                           "previous_response_id or conversation", param="session_id", code="session_not_found")
         gw.metrics.sessions.labels(tier.name, "resumed").inc()
         self.session_version = transcript.version
         self.history = [dict(m) for m in transcript.messages]

@@ -1,0 +1,170 @@
+"""The Responses and Conversations APIs end to end: the real model (the session's fp32 shard), two
+cache nodes and a gateway on loopback, driven by the openai SDK and the OpenAI Agents SDK."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.support.cluster import KEYS, cache_node, stored_session
+from tests.support.procs import Service
+
+MODEL = "SmolLM2-135M-Instruct"
+SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+"""The chat template's default system prompt: instructions the 135M model answers well under."""
+
+
+class Stack:
+    def __init__(self, gateway: Service, caches: list[Service]) -> None:
+        self.gateway, self.caches = gateway, caches
+
+    def sdk(self, key: str = "plus") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.gateway.url + "/v1", api_key=KEYS[key], max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def stack(fp32_shard: Service) -> Iterator[Stack]:
+    caches = [cache_node() for _ in range(2)]
+    for c in caches:
+        c.start(wait=False)
+    for c in caches:
+        c.wait_healthy()
+    keys = ",".join([f"{KEYS['plus']}:acme:plus", f"{KEYS['plus2']}:acme:plus", f"{KEYS['enterprise']}:bigco:enterprise"])
+    gw = Service(["gateway", "--shard-urls", fp32_shard.url, "--cache-urls", ",".join(c.url for c in caches)],
+                 env={"SWITCHBOARD_GATEWAY_API_KEYS": keys})
+    try:
+        with gw:
+            yield Stack(gw, caches)
+    finally:
+        for c in caches:
+            c.stop()
+
+
+def test_create_chain_retrieve_input_items_delete(stack: Stack) -> None:
+    sdk = stack.sdk()
+    first = sdk.responses.create(model=MODEL, input="What is the capital of France?", instructions=SYSTEM,
+                                 max_output_tokens=12, temperature=0)
+    assert first.id.startswith("resp_") and first.object == "response"
+    assert "Paris" in first.output_text and first.usage.input_tokens > 0
+    assert first.output[0].type == "message" and first.output[0].role == "assistant"
+    second = sdk.responses.create(model=MODEL, input="And of Italy?", previous_response_id=first.id,
+                                  max_output_tokens=12, temperature=0)
+    assert second.previous_response_id == first.id
+    # the chain replays token-exactly on the shard holding its KV: the whole first turn is cached
+    assert second.usage.input_tokens > first.usage.input_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 8
+    got = sdk.responses.retrieve(second.id)
+    assert got.output_text == second.output_text and got.usage.total_tokens == second.usage.total_tokens
+    items = sdk.responses.input_items.list(second.id)
+    assert [i.type for i in items.data] == ["message"] and items.data[0].content[0].text == "And of Italy?"
+    # another key (even of the same tenant) sees nothing
+    for call in (lambda s: s.responses.retrieve(first.id), lambda s: s.responses.delete(first.id),
+                 lambda s: s.responses.create(model=MODEL, input="x", previous_response_id=first.id,
+                                              max_output_tokens=2)):
+        with pytest.raises(openai.NotFoundError) as e:
+            call(stack.sdk("plus2"))
+        assert e.value.body["param"] in ("response_id", "previous_response_id") or e.value.status_code == 404
+    # deleted: gone from every cache node, and a 404 after
+    held = [c for c in stack.caches if stored_session(c.url, first.id) is not None]
+    assert held, "a stored response lives on the cache nodes"
+    sdk.responses.delete(first.id)
+    assert all(stored_session(c.url, first.id) is None for c in stack.caches)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(first.id)
+    # store=false: answered, never kept
+    unstored = sdk.responses.create(model=MODEL, input="Say hi.", store=False, max_output_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(unstored.id)
+
+
+def test_stream_events_in_order_with_sequence_numbers(stack: Stack) -> None:
+    sdk = stack.sdk()
+    with sdk.responses.stream(model=MODEL, input="Reply with one word: hello.", max_output_tokens=24,
+                              temperature=0) as stream:
+        events = list(stream)
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert "response.output_text.delta" in types
+    assert types[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert types[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert final.output_text == text and final.usage.output_tokens > 0
+    assert sdk.responses.retrieve(final.id).output_text == text
+
+
+def test_conversations_crud_and_turns(stack: Stack) -> None:
+    sdk = stack.sdk()
+    conv = sdk.conversations.create(items=[{"type": "message", "role": "user", "content": "My name is Zed."}],
+                                    metadata={"topic": "names"})
+    assert conv.id.startswith("conv_") and conv.metadata == {"topic": "names"}
+    r = sdk.responses.create(model=MODEL, input="What is my name?", conversation=conv.id, max_output_tokens=12,
+                             temperature=0)
+    assert r.conversation.id == conv.id and r.usage.input_tokens > 10
+    items = sdk.conversations.items.list(conv.id, order="asc")
+    assert [i.type for i in items.data] == ["message"] * 3
+    assert items.data[0].content[0].text == "My name is Zed." and items.data[2].role == "assistant"
+    added = sdk.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": "Hi"}])
+    sdk.conversations.items.delete(added.data[0].id, conversation_id=conv.id)
+    assert len(sdk.conversations.items.list(conv.id).data) == 3
+    assert sdk.conversations.update(conv.id, metadata={"topic": "x"}).metadata == {"topic": "x"}
+    assert sdk.conversations.retrieve(conv.id).metadata == {"topic": "x"}
+    with pytest.raises(openai.NotFoundError):
+        stack.sdk("plus2").conversations.retrieve(conv.id)
+    with pytest.raises(openai.NotFoundError):
+        stack.sdk("plus2").responses.create(model=MODEL, input="x", conversation=conv.id, max_output_tokens=2)
+    assert sdk.conversations.delete(conv.id).deleted
+    assert all(stored_session(c.url, conv.id) is None for c in stack.caches)
+    with pytest.raises(openai.NotFoundError):
+        sdk.conversations.retrieve(conv.id)
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"input": "x", "background": True}, 400, "background"),
+    ({"input": "x", "bogus": 1}, 400, "bogus"),
+    ({"input": [{"type": "input_image", "image_url": "x"}]}, 400, "input[0].type"),
+    ({"input": "x", "previous_response_id": "resp_nope"}, 404, "response_id"),
+    ({"input": "x", "conversation": "conv_nope"}, 404, "conversation_id"),
+    ({"input": "x", "previous_response_id": "resp_a", "conversation": "conv_b"}, 400, "previous_response_id"),
+    ({"input": "word " * 3000, "max_output_tokens": 4}, 400, "input"),
+    ({"input": ""}, 400, "input"),
+])
+def test_bad_requests_are_openai_errors(stack: Stack, body: dict, status: int, param: str) -> None:
+    r = httpx.post(stack.gateway.url + "/v1/responses", json={"model": MODEL, **body},
+                   headers={"Authorization": f"Bearer {KEYS['plus']}"}, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_agents_sdk_default_responses_model(stack: Stack) -> None:
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=stack.gateway.url + "/v1", api_key=KEYS["plus"], max_retries=0)
+    model = OpenAIResponsesModel(model=MODEL, openai_client=client)
+    agent = Agent(name="geo", instructions=SYSTEM, model=model,
+                  model_settings=ModelSettings(max_tokens=48, temperature=0))
+
+    async def run() -> str:
+        result = await Runner.run(agent, "What is the capital of France?")
+        return str(result.final_output)
+
+    assert "Paris" in asyncio.run(run())
+
+
+def test_responses_record_is_not_a_chat_session(stack: Stack) -> None:
+    sdk = stack.sdk()
+    r = sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    out = httpx.post(stack.gateway.url + "/v1/chat/completions", json=body, timeout=60,
+                     headers={"Authorization": f"Bearer {KEYS['plus']}", "X-Session-Id": r.id})
+    assert out.status_code == 404 and json.loads(out.text)["error"]["code"] == "session_not_found"
