@@ -54,13 +54,13 @@ from data_plane.common.errors import (
     render,
 )
 from data_plane.gateway.response_store import META_ROLE
-from data_plane.gateway.stream import Completion
+from data_plane.gateway.response_cache import CachedReply, Decision, ReplayStream, cache_key, cache_policy
+from data_plane.gateway.stream import Completion, EventSource
 from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, DisconnectWatch
 from data_plane.common.http_body import read_body
 from data_plane.protocol import ChatCompletionRequest, parse_chat_request
 from data_plane.gateway.safety.pipeline import raise_if_blocked
 from data_plane.tiers import Tier
-from data_plane.routing.upstream import ResumableStream
 
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ prompt the template inserts), so the shard never refuses what the gateway admitt
 class Opened:
     """A request that passed every check, with its shard stream's first token in hand."""
 
-    stream: ResumableStream
+    stream: EventSource
     completion: Completion
     headers: dict[str, str]
     include_usage: bool | None
@@ -114,6 +114,10 @@ class ChatHandler:
         self.session_version = 0
         self.history: list[dict[str, str]] = []
         self.new_messages: list[dict[str, str]] = []
+        self.cache_header: str | None = None
+        """X-Cache: HIT | MISS | BYPASS (opted out); absent when the request may not be cached."""
+        self.cache_key: str | None = None
+        """Set when this request's reply goes into the response cache once complete."""
         self.opened: Opened | None = None
         """Set once a shard stream is open: the usage ledger reads the completion and shard from it."""
         # the level and tier policy are read once, so one request sees one consistent state
@@ -192,6 +196,42 @@ class ChatHandler:
         if session_header:
             return await self._load_session(session_header, messages, tier)
         return messages
+
+    async def _cached(self, req: ChatCompletionRequest, body: dict[str, Any], prompt: list[dict[str, str]],
+                      tenant: str) -> ReplayStream | None:
+        """A cached reply for this exact request of this tenant, when it may be cached and is
+        (data_plane/gateway/response_cache.py); sets `cache_key` when the reply should be stored."""
+        cache = self.rt.replies
+        if cache is None:
+            return None
+        policy = cache_policy(req.temperature, req.seed, req.tools, req.cache, self.request.headers)
+        key = cache_key(tenant, body, prompt)
+        self.cache_key = key if policy.write else None
+        if not policy.read:
+            assert policy.decision is not None
+            cache.count(self.OPERATION, policy.decision)
+            self.cache_header = "BYPASS" if policy.decision is Decision.BYPASS else None
+            return None
+        with tracer.start_as_current_span("cache.response_get") as span:
+            reply = await cache.get(key, tenant, self.OPERATION)
+            span.set_attribute("switchboard.response_cache.hit", reply is not None)
+        self.x.span.set_attribute("switchboard.response_cache", "hit" if reply else "miss")
+        self.cache_header = "HIT" if reply is not None else "MISS"
+        if reply is None:
+            return None
+        self.cache_key = None  # nothing new to store
+        return ReplayStream(reply)
+
+    async def _completed(self, reply: str) -> None:
+        """The reply is complete: keep the turn, and the reply in the response cache (off the path)."""
+        await self.save_turn(reply)
+        opened, cache = self.opened, self.rt.replies
+        if self.cache_key is None or opened is None or cache is None or self.principal is None:
+            return
+        c = opened.completion
+        if c.finish_reason in ("stop", "length") and c.usage.completion_tokens:
+            cache.put_later(self.cache_key, self.principal.tenant, CachedReply(
+                reply, c.finish_reason, c.usage.prompt_tokens, c.usage.completion_tokens))
 
     def fit(self, prompt: list[dict[str, str]], budget: int) -> Window:
         """The prompt fitted into `budget` tokens (the sliding window: oldest turns out first)."""
@@ -301,16 +341,21 @@ class ChatHandler:
                 body[name] = value
         if req.model:
             body["model"] = model
-        x.admitted(await rt.admission.acquire(tier, tiers, tenant=principal.tenant,
-                                              tokens=window.prompt_tokens + max_tokens))
-        with tracer.start_as_current_span("router.route") as route_span:
-            stream = await rt.upstream.open_resumable(body, self.session_id)
-            route_span.set_attribute("switchboard.shard", stream.member.id)
-            route_span.set_attribute("switchboard.attempts", stream.attempts)
-            rt.router.observe_kv(self.session_id, stream.member.id, window.prompt_tokens)  # kv_aware routing
+        stream: EventSource | None = await self._cached(req, body, prompt, principal.tenant)
+        if stream is None:
+            x.admitted(await rt.admission.acquire(tier, tiers, tenant=principal.tenant,
+                                                  tokens=window.prompt_tokens + max_tokens))
+            with tracer.start_as_current_span("router.route") as route_span:
+                shard = await rt.upstream.open_resumable(body, self.session_id)
+                route_span.set_attribute("switchboard.shard", shard.member.id)
+                route_span.set_attribute("switchboard.attempts", shard.attempts)
+                rt.router.observe_kv(self.session_id, shard.member.id, window.prompt_tokens)  # kv_aware routing
+            stream = shard
         x.first_token_at = time.monotonic()  # from the shard; the client's TTFT is observed in Completion
-        completion = Completion(x, model, policy.output_stream(), gw.safety_metrics, self.save_turn)
+        completion = Completion(x, model, policy.output_stream(), gw.safety_metrics, self._completed)
         headers = {"X-Request-Id": self.request_id, **(x.grant.headers if x.grant else {})}
+        if self.cache_header:
+            headers["X-Cache"] = self.cache_header
         if self.session_id:
             headers["X-Session-Id"] = self.session_id
         include_usage = bool(req.stream_options and req.stream_options.include_usage) if req.stream else None

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from opentelemetry import trace
 from starlette.types import Send
@@ -29,12 +29,24 @@ from data_plane.common.errors import as_error
 from data_plane.protocol import PromptTokensDetails, Usage, chunk_body, completion_body, new_completion_id
 from data_plane.gateway.exchange import Exchange
 from data_plane.gateway.safety.pipeline import ALLOW, OutputStreamFilter, SafetyMetrics
-from data_plane.routing.upstream import Delta, Finish, ResumableStream, UsageEvent
+from data_plane.membership.view import Member
+from data_plane.routing.upstream import Delta, Event, Finish, UsageEvent
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 FINISH_CONTENT_FILTER = "content_filter"
+
+
+class EventSource(Protocol):
+    """What a Completion reads: a shard's resumable stream (data_plane/routing/upstream.py), or a
+    cached reply replayed (data_plane/gateway/response_cache.py)."""
+
+    member: Member
+
+    def batches(self) -> AsyncIterator[list[Event]]: ...
+
+    def close(self) -> None: ...
 
 
 class Completion:
@@ -58,7 +70,7 @@ class Completion:
         self._content_prefix = b"data: " + head[:-1] + b',"choices":[{"index":0,"delta":{"content":'
         self._content_suffix = b'},"logprobs":null,"finish_reason":null}]}\n\n'
 
-    async def _batches(self, stream: ResumableStream) -> AsyncIterator[str]:
+    async def _batches(self, stream: EventSource) -> AsyncIterator[str]:
         """Safe text, one piece per batch of deltas that arrived together (the filter sees the
         same text either way; the client gets one chunk per burst instead of one per token).
         Sets finish_reason and usage. Raises SwitchboardError mid-stream."""
@@ -129,7 +141,7 @@ class Completion:
         if self.finish_reason:
             span.set_attribute("gen_ai.response.finish_reasons", [self.finish_reason])
 
-    async def collect(self, stream: ResumableStream) -> dict[str, Any]:
+    async def collect(self, stream: EventSource) -> dict[str, Any]:
         """The whole completion as one chat.completion body. A client that leaves meanwhile
         cancels the task (the Exchange's DisconnectWatch), which closes the stream: the shard aborts."""
         try:
@@ -145,7 +157,7 @@ class Completion:
         return completion_body(completion_id=self.completion_id, model=self.model, text="".join(self.text),
                                finish_reason=self.finish_reason, usage=self.usage, created=self.created)
 
-    async def stream_to(self, send: Send, stream: ResumableStream, include_usage: bool,
+    async def stream_to(self, send: Send, stream: EventSource, include_usage: bool,
                         headers: list[tuple[bytes, bytes]]) -> None:
         """The completion as SSE, straight onto the ASGI `send`: one write per batch of tokens,
         the role chunk riding with the first, the finish, usage and `[DONE]` with the last."""

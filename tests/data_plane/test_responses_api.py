@@ -4,7 +4,10 @@ cache nodes and a gateway on loopback, driven by the openai SDK and the OpenAI A
 from __future__ import annotations
 
 import json
+import sqlite3
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -19,26 +22,44 @@ SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
 class Stack:
-    def __init__(self, gateway: Service, caches: list[Service]) -> None:
-        self.gateway, self.caches = gateway, caches
+    def __init__(self, gateway: Service, caches: list[Service], state: Path) -> None:
+        self.gateway, self.caches, self.state = gateway, caches, state
+
+    def ledger_rows(self, request_ids: list[str]) -> dict[str, tuple[str, int, int]]:
+        """request id -> (shard, prompt_tokens, cached_tokens) once the ledger has written them."""
+        deadline = time.monotonic() + 20
+        while True:
+            with sqlite3.connect(self.state / "usage.db") as db:
+                rows = {r[0]: r[1:] for r in db.execute(
+                    "SELECT request_id, shard, prompt_tokens, cached_tokens FROM usage_records WHERE request_id IN "
+                    f"({','.join('?' * len(request_ids))})", request_ids)}
+            if len(rows) == len(request_ids) or time.monotonic() > deadline:
+                return rows
+            time.sleep(0.2)
+
+    def chat(self, body: dict, key: str = "plus", headers: dict | None = None) -> httpx.Response:
+        return httpx.post(self.gateway.url + "/v1/chat/completions", json={"model": MODEL, **body}, timeout=120,
+                          headers={"Authorization": f"Bearer {KEYS[key]}", **(headers or {})})
 
     def sdk(self, key: str = "plus") -> openai.OpenAI:
         return openai.OpenAI(base_url=self.gateway.url + "/v1", api_key=KEYS[key], max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
-def stack(fp32_shard: Service) -> Iterator[Stack]:
+def stack(fp32_shard: Service, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    state = tmp_path_factory.mktemp("responses-gw")
     caches = [cache_node() for _ in range(2)]
     for c in caches:
         c.start(wait=False)
     for c in caches:
         c.wait_healthy()
     keys = ",".join([f"{KEYS['plus']}:acme:plus", f"{KEYS['plus2']}:acme:plus", f"{KEYS['enterprise']}:bigco:enterprise"])
-    gw = Service(["gateway", "--shard-urls", fp32_shard.url, "--cache-urls", ",".join(c.url for c in caches)],
+    gw = Service(["gateway", "--shard-urls", fp32_shard.url, "--cache-urls", ",".join(c.url for c in caches),
+                  "--state-dir", str(state), "--usage-db", f"sqlite:///{state}/usage.db"],
                  env={"SWITCHBOARD_GATEWAY_API_KEYS": keys})
     try:
         with gw:
-            yield Stack(gw, caches)
+            yield Stack(gw, caches, state)
     finally:
         for c in caches:
             c.stop()
@@ -168,3 +189,46 @@ def test_responses_record_is_not_a_chat_session(stack: Stack) -> None:
     out = httpx.post(stack.gateway.url + "/v1/chat/completions", json=body, timeout=60,
                      headers={"Authorization": f"Bearer {KEYS['plus']}", "X-Session-Id": r.id})
     assert out.status_code == 404 and json.loads(out.text)["error"]["code"] == "session_not_found"
+
+
+def test_response_cache_answers_one_tenant_never_another(stack: Stack) -> None:
+    body = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 6, "temperature": 0}
+    first = stack.chat(body)
+    again = stack.chat(body)
+    assert first.headers["x-cache"] == "MISS" and again.headers["x-cache"] == "HIT"
+    hit = again.json()
+    assert hit["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == hit["usage"]["prompt_tokens"]
+    # another key of the same tenant shares it; another tenant never does
+    assert stack.chat(body, key="plus2").headers["x-cache"] == "HIT"
+    assert stack.chat(body, key="enterprise").headers["x-cache"] == "MISS"
+    # streamed hit: the same text as SSE
+    streamed = stack.chat({**body, "stream": True})
+    assert streamed.headers["x-cache"] == "HIT"
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == hit["choices"][0]["message"]["content"]
+    # opt-outs (LiteLLM's): no-cache skips the lookup; sampling without a seed is never cached
+    assert stack.chat(body, headers={"Cache-Control": "no-cache"}).headers["x-cache"] == "BYPASS"
+    assert stack.chat({**body, "cache": {"no-cache": True}}).headers["x-cache"] == "BYPASS"
+    assert "x-cache" not in stack.chat({**body, "temperature": 0.7}).headers
+    # the ledger records the hit: no shard, every prompt token cached
+    rows = stack.ledger_rows([first.headers["x-request-id"], again.headers["x-request-id"]])
+    assert rows[again.headers["x-request-id"]][0] == "response-cache"
+    assert rows[again.headers["x-request-id"]][2] == rows[again.headers["x-request-id"]][1]
+    assert rows[first.headers["x-request-id"]][0] != "response-cache"
+    metrics = httpx.get(stack.gateway.url + "/metrics").text
+    assert 'switchboard_response_cache_lookups_total{api="chat",result="hit"} 3.0' in metrics
+
+
+def test_response_cache_serves_the_responses_api_and_whole_chains_only(stack: Stack) -> None:
+    sdk = stack.sdk()
+    one = sdk.responses.create(model=MODEL, input="Name a fruit.", max_output_tokens=6, temperature=0)
+    two = sdk.responses.create(model=MODEL, input="Name a fruit.", max_output_tokens=6, temperature=0)
+    assert two.output_text == one.output_text and two.id != one.id
+    assert two.usage.input_tokens_details.cached_tokens == two.usage.input_tokens
+    # the same new message on different chains is a different request
+    chained = sdk.responses.create(model=MODEL, input="Name a fruit.", previous_response_id=one.id,
+                                   max_output_tokens=6, temperature=0)
+    assert chained.usage.input_tokens > one.usage.input_tokens
+    assert chained.usage.input_tokens_details.cached_tokens < chained.usage.input_tokens
