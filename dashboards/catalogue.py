@@ -82,10 +82,14 @@ def _gateway(registry: CollectorRegistry) -> list[object]:
     from data_plane.routing.router import RouterMetrics
     from data_plane.gateway.safety.pipeline import SafetyMetrics
     from data_plane.common.crypto import SealMetrics
+    from data_plane.gateway.memory import MemoryMetrics
+    from data_plane.gateway.response_cache import ResponseCacheMetrics
+    from data_plane.gateway.responses_metrics import ResponsesMetrics
 
     return [GatewayMetrics(registry), SafetyMetrics(registry), RouterMetrics(registry),
             SessionStoreMetrics(registry), RateLimitMetrics(registry), AdmissionMetrics(registry),
-            LedgerMetrics(registry), SealMetrics(registry)]
+            LedgerMetrics(registry), SealMetrics(registry), ResponseCacheMetrics(registry), MemoryMetrics(registry),
+            ResponsesMetrics(registry)]
 
 
 def _cache_node(registry: CollectorRegistry) -> list[object]:

@@ -86,6 +86,8 @@ def create_app(gw: Gateway) -> GatewayApp:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:  # closes the runtime in reverse order
             holder.runtime = await open_runtime(gw, stack)
+            holder.store = ConversationStore(holder.runtime.sessions, gw.settings.session_ttl_s)
+            stack.push_async_callback(holder.store.aclose)  # pending background compactions
             try:
                 yield
             finally:
@@ -132,7 +134,7 @@ def create_app(gw: Gateway) -> GatewayApp:
                 "max_model_len": found[model_id]}
 
     app.add_api_route("/v1/usage", usage_route(gw.keys, gw.ledger), methods=["GET"])
-    mount_responses(app, gw, lambda: holder.conversations())
+    mount_responses(app, gw, lambda: holder.conversations(), lambda: holder.started())
     mount_conversations(app, gw, lambda: holder.conversations())
 
     @app.post(RESPONSES_PATH)
@@ -178,6 +180,7 @@ class GatewayApp:
         self.gw = gw
         self.api = api
         self.runtime: Runtime | None = None
+        self.store: ConversationStore | None = None
         """Set for as long as the lifespan runs (from start-up to shutdown): the one check for it is `started`."""
 
     def started(self) -> Runtime:
@@ -188,7 +191,9 @@ class GatewayApp:
 
     def conversations(self) -> ConversationStore:
         """Responses and conversations on this runtime's session store (503 while not started)."""
-        return ConversationStore(self.started().sessions, self.gw.settings.session_ttl_s)
+        self.started()
+        assert self.store is not None
+        return self.store
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"] if scope["type"] == "http" and scope["method"] == "POST" else ""

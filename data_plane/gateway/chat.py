@@ -127,13 +127,19 @@ class ChatHandler:
         span = tracer.start_span("gateway.request", context=extract(request.headers), attributes={
             "gen_ai.operation.name": self.OPERATION, "switchboard.request_id": self.request_id,
             "switchboard.client_request_id": self.client_request_id, SPAN_ATTRIBUTE: self.effects.level})
-        ledger = gw.ledger
         self.x = Exchange(gw.metrics, gw.limiter, span, self.request_id, DisconnectWatch(request.receive),
-                          on_record=None if ledger is None else lambda status, code: ledger.record_request(
-                              self, status, code), t0=t0)  # the ledger reads its EndedRequest properties
+                          on_record=self._record, t0=t0)
         """Slot, grant, in-flight gauge, metrics record and span, released once by `x.close`. Once
         the body is read, a client that goes away cancels this request's task (`x.disconnect`), and
         so whatever it waits on: admission queue, shard, stream, and the shard's work with it."""
+
+    def _record(self, status: int, code: str) -> None:
+        if self.gw.ledger is not None:  # the ledger reads its EndedRequest properties
+            self.gw.ledger.record_request(self, status, code)
+        self.recorded(status)
+
+    def recorded(self, status: int) -> None:
+        """The request ended with `status` (counted by the APIs served over this path)."""
 
     # -- the request, before any byte goes out ------------------------------------------------
 

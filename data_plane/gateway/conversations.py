@@ -23,6 +23,7 @@ from data_plane.gateway.auth import key_digest
 from data_plane.gateway.response_store import ConversationStore, Kind, conversation_object, new_conversation
 from data_plane.gateway.responses import page
 from data_plane.gateway.responses_items import input_items, new_id
+from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.runtime import Gateway
 
 log = logging.getLogger(__name__)
@@ -66,76 +67,84 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
 
     @app.post(CONVERSATIONS_PATH)
     async def create(request: Request) -> dict[str, Any]:
-        owner, replicas = caller(request)
-        body = await _body(request)
-        unknown = set(body) - {"items", "metadata"}
-        if unknown:
-            raise InvalidRequest(f"unrecognized request argument supplied: {min(unknown)}",
-                                 param=min(unknown), code="unsupported_parameter")
-        items = input_items(body.get("items") or [], param="items")
-        record = new_conversation(new_id("conv"), items, _metadata(body.get("metadata")))
-        await store().save(record, owner, replicas)
-        log.info("conversation created with %d item(s)", len(items))
-        return conversation_object(record)
+        with observed(gw.responses_metrics, Op.CONVERSATION_CREATE):
+            owner, replicas = caller(request)
+            body = await _body(request)
+            unknown = set(body) - {"items", "metadata"}
+            if unknown:
+                raise InvalidRequest(f"unrecognized request argument supplied: {min(unknown)}",
+                                     param=min(unknown), code="unsupported_parameter")
+            items = input_items(body.get("items") or [], param="items")
+            record = new_conversation(new_id("conv"), items, _metadata(body.get("metadata")))
+            await store().save(record, owner, replicas)
+            log.info("conversation created with %d item(s)", len(items))
+            return conversation_object(record)
 
     @app.get(CONVERSATIONS_PATH + "/{conversation_id}")
     async def retrieve(conversation_id: str, request: Request) -> dict[str, Any]:
-        owner, replicas = caller(request)
-        return conversation_object(await store().load(conversation_id, owner, replicas, Kind.CONVERSATION))
+        with observed(gw.responses_metrics, Op.CONVERSATION_RETRIEVE):
+            owner, replicas = caller(request)
+            return conversation_object(await store().load(conversation_id, owner, replicas, Kind.CONVERSATION))
 
     @app.post(CONVERSATIONS_PATH + "/{conversation_id}")
     async def update(conversation_id: str, request: Request) -> dict[str, Any]:
-        owner, replicas = caller(request)
-        body = await _body(request)
-        if set(body) != {"metadata"}:
-            raise InvalidRequest("metadata is required (and the only field)", param="metadata")
-        record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
-        record.conversation["metadata"] = _metadata(body["metadata"]) or {}
-        await store().save(record, owner, replicas)
-        return conversation_object(record)
+        with observed(gw.responses_metrics, Op.CONVERSATION_UPDATE):
+            owner, replicas = caller(request)
+            body = await _body(request)
+            if set(body) != {"metadata"}:
+                raise InvalidRequest("metadata is required (and the only field)", param="metadata")
+            record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
+            record.conversation["metadata"] = _metadata(body["metadata"]) or {}
+            await store().save(record, owner, replicas)
+            return conversation_object(record)
 
     @app.delete(CONVERSATIONS_PATH + "/{conversation_id}")
     async def delete(conversation_id: str, request: Request) -> dict[str, Any]:
-        owner, replicas = caller(request)
-        await store().delete(conversation_id, owner, replicas, Kind.CONVERSATION)
-        return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+        with observed(gw.responses_metrics, Op.CONVERSATION_DELETE):
+            owner, replicas = caller(request)
+            await store().delete(conversation_id, owner, replicas, Kind.CONVERSATION)
+            return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
     @app.get(CONVERSATIONS_PATH + "/{conversation_id}/items")
     async def list_items(conversation_id: str, request: Request, limit: int = 20, order: str = "desc",
                          after: str | None = None) -> dict[str, Any]:
-        owner, replicas = caller(request)
-        record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
-        return page(record.items, limit=limit, order=order, after=after)
+        with observed(gw.responses_metrics, Op.ITEMS_LIST):
+            owner, replicas = caller(request)
+            record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
+            return page(record.items, limit=limit, order=order, after=after)
 
     @app.post(CONVERSATIONS_PATH + "/{conversation_id}/items")
     async def add_items(conversation_id: str, request: Request) -> dict[str, Any]:
-        owner, replicas = caller(request)
-        body = await _body(request)
-        items = input_items(body.get("items") or [], param="items")
-        if not items:
-            raise InvalidRequest("items must hold at least one item", param="items")
-        record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
-        record.items = record.items + items
-        await store().save(record, owner, replicas)
-        return {"object": "list", "data": items, "first_id": items[0]["id"], "last_id": items[-1]["id"],
-                "has_more": False}
+        with observed(gw.responses_metrics, Op.ITEMS_CREATE):
+            owner, replicas = caller(request)
+            body = await _body(request)
+            items = input_items(body.get("items") or [], param="items")
+            if not items:
+                raise InvalidRequest("items must hold at least one item", param="items")
+            record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
+            record.items = record.items + items
+            await store().save(record, owner, replicas)
+            return {"object": "list", "data": items, "first_id": items[0]["id"], "last_id": items[-1]["id"],
+                    "has_more": False}
 
     @app.get(CONVERSATIONS_PATH + "/{conversation_id}/items/{item_id}")
     async def get_item(conversation_id: str, item_id: str, request: Request) -> dict[str, Any]:
-        owner, replicas = caller(request)
-        record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
-        for item in record.items:
-            if item.get("id") == item_id:
-                return item
-        raise NotFound(f"Item with id '{item_id}' not found.", param="item_id")
+        with observed(gw.responses_metrics, Op.ITEM_RETRIEVE):
+            owner, replicas = caller(request)
+            record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
+            for item in record.items:
+                if item.get("id") == item_id:
+                    return item
+            raise NotFound(f"Item with id '{item_id}' not found.", param="item_id")
 
     @app.delete(CONVERSATIONS_PATH + "/{conversation_id}/items/{item_id}")
     async def delete_item(conversation_id: str, item_id: str, request: Request) -> dict[str, Any]:
-        owner, replicas = caller(request)
-        record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
-        kept = [i for i in record.items if i.get("id") != item_id]
-        if len(kept) == len(record.items):
-            raise NotFound(f"Item with id '{item_id}' not found.", param="item_id")
-        record.items = kept
-        await store().save(record, owner, replicas)
-        return conversation_object(record)
+        with observed(gw.responses_metrics, Op.ITEM_DELETE):
+            owner, replicas = caller(request)
+            record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
+            kept = [i for i in record.items if i.get("id") != item_id]
+            if len(kept) == len(record.items):
+                raise NotFound(f"Item with id '{item_id}' not found.", param="item_id")
+            record.items = kept
+            await store().save(record, owner, replicas)
+            return conversation_object(record)

@@ -20,9 +20,11 @@ at any earlier response and branch from there, and a turn costs one cache read, 
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import json
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +87,22 @@ class ConversationStore:
     def __init__(self, sessions: SessionStore, ttl_s: float) -> None:
         self.sessions = sessions
         self.ttl_s = ttl_s
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def later(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """Run `work` off the request path (a background compaction), tracked until `aclose`."""
+        task = asyncio.get_running_loop().create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def load(self, record_id: str, owner: str, replicas: int, kind: Kind) -> Record:
         try:

@@ -20,27 +20,32 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from opentelemetry import trace
 from starlette.types import Send
 
-from data_plane.common.errors import ContextLengthExceeded, InvalidRequest
+from data_plane.common.crypto import SealError
+from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, SwitchboardError
 from data_plane.gateway.auth import key_digest
 from data_plane.gateway.chat import ChatHandler, Opened
 from data_plane.gateway.context import Window, fit_window
+from data_plane.gateway.memory import Compaction, compact, fit_with_recall, open_compaction
 from data_plane.gateway.response_store import ConversationStore, Kind, Record
 from data_plane.gateway.responses_items import (
     ResponsesRequest,
     input_items,
     items_to_messages,
+    json_object,
     new_id,
     output_items,
     parse_responses_request,
     response_object,
     response_usage,
 )
+from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.responses_stream import ResponseEvents, call_item_id
 from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.protocol import ChatCompletionRequest
@@ -50,6 +55,8 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 RESPONSES_PATH = "/v1/responses"
+COMPACTION_SCOPE = "responses-compaction"
+"""What compaction items are sealed for (with the key's digest): they open for that key only."""
 INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
 
 
@@ -71,7 +78,18 @@ class ResponsesHandler(ChatHandler):
         self.route = self.response_id
         self.instructions = 0
         self.response: dict[str, Any] | None = None
+        self.memory: list[dict[str, str]] = []
+        """Earlier turns held by compaction items of this conversation: recall's candidates."""
         self.x.span.set_attribute("switchboard.response_id", self.response_id)
+
+    def recorded(self, status: int) -> None:
+        self.gw.responses_metrics.count(Op.CREATE, status)
+
+    def _open_compaction(self, encrypted: str) -> str:
+        """A compaction item's summary (what the model sees); its turns join `memory`."""
+        turns, summary = open_compaction(encrypted, unsealer(self.rt, self.owner))
+        self.memory += turns
+        return summary
 
     # -- the request -----------------------------------------------------------------------------
 
@@ -82,7 +100,7 @@ class ResponsesHandler(ChatHandler):
             raise InvalidRequest("input is required", param="input")
         system = [{"role": "system", "content": rreq.instructions}] if rreq.instructions else []
         self.instructions = len(system)
-        return rreq.chat_request(system + items_to_messages(self.new_items))
+        return rreq.chat_request(system + items_to_messages(self.new_items, self._open_compaction))
 
     async def context(self, req: ChatCompletionRequest, messages: list[dict[str, str]],
                       tier: Tier) -> list[dict[str, str]]:
@@ -99,7 +117,7 @@ class ResponsesHandler(ChatHandler):
             # the chain's session: kv_aware routing and the KV blocks kept on its cache nodes
             self.session_id = self.route
         self.x.span.set_attribute("switchboard.responses.history_items", len(self.history_items))
-        history = items_to_messages(self.history_items)
+        history = items_to_messages(self.history_items, self._open_compaction)
         return messages[:self.instructions] + history + messages[self.instructions:]
 
     def fit(self, prompt: list[dict[str, str]], budget: int) -> Window:
@@ -112,7 +130,20 @@ class ResponsesHandler(ChatHandler):
                     f"the conversation is {total} tokens, over the {budget} this request leaves for input; "
                     "set truncation to 'auto' to drop (and recall) earlier turns", param="input")
             return Window(list(prompt), total, 0)
-        return fit_window(prompt, self.gw.counter, budget)
+        if not rreq.context_recall:
+            return fit_window(prompt, self.gw.counter, budget)
+        window, found = fit_with_recall(prompt, self.memory, self.gw.counter, budget)
+        if found is None:
+            return window
+        metrics = self.gw.memory_metrics
+        metrics.recalls.labels("recalled" if found.message else "nothing_relevant").inc()
+        metrics.recalled_tokens.inc(found.tokens)
+        self.x.span.add_event("context.recall", {"switchboard.recall.candidates": found.candidates,
+                                                 "switchboard.recall.turns": found.turns,
+                                                 "switchboard.recall.tokens": found.tokens})
+        log.info("request %s: %d earlier turn(s) out of the window, %d recalled (%d tokens)", self.request_id,
+                 found.candidates, found.turns, found.tokens)
+        return window
 
     # -- the reply -------------------------------------------------------------------------------
 
@@ -160,19 +191,87 @@ class ResponsesHandler(ChatHandler):
                                         response_usage(opened.completion.usage.wire()), incomplete)
         items = self.history_items + self.new_items + output
         replicas = self.tier.replication
+        saved: list[Record] = []
         if self.conversation is not None:
             self.conversation.items = items
             await self.store.save(self.conversation, self.owner, replicas)
+            saved.append(self.conversation)
         if rreq.store is not False:
             start = len(self.history_items)
             record = Record(self.response_id, Kind.RESPONSE, items, self.route, response=self.response,
                             input_range=(start, start + len(self.new_items)))
             await self.store.save(record, self.owner, replicas)
+            saved.append(record)
+        threshold = next((c.compact_threshold for c in rreq.context_management or () if c.compact_threshold), None)
+        for rec in saved:
+            if threshold and conversation_tokens(rec.items, self.gw.counter) > threshold:
+                self.store.later(compact_record(self.gw, self.rt, self.store, rec, self.owner, replicas, threshold),
+                                 name="responses-compaction")
 
 
-def mount_responses(app: FastAPI, gw: Gateway, store: Any) -> None:
-    """GET/DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items on `app`; `store()`
-    gives the ConversationStore once the runtime is open."""
+def unsealer(rt: Runtime, owner: str) -> Callable[[str], list[dict[str, str]]]:
+    """Opens compaction items this key made (400 for anything else: another key's, or tampered)."""
+    def unseal(encrypted: str) -> list[dict[str, str]]:
+        if rt.sealer is None:
+            raise InvalidRequest("compaction items need session encryption", param="input")
+        try:
+            return rt.sealer.open(COMPACTION_SCOPE, owner, [{"role": "sealed", "content": encrypted}])
+        except SealError:
+            raise InvalidRequest("a compaction item's encrypted_content does not open for this API key",
+                                 param="input", code="invalid_encrypted_content") from None
+    return unseal
+
+
+def sealer_for(rt: Runtime, owner: str) -> Callable[[list[dict[str, str]]], str]:
+    def seal(content: list[dict[str, str]]) -> str:
+        if rt.sealer is None:
+            raise InvalidRequest("compaction items need session encryption", param="input")
+        return rt.sealer.seal(COMPACTION_SCOPE, owner, content)[0]["content"]
+    return seal
+
+
+def conversation_tokens(items: list[dict[str, Any]], counter: Any) -> int:
+    return int(counter.prompt_tokens([m for m in items_to_messages(items, lambda e: "") if m.get("content")]))
+
+
+def compact_items(gw: Gateway, rt: Runtime, items: list[dict[str, Any]], owner: str, keep_tokens: int,
+                  trigger: str) -> Compaction | None:
+    done = compact(items, keep_tokens, gw.counter, seal=sealer_for(rt, owner), unseal=unsealer(rt, owner),
+                   to_messages=lambda its: items_to_messages(its, lambda e: ""), item_id=new_id("cmp"))
+    if done is not None:
+        gw.memory_metrics.compactions.labels(trigger).inc()
+        gw.memory_metrics.compacted_tokens.inc(done.tokens)
+        span = trace.get_current_span()
+        span.add_event("context.compaction", {"switchboard.compaction.items": done.compacted,
+                                              "switchboard.compaction.tokens": done.tokens,
+                                              "switchboard.compaction.trigger": trigger})
+        log.info("compaction (%s): %d item(s), %d tokens folded into one item", trigger, done.compacted, done.tokens)
+    return done
+
+
+async def compact_record(gw: Gateway, rt: Runtime, store: ConversationStore, record: Record, owner: str,
+                         replicas: int, threshold: int) -> None:
+    """`context_management` compaction, off the request path: the stored record's older turns become
+    one compaction item once the conversation passes `threshold` tokens."""
+    with tracer.start_as_current_span("responses.compaction"):
+        try:
+            done = compact_items(gw, rt, record.items, owner, threshold // 2, "threshold")
+            if done is None:
+                return
+            start, end = record.input_range
+            folded = done.compacted
+            record.items = [done.item, *done.kept]
+            if record.kind is Kind.RESPONSE:  # the input range moves with the items (or goes, if folded)
+                record.input_range = (start - folded + 1, end - folded + 1) if start >= folded else (0, 0)
+            await store.save(record, owner, replicas)
+        except SwitchboardError as exc:  # a newer turn won the race, or the nodes failed: next time
+            log.info("background compaction skipped: %s", exc.code)
+
+
+def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore],
+                    runtime: Callable[[], Runtime]) -> None:
+    """GET/DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items and POST
+    /v1/responses/compact on `app`; `store()` and `runtime()` once the lifespan opened them."""
 
     def caller(request: Request) -> tuple[str, int]:
         principal = gw.keys.authenticate(request.headers.get("authorization"))
@@ -181,24 +280,51 @@ def mount_responses(app: FastAPI, gw: Gateway, store: Any) -> None:
 
     @app.get(RESPONSES_PATH + "/{response_id}")
     async def retrieve(response_id: str, request: Request) -> dict[str, Any]:
-        owner, replicas = caller(request)
-        record = await store().load(response_id, owner, replicas, Kind.RESPONSE)
-        return dict(record.response or {})
+        with observed(gw.responses_metrics, Op.RETRIEVE):
+            owner, replicas = caller(request)
+            record = await store().load(response_id, owner, replicas, Kind.RESPONSE)
+            return dict(record.response or {})
 
     @app.delete(RESPONSES_PATH + "/{response_id}")
     async def delete(response_id: str, request: Request) -> dict[str, Any]:
-        owner, replicas = caller(request)
-        await store().delete(response_id, owner, replicas, Kind.RESPONSE)
-        log.info("response deleted from every cache node")
-        return {"id": response_id, "object": "response.deleted", "deleted": True}
+        with observed(gw.responses_metrics, Op.DELETE):
+            owner, replicas = caller(request)
+            await store().delete(response_id, owner, replicas, Kind.RESPONSE)
+            log.info("response deleted from every cache node")
+            return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @app.post(RESPONSES_PATH + "/compact")
+    async def compact_route(request: Request) -> dict[str, Any]:
+        """Fold a conversation (input items, after previous_response_id's) into a compaction item
+        and the newest turns; pass them as the next request's input."""
+        with observed(gw.responses_metrics, Op.COMPACT):
+            owner, replicas = caller(request)
+            body = json_object(await request.body(), request.headers.get("content-type"))
+            unknown = set(body) - {"model", "input", "previous_response_id", "instructions", "keep_tokens"}
+            if unknown:
+                raise InvalidRequest(f"unrecognized request argument supplied: {min(unknown)}", param=min(unknown),
+                                     code="unsupported_parameter")
+            items: list[dict[str, Any]] = []
+            if body.get("previous_response_id"):
+                items = (await store().load(str(body["previous_response_id"]), owner, replicas, Kind.RESPONSE)).items
+            items = items + input_items(body.get("input") or [])
+            keep = body.get("keep_tokens", 256)
+            if not isinstance(keep, int) or keep < 0:
+                raise InvalidRequest("keep_tokens must be a non-negative integer", param="keep_tokens")
+            done = compact_items(gw, runtime(), items, owner, keep, "endpoint")
+            output = [done.item, *done.kept] if done is not None else items
+            tokens = conversation_tokens(items, gw.counter)
+            return {"id": new_id("resp"), "object": "response.compaction", "created_at": int(time.time()),
+                    "output": output, "usage": response_usage({"prompt_tokens": tokens, "completion_tokens": 0})}
 
     @app.get(RESPONSES_PATH + "/{response_id}/input_items")
     async def input_items_list(response_id: str, request: Request, limit: int = 20, order: str = "desc",
                                after: str | None = None) -> dict[str, Any]:
-        owner, replicas = caller(request)
-        record = await store().load(response_id, owner, replicas, Kind.RESPONSE)
-        start, end = record.input_range
-        return page(record.items[start:end], limit=limit, order=order, after=after)
+        with observed(gw.responses_metrics, Op.INPUT_ITEMS):
+            owner, replicas = caller(request)
+            record = await store().load(response_id, owner, replicas, Kind.RESPONSE)
+            start, end = record.input_range
+            return page(record.items[start:end], limit=limit, order=order, after=after)
 
 
 def page(items: list[dict[str, Any]], *, limit: int, order: str, after: str | None) -> dict[str, Any]:

@@ -68,6 +68,9 @@ class ResponsesRequest(BaseModel):
     context_management: list[ContextManagement] | None = None
     cache: dict[str, Any] | None = None
     """LiteLLM's per-request cache controls: {"no-cache": true} skips the response cache."""
+    context_recall: bool = True
+    """Switchboard's extension: with truncation "auto", re-inject the dropped turns most relevant to
+    the new message (data_plane/gateway/memory.py); false: a plain sliding window."""
     user: str | None = Field(default=None, max_length=256)
     safety_identifier: str | None = Field(default=None, max_length=256)
     prompt_cache_key: str | None = Field(default=None, max_length=256)
@@ -167,7 +170,7 @@ class ResponsesRequest(BaseModel):
 
 def parse_responses_request(raw: bytes, content_type: str | None) -> ResponsesRequest:
     """Decode and validate a Responses body; every failure is a 4xx SwitchboardError."""
-    body = _json_object(raw, content_type)
+    body = json_object(raw, content_type)
     try:
         req = ResponsesRequest.model_validate(body)
     except ValidationError as exc:
@@ -180,7 +183,7 @@ def parse_responses_request(raw: bytes, content_type: str | None) -> ResponsesRe
     return req
 
 
-def _json_object(raw: bytes, content_type: str | None) -> dict[str, Any]:
+def json_object(raw: bytes, content_type: str | None) -> dict[str, Any]:
     from data_plane.common.errors import UnsupportedMediaType
 
     ctype = (content_type or "").split(";")[0].strip().lower()

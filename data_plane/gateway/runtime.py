@@ -31,6 +31,8 @@ from data_plane.gateway.auth import KeyStore
 from data_plane.gateway.cluster_state import ClusterStateView, HttpClusterState, StaticClusterState
 from data_plane.gateway.context import TokenCounter
 from data_plane.gateway.metrics import GatewayMetrics
+from data_plane.gateway.memory import MemoryMetrics
+from data_plane.gateway.responses_metrics import ResponsesMetrics
 from data_plane.gateway.response_cache import ResponseCache, ResponseCacheMetrics
 from data_plane.gateway.ratelimit.limiter import RateLimiter, RateLimitMetrics, build_limiter
 from data_plane.gateway.safety.pipeline import SafetyMetrics, SafetyPolicies
@@ -71,6 +73,8 @@ class Gateway:
         self.safety_metrics = SafetyMetrics(self.registry)
         self.router_metrics = RouterMetrics(self.registry)
         self.reply_metrics = ResponseCacheMetrics(self.registry)
+        self.memory_metrics = MemoryMetrics(self.registry)
+        self.responses_metrics = ResponsesMetrics(self.registry)
         self.limiter = build_limiter(s.ratelimit_backend, RateLimitMetrics(self.registry), redis_url=s.redis_url,
                                      tier_rpm=s.tier_rpm, tier_tpm=s.tier_tpm, known_tiers=self.tiers.names())
         self.ledger = ledger_from_settings(s, self.registry)
@@ -93,6 +97,8 @@ class Runtime:
     admission: Admission
     replies: ResponseCache | None = None
     """The response cache (None: --no-response-cache)."""
+    sealer: TranscriptSealer | None = None
+    """Seals what leaves the gateway for a client or a cache node (transcripts, compaction items)."""
 
     def models(self) -> dict[str, int]:
         """Model id -> context window, from the shards' registration metadata."""
@@ -183,4 +189,4 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
                                              prefix="/v1/response-cache"),
                                 gw.reply_metrics, settings.response_cache_ttl_s)
         stack.push_async_callback(replies.aclose)
-    return Runtime(settings, http, pool, membership, cluster, router, upstream, sessions, admission, replies)
+    return Runtime(settings, http, pool, membership, cluster, router, upstream, sessions, admission, replies, sealer)
