@@ -157,15 +157,31 @@ class ResponsesRequest(BaseModel):
             body.pop("parallel_tool_calls", None)
         try:
             req = ChatCompletionRequest.model_validate(body)
+            req.check_supported()
         except ValidationError as exc:
             first = exc.errors()[0]
-            param = ".".join(str(p) for p in first.get("loc", ())) or None
+            param = _responses_param(".".join(str(p) for p in first.get("loc", ())) or None)
             if first.get("type") == "extra_forbidden":
                 raise UnsupportedParameter(f"parameter {param!r} is not supported by this server",
                                            param=param) from None
             raise InvalidRequest(f"{param}: {first.get('msg')}", param=param) from None
-        req.check_supported()
+        except InvalidRequest as exc:  # the chat path's verdict, in the Responses API's names
+            if exc.param:
+                name = _responses_param(exc.param)
+                exc.message, exc.param = exc.message.replace(repr(exc.param), repr(name)), name
+            raise
         return req
+
+
+CHAT_TO_RESPONSES = {"response_format": "text.format", "max_tokens": "max_output_tokens", "messages": "input"}
+
+
+def _responses_param(param: str | None) -> str | None:
+    """A chat request's parameter name as the Responses API calls it."""
+    if param is None:
+        return None
+    head, dot, rest = param.partition(".")
+    return CHAT_TO_RESPONSES.get(head, head) + dot + rest
 
 
 def parse_responses_request(raw: bytes, content_type: str | None) -> ResponsesRequest:

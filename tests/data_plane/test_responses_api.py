@@ -232,3 +232,37 @@ def test_response_cache_serves_the_responses_api_and_whole_chains_only(stack: St
                                    max_output_tokens=6, temperature=0)
     assert chained.usage.input_tokens > one.usage.input_tokens
     assert chained.usage.input_tokens_details.cached_tokens < chained.usage.input_tokens
+
+
+def test_text_format_and_tools_go_through_the_chat_paths_own_checks(stack: Stack) -> None:
+    from data_plane.protocol import _NEUTRAL
+
+    sdk = stack.sdk()
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    fmt = {"format": {"type": "json_schema", "name": "city", "schema": schema}}
+    tool = {"type": "function", "name": "weather", "parameters": schema}
+    if "response_format" in _NEUTRAL:  # chat completions has no structured outputs yet: the same 400, our names
+        with pytest.raises(openai.BadRequestError) as e:
+            sdk.responses.create(model=MODEL, input="Capital of France as JSON", text=fmt, max_output_tokens=24)
+        assert e.value.body["param"] == "text.format" and e.value.body["code"] == "unsupported_parameter"
+    else:
+        out = sdk.responses.create(model=MODEL, input="Capital of France as JSON", text=fmt, max_output_tokens=48)
+        assert "city" in json.loads(out.output_text)
+    if "tools" in _NEUTRAL:
+        with pytest.raises(openai.BadRequestError) as e:
+            sdk.responses.create(model=MODEL, input="Weather in Paris?", tools=[tool], max_output_tokens=24)
+        assert e.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}], max_output_tokens=4)
+    assert e.value.body["param"] == "tools[0].type"
+
+
+def test_a_streamed_responses_request_is_served_from_the_cache_too(stack: Stack) -> None:
+    sdk = stack.sdk()
+    ask = {"model": MODEL, "input": "Name an animal.", "max_output_tokens": 6, "temperature": 0}
+    first = sdk.responses.create(**ask)
+    with sdk.responses.stream(**ask) as stream:
+        events = list(stream)
+    final = events[-1].response
+    assert final.output_text == first.output_text and final.id != first.id
+    assert final.usage.input_tokens_details.cached_tokens == final.usage.input_tokens
