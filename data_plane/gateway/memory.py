@@ -9,7 +9,8 @@ and compaction (an item that stands for earlier context).
 
 Recall scores earlier turns (a user message with the replies that follow it) against the new
 message with BM25 over lowercase word terms (no model, no download), and re-injects the best
-ones, oldest first, within a token budget. Its candidates are only ever the request's own
+ones (their sentences that share a term with the new message), oldest first, within a token
+budget, as one system message right before the new message. Its candidates are only ever the request's own
 conversation: the turns its window dropped and the turns held by compaction items in its own
 input or history. A compaction item is the earlier turns themselves plus an extractive summary,
 sealed (AES-GCM, data_plane/common/crypto.py) and bound to the API key that made it: the model
@@ -104,16 +105,18 @@ def recall(candidates: Sequence[dict[str, Any]], query: str, counter: TokenCount
     turns = turns_of(candidates)
     scores = bm25([terms(t.text) for t in turns], terms(query))
     ranked = sorted((i for i, s in enumerate(scores) if s > 0), key=lambda i: -scores[i])[:MAX_RECALLED_TURNS]
-    chosen: list[int] = []
+    chosen: dict[int, str] = {}
     used = counter.message_tokens({"role": "system", "content": RECALL_HEADER})
+    wanted = set(terms(query))
     for i in ranked:
-        cost = counter.count(turns[i].text) + 2
+        text = _relevant_sentences(turns[i], wanted)
+        cost = counter.count(text) + 2
         if used + cost <= budget:
-            chosen.append(i)
+            chosen[i] = text
             used += cost
     if not chosen:
         return Recall(None, 0, len(turns), 0)
-    body = "\n".join([RECALL_HEADER, *(turns[i].text for i in sorted(chosen))])
+    body = "\n".join([RECALL_HEADER, *(chosen[i] for i in sorted(chosen))])
     message = {"role": "system", "content": body}
     return Recall(message, len(chosen), len(turns), counter.message_tokens(message))
 
@@ -134,10 +137,22 @@ def fit_with_recall(prompt: Sequence[dict[str, Any]], memory: Sequence[dict[str,
     found = recall(candidates, query, counter, reserve)
     if found.message is None:
         return window, found
+    # right before the new message: next to the question, and the window's prefix (its KV) stays as it was
     messages = list(window.messages)
-    at = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    at = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=len(messages))
     messages.insert(at, found.message)
     return Window(messages, window.prompt_tokens + found.tokens, window.dropped), found
+
+
+def _relevant_sentences(turn: Turn, wanted: set[str]) -> str:
+    """The turn's sentences that share a term with the query (the whole turn if none does)."""
+    lines = []
+    for m in turn.messages:
+        sentences = re.split(r"(?<=[.!?])\s+", (m.get("content") or "").strip())
+        keep = [s for s in sentences if wanted & set(terms(s))]
+        if keep:
+            lines.append(f"{m['role'].capitalize()}: {' '.join(keep)}")
+    return "\n".join(lines) or turn.text
 
 
 def summary(messages: Sequence[dict[str, Any]], counter: TokenCounter, budget: int = SUMMARY_TOKENS) -> str:
