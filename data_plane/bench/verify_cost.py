@@ -6,7 +6,7 @@
 For each batch size b, the torch runner (data_plane/shard/engines/llama_runner.py) first prefills b
 slots with a `--context`-token prompt, then times, alternately and `--repeats` times each:
 - `decode`: one token for each of the b slots;
-- `verify` (data_plane/shard/engines/spec_runner.py): every slot's last token plus r - 1 draft
+- `verify` (`LlamaRunner.verify`, data_plane/shard/engines/llama_runner.py): every slot's last token plus r - 1 draft
   tokens, for each r of `--rows`.
 It reports the median of each, the ratio verify / decode, and the price of one draft row as a share
 of one token's decode time: (verify - decode) / (b (r - 1)) / (decode / b). That share is what
@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 from data_plane.bench.common import fmt, format_table, machine_info, parse_int_list, write_json
 
@@ -42,7 +44,6 @@ def measure(batches: list[int], rows: list[int], context: int, repeats: int, dty
 
     from data_plane.model_store import resolve_model
     from data_plane.shard.engines.llama_runner import LlamaRunner
-    from data_plane.shard.engines.spec_runner import verify
     from data_plane.shard.engines.torch_config import DTYPES
 
     if threads:
@@ -54,9 +55,9 @@ def measure(batches: list[int], rows: list[int], context: int, repeats: int, dty
         for slot in range(b):
             runner.prefill(slot, [10 + (i * 7 + slot) % 1000 for i in range(context)], 0)
         starts = [context] * b
-        decode_ms = _median_ms(lambda: runner.decode([5] * b, starts), repeats)
+        decode_ms = _median_ms(partial(runner.decode, [5] * b, starts), repeats)
         for r in rows:
-            verify_ms = _median_ms(lambda: verify(runner, [[5] + [7] * (r - 1) for _ in range(b)], starts), repeats)
+            verify_ms = _median_ms(partial(runner.verify, [[5] + [7] * (r - 1) for _ in range(b)], starts), repeats)
             extra = b * (r - 1)
             out.append({
                 "batch": b, "rows_per_slot": r, "decode_ms": decode_ms, "verify_ms": verify_ms,

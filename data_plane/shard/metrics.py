@@ -86,7 +86,7 @@ class ShardMetrics:
             "switchboard_shard_transcript_tokens_restored",
             "Earlier replies in a prompt whose re-tokenization differed from the tokens this shard generated, "
             "put back as generated (else the prefix-cache hit would end there).", m, registry=registry)
-        # Priority scheduling (data_plane/shard/engines/torch_admission.py): vLLM's preemption counter, and ours by kind.
+        # Priority scheduling (data_plane/shard/engines/scheduler.py): vLLM's preemption counter, and ours by kind.
         self.preemptions = Counter("vllm:num_preemptions", "Sequences preempted (a chunked prefill parked for a "
                                    "higher-priority prompt; its KV kept, resumed where it stopped).", m,
                                    registry=registry)

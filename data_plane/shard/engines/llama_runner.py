@@ -1,9 +1,13 @@
 """A slot-based forward pass for Llama-family models over a fixed KV cache.
 
-Loaded by the torch engine (data_plane/shard/engines/torch_engine.py), which calls it on its
-scheduler thread only; the prefix cache and the speculative verify pass use its KV cache.
+Loaded by the torch engine (data_plane/shard/engines/torch_engine.py); its executor
+(torch_executor.py) calls `forward` on the scheduler thread only; the prefix cache uses its KV cache.
+gpt-fast's `forward(idx, input_pos)` is the model: one pass for prefill, decode, mixed and verify
+steps, one place that writes the KV (`_write_kv`); the attention variants are in attention.py.
 
     runner = LlamaRunner.from_pretrained(path, dtype=torch.bfloat16, max_num_seqs=16, max_len=2048)
+    logits = runner.forward([(slot, token_ids, start), ...])         # last-token logits per item
+    logits = runner.forward(items, logits=[1, 4], batched=True)      # decode/verify: slots 0..n-1
     logits = runner.prefill(slot=0, token_ids=[...], start=0)        # [vocab] for the last token
     logits = runner.decode(tokens=[t0, t1], positions=[p0, p1])      # rows = slots 0..n-1
 
@@ -26,12 +30,15 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from data_plane.shard.engines.attention import PerSequence, SlotBatched
 from data_plane.shard.engines.packed_linear import Linear, should_pack
 
 log = logging.getLogger(__name__)
@@ -54,7 +61,7 @@ class _Layer:
 
 
 class LlamaRunner:
-    def __init__(self, model: torch.nn.Module, *, dtype: torch.dtype, max_num_seqs: int, max_len: int,
+    def __init__(self, model: Any, *, dtype: torch.dtype, max_num_seqs: int, max_len: int,
                  pack: bool | None = None) -> None:
         cfg = model.config
         arch = (getattr(cfg, "architectures", None) or [type(model).__name__])[0]
@@ -63,13 +70,13 @@ class LlamaRunner:
                 f"the torch engine supports {', '.join(SUPPORTED_ARCHITECTURES)}; this model is {arch}"
             )
         self.dtype = dtype
-        self.num_layers = cfg.num_hidden_layers
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.num_heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
         self.group = self.num_heads // self.num_kv_heads
-        self.eps = cfg.rms_norm_eps
-        self.vocab_size = cfg.vocab_size
+        self.eps = float(cfg.rms_norm_eps)
+        self.vocab_size = int(cfg.vocab_size)
         self.max_num_seqs = max_num_seqs
         self.max_len = max_len
         self.scale = 1.0 / math.sqrt(self.head_dim)
@@ -123,7 +130,7 @@ class LlamaRunner:
         self.v_cache = [torch.zeros(shape, dtype=dtype) for _ in range(self.num_layers)]
 
     @classmethod
-    def from_pretrained(cls, path: Path, *, dtype: torch.dtype, max_num_seqs: int, max_len: int) -> "LlamaRunner":
+    def from_pretrained(cls, path: Path, *, dtype: torch.dtype, max_num_seqs: int, max_len: int) -> LlamaRunner:
         from transformers import AutoModelForCausalLM
 
         # Load straight into the serving dtype: no transient fp32 copy of the weights.
@@ -167,102 +174,71 @@ class LlamaRunner:
         qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin_signed
         return qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, self.num_heads + self.num_kv_heads :]
 
-    # -- passes ----------------------------------------------------------------------
+    # -- the forward pass ----------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, slot: int, token_ids: list[int], start: int) -> torch.Tensor:
-        """Run `token_ids` at positions start.. for one slot; return last-token logits [vocab]."""
-        return self.prefill_batch([(slot, token_ids, start)])[0]
+    def forward(self, items: Sequence[tuple[int, Sequence[int], int]], logits: Sequence[int] | None = None,
+                *, batched: bool = False) -> torch.Tensor:
+        """One pass for prefill, decode, mixed and verify steps: item i runs its token ids at positions
+        start.. in its slot; returns the logits of the last `logits[i]` tokens of each item (default:
+        the last one of each; 0 = none), in order, as fp32 [rows, vocab].
 
-    @torch.inference_mode()
-    def prefill_batch(self, items: list[tuple[int, list[int], int]]) -> torch.Tensor:
-        """Prefill several sequences in one pass: items are (slot, token_ids, start position).
-
-        The projections and MLP run once over all tokens packed together (no padding);
-        attention runs per sequence against its own slot. Returns last-token logits [k, vocab].
-        """
-        lengths = [len(ids) for _, ids, _ in items]
+        The projections and MLP run once over every token packed together (no padding). With
+        `batched` the items are slots 0..n-1 in order (a decode or verify step: attention batched
+        over cache views, attention.SlotBatched); else each attends against its own slot
+        (attention.PerSequence). KV is written in one place, `_write_kv`."""
+        slots = [slot for slot, _, _ in items]
+        lens = [len(ids) for _, ids, _ in items]
+        starts = [start for _, _, start in items]
         ids = torch.tensor([t for _, seq, _ in items for t in seq], dtype=torch.long)
-        pos = torch.cat([torch.arange(start, start + n) for (_, _, start), n in zip(items, lengths)])
-        x = self.embed[ids]  # [T, H]
-        cos, sin = self.rope_tables(pos)  # [T, 1, D]
-        masks = [torch.arange(start + n).unsqueeze(0) <= torch.arange(start, start + n).unsqueeze(1)
-                 for (_, _, start), n in zip(items, lengths)]
-        kvh, g, d = self.num_kv_heads, self.group, self.head_dim
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, cos, sin)
-            kc, vc = self.k_cache[i], self.v_cache[i]
-            outs = []
-            off = 0
-            for (slot, _, start), t, mask in zip(items, lengths, masks):
-                end = start + t
-                kc[slot, :, start:end] = k[off : off + t].transpose(0, 1)
-                vc[slot, :, start:end] = v[off : off + t].transpose(0, 1)
-                keys = kc[slot, :, :end]  # [KVH, end, D]
-                vals = vc[slot, :, :end]
-                # Query heads grouped per shared KV head: [KVH, G*T, D] against [KVH, end, D].
-                qg = q[off : off + t].view(t, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * t, d)
-                if self.dtype == torch.float32:
-                    # fp32 is the batch-invariant mode: the same kernels as ever (tests hold it to that).
-                    scores = (qg @ keys.transpose(1, 2)) * self.scale  # [KVH, G*T, end]
-                    scores = scores.view(kvh, g, t, end).masked_fill(~mask, float("-inf"))
-                    probs = torch.softmax(scores.float(), dim=-1).to(self.dtype)
-                    out = probs.view(kvh, g * t, end) @ vals  # [KVH, G*T, D]
-                else:
-                    # bf16/fp16: the fused kernel, ~2x faster for a turn's suffix over a long cached
-                    # history (145 tokens after 1,520: 269 -> 133 ms here), no [G*T, end] scores in memory.
-                    out = F.scaled_dot_product_attention(
-                        qg.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=mask.repeat(g, 1),
-                        scale=self.scale)[0]
-                outs.append(out.view(kvh, g, t, d).permute(2, 0, 1, 3).reshape(t, self.q_size))
-                off += t
-            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-            x = layer.o.add(attn, x)
-            x = self._mlp(layer, x)
-        last = torch.tensor(lengths).cumsum(0) - 1
-        h = self._rms(x[last], self.norm)
-        return self.lm_head(h).float()
-
-    @torch.inference_mode()
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One decode step for slots 0..n-1 (token i at positions[i]); return logits [n, vocab]."""
-        n = len(tokens)
-        ids = torch.tensor(tokens, dtype=torch.long)
-        pos = torch.tensor(positions, dtype=torch.long)
-        span = int(max(positions)) + 1
+        if max(lens) == 1:  # a decode step: one token a slot
+            pos, slot_of = torch.tensor(starts, dtype=torch.long), torch.tensor(slots, dtype=torch.long)
+        else:
+            pos = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, lens)])
+            slot_of = torch.repeat_interleave(torch.tensor(slots, dtype=torch.long), torch.tensor(lens))
         # Flat row index of (slot, kv_head, position) in a [slots*kv_heads*max_len, head_dim] view:
         # index_copy_ there is several times cheaper than advanced-index assignment.
-        kv_rows = ((torch.arange(n) * self.num_kv_heads).unsqueeze(1) + torch.arange(self.num_kv_heads)) \
-            * self.max_len + pos.unsqueeze(1)
-        kv_rows = kv_rows.reshape(-1)
-        x = self.embed[ids]  # [n, H]
-        cos, sin = self.rope_tables(pos)  # [n, 1, D]
-        mask = torch.arange(span).unsqueeze(0) <= pos.unsqueeze(1)  # [n, span]
-        mask = mask.view(n, 1, 1, span)
-        fused = self.dtype != torch.float32
+        kv_rows = (((slot_of * self.num_kv_heads).unsqueeze(1) + torch.arange(self.num_kv_heads)) * self.max_len
+                   + pos.unsqueeze(1)).reshape(-1)
+        attend = SlotBatched(self, lens, starts) if batched else PerSequence(self, slots, lens, starts)
+        x = self.embed[ids]  # [T, H]
+        cos, sin = self.rope_tables(pos)  # [T, 1, D]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
-            kc, vc = self.k_cache[i], self.v_cache[i]
-            kc.view(-1, self.head_dim).index_copy_(0, kv_rows, k.reshape(-1, self.head_dim))
-            vc.view(-1, self.head_dim).index_copy_(0, kv_rows, v.reshape(-1, self.head_dim))
-            keys = kc[:n, :, :span]  # a view: decoding slots are 0..n-1
-            vals = vc[:n, :, :span]
-            qg = q.view(n, self.num_kv_heads, self.group, self.head_dim)  # query heads grouped per KV head
-            if fused:
-                # bf16/fp16: the fused kernel reads the strided cache views as they are; the
-                # unfused path below copied them and round-tripped the scores through fp32
-                # (attention 616 -> 193 us per layer at batch 16, 150 tokens of context).
-                out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=self.scale)
-            else:
-                # fp32 is the batch-invariant mode: the same kernels as ever (tests hold it to that).
-                scores = (qg @ keys.transpose(2, 3)) * self.scale  # [n, KVH, G, span]
-                scores = scores.masked_fill(~mask, float("-inf"))
-                probs = torch.softmax(scores.float(), dim=-1).to(self.dtype)
-                out = probs @ vals  # [n, KVH, G, D]
-            x = layer.o.add(out.reshape(n, self.q_size), x)
+            self._write_kv(i, kv_rows, k, v)
+            x = layer.o.add(attend(q, self.k_cache[i], self.v_cache[i]), x)
             x = self._mlp(layer, x)
-        x = self._rms(x, self.norm)
-        return self.lm_head(x).float()
+        wanted = [1] * len(items) if logits is None else list(logits)
+        if sum(wanted) < len(x):
+            ends = torch.tensor(lens).cumsum(0).tolist()
+            x = x[torch.tensor([e - j for e, n in zip(ends, wanted) for j in range(n, 0, -1)], dtype=torch.long)]
+        return self.lm_head(self._rms(x, self.norm)).float()
+
+    def _write_kv(self, layer: int, kv_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The one place the KV cache is written: rows of the flat [slots*kv_heads*max_len, head_dim] view."""
+        self.k_cache[layer].view(-1, self.head_dim).index_copy_(0, kv_rows, k.reshape(-1, self.head_dim))
+        self.v_cache[layer].view(-1, self.head_dim).index_copy_(0, kv_rows, v.reshape(-1, self.head_dim))
+
+    # Shapes of `forward` the warm-up, the benches and the tests call by name.
+
+    def prefill(self, slot: int, token_ids: list[int], start: int) -> torch.Tensor:
+        """Run `token_ids` at positions start.. for one slot; return last-token logits [vocab]."""
+        return self.forward([(slot, token_ids, start)])[0]
+
+    def prefill_batch(self, items: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """Prefill several sequences in one pass: items are (slot, token_ids, start); last-token logits [k, vocab]."""
+        return self.forward(items)
+
+    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode step for slots 0..n-1 (token i at positions[i]); return logits [n, vocab]."""
+        return self.forward([(i, [t], p) for i, (t, p) in enumerate(zip(tokens, positions))], batched=True)
+
+    def verify(self, rows: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Speculative verification for slots 0..n-1: slot i runs `rows[i]` (its last token and a draft) at
+        positions starts[i]..; logits for every row, in order. A rejected draft's KV is rolled back
+        by not counting it (the next step overwrites those positions)."""
+        return self.forward([(i, row, s) for i, (row, s) in enumerate(zip(rows, starts))],
+                            [len(row) for row in rows], batched=True)
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` cached positions of slot src into slot dst."""

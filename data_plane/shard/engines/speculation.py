@@ -1,7 +1,7 @@
 """N-gram (prompt-lookup) speculative decoding: drafting, adaptive draft length, acceptance.
 
 Used by the speculative decode step (data_plane/shard/engines/torch_spec.py); each sequence keeps
-its :class:`SeqSpec` in its ``SeqState`` (data_plane/shard/engines/torch_config.py).
+its :class:`SeqSpec` in its ``SeqState`` (data_plane/shard/engines/sequence.py).
 
     index = NgramIndex(min_n=1, max_n=4)
     n, at = index.match(ctx)                                # ctx = prompt_ids + output_ids; None: no match
@@ -15,7 +15,7 @@ its :class:`SeqSpec` in its ``SeqState`` (data_plane/shard/engines/torch_config.
 The draft needs no draft model: the most recent earlier occurrence of the sequence's last n
 tokens (n from max_n down to min_n = 1) in prompt + output proposes the tokens that followed it
 (transformers' `prompt_lookup_num_tokens`, vLLM's `method: ngram`). The target model scores
-the last token plus the draft in one pass (data_plane/shard/engines/spec_runner.py); row j's logits say
+the last token plus the draft in one pass (LlamaRunner.verify, llama_runner.py); row j's logits say
 what follows draft token j.
 
 Acceptance keeps the output distribution exact. Greedy: accept while the draft equals the

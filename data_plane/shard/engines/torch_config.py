@@ -3,20 +3,18 @@
     config = EngineConfig(dtype="float32", max_num_seqs=8)   # validated on construction
     engine = TorchEngine(config, listener=MyListener())       # a StepListener subclass
 
-Imported by the engine's modules (torch_engine, torch_admission, torch_step, torch_spec), by the
-shard (data_plane/shard/app.py) and by the bench; it holds no behaviour beyond validation.
+Imported by the engine's modules (torch_engine, torch_output), by the shard
+(data_plane/shard/app.py) and by the bench; it holds no behaviour beyond validation. A request's
+state inside the engine is sequence.SeqState.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 
-from data_plane.shard.engines.base import GenerationOutput, GenerationRequest, TextStream
 from data_plane.shard.engines.kv_cache import DEFAULT_BLOCK_SIZE
-from data_plane.shard.engines.speculation import SeqSpec
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -35,7 +33,7 @@ class EngineConfig:
     """Prompt tokens processed per scheduler iteration, so long prompts don't stall decoding."""
     beside_prefill_share: float = 0.5
     """Share of prefill_chunk, 0..0.9, that waiting prompts of a chunked prefill's priority may take in its
-    step (prefilled in the same pass, data_plane/shard/engines/torch_beside.py); 0 = FIFO within a priority."""
+    step (prefilled in the same pass, data_plane/shard/engines/scheduler.py); 0 = FIFO within a priority."""
     max_waiting: int = 256
     """Queue bound; beyond it new requests get 503 with Retry-After."""
     threads: int = 0
@@ -78,31 +76,6 @@ class EngineConfig:
             raise ValueError("num_speculative_tokens must be in 1..16")
         if not 1 <= self.spec_max_batch <= 256:
             raise ValueError("spec_max_batch must be in 1..256")
-
-
-@dataclass
-class SeqState:
-    """One request inside the engine, from admission to finish (scheduler thread only)."""
-
-    req: GenerationRequest
-    max_tokens: int
-    sink: Callable[[GenerationOutput], None]
-    stream: TextStream
-    generator: torch.Generator | None
-    slot: int = -1
-    prefilled: int = 0
-    length: int = 0  # tokens in the KV cache
-    last_token: int = -1
-    output_ids: list[int] = field(default_factory=list)
-    admitted_at: float = 0.0
-    prefill_done_at: float = 0.0
-    first_token_at: float | None = None
-    finished: bool = False
-    block_hashes: list[bytes] = field(default_factory=list)  # the prompt's full blocks
-    cached: int = 0  # prompt tokens whose KV came from the prefix cache
-    held: list[int] = field(default_factory=list)  # prefix-cache blocks referenced by this sequence
-    spec: SeqSpec | None = None  # speculation state (data_plane/shard/engines/torch_spec.py), when drafting is on
-    spec_ctx: list[int] = field(default_factory=list)  # prompt + output, append-only, for the n-gram index
 
 
 class StepListener:

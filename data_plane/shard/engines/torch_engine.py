@@ -6,13 +6,21 @@
         ...
     await engine.aclose()
 
-One scheduler thread owns the model. Each iteration it (1) drops aborted and expired
-requests, (2) admits waiting requests by priority into free slots while the KV budget
-allows, (3) runs one prefill chunk for the sequence being prefilled, in the same pass as the
-short prompts admitted beside or ahead of it (torch_beside), (4) runs one decode
-step over every running sequence together, and (5) fans outputs out to per-request
-asyncio queues on the event loop. Finished and aborted sequences leave the batch at once
-and their slot is reused by the next admission; requests join between steps.
+One scheduler thread owns the model. Each iteration is schedule -> execute -> update, as in
+vLLM v1's `EngineCore.step()`:
+
+- `Scheduler.schedule()` (scheduler.py) plans the step as a value: aborted and expired requests
+  leave, waiting ones are admitted by priority into free slots under the step's prompt-token
+  budget (whole prompts, or one chunked prefill that prompts of its priority share and higher ones
+  overtake or park), every decoding sequence gets its next-token row (or drafts: a verify step),
+  and the slot moves that keep decoding sequences in slots 0..n-1;
+- `Executor.execute()` (torch_executor.py) runs it: the moves, the cached prefixes copied in, one
+  forward pass (llama_runner.py), the token choice (torch_sampling / speculation);
+- `OutputProcessor.update()` (torch_output.py) moves each sequence's computed count, streams its
+  text to its asyncio queue (stop strings, EOS, max_tokens) and finishes it (slot freed, prefix
+  blocks kept), so the next plan reuses the slot. Requests join between steps.
+
+A sequence has a status and one computed-token count (sequence.py); nothing else says where it is.
 
 Prefix caching (on by default, data_plane/shard/engines/kv_cache.py): at admission a request's longest cached
 prefix (full 16-token blocks, chained digests salted with its `cache_salt`) is copied into its
@@ -21,37 +29,40 @@ blocks when it ends, so the next turn of a conversation computes only its new to
 blocks a running sequence uses are referenced and never evicted.
 
 Compute runs in that thread (torch releases the GIL inside ops) so the event loop stays
-free to stream tokens and accept requests.
-
-This module holds the lifecycle, the API and the scheduler loop; the rest is split by concern:
-torch_config (EngineConfig, SeqState, StepListener), torch_admission (reap, admit),
-torch_beside (same-priority prompts prefilled in a chunked prefill's pass),
-torch_step (prefill, decode, emit, finish), torch_sampling, torch_spec (speculative decode step),
-torch_prefix + kv_cache (prefix cache), llama_runner (the forward passes).
+free to stream tokens and accept requests. Also here: torch_config (EngineConfig, StepListener),
+torch_spec + speculation (n-gram drafts), torch_prefix (the prefix cache on the slots),
+torch_threads (adaptive intra-op threads).
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import logging
 import os
 import threading
 import time
-from typing import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import torch
 
 from data_plane.common.errors import Overloaded
-from data_plane.shard.engines.base import EngineStats, GenerationOutput, GenerationRequest, TextStream, check_lengths
-from data_plane.shard.engines.torch_admission import Admission
-from data_plane.shard.engines.torch_beside import Beside
-from data_plane.shard.engines.torch_config import DTYPES, EngineConfig, SeqState, StepListener
+from data_plane.shard.engines.base import (
+    FINISH_ABORT,
+    EngineStats,
+    GenerationOutput,
+    GenerationRequest,
+    TextStream,
+    check_lengths,
+)
+from data_plane.shard.engines.scheduler import Scheduler, SchedulerConfig
+from data_plane.shard.engines.sequence import SeqState
+from data_plane.shard.engines.torch_config import DTYPES, EngineConfig, StepListener
+from data_plane.shard.engines.torch_executor import Executor
+from data_plane.shard.engines.torch_output import OutputProcessor
 from data_plane.shard.engines.torch_prefix import SlotPrefix
 from data_plane.shard.engines.torch_sampling import sample_row as _sample_row
 from data_plane.shard.engines.torch_spec import Speculator
-from data_plane.shard.engines.torch_step import Stepper
 from data_plane.shard.engines.torch_threads import ThreadTuner
 from data_plane.shard.kv_transcript import GeneratedTokens
 
@@ -71,21 +82,15 @@ def auto_threads(adaptive: bool = True) -> int:
     return cores if adaptive else max(1, cores - 1)
 
 
-class TorchEngine(Beside, Admission, Stepper):
+class TorchEngine:
     def __init__(self, config: EngineConfig, listener: StepListener | None = None) -> None:
         self.config = config
         self.listener = listener or StepListener()
         self.model_name = "unloaded"
         self.max_model_len = config.max_model_len
-        self._runner = None
-        self._tokenizer = None
+        self._runner: Any = None
+        self._tokenizer: Any = None
         self._eos: set[int] = set()
-        self._waiting: list[tuple[int, int, SeqState]] = []
-        self._counter = itertools.count()
-        self._running: list[SeqState] = []  # decode batch, index == slot
-        self._prefilling: SeqState | None = None
-        self._parked: list[SeqState] = []
-        self._aborts: set[str] = set()
         self._by_id: dict[str, SeqState] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -96,8 +101,36 @@ class TorchEngine(Beside, Admission, Stepper):
         self.prefix: SlotPrefix | None = None
         self.thread_tuner: ThreadTuner | None = None  # adaptive intra-op threads, set at load
         self.transcripts = GeneratedTokens()
-        self.spec = (Speculator(config.num_speculative_tokens, config.spec_max_batch)
-                     if config.speculation == "ngram" else None)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs, prefill_chunk=config.prefill_chunk,
+                            beside_share=config.beside_prefill_share, max_model_len=config.max_model_len),
+            prefix=self._cached_prefix,
+            drafter=(Speculator(config.num_speculative_tokens, config.spec_max_batch)
+                     if config.speculation == "ngram" else None))
+        self._executor: Executor | None = None  # set once the model is loaded
+        self._output: OutputProcessor | None = None
+
+    @property
+    def spec(self) -> Speculator | None:
+        """The n-gram speculator the scheduler drafts with (None: speculation off; settable)."""
+        return self.scheduler.drafter  # type: ignore[return-value]
+
+    @spec.setter
+    def spec(self, value: Speculator | None) -> None:
+        self.scheduler.drafter = value
+
+    # What the engine's tests and listeners read (the scheduler owns the state).
+    @property
+    def _prefilling(self) -> SeqState | None:
+        return self.scheduler.chunked()
+
+    @property
+    def _parked(self) -> list[SeqState]:
+        return self.scheduler.parked()
+
+    @property
+    def _running(self) -> list[SeqState]:
+        return self.scheduler.decoding()
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -138,8 +171,8 @@ class TorchEngine(Beside, Admission, Stepper):
     def _load(self) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
-        from data_plane.shard.engines.llama_runner import LlamaRunner
         from data_plane.model_store import resolve_model, served_name
+        from data_plane.shard.engines.llama_runner import LlamaRunner
 
         # fp32 is the batch-invariant mode: its numerics must not depend on when a probe switches threads.
         adaptive = self.config.adaptive_threads and self.config.dtype != "float32"
@@ -169,6 +202,10 @@ class TorchEngine(Beside, Admission, Stepper):
                                            block_size=self.config.kv_block_size,
                                            budget_bytes=self.config.prefix_cache_bytes,
                                            on_evict=self.listener.on_kv_evict)
+        self.scheduler.max_model_len = self.max_model_len
+        self._executor = Executor(self._runner, self.prefix)
+        self._output = OutputProcessor(self.scheduler, self._lock, self._by_id, self.listener, self.transcripts,
+                                       self._decode_ids, self._eos, self.max_model_len, self.prefix)
         # One tiny warm-up pass so the first request doesn't pay for lazy kernel setup.
         self._runner.prefill(0, [self._tokenizer.bos_token_id or 1], 0)
         self._runner.decode([1], [1])
@@ -210,10 +247,10 @@ class TorchEngine(Beside, Admission, Stepper):
 
     def stats(self) -> EngineStats:
         with self._lock:
-            pending = self._pending()
-            running = len(self._running) + len(pending)
-            waiting = len(self._waiting)
-            used = sum(s.length for s in self._running + pending)
+            holders = self.scheduler.holders
+            running = len(holders)
+            waiting = self.scheduler.num_waiting
+            used = sum(s.num_computed_tokens for s in holders)
         cap = self.config.max_num_seqs * self.max_model_len
         pc = self.prefix.cache if self.prefix else None
         return EngineStats(running=running, waiting=waiting, kv_usage=used / cap, max_num_seqs=self.config.max_num_seqs,
@@ -247,12 +284,12 @@ class TorchEngine(Beside, Admission, Stepper):
         if self.prefix is not None:
             seq.block_hashes = self.prefix.hashes(req.prompt_ids, req.cache_salt, req.public_prefix_tokens)
         with self._lock:
-            if len(self._waiting) >= self.config.max_waiting:
+            if self.scheduler.num_waiting >= self.config.max_waiting:
                 raise Overloaded("the shard's queue is full; retry shortly", retry_after=1)
             if req.request_id in self._by_id:
                 raise Overloaded("a request with this id is already running", code="duplicate_request_id")
             self._by_id[req.request_id] = seq
-            heapq.heappush(self._waiting, (req.priority, next(self._counter), seq))
+            self.scheduler.add(seq)
         self._wake.set()
         return self._outputs(seq, queue)
 
@@ -274,7 +311,7 @@ class TorchEngine(Beside, Admission, Stepper):
     async def abort(self, request_id: str) -> None:
         with self._lock:
             if request_id in self._by_id:
-                self._aborts.add(request_id)
+                self.scheduler.abort(request_id)
         self._wake.set()
 
     # -- scheduler thread -------------------------------------------------------------------
@@ -296,36 +333,37 @@ class TorchEngine(Beside, Admission, Stepper):
             for seq in seqs:
                 seq.sink(Overloaded("the engine failed; retry on another shard", retry_after=1))
 
+    def _cached_prefix(self, seq: SeqState) -> int:
+        """Prompt tokens the prefix cache holds for `seq` (leaving at least one to compute)."""
+        if self.prefix is None or not seq.block_hashes:
+            return 0
+        return self.prefix.cached_tokens(seq.block_hashes, len(seq.req.prompt_ids))
+
     def _step(self) -> bool:
-        """One scheduler iteration; returns False when there was nothing to do."""
-        self._reap()
-        did = False
-        budget = self.config.prefill_chunk
-        batch = self._admit(budget) if self._prefilling is None else self._admit_ahead(budget)
-        if self._prefilling is not None and not batch:
-            batch = self._admit_beside(budget)  # same-priority prompts share the chunk's step
-        mixed = self._prefilling is not None  # decode tokens ride in the chunk's pass (no drafts that step)
-        tuner = self.thread_tuner
-        if tuner is not None and (mixed or batch):
-            tuner.for_other()  # prefill passes run at the chosen thread count, never at a probed one
-        if mixed:
-            yields = bool(self._running) and self._decode_yields()
-            if yields:
-                self.listener.on_preempt("decode")
-            self._prefill_with_chunk(batch, budget, [] if yields else list(self._running))
-            did = True
-        elif batch:
-            self._prefill_batch(batch)
-            did = True
-        if self._running and not mixed:
-            if self._decode_yields():
-                self.listener.on_preempt("decode")
+        """One iteration: schedule -> execute -> update; returns False when there was nothing to do."""
+        executor, output, tuner = self._executor, self._output, self.thread_tuner
+        assert executor is not None and output is not None
+        with self._lock:
+            plan = self.scheduler.schedule(time.time())
+        for seq in plan.finished:
+            output.finish(seq, FINISH_ABORT)
+        if not plan.rows:
+            return bool(plan.finished)
+        output.admit(plan)
+        if tuner is not None:
+            # Prefill passes run at the chosen thread count, never at a probed one.
+            if plan.is_decode:
+                tuner.for_decode()
             else:
-                if tuner is not None:
-                    tuner.for_decode()
-                n, t0 = len(self._running), time.monotonic()
-                verified = self._decode_step()
-                if tuner is not None:  # a verify pass has more rows than a decode step: no sample
-                    tuner.observe(n, time.monotonic() - t0, comparable=not verified)
-            did = True
-        return did
+                tuner.for_other()
+        result = executor.execute(plan)
+        output.update(plan, result)
+        spec = self.spec
+        if plan.is_decode and spec is not None:
+            if plan.is_verify:
+                spec.observe_verify(len(plan.rows), plan.num_tokens, result.seconds)
+            else:
+                spec.observe_plain(len(plan.rows), result.seconds)
+        if tuner is not None and plan.is_decode:  # a verify pass has more rows than a decode step: no sample
+            tuner.observe(len(plan.rows), result.seconds, comparable=not plan.is_verify)
+        return True

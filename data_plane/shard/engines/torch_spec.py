@@ -1,29 +1,29 @@
-"""The torch engine's speculative decode step (n-gram drafts, verified in the batch's one pass).
+"""The torch engine's n-gram speculation: drafts for the scheduler, acceptance for the executor.
 
-    spec = Speculator(max_k=15, max_batch=4)     # EngineConfig(speculation="ngram") builds it
-    if not spec.step(engine, engine._running):   # called from TorchEngine._decode_step
-        ...                                      # nobody drafted: the plain decode step runs
-        spec.observe_plain(batch, step_s)        # which prices the verify rows (VerifyCost)
+    spec = Speculator(max_k=15, max_batch=4)          # EngineConfig(speculation="ngram") builds it
+    drafts = spec.draft(decoding, max_model_len)      # scheduler.py, in a pure decode step: [(draft, weak)]
+    tokens = spec.accept(logits, rows)                # torch_executor.py, after the verify pass
+    spec.observe_plain(batch, step_s)                 # a decode step nobody drafted in (prices the rows)
+    spec.observe_verify(batch, rows, step_s)
 
-Per step: every running sequence may propose the draft tokens expected to pay for their rows
-(data_plane/shard/engines/speculation.py);
-if at least one did, all running sequences go through one `spec_runner.verify` pass (rows:
-last token + draft, 1..k+1 per sequence) instead of the plain decode. Each sequence then keeps
-its accepted drafts plus one model token, its length moves past exactly those (rejected drafts'
-KV is rolled back by not counting it), and the tokens go through the engine's normal emit path
-one by one (EOS, stop strings, max_tokens and the context limit cut exactly where they would
-without speculation), their text leaving as one stream output. Above `max_batch` running
-sequences no one drafts (verification costs more than it saves there: docs/BENCHMARKS.md).
+Per step: every decoding sequence may propose the draft tokens expected to pay for their rows
+(data_plane/shard/engines/speculation.py); if at least one did, the scheduler plans a verify step:
+all decoding sequences in one pass (rows: last token + draft, 1..k+1 per sequence) instead of the
+plain decode. Each sequence then keeps its accepted drafts plus one model token; its computed count
+moves past exactly those (rejected drafts' KV is rolled back by not counting it), and the tokens go
+through the engine's normal emit path one by one (EOS, stop strings, max_tokens and the context
+limit cut exactly where they would without speculation: torch_output.py). Above `max_batch`
+decoding sequences no one drafts (verification costs more than it saves there: docs/BENCHMARKS.md).
 Runs on the scheduler thread only.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from data_plane.shard.engines.spec_runner import verify
+from data_plane.shard.engines.sequence import SeqState
 from data_plane.shard.engines.speculation import (
     NgramIndex,
     SeqSpec,
@@ -32,22 +32,13 @@ from data_plane.shard.engines.speculation import (
     accept_sampled,
     target_probs,
 )
-from data_plane.shard.engines.torch_config import SeqState, StepListener
+
+if TYPE_CHECKING:
+    import torch
+
+    from data_plane.shard.engines.scheduler import ScheduledRow
 
 log = logging.getLogger(__name__)
-
-
-class SpecEngine(Protocol):
-    """What a speculative step uses of the engine (``TorchEngine`` has it all; declared here so this
-    module never imports the engine that imports it)."""
-
-    @property
-    def max_model_len(self) -> int: ...
-    @property
-    def listener(self) -> StepListener: ...
-    @property
-    def _runner(self) -> Any: ...
-    def _emit(self, seq: SeqState, token: int, held: str = "", send: bool = True) -> str: ...
 
 
 class Speculator:
@@ -64,71 +55,50 @@ class Speculator:
         """A decode step where nobody drafted took `seconds` (the verify rows' cost is against it)."""
         self.cost.plain(batch, seconds)
 
-    def _state(self, seq: SeqState) -> SeqSpec:
+    def observe_verify(self, batch: int, rows: int, seconds: float) -> None:
+        self.cost.verify(batch, rows, seconds)
+
+    def state(self, seq: SeqState) -> SeqSpec:
         if seq.spec is None:
             seq.spec = SeqSpec(max_k=self.max_k, miss_limit=self.miss_limit,
                                index=NgramIndex(self.min_n, self.max_n))
             seq.spec_ctx = list(seq.req.prompt_ids)
         return seq.spec
 
+    def draft(self, seqs: Sequence[SeqState], max_model_len: int) -> list[tuple[list[int], bool]]:
+        """This step's draft for each of `seqs` (the decoding sequences) and whether it came from a
+        one-token (weak) match; call once per decode step (back-off counts steps)."""
+        row_cost = self.cost.row_cost(len(seqs))
+        return [self._draft(s, max_model_len, row_cost) for s in seqs]
+
     def _draft(self, seq: SeqState, max_model_len: int, row_cost: float) -> tuple[list[int], bool]:
-        """This step's draft for `seq` and whether it came from a one-token (weak) match."""
-        state = self._state(seq)
+        state = self.state(seq)
         ctx = seq.spec_ctx
         ctx.extend(seq.output_ids[len(ctx) - len(seq.req.prompt_ids):])
         found = state.index.match(ctx)
         weak = found is not None and found[0] < 2
         # Drafts may run up to max_tokens (the cap then lands inside an accepted draft and the rest
         # is dropped by the emit path), never to within 2 positions of the context limit.
-        room = min(seq.max_tokens - len(seq.output_ids), max_model_len - seq.length - 3)
+        room = min(seq.max_tokens - len(seq.output_ids), max_model_len - seq.num_computed_tokens - 3)
         k = min(state.draft_len(row_cost, weak), room)
         if found is None or k <= 0:
             return [], False
         return ctx[found[1] : found[1] + k], weak
 
-    def step(self, eng: SpecEngine, batch: Sequence[SeqState]) -> bool:
-        """One speculative decode step over `batch` (the running sequences, slots 0..n-1); False
-        (nothing done) when no sequence has a draft or the batch is above `max_batch`."""
-        if len(batch) > self.max_batch:
-            return False
-        row_cost = self.cost.row_cost(len(batch))
-        drafted = [self._draft(s, eng.max_model_len, row_cost) for s in batch]
-        drafts = [d for d, _ in drafted]
-        if not any(drafts):
-            return False
-        t0 = time.monotonic()
-        rows = [[s.last_token] + d for s, d in zip(batch, drafts)]
-        starts = [s.length for s in batch]
-        logits = verify(eng._runner, rows, starts)  # type: ignore[arg-type]  # set once loaded
+    @staticmethod
+    def accept(logits: torch.Tensor, rows: Sequence[ScheduledRow]) -> list[list[int]]:
+        """Each verify row's accepted drafts plus one model token, from the pass's logits (one row of
+        logits per verified position, in order): greedy by argmax, sampled by rejection sampling
+        against the request's own distribution (speculation.target_probs)."""
         argmax = logits.argmax(dim=-1).tolist()
-        results: list[list[int]] = []
+        out: list[list[int]] = []
         off = 0
-        for seq, row, draft in zip(batch, rows, drafts):
-            n = len(row)
-            params = seq.req.params
-            if params.greedy:
-                results.append(accept_greedy(draft, argmax[off : off + n]))
+        for row in rows:
+            n, seq = len(row.tokens), row.seq
+            if seq.req.params.greedy:
+                out.append(accept_greedy(row.draft, argmax[off : off + n]))
             else:
-                results.append(accept_sampled(draft, target_probs(logits[off : off + n], params), seq.generator))
+                out.append(accept_sampled(row.draft, target_probs(logits[off : off + n], seq.req.params),
+                                          seq.generator))
             off += n
-        step_s = time.monotonic() - t0
-        self.cost.verify(len(batch), off, step_s)
-        eng.listener.on_step(len(batch), step_s, "decode")
-        eng.listener.on_iteration_tokens(off)
-        # Every length first: a sequence that finishes below moves the last slot's KV, which must
-        # include that sequence's accepted rows.
-        for seq, start, tokens in zip(batch, starts, results):
-            seq.length = start + len(tokens)
-        for seq, start, (draft, weak), tokens in zip(list(batch), starts, drafted, results):
-            accepted = len(tokens) - 1
-            if draft:
-                self._state(seq).record(len(draft), accepted, weak)
-                eng.listener.on_spec_draft(len(draft), accepted)
-            held = ""
-            for i, token in enumerate(tokens):
-                seq.length = start + 1 + i
-                eng.listener.on_token(step_s / len(tokens))
-                held = eng._emit(seq, token, held, send=i == len(tokens) - 1)
-                if seq.finished:
-                    break
-        return True
+        return out

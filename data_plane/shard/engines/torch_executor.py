@@ -1,0 +1,72 @@
+"""The torch engine's executor: runs a scheduler's plan on the model and reports the tokens.
+
+    executor = Executor(runner, prefix)          # a loaded LlamaRunner, the SlotPrefix or None
+    result = executor.execute(plan)              # plan: scheduler.SchedulerOutput
+    result.tokens[i]                             # plan.rows[i]'s tokens: 0 (a chunk), 1, or accepted drafts + 1
+    result.seconds                               # the pass and the token choice
+
+In order: the plan's slot moves (already ordered so none overwrites KV still to be moved), the
+admitted sequences' cached prefixes copied in (torch_prefix.SlotPrefix.load), one forward pass over
+every row (`LlamaRunner.forward`: batched attention over slots 0..n-1 for a decode or verify step,
+per sequence otherwise), then the token choice: one call to torch_sampling.sample for the rows that
+sample, or the speculator's acceptance (speculation.target_probs) for a verify step. The executor
+holds no sequence state: the engine updates the sequences from the result (torch_output.py).
+Called on the scheduler thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from data_plane.shard.engines.scheduler import SchedulerOutput
+from data_plane.shard.engines.sequence import SeqState
+from data_plane.shard.engines.torch_sampling import sample
+from data_plane.shard.engines.torch_spec import Speculator
+
+if TYPE_CHECKING:
+    import torch
+
+    from data_plane.shard.engines.llama_runner import LlamaRunner
+    from data_plane.shard.engines.torch_prefix import SlotPrefix
+
+
+@dataclass(frozen=True)
+class StepResult:
+    tokens: tuple[tuple[int, ...], ...] = ()
+    """Per plan row: the tokens it produced (none for a prompt chunk that does not complete its prompt)."""
+    seconds: float = 0.0
+    """The forward pass and the token choice."""
+
+
+def choose_tokens(logits: torch.Tensor, seqs: Sequence[SeqState]) -> list[int]:
+    """One token per row of `logits` for the sequence of that row (its sampling params and generator)."""
+    return sample(logits, [s.req.params for s in seqs], [s.generator for s in seqs])
+
+
+class Executor:
+    def __init__(self, runner: LlamaRunner, prefix: SlotPrefix | None = None) -> None:
+        self.runner = runner
+        self.prefix = prefix
+
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        for move in plan.moves:
+            self.runner.move_slot(move.src, move.dst, move.length)
+        if self.prefix is not None:
+            for seq in plan.admitted:
+                seq.held = self.prefix.load(seq.block_hashes, seq.cached, seq.slot)
+        rows = plan.rows
+        if not rows:
+            return StepResult()
+        t0 = time.monotonic()
+        logits = self.runner.forward([(r.seq.slot, r.tokens, r.start) for r in rows], [r.num_logits for r in rows],
+                                     batched=plan.is_decode)
+        if plan.is_verify:
+            tokens = [tuple(t) for t in Speculator.accept(logits, rows)]
+        else:
+            sampling = [r.seq for r in rows if r.samples]
+            picked = iter(choose_tokens(logits, sampling)) if sampling else iter(())
+            tokens = [(next(picked),) if r.samples else () for r in rows]
+        return StepResult(tuple(tokens), time.monotonic() - t0)
