@@ -73,13 +73,15 @@ def test_create_chain_retrieve_input_items_delete(stack: Stack) -> None:
     assert "Paris" in first.output_text and first.usage.input_tokens > 0
     assert first.output[0].type == "message" and first.output[0].role == "assistant"
     second = sdk.responses.create(model=MODEL, input="And of Italy?", previous_response_id=first.id,
-                                  max_output_tokens=12, temperature=0)
+                                  max_output_tokens=12, temperature=0, metadata={"ticket": "T-1"})
+    assert second.metadata == {"ticket": "T-1"}
     assert second.previous_response_id == first.id
     # the chain replays token-exactly on the shard holding its KV: the whole first turn is cached
     assert second.usage.input_tokens > first.usage.input_tokens
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 8
     got = sdk.responses.retrieve(second.id)
     assert got.output_text == second.output_text and got.usage.total_tokens == second.usage.total_tokens
+    assert got.metadata == {"ticket": "T-1"} and got.previous_response_id == first.id
     items = sdk.responses.input_items.list(second.id)
     assert [i.type for i in items.data] == ["message"] and items.data[0].content[0].text == "And of Italy?"
     # another key (even of the same tenant) sees nothing
