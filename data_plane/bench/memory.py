@@ -122,9 +122,12 @@ async def accuracy(args: argparse.Namespace, convs: list[Planted], url: str, key
         for i, p in enumerate(convs):
             for recall in (True, False):
                 started = time.perf_counter()
-                text = await ask(http, url, key, p, recall, args.max_tokens)
+                try:
+                    text, error = await ask(http, url, key, p, recall, args.max_tokens), None
+                except httpx.HTTPError as exc:  # the row says FAILED; the run goes on
+                    text, error = "", f"FAILED: {exc}"
                 rows.append({"conversation": i, "recall": recall, "answer": p.answer, "output": text,
-                             "correct": p.answer.lower() in text.lower(),
+                             "correct": error is None and p.answer.lower() in text.lower(), "error": error,
                              "seconds": round(time.perf_counter() - started, 2)})
     return rows
 
@@ -151,6 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["answers"] = rows
         result["accuracy"] = {mode: sum(r["correct"] for r in rows if r["recall"] is on) / len(convs)
                               for mode, on in (("with_recall", True), ("sliding_window", False))}
+        result["failed"] = sum(1 for r in rows if r["error"])
     return result
 
 
@@ -195,5 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{result['conversations']} conversations of {result['turns']} turns "
           f"(~{result['history_tokens_mean']} tokens each; {result['budget_tokens']} fit the window)")
     print(format_table(["context", "retrieval recall", "answer accuracy"], rows))
+    if result.get("failed"):
+        print(f"{result['failed']} request(s) FAILED (counted as wrong answers): see the JSON rows")
     if args.json:
         write_json(args.json, result)
