@@ -76,6 +76,7 @@ def build_engine(settings: ShardSettings, metrics: ShardMetrics | None) -> Engin
     config = EngineConfig(
         model=settings.model,
         dtype=settings.dtype,
+        quantization=settings.quantization,
         max_num_seqs=settings.max_num_seqs,
         max_model_len=settings.max_model_len,
         prefill_chunk=settings.prefill_chunk,
@@ -345,7 +346,6 @@ class _Run:
             span.set_attribute("gen_ai.response.finish_reasons", [reason])
             if last.timings:
                 t = last.timings
-                m.prefill_time.labels(name).observe(t.prefill_s)
                 if self.state.kv_tier is not None:  # learns this shard's prefill speed (fetch-or-recompute)
                     self.state.kv_tier.observe_prefill(last.prompt_tokens - last.cached_tokens, t.prefill_s)
                 m.decode_time.labels(name).observe(t.decode_s)

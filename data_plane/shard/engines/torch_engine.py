@@ -171,11 +171,15 @@ class TorchEngine:
     def _load(self) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
-        from data_plane.model_store import resolve_model, served_name
+        from data_plane.model_store import model_source, served_name
         from data_plane.shard.engines.llama_runner import LlamaRunner
+        from data_plane.shard.engines.weight_source import CpuCaps, resolve_plan
 
+        source = model_source(self.config.model)
+        plan = resolve_plan(self.config.dtype, self.config.quantization, source=source.kind, caps=CpuCaps.detect())
+        self.weight_plan = plan
         # fp32 is the batch-invariant mode: its numerics must not depend on when a probe switches threads.
-        adaptive = self.config.adaptive_threads and self.config.dtype != "float32"
+        adaptive = self.config.adaptive_threads and plan.dtype != "float32"
         threads = self.config.threads or auto_threads(adaptive)
         torch.set_num_threads(threads)
         if adaptive and threads > 1:
@@ -184,21 +188,24 @@ class TorchEngine:
         else:
             self.listener.on_threads(threads, "start")
         t0 = time.monotonic()
-        path = resolve_model(self.config.model)
-        print(f"[switchboard] loading model from {path} ({self.config.dtype})...", flush=True)
+        path = source.path
+        print(f"[switchboard] loading model from {source.gguf if plan.quantization != 'none' and source.gguf else path} "
+              f"({plan.describe()})...", flush=True)
         hf_config = AutoConfig.from_pretrained(str(path))
         self.max_model_len = min(self.config.max_model_len, hf_config.max_position_embeddings)
         self._tokenizer = AutoTokenizer.from_pretrained(str(path))
         self._runner = LlamaRunner.from_pretrained(
-            path, dtype=DTYPES[self.config.dtype], max_num_seqs=self.config.max_num_seqs, max_len=self.max_model_len
-        )
+            path, dtype=DTYPES[plan.dtype], max_num_seqs=self.config.max_num_seqs, max_len=self.max_model_len,
+            plan=plan, gguf=source.gguf)
+        self.listener.on_weights(plan.dtype, plan.dtype_reason.value, plan.quantization, plan.quantization_reason.value,
+                                 self._runner.weight_bytes)
         eos = hf_config.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
         if self._tokenizer.eos_token_id is not None:
             self._eos.add(self._tokenizer.eos_token_id)
         self.model_name = served_name(self.config.model)
         if self.config.prefix_caching:
-            self.prefix = SlotPrefix.build(self._runner, model_id=str(path), dtype=self.config.dtype,
+            self.prefix = SlotPrefix.build(self._runner, model_id=str(path), dtype=plan.dtype,
                                            block_size=self.config.kv_block_size,
                                            budget_bytes=self.config.prefix_cache_bytes,
                                            on_evict=self.listener.on_kv_evict)
@@ -214,7 +221,8 @@ class TorchEngine:
             f"(KV cache {self._runner.kv_cache_bytes / 2**20:.0f} MiB for "
             f"{self.config.max_num_seqs} x {self.max_model_len} tokens; prefix cache "
             f"{self.prefix.cache.capacity_bytes / 2**20 if self.prefix else 0:.0f} MiB; {f'1..{threads} threads (adaptive)' if self.thread_tuner else f'{threads} threads'}; "
-            f"{'oneDNN-packed' if self._runner.packed else 'plain'} weights)",
+            f"{plan.describe()}: {self._runner.weight_format}, {self._runner.weight_bytes / 2**20:.0f} MiB"
+            f"{', oneDNN-packed' if self._runner.packed else ''})",
             flush=True,
         )
 
