@@ -349,8 +349,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="switchboard's weight format (default auto: the GGUF's Q4 blocks as int4); naive stays dense")
     p.add_argument("--systems", default="switchboard,naive,llamacpp,llamacpp-lookup",
                    help=f"comma-separated, from {', '.join(SYSTEMS)} (default all)")
-    p.add_argument("--workload", choices=["chat", "quote"], default="chat",
-                   help="chat: open-ended prompts; quote: summarise/rewrite/edit a given passage or code (default chat)")
+    p.add_argument("--workload", choices=["chat", "quote", "json", "tools"], default="chat",
+                   help="chat: open-ended prompts; quote: summarise/rewrite/edit a given passage or code; json / tools: "
+                        "constrained decoding vs the prompt alone over a schema corpus, our engine only "
+                        "(data_plane/bench/engine_structured.py) (default chat)")
     p.add_argument("--speculation", default="off",
                    help="comma-separated on,off: switchboard without (off) and with (on) n-gram speculation "
                         "(default off)")
@@ -390,6 +392,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     # One thread count for every system (the torch engine's own 0 means "all cores but one").
     args.threads = args.threads or os.cpu_count() or 1
+    if args.workload in ("json", "tools"):
+        from data_plane.bench.engine_structured import main as structured
+
+        structured(args)
+        return
     prompt_ids = encode_prompts(args.model, args.workload)
     config = BenchConfig(
         model=args.model, dtype=args.dtype, max_tokens=args.max_tokens, concurrency=tuple(args.concurrency),

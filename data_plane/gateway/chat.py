@@ -70,6 +70,12 @@ NEW_SESSION = "new"
 DEFAULT_REPLY_RESERVE = 256
 """Reply tokens reserved when a request sets no max_tokens."""
 TEMPLATE_SLACK_TOKENS = 32
+FORWARDED = frozenset({
+    "temperature", "top_p", "top_k", "stop", "seed", "min_p", "n", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "min_tokens", "ignore_eos", "logprobs", "top_logprobs", "logit_bias",
+    "response_format", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls",
+})
+"""Request fields the gateway sends on to the shard as the client gave them (data_plane/protocol.py)."""
 """Headroom for chat-template tokens the per-message count cannot see (e.g. a default system
 prompt the template inserts), so the shard never refuses what the gateway admitted."""
 
@@ -114,11 +120,15 @@ class ChatHandler:
         self.session_version = 0
         self.history: list[dict[str, str]] = []
         self.new_messages: list[dict[str, str]] = []
+        self.history_messages = 0
+        """Messages of a request's body that replay stored history (the Responses API's), not new ones."""
         self.cache_header: str | None = None
         """X-Cache: HIT | MISS | BYPASS (opted out); absent when the request may not be cached."""
         self.cache_key: str | None = None
         """Set when this request's reply goes into the response cache once complete."""
         self.opened: Opened | None = None
+        self.output_kind = "text"
+        """What the output follows (text, json_object, json_schema, regex, choice, grammar, tools): the ledger."""
         """Set once a shard stream is open: the usage ledger reads the completion and shard from it."""
         # the level and tier policy are read once, so one request sees one consistent state
         state = rt.cluster.current()
@@ -191,7 +201,7 @@ class ChatHandler:
         """The whole reply as one JSON body."""
         return await opened.completion.collect(opened.stream)
 
-    def parse(self, raw: bytes) -> ChatCompletionRequest:
+    async def parse(self, raw: bytes) -> ChatCompletionRequest:
         """The request body as a chat request (4xx SwitchboardError when it is not one)."""
         return parse_chat_request(raw, self.request.headers.get("content-type"))
 
@@ -289,13 +299,13 @@ class ChatHandler:
         self.effects.admit(tier, tiers)
         raw = await read_body(self.request, settings.max_body_bytes)
         x.disconnect.start()
-        req = self.parse(raw)
+        req = await self.parse(raw)
         models = rt.models()
         model = req.model or next(iter(models))
         if model not in models:
             raise ModelNotFound(f"the model {req.model!r} does not exist", param="model")
         span.set_attribute("gen_ai.request.model", model)
-        if len(req.messages) > settings.max_messages:
+        if len(req.messages) - self.history_messages > settings.max_messages:
             raise InvalidRequest(f"at most {settings.max_messages} messages are allowed per request",
                                  param="messages")
         max_tokens = req.output_limit or tier.max_output_tokens
@@ -303,10 +313,18 @@ class ChatHandler:
             raise InvalidRequest(f"max_tokens is {max_tokens}, above the {tier.name} tier's cap of "
                                  f"{tier.max_output_tokens}", param="max_tokens")
         max_tokens = self.effects.max_tokens(max_tokens)
-        messages = req.plain_messages()
+        messages = req.plain_messages(tools_prompt=False)  # the shard adds the tools' system message
         self.new_messages = messages
+        plan = req.output_plan()
+        self.output_kind = plan.constraint.kind if plan.constraint is not None else "text"
+        span.set_attribute("switchboard.structured.kind", self.output_kind)
+        span.set_attribute("switchboard.tools.mode", plan.tool_mode.value)
+        # The tool definitions take context too: counted like a system message, outside the sliding window.
+        tools_tokens = gw.counter.prompt_tokens([{"role": "system", "content": plan.tools_prompt}]) \
+            if plan.tools_prompt else 0
         # Session history is not known yet: settlement charges it with the rest of the real usage.
-        x.grant = await gw.limiter.admit(principal.key_id, tier, gw.counter.prompt_tokens(messages) + max_tokens)
+        x.grant = await gw.limiter.admit(principal.key_id, tier,
+                                         gw.counter.prompt_tokens(messages) + tools_tokens + max_tokens * (req.n or 1))
         policy = gw.safety.get(tier.safety)
         with tracer.start_as_current_span("safety.input"):
             verdict = policy.check_input(m["content"] for m in messages if m["role"] in ("user", "system"))
@@ -318,13 +336,13 @@ class ChatHandler:
         # Without max_tokens, reserve a modest reply while fitting the window, then let the reply
         # use the room the prompt leaves, up to the tier's cap (as vLLM does).
         reserve = max_tokens if req.output_limit else min(max_tokens, DEFAULT_REPLY_RESERVE, context // 2)
-        budget = context - reserve - TEMPLATE_SLACK_TOKENS
+        budget = context - reserve - TEMPLATE_SLACK_TOKENS - tools_tokens
         if budget <= 0:
             raise InvalidRequest(f"max_tokens {max_tokens} leaves no room for the prompt in a "
                                  f"{context}-token context", param="max_tokens", code="context_length_exceeded")
         window = self.fit(prompt, self.effects.prompt_budget(budget, context))
         if not req.output_limit:
-            max_tokens = max(1, min(max_tokens, context - window.prompt_tokens - TEMPLATE_SLACK_TOKENS))
+            max_tokens = max(1, min(max_tokens, context - window.prompt_tokens - tools_tokens - TEMPLATE_SLACK_TOKENS))
         if window.dropped:
             gw.metrics.context_dropped.labels(tier.name).inc(window.dropped)
             gw.metrics.context_slides.labels(tier.name).inc()
@@ -341,16 +359,13 @@ class ChatHandler:
         }
         if self.session_id:  # the shard keeps this session's KV blocks on its transcript's cache nodes
             body.update(session_id=self.session_id, kv_replicas=tier.replication, kv_ttl_s=settings.session_ttl_s)
-        for name in ("temperature", "top_p", "top_k", "stop", "seed"):
-            value = getattr(req, name)
-            if value is not None:
-                body[name] = value
+        body.update(req.model_dump(include=set(FORWARDED), exclude_none=True, by_alias=True))
         if req.model:
             body["model"] = model
         stream: EventSource | None = await self._cached(req, body, prompt, principal.tenant)
         if stream is None:
-            x.admitted(await rt.admission.acquire(tier, tiers, tenant=principal.tenant,
-                                                  tokens=window.prompt_tokens + max_tokens))
+            x.admitted(await rt.admission.acquire(tier, tiers, tenant=principal.tenant, tokens=window.prompt_tokens
+                                                  + tools_tokens + max_tokens * (req.n or 1)))
             with tracer.start_as_current_span("router.route") as route_span:
                 shard = await rt.upstream.open_resumable(body, self.session_id)
                 route_span.set_attribute("switchboard.shard", shard.member.id)
@@ -358,7 +373,7 @@ class ChatHandler:
                 rt.router.observe_kv(self.session_id, shard.member.id, window.prompt_tokens)  # kv_aware routing
             stream = shard
         x.first_token_at = time.monotonic()  # from the shard; the client's TTFT is observed in Completion
-        completion = Completion(x, model, policy.output_stream(), gw.safety_metrics, self._completed)
+        completion = Completion(x, model, policy.output_stream, gw.safety_metrics, self._completed)
         headers = {"X-Request-Id": self.request_id, **(x.grant.headers if x.grant else {})}
         if self.cache_header:
             headers["X-Cache"] = self.cache_header

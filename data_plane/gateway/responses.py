@@ -93,19 +93,25 @@ class ResponsesHandler(ChatHandler):
 
     # -- the request -----------------------------------------------------------------------------
 
-    def parse(self, raw: bytes) -> ChatCompletionRequest:
+    async def parse(self, raw: bytes) -> ChatCompletionRequest:
+        """The chat request of the whole conversation: instructions, the stored history, the new input
+        (so a function_call_output answers a call the history holds, as the chat path checks)."""
         rreq = self.rreq = parse_responses_request(raw, self.request.headers.get("content-type"))
         self.new_items = input_items(rreq.input)
         if not self.new_items:
             raise InvalidRequest("input is required", param="input")
+        assert self.tier is not None
+        await self._load_history(rreq, self.tier)
         system = [{"role": "system", "content": rreq.instructions}] if rreq.instructions else []
-        self.instructions = len(system)
-        return rreq.chat_request(system + items_to_messages(self.new_items, self._open_compaction))
+        history = items_to_messages(self.history_items, self._open_compaction)
+        self.history_messages = len(history)
+        return rreq.chat_request(system + history + items_to_messages(self.new_items, self._open_compaction))
 
     async def context(self, req: ChatCompletionRequest, messages: list[dict[str, str]],
                       tier: Tier) -> list[dict[str, str]]:
-        rreq = self.rreq
-        assert rreq is not None
+        return messages  # the history is in the request already (parse)
+
+    async def _load_history(self, rreq: ResponsesRequest, tier: Tier) -> None:
         conv_id = rreq.conversation_id
         if rreq.previous_response_id:
             previous = await self.store.load(rreq.previous_response_id, self.owner, tier.replication, Kind.RESPONSE)
@@ -117,8 +123,6 @@ class ResponsesHandler(ChatHandler):
             # the chain's session: kv_aware routing and the KV blocks kept on its cache nodes
             self.session_id = self.route
         self.x.span.set_attribute("switchboard.responses.history_items", len(self.history_items))
-        history = items_to_messages(self.history_items, self._open_compaction)
-        return messages[:self.instructions] + history + messages[self.instructions:]
 
     def fit(self, prompt: list[dict[str, str]], budget: int) -> Window:
         rreq = self.rreq
@@ -181,7 +185,8 @@ class ResponsesHandler(ChatHandler):
         assert rreq is not None and opened is not None and self.tier is not None
         finish_reason = opened.completion.finish_reason
         incomplete = INCOMPLETE_REASONS.get(finish_reason or "")
-        output = output_items(message or {"content": reply}, "incomplete" if incomplete else "completed")
+        output = output_items(message or opened.completion.choice(0).message(),
+                              "incomplete" if incomplete else "completed")
         for item in output:  # the same ids the stream announced
             if item["type"] == "message":
                 item["id"] = self.message_id
@@ -230,14 +235,23 @@ def sealer_for(rt: Runtime, owner: str) -> Callable[[list[dict[str, str]]], str]
     return seal
 
 
+def plain(items: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """`items` as the chat path's plain messages (tool calls as the model's envelope, results as user
+    turns naming the tool); compaction items as empty system messages."""
+    messages = items_to_messages(items, lambda e: "")
+    if not messages:
+        return []
+    return ChatCompletionRequest.model_validate({"messages": messages}).plain_messages(tools_prompt=False)
+
+
 def conversation_tokens(items: list[dict[str, Any]], counter: Any) -> int:
-    return int(counter.prompt_tokens([m for m in items_to_messages(items, lambda e: "") if m.get("content")]))
+    return int(counter.prompt_tokens(plain(items)))
 
 
 def compact_items(gw: Gateway, rt: Runtime, items: list[dict[str, Any]], owner: str, keep_tokens: int,
                   trigger: str) -> Compaction | None:
     done = compact(items, keep_tokens, gw.counter, seal=sealer_for(rt, owner), unseal=unsealer(rt, owner),
-                   to_messages=lambda its: items_to_messages(its, lambda e: ""), item_id=new_id("cmp"))
+                   to_messages=plain, item_id=new_id("cmp"))
     if done is not None:
         gw.memory_metrics.compactions.labels(trigger).inc()
         gw.memory_metrics.compacted_tokens.inc(done.tokens)

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from data_plane.common.telemetry import E2E_BUCKETS, LATENCY_BUCKETS
 from data_plane.shard.engines.base import EngineStats
 from data_plane.shard.kv_metrics import KVTierMetrics
+from data_plane.shard.grammar_metrics import StructuredMetrics
 from data_plane.shard.spec_metrics import SpecMetrics
 
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
@@ -127,6 +128,8 @@ class ShardMetrics:
             self.priority_yields.labels(model_name, kind)
         self.spec = SpecMetrics(registry, model_name)  # vllm:spec_decode_*, vllm:iteration_tokens_total
         self.kv_tier = KVTierMetrics(registry, model_name)  # vllm:external_prefix_cache_*, vllm:kv_offload_*
+        self.grammar = StructuredMetrics(registry, model_name)  # constrained decoding (engines/grammar.py)
+        self.structured = self.grammar.requests
 
     def observe_stats(self, stats: EngineStats) -> None:
         m = self.model_name
@@ -182,6 +185,12 @@ class MetricsListener:
 
     def on_spec_draft(self, drafted: int, accepted: int) -> None:
         self.metrics.spec.observe_draft(drafted, accepted)
+
+    def on_grammar_compile(self, kind: str, seconds: float, outcome: str) -> None:
+        self.metrics.grammar.on_compile(kind, seconds, outcome)
+
+    def on_grammar_mask(self, rows: int, seconds: float) -> None:
+        self.metrics.grammar.on_mask(seconds)
 
     def on_preempt(self, kind: str) -> None:
         m = self.metrics

@@ -117,6 +117,12 @@ class StepListener:
     def on_threads(self, threads: int, reason: str) -> None:
         """The intra-op thread count is now `threads` (reason ``start`` or ``probe``: torch_threads.ThreadTuner)."""
 
+    def on_grammar_compile(self, kind: str, seconds: float, outcome: str) -> None:
+        """A grammar compile ended (engines/grammar.py): outcome compiled, cache_hit or a refusal reason."""
+
+    def on_grammar_mask(self, rows: int, seconds: float) -> None:
+        """A step's grammar bitmasks for `rows` constrained sequences were filled and applied in `seconds`."""
+
     def on_preempt(self, kind: str) -> None:
         """A priority preemption: ``prefill`` (a chunked prefill parked for a higher-priority prompt)
         or ``decode`` (a decode pass skipped while a higher-priority prompt is prefilled)."""

@@ -37,6 +37,7 @@ torch_threads (adaptive intra-op threads).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -46,7 +47,7 @@ from typing import Any
 
 import torch
 
-from data_plane.common.errors import Overloaded
+from data_plane.common.errors import InvalidRequest, Overloaded
 from data_plane.shard.engines.base import (
     FINISH_ABORT,
     EngineStats,
@@ -55,6 +56,8 @@ from data_plane.shard.engines.base import (
     TextStream,
     check_lengths,
 )
+from data_plane.shard.engines.grammar import GrammarCompiler
+from data_plane.shard.engines.logits import RequestLogits
 from data_plane.shard.engines.scheduler import Scheduler, SchedulerConfig
 from data_plane.shard.engines.sequence import SeqState
 from data_plane.shard.engines.torch_config import DTYPES, EngineConfig, StepListener
@@ -100,6 +103,8 @@ class TorchEngine:
         self.dead: BaseException | None = None
         self.prefix: SlotPrefix | None = None
         self.thread_tuner: ThreadTuner | None = None  # adaptive intra-op threads, set at load
+        self.grammars: GrammarCompiler | None = None  # constrained decoding (engines/grammar.py), set at load
+        self.vocab_size = 0
         self.transcripts = GeneratedTokens()
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, prefill_chunk=config.prefill_chunk,
@@ -204,6 +209,10 @@ class TorchEngine:
         if self._tokenizer.eos_token_id is not None:
             self._eos.add(self._tokenizer.eos_token_id)
         self.model_name = served_name(self.config.model)
+        self.vocab_size = int(hf_config.vocab_size)
+        import llguidance.hf
+
+        self.grammars = GrammarCompiler(llguidance.hf.from_tokenizer(self._tokenizer), listener=self.listener)
         if self.config.prefix_caching:
             self.prefix = SlotPrefix.build(self._runner, model_id=str(path), dtype=plan.dtype,
                                            block_size=self.config.kv_block_size,
@@ -229,6 +238,8 @@ class TorchEngine:
     async def aclose(self) -> None:
         self._stop = True
         self._wake.set()
+        if self.grammars is not None:
+            self.grammars.close()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
 
@@ -266,16 +277,34 @@ class TorchEngine:
                            prefix_cache_block_bytes=pc.block_bytes if pc else 0,
                            prefix_cache_capacity_bytes=pc.capacity_bytes if pc else 0)
 
+    async def prepare(self, req: GenerationRequest) -> None:
+        """Before `generate`: compile the request's grammar off the scheduler thread (cached by digest;
+        raises grammar.GrammarError for one refused) and check its logit_bias token ids."""
+        bad = [t for t, _ in req.params.logit_bias if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"logit_bias names token id {bad[0]}, outside this model's vocabulary "
+                                 f"(0..{self.vocab_size - 1})", param="logit_bias")
+        if req.params.grammar is not None and req.grammar is None:
+            assert self.grammars is not None, "prepare() before the model is loaded"
+            req.grammar = await self.grammars.compile(req.params.grammar)
+
     def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         """Validate and enqueue `req` now (raising 4xx/503 errors before any compute);
-        return the iterator of its outputs. Closing the iterator early aborts the request."""
+        return the iterator of its outputs. Closing the iterator early aborts the request.
+        A request with a grammar must have been through `prepare`."""
         if self.dead is not None:
             raise Overloaded("the engine has failed; this shard is restarting", retry_after=5)
         max_tokens = check_lengths(len(req.prompt_ids), req.params.max_tokens, self.max_model_len)
+        if req.params.grammar is not None and req.grammar is None:
+            raise InvalidRequest("a constrained request was not prepared (its grammar is not compiled)")
         queue: asyncio.Queue[GenerationOutput | BaseException] = asyncio.Queue()
         loop = self._loop or asyncio.get_running_loop()
+        proc = req.processor = RequestLogits.build(req.params, req.grammar, sorted(self._eos), req.prompt_ids,
+                                                   self.vocab_size, self.listener)
 
         def sink(out: GenerationOutput | BaseException) -> None:
+            if proc is not None and req.params.logprobs and isinstance(out, GenerationOutput):
+                out = dataclasses.replace(out, logprobs=proc.drain())  # this output's tokens (scheduler thread)
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
         gen = None
