@@ -220,7 +220,8 @@ class ChatHandler:
         cache = self.rt.replies
         if cache is None:
             return None
-        policy = cache_policy(req.temperature, req.seed, req.tools, req.cache, self.request.headers)
+        uncacheable = bool(req.tools) or (req.n or 1) > 1 or bool(req.logprobs)
+        policy = cache_policy(req.temperature, req.seed, uncacheable, req.cache, self.request.headers)
         key = cache_key(tenant, body, prompt)
         self.cache_key = key if policy.write else None
         if not policy.read:

@@ -78,10 +78,11 @@ class CachedReply:
     completion_tokens: int
 
 
-def cache_policy(temperature: float | None, seed: int | None, tools: Any, cache_field: Mapping[str, Any] | None,
+def cache_policy(temperature: float | None, seed: int | None, uncacheable: Any, cache_field: Mapping[str, Any] | None,
                  headers: Mapping[str, str]) -> CachePolicy:
-    """Whether to read and write the cache for a request with these fields and headers."""
-    if not (temperature == 0 or seed is not None) or tools:
+    """Whether to read and write the cache for a request with these fields and headers; `uncacheable`:
+    what a replayed text could not give back (tool calls, several choices, logprobs)."""
+    if not (temperature == 0 or seed is not None) or uncacheable:
         return CachePolicy(False, False, Decision.NONDETERMINISTIC)
     control = (headers.get("cache-control") or "").lower()
     fields = cache_field or {}

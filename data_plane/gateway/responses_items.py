@@ -166,9 +166,9 @@ class ResponsesRequest(BaseModel):
                                            param=param) from None
             raise InvalidRequest(f"{param}: {first.get('msg')}", param=param) from None
         except InvalidRequest as exc:  # the chat path's verdict, in the Responses API's names
-            name = _responses_param(exc.param)
-            if exc.param and name:
-                exc.message, exc.param = exc.message.replace(repr(exc.param), repr(name)), name
+            renamed = _responses_param(exc.param)
+            if exc.param and renamed:
+                exc.message, exc.param = exc.message.replace(repr(exc.param), repr(renamed)), renamed
             raise
         return req
 

@@ -236,24 +236,26 @@ def test_response_cache_serves_the_responses_api_and_whole_chains_only(stack: St
     assert chained.usage.input_tokens_details.cached_tokens < chained.usage.input_tokens
 
 
-def test_text_format_and_tools_go_through_the_chat_paths_own_checks(stack: Stack) -> None:
-    from data_plane.protocol import _NEUTRAL
-
+def test_text_format_and_function_tools_through_the_chat_path(stack: Stack) -> None:
     sdk = stack.sdk()
-    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-    fmt = {"format": {"type": "json_schema", "name": "city", "schema": schema}}
-    tool = {"type": "function", "name": "weather", "parameters": schema}
-    if "response_format" in _NEUTRAL:  # chat completions has no structured outputs yet: the same 400, our names
-        with pytest.raises(openai.BadRequestError) as e:
-            sdk.responses.create(model=MODEL, input="Capital of France as JSON", text=fmt, max_output_tokens=24)
-        assert e.value.body["param"] == "text.format" and e.value.body["code"] == "unsupported_parameter"
-    else:
-        out = sdk.responses.create(model=MODEL, input="Capital of France as JSON", text=fmt, max_output_tokens=48)
-        assert "city" in json.loads(out.output_text)
-    if "tools" in _NEUTRAL:
-        with pytest.raises(openai.BadRequestError) as e:
-            sdk.responses.create(model=MODEL, input="Weather in Paris?", tools=[tool], max_output_tokens=24)
-        assert e.value.body["param"] == "tools"
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    out = sdk.responses.create(model=MODEL, input="Name the capital of France as JSON.", max_output_tokens=32,
+                               text={"format": {"type": "json_schema", "name": "city", "schema": schema,
+                                                "strict": True}}, temperature=0)
+    assert set(json.loads(out.output_text)) == {"city"}
+    tool = {"type": "function", "name": "weather", "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    call = sdk.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[tool],
+                                tool_choice="required", max_output_tokens=48, temperature=0)
+    fc = [i for i in call.output if i.type == "function_call"]
+    assert fc and fc[0].name == "weather" and "city" in json.loads(fc[0].arguments)
+    # the tool's output answers the stored call (previous_response_id): a text reply
+    done = sdk.responses.create(model=MODEL, previous_response_id=call.id, tools=[tool], max_output_tokens=24,
+                                input=[{"type": "function_call_output", "call_id": fc[0].call_id,
+                                        "output": '{"forecast": "sunny"}'}], temperature=0)
+    assert done.status in ("completed", "incomplete") and done.output
+    assert [i.type for i in sdk.responses.input_items.list(done.id).data] == ["function_call_output"]
     with pytest.raises(openai.BadRequestError) as e:
         sdk.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}], max_output_tokens=4)
     assert e.value.body["param"] == "tools[0].type"
@@ -268,3 +270,43 @@ def test_a_streamed_responses_request_is_served_from_the_cache_too(stack: Stack)
     final = events[-1].response
     assert final.output_text == first.output_text and final.id != first.id
     assert final.usage.input_tokens_details.cached_tokens == final.usage.input_tokens
+
+
+def test_agents_sdk_responses_model_with_a_function_tool_and_an_output_type(stack: Stack) -> None:
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from pydantic import BaseModel, Field
+
+    set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        calls.append(city)
+        return f"Sunny in {city}"
+
+    class Report(BaseModel):
+        city: str = Field(max_length=24)
+        summary: str = Field(max_length=40)
+
+    client = openai.AsyncOpenAI(base_url=stack.gateway.url + "/v1", api_key=KEYS["plus"], max_retries=0)
+    model = OpenAIResponsesModel(model=MODEL, openai_client=client)
+    # the two halves apart, as with chat completions (the 135M model keeps calling a tool it is given;
+    # one call per turn, or the Responses API reports the reply incomplete at max_output_tokens)
+    tool_agent = Agent(name="weather", instructions="Use the tool.", tools=[get_weather], model=model,
+                       model_settings=ModelSettings(temperature=0, max_tokens=80, tool_choice="required",
+                                                parallel_tool_calls=False),
+                       tool_use_behavior="stop_on_first_tool")
+    typed = Agent(name="report", instructions="Report the weather in Paris: it is sunny.", output_type=Report,
+                  model=model, model_settings=ModelSettings(temperature=0, max_tokens=80))
+
+    async def run() -> tuple[str, object]:
+        first = await Runner.run(tool_agent, "What is the weather in Paris?", max_turns=2)
+        second = await Runner.run(typed, "Report.", max_turns=1)
+        return str(first.final_output), second.final_output
+
+    text, report = asyncio.run(run())
+    assert calls and text == f"Sunny in {calls[0]}"
+    assert isinstance(report, Report)
