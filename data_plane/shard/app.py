@@ -18,6 +18,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import signal
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -89,6 +92,9 @@ def build_engine(settings: ShardSettings, metrics: ShardMetrics | None) -> Engin
         speculation=settings.speculation,
         num_speculative_tokens=settings.num_speculative_tokens,
         spec_max_batch=settings.spec_max_batch,
+        pipeline_parallel_size=settings.pipeline_parallel_size,
+        pipeline_layers=settings.pipeline_layers,
+        pipeline_stage_timeout_s=settings.pipeline_stage_timeout_s,
     )
     return TorchEngine(config, MetricsListener(metrics) if metrics else None)
 
@@ -102,6 +108,7 @@ class ShardState:
         self.load_error: str | None = None
         self.kv_tier: KVTier | None = None
         self.started = int(time.time())
+        self.exit_code = 0  # 1 once a lost pipeline stage made the shard leave
 
 
 def create_app(settings: ShardSettings, registry: CollectorRegistry | None = None) -> FastAPI:
@@ -125,9 +132,27 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
         http = httpx.AsyncClient(timeout=5.0)
         agent = None
         views: list[Any] = []
+        loop = asyncio.get_running_loop()
+
+        async def leave() -> None:
+            # The streams already ended with an error event (the gateway resumes them elsewhere);
+            # deregister now rather than a TTL later, then exit so the supervisor replaces the group.
+            log.error("engine lost a pipeline stage: leaving membership and exiting")
+            threading.Timer(10.0, os._exit, (1,)).start()  # a shutdown that hangs still ends
+            if agent is not None:
+                await agent.aclose()
+            state.exit_code = 1
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        def leave_and_exit() -> None:  # any thread
+            loop.call_soon_threadsafe(lambda: tasks.append(asyncio.create_task(leave(), name="shard-leave")))
+
+        tasks: list[asyncio.Task[None]] = []
 
         async def load() -> None:
             nonlocal agent
+            if hasattr(engine, "on_dead"):  # a lost pipeline stage: leave membership and exit at once
+                engine.on_dead = leave_and_exit
             try:
                 await engine.start()
             except Exception as exc:  # the shard stays up, unhealthy, saying why
@@ -437,7 +462,11 @@ def main(argv: list[str] | None = None) -> None:
 
         run_sidecar(settings)
         return
-    serve(create_app(settings), host=settings.host, port=settings.port)
+    app = create_app(settings)
+    serve(app, host=settings.host, port=settings.port)
+    code = getattr(getattr(app.state, "shard", None), "exit_code", 0)
+    if code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":
