@@ -171,6 +171,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
                     url=url,
                     meta={"model": engine.model_name, "engine": settings.engine,
                           "max_num_seqs": str(settings.max_num_seqs),
+                          "pipeline_parallel_size": str(settings.pipeline_parallel_size),
                           "max_model_len": str(engine.max_model_len), "zone": settings.zone,
                           **({KEEPALIVE_META: f"{settings.keepalive_s:g}"} if settings.keepalive_s else {})},
                 )
@@ -201,6 +202,9 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
                 await view.aclose()
             await engine.aclose()
             await http.aclose()
+            if state.exit_code:  # a lost pipeline stage: exit non-zero so the supervisor replaces the group
+                logging.shutdown()
+                os._exit(state.exit_code)
 
     app = FastAPI(title="Switchboard shard", version="0.1.0", lifespan=lifespan, **fastapi_options())
     install_error_handlers(app)
@@ -462,11 +466,7 @@ def main(argv: list[str] | None = None) -> None:
 
         run_sidecar(settings)
         return
-    app = create_app(settings)
-    serve(app, host=settings.host, port=settings.port)
-    code = getattr(getattr(app.state, "shard", None), "exit_code", 0)
-    if code:
-        raise SystemExit(code)
+    serve(create_app(settings), host=settings.host, port=settings.port)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def split_layers(total: int, stages: int, spec: str | None = None) -> list[tuple
         raise ValueError(f"pipeline_parallel_size must be in 1..{total} (the model has {total} layers)")
     if spec:
         cuts = [int(c) for c in spec.split(",") if c.strip()]
-        if len(cuts) != stages - 1 or not all(0 < a < b < total for a, b in zip([0, *cuts], cuts)):
+        if len(cuts) != stages - 1 or not all(a < b for a, b in zip([0, *cuts], [*cuts, total])):
             raise ValueError(f"pipeline_layers must be {stages - 1} increasing layer numbers in 1..{total - 1}")
         bounds = [0, *cuts, total]
     else:
@@ -253,7 +253,15 @@ class PipelineGroup:
         self.on_lost(rank, why)
 
     def close(self) -> None:
+        import torch.distributed as dist
+
         self._stop.set()
+        if self.lost is None and dist.is_initialized():
+            try:
+                dist.send(torch.tensor([OP_STOP] + [0] * (header_size(self.spec.max_num_seqs) - 1)), 1)
+            except Exception:  # noqa: BLE001 - a stage already gone: it is killed below anyway
+                pass
+            dist.destroy_process_group()
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.kill()

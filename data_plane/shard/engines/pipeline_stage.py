@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> None:
                 dist.recv(h, prev)
                 op = int(h[0])
                 if op == OP_STOP:
+                    if not last:
+                        dist.send(h, nxt)
                     break
                 if op == OP_MOVE:
                     src, dst, length = (int(v) for v in h[1:4])
