@@ -11,7 +11,6 @@ import signal
 import time
 
 import httpx
-import psutil
 import pytest
 
 from data_plane.shard.engines.base import GenerationRequest, SamplingParams
@@ -23,8 +22,8 @@ from tests.support.procs import Service
 PROMPTS = [
     "What is 2+2?",
     "Repeat this sentence exactly, twice: the quick brown fox jumps over the lazy dog near the river bank.",
-    "Write a long, detailed paragraph about the history of the printing press in Europe, its inventors, and "
-    "how it changed the spread of knowledge, religion and science across the continent over two centuries.",
+    ("Write a long, detailed paragraph about the history of the printing press in Europe, its inventors, and "
+     "how it changed the spread of knowledge, religion and science across the continent over two centuries."),
     "Name three colors.",
 ]
 
@@ -94,9 +93,30 @@ def test_two_stages_greedy_identical_to_unsharded_solo_and_batched() -> None:
 
 
 def _stage_pids(shard: Service) -> list[int]:
+    """The shard's stage processes (its children running pipeline_stage), from /proc."""
     assert shard.proc is not None
-    return [c.pid for c in psutil.Process(shard.proc.pid).children()
-            if "pipeline_stage" in " ".join(c.cmdline())]
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == shard.proc.pid and b"pipeline_stage" in cmdline:
+            pids.append(int(entry))
+    return pids
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def _exit_within(shard: Service, seconds: float) -> int | None:
@@ -121,7 +141,10 @@ def test_frozen_stage_is_detected_in_about_a_second_and_the_shard_exits() -> Non
         assert code == 1, shard.log_tail()
         assert time.monotonic() - t0 < 10
         assert "silent for" in shard.log_tail()
-        assert not psutil.pid_exists(stage) or psutil.Process(stage).status() == psutil.STATUS_ZOMBIE
+        deadline = time.monotonic() + 5
+        while not _gone(stage) and time.monotonic() < deadline:  # the frozen stage was killed with the group
+            time.sleep(0.1)
+        assert _gone(stage)
     finally:
         shard.stop()
 
@@ -179,3 +202,16 @@ def test_switchboard_up_starts_pipeline_groups_and_caps_stage_processes(tmp_path
     assert local_max_shards(UpSettings(autoscale=True, min_replicas=1), 2, cores=16) == 8
     cp, *_ = plan(UpSettings(autoscale=True, pipeline_parallel_size=2), tmp_path, "admin", "cluster")
     assert "--pipeline-parallel-size 2" in " ".join(cp.args)  # shards the autoscaler starts too
+
+
+def test_bench_engine_runs_switchboard_per_pipeline_size_on_the_same_cores() -> None:
+    from data_plane.bench.engine import make_system, parse_args
+    from data_plane.bench.engine_systems import BenchConfig
+
+    args = parse_args(["--systems", "switchboard,naive", "--pipeline-parallel-size", "1,2"])
+    assert args.systems == ["switchboard", "switchboard@pp2", "naive"]
+    config = BenchConfig(model=None, dtype="float32", max_tokens=8, concurrency=(1,), num_prompts=None,
+                         max_prompt_len=64, threads=4)
+    one, two = make_system("switchboard", config), make_system("switchboard@pp2", config)
+    assert (one.engine.config.pipeline_parallel_size, one.engine.config.threads) == (1, 4)  # type: ignore[attr-defined]
+    assert (two.engine.config.pipeline_parallel_size, two.engine.config.threads) == (2, 2)  # type: ignore[attr-defined]
