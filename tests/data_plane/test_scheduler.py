@@ -294,16 +294,18 @@ def test_order_moves_vacates_destinations_first() -> None:
 
 @pytest.mark.parametrize("seed", range(30))
 def test_random_traffic_keeps_every_invariant(seed: int) -> None:
-    """Arrivals of every priority and length, aborts, finishes: the harness checks slots, row order,
-    the budget and every sequence's KV after every move, and every request ends."""
+    """Arrivals of every priority and length, prefix hits, aborts, finishes: the harness checks slots,
+    row order, the budget and every sequence's KV after every move, and every request ends."""
     rnd = random.Random(seed)
     drafter = FakeDrafter(max_batch=3, k=2) if seed % 2 else None
     h = Harness(SchedulerConfig(max_num_seqs=rnd.choice([2, 3, 5]), prefill_chunk=rnd.choice([16, 48]),
                                 beside_share=rnd.choice([0.0, 0.5])), drafter=drafter, accept=rnd.choice([0, 1, 2]))
     for i in range(200):
         if rnd.random() < 0.3:
-            h.add(make_seq(f"r{i}", rnd.choice([3, 12, 40, 90]), priority=rnd.randrange(3),
-                           max_tokens=rnd.randrange(1, 12)))
+            seq = h.add(make_seq(f"r{i}", rnd.choice([3, 12, 40, 90]), priority=rnd.randrange(3),
+                                 max_tokens=rnd.randrange(1, 12)))
+            if rnd.random() < 0.3:  # a prefix-cache hit (at least one token left to compute)
+                h.hits[seq.request_id] = rnd.randrange(seq.num_prompt_tokens)
         if rnd.random() < 0.05 and h.seqs:
             h.sched.abort(rnd.choice(list(h.seqs)))
         h.step()
