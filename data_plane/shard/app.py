@@ -263,6 +263,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
             "switchboard.request_id": request_id,
             "switchboard.priority": req.priority or 0,
             "switchboard.stream": req.stream,
+            "switchboard.pipeline_stages": settings.pipeline_parallel_size,
         })
         try:
             gen_req = _generation_request(req, engine, request_id, settings.kv_public_prefix)
