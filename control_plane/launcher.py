@@ -56,7 +56,10 @@ class UpSettings(BaseSettings):
     cache_base_port: int = Field(0, ge=0, le=65535, description="First cache-node port (0 = free ports).")
     engine: Literal["torch", "synthetic", "vllm"] = Field("torch", description="Shard engine.")
     model: str | None = Field(None, description="Local HF folder or GGUF (default SmolLM2-135M-Instruct).")
-    dtype: Literal["bfloat16", "float32", "float16"] = Field("bfloat16", description="Shard dtype.")
+    dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
+        "auto", description="Shard activations dtype (auto: the fastest on this CPU).")
+    quantization: Literal["auto", "none", "int8", "int4"] = Field(
+        "auto", description="Shard weight format (auto: a GGUF's Q4 blocks as int4).")
     max_num_seqs: int = Field(16, ge=1, le=256, description="Batch slots per shard.")
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description=(
         "Stage processes per shard (a replica is a whole pipeline group: data_plane/shard/engines/pipeline.py)."))
@@ -198,7 +201,8 @@ def local_max_shards(s: UpSettings, threads: int, cores: int | None = None) -> i
 def _shard_flags(s: UpSettings, threads: int, state: Path) -> list[str]:
     """Engine flags of every shard, started here or by the autoscaler; KV blocks are sealed with
     keys derived from the gateway's session keys file (data_plane/shard/kv_seal.py)."""
-    args = ["--engine", s.engine, "--dtype", s.dtype, "--max-num-seqs", str(s.max_num_seqs),
+    args = ["--engine", s.engine, "--dtype", s.dtype, "--quantization", s.quantization,
+            "--max-num-seqs", str(s.max_num_seqs),
             "--max-model-len", str(s.max_model_len), "--threads", str(threads),
             "--kv-keys-file", str(state / "session_keys")]
     if s.pipeline_parallel_size > 1:

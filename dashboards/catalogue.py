@@ -69,7 +69,7 @@ def _shard(registry: CollectorRegistry) -> list[object]:
     from data_plane.shard.metrics import ShardMetrics
 
     metrics = ShardMetrics(registry, model_name="catalogue")
-    return [metrics, metrics.spec, metrics.kv_tier, KVReportMetrics(registry, "catalogue")]
+    return [metrics, metrics.spec, metrics.kv_tier, metrics.grammar, KVReportMetrics(registry, "catalogue")]
 
 
 def _gateway(registry: CollectorRegistry) -> list[object]:

@@ -1,4 +1,5 @@
-"""`switchboard model prepare [--model PATH]`: convert a model once, ahead of serving.
+"""`switchboard model prepare [--model PATH]`: convert a model once, ahead of serving (the dense safetensors
+copy, and for a Q4/Q8 GGUF its blocks unpacked for the int4/int8 formats: prepared_weights.py).
 
     switchboard model prepare            # the default SmolLM2-135M-Instruct GGUF
     switchboard model prepare --model /m/llama.gguf
@@ -9,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from data_plane.model_store import ModelNotAvailable, resolve_model
+from data_plane.model_store import ModelNotAvailable, model_source
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,8 +20,17 @@ def main(argv: list[str] | None = None) -> None:
     prep.add_argument("--model", default=None, help="local HF folder or GGUF file (default: SmolLM2)")
     args = parser.parse_args(argv)
     try:
-        path = resolve_model(args.model)
+        src = model_source(args.model)
     except ModelNotAvailable as exc:
         print(f"switchboard: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
-    print(path)
+    if src.gguf is not None and src.kind in ("q4", "q8"):
+        # The quantized formats' weights, unpacked once: a quantized shard then starts as fast as a dense one.
+        from transformers import AutoConfig
+
+        from data_plane.shard.engines.prepared_weights import load_or_prepare
+
+        cfg = AutoConfig.from_pretrained(str(src.path))
+        load_or_prepare(src.gguf, src.path, cfg.num_attention_heads,
+                        getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    print(src.path)

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,59 @@ def served_name(model: str | None) -> str:
     p = Path(model)
     name = p.stem if p.suffix == ".gguf" else p.name
     return name.split(".Q")[0] or name
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model as the engine loads it: its HF folder (config, tokenizer, dense weights), the GGUF it came
+    from (None for a plain folder) and what that GGUF's projections are: ``q4``, ``q8`` or ``dense``."""
+
+    path: Path
+    gguf: Path | None
+    kind: str
+
+
+def model_source(model: str | None) -> ModelSource:
+    """`resolve_model` plus the GGUF behind it (the quantized formats read its blocks as they are)."""
+    path = resolve_model(model)
+    if model is None:
+        gguf: Path | None = default_gguf()
+    else:
+        p = Path(model).expanduser()
+        gguf = p if p.suffix == ".gguf" else None
+    if gguf is None:
+        return ModelSource(path, None, "dense")
+    return ModelSource(path, gguf, gguf_kind(gguf, path))
+
+
+def gguf_kind(gguf: Path, folder: Path) -> str:
+    """What the GGUF's tensors mostly are, read once (GGUFReader parses the whole header: seconds) and
+    remembered beside the converted folder."""
+    memo = folder / "switchboard-source.json"
+    try:
+        return str(json.loads(memo.read_text())["kind"])
+    except (OSError, ValueError, KeyError):
+        pass
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    kinds = Counter(t.tensor_type.name for t in GGUFReader(str(gguf)).tensors)
+    kind = gguf_source_kind(kinds)
+    try:
+        memo.write_text(json.dumps({"kind": kind, "tensor_kinds": dict(kinds)}))
+    except OSError:
+        log.warning("could not write %s", memo)
+    return kind
+
+
+def gguf_source_kind(kinds: Mapping[str, int]) -> str:
+    """``q4`` / ``q8`` / ``dense``: what most of a GGUF's tensors are (GGUFWeights.kinds())."""
+    int4 = sum(n for k, n in kinds.items() if k in ("Q4_0", "Q4_1"))
+    q8 = kinds.get("Q8_0", 0)
+    if int4 and int4 >= q8:
+        return "q4"
+    return "q8" if q8 else "dense"
 
 
 def resolve_model(model: str | None) -> Path:

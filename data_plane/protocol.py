@@ -20,6 +20,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_plane.common.errors import InvalidRequest, UnsupportedParameter
+from data_plane.structured import (
+    OutputPlan,
+    ResponseFormat,
+    StructuredOutputs,
+    ToolChoice,
+    ToolDef,
+    check_output_fields,
+    output_plan,
+)
+from data_plane.tool_calls import envelope_text
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -93,24 +103,17 @@ class StreamOptions(BaseModel):
 
 # Parameters OpenAI defines that we accept only at their neutral value.
 _NEUTRAL: dict[str, Any] = {
-    "n": (None, 1),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-    "parallel_tool_calls": (None, False, True),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
     "web_search_options": (None,),
-    "reasoning_effort": (None,),
 }
+MAX_N = 8
+SYSTEM_FINGERPRINT = "fp_switchboard_1"
+"""OpenAI's backend-configuration marker: changes when the serving stack changes what a seed produces."""
+MAX_TOP_LOGPROBS = 20
 
 
 class ChatCompletionRequest(BaseModel):
@@ -131,24 +134,49 @@ class ChatCompletionRequest(BaseModel):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    # Accepted only at neutral values (see check_supported).
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    # Structured outputs and tools (shapes and the constraint they make: data_plane/structured.py).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    """vLLM's extension: exactly one of json (schema), regex, choice, grammar, json_object."""
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # Sampling.
+    n: int | None = Field(default=None, ge=1, le=MAX_N)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    """vLLM's: > 1 discourages tokens already in the prompt or output."""
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(default=None, ge=0, le=1_000_000)
+    """vLLM's: no EOS before this many output tokens."""
+    ignore_eos: bool | None = None
+    """vLLM's: EOS does not end the output (benchmarks fix output lengths with it)."""
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     logit_bias: dict[str, float] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    # Fields the official SDK sends, accepted deliberately (README "Structured outputs, tools, sampling"):
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
+    """A no-op: our prefix cache finds shared prefixes by content (and routing by session)."""
+    prompt_cache_retention: str | None = Field(default=None, max_length=64)
+    """A no-op: retention is the prefix cache's LRU."""
+    prompt_cache_options: Any = None
+    """A no-op (as above)."""
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    """Recorded nowhere (it would be a user id in our logs); accepted so SDK calls work."""
+    verbosity: Literal["low", "medium", "high"] | None = None
+    """A no-op: the model has no verbosity control."""
+    reasoning_effort: str | None = Field(default=None, max_length=32)
+    """A no-op: the model does not reason."""
+    moderation: Any = None
+    """A no-op: the gateway's safety filters always apply."""
+    # Accepted only at neutral values (see check_supported).
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
-    reasoning_effort: Any = None
     # Switchboard extensions (set by the gateway; harmless for other servers).
     priority: int | None = Field(default=None, ge=-1_000_000, le=1_000_000)
     request_id: str | None = Field(default=None, max_length=128)
@@ -179,6 +207,20 @@ class ChatCompletionRequest(BaseModel):
                 raise ValueError(f"stop sequences must be at most {MAX_STOP_LENGTH} characters")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return None
+        if len(v) > 300:
+            raise ValueError("at most 300 logit_bias entries are allowed")
+        for key, bias in v.items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids; {key[:32]!r} is not one")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError("logit_bias values must be in -100..100")
+        return v
+
     def check_supported(self) -> None:
         """Reject OpenAI parameters we do not implement, naming them (400)."""
         for name, neutral in _NEUTRAL.items():
@@ -187,6 +229,18 @@ class ChatCompletionRequest(BaseModel):
                 raise UnsupportedParameter(
                     f"parameter {name!r} is not supported by this server", param=name
                 )
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        called: set[str] = set()
+        for m in self.messages:
+            if m.role == "assistant" and m.tool_calls:
+                called.update(c.get("id", "") for c in _tool_call_list(m.tool_calls))
+            elif m.role == "tool" and (not m.tool_call_id or m.tool_call_id not in called):
+                raise InvalidRequest("messages with role 'tool' must answer a preceding assistant message's "
+                                     "tool_calls (tool_call_id)", param="messages")
+        clash = check_output_fields(self.response_format, self.structured_outputs, self.tools, self.tool_choice)
+        if clash is not None:
+            raise InvalidRequest(clash[1], param=clash[0])
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest(
                 "stream_options is only allowed when stream is true", param="stream_options"
@@ -207,15 +261,43 @@ class ChatCompletionRequest(BaseModel):
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def plain_messages(self) -> list[dict[str, str]]:
-        """Messages as role/content strings, ready for a chat template."""
+    def output_plan(self) -> OutputPlan:
+        """The constraint, tool mode and tools prompt of this request (data_plane/structured.py)."""
+        return output_plan(self.response_format, self.structured_outputs, self.tools, self.tool_choice,
+                           self.parallel_tool_calls)
+
+    def plain_messages(self, tools_prompt: bool = True) -> list[dict[str, str]]:
+        """Messages as role/content strings, ready for a chat template: an assistant message's tool calls
+        are written as the tool envelope the model produced, a tool result as a user message naming the tool
+        (the default template has no tool role); with tools (and tool_choice not none) a system message describing them comes first."""
         out = []
+        names: dict[str, str] = {}  # tool call id -> function name, from the assistant messages so far
         for m in self.messages:
             role = "system" if m.role == "developer" else m.role
-            if role == "tool":
-                raise UnsupportedParameter("tool messages are not supported", param="messages.role")
-            out.append({"role": role, "content": m.text()})
+            content = m.text()
+            if role == "assistant" and m.tool_calls:
+                content = envelope_text(content or None, _tool_call_list(m.tool_calls))
+            elif role == "tool":  # the template has no tool role: the result comes back as the user's turn
+                role = "user"
+                content = f"The tool {names.get(m.tool_call_id or '', 'call')} returned: {content}"
+            if m.role == "assistant" and m.tool_calls:
+                names.update({c.get("id", ""): (c.get("function") or {}).get("name", "") for c in m.tool_calls
+                              if isinstance(c, dict)})
+            out.append({"role": role, "content": content})
+        prompt = self.output_plan().tools_prompt if tools_prompt else None
+        if prompt:
+            if out and out[0]["role"] == "system":
+                out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + prompt}
+            else:
+                out.insert(0, {"role": "system", "content": prompt})
         return out
+
+
+def _tool_call_list(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not all(isinstance(c, dict) for c in value):
+        raise InvalidRequest("an assistant message's tool_calls must be a list of objects",
+                             param="messages.tool_calls")
+    return value
 
 
 class PromptTokensDetails(BaseModel):
@@ -251,6 +333,7 @@ def completion_body(
         "object": "chat.completion",
         "created": created or int(time.time()),
         "model": model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "choices": [
             {
                 "index": 0,
@@ -272,15 +355,18 @@ def chunk_body(
     finish_reason: str | None = None,
     usage: Usage | None = None,
     empty_choices: bool = False,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "id": completion_id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "choices": []
         if empty_choices
-        else [{"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish_reason}],
+        else [{"index": index, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
     if usage is not None:
         body["usage"] = usage.wire()

@@ -136,7 +136,11 @@ async def _measure(name: str, config: BenchConfig, prompt_ids: list[list[int]]) 
     rss = peak_rss_mb()
     for row in rows:
         row["peak_rss_mb"] = rss
-    return {"rows": rows, "weight_bytes": system.weight_bytes}
+    for row in rows:  # what the system resolved its dtype/format to (auto), known once it started
+        row["dtype"] = system.dtype
+    return {"rows": rows, "weight_bytes": system.weight_bytes,
+            "dense_bf16_bytes": getattr(system, "dense_bf16_bytes", 0),
+            "resident_weight_bytes": getattr(system, "resident_weight_bytes", system.weight_bytes)}
 
 
 def measure_system(name: str, config: BenchConfig, prompt_ids: list[list[int]]) -> dict[str, Any]:
@@ -318,6 +322,26 @@ def print_report(rows: list[dict[str, Any]], ratio: dict[str, dict[str, float]],
     ))
 
 
+def cpu_summary() -> str:
+    """The CPU model, torch's kernel level and the ISA flags the dtype choice reads."""
+    from data_plane.shard.engines.weight_source import CpuCaps
+
+    return CpuCaps.detect().summary()
+
+
+def print_weights(rows: list[dict[str, Any]], weights: dict[str, int], dense: dict[str, int],
+                  resident: dict[str, int]) -> None:
+    """Weights per system: read by a decode step and resident, against the model's dense bf16 bytes."""
+    ref = max(dense.values(), default=0)
+    served = {r["system"]: r["dtype"] for r in rows}
+    print(f"\nweights (x dense bf16 = {ref / 2**20:.1f} MiB, each weight once; llama.cpp: its GGUF file)" if ref
+          else "\nweights")
+    print(format_table(["system", "served as", "MiB read/step", "x bf16", "MiB resident"],
+                       [[n, served.get(n, "-"), fmt(b / 2**20), fmt(b / ref, 3) if ref else "-",
+                         fmt(resident.get(n, b) / 2**20)] for n, b in weights.items()]))
+    print(f"CPU: {cpu_summary()}")
+
+
 # -- command line ------------------------------------------------------------------------------
 
 
@@ -331,12 +355,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (default 128)")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="requests per concurrency level (default 2 x concurrency)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                   help="torch dtype for switchboard and naive (default bfloat16)")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="torch dtype for switchboard and naive (default auto: the shard's per-CPU choice)")
+    p.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default="auto",
+                   help="switchboard's weight format (default auto: the GGUF's Q4 blocks as int4); naive stays dense")
     p.add_argument("--systems", default="switchboard,naive,llamacpp,llamacpp-lookup",
                    help=f"comma-separated, from {', '.join(SYSTEMS)} (default all)")
-    p.add_argument("--workload", choices=["chat", "quote"], default="chat",
-                   help="chat: open-ended prompts; quote: summarise/rewrite/edit a given passage or code (default chat)")
+    p.add_argument("--workload", choices=["chat", "quote", "json", "tools"], default="chat",
+                   help="chat: open-ended prompts; quote: summarise/rewrite/edit a given passage or code; json / tools: "
+                        "constrained decoding vs the prompt alone over a schema corpus, our engine only "
+                        "(data_plane/bench/engine_structured.py) (default chat)")
     p.add_argument("--speculation", default="off",
                    help="comma-separated on,off: switchboard without (off) and with (on) n-gram speculation "
                         "(default off)")
@@ -381,16 +409,24 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     # One thread count for every system (the torch engine's own 0 means "all cores but one").
     args.threads = args.threads or os.cpu_count() or 1
+    if args.workload in ("json", "tools"):
+        from data_plane.bench.engine_structured import main as structured
+
+        structured(args)
+        return
     prompt_ids = encode_prompts(args.model, args.workload)
     config = BenchConfig(
         model=args.model, dtype=args.dtype, max_tokens=args.max_tokens, concurrency=tuple(args.concurrency),
         num_prompts=args.num_prompts, max_prompt_len=max(map(len, prompt_ids)), threads=args.threads,
         workload=args.workload, spec_max_batch=args.spec_max_batch,
-        num_speculative_tokens=args.num_speculative_tokens,
+        num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization,
     )
+    print(f"[bench] CPU: {cpu_summary()}", flush=True)
     gb_s = copy_bandwidth_gb_s(threads=args.threads)
     rounds_rows: list[dict[str, Any]] = []
     weights: dict[str, int] = {}
+    dense: dict[str, int] = {}
+    resident: dict[str, int] = {}
     skipped: dict[str, str] = {}
     for round_no, order in enumerate(round_orders(args.systems, args.rounds)):
         if args.rounds > 1:
@@ -417,10 +453,13 @@ def main(argv: list[str] | None = None) -> None:
                 row["round"] = round_no
             rounds_rows += out["rows"]
             weights[name] = out["weight_bytes"]
+            dense[name] = out.get("dense_bf16_bytes") or 0
+            resident[name] = out.get("resident_weight_bytes") or out["weight_bytes"]
     rows = pool_rounds(rounds_rows)
     ratio = ratios(rows)
     bw = bandwidth_report(rows, weights, gb_s)
     print_report(rows, ratio, bw)
+    print_weights(rows, weights, dense, resident)
     if args.json:
         write_json(args.json, {"rows": rows, "round_rows": rounds_rows, "ratios": ratio, "bandwidth": bw, "skipped": skipped,
                                "config": asdict(config), "machine": machine_info()})

@@ -34,7 +34,7 @@ class BenchConfig:
     model: str | None
     """--model: HF folder or GGUF; None = the default SmolLM2-135M-Instruct."""
     dtype: str
-    """bfloat16 or float32 for the torch systems; llama.cpp runs the GGUF's own quantisation."""
+    """auto, bfloat16 or float32 for the torch systems; llama.cpp runs the GGUF's own quantisation."""
     max_tokens: int
     """Output tokens asked of every request."""
     concurrency: tuple[int, ...]
@@ -53,6 +53,8 @@ class BenchConfig:
     """switchboard-spec: most draft tokens per sequence and step, 1..16."""
     pipeline_parallel_size: int = 1
     """switchboard: stage processes (`--pipeline-parallel-size`), sharing `threads` between them."""
+    quantization: str = "auto"
+    """switchboard's weight format (--quantization: auto, none, int8, int4); naive HF always runs dense."""
 
     @property
     def max_model_len(self) -> int:
@@ -108,6 +110,7 @@ class SwitchboardSystem:
             EngineConfig(
                 model=config.model,
                 dtype=config.dtype,
+                quantization=config.quantization,
                 max_num_seqs=min(256, max(config.concurrency)),
                 max_model_len=config.max_model_len,
                 # The same total cores whatever the split: each stage gets its share of the threads.
@@ -130,7 +133,11 @@ class SwitchboardSystem:
 
     async def start(self) -> None:
         await self.engine.start()
-        self.weight_bytes = self.engine._runner.weight_bytes  # type: ignore[attr-defined]
+        runner, plan = self.engine._runner, self.engine.weight_plan  # type: ignore[attr-defined]
+        self.weight_bytes = runner.weight_bytes
+        self.resident_weight_bytes = runner.resident_weight_bytes
+        self.dense_bf16_bytes = 2 * runner.weight_params
+        self.dtype = f"{plan.dtype}/{plan.quantization}"  # what auto resolved to, in the report
 
     async def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestResult]:
         return await closed_loop(prompts, concurrency, partial(self._one, max_tokens))
@@ -171,6 +178,7 @@ class NaiveSystem:
         self.config = config
         self.dtype = config.dtype
         self.weight_bytes = 0
+        self.dense_bf16_bytes = 0
         self.model: Any = None
 
     async def start(self) -> None:
@@ -185,9 +193,14 @@ class NaiveSystem:
 
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
+        from data_plane.shard.engines.weight_source import CpuCaps, resolve_plan
+
         path = resolve_model(self.config.model)
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[self.config.dtype]).eval()
+        # Dense always; `auto` is the CPU's dense choice (bf16 where native, else fp32), as the shard's.
+        self.dtype = resolve_plan(self.config.dtype, "none", source="dense", caps=CpuCaps.detect()).dtype
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[self.dtype]).eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.dense_bf16_bytes = 2 * sum(p.numel() for p in self.model.parameters())
         self._generate([1, 2, 3], 2, RequestResult(submitted=time.perf_counter()))  # warm-up
 
     async def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestResult]:

@@ -69,6 +69,12 @@ NEW_SESSION = "new"
 DEFAULT_REPLY_RESERVE = 256
 """Reply tokens reserved when a request sets no max_tokens."""
 TEMPLATE_SLACK_TOKENS = 32
+FORWARDED = frozenset({
+    "temperature", "top_p", "top_k", "stop", "seed", "min_p", "n", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "min_tokens", "ignore_eos", "logprobs", "top_logprobs", "logit_bias",
+    "response_format", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls",
+})
+"""Request fields the gateway sends on to the shard as the client gave them (data_plane/protocol.py)."""
 """Headroom for chat-template tokens the per-message count cannot see (e.g. a default system
 prompt the template inserts), so the shard never refuses what the gateway admitted."""
 
@@ -106,6 +112,8 @@ class ChatHandler:
         self.history: list[dict[str, str]] = []
         self.new_messages: list[dict[str, str]] = []
         self.opened: Opened | None = None
+        self.output_kind = "text"
+        """What the output follows (text, json_object, json_schema, regex, choice, grammar, tools): the ledger."""
         """Set once a shard stream is open: the usage ledger reads the completion and shard from it."""
         # the level and tier policy are read once, so one request sees one consistent state
         state = rt.cluster.current()
@@ -223,10 +231,18 @@ class ChatHandler:
             raise InvalidRequest(f"max_tokens is {max_tokens}, above the {tier.name} tier's cap of "
                                  f"{tier.max_output_tokens}", param="max_tokens")
         max_tokens = self.effects.max_tokens(max_tokens)
-        messages = req.plain_messages()
+        messages = req.plain_messages(tools_prompt=False)  # the shard adds the tools' system message
         self.new_messages = messages
+        plan = req.output_plan()
+        self.output_kind = plan.constraint.kind if plan.constraint is not None else "text"
+        span.set_attribute("switchboard.structured.kind", self.output_kind)
+        span.set_attribute("switchboard.tools.mode", plan.tool_mode.value)
+        # The tool definitions take context too: counted like a system message, outside the sliding window.
+        tools_tokens = gw.counter.prompt_tokens([{"role": "system", "content": plan.tools_prompt}]) \
+            if plan.tools_prompt else 0
         # Session history is not known yet: settlement charges it with the rest of the real usage.
-        x.grant = await gw.limiter.admit(principal.key_id, tier, gw.counter.prompt_tokens(messages) + max_tokens)
+        x.grant = await gw.limiter.admit(principal.key_id, tier,
+                                         gw.counter.prompt_tokens(messages) + tools_tokens + max_tokens * (req.n or 1))
         policy = gw.safety.get(tier.safety)
         with tracer.start_as_current_span("safety.input"):
             verdict = policy.check_input(m["content"] for m in messages if m["role"] in ("user", "system"))
@@ -241,13 +257,13 @@ class ChatHandler:
         # Without max_tokens, reserve a modest reply while fitting the window, then let the reply
         # use the room the prompt leaves, up to the tier's cap (as vLLM does).
         reserve = max_tokens if req.output_limit else min(max_tokens, DEFAULT_REPLY_RESERVE, context // 2)
-        budget = context - reserve - TEMPLATE_SLACK_TOKENS
+        budget = context - reserve - TEMPLATE_SLACK_TOKENS - tools_tokens
         if budget <= 0:
             raise InvalidRequest(f"max_tokens {max_tokens} leaves no room for the prompt in a "
                                  f"{context}-token context", param="max_tokens", code="context_length_exceeded")
         window = fit_window(prompt, gw.counter, self.effects.prompt_budget(budget, context))
         if not req.output_limit:
-            max_tokens = max(1, min(max_tokens, context - window.prompt_tokens - TEMPLATE_SLACK_TOKENS))
+            max_tokens = max(1, min(max_tokens, context - window.prompt_tokens - tools_tokens - TEMPLATE_SLACK_TOKENS))
         if window.dropped:
             gw.metrics.context_dropped.labels(tier.name).inc(window.dropped)
             gw.metrics.context_slides.labels(tier.name).inc()
@@ -264,21 +280,18 @@ class ChatHandler:
         }
         if self.session_id:  # the shard keeps this session's KV blocks on its transcript's cache nodes
             body.update(session_id=self.session_id, kv_replicas=tier.replication, kv_ttl_s=settings.session_ttl_s)
-        for name in ("temperature", "top_p", "top_k", "stop", "seed"):
-            value = getattr(req, name)
-            if value is not None:
-                body[name] = value
+        body.update(req.model_dump(include=set(FORWARDED), exclude_none=True, by_alias=True))
         if req.model:
             body["model"] = model
         x.admitted(await rt.admission.acquire(tier, tiers, tenant=principal.tenant,
-                                              tokens=window.prompt_tokens + max_tokens))
+                                              tokens=window.prompt_tokens + tools_tokens + max_tokens * (req.n or 1)))
         with tracer.start_as_current_span("router.route") as route_span:
             stream = await rt.upstream.open_resumable(body, self.session_id)
             route_span.set_attribute("switchboard.shard", stream.member.id)
             route_span.set_attribute("switchboard.attempts", stream.attempts)
             rt.router.observe_kv(self.session_id, stream.member.id, window.prompt_tokens)  # kv_aware routing
         x.first_token_at = time.monotonic()  # from the shard; the client's TTFT is observed in Completion
-        completion = Completion(x, model, policy.output_stream(), gw.safety_metrics, self.save_turn)
+        completion = Completion(x, model, policy.output_stream, gw.safety_metrics, self.save_turn)
         headers = {"X-Request-Id": self.request_id, **(x.grant.headers if x.grant else {})}
         if self.session_id:
             headers["X-Session-Id"] = self.session_id

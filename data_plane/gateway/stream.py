@@ -1,7 +1,7 @@
 """A chat completion on its way back to the client: through the output safety filter, as SSE
 chunks or one JSON body, with usage, metrics, span attributes and the session turn saved.
 
-    completion = Completion(exchange, model, policy.output_stream(), safety_metrics, save_turn)
+    completion = Completion(exchange, model, policy.output_stream, safety_metrics, save_turn)
     await completion.stream_to(send, stream, include_usage, headers)   # SSE onto the ASGI send, or
     body = await completion.collect(stream)                            # one chat.completion body
 
@@ -17,8 +17,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import trace
@@ -26,10 +26,19 @@ from starlette.types import Send
 
 from data_plane.common.disconnect import CLIENT_CLOSED_STATUS
 from data_plane.common.errors import as_error
-from data_plane.protocol import PromptTokensDetails, Usage, chunk_body, completion_body, new_completion_id
 from data_plane.gateway.exchange import Exchange
+from data_plane.gateway.safety.filters import Verdict
 from data_plane.gateway.safety.pipeline import ALLOW, OutputStreamFilter, SafetyMetrics
-from data_plane.routing.upstream import Delta, Finish, ResumableStream, UsageEvent
+from data_plane.protocol import (
+    SYSTEM_FINGERPRINT,
+    PromptTokensDetails,
+    Usage,
+    chunk_body,
+    completion_body,
+    new_completion_id,
+)
+from data_plane.routing.upstream import Delta, Event, Finish, ResumableStream, ToolCallDelta, UsageEvent
+from data_plane.tool_calls import envelope_text
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -37,70 +46,170 @@ tracer = trace.get_tracer(__name__)
 FINISH_CONTENT_FILTER = "content_filter"
 
 
-class Completion:
-    """Turns a shard's event stream into the client's response, through the output filter."""
+@dataclass
+class _Call:
+    """One tool call of a choice: its arguments pass through their own output filter."""
 
-    def __init__(self, exchange: Exchange, model: str, out_filter: OutputStreamFilter, safety_metrics: SafetyMetrics,
-                 save_turn: Callable[[str], Awaitable[None]]) -> None:
+    id: str
+    name: str
+    filter: OutputStreamFilter
+    arguments: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Choice:
+    filter: OutputStreamFilter
+    text: list[str] = field(default_factory=list)
+    calls: list[_Call] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+    has_logprobs: bool = False
+
+    def message(self) -> dict[str, Any]:
+        if not self.calls:
+            return {"role": "assistant", "content": "".join(self.text)}
+        return {"role": "assistant", "content": "".join(self.text) or None,
+                "tool_calls": [{"id": c.id, "type": "function",
+                                "function": {"name": c.name, "arguments": "".join(c.arguments)}} for c in self.calls]}
+
+    def filters(self) -> list[OutputStreamFilter]:
+        return [self.filter, *(c.filter for c in self.calls)]
+
+
+Piece = tuple[int, dict[str, Any]]
+"""(choice index, chunk delta) released to the client; a delta may carry ``logprobs`` (moved beside it)."""
+
+
+class Completion:
+    """Turns a shard's event stream into the client's response, through the output filter: content and
+    every tool call's arguments each pass their own filter, so a blocked phrase inside arguments is
+    blocked like one in text (held back while it could still become a match: never half-sent)."""
+
+    def __init__(self, exchange: Exchange, model: str, new_filter: Callable[[], OutputStreamFilter],
+                 safety_metrics: SafetyMetrics, save_turn: Callable[[str], Awaitable[None]]) -> None:
         self.x = exchange
         self.safety_metrics = safety_metrics
         self.save_turn = save_turn
         self.model = model
-        self.filter = out_filter
+        self.new_filter = new_filter
+        self.choices: dict[int, _Choice] = {}
+        self._roles_sent = {0}
         self.completion_id = new_completion_id()
         self.created = int(time.time())
-        self.text: list[str] = []
-        self.finish_reason: str | None = None
         self.usage = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
         # A content chunk is the same JSON but for the text: built once, the text spliced in.
         head = _json({"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
-                      "model": model})
+                      "model": model, "system_fingerprint": SYSTEM_FINGERPRINT})
         self._content_prefix = b"data: " + head[:-1] + b',"choices":[{"index":0,"delta":{"content":'
         self._content_suffix = b'},"logprobs":null,"finish_reason":null}]}\n\n'
 
-    async def _batches(self, stream: ResumableStream) -> AsyncIterator[str]:
-        """Safe text, one piece per batch of deltas that arrived together (the filter sees the
-        same text either way; the client gets one chunk per burst instead of one per token).
-        Sets finish_reason and usage. Raises SwitchboardError mid-stream."""
+    def choice(self, index: int) -> _Choice:
+        c = self.choices.get(index)
+        if c is None:
+            c = self.choices[index] = _Choice(self.new_filter())
+        return c
+
+    # what the rest of the gateway reads (session turn, ledger, metrics): choice 0
+    @property
+    def text(self) -> list[str]:
+        return self.choice(0).text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choice(0).finish_reason
+
+    @property
+    def tool_calls(self) -> int:
+        return sum(len(c.calls) for c in self.choices.values())
+
+    def _blocked(self) -> Verdict | None:
+        return next((f.verdict for c in self.choices.values() for f in c.filters() if f.verdict is not None), None)
+
+    def _take(self, event: Event, out: list[Piece]) -> None:
+        if isinstance(event, Delta):
+            c = self.choice(event.index)
+            if event.logprobs:
+                c.has_logprobs = True
+                c.logprobs.extend(event.logprobs)
+            safe = c.filter.feed(event.text) if event.text else ""
+            if safe:
+                c.text.append(safe)
+            if safe or event.logprobs:
+                delta: dict[str, Any] = {"content": safe} if safe else {}
+                if event.logprobs:
+                    delta["logprobs"] = {"content": list(event.logprobs)}
+                out.append((event.index, delta))
+        elif isinstance(event, ToolCallDelta):
+            c = self.choice(event.index)
+            if event.call >= len(c.calls):
+                c.calls.append(_Call(event.id or f"call_{len(c.calls)}", event.name or "", self.new_filter()))
+                call = c.calls[-1]
+                out.append((event.index, {"tool_calls": [{"index": event.call, "id": call.id, "type": "function",
+                                                          "function": {"name": call.name, "arguments": ""}}]}))
+            call = c.calls[event.call]
+            safe = call.filter.feed(event.arguments) if event.arguments else ""
+            if safe:
+                call.arguments.append(safe)
+                out.append((event.index, {"tool_calls": [{"index": event.call, "function": {"arguments": safe}}]}))
+        elif isinstance(event, Finish):
+            c = self.choice(event.index)
+            c.finish_reason = event.reason
+        elif isinstance(event, UsageEvent):
+            cached = PromptTokensDetails(cached_tokens=event.cached_tokens)
+            self.usage = Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                               total_tokens=event.prompt_tokens + event.completion_tokens,
+                               prompt_tokens_details=cached)
+
+    def _tails(self) -> list[Piece]:
+        """What the filters still hold once the upstream ended (nothing was blocked)."""
+        out: list[Piece] = []
+        for index, c in sorted(self.choices.items()):
+            tail = c.filter.finish()
+            if tail:
+                c.text.append(tail)
+                out.append((index, {"content": tail}))
+            for k, call in enumerate(c.calls):
+                rest = call.filter.finish()
+                if rest:
+                    call.arguments.append(rest)
+                    out.append((index, {"tool_calls": [{"index": k, "function": {"arguments": rest}}]}))
+        return out
+
+    async def _batches(self, stream: ResumableStream) -> AsyncIterator[list[Piece]]:
+        """Safe pieces, one list per batch of events that arrived together (the filters see the same text
+        either way; the client gets one write per burst instead of one per token). Sets finish reasons and
+        usage. Raises SwitchboardError mid-stream."""
+        self.choice(0)
         try:
             async for events in stream.batches():
-                texts: list[str] = []
+                out: list[Piece] = []
                 for event in events:
-                    if isinstance(event, Delta):
-                        texts.append(event.text)
-                    elif isinstance(event, Finish):
-                        self.finish_reason = event.reason
-                    elif isinstance(event, UsageEvent):
-                        cached = PromptTokensDetails(cached_tokens=event.cached_tokens)
-                        self.usage = Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
-                                           total_tokens=event.prompt_tokens + event.completion_tokens,
-                                           prompt_tokens_details=cached)
-                if texts:
-                    safe = self.filter.feed(texts[0] if len(texts) == 1 else "".join(texts))
-                    if safe:
-                        self.text.append(safe)
-                        yield safe
-                        if self.x.first_content_at is None:
-                            self._first_content()
-                    if self.filter.verdict is not None:
-                        self.finish_reason = FINISH_CONTENT_FILTER
-                        break
+                    self._take(event, out)
+                if out:
+                    yield out
+                    if self.x.first_content_at is None:
+                        self._first_content()
+                if self._blocked() is not None:
+                    break
         finally:
             stream.close()  # synchronous: nothing for a cancellation to interrupt; the shard aborts
         with tracer.start_as_current_span("safety.output") as span:
-            if self.filter.verdict is None:
-                tail = self.filter.finish()
+            if self._blocked() is None:
+                tail = self._tails()
                 if tail:
-                    self.text.append(tail)
                     yield tail
                     if self.x.first_content_at is None:
                         self._first_content()
-            verdict = self.filter.verdict
+            verdict = self._blocked()
             if verdict is not None:
-                self.finish_reason = FINISH_CONTENT_FILTER
+                for c in self.choices.values():
+                    c.finish_reason = FINISH_CONTENT_FILTER
             self.safety_metrics.record("output", verdict if verdict is not None else ALLOW)
             span.set_attribute("switchboard.safety.blocked", verdict is not None)
-            span.set_attribute("switchboard.safety.max_held_chars", self.filter.max_held)
+            span.set_attribute("switchboard.safety.max_held_chars",
+                               max(f.max_held for c in self.choices.values() for f in c.filters()))
+            if self.tool_calls:
+                span.set_attribute("switchboard.tools.calls", self.tool_calls)
 
     def _first_content(self) -> None:
         """The client's time to first token: called right after the first content was handed to the
@@ -114,11 +223,19 @@ class Completion:
             x.span.set_attribute("switchboard.gateway.holdback_s", round(now - x.first_token_at, 6))
         x.span.set_attribute("switchboard.gateway.ttft_s", round(now - x.t0, 6))
 
+    def reply(self) -> str:
+        """Choice 0 as the session transcript keeps it: its text, or the tool envelope it produced."""
+        c = self.choice(0)
+        if not c.calls:
+            return "".join(c.text)
+        message = c.message()
+        return envelope_text(message["content"], message["tool_calls"])
+
     async def _finish(self, error: str | None) -> None:
         x = self.x
         tier, span = x.tier_name, x.span
         if error is None:
-            await self.save_turn("".join(self.text))
+            await self.save_turn(self.reply())
         x.metrics.e2e.labels(tier).observe(time.monotonic() - x.t0)
         x.metrics.tokens.labels(tier, "prompt").inc(self.usage.prompt_tokens)
         x.metrics.tokens.labels(tier, "completion").inc(self.usage.completion_tokens)
@@ -126,8 +243,9 @@ class Completion:
             x.used_tokens = self.usage.total_tokens
         span.set_attribute("gen_ai.usage.input_tokens", self.usage.prompt_tokens)
         span.set_attribute("gen_ai.usage.output_tokens", self.usage.completion_tokens)
-        if self.finish_reason:
-            span.set_attribute("gen_ai.response.finish_reasons", [self.finish_reason])
+        reasons = [c.finish_reason for _, c in sorted(self.choices.items()) if c.finish_reason]
+        if reasons:
+            span.set_attribute("gen_ai.response.finish_reasons", reasons)
 
     async def collect(self, stream: ResumableStream) -> dict[str, Any]:
         """The whole completion as one chat.completion body. A client that leaves meanwhile
@@ -142,8 +260,20 @@ class Completion:
             raise
         finally:
             stream.close()  # idempotent; here for a cancellation before the first batch
-        return completion_body(completion_id=self.completion_id, model=self.model, text="".join(self.text),
-                               finish_reason=self.finish_reason, usage=self.usage, created=self.created)
+        body = completion_body(completion_id=self.completion_id, model=self.model, text="",
+                               finish_reason=None, usage=self.usage, created=self.created)
+        body["choices"] = [{"index": i, "message": c.message(),
+                            "logprobs": {"content": c.logprobs} if c.has_logprobs else None,
+                            "finish_reason": c.finish_reason} for i, c in sorted(self.choices.items())]
+        return body
+
+    def _chunk(self, common: dict[str, Any], piece: Piece) -> bytes:
+        index, delta = piece
+        if index == 0 and list(delta) == ["content"]:
+            return self._content_prefix + _json(delta["content"]) + self._content_suffix
+        delta = dict(delta)
+        logprobs = delta.pop("logprobs", None)
+        return _event(chunk_body(**common, delta=delta, index=index, logprobs=logprobs))
 
     async def stream_to(self, send: Send, stream: ResumableStream, include_usage: bool,
                         headers: list[tuple[bytes, bytes]]) -> None:
@@ -154,14 +284,20 @@ class Completion:
         common: dict[str, Any] = {"completion_id": self.completion_id, "model": self.model, "created": self.created}
         error: str | None = None
         out = [_event(chunk_body(**common, delta={"role": "assistant", "content": ""}))]
-        prefix, suffix = self._content_prefix, self._content_suffix
         try:
             await send({"type": "http.response.start", "status": 200, "headers": headers})
-            async for text in self._batches(stream):
-                out.append(prefix + _json(text) + suffix)
+            async for pieces in self._batches(stream):
+                for piece in pieces:
+                    if piece[0] not in self._roles_sent:
+                        self._roles_sent.add(piece[0])
+                        out.append(_event(chunk_body(**common, delta={"role": "assistant", "content": ""},
+                                                     index=piece[0])))
+                    out.append(self._chunk(common, piece))
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                 out = []
-            out.append(_event(chunk_body(**common, delta={}, finish_reason=self.finish_reason or "stop")))
+            for index, c in sorted(self.choices.items()):
+                out.append(_event(chunk_body(**common, delta={}, finish_reason=c.finish_reason or "stop",
+                                             index=index)))
             await self._finish(None)
             if include_usage:
                 out.append(_event(chunk_body(**common, usage=self.usage, empty_choices=True)))

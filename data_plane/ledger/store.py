@@ -29,7 +29,7 @@ from typing import Any, Protocol
 COLUMNS = (
     "request_id", "trace_id", "key_id", "tenant", "tier", "model", "prompt_tokens", "cached_tokens",
     "completion_tokens", "status", "error_code", "ttft_s", "latency_s", "shard", "degradation_level",
-    "session", "gateway", "started_at", "finished_at",
+    "session", "gateway", "started_at", "finished_at", "output_kind", "tool_calls",
 )
 """One usage record's columns, in insert order (data_plane/ledger/writer.py UsageRecord has the same fields)."""
 
@@ -56,6 +56,12 @@ MIGRATIONS: list[tuple[int, str, dict[str, list[str]]]] = [
         "postgresql": ["CREATE INDEX usage_started ON usage_records (started_at)",
                        "CREATE INDEX usage_tenant_started ON usage_records (tenant, started_at)",
                        "CREATE INDEX usage_key_started ON usage_records (key_id, started_at)"],
+    }),
+    (3, "structured outputs and tool calls", {
+        "sqlite": ["ALTER TABLE usage_records ADD COLUMN output_kind TEXT NOT NULL DEFAULT 'text'",
+                   "ALTER TABLE usage_records ADD COLUMN tool_calls INTEGER NOT NULL DEFAULT 0"],
+        "postgresql": ["ALTER TABLE usage_records ADD COLUMN output_kind TEXT NOT NULL DEFAULT 'text'",
+                       "ALTER TABLE usage_records ADD COLUMN tool_calls INTEGER NOT NULL DEFAULT 0"],
     }),
 ]
 """(version, what, statements per dialect): append only."""

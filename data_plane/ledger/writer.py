@@ -112,6 +112,10 @@ class UsageRecord:
     gateway: str
     started_at: float
     finished_at: float
+    output_kind: str = "text"
+    """What the output followed: text, json_object, json_schema, regex, choice, grammar or tools."""
+    tool_calls: int = 0
+    """Tool calls in the reply."""
 
     def as_row(self) -> tuple[Any, ...]:
         return astuple(self)
@@ -140,7 +144,9 @@ def record_for(h: EndedRequest, status: int, code: str, gateway: str) -> UsageRe
         ttft_s=None if h.first_token_at is None else round(h.first_token_at - h.t0, 6),
         latency_s=round(mono - h.t0, 6), shard=opened.stream.member.id if opened is not None else "",
         degradation_level=h.effects.level, session=h.session_id is not None, gateway=gateway,
-        started_at=round(now - (mono - h.t0), 6), finished_at=round(now, 6))
+        started_at=round(now - (mono - h.t0), 6), finished_at=round(now, 6),
+        output_kind=getattr(h, "output_kind", "text"),
+        tool_calls=getattr(completion, "tool_calls", 0) if completion is not None else 0)
 
 
 class LedgerMetrics:
@@ -252,6 +258,10 @@ def _read(path: Path) -> str | None:
         return None
 
 
+SPOOL_DEFAULTS = {"output_kind": "text", "tool_calls": 0}
+"""Columns added after a spool was written (an older gateway's records): their defaults."""
+
+
 def read_segment(path: Path) -> list[tuple[Any, ...]]:
     """The records of a segment as rows; a torn last line (a crash mid-write) is skipped."""
     rows = []
@@ -259,7 +269,7 @@ def read_segment(path: Path) -> list[tuple[Any, ...]]:
         for line in f:
             try:
                 item = json.loads(line)
-                rows.append(tuple(item[c] for c in COLUMNS))
+                rows.append(tuple(item[c] if c in item else SPOOL_DEFAULTS[c] for c in COLUMNS))
             except (ValueError, KeyError):
                 log.warning("usage spool %s: skipping an unreadable line", path.name)
     return rows

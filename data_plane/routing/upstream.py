@@ -84,11 +84,28 @@ class Delta:
     text: str
     usage: tuple[int, int] | None = None
     """(prompt_tokens, completion_tokens so far), when the shard reports continuous usage."""
+    index: int = 0
+    """The choice (``n``)."""
+    logprobs: tuple[Any, ...] = ()
+    """OpenAI logprobs ``content`` entries of this chunk, as the shard sent them."""
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """One streamed tool-call fragment (OpenAI's shape): `id` and `name` on a call's first, `arguments`
+    fragments after."""
+
+    call: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+    index: int = 0
 
 
 @dataclass(frozen=True)
 class Finish:
     reason: str
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,7 +116,7 @@ class UsageEvent:
     """Prompt tokens the shard served from its prefix cache (usage.prompt_tokens_details)."""
 
 
-Event = Delta | Finish | UsageEvent
+Event = Delta | ToolCallDelta | Finish | UsageEvent
 
 
 class _Retryable(Exception):
@@ -128,14 +145,23 @@ def _parse(line: bytes) -> Event | SwitchboardError | None:
     usage = body.get("usage")
     if choices:
         choice = choices[0]
+        index = int(choice.get("index") or 0)
         if choice.get("finish_reason"):
-            return Finish(choice["finish_reason"])
-        content = (choice.get("delta") or {}).get("content")
-        if content:
+            return Finish(choice["finish_reason"], index)
+        delta = choice.get("delta") or {}
+        calls = delta.get("tool_calls")
+        if calls:
+            call = calls[0]
+            fn = call.get("function") or {}
+            return ToolCallDelta(int(call.get("index") or 0), call.get("id"), fn.get("name"),
+                                 fn.get("arguments") or "", index)
+        content = delta.get("content")
+        logprobs = tuple((choice.get("logprobs") or {}).get("content") or ())
+        if content or logprobs:
             so_far = None
             if usage:
                 so_far = (int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
-            return Delta(content, so_far)
+            return Delta(content or "", so_far, index, logprobs)
         return None
     if usage:
         details = usage.get("prompt_tokens_details")
@@ -309,7 +335,7 @@ class Upstream:
                             raise _Retryable("stream_error_before_first_token", event)
                         if event is not None:
                             first.append(event)
-                            token = token or isinstance(event, (Delta, Finish))
+                            token = token or isinstance(event, (Delta, ToolCallDelta, Finish))
             except HopTimeout:
                 raise _Retryable("first_token_timeout", UpstreamTimeout(
                     f"no token from a shard within {cfg.first_token_timeout_s:.0f} s", retry_after=2)) from None
@@ -361,6 +387,19 @@ def _close(response: HopResponse | None) -> None:
         response.close()
 
 
+CONSTRAINING_FIELDS = ("tools", "response_format", "structured_outputs")
+
+
+def resumable(body: dict[str, Any]) -> bool:
+    """A stream may continue on another shard as a plain continuation of its text: not when its output
+    follows a grammar or carries tool calls (the continuation would not continue the grammar, so the
+    stream ends with an error event instead), nor with several choices."""
+    rf = body.get("response_format")
+    constrained = any(body.get(k) for k in CONSTRAINING_FIELDS if k != "response_format") or (
+        isinstance(rf, dict) and rf.get("type") not in (None, "text"))
+    return not constrained and int(body.get("n") or 1) == 1
+
+
 class ResumableStream:
     """A stream that survives shard failures after its first token.
 
@@ -403,6 +442,8 @@ class ResumableStream:
                                     self._prompt_tokens = event.usage[0]
                                 self._completion = self._base_completion + event.usage[1]
                             out.append(event)
+                        elif isinstance(event, ToolCallDelta):
+                            out.append(event)
                         elif isinstance(event, Finish):
                             finished = True
                             out.append(event)
@@ -413,7 +454,7 @@ class ResumableStream:
                     yield out
                 return
             except (UpstreamError, UpstreamTimeout) as exc:
-                if finished or self.resumes >= self._upstream.config.resumes:
+                if finished or self.resumes >= self._upstream.config.resumes or not resumable(self._body):
                     raise
                 failed = self._stream.member
                 tried.add(failed.id)

@@ -16,6 +16,7 @@ failure ends the stream with an error event and `data: [DONE]`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -32,7 +33,10 @@ from opentelemetry import trace
 from opentelemetry.propagate import extract
 from prometheus_client import CollectorRegistry
 
+from data_plane.shard.choices import Choice, choice_streams, describe, merged, prepare_requests, token_bytes
 from data_plane.shard.engines.base import Engine, GenerationOutput, GenerationRequest, KVSessionRef, SamplingParams
+from data_plane.shard.engines.grammar import GrammarKind, GrammarSpec
+from data_plane.structured import OutputPlan
 from data_plane.common.errors import (
     ModelNotFound,
     Overloaded,
@@ -79,6 +83,7 @@ def build_engine(settings: ShardSettings, metrics: ShardMetrics | None) -> Engin
     config = EngineConfig(
         model=settings.model,
         dtype=settings.dtype,
+        quantization=settings.quantization,
         max_num_seqs=settings.max_num_seqs,
         max_model_len=settings.max_model_len,
         prefill_chunk=settings.prefill_chunk,
@@ -265,12 +270,18 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
             "switchboard.stream": req.stream,
             "switchboard.pipeline_stages": settings.pipeline_parallel_size,
         })
+        plan = req.output_plan()
         try:
-            gen_req = _generation_request(req, engine, request_id, settings.kv_public_prefix)
+            gen_reqs = _generation_requests(req, engine, request_id, settings.kv_public_prefix, plan)
+            gen_req = gen_reqs[0]
+            describe(span, gen_req, plan, len(gen_reqs))
+            if plan.constraint is not None:
+                metrics.structured.labels(metrics.model_name, plan.constraint.kind).inc()
             if req.session_id and state.kv_tier is not None:  # blocks missing here may come from the cache nodes
                 gen_req.kv_session = KVSessionRef(req.session_id, req.kv_replicas or 1, req.kv_ttl_s)
                 await state.kv_tier.prepare(gen_req, span)
-            outputs = engine.generate(gen_req)
+            await prepare_requests(engine, gen_reqs, plan)
+            outputs = merged(choice_streams(engine, gen_reqs))
         except SwitchboardError as exc:
             metrics.rejected.labels(metrics.model_name, exc.code or "error").inc()
             span.set_attribute("error.type", exc.code or "error")
@@ -279,7 +290,8 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
         if settings.log_prompts:
             log.info("request %s prompt=%r", request_id, req.plain_messages())
         headers = {"X-Request-Id": request_id, **kv_reports.headers(gen_req, request.headers.get(SINCE_HEADER))}
-        run = _Run(state, gen_req, span, time.monotonic())
+        run = _Run(state, gen_req, span, time.monotonic(),
+                   [Choice(i, plan, token_bytes(engine) if req.logprobs else None) for i in range(len(gen_reqs))])
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
@@ -299,13 +311,17 @@ def _model_card(engine: Engine, state: ShardState) -> dict[str, Any]:
             "max_model_len": engine.max_model_len}
 
 
-def _generation_request(req: ChatCompletionRequest, engine: Engine, request_id: str,
-                        public_prefixes: list[str] | tuple[str, ...] = ()) -> GenerationRequest:
+def _generation_requests(req: ChatCompletionRequest, engine: Engine, request_id: str,
+                         public_prefixes: list[str] | tuple[str, ...], plan: OutputPlan) -> list[GenerationRequest]:
+    """One engine request per choice (`n`): the same prompt, seeds `seed + i`."""
     messages = req.plain_messages()
     ids = engine.encode_chat(messages, continue_final=req.continue_final_message)
     restore = getattr(engine, "restore_generated", None)  # token-exact transcripts (data_plane/shard/kv_transcript.py)
     if restore is not None:
         ids = restore(messages, ids, req.cache_salt)
+    grammar = None
+    if plan.constraint is not None:
+        grammar = GrammarSpec(GrammarKind(plan.constraint.kind), plan.constraint.text)
     params = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -313,10 +329,25 @@ def _generation_request(req: ChatCompletionRequest, engine: Engine, request_id: 
         max_tokens=req.output_limit,
         stop=tuple(req.stop or ()),
         seed=req.seed,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        logit_bias=tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items()),
+        min_tokens=req.min_tokens or 0,
+        ignore_eos=bool(req.ignore_eos),
+        logprobs=bool(req.logprobs),
+        top_logprobs=req.top_logprobs or 0,
+        grammar=grammar,
     )
-    return GenerationRequest(request_id, ids, params, priority=req.priority or 0, deadline=req.deadline,
-                             cache_salt=req.cache_salt, public_prefix_tokens=_public_tokens(messages, ids, engine,
-                                                                                           public_prefixes))
+    public = _public_tokens(messages, ids, engine, public_prefixes)
+    out = []
+    for i in range(req.n or 1):
+        p = params if i == 0 or req.seed is None else dataclasses.replace(params, seed=req.seed + i)
+        out.append(GenerationRequest(request_id if i == 0 else f"{request_id}-{i}", list(ids), p,
+                                     priority=req.priority or 0, deadline=req.deadline, cache_salt=req.cache_salt,
+                                     public_prefix_tokens=public))
+    return out
 
 
 def _public_tokens(messages: list[dict[str, str]], ids: list[int], engine: Engine,
@@ -337,9 +368,12 @@ def _usage(out: GenerationOutput) -> Usage:
 class _Run:
     """One request's trip through the engine: metrics, span and wire format."""
 
-    def __init__(self, state: ShardState, req: GenerationRequest, span: trace.Span, t0: float) -> None:
+    def __init__(self, state: ShardState, req: GenerationRequest, span: trace.Span, t0: float,
+                 choices: list[Choice]) -> None:
         self.state = state
         self.req = req
+        self.choices = choices
+        self.finals: dict[int, GenerationOutput] = {}
         self.span = span
         self.t0 = t0
         self.completion_id = new_completion_id()
@@ -375,7 +409,6 @@ class _Run:
             span.set_attribute("gen_ai.response.finish_reasons", [reason])
             if last.timings:
                 t = last.timings
-                m.prefill_time.labels(name).observe(t.prefill_s)
                 if self.state.kv_tier is not None:  # learns this shard's prefill speed (fetch-or-recompute)
                     self.state.kv_tier.observe_prefill(last.prompt_tokens - last.cached_tokens, t.prefill_s)
                 m.decode_time.labels(name).observe(t.decode_s)
@@ -387,17 +420,25 @@ class _Run:
             span.set_status(trace.Status(trace.StatusCode.ERROR, error))
         span.end()
 
-    async def collect(self, outputs: AsyncIterator[GenerationOutput], request: Request) -> dict[str, Any] | None:
+    def _final(self, index: int, out: GenerationOutput) -> GenerationOutput | None:
+        """Record choice `index`'s final output; once every choice ended, the request's (usage summed)."""
+        self.finals[index] = out
+        if len(self.finals) < len(self.choices):
+            return None
+        first = self.finals[0]
+        return dataclasses.replace(first, completion_tokens=sum(o.completion_tokens for o in self.finals.values()))
+
+    async def collect(self, outputs: AsyncIterator[tuple[int, GenerationOutput]],
+                      request: Request) -> dict[str, Any] | None:
         """The whole completion as one body; None when the client left first (the engine's
         generator is closed by the cancellation: it aborts at its next step)."""
-        text: list[str] = []
         last: GenerationOutput | None = None
         watch = DisconnectWatch(request.receive)
         watch.start()
         try:
-            async for out in outputs:
-                text.append(out.text)
-                last = out
+            async for index, out in outputs:
+                self.choices[index].feed(out)
+                last = (self._final(index, out) if out.finish_reason is not None else None) or out
         except asyncio.CancelledError:
             self._finish(last, "client_disconnected")
             if not watch.swallow():  # the server is shutting down
@@ -409,14 +450,16 @@ class _Run:
             raise
         finally:
             watch.stop()
-        assert last is not None
+        assert last is not None and len(self.finals) == len(self.choices)
         self._finish(last)
         usage = _usage(last)
-        return completion_body(completion_id=self.completion_id, model=self.state.engine.model_name,
-                               text="".join(text), finish_reason=last.finish_reason, usage=usage,
-                               created=self.created)
+        body = completion_body(completion_id=self.completion_id, model=self.state.engine.model_name, text="",
+                               finish_reason=None, usage=usage, created=self.created)
+        body["choices"] = [{"index": c.index, "message": c.message(), "logprobs": c.wire_logprobs(),
+                            "finish_reason": c.finish(self.finals[c.index].finish_reason)} for c in self.choices]
+        return body
 
-    async def sse(self, outputs: AsyncIterator[GenerationOutput], include_usage: bool,
+    async def sse(self, outputs: AsyncIterator[tuple[int, GenerationOutput]], include_usage: bool,
                   continuous_usage: bool = False, keepalive_s: float = 0.0) -> AsyncIterator[bytes]:
         model = self.state.engine.model_name
         last: GenerationOutput | None = None
@@ -424,26 +467,31 @@ class _Run:
         def event(body: dict[str, Any]) -> bytes:
             return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
-        common = {"completion_id": self.completion_id, "model": model, "created": self.created}
+        common: dict[str, Any] = {"completion_id": self.completion_id, "model": model, "created": self.created}
         error = None
         try:
-            yield event(chunk_body(**common, delta={"role": "assistant", "content": ""}))
+            for c in self.choices:
+                yield event(chunk_body(**common, delta={"role": "assistant", "content": ""}, index=c.index))
             stream = with_keepalives(outputs, keepalive_s) if keepalive_s else outputs
-            async for out in stream:
-                if out is None:  # nothing from the engine for keepalive_s: tell the gateway we are alive
+            async for item in stream:
+                if item is None:  # nothing from the engine for keepalive_s: tell the gateway we are alive
                     yield KEEPALIVE_COMMENT
                     continue
+                index, out = item
                 last = out
-                if out.text:
-                    so_far = None
-                    if continuous_usage:
-                        so_far = _usage(out)
-                    yield event(chunk_body(**common, delta={"content": out.text}, usage=so_far))
+                choice = self.choices[index]
+                so_far = _usage(out) if continuous_usage else None
+                for delta in choice.feed(out):
+                    logprobs = delta.pop("logprobs", None)
+                    yield event(chunk_body(**common, delta=delta, usage=so_far, index=index, logprobs=logprobs))
                 if out.finish_reason is not None:
-                    yield event(chunk_body(**common, delta={}, finish_reason=out.finish_reason))
-                    if include_usage:
-                        usage = _usage(out)
-                        yield event(chunk_body(**common, usage=usage, empty_choices=True))
+                    yield event(chunk_body(**common, delta={}, finish_reason=choice.finish(out.finish_reason),
+                                           index=index))
+                    done = self._final(index, out)
+                    if done is not None:
+                        last = done
+                        if include_usage:
+                            yield event(chunk_body(**common, usage=_usage(done), empty_choices=True))
         except SwitchboardError as exc:
             error = exc.code or "error"
             yield event(exc.body(self.req.request_id))

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from data_plane.common.telemetry import E2E_BUCKETS, LATENCY_BUCKETS
 from data_plane.shard.engines.base import EngineStats
 from data_plane.shard.kv_metrics import KVTierMetrics
+from data_plane.shard.grammar_metrics import StructuredMetrics
 from data_plane.shard.spec_metrics import SpecMetrics
 
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
@@ -116,6 +117,14 @@ class ShardMetrics:
             "switchboard_shard_thread_switches", "Changes of the intra-op thread count after a probe measured "
             "the other count faster (1 thread while another process holds a core).", m, registry=registry)
         self.thread_switches.labels(model_name)
+        # The served dtype and weight format, and why (data_plane/shard/engines/weight_source.py: enums).
+        self.weights_info = Gauge(
+            "switchboard_shard_weights_info", "1 for the dtype and weight format served, with the reason each was "
+            "chosen (dtype_reason: requested | native_bf16 | no_native_bf16 | quantized_kernel; quantization_reason: "
+            "requested | gguf_q4 | gguf_q8 | dense_model | dense_activations).",
+            [*m, "dtype", "dtype_reason", "quantization", "quantization_reason"], registry=registry)
+        self.weight_bytes = Gauge("switchboard_shard_weight_bytes", "Bytes of model weights a decode step reads.", m,
+                                  registry=registry)
         # Series exist from the start (at 0), so rate() and the KV-reuse panels work before the first hit.
         for metric in (self.prefix_queries, self.prefix_hits, self.prompt_tokens_cached, self.prefill_computed,
                        self.request_prompt_tokens, self.request_generation_tokens, self.tokens_restored):
@@ -128,6 +137,8 @@ class ShardMetrics:
             self.priority_yields.labels(model_name, kind)
         self.spec = SpecMetrics(registry, model_name)  # vllm:spec_decode_*, vllm:iteration_tokens_total
         self.kv_tier = KVTierMetrics(registry, model_name)  # vllm:external_prefix_cache_*, vllm:kv_offload_*
+        self.grammar = StructuredMetrics(registry, model_name)  # constrained decoding (engines/grammar.py)
+        self.structured = self.grammar.requests
 
     def observe_stats(self, stats: EngineStats) -> None:
         m = self.model_name
@@ -151,8 +162,14 @@ class MetricsListener:
         m.batch_size.labels(m.model_name, kind).observe(batch_size)
         m.step_seconds.labels(m.model_name, kind).observe(step_s)
 
-    def on_first_token(self, seq_ttft_s: float) -> None:
-        self.metrics.ttft.labels(self.metrics.model_name).observe(seq_ttft_s)
+    def on_first_token(self, seq_ttft_s: float, prefill_s: float | None = None) -> None:
+        # Prefill time is observed here, with TTFT, not at the request's end: the control plane's
+        # "TTFT beyond prefill" subtracts one p95 from the other over a window, and on a slow CPU a
+        # request's end can fall a window later than its first token (the other then reads None).
+        m = self.metrics
+        m.ttft.labels(m.model_name).observe(seq_ttft_s)
+        if prefill_s is not None:
+            m.prefill_time.labels(m.model_name).observe(prefill_s)
 
     def on_token(self, itl_s: float) -> None:
         self.metrics.itl.labels(self.metrics.model_name).observe(itl_s)
@@ -188,6 +205,12 @@ class MetricsListener:
     def on_spec_draft(self, drafted: int, accepted: int) -> None:
         self.metrics.spec.observe_draft(drafted, accepted)
 
+    def on_grammar_compile(self, kind: str, seconds: float, outcome: str) -> None:
+        self.metrics.grammar.on_compile(kind, seconds, outcome)
+
+    def on_grammar_mask(self, rows: int, seconds: float) -> None:
+        self.metrics.grammar.on_mask(seconds)
+
     def on_preempt(self, kind: str) -> None:
         m = self.metrics
         m.priority_yields.labels(m.model_name, kind).inc()
@@ -196,6 +219,12 @@ class MetricsListener:
 
     def on_prefill_beside(self, prompts: int) -> None:
         self.metrics.prefill_beside.labels(self.metrics.model_name).inc(prompts)
+
+    def on_weights(self, dtype: str, dtype_reason: str, quantization: str, quantization_reason: str,
+                   weight_bytes: int) -> None:
+        m = self.metrics
+        m.weights_info.labels(m.model_name, dtype, dtype_reason, quantization, quantization_reason).set(1)
+        m.weight_bytes.labels(m.model_name).set(weight_bytes)
 
     def on_threads(self, threads: int, reason: str) -> None:
         m = self.metrics

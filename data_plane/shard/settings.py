@@ -31,9 +31,13 @@ class ShardSettings(BaseSettings):
     port: int = Field(8101, ge=0, le=65535, description="TCP port to listen on.")
     engine: Literal["torch", "synthetic", "vllm"] = Field("torch", description="Engine: torch | synthetic | vllm.")
     model: str | None = Field(None, description="Local HF model folder or GGUF file (default SmolLM2-135M).")
-    dtype: Literal["bfloat16", "float32", "float16"] = Field(
-        "bfloat16", description="Weights/activations dtype: bfloat16 (fast) or float32 (batch-invariant)."
+    dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
+        "auto", description="Activations dtype: auto (bfloat16 where the CPU has native bf16 or the weights are "
+        "quantized, else float32; said in the ready line), bfloat16, float16 or float32 (batch-invariant)."
     )
+    quantization: Literal["auto", "none", "int8", "int4"] = Field(
+        "auto", description="Weight format: auto (a GGUF's Q4 blocks as int4, Q8_0 as int8, a dense model as is), "
+        "none, int8 (per channel) or int4 (groups of 32).")
     max_num_seqs: int = Field(16, ge=1, le=256, description="Sequences decoded together (KV slots).")
     max_model_len: int = Field(2048, ge=16, le=131072, description="Context window (prompt + output).")
     prefill_chunk: int = Field(256, ge=1, le=8192, description="Prompt tokens prefilled per scheduler step.")

@@ -123,9 +123,18 @@ def test_bench_engine_tiny(tmp_path: Path) -> None:
     assert {"rows", "ratios", "bandwidth", "machine"} <= result.keys()
     rows = {r["system"]: r for r in result["rows"]}
     assert rows.keys() == {"switchboard", "naive"}
-    for row in rows.values():
+    # --dtype auto / --quantization auto (the defaults): each row says what they resolved to on this CPU
+    from data_plane.model_store import model_source
+    from data_plane.shard.engines.weight_source import CpuCaps, resolve_plan
+
+    caps = CpuCaps.detect()
+    plan = resolve_plan("auto", "auto", source=model_source(None).kind, caps=caps)
+    served = {"switchboard": f"{plan.dtype}/{plan.quantization}",
+              "naive": resolve_plan("auto", "none", source="dense", caps=caps).dtype}
+    assert "MiB read/step" in run.stdout and f"CPU: {caps.summary()}" in run.stdout
+    for name, row in rows.items():
         assert ENGINE_ROW_KEYS <= row.keys()
-        assert (row["concurrency"], row["requests"], row["max_tokens"], row["dtype"]) == (1, 2, 4, "bfloat16")
+        assert (row["concurrency"], row["requests"], row["max_tokens"], row["dtype"]) == (1, 2, 4, served[name])
         assert row["output_tok_s"] > 0 and row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0
     assert rows["naive"]["output_tokens"] == 2 * 4  # EOS ignored
     assert 0 < rows["switchboard"]["output_tokens"] <= 2 * 4

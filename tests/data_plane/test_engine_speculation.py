@@ -1,7 +1,8 @@
 """N-gram speculation in the real torch engine (in-process, float32 so greedy output is
 batch-invariant): text identical with speculation on and off (solo, batched, mixed lengths,
 stop strings, max_tokens landing inside an accepted draft), an abort mid-draft frees the slot,
-and the listener's speculation hooks move on a quote prompt and stay put when off."""
+and the listener's speculation hooks move on a quote prompt and stay put when off. The verify-row price
+is pinned (tests/support/spec.py): whether a draft pays is then the engine's decision, not the load's."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from data_plane.shard.engines.base import GenerationOutput, GenerationRequest, SamplingParams
 from data_plane.shard.engines.torch_engine import EngineConfig, StepListener, TorchEngine
+from tests.support.spec import pin_row_cost
 
 PASSAGE = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.\n"
            "def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n")
@@ -42,6 +44,7 @@ class Harness:
         self.engine = TorchEngine(EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=1024,
                                                speculation="ngram", spec_max_batch=8), self.listener)
         self.loop.run_until_complete(self.engine.start())
+        pin_row_cost(self.engine)  # drafting decided by the engine's logic, not by how loaded the CPU is
         self.speculator = self.engine.spec
 
     def speculation(self, on: bool) -> None:

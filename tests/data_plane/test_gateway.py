@@ -169,8 +169,10 @@ def test_benign_reply_streams_as_it_is_generated_through_the_default_filter(clus
 BAD = [
     ("unknown parameter", {"messages": [{"role": "user", "content": "x"}], "frobnicate": 1}, 400,
      "unsupported_parameter", "frobnicate"),
-    ("unsupported tools", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
-     "unsupported_parameter", "tools"),
+    ("malformed tool", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
+     None, "tools.0.function"),
+    ("unsupported audio", {"messages": [{"role": "user", "content": "x"}], "audio": {"voice": "x"}}, 400,
+     "unsupported_parameter", "audio"),
     ("empty messages", {"messages": []}, 400, None, "messages"),
     ("max_tokens over tier cap", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, 400,
      None, "max_tokens"),

@@ -159,7 +159,12 @@ BAD_INPUTS = [
      "context_length_exceeded"),
     ("unknown field", {"messages": [{"role": "user", "content": "x"}], "bogus": 1}, None, 400,
      "unsupported_parameter"),
-    ("unsupported n", {"messages": [{"role": "user", "content": "x"}], "n": 3}, None, 400, "unsupported_parameter"),
+    ("n above the cap", {"messages": [{"role": "user", "content": "x"}], "n": 99}, None, 400, None),
+    ("top_logprobs above 20", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     None, 400, None),
+    ("unsupported schema keyword", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "not": {}}}}}, None, 400,
+     "unsupported_schema"),
     ("temperature out of range", {"messages": [{"role": "user", "content": "x"}], "temperature": 9}, None, 400, None),
     ("image part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      None, 400, "unsupported_parameter"),

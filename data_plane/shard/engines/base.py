@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Protocol, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
 
 from data_plane.common.errors import ContextLengthExceeded, InvalidRequest
+from data_plane.shard.engines.grammar import CompiledGrammar, GrammarSpec
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -38,11 +40,40 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     """Strings that end generation; never included in the output."""
     seed: int | None = None
-    """Seeds this request's own generator: same seed, same prompt -> same sample."""
+    """Seeds this request's own generator: same seed, same prompt -> same sample (float32: always; bf16/fp16:
+    when batched alike, since the batch changes the logits' rounding)."""
+    min_p: float = 0.0
+    """Drop tokens below min_p x the top token's probability (after temperature), 0..1."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already in the output (OpenAI's), -2..2."""
+    frequency_penalty: float = 0.0
+    """Subtracted per occurrence in the output (OpenAI's), -2..2."""
+    repetition_penalty: float = 1.0
+    """vLLM's/HF's: logits of prompt and output tokens divided (positive) or multiplied (negative) by it."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) added to the logits, -100..100 each."""
+    min_tokens: int = 0
+    """EOS is banned until this many tokens are out (vLLM's)."""
+    ignore_eos: bool = False
+    """EOS never ends the output (vLLM's; benchmarks fix output lengths with it)."""
+    logprobs: bool = False
+    """Report each output token's log-probability (GenerationOutput.logprobs)."""
+    top_logprobs: int = 0
+    """... and this many most likely alternatives, 0..20."""
+    grammar: GrammarSpec | None = None
+    """Constrained decoding: the output follows this grammar (data_plane/shard/engines/grammar.py)."""
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 1e-5 or self.top_k == 1
+
+    @property
+    def processed(self) -> bool:
+        """Anything beyond temperature/top_k/top_p/min_p: the engine builds a per-request processor
+        (data_plane/shard/engines/logits.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.ignore_eos or self.logprobs
+                    or self.grammar is not None)
 
 
 @dataclass(frozen=True)
@@ -71,6 +102,10 @@ class GenerationRequest:
     """Leading prompt tokens the operator marked public: their KV is shared across salts."""
     kv_session: KVSessionRef | None = None
     """The conversation this turn belongs to: its new KV blocks go to the cache nodes (data_plane/shard/kv_tier.py)."""
+    grammar: CompiledGrammar | None = None
+    """`params.grammar` compiled (the engine's `prepare` sets it, off the scheduler thread)."""
+    processor: Any = None  # a logits.RequestLogits (that module imports this one)
+    """Per-request logits state the engine builds at enqueue when params need it (engines/logits.py)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +114,22 @@ class RequestTimings:
     prefill_s: float
     decode_s: float
     first_token_at: float | None
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token's log-probability and the most likely alternatives (OpenAI's logprobs entry; the
+    token's text and bytes are the API layer's to render)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -98,6 +149,8 @@ class GenerationOutput:
     """... the tokens in them ..."""
     spec_accepted_tokens: int = 0
     """... and how many of those the model accepted."""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """With params.logprobs: the tokens sampled since the previous output (their text may lag in `text`)."""
 
 
 @dataclass(frozen=True)

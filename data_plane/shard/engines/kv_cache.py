@@ -12,7 +12,8 @@
 
 Addressing follows vLLM's automatic prefix caching: block i's digest is xxh3-128 over the parent
 block's digest and block i's token ids, so a digest names the whole prefix up to it. The chain
-starts from a seed of the model id, dtype and KV layout (a block made by another model or layout
+starts from a seed of the model id, dtype, KV layout and weight format (a block made by another model, layout
+or weight format
 can never match), and the tenant's salt is mixed into the first block that is not part of an
 operator-marked public prefix (isolation: another tenant's identical prompt never hits, so
 reuse is no timing side channel between tenants). Python's `hash()` is never used: it is salted
@@ -61,9 +62,10 @@ EVICT_NO_SPACE = "no_space"
 """A new block could not be stored: every block in the pool is referenced."""
 
 
-def layout_seed(model_id: str, dtype: str, layout: str) -> bytes:
-    """The root of every chain: a block made for another model, dtype or layout never matches."""
-    return xxhash.xxh3_128_digest(f"switchboard-kv/1|{model_id}|{dtype}|{layout}".encode())
+def layout_seed(model_id: str, dtype: str, layout: str, weights: str = "dense") -> bytes:
+    """The root of every chain: a block made for another model, dtype, layout or weight format (``dense``,
+    ``int4[q4_1,q8_0]``: LlamaRunner.weight_format) never matches."""
+    return xxhash.xxh3_128_digest(f"switchboard-kv/1|{model_id}|{dtype}|{layout}|{weights}".encode())
 
 
 def _token_bytes(ids: Sequence[int]) -> bytes:

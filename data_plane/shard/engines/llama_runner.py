@@ -39,11 +39,21 @@ import torch
 import torch.nn.functional as F
 
 from data_plane.shard.engines.attention import PerSequence, SlotBatched
-from data_plane.shard.engines.packed_linear import Linear, should_pack
+from data_plane.shard.engines.weight_source import (
+    DtypeReason,
+    LinearLike,
+    QuantReason,
+    WeightBuilder,
+    WeightPlan,
+    nbytes,
+)
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 
 
 class UnsupportedModel(RuntimeError):
@@ -74,16 +84,17 @@ def select_rows(x: torch.Tensor, lens: Sequence[int], wanted: Sequence[int]) -> 
 @dataclass
 class _Layer:
     ln_in: torch.Tensor
-    qkv: Linear  # q, k and v projections fused: one GEMM
-    o: Linear
+    qkv: LinearLike  # q, k and v projections fused: one GEMM
+    o: LinearLike
     ln_post: torch.Tensor
-    gate_up: Linear  # gate and up fused: one GEMM
-    down: Linear
+    gate_up: LinearLike  # gate and up fused: one GEMM
+    down: LinearLike
 
 
 class LlamaRunner:
     def __init__(self, model: Any, *, dtype: torch.dtype, max_num_seqs: int, max_len: int,
-                 pack: bool | None = None, layer_range: tuple[int, int] | None = None) -> None:
+                 pack: bool | None = None, weights: WeightBuilder | None = None,
+                 layer_range: tuple[int, int] | None = None) -> None:
         cfg = model.config
         arch = (getattr(cfg, "architectures", None) or [type(model).__name__])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -109,43 +120,54 @@ class LlamaRunner:
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
 
-        # Prepacked oneDNN weights for bf16/fp16 (data_plane/shard/engines/packed_linear.py); fp32 stays plain.
-        self.packed = should_pack(dtype) if pack is None else pack
+        # The layers in the served weight format (data_plane/shard/engines/weight_source.py): dense
+        # (oneDNN-packed for bf16/fp16, plain fp32), int8 or int4; the loops below call them alike.
         inner = model.model
-        self.embed = inner.embed_tokens.weight.detach().to(dtype).contiguous()
-        tied = model.lm_head.weight.data_ptr() == inner.embed_tokens.weight.data_ptr()
-        head = self.embed if tied else model.lm_head.weight.detach().to(dtype).contiguous()
-        self.lm_head = Linear(head, pack=self.packed)
-        self.norm = inner.norm.weight.detach().to(dtype)
+        if weights is None:
+            plan = WeightPlan(_DTYPE_NAMES[dtype], DtypeReason.REQUESTED, "none", QuantReason.REQUESTED)
+            weights = WeightBuilder(plan, state=model.state_dict(), pack=pack)
+        self.weights = weights
+        self.packed = weights.pack and weights.plan.quantization == "none"
+        tied = bool(getattr(cfg, "tie_word_embeddings", False)) or not weights.has("lm_head.weight")
+        self.embed, self.lm_head = weights.embed_and_head(tied)
+        self.norm = weights.vector("model.norm.weight")
         self.layers: list[_Layer] = []
 
-        def lin(*ws: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            return Linear(torch.cat([w.detach() for w in ws]).to(dtype), bias, pack=self.packed)
-
-        for layer in list(inner.layers)[first:end]:
-            att, mlp = layer.self_attn, layer.mlp
+        for i in range(first, end):  # a pipeline stage: its own layers only
+            p = f"model.layers.{i}."
             b_qkv = None
-            if att.q_proj.bias is not None:
-                b_qkv = torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]).detach().to(dtype)
+            if weights.has(p + "self_attn.q_proj.bias"):
+                b_qkv = torch.cat([weights.vector(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
             self.layers.append(
                 _Layer(
-                    ln_in=layer.input_layernorm.weight.detach().to(dtype),
-                    qkv=lin(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight, bias=b_qkv),
-                    o=lin(att.o_proj.weight),
-                    ln_post=layer.post_attention_layernorm.weight.detach().to(dtype),
-                    gate_up=lin(mlp.gate_proj.weight, mlp.up_proj.weight),
-                    down=lin(mlp.down_proj.weight),
+                    ln_in=weights.vector(p + "input_layernorm.weight"),
+                    qkv=weights.linear([p + f"self_attn.{x}_proj.weight" for x in "qkv"], bias=b_qkv),
+                    o=weights.linear([p + "self_attn.o_proj.weight"]),
+                    ln_post=weights.vector(p + "post_attention_layernorm.weight"),
+                    gate_up=weights.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                    down=weights.linear([p + "mlp.down_proj.weight"]),
                 )
             )
         self.intermediate = self.layers[0].down.in_features
-        self._weight_bytes = (self.embed.numel() + self.norm.numel() + (0 if tied else head.numel())
+        self.weight_format = weights.label
+        self.weight_params = (self.lm_head.numel + (0 if tied else self.lm_head.numel) + self.norm.numel()
                               + sum(l.qkv.numel + l.o.numel + l.gate_up.numel + l.down.numel + 2 * l.ln_in.numel()
-                                    for l in self.layers)) * self.embed.element_size()
+                                    for l in self.layers))
+        """Parameters (a tied head and embedding once): 2x this is the model's dense bf16 bytes."""
+        # Bytes a decode step reads: each weight once (a tied head and embedding are one table).
+        self._weight_bytes = (nbytes(self.lm_head) + (0 if tied else nbytes(self.embed)) + nbytes(self.norm)
+                              + sum(nbytes(l.qkv) + nbytes(l.o) + nbytes(l.gate_up) + nbytes(l.down)
+                                    + 2 * nbytes(l.ln_in) for l in self.layers))
+        # Resident: a packed head is a second copy beside the dense embedding table (quantized formats share one).
+        self.resident_weight_bytes = self._weight_bytes + (nbytes(self.embed) if tied and self.packed else 0)
         # Rotary tables from the model's own rotary module: every rope variant it knows works.
+        rotary = inner.rotary_emb
+        if any(b.is_meta for b in rotary.buffers()):  # a weightless (meta) model: build its rotary for real
+            rotary = type(rotary)(config=cfg)
         with torch.inference_mode():
             pos = torch.arange(max_len).unsqueeze(0)
             probe = torch.zeros(1, max_len, self.head_dim, dtype=torch.float32)
-            cos, sin = inner.rotary_emb(probe, pos)
+            cos, sin = rotary(probe, pos)
         self.cos = cos[0].to(dtype).contiguous()  # [max_len, head_dim]
         self.sin = sin[0].to(dtype).contiguous()
         # rotate_half(x) * sin == x.roll(half) * sin_signed, exactly (a sign flip is exact): one op, not four.
@@ -157,13 +179,29 @@ class LlamaRunner:
 
     @classmethod
     def from_pretrained(cls, path: Path, *, dtype: torch.dtype, max_num_seqs: int, max_len: int,
+                        plan: WeightPlan | None = None, gguf: Path | None = None,
                         layer_range: tuple[int, int] | None = None) -> LlamaRunner:
-        from transformers import AutoModelForCausalLM
+        """Load `path` (a HF folder) in `plan`'s format (default: dense `dtype`). With a quantized plan
+        and the model's GGUF, the weights come from the GGUF's blocks and no dense copy is loaded.
+        `layer_range`: a pipeline stage's layers [first, end) (data_plane/shard/engines/pipeline.py)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
 
+        if plan is not None and plan.quantization != "none" and gguf is not None:
+            from data_plane.shard.engines.prepared_weights import load_or_prepare
+
+            cfg = AutoConfig.from_pretrained(str(path))
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+            kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+            quantized = WeightBuilder(plan, gguf=load_or_prepare(gguf, path, cfg.num_attention_heads, kv_heads))
+            return cls(model, dtype=dtype, max_num_seqs=max_num_seqs, max_len=max_len, weights=quantized,
+                       layer_range=layer_range)
         # Load straight into the serving dtype: no transient fp32 copy of the weights.
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         model.eval()
-        return cls(model, dtype=dtype, max_num_seqs=max_num_seqs, max_len=max_len, layer_range=layer_range)
+        weights = None if plan is None else WeightBuilder(plan, state=model.state_dict())
+        return cls(model, dtype=dtype, max_num_seqs=max_num_seqs, max_len=max_len, weights=weights,
+                   layer_range=layer_range)
 
     @property
     def kv_cache_bytes(self) -> int:

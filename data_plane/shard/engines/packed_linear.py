@@ -12,6 +12,7 @@ GEMMs ~35 -> ~24 ms at batch 1 and ~41 -> ~28 ms at batch 16; the LM head alone 
 outputs bit-identical to `x @ W.T` in bf16. float32 keeps plain `x @ W.T`: it is the
 batch-invariant mode, held by its tests to the kernels it always used. A packed weight is an
 opaque mkldnn tensor: only this class reads it (the embedding keeps its own dense copy).
+Weight-only int8/int4 layers with this interface: data_plane/shard/engines/quant_linear.py.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Linear:
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = False) -> None:
         self.out_features, self.in_features = w.shape
         self.numel = w.numel()
+        self.nbytes = w.numel() * w.element_size()  # the bytes a call reads (as the dense weight)
         self.bias = bias
         self.packed = pack
         if pack:

@@ -111,8 +111,11 @@ def set_pdeathsig() -> None:
 @dataclass(frozen=True)
 class PipelineSpec:
     model: str
-    """Resolved model path every stage loads."""
+    """The shard's --model ("" = the default model); each stage resolves it as stage 0 did."""
     dtype: str
+    """The dtype stage 0 resolved (never auto)."""
+    quantization: str
+    """The weight format stage 0 resolved: none, int8 or int4 (never auto)."""
     max_num_seqs: int
     max_len: int
     ranges: tuple[tuple[int, int], ...]
@@ -204,6 +207,7 @@ class PipelineGroup:
         first, end = s.ranges[rank]
         return [sys.executable, "-m", "data_plane.shard.engines.pipeline_stage", "--rank", str(rank),
                 "--world", str(s.size), "--port", str(self.port), "--model", s.model, "--dtype", s.dtype,
+                "--quantization", s.quantization,
                 "--max-num-seqs", str(s.max_num_seqs), "--max-len", str(s.max_len),
                 "--layers", f"{first}:{end}", "--threads", str(s.threads), "--parent-pid", str(os.getpid())]
 
@@ -259,8 +263,8 @@ class PipelineGroup:
         if self.lost is None and dist.is_initialized():
             try:
                 dist.send(torch.tensor([OP_STOP] + [0] * (header_size(self.spec.max_num_seqs) - 1)), 1)
-            except Exception:  # noqa: BLE001 - a stage already gone: it is killed below anyway
-                pass
+            except Exception as exc:  # noqa: BLE001 - a stage already gone: it is killed below anyway
+                log.debug("pipeline: stop not delivered: %s", exc)
             dist.destroy_process_group()
         for proc in self.procs.values():
             if proc.poll() is None:

@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1", help="stage 0's address (its TCPStore)")
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", default="", help="the shard's --model ('' = the default model)")
+    ap.add_argument("--quantization", default="none", help="the weight format stage 0 resolved")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=2048)
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import torch.distributed as dist
 
+    from data_plane.model_store import model_source
     from data_plane.shard.engines.llama_runner import LlamaRunner, select_rows
     from data_plane.shard.engines.pipeline import (
         HEADER_FIXED,
@@ -60,14 +62,18 @@ def main(argv: list[str] | None = None) -> None:
         wire,
     )
     from data_plane.shard.engines.torch_config import DTYPES
+    from data_plane.shard.engines.weight_source import CpuCaps, resolve_plan
 
     torch.set_num_threads(args.threads)
     first, end = (int(v) for v in args.layers.split(":"))
     t0 = time.monotonic()
     dtype = DTYPES[args.dtype]
-    runner = LlamaRunner.from_pretrained(args.model, dtype=dtype, max_num_seqs=args.max_num_seqs,  # type: ignore[arg-type]
-                                         max_len=args.max_len, layer_range=(first, end))
-    hidden = runner.embed.shape[1]
+    source = model_source(args.model or None)
+    # Explicit dtype and format: the same plan stage 0 resolved, so the stages' numerics agree.
+    plan = resolve_plan(args.dtype, args.quantization, source=source.kind, caps=CpuCaps.detect())
+    runner = LlamaRunner.from_pretrained(source.path, dtype=dtype, max_num_seqs=args.max_num_seqs,
+                                         max_len=args.max_len, plan=plan, gguf=source.gguf, layer_range=(first, end))
+    hidden = int(runner.norm.shape[0])
     runner.embed = torch.empty(0, hidden, dtype=dtype)  # stage 0 embeds; this stage needs no vocabulary
     runner.lm_head = None  # type: ignore[assignment]
     import gc

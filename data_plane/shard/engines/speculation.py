@@ -236,4 +236,8 @@ def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         drop = cum - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
-    return torch.softmax(x, dim=-1)
+    probs = torch.softmax(x, dim=-1)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs

@@ -116,7 +116,7 @@ class SyntheticEngine:
                     self.listener.on_step(self._running, now - last, "decode")
                     self.listener.on_iteration_tokens(1)  # one token per (per-request) step here
                     if first is None:
-                        self.listener.on_first_token(now - req.arrival)
+                        self.listener.on_first_token(now - req.arrival, 0.0)
                     else:
                         self.listener.on_token(now - last)
                 last = now

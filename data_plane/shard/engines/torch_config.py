@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from data_plane.shard.engines.kv_cache import DEFAULT_BLOCK_SIZE
+from data_plane.shard.engines.weight_source import DTYPE_CHOICES, QUANTIZATION_CHOICES
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -23,8 +24,11 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 class EngineConfig:
     model: str | None = None
     """Local HF folder or GGUF file; None = the default SmolLM2-135M-Instruct."""
-    dtype: str = "bfloat16"
-    """bfloat16 (fast) or float32 (batch-invariant greedy output)."""
+    dtype: str = "auto"
+    """auto (the fastest on this CPU: data_plane/shard/engines/weight_source.py), bfloat16, float16 or float32
+    (batch-invariant greedy output)."""
+    quantization: str = "auto"
+    """Weight format (vLLM's flag): auto (what the model ships: a GGUF's Q4 blocks -> int4), none, int8, int4."""
     max_num_seqs: int = 16
     """Sequences decoded together (KV slots), 1..256."""
     max_model_len: int = 2048
@@ -62,8 +66,10 @@ class EngineConfig:
     """A stage whose heartbeat stood still this long is lost (0.2..60 s): the shard fails its streams and exits."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}")
         if not 1 <= self.max_num_seqs <= 256:
             raise ValueError("max_num_seqs must be in 1..256")
         if not 16 <= self.max_model_len <= 131072:
@@ -93,7 +99,9 @@ class StepListener:
 
     def on_step(self, batch_size: int, step_s: float, kind: str) -> None: ...
 
-    def on_first_token(self, seq_ttft_s: float) -> None: ...
+    def on_first_token(self, seq_ttft_s: float, prefill_s: float | None = None) -> None:
+        """A sequence's first token, `seq_ttft_s` after it reached the engine; `prefill_s`: its prompt's prefill
+        time, reported here (not at the request's end) so the prefill and TTFT histograms move together."""
 
     def on_token(self, itl_s: float) -> None: ...
 
@@ -112,6 +120,10 @@ class StepListener:
     def on_prefill_beside(self, prompts: int) -> None:
         """`prompts` waiting prompts were prefilled beside a chunked prefill of their priority, in its pass."""
 
+    def on_weights(self, dtype: str, dtype_reason: str, quantization: str, quantization_reason: str,
+                   weight_bytes: int) -> None:
+        """The model is loaded in this dtype and weight format, chosen for that reason (weight_source.WeightPlan)."""
+
     def on_threads(self, threads: int, reason: str) -> None:
         """The intra-op thread count is now `threads` (reason ``start`` or ``probe``: torch_threads.ThreadTuner)."""
 
@@ -121,6 +133,12 @@ class StepListener:
     def on_hop(self, sent_bytes: int, received_bytes: int, seconds: float) -> None:
         """One pass through the later pipeline stages: bytes each way, and the wall time from the
         first send to the last row back (their compute plus the hops)."""
+
+    def on_grammar_compile(self, kind: str, seconds: float, outcome: str) -> None:
+        """A grammar compile ended (engines/grammar.py): outcome compiled, cache_hit or a refusal reason."""
+
+    def on_grammar_mask(self, rows: int, seconds: float) -> None:
+        """A step's grammar bitmasks for `rows` constrained sequences were filled and applied in `seconds`."""
 
     def on_preempt(self, kind: str) -> None:
         """A priority preemption: ``prefill`` (a chunked prefill parked for a higher-priority prompt)

@@ -37,6 +37,7 @@ torch_threads (adaptive intra-op threads).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -46,7 +47,7 @@ from typing import Any
 
 import torch
 
-from data_plane.common.errors import Overloaded
+from data_plane.common.errors import InvalidRequest, Overloaded
 from data_plane.shard.engines.base import (
     FINISH_ABORT,
     EngineStats,
@@ -55,6 +56,8 @@ from data_plane.shard.engines.base import (
     TextStream,
     check_lengths,
 )
+from data_plane.shard.engines.grammar import GrammarCompiler
+from data_plane.shard.engines.logits import RequestLogits
 from data_plane.shard.engines.scheduler import Scheduler, SchedulerConfig
 from data_plane.shard.engines.sequence import SeqState
 from data_plane.shard.engines.torch_config import DTYPES, EngineConfig, StepListener
@@ -100,6 +103,8 @@ class TorchEngine:
         self.dead: BaseException | None = None
         self.prefix: SlotPrefix | None = None
         self.thread_tuner: ThreadTuner | None = None  # adaptive intra-op threads, set at load
+        self.grammars: GrammarCompiler | None = None  # constrained decoding (engines/grammar.py), set at load
+        self.vocab_size = 0
         self.transcripts = GeneratedTokens()
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, prefill_chunk=config.prefill_chunk,
@@ -173,11 +178,15 @@ class TorchEngine:
     def _load(self) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
-        from data_plane.model_store import resolve_model, served_name
+        from data_plane.model_store import model_source, served_name
         from data_plane.shard.engines.llama_runner import LlamaRunner
+        from data_plane.shard.engines.weight_source import CpuCaps, resolve_plan
 
+        source = model_source(self.config.model)
+        plan = resolve_plan(self.config.dtype, self.config.quantization, source=source.kind, caps=CpuCaps.detect())
+        self.weight_plan = plan
         # fp32 is the batch-invariant mode: its numerics must not depend on when a probe switches threads.
-        adaptive = self.config.adaptive_threads and self.config.dtype != "float32"
+        adaptive = self.config.adaptive_threads and plan.dtype != "float32"
         threads = self.config.threads or auto_threads(adaptive)
         torch.set_num_threads(threads)
         if adaptive and threads > 1:
@@ -186,8 +195,9 @@ class TorchEngine:
         else:
             self.listener.on_threads(threads, "start")
         t0 = time.monotonic()
-        path = resolve_model(self.config.model)
-        print(f"[switchboard] loading model from {path} ({self.config.dtype})...", flush=True)
+        path = source.path
+        print(f"[switchboard] loading model from {source.gguf if plan.quantization != 'none' and source.gguf else path} "
+              f"({plan.describe()})...", flush=True)
         hf_config = AutoConfig.from_pretrained(str(path))
         self.max_model_len = min(self.config.max_model_len, hf_config.max_position_embeddings)
         self._tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -198,19 +208,25 @@ class TorchEngine:
             ranges = split_layers(int(hf_config.num_hidden_layers), self.config.pipeline_parallel_size,
                                   self.config.pipeline_layers)
         self._runner = LlamaRunner.from_pretrained(
-            path, dtype=DTYPES[self.config.dtype], max_num_seqs=self.config.max_num_seqs, max_len=self.max_model_len,
-            layer_range=ranges[0] if ranges else None)
-        if ranges:
-            self._start_pipeline(str(path), ranges, threads)
+            path, dtype=DTYPES[plan.dtype], max_num_seqs=self.config.max_num_seqs, max_len=self.max_model_len,
+            plan=plan, gguf=source.gguf, layer_range=ranges[0] if ranges else None)
+        self.listener.on_weights(plan.dtype, plan.dtype_reason.value, plan.quantization, plan.quantization_reason.value,
+                                 self._runner.weight_bytes)
+        if ranges:  # every stage serves the plan stage 0 resolved (the same dtype and weight format)
+            self._start_pipeline(ranges, threads, plan.dtype, plan.quantization)
         eos = hf_config.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
         if self._tokenizer.eos_token_id is not None:
             self._eos.add(self._tokenizer.eos_token_id)
         self.model_name = served_name(self.config.model)
+        self.vocab_size = int(hf_config.vocab_size)
+        import llguidance.hf
+
+        self.grammars = GrammarCompiler(llguidance.hf.from_tokenizer(self._tokenizer), listener=self.listener)
         if self.config.prefix_caching and ranges:
             log.warning("prefix caching is off: a pipeline's stages do not keep their part of cached blocks yet")
         elif self.config.prefix_caching:
-            self.prefix = SlotPrefix.build(self._runner, model_id=str(path), dtype=self.config.dtype,
+            self.prefix = SlotPrefix.build(self._runner, model_id=str(path), dtype=plan.dtype,
                                            block_size=self.config.kv_block_size,
                                            budget_bytes=self.config.prefix_cache_bytes,
                                            on_evict=self.listener.on_kv_evict)
@@ -226,19 +242,21 @@ class TorchEngine:
             f"(KV cache {self._runner.kv_cache_bytes / 2**20:.0f} MiB for "
             f"{self.config.max_num_seqs} x {self.max_model_len} tokens; prefix cache "
             f"{self.prefix.cache.capacity_bytes / 2**20 if self.prefix else 0:.0f} MiB; {f'1..{threads} threads (adaptive)' if self.thread_tuner else f'{threads} threads'}; "
-            f"{'oneDNN-packed' if self._runner.packed else 'plain'} weights)",
+            f"{plan.describe()}: {self._runner.weight_format}, {self._runner.weight_bytes / 2**20:.0f} MiB"
+            f"{', oneDNN-packed' if self._runner.packed else ''})",
             flush=True,
         )
 
-    def _start_pipeline(self, model: str, ranges: list[tuple[int, int]], threads: int) -> None:
+    def _start_pipeline(self, ranges: list[tuple[int, int]], threads: int, dtype: str, quantization: str) -> None:
         """Stages 1..N-1 of a pipeline (data_plane/shard/engines/pipeline.py) behind the runner's forward."""
         from data_plane.shard.engines.pipeline import PipelineGroup, PipelineSpec
 
-        spec = PipelineSpec(model=model, dtype=self.config.dtype, max_num_seqs=self.config.max_num_seqs,
+        spec = PipelineSpec(model=self.config.model or "", dtype=dtype, quantization=quantization,
+                            max_num_seqs=self.config.max_num_seqs,
                             max_len=self.max_model_len, ranges=tuple(ranges),
                             timeout_s=self.config.pipeline_stage_timeout_s, threads=threads)
         self.pipeline = PipelineGroup(spec, self._stage_lost, self.listener.on_stage)
-        hops = self.pipeline.start(int(self._runner.embed.shape[1]), self._runner.dtype)
+        hops = self.pipeline.start(int(self._runner.norm.shape[0]), self._runner.dtype)
         hops.on_pass = self.listener.on_hop
         self._runner.downstream = hops
 
@@ -257,6 +275,8 @@ class TorchEngine:
     async def aclose(self) -> None:
         self._stop = True
         self._wake.set()
+        if self.grammars is not None:
+            self.grammars.close()
         # A lost stage can leave the scheduler thread in a receive for good: no join then.
         if self._thread is not None and (self.pipeline is None or self.dead is None):
             await asyncio.to_thread(self._thread.join, 10)
@@ -297,16 +317,34 @@ class TorchEngine:
                            prefix_cache_block_bytes=pc.block_bytes if pc else 0,
                            prefix_cache_capacity_bytes=pc.capacity_bytes if pc else 0)
 
+    async def prepare(self, req: GenerationRequest) -> None:
+        """Before `generate`: compile the request's grammar off the scheduler thread (cached by digest;
+        raises grammar.GrammarError for one refused) and check its logit_bias token ids."""
+        bad = [t for t, _ in req.params.logit_bias if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"logit_bias names token id {bad[0]}, outside this model's vocabulary "
+                                 f"(0..{self.vocab_size - 1})", param="logit_bias")
+        if req.params.grammar is not None and req.grammar is None:
+            assert self.grammars is not None, "prepare() before the model is loaded"
+            req.grammar = await self.grammars.compile(req.params.grammar)
+
     def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         """Validate and enqueue `req` now (raising 4xx/503 errors before any compute);
-        return the iterator of its outputs. Closing the iterator early aborts the request."""
+        return the iterator of its outputs. Closing the iterator early aborts the request.
+        A request with a grammar must have been through `prepare`."""
         if self.dead is not None:
             raise Overloaded("the engine has failed; this shard is restarting", retry_after=5)
         max_tokens = check_lengths(len(req.prompt_ids), req.params.max_tokens, self.max_model_len)
+        if req.params.grammar is not None and req.grammar is None:
+            raise InvalidRequest("a constrained request was not prepared (its grammar is not compiled)")
         queue: asyncio.Queue[GenerationOutput | BaseException] = asyncio.Queue()
         loop = self._loop or asyncio.get_running_loop()
+        proc = req.processor = RequestLogits.build(req.params, req.grammar, sorted(self._eos), req.prompt_ids,
+                                                   self.vocab_size, self.listener)
 
         def sink(out: GenerationOutput | BaseException) -> None:
+            if proc is not None and req.params.logprobs and isinstance(out, GenerationOutput):
+                out = dataclasses.replace(out, logprobs=proc.drain())  # this output's tokens (scheduler thread)
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
         gen = None

@@ -43,7 +43,8 @@ class StepResult:
 
 def choose_tokens(logits: torch.Tensor, seqs: Sequence[SeqState]) -> list[int]:
     """One token per row of `logits` for the sequence of that row (its sampling params and generator)."""
-    return sample(logits, [s.req.params for s in seqs], [s.generator for s in seqs])
+    return sample(logits, [s.req.params for s in seqs], [s.generator for s in seqs],
+                  [s.req.processor for s in seqs])
 
 
 class Executor:

@@ -99,7 +99,9 @@ class OutputProcessor:
         now = time.monotonic()
         if seq.first_token_at is None:
             seq.first_token_at = now
-            self.listener.on_first_token(now - seq.req.arrival)
+            # the prompt's prefill time too: observed with TTFT, not at the end (shard/metrics.py on_first_token)
+            self.listener.on_first_token(now - seq.req.arrival, (seq.prefill_done_at - (seq.admitted_at or now))
+                                         if seq.prefill_done_at else None)
         seq.last_token = token
         if token in self.eos:
             self.finish(seq, FINISH_STOP, held)

@@ -82,7 +82,9 @@ class SlotPrefix:
               on_evict: Callable[[str, int], None]) -> "SlotPrefix":
         r = runner
         layout = f"llama.L{r.num_layers}.kvh{r.num_kv_heads}.d{r.head_dim}.bs{block_size}"
-        hasher = BlockHasher(layout_seed(model_id, dtype, layout), block_size)
+        # Seeded with the weight format too: int4 KV never answers a bf16 lookup (nor the KV tier's).
+        hasher = BlockHasher(layout_seed(model_id, dtype, layout, weights=getattr(r, "weight_format", "dense")),
+                             block_size)
         cache = PrefixCache(num_layers=r.num_layers, kv_heads=r.num_kv_heads,
                             head_dim=r.head_dim, block_size=block_size,
                             dtype=r.dtype, budget_bytes=budget_bytes or auto_budget_bytes(),

@@ -32,6 +32,7 @@ from data_plane.shard.engines.speculation import (
     accept_sampled,
     target_probs,
 )
+from data_plane.shard.engines.torch_sampling import sample
 
 if TYPE_CHECKING:
     import torch
@@ -72,6 +73,8 @@ class Speculator:
         return [self._draft(s, max_model_len, row_cost) for s in seqs]
 
     def _draft(self, seq: SeqState, max_model_len: int, row_cost: float) -> tuple[list[int], bool]:
+        if seq.req.processor is not None:
+            return [], False  # processed/constrained sequences decode one token a step (no drafts)
         state = self.state(seq)
         ctx = seq.spec_ctx
         ctx.extend(seq.output_ids[len(ctx) - len(seq.req.prompt_ids):])
@@ -95,7 +98,9 @@ class Speculator:
         off = 0
         for row in rows:
             n, seq = len(row.tokens), row.seq
-            if seq.req.params.greedy:
+            if seq.req.processor is not None:  # never drafts: its one row goes through the processing sampler
+                out.append(sample(logits[off : off + n], [seq.req.params], [seq.generator], [seq.req.processor]))
+            elif seq.req.params.greedy:
                 out.append(accept_greedy(row.draft, argmax[off : off + n]))
             else:
                 out.append(accept_sampled(row.draft, target_probs(logits[off : off + n], seq.req.params),

@@ -1,0 +1,190 @@
+"""A request's choices on their way out of the shard: tool-call envelopes parsed, logprobs rendered, n merged.
+
+    choice = Choice(0, plan, token_bytes)             # one per `n`
+    deltas = choice.feed(out)                          # chunk deltas (content / tool_calls) + logprobs
+    choice.message(), choice.finish(out.finish_reason) # the whole message and its finish_reason
+    async for index, out in merged([outputs0, outputs1, ...]): ...
+
+finish_reason follows OpenAI: ``tool_calls`` when the model called tools (required, or auto and it chose
+to), ``stop`` for a named tool choice, ``length`` whenever the limit cut the output (a cut structure is
+never reported as complete). Logprobs are OpenAI's shape: ``{"content": [{"token", "logprob", "bytes",
+"top_logprobs": [...]}]}``, with ``bytes`` the token's own UTF-8 bytes (a token may hold part of a
+character).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from data_plane.common.errors import InvalidRequest, UnsupportedParameter
+from data_plane.shard.engines.base import FINISH_LENGTH, GenerationOutput, GenerationRequest, TokenLogprob
+from data_plane.shard.engines.grammar import GrammarError
+from data_plane.structured import OutputPlan, ToolMode
+from data_plane.tool_calls import EnvelopeParser, assemble, delta_of
+
+FINISH_TOOL_CALLS = "tool_calls"
+
+
+class Choice:
+    def __init__(self, index: int, plan: OutputPlan, token_bytes: Callable[[int], bytes] | None) -> None:
+        self.index = index
+        self.plan = plan
+        self.token_bytes = token_bytes
+        self.parser = EnvelopeParser(plan.json_response) if plan.tool_mode != ToolMode.NONE else None
+        self.events: list[Any] = []
+        self.text: list[str] = []
+        self.logprobs: list[dict[str, Any]] = []
+
+    def feed(self, out: GenerationOutput) -> list[dict[str, Any]]:
+        """The chunk deltas for one engine output (the logprobs ride on the first, or on an empty delta)."""
+        deltas: list[dict[str, Any]] = []
+        if out.text:
+            self.text.append(out.text)
+            if self.parser is None:
+                deltas.append({"content": out.text})
+            else:
+                events = self.parser.feed(out.text)
+                self.events.extend(events)
+                deltas.extend(delta_of(e) for e in events)
+        lps = [self._entry(e) for e in out.logprobs] if self.token_bytes is not None else []
+        self.logprobs.extend(lps)
+        if lps:
+            if not deltas:
+                deltas.append({})
+            deltas[0] = {**deltas[0], "logprobs": {"content": lps}}
+        return deltas
+
+    def _entry(self, e: TokenLogprob) -> dict[str, Any]:
+        assert self.token_bytes is not None
+
+        def one(token_id: int, logprob: float) -> dict[str, Any]:
+            raw = self.token_bytes(token_id)  # type: ignore[misc]
+            return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+        return {**one(e.token_id, e.logprob), "top_logprobs": [one(t.token_id, t.logprob) for t in e.top]}
+
+    @property
+    def called_tools(self) -> bool:
+        return self.parser is not None and bool(self.parser.calls)
+
+    def message(self) -> dict[str, Any]:
+        if self.parser is None:
+            return {"role": "assistant", "content": "".join(self.text)}
+        return {"role": "assistant", **assemble(self.events)}
+
+    def finish(self, reason: str | None) -> str | None:
+        if reason == FINISH_LENGTH or not self.called_tools:
+            return reason
+        return "stop" if self.plan.tool_mode == ToolMode.NAMED else FINISH_TOOL_CALLS
+
+    def wire_logprobs(self) -> dict[str, Any] | None:
+        return {"content": self.logprobs} if self.token_bytes is not None else None
+
+
+async def merged(streams: Sequence[AsyncIterator[GenerationOutput]]) -> AsyncIterator[tuple[int, GenerationOutput]]:
+    """(choice index, output) from every stream as they come; closing this closes them all (aborting)."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            aclose = getattr(streams[0], "aclose", None)
+            if aclose is not None:
+                await aclose()  # the engine aborts the request at its next step
+        return
+    queue: asyncio.Queue[tuple[int, GenerationOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[GenerationOutput]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s), name=f"choice-{i}") for i, s in enumerate(streams)]
+    try:
+        live = len(tasks)
+        while live:
+            i, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()  # each stream closes inside its task (the engine aborts that choice)
+        await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
+
+
+_GRAMMAR_CODES = {"unsupported": "unsupported_schema", "too_large": "grammar_too_large",
+                  "timeout": "grammar_timeout", "invalid": "invalid_grammar"}
+
+
+async def prepare_requests(engine: Any, reqs: Sequence[GenerationRequest], plan: OutputPlan) -> None:
+    """Compile the grammar (once: the choices share its cache entry) before any is enqueued; a refused
+    grammar is a 400 naming the field (and, for a JSON schema, the unsupported keywords)."""
+    needs = any(r.params.processed or r.params.min_p for r in reqs)
+    prepare = getattr(engine, "prepare", None)
+    if prepare is None:
+        if needs:
+            raise UnsupportedParameter("this shard's engine does not support structured outputs, tools, "
+                                       "logprobs, penalties or logit_bias", param=_param(plan))
+        return
+    try:
+        for r in reqs:
+            await prepare(r)
+    except GrammarError as exc:
+        raise InvalidRequest(exc.message, param=_param(plan), code=_GRAMMAR_CODES.get(exc.reason)) from None
+
+
+def _param(plan: OutputPlan) -> str:
+    if plan.tool_mode != ToolMode.NONE:
+        return "tools"
+    return "response_format"
+
+
+def choice_streams(engine: Any, reqs: Sequence[GenerationRequest]) -> list[AsyncIterator[GenerationOutput]]:
+    """Choice 0 is enqueued now (its errors raise here); with n > 1 the others are enqueued once choice 0
+    has its first token, so its prompt blocks are in the prefix cache and theirs are copied, not recomputed."""
+    first = engine.generate(reqs[0])
+    if len(reqs) == 1:
+        return [first]
+    ready = asyncio.Event()
+
+    async def lead() -> AsyncIterator[GenerationOutput]:
+        try:
+            async for out in first:
+                ready.set()
+                yield out
+        finally:
+            ready.set()
+
+    async def follow(req: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        await ready.wait()
+        async for out in engine.generate(req):
+            yield out
+
+    return [lead(), *(follow(r) for r in reqs[1:])]
+
+
+def token_bytes(engine: Any) -> Callable[[int], bytes]:
+    grammars = getattr(engine, "grammars", None)
+    if grammars is not None:  # llguidance's tokenizer knows each token's exact bytes
+        return lambda token_id: bytes(grammars.tokenizer.decode_bytes([token_id]))
+    return lambda token_id: str(engine._tokenizer.decode([token_id])).encode()
+
+
+def describe(span: Any, req: GenerationRequest, plan: OutputPlan, n: int) -> None:
+    """Span attributes of a request's output shape (bounded values)."""
+    span.set_attribute("switchboard.structured.kind", plan.constraint.kind if plan.constraint else "none")
+    span.set_attribute("switchboard.tools.mode", plan.tool_mode.value)
+    span.set_attribute("gen_ai.request.choice.count", n)
+    if req.params.seed is not None:
+        span.set_attribute("gen_ai.request.seed", req.params.seed)
+    span.set_attribute("switchboard.logprobs", req.params.logprobs)

@@ -1,0 +1,244 @@
+"""Which dtype and weight format a shard serves, decided once at load, and the layers built for it.
+
+    caps = CpuCaps.detect()                                   # torch's capability + /proc/cpuinfo flags
+    plan = resolve_plan("auto", "auto", source="q4", caps=caps)
+    plan.dtype, plan.dtype_reason                             # "bfloat16", "quantized_kernel"
+    plan.quantization, plan.quantization_reason               # "int4", "gguf_q4"
+    build = WeightBuilder(plan, state=model.state_dict(), gguf=None)   # or gguf=GGUFWeights.open(...)
+    lin = build.linear(["...q_proj.weight", "...k_proj.weight", "...v_proj.weight"])
+    embed, head = build.embed_and_head(tied=True)
+
+`resolve_plan` is pure (capabilities passed in) and is the whole policy:
+
+dtype auto
+  - a quantized format -> bfloat16 (``quantized_kernel``): torch's int4/int8 CPU kernels are only fast
+    with bf16 activations (float32: 169 / 75 ms against 27 ms dense for a decode step's GEMMs here).
+  - else a CPU with native bf16 (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo, and oneDNN agrees)
+    -> bfloat16 (``native_bf16``): a decode step's GEMMs 7.8 ms against 26.6 fp32 (batch 1).
+  - else float32 (``no_native_bf16``): on an AVX2-only EPYC one GEMM was 1.7x (batch 1) to 6.1x
+    (batch 16) slower in bf16 than fp32 (docs/BENCHMARKS.md).
+quantization auto
+  - float32 or float16 asked for explicitly -> none (``dense_activations``): float32 is the
+    batch-invariant mode, and the int kernels are slower than dense with those activations.
+  - a GGUF whose projections are Q4_0/Q4_1 -> int4 (``gguf_q4``): its blocks served as they are. The
+    decode step at a few streams is memory-bound (bytes per token): the step's GEMMs 3.9 ms int4
+    against 7.8 ms bf16 at batch 1 on avx512_bf16, and with AVX2 kernels only (ATEN_CPU_CAPABILITY=avx2,
+    ONEDNN_MAX_CPU_ISA=AVX2 on the same machine) 11.9 ms int4 / 26.4 ms fp32 at batch 1 and 48.6 /
+    68.8 ms at batch 16. The cost: where bf16 is native, at batch 16 int4 is 22.1 ms against 14.2 ms
+    packed bf16; a shard that always runs many streams there serves faster with ``--quantization none``.
+  - a GGUF of Q8_0 projections -> int8 (``gguf_q8``); a dense model -> none (``dense_model``): auto
+    never quantizes a dense checkpoint by itself (vLLM's rule: serve what the checkpoint is).
+
+What is quantized (int8 and int4): every projection (q/k/v fused, o, gate/up fused, down). The LM head
+and the embedding (tied: one table) are int8 per output channel in both formats: the head is 21 % of
+SmolLM2-135M's weights and its logits decide greedy output, so it keeps 8 bits (measured: an int4 head,
+per 32 like Q4_1, took perplexity from +0.9 % to +4.4 % of float32 and greedy agreement on 32 tokens
+from 0.65 to 0.21, though its GEMM was 2.5 ms against 6.0 ms int8 and 4.8 ms packed bf16); a GGUF's Q8_0 table
+(one scale per 32) is requantized to one scale per row (no kernel takes per-32 int8 scales).
+Norms and biases stay in the serving dtype. int4 from a GGUF is exact (its Q4_0/Q4_1 blocks,
+data_plane/shard/engines/gguf_weights.py); from a dense model it is quantized at load like Q4_1
+(per 32, min/max). `WeightBuilder.label` names what was built; the prefix cache seeds its block
+digests with it (data_plane/shard/engines/kv_cache.py layout_seed), so formats never share KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from data_plane.shard.engines.gguf_weights import INT4_KINDS, GGUFWeights
+from data_plane.shard.engines.packed_linear import Linear, should_pack
+from data_plane.shard.engines.prepared_weights import PreparedWeights
+from data_plane.shard.engines.quant_linear import Int4Linear, Int8Embedding, Int8Linear
+
+DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+class DtypeReason(str, Enum):
+    REQUESTED = "requested"
+    NATIVE_BF16 = "native_bf16"
+    NO_NATIVE_BF16 = "no_native_bf16"
+    QUANTIZED_KERNEL = "quantized_kernel"
+
+
+class QuantReason(str, Enum):
+    REQUESTED = "requested"
+    GGUF_Q4 = "gguf_q4"
+    GGUF_Q8 = "gguf_q8"
+    DENSE_MODEL = "dense_model"
+    DENSE_ACTIVATIONS = "dense_activations"
+
+
+@dataclass(frozen=True)
+class CpuCaps:
+    """What the CPU offers: torch's dispatch level (AVX512, AVX2, ...), cpuinfo flags, model name."""
+
+    capability: str
+    flags: frozenset[str]
+    model: str = ""
+    onednn_bf16: bool = True
+
+    @property
+    def native_bf16(self) -> bool:
+        return bool(self.flags & NATIVE_BF16_FLAGS) and self.onednn_bf16
+
+    @classmethod
+    def detect(cls) -> CpuCaps:
+        flags: frozenset[str] = frozenset()
+        model = ""
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            text = ""
+        for line in text.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("flags", "Features") and not flags:
+                flags = frozenset(value.split())
+            elif key.strip() == "model name" and not model:
+                model = value.strip()
+        onednn = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return cls(torch.backends.cpu.get_cpu_capability(), flags, model, onednn)
+
+    def summary(self) -> str:
+        """`model; torch CAPABILITY; bf16/amx/avx flags` for reports and the ready line."""
+        keep = sorted(f for f in self.flags if f.startswith(("avx", "amx", "fma", "f16c")))
+        return f"{self.model or 'unknown CPU'}; torch {self.capability}; flags {' '.join(keep) or '-'}"
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    dtype: str
+    dtype_reason: DtypeReason
+    quantization: str
+    quantization_reason: QuantReason
+
+    def describe(self) -> str:
+        return (f"{self.dtype} ({self.dtype_reason.value}), weights {self.quantization} "
+                f"({self.quantization_reason.value})")
+
+
+def resolve_plan(dtype: str, quantization: str, *, source: str, caps: CpuCaps) -> WeightPlan:
+    """The served dtype and weight format (the policy in the module docstring). `source` is what the
+    model's projections ship as: ``q4`` (GGUF Q4_0/Q4_1), ``q8`` (GGUF Q8_0) or ``dense``."""
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}")
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}")
+    if quantization != "auto":
+        quant, q_reason = quantization, QuantReason.REQUESTED
+    elif dtype in ("float32", "float16"):
+        quant, q_reason = "none", QuantReason.DENSE_ACTIVATIONS
+    elif source == "q4":
+        quant, q_reason = "int4", QuantReason.GGUF_Q4
+    elif source == "q8":
+        quant, q_reason = "int8", QuantReason.GGUF_Q8
+    else:
+        quant, q_reason = "none", QuantReason.DENSE_MODEL
+    if dtype != "auto":
+        return WeightPlan(dtype, DtypeReason.REQUESTED, quant, q_reason)
+    if quant != "none":
+        return WeightPlan("bfloat16", DtypeReason.QUANTIZED_KERNEL, quant, q_reason)
+    if caps.native_bf16:
+        return WeightPlan("bfloat16", DtypeReason.NATIVE_BF16, quant, q_reason)
+    return WeightPlan("float32", DtypeReason.NO_NATIVE_BF16, quant, q_reason)
+
+
+class LinearLike(Protocol):
+    out_features: int
+    in_features: int
+    numel: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor: ...
+
+
+def nbytes(obj: object) -> int:
+    """Bytes held by a layer, an embedding table or a plain tensor."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    return int(obj.nbytes)  # type: ignore[attr-defined]
+
+
+class WeightBuilder:
+    """Builds the runner's layers in the plan's format from a dense state dict and/or a GGUF."""
+
+    def __init__(self, plan: WeightPlan, *, state: Mapping[str, torch.Tensor] | None = None,
+                 gguf: GGUFWeights | PreparedWeights | None = None, pack: bool | None = None) -> None:
+        if state is None and gguf is None:
+            raise ValueError("WeightBuilder needs a state dict or a GGUF")
+        self.plan = plan
+        self.dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[plan.dtype]
+        self.pack = should_pack(self.dtype) if pack is None else pack
+        self._state = state
+        self._gguf = gguf
+        self._origins: set[str] = set()
+
+    @property
+    def label(self) -> str:
+        """What was built, e.g. ``int4[q4_1]+int8[q8_0]`` or ``dense``: the prefix cache's seed part."""
+        return f"{self.plan.quantization}[{','.join(sorted(self._origins))}]" if self._origins else "dense"
+
+    def _dense(self, name: str) -> torch.Tensor:
+        if self._gguf is not None and name in self._gguf:
+            t = self._gguf[name]
+            if self.plan.quantization != "none" and t.kind not in ("F32", "F16"):
+                self._origins.add(t.kind.lower())
+            return t.dense()
+        assert self._state is not None, name
+        if self.plan.quantization != "none":
+            self._origins.add("rtn")
+        return self._state[name].detach()
+
+    def vector(self, name: str) -> torch.Tensor:
+        """A norm weight or bias, in the serving dtype."""
+        if self._gguf is not None and name in self._gguf:
+            return self._gguf[name].dense().reshape(-1).to(self.dtype)
+        assert self._state is not None, name
+        return self._state[name].detach().to(self.dtype)
+
+    def has(self, name: str) -> bool:
+        return (self._gguf is not None and name in self._gguf) or (self._state is not None and name in self._state)
+
+    def linear(self, names: Sequence[str], bias: torch.Tensor | None = None) -> LinearLike:
+        """One layer computing the named weights' outputs concatenated (rows stacked in order)."""
+        q = self.plan.quantization
+        b = None if bias is None else bias.to(self.dtype)
+        if q == "int4" and self._gguf is not None and all(n in self._gguf and self._gguf[n].kind in INT4_KINDS
+                                                           for n in names):
+            parts = [self._gguf[n].int4_parts() for n in names]
+            self._origins.update(self._gguf[n].kind.lower() for n in names)
+            return Int4Linear(*(torch.cat(p) for p in zip(*parts)), dtype=self.dtype, bias=b)
+        w = torch.cat([self._dense(n) for n in names])
+        if q == "int4":
+            return Int4Linear.from_dense(w, dtype=self.dtype, bias=b)
+        if q == "int8":
+            return Int8Linear.from_dense(w, dtype=self.dtype, bias=b)
+        return Linear(w.to(self.dtype), b, pack=self.pack)
+
+    def embed_and_head(self, tied: bool) -> tuple[torch.Tensor | Int8Embedding, LinearLike]:
+        """The embedding table (row lookups) and the LM head; one shared table when tied."""
+        if self.plan.quantization == "none":
+            embed = self._dense("model.embed_tokens.weight").to(self.dtype).contiguous()
+            head = embed if tied else self._dense("lm_head.weight").to(self.dtype).contiguous()
+            return embed, Linear(head, pack=self.pack)
+        table = self._int8("model.embed_tokens.weight")
+        qhead = table if tied else self._int8("lm_head.weight")
+        return table.embedding(), qhead
+
+    def _int8(self, name: str) -> Int8Linear:
+        """A per-channel int8 table: as prepared (data_plane/shard/engines/prepared_weights.py) or quantized now."""
+        if isinstance(self._gguf, PreparedWeights) and name in self._gguf:
+            t = self._gguf[name]
+            parts = t.int8_parts()
+            if parts is not None:
+                self._origins.add(t.kind.lower())
+                return Int8Linear(*parts, dtype=self.dtype)
+        return Int8Linear.from_dense(self._dense(name), dtype=self.dtype)

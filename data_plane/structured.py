@@ -1,0 +1,301 @@
+"""Structured outputs and tools on the wire, and the one constraint a request's output follows.
+
+    req = ChatCompletionRequest.model_validate(body)     # fields typed by the models below
+    plan = output_plan(req)                              # OutputPlan: constraint, tool mode, tools prompt
+    plan.constraint                                      # Constraint(kind="json_schema", text=...) or None
+
+The request fields are defined once, on `protocol.ChatCompletionRequest` (the Responses API builds on
+them); their shapes are here. What a request asks of its output becomes one `Constraint` (a kind and a
+grammar source the engine compiles: data_plane/shard/engines/grammar.py):
+
+- ``response_format`` ``json_object`` -> any JSON object; ``json_schema`` -> its schema (strict or not:
+  both are enforced by the grammar; keywords the grammar engine cannot enforce are a 400 naming them).
+- vLLM's ``structured_outputs`` extension: exactly one of ``json``, ``regex``, ``choice``, ``grammar``
+  (Lark or GBNF), ``json_object``.
+- ``tools`` with ``tool_choice`` ``auto`` / ``required`` / a named function: the generic JSON envelope
+  (llama.cpp's approach for models without a tool template, which ours is), forced by grammar::
+
+      {"tool_calls": [{"name": "<function>", "arguments": {...its parameters...}}, ...]}
+      {"response": "<text for the user>"}                       # auto only
+
+  ``required`` and a named choice allow only ``tool_calls`` (a named one: that function, one call; a
+  response_format has nothing left to shape then, as with OpenAI);
+  ``parallel_tool_calls: false`` allows one call. The tools and the envelope are described to the model
+  in a system message (`tools_prompt`); data_plane/tool_calls.py parses the envelope back into OpenAI's
+  ``tool_calls`` (streamed as deltas). ``tool_choice: none`` leaves tools out entirely.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_TOOLS = 128
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = Field(default=None, max_length=8192)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` request field (exactly one constraint)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=1024)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object")
+        return self
+
+
+class ToolMode(str, Enum):
+    """How a request's tools shape its output (a bounded label)."""
+
+    NONE = "none"
+    AUTO = "auto"
+    REQUIRED = "required"
+    NAMED = "named"
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """The grammar a request's output follows: `kind` (json_object, json_schema, regex, choice, grammar,
+    tools) and its source text (a JSON schema, a regex, a JSON list of strings, a Lark/GBNF grammar)."""
+
+    kind: str
+    text: str
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    constraint: Constraint | None
+    tool_mode: ToolMode
+    tools_prompt: str | None
+    """A system message describing the tools and the envelope (None without tools)."""
+    json_response: bool = False
+    """Auto tools with a response_format: the envelope's answer is a JSON value (its text is the content)."""
+
+
+ANY_JSON_OBJECT = '{"type": "object"}'
+SAFE_INTEGER = 2**53 - 1
+
+
+def _hoist(schema: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """`schema` to be nested in the envelope: its `$defs`/`definitions` move to the root's `defs` under
+    `prefix` and its local refs ("#", "#/$defs/X", "#/definitions/X") are rewritten to match."""
+    schema = dict(schema)
+    own = {**schema.pop("definitions", {}), **schema.pop("$defs", {})}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: walk(v) for k, v in node.items()}
+            ref = out.get("$ref")
+            if isinstance(ref, str):
+                if ref == "#":
+                    out["$ref"] = f"#/$defs/{prefix}root"
+                    defs.setdefault(f"{prefix}root", None)
+                for head in ("#/$defs/", "#/definitions/"):
+                    if ref.startswith(head):
+                        out["$ref"] = "#/$defs/" + prefix + ref[len(head):]
+            return out
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    body = walk(schema)
+    for name, sub in own.items():
+        defs[prefix + name] = walk(sub)
+    if f"{prefix}root" in defs and defs[f"{prefix}root"] is None:
+        defs[f"{prefix}root"] = body
+    return body
+
+
+def closed(schema: Any, in_all_of: bool = False) -> Any:
+    """`schema` with every object that lists `properties` and says nothing of `additionalProperties` closed
+    (``additionalProperties: false``, as OpenAI's strict mode requires of every object): a model then
+    writes the listed keys, not keys of its own. Say ``additionalProperties: true`` to allow extra keys.
+    Members of an ``allOf`` are left open (closing them would contradict each other). An unbounded
+    ``integer`` gets JSON's portable range (+-(2**53 - 1), 16 digits), so a small model cannot write digits
+    until the token limit."""
+    if isinstance(schema, list):
+        return [closed(v, in_all_of) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v, k == "allOf") if k in ("allOf", "anyOf", "oneOf", "items", "prefixItems") else
+           {n: closed(d) for n, d in v.items()} if k in ("properties", "$defs", "definitions") and isinstance(v, dict)
+           else v for k, v in schema.items()}
+    if ("properties" in out and "additionalProperties" not in out and "patternProperties" not in out
+            and not in_all_of):
+        out["additionalProperties"] = False
+    if out.get("type") == "integer":
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -SAFE_INTEGER
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INTEGER
+    return out
+
+
+def _call_schema(tool: ToolDef, prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
+    params = _hoist(closed(tool.function.parameters or {"type": "object", "properties": {}}), prefix, defs)
+    return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": params},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def envelope_schema(tools: list[ToolDef], mode: ToolMode, parallel: bool,
+                    response: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON schema of the generic tool envelope for `tools` under `mode` (module docstring); in auto
+    mode `response` (a response_format's schema) replaces the plain-text answer."""
+    defs: dict[str, Any] = {}
+    calls = [_call_schema(t, f"t{i}_", defs) for i, t in enumerate(tools)]
+    item: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    array: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
+    if not parallel or mode == ToolMode.NAMED:
+        array["maxItems"] = 1
+    tool_calls = {"type": "object", "properties": {"tool_calls": array}, "required": ["tool_calls"],
+                  "additionalProperties": False}
+    root: dict[str, Any] = tool_calls
+    if mode == ToolMode.AUTO:
+        answer = _hoist(response, "r_", defs) if response is not None else {"type": "string"}
+        root = {"anyOf": [tool_calls, {"type": "object", "properties": {"response": answer},
+                                       "required": ["response"], "additionalProperties": False}]}
+    return {**root, "$defs": defs} if defs else root
+
+
+def tools_prompt(tools: list[ToolDef], mode: ToolMode) -> str:
+    lines = ["You can call these tools (JSON schemas of their arguments):"]
+    for t in tools:
+        f = t.function
+        lines.append(json.dumps({"name": f.name, "description": f.description or "",
+                                 "parameters": f.parameters or {}}, ensure_ascii=False))
+    lines.append('Answer with JSON only. To call tools: {"tool_calls": [{"name": "<tool name>", '
+                 '"arguments": {<the arguments>}}]}.')
+    if mode == ToolMode.AUTO:
+        lines.append('To answer the user directly instead, or once a tool has returned what you need: '
+                     '{"response": <your answer>}.')
+    return "\n".join(lines)
+
+
+def tool_mode(tools: list[ToolDef] | None, choice: Any) -> ToolMode:
+    if not tools or choice == "none":
+        return ToolMode.NONE
+    if isinstance(choice, NamedToolChoice):
+        return ToolMode.NAMED
+    return ToolMode.REQUIRED if choice == "required" else ToolMode.AUTO
+
+
+def output_plan(response_format: ResponseFormat | None, structured: StructuredOutputs | None,
+                tools: list[ToolDef] | None, choice: Any, parallel: bool | None) -> OutputPlan:
+    """The constraint and tool mode of a request (validated already: `check_output_fields`)."""
+    mode = tool_mode(tools, choice)
+    if mode != ToolMode.NONE:
+        assert tools is not None
+        chosen = tools
+        if isinstance(choice, NamedToolChoice):
+            chosen = [t for t in tools if t.function.name == choice.function.name]
+        answer = response_schema(response_format)
+        schema = envelope_schema(chosen, mode, parallel is not False, answer)
+        return OutputPlan(Constraint("tools", json.dumps(schema)), mode, tools_prompt(chosen, mode),
+                          answer is not None)
+    if structured is not None:
+        if structured.json_ is not None:
+            text = structured.json_ if isinstance(structured.json_, str) else json.dumps(closed(structured.json_))
+            return OutputPlan(Constraint("json_schema", text), mode, None)
+        if structured.regex is not None:
+            return OutputPlan(Constraint("regex", structured.regex), mode, None)
+        if structured.choice is not None:
+            return OutputPlan(Constraint("choice", json.dumps(structured.choice)), mode, None)
+        if structured.grammar is not None:
+            return OutputPlan(Constraint("grammar", structured.grammar), mode, None)
+        return OutputPlan(Constraint("json_object", ANY_JSON_OBJECT), mode, None)
+    if response_format is None or response_format.type == "text":
+        return OutputPlan(None, mode, None)
+    answer = response_schema(response_format)
+    assert answer is not None
+    kind = "json_object" if response_format.type == "json_object" else "json_schema"
+    return OutputPlan(Constraint(kind, json.dumps(answer)), mode, None)
+
+
+def response_schema(response_format: ResponseFormat | None) -> dict[str, Any] | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object" or response_format.json_schema is None:
+        return {"type": "object"}
+    return closed(response_format.json_schema.schema_ or {"type": "object"})
+
+
+def check_output_fields(response_format: ResponseFormat | None, structured: StructuredOutputs | None,
+                        tools: list[ToolDef] | None, choice: Any) -> tuple[str, str] | None:
+    """(param, message) for a request whose output fields contradict each other, else None."""
+    if tools is not None and len(tools) > MAX_TOOLS:
+        return "tools", f"at most {MAX_TOOLS} tools are allowed"
+    if choice is not None and choice != "none" and not tools:
+        return "tool_choice", "tool_choice needs tools"
+    if isinstance(choice, NamedToolChoice) and tools and choice.function.name not in {
+            t.function.name for t in tools}:
+        return "tool_choice", f"tool_choice names {choice.function.name!r}, which is not among the tools"
+    if tools and len({t.function.name for t in tools}) != len(tools):
+        return "tools", "tool names must be unique"
+    constrained = response_format is not None and response_format.type != "text"
+    if constrained and structured is not None:
+        return "structured_outputs", "set response_format or structured_outputs, not both"
+    mode = tool_mode(tools, choice)
+    if mode != ToolMode.NONE and structured is not None:
+        return "structured_outputs", "structured_outputs cannot be combined with tools"
+    return None

@@ -1,0 +1,270 @@
+"""Structured outputs, tools and the sampling parameters through a whole cluster (gateway, router, one real
+torch shard in float32, a cache node), driven by the clients applications use: the openai SDK (`parse`,
+streamed `parse`, tools streamed and not), instructor (TOOLS, JSON_SCHEMA), LangChain
+(`with_structured_output`, `bind_tools`), the OpenAI Agents SDK (Chat Completions model, a function tool
+and an output type) and guidellm's fixed-length synthetic benchmark (it sends vLLM's `ignore_eos`).
+
+    .venv/bin/python -m pytest tests/data_plane/test_structured_api.py -q      # ~3 min (real model)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+from pydantic import BaseModel, Field
+
+from tests.support.cluster import KEYS, Cluster
+
+BLOCKED = "nukeville"
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=24)
+    age: int = Field(ge=0, le=120)
+
+
+class GetWeather(BaseModel):
+    """Get the current weather in a city."""
+
+    city: str = Field(max_length=24)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    from data_plane.gateway.safety.pipeline import DEFAULT_POLICIES
+    from data_plane.tiers import TierPolicy
+
+    tmp = tmp_path_factory.mktemp("structured")
+    policies = json.loads(json.dumps(DEFAULT_POLICIES))
+    policies["policies"]["strict"] = {"window": 16, "input": [],
+                                      "output": [{"type": "rules", "categories": {"test_word": [BLOCKED]}}]}
+    (tmp / "safety.yaml").write_text(yaml.safe_dump(policies))
+    tiers = TierPolicy.default().to_dict()
+    tiers["tiers"]["enterprise"]["safety"] = "strict"
+    (tmp / "tiers.yaml").write_text(yaml.safe_dump(tiers))
+    with Cluster(shards=1, caches=1, engine="torch",
+                 shard_args=["--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "2048"],
+                 # a generous silence bound: these tests are about the API, not failover (2 cores, loaded)
+                 gateway_args=["--safety-file", str(tmp / "safety.yaml"), "--tiers-file", str(tmp / "tiers.yaml"),
+                               "--silence-timeout-s", "30"]
+                 ) as c:
+        yield c
+
+
+def sdk(c: Cluster, tier: str = "plus") -> openai.OpenAI:
+    return openai.OpenAI(base_url=c.gateway.url + "/v1", api_key=KEYS[tier], max_retries=0, timeout=120)
+
+
+ASK_PERSON = [{"role": "user", "content": "Invent a person. Give their name and age."}]
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_openai_parse_plain_and_streamed(cluster: Cluster) -> None:
+    client = sdk(cluster)
+    done = client.chat.completions.parse(model="", messages=ASK_PERSON, response_format=Person, max_tokens=60,
+                                         temperature=0)
+    person = done.choices[0].message.parsed
+    assert isinstance(person, Person) and done.choices[0].finish_reason == "stop"
+    assert done.system_fingerprint
+    with client.chat.completions.stream(model="", messages=ASK_PERSON, response_format=Person, max_tokens=60,
+                                        temperature=0) as stream:
+        streamed = stream.get_final_completion()
+    assert streamed.choices[0].message.parsed == person  # greedy fp32: the same object either way
+
+
+def test_openai_tools_required_named_auto_streamed(cluster: Cluster) -> None:
+    client = sdk(cluster)
+    tool = openai.pydantic_function_tool(GetWeather)
+    out = client.chat.completions.create(model="", messages=ASK_WEATHER, tools=[tool], tool_choice="required",
+                                         parallel_tool_calls=False, max_tokens=40, temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "GetWeather" and call.id.startswith("call_")
+    GetWeather.model_validate_json(call.function.arguments)
+    named = client.chat.completions.create(
+        model="", messages=ASK_WEATHER, tools=[tool], max_tokens=40, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "GetWeather"}})
+    assert named.choices[0].finish_reason == "stop"
+    assert named.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+    # Streamed: OpenAI's delta shape; the SDK's accumulator rebuilds the same call.
+    chunks = list(client.chat.completions.create(model="", messages=ASK_WEATHER, tools=[tool], tool_choice="required",
+                                                 parallel_tool_calls=False, max_tokens=40, temperature=0,
+                                                 stream=True))
+    deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id and deltas[0].function.name == "GetWeather" and deltas[0].index == 0
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])  # id and name once
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["tool_calls"]
+    with client.chat.completions.stream(model="", messages=ASK_WEATHER, tools=[tool], tool_choice="required",
+                                        parallel_tool_calls=False, max_tokens=40, temperature=0) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.tool_calls[0].function.parsed_arguments == GetWeather.model_validate_json(
+        call.function.arguments)
+    # The tool's result in the history, then auto: the model may answer or call again; either is well-formed.
+    history = ASK_WEATHER + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
+    auto = client.chat.completions.create(model="", messages=history, tools=[tool], max_tokens=60, temperature=0)
+    msg = auto.choices[0]
+    assert (msg.finish_reason == "tool_calls") == bool(msg.message.tool_calls)
+    assert msg.finish_reason in ("stop", "tool_calls", "length")
+
+
+def test_blocked_phrase_inside_tool_arguments_is_never_sent(cluster: Cluster) -> None:
+    tool = {"type": "function", "function": {"name": "travel", "parameters": {
+        "type": "object", "properties": {"city": {"const": "Nukeville"}}, "required": ["city"]}}}
+    chunks = list(sdk(cluster, "enterprise").chat.completions.create(
+        model="", messages=ASK_WEATHER, tools=[tool], tool_choice="required", max_tokens=30, temperature=0,
+        stream=True))
+    sent = "".join(tc.function.arguments or "" for ch in chunks if ch.choices
+                   for tc in (ch.choices[0].delta.tool_calls or []))
+    assert BLOCKED not in sent.lower()
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [
+        "content_filter"]
+
+
+UNSUPPORTED = ["not", "if", "uniqueItems", "contains", "propertyNames", "dependentSchemas", "unevaluatedProperties"]
+
+
+def test_every_unsupported_keyword_is_a_400_naming_it(cluster: Cluster) -> None:
+    client = sdk(cluster)
+    for keyword in UNSUPPORTED:
+        schema = {"type": "object", "properties": {"a": {"type": "string"}}, keyword: {} if keyword != "uniqueItems"
+                  else True}
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="", messages=ASK_PERSON, max_tokens=5, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        assert keyword in info.value.message and info.value.body["param"] == "response_format", keyword
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="", messages=ASK_PERSON, max_tokens=5, tools=[{
+            "type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}])
+    assert "not" in info.value.message and info.value.body["param"] == "tools"
+
+
+def test_sampling_parameters(cluster: Cluster) -> None:
+    client = sdk(cluster)
+    kw: dict[str, Any] = {"model": "", "messages": ASK_PERSON, "max_tokens": 12, "temperature": 1.0, "seed": 1234}
+    texts = {client.chat.completions.create(**kw).choices[0].message.content for _ in range(3)}
+    assert len(texts) == 1  # same seed, same text (float32)
+    many = client.chat.completions.create(**kw, n=3, logprobs=True, top_logprobs=2, presence_penalty=0.5,
+                                          frequency_penalty=0.5, extra_body={"min_p": 0.05})
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    for c in many.choices:
+        assert c.logprobs.content and all(len(e.top_logprobs) == 2 and e.bytes for e in c.logprobs.content)
+    streamed = list(client.chat.completions.create(model="", messages=ASK_PERSON, max_tokens=6, temperature=0,
+                                                   logprobs=True, top_logprobs=1, stream=True))
+    entries = [e for ch in streamed if ch.choices and ch.choices[0].logprobs
+               for e in ch.choices[0].logprobs.content or []]
+    text = "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices)
+    assert entries and "".join(e.token for e in entries).startswith(text[:3])
+    fixed = client.chat.completions.create(model="", messages=[{"role": "user", "content": "Say OK."}], max_tokens=20,
+                                           temperature=0, extra_body={"ignore_eos": True, "min_tokens": 5},
+                                           prompt_cache_key="k", safety_identifier="u1", verbosity="low")
+    assert fixed.usage.completion_tokens == 20 and fixed.choices[0].finish_reason == "length"
+    choice = client.chat.completions.create(model="", messages=ASK_PERSON, max_tokens=5, temperature=0,
+                                            extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].message.content in ("yes", "no")
+
+
+def test_instructor_tools_and_json_schema(cluster: Cluster) -> None:
+    import instructor
+
+    for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
+        client = instructor.from_openai(sdk(cluster), mode=mode)
+        person = client.chat.completions.create(model="SmolLM2-135M-Instruct", response_model=Person,
+                                                messages=ASK_PERSON, max_tokens=60, temperature=0, max_retries=0)
+        assert isinstance(person, Person), mode
+
+
+def test_langchain_structured_output_and_bind_tools(cluster: Cluster) -> None:
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=cluster.gateway.url + "/v1", api_key=KEYS["plus"], model="SmolLM2-135M-Instruct",
+                     temperature=0, max_tokens=60, max_retries=0)
+    person = llm.with_structured_output(Person).invoke("Invent a person. Give their name and age.")
+    assert isinstance(person, Person)
+    msg = llm.bind_tools([GetWeather], tool_choice="GetWeather").invoke("What is the weather in Paris?")
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "GetWeather"
+    GetWeather.model_validate(msg.tool_calls[0]["args"])
+
+
+def test_agents_sdk_chat_completions_model(cluster: Cluster) -> None:
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        calls.append(city)
+        return f"Sunny in {city}"
+
+    class Report(BaseModel):
+        city: str = Field(max_length=24)
+        summary: str = Field(max_length=40)
+
+    client = openai.AsyncOpenAI(base_url=cluster.gateway.url + "/v1", api_key=KEYS["plus"], max_retries=0)
+    model = OpenAIChatCompletionsModel("SmolLM2-135M-Instruct", client)
+    settings = ModelSettings(temperature=0, max_tokens=80)
+    # A function tool: the SDK sends it, our envelope's call comes back as its tool call, the SDK runs it.
+    # (One agent with both a tool and an output type needs the model to decide when to stop calling the
+    # tool; SmolLM2-135M keeps calling it, so the two halves are proven apart.)
+    tool_agent = Agent(name="weather", instructions="Use the tool.", tools=[get_weather], model=model,
+                       model_settings=ModelSettings(temperature=0, max_tokens=80, tool_choice="required"),
+                       tool_use_behavior="stop_on_first_tool")
+    result = Runner.run_sync(tool_agent, "What is the weather in Paris?", max_turns=2)
+    assert calls and result.final_output == f"Sunny in {calls[0]}"
+    # An output type: the SDK sends it as a strict json_schema response_format and parses the reply.
+    typed = Agent(name="report", instructions="Report the weather in Paris: it is sunny.", output_type=Report,
+                  model=model, model_settings=settings)
+    assert isinstance(Runner.run_sync(typed, "Report.", max_turns=1).final_output, Report)
+
+
+def test_guidellm_fixed_length_benchmark(cluster: Cluster, tmp_path: Path) -> None:
+    exe = Path(sys.executable).with_name("guidellm")
+    if not exe.exists():
+        pytest.skip("guidellm is not installed (it is in the test extra)")
+    from data_plane.model_store import resolve_model
+
+    out = tmp_path / "report.json"
+    cmd = [str(exe), "run", "--backend",
+           f"kind=openai_http,target={cluster.gateway.url},model=SmolLM2-135M-Instruct,api_key={KEYS['plus']}",
+           "--profile", "kind=concurrent,streams=4", "--constraint", "kind=max_requests,count=8",
+           "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=16",
+           "--tokenizer", f"kind=hf_auto,model={resolve_model(None)}",
+           "--output", f"kind=json,path={out}", "--disable-console-interactive"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (bench,) = json.loads(out.read_text())["benchmarks"]
+    made = bench["scheduler_metrics"]["requests_made"]
+    assert made["successful"] == 8 and made["errored"] == 0 and made["incomplete"] == 0, made
+    assert {r["output_tokens"] for r in bench["requests"]["successful"]} == {16}  # ignore_eos: fixed lengths
+    shutil.rmtree(tmp_path / ".cache", ignore_errors=True)
+
+
+def test_gateway_metrics_and_ledger_kinds(cluster: Cluster) -> None:
+    shard = cluster.shards[0].url
+    text = httpx.get(shard + "/metrics").text
+    assert 'switchboard_shard_structured_requests_total{kind="tools"' in text
+    assert "switchboard_shard_grammar_compile_seconds_bucket" in text
+    assert 'outcome="unsupported"' in text
