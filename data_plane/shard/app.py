@@ -19,9 +19,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
-import signal
-import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -57,6 +54,7 @@ from data_plane.protocol import (
 )
 from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, DisconnectWatch
 from data_plane.common.http_body import read_body
+from data_plane.shard.group_exit import GroupExit
 from data_plane.shard.kv_reports import KVReportMetrics, KVReports
 from data_plane.shard.metrics import MetricsListener, ShardMetrics
 from data_plane.shard.settings import ShardSettings
@@ -97,8 +95,7 @@ def build_engine(settings: ShardSettings, metrics: ShardMetrics | None) -> Engin
         speculation=settings.speculation,
         num_speculative_tokens=settings.num_speculative_tokens,
         spec_max_batch=settings.spec_max_batch,
-        pipeline_parallel_size=settings.pipeline_parallel_size,
-        pipeline_layers=settings.pipeline_layers,
+        pipeline_parallel_size=settings.pipeline_parallel_size, pipeline_layers=settings.pipeline_layers,
         pipeline_stage_timeout_s=settings.pipeline_stage_timeout_s,
     )
     return TorchEngine(config, MetricsListener(metrics) if metrics else None)
@@ -113,7 +110,6 @@ class ShardState:
         self.load_error: str | None = None
         self.kv_tier: KVTier | None = None
         self.started = int(time.time())
-        self.exit_code = 0  # 1 once a lost pipeline stage made the shard leave
 
 
 def create_app(settings: ShardSettings, registry: CollectorRegistry | None = None) -> FastAPI:
@@ -137,27 +133,11 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
         http = httpx.AsyncClient(timeout=5.0)
         agent = None
         views: list[Any] = []
-        loop = asyncio.get_running_loop()
-
-        async def leave() -> None:
-            # The streams already ended with an error event (the gateway resumes them elsewhere);
-            # deregister now rather than a TTL later, then exit so the supervisor replaces the group.
-            log.error("engine lost a pipeline stage: leaving membership and exiting")
-            threading.Timer(10.0, os._exit, (1,)).start()  # a shutdown that hangs still ends
-            if agent is not None:
-                await agent.aclose()
-            state.exit_code = 1
-            os.kill(os.getpid(), signal.SIGTERM)
-
-        def leave_and_exit() -> None:  # any thread
-            loop.call_soon_threadsafe(lambda: tasks.append(asyncio.create_task(leave(), name="shard-leave")))
-
-        tasks: list[asyncio.Task[None]] = []
+        # A lost pipeline stage: the shard leaves membership and exits at once (data_plane/shard/group_exit.py).
+        group_exit = GroupExit.attach(engine, asyncio.get_running_loop(), lambda: agent.aclose() if agent else None)
 
         async def load() -> None:
             nonlocal agent
-            if hasattr(engine, "on_dead"):  # a lost pipeline stage: leave membership and exit at once
-                engine.on_dead = leave_and_exit
             try:
                 await engine.start()
             except Exception as exc:  # the shard stays up, unhealthy, saying why
@@ -207,9 +187,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
                 await view.aclose()
             await engine.aclose()
             await http.aclose()
-            if state.exit_code:  # a lost pipeline stage: exit non-zero so the supervisor replaces the group
-                logging.shutdown()
-                os._exit(state.exit_code)
+            group_exit.finish()  # a lost pipeline stage: exit non-zero so the supervisor replaces the group
 
     app = FastAPI(title="Switchboard shard", version="0.1.0", lifespan=lifespan, **fastapi_options())
     install_error_handlers(app)
