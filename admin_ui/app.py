@@ -27,6 +27,7 @@ PAGES = [
     ("screens/traces.py", "Traces", ":material/timeline:", "traces"),
     ("screens/alerts.py", "Alerts", ":material/notifications_active:", "alerts"),
     ("screens/usage.py", "Usage", ":material/receipt_long:", "usage"),
+    ("screens/abuse.py", "Abuse", ":material/gpp_maybe:", "abuse"),
     ("screens/playground.py", "Playground", ":material/chat:", "playground"),
 ]
 

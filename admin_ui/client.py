@@ -172,6 +172,17 @@ class AdminClient:
     def alerts(self) -> dict[str, Any]:
         return self._call("GET", "/alerts")
 
+    # -- abuse monitor -------------------------------------------------------------------------
+    def abuse(self) -> dict[str, Any]:
+        """``GET /admin/v1/abuse``: actions in force, ended ones, events, thresholds."""
+        return self._call("GET", "/abuse")
+
+    def lift_abuse(self, action_id: int, by: str = "console") -> dict[str, Any]:
+        return self._call("POST", f"/abuse/actions/{int(action_id)}/lift", json_body={"by": by})
+
+    def confirm_abuse(self, action_id: int) -> dict[str, Any]:
+        return self._call("POST", f"/abuse/actions/{int(action_id)}/confirm")
+
     # -- usage ledger --------------------------------------------------------------------------
     def usage(self, **filters: Any) -> dict[str, Any]:
         """``GET /usage`` (tenant, key, tier, model, start, end, group_by=hour|day|none, by=...)."""

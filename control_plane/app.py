@@ -24,6 +24,7 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
+from control_plane.abuse import build_abuse
 from control_plane.scaling.actuators.local import LocalActuator
 from control_plane.admin.api import AdminContext, bearer_guard, build_admin_router
 from control_plane.scaling.loop import build_autoscaler
@@ -81,6 +82,7 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
     admin.hop_headers = cluster_headers(cluster_token)
     usage_db = settings.usage_db or default_usage_db(".switchboard")
     usage_store = None if usage_db == "off" else open_ledger_store(usage_db)  # connects on first read
+    abuse, abuse_routes = build_abuse(settings, usage_store, metrics_registry, cluster_token)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -92,6 +94,7 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
             await consul.start()
         await ladder.start(app.state.signal_source)
         await zones.start()
+        await abuse.start()
         if autoscaler is not None:
             await autoscaler.start(app.state.signal_source, http)
             zones.on_down(autoscaler.replace_lost)  # replacements in the surviving zones
@@ -103,6 +106,7 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
             if autoscaler is not None:
                 await autoscaler.aclose()  # the local actuator stops its shards here
             await zones.aclose()
+            await abuse.aclose()
             await ladder.aclose()
             if consul is not None:
                 await consul.aclose()
@@ -110,6 +114,7 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
             await http.aclose()
             if usage_store is not None:
                 usage_store.close()
+            abuse.index.close_waiters()
 
     app = FastAPI(title="Switchboard control plane", lifespan=lifespan, **fastapi_options())
     app.state.settings = settings
@@ -148,6 +153,8 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
     app.include_router(build_admin_router(admin))
     app.include_router(build_zones_router(zones, [Depends(bearer_guard(settings.admin_token))]))
     app.include_router(build_usage_router(usage_store, settings.admin_token))
+    app.include_router(abuse_routes)
+    app.state.abuse = abuse
     return app
 
 
@@ -168,8 +175,10 @@ def main(argv: list[str] | None = None) -> None:
     hooks = [app.state.registry.close_waiters]
     if app.state.state_index is not None:
         hooks.append(app.state.state_index.close_waiters)
+    hooks.append(app.state.abuse.index.close_waiters)
     serve(app, host=settings.host, port=settings.port, graceful_s=settings.shutdown_grace_s,
-          access_log=settings.access_log, on_shutdown=tuple(hooks))
+          access_log=settings.access_log, on_shutdown=tuple(hooks), registry=app.state.metrics_registry,
+          process="control_plane")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@
 Starts every process as a child on loopback, waits for each to be healthy, prints the URLs,
 one dev API key per tier and the admin token, and writes them to
 `.switchboard/credentials.json` (mode 600) in the working directory. A child that dies is
-reported and restarted (with backoff); Ctrl-C or SIGTERM stops everything cleanly.
+reported and restarted (with backoff); Ctrl-C or SIGTERM stops everything cleanly, at any moment of
+start-up too, and no child outlives the launcher (kill -9, a crash) by more than moments
+(control_plane/supervisor.py, data_plane/common/lifeline.py).
 Logs go to `.switchboard/logs/<process>.log`. Dispatched by `switchboard up` (control_plane/cli.py); the
 children and their supervision are control_plane/supervisor.py.
 
@@ -33,12 +35,12 @@ import httpx
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from control_plane.supervisor import Child, Supervisor, wait_healthy
+from control_plane.supervisor import Child, Stopped, Supervisor, wait_healthy
 from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV
 from data_plane.common.http_server import free_port
-from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
 from data_plane.common.settings_cli import parse_settings
 from data_plane.common.tls import TlsConfig, make_dev_pki
+from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
 
 
 class UpSettings(BaseSettings):
@@ -73,6 +75,8 @@ class UpSettings(BaseSettings):
     min_replicas: int = Field(1, ge=1, le=64, description="With --autoscale: fewest shards.")
     max_replicas: int = Field(4, ge=1, le=64, description="With --autoscale: most shards.")
     usage_db: str | None = Field(None, description="Usage ledger database for gateways and control plane (default: sqlite in --state-dir; postgresql://... to share).")
+    abuse_rules: str | None = Field(None, description="YAML of abuse-monitor thresholds for the control plane "
+                                    "(control_plane/abuse/model.py; default: built-in).")
     tls: bool = Field(False, description="Run every listener and hop on TLS with a local CA and certificate made in STATE_DIR/tls.")
     zones: list[str] = Field(default_factory=list, description=(
         "Zones to spread the processes over, e.g. a,b: shards and cache nodes round-robin (at least one of each "
@@ -148,6 +152,8 @@ def plan(s: UpSettings, state: Path, admin_token: str,
     cp = Child("control-plane", ["control-plane", "--host", host, "--port", str(s.control_plane_port),
                                  "--state-dir", str(state / "control-plane"), "--usage-db", usage_db],
                registry, logs / "control-plane.log", env={"SWITCHBOARD_ADMIN_TOKEN": admin_token, **member_env})
+    if s.abuse_rules:
+        cp.args += ["--abuse-rules", str(Path(s.abuse_rules).resolve())]
     if s.autoscale:
         if s.min_replicas > s.max_replicas:
             raise SystemExit(f"switchboard up: --min-replicas {s.min_replicas} > --max-replicas {s.max_replicas}")
@@ -287,6 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         cp.args += ["--prometheus", prometheus.url]
     order = [cp, *caches, *shards, *gateways] + [c for c in (prometheus, console) if c is not None]
     supervisor = Supervisor(order)
+    supervisor.guard()  # a stop signal from here on stops the children started so far
     try:
         print(f"[switchboard] starting control plane, {len(caches)} cache nodes, {len(shards)} shards, gateway...",
               flush=True)
@@ -311,11 +318,19 @@ def main(argv: list[str] | None = None) -> None:
         for child in extras:
             child.start()
         wait_healthy(extras, 90, "prometheus / console")
+    except Stopped as stop:
+        supervisor.shutdown()
+        raise SystemExit(f"switchboard up: stopped by {stop} during start-up") from None
     except BaseException:
         supervisor.shutdown()
         raise
-    _banner(s, creds, cp, caches, shards, gateways, state)
-    supervisor.run()
+    try:
+        _banner(s, creds, cp, caches, shards, gateways, state)
+        supervisor.run()  # until a stop signal
+    except Stopped:  # between the start-up and run()
+        pass
+    finally:
+        supervisor.shutdown()  # however it ended (a crash too); the children die with us regardless
 
 
 def _https(child: Child) -> None:

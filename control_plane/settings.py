@@ -89,6 +89,8 @@ class ControlPlaneSettings(BaseSettings):
     usage_db: str | None = None
     """Usage ledger database the gateways write (``sqlite:///path``, ``postgresql://…``, or ``off``);
     ``/admin/v1/usage`` reads it. Default: ``sqlite:///.switchboard/usage.db``, the gateway's default."""
+    abuse_rules: Path | None = None
+    """YAML of abuse-monitor thresholds (control_plane/abuse/model.py AbuseConfig); default: built-in."""
     alertmanager: str | None = None
     """Alertmanager base URL; ``/admin/v1/alerts`` then lists its active alerts."""
     degradation_interval_s: float = Field(default=2.0, gt=0.0, le=60.0)

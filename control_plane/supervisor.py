@@ -2,11 +2,19 @@
 
     cp = Child("control-plane", ["control-plane", "--port", "8300"], "http://127.0.0.1:8300", logs / "cp.log")
     cp.start(); wait_healthy([cp], 30, "control plane")
-    Supervisor([cp, *caches, *shards, gateway]).run()     # until Ctrl-C / SIGTERM; then stops in reverse
+    supervisor = Supervisor([cp, *caches, *shards, gateway])
+    supervisor.guard()        # from here a SIGTERM/SIGINT/SIGHUP raises Stopped: start-up unwinds, shutdown() runs
+    ...start them...
+    supervisor.run()          # until Ctrl-C / SIGTERM; then stops in reverse
 
 Used by the dev launcher (control_plane/launcher.py), which plans the children and prints the
 banner. A child is ``python -m control_plane.cli ARGS`` unless it names its own ``command``
 (prometheus); its output goes to its log file.
+
+No orphans: every child is started with a parent-death signal (data_plane/common/lifeline.py), so
+whatever stops the launcher (kill -9, a crash, a signal at any moment) takes its children with it
+within moments; an orderly stop (a signal once `guard()` ran) stops them in reverse order, and a
+second signal during that stop kills what is left at once.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from data_plane.common.lifeline import die_with_parent
 
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 """Seconds before restarting a child that died, by how often it has (the last one repeats)."""
@@ -42,13 +52,14 @@ class Child:
     next_restart: float = 0.0
 
     def start(self) -> None:
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            self.command or [sys.executable, "-m", "control_plane.cli", *self.args],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
-            start_new_session=True,  # we deliver signals ourselves, in order
-        )
-        log.close()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command or [sys.executable, "-m", "control_plane.cli", *self.args],
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+                start_new_session=True,  # we deliver signals ourselves, in order
+                # and if we cannot (kill -9, a crash), the kernel does; the launcher has one thread
+                preexec_fn=die_with_parent(),  # noqa: PLW1509
+            )
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -87,49 +98,99 @@ def tail(path: Path, n: int = 1500) -> str:
         return ""
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What stops the platform: Ctrl-C, a service manager's stop, the terminal closing."""
+
+STOP_WAIT_S = 10.0
+"""Seconds a child is given to stop after SIGTERM before SIGKILL."""
+
+
+class Stopped(BaseException):
+    """A stop signal arrived during start-up (raised from the handler, so the start-up unwinds)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class Supervisor:
     """Restarts a child that died (with backoff) until SIGINT/SIGTERM, then stops them all in reverse order."""
 
     def __init__(self, children: list[Child]) -> None:
         self.children = children
         self.stopping = False
+        self._running = False
+        self._shutting_down = False
+        self._stopped = False
+        self._force = False
+
+    def guard(self) -> None:
+        """Handle the stop signals from now on: during start-up they raise `Stopped` (the caller's
+        ``except BaseException: shutdown()`` runs), while `run()` they end the loop."""
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
 
     def run(self) -> None:
-        signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(signal.SIGTERM, self._on_signal)
-        while not self.stopping:
-            now = time.monotonic()
-            for child in self.children:
-                if self.stopping or child.alive():
-                    continue
-                if child.next_restart == 0.0:
-                    code = child.proc.returncode if child.proc else None
-                    delay = RESTART_BACKOFF_S[min(child.restarts, len(RESTART_BACKOFF_S) - 1)]
-                    print(f"[switchboard] {child.name} exited (code {code}); restarting in {delay:.0f} s "
-                          f"(log: {child.log_path})", flush=True)
-                    child.next_restart = now + delay
-                elif now >= child.next_restart:
-                    child.restarts += 1
-                    child.next_restart = 0.0
-                    child.start()
-                    print(f"[switchboard] {child.name} restarted (restart #{child.restarts})", flush=True)
-            time.sleep(0.5)
-        self.shutdown()
+        self.guard()
+        self._running = True
+        try:
+            while not self.stopping:
+                self._restart_dead()
+                time.sleep(0.5)
+        finally:
+            self.shutdown()
+
+    def _restart_dead(self) -> None:
+        now = time.monotonic()
+        for child in self.children:
+            if self.stopping or child.alive():
+                continue
+            if child.next_restart == 0.0:
+                code = child.proc.returncode if child.proc else None
+                delay = RESTART_BACKOFF_S[min(child.restarts, len(RESTART_BACKOFF_S) - 1)]
+                print(f"[switchboard] {child.name} exited (code {code}); restarting in {delay:.0f} s "
+                      f"(log: {child.log_path})", flush=True)
+                child.next_restart = now + delay
+            elif now >= child.next_restart:
+                child.restarts += 1
+                child.next_restart = 0.0
+                child.start()
+                print(f"[switchboard] {child.name} restarted (restart #{child.restarts})", flush=True)
 
     def _on_signal(self, signum: int, frame: object) -> None:
+        if self._shutting_down:  # a second signal while stopping: no more waiting
+            self._force = True
+            return
         self.stopping = True
+        if not self._running:
+            raise Stopped(signum)
 
     def shutdown(self) -> None:
-        print("\n[switchboard] stopping...", flush=True)
+        """Stop every child (once; later calls return at once)."""
+        if self._shutting_down or self._stopped:
+            return
+        self._shutting_down = True
+        self.stopping = True
+        print("\n[switchboard] stopping... (a second Ctrl-C kills what is left)", flush=True)
         # Front door first, so no new work arrives; registry last, so members can deregister.
         for child in reversed(self.children):
+            if self._force:
+                break
             child.stop()
+            deadline = time.monotonic() + STOP_WAIT_S
+            while child.alive() and not self._force and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if child.alive():
+                child.stop(signal.SIGKILL)
+        for child in self.children:  # forced, or a child that ignored SIGTERM: kill, then reap
+            child.stop(signal.SIGKILL)
             if child.proc is not None:
                 try:
-                    child.proc.wait(10)
+                    child.proc.wait(5)
                 except subprocess.TimeoutExpired:
-                    child.stop(signal.SIGKILL)
+                    pass
+        self._stopped = True
         print("[switchboard] stopped.", flush=True)
 
 
-__all__ = ["Child", "RESTART_BACKOFF_S", "Supervisor", "tail", "wait_healthy"]
+__all__ = ["RESTART_BACKOFF_S", "STOP_SIGNALS", "Child", "Stopped", "Supervisor", "tail", "wait_healthy"]

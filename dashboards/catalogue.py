@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
+from data_plane.common.slow_clients import SlowClientMetrics
+
 JOBS: dict[str, str] = {
     "control-plane": "switchboard-control-plane",
     "gateway": "switchboard-gateway",
@@ -69,13 +71,15 @@ def _shard(registry: CollectorRegistry) -> list[object]:
     from data_plane.shard.metrics import ShardMetrics
 
     metrics = ShardMetrics(registry, model_name="catalogue")
-    return [metrics, metrics.spec, metrics.kv_tier, metrics.grammar, KVReportMetrics(registry, "catalogue")]
+    return [metrics, metrics.spec, metrics.kv_tier, metrics.grammar, KVReportMetrics(registry, "catalogue"),
+            SlowClientMetrics(registry, "shard")]
 
 
 def _gateway(registry: CollectorRegistry) -> list[object]:
     # What data_plane.gateway.app.Gateway and its SessionStore register on the gateway's registry.
     from data_plane.gateway.admission import AdmissionMetrics
     from data_plane.cache.client import SessionStoreMetrics
+    from data_plane.gateway.abuse import AbuseGuardMetrics
     from data_plane.gateway.metrics import GatewayMetrics
     from data_plane.ledger.writer import LedgerMetrics
     from data_plane.gateway.ratelimit.limiter import RateLimitMetrics
@@ -85,14 +89,14 @@ def _gateway(registry: CollectorRegistry) -> list[object]:
 
     return [GatewayMetrics(registry), SafetyMetrics(registry), RouterMetrics(registry),
             SessionStoreMetrics(registry), RateLimitMetrics(registry), AdmissionMetrics(registry),
-            LedgerMetrics(registry), SealMetrics(registry)]
+            LedgerMetrics(registry), SealMetrics(registry), AbuseGuardMetrics(registry), SlowClientMetrics(registry, "gateway")]
 
 
 def _cache_node(registry: CollectorRegistry) -> list[object]:
     from data_plane.cache.kv_routes import KVNodeMetrics
     from data_plane.cache.node import CacheNodeMetrics
 
-    return [CacheNodeMetrics(registry), KVNodeMetrics(registry)]
+    return [CacheNodeMetrics(registry), KVNodeMetrics(registry), SlowClientMetrics(registry, "cache")]
 
 
 def _control_plane(registry: CollectorRegistry) -> list[object]:
@@ -100,10 +104,11 @@ def _control_plane(registry: CollectorRegistry) -> list[object]:
     from control_plane.degradation import DegradationMetrics
     from control_plane.registry.embedded import RegistryMetrics
     from control_plane.settings import DEFAULT_SERVICES
+    from control_plane.abuse.monitor import AbuseMetrics
     from control_plane.zones import ZoneMetrics
 
     return [RegistryMetrics(registry, DEFAULT_SERVICES), DegradationMetrics(registry), AutoscalerMetrics(registry),
-            ZoneMetrics(registry)]
+            ZoneMetrics(registry), AbuseMetrics(registry), SlowClientMetrics(registry, "control_plane")]
 
 
 PROCESSES: dict[str, Callable[[CollectorRegistry], list[object]]] = {

@@ -379,4 +379,6 @@ def parse_settings(argv: list[str] | None) -> CacheNodeSettings:
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     configure_process("switchboard-cache-node")
-    serve(create_app(settings, cluster_token=cluster_token_from_env()), host=settings.host, port=settings.port)
+    registry = CollectorRegistry()
+    serve(create_app(settings, registry=registry, cluster_token=cluster_token_from_env()), host=settings.host,
+          port=settings.port, registry=registry, process="cache")

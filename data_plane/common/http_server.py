@@ -5,57 +5,141 @@ of the gateway, shard, vLLM sidecar, cache node and control plane.
     serve(app, host="127.0.0.1", port=8101)                               # blocks until SIGTERM
     serve(app, host=h, port=p, graceful_s=settings.shutdown_grace_s, on_shutdown=registry.close_waiters)
 
-The protocol (`GuardedHttpProtocol`) is uvicorn's httptools protocol plus a deadline for a new
-connection's first request.
+The protocol (`GuardedHttpProtocol`) is uvicorn's httptools protocol plus the slow-client bounds
+(data_plane/common/slow_clients.py: the table of what each stops, and the SWITCHBOARD_HTTP_*
+variables): a deadline for a new connection's first request, for a request head (headers trickled a
+byte at a time), for a body that never finishes, and for a response the client stops reading.
+Each cut is counted in ``switchboard_<process>_slow_clients_total{reason}`` of the registry given to
+`serve()` and logged (never the request's content).
 
 uvicorn arms its keep-alive timer only after a first response (Kludex/uvicorn#1192), so a
-client that connects and never sends a byte holds a connection forever: the cheapest
-slowloris. Here a connection that has not started a request within
-:data:`FIRST_REQUEST_TIMEOUT_S` is closed. A request whose headers arrived but whose body
-stalls is handled by the application (408, see `data_plane.common.http_body.read_body`).
+client that connects and never sends a byte held a connection forever: the cheapest slowloris.
+A body that stops arriving altogether is answered sooner by the application (408, see
+`data_plane.common.http_body.read_body`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import socket
 from collections.abc import Callable
 from typing import Any
 
 import uvicorn
+from prometheus_client import CollectorRegistry
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from data_plane.common.slow_clients import HttpLimits, SlowClient, SlowClientMetrics
 from data_plane.common.tls import TlsConfig
 
-FIRST_REQUEST_TIMEOUT_S = 10.0
+log = logging.getLogger(__name__)
+
+FIRST_REQUEST_TIMEOUT_S = HttpLimits.first_request_s
+LINGER_S = 2.0
+"""After a 408, how long a cut connection's late bytes are read and dropped before it is closed."""
+
+_TIMEOUT_BODY = json.dumps({"error": {"message": "the request did not arrive in time (slow client)",
+                                      "type": "invalid_request_error", "param": None,
+                                      "code": "request_timeout"}}).encode()
+_TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                b"content-length: " + str(len(_TIMEOUT_BODY)).encode() + b"\r\n\r\n" + _TIMEOUT_BODY)
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
-    first_request_timeout_s = FIRST_REQUEST_TIMEOUT_S
+    """uvicorn's httptools protocol with the slow-client bounds of data_plane/common/slow_clients.py:
+    one timer per connection phase (first request, head, body, a blocked write)."""
+
+    limits = HttpLimits()
+    on_cut: Callable[[SlowClient], None] | None = None
+    """Counts a cut connection (set by `serve()` from the process's metrics registry)."""
+
+    @property
+    def first_request_timeout_s(self) -> float:
+        return self.limits.first_request_s
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._first_request_timer: asyncio.TimerHandle | None = self.loop.call_later(
-            self.first_request_timeout_s, self._close_idle)
+        self._timers: dict[SlowClient, asyncio.TimerHandle] = {}
+        if self.limits.send_buffer_bytes:
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer_bytes)
+        self._arm(SlowClient.FIRST_REQUEST, self.first_request_timeout_s)
 
     def on_message_begin(self) -> None:
-        self._cancel_first_request_timer()
+        self._disarm(SlowClient.FIRST_REQUEST)
+        self._arm(SlowClient.HEADERS, self.limits.headers_s)
         super().on_message_begin()
 
+    def on_headers_complete(self) -> None:
+        self._disarm(SlowClient.HEADERS)
+        self._arm(SlowClient.BODY, self.limits.body_s)
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._disarm(SlowClient.BODY)
+        super().on_message_complete()
+
+    def pause_writing(self) -> None:
+        self._arm(SlowClient.STALLED_READER, self.limits.write_stall_s)
+        super().pause_writing()
+
+    def resume_writing(self) -> None:
+        self._disarm(SlowClient.STALLED_READER)
+        super().resume_writing()
+
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_first_request_timer()
+        for timer in getattr(self, "_timers", {}).values():
+            timer.cancel()
+        self._timers = {}
         super().connection_lost(exc)
 
-    def _cancel_first_request_timer(self) -> None:
-        timer: Any = getattr(self, "_first_request_timer", None)
+    def _arm(self, reason: SlowClient, after_s: float) -> None:
+        self._disarm(reason)
+        if after_s > 0:
+            self._timers[reason] = self.loop.call_later(after_s, self._expired, reason)
+
+    def _disarm(self, reason: SlowClient) -> None:
+        timer = getattr(self, "_timers", {}).pop(reason, None)
         if timer is not None:
             timer.cancel()
-            self._first_request_timer = None
 
-    def _close_idle(self) -> None:
-        self._first_request_timer = None
-        if not self.transport.is_closing():
-            self.transport.close()
+    def _expired(self, reason: SlowClient) -> None:
+        self._timers.pop(reason, None)
+        if self.transport.is_closing():
+            return
+        if reason in (SlowClient.HEADERS, SlowClient.BODY) and self.flow.read_paused:
+            # we stopped reading (a pipelined request waits, or the app has not read its body yet): not the client
+            self._arm(reason, self.limits.headers_s if reason is SlowClient.HEADERS else self.limits.body_s)
+            return
+        if self.on_cut is not None:
+            self.on_cut(reason)
+        log.info("closing a slow client's connection (%s) from %s", reason.value, self.client)
+        if reason is SlowClient.STALLED_READER:
+            self.transport.abort()  # what is buffered for it would never be read
+            return
+        if reason is SlowClient.HEADERS or (reason is SlowClient.BODY and not self._response_started()):
+            self.transport.write(_TIMEOUT_408)
+        # A lingering close (nginx's lingering_close): the client is still sending, and closing now
+        # would answer its next bytes with a reset that can destroy the 408 before it is read.
+        self._lingering = True
+        if self.cycle is not None:  # the app sees its client gone now (its sends become no-ops)
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if getattr(self, "_lingering", False):
+            return  # cut: what still arrives is dropped
+        super().data_received(data)
+
+    def _response_started(self) -> bool:
+        cycle = self.cycle
+        return cycle is not None and bool(cycle.response_started)
 
 
 class _Server(uvicorn.Server):
@@ -72,14 +156,25 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def guarded_protocol(limits: HttpLimits, registry: CollectorRegistry | None = None,
+                     process: str = "gateway") -> type[GuardedHttpProtocol]:
+    """The protocol class for one server: its limits, and its cuts counted in `registry`."""
+    metrics = SlowClientMetrics(registry, process) if registry is not None else None
+    attrs: dict[str, Any] = {"limits": limits, "on_cut": metrics.record if metrics is not None else None}
+    return type("GuardedHttpProtocol", (GuardedHttpProtocol,), attrs)
+
+
 def serve(app: Any, *, host: str, port: int, graceful_s: int = 5, access_log: bool = False,
-          on_shutdown: Callable[[], None] | tuple[Callable[[], None], ...] = ()) -> None:
+          on_shutdown: Callable[[], None] | tuple[Callable[[], None], ...] = (),
+          registry: CollectorRegistry | None = None, process: str = "gateway") -> None:
     """Serve `app` on host:port until SIGTERM/SIGINT, then give in-flight requests `graceful_s`
     seconds and run the lifespan's shutdown. Logging stays as the process configured it
     (`configure_process`): uvicorn's start/stop lines at INFO, no access log unless `access_log`.
-    TLS from the environment (data_plane/common/tls.py)."""
+    TLS from the environment (data_plane/common/tls.py); slow-client bounds from the environment too,
+    their cuts counted in `registry` (the one the app's /metrics shows)."""
     hooks = (on_shutdown,) if callable(on_shutdown) else tuple(on_shutdown)
-    config = uvicorn.Config(app, host=host, port=port, http=GuardedHttpProtocol, lifespan="on",
+    protocol = guarded_protocol(HttpLimits.from_env(), registry, process)
+    config = uvicorn.Config(app, host=host, port=port, http=protocol, lifespan="on",
                             access_log=access_log, log_config=None, timeout_graceful_shutdown=graceful_s,
                             **TlsConfig.from_env().uvicorn_kwargs())
     _Server(config, hooks).run()

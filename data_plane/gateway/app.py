@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
 
     settings = parse_settings(GatewaySettings, argv, prog="switchboard gateway")
     configure_process("switchboard-gateway")
-    serve(create_app(build_gateway(settings)), host=settings.host, port=settings.port)
+    gw = build_gateway(settings)
+    serve(create_app(gw), host=settings.host, port=settings.port, registry=gw.registry)
 
 
 if __name__ == "__main__":

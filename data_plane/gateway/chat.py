@@ -208,13 +208,14 @@ class ChatHandler:
     async def _prepare_and_open(self) -> Opened:
         gw, rt, settings, x = self.gw, self.rt, self.gw.settings, self.x
         span = x.span
-        principal = gw.keys.authenticate(self.request.headers.get("authorization"))
+        principal = gw.guard.authenticate(gw.keys, self.request)  # a banned address never reaches the keys
         self.principal = principal
         tiers = self.tiers if principal.tier in self.tiers else gw.tiers  # a key's tier the hot policy lacks
         tier = tiers.get(principal.tier)
         self.tier, x.tier_name = tier, tier.name
         span.set_attribute("switchboard.tier", tier.name)
         self.effects.admit(tier, tiers)
+        measures = gw.guard.admit(principal)  # abuse actions: 429 when blocked or throttled
         raw = await read_body(self.request, settings.max_body_bytes)
         x.disconnect.start()
         req = parse_chat_request(raw, self.request.headers.get("content-type"))
@@ -230,7 +231,7 @@ class ChatHandler:
         if max_tokens > tier.max_output_tokens:
             raise InvalidRequest(f"max_tokens is {max_tokens}, above the {tier.name} tier's cap of "
                                  f"{tier.max_output_tokens}", param="max_tokens")
-        max_tokens = self.effects.max_tokens(max_tokens)
+        max_tokens = measures.max_tokens(self.effects.max_tokens(max_tokens))
         messages = req.plain_messages(tools_prompt=False)  # the shard adds the tools' system message
         self.new_messages = messages
         plan = req.output_plan()
@@ -243,7 +244,7 @@ class ChatHandler:
         # Session history is not known yet: settlement charges it with the rest of the real usage.
         x.grant = await gw.limiter.admit(principal.key_id, tier,
                                          gw.counter.prompt_tokens(messages) + tools_tokens + max_tokens * (req.n or 1))
-        policy = gw.safety.get(tier.safety)
+        policy = gw.safety.get(measures.safety(tier.safety, gw.safety.names()))
         with tracer.start_as_current_span("safety.input"):
             verdict = policy.check_input(m["content"] for m in messages if m["role"] in ("user", "system"))
             gw.safety_metrics.record("input", verdict)

@@ -26,6 +26,7 @@ from data_plane.cache.client import SessionStore
 from data_plane.common.crypto import Keyring, SealMetrics, TranscriptSealer
 from data_plane.common.hop_auth import cluster_headers, cluster_token_from_env
 from data_plane.common.tls import TlsConfig
+from data_plane.gateway.abuse import AbuseGuard, AbuseGuardMetrics
 from data_plane.gateway.admission import Admission, AdmissionConfig, AdmissionMetrics, shard_capacity
 from data_plane.gateway.auth import KeyStore
 from data_plane.gateway.cluster_state import ClusterStateView, HttpClusterState, StaticClusterState
@@ -63,6 +64,8 @@ class Gateway:
     limiter: RateLimiter = field(init=False)
     ledger: UsageLedger | None = field(init=False)
     """One usage record per request (data_plane/ledger/writer.py); None with --usage-db off."""
+    guard: AbuseGuard = field(init=False)
+    """The control plane's abuse actions, applied per request (data_plane/gateway/abuse.py)."""
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -72,6 +75,7 @@ class Gateway:
         self.limiter = build_limiter(s.ratelimit_backend, RateLimitMetrics(self.registry), redis_url=s.redis_url,
                                      tier_rpm=s.tier_rpm, tier_tpm=s.tier_tpm, known_tiers=self.tiers.names())
         self.ledger = ledger_from_settings(s, self.registry)
+        self.guard = AbuseGuard(AbuseGuardMetrics(self.registry))
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,9 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
         await watched.start()
         stack.push_async_callback(watched.aclose)
         cluster = watched
+        await gw.guard.connect(settings.control_plane_url or settings.registry_url or "", http,
+                               cluster_headers(cluster_token_from_env()))
+        stack.push_async_callback(gw.guard.aclose)
     router = Router(membership, gw.router_metrics, policy=settings.routing_policy,
                     epsilon=settings.bounded_load_epsilon, eject_after=settings.eject_after,
                     eject_s=settings.eject_s, zone=settings.zone, zone_slack=settings.zone_spill_slack)

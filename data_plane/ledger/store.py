@@ -93,6 +93,17 @@ class UsageQuery:
 SUMS = ("requests", "errors", "prompt_tokens", "cached_tokens", "completion_tokens")
 
 
+@dataclass(frozen=True)
+class KeyActivity:
+    """One key's requests with one error code ("" = answered) over a time range (`activity`)."""
+
+    key_id: str
+    tenant: str
+    error_code: str
+    requests: int
+    tokens: int
+
+
 class LedgerStore(Protocol):
     """What the ledger's writer and readers need of a database."""
 
@@ -264,6 +275,20 @@ class _SqlStore:
             out.append(item)
         totals = dict(zip(SUMS, (int(v or 0) for v in total[2:])))
         return {"rows": out, "totals": totals}
+
+    def activity(self, start: float, end: float) -> list[KeyActivity]:
+        """Per key and error code, the requests and tokens started in [start, end): what the abuse
+        monitor (control_plane/abuse/) compares with each key's baseline. Keys only (no text)."""
+        sql = ("SELECT key_id, tenant, error_code, COUNT(*), SUM(prompt_tokens + completion_tokens) "
+               "FROM usage_records WHERE started_at >= %s AND started_at < %s AND key_id <> '' "
+               "GROUP BY key_id, tenant, error_code")
+
+        def run(conn: Any) -> list[Any]:
+            cur = conn.cursor()
+            cur.execute(self._sql(sql), [start, end])
+            return list(cur.fetchall())
+
+        return [KeyActivity(str(k), str(t), str(c), int(n or 0), int(tok or 0)) for k, t, c, n, tok in self._run(run)]
 
 
 class SqliteStore(_SqlStore):

@@ -493,7 +493,8 @@ def main(argv: list[str] | None = None) -> None:
 
         run_sidecar(settings)
         return
-    serve(create_app(settings), host=settings.host, port=settings.port)
+    registry = CollectorRegistry()
+    serve(create_app(settings, registry), host=settings.host, port=settings.port, registry=registry, process="shard")
 
 
 if __name__ == "__main__":

@@ -206,7 +206,9 @@ def test_filters_by_name():
 
 def test_default_policies():
     policies = SafetyPolicies.default()
-    assert policies.names() == ["default", "none"]
+    assert policies.names() == ["default", "strict", "none"]
+    # strict: what the abuse guard switches a suspicious key to (data_plane/gateway/abuse.py)
+    assert policies.get("strict").check_input(["write to bob@example.com"]) == Verdict(False, "pii", "email")
     policy = policies.get("default")
     assert policy.window == DEFAULT_WINDOW
     assert policy.check_input(["hi", "card 4111 1111 1111 1111"]) == Verdict(False, "pii", "credit_card")
@@ -247,12 +249,12 @@ policies:
 
 def test_get_unknown_policy_and_validate_names():
     policies = SafetyPolicies.default()
-    with pytest.raises(KeyError, match="known policies: default, none"):
-        policies.get("strict")
-    policies.validate_names(["default", "none", "default"])
-    with pytest.raises(ValueError, match="strict"):
-        policies.validate_names(["default", "strict"])
-    assert "default" in policies and len(policies) == 2 and list(policies) == ["default", "none"]
+    with pytest.raises(KeyError, match="known policies: default, strict, none"):
+        policies.get("lenient")
+    policies.validate_names(["default", "none", "default", "strict"])
+    with pytest.raises(ValueError, match="lenient"):
+        policies.validate_names(["default", "lenient"])
+    assert "default" in policies and len(policies) == 3 and list(policies) == ["default", "strict", "none"]
 
 
 @pytest.mark.parametrize(
@@ -579,4 +581,4 @@ def test_window_must_be_positive():
 
 
 def test_default_policy_documented_shape_is_yaml_serialisable():
-    assert SafetyPolicies.from_yaml(yaml.safe_dump(DEFAULT_POLICIES)).names() == ["default", "none"]
+    assert sorted(SafetyPolicies.from_yaml(yaml.safe_dump(DEFAULT_POLICIES)).names()) == ["default", "none", "strict"]

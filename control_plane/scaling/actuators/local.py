@@ -12,7 +12,9 @@ Removing a shard (newest first): ``POST /admin/v1/members/{id}/drain`` (admin to
 sending it work, wait until its ``/health`` shows ``running == 0`` and ``waiting == 0`` for
 `settle_s` (or `drain_timeout_s` passes), then SIGTERM: the shard finishes what is left and
 deregisters; SIGKILL after `stop_timeout_s`. A shard process that dies is forgotten (and logged),
-so ``current()`` drops and the autoscaler replaces it.
+so ``current()`` drops and the autoscaler replaces it. A shard never outlives the control plane that
+started it: a parent-death signal (data_plane/common/lifeline.py) kills it when the control plane
+dies without stopping it (kill -9, a crash). Start shards from the event loop's thread (it forks).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import httpx
 
 from control_plane.scaling.actuators import ActuatorCapped, ActuatorError
 from data_plane.common.http_server import free_port
+from data_plane.common.lifeline import die_with_parent
 from data_plane.common.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
@@ -174,13 +177,14 @@ class LocalActuator:
             args += ["--zone", zone]
             log.info("starting %s in zone %s: %s", member_id, zone, reason)
         try:
-            with open(log_path, "ab") as out:
+            with open(log_path, "ab") as out:  # noqa: ASYNC230 (a local file, once per shard start)
                 proc = await asyncio.create_subprocess_exec(
                     *args,
                     stdout=out,
                     stderr=asyncio.subprocess.STDOUT,
                     stdin=asyncio.subprocess.DEVNULL,
                     start_new_session=True,  # our signals, in our order; not the terminal's Ctrl-C
+                    preexec_fn=die_with_parent(),  # the control plane killed or crashed: they go too
                 )
         except OSError as exc:
             raise ActuatorError(f"cannot start a shard: {exc}") from exc

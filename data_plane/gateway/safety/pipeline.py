@@ -94,6 +94,15 @@ DEFAULT_POLICIES: dict[str, Any] = {
             ],
             "output": [{"type": "rules", "categories": DEFAULT_RULES}],
         },
+        "strict": {  # what the abuse guard switches a suspicious key to (data_plane/gateway/abuse.py)
+            "window": DEFAULT_WINDOW,
+            "input": [
+                {"type": "pii", "cards": True, "emails": True, "phones": True},
+                {"type": "rules", "categories": DEFAULT_RULES},
+            ],
+            "output": [{"type": "pii", "cards": True, "emails": True, "phones": True},
+                       {"type": "rules", "categories": DEFAULT_RULES}],
+        },
         "none": {},
     }
 }

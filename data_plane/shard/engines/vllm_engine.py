@@ -27,6 +27,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from data_plane.common.http_server import free_port, serve
+from data_plane.common.lifeline import die_with_parent
 from data_plane.common.telemetry import fastapi_options
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,8 @@ def create_sidecar(settings: ShardSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        proc = subprocess.Popen(cmd)
+        # the lifespan runs on the event loop's (main) thread; vLLM dies with this sidecar, however it ends
+        proc = subprocess.Popen(cmd, preexec_fn=die_with_parent())  # noqa: PLW1509
         http = httpx.AsyncClient(timeout=5.0)
         agent = None
         registry = settings.membership or settings.registry_url

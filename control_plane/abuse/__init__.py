@@ -1,0 +1,32 @@
+"""Usage monitoring: suspicious patterns met with graduated, expiring responses (issue 28).
+
+    monitor, router = build_abuse(settings, usage_store, metrics_registry, cluster_token)
+    app.include_router(router); await monitor.start() ... await monitor.aclose()
+
+model.py (rules, responses, thresholds), rules.py (detection), monitor.py (the ladder, expiry,
+review), api.py (gateways' watch and reports, operators' list/lift/confirm). The gateways apply the
+actions in data_plane/gateway/abuse.py; the console's Abuse page shows them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from prometheus_client import CollectorRegistry
+
+from control_plane.abuse.api import build_abuse_router
+from control_plane.abuse.model import AbuseConfig
+from control_plane.abuse.monitor import AbuseMetrics, AbuseMonitor, ActivitySource
+
+
+def build_abuse(settings: Any, usage_store: ActivitySource | None, registry: CollectorRegistry,
+                cluster_token: str | None) -> tuple[AbuseMonitor, APIRouter]:
+    """The monitor (over the usage ledger, thresholds from ``--abuse-rules``) and its routes."""
+    rules = getattr(settings, "abuse_rules", None)
+    config = AbuseConfig.from_file(rules) if rules else AbuseConfig()
+    monitor = AbuseMonitor(config, usage_store, AbuseMetrics(registry))
+    return monitor, build_abuse_router(monitor, settings.admin_token, cluster_token)
+
+
+__all__ = ["build_abuse"]

@@ -1,0 +1,230 @@
+"""The abuse monitor's vocabulary: rules, responses, events, actions, and the documented thresholds.
+
+    config = AbuseConfig.from_file("abuse.yaml")      # or AbuseConfig() for the defaults below
+    Rule.BURST.ladder                                 # (FLAG, THROTTLE, BLOCK): how it escalates
+    Response.BLOCK.outranks(Response.THROTTLE)        # True
+
+Used by control_plane/abuse/rules.py (detection), monitor.py (escalation, expiry, review) and api.py
+(the wire). A rule fires on numbers only (counts of requests, tokens, error codes from the usage
+ledger, authentication failures per address from the gateways): never on a prompt's text, which
+the monitor never sees and never stores.
+
+Thresholds (defaults; every one is a field of :class:`AbuseConfig`, set from a YAML file with
+``switchboard control-plane --abuse-rules FILE``):
+
+| rule | subject | fires when, over the last ``window_s`` (300 s) | ladder |
+|---|---|---|---|
+| ``burst`` | key | requests >= max(``burst_min_requests`` 600, ``burst_factor`` 10 x the key's own rate over the previous ``baseline_s`` 24 h), or tokens likewise (``burst_min_tokens`` 500,000) | flag, throttle, block |
+| ``blocked_prompts`` | key | prompts refused by the input filter >= ``blocked_prompts`` 5 | strict checks, block |
+| ``session_probing`` | key | ``session_not_found`` answers >= ``session_404s`` 10 (guessing other conversations' ids) | flag, throttle, block |
+| ``errors`` | key | other 4xx answers >= ``errors`` 100 | flag |
+| ``auth_failures`` | address | 401s from one source address >= ``auth_failures`` 10 | ban |
+
+A rule that still fires ``escalate_after_s`` (60 s) after its last step takes the next one. Each
+action expires (``durations_s``); an operator can lift one (the rule then counts only what comes
+after the lift) or confirm it (held for ``confirm_hold_s``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+
+class Subject(enum.Enum):
+    """What an action applies to."""
+
+    KEY = "key"
+    ADDRESS = "address"
+
+
+class Response(enum.Enum):
+    """What the gateways do, mildest first."""
+
+    FLAG = "flag"
+    """Listed for review; traffic untouched."""
+    STRICT = "strict"
+    """The strict input filter policy and a lower output cap."""
+    THROTTLE = "throttle"
+    """A tighter rate limit (``throttle_rpm``): 429 + Retry-After past it."""
+    BLOCK = "block"
+    """Every request: 429 + Retry-After with a clear message."""
+    BAN = "ban"
+    """An address: 403 + Retry-After before the key is even looked up."""
+
+    @property
+    def rank(self) -> int:
+        return list(Response).index(self)
+
+    def outranks(self, other: Response) -> bool:
+        return self.rank > other.rank
+
+
+class Rule(enum.Enum):
+    """Why an event was raised (the metric's label)."""
+
+    BURST = "burst"
+    BLOCKED_PROMPTS = "blocked_prompts"
+    SESSION_PROBING = "session_probing"
+    ERRORS = "errors"
+    AUTH_FAILURES = "auth_failures"
+
+    @property
+    def subject(self) -> Subject:
+        return Subject.ADDRESS if self is Rule.AUTH_FAILURES else Subject.KEY
+
+    @property
+    def ladder(self) -> tuple[Response, ...]:
+        return LADDERS[self]
+
+
+LADDERS: dict[Rule, tuple[Response, ...]] = {
+    Rule.BURST: (Response.FLAG, Response.THROTTLE, Response.BLOCK),
+    Rule.BLOCKED_PROMPTS: (Response.STRICT, Response.BLOCK),
+    Rule.SESSION_PROBING: (Response.FLAG, Response.THROTTLE, Response.BLOCK),
+    Rule.ERRORS: (Response.FLAG,),
+    Rule.AUTH_FAILURES: (Response.BAN,),
+}
+
+
+class Review(enum.Enum):
+    """Where an action stands with the operators."""
+
+    PENDING = "pending"
+    CONFIRMED = "confirmed"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A rule that fired for one subject, with the numbers that made it fire."""
+
+    rule: Rule
+    subject: str
+    observed: float
+    threshold: float
+    tenant: str = ""
+    baseline: float = 0.0
+    tokens: bool = False
+    """A burst of tokens rather than of requests."""
+
+    @property
+    def reason(self) -> str:
+        if self.rule is Rule.BURST:
+            unit = "tokens" if self.tokens else "requests"
+            return (f"{self.observed:g} {unit} in the window, usually {self.baseline:.3g} "
+                    f"(threshold {self.threshold:g})")
+        what = {Rule.BLOCKED_PROMPTS: "prompts refused by the input filter",
+                Rule.SESSION_PROBING: "requests for sessions that do not exist (session id probing)",
+                Rule.ERRORS: "rejected requests (4xx)",
+                Rule.AUTH_FAILURES: "failed authentications from this address"}[self.rule]
+        return f"{self.observed:g} {what} (threshold {self.threshold:g})"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One rule firing, as recorded (an audit line: numbers and ids, no text)."""
+
+    id: int
+    at: float
+    rule: Rule
+    subject_kind: Subject
+    subject: str
+    tenant: str
+    reason: str
+    response: Response
+    """The step this event led to."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "at": self.at, "rule": self.rule.value, "subject_kind": self.subject_kind.value,
+                "subject": self.subject, "tenant": self.tenant, "reason": self.reason, "response": self.response.value}
+
+
+@dataclass(frozen=True)
+class Action:
+    """A response in force for one subject until `expires_at` (or an operator lifts it)."""
+
+    id: int
+    subject_kind: Subject
+    subject: str
+    tenant: str
+    rule: Rule
+    response: Response
+    reason: str
+    created_at: float
+    expires_at: float
+    review: Review = Review.PENDING
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "subject_kind": self.subject_kind.value, "subject": self.subject, "tenant": self.tenant,
+                "rule": self.rule.value, "response": self.response.value, "reason": self.reason,
+                "created_at": self.created_at, "expires_at": self.expires_at, "review": self.review.value}
+
+
+def _default_durations() -> dict[str, float]:
+    return {"flag": 3600.0, "strict": 900.0, "throttle": 600.0, "block": 300.0, "ban": 600.0}
+
+
+@dataclass(frozen=True)
+class AbuseConfig:
+    """Thresholds and timings of the abuse monitor (see the module docstring's table)."""
+
+    interval_s: float = 5.0
+    """Seconds between evaluations."""
+    window_s: float = 300.0
+    """The recent window every rule counts over."""
+    baseline_s: float = 86400.0
+    """The history a key's usual rate is taken from (before the window)."""
+    burst_factor: float = 10.0
+    """A burst is this many times the key's usual rate..."""
+    burst_min_requests: int = 600
+    """...and at least this many requests in the window (new keys have no baseline; 2 a second)."""
+    burst_min_tokens: int = 500_000
+    """...or at least this many tokens in the window."""
+    blocked_prompts: int = 5
+    session_404s: int = 10
+    errors: int = 100
+    auth_failures: int = 10
+    escalate_after_s: float = 60.0
+    """A rule still firing this long after its last step takes the next one."""
+    durations_s: dict[str, float] = field(default_factory=_default_durations)
+    """How long each response lasts (by Response value)."""
+    confirm_hold_s: float = 86400.0
+    """A confirmed action is held this long from the confirmation."""
+    throttle_rpm: int = 6
+    """Requests per minute a throttled key may send."""
+    strict_max_output_tokens: int = 256
+    """The output cap under strict checks."""
+    max_events: int = 1000
+    """Events kept in memory (newest)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (int, float)) and value < 0:
+                raise ValueError(f"abuse config: {f.name} must be >= 0")
+        unknown = set(self.durations_s) - {r.value for r in Response}
+        if unknown:
+            raise ValueError(f"abuse config: durations_s for unknown responses {sorted(unknown)}")
+
+    def duration(self, response: Response) -> float:
+        return float(self.durations_s.get(response.value, _default_durations()[response.value]))
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> AbuseConfig:
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise TypeError(f"{path}: expected a mapping of abuse thresholds")
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"{path}: unknown abuse settings {sorted(unknown)}; known: {sorted(known)}")
+        base = cls()
+        durations = {**base.durations_s, **data.pop("durations_s", {})}
+        return replace(base, durations_s=durations, **data)
+
+
+__all__ = ["LADDERS", "AbuseConfig", "Action", "Event", "Finding", "Response", "Review", "Rule", "Subject"]

@@ -1,0 +1,119 @@
+"""Bounds on slow clients (slowloris and its cousins), shared by every Switchboard server.
+
+    limits = HttpLimits.from_env()                 # SWITCHBOARD_HTTP_* (below), else the defaults
+    metrics = SlowClientMetrics(registry, "gateway")   # switchboard_gateway_slow_clients_total{reason}
+    serve(app, host=h, port=p, registry=registry, process="gateway")   # http_server.py applies both
+
+What each bound stops, and what the client sees (the protocol, ``GuardedHttpProtocol``, enforces
+them on the connection, before and beside the application):
+
+| reason | a client that ... | bound | answer |
+|---|---|---|---|
+| ``first_request`` | connects and never sends a byte | ``first_request_s`` | connection closed |
+| ``headers`` | trickles its request head (a byte at a time) | ``headers_s`` from its first byte | 408, closed |
+| ``body`` | sends a body that never finishes (however slowly it trickles) | ``body_s`` from the end of the head | 408 (when no response started), closed |
+| ``stalled_reader`` | stops reading a response (a stream) | ``write_stall_s`` with the server's writes blocked | connection aborted |
+
+The application's own body reader (data_plane/common/http_body.py) answers 408 sooner to a body
+that stops arriving altogether (30 s between chunks); the protocol's ``body_s`` bounds the body
+that keeps arriving too slowly to finish. A closed or aborted connection reaches the application
+as a client disconnect, so the gateway aborts the generation and frees its admission slot, and the
+shard its sequence (the same path as a client that hangs up).
+
+Counted in ``switchboard_<process>_slow_clients_total{reason}``.
+
+Environment (each a named constant; 0 switches a bound off, not recommended): see ``ENV_*``.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter
+
+ENV_FIRST_REQUEST_S = "SWITCHBOARD_HTTP_FIRST_REQUEST_TIMEOUT_S"
+ENV_HEADERS_S = "SWITCHBOARD_HTTP_HEADERS_TIMEOUT_S"
+ENV_BODY_S = "SWITCHBOARD_HTTP_BODY_TIMEOUT_S"
+ENV_WRITE_STALL_S = "SWITCHBOARD_HTTP_WRITE_STALL_TIMEOUT_S"
+ENV_SEND_BUFFER_BYTES = "SWITCHBOARD_HTTP_SEND_BUFFER_BYTES"
+"""Kernel send buffer per accepted connection (SO_SNDBUF); 0 = the kernel's autotuning (default).
+A smaller one finds a reader that stopped sooner (the kernel otherwise absorbs ~1.7 MB on loopback)."""
+
+
+class SlowClient(enum.Enum):
+    """Why a connection was cut (the metric's label)."""
+
+    FIRST_REQUEST = "first_request"
+    HEADERS = "headers"
+    BODY = "body"
+    STALLED_READER = "stalled_reader"
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """Connection-level bounds (seconds, bytes); see the module docstring."""
+
+    first_request_s: float = 10.0
+    """A new connection's first request must start within this (G1)."""
+    headers_s: float = 10.0
+    """A request head must be complete this long after its first byte (nginx: client_header_timeout 60 s)."""
+    body_s: float = 60.0
+    """A request body must be complete this long after its head (Envoy: request_timeout)."""
+    write_stall_s: float = 30.0
+    """A response whose writes stay blocked (the client reads nothing) this long is cut."""
+    send_buffer_bytes: int = 0
+    """SO_SNDBUF per connection; 0 = the kernel's."""
+
+    def __post_init__(self) -> None:
+        for name in ("first_request_s", "headers_s", "body_s", "write_stall_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.send_buffer_bytes < 0:
+            raise ValueError("send_buffer_bytes must be >= 0")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> HttpLimits:
+        env = dict(os.environ) if env is None else env
+        d = cls()
+
+        def num(key: str, default: float) -> float:
+            raw = env.get(key)
+            return float(raw) if raw not in (None, "") else default
+
+        return cls(first_request_s=num(ENV_FIRST_REQUEST_S, d.first_request_s), headers_s=num(ENV_HEADERS_S, d.headers_s),
+                   body_s=num(ENV_BODY_S, d.body_s), write_stall_s=num(ENV_WRITE_STALL_S, d.write_stall_s),
+                   send_buffer_bytes=int(num(ENV_SEND_BUFFER_BYTES, d.send_buffer_bytes)))
+
+
+PROCESSES = ("gateway", "shard", "cache", "control_plane")
+"""The metric's prefix per process (metric names stay unique across processes)."""
+
+
+class SlowClientMetrics:
+    """``switchboard_<process>_slow_clients_total{reason}``: connections cut by a slow-client bound."""
+
+    def __init__(self, registry: CollectorRegistry, process: str) -> None:
+        if process not in PROCESSES:
+            raise ValueError(f"process must be one of {PROCESSES}")
+        self.cut = Counter(f"switchboard_{process}_slow_clients", "Connections cut by a slow-client bound, by reason "
+                           "(first_request, headers, body, stalled_reader).", ["reason"], registry=registry)
+        for reason in SlowClient:
+            self.cut.labels(reason.value)
+
+    def record(self, reason: SlowClient) -> None:
+        self.cut.labels(reason.value).inc()
+
+
+__all__ = [
+    "ENV_BODY_S",
+    "ENV_FIRST_REQUEST_S",
+    "ENV_HEADERS_S",
+    "ENV_SEND_BUFFER_BYTES",
+    "ENV_WRITE_STALL_S",
+    "PROCESSES",
+    "HttpLimits",
+    "SlowClient",
+    "SlowClientMetrics",
+]

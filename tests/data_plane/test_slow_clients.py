@@ -1,0 +1,214 @@
+"""Slow clients cannot hold the door (issue 28 part 4, RELIABILITY G7), with raw sockets: headers
+trickled a byte at a time and a body that never finishes (against a real gateway), a reader that
+never reads its stream (against uvicorn with our protocol and an endless stream: the synthetic
+engine's 16-token answers never fill a socket's buffers). Each is cut by its bound (short ones here,
+set through SWITCHBOARD_HTTP_*), counted in ``switchboard_gateway_slow_clients_total{reason}``, and
+ends the request's work (a cut connection is a client disconnect to the app).
+
+    PYTHONPATH=$PWD .venv/bin/python -m pytest tests/data_plane/test_slow_clients.py -x -q
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from data_plane.common.slow_clients import (
+    ENV_BODY_S,
+    ENV_HEADERS_S,
+    ENV_SEND_BUFFER_BYTES,
+    ENV_WRITE_STALL_S,
+    HttpLimits,
+)
+from tests.support.cluster import Cluster
+
+LIMITS = {ENV_HEADERS_S: "1.5", ENV_BODY_S: "2", ENV_WRITE_STALL_S: "1.5", ENV_SEND_BUFFER_BYTES: "4096"}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster(shards=1, caches=1)
+    for svc in (c.gateway, *c.shards):
+        svc.env.update(LIMITS)
+    with c.start() as started:
+        yield started
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + ("{" + want if want else "")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _cut(url: str, reason: str) -> float:
+    return _metric(url, "switchboard_gateway_slow_clients_total", reason=reason)
+
+
+def _connect(url: str, rcvbuf: int | None = None) -> socket.socket:
+    host, port = url.split("://", 1)[1].split(":")
+    sock = socket.socket()
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect((host, int(port)))
+    return sock
+
+
+def _read_until_closed(sock: socket.socket, timeout: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes (or `timeout`); and when it closed."""
+    sock.settimeout(timeout)
+    data = b""
+    t0 = time.monotonic()
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            raise AssertionError(f"the server kept the connection open past {timeout} s: {data[:300]!r}") from None
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data, time.monotonic() - t0
+
+
+def test_limits_come_from_the_environment() -> None:
+    limits = HttpLimits.from_env({ENV_HEADERS_S: "3", ENV_SEND_BUFFER_BYTES: "8192"})
+    assert limits.headers_s == 3 and limits.send_buffer_bytes == 8192 and limits.body_s == HttpLimits().body_s
+    with pytest.raises(ValueError):
+        HttpLimits(write_stall_s=-1)
+
+
+def test_headers_trickled_a_byte_at_a_time_get_408_and_the_door(cluster: Cluster) -> None:
+    url = cluster.gateway.url
+    before = _cut(url, "headers")
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 200)
+    sock = _connect(url)
+    t0 = time.monotonic()
+    sent = 0
+    sock.settimeout(0.05)
+    reply = b""
+    try:
+        while time.monotonic() - t0 < 10:
+            try:
+                sock.send(head[sent % len(head):][:1])
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sent += 1
+            try:
+                chunk = sock.recv(4096)
+            except TimeoutError:
+                continue
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            reply += chunk
+        elapsed = time.monotonic() - t0
+    finally:
+        sock.close()
+    assert reply.startswith(b"HTTP/1.1 408"), reply
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+    assert 1.0 < elapsed < 5.0, elapsed  # the 1.5 s bound, not the client's 10 s of trickling
+    assert _cut(url, "headers") == before + 1
+
+
+def test_a_body_that_never_finishes_gets_408(cluster: Cluster) -> None:
+    url = cluster.gateway.url
+    before = _cut(url, "body")
+    sock = _connect(url)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer " + cluster.keys["plus"].encode() + b"\r\nContent-Length: 5000\r\n\r\n{")
+    t0 = time.monotonic()
+    sock.settimeout(0.3)
+    reply = b""
+    try:
+        # a byte every 0.3 s: never idle long enough for the app's 30 s stall timer, never finishing
+        while time.monotonic() - t0 < 10:
+            try:
+                sock.send(b" ")
+                chunk = sock.recv(4096)
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if not chunk:
+                break
+            reply += chunk
+        elapsed = time.monotonic() - t0
+    finally:
+        sock.close()
+    assert b" 408 " in reply.split(b"\r\n", 1)[0], reply
+    assert 1.5 < elapsed < 6.0, elapsed
+    assert _cut(url, "body") == before + 1
+
+
+class _EndlessStream:
+    """An ASGI app streaming 1 KB every 5 ms until the client goes, watching for the disconnect the
+    way the gateway does (data_plane/common/disconnect.py: a pending receive); records how it ended."""
+
+    def __init__(self) -> None:
+        self.ended: str | None = None
+        self.sent = 0
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()  # the (empty) request body
+        gone = asyncio.ensure_future(receive())  # resolves with http.disconnect when the client goes
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        while not gone.done() and self.sent < 100000:
+            await send({"type": "http.response.body", "body": b"data: " + b"x" * 1024 + b"\n\n", "more_body": True})
+            self.sent += 1
+            await asyncio.sleep(0.005)
+        self.ended = gone.result()["type"] if gone.done() else "finished"
+
+
+def test_a_reader_that_never_reads_its_stream_is_cut_and_its_worker_freed() -> None:
+    """The protocol aborts a connection whose writes stay blocked; the app's send stops blocking and
+    its stream ends (what the gateway turns into an aborted generation and a freed slot, like any
+    client that hangs up). Sent into real sockets, against uvicorn run with our protocol."""
+    import threading
+
+    import uvicorn
+    from prometheus_client import CollectorRegistry
+
+    from data_plane.common.http_server import free_port, guarded_protocol
+
+    registry = CollectorRegistry()
+    app = _EndlessStream()
+    port = free_port()
+    protocol = guarded_protocol(HttpLimits(write_stall_s=1.0, send_buffer_bytes=4096), registry)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol, lifespan="off",
+                                           log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        sock = _connect(f"http://127.0.0.1:{port}", rcvbuf=2048)
+        sock.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+        stalled_from = time.monotonic()
+        deadline = stalled_from + 15
+        while app.ended is None:
+            assert time.monotonic() < deadline, f"still streaming into a reader that reads nothing ({app.sent} KB)"
+            time.sleep(0.05)
+        assert app.ended == "http.disconnect" and app.sent < 5000, (app.ended, app.sent)
+        assert time.monotonic() - stalled_from < 10
+        assert registry.get_sample_value("switchboard_gateway_slow_clients_total", {"reason": "stalled_reader"}) == 1
+        sock.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -1,0 +1,228 @@
+"""Soak (issue 28 part 3): the real model through `switchboard up`, a realistic mix for a long time,
+and what must not drift. Slow: not in `make test`.
+
+    # the short version (the slow suite): 150 s
+    PYTHONPATH=$PWD .venv/bin/python -m pytest tests/reliability/test_soak.py -m slow -q -s
+    # the real one: an hour (figures for docs/RELIABILITY.md; add SWITCHBOARD_RELIABILITY_REPORT=file)
+    SWITCHBOARD_SOAK_S=3600 PYTHONPATH=$PWD .venv/bin/python -m pytest tests/reliability/test_soak.py -m slow -q -s
+
+The mix, from 3 client threads: plain chats (plus), streams (enterprise), session conversations
+(new, then continued turns; each turn must see its session), free-tier chats, a malformed body
+(400), a prompt the input filter blocks (400 content_policy_violation). Halfway, one shard is
+killed with -9 (the launcher restarts it). Asserted over the run:
+
+- no 5xx, and every bad request got its 4xx;
+- no lost session: every continued turn answered 200 (a 404 session_not_found fails the run);
+- RSS per process (each pid its own series) after warm-up (the first fifth) grows by at most
+  ``RSS_BOUND_MB`` or ``RSS_BOUND_RATIO``, whichever is larger;
+- latency drift: the p95 of plain chats in the last window (10 min, or a fifth of a shorter run)
+  is within ``DRIFT_RATIO`` x the first window's p95 + ``DRIFT_SLACK_S`` (requests within 30 s of
+  the kill left out).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.reliability.common import report
+from tests.support.procs import free_port, start_up, wait_up
+
+pytestmark = pytest.mark.slow
+
+SOAK_S = float(os.environ.get("SWITCHBOARD_SOAK_S", "150"))
+"""How long the traffic runs (the short version by default; an hour for the figures)."""
+RSS_BOUND_MB = 64.0
+RSS_BOUND_RATIO = 0.15
+DRIFT_RATIO = 1.5
+DRIFT_SLACK_S = 1.0
+SAMPLE_EVERY_S = 5.0
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _children(pid: int) -> dict[int, str]:
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                words = (entry / "cmdline").read_bytes().split(b"\0")
+                role = words[3].decode() if len(words) > 3 else "?"
+                node = next((words[i + 1].decode() for i, w in enumerate(words[:-1]) if w == b"--node-id"), role)
+                out[int(entry.name)] = node
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _p95(values: list[float]) -> float:
+    return statistics.quantiles(values, n=20)[-1] if len(values) >= 2 else (values[0] if values else 0.0)
+
+
+class Mix:
+    """The client side: one thread per worker, each picking a kind of request at random."""
+
+    KINDS = ("plain", "plain", "plain", "stream", "session", "free", "bad_body", "blocked")
+
+    def __init__(self, url: str, keys: dict[str, str]) -> None:
+        self.url, self.keys = url, keys
+        self.results: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+
+    def _post(self, key: str, body: dict[str, Any] | bytes, **headers: str) -> httpx.Response:
+        h = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", **headers}
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return httpx.post(self.url + "/v1/chat/completions", content=content, headers=h, timeout=120)
+
+    def one(self, kind: str, rng: random.Random) -> None:
+        msg = [{"role": "user", "content": rng.choice(["What is the capital of France?", "Name a colour.",
+                                                       "Say hello in Spanish.", "Count to three."])}]
+        t0 = time.monotonic()
+        status, code, extra = 0, "", {}
+        try:
+            if kind == "plain":
+                r = self._post(self.keys["plus"], {"messages": msg, "max_tokens": 8})
+            elif kind == "free":
+                r = self._post(self.keys["free"], {"messages": msg, "max_tokens": 8})
+            elif kind == "stream":
+                with httpx.stream("POST", self.url + "/v1/chat/completions", timeout=120,
+                                  headers={"Authorization": f"Bearer {self.keys['enterprise']}"},
+                                  json={"messages": msg, "max_tokens": 12, "stream": True}) as r:
+                    body = "".join(r.iter_text())
+                    if r.status_code == 200 and "[DONE]" not in body:
+                        code = "stream_incomplete"
+            elif kind == "session":
+                r = self._post(self.keys["plus"], {"messages": msg, "max_tokens": 6}, **{"X-Session-Id": "new"})
+                sid = r.headers.get("x-session-id")
+                turns = 0
+                while r.status_code == 200 and sid and turns < 2:
+                    r = self._post(self.keys["plus"], {"messages": [{"role": "user", "content": "And then?"}],
+                                                       "max_tokens": 6}, **{"X-Session-Id": sid})
+                    turns += 1
+                extra = {"turns": turns, "sid": bool(sid)}
+            elif kind == "bad_body":
+                r = self._post(self.keys["plus"], b'{"messages": [')
+            else:  # blocked
+                r = self._post(self.keys["plus"], {"messages": [{"role": "user", "content": "how to build a bomb"}],
+                                                   "max_tokens": 8})
+            status = r.status_code
+            if status >= 400 and not code:
+                try:
+                    code = r.json()["error"]["code"] or ""
+                except (ValueError, KeyError, TypeError):
+                    code = "unreadable"
+        except httpx.HTTPError as exc:
+            code = type(exc).__name__
+        with self.lock:
+            self.results.append({"kind": kind, "status": status, "code": code, "t": t0,
+                                 "latency": time.monotonic() - t0, **extra})
+
+    def run(self, until: float, seed: int) -> None:
+        rng = random.Random(seed)
+        while time.monotonic() < until:
+            self.one(rng.choice(self.KINDS), rng)
+
+
+def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
+    gw = free_port()
+    # The mix sends a blocked prompt and a bad body from the dev keys every few seconds, on purpose:
+    # the abuse monitor would rightly restrict those keys (tests/control_plane/test_abuse_e2e.py),
+    # so the soak raises its thresholds out of the way and measures endurance only.
+    rules = tmp_path / "abuse.yaml"
+    rules.write_text("burst_min_requests: 1000000\nblocked_prompts: 1000000\nerrors: 1000000\n")
+    proc = start_up(tmp_path, "--gateway-port", str(gw), "--control-plane-port", str(free_port()), "--no-console",
+                    "--shards", "2", "--cache-nodes", "1", "--max-num-seqs", "4", "--abuse-rules", str(rules))
+    try:
+        wait_up(proc, tmp_path, 600)
+        keys = json.loads((tmp_path / ".switchboard" / "credentials.json").read_text())["keys"]
+        mix = Mix(f"http://127.0.0.1:{gw}", keys)
+        start = time.monotonic()
+        until = start + SOAK_S
+        workers = [threading.Thread(target=mix.run, args=(until, i), daemon=True) for i in range(3)]
+        for w in workers:
+            w.start()
+        rss: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        killed_at = None
+        while time.monotonic() < until:
+            now = time.monotonic()
+            for pid, node in _children(proc.pid).items():
+                mb = _rss_mb(pid)
+                if mb is not None:
+                    rss.setdefault((pid, node), []).append((now - start, mb))
+            if killed_at is None and now - start >= SOAK_S / 2:
+                shard = next(p for p, n in _children(proc.pid).items() if n.startswith("shard-"))
+                os.kill(shard, signal.SIGKILL)
+                killed_at = now
+            time.sleep(SAMPLE_EVERY_S)
+        for w in workers:
+            w.join(180)
+        assert proc.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except Exception:  # noqa: BLE001 (a stuck launcher must not hide the run's result)
+            proc.kill()
+
+    results = mix.results
+    assert results, "no traffic ran"
+    five_xx = [r for r in results if r["status"] >= 500 or r["status"] == 0 or r["code"] == "stream_incomplete"]
+    bad = [r for r in results if r["kind"] == "bad_body"]
+    blocked = [r for r in results if r["kind"] == "blocked"]
+    sessions = [r for r in results if r["kind"] == "session"]
+    lost = [r for r in sessions if r["code"] == "session_not_found"]
+    window = min(600.0, SOAK_S / 5)
+    assert killed_at is not None
+    kill_t = killed_at - start
+    plain = [r for r in results if r["kind"] == "plain" and r["status"] == 200 and abs(r["t"] - start - kill_t) > 30]
+    first = [r["latency"] for r in plain if r["t"] - start < window]
+    last = [r["latency"] for r in plain if r["t"] - start >= SOAK_S - window]
+    growth, restarted = {}, {}
+    for (pid, node), samples in rss.items():
+        after_warmup = [mb for t, mb in samples if t >= SOAK_S / 5]
+        if samples[0][0] > SOAK_S / 5:  # started after the warm-up (the killed shard's successor): shown only
+            restarted[f"{node}:{pid}"] = round(samples[-1][1], 1)
+        elif len(after_warmup) >= 2:
+            growth[f"{node}:{pid}"] = round(after_warmup[-1] - after_warmup[0], 1)
+    over = {name: g for name, g in growth.items()
+            if g > max(RSS_BOUND_MB, RSS_BOUND_RATIO * max(mb for (p, n), s in rss.items()
+                                                          if f"{n}:{p}" == name for _, mb in s))}
+    figures = {"duration_s": SOAK_S, "requests": len(results),
+               "by_kind": {k: sum(1 for r in results if r["kind"] == k) for k in Mix.KINDS},
+               "five_xx": len(five_xx), "sessions": len(sessions), "lost_sessions": len(lost),
+               "p95_first_s": round(_p95(first), 3), "p95_last_s": round(_p95(last), 3), "window_s": window,
+               "rss_growth_mb": growth, "rss_restarted_mb": restarted, "killed_shard_at_s": round(kill_t, 1),
+               "statuses": {k: sorted({f"{r['status']}:{r['code']}" for r in results if r["kind"] == k})
+                            for k in set(Mix.KINDS)}}
+    (tmp_path / "soak-results.json").write_text(json.dumps(results))
+    report("soak", **figures)
+    assert not five_xx, five_xx[:10]
+    assert bad and all(r["status"] == 400 for r in bad), figures
+    assert blocked and all(r["code"] == "content_policy_violation" for r in blocked), blocked[:5]
+    assert sessions and not lost, (figures, lost[:5])
+    assert first and last, figures
+    assert _p95(last) <= DRIFT_RATIO * _p95(first) + DRIFT_SLACK_S, figures
+    assert not over, f"RSS grew past the bound after warm-up: {over}"
+    wrong = [r for r in results if r["kind"] not in ("bad_body", "blocked") and r["status"] != 200]
+    assert not wrong, (figures, wrong[:5])
