@@ -30,15 +30,13 @@ HEARTBEAT_S; stage 0's monitor thread declares a stage lost when its process exi
 next check) or its counter stood still for `timeout_s` (frozen: SIGSTOP, a hung host), and calls
 `on_lost` once: the engine fails every open stream (an error event the gateway resumes elsewhere)
 and the shard leaves membership and exits, so its supervisor replaces the whole group. Stages die
-with stage 0 (PR_SET_PDEATHSIG, and their gloo receive fails when it goes).
+with stage 0 (data_plane/common/lifeline.py, and their gloo receive fails when it goes).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -50,6 +48,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+
+from data_plane.common.lifeline import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -90,22 +90,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _load_prctl() -> Callable[[int, int], int] | None:
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl  # type: ignore[no-any-return]
-    except OSError:  # not Linux: stages then rely on their failed receive to exit
-        return None
-
-
-_PRCTL = _load_prctl()  # loaded before any fork: the child only calls it
-
-
-def set_pdeathsig() -> None:
-    """This process gets SIGKILL when its parent dies (Linux; a no-op elsewhere)."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 @dataclass(frozen=True)
@@ -209,7 +193,7 @@ class PipelineGroup:
                 "--world", str(s.size), "--port", str(self.port), "--model", s.model, "--dtype", s.dtype,
                 "--quantization", s.quantization,
                 "--max-num-seqs", str(s.max_num_seqs), "--max-len", str(s.max_len),
-                "--layers", f"{first}:{end}", "--threads", str(s.threads), "--parent-pid", str(os.getpid())]
+                "--layers", f"{first}:{end}", "--threads", str(s.threads)]
 
     def start(self, hidden: int, dtype: torch.dtype, load_timeout_s: float = 600.0) -> Hops:
         """Spawn stages 1..N-1, wait until all joined the gloo group (they load their layers first)."""
@@ -218,7 +202,8 @@ class PipelineGroup:
         self._store = dist.TCPStore("127.0.0.1", self.port, self.spec.size, True,
                                     timeout=timedelta(seconds=load_timeout_s), wait_for_workers=False)
         for rank in range(1, self.spec.size):
-            self.procs[rank] = subprocess.Popen(self.stage_command(rank))
+            # Forked from the engine's scheduler thread, which lives as long as the shard (lifeline.py).
+            self.procs[rank] = subprocess.Popen(self.stage_command(rank), preexec_fn=die_with_parent())  # noqa: PLW1509
         log.info("pipeline: %d stages, layers %s, store on 127.0.0.1:%d", self.spec.size, self.spec.ranges, self.port)
         dist.init_process_group("gloo", store=self._store, rank=0, world_size=self.spec.size,
                                 timeout=timedelta(seconds=load_timeout_s))

@@ -8,7 +8,7 @@ joins stage 0's gloo group (a TCPStore on 127.0.0.1:port), beats its heartbeat c
 serves the chain (data_plane/shard/engines/pipeline.py): a FORWARD header and hidden states from
 the previous stage -> its layers -> the next stage, or, on the last stage, the wanted rows back
 to stage 0; a MOVE header moves a slot's KV and goes on down the chain. It dies with stage 0
-(PR_SET_PDEATHSIG; a failed receive or heartbeat exits too).
+(stage 0 starts it with data_plane/common/lifeline.py; a failed receive or heartbeat exits too).
 """
 
 from __future__ import annotations
@@ -38,15 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--layers", required=True, help="first:end")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--parent-pid", type=int, default=0, help="stage 0's pid: exit if it is already gone")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s stage{args.rank} %(levelname)s %(message)s")
 
-    from data_plane.shard.engines.pipeline import set_pdeathsig
-
-    set_pdeathsig()
-    if args.parent_pid and os.getppid() != args.parent_pid:  # stage 0 died before the line above
-        os._exit(1)
     import torch
     import torch.distributed as dist
 
