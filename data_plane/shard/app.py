@@ -155,8 +155,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
                     service="shard",
                     url=url,
                     meta={"model": engine.model_name, "engine": settings.engine,
-                          "max_num_seqs": str(settings.max_num_seqs),
-                          "pipeline_parallel_size": str(settings.pipeline_parallel_size),
+                          "max_num_seqs": str(settings.max_num_seqs), "pipeline_parallel_size": str(settings.pipeline_parallel_size),
                           "max_model_len": str(engine.max_model_len), "zone": settings.zone,
                           **({KEEPALIVE_META: f"{settings.keepalive_s:g}"} if settings.keepalive_s else {})},
                 )
