@@ -215,6 +215,8 @@ class ChatEnd:
     finish_reason: str | None
     usage: dict[str, Any] | None
     error: str | None = None
+    response_id: str | None = None
+    """The Responses API's response id (continue the conversation with it as previous_response_id)."""
 
 
 ChatEvent = ChatStart | ChatDelta | ChatEnd
@@ -245,10 +247,27 @@ class GatewayClient:
             body["max_tokens"] = max_tokens
         if temperature is not None:
             body["temperature"] = temperature
+        yield from self._stream("/v1/chat/completions", api_key, body, traceparent, trace_id, _sse_events)
+
+    def stream_response(self, api_key: str, text: str, *, previous_response_id: str | None = None,
+                        max_tokens: int | None = None, temperature: float | None = None,
+                        model: str | None = None) -> Iterator[ChatEvent]:
+        """One turn through the Responses API: only the new message goes out; the gateway keeps the
+        conversation (`previous_response_id`: the last ChatEnd's response_id)."""
+        traceparent, trace_id = new_traceparent()
+        body: dict[str, Any] = {"input": text, "stream": True, "truncation": "auto"}
+        for name, value in (("model", model), ("max_output_tokens", max_tokens), ("temperature", temperature),
+                            ("previous_response_id", previous_response_id)):
+            if value is not None and value != "":
+                body[name] = value
+        yield from self._stream("/v1/responses", api_key, body, traceparent, trace_id, _response_events)
+
+    def _stream(self, path: str, api_key: str, body: dict[str, Any], traceparent: str, trace_id: str,
+                parse: Any) -> Iterator[ChatEvent]:
         headers = {"Authorization": f"Bearer {api_key}", "traceparent": traceparent}
         try:
             with (httpx.Client(base_url=self.base_url, timeout=self._timeout, transport=self._transport) as http,
-                  http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response):
+                  http.stream("POST", path, json=body, headers=headers) as response):
                 resp_headers = {k.lower(): v for k, v in response.headers.items()}
                 yield ChatStart(resp_headers.get("x-request-id"), resp_headers.get("x-trace-id", trace_id),
                                 response.status_code, resp_headers)
@@ -256,9 +275,35 @@ class GatewayClient:
                     response.read()
                     yield ChatEnd(None, None, error=str(_error_from(response, "chat")))
                     return
-                yield from _sse_events(response.iter_lines())
+                yield from parse(response.iter_lines())
         except httpx.HTTPError as exc:
             raise Unreachable(f"cannot reach the gateway at {self.base_url} ({type(exc).__name__}: {exc})") from None
+
+
+def _response_events(lines: Iterator[str]) -> Iterator[ChatEvent]:
+    """The Responses API's SSE events as the Playground's chat events."""
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        try:
+            event = json.loads(line[5:].strip())
+        except ValueError:
+            continue
+        kind = event.get("type")
+        if kind == "response.output_text.delta":
+            yield ChatDelta(event.get("delta", ""))
+        elif kind == "error":
+            yield ChatEnd(None, None, error=str(event.get("message")))
+            return
+        elif kind in ("response.completed", "response.incomplete"):
+            r = event["response"]
+            u = r.get("usage") or {}
+            usage = {"prompt_tokens": u.get("input_tokens"), "completion_tokens": u.get("output_tokens"),
+                     "prompt_tokens_details": u.get("input_tokens_details")}
+            reason = "stop" if kind == "response.completed" else (r.get("incomplete_details") or {}).get("reason")
+            yield ChatEnd(reason, usage, response_id=r.get("id"))
+            return
+    yield ChatEnd(None, None, error="the stream ended without a final response event")
 
 
 def _sse_events(lines: Iterator[str]) -> Iterator[ChatEvent]:

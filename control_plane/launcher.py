@@ -63,6 +63,8 @@ class UpSettings(BaseSettings):
     quantization: Literal["auto", "none", "int8", "int4"] = Field(
         "auto", description="Shard weight format (auto: a GGUF's Q4 blocks as int4).")
     max_num_seqs: int = Field(16, ge=1, le=256, description="Batch slots per shard.")
+    pipeline_parallel_size: int = Field(1, ge=1, le=64, description=(
+        "Stage processes per shard (a replica is a whole pipeline group: data_plane/shard/engines/pipeline.py)."))
     max_model_len: int = Field(2048, ge=16, description="Context window per shard.")
     state_dir: str = Field(".switchboard", description="Where credentials and logs go.")
     redis: str | None = Field(None, description="Redis URL for cache nodes (default: in memory).")
@@ -155,11 +157,12 @@ def plan(s: UpSettings, state: Path, admin_token: str,
     if s.autoscale:
         if s.min_replicas > s.max_replicas:
             raise SystemExit(f"switchboard up: --min-replicas {s.min_replicas} > --max-replicas {s.max_replicas}")
-        scaled_threads = max(1, (os.cpu_count() or 2) // s.max_replicas)
+        # Every stage process of a group takes its threads: the host cap counts stage processes.
+        scaled_threads = max(1, (os.cpu_count() or 2) // (s.max_replicas * s.pipeline_parallel_size))
         cp.args += ["--autoscale", "--min-replicas", str(s.min_replicas), "--max-replicas", str(s.max_replicas),
                     "--shard-log-dir", str(logs), "--shard-args", shlex.join(_shard_flags(s, scaled_threads, state))]
         if s.engine == "torch":  # a torch shard past the cores slows the others (the synthetic one uses none)
-            cp.args += ["--local-max-shards", str(max(s.min_replicas, (os.cpu_count() or 2) // scaled_threads))]
+            cp.args += ["--local-max-shards", str(local_max_shards(s, scaled_threads))]
     caches = []
     for i in range(max(s.cache_nodes, len(zones))):
         port = s.cache_base_port + i if s.cache_base_port else free_port(host)
@@ -171,7 +174,7 @@ def plan(s: UpSettings, state: Path, admin_token: str,
         caches.append(Child(f"cache-{i}", args, f"http://{host}:{port}", logs / f"cache-{i}.log", env=member_env))
     shards = []
     n_shards = 0 if s.autoscale else (max(s.shards, len(zones)) if s.shards else 0)
-    threads = max(1, (os.cpu_count() or 2) // max(1, n_shards))
+    threads = max(1, (os.cpu_count() or 2) // max(1, n_shards * s.pipeline_parallel_size))
     for i in range(n_shards):
         port = s.shard_base_port + i if s.shard_base_port else free_port(host)
         args = ["shard", "--host", host, "--port", str(port), "--registry-url", registry, "--node-id", f"shard-{i}",
@@ -194,6 +197,13 @@ def plan(s: UpSettings, state: Path, admin_token: str,
     return cp, caches, shards, gateways
 
 
+def local_max_shards(s: UpSettings, threads: int, cores: int | None = None) -> int:
+    """Shards (pipeline groups) the local actuator may run: as many stage processes of `threads`
+    threads as the cores hold, divided into groups of `pipeline_parallel_size` (at least min_replicas)."""
+    stages = (cores or os.cpu_count() or 2) // threads
+    return max(s.min_replicas, stages // s.pipeline_parallel_size)
+
+
 def _shard_flags(s: UpSettings, threads: int, state: Path) -> list[str]:
     """Engine flags of every shard, started here or by the autoscaler; KV blocks are sealed with
     keys derived from the gateway's session keys file (data_plane/shard/kv_seal.py)."""
@@ -201,6 +211,8 @@ def _shard_flags(s: UpSettings, threads: int, state: Path) -> list[str]:
             "--max-num-seqs", str(s.max_num_seqs),
             "--max-model-len", str(s.max_model_len), "--threads", str(threads),
             "--kv-keys-file", str(state / "session_keys")]
+    if s.pipeline_parallel_size > 1:
+        args += ["--pipeline-parallel-size", str(s.pipeline_parallel_size)]
     return args + (["--model", s.model] if s.model else [])
 
 

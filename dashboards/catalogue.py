@@ -92,15 +92,19 @@ def _gateway(registry: CollectorRegistry) -> list[object]:
     from data_plane.common.crypto import SealMetrics
     from data_plane.gateway.abuse import AbuseGuardMetrics
     from data_plane.gateway.admission import AdmissionMetrics
+    from data_plane.gateway.memory import MemoryMetrics
     from data_plane.gateway.metrics import GatewayMetrics
     from data_plane.gateway.ratelimit.limiter import RateLimitMetrics
+    from data_plane.gateway.response_cache import ResponseCacheMetrics
+    from data_plane.gateway.responses_metrics import ResponsesMetrics
     from data_plane.gateway.safety.pipeline import SafetyMetrics
     from data_plane.ledger.writer import LedgerMetrics
     from data_plane.routing.router import RouterMetrics
 
     return [GatewayMetrics(registry), SafetyMetrics(registry), RouterMetrics(registry),
             SessionStoreMetrics(registry), RateLimitMetrics(registry), AdmissionMetrics(registry),
-            LedgerMetrics(registry), SealMetrics(registry), AbuseGuardMetrics(registry), SlowClientMetrics(registry, "gateway")]
+            LedgerMetrics(registry), SealMetrics(registry), AbuseGuardMetrics(registry), SlowClientMetrics(registry, "gateway"),
+            ResponseCacheMetrics(registry), MemoryMetrics(registry), ResponsesMetrics(registry)]
 
 
 def _cache_node(registry: CollectorRegistry) -> list[object]:

@@ -177,6 +177,9 @@ class ChatCompletionRequest(BaseModel):
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
+    cache: dict[str, Any] | None = None
+    """LiteLLM's per-request cache controls: {"no-cache": true} skips the response cache's lookup,
+    {"no-store": true} its write (data_plane/gateway/response_cache.py)."""
     # Switchboard extensions (set by the gateway; harmless for other servers).
     priority: int | None = Field(default=None, ge=-1_000_000, le=1_000_000)
     request_id: str | None = Field(default=None, max_length=128)

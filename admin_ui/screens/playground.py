@@ -1,4 +1,5 @@
-"""Playground: send a chat to the gateway as a chosen tier's key, watch it stream, follow its trace.
+"""Playground: send a chat to the gateway as a chosen tier's key, watch it stream, follow its trace;
+through chat completions (the whole conversation each turn) or the Responses API (the gateway keeps it).
 
 A console page: Streamlit runs it from admin_ui/app.py's navigation (``PAGES``); it talks to the
 gateway (admin_ui/client.py) and links the request's trace on the Traces page.
@@ -30,6 +31,9 @@ if tier == CUSTOM:
     st.text_input("API key", type="password", key="pg_key")
 max_tokens = mid.number_input("Max tokens", min_value=1, max_value=4096, value=128, step=16, key="pg_max_tokens")
 temperature = right.number_input("Temperature", min_value=0.0, max_value=2.0, value=0.0, step=0.1, key="pg_temp")
+api = st.radio("API", ["Chat completions", "Responses"], key="pg_api", horizontal=True,
+               help="Chat completions sends the whole conversation each turn; the Responses API sends only the "
+                    "new message and the gateway keeps the conversation (previous_response_id).")
 st.caption(f"Gateway: `{c.settings.gateway_url}`")
 
 history: list[dict[str, str]] = st.session_state.setdefault("pg_history", [])
@@ -43,6 +47,7 @@ send = send_col.button("Send", type="primary", icon=":material/send:", width="st
 if clear_col.button("New conversation", icon=":material/restart_alt:", width="stretch"):
     st.session_state["pg_history"] = []
     st.session_state.pop("pg_last", None)
+    st.session_state.pop("pg_response_id", None)
     st.rerun()
 
 if send:
@@ -59,8 +64,13 @@ if send:
         meta: dict = {"t0": time.monotonic(), "chunks": 0}
 
         def stream():
-            for event in c.gateway.stream_chat(api_key, messages, max_tokens=int(max_tokens),
-                                               temperature=float(temperature)):
+            events = (c.gateway.stream_response(api_key, text, max_tokens=int(max_tokens),
+                                                temperature=float(temperature),
+                                                previous_response_id=st.session_state.get("pg_response_id"))
+                      if api == "Responses" else
+                      c.gateway.stream_chat(api_key, messages, max_tokens=int(max_tokens),
+                                            temperature=float(temperature)))
+            for event in events:
                 if isinstance(event, ChatStart):
                     meta["start"] = event
                 elif isinstance(event, ChatDelta):
@@ -80,6 +90,8 @@ if send:
         end, start = meta.get("end"), meta.get("start")
         if end is not None and end.error:
             st.error(f"The gateway answered {start.status if start else '?'}: {end.error}", icon=":material/block:")
+        if end is not None and end.response_id:
+            st.session_state["pg_response_id"] = end.response_id
         if answer and not (end and end.error):
             history.extend([{"role": "user", "content": text}, {"role": "assistant", "content": str(answer)}])
         st.session_state["pg_last"] = {

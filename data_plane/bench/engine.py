@@ -42,7 +42,7 @@ import multiprocessing
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from data_plane.bench.common import (
@@ -102,8 +102,15 @@ def make_row(system: System, name: str, concurrency: int, results: list[RequestR
     }
 
 
+def make_system(name: str, config: BenchConfig) -> System:
+    """`switchboard@pp2`: the switchboard system as a 2-stage pipeline (--pipeline-parallel-size)."""
+    base, _, pp = name.partition("@pp")
+    system: System = SYSTEMS[base](replace(config, pipeline_parallel_size=int(pp or 1)))
+    return system
+
+
 async def _measure(name: str, config: BenchConfig, prompt_ids: list[list[int]]) -> dict[str, Any]:
-    system: System = SYSTEMS[name](config)
+    system = make_system(name, config)
     await system.start()
     rows = []
     try:
@@ -120,6 +127,11 @@ async def _measure(name: str, config: BenchConfig, prompt_ids: list[list[int]]) 
             print(f"[bench] {name:<11} c={c:<3} {row['requests']} requests, {row['output_tokens']} tokens "
                   f"in {row['duration_s']:.1f} s: {row['output_tok_s']:.1f} tok/s{threads}", flush=True)
             rows.append(row)
+        stage_rss = getattr(system, "stage_rss_mb", None)
+        if stage_rss is not None:  # memory per pipeline stage (one stage: the whole engine)
+            for row in rows:
+                row["stage_rss_mb"] = stage_rss()
+            print(f"[bench] {name}: resident memory per stage {row['stage_rss_mb']} MiB", flush=True)
     finally:
         await system.aclose()
     rss = peak_rss_mb()
@@ -361,6 +373,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="speculation on: no drafting above this many running sequences (default 4)")
     p.add_argument("--num-speculative-tokens", type=int, default=15,
                    help="speculation on: most draft tokens per sequence and step, 1..16 (default 15)")
+    p.add_argument("--pipeline-parallel-size", type=parse_int_list, default=[1],
+                   help="switchboard as 1, 2, ... pipeline stages sharing --threads (e.g. 1,2)")
     p.add_argument("--model", default=None, help="HF model folder or GGUF (default SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=0, help="compute threads (default 0 = all cores)")
     p.add_argument("--rounds", type=int, default=1,
@@ -378,7 +392,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if "switchboard" in args.systems:
         i = args.systems.index("switchboard")
         args.systems[i : i + 1] = [{"off": "switchboard", "on": "switchboard-spec"}[m] for m in modes]
-    unknown = [s for s in args.systems if s not in SYSTEMS]
+    if "switchboard" in args.systems and args.pipeline_parallel_size != [1]:
+        i = args.systems.index("switchboard")
+        args.systems[i : i + 1] = [f"switchboard@pp{n}" if n > 1 else "switchboard" for n in args.pipeline_parallel_size]
+    unknown = [s for s in args.systems if s.partition("@pp")[0] not in SYSTEMS]
     if unknown:
         p.error(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
     if args.baseline_tree:

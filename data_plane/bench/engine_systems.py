@@ -51,6 +51,8 @@ class BenchConfig:
     """switchboard-spec: no drafting while more sequences than this run (EngineConfig.spec_max_batch)."""
     num_speculative_tokens: int = 15
     """switchboard-spec: most draft tokens per sequence and step, 1..16."""
+    pipeline_parallel_size: int = 1
+    """switchboard: stage processes (`--pipeline-parallel-size`), sharing `threads` between them."""
     quantization: str = "auto"
     """switchboard's weight format (--quantization: auto, none, int8, int4); naive HF always runs dense."""
 
@@ -80,6 +82,18 @@ class Skip(Exception):
     """The system cannot run here; the message says why and how to fix it."""
 
 
+def rss_kib(pid: str) -> int:
+    """VmRSS of process `pid` ("self" for this one) from /proc, KiB (0 where /proc has none)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 class SwitchboardSystem:
     """Our TorchEngine in-process; each closed-loop worker is an asyncio task."""
 
@@ -99,7 +113,9 @@ class SwitchboardSystem:
                 quantization=config.quantization,
                 max_num_seqs=min(256, max(config.concurrency)),
                 max_model_len=config.max_model_len,
-                threads=config.threads,
+                # The same total cores whatever the split: each stage gets its share of the threads.
+                threads=max(1, config.threads // config.pipeline_parallel_size),
+                pipeline_parallel_size=config.pipeline_parallel_size,
                 speculation=self.speculation,
                 spec_max_batch=config.spec_max_batch,
                 num_speculative_tokens=config.num_speculative_tokens,
@@ -138,6 +154,12 @@ class SwitchboardSystem:
             r.output_tokens = out.completion_tokens
         r.finished = time.perf_counter()
         return r
+
+    def stage_rss_mb(self) -> list[float]:
+        """Resident memory now of each pipeline stage process (stage 0: this process), MiB."""
+        group = self.engine.pipeline
+        pids = ["self"] + ([str(p.pid) for _, p in sorted(group.procs.items())] if group is not None else [])
+        return [round(rss_kib(pid) / 1024, 1) for pid in pids]
 
     async def aclose(self) -> None:
         await self.engine.aclose()

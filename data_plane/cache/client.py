@@ -76,8 +76,7 @@ tracer = trace.get_tracer(__name__)
 
 CACHE_SERVICE = "cache"
 """The membership service name cache nodes register under."""
-MAX_SUSPECTS = 10_000
-MAX_RECENT = 10_000
+MAX_SUSPECTS, MAX_RECENT = 10_000, 10_000
 """Sessions saved here lately that a returning node or zone gets back in the background (bounded LRU)."""
 REPAIR_CONCURRENCY = 8
 CLOCK_SLACK_S = 5.0
@@ -91,7 +90,7 @@ class SessionStoreMetrics:
     """The session store's metrics, registered in `registry`.
 
     ``result`` is one of: load hit|miss|denied|error; save ok|partial|stale|error;
-    repair ok|stale|error.
+    repair ok|stale|error; delete ok|error.
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -153,20 +152,19 @@ class SessionStore:
         sealer: TranscriptSealer | None = None,
         headers: Mapping[str, str] | None = None,
         zone: str = DEFAULT_ZONE,
+        prefix: str = "/v1/sessions",
     ) -> None:
         """`registry`: where the metrics go (None: a private registry nobody scrapes). `sealer`:
         transcripts are encrypted before they leave and opened on arrival (data_plane/common/crypto.py);
-        None stores plaintext (tests of the node itself)."""
+        None stores plaintext (tests of the node itself). `prefix`: the nodes' route for these records
+        (``/v1/response-cache`` holds the response cache, data_plane/gateway/response_cache.py)."""
         self._sealer = sealer
         self._zone = zone
         """This gateway's zone: replicas go one per zone (data_plane/membership/placement.py), reads ask ours first."""
         self._auth = dict(headers or {})
         """Sent on every call: the cluster token cache nodes require (data_plane/common/hop_auth.py)."""
-        self._membership = membership
-        self._http = http
-        self._timeout_s = timeout_s
-        self._vnodes = vnodes
-        self._service = service
+        self._membership, self._http, self._timeout_s = membership, http, timeout_s
+        self._vnodes, self._service, self._prefix = vnodes, service, prefix
         self.metrics = SessionStoreMetrics(registry if registry is not None else CollectorRegistry())
         self._placement = _Placement()
         self._repairs: set[asyncio.Task[None]] = set()
@@ -261,6 +259,21 @@ class SessionStore:
                 )
             outcome.result = "ok" if acks == len(targets) else "partial"
             return acks
+
+    async def delete(self, session_id: str, owner: str, replicas: int) -> int:
+        """Remove `session_id` (and its KV blocks) from every cache node, not only its current replicas,
+        so no old copy can come back by read-repair; NotFound unless `owner` holds it. Returns the
+        nodes that held it."""
+        if await self.load(session_id, owner, replicas) is None:
+            raise NotFound(f"session {session_id!r} not found", param="session_id", code="session_not_found")
+        await self.drain()  # a read-repair that load started must not write it back afterwards
+        with self._op("delete", "cache.delete") as (outcome, span):
+            members = self._membership.members(self._service)
+            held = sum(await asyncio.gather(*(self._delete_one(m, session_id) for m in members)))
+            self._recent.pop(session_id, None)
+            span.set_attribute("switchboard.session.deleted_copies", held)
+            outcome.result = "ok"
+            return held
 
     def replicas_for(self, session_id: str, replicas: int) -> list[Member]:
         """The cache members that should hold `session_id` now, in preference order."""
@@ -362,9 +375,8 @@ class SessionStore:
                 self.metrics.ops.labels(op, outcome.result).inc()
                 self.metrics.seconds.labels(op).observe(time.perf_counter() - started)
 
-    @staticmethod
-    def _path(session_id: str) -> str:
-        return f"/v1/sessions/{session_id}"  # the id is validated: URL-safe characters only
+    def _path(self, session_id: str) -> str:
+        return f"{self._prefix}/{session_id}"  # the id is validated: URL-safe characters only
 
     def _headers(self) -> dict[str, str]:
         headers: dict[str, str] = dict(self._auth)
@@ -432,6 +444,15 @@ class SessionStore:
             return _WriteResult("rejected", resp.status, payload)
         log.warning("cache node %s answered PUT with %d", member.id, resp.status)
         return _WriteResult("error", resp.status, payload)
+
+    async def _delete_one(self, member: Member, session_id: str) -> bool:
+        try:
+            resp = await self._http.request("DELETE", member.url, self._path(session_id), headers=self._headers(),
+                                            timeout=self._timeout_s)
+            body = _json_or_none(await resp.read(self._deadline()))
+        except HopError:
+            return False
+        return resp.status == 200 and isinstance(body, dict) and bool(body.get("deleted"))
 
     def _deadline(self) -> float:
         return asyncio.get_running_loop().time() + self._timeout_s

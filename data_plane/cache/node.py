@@ -12,6 +12,8 @@ HTTP API (errors in the OpenAI shape)::
                                200 stored; 409 session_version_conflict (+ "stored_version") when the
                                stored version is higher: whole records, last writer by version wins
     DELETE /v1/sessions/{id}   200 {"session_id","deleted": bool}
+    GET|PUT|DELETE /v1/response-cache/{id}   the same for cached replies (the gateway's response
+                               cache), in memory with their own byte budget and TTL
     GET    /health             200 ready, 503 when the backend is unreachable
     GET    /metrics            Prometheus; GET /debug/spans recent spans
 
@@ -31,9 +33,9 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import httpx
 from fastapi import Depends, FastAPI, Request
@@ -95,6 +97,10 @@ class CacheNodeSettings(BaseSettings):
     """In-memory backend: total bytes of stored records before LRU eviction."""
     ttl_s: float = Field(24 * 3600.0, gt=0, le=MAX_TTL_S)
     """Default record TTL when a PUT leaves ``ttl_s`` null."""
+    response_cache_max_bytes: int = Field(64 * MiB, ge=1024, le=1 << 40)
+    """Bytes of cached replies (the gateway's response cache) kept before LRU eviction: their own budget."""
+    response_cache_ttl_s: float = Field(600.0, gt=0, le=MAX_TTL_S)
+    """Default TTL of a cached reply when a PUT leaves ``ttl_s`` null."""
     max_body_bytes: int = Field(4 * MiB, ge=1024, le=256 * MiB)
     """Largest accepted PUT body (413 beyond)."""
     kv_max_bytes: int = Field(512 * MiB, ge=0, le=1 << 40)
@@ -152,6 +158,8 @@ RESULTS = {
     "get": ("hit", "miss", "error"),
     "put": ("stored", "stale", "error"),
     "delete": ("hit", "miss", "error"),
+    "reply_get": ("hit", "miss", "error"),
+    "reply_put": ("stored", "stale", "error"),
 }
 
 
@@ -167,6 +175,10 @@ class CacheNodeMetrics:
         )
         self.entries = Gauge("switchboard_cache_entries", "Transcripts stored.", registry=registry)
         self.bytes = Gauge("switchboard_cache_bytes", "Bytes of stored transcripts.", registry=registry)
+        self.reply_entries = Gauge("switchboard_response_cache_entries", "Cached replies stored (the response cache).",
+                                   registry=registry)
+        self.reply_bytes = Gauge("switchboard_response_cache_bytes", "Bytes of cached replies (bounded by "
+                                 "--response-cache-max-bytes, LRU beyond).", registry=registry)
         self.evictions = Counter(
             "switchboard_cache_evictions_total",
             "Transcripts dropped by the node (reason ttl|lru).",
@@ -198,9 +210,11 @@ class CacheNodeMetrics:
     def evicted(self, reason: str, count: int) -> None:
         self.evictions.labels(reason).inc(count)
 
-    def watch(self, storage: ManagedStorage) -> None:
+    def watch(self, storage: ManagedStorage, replies: ManagedStorage) -> None:
         self.entries.set_function(lambda: storage.stats().entries)
         self.bytes.set_function(lambda: storage.stats().bytes)
+        self.reply_entries.set_function(lambda: replies.stats().entries)
+        self.reply_bytes.set_function(lambda: replies.stats().bytes)
 
     @contextlib.contextmanager
     def track(self, op: str, request: Request, node_id: str) -> Iterator[_Result]:
@@ -257,7 +271,8 @@ def create_app(
     registry = registry if registry is not None else CollectorRegistry()
     metrics = CacheNodeMetrics(registry)
     store: ManagedStorage = storage if storage is not None else build_storage(settings, metrics)
-    metrics.watch(store)
+    replies = MemoryStorage(settings.response_cache_max_bytes, on_evict=metrics.evicted)
+    metrics.watch(store, replies)
     node_id = settings.member_id
 
     @contextlib.asynccontextmanager
@@ -265,6 +280,8 @@ def create_app(
         async with contextlib.AsyncExitStack() as stack:
             await store.start()
             stack.push_async_callback(store.aclose)
+            await replies.start()
+            stack.push_async_callback(replies.aclose)
             await kv.store.start()
             stack.push_async_callback(kv.store.aclose)
             if settings.membership or settings.registry_url:
@@ -290,9 +307,23 @@ def create_app(
         body = {"status": "ok" if ready else "unavailable", "node_id": node_id, "backend": store.backend}
         return JSONResponse(body, status_code=200 if ready else 503)
 
-    @app.get("/v1/sessions/{session_id:path}", dependencies=hop)
+    _mount_records(app, "/v1/sessions", store, settings.ttl_s, hop, metrics, node_id, settings.max_body_bytes,
+                   on_delete=kv.store.drop_session)  # a session's KV blocks go with it
+    # The response cache (data_plane/gateway/response_cache.py): sealed replies, its own byte budget
+    _mount_records(app, "/v1/response-cache", replies, settings.response_cache_ttl_s, hop, metrics, node_id,
+                   settings.max_body_bytes, op_prefix="reply_")
+
+    return app
+
+
+def _mount_records(app: FastAPI, prefix: str, store: ManagedStorage, default_ttl_s: float, hop: list[Any],
+                   metrics: CacheNodeMetrics, node_id: str, max_body_bytes: int, *, op_prefix: str = "",
+                   on_delete: Callable[[str], Awaitable[Any]] | None = None) -> None:
+    """GET/PUT/DELETE `prefix`/{id}: whole sealed records in `store` (sessions, or cached replies)."""
+
+    @app.get(prefix + "/{session_id:path}", dependencies=hop)
     async def get_session(session_id: str, request: Request) -> JSONResponse:
-        with metrics.track("get", request, node_id) as op:
+        with metrics.track(op_prefix + "get", request, node_id) as op:
             validate_session_id(session_id)
             record = await store.get(session_id)
             if record is None:
@@ -303,17 +334,17 @@ def create_app(
             op.result = "hit"
             return JSONResponse(record.to_wire())
 
-    @app.put("/v1/sessions/{session_id:path}", dependencies=hop)
+    @app.put(prefix + "/{session_id:path}", dependencies=hop)
     async def put_session(session_id: str, request: Request) -> JSONResponse:
-        with metrics.track("put", request, node_id) as op:
+        with metrics.track(op_prefix + "put", request, node_id) as op:
             validate_session_id(session_id)
-            raw = await read_json_body(request, settings.max_body_bytes)
+            raw = await read_json_body(request, max_body_bytes)
             try:
                 body = PutSessionBody.model_validate(raw)
             except ValidationError as exc:
                 raise RequestValidationError(exc.errors(include_url=False)) from None
             now = time.time()
-            ttl_s = body.ttl_s if body.ttl_s is not None else settings.ttl_s
+            ttl_s = body.ttl_s if body.ttl_s is not None else default_ttl_s
             record = Transcript(
                 session_id=session_id,
                 owner=body.owner,
@@ -340,16 +371,15 @@ def create_app(
                 }
             )
 
-    @app.delete("/v1/sessions/{session_id:path}", dependencies=hop)
+    @app.delete(prefix + "/{session_id:path}", dependencies=hop)
     async def delete_session(session_id: str, request: Request) -> JSONResponse:
-        with metrics.track("delete", request, node_id) as op:
+        with metrics.track(op_prefix + "delete", request, node_id) as op:
             validate_session_id(session_id)
             deleted = await store.delete(session_id)
-            await kv.store.drop_session(session_id)  # its KV blocks go with it
+            if on_delete is not None:
+                await on_delete(session_id)
             op.result = "hit" if deleted else "miss"
             return JSONResponse({"session_id": session_id, "deleted": deleted})
-
-    return app
 
 
 async def _register(

@@ -37,6 +37,9 @@ from data_plane.common.telemetry import (
 from data_plane.gateway.auth import KeyStore
 from data_plane.gateway.chat import ChatHandler
 from data_plane.gateway.context import TokenCounter
+from data_plane.gateway.conversations import mount_conversations
+from data_plane.gateway.response_store import ConversationStore
+from data_plane.gateway.responses import RESPONSES_PATH, ResponsesHandler, mount_responses
 from data_plane.gateway.runtime import Gateway, Runtime, open_runtime
 from data_plane.gateway.safety.pipeline import SafetyPolicies
 from data_plane.gateway.settings import GatewaySettings
@@ -88,6 +91,8 @@ def create_app(gw: Gateway) -> GatewayApp:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:  # closes the runtime in reverse order
             holder.runtime = await open_runtime(gw, stack)
+            holder.store = ConversationStore(holder.runtime.sessions, gw.settings.session_ttl_s)
+            stack.push_async_callback(holder.store.aclose)  # pending background compactions
             try:
                 yield
             finally:
@@ -134,6 +139,12 @@ def create_app(gw: Gateway) -> GatewayApp:
                 "max_model_len": found[model_id]}
 
     app.add_api_route("/v1/usage", usage_route(gw.keys, gw.ledger), methods=["GET"])
+    mount_responses(app, gw, lambda: holder.conversations(), lambda: holder.started())
+    mount_conversations(app, gw, lambda: holder.conversations())
+
+    @app.post(RESPONSES_PATH)
+    async def responses(request: Request) -> Response:  # pragma: no cover - GatewayApp serves this path
+        raise RuntimeError("POST /v1/responses is served by GatewayApp")
 
     @app.post(CHAT_PATH, openapi_extra=CHAT_OPENAPI)
     async def chat(request: Request) -> Response:  # pragma: no cover - GatewayApp serves this path
@@ -174,6 +185,7 @@ class GatewayApp:
         self.gw = gw
         self.api = api
         self.runtime: Runtime | None = None
+        self.store: ConversationStore | None = None
         """Set for as long as the lifespan runs (from start-up to shutdown): the one check for it is `started`."""
 
     def started(self) -> Runtime:
@@ -182,15 +194,24 @@ class GatewayApp:
             raise Overloaded("the gateway is starting or stopping", retry_after=1, code="not_ready")
         return self.runtime
 
+    def conversations(self) -> ConversationStore:
+        """Responses and conversations on this runtime's session store (503 while not started)."""
+        self.started()
+        assert self.store is not None
+        return self.store
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] == CHAT_PATH and scope["method"] == "POST":
+        path = scope["path"] if scope["type"] == "http" and scope["method"] == "POST" else ""
+        if path in (CHAT_PATH, RESPONSES_PATH):
             request = Request(scope, receive)
             try:
                 runtime = self.started()
             except Overloaded as exc:
                 await render(exc, request)(scope, receive, send)
                 return
-            await ChatHandler(self.gw, runtime, request).serve(scope, receive, send)
+            handler = (ChatHandler(self.gw, runtime, request) if path == CHAT_PATH else
+                       ResponsesHandler(self.gw, runtime, request, self.conversations()))
+            await handler.serve(scope, receive, send)
         else:
             await self.api(scope, receive, send)
 

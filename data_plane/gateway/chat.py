@@ -52,13 +52,14 @@ from data_plane.gateway.cluster_state import (
     SPAN_ATTRIBUTE,
     Effects,
 )
-from data_plane.gateway.context import fit_window
+from data_plane.gateway.context import Window, fit_window
 from data_plane.gateway.exchange import Exchange
+from data_plane.gateway.response_cache import CachedReply, Decision, ReplayStream, cache_key, cache_policy
+from data_plane.gateway.response_store import META_ROLE
 from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.gateway.safety.pipeline import raise_if_blocked
-from data_plane.gateway.stream import Completion
-from data_plane.protocol import parse_chat_request
-from data_plane.routing.upstream import ResumableStream
+from data_plane.gateway.stream import Completion, EventSource
+from data_plane.protocol import ChatCompletionRequest, parse_chat_request
 from data_plane.tiers import Tier
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ prompt the template inserts), so the shard never refuses what the gateway admitt
 class Opened:
     """A request that passed every check, with its shard stream's first token in hand."""
 
-    stream: ResumableStream
+    stream: EventSource
     completion: Completion
     headers: dict[str, str]
     include_usage: bool | None
@@ -91,7 +92,15 @@ class Opened:
 
 class ChatHandler:
     """One chat request through the gateway: `gw` (what the settings describe) and `rt` (what the
-    lifespan opened, data_plane/gateway/runtime.py); its holdings live in `self.x` (an Exchange)."""
+    lifespan opened, data_plane/gateway/runtime.py); its holdings live in `self.x` (an Exchange).
+
+    Other OpenAI APIs served over this same path (the Responses API, data_plane/gateway/responses.py)
+    subclass it and override the hooks: `parse` (their body -> a chat request), `context` (the
+    conversation the new messages continue), `respond_body` / `respond_stream` (the reply's shape)
+    and `save_turn` (what is kept afterwards)."""
+
+    OPERATION = "chat"
+    """gen_ai.operation.name on the request's span."""
 
     def __init__(self, gw: Gateway, rt: Runtime, request: Request) -> None:
         self.gw = gw
@@ -110,6 +119,12 @@ class ChatHandler:
         self.session_version = 0
         self.history: list[dict[str, str]] = []
         self.new_messages: list[dict[str, str]] = []
+        self.history_messages = 0
+        """Messages of a request's body that replay stored history (the Responses API's), not new ones."""
+        self.cache_header: str | None = None
+        """X-Cache: HIT | MISS | BYPASS (opted out); absent when the request may not be cached."""
+        self.cache_key: str | None = None
+        """Set when this request's reply goes into the response cache once complete."""
         self.opened: Opened | None = None
         self.output_kind = "text"
         """What the output follows (text, json_object, json_schema, regex, choice, grammar, tools): the ledger."""
@@ -119,15 +134,21 @@ class ChatHandler:
         self.tiers = state.tiers or gw.tiers
         self.effects = Effects(state.degradation)
         span = tracer.start_span("gateway.request", context=extract(request.headers), attributes={
-            "gen_ai.operation.name": "chat", "switchboard.request_id": self.request_id,
+            "gen_ai.operation.name": self.OPERATION, "switchboard.request_id": self.request_id,
             "switchboard.client_request_id": self.client_request_id, SPAN_ATTRIBUTE: self.effects.level})
-        ledger = gw.ledger
         self.x = Exchange(gw.metrics, gw.limiter, span, self.request_id, DisconnectWatch(request.receive),
-                          on_record=None if ledger is None else lambda status, code: ledger.record_request(
-                              self, status, code), t0=t0)  # the ledger reads its EndedRequest properties
+                          on_record=self._record, t0=t0)
         """Slot, grant, in-flight gauge, metrics record and span, released once by `x.close`. Once
         the body is read, a client that goes away cancels this request's task (`x.disconnect`), and
         so whatever it waits on: admission queue, shard, stream, and the shard's work with it."""
+
+    def _record(self, status: int, code: str) -> None:
+        if self.gw.ledger is not None:  # the ledger reads its EndedRequest properties
+            self.gw.ledger.record_request(self, status, code)
+        self.recorded(status)
+
+    def recorded(self, status: int) -> None:
+        """The request ended with `status` (counted by the APIs served over this path)."""
 
     # -- the request, before any byte goes out ------------------------------------------------
 
@@ -141,9 +162,9 @@ class ChatHandler:
                 if opened.include_usage is not None:
                     headers = self._headers(opened.headers, {"content-type": "text/event-stream; charset=utf-8",
                                                              "cache-control": "no-cache"})
-                    await opened.completion.stream_to(send, opened.stream, opened.include_usage, headers)
+                    await self.respond_stream(opened, send, headers)
                     return
-                body = await opened.completion.collect(opened.stream)
+                body = await self.respond_body(opened)
                 x.close(200, "ok")
                 response: Response = self._degraded(JSONResponse(body, headers=opened.headers))
             except ClientDisconnect:
@@ -169,6 +190,68 @@ class ChatHandler:
             x.disconnect.stop()
             otel_context.detach(token)
             x.close(None)  # a no-op unless the server cancelled the request
+
+    async def respond_stream(self, opened: Opened, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        """Stream the reply as SSE onto `send` (the Exchange is closed before the last write)."""
+        assert opened.include_usage is not None
+        await opened.completion.stream_to(send, opened.stream, opened.include_usage, headers)
+
+    async def respond_body(self, opened: Opened) -> dict[str, Any]:
+        """The whole reply as one JSON body."""
+        return await opened.completion.collect(opened.stream)
+
+    async def parse(self, raw: bytes) -> ChatCompletionRequest:
+        """The request body as a chat request (4xx SwitchboardError when it is not one)."""
+        return parse_chat_request(raw, self.request.headers.get("content-type"))
+
+    async def context(self, req: ChatCompletionRequest, messages: list[dict[str, str]],
+                      tier: Tier) -> list[dict[str, str]]:
+        """The prompt: `messages` after the conversation they continue (an X-Session-Id session)."""
+        session_header = self.request.headers.get("x-session-id") or req.session_id
+        if session_header:
+            return await self._load_session(session_header, messages, tier)
+        return messages
+
+    async def _cached(self, req: ChatCompletionRequest, body: dict[str, Any], prompt: list[dict[str, str]],
+                      tenant: str) -> ReplayStream | None:
+        """A cached reply for this exact request of this tenant, when it may be cached and is
+        (data_plane/gateway/response_cache.py); sets `cache_key` when the reply should be stored."""
+        cache = self.rt.replies
+        if cache is None:
+            return None
+        uncacheable = bool(req.tools) or (req.n or 1) > 1 or bool(req.logprobs)
+        policy = cache_policy(req.temperature, req.seed, uncacheable, req.cache, self.request.headers)
+        key = cache_key(tenant, body, prompt)
+        self.cache_key = key if policy.write else None
+        if not policy.read:
+            assert policy.decision is not None
+            cache.count(self.OPERATION, policy.decision)
+            self.cache_header = "BYPASS" if policy.decision is Decision.BYPASS else None
+            return None
+        with tracer.start_as_current_span("cache.response_get") as span:
+            reply = await cache.get(key, tenant, self.OPERATION)
+            span.set_attribute("switchboard.response_cache.hit", reply is not None)
+        self.x.span.set_attribute("switchboard.response_cache", "hit" if reply else "miss")
+        self.cache_header = "HIT" if reply is not None else "MISS"
+        if reply is None:
+            return None
+        self.cache_key = None  # nothing new to store
+        return ReplayStream(reply)
+
+    async def _completed(self, reply: str) -> None:
+        """The reply is complete: keep the turn, and the reply in the response cache (off the path)."""
+        await self.save_turn(reply)
+        opened, cache = self.opened, self.rt.replies
+        if self.cache_key is None or opened is None or cache is None or self.principal is None:
+            return
+        c = opened.completion
+        if c.finish_reason in ("stop", "length") and c.usage.completion_tokens:
+            cache.put_later(self.cache_key, self.principal.tenant, CachedReply(
+                reply, c.finish_reason, c.usage.prompt_tokens, c.usage.completion_tokens))
+
+    def fit(self, prompt: list[dict[str, str]], budget: int) -> Window:
+        """The prompt fitted into `budget` tokens (the sliding window: oldest turns out first)."""
+        return fit_window(prompt, self.gw.counter, budget)
 
     # what the usage ledger reads of an ended request (data_plane/ledger/writer.py EndedRequest)
     @property
@@ -217,13 +300,13 @@ class ChatHandler:
         measures = gw.guard.admit(principal)  # abuse actions: 429 when blocked or throttled
         raw = await read_body(self.request, settings.max_body_bytes)
         x.disconnect.start()
-        req = parse_chat_request(raw, self.request.headers.get("content-type"))
+        req = await self.parse(raw)
         models = rt.models()
         model = req.model or next(iter(models))
         if model not in models:
             raise ModelNotFound(f"the model {req.model!r} does not exist", param="model")
         span.set_attribute("gen_ai.request.model", model)
-        if len(req.messages) > settings.max_messages:
+        if len(req.messages) - self.history_messages > settings.max_messages:
             raise InvalidRequest(f"at most {settings.max_messages} messages are allowed per request",
                                  param="messages")
         max_tokens = req.output_limit or tier.max_output_tokens
@@ -249,10 +332,7 @@ class ChatHandler:
             gw.safety_metrics.record("input", verdict)
             raise_if_blocked(verdict)
 
-        prompt = messages
-        session_header = self.request.headers.get("x-session-id") or req.session_id
-        if session_header:
-            prompt = await self._load_session(session_header, messages, tier)
+        prompt = await self.context(req, messages, tier)
         context = min(tier.max_context_tokens, models[model])
         # Without max_tokens, reserve a modest reply while fitting the window, then let the reply
         # use the room the prompt leaves, up to the tier's cap (as vLLM does).
@@ -261,7 +341,7 @@ class ChatHandler:
         if budget <= 0:
             raise InvalidRequest(f"max_tokens {max_tokens} leaves no room for the prompt in a "
                                  f"{context}-token context", param="max_tokens", code="context_length_exceeded")
-        window = fit_window(prompt, gw.counter, self.effects.prompt_budget(budget, context))
+        window = self.fit(prompt, self.effects.prompt_budget(budget, context))
         if not req.output_limit:
             max_tokens = max(1, min(max_tokens, context - window.prompt_tokens - tools_tokens - TEMPLATE_SLACK_TOKENS))
         if window.dropped:
@@ -283,16 +363,21 @@ class ChatHandler:
         body.update(req.model_dump(include=set(FORWARDED), exclude_none=True, by_alias=True))
         if req.model:
             body["model"] = model
-        x.admitted(await rt.admission.acquire(tier, tiers, tenant=principal.tenant,
-                                              tokens=window.prompt_tokens + tools_tokens + max_tokens * (req.n or 1)))
-        with tracer.start_as_current_span("router.route") as route_span:
-            stream = await rt.upstream.open_resumable(body, self.session_id)
-            route_span.set_attribute("switchboard.shard", stream.member.id)
-            route_span.set_attribute("switchboard.attempts", stream.attempts)
-            rt.router.observe_kv(self.session_id, stream.member.id, window.prompt_tokens)  # kv_aware routing
+        stream: EventSource | None = await self._cached(req, body, prompt, principal.tenant)
+        if stream is None:
+            x.admitted(await rt.admission.acquire(tier, tiers, tenant=principal.tenant, tokens=window.prompt_tokens
+                                                  + tools_tokens + max_tokens * (req.n or 1)))
+            with tracer.start_as_current_span("router.route") as route_span:
+                shard = await rt.upstream.open_resumable(body, self.session_id)
+                route_span.set_attribute("switchboard.shard", shard.member.id)
+                route_span.set_attribute("switchboard.attempts", shard.attempts)
+                rt.router.observe_kv(self.session_id, shard.member.id, window.prompt_tokens)  # kv_aware routing
+            stream = shard
         x.first_token_at = time.monotonic()  # from the shard; the client's TTFT is observed in Completion
-        completion = Completion(x, model, policy.output_stream, gw.safety_metrics, self.save_turn)
+        completion = Completion(x, model, policy.output_stream, gw.safety_metrics, self._completed)
         headers = {"X-Request-Id": self.request_id, **(x.grant.headers if x.grant else {})}
+        if self.cache_header:
+            headers["X-Cache"] = self.cache_header
         if self.session_id:
             headers["X-Session-Id"] = self.session_id
         include_usage = bool(req.stream_options and req.stream_options.include_usage) if req.stream else None
@@ -319,6 +404,9 @@ class ChatHandler:
         if transcript is None:
             gw.metrics.sessions.labels(tier.name, "new").inc()
             return messages
+        if any(m["role"] == META_ROLE for m in transcript.messages):  # a Responses API record
+            raise NotFound(f"session {self.session_id!r} is a Responses API conversation: continue it with "
+                           "previous_response_id or conversation", param="session_id", code="session_not_found")
         gw.metrics.sessions.labels(tier.name, "resumed").inc()
         self.session_version = transcript.version
         self.history = [dict(m) for m in transcript.messages]

@@ -31,8 +31,11 @@ from data_plane.gateway.admission import Admission, AdmissionConfig, AdmissionMe
 from data_plane.gateway.auth import KeyStore
 from data_plane.gateway.cluster_state import ClusterStateView, HttpClusterState, StaticClusterState
 from data_plane.gateway.context import TokenCounter
+from data_plane.gateway.memory import MemoryMetrics
 from data_plane.gateway.metrics import GatewayMetrics
 from data_plane.gateway.ratelimit.limiter import RateLimiter, RateLimitMetrics, build_limiter
+from data_plane.gateway.response_cache import ResponseCache, ResponseCacheMetrics
+from data_plane.gateway.responses_metrics import ResponsesMetrics
 from data_plane.gateway.safety.pipeline import SafetyMetrics, SafetyPolicies
 from data_plane.gateway.settings import GatewaySettings
 from data_plane.gateway.usage import ledger_from_settings
@@ -72,6 +75,9 @@ class Gateway:
         self.metrics = GatewayMetrics(self.registry)
         self.safety_metrics = SafetyMetrics(self.registry)
         self.router_metrics = RouterMetrics(self.registry)
+        self.reply_metrics = ResponseCacheMetrics(self.registry)
+        self.memory_metrics = MemoryMetrics(self.registry)
+        self.responses_metrics = ResponsesMetrics(self.registry)
         self.limiter = build_limiter(s.ratelimit_backend, RateLimitMetrics(self.registry), redis_url=s.redis_url,
                                      tier_rpm=s.tier_rpm, tier_tpm=s.tier_tpm, known_tiers=self.tiers.names())
         self.ledger = ledger_from_settings(s, self.registry)
@@ -93,6 +99,10 @@ class Runtime:
     upstream: Upstream
     sessions: SessionStore
     admission: Admission
+    replies: ResponseCache | None = None
+    """The response cache (None: --no-response-cache)."""
+    sealer: TranscriptSealer | None = None
+    """Seals what leaves the gateway for a client or a cache node (transcripts, compaction items)."""
 
     def models(self) -> dict[str, int]:
         """Model id -> context window, from the shards' registration metadata."""
@@ -149,8 +159,8 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
     keys = Keyring.from_settings(keys_file=settings.session_keys_file, keys_env=settings.session_keys,
                                  cluster_token=cluster_token_from_env())
     log.info("session transcripts are encrypted at rest (AES-256-GCM, key %s, %s)", keys.current, keys.source)
-    sessions = SessionStore(membership, pool, registry=gw.registry,
-                            sealer=TranscriptSealer(keys, SealMetrics(gw.registry)),
+    sealer = TranscriptSealer(keys, SealMetrics(gw.registry))
+    sessions = SessionStore(membership, pool, registry=gw.registry, sealer=sealer,
                             headers=cluster_headers(cluster_token_from_env()), zone=settings.zone)
     stack.push_async_callback(sessions.aclose)
     if watcher is not None:
@@ -179,4 +189,11 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
     # sight, so a full collection walks per-request garbage only (p99, not just CPU).
     gc.collect()
     gc.freeze()
-    return Runtime(settings, http, pool, membership, cluster, router, upstream, sessions, admission)
+    replies = None
+    if settings.response_cache:  # cached replies: their own route and byte budget on the cache nodes
+        replies = ResponseCache(SessionStore(membership, pool, timeout_s=0.25, sealer=sealer,
+                                             headers=cluster_headers(cluster_token_from_env()), zone=settings.zone,
+                                             prefix="/v1/response-cache"),
+                                gw.reply_metrics, settings.response_cache_ttl_s)
+        stack.push_async_callback(replies.aclose)
+    return Runtime(settings, http, pool, membership, cluster, router, upstream, sessions, admission, replies, sealer)

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from opentelemetry import trace
 from starlette.types import Send
@@ -29,6 +29,7 @@ from data_plane.common.errors import as_error
 from data_plane.gateway.exchange import Exchange
 from data_plane.gateway.safety.filters import Verdict
 from data_plane.gateway.safety.pipeline import ALLOW, OutputStreamFilter, SafetyMetrics
+from data_plane.membership.view import Member
 from data_plane.protocol import (
     SYSTEM_FINGERPRINT,
     PromptTokensDetails,
@@ -37,7 +38,7 @@ from data_plane.protocol import (
     completion_body,
     new_completion_id,
 )
-from data_plane.routing.upstream import Delta, Event, Finish, ResumableStream, ToolCallDelta, UsageEvent
+from data_plane.routing.upstream import Delta, Event, Finish, ToolCallDelta, UsageEvent
 from data_plane.tool_calls import envelope_text
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,17 @@ class _Choice:
 
 Piece = tuple[int, dict[str, Any]]
 """(choice index, chunk delta) released to the client; a delta may carry ``logprobs`` (moved beside it)."""
+
+
+class EventSource(Protocol):
+    """What a Completion reads: a shard's resumable stream (data_plane/routing/upstream.py), or a
+    cached reply replayed (data_plane/gateway/response_cache.py)."""
+
+    member: Member
+
+    def batches(self) -> AsyncIterator[list[Event]]: ...
+
+    def close(self) -> None: ...
 
 
 class Completion:
@@ -175,7 +187,7 @@ class Completion:
                     out.append((index, {"tool_calls": [{"index": k, "function": {"arguments": rest}}]}))
         return out
 
-    async def _batches(self, stream: ResumableStream) -> AsyncIterator[list[Piece]]:
+    async def _batches(self, stream: EventSource) -> AsyncIterator[list[Piece]]:
         """Safe pieces, one list per batch of events that arrived together (the filters see the same text
         either way; the client gets one write per burst instead of one per token). Sets finish reasons and
         usage. Raises SwitchboardError mid-stream."""
@@ -247,7 +259,7 @@ class Completion:
         if reasons:
             span.set_attribute("gen_ai.response.finish_reasons", reasons)
 
-    async def collect(self, stream: ResumableStream) -> dict[str, Any]:
+    async def collect(self, stream: EventSource) -> dict[str, Any]:
         """The whole completion as one chat.completion body. A client that leaves meanwhile
         cancels the task (the Exchange's DisconnectWatch), which closes the stream: the shard aborts."""
         try:
@@ -275,7 +287,7 @@ class Completion:
         logprobs = delta.pop("logprobs", None)
         return _event(chunk_body(**common, delta=delta, index=index, logprobs=logprobs))
 
-    async def stream_to(self, send: Send, stream: ResumableStream, include_usage: bool,
+    async def stream_to(self, send: Send, stream: EventSource, include_usage: bool,
                         headers: list[tuple[bytes, bytes]]) -> None:
         """The completion as SSE, straight onto the ASGI `send`: one write per batch of tokens,
         the role chunk riding with the first, the finish, usage and `[DONE]` with the last."""

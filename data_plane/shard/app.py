@@ -63,6 +63,7 @@ from data_plane.shard.engines.base import (
     SamplingParams,
 )
 from data_plane.shard.engines.grammar import GrammarKind, GrammarSpec
+from data_plane.shard.group_exit import GroupExit
 from data_plane.shard.kv_reports import KVReportMetrics, KVReports
 from data_plane.shard.kv_seal import KVSealer, kv_keyring
 from data_plane.shard.kv_tier import KVTier, start_kv_tier
@@ -101,6 +102,8 @@ def build_engine(settings: ShardSettings, metrics: ShardMetrics | None) -> Engin
         speculation=settings.speculation,
         num_speculative_tokens=settings.num_speculative_tokens,
         spec_max_batch=settings.spec_max_batch,
+        pipeline_parallel_size=settings.pipeline_parallel_size, pipeline_layers=settings.pipeline_layers,
+        pipeline_stage_timeout_s=settings.pipeline_stage_timeout_s,
     )
     return TorchEngine(config, MetricsListener(metrics) if metrics else None)
 
@@ -137,6 +140,8 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
         http = httpx.AsyncClient(timeout=5.0)
         agent = None
         views: list[Any] = []
+        # A lost pipeline stage: the shard leaves membership and exits at once (data_plane/shard/group_exit.py).
+        group_exit = GroupExit.attach(engine, asyncio.get_running_loop(), lambda: agent.aclose() if agent else None)
 
         async def load() -> None:
             nonlocal agent
@@ -157,7 +162,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
                     service="shard",
                     url=url,
                     meta={"model": engine.model_name, "engine": settings.engine,
-                          "max_num_seqs": str(settings.max_num_seqs),
+                          "max_num_seqs": str(settings.max_num_seqs), "pipeline_parallel_size": str(settings.pipeline_parallel_size),
                           "max_model_len": str(engine.max_model_len), "zone": settings.zone,
                           **({KEEPALIVE_META: f"{settings.keepalive_s:g}"} if settings.keepalive_s else {})},
                 )
@@ -188,6 +193,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
                 await view.aclose()
             await engine.aclose()
             await http.aclose()
+            group_exit.finish()  # a lost pipeline stage: exit non-zero so the supervisor replaces the group
 
     app = FastAPI(title="Switchboard shard", version="0.1.0", lifespan=lifespan, **fastapi_options())
     install_error_handlers(app)
@@ -246,6 +252,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
             "switchboard.request_id": request_id,
             "switchboard.priority": req.priority or 0,
             "switchboard.stream": req.stream,
+            "switchboard.pipeline_stages": settings.pipeline_parallel_size,
         })
         external_tokens = 0
         plan = req.output_plan()

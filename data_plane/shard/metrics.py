@@ -114,6 +114,15 @@ class ShardMetrics:
                            registry=registry)
         self.max_num_seqs = Gauge("switchboard_shard_max_num_seqs", "Configured batch capacity (slots).", m,
                                   registry=registry)
+        # Pipeline parallelism (data_plane/shard/engines/pipeline.py); `stage` is a stage index 0..63.
+        self.stage_up = Gauge("switchboard_shard_pipeline_stage_up", "1 while pipeline stage `stage` serves, 0 once lost.",
+                              m + ["stage"], registry=registry)
+        self.hop_seconds = Histogram("switchboard_shard_pipeline_hop_seconds",
+                                     "One pass through stages 1..N-1: hidden states out, their layers, rows back.",
+                                     m, buckets=LATENCY_BUCKETS, registry=registry)
+        self.hop_bytes = Counter("switchboard_shard_pipeline_hop_bytes", "Hidden-state bytes between stage 0 and "
+                                 "the later stages, by direction (out: to stage 1, back: from the last stage).",
+                                 m + ["direction"], registry=registry)
         # Prefix caching (vLLM's names, counted in tokens as vLLM does).
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                                       m, registry=registry)
@@ -288,6 +297,16 @@ class MetricsListener(StepListener):
 
     def on_kv_block_reused(self, gap_s: float) -> None:
         self.metrics.kv_block_reuse_gap.labels(self.metrics.model_name).observe(gap_s)
+
+    def on_stage(self, stage: int, up: bool) -> None:
+        m = self.metrics
+        m.stage_up.labels(m.model_name, str(stage)).set(1 if up else 0)
+
+    def on_hop(self, sent_bytes: int, received_bytes: int, seconds: float) -> None:
+        m = self.metrics
+        m.hop_seconds.labels(m.model_name).observe(seconds)
+        m.hop_bytes.labels(m.model_name, "out").inc(sent_bytes)
+        m.hop_bytes.labels(m.model_name, "back").inc(received_bytes)
 
     def on_tokens_restored(self, replies: int) -> None:
         self.metrics.tokens_restored.labels(self.metrics.model_name).inc(replies)

@@ -69,6 +69,16 @@ class ShardSettings(BaseSettings):
         "Speculative decoding: ngram (prompt-lookup drafts, verified in the decode pass) | off."))
     num_speculative_tokens: int = Field(15, ge=1, le=16, description="Most draft tokens per sequence and step.")
     spec_max_batch: int = Field(4, ge=1, le=256, description="No drafting while more sequences than this run.")
+    pipeline_parallel_size: int = Field(1, ge=1, le=64, description=(
+        "Stage processes this shard's layers are split over (torch: data_plane/shard/engines/pipeline.py; "
+        "vllm: passed through)."))
+    pipeline_layers: str | None = Field(None, pattern=r"^\d+(,\d+)*$", description=(
+        "Where stages 1.. start, e.g. '10,20' (default: an even split)."))
+    pipeline_stage_timeout_s: float = Field(1.0, ge=0.2, le=60, description=(
+        "A pipeline stage silent this long is lost: the shard fails its streams (resumed elsewhere) and exits."))
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description=(
+        "vllm engine only: passed through as --tensor-parallel-size (the torch engine has no tensor "
+        "parallelism: docs/SHARDING.md)."))
     kv_public_prefix: list[str] = Field(default_factory=list, description=(
         "System prompts the operator marks public: their KV is shared across tenants (JSON list)."))
     kv_tier: Literal["on", "off"] = Field("on", description=(

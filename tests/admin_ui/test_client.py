@@ -70,6 +70,17 @@ def test_gateway_chat_streams_with_ids_and_usage(cluster):
     assert isinstance(end, ChatEnd) and end.error is None and end.usage["completion_tokens"] > 0
 
 
+def test_gateway_responses_api_keeps_the_conversation(cluster):
+    gw = GatewayClient(cluster.gateway.url)
+    first = list(gw.stream_response(cluster.keys["plus"], "hi there", max_tokens=8))
+    end = first[-1]
+    assert isinstance(end, ChatEnd) and end.error is None and end.response_id.startswith("resp_")
+    assert any(isinstance(e, ChatDelta) for e in first)
+    second = list(gw.stream_response(cluster.keys["plus"], "and then", max_tokens=8,
+                                     previous_response_id=end.response_id))[-1]
+    assert second.error is None and second.usage["prompt_tokens"] > end.usage["prompt_tokens"] + 8
+
+
 def test_gateway_refusal_ends_the_stream_with_its_error(cluster):
     events = list(GatewayClient(cluster.gateway.url).stream_chat("sk-wrong-key-000000", [{"role": "user",
                                                                                            "content": "hi"}]))

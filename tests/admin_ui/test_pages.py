@@ -152,6 +152,21 @@ def test_autoscaler_page_without_an_autoscaler(console, admin):
     assert {m.label for m in at.metric} >= {"Healthy shards", "Desired", "Waiting / shard", "TTFT p95"}
 
 
+def test_playground_holds_a_conversation_through_the_responses_api(console):
+    at = console.page("playground")
+    at.selectbox(key="pg_tier").set_value("plus")
+    at.radio(key="pg_api").set_value("Responses")
+    at.text_area(key="pg_prompt").input("first message")
+    next(b for b in at.button if b.label == "Send").click().run()
+    assert not at.exception
+    first = at.session_state["pg_response_id"]
+    at.text_area(key="pg_prompt").input("second message")
+    next(b for b in at.button if b.label == "Send").click().run()
+    assert not at.exception and at.session_state["pg_response_id"] != first
+    assert {m.label: m.value for m in at.metric}["HTTP status"] == "200"
+    assert len(at.session_state["pg_history"]) == 4
+
+
 def test_playground_streams_a_chat_and_links_its_trace(console, admin):
     at = console.page("playground")
     at.selectbox(key="pg_tier").set_value("plus")

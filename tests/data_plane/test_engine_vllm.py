@@ -20,6 +20,14 @@ def test_vllm_command_carries_shard_settings() -> None:
         assert flag in joined
 
 
+def test_vllm_command_passes_parallelism_through() -> None:
+    default = " ".join(vllm_command(ShardSettings(engine="vllm"), "/models/m", "m", 9123))
+    assert "--tensor-parallel-size 1" in default and "--pipeline-parallel-size 1" in default
+    s = ShardSettings(engine="vllm", tensor_parallel_size=4, pipeline_parallel_size=2)
+    joined = " ".join(vllm_command(s, "/models/m", "m", 9123))
+    assert "--tensor-parallel-size 4" in joined and "--pipeline-parallel-size 2" in joined
+
+
 def _cuda() -> bool:
     try:
         import torch

@@ -105,6 +105,13 @@ def drive_traffic(cluster: Cluster) -> int:
         session = first.headers["X-Session-Id"]
         post(keys["plus"], {**chat, "messages": [{"role": "user", "content": "and then?"}]}, 200,
              {"X-Session-Id": session})
+        # deterministic repeats: a response-cache miss then hits (the overview's hit-rate panel)
+        post(keys["plus"], {**chat, "temperature": 0}, 200)
+        post(keys["plus"], {**chat, "temperature": 0}, 200)
+        response = http.post("/v1/responses", json={"input": "tell me about observability", "max_output_tokens": 8},
+                             headers={"Authorization": f"Bearer {keys['plus']}"})
+        assert response.status_code == 200, response.text
+        sent += 1  # a Responses API generation is a gateway request too
         post("sk-not-a-key-0123456789", chat, 401)
         post(keys["free"], {**chat, "model": "no-such-model"}, 404)
         post(keys["free"], {**chat, "messages": [{"role": "user", "content": BAD_CARD}]}, 400)

@@ -33,7 +33,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,27 @@ class UnsupportedModel(RuntimeError):
     pass
 
 
+class Downstream(Protocol):
+    """The later stages of a pipeline, seen from stage 0 (data_plane/shard/engines/pipeline.py);
+    called on the scheduler thread, in order."""
+
+    def forward(self, slots: Sequence[int], lens: Sequence[int], starts: Sequence[int], wanted: Sequence[int],
+                batched: bool, x: torch.Tensor) -> torch.Tensor:
+        """Run the later stages' layers over `x` [T, H]; return the hidden states of the `wanted`
+        last rows of each item after the last layer (select_rows), [sum(wanted), H]."""
+        ...
+
+    def move_slot(self, src: int, dst: int, length: int) -> None: ...
+
+
+def select_rows(x: torch.Tensor, lens: Sequence[int], wanted: Sequence[int]) -> torch.Tensor:
+    """The last `wanted[i]` rows of each item i of packed rows `x` (item i has `lens[i]` rows)."""
+    if sum(wanted) == len(x):
+        return x
+    ends = torch.tensor(list(lens)).cumsum(0).tolist()
+    return x[torch.tensor([e - j for e, n in zip(ends, wanted) for j in range(n, 0, -1)], dtype=torch.long)]
+
+
 @dataclass
 class _Layer:
     ln_in: torch.Tensor
@@ -72,7 +93,8 @@ class _Layer:
 
 class LlamaRunner:
     def __init__(self, model: Any, *, dtype: torch.dtype, max_num_seqs: int, max_len: int,
-                 pack: bool | None = None, weights: WeightBuilder | None = None) -> None:
+                 pack: bool | None = None, weights: WeightBuilder | None = None,
+                 layer_range: tuple[int, int] | None = None) -> None:
         cfg = model.config
         arch = (getattr(cfg, "architectures", None) or [type(model).__name__])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -80,7 +102,12 @@ class LlamaRunner:
                 f"the torch engine supports {', '.join(SUPPORTED_ARCHITECTURES)}; this model is {arch}"
             )
         self.dtype = dtype
-        self.num_layers = int(cfg.num_hidden_layers)
+        self.total_layers = int(cfg.num_hidden_layers)
+        # A pipeline stage (data_plane/shard/engines/pipeline.py) holds layers [first, end) and their KV only.
+        first, end = layer_range or (0, self.total_layers)
+        self.layer_range = (first, end)
+        self.num_layers = end - first
+        self.downstream: Downstream | None = None  # the next stages of a pipeline, set by its group
         self.num_heads = int(cfg.num_attention_heads)
         self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
@@ -106,7 +133,7 @@ class LlamaRunner:
         self.norm = weights.vector("model.norm.weight")
         self.layers: list[_Layer] = []
 
-        for i in range(self.num_layers):
+        for i in range(first, end):  # a pipeline stage: its own layers only
             p = f"model.layers.{i}."
             b_qkv = None
             if weights.has(p + "self_attn.q_proj.bias"):
@@ -152,9 +179,11 @@ class LlamaRunner:
 
     @classmethod
     def from_pretrained(cls, path: Path, *, dtype: torch.dtype, max_num_seqs: int, max_len: int,
-                        plan: WeightPlan | None = None, gguf: Path | None = None) -> LlamaRunner:
+                        plan: WeightPlan | None = None, gguf: Path | None = None,
+                        layer_range: tuple[int, int] | None = None) -> LlamaRunner:
         """Load `path` (a HF folder) in `plan`'s format (default: dense `dtype`). With a quantized plan
-        and the model's GGUF, the weights come from the GGUF's blocks and no dense copy is loaded."""
+        and the model's GGUF, the weights come from the GGUF's blocks and no dense copy is loaded.
+        `layer_range`: a pipeline stage's layers [first, end) (data_plane/shard/engines/pipeline.py)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if plan is not None and plan.quantization != "none" and gguf is not None:
@@ -165,12 +194,14 @@ class LlamaRunner:
                 model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
             kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
             quantized = WeightBuilder(plan, gguf=load_or_prepare(gguf, path, cfg.num_attention_heads, kv_heads))
-            return cls(model, dtype=dtype, max_num_seqs=max_num_seqs, max_len=max_len, weights=quantized)
+            return cls(model, dtype=dtype, max_num_seqs=max_num_seqs, max_len=max_len, weights=quantized,
+                       layer_range=layer_range)
         # Load straight into the serving dtype: no transient fp32 copy of the weights.
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         model.eval()
         weights = None if plan is None else WeightBuilder(plan, state=model.state_dict())
-        return cls(model, dtype=dtype, max_num_seqs=max_num_seqs, max_len=max_len, weights=weights)
+        return cls(model, dtype=dtype, max_num_seqs=max_num_seqs, max_len=max_len, weights=weights,
+                   layer_range=layer_range)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -225,6 +256,17 @@ class LlamaRunner:
         lens = [len(ids) for _, ids, _ in items]
         starts = [start for _, _, start in items]
         ids = torch.tensor([t for _, seq, _ in items for t in seq], dtype=torch.long)
+        wanted = [1] * len(items) if logits is None else list(logits)
+        x = self.run_layers(self.embed[ids], slots, lens, starts, batched)  # [T, H]
+        if self.downstream is not None:  # the later stages run their layers and send back the wanted rows
+            x = self.downstream.forward(slots, lens, starts, wanted, batched, x)
+        else:
+            x = select_rows(x, lens, wanted)
+        return self.lm_head(self._rms(x, self.norm)).float()
+
+    def run_layers(self, x: torch.Tensor, slots: Sequence[int], lens: Sequence[int], starts: Sequence[int],
+                   batched: bool) -> torch.Tensor:
+        """This runner's layers over hidden states `x` [T, H] of the items (slot, len, start): KV written, x out."""
         if max(lens) == 1:  # a decode step: one token a slot
             pos, slot_of = torch.tensor(starts, dtype=torch.long), torch.tensor(slots, dtype=torch.long)
         else:
@@ -235,18 +277,13 @@ class LlamaRunner:
         kv_rows = (((slot_of * self.num_kv_heads).unsqueeze(1) + torch.arange(self.num_kv_heads)) * self.max_len
                    + pos.unsqueeze(1)).reshape(-1)
         attend = SlotBatched(self, lens, starts) if batched else PerSequence(self, slots, lens, starts)
-        x = self.embed[ids]  # [T, H]
         cos, sin = self.rope_tables(pos)  # [T, 1, D]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
             self._write_kv(i, kv_rows, k, v)
             x = layer.o.add(attend(q, self.k_cache[i], self.v_cache[i]), x)
             x = self._mlp(layer, x)
-        wanted = [1] * len(items) if logits is None else list(logits)
-        if sum(wanted) < len(x):
-            ends = torch.tensor(lens).cumsum(0).tolist()
-            x = x[torch.tensor([e - j for e, n in zip(ends, wanted) for j in range(n, 0, -1)], dtype=torch.long)]
-        return self.lm_head(self._rms(x, self.norm)).float()
+        return x
 
     def _write_kv(self, layer: int, kv_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """The one place the KV cache is written: rows of the flat [slots*kv_heads*max_len, head_dim] view."""
@@ -281,3 +318,5 @@ class LlamaRunner:
         for kc, vc in zip(self.k_cache, self.v_cache):
             kc[dst, :, :length] = kc[src, :, :length]
             vc[dst, :, :length] = vc[src, :, :length]
+        if self.downstream is not None:
+            self.downstream.move_slot(src, dst, length)

@@ -58,6 +58,12 @@ class EngineConfig:
     on a CPU, a 17th row another ~4 ms: docs/BENCHMARKS.md); each sequence drafts what pays (SeqSpec)."""
     spec_max_batch: int = 4
     """No drafting while more sequences than this run, 1..256 (measured: docs/BENCHMARKS.md)."""
+    pipeline_parallel_size: int = 1
+    """Stage processes the model's layers are split over, 1..64 (data_plane/shard/engines/pipeline.py)."""
+    pipeline_layers: str | None = None
+    """Where stages 1.. start, e.g. "10,20" (None: an even split)."""
+    pipeline_stage_timeout_s: float = 1.0
+    """A stage whose heartbeat stood still this long is lost (0.2..60 s): the shard fails its streams and exits."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -82,6 +88,10 @@ class EngineConfig:
             raise ValueError("num_speculative_tokens must be in 1..16")
         if not 1 <= self.spec_max_batch <= 256:
             raise ValueError("spec_max_batch must be in 1..256")
+        if not 1 <= self.pipeline_parallel_size <= 64:
+            raise ValueError("pipeline_parallel_size must be in 1..64")
+        if not 0.2 <= self.pipeline_stage_timeout_s <= 60:
+            raise ValueError("pipeline_stage_timeout_s must be in 0.2..60")
 
 
 class StepListener:
@@ -122,6 +132,13 @@ class StepListener:
 
     def on_threads(self, threads: int, reason: str) -> None:
         """The intra-op thread count is now `threads` (reason ``start`` or ``probe``: torch_threads.ThreadTuner)."""
+
+    def on_stage(self, stage: int, up: bool) -> None:
+        """A pipeline stage (0..N-1) joined (`up`) or was lost (data_plane/shard/engines/pipeline.py)."""
+
+    def on_hop(self, sent_bytes: int, received_bytes: int, seconds: float) -> None:
+        """One pass through the later pipeline stages: bytes each way, and the wall time from the
+        first send to the last row back (their compute plus the hops)."""
 
     def on_grammar_compile(self, kind: str, seconds: float, outcome: str) -> None:
         """A grammar compile ended (engines/grammar.py): outcome compiled, cache_hit or a refusal reason."""

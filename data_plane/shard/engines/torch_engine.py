@@ -42,7 +42,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import torch
@@ -112,6 +112,8 @@ class TorchEngine:
             prefix=self._cached_prefix,
             drafter=(Speculator(config.num_speculative_tokens, config.spec_max_batch)
                      if config.speculation == "ngram" else None))
+        self.pipeline: Any = None  # a PipelineGroup (pipeline.py) when pipeline_parallel_size > 1
+        self.on_dead: Callable[[], None] | None = None  # the shard's exit when a pipeline stage is lost
         self._executor: Executor | None = None  # set once the model is loaded
         self._output: OutputProcessor | None = None
 
@@ -199,11 +201,19 @@ class TorchEngine:
         hf_config = AutoConfig.from_pretrained(str(path))
         self.max_model_len = min(self.config.max_model_len, hf_config.max_position_embeddings)
         self._tokenizer = AutoTokenizer.from_pretrained(str(path))
+        ranges = None
+        if self.config.pipeline_parallel_size > 1:
+            from data_plane.shard.engines.pipeline import split_layers
+
+            ranges = split_layers(int(hf_config.num_hidden_layers), self.config.pipeline_parallel_size,
+                                  self.config.pipeline_layers)
         self._runner = LlamaRunner.from_pretrained(
             path, dtype=DTYPES[plan.dtype], max_num_seqs=self.config.max_num_seqs, max_len=self.max_model_len,
-            plan=plan, gguf=source.gguf)
+            plan=plan, gguf=source.gguf, layer_range=ranges[0] if ranges else None)
         self.listener.on_weights(plan.dtype, plan.dtype_reason.value, plan.quantization, plan.quantization_reason.value,
                                  self._runner.weight_bytes)
+        if ranges:  # every stage serves the plan stage 0 resolved (the same dtype and weight format)
+            self._start_pipeline(ranges, threads, plan.dtype, plan.quantization)
         eos = hf_config.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
         if self._tokenizer.eos_token_id is not None:
@@ -213,7 +223,9 @@ class TorchEngine:
         import llguidance.hf
 
         self.grammars = GrammarCompiler(llguidance.hf.from_tokenizer(self._tokenizer), listener=self.listener)
-        if self.config.prefix_caching:
+        if self.config.prefix_caching and ranges:
+            log.warning("prefix caching is off: a pipeline's stages do not keep their part of cached blocks yet")
+        elif self.config.prefix_caching:
             self.prefix = SlotPrefix.build(self._runner, model_id=str(path), dtype=plan.dtype,
                                            block_size=self.config.kv_block_size,
                                            budget_bytes=self.config.prefix_cache_bytes,
@@ -237,13 +249,41 @@ class TorchEngine:
             flush=True,
         )
 
+    def _start_pipeline(self, ranges: list[tuple[int, int]], threads: int, dtype: str, quantization: str) -> None:
+        """Stages 1..N-1 of a pipeline (data_plane/shard/engines/pipeline.py) behind the runner's forward."""
+        from data_plane.shard.engines.pipeline import PipelineGroup, PipelineSpec
+
+        spec = PipelineSpec(model=self.config.model or "", dtype=dtype, quantization=quantization,
+                            max_num_seqs=self.config.max_num_seqs,
+                            max_len=self.max_model_len, ranges=tuple(ranges),
+                            timeout_s=self.config.pipeline_stage_timeout_s, threads=threads)
+        self.pipeline = PipelineGroup(spec, self._stage_lost, self.listener.on_stage)
+        hops = self.pipeline.start(int(self._runner.norm.shape[0]), self._runner.dtype)
+        hops.on_pass = self.listener.on_hop
+        self._runner.downstream = hops
+
+    def _stage_lost(self, stage: int, why: str) -> None:
+        """A stage is gone (the monitor thread): fail every open stream now (an error event the
+        gateway resumes on another shard), then the shard leaves membership and exits (on_dead)."""
+        if self.dead is None:
+            self.dead = RuntimeError(f"pipeline stage {stage} lost: {why}")
+        with self._lock:
+            seqs = list(self._by_id.values())
+        for seq in seqs:
+            seq.sink(Overloaded("a pipeline stage of this shard failed; retry on another shard", retry_after=1))
+        if self.on_dead is not None:
+            self.on_dead()
+
     async def aclose(self) -> None:
         self._stop = True
         self._wake.set()
         if self.grammars is not None:
             self.grammars.close()
-        if self._thread is not None:
+        # A lost stage can leave the scheduler thread in a receive for good: no join then.
+        if self._thread is not None and (self.pipeline is None or self.dead is None):
             await asyncio.to_thread(self._thread.join, 10)
+        if self.pipeline is not None:
+            self.pipeline.close()
 
     # -- API ---------------------------------------------------------------------------
 

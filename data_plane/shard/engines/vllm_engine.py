@@ -63,6 +63,10 @@ class ShardSettings(Protocol):
     def registration_ttl_s(self) -> float: ...
     @property
     def advertise_url(self) -> str | None: ...
+    @property
+    def tensor_parallel_size(self) -> int: ...
+    @property
+    def pipeline_parallel_size(self) -> int: ...
 
 
 def vllm_command(settings: ShardSettings, model_path: str, served_name: str, port: int) -> list[str]:
@@ -76,6 +80,9 @@ def vllm_command(settings: ShardSettings, model_path: str, served_name: str, por
         "--dtype", settings.dtype,
         "--max-model-len", str(settings.max_model_len),
         "--max-num-seqs", str(settings.max_num_seqs),
+        # vLLM's own parallelism: one server, one shard in membership, its ranks its own business.
+        "--tensor-parallel-size", str(settings.tensor_parallel_size),
+        "--pipeline-parallel-size", str(settings.pipeline_parallel_size),
         "--scheduling-policy", "priority",  # honours the gateway's per-tier `priority`
         "--disable-uvicorn-access-log",
     ]
@@ -107,6 +114,7 @@ def create_sidecar(settings: ShardSettings) -> FastAPI:
         member = Member(id=settings.node_id or f"shard-{settings.host}-{settings.port}", service="shard",
                         url=settings.advertise_url or vllm_url,
                         meta={"model": name, "engine": "vllm", "max_num_seqs": str(settings.max_num_seqs),
+                              "pipeline_parallel_size": str(settings.pipeline_parallel_size),
                               "max_model_len": str(settings.max_model_len),
                               "sidecar": f"http://{settings.host}:{settings.port}", "zone": settings.zone})
 

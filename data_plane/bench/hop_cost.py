@@ -1,0 +1,105 @@
+"""`switchboard bench hops`: what moving one step's hidden state between two local processes costs.
+
+    switchboard bench hops                                    # 576 floats x rows 1,16, fp32
+    switchboard bench hops --hidden 576 --rows 1,16,256 --repeats 200 --json /tmp/hops.json
+
+Two processes on this host join a torch.distributed gloo group (a TCPStore on 127.0.0.1, the way
+a pipeline group does: data_plane/shard/engines/pipeline.py) and time, for each row count,
+the median of:
+- `send/recv` (ping-pong / 2): one hop of a ``[rows, hidden]`` tensor, what pipeline parallelism
+  pays per stage boundary per step;
+- `all-reduce`: one gloo all-reduce of the same tensor, what tensor parallelism pays twice per
+  layer per step (after attention and after the MLP).
+It also prints what tensor parallelism would add to one decode step for a model of `--layers`
+layers (2 all-reduces a layer), the figure docs/SHARDING.md weighs against a decode step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from datetime import timedelta
+from typing import Any
+
+from data_plane.bench.common import fmt, format_table, machine_info, parse_int_list, write_json
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, port: int, hidden: int, rows: list[int], repeats: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    results = []
+    for n in rows:
+        x = torch.randn(n, hidden)
+        y = torch.empty(n, hidden)
+        hop, red = [], []
+        for i in range(repeats + 5):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(x, 1)
+                dist.recv(y, 1)
+            else:
+                dist.recv(y, 0)
+                dist.send(y, 0)
+            t1 = time.perf_counter()
+            dist.all_reduce(x)
+            t2 = time.perf_counter()
+            if i >= 5:  # warm-up: connection setup, buffers
+                hop.append((t1 - t0) / 2)
+                red.append(t2 - t1)
+        results.append({"rows": n, "bytes": n * hidden * 4, "hop_ms": 1000 * statistics.median(hop),
+                        "allreduce_ms": 1000 * statistics.median(red)})
+    if rank == 0:
+        out.put(results)
+    dist.destroy_process_group()
+
+
+def measure(hidden: int, rows: list[int], repeats: int) -> list[dict[str, Any]]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, port, hidden, rows, repeats, q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got: list[dict[str, Any]] = q.get(timeout=300)
+    for p in procs:
+        p.join(30)
+    return got
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="switchboard bench hops", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=576, help="floats a row (SmolLM2-135M: 576)")
+    ap.add_argument("--rows", type=parse_int_list, default=[1, 16], help="rows a step (tokens in the batch)")
+    ap.add_argument("--layers", type=int, default=30, help="layers, for the tensor-parallel cost a step")
+    ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    rows = measure(args.hidden, args.rows, args.repeats)
+    table = [[str(r["rows"]), str(r["bytes"]), fmt(r["hop_ms"], 3), fmt(r["allreduce_ms"], 3),
+              fmt(r["allreduce_ms"] * 2 * args.layers, 1)] for r in rows]
+    print(format_table(["rows", "bytes", "send/recv ms", "all-reduce ms", f"TP all-reduces a step ms ({args.layers} layers x 2)"],
+                       table))
+    if args.json:
+        write_json(args.json, {"machine": machine_info(), "hidden": args.hidden, "layers": args.layers, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Responses and conversations kept as sessions on the cache nodes: one conversation store.
+
+    store = ConversationStore(runtime.sessions, ttl_s=86400)
+    rec = await store.load("resp_...", owner, replicas=2, kind=Kind.RESPONSE)   # 404 if not this key's
+    await store.save(rec, owner, replicas=2)
+    await store.delete("conv_...", owner, replicas=2, kind=Kind.CONVERSATION)     # from every cache node
+
+A stored response and a conversation are each one session record (data_plane/cache/client.py):
+sealed with the key it belongs to, replicated like any session of the tier, read-repaired, and
+bound to the API key that made it (another key's id is a 404, exactly like a missing one). The
+record's single message (role ``x-responses``) holds the Responses API's own state as JSON: the
+items so far (the conversation as the model sees it: messages, function calls, their outputs,
+compaction items), the response object or the conversation's metadata, and ``route``: the session
+id the chain's generations run under (the first response's id, or the conversation's), so every
+turn of a chain reaches the shard and the cache nodes that hold its KV blocks (kv_aware routing).
+
+A response record holds the whole chain up to it (copy on write): `previous_response_id` may point
+at any earlier response and branch from there, and a turn costs one cache read, not one per turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from data_plane.cache.client import SessionStore
+from data_plane.cache.model import validate_session_id
+from data_plane.common.errors import NotFound, SwitchboardError
+
+META_ROLE = "x-responses"
+"""The role of the one message a Responses record holds (never sent to a model)."""
+
+
+class Kind(str, enum.Enum):
+    RESPONSE = "response"
+    CONVERSATION = "conversation"
+
+
+@dataclass
+class Record:
+    """One stored response or conversation."""
+
+    id: str
+    kind: Kind
+    items: list[dict[str, Any]]
+    """Every item of the conversation so far, oldest first."""
+    route: str
+    """The session id generations of this chain/conversation run under (routing and KV)."""
+    version: int = 0
+    response: dict[str, Any] | None = None
+    """kind RESPONSE: the response object as GET returns it."""
+    input_range: tuple[int, int] = (0, 0)
+    """kind RESPONSE: items[start:end] were this response's input."""
+    conversation: dict[str, Any] = field(default_factory=dict)
+    """kind CONVERSATION: id, created_at, metadata."""
+
+    def to_message(self) -> dict[str, str]:
+        body = {"kind": self.kind.value, "items": self.items, "route": self.route, "response": self.response,
+                "input_range": list(self.input_range), "conversation": self.conversation}
+        return {"role": META_ROLE, "content": json.dumps(body, ensure_ascii=False, separators=(",", ":"))}
+
+    @classmethod
+    def from_messages(cls, record_id: str, messages: Any, version: int) -> Record | None:
+        if len(messages) != 1 or messages[0]["role"] != META_ROLE:
+            return None  # a chat session (X-Session-Id), not a Responses record
+        body = json.loads(messages[0]["content"])
+        start, end = body.get("input_range") or (0, 0)
+        return cls(record_id, Kind(body["kind"]), body["items"], body["route"], version, body.get("response"),
+                   (start, end), body.get("conversation") or {})
+
+
+def not_found(kind: Kind, record_id: str) -> NotFound:
+    """OpenAI's 404 for a response or conversation this key cannot see."""
+    name = "Response" if kind is Kind.RESPONSE else "Conversation"
+    param = "response_id" if kind is Kind.RESPONSE else "conversation_id"
+    return NotFound(f"{name} with id '{record_id}' not found.", param=param, code="not_found")
+
+
+class ConversationStore:
+    """Loads, saves and deletes Responses records on the session store (see the module docstring)."""
+
+    def __init__(self, sessions: SessionStore, ttl_s: float) -> None:
+        self.sessions = sessions
+        self.ttl_s = ttl_s
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def later(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """Run `work` off the request path (a background compaction), tracked until `aclose`."""
+        task = asyncio.get_running_loop().create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def load(self, record_id: str, owner: str, replicas: int, kind: Kind) -> Record:
+        try:
+            validate_session_id(record_id)
+            transcript = await self.sessions.load(record_id, owner, replicas)
+        except SwitchboardError as exc:
+            if exc.status in (400, 404):
+                raise not_found(kind, record_id) from None
+            raise
+        record = None if transcript is None else Record.from_messages(record_id, transcript.messages,
+                                                                      transcript.version)
+        if record is None or record.kind is not kind:
+            raise not_found(kind, record_id)
+        return record
+
+    async def save(self, record: Record, owner: str, replicas: int) -> None:
+        record.version += 1
+        await self.sessions.save(record.id, owner, [record.to_message()], record.version, replicas,
+                                 ttl_s=self.ttl_s)
+
+    async def delete(self, record_id: str, owner: str, replicas: int, kind: Kind) -> None:
+        await self.load(record_id, owner, replicas, kind)  # 404 unless it is this key's and of this kind
+        await self.sessions.delete(record_id, owner, replicas)
+
+
+def new_conversation(conv_id: str, items: list[dict[str, Any]], metadata: dict[str, str] | None) -> Record:
+    return Record(conv_id, Kind.CONVERSATION, items, conv_id,
+                  conversation={"id": conv_id, "created_at": int(time.time()), "metadata": metadata or {}})
+
+
+def conversation_object(record: Record) -> dict[str, Any]:
+    c = record.conversation
+    return {"id": record.id, "object": "conversation", "created_at": c.get("created_at", 0),
+            "metadata": c.get("metadata") or {}}

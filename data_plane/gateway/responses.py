@@ -1,0 +1,358 @@
+"""OpenAI's Responses API on the chat request path: `POST /v1/responses` and the stored responses.
+
+    client.responses.create(model=..., input="Hi", instructions="Be brief")
+    client.responses.create(model=..., input="And then?", previous_response_id=r.id)
+    client.responses.create(model=..., input="Hi", conversation=conv.id)
+    client.responses.retrieve(r.id); client.responses.input_items.list(r.id); client.responses.delete(r.id)
+
+`ResponsesHandler` is the chat handler (data_plane/gateway/chat.py) with its hooks overridden: the
+body is translated into a chat request (data_plane/gateway/responses_items.py), the conversation it
+continues is loaded from the conversation store (data_plane/gateway/response_store.py: a previous
+response's chain or a conversation, kept as sealed, replicated, key-bound sessions), the reply is
+shaped as a Response object or its streaming events (data_plane/gateway/responses_stream.py), and
+the turn is stored (unless `store: false`). Authentication, limits, admission, safety, KV-aware
+routing, resumable streams, usage and the ledger are the chat path's own. `truncation: "disabled"`
+(OpenAI's default) answers 400 when the conversation no longer fits the window; `"auto"` drops the
+oldest turns and re-injects the most relevant of them (data_plane/gateway/memory.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from opentelemetry import trace
+from starlette.types import Send
+
+from data_plane.common.crypto import SealError
+from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, SwitchboardError
+from data_plane.gateway.auth import key_digest
+from data_plane.gateway.chat import ChatHandler, Opened
+from data_plane.gateway.context import Window, fit_window
+from data_plane.gateway.memory import Compaction, compact, fit_with_recall, open_compaction
+from data_plane.gateway.response_store import ConversationStore, Kind, Record
+from data_plane.gateway.responses_items import (
+    ResponsesRequest,
+    input_items,
+    items_to_messages,
+    json_object,
+    new_id,
+    output_items,
+    parse_responses_request,
+    response_object,
+    response_usage,
+)
+from data_plane.gateway.responses_metrics import Op, observed
+from data_plane.gateway.responses_stream import ResponseEvents, call_item_id
+from data_plane.gateway.runtime import Gateway, Runtime
+from data_plane.protocol import ChatCompletionRequest
+from data_plane.tiers import Tier
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
+
+RESPONSES_PATH = "/v1/responses"
+COMPACTION_SCOPE = "responses-compaction"
+"""What compaction items are sealed for (with the key's digest): they open for that key only."""
+INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
+
+
+class ResponsesHandler(ChatHandler):
+    """One `POST /v1/responses` through the chat path (see the module docstring)."""
+
+    OPERATION = "responses"
+
+    def __init__(self, gw: Gateway, rt: Runtime, request: Request, store: ConversationStore) -> None:
+        super().__init__(gw, rt, request)
+        self.store = store
+        self.created_at = time.time()
+        self.response_id = new_id("resp")
+        self.message_id = new_id("msg")
+        self.rreq: ResponsesRequest | None = None
+        self.new_items: list[dict[str, Any]] = []
+        self.history_items: list[dict[str, Any]] = []
+        self.conversation: Record | None = None
+        self.route = self.response_id
+        self.instructions = 0
+        self.response: dict[str, Any] | None = None
+        self.memory: list[dict[str, str]] = []
+        """Earlier turns held by compaction items of this conversation: recall's candidates."""
+        self.x.span.set_attribute("switchboard.response_id", self.response_id)
+
+    def recorded(self, status: int) -> None:
+        self.gw.responses_metrics.count(Op.CREATE, status)
+
+    def _open_compaction(self, encrypted: str) -> str:
+        """A compaction item's summary (what the model sees); its turns join `memory`."""
+        turns, summary = open_compaction(encrypted, unsealer(self.rt, self.owner))
+        self.memory += turns
+        return summary
+
+    # -- the request -----------------------------------------------------------------------------
+
+    async def parse(self, raw: bytes) -> ChatCompletionRequest:
+        """The chat request of the whole conversation: instructions, the stored history, the new input
+        (so a function_call_output answers a call the history holds, as the chat path checks)."""
+        rreq = self.rreq = parse_responses_request(raw, self.request.headers.get("content-type"))
+        self.new_items = input_items(rreq.input)
+        if not self.new_items:
+            raise InvalidRequest("input is required", param="input")
+        assert self.tier is not None
+        await self._load_history(rreq, self.tier)
+        system = [{"role": "system", "content": rreq.instructions}] if rreq.instructions else []
+        history = items_to_messages(self.history_items, self._open_compaction)
+        self.history_messages = len(history)
+        return rreq.chat_request(system + history + items_to_messages(self.new_items, self._open_compaction))
+
+    async def context(self, req: ChatCompletionRequest, messages: list[dict[str, str]],
+                      tier: Tier) -> list[dict[str, str]]:
+        return messages  # the history is in the request already (parse)
+
+    async def _load_history(self, rreq: ResponsesRequest, tier: Tier) -> None:
+        conv_id = rreq.conversation_id
+        if rreq.previous_response_id:
+            previous = await self.store.load(rreq.previous_response_id, self.owner, tier.replication, Kind.RESPONSE)
+            self.history_items, self.route = previous.items, previous.route
+        elif conv_id:
+            self.conversation = await self.store.load(conv_id, self.owner, tier.replication, Kind.CONVERSATION)
+            self.history_items, self.route = self.conversation.items, self.conversation.route
+        if self.history_items or rreq.store is not False or self.conversation is not None:
+            # the chain's session: kv_aware routing and the KV blocks kept on its cache nodes
+            self.session_id = self.route
+        self.x.span.set_attribute("switchboard.responses.history_items", len(self.history_items))
+
+    def fit(self, prompt: list[dict[str, str]], budget: int) -> Window:
+        rreq = self.rreq
+        assert rreq is not None
+        if rreq.truncation != "auto":
+            total = self.gw.counter.prompt_tokens(prompt)
+            if total > budget:
+                raise ContextLengthExceeded(
+                    f"the conversation is {total} tokens, over the {budget} this request leaves for input; "
+                    "set truncation to 'auto' to drop (and recall) earlier turns", param="input")
+            return Window(list(prompt), total, 0)
+        if not rreq.context_recall:
+            return fit_window(prompt, self.gw.counter, budget)
+        window, found = fit_with_recall(prompt, self.memory, self.gw.counter, budget)
+        if found is None:
+            return window
+        metrics = self.gw.memory_metrics
+        metrics.recalls.labels("recalled" if found.message else "nothing_relevant").inc()
+        metrics.recalled_tokens.inc(found.tokens)
+        self.x.span.add_event("context.recall", {"switchboard.recall.candidates": found.candidates,
+                                                 "switchboard.recall.turns": found.turns,
+                                                 "switchboard.recall.tokens": found.tokens})
+        log.info("request %s: %d earlier turn(s) out of the window, %d recalled (%d tokens)", self.request_id,
+                 found.candidates, found.turns, found.tokens)
+        return window
+
+    # -- the reply -------------------------------------------------------------------------------
+
+    def _response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
+                  incomplete: str | None = None) -> dict[str, Any]:
+        assert self.rreq is not None
+        model = self.opened.completion.model if self.opened is not None else self.rreq.model
+        return response_object(self.response_id, self.rreq, model, status=status, output=output, usage=usage,
+                               created_at=self.created_at, incomplete=incomplete)
+
+    def _final(self, finish_reason: str | None, output: list[dict[str, Any]]) -> dict[str, Any]:
+        if self.response is not None:
+            return self.response
+        assert self.opened is not None
+        incomplete = INCOMPLETE_REASONS.get(finish_reason or "")
+        return self._response("incomplete" if incomplete else "completed", output,
+                              response_usage(self.opened.completion.usage.wire()), incomplete)
+
+    async def respond_body(self, opened: Opened) -> dict[str, Any]:
+        body = await opened.completion.collect(opened.stream)
+        if self.response is not None:
+            return self.response
+        choice = body["choices"][0]
+        return self._final(choice.get("finish_reason"), output_items(choice["message"]))
+
+    async def respond_stream(self, opened: Opened, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        events = ResponseEvents(send, start=lambda: self._response("in_progress", [], None),
+                                finish=self._final, message_id=self.message_id)
+        await opened.completion.stream_to(events.send, opened.stream, True, headers)
+
+    async def save_turn(self, reply: str, message: dict[str, Any] | None = None) -> None:
+        """Build the response and store it (and the conversation's new items): before the reply
+        completes, so a client that continues at once finds it."""
+        rreq, opened = self.rreq, self.opened
+        assert rreq is not None and opened is not None and self.tier is not None
+        finish_reason = opened.completion.finish_reason
+        incomplete = INCOMPLETE_REASONS.get(finish_reason or "")
+        output = output_items(message or opened.completion.choice(0).message(),
+                              "incomplete" if incomplete else "completed")
+        for item in output:  # the same ids the stream announced
+            if item["type"] == "message":
+                item["id"] = self.message_id
+            elif item["type"] == "function_call":
+                item["id"] = call_item_id(item["call_id"])
+        self.response = self._response("incomplete" if incomplete else "completed", output,
+                                        response_usage(opened.completion.usage.wire()), incomplete)
+        items = self.history_items + self.new_items + output
+        replicas = self.tier.replication
+        saved: list[Record] = []
+        if self.conversation is not None:
+            self.conversation.items = items
+            await self.store.save(self.conversation, self.owner, replicas)
+            saved.append(self.conversation)
+        if rreq.store is not False:
+            start = len(self.history_items)
+            record = Record(self.response_id, Kind.RESPONSE, items, self.route, response=self.response,
+                            input_range=(start, start + len(self.new_items)))
+            await self.store.save(record, self.owner, replicas)
+            saved.append(record)
+        threshold = next((c.compact_threshold for c in rreq.context_management or () if c.compact_threshold), None)
+        for rec in saved:
+            if threshold and conversation_tokens(rec.items, self.gw.counter) > threshold:
+                self.store.later(compact_record(self.gw, self.rt, self.store, rec, self.owner, replicas, threshold),
+                                 name="responses-compaction")
+
+
+def unsealer(rt: Runtime, owner: str) -> Callable[[str], list[dict[str, str]]]:
+    """Opens compaction items this key made (400 for anything else: another key's, or tampered)."""
+    def unseal(encrypted: str) -> list[dict[str, str]]:
+        if rt.sealer is None:
+            raise InvalidRequest("compaction items need session encryption", param="input")
+        try:
+            return rt.sealer.open(COMPACTION_SCOPE, owner, [{"role": "sealed", "content": encrypted}])
+        except SealError:
+            raise InvalidRequest("a compaction item's encrypted_content does not open for this API key",
+                                 param="input", code="invalid_encrypted_content") from None
+    return unseal
+
+
+def sealer_for(rt: Runtime, owner: str) -> Callable[[list[dict[str, str]]], str]:
+    def seal(content: list[dict[str, str]]) -> str:
+        if rt.sealer is None:
+            raise InvalidRequest("compaction items need session encryption", param="input")
+        return rt.sealer.seal(COMPACTION_SCOPE, owner, content)[0]["content"]
+    return seal
+
+
+def plain(items: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """`items` as the chat path's plain messages (tool calls as the model's envelope, results as user
+    turns naming the tool); compaction items as empty system messages."""
+    messages = items_to_messages(items, lambda e: "")
+    if not messages:
+        return []
+    return ChatCompletionRequest.model_validate({"messages": messages}).plain_messages(tools_prompt=False)
+
+
+def conversation_tokens(items: list[dict[str, Any]], counter: Any) -> int:
+    return int(counter.prompt_tokens(plain(items)))
+
+
+def compact_items(gw: Gateway, rt: Runtime, items: list[dict[str, Any]], owner: str, keep_tokens: int,
+                  trigger: str) -> Compaction | None:
+    done = compact(items, keep_tokens, gw.counter, seal=sealer_for(rt, owner), unseal=unsealer(rt, owner),
+                   to_messages=plain, item_id=new_id("cmp"))
+    if done is not None:
+        gw.memory_metrics.compactions.labels(trigger).inc()
+        gw.memory_metrics.compacted_tokens.inc(done.tokens)
+        span = trace.get_current_span()
+        span.add_event("context.compaction", {"switchboard.compaction.items": done.compacted,
+                                              "switchboard.compaction.tokens": done.tokens,
+                                              "switchboard.compaction.trigger": trigger})
+        log.info("compaction (%s): %d item(s), %d tokens folded into one item", trigger, done.compacted, done.tokens)
+    return done
+
+
+async def compact_record(gw: Gateway, rt: Runtime, store: ConversationStore, record: Record, owner: str,
+                         replicas: int, threshold: int) -> None:
+    """`context_management` compaction, off the request path: the stored record's older turns become
+    one compaction item once the conversation passes `threshold` tokens."""
+    with tracer.start_as_current_span("responses.compaction"):
+        try:
+            done = compact_items(gw, rt, record.items, owner, threshold // 2, "threshold")
+            if done is None:
+                return
+            start, end = record.input_range
+            folded = done.compacted
+            record.items = [done.item, *done.kept]
+            if record.kind is Kind.RESPONSE:  # the input range moves with the items (or goes, if folded)
+                record.input_range = (start - folded + 1, end - folded + 1) if start >= folded else (0, 0)
+            await store.save(record, owner, replicas)
+        except SwitchboardError as exc:  # a newer turn won the race, or the nodes failed: next time
+            log.info("background compaction skipped: %s", exc.code)
+
+
+def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore],
+                    runtime: Callable[[], Runtime]) -> None:
+    """GET/DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items and POST
+    /v1/responses/compact on `app`; `store()` and `runtime()` once the lifespan opened them."""
+
+    def caller(request: Request) -> tuple[str, int]:
+        principal = gw.keys.authenticate(request.headers.get("authorization"))
+        token = (request.headers.get("authorization") or "").partition(" ")[2].strip()
+        return key_digest(token), gw.tiers.get(principal.tier).replication
+
+    @app.get(RESPONSES_PATH + "/{response_id}")
+    async def retrieve(response_id: str, request: Request) -> dict[str, Any]:
+        with observed(gw.responses_metrics, Op.RETRIEVE):
+            owner, replicas = caller(request)
+            record = await store().load(response_id, owner, replicas, Kind.RESPONSE)
+            return dict(record.response or {})
+
+    @app.delete(RESPONSES_PATH + "/{response_id}")
+    async def delete(response_id: str, request: Request) -> dict[str, Any]:
+        with observed(gw.responses_metrics, Op.DELETE):
+            owner, replicas = caller(request)
+            await store().delete(response_id, owner, replicas, Kind.RESPONSE)
+            log.info("response deleted from every cache node")
+            return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @app.post(RESPONSES_PATH + "/compact")
+    async def compact_route(request: Request) -> dict[str, Any]:
+        """Fold a conversation (input items, after previous_response_id's) into a compaction item
+        and the newest turns; pass them as the next request's input."""
+        with observed(gw.responses_metrics, Op.COMPACT):
+            owner, replicas = caller(request)
+            body = json_object(await request.body(), request.headers.get("content-type"))
+            unknown = set(body) - {"model", "input", "previous_response_id", "instructions", "keep_tokens"}
+            if unknown:
+                raise InvalidRequest(f"unrecognized request argument supplied: {min(unknown)}", param=min(unknown),
+                                     code="unsupported_parameter")
+            items: list[dict[str, Any]] = []
+            if body.get("previous_response_id"):
+                items = (await store().load(str(body["previous_response_id"]), owner, replicas, Kind.RESPONSE)).items
+            items = items + input_items(body.get("input") or [])
+            keep = body.get("keep_tokens", 256)
+            if not isinstance(keep, int) or keep < 0:
+                raise InvalidRequest("keep_tokens must be a non-negative integer", param="keep_tokens")
+            done = compact_items(gw, runtime(), items, owner, keep, "endpoint")
+            output = [done.item, *done.kept] if done is not None else items
+            tokens = conversation_tokens(items, gw.counter)
+            return {"id": new_id("resp"), "object": "response.compaction", "created_at": int(time.time()),
+                    "output": output, "usage": response_usage({"prompt_tokens": tokens, "completion_tokens": 0})}
+
+    @app.get(RESPONSES_PATH + "/{response_id}/input_items")
+    async def input_items_list(response_id: str, request: Request, limit: int = 20, order: str = "desc",
+                               after: str | None = None) -> dict[str, Any]:
+        with observed(gw.responses_metrics, Op.INPUT_ITEMS):
+            owner, replicas = caller(request)
+            record = await store().load(response_id, owner, replicas, Kind.RESPONSE)
+            start, end = record.input_range
+            return page(record.items[start:end], limit=limit, order=order, after=after)
+
+
+def page(items: list[dict[str, Any]], *, limit: int, order: str, after: str | None) -> dict[str, Any]:
+    """OpenAI's cursor list: `order` asc|desc, `after` an item id, at most `limit` (1-100)."""
+    if not 1 <= limit <= 100:
+        raise InvalidRequest("limit must be between 1 and 100", param="limit")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
+    ordered = list(items) if order == "asc" else list(reversed(items))
+    if after is not None:
+        ids = [i.get("id") for i in ordered]
+        if after not in ids:
+            raise InvalidRequest(f"no item with id {after!r}", param="after")
+        ordered = ordered[ids.index(after) + 1:]
+    data = ordered[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(ordered) > limit}

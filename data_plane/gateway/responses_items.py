@@ -1,0 +1,351 @@
+"""The Responses API's wire shapes, and their translation to and from the chat request path.
+
+    req = parse_responses_request(raw, content_type)     # 400 on unknown / unsupported fields
+    chat = req.chat_request(history_len=0)                # a ChatCompletionRequest (same checks as chat)
+    items = input_items(req.input)                        # input as items, each with an id
+    messages = items_to_messages(items)                   # the chat messages they stand for
+    body = response_object(resp_id, req, output, usage)   # what POST/GET /v1/responses return
+
+The Responses API is a translation layer over the chat request path (data_plane/gateway/chat.py):
+`instructions` -> a leading system message, message items -> chat messages, `text.format` ->
+`response_format`, function `tools` -> `tools`, `function_call` / `function_call_output` items ->
+an assistant message with `tool_calls` / a `tool` message. Whatever the chat path supports, this
+supports; what it rejects comes back as the same 400 naming the Responses field.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from data_plane.common.errors import InvalidRequest, UnsupportedParameter
+from data_plane.protocol import ChatCompletionRequest
+
+SUPPORTED_ITEM_TYPES = ("message", "function_call", "function_call_output", "compaction")
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def new_id(prefix: str) -> str:
+    """An unguessable id in OpenAI's style (`resp_...`, `msg_...`, `conv_...`): valid as a session id."""
+    return f"{prefix}_{secrets.token_hex(24)}"
+
+
+class ContextManagement(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["compaction"]
+    compact_threshold: int | None = Field(default=None, ge=64)
+
+
+class ResponsesRequest(BaseModel):
+    """POST /v1/responses. Fields OpenAI defines that we do not implement are accepted only at
+    their neutral value (400 naming them otherwise); unknown fields are a 400 too."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(default="", max_length=256)
+    input: str | list[dict[str, Any]] = ""
+    instructions: str | None = None
+    previous_response_id: str | None = Field(default=None, max_length=128)
+    conversation: str | dict[str, Any] | None = None
+    store: bool | None = True
+    stream: bool | None = False
+    stream_options: dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = None
+    """Not OpenAI's (it has none on responses); vLLM's extension, passed to the chat path."""
+    metadata: dict[str, str] | None = None
+    truncation: Literal["auto", "disabled"] | None = "disabled"
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    context_management: list[ContextManagement] | None = None
+    cache: dict[str, Any] | None = None
+    """LiteLLM's per-request cache controls: {"no-cache": true} skips the response cache."""
+    context_recall: bool = True
+    """Switchboard's extension: with truncation "auto", re-inject the dropped turns most relevant to
+    the new message (data_plane/gateway/memory.py); false: a plain sliding window."""
+    user: str | None = Field(default=None, max_length=256)
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    prompt_cache_key: str | None = Field(default=None, max_length=256)
+    prompt_cache_retention: str | None = None
+    service_tier: str | None = None
+    include: list[str] | None = None
+    # Accepted only at their neutral value (see check_supported).
+    background: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    max_tool_calls: int | None = None
+    prompt: Any = None
+    top_logprobs: int | None = None
+
+    def check_supported(self) -> None:
+        neutral: dict[str, tuple[Any, ...]] = {
+            "background": (None, False), "prompt": (None,), "top_logprobs": (None, 0),
+            "include": (None, []), "max_tool_calls": (None,),
+        }
+        for name, values in neutral.items():
+            if getattr(self, name) not in values:
+                raise UnsupportedParameter(f"parameter {name!r} is not supported by this server", param=name)
+        if self.reasoning and any(v is not None for v in self.reasoning.values()):
+            raise UnsupportedParameter("reasoning is not supported by this model", param="reasoning")
+        if self.previous_response_id and self.conversation:
+            raise InvalidRequest("previous_response_id and conversation cannot be used together",
+                                 param="previous_response_id")
+        if self.stream_options and not self.stream:
+            raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+
+    @property
+    def conversation_id(self) -> str | None:
+        if isinstance(self.conversation, dict):
+            conv = self.conversation.get("id")
+            if not isinstance(conv, str):
+                raise InvalidRequest("conversation.id must be a string", param="conversation")
+            return conv
+        return self.conversation
+
+    @property
+    def response_format(self) -> dict[str, Any] | None:
+        """`text.format` as the chat path's `response_format` (None: plain text)."""
+        fmt = (self.text or {}).get("format")
+        if not fmt or fmt.get("type") == "text":
+            return None
+        if fmt.get("type") == "json_schema":  # Responses flattens what chat nests under json_schema
+            schema = {k: v for k, v in fmt.items() if k in ("name", "schema", "strict", "description")}
+            return {"type": "json_schema", "json_schema": schema}
+        return dict(fmt)
+
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        """Function tools in the chat path's shape; other tool types are a 400."""
+        if not self.tools:
+            return None
+        out = []
+        for i, tool in enumerate(self.tools):
+            if tool.get("type") != "function":
+                raise UnsupportedParameter(f"tool type {tool.get('type')!r} is not supported; only 'function'",
+                                           param=f"tools[{i}].type")
+            fn = {k: v for k, v in tool.items() if k in ("name", "description", "parameters", "strict")}
+            out.append({"type": "function", "function": fn})
+        return out
+
+    def chat_tool_choice(self) -> Any:
+        choice = self.tool_choice
+        if isinstance(choice, dict) and choice.get("type") == "function":
+            return {"type": "function", "function": {"name": choice.get("name")}}
+        return choice
+
+    def chat_request(self, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+        """The chat request this response is generated by: `messages` are instructions + input."""
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": bool(self.stream)}
+        for name, value in (("max_tokens", self.max_output_tokens), ("temperature", self.temperature),
+                            ("top_p", self.top_p), ("seed", self.seed), ("response_format", self.response_format),
+                            ("tools", self.chat_tools()), ("tool_choice", self.chat_tool_choice()),
+                            ("parallel_tool_calls", self.parallel_tool_calls), ("user", self.user),
+                            ("cache", self.cache)):
+            if value is not None:
+                body[name] = value
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        if not self.tools and body.get("tool_choice") in ("auto", "none"):
+            body.pop("tool_choice")  # the Agents SDK names a choice without tools
+        if not self.tools:
+            body.pop("parallel_tool_calls", None)
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+            req.check_supported()
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = _responses_param(".".join(str(p) for p in first.get("loc", ())) or None)
+            if first.get("type") == "extra_forbidden":
+                raise UnsupportedParameter(f"parameter {param!r} is not supported by this server",
+                                           param=param) from None
+            raise InvalidRequest(f"{param}: {first.get('msg')}", param=param) from None
+        except InvalidRequest as exc:  # the chat path's verdict, in the Responses API's names
+            renamed = _responses_param(exc.param)
+            if exc.param and renamed:
+                exc.message, exc.param = exc.message.replace(repr(exc.param), repr(renamed)), renamed
+            raise
+        return req
+
+
+CHAT_TO_RESPONSES = {"response_format": "text.format", "max_tokens": "max_output_tokens", "messages": "input"}
+
+
+def _responses_param(param: str | None) -> str | None:
+    """A chat request's parameter name as the Responses API calls it."""
+    if param is None:
+        return None
+    head, dot, rest = param.partition(".")
+    return CHAT_TO_RESPONSES.get(head, head) + dot + rest
+
+
+def parse_responses_request(raw: bytes, content_type: str | None) -> ResponsesRequest:
+    """Decode and validate a Responses body; every failure is a 4xx SwitchboardError."""
+    body = json_object(raw, content_type)
+    try:
+        req = ResponsesRequest.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        if first.get("type") == "extra_forbidden":
+            raise UnsupportedParameter(f"unrecognized request argument supplied: {param}", param=param) from None
+        raise InvalidRequest(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param) from None
+    req.check_supported()
+    return req
+
+
+def json_object(raw: bytes, content_type: str | None) -> dict[str, Any]:
+    from data_plane.common.errors import UnsupportedMediaType
+
+    ctype = (content_type or "").split(";")[0].strip().lower()
+    if ctype and ctype != "application/json" and not ctype.endswith("+json"):
+        raise UnsupportedMediaType(f"Content-Type must be application/json, not {ctype!r}")
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise InvalidRequest("request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+# -- items ------------------------------------------------------------------------------------
+
+
+def input_items(value: str | list[dict[str, Any]], param: str = "input") -> list[dict[str, Any]]:
+    """`input` as stored items (each with an id and a status), validated; 400 naming the bad item."""
+    if isinstance(value, str):
+        value = [{"type": "message", "role": "user", "content": value}] if value else []
+    out = []
+    for i, raw in enumerate(value):
+        where = f"{param}[{i}]"
+        if not isinstance(raw, dict):
+            raise InvalidRequest(f"{where} must be an object", param=where)
+        kind = raw.get("type", "message")
+        if kind not in SUPPORTED_ITEM_TYPES:
+            raise UnsupportedParameter(f"input item type {kind!r} is not supported", param=f"{where}.type")
+        if kind == "message":
+            role = raw.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise InvalidRequest(f"{where}.role must be user, system, developer or assistant", param=f"{where}.role")
+            parts = _text_parts(raw.get("content"), role, where)
+            out.append({"type": "message", "id": raw.get("id") or new_id("msg"), "status": "completed",
+                        "role": role, "content": parts})
+        elif kind == "function_call":
+            for key in ("call_id", "name", "arguments"):
+                if not isinstance(raw.get(key), str):
+                    raise InvalidRequest(f"{where}.{key} must be a string", param=f"{where}.{key}")
+            out.append({"type": "function_call", "id": raw.get("id") or new_id("fc"), "status": "completed",
+                        "call_id": raw["call_id"], "name": raw["name"], "arguments": raw["arguments"]})
+        elif kind == "function_call_output":
+            output = raw.get("output")
+            if isinstance(output, list):
+                output = "".join(p.get("text", "") for p in output if isinstance(p, dict))
+            if not isinstance(raw.get("call_id"), str) or not isinstance(output, str):
+                raise InvalidRequest(f"{where} needs call_id and output strings", param=where)
+            out.append({"type": "function_call_output", "id": raw.get("id") or new_id("fco"),
+                        "status": "completed", "call_id": raw["call_id"], "output": output})
+        else:  # compaction: an item this server made (data_plane/gateway/memory.py)
+            if not isinstance(raw.get("encrypted_content"), str):
+                raise InvalidRequest(f"{where}.encrypted_content must be a string", param=where)
+            out.append({"type": "compaction", "id": raw.get("id") or new_id("cmp"),
+                        "encrypted_content": raw["encrypted_content"]})
+    return out
+
+
+def _text_parts(content: Any, role: str, where: str) -> list[dict[str, Any]]:
+    kind = "output_text" if role == "assistant" else "input_text"
+    if isinstance(content, str):
+        return [_part(kind, content)]
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where}.content must be a string or a list of parts", param=f"{where}.content")
+    parts = []
+    for j, part in enumerate(content):
+        ptype = part.get("type") if isinstance(part, dict) else None
+        if ptype not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise UnsupportedParameter(f"content part type {ptype!r} is not supported; only text parts are",
+                                       param=f"{where}.content[{j}]")
+        parts.append(_part(kind, part["text"]))
+    return parts
+
+
+def _part(kind: str, text: str) -> dict[str, Any]:
+    return {"type": kind, "text": text, "annotations": [], "logprobs": []} if kind == "output_text" else {
+        "type": kind, "text": text}
+
+
+def items_to_messages(items: list[dict[str, Any]], open_compaction: Any = None) -> list[dict[str, Any]]:
+    """The chat messages `items` stand for (function calls as assistant tool_calls, their outputs as
+    tool messages; a compaction item as the summary it holds, opened by `open_compaction`)."""
+    out: list[dict[str, Any]] = []
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            role = "system" if item["role"] == "developer" else item["role"]
+            out.append({"role": role, "content": "".join(p["text"] for p in item["content"])})
+        elif kind == "function_call":
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+                out[-1]["tool_calls"].append(call)  # parallel calls are one assistant message
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        elif kind == "compaction" and open_compaction is not None:
+            out.append({"role": "system", "content": open_compaction(item["encrypted_content"])})
+    return out
+
+
+def output_items(message: dict[str, Any], status: str = "completed") -> list[dict[str, Any]]:
+    """A chat completion's message as Responses output items: function_call items, then the text."""
+    items: list[dict[str, Any]] = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", {})
+        items.append({"type": "function_call", "id": new_id("fc"), "status": "completed",
+                      "call_id": call.get("id") or new_id("call"), "name": fn.get("name", ""),
+                      "arguments": fn.get("arguments", "")})
+    text = message.get("content")
+    if text or not items:
+        items.append({"type": "message", "id": new_id("msg"), "status": status, "role": "assistant",
+                      "content": [_part("output_text", text or "")]})
+    return items
+
+
+def response_usage(chat_usage: dict[str, Any] | None) -> dict[str, Any]:
+    """A chat usage body in the Responses shape (cached tokens included)."""
+    u = chat_usage or {}
+    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    prompt, completion = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion}
+
+
+def response_object(resp_id: str, req: ResponsesRequest, model: str, *, status: str, output: list[dict[str, Any]],
+                    usage: dict[str, Any] | None, created_at: float | None = None,
+                    incomplete: str | None = None) -> dict[str, Any]:
+    """The Response object (OpenAI's shape) for POST, GET and the stream's events."""
+    conversation = req.conversation_id
+    return {
+        "id": resp_id, "object": "response", "created_at": int(created_at or time.time()), "status": status,
+        "background": False, "error": None,
+        "incomplete_details": {"reason": incomplete} if incomplete else None,
+        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": model,
+        "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
+        "store": req.store is not False, "temperature": req.temperature, "top_p": req.top_p,
+        "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
+        "tools": req.tools or [], "truncation": req.truncation or "disabled", "usage": usage,
+        "user": req.user, "metadata": req.metadata or {},
+        "conversation": {"id": conversation} if conversation else None,
+    }
+
+
+def output_text(output: list[dict[str, Any]]) -> str:
+    return "".join(p.get("text", "") for item in output if item["type"] == "message" for p in item["content"])

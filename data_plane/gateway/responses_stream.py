@@ -1,0 +1,151 @@
+"""The Responses API's streaming events, translated from the chat path's SSE chunks as they are sent.
+
+    events = ResponseEvents(send, start=lambda: response_in_progress, finish=lambda: final_response)
+    await completion.stream_to(events.send, stream, include_usage=True, headers=headers)
+
+`Completion.stream_to` (data_plane/gateway/stream.py) writes chat.completion.chunk SSE onto an
+ASGI `send`; this object stands in for that `send` and writes OpenAI's Responses events instead,
+each with its `sequence_number`: ``response.created``, ``response.in_progress``, then per output
+item ``response.output_item.added``, ``response.content_part.added``,
+``response.output_text.delta``... (or ``response.function_call_arguments.delta`` for a tool call),
+their ``.done`` events, and ``response.completed`` (``response.incomplete`` when cut by
+max_output_tokens or the output filter). A failure mid-stream becomes an ``error`` event then
+``response.failed``. So streaming, the output filter, usage and the ledger are the chat path's own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+from starlette.types import Message, Send
+
+from data_plane.gateway.responses_items import _part
+
+
+def call_item_id(call_id: str) -> str:
+    """The output item id of a function call (derived, so the stream and the stored record agree)."""
+    return "fc_" + hashlib.sha256(call_id.encode()).hexdigest()[:40]
+
+
+class ResponseEvents:
+    """An ASGI `send` that turns chat SSE chunks into Responses SSE events (see the module docstring)."""
+
+    def __init__(self, send: Send, *, start: Callable[[], dict[str, Any]],
+                 finish: Callable[[str | None, list[dict[str, Any]]], dict[str, Any]], message_id: str) -> None:
+        """`start()`: the response object while in progress; `finish(finish_reason, output)`: the
+        final one (as stored); `message_id`: the id of the text output item."""
+        self._send = send
+        self._start = start
+        self._finish = finish
+        self._message_id = message_id
+        self._seq = 0
+        self._out: list[bytes] = []
+        self._text: list[str] = []
+        self._message_index: int | None = None
+        self._calls: dict[int, dict[str, Any]] = {}
+        """chat tool_call index -> its output item (arguments accumulating)."""
+        self._items: list[dict[str, Any]] = []
+        self._finish_reason: str | None = None
+        self._failed = False
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        body = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        self._out.append(b"event: " + kind.encode() + b"\ndata: "
+                         + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            await self._send(message)
+            response = self._start()
+            self._event("response.created", response=response)
+            self._event("response.in_progress", response=response)
+            return
+        for block in message.get("body", b"").split(b"\n\n"):
+            if block.startswith(b"data: "):
+                self._chunk(block[6:])
+        more = bool(message.get("more_body"))
+        body, self._out = b"".join(self._out), []
+        if body or not more:
+            await self._send({"type": "http.response.body", "body": body, "more_body": more})
+
+    def _chunk(self, data: bytes) -> None:
+        if data == b"[DONE]":
+            self._close()
+            return
+        chunk = json.loads(data)
+        if "error" in chunk:
+            self._failed = True
+            err = chunk["error"]
+            self._event("error", code=err.get("code"), message=err.get("message", ""), param=err.get("param"))
+            response = self._start()
+            response["status"] = "failed"
+            response["error"] = {"code": err.get("code") or "server_error", "message": err.get("message", "")}
+            self._event("response.failed", response=response)
+            return
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self._text_delta(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                self._call_delta(call)
+            if choice.get("finish_reason"):
+                self._finish_reason = choice["finish_reason"]
+
+    def _text_delta(self, text: str) -> None:
+        if self._message_index is None:
+            self._message_index = len(self._items)
+            item = {"type": "message", "id": self._message_id, "status": "in_progress", "role": "assistant",
+                    "content": []}
+            self._items.append(item)
+            self._event("response.output_item.added", output_index=self._message_index, item=item)
+            self._event("response.content_part.added", item_id=self._message_id, output_index=self._message_index,
+                        content_index=0, part=_part("output_text", ""))
+        self._text.append(text)
+        self._event("response.output_text.delta", item_id=self._message_id, output_index=self._message_index,
+                    content_index=0, delta=text, logprobs=[])
+
+    def _call_delta(self, call: dict[str, Any]) -> None:
+        index = call.get("index", 0)
+        item = self._calls.get(index)
+        fn = call.get("function") or {}
+        if item is None:
+            call_id = call.get("id") or f"call_{index}"
+            item = {"type": "function_call", "id": call_item_id(call_id), "status": "in_progress",
+                    "call_id": call_id, "name": fn.get("name") or "", "arguments": ""}
+            self._calls[index] = item
+            item["output_index"] = len(self._items)
+            self._items.append(item)
+            self._event("response.output_item.added", output_index=item["output_index"],
+                        item={k: v for k, v in item.items() if k != "output_index"})
+        if fn.get("arguments"):
+            item["arguments"] += fn["arguments"]
+            self._event("response.function_call_arguments.delta", item_id=item["id"],
+                        output_index=item["output_index"], delta=fn["arguments"])
+
+    def _close(self) -> None:
+        if self._failed:
+            return
+        text = "".join(self._text)
+        status = "completed" if self._finish_reason in (None, "stop", "tool_calls") else "incomplete"
+        output: list[dict[str, Any]] = []
+        for index, item in enumerate(self._items):
+            if item["type"] == "message":
+                part = _part("output_text", text)
+                self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                            text=text, logprobs=[])
+                self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                            content_index=0, part=part)
+                done = {**item, "status": status, "content": [part]}
+            else:
+                self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            arguments=item["arguments"], name=item["name"])
+                done = {k: v for k, v in item.items() if k != "output_index"} | {"status": "completed"}
+            self._event("response.output_item.done", output_index=index, item=done)
+            output.append(done)
+        response = self._finish(self._finish_reason, output)
+        kind = "response.completed" if response["status"] == "completed" else "response." + response["status"]
+        self._event(kind, response=response)

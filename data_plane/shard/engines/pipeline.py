@@ -1,0 +1,270 @@
+"""Pipeline parallelism for the torch engine: one shard's layers split over N stage processes.
+
+    ranges = split_layers(30, 2)                        # [(0, 15), (15, 30)]; split_layers(30, 2, "10,20")
+    group = PipelineGroup(spec, on_lost=engine.lose)    # stage 0 (the shard): spawns stages 1..N-1
+    runner = LlamaRunner.from_pretrained(path, ..., layer_range=ranges[0])
+    runner.downstream = group.start()                   # waits for every stage to load and join
+    ...
+    group.close()
+
+    switchboard shard --pipeline-parallel-size 2 [--pipeline-layers 10]   # vLLM's flag name
+
+Stage 0 is the shard process: it serves HTTP, owns the scheduler, the embedding, the final norm and
+the LM head, and runs layers [0, k). Stage i (data_plane/shard/engines/pipeline_stage.py) holds its
+layers' weights and the KV cache of its layers only. A forward pass (`LlamaRunner.forward`) embeds
+and runs stage 0's layers, then `Hops.forward` sends a header (the items' slots, lengths, starts,
+wanted rows) and the hidden states [T, H] to stage 1, which runs its layers and passes them on; the
+last stage sends back only the rows whose logits are wanted (select_rows), and stage 0 applies the
+norm and the LM head. Why the head stays on stage 0: SmolLM2 ties it to the embedding stage 0
+holds anyway (no second copy), and the wanted rows' hidden states (576 floats a row) are 85x
+smaller than their logits (49,152), so the return hop is one hidden state a sequence. Slot moves
+(`LlamaRunner.move_slot`) travel the same chain, so every stage's KV stays where the scheduler put it.
+
+Everything above the runner is unchanged: the scheduler, chunked and beside prefill, priorities,
+speculation (a verify pass is one forward through the stages). Not yet: prefix caching and the KV
+tier (each stage would have to keep its layers' part of each block: the engine turns prefix caching
+off with a pipeline) and several micro-batches in flight (one pass at a time goes through the stages).
+
+Losing a stage: every stage beats a heartbeat counter into the group's TCPStore every
+HEARTBEAT_S; stage 0's monitor thread declares a stage lost when its process exited (kill -9: the
+next check) or its counter stood still for `timeout_s` (frozen: SIGSTOP, a hung host), and calls
+`on_lost` once: the engine fails every open stream (an error event the gateway resumes elsewhere)
+and the shard leaves membership and exits, so its supervisor replaces the whole group. Stages die
+with stage 0 (data_plane/common/lifeline.py, and their gloo receive fails when it goes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from data_plane.common.lifeline import die_with_parent
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.2
+"""How often a stage beats its heartbeat counter."""
+OP_FORWARD, OP_MOVE, OP_STOP = 1, 2, 3
+HEADER_FIXED = 4  # op, items, batched, rows (FORWARD) / op, src, dst, length (MOVE)
+
+
+def split_layers(total: int, stages: int, spec: str | None = None) -> list[tuple[int, int]]:
+    """Contiguous layer ranges [first, end) for `stages` stages: even (the first stages take the
+    remainder) or, with `spec` "10,20", the layers where stages 1.. start."""
+    if not 1 <= stages <= total:
+        raise ValueError(f"pipeline_parallel_size must be in 1..{total} (the model has {total} layers)")
+    if spec:
+        cuts = [int(c) for c in spec.split(",") if c.strip()]
+        if len(cuts) != stages - 1 or not all(a < b for a, b in zip([0, *cuts], [*cuts, total])):
+            raise ValueError(f"pipeline_layers must be {stages - 1} increasing layer numbers in 1..{total - 1}")
+        bounds = [0, *cuts, total]
+    else:
+        base, extra = divmod(total, stages)
+        bounds = [0]
+        for i in range(stages):
+            bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return [(bounds[i], bounds[i + 1]) for i in range(stages)]
+
+
+def header_size(max_num_seqs: int) -> int:
+    return HEADER_FIXED + 4 * max_num_seqs
+
+
+def wire(x: torch.Tensor) -> torch.Tensor:
+    """`x` as gloo carries it, bit for bit: 2-byte floats travel as int16 views."""
+    return x.view(torch.int16) if x.element_size() == 2 and x.is_floating_point() else x
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    model: str
+    """The shard's --model ("" = the default model); each stage resolves it as stage 0 did."""
+    dtype: str
+    """The dtype stage 0 resolved (never auto)."""
+    quantization: str
+    """The weight format stage 0 resolved: none, int8 or int4 (never auto)."""
+    max_num_seqs: int
+    max_len: int
+    ranges: tuple[tuple[int, int], ...]
+    """Layer range [first, end) of each stage; stage 0 first."""
+    timeout_s: float = 1.0
+    """A stage whose heartbeat stood still this long is lost."""
+    threads: int = 1
+    """torch intra-op threads of each later stage."""
+    port: int = 0
+    """TCPStore port on 127.0.0.1 (0: a free one)."""
+
+    @property
+    def size(self) -> int:
+        return len(self.ranges)
+
+
+@dataclass
+class HopStats:
+    """What the hops did since the start (read by the shard's metrics; written on the scheduler thread)."""
+
+    passes: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    """Wall time from the first send to the last row back: the later stages' compute plus the hops."""
+    last_s: float = 0.0
+
+
+class Hops:
+    """Stage 0's side of the chain: sends passes and slot moves to stage 1, receives stage N-1's rows."""
+
+    def __init__(self, dist: Any, spec: PipelineSpec, hidden: int, dtype: torch.dtype) -> None:
+        self.dist, self.spec, self.hidden, self.dtype = dist, spec, hidden, dtype
+        self.header = torch.zeros(header_size(spec.max_num_seqs), dtype=torch.long)
+        self.stats = HopStats()
+        self.lock = threading.Lock()
+        self.on_pass: Callable[[int, int, float], None] = lambda sent, received, seconds: None
+
+    def forward(self, slots: Sequence[int], lens: Sequence[int], starts: Sequence[int], wanted: Sequence[int],
+                batched: bool, x: torch.Tensor) -> torch.Tensor:
+        t0 = time.monotonic()
+        n = len(slots)
+        h = self.header
+        h.zero_()
+        h[:HEADER_FIXED] = torch.tensor([OP_FORWARD, n, int(batched), len(x)])
+        m = self.spec.max_num_seqs
+        for k, values in enumerate((slots, lens, starts, wanted)):
+            h[HEADER_FIXED + k * m: HEADER_FIXED + k * m + n] = torch.tensor(list(values))
+        self.dist.send(h, 1)
+        self.dist.send(wire(x.contiguous()), 1)
+        out = torch.empty(sum(wanted), self.hidden, dtype=self.dtype)
+        self.dist.recv(wire(out), self.spec.size - 1)
+        dt = time.monotonic() - t0
+        sent, received = h.numel() * 8 + x.numel() * x.element_size(), out.numel() * out.element_size()
+        with self.lock:
+            st = self.stats
+            st.passes += 1
+            st.bytes_sent += sent
+            st.bytes_received += received
+            st.seconds += dt
+            st.last_s = dt
+        self.on_pass(sent, received, dt)
+        return out
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        h = self.header
+        h.zero_()
+        h[:HEADER_FIXED] = torch.tensor([OP_MOVE, src, dst, length])
+        self.dist.send(h, 1)
+
+
+class PipelineGroup:
+    """Stage 0's view of the group: the stage processes, the gloo group, the heartbeat monitor."""
+
+    def __init__(self, spec: PipelineSpec, on_lost: Callable[[int, str], None],
+                 on_stage: Callable[[int, bool], None] | None = None) -> None:
+        self.spec = spec
+        self.on_lost = on_lost
+        self.on_stage = on_stage or (lambda stage, up: None)
+        self.port = spec.port or free_port()
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.lost: tuple[int, str] | None = None
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self._store: Any = None
+
+    def stage_command(self, rank: int) -> list[str]:
+        s = self.spec
+        first, end = s.ranges[rank]
+        return [sys.executable, "-m", "data_plane.shard.engines.pipeline_stage", "--rank", str(rank),
+                "--world", str(s.size), "--port", str(self.port), "--model", s.model, "--dtype", s.dtype,
+                "--quantization", s.quantization,
+                "--max-num-seqs", str(s.max_num_seqs), "--max-len", str(s.max_len),
+                "--layers", f"{first}:{end}", "--threads", str(s.threads)]
+
+    def start(self, hidden: int, dtype: torch.dtype, load_timeout_s: float = 600.0) -> Hops:
+        """Spawn stages 1..N-1, wait until all joined the gloo group (they load their layers first)."""
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore("127.0.0.1", self.port, self.spec.size, True,
+                                    timeout=timedelta(seconds=load_timeout_s), wait_for_workers=False)
+        for rank in range(1, self.spec.size):
+            # Forked from the engine's scheduler thread, which lives as long as the shard (lifeline.py).
+            self.procs[rank] = subprocess.Popen(self.stage_command(rank), preexec_fn=die_with_parent())  # noqa: PLW1509
+        log.info("pipeline: %d stages, layers %s, store on 127.0.0.1:%d", self.spec.size, self.spec.ranges, self.port)
+        dist.init_process_group("gloo", store=self._store, rank=0, world_size=self.spec.size,
+                                timeout=timedelta(seconds=load_timeout_s))
+        for rank in range(self.spec.size):
+            self.on_stage(rank, True)
+        self._monitor = threading.Thread(target=self._watch, name="pipeline-monitor", daemon=True)
+        self._monitor.start()
+        return Hops(dist, self.spec, hidden, dtype)
+
+    def _watch(self) -> None:
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", self.port, self.spec.size, False, timeout=timedelta(seconds=5))
+        seen: dict[int, tuple[int, float]] = {r: (-1, time.monotonic()) for r in range(1, self.spec.size)}
+        while not self._stop.wait(HEARTBEAT_S / 2):
+            now = time.monotonic()
+            for rank, (last, since) in list(seen.items()):
+                proc = self.procs.get(rank)
+                if proc is not None and proc.poll() is not None:
+                    return self._lose(rank, f"stage {rank} exited ({proc.returncode})")
+                try:
+                    beat = int(store.add(f"hb/{rank}", 0))
+                except Exception as exc:  # noqa: BLE001 - the store is stage 0's own: treat as lost
+                    return self._lose(rank, f"heartbeat store failed: {exc}")
+                if beat != last:
+                    seen[rank] = (beat, now)
+                elif now - since > self.spec.timeout_s:
+                    return self._lose(rank, f"stage {rank} silent for {now - since:.1f} s")
+
+    def _lose(self, rank: int, why: str) -> None:
+        if self.lost is not None or self._stop.is_set():
+            return
+        self.lost = (rank, why)
+        log.error("pipeline: %s; the group fails its requests and exits", why)
+        self.on_stage(rank, False)
+        self.on_lost(rank, why)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        self._stop.set()
+        if self.lost is None and dist.is_initialized():
+            try:
+                dist.send(torch.tensor([OP_STOP] + [0] * (header_size(self.spec.max_num_seqs) - 1)), 1)
+            except Exception as exc:  # noqa: BLE001 - a stage already gone: it is killed below anyway
+                log.debug("pipeline: stop not delivered: %s", exc)
+            dist.destroy_process_group()
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs.values():
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def heartbeat(store: Any, rank: int, stop: threading.Event) -> None:
+    """A stage's beat (its own thread): the counter stage 0 watches."""
+    while not stop.wait(HEARTBEAT_S):
+        try:
+            store.add(f"hb/{rank}", 1)
+        except Exception:  # noqa: BLE001 - stage 0 is gone: the stage exits with it
+            os._exit(1)

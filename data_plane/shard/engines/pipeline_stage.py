@@ -1,0 +1,125 @@
+"""A later stage of a pipeline-parallel torch shard (stage 1..N-1); stage 0 spawns it.
+
+    python -m data_plane.shard.engines.pipeline_stage --rank 1 --world 2 --port 29500 \\
+        --model /models/smollm2 --dtype float32 --max-num-seqs 16 --max-len 2048 --layers 15:30
+
+It loads only its layers' weights (plus the rotary tables) and the KV cache of those layers,
+joins stage 0's gloo group (a TCPStore on 127.0.0.1:port), beats its heartbeat counter there, and
+serves the chain (data_plane/shard/engines/pipeline.py): a FORWARD header and hidden states from
+the previous stage -> its layers -> the next stage, or, on the last stage, the wanted rows back
+to stage 0; a MOVE header moves a slot's KV and goes on down the chain. It dies with stage 0
+(stage 0 starts it with data_plane/common/lifeline.py; a failed receive or heartbeat exits too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+
+log = logging.getLogger("switchboard.pipeline_stage")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="pipeline_stage", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--host", default="127.0.0.1", help="stage 0's address (its TCPStore)")
+    ap.add_argument("--model", default="", help="the shard's --model ('' = the default model)")
+    ap.add_argument("--quantization", default="none", help="the weight format stage 0 resolved")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--layers", required=True, help="first:end")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s stage{args.rank} %(levelname)s %(message)s")
+
+    import torch
+    import torch.distributed as dist
+
+    from data_plane.model_store import model_source
+    from data_plane.shard.engines.llama_runner import LlamaRunner, select_rows
+    from data_plane.shard.engines.pipeline import (
+        HEADER_FIXED,
+        OP_FORWARD,
+        OP_MOVE,
+        OP_STOP,
+        header_size,
+        heartbeat,
+        wire,
+    )
+    from data_plane.shard.engines.torch_config import DTYPES
+    from data_plane.shard.engines.weight_source import CpuCaps, resolve_plan
+
+    torch.set_num_threads(args.threads)
+    first, end = (int(v) for v in args.layers.split(":"))
+    t0 = time.monotonic()
+    dtype = DTYPES[args.dtype]
+    source = model_source(args.model or None)
+    # Explicit dtype and format: the same plan stage 0 resolved, so the stages' numerics agree.
+    plan = resolve_plan(args.dtype, args.quantization, source=source.kind, caps=CpuCaps.detect())
+    runner = LlamaRunner.from_pretrained(source.path, dtype=dtype, max_num_seqs=args.max_num_seqs,
+                                         max_len=args.max_len, plan=plan, gguf=source.gguf, layer_range=(first, end))
+    hidden = int(runner.norm.shape[0])
+    runner.embed = torch.empty(0, hidden, dtype=dtype)  # stage 0 embeds; this stage needs no vocabulary
+    runner.lm_head = None  # type: ignore[assignment]
+    import gc
+
+    gc.collect()
+    store = dist.TCPStore(args.host, args.port, args.world, False, timeout=timedelta(seconds=600))
+    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world,
+                            timeout=timedelta(seconds=600))
+    stop = threading.Event()
+    beat_store = dist.TCPStore(args.host, args.port, args.world, False, timeout=timedelta(seconds=5))
+    threading.Thread(target=heartbeat, args=(beat_store, args.rank, stop), name="heartbeat", daemon=True).start()
+    log.info("layers %d..%d ready in %.1f s (KV %.0f MiB)", first, end - 1, time.monotonic() - t0,
+             runner.kv_cache_bytes / 2**20)
+    last = args.rank == args.world - 1
+    prev, nxt = args.rank - 1, (0 if last else args.rank + 1)
+    m = args.max_num_seqs
+    h = torch.zeros(header_size(m), dtype=torch.long)
+    try:
+        with torch.inference_mode():
+            while True:
+                dist.recv(h, prev)
+                op = int(h[0])
+                if op == OP_STOP:
+                    if not last:
+                        dist.send(h, nxt)
+                    break
+                if op == OP_MOVE:
+                    src, dst, length = (int(v) for v in h[1:4])
+                    runner.move_slot(src, dst, length)
+                    if not last:
+                        dist.send(h, nxt)
+                    continue
+                if op != OP_FORWARD:
+                    raise RuntimeError(f"unknown pipeline op {op}")
+                n, batched, rows = int(h[1]), bool(h[2]), int(h[3])
+                cols = [h[HEADER_FIXED + k * m: HEADER_FIXED + k * m + n].tolist() for k in range(4)]
+                slots, lens, starts, wanted = cols
+                x = torch.empty(rows, hidden, dtype=dtype)
+                dist.recv(wire(x), prev)
+                x = runner.run_layers(x, slots, lens, starts, batched)
+                if last:
+                    dist.send(wire(select_rows(x, lens, wanted).contiguous()), 0)
+                else:
+                    dist.send(h, nxt)
+                    dist.send(wire(x.contiguous()), nxt)
+    except Exception as exc:  # noqa: BLE001 - stage 0 went away (or the chain broke): the group is over
+        log.warning("stage %d leaving: %s", args.rank, exc)
+        stop.set()
+        sys.stdout.flush()
+        os._exit(1)
+    stop.set()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Pipeline-parallel torch shards (data_plane/shard/engines/pipeline.py), with the real model and
+real stage processes: fp32 greedy output identical to the unsharded engine (solo, batched, chunked
+prefill, speculation's verify passes through the stages); a stage killed or frozen fails the shard's
+streams into the gateway's mid-stream resume, and the shard exits."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from data_plane.shard.engines.base import GenerationRequest, SamplingParams
+from data_plane.shard.engines.pipeline import split_layers
+from data_plane.shard.engines.torch_config import StepListener
+from data_plane.shard.engines.torch_engine import EngineConfig, TorchEngine
+from tests.support.procs import Service
+
+PROMPTS = [
+    "What is 2+2?",
+    "Repeat this sentence exactly, twice: the quick brown fox jumps over the lazy dog near the river bank.",
+    ("Write a long, detailed paragraph about the history of the printing press in Europe, its inventors, and "
+     "how it changed the spread of knowledge, religion and science across the continent over two centuries."),
+    "Name three colors.",
+]
+
+
+def test_split_layers_even_remainder_and_override() -> None:
+    assert split_layers(30, 1) == [(0, 30)]
+    assert split_layers(30, 2) == [(0, 15), (15, 30)]
+    assert split_layers(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    assert split_layers(30, 3, "5,25") == [(0, 5), (5, 25), (25, 30)]
+    for bad in ("5", "25,5", "0,10", "10,30"):
+        with pytest.raises(ValueError):
+            split_layers(30, 3, bad)
+    with pytest.raises(ValueError):
+        split_layers(30, 31)
+
+
+class _Counting(StepListener):
+    def __init__(self) -> None:
+        self.hops = 0
+        self.hop_bytes = 0
+        self.drafted = 0
+        self.stages: dict[int, bool] = {}
+
+    def on_hop(self, sent_bytes: int, received_bytes: int, seconds: float) -> None:
+        self.hops += 1
+        self.hop_bytes += sent_bytes + received_bytes
+
+    def on_spec_draft(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+
+    def on_stage(self, stage: int, up: bool) -> None:
+        self.stages[stage] = up
+
+
+async def _generate(engine: TorchEngine, i: int, prompt: str, max_tokens: int = 32) -> str:
+    ids = engine.encode_chat([{"role": "user", "content": prompt}])
+    text = ""
+    async for out in engine.generate(GenerationRequest(f"r{i}-{time.monotonic()}", ids,
+                                                       SamplingParams(temperature=0.0, max_tokens=max_tokens))):
+        text += out.text
+    return text
+
+
+async def _outputs(pp: int, listener: StepListener | None = None) -> tuple[list[str], list[str]]:
+    engine = TorchEngine(EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512, threads=1,
+                                      prefill_chunk=32, prefix_caching=False, speculation="ngram",
+                                      pipeline_parallel_size=pp), listener)
+    await engine.start()
+    try:
+        solo = [await _generate(engine, i, p) for i, p in enumerate(PROMPTS)]
+        batched = list(await asyncio.gather(*(_generate(engine, i, p) for i, p in enumerate(PROMPTS))))
+    finally:
+        await engine.aclose()
+    return solo, batched
+
+
+def test_two_stages_greedy_identical_to_unsharded_solo_and_batched() -> None:
+    solo1, batched1 = asyncio.run(_outputs(1))
+    assert batched1 == solo1
+    counting = _Counting()
+    solo2, batched2 = asyncio.run(_outputs(2, counting))
+    assert solo2 == solo1
+    assert batched2 == solo1
+    assert counting.stages == {0: True, 1: True}
+    assert counting.hops > 0 and counting.hop_bytes > 0
+    assert counting.drafted > 0  # verify passes went through both stages
+
+
+def _stage_pids(shard: Service) -> list[int]:
+    """The shard's stage processes (its children running pipeline_stage), from /proc."""
+    assert shard.proc is not None
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == shard.proc.pid and b"pipeline_stage" in cmdline:
+            pids.append(int(entry))
+    return pids
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _exit_within(shard: Service, seconds: float) -> int | None:
+    assert shard.proc is not None
+    try:
+        return shard.proc.wait(seconds)
+    except Exception:  # noqa: BLE001 - still running: the caller's assertion says so
+        return None
+
+
+def test_frozen_stage_is_detected_in_about_a_second_and_the_shard_exits() -> None:
+    shard = Service(["shard", "--dtype", "float32", "--threads", "1", "--pipeline-parallel-size", "2",
+                     "--max-model-len", "512"], ready_timeout=240)
+    shard.start()
+    try:
+        metrics = httpx.get(shard.url + "/metrics").text
+        assert 'switchboard_shard_pipeline_stage_up{model_name="SmolLM2-135M-Instruct",stage="1"} 1.0' in metrics
+        (stage,) = _stage_pids(shard)
+        t0 = time.monotonic()
+        os.kill(stage, signal.SIGSTOP)
+        code = _exit_within(shard, 15)
+        assert code == 1, shard.log_tail()
+        assert time.monotonic() - t0 < 10
+        assert "silent for" in shard.log_tail()
+        deadline = time.monotonic() + 5
+        while not _gone(stage) and time.monotonic() < deadline:  # the frozen stage was killed with the group
+            time.sleep(0.1)
+        assert _gone(stage)
+    finally:
+        shard.stop()
+
+
+def test_killed_stage_mid_stream_every_stream_completes_as_uninterrupted() -> None:
+    """kill -9 of the pipelined shard's stage 1 during 8 greedy streams through a gateway with two
+    shards (one pipelined): every stream completes, its text equal to an uninterrupted run, and the
+    pipelined shard exits (its supervisor would replace the group)."""
+    from tests.data_plane import test_faults
+    from tests.support.cluster import api_keys_env
+
+    test_faults.MODEL = "SmolLM2-135M-Instruct"
+    piped = Service(["shard", "--dtype", "float32", "--threads", "1", "--pipeline-parallel-size", "2"],
+                    ready_timeout=240)
+    plain = Service(["shard", "--dtype", "float32", "--threads", "1"], ready_timeout=240)
+    shards = [piped, plain]
+    for s in shards:
+        s.start(wait=False)
+    try:
+        for s in shards:
+            s.wait_healthy()
+        with Service(["gateway", "--shard-urls", ",".join(s.url for s in shards), "--cache-urls",
+                      "http://127.0.0.1:1"], env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()}) as gw:
+            prompts = [f"Write a short story about a robot named Unit-{i} who learns to paint." for i in range(8)]
+            reference = test_faults._stream_all(gw.url, prompts, 32)
+            (stage,) = _stage_pids(piped)
+            killed: list[bool] = []
+
+            def kill_once(streams_started: int, chunks: int) -> None:
+                if streams_started == len(prompts) and not killed:
+                    killed.append(True)
+                    os.kill(stage, signal.SIGKILL)
+
+            got = test_faults._stream_all(gw.url, prompts, 32, on_progress=kill_once)
+            assert killed
+            assert got == reference
+            assert _exit_within(piped, 15) == 1, piped.log_tail()
+            assert "stage 1" in piped.log_tail()
+    finally:
+        for s in shards:
+            s.stop()
+
+
+def test_switchboard_up_starts_pipeline_groups_and_caps_stage_processes(tmp_path) -> None:
+    from control_plane.launcher import UpSettings, local_max_shards, plan
+    from data_plane.common.settings_cli import parse_settings
+    from data_plane.shard.settings import ShardSettings
+
+    _, _, shards, _ = plan(UpSettings(shards=2, pipeline_parallel_size=2), tmp_path, "admin", "cluster")
+    for shard in shards:  # the shard's own parser reads the flag
+        assert parse_settings(ShardSettings, shard.args[1:], "switchboard shard").pipeline_parallel_size == 2
+    # 16 cores at 2 threads a stage: 8 stage processes = 4 groups of 2, or 2 groups of 4.
+    assert local_max_shards(UpSettings(autoscale=True, min_replicas=1, pipeline_parallel_size=2), 2, cores=16) == 4
+    assert local_max_shards(UpSettings(autoscale=True, min_replicas=1, pipeline_parallel_size=4), 2, cores=16) == 2
+    assert local_max_shards(UpSettings(autoscale=True, min_replicas=1), 2, cores=16) == 8
+    cp, *_ = plan(UpSettings(autoscale=True, pipeline_parallel_size=2), tmp_path, "admin", "cluster")
+    assert "--pipeline-parallel-size 2" in " ".join(cp.args)  # shards the autoscaler starts too
+
+
+def test_bench_engine_runs_switchboard_per_pipeline_size_on_the_same_cores() -> None:
+    from data_plane.bench.engine import make_system, parse_args
+    from data_plane.bench.engine_systems import BenchConfig
+
+    args = parse_args(["--systems", "switchboard,naive", "--pipeline-parallel-size", "1,2"])
+    assert args.systems == ["switchboard", "switchboard@pp2", "naive"]
+    config = BenchConfig(model=None, dtype="float32", max_tokens=8, concurrency=(1,), num_prompts=None,
+                         max_prompt_len=64, threads=4)
+    one, two = make_system("switchboard", config), make_system("switchboard@pp2", config)
+    assert (one.engine.config.pipeline_parallel_size, one.engine.config.threads) == (1, 4)  # type: ignore[attr-defined]
+    assert (two.engine.config.pipeline_parallel_size, two.engine.config.threads) == (2, 2)  # type: ignore[attr-defined]

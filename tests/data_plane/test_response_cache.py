@@ -1,0 +1,60 @@
+"""The response cache's decisions (what may be cached, the key) and its failure mode, without a cluster
+(the end-to-end behaviour is in test_responses_api.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CollectorRegistry
+
+from data_plane.cache.client import SessionStore
+from data_plane.gateway.response_cache import (
+    Decision,
+    ResponseCache,
+    ResponseCacheMetrics,
+    cache_key,
+    cache_policy,
+)
+from data_plane.membership.view import StaticMembership
+from data_plane.routing.hop_client import HopPool
+
+
+def test_only_deterministic_requests_are_cached_and_opt_outs_follow_litellm() -> None:
+    assert cache_policy(None, None, None, None, {}).decision is Decision.NONDETERMINISTIC
+    assert cache_policy(0.7, None, None, None, {}).decision is Decision.NONDETERMINISTIC
+    assert cache_policy(0.7, 42, None, None, {}).read  # a seed makes sampling repeatable
+    assert not cache_policy(0, None, [{"type": "function"}], None, {}).read  # tool calls are not replayed
+    full = cache_policy(0, None, None, None, {})
+    assert full.read and full.write
+    assert cache_policy(0, None, None, {"no-cache": True}, {}) == cache_policy(0, None, None, None, {
+        "cache-control": "no-cache"})
+    no_cache = cache_policy(0, None, None, {"no-cache": True}, {})
+    assert not no_cache.read and no_cache.write and no_cache.decision is Decision.BYPASS
+    no_store = cache_policy(0, None, None, None, {"cache-control": "no-store"})
+    assert no_store.read and not no_store.write
+
+
+def test_the_key_holds_the_tenant_and_the_whole_prompt_not_the_request_ids() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    key = cache_key("acme", {**body, "request_id": "a", "deadline": 1.0}, body["messages"])
+    assert key == cache_key("acme", {**body, "request_id": "b", "deadline": 2.0}, body["messages"])
+    assert key != cache_key("bigco", body, body["messages"])
+    assert key != cache_key("acme", {**body, "max_tokens": 5}, body["messages"])
+    longer = [{"role": "user", "content": "earlier"}, *body["messages"]]  # same window, other transcript
+    assert key != cache_key("acme", body, longer)
+
+
+def test_no_cache_node_is_a_miss_never_an_error() -> None:
+    registry = CollectorRegistry()
+
+    async def lookup() -> object:
+        pool = HopPool()
+        try:
+            store = SessionStore(StaticMembership([]), pool, timeout_s=0.1, prefix="/v1/response-cache")
+            return await ResponseCache(store, ResponseCacheMetrics(registry), 60).get("rc_x", "acme", "chat")
+        finally:
+            await pool.aclose()
+
+    assert asyncio.run(lookup()) is None
+    assert registry.get_sample_value("switchboard_response_cache_lookups_total",
+                                     {"api": "chat", "result": "error"}) == 1

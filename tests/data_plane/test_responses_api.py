@@ -1,0 +1,312 @@
+"""The Responses and Conversations APIs end to end: the real model (the session's fp32 shard), two
+cache nodes and a gateway on loopback, driven by the openai SDK and the OpenAI Agents SDK."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.support.cluster import KEYS, cache_node, stored_session
+from tests.support.procs import Service
+
+MODEL = "SmolLM2-135M-Instruct"
+SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+"""The chat template's default system prompt: instructions the 135M model answers well under."""
+
+
+class Stack:
+    def __init__(self, gateway: Service, caches: list[Service], state: Path) -> None:
+        self.gateway, self.caches, self.state = gateway, caches, state
+
+    def ledger_rows(self, request_ids: list[str]) -> dict[str, tuple[str, int, int]]:
+        """request id -> (shard, prompt_tokens, cached_tokens) once the ledger has written them."""
+        deadline = time.monotonic() + 20
+        while True:
+            with sqlite3.connect(self.state / "usage.db") as db:
+                rows = {r[0]: r[1:] for r in db.execute(
+                    "SELECT request_id, shard, prompt_tokens, cached_tokens FROM usage_records WHERE request_id IN "
+                    f"({','.join('?' * len(request_ids))})", request_ids)}
+            if len(rows) == len(request_ids) or time.monotonic() > deadline:
+                return rows
+            time.sleep(0.2)
+
+    def chat(self, body: dict, key: str = "plus", headers: dict | None = None) -> httpx.Response:
+        return httpx.post(self.gateway.url + "/v1/chat/completions", json={"model": MODEL, **body}, timeout=120,
+                          headers={"Authorization": f"Bearer {KEYS[key]}", **(headers or {})})
+
+    def sdk(self, key: str = "plus") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.gateway.url + "/v1", api_key=KEYS[key], max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def stack(fp32_shard: Service, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    state = tmp_path_factory.mktemp("responses-gw")
+    caches = [cache_node() for _ in range(2)]
+    for c in caches:
+        c.start(wait=False)
+    for c in caches:
+        c.wait_healthy()
+    keys = ",".join([f"{KEYS['plus']}:acme:plus", f"{KEYS['plus2']}:acme:plus", f"{KEYS['enterprise']}:bigco:enterprise"])
+    gw = Service(["gateway", "--shard-urls", fp32_shard.url, "--cache-urls", ",".join(c.url for c in caches),
+                  "--state-dir", str(state), "--usage-db", f"sqlite:///{state}/usage.db"],
+                 env={"SWITCHBOARD_GATEWAY_API_KEYS": keys})
+    try:
+        with gw:
+            yield Stack(gw, caches, state)
+    finally:
+        for c in caches:
+            c.stop()
+
+
+def test_create_chain_retrieve_input_items_delete(stack: Stack) -> None:
+    sdk = stack.sdk()
+    first = sdk.responses.create(model=MODEL, input="What is the capital of France?", instructions=SYSTEM,
+                                 max_output_tokens=12, temperature=0)
+    assert first.id.startswith("resp_") and first.object == "response"
+    assert "Paris" in first.output_text and first.usage.input_tokens > 0
+    assert first.output[0].type == "message" and first.output[0].role == "assistant"
+    second = sdk.responses.create(model=MODEL, input="And of Italy?", previous_response_id=first.id,
+                                  max_output_tokens=12, temperature=0, metadata={"ticket": "T-1"})
+    assert second.metadata == {"ticket": "T-1"}
+    assert second.previous_response_id == first.id
+    # the chain replays token-exactly on the shard holding its KV: the whole first turn is cached
+    assert second.usage.input_tokens > first.usage.input_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 8
+    got = sdk.responses.retrieve(second.id)
+    assert got.output_text == second.output_text and got.usage.total_tokens == second.usage.total_tokens
+    assert got.metadata == {"ticket": "T-1"} and got.previous_response_id == first.id
+    items = sdk.responses.input_items.list(second.id)
+    assert [i.type for i in items.data] == ["message"] and items.data[0].content[0].text == "And of Italy?"
+    # another key (even of the same tenant) sees nothing
+    for call in (lambda s: s.responses.retrieve(first.id), lambda s: s.responses.delete(first.id),
+                 lambda s: s.responses.create(model=MODEL, input="x", previous_response_id=first.id,
+                                              max_output_tokens=2)):
+        with pytest.raises(openai.NotFoundError) as e:
+            call(stack.sdk("plus2"))
+        assert e.value.body["param"] in ("response_id", "previous_response_id") or e.value.status_code == 404
+    # deleted: gone from every cache node, and a 404 after
+    held = [c for c in stack.caches if stored_session(c.url, first.id) is not None]
+    assert held, "a stored response lives on the cache nodes"
+    sdk.responses.delete(first.id)
+    assert all(stored_session(c.url, first.id) is None for c in stack.caches)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(first.id)
+    # store=false: answered, never kept
+    unstored = sdk.responses.create(model=MODEL, input="Say hi.", store=False, max_output_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(unstored.id)
+
+
+def test_stream_events_in_order_with_sequence_numbers(stack: Stack) -> None:
+    sdk = stack.sdk()
+    with sdk.responses.stream(model=MODEL, input="Reply with one word: hello.", max_output_tokens=24,
+                              temperature=0) as stream:
+        events = list(stream)
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert "response.output_text.delta" in types
+    assert types[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert types[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert final.output_text == text and final.usage.output_tokens > 0
+    assert sdk.responses.retrieve(final.id).output_text == text
+
+
+def test_conversations_crud_and_turns(stack: Stack) -> None:
+    sdk = stack.sdk()
+    conv = sdk.conversations.create(items=[{"type": "message", "role": "user", "content": "My name is Zed."}],
+                                    metadata={"topic": "names"})
+    assert conv.id.startswith("conv_") and conv.metadata == {"topic": "names"}
+    r = sdk.responses.create(model=MODEL, input="What is my name?", conversation=conv.id, max_output_tokens=12,
+                             temperature=0)
+    assert r.conversation.id == conv.id and r.usage.input_tokens > 10
+    items = sdk.conversations.items.list(conv.id, order="asc")
+    assert [i.type for i in items.data] == ["message"] * 3
+    assert items.data[0].content[0].text == "My name is Zed." and items.data[2].role == "assistant"
+    added = sdk.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": "Hi"}])
+    sdk.conversations.items.delete(added.data[0].id, conversation_id=conv.id)
+    assert len(sdk.conversations.items.list(conv.id).data) == 3
+    assert sdk.conversations.update(conv.id, metadata={"topic": "x"}).metadata == {"topic": "x"}
+    assert sdk.conversations.retrieve(conv.id).metadata == {"topic": "x"}
+    with pytest.raises(openai.NotFoundError):
+        stack.sdk("plus2").conversations.retrieve(conv.id)
+    with pytest.raises(openai.NotFoundError):
+        stack.sdk("plus2").responses.create(model=MODEL, input="x", conversation=conv.id, max_output_tokens=2)
+    assert sdk.conversations.delete(conv.id).deleted
+    assert all(stored_session(c.url, conv.id) is None for c in stack.caches)
+    with pytest.raises(openai.NotFoundError):
+        sdk.conversations.retrieve(conv.id)
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"input": "x", "background": True}, 400, "background"),
+    ({"input": "x", "bogus": 1}, 400, "bogus"),
+    ({"input": [{"type": "input_image", "image_url": "x"}]}, 400, "input[0].type"),
+    ({"input": "x", "previous_response_id": "resp_nope"}, 404, "response_id"),
+    ({"input": "x", "conversation": "conv_nope"}, 404, "conversation_id"),
+    ({"input": "x", "previous_response_id": "resp_a", "conversation": "conv_b"}, 400, "previous_response_id"),
+    ({"input": "word " * 3000, "max_output_tokens": 4}, 400, "input"),
+    ({"input": ""}, 400, "input"),
+])
+def test_bad_requests_are_openai_errors(stack: Stack, body: dict, status: int, param: str) -> None:
+    r = httpx.post(stack.gateway.url + "/v1/responses", json={"model": MODEL, **body},
+                   headers={"Authorization": f"Bearer {KEYS['plus']}"}, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_agents_sdk_default_responses_model(stack: Stack) -> None:
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=stack.gateway.url + "/v1", api_key=KEYS["plus"], max_retries=0)
+    model = OpenAIResponsesModel(model=MODEL, openai_client=client)
+    agent = Agent(name="geo", instructions=SYSTEM, model=model,
+                  model_settings=ModelSettings(max_tokens=48, temperature=0))
+
+    async def run() -> str:
+        result = await Runner.run(agent, "What is the capital of France?")
+        return str(result.final_output)
+
+    assert "Paris" in asyncio.run(run())
+
+
+def test_responses_record_is_not_a_chat_session(stack: Stack) -> None:
+    sdk = stack.sdk()
+    r = sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    out = httpx.post(stack.gateway.url + "/v1/chat/completions", json=body, timeout=60,
+                     headers={"Authorization": f"Bearer {KEYS['plus']}", "X-Session-Id": r.id})
+    assert out.status_code == 404 and json.loads(out.text)["error"]["code"] == "session_not_found"
+
+
+def test_response_cache_answers_one_tenant_never_another(stack: Stack) -> None:
+    body = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 6, "temperature": 0}
+    first = stack.chat(body)
+    again = stack.chat(body)
+    assert first.headers["x-cache"] == "MISS" and again.headers["x-cache"] == "HIT"
+    hit = again.json()
+    assert hit["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == hit["usage"]["prompt_tokens"]
+    # another key of the same tenant shares it; another tenant never does
+    assert stack.chat(body, key="plus2").headers["x-cache"] == "HIT"
+    assert stack.chat(body, key="enterprise").headers["x-cache"] == "MISS"
+    # streamed hit: the same text as SSE
+    streamed = stack.chat({**body, "stream": True})
+    assert streamed.headers["x-cache"] == "HIT"
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == hit["choices"][0]["message"]["content"]
+    # opt-outs (LiteLLM's): no-cache skips the lookup; sampling without a seed is never cached
+    assert stack.chat(body, headers={"Cache-Control": "no-cache"}).headers["x-cache"] == "BYPASS"
+    assert stack.chat({**body, "cache": {"no-cache": True}}).headers["x-cache"] == "BYPASS"
+    assert "x-cache" not in stack.chat({**body, "temperature": 0.7}).headers
+    # the ledger records the hit: no shard, every prompt token cached
+    rows = stack.ledger_rows([first.headers["x-request-id"], again.headers["x-request-id"]])
+    assert rows[again.headers["x-request-id"]][0] == "response-cache"
+    assert rows[again.headers["x-request-id"]][2] == rows[again.headers["x-request-id"]][1]
+    assert rows[first.headers["x-request-id"]][0] != "response-cache"
+    metrics = httpx.get(stack.gateway.url + "/metrics").text
+    assert 'switchboard_response_cache_lookups_total{api="chat",result="hit"} 3.0' in metrics
+
+
+def test_response_cache_serves_the_responses_api_and_whole_chains_only(stack: Stack) -> None:
+    sdk = stack.sdk()
+    one = sdk.responses.create(model=MODEL, input="Name a fruit.", max_output_tokens=6, temperature=0)
+    two = sdk.responses.create(model=MODEL, input="Name a fruit.", max_output_tokens=6, temperature=0)
+    assert two.output_text == one.output_text and two.id != one.id
+    assert two.usage.input_tokens_details.cached_tokens == two.usage.input_tokens
+    # the same new message on different chains is a different request
+    chained = sdk.responses.create(model=MODEL, input="Name a fruit.", previous_response_id=one.id,
+                                   max_output_tokens=6, temperature=0)
+    assert chained.usage.input_tokens > one.usage.input_tokens
+    assert chained.usage.input_tokens_details.cached_tokens < chained.usage.input_tokens
+
+
+def test_text_format_and_function_tools_through_the_chat_path(stack: Stack) -> None:
+    sdk = stack.sdk()
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    out = sdk.responses.create(model=MODEL, input="Name the capital of France as JSON.", max_output_tokens=32,
+                               text={"format": {"type": "json_schema", "name": "city", "schema": schema,
+                                                "strict": True}}, temperature=0)
+    assert set(json.loads(out.output_text)) == {"city"}
+    tool = {"type": "function", "name": "weather", "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    call = sdk.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[tool],
+                                tool_choice="required", max_output_tokens=48, temperature=0)
+    fc = [i for i in call.output if i.type == "function_call"]
+    assert fc and fc[0].name == "weather" and "city" in json.loads(fc[0].arguments)
+    # the tool's output answers the stored call (previous_response_id): a text reply
+    done = sdk.responses.create(model=MODEL, previous_response_id=call.id, tools=[tool], max_output_tokens=24,
+                                input=[{"type": "function_call_output", "call_id": fc[0].call_id,
+                                        "output": '{"forecast": "sunny"}'}], temperature=0)
+    assert done.status in ("completed", "incomplete") and done.output
+    assert [i.type for i in sdk.responses.input_items.list(done.id).data] == ["function_call_output"]
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}], max_output_tokens=4)
+    assert e.value.body["param"] == "tools[0].type"
+
+
+def test_a_streamed_responses_request_is_served_from_the_cache_too(stack: Stack) -> None:
+    sdk = stack.sdk()
+    ask = {"model": MODEL, "input": "Name an animal.", "max_output_tokens": 6, "temperature": 0}
+    first = sdk.responses.create(**ask)
+    with sdk.responses.stream(**ask) as stream:
+        events = list(stream)
+    final = events[-1].response
+    assert final.output_text == first.output_text and final.id != first.id
+    assert final.usage.input_tokens_details.cached_tokens == final.usage.input_tokens
+
+
+def test_agents_sdk_responses_model_with_a_function_tool_and_an_output_type(stack: Stack) -> None:
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from pydantic import BaseModel, Field
+
+    set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        calls.append(city)
+        return f"Sunny in {city}"
+
+    class Report(BaseModel):
+        city: str = Field(max_length=24)
+        summary: str = Field(max_length=40)
+
+    client = openai.AsyncOpenAI(base_url=stack.gateway.url + "/v1", api_key=KEYS["plus"], max_retries=0)
+    model = OpenAIResponsesModel(model=MODEL, openai_client=client)
+    # the two halves apart, as with chat completions (the 135M model keeps calling a tool it is given;
+    # one call per turn, or the Responses API reports the reply incomplete at max_output_tokens)
+    tool_agent = Agent(name="weather", instructions="Use the tool.", tools=[get_weather], model=model,
+                       model_settings=ModelSettings(temperature=0, max_tokens=80, tool_choice="required",
+                                                parallel_tool_calls=False),
+                       tool_use_behavior="stop_on_first_tool")
+    typed = Agent(name="report", instructions="Report the weather in Paris: it is sunny.", output_type=Report,
+                  model=model, model_settings=ModelSettings(temperature=0, max_tokens=80))
+
+    async def run() -> tuple[str, object]:
+        first = await Runner.run(tool_agent, "What is the weather in Paris?", max_turns=2)
+        second = await Runner.run(typed, "Report.", max_turns=1)
+        return str(first.final_output), second.final_output
+
+    text, report = asyncio.run(run())
+    assert calls and text == f"Sunny in {calls[0]}"
+    assert isinstance(report, Report)
