@@ -364,8 +364,7 @@ class _Run:
         self.t0 = t0
         self.completion_id = new_completion_id()
         self.created = int(time.time())
-        self.external_tokens = 0
-        """Prompt tokens whose KV came from the cache nodes (data_plane/shard/kv_tier.py)."""
+        self.external_tokens = 0  # prompt tokens whose KV came from the cache nodes (kv_tier.py)
 
     def _finish(self, last: GenerationOutput | None, error: str | None = None) -> None:
         span = self.span
@@ -489,9 +488,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(ShardSettings, argv, prog="switchboard shard")
     configure_process("switchboard-shard")
     if settings.engine == "vllm":
-        from data_plane.shard.engines.vllm_engine import (
-            run_sidecar,  # lazy: vllm is a GPU-only optional extra
-        )
+        from data_plane.shard.engines.vllm_engine import run_sidecar  # lazy: vllm is a GPU-only extra
 
         run_sidecar(settings)
         return
