@@ -55,13 +55,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import propagate, trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from data_plane.cache.model import (
-    MAX_RECORD_BYTES,
-    SECONDS_BUCKETS,
-    Transcript,
-    VersionConflict,
-    validate_session_id,
-)
+from data_plane.cache.model import MAX_RECORD_BYTES, SECONDS_BUCKETS, Transcript, VersionConflict, validate_session_id
 from data_plane.common.crypto import SealError, TranscriptSealer
 from data_plane.common.errors import NotFound, Overloaded, from_openai_body
 from data_plane.membership.hashring import DEFAULT_VNODES, HashRing
@@ -333,8 +327,7 @@ class SessionStore:
                     targets = self.replicas_for(session_id, replicas)
                 except Overloaded:
                     return
-                # `one` runs to completion within this pass of the loop (gathered below): B023 cannot bite
-                fresh = [m for m in targets if m.id in added]  # noqa: B023
+                fresh = [m for m in targets if m.id in added]  # noqa: B023 -- `one` is awaited in this pass
                 sources = [m for m in targets if m.id not in added]  # noqa: B023
                 if not fresh or not sources:
                     return

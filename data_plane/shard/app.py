@@ -37,12 +37,7 @@ from data_plane.common.hop_auth import cluster_headers, cluster_token_from_env, 
 from data_plane.common.http_body import read_body
 from data_plane.common.keepalive import KEEPALIVE_COMMENT, KEEPALIVE_META, with_keepalives
 from data_plane.common.kv_report import SINCE_HEADER
-from data_plane.common.telemetry import (
-    configure_process,
-    fastapi_options,
-    metrics_endpoint,
-    recent_spans_endpoint,
-)
+from data_plane.common.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
 from data_plane.common.tls import TlsConfig
 from data_plane.membership.factory import membership_from_url
 from data_plane.protocol import (
@@ -55,13 +50,7 @@ from data_plane.protocol import (
     parse_chat_request,
 )
 from data_plane.shard.choices import Choice, choice_streams, describe, merged, prepare_requests, token_bytes
-from data_plane.shard.engines.base import (
-    Engine,
-    GenerationOutput,
-    GenerationRequest,
-    KVSessionRef,
-    SamplingParams,
-)
+from data_plane.shard.engines.base import Engine, GenerationOutput, GenerationRequest, KVSessionRef, SamplingParams
 from data_plane.shard.engines.grammar import GrammarKind, GrammarSpec
 from data_plane.shard.group_exit import GroupExit
 from data_plane.shard.kv_reports import KVReportMetrics, KVReports
