@@ -77,6 +77,8 @@ class UpSettings(BaseSettings):
     usage_db: str | None = Field(None, description="Usage ledger database for gateways and control plane (default: sqlite in --state-dir; postgresql://... to share).")
     abuse_rules: str | None = Field(None, description="YAML of abuse-monitor thresholds for the control plane "
                                     "(control_plane/abuse/model.py; default: built-in).")
+    response_cache: bool = Field(False, description="Gateways answer identical deterministic requests of a tenant "
+                                 "from the cache nodes (opt-in).")
     tls: bool = Field(False, description="Run every listener and hop on TLS with a local CA and certificate made in STATE_DIR/tls.")
     zones: list[str] = Field(default_factory=list, description=(
         "Zones to spread the processes over, e.g. a,b: shards and cache nodes round-robin (at least one of each "
@@ -189,6 +191,8 @@ def plan(s: UpSettings, state: Path, admin_token: str,
                    "--state-dir", str(state / name), "--usage-db", usage_db,
                    "--session-keys-file", str(state / "session_keys"), "--node-id", f"{name}-{port}",
                    "--zone", zone]
+        if s.response_cache:
+            gw_args.append("--response-cache")
         if s.engine == "synthetic":
             gw_args += ["--tokenizer", "whitespace", "--model-name", "synthetic"]
         elif s.model:

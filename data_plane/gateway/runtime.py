@@ -100,7 +100,7 @@ class Runtime:
     sessions: SessionStore
     admission: Admission
     replies: ResponseCache | None = None
-    """The response cache (None: --no-response-cache)."""
+    """The response cache (None unless --response-cache)."""
     sealer: TranscriptSealer | None = None
     """Seals what leaves the gateway for a client or a cache node (transcripts, compaction items)."""
 

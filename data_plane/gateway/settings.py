@@ -39,7 +39,7 @@ class GatewaySettings(BaseSettings):
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body (413 beyond).")
     max_messages: int = Field(256, ge=1, description="Most messages one request may carry.")
     session_ttl_s: float = Field(86400.0, gt=0, description="Session transcript lifetime since last use.")
-    response_cache: bool = Field(True, description="Answer identical deterministic requests of a tenant from the cache nodes (--no-response-cache: off).")
+    response_cache: bool = Field(False, description="Answer identical deterministic requests of a tenant from the cache nodes (opt-in, as LiteLLM's and Kong's caches).")
     response_cache_ttl_s: float = Field(600.0, gt=0, le=30 * 86400, description="Lifetime of a cached reply.")
     connect_timeout_s: float = Field(2.0, gt=0, description="Connect timeout to a shard.")
     first_token_timeout_s: float = Field(60.0, gt=0, description="Send-to-first-token timeout per attempt.")

@@ -55,7 +55,7 @@ def stack(fp32_shard: Service, tmp_path_factory: pytest.TempPathFactory) -> Iter
         c.wait_healthy()
     keys = ",".join([f"{KEYS['plus']}:acme:plus", f"{KEYS['plus2']}:acme:plus", f"{KEYS['enterprise']}:bigco:enterprise"])
     gw = Service(["gateway", "--shard-urls", fp32_shard.url, "--cache-urls", ",".join(c.url for c in caches),
-                  "--state-dir", str(state), "--usage-db", f"sqlite:///{state}/usage.db"],
+                  "--state-dir", str(state), "--usage-db", f"sqlite:///{state}/usage.db", "--response-cache"],
                  env={"SWITCHBOARD_GATEWAY_API_KEYS": keys})
     try:
         with gw:

@@ -123,7 +123,7 @@ def drive_traffic(cluster: Cluster) -> int:
 
 
 def test_dashboards_and_rules_against_a_live_cluster(tmp_path: Path) -> None:
-    cluster = Cluster(shards=2, caches=2, engine="synthetic")
+    cluster = Cluster(shards=2, caches=2, engine="synthetic", gateway_args=["--response-cache"])
     hostport = lambda url: url.removeprefix("http://")
     scrape = {
         JOBS["control-plane"]: [hostport(cluster.control_plane.url)],
