@@ -163,7 +163,8 @@ class EnvelopeParser:
         if text:
             out.append(Content("".join(text)))
 
-    def _json_response(self, out: list[Event]) -> None:
+    def _take_value(self) -> str:
+        """The next piece of the JSON value being streamed (leading blanks of its first piece dropped)."""
         assert self._value is not None
         n = self._value.take(self.buf)
         piece, self.buf = self.buf[:n], self.buf[n:]
@@ -171,8 +172,12 @@ class EnvelopeParser:
             piece = piece.lstrip()
         if piece:
             self._args_out = True
+        return piece
+
+    def _json_response(self, out: list[Event]) -> None:
+        if piece := self._take_value():
             out.append(Content(piece))
-        if self._value.done:
+        if self._value is not None and self._value.done:
             self.state = "done"
 
     def _calls(self, out: list[Event]) -> None:
@@ -196,15 +201,9 @@ class EnvelopeParser:
             self.buf = s
 
     def _arguments(self, out: list[Event]) -> None:
-        assert self._value is not None
-        n = self._value.take(self.buf)
-        piece, self.buf = self.buf[:n], self.buf[n:]
-        if not self._args_out:
-            piece = piece.lstrip()
-        if piece:
-            self._args_out = True
+        if piece := self._take_value():
             out.append(Arguments(len(self.calls) - 1, piece))
-        if self._value.done:
+        if self._value is not None and self._value.done:
             self.state = "call_end"
 
     def _call_end(self, out: list[Event]) -> None:
