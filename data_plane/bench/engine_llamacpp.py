@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import os
 import time
 from typing import Any
 
 from data_plane.bench.common import RequestResult, one_at_a_time
 from data_plane.bench.engine_systems import BenchConfig, Skip
+from data_plane.common.cores import usable_cores
 
 LLAMACPP_HINT = "pip install llama-cpp-python  (builds from source here, ~8 min)"
 
@@ -63,7 +63,7 @@ class LlamaCppSystem:
         cp.n_ctx = self.max_seqs * self.config.max_model_len
         cp.n_batch = self.n_batch
         cp.n_seq_max = self.max_seqs
-        cp.n_threads = cp.n_threads_batch = self.config.threads or os.cpu_count() or 1
+        cp.n_threads = cp.n_threads_batch = self.config.threads or usable_cores()
         self.ctx = _first(lib, "llama_init_from_model", "llama_new_context_with_model")(self.model, cp)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context")
@@ -161,7 +161,7 @@ class LlamaCppLookupSystem:
         import llama_cpp as lib
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        threads = self.config.threads or os.cpu_count() or 1
+        threads = self.config.threads or usable_cores()
         self.llm = lib.Llama(model_path=str(self.gguf), n_ctx=self.config.max_model_len, n_batch=512,
                              n_threads=threads, n_threads_batch=threads, verbose=False,
                              draft_model=LlamaPromptLookupDecoding(num_pred_tokens=self.num_pred_tokens,

@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -47,6 +46,7 @@ from typing import Any
 
 import torch
 
+from data_plane.common.cores import usable_cores
 from data_plane.common.errors import InvalidRequest, Overloaded
 from data_plane.shard.engines.base import (
     FINISH_ABORT,
@@ -81,7 +81,7 @@ def auto_threads(adaptive: bool = True) -> int:
     process holds a core. Fixed: every core but one, which the event loop (streaming, HTTP) needs
     beside the scheduler thread; N fixed threads on N cores collapse when any other process runs
     (2 cores, streamed: 2.9 tok/s against 25 at 1 thread; 38 against 26 when the host is idle)."""
-    cores = os.cpu_count() or 1
+    cores = usable_cores()  # affinity and cgroup quota, not the host
     return cores if adaptive else max(1, cores - 1)
 
 
