@@ -10,6 +10,7 @@
     switchboard bench memory --conversations 4 --turns 120 --json /tmp/memory.json
     switchboard bench hops --rows 1,16 --json /tmp/hops.json
     switchboard bench quality --formats bfloat16:int4 --json /tmp/quality.json
+    switchboard bench coldstart --runs 3 --json /tmp/coldstart.json
 
 Subcommand modules are imported lazily, so `bench serve` never imports torch.
 """
@@ -29,6 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "memory": ("data_plane.bench.memory", "facts planted early in 100+-turn conversations, asked late: retrieval recall, accuracy"),
     "hops": ("data_plane.bench.hop_cost", "a gloo send/recv and all-reduce of one step's hidden state between two processes"),
     "quality": ("data_plane.bench.quality", "perplexity and greedy agreement against float32, per dtype/weight format"),
+    "coldstart": ("data_plane.bench.coldstart", "a shard's start-up phase by phase (imports, tokenizer, weights, warm-up) to ready"),
     "verify": ("data_plane.bench.verify_cost", "a speculative verify pass against a decode step, per draft rows and batch"),
 }
 
