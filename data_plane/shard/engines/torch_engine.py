@@ -118,7 +118,8 @@ class TorchEngine:
             SchedulerConfig(max_num_seqs=config.max_num_seqs, prefill_chunk=config.prefill_chunk,
                             beside_share=config.beside_prefill_share, max_model_len=config.max_model_len),
             prefix=self._cached_prefix,
-            drafter=(Speculator(config.num_speculative_tokens, config.spec_max_batch)
+            drafter=(Speculator(config.num_speculative_tokens, config.spec_max_batch,
+                                on_probe=self.listener.on_spec_cost_probe)
                      if config.speculation == "ngram" else None))
         self.pipeline: Any = None  # a PipelineGroup (pipeline.py) when pipeline_parallel_size > 1
         self.on_dead: Callable[[], None] | None = None  # the shard's exit when a pipeline stage is lost
