@@ -133,7 +133,7 @@ class AbuseMonitor:
                 recent = await asyncio.to_thread(self._source.activity, now - c.window_s, now)
                 baseline = await asyncio.to_thread(self._source.activity, now - c.window_s - c.baseline_s,
                                                    now - c.window_s)
-            findings = evaluate(c, recent, baseline, self._auth_in_window(now))
+            findings = evaluate(c, recent, baseline, self._auth_in_window(now), baseline_end=now - c.window_s)
         except Exception as exc:  # noqa: BLE001 (a ledger that is down, any driver: keep what is in force)
             self._metrics.evaluations.labels("error").inc()
             if not self._warned:
