@@ -161,6 +161,11 @@ class Event:
         return {"id": self.id, "at": self.at, "rule": self.rule.value, "subject_kind": self.subject_kind.value,
                 "subject": self.subject, "tenant": self.tenant, "reason": self.reason, "response": self.response.value}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Event:
+        return cls(int(d["id"]), float(d["at"]), Rule(d["rule"]), Subject(d["subject_kind"]), str(d["subject"]),
+                   str(d["tenant"]), str(d["reason"]), Response(d["response"]))
+
 
 @dataclass(frozen=True)
 class Action:
@@ -181,6 +186,12 @@ class Action:
         return {"id": self.id, "subject_kind": self.subject_kind.value, "subject": self.subject, "tenant": self.tenant,
                 "rule": self.rule.value, "response": self.response.value, "reason": self.reason,
                 "created_at": self.created_at, "expires_at": self.expires_at, "review": self.review.value}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Action:
+        return cls(int(d["id"]), Subject(d["subject_kind"]), str(d["subject"]), str(d["tenant"]), Rule(d["rule"]),
+                   Response(d["response"]), str(d["reason"]), float(d["created_at"]), float(d["expires_at"]),
+                   Review(d["review"]))
 
 
 def _default_durations() -> dict[str, float]:

@@ -18,6 +18,11 @@ whose failures are still in the window stays banned). A lift ends the action and
 rule start afresh after one window (what it counted before the lift no longer counts); a
 confirmation keeps the action ``confirm_hold_s``. Every change bumps the state index that the
 gateways' blocking query waits on, so they apply it within a second or so.
+
+With a state file (control_plane/abuse/persist.py: ``--state-dir``, sealed at rest) every change is
+saved, and a restarted monitor is back where it was: the actions in force (those whose time ran
+out meanwhile end as expired at once, the rest keep their expiry), the lifts' quiet windows, the
+recent steps, the events and the gateways' recent reports.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from control_plane.abuse.model import AbuseConfig, Action, Event, Finding, Response, Review, Rule, Subject
+from control_plane.abuse.persist import AbuseStateFile
 from control_plane.abuse.rules import evaluate
 from control_plane.state_api import StateIndex
 from data_plane.common.tasks import stop_tasks
@@ -40,6 +46,8 @@ from data_plane.ledger.store import KeyActivity
 
 log = logging.getLogger(__name__)
 
+PERSISTED_EVENTS = 200
+"""The newest events kept in the state file."""
 MAX_REPORTED_ADDRESSES = 4096
 """Addresses kept per window from the gateways' reports (the most failing ones win)."""
 
@@ -77,7 +85,8 @@ class AbuseMonitor:
     """See the module docstring."""
 
     def __init__(self, config: AbuseConfig, source: ActivitySource | None, metrics: AbuseMetrics, *,
-                 index: StateIndex | None = None, clock: Callable[[], float] = time.time) -> None:
+                 index: StateIndex | None = None, clock: Callable[[], float] = time.time,
+                 store: AbuseStateFile | None = None) -> None:
         self.config = config
         self.index = index or StateIndex()
         self._source = source
@@ -92,6 +101,10 @@ class AbuseMonitor:
         self._next_id = 1
         self._task: asyncio.Task[None] | None = None
         self._warned = False
+        self._store = store
+        saved = store.load() if store is not None else None
+        if saved is not None:
+            self._restore(saved)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -213,6 +226,44 @@ class AbuseMonitor:
                 sum(1 for a in self._actions.values() if a.response is response))
         self._metrics.pending.set(sum(1 for a in self._actions.values() if a.review is Review.PENDING))
         self.index.bump()
+        if self._store is not None:
+            self._store.save(self.snapshot())
+
+    # -- at rest --------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything a restarted monitor needs (ids, numbers, reasons: no text)."""
+        def key(k: tuple[Subject, str, Rule]) -> list[str]:
+            return [k[0].value, k[1], k[2].value]
+
+        return {"next_id": self._next_id, "actions": [a.to_dict() for a in self._actions.values()],
+                "suppressed": [[*key(k), until] for k, until in self._suppressed.items()],
+                "last_step": [[*key(k), r.value, at] for k, (r, at) in self._last_step.items()],
+                "events": [e.to_dict() for e in list(self._events)[-PERSISTED_EVENTS:]], "ended": list(self._ended),
+                "auth": [[at, counts] for at, counts in self._auth]}
+
+    def _restore(self, saved: dict[str, Any]) -> None:
+        now = self._clock()
+        try:
+            actions = [Action.from_dict(a) for a in saved.get("actions", [])]
+            suppressed = {(Subject(k), s, Rule(r)): float(u) for k, s, r, u in saved.get("suppressed", [])}
+            last = {(Subject(k), s, Rule(r)): (Response(x), float(at)) for k, s, r, x, at in saved.get("last_step", [])}
+            events = [Event.from_dict(e) for e in saved.get("events", [])]
+            auth = [(float(at), {str(a): int(n) for a, n in counts.items()}) for at, counts in saved.get("auth", [])]
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
+            log.error("abuse state: saved state not understood (%s: %s); starting without it", type(exc).__name__, exc)
+            return
+        self._actions = {(a.subject_kind, a.subject, a.rule): a for a in actions}
+        self._suppressed, self._last_step = suppressed, last
+        self._events.extend(events)
+        self._ended.extend(e for e in saved.get("ended", []) if isinstance(e, dict))
+        self._auth.extend(auth)
+        self._next_id = max([int(saved.get("next_id", 1)), *(a.id + 1 for a in actions), *(e.id + 1 for e in events)])
+        expired = len([a for a in actions if a.expires_at <= now])
+        log.info("abuse state restored: %d actions in force, %d whose time ran out while down", len(actions) - expired,
+                 expired)
+        self._expire(now)
+        self._changed()
 
     # -- operators ------------------------------------------------------------------------------
 

@@ -287,6 +287,7 @@ class _AbuseStateWatch(BlockingWatcher):
         self._headers = headers
         self._guard = guard
         self._index = 0
+        self._instance = ""
 
     async def _sync(self, *, wait_s: float, timeout_s: float) -> bool:
         try:
@@ -295,12 +296,13 @@ class _AbuseStateWatch(BlockingWatcher):
             resp.raise_for_status()
             body = resp.json()
             index = int(body["index"])
+            instance = str(body.get("instance_id", ""))
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             self._unreachable(exc, "keeping the abuse actions in force until they expire")
             return False
         self._synced(index)
-        if index != self._index:
-            self._index = index
+        if (instance, index) != (self._instance, self._index):  # a restarted control plane counts afresh
+            self._index, self._instance = index, instance
             self._guard.apply(body)
             self._notify()
         return True
