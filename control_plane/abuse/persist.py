@@ -51,6 +51,16 @@ def _b64d(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
+class AbuseStateMetrics:
+    """``switchboard_abuse_state_ops_total{op, result}``: saves (ok|error) and loads (ok|error|none)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.ops = Counter("switchboard_abuse_state_ops", "The abuse monitor's state at rest: saves (ok|error) and "
+                           "loads at start (ok|error|none).", ["op", "result"], registry=registry)
+        for op, result in (("save", "ok"), ("save", "error"), ("load", "ok"), ("load", "error"), ("load", "none")):
+            self.ops.labels(op, result)
+
+
 class AbuseStateFile:
     """See the module docstring."""
 
@@ -58,10 +68,7 @@ class AbuseStateFile:
         self.path = path
         self.keys = keys
         self._aead = {kid: AESGCM(key) for kid, key in keys.keys.items()}
-        self._ops = Counter("switchboard_abuse_state_ops", "The abuse state at rest: saves and loads by result "
-                            "(ok|error|none).", ["op", "result"], registry=registry or CollectorRegistry())
-        for op, result in (("save", "ok"), ("save", "error"), ("load", "ok"), ("load", "error"), ("load", "none")):
-            self._ops.labels(op, result)
+        self._ops = AbuseStateMetrics(registry or CollectorRegistry()).ops
 
     def seal(self, state: dict[str, Any]) -> str:
         nonce = os.urandom(NONCE_BYTES)
@@ -128,4 +135,4 @@ def open_state_file(state_dir: Path | None, *, keys_file: Path | None, cluster_t
     return AbuseStateFile(state_dir / STATE_FILE, keys, registry)
 
 
-__all__ = ["AAD", "KEY_INFO", "STATE_FILE", "AbuseStateFile", "open_state_file"]
+__all__ = ["AAD", "KEY_INFO", "STATE_FILE", "AbuseStateFile", "AbuseStateMetrics", "open_state_file"]

@@ -180,6 +180,8 @@ class AbuseGuard:
             if held is None or _RANK[response] > _RANK[held.response]:
                 table[str(a["subject"])] = entry
         self._keys, self._addresses = keys, addresses
+        # the throttle's per-key request times: only for keys still throttled (it grew with every key ever throttled)
+        self._recent = {k: v for k, v in self._recent.items() if k in keys and keys[k].response is Response.THROTTLE}
         self._throttle_rpm = max(1, int(body.get("throttle_rpm") or self._throttle_rpm))
         self._strict_cap = max(1, int(body.get("strict_max_output_tokens") or self._strict_cap))
         for response in Response:
