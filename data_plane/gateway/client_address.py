@@ -9,7 +9,9 @@ the TCP peer is a trusted proxy, the X-Forwarded-For hops (every header, in orde
 the right, skipping trusted proxies; the first hop that is not one is the client. A hop that is not
 an IP address stops the walk at the last trusted hop (garbage is never believed); if every hop is
 trusted, the leftmost is the client. When the peer is not trusted, or nothing is trusted (the
-default), the peer is the client and X-Forwarded-For is ignored: any client can write it.
+default), the peer is the client and X-Forwarded-For is ignored: any client can write it. (The
+servers run uvicorn with ``proxy_headers`` off, data_plane/common/http_server.py: its default would
+believe X-Forwarded-For from 127.0.0.1 before this sees the peer.)
 
 Used by the abuse guard (data_plane/gateway/abuse.py), which bans addresses after repeated bad
 keys: without this, every user behind one load balancer or NAT would share its ban.
