@@ -30,7 +30,10 @@ flagged for it, and a new key (usual 0) only past the floor.
 A tenant's rules only flag (for an operator to review): acting on a whole tenant is an operator's
 call. A floor of 0 turns its rule off.
 
-A rule that still fires ``escalate_after_s`` (60 s) after its last step takes the next one. Each
+A rule that still fires ``escalate_after_s`` (60 s) after its last step takes the next one if the
+key kept at it over those 60 s (a burst: its rate over them, refused requests too, still reaches
+the bar; the other rules: one more of what they count, or a request refused under the action); a
+key that stopped stays at its step until it expires. Each
 action expires (``durations_s``); an operator can lift one (the rule then counts only what comes
 after the lift) or confirm it (held for ``confirm_hold_s``).
 """
@@ -229,7 +232,7 @@ class AbuseConfig:
     """The floor of ``tenant_session_probing`` (0: off)."""
     auth_failures: int = 10
     escalate_after_s: float = 60.0
-    """A rule still firing this long after its last step takes the next one."""
+    """A rule still firing this long after its last step, its key having kept at it meanwhile, takes the next one."""
     durations_s: dict[str, float] = field(default_factory=_default_durations)
     """How long each response lasts (by Response value)."""
     confirm_hold_s: float = 86400.0

@@ -12,7 +12,8 @@ them; data_plane/gateway/abuse.py applies them).
 
 One action per (subject, rule): a finding with none starts the rule's ladder; a finding while an
 action is in force moves it one step up the ladder once ``escalate_after_s`` has passed since the
-step was taken. Actions expire by themselves (``durations_s``); a rule that still fires when its
+step was taken, if the subject kept at it over that time (control_plane/abuse/rules.py
+kept_at_it: a key that stopped stays at its step until it expires). Actions expire by themselves (``durations_s``); a rule that still fires when its
 action expires takes the same step again (a key that keeps hammering stays blocked; an address
 whose failures are still in the window stays banned). A lift ends the action and lets the
 rule start afresh after one window (what it counted before the lift no longer counts); a
@@ -39,7 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from control_plane.abuse.model import AbuseConfig, Action, Event, Finding, Response, Review, Rule, Subject
 from control_plane.abuse.persist import AbuseStateFile
-from control_plane.abuse.rules import evaluate
+from control_plane.abuse.rules import evaluate, kept_at_it, tail_totals
 from control_plane.state_api import StateIndex
 from data_plane.common.tasks import stop_tasks
 from data_plane.ledger.store import KeyActivity
@@ -101,6 +102,7 @@ class AbuseMonitor:
         self._next_id = 1
         self._task: asyncio.Task[None] | None = None
         self._warned = False
+        self._tail: dict[str, Any] = {}
         self._store = store
         saved = store.load() if store is not None else None
         if saved is not None:
@@ -146,6 +148,8 @@ class AbuseMonitor:
                 recent = await asyncio.to_thread(self._source.activity, now - c.window_s, now)
                 baseline = await asyncio.to_thread(self._source.activity, now - c.window_s - c.baseline_s,
                                                    now - c.window_s)
+                tail = await asyncio.to_thread(self._source.activity, now - min(c.escalate_after_s, c.window_s), now)
+                self._tail = tail_totals(tail)
             findings = evaluate(c, recent, baseline, self._auth_in_window(now), baseline_end=now - c.window_s)
         except Exception as exc:  # noqa: BLE001 (a ledger that is down, any driver: keep what is in force)
             self._metrics.evaluations.labels("error").inc()
@@ -179,6 +183,8 @@ class AbuseMonitor:
             else:
                 at = ladder.index(current.response)
                 if at + 1 >= len(ladder) or now - current.created_at < self.config.escalate_after_s:
+                    continue
+                if not kept_at_it(self.config, f, self._tail):
                     continue
                 step = ladder[at + 1]
             self._take(f, step, now, current)

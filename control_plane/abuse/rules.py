@@ -21,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from control_plane.abuse.model import AbuseConfig, Finding, Rule
+from control_plane.abuse.model import AbuseConfig, Finding, Rule, Subject
 from data_plane.ledger.store import KeyActivity
 
 BLOCKED_CODE = "content_policy_violation"
@@ -34,6 +34,8 @@ NOT_THE_CLIENTS = frozenset({
 })
 """Codes the `errors` rule does not count: answered, the platform's own failures, limits already
 applied, and what other rules count."""
+REJECTED_CODES = frozenset({"abuse_throttled", "abuse_blocked"})
+"""Requests the gateways refused under an abuse action: a key that keeps trying is keeping at it."""
 
 
 @dataclass
@@ -44,6 +46,7 @@ class _Totals:
     blocked: int = 0
     session_404s: int = 0
     errors: int = 0
+    rejected: int = 0
     first_at: float = math.inf
     """The first request's start (inf: unknown, taken as the start of the range)."""
 
@@ -57,6 +60,8 @@ class _Totals:
             self.session_404s += row.requests
         elif row.error_code not in NOT_THE_CLIENTS:
             self.errors += row.requests
+        if row.error_code in REJECTED_CODES:
+            self.rejected += row.requests
         if row.first_at is not None:
             self.first_at = min(self.first_at, row.first_at)
 
@@ -146,4 +151,30 @@ def evaluate(config: AbuseConfig, recent: Iterable[KeyActivity], baseline: Itera
     return found
 
 
-__all__ = ["BLOCKED_CODE", "NOT_THE_CLIENTS", "SESSION_404_CODE", "evaluate"]
+def tail_totals(rows: Iterable[KeyActivity]) -> dict[str, _Totals]:
+    """Per key, what it did over the last ``escalate_after_s`` (for :func:`kept_at_it`)."""
+    return _totals(rows)
+
+
+def kept_at_it(config: AbuseConfig, f: Finding, tail: Mapping[str, _Totals]) -> bool:
+    """Whether the subject of a finding whose action is in force kept at it over the last
+    ``escalate_after_s`` (`tail`), which an action's next step takes besides the rule still firing:
+    a key that stopped is not punished twice for what is still in the window. A burst: its rate
+    over the tail (refused requests too) still reaches the bar; the other key rules: at least one
+    more of what the rule counts, or a request the gateways refused under the action. One-step
+    ladders (addresses, tenants, ``errors``) never climb, so they are not asked."""
+    if f.rule.subject is not Subject.KEY:
+        return True
+    t = tail.get(f.subject)
+    if t is None:
+        return False
+    if f.rule is Rule.BURST:
+        span = min(config.escalate_after_s, config.window_s)
+        scale = config.window_s / span if span else 1.0
+        return (t.tokens if f.tokens else t.requests) * scale >= f.threshold
+    counted = {Rule.BLOCKED_PROMPTS: t.blocked, Rule.SESSION_PROBING: t.session_404s}.get(f.rule, t.errors)
+    return counted + t.rejected > 0
+
+
+__all__ = ["BLOCKED_CODE", "NOT_THE_CLIENTS", "REJECTED_CODES", "SESSION_404_CODE", "evaluate", "kept_at_it",
+           "tail_totals"]

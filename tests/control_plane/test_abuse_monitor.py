@@ -141,11 +141,11 @@ def test_a_burst_is_flagged_then_throttled_then_blocked_and_the_normal_key_never
     assert monitor.state_body()["actions"] == []  # a flag is for review: no gateway acts on it
 
     clock.t += 5  # still bursting, too soon to escalate
-    ledger.insert_many([_row("bursty", clock.t - 1)])
+    ledger.insert_many([_row("bursty", clock.t - 5 + i * 0.5) for i in range(10)])
     asyncio.run(monitor.evaluate())
     assert [a.response for a in monitor.active()] == [Response.FLAG]
     clock.t += 6
-    ledger.insert_many([_row("bursty", clock.t - 1)])
+    ledger.insert_many([_row("bursty", clock.t - 6 + i * 0.5) for i in range(12)])
     asyncio.run(monitor.evaluate())
     [throttle] = monitor.active()
     assert throttle.response is Response.THROTTLE
@@ -160,11 +160,31 @@ def test_a_burst_is_flagged_then_throttled_then_blocked_and_the_normal_key_never
     assert registry.get_sample_value("switchboard_abuse_actions_active", {"response": "block"}) == 1
     assert [e.response for e in monitor.events()] == [Response.FLAG, Response.THROTTLE, Response.BLOCK]
 
-    # the block expires by itself once the burst is over (the window has moved past it)
-    clock.t += 61
+    # the top of the ladder holds while the burst is still in the window ...
+    clock.t += 11
+    asyncio.run(monitor.evaluate())
+    assert [a.response for a in monitor.active()] == [Response.BLOCK]
+    # ... and the block expires by itself once the burst is over (the window has moved past it)
+    clock.t += 50
     asyncio.run(monitor.evaluate())
     assert monitor.active() == []
     assert monitor.ended()[-1]["ended"] == "expired"
+
+
+def test_a_key_that_stopped_is_not_escalated_for_what_is_still_in_the_window(ledger) -> None:  # type: ignore[no-untyped-def]
+    clock = Clock()
+    ledger.insert_many([_row("once", clock.t - 30 + i * 0.5) for i in range(40)]
+                       + [_row("refused", clock.t - 20, "content_policy_violation") for _ in range(3)])
+    monitor, _ = _monitor(ledger, clock)
+    asyncio.run(monitor.evaluate())
+    assert {(a.subject, a.response) for a in monitor.active()} == {("once", Response.FLAG), ("refused", Response.STRICT)}
+    clock.t += 11  # both rules still fire (the window holds it all), but neither key did anything since
+    asyncio.run(monitor.evaluate())
+    assert {(a.subject, a.response) for a in monitor.active()} == {("once", Response.FLAG), ("refused", Response.STRICT)}
+    # a key that keeps trying under its action is keeping at it: refused requests count
+    ledger.insert_many([_row("refused", clock.t - 1, "abuse_throttled")])
+    asyncio.run(monitor.evaluate())
+    assert ("refused", Response.BLOCK) in {(a.subject, a.response) for a in monitor.active()}
 
 
 def test_lift_holds_for_a_window_and_confirm_holds_the_action(ledger) -> None:  # type: ignore[no-untyped-def]
@@ -180,6 +200,7 @@ def test_lift_holds_for_a_window_and_confirm_holds_the_action(ledger) -> None:  
     assert lifted is not None and monitor.index.index == index + 1
     assert monitor.ended()[-1]["ended_by"] == "alice"
     clock.t += 20  # the burst is still in the window: no new action within the window after a lift
+    ledger.insert_many([_row("prober", clock.t - 1, "session_not_found")])  # still probing
     asyncio.run(monitor.evaluate())
     assert {a.rule for a in monitor.active()} == {Rule.SESSION_PROBING}
     probing = next(a for a in monitor.active() if a.rule is Rule.SESSION_PROBING)  # escalated by now
