@@ -13,17 +13,17 @@ them; data_plane/gateway/abuse.py applies them).
 One action per (subject, rule): a finding with none starts the rule's ladder; a finding while an
 action is in force moves it one step up the ladder once ``escalate_after_s`` has passed since the
 step was taken, if the subject kept at it over that time (control_plane/abuse/rules.py
-kept_at_it: a key that stopped stays at its step until it expires). Actions expire by themselves (``durations_s``); a rule that still fires when its
-action expires takes the same step again (a key that keeps hammering stays blocked; an address
-whose failures are still in the window stays banned). A lift ends the action and lets the
-rule start afresh after one window (what it counted before the lift no longer counts); a
-confirmation keeps the action ``confirm_hold_s``. Every change bumps the state index that the
+kept_at_it: a key that stopped stays at its step until it expires). Actions expire by themselves
+(``durations_s``); a rule that still fires when its action expires takes the same step again (a key
+that keeps hammering stays blocked; an address whose failures are still in the window stays banned).
+A lift ends the action and lets the rule start afresh after one window (what it counted before the
+lift no longer counts); a confirmation keeps the action ``confirm_hold_s``. Every change bumps the state index that the
 gateways' blocking query waits on, so they apply it within a second or so.
 
 With a state file (control_plane/abuse/persist.py: ``--state-dir``, sealed at rest) every change is
 saved, and a restarted monitor is back where it was: the actions in force (those whose time ran
 out meanwhile end as expired at once, the rest keep their expiry), the lifts' quiet windows, the
-recent steps, the events and the gateways' recent reports.
+recent steps, the events and the gateways' reports as of the last change.
 """
 
 from __future__ import annotations
