@@ -17,8 +17,8 @@ kept_at_it: a key that stopped stays at its step until it expires). Actions expi
 (``durations_s``); a rule that still fires when its action expires takes the same step again (a key
 that keeps hammering stays blocked; an address whose failures are still in the window stays banned).
 A lift ends the action and lets the rule start afresh after one window (what it counted before the
-lift no longer counts); a confirmation keeps the action ``confirm_hold_s``. Every change bumps the state index that the
-gateways' blocking query waits on, so they apply it within a second or so.
+lift no longer counts); a confirmation keeps the action ``confirm_hold_s``. Every change bumps the
+state index that the gateways' blocking query waits on, so they apply it within a second or so.
 
 With a state file (control_plane/abuse/persist.py: ``--state-dir``, sealed at rest) every change is
 saved, and a restarted monitor is back where it was: the actions in force (those whose time ran
