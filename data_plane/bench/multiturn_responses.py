@@ -131,10 +131,11 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
             raise RuntimeError(f"the Responses API does not answer: {t.error}")
         load0, t0 = os.getloadavg()[0], time.perf_counter()
         n = args.conversations
-        done = await asyncio.gather(*(conversation(http, url, c, args) for c in range(n)),
-                                    *(chain(http, url, CHAIN_OFFSET + c, args) for c in range(n)))
-        sessions = [t for conv in done[:n] for t in conv]
-        chains = [t for conv in done[n:] for t in conv]
+        # started alternately (a session, a chain, ...): neither API is always first in the shard's queue
+        done = await asyncio.gather(*(conversation(http, url, c // 2, args) if c % 2 == 0
+                                      else chain(http, url, CHAIN_OFFSET + c // 2, args) for c in range(2 * n)))
+        sessions = [t for conv in done[0::2] for t in conv]
+        chains = [t for conv in done[1::2] for t in conv]
         print(f"{len(sessions)} session turns and {len(chains)} response turns in {time.perf_counter() - t0:.0f} s "
               f"(load {load0:.2f} -> {os.getloadavg()[0]:.2f}), errors: "
               f"{sum(1 for t in sessions + chains if t.error)}", flush=True)
