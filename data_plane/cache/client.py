@@ -211,9 +211,7 @@ class SessionStore:
                 if len(self._recent) > MAX_RECENT:
                     self._recent.popitem(last=False)
             if 0 < acks < len(targets):
-                self._suspects[session_id] = None  # a replica missed this write: check it on the next read
-                if len(self._suspects) > MAX_SUSPECTS:
-                    self._suspects.popitem(last=False)
+                self._suspect(session_id)  # a replica missed this write: check it on the next read
             elif acks == len(targets):
                 self._suspects.pop(session_id, None)
             if acks == 0:
@@ -235,12 +233,11 @@ class SessionStore:
             return acks
 
     async def delete(self, session_id: str, owner: str, replicas: int) -> int:
-        """Remove `session_id` (and its KV blocks) from every cache node, not only its current replicas,
-        and leave its tombstone on the replicas (:data:`~data_plane.cache.model.TOMBSTONE_VERSION`): a
-        node that missed the delete (down, cut off) and comes back holds an older version, which can
-        neither be written over the tombstone nor win a read that checks the replicas (``load`` does
-        after a placement change), and is overwritten by read-repair and by the background repair of
-        nodes that join. NotFound unless `owner` holds it. Returns the nodes that held it."""
+        """Remove `session_id` (and its KV blocks) from every cache node and leave its tombstone
+        (:data:`~data_plane.cache.model.TOMBSTONE_VERSION`) on the replicas: a node that missed the delete
+        holds an older version, which cannot be written over it nor win a read that compares replicas
+        (after a placement change or a missed write), and gets it by read-repair or the background
+        repair of joining nodes. NotFound unless `owner` holds it. Returns the nodes that held it."""
         found = await self.load(session_id, owner, replicas)
         if found is None:
             raise NotFound(f"session {session_id!r} not found", param="session_id", code="session_not_found")
@@ -250,11 +247,12 @@ class SessionStore:
             held = sum(await asyncio.gather(*(self._delete_one(m, session_id) for m in members)))
             tombstone = Transcript(session_id, owner, (), TOMBSTONE_VERSION, updated_at=time.time())
             ttl = found.ttl_left(time.time())  # as long as a stale copy could live, no longer
-            marked = await asyncio.gather(*(self._put(m, tombstone, None if ttl is None else max(ttl, 1.0),
-                                                      keep_updated_at=False)
+            ttl = None if ttl is None else max(ttl, 1.0)
+            marked = await asyncio.gather(*(self._put(m, tombstone, ttl, keep_updated_at=False)
                                             for m in self.replicas_for(session_id, replicas)))
-            self._recent[session_id] = replicas  # a node that joins gets the tombstone in the background
-            self._recent.move_to_end(session_id)
+            if any(r.result != "ok" for r in marked):  # a replica missed it: the next read compares them all
+                self._suspect(session_id)
+            self._recent[session_id] = self._recent.pop(session_id, replicas)  # joining nodes get the tombstone
             span.set_attribute("switchboard.session.deleted_copies", held)
             span.set_attribute("switchboard.session.tombstones", sum(r.result == "ok" for r in marked))
             outcome.result = "ok"
@@ -449,6 +447,11 @@ class SessionStore:
         doubled the cache reads of every resumed session."""
         return (found.updated_at < self._placement.since + CLOCK_SLACK_S
                 or found.session_id in self._suspects or random.random() < AUDIT_SHARE)
+
+    def _suspect(self, session_id: str) -> None:
+        self._suspects[session_id] = None
+        if len(self._suspects) > MAX_SUSPECTS:
+            self._suspects.popitem(last=False)
 
     async def _newest(self, first: Member, found: Transcript, rest: list[Member]) -> tuple[Transcript, list[Member]]:
         """The newest of `found` (from `first`) and the copies `rest` hold, and the members that lack it

@@ -15,8 +15,9 @@ from data_plane.cache.model import Transcript, VersionConflict
 from data_plane.common.errors import InvalidRequest, NotFound, Overloaded
 from data_plane.membership.view import Member, StaticMembership
 from data_plane.routing.hop_client import HopPool
-from tests.support.cluster import start_cache_nodes
+from tests.support.cluster import cache_node, start_cache_nodes
 from tests.support.procs import Service, free_port
+from tests.support.redis import RedisServer
 
 MESSAGES = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}]
 
@@ -297,3 +298,33 @@ async def test_a_replica_down_during_a_delete_never_brings_the_record_back(trio:
         assert stored_version(trio[0], sid2) == TOMBSTONE_VERSION
         assert await store.load(sid2, "key-a", replicas=2) is None
     assert ops(registry, "load", "deleted") >= 2
+
+
+async def test_a_replica_down_during_a_delete_is_compared_on_the_next_read(
+        trio: list[Service], redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No placement change at all (static membership; a Redis-backed node killed for the delete and
+    restarted on its port with its old copy): the delete that missed a replica makes the next read
+    compare them, and the tombstone wins."""
+    from data_plane.cache import client as cache_client
+    from data_plane.cache.model import TOMBSTONE_VERSION
+
+    monkeypatch.setattr(cache_client, "AUDIT_SHARE", 0.0)
+    monkeypatch.setattr(cache_client, "CLOCK_SLACK_S", -0.2)  # only the missed delete makes a read compare
+    args = ("--redis", redis_server.url, "--redis-prefix", "sb-test-tombstone:")
+    node = cache_node(*args).start()
+    try:
+        pair = members([node, trio[1]])
+        async with HopPool() as http:
+            store = SessionStore(StaticMembership(pair), http, timeout_s=0.5)
+            sid = next(s for s in (f"down-{i}" for i in range(200)) if store.replicas_for(s, 2)[0].id == pair[0].id)
+            await asyncio.sleep(0.3)  # the placement is older than the write
+            assert await store.save(sid, "key-a", MESSAGES, version=1, replicas=2, ttl_s=60) == 2
+            node.kill()
+            assert await store.delete(sid, "key-a", replicas=2) == 1
+            node = cache_node(*args, port=node.port).start()  # back, its Redis still holding the old copy
+            assert stored_version(node, sid) == 1
+            assert await store.load(sid, "key-a", replicas=2) is None
+            await store.drain()
+            assert stored_version(node, sid) == TOMBSTONE_VERSION
+    finally:
+        node.stop()
