@@ -6,7 +6,9 @@ API (`previous_response_id`) next to the same conversations through sessions (`X
 
 One stack (a torch shard with prefix caching on, a cache node, a gateway: data_plane/bench/multiturn.py's
 `Stack`); `--conversations` session conversations and as many response chains run at the same time
-against it, so machine drift and load land on both alike. Both carry the same kind of turns
+against it, so machine drift and load land on both alike, in two rounds: started alternately,
+sessions first in one and chains in the other (the conversation the shard takes up first runs
+alone for a while). Both carry the same kind of turns
 (`user_message`, the system prompt first; the chains use other conversation numbers, so no chain
 reuses a session's cached prefix), streamed; TTFT is request sent -> first text delta
 (`response.output_text.delta` for the Responses API). Rows per API and turn as `bench multiturn`'s;
@@ -40,6 +42,7 @@ from data_plane.bench.multiturn_turns import (
 )
 
 TARGET_RATIO = 1.1
+ROUNDS = 2
 CHAIN_OFFSET = 1000
 """Chains use conversation numbers from here: their turns differ from the sessions' (no shared prefix)."""
 
@@ -131,11 +134,16 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
             raise RuntimeError(f"the Responses API does not answer: {t.error}")
         load0, t0 = os.getloadavg()[0], time.perf_counter()
         n = args.conversations
-        # started alternately (a session, a chain, ...): neither API is always first in the shard's queue
-        done = await asyncio.gather(*(conversation(http, url, c // 2, args) if c % 2 == 0
-                                      else chain(http, url, CHAIN_OFFSET + c // 2, args) for c in range(2 * n)))
-        sessions = [t for conv in done[0::2] for t in conv]
-        chains = [t for conv in done[1::2] for t in conv]
+        sessions: list[Turn] = []
+        chains: list[Turn] = []
+        for r in range(ROUNDS):  # started alternately, sessions first in one round and chains in the other:
+            # the conversation the shard takes up first runs alone, and that must not always be one API's
+            first, base = r % 2, r * args.conversations
+            done = await asyncio.gather(*(
+                conversation(http, url, base + c // 2, args) if c % 2 == first
+                else chain(http, url, CHAIN_OFFSET + base + c // 2, args) for c in range(2 * n)))
+            sessions += [t for conv in done[first::2] for t in conv]
+            chains += [t for conv in done[1 - first::2] for t in conv]
         print(f"{len(sessions)} session turns and {len(chains)} response turns in {time.perf_counter() - t0:.0f} s "
               f"(load {load0:.2f} -> {os.getloadavg()[0]:.2f}), errors: "
               f"{sum(1 for t in sessions + chains if t.error)}", flush=True)
