@@ -88,7 +88,7 @@ def _shard(registry: CollectorRegistry) -> list[object]:
 
 def _gateway(registry: CollectorRegistry) -> list[object]:
     # What data_plane.gateway.app.Gateway and its SessionStore register on the gateway's registry.
-    from data_plane.cache.client import SessionStoreMetrics
+    from data_plane.cache.client_metrics import SessionStoreMetrics
     from data_plane.common.crypto import SealMetrics
     from data_plane.gateway.abuse import AbuseGuardMetrics
     from data_plane.gateway.admission import AdmissionMetrics
