@@ -43,7 +43,7 @@ async def _receive() -> dict[str, str]:
 
 def _exchange(registry: CollectorRegistry, limiter: _Limiter, span: _Span, records: list) -> Exchange:
     x = Exchange(GatewayMetrics(registry), limiter, span, "r1", DisconnectWatch(_receive),  # type: ignore[arg-type]
-                 on_record=lambda status, code: records.append((status, code)))
+                 on_record=lambda o: records.append((o.status, o.code)))
     x.tier_name = "plus"
     return x
 
