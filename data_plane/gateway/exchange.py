@@ -24,7 +24,7 @@ from opentelemetry import trace
 from data_plane.common.disconnect import DisconnectWatch
 from data_plane.common.outcome import OK, Outcome
 from data_plane.gateway.admission import Ticket
-from data_plane.gateway.metrics import GatewayMetrics
+from data_plane.gateway.metrics import GatewayMetrics, request_code
 from data_plane.gateway.ratelimit.limiter import Grant, RateLimiter
 from data_plane.protocol import Usage
 
@@ -111,7 +111,7 @@ class Exchange:
         outcome = None
         if status is not None:
             outcome = self.outcome(status, code)
-            self.metrics.requests.labels(self.tier_name, str(status), code).inc()
+            self.metrics.requests.labels(self.tier_name, str(status), request_code(code)).inc()
             if self._on_record is not None:  # spooled before the reply's last byte (data_plane/ledger/writer.py)
                 self._on_record(outcome)
         if self._inflight:
