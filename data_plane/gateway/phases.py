@@ -21,11 +21,11 @@ from data_plane.gateway.context import Window
 from data_plane.protocol import ChatCompletionRequest, ChatMessage, ShardRequest
 from data_plane.tiers import Tier, TierPolicy
 
-FORWARDED = (
+FORWARDED = frozenset((
     "temperature", "top_p", "top_k", "stop", "seed", "min_p", "n", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "min_tokens", "ignore_eos", "logprobs", "top_logprobs", "logit_bias",
     "response_format", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls",
-)
+))
 """Request fields the gateway sends on to the shard as the client gave them (data_plane/protocol.py)."""
 DEADLINE_FIRST_TOKEN_TIMEOUTS = 5
 """The shard abandons the work this many first-token timeouts after the gateway sent it."""
@@ -85,7 +85,7 @@ def shard_request(checked: Checked, caller: Caller, window: Window, max_tokens: 
     the fitted window, the output cap, the tier's priority, the tenant's prefix-cache scope, and the
     client's sampling and output fields as given."""
     req = checked.req
-    fields: dict[str, Any] = {name: getattr(req, name) for name in FORWARDED if getattr(req, name) is not None}
+    fields: dict[str, Any] = {name: value for name, value in req if name in FORWARDED and value is not None}
     if session_id:  # the shard keeps this session's KV blocks on its transcript's cache nodes
         fields.update(session_id=session_id, kv_replicas=caller.tier.replication, kv_ttl_s=kv_ttl_s)
     if req.model:
