@@ -1,6 +1,9 @@
 """One chat request through the gateway: `ChatHandler` (see data_plane/gateway/app.py for the app).
 
-Per request, in order (each a span under `gateway.request`): authenticate the key -> tier;
+Per request, five phases, each a method returning a frozen value the next ones read
+(data_plane/gateway/phases.py): `_authenticate` -> Caller, `_validate` -> Checked, `_budget` (the rate
+limit and input safety) -> the safety policy, `_prepare` -> Prepared (the window and the one ShardRequest),
+`_route` -> the reply's stream. In order (each a span under `gateway.request`): authenticate the key -> tier;
 read and validate the body (413/415/400); enforce the tier's output cap and message count;
 `ratelimit` takes one request and the estimated tokens from the key's and tier's RPM/TPM
 (429 + Retry-After; `x-ratelimit-*` headers from here on; settled with real usage at the end,
@@ -11,6 +14,8 @@ order (503 when shed, data_plane/gateway/admission.py); `router.route` opens a s
 window; `cache.append` saves the turn before the reply completes. Every error is decided before
 the first byte when it can be; after that, the stream ends with an error event and `[DONE]`.
 Once the body is read, a client that goes away cancels the request (and so the shard's work).
+The request's Exchange ends it with one frozen Outcome (data_plane/common/outcome.py) that the usage
+ledger writes.
 
 Sessions: `X-Session-Id: <id>` (or body `session_id`) continues a conversation kept on the
 cache nodes; `X-Session-Id: new` starts one with an unguessable id, returned in the
