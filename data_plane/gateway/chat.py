@@ -296,7 +296,7 @@ class ChatHandler:
     def _authenticate(self) -> Caller:
         """The key (a banned address never reaches the keys), its tier, and the abuse measures on it."""
         gw, x = self.gw, self.x
-        principal = self.principal = gw.guard.authenticate(gw.keys, self.request)
+        principal = self.principal = gw.guard.authenticate(gw.keys, self.request, x.span)
         x.key_id, x.tenant = principal.key_id, principal.tenant
         tiers = self.tiers if principal.tier in self.tiers else gw.tiers  # a key's tier the hot policy lacks
         tier = tiers.get(principal.tier)
