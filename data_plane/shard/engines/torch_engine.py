@@ -321,7 +321,8 @@ class TorchEngine:
 
     async def prepare(self, req: GenerationRequest) -> None:
         """Before `generate`: compile the request's grammar off the scheduler thread (cached by digest;
-        raises grammar.GrammarError for one refused) and check its logit_bias token ids."""
+        raises grammar.GrammarError for one refused), advance it past a resumed stream's output, and check
+        its logit_bias token ids."""
         bad = [t for t, _ in req.params.logit_bias if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequest(f"logit_bias names token id {bad[0]}, outside this model's vocabulary "
@@ -329,6 +330,8 @@ class TorchEngine:
         if req.params.grammar is not None and req.grammar is None:
             assert self.grammars is not None, "prepare() before the model is loaded"
             req.grammar = await self.grammars.compile(req.params.grammar)
+            if req.resumed_text:  # a resumed stream: the grammar continues after what was sent
+                req.grammar = req.grammar.resumed(req.resumed_text)
 
     def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         """Validate and enqueue `req` now (raising 4xx/503 errors before any compute);
