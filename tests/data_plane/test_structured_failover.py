@@ -75,6 +75,16 @@ def _resumes(gw: Service) -> float:
                if line.startswith("switchboard_router_resumes_total"))
 
 
+def _grammar_resumes(shards: list[Service]) -> float:
+    """Resumed constrained streams the living shards advanced their grammar for (their metric)."""
+    total = 0.0
+    for s in shards:
+        if s.proc is not None and s.proc.poll() is None:
+            total += sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(s.url + "/metrics").text.splitlines()
+                         if line.startswith("switchboard_shard_grammar_resumes_total") and 'outcome="resumed"' in line)
+    return total
+
+
 def _client(gw: Service) -> openai.OpenAI:
     return openai.OpenAI(base_url=gw.url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=180)
 
@@ -94,7 +104,7 @@ def test_a_json_schema_stream_resumed_after_its_shard_is_killed_parses(cluster) 
                 if chunks == KILL_AFTER:
                     killed.append(_kill_serving(shards))
         final = stream.get_final_completion()
-    assert killed and _resumes(gw) == before + 1
+    assert killed and _resumes(gw) == before + 1 and _grammar_resumes(shards) >= 1
     choice = final.choices[0]
     assert choice.finish_reason == "stop", content
     trip = choice.message.parsed

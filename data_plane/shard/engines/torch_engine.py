@@ -56,7 +56,7 @@ from data_plane.shard.engines.base import (
     TextStream,
     check_lengths,
 )
-from data_plane.shard.engines.grammar import GrammarCompiler
+from data_plane.shard.engines.grammar import GrammarCompiler, GrammarError
 from data_plane.shard.engines.logits import RequestLogits
 from data_plane.shard.engines.scheduler import Scheduler, SchedulerConfig
 from data_plane.shard.engines.sequence import SeqState
@@ -331,7 +331,13 @@ class TorchEngine:
             assert self.grammars is not None, "prepare() before the model is loaded"
             req.grammar = await self.grammars.compile(req.params.grammar)
             if req.resumed_text:  # a resumed stream: the grammar continues after what was sent
-                req.grammar = req.grammar.resumed(req.resumed_text)
+                kind = req.params.grammar.kind.value
+                try:
+                    req.grammar = req.grammar.resumed(req.resumed_text)
+                except GrammarError:
+                    self.listener.on_grammar_resume(kind, "rejected")
+                    raise
+                self.listener.on_grammar_resume(kind, "resumed")
 
     def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         """Validate and enqueue `req` now (raising 4xx/503 errors before any compute);
