@@ -62,8 +62,9 @@ elif output == "Tools":
     st.text_area("Tools (a JSON list)", value=EXAMPLE_TOOLS, key="pg_tools", height=180)
     choice_col, parallel_col = st.columns([2, 1])
     choice_col.radio("Tool choice", ["auto", "required"], key="pg_tool_choice", horizontal=True)
-    parallel_col.checkbox("Parallel calls", value=True, key="pg_parallel",
-                          help="parallel_tool_calls: the model may call several tools at once.")
+    parallel_col.checkbox("Parallel calls", value=False, key="pg_parallel",
+                          help="parallel_tool_calls: the model may call several tools at once (off here by "
+                               "default: a small model tends to repeat a call until the token limit).")
 send_col, clear_col, _ = st.columns([1, 1, 4])
 send = send_col.button("Send", type="primary", icon=":material/send:", width="stretch")
 if clear_col.button("New conversation", icon=":material/restart_alt:", width="stretch"):
@@ -80,7 +81,7 @@ if send:
         fields = output_fields(output, st.session_state.get("pg_schema", EXAMPLE_SCHEMA),
                                st.session_state.get("pg_tools", EXAMPLE_TOOLS),
                                st.session_state.get("pg_tool_choice", "auto"),
-                               st.session_state.get("pg_parallel", True))
+                               st.session_state.get("pg_parallel", False))
     except ValueError as exc:
         fields = None
         st.error(str(exc), icon=":material/data_object:")
