@@ -221,8 +221,9 @@ class Chromium:
 
 def send_chat(browser: Chromium, text: str, timeout: float = 60.0) -> str:
     """On the Playground page: type `text`, press Send, wait for the answer; returns its trace id."""
-    browser.evaluate("(document.querySelector('[data-testid=\"stMain\"] textarea[aria-label=\"Message\"]')"
-                     " || document.querySelector('[data-testid=\"stMain\"] textarea')).select()")  # replaces any text
+    browser.evaluate("(b => { b.focus(); b.select(); })(document.querySelector('[data-testid=\"stMain\"] "
+                     "textarea[aria-label=\"Message\"]') || document.querySelector('[data-testid=\"stMain\"] "
+                     "textarea'))")  # selected: the text typed replaces any there
     browser.call("Input.insertText", text=text)
     browser.evaluate("document.activeElement.blur()")
     time.sleep(0.8)  # Streamlit commits a text area on blur, with a rerun
