@@ -77,12 +77,24 @@ class UpSettings(BaseSettings):
     usage_db: str | None = Field(None, description="Usage ledger database for gateways and control plane (default: sqlite in --state-dir; postgresql://... to share).")
     abuse_rules: str | None = Field(None, description="YAML of abuse-monitor thresholds for the control plane "
                                     "(control_plane/abuse/model.py; default: built-in).")
+    trusted_proxies: str | None = Field(None, description="CIDRs of load balancers in front of the gateways: "
+                                        "only from them is X-Forwarded-For believed (the gateway's --trusted-proxies).")
     response_cache: bool = Field(False, description="Gateways answer identical deterministic requests of a tenant "
                                  "from the cache nodes (opt-in).")
     tls: bool = Field(False, description="Run every listener and hop on TLS with a local CA and certificate made in STATE_DIR/tls.")
     zones: list[str] = Field(default_factory=list, description=(
         "Zones to spread the processes over, e.g. a,b: shards and cache nodes round-robin (at least one of each "
         "per zone), one gateway per zone on --gateway-port, +1, ... (default: one zone, 'local')."))
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, v: str | None) -> str | None:
+        if v:
+            import ipaddress
+
+            for net in v.split(","):
+                ipaddress.ip_network(net.strip(), strict=False)  # ValueError: "... does not appear to be ..."
+        return v
 
     @field_validator("zones", mode="before")
     @classmethod
@@ -193,6 +205,8 @@ def plan(s: UpSettings, state: Path, admin_token: str,
                    "--zone", zone]
         if s.response_cache:
             gw_args.append("--response-cache")
+        if s.trusted_proxies:
+            gw_args += ["--trusted-proxies", s.trusted_proxies]
         if s.engine == "synthetic":
             gw_args += ["--tokenizer", "whitespace", "--model-name", "synthetic"]
         elif s.model:

@@ -83,7 +83,11 @@ class ControlPlaneSettings(BaseSettings):
     """Log every HTTP request (heartbeats make this noisy)."""
     state_dir: Path | None = None
     """Directory where the tier policy and the degradation level are persisted (JSON, written
-    atomically) and restored from at start; without one they live in memory only."""
+    atomically), and the abuse monitor's actions (sealed), restored from at start; without one
+    they live in memory only."""
+    state_keys_file: Path | None = None
+    """Keys that seal the abuse monitor's state in the state dir (the session keys file's format: the
+    first seals, every listed one opens); default: a key derived from the cluster token."""
     tiers_file: Path | None = None
     """YAML tier policy put in force at start when the state dir holds none (default: built-in)."""
     usage_db: str | None = None

@@ -88,7 +88,7 @@ def _shard(registry: CollectorRegistry) -> list[object]:
 
 def _gateway(registry: CollectorRegistry) -> list[object]:
     # What data_plane.gateway.app.Gateway and its SessionStore register on the gateway's registry.
-    from data_plane.cache.client import SessionStoreMetrics
+    from data_plane.cache.client_metrics import SessionStoreMetrics
     from data_plane.common.crypto import SealMetrics
     from data_plane.gateway.abuse import AbuseGuardMetrics
     from data_plane.gateway.admission import AdmissionMetrics
@@ -116,6 +116,7 @@ def _cache_node(registry: CollectorRegistry) -> list[object]:
 
 def _control_plane(registry: CollectorRegistry) -> list[object]:
     from control_plane.abuse.monitor import AbuseMetrics
+    from control_plane.abuse.persist import AbuseStateMetrics
     from control_plane.degradation import DegradationMetrics
     from control_plane.registry.embedded import RegistryMetrics
     from control_plane.scaling.loop import AutoscalerMetrics
@@ -123,7 +124,8 @@ def _control_plane(registry: CollectorRegistry) -> list[object]:
     from control_plane.zones import ZoneMetrics
 
     return [RegistryMetrics(registry, DEFAULT_SERVICES), DegradationMetrics(registry), AutoscalerMetrics(registry),
-            ZoneMetrics(registry), AbuseMetrics(registry), SlowClientMetrics(registry, "control_plane")]
+            ZoneMetrics(registry), AbuseMetrics(registry), AbuseStateMetrics(registry),
+            SlowClientMetrics(registry, "control_plane")]
 
 
 PROCESSES: dict[str, Callable[[CollectorRegistry], list[object]]] = {

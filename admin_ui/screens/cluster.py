@@ -11,7 +11,7 @@ import time
 import streamlit as st
 
 from admin_ui import ui
-from admin_ui.views.cluster import members_frame, status_counts
+from admin_ui.views.cluster import members_frame, stages_frame, status_counts
 from admin_ui.views.read import items
 from admin_ui.views.signals import split_signals
 
@@ -84,6 +84,15 @@ def body(c: ui.Console) -> None:
                          "ttl_s", "url") if c in shown.columns]
     st.dataframe(ui.colour_words(shown, ["status"]), hide_index=True, column_config=COLUMNS, width="stretch",
                  placeholder="—", column_order=order)
+
+    stages = stages_frame(member_list)
+    if not stages.empty:
+        st.subheader("Pipeline stages", divider="gray")
+        st.caption("Shards split over stage processes (--pipeline-parallel-size): each stage's host and layers. "
+                   "Losing one moves the shard's streams elsewhere and restarts the whole group (docs/SHARDING.md).")
+        st.dataframe(ui.colour_words(stages, ["status"]), hide_index=True, width="stretch", key="pipeline-stages",
+                     column_config={"member": "Shard", "status": "Health", "stage": "Stage", "host": "Host",
+                                    "layers": "Layers", "role": "Holds"})
 
     shards = [m for m in member_list if m.get("service") == "shard"]
     if shards:

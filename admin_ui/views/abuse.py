@@ -21,7 +21,7 @@ def action_rows(actions: list[dict[str, Any]], now: float) -> list[dict[str, Any
     rows = [{
         "id": a["id"],
         "response": a["response"],
-        "subject": ("address " if a["subject_kind"] == "address" else "key ") + a["subject"],
+        "subject": f"{a['subject_kind']} {a['subject']}",
         "tenant": a.get("tenant") or "—",
         "rule": a["rule"].replace("_", " "),
         "why": a["reason"],

@@ -2,6 +2,7 @@
 
     frame = members_frame(admin.members()["members"], latest, now=time.time())
     counts = status_counts(members)       # {service: {status: n}}
+    stages = stages_frame(members)        # a pipelined shard's stages: host and layers of each
 
 Called by admin_ui/screens/cluster.py and overview.py. Pure functions, no Streamlit.
 """
@@ -29,6 +30,8 @@ def members_frame(members: Sequence[Mapping[str, Any]], latest: Mapping[str, Any
         load = None if running is None or waiting is None else running + waiting
         util = None if load is None or not slots else min(load / slots, 1.0)
         detail = ", ".join(f"{k}={meta[k]}" for k in ("model", "engine", "backend") if meta.get(k))
+        if num(meta.get("pipeline_parallel_size")) and num(meta.get("pipeline_parallel_size")) != 1:
+            detail += f", {meta['pipeline_parallel_size']} pipeline stages"
         hb = num(m.get("last_heartbeat"))
         kv_bytes = num(sig.get("prefix_cache_bytes"))
         if kv_bytes is None and m.get("service") == "cache":  # a cache node's KV blocks, from its meta
@@ -69,3 +72,33 @@ def status_counts(members: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, i
         st = str(m.get("status", "unknown"))
         svc[st] = svc.get(st, 0) + 1
     return out
+
+
+def stages_frame(members: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """One row per pipeline stage of every sharded shard (its `pipeline_stages` registration
+    metadata: data_plane/shard/stage_view.py): the shard, its health, the stage, its host, its layers."""
+    rows = []
+    for m in members:
+        value = mapping(m.get("meta")).get("pipeline_stages")
+        if m.get("service") != "shard" or not isinstance(value, str):
+            continue
+        entries = _parse_stages(value)
+        for stage, host, layers in entries:
+            first, _, end = layers.partition("-")
+            rows.append({"member": m.get("id", "?"), "status": str(m.get("status") or "unknown"),
+                         "stage": f"{stage + 1} of {len(entries)}", "host": host,
+                         "layers": f"{first}..{int(end) - 1}" if first.isdigit() and end.isdigit() else layers,
+                         "role": "HTTP, scheduler, embedding, LM head" if stage == 0 else "layers only"})
+    return pd.DataFrame(rows, columns=["member", "status", "stage", "host", "layers", "role"])
+
+
+def _parse_stages(value: str) -> list[tuple[int, str, str]]:
+    """(stage, host, "first-end") of each "stage@host:first-end" entry (data_plane/shard/stage_view.py's format)."""
+    out = []
+    for entry in value.split(","):
+        stage, _, rest = entry.partition("@")
+        host, _, layers = rest.rpartition(":")
+        if stage.isdigit() and host and layers:
+            out.append((int(stage), host, layers))
+    return out
+

@@ -18,14 +18,18 @@ from prometheus_client import CollectorRegistry
 from control_plane.abuse.api import build_abuse_router
 from control_plane.abuse.model import AbuseConfig
 from control_plane.abuse.monitor import AbuseMetrics, AbuseMonitor, ActivitySource
+from control_plane.abuse.persist import open_state_file
 
 
 def build_abuse(settings: Any, usage_store: ActivitySource | None, registry: CollectorRegistry,
                 cluster_token: str | None) -> tuple[AbuseMonitor, APIRouter]:
-    """The monitor (over the usage ledger, thresholds from ``--abuse-rules``) and its routes."""
+    """The monitor (over the usage ledger, thresholds from ``--abuse-rules``, its state sealed in
+    ``--state-dir``) and its routes."""
     rules = getattr(settings, "abuse_rules", None)
     config = AbuseConfig.from_file(rules) if rules else AbuseConfig()
-    monitor = AbuseMonitor(config, usage_store, AbuseMetrics(registry))
+    store = open_state_file(settings.state_dir, keys_file=getattr(settings, "state_keys_file", None),
+                            cluster_token=cluster_token, registry=registry)
+    monitor = AbuseMonitor(config, usage_store, AbuseMetrics(registry), store=store)
     return monitor, build_abuse_router(monitor, settings.admin_token, cluster_token)
 
 

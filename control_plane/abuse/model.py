@@ -12,15 +12,28 @@ the monitor never sees and never stores.
 Thresholds (defaults; every one is a field of :class:`AbuseConfig`, set from a YAML file with
 ``switchboard control-plane --abuse-rules FILE``):
 
+A key's or tenant's *usual* count is its rate over the ``baseline_s`` (24 h) before the window, over the
+part of that period it was active in (control_plane/abuse/rules.py), scaled to one window; each
+relative rule fires at ``max(floor, factor x usual)``, so a key that always sends a lot is not
+flagged for it, and a new key (usual 0) only past the floor.
+
 | rule | subject | fires when, over the last ``window_s`` (300 s) | ladder |
 |---|---|---|---|
-| ``burst`` | key | requests >= max(``burst_min_requests`` 600, ``burst_factor`` 10 x the key's own rate over the previous ``baseline_s`` 24 h), or tokens likewise (``burst_min_tokens`` 500,000) | flag, throttle, block |
-| ``blocked_prompts`` | key | prompts refused by the input filter >= ``blocked_prompts`` 5 | strict checks, block |
-| ``session_probing`` | key | ``session_not_found`` answers >= ``session_404s`` 10 (guessing other conversations' ids) | flag, throttle, block |
-| ``errors`` | key | other 4xx answers >= ``errors`` 100 | flag |
-| ``auth_failures`` | address | 401s from one source address >= ``auth_failures`` 10 | ban |
+| ``burst`` | key | requests >= max(``burst_min_requests`` 600, ``burst_factor`` 10 x usual), or tokens >= max(``burst_min_tokens`` 500,000, 10 x usual) | flag, throttle, block |
+| ``blocked_prompts`` | key | prompts refused by the input filter >= ``blocked_prompts`` 5 (absolute: a refused prompt is never usual) | strict checks, block |
+| ``session_probing`` | key | ``session_not_found`` answers >= max(``session_404s`` 10, ``baseline_factor`` 10 x usual) (guessing other conversations' ids) | flag, throttle, block |
+| ``errors`` | key | other 4xx answers >= max(``errors`` 100, ``baseline_factor`` 10 x usual) | flag |
+| ``tenant_burst`` | tenant | all its keys' requests >= max(``tenant_burst_min_requests`` 3,000, ``burst_factor`` x the tenant's usual), or tokens (``tenant_burst_min_tokens`` 2,500,000): a burst spread over many keys, each below its own bar | flag |
+| ``tenant_session_probing`` | tenant | all its keys' ``session_not_found`` >= max(``tenant_session_404s`` 30, ``baseline_factor`` x usual): probing spread over keys | flag |
+| ``auth_failures`` | address | 401s from one source address >= ``auth_failures`` 10 (the address behind trusted proxies: the gateway's ``--trusted-proxies``) | ban |
 
-A rule that still fires ``escalate_after_s`` (60 s) after its last step takes the next one. Each
+A tenant's rules only flag (for an operator to review): acting on a whole tenant is an operator's
+call. A floor of 0 turns its rule off.
+
+A rule that still fires ``escalate_after_s`` (60 s) after its last step takes the next one if the
+key kept at it over those 60 s (a burst: its rate over them, refused requests too, still reaches
+the bar; the other rules: one more of what they count, or a request refused under the action); a
+key that stopped stays at its step until it expires. Each
 action expires (``durations_s``); an operator can lift one (the rule then counts only what comes
 after the lift) or confirm it (held for ``confirm_hold_s``).
 """
@@ -38,6 +51,7 @@ class Subject(enum.Enum):
 
     KEY = "key"
     ADDRESS = "address"
+    TENANT = "tenant"
 
 
 class Response(enum.Enum):
@@ -69,11 +83,15 @@ class Rule(enum.Enum):
     BLOCKED_PROMPTS = "blocked_prompts"
     SESSION_PROBING = "session_probing"
     ERRORS = "errors"
+    TENANT_BURST = "tenant_burst"
+    TENANT_SESSION_PROBING = "tenant_session_probing"
     AUTH_FAILURES = "auth_failures"
 
     @property
     def subject(self) -> Subject:
-        return Subject.ADDRESS if self is Rule.AUTH_FAILURES else Subject.KEY
+        if self is Rule.AUTH_FAILURES:
+            return Subject.ADDRESS
+        return Subject.TENANT if self in (Rule.TENANT_BURST, Rule.TENANT_SESSION_PROBING) else Subject.KEY
 
     @property
     def ladder(self) -> tuple[Response, ...]:
@@ -85,6 +103,8 @@ LADDERS: dict[Rule, tuple[Response, ...]] = {
     Rule.BLOCKED_PROMPTS: (Response.STRICT, Response.BLOCK),
     Rule.SESSION_PROBING: (Response.FLAG, Response.THROTTLE, Response.BLOCK),
     Rule.ERRORS: (Response.FLAG,),
+    Rule.TENANT_BURST: (Response.FLAG,),
+    Rule.TENANT_SESSION_PROBING: (Response.FLAG,),
     Rule.AUTH_FAILURES: (Response.BAN,),
 }
 
@@ -111,15 +131,19 @@ class Finding:
 
     @property
     def reason(self) -> str:
-        if self.rule is Rule.BURST:
+        if self.rule in (Rule.BURST, Rule.TENANT_BURST):
             unit = "tokens" if self.tokens else "requests"
-            return (f"{self.observed:g} {unit} in the window, usually {self.baseline:.3g} "
+            whose = " from all the tenant's keys" if self.rule is Rule.TENANT_BURST else ""
+            return (f"{self.observed:g} {unit}{whose} in the window, usually {self.baseline:.3g} "
                     f"(threshold {self.threshold:g})")
         what = {Rule.BLOCKED_PROMPTS: "prompts refused by the input filter",
                 Rule.SESSION_PROBING: "requests for sessions that do not exist (session id probing)",
+                Rule.TENANT_SESSION_PROBING: "requests for sessions that do not exist from all the tenant's keys "
+                                             "(session id probing)",
                 Rule.ERRORS: "rejected requests (4xx)",
                 Rule.AUTH_FAILURES: "failed authentications from this address"}[self.rule]
-        return f"{self.observed:g} {what} (threshold {self.threshold:g})"
+        usual = "" if self.rule in (Rule.BLOCKED_PROMPTS, Rule.AUTH_FAILURES) else f", usually {self.baseline:.3g}"
+        return f"{self.observed:g} {what}{usual} (threshold {self.threshold:g})"
 
 
 @dataclass(frozen=True)
@@ -139,6 +163,11 @@ class Event:
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "at": self.at, "rule": self.rule.value, "subject_kind": self.subject_kind.value,
                 "subject": self.subject, "tenant": self.tenant, "reason": self.reason, "response": self.response.value}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Event:
+        return cls(int(d["id"]), float(d["at"]), Rule(d["rule"]), Subject(d["subject_kind"]), str(d["subject"]),
+                   str(d["tenant"]), str(d["reason"]), Response(d["response"]))
 
 
 @dataclass(frozen=True)
@@ -161,6 +190,12 @@ class Action:
                 "rule": self.rule.value, "response": self.response.value, "reason": self.reason,
                 "created_at": self.created_at, "expires_at": self.expires_at, "review": self.review.value}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Action:
+        return cls(int(d["id"]), Subject(d["subject_kind"]), str(d["subject"]), str(d["tenant"]), Rule(d["rule"]),
+                   Response(d["response"]), str(d["reason"]), float(d["created_at"]), float(d["expires_at"]),
+                   Review(d["review"]))
+
 
 def _default_durations() -> dict[str, float]:
     return {"flag": 3600.0, "strict": 900.0, "throttle": 600.0, "block": 300.0, "ban": 600.0}
@@ -177,17 +212,27 @@ class AbuseConfig:
     baseline_s: float = 86400.0
     """The history a key's usual rate is taken from (before the window)."""
     burst_factor: float = 10.0
-    """A burst is this many times the key's usual rate..."""
+    """A burst is this many times the key's (or tenant's) usual count in a window..."""
     burst_min_requests: int = 600
     """...and at least this many requests in the window (new keys have no baseline; 2 a second)."""
     burst_min_tokens: int = 500_000
     """...or at least this many tokens in the window."""
     blocked_prompts: int = 5
     session_404s: int = 10
+    """The floor of ``session_probing`` (its bar: this, or ``baseline_factor`` x the key's usual)."""
     errors: int = 100
+    """The floor of ``errors`` (likewise)."""
+    baseline_factor: float = 10.0
+    """How far past its usual count a key's session 404s or errors must go (the floors still apply)."""
+    tenant_burst_min_requests: int = 3000
+    """The floor of ``tenant_burst`` in requests (0: off)."""
+    tenant_burst_min_tokens: int = 2_500_000
+    """The floor of ``tenant_burst`` in tokens (0: off)."""
+    tenant_session_404s: int = 30
+    """The floor of ``tenant_session_probing`` (0: off)."""
     auth_failures: int = 10
     escalate_after_s: float = 60.0
-    """A rule still firing this long after its last step takes the next one."""
+    """A rule still firing this long after its last step, its key having kept at it meanwhile, takes the next one."""
     durations_s: dict[str, float] = field(default_factory=_default_durations)
     """How long each response lasts (by Response value)."""
     confirm_hold_s: float = 86400.0

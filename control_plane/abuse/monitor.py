@@ -12,12 +12,18 @@ them; data_plane/gateway/abuse.py applies them).
 
 One action per (subject, rule): a finding with none starts the rule's ladder; a finding while an
 action is in force moves it one step up the ladder once ``escalate_after_s`` has passed since the
-step was taken. Actions expire by themselves (``durations_s``); a rule that still fires when its
-action expires takes the same step again (a key that keeps hammering stays blocked; an address
-whose failures are still in the window stays banned). A lift ends the action and lets the
-rule start afresh after one window (what it counted before the lift no longer counts); a
-confirmation keeps the action ``confirm_hold_s``. Every change bumps the state index that the
-gateways' blocking query waits on, so they apply it within a second or so.
+step was taken, if the subject kept at it over that time (control_plane/abuse/rules.py
+kept_at_it: a key that stopped stays at its step until it expires). Actions expire by themselves
+(``durations_s``); a rule that still fires when its action expires takes the same step again (a key
+that keeps hammering stays blocked; an address whose failures are still in the window stays banned).
+A lift ends the action and lets the rule start afresh after one window (what it counted before the
+lift no longer counts); a confirmation keeps the action ``confirm_hold_s``. Every change bumps the
+state index that the gateways' blocking query waits on, so they apply it within a second or so.
+
+With a state file (control_plane/abuse/persist.py: ``--state-dir``, sealed at rest) every change is
+saved, and a restarted monitor is back where it was: the actions in force (those whose time ran
+out meanwhile end as expired at once, the rest keep their expiry), the lifts' quiet windows, the
+recent steps, the events and the gateways' reports as of the last change.
 """
 
 from __future__ import annotations
@@ -33,13 +39,16 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from control_plane.abuse.model import AbuseConfig, Action, Event, Finding, Response, Review, Rule, Subject
-from control_plane.abuse.rules import evaluate
+from control_plane.abuse.persist import AbuseStateFile
+from control_plane.abuse.rules import evaluate, kept_at_it, tail_totals
 from control_plane.state_api import StateIndex
 from data_plane.common.tasks import stop_tasks
 from data_plane.ledger.store import KeyActivity
 
 log = logging.getLogger(__name__)
 
+PERSISTED_EVENTS = 200
+"""The newest events kept in the state file."""
 MAX_REPORTED_ADDRESSES = 4096
 """Addresses kept per window from the gateways' reports (the most failing ones win)."""
 
@@ -77,7 +86,8 @@ class AbuseMonitor:
     """See the module docstring."""
 
     def __init__(self, config: AbuseConfig, source: ActivitySource | None, metrics: AbuseMetrics, *,
-                 index: StateIndex | None = None, clock: Callable[[], float] = time.time) -> None:
+                 index: StateIndex | None = None, clock: Callable[[], float] = time.time,
+                 store: AbuseStateFile | None = None) -> None:
         self.config = config
         self.index = index or StateIndex()
         self._source = source
@@ -92,6 +102,11 @@ class AbuseMonitor:
         self._next_id = 1
         self._task: asyncio.Task[None] | None = None
         self._warned = False
+        self._tail: dict[str, Any] = {}
+        self._store = store
+        saved = store.load() if store is not None else None
+        if saved is not None:
+            self._restore(saved)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -133,7 +148,9 @@ class AbuseMonitor:
                 recent = await asyncio.to_thread(self._source.activity, now - c.window_s, now)
                 baseline = await asyncio.to_thread(self._source.activity, now - c.window_s - c.baseline_s,
                                                    now - c.window_s)
-            findings = evaluate(c, recent, baseline, self._auth_in_window(now))
+                tail = await asyncio.to_thread(self._source.activity, now - min(c.escalate_after_s, c.window_s), now)
+                self._tail = tail_totals(tail)
+            findings = evaluate(c, recent, baseline, self._auth_in_window(now), baseline_end=now - c.window_s)
         except Exception as exc:  # noqa: BLE001 (a ledger that is down, any driver: keep what is in force)
             self._metrics.evaluations.labels("error").inc()
             if not self._warned:
@@ -166,6 +183,8 @@ class AbuseMonitor:
             else:
                 at = ladder.index(current.response)
                 if at + 1 >= len(ladder) or now - current.created_at < self.config.escalate_after_s:
+                    continue
+                if not kept_at_it(self.config, f, self._tail):
                     continue
                 step = ladder[at + 1]
             self._take(f, step, now, current)
@@ -213,6 +232,44 @@ class AbuseMonitor:
                 sum(1 for a in self._actions.values() if a.response is response))
         self._metrics.pending.set(sum(1 for a in self._actions.values() if a.review is Review.PENDING))
         self.index.bump()
+        if self._store is not None:
+            self._store.save(self.snapshot())
+
+    # -- at rest --------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything a restarted monitor needs (ids, numbers, reasons: no text)."""
+        def key(k: tuple[Subject, str, Rule]) -> list[str]:
+            return [k[0].value, k[1], k[2].value]
+
+        return {"next_id": self._next_id, "actions": [a.to_dict() for a in self._actions.values()],
+                "suppressed": [[*key(k), until] for k, until in self._suppressed.items()],
+                "last_step": [[*key(k), r.value, at] for k, (r, at) in self._last_step.items()],
+                "events": [e.to_dict() for e in list(self._events)[-PERSISTED_EVENTS:]], "ended": list(self._ended),
+                "auth": [[at, counts] for at, counts in self._auth]}
+
+    def _restore(self, saved: dict[str, Any]) -> None:
+        now = self._clock()
+        try:
+            actions = [Action.from_dict(a) for a in saved.get("actions", [])]
+            suppressed = {(Subject(k), s, Rule(r)): float(u) for k, s, r, u in saved.get("suppressed", [])}
+            last = {(Subject(k), s, Rule(r)): (Response(x), float(at)) for k, s, r, x, at in saved.get("last_step", [])}
+            events = [Event.from_dict(e) for e in saved.get("events", [])]
+            auth = [(float(at), {str(a): int(n) for a, n in counts.items()}) for at, counts in saved.get("auth", [])]
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
+            log.error("abuse state: saved state not understood (%s: %s); starting without it", type(exc).__name__, exc)
+            return
+        self._actions = {(a.subject_kind, a.subject, a.rule): a for a in actions}
+        self._suppressed, self._last_step = suppressed, last
+        self._events.extend(events)
+        self._ended.extend(e for e in saved.get("ended", []) if isinstance(e, dict))
+        self._auth.extend(auth)
+        self._next_id = max([int(saved.get("next_id", 1)), *(a.id + 1 for a in actions), *(e.id + 1 for e in events)])
+        expired = len([a for a in actions if a.expires_at <= now])
+        log.info("abuse state restored: %d actions in force, %d whose time ran out while down", len(actions) - expired,
+                 expired)
+        self._expire(now)
+        self._changed()
 
     # -- operators ------------------------------------------------------------------------------
 

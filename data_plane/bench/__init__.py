@@ -8,6 +8,7 @@
     switchboard bench ttft --conversations 4 --turns 9 --json /tmp/ttft.json
     switchboard bench verify --batch 1,4 --json /tmp/verify.json
     switchboard bench memory --conversations 4 --turns 120 --json /tmp/memory.json
+    switchboard bench response-cache --requests 300 --repeat-share 0.3 --json /tmp/response-cache.json
     switchboard bench hops --rows 1,16 --json /tmp/hops.json
     switchboard bench quality --formats bfloat16:int4 --json /tmp/quality.json
 
@@ -27,6 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "route": ("data_plane.bench.route", "per-request routing cost (pick + lease) at 10 to 10,000 shards"),
     "ttft": ("data_plane.bench.ttft_breakdown", "where a follow-up turn's TTFT goes (spans), prefix caching off vs on"),
     "memory": ("data_plane.bench.memory", "facts planted early in 100+-turn conversations, asked late: retrieval recall, accuracy"),
+    "response-cache": ("data_plane.bench.response_cache", "a workload with ~30 % repeats, response cache on vs off: hit latency, shard work saved"),
     "hops": ("data_plane.bench.hop_cost", "a gloo send/recv and all-reduce of one step's hidden state between two processes"),
     "quality": ("data_plane.bench.quality", "perplexity and greedy agreement against float32, per dtype/weight format"),
     "verify": ("data_plane.bench.verify_cost", "a speculative verify pass against a decode step, per draft rows and batch"),

@@ -19,6 +19,9 @@ rate (one-shot prompts that each start with a unique system line), in interleave
 the next turn on another shard with its KV from the cache nodes, or recomputed
 (data_plane/bench/multiturn_failover.py; `--failover-turn`).
 
+`--api responses` compares the Responses API (`previous_response_id`) with sessions instead, on one
+stack in the same run: TTFT per history length and their ratio (data_plane/bench/multiturn_responses.py).
+
 `--systems affinity,kv_aware` compares the gateway's routing policies instead, across a scale-out
 mid-conversation (data_plane/bench/multiturn_routing.py).
 
@@ -217,6 +220,8 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="switchboard bench multiturn", description=__doc__.split("\n\n")[0])
+    p.add_argument("--api", default="chat", choices=("chat", "responses"),
+                   help="responses: the Responses API next to sessions, same run (prefix caching on)")
     p.add_argument("--systems", default="off,on", help="prefix caching settings to compare (off,on)")
     p.add_argument("--conversations", type=int, default=8, help="concurrent conversations (default 8)")
     p.add_argument("--turns", type=int, default=8, help="turns per conversation (default 8)")
@@ -242,6 +247,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if args.api == "responses":  # imported by name, as multiturn_routing: it builds on this module
+        return importlib.import_module("data_plane.bench.multiturn_responses").run(args)
     if systems and set(systems) <= {"affinity", "kv_aware"}:  # KV-aware routing vs session hashing
         # Imported by name: multiturn_routing builds on this module (no import cycle).
         return importlib.import_module("data_plane.bench.multiturn_routing").run(args, systems)

@@ -16,14 +16,15 @@ a free session in the gateway's own zone), and reads ask the local zone's copy f
   there in the background, so a paid session that is not read again still regains its second
   copy. Older sessions are repaired on their next read (below).
 
-- ``load`` asks those nodes in ring order; the first one that has the record wins. Read-repair
-  then runs in the background (tracked, so :meth:`SessionStore.drain` can wait for it): replicas
-  that answered 404 before the hit, and replicas after it that turn out to lack the record or to
-  hold an older version, get it written back with its version, timestamps and remaining TTL. So
-  a node that joins a preference list is filled on first read. A record owned by someone else is
-  reported as
+- ``load`` asks those nodes in ring order; the first one that has the record wins, unless the
+  placement changed since it was written (or an audit, or a save here missed a replica): then the
+  replicas after it are read too and the newest version wins (a node that was away may hold an
+  old copy). Read-repair then runs in the background (tracked, so :meth:`SessionStore.drain` can
+  wait for it): replicas that lack the record or hold an older version get it written back with
+  its version, timestamps and remaining TTL. A record owned by someone else is reported as
   :class:`~data_plane.common.errors.NotFound` (``session_not_found``), exactly like a missing one would
-  be to that caller. If no node answered at all, the store is unavailable, not empty.
+  be to that caller; a tombstone (a deleted record, see ``delete``) reads as missing. If no node
+  answered at all, the store is unavailable, not empty.
 - ``save`` writes the whole transcript to every replica at once and returns how many
   acknowledged. Nodes keep the highest version (last writer by version wins); when every replica
   already holds a newer version the write raises :class:`VersionConflict`.
@@ -53,9 +54,10 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import propagate, trace
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 
-from data_plane.cache.model import MAX_RECORD_BYTES, SECONDS_BUCKETS, Transcript, VersionConflict, validate_session_id
+from data_plane.cache.client_metrics import SessionStoreMetrics
+from data_plane.cache.model import MAX_RECORD_BYTES, TOMBSTONE_VERSION, Transcript, VersionConflict, validate_session_id
 from data_plane.common.crypto import SealError, TranscriptSealer
 from data_plane.common.errors import NotFound, Overloaded, from_openai_body
 from data_plane.membership.hashring import DEFAULT_VNODES, HashRing
@@ -78,34 +80,6 @@ CLOCK_SLACK_S = 5.0
 treated as possibly written under the old placement."""
 AUDIT_SHARE = 0.05
 """Share of reads that check the replicas they did not need to ask, whatever the above says."""
-
-
-class SessionStoreMetrics:
-    """The session store's metrics, registered in `registry`.
-
-    ``result`` is one of: load hit|miss|denied|error; save ok|partial|stale|error;
-    repair ok|stale|error; delete ok|error.
-    """
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.ops = Counter(
-            "switchboard_session_store_ops_total",
-            "Session store operations by outcome.",
-            ["op", "result"],
-            registry=registry,
-        )
-        self.repairs = Counter(
-            "switchboard_session_replica_repairs_total",
-            "Transcripts written back to a replica that was missing them (read-repair).",
-            registry=registry,
-        )
-        self.seconds = Histogram(
-            "switchboard_session_store_seconds",
-            "Session store operation latency, all replicas included.",
-            ["op"],
-            buckets=SECONDS_BUCKETS,
-            registry=registry,
-        )
 
 
 @dataclass
@@ -195,14 +169,20 @@ class SessionStore:
                     raise Overloaded("no cache replica answered", code="cache_unavailable", retry_after=1)
                 outcome.result = "miss"
                 return None
-            if found.owner != owner:
-                outcome.result = "denied"
+            if self._may_lag(found):  # a replica not asked may hold a newer version, or the record's tombstone
+                found, stale = await self._newest(member, found, targets[asked:])
+                missing += stale
+            if found.owner != owner and not found.deleted:
+                outcome.result = "denied"  # and nothing repaired on another key's behalf
                 raise NotFound(
                     f"session {session_id!r} not found", param="session_id", code="session_not_found"
                 )
-            unchecked = targets[asked:] if self._may_lag(found) else []
-            if missing or unchecked:
-                self._start_repair(found, missing, unchecked=unchecked)
+            if missing:
+                self._start_repair(found, missing)  # a tombstone too: it spreads over the old copies
+            if found.deleted:
+                outcome.result = "deleted"
+                span.set_attribute("switchboard.session.tombstone", True)
+                return None
             outcome.result = "hit"
             return found
 
@@ -231,9 +211,7 @@ class SessionStore:
                 if len(self._recent) > MAX_RECENT:
                     self._recent.popitem(last=False)
             if 0 < acks < len(targets):
-                self._suspects[session_id] = None  # a replica missed this write: check it on the next read
-                if len(self._suspects) > MAX_SUSPECTS:
-                    self._suspects.popitem(last=False)
+                self._suspect(session_id)  # a replica missed this write: check it on the next read
             elif acks == len(targets):
                 self._suspects.pop(session_id, None)
             if acks == 0:
@@ -255,17 +233,28 @@ class SessionStore:
             return acks
 
     async def delete(self, session_id: str, owner: str, replicas: int) -> int:
-        """Remove `session_id` (and its KV blocks) from every cache node, not only its current replicas,
-        so no old copy can come back by read-repair; NotFound unless `owner` holds it. Returns the
-        nodes that held it."""
-        if await self.load(session_id, owner, replicas) is None:
+        """Remove `session_id` (and its KV blocks) from every cache node and leave its tombstone
+        (:data:`~data_plane.cache.model.TOMBSTONE_VERSION`) on the replicas: a node that missed the delete
+        holds an older version, which cannot be written over it nor win a read that compares replicas
+        (after a placement change or a missed write), and gets it by read-repair or the background
+        repair of joining nodes. NotFound unless `owner` holds it. Returns the nodes that held it."""
+        found = await self.load(session_id, owner, replicas)
+        if found is None:
             raise NotFound(f"session {session_id!r} not found", param="session_id", code="session_not_found")
         await self.drain()  # a read-repair that load started must not write it back afterwards
         with self._op("delete", "cache.delete") as (outcome, span):
             members = self._membership.members(self._service)
             held = sum(await asyncio.gather(*(self._delete_one(m, session_id) for m in members)))
-            self._recent.pop(session_id, None)
+            tombstone = Transcript(session_id, owner, (), TOMBSTONE_VERSION, updated_at=time.time())
+            ttl = found.ttl_left(time.time())  # as long as a stale copy could live, no longer
+            ttl = None if ttl is None else max(ttl, 1.0)
+            marked = await asyncio.gather(*(self._put(m, tombstone, ttl, keep_updated_at=False)
+                                            for m in self.replicas_for(session_id, replicas)))
+            if any(r.result != "ok" for r in marked):  # a replica missed it: the next read compares them all
+                self._suspect(session_id)
+            self._recent[session_id] = self._recent.pop(session_id, replicas)  # joining nodes get the tombstone
             span.set_attribute("switchboard.session.deleted_copies", held)
+            span.set_attribute("switchboard.session.tombstones", sum(r.result == "ok" for r in marked))
             outcome.result = "ok"
             return held
 
@@ -459,20 +448,31 @@ class SessionStore:
         return (found.updated_at < self._placement.since + CLOCK_SLACK_S
                 or found.session_id in self._suspects or random.random() < AUDIT_SHARE)
 
-    def _start_repair(self, transcript: Transcript, missing: list[Member], unchecked: list[Member]) -> None:
-        task = asyncio.create_task(self._repair(transcript, missing, unchecked), name="session-read-repair")
+    def _suspect(self, session_id: str) -> None:
+        self._suspects[session_id] = None
+        if len(self._suspects) > MAX_SUSPECTS:
+            self._suspects.popitem(last=False)
+
+    async def _newest(self, first: Member, found: Transcript, rest: list[Member]) -> tuple[Transcript, list[Member]]:
+        """The newest of `found` (from `first`) and the copies `rest` hold, and the members that lack it
+        or hold an older version (to repair)."""
+        fetched = await asyncio.gather(*(self._fetch(m, found.session_id) for m in rest))
+        copies = [(first, found), *((m, t) for m, (_, t) in zip(rest, fetched, strict=True) if t is not None)]
+        newest = max((t for _, t in copies), key=lambda t: t.version)
+        behind = [m for m, t in copies if t.version < newest.version]
+        return newest, behind + [m for m, (kind, _) in zip(rest, fetched, strict=True) if kind in ("miss", "unreadable")]
+
+    def _start_repair(self, transcript: Transcript, behind: list[Member]) -> None:
+        task = asyncio.create_task(self._repair(transcript, behind), name="session-read-repair")
         self._repairs.add(task)
         task.add_done_callback(self._repairs.discard)
 
-    async def _repair(self, transcript: Transcript, missing: list[Member], unchecked: list[Member]) -> None:
-        """Write `transcript` to the replicas that lack it: those that answered 404, and those
-        not asked before the hit (after a membership change a new replica can sit behind it)."""
+    async def _repair(self, transcript: Transcript, behind: list[Member]) -> None:
+        """Write `transcript` to the replicas that lack it or hold an older version (nodes keep the
+        highest version, so a newer save that lands meanwhile is never overwritten)."""
         with tracer.start_as_current_span("cache.read_repair") as span:
-            await asyncio.gather(
-                *(self._repair_one(m, transcript, checked=True) for m in missing),
-                *(self._repair_one(m, transcript, checked=False) for m in unchecked),
-            )
-            span.set_attribute("switchboard.session.repair_candidates", len(missing) + len(unchecked))
+            await asyncio.gather(*(self._repair_one(m, transcript, checked=True) for m in behind))
+            span.set_attribute("switchboard.session.repair_candidates", len(behind))
 
     async def _repair_one(self, member: Member, transcript: Transcript, *, checked: bool) -> bool:
         """Write `transcript` to `member` unless it holds it already; True if it was written."""

@@ -53,6 +53,12 @@ class VersionConflict(SwitchboardError):
         return out
 
 
+TOMBSTONE_VERSION = 2**53 - 1
+"""The version of a deleted record's tombstone (the highest a node accepts): as nodes keep the highest
+version, no older copy (a replica that was down during the delete, a late read-repair) can be
+written over it, and read-repair spreads the tombstone itself. It holds no messages."""
+
+
 @dataclass(frozen=True)
 class Transcript:
     """One session's whole transcript, as stored on a cache node and returned by ``load``."""
@@ -95,6 +101,11 @@ class Transcript:
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed transcript: {exc!r}") from None
+
+    @property
+    def deleted(self) -> bool:
+        """A tombstone (:data:`TOMBSTONE_VERSION`): the record was deleted."""
+        return self.version >= TOMBSTONE_VERSION
 
     def ttl_left(self, now: float) -> float | None:
         """Seconds until expiry (None: the node's default applies)."""

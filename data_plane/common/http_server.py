@@ -174,7 +174,9 @@ def serve(app: Any, *, host: str, port: int, graceful_s: int = 5, access_log: bo
     their cuts counted in `registry` (the one the app's /metrics shows)."""
     hooks = (on_shutdown,) if callable(on_shutdown) else tuple(on_shutdown)
     protocol = guarded_protocol(HttpLimits.from_env(), registry, process)
-    config = uvicorn.Config(app, host=host, port=port, http=protocol, lifespan="on",
+    # proxy_headers off: uvicorn's default believes X-Forwarded-For from 127.0.0.1, so any local client
+    # could name its own address; the gateway's --trusted-proxies decides (data_plane/gateway/client_address.py)
+    config = uvicorn.Config(app, host=host, port=port, http=protocol, lifespan="on", proxy_headers=False,
                             access_log=access_log, log_config=None, timeout_graceful_shutdown=graceful_s,
                             **TlsConfig.from_env().uvicorn_kwargs())
     _Server(config, hooks).run()

@@ -1,8 +1,8 @@
 """The gateway's half of abuse handling: applies the control plane's actions, reports bad keys.
 
-    guard = AbuseGuard(AbuseGuardMetrics(registry))
+    guard = AbuseGuard(AbuseGuardMetrics(registry), ClientAddress(settings.trusted_proxies))
     await guard.connect(control_plane_url, http, headers)   # watch /v1/abuse/state, report every 2 s
-    principal = guard.authenticate(keys, request)           # 403 for a banned address, before the key lookup
+    principal = guard.authenticate(keys, request, span)     # 403 for a banned address, before the key lookup
     measures = guard.admit(principal, tier)                 # 429 blocked / throttled; else what to tighten
     max_tokens = measures.max_tokens(max_tokens)            # strict: a lower output cap
     policy = safety.get(measures.safety(tier.safety, safety.names()))   # strict: the strict input filter
@@ -15,7 +15,9 @@ allows everything and still counts failures. Answers: a blocked key 429 ``abuse_
 throttled one past its ``throttle_rpm`` 429 ``abuse_throttled``, both with Retry-After and a message
 saying why and what to do; a banned address 403 ``address_banned`` with Retry-After. Authentication
 failures are counted per source address here (bounded) and posted to the control plane; the
-metrics carry reasons only, never a key or an address. Nothing here reads a prompt.
+address is the TCP peer's, or X-Forwarded-For's when the peer is one of ``--trusted-proxies``
+(data_plane/gateway/client_address.py). The metrics carry reasons only, never a key or an address.
+Nothing here reads a prompt.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from data_plane.common.errors import AuthenticationError, PermissionDenied, RateLimited
 from data_plane.common.tasks import stop_tasks
+from data_plane.gateway.client_address import FORWARDED_FOR, ClientAddress, Source
 from data_plane.membership.embedded import BlockingWatcher
 
 log = logging.getLogger(__name__)
@@ -115,12 +118,17 @@ class AbuseGuardMetrics:
                                   "itself (banned|blocked|throttled).", ["outcome"], registry=registry)
         self.actions = Gauge("switchboard_gateway_abuse_actions", "Abuse actions in force here, by response.",
                              ["response"], registry=registry)
+        self.addresses = Counter("switchboard_gateway_client_address", "Where authenticated requests' client "
+                                 "address came from (peer|forwarded|untrusted|invalid: data_plane/gateway/"
+                                 "client_address.py).", ["source"], registry=registry)
         self.dropped = Counter("switchboard_gateway_auth_failure_addresses_dropped",
                                "Addresses not counted because the report was full.", registry=registry)
         for reason in ("missing", "invalid"):
             self.auth_failures.labels(reason)
         for outcome in Outcome:
             self.rejections.labels(outcome.value)
+        for source in Source:
+            self.addresses.labels(source.value)
         for response in Response:
             self.actions.labels(response.value)
 
@@ -128,8 +136,10 @@ class AbuseGuardMetrics:
 class AbuseGuard:
     """See the module docstring. `clock` is wall time (the actions' expiries are unix seconds)."""
 
-    def __init__(self, metrics: AbuseGuardMetrics, clock: Any = time.time) -> None:
+    def __init__(self, metrics: AbuseGuardMetrics, addresses: ClientAddress | None = None,
+                 clock: Any = time.time) -> None:
         self._metrics = metrics
+        self._resolve = addresses or ClientAddress([])
         self._clock = clock
         self._keys: dict[str, _InForce] = {}
         self._addresses: dict[str, _InForce] = {}
@@ -163,11 +173,15 @@ class AbuseGuard:
                 entry = _InForce(response, float(a["expires_at"]), str(a.get("reason", "")))
             except (KeyError, ValueError, TypeError):
                 continue  # a response this gateway does not know (yet): flag-like, nothing to do
-            table = addresses if a.get("subject_kind") == "address" else keys
+            table = {"address": addresses, "key": keys}.get(str(a.get("subject_kind")))
+            if table is None:
+                continue  # a tenant's action is a flag for review: nothing to apply here
             held = table.get(str(a["subject"]))
             if held is None or _RANK[response] > _RANK[held.response]:
                 table[str(a["subject"])] = entry
         self._keys, self._addresses = keys, addresses
+        # the throttle's per-key request times: only for keys still throttled (it grew with every key ever throttled)
+        self._recent = {k: v for k, v in self._recent.items() if k in keys and keys[k].response is Response.THROTTLE}
         self._throttle_rpm = max(1, int(body.get("throttle_rpm") or self._throttle_rpm))
         self._strict_cap = max(1, int(body.get("strict_max_output_tokens") or self._strict_cap))
         for response in Response:
@@ -176,10 +190,18 @@ class AbuseGuard:
 
     # -- the request path -----------------------------------------------------------------------
 
-    def authenticate(self, keys: _Keys, request: _Request) -> Any:
+    def client_address(self, request: _Request) -> tuple[str, Source]:
+        """The request's client address (behind trusted proxies) and where it came from."""
+        peer = request.client.host if request.client is not None else ""
+        return self._resolve.of(peer, request.headers.getlist(FORWARDED_FOR))
+
+    def authenticate(self, keys: _Keys, request: _Request, span: Any = None) -> Any:
         """The principal of `request`; 403 for a banned address (the key is not looked up), and
-        every 401 counted against the request's source address."""
-        address = request.client.host if request.client is not None else ""
+        every 401 counted against the request's client address."""
+        address, source = self.client_address(request)
+        self._metrics.addresses.labels(source.value).inc()
+        if span is not None:
+            span.set_attribute("switchboard.client_address.source", source.value)
         ban = self._in_force(self._addresses, address)
         if ban is not None:
             self._metrics.rejections.labels(Outcome.BANNED.value).inc()
@@ -267,6 +289,7 @@ class _AbuseStateWatch(BlockingWatcher):
         self._headers = headers
         self._guard = guard
         self._index = 0
+        self._instance = ""
 
     async def _sync(self, *, wait_s: float, timeout_s: float) -> bool:
         try:
@@ -275,12 +298,13 @@ class _AbuseStateWatch(BlockingWatcher):
             resp.raise_for_status()
             body = resp.json()
             index = int(body["index"])
+            instance = str(body.get("instance_id", ""))
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             self._unreachable(exc, "keeping the abuse actions in force until they expire")
             return False
         self._synced(index)
-        if index != self._index:
-            self._index = index
+        if (instance, index) != (self._instance, self._index):  # a restarted control plane counts afresh
+            self._index, self._instance = index, instance
             self._guard.apply(body)
             self._notify()
         return True

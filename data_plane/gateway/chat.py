@@ -290,7 +290,7 @@ class ChatHandler:
     async def _prepare_and_open(self) -> Opened:
         gw, rt, settings, x = self.gw, self.rt, self.gw.settings, self.x
         span = x.span
-        principal = gw.guard.authenticate(gw.keys, self.request)  # a banned address never reaches the keys
+        principal = gw.guard.authenticate(gw.keys, self.request, span)  # a banned address never reaches the keys
         self.principal = principal
         tiers = self.tiers if principal.tier in self.tiers else gw.tiers  # a key's tier the hot policy lacks
         tier = tiers.get(principal.tier)

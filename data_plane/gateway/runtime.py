@@ -29,6 +29,7 @@ from data_plane.common.tls import TlsConfig
 from data_plane.gateway.abuse import AbuseGuard, AbuseGuardMetrics
 from data_plane.gateway.admission import Admission, AdmissionConfig, AdmissionMetrics, shard_capacity
 from data_plane.gateway.auth import KeyStore
+from data_plane.gateway.client_address import ClientAddress
 from data_plane.gateway.cluster_state import ClusterStateView, HttpClusterState, StaticClusterState
 from data_plane.gateway.context import TokenCounter
 from data_plane.gateway.memory import MemoryMetrics
@@ -81,7 +82,7 @@ class Gateway:
         self.limiter = build_limiter(s.ratelimit_backend, RateLimitMetrics(self.registry), redis_url=s.redis_url,
                                      tier_rpm=s.tier_rpm, tier_tpm=s.tier_tpm, known_tiers=self.tiers.names())
         self.ledger = ledger_from_settings(s, self.registry)
-        self.guard = AbuseGuard(AbuseGuardMetrics(self.registry))
+        self.guard = AbuseGuard(AbuseGuardMetrics(self.registry), ClientAddress(s.trusted_proxies))
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,9 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
         await gw.guard.connect(settings.control_plane_url or settings.registry_url or "", http,
                                cluster_headers(cluster_token_from_env()))
         stack.push_async_callback(gw.guard.aclose)
+    if settings.trusted_proxies:
+        log.info("client addresses: X-Forwarded-For believed from the trusted proxies %s only",
+                 ", ".join(map(str, settings.trusted_proxies)))
     router = Router(membership, gw.router_metrics, policy=settings.routing_policy,
                     epsilon=settings.bounded_load_epsilon, eject_after=settings.eject_after,
                     eject_s=settings.eject_s, zone=settings.zone, zone_slack=settings.zone_spill_slack)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AnyHttpUrl, Field, PositiveFloat, PositiveInt
+from pydantic import AnyHttpUrl, Field, IPvAnyNetwork, PositiveFloat, PositiveInt
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from data_plane.common.settings_cli import CommaList, TierMap
@@ -76,4 +76,5 @@ class GatewaySettings(BaseSettings):
     usage_flush_interval_s: float = Field(1.0, gt=0, le=60, description="Seconds between batch writes of spooled usage records to the database.")
     session_keys_file: str | None = Field(None, description="Keys that encrypt session transcripts at rest: one '<key id> <base64 32 bytes>' per line, the first seals (default: derived from the cluster token).")
     session_keys: str | None = Field(None, description="The same as 'kid:base64,kid:base64' (env SWITCHBOARD_GATEWAY_SESSION_KEYS); the first seals.")
+    trusted_proxies: CommaList[IPvAnyNetwork] = Field(default_factory=list, description="Networks of the load balancers in front (CIDRs, comma-separated): only from these is X-Forwarded-For believed (its rightmost hop that is not one of them is the client, e.g. for address bans); from any other peer it is ignored.")
     usage_retention_days: float = Field(90.0, ge=0, description="Usage records older than this are deleted (0 = keep forever).")

@@ -102,6 +102,8 @@ class KeyActivity:
     error_code: str
     requests: int
     tokens: int
+    first_at: float | None = None
+    """When the first of these requests started (unix s); None: not known (taken as the range's start)."""
 
 
 class LedgerStore(Protocol):
@@ -281,7 +283,7 @@ class _SqlStore:
     def activity(self, start: float, end: float) -> list[KeyActivity]:
         """Per key and error code, the requests and tokens started in [start, end): what the abuse
         monitor (control_plane/abuse/) compares with each key's baseline. Keys only (no text)."""
-        sql = ("SELECT key_id, tenant, error_code, COUNT(*), SUM(prompt_tokens + completion_tokens) "
+        sql = ("SELECT key_id, tenant, error_code, COUNT(*), SUM(prompt_tokens + completion_tokens), MIN(started_at) "
                "FROM usage_records WHERE started_at >= %s AND started_at < %s AND key_id <> '' "
                "GROUP BY key_id, tenant, error_code")
 
@@ -290,7 +292,8 @@ class _SqlStore:
             cur.execute(self._sql(sql), [start, end])
             return list(cur.fetchall())
 
-        return [KeyActivity(str(k), str(t), str(c), int(n or 0), int(tok or 0)) for k, t, c, n, tok in self._run(run)]
+        return [KeyActivity(str(k), str(t), str(c), int(n or 0), int(tok or 0), None if first is None else float(first))
+                for k, t, c, n, tok, first in self._run(run)]
 
 
 class SqliteStore(_SqlStore):

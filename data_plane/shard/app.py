@@ -58,6 +58,7 @@ from data_plane.shard.kv_seal import KVSealer, kv_keyring
 from data_plane.shard.kv_tier import KVTier, start_kv_tier
 from data_plane.shard.metrics import MetricsListener, ShardMetrics
 from data_plane.shard.settings import ShardSettings
+from data_plane.shard.stage_view import record_stage_spans, stage_meta, stage_ranges
 from data_plane.structured import OutputPlan
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,8 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
         agent = None
         views: list[Any] = []
         # A lost pipeline stage: the shard leaves membership and exits at once (data_plane/shard/group_exit.py).
-        group_exit = GroupExit.attach(engine, asyncio.get_running_loop(), lambda: agent.aclose() if agent else None)
+        group_exit = GroupExit.attach(engine, asyncio.get_running_loop(), lambda: agent.aclose() if agent else None,
+                                      settings.pipeline_exit_linger_s)
 
         async def load() -> None:
             nonlocal agent
@@ -153,6 +155,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
                     meta={"model": engine.model_name, "engine": settings.engine,
                           "max_num_seqs": str(settings.max_num_seqs), "pipeline_parallel_size": str(settings.pipeline_parallel_size),
                           "max_model_len": str(engine.max_model_len), "zone": settings.zone,
+                          **stage_meta(engine, httpx.URL(url).host),
                           **({KEEPALIVE_META: f"{settings.keepalive_s:g}"} if settings.keepalive_s else {})},
                 )
                 view, new_agent = membership_from_url(settings.membership or settings.registry_url or "", http,
@@ -376,6 +379,7 @@ class _Run:
             span.set_attribute("gen_ai.usage.input_tokens", last.prompt_tokens)
             span.set_attribute("gen_ai.usage.output_tokens", last.completion_tokens)
             span.set_attribute("gen_ai.response.finish_reasons", [reason])
+            record_stage_spans(tracer, span, last.stages, stage_ranges(self.state.engine))
             if last.timings:
                 t = last.timings
                 if self.state.kv_tier is not None:  # learns this shard's prefill speed (fetch-or-recompute)

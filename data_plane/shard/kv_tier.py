@@ -124,6 +124,9 @@ class KVTier:
 
     def bind(self, prefix: SlotPrefix | None, loop: asyncio.AbstractEventLoop) -> None:
         """Attach to the engine's prefix cache (None: prefix caching off, the tier stays idle)."""
+        if prefix is not None and prefix.cache.mirror is not None:
+            log.warning("KV tier idle: a pipelined shard's blocks are split over its stages (docs/SHARDING.md)")
+            prefix = None
         self.prefix, self._loop = prefix, loop
         if prefix is not None:
             prefix.remote = self

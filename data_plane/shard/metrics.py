@@ -10,6 +10,8 @@ dashboard shows that cannot apply here is listed in docs/metrics.md.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.common.telemetry import E2E_BUCKETS, LATENCY_BUCKETS
@@ -18,6 +20,9 @@ from data_plane.shard.engines.torch_config import StepListener
 from data_plane.shard.grammar_metrics import StructuredMetrics
 from data_plane.shard.kv_metrics import KVTierMetrics
 from data_plane.shard.spec_metrics import SpecMetrics
+
+if TYPE_CHECKING:
+    from data_plane.shard.engines.pipeline import PassTiming
 
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
@@ -117,12 +122,18 @@ class ShardMetrics:
         # Pipeline parallelism (data_plane/shard/engines/pipeline.py); `stage` is a stage index 0..63.
         self.stage_up = Gauge("switchboard_shard_pipeline_stage_up", "1 while pipeline stage `stage` serves, 0 once lost.",
                               m + ["stage"], registry=registry)
-        self.hop_seconds = Histogram("switchboard_shard_pipeline_hop_seconds",
-                                     "One pass through stages 1..N-1: hidden states out, their layers, rows back.",
-                                     m, buckets=LATENCY_BUCKETS, registry=registry)
-        self.hop_bytes = Counter("switchboard_shard_pipeline_hop_bytes", "Hidden-state bytes between stage 0 and "
-                                 "the later stages, by direction (out: to stage 1, back: from the last stage).",
-                                 m + ["direction"], registry=registry)
+        self.pass_seconds = Histogram("switchboard_shard_pipeline_pass_seconds", "One forward pass through every "
+                                      "stage: stage 0 starting its layers to the last stage's rows back.",
+                                      m, buckets=LATENCY_BUCKETS, registry=registry)
+        self.stage_step = Histogram("switchboard_shard_pipeline_stage_step_seconds", "Stage `stage`'s compute in "
+                                    "one pass (its layers; stage 0: the embedding too). 1 - its rate(_sum) / "
+                                    "rate(pass_seconds_sum) is the stage's idle (bubble) share.",
+                                    m + ["stage"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.hop_latency = Histogram("switchboard_shard_pipeline_hop_latency_seconds", "Hop `stage` -> next stage "
+                                     "(the last: back to stage 0): from the send to the receipt.",
+                                     m + ["stage"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.hop_bytes = Counter("switchboard_shard_pipeline_hop_bytes", "Bytes stage `stage` sent to the next "
+                                 "stage (the last: the wanted rows back to stage 0).", m + ["stage"], registry=registry)
         # Prefix caching (vLLM's names, counted in tokens as vLLM does).
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                                       m, registry=registry)
@@ -302,11 +313,14 @@ class MetricsListener(StepListener):
         m = self.metrics
         m.stage_up.labels(m.model_name, str(stage)).set(1 if up else 0)
 
-    def on_hop(self, sent_bytes: int, received_bytes: int, seconds: float) -> None:
+    def on_pipeline_pass(self, timing: PassTiming) -> None:
         m = self.metrics
-        m.hop_seconds.labels(m.model_name).observe(seconds)
-        m.hop_bytes.labels(m.model_name, "out").inc(sent_bytes)
-        m.hop_bytes.labels(m.model_name, "back").inc(received_bytes)
+        m.pass_seconds.labels(m.model_name).observe(timing.wall_s)
+        for stage, (step, hop, sent) in enumerate(zip(timing.step_s, timing.hop_s, timing.hop_bytes)):
+            label = str(stage)
+            m.stage_step.labels(m.model_name, label).observe(step)
+            m.hop_latency.labels(m.model_name, label).observe(hop)
+            m.hop_bytes.labels(m.model_name, label).inc(sent)
 
     def on_tokens_restored(self, replies: int) -> None:
         self.metrics.tokens_restored.labels(self.metrics.model_name).inc(replies)

@@ -12,7 +12,11 @@
 #   cache          2     session transcripts
 #   shard          1..8  inference; *Nomad* registers these in Consul (service block below), so a
 #                        shard being removed leaves routing first (deregistered, then shutdown_delay),
-#                        then gets SIGTERM and finishes its in-flight requests (kill_timeout)
+#                        then gets SIGTERM and finishes its in-flight requests (kill_timeout).
+#                        With shard_pipeline_parallel_size = N each allocation is one whole pipeline
+#                        group (a task group per pipeline): the task is stage 0, which starts stages
+#                        1..N-1 as its children on the same node; losing one exits the task (status 1)
+#                        and Nomad restarts the group. Its cpu is N stages x shard_threads_per_stage.
 #
 # The control plane, gateways and cache nodes register themselves (--membership consul://…) with
 # TTL checks; they bind to the node's address (not 0.0.0.0) because the URL they register is the
@@ -34,6 +38,17 @@ variable "shard_engine" {
   type        = string
   description = "torch (CPU, default model) | vllm (GPU nodes) | synthetic (no model)."
   default     = "torch"
+}
+
+variable "shard_pipeline_parallel_size" {
+  type        = number
+  description = "Stage processes each shard's layers are split over (torch engine; docs/SHARDING.md). A group's task runs all of them."
+  default     = 1
+}
+
+variable "shard_threads_per_stage" {
+  type    = number
+  default = 4
 }
 
 variable "shard_max_num_seqs" {
@@ -239,6 +254,7 @@ job "switchboard" {
         url          = "http://${NOMAD_ADDR_http}"
         engine       = "${var.shard_engine}"
         max_num_seqs = "${var.shard_max_num_seqs}"
+        pipeline_parallel_size = "${var.shard_pipeline_parallel_size}"
         zone         = "${node.datacenter}"
         keepalive_s  = "0.5"
       }
@@ -269,14 +285,16 @@ job "switchboard" {
           "--port", "${NOMAD_PORT_http}",
           "--engine", "${var.shard_engine}",
           "--max-num-seqs", "${var.shard_max_num_seqs}",
-          "--threads", "4",
+          "--pipeline-parallel-size", "${var.shard_pipeline_parallel_size}",
+          "--threads", "${var.shard_threads_per_stage}",
           "--zone", "${node.datacenter}"
         ]
       }
 
       resources {
-        cpu    = 4000
-        memory = 3072
+        # a whole pipeline group: N stage processes, each --threads cores and ~weights/N + KV/N + 0.8 GiB
+        cpu    = 1000 * var.shard_threads_per_stage * var.shard_pipeline_parallel_size
+        memory = 1536 + 1536 * var.shard_pipeline_parallel_size
       }
     }
   }

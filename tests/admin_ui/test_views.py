@@ -111,3 +111,19 @@ def test_signals_view_reads_fields_by_attribute_and_a_missing_field_is_incomplet
     assert not sig.complete and sig.queue_time_p95_s is None
     assert sig.missing == ("field 'queue_time_p95_s' absent from the signals",)
     assert not SignalsView.from_api(None).complete
+
+
+def test_a_pipelined_shards_stages_hosts_and_layers():
+    from admin_ui.views.cluster import stages_frame
+
+    members = [{"id": "shard-pp", "service": "shard", "status": "passing",
+                "meta": {"pipeline_parallel_size": "3", "pipeline_stages": "0@10.0.0.5:0-10,1@10.0.0.6:10-20,2@h7:20-30"}},
+               {"id": "shard-1", "service": "shard", "status": "passing", "meta": {"pipeline_parallel_size": "1"}},
+               {"id": "bad", "service": "shard", "status": "passing", "meta": {"pipeline_stages": "x,@:,1@:3"}}]
+    frame = stages_frame(members)
+    assert list(frame["member"]) == ["shard-pp"] * 3
+    assert list(frame["stage"]) == ["1 of 3", "2 of 3", "3 of 3"]
+    assert list(frame["host"]) == ["10.0.0.5", "10.0.0.6", "h7"]
+    assert list(frame["layers"]) == ["0..9", "10..19", "20..29"]
+    assert "3 pipeline stages" in members_frame(members, None, now=1.0).set_index("member").loc["shard-pp", "detail"]
+    assert stages_frame(members[1:2]).empty

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,8 +32,8 @@ class Clock:
         return self.t
 
 
-def _row(key: str, at: float, code: str = "", tokens: int = 10) -> tuple[object, ...]:
-    values = {"request_id": uuid.uuid4().hex, "trace_id": "", "key_id": key, "tenant": "acme", "tier": "plus",
+def _row(key: str, at: float, code: str = "", tokens: int = 10, tenant: str = "acme") -> tuple[object, ...]:
+    values = {"request_id": uuid.uuid4().hex, "trace_id": "", "key_id": key, "tenant": tenant, "tier": "plus",
               "model": "m", "prompt_tokens": tokens, "cached_tokens": 0, "completion_tokens": 0,
               "status": 200 if not code else 400, "error_code": code, "ttft_s": None, "latency_s": 0.1, "shard": "",
               "degradation_level": 0, "session": False, "gateway": "gw", "started_at": at, "finished_at": at}
@@ -48,9 +49,80 @@ def ledger(tmp_path: Path):  # type: ignore[no-untyped-def]
     store.close()
 
 
-def _monitor(store: object, clock: Clock) -> tuple[AbuseMonitor, CollectorRegistry]:
+def _monitor(store: object, clock: Clock, config: AbuseConfig = CONFIG) -> tuple[AbuseMonitor, CollectorRegistry]:
     registry = CollectorRegistry()
-    return AbuseMonitor(CONFIG, store, AbuseMetrics(registry), clock=clock), registry  # type: ignore[arg-type]
+    return AbuseMonitor(config, store, AbuseMetrics(registry), clock=clock), registry  # type: ignore[arg-type]
+
+
+def _steady(key: str, per_min: float, start: float, end: float, tenant: str = "acme") -> list[tuple[object, ...]]:
+    step = 60.0 / per_min
+    return [_row(key, start + i * step, tenant=tenant) for i in range(int((end - start) / step))]
+
+
+def test_each_key_is_measured_against_its_own_baseline_under_a_mixed_load(ledger) -> None:  # type: ignore[no-untyped-def]
+    """The bursting key sends far less than the steady ones: only its departure from its own usual
+    rate flags it, then throttles it; no key at its usual pace (a big old one, a big one that
+    started 5 minutes ago, a new small one) and not the tenant they all belong to is ever listed."""
+    config = replace(CONFIG, tenant_burst_min_requests=200)
+    clock = Clock()
+    t = clock.t
+    ledger.insert_many(_steady("big_old", 100, t - 3600, t + 60)        # 100 a minute for the whole hour
+                       + _steady("big_new", 300, t - 360, t + 60)       # 300 a minute, only for 6 minutes
+                       + _steady("quiet", 2, t - 3600, t - 60)          # 2 a minute ...
+                       + _steady("quiet", 60, t - 60, t)                # ... then 60 in the window (30x)
+                       + _steady("newbie", 20, t - 60, t + 60))         # no history, below the floor (30)
+    monitor, _ = _monitor(ledger, clock, config)
+    findings = asyncio.run(monitor.evaluate())
+    assert [(f.rule, f.subject) for f in findings] == [(Rule.BURST, "quiet")], findings
+    [flag] = monitor.active()
+    assert (flag.subject, flag.response) == ("quiet", Response.FLAG)
+    assert flag.reason == "60 requests in the window, usually 2 (threshold 30)", flag.reason
+    for _ in range(3):  # the burst goes on while everyone else keeps their pace
+        clock.t += 6
+        ledger.insert_many(_steady("quiet", 60, clock.t - 6, clock.t))
+        assert [f.subject for f in asyncio.run(monitor.evaluate())] == ["quiet"]
+    [throttle] = monitor.active()
+    assert (throttle.subject, throttle.response) == ("quiet", Response.THROTTLE)
+    assert [a["subject"] for a in monitor.state_body()["actions"]] == ["quiet"]
+    # what the flat floor alone (the old rule) would have made of the same minute: every big key flagged
+    flat = replace(config, baseline_s=0)
+    recent = ledger.activity(clock.t - 60, clock.t)
+    assert {f.subject for f in evaluate(flat, recent, [], {}) if f.rule is Rule.BURST} >= {"big_old", "big_new"}
+
+
+def test_tenant_aggregates_catch_what_is_spread_over_its_keys(ledger) -> None:  # type: ignore[no-untyped-def]
+    config = replace(CONFIG, tenant_burst_min_requests=100, tenant_session_404s=10)
+    clock = Clock()
+    t = clock.t
+    rows: list[tuple[object, ...]] = []
+    for i in range(6):  # six keys, each 1 a minute for an hour, then 20 in the window (below the key floor 30)
+        rows += _steady(f"g{i}", 1, t - 3600, t - 60, tenant="globex") + _steady(f"g{i}", 20, t - 60, t, "globex")
+    for i in range(4):  # four keys, 3 unknown session ids each (below the key floor 5): 12 for the tenant
+        rows += [_row(f"i{i}", t - 30 - j, "session_not_found", tenant="initech") for j in range(3)]
+    rows += _steady("big", 200, t - 3600, t, tenant="acme")  # a tenant above the floor, at its usual pace
+    ledger.insert_many(rows)
+    monitor, _ = _monitor(ledger, clock, config)
+    asyncio.run(monitor.evaluate())
+    found = {(a.subject_kind, a.subject, a.rule, a.response) for a in monitor.active()}
+    assert found == {(Subject.TENANT, "globex", Rule.TENANT_BURST, Response.FLAG),
+                     (Subject.TENANT, "initech", Rule.TENANT_SESSION_PROBING, Response.FLAG)}, found
+    burst = next(a for a in monitor.active() if a.subject == "globex")
+    assert burst.reason.startswith("120 requests from all the tenant's keys in the window, usually 6")
+    assert monitor.state_body()["actions"] == []  # flags for review: no gateway acts on a whole tenant
+
+
+def test_session_404s_are_measured_against_the_keys_usual_count(ledger) -> None:  # type: ignore[no-untyped-def]
+    clock = Clock()
+    t = clock.t
+    # a client that always asks for a few expired sessions (5 a minute for an hour) is not probing
+    ledger.insert_many([_row("stale", t - 3600 + i * 12, "session_not_found") for i in range(300)]
+                       + [_row("stale", t - 59 + i * 12, "session_not_found") for i in range(5)]
+                       + [_row("prober", t - 20 - i, "session_not_found") for i in range(5)])
+    monitor, _ = _monitor(ledger, clock)
+    asyncio.run(monitor.evaluate())
+    [probe] = monitor.active()
+    assert (probe.subject, probe.rule) == ("prober", Rule.SESSION_PROBING)
+    assert "session id probing" in probe.reason and "usually 0" in probe.reason
 
 
 def test_a_burst_is_flagged_then_throttled_then_blocked_and_the_normal_key_never(ledger) -> None:  # type: ignore[no-untyped-def]
@@ -69,11 +141,11 @@ def test_a_burst_is_flagged_then_throttled_then_blocked_and_the_normal_key_never
     assert monitor.state_body()["actions"] == []  # a flag is for review: no gateway acts on it
 
     clock.t += 5  # still bursting, too soon to escalate
-    ledger.insert_many([_row("bursty", clock.t - 1)])
+    ledger.insert_many([_row("bursty", clock.t - 5 + i * 0.5) for i in range(10)])
     asyncio.run(monitor.evaluate())
     assert [a.response for a in monitor.active()] == [Response.FLAG]
     clock.t += 6
-    ledger.insert_many([_row("bursty", clock.t - 1)])
+    ledger.insert_many([_row("bursty", clock.t - 6 + i * 0.5) for i in range(12)])
     asyncio.run(monitor.evaluate())
     [throttle] = monitor.active()
     assert throttle.response is Response.THROTTLE
@@ -88,11 +160,31 @@ def test_a_burst_is_flagged_then_throttled_then_blocked_and_the_normal_key_never
     assert registry.get_sample_value("switchboard_abuse_actions_active", {"response": "block"}) == 1
     assert [e.response for e in monitor.events()] == [Response.FLAG, Response.THROTTLE, Response.BLOCK]
 
-    # the block expires by itself once the burst is over (the window has moved past it)
-    clock.t += 61
+    # the top of the ladder holds while the burst is still in the window ...
+    clock.t += 11
+    asyncio.run(monitor.evaluate())
+    assert [a.response for a in monitor.active()] == [Response.BLOCK]
+    # ... and the block expires by itself once the burst is over (the window has moved past it)
+    clock.t += 50
     asyncio.run(monitor.evaluate())
     assert monitor.active() == []
     assert monitor.ended()[-1]["ended"] == "expired"
+
+
+def test_a_key_that_stopped_is_not_escalated_for_what_is_still_in_the_window(ledger) -> None:  # type: ignore[no-untyped-def]
+    clock = Clock()
+    ledger.insert_many([_row("once", clock.t - 30 + i * 0.5) for i in range(40)]
+                       + [_row("refused", clock.t - 20, "content_policy_violation") for _ in range(3)])
+    monitor, _ = _monitor(ledger, clock)
+    asyncio.run(monitor.evaluate())
+    assert {(a.subject, a.response) for a in monitor.active()} == {("once", Response.FLAG), ("refused", Response.STRICT)}
+    clock.t += 11  # both rules still fire (the window holds it all), but neither key did anything since
+    asyncio.run(monitor.evaluate())
+    assert {(a.subject, a.response) for a in monitor.active()} == {("once", Response.FLAG), ("refused", Response.STRICT)}
+    # a key that keeps trying under its action is keeping at it: refused requests count
+    ledger.insert_many([_row("refused", clock.t - 1, "abuse_throttled")])
+    asyncio.run(monitor.evaluate())
+    assert ("refused", Response.BLOCK) in {(a.subject, a.response) for a in monitor.active()}
 
 
 def test_lift_holds_for_a_window_and_confirm_holds_the_action(ledger) -> None:  # type: ignore[no-untyped-def]
@@ -108,6 +200,7 @@ def test_lift_holds_for_a_window_and_confirm_holds_the_action(ledger) -> None:  
     assert lifted is not None and monitor.index.index == index + 1
     assert monitor.ended()[-1]["ended_by"] == "alice"
     clock.t += 20  # the burst is still in the window: no new action within the window after a lift
+    ledger.insert_many([_row("prober", clock.t - 1, "session_not_found")])  # still probing
     asyncio.run(monitor.evaluate())
     assert {a.rule for a in monitor.active()} == {Rule.SESSION_PROBING}
     probing = next(a for a in monitor.active() if a.rule is Rule.SESSION_PROBING)  # escalated by now

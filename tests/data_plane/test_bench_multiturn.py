@@ -26,3 +26,18 @@ def test_user_messages_differ_per_conversation_and_turn() -> None:
     a, b, c = user_message(0, 0, 150), user_message(1, 0, 150), user_message(0, 1, 150)
     assert len({a, b, c}) == 3 and user_message(0, 0, 150) == a
     assert 100 <= len(a.split()) <= 130
+
+
+def test_responses_rows_ratios_and_summary() -> None:
+    from data_plane.bench.multiturn_responses import ratios
+    from data_plane.bench.multiturn_responses import summary as responses_summary
+
+    sessions = [Turn(0, 0, 0.2, 160, 40), Turn(0, 1, 0.30, 360, 40, 192), Turn(0, 2, 0.40, 560, 40, 384)]
+    chains = [Turn(1000, 0, 0.2, 160, 40), Turn(1000, 1, 0.32, 362, 40, 192), Turn(1000, 2, 0.48, 561, 40, 384)]
+    got = ratios(turn_rows("sessions", sessions) + turn_rows("responses", chains))
+    assert [x["turn"] for x in got] == [0, 1, 2]
+    assert got[1]["history_tokens"] == {"sessions": 360, "responses": 362}
+    assert abs(got[1]["ratio"] - 0.32 / 0.30) < 1e-9 and abs(got[2]["ratio"] - 1.2) < 1e-9
+    s = responses_summary(got)
+    assert s["follow_up_turns"] == 2 and s["worst_turn"] == 2 and s["within_target"] is False
+    assert responses_summary(got[:2])["within_target"] is True

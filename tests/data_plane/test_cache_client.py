@@ -15,8 +15,9 @@ from data_plane.cache.model import Transcript, VersionConflict
 from data_plane.common.errors import InvalidRequest, NotFound, Overloaded
 from data_plane.membership.view import Member, StaticMembership
 from data_plane.routing.hop_client import HopPool
-from tests.support.cluster import start_cache_nodes
+from tests.support.cluster import cache_node, start_cache_nodes
 from tests.support.procs import Service, free_port
+from tests.support.redis import RedisServer
 
 MESSAGES = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}]
 
@@ -194,18 +195,28 @@ async def test_steady_reads_ask_one_replica_and_a_missed_write_is_checked(
     try:
         async with HopPool() as http:
             store = SessionStore(StaticMembership(members(nodes)), http)
+            asked: list[str] = []
+            fetch = store._fetch
+
+            async def counted(member: Member, session_id: str) -> tuple[str, Transcript | None]:
+                asked.append(member.id)
+                return await fetch(member, session_id)
+
+            store._fetch = counted  # type: ignore[method-assign]
             store.replicas_for("conv-steady", 2)  # the placement takes effect before the write
             await asyncio.sleep(0.3)
             assert await store.save("conv-steady", "key-a", MESSAGES, version=1, replicas=2) == 2
             for _ in range(3):
+                asked.clear()
                 assert await store.load("conv-steady", "key-a", replicas=2) is not None
-                assert not store._repairs, "a steady read asked the other replica too"
+                assert len(asked) == 1 and not store._repairs, "a steady read asked the other replica too"
 
             _, second = store.replicas_for("conv-steady", 2)
             next(n for n in nodes if f"cache-{n.port}" == second.id).kill()
             assert await store.save("conv-steady", "key-a", MESSAGES, version=2, replicas=2) == 1
+            asked.clear()
             assert await store.load("conv-steady", "key-a", replicas=2) is not None
-            assert store._repairs, "the replica that missed the write was not checked"
+            assert second.id in asked, "the replica that missed the write was not checked"
             await store.drain()
     finally:
         for n in nodes:
@@ -240,3 +251,80 @@ async def test_a_zone_that_comes_back_gets_recent_sessions_in_the_background(tri
         assert registry.get_sample_value("switchboard_session_replica_repairs_total") == 5
         got = await store.load("away-3", "key-a", replicas=2)
         assert got is not None and list(got.messages) == MESSAGES
+
+
+def stored_version(node: Service, session_id: str) -> int | None:
+    r = httpx.get(f"{node.url}/v1/sessions/{session_id}", timeout=2.0)
+    return None if r.status_code == 404 else int(r.json()["version"])
+
+
+async def test_a_replica_down_during_a_delete_never_brings_the_record_back(trio: list[Service]) -> None:
+    """Deleted is gone from every replica: the node that missed the delete (away) holds an old copy;
+    the tombstone left on the others wins every read that compares them, is written over the old
+    copy by read-repair and by the deleting gateway's repair of a node that joins, and refuses any
+    write of the old record."""
+    from data_plane.cache.model import TOMBSTONE_VERSION
+
+    pair, registry = members(trio[:2]), CollectorRegistry()
+    away, present = pair[0], pair[1]
+    view = ChangingView(pair)
+    async with HopPool() as http:
+        store = SessionStore(view, http, registry=registry)
+        # ids the node that will be away reads first, as a fresh gateway orders them
+        sid, sid2 = [s for s in (f"gone-{i}" for i in range(200)) if store.replicas_for(s, 2)[0].id == away.id][:2]
+        for s in (sid, sid2):
+            assert await store.save(s, "key-a", MESSAGES, version=1, replicas=2, ttl_s=60) == 2
+        view.now = [present]  # `away` is cut off while both are deleted
+        for s in (sid, sid2):
+            assert await store.delete(s, "key-a", replicas=2) == 1
+            assert stored_version(trio[0], s) == 1 and stored_version(trio[1], s) == TOMBSTONE_VERSION
+            assert await store.load(s, "key-a", replicas=2) is None
+        with pytest.raises(NotFound):  # deleting again: it is gone
+            await store.delete(sid, "key-a", replicas=2)
+
+        # Another gateway (or this one restarted) sees both nodes; the one that was away answers first.
+        other = SessionStore(StaticMembership(pair), http, registry=CollectorRegistry())
+        assert other.replicas_for(sid, 2)[0].id == away.id
+        assert await other.load(sid, "key-a", replicas=2) is None
+        await other.drain()
+        assert stored_version(trio[0], sid) == TOMBSTONE_VERSION  # read-repair wrote the tombstone over it
+        with pytest.raises(VersionConflict):  # a late write of the old record lands nowhere
+            await other.save(sid, "key-a", MESSAGES, version=2, replicas=2)
+
+        # The deleting gateway sees `away` come back: its background repair gives it the tombstone.
+        view.now = pair
+        store.replicas_for("any-request", 2)
+        await store.drain()
+        assert stored_version(trio[0], sid2) == TOMBSTONE_VERSION
+        assert await store.load(sid2, "key-a", replicas=2) is None
+    assert ops(registry, "load", "deleted") >= 2
+
+
+async def test_a_replica_down_during_a_delete_is_compared_on_the_next_read(
+        trio: list[Service], redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No placement change at all (static membership; a Redis-backed node killed for the delete and
+    restarted on its port with its old copy): the delete that missed a replica makes the next read
+    compare them, and the tombstone wins."""
+    from data_plane.cache import client as cache_client
+    from data_plane.cache.model import TOMBSTONE_VERSION
+
+    monkeypatch.setattr(cache_client, "AUDIT_SHARE", 0.0)
+    monkeypatch.setattr(cache_client, "CLOCK_SLACK_S", -0.2)  # only the missed delete makes a read compare
+    args = ("--redis", redis_server.url, "--redis-prefix", "sb-test-tombstone:")
+    node = cache_node(*args).start()
+    try:
+        pair = members([node, trio[1]])
+        async with HopPool() as http:
+            store = SessionStore(StaticMembership(pair), http, timeout_s=0.5)
+            sid = next(s for s in (f"down-{i}" for i in range(200)) if store.replicas_for(s, 2)[0].id == pair[0].id)
+            await asyncio.sleep(0.3)  # the placement is older than the write
+            assert await store.save(sid, "key-a", MESSAGES, version=1, replicas=2, ttl_s=60) == 2
+            node.kill()
+            assert await store.delete(sid, "key-a", replicas=2) == 1
+            node = cache_node(*args, port=node.port).start()  # back, its Redis still holding the old copy
+            assert stored_version(node, sid) == 1
+            assert await store.load(sid, "key-a", replicas=2) is None
+            await store.drain()
+            assert stored_version(node, sid) == TOMBSTONE_VERSION
+    finally:
+        node.stop()

@@ -52,3 +52,37 @@ def test_vllm_shard_serves_chat_on_gpu() -> None:
             "max_tokens": 16, "temperature": 0, "priority": 0})
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
         assert "vllm:num_requests_running" in httpx.get(shard.url + "/metrics").text
+
+
+def _gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 -- any failure to ask means no usable GPU
+        return 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2 or importlib.util.find_spec("vllm") is None,
+                    reason="needs 2 CUDA GPUs and the vllm extra (pip install 'switchboard[vllm]')")
+def test_vllm_shard_split_over_two_gpus_registers_as_one_shard() -> None:
+    """--tensor-parallel-size 2: vLLM runs one worker a GPU behind one server; the control plane
+    sees one shard member, carrying both sizes."""
+    import httpx
+
+    from tests.support.cluster import ADMIN_TOKEN
+    from tests.support.procs import Service
+
+    with Service(["control-plane", "--admin-token", ADMIN_TOKEN]) as cp, \
+            Service(["shard", "--engine", "vllm", "--dtype", "bfloat16", "--tensor-parallel-size", "2",
+                     "--registry-url", cp.url, "--node-id", "shard-tp2"], ready_timeout=900) as shard:
+        upstream = httpx.get(shard.url + "/health").json()["upstream"]
+        r = httpx.post(upstream + "/v1/chat/completions", timeout=120, json={
+            "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Capital of France?"}],
+            "max_tokens": 16, "temperature": 0})
+        assert r.status_code == 200
+        members = httpx.get(cp.url + "/admin/v1/members", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).json()
+        shards = [m for m in members["members"] if m["service"] == "shard"]
+        assert [m["id"] for m in shards] == ["shard-tp2"]
+        assert shards[0]["meta"]["tensor_parallel_size"] == "2" and shards[0]["meta"]["pipeline_parallel_size"] == "1"

@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from data_plane.shard.engines.base import GenerationRequest, SamplingParams
-from data_plane.shard.engines.pipeline import split_layers
+from data_plane.shard.engines.base import GenerationRequest, SamplingParams, StageSpan
+from data_plane.shard.engines.pipeline import PassTiming, split_layers
 from data_plane.shard.engines.torch_config import StepListener
 from data_plane.shard.engines.torch_engine import EngineConfig, TorchEngine
 from tests.support.procs import Service
@@ -46,10 +46,12 @@ class _Counting(StepListener):
         self.hop_bytes = 0
         self.drafted = 0
         self.stages: dict[int, bool] = {}
+        self.passes: list[PassTiming] = []
 
-    def on_hop(self, sent_bytes: int, received_bytes: int, seconds: float) -> None:
+    def on_pipeline_pass(self, timing: PassTiming) -> None:
         self.hops += 1
-        self.hop_bytes += sent_bytes + received_bytes
+        self.hop_bytes += sum(timing.hop_bytes)
+        self.passes.append(timing)
 
     def on_spec_draft(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted
@@ -58,38 +60,56 @@ class _Counting(StepListener):
         self.stages[stage] = up
 
 
-async def _generate(engine: TorchEngine, i: int, prompt: str, max_tokens: int = 32) -> str:
+async def _generate(engine: TorchEngine, i: int, prompt: str, max_tokens: int = 32,
+                    stages: list[tuple[StageSpan, ...]] | None = None) -> str:
     ids = engine.encode_chat([{"role": "user", "content": prompt}])
     text = ""
     async for out in engine.generate(GenerationRequest(f"r{i}-{time.monotonic()}", ids,
                                                        SamplingParams(temperature=0.0, max_tokens=max_tokens))):
         text += out.text
+        if out.finish_reason is not None and stages is not None:
+            stages.append(out.stages)
     return text
 
 
-async def _outputs(pp: int, listener: StepListener | None = None) -> tuple[list[str], list[str]]:
+async def _outputs(pp: int, listener: StepListener | None = None,
+                   stages: list[tuple[StageSpan, ...]] | None = None) -> tuple[list[str], list[str]]:
     engine = TorchEngine(EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512, threads=1,
                                       prefill_chunk=32, prefix_caching=False, speculation="ngram",
                                       pipeline_parallel_size=pp), listener)
     await engine.start()
     try:
-        solo = [await _generate(engine, i, p) for i, p in enumerate(PROMPTS)]
-        batched = list(await asyncio.gather(*(_generate(engine, i, p) for i, p in enumerate(PROMPTS))))
+        solo = [await _generate(engine, i, p, stages=stages) for i, p in enumerate(PROMPTS)]
+        batched = list(await asyncio.gather(*(_generate(engine, i, p, stages=stages) for i, p in enumerate(PROMPTS))))
     finally:
         await engine.aclose()
     return solo, batched
 
 
-def test_two_stages_greedy_identical_to_unsharded_solo_and_batched() -> None:
-    solo1, batched1 = asyncio.run(_outputs(1))
+def test_two_and_three_stages_greedy_identical_to_unsharded_solo_and_batched() -> None:
+    """Mixed prompt lengths (4 to ~45 tokens, chunked at 32), solo then all four batched, n-gram
+    speculation on: N = 2 and N = 3 give the unsharded engine's tokens; every pass reports each
+    stage's compute and each hop, and every request's final output each stage's part (its spans)."""
+    unsharded: list[tuple[StageSpan, ...]] = []
+    solo1, batched1 = asyncio.run(_outputs(1, stages=unsharded))
     assert batched1 == solo1
-    counting = _Counting()
-    solo2, batched2 = asyncio.run(_outputs(2, counting))
-    assert solo2 == solo1
-    assert batched2 == solo1
-    assert counting.stages == {0: True, 1: True}
-    assert counting.hops > 0 and counting.hop_bytes > 0
-    assert counting.drafted > 0  # verify passes went through both stages
+    assert unsharded == [()] * 8
+    for pp in (2, 3):
+        counting, stages = _Counting(), []
+        solo, batched = asyncio.run(_outputs(pp, counting, stages))
+        assert solo == solo1, pp
+        assert batched == solo1, pp
+        assert counting.stages == dict.fromkeys(range(pp), True)
+        assert counting.hops > 0 and counting.hop_bytes > 0
+        assert counting.drafted > 0  # verify passes went through every stage
+        for timing in counting.passes:
+            assert len(timing.step_s) == len(timing.hop_s) == len(timing.hop_bytes) == pp
+            assert all(b > 0 for b in timing.hop_bytes) and all(h >= 0 for h in timing.hop_s)
+            assert timing.wall_s >= max(timing.step_s[1:]) > 0
+        assert len(stages) == 8
+        for parts in stages:
+            assert [p.stage for p in parts] == list(range(pp))
+            assert all(p.passes > 0 and p.busy_s > 0 and p.end >= p.start for p in parts)
 
 
 def _stage_pids(shard: Service) -> list[int]:
@@ -150,8 +170,8 @@ def test_frozen_stage_is_detected_in_about_a_second_and_the_shard_exits() -> Non
 
 
 def test_killed_stage_mid_stream_every_stream_completes_as_uninterrupted() -> None:
-    """kill -9 of the pipelined shard's stage 1 during 8 greedy streams through a gateway with two
-    shards (one pipelined): every stream completes, its text equal to an uninterrupted run, and the
+    """kill -9 of the pipelined shard's stage 1 during 16 greedy streams through a gateway with two
+    shards (one pipelined): 16/16 complete, each text equal to an uninterrupted run, and the
     pipelined shard exits (its supervisor would replace the group)."""
     from tests.data_plane import test_faults
     from tests.support.cluster import api_keys_env
@@ -168,7 +188,7 @@ def test_killed_stage_mid_stream_every_stream_completes_as_uninterrupted() -> No
             s.wait_healthy()
         with Service(["gateway", "--shard-urls", ",".join(s.url for s in shards), "--cache-urls",
                       "http://127.0.0.1:1"], env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()}) as gw:
-            prompts = [f"Write a short story about a robot named Unit-{i} who learns to paint." for i in range(8)]
+            prompts = [f"Write a short story about a robot named Unit-{i} who learns to paint." for i in range(16)]
             reference = test_faults._stream_all(gw.url, prompts, 32)
             (stage,) = _stage_pids(piped)
             killed: list[bool] = []
@@ -215,3 +235,31 @@ def test_bench_engine_runs_switchboard_per_pipeline_size_on_the_same_cores() -> 
     one, two = make_system("switchboard", config), make_system("switchboard@pp2", config)
     assert (one.engine.config.pipeline_parallel_size, one.engine.config.threads) == (1, 4)  # type: ignore[attr-defined]
     assert (two.engine.config.pipeline_parallel_size, two.engine.config.threads) == (2, 2)  # type: ignore[attr-defined]
+
+
+def test_prefix_cache_hits_through_two_stages() -> None:
+    """Stage 0's prefix cache picks the blocks, each stage keeps its layers' part: a prompt asked
+    again after another prompt overwrote the slot hits the cache and answers the same greedy tokens
+    (a stage that did not load its part would attend to the other prompt's KV)."""
+    async def ask(engine: TorchEngine, rid: str, prompt: str) -> tuple[str, int]:
+        ids = engine.encode_chat([{"role": "user", "content": prompt}])
+        text, cached = "", 0
+        async for out in engine.generate(GenerationRequest(rid, ids, SamplingParams(temperature=0.0, max_tokens=16))):
+            text += out.text
+            cached = out.cached_tokens
+        return text, cached
+
+    async def run() -> list[tuple[str, int]]:
+        # one slot: the second prompt (24 tokens in common, 51 + 16 in all) overwrites the first's KV there
+        engine = TorchEngine(EngineConfig(dtype="float32", max_num_seqs=1, max_model_len=512, threads=1,
+                                          prefill_chunk=32, prefix_caching=True, pipeline_parallel_size=2))
+        await engine.start()
+        try:
+            return [await ask(engine, f"p{i}", prompt) for i, prompt in enumerate((PROMPTS[2], PROMPTS[1], PROMPTS[2]))]
+        finally:
+            await engine.aclose()
+
+    (first, cached_first), (_, _), (again, cached_again) = asyncio.run(run())
+    assert cached_first == 0
+    assert cached_again == 64  # the 68-token prompt's 4 full blocks (16 tokens each; one token left to compute)
+    assert again == first

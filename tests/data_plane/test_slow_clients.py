@@ -37,7 +37,7 @@ def cluster() -> Iterator[Cluster]:
     c = Cluster(shards=1, caches=1)
     for svc in (c.gateway, *c.shards):
         svc.env.update(LIMITS)
-    with c.start() as started:
+    with c as started:
         yield started
 
 

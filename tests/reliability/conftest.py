@@ -24,6 +24,9 @@ blocked_prompts: 100000
 errors: 100000
 burst_min_requests: 100000000
 burst_min_tokens: 1000000000000
+tenant_burst_min_requests: 100000000
+tenant_burst_min_tokens: 1000000000000
+tenant_session_404s: 100000
 """
 
 

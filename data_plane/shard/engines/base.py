@@ -120,6 +120,19 @@ class RequestTimings:
 
 
 @dataclass(frozen=True)
+class StageSpan:
+    """One pipeline stage's part of a request (data_plane/shard/engines/pipeline.py): the wall-clock
+    span (epoch seconds) from the first pass of the request's that reached the stage to the last that
+    left it, and the stage's compute in those passes."""
+
+    stage: int
+    start: float
+    end: float
+    busy_s: float
+    passes: int
+
+
+@dataclass(frozen=True)
 class TopLogprob:
     token_id: int
     logprob: float
@@ -154,6 +167,8 @@ class GenerationOutput:
     """... and how many of those the model accepted."""
     logprobs: tuple[TokenLogprob, ...] = ()
     """With params.logprobs: the tokens sampled since the previous output (their text may lag in `text`)."""
+    stages: tuple[StageSpan, ...] = ()
+    """Final output of a pipelined shard's request only: each stage's part (the shard's span per stage)."""
 
 
 @dataclass(frozen=True)

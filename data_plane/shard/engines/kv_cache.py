@@ -44,6 +44,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import xxhash
@@ -129,11 +130,14 @@ class PrefixCache:
     """A byte-bounded pool of KV blocks addressed by chained digests (see the module docstring)."""
 
     def __init__(self, *, num_layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                 budget_bytes: int, events: CacheEvents | None = None) -> None:
+                 budget_bytes: int, events: CacheEvents | None = None, num_blocks: int | None = None) -> None:
         self.block_size = block_size
         self.num_layers = num_layers
         self.block_bytes = 2 * num_layers * kv_heads * block_size * head_dim * torch.finfo(dtype).bits // 8
-        self.num_blocks = max(0, budget_bytes // self.block_bytes)
+        self.num_blocks = max(0, budget_bytes // self.block_bytes) if num_blocks is None else num_blocks
+        self.mirror: KVMirror | None = None
+        """A pipeline's later stages (pipeline.Hops): every copy between the pool and a slot is
+        repeated there on their layers' pools, at the same block indices."""
         self.events = events or CacheEvents()
         shape = (kv_heads, self.num_blocks, block_size, head_dim)
         # torch.empty: no page is touched until a block is first written.
@@ -199,15 +203,9 @@ class PrefixCache:
         """Copy blocks `idxs` into positions 0..len(idxs)*block_size of `slot`."""
         if not idxs:
             return
-        index = torch.tensor(idxs, dtype=torch.long)
-        n = len(idxs) * self.block_size
-        for pool, cache in ((self.k_pool, k_cache), (self.v_pool, v_cache)):
-            for layer in range(self.num_layers):
-                dst = cache[layer][slot, :, :n]
-                # Straight into the slot (out=): a temporary here is a fresh mmap per layer, and its
-                # page faults cost ~5 ms per layer-tensor against 13 us (measured on this CPU).
-                torch.index_select(pool[layer], 1, index, out=dst.view(dst.shape[0], len(idxs), self.block_size,
-                                                                         dst.shape[2]))
+        load_blocks(self.k_pool, self.v_pool, idxs, k_cache, v_cache, slot, self.block_size)
+        if self.mirror is not None:
+            self.mirror.load(idxs, slot)
 
     def store(self, hashes: Sequence[bytes], k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], slot: int,
               first_block: int = 0, hold: bool = False) -> list[int]:
@@ -230,21 +228,9 @@ class PrefixCache:
             new.append((b, idx))
         if not new:
             return []
-        bs = self.block_size
-        # Runs of consecutive block numbers move with one copy per layer.
-        runs: list[list[tuple[int, int]]] = [[new[0]]]
-        for item in new[1:]:
-            if item[0] == runs[-1][-1][0] + 1:
-                runs[-1].append(item)
-            else:
-                runs.append([item])
-        for run in runs:
-            start, n = run[0][0] * bs, len(run)
-            index = torch.tensor([i for _, i in run], dtype=torch.long)
-            for pool, cache in ((self.k_pool, k_cache), (self.v_pool, v_cache)):
-                for layer in range(self.num_layers):
-                    src = cache[layer][slot, :, start : start + n * bs]
-                    pool[layer].index_copy_(1, index, src.reshape(src.shape[0], n, bs, src.shape[2]))
+        store_blocks(self.k_pool, self.v_pool, new, k_cache, v_cache, slot, self.block_size)
+        if self.mirror is not None:
+            self.mirror.store(new, slot)
         for _, idx in reversed(new):
             if hold:
                 self._refs[idx] += 1
@@ -307,3 +293,46 @@ class PrefixCache:
             self._hash_of[idx] = None
             self._free.append(idx)
         self._lru.clear()
+
+
+class KVMirror(Protocol):
+    """Where a PrefixCache's copies are repeated (a pipeline's later stages: pipeline.Hops)."""
+
+    def load(self, idxs: Sequence[int], slot: int) -> None: ...
+
+    def store(self, pairs: Sequence[tuple[int, int]], slot: int) -> None: ...
+
+
+def load_blocks(k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], idxs: Sequence[int],
+                k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], slot: int, block_size: int) -> None:
+    """Pool blocks `idxs` into positions 0..len(idxs)*block_size of `slot`, every layer of the pools."""
+    index = torch.tensor(idxs, dtype=torch.long)
+    n = len(idxs) * block_size
+    for pool, cache in ((k_pool, k_cache), (v_pool, v_cache)):
+        for layer in range(len(pool)):
+            dst = cache[layer][slot, :, :n]
+            # Straight into the slot (out=): a temporary here is a fresh mmap per layer, and its
+            # page faults cost ~5 ms per layer-tensor against 13 us (measured on this CPU).
+            torch.index_select(pool[layer], 1, index, out=dst.view(dst.shape[0], len(idxs), block_size, dst.shape[2]))
+
+
+def store_blocks(k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], pairs: Sequence[tuple[int, int]],
+                 k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], slot: int, block_size: int) -> None:
+    """Block b of `slot` into pool block i for each (b, i) of `pairs` (b ascending), every layer."""
+    if not pairs:
+        return
+    # Runs of consecutive block numbers move with one copy per layer.
+    runs: list[list[tuple[int, int]]] = [[pairs[0]]]
+    for item in pairs[1:]:
+        if item[0] == runs[-1][-1][0] + 1:
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    for run in runs:
+        start, n = run[0][0] * block_size, len(run)
+        index = torch.tensor([i for _, i in run], dtype=torch.long)
+        for pool, cache in ((k_pool, k_cache), (v_pool, v_cache)):
+            for layer in range(len(pool)):
+                src = cache[layer][slot, :, start : start + n * block_size]
+                pool[layer].index_copy_(1, index, src.reshape(src.shape[0], n, block_size, src.shape[2]))
+

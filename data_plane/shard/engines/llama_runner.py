@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,9 +66,10 @@ class Downstream(Protocol):
     called on the scheduler thread, in order."""
 
     def forward(self, slots: Sequence[int], lens: Sequence[int], starts: Sequence[int], wanted: Sequence[int],
-                batched: bool, x: torch.Tensor) -> torch.Tensor:
+                batched: bool, x: torch.Tensor, began: float | None = None) -> torch.Tensor:
         """Run the later stages' layers over `x` [T, H]; return the hidden states of the `wanted`
-        last rows of each item after the last layer (select_rows), [sum(wanted), H]."""
+        last rows of each item after the last layer (select_rows), [sum(wanted), H]. `began`: when
+        stage 0 started this pass (time.time), for its step time."""
         ...
 
     def move_slot(self, src: int, dst: int, length: int) -> None: ...
@@ -257,9 +259,10 @@ class LlamaRunner:
         starts = [start for _, _, start in items]
         ids = torch.tensor([t for _, seq, _ in items for t in seq], dtype=torch.long)
         wanted = [1] * len(items) if logits is None else list(logits)
+        began = time.time()
         x = self.run_layers(self.embed[ids], slots, lens, starts, batched)  # [T, H]
         if self.downstream is not None:  # the later stages run their layers and send back the wanted rows
-            x = self.downstream.forward(slots, lens, starts, wanted, batched, x)
+            x = self.downstream.forward(slots, lens, starts, wanted, batched, x, began)
         else:
             x = select_rows(x, lens, wanted)
         return self.lm_head(self._rms(x, self.norm)).float()

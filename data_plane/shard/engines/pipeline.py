@@ -21,9 +21,11 @@ smaller than their logits (49,152), so the return hop is one hidden state a sequ
 (`LlamaRunner.move_slot`) travel the same chain, so every stage's KV stays where the scheduler put it.
 
 Everything above the runner is unchanged: the scheduler, chunked and beside prefill, priorities,
-speculation (a verify pass is one forward through the stages). Not yet: prefix caching and the KV
-tier (each stage would have to keep its layers' part of each block: the engine turns prefix caching
-off with a pipeline) and several micro-batches in flight (one pass at a time goes through the stages).
+speculation (a verify pass is one forward through the stages), prefix caching: stage 0's PrefixCache
+(kv_cache.py) decides which pool block holds what, and each copy between its pool and a slot is
+repeated down the chain (LOAD, STORE: `Hops` is the cache's `mirror`), every stage keeping the same
+number of blocks for its own layers at the same indices. Not yet: the KV tier on the cache nodes
+(a block there holds every layer) and several micro-batches in flight (one pass at a time).
 
 Losing a stage: every stage beats a heartbeat counter into the group's TCPStore every
 HEARTBEAT_S; stage 0's monitor thread declares a stage lost when its process exited (kill -9: the
@@ -50,12 +52,13 @@ from typing import Any
 import torch
 
 from data_plane.common.lifeline import die_with_parent
+from data_plane.shard.engines.base import StageSpan
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.2
 """How often a stage beats its heartbeat counter."""
-OP_FORWARD, OP_MOVE, OP_STOP = 1, 2, 3
+OP_FORWARD, OP_MOVE, OP_STOP, OP_LOAD, OP_STORE = 1, 2, 3, 4, 5
 HEADER_FIXED = 4  # op, items, batched, rows (FORWARD) / op, src, dst, length (MOVE)
 
 
@@ -110,65 +113,117 @@ class PipelineSpec:
     """torch intra-op threads of each later stage."""
     port: int = 0
     """TCPStore port on 127.0.0.1 (0: a free one)."""
+    prefix_blocks: int = 0
+    """Blocks of stage 0's prefix cache (0: prefix caching off): each stage keeps as many for its layers."""
+    block_size: int = 16
 
     @property
     def size(self) -> int:
         return len(self.ranges)
 
 
-@dataclass
-class HopStats:
-    """What the hops did since the start (read by the shard's metrics; written on the scheduler thread)."""
+@dataclass(frozen=True)
+class PassTiming:
+    """One forward pass through every stage, as stage 0 saw it (the shard's pipeline metrics).
 
-    passes: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    seconds: float = 0.0
-    """Wall time from the first send to the last row back: the later stages' compute plus the hops."""
-    last_s: float = 0.0
+    Times come from the stages' wall clocks (time.time): exact between processes of one host, as
+    good as NTP across hosts (a negative hop reads 0)."""
+
+    wall_s: float
+    """From stage 0 starting its layers to the last stage's rows back."""
+    step_s: tuple[float, ...]
+    """Each stage's compute in this pass (stage 0: embedding and its layers)."""
+    hop_s: tuple[float, ...]
+    """Hop i: from stage i's send to stage i+1's receipt (the last: to stage 0's)."""
+    hop_bytes: tuple[int, ...]
+    """Bytes stage i sent on hop i."""
+
+
+TIMING_COLS = 3  # arrive, busy, leave (epoch seconds; busy in seconds)
 
 
 class Hops:
-    """Stage 0's side of the chain: sends passes and slot moves to stage 1, receives stage N-1's rows."""
+    """Stage 0's side of the chain: sends passes and slot moves to stage 1, receives stage N-1's rows.
+
+    Each pass carries a small float64 [N, 3] timing table down the chain and back (every stage
+    writes when the pass arrived, its compute, when it left): PassTiming for the metrics, and per
+    slot each stage's part of the request (`take`) for the request's spans."""
 
     def __init__(self, dist: Any, spec: PipelineSpec, hidden: int, dtype: torch.dtype) -> None:
         self.dist, self.spec, self.hidden, self.dtype = dist, spec, hidden, dtype
         self.header = torch.zeros(header_size(spec.max_num_seqs), dtype=torch.long)
-        self.stats = HopStats()
-        self.lock = threading.Lock()
-        self.on_pass: Callable[[int, int, float], None] = lambda sent, received, seconds: None
+        self.timing = torch.zeros(spec.size, TIMING_COLS, dtype=torch.float64)
+        self.on_pass: Callable[[PassTiming], None] = lambda timing: None
+        self._slots: dict[int, list[list[float]]] = {}  # slot -> per stage [start, end, busy, passes]
 
     def forward(self, slots: Sequence[int], lens: Sequence[int], starts: Sequence[int], wanted: Sequence[int],
-                batched: bool, x: torch.Tensor) -> torch.Tensor:
-        t0 = time.monotonic()
-        n = len(slots)
+                batched: bool, x: torch.Tensor, began: float | None = None) -> torch.Tensor:
+        n, size = len(slots), self.spec.size
         h = self.header
         h.zero_()
         h[:HEADER_FIXED] = torch.tensor([OP_FORWARD, n, int(batched), len(x)])
         m = self.spec.max_num_seqs
         for k, values in enumerate((slots, lens, starts, wanted)):
             h[HEADER_FIXED + k * m: HEADER_FIXED + k * m + n] = torch.tensor(list(values))
+        t = self.timing
+        t.zero_()
+        leave = time.time()
+        began = leave if began is None else began
+        t[0] = torch.tensor([began, leave - began, leave], dtype=torch.float64)
         self.dist.send(h, 1)
         self.dist.send(wire(x.contiguous()), 1)
+        self.dist.send(t, 1)
         out = torch.empty(sum(wanted), self.hidden, dtype=self.dtype)
-        self.dist.recv(wire(out), self.spec.size - 1)
-        dt = time.monotonic() - t0
-        sent, received = h.numel() * 8 + x.numel() * x.element_size(), out.numel() * out.element_size()
-        with self.lock:
-            st = self.stats
-            st.passes += 1
-            st.bytes_sent += sent
-            st.bytes_received += received
-            st.seconds += dt
-            st.last_s = dt
-        self.on_pass(sent, received, dt)
+        self.dist.recv(wire(out), size - 1)
+        self.dist.recv(t, size - 1)
+        back = time.time()
+        rows = t.tolist()
+        hop_s = tuple(max(0.0, (rows[i + 1][0] if i + 1 < size else back) - rows[i][2]) for i in range(size))
+        hidden_bytes = h.numel() * 8 + x.numel() * x.element_size() + t.numel() * 8
+        hop_bytes = tuple([hidden_bytes] * (size - 1) + [out.numel() * out.element_size() + t.numel() * 8])
+        self._account(slots, starts, rows)
+        self.on_pass(PassTiming(back - began, tuple(r[1] for r in rows), hop_s, hop_bytes))
         return out
+
+    def _account(self, slots: Sequence[int], starts: Sequence[int], rows: list[list[float]]) -> None:
+        for slot, start in zip(slots, starts):
+            stages = self._slots.get(slot)
+            if stages is None or start == 0:  # a new sequence in this slot (its predecessor was taken)
+                stages = self._slots[slot] = [[r[0], r[2], 0.0, 0] for r in rows]
+            for mine, (arrive, busy, leave) in zip(stages, rows):
+                mine[1] = leave
+                mine[2] += busy
+                mine[3] += 1
+
+    def take(self, slot: int) -> tuple[StageSpan, ...]:
+        """Each stage's part of the sequence in `slot` since it started there (then forgotten)."""
+        stages = self._slots.pop(slot, None) or []
+        return tuple(StageSpan(i, start, end, busy, int(passes)) for i, (start, end, busy, passes) in enumerate(stages))
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         h = self.header
         h.zero_()
         h[:HEADER_FIXED] = torch.tensor([OP_MOVE, src, dst, length])
         self.dist.send(h, 1)
+        moved = self._slots.pop(src, None)
+        if moved is not None:
+            self._slots[dst] = moved
+
+    # The prefix cache's mirror (kv_cache.KVMirror): each stage repeats stage 0's copies on its layers.
+
+    def load(self, idxs: Sequence[int], slot: int) -> None:
+        self._blocks(OP_LOAD, slot, len(idxs), torch.tensor(list(idxs), dtype=torch.long))
+
+    def store(self, pairs: Sequence[tuple[int, int]], slot: int) -> None:
+        self._blocks(OP_STORE, slot, len(pairs), torch.tensor([list(p) for p in pairs], dtype=torch.long).reshape(-1))
+
+    def _blocks(self, op: int, slot: int, count: int, values: torch.Tensor) -> None:
+        """A LOAD (`count` pool indices) or STORE (`count` (block number, pool index) pairs) for `slot`."""
+        h = self.header
+        h.zero_()
+        h[:HEADER_FIXED] = torch.tensor([op, slot, count, 0])
+        self.dist.send(h, 1)
+        self.dist.send(values, 1)
 
 
 class PipelineGroup:
@@ -193,7 +248,8 @@ class PipelineGroup:
                 "--world", str(s.size), "--port", str(self.port), "--model", s.model, "--dtype", s.dtype,
                 "--quantization", s.quantization,
                 "--max-num-seqs", str(s.max_num_seqs), "--max-len", str(s.max_len),
-                "--layers", f"{first}:{end}", "--threads", str(s.threads)]
+                "--layers", f"{first}:{end}", "--threads", str(s.threads),
+                "--prefix-blocks", str(s.prefix_blocks), "--block-size", str(s.block_size)]
 
     def start(self, hidden: int, dtype: torch.dtype, load_timeout_s: float = 600.0) -> Hops:
         """Spawn stages 1..N-1, wait until all joined the gloo group (they load their layers first)."""

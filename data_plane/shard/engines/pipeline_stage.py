@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--layers", required=True, help="first:end")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prefix-blocks", type=int, default=0, help="stage 0's prefix-cache blocks (0: off)")
+    ap.add_argument("--block-size", type=int, default=16)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s stage{args.rank} %(levelname)s %(message)s")
 
@@ -45,12 +47,16 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
     from data_plane.model_store import model_source
+    from data_plane.shard.engines.kv_cache import PrefixCache, load_blocks, store_blocks
     from data_plane.shard.engines.llama_runner import LlamaRunner, select_rows
     from data_plane.shard.engines.pipeline import (
         HEADER_FIXED,
         OP_FORWARD,
+        OP_LOAD,
         OP_MOVE,
         OP_STOP,
+        OP_STORE,
+        TIMING_COLS,
         header_size,
         heartbeat,
         wire,
@@ -70,6 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     hidden = int(runner.norm.shape[0])
     runner.embed = torch.empty(0, hidden, dtype=dtype)  # stage 0 embeds; this stage needs no vocabulary
     runner.lm_head = None  # type: ignore[assignment]
+    # This stage's part of each prefix-cache block: stage 0 picks the blocks, this keeps its layers of them.
+    pool = PrefixCache(num_layers=runner.num_layers, kv_heads=runner.num_kv_heads, head_dim=runner.head_dim,
+                       block_size=args.block_size, dtype=dtype, budget_bytes=0, num_blocks=args.prefix_blocks)
     import gc
 
     gc.collect()
@@ -85,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     prev, nxt = args.rank - 1, (0 if last else args.rank + 1)
     m = args.max_num_seqs
     h = torch.zeros(header_size(m), dtype=torch.long)
+    timing = torch.zeros(args.world, TIMING_COLS, dtype=torch.float64)  # arrive, busy, leave: Hops' table
     try:
         with torch.inference_mode():
             while True:
@@ -100,6 +110,21 @@ def main(argv: list[str] | None = None) -> None:
                     if not last:
                         dist.send(h, nxt)
                     continue
+                if op in (OP_LOAD, OP_STORE):
+                    slot, count = int(h[1]), int(h[2])
+                    values = torch.empty(count * (1 if op == OP_LOAD else 2), dtype=torch.long)
+                    dist.recv(values, prev)
+                    if op == OP_LOAD:
+                        load_blocks(pool.k_pool, pool.v_pool, values.tolist(), runner.k_cache, runner.v_cache, slot,
+                                    args.block_size)
+                    else:
+                        pairs = [tuple(p) for p in values.view(-1, 2).tolist()]
+                        store_blocks(pool.k_pool, pool.v_pool, pairs, runner.k_cache, runner.v_cache, slot,
+                                     args.block_size)
+                    if not last:
+                        dist.send(h, nxt)
+                        dist.send(values, nxt)
+                    continue
                 if op != OP_FORWARD:
                     raise RuntimeError(f"unknown pipeline op {op}")
                 n, batched, rows = int(h[1]), bool(h[2]), int(h[3])
@@ -107,12 +132,16 @@ def main(argv: list[str] | None = None) -> None:
                 slots, lens, starts, wanted = cols
                 x = torch.empty(rows, hidden, dtype=dtype)
                 dist.recv(wire(x), prev)
+                dist.recv(timing, prev)
+                arrive = time.time()
                 x = runner.run_layers(x, slots, lens, starts, batched)
-                if last:
-                    dist.send(wire(select_rows(x, lens, wanted).contiguous()), 0)
-                else:
+                out = select_rows(x, lens, wanted).contiguous() if last else x.contiguous()
+                leave = time.time()
+                timing[args.rank] = torch.tensor([arrive, leave - arrive, leave], dtype=torch.float64)
+                if not last:
                     dist.send(h, nxt)
-                    dist.send(wire(x.contiguous()), nxt)
+                dist.send(wire(out), nxt)
+                dist.send(timing, nxt)
     except Exception as exc:  # noqa: BLE001 - stage 0 went away (or the chain broke): the group is over
         log.warning("stage %d leaving: %s", args.rank, exc)
         stop.set()

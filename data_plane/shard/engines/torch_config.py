@@ -11,11 +11,15 @@ state inside the engine is sequence.SeqState.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from data_plane.shard.engines.kv_cache import DEFAULT_BLOCK_SIZE
 from data_plane.shard.engines.weight_source import DTYPE_CHOICES, QUANTIZATION_CHOICES
+
+if TYPE_CHECKING:
+    from data_plane.shard.engines.pipeline import PassTiming
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -136,9 +140,8 @@ class StepListener:
     def on_stage(self, stage: int, up: bool) -> None:
         """A pipeline stage (0..N-1) joined (`up`) or was lost (data_plane/shard/engines/pipeline.py)."""
 
-    def on_hop(self, sent_bytes: int, received_bytes: int, seconds: float) -> None:
-        """One pass through the later pipeline stages: bytes each way, and the wall time from the
-        first send to the last row back (their compute plus the hops)."""
+    def on_pipeline_pass(self, timing: PassTiming) -> None:
+        """One forward pass through every pipeline stage: each stage's compute, each hop's time and bytes."""
 
     def on_grammar_compile(self, kind: str, seconds: float, outcome: str) -> None:
         """A grammar compile ended (engines/grammar.py): outcome compiled, cache_hit or a refusal reason."""

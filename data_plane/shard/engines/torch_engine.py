@@ -212,8 +212,6 @@ class TorchEngine:
             plan=plan, gguf=source.gguf, layer_range=ranges[0] if ranges else None)
         self.listener.on_weights(plan.dtype, plan.dtype_reason.value, plan.quantization, plan.quantization_reason.value,
                                  self._runner.weight_bytes)
-        if ranges:  # every stage serves the plan stage 0 resolved (the same dtype and weight format)
-            self._start_pipeline(ranges, threads, plan.dtype, plan.quantization)
         eos = hf_config.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
         if self._tokenizer.eos_token_id is not None:
@@ -223,19 +221,22 @@ class TorchEngine:
         import llguidance.hf
 
         self.grammars = GrammarCompiler(llguidance.hf.from_tokenizer(self._tokenizer), listener=self.listener)
-        if self.config.prefix_caching and ranges:
-            log.warning("prefix caching is off: a pipeline's stages do not keep their part of cached blocks yet")
-        elif self.config.prefix_caching:
+        if self.config.prefix_caching:  # with a pipeline: stage 0's blocks hash as the whole model's
             self.prefix = SlotPrefix.build(self._runner, model_id=str(path), dtype=plan.dtype,
                                            block_size=self.config.kv_block_size,
                                            budget_bytes=self.config.prefix_cache_bytes,
                                            on_evict=self.listener.on_kv_evict,
                                            on_block_evicted=self.listener.on_kv_block_evicted,
-                                           on_block_reused=self.listener.on_kv_block_reused)
+                                           on_block_reused=self.listener.on_kv_block_reused,
+                                           total_layers=int(hf_config.num_hidden_layers))
+        if ranges:  # every stage serves the plan stage 0 resolved (the same dtype and weight format)
+            self._start_pipeline(ranges, threads, plan.dtype, plan.quantization)
         self.scheduler.max_model_len = self.max_model_len
         self._executor = Executor(self._runner, self.prefix)
         self._output = OutputProcessor(self.scheduler, self._lock, self._by_id, self.listener, self.transcripts,
                                        self._decode_ids, self._eos, self.max_model_len, self.prefix)
+        if self.pipeline is not None:  # each final output carries its stages' part (the shard's spans)
+            self._output.stage_spans = self._runner.downstream.take
         # One tiny warm-up pass so the first request doesn't pay for lazy kernel setup.
         self._runner.prefill(0, [self._tokenizer.bos_token_id or 1], 0)
         self._runner.decode([1], [1])
@@ -256,11 +257,15 @@ class TorchEngine:
         spec = PipelineSpec(model=self.config.model or "", dtype=dtype, quantization=quantization,
                             max_num_seqs=self.config.max_num_seqs,
                             max_len=self.max_model_len, ranges=tuple(ranges),
-                            timeout_s=self.config.pipeline_stage_timeout_s, threads=threads)
+                            timeout_s=self.config.pipeline_stage_timeout_s, threads=threads,
+                            prefix_blocks=self.prefix.cache.num_blocks if self.prefix else 0,
+                            block_size=self.config.kv_block_size)
         self.pipeline = PipelineGroup(spec, self._stage_lost, self.listener.on_stage)
         hops = self.pipeline.start(int(self._runner.norm.shape[0]), self._runner.dtype)
-        hops.on_pass = self.listener.on_hop
+        hops.on_pass = self.listener.on_pipeline_pass
         self._runner.downstream = hops
+        if self.prefix is not None:  # every copy between the pool and a slot is repeated on each stage
+            self.prefix.cache.mirror = hops
 
     def _stage_lost(self, stage: int, why: str) -> None:
         """A stage is gone (the monitor thread): fail every open stream now (an error event the

@@ -27,6 +27,7 @@ from data_plane.shard.engines.base import (
     FINISH_STOP,
     GenerationOutput,
     RequestTimings,
+    StageSpan,
 )
 from data_plane.shard.engines.scheduler import RowKind, Scheduler, SchedulerOutput
 from data_plane.shard.engines.sequence import STATUS_OF_REASON, SeqState
@@ -51,6 +52,7 @@ class OutputProcessor:
         self.eos = eos
         self.max_model_len = max_model_len
         self.prefix = prefix
+        self.stage_spans: Callable[[int], tuple[StageSpan, ...]] = lambda slot: ()  # a pipeline's Hops.take
 
     def admit(self, plan: SchedulerOutput) -> None:
         now = time.monotonic()
@@ -128,6 +130,7 @@ class OutputProcessor:
             if self.decode_ids(seq.output_ids) == seq.stream.text:
                 self.transcripts.remember(seq.req.cache_salt, seq.stream.text, seq.output_ids)
         now = time.monotonic()
+        stages = self.stage_spans(seq.slot) if seq.slot >= 0 else ()
         self._keep_all_blocks(seq)  # before a later plan moves another sequence into its slot
         with self.lock:
             self.by_id.pop(seq.request_id, None)
@@ -143,7 +146,7 @@ class OutputProcessor:
         seq.sink(GenerationOutput(delta, reason, seq.num_prompt_tokens, len(seq.output_ids), timings,
                                   cached_tokens=seq.cached, spec_drafts=sp.drafts if sp else 0,
                                   spec_draft_tokens=sp.draft_tokens if sp else 0,
-                                  spec_accepted_tokens=sp.accepted_tokens if sp else 0))
+                                  spec_accepted_tokens=sp.accepted_tokens if sp else 0, stages=stages))
 
     def _keep_prompt_blocks(self, seq: SeqState) -> None:
         if self.prefix is not None and seq.block_hashes:

@@ -88,9 +88,11 @@ class SlotPrefix:
     def build(cls, runner: LlamaRunner, *, model_id: str, dtype: str, block_size: int, budget_bytes: int,
               on_evict: Callable[[str, int], None],
               on_block_evicted: Callable[[float, float], None] | None = None,
-              on_block_reused: Callable[[float], None] | None = None) -> SlotPrefix:
+              on_block_reused: Callable[[float], None] | None = None,
+              total_layers: int | None = None) -> SlotPrefix:
+        """`total_layers`: the model's (a pipeline's stage 0 holds fewer): blocks hash alike either way."""
         r = runner
-        layout = f"llama.L{r.num_layers}.kvh{r.num_kv_heads}.d{r.head_dim}.bs{block_size}"
+        layout = f"llama.L{total_layers or r.num_layers}.kvh{r.num_kv_heads}.d{r.head_dim}.bs{block_size}"
         # Seeded with the weight format too: int4 KV never answers a bf16 lookup (nor the KV tier's).
         hasher = BlockHasher(layout_seed(model_id, dtype, layout, weights=getattr(r, "weight_format", "dense")),
                              block_size)

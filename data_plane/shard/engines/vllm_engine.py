@@ -115,6 +115,7 @@ def create_sidecar(settings: ShardSettings) -> FastAPI:
                         url=settings.advertise_url or vllm_url,
                         meta={"model": name, "engine": "vllm", "max_num_seqs": str(settings.max_num_seqs),
                               "pipeline_parallel_size": str(settings.pipeline_parallel_size),
+                              "tensor_parallel_size": str(settings.tensor_parallel_size),
                               "max_model_len": str(settings.max_model_len),
                               "sidecar": f"http://{settings.host}:{settings.port}", "zone": settings.zone})
 

@@ -1,0 +1,106 @@
+"""Load generators and gateways applications use, against the Responses API unchanged: guidellm
+(vLLM's load generator) with `request_format=/v1/responses` and its server-side history mode
+(`server_history`: each turn sends only its new input and the last turn's `previous_response_id`),
+and LiteLLM's `litellm.responses` (its SDK, the call its proxy makes) pointed at the gateway.
+
+    PYTHONPATH=$PWD .venv/bin/python -m pytest tests/data_plane/test_responses_clients.py -q   # ~2 min (real model)
+
+Real processes: the session's fp32 shard, a cache node and a gateway on loopback.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.support.cluster import KEYS, cache_node
+from tests.support.metrics import metric
+from tests.support.procs import Service
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def gateway(fp32_shard: Service, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    state = tmp_path_factory.mktemp("responses-clients")
+    cache = cache_node().start()
+    keys = ",".join([f"{KEYS['plus']}:acme:plus", f"{KEYS['enterprise']}:bigco:enterprise"])
+    gw = Service(["gateway", "--shard-urls", fp32_shard.url, "--cache-urls", cache.url, "--state-dir", str(state),
+                  "--usage-db", "off", "--silence-timeout-s", "60"], env={"SWITCHBOARD_GATEWAY_API_KEYS": keys},
+                 ready_timeout=240)
+    try:
+        with gw:
+            yield gw
+    finally:
+        cache.stop()
+
+
+def test_guidellm_multiturn_with_server_side_history(gateway: Service, tmp_path: Path) -> None:
+    exe = Path(sys.executable).with_name("guidellm")
+    if not exe.exists():
+        pytest.skip("guidellm is not installed (it is in the test extra)")
+    from data_plane.model_store import resolve_model
+
+    chained = metric(gateway.url, "switchboard_responses_requests_total", op="create", status="200")
+    out = tmp_path / "report.json"
+    cmd = [str(exe), "run", "--backend",
+           (f"kind=openai_http,target={gateway.url},model={MODEL},api_key={KEYS['plus']},"
+            "request_format=/v1/responses,server_history=true"),
+           "--profile", "kind=concurrent,streams=2", "--constraint", "kind=max_requests,count=6",
+           "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=8,turns=3",
+           "--tokenizer", f"kind=hf_auto,model={resolve_model(None)}",
+           "--output", f"kind=json,path={out}", "--disable-console-interactive"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=420, cwd=tmp_path,
+                          env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (bench,) = json.loads(out.read_text())["benchmarks"]
+    made = bench["scheduler_metrics"]["requests_made"]
+    assert made["successful"] >= 6 and made["errored"] == 0, made
+    done = bench["requests"]["successful"]
+    assert {r["output_tokens"] for r in done} == {8}  # ignore_eos passed through: fixed lengths
+    # server-side history: later turns send 32 new tokens, the gateway answers for the whole chain
+    prompts = sorted(r["prompt_tokens"] for r in done)
+    assert prompts[0] < 64 and prompts[-1] >= 2 * 32 + 8, prompts
+    assert metric(gateway.url, "switchboard_responses_requests_total", op="create", status="200") >= chained + 6
+    shutil.rmtree(tmp_path / ".cache", ignore_errors=True)
+
+
+def test_litellm_responses_against_the_gateway(gateway: Service) -> None:
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # offline: no cost map download
+    litellm = pytest.importorskip("litellm")
+    common = {"model": f"openai/{MODEL}", "api_base": gateway.url + "/v1", "api_key": KEYS["plus"]}
+    first = litellm.responses(input="What is the capital of France?", max_output_tokens=12, temperature=0,
+                              **common)
+    assert first.output and "Paris" in first.output[0].content[0].text
+    second = litellm.responses(input="And of Italy?", previous_response_id=first.id, max_output_tokens=12,
+                               temperature=0, **common)
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens  # the chain's context
+    chunks = list(litellm.responses(input="Say hello.", max_output_tokens=8, stream=True, **common))
+    kinds = [str(getattr(getattr(c, "type", None), "value", getattr(c, "type", None))) for c in chunks]
+    assert "response.output_text.delta" in kinds and kinds[-1] == "response.completed", kinds
+    # the chain lives on the platform: the openai SDK reads what LiteLLM made, another key gets a 404
+    sdk = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEYS["plus"], max_retries=0)
+    ours = platform_id(second.id)
+    assert sdk.responses.retrieve(ours).previous_response_id == platform_id(first.id)
+    r = httpx.get(f"{gateway.url}/v1/responses/{ours}", headers={"Authorization": f"Bearer {KEYS['enterprise']}"})
+    assert r.status_code == 404
+
+
+def platform_id(litellm_id: str) -> str:
+    """The platform's response id inside the one LiteLLM hands back: LiteLLM wraps it as
+    "resp_" + base64("litellm:custom_llm_provider:openai;model_id:...;response_id:<ours>") and unwraps
+    it itself when it is sent back as previous_response_id."""
+    raw = litellm_id.removeprefix("resp_")
+    decoded = base64.b64decode(raw + "=" * (-len(raw) % 4)).decode()
+    assert decoded.startswith("litellm:"), decoded
+    return dict(part.split(":", 1) for part in decoded.removeprefix("litellm:").split(";"))["response_id"]
