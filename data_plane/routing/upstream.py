@@ -350,9 +350,9 @@ class ResumableStream:
 
     When the shard's stream breaks mid-way, the request is re-opened on another shard with the
     prompt plus the output already received as a final assistant message to *continue*
-    (vLLM's `continue_final_message`; with tools, the envelope rebuilt from the deltas: SentOutput), and
-    `max_tokens` reduced by the tokens already generated; the client sees one seamless stream. Greedy decoding in float32 gives the same
-    text as an uninterrupted run. Usage is reported against the original prompt.
+    (vLLM's `continue_final_message`; with tools, the envelope rebuilt from the deltas: SentOutput),
+    and `max_tokens` reduced by the tokens already generated; the client sees one seamless stream.
+    Greedy decoding in float32 gives the same text as an uninterrupted run. Usage is reported against the original prompt.
     """
 
     def __init__(self, upstream: Upstream, body: dict[str, Any], session_id: str | None,
