@@ -9,6 +9,7 @@ import asyncio
 import os
 import signal
 import time
+from itertools import pairwise
 
 import httpx
 import pytest
@@ -53,7 +54,7 @@ def test_micro_batches_split_items_contiguously_by_tokens() -> None:
 def _overlapping(passes: list[PassTiming]) -> int:
     """Pairs of consecutive passes where a later stage ran pass k while stage 0 ran pass k+1."""
     count = 0
-    for a, b in zip(passes, passes[1:]):
+    for a, b in pairwise(passes):
         if b.in_flight >= 2 and any(a.spans[s][0] < b.spans[0][1] and b.spans[0][0] < a.spans[s][1]
                                     for s in range(1, len(a.spans))):
             count += 1
@@ -261,6 +262,12 @@ def test_bench_engine_runs_switchboard_per_pipeline_size_on_the_same_cores() -> 
     one, two = make_system("switchboard", config), make_system("switchboard@pp2", config)
     assert (one.engine.config.pipeline_parallel_size, one.engine.config.threads) == (1, 4)  # type: ignore[attr-defined]
     assert (two.engine.config.pipeline_parallel_size, two.engine.config.threads) == (2, 2)  # type: ignore[attr-defined]
+    # before/after micro-batching in one run: one pass at a time, then as many in flight as stages
+    args = parse_args(["--systems", "switchboard", "--pipeline-parallel-size", "1,2", "--pipeline-microbatches", "1,0"])
+    assert args.systems == ["switchboard", "switchboard@pp2mb1", "switchboard@pp2"]
+    one_pass = make_system("switchboard@pp2mb1", config)
+    assert one_pass.engine.config.pipeline_microbatches == 1  # type: ignore[attr-defined]
+    assert two.engine.config.pipeline_microbatches == 0  # type: ignore[attr-defined]
 
 
 def test_prefix_cache_hits_through_two_stages() -> None:
