@@ -102,10 +102,21 @@ def make_row(system: System, name: str, concurrency: int, results: list[RequestR
     }
 
 
+def parse_microbatches(text: str) -> list[int]:
+    """'1,0' -> [1, 0]: micro-batch counts in 0..64 (0: as many as stages)."""
+    values = [int(part) for part in text.split(",")]
+    if not all(0 <= v <= 64 for v in values):
+        raise ValueError(f"micro-batches must be in 0..64: {text}")
+    return list(dict.fromkeys(values))
+
+
 def make_system(name: str, config: BenchConfig) -> System:
-    """`switchboard@pp2`: the switchboard system as a 2-stage pipeline (--pipeline-parallel-size)."""
+    """`switchboard@pp2`: the switchboard system as a 2-stage pipeline (--pipeline-parallel-size);
+    `switchboard@pp2mb1`: with one micro-batch in flight (--pipeline-microbatches 1; default: 2)."""
     base, _, pp = name.partition("@pp")
-    system: System = SYSTEMS[base](replace(config, pipeline_parallel_size=int(pp or 1)))
+    stages, _, mb = pp.partition("mb")
+    system: System = SYSTEMS[base](replace(config, pipeline_parallel_size=int(stages or 1),
+                                           pipeline_microbatches=int(mb or 0)))
     return system
 
 
@@ -124,6 +135,9 @@ async def _measure(name: str, config: BenchConfig, prompt_ids: list[list[int]]) 
                 row.update(report())
             row["workload"] = config.workload
             threads = f" ({row['intra_op_threads']} threads, {row['thread_switches']} switches)" if report else ""
+            if row.get("pipeline_idle_share") is not None:
+                threads += (f", stage idle share {row['pipeline_idle_share']}, "
+                            f"{row['pipeline_max_in_flight']} passes in flight at most")
             print(f"[bench] {name:<11} c={c:<3} {row['requests']} requests, {row['output_tokens']} tokens "
                   f"in {row['duration_s']:.1f} s: {row['output_tok_s']:.1f} tok/s{threads}", flush=True)
             rows.append(row)
@@ -250,7 +264,8 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """switchboard/<other> output tok/s at each concurrency both systems ran."""
     by = {(r["system"], r["concurrency"]): r["output_tok_s"] for r in rows}
     out: dict[str, dict[str, float]] = {}
-    for ours, other in (("switchboard", "naive"), ("switchboard", "llamacpp"), ("switchboard-spec", "switchboard"),
+    piped = sorted({(s, "switchboard") for s, _ in by if s.startswith("switchboard@pp")})
+    for ours, other in (*piped, ("switchboard", "naive"), ("switchboard", "llamacpp"), ("switchboard-spec", "switchboard"),
                         ("switchboard-spec", "naive"), ("switchboard-spec", "llamacpp"),
                         ("switchboard-spec", "llamacpp-lookup"), ("llamacpp-lookup", "llamacpp"),
                         ("switchboard", "switchboard" + BASE), ("switchboard-spec", "switchboard-spec" + BASE),
@@ -375,6 +390,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="speculation on: most draft tokens per sequence and step, 1..16 (default 15)")
     p.add_argument("--pipeline-parallel-size", type=parse_int_list, default=[1],
                    help="switchboard as 1, 2, ... pipeline stages sharing --threads (e.g. 1,2)")
+    p.add_argument("--pipeline-microbatches", type=parse_microbatches, default=[0],
+                   help="micro-batches in flight for N > 1 (0: as many as stages; 1,0: before/after in one run)")
     p.add_argument("--model", default=None, help="HF model folder or GGUF (default SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=0, help="compute threads (default 0 = all cores)")
     p.add_argument("--rounds", type=int, default=1,
@@ -394,7 +411,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.systems[i : i + 1] = [{"off": "switchboard", "on": "switchboard-spec"}[m] for m in modes]
     if "switchboard" in args.systems and args.pipeline_parallel_size != [1]:
         i = args.systems.index("switchboard")
-        args.systems[i : i + 1] = [f"switchboard@pp{n}" if n > 1 else "switchboard" for n in args.pipeline_parallel_size]
+        # N > 1 once per --pipeline-microbatches value (1,0: one pass at a time, then as many as stages)
+        args.systems[i : i + 1] = [f"switchboard@pp{n}" + (f"mb{mb}" if mb else "") if n > 1 else "switchboard"
+                                   for n in args.pipeline_parallel_size
+                                   for mb in (args.pipeline_microbatches if n > 1 else [0])]
     unknown = [s for s in args.systems if s.partition("@pp")[0] not in SYSTEMS]
     if unknown:
         p.error(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from data_plane.bench.common import PROMPTS
+from data_plane.shard.engines.pipeline import PassTiming
 from data_plane.shard.engines.torch_engine import StepListener
 
 _CODE = '''def parse_config(path):
@@ -77,6 +78,18 @@ class AcceptanceCounter(StepListener):
         self.per_pos: dict[int, int] = {}
         self.steps = 0
         self.step_tokens = 0
+        self.stage_busy: list[float] = []  # pipeline: each stage's compute seconds
+        self.active_s = 0.0  # pipeline: wall seconds with a pass in flight (overlap counted once)
+        self.max_in_flight = 0
+
+    def on_pipeline_pass(self, timing: PassTiming) -> None:
+        """The shard's pipeline metrics' inputs (stage_step_seconds, active_seconds, passes_in_flight)."""
+        if not self.stage_busy:
+            self.stage_busy = [0.0] * len(timing.step_s)
+        for i, busy in enumerate(timing.step_s):
+            self.stage_busy[i] += busy
+        self.active_s += timing.active_s
+        self.max_in_flight = max(self.max_in_flight, timing.in_flight)
 
     def on_spec_draft(self, drafted: int, accepted: int) -> None:
         self.drafts += 1
@@ -99,4 +112,7 @@ class AcceptanceCounter(StepListener):
             "mean_accepted_length": 1 + self.accepted / d if d else None,
             "accepted_per_pos": [self.per_pos.get(p, 0) / d for p in range(max(self.per_pos, default=-1) + 1)]
             if d else [],
+            # 1 - stage compute / pipeline active time: each stage's idle (bubble) share, as the dashboard
+            "pipeline_idle_share": [round(1 - b / self.active_s, 3) for b in self.stage_busy] if self.active_s else None,
+            "pipeline_max_in_flight": self.max_in_flight or None,
         }

@@ -53,6 +53,8 @@ class BenchConfig:
     """switchboard-spec: most draft tokens per sequence and step, 1..16."""
     pipeline_parallel_size: int = 1
     """switchboard: stage processes (`--pipeline-parallel-size`), sharing `threads` between them."""
+    pipeline_microbatches: int = 0
+    """switchboard: micro-batches in flight through the stages (`--pipeline-microbatches`; 0: as many as stages)."""
     quantization: str = "auto"
     """switchboard's weight format (--quantization: auto, none, int8, int4); naive HF always runs dense."""
 
@@ -116,6 +118,7 @@ class SwitchboardSystem:
                 # The same total cores whatever the split: each stage gets its share of the threads.
                 threads=max(1, config.threads // config.pipeline_parallel_size),
                 pipeline_parallel_size=config.pipeline_parallel_size,
+                pipeline_microbatches=config.pipeline_microbatches,
                 speculation=self.speculation,
                 spec_max_batch=config.spec_max_batch,
                 num_speculative_tokens=config.num_speculative_tokens,

@@ -127,8 +127,14 @@ class ShardMetrics:
                                       m, buckets=LATENCY_BUCKETS, registry=registry)
         self.stage_step = Histogram("switchboard_shard_pipeline_stage_step_seconds", "Stage `stage`'s compute in "
                                     "one pass (its layers; stage 0: the embedding too). 1 - its rate(_sum) / "
-                                    "rate(pass_seconds_sum) is the stage's idle (bubble) share.",
+                                    "rate(pipeline_active_seconds) is the stage's idle (bubble) share.",
                                     m + ["stage"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.pipeline_active = Counter("switchboard_shard_pipeline_active_seconds", "Wall time with at least "
+                                       "one pass in the pipeline (micro-batches overlap: not the sum of passes).",
+                                       m, registry=registry)
+        self.in_flight = Histogram("switchboard_shard_pipeline_passes_in_flight", "Passes (micro-batches) in "
+                                   "flight when stage 0 sent each pass, itself included.", m,
+                                   buckets=(1, 2, 3, 4, 6, 8, 16), registry=registry)
         self.hop_latency = Histogram("switchboard_shard_pipeline_hop_latency_seconds", "Hop `stage` -> next stage "
                                      "(the last: back to stage 0): from the send to the receipt.",
                                      m + ["stage"], buckets=LATENCY_BUCKETS, registry=registry)
@@ -316,6 +322,9 @@ class MetricsListener(StepListener):
     def on_pipeline_pass(self, timing: PassTiming) -> None:
         m = self.metrics
         m.pass_seconds.labels(m.model_name).observe(timing.wall_s)
+        m.in_flight.labels(m.model_name).observe(timing.in_flight)
+        if timing.active_s > 0:
+            m.pipeline_active.labels(m.model_name).inc(timing.active_s)
         for stage, (step, hop, sent) in enumerate(zip(timing.step_s, timing.hop_s, timing.hop_bytes)):
             label = str(stage)
             m.stage_step.labels(m.model_name, label).observe(step)

@@ -76,6 +76,9 @@ class ShardSettings(BaseSettings):
         "Where stages 1.. start, e.g. '10,20' (default: an even split)."))
     pipeline_stage_timeout_s: float = Field(1.0, ge=0.2, le=60, description=(
         "A pipeline stage silent this long is lost: the shard fails its streams (resumed elsewhere) and exits."))
+    pipeline_microbatches: int = Field(0, ge=0, le=64, description=(
+        "Micro-batches of a forward pass in flight at once through the stages (0: as many as stages, "
+        "vLLM's batch queue depth; 1: one pass at a time)."))
     pipeline_exit_linger_s: float = Field(2.0, ge=0, le=60, description=(
         "After losing a stage (streams failed, out of membership) the shard keeps answering /metrics this long "
         "before exiting, so a scrape sees the stage down (set it to your scrape interval)."))

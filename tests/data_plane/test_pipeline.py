@@ -9,6 +9,7 @@ import asyncio
 import os
 import signal
 import time
+from itertools import pairwise
 
 import httpx
 import pytest
@@ -38,6 +39,26 @@ def test_split_layers_even_remainder_and_override() -> None:
             split_layers(30, 3, bad)
     with pytest.raises(ValueError):
         split_layers(30, 31)
+
+
+def test_micro_batches_split_items_contiguously_by_tokens() -> None:
+    from data_plane.shard.engines.llama_runner import micro_batches
+
+    assert micro_batches([1, 1, 1, 1], 2) == [(0, 2), (2, 4)]  # a decode step: two halves of the slots
+    assert micro_batches([40, 1, 1, 1], 2) == [(0, 1), (1, 4)]  # by tokens, an item never split
+    assert micro_batches([1, 1, 1], 3) == [(0, 1), (1, 2), (2, 3)]
+    assert micro_batches([7], 3) == [(0, 1)]  # fewer items than micro-batches
+    assert micro_batches([1, 1], 1) == [(0, 2)]  # micro-batching off
+
+
+def _overlapping(passes: list[PassTiming]) -> int:
+    """Pairs of consecutive passes where a later stage ran pass k while stage 0 ran pass k+1."""
+    count = 0
+    for a, b in pairwise(passes):
+        if b.in_flight >= 2 and any(a.spans[s][0] < b.spans[0][1] and b.spans[0][0] < a.spans[s][1]
+                                    for s in range(1, len(a.spans))):
+            count += 1
+    return count
 
 
 class _Counting(StepListener):
@@ -102,10 +123,16 @@ def test_two_and_three_stages_greedy_identical_to_unsharded_solo_and_batched() -
         assert counting.stages == dict.fromkeys(range(pp), True)
         assert counting.hops > 0 and counting.hop_bytes > 0
         assert counting.drafted > 0  # verify passes went through every stage
+        # Micro-batches in flight (on by default: as many as stages): passes sent before the
+        # previous one came back, and a later stage's interval on pass k overlapping stage 0's on k+1.
+        assert max(t.in_flight for t in counting.passes) == pp
+        assert _overlapping(counting.passes) > 0
+        assert sum(t.active_s for t in counting.passes) < sum(t.wall_s for t in counting.passes)
         for timing in counting.passes:
             assert len(timing.step_s) == len(timing.hop_s) == len(timing.hop_bytes) == pp
             assert all(b > 0 for b in timing.hop_bytes) and all(h >= 0 for h in timing.hop_s)
             assert timing.wall_s >= max(timing.step_s[1:]) > 0
+            assert len(timing.spans) == pp and all(end >= start for start, end in timing.spans)
         assert len(stages) == 8
         for parts in stages:
             assert [p.stage for p in parts] == list(range(pp))
@@ -235,6 +262,12 @@ def test_bench_engine_runs_switchboard_per_pipeline_size_on_the_same_cores() -> 
     one, two = make_system("switchboard", config), make_system("switchboard@pp2", config)
     assert (one.engine.config.pipeline_parallel_size, one.engine.config.threads) == (1, 4)  # type: ignore[attr-defined]
     assert (two.engine.config.pipeline_parallel_size, two.engine.config.threads) == (2, 2)  # type: ignore[attr-defined]
+    # before/after micro-batching in one run: one pass at a time, then as many in flight as stages
+    args = parse_args(["--systems", "switchboard", "--pipeline-parallel-size", "1,2", "--pipeline-microbatches", "1,0"])
+    assert args.systems == ["switchboard", "switchboard@pp2mb1", "switchboard@pp2"]
+    one_pass = make_system("switchboard@pp2mb1", config)
+    assert one_pass.engine.config.pipeline_microbatches == 1  # type: ignore[attr-defined]
+    assert two.engine.config.pipeline_microbatches == 0  # type: ignore[attr-defined]
 
 
 def test_prefix_cache_hits_through_two_stages() -> None:

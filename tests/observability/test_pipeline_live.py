@@ -61,7 +61,7 @@ def test_pipeline_row_spans_and_stage_down_alert(tmp_path: Path) -> None:
                 problems.append(f"{where}: no data\n    {expr}")
         assert not problems, "\n".join(problems)
         share = prometheus.query('1 - sum by (stage) (rate(switchboard_shard_pipeline_stage_step_seconds_sum[1m])) '
-                                 '/ scalar(sum(rate(switchboard_shard_pipeline_pass_seconds_sum[1m])))')
+                                 '/ scalar(sum(rate(switchboard_shard_pipeline_active_seconds_total[1m])))')
         shares = {s["metric"]["stage"]: float(s["value"][1]) for s in share["data"]["result"]}
         assert set(shares) == {"0", "1"} and all(0.0 <= v < 1.0 for v in shares.values()), shares
 

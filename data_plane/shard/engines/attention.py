@@ -1,6 +1,7 @@
 """Attention over the slot KV cache for one forward pass: batched over slots 0..n-1, or per sequence.
 
-    attend = SlotBatched(runner, lens=[1, 4], starts=[p0, p1])   # decode / verify steps
+    attend = SlotBatched(runner, lens=[1, 4], starts=[p0, p1])   # decode / verify steps (slots 0, 1)
+    attend = SlotBatched(runner, lens=[1, 1], starts=[p2, p3], first_slot=2)   # a micro-batch: slots 2, 3
     attend = PerSequence(runner, slots=[0, 3], lens=[1, 120], starts=[p0, 0])   # prefill and mixed steps
     out = attend(q, k_cache[layer], v_cache[layer])   # [tokens, heads * head_dim], after the KV was written
 
@@ -38,8 +39,9 @@ class Heads(Protocol):
 
 
 class SlotBatched:
-    def __init__(self, r: Heads, lens: Sequence[int], starts: Sequence[int]) -> None:
+    def __init__(self, r: Heads, lens: Sequence[int], starts: Sequence[int], first_slot: int = 0) -> None:
         self.r = r
+        self.first_slot = first_slot  # a pipeline micro-batch: slots first_slot..first_slot+n-1
         n = self.n = len(lens)
         self.t_max = t_max = max(lens)
         self.total = total = sum(lens)
@@ -66,8 +68,9 @@ class SlotBatched:
     def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
         r, n, span = self.r, self.n, self.span
         kvh, g, d = r.num_kv_heads, r.group, r.head_dim
-        keys = kc[:n, :, :span]  # a view: decoding slots are 0..n-1
-        vals = vc[:n, :, :span]
+        a = self.first_slot
+        keys = kc[a : a + n, :, :span]  # a view: decoding slots are 0..n-1 (a micro-batch: a contiguous part)
+        vals = vc[a : a + n, :, :span]
         if self.t_max == 1:
             qg = q.view(n, kvh, g, d)  # query heads grouped per KV head
             if self.fused:

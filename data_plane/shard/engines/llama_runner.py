@@ -33,6 +33,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -67,14 +68,35 @@ class Downstream(Protocol):
     """The later stages of a pipeline, seen from stage 0 (data_plane/shard/engines/pipeline.py);
     called on the scheduler thread, in order."""
 
-    def forward(self, slots: Sequence[int], lens: Sequence[int], starts: Sequence[int], wanted: Sequence[int],
-                batched: bool, x: torch.Tensor, began: float | None = None) -> torch.Tensor:
-        """Run the later stages' layers over `x` [T, H]; return the hidden states of the `wanted`
-        last rows of each item after the last layer (select_rows), [sum(wanted), H]. `began`: when
-        stage 0 started this pass (time.time), for its step time."""
+    microbatches: int
+    """Micro-batches one forward pass is split into (1: the whole pass at once)."""
+
+    def submit(self, slots: Sequence[int], lens: Sequence[int], starts: Sequence[int], wanted: Sequence[int],
+               batched: bool, x: torch.Tensor, began: float | None = None) -> Any:
+        """Send `x` [T, H] (stage 0's layers done) down the chain without waiting; a ticket for
+        `collect`. `began`: when stage 0 started this pass (time.time), for its step time."""
+        ...
+
+    def collect(self, ticket: Any) -> torch.Tensor:
+        """The hidden states of the submitted pass's `wanted` last rows of each item after the last
+        layer (select_rows), [sum(wanted), H]; tickets are collected in the order submitted."""
         ...
 
     def move_slot(self, src: int, dst: int, length: int) -> None: ...
+
+
+def micro_batches(lens: Sequence[int], parts: int) -> list[tuple[int, int]]:
+    """Contiguous item ranges [i, j) splitting items of `lens` tokens into up to `parts` runs of
+    about equal tokens (an item is never split: its rows depend on each other)."""
+    n = len(lens)
+    parts = max(1, min(parts, n))
+    total, bounds, acc = sum(lens), [0], 0
+    for i, length in enumerate(lens[:-1], 1):
+        acc += length
+        if len(bounds) < parts and acc * parts >= total * len(bounds) and n - i >= parts - len(bounds):
+            bounds.append(i)
+    bounds.append(n)
+    return list(pairwise(bounds))
 
 
 def select_rows(x: torch.Tensor, lens: Sequence[int], wanted: Sequence[int]) -> torch.Tensor:
@@ -279,13 +301,27 @@ class LlamaRunner:
         starts = [start for _, _, start in items]
         ids = torch.tensor([t for _, seq, _ in items for t in seq], dtype=torch.long)
         wanted = [1] * len(items) if logits is None else list(logits)
-        began = time.time()
-        x = self.run_layers(self.embed[ids], slots, lens, starts, batched)  # [T, H]
         if self.downstream is not None:  # the later stages run their layers and send back the wanted rows
-            x = self.downstream.forward(slots, lens, starts, wanted, batched, x, began)
-        else:
-            x = select_rows(x, lens, wanted)
-        return self.lm_head(self._rms(x, self.norm)).float()
+            return self._pipelined(ids, slots, lens, starts, wanted, batched)
+        x = self.run_layers(self.embed[ids], slots, lens, starts, batched)  # [T, H]
+        return self.lm_head(self._rms(select_rows(x, lens, wanted), self.norm)).float()
+
+    def _pipelined(self, ids: torch.Tensor, slots: list[int], lens: list[int], starts: list[int],
+                   wanted: list[int], batched: bool) -> torch.Tensor:
+        """Stage 0's part of a pass, as up to `downstream.microbatches` micro-batches in flight: each
+        is sent on as soon as this stage's layers are done, so while stage 1 runs micro-batch k this
+        stage runs k+1; the wanted rows come back in order and get the head one micro-batch at a
+        time (while the later stages still work on the next). A sequence is in exactly one."""
+        down = self.downstream
+        assert down is not None
+        tickets, off = [], 0
+        for i, j in micro_batches(lens, down.microbatches):
+            began = time.time()
+            n = sum(lens[i:j])
+            x = self.run_layers(self.embed[ids[off : off + n]], slots[i:j], lens[i:j], starts[i:j], batched)
+            tickets.append(down.submit(slots[i:j], lens[i:j], starts[i:j], wanted[i:j], batched, x, began))
+            off += n
+        return torch.cat([self.lm_head(self._rms(down.collect(t), self.norm)).float() for t in tickets])
 
     def run_layers(self, x: torch.Tensor, slots: Sequence[int], lens: Sequence[int], starts: Sequence[int],
                    batched: bool) -> torch.Tensor:
@@ -299,7 +335,7 @@ class LlamaRunner:
         # index_copy_ there is several times cheaper than advanced-index assignment.
         kv_rows = (((slot_of * self.num_kv_heads).unsqueeze(1) + torch.arange(self.num_kv_heads)) * self.max_len
                    + pos.unsqueeze(1)).reshape(-1)
-        attend = SlotBatched(self, lens, starts) if batched else PerSequence(self, slots, lens, starts)
+        attend = SlotBatched(self, lens, starts, slots[0]) if batched else PerSequence(self, slots, lens, starts)
         cos, sin = self.rope_tables(pos)  # [T, 1, D]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)

@@ -20,12 +20,23 @@ holds anyway (no second copy), and the wanted rows' hidden states (576 floats a 
 smaller than their logits (49,152), so the return hop is one hidden state a sequence. Slot moves
 (`LlamaRunner.move_slot`) travel the same chain, so every stage's KV stays where the scheduler put it.
 
+Micro-batches in flight (vLLM v1 keeps as many batches in flight as stages): `LlamaRunner.forward`
+splits a pass's items into up to `microbatches` (default N) contiguous runs of about equal tokens
+(runner.micro_batches; decode and verify runs keep contiguous slots, so their attention stays
+batched) and `Hops.submit`s each as soon as stage 0's layers are done, without waiting (isend):
+while stage 1 runs micro-batch k, stage 0 runs k+1, and the head runs on k's returned rows while
+later stages run k+1. Rows come back in the order sent (`Hops.collect`). A sequence is in exactly
+one micro-batch of a pass, and the step's plan, its slot moves and prefix copies (between passes,
+never while one is in flight) are the scheduler's as before: aborts, deadlines, speculation and
+the lost-stage handling do not see micro-batches. Not (yet) vLLM's queue *across* steps: a step
+waits for its last micro-batch, so the bubble per step is about (N-1)/(M+N-1) stage-passes, not 0.
+
 Everything above the runner is unchanged: the scheduler, chunked and beside prefill, priorities,
 speculation (a verify pass is one forward through the stages), prefix caching: stage 0's PrefixCache
 (kv_cache.py) decides which pool block holds what, and each copy between its pool and a slot is
 repeated down the chain (LOAD, STORE: `Hops` is the cache's `mirror`), every stage keeping the same
 number of blocks for its own layers at the same indices. Not yet: the KV tier on the cache nodes
-(a block there holds every layer) and several micro-batches in flight (one pass at a time).
+(a block there holds every layer).
 
 Losing a stage: every stage beats a heartbeat counter into the group's TCPStore every
 HEARTBEAT_S; stage 0's monitor thread declares a stage lost when its process exited (kill -9: the
@@ -44,6 +55,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -116,6 +128,9 @@ class PipelineSpec:
     prefix_blocks: int = 0
     """Blocks of stage 0's prefix cache (0: prefix caching off): each stage keeps as many for its layers."""
     block_size: int = 16
+    microbatches: int = 0
+    """Micro-batches a forward pass is split into, in flight at once (0: as many as stages, vLLM's
+    batch queue depth; 1: one pass at a time)."""
 
     @property
     def size(self) -> int:
@@ -137,13 +152,35 @@ class PassTiming:
     """Hop i: from stage i's send to stage i+1's receipt (the last: to stage 0's)."""
     hop_bytes: tuple[int, ...]
     """Bytes stage i sent on hop i."""
+    spans: tuple[tuple[float, float], ...] = ()
+    """Each stage's (start, end) of this pass, epoch seconds (stage 0: from its layers to its send)."""
+    in_flight: int = 1
+    """Passes in flight when stage 0 sent this one, itself included (micro-batches overlapping)."""
+    active_s: float = 0.0
+    """When this pass emptied the pipeline: the wall time since a pass last entered an empty one
+    (the denominator of each stage's idle share; 0 while others are still in flight)."""
+
+
+@dataclass
+class _Ticket:
+    """A pass stage 0 sent and has not collected yet (Hops.submit)."""
+
+    slots: tuple[int, ...]
+    starts: tuple[int, ...]
+    rows: int
+    began: float
+    in_flight: int
+    sent_bytes: int
+    buffers: tuple[torch.Tensor, ...]  # alive until the isends completed
+    works: list[Any]
 
 
 TIMING_COLS = 3  # arrive, busy, leave (epoch seconds; busy in seconds)
 
 
 class Hops:
-    """Stage 0's side of the chain: sends passes and slot moves to stage 1, receives stage N-1's rows.
+    """Stage 0's side of the chain: sends passes and slot moves to stage 1, receives stage N-1's rows;
+    several passes may be in flight (submit ... collect, in order).
 
     Each pass carries a small float64 [N, 3] timing table down the chain and back (every stage
     writes when the pass arrived, its compute, when it left): PassTiming for the metrics, and per
@@ -151,38 +188,63 @@ class Hops:
 
     def __init__(self, dist: Any, spec: PipelineSpec, hidden: int, dtype: torch.dtype) -> None:
         self.dist, self.spec, self.hidden, self.dtype = dist, spec, hidden, dtype
+        self.microbatches = spec.microbatches or spec.size
         self.header = torch.zeros(header_size(spec.max_num_seqs), dtype=torch.long)
-        self.timing = torch.zeros(spec.size, TIMING_COLS, dtype=torch.float64)
         self.on_pass: Callable[[PassTiming], None] = lambda timing: None
         self._slots: dict[int, list[list[float]]] = {}  # slot -> per stage [start, end, busy, passes]
+        self._in_flight: deque[_Ticket] = deque()
+        self._active_since = 0.0
+        self.max_in_flight = 0
+        """The most passes ever in flight at once (sent by stage 0, rows not yet back)."""
 
     def forward(self, slots: Sequence[int], lens: Sequence[int], starts: Sequence[int], wanted: Sequence[int],
                 batched: bool, x: torch.Tensor, began: float | None = None) -> torch.Tensor:
-        n, size = len(slots), self.spec.size
-        h = self.header
-        h.zero_()
+        """One pass, waited for: `collect(submit(...))`."""
+        return self.collect(self.submit(slots, lens, starts, wanted, batched, x, began))
+
+    def submit(self, slots: Sequence[int], lens: Sequence[int], starts: Sequence[int], wanted: Sequence[int],
+               batched: bool, x: torch.Tensor, began: float | None = None) -> _Ticket:
+        """Send a pass to stage 1 without waiting (isend: stage 0 never blocks on a send, so the
+        last stage's rows can always come back); its own buffers, kept until collected."""
+        n, m = len(slots), self.spec.max_num_seqs
+        h = torch.zeros(header_size(m), dtype=torch.long)
         h[:HEADER_FIXED] = torch.tensor([OP_FORWARD, n, int(batched), len(x)])
-        m = self.spec.max_num_seqs
         for k, values in enumerate((slots, lens, starts, wanted)):
             h[HEADER_FIXED + k * m: HEADER_FIXED + k * m + n] = torch.tensor(list(values))
-        t = self.timing
-        t.zero_()
+        t = torch.zeros(self.spec.size, TIMING_COLS, dtype=torch.float64)
         leave = time.time()
         began = leave if began is None else began
         t[0] = torch.tensor([began, leave - began, leave], dtype=torch.float64)
-        self.dist.send(h, 1)
-        self.dist.send(wire(x.contiguous()), 1)
-        self.dist.send(t, 1)
-        out = torch.empty(sum(wanted), self.hidden, dtype=self.dtype)
+        if not self._in_flight:
+            self._active_since = began
+        xw = wire(x.contiguous())
+        works = [self.dist.isend(h, 1), self.dist.isend(xw, 1), self.dist.isend(t, 1)]
+        ticket = _Ticket(tuple(slots), tuple(starts), sum(wanted), began, len(self._in_flight) + 1,
+                         h.numel() * 8 + x.numel() * x.element_size() + t.numel() * 8, (h, xw, t), works)
+        self._in_flight.append(ticket)
+        self.max_in_flight = max(self.max_in_flight, ticket.in_flight)
+        return ticket
+
+    def collect(self, ticket: _Ticket) -> torch.Tensor:
+        """The submitted pass's wanted rows from the last stage (passes come back in the order sent)."""
+        if not self._in_flight or self._in_flight[0] is not ticket:
+            raise RuntimeError("pipeline passes are collected in the order they were submitted")
+        size = self.spec.size
+        out = torch.empty(ticket.rows, self.hidden, dtype=self.dtype)
+        t = torch.empty(size, TIMING_COLS, dtype=torch.float64)
         self.dist.recv(wire(out), size - 1)
         self.dist.recv(t, size - 1)
         back = time.time()
+        for work in ticket.works:
+            work.wait()
+        self._in_flight.popleft()
+        active_s = 0.0 if self._in_flight else back - self._active_since
         rows = t.tolist()
         hop_s = tuple(max(0.0, (rows[i + 1][0] if i + 1 < size else back) - rows[i][2]) for i in range(size))
-        hidden_bytes = h.numel() * 8 + x.numel() * x.element_size() + t.numel() * 8
-        hop_bytes = tuple([hidden_bytes] * (size - 1) + [out.numel() * out.element_size() + t.numel() * 8])
-        self._account(slots, starts, rows)
-        self.on_pass(PassTiming(back - began, tuple(r[1] for r in rows), hop_s, hop_bytes))
+        hop_bytes = tuple([ticket.sent_bytes] * (size - 1) + [out.numel() * out.element_size() + t.numel() * 8])
+        self._account(ticket.slots, ticket.starts, rows)
+        self.on_pass(PassTiming(back - ticket.began, tuple(r[1] for r in rows), hop_s, hop_bytes,
+                                tuple((r[0], r[2]) for r in rows), ticket.in_flight, active_s))
         return out
 
     def _account(self, slots: Sequence[int], starts: Sequence[int], rows: list[list[float]]) -> None:
@@ -201,6 +263,7 @@ class Hops:
         return tuple(StageSpan(i, start, end, busy, int(passes)) for i, (start, end, busy, passes) in enumerate(stages))
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
+        assert not self._in_flight, "a slot moves between passes, never while one is in flight"
         h = self.header
         h.zero_()
         h[:HEADER_FIXED] = torch.tensor([OP_MOVE, src, dst, length])
@@ -219,6 +282,7 @@ class Hops:
 
     def _blocks(self, op: int, slot: int, count: int, values: torch.Tensor) -> None:
         """A LOAD (`count` pool indices) or STORE (`count` (block number, pool index) pairs) for `slot`."""
+        assert not self._in_flight, "prefix-cache copies run between passes"
         h = self.header
         h.zero_()
         h[:HEADER_FIXED] = torch.tensor([op, slot, count, 0])

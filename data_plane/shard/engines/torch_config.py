@@ -68,6 +68,8 @@ class EngineConfig:
     """Where stages 1.. start, e.g. "10,20" (None: an even split)."""
     pipeline_stage_timeout_s: float = 1.0
     """A stage whose heartbeat stood still this long is lost (0.2..60 s): the shard fails its streams and exits."""
+    pipeline_microbatches: int = 0
+    """Micro-batches of a pass in flight at once through the stages, 0..64 (0: as many as stages; 1: one pass)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -94,6 +96,8 @@ class EngineConfig:
             raise ValueError("spec_max_batch must be in 1..256")
         if not 1 <= self.pipeline_parallel_size <= 64:
             raise ValueError("pipeline_parallel_size must be in 1..64")
+        if not 0 <= self.pipeline_microbatches <= 64:
+            raise ValueError("pipeline_microbatches must be in 0..64")
         if not 0.2 <= self.pipeline_stage_timeout_s <= 60:
             raise ValueError("pipeline_stage_timeout_s must be in 0.2..60")
 

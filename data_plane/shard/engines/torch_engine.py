@@ -277,7 +277,8 @@ class TorchEngine:
                             max_len=self.max_model_len, ranges=tuple(ranges),
                             timeout_s=self.config.pipeline_stage_timeout_s, threads=threads,
                             prefix_blocks=self.prefix.cache.num_blocks if self.prefix else 0,
-                            block_size=self.config.kv_block_size)
+                            block_size=self.config.kv_block_size,
+                            microbatches=self.config.pipeline_microbatches)
         self.pipeline = PipelineGroup(spec, self._stage_lost, self.listener.on_stage)
         hops = self.pipeline.start(int(self._runner.norm.shape[0]), self._runner.dtype)
         hops.on_pass = self.listener.on_pipeline_pass
