@@ -36,6 +36,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from control_plane.supervisor import Child, Stopped, Supervisor, wait_healthy
+from data_plane.common.cores import usable_cores
 from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV
 from data_plane.common.http_server import free_port
 from data_plane.common.settings_cli import parse_settings
@@ -172,7 +173,7 @@ def plan(s: UpSettings, state: Path, admin_token: str,
         if s.min_replicas > s.max_replicas:
             raise SystemExit(f"switchboard up: --min-replicas {s.min_replicas} > --max-replicas {s.max_replicas}")
         # Every stage process of a group takes its threads: the host cap counts stage processes.
-        scaled_threads = max(1, (os.cpu_count() or 2) // (s.max_replicas * s.pipeline_parallel_size))
+        scaled_threads = max(1, usable_cores() // (s.max_replicas * s.pipeline_parallel_size))
         cp.args += ["--autoscale", "--min-replicas", str(s.min_replicas), "--max-replicas", str(s.max_replicas),
                     "--shard-log-dir", str(logs), "--shard-args", shlex.join(_shard_flags(s, scaled_threads, state))]
         if s.engine == "torch":  # a torch shard past the cores slows the others (the synthetic one uses none)
@@ -188,7 +189,7 @@ def plan(s: UpSettings, state: Path, admin_token: str,
         caches.append(Child(f"cache-{i}", args, f"http://{host}:{port}", logs / f"cache-{i}.log", env=member_env))
     shards = []
     n_shards = 0 if s.autoscale else (max(s.shards, len(zones)) if s.shards else 0)
-    threads = max(1, (os.cpu_count() or 2) // max(1, n_shards * s.pipeline_parallel_size))
+    threads = max(1, usable_cores() // max(1, n_shards * s.pipeline_parallel_size))
     for i in range(n_shards):
         port = s.shard_base_port + i if s.shard_base_port else free_port(host)
         args = ["shard", "--host", host, "--port", str(port), "--registry-url", registry, "--node-id", f"shard-{i}",
@@ -218,7 +219,7 @@ def plan(s: UpSettings, state: Path, admin_token: str,
 def local_max_shards(s: UpSettings, threads: int, cores: int | None = None) -> int:
     """Shards (pipeline groups) the local actuator may run: as many stage processes of `threads`
     threads as the cores hold, divided into groups of `pipeline_parallel_size` (at least min_replicas)."""
-    stages = (cores or os.cpu_count() or 2) // threads
+    stages = (cores or usable_cores()) // threads
     return max(s.min_replicas, stages // s.pipeline_parallel_size)
 
 

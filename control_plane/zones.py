@@ -33,7 +33,7 @@ from typing import Any, Protocol
 from fastapi import APIRouter
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from data_plane.common.tasks import stop_tasks
+from data_plane.common.tasks import every, stop_tasks
 from data_plane.membership.placement import DEFAULT_ZONE
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class ZoneWatch:
 
     async def start(self) -> None:
         self.tick()
-        self._task = asyncio.create_task(self._loop(), name="zone-watch")
+        self._task = asyncio.create_task(every(self._interval_s, self.tick, "zone watch", log), name="zone-watch")
 
     def on_down(self, callback: Callable[[str, int], Awaitable[Any]]) -> None:
         """Call ``await callback(zone, shards_lost)`` when a zone goes down (e.g. the autoscaler's
@@ -113,14 +113,6 @@ class ZoneWatch:
     async def aclose(self) -> None:
         await stop_tasks(self._task, *self._reactions)
         self._task = None
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval_s)
-            try:
-                self.tick()
-            except Exception:  # a broken read must not end the watch
-                log.exception("zone watch tick failed")
 
     def _follow_shards(self, listed: list[dict[str, Any]]) -> None:
         """Per zone, the shards that left routing by accident since the zone was last up: gone or

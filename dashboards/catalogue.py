@@ -212,10 +212,12 @@ def render_markdown() -> str:
 def _label_values() -> list[str]:
     """The bounded label values the code defines as enums or constants, read from them."""
     from control_plane.ladder import Actor, Direction, Outcome
+    from data_plane.gateway.metrics import RequestCode
     from data_plane.routing.failures import FailureReason
     from data_plane.shard.metrics import CACHED_SOURCES, FINISHED_REASONS, PROMPT_SOURCES, WAITING_REASONS
 
     values = [
+        ("`switchboard_gateway_requests_total`", "code", [c.value for c in RequestCode]),
         (("`switchboard_router_upstream_failures_total`, `switchboard_router_retries_total`, "
          "`switchboard_router_resumes_total`"), "reason", [r.value for r in FailureReason]),
         ("`switchboard_degradation_evaluations_total`", "outcome", [o.value for o in Outcome]),
@@ -234,6 +236,10 @@ def _label_values() -> list[str]:
 
 NOTES = """## Changes to label values
 
+- `switchboard_gateway_requests_total{code}`: bounded to the codes above; any other code (one a remote
+  server put in its error, which the gateway passes on to the client and into the usage ledger's
+  `error_code`) is `other`. It was the code as given: unbounded. The dashboards sum by `code` and the
+  error-ratio rules select `code!~"ok|client_disconnected"`, both values unchanged, so both keep working.
 - `switchboard_router_upstream_failures_total{reason}` and `switchboard_router_retries_total{reason}`: a
   shard's HTTP status other than 429, 500, 502, 503 and 504 is `status_5xx` (it was `status_<code>`, one
   value per status a shard could send).

@@ -296,6 +296,23 @@ class ChatCompletionRequest(BaseModel):
         return out
 
 
+class ShardRequest(ChatCompletionRequest):
+    """The request the gateway sends a shard, typed end to end and never mutated.
+
+        req = ShardRequest(messages=[ChatMessage(role="user", content="hi")], max_tokens=16, stream=True)
+        payload = json.dumps(req.wire()).encode()       # what goes on the wire
+        resumed = req.model_copy(update={"max_tokens": 8})   # a changed copy (data_plane/routing/upstream.py)
+
+    Built once per request by the gateway (data_plane/gateway/phases.py shard_request); the shard parses the wire
+    form back as a ChatCompletionRequest. Only the fields that were given go on the wire."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def wire(self) -> dict[str, Any]:
+        """The JSON body: every field that was set and is not None (nested models by their wire names)."""
+        return self.model_dump(include=set(self.model_fields_set), exclude_none=True, by_alias=True)
+
+
 def _tool_call_list(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not all(isinstance(c, dict) for c in value):
         raise InvalidRequest("an assistant message's tool_calls must be a list of objects",

@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_plane.common.errors import InvalidRequest, NotFound
 from data_plane.common.hop_auth import require_cluster_token
-from data_plane.common.tasks import stop_tasks
+from data_plane.common.tasks import every, stop_tasks
 from data_plane.membership.placement import DEFAULT_ZONE
 
 log = logging.getLogger(__name__)
@@ -187,7 +187,8 @@ class Registry:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._reaper = asyncio.create_task(self._reap_loop(), name="registry-reaper")
+        self._reaper = asyncio.create_task(every(self._reap_interval_s, self.reap, "registry reaper", log),
+                                           name="registry-reaper")
 
     def close_waiters(self) -> None:
         """Answer every blocking query now, and future ones at once (server shutting down)."""
@@ -337,14 +338,6 @@ class Registry:
         changed.set()
         if self._closed:
             self._changed.set()
-
-    async def _reap_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._reap_interval_s)
-            try:
-                self.reap()
-            except Exception:  # one bad tick must not stop health checking
-                log.exception("registry reaper tick failed")
 
 
 # -- HTTP ------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@
     switchboard bench response-cache --requests 300 --repeat-share 0.3 --json /tmp/response-cache.json
     switchboard bench hops --rows 1,16 --json /tmp/hops.json
     switchboard bench quality --formats bfloat16:int4 --json /tmp/quality.json
+    switchboard bench coldstart --runs 3 --json /tmp/coldstart.json
 
 Subcommand modules are imported lazily, so `bench serve` never imports torch.
 """
@@ -31,6 +32,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "response-cache": ("data_plane.bench.response_cache", "a workload with ~30 % repeats, response cache on vs off: hit latency, shard work saved"),
     "hops": ("data_plane.bench.hop_cost", "a gloo send/recv and all-reduce of one step's hidden state between two processes"),
     "quality": ("data_plane.bench.quality", "perplexity and greedy agreement against float32, per dtype/weight format"),
+    "coldstart": ("data_plane.bench.coldstart", "a shard's start-up phase by phase (imports, tokenizer, weights, warm-up) to ready"),
     "verify": ("data_plane.bench.verify_cost", "a speculative verify pass against a decode step, per draft rows and batch"),
 }
 

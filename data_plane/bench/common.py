@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from data_plane.common.cores import usable_cores
+
 T = TypeVar("T")
 
 PROMPTS: tuple[str, ...] = (
@@ -193,6 +195,7 @@ def machine_info(packages: Iterable[str] = ("torch", "transformers")) -> dict[st
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
+        "usable_cores": usable_cores(),
         "cpu_model": platform.processor() or None,
         "loadavg": list(os.getloadavg()),
     }

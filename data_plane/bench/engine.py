@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import math
 import multiprocessing
-import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, replace
@@ -67,6 +66,7 @@ from data_plane.bench.engine_systems import (
     SwitchboardSystem,
     System,
 )
+from data_plane.common.cores import usable_cores
 
 SYSTEMS: dict[str, type] = {"switchboard": SwitchboardSystem, "switchboard-spec": SpeculativeSystem,
                             "naive": NaiveSystem, "llamacpp": LlamaCppSystem, "llamacpp-lookup": LlamaCppLookupSystem}
@@ -409,7 +409,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     # One thread count for every system (the torch engine's own 0 means "all cores but one").
-    args.threads = args.threads or os.cpu_count() or 1
+    args.threads = args.threads or usable_cores()
     if args.workload in ("json", "tools"):
         from data_plane.bench.engine_structured import main as structured
 

@@ -17,14 +17,39 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import os
 import time
 from typing import Any
 
 from data_plane.bench.common import RequestResult, one_at_a_time
 from data_plane.bench.engine_systems import BenchConfig, Skip
+from data_plane.common.cores import usable_cores
 
-LLAMACPP_HINT = "pip install llama-cpp-python  (builds from source here, ~8 min)"
+LLAMACPP_HINT = "pip install llama-cpp-python diskcache  (builds from source: 8-20 min on 2 cores)"
+NO_AMX_FLAGS = ("-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON "
+                "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
+"""docs/FACTS.md: where cpuinfo lists AMX but AMX instructions fault (a VM), a native build dies with
+SIGILL on the first multi-token batch; build it for AVX-512 without AMX instead."""
+
+
+def build_command(cpu_flags: frozenset[str] | None = None, pip: str = "pip") -> str:
+    """The command that builds llama-cpp-python for this CPU (docs/FACTS.md): native where the CPU has
+    no AMX (AVX2 or AVX-512 machines), without AMX where cpuinfo lists it."""
+    if cpu_flags is None:
+        from data_plane.shard.engines.weight_source import CpuCaps
+
+        cpu_flags = CpuCaps.detect().flags
+    prefix = f'CMAKE_ARGS="{NO_AMX_FLAGS}" ' if any(f.startswith("amx") for f in cpu_flags) else ""
+    return f"{prefix}MAKEFLAGS=-j2 nice {pip} install llama-cpp-python diskcache"
+
+
+def missing_message() -> str:
+    """What the bench prints when llama_cpp is absent: why, and the build command for this CPU."""
+    import sys
+    from pathlib import Path
+
+    pip = str(Path(sys.executable).with_name("pip"))
+    return (f"llama_cpp is not installed (llama-cpp-python is not a project dependency; it builds from source, "
+            f"8-20 min with both cores busy). To compare against llama.cpp, build it once: {build_command(pip=pip)}")
 
 
 class LlamaCppSystem:
@@ -33,7 +58,7 @@ class LlamaCppSystem:
 
     def __init__(self, config: BenchConfig) -> None:
         if importlib.util.find_spec("llama_cpp") is None:
-            raise Skip(f"llama_cpp is not installed: {LLAMACPP_HINT}")
+            raise Skip(missing_message())
         self.config = config
         self.gguf = _gguf_for(config.model)
         self.dtype = self.gguf.stem.rsplit(".", 1)[-1] if "." in self.gguf.stem else "gguf"
@@ -63,7 +88,7 @@ class LlamaCppSystem:
         cp.n_ctx = self.max_seqs * self.config.max_model_len
         cp.n_batch = self.n_batch
         cp.n_seq_max = self.max_seqs
-        cp.n_threads = cp.n_threads_batch = self.config.threads or os.cpu_count() or 1
+        cp.n_threads = cp.n_threads_batch = self.config.threads or usable_cores()
         self.ctx = _first(lib, "llama_init_from_model", "llama_new_context_with_model")(self.model, cp)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context")
@@ -146,7 +171,7 @@ class LlamaCppLookupSystem:
 
     def __init__(self, config: BenchConfig, num_pred_tokens: int = 10, max_ngram_size: int = 2) -> None:
         if importlib.util.find_spec("llama_cpp") is None:
-            raise Skip(f"llama_cpp is not installed: {LLAMACPP_HINT}")
+            raise Skip(missing_message())
         self.config = config
         self.gguf = _gguf_for(config.model)
         self.dtype = self.gguf.stem.rsplit(".", 1)[-1] if "." in self.gguf.stem else "gguf"
@@ -161,7 +186,7 @@ class LlamaCppLookupSystem:
         import llama_cpp as lib
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        threads = self.config.threads or os.cpu_count() or 1
+        threads = self.config.threads or usable_cores()
         self.llm = lib.Llama(model_path=str(self.gguf), n_ctx=self.config.max_model_len, n_batch=512,
                              n_threads=threads, n_threads_batch=threads, verbose=False,
                              draft_model=LlamaPromptLookupDecoding(num_pred_tokens=self.num_pred_tokens,

@@ -107,10 +107,10 @@ def measure(formats: list[str], n_prompts: int, tokens: int, model: str | None, 
     import torch
     from transformers import AutoTokenizer
 
+    from data_plane.common.cores import usable_cores
     from data_plane.model_store import model_source
 
-    if threads:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads or usable_cores())
     src = model_source(model)
     tok = AutoTokenizer.from_pretrained(str(src.path))
     text_ids = tok.encode(TEXT)
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
                         "bfloat16:none always run)")
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"chat prompts (default {len(PROMPTS)})")
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens compared per prompt (default 32)")
-    p.add_argument("--threads", type=int, default=0, help="intra-op threads (default 0 = torch's default)")
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads (default 0 = the cores this process may use)")
     p.add_argument("--model", default=None, help="HF model folder or GGUF (default SmolLM2-135M-Instruct)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)

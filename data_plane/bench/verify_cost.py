@@ -42,12 +42,12 @@ def measure(batches: list[int], rows: list[int], context: int, repeats: int, dty
             model: str | None) -> list[dict[str, Any]]:
     import torch
 
+    from data_plane.common.cores import usable_cores
     from data_plane.model_store import resolve_model
     from data_plane.shard.engines.llama_runner import LlamaRunner
     from data_plane.shard.engines.torch_config import DTYPES
 
-    if threads:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads or usable_cores())
     runner = LlamaRunner.from_pretrained(resolve_model(model), dtype=DTYPES[dtype], max_num_seqs=max(batches),
                                          max_len=context + max(rows) + 8)
     out = []
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=200, help="tokens already in each slot's KV (default 200)")
     p.add_argument("--repeats", type=int, default=30, help="timed calls per figure (default 30)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--threads", type=int, default=0, help="intra-op threads (default 0 = torch's default)")
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads (default 0 = the cores this process may use)")
     p.add_argument("--model", default=None, help="HF model folder or GGUF (default SmolLM2-135M-Instruct)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)

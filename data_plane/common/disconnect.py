@@ -27,6 +27,8 @@ from starlette.types import Receive
 
 CLIENT_CLOSED_STATUS = 499
 """Recorded (never sent) when the client left before its answer, as nginx does."""
+CLIENT_DISCONNECTED = "client_disconnected"
+"""The error code recorded (metrics, span, ledger) for a client that left before its answer."""
 
 
 class DisconnectWatch:

@@ -6,12 +6,18 @@ the autoscaler loop, the zone watch, the local actuator.
 
     await stop_tasks(self._task)              # None is fine: nothing was started
     await stop_tasks(*self._drains.values())
+
+And running one that ticks at a fixed interval:
+
+    self._task = asyncio.create_task(every(5.0, self.reap, "registry reaper", log))
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+from collections.abc import Callable
 
 
 async def stop_tasks(*tasks: asyncio.Task[object] | None) -> None:
@@ -23,3 +29,14 @@ async def stop_tasks(*tasks: asyncio.Task[object] | None) -> None:
     for task in running:
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def every(interval_s: float, tick: Callable[[], object], what: str, logger: logging.Logger) -> None:
+    """Call `tick` every `interval_s` seconds (first after one interval), until cancelled: a tick that
+    raises is logged ("<what> tick failed") and the next one still runs."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            tick()
+        except Exception:  # one bad tick must not end the loop
+            logger.exception("%s tick failed", what)

@@ -1,6 +1,9 @@
 """One chat request through the gateway: `ChatHandler` (see data_plane/gateway/app.py for the app).
 
-Per request, in order (each a span under `gateway.request`): authenticate the key -> tier;
+Per request, five phases, each a method returning a frozen value the next ones read
+(data_plane/gateway/phases.py): `_authenticate` -> Caller, `_validate` -> Checked, `_budget` (the rate
+limit and input safety) -> the safety policy, `_prepare` -> Prepared (the window and the one ShardRequest),
+`_route` -> the reply's stream. In order (each a span under `gateway.request`): authenticate the key -> tier;
 read and validate the body (413/415/400); enforce the tier's output cap and message count;
 `ratelimit` takes one request and the estimated tokens from the key's and tier's RPM/TPM
 (429 + Retry-After; `x-ratelimit-*` headers from here on; settled with real usage at the end,
@@ -11,6 +14,8 @@ order (503 when shed, data_plane/gateway/admission.py); `router.route` opens a s
 window; `cache.append` saves the turn before the reply completes. Every error is decided before
 the first byte when it can be; after that, the stream ends with an error event and `[DONE]`.
 Once the body is read, a client that goes away cancels the request (and so the shard's work).
+The request's Exchange ends it with one frozen Outcome (data_plane/common/outcome.py) that the usage
+ledger writes.
 
 Sessions: `X-Session-Id: <id>` (or body `session_id`) continues a conversation kept on the
 cache nodes; `X-Session-Id: new` starts one with an unguessable id, returned in the
@@ -37,7 +42,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from data_plane.cache.model import validate_session_id
-from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, DisconnectWatch
+from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, CLIENT_DISCONNECTED, DisconnectWatch
 from data_plane.common.errors import (
     InvalidRequest,
     ModelNotFound,
@@ -46,6 +51,7 @@ from data_plane.common.errors import (
     render,
 )
 from data_plane.common.http_body import read_body
+from data_plane.common.outcome import OK, Outcome
 from data_plane.gateway.auth import Principal, key_digest
 from data_plane.gateway.cluster_state import (
     DEGRADED_HEADER,
@@ -54,10 +60,18 @@ from data_plane.gateway.cluster_state import (
 )
 from data_plane.gateway.context import Window, fit_window
 from data_plane.gateway.exchange import Exchange
+from data_plane.gateway.phases import (
+    DEADLINE_FIRST_TOKEN_TIMEOUTS,
+    Caller,
+    Checked,
+    Prepared,
+    merge_history,
+    shard_request,
+)
 from data_plane.gateway.response_cache import CachedReply, Decision, ReplayStream, cache_key, cache_policy
 from data_plane.gateway.response_store import META_ROLE
 from data_plane.gateway.runtime import Gateway, Runtime
-from data_plane.gateway.safety.pipeline import raise_if_blocked
+from data_plane.gateway.safety.pipeline import SafetyPolicy, raise_if_blocked
 from data_plane.gateway.stream import Completion, EventSource
 from data_plane.protocol import ChatCompletionRequest, parse_chat_request
 from data_plane.tiers import Tier
@@ -69,12 +83,6 @@ NEW_SESSION = "new"
 DEFAULT_REPLY_RESERVE = 256
 """Reply tokens reserved when a request sets no max_tokens."""
 TEMPLATE_SLACK_TOKENS = 32
-FORWARDED = frozenset({
-    "temperature", "top_p", "top_k", "stop", "seed", "min_p", "n", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "min_tokens", "ignore_eos", "logprobs", "top_logprobs", "logit_bias",
-    "response_format", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls",
-})
-"""Request fields the gateway sends on to the shard as the client gave them (data_plane/protocol.py)."""
 """Headroom for chat-template tokens the per-message count cannot see (e.g. a default system
 prompt the template inserts), so the shard never refuses what the gateway admitted."""
 
@@ -115,7 +123,6 @@ class ChatHandler:
         request.state.request_id = self.request_id
         self.tier: Tier | None = None
         self.principal: Principal | None = None
-        self.session_id: str | None = None
         self.session_version = 0
         self.history: list[dict[str, str]] = []
         self.new_messages: list[dict[str, str]] = []
@@ -126,9 +133,7 @@ class ChatHandler:
         self.cache_key: str | None = None
         """Set when this request's reply goes into the response cache once complete."""
         self.opened: Opened | None = None
-        self.output_kind = "text"
-        """What the output follows (text, json_object, json_schema, regex, choice, grammar, tools): the ledger."""
-        """Set once a shard stream is open: the usage ledger reads the completion and shard from it."""
+        """Set once a stream is open (the reply's hooks read the completion from it)."""
         # the level and tier policy are read once, so one request sees one consistent state
         state = rt.cluster.current()
         self.tiers = state.tiers or gw.tiers
@@ -137,15 +142,24 @@ class ChatHandler:
             "gen_ai.operation.name": self.OPERATION, "switchboard.request_id": self.request_id,
             "switchboard.client_request_id": self.client_request_id, SPAN_ATTRIBUTE: self.effects.level})
         self.x = Exchange(gw.metrics, gw.limiter, span, self.request_id, DisconnectWatch(request.receive),
-                          on_record=self._record, t0=t0)
+                          on_record=self._record, t0=t0, level=self.effects.level)
         """Slot, grant, in-flight gauge, metrics record and span, released once by `x.close`. Once
         the body is read, a client that goes away cancels this request's task (`x.disconnect`), and
         so whatever it waits on: admission queue, shard, stream, and the shard's work with it."""
 
-    def _record(self, status: int, code: str) -> None:
-        if self.gw.ledger is not None:  # the ledger reads its EndedRequest properties
-            self.gw.ledger.record_request(self, status, code)
-        self.recorded(status)
+    @property
+    def session_id(self) -> str | None:
+        """The conversation this request continues (an X-Session-Id, or a Responses API chain)."""
+        return self.x.session_id
+
+    @session_id.setter
+    def session_id(self, value: str | None) -> None:
+        self.x.session_id = value
+
+    def _record(self, outcome: Outcome) -> None:
+        if self.gw.ledger is not None:
+            self.gw.ledger.record_request(outcome)
+        self.recorded(outcome.status)
 
     def recorded(self, status: int) -> None:
         """The request ended with `status` (counted by the APIs served over this path)."""
@@ -165,7 +179,7 @@ class ChatHandler:
                     await self.respond_stream(opened, send, headers)
                     return
                 body = await self.respond_body(opened)
-                x.close(200, "ok")
+                x.close(200, OK)
                 response: Response = self._degraded(JSONResponse(body, headers=opened.headers))
             except ClientDisconnect:
                 raise
@@ -255,27 +269,10 @@ class ChatHandler:
         """The prompt fitted into `budget` tokens (the sliding window: oldest turns out first)."""
         return fit_window(prompt, self.gw.counter, budget)
 
-    # what the usage ledger reads of an ended request (data_plane/ledger/writer.py EndedRequest)
-    @property
-    def tier_name(self) -> str:
-        return self.x.tier_name
-
-    @property
-    def t0(self) -> float:
-        return self.x.t0
-
-    @property
-    def first_token_at(self) -> float | None:
-        return self.x.first_token_at
-
-    @property
-    def span(self) -> trace.Span:
-        return self.x.span
-
     def _client_left(self) -> None:
-        self.x.span.set_attribute("error.type", "client_disconnected")
+        self.x.span.set_attribute("error.type", CLIENT_DISCONNECTED)
         log.info("request %s: client disconnected; generation aborted", self.request_id)
-        self.x.close(CLIENT_CLOSED_STATUS, "client_disconnected")
+        self.x.close(CLIENT_CLOSED_STATUS, CLIENT_DISCONNECTED)
 
     def _headers(self, base: dict[str, str], extra: dict[str, str]) -> list[tuple[bytes, bytes]]:
         headers = {**base, **extra}
@@ -290,20 +287,33 @@ class ChatHandler:
         return response
 
     async def _prepare_and_open(self) -> Opened:
-        gw, rt, settings, x = self.gw, self.rt, self.gw.settings, self.x
-        span = x.span
-        principal = gw.guard.authenticate(gw.keys, self.request, span)  # a banned address never reaches the keys
-        self.principal = principal
+        """The request's phases, in order; each returns what the next ones read (data_plane/gateway/phases.py)."""
+        caller = self._authenticate()
+        checked = await self._validate(caller)
+        policy = await self._budget(caller, checked)
+        prepared = await self._prepare(caller, checked)
+        stream = await self._route(caller, checked, prepared)
+        return self._opened(checked, policy, stream)
+
+    def _authenticate(self) -> Caller:
+        """The key (a banned address never reaches the keys), its tier, and the abuse measures on it."""
+        gw, x = self.gw, self.x
+        principal = self.principal = gw.guard.authenticate(gw.keys, self.request, x.span)
+        x.key_id, x.tenant = principal.key_id, principal.tenant
         tiers = self.tiers if principal.tier in self.tiers else gw.tiers  # a key's tier the hot policy lacks
         tier = tiers.get(principal.tier)
         self.tier, x.tier_name = tier, tier.name
-        span.set_attribute("switchboard.tier", tier.name)
+        x.span.set_attribute("switchboard.tier", tier.name)
         self.effects.admit(tier, tiers)
-        measures = gw.guard.admit(principal)  # abuse actions: 429 when blocked or throttled
+        return Caller(principal, tier, tiers, gw.guard.admit(principal))  # abuse: 429 when blocked or throttled
+
+    async def _validate(self, caller: Caller) -> Checked:
+        """The body read and parsed (413/415/400), the model known, the message count and output cap kept."""
+        gw, settings, span, tier = self.gw, self.gw.settings, self.x.span, caller.tier
         raw = await read_body(self.request, settings.max_body_bytes)
-        x.disconnect.start()
+        self.x.disconnect.start()
         req = await self.parse(raw)
-        models = rt.models()
+        models = self.rt.models()
         model = req.model or next(iter(models))
         if model not in models:
             raise ModelNotFound(f"the model {req.model!r} does not exist", param="model")
@@ -315,29 +325,39 @@ class ChatHandler:
         if max_tokens > tier.max_output_tokens:
             raise InvalidRequest(f"max_tokens is {max_tokens}, above the {tier.name} tier's cap of "
                                  f"{tier.max_output_tokens}", param="max_tokens")
-        max_tokens = measures.max_tokens(self.effects.max_tokens(max_tokens))
-        messages = req.plain_messages(tools_prompt=False)  # the shard adds the tools' system message
-        self.new_messages = messages
+        messages = self.new_messages = req.plain_messages(tools_prompt=False)  # the shard adds the tools' prompt
         plan = req.output_plan()
-        self.output_kind = plan.constraint.kind if plan.constraint is not None else "text"
-        span.set_attribute("switchboard.structured.kind", self.output_kind)
+        self.x.output_kind = plan.constraint.kind if plan.constraint is not None else "text"
+        span.set_attribute("switchboard.structured.kind", self.x.output_kind)
         span.set_attribute("switchboard.tools.mode", plan.tool_mode.value)
-        # The tool definitions take context too: counted like a system message, outside the sliding window.
         tools_tokens = gw.counter.prompt_tokens([{"role": "system", "content": plan.tools_prompt}]) \
             if plan.tools_prompt else 0
+        return Checked(req, model, models[model], caller.measures.max_tokens(self.effects.max_tokens(max_tokens)),
+                       messages, tools_tokens)
+
+    async def _budget(self, caller: Caller, checked: Checked) -> SafetyPolicy:
+        """The rate limit's grant for the estimated tokens (429), then the input screened by the tier's
+        safety policy (400); returns the policy, whose output filter the reply passes through."""
+        gw = self.gw
         # Session history is not known yet: settlement charges it with the rest of the real usage.
-        x.grant = await gw.limiter.admit(principal.key_id, tier,
-                                         gw.counter.prompt_tokens(messages) + tools_tokens + max_tokens * (req.n or 1))
-        policy = gw.safety.get(measures.safety(tier.safety, gw.safety.names()))
+        estimate = gw.counter.prompt_tokens(checked.messages) + checked.tools_tokens + checked.max_tokens * checked.choices
+        self.x.grant = await gw.limiter.admit(caller.principal.key_id, caller.tier, estimate)
+        policy = gw.safety.get(caller.measures.safety(caller.tier.safety, gw.safety.names()))
         with tracer.start_as_current_span("safety.input"):
-            verdict = policy.check_input(m["content"] for m in messages if m["role"] in ("user", "system"))
+            verdict = policy.check_input(m["content"] for m in checked.messages if m["role"] in ("user", "system"))
             gw.safety_metrics.record("input", verdict)
             raise_if_blocked(verdict)
+        return policy
 
-        prompt = await self.context(req, messages, tier)
-        context = min(tier.max_context_tokens, models[model])
+    async def _prepare(self, caller: Caller, checked: Checked) -> Prepared:
+        """The prompt with its conversation, fitted into the context (the sliding window), and the one
+        request a shard will get."""
+        gw, settings, tier, req = self.gw, self.gw.settings, caller.tier, checked.req
+        prompt = await self.context(req, checked.messages, tier)
+        context = min(tier.max_context_tokens, checked.model_context)
         # Without max_tokens, reserve a modest reply while fitting the window, then let the reply
         # use the room the prompt leaves, up to the tier's cap (as vLLM does).
+        max_tokens, tools_tokens = checked.max_tokens, checked.tools_tokens
         reserve = max_tokens if req.output_limit else min(max_tokens, DEFAULT_REPLY_RESERVE, context // 2)
         budget = context - reserve - TEMPLATE_SLACK_TOKENS - tools_tokens
         if budget <= 0:
@@ -349,39 +369,42 @@ class ChatHandler:
         if window.dropped:
             gw.metrics.context_dropped.labels(tier.name).inc(window.dropped)
             gw.metrics.context_slides.labels(tier.name).inc()
-        span.set_attribute("switchboard.context.dropped_messages", window.dropped)
+        self.x.span.set_attribute("switchboard.context.dropped_messages", window.dropped)
         if settings.log_prompts:
             log.info("request %s prompt=%r", self.request_id, window.messages)
+        deadline = time.time() + settings.first_token_timeout_s * DEADLINE_FIRST_TOKEN_TIMEOUTS
+        request = shard_request(checked, caller, window, max_tokens, request_id=self.request_id, deadline=deadline,
+                                session_id=self.session_id, kv_ttl_s=settings.session_ttl_s)
+        return Prepared(prompt, window, max_tokens, request)
 
-        body: dict[str, Any] = {
-            "messages": window.messages, "max_tokens": max_tokens, "stream": True,
-            "priority": tier.priority,
-            # Prefix-cache scope: KV is reused within a tenant only (no timing side channel across tenants).
-            "cache_salt": f"tenant:{principal.tenant}",
-            "request_id": self.request_id, "deadline": time.time() + settings.first_token_timeout_s * 5,
-        }
-        if self.session_id:  # the shard keeps this session's KV blocks on its transcript's cache nodes
-            body.update(session_id=self.session_id, kv_replicas=tier.replication, kv_ttl_s=settings.session_ttl_s)
-        body.update(req.model_dump(include=set(FORWARDED), exclude_none=True, by_alias=True))
-        if req.model:
-            body["model"] = model
-        stream: EventSource | None = await self._cached(req, body, prompt, principal.tenant)
+    async def _route(self, caller: Caller, checked: Checked, prepared: Prepared) -> EventSource:
+        """The reply's source: the response cache's, or an in-flight slot (admission, 503 when shed) and a
+        shard stream with its first token in hand (retried once elsewhere before it)."""
+        rt, x, window, tier = self.rt, self.x, prepared.window, caller.tier
+        tenant = caller.principal.tenant
+        stream: EventSource | None = await self._cached(checked.req, prepared.request.wire(), prepared.prompt, tenant)
         if stream is None:
-            x.admitted(await rt.admission.acquire(tier, tiers, tenant=principal.tenant, tokens=window.prompt_tokens
-                                                  + tools_tokens + max_tokens * (req.n or 1)))
+            tokens = window.prompt_tokens + checked.tools_tokens + prepared.max_tokens * checked.choices
+            x.admitted(await rt.admission.acquire(tier, caller.tiers, tenant=tenant, tokens=tokens))
             with tracer.start_as_current_span("router.route") as route_span:
-                shard = await rt.upstream.open_resumable(body, self.session_id)
+                shard = await rt.upstream.open_resumable(prepared.request, self.session_id)
                 route_span.set_attribute("switchboard.shard", shard.member.id)
                 route_span.set_attribute("switchboard.attempts", shard.attempts)
                 rt.router.observe_kv(self.session_id, shard.member.id, window.prompt_tokens)  # kv_aware routing
             stream = shard
         x.first_token_at = time.monotonic()  # from the shard; the client's TTFT is observed in Completion
-        completion = Completion(x, model, policy.output_stream, gw.safety_metrics, self._completed)
+        return stream
+
+    def _opened(self, checked: Checked, policy: SafetyPolicy, stream: EventSource) -> Opened:
+        x = self.x
+        x.model, x.shard = checked.model, stream.member.id
+        completion = Completion(x, checked.model, policy.output_stream, self.gw.safety_metrics, self._completed)
         headers = {"X-Request-Id": self.request_id, **(x.grant.headers if x.grant else {})}
         if self.cache_header:
             headers["X-Cache"] = self.cache_header
         if self.session_id:
             headers["X-Session-Id"] = self.session_id
+        req = checked.req
         include_usage = bool(req.stream_options and req.stream_options.include_usage) if req.stream else None
         return Opened(stream, completion, headers, include_usage)
 
@@ -412,13 +435,7 @@ class ChatHandler:
         gw.metrics.sessions.labels(tier.name, "resumed").inc()
         self.session_version = transcript.version
         self.history = [dict(m) for m in transcript.messages]
-        if any(m["role"] == "system" for m in messages):
-            history = [m for m in self.history if m["role"] != "system"]
-        else:
-            history = self.history
-        system = [m for m in messages if m["role"] == "system"]
-        rest = [m for m in messages if m["role"] != "system"]
-        return system + history + rest
+        return merge_history(self.history, messages)
 
     @property
     def owner(self) -> str:
@@ -429,13 +446,6 @@ class ChatHandler:
     async def save_turn(self, reply: str) -> None:
         if not self.session_id or self.tier is None:
             return
-        if any(m["role"] == "system" for m in self.new_messages):
-            base = [m for m in self.history if m["role"] != "system"]
-            system = [m for m in self.new_messages if m["role"] == "system"]
-            rest = [m for m in self.new_messages if m["role"] != "system"]
-            transcript = system + base + rest
-        else:
-            transcript = self.history + self.new_messages
-        transcript = transcript + [{"role": "assistant", "content": reply}]
+        transcript = merge_history(self.history, self.new_messages) + [{"role": "assistant", "content": reply}]
         await self.rt.sessions.save(self.session_id, self.owner, transcript, self.session_version + 1,
                                     self.tier.replication, ttl_s=self.gw.settings.session_ttl_s)

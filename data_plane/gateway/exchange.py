@@ -4,12 +4,14 @@
     x.grant = await limiter.admit(...)        # the rate-limit grant (settled at close)
     x.admitted(await admission.acquire(...))  # the in-flight slot, and the in-flight gauge up
     ...
-    x.close(200, "ok")                        # count the request, usage record, gauge down, slot
-                                              # freed, grant settled, span ended: once, whoever calls
+    x.close(200, "ok")                        # the request's Outcome built, counted and recorded (the
+                                              # ledger), gauge down, slot freed, grant settled, span
+                                              # ended: once, whoever calls
 
 ChatHandler (data_plane/gateway/chat.py) creates it; Completion (data_plane/gateway/stream.py)
-records timings on it and closes it before the stream's last write. A second `close` is a no-op,
-so every exit path may call it.
+records timings and usage on it and closes it before the stream's last write. A second `close` is a
+no-op, so every exit path may call it. What the request came to is one frozen `Outcome`
+(data_plane/common/outcome.py), built from what the phases set here as they learned it.
 """
 
 from __future__ import annotations
@@ -20,17 +22,19 @@ from collections.abc import Callable
 from opentelemetry import trace
 
 from data_plane.common.disconnect import DisconnectWatch
+from data_plane.common.outcome import OK, Outcome
 from data_plane.gateway.admission import Ticket
-from data_plane.gateway.metrics import GatewayMetrics
+from data_plane.gateway.metrics import GatewayMetrics, request_code
 from data_plane.gateway.ratelimit.limiter import Grant, RateLimiter
+from data_plane.protocol import Usage
 
 
 class Exchange:
     """A request's slot, rate-limit grant, in-flight gauge, metrics and span; see the module docstring."""
 
     def __init__(self, metrics: GatewayMetrics, limiter: RateLimiter, span: trace.Span, request_id: str,
-                 disconnect: DisconnectWatch, on_record: Callable[[int, str], None] | None = None,
-                 t0: float | None = None) -> None:
+                 disconnect: DisconnectWatch, on_record: Callable[[Outcome], None] | None = None,
+                 t0: float | None = None, level: int = 0) -> None:
         self.metrics = metrics
         self.span = span
         self.request_id = request_id
@@ -45,6 +49,17 @@ class Exchange:
         """Monotonic time the first content left for the client (after the output filter)."""
         self.used_tokens: int | None = None
         """Real usage once the shard reported it (settles the rate limit and the fair share)."""
+        # what the Outcome reports, set by the phase that learns it
+        self.level = level
+        self.key_id = ""
+        self.tenant = ""
+        self.session_id: str | None = None
+        self.output_kind = "text"
+        self.model = ""
+        self.shard = ""
+        self.usage: Usage | None = None
+        """As the stream last reported it (data_plane/gateway/stream.py Completion)."""
+        self.tool_calls = 0
         self._limiter = limiter
         self._on_record = on_record
         self._inflight = False
@@ -69,18 +84,36 @@ class Exchange:
         self.metrics.inflight.labels(self.tier_name).inc()
         self._inflight = True
 
-    def close(self, status: int | None, code: str = "ok") -> None:
-        """Release everything, once: the request counted with `status`/`code` and its usage record
-        written (not when `status` is None: the server, not the request, ended it), the in-flight
+    def outcome(self, status: int, code: str = OK) -> Outcome:
+        """What the request came to, ending now with `status` and `code`."""
+        usage = self.usage
+        details = usage.prompt_tokens_details if usage is not None else None
+        first = self.first_token_at
+        return Outcome(
+            request_id=self.request_id, trace_id=self.trace_id, status=status, code=code, tier=self.tier_name,
+            key_id=self.key_id, tenant=self.tenant, model=self.model, shard=self.shard,
+            prompt_tokens=usage.prompt_tokens if usage is not None else 0,
+            cached_tokens=details.cached_tokens if details is not None else 0,
+            completion_tokens=usage.completion_tokens if usage is not None else 0,
+            ttft_s=None if first is None else round(first - self.t0, 6),
+            latency_s=round(time.monotonic() - self.t0, 6), degradation_level=self.level,
+            session=self.session_id is not None, output_kind=self.output_kind, tool_calls=self.tool_calls)
+
+    def close(self, status: int | None, code: str = OK) -> Outcome | None:
+        """Release everything, once: the request's Outcome built, counted with `status`/`code` and
+        recorded (not when `status` is None: the server, not the request, ended it), the in-flight
         gauge down, the admission slot freed, the token estimate settled (all refunded if no shard
-        started, real usage once known, kept if the stream broke before usage came), the span ended."""
+        started, real usage once known, kept if the stream broke before usage came), the span ended.
+        Returns the Outcome (None on a second call, or when `status` is None)."""
         if self._closed:
-            return
+            return None
         self._closed = True
+        outcome = None
         if status is not None:
-            self.metrics.requests.labels(self.tier_name, str(status), code).inc()
+            outcome = self.outcome(status, code)
+            self.metrics.requests.labels(self.tier_name, str(status), request_code(code)).inc()
             if self._on_record is not None:  # spooled before the reply's last byte (data_plane/ledger/writer.py)
-                self._on_record(status, code)
+                self._on_record(outcome)
         if self._inflight:
             self.metrics.inflight.labels(self.tier_name).dec()
         used = self.used_tokens if self.used_tokens is not None else (None if self.first_token_at else 0)
@@ -89,3 +122,4 @@ class Exchange:
         if self.grant is not None and used is not None:
             self._limiter.settle_later(self.grant, used)
         self.span.end()
+        return outcome

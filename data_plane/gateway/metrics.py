@@ -3,22 +3,83 @@
 Built once by the gateway (data_plane/gateway/app.py); the chat handler and the stream record into it.
 
     metrics = GatewayMetrics(CollectorRegistry())
-    metrics.requests.labels(tier="free", status="200", code="ok").inc()
+    metrics.requests.labels(tier="free", status="200", code=request_code("ok")).inc()
+
+`code` is bounded: `RequestCode`, the codes the gateway answers with (its own errors' and the ones its
+shards and cache nodes may pass through); any other code (a remote server's own) is counted as "other".
 """
 
 from __future__ import annotations
+
+import enum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.common.telemetry import E2E_BUCKETS, LATENCY_BUCKETS
 from data_plane.routing.hop_client import HOP_EVENTS
 
+
+class RequestCode(enum.StrEnum):
+    """The `code` label of switchboard_gateway_requests_total (docs/metrics.md, "Label values")."""
+
+    OK = "ok"
+    CLIENT_DISCONNECTED = "client_disconnected"
+    ERROR = "error"
+    """An error without a code (a remote one that gave none)."""
+    INTERNAL_ERROR = "internal_error"
+    HTTP_ERROR = "http_error"
+    INVALID_VALUE = "invalid_value"
+    INVALID_JSON = "invalid_json"
+    UNSUPPORTED_PARAMETER = "unsupported_parameter"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    CONTENT_POLICY_VIOLATION = "content_policy_violation"
+    INVALID_ENCRYPTED_CONTENT = "invalid_encrypted_content"
+    INVALID_SESSION_ID = "invalid_session_id"
+    INVALID_API_KEY = "invalid_api_key"
+    INVALID_CLUSTER_TOKEN = "invalid_cluster_token"
+    PERMISSION_DENIED = "permission_denied"
+    ADDRESS_BANNED = "address_banned"
+    ABUSE_BLOCKED = "abuse_blocked"
+    ABUSE_THROTTLED = "abuse_throttled"
+    NOT_FOUND = "not_found"
+    MODEL_NOT_FOUND = "model_not_found"
+    SESSION_NOT_FOUND = "session_not_found"
+    SESSION_VERSION_CONFLICT = "session_version_conflict"
+    DUPLICATE_REQUEST_ID = "duplicate_request_id"
+    REQUEST_TIMEOUT = "request_timeout"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+    RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
+    OVERLOADED = "overloaded"
+    NOT_READY = "not_ready"
+    NO_HEALTHY_BACKEND = "no_healthy_backend"
+    CACHE_UNAVAILABLE = "cache_unavailable"
+    CACHE_BACKEND_UNAVAILABLE = "cache_backend_unavailable"
+    RECORD_TOO_LARGE = "record_too_large"
+    USAGE_DISABLED = "usage_disabled"
+    MODEL_UNAVAILABLE = "model_unavailable"
+    MODEL_LOADING = "model_loading"
+    UPSTREAM_ERROR = "upstream_error"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    OTHER = "other"
+    """Any code not listed above."""
+
+
+_CODES = {c.value: c for c in RequestCode}
+
+
+def request_code(code: str) -> RequestCode:
+    """`code` as the label's bounded value: itself when the gateway knows it, else OTHER."""
+    return _CODES.get(code, RequestCode.OTHER)
+
+
 HOLDBACK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter("switchboard_gateway_requests", "Chat requests by tier, HTTP status and code.",
+        self.requests = Counter("switchboard_gateway_requests", "Chat requests by tier, HTTP status and code (bounded: "
+                                "RequestCode; an unknown code is other).",
                                 ["tier", "status", "code"], registry=registry)
         self.ttft = Histogram("switchboard_gateway_ttft_seconds",
                               "Time to first token as the client sees it: request received to the first content "

@@ -24,8 +24,9 @@ from typing import Any, Protocol
 from opentelemetry import trace
 from starlette.types import Send
 
-from data_plane.common.disconnect import CLIENT_CLOSED_STATUS
+from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, CLIENT_DISCONNECTED
 from data_plane.common.errors import as_error
+from data_plane.common.outcome import OK
 from data_plane.gateway.exchange import Exchange
 from data_plane.gateway.safety.filters import Verdict
 from data_plane.gateway.safety.pipeline import ALLOW, OutputStreamFilter, SafetyMetrics
@@ -155,6 +156,7 @@ class Completion:
             c = self.choice(event.index)
             if event.call >= len(c.calls):
                 c.calls.append(_Call(event.id or f"call_{len(c.calls)}", event.name or "", self.new_filter()))
+                self.x.tool_calls += 1
                 call = c.calls[-1]
                 out.append((event.index, {"tool_calls": [{"index": event.call, "id": call.id, "type": "function",
                                                           "function": {"name": call.name, "arguments": ""}}]}))
@@ -171,6 +173,7 @@ class Completion:
             self.usage = Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
                                total_tokens=event.prompt_tokens + event.completion_tokens,
                                prompt_tokens_details=cached)
+            self.x.usage = self.usage
 
     def _tails(self) -> list[Piece]:
         """What the filters still hold once the upstream ended (nothing was blocked)."""
@@ -268,7 +271,7 @@ class Completion:
             await self._finish(None)
         except asyncio.CancelledError:
             if self.x.client_gone:
-                await _quiet(self._finish("client_disconnected"))
+                await _quiet(self._finish(CLIENT_DISCONNECTED))
             raise
         finally:
             stream.close()  # idempotent; here for a cancellation before the first batch
@@ -314,7 +317,7 @@ class Completion:
             if include_usage:
                 out.append(_event(chunk_body(**common, usage=self.usage, empty_choices=True)))
         except asyncio.CancelledError:
-            error = "client_disconnected"
+            error = CLIENT_DISCONNECTED
             raise
         except Exception as exc:  # noqa: BLE001 -- a bug must still end the stream properly, not cut it off
             failure = as_error(exc, f"request {x.request_id} mid-stream")
@@ -328,7 +331,7 @@ class Completion:
                 await _quiet(self._finish(error))
                 span.set_attribute("error.type", error)
                 span.set_status(trace.Status(trace.StatusCode.ERROR, error))
-            x.close(CLIENT_CLOSED_STATUS if error == "client_disconnected" else 200, "ok" if error is None else error)
+            x.close(CLIENT_CLOSED_STATUS if error == CLIENT_DISCONNECTED else 200, OK if error is None else error)
         out.append(b"data: [DONE]\n\n")
         x.disconnect.stop()
         await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})

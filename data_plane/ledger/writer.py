@@ -32,54 +32,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from data_plane.common.outcome import OK, Outcome
 from data_plane.common.tasks import stop_tasks
 from data_plane.ledger.store import COLUMNS, LedgerStore, UsageQuery
-
-
-class _Principal(Protocol):
-    @property
-    def key_id(self) -> str: ...
-
-    @property
-    def tenant(self) -> str: ...
-
-
-class _Effects(Protocol):
-    @property
-    def level(self) -> int: ...
-
-
-class EndedRequest(Protocol):
-    """What the ledger reads of a request as it ends: the gateway's ChatHandler (data_plane/gateway/chat.py)
-    has these; declared here so the ledger never imports the gateway."""
-
-    @property
-    def request_id(self) -> str: ...
-
-    @property
-    def tier_name(self) -> str: ...
-
-    @property
-    def t0(self) -> float: ...
-
-    @property
-    def first_token_at(self) -> float | None: ...
-
-    @property
-    def session_id(self) -> str | None: ...
-
-    @property
-    def principal(self) -> _Principal | None: ...
-
-    @property
-    def span(self) -> Any: ...
-
-    @property
-    def effects(self) -> _Effects: ...
 
 log = logging.getLogger(__name__)
 
@@ -124,29 +83,17 @@ class UsageRecord:
 assert tuple(f.name for f in fields(UsageRecord)) == COLUMNS, "UsageRecord and ledger_sql.COLUMNS disagree"
 
 
-def record_for(h: EndedRequest, status: int, code: str, gateway: str) -> UsageRecord:
-    """The record of one request as the gateway's ChatHandler ends it."""
-    now, mono = time.time(), time.monotonic()
-    opened = getattr(h, "opened", None)
-    completion = opened.completion if opened is not None else None
-    usage = completion.usage if completion is not None else None
-    details = getattr(usage, "prompt_tokens_details", None)
-    cached = getattr(details, "cached_tokens", None) if details is not None else getattr(usage, "cached_tokens", 0)
-    principal = h.principal
-    trace_id = format(h.span.get_span_context().trace_id, "032x") if h.span is not None else ""
+def record_for(outcome: Outcome, gateway: str) -> UsageRecord:
+    """The record of one request's Outcome (built by the gateway's Exchange as the request ended)."""
+    now = time.time()
+    o = outcome
     return UsageRecord(
-        request_id=h.request_id, trace_id=trace_id,
-        key_id=principal.key_id if principal else "", tenant=principal.tenant if principal else "",
-        tier=h.tier_name, model=completion.model if completion is not None else "",
-        prompt_tokens=usage.prompt_tokens if usage else 0, cached_tokens=int(cached or 0),
-        completion_tokens=usage.completion_tokens if usage else 0,
-        status=status, error_code="" if code == "ok" else code,
-        ttft_s=None if h.first_token_at is None else round(h.first_token_at - h.t0, 6),
-        latency_s=round(mono - h.t0, 6), shard=opened.stream.member.id if opened is not None else "",
-        degradation_level=h.effects.level, session=h.session_id is not None, gateway=gateway,
-        started_at=round(now - (mono - h.t0), 6), finished_at=round(now, 6),
-        output_kind=getattr(h, "output_kind", "text"),
-        tool_calls=getattr(completion, "tool_calls", 0) if completion is not None else 0)
+        request_id=o.request_id, trace_id=o.trace_id, key_id=o.key_id, tenant=o.tenant, tier=o.tier, model=o.model,
+        prompt_tokens=o.prompt_tokens, cached_tokens=o.cached_tokens, completion_tokens=o.completion_tokens,
+        status=o.status, error_code="" if o.code == OK else o.code, ttft_s=o.ttft_s, latency_s=o.latency_s,
+        shard=o.shard, degradation_level=o.degradation_level, session=o.session, gateway=gateway,
+        started_at=round(now - o.latency_s, 6), finished_at=round(now, 6), output_kind=o.output_kind,
+        tool_calls=o.tool_calls)
 
 
 class LedgerMetrics:
@@ -305,15 +252,9 @@ class UsageLedger:
         self.metrics.spool_records.set(left)
         self._task = asyncio.create_task(self._run(), name="ledger-flush")
 
-    def record_request(self, h: EndedRequest, status: int, code: str) -> None:
-        """Spool the record of the request `h` ends with `status` (never raises)."""
-        try:
-            rec = record_for(h, status, code, self.gateway)
-        except Exception:
-            self.metrics.records.labels("spool_error").inc()
-            log.exception("usage ledger: could not build the record of request %s", h.request_id)
-            return
-        self.record(rec)
+    def record_request(self, outcome: Outcome) -> None:
+        """Spool the record of a request's Outcome (never raises)."""
+        self.record(record_for(outcome, self.gateway))
 
     def record(self, rec: UsageRecord) -> None:
         """Spool one record (never raises: a failure is logged and counted)."""

@@ -1,7 +1,7 @@
 """Calling shards under supervision: timeouts, one retry elsewhere, streamed events.
 
     upstream = Upstream(router, HopPool(), UpstreamConfig())
-    stream = await upstream.open(body, session_id="s-1")   # first token already in hand
+    stream = await upstream.open(request, session_id="s-1")   # a ShardRequest; first token already in hand
     async for events in stream.batches():                  # [Delta / Finish / UsageEvent, ...]
         ...
     stream.close()                                         # closing early aborts the shard's work
@@ -26,7 +26,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from opentelemetry import trace
 from opentelemetry.propagate import inject
@@ -41,6 +41,7 @@ from data_plane.common.errors import (
 from data_plane.common.keepalive import KEEPALIVE_META
 from data_plane.common.kv_report import CHAIN_HEADER, parse_chain
 from data_plane.membership.view import Member
+from data_plane.protocol import ChatMessage, ShardRequest, StreamOptions
 from data_plane.routing.events import Delta, Event, Finish, ToolCallDelta, UsageEvent, parse_line
 from data_plane.routing.failures import FailureReason
 from data_plane.routing.hop_client import (
@@ -176,12 +177,12 @@ class Upstream:
                 log.warning("shard %s left membership mid-stream; resuming elsewhere", stream.member.id)
                 stream.lose()
 
-    async def open(self, body: dict[str, Any], session_id: str | None,
+    async def open(self, request: ShardRequest, session_id: str | None,
                    exclude: set[str] | None = None) -> ShardStream:
         """A stream from the first shard to produce a token: up to 1 + ``retries`` shards, each tried
         once; a failure before the first token is held against its shard."""
         tried = set(exclude or ())
-        payload = json.dumps(body, ensure_ascii=False).encode()
+        payload = json.dumps(request.wire(), ensure_ascii=False).encode()
         failed: list[Retryable] = []
 
         async def attempt(n: int) -> ShardStream:
@@ -206,10 +207,12 @@ class Upstream:
 
         return await with_retries(attempt, 1 + self.config.retries, on_retry)
 
-    async def open_resumable(self, body: dict[str, Any], session_id: str | None) -> ResumableStream:
-        """Like `open`, but the stream resumes on another shard if it breaks mid-way."""
-        body = {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-        return ResumableStream(self, body, session_id, await self.open(body, session_id))
+    async def open_resumable(self, request: ShardRequest, session_id: str | None) -> ResumableStream:
+        """Like `open`, but the stream resumes on another shard if it breaks mid-way (a copy of `request`
+        that asks for usage on every chunk is sent)."""
+        usage = StreamOptions(include_usage=True, continuous_usage_stats=True)
+        request = request.model_copy(update={"stream_options": usage})
+        return ResumableStream(self, request, session_id, await self.open(request, session_id))
 
     async def _try(self, member: Member, payload: bytes, attempt: int, session_id: str | None = None) -> ShardStream:
         """One attempt on `member`: connect, headers, first token. Raises :class:`Retryable` for a
@@ -335,20 +338,20 @@ def _close(response: ShardResponse | None) -> None:
 CONSTRAINING_FIELDS = ("tools", "response_format", "structured_outputs")
 
 
-def resumable(body: dict[str, Any]) -> bool:
+def resumable(request: ShardRequest) -> bool:
     """A stream may continue on another shard as a plain continuation of its text: not when its output
     follows a grammar or carries tool calls (the continuation would not continue the grammar, so the
     stream ends with an error event instead), nor with several choices."""
-    rf = body.get("response_format")
-    constrained = any(body.get(k) for k in CONSTRAINING_FIELDS if k != "response_format") or (
-        isinstance(rf, dict) and rf.get("type") not in (None, "text"))
-    return not constrained and int(body.get("n") or 1) == 1
+    rf = request.response_format
+    constrained = any(getattr(request, k) for k in CONSTRAINING_FIELDS if k != "response_format") or (
+        rf is not None and rf.type != "text")
+    return not constrained and (request.n or 1) == 1
 
 
 class ResumableStream:
     """A stream that survives shard failures after its first token.
 
-        stream = await upstream.open_resumable(body, session_id)
+        stream = await upstream.open_resumable(request, session_id)
         async for events in stream.batches(): ...
 
     When the shard's stream breaks mid-way, the request is re-opened on another shard with the
@@ -358,10 +361,10 @@ class ResumableStream:
     text as an uninterrupted run. Usage is reported against the original prompt.
     """
 
-    def __init__(self, upstream: Upstream, body: dict[str, Any], session_id: str | None,
+    def __init__(self, upstream: Upstream, request: ShardRequest, session_id: str | None,
                  first: ShardStream) -> None:
         self._upstream = upstream
-        self._body = body
+        self._request = request
         self._session_id = session_id
         self._stream = first
         self.member = first.member
@@ -399,25 +402,23 @@ class ResumableStream:
                     yield out
                 return
             except (UpstreamError, UpstreamTimeout) as exc:
-                if finished or self.resumes >= self._upstream.config.resumes or not resumable(self._body):
+                if finished or self.resumes >= self._upstream.config.resumes or not resumable(self._request):
                     raise
                 failed = self._stream.member
                 tried.add(failed.id)
                 self.resumes += 1
                 self._base_completion = self._completion
-                remaining = int(self._body.get("max_tokens") or 0) - self._base_completion
+                remaining = (self._request.max_tokens or 0) - self._base_completion
                 self._upstream.router.record_resume(failed, self._stream.failure or FailureReason.STREAM_ERROR)
                 if remaining <= 0:
                     yield [Finish("length")]
                     return
-                body = dict(self._body)
-                body["messages"] = list(self._body["messages"]) + [
-                    {"role": "assistant", "content": "".join(self._received)}]
-                body["continue_final_message"] = True
-                body["add_generation_prompt"] = False
-                body["max_tokens"] = remaining
+                so_far = ChatMessage(role="assistant", content="".join(self._received))
+                request = self._request.model_copy(update={  # a copy: the original is never changed
+                    "messages": [*self._request.messages, so_far], "continue_final_message": True,
+                    "add_generation_prompt": False, "max_tokens": remaining})
                 try:
-                    self._stream = await self._upstream.open(body, self._session_id, exclude=tried)
+                    self._stream = await self._upstream.open(request, self._session_id, exclude=tried)
                 except SwitchboardError:
                     raise exc from None
                 self.member = self._stream.member

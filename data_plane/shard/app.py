@@ -31,7 +31,7 @@ from opentelemetry import trace
 from opentelemetry.propagate import extract
 from prometheus_client import CollectorRegistry
 
-from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, DisconnectWatch
+from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, CLIENT_DISCONNECTED, DisconnectWatch
 from data_plane.common.errors import ModelNotFound, Overloaded, SwitchboardError, install_error_handlers
 from data_plane.common.hop_auth import cluster_headers, cluster_token_from_env, guarded
 from data_plane.common.http_body import read_body
@@ -410,7 +410,7 @@ class _Run:
                 self.choices[index].feed(out)
                 last = (self._final(index, out) if out.finish_reason is not None else None) or out
         except asyncio.CancelledError:
-            self._finish(last, "client_disconnected")
+            self._finish(last, CLIENT_DISCONNECTED)
             if not watch.swallow():  # the server is shutting down
                 raise
             log.info("request %s: client disconnected, aborted", self.req.request_id)
@@ -466,7 +466,7 @@ class _Run:
             error = exc.code or "error"
             yield event(exc.body(self.req.request_id))
         except asyncio.CancelledError:
-            error = "client_disconnected"
+            error = CLIENT_DISCONNECTED
             log.info("request %s: client disconnected mid-stream, aborted", self.req.request_id)
             raise
         finally:

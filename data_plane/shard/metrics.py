@@ -331,6 +331,9 @@ class MetricsListener(StepListener):
     def on_spec_draft(self, drafted: int, accepted: int) -> None:
         self.metrics.spec.observe_draft(drafted, accepted)
 
+    def on_spec_cost_probe(self, kind: str) -> None:
+        self.metrics.spec.cost_probes.labels(self.metrics.model_name, kind).inc()
+
     def on_grammar_compile(self, kind: str, seconds: float, outcome: str) -> None:
         self.metrics.grammar.on_compile(kind, seconds, outcome)
 

@@ -32,6 +32,11 @@ class SpecMetrics:
         self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Tokens computed per engine step "
                                           "(prefill tokens, decode rows, draft rows).", m,
                                           buckets=ITERATION_TOKEN_BUCKETS, registry=registry)
+        self.cost_probes = Counter("switchboard_spec_decode_cost_probes", "Decode steps run to re-measure "
+                                   "the verify row cost (kind: plain = nobody drafted, verify = drafted at "
+                                   "the prior's price).", m + ["kind"], registry=registry)
+        for kind in ("plain", "verify"):
+            self.cost_probes.labels(model_name, kind)
         for metric in (self.drafts, self.draft_tokens, self.accepted_tokens):
             metric.labels(model_name)
         self.accepted_per_pos.labels(model_name, "0")

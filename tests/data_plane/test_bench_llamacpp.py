@@ -40,3 +40,20 @@ def test_llamacpp_plain_and_prompt_lookup_in_one_run(tmp_path: Path) -> None:
         assert ENGINE_ROW_KEYS <= row.keys()
         assert row["output_tokens"] == 2 * 16  # EOS ignored: exactly max-tokens each
     assert result["ratios"]["llamacpp-lookup/llamacpp"]["1"] > 0
+
+
+def test_the_build_command_fits_the_cpu() -> None:
+    from data_plane.bench.engine_llamacpp import build_command
+
+    assert build_command(frozenset({"avx2", "fma"})) == "MAKEFLAGS=-j2 nice pip install llama-cpp-python diskcache"
+    amx = build_command(frozenset({"avx512f", "amx_tile", "amx_bf16"}))
+    assert amx.startswith('CMAKE_ARGS="-DGGML_NATIVE=OFF') and "-DGGML_AMX_TILE=OFF" in amx
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is not None, reason="llama-cpp-python is installed")
+def test_without_llama_cpp_the_bench_says_how_to_build_it() -> None:
+    from data_plane.bench.engine_llamacpp import LlamaCppSystem
+    from data_plane.bench.engine_systems import Skip
+
+    with pytest.raises(Skip, match="not installed.*pip install llama-cpp-python diskcache"):
+        LlamaCppSystem(parse_args([]))  # type: ignore[arg-type]

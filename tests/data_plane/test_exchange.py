@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import time
+from pathlib import Path
 from typing import Any
 
+import pytest
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
-from data_plane.common.disconnect import DisconnectWatch
+from data_plane.common.disconnect import CLIENT_DISCONNECTED, DisconnectWatch
+from data_plane.common.outcome import OK, Outcome
 from data_plane.gateway.exchange import Exchange
-from data_plane.gateway.metrics import GatewayMetrics
+from data_plane.gateway.metrics import GatewayMetrics, RequestCode, request_code
+from data_plane.protocol import PromptTokensDetails, Usage
 
 
 class _Ticket:
@@ -43,7 +50,7 @@ async def _receive() -> dict[str, str]:
 
 def _exchange(registry: CollectorRegistry, limiter: _Limiter, span: _Span, records: list) -> Exchange:
     x = Exchange(GatewayMetrics(registry), limiter, span, "r1", DisconnectWatch(_receive),  # type: ignore[arg-type]
-                 on_record=lambda status, code: records.append((status, code)))
+                 on_record=lambda o: records.append((o.status, o.code)))
     x.tier_name = "plus"
     return x
 
@@ -88,3 +95,51 @@ def test_a_server_cancel_releases_without_counting_the_request() -> None:
     x.close(None)
     assert records == [] and ticket.released == [None] and span.ended == 1
     assert _value(registry, "switchboard_gateway_inflight_requests", tier="plus") == 0
+
+
+def test_close_produces_one_frozen_outcome_with_what_the_phases_set() -> None:
+    registry, limiter, span = CollectorRegistry(), _Limiter(), _Span()
+    outcomes: list[Outcome] = []
+    x = Exchange(GatewayMetrics(registry), limiter, span, "r1", DisconnectWatch(_receive),  # type: ignore[arg-type]
+                 on_record=outcomes.append, t0=time.monotonic() - 1.0, level=2)
+    x.tier_name, x.key_id, x.tenant, x.session_id, x.output_kind = "plus", "k1", "acme", "sess_1", "tools"
+    x.model, x.shard, x.tool_calls, x.first_token_at = "m", "shard-0", 2, x.t0 + 0.25
+    x.usage = Usage(prompt_tokens=7, completion_tokens=3, total_tokens=10,
+                    prompt_tokens_details=PromptTokensDetails(cached_tokens=4))
+    returned = x.close(200, OK)
+    assert outcomes == [returned] and returned is not None
+    o = returned
+    assert (o.request_id, o.status, o.code, o.tier, o.key_id, o.tenant, o.model, o.shard) == \
+        ("r1", 200, "ok", "plus", "k1", "acme", "m", "shard-0")
+    assert (o.prompt_tokens, o.cached_tokens, o.completion_tokens, o.tool_calls) == (7, 4, 3, 2)
+    assert o.ttft_s == 0.25 and o.latency_s >= 1.0 and o.degradation_level == 2 and o.session
+    assert o.output_kind == "tools" and len(o.trace_id) == 32
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.status = 500  # type: ignore[misc]
+    assert x.close(500, "internal_error") is None
+
+
+def test_the_code_label_is_bounded_and_the_outcome_keeps_the_real_code() -> None:
+    registry, limiter, span = CollectorRegistry(), _Limiter(), _Span()
+    outcomes: list[Outcome] = []
+    x = Exchange(GatewayMetrics(registry), limiter, span, "r1", DisconnectWatch(_receive),  # type: ignore[arg-type]
+                 on_record=outcomes.append)
+    x.tier_name = "plus"
+    x.close(502, "a-remote-servers-own-code-123")
+    assert _value(registry, "switchboard_gateway_requests_total", tier="plus", status="502", code="other") == 1
+    assert outcomes[0].code == "a-remote-servers-own-code-123"  # the ledger's error_code is not a label
+    assert request_code(CLIENT_DISCONNECTED) is RequestCode.CLIENT_DISCONNECTED
+
+
+CODE_SOURCES = ("data_plane/common", "data_plane/gateway", "data_plane/routing", "data_plane/cache/client.py",
+                "data_plane/cache/model.py", "data_plane/cache/storage.py", "data_plane/shard/app.py")
+"""Where the codes a gateway answers with are written: its own errors, and those its shards and cache
+nodes send it (passed through)."""
+
+
+def test_every_code_the_gateway_can_answer_with_is_a_label_value() -> None:
+    root = Path(__file__).resolve().parents[2]
+    files = [f for src in CODE_SOURCES for f in ([root / src] if src.endswith(".py") else (root / src).rglob("*.py"))]
+    written = {m for f in files for m in re.findall(r'\bcode\s*=\s*"([a-z_]+)"', f.read_text(encoding="utf-8"))}
+    assert {"invalid_json", "rate_limit_exceeded", "session_not_found", "abuse_blocked"} <= written  # it read them
+    assert written - {c.value for c in RequestCode} == set()

@@ -305,7 +305,12 @@ def test_kill_9_under_load_loses_no_acknowledged_record(tmp_path: Path) -> None:
         threads = [threading.Thread(target=load, args=(t, s)) for t in ("plus", "enterprise") for s in (True, False)]
         for t in threads:
             t.start()
-        time.sleep(3.0)
+        # Kill once enough requests are acknowledged (a count, not a fixed sleep: a loaded machine
+        # acknowledges 8 in 3 s, an idle one 60), with a minimum of 1 s of load in flight.
+        deadline = time.monotonic() + 120
+        time.sleep(1.0)
+        while len(acked) <= 20 and time.monotonic() < deadline:
+            time.sleep(0.1)
         c.gateway.kill()
         stop.set()
         for t in threads:

@@ -311,3 +311,45 @@ def test_random_traffic_keeps_every_invariant(seed: int) -> None:
         h.step()
     h.run(1000)
     assert all(s.finished for s in h.seqs.values()) and not h.sched.holders and not h.sched.num_waiting
+
+
+def test_the_speculator_re_measures_its_row_cost_on_a_fake_clock() -> None:
+    """The real n-gram Speculator drafting for the scheduler, its steps timed by a fake clock
+    (step = base + rows x row): a plain probe now and then while it speculates, and when the host
+    slows (base x3) the row price follows within a few probes instead of keeping the first one."""
+    from data_plane.shard.engines.speculation import CostProbe, VerifyCost
+    from data_plane.shard.engines.torch_spec import Speculator
+
+    probes: list[str] = []
+    spec = Speculator(max_k=4, max_batch=4, on_probe=probes.append)
+    spec.cost = VerifyCost(prior=0.02, probe_every=16)
+    h = Harness(SchedulerConfig(max_num_seqs=4, prefill_chunk=64), drafter=spec, accept=1)  # type: ignore[arg-type]
+    h.add(make_seq("a", 10, max_tokens=100_000))
+    clock = {"base": 0.020, "row": 0.0004}
+
+    def run(steps: int) -> list[bool]:
+        kinds = []
+        for _ in range(steps):
+            plan = h.step()
+            if not plan.is_decode:
+                continue
+            seconds = clock["base"] + (plan.num_tokens - len(plan.rows)) * clock["row"]
+            if plan.is_verify:
+                spec.observe_verify(len(plan.rows), plan.num_tokens, seconds)
+            else:
+                spec.observe_plain(len(plan.rows), seconds)
+            kinds.append(plan.is_verify)
+        return kinds
+
+    kinds = run(120)
+    assert sum(kinds) > 90  # it speculates ...
+    assert 4 <= probes.count("plain") <= 8  # ... with a plain step every 16 to keep the baseline
+    assert spec.cost.row_cost(1) == pytest.approx(0.0004 / 0.020, rel=0.01)
+    clock["base"] = 0.060  # the host got busy: a step takes 3x, a row the same
+    kinds = run(120)
+    assert spec.cost.drifts >= 1 and spec.cost.probes[CostProbe.PLAIN] == probes.count("plain")
+    # Re-measured: 0.4 ms of a 60 ms step (without probes no plain step is ever seen here, drafts
+    # beginning at once, and the price stays the prior's 0.02; priced against the old 20 ms step,
+    # rows would read (60 + 4 x 0.4 - 20) / 4 ms = 0.52 of a step and drafting would all but stop).
+    assert spec.cost.row_cost(1) == pytest.approx(0.0004 / 0.060, rel=0.1)
+    assert sum(kinds[-40:]) >= 36

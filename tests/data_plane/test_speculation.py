@@ -12,6 +12,7 @@ import torch
 
 from data_plane.shard.engines.base import SamplingParams
 from data_plane.shard.engines.speculation import (
+    CostProbe,
     NgramIndex,
     SeqSpec,
     VerifyCost,
@@ -203,3 +204,42 @@ def test_target_probs_matches_the_engine_sampler(params: SamplingParams) -> None
         assert seen <= support
         if params.top_k:
             assert len(support) <= params.top_k
+
+
+def test_verify_cost_probes_the_kind_it_stops_seeing() -> None:
+    c = VerifyCost(prior=0.02, probe_every=4)
+    c.plain(1, 0.020)
+    assert c.probe(1) is CostProbe.NONE
+    for _ in range(4):
+        c.verify(1, 9, 0.024)  # speculating: only verify steps at batch 1 from here
+    assert c.probe(1) is CostProbe.PLAIN  # the baseline is 4 verify steps old
+    c.plain(1, 0.020)
+    assert c.probe(1) is CostProbe.NONE
+    for _ in range(4):
+        c.plain(1, 0.020)  # nobody drafts any more: rows unseen for 4 steps
+    assert c.probe(1) is CostProbe.VERIFY
+    c.verify(1, 9, 0.024)
+    assert c.probe(1) is CostProbe.NONE
+    assert c.probe(2) is CostProbe.NONE  # never seen at batch 2: nothing to re-measure
+
+
+def test_verify_cost_follows_a_drift_fast() -> None:
+    c = VerifyCost(prior=0.02, probe_every=64, alpha=0.1)
+    for _ in range(20):
+        c.plain(1, 0.020)
+        c.verify(1, 9, 0.024)  # rows: 0.5 ms, 2.5 % of a 20 ms step
+    assert c.row_cost(1) == pytest.approx(0.025, rel=1e-6)
+    c.plain(1, 0.060)  # the host got busy: the step tripled
+    assert c.drifts == 1
+    # rows were priced against a 20 ms step: re-probe them at once, then every 8 steps
+    assert c.probe(1) is CostProbe.VERIFY
+    for _ in range(8):
+        c.verify(1, 9, 0.072)  # rows now 1.5 ms of a 60 ms step
+    assert c.probe(1) is CostProbe.PLAIN
+    c.plain(1, 0.060)
+    assert c.drifts == 1 and c.probe(1) is CostProbe.NONE  # it agrees: back to every 64 steps
+    assert c.row_cost(1) == pytest.approx(0.0015 / 0.060, rel=0.05)
+    for _ in range(10):
+        c.plain(1, 0.060)
+        c.verify(1, 9, 0.072)
+    assert c.row_cost(1) == pytest.approx(0.0015 / 0.060, rel=0.05)

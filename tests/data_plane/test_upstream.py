@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from data_plane.common.errors import NoHealthyBackend, SwitchboardError, UpstreamError
 from data_plane.membership.view import Member, StaticMembership
+from data_plane.protocol import ShardRequest
 from data_plane.routing.failures import CircuitState, FailureReason
 from data_plane.routing.hop_client import HopConnectError, HopDisconnected
 from data_plane.routing.router import Router, RouterMetrics
@@ -97,7 +98,7 @@ def count(registry: CollectorRegistry, name: str, **labels: str) -> float:
     return registry.get_sample_value(name, labels) or 0.0
 
 
-BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "stream": True}
+BODY = ShardRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "stream": True})
 
 
 async def drain(stream: Any) -> list[Any]:
@@ -199,6 +200,8 @@ async def test_a_resumable_stream_continues_on_another_shard_with_the_text_so_fa
     assert second_url != first_url and stream.resumes == 1
     assert resumed["messages"][-1] == {"role": "assistant", "content": "Hello"}
     assert resumed["continue_final_message"] is True and resumed["max_tokens"] == 10 - 2
+    assert BODY.wire() == {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "stream": True}
+    assert resumed["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}  # copies, not edits
     assert count(registry, "switchboard_router_resumes_total", reason="stream_broken") == 1
 
 

@@ -27,7 +27,8 @@ import logging
 import re
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
@@ -134,12 +135,25 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Any, limits: GrammarLimits | None = None,
                  listener: GrammarListener | None = None, workers: int = 2) -> None:
-        self.tokenizer = tokenizer
+        self._tokenizer: Future[Any] = Future()
+        self._tokenizer.set_result(tokenizer)
         self.limits = limits or GrammarLimits()
         self.listener = listener
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._jobs: dict[str, asyncio.Future[CompiledGrammar]] = {}
+
+    @classmethod
+    def lazy(cls, build_tokenizer: Callable[[], Any], **kwargs: Any) -> GrammarCompiler:
+        """A compiler whose llguidance tokenizer is built in its pool from now on (it takes ~0.6 s; a
+        shard is ready without waiting for it); the first compile, or `.tokenizer`, waits for it."""
+        self = cls(None, **kwargs)
+        self._tokenizer = self._pool.submit(build_tokenizer)
+        return self
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer.result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from data_plane.shard.engines.attention import PerSequence, SlotBatched
+from data_plane.shard.engines.model_files import Weightless, default_rope, lazy_zeros, read_config, read_dense
+from data_plane.shard.engines.prepared_weights import load_or_prepare
 from data_plane.shard.engines.weight_source import (
     DtypeReason,
     LinearLike,
@@ -124,7 +126,6 @@ class LlamaRunner:
 
         # The layers in the served weight format (data_plane/shard/engines/weight_source.py): dense
         # (oneDNN-packed for bf16/fp16, plain fp32), int8 or int4; the loops below call them alike.
-        inner = model.model
         if weights is None:
             plan = WeightPlan(_DTYPE_NAMES[dtype], DtypeReason.REQUESTED, "none", QuantReason.REQUESTED)
             weights = WeightBuilder(plan, state=model.state_dict(), pack=pack)
@@ -162,22 +163,28 @@ class LlamaRunner:
                                     + 2 * nbytes(l.ln_in) for l in self.layers))
         # Resident: a packed head is a second copy beside the dense embedding table (quantized formats share one).
         self.resident_weight_bytes = self._weight_bytes + (nbytes(self.embed) if tied and self.packed else 0)
-        # Rotary tables from the model's own rotary module: every rope variant it knows works.
-        rotary = inner.rotary_emb
-        if any(b.is_meta for b in rotary.buffers()):  # a weightless (meta) model: build its rotary for real
-            rotary = type(rotary)(config=cfg)
-        with torch.inference_mode():
-            pos = torch.arange(max_len).unsqueeze(0)
-            probe = torch.zeros(1, max_len, self.head_dim, dtype=torch.float32)
-            cos, sin = rotary(probe, pos)
-        self.cos = cos[0].to(dtype).contiguous()  # [max_len, head_dim]
-        self.sin = sin[0].to(dtype).contiguous()
+        # Rotary tables: a plain rope computed as transformers does (model_files.default_rope, no modeling
+        # import); any other variant from the model's own rotary module.
+        tables = default_rope(cfg, max_len)
+        if tables is None:
+            rotary = model.model.rotary_emb
+            if any(b.is_meta for b in rotary.buffers()):  # a weightless (meta) model: build its rotary for real
+                rotary = type(rotary)(config=cfg)
+            with torch.inference_mode():
+                pos = torch.arange(max_len).unsqueeze(0)
+                probe = torch.zeros(1, max_len, self.head_dim, dtype=torch.float32)
+                cos, sin = rotary(probe, pos)
+            tables = cos[0], sin[0]
+        cos, sin = tables
+        self.cos = cos.to(dtype).contiguous()  # [max_len, head_dim]
+        self.sin = sin.to(dtype).contiguous()
         # rotate_half(x) * sin == x.roll(half) * sin_signed, exactly (a sign flip is exact): one op, not four.
         half = self.head_dim // 2
         self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1).contiguous()
         shape = (max_num_seqs, self.num_kv_heads, max_len, self.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=dtype) for _ in range(self.num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype) for _ in range(self.num_layers)]
+        # Zero pages on first touch: no start-up cost, and only the slots used become resident.
+        self.k_cache = [lazy_zeros(shape, dtype) for _ in range(self.num_layers)]
+        self.v_cache = [lazy_zeros(shape, dtype) for _ in range(self.num_layers)]
 
     @classmethod
     def from_pretrained(cls, path: Path, *, dtype: torch.dtype, max_num_seqs: int, max_len: int,
@@ -186,23 +193,36 @@ class LlamaRunner:
         """Load `path` (a HF folder) in `plan`'s format (default: dense `dtype`). With a quantized plan
         and the model's GGUF, the weights come from the GGUF's blocks and no dense copy is loaded.
         `layer_range`: a pipeline stage's layers [first, end) (data_plane/shard/engines/pipeline.py)."""
+        quantized = plan is not None and plan.quantization != "none" and gguf is not None
+        light = read_config(path)
+        if light is not None and default_rope(light, 1) is not None:  # no transformers model class needed
+            weights: WeightBuilder | None = None
+            if quantized:
+                assert plan is not None and gguf is not None
+                weights = WeightBuilder(plan, gguf=load_or_prepare(gguf, path, light.num_attention_heads,
+                                                                   light.num_key_value_heads))
+            elif (state := read_dense(path, dtype)) is not None:
+                plan = plan or WeightPlan(_DTYPE_NAMES[dtype], DtypeReason.REQUESTED, "none", QuantReason.REQUESTED)
+                weights = WeightBuilder(plan, state=state)
+            if weights is not None:
+                return cls(Weightless(light), dtype=dtype, max_num_seqs=max_num_seqs, max_len=max_len,
+                           weights=weights, layer_range=layer_range)
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        if plan is not None and plan.quantization != "none" and gguf is not None:
-            from data_plane.shard.engines.prepared_weights import load_or_prepare
-
+        if quantized:
+            assert plan is not None and gguf is not None
             cfg = AutoConfig.from_pretrained(str(path))
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
             kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-            quantized = WeightBuilder(plan, gguf=load_or_prepare(gguf, path, cfg.num_attention_heads, kv_heads))
-            return cls(model, dtype=dtype, max_num_seqs=max_num_seqs, max_len=max_len, weights=quantized,
+            weights = WeightBuilder(plan, gguf=load_or_prepare(gguf, path, cfg.num_attention_heads, kv_heads))
+            return cls(model, dtype=dtype, max_num_seqs=max_num_seqs, max_len=max_len, weights=weights,
                        layer_range=layer_range)
         # Load straight into the serving dtype: no transient fp32 copy of the weights.
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         model.eval()
-        weights = None if plan is None else WeightBuilder(plan, state=model.state_dict())
-        return cls(model, dtype=dtype, max_num_seqs=max_num_seqs, max_len=max_len, weights=weights,
+        dense = None if plan is None else WeightBuilder(plan, state=model.state_dict())
+        return cls(model, dtype=dtype, max_num_seqs=max_num_seqs, max_len=max_len, weights=dense,
                    layer_range=layer_range)
 
     @property

@@ -35,13 +35,17 @@ sequences run (EngineConfig.spec_max_batch, measured: see docs/BENCHMARKS.md).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
 from data_plane.shard.engines.base import SamplingParams
+
+log = logging.getLogger(__name__)
 
 MAX_BACKOFF_STEPS = 256
 """Longest pause of drafting for one sequence after repeated misses (decode steps)."""
@@ -152,6 +156,14 @@ class SeqSpec:
                 self._back_off()
 
 
+class CostProbe(str, Enum):
+    """What the next decode step at a batch size should be, for VerifyCost to stay current."""
+
+    NONE = "none"  # whatever pays (drafts where they pay)
+    PLAIN = "plain"  # nobody drafts: re-measure the plain step the row price is taken against
+    VERIFY = "verify"  # draft as if rows cost the prior: re-measure rows nobody drafts for any more
+
+
 class VerifyCost:
     """What one more verified row costs, as a share of one token's decode time, per batch size:
     learnt from the engine's own steps (EWMA), so the draft length follows the machine.
@@ -159,33 +171,87 @@ class VerifyCost:
         cost.plain(batch=1, seconds=0.026)                 # a decode step where nobody drafted
         cost.verify(batch=1, rows=9, seconds=0.030)        # a verify pass: 8 draft rows beside 1
         cost.row_cost(1)                                   # (0.030 - 0.026) / 8 / (0.026 / 1) = 0.019
+        cost.probe(1)                                      # CostProbe.NONE, or a step to re-measure
 
     Until both kinds were seen at a batch size, `prior` x batch (a row's cost is nearly flat while a
     token's share of a step shrinks as 1 / batch): 0.02 from the measurement in docs/BENCHMARKS.md
-    (2 cores, bf16, batch 1: 9 rows 30.0 ms against 26.4 ms for one)."""
+    (2 cores, bf16, batch 1: 9 rows 30.0 ms against 26.4 ms for one).
 
-    def __init__(self, prior: float = 0.02, alpha: float = 0.1) -> None:
+    Kept current (the host's load, the intra-op thread count and the context length all move a
+    step's time): once drafts pay, every step at that batch is a verify step and the plain baseline
+    would never be seen again; once rows look too dear, nobody drafts and rows would never be seen
+    again. So every `probe_every` observed steps at a batch size without the other kind, `probe`
+    asks for one step of it (a plain step: ~1/probe_every of speculation's gain; a verify step with
+    the prior's draft length). A plain step more than `drift` away from its average (x1.3 or /1.3)
+    is a drift: the average takes the new time (`drift_alpha` of the way), the row average moves
+    half way at each verify step, and the next probes come `probe_every // 8` steps apart until a
+    plain step agrees with the average again."""
+
+    def __init__(self, prior: float = 0.02, alpha: float = 0.1, probe_every: int = 64, drift: float = 1.3,
+                 drift_alpha: float = 1.0) -> None:
         self.prior = prior
         self.alpha = alpha
+        self.probe_every = probe_every
+        self.drift = drift
+        self.drift_alpha = drift_alpha
         self._step_s: dict[int, float] = {}
         self._row_s: dict[int, float] = {}
+        self._since_plain: dict[int, int] = {}
+        self._since_verify: dict[int, int] = {}
+        self._drifting: set[int] = set()
+        self.probes = {CostProbe.PLAIN: 0, CostProbe.VERIFY: 0}
+        """Probe steps run, per kind (counted by the Speculator, which runs them)."""
+        self.drifts = 0
+        """Plain steps that moved more than `drift` from their average."""
 
-    def _ewma(self, table: dict[int, float], key: int, value: float) -> None:
+    def _ewma(self, table: dict[int, float], key: int, value: float, alpha: float | None = None) -> None:
         old = table.get(key)
-        table[key] = value if old is None else old + self.alpha * (value - old)
+        table[key] = value if old is None else old + (self.alpha if alpha is None else alpha) * (value - old)
 
     def plain(self, batch: int, seconds: float) -> None:
-        self._ewma(self._step_s, batch, seconds)
+        old = self._step_s.get(batch)
+        if old is not None and old > 0.0 and not 1 / self.drift <= seconds / old <= self.drift:
+            self.drifts += 1
+            self._drifting.add(batch)
+            log.info("decode step at batch %d moved from %.1f to %.1f ms: re-measuring the verify row cost",
+                     batch, 1e3 * old, 1e3 * seconds)
+            self._ewma(self._step_s, batch, seconds, self.drift_alpha)
+            self._since_verify[batch] = self._interval(batch)  # rows are priced against the old step: re-probe
+        else:
+            self._drifting.discard(batch)
+            self._ewma(self._step_s, batch, seconds)
+            self._since_verify[batch] = self._since_verify.get(batch, 0) + 1
+        self._since_plain[batch] = 0
 
     def verify(self, batch: int, rows: int, seconds: float) -> None:
         step = self._step_s.get(batch)
-        if step is not None and rows > batch:
-            self._ewma(self._row_s, batch, max(0.0, seconds - step) / (rows - batch))
+        if step is not None and rows > batch:  # while drifting, rows priced against the old step go fast
+            self._ewma(self._row_s, batch, max(0.0, seconds - step) / (rows - batch),
+                       0.5 if batch in self._drifting else None)
+        self._since_verify[batch] = 0
+        self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
+
+    def _interval(self, batch: int) -> int:
+        return max(1, self.probe_every // 8) if batch in self._drifting else self.probe_every
+
+    def probe(self, batch: int) -> CostProbe:
+        """Whether the next decode step at `batch` should re-measure (call once per decode step; the
+        step's `plain` / `verify` observation answers it)."""
+        every = self._interval(batch)
+        if self._since_plain.get(batch, 0) >= every:  # also the first baseline, if drafts began at once
+            return CostProbe.PLAIN
+        if batch in self._step_s and self._since_verify.get(batch, 0) >= every:
+            return CostProbe.VERIFY
+        return CostProbe.NONE
 
     def row_cost(self, batch: int) -> float:
         step, row = self._step_s.get(batch), self._row_s.get(batch)
         cost = self.prior * batch if step is None or row is None or step <= 0.0 else row * batch / step
         return min(1.0, max(1e-3, cost))
+
+    def prior_cost(self, batch: int) -> float:
+        """The row price before anything was measured (what a VERIFY probe drafts with)."""
+        return min(1.0, max(1e-3, self.prior * batch))
 
 
 def accept_greedy(draft: Sequence[int], argmax: Sequence[int]) -> list[int]:

@@ -127,6 +127,9 @@ class StepListener:
 
     def on_spec_draft(self, drafted: int, accepted: int) -> None: ...
 
+    def on_spec_cost_probe(self, kind: str) -> None:
+        """A decode step run to re-measure the verify row cost: `plain` or `verify` (torch_spec.py)."""
+
     def on_prefill_beside(self, prompts: int) -> None:
         """`prompts` waiting prompts were prefilled beside a chunked prefill of their priority, in its pass."""
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -47,6 +46,7 @@ from typing import Any
 
 import torch
 
+from data_plane.common.cores import usable_cores
 from data_plane.common.errors import InvalidRequest, Overloaded
 from data_plane.shard.engines.base import (
     FINISH_ABORT,
@@ -58,6 +58,7 @@ from data_plane.shard.engines.base import (
 )
 from data_plane.shard.engines.grammar import GrammarCompiler
 from data_plane.shard.engines.logits import RequestLogits
+from data_plane.shard.engines.model_files import LoadPhases
 from data_plane.shard.engines.scheduler import Scheduler, SchedulerConfig
 from data_plane.shard.engines.sequence import SeqState
 from data_plane.shard.engines.torch_config import DTYPES, EngineConfig, StepListener
@@ -81,8 +82,14 @@ def auto_threads(adaptive: bool = True) -> int:
     process holds a core. Fixed: every core but one, which the event loop (streaming, HTTP) needs
     beside the scheduler thread; N fixed threads on N cores collapse when any other process runs
     (2 cores, streamed: 2.9 tok/s against 25 at 1 thread; 38 against 26 when the host is idle)."""
-    cores = os.cpu_count() or 1
+    cores = usable_cores()  # affinity and cgroup quota, not the host
     return cores if adaptive else max(1, cores - 1)
+
+
+def _llguidance_tokenizer(tokenizer: Any) -> Any:
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(tokenizer)
 
 
 class TorchEngine:
@@ -105,12 +112,14 @@ class TorchEngine:
         self.thread_tuner: ThreadTuner | None = None  # adaptive intra-op threads, set at load
         self.grammars: GrammarCompiler | None = None  # constrained decoding (engines/grammar.py), set at load
         self.vocab_size = 0
+        self.load_phases = LoadPhases()  # where start-up went (bench coldstart, the ready line)
         self.transcripts = GeneratedTokens()
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, prefill_chunk=config.prefill_chunk,
                             beside_share=config.beside_prefill_share, max_model_len=config.max_model_len),
             prefix=self._cached_prefix,
-            drafter=(Speculator(config.num_speculative_tokens, config.spec_max_batch)
+            drafter=(Speculator(config.num_speculative_tokens, config.spec_max_batch,
+                                on_probe=self.listener.on_spec_cost_probe)
                      if config.speculation == "ngram" else None))
         self.pipeline: Any = None  # a PipelineGroup (pipeline.py) when pipeline_parallel_size > 1
         self.on_dead: Callable[[], None] | None = None  # the shard's exit when a pipeline stage is lost
@@ -176,12 +185,12 @@ class TorchEngine:
         await ready
 
     def _load(self) -> None:
-        from transformers import AutoConfig, AutoTokenizer
-
         from data_plane.model_store import model_source, served_name
         from data_plane.shard.engines.llama_runner import LlamaRunner
+        from data_plane.shard.engines.model_files import load_tokenizer, read_config
         from data_plane.shard.engines.weight_source import CpuCaps, resolve_plan
 
+        phases = self.load_phases = LoadPhases()
         source = model_source(self.config.model)
         plan = resolve_plan(self.config.dtype, self.config.quantization, source=source.kind, caps=CpuCaps.detect())
         self.weight_plan = plan
@@ -198,9 +207,15 @@ class TorchEngine:
         path = source.path
         print(f"[switchboard] loading model from {source.gguf if plan.quantization != 'none' and source.gguf else path} "
               f"({plan.describe()})...", flush=True)
-        hf_config = AutoConfig.from_pretrained(str(path))
+        hf_config = read_config(path)
+        if hf_config is None:
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(str(path))
         self.max_model_len = min(self.config.max_model_len, hf_config.max_position_embeddings)
-        self._tokenizer = AutoTokenizer.from_pretrained(str(path))
+        phases.mark("plan_and_config")
+        self._tokenizer = load_tokenizer(path)
+        phases.mark("tokenizer")
         ranges = None
         if self.config.pipeline_parallel_size > 1:
             from data_plane.shard.engines.pipeline import split_layers
@@ -210,6 +225,7 @@ class TorchEngine:
         self._runner = LlamaRunner.from_pretrained(
             path, dtype=DTYPES[plan.dtype], max_num_seqs=self.config.max_num_seqs, max_len=self.max_model_len,
             plan=plan, gguf=source.gguf, layer_range=ranges[0] if ranges else None)
+        phases.mark("weights")
         self.listener.on_weights(plan.dtype, plan.dtype_reason.value, plan.quantization, plan.quantization_reason.value,
                                  self._runner.weight_bytes)
         eos = hf_config.eos_token_id
@@ -218,9 +234,8 @@ class TorchEngine:
             self._eos.add(self._tokenizer.eos_token_id)
         self.model_name = served_name(self.config.model)
         self.vocab_size = int(hf_config.vocab_size)
-        import llguidance.hf
-
-        self.grammars = GrammarCompiler(llguidance.hf.from_tokenizer(self._tokenizer), listener=self.listener)
+        # llguidance's token table takes ~0.6 s to build: in the compiler's pool, while the shard serves.
+        self.grammars = GrammarCompiler.lazy(lambda: _llguidance_tokenizer(self._tokenizer), listener=self.listener)
         if self.config.prefix_caching:  # with a pipeline: stage 0's blocks hash as the whole model's
             self.prefix = SlotPrefix.build(self._runner, model_id=str(path), dtype=plan.dtype,
                                            block_size=self.config.kv_block_size,
@@ -229,8 +244,10 @@ class TorchEngine:
                                            on_block_evicted=self.listener.on_kv_block_evicted,
                                            on_block_reused=self.listener.on_kv_block_reused,
                                            total_layers=int(hf_config.num_hidden_layers))
+        phases.mark("prefix_cache")
         if ranges:  # every stage serves the plan stage 0 resolved (the same dtype and weight format)
             self._start_pipeline(ranges, threads, plan.dtype, plan.quantization)
+            phases.mark("pipeline_stages")
         self.scheduler.max_model_len = self.max_model_len
         self._executor = Executor(self._runner, self.prefix)
         self._output = OutputProcessor(self.scheduler, self._lock, self._by_id, self.listener, self.transcripts,
@@ -240,13 +257,14 @@ class TorchEngine:
         # One tiny warm-up pass so the first request doesn't pay for lazy kernel setup.
         self._runner.prefill(0, [self._tokenizer.bos_token_id or 1], 0)
         self._runner.decode([1], [1])
+        phases.mark("warm_up")
         print(
             f"[switchboard] model {self.model_name} ready in {time.monotonic() - t0:.1f} s "
             f"(KV cache {self._runner.kv_cache_bytes / 2**20:.0f} MiB for "
             f"{self.config.max_num_seqs} x {self.max_model_len} tokens; prefix cache "
             f"{self.prefix.cache.capacity_bytes / 2**20 if self.prefix else 0:.0f} MiB; {f'1..{threads} threads (adaptive)' if self.thread_tuner else f'{threads} threads'}; "
             f"{plan.describe()}: {self._runner.weight_format}, {self._runner.weight_bytes / 2**20:.0f} MiB"
-            f"{', oneDNN-packed' if self._runner.packed else ''})",
+            f"{', oneDNN-packed' if self._runner.packed else ''}; {phases.describe()})",
             flush=True,
         )
 

@@ -6,6 +6,10 @@
     spec.observe_plain(batch, step_s)                 # a decode step nobody drafted in (prices the rows)
     spec.observe_verify(batch, rows, step_s)
 
+The row price (speculation.VerifyCost) is re-measured as it goes: every 64 steps at a batch size
+one step is of the kind not otherwise seen there (a plain step among verify steps, a verify
+step with the prior's drafts among plain ones), and every 8 while the plain step's time drifts.
+
 Per step: every decoding sequence may propose the draft tokens expected to pay for their rows
 (data_plane/shard/engines/speculation.py); if at least one did, the scheduler plans a verify step:
 all decoding sequences in one pass (rows: last token + draft, 1..k+1 per sequence) instead of the
@@ -20,11 +24,12 @@ Runs on the scheduler thread only.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from data_plane.shard.engines.sequence import SeqState
 from data_plane.shard.engines.speculation import (
+    CostProbe,
     NgramIndex,
     SeqSpec,
     VerifyCost,
@@ -44,13 +49,14 @@ log = logging.getLogger(__name__)
 
 class Speculator:
     def __init__(self, max_k: int = 15, max_batch: int = 4, miss_limit: int = 6, min_n: int = 1,
-                 max_n: int = 4) -> None:
+                 max_n: int = 4, on_probe: Callable[[str], None] | None = None) -> None:
         self.max_k = max_k
         self.max_batch = max_batch
         self.miss_limit = miss_limit
         self.min_n = min_n
         self.max_n = max_n
         self.cost = VerifyCost()
+        self.on_probe = on_probe  # a row-cost probe step ran ("plain" / "verify"): the shard's metric
 
     def observe_plain(self, batch: int, seconds: float) -> None:
         """A decode step where nobody drafted took `seconds` (the verify rows' cost is against it)."""
@@ -69,8 +75,20 @@ class Speculator:
     def draft(self, seqs: Sequence[SeqState], max_model_len: int) -> list[tuple[list[int], bool]]:
         """This step's draft for each of `seqs` (the decoding sequences) and whether it came from a
         one-token (weak) match; call once per decode step (back-off counts steps)."""
-        row_cost = self.cost.row_cost(len(seqs))
-        return [self._draft(s, max_model_len, row_cost) for s in seqs]
+        probe = self.cost.probe(len(seqs))
+        if probe is CostProbe.PLAIN:  # one plain step now and then keeps the row price's baseline current
+            self._probed(probe)
+            return [([], False) for _ in seqs]
+        row_cost = self.cost.prior_cost(len(seqs)) if probe is CostProbe.VERIFY else self.cost.row_cost(len(seqs))
+        drafts = [self._draft(s, max_model_len, row_cost) for s in seqs]
+        if probe is CostProbe.VERIFY and any(d for d, _ in drafts):
+            self._probed(probe)
+        return drafts
+
+    def _probed(self, probe: CostProbe) -> None:
+        self.cost.probes[probe] += 1
+        if self.on_probe is not None:
+            self.on_probe(probe.value)
 
     def _draft(self, seq: SeqState, max_model_len: int, row_cost: float) -> tuple[list[int], bool]:
         if seq.req.processor is not None:

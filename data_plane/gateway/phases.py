@@ -1,0 +1,97 @@
+"""The values the chat request path's phases hand each other (data_plane/gateway/chat.py), and the
+pure steps between them: the shard request built once, the system/history merge written once.
+
+    caller = handler._authenticate()                 # Caller: principal, tier, tier policy, abuse measures
+    checked = await handler._validate(caller)        # Checked: the request, model, output cap, messages
+    policy = await handler._budget(caller, checked)  # the rate-limit grant taken; the input screened
+    prepared = await handler._prepare(caller, checked)   # Prepared: the window and the ShardRequest
+    stream = await handler._route(caller, checked, prepared)  # response cache, or admission + a shard
+
+Each is frozen: a phase reads what the earlier ones decided and cannot change it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from data_plane.gateway.abuse import Measures
+from data_plane.gateway.auth import Principal
+from data_plane.gateway.context import Window
+from data_plane.protocol import ChatCompletionRequest, ChatMessage, ShardRequest
+from data_plane.tiers import Tier, TierPolicy
+
+FORWARDED = frozenset((
+    "temperature", "top_p", "top_k", "stop", "seed", "min_p", "n", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "min_tokens", "ignore_eos", "logprobs", "top_logprobs", "logit_bias",
+    "response_format", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls",
+))
+"""Request fields the gateway sends on to the shard as the client gave them (data_plane/protocol.py)."""
+DEADLINE_FIRST_TOKEN_TIMEOUTS = 5
+"""The shard abandons the work this many first-token timeouts after the gateway sent it."""
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is asking: the authenticated key, its tier (from the hot tier policy when it has it) and the
+    abuse measures in force for it."""
+
+    principal: Principal
+    tier: Tier
+    tiers: TierPolicy
+    measures: Measures
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A valid request this caller may make: the model it names (and that model's context), the output
+    cap after the tier's, the level's and the abuse measures' limits, and its messages as plain text."""
+
+    req: ChatCompletionRequest
+    model: str
+    model_context: int
+    max_tokens: int
+    messages: list[dict[str, str]]
+    tools_tokens: int
+    """The tool definitions' prompt, counted like a system message outside the sliding window."""
+
+    @property
+    def choices(self) -> int:
+        return self.req.n or 1
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The prompt with its conversation, the window of it that fits, and the request for a shard."""
+
+    prompt: list[dict[str, str]]
+    window: Window
+    max_tokens: int
+    request: ShardRequest
+
+
+def merge_history(history: list[dict[str, str]], messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """A session's stored `history` continued by the new `messages`: new system messages first and in
+    place of the stored ones, then the history, then the rest of the new messages."""
+    if not any(m["role"] == "system" for m in messages):
+        return history + messages
+    system = [m for m in messages if m["role"] == "system"]
+    return system + [m for m in history if m["role"] != "system"] + [m for m in messages if m["role"] != "system"]
+
+
+def shard_request(checked: Checked, caller: Caller, window: Window, max_tokens: int, *, request_id: str,
+                  deadline: float, session_id: str | None, kv_ttl_s: float) -> ShardRequest:
+    """The one request sent to a shard (a resume sends a changed copy, data_plane/routing/upstream.py):
+    the fitted window, the output cap, the tier's priority, the tenant's prefix-cache scope, and the
+    client's sampling and output fields as given."""
+    req = checked.req
+    fields: dict[str, Any] = {name: value for name, value in req if name in FORWARDED and value is not None}
+    if session_id:  # the shard keeps this session's KV blocks on its transcript's cache nodes
+        fields.update(session_id=session_id, kv_replicas=caller.tier.replication, kv_ttl_s=kv_ttl_s)
+    if req.model:
+        fields["model"] = checked.model
+    return ShardRequest(
+        messages=[ChatMessage.model_validate(m) for m in window.messages],
+        max_tokens=max_tokens, stream=True, priority=caller.tier.priority,
+        # Prefix-cache scope: KV is reused within a tenant only (no timing side channel across tenants).
+        cache_salt=f"tenant:{caller.principal.tenant}", request_id=request_id, deadline=deadline, **fields)
