@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
@@ -18,8 +19,9 @@ from data_plane.gateway.response_cache import (
     cache_key,
     cache_policy,
 )
-from data_plane.membership.view import StaticMembership
+from data_plane.membership.view import Member, StaticMembership
 from data_plane.routing.hop_client import HopPool
+from tests.support.cluster import start_cache_nodes
 
 
 def test_only_deterministic_requests_are_cached_and_opt_outs_follow_litellm() -> None:
@@ -105,3 +107,29 @@ def test_local_copies_are_bounded_in_bytes_expire_and_are_bound_to_their_owner()
     small = LocalReplies(100)
     small.put("k", "o", reply, time.time() + 60)  # larger than the whole budget: not kept
     assert len(small) == 0 and small.bytes == 0
+
+
+async def test_a_reply_written_by_one_gateway_is_read_from_the_node_once_then_from_its_own_copy(
+        tmp_path: Path) -> None:
+    nodes = start_cache_nodes(1, log_dir=tmp_path)
+    pool = HopPool()
+    try:
+        membership = StaticMembership([Member(id="cache-0", service="cache", url=nodes[0].url)])
+        registries = [CollectorRegistry(), CollectorRegistry()]
+        writer, reader = (ResponseCache(SessionStore(membership, pool, timeout_s=2.0, prefix="/v1/response-cache"),
+                                        ResponseCacheMetrics(r), 60) for r in registries)
+        reply = CachedReply("four", "stop", 3, 1)
+        writer.put_later("rc_shared", "acme", reply)
+        await writer.drain()
+        assert await reader.get("rc_shared", "acme", "chat") == reply  # from the node: one round trip
+        assert await reader.get("rc_shared", "acme", "chat") == reply  # then from its own copy
+        assert await reader.get("rc_shared", "bigco", "chat") is None  # the node refuses another owner
+        assert reader.local is not None and len(reader.local) == 1
+        sample = registries[1].get_sample_value
+        for source in ("nodes", "local"):
+            assert sample("switchboard_response_cache_lookup_seconds_count",
+                          {"api": "chat", "result": "hit", "source": source}) == 1
+    finally:
+        await pool.aclose()
+        for n in nodes:
+            n.stop()
