@@ -211,6 +211,16 @@ class ChatDelta:
 
 
 @dataclass(frozen=True)
+class ChatToolCall:
+    """One streamed tool-call fragment: `id` and `name` on a call's first, `arguments` pieces after."""
+
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
+
+
+@dataclass(frozen=True)
 class ChatEnd:
     finish_reason: str | None
     usage: dict[str, Any] | None
@@ -219,7 +229,7 @@ class ChatEnd:
     """The Responses API's response id (continue the conversation with it as previous_response_id)."""
 
 
-ChatEvent = ChatStart | ChatDelta | ChatEnd
+ChatEvent = ChatStart | ChatDelta | ChatToolCall | ChatEnd
 
 
 def new_traceparent() -> tuple[str, str]:
@@ -238,9 +248,13 @@ class GatewayClient:
         self._transport = transport
 
     def stream_chat(self, api_key: str, messages: list[dict[str, str]], *, max_tokens: int | None = None,
-                    temperature: float | None = None, model: str | None = None) -> Iterator[ChatEvent]:
+                    temperature: float | None = None, model: str | None = None,
+                    output: Mapping[str, Any] | None = None) -> Iterator[ChatEvent]:
+        """`output`: fields shaping the answer, sent as they are (``response_format``; ``tools`` and
+        ``tool_choice``); tool calls come back as ChatToolCall events."""
         traceparent, trace_id = new_traceparent()
-        body: dict[str, Any] = {"messages": messages, "stream": True, "stream_options": {"include_usage": True}}
+        body: dict[str, Any] = {"messages": messages, "stream": True, "stream_options": {"include_usage": True},
+                                **(output or {})}
         if model:
             body["model"] = model
         if max_tokens:
@@ -325,8 +339,12 @@ def _sse_events(lines: Iterator[str]) -> Iterator[ChatEvent]:
             return
         usage = chunk.get("usage") or usage
         for choice in chunk.get("choices") or []:
-            text = (choice.get("delta") or {}).get("content")
-            if text:
-                yield ChatDelta(text)
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                yield ChatDelta(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                fn = call.get("function") or {}
+                yield ChatToolCall(int(call.get("index") or 0), call.get("id"), fn.get("name"),
+                                   fn.get("arguments") or "")
             finish = choice.get("finish_reason") or finish
     yield ChatEnd(finish, usage)

@@ -221,7 +221,9 @@ class Chromium:
 
 def send_chat(browser: Chromium, text: str, timeout: float = 60.0) -> str:
     """On the Playground page: type `text`, press Send, wait for the answer; returns its trace id."""
-    browser.evaluate("document.querySelector('[data-testid=\"stMain\"] textarea').focus()")
+    browser.evaluate("(b => { b.focus(); b.select(); })(document.querySelector('[data-testid=\"stMain\"] "
+                     "textarea[aria-label=\"Message\"]') || document.querySelector('[data-testid=\"stMain\"] "
+                     "textarea'))")  # selected: the text typed replaces any there
     browser.call("Input.insertText", text=text)
     browser.evaluate("document.activeElement.blur()")
     time.sleep(0.8)  # Streamlit commits a text area on blur, with a rerun
@@ -233,6 +235,19 @@ def send_chat(browser: Chromium, text: str, timeout: float = 60.0) -> str:
             return str(found)
         time.sleep(0.3)
     raise TimeoutError("the Playground showed no trace link")
+
+
+def click_label(browser: Chromium, text: str, timeout: float = 30.0) -> None:
+    """Click the label whose text is `text` (a radio option, a checkbox) once it is on the page, and let
+    Streamlit rerun."""
+    js = (f"(() => {{ const l = [...document.querySelectorAll('label')]"
+          f".find(l => l.innerText.trim() === {json.dumps(text)}); if (l) l.click(); return !!l; }})()")
+    deadline = time.monotonic() + timeout
+    while not browser.evaluate(js):
+        if time.monotonic() > deadline:
+            raise LookupError(f"no label {text!r} on the page after {timeout:.0f} s")
+        time.sleep(0.3)
+    time.sleep(1.0)
 
 
 def capture_pages(base_url: str, out: Path, pages: list[str], *, width: int = 1440,

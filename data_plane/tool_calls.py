@@ -255,3 +255,54 @@ def envelope_text(content: str | None, tool_calls: list[dict[str, Any]] | None) 
             args = fn.get("arguments")
         calls.append({"name": fn.get("name", ""), "arguments": args})
     return json.dumps({"tool_calls": calls}, ensure_ascii=False, separators=(",", ":"))
+
+
+class SentOutput:
+    """What a stream has sent of choice 0, written back as the text the model produced: a resumed request
+    (data_plane/routing/upstream.py) ends with it as the assistant message to continue, and a torch shard
+    advances the grammar over it (data_plane/shard/engines/grammar.py `CompiledGrammar.resumed`).
+
+        sent = SentOutput.for_body(body)            # the envelope when the request has tools
+        sent.content("Hel"); sent.call(0, "get_weather", '{"ci')
+        sent.text()                                  # '{"tool_calls":[{"name":"get_weather","arguments":{"ci'
+
+    With tools the shard sent parsed deltas, not the envelope: it is rebuilt in the grammar's compact form
+    (data_plane/structured.py), up to the last piece received (the model re-writes anything after it).
+    """
+
+    def __init__(self, envelope: bool, json_response: bool = False) -> None:
+        self.envelope = envelope
+        self.json_response = json_response
+        self._content: list[str] = []
+        self._calls: list[tuple[str, list[str]]] = []
+
+    @classmethod
+    def for_body(cls, body: dict[str, Any]) -> SentOutput:
+        choice = body.get("tool_choice")
+        if not body.get("tools") or choice == "none":
+            return cls(False)
+        rf = body.get("response_format")
+        answer_json = isinstance(rf, dict) and rf.get("type") in ("json_object", "json_schema")
+        return cls(True, answer_json and choice in (None, "auto"))
+
+    def content(self, text: str) -> None:
+        self._content.append(text)
+
+    def call(self, index: int, name: str | None, arguments: str) -> None:
+        if index >= len(self._calls):
+            self._calls.append((name or "", []))
+        self._calls[index][1].append(arguments)
+
+    def text(self) -> str:
+        content = "".join(self._content)
+        if not self.envelope:
+            return content
+        if self._calls:
+            calls = [f'{{"name":{json.dumps(name, ensure_ascii=False)},"arguments":{"".join(args)}'
+                     for name, args in self._calls]
+            return '{"tool_calls":[' + "},".join(calls)
+        if not self._content:
+            return ""
+        if self.json_response:
+            return '{"response":' + content
+        return '{"response":' + json.dumps(content, ensure_ascii=False)[:-1]

@@ -1,5 +1,7 @@
 """Playground: send a chat to the gateway as a chosen tier's key, watch it stream, follow its trace;
 through chat completions (the whole conversation each turn) or the Responses API (the gateway keeps it).
+The answer can be shaped by a JSON schema (`response_format`) or tools (the calls are shown, with their
+arguments); those go through chat completions.
 
 A console page: Streamlit runs it from admin_ui/app.py's navigation (``PAGES``); it talks to the
 gateway (admin_ui/client.py) and links the request's trace on the Traces page.
@@ -7,12 +9,21 @@ gateway (admin_ui/client.py) and links the request's trace on the Traces page.
 
 from __future__ import annotations
 
+import json
 import time
 
 import streamlit as st
 
 from admin_ui import ui
-from admin_ui.client import ChatDelta, ChatEnd, ChatStart, ConsoleError
+from admin_ui.client import ChatDelta, ChatEnd, ChatStart, ChatToolCall, ConsoleError
+from admin_ui.views.playground import (
+    EXAMPLE_SCHEMA,
+    EXAMPLE_TOOLS,
+    OUTPUTS,
+    ToolCalls,
+    output_fields,
+    structured_json,
+)
 
 ui.header("Playground", "Talk to the platform exactly as a user of a tier would, then open the request's trace.")
 
@@ -34,6 +45,9 @@ temperature = right.number_input("Temperature", min_value=0.0, max_value=2.0, va
 api = st.radio("API", ["Chat completions", "Responses"], key="pg_api", horizontal=True,
                help="Chat completions sends the whole conversation each turn; the Responses API sends only the "
                     "new message and the gateway keeps the conversation (previous_response_id).")
+output = st.radio("Output", OUTPUTS, key="pg_output", horizontal=True,
+                  help="Text; JSON following a schema (response_format json_schema); or tool calls (tools). "
+                       "The last two go through chat completions.")
 st.caption(f"Gateway: `{c.settings.gateway_url}`")
 
 history: list[dict[str, str]] = st.session_state.setdefault("pg_history", [])
@@ -42,6 +56,15 @@ for turn in history:
         st.markdown(turn["content"])
 
 prompt = st.text_area("Message", key="pg_prompt", height=90, placeholder="What is the capital of France?")
+if output == "JSON schema":
+    st.text_area("JSON schema", value=EXAMPLE_SCHEMA, key="pg_schema", height=180)
+elif output == "Tools":
+    st.text_area("Tools (a JSON list)", value=EXAMPLE_TOOLS, key="pg_tools", height=180)
+    choice_col, parallel_col = st.columns([2, 1])
+    choice_col.radio("Tool choice", ["auto", "required"], key="pg_tool_choice", horizontal=True)
+    parallel_col.checkbox("Parallel calls", value=False, key="pg_parallel",
+                          help="parallel_tool_calls: the model may call several tools at once (off here by "
+                               "default: a small model tends to repeat a call until the token limit).")
 send_col, clear_col, _ = st.columns([1, 1, 4])
 send = send_col.button("Send", type="primary", icon=":material/send:", width="stretch")
 if clear_col.button("New conversation", icon=":material/restart_alt:", width="stretch"):
@@ -53,23 +76,33 @@ if clear_col.button("New conversation", icon=":material/restart_alt:", width="st
 if send:
     api_key = keys.get(tier) if tier != CUSTOM else st.session_state.get("pg_key")
     text = (prompt or "").strip()
+    fields: dict | None
+    try:
+        fields = output_fields(output, st.session_state.get("pg_schema", EXAMPLE_SCHEMA),
+                               st.session_state.get("pg_tools", EXAMPLE_TOOLS),
+                               st.session_state.get("pg_tool_choice", "auto"),
+                               st.session_state.get("pg_parallel", False))
+    except ValueError as exc:
+        fields = None
+        st.error(str(exc), icon=":material/data_object:")
     if not api_key:
         st.error("Choose a tier with a dev key, or enter an API key.", icon=":material/key:")
     elif not text:
         st.error("Type a message first.", icon=":material/edit:")
-    else:
+    elif fields is not None:
         messages = [*history, {"role": "user", "content": text}]
         with st.chat_message("user"):
             st.markdown(text)
         meta: dict = {"t0": time.monotonic(), "chunks": 0}
+        calls = ToolCalls()
 
         def stream():
             events = (c.gateway.stream_response(api_key, text, max_tokens=int(max_tokens),
                                                 temperature=float(temperature),
                                                 previous_response_id=st.session_state.get("pg_response_id"))
-                      if api == "Responses" else
+                      if api == "Responses" and not fields else
                       c.gateway.stream_chat(api_key, messages, max_tokens=int(max_tokens),
-                                            temperature=float(temperature)))
+                                            temperature=float(temperature), output=fields))
             for event in events:
                 if isinstance(event, ChatStart):
                     meta["start"] = event
@@ -77,6 +110,9 @@ if send:
                     meta.setdefault("ttft", time.monotonic() - meta["t0"])
                     meta["chunks"] += 1
                     yield event.text
+                elif isinstance(event, ChatToolCall):
+                    meta.setdefault("ttft", time.monotonic() - meta["t0"])
+                    calls.add(event)
                 elif isinstance(event, ChatEnd):
                     meta["end"] = event
 
@@ -92,7 +128,7 @@ if send:
             st.error(f"The gateway answered {start.status if start else '?'}: {end.error}", icon=":material/block:")
         if end is not None and end.response_id:
             st.session_state["pg_response_id"] = end.response_id
-        if answer and not (end and end.error):
+        if answer and not (end and end.error) and not calls.done():  # tool calls are not kept in the history
             history.extend([{"role": "user", "content": text}, {"role": "assistant", "content": str(answer)}])
         st.session_state["pg_last"] = {
             "request_id": start.request_id if start else None, "trace_id": start.trace_id if start else None,
@@ -100,6 +136,7 @@ if send:
             "usage": (end.usage if end else None) or {}, "finish": end.finish_reason if end else None,
             "degraded": (start.headers.get("x-switchboard-degraded") if start else None),
             "remaining": (start.headers.get("x-ratelimit-remaining-requests") if start else None),
+            "tool_calls": calls.done(), "json": output == "JSON schema", "answer": str(answer or ""),
         }
 
 last = st.session_state.get("pg_last")
@@ -119,6 +156,18 @@ if last:
     if last.get("remaining") is not None:
         notes.append(f"{last['remaining']} requests left this minute")
     st.caption(" · ".join(notes))
+    for call in last.get("tool_calls") or []:
+        st.markdown(f"**Tool call** `{call['name']}` · id `{call['id']}`")
+        parsed, _problem = structured_json(call["arguments"])
+        st.code(json.dumps(parsed, indent=2, ensure_ascii=False) if parsed is not None else call["arguments"],
+                language="json")
+    if last.get("json") and last.get("answer"):
+        parsed, problem = structured_json(last["answer"])
+        if problem is None:
+            st.markdown("**Valid JSON** (the answer follows the schema)")
+            st.json(parsed)
+        else:
+            st.warning(f"The answer is not valid JSON ({problem}): the limit may have cut it.", icon=":material/warning:")
     if last["trace_id"]:
         st.page_link("screens/traces.py", label=f"Open trace {last['trace_id']}", icon=":material/timeline:",
                      query_params={"trace": last["trace_id"]})

@@ -268,7 +268,8 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
             log.info("request %s prompt=%r", request_id, req.plain_messages())
         headers = {"X-Request-Id": request_id, **kv_reports.headers(gen_req, request.headers.get(SINCE_HEADER))}
         run = _Run(state, gen_req, span, time.monotonic(),
-                   [Choice(i, plan, token_bytes(engine) if req.logprobs else None) for i in range(len(gen_reqs))])
+                   [Choice(i, plan, token_bytes(engine) if req.logprobs else None, r.resumed_text)
+                    for i, r in enumerate(gen_reqs)])
         run.external_tokens = external_tokens
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -297,9 +298,10 @@ def _generation_requests(req: ChatCompletionRequest, engine: Engine, request_id:
     restore = getattr(engine, "restore_generated", None)  # token-exact transcripts (data_plane/shard/kv_transcript.py)
     if restore is not None:
         ids = restore(messages, ids, req.cache_salt)
-    grammar = None
+    grammar, resumed = None, ""
     if plan.constraint is not None:
         grammar = GrammarSpec(GrammarKind(plan.constraint.kind), plan.constraint.text)
+        resumed = messages[-1]["content"] if req.continue_final_message else ""  # the grammar continues it
     params = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -324,7 +326,7 @@ def _generation_requests(req: ChatCompletionRequest, engine: Engine, request_id:
         p = params if i == 0 or req.seed is None else dataclasses.replace(params, seed=req.seed + i)
         out.append(GenerationRequest(request_id if i == 0 else f"{request_id}-{i}", list(ids), p,
                                      priority=req.priority or 0, deadline=req.deadline, cache_salt=req.cache_salt,
-                                     public_prefix_tokens=public))
+                                     public_prefix_tokens=public, resumed_text=resumed))
     return out
 
 

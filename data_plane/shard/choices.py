@@ -1,6 +1,6 @@
 """A request's choices on their way out of the shard: tool-call envelopes parsed, logprobs rendered, n merged.
 
-    choice = Choice(0, plan, token_bytes)             # one per `n`
+    choice = Choice(0, plan, token_bytes)             # one per `n` (resumed=: the envelope already sent)
     deltas = choice.feed(out)                          # chunk deltas (content / tool_calls) + logprobs
     choice.message(), choice.finish(out.finish_reason) # the whole message and its finish_reason
     async for index, out in merged([outputs0, outputs1, ...]): ...
@@ -15,6 +15,7 @@ character).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -24,15 +25,22 @@ from data_plane.shard.engines.grammar import GrammarError
 from data_plane.structured import OutputPlan, ToolMode
 from data_plane.tool_calls import EnvelopeParser, assemble, delta_of
 
+log = logging.getLogger(__name__)
+
 FINISH_TOOL_CALLS = "tool_calls"
 
 
 class Choice:
-    def __init__(self, index: int, plan: OutputPlan, token_bytes: Callable[[int], bytes] | None) -> None:
+    def __init__(self, index: int, plan: OutputPlan, token_bytes: Callable[[int], bytes] | None,
+                 resumed: str = "") -> None:
         self.index = index
         self.plan = plan
         self.token_bytes = token_bytes
         self.parser = EnvelopeParser(plan.json_response) if plan.tool_mode != ToolMode.NONE else None
+        if self.parser is not None and resumed:
+            # A resumed stream: the envelope so far was sent by another shard. Parsed, not sent again, so
+            # calls keep their indexes and a call under way gets only the rest of its arguments.
+            self.parser.feed(resumed)
         self.events: list[Any] = []
         self.text: list[str] = []
         self.logprobs: list[dict[str, Any]] = []
@@ -123,7 +131,7 @@ async def merged(streams: Sequence[AsyncIterator[GenerationOutput]]) -> AsyncIte
 
 
 _GRAMMAR_CODES = {"unsupported": "unsupported_schema", "too_large": "grammar_too_large",
-                  "timeout": "grammar_timeout", "invalid": "invalid_grammar"}
+                  "timeout": "grammar_timeout", "invalid": "invalid_grammar", "resume_rejected": "invalid_resume"}
 
 
 async def prepare_requests(engine: Any, reqs: Sequence[GenerationRequest], plan: OutputPlan) -> None:
@@ -188,3 +196,7 @@ def describe(span: Any, req: GenerationRequest, plan: OutputPlan, n: int) -> Non
     if req.params.seed is not None:
         span.set_attribute("gen_ai.request.seed", req.params.seed)
     span.set_attribute("switchboard.logprobs", req.params.logprobs)
+    if req.resumed_text and plan.constraint is not None:
+        span.set_attribute("switchboard.structured.resumed_chars", len(req.resumed_text))
+        log.info("request %s resumes a %s stream after %d characters already sent", req.request_id,
+                 plan.constraint.kind, len(req.resumed_text))

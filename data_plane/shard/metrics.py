@@ -337,6 +337,9 @@ class MetricsListener(StepListener):
     def on_grammar_compile(self, kind: str, seconds: float, outcome: str) -> None:
         self.metrics.grammar.on_compile(kind, seconds, outcome)
 
+    def on_grammar_resume(self, kind: str, outcome: str) -> None:
+        self.metrics.grammar.on_resume(kind, outcome)
+
     def on_grammar_mask(self, rows: int, seconds: float) -> None:
         self.metrics.grammar.on_mask(seconds)
 

@@ -7,6 +7,7 @@ is pinned (tests/support/spec.py): whether a draft pays is then the engine's dec
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections import Counter
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from data_plane.shard.engines.base import GenerationOutput, GenerationRequest, SamplingParams
+from data_plane.shard.engines.grammar import GrammarKind, GrammarSpec
 from data_plane.shard.engines.torch_engine import EngineConfig, StepListener, TorchEngine
 from tests.support.spec import pin_row_cost
 
@@ -53,6 +55,7 @@ class Harness:
     def run(self, jobs: list[tuple[list[dict[str, str]], SamplingParams]]) -> list[tuple[str, GenerationOutput]]:
         async def one(messages: list[dict[str, str]], params: SamplingParams) -> tuple[str, GenerationOutput]:
             req = GenerationRequest(uuid.uuid4().hex, self.engine.encode_chat(messages), params)
+            await self.engine.prepare(req)  # a constrained request's grammar
             text, last = "", None
             async for out in self.engine.generate(req):
                 text += out.text
@@ -99,6 +102,33 @@ def test_greedy_text_identical_on_and_off_solo_and_batched(harness: Harness) -> 
         assert on[0][1].spec_accepted_tokens >= 10  # the quote prompt did speculate
         assert all(o.spec_drafts == 0 for _, o in off)
     assert "def mul" not in on[3][0] and on[3][1].finish_reason == "stop"
+
+
+ROWS = {"type": "object", "properties": {"rows": {"type": "array", "minItems": 6, "maxItems": 6, "items": {
+    "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                                     "status": {"enum": ["active", "inactive"]},
+                                     "city": {"type": "string", "maxLength": 12}},
+    "required": ["id", "status", "city"], "additionalProperties": False}}},
+    "required": ["rows"], "additionalProperties": False}
+USERS = [{"role": "user", "content": "List six users as JSON rows with an id, a status and a city."}]
+
+
+def test_constrained_drafts_are_checked_by_the_grammar_and_keep_greedy_text(harness: Harness) -> None:
+    """A json_schema request drafts (its drafts cut by the grammar, its matcher rolled back to what was
+    accepted): the text is the same with speculation on and off, valid, and drafts were accepted."""
+    schema = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(ROWS))
+    constrained = SamplingParams(temperature=0.0, max_tokens=200, grammar=schema)
+    jobs = [(USERS, constrained), (SHORT_QUOTE, greedy(30))]
+    for batched in (False, True):
+        on, off = both(harness, jobs, batched)
+        assert [(t, o.finish_reason, o.completion_tokens) for t, o in on] == \
+            [(t, o.finish_reason, o.completion_tokens) for t, o in off]
+        rows = json.loads(on[0][0])["rows"]
+        assert len(rows) == 6 and all(r["status"] in ("active", "inactive") for r in rows)
+        assert on[0][1].spec_accepted_tokens > 0 and off[0][1].spec_drafts == 0
+    with_bias = SamplingParams(temperature=0.0, max_tokens=60, grammar=schema, frequency_penalty=0.5)
+    ((_, out),) = harness.run([(USERS, with_bias)])
+    assert out.spec_drafts == 0  # a penalty depends on every token before it: one token a step
 
 
 def test_max_tokens_inside_an_accepted_draft(harness: Harness) -> None:

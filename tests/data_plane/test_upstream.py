@@ -256,3 +256,47 @@ def test_a_shard_circuit_goes_closed_open_half_open_closed() -> None:
     assert router.circuit_state("a") is CircuitState.CLOSED and not router.is_ejected("a")
     with pytest.raises(ValueError):
         router.report_failure(a, "status_418")  # type: ignore[arg-type]  # not a FailureReason
+
+
+def call_delta(index: int, name: str | None = None, arguments: str = "", call_id: str | None = None) -> bytes:
+    call: dict[str, Any] = {"index": index, "function": {"arguments": arguments}}
+    if name is not None:
+        call.update(id=call_id, type="function")
+        call["function"]["name"] = name
+    return b"data: " + json.dumps({"choices": [{"delta": {"tool_calls": [call]}}]}).encode()
+
+
+async def test_a_tool_call_stream_resumes_with_its_envelope_so_far() -> None:
+    """The shard sent parsed tool-call deltas: the resumed request continues the envelope they came from
+    (compact, as the grammar writes it), and the second shard's deltas continue the call under way."""
+    body = ShardRequest.model_validate({**BODY.wire(), "tools": [{"type": "function", "function": {"name": "get_weather"}}],
+                                        "tool_choice": "required"})
+    pool = Pool(Response(200, [[call_delta(0, "get_weather", call_id="call_a")], [call_delta(0, arguments='{"ci')],
+                               HopDisconnected("reset")]),
+                Response(200, [[call_delta(0, arguments='ty":"Paris"}')], [FINISH]]))
+    up, _ = upstream(pool)
+    stream = await up.open_resumable(body, session_id=None)
+    events = await drain(stream)
+    assert [e.arguments for e in events[:3]] == ["", '{"ci', 'ty":"Paris"}']
+    assert events[0].id == "call_a" and events[0].name == "get_weather" and events[2].name is None
+    (_, resumed) = pool.posts[1]
+    assert resumed["messages"][-1] == {"role": "assistant",
+                                       "content": '{"tool_calls":[{"name":"get_weather","arguments":{"ci'}
+    assert resumed["continue_final_message"] is True
+
+
+async def test_a_json_schema_stream_resumes_but_several_choices_do_not() -> None:
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    pool = Pool(Response(200, [[token('{"a":', 1)], HopDisconnected("reset")]),
+                Response(200, [[token("1}", 1)], [FINISH]]))
+    up, _ = upstream(pool)
+    stream = await up.open_resumable(ShardRequest.model_validate({**BODY.wire(), "response_format": schema}),
+                                     session_id=None)
+    assert "".join(e.text for e in await drain(stream) if isinstance(e, Delta)) == '{"a":1}'
+    assert pool.posts[1][1]["messages"][-1]["content"] == '{"a":'
+    pool = Pool(Response(200, [[token("a", 1)], HopDisconnected("reset")]), Response(200, [[token("never")]]))
+    up, _ = upstream(pool)
+    stream = await up.open_resumable(ShardRequest.model_validate({**BODY.wire(), "n": 2}), session_id=None)
+    with pytest.raises(UpstreamError):
+        await drain(stream)
+    assert len(pool.posts) == 1

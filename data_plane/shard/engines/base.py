@@ -104,6 +104,9 @@ class GenerationRequest:
     """The conversation this turn belongs to: its new KV blocks go to the cache nodes (data_plane/shard/kv_tier.py)."""
     grammar: CompiledGrammar | None = None
     """`params.grammar` compiled (the engine's `prepare` sets it, off the scheduler thread)."""
+    resumed_text: str = ""
+    """A resumed stream's output already sent (the prompt ends with it, `continue_final_message`): the
+    grammar's matcher consumes it before the first step, so the continuation continues the grammar."""
     processor: Any = None  # a logits.RequestLogits (that module imports this one)
     """Per-request logits state the engine builds at enqueue when params need it (engines/logits.py)."""
 

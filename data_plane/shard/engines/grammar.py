@@ -4,6 +4,7 @@
     compiler = GrammarCompiler(llg_tokenizer, GrammarLimits(), listener)
     compiled = await compiler.compile(spec)     # in a thread pool; GrammarError (-> a 400) when refused
     matcher = compiled.matcher()                # a fresh llguidance.LLMatcher for one sequence
+    resumed = compiled.resumed('{"city":"Par')  # the same grammar, its matchers past output already sent
 
 How vLLM v1 does it (vllm/v1/structured_output/: a request waits in WAITING_FOR_FSM while its
 grammar compiles in a thread pool, the rest of the batch goes on; compiled grammars are cached)
@@ -85,7 +86,8 @@ class GrammarLimits:
 
 
 class GrammarError(ValueError):
-    """A grammar the server refuses: `reason` is a bounded label (too_large, timeout, unsupported, invalid)."""
+    """A grammar the server refuses: `reason` is a bounded label (too_large, timeout, unsupported, invalid,
+    resume_rejected)."""
 
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
@@ -101,14 +103,35 @@ class GrammarListener(Protocol):
 class CompiledGrammar:
     """A validated grammar: `matcher()` gives each sequence its own matcher (a copy of a template)."""
 
-    def __init__(self, spec: GrammarSpec, template: Any, vocab_size: int) -> None:
+    def __init__(self, spec: GrammarSpec, template: Any, vocab_size: int, tokenizer: Any = None) -> None:
         self.spec = spec
         self._template = template
         self.vocab_size = vocab_size
         """The tokenizer's vocabulary (the bitmask's width; the model's logits may be wider)."""
+        self._tokenizer = tokenizer
+        self.resumed_tokens = 0
+        """Tokens of output already sent that the template's matcher has consumed (`resumed`)."""
 
     def matcher(self) -> Any:
         return self._template.deep_copy()
+
+    def resumed(self, text: str) -> CompiledGrammar:
+        """This grammar with its matchers already past `text`: output a failed shard sent before a stream
+        resumed here (data_plane/routing/upstream.py), so the continuation continues the grammar. The text
+        is tokenized afresh: llguidance's lexer works on bytes, so any tokenization of the same text
+        leads to the same state. GrammarError ("resume_rejected") when the grammar does not allow it."""
+        if not text:
+            return self
+        assert self._tokenizer is not None, "a grammar compiled without its tokenizer cannot resume"
+        tokens = self._tokenizer.tokenize_str(text)
+        m = self._template.deep_copy()
+        taken = m.try_consume_tokens(tokens)
+        if taken != len(tokens) or m.is_error():
+            raise GrammarError(f"the output already sent does not follow the {self.spec.kind.value} "
+                               f"(rejected after {taken} of {len(tokens)} tokens)", "resume_rejected")
+        out = CompiledGrammar(self.spec, m, self.vocab_size, self._tokenizer)
+        out.resumed_tokens = len(tokens)
+        return out
 
 
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
@@ -220,7 +243,7 @@ class GrammarCompiler:
             raise _refusal(spec, matcher.get_error())
         log.debug("compiled a %s grammar (%d bytes) in %.1f ms", spec.kind.value, len(spec.text),
                   (time.monotonic() - t0) * 1000)
-        return CompiledGrammar(spec, matcher, int(self.tokenizer.vocab_size))
+        return CompiledGrammar(spec, matcher, int(self.tokenizer.vocab_size), self.tokenizer)
 
 
 def _refusal(spec: GrammarSpec, message: str) -> GrammarError:

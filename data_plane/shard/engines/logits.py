@@ -107,6 +107,48 @@ class RequestLogits:
             self.error = m.get_error() or "token rejected"
             log.warning("grammar matcher error after token %d: %s", token, self.error)
 
+    # -- speculation (torch_spec.py): drafts checked against the grammar ---------------------------------
+
+    @property
+    def drafts(self) -> bool:
+        """Whether this sequence may draft: a live grammar and nothing else that depends on the position
+        (penalties, bias, EOS bans, logprobs are applied one token a step: those sequences never draft)."""
+        p = self.params
+        return (self.matcher is not None and self.error is None and not self.matcher.is_stopped()
+                and self.counts is None and self.seen is None and self.bias is None
+                and not (p.logprobs or p.min_tokens or p.ignore_eos))
+
+    def check_draft(self, draft: Sequence[int]) -> list[int]:
+        """`draft` cut at the first token the grammar rejects (or an EOS: the model's own token ends it)."""
+        ok = list(draft[: self.matcher.validate_tokens(list(draft))])
+        for j, t in enumerate(ok):
+            if t in self.eos_ids:
+                return ok[:j]
+        return ok
+
+    def mask_draft(self, rows: torch.Tensor, draft: Sequence[int]) -> None:
+        """Mask the verify rows of a checked `draft` (row j: what may follow draft[:j]) in place: the
+        matcher walks the draft filling one bitmask row per position (it is left past the draft: `settle`)."""
+        import llguidance.torch as lt
+
+        t0 = time.monotonic()
+        bitmask = lt.allocate_token_bitmask(len(draft) + 1, self.mask_vocab)
+        for j in range(len(draft) + 1):
+            lt.fill_next_token_bitmask(self.matcher, bitmask, j)
+            if j < len(draft) and not self.matcher.consume_token(draft[j]):
+                raise AssertionError("a checked draft token was rejected")
+        _mask_rows(rows, bitmask)
+        if self.listener is not None:
+            self.listener.on_grammar_mask(len(draft) + 1, time.monotonic() - t0)
+
+    def settle(self, drafted: int, tokens: Sequence[int]) -> None:
+        """The verify step kept `tokens` (the accepted drafts, then the model's token): the matcher, past
+        all `drafted` tokens since `mask_draft`, is rolled back to the accepted ones and takes the last."""
+        accepted = len(tokens) - 1
+        self.matcher.rollback(drafted - accepted)
+        self.generated += accepted
+        self.accept(tokens[-1])
+
     def drain(self) -> tuple[TokenLogprob, ...]:
         out, self.logprobs = tuple(self.logprobs), []
         return out
@@ -154,7 +196,6 @@ def _apply_grammar(logits: torch.Tensor, rows: list[int], procs: Sequence[Reques
     import llguidance.torch as lt
 
     t0 = time.monotonic()
-    vocab = logits.shape[-1]
     first = procs[rows[0]]
     assert first is not None
     bitmask = lt.allocate_token_bitmask(len(rows), first.mask_vocab)
@@ -162,12 +203,20 @@ def _apply_grammar(logits: torch.Tensor, rows: list[int], procs: Sequence[Reques
         proc = procs[i]
         assert proc is not None
         lt.fill_next_token_bitmask(proc.matcher, bitmask, k)
-    allowed = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).bool().view(len(rows), -1)
-    width = min(vocab, allowed.shape[1])
     index = torch.tensor(rows, dtype=torch.long)
     sub = logits.index_select(0, index)
-    blocked = torch.ones(len(rows), vocab, dtype=torch.bool)
-    blocked[:, :width] = ~allowed[:, :width]
-    logits.index_copy_(0, index, sub.masked_fill(blocked, float("-inf")))
+    _mask_rows(sub, bitmask)
+    logits.index_copy_(0, index, sub)
     if first.listener is not None:
         first.listener.on_grammar_mask(len(rows), time.monotonic() - t0)
+
+
+def _mask_rows(rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """-inf, in place, on every token of `rows` [n, vocab] that `bitmask` [n, words] does not allow (tokens past
+    the tokenizer's vocabulary, padding in the model's, are never allowed)."""
+    vocab = rows.shape[-1]
+    allowed = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).bool().view(rows.shape[0], -1)
+    width = min(vocab, allowed.shape[1])
+    blocked = torch.ones(rows.shape[0], vocab, dtype=torch.bool)
+    blocked[:, :width] = ~allowed[:, :width]
+    rows.masked_fill_(blocked, float("-inf"))

@@ -149,6 +149,10 @@ class StepListener:
     def on_grammar_compile(self, kind: str, seconds: float, outcome: str) -> None:
         """A grammar compile ended (engines/grammar.py): outcome compiled, cache_hit or a refusal reason."""
 
+    def on_grammar_resume(self, kind: str, outcome: str) -> None:
+        """A resumed stream's grammar was advanced over the output already sent (``resumed``) or refused it
+        (``rejected``)."""
+
     def on_grammar_mask(self, rows: int, seconds: float) -> None:
         """A step's grammar bitmasks for `rows` constrained sequences were filled and applied in `seconds`."""
 

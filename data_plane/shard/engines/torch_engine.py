@@ -56,7 +56,7 @@ from data_plane.shard.engines.base import (
     TextStream,
     check_lengths,
 )
-from data_plane.shard.engines.grammar import GrammarCompiler
+from data_plane.shard.engines.grammar import GrammarCompiler, GrammarError
 from data_plane.shard.engines.logits import RequestLogits
 from data_plane.shard.engines.model_files import LoadPhases
 from data_plane.shard.engines.scheduler import Scheduler, SchedulerConfig
@@ -344,7 +344,8 @@ class TorchEngine:
 
     async def prepare(self, req: GenerationRequest) -> None:
         """Before `generate`: compile the request's grammar off the scheduler thread (cached by digest;
-        raises grammar.GrammarError for one refused) and check its logit_bias token ids."""
+        raises grammar.GrammarError for one refused), advance it past a resumed stream's output, and check
+        its logit_bias token ids."""
         bad = [t for t, _ in req.params.logit_bias if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequest(f"logit_bias names token id {bad[0]}, outside this model's vocabulary "
@@ -352,6 +353,14 @@ class TorchEngine:
         if req.params.grammar is not None and req.grammar is None:
             assert self.grammars is not None, "prepare() before the model is loaded"
             req.grammar = await self.grammars.compile(req.params.grammar)
+            if req.resumed_text:  # a resumed stream: the grammar continues after what was sent
+                kind = req.params.grammar.kind.value
+                try:
+                    req.grammar = req.grammar.resumed(req.resumed_text)
+                except GrammarError:
+                    self.listener.on_grammar_resume(kind, "rejected")
+                    raise
+                self.listener.on_grammar_resume(kind, "resumed")
 
     def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         """Validate and enqueue `req` now (raising 4xx/503 errors before any compute);

@@ -16,7 +16,11 @@ all decoding sequences in one pass (rows: last token + draft, 1..k+1 per sequenc
 plain decode. Each sequence then keeps its accepted drafts plus one model token; its computed count
 moves past exactly those (rejected drafts' KV is rolled back by not counting it), and the tokens go
 through the engine's normal emit path one by one (EOS, stop strings, max_tokens and the context
-limit cut exactly where they would without speculation: torch_output.py). Above `max_batch`
+limit cut exactly where they would without speculation: torch_output.py). A constrained sequence
+drafts too (vLLM's way): its draft is cut at the first token the grammar rejects (`check_draft`), each
+verify row is masked by the grammar as of its position (`mask_draft`) and, once verified, the matcher is
+rolled back to the accepted tokens (`settle`: data_plane/shard/engines/logits.py); sequences with
+penalties, bias, EOS bans or logprobs decode one token a step. Above `max_batch`
 decoding sequences no one drafts (verification costs more than it saves there: docs/BENCHMARKS.md).
 Runs on the scheduler thread only.
 """
@@ -91,8 +95,9 @@ class Speculator:
             self.on_probe(probe.value)
 
     def _draft(self, seq: SeqState, max_model_len: int, row_cost: float) -> tuple[list[int], bool]:
-        if seq.req.processor is not None:
-            return [], False  # processed/constrained sequences decode one token a step (no drafts)
+        proc = seq.req.processor
+        if proc is not None and not proc.drafts:
+            return [], False  # penalties, bias, EOS bans, logprobs: one token a step (no drafts)
         state = self.state(seq)
         ctx = seq.spec_ctx
         ctx.extend(seq.output_ids[len(ctx) - len(seq.req.prompt_ids):])
@@ -104,7 +109,10 @@ class Speculator:
         k = min(state.draft_len(row_cost, weak), room)
         if found is None or k <= 0:
             return [], False
-        return ctx[found[1] : found[1] + k], weak
+        draft = ctx[found[1] : found[1] + k]
+        if proc is not None:  # constrained: only what the grammar allows from here
+            draft = proc.check_draft(draft)
+        return draft, weak
 
     @staticmethod
     def accept(logits: torch.Tensor, rows: Sequence[ScheduledRow]) -> list[list[int]]:
@@ -116,12 +124,22 @@ class Speculator:
         off = 0
         for row in rows:
             n, seq = len(row.tokens), row.seq
-            if seq.req.processor is not None:  # never drafts: its one row goes through the processing sampler
-                out.append(sample(logits[off : off + n], [seq.req.params], [seq.generator], [seq.req.processor]))
-            elif seq.req.params.greedy:
-                out.append(accept_greedy(row.draft, argmax[off : off + n]))
+            proc = seq.req.processor
+            if proc is not None and not row.draft:  # no draft: its one row goes through the processing sampler
+                out.append(sample(logits[off : off + n], [seq.req.params], [seq.generator], [proc]))
+            elif proc is not None:  # a checked draft: each row masked by the grammar as of its position
+                masked = logits[off : off + n].clone()
+                proc.mask_draft(masked, row.draft)
+                tokens = _accept(row.draft, masked, masked.argmax(dim=-1).tolist(), seq)
+                proc.settle(len(row.draft), tokens)
+                out.append(tokens)
             else:
-                out.append(accept_sampled(row.draft, target_probs(logits[off : off + n], seq.req.params),
-                                          seq.generator))
+                out.append(_accept(row.draft, logits[off : off + n], argmax[off : off + n], seq))
             off += n
         return out
+
+
+def _accept(draft: Sequence[int], logits: torch.Tensor, argmax: Sequence[int], seq: SeqState) -> list[int]:
+    if seq.req.params.greedy:
+        return accept_greedy(draft, argmax)
+    return accept_sampled(draft, target_probs(logits, seq.req.params), seq.generator)

@@ -1,0 +1,98 @@
+"""Resuming a constrained stream on another shard, without processes: the envelope the gateway rebuilds
+from the deltas it received (data_plane/tool_calls.py SentOutput) is what the grammar would have written,
+the shard's grammar advances over it (data_plane/shard/engines/grammar.py `CompiledGrammar.resumed`) and
+its envelope parser emits only what comes after (data_plane/shard/choices.py).
+
+    .venv/bin/python -m pytest tests/data_plane/test_structured_resume.py -q     # a few seconds (tokenizer)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from data_plane.shard.choices import Choice
+from data_plane.shard.engines.base import GenerationOutput
+from data_plane.shard.engines.grammar import GrammarCompiler, GrammarError, GrammarKind, GrammarSpec
+from data_plane.structured import ToolDef, ToolMode, output_plan
+from data_plane.tool_calls import CallStart, EnvelopeParser, SentOutput, assemble
+
+TOOLS = [ToolDef.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city", "days"]}}}),
+    ToolDef.model_validate({"type": "function", "function": {"name": "now"}})]
+ENVELOPE = ('{"tool_calls":[{"name":"get_weather","arguments":{"city":"Paris \\"Nord\\"","days":3}},'
+            '{"name":"now","arguments":{}}]}')
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    from data_plane.model_store import model_source
+
+    tokenizer: Any = AutoTokenizer.from_pretrained(str(model_source(None).path))
+    return GrammarCompiler(llguidance.hf.from_tokenizer(tokenizer))
+
+
+def _sent(text: str, body: dict) -> str:
+    """What a gateway that received `text`'s deltas (as the shard parses them) would resume with."""
+    sent = SentOutput.for_body(body)
+    for e in EnvelopeParser(sent.json_response).feed(text) if sent.envelope else []:
+        if isinstance(e, CallStart):
+            sent.call(e.index, e.name, "")
+        elif hasattr(e, "index"):
+            sent.call(e.index, None, e.text)
+        else:
+            sent.content(e.text)
+    if not sent.envelope:
+        sent.content(text)
+    return sent.text()
+
+
+def test_every_cut_of_a_tool_envelope_resumes_into_a_grammar_valid_prefix(compiler: GrammarCompiler) -> None:
+    plan = output_plan(None, None, TOOLS, "required", True)
+    assert plan.constraint is not None
+    grammar = asyncio.run(compiler.compile(GrammarSpec(GrammarKind.TOOLS, plan.constraint.text)))
+    body = {"tools": [t.model_dump() for t in TOOLS], "tool_choice": "required"}
+    for cut in range(len(ENVELOPE) + 1):
+        prefix = _sent(ENVELOPE[:cut], body)
+        assert ENVELOPE.startswith(prefix), (cut, prefix)
+        resumed = grammar.resumed(prefix)
+        rest = ENVELOPE[len(prefix):]
+        m = resumed.matcher()
+        tokens = compiler.tokenizer.tokenize_str(rest)
+        assert m.try_consume_tokens(tokens) == len(tokens) and m.is_accepting(), cut
+        # the resumed shard's choice emits only the rest: the calls keep their indexes, names come once
+        choice = Choice(0, plan, None, prefix)
+        deltas = choice.feed(GenerationOutput(rest, None, 0, 0))
+        starts = [d["tool_calls"][0]["index"] for d in deltas if "id" in d.get("tool_calls", [{}])[0]]
+        assert starts == [i for i, name in enumerate(['"get_weather"', '"now"'])
+                          if f'"name":{name}' not in prefix]
+        assert choice.finish("stop") == "tool_calls"
+    assert json.loads(assemble(EnvelopeParser().feed(ENVELOPE))["tool_calls"][0]["function"]["arguments"]) == {
+        "city": 'Paris "Nord"', "days": 3}
+
+
+def test_a_plain_response_and_a_json_schema_resume(compiler: GrammarCompiler) -> None:
+    plan = output_plan(None, None, TOOLS, "auto", True)
+    assert plan.constraint is not None
+    grammar = asyncio.run(compiler.compile(GrammarSpec(GrammarKind.TOOLS, plan.constraint.text)))
+    answer = '{"response":"It is \\"sunny\\"\\nin Paris, 20 °C"}'
+    body = {"tools": [t.model_dump() for t in TOOLS]}
+    for cut in range(len(answer)):
+        prefix = _sent(answer[:cut], body)
+        assert answer.startswith(prefix), (cut, prefix)
+        grammar.resumed(prefix)
+    schema = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "object", "properties": {
+        "n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}))
+    g = asyncio.run(compiler.compile(schema))
+    assert g.resumed('{"n":1').resumed_tokens > 0 and g.resumed("") is g
+    with pytest.raises(GrammarError) as err:
+        g.resumed('{"m":')
+    assert err.value.reason == "resume_rejected"
+    assert ToolMode.AUTO == plan.tool_mode
