@@ -12,10 +12,13 @@ shard's prefix cache carries nothing from one phase to the other. Reported, per 
 p50/p90 (request sent -> whole body, through the gateway), and for the cache-on phase the hits
 (`usage.prompt_tokens_details.cached_tokens == prompt_tokens`, cross-checked with the gateway's
 `switchboard_response_cache_lookups_total`) with their own p50/p90 (target p50 <= 5 ms) and the
-misses'; then the shard work each phase cost (requests finished, generated and prompt tokens, from
-the shard's vLLM-named metrics) and the share the cache saved next to the hit share (target: equal).
-A repeat sent while its first copy is still in flight, or before the cache write lands (it is made
-off the request path), is a miss: that is part of what is measured.
+misses', and the hits' mean lookup time inside the gateway by where they were answered (this
+gateway's own copies or the cache nodes, `switchboard_response_cache_lookup_seconds`); then the
+shard work each phase cost (requests finished, generated and prompt tokens, from the shard's
+vLLM-named metrics) and the share the cache saved next to the hit share (target: equal).
+A repeat sent while its first copy is still in flight is a miss (the gateway keeps a reply in its
+own memory once complete; the cache nodes' copy is written off the request path): that is part of
+what is measured.
 """
 
 from __future__ import annotations
@@ -68,11 +71,26 @@ def scrape(url: str, names: dict[str, str]) -> dict[str, float]:
 
 
 def lookups(gateway_url: str) -> dict[str, float]:
+    """The gateway's lookup outcomes by result, and the hits' lookup time (sum, count) by source
+    as `hit_seconds_sum:<source>` / `hit_seconds_count:<source>`."""
     out: dict[str, float] = {}
     for line in httpx.get(gateway_url + "/metrics", timeout=10).text.splitlines():
         if line.startswith("switchboard_response_cache_lookups_total{"):
             result = line.split('result="', 1)[1].split('"', 1)[0]
             out[result] = out.get(result, 0.0) + float(line.rsplit(" ", 1)[1])
+        for part in ("sum", "count"):
+            if line.startswith(f"switchboard_response_cache_lookup_seconds_{part}{{") and 'result="hit"' in line:
+                name = f"hit_seconds_{part}:" + line.split('source="', 1)[1].split('"', 1)[0]
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def hit_lookup_ms(looked: dict[str, float]) -> dict[str, Any]:
+    """Per source, the hits and their mean lookup time inside the gateway (ms)."""
+    out: dict[str, Any] = {}
+    for source in ("local", "nodes"):
+        n = looked.get(f"hit_seconds_count:{source}", 0.0)
+        out[source] = {"hits": n, "mean_ms": looked.get(f"hit_seconds_sum:{source}", 0.0) * 1000 / n if n else None}
     return out
 
 
@@ -120,6 +138,7 @@ def report(seq: list[int], phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "on_all": latency(ok_on), "on_hits": latency(hits),
         "on_misses": latency([r for r in ok_on if not r.get("hit")]),
         "hit_share": len(hits) / len(seq), "gateway_hits": on["lookups"].get("hit", 0.0),
+        "gateway_hit_lookup": hit_lookup_ms(on["lookups"]),
         "hit_p50_target_ms": HIT_P50_TARGET_MS,
     }
     out["hit_p50_within_target"] = (out["on_hits"]["p50_ms"] is not None
@@ -202,7 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(["rows", "n", "p50 ms", "p90 ms"],
                        [[name, str(s[name]["n"]), fmt(s[name]["p50_ms"], 1), fmt(s[name]["p90_ms"], 1)]
                         for name in ("off", "on_all", "on_hits", "on_misses")]))
-    print(json.dumps({k: s[k] for k in ("requests", "repeats", "hit_share", "gateway_hits", "hit_p50_within_target",
+    print(json.dumps({k: s[k] for k in ("requests", "repeats", "hit_share", "gateway_hits", "gateway_hit_lookup",
+                                        "hit_p50_within_target",
                                         "shard_work", "shard_work_saved", "errors")}, indent=2))
     print(f"logs in {logs}")
     if args.json:

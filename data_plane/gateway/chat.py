@@ -243,8 +243,10 @@ class ChatHandler:
             self.cache_header = "BYPASS" if policy.decision is Decision.BYPASS else None
             return None
         with tracer.start_as_current_span("cache.response_get") as span:
+            t0 = time.perf_counter()
             reply = await cache.get(key, tenant, self.OPERATION)
             span.set_attribute("switchboard.response_cache.hit", reply is not None)
+            self.x.span.set_attribute("switchboard.response_cache.lookup_ms", (time.perf_counter() - t0) * 1000)
         self.x.span.set_attribute("switchboard.response_cache", "hit" if reply else "miss")
         self.cache_header = "HIT" if reply is not None else "MISS"
         if reply is None:

@@ -20,6 +20,13 @@ sealed like transcripts. A hit replays through the chat path's own output (the o
 SSE or one body, usage with every prompt token cached, the ledger with shard ``response-cache``)
 and needs no admission slot, so it keeps serving when shards are saturated or shed; a cache node
 that fails is a miss, never an error.
+
+In front of the nodes each gateway keeps the replies it wrote or read lately in its own memory
+(`LocalReplies`: bounded bytes, LRU, never past the node entry's own expiry): a hit there costs no
+round trip to a cache node, which on a loaded host was most of a hit's time (two more processes to
+wake per hit). A reply is immutable for its key, so a local copy is never stale, only expired; the
+key holds the tenant and the entry its owner, both checked. The lookup's time goes to
+`switchboard_response_cache_lookup_seconds{api,result,source}` and to the span.
 """
 
 from __future__ import annotations
@@ -29,11 +36,14 @@ import enum
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.cache.client import SessionStore
 from data_plane.common.errors import SwitchboardError
@@ -48,6 +58,17 @@ CACHE_MEMBER = Member(id="response-cache", service="cache", url="")
 VOLATILE = ("request_id", "deadline", "priority", "kv_replicas", "kv_ttl_s", "session_id")
 """Upstream body fields that do not change the reply."""
 MAX_ENTRY_BYTES = 256 * 1024
+LOCAL_BYTES = 16 * 1024 * 1024
+"""Default byte budget of a gateway's own copies (`--response-cache-local-bytes`; 0: none)."""
+LOOKUP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class Source(str, enum.Enum):
+    """Where a lookup was answered (the lookup histogram's `source` label)."""
+
+    LOCAL = "local"
+    """This gateway's own copies (LocalReplies)."""
+    NODES = "nodes"
 
 
 class Decision(str, enum.Enum):
@@ -111,15 +132,82 @@ class ResponseCacheMetrics:
                 self.lookups.labels(api, d.value)
         for result in ("ok", "too_large", "error"):
             self.stores.labels(result)
+        self.lookup_seconds = Histogram(
+            "switchboard_response_cache_lookup_seconds",
+            "Time of a response cache lookup by API, result (hit|miss|error) and where it was answered "
+            "(local: this gateway's copies; nodes: the cache nodes).", ["api", "result", "source"],
+            buckets=LOOKUP_BUCKETS, registry=registry)
+        for api in ("chat", "responses"):
+            for result, source in (("hit", "local"), ("hit", "nodes"), ("miss", "nodes"), ("error", "nodes")):
+                self.lookup_seconds.labels(api, result, source)
+        self.local_bytes = Gauge("switchboard_response_cache_local_bytes",
+                                 "Bytes of cached replies this gateway keeps in its own memory.", registry=registry)
+
+
+class LocalReplies:
+    """A gateway's own copies of cached replies: LRU within `max_bytes`, each until its expiry.
+
+        local = LocalReplies(16 << 20)
+        local.put(key, owner, reply, expires_at=time.time() + 600)
+        local.get(key, owner)          # CachedReply | None (absent, expired, or another owner's)
+    """
+
+    def __init__(self, max_bytes: int, on_size: Callable[[float], None] | None = None) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._on_size = on_size
+        self._entries: OrderedDict[str, tuple[str, CachedReply, float, int]] = OrderedDict()
+
+    @staticmethod
+    def _size(key: str, reply: CachedReply) -> int:
+        return len(key) + len(reply.text.encode()) + 128
+
+    def get(self, key: str, owner: str) -> CachedReply | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if entry[2] <= time.time():
+            self._drop(key)
+            return None
+        if entry[0] != owner:  # the key holds the tenant already: this is a second lock on the same door
+            return None
+        self._entries.move_to_end(key)
+        return entry[1]
+
+    def put(self, key: str, owner: str, reply: CachedReply, expires_at: float) -> None:
+        size = self._size(key, reply)
+        if size > self.max_bytes or expires_at <= time.time():
+            return
+        self._drop(key)
+        self._entries[key] = (owner, reply, expires_at, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+        self._sized()
+
+    def _drop(self, key: str) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.bytes -= entry[3]
+            self._sized()
+
+    def _sized(self) -> None:
+        if self._on_size is not None:
+            self._on_size(self.bytes)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 class ResponseCache:
     """Cached replies on the cache nodes (see the module docstring); `aclose` ends pending writes."""
 
-    def __init__(self, store: SessionStore, metrics: ResponseCacheMetrics, ttl_s: float) -> None:
+    def __init__(self, store: SessionStore, metrics: ResponseCacheMetrics, ttl_s: float,
+                 local_bytes: int = LOCAL_BYTES) -> None:
         self.store = store
         self.metrics = metrics
         self.ttl_s = ttl_s
+        self.local = LocalReplies(local_bytes, metrics.local_bytes.set) if local_bytes > 0 else None
         self._writes: set[asyncio.Task[None]] = set()
 
     @staticmethod
@@ -130,21 +218,37 @@ class ResponseCache:
         self.metrics.lookups.labels(api, decision.value).inc()
 
     async def get(self, key: str, tenant: str, api: str) -> CachedReply | None:
+        """The reply cached for `key` and `tenant`: this gateway's copy, else the cache nodes'."""
+        t0, owner = time.perf_counter(), self._owner(tenant)
+        reply = self.local.get(key, owner) if self.local is not None else None
+        if reply is not None:
+            self._looked(api, Decision.HIT, Source.LOCAL, t0)
+            return reply
         try:
-            found = await self.store.load(key, self._owner(tenant), 1)
+            found = await self.store.load(key, owner, 1)
             reply = None if found is None else _reply(found.messages)
         except (SwitchboardError, ValueError, KeyError) as exc:
             log.warning("response cache lookup failed (%s): served by a shard", type(exc).__name__)
-            self.count(api, Decision.ERROR)
+            self._looked(api, Decision.ERROR, Source.NODES, t0)
             return None
-        self.count(api, Decision.HIT if reply is not None else Decision.MISS)
+        if reply is not None and found is not None and self.local is not None:
+            ttl_left = found.ttl_left(time.time())
+            self.local.put(key, owner, reply, time.time() + (self.ttl_s if ttl_left is None else min(self.ttl_s, ttl_left)))
+        self._looked(api, Decision.HIT if reply is not None else Decision.MISS, Source.NODES, t0)
         return reply
+
+    def _looked(self, api: str, decision: Decision, source: Source, t0: float) -> None:
+        trace.get_current_span().set_attribute("switchboard.response_cache.source", source.value)
+        self.count(api, decision)
+        self.metrics.lookup_seconds.labels(api, decision.value, source.value).observe(time.perf_counter() - t0)
 
     def put_later(self, key: str, tenant: str, reply: CachedReply) -> None:
         content = json.dumps(reply.__dict__, ensure_ascii=False)
         if len(content) > MAX_ENTRY_BYTES:
             self.metrics.stores.labels("too_large").inc()
             return
+        if self.local is not None:  # this gateway's next identical request needs no round trip
+            self.local.put(key, self._owner(tenant), reply, time.time() + self.ttl_s)
         task = asyncio.get_running_loop().create_task(self._put(key, tenant, content), name="response-cache-put")
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)

@@ -198,6 +198,6 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
         replies = ResponseCache(SessionStore(membership, pool, timeout_s=0.25, sealer=sealer,
                                              headers=cluster_headers(cluster_token_from_env()), zone=settings.zone,
                                              prefix="/v1/response-cache"),
-                                gw.reply_metrics, settings.response_cache_ttl_s)
+                                gw.reply_metrics, settings.response_cache_ttl_s, settings.response_cache_local_bytes)
         stack.push_async_callback(replies.aclose)
     return Runtime(settings, http, pool, membership, cluster, router, upstream, sessions, admission, replies, sealer)

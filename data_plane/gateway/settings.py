@@ -41,6 +41,7 @@ class GatewaySettings(BaseSettings):
     session_ttl_s: float = Field(86400.0, gt=0, description="Session transcript lifetime since last use.")
     response_cache: bool = Field(False, description="Answer identical deterministic requests of a tenant from the cache nodes (opt-in, as LiteLLM's and Kong's caches).")
     response_cache_ttl_s: float = Field(600.0, gt=0, le=30 * 86400, description="Lifetime of a cached reply.")
+    response_cache_local_bytes: int = Field(16 << 20, ge=0, le=1 << 36, description="Bytes of cached replies each gateway also keeps in memory, so a hit needs no cache-node round trip (0: none).")
     connect_timeout_s: float = Field(2.0, gt=0, description="Connect timeout to a shard.")
     first_token_timeout_s: float = Field(60.0, gt=0, description="Send-to-first-token timeout per attempt.")
     idle_timeout_s: float = Field(30.0, gt=0, description="Longest pause between streamed tokens.")

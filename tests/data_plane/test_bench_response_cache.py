@@ -27,9 +27,12 @@ def test_report_hit_latency_and_work_saved() -> None:
     phases = {"off": {"rows": off, "shard": {"requests": 5, "generation_tokens": 80, "prompt_tokens": 300},
                       "lookups": {}},
               "on": {"rows": on, "shard": {"requests": 3, "generation_tokens": 48, "prompt_tokens": 180},
-                     "lookups": {"hit": 2.0, "miss": 3.0}}}
+                     "lookups": {"hit": 2.0, "miss": 3.0, "hit_seconds_sum:local": 0.0001,
+                                 "hit_seconds_count:local": 2.0}}}
     s = report(seq, phases)
     assert s["repeats"] == 2 and s["hit_share"] == 0.4 and s["gateway_hits"] == 2.0
     assert s["on_hits"]["p50_ms"] == 4.0 and s["hit_p50_within_target"] is True
     assert s["shard_work_saved"]["requests"] == 0.4 and s["shard_work_saved"]["generation_tokens"] == 0.4
     assert s["off"]["p50_ms"] == 100.0 and s["errors"] == {"off": 0, "on": 0}
+    assert s["gateway_hit_lookup"] == {"local": {"hits": 2.0, "mean_ms": 0.05},
+                                       "nodes": {"hits": 0.0, "mean_ms": None}}

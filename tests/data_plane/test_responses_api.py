@@ -219,6 +219,8 @@ def test_response_cache_answers_one_tenant_never_another(stack: Stack) -> None:
     hit = again.json()
     assert hit["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
     assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == hit["usage"]["prompt_tokens"]
+    # a repeat right after the first is answered from the gateway's own copy (no cache-node round trip)
+    assert stack.chat(body).headers["x-cache"] == "HIT"
     # another key of the same tenant shares it; another tenant never does
     assert stack.chat(body, key="plus2").headers["x-cache"] == "HIT"
     assert stack.chat(body, key="enterprise").headers["x-cache"] == "MISS"
@@ -238,7 +240,8 @@ def test_response_cache_answers_one_tenant_never_another(stack: Stack) -> None:
     assert rows[again.headers["x-request-id"]][2] == rows[again.headers["x-request-id"]][1]
     assert rows[first.headers["x-request-id"]][0] != "response-cache"
     metrics = httpx.get(stack.gateway.url + "/metrics").text
-    assert 'switchboard_response_cache_lookups_total{api="chat",result="hit"} 3.0' in metrics
+    assert 'switchboard_response_cache_lookups_total{api="chat",result="hit"} 4.0' in metrics
+    assert 'switchboard_response_cache_lookup_seconds_count{api="chat",result="hit",source="local"} 4.0' in metrics
 
 
 def test_response_cache_serves_the_responses_api_and_whole_chains_only(stack: Stack) -> None:
