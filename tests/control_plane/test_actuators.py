@@ -469,6 +469,8 @@ _DUMMY = {
     "node.datacenter": "dc1",
     "var.shard_engine": "torch",
     "var.shard_max_num_seqs": "16",
+    "var.shard_pipeline_parallel_size": "2",
+    "var.shard_threads_per_stage": "1",
 }
 
 
