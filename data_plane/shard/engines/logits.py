@@ -7,7 +7,8 @@
 so an unconstrained batch pays nothing): it records the raw log-probabilities the request asked for
 (vLLM's default `raw_logprobs`: the model's distribution before any processing), then applies, in
 vLLM's order, the grammar's token mask (one int32 bitmask row per constrained sequence, filled by
-llguidance on the CPU and applied to the logits with one masked_fill over the constrained rows),
+llguidance on the CPU, while the forward pass runs, and applied to the logits in one op over the
+constrained rows: token_masks.py),
 `logit_bias`, the EOS ban of `min_tokens` / `ignore_eos`, `repetition_penalty` (prompt and output
 tokens), then `frequency_penalty` / `presence_penalty` (output tokens, OpenAI's formula). Temperature,
 top_k, top_p and min_p follow in the sampler. `accept` then advances each processor by its sampled
@@ -21,19 +22,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from concurrent.futures import Future
+from typing import Any
 
 import torch
 
+from data_plane.shard.engines import token_masks
 from data_plane.shard.engines.base import SamplingParams, TokenLogprob, TopLogprob
+from data_plane.shard.engines.token_masks import MaskListener
 
 log = logging.getLogger(__name__)
-
-_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
-class MaskListener(Protocol):
-    def on_grammar_mask(self, rows: int, seconds: float) -> None: ...
 
 
 class RequestLogits:
@@ -63,6 +61,9 @@ class RequestLogits:
             self.bias = (torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long),
                          torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32))
         self.error: str | None = None
+        self.pending: Future[None] | None = None
+        """This step's mask fill in the executor's worker (token_masks.MaskPrefetch), until `take_mask`."""
+        self.ready: torch.Tensor | None = None
 
     @classmethod
     def build(cls, params: SamplingParams, grammar: Any, eos_ids: Sequence[int], prompt_ids: Sequence[int],
@@ -75,6 +76,16 @@ class RequestLogits:
         return cls(params, grammar.matcher(), eos_ids, prompt_ids, vocab, listener, grammar.vocab_size)
 
     # -- per step ----------------------------------------------------------------------------
+
+    def take_mask(self) -> torch.Tensor | None:
+        """This step's prefetched bitmask (waiting for the worker to finish it), or None when none was
+        started (the caller fills it now)."""
+        job, self.pending = self.pending, None
+        if job is None:
+            return None
+        job.result()
+        mask, self.ready = self.ready, None
+        return mask
 
     def _ban_eos(self) -> bool:
         p = self.params
@@ -107,6 +118,11 @@ class RequestLogits:
             self.error = m.get_error() or "token rejected"
             log.warning("grammar matcher error after token %d: %s", token, self.error)
 
+    @property
+    def constrains(self) -> bool:
+        """A live grammar masks this sequence's next tokens."""
+        return self.matcher is not None and self.error is None
+
     # -- speculation (torch_spec.py): drafts checked against the grammar ---------------------------------
 
     @property
@@ -128,18 +144,15 @@ class RequestLogits:
 
     def mask_draft(self, rows: torch.Tensor, draft: Sequence[int]) -> None:
         """Mask the verify rows of a checked `draft` (row j: what may follow draft[:j]) in place: the
-        matcher walks the draft filling one bitmask row per position (it is left past the draft: `settle`)."""
-        import llguidance.torch as lt
-
-        t0 = time.monotonic()
-        bitmask = lt.allocate_token_bitmask(len(draft) + 1, self.mask_vocab)
-        for j in range(len(draft) + 1):
-            lt.fill_next_token_bitmask(self.matcher, bitmask, j)
-            if j < len(draft) and not self.matcher.consume_token(draft[j]):
-                raise AssertionError("a checked draft token was rejected")
-        _mask_rows(rows, bitmask)
-        if self.listener is not None:
-            self.listener.on_grammar_mask(len(draft) + 1, time.monotonic() - t0)
+        matcher walks the draft filling one bitmask row per position (it is left past the draft: `settle`).
+        The walk was usually done during the forward pass (token_masks.MaskPrefetch)."""
+        bitmask = self.take_mask()
+        if bitmask is None:
+            t0 = time.monotonic()
+            bitmask = token_masks.walk(self.matcher, draft, self.mask_vocab)
+            if self.listener is not None:
+                self.listener.on_grammar_mask(len(draft) + 1, time.monotonic() - t0)
+        token_masks.apply(rows, bitmask)
 
     def settle(self, drafted: int, tokens: Sequence[int]) -> None:
         """The verify step kept `tokens` (the accepted drafts, then the model's token): the matcher, past
@@ -188,35 +201,31 @@ def process_batch(logits: torch.Tensor, procs: Sequence[RequestLogits | None]) -
 
 
 def _constrains(proc: RequestLogits | None) -> bool:
-    return proc is not None and proc.matcher is not None and proc.error is None
+    return proc is not None and proc.constrains
 
 
 def _apply_grammar(logits: torch.Tensor, rows: list[int], procs: Sequence[RequestLogits | None]) -> None:
-    """Fill one bitmask row per constrained sequence (llguidance, on the CPU) and mask their logits at once."""
-    import llguidance.torch as lt
-
-    t0 = time.monotonic()
-    first = procs[rows[0]]
-    assert first is not None
-    bitmask = lt.allocate_token_bitmask(len(rows), first.mask_vocab)
-    for k, i in enumerate(rows):
+    """The constrained rows' bitmasks (prefetched during the forward pass, or filled now by llguidance on
+    the CPU), applied to their logits in one op."""
+    masks: list[torch.Tensor] = []
+    t0, late = time.monotonic(), 0
+    for i in rows:
         proc = procs[i]
         assert proc is not None
-        lt.fill_next_token_bitmask(proc.matcher, bitmask, k)
-    index = torch.tensor(rows, dtype=torch.long)
-    sub = logits.index_select(0, index)
-    _mask_rows(sub, bitmask)
-    logits.index_copy_(0, index, sub)
-    if first.listener is not None:
-        first.listener.on_grammar_mask(len(rows), time.monotonic() - t0)
-
-
-def _mask_rows(rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """-inf, in place, on every token of `rows` [n, vocab] that `bitmask` [n, words] does not allow (tokens past
-    the tokenizer's vocabulary, padding in the model's, are never allowed)."""
-    vocab = rows.shape[-1]
-    allowed = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).bool().view(rows.shape[0], -1)
-    width = min(vocab, allowed.shape[1])
-    blocked = torch.ones(rows.shape[0], vocab, dtype=torch.bool)
-    blocked[:, :width] = ~allowed[:, :width]
-    rows.masked_fill_(blocked, float("-inf"))
+        mask = proc.take_mask()
+        if mask is None:
+            mask = token_masks.allocate(1, proc.mask_vocab)
+            token_masks.fill(proc.matcher, mask, 0)
+            late += 1
+        masks.append(mask)
+    bitmask = masks[0] if len(masks) == 1 else torch.cat(masks)
+    if len(rows) == logits.shape[0]:
+        token_masks.apply(logits, bitmask)
+    else:
+        index = torch.tensor(rows, dtype=torch.long)
+        sub = logits.index_select(0, index)
+        token_masks.apply(sub, bitmask)
+        logits.index_copy_(0, index, sub)
+    first = procs[rows[0]]
+    if late and first is not None and first.listener is not None:
+        first.listener.on_grammar_mask(late, time.monotonic() - t0)

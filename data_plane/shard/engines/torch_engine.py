@@ -61,6 +61,7 @@ from data_plane.shard.engines.logits import RequestLogits
 from data_plane.shard.engines.model_files import LoadPhases
 from data_plane.shard.engines.scheduler import Scheduler, SchedulerConfig
 from data_plane.shard.engines.sequence import SeqState
+from data_plane.shard.engines.token_masks import MaskPrefetch
 from data_plane.shard.engines.torch_config import DTYPES, EngineConfig, StepListener
 from data_plane.shard.engines.torch_executor import Executor
 from data_plane.shard.engines.torch_output import OutputProcessor
@@ -249,7 +250,7 @@ class TorchEngine:
             self._start_pipeline(ranges, threads, plan.dtype, plan.quantization)
             phases.mark("pipeline_stages")
         self.scheduler.max_model_len = self.max_model_len
-        self._executor = Executor(self._runner, self.prefix)
+        self._executor = Executor(self._runner, self.prefix, MaskPrefetch(self.listener))
         self._output = OutputProcessor(self.scheduler, self._lock, self._by_id, self.listener, self.transcripts,
                                        self._decode_ids, self._eos, self.max_model_len, self.prefix)
         if self.pipeline is not None:  # each final output carries its stages' part (the shard's spans)
@@ -306,6 +307,8 @@ class TorchEngine:
         # A lost stage can leave the scheduler thread in a receive for good: no join then.
         if self._thread is not None and (self.pipeline is None or self.dead is None):
             await asyncio.to_thread(self._thread.join, 10)
+        if self._executor is not None and self._executor.masks is not None:
+            self._executor.masks.close()
         if self.pipeline is not None:
             self.pipeline.close()
 

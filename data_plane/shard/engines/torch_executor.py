@@ -1,6 +1,6 @@
 """The torch engine's executor: runs a scheduler's plan on the model and reports the tokens.
 
-    executor = Executor(runner, prefix)          # a loaded LlamaRunner, the SlotPrefix or None
+    executor = Executor(runner, prefix, masks)   # a loaded LlamaRunner, the SlotPrefix or None, a MaskPrefetch
     result = executor.execute(plan)              # plan: scheduler.SchedulerOutput
     result.tokens[i]                             # plan.rows[i]'s tokens: 0 (a chunk), 1, or accepted drafts + 1
     result.seconds                               # the pass and the token choice
@@ -8,7 +8,8 @@
 In order: the plan's slot moves (already ordered so none overwrites KV still to be moved), the
 admitted sequences' cached prefixes copied in (torch_prefix.SlotPrefix.load), one forward pass over
 every row (`LlamaRunner.forward`: batched attention over slots 0..n-1 for a decode or verify step,
-per sequence otherwise), then the token choice: one call to torch_sampling.sample for the rows that
+per sequence otherwise), with the constrained rows' grammar masks filled in a worker thread meanwhile
+(token_masks.MaskPrefetch: they depend only on tokens already taken), then the token choice: one call to torch_sampling.sample for the rows that
 sample, or the speculator's acceptance (speculation.target_probs) for a verify step. The executor
 holds no sequence state: the engine updates the sequences from the result (torch_output.py).
 Called on the scheduler thread only.
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from data_plane.shard.engines.scheduler import SchedulerOutput
 from data_plane.shard.engines.sequence import SeqState
+from data_plane.shard.engines.token_masks import MaskPrefetch
 from data_plane.shard.engines.torch_sampling import sample
 from data_plane.shard.engines.torch_spec import Speculator
 
@@ -48,9 +50,10 @@ def choose_tokens(logits: torch.Tensor, seqs: Sequence[SeqState]) -> list[int]:
 
 
 class Executor:
-    def __init__(self, runner: LlamaRunner, prefix: SlotPrefix | None = None) -> None:
+    def __init__(self, runner: LlamaRunner, prefix: SlotPrefix | None = None, masks: MaskPrefetch | None = None) -> None:
         self.runner = runner
         self.prefix = prefix
+        self.masks = masks
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
         for move in plan.moves:
@@ -62,6 +65,9 @@ class Executor:
         if not rows:
             return StepResult()
         t0 = time.monotonic()
+        if self.masks is not None:  # the grammar masks this step samples with, filled during the pass
+            self.masks.start([(proc, r.draft) for r in rows
+                              if r.samples and (proc := r.seq.req.processor) is not None and proc.constrains])
         logits = self.runner.forward([(r.seq.slot, r.tokens, r.start) for r in rows], [r.num_logits for r in rows],
                                      batched=plan.is_decode)
         if plan.is_verify:
