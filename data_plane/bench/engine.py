@@ -381,6 +381,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="chat: open-ended prompts; quote: summarise/rewrite/edit a given passage or code; json / tools: "
                         "constrained decoding vs the prompt alone over a schema corpus, our engine only "
                         "(data_plane/bench/engine_structured.py) (default chat)")
+    p.add_argument("--skip-prompt-only", action="store_true",
+                   help="json / tools: skip the prompt-only validity pass (speed only)")
     p.add_argument("--speculation", default="off",
                    help="comma-separated on,off: switchboard without (off) and with (on) n-gram speculation "
                         "(default off)")
