@@ -73,6 +73,18 @@ if clear_col.button("New conversation", icon=":material/restart_alt:", width="st
     st.session_state.pop("pg_response_id", None)
     st.rerun()
 
+
+
+def show_calls(tool_calls: list[dict]) -> None:
+    """Each tool call: its name, id and arguments (pretty JSON when they parse)."""
+    for call in tool_calls:
+        st.markdown(f"**Tool call** `{call['name']}` · id `{call['id']}`")
+        parsed, _problem = structured_json(call["arguments"])
+        st.code(json.dumps(parsed, indent=2, ensure_ascii=False) if parsed is not None else call["arguments"],
+                language="json")
+
+
+calls_shown = False  # this run's tool calls are in the assistant's bubble (not repeated below it)
 if send:
     api_key = keys.get(tier) if tier != CUSTOM else st.session_state.get("pg_key")
     text = (prompt or "").strip()
@@ -122,6 +134,9 @@ if send:
             except ConsoleError as exc:
                 answer = ""
                 st.error(exc.message, icon=":material/power_off:")
+            if calls.done():  # a tool-call answer has no text: the bubble shows the calls
+                show_calls(calls.done())
+                calls_shown = True
         meta["total"] = time.monotonic() - meta["t0"]
         end, start = meta.get("end"), meta.get("start")
         if end is not None and end.error:
@@ -156,11 +171,8 @@ if last:
     if last.get("remaining") is not None:
         notes.append(f"{last['remaining']} requests left this minute")
     st.caption(" · ".join(notes))
-    for call in last.get("tool_calls") or []:
-        st.markdown(f"**Tool call** `{call['name']}` · id `{call['id']}`")
-        parsed, _problem = structured_json(call["arguments"])
-        st.code(json.dumps(parsed, indent=2, ensure_ascii=False) if parsed is not None else call["arguments"],
-                language="json")
+    if not calls_shown:  # after a rerun the bubble is gone (tool calls are not kept in the history)
+        show_calls(last.get("tool_calls") or [])
     if last.get("json") and last.get("answer"):
         parsed, problem = structured_json(last["answer"])
         if problem is None:

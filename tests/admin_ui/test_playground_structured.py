@@ -123,6 +123,10 @@ def test_playground_in_chromium_shows_the_json_and_the_tool_call(tmp_path, torch
         send_chat(browser, WEATHER, timeout=120)
         shots.append(browser.snapshot(out / "console-playground-tools.png", expect=["Tool call", "get_weather"],
                                       timeout=120))
+        # the call is shown in the assistant's bubble (it used to stay empty: a tool call has no text)
+        bubble = browser.evaluate("[...document.querySelectorAll('[data-testid=\"stChatMessage\"]')]"
+                                  ".map(m => m.innerText).pop() || ''")
+        assert "Tool call" in bubble and "get_weather" in bubble, bubble
         page = browser.evaluate("document.body.innerText")
         assert page.count("Tool call") == 1 and "finish tool_calls" in page.replace("\n", " "), page[-800:]
     for path in shots:
