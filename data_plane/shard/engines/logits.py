@@ -134,6 +134,14 @@ class RequestLogits:
                 and self.counts is None and self.seen is None and self.bias is None
                 and not (p.logprobs or p.min_tokens or p.ignore_eos))
 
+    def forced(self, limit: int) -> list[int]:
+        """At most `limit` tokens the grammar forces from here (llguidance `compute_ff_tokens`: the forced
+        bytes, tokenized, short of a token a longer match could replace); empty when it forces none or
+        this sequence may not draft."""
+        if not self.drafts:
+            return []
+        return self.check_draft(self.matcher.compute_ff_tokens()[:limit])
+
     def check_draft(self, draft: Sequence[int]) -> list[int]:
         """`draft` cut at the first token the grammar rejects (or an EOS: the model's own token ends it)."""
         ok = list(draft[: self.matcher.validate_tokens(list(draft))])

@@ -25,6 +25,10 @@ policy, in order, each step:
    of them is under way: they *yield* the step), the admitted prompts, the chunk. A step with
    prompt rows is one mixed pass and drafts nothing; a pure decode step asks the drafter for
    n-gram drafts (at most `Drafter.max_batch` sequences) and becomes a verify step when any came.
+   Jump-forward (`jump_forward`, speculation on or off): a constrained sequence whose grammar forces
+   the next tokens (llguidance's `compute_ff_tokens`, logits.RequestLogits.forced) drafts those, at any
+   batch size, so the forced run is verified in one pass instead of one decode step a token (SGLang's
+   jump-forward; the verify pass keeps the text exactly what one token a step would give).
 5. Slots: decoding sequences hold 0..n-1 (a verify/decode pass attends over a view of the cache),
    then the admitted prompts, the chunk, the parked ones (most recently parked first). `_place`
    is the one place that keeps this: a freed slot is filled by the highest decoding one, the rest
@@ -56,6 +60,9 @@ class SchedulerConfig:
     """Share of the budget, 0..0.9, that prompts of a chunked prefill's priority may take beside it."""
     max_model_len: int = 2048
     """Context window: drafts stop short of it."""
+    jump_forward: bool = True
+    """Constrained sequences draft the tokens their grammar forces (at most `max_forced` a step)."""
+    max_forced: int = 16
 
 
 class PrefixLookup(Protocol):
@@ -337,11 +344,25 @@ class Scheduler:
             seq.slot = dst
         return order_moves(moves)
 
+    def _forced(self, seq: SeqState) -> tuple[list[int], bool] | None:
+        """The tokens `seq`'s grammar forces next, as a (strong) draft, or None."""
+        proc = seq.req.processor
+        if proc is None:
+            return None
+        room = min(seq.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_computed_tokens - 3,
+                   self.config.max_forced)
+        forced = proc.forced(room) if room > 0 else []
+        return (forced, False) if forced else None
+
     def _rows(self, decoding: list[SeqState], new: list[SeqState], chunk: SeqState | None,
               budget: int) -> list[ScheduledRow]:
         rows = []
-        if chunk is None and not new and self.drafter is not None and 0 < len(decoding) <= self.drafter.max_batch:
-            drafts = self.drafter.draft(decoding, self.max_model_len)
+        if chunk is None and not new and decoding:
+            drafts: list[tuple[list[int], bool]] = [([], False)] * len(decoding)
+            if self.drafter is not None and len(decoding) <= self.drafter.max_batch:
+                drafts = self.drafter.draft(decoding, self.max_model_len)
+            if self.config.jump_forward:
+                drafts = [self._forced(s) or d for s, d in zip(decoding, drafts)]
             if any(d for d, _ in drafts):
                 return [ScheduledRow(s, RowKind.VERIFY, s.num_computed_tokens, (s.last_token, *d), tuple(d), weak)
                         for s, (d, weak) in zip(decoding, drafts)]

@@ -125,7 +125,7 @@ class Speculator:
         for row in rows:
             n, seq = len(row.tokens), row.seq
             proc = seq.req.processor
-            if proc is not None and not row.draft:  # no draft: its one row goes through the processing sampler
+            if not row.draft:  # no draft: its one row is sampled as in a plain step (processing, generator)
                 out.append(sample(logits[off : off + n], [seq.req.params], [seq.generator], [proc]))
             elif proc is not None:  # a checked draft: each row masked by the grammar as of its position
                 masked = logits[off : off + n].clone()
