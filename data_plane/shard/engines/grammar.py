@@ -34,8 +34,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
-from data_plane.shard.engines import token_masks
-
 log = logging.getLogger(__name__)
 
 
@@ -244,7 +242,7 @@ class GrammarCompiler:
         if matcher.is_error():
             raise _refusal(spec, matcher.get_error())
         # The first mask builds the lexer states the start needs (shared by every copy): here, not in a step.
-        token_masks.fill(matcher.deep_copy(), token_masks.allocate(1, int(self.tokenizer.vocab_size)), 0)
+        matcher.deep_copy().compute_bitmask()
         log.debug("compiled a %s grammar (%d bytes) in %.1f ms", spec.kind.value, len(spec.text),
                   (time.monotonic() - t0) * 1000)
         return CompiledGrammar(spec, matcher, int(self.tokenizer.vocab_size), self.tokenizer)
