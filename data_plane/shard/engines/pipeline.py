@@ -48,6 +48,7 @@ with stage 0 (data_plane/common/lifeline.py, and their gloo receive fails when i
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -304,6 +305,8 @@ class PipelineGroup:
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self._store: Any = None
+        self.stage_info: dict[int, dict[str, Any]] = {}
+        """What each later stage reported once loaded: weight_bytes (resident), kv_bytes, host, load_s."""
 
     def stage_command(self, rank: int) -> list[str]:
         s = self.spec
@@ -327,6 +330,8 @@ class PipelineGroup:
         log.info("pipeline: %d stages, layers %s, store on 127.0.0.1:%d", self.spec.size, self.spec.ranges, self.port)
         dist.init_process_group("gloo", store=self._store, rank=0, world_size=self.spec.size,
                                 timeout=timedelta(seconds=load_timeout_s))
+        for rank in range(1, self.spec.size):
+            self.stage_info[rank] = json.loads(self._store.get(f"info/{rank}"))
         for rank in range(self.spec.size):
             self.on_stage(rank, True)
         self._monitor = threading.Thread(target=self._watch, name="pipeline-monitor", daemon=True)

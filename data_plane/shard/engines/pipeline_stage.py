@@ -14,8 +14,10 @@ to stage 0; a MOVE header moves a slot's KV and goes on down the chain. It dies 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -73,9 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     plan = resolve_plan(args.dtype, args.quantization, source=source.kind, caps=CpuCaps.detect())
     runner = LlamaRunner.from_pretrained(source.path, dtype=dtype, max_num_seqs=args.max_num_seqs,
                                          max_len=args.max_len, plan=plan, gguf=source.gguf, layer_range=(first, end))
-    hidden = int(runner.norm.shape[0])
-    runner.embed = torch.empty(0, hidden, dtype=dtype)  # stage 0 embeds; this stage needs no vocabulary
-    runner.lm_head = None  # type: ignore[assignment]
+    hidden = runner.hidden_size  # no embedding, norm or head here: stage 0 embeds and applies the head
     # This stage's part of each prefix-cache block: stage 0 picks the blocks, this keeps its layers of them.
     pool = PrefixCache(num_layers=runner.num_layers, kv_heads=runner.num_kv_heads, head_dim=runner.head_dim,
                        block_size=args.block_size, dtype=dtype, budget_bytes=0, num_blocks=args.prefix_blocks)
@@ -83,6 +83,10 @@ def main(argv: list[str] | None = None) -> None:
 
     gc.collect()
     store = dist.TCPStore(args.host, args.port, args.world, False, timeout=timedelta(seconds=600))
+    # What this stage holds, for stage 0's report and the benchmark's memory per stage.
+    store.set(f"info/{args.rank}", json.dumps({
+        "weight_bytes": runner.resident_weight_bytes, "kv_bytes": runner.kv_cache_bytes,
+        "host": socket.gethostname(), "load_s": round(time.monotonic() - t0, 2)}))
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world,
                             timeout=timedelta(seconds=600))
     stop = threading.Event()

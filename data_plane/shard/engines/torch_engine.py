@@ -280,7 +280,7 @@ class TorchEngine:
                             block_size=self.config.kv_block_size,
                             microbatches=self.config.pipeline_microbatches)
         self.pipeline = PipelineGroup(spec, self._stage_lost, self.listener.on_stage)
-        hops = self.pipeline.start(int(self._runner.norm.shape[0]), self._runner.dtype)
+        hops = self.pipeline.start(self._runner.hidden_size, self._runner.dtype)
         hops.on_pass = self.listener.on_pipeline_pass
         self._runner.downstream = hops
         if self.prefix is not None:  # every copy between the pool and a slot is repeated on each stage
