@@ -123,10 +123,10 @@ class KVTier:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def bind(self, prefix: SlotPrefix | None, loop: asyncio.AbstractEventLoop) -> None:
-        """Attach to the engine's prefix cache (None: prefix caching off, the tier stays idle)."""
-        if prefix is not None and prefix.cache.mirror is not None:
-            log.warning("KV tier idle: a pipelined shard's blocks are split over its stages (docs/SHARDING.md)")
-            prefix = None
+        """Attach to the engine's prefix cache (None: prefix caching off, the tier stays idle). A
+        pipelined shard's blocks travel whole too: stage 0 gathers its stages' layers for a store and
+        hands each stage its layers of a fetched block (pipeline.Hops), so blocks are the same as an
+        unsharded shard's and either kind of shard can fetch what the other stored."""
         self.prefix, self._loop = prefix, loop
         if prefix is not None:
             prefix.remote = self
@@ -256,7 +256,7 @@ class KVTier:
         if local >= usable or (known and known <= local and known <= len(hashes) and hashes[known - 1] == tail):
             return 0  # nothing missing, or the nodes hold nothing this shard lacks (it stored them itself)
         missing = usable - local
-        tokens, nbytes = missing * bs, missing * p.cache.block_bytes
+        tokens, nbytes = missing * bs, missing * p.block_bytes
         m.queries.labels(name).inc(tokens)
         if not self.remote.replicas_for(ref.session_id, ref.replicas):
             m.decisions.labels(name, "no_cache_nodes").inc()

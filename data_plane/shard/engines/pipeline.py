@@ -35,8 +35,15 @@ Everything above the runner is unchanged: the scheduler, chunked and beside pref
 speculation (a verify pass is one forward through the stages), prefix caching: stage 0's PrefixCache
 (kv_cache.py) decides which pool block holds what, and each copy between its pool and a slot is
 repeated down the chain (LOAD, STORE: `Hops` is the cache's `mirror`), every stage keeping the same
-number of blocks for its own layers at the same indices. Not yet: the KV tier on the cache nodes
-(a block there holds every layer).
+number of blocks for its own layers at the same indices. The KV tier on the cache nodes
+(data_plane/shard/kv_tier.py) sees whole blocks, every layer, as an unsharded shard's: stage 0
+gathers the later stages' layers of a finished turn's blocks (GATHER: each stage sends its part
+straight to stage 0) and scatters fetched blocks' layers to them (INSERT: the block indices and each
+stage's part, sent straight to it), so the block hashes and frames are the same and a plain and a
+pipelined shard fetch each other's conversations. Why stage 0 coordinates rather than each stage
+storing its own part: one HTTP client, one sealing key, one session placement, and no cache-node
+keys per layer range; its cost is one more copy of the later layers' KV over the hops, measured in
+docs/SHARDING.md.
 
 Losing a stage: every stage beats a heartbeat counter into the group's TCPStore every
 HEARTBEAT_S; stage 0's monitor thread declares a stage lost when its process exited (kill -9: the
@@ -60,6 +67,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from enum import Enum
 from typing import Any
 
 import torch
@@ -71,7 +79,17 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.2
 """How often a stage beats its heartbeat counter."""
-OP_FORWARD, OP_MOVE, OP_STOP, OP_LOAD, OP_STORE = 1, 2, 3, 4, 5
+OP_FORWARD, OP_MOVE, OP_STOP, OP_LOAD, OP_STORE, OP_INSERT, OP_GATHER = 1, 2, 3, 4, 5, 6, 7
+
+
+class KVHop(str, Enum):
+    """A KV-tier transfer between stage 0 and the later stages (the `op` of the pipeline KV metrics)."""
+
+    GATHER = "gather"
+    """A finished turn's blocks going to the cache nodes: each later stage sends stage 0 its layers."""
+    SCATTER = "scatter"
+    """Blocks fetched from the cache nodes: stage 0 sends each later stage its layers."""
+
 HEADER_FIXED = 4  # op, items, batched, rows (FORWARD) / op, src, dst, length (MOVE)
 
 
@@ -192,6 +210,8 @@ class Hops:
         self.microbatches = spec.microbatches or spec.size
         self.header = torch.zeros(header_size(spec.max_num_seqs), dtype=torch.long)
         self.on_pass: Callable[[PassTiming], None] = lambda timing: None
+        self.on_kv: Callable[[KVHop, int, int, float], None] = lambda op, blocks, nbytes, seconds: None
+        """A KV-tier transfer (gather, scatter) of `blocks` blocks, `nbytes` over the hops, in `seconds`."""
         self._slots: dict[int, list[list[float]]] = {}  # slot -> per stage [start, end, busy, passes]
         self._in_flight: deque[_Ticket] = deque()
         self._active_since = 0.0
@@ -280,6 +300,46 @@ class Hops:
 
     def store(self, pairs: Sequence[tuple[int, int]], slot: int) -> None:
         self._blocks(OP_STORE, slot, len(pairs), torch.tensor([list(p) for p in pairs], dtype=torch.long).reshape(-1))
+
+    # The KV tier's side: blocks on the cache nodes hold every layer; each stage has its own.
+
+    def insert(self, idxs: Sequence[int], kv: torch.Tensor) -> None:
+        """Scatter: each later stage keeps its layers of fetched blocks `kv` in pool blocks `idxs`."""
+        assert not self._in_flight, "KV-tier copies run between passes"
+        t0 = time.perf_counter()
+        h = torch.zeros(header_size(self.spec.max_num_seqs), dtype=torch.long)
+        h[:HEADER_FIXED] = torch.tensor([OP_INSERT, len(idxs), 0, 0])
+        index = torch.tensor(list(idxs), dtype=torch.long)
+        parts = [wire(kv[:, :, first:end].contiguous()) for first, end in self.spec.ranges[1:]]
+        # Without waiting in between: stage 1 passes the header on before it takes its part.
+        works = [self.dist.isend(h, 1)]
+        for rank, part in enumerate(parts, 1):
+            works += [self.dist.isend(index, rank), self.dist.isend(part, rank)]
+        for work in works:
+            work.wait()
+        self._kv_done(KVHop.SCATTER, len(idxs), sum(p.numel() * p.element_size() for p in parts), t0)
+
+    def gather(self, slot: int, first: int, end: int, out: torch.Tensor) -> None:
+        """Gather: blocks ``first..end`` of `slot` from each later stage's layers into `out` (every layer)."""
+        assert not self._in_flight, "KV-tier copies run between passes"
+        t0 = time.perf_counter()
+        h = self.header
+        h.zero_()
+        h[:HEADER_FIXED] = torch.tensor([OP_GATHER, slot, first, end])
+        self.dist.send(h, 1)
+        nbytes = 0
+        for rank, (lo, hi) in enumerate(self.spec.ranges[1:], 1):
+            part = torch.empty((end - first, 2, hi - lo, *out.shape[3:]), dtype=out.dtype)
+            self.dist.recv(wire(part), rank)
+            out[:, :, lo:hi].copy_(part)
+            nbytes += part.numel() * part.element_size()
+        self._kv_done(KVHop.GATHER, end - first, nbytes, t0)
+
+    def _kv_done(self, op: KVHop, blocks: int, nbytes: int, t0: float) -> None:
+        seconds = time.perf_counter() - t0
+        log.info("pipeline KV %s: %d blocks, %.1f MiB over the hops in %.1f ms", op.value, blocks, nbytes / 2**20,
+                 1000 * seconds)
+        self.on_kv(op, blocks, nbytes, seconds)
 
     def _blocks(self, op: int, slot: int, count: int, values: torch.Tensor) -> None:
         """A LOAD (`count` pool indices) or STORE (`count` (block number, pool index) pairs) for `slot`."""

@@ -7,7 +7,9 @@ It loads only its layers' weights (plus the rotary tables) and the KV cache of t
 joins stage 0's gloo group (a TCPStore on 127.0.0.1:port), beats its heartbeat counter there, and
 serves the chain (data_plane/shard/engines/pipeline.py): a FORWARD header and hidden states from
 the previous stage -> its layers -> the next stage, or, on the last stage, the wanted rows back
-to stage 0; a MOVE header moves a slot's KV and goes on down the chain. It dies with stage 0
+to stage 0; a MOVE header moves a slot's KV and goes on down the chain; LOAD / STORE repeat stage 0's
+prefix-cache copies on this stage's layers; INSERT (blocks fetched from the cache nodes) and GATHER
+(a turn's blocks for them) move this stage's layers of whole blocks straight from / to stage 0. It dies with stage 0
 (stage 0 starts it with data_plane/common/lifeline.py; a failed receive or heartbeat exits too).
 """
 
@@ -49,11 +51,19 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
     from data_plane.model_store import model_source
-    from data_plane.shard.engines.kv_cache import PrefixCache, load_blocks, store_blocks
+    from data_plane.shard.engines.kv_cache import (
+        PrefixCache,
+        copy_out_blocks,
+        insert_blocks,
+        load_blocks,
+        store_blocks,
+    )
     from data_plane.shard.engines.llama_runner import LlamaRunner, select_rows
     from data_plane.shard.engines.pipeline import (
         HEADER_FIXED,
         OP_FORWARD,
+        OP_GATHER,
+        OP_INSERT,
         OP_LOAD,
         OP_MOVE,
         OP_STOP,
@@ -113,6 +123,25 @@ def main(argv: list[str] | None = None) -> None:
                     runner.move_slot(src, dst, length)
                     if not last:
                         dist.send(h, nxt)
+                    continue
+                if op == OP_INSERT:  # fetched blocks: this stage's layers of them, straight from stage 0
+                    if not last:
+                        dist.send(h, nxt)
+                    count = int(h[1])
+                    index = torch.empty(count, dtype=torch.long)
+                    part = torch.empty((count, 2, runner.num_layers, runner.num_kv_heads, args.block_size,
+                                        runner.head_dim), dtype=dtype)
+                    dist.recv(index, 0)
+                    dist.recv(wire(part), 0)
+                    insert_blocks(pool.k_pool, pool.v_pool, index.tolist(), part)
+                    continue
+                if op == OP_GATHER:  # a finished turn's blocks for the cache nodes: this stage's layers
+                    if not last:
+                        dist.send(h, nxt)
+                    slot, first_block, end_block = (int(v) for v in h[1:4])
+                    out = copy_out_blocks(runner.k_cache, runner.v_cache, slot, first_block, end_block,
+                                          args.block_size)
+                    dist.send(wire(out), 0)
                     continue
                 if op in (OP_LOAD, OP_STORE):
                     slot, count = int(h[1]), int(h[2])

@@ -19,7 +19,7 @@ from data_plane.shard.engines.kv_cache import DEFAULT_BLOCK_SIZE
 from data_plane.shard.engines.weight_source import DTYPE_CHOICES, QUANTIZATION_CHOICES
 
 if TYPE_CHECKING:
-    from data_plane.shard.engines.pipeline import PassTiming
+    from data_plane.shard.engines.pipeline import KVHop, PassTiming
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -149,6 +149,9 @@ class StepListener:
 
     def on_pipeline_pass(self, timing: PassTiming) -> None:
         """One forward pass through every pipeline stage: each stage's compute, each hop's time and bytes."""
+
+    def on_pipeline_kv(self, op: KVHop, blocks: int, nbytes: int, seconds: float) -> None:
+        """KV-tier blocks moved between stage 0 and the later stages (pipeline.Hops gather / insert)."""
 
     def on_grammar_compile(self, kind: str, seconds: float, outcome: str) -> None:
         """A grammar compile ended (engines/grammar.py): outcome compiled, cache_hit or a refusal reason."""

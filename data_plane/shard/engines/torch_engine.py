@@ -282,6 +282,7 @@ class TorchEngine:
         self.pipeline = PipelineGroup(spec, self._stage_lost, self.listener.on_stage)
         hops = self.pipeline.start(self._runner.hidden_size, self._runner.dtype)
         hops.on_pass = self.listener.on_pipeline_pass
+        hops.on_kv = self.listener.on_pipeline_kv
         self._runner.downstream = hops
         if self.prefix is not None:  # every copy between the pool and a slot is repeated on each stage
             self.prefix.cache.mirror = hops
