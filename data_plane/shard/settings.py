@@ -79,6 +79,13 @@ class ShardSettings(BaseSettings):
     pipeline_microbatches: int = Field(0, ge=0, le=64, description=(
         "Micro-batches of a forward pass in flight at once through the stages (0: as many as stages, "
         "vLLM's batch queue depth; 1: one pass at a time)."))
+    pipeline_host: str = Field("127.0.0.1", description=(
+        "Stage 0's address for the pipeline group (its TCPStore and gloo): a stage on another host must reach it."))
+    pipeline_port: int = Field(0, ge=0, le=65535, description=(
+        "The pipeline group's TCPStore port (0: a free one; set it when stages join from other hosts)."))
+    pipeline_remote_stages: str | None = Field(None, pattern=r"^\d+(,\d+)*$", description=(
+        "Stages that join from other hosts (`switchboard stage --join HOST:PORT --rank R` there) instead of "
+        "being started here, e.g. '1'."))
     pipeline_exit_linger_s: float = Field(2.0, ge=0, le=60, description=(
         "After losing a stage (streams failed, out of membership) the shard keeps answering /metrics this long "
         "before exiting, so a scrape sees the stage down (set it to your scrape interval)."))

@@ -79,6 +79,10 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.2
 """How often a stage beats its heartbeat counter."""
+STAGE_GIVE_UP_S = 5.0
+"""A later stage whose heartbeat has not reached stage 0 for this long exits (stage 0 is gone or cut off)."""
+STORE_WAIT_S = 600.0
+"""How long a joining stage waits for stage 0's store (and its published arguments)."""
 OP_FORWARD, OP_MOVE, OP_STOP, OP_LOAD, OP_STORE, OP_INSERT, OP_GATHER = 1, 2, 3, 4, 5, 6, 7
 
 
@@ -89,7 +93,6 @@ class KVHop(str, Enum):
     """A finished turn's blocks going to the cache nodes: each later stage sends stage 0 its layers."""
     SCATTER = "scatter"
     """Blocks fetched from the cache nodes: stage 0 sends each later stage its layers."""
-
 HEADER_FIXED = 4  # op, items, batched, rows (FORWARD) / op, src, dst, length (MOVE)
 
 
@@ -143,7 +146,11 @@ class PipelineSpec:
     threads: int = 1
     """torch intra-op threads of each later stage."""
     port: int = 0
-    """TCPStore port on 127.0.0.1 (0: a free one)."""
+    """TCPStore port (0: a free one)."""
+    host: str = "127.0.0.1"
+    """Stage 0's address for the group (its TCPStore and gloo device): every stage must reach it."""
+    remote: tuple[int, ...] = ()
+    """Stages stage 0 does not start: they join from another host (`switchboard stage --join`)."""
     prefix_blocks: int = 0
     """Blocks of stage 0's prefix cache (0: prefix caching off): each stage keeps as many for its layers."""
     block_size: int = 16
@@ -372,22 +379,34 @@ class PipelineGroup:
         s = self.spec
         first, end = s.ranges[rank]
         return [sys.executable, "-m", "data_plane.shard.engines.pipeline_stage", "--rank", str(rank),
-                "--world", str(s.size), "--port", str(self.port), "--model", s.model, "--dtype", s.dtype,
+                "--world", str(s.size), "--port", str(self.port), "--host", s.host, "--model", s.model,
+                "--dtype", s.dtype,
                 "--quantization", s.quantization,
                 "--max-num-seqs", str(s.max_num_seqs), "--max-len", str(s.max_len),
                 "--layers", f"{first}:{end}", "--threads", str(s.threads),
-                "--prefix-blocks", str(s.prefix_blocks), "--block-size", str(s.block_size)]
+                "--prefix-blocks", str(s.prefix_blocks), "--block-size", str(s.block_size), "--bind", s.host]
 
     def start(self, hidden: int, dtype: torch.dtype, load_timeout_s: float = 600.0) -> Hops:
-        """Spawn stages 1..N-1, wait until all joined the gloo group (they load their layers first)."""
+        """Spawn stages 1..N-1 (but the remote ones, which join from their hosts), wait until all
+        joined the gloo group (they load their layers first)."""
         import torch.distributed as dist
 
-        self._store = dist.TCPStore("127.0.0.1", self.port, self.spec.size, True,
+        if self.spec.remote and not self.spec.port:
+            raise ValueError("stages joining from other hosts need a fixed pipeline port")
+        use_interface_of(self.spec.host)
+        self._store = dist.TCPStore(self.spec.host, self.port, self.spec.size, True,
                                     timeout=timedelta(seconds=load_timeout_s), wait_for_workers=False)
         for rank in range(1, self.spec.size):
+            # What a joining stage runs with: the arguments stage 0 would have started it with.
+            self._store.set(f"spec/{rank}", json.dumps(self.stage_command(rank)[3:]))
+            if rank in self.spec.remote:
+                log.info("pipeline: waiting for stage %d to join: switchboard stage --join %s:%d --rank %d",
+                         rank, self.spec.host, self.port, rank)
+                continue
             # Forked from the engine's scheduler thread, which lives as long as the shard (lifeline.py).
             self.procs[rank] = subprocess.Popen(self.stage_command(rank), preexec_fn=die_with_parent())  # noqa: PLW1509
-        log.info("pipeline: %d stages, layers %s, store on 127.0.0.1:%d", self.spec.size, self.spec.ranges, self.port)
+        log.info("pipeline: %d stages, layers %s, store on %s:%d", self.spec.size, self.spec.ranges, self.spec.host,
+                 self.port)
         dist.init_process_group("gloo", store=self._store, rank=0, world_size=self.spec.size,
                                 timeout=timedelta(seconds=load_timeout_s))
         for rank in range(1, self.spec.size):
@@ -401,7 +420,7 @@ class PipelineGroup:
     def _watch(self) -> None:
         import torch.distributed as dist
 
-        store = dist.TCPStore("127.0.0.1", self.port, self.spec.size, False, timeout=timedelta(seconds=5))
+        store = dist.TCPStore(self.spec.host, self.port, self.spec.size, False, timeout=timedelta(seconds=5))
         seen: dict[int, tuple[int, float]] = {r: (-1, time.monotonic()) for r in range(1, self.spec.size)}
         while not self._stop.wait(HEARTBEAT_S / 2):
             now = time.monotonic()
@@ -446,10 +465,50 @@ class PipelineGroup:
                 pass
 
 
-def heartbeat(store: Any, rank: int, stop: threading.Event) -> None:
-    """A stage's beat (its own thread): the counter stage 0 watches."""
+def interface_of(addr: str) -> str | None:
+    """The network interface holding IPv4 address `addr` (None: none here, or not Linux)."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                got = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(got[20:24]) == addr:
+                return name
+    return None
+
+
+def use_interface_of(addr: str) -> None:
+    """Make this process's gloo device listen on (and advertise) `addr`'s interface, so a stage on
+    another host can reach it; loopback keeps gloo's default."""
+    if addr.startswith("127.") or addr in ("", "localhost"):
+        return
+    name = interface_of(addr)
+    if name is None:
+        raise ValueError(f"no network interface here has address {addr}")
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
+def heartbeat(store: Any, rank: int, stop: threading.Event, give_up_s: float = STAGE_GIVE_UP_S) -> None:
+    """A stage's beat (its own thread): the counter stage 0 watches. A beat that fails, or that has
+    not gone through for `give_up_s` (a cut link drops packets: a send can hang rather than fail),
+    means stage 0 is gone or unreachable, and the stage exits: stage 0 has declared it lost by then."""
+    last = [time.monotonic()]
+
+    def watchdog() -> None:
+        while not stop.wait(HEARTBEAT_S):
+            if time.monotonic() - last[0] > give_up_s:
+                log.warning("stage %d: no heartbeat through to stage 0 for %.0f s; leaving", rank, give_up_s)
+                os._exit(1)
+
+    threading.Thread(target=watchdog, name="heartbeat-watchdog", daemon=True).start()
     while not stop.wait(HEARTBEAT_S):
         try:
             store.add(f"hb/{rank}", 1)
         except Exception:  # noqa: BLE001 - stage 0 is gone: the stage exits with it
             os._exit(1)
+        last[0] = time.monotonic()

@@ -2,6 +2,12 @@
 
     python -m data_plane.shard.engines.pipeline_stage --rank 1 --world 2 --port 29500 \\
         --model /models/smollm2 --dtype float32 --max-num-seqs 16 --max-len 2048 --layers 15:30
+    switchboard stage --join 10.0.0.1:29500 --rank 1 --bind 10.0.0.2     # from another host
+
+A stage started by stage 0 is its child; one on another host joins with `--join` (stage 0 runs
+`switchboard shard --pipeline-parallel-size 2 --pipeline-host 10.0.0.1 --pipeline-port 29500
+--pipeline-remote-stages 1`) and takes every other argument from what stage 0 published in its
+TCPStore; `--bind` is its own address, whose interface its gloo device uses.
 
 It loads only its layers' weights (plus the rotary tables) and the KV cache of those layers,
 joins stage 0's gloo group (a TCPStore on 127.0.0.1:port), beats its heartbeat counter there, and
@@ -19,7 +25,6 @@ import argparse
 import json
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -28,13 +33,40 @@ from datetime import timedelta
 log = logging.getLogger("switchboard.pipeline_stage")
 
 
+def joined(join: str, rank: int, bind: str, threads: int | None) -> list[str]:
+    """The arguments of a stage joining from another host: what stage 0 published for `rank` in its
+    TCPStore at `join` (HOST:PORT), with this host's own address (and threads) for its gloo device."""
+    import torch.distributed as dist
+
+    from data_plane.shard.engines.pipeline import STORE_WAIT_S
+
+    host, _, port = join.rpartition(":")
+    store = dist.TCPStore(host, int(port), None, False, timeout=timedelta(seconds=STORE_WAIT_S))
+    args: list[str] = json.loads(store.get(f"spec/{rank}"))
+    args += ["--host", host, "--bind", bind]
+    return args + (["--threads", str(threads)] if threads else [])
+
+
 def main(argv: list[str] | None = None) -> None:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--join", default="", help="HOST:PORT of stage 0's group: take the rest from there")
+    pre.add_argument("--rank", type=int)
+    pre.add_argument("--bind", default="127.0.0.1")
+    pre.add_argument("--threads", type=int)
+    known, rest = pre.parse_known_args(argv)
+    if known.join:  # a stage on another host: `switchboard stage --join 10.0.0.1:29500 --rank 1 --bind 10.0.0.2`
+        if known.rank is None:
+            raise SystemExit("--join needs --rank")
+        argv = joined(known.join, known.rank, known.bind, known.threads) + rest
     ap = argparse.ArgumentParser(prog="pipeline_stage", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--join", default="", help="HOST:PORT of stage 0's group (its TCPStore): the rest comes "
+                    "from there (with --rank and --bind)")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1", help="stage 0's address (its TCPStore)")
+    ap.add_argument("--bind", default="127.0.0.1", help="this stage's own address for the group (its gloo device)")
     ap.add_argument("--model", default="", help="the shard's --model ('' = the default model)")
     ap.add_argument("--quantization", default="none", help="the weight format stage 0 resolved")
     ap.add_argument("--dtype", default="float32")
@@ -71,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         TIMING_COLS,
         header_size,
         heartbeat,
+        use_interface_of,
         wire,
     )
     from data_plane.shard.engines.torch_config import DTYPES
@@ -92,11 +125,12 @@ def main(argv: list[str] | None = None) -> None:
     import gc
 
     gc.collect()
+    use_interface_of(args.bind)
     store = dist.TCPStore(args.host, args.port, args.world, False, timeout=timedelta(seconds=600))
     # What this stage holds, for stage 0's report and the benchmark's memory per stage.
     store.set(f"info/{args.rank}", json.dumps({
         "weight_bytes": runner.resident_weight_bytes, "kv_bytes": runner.kv_cache_bytes,
-        "host": socket.gethostname(), "load_s": round(time.monotonic() - t0, 2)}))
+        "host": "" if args.bind.startswith("127.") else args.bind, "load_s": round(time.monotonic() - t0, 2)}))
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world,
                             timeout=timedelta(seconds=600))
     stop = threading.Event()

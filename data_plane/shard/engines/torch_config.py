@@ -70,6 +70,13 @@ class EngineConfig:
     """A stage whose heartbeat stood still this long is lost (0.2..60 s): the shard fails its streams and exits."""
     pipeline_microbatches: int = 0
     """Micro-batches of a pass in flight at once through the stages, 0..64 (0: as many as stages; 1: one pass)."""
+    pipeline_host: str = "127.0.0.1"
+    """Stage 0's address for its group (TCPStore and gloo): another host's stage must reach it."""
+    pipeline_port: int = 0
+    """The group's TCPStore port (0: a free one; set it when a stage joins from another host)."""
+    pipeline_remote_stages: tuple[int, ...] = ()
+    """Stages that join from elsewhere (`switchboard stage --join host:port --rank r`) instead of being
+    started by stage 0."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
