@@ -135,6 +135,10 @@ class ShardMetrics:
         self.in_flight = Histogram("switchboard_shard_pipeline_passes_in_flight", "Passes (micro-batches) in "
                                    "flight when stage 0 sent each pass, itself included.", m,
                                    buckets=(1, 2, 3, 4, 6, 8, 16), registry=registry)
+        self.steps_in_flight = Histogram("switchboard_shard_pipeline_steps_in_flight", "Scheduler plans in flight "
+                                         "(the batch queue) when stage 0 sent each, itself included; `kind` "
+                                         "decode or prefill.", m + ["kind"], buckets=(1, 2, 3, 4, 6, 8, 16),
+                                         registry=registry)
         self.hop_latency = Histogram("switchboard_shard_pipeline_hop_latency_seconds", "Hop `stage` -> next stage "
                                      "(the last: back to stage 0): from the send to the receipt.",
                                      m + ["stage"], buckets=LATENCY_BUCKETS, registry=registry)
@@ -330,6 +334,10 @@ class MetricsListener(StepListener):
             m.stage_step.labels(m.model_name, label).observe(step)
             m.hop_latency.labels(m.model_name, label).observe(hop)
             m.hop_bytes.labels(m.model_name, label).inc(sent)
+
+    def on_batch_sent(self, in_flight: int, decode: bool) -> None:
+        m = self.metrics
+        m.steps_in_flight.labels(m.model_name, "decode" if decode else "prefill").observe(in_flight)
 
     def on_tokens_restored(self, replies: int) -> None:
         self.metrics.tokens_restored.labels(self.metrics.model_name).inc(replies)

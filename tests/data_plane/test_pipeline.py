@@ -68,6 +68,10 @@ class _Counting(StepListener):
         self.drafted = 0
         self.stages: dict[int, bool] = {}
         self.passes: list[PassTiming] = []
+        self.batches: list[tuple[int, bool]] = []
+
+    def on_batch_sent(self, in_flight: int, decode: bool) -> None:
+        self.batches.append((in_flight, decode))
 
     def on_pipeline_pass(self, timing: PassTiming) -> None:
         self.hops += 1
@@ -126,6 +130,10 @@ def test_two_and_three_stages_greedy_identical_to_unsharded_solo_and_batched() -
         # Micro-batches in flight (on by default: as many as stages): passes sent before the
         # previous one came back, and a later stage's interval on pass k overlapping stage 0's on k+1.
         assert max(t.in_flight for t in counting.passes) == pp
+        # The batch queue (on by default: as many plans as stages): decode plans of other sequences
+        # sent while earlier ones were still in the later stages, never more than pp at once.
+        assert any(n >= 2 and decode for n, decode in counting.batches)
+        assert max(n for n, _ in counting.batches) <= pp
         assert _overlapping(counting.passes) > 0
         assert sum(t.active_s for t in counting.passes) < sum(t.wall_s for t in counting.passes)
         for timing in counting.passes:

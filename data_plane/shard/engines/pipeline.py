@@ -281,8 +281,11 @@ class Hops:
         self._blocks(OP_STORE, slot, len(pairs), torch.tensor([list(p) for p in pairs], dtype=torch.long).reshape(-1))
 
     def _blocks(self, op: int, slot: int, count: int, values: torch.Tensor) -> None:
-        """A LOAD (`count` pool indices) or STORE (`count` (block number, pool index) pairs) for `slot`."""
-        assert not self._in_flight, "prefix-cache copies run between passes"
+        """A LOAD (`count` pool indices) or STORE (`count` (block number, pool index) pairs) for `slot`.
+        May run while passes are in flight (the batch queue: a finished sequence's blocks kept): every
+        stage applies it after them, in the order stage 0 sent everything (one gloo pair a hop, in
+        order), and no pass in flight touches `slot` (a sequence is in at most one plan in flight)."""
+        assert slot not in {s for t in self._in_flight for s in t.slots}, "a prefix copy for a slot in flight"
         h = self.header
         h.zero_()
         h[:HEADER_FIXED] = torch.tensor([op, slot, count, 0])
