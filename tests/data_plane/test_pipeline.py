@@ -276,6 +276,23 @@ def test_bench_engine_runs_switchboard_per_pipeline_size_on_the_same_cores() -> 
     one_pass = make_system("switchboard@pp2mb1", config)
     assert one_pass.engine.config.pipeline_microbatches == 1  # type: ignore[attr-defined]
     assert two.engine.config.pipeline_microbatches == 0  # type: ignore[attr-defined]
+    # the batch queue off and on (plans in flight across steps), and the targets from the rows
+    args = parse_args(["--systems", "switchboard", "--pipeline-parallel-size", "1,2", "--pipeline-batch-queue", "1,0"])
+    assert args.systems == ["switchboard", "switchboard@pp2bq1", "switchboard@pp2"]
+    no_queue = make_system("switchboard@pp2mb1bq1", config)
+    assert no_queue.engine.scheduler.config.batch_queue == 1  # type: ignore[attr-defined]
+    assert no_queue.engine.config.pipeline_microbatches == 1  # type: ignore[attr-defined]
+    assert two.engine.scheduler.config.batch_queue == 2  # type: ignore[attr-defined]
+    assert one.engine.scheduler.config.batch_queue == 1  # type: ignore[attr-defined]
+    from data_plane.bench.engine_pipeline import pipeline_targets
+
+    rows = [{"system": s, "concurrency": c, "output_tok_s": tok, "tpot_p50_ms": tpot, "pipeline_idle_share": idle}
+            for s, c, tok, tpot, idle in [("switchboard", 1, 30.0, 30.0, None), ("switchboard", 16, 100.0, 150.0, None),
+                                          ("switchboard@pp2", 1, 27.0, 33.0, [0.5, 0.5]),
+                                          ("switchboard@pp2", 16, 80.0, 190.0, [0.1, 0.2])]]
+    t = pipeline_targets(rows)["switchboard@pp2"]
+    assert (t["concurrency"], t["tok_s_ratio"], t["tok_s_target_met"]) == (16, 0.8, False)
+    assert (t["tpot_ratio"], t["tpot_target_met"], t["idle_share_top"]) == (1.1, True, [0.1, 0.2])
 
 
 def test_prefix_cache_hits_through_two_stages() -> None:
