@@ -14,12 +14,17 @@ fake KV of every row it runs.
 from __future__ import annotations
 
 import random
+import threading
 from collections import deque
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
-from data_plane.shard.engines.scheduler import RowKind, SchedulerConfig, SchedulerOutput
+from data_plane.shard.engines.batch_queue import BatchQueue
+from data_plane.shard.engines.scheduler import RowKind, Scheduler, SchedulerConfig, SchedulerOutput
 from data_plane.shard.engines.sequence import SeqState, SeqStatus
+from data_plane.shard.engines.torch_executor import StepResult
 from tests.data_plane.test_scheduler import FakeDrafter, Harness, make_seq
 
 
@@ -239,3 +244,62 @@ def test_random_traffic_in_flight_keeps_every_invariant(seed: int) -> None:
         h.tick()
     h.drain()
     assert all(s.finished for s in h.seqs.values()) and not h.sched.in_flight
+
+
+class FakeExecutor:
+    """torch_executor.Executor's submit/complete, recording the order; every row decodes token 5."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, tuple[str, ...]]] = []
+
+    def submit(self, plan: SchedulerOutput, microbatches: int | None = None) -> Any:
+        self.log.append(("submit", tuple(rows(plan))))
+        return SimpleNamespace(plan=plan, microbatches=microbatches)
+
+    def complete(self, pending: Any) -> StepResult:
+        self.log.append(("complete", tuple(rows(pending.plan))))
+        return StepResult(tuple((5,) for _ in pending.plan.rows), 0.01)
+
+
+class FakeOutput:
+    """torch_output.OutputProcessor's part the batch queue calls: computed counts and finishes."""
+
+    def __init__(self, sched: Any) -> None:
+        self.sched = sched
+
+    def admit(self, plan: SchedulerOutput) -> None:
+        pass
+
+    def finish(self, seq: SeqState, reason: str) -> None:
+        self.sched.finish(seq, SeqStatus.FINISHED_ABORTED)
+
+    def update(self, plan: SchedulerOutput, result: StepResult) -> None:
+        for row, tokens in zip(plan.rows, result.tokens):
+            seq = row.seq
+            seq.num_computed_tokens = row.start + len(row.tokens)
+            seq.last_token = tokens[-1] if tokens else seq.last_token
+            seq.output_ids += list(tokens)
+            if len(seq.output_ids) >= seq.max_tokens:
+                self.sched.finish(seq, SeqStatus.FINISHED_LENGTH)
+
+
+def test_the_engine_loop_fills_the_queue_first_then_collects_the_oldest_and_drains() -> None:
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, batch_queue=2))
+    executor, observed = FakeExecutor(), []
+    queue = BatchQueue(sched, executor, FakeOutput(sched), threading.Lock(),  # type: ignore[arg-type]
+                       lambda plan, s: observed.append(len(plan.rows)))
+    seqs = [make_seq(f"r{i}", 4, max_tokens=3) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    while queue.step():
+        pass
+    assert all(s.finished for s in seqs) and not sched.in_flight and not len(queue)
+    assert executor.log[:6] == [("submit", ("r0", "r1", "r2", "r3")), ("complete", ("r0", "r1", "r2", "r3")),
+                                ("submit", ("r0", "r1")), ("submit", ("r2", "r3")),  # both groups in flight
+                                ("complete", ("r0", "r1")), ("submit", ("r0", "r1"))]  # the first sent again
+    assert queue.sent_beside > 0 and observed[0] == 4  # only a pass nothing overlapped is a cost sample
+    sched.add(extra := make_seq("x", 4, max_tokens=9))
+    queue.step()
+    queue.step()
+    queue.drain()
+    assert not len(queue) and not sched.in_flight and extra.num_computed_tokens > 0

@@ -84,6 +84,16 @@ class BatchQueue:
                 return True
             if not queue:
                 return bool(plan.finished)
+        self._complete()
+        return True
+
+    def drain(self) -> None:
+        """Collect every plan in flight (the engine stopping: no stage is left sending rows back)."""
+        while self._queue:
+            self._complete()
+
+    def _complete(self) -> None:
+        queue = self._queue
         pending, alone = queue.popleft()
         result = self.executor.complete(pending)
         with self.lock:
@@ -91,4 +101,3 @@ class BatchQueue:
         self.output.update(pending.plan, result)
         if alone and not queue:  # nothing overlapped its pass: its time is its cost
             self.observe(pending.plan, result.seconds)
-        return True

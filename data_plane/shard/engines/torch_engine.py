@@ -444,6 +444,8 @@ class TorchEngine:
                 if not self._step():
                     self._wake.wait(0.05)
                     self._wake.clear()
+            if self._queue is not None:  # a pipeline's passes in flight come back before it is closed
+                self._queue.drain()
         except BaseException as exc:  # a dead engine fails every request, loudly
             log.exception("engine scheduler died")
             self.dead = exc
