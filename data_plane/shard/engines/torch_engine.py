@@ -21,6 +21,7 @@ vLLM v1's `EngineCore.step()`:
   blocks kept), so the next plan reuses the slot. Requests join between steps.
 
 A sequence has a status and one computed-token count (sequence.py); nothing else says where it is.
+A pipelined shard runs the loop as a batch queue (batch_queue.py): up to N plans in flight.
 
 Prefix caching (on by default, data_plane/shard/engines/kv_cache.py): at admission a request's longest cached
 prefix (full 16-token blocks, chained digests salted with its `cache_salt`) is copied into its
