@@ -364,7 +364,8 @@ class _Run:
     def _finish(self, last: GenerationOutput | None, error: str | None = None) -> None:
         span = self.span
         if last is not None:
-            self.state.metrics.observe_finished(last, time.monotonic() - self.t0, self.external_tokens)
+            self.state.metrics.observe_finished(last, time.monotonic() - self.t0, self.external_tokens,
+                                                self.req.params.max_tokens)
             reason = last.finish_reason or "abort"
             span.set_attribute("gen_ai.usage.cache_read_input_tokens", last.cached_tokens)
             span.add_event("prefix_cache", {"tokens_cached": last.cached_tokens,

@@ -69,6 +69,9 @@ class ShardMetrics:
                               buckets=LATENCY_BUCKETS, registry=registry)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", m,
                              buckets=ITL_BUCKETS, registry=registry)
+        self.itl_legacy = Histogram("vllm:time_per_output_token_seconds", "Time between consecutive output tokens "
+                                    "(vLLM's earlier name of vllm:inter_token_latency_seconds, same observations).",
+                                    m, buckets=ITL_BUCKETS, registry=registry)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish, per request.", m,
                              buckets=E2E_BUCKETS, registry=registry)
         self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time waiting for a slot.", m,
@@ -155,6 +158,9 @@ class ShardMetrics:
                                                buckets=TOKEN_BUCKETS, registry=registry)
         self.request_generation_tokens = Histogram("vllm:request_generation_tokens", "Output tokens per request.",
                                                    m, buckets=TOKEN_BUCKETS, registry=registry)
+        self.request_max_tokens = Histogram("vllm:request_max_num_generation_tokens",
+                                            "The output token limit (max_tokens) of each finished request.", m,
+                                            buckets=TOKEN_BUCKETS, registry=registry)
         self.kv_evictions = Counter("switchboard_shard_prefix_cache_evictions",
                                     "Prefix-cache blocks evicted (capacity: LRU reuse under the byte budget) "
                                     "or not stored (no_space: every block referenced).", m + ["reason"],
@@ -200,7 +206,8 @@ class ShardMetrics:
                                   registry=registry)
         # Series exist from the start (at 0), so rate() and the KV-reuse panels work before the first hit.
         for metric in (self.prefix_queries, self.prefix_hits, self.prompt_tokens_cached, self.prefill_computed,
-                       self.request_prompt_tokens, self.request_generation_tokens, self.tokens_restored, self.tpot,
+                       self.request_prompt_tokens, self.request_generation_tokens, self.request_max_tokens,
+                       self.tokens_restored, self.tpot, self.itl_legacy,
                        self.kv_block_lifetime, self.kv_block_idle, self.kv_block_reuse_gap):
             metric.labels(model_name)
         for reason in FINISHED_REASONS:
@@ -222,10 +229,11 @@ class ShardMetrics:
         self.grammar = StructuredMetrics(registry, model_name)  # constrained decoding (engines/grammar.py)
         self.structured = self.grammar.requests
 
-    def observe_finished(self, last: GenerationOutput, e2e_s: float, external_tokens: int) -> None:
+    def observe_finished(self, last: GenerationOutput, e2e_s: float, external_tokens: int,
+                         max_tokens: int | None = None) -> None:
         """One finished request (its final output): tokens, finish reason, where its prompt's KV came
-        from (`external_tokens` of its cached tokens were fetched from the cache nodes), decode time and
-        time per output token."""
+        from (`external_tokens` of its cached tokens were fetched from the cache nodes), decode time,
+        time per output token and its output limit (`max_tokens`, when it had one)."""
         m = self.model_name
         prompt_tokens, cached_tokens, completion_tokens = last.prompt_tokens, last.cached_tokens, last.completion_tokens
         decode_s = last.timings.decode_s if last.timings else None
@@ -234,6 +242,8 @@ class ShardMetrics:
         self.generation_tokens.labels(m).inc(completion_tokens)
         self.request_prompt_tokens.labels(m).observe(prompt_tokens)
         self.request_generation_tokens.labels(m).observe(completion_tokens)
+        if max_tokens is not None:
+            self.request_max_tokens.labels(m).observe(max_tokens)
         self.prompt_tokens_cached.labels(m).inc(cached_tokens)
         self.prefill_computed.labels(m).observe(prompt_tokens - cached_tokens)
         if decode_s is not None:
@@ -294,6 +304,7 @@ class MetricsListener(StepListener):
 
     def on_token(self, itl_s: float) -> None:
         self.metrics.itl.labels(self.metrics.model_name).observe(itl_s)
+        self.metrics.itl_legacy.labels(self.metrics.model_name).observe(itl_s)
 
     def on_admit(self, queue_s: float) -> None:
         self.metrics.queue_time.labels(self.metrics.model_name).observe(queue_s)
