@@ -214,7 +214,13 @@ def _label_values() -> list[str]:
     from control_plane.ladder import Actor, Direction, Outcome
     from data_plane.gateway.metrics import RequestCode
     from data_plane.routing.failures import FailureReason
-    from data_plane.shard.metrics import CACHED_SOURCES, FINISHED_REASONS, PROMPT_SOURCES, WAITING_REASONS
+    from data_plane.shard.metrics import (
+        CACHED_SOURCES,
+        FINISHED_REASONS,
+        PROMPT_SOURCES,
+        SLEEP_STATES,
+        WAITING_REASONS,
+    )
 
     values = [
         ("`switchboard_gateway_requests_total`", "code", [c.value for c in RequestCode]),
@@ -227,6 +233,7 @@ def _label_values() -> list[str]:
         ("`vllm:prompt_tokens_by_source_total`", "source", list(PROMPT_SOURCES)),
         ("`vllm:prompt_tokens_cached_by_source_total`", "source", list(CACHED_SOURCES)),
         ("`vllm:num_requests_waiting_by_reason`", "reason", list(WAITING_REASONS)),
+        ("`vllm:engine_sleep_state`", "sleep_state", list(SLEEP_STATES)),
     ]
     lines = ["## Label values", "", "Labels whose values come from an enum in the code (bounded by construction).",
              "", "| metric | label | values |", "|---|---|---|"]
@@ -274,10 +281,14 @@ two in step):
   evicts its least recently used blocks to make room (never refuses a store for space), and every
   sealed block is stored (no reuse threshold).
 - `vllm:simple_kv_offload_*`: vLLM's SimpleCPUOffloadConnector pool; no such connector here.
-- `vllm:lora_requests_info`: LoRA; and multimodal cache (`vllm:mm_cache_*`: the "Cache hit rates" panels
-  still fill from their prefix-cache query), sleep mode (`vllm:engine_sleep_state`), MFU/FLOPs
-  estimates, corrupted requests (NaN logits), the `vllm:prompt_tokens_cached_by_source` tiers `host`,
-  `p2p` and `disk`, and the `engine` label (one engine per shard process: `instance` tells them apart).
+- `vllm:lora_requests_info`: LoRA adapters; none are served.
+- `vllm:sleep_mode_operation_duration_seconds`: and `vllm:rl_weight_update_operation_duration_seconds`:
+  no sleep mode API and no RL weight updates (`vllm:engine_sleep_state` is exported: always `awake`).
+- `vllm:estimated_flops_per_gpu_total`: and the read / write bytes estimates (MFU): no GPU.
+- `vllm:mm_cache_*`: multimodal cache: text only (the "Cache hit rates" panels still fill from their
+  prefix-cache query). Nor corrupted requests (NaN logits), the `vllm:prompt_tokens_cached_by_source`
+  tiers `host`, `p2p` and `disk`, or the `engine` label (one engine per shard process: `instance`
+  tells them apart).
 
 `vllm:kv_block_*_seconds` come from the torch engine's prefix cache (every block, not sampled); the
 synthetic and vLLM engines report none. `vllm:spec_decode_*` and `vllm:prefix_cache_*` move only on the

@@ -42,6 +42,8 @@ CACHED_SOURCES = ("device", "external_unspecified")
 """Where a cached prompt token's KV sat: the engine's own KV memory (``device``, host RAM on a CPU
 engine), or the cache nodes (``external_unspecified``). vLLM's ``host``, ``p2p`` and ``disk`` tiers
 do not exist here."""
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+"""vLLM's ``sleep_state`` label values of ``vllm:engine_sleep_state`` (sleep mode levels 1 and 2)."""
 WAITING_REASONS = ("capacity",)
 """Why requests wait: for a batch slot. vLLM's ``deferred`` (waiting on a KV transfer) does not happen
 here: a shard fetches KV from the cache nodes before it queues the request."""
@@ -99,6 +101,9 @@ class ShardMetrics:
                                         "Cached prompt tokens of finished requests by tier (device: this shard's "
                                         "prefix cache; external_unspecified: fetched from the cache nodes).",
                                         m + ["source"], registry=registry)
+        self.sleep_state = Gauge("vllm:engine_sleep_state", "The engine's sleep state, 1 for the state it is in "
+                                 "(awake; a shard's engine never sleeps: weights_offloaded and discard_all stay 0).",
+                                 m + ["sleep_state"], registry=registry)
         self.cache_config = Gauge("vllm:cache_config_info", "The engine's KV cache configuration (value 1).",
                                   ["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks", "engine"],
                                   registry=registry)
@@ -218,6 +223,8 @@ class ShardMetrics:
             self.cached_by_source.labels(model_name, source)
         for reason in WAITING_REASONS:
             self.waiting_by_reason.labels(model_name, reason)
+        for state in SLEEP_STATES:
+            self.sleep_state.labels(model_name, state).set(1 if state == "awake" else 0)
         for reason in ("capacity", "no_space"):
             self.kv_evictions.labels(model_name, reason)
         self.preemptions.labels(model_name)

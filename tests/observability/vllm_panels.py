@@ -3,16 +3,15 @@
     for panel in FILLS: panel.dashboard, panel.title, panel.series    # ("vLLM / Overview", "TTFT p95", (...))
     for panel in CANNOT_APPLY: panel.why                               # a bullet of docs/metrics.md
 
-Our own list (no text of vLLM's dashboards): the dashboard and panel titles of vLLM's
-examples/observability/dashboards/grafana/{vllm_overview,vllm_kv_cache,vllm_speculative_decoding}.json
-and examples/online_serving/prometheus_grafana/grafana.json, with the metric names (an interface) their
-queries select. A series is written ``name``, ``name{label}`` (the label present), ``name{label=value}``;
+Our own list (no text of vLLM's dashboards): the dashboard and panel titles of vLLM's seven
+dashboards (examples/observability/dashboards/grafana/*.json and
+examples/online_serving/prometheus_grafana/grafana.json), with the metric names (an interface) their
+queries select; the Service Status board's five untitled charts are named here by what they chart. A series is written ``name``, ``name{label}`` (the label present), ``name{label=value}``;
 a trailing ``+`` means it must have increased in the window (a rate or a ratio of rates has data).
-Every ``vllm:`` series is also expected to carry ``model_name`` (the dashboards filter on it).
+Every ``vllm:`` series but ``vllm:cache_config_info`` (as in vLLM) is also expected to carry
+``model_name`` (the dashboards filter on it).
 tests/observability/test_vllm_dashboards.py proves every FILLS panel's series against a live cluster;
 each CANNOT_APPLY panel names (``why``) the bullet of docs/metrics.md that says why it stays empty.
-Not listed yet: vLLM's vllm_instances, performance_statistics, query_statistics and
-vllm_service_status dashboards (run `switchboard dashboards check` on them).
 """
 
 from __future__ import annotations
@@ -21,6 +20,8 @@ import re
 from dataclasses import dataclass
 
 OVERVIEW, KV, SPEC, CLASSIC = "vLLM / Overview", "vLLM / KV Cache", "vLLM / Speculative Decoding", "vLLM"
+INSTANCES, STATUS = "vLLM / Instances", "vLLM / Service Status"
+QUERIES, PERF = "Query Statistics_New4", "Performance Statistics"
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ def parse(series: str) -> tuple[str, dict[str, str | None], bool]:
         key, _, value = item.partition("=")
         labels[key] = value or None
     return m.group("name"), labels, bool(m.group("moving"))
+
+
+NO_MODEL_NAME = {"vllm:cache_config_info"}
 
 
 def _v(*names: str) -> tuple[str, ...]:
@@ -155,6 +159,47 @@ FILLS: tuple[Panel, ...] = tuple(Panel(d, t, _v(*s)) for d, t, s in [
                                                  DRAFTS[2])),
     (SPEC, "Draft acceptance rate by engine", DRAFTS[:2]),
     (SPEC, "Inter-token latency", (ITL,)),
+    (INSTANCES, "Instances (last 5 minutes)", ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                                               SUCCESS, "generation_tokens_total+", TTFT, ITL, "num_preemptions_total",
+                                               "process_start_time_seconds")),
+    (INSTANCES, "Running requests", ("num_requests_running",)),
+    (INSTANCES, "Waiting requests", ("num_requests_waiting",)),
+    (INSTANCES, "KV cache usage", ("kv_cache_usage_perc",)),
+    (INSTANCES, "Requests / s", (SUCCESS,)),
+    (INSTANCES, "Input tokens / s", ("prompt_tokens_total+",)),
+    (INSTANCES, "Output tokens / s", ("generation_tokens_total+",)),
+    (INSTANCES, "TTFT p95", (TTFT,)),
+    (INSTANCES, "Inter-token latency p95", (ITL,)),
+    (INSTANCES, "E2E latency p95", (E2E,)),
+    (INSTANCES, "Mean queue time", PHASES[:1]),
+    (INSTANCES, "Engine steps / s", ("iteration_tokens_total_count+",)),
+    (INSTANCES, "Mean tokens per engine step", ("iteration_tokens_total_count+",)),
+    (INSTANCES, "Preemptions / s", ("num_preemptions_total",)),
+    (INSTANCES, "Waiting requests by reason", ("num_requests_waiting_by_reason{reason}",)),
+    (INSTANCES, "Prefix cache hit rate", HITS),
+    (INSTANCES, "CPU usage", ("process_cpu_seconds_total+",)),
+    (INSTANCES, "Resident memory", ("process_resident_memory_bytes",)),
+    (INSTANCES, "Open file descriptors", ("process_open_fds", "process_max_fds")),
+    (INSTANCES, "Cache configuration", ("cache_config_info{block_size,cache_dtype,enable_prefix_caching,num_gpu_blocks}",)),
+    (INSTANCES, "Engine sleep state", ("engine_sleep_state{sleep_state=awake}", "engine_sleep_state{sleep_state=discard_all}")),
+    *((STATUS, title, ("engine_sleep_state{sleep_state=awake}",)) for title in ("Status", "Status over time")),
+    *((STATUS, title, (TTFT, "num_requests_running")) for title in ("Response time", "Response time over time")),
+    *((STATUS, title, ("generation_tokens_total+", "num_requests_running")) for title in ("Output speed",
+                                                                                          "Output speed over time")),
+    *((STATUS, title, (SUCCESS, "num_requests_running")) for title in ("Success rate", "Success rate over time",
+                                                                       "Requests / min", "Requests / min over time")),
+    *((QUERIES, title, (SUCCESS,)) for title in ("Successful Requests Over Time", "Requests Avg Rate")),
+    *((QUERIES, f"{p} Latency", (E2E,)) for p in ("p50", "p90", "p99")),
+    *((QUERIES, title, ("request_prompt_tokens_count+",)) for title in (
+        "Input Token Size Distribution", "Input Token Size p90", "Input Token Size p50", "Input Token Size p99")),
+    (QUERIES, "Input Token Size Avg", ("prompt_tokens_total+", SUCCESS)),
+    *((QUERIES, title, ("prompt_tokens_total+",)) for title in ("Input Tokens Over Time", "Input Tokens/Sec Avg")),
+    *((QUERIES, title, ("generation_tokens_total+",)) for title in ("Output Tokens Over Time", "Output Tokens/Sec Avg")),
+    *((PERF, f"E2E Latency {s}", (E2E,)) for s in ("over Time", "(P99)", "(P90)", "(Avg)", "(P50)")),
+    *((PERF, f"TTFT {s}", (TTFT,)) for s in ("Over Time", "(P99)", "(P90)", "(Avg)", "(P50)")),
+    *((PERF, f"ITL {s}", (ITL,)) for s in ("(Time Per Output Token) Over Time", "(P90)", "(P99)", "(Avg)", "(P50)")),
+    (PERF, "TPS (Tokens Per Second) Over Time", ("generation_tokens_total+", "prompt_tokens_total+",
+                                                 "iteration_tokens_total_count+")),
 ])
 
 NIXL = "`vllm:nixl_*`"
@@ -172,4 +217,9 @@ CANNOT_APPLY: tuple[Skip, ...] = tuple(Skip(d, t, w) for d, t, w in [
     (KV, "CPU offload buffer usage", "`vllm:kv_offload_cpu_cache_usage_perc`"),
     (KV, "Failed and skipped stores / s", "`vllm:kv_offload_allocation_failure_total`"),
     *((KV, t, SIMPLE) for t in ("Store admission outcomes", "Blocks restored from offload / s", "Offload pool blocks")),
+    (INSTANCES, "LoRA adapters", "`vllm:lora_requests_info`"),
+    (INSTANCES, "Sleep mode and weight update operations (since process start)",
+     "`vllm:sleep_mode_operation_duration_seconds`"),
+    (INSTANCES, "Estimated compute per GPU", "`vllm:estimated_flops_per_gpu_total`"),
+    (INSTANCES, "Estimated memory traffic per GPU", "`vllm:estimated_flops_per_gpu_total`"),
 ])
