@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
+from data_plane.common.http_metrics import HttpMetrics
 from data_plane.common.slow_clients import SlowClientMetrics
 
 JOBS: dict[str, str] = {
@@ -83,7 +84,7 @@ def _shard(registry: CollectorRegistry) -> list[object]:
 
     metrics = ShardMetrics(registry, model_name="catalogue")
     return [metrics, metrics.spec, metrics.kv_tier, metrics.grammar, KVReportMetrics(registry, "catalogue"),
-            SlowClientMetrics(registry, "shard")]
+            SlowClientMetrics(registry, "shard"), HttpMetrics(registry)]
 
 
 def _gateway(registry: CollectorRegistry) -> list[object]:
@@ -264,9 +265,6 @@ two in step):
 
 - `vllm:gpu_cache_usage_perc`: GPU cache usage, vLLM's earlier name of `vllm:kv_cache_usage_perc` (which
   is exported); shards run on CPU.
-- `http_requests_total`: vLLM's API server HTTP metrics (`http_requests_total`,
-  `http_request_duration_seconds`, by `handler` and `status` class) are not exported yet; the gateway's
-  requests are `switchboard_gateway_requests_total{code}` and its latency `switchboard_gateway_*_seconds`.
 - `vllm:num_requests_kv_fetch_by_stage`: nothing waits on a KV transfer here (a shard fetches from the
   cache nodes before it queues the request), so `vllm:num_requests_waiting_by_reason{reason="deferred"}`
   is not exported either; only `capacity` is.

@@ -35,6 +35,7 @@ from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, CLIENT_DISCONNECT
 from data_plane.common.errors import ModelNotFound, Overloaded, SwitchboardError, install_error_handlers
 from data_plane.common.hop_auth import cluster_headers, cluster_token_from_env, guarded
 from data_plane.common.http_body import read_body
+from data_plane.common.http_metrics import install_http_metrics
 from data_plane.common.keepalive import KEEPALIVE_COMMENT, KEEPALIVE_META, with_keepalives
 from data_plane.common.kv_report import SINCE_HEADER
 from data_plane.common.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
@@ -190,6 +191,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
 
     app = FastAPI(title="Switchboard shard", version="0.1.0", lifespan=lifespan, **fastapi_options())
     install_error_handlers(app)
+    install_http_metrics(app, registry)
     app.add_route("/debug/spans", guarded(recent_spans_endpoint, cluster_token_from_env()))
 
     async def metrics_view(request: Request) -> Response:

@@ -57,7 +57,7 @@ NO_MODEL_NAME = {"vllm:cache_config_info"}
 
 
 def _v(*names: str) -> tuple[str, ...]:
-    return tuple("vllm:" + n if not n.startswith(("up", "process_")) else n for n in names)
+    return tuple("vllm:" + n if not n.startswith(("up", "process_", "http_")) else n for n in names)
 
 
 TTFT, ITL, E2E = "time_to_first_token_seconds_count+", "inter_token_latency_seconds_count+", \
@@ -86,6 +86,10 @@ FILLS: tuple[Panel, ...] = tuple(Panel(d, t, _v(*s)) for d, t, s in [
     (CLASSIC, "Requests Prefill and Decode Time", PHASES[1:]),
     (CLASSIC, "Max Generation Token in Sequence Group", ("request_max_num_generation_tokens_count+",)),
     (OVERVIEW, "Requests / s", (SUCCESS,)),
+    (OVERVIEW, "5xx ratio", ("http_requests_total{status=2xx}+",)),  # no 5xx wanted: the ratio is 0, not empty
+    (OVERVIEW, "HTTP requests by status", ("http_requests_total{status}+",)),
+    (OVERVIEW, "HTTP requests by endpoint", ("http_requests_total{handler=/v1/chat/completions}+",)),
+    (OVERVIEW, "HTTP mean duration by endpoint", ("http_request_duration_seconds_count{handler}+",)),
     (OVERVIEW, "Input tok/s", ("prompt_tokens_total+",)),
     (OVERVIEW, "Output tok/s", ("generation_tokens_total+",)),
     (OVERVIEW, "TTFT p95", (TTFT,)),
@@ -206,10 +210,6 @@ NIXL = "`vllm:nixl_*`"
 SIMPLE = "`vllm:simple_kv_offload_*`"
 CANNOT_APPLY: tuple[Skip, ...] = tuple(Skip(d, t, w) for d, t, w in [
     (CLASSIC, "Cache Utilization", "`vllm:gpu_cache_usage_perc`"),
-    (OVERVIEW, "5xx ratio", "`http_requests_total`"),
-    (OVERVIEW, "HTTP requests by status", "`http_requests_total`"),
-    (OVERVIEW, "HTTP requests by endpoint", "`http_requests_total`"),
-    (OVERVIEW, "HTTP mean duration by endpoint", "`http_requests_total`"),
     (KV, "Requests waiting on KV loads", "`vllm:num_requests_kv_fetch_by_stage`"),
     *((KV, t, NIXL) for t in ("Transfer duration", "Transfer throughput", "Transfers / s", "Bytes per transfer",
                               "Transfer post time", "Descriptors per transfer", "Transfer failures / s")),
