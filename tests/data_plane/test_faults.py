@@ -8,7 +8,7 @@ import time
 import httpx
 import openai
 
-from tests.support.cluster import KEYS, Cluster, static_shards, stored_session
+from tests.support.cluster import FP32_SHARD, KEYS, Cluster, static_shards, stored_session
 from tests.support.metrics import metric
 
 
@@ -130,7 +130,7 @@ def test_mid_stream_failover_real_model_float32_equals_uninterrupted() -> None:
     its text equals the uninterrupted run (the gateway resumes on the other shard)."""
     global MODEL
     MODEL = "SmolLM2-135M-Instruct"
-    with static_shards(2) as (shards, gw):
+    with static_shards(FP32_SHARD, FP32_SHARD) as (shards, gw):
         prompts = [f"Write a short story about a robot named Unit-{i} who learns to paint." for i in range(16)]
         reference = _stream_all(gw.url, prompts, 40)
         killed = []

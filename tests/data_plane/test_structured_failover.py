@@ -16,7 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.support.cluster import KEYS, static_shards
+from tests.support.cluster import FP32_SHARD, KEYS, static_shards
 from tests.support.metrics import metric
 from tests.support.procs import Service
 
@@ -41,7 +41,8 @@ KILL_AFTER = 6
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[list[Service], Service]]:
     # a generous silence bound: only the kill should move a stream (2 loaded cores)
-    with static_shards(3, gateway_args=("--silence-timeout-s", "30"), ready_timeout=240) as (shards, gw):
+    with static_shards(FP32_SHARD, FP32_SHARD, FP32_SHARD, gateway_args=("--silence-timeout-s", "30"),
+                       ready_timeout=240) as (shards, gw):
         yield shards, gw
 
 

@@ -19,11 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dashboards.catalogue import JOBS, NOTES
+from dashboards.catalogue import NOTES
 from dashboards.check import HttpPrometheus, check_dir
 from tests.observability.vllm_panels import CANNOT_APPLY, FILLS, NO_MODEL_NAME, parse
 from tests.support.cluster import Cluster
-from tests.support.prometheus import PROMETHEUS, Prometheus
+from tests.support.prometheus import PROMETHEUS, Prometheus, watched
 from tests.support.waits import eventually
 
 BLOCK_BYTES = 2 * 30 * 3 * 16 * 64 * 4  # SmolLM2-135M, float32: one 16-token block of K and V
@@ -80,16 +80,7 @@ def test_vllm_dashboard_panels_fill(tmp_path: Path) -> None:
     cluster = Cluster(shards=1, caches=1, engine="torch", shard_args=[
         "--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "1024",
         "--prefix-cache-bytes", str(12 * BLOCK_BYTES)])
-    hostport = lambda url: url.removeprefix("http://")
-    scrape = {JOBS["control-plane"]: [hostport(cluster.control_plane.url)],
-              JOBS["gateway"]: [hostport(cluster.gateway.url)],
-              JOBS["shard"]: [hostport(s.url) for s in cluster.shards],
-              JOBS["cache-node"]: [hostport(c.url) for c in cluster.caches]}
-    prometheus = Prometheus(tmp_path, scrape)
-    prometheus.start()
-    try:
-        cluster.start()
-        prometheus.wait_ready()
+    with watched(cluster, tmp_path) as prometheus:
         drive(cluster)
         time.sleep(2)
         drive(cluster)  # a second wave, scraped apart from the first: every counter has an increase
@@ -109,9 +100,3 @@ def test_vllm_dashboard_panels_fill(tmp_path: Path) -> None:
         assert not [p.errors for b in boards for p in b.panels if p.errors]
         overview = next(b for b in boards if b.file == "overview.json")
         assert overview.filled > len(overview.panels) // 2, [p.title for p in overview.panels if not p.filled]
-    except BaseException:
-        print("--- prometheus log ---\n" + prometheus.log_tail())
-        raise
-    finally:
-        prometheus.stop()
-        cluster.stop()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Self
@@ -90,13 +90,18 @@ class Cluster:
         self.stop()
 
 
+FP32_SHARD = ("--dtype", "float32", "--threads", "1")
+"""A real-model shard's flags where greedy output must not depend on batching: float32, one thread."""
+
+
 @contextmanager
-def static_shards(count: int, *, shard_args: tuple[str, ...] = ("--dtype", "float32", "--threads", "1"),
-                  gateway_args: tuple[str, ...] = (), ready_timeout: float = 180) -> Iterator[tuple[list[Service], Service]]:
-    """`count` real-model shards started at once and a gateway routing to them by ``--shard-urls`` (no
-    registry; its one cache URL answers nothing): ``with static_shards(2) as (shards, gw): ...``. Every
-    process is stopped on exit; a test may kill a shard first."""
-    shards = [Service(["shard", *shard_args], ready_timeout=ready_timeout) for _ in range(count)]
+def static_shards(*each: Sequence[str], gateway_args: Sequence[str] = (),
+                  ready_timeout: float = 180) -> Iterator[tuple[list[Service], Service]]:
+    """One real shard per flag list in `each`, started at once, and a gateway routing to them by
+    ``--shard-urls`` (no registry; its one cache URL answers nothing):
+    ``with static_shards(FP32_SHARD, FP32_SHARD) as (shards, gw): ...``. Every process is stopped on
+    exit; a test may kill a shard first."""
+    shards = [Service(["shard", *args], ready_timeout=ready_timeout) for args in each]
     for s in shards:
         s.start(wait=False)
     try:
