@@ -209,38 +209,26 @@ def test_killed_stage_mid_stream_every_stream_completes_as_uninterrupted() -> No
     shards (one pipelined): 16/16 complete, each text equal to an uninterrupted run, and the
     pipelined shard exits (its supervisor would replace the group)."""
     from tests.data_plane import test_faults
-    from tests.support.cluster import api_keys_env
+    from tests.support.cluster import FP32_SHARD, static_shards
 
     test_faults.MODEL = "SmolLM2-135M-Instruct"
-    piped = Service(["shard", "--dtype", "float32", "--threads", "1", "--pipeline-parallel-size", "2"],
-                    ready_timeout=240)
-    plain = Service(["shard", "--dtype", "float32", "--threads", "1"], ready_timeout=240)
-    shards = [piped, plain]
-    for s in shards:
-        s.start(wait=False)
-    try:
-        for s in shards:
-            s.wait_healthy()
-        with Service(["gateway", "--shard-urls", ",".join(s.url for s in shards), "--cache-urls",
-                      "http://127.0.0.1:1"], env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()}) as gw:
-            prompts = [f"Write a short story about a robot named Unit-{i} who learns to paint." for i in range(16)]
-            reference = test_faults._stream_all(gw.url, prompts, 32)
-            (stage,) = _stage_pids(piped)
-            killed: list[bool] = []
+    with static_shards((*FP32_SHARD, "--pipeline-parallel-size", "2"), FP32_SHARD,
+                       ready_timeout=240) as ((piped, _plain), gw):
+        prompts = [f"Write a short story about a robot named Unit-{i} who learns to paint." for i in range(16)]
+        reference = test_faults._stream_all(gw.url, prompts, 32)
+        (stage,) = _stage_pids(piped)
+        killed: list[bool] = []
 
-            def kill_once(streams_started: int, chunks: int) -> None:
-                if streams_started == len(prompts) and not killed:
-                    killed.append(True)
-                    os.kill(stage, signal.SIGKILL)
+        def kill_once(streams_started: int, chunks: int) -> None:
+            if streams_started == len(prompts) and not killed:
+                killed.append(True)
+                os.kill(stage, signal.SIGKILL)
 
-            got = test_faults._stream_all(gw.url, prompts, 32, on_progress=kill_once)
-            assert killed
-            assert got == reference
-            assert _exit_within(piped, 15) == 1, piped.log_tail()
-            assert "stage 1" in piped.log_tail()
-    finally:
-        for s in shards:
-            s.stop()
+        got = test_faults._stream_all(gw.url, prompts, 32, on_progress=kill_once)
+        assert killed
+        assert got == reference
+        assert _exit_within(piped, 15) == 1, piped.log_tail()
+        assert "stage 1" in piped.log_tail()
 
 
 def test_switchboard_up_starts_pipeline_groups_and_caps_stage_processes(tmp_path) -> None:
