@@ -309,9 +309,9 @@ class KVMirror(Protocol):
         ``[n, 2, layers, kv_heads, bs, head_dim]``: each stage keeps its own layers' part."""
         ...
 
-    def gather(self, slot: int, first: int, end: int, out: torch.Tensor) -> None:
+    def gather(self, slot: int, first: int, end: int, out: torch.Tensor) -> bool:
         """Blocks ``first..end`` of `slot` on the later stages' layers into `out`
-        (``[n, 2, layers, kv_heads, bs, head_dim]``, every layer of the model)."""
+        (``[n, 2, layers, kv_heads, bs, head_dim]``, every layer of the model); False: not now."""
         ...
 
 

@@ -26,10 +26,12 @@ splits a pass's items into up to `microbatches` (default N) contiguous runs of a
 batched) and `Hops.submit`s each as soon as stage 0's layers are done, without waiting (isend):
 while stage 1 runs micro-batch k, stage 0 runs k+1, and the head runs on k's returned rows while
 later stages run k+1. Rows come back in the order sent (`Hops.collect`). A sequence is in exactly
-one micro-batch of a pass, and the step's plan, its slot moves and prefix copies (between passes,
-never while one is in flight) are the scheduler's as before: aborts, deadlines, speculation and
-the lost-stage handling do not see micro-batches. Not (yet) vLLM's queue *across* steps: a step
-waits for its last micro-batch, so the bubble per step is about (N-1)/(M+N-1) stage-passes, not 0.
+one micro-batch of a pass. Across steps, the engine's batch queue (batch_queue.py, vLLM v1's
+`step_with_batch_queue`) keeps up to B (default N) scheduler plans in flight: the decoding
+sequences go in B contiguous groups, and stage 0 plans and sends the next group while the
+previous one is still in the later stages; a sequence is in at most one plan in flight, and slot
+moves and admissions wait until none is (scheduler.py). Prefix-cache copies for a slot not in
+flight may be sent while passes are (every stage applies them in the order stage 0 sent them).
 
 Everything above the runner is unchanged: the scheduler, chunked and beside prefill, priorities,
 speculation (a verify pass is one forward through the stages), prefix caching: stage 0's PrefixCache
@@ -224,6 +226,8 @@ class Hops:
         self._active_since = 0.0
         self.max_in_flight = 0
         """The most passes ever in flight at once (sent by stage 0, rows not yet back)."""
+        self._loose: list[tuple[torch.Tensor, ...]] = []  # prefix copies sent while passes were in flight
+        self._loose_works: list[Any] = []
 
     def forward(self, slots: Sequence[int], lens: Sequence[int], starts: Sequence[int], wanted: Sequence[int],
                 batched: bool, x: torch.Tensor, began: float | None = None) -> torch.Tensor:
@@ -247,8 +251,11 @@ class Hops:
             self._active_since = began
         xw = wire(x.contiguous())
         works = [self.dist.isend(h, 1), self.dist.isend(xw, 1), self.dist.isend(t, 1)]
+        # Prefix copies sent without waiting before this pass: received once its rows are back.
+        works[:0], self._loose_works = self._loose_works, []
+        buffers, self._loose = (h, xw, t, *(b for pair in self._loose for b in pair)), []
         ticket = _Ticket(tuple(slots), tuple(starts), sum(wanted), began, len(self._in_flight) + 1,
-                         h.numel() * 8 + x.numel() * x.element_size() + t.numel() * 8, (h, xw, t), works)
+                         h.numel() * 8 + x.numel() * x.element_size() + t.numel() * 8, buffers, works)
         self._in_flight.append(ticket)
         self.max_in_flight = max(self.max_in_flight, ticket.in_flight)
         return ticket
@@ -311,8 +318,9 @@ class Hops:
     # The KV tier's side: blocks on the cache nodes hold every layer; each stage has its own.
 
     def insert(self, idxs: Sequence[int], kv: torch.Tensor) -> None:
-        """Scatter: each later stage keeps its layers of fetched blocks `kv` in pool blocks `idxs`."""
-        assert not self._in_flight, "KV-tier copies run between passes"
+        """Scatter: each later stage keeps its layers of fetched blocks `kv` in pool blocks `idxs`. With
+        passes in flight (the batch queue) it is sent without waiting, like a prefix copy (`_blocks`):
+        each stage applies it after them, in order, and no pass in flight reads these new blocks."""
         t0 = time.perf_counter()
         h = torch.zeros(header_size(self.spec.max_num_seqs), dtype=torch.long)
         h[:HEADER_FIXED] = torch.tensor([OP_INSERT, len(idxs), 0, 0])
@@ -322,13 +330,22 @@ class Hops:
         works = [self.dist.isend(h, 1)]
         for rank, part in enumerate(parts, 1):
             works += [self.dist.isend(index, rank), self.dist.isend(part, rank)]
-        for work in works:
-            work.wait()
+        if self._in_flight:  # the buffers ride on the next pass submitted (see _blocks)
+            self._loose.append((h, index, *parts))
+            self._loose_works += works
+        else:
+            for work in works:
+                work.wait()
         self._kv_done(KVHop.SCATTER, len(idxs), sum(p.numel() * p.element_size() for p in parts), t0)
 
-    def gather(self, slot: int, first: int, end: int, out: torch.Tensor) -> None:
-        """Gather: blocks ``first..end`` of `slot` from each later stage's layers into `out` (every layer)."""
-        assert not self._in_flight, "KV-tier copies run between passes"
+    def gather(self, slot: int, first: int, end: int, out: torch.Tensor) -> bool:
+        """Gather: blocks ``first..end`` of `slot` from each later stage's layers into `out` (every layer).
+        False (nothing done) while passes are in flight (the batch queue): the last stage's part would
+        come back among their rows. Not yet: gathering such a turn later, from the pool blocks it was
+        stored in (docs/SHARDING.md)."""
+        if self._in_flight:
+            log.info("pipeline KV gather skipped: %d passes in flight; the turn's blocks stay local", len(self._in_flight))
+            return False
         t0 = time.perf_counter()
         h = self.header
         h.zero_()
@@ -341,6 +358,7 @@ class Hops:
             out[:, :, lo:hi].copy_(part)
             nbytes += part.numel() * part.element_size()
         self._kv_done(KVHop.GATHER, end - first, nbytes, t0)
+        return True
 
     def _kv_done(self, op: KVHop, blocks: int, nbytes: int, t0: float) -> None:
         seconds = time.perf_counter() - t0
@@ -349,13 +367,23 @@ class Hops:
         self.on_kv(op, blocks, nbytes, seconds)
 
     def _blocks(self, op: int, slot: int, count: int, values: torch.Tensor) -> None:
-        """A LOAD (`count` pool indices) or STORE (`count` (block number, pool index) pairs) for `slot`."""
-        assert not self._in_flight, "prefix-cache copies run between passes"
-        h = self.header
-        h.zero_()
+        """A LOAD (`count` pool indices) or STORE (`count` (block number, pool index) pairs) for `slot`.
+        May run while passes are in flight (the batch queue: a finished sequence's blocks kept): every
+        stage applies it after them, in the order stage 0 sent everything (one gloo pair a hop, in
+        order), and no pass in flight touches `slot` (a sequence is in at most one plan in flight).
+        With passes in flight it is sent without waiting (isend), like a pass: a blocking send would
+        wait for stage 1 to receive it while stage 1 waits for stage 0 to take an earlier pass's rows
+        (a deadlock); its buffers ride on the next pass submitted, whose rows coming back prove it
+        was received."""
+        assert slot not in {s for t in self._in_flight for s in t.slots}, "a prefix copy for a slot in flight"
+        h = torch.zeros(header_size(self.spec.max_num_seqs), dtype=torch.long)
         h[:HEADER_FIXED] = torch.tensor([op, slot, count, 0])
-        self.dist.send(h, 1)
-        self.dist.send(values, 1)
+        if not self._in_flight:
+            self.dist.send(h, 1)
+            self.dist.send(values, 1)
+            return
+        self._loose.append((h, values))
+        self._loose_works += [self.dist.isend(h, 1), self.dist.isend(values, 1)]
 
 
 class PipelineGroup:

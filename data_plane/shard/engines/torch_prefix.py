@@ -176,15 +176,17 @@ class SlotPrefix:
             if self.remote is not None and req is not None:
                 first = self.remote.stored_blocks(req, hashes)
                 if first is not None and first < len(hashes):
-                    self.remote.export(req, hashes, first, self._copy_out(slot, first, len(hashes)))
+                    kv = self._copy_out(slot, first, len(hashes))
+                    if kv is not None:  # None: a pipeline could not gather its stages' layers now
+                        self.remote.export(req, hashes, first, kv)
         self.cache.release(held)
 
-    def _copy_out(self, slot: int, first: int, end: int) -> torch.Tensor:
+    def _copy_out(self, slot: int, first: int, end: int) -> torch.Tensor | None:
         """Blocks ``first..end`` of `slot` as ``[n, 2, layers, kv_heads, bs, head_dim]`` (a copy), every
         layer: a pipeline's later stages send theirs (the cache's mirror, pipeline.Hops.gather)."""
         r = self._runner
         out = torch.empty((end - first, *self.block_shape), dtype=r.dtype)
         copy_out_blocks(r.k_cache, r.v_cache, slot, first, end, self.block_size, out)
-        if self.cache.mirror is not None:
-            self.cache.mirror.gather(slot, first, end, out)
+        if self.cache.mirror is not None and not self.cache.mirror.gather(slot, first, end, out):
+            return None
         return out
