@@ -39,7 +39,7 @@ def _worker(rank: int, port: int, hidden: int, rows: list[int], repeats: int, ou
     import torch
     import torch.distributed as dist
 
-    from data_plane.shard.engines.pipeline import use_interface_of
+    from data_plane.shard.engines.pipeline_net import use_interface_of
 
     torch.set_num_threads(1)
     use_interface_of(bind)  # gloo on this address's interface, as a pipeline stage does

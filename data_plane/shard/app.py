@@ -96,8 +96,7 @@ def build_engine(settings: ShardSettings, metrics: ShardMetrics | None) -> Engin
         pipeline_parallel_size=settings.pipeline_parallel_size, pipeline_layers=settings.pipeline_layers,
         pipeline_stage_timeout_s=settings.pipeline_stage_timeout_s,
         pipeline_microbatches=settings.pipeline_microbatches, pipeline_batch_queue=settings.pipeline_batch_queue,
-        pipeline_host=settings.pipeline_host, pipeline_port=settings.pipeline_port,
-        pipeline_remote_stages=tuple(int(r) for r in (settings.pipeline_remote_stages or "").split(",") if r),
+        **settings.pipeline_placement(),
     )
     return TorchEngine(config, MetricsListener(metrics) if metrics else None)
 

@@ -121,5 +121,11 @@ class ShardSettings(BaseSettings):
     def _json_list(cls, v: Any) -> Any:
         return json.loads(v) if isinstance(v, str) else v
 
+    def pipeline_placement(self) -> dict[str, Any]:
+        """Where the pipeline group lives, as EngineConfig fields (a stage on another host joins it)."""
+        remote = tuple(int(r) for r in (self.pipeline_remote_stages or "").split(",") if r)
+        return {"pipeline_host": self.pipeline_host, "pipeline_port": self.pipeline_port,
+                "pipeline_remote_stages": remote}
+
 
 __all__ = ["ShardSettings"]

@@ -38,7 +38,7 @@ def joined(join: str, rank: int, bind: str, threads: int | None) -> list[str]:
     TCPStore at `join` (HOST:PORT), with this host's own address (and threads) for its gloo device."""
     import torch.distributed as dist
 
-    from data_plane.shard.engines.pipeline import STORE_WAIT_S
+    from data_plane.shard.engines.pipeline_net import STORE_WAIT_S
 
     host, _, port = join.rpartition(":")
     store = dist.TCPStore(host, int(port), None, False, timeout=timedelta(seconds=STORE_WAIT_S))
@@ -102,10 +102,9 @@ def main(argv: list[str] | None = None) -> None:
         OP_STORE,
         TIMING_COLS,
         header_size,
-        heartbeat,
-        use_interface_of,
         wire,
     )
+    from data_plane.shard.engines.pipeline_net import heartbeat, use_interface_of
     from data_plane.shard.engines.torch_config import DTYPES
     from data_plane.shard.engines.weight_source import CpuCaps, resolve_plan
 
