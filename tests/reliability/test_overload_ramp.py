@@ -63,8 +63,9 @@ from tests.support.procs import Service
 pytestmark = pytest.mark.slow
 
 HOST_SHARDS = max(2, usable_cores())
-"""One-thread shards this host holds (the cores this process may use: affinity and cgroup quota, not the host's count): past its cores a third shard slows all three (on 2 cores it made
-enterprise TTFT p95 3.1x unloaded at 2x); the scale-out is then recorded with the outcome "capped"."""
+"""One-thread shards this host holds, counted from the cores this process may use (affinity and cgroup quota,
+not the host's count): past them a third shard slows all three (on 2 cores it made enterprise TTFT p95
+3.1x unloaded at 2x); the scale-out is then recorded with the outcome "capped"."""
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 CAPACITY_S = 40.0
