@@ -20,11 +20,17 @@ def post(c: Cluster, body: dict, key: str = KEYS["plus"], headers: dict | None =
 
 def test_killed_shard_requests_still_succeed_and_it_leaves_routing() -> None:
     with Cluster(shards=2, caches=1, token_delay_ms=1) as c:
-        c.shards[0].kill()
-        t_kill = time.monotonic()
+        killed_at: list[float] = []
 
-        async def burst() -> list[int]:
+        async def burst(kill_first: bool = False) -> list[int]:
             sdk = openai.AsyncOpenAI(base_url=c.gateway.url + "/v1", api_key=KEYS["plus"], max_retries=0)
+            if kill_first:
+                # The client built and connected before the kill, so the burst reaches the gateway
+                # within milliseconds of it: on a loaded host, building it after the kill took longer
+                # than the registry's 2 s TTL, the dead shard was gone and nothing was retried.
+                await sdk.models.list()
+                c.shards[0].kill()
+                killed_at.append(time.monotonic())
             rs = await asyncio.gather(*(sdk.chat.completions.with_raw_response.create(
                 model="synthetic", messages=[{"role": "user", "content": f"q {i}"}], max_tokens=4)
                 for i in range(16)))
@@ -32,7 +38,8 @@ def test_killed_shard_requests_still_succeed_and_it_leaves_routing() -> None:
             return [r.status_code for r in rs]
 
         # Right after the kill the registry still lists the dead shard: the router must retry.
-        assert asyncio.run(burst()) == [200] * 16
+        assert asyncio.run(burst(kill_first=True)) == [200] * 16
+        t_kill = killed_at[0]
         assert metric(c.gateway.url, "switchboard_router_retries_total") >= 1
         # The registry notices (TTL) and the gateway stops routing there.
         c.wait_members(shards=1, caches=1, timeout=5)
