@@ -42,3 +42,16 @@ def test_entry_module_imports_no_model_library(command: str) -> None:
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     assert loaded == [], (f"`switchboard {command}` ({module}) imports {loaded} at start-up: make that import "
                           f"lazy (run `python -X importtime -c 'import {module}'` to see the chain)")
+
+
+def test_the_gateways_counter_for_the_default_model_loads_no_model_library_but_tokenizers() -> None:
+    """A gateway in front of real shards counts tokens with the model's tokenizer.json (data_plane/gateway/
+    context.py): the `tokenizers` library, not transformers (whose import, and torch's with it, cost seconds)."""
+    probe = ("import json, sys; from data_plane.gateway.context import TokenCounter; "
+             "n = TokenCounter.for_model(None).count('hello world'); "
+             f"print(json.dumps([n, sorted(m for m in {list(HEAVY)!r} if m in sys.modules)]))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    count, loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert count == 2 and loaded == ["tokenizers"], loaded
