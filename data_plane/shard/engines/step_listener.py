@@ -64,6 +64,9 @@ class StepListener:
     def on_pipeline_pass(self, timing: PassTiming) -> None:
         """One forward pass through every pipeline stage: each stage's compute, each hop's time and bytes."""
 
+    def on_batch_sent(self, in_flight: int, decode: bool) -> None:
+        """A pipeline's batch queue sent a plan (batch_queue.py): plans in flight, itself included."""
+
     def on_grammar_compile(self, kind: str, seconds: float, outcome: str) -> None:
         """A grammar compile ended (engines/grammar.py): outcome compiled, cache_hit or a refusal reason."""
 
