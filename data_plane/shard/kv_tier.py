@@ -33,9 +33,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
 from data_plane.kv_wire import (
     REJECT_SEALED,
     BlockHeader,
@@ -50,6 +47,7 @@ from data_plane.shard.kv_seal import KVSealer, block_scopes
 
 if TYPE_CHECKING:
     import httpx
+    import torch
 
     from data_plane.membership.view import MembershipView
     from data_plane.shard.engines.base import GenerationRequest, KVSessionRef
@@ -226,6 +224,8 @@ class KVTier:
         return block_scopes(n, self.prefix.block_size, salt, public_tokens)
 
     def _frames(self, hashes: list[bytes], kv: torch.Tensor, scopes: Sequence[str]) -> list[bytes | bytearray]:
+        import torch  # lazy: a synthetic shard (no tier) must not pay torch's import at start-up
+
         raw = kv.contiguous().view(torch.uint8).reshape(len(hashes), -1).numpy()
         if self.sealer is not None:
             return [self.sealer.seal_frame(self._header(h), memoryview(raw[j]), scopes[j])
@@ -330,6 +330,9 @@ class KVTier:
             reason = exc.reason
         if not frames:
             return None, 0, reason
+        import numpy as np
+        import torch
+
         kv = torch.empty((len(frames), *p.block_shape), dtype=p.torch_dtype)
         flat = kv.view(torch.uint8).reshape(len(frames), -1).numpy()
         for j, (header, payload) in enumerate(frames):

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.common.telemetry import E2E_BUCKETS, LATENCY_BUCKETS
 from data_plane.shard.engines.base import Engine, EngineStats, GenerationOutput
-from data_plane.shard.engines.torch_config import StepListener
+from data_plane.shard.engines.step_listener import StepListener
 from data_plane.shard.grammar_metrics import StructuredMetrics
 from data_plane.shard.kv_metrics import KVTierMetrics
 from data_plane.shard.spec_metrics import SpecMetrics
