@@ -54,7 +54,9 @@ class BenchConfig:
     pipeline_parallel_size: int = 1
     """switchboard: stage processes (`--pipeline-parallel-size`), sharing `threads` between them."""
     pipeline_microbatches: int = 0
-    """switchboard: micro-batches in flight through the stages (`--pipeline-microbatches`; 0: as many as stages)."""
+    """switchboard: micro-batches a pass that goes alone (`--pipeline-microbatches`; 0: as many as stages)."""
+    pipeline_batch_queue: int = 0
+    """switchboard: plans in flight across steps (`--pipeline-batch-queue`; 0: as many as stages; 1: off)."""
     quantization: str = "auto"
     """switchboard's weight format (--quantization: auto, none, int8, int4); naive HF always runs dense."""
 
@@ -119,6 +121,7 @@ class SwitchboardSystem:
                 threads=max(1, config.threads // config.pipeline_parallel_size),
                 pipeline_parallel_size=config.pipeline_parallel_size,
                 pipeline_microbatches=config.pipeline_microbatches,
+                pipeline_batch_queue=config.pipeline_batch_queue,
                 speculation=self.speculation,
                 spec_max_batch=config.spec_max_batch,
                 num_speculative_tokens=config.num_speculative_tokens,
@@ -163,6 +166,15 @@ class SwitchboardSystem:
         group = self.engine.pipeline
         pids = ["self"] + ([str(p.pid) for _, p in sorted(group.procs.items())] if group is not None else [])
         return [round(rss_kib(pid) / 1024, 1) for pid in pids]
+
+    def stage_weights_mb(self) -> list[float]:
+        """Weights resident in each pipeline stage (stage 0: with the embedding and head), MiB: a
+        stage's memory less these (and its touched KV) is the fixed overhead of a process."""
+        group = self.engine.pipeline
+        sizes = [self.engine._runner.resident_weight_bytes]  # type: ignore[attr-defined]
+        if group is not None:
+            sizes += [int(info.get("weight_bytes", 0)) for _, info in sorted(group.stage_info.items())]
+        return [round(b / 2**20, 1) for b in sizes]
 
     async def aclose(self) -> None:
         await self.engine.aclose()

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Self
 
 import httpx
 
-from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, Service, free_port
+from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, Service, free_port, stop_all
 
 KEYS = {
     "free": "sk-test-free-0123456789",
@@ -78,14 +80,40 @@ class Cluster:
         raise AssertionError(f"gateway did not see {shards} shards / {caches} caches: {seen}")
 
     def stop(self) -> None:
-        for s in [self.gateway, *self.shards, *self.caches, self.control_plane]:
-            s.stop()
+        # The members together, then the registry they deregister from (it outlives them, as before).
+        stop_all([self.gateway, *self.shards, *self.caches])
+        self.control_plane.stop()
 
     def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+FP32_SHARD = ("--dtype", "float32", "--threads", "1")
+"""A real-model shard's flags where greedy output must not depend on batching: float32, one thread."""
+
+
+@contextmanager
+def static_shards(*each: Sequence[str], gateway_args: Sequence[str] = (),
+                  ready_timeout: float = 180) -> Iterator[tuple[list[Service], Service]]:
+    """One real shard per flag list in `each`, started at once, and a gateway routing to them by
+    ``--shard-urls`` (no registry; its one cache URL answers nothing):
+    ``with static_shards(FP32_SHARD, FP32_SHARD) as (shards, gw): ...``. Every process is stopped on
+    exit; a test may kill a shard first."""
+    shards = [Service(["shard", *args], ready_timeout=ready_timeout) for args in each]
+    for s in shards:
+        s.start(wait=False)
+    try:
+        for s in shards:
+            s.wait_healthy()
+        with Service(["gateway", "--shard-urls", ",".join(s.url for s in shards), "--cache-urls",
+                      "http://127.0.0.1:1", *gateway_args], env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()}) as gw:
+            yield shards, gw
+    finally:
+        for s in shards:
+            s.stop()
 
 
 def open_control_plane(*args: str, log_path: Path | None = None, port: int | None = None) -> Service:
@@ -113,8 +141,7 @@ def start_cache_nodes(count: int, *args: str, log_dir: Path | None = None) -> li
         for n in nodes:
             n.wait_healthy()
     except BaseException:
-        for n in nodes:
-            n.stop()
+        stop_all(nodes)
         raise
     return nodes
 

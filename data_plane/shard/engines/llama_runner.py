@@ -41,7 +41,14 @@ import torch
 import torch.nn.functional as F
 
 from data_plane.shard.engines.attention import PerSequence, SlotBatched
-from data_plane.shard.engines.model_files import Weightless, default_rope, lazy_zeros, read_config, read_dense
+from data_plane.shard.engines.model_files import (
+    Weightless,
+    default_rope,
+    lazy_zeros,
+    read_config,
+    read_dense,
+    stage_tensors,
+)
 from data_plane.shard.engines.prepared_weights import load_or_prepare
 from data_plane.shard.engines.weight_source import (
     DtypeReason,
@@ -99,6 +106,16 @@ def micro_batches(lens: Sequence[int], parts: int) -> list[tuple[int, int]]:
     return list(pairwise(bounds))
 
 
+def _unpack(items: Sequence[tuple[int, Sequence[int], int]], logits: Sequence[int] | None
+            ) -> tuple[list[int], list[int], list[int], torch.Tensor, list[int]]:
+    """A pass's items (slot, token ids, start) as slots, lens, starts, the packed ids and the wanted rows."""
+    slots = [slot for slot, _, _ in items]
+    lens = [len(ids) for _, ids, _ in items]
+    starts = [start for _, _, start in items]
+    ids = torch.tensor([t for _, seq, _ in items for t in seq], dtype=torch.long)
+    return slots, lens, starts, ids, [1] * len(items) if logits is None else list(logits)
+
+
 def select_rows(x: torch.Tensor, lens: Sequence[int], wanted: Sequence[int]) -> torch.Tensor:
     """The last `wanted[i]` rows of each item i of packed rows `x` (item i has `lens[i]` rows)."""
     if sum(wanted) == len(x):
@@ -153,9 +170,18 @@ class LlamaRunner:
             weights = WeightBuilder(plan, state=model.state_dict(), pack=pack)
         self.weights = weights
         self.packed = weights.pack and weights.plan.quantization == "none"
+        self.hidden_size = int(cfg.hidden_size)
         tied = bool(getattr(cfg, "tie_word_embeddings", False)) or not weights.has("lm_head.weight")
-        self.embed, self.lm_head = weights.embed_and_head(tied)
-        self.norm = weights.vector("model.norm.weight")
+        # The embedding, final norm and LM head live on stage 0 only (it embeds and applies the head:
+        # pipeline.py says why); a later stage holds its layers and nothing of the vocabulary.
+        self.holds_head = first == 0
+        if self.holds_head:
+            self.embed, self.lm_head = weights.embed_and_head(tied)
+            self.norm = weights.vector("model.norm.weight")
+        else:
+            self.embed = torch.empty(0, self.hidden_size, dtype=dtype)
+            self.lm_head = None  # type: ignore[assignment]
+            self.norm = torch.empty(0, dtype=dtype)
         self.layers: list[_Layer] = []
 
         for i in range(first, end):  # a pipeline stage: its own layers only
@@ -175,16 +201,20 @@ class LlamaRunner:
             )
         self.intermediate = self.layers[0].down.in_features
         self.weight_format = weights.label
-        self.weight_params = (self.lm_head.numel + (0 if tied else self.lm_head.numel) + self.norm.numel()
+        weights.release()  # the layers hold their own copies: the checkpoint's tensors go now
+        head_params = (self.lm_head.numel * (1 if tied else 2)) if self.holds_head else 0
+        self.weight_params = (head_params + self.norm.numel()
                               + sum(l.qkv.numel + l.o.numel + l.gate_up.numel + l.down.numel + 2 * l.ln_in.numel()
                                     for l in self.layers))
         """Parameters (a tied head and embedding once): 2x this is the model's dense bf16 bytes."""
         # Bytes a decode step reads: each weight once (a tied head and embedding are one table).
-        self._weight_bytes = (nbytes(self.lm_head) + (0 if tied else nbytes(self.embed)) + nbytes(self.norm)
+        head_bytes = (nbytes(self.lm_head) + (0 if tied else nbytes(self.embed))) if self.holds_head else 0
+        self._weight_bytes = (head_bytes + nbytes(self.norm)
                               + sum(nbytes(l.qkv) + nbytes(l.o) + nbytes(l.gate_up) + nbytes(l.down)
                                     + 2 * nbytes(l.ln_in) for l in self.layers))
         # Resident: a packed head is a second copy beside the dense embedding table (quantized formats share one).
-        self.resident_weight_bytes = self._weight_bytes + (nbytes(self.embed) if tied and self.packed else 0)
+        self.resident_weight_bytes = self._weight_bytes + (nbytes(self.embed) if tied and self.packed
+                                                           and self.holds_head else 0)
         # Rotary tables: a plain rope computed as transformers does (model_files.default_rope, no modeling
         # import); any other variant from the model's own rotary module.
         tables = default_rope(cfg, max_len)
@@ -219,11 +249,14 @@ class LlamaRunner:
         light = read_config(path)
         if light is not None and default_rope(light, 1) is not None:  # no transformers model class needed
             weights: WeightBuilder | None = None
+            # A pipeline stage reads its own tensors only: its memory is its share of the weights.
+            first, end = layer_range or (0, int(light.num_hidden_layers))
+            keep = stage_tensors(first, end, head=first == 0) if layer_range else None
             if quantized:
                 assert plan is not None and gguf is not None
                 weights = WeightBuilder(plan, gguf=load_or_prepare(gguf, path, light.num_attention_heads,
-                                                                   light.num_key_value_heads))
-            elif (state := read_dense(path, dtype)) is not None:
+                                                                   light.num_key_value_heads, keep))
+            elif (state := read_dense(path, dtype, keep)) is not None:
                 plan = plan or WeightPlan(_DTYPE_NAMES[dtype], DtypeReason.REQUESTED, "none", QuantReason.REQUESTED)
                 weights = WeightBuilder(plan, state=state)
             if weights is not None:
@@ -296,31 +329,39 @@ class LlamaRunner:
         `batched` the items are slots 0..n-1 in order (a decode or verify step: attention batched
         over cache views, attention.SlotBatched); else each attends against its own slot
         (attention.PerSequence). KV is written in one place, `_write_kv`."""
-        slots = [slot for slot, _, _ in items]
-        lens = [len(ids) for _, ids, _ in items]
-        starts = [start for _, _, start in items]
-        ids = torch.tensor([t for _, seq, _ in items for t in seq], dtype=torch.long)
-        wanted = [1] * len(items) if logits is None else list(logits)
         if self.downstream is not None:  # the later stages run their layers and send back the wanted rows
-            return self._pipelined(ids, slots, lens, starts, wanted, batched)
+            return self.collect(self.submit(items, logits, batched=batched))
+        slots, lens, starts, ids, wanted = _unpack(items, logits)
         x = self.run_layers(self.embed[ids], slots, lens, starts, batched)  # [T, H]
         return self.lm_head(self._rms(select_rows(x, lens, wanted), self.norm)).float()
 
-    def _pipelined(self, ids: torch.Tensor, slots: list[int], lens: list[int], starts: list[int],
-                   wanted: list[int], batched: bool) -> torch.Tensor:
-        """Stage 0's part of a pass, as up to `downstream.microbatches` micro-batches in flight: each
-        is sent on as soon as this stage's layers are done, so while stage 1 runs micro-batch k this
-        stage runs k+1; the wanted rows come back in order and get the head one micro-batch at a
-        time (while the later stages still work on the next). A sequence is in exactly one."""
+    @torch.inference_mode()
+    def submit(self, items: Sequence[tuple[int, Sequence[int], int]], logits: Sequence[int] | None = None,
+               *, batched: bool = False, microbatches: int | None = None) -> list[Any]:
+        """Stage 0's part of a pipelined pass (`forward`'s arguments), sent on without waiting for
+        its rows: tickets for `collect`. Split into up to `microbatches` (default the downstream's)
+        micro-batches in flight: each is sent on as soon as this stage's layers are done, so while
+        stage 1 runs micro-batch k this stage runs k+1. A sequence is in exactly one. Several
+        passes may be submitted before the first is collected (the engine's batch queue)."""
         down = self.downstream
-        assert down is not None
+        assert down is not None, "submit/collect is a pipeline's (a runner with a downstream)"
+        slots, lens, starts, ids, wanted = _unpack(items, logits)
         tickets, off = [], 0
-        for i, j in micro_batches(lens, down.microbatches):
+        for i, j in micro_batches(lens, microbatches or down.microbatches):
             began = time.time()
             n = sum(lens[i:j])
             x = self.run_layers(self.embed[ids[off : off + n]], slots[i:j], lens[i:j], starts[i:j], batched)
             tickets.append(down.submit(slots[i:j], lens[i:j], starts[i:j], wanted[i:j], batched, x, began))
             off += n
+        return tickets
+
+    @torch.inference_mode()
+    def collect(self, tickets: list[Any]) -> torch.Tensor:
+        """The logits of a submitted pass, as `forward` returns them: the wanted rows come back in
+        the order sent and get the head one micro-batch at a time (while the later stages still
+        work on the next); passes are collected in the order submitted."""
+        down = self.downstream
+        assert down is not None
         return torch.cat([self.lm_head(self._rms(down.collect(t), self.norm)).float() for t in tickets])
 
     def run_layers(self, x: torch.Tensor, slots: Sequence[int], lens: Sequence[int], starts: Sequence[int],
