@@ -400,13 +400,8 @@ class TorchEngine:
         if not req.params.greedy:
             gen = torch.Generator()
             gen.manual_seed(req.params.seed if req.params.seed is not None else torch.seed())
-        seq = SeqState(
-            req=req,
-            max_tokens=max_tokens,
-            sink=sink,
-            stream=TextStream(self._decode_ids, req.params.stop),
-            generator=gen,
-        )
+        seq = SeqState(req=req, max_tokens=max_tokens, sink=sink, stream=TextStream(self._decode_ids, req.params.stop),
+                       generator=gen)
         if self.prefix is not None:
             seq.block_hashes = self.prefix.hashes(req.prompt_ids, req.cache_salt, req.public_prefix_tokens)
         with self._lock:
