@@ -143,6 +143,17 @@ def read_dense(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor] | No
     return {k: v.to(dtype) for k, v in load_file(str(path)).items()}
 
 
+def read_tables(folder: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Just the named tensors of a single-file safetensors checkpoint, as stored (absent ones left out)."""
+    path = folder / "model.safetensors"
+    if not path.exists():
+        return {}
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return {n: f.get_tensor(n) for n in names if n in f.keys()}  # noqa: SIM118 (safe_open has no __contains__)
+
+
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor whose pages the kernel supplies on first touch (anonymous mmap), so allocating
     it is instant and untouched parts use no memory; small ones are plain `torch.zeros`."""
