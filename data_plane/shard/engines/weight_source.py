@@ -16,13 +16,19 @@ dtype auto
     Measured again 2026-12-02 (AMD EPYC Zen 4, avx512_bf16, 1 thread, under load, A/B in one run):
     `_weight_int4pack_mm_for_cpu` does take float32 activations (exact: within 1.4e-6 of the
     dequantized GEMM) but runs a reference loop, the model's four projections 70 ms against 0.12 ms
-    with bf16 activations at batch 1 (1.2 s / 9.3 ms at batch 16). Nor would float32 buy agreement:
-    greedy agreement with float32 dense on 12 prompts x 32 tokens (`switchboard bench quality`'s
-    prompts) was 50 % for bf16+int4, 58 % for float32 activations with the int4 GEMMs in bf16, and 58 %
-    for the int4 weights dequantized and run entirely in float32 (the ceiling of any activation dtype:
-    the Q4_1 weights themselves, not the activations, decide it); dense bf16 67 %. So auto keeps bf16
-    for quantized weights; ``--dtype float32 --quantization int4`` stays the exact, batch-invariant
-    and slow mode (tests/data_plane/test_quant_engine.py).
+    with bf16 activations at batch 1 (1.2 s / 9.3 ms at batch 16). What float32 buys is exactness:
+    the float32 reference's weights *are* the GGUF's blocks dequantized (the converted checkpoint), the
+    int4 kernel with float32 scales/zeros dequantizes Q4_1 bit-exactly (zero = m + 8d: w = (q - 8)d +
+    m + 8d = dq + m), and with float32 activations the table stays exact (below), so
+    ``--dtype float32 --quantization int4`` agrees with float32 dense on every prompt of `switchboard
+    bench quality` (12 x 32 greedy tokens). With bf16 activations agreement is bounded by bf16 rounding,
+    not by the Q4_1 weights (measured 2026-12-02, same bench): dense bf16 67 % of prompts identical,
+    bf16 int4 50 %; bf16 int4 with the exact float32 head 75 %; every first difference at a near-tie
+    (float32's top-1 minus top-2 logit 0.01-0.17, against a median of 1.33 over all steps). An earlier
+    58 % for "float32 activations" kept the per-row int8 table, which alone (float32 dense, only the
+    table requantized) agreed on 75 %: it was the table, not the Q4_1 blocks. So auto keeps bf16 for
+    quantized weights; ``--dtype float32 --quantization int4`` is the exact, batch-invariant and slow
+    mode (tests/data_plane/test_quant_engine.py).
   - else a CPU with native bf16 (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo, and oneDNN agrees)
     -> bfloat16 (``native_bf16``): a decode step's GEMMs 7.8 ms against 26.6 fp32 (batch 1).
   - else float32 (``no_native_bf16``): on an AVX2-only EPYC one GEMM was 1.7x (batch 1) to 6.1x
