@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "control-plane": ("control_plane.app", "run the control plane (membership registry, admin API)"),
     "bench": ("data_plane.bench", "benchmarks: engine, serve, overhead"),
     "model": ("data_plane.model_cli", "model tools: prepare (convert the default model once)"),
-    "dashboards": ("dashboards.push", "Grafana dashboards: push"),
+    "dashboards": ("dashboards.cli", "Grafana dashboards: push, check (which panels fill)"),
     "console": ("admin_ui.launch", "run the admin console (Streamlit)"),
     "autoscale": ("control_plane.scaling.cli", "autoscaling tools: simulate (replay a load trace; PNG)"),
 }

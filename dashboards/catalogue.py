@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
+from data_plane.common.http_metrics import HttpMetrics
 from data_plane.common.slow_clients import SlowClientMetrics
 
 JOBS: dict[str, str] = {
@@ -83,7 +84,7 @@ def _shard(registry: CollectorRegistry) -> list[object]:
 
     metrics = ShardMetrics(registry, model_name="catalogue")
     return [metrics, metrics.spec, metrics.kv_tier, metrics.grammar, KVReportMetrics(registry, "catalogue"),
-            SlowClientMetrics(registry, "shard")]
+            SlowClientMetrics(registry, "shard"), HttpMetrics(registry)]
 
 
 def _gateway(registry: CollectorRegistry) -> list[object]:
@@ -214,7 +215,13 @@ def _label_values() -> list[str]:
     from control_plane.ladder import Actor, Direction, Outcome
     from data_plane.gateway.metrics import RequestCode
     from data_plane.routing.failures import FailureReason
-    from data_plane.shard.metrics import CACHED_SOURCES, FINISHED_REASONS, PROMPT_SOURCES, WAITING_REASONS
+    from data_plane.shard.metrics import (
+        CACHED_SOURCES,
+        FINISHED_REASONS,
+        PROMPT_SOURCES,
+        SLEEP_STATES,
+        WAITING_REASONS,
+    )
 
     values = [
         ("`switchboard_gateway_requests_total`", "code", [c.value for c in RequestCode]),
@@ -227,6 +234,7 @@ def _label_values() -> list[str]:
         ("`vllm:prompt_tokens_by_source_total`", "source", list(PROMPT_SOURCES)),
         ("`vllm:prompt_tokens_cached_by_source_total`", "source", list(CACHED_SOURCES)),
         ("`vllm:num_requests_waiting_by_reason`", "reason", list(WAITING_REASONS)),
+        ("`vllm:engine_sleep_state`", "sleep_state", list(SLEEP_STATES)),
     ]
     lines = ["## Label values", "", "Labels whose values come from an enum in the code (bounded by construction).",
              "", "| metric | label | values |", "|---|---|---|"]
@@ -250,22 +258,39 @@ NOTES = """## Changes to label values
 
 ## vLLM dashboard panels that cannot apply here
 
-vLLM's own Grafana dashboards run against `switchboard up` unchanged; these panels stay empty by design:
+vLLM's own Grafana dashboards run against `switchboard up` unchanged (`switchboard dashboards check --dir
+DIR --prometheus URL` lists which panels fill); these panels stay empty. Each bullet opens with the series
+it is about; tests/observability/vllm_panels.py names, for every such panel, its bullet (a test keeps the
+two in step):
 
-- GPU transfers and memory: `vllm:kv_offload_*` with `transfer_type` (CPU_to_GPU / GPU_to_CPU), GPU
-  cache usage and CUDA graph panels. Shards run on CPU; the cache-node tier is reported under the flat
-  names (`vllm:kv_offload_store_bytes`, `..._load_bytes`, `..._store_time`, `..._load_time`,
-  `..._store_size`, `..._load_size`).
-- `vllm:kv_offload_lookup_sync_delay_seconds` / `..._async_delay_seconds`: a shard decides
+- `vllm:gpu_cache_usage_perc`: GPU cache usage, vLLM's earlier name of `vllm:kv_cache_usage_perc` (which
+  is exported); shards run on CPU.
+- `vllm:num_requests_kv_fetch_by_stage`: nothing waits on a KV transfer here (a shard fetches from the
+  cache nodes before it queues the request), so `vllm:num_requests_waiting_by_reason{reason="deferred"}`
+  is not exported either; only `capacity` is.
+- `vllm:nixl_*`: NIXL transfers between GPU instances (vLLM's NixlConnector); no such connector here.
+- `vllm:kv_offload_lookup_sync_delay_seconds`: and `..._async_delay_seconds`: a shard decides
   fetch-or-recompute from its own index without a lookup call; the fetch itself is `..._load_time`.
-- `vllm:num_requests_waiting_by_reason{reason="deferred"}`: nothing waits on a KV transfer here (a
-  shard fetches from the cache nodes before it queues the request); only `capacity` is exported.
-- `vllm:prompt_tokens_cached_by_source` tiers `host`, `p2p` and `disk`: no such tiers here.
-- LoRA (`vllm:lora_requests_info`), multimodal cache (`vllm:mm_cache_*`), sleep mode
-  (`vllm:engine_sleep_state`), MFU/FLOPs estimates, corrupted requests (NaN logits) and the
-  `engine` label (one engine per shard process: `instance` tells them apart).
-- `vllm:kv_block_*_seconds` come from the torch engine's prefix cache (every block, not sampled); the
-  synthetic and vLLM engines report none.
+- `vllm:kv_offload_cpu_cache_usage_perc`: and the write / read shares: the OffloadingConnector's pinned
+  CPU buffer; the cache-node tier has none (it is reported under the flat names `vllm:kv_offload_store_bytes`,
+  `..._load_bytes`, `..._store_time`, `..._load_time`, `..._store_size`, `..._load_size`, without vLLM's
+  `transfer_type` label: there is no GPU to transfer to or from).
+- `vllm:kv_offload_allocation_failure_total`: and `vllm:kv_offload_stores_skipped_total`: a cache node
+  evicts its least recently used blocks to make room (never refuses a store for space), and every
+  sealed block is stored (no reuse threshold).
+- `vllm:simple_kv_offload_*`: vLLM's SimpleCPUOffloadConnector pool; no such connector here.
+- `vllm:lora_requests_info`: LoRA adapters; none are served.
+- `vllm:sleep_mode_operation_duration_seconds`: and `vllm:rl_weight_update_operation_duration_seconds`:
+  no sleep mode API and no RL weight updates (`vllm:engine_sleep_state` is exported: always `awake`).
+- `vllm:estimated_flops_per_gpu_total`: and the read / write bytes estimates (MFU): no GPU.
+- `vllm:mm_cache_*`: multimodal cache: text only (the "Cache hit rates" panels still fill from their
+  prefix-cache query). Nor corrupted requests (NaN logits), the `vllm:prompt_tokens_cached_by_source`
+  tiers `host`, `p2p` and `disk`, or the `engine` label (one engine per shard process: `instance`
+  tells them apart).
+
+`vllm:kv_block_*_seconds` come from the torch engine's prefix cache (every block, not sampled); the
+synthetic and vLLM engines report none. `vllm:spec_decode_*` and `vllm:prefix_cache_*` move only on the
+torch engine (speculation and a prefix cache on).
 """
 
 

@@ -18,7 +18,7 @@ from typing import ClassVar
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from control_plane.scaling.policy import PolicyConfig
+from control_plane.scaling.policy import PolicyConfig, policy_config
 from control_plane.scaling.simulate import ShardModel, load_trace, simulate
 from control_plane.scaling.simulate_plot import plot
 from data_plane.common.settings_cli import parse_settings
@@ -62,6 +62,8 @@ class SimulateSettings(BaseSettings):
     """Requests waiting for a batch slot per shard that the fleet is sized for."""
     ttft_slo_s: float = Field(_POLICY.ttft_slo_s, gt=0)
     """Time-to-first-token p95 objective, seconds."""
+    target_queue_time_s: float = Field(_POLICY.target_queue_time_s, gt=0)
+    """Queue time p95 (admission wait + shard queue), seconds, that the fleet is sized for."""
     scale_up_cooldown_s: float = Field(_POLICY.scale_up_cooldown_s, ge=0)
     """Least seconds after a scaling before scaling up again."""
     scale_down_cooldown_s: float = Field(_POLICY.scale_down_cooldown_s, ge=0)
@@ -85,14 +87,7 @@ def simulate_main(argv: list[str] | None = None) -> None:
     prog = "switchboard autoscale simulate"
     args = parse_settings(SimulateSettings, argv, prog=prog)
     try:
-        config = PolicyConfig(
-            min_replicas=args.min_replicas,
-            max_replicas=args.max_replicas,
-            target_waiting_per_shard=args.target_waiting_per_shard,
-            ttft_slo_s=args.ttft_slo_s,
-            scale_up_cooldown_s=args.scale_up_cooldown_s,
-            scale_down_cooldown_s=args.scale_down_cooldown_s,
-        )
+        config = policy_config(args)
         model = ShardModel(args.slots, args.service_time_s, args.prefill_s, args.startup_s)
         points = load_trace(args.trace)
     except (OSError, ValueError) as exc:

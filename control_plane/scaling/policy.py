@@ -42,12 +42,9 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from control_plane.signals.model import Pressure, Signals
-
-if TYPE_CHECKING:
-    from control_plane.settings import ControlPlaneSettings
 
 SHEDDING_HOLD_PER_S = 0.2
 """Deliberate sheds per second above which the autoscaler never scales in."""
@@ -264,8 +261,23 @@ def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.0%}"
 
 
-def policy_config(settings: ControlPlaneSettings) -> PolicyConfig:
-    """A :class:`PolicyConfig` from :class:`~control_plane.settings.ControlPlaneSettings`."""
+class PolicyKnobs(Protocol):
+    """The settings a :class:`PolicyConfig` is made from: the control plane's
+    (:class:`~control_plane.settings.ControlPlaneSettings`) and the simulator's
+    (:class:`~control_plane.scaling.cli.SimulateSettings`)."""
+
+    min_replicas: int
+    max_replicas: int
+    target_waiting_per_shard: float
+    ttft_slo_s: float
+    target_queue_time_s: float
+    scale_up_cooldown_s: float
+    scale_down_cooldown_s: float
+
+
+def policy_config(settings: PolicyKnobs) -> PolicyConfig:
+    """A :class:`PolicyConfig` from the control plane's or the simulator's settings (ValueError when
+    they do not make a valid one)."""
     return PolicyConfig(
         min_replicas=settings.min_replicas,
         max_replicas=settings.max_replicas,
@@ -277,4 +289,4 @@ def policy_config(settings: ControlPlaneSettings) -> PolicyConfig:
     )
 
 
-__all__ = ["PolicyConfig", "Proposal", "TargetTracking", "policy_config"]
+__all__ = ["PolicyConfig", "PolicyKnobs", "Proposal", "TargetTracking", "policy_config"]

@@ -231,3 +231,12 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> None:
 
     Path(path).write_text(json.dumps(clean(payload), indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def finish(result: dict[str, Any], logs: Path, json_path: str | None, summary: Any = None) -> None:
+    """The end of a cluster benchmark's report: `summary` (default: ``result["summary"]``) as JSON, where
+    the processes' logs are, and `result` written to `json_path` when one was given (``--json``)."""
+    print(json.dumps(result.get("summary", {}) if summary is None else summary, indent=2))
+    print(f"logs in {logs}")
+    if json_path:
+        write_json(json_path, result)

@@ -58,6 +58,7 @@ from data_plane.bench.common import (
 from data_plane.bench.engine_baseline import SUFFIX as BASE
 from data_plane.bench.engine_baseline import run_baseline
 from data_plane.bench.engine_llamacpp import LlamaCppLookupSystem, LlamaCppSystem
+from data_plane.bench.engine_pipeline import parse_pipeline, pipeline_names, pipeline_targets, print_targets
 from data_plane.bench.engine_systems import (
     BenchConfig,
     NaiveSystem,
@@ -112,11 +113,11 @@ def parse_microbatches(text: str) -> list[int]:
 
 def make_system(name: str, config: BenchConfig) -> System:
     """`switchboard@pp2`: the switchboard system as a 2-stage pipeline (--pipeline-parallel-size);
-    `switchboard@pp2mb1`: with one micro-batch in flight (--pipeline-microbatches 1; default: 2)."""
+    `switchboard@pp2mb1bq1`: one micro-batch a pass, no batch queue (engine_pipeline.py)."""
     base, _, pp = name.partition("@pp")
-    stages, _, mb = pp.partition("mb")
-    system: System = SYSTEMS[base](replace(config, pipeline_parallel_size=int(stages or 1),
-                                           pipeline_microbatches=int(mb or 0)))
+    v = parse_pipeline(pp)
+    system: System = SYSTEMS[base](replace(config, pipeline_parallel_size=v.stages,
+                                           pipeline_microbatches=v.microbatches, pipeline_batch_queue=v.batch_queue))
     return system
 
 
@@ -137,7 +138,8 @@ async def _measure(name: str, config: BenchConfig, prompt_ids: list[list[int]]) 
             threads = f" ({row['intra_op_threads']} threads, {row['thread_switches']} switches)" if report else ""
             if row.get("pipeline_idle_share") is not None:
                 threads += (f", stage idle share {row['pipeline_idle_share']}, "
-                            f"{row['pipeline_max_in_flight']} passes in flight at most")
+                            f"{row['pipeline_max_in_flight']} passes, {row.get('pipeline_max_steps_in_flight')} "
+                            "steps in flight at most")
             print(f"[bench] {name:<11} c={c:<3} {row['requests']} requests, {row['output_tokens']} tokens "
                   f"in {row['duration_s']:.1f} s: {row['output_tok_s']:.1f} tok/s{threads}", flush=True)
             rows.append(row)
@@ -391,7 +393,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pipeline-parallel-size", type=parse_int_list, default=[1],
                    help="switchboard as 1, 2, ... pipeline stages sharing --threads (e.g. 1,2)")
     p.add_argument("--pipeline-microbatches", type=parse_microbatches, default=[0],
-                   help="micro-batches in flight for N > 1 (0: as many as stages; 1,0: before/after in one run)")
+                   help="micro-batches a pass that goes alone for N > 1 (0: as many as stages; 1,0: both)")
+    p.add_argument("--pipeline-batch-queue", type=parse_microbatches, default=[0],
+                   help="plans in flight across steps for N > 1 (0: as many as stages; 1: off; 1,0: both)")
     p.add_argument("--model", default=None, help="HF model folder or GGUF (default SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=0, help="compute threads (default 0 = all cores)")
     p.add_argument("--rounds", type=int, default=1,
@@ -411,10 +415,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.systems[i : i + 1] = [{"off": "switchboard", "on": "switchboard-spec"}[m] for m in modes]
     if "switchboard" in args.systems and args.pipeline_parallel_size != [1]:
         i = args.systems.index("switchboard")
-        # N > 1 once per --pipeline-microbatches value (1,0: one pass at a time, then as many as stages)
-        args.systems[i : i + 1] = [f"switchboard@pp{n}" + (f"mb{mb}" if mb else "") if n > 1 else "switchboard"
-                                   for n in args.pipeline_parallel_size
-                                   for mb in (args.pipeline_microbatches if n > 1 else [0])]
+        # N > 1 once per (--pipeline-microbatches, --pipeline-batch-queue) value
+        args.systems[i : i + 1] = pipeline_names(args.pipeline_parallel_size, args.pipeline_microbatches,
+                                                 args.pipeline_batch_queue)
     unknown = [s for s in args.systems if s.partition("@pp")[0] not in SYSTEMS]
     if unknown:
         p.error(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
@@ -481,6 +484,9 @@ def main(argv: list[str] | None = None) -> None:
     bw = bandwidth_report(rows, weights, gb_s)
     print_report(rows, ratio, bw)
     print_weights(rows, weights, dense, resident)
+    targets = pipeline_targets(rows)
+    print_targets(targets)
     if args.json:
-        write_json(args.json, {"rows": rows, "round_rows": rounds_rows, "ratios": ratio, "bandwidth": bw, "skipped": skipped,
+        write_json(args.json, {"rows": rows, "round_rows": rounds_rows, "ratios": ratio, "bandwidth": bw,
+                               "pipeline_targets": targets, "skipped": skipped,
                                "config": asdict(config), "machine": machine_info()})

@@ -81,6 +81,7 @@ class AcceptanceCounter(StepListener):
         self.stage_busy: list[float] = []  # pipeline: each stage's compute seconds
         self.active_s = 0.0  # pipeline: wall seconds with a pass in flight (overlap counted once)
         self.max_in_flight = 0
+        self.max_steps_in_flight = 0  # pipeline: the batch queue's plans in flight at most
 
     def on_pipeline_pass(self, timing: PassTiming) -> None:
         """The shard's pipeline metrics' inputs (stage_step_seconds, active_seconds, passes_in_flight)."""
@@ -90,6 +91,9 @@ class AcceptanceCounter(StepListener):
             self.stage_busy[i] += busy
         self.active_s += timing.active_s
         self.max_in_flight = max(self.max_in_flight, timing.in_flight)
+
+    def on_batch_sent(self, in_flight: int, decode: bool) -> None:
+        self.max_steps_in_flight = max(self.max_steps_in_flight, in_flight)
 
     def on_spec_draft(self, drafted: int, accepted: int) -> None:
         self.drafts += 1
@@ -115,4 +119,5 @@ class AcceptanceCounter(StepListener):
             # 1 - stage compute / pipeline active time: each stage's idle (bubble) share, as the dashboard
             "pipeline_idle_share": [round(1 - b / self.active_s, 3) for b in self.stage_busy] if self.active_s else None,
             "pipeline_max_in_flight": self.max_in_flight or None,
+            "pipeline_max_steps_in_flight": self.max_steps_in_flight or None,
         }

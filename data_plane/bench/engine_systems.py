@@ -54,7 +54,9 @@ class BenchConfig:
     pipeline_parallel_size: int = 1
     """switchboard: stage processes (`--pipeline-parallel-size`), sharing `threads` between them."""
     pipeline_microbatches: int = 0
-    """switchboard: micro-batches in flight through the stages (`--pipeline-microbatches`; 0: as many as stages)."""
+    """switchboard: micro-batches a pass that goes alone (`--pipeline-microbatches`; 0: as many as stages)."""
+    pipeline_batch_queue: int = 0
+    """switchboard: plans in flight across steps (`--pipeline-batch-queue`; 0: as many as stages; 1: off)."""
     quantization: str = "auto"
     """switchboard's weight format (--quantization: auto, none, int8, int4); naive HF always runs dense."""
 
@@ -119,6 +121,7 @@ class SwitchboardSystem:
                 threads=max(1, config.threads // config.pipeline_parallel_size),
                 pipeline_parallel_size=config.pipeline_parallel_size,
                 pipeline_microbatches=config.pipeline_microbatches,
+                pipeline_batch_queue=config.pipeline_batch_queue,
                 speculation=self.speculation,
                 spec_max_batch=config.spec_max_batch,
                 num_speculative_tokens=config.num_speculative_tokens,

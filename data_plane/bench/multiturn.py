@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
-import json
 import os
 import tempfile
 import time
@@ -43,7 +42,7 @@ from typing import Any
 
 import httpx
 
-from data_plane.bench.common import fmt, format_table, machine_info, write_json
+from data_plane.bench.common import finish, fmt, format_table, machine_info
 from data_plane.bench.multiturn_failover import FAILOVER_SYSTEMS, LABELS, run_failover
 from data_plane.bench.multiturn_turns import (
     BENCH_KEY,
@@ -285,10 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     for system, rounds in result["throughput"].items():
         print(f"throughput at 0 % hit rate, {system}: " + ", ".join(
             f"{x['output_tok_s']:.1f} tok/s ({x['requests']} req, cached {x['cached_tokens']})" for x in rounds))
-    print(json.dumps(result["summary"], indent=2))
-    print(f"logs in {logs}")
-    if args.json:
-        write_json(args.json, result)
+    finish(result, logs, args.json)
     if args.png:
         plot(result["rows"], args.png, f"{args.conversations} conversations x {args.turns} turns, "
              f"{machine.get('cpu_model')}, {args.dtype}")

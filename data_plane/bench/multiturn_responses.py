@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from data_plane.bench.common import fmt, format_table, machine_info, write_json
+from data_plane.bench.common import finish, fmt, format_table, machine_info
 from data_plane.bench.multiturn_turns import (
     BENCH_KEY,
     BLOCK,
@@ -173,10 +173,7 @@ def run(args: argparse.Namespace) -> None:
                          fmt(x["ttft_p50_ms"]["sessions"], 0), fmt(x["ttft_p50_ms"]["responses"], 0),
                          f"{x['ratio']:.2f}", f"{x['hit_rate']['sessions']:.0%}/{x['hit_rate']['responses']:.0%}"]
                         for x in result["ratios"]]))
-    print(json.dumps(result["summary"], indent=2))
-    print(f"logs in {logs}")
-    if args.json:
-        write_json(args.json, result)
+    finish(result, logs, args.json)
     if args.png:
         plot(result["rows"], args.png, f"sessions vs Responses API, {args.conversations} conversations each x "
              f"{args.turns} turns, {machine.get('cpu_model')}, {args.dtype}")

@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from data_plane.bench.common import fmt, format_table, machine_info, percentile, write_json
+from data_plane.bench.common import finish, fmt, format_table, machine_info, percentile
 from data_plane.bench.multiturn import (
     BENCH_KEY,
     BLOCK,
@@ -211,7 +211,4 @@ def run(args: argparse.Namespace, systems: list[str]) -> None:
     for policy, out in s.items():
         print(f"{policy}: first turn after the join: {json.dumps(out['after_join'])}; "
               f"turns on the new shard: {out['new_shard_turns']:.0f}")
-    print(json.dumps(result.get("summary", {}), indent=2))
-    print(f"logs in {logs}")
-    if args.json:
-        write_json(args.json, result)
+    finish(result, logs, args.json)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import tempfile
@@ -35,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from data_plane.bench.common import fmt, format_table, machine_info, percentile, write_json
+from data_plane.bench.common import finish, fmt, format_table, machine_info, percentile
 from data_plane.bench.multiturn_turns import user_message
 from data_plane.bench.overhead import Proc, switchboard_cmd
 from data_plane.common.http_server import free_port
@@ -221,12 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(["rows", "n", "p50 ms", "p90 ms"],
                        [[name, str(s[name]["n"]), fmt(s[name]["p50_ms"], 1), fmt(s[name]["p90_ms"], 1)]
                         for name in ("off", "on_all", "on_hits", "on_misses")]))
-    print(json.dumps({k: s[k] for k in ("requests", "repeats", "hit_share", "gateway_hits", "gateway_hit_lookup",
-                                        "hit_p50_within_target",
-                                        "shard_work", "shard_work_saved", "errors")}, indent=2))
-    print(f"logs in {logs}")
-    if args.json:
-        write_json(args.json, result)
+    finish(result, logs, args.json, {k: s[k] for k in ("requests", "repeats", "hit_share", "gateway_hits",
+                                                        "gateway_hit_lookup", "hit_p50_within_target", "shard_work",
+                                                        "shard_work_saved", "errors")})
 
 
 if __name__ == "__main__":

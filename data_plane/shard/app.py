@@ -35,6 +35,7 @@ from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, CLIENT_DISCONNECT
 from data_plane.common.errors import ModelNotFound, Overloaded, SwitchboardError, install_error_handlers
 from data_plane.common.hop_auth import cluster_headers, cluster_token_from_env, guarded
 from data_plane.common.http_body import read_body
+from data_plane.common.http_metrics import install_http_metrics
 from data_plane.common.keepalive import KEEPALIVE_COMMENT, KEEPALIVE_META, with_keepalives
 from data_plane.common.kv_report import SINCE_HEADER
 from data_plane.common.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
@@ -94,7 +95,7 @@ def build_engine(settings: ShardSettings, metrics: ShardMetrics | None) -> Engin
         spec_max_batch=settings.spec_max_batch,
         pipeline_parallel_size=settings.pipeline_parallel_size, pipeline_layers=settings.pipeline_layers,
         pipeline_stage_timeout_s=settings.pipeline_stage_timeout_s,
-        pipeline_microbatches=settings.pipeline_microbatches,
+        pipeline_microbatches=settings.pipeline_microbatches, pipeline_batch_queue=settings.pipeline_batch_queue,
     )
     return TorchEngine(config, MetricsListener(metrics) if metrics else None)
 
@@ -190,6 +191,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
 
     app = FastAPI(title="Switchboard shard", version="0.1.0", lifespan=lifespan, **fastapi_options())
     install_error_handlers(app)
+    install_http_metrics(app, registry)
     app.add_route("/debug/spans", guarded(recent_spans_endpoint, cluster_token_from_env()))
 
     async def metrics_view(request: Request) -> Response:
@@ -364,7 +366,8 @@ class _Run:
     def _finish(self, last: GenerationOutput | None, error: str | None = None) -> None:
         span = self.span
         if last is not None:
-            self.state.metrics.observe_finished(last, time.monotonic() - self.t0, self.external_tokens)
+            self.state.metrics.observe_finished(last, time.monotonic() - self.t0, self.external_tokens,
+                                                self.req.params.max_tokens)
             reason = last.finish_reason or "abort"
             span.set_attribute("gen_ai.usage.cache_read_input_tokens", last.cached_tokens)
             span.add_event("prefix_cache", {"tokens_cached": last.cached_tokens,

@@ -42,6 +42,8 @@ CACHED_SOURCES = ("device", "external_unspecified")
 """Where a cached prompt token's KV sat: the engine's own KV memory (``device``, host RAM on a CPU
 engine), or the cache nodes (``external_unspecified``). vLLM's ``host``, ``p2p`` and ``disk`` tiers
 do not exist here."""
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+"""vLLM's ``sleep_state`` label values of ``vllm:engine_sleep_state`` (sleep mode levels 1 and 2)."""
 WAITING_REASONS = ("capacity",)
 """Why requests wait: for a batch slot. vLLM's ``deferred`` (waiting on a KV transfer) does not happen
 here: a shard fetches KV from the cache nodes before it queues the request."""
@@ -69,6 +71,9 @@ class ShardMetrics:
                               buckets=LATENCY_BUCKETS, registry=registry)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", m,
                              buckets=ITL_BUCKETS, registry=registry)
+        self.itl_legacy = Histogram("vllm:time_per_output_token_seconds", "Time between consecutive output tokens "
+                                    "(vLLM's earlier name of vllm:inter_token_latency_seconds, same observations).",
+                                    m, buckets=ITL_BUCKETS, registry=registry)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish, per request.", m,
                              buckets=E2E_BUCKETS, registry=registry)
         self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time waiting for a slot.", m,
@@ -96,6 +101,9 @@ class ShardMetrics:
                                         "Cached prompt tokens of finished requests by tier (device: this shard's "
                                         "prefix cache; external_unspecified: fetched from the cache nodes).",
                                         m + ["source"], registry=registry)
+        self.sleep_state = Gauge("vllm:engine_sleep_state", "The engine's sleep state, 1 for the state it is in "
+                                 "(awake; a shard's engine never sleeps: weights_offloaded and discard_all stay 0).",
+                                 m + ["sleep_state"], registry=registry)
         self.cache_config = Gauge("vllm:cache_config_info", "The engine's KV cache configuration (value 1).",
                                   ["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks", "engine"],
                                   registry=registry)
@@ -135,6 +143,10 @@ class ShardMetrics:
         self.in_flight = Histogram("switchboard_shard_pipeline_passes_in_flight", "Passes (micro-batches) in "
                                    "flight when stage 0 sent each pass, itself included.", m,
                                    buckets=(1, 2, 3, 4, 6, 8, 16), registry=registry)
+        self.steps_in_flight = Histogram("switchboard_shard_pipeline_steps_in_flight", "Scheduler plans in flight "
+                                         "(the batch queue) when stage 0 sent each, itself included; `kind` "
+                                         "decode or prefill.", m + ["kind"], buckets=(1, 2, 3, 4, 6, 8, 16),
+                                         registry=registry)
         self.hop_latency = Histogram("switchboard_shard_pipeline_hop_latency_seconds", "Hop `stage` -> next stage "
                                      "(the last: back to stage 0): from the send to the receipt.",
                                      m + ["stage"], buckets=LATENCY_BUCKETS, registry=registry)
@@ -155,6 +167,9 @@ class ShardMetrics:
                                                buckets=TOKEN_BUCKETS, registry=registry)
         self.request_generation_tokens = Histogram("vllm:request_generation_tokens", "Output tokens per request.",
                                                    m, buckets=TOKEN_BUCKETS, registry=registry)
+        self.request_max_tokens = Histogram("vllm:request_max_num_generation_tokens",
+                                            "The output token limit (max_tokens) of each finished request.", m,
+                                            buckets=TOKEN_BUCKETS, registry=registry)
         self.kv_evictions = Counter("switchboard_shard_prefix_cache_evictions",
                                     "Prefix-cache blocks evicted (capacity: LRU reuse under the byte budget) "
                                     "or not stored (no_space: every block referenced).", m + ["reason"],
@@ -200,7 +215,8 @@ class ShardMetrics:
                                   registry=registry)
         # Series exist from the start (at 0), so rate() and the KV-reuse panels work before the first hit.
         for metric in (self.prefix_queries, self.prefix_hits, self.prompt_tokens_cached, self.prefill_computed,
-                       self.request_prompt_tokens, self.request_generation_tokens, self.tokens_restored, self.tpot,
+                       self.request_prompt_tokens, self.request_generation_tokens, self.request_max_tokens,
+                       self.tokens_restored, self.tpot, self.itl_legacy,
                        self.kv_block_lifetime, self.kv_block_idle, self.kv_block_reuse_gap):
             metric.labels(model_name)
         for reason in FINISHED_REASONS:
@@ -211,6 +227,8 @@ class ShardMetrics:
             self.cached_by_source.labels(model_name, source)
         for reason in WAITING_REASONS:
             self.waiting_by_reason.labels(model_name, reason)
+        for state in SLEEP_STATES:
+            self.sleep_state.labels(model_name, state).set(1 if state == "awake" else 0)
         for reason in ("capacity", "no_space"):
             self.kv_evictions.labels(model_name, reason)
         self.preemptions.labels(model_name)
@@ -222,10 +240,11 @@ class ShardMetrics:
         self.grammar = StructuredMetrics(registry, model_name)  # constrained decoding (engines/grammar.py)
         self.structured = self.grammar.requests
 
-    def observe_finished(self, last: GenerationOutput, e2e_s: float, external_tokens: int) -> None:
+    def observe_finished(self, last: GenerationOutput, e2e_s: float, external_tokens: int,
+                         max_tokens: int | None = None) -> None:
         """One finished request (its final output): tokens, finish reason, where its prompt's KV came
-        from (`external_tokens` of its cached tokens were fetched from the cache nodes), decode time and
-        time per output token."""
+        from (`external_tokens` of its cached tokens were fetched from the cache nodes), decode time,
+        time per output token and its output limit (`max_tokens`, when it had one)."""
         m = self.model_name
         prompt_tokens, cached_tokens, completion_tokens = last.prompt_tokens, last.cached_tokens, last.completion_tokens
         decode_s = last.timings.decode_s if last.timings else None
@@ -234,6 +253,8 @@ class ShardMetrics:
         self.generation_tokens.labels(m).inc(completion_tokens)
         self.request_prompt_tokens.labels(m).observe(prompt_tokens)
         self.request_generation_tokens.labels(m).observe(completion_tokens)
+        if max_tokens is not None:
+            self.request_max_tokens.labels(m).observe(max_tokens)
         self.prompt_tokens_cached.labels(m).inc(cached_tokens)
         self.prefill_computed.labels(m).observe(prompt_tokens - cached_tokens)
         if decode_s is not None:
@@ -294,6 +315,7 @@ class MetricsListener(StepListener):
 
     def on_token(self, itl_s: float) -> None:
         self.metrics.itl.labels(self.metrics.model_name).observe(itl_s)
+        self.metrics.itl_legacy.labels(self.metrics.model_name).observe(itl_s)
 
     def on_admit(self, queue_s: float) -> None:
         self.metrics.queue_time.labels(self.metrics.model_name).observe(queue_s)
@@ -330,6 +352,10 @@ class MetricsListener(StepListener):
             m.stage_step.labels(m.model_name, label).observe(step)
             m.hop_latency.labels(m.model_name, label).observe(hop)
             m.hop_bytes.labels(m.model_name, label).inc(sent)
+
+    def on_batch_sent(self, in_flight: int, decode: bool) -> None:
+        m = self.metrics
+        m.steps_in_flight.labels(m.model_name, "decode" if decode else "prefill").observe(in_flight)
 
     def on_tokens_restored(self, replies: int) -> None:
         self.metrics.tokens_restored.labels(self.metrics.model_name).inc(replies)

@@ -77,8 +77,12 @@ class ShardSettings(BaseSettings):
     pipeline_stage_timeout_s: float = Field(1.0, ge=0.2, le=60, description=(
         "A pipeline stage silent this long is lost: the shard fails its streams (resumed elsewhere) and exits."))
     pipeline_microbatches: int = Field(0, ge=0, le=64, description=(
-        "Micro-batches of a forward pass in flight at once through the stages (0: as many as stages, "
-        "vLLM's batch queue depth; 1: one pass at a time)."))
+        "Micro-batches a forward pass that goes alone (prompt rows; every pass with --pipeline-batch-queue 1) "
+        "is split into, in flight at once through the stages (0: as many as stages; 1: whole)."))
+    pipeline_batch_queue: int = Field(0, ge=0, le=64, description=(
+        "Steps in flight at once through the stages (vLLM's batch queue): decoding sequences go in that many "
+        "contiguous groups, the next sent while the previous is in later stages (0: as many as stages; "
+        "1: each step waits for its pass)."))
     pipeline_exit_linger_s: float = Field(2.0, ge=0, le=60, description=(
         "After losing a stage (streams failed, out of membership) the shard keeps answering /metrics this long "
         "before exiting, so a scrape sees the stage down (set it to your scrape interval)."))

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from data_plane import bench
-from data_plane.bench.common import RequestResult, closed_loop, percentile, summarize
+from data_plane.bench.common import RequestResult, closed_loop, finish, percentile, summarize
 from data_plane.bench.serve import compute_metrics, parse_goodput
 from tests.support.bench import ENGINE_ROW_KEYS, needs_model
 from tests.support.cluster import Cluster
@@ -63,6 +63,17 @@ def test_goodput_counts_only_requests_meeting_every_slo() -> None:
     assert m["errors"] == {"HTTP 503: busy": 1}
     with pytest.raises(ValueError):
         parse_goodput(["latency:5"])
+
+
+def test_finish_prints_the_summary_and_writes_nan_free_json(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    result = {"summary": {"hit_rate": 0.5}, "rows": [{"ttft": math.nan}]}
+    finish(result, tmp_path / "logs", str(tmp_path / "out.json"))
+    out = capsys.readouterr().out
+    assert json.loads(out.split("logs in")[0]) == {"hit_rate": 0.5} and f"logs in {tmp_path / 'logs'}" in out
+    assert json.loads((tmp_path / "out.json").read_text()) == {"summary": {"hit_rate": 0.5}, "rows": [{"ttft": None}]}
+    finish(result, tmp_path, None, summary={"only": 1})  # an explicit summary; no file without --json
+    assert json.loads(capsys.readouterr().out.split("logs in")[0]) == {"only": 1}
 
 
 def test_help_and_unknown_subcommands() -> None:

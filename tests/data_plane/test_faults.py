@@ -8,7 +8,7 @@ import time
 import httpx
 import openai
 
-from tests.support.cluster import KEYS, Cluster, stored_session
+from tests.support.cluster import FP32_SHARD, KEYS, Cluster, static_shards, stored_session
 from tests.support.metrics import metric
 
 
@@ -130,33 +130,18 @@ def test_mid_stream_failover_real_model_float32_equals_uninterrupted() -> None:
     its text equals the uninterrupted run (the gateway resumes on the other shard)."""
     global MODEL
     MODEL = "SmolLM2-135M-Instruct"
-    from tests.support.cluster import api_keys_env
-    from tests.support.procs import Service
+    with static_shards(FP32_SHARD, FP32_SHARD) as (shards, gw):
+        prompts = [f"Write a short story about a robot named Unit-{i} who learns to paint." for i in range(16)]
+        reference = _stream_all(gw.url, prompts, 40)
+        killed = []
 
-    shards = [Service(["shard", "--dtype", "float32", "--threads", "1"], ready_timeout=180) for _ in range(2)]
-    for s in shards:
-        s.start(wait=False)
-    try:
-        for s in shards:
-            s.wait_healthy()
-        with Service(["gateway", "--shard-urls", ",".join(s.url for s in shards), "--cache-urls",
-                      "http://127.0.0.1:1"], env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()}) as gw:
-            prompts = [f"Write a short story about a robot named Unit-{i} who learns to paint." for i in range(16)]
-            reference = _stream_all(gw.url, prompts, 40)
-            killed = []
+        def kill_once(streams_started: int, chunks: int) -> None:
+            if streams_started == len(prompts) and not killed:
+                killed.append(True)
+                shards[0].kill()
 
-            def kill_once(streams_started: int, chunks: int) -> None:
-                if streams_started == len(prompts) and not killed:
-                    killed.append(True)
-                    shards[0].kill()
-
-            got = _stream_all(gw.url, prompts, 40, on_progress=kill_once)
-            assert killed
-            assert [f for _, f in got] == [f for _, f in reference]
-            assert [t for t, _ in got] == [t for t, _ in reference]
-            resumes = sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(gw.url + "/metrics").text.splitlines()
-                          if line.startswith("switchboard_router_resumes_total"))
-            assert resumes >= 1
-    finally:
-        for s in shards:
-            s.stop()
+        got = _stream_all(gw.url, prompts, 40, on_progress=kill_once)
+        assert killed
+        assert [f for _, f in got] == [f for _, f in reference]
+        assert [t for t, _ in got] == [t for t, _ in reference]
+        assert metric(gw.url, "switchboard_router_resumes_total") >= 1

@@ -68,6 +68,10 @@ class _Counting(StepListener):
         self.drafted = 0
         self.stages: dict[int, bool] = {}
         self.passes: list[PassTiming] = []
+        self.batches: list[tuple[int, bool]] = []
+
+    def on_batch_sent(self, in_flight: int, decode: bool) -> None:
+        self.batches.append((in_flight, decode))
 
     def on_pipeline_pass(self, timing: PassTiming) -> None:
         self.hops += 1
@@ -126,6 +130,10 @@ def test_two_and_three_stages_greedy_identical_to_unsharded_solo_and_batched() -
         # Micro-batches in flight (on by default: as many as stages): passes sent before the
         # previous one came back, and a later stage's interval on pass k overlapping stage 0's on k+1.
         assert max(t.in_flight for t in counting.passes) == pp
+        # The batch queue (on by default: as many plans as stages): decode plans of other sequences
+        # sent while earlier ones were still in the later stages, never more than pp at once.
+        assert any(n >= 2 and decode for n, decode in counting.batches)
+        assert max(n for n, _ in counting.batches) <= pp
         assert _overlapping(counting.passes) > 0
         assert sum(t.active_s for t in counting.passes) < sum(t.wall_s for t in counting.passes)
         for timing in counting.passes:
@@ -201,38 +209,26 @@ def test_killed_stage_mid_stream_every_stream_completes_as_uninterrupted() -> No
     shards (one pipelined): 16/16 complete, each text equal to an uninterrupted run, and the
     pipelined shard exits (its supervisor would replace the group)."""
     from tests.data_plane import test_faults
-    from tests.support.cluster import api_keys_env
+    from tests.support.cluster import FP32_SHARD, static_shards
 
     test_faults.MODEL = "SmolLM2-135M-Instruct"
-    piped = Service(["shard", "--dtype", "float32", "--threads", "1", "--pipeline-parallel-size", "2"],
-                    ready_timeout=240)
-    plain = Service(["shard", "--dtype", "float32", "--threads", "1"], ready_timeout=240)
-    shards = [piped, plain]
-    for s in shards:
-        s.start(wait=False)
-    try:
-        for s in shards:
-            s.wait_healthy()
-        with Service(["gateway", "--shard-urls", ",".join(s.url for s in shards), "--cache-urls",
-                      "http://127.0.0.1:1"], env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()}) as gw:
-            prompts = [f"Write a short story about a robot named Unit-{i} who learns to paint." for i in range(16)]
-            reference = test_faults._stream_all(gw.url, prompts, 32)
-            (stage,) = _stage_pids(piped)
-            killed: list[bool] = []
+    with static_shards((*FP32_SHARD, "--pipeline-parallel-size", "2"), FP32_SHARD,
+                       ready_timeout=240) as ((piped, _plain), gw):
+        prompts = [f"Write a short story about a robot named Unit-{i} who learns to paint." for i in range(16)]
+        reference = test_faults._stream_all(gw.url, prompts, 32)
+        (stage,) = _stage_pids(piped)
+        killed: list[bool] = []
 
-            def kill_once(streams_started: int, chunks: int) -> None:
-                if streams_started == len(prompts) and not killed:
-                    killed.append(True)
-                    os.kill(stage, signal.SIGKILL)
+        def kill_once(streams_started: int, chunks: int) -> None:
+            if streams_started == len(prompts) and not killed:
+                killed.append(True)
+                os.kill(stage, signal.SIGKILL)
 
-            got = test_faults._stream_all(gw.url, prompts, 32, on_progress=kill_once)
-            assert killed
-            assert got == reference
-            assert _exit_within(piped, 15) == 1, piped.log_tail()
-            assert "stage 1" in piped.log_tail()
-    finally:
-        for s in shards:
-            s.stop()
+        got = test_faults._stream_all(gw.url, prompts, 32, on_progress=kill_once)
+        assert killed
+        assert got == reference
+        assert _exit_within(piped, 15) == 1, piped.log_tail()
+        assert "stage 1" in piped.log_tail()
 
 
 def test_switchboard_up_starts_pipeline_groups_and_caps_stage_processes(tmp_path) -> None:
@@ -268,6 +264,23 @@ def test_bench_engine_runs_switchboard_per_pipeline_size_on_the_same_cores() -> 
     one_pass = make_system("switchboard@pp2mb1", config)
     assert one_pass.engine.config.pipeline_microbatches == 1  # type: ignore[attr-defined]
     assert two.engine.config.pipeline_microbatches == 0  # type: ignore[attr-defined]
+    # the batch queue off and on (plans in flight across steps), and the issue's targets from the rows
+    args = parse_args(["--systems", "switchboard", "--pipeline-parallel-size", "1,2", "--pipeline-batch-queue", "1,0"])
+    assert args.systems == ["switchboard", "switchboard@pp2bq1", "switchboard@pp2"]
+    no_queue = make_system("switchboard@pp2mb1bq1", config)
+    assert no_queue.engine.scheduler.config.batch_queue == 1  # type: ignore[attr-defined]
+    assert no_queue.engine.config.pipeline_microbatches == 1  # type: ignore[attr-defined]
+    assert two.engine.scheduler.config.batch_queue == 2  # type: ignore[attr-defined]
+    assert one.engine.scheduler.config.batch_queue == 1  # type: ignore[attr-defined]
+    from data_plane.bench.engine_pipeline import pipeline_targets
+
+    rows = [{"system": s, "concurrency": c, "output_tok_s": tok, "tpot_p50_ms": tpot, "pipeline_idle_share": idle}
+            for s, c, tok, tpot, idle in [("switchboard", 1, 30.0, 30.0, None), ("switchboard", 16, 100.0, 150.0, None),
+                                          ("switchboard@pp2", 1, 27.0, 33.0, [0.5, 0.5]),
+                                          ("switchboard@pp2", 16, 80.0, 190.0, [0.1, 0.2])]]
+    t = pipeline_targets(rows)["switchboard@pp2"]
+    assert (t["concurrency"], t["tok_s_ratio"], t["tok_s_target_met"]) == (16, 0.8, False)
+    assert (t["tpot_ratio"], t["tpot_target_met"], t["idle_share_top"]) == (1.1, True, [0.1, 0.2])
 
 
 def test_prefix_cache_hits_through_two_stages() -> None:

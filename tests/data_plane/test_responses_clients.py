@@ -11,11 +11,7 @@ Real processes: the session's fp32 shard, a cache node and a gateway on loopback
 from __future__ import annotations
 
 import base64
-import json
 import os
-import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +20,7 @@ import openai
 import pytest
 
 from tests.support.cluster import KEYS, cache_node
+from tests.support.guidellm import run_guidellm
 from tests.support.metrics import metric
 from tests.support.procs import Service
 
@@ -46,24 +43,11 @@ def gateway(fp32_shard: Service, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 def test_guidellm_multiturn_with_server_side_history(gateway: Service, tmp_path: Path) -> None:
-    exe = Path(sys.executable).with_name("guidellm")
-    if not exe.exists():
-        pytest.skip("guidellm is not installed (it is in the test extra)")
-    from data_plane.model_store import resolve_model
-
     chained = metric(gateway.url, "switchboard_responses_requests_total", op="create", status="200")
-    out = tmp_path / "report.json"
-    cmd = [str(exe), "run", "--backend",
-           (f"kind=openai_http,target={gateway.url},model={MODEL},api_key={KEYS['plus']},"
-            "request_format=/v1/responses,server_history=true"),
-           "--profile", "kind=concurrent,streams=2", "--constraint", "kind=max_requests,count=6",
-           "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=8,turns=3",
-           "--tokenizer", f"kind=hf_auto,model={resolve_model(None)}",
-           "--output", f"kind=json,path={out}", "--disable-console-interactive"]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=420, cwd=tmp_path,
-                          env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (bench,) = json.loads(out.read_text())["benchmarks"]
+    bench = run_guidellm(tmp_path, backend=(f"kind=openai_http,target={gateway.url},model={MODEL},"
+                                            f"api_key={KEYS['plus']},request_format=/v1/responses,server_history=true"),
+                         profile="kind=concurrent,streams=2", constraint="kind=max_requests,count=6",
+                         data="kind=synthetic_text,prompt_tokens=32,output_tokens=8,turns=3", timeout=420)
     made = bench["scheduler_metrics"]["requests_made"]
     assert made["successful"] >= 6 and made["errored"] == 0, made
     done = bench["requests"]["successful"]
@@ -72,7 +56,6 @@ def test_guidellm_multiturn_with_server_side_history(gateway: Service, tmp_path:
     prompts = sorted(r["prompt_tokens"] for r in done)
     assert prompts[0] < 64 and prompts[-1] >= 2 * 32 + 8, prompts
     assert metric(gateway.url, "switchboard_responses_requests_total", op="create", status="200") >= chained + 6
-    shutil.rmtree(tmp_path / ".cache", ignore_errors=True)
 
 
 def test_litellm_responses_against_the_gateway(gateway: Service) -> None:

@@ -18,10 +18,10 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.support.cluster import ADMIN_TOKEN, KEYS, api_keys_env
+from tests.support.cluster import ADMIN_TOKEN, KEYS
 from tests.support.metrics import metric
 from tests.support.procs import Service
-from tests.support.waits import eventually
+from tests.support.zones import start_zones, zone_gateway
 
 ZONES = ("a", "b")
 
@@ -32,27 +32,14 @@ def gateways() -> Iterator[dict[str, Service]]:
     members = [Service([*args, "--registry-url", cp.url, "--node-id", f"{args[0]}-{z}", "--zone", z])
                for z in ZONES for args in (["shard", "--engine", "synthetic", "--synthetic-token-delay-ms", "1"],
                                            ["cache-node"])]
-    gws = {z: Service(["gateway", "--registry-url", cp.url, "--tokenizer", "whitespace", "--model-name", "synthetic",
-                       "--zone", z, "--node-id", f"gateway-{z}"], env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()})
-           for z in ZONES}
+    gws = {z: zone_gateway(cp.url, z) for z in ZONES}
     for svc in (cp, *members, *gws.values()):
         svc.ready_timeout = 240  # two cores shared by a loaded machine: start-up can take minutes
     started: list[Service] = []
     try:
         cp.start()
         started.append(cp)
-        for svc in members:
-            svc.start(wait=False)
-            started.append(svc)
-        for svc in members:
-            svc.wait_healthy()
-        for gw in gws.values():
-            gw.start()
-            started.append(gw)
-        for gw in gws.values():
-            eventually(lambda: metric(gw.url, "switchboard_gateway_members", service="shard") == 2  # noqa: B023
-                       and metric(gw.url, "switchboard_gateway_members", service="cache") == 2, 20,  # noqa: B023
-                       what="both zones in the gateways' membership")
+        start_zones(members, gws, started)
         yield gws
     finally:
         for svc in reversed(started):

@@ -10,9 +10,6 @@ and an output type) and guidellm's fixed-length synthetic benchmark (it sends vL
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +21,7 @@ import yaml
 from pydantic import BaseModel, Field
 
 from tests.support.cluster import KEYS, Cluster
+from tests.support.guidellm import run_guidellm
 
 BLOCKED = "nukeville"
 
@@ -240,26 +238,13 @@ def test_agents_sdk_chat_completions_model(cluster: Cluster) -> None:
 
 
 def test_guidellm_fixed_length_benchmark(cluster: Cluster, tmp_path: Path) -> None:
-    exe = Path(sys.executable).with_name("guidellm")
-    if not exe.exists():
-        pytest.skip("guidellm is not installed (it is in the test extra)")
-    from data_plane.model_store import resolve_model
-
-    out = tmp_path / "report.json"
-    cmd = [str(exe), "run", "--backend",
-           f"kind=openai_http,target={cluster.gateway.url},model=SmolLM2-135M-Instruct,api_key={KEYS['plus']}",
-           "--profile", "kind=concurrent,streams=4", "--constraint", "kind=max_requests,count=8",
-           "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=16",
-           "--tokenizer", f"kind=hf_auto,model={resolve_model(None)}",
-           "--output", f"kind=json,path={out}", "--disable-console-interactive"]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (bench,) = json.loads(out.read_text())["benchmarks"]
+    bench = run_guidellm(tmp_path, backend=(f"kind=openai_http,target={cluster.gateway.url},"
+                                            f"model=SmolLM2-135M-Instruct,api_key={KEYS['plus']}"),
+                         profile="kind=concurrent,streams=4", constraint="kind=max_requests,count=8",
+                         data="kind=synthetic_text,prompt_tokens=32,output_tokens=16")
     made = bench["scheduler_metrics"]["requests_made"]
     assert made["successful"] == 8 and made["errored"] == 0 and made["incomplete"] == 0, made
     assert {r["output_tokens"] for r in bench["requests"]["successful"]} == {16}  # ignore_eos: fixed lengths
-    shutil.rmtree(tmp_path / ".cache", ignore_errors=True)
 
 
 def test_gateway_metrics_and_ledger_kinds(cluster: Cluster) -> None:

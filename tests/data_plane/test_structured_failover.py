@@ -16,7 +16,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.support.cluster import KEYS, api_keys_env
+from tests.support.cluster import FP32_SHARD, KEYS, static_shards
+from tests.support.metrics import metric
 from tests.support.procs import Service
 
 
@@ -39,20 +40,10 @@ KILL_AFTER = 6
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[list[Service], Service]]:
-    shards = [Service(["shard", "--dtype", "float32", "--threads", "1"], ready_timeout=240) for _ in range(3)]
-    for s in shards:
-        s.start(wait=False)
-    try:
-        for s in shards:
-            s.wait_healthy()
-        # a generous silence bound: only the kill should move a stream (2 loaded cores)
-        with Service(["gateway", "--shard-urls", ",".join(s.url for s in shards), "--cache-urls",
-                      "http://127.0.0.1:1", "--silence-timeout-s", "30"],
-                     env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()}) as gw:
-            yield shards, gw
-    finally:
-        for s in shards:
-            s.stop()
+    # a generous silence bound: only the kill should move a stream (2 loaded cores)
+    with static_shards(FP32_SHARD, FP32_SHARD, FP32_SHARD, gateway_args=("--silence-timeout-s", "30"),
+                       ready_timeout=240) as (shards, gw):
+        yield shards, gw
 
 
 def _running(shard: Service) -> float:
@@ -71,8 +62,7 @@ def _kill_serving(shards: list[Service]) -> Service:
 
 
 def _resumes(gw: Service) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(gw.url + "/metrics").text.splitlines()
-               if line.startswith("switchboard_router_resumes_total"))
+    return metric(gw.url, "switchboard_router_resumes_total")
 
 
 def _grammar_resumes(shards: list[Service]) -> float:

@@ -21,10 +21,9 @@ import httpx
 import pytest
 import yaml
 
-from dashboards.catalogue import JOBS
 from tests.observability.exprs import RULE_FILES, dashboard_exprs, rule_exprs, substitute
 from tests.support.cluster import Cluster
-from tests.support.prometheus import PROMETHEUS, Prometheus
+from tests.support.prometheus import PROMETHEUS, Prometheus, watched
 from tests.support.waits import eventually
 
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (apt-get install prometheus)")
@@ -129,25 +128,8 @@ def drive_traffic(cluster: Cluster) -> int:
 
 def test_dashboards_and_rules_against_a_live_cluster(tmp_path: Path) -> None:
     cluster = Cluster(shards=2, caches=2, engine="synthetic", gateway_args=["--response-cache"])
-    hostport = lambda url: url.removeprefix("http://")
-    scrape = {
-        JOBS["control-plane"]: [hostport(cluster.control_plane.url)],
-        JOBS["gateway"]: [hostport(cluster.gateway.url)],
-        JOBS["shard"]: [hostport(s.url) for s in cluster.shards],
-        JOBS["cache-node"]: [hostport(c.url) for c in cluster.caches],
-    }
-    prometheus = Prometheus(tmp_path, scrape, fast_rules(tmp_path))
-    prometheus.start()  # starts while the cluster does; its targets answer once they are up
-    try:
-        cluster.start()
-        prometheus.wait_ready()
+    with watched(cluster, tmp_path, fast_rules(tmp_path)) as prometheus:
         check_queries_and_alert(cluster, prometheus)
-    except BaseException:
-        print("--- prometheus log ---\n" + prometheus.log_tail())
-        raise
-    finally:
-        prometheus.stop()
-        cluster.stop()
 
 
 def shard_requests(cluster: Cluster) -> float:

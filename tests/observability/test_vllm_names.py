@@ -1,6 +1,7 @@
 """The names vLLM's dashboards look for, on a live cluster: the process collector on every process,
 and the shard's vLLM series (success by finish reason, waiting by reason, cache config, TPOT, prompt
-tokens by source, KV block residency, offload sizes) exported under vLLM's names and labels.
+tokens by source, KV block residency, offload sizes, sleep state, the API server's HTTP series)
+exported under vLLM's names and labels.
 
     .venv/bin/python -m pytest tests/observability/test_vllm_names.py -q      # ~15 s, synthetic engine
 
@@ -52,3 +53,11 @@ def test_vllm_dashboard_names_are_exported() -> None:
         assert metric(shard, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
         assert metric(shard, "vllm:num_requests_waiting_by_reason", reason="capacity") == 0
         assert metric(shard, "vllm:cache_config_info", enable_prefix_caching="False") == 1
+        assert metric(shard, "vllm:engine_sleep_state", sleep_state="awake") == 1
+        assert metric(shard, "vllm:engine_sleep_state", sleep_state="discard_all") == 0
+        # vLLM's API server HTTP series on the shard: routes as templates, status classes, no probes
+        assert metric(shard, "http_requests_total", handler="/v1/chat/completions", method="POST", status="2xx") == 3
+        assert metric(shard, "http_request_duration_seconds_count", handler="/v1/chat/completions") == 3
+        assert 'handler="/metrics"' not in text and 'handler="/health"' not in text and 'handler="none"' not in text
+        assert httpx.get(shard + "/no-such-route", timeout=5.0).status_code == 404
+        assert metric(shard, "http_requests_total", handler="none", method="other", status="4xx") == 1

@@ -26,10 +26,11 @@ import pytest
 
 from tests.reliability.common import report
 from tests.reliability.netns import Hosts
-from tests.support.cluster import ADMIN_TOKEN, KEYS, api_keys_env
+from tests.support.cluster import ADMIN_TOKEN, KEYS
 from tests.support.metrics import metric
 from tests.support.procs import Service
 from tests.support.waits import eventually
+from tests.support.zones import start_zones, zone_gateway
 
 HOSTS = Hosts(f"sz{os.getpid() % 100000}", [1, 2], seed=os.getpid() + 17)
 ZONE_HOST = {"a": 1, "b": 2}
@@ -72,23 +73,10 @@ def test_a_zone_outage_loses_no_paid_conversation(hosts: None) -> None:
                                       str(TOKEN_DELAY_MS), "--registry-url", cp.url, "--node-id", f"shard-{z}"]),
                       HostService(z, ["cache-node", "--registry-url", cp.url, "--node-id", f"cache-{z}"])]
                   for z in ZONE_HOST}
-    gws = {z: Service(["gateway", "--registry-url", cp.url, "--tokenizer", "whitespace", "--model-name", "synthetic",
-                       "--zone", z, "--node-id", f"gateway-{z}"], env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()})
-           for z in ZONE_HOST}
+    gws = {z: zone_gateway(cp.url, z) for z in ZONE_HOST}
     started: list[Service] = []
     try:
-        for svc in (cp, *zone_procs["a"], *zone_procs["b"]):
-            svc.start(wait=False)
-            started.append(svc)
-        for svc in (cp, *zone_procs["a"], *zone_procs["b"]):
-            svc.wait_healthy()
-        for gw in gws.values():
-            gw.start()
-            started.append(gw)
-        for gw in gws.values():
-            eventually(lambda: metric(gw.url, "switchboard_gateway_members", service="shard") == 2  # noqa: B023
-                       and metric(gw.url, "switchboard_gateway_members", service="cache") == 2, 15,  # noqa: B023
-                       what="both zones in the gateways' membership")
+        start_zones([cp, *zone_procs["a"], *zone_procs["b"]], gws, started, timeout=15)
 
         # Conversations before the outage: paid and free, started on zone A's gateway (so free ones live
         # in zone A only) and a free one on zone B's.

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Self
 
@@ -86,6 +88,31 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+FP32_SHARD = ("--dtype", "float32", "--threads", "1")
+"""A real-model shard's flags where greedy output must not depend on batching: float32, one thread."""
+
+
+@contextmanager
+def static_shards(*each: Sequence[str], gateway_args: Sequence[str] = (),
+                  ready_timeout: float = 180) -> Iterator[tuple[list[Service], Service]]:
+    """One real shard per flag list in `each`, started at once, and a gateway routing to them by
+    ``--shard-urls`` (no registry; its one cache URL answers nothing):
+    ``with static_shards(FP32_SHARD, FP32_SHARD) as (shards, gw): ...``. Every process is stopped on
+    exit; a test may kill a shard first."""
+    shards = [Service(["shard", *args], ready_timeout=ready_timeout) for args in each]
+    for s in shards:
+        s.start(wait=False)
+    try:
+        for s in shards:
+            s.wait_healthy()
+        with Service(["gateway", "--shard-urls", ",".join(s.url for s in shards), "--cache-urls",
+                      "http://127.0.0.1:1", *gateway_args], env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()}) as gw:
+            yield shards, gw
+    finally:
+        for s in shards:
+            s.stop()
 
 
 def open_control_plane(*args: str, log_path: Path | None = None, port: int | None = None) -> Service:

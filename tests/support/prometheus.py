@@ -4,8 +4,10 @@
     prometheus.start(); prometheus.wait_ready()
     prometheus.value("sum(up)"); prometheus.alerts("SwitchboardShardDown"); prometheus.stop()
 
+    with watched(Cluster(...), tmp_path, rule_files) as prometheus: ...   # a whole cluster, by job
+
 It scrapes (and evaluates rules) every second. Tests skip when :data:`PROMETHEUS` is None. Used by
-tests/observability/test_live.py and tests/control_plane/test_signals.py.
+tests/observability/test_live.py, test_vllm_dashboards.py and tests/control_plane/test_signals.py.
 """
 
 from __future__ import annotations
@@ -13,12 +15,16 @@ from __future__ import annotations
 import math
 import shutil
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 
+from dashboards.catalogue import JOBS
+from tests.support.cluster import Cluster
 from tests.support.procs import free_port
 from tests.support.waits import eventually
 
@@ -87,3 +93,32 @@ class Prometheus:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+
+
+def cluster_targets(cluster: Cluster) -> dict[str, list[str]]:
+    """Job name (the dashboards' and rules') -> host:port of each of `cluster`'s processes."""
+    def hostport(url: str) -> str:
+        return url.removeprefix("http://")
+    return {JOBS["control-plane"]: [hostport(cluster.control_plane.url)],
+            JOBS["gateway"]: [hostport(cluster.gateway.url)],
+            JOBS["shard"]: [hostport(s.url) for s in cluster.shards],
+            JOBS["cache-node"]: [hostport(c.url) for c in cluster.caches]}
+
+
+@contextmanager
+def watched(cluster: Cluster, workdir: Path, rule_files: list[Path] | None = None) -> Iterator[Prometheus]:
+    """A Prometheus scraping every process of `cluster` (not started yet) by job: Prometheus starts first,
+    so it scrapes while the cluster starts; both run for the block and stop after it. When the block
+    fails, the tail of Prometheus' log is printed."""
+    prometheus = Prometheus(workdir, cluster_targets(cluster), rule_files)
+    prometheus.start()
+    try:
+        cluster.start()
+        prometheus.wait_ready()
+        yield prometheus
+    except BaseException:
+        print("--- prometheus log ---\n" + prometheus.log_tail())
+        raise
+    finally:
+        prometheus.stop()
+        cluster.stop()

@@ -114,6 +114,16 @@ def micro_batches(lens: Sequence[int], parts: int) -> list[tuple[int, int]]:
     return list(pairwise(bounds))
 
 
+def _unpack(items: Sequence[tuple[int, Sequence[int], int]], logits: Sequence[int] | None
+            ) -> tuple[list[int], list[int], list[int], torch.Tensor, list[int]]:
+    """A pass's items (slot, token ids, start) as slots, lens, starts, the packed ids and the wanted rows."""
+    slots = [slot for slot, _, _ in items]
+    lens = [len(ids) for _, ids, _ in items]
+    starts = [start for _, _, start in items]
+    ids = torch.tensor([t for _, seq, _ in items for t in seq], dtype=torch.long)
+    return slots, lens, starts, ids, [1] * len(items) if logits is None else list(logits)
+
+
 def select_rows(x: torch.Tensor, lens: Sequence[int], wanted: Sequence[int]) -> torch.Tensor:
     """The last `wanted[i]` rows of each item i of packed rows `x` (item i has `lens[i]` rows)."""
     if sum(wanted) == len(x):
@@ -318,31 +328,39 @@ class LlamaRunner:
         `batched` the items are slots 0..n-1 in order (a decode or verify step: attention batched
         over cache views, attention.SlotBatched); else each attends against its own slot
         (attention.PerSequence). KV is written in one place, `_write_kv`."""
-        slots = [slot for slot, _, _ in items]
-        lens = [len(ids) for _, ids, _ in items]
-        starts = [start for _, _, start in items]
-        ids = torch.tensor([t for _, seq, _ in items for t in seq], dtype=torch.long)
-        wanted = [1] * len(items) if logits is None else list(logits)
         if self.downstream is not None:  # the later stages run their layers and send back the wanted rows
-            return self._pipelined(ids, slots, lens, starts, wanted, batched)
+            return self.collect(self.submit(items, logits, batched=batched))
+        slots, lens, starts, ids, wanted = _unpack(items, logits)
         x = self.run_layers(self.embed[ids], slots, lens, starts, batched)  # [T, H]
         return self.lm_head(self._rms(select_rows(x, lens, wanted), self.norm)).float()
 
-    def _pipelined(self, ids: torch.Tensor, slots: list[int], lens: list[int], starts: list[int],
-                   wanted: list[int], batched: bool) -> torch.Tensor:
-        """Stage 0's part of a pass, as up to `downstream.microbatches` micro-batches in flight: each
-        is sent on as soon as this stage's layers are done, so while stage 1 runs micro-batch k this
-        stage runs k+1; the wanted rows come back in order and get the head one micro-batch at a
-        time (while the later stages still work on the next). A sequence is in exactly one."""
+    @torch.inference_mode()
+    def submit(self, items: Sequence[tuple[int, Sequence[int], int]], logits: Sequence[int] | None = None,
+               *, batched: bool = False, microbatches: int | None = None) -> list[Any]:
+        """Stage 0's part of a pipelined pass (`forward`'s arguments), sent on without waiting for
+        its rows: tickets for `collect`. Split into up to `microbatches` (default the downstream's)
+        micro-batches in flight: each is sent on as soon as this stage's layers are done, so while
+        stage 1 runs micro-batch k this stage runs k+1. A sequence is in exactly one. Several
+        passes may be submitted before the first is collected (the engine's batch queue)."""
         down = self.downstream
-        assert down is not None
+        assert down is not None, "submit/collect is a pipeline's (a runner with a downstream)"
+        slots, lens, starts, ids, wanted = _unpack(items, logits)
         tickets, off = [], 0
-        for i, j in micro_batches(lens, down.microbatches):
+        for i, j in micro_batches(lens, microbatches or down.microbatches):
             began = time.time()
             n = sum(lens[i:j])
             x = self.run_layers(self.embed[ids[off : off + n]], slots[i:j], lens[i:j], starts[i:j], batched)
             tickets.append(down.submit(slots[i:j], lens[i:j], starts[i:j], wanted[i:j], batched, x, began))
             off += n
+        return tickets
+
+    @torch.inference_mode()
+    def collect(self, tickets: list[Any]) -> torch.Tensor:
+        """The logits of a submitted pass, as `forward` returns them: the wanted rows come back in
+        the order sent and get the head one micro-batch at a time (while the later stages still
+        work on the next); passes are collected in the order submitted."""
+        down = self.downstream
+        assert down is not None
         return torch.cat([self.lm_head(self._rms(down.collect(t), self.norm)).float() for t in tickets])
 
     def run_layers(self, x: torch.Tensor, slots: Sequence[int], lens: Sequence[int], starts: Sequence[int],

@@ -26,10 +26,12 @@ splits a pass's items into up to `microbatches` (default N) contiguous runs of a
 batched) and `Hops.submit`s each as soon as stage 0's layers are done, without waiting (isend):
 while stage 1 runs micro-batch k, stage 0 runs k+1, and the head runs on k's returned rows while
 later stages run k+1. Rows come back in the order sent (`Hops.collect`). A sequence is in exactly
-one micro-batch of a pass, and the step's plan, its slot moves and prefix copies (between passes,
-never while one is in flight) are the scheduler's as before: aborts, deadlines, speculation and
-the lost-stage handling do not see micro-batches. Not (yet) vLLM's queue *across* steps: a step
-waits for its last micro-batch, so the bubble per step is about (N-1)/(M+N-1) stage-passes, not 0.
+one micro-batch of a pass. Across steps, the engine's batch queue (batch_queue.py, vLLM v1's
+`step_with_batch_queue`) keeps up to B (default N) scheduler plans in flight: the decoding
+sequences go in B contiguous groups, and stage 0 plans and sends the next group while the
+previous one is still in the later stages; a sequence is in at most one plan in flight, and slot
+moves and admissions wait until none is (scheduler.py). Prefix-cache copies for a slot not in
+flight may be sent while passes are (every stage applies them in the order stage 0 sent them).
 
 Everything above the runner is unchanged: the scheduler, chunked and beside prefill, priorities,
 speculation (a verify pass is one forward through the stages), prefix caching: stage 0's PrefixCache
@@ -196,6 +198,8 @@ class Hops:
         self._active_since = 0.0
         self.max_in_flight = 0
         """The most passes ever in flight at once (sent by stage 0, rows not yet back)."""
+        self._loose: list[tuple[torch.Tensor, ...]] = []  # prefix copies sent while passes were in flight
+        self._loose_works: list[Any] = []
 
     def forward(self, slots: Sequence[int], lens: Sequence[int], starts: Sequence[int], wanted: Sequence[int],
                 batched: bool, x: torch.Tensor, began: float | None = None) -> torch.Tensor:
@@ -219,8 +223,11 @@ class Hops:
             self._active_since = began
         xw = wire(x.contiguous())
         works = [self.dist.isend(h, 1), self.dist.isend(xw, 1), self.dist.isend(t, 1)]
+        # Prefix copies sent without waiting before this pass: received once its rows are back.
+        works[:0], self._loose_works = self._loose_works, []
+        buffers, self._loose = (h, xw, t, *(b for pair in self._loose for b in pair)), []
         ticket = _Ticket(tuple(slots), tuple(starts), sum(wanted), began, len(self._in_flight) + 1,
-                         h.numel() * 8 + x.numel() * x.element_size() + t.numel() * 8, (h, xw, t), works)
+                         h.numel() * 8 + x.numel() * x.element_size() + t.numel() * 8, buffers, works)
         self._in_flight.append(ticket)
         self.max_in_flight = max(self.max_in_flight, ticket.in_flight)
         return ticket
@@ -281,13 +288,23 @@ class Hops:
         self._blocks(OP_STORE, slot, len(pairs), torch.tensor([list(p) for p in pairs], dtype=torch.long).reshape(-1))
 
     def _blocks(self, op: int, slot: int, count: int, values: torch.Tensor) -> None:
-        """A LOAD (`count` pool indices) or STORE (`count` (block number, pool index) pairs) for `slot`."""
-        assert not self._in_flight, "prefix-cache copies run between passes"
-        h = self.header
-        h.zero_()
+        """A LOAD (`count` pool indices) or STORE (`count` (block number, pool index) pairs) for `slot`.
+        May run while passes are in flight (the batch queue: a finished sequence's blocks kept): every
+        stage applies it after them, in the order stage 0 sent everything (one gloo pair a hop, in
+        order), and no pass in flight touches `slot` (a sequence is in at most one plan in flight).
+        With passes in flight it is sent without waiting (isend), like a pass: a blocking send would
+        wait for stage 1 to receive it while stage 1 waits for stage 0 to take an earlier pass's rows
+        (a deadlock); its buffers ride on the next pass submitted, whose rows coming back prove it
+        was received."""
+        assert slot not in {s for t in self._in_flight for s in t.slots}, "a prefix copy for a slot in flight"
+        h = torch.zeros(header_size(self.spec.max_num_seqs), dtype=torch.long)
         h[:HEADER_FIXED] = torch.tensor([op, slot, count, 0])
-        self.dist.send(h, 1)
-        self.dist.send(values, 1)
+        if not self._in_flight:
+            self.dist.send(h, 1)
+            self.dist.send(values, 1)
+            return
+        self._loose.append((h, values))
+        self._loose_works += [self.dist.isend(h, 1), self.dist.isend(values, 1)]
 
 
 class PipelineGroup:

@@ -29,6 +29,19 @@ policy, in order, each step:
    then the admitted prompts, the chunk, the parked ones (most recently parked first). `_place`
    is the one place that keeps this: a freed slot is filled by the highest decoding one, the rest
    shift; the moves come ordered so that none overwrites KV still to be moved.
+
+Batches in flight (`batch_queue` B > 1: a pipeline's batch queue, vLLM v1's
+`step_with_batch_queue`; the engine calls `returned(plan)` when a plan's pass is back): a plan's
+sequences are *in flight* until then, and vLLM's rule holds: a sequence in flight is in no other
+plan (its computed count and last token are not known yet). A pure decode plan takes the first
+ceil(d/B) of the d decoding sequences, so B plans of contiguous slot runs fill the pipeline.
+While any plan is in flight `schedule()` only plans the next such run of decoding sequences not
+in flight, and only when the layout stays put: no slot moves, no admissions, no prompt rows, no
+parking; a sequence in flight is never moved, parked or finished. Whatever needs the layout to
+change (a waiting request and a free slot, a hole left by a finished sequence, a prompt or chunk
+under way) gets an empty plan, on which the engine waits for the oldest plan in flight; once none
+is, the full policy above runs. Aborts and deadlines of a sequence in flight apply at the first
+`schedule()` after it returned.
 """
 
 from __future__ import annotations
@@ -56,6 +69,8 @@ class SchedulerConfig:
     """Share of the budget, 0..0.9, that prompts of a chunked prefill's priority may take beside it."""
     max_model_len: int = 2048
     """Context window: drafts stop short of it."""
+    batch_queue: int = 1
+    """Plans in flight at once, 1..64 (a pipeline's batch queue); 1: each plan returns before the next."""
 
 
 class PrefixLookup(Protocol):
@@ -170,6 +185,7 @@ class Scheduler:
         self._order = itertools.count()
         self._holders: list[SeqState] = []  # sequences holding a slot (RUNNING or PARKED)
         self._aborts: set[str] = set()
+        self._in_flight: set[SeqState] = set()  # in a plan not returned yet (batch_queue > 1)
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -180,6 +196,10 @@ class Scheduler:
     def abort(self, request_id: str) -> None:
         """Drop the request at the next schedule() (waiting or holding a slot)."""
         self._aborts.add(request_id)
+
+    def returned(self, plan: SchedulerOutput) -> None:
+        """`plan`'s pass is back (batch_queue > 1): its sequences may be planned, moved or finished again."""
+        self._in_flight.difference_update(r.seq for r in plan.rows)
 
     def finish(self, seq: SeqState, status: SeqStatus) -> None:
         """`seq` ended (the engine saw EOS, a stop string, its length cap): its slot is free from
@@ -197,6 +217,11 @@ class Scheduler:
     @property
     def holders(self) -> list[SeqState]:
         return list(self._holders)
+
+    @property
+    def in_flight(self) -> frozenset[SeqState]:
+        """Sequences in a plan not returned yet (always empty with batch_queue 1)."""
+        return frozenset(self._in_flight)
 
     def decoding(self) -> list[SeqState]:
         """RUNNING sequences past their prompt, in slot order."""
@@ -216,7 +241,40 @@ class Scheduler:
     # -- the plan ---------------------------------------------------------------------------------
 
     def schedule(self, now: float) -> SchedulerOutput:
-        """Plan one step; `now` is Unix time, for deadlines."""
+        """Plan one step; `now` is Unix time, for deadlines. With batch_queue > 1 its sequences are
+        in flight until `returned(plan)`."""
+        plan = self._schedule_beside(now) if self._in_flight else self._schedule(now)
+        if self.config.batch_queue > 1:
+            self._in_flight.update(r.seq for r in plan.rows)
+        return plan
+
+    def _group(self, decoding: int) -> int:
+        """Decoding sequences in one pure decode plan: all of them, or 1/B of them with B plans in flight."""
+        return -(-decoding // self.config.batch_queue)
+
+    def _schedule_beside(self, now: float) -> SchedulerOutput:
+        """A plan beside those in flight: the first contiguous run (at most `_group`) of decoding
+        sequences not in flight, or nothing when the layout must change first (module docstring)."""
+        finished = self._reap(now)
+        decoding = self.decoding()
+        if (any(s.prefilling or s.status is SeqStatus.PARKED for s in self._holders)
+                or (self._waiting and len(self._holders) < self.config.max_num_seqs)
+                or [s.slot for s in decoding] != list(range(len(decoding)))):
+            return SchedulerOutput(finished=tuple(finished))
+        run: list[SeqState] = []
+        for s in decoding:
+            if s in self._in_flight:
+                if run:
+                    break
+                continue
+            run.append(s)
+            if len(run) == self._group(len(decoding)):
+                break
+        rows = self._rows(run, [], None, self.config.prefill_chunk) if run else []
+        return SchedulerOutput(rows=tuple(rows), finished=tuple(finished))
+
+    def _schedule(self, now: float) -> SchedulerOutput:
+        """The full policy (nothing in flight)."""
         finished = self._reap(now)
         chunk = self.chunked()
         if chunk is None and self.parked():
@@ -244,6 +302,8 @@ class Scheduler:
         moves = self._place(decoding, new, chunk)
         decoding.sort(key=lambda s: s.slot)
         decode_yield = chunk is not None and bool(decoding) and all(s.priority > chunk.priority for s in decoding)
+        if chunk is None and not new:  # a pure decode plan: 1/B of the decoding ones with B in flight
+            decoding = decoding[: self._group(len(decoding))]
         rows = self._rows(decoding if not decode_yield else [], new, chunk, budget)
         if parked is not None and chunk is not None:
             log.info("chunked prefill of priority %d parked for one of priority %d (%d prompt tokens)",
@@ -262,8 +322,11 @@ class Scheduler:
         if gone:
             self._waiting = [e for e in self._waiting if e[2] not in gone]
             heapq.heapify(self._waiting)
-        gone += [s for s in self._holders
-                 if s.request_id in aborts or (s.req.deadline is not None and s.req.deadline < now)]
+        held = [s for s in self._holders
+                if s.request_id in aborts or (s.req.deadline is not None and s.req.deadline < now)]
+        # A sequence in flight leaves when its pass is back (its abort kept until then).
+        self._aborts |= {s.request_id for s in held if s in self._in_flight and s.request_id in aborts}
+        gone += [s for s in held if s not in self._in_flight]
         for seq in gone:
             self.finish(seq, SeqStatus.FINISHED_ABORTED)
         return gone

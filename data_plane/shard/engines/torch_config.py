@@ -69,7 +69,12 @@ class EngineConfig:
     pipeline_stage_timeout_s: float = 1.0
     """A stage whose heartbeat stood still this long is lost (0.2..60 s): the shard fails its streams and exits."""
     pipeline_microbatches: int = 0
-    """Micro-batches of a pass in flight at once through the stages, 0..64 (0: as many as stages; 1: one pass)."""
+    """Micro-batches a pass that goes alone is split into, in flight at once through the stages, 0..64
+    (0: as many as stages; 1: whole). With the batch queue on, decode plans are not split (they overlap
+    across steps instead)."""
+    pipeline_batch_queue: int = 0
+    """Scheduler plans in flight at once through the stages, 0..64 (vLLM's batch queue; 0: as many as
+    stages; 1: each step waits for its pass): decoding sequences go in that many contiguous groups."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -98,6 +103,8 @@ class EngineConfig:
             raise ValueError("pipeline_parallel_size must be in 1..64")
         if not 0 <= self.pipeline_microbatches <= 64:
             raise ValueError("pipeline_microbatches must be in 0..64")
+        if not 0 <= self.pipeline_batch_queue <= 64:
+            raise ValueError("pipeline_batch_queue must be in 0..64")
         if not 0.2 <= self.pipeline_stage_timeout_s <= 60:
             raise ValueError("pipeline_stage_timeout_s must be in 0.2..60")
 
@@ -149,6 +156,9 @@ class StepListener:
 
     def on_pipeline_pass(self, timing: PassTiming) -> None:
         """One forward pass through every pipeline stage: each stage's compute, each hop's time and bytes."""
+
+    def on_batch_sent(self, in_flight: int, decode: bool) -> None:
+        """A pipeline's batch queue sent a plan (batch_queue.py): plans in flight, itself included."""
 
     def on_grammar_compile(self, kind: str, seconds: float, outcome: str) -> None:
         """A grammar compile ended (engines/grammar.py): outcome compiled, cache_hit or a refusal reason."""

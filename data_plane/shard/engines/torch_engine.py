@@ -21,6 +21,7 @@ vLLM v1's `EngineCore.step()`:
   blocks kept), so the next plan reuses the slot. Requests join between steps.
 
 A sequence has a status and one computed-token count (sequence.py); nothing else says where it is.
+A pipelined shard runs the loop as a batch queue (batch_queue.py): up to N plans in flight.
 
 Prefix caching (on by default, data_plane/shard/engines/kv_cache.py): at admission a request's longest cached
 prefix (full 16-token blocks, chained digests salted with its `cache_salt`) is copied into its
@@ -56,10 +57,11 @@ from data_plane.shard.engines.base import (
     TextStream,
     check_lengths,
 )
+from data_plane.shard.engines.batch_queue import BatchQueue
 from data_plane.shard.engines.grammar import GrammarCompiler, GrammarError
 from data_plane.shard.engines.logits import RequestLogits
 from data_plane.shard.engines.model_files import LoadPhases
-from data_plane.shard.engines.scheduler import Scheduler, SchedulerConfig
+from data_plane.shard.engines.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from data_plane.shard.engines.sequence import SeqState
 from data_plane.shard.engines.torch_config import DTYPES, EngineConfig, StepListener
 from data_plane.shard.engines.torch_executor import Executor
@@ -116,7 +118,9 @@ class TorchEngine:
         self.transcripts = GeneratedTokens()
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, prefill_chunk=config.prefill_chunk,
-                            beside_share=config.beside_prefill_share, max_model_len=config.max_model_len),
+                            beside_share=config.beside_prefill_share, max_model_len=config.max_model_len,
+                            batch_queue=(config.pipeline_batch_queue or config.pipeline_parallel_size)
+                            if config.pipeline_parallel_size > 1 else 1),
             prefix=self._cached_prefix,
             drafter=(Speculator(config.num_speculative_tokens, config.spec_max_batch,
                                 on_probe=self.listener.on_spec_cost_probe)
@@ -125,6 +129,7 @@ class TorchEngine:
         self.on_dead: Callable[[], None] | None = None  # the shard's exit when a pipeline stage is lost
         self._executor: Executor | None = None  # set once the model is loaded
         self._output: OutputProcessor | None = None
+        self._queue: BatchQueue | None = None  # a pipeline's batch queue (batch_queue.py), set at load
 
     @property
     def spec(self) -> Speculator | None:
@@ -254,6 +259,9 @@ class TorchEngine:
                                        self._decode_ids, self._eos, self.max_model_len, self.prefix)
         if self.pipeline is not None:  # each final output carries its stages' part (the shard's spans)
             self._output.stage_spans = self._runner.downstream.take
+        if self.scheduler.config.batch_queue > 1:
+            self._queue = BatchQueue(self.scheduler, self._executor, self._output, self._lock, self._observe,
+                                     self.thread_tuner, self.listener)
         # One tiny warm-up pass so the first request doesn't pay for lazy kernel setup.
         self._runner.prefill(0, [self._tokenizer.bos_token_id or 1], 0)
         self._runner.decode([1], [1])
@@ -437,6 +445,8 @@ class TorchEngine:
                 if not self._step():
                     self._wake.wait(0.05)
                     self._wake.clear()
+            if self._queue is not None:  # a pipeline's passes in flight come back before it is closed
+                self._queue.drain()
         except BaseException as exc:  # a dead engine fails every request, loudly
             log.exception("engine scheduler died")
             self.dead = exc
@@ -453,6 +463,8 @@ class TorchEngine:
 
     def _step(self) -> bool:
         """One iteration: schedule -> execute -> update; returns False when there was nothing to do."""
+        if self._queue is not None:
+            return self._queue.step()
         executor, output, tuner = self._executor, self._output, self.thread_tuner
         assert executor is not None and output is not None
         with self._lock:
@@ -470,12 +482,16 @@ class TorchEngine:
                 tuner.for_other()
         result = executor.execute(plan)
         output.update(plan, result)
-        spec = self.spec
+        self._observe(plan, result.seconds)
+        return True
+
+    def _observe(self, plan: SchedulerOutput, seconds: float) -> None:
+        """A decode or verify pass's cost, for the speculator's and the thread tuner's models."""
+        spec, tuner = self.spec, self.thread_tuner
         if plan.is_decode and spec is not None:
             if plan.is_verify:
-                spec.observe_verify(len(plan.rows), plan.num_tokens, result.seconds)
+                spec.observe_verify(len(plan.rows), plan.num_tokens, seconds)
             else:
-                spec.observe_plain(len(plan.rows), result.seconds)
+                spec.observe_plain(len(plan.rows), seconds)
         if tuner is not None and plan.is_decode:  # a verify pass has more rows than a decode step: no sample
-            tuner.observe(len(plan.rows), result.seconds, comparable=not plan.is_verify)
-        return True
+            tuner.observe(len(plan.rows), seconds, comparable=not plan.is_verify)

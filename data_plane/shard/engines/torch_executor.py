@@ -12,6 +12,12 @@ per sequence otherwise), then the token choice: one call to torch_sampling.sampl
 sample, or the speculator's acceptance (speculation.target_probs) for a verify step. The executor
 holds no sequence state: the engine updates the sequences from the result (torch_output.py).
 Called on the scheduler thread only.
+
+A pipeline's batch queue (torch_engine's `_step_queued`) splits `execute` in two:
+
+    pending = executor.submit(plan, microbatches=1)   # moves, prefix loads, stage 0's layers, sent on
+    ...                                                # more plans submitted meanwhile (other sequences)
+    result = executor.complete(pending)                # its rows back (oldest first), tokens chosen
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from data_plane.shard.engines.scheduler import SchedulerOutput
 from data_plane.shard.engines.sequence import SeqState
@@ -47,6 +53,15 @@ def choose_tokens(logits: torch.Tensor, seqs: Sequence[SeqState]) -> list[int]:
                   [s.req.processor for s in seqs])
 
 
+@dataclass(frozen=True)
+class Pending:
+    """A plan submitted through a pipeline, its rows not collected yet."""
+
+    plan: SchedulerOutput
+    tickets: list[Any]
+    began: float
+
+
 class Executor:
     def __init__(self, runner: LlamaRunner, prefix: SlotPrefix | None = None) -> None:
         self.runner = runner
@@ -64,6 +79,29 @@ class Executor:
         t0 = time.monotonic()
         logits = self.runner.forward([(r.seq.slot, r.tokens, r.start) for r in rows], [r.num_logits for r in rows],
                                      batched=plan.is_decode)
+        return self._choose(plan, logits, t0)
+
+    def submit(self, plan: SchedulerOutput, microbatches: int | None = None) -> Pending:
+        """`execute` up to the pipeline's hop: the moves, the prefixes, stage 0's layers sent on
+        (in up to `microbatches` micro-batches; None: the pipeline's own count). `plan` has rows."""
+        for move in plan.moves:
+            self.runner.move_slot(move.src, move.dst, move.length)
+        if self.prefix is not None:
+            for seq in plan.admitted:
+                seq.held = self.prefix.load(seq.block_hashes, seq.cached, seq.slot)
+        t0 = time.monotonic()
+        rows = plan.rows
+        tickets = self.runner.submit([(r.seq.slot, r.tokens, r.start) for r in rows], [r.num_logits for r in rows],
+                                     batched=plan.is_decode, microbatches=microbatches)
+        return Pending(plan, tickets, t0)
+
+    def complete(self, pending: Pending) -> StepResult:
+        """The submitted plan's rows back from the last stage (plans complete in the order
+        submitted), its tokens chosen; `seconds` from its submission (other plans' passes overlap it)."""
+        return self._choose(pending.plan, self.runner.collect(pending.tickets), pending.began)
+
+    def _choose(self, plan: SchedulerOutput, logits: torch.Tensor, t0: float) -> StepResult:
+        rows = plan.rows
         if plan.is_verify:
             tokens = [tuple(t) for t in Speculator.accept(logits, rows)]
         else:
