@@ -14,7 +14,7 @@ and that format is only required to speculate and stay sane.
 
 Quality bounds, from `switchboard bench quality --formats bfloat16:int4` here (12 prompts x 32
 tokens; float32 8.700 perplexity): dense bf16 +0.13 %, 67 % of prompts identical; bf16 int4 +0.86 %,
-50 %; float32 int4 (the bench's functions, 4 prompts) 100 %. With bf16 activations every first difference came where the
+50 %; float32 int4 (`--formats float32:int4`) +0.00 %, 100 %. With bf16 activations every first difference came where the
 float32 reference's top-1 and top-2 logits were within 0.17 of each other (median step margin 1.33): near
 ties that bf16 rounding (activations, bf16 scales/zeros, the per-row int8 head) breaks either way, so
 a bf16 format is held to perplexity within 3 %, a mean shared prefix >= 0.5 and every divergence at a
