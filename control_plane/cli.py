@@ -2,6 +2,7 @@
 
     switchboard up                      # the whole platform on embedded defaults
     switchboard shard --port 8101       # one inference shard
+    switchboard stage --join 10.0.0.1:29500 --rank 1 --bind 10.0.0.2   # a pipeline stage on another host
     switchboard cache-node --port 8201  # one cache node
     switchboard gateway --port 8000     # the chat API
     switchboard control-plane           # registry + admin API
@@ -21,6 +22,7 @@ from data_plane.common.settings_cli import dispatch
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("control_plane.launcher", "start the whole platform (control plane, shards, cache nodes, gateway)"),
     "shard": ("data_plane.shard.app", "run one inference shard"),
+    "stage": ("data_plane.shard.engines.pipeline_stage", "run a pipeline stage that joins a shard's group"),
     "cache-node": ("data_plane.cache.node", "run one cache node"),
     "gateway": ("data_plane.gateway.app", "run the OpenAI-compatible chat gateway"),
     "control-plane": ("control_plane.app", "run the control plane (membership registry, admin API)"),

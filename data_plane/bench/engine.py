@@ -145,9 +145,12 @@ async def _measure(name: str, config: BenchConfig, prompt_ids: list[list[int]]) 
             rows.append(row)
         stage_rss = getattr(system, "stage_rss_mb", None)
         if stage_rss is not None:  # memory per pipeline stage (one stage: the whole engine)
+            rss_mb, weights_mb = stage_rss(), system.stage_weights_mb()  # type: ignore[attr-defined]
             for row in rows:
-                row["stage_rss_mb"] = stage_rss()
-            print(f"[bench] {name}: resident memory per stage {row['stage_rss_mb']} MiB", flush=True)
+                row["stage_rss_mb"], row["stage_weights_mb"] = rss_mb, weights_mb
+                row["stage_overhead_mb"] = [round(r - w, 1) for r, w in zip(rss_mb, weights_mb)]
+            print(f"[bench] {name}: resident memory per stage {rss_mb} MiB, of which weights {weights_mb} MiB "
+                  f"(the rest: KV touched, the process's fixed overhead; stage 0 is this bench process)", flush=True)
     finally:
         await system.aclose()
     rss = peak_rss_mb()

@@ -167,6 +167,15 @@ class SwitchboardSystem:
         pids = ["self"] + ([str(p.pid) for _, p in sorted(group.procs.items())] if group is not None else [])
         return [round(rss_kib(pid) / 1024, 1) for pid in pids]
 
+    def stage_weights_mb(self) -> list[float]:
+        """Weights resident in each pipeline stage (stage 0: with the embedding and head), MiB: a
+        stage's memory less these (and its touched KV) is the fixed overhead of a process."""
+        group = self.engine.pipeline
+        sizes = [self.engine._runner.resident_weight_bytes]  # type: ignore[attr-defined]
+        if group is not None:
+            sizes += [int(info.get("weight_bytes", 0)) for _, info in sorted(group.stage_info.items())]
+        return [round(b / 2**20, 1) for b in sizes]
+
     async def aclose(self) -> None:
         await self.engine.aclose()
 

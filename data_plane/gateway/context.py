@@ -13,9 +13,11 @@ call per *new* message, not per request.
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from data_plane.common.errors import ContextLengthExceeded
 
@@ -33,12 +35,9 @@ class TokenCounter:
 
     @classmethod
     def for_model(cls, model: str | None) -> TokenCounter:
-        from transformers import AutoTokenizer
-
         from data_plane.model_store import resolve_model
 
-        tok = AutoTokenizer.from_pretrained(str(resolve_model(model)))
-        return cls(lambda text: len(tok.encode(text, add_special_tokens=False)))
+        return cls(_model_encoder(resolve_model(model)))
 
     @classmethod
     def whitespace(cls) -> TokenCounter:
@@ -61,6 +60,31 @@ class TokenCounter:
 
     def prompt_tokens(self, messages: Sequence[dict[str, str]]) -> int:
         return sum(self.message_tokens(m) for m in messages) + REPLY_PRIMER_TOKENS
+
+
+FAST_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+"""tokenizer_config.json classes that are the `tokenizers` library's tokenizer.json and nothing more
+(the shard's model_files.py loads the same set directly)."""
+
+
+def _model_encoder(folder: Path) -> Callable[[str], int]:
+    """Tokens in a text, without special tokens added, as the model's tokenizer counts them. A plain
+    fast tokenizer is read straight from tokenizer.json with `tokenizers`: importing transformers
+    made a gateway's start-up seconds slower (~25 s on a loaded 2-core host, against ~1 s), for the
+    same counts (tests/data_plane/test_context_window.py). Any other tokenizer: transformers' AutoTokenizer."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    if config.get("tokenizer_class") in FAST_TOKENIZER_CLASSES and (folder / "tokenizer.json").exists():
+        from tokenizers import Tokenizer
+
+        fast = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        return lambda text: len(fast.encode(text, add_special_tokens=False).ids)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    return lambda text: len(tok.encode(text, add_special_tokens=False))
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,7 @@ def build_engine(settings: ShardSettings, metrics: ShardMetrics | None) -> Engin
         pipeline_parallel_size=settings.pipeline_parallel_size, pipeline_layers=settings.pipeline_layers,
         pipeline_stage_timeout_s=settings.pipeline_stage_timeout_s,
         pipeline_microbatches=settings.pipeline_microbatches, pipeline_batch_queue=settings.pipeline_batch_queue,
+        **settings.pipeline_placement(),
     )
     return TorchEngine(config, MetricsListener(metrics) if metrics else None)
 

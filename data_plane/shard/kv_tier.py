@@ -33,9 +33,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
 from data_plane.kv_wire import (
     REJECT_SEALED,
     BlockHeader,
@@ -50,6 +47,7 @@ from data_plane.shard.kv_seal import KVSealer, block_scopes
 
 if TYPE_CHECKING:
     import httpx
+    import torch
 
     from data_plane.membership.view import MembershipView
     from data_plane.shard.engines.base import GenerationRequest, KVSessionRef
@@ -123,10 +121,10 @@ class KVTier:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def bind(self, prefix: SlotPrefix | None, loop: asyncio.AbstractEventLoop) -> None:
-        """Attach to the engine's prefix cache (None: prefix caching off, the tier stays idle)."""
-        if prefix is not None and prefix.cache.mirror is not None:
-            log.warning("KV tier idle: a pipelined shard's blocks are split over its stages (docs/SHARDING.md)")
-            prefix = None
+        """Attach to the engine's prefix cache (None: prefix caching off, the tier stays idle). A
+        pipelined shard's blocks travel whole too: stage 0 gathers its stages' layers for a store and
+        hands each stage its layers of a fetched block (pipeline.Hops), so blocks are the same as an
+        unsharded shard's and either kind of shard can fetch what the other stored."""
         self.prefix, self._loop = prefix, loop
         if prefix is not None:
             prefix.remote = self
@@ -226,6 +224,8 @@ class KVTier:
         return block_scopes(n, self.prefix.block_size, salt, public_tokens)
 
     def _frames(self, hashes: list[bytes], kv: torch.Tensor, scopes: Sequence[str]) -> list[bytes | bytearray]:
+        import torch  # lazy: a synthetic shard (no tier) must not pay torch's import at start-up
+
         raw = kv.contiguous().view(torch.uint8).reshape(len(hashes), -1).numpy()
         if self.sealer is not None:
             return [self.sealer.seal_frame(self._header(h), memoryview(raw[j]), scopes[j])
@@ -256,7 +256,7 @@ class KVTier:
         if local >= usable or (known and known <= local and known <= len(hashes) and hashes[known - 1] == tail):
             return 0  # nothing missing, or the nodes hold nothing this shard lacks (it stored them itself)
         missing = usable - local
-        tokens, nbytes = missing * bs, missing * p.cache.block_bytes
+        tokens, nbytes = missing * bs, missing * p.block_bytes
         m.queries.labels(name).inc(tokens)
         if not self.remote.replicas_for(ref.session_id, ref.replicas):
             m.decisions.labels(name, "no_cache_nodes").inc()
@@ -330,6 +330,9 @@ class KVTier:
             reason = exc.reason
         if not frames:
             return None, 0, reason
+        import numpy as np
+        import torch
+
         kv = torch.empty((len(frames), *p.block_shape), dtype=p.torch_dtype)
         flat = kv.view(torch.uint8).reshape(len(frames), -1).numpy()
         for j, (header, payload) in enumerate(frames):

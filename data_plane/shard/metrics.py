@@ -16,13 +16,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.common.telemetry import E2E_BUCKETS, LATENCY_BUCKETS
 from data_plane.shard.engines.base import Engine, EngineStats, GenerationOutput
-from data_plane.shard.engines.torch_config import StepListener
+from data_plane.shard.engines.step_listener import StepListener
 from data_plane.shard.grammar_metrics import StructuredMetrics
 from data_plane.shard.kv_metrics import KVTierMetrics
 from data_plane.shard.spec_metrics import SpecMetrics
 
 if TYPE_CHECKING:
-    from data_plane.shard.engines.pipeline import PassTiming
+    from data_plane.shard.engines.pipeline import KVHop, PassTiming
 
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
@@ -152,6 +152,13 @@ class ShardMetrics:
                                      m + ["stage"], buckets=LATENCY_BUCKETS, registry=registry)
         self.hop_bytes = Counter("switchboard_shard_pipeline_hop_bytes", "Bytes stage `stage` sent to the next "
                                  "stage (the last: the wanted rows back to stage 0).", m + ["stage"], registry=registry)
+        self.pipeline_kv_seconds = Histogram("switchboard_shard_pipeline_kv_seconds", "One KV-tier transfer "
+                                             "between stage 0 and the later stages (`op` gather: a turn's blocks "
+                                             "for the cache nodes; scatter: fetched blocks to the stages).",
+                                             m + ["op"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.pipeline_kv_bytes = Counter("switchboard_shard_pipeline_kv_bytes", "KV-tier bytes moved between "
+                                         "stage 0 and the later stages, by `op` (gather, scatter).", m + ["op"],
+                                         registry=registry)
         # Prefix caching (vLLM's names, counted in tokens as vLLM does).
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                                       m, registry=registry)
@@ -352,6 +359,11 @@ class MetricsListener(StepListener):
             m.stage_step.labels(m.model_name, label).observe(step)
             m.hop_latency.labels(m.model_name, label).observe(hop)
             m.hop_bytes.labels(m.model_name, label).inc(sent)
+
+    def on_pipeline_kv(self, op: KVHop, blocks: int, nbytes: int, seconds: float) -> None:
+        m = self.metrics
+        m.pipeline_kv_seconds.labels(m.model_name, op.value).observe(seconds)
+        m.pipeline_kv_bytes.labels(m.model_name, op.value).inc(nbytes)
 
     def on_batch_sent(self, in_flight: int, decode: bool) -> None:
         m = self.metrics

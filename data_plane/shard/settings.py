@@ -83,6 +83,13 @@ class ShardSettings(BaseSettings):
         "Steps in flight at once through the stages (vLLM's batch queue): decoding sequences go in that many "
         "contiguous groups, the next sent while the previous is in later stages (0: as many as stages; "
         "1: each step waits for its pass)."))
+    pipeline_host: str = Field("127.0.0.1", description=(
+        "Stage 0's address for the pipeline group (its TCPStore and gloo): a stage on another host must reach it."))
+    pipeline_port: int = Field(0, ge=0, le=65535, description=(
+        "The pipeline group's TCPStore port (0: a free one; set it when stages join from other hosts)."))
+    pipeline_remote_stages: str | None = Field(None, pattern=r"^\d+(,\d+)*$", description=(
+        "Stages that join from other hosts (`switchboard stage --join HOST:PORT --rank R` there) instead of "
+        "being started here, e.g. '1'."))
     pipeline_exit_linger_s: float = Field(2.0, ge=0, le=60, description=(
         "After losing a stage (streams failed, out of membership) the shard keeps answering /metrics this long "
         "before exiting, so a scrape sees the stage down (set it to your scrape interval)."))
@@ -113,6 +120,12 @@ class ShardSettings(BaseSettings):
     @classmethod
     def _json_list(cls, v: Any) -> Any:
         return json.loads(v) if isinstance(v, str) else v
+
+    def pipeline_placement(self) -> dict[str, Any]:
+        """Where the pipeline group lives, as EngineConfig fields (a stage on another host joins it)."""
+        remote = tuple(int(r) for r in (self.pipeline_remote_stages or "").split(",") if r)
+        return {"pipeline_host": self.pipeline_host, "pipeline_port": self.pipeline_port,
+                "pipeline_remote_stages": remote}
 
 
 __all__ = ["ShardSettings"]

@@ -5,8 +5,8 @@
 
 The console's Cluster page (admin_ui/views/cluster.py, which parses it) reads `pipeline_stages` from membership:
 stage index, the host it runs on and its layer range [first, end), one entry a stage. Stages 1..N-1
-are stage 0's children today (data_plane/shard/engines/pipeline.py), so they share its host; the
-field names the host of each so a group spread over hosts reads the same.
+started by stage 0 are its children (data_plane/shard/engines/pipeline.py) and share its host; a
+stage that joined from another host (`switchboard stage --join ... --bind ADDR`) is named by ADDR.
 
 Each stage's span (`shard.pipeline_stage`) runs from the first pass of the request that reached the
 stage to the last that left it (the stages' wall clocks), with the stage's compute in those passes
@@ -40,7 +40,9 @@ def stage_meta(engine: Any, host: str) -> dict[str, str]:
     ranges = stage_ranges(engine)
     if not ranges:
         return {}
-    return {META_KEY: ",".join(f"{i}@{host}:{first}-{end}" for i, (first, end) in enumerate(ranges))}
+    info = getattr(getattr(engine, "pipeline", None), "stage_info", {})  # a stage that joined from another host
+    hosts = [str(info.get(i, {}).get("host") or host) if i else host for i in range(len(ranges))]
+    return {META_KEY: ",".join(f"{i}@{h}:{first}-{end}" for i, (h, (first, end)) in enumerate(zip(hosts, ranges)))}
 
 
 def record_stage_spans(tracer: trace.Tracer, parent: trace.Span, stages: Sequence[StageSpan],

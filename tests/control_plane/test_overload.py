@@ -47,7 +47,10 @@ def test_one_long_conversation_real_model_never_raises_the_level_nor_scales_out(
                   "--autoscale", "--min-replicas", "1", "--max-replicas", "2", "--autoscale-interval-s", "1",
                   "--scale-up-cooldown-s", "0", "--shard-log-dir", str(tmp_path), "--shard-args",
                   shlex.join(shard_args)])
-    cache = Service(["cache-node", "--registry", cp.url, "--node-id", "cache-0"])
+    # A 5 s membership TTL (default 0.8 s): the torch shard's two threads take both cores of a 2-core host,
+    # and under outside load the lone cache node's heartbeats stalled past 0.8 s, so a turn got 503 "no
+    # healthy cache nodes". Membership liveness is not what this test is about (tests/data_plane/test_faults.py).
+    cache = Service(["cache-node", "--registry", cp.url, "--node-id", "cache-0", "--registration-ttl-s", "5"])
     gateway = Service(["gateway", "--registry-url", cp.url, "--max-model-len", "2048"],
                       env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()}, ready_timeout=120)
     cp.start()

@@ -1,7 +1,7 @@
 """The context window on its own (data_plane/gateway/context.py, fit_window and TokenCounter),
 with the whitespace counter (a token per word) so every count is worked out by hand.
 
-    .venv/bin/python -m pytest tests/data_plane/test_context_window.py -q      # < 1 s
+    .venv/bin/python -m pytest tests/data_plane/test_context_window.py -q      # ~5 s (the last test loads the tokenizer)
 
 With it a message costs words(content) + 1 (the role) + 5 (template), a prompt adds 3.
 """
@@ -86,3 +86,22 @@ def test_the_count_cache_is_bounded_and_evicts_the_least_recent() -> None:
     for text in ("a", "b", "a", "c", "a", "b"):
         counter.count(text)
     assert calls == ["a", "b", "c", "b"]  # "a" stayed recent; "b" was the one evicted by "c"
+
+
+TEXTS = ["hello world", "", "  leading and trailing  ", "Write a short story about a robot named Unit-7.",
+         "naïve café, 東京, emoji 🚀 and a lone\ttab\nnewline", "<|im_start|>user\nhi<|im_end|>", "x" * 3000,
+         "def f(x):\n    return x ** 2  # code", "The harbour town kept its lighthouse lit. " * 20]
+
+
+def test_the_default_models_counter_counts_as_its_transformers_tokenizer_does() -> None:
+    """The gateway reads the default model's tokenizer.json with `tokenizers` (no transformers import at
+    start-up): every count equals AutoTokenizer's encode without special tokens."""
+    from transformers import AutoTokenizer
+
+    from data_plane.model_store import resolve_model
+
+    counter = TokenCounter.for_model(None)
+    reference = AutoTokenizer.from_pretrained(str(resolve_model(None)))
+    got = [counter.count(t) for t in TEXTS]
+    assert got == [len(reference.encode(t, add_special_tokens=False)) for t in TEXTS]
+    assert got[0] == 2 and got[1] == 0 and got[5] == 5  # the chat markers are one token each

@@ -7,6 +7,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from tests.support.cluster import FP32_SHARD, KEYS, Cluster, static_shards, stored_session
 from tests.support.metrics import metric
@@ -19,11 +20,17 @@ def post(c: Cluster, body: dict, key: str = KEYS["plus"], headers: dict | None =
 
 def test_killed_shard_requests_still_succeed_and_it_leaves_routing() -> None:
     with Cluster(shards=2, caches=1, token_delay_ms=1) as c:
-        c.shards[0].kill()
-        t_kill = time.monotonic()
+        killed_at: list[float] = []
 
-        async def burst() -> list[int]:
+        async def burst(kill_first: bool = False) -> list[int]:
             sdk = openai.AsyncOpenAI(base_url=c.gateway.url + "/v1", api_key=KEYS["plus"], max_retries=0)
+            if kill_first:
+                # The client built and connected before the kill, so the burst reaches the gateway
+                # within milliseconds of it: on a loaded host, building it after the kill took longer
+                # than the registry's 2 s TTL, the dead shard was gone and nothing was retried.
+                await sdk.models.list()
+                c.shards[0].kill()
+                killed_at.append(time.monotonic())
             rs = await asyncio.gather(*(sdk.chat.completions.with_raw_response.create(
                 model="synthetic", messages=[{"role": "user", "content": f"q {i}"}], max_tokens=4)
                 for i in range(16)))
@@ -31,7 +38,8 @@ def test_killed_shard_requests_still_succeed_and_it_leaves_routing() -> None:
             return [r.status_code for r in rs]
 
         # Right after the kill the registry still lists the dead shard: the router must retry.
-        assert asyncio.run(burst()) == [200] * 16
+        assert asyncio.run(burst(kill_first=True)) == [200] * 16
+        t_kill = killed_at[0]
         assert metric(c.gateway.url, "switchboard_router_retries_total") >= 1
         # The registry notices (TTL) and the gateway stops routing there.
         c.wait_members(shards=1, caches=1, timeout=5)
@@ -114,10 +122,13 @@ def test_mid_stream_failover_synthetic_is_seamless() -> None:
         killed = []
 
         def kill_once(streams_started: int, chunks: int) -> None:
-            # Every stream has sent text (so all are past their first token): kill mid-way.
+            # Every stream has sent text (so all are past their first token): kill mid-way the shard
+            # that is serving streams now. Under load the streams start over more than a stream's
+            # 1.6 s, so one shard's may all have ended by then: killing it would resume nothing.
             if streams_started == len(prompts) and not killed:
-                killed.append(True)
-                c.shards[0].kill()
+                running = [metric(s.url, "vllm:num_requests_running") for s in c.shards]
+                killed.append(max(range(len(running)), key=running.__getitem__))
+                c.shards[killed[0]].kill()
 
         got = _stream_all(c.gateway.url, prompts, 16, on_progress=kill_once)
         assert killed
@@ -125,9 +136,17 @@ def test_mid_stream_failover_synthetic_is_seamless() -> None:
         assert metric(c.gateway.url, "switchboard_router_resumes_total") >= 1
 
 
+@pytest.mark.slow  # `make test` keeps one real-model test of this behaviour (issue 23): see the docstring
 def test_mid_stream_failover_real_model_float32_equals_uninterrupted() -> None:
     """kill -9 one of two float32 shards during 16 greedy streams: every stream completes and
-    its text equals the uninterrupted run (the gateway resumes on the other shard)."""
+    its text equals the uninterrupted run (the gateway resumes on the other shard).
+
+    Slow (`make test-all`): each of its parts has a faster test in `make test`. The kill -9 of a
+    shard mid-stream and the gateway's resume: test_mid_stream_failover_synthetic_is_seamless. A real
+    float32 model's resumed streams equal to the uninterrupted run: tests/data_plane/test_pipeline.py
+    test_killed_stage_mid_stream_every_stream_completes_as_uninterrupted (the same 16 greedy streams
+    resumed from the failed shard onto a plain one) and tests/data_plane/test_structured_failover.py
+    (JSON-schema and tool-call streams resumed after a kill -9 of their shard)."""
     global MODEL
     MODEL = "SmolLM2-135M-Instruct"
     with static_shards(FP32_SHARD, FP32_SHARD) as (shards, gw):

@@ -55,15 +55,17 @@ from typing import Any
 import httpx
 import pytest
 
+from data_plane.common.cores import usable_cores
 from tests.support.cluster import ADMIN_TOKEN, LIFTED_TIERS
 from tests.support.metrics import metric_in, scrape
 from tests.support.procs import Service
 
 pytestmark = pytest.mark.slow
 
-HOST_SHARDS = max(2, os.cpu_count() or 2)
-"""One-thread shards this host holds: past its cores a third shard slows all three (on 2 cores it made
-enterprise TTFT p95 3.1x unloaded at 2x); the scale-out is then recorded with the outcome "capped"."""
+HOST_SHARDS = max(2, usable_cores())
+"""One-thread shards this host holds, counted from the cores this process may use (affinity and cgroup quota,
+not the host's count): past them a third shard slows all three (on 2 cores it made enterprise TTFT p95
+3.1x unloaded at 2x); the scale-out is then recorded with the outcome "capped"."""
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 CAPACITY_S = 40.0

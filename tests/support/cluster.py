@@ -18,7 +18,7 @@ from typing import Self
 
 import httpx
 
-from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, Service, free_port
+from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, Service, free_port, stop_all
 
 KEYS = {
     "free": "sk-test-free-0123456789",
@@ -80,8 +80,9 @@ class Cluster:
         raise AssertionError(f"gateway did not see {shards} shards / {caches} caches: {seen}")
 
     def stop(self) -> None:
-        for s in [self.gateway, *self.shards, *self.caches, self.control_plane]:
-            s.stop()
+        # The members together, then the registry they deregister from (it outlives them, as before).
+        stop_all([self.gateway, *self.shards, *self.caches])
+        self.control_plane.stop()
 
     def __enter__(self) -> Self:
         return self.start()
@@ -140,8 +141,7 @@ def start_cache_nodes(count: int, *args: str, log_dir: Path | None = None) -> li
         for n in nodes:
             n.wait_healthy()
     except BaseException:
-        for n in nodes:
-            n.stop()
+        stop_all(nodes)
         raise
     return nodes
 

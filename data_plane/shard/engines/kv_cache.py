@@ -241,7 +241,9 @@ class PrefixCache:
 
     def insert(self, hashes: Sequence[bytes], kv: torch.Tensor) -> list[int]:
         """Keep blocks that arrived from elsewhere (the cache nodes): block j of `hashes` is
-        ``kv[j]``, shaped ``[2, layers, kv_heads, block_size, head_dim]`` (K then V). Blocks already
+        ``kv[j]``, shaped ``[2, layers, kv_heads, block_size, head_dim]`` (K then V; every layer of
+        the model: with a pipeline, this pool keeps the first `num_layers` and the mirror passes
+        each later stage its own). Blocks already
         cached are skipped; the new ones come back referenced (the caller releases them)."""
         new: list[tuple[int, int]] = []
         for j, h in enumerate(hashes):
@@ -260,11 +262,11 @@ class PrefixCache:
         if not new:
             return []
         src = torch.tensor([j for j, _ in new], dtype=torch.long)
-        dst = torch.tensor([i for _, i in new], dtype=torch.long)
-        for which, pool in enumerate((self.k_pool, self.v_pool)):
-            for layer in range(self.num_layers):
-                # kv[:, which, layer]: [n, kv_heads, bs, head_dim] -> the pool's [kv_heads, blocks, bs, head_dim]
-                pool[layer].index_copy_(1, dst, kv[:, which, layer].index_select(0, src).transpose(0, 1))
+        idxs = [i for _, i in new]
+        picked = kv if len(new) == len(kv) else kv.index_select(0, src)
+        insert_blocks(self.k_pool, self.v_pool, idxs, picked)
+        if self.mirror is not None:  # a pipeline's later stages keep their layers of the blocks
+            self.mirror.insert(idxs, picked)
         self.events.on_store(len(new))
         return [i for _, i in new]
 
@@ -301,6 +303,42 @@ class KVMirror(Protocol):
     def load(self, idxs: Sequence[int], slot: int) -> None: ...
 
     def store(self, pairs: Sequence[tuple[int, int]], slot: int) -> None: ...
+
+    def insert(self, idxs: Sequence[int], kv: torch.Tensor) -> None:
+        """Blocks from the cache nodes into pool blocks `idxs`; `kv` holds every layer of the model,
+        ``[n, 2, layers, kv_heads, bs, head_dim]``: each stage keeps its own layers' part."""
+        ...
+
+    def gather(self, slot: int, first: int, end: int, out: torch.Tensor) -> bool:
+        """Blocks ``first..end`` of `slot` on the later stages' layers into `out`
+        (``[n, 2, layers, kv_heads, bs, head_dim]``, every layer of the model); False: not now."""
+        ...
+
+
+def insert_blocks(k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], idxs: Sequence[int],
+                  kv: torch.Tensor) -> None:
+    """Blocks `kv` (``[n, 2, layers, kv_heads, bs, head_dim]``, its first ``len(k_pool)`` layers
+    used) into pool blocks `idxs`."""
+    dst = torch.tensor(list(idxs), dtype=torch.long)
+    for which, pool in enumerate((k_pool, v_pool)):
+        for layer in range(len(pool)):
+            # kv[:, which, layer]: [n, kv_heads, bs, head_dim] -> the pool's [kv_heads, blocks, bs, head_dim]
+            pool[layer].index_copy_(1, dst, kv[:, which, layer].transpose(0, 1))
+
+
+def copy_out_blocks(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], slot: int, first: int, end: int,
+                    block_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Blocks ``first..end`` of `slot` as ``[n, 2, layers, kv_heads, bs, head_dim]`` (a copy), every
+    layer of the caches (into the first ones of `out` when given)."""
+    n, layers = end - first, len(k_cache)
+    if out is None:
+        kv_heads, head_dim = k_cache[0].shape[1], k_cache[0].shape[3]
+        out = torch.empty((n, 2, layers, kv_heads, block_size, head_dim), dtype=k_cache[0].dtype)
+    for which, cache in enumerate((k_cache, v_cache)):
+        for layer in range(layers):
+            src = cache[layer][slot, :, first * block_size : end * block_size]  # [kv_heads, n*bs, head_dim]
+            out[:, which, layer].copy_(src.reshape(src.shape[0], n, block_size, src.shape[2]).transpose(0, 1))
+    return out
 
 
 def load_blocks(k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], idxs: Sequence[int],

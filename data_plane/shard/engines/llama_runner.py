@@ -48,6 +48,7 @@ from data_plane.shard.engines.model_files import (
     read_config,
     read_dense,
     read_tables,
+    stage_tensors,
 )
 from data_plane.shard.engines.prepared_weights import load_or_prepare
 from data_plane.shard.engines.weight_source import (
@@ -178,9 +179,18 @@ class LlamaRunner:
             weights = WeightBuilder(plan, state=model.state_dict(), pack=pack)
         self.weights = weights
         self.packed = weights.pack and weights.plan.quantization == "none"
+        self.hidden_size = int(cfg.hidden_size)
         tied = bool(getattr(cfg, "tie_word_embeddings", False)) or not weights.has("lm_head.weight")
-        self.embed, self.lm_head = weights.embed_and_head(tied)
-        self.norm = weights.vector("model.norm.weight")
+        # The embedding, final norm and LM head live on stage 0 only (it embeds and applies the head:
+        # pipeline.py says why); a later stage holds its layers and nothing of the vocabulary.
+        self.holds_head = first == 0
+        if self.holds_head:
+            self.embed, self.lm_head = weights.embed_and_head(tied)
+            self.norm = weights.vector("model.norm.weight")
+        else:
+            self.embed = torch.empty(0, self.hidden_size, dtype=dtype)
+            self.lm_head = None  # type: ignore[assignment]
+            self.norm = torch.empty(0, dtype=dtype)
         self.layers: list[_Layer] = []
 
         for i in range(first, end):  # a pipeline stage: its own layers only
@@ -200,16 +210,20 @@ class LlamaRunner:
             )
         self.intermediate = self.layers[0].down.in_features
         self.weight_format = weights.label
-        self.weight_params = (self.lm_head.numel + (0 if tied else self.lm_head.numel) + self.norm.numel()
+        weights.release()  # the layers hold their own copies: the checkpoint's tensors go now
+        head_params = (self.lm_head.numel * (1 if tied else 2)) if self.holds_head else 0
+        self.weight_params = (head_params + self.norm.numel()
                               + sum(l.qkv.numel + l.o.numel + l.gate_up.numel + l.down.numel + 2 * l.ln_in.numel()
                                     for l in self.layers))
         """Parameters (a tied head and embedding once): 2x this is the model's dense bf16 bytes."""
         # Bytes a decode step reads: each weight once (a tied head and embedding are one table).
-        self._weight_bytes = (nbytes(self.lm_head) + (0 if tied else nbytes(self.embed)) + nbytes(self.norm)
+        head_bytes = (nbytes(self.lm_head) + (0 if tied else nbytes(self.embed))) if self.holds_head else 0
+        self._weight_bytes = (head_bytes + nbytes(self.norm)
                               + sum(nbytes(l.qkv) + nbytes(l.o) + nbytes(l.gate_up) + nbytes(l.down)
                                     + 2 * nbytes(l.ln_in) for l in self.layers))
         # Resident: a packed head is a second copy beside the dense embedding table (quantized formats share one).
-        self.resident_weight_bytes = self._weight_bytes + (nbytes(self.embed) if tied and self.packed else 0)
+        self.resident_weight_bytes = self._weight_bytes + (nbytes(self.embed) if tied and self.packed
+                                                           and self.holds_head else 0)
         # Rotary tables: a plain rope computed as transformers does (model_files.default_rope, no modeling
         # import); any other variant from the model's own rotary module.
         tables = default_rope(cfg, max_len)
@@ -244,12 +258,15 @@ class LlamaRunner:
         light = read_config(path)
         if light is not None and default_rope(light, 1) is not None:  # no transformers model class needed
             weights: WeightBuilder | None = None
+            # A pipeline stage reads its own tensors only: its memory is its share of the weights.
+            first, end = layer_range or (0, int(light.num_hidden_layers))
+            keep = stage_tensors(first, end, head=first == 0) if layer_range else None
             if quantized:
                 assert plan is not None and gguf is not None
                 weights = WeightBuilder(plan, gguf=load_or_prepare(gguf, path, light.num_attention_heads,
-                                                                   light.num_key_value_heads),
+                                                                   light.num_key_value_heads, keep),
                                         state=_exact_tables(path, dtype))
-            elif (state := read_dense(path, dtype)) is not None:
+            elif (state := read_dense(path, dtype, keep)) is not None:
                 plan = plan or WeightPlan(_DTYPE_NAMES[dtype], DtypeReason.REQUESTED, "none", QuantReason.REQUESTED)
                 weights = WeightBuilder(plan, state=state)
             if weights is not None:

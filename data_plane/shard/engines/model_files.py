@@ -5,6 +5,7 @@ model classes, and a KV allocation that costs nothing until used: what makes a s
     tok = load_tokenizer(folder)           # the fast tokenizer, without AutoConfig
     cos, sin = default_rope(cfg, max_len)  # float32 [max_len, head_dim]; None for scaled rope variants
     state = read_dense(folder, torch.bfloat16)   # model.safetensors as a state dict, or None
+    state = read_dense(folder, torch.float32, keep=stage_tensors(15, 30, head=False))  # a stage's tensors only
     kv = lazy_zeros((16, 3, 2048, 64), torch.bfloat16)
 
 Why: a shard's start-up was mostly imports and page faults, not work (`switchboard bench coldstart`,
@@ -25,6 +26,7 @@ import json
 import math
 import mmap
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -132,26 +134,46 @@ def load_tokenizer(folder: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(folder))
 
 
-def read_dense(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+def read_dense(folder: Path, dtype: torch.dtype,
+               keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor] | None:
     """A single-file safetensors checkpoint as a state dict in `dtype`, or None (sharded or absent:
-    transformers loads it)."""
+    transformers loads it). `keep`: read only the tensors it accepts (a pipeline stage's layers,
+    `stage_tensors`); the others are never read from the file."""
     path = folder / "model.safetensors"
     if not path.exists():
         return None
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
-    return {k: v.to(dtype) for k, v in load_file(str(path)).items()}
+    with safe_open(str(path), framework="pt") as f:
+        names = [k for k in f.keys() if keep is None or keep(k)]  # noqa: SIM118 - safe_open has no iterator
+        # Copies: a tensor left a view of the file would keep all of its mapped pages resident.
+        return {k: f.get_tensor(k).to(dtype, copy=True) for k in names}
+
+
+def stage_tensors(first: int, end: int, *, head: bool) -> Callable[[str], bool]:
+    """Which checkpoint tensors a runner of layers [first, end) reads: its layers' and, with `head`
+    (a pipeline's stage 0, which embeds and applies the norm and LM head), the embedding, final
+    norm and head. Tensors of no layer and not those three (rotary buffers) are read by every stage."""
+    tops = ("model.embed_tokens.", "model.norm.", "lm_head.")
+
+    def keep(name: str) -> bool:
+        if name.startswith("model.layers."):
+            return first <= int(name.split(".", 3)[2]) < end
+        return head or not name.startswith(tops)
+
+    return keep
 
 
 def read_tables(folder: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Just the named tensors of a single-file safetensors checkpoint, as stored (absent ones left out)."""
+    """Just the named tensors of a single-file safetensors checkpoint, in its dtype (absent ones left out)."""
     path = folder / "model.safetensors"
     if not path.exists():
         return {}
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
-        return {n: f.get_tensor(n) for n in names if n in f.keys()}  # noqa: SIM118 (safe_open has no __contains__)
+        # Copies, as read_dense: a view of the file would keep its mapped pages resident.
+        return {n: f.get_tensor(n).clone() for n in names if n in f.keys()}  # noqa: SIM118 (no __contains__)
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -37,8 +37,15 @@ Everything above the runner is unchanged: the scheduler, chunked and beside pref
 speculation (a verify pass is one forward through the stages), prefix caching: stage 0's PrefixCache
 (kv_cache.py) decides which pool block holds what, and each copy between its pool and a slot is
 repeated down the chain (LOAD, STORE: `Hops` is the cache's `mirror`), every stage keeping the same
-number of blocks for its own layers at the same indices. Not yet: the KV tier on the cache nodes
-(a block there holds every layer).
+number of blocks for its own layers at the same indices. The KV tier on the cache nodes
+(data_plane/shard/kv_tier.py) sees whole blocks, every layer, as an unsharded shard's: stage 0
+gathers the later stages' layers of a finished turn's blocks (GATHER: each stage sends its part
+straight to stage 0) and scatters fetched blocks' layers to them (INSERT: the block indices and each
+stage's part, sent straight to it), so the block hashes and frames are the same and a plain and a
+pipelined shard fetch each other's conversations. Why stage 0 coordinates rather than each stage
+storing its own part: one HTTP client, one sealing key, one session placement, and no cache-node
+keys per layer range; its cost is one more copy of the later layers' KV over the hops, measured in
+docs/SHARDING.md.
 
 Losing a stage: every stage beats a heartbeat counter into the group's TCPStore every
 HEARTBEAT_S; stage 0's monitor thread declares a stage lost when its process exited (kill -9: the
@@ -50,8 +57,8 @@ with stage 0 (data_plane/common/lifeline.py, and their gloo receive fails when i
 
 from __future__ import annotations
 
+import json
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -61,18 +68,27 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from enum import Enum
 from typing import Any
 
 import torch
 
 from data_plane.common.lifeline import die_with_parent
 from data_plane.shard.engines.base import StageSpan
+from data_plane.shard.engines.pipeline_net import HEARTBEAT_S, use_interface_of
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 0.2
-"""How often a stage beats its heartbeat counter."""
-OP_FORWARD, OP_MOVE, OP_STOP, OP_LOAD, OP_STORE = 1, 2, 3, 4, 5
+OP_FORWARD, OP_MOVE, OP_STOP, OP_LOAD, OP_STORE, OP_INSERT, OP_GATHER = 1, 2, 3, 4, 5, 6, 7
+
+
+class KVHop(str, Enum):
+    """A KV-tier transfer between stage 0 and the later stages (the `op` of the pipeline KV metrics)."""
+
+    GATHER = "gather"
+    """A finished turn's blocks going to the cache nodes: each later stage sends stage 0 its layers."""
+    SCATTER = "scatter"
+    """Blocks fetched from the cache nodes: stage 0 sends each later stage its layers."""
 HEADER_FIXED = 4  # op, items, batched, rows (FORWARD) / op, src, dst, length (MOVE)
 
 
@@ -126,7 +142,11 @@ class PipelineSpec:
     threads: int = 1
     """torch intra-op threads of each later stage."""
     port: int = 0
-    """TCPStore port on 127.0.0.1 (0: a free one)."""
+    """TCPStore port (0: a free one)."""
+    host: str = "127.0.0.1"
+    """Stage 0's address for the group (its TCPStore and gloo device): every stage must reach it."""
+    remote: tuple[int, ...] = ()
+    """Stages stage 0 does not start: they join from another host (`switchboard stage --join`)."""
     prefix_blocks: int = 0
     """Blocks of stage 0's prefix cache (0: prefix caching off): each stage keeps as many for its layers."""
     block_size: int = 16
@@ -193,6 +213,8 @@ class Hops:
         self.microbatches = spec.microbatches or spec.size
         self.header = torch.zeros(header_size(spec.max_num_seqs), dtype=torch.long)
         self.on_pass: Callable[[PassTiming], None] = lambda timing: None
+        self.on_kv: Callable[[KVHop, int, int, float], None] = lambda op, blocks, nbytes, seconds: None
+        """A KV-tier transfer (gather, scatter) of `blocks` blocks, `nbytes` over the hops, in `seconds`."""
         self._slots: dict[int, list[list[float]]] = {}  # slot -> per stage [start, end, busy, passes]
         self._in_flight: deque[_Ticket] = deque()
         self._active_since = 0.0
@@ -287,6 +309,57 @@ class Hops:
     def store(self, pairs: Sequence[tuple[int, int]], slot: int) -> None:
         self._blocks(OP_STORE, slot, len(pairs), torch.tensor([list(p) for p in pairs], dtype=torch.long).reshape(-1))
 
+    # The KV tier's side: blocks on the cache nodes hold every layer; each stage has its own.
+
+    def insert(self, idxs: Sequence[int], kv: torch.Tensor) -> None:
+        """Scatter: each later stage keeps its layers of fetched blocks `kv` in pool blocks `idxs`. With
+        passes in flight (the batch queue) it is sent without waiting, like a prefix copy (`_blocks`):
+        each stage applies it after them, in order, and no pass in flight reads these new blocks."""
+        t0 = time.perf_counter()
+        h = torch.zeros(header_size(self.spec.max_num_seqs), dtype=torch.long)
+        h[:HEADER_FIXED] = torch.tensor([OP_INSERT, len(idxs), 0, 0])
+        index = torch.tensor(list(idxs), dtype=torch.long)
+        parts = [wire(kv[:, :, first:end].contiguous()) for first, end in self.spec.ranges[1:]]
+        # Without waiting in between: stage 1 passes the header on before it takes its part.
+        works = [self.dist.isend(h, 1)]
+        for rank, part in enumerate(parts, 1):
+            works += [self.dist.isend(index, rank), self.dist.isend(part, rank)]
+        if self._in_flight:  # the buffers ride on the next pass submitted (see _blocks)
+            self._loose.append((h, index, *parts))
+            self._loose_works += works
+        else:
+            for work in works:
+                work.wait()
+        self._kv_done(KVHop.SCATTER, len(idxs), sum(p.numel() * p.element_size() for p in parts), t0)
+
+    def gather(self, slot: int, first: int, end: int, out: torch.Tensor) -> bool:
+        """Gather: blocks ``first..end`` of `slot` from each later stage's layers into `out` (every layer).
+        False (nothing done) while passes are in flight (the batch queue): the last stage's part would
+        come back among their rows. Not yet: gathering such a turn later, from the pool blocks it was
+        stored in (docs/SHARDING.md)."""
+        if self._in_flight:
+            log.info("pipeline KV gather skipped: %d passes in flight; the turn's blocks stay local", len(self._in_flight))
+            return False
+        t0 = time.perf_counter()
+        h = self.header
+        h.zero_()
+        h[:HEADER_FIXED] = torch.tensor([OP_GATHER, slot, first, end])
+        self.dist.send(h, 1)
+        nbytes = 0
+        for rank, (lo, hi) in enumerate(self.spec.ranges[1:], 1):
+            part = torch.empty((end - first, 2, hi - lo, *out.shape[3:]), dtype=out.dtype)
+            self.dist.recv(wire(part), rank)
+            out[:, :, lo:hi].copy_(part)
+            nbytes += part.numel() * part.element_size()
+        self._kv_done(KVHop.GATHER, end - first, nbytes, t0)
+        return True
+
+    def _kv_done(self, op: KVHop, blocks: int, nbytes: int, t0: float) -> None:
+        seconds = time.perf_counter() - t0
+        log.info("pipeline KV %s: %d blocks, %.1f MiB over the hops in %.1f ms", op.value, blocks, nbytes / 2**20,
+                 1000 * seconds)
+        self.on_kv(op, blocks, nbytes, seconds)
+
     def _blocks(self, op: int, slot: int, count: int, values: torch.Tensor) -> None:
         """A LOAD (`count` pool indices) or STORE (`count` (block number, pool index) pairs) for `slot`.
         May run while passes are in flight (the batch queue: a finished sequence's blocks kept): every
@@ -321,29 +394,45 @@ class PipelineGroup:
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self._store: Any = None
+        self.stage_info: dict[int, dict[str, Any]] = {}
+        """What each later stage reported once loaded: weight_bytes (resident), kv_bytes, host, load_s."""
 
     def stage_command(self, rank: int) -> list[str]:
         s = self.spec
         first, end = s.ranges[rank]
         return [sys.executable, "-m", "data_plane.shard.engines.pipeline_stage", "--rank", str(rank),
-                "--world", str(s.size), "--port", str(self.port), "--model", s.model, "--dtype", s.dtype,
+                "--world", str(s.size), "--port", str(self.port), "--host", s.host, "--model", s.model,
+                "--dtype", s.dtype,
                 "--quantization", s.quantization,
                 "--max-num-seqs", str(s.max_num_seqs), "--max-len", str(s.max_len),
                 "--layers", f"{first}:{end}", "--threads", str(s.threads),
-                "--prefix-blocks", str(s.prefix_blocks), "--block-size", str(s.block_size)]
+                "--prefix-blocks", str(s.prefix_blocks), "--block-size", str(s.block_size), "--bind", s.host]
 
     def start(self, hidden: int, dtype: torch.dtype, load_timeout_s: float = 600.0) -> Hops:
-        """Spawn stages 1..N-1, wait until all joined the gloo group (they load their layers first)."""
+        """Spawn stages 1..N-1 (but the remote ones, which join from their hosts), wait until all
+        joined the gloo group (they load their layers first)."""
         import torch.distributed as dist
 
-        self._store = dist.TCPStore("127.0.0.1", self.port, self.spec.size, True,
+        if self.spec.remote and not self.spec.port:
+            raise ValueError("stages joining from other hosts need a fixed pipeline port")
+        use_interface_of(self.spec.host)
+        self._store = dist.TCPStore(self.spec.host, self.port, self.spec.size, True,
                                     timeout=timedelta(seconds=load_timeout_s), wait_for_workers=False)
         for rank in range(1, self.spec.size):
+            # What a joining stage runs with: the arguments stage 0 would have started it with.
+            self._store.set(f"spec/{rank}", json.dumps(self.stage_command(rank)[3:]))
+            if rank in self.spec.remote:
+                log.info("pipeline: waiting for stage %d to join: switchboard stage --join %s:%d --rank %d",
+                         rank, self.spec.host, self.port, rank)
+                continue
             # Forked from the engine's scheduler thread, which lives as long as the shard (lifeline.py).
             self.procs[rank] = subprocess.Popen(self.stage_command(rank), preexec_fn=die_with_parent())  # noqa: PLW1509
-        log.info("pipeline: %d stages, layers %s, store on 127.0.0.1:%d", self.spec.size, self.spec.ranges, self.port)
+        log.info("pipeline: %d stages, layers %s, store on %s:%d", self.spec.size, self.spec.ranges, self.spec.host,
+                 self.port)
         dist.init_process_group("gloo", store=self._store, rank=0, world_size=self.spec.size,
                                 timeout=timedelta(seconds=load_timeout_s))
+        for rank in range(1, self.spec.size):
+            self.stage_info[rank] = json.loads(self._store.get(f"info/{rank}"))
         for rank in range(self.spec.size):
             self.on_stage(rank, True)
         self._monitor = threading.Thread(target=self._watch, name="pipeline-monitor", daemon=True)
@@ -353,7 +442,7 @@ class PipelineGroup:
     def _watch(self) -> None:
         import torch.distributed as dist
 
-        store = dist.TCPStore("127.0.0.1", self.port, self.spec.size, False, timeout=timedelta(seconds=5))
+        store = dist.TCPStore(self.spec.host, self.port, self.spec.size, False, timeout=timedelta(seconds=5))
         seen: dict[int, tuple[int, float]] = {r: (-1, time.monotonic()) for r in range(1, self.spec.size)}
         while not self._stop.wait(HEARTBEAT_S / 2):
             now = time.monotonic()
@@ -396,12 +485,3 @@ class PipelineGroup:
                 proc.wait(5)
             except subprocess.TimeoutExpired:
                 pass
-
-
-def heartbeat(store: Any, rank: int, stop: threading.Event) -> None:
-    """A stage's beat (its own thread): the counter stage 0 watches."""
-    while not stop.wait(HEARTBEAT_S):
-        try:
-            store.add(f"hb/{rank}", 1)
-        except Exception:  # noqa: BLE001 - stage 0 is gone: the stage exits with it
-            os._exit(1)

@@ -2,18 +2,27 @@
 
     python -m data_plane.shard.engines.pipeline_stage --rank 1 --world 2 --port 29500 \\
         --model /models/smollm2 --dtype float32 --max-num-seqs 16 --max-len 2048 --layers 15:30
+    switchboard stage --join 10.0.0.1:29500 --rank 1 --bind 10.0.0.2     # from another host
+
+A stage started by stage 0 is its child; one on another host joins with `--join` (stage 0 runs
+`switchboard shard --pipeline-parallel-size 2 --pipeline-host 10.0.0.1 --pipeline-port 29500
+--pipeline-remote-stages 1`) and takes every other argument from what stage 0 published in its
+TCPStore; `--bind` is its own address, whose interface its gloo device uses.
 
 It loads only its layers' weights (plus the rotary tables) and the KV cache of those layers,
 joins stage 0's gloo group (a TCPStore on 127.0.0.1:port), beats its heartbeat counter there, and
 serves the chain (data_plane/shard/engines/pipeline.py): a FORWARD header and hidden states from
 the previous stage -> its layers -> the next stage, or, on the last stage, the wanted rows back
-to stage 0; a MOVE header moves a slot's KV and goes on down the chain. It dies with stage 0
+to stage 0; a MOVE header moves a slot's KV and goes on down the chain; LOAD / STORE repeat stage 0's
+prefix-cache copies on this stage's layers; INSERT (blocks fetched from the cache nodes) and GATHER
+(a turn's blocks for them) move this stage's layers of whole blocks straight from / to stage 0. It dies with stage 0
 (stage 0 starts it with data_plane/common/lifeline.py; a failed receive or heartbeat exits too).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -24,13 +33,40 @@ from datetime import timedelta
 log = logging.getLogger("switchboard.pipeline_stage")
 
 
+def joined(join: str, rank: int, bind: str, threads: int | None) -> list[str]:
+    """The arguments of a stage joining from another host: what stage 0 published for `rank` in its
+    TCPStore at `join` (HOST:PORT), with this host's own address (and threads) for its gloo device."""
+    import torch.distributed as dist
+
+    from data_plane.shard.engines.pipeline_net import STORE_WAIT_S
+
+    host, _, port = join.rpartition(":")
+    store = dist.TCPStore(host, int(port), None, False, timeout=timedelta(seconds=STORE_WAIT_S))
+    args: list[str] = json.loads(store.get(f"spec/{rank}"))
+    args += ["--host", host, "--bind", bind]
+    return args + (["--threads", str(threads)] if threads else [])
+
+
 def main(argv: list[str] | None = None) -> None:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--join", default="", help="HOST:PORT of stage 0's group: take the rest from there")
+    pre.add_argument("--rank", type=int)
+    pre.add_argument("--bind", default="127.0.0.1")
+    pre.add_argument("--threads", type=int)
+    known, rest = pre.parse_known_args(argv)
+    if known.join:  # a stage on another host: `switchboard stage --join 10.0.0.1:29500 --rank 1 --bind 10.0.0.2`
+        if known.rank is None:
+            raise SystemExit("--join needs --rank")
+        argv = joined(known.join, known.rank, known.bind, known.threads) + rest
     ap = argparse.ArgumentParser(prog="pipeline_stage", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--join", default="", help="HOST:PORT of stage 0's group (its TCPStore): the rest comes "
+                    "from there (with --rank and --bind)")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1", help="stage 0's address (its TCPStore)")
+    ap.add_argument("--bind", default="127.0.0.1", help="this stage's own address for the group (its gloo device)")
     ap.add_argument("--model", default="", help="the shard's --model ('' = the default model)")
     ap.add_argument("--quantization", default="none", help="the weight format stage 0 resolved")
     ap.add_argument("--dtype", default="float32")
@@ -47,20 +83,28 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
     from data_plane.model_store import model_source
-    from data_plane.shard.engines.kv_cache import PrefixCache, load_blocks, store_blocks
+    from data_plane.shard.engines.kv_cache import (
+        PrefixCache,
+        copy_out_blocks,
+        insert_blocks,
+        load_blocks,
+        store_blocks,
+    )
     from data_plane.shard.engines.llama_runner import LlamaRunner, select_rows
     from data_plane.shard.engines.pipeline import (
         HEADER_FIXED,
         OP_FORWARD,
+        OP_GATHER,
+        OP_INSERT,
         OP_LOAD,
         OP_MOVE,
         OP_STOP,
         OP_STORE,
         TIMING_COLS,
         header_size,
-        heartbeat,
         wire,
     )
+    from data_plane.shard.engines.pipeline_net import heartbeat, use_interface_of
     from data_plane.shard.engines.torch_config import DTYPES
     from data_plane.shard.engines.weight_source import CpuCaps, resolve_plan
 
@@ -73,16 +117,19 @@ def main(argv: list[str] | None = None) -> None:
     plan = resolve_plan(args.dtype, args.quantization, source=source.kind, caps=CpuCaps.detect())
     runner = LlamaRunner.from_pretrained(source.path, dtype=dtype, max_num_seqs=args.max_num_seqs,
                                          max_len=args.max_len, plan=plan, gguf=source.gguf, layer_range=(first, end))
-    hidden = int(runner.norm.shape[0])
-    runner.embed = torch.empty(0, hidden, dtype=dtype)  # stage 0 embeds; this stage needs no vocabulary
-    runner.lm_head = None  # type: ignore[assignment]
+    hidden = runner.hidden_size  # no embedding, norm or head here: stage 0 embeds and applies the head
     # This stage's part of each prefix-cache block: stage 0 picks the blocks, this keeps its layers of them.
     pool = PrefixCache(num_layers=runner.num_layers, kv_heads=runner.num_kv_heads, head_dim=runner.head_dim,
                        block_size=args.block_size, dtype=dtype, budget_bytes=0, num_blocks=args.prefix_blocks)
     import gc
 
     gc.collect()
+    use_interface_of(args.bind)
     store = dist.TCPStore(args.host, args.port, args.world, False, timeout=timedelta(seconds=600))
+    # What this stage holds, for stage 0's report and the benchmark's memory per stage.
+    store.set(f"info/{args.rank}", json.dumps({
+        "weight_bytes": runner.resident_weight_bytes, "kv_bytes": runner.kv_cache_bytes,
+        "host": "" if args.bind.startswith("127.") else args.bind, "load_s": round(time.monotonic() - t0, 2)}))
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world,
                             timeout=timedelta(seconds=600))
     stop = threading.Event()
@@ -109,6 +156,25 @@ def main(argv: list[str] | None = None) -> None:
                     runner.move_slot(src, dst, length)
                     if not last:
                         dist.send(h, nxt)
+                    continue
+                if op == OP_INSERT:  # fetched blocks: this stage's layers of them, straight from stage 0
+                    if not last:
+                        dist.send(h, nxt)
+                    count = int(h[1])
+                    index = torch.empty(count, dtype=torch.long)
+                    part = torch.empty((count, 2, runner.num_layers, runner.num_kv_heads, args.block_size,
+                                        runner.head_dim), dtype=dtype)
+                    dist.recv(index, 0)
+                    dist.recv(wire(part), 0)
+                    insert_blocks(pool.k_pool, pool.v_pool, index.tolist(), part)
+                    continue
+                if op == OP_GATHER:  # a finished turn's blocks for the cache nodes: this stage's layers
+                    if not last:
+                        dist.send(h, nxt)
+                    slot, first_block, end_block = (int(v) for v in h[1:4])
+                    out = copy_out_blocks(runner.k_cache, runner.v_cache, slot, first_block, end_block,
+                                          args.block_size)
+                    dist.send(wire(out), 0)
                     continue
                 if op in (OP_LOAD, OP_STORE):
                     slot, count = int(h[1]), int(h[2])

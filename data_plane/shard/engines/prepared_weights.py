@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -73,12 +74,17 @@ class PreparedWeights:
         self._t, self._kinds = tensors, kinds
 
     @classmethod
-    def open(cls, path: Path) -> PreparedWeights:
+    def open(cls, path: Path, keep: Callable[[str], bool] | None = None) -> PreparedWeights:
+        """`keep`: only the weights it accepts (by model name) are read (a pipeline stage's layers)."""
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:
             kinds = json.loads((f.metadata() or {})["__kind__"])
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iterator
+            if keep is not None:
+                kinds = {k: v for k, v in kinds.items() if keep(k)}
+            # Copies: a tensor left a view of the file would keep all of its mapped pages resident.
+            tensors = {k: f.get_tensor(k).clone() for k in f.keys()  # noqa: SIM118 - safe_open has no iterator
+                       if k.split(":", 1)[0] in kinds}
         return cls(tensors, kinds)
 
     def __contains__(self, name: str) -> bool:
@@ -94,9 +100,11 @@ class PreparedWeights:
         return out
 
 
-def load_or_prepare(gguf: Path, folder: Path, num_heads: int, num_kv_heads: int) -> PreparedWeights | GGUFWeights:
+def load_or_prepare(gguf: Path, folder: Path, num_heads: int, num_kv_heads: int,
+                    keep: Callable[[str], bool] | None = None) -> PreparedWeights | GGUFWeights:
     """The prepared file beside `folder` (written from `gguf` first if missing); the GGUF itself when the
-    folder is not writable."""
+    folder is not writable (a memory map: only the tensors a stage builds are ever read). `keep`: read
+    only those weights (a pipeline stage's, model_files.stage_tensors)."""
     path = prepared_path(folder)
     if not path.exists():
         g = GGUFWeights.open(gguf, num_heads=num_heads, num_kv_heads=num_kv_heads)
@@ -106,7 +114,7 @@ def load_or_prepare(gguf: Path, folder: Path, num_heads: int, num_kv_heads: int)
             log.warning("could not write %s (%s): serving from the GGUF", path, exc)
             return g
         log.info("prepared %s from %s", path.name, gguf.name)
-    return PreparedWeights.open(path)
+    return PreparedWeights.open(path, keep)
 
 
 def write_prepared(g: GGUFWeights, path: Path) -> Path:

@@ -286,10 +286,13 @@ class TorchEngine:
                             timeout_s=self.config.pipeline_stage_timeout_s, threads=threads,
                             prefix_blocks=self.prefix.cache.num_blocks if self.prefix else 0,
                             block_size=self.config.kv_block_size,
-                            microbatches=self.config.pipeline_microbatches)
+                            microbatches=self.config.pipeline_microbatches,
+                            host=self.config.pipeline_host, port=self.config.pipeline_port,
+                            remote=self.config.pipeline_remote_stages)
         self.pipeline = PipelineGroup(spec, self._stage_lost, self.listener.on_stage)
-        hops = self.pipeline.start(int(self._runner.norm.shape[0]), self._runner.dtype)
+        hops = self.pipeline.start(self._runner.hidden_size, self._runner.dtype)
         hops.on_pass = self.listener.on_pipeline_pass
+        hops.on_kv = self.listener.on_pipeline_kv
         self._runner.downstream = hops
         if self.prefix is not None:  # every copy between the pool and a slot is repeated on each stage
             self.prefix.cache.mirror = hops

@@ -21,6 +21,7 @@ itself, its addressing and why slots + copy-in are in data_plane/shard/engines/k
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +34,7 @@ from data_plane.shard.engines.kv_cache import (
     CacheEvents,
     PrefixCache,
     auto_budget_bytes,
+    copy_out_blocks,
     layout_seed,
 )
 
@@ -76,9 +78,15 @@ class SlotPrefix:
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        """One block's KV on the wire: (K/V, layers, kv_heads, block_size, head_dim)."""
+        """One block's KV on the wire: (K/V, layers, kv_heads, block_size, head_dim), every layer of
+        the model (a pipelined shard's blocks are whole too: stage 0 gathers and scatters the parts)."""
         r = self._runner
-        return (2, r.num_layers, r.num_kv_heads, self.block_size, r.head_dim)
+        return (2, getattr(r, "total_layers", r.num_layers), r.num_kv_heads, self.block_size, r.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one whole block on the wire (every layer)."""
+        return math.prod(self.block_shape) * self.torch_dtype.itemsize
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -168,15 +176,17 @@ class SlotPrefix:
             if self.remote is not None and req is not None:
                 first = self.remote.stored_blocks(req, hashes)
                 if first is not None and first < len(hashes):
-                    self.remote.export(req, hashes, first, self._copy_out(slot, first, len(hashes)))
+                    kv = self._copy_out(slot, first, len(hashes))
+                    if kv is not None:  # None: a pipeline could not gather its stages' layers now
+                        self.remote.export(req, hashes, first, kv)
         self.cache.release(held)
 
-    def _copy_out(self, slot: int, first: int, end: int) -> torch.Tensor:
-        """Blocks ``first..end`` of `slot` as ``[n, 2, layers, kv_heads, bs, head_dim]`` (a copy)."""
-        r, bs, n = self._runner, self.block_size, end - first
-        out = torch.empty((n, *self.block_shape), dtype=r.dtype)
-        for which, cache in enumerate((r.k_cache, r.v_cache)):
-            for layer in range(r.num_layers):
-                src = cache[layer][slot, :, first * bs : end * bs]  # [kv_heads, n*bs, head_dim]
-                out[:, which, layer].copy_(src.reshape(src.shape[0], n, bs, src.shape[2]).transpose(0, 1))
+    def _copy_out(self, slot: int, first: int, end: int) -> torch.Tensor | None:
+        """Blocks ``first..end`` of `slot` as ``[n, 2, layers, kv_heads, bs, head_dim]`` (a copy), every
+        layer: a pipeline's later stages send theirs (the cache's mirror, pipeline.Hops.gather)."""
+        r = self._runner
+        out = torch.empty((end - first, *self.block_shape), dtype=r.dtype)
+        copy_out_blocks(r.k_cache, r.v_cache, slot, first, end, self.block_size, out)
+        if self.cache.mirror is not None and not self.cache.mirror.gather(slot, first, end, out):
+            return None
         return out

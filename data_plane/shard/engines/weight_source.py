@@ -272,6 +272,13 @@ class WeightBuilder:
         qhead = table if tied else self._int8("lm_head.weight")
         return table.embedding(), qhead
 
+    def release(self) -> None:
+        """Drop the sources (the state dict, the GGUF or prepared tensors) once the layers are built:
+        every layer holds its own copy (fused, packed or quantized), so keeping them would hold the
+        checkpoint twice. `label` and `plan` stay."""
+        self._state = None
+        self._gguf = None
+
     def _int8(self, name: str) -> Int8Linear:
         """A per-channel int8 table: as prepared (data_plane/shard/engines/prepared_weights.py) or quantized now."""
         if isinstance(self._gguf, PreparedWeights) and name in self._gguf:
