@@ -9,10 +9,17 @@ For each format (``DTYPE:QUANTIZATION``, as the shard's --dtype / --quantization
 - greedy agreement with float32 dense: the first `--tokens` (32) greedy tokens of each chat prompt,
   generated for all prompts together (one decode batch, as a shard serves them); ``agree_prompts`` is
   the share of prompts whose tokens are all identical, ``agree_tokens`` the mean share of tokens
-  before the first difference;
+  before the first difference; for each prompt that differs, the float32 reference's top-1 minus
+  top-2 logit at the first differing token (``margin@diff``: a near-tie that any rounding may break,
+  or a real difference);
 - the weights' bytes a decode step reads (each weight once) and those resident (dense bf16 holds its
   tied table twice: the embedding and the oneDNN-packed head), each over dense bf16's.
-The reference is always float32 with dense weights (`--quantization none`). Quantized rows are checked
+The reference is always float32 with dense weights (`--quantization none`): for a GGUF model those
+*are* the file's blocks dequantized (the converted checkpoint), so the reference and the int4 formats
+hold the same weights and every difference is rounding. ``float32:int4`` (not in the defaults: torch's
+int4 kernel runs a reference loop with float32 activations, ~0.6 s a token here, ~15 min for this
+bench) serves them exactly: the kernel dequantizes Q4_1 bit-exactly with float32 scales/zeros and the
+table stays float32 (data_plane/shard/engines/weight_source.py). Quantized rows are checked
 in tests too: tests/data_plane/test_quant_engine.py.
 """
 
@@ -83,13 +90,38 @@ def perplexity(runner: Any, ids: list[int]) -> float:
 
 def greedy(runner: Any, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     """`tokens` greedy tokens for every prompt, decoded together (prompt i in slot i)."""
-    out = [[int(runner.prefill(i, p, 0).argmax())] for i, p in enumerate(prompts)]
+    return greedy_margins(runner, prompts, tokens)[0]
+
+
+def greedy_margins(runner: Any, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+    """`greedy`, plus each step's top-1 minus top-2 logit (how near a tie the pick was)."""
+
+    def pick(row: Any, o: list[int], m: list[float]) -> None:
+        top = row.float().topk(2).values
+        o.append(int(row.argmax()))
+        m.append(float(top[0] - top[1]))
+
+    out: list[list[int]] = [[] for _ in prompts]
+    margins: list[list[float]] = [[] for _ in prompts]
+    for i, p in enumerate(prompts):
+        pick(runner.prefill(i, p, 0), out[i], margins[i])
     pos = [len(p) for p in prompts]
     for _ in range(tokens - 1):
         logits = runner.decode([o[-1] for o in out], pos)
         for i, o in enumerate(out):
-            o.append(int(logits[i].argmax()))
+            pick(logits[i], o, margins[i])
         pos = [p + 1 for p in pos]
+    return out, margins
+
+
+def divergence_margins(ref: list[list[int]], ref_margins: list[list[float]], got: list[list[int]]) -> list[float]:
+    """For each prompt whose tokens differ from the reference: the reference's top-1 minus top-2 logit at
+    the first differing step (small: a near-tie any rounding may flip; large: a real difference)."""
+    out = []
+    for r, m, g in zip(ref, ref_margins, got):
+        n = next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), None)
+        if n is not None:
+            out.append(m[n])
     return out
 
 
@@ -120,23 +152,28 @@ def measure(formats: list[str], n_prompts: int, tokens: int, model: str | None, 
     max_len = max(len(text_ids), max(len(p) for p in prompts) + tokens) + 8
     rows: list[dict[str, Any]] = []
     ref: list[list[int]] = []
+    ref_margins: list[list[float]] = []
     bf16_bytes = bf16_resident = 0
     for spec in ["float32:none", "bfloat16:none", *[f for f in formats if f not in ("float32:none", "bfloat16:none")]]:
         t0 = time.monotonic()
         runner, plan = _runner(src.path, src.gguf, src.kind, spec, len(prompts), max_len)
         load_s = time.monotonic() - t0
         ppl = perplexity(runner, text_ids)
-        out = greedy(runner, prompts, tokens)
+        out, margins = greedy_margins(runner, prompts, tokens)
         if spec == "float32:none":
-            ref = out
+            ref, ref_margins = out, margins
         if spec == "bfloat16:none":
             bf16_bytes, bf16_resident = runner.weight_bytes, runner.resident_weight_bytes
         same, prefix = agreement(ref, out)
         rows.append({"format": spec, "dtype": plan.dtype, "quantization": plan.quantization,
                      "weights": runner.weight_format, "weight_bytes": runner.weight_bytes,
                      "resident_bytes": runner.resident_weight_bytes,
-                     "load_s": load_s, "perplexity": ppl, "agree_prompts": same, "agree_tokens": prefix})
-        print(f"[bench] {spec} -> {plan.describe()}: ppl {ppl:.3f}, agreement {same:.2f} / {prefix:.2f}", flush=True)
+                     "load_s": load_s, "perplexity": ppl, "agree_prompts": same, "agree_tokens": prefix,
+                     "divergence_margins": divergence_margins(ref, ref_margins, out),
+                     "median_margin": sorted(x for m in margins for x in m)[len(prompts) * tokens // 2]})
+        print(f"[bench] {spec} -> {plan.describe()}: ppl {ppl:.3f}, agreement {same:.2f} / {prefix:.2f}, "
+              f"float32 margins at the first differences {[round(m, 2) for m in rows[-1]['divergence_margins']]}",
+              flush=True)
         del runner
     base = rows[0]["perplexity"]
     for r in rows:
@@ -164,10 +201,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"machine: {info.get('cpu_model')} | flags {' '.join(info.get('cpu_flags') or []) or '-'}")
     print(format_table(
         ["format", "served as", "weights", "MiB read/step", "x bf16", "MiB resident", "x bf16", "perplexity",
-         "vs fp32", "agree prompts", "agree tokens"],
+         "vs fp32", "agree prompts", "agree tokens", "margin@diff max"],
         [[r["format"], f"{r['dtype']}/{r['quantization']}", r["weights"], fmt(r["weight_bytes"] / 2**20),
           fmt(r["bytes_vs_bf16"], 3), fmt(r["resident_bytes"] / 2**20), fmt(r["resident_vs_bf16"], 3),
           fmt(r["perplexity"], 3), f"{100 * r['perplexity_vs_fp32']:+.2f} %",
-          f"{100 * r['agree_prompts']:.0f} %", f"{100 * r['agree_tokens']:.0f} %"] for r in rows]))
+          f"{100 * r['agree_prompts']:.0f} %", f"{100 * r['agree_tokens']:.0f} %",
+          fmt(max(r["divergence_margins"], default=None), 2)] for r in rows]))
+    print("margin@diff max: the largest float32 top-1 minus top-2 logit at a prompt's first differing token "
+          f"(median margin over all steps: {fmt(rows[0]['median_margin'], 2)})")
     if args.json:
         write_json(args.json, {"machine": info, "tokens": args.tokens, "rows": rows})

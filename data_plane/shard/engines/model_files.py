@@ -164,6 +164,18 @@ def stage_tensors(first: int, end: int, *, head: bool) -> Callable[[str], bool]:
     return keep
 
 
+def read_tables(folder: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Just the named tensors of a single-file safetensors checkpoint, in its dtype (absent ones left out)."""
+    path = folder / "model.safetensors"
+    if not path.exists():
+        return {}
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        # Copies, as read_dense: a view of the file would keep its mapped pages resident.
+        return {n: f.get_tensor(n).clone() for n in names if n in f.keys()}  # noqa: SIM118 (no __contains__)
+
+
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor whose pages the kernel supplies on first touch (anonymous mmap), so allocating
     it is instant and untouched parts use no memory; small ones are plain `torch.zeros`."""

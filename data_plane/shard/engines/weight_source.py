@@ -16,13 +16,20 @@ dtype auto
     Measured again 2026-12-02 (AMD EPYC Zen 4, avx512_bf16, 1 thread, under load, A/B in one run):
     `_weight_int4pack_mm_for_cpu` does take float32 activations (exact: within 1.4e-6 of the
     dequantized GEMM) but runs a reference loop, the model's four projections 70 ms against 0.12 ms
-    with bf16 activations at batch 1 (1.2 s / 9.3 ms at batch 16). Nor would float32 buy agreement:
-    greedy agreement with float32 dense on 12 prompts x 32 tokens (`switchboard bench quality`'s
-    prompts) was 50 % for bf16+int4, 58 % for float32 activations with the int4 GEMMs in bf16, and 58 %
-    for the int4 weights dequantized and run entirely in float32 (the ceiling of any activation dtype:
-    the Q4_1 weights themselves, not the activations, decide it); dense bf16 67 %. So auto keeps bf16
-    for quantized weights; ``--dtype float32 --quantization int4`` stays the exact, batch-invariant
-    and slow mode (tests/data_plane/test_quant_engine.py).
+    with bf16 activations at batch 1 (1.2 s / 9.3 ms at batch 16). What float32 buys is exactness:
+    the float32 reference's weights *are* the GGUF's blocks dequantized (the converted checkpoint), the
+    int4 kernel with float32 scales/zeros dequantizes Q4_1 bit-exactly (zero = m + 8d: w = (q - 8)d +
+    m + 8d = dq + m), and with float32 activations the table stays exact (below), so
+    ``--dtype float32 --quantization int4`` gives float32 dense's greedy tokens on 12 of 12 of
+    `switchboard bench quality`'s prompts x 32 tokens, perplexity +0.00 % (all 210 Q4_1 tensors
+    checked bit-exact). With bf16 activations agreement is bounded by bf16 rounding,
+    not by the Q4_1 weights (measured 2026-12-02, same bench): dense bf16 67 % of prompts identical,
+    bf16 int4 50 %; bf16 int4 with the exact float32 head 75 %; every first difference at a near-tie
+    (float32's top-1 minus top-2 logit 0.01-0.17, against a median of 1.33 over all steps). An earlier
+    58 % for "float32 activations" kept the per-row int8 table, which alone (float32 dense, only the
+    table requantized) agreed on 75 %: it was the table, not the Q4_1 blocks. So auto keeps bf16 for
+    quantized weights; ``--dtype float32 --quantization int4`` is the exact, batch-invariant and slow
+    mode (tests/data_plane/test_quant_engine.py).
   - else a CPU with native bf16 (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo, and oneDNN agrees)
     -> bfloat16 (``native_bf16``): a decode step's GEMMs 7.8 ms against 26.6 fp32 (batch 1).
   - else float32 (``no_native_bf16``): on an AVX2-only EPYC one GEMM was 1.7x (batch 1) to 6.1x
@@ -39,12 +46,17 @@ quantization auto
   - a GGUF of Q8_0 projections -> int8 (``gguf_q8``); a dense model -> none (``dense_model``): auto
     never quantizes a dense checkpoint by itself (vLLM's rule: serve what the checkpoint is).
 
-What is quantized (int8 and int4): every projection (q/k/v fused, o, gate/up fused, down). The LM head
+What is quantized (int8 and int4): every projection (q/k/v fused, o, gate/up fused, down). With bf16 activations the LM head
 and the embedding (tied: one table) are int8 per output channel in both formats: the head is 21 % of
 SmolLM2-135M's weights and its logits decide greedy output, so it keeps 8 bits (measured: an int4 head,
 per 32 like Q4_1, took perplexity from +0.9 % to +4.4 % of float32 and greedy agreement on 32 tokens
 from 0.65 to 0.21, though its GEMM was 2.5 ms against 6.0 ms int8 and 4.8 ms packed bf16); a GGUF's Q8_0 table
-(one scale per 32) is requantized to one scale per row (no kernel takes per-32 int8 scales).
+(one scale per 32) is requantized to one scale per row (no kernel takes per-32 int8 scales), which
+alone moves greedy output (1.2 % relative error in the table; float32 dense with only the table
+requantized agreed with float32 on 75 % of the bench's prompts). With float32 activations (the exact
+mode) the table stays float32 as the checkpoint holds it (`_exact_table`: Q8_0 dequantized exactly),
+so ``--dtype float32 --quantization int4`` computes the GGUF's own weights exactly (the int4 kernel
+dequantizes Q4_1 bit-exactly with float32 scales/zeros) at 4x the table's int8 bytes.
 Norms and biases stay in the serving dtype. int4 from a GGUF is exact (its Q4_0/Q4_1 blocks,
 data_plane/shard/engines/gguf_weights.py); from a dense model it is quantized at load like Q4_1
 (per 32, min/max). `WeightBuilder.label` names what was built; the prefix cache seeds its block
@@ -233,8 +245,25 @@ class WeightBuilder:
             return Int8Linear.from_dense(w, dtype=self.dtype, bias=b)
         return Linear(w.to(self.dtype), b, pack=self.pack)
 
+    def _exact_table(self, name: str) -> torch.Tensor | None:
+        """float32 activations: the table as the checkpoint holds it (a GGUF's Q8_0 dequantized exactly),
+        not requantized per row; None for other dtypes or where no exact copy is at hand."""
+        if self.dtype != torch.float32:
+            return None
+        if self._state is not None and name in self._state:
+            if self._gguf is not None and name in self._gguf:
+                self._origins.add(self._gguf[name].kind.lower())
+            return self._state[name].detach().float()
+        if isinstance(self._gguf, GGUFWeights) and name in self._gguf:
+            return self._dense(name)
+        return None
+
     def embed_and_head(self, tied: bool) -> tuple[torch.Tensor | Int8Embedding, LinearLike]:
         """The embedding table (row lookups) and the LM head; one shared table when tied."""
+        if self.plan.quantization != "none" and (table32 := self._exact_table("model.embed_tokens.weight")) is not None:
+            head32 = table32 if tied else self._exact_table("lm_head.weight")
+            if head32 is not None:
+                return table32.contiguous(), Linear(head32.contiguous(), pack=False)
         if self.plan.quantization == "none":
             embed = self._dense("model.embed_tokens.weight").to(self.dtype).contiguous()
             head = embed if tied else self._dense("lm_head.weight").to(self.dtype).contiguous()
