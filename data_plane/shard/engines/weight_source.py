@@ -224,7 +224,7 @@ class WeightBuilder:
         if self._gguf is not None and name in self._gguf:
             return self._gguf[name].dense().reshape(-1).to(self.dtype)
         assert self._state is not None, name
-        return self._state[name].detach().to(self.dtype)
+        return self._state[name].detach().to(self.dtype, copy=True)  # owned and aligned: see embed_and_head
 
     def has(self, name: str) -> bool:
         return (self._gguf is not None and name in self._gguf) or (self._state is not None and name in self._state)
@@ -265,8 +265,12 @@ class WeightBuilder:
             if head32 is not None:
                 return table32.contiguous(), Linear(head32.contiguous(), pack=False)
         if self.plan.quantization == "none":
-            embed = self._dense("model.embed_tokens.weight").to(self.dtype).contiguous()
-            head = embed if tied else self._dense("lm_head.weight").to(self.dtype).contiguous()
+            # Copies, never views of the checkpoint: a transformers model's tensors are views into the
+            # mapped file at arbitrary offsets, and fp32 GEMMs round differently on differently aligned
+            # operands, so a runner built from a model and one built from the file give the same logits
+            # only when both own their (allocator-aligned) tables.
+            embed = self._dense("model.embed_tokens.weight").to(self.dtype, copy=True).contiguous()
+            head = embed if tied else self._dense("lm_head.weight").to(self.dtype, copy=True).contiguous()
             return embed, Linear(head, pack=self.pack)
         table = self._int8("model.embed_tokens.weight")
         qhead = table if tied else self._int8("lm_head.weight")
