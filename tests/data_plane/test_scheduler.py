@@ -67,7 +67,14 @@ class Harness:
     def step(self) -> SchedulerOutput:
         plan = self.sched.schedule(self.now)
         self.check(plan)
-        for m in plan.moves:  # the executor: moves, prefix loads, the pass
+        self.execute(plan)
+        self.update(plan)
+        return plan
+
+    def execute(self, plan: SchedulerOutput) -> None:
+        """The fake executor: slot moves, prefix loads and the pass's KV writes, each row checked to
+        extend exactly what its slot holds."""
+        for m in plan.moves:
             self.kv[m.dst] = list(self.kv[m.src][: m.length])
         for seq in plan.admitted:
             self.kv[seq.slot] = [(seq.request_id, p) for p in range(seq.num_computed_tokens)]
@@ -76,8 +83,14 @@ class Harness:
             assert kv[: row.start] == [(row.seq.request_id, p) for p in range(row.start)], (row.seq.request_id, kv)
             self.kv[row.seq.slot] = kv[: row.start] + [(row.seq.request_id, row.start + i)
                                                        for i in range(len(row.tokens))]
-        for row in plan.rows:  # the update
+
+    def update(self, plan: SchedulerOutput) -> None:
+        """The engine's update: computed counts, sampled tokens (5; a verify row accepts `accept`
+        draft tokens), finishes by length. A sequence finished meanwhile (aborted in flight) is skipped."""
+        for row in plan.rows:
             seq = row.seq
+            if seq.finished:
+                continue
             if row.kind is RowKind.PREFILL:
                 seq.num_computed_tokens += len(row.tokens)
                 tokens = [5] if row.samples else []
@@ -93,7 +106,6 @@ class Harness:
                 if len(seq.output_ids) >= seq.max_tokens:
                     self.sched.finish(seq, SeqStatus.FINISHED_LENGTH)
                     break
-        return plan
 
     def check(self, plan: SchedulerOutput) -> None:
         holders = self.sched.holders

@@ -49,15 +49,7 @@ class Queue(Harness):
             assert not plan.moves and not plan.admitted and plan.parked is None
             assert all(r.kind is not RowKind.PREFILL for r in plan.rows)
         self._check_rows(plan)
-        for m in plan.moves:
-            self.kv[m.dst] = list(self.kv[m.src][: m.length])
-        for seq in plan.admitted:
-            self.kv[seq.slot] = [(seq.request_id, p) for p in range(seq.num_computed_tokens)]
-        for row in plan.rows:
-            kv = self.kv[row.seq.slot]
-            assert kv[: row.start] == [(row.seq.request_id, p) for p in range(row.start)], (row.seq.request_id, kv)
-            self.kv[row.seq.slot] = kv[: row.start] + [(row.seq.request_id, row.start + i)
-                                                       for i in range(len(row.tokens))]
+        self.execute(plan)
         if plan.rows:
             self.queue.append(plan)
         return plan
@@ -74,23 +66,7 @@ class Queue(Harness):
         """The oldest plan's pass is back: the engine's update."""
         plan = self.queue.popleft()
         self.sched.returned(plan)
-        for row in plan.rows:
-            seq = row.seq
-            if seq.finished:
-                continue
-            if row.kind is RowKind.PREFILL:
-                seq.num_computed_tokens += len(row.tokens)
-                tokens = [5] if row.samples else []
-            else:
-                tokens = [5] if row.kind is RowKind.DECODE else list(row.draft[: self.accept]) + [5]
-            for i, tok in enumerate(tokens):
-                if row.kind is not RowKind.PREFILL:
-                    seq.num_computed_tokens = row.start + 1 + i
-                seq.last_token = tok
-                seq.output_ids.append(tok)
-                if len(seq.output_ids) >= seq.max_tokens:
-                    self.sched.finish(seq, SeqStatus.FINISHED_LENGTH)
-                    break
+        self.update(plan)
         return plan
 
     def tick(self) -> SchedulerOutput | None:
