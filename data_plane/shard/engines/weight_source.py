@@ -224,7 +224,7 @@ class WeightBuilder:
         if self._gguf is not None and name in self._gguf:
             return self._gguf[name].dense().reshape(-1).to(self.dtype)
         assert self._state is not None, name
-        return self._state[name].detach().to(self.dtype, copy=True)  # owned and aligned: see embed_and_head
+        return _aligned(self._state[name].detach().to(self.dtype))
 
     def has(self, name: str) -> bool:
         return (self._gguf is not None and name in self._gguf) or (self._state is not None and name in self._state)
@@ -265,12 +265,8 @@ class WeightBuilder:
             if head32 is not None:
                 return table32.contiguous(), Linear(head32.contiguous(), pack=False)
         if self.plan.quantization == "none":
-            # Copies, never views of the checkpoint: a transformers model's tensors are views into the
-            # mapped file at arbitrary offsets, and fp32 GEMMs round differently on differently aligned
-            # operands, so a runner built from a model and one built from the file give the same logits
-            # only when both own their (allocator-aligned) tables.
-            embed = self._dense("model.embed_tokens.weight").to(self.dtype, copy=True).contiguous()
-            head = embed if tied else self._dense("lm_head.weight").to(self.dtype, copy=True).contiguous()
+            embed = _aligned(self._dense("model.embed_tokens.weight").to(self.dtype).contiguous())
+            head = embed if tied else _aligned(self._dense("lm_head.weight").to(self.dtype).contiguous())
             return embed, Linear(head, pack=self.pack)
         table = self._int8("model.embed_tokens.weight")
         qhead = table if tied else self._int8("lm_head.weight")
@@ -292,3 +288,11 @@ class WeightBuilder:
                 self._origins.add(t.kind.lower())
                 return Int8Linear(*parts, dtype=self.dtype)
         return Int8Linear.from_dense(self._dense(name), dtype=self.dtype)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or an allocator-aligned copy when it starts off a 64-byte boundary (a transformers model's
+    tensors are views into the mapped file at arbitrary offsets). fp32 GEMMs round differently on
+    differently aligned operands, so a runner built from a model and one built from the file give the
+    same logits only when both tables are aligned; an aligned tensor (the light load's) is not copied."""
+    return t if t.data_ptr() % 64 == 0 else t.clone()
