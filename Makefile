@@ -11,6 +11,11 @@ SYSDEPS_STAMP := $(VENV)/.sysdeps
 TORCH_PIN ?= torch==2.13.0
 UP_ARGS ?=
 PYTEST_ARGS ?=
+# `make test` on two pytest-xdist workers, a test module (with its module-scoped processes) per worker at a
+# time: much of the suite waits on child processes and timers, so two workers overlap it even on two cores.
+# TEST_WORKERS=0 runs it in one process; `make test-all` stays in one (its load and soak tests measure).
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope,)
 
 .PHONY: install up check test test-all bench sysdeps clean
 
@@ -54,7 +59,7 @@ check: $(STAMP)
 	$(PY) -m mypy
 
 test: $(STAMP) sysdeps check
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 test-all: $(STAMP) sysdeps check
 	$(PY) -m pytest $(PYTEST_ARGS)

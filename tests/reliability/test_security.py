@@ -26,7 +26,7 @@ from tests.reliability.common import all_services, report
 from tests.support.chat import assert_openai_error, chat
 from tests.support.cluster import ADMIN_TOKEN, KEYS, Cluster, api_keys_env
 from tests.support.metrics import metric
-from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, ROOT, Service
+from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, STATE_DIR, Service
 from tests.support.waits import eventually
 
 
@@ -343,7 +343,7 @@ def test_prompts_and_completions_never_reach_logs_metrics_or_spans(cluster: Clus
     for node, record in zip(cluster.caches, records):
         haystacks[f"cache {node.port} record"] = record.text
     httpx.get(url + "/v1/usage", headers={"Authorization": f"Bearer {KEYS['plus']}"})  # flushes the gateway's spool
-    state = ROOT / ".switchboard"  # the spawned gateway's and control plane's default ledger
+    state = STATE_DIR  # the spawned gateway's and control plane's default ledger (per xdist worker)
     for path in [*state.glob("usage.db*"), *state.glob("ledger-spool/*/*")]:
         haystacks[f"ledger {path.name}"] = path.read_bytes().decode("latin-1")
     haystacks["admin usage"] = httpx.get(cluster.control_plane.url + "/admin/v1/usage",

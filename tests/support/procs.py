@@ -5,11 +5,16 @@
 
 Each service runs `python -m control_plane.cli ARGS --port P` on a free loopback port;
 its output goes to a log file whose tail is shown if it fails to come up.
+
+Under pytest-xdist (`make test` runs `-n 2`) each worker hands out ports from its own range below the
+kernel's ephemeral range (so two workers, and the kernel's own bind(0) picks, never meet) and its
+services keep their state (the usage ledger) in a folder of their own, STATE_DIR.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -30,13 +35,70 @@ CLUSTER_HEADERS = {"Authorization": f"Bearer {CLUSTER_TOKEN}"}
 """What a test sends to a spawned member's internal routes (/debug/spans, a cache node's sessions)."""
 
 
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+"""This pytest-xdist worker's name ("gw0", "gw1", ...), or "" in a plain pytest run."""
+
+STATE_DIR = ROOT / ".switchboard" / WORKER if WORKER else ROOT / ".switchboard"
+"""Where the gateways and control planes a Service starts keep their usage ledger (their own default,
+`.switchboard` in ROOT, in a plain run; a folder per xdist worker, so one worker's traffic never shows in
+another's usage totals or abuse readings)."""
+
 _GIVEN: set[int] = set()
 """Ports handed out by this test process: never twice. Services are built (ports chosen) before any
 starts, and the kernel may hand the same free port to two bind(0) calls in a row; two children on
 one port make the loser exit and its health check succeed against the winner."""
 
+_LOWEST_PORT = 10000
+
+
+def _worker_ports() -> range | None:
+    """This xdist worker's share of [10000, the ephemeral range's start): bind(0) picks ports from the
+    ephemeral range in every process, so two workers probing it could be handed the same port between one's
+    probe and its child's bind. None outside xdist (or where the shares would be too small)."""
+    if not (WORKER.startswith("gw") and WORKER[2:].isdigit()):
+        return None
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1), 1)
+    size = (low - _LOWEST_PORT) // count
+    if size < 500:
+        return None
+    first = _LOWEST_PORT + int(WORKER[2:]) % count * size
+    return range(first, first + size)
+
+
+if WORKER:
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+
+
+_PORTS = _worker_ports()
+_next = random.randrange(len(_PORTS)) if _PORTS is not None else 0
+"""Where this worker's walk through its range starts: anywhere, so two suites run at once on one host
+(each with its own gw0) do not walk the same ports in step."""
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
 
 def free_port() -> int:
+    global _next
+    if _PORTS is not None:
+        for _ in range(len(_PORTS)):
+            port = _PORTS[_next % len(_PORTS)]
+            _next += 1
+            if _next % len(_PORTS) == 0:
+                _GIVEN.clear()  # a full lap: the ports of the first services are long free again
+            if port not in _GIVEN and _bindable(port):
+                _GIVEN.add(port)
+                return port
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -67,6 +129,9 @@ class Service:
             base = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")}
         else:
             base = {**os.environ, "SWITCHBOARD_CLUSTER_TOKEN": CLUSTER_TOKEN}
+        if WORKER:  # the gateway's and the control plane's default ledger, per worker (flags still win)
+            base.setdefault("SWITCHBOARD_GATEWAY_STATE_DIR", str(STATE_DIR))
+            base.setdefault("SWITCHBOARD_CONTROL_PLANE_USAGE_DB", f"sqlite:///{STATE_DIR / 'usage.db'}")
         self.env = {**base, **(env or {})}
         self.health = health
         self.proc: subprocess.Popen[bytes] | None = None
