@@ -7,26 +7,12 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 from pathlib import Path
 
 import httpx
 import openai
 
-from tests.support.procs import free_port, start_up, wait_up
-
-
-def _two_free_ports() -> int:
-    """A port p with p + 1 free too (the second zone's gateway)."""
-    for _ in range(50):
-        p = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
-        return p
-    raise RuntimeError("no two consecutive free ports")
+from tests.support.procs import free_port, free_port_pair, start_up, wait_up
 
 
 def _value(text: str, name: str, **labels: str) -> float:
@@ -38,7 +24,7 @@ def _value(text: str, name: str, **labels: str) -> float:
 
 
 def test_up_with_two_zones_keeps_traffic_and_free_sessions_local(tmp_path: Path) -> None:
-    gw, cp = _two_free_ports(), free_port()
+    gw, cp = free_port_pair(), free_port()
     proc = start_up(tmp_path, "--engine", "synthetic", "--gateway-port", str(gw), "--control-plane-port", str(cp),
                     "--zones", "a,b", "--no-console")
     try:

@@ -74,9 +74,16 @@ if WORKER:
 
 
 _PORTS = _worker_ports()
+_STRIDE = 97
+"""The walk through the range takes every 97th port (a prime: every port once a lap), never the next one:
+a test that takes p and counts on p + 1 (`switchboard up --zones` puts zone b's gateway there) must not
+see its next free_port() hand out p + 1."""
+while _PORTS is not None and len(_PORTS) % _STRIDE == 0:
+    _STRIDE += 2
 _next = random.randrange(len(_PORTS)) if _PORTS is not None else 0
-"""Where this worker's walk through its range starts: anywhere, so two suites run at once on one host
-(each with its own gw0) do not walk the same ports in step."""
+"""Where this worker's walk starts: anywhere, so two suites run at once on one host (each with its own gw0)
+do not walk the same ports in step."""
+_walked = 0
 
 
 def _bindable(port: int) -> bool:
@@ -89,12 +96,14 @@ def _bindable(port: int) -> bool:
 
 
 def free_port() -> int:
-    global _next
+    """A loopback port nothing listens on, never handed out twice by this process (see _worker_ports)."""
+    global _next, _walked
     if _PORTS is not None:
         for _ in range(len(_PORTS)):
-            port = _PORTS[_next % len(_PORTS)]
-            _next += 1
-            if _next % len(_PORTS) == 0:
+            port = _PORTS[_next]
+            _next = (_next + _STRIDE) % len(_PORTS)
+            _walked += 1
+            if _walked % len(_PORTS) == 0:
                 _GIVEN.clear()  # a full lap: the ports of the first services are long free again
             if port not in _GIVEN and _bindable(port):
                 _GIVEN.add(port)
@@ -106,6 +115,17 @@ def free_port() -> int:
         if port not in _GIVEN:
             _GIVEN.add(port)
             return port
+
+
+def free_port_pair() -> int:
+    """A port p, with p + 1 free too (`switchboard up --zones a,b` puts zone b's gateway there); both are
+    taken out of what :func:`free_port` hands out."""
+    for _ in range(50):
+        p = free_port()
+        if p + 1 not in _GIVEN and _bindable(p + 1):
+            _GIVEN.add(p + 1)
+            return p
+    raise RuntimeError("no two consecutive free ports")
 
 
 class Service:
