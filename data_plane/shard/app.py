@@ -93,6 +93,7 @@ def build_engine(settings: ShardSettings, metrics: ShardMetrics | None) -> Engin
         speculation=settings.speculation,
         num_speculative_tokens=settings.num_speculative_tokens,
         spec_max_batch=settings.spec_max_batch,
+        jump_forward=settings.jump_forward,
         pipeline_parallel_size=settings.pipeline_parallel_size, pipeline_layers=settings.pipeline_layers,
         pipeline_stage_timeout_s=settings.pipeline_stage_timeout_s,
         pipeline_microbatches=settings.pipeline_microbatches, pipeline_batch_queue=settings.pipeline_batch_queue,
