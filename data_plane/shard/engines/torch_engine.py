@@ -46,8 +46,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-import torch
-
 from data_plane.common.errors import InvalidRequest, Overloaded
 from data_plane.shard.engines.base import (
     FINISH_ABORT,
