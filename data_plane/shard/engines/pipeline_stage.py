@@ -47,13 +47,18 @@ def joined(join: str, rank: int, bind: str, threads: int | None) -> list[str]:
     return args + (["--threads", str(threads)] if threads else [])
 
 
-def main(argv: list[str] | None = None) -> None:
-    pre = argparse.ArgumentParser(add_help=False)
+def join_parser() -> argparse.ArgumentParser:
+    """The flags of a stage joining from another host (`switchboard stage --join ... --rank R --bind ADDR`)."""
+    pre = argparse.ArgumentParser(prog="switchboard stage", add_help=False)
     pre.add_argument("--join", default="", help="HOST:PORT of stage 0's group: take the rest from there")
     pre.add_argument("--rank", type=int)
     pre.add_argument("--bind", default="127.0.0.1")
     pre.add_argument("--threads", type=int)
-    known, rest = pre.parse_known_args(argv)
+    return pre
+
+
+def main(argv: list[str] | None = None) -> None:
+    known, rest = join_parser().parse_known_args(argv)
     if known.join:  # a stage on another host: `switchboard stage --join 10.0.0.1:29500 --rank 1 --bind 10.0.0.2`
         if known.rank is None:
             raise SystemExit("--join needs --rank")
