@@ -68,6 +68,7 @@ from data_plane.shard.engines.torch_config import DTYPES, EngineConfig, StepList
 from data_plane.shard.engines.torch_executor import Executor
 from data_plane.shard.engines.torch_output import OutputProcessor
 from data_plane.shard.engines.torch_prefix import SlotPrefix
+from data_plane.shard.engines.torch_sampling import Draws
 from data_plane.shard.engines.torch_sampling import sample_row as _sample_row
 from data_plane.shard.engines.torch_spec import Speculator
 from data_plane.shard.engines.torch_threads import ThreadTuner
@@ -396,12 +397,12 @@ class TorchEngine:
                 out = dataclasses.replace(out, logprobs=proc.drain())  # this output's tokens (scheduler thread)
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
-        gen = None
-        if not req.params.greedy:
-            gen = torch.Generator()
-            gen.manual_seed(req.params.seed if req.params.seed is not None else torch.seed())
+        draws = None
+        if not req.params.greedy:  # a resumed stream samples on from the position after the text already sent
+            resumed = len(self._tokenizer.encode(req.resumed_text, add_special_tokens=False)) if req.resumed_text else 0
+            draws = Draws(req.params.seed, offset=resumed)
         seq = SeqState(req=req, max_tokens=max_tokens, sink=sink, stream=TextStream(self._decode_ids, req.params.stop),
-                       generator=gen)
+                       draws=draws)
         if self.prefix is not None:
             seq.block_hashes = self.prefix.hashes(req.prompt_ids, req.cache_salt, req.public_prefix_tokens)
         with self._lock:

@@ -50,8 +50,9 @@ class StepResult:
 
 
 def choose_tokens(logits: torch.Tensor, seqs: Sequence[SeqState]) -> list[int]:
-    """One token per row of `logits` for the sequence of that row (its sampling params and generator)."""
-    return sample(logits, [s.req.params for s in seqs], [s.generator for s in seqs],
+    """One token per row of `logits` for the sequence of that row (its sampling params and its draw for
+    the position sampled)."""
+    return sample(logits, [s.req.params for s in seqs], [s.draw() for s in seqs],
                   [s.req.processor for s in seqs])
 
 
