@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from opentelemetry import trace
@@ -52,9 +52,6 @@ from data_plane.shard.engines.pipeline_net import (
     wire,
 )
 
-if TYPE_CHECKING:
-    from data_plane.shard.engines.pipeline import PipelineSpec
-
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
@@ -66,6 +63,22 @@ class KVHop(str, Enum):
     """A finished turn's blocks going to the cache nodes: each later stage sends stage 0 its layers."""
     SCATTER = "scatter"
     """Blocks fetched from the cache nodes: stage 0 sends each later stage its layers."""
+
+
+class GroupShape(Protocol):
+    """What the KV ops need of the group (pipeline.PipelineSpec)."""
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def max_num_seqs(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
 
 
 @dataclass
@@ -98,7 +111,7 @@ class KVHops:
     """The KV side of pipeline.Hops (the prefix cache's `mirror`); Hops sets these attributes."""
 
     dist: Any
-    spec: PipelineSpec
+    spec: GroupShape
     _in_flight: deque[Any]  # pipeline._Ticket, oldest first; each has `kv: TicketKV`
     _loose: list[tuple[torch.Tensor, ...]]
     _loose_works: list[Any]
