@@ -159,6 +159,7 @@ def test_a_turn_ending_beside_passes_in_flight_still_reaches_the_cache_nodes(sha
     assert during > 3 and not other.thread.is_alive()  # it decoded beside the turn, then was closed
     span = kv_span(pp, r1["request_id"], "gather")
     assert span["switchboard.pipeline.deferred"] is True  # sent behind the other stream's pass in flight
+    assert span["switchboard.pipeline.blocked_s"] >= 0  # stage 0's own part of it (the rest overlapped)
     assert span["switchboard.kv.bytes"] == PER_BLOCK * span["switchboard.kv.blocks"] > 0
     assert _moved(pp, "gather") - gathered == span["switchboard.kv.bytes"]
     stores = kv_spans(pp, r1["request_id"], "store")  # the turn's blocks kept in the pool on every stage

@@ -98,6 +98,8 @@ class PendingGather:
     header: torch.Tensor  # alive until its isend completed
     span: Any
     t0: float
+    blocked_s: float = 0.0
+    """Stage 0's own time in it (posting it; taking the last part after the pass's rows): the rest overlaps."""
 
 
 @dataclass
@@ -171,13 +173,16 @@ class KVHops:
             return
         sends = [self.dist.isend(h, 1)]
         recvs = [self.dist.irecv(wire(part), rank) for rank, part in enumerate(parts[:-1], 1)]
-        self._in_flight[-1].kv.gathers.append(PendingGather(first, end, out, then, parts, recvs, sends, h, span, t0))
+        g = PendingGather(first, end, out, then, parts, recvs, sends, h, span, t0)
+        g.blocked_s = time.perf_counter() - t0
+        self._in_flight[-1].kv.gathers.append(g)
         log.debug("pipeline KV gather of %d blocks deferred behind %d passes in flight", end - first,
                   len(self._in_flight))
 
     def finish_gather(self, g: PendingGather, received: bool = False) -> None:
         """A gather's parts into its `out`, then its `then` (for a deferred one: called by Hops.collect
         right after its pass's rows, before anything else is received from the last stage)."""
+        t1 = time.perf_counter()
         if not received:
             self.dist.recv(wire(g.parts[-1]), self.spec.size - 1)
             for work in (*g.recvs, *g.sends):
@@ -185,6 +190,10 @@ class KVHops:
         for (lo, hi), part in zip(self.spec.ranges[1:], g.parts):
             g.out[:, :, lo:hi].copy_(part)
         nbytes = sum(p.numel() * p.element_size() for p in g.parts)
+        if not received:
+            g.blocked_s += time.perf_counter() - t1
+            g.span.set_attribute("switchboard.pipeline.blocked_s", round(g.blocked_s, 6))
+            log.info("pipeline KV gather behind passes in flight: stage 0 blocked %.1f ms of it", 1000 * g.blocked_s)
         g.span.end()
         self._kv_done(KVHop.GATHER, g.end - g.first, nbytes, time.perf_counter() - g.t0)
         try:
