@@ -255,7 +255,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
         try:
             gen_reqs = _generation_requests(req, engine, request_id, settings.kv_public_prefix, plan)
             gen_req = gen_reqs[0]
-            describe(span, gen_req, plan, len(gen_reqs))
+            describe(span, gen_reqs, plan)
             if plan.constraint is not None:
                 metrics.structured.labels(metrics.model_name, plan.constraint.kind).inc()
             if req.session_id and state.kv_tier is not None:  # blocks missing here may come from the cache nodes
