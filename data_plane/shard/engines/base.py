@@ -110,6 +110,9 @@ class GenerationRequest:
     grammar's matcher consumes it before the first step, so the continuation continues the grammar."""
     processor: Any = None  # a logits.RequestLogits (that module imports this one)
     """Per-request logits state the engine builds at enqueue when params need it (engines/logits.py)."""
+    trace: Any = None
+    """The request's span (an OTel SpanContext, set by the shard's app): the engine's own spans for it
+    (a pipeline's KV block ops, pipeline_kv.py) are its children."""
 
 
 @dataclass(frozen=True)

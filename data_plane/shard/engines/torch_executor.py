@@ -76,7 +76,7 @@ class Executor:
             self.runner.move_slot(move.src, move.dst, move.length)
         if self.prefix is not None:
             for seq in plan.admitted:
-                seq.held = self.prefix.load(seq.block_hashes, seq.cached, seq.slot)
+                seq.held = self.prefix.load(seq.block_hashes, seq.cached, seq.slot, seq.req.trace)
         rows = plan.rows
         if not rows:
             return StepResult()
@@ -99,7 +99,7 @@ class Executor:
             self.runner.move_slot(move.src, move.dst, move.length)
         if self.prefix is not None:
             for seq in plan.admitted:
-                seq.held = self.prefix.load(seq.block_hashes, seq.cached, seq.slot)
+                seq.held = self.prefix.load(seq.block_hashes, seq.cached, seq.slot, seq.req.trace)
         t0 = time.monotonic()
         rows = plan.rows
         self._prefetch(plan)
