@@ -26,6 +26,11 @@ INT4_GROUP = 32
 """Weights per (scale, zero) pair along K: GGUF's Q4_0/Q4_1 block size, one the kernel takes."""
 INT4_INNER_K_TILES = 2
 
+# The kernels as torch's own C-bound functions: `torch.ops.aten.X(...)` goes through a Python
+# `OpOverloadPacket.__call__` first (~1 us a call, 121 calls a decode step).
+_int4_mm = torch._weight_int4pack_mm_for_cpu
+_int8_mm = torch._weight_int8pack_mm
+
 
 def int4_parts(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q [N, K] in 0..15, scale, zero [N, K/group]) of `w`, GGUF Q4_1's rule: per group, min..max in 16 levels."""
@@ -68,10 +73,10 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:  # the runner's packed rows [T, K]: no reshape/view dispatches (240 of ~1,300 a decode step)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w, self.group, self.scale_zeros)
+            y = _int4_mm(x, self.w, self.group, self.scale_zeros)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.w, self.group,
-                                                            self.scale_zeros).view(*x.shape[:-1], self.out_features)
+            y = _int4_mm(x.reshape(-1, self.in_features), self.w, self.group,
+                         self.scale_zeros).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -108,10 +113,9 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
-            y = torch.ops.aten._weight_int8pack_mm(x, self.w, self.scale)
+            y = _int8_mm(x, self.w, self.scale)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.w,
-                                                   self.scale).view(*x.shape[:-1], self.out_features)
+            y = _int8_mm(x.reshape(-1, self.in_features), self.w, self.scale).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
