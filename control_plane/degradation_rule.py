@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from control_plane.ladder import WINDOWED_CAUSES, Cause, Verdict
 from control_plane.signals.model import Pressure, Signals
+from control_plane.slo import TTFT_SLO_S
 
 CAUSES = tuple(Cause)
 SHED_FLOOR_PER_S = 0.2
@@ -53,13 +54,13 @@ RETURN_HEADROOM = 0.9
 class LadderConfig:
     """Thresholds and timings of the automatic rule. Raise thresholds sit above lower ones."""
 
-    ttft_slo_s: float = 2.0
+    ttft_slo_s: float = TTFT_SLO_S
     """Target p95 time to first token, seconds (> 0); the TTFT-beyond-prefill thresholds scale with it."""
     raise_ttft_ratio: float = 1.0
     """Hot when TTFT beyond prefill (p95) > SLO x this (under pressure)."""
     lower_ttft_ratio: float = 0.5
     """Calm needs TTFT beyond prefill (p95) < SLO x this."""
-    raise_queue_time_s: float = 2.0
+    raise_queue_time_s: float = TTFT_SLO_S
     """Hot when time waiting for a slot (p95, admission + shard queue) exceeds this (under pressure):
     by default the TTFT SLO, i.e. queueing alone would miss it."""
     lower_queue_time_s: float = 0.5

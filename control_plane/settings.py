@@ -18,6 +18,7 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator, model_vali
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from control_plane.registry.consul import CONSUL_URL_PATTERN
+from control_plane.slo import TTFT_SLO_S
 from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV
 
 ENV_PREFIX = "SWITCHBOARD_CONTROL_PLANE_"
@@ -106,8 +107,9 @@ class ControlPlaneSettings(BaseSettings):
     raised by a windowed figure (queue time p95, TTFT beyond prefill, error rate)."""
     degradation_lower_dwell_gauge_s: float = Field(default=10.0, ge=0.0, le=3600.0)
     """The same for a level raised by a gauge (waiting per shard, KV usage) or pinned by an operator."""
-    degradation_raise_queue_time_s: float = Field(default=2.0, gt=0.5, le=600.0)
-    """Queue time p95 (admission wait + shard queue) above which the ladder rises (with a queue)."""
+    degradation_raise_queue_time_s: float = Field(default=TTFT_SLO_S, gt=0.5, le=600.0)
+    """Queue time p95 (admission wait + shard queue) above which the ladder rises (with a queue); by
+    default the TTFT SLO's default."""
 
     # -- signals and autoscaling (control_plane/signals/, scaling/ policy + loop, actuators/) ----------
     prometheus: str | None = Field(default=None, pattern=r"^https?://")
@@ -124,7 +126,7 @@ class ControlPlaneSettings(BaseSettings):
     """Most shards the autoscaler runs."""
     target_waiting_per_shard: float = Field(default=2.0, gt=0.0, le=10000.0)
     """Requests waiting for a batch slot per shard that the fleet is sized for."""
-    ttft_slo_s: float = Field(default=2.0, gt=0.0, le=3600.0)
+    ttft_slo_s: float = Field(default=TTFT_SLO_S, gt=0.0, le=3600.0)
     """Time-to-first-token p95 objective, seconds (also the degradation ladder's); scaling and the
     ladder hold it against TTFT *beyond prefill*, never raw TTFT (which grows with the prompt)."""
     target_queue_time_s: float = Field(default=1.0, gt=0.0, le=600.0)

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from control_plane.signals.model import Pressure, Signals
+from control_plane.slo import TTFT_SLO_S
 
 SHEDDING_HOLD_PER_S = 0.2
 """Deliberate sheds per second above which the autoscaler never scales in."""
@@ -60,7 +61,7 @@ class PolicyConfig:
     """Never more shards than this."""
     target_waiting_per_shard: float = 2.0
     """Requests waiting for a batch slot per shard that the fleet is sized for."""
-    ttft_slo_s: float = 2.0
+    ttft_slo_s: float = TTFT_SLO_S
     """Time-to-first-token p95 objective, seconds, held against TTFT beyond prefill."""
     target_queue_time_s: float = 1.0
     """Queue time p95 (admission wait + shard queue), seconds, that the fleet is sized for."""

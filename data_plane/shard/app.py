@@ -92,7 +92,7 @@ def build_engine(settings: ShardSettings, metrics: ShardMetrics | None) -> Engin
         kv_block_size=settings.kv_block_size,
         speculation=settings.speculation,
         num_speculative_tokens=settings.num_speculative_tokens,
-        spec_max_batch=settings.spec_max_batch,
+        spec_max_batch=settings.spec_max_batch, jump_forward=settings.jump_forward,
         pipeline_parallel_size=settings.pipeline_parallel_size, pipeline_layers=settings.pipeline_layers,
         pipeline_stage_timeout_s=settings.pipeline_stage_timeout_s,
         pipeline_microbatches=settings.pipeline_microbatches, pipeline_batch_queue=settings.pipeline_batch_queue,
@@ -255,7 +255,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
         try:
             gen_reqs = _generation_requests(req, engine, request_id, settings.kv_public_prefix, plan)
             gen_req = gen_reqs[0]
-            describe(span, gen_req, plan, len(gen_reqs))
+            describe(span, gen_reqs, plan)
             if plan.constraint is not None:
                 metrics.structured.labels(metrics.model_name, plan.constraint.kind).inc()
             if req.session_id and state.kv_tier is not None:  # blocks missing here may come from the cache nodes

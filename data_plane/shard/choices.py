@@ -188,11 +188,15 @@ def token_bytes(engine: Any) -> Callable[[int], bytes]:
     return lambda token_id: str(engine._tokenizer.decode([token_id])).encode()
 
 
-def describe(span: Any, req: GenerationRequest, plan: OutputPlan, n: int) -> None:
-    """Span attributes of a request's output shape (bounded values)."""
+def describe(span: Any, reqs: Sequence[GenerationRequest], plan: OutputPlan) -> None:
+    """Span attributes of a request's output shape (bounded values), from its first choice's engine
+    request; each choice's `trace` is the span (the engine's own spans for it are its children)."""
+    req = reqs[0]
+    for r in reqs:
+        r.trace = span.get_span_context()
     span.set_attribute("switchboard.structured.kind", plan.constraint.kind if plan.constraint else "none")
     span.set_attribute("switchboard.tools.mode", plan.tool_mode.value)
-    span.set_attribute("gen_ai.request.choice.count", n)
+    span.set_attribute("gen_ai.request.choice.count", len(reqs))
     if req.params.seed is not None:
         span.set_attribute("gen_ai.request.seed", req.params.seed)
     span.set_attribute("switchboard.logprobs", req.params.logprobs)

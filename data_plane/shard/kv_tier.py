@@ -296,7 +296,7 @@ class KVTier:
                         "run are recomputed", got.node, local + used, reason)
         if used:
             assert kv is not None
-            p.offer(hashes[local : local + used], kv)
+            p.offer(hashes[local : local + used], kv, req.trace)
             m.hits.labels(name).inc(used * bs)
         if got.run and reason is None:
             self._remember(ref.session_id, hashes[: got.run])

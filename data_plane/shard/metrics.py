@@ -22,7 +22,8 @@ from data_plane.shard.kv_metrics import KVTierMetrics
 from data_plane.shard.spec_metrics import SpecMetrics
 
 if TYPE_CHECKING:
-    from data_plane.shard.engines.pipeline import KVHop, PassTiming
+    from data_plane.shard.engines.pipeline import PassTiming
+    from data_plane.shard.engines.pipeline_kv import KVHop
 
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)

@@ -69,6 +69,9 @@ class ShardSettings(BaseSettings):
         "Speculative decoding: ngram (prompt-lookup drafts, verified in the decode pass) | off."))
     num_speculative_tokens: int = Field(15, ge=1, le=16, description="Most draft tokens per sequence and step.")
     spec_max_batch: int = Field(4, ge=1, le=256, description="No drafting while more sequences than this run.")
+    jump_forward: bool = Field(True, description=(
+        "Constrained decoding: draft the tokens a grammar forces and verify them in one pass, speculation on or "
+        "off (docs/STRUCTURED.md)."))
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description=(
         "Stage processes this shard's layers are split over (torch: data_plane/shard/engines/pipeline.py; "
         "vllm: passed through)."))

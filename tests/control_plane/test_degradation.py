@@ -136,6 +136,19 @@ def test_config_needs_lower_below_raise() -> None:
         LadderConfig(raise_waiting_per_shard=2.0, lower_waiting_per_shard=2.0)
 
 
+def test_the_ladder_the_autoscaler_and_the_settings_share_one_slo_default() -> None:
+    from control_plane.degradation import ladder_config
+    from control_plane.scaling.policy import PolicyConfig, policy_config
+    from control_plane.settings import ControlPlaneSettings
+    from control_plane.slo import TTFT_SLO_S
+
+    settings = ControlPlaneSettings()
+    assert settings.ttft_slo_s == LadderConfig().ttft_slo_s == PolicyConfig().ttft_slo_s == TTFT_SLO_S
+    assert settings.degradation_raise_queue_time_s == LadderConfig().raise_queue_time_s == TTFT_SLO_S
+    moved = ControlPlaneSettings(ttft_slo_s=5.0)  # one configured value reaches both rules
+    assert ladder_config(moved).ttft_slo_s == policy_config(moved).ttft_slo_s == 5.0
+
+
 def test_raises_one_step_at_a_time_after_the_dwell() -> None:
     ladder, _, registry, clock = make()
     clock.advance(10)

@@ -1,13 +1,19 @@
 """The Kubernetes and Nomad specs place a pipelined shard as one group: the flags they add are ones
-the shard's own parser accepts, and the resources they ask for are N stages' worth (docs/SHARDING.md)."""
+the shard's own parser accepts, and the resources they ask for are N stages' worth (docs/SHARDING.md).
+The specs that place one stage per node (a StatefulSet per group; a Nomad job with a task group per
+stage and distinct_hosts) run `switchboard shard` on stage 0 and `switchboard stage --join` on the
+others with flags the real parsers accept, consistent with each other (stage count, ranks, the
+address stage 0 listens on and the one the others join)."""
 
 from __future__ import annotations
 
 import re
+import shlex
 
 import yaml
 
 from data_plane.common.settings_cli import parse_settings
+from data_plane.shard.engines.pipeline_stage import join_parser
 from data_plane.shard.settings import ShardSettings
 from tests.support.procs import ROOT
 
@@ -44,3 +50,98 @@ def test_nomad_group_runs_n_stages_with_n_stages_of_cpu() -> None:
     for name, value in defaults.items():
         assert re.search(rf'variable "{name}" {{[^}}]*default\s*=\s*{value}', hcl)
     parse_settings(ShardSettings, ["--pipeline-parallel-size", "2", "--threads", "4"], "switchboard shard")
+
+
+POD_IP, NODE_IP = "10.0.0.7", "10.0.0.8"
+
+
+def _filled(word: str, env: dict[str, str]) -> str:
+    """A spec's word with its variables ($X, ${X}, ${attr.x}) given example values."""
+    return re.sub(r"\$\{?([\w.\-]+)\}?", lambda m: env[m.group(1)], word)
+
+
+def _exec_lines(script: str, env: dict[str, str]) -> dict[str, list[str]]:
+    """The flags of each `exec switchboard <command> ...` in a shell script, by command."""
+    out = {}
+    for line in script.replace("\\\n", " ").splitlines():
+        words = shlex.split(line)
+        if words[:2] == ["exec", "switchboard"]:
+            out[words[2]] = [_filled(w, env) for w in words[3:]]
+    return out
+
+
+def test_kubernetes_statefulset_places_one_stage_per_node() -> None:
+    here = DEPLOY / "kubernetes" / "pipeline-nodes"
+    assert yaml.safe_load((here / "kustomization.yaml").read_text())["resources"] == ["../", "group.yaml"]
+    docs = [d for d in yaml.safe_load_all((here / "group.yaml").read_text()) if d]
+    (svc,) = [d for d in docs if d["kind"] == "Service"]
+    (sts,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    spec, pod = sts["spec"], sts["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    # a headless service names stage 0 before it is ready; every stage starts at once
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"] == spec["selector"]["matchLabels"] == labels
+    assert spec["serviceName"] == svc["metadata"]["name"] and spec["podManagementPolicy"] == "Parallel"
+    # no two stages of the group on one node
+    (term,) = pod["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname" and term["labelSelector"]["matchLabels"] == labels
+    (container,) = pod["spec"]["containers"]
+    assert container["command"] == ["sh", "-c"]
+    script = container["args"][0]
+    assert 'RANK="${HOSTNAME##*-}"' in script  # a pod's ordinal is its stage
+    assert script.index('if [ "$RANK" = 0 ]') < script.index("exec switchboard shard") < script.index("fi\n")
+    env = {"POD_IP": POD_IP, "HOST_IP": NODE_IP, "POD_NAME": sts["metadata"]["name"] + "-0", "RANK": "1"}
+    cmds = _exec_lines(script, env)
+    shard = parse_settings(ShardSettings, cmds["shard"], "switchboard shard")  # stage 0, the real parser
+    n = spec["replicas"]
+    assert shard.pipeline_parallel_size == n == 2
+    assert shard.pipeline_remote_stages == ",".join(str(i) for i in range(1, n))
+    assert shard.pipeline_host == shard.host == POD_IP
+    stage = join_parser().parse_args(cmds["stage"])  # the others: unknown flags exit 2
+    host, port = stage.join.rsplit(":", 1)
+    assert host == f"{sts['metadata']['name']}-0.{svc['metadata']['name']}"
+    (svc_port,) = svc["spec"]["ports"]
+    assert int(port) == shard.pipeline_port == svc_port["port"]
+    assert (stage.rank, stage.bind) == (1, POD_IP)
+
+
+def _nomad_group(hcl: str, name: str) -> str:
+    start = hcl.index(f'\n  group "{name}" {{')
+    end = hcl.find('\n  group "', start + 1)
+    return hcl[start:end if end > 0 else len(hcl)]
+
+
+def _nomad_args(block: str, env: dict[str, str]) -> list[str]:
+    args = re.search(r"args = \[(.*?)\]", block, re.DOTALL)
+    assert args is not None
+    return [_filled(a.strip().strip('"'), env) for a in args.group(1).split(",") if a.strip()]
+
+
+def test_nomad_job_places_one_stage_per_node() -> None:
+    hcl = (DEPLOY / "nomad" / "switchboard-pipeline.nomad.hcl").read_text()
+    job = hcl[hcl.index("\njob "):hcl.index("\n  group ")]
+    assert re.search(r'constraint \{\s*operator = "distinct_hosts"\s*value\s*= "true"\s*\}', job)  # the whole job
+    groups = re.findall(r'\n  group "([\w-]+)" \{', hcl)
+    n = len(groups)
+    assert n >= 2 and groups == [f"stage{i}" for i in range(n)]
+    env = {"NOMAD_IP_http": NODE_IP, "NOMAD_PORT_http": "25000", "NOMAD_IP_pipeline": NODE_IP,
+           "NOMAD_PORT_pipeline": "25001", "var.threads_per_stage": "4", "node.datacenter": "dc1",
+           "attr.unique.network.ip-address": "10.0.0.9", "JOIN": f"{NODE_IP}:25001"}
+    zero = _nomad_group(hcl, "stage0")
+    args = _nomad_args(zero, env)
+    assert args[0] == "shard"
+    shard = parse_settings(ShardSettings, args[1:], "switchboard shard")
+    assert shard.pipeline_parallel_size == n and shard.pipeline_remote_stages == ",".join(map(str, range(1, n)))
+    assert (shard.pipeline_host, shard.pipeline_port) == (NODE_IP, 25001)
+    store = re.search(r'name\s*=\s*"([\w-]+-store)"\s*port\s*=\s*"pipeline"', zero)
+    assert store is not None  # stage 0's pipeline port, registered in Consul for the others
+    for i in range(n):
+        assert re.search(r"count = 1\b", _nomad_group(hcl, f"stage{i}"))
+    for i in range(1, n):
+        block = _nomad_group(hcl, f"stage{i}")
+        args = _nomad_args(block, env)
+        assert args[0] == "stage"
+        stage = join_parser().parse_args(args[1:])
+        assert (stage.rank, stage.join) == (i, f"{NODE_IP}:25001")
+        assert f'JOIN={{{{ range service "{store.group(1)}" }}}}{{{{ .Address }}}}:{{{{ .Port }}}}' in block
+        assert "env         = true" in block and "${JOIN}" in block

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from data_plane.bench.engine import pool_rounds, round_orders
+from data_plane.bench.engine import round_orders
+from data_plane.bench.engine_report import pool_rounds
 from data_plane.bench.engine_spec import QUOTE_PROMPTS, AcceptanceCounter
 from tests.support.bench import ENGINE_ROW_KEYS, needs_model
 from tests.support.procs import switchboard

@@ -105,7 +105,7 @@ def test_taskset_one_core_real_process() -> None:
     thread default (N: a core this test may already use, so the pin takes no core from anyone)."""
     core = min(os.sched_getaffinity(0))
     code = ("from data_plane.common.cores import usable_cores;"
-            "from data_plane.shard.engines.torch_engine import auto_threads;"
+            "from data_plane.shard.engines.torch_load import auto_threads;"
             "print(usable_cores(), auto_threads(True), auto_threads(False))")
     out = subprocess.run(["taskset", "-c", str(core), sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -200,3 +201,47 @@ def test_seeded_sampling_same_distribution_on_and_off(harness: Harness) -> None:
         stat += (rest_on - rest_off) ** 2 / (rest_on + rest_off)
     df = max(1, len(common) + (1 if rest_on + rest_off else 0) - 1)
     assert stat < df + 4 * (2 * df) ** 0.5 + 10, (stat, df, c_on.most_common(5), c_off.most_common(5))
+
+
+def test_a_seed_gives_the_same_text_on_and_off_and_whatever_the_drafts(harness: Harness) -> None:
+    """Draws keyed by output position (torch_sampling.Draws): a seeded sampled request's text does not
+    depend on whether, or how much, speculation drafted. Each seed runs off, on with the pinned row price
+    and on with rows priced so cheaply that every match drafts its longest run: three different numbers
+    of rows verified, one text (before position-keyed draws, a verify row drew from a shared stream and
+    the text followed the draft lengths, which follow timing)."""
+    jobs = [(SHORT_QUOTE, SamplingParams(temperature=0.9, top_k=20, max_tokens=24, seed=s)) for s in range(8)]
+    on, off = both(harness, jobs, batched=False)
+    assert sum(o.spec_drafts for _, o in on) > 0
+    pin_row_cost(harness.engine, 1e-3)
+    try:
+        eager = [harness.run([j])[0] for j in jobs]
+    finally:
+        pin_row_cost(harness.engine)
+    assert [t for t, _ in on] == [t for t, _ in off] == [t for t, _ in eager]
+    assert len({t for t, _ in off}) > 1  # the seeds do sample different texts
+
+
+def test_a_resumed_seeded_stream_continues_the_text_an_unbroken_one_gives(harness: Harness) -> None:
+    """A stream resumed mid-way (the gateway's mid-stream resume: the text sent so far as a final
+    assistant message to continue, `resumed_text`) samples on from the position after that text, so
+    the continuation is the rest of the uninterrupted text, not a restart of the seed's draws."""
+    eng = harness.engine
+    params = SamplingParams(temperature=0.9, top_k=20, max_tokens=20, seed=42, logprobs=True)
+
+    async def go(req: GenerationRequest) -> tuple[str, list[int]]:
+        await eng.prepare(req)
+        text, ids = "", []
+        async for out in eng.generate(req):
+            text += out.text
+            ids += [lp.token_id for lp in out.logprobs]
+        return text, ids
+
+    whole, ids = harness.loop.run_until_complete(go(GenerationRequest(uuid.uuid4().hex, eng.encode_chat(CHAT), params)))
+    assert len(ids) == 20, whole
+    sent = eng._decode_ids(ids[:8])  # the text the client had when its stream broke
+    assert whole.startswith(sent)
+    resumed = CHAT + [{"role": "assistant", "content": sent}]
+    rest, _ = harness.loop.run_until_complete(go(GenerationRequest(
+        uuid.uuid4().hex, eng.encode_chat(resumed, continue_final=True), replace(params, max_tokens=12),
+        resumed_text=sent)))
+    assert sent + rest == whole

@@ -60,7 +60,7 @@ def test_a_verify_pass_gives_what_decoding_token_by_token_gives(runner: LlamaRun
 def _seq(rid: str, prompt: list[int], n: int) -> SeqState:
     req = GenerationRequest(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n))
     return SeqState(req=req, max_tokens=n, sink=lambda out: None, stream=TextStream(lambda ids: "", ()),
-                    generator=None)
+                    draws=None)
 
 
 def _generate(runner: LlamaRunner, prompts: list[list[int]], n: int, chunk: int) -> list[list[int]]:

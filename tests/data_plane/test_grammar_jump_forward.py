@@ -1,7 +1,8 @@
 """Jump-forward in the real torch engine (in-process, float32: greedy output is batch-invariant): the
 tokens a grammar forces are verified as one multi-token pass instead of one decode step each, and the
 text is exactly what one token a step gives, constrained rows batched with unconstrained ones (greedy and
-seeded sampling); with speculation off.
+seeded sampling); with speculation off. And the shard's `--jump-forward/--no-jump-forward` reaching the
+scheduler's config (no model).
 
     .venv/bin/python -m pytest tests/data_plane/test_grammar_jump_forward.py -q      # ~1 min (real model)
 """
@@ -87,3 +88,27 @@ def test_forced_tokens_take_fewer_passes_and_give_the_same_text(counted: Counted
     assert on_texts == off_texts  # the verify pass keeps exactly one-token-a-step's text (and the seeded row's)
     assert all(t.startswith("{") for t in on_texts[:3]), on_texts
     assert on_passes < off_passes * 0.9, (on_passes, off_passes)
+
+
+@pytest.mark.parametrize(("argv", "env", "on"), [
+    ([], None, True),
+    (["--no-jump-forward"], None, False),
+    (["--jump-forward"], "false", True),  # the flag wins over the environment
+    ([], "false", False),
+])
+def test_the_shard_flag_reaches_the_scheduler(argv: list[str], env: str | None, on: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`switchboard shard --no-jump-forward` -> ShardSettings -> EngineConfig -> SchedulerConfig, parsed
+    and built as the shard's main does (the engine built, no model loaded)."""
+    from data_plane.common.settings_cli import parse_settings
+    from data_plane.shard.app import build_engine
+    from data_plane.shard.settings import ShardSettings
+
+    monkeypatch.delenv("SWITCHBOARD_SHARD_JUMP_FORWARD", raising=False)
+    if env is not None:
+        monkeypatch.setenv("SWITCHBOARD_SHARD_JUMP_FORWARD", env)
+    settings = parse_settings(ShardSettings, argv, "switchboard shard")
+    assert settings.jump_forward is on
+    engine = build_engine(settings, None)
+    assert isinstance(engine, TorchEngine)
+    assert engine.config.jump_forward is on and engine.scheduler.config.jump_forward is on

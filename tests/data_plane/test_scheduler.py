@@ -30,7 +30,7 @@ def make_seq(rid: str, prompt_len: int, priority: int = 0, max_tokens: int = 4,
     req = GenerationRequest(rid, [1 + (i % 50) for i in range(prompt_len)], SamplingParams(max_tokens=max_tokens),
                             priority=priority, deadline=deadline)
     return SeqState(req=req, max_tokens=max_tokens, sink=lambda out: None, stream=TextStream(lambda ids: "", ()),
-                    generator=None)
+                    draws=None)
 
 
 @dataclass

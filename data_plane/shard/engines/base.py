@@ -40,8 +40,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     """Strings that end generation; never included in the output."""
     seed: int | None = None
-    """Seeds this request's own generator: same seed, same prompt -> same sample (float32: always; bf16/fp16:
-    when batched alike, since the batch changes the logits' rounding)."""
+    """Seeds this request's draws, keyed by output position (torch_sampling.Draws): same seed, same prompt ->
+    same text, with or without speculation, and a resumed stream continues it. Exact where the logits are
+    the same bits: float32 up to GEMM row-count rounding (~1e-5, rarely a token); bf16/fp16 when batched alike."""
     min_p: float = 0.0
     """Drop tokens below min_p x the top token's probability (after temperature), 0..1."""
     presence_penalty: float = 0.0
@@ -109,6 +110,9 @@ class GenerationRequest:
     grammar's matcher consumes it before the first step, so the continuation continues the grammar."""
     processor: Any = None  # a logits.RequestLogits (that module imports this one)
     """Per-request logits state the engine builds at enqueue when params need it (engines/logits.py)."""
+    trace: Any = None
+    """The request's span (an OTel SpanContext, set by the shard's app): the engine's own spans for it
+    (a pipeline's KV block ops, pipeline_kv.py) are its children."""
 
 
 @dataclass(frozen=True)

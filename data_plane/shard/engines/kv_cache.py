@@ -309,9 +309,10 @@ class KVMirror(Protocol):
         ``[n, 2, layers, kv_heads, bs, head_dim]``: each stage keeps its own layers' part."""
         ...
 
-    def gather(self, slot: int, first: int, end: int, out: torch.Tensor) -> bool:
+    def gather(self, slot: int, first: int, end: int, out: torch.Tensor, then: Callable[[], None]) -> None:
         """Blocks ``first..end`` of `slot` on the later stages' layers into `out`
-        (``[n, 2, layers, kv_heads, bs, head_dim]``, every layer of the model); False: not now."""
+        (``[n, 2, layers, kv_heads, bs, head_dim]``, every layer of the model), then `then()`: at once,
+        or later (a pipeline with passes in flight: when they are collected)."""
         ...
 
 

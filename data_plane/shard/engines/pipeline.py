@@ -45,7 +45,9 @@ stage's part, sent straight to it), so the block hashes and frames are the same 
 pipelined shard fetch each other's conversations. Why stage 0 coordinates rather than each stage
 storing its own part: one HTTP client, one sealing key, one session placement, and no cache-node
 keys per layer range; its cost is one more copy of the later layers' KV over the hops, measured in
-docs/SHARDING.md.
+docs/SHARDING.md. These block ops, and how they ride among passes in flight (a
+GATHER behind the batch queue's passes completes when the newest of them is collected), are in
+pipeline_kv.py (`KVHops`, which Hops extends), each with its span.
 
 Losing a stage: every stage beats a heartbeat counter into the group's TCPStore every
 HEARTBEAT_S; stage 0's monitor thread declares a stage lost when its process exited (kill -9: the
@@ -66,30 +68,28 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
-from enum import Enum
 from typing import Any
 
 import torch
 
 from data_plane.common.lifeline import die_with_parent
 from data_plane.shard.engines.base import StageSpan
-from data_plane.shard.engines.pipeline_net import HEARTBEAT_S, use_interface_of
+from data_plane.shard.engines.pipeline_kv import KVHop, KVHops, TicketKV
+from data_plane.shard.engines.pipeline_net import (
+    HEADER_FIXED,
+    HEARTBEAT_S,
+    OP_FORWARD,
+    OP_MOVE,
+    OP_STOP,
+    header_size,
+    use_interface_of,
+    wire,
+)
 
 log = logging.getLogger(__name__)
 
-OP_FORWARD, OP_MOVE, OP_STOP, OP_LOAD, OP_STORE, OP_INSERT, OP_GATHER = 1, 2, 3, 4, 5, 6, 7
-
-
-class KVHop(str, Enum):
-    """A KV-tier transfer between stage 0 and the later stages (the `op` of the pipeline KV metrics)."""
-
-    GATHER = "gather"
-    """A finished turn's blocks going to the cache nodes: each later stage sends stage 0 its layers."""
-    SCATTER = "scatter"
-    """Blocks fetched from the cache nodes: stage 0 sends each later stage its layers."""
-HEADER_FIXED = 4  # op, items, batched, rows (FORWARD) / op, src, dst, length (MOVE)
 
 
 def split_layers(total: int, stages: int, spec: str | None = None) -> list[tuple[int, int]]:
@@ -108,15 +108,6 @@ def split_layers(total: int, stages: int, spec: str | None = None) -> list[tuple
         for i in range(stages):
             bounds.append(bounds[-1] + base + (1 if i < extra else 0))
     return [(bounds[i], bounds[i + 1]) for i in range(stages)]
-
-
-def header_size(max_num_seqs: int) -> int:
-    return HEADER_FIXED + 4 * max_num_seqs
-
-
-def wire(x: torch.Tensor) -> torch.Tensor:
-    """`x` as gloo carries it, bit for bit: 2-byte floats travel as int16 views."""
-    return x.view(torch.int16) if x.element_size() == 2 and x.is_floating_point() else x
 
 
 def free_port() -> int:
@@ -195,12 +186,14 @@ class _Ticket:
     sent_bytes: int
     buffers: tuple[torch.Tensor, ...]  # alive until the isends completed
     works: list[Any]
+    kv: TicketKV = field(default_factory=TicketKV)
+    """KV gathers sent behind this pass, completed when it is collected (pipeline_kv.py)."""
 
 
 TIMING_COLS = 3  # arrive, busy, leave (epoch seconds; busy in seconds)
 
 
-class Hops:
+class Hops(KVHops):
     """Stage 0's side of the chain: sends passes and slot moves to stage 1, receives stage N-1's rows;
     several passes may be in flight (submit ... collect, in order).
 
@@ -272,6 +265,8 @@ class Hops:
         hop_s = tuple(max(0.0, (rows[i + 1][0] if i + 1 < size else back) - rows[i][2]) for i in range(size))
         hop_bytes = tuple([ticket.sent_bytes] * (size - 1) + [out.numel() * out.element_size() + t.numel() * 8])
         self._account(ticket.slots, ticket.starts, rows)
+        for gather in ticket.kv.gathers:  # the last stage sent their parts right after this pass's rows
+            self.finish_gather(gather)
         self.on_pass(PassTiming(back - ticket.began, tuple(r[1] for r in rows), hop_s, hop_bytes,
                                 tuple((r[0], r[2]) for r in rows), ticket.in_flight, active_s))
         return out
@@ -300,84 +295,6 @@ class Hops:
         moved = self._slots.pop(src, None)
         if moved is not None:
             self._slots[dst] = moved
-
-    # The prefix cache's mirror (kv_cache.KVMirror): each stage repeats stage 0's copies on its layers.
-
-    def load(self, idxs: Sequence[int], slot: int) -> None:
-        self._blocks(OP_LOAD, slot, len(idxs), torch.tensor(list(idxs), dtype=torch.long))
-
-    def store(self, pairs: Sequence[tuple[int, int]], slot: int) -> None:
-        self._blocks(OP_STORE, slot, len(pairs), torch.tensor([list(p) for p in pairs], dtype=torch.long).reshape(-1))
-
-    # The KV tier's side: blocks on the cache nodes hold every layer; each stage has its own.
-
-    def insert(self, idxs: Sequence[int], kv: torch.Tensor) -> None:
-        """Scatter: each later stage keeps its layers of fetched blocks `kv` in pool blocks `idxs`. With
-        passes in flight (the batch queue) it is sent without waiting, like a prefix copy (`_blocks`):
-        each stage applies it after them, in order, and no pass in flight reads these new blocks."""
-        t0 = time.perf_counter()
-        h = torch.zeros(header_size(self.spec.max_num_seqs), dtype=torch.long)
-        h[:HEADER_FIXED] = torch.tensor([OP_INSERT, len(idxs), 0, 0])
-        index = torch.tensor(list(idxs), dtype=torch.long)
-        parts = [wire(kv[:, :, first:end].contiguous()) for first, end in self.spec.ranges[1:]]
-        # Without waiting in between: stage 1 passes the header on before it takes its part.
-        works = [self.dist.isend(h, 1)]
-        for rank, part in enumerate(parts, 1):
-            works += [self.dist.isend(index, rank), self.dist.isend(part, rank)]
-        if self._in_flight:  # the buffers ride on the next pass submitted (see _blocks)
-            self._loose.append((h, index, *parts))
-            self._loose_works += works
-        else:
-            for work in works:
-                work.wait()
-        self._kv_done(KVHop.SCATTER, len(idxs), sum(p.numel() * p.element_size() for p in parts), t0)
-
-    def gather(self, slot: int, first: int, end: int, out: torch.Tensor) -> bool:
-        """Gather: blocks ``first..end`` of `slot` from each later stage's layers into `out` (every layer).
-        False (nothing done) while passes are in flight (the batch queue): the last stage's part would
-        come back among their rows. Not yet: gathering such a turn later, from the pool blocks it was
-        stored in (docs/SHARDING.md)."""
-        if self._in_flight:
-            log.info("pipeline KV gather skipped: %d passes in flight; the turn's blocks stay local", len(self._in_flight))
-            return False
-        t0 = time.perf_counter()
-        h = self.header
-        h.zero_()
-        h[:HEADER_FIXED] = torch.tensor([OP_GATHER, slot, first, end])
-        self.dist.send(h, 1)
-        nbytes = 0
-        for rank, (lo, hi) in enumerate(self.spec.ranges[1:], 1):
-            part = torch.empty((end - first, 2, hi - lo, *out.shape[3:]), dtype=out.dtype)
-            self.dist.recv(wire(part), rank)
-            out[:, :, lo:hi].copy_(part)
-            nbytes += part.numel() * part.element_size()
-        self._kv_done(KVHop.GATHER, end - first, nbytes, t0)
-        return True
-
-    def _kv_done(self, op: KVHop, blocks: int, nbytes: int, t0: float) -> None:
-        seconds = time.perf_counter() - t0
-        log.info("pipeline KV %s: %d blocks, %.1f MiB over the hops in %.1f ms", op.value, blocks, nbytes / 2**20,
-                 1000 * seconds)
-        self.on_kv(op, blocks, nbytes, seconds)
-
-    def _blocks(self, op: int, slot: int, count: int, values: torch.Tensor) -> None:
-        """A LOAD (`count` pool indices) or STORE (`count` (block number, pool index) pairs) for `slot`.
-        May run while passes are in flight (the batch queue: a finished sequence's blocks kept): every
-        stage applies it after them, in the order stage 0 sent everything (one gloo pair a hop, in
-        order), and no pass in flight touches `slot` (a sequence is in at most one plan in flight).
-        With passes in flight it is sent without waiting (isend), like a pass: a blocking send would
-        wait for stage 1 to receive it while stage 1 waits for stage 0 to take an earlier pass's rows
-        (a deadlock); its buffers ride on the next pass submitted, whose rows coming back prove it
-        was received."""
-        assert slot not in {s for t in self._in_flight for s in t.slots}, "a prefix copy for a slot in flight"
-        h = torch.zeros(header_size(self.spec.max_num_seqs), dtype=torch.long)
-        h[:HEADER_FIXED] = torch.tensor([op, slot, count, 0])
-        if not self._in_flight:
-            self.dist.send(h, 1)
-            self.dist.send(values, 1)
-            return
-        self._loose.append((h, values))
-        self._loose_works += [self.dist.isend(h, 1), self.dist.isend(values, 1)]
 
 
 class PipelineGroup:
@@ -437,7 +354,9 @@ class PipelineGroup:
             self.on_stage(rank, True)
         self._monitor = threading.Thread(target=self._watch, name="pipeline-monitor", daemon=True)
         self._monitor.start()
-        return Hops(dist, self.spec, hidden, dtype)
+        hops = Hops(dist, self.spec, hidden, dtype)
+        hops.kv_token_bytes = sum(int(info.get("kv_token_bytes", 0)) for info in self.stage_info.values())
+        return hops
 
     def _watch(self) -> None:
         import torch.distributed as dist

@@ -5,7 +5,9 @@
 
 Stage 0 (data_plane/shard/engines/pipeline.py) watches each later stage's heartbeat counter in its
 TCPStore; a stage (pipeline_stage.py) beats it every HEARTBEAT_S and leaves when its beats stop
-getting through. A stage on another host joins with `switchboard stage --join`.
+getting through. A stage on another host joins with `switchboard stage --join`. The chain's wire
+format: a header of `header_size(max_num_seqs)` longs (op first), then the op's tensors; 2-byte
+floats travel as int16 views (`wire`).
 """
 
 from __future__ import annotations
@@ -15,9 +17,15 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
+
+OP_FORWARD, OP_MOVE, OP_STOP, OP_LOAD, OP_STORE, OP_INSERT, OP_GATHER = 1, 2, 3, 4, 5, 6, 7
+HEADER_FIXED = 4  # op, items, batched, rows (FORWARD) / op, src, dst, length (MOVE)
 
 HEARTBEAT_S = 0.2
 """How often a stage beats its heartbeat counter."""
@@ -25,6 +33,17 @@ STAGE_GIVE_UP_S = 5.0
 """A later stage whose heartbeat has not reached stage 0 for this long exits (stage 0 is gone or cut off)."""
 STORE_WAIT_S = 600.0
 """How long a joining stage waits for stage 0's store (and its published arguments)."""
+
+
+def header_size(max_num_seqs: int) -> int:
+    return HEADER_FIXED + 4 * max_num_seqs
+
+
+def wire(x: torch.Tensor) -> torch.Tensor:
+    """`x` as gloo carries it, bit for bit: 2-byte floats travel as int16 views."""
+    import torch
+
+    return x.view(torch.int16) if x.element_size() == 2 and x.is_floating_point() else x
 
 
 def interface_of(addr: str) -> str | None:

@@ -47,13 +47,18 @@ def joined(join: str, rank: int, bind: str, threads: int | None) -> list[str]:
     return args + (["--threads", str(threads)] if threads else [])
 
 
-def main(argv: list[str] | None = None) -> None:
-    pre = argparse.ArgumentParser(add_help=False)
+def join_parser() -> argparse.ArgumentParser:
+    """The flags of a stage joining from another host (`switchboard stage --join ... --rank R --bind ADDR`)."""
+    pre = argparse.ArgumentParser(prog="switchboard stage", add_help=False)
     pre.add_argument("--join", default="", help="HOST:PORT of stage 0's group: take the rest from there")
     pre.add_argument("--rank", type=int)
     pre.add_argument("--bind", default="127.0.0.1")
     pre.add_argument("--threads", type=int)
-    known, rest = pre.parse_known_args(argv)
+    return pre
+
+
+def main(argv: list[str] | None = None) -> None:
+    known, rest = join_parser().parse_known_args(argv)
     if known.join:  # a stage on another host: `switchboard stage --join 10.0.0.1:29500 --rank 1 --bind 10.0.0.2`
         if known.rank is None:
             raise SystemExit("--join needs --rank")
@@ -91,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
         store_blocks,
     )
     from data_plane.shard.engines.llama_runner import LlamaRunner, select_rows
-    from data_plane.shard.engines.pipeline import (
+    from data_plane.shard.engines.pipeline import TIMING_COLS
+    from data_plane.shard.engines.pipeline_net import (
         HEADER_FIXED,
         OP_FORWARD,
         OP_GATHER,
@@ -100,11 +106,11 @@ def main(argv: list[str] | None = None) -> None:
         OP_MOVE,
         OP_STOP,
         OP_STORE,
-        TIMING_COLS,
         header_size,
+        heartbeat,
+        use_interface_of,
         wire,
     )
-    from data_plane.shard.engines.pipeline_net import heartbeat, use_interface_of
     from data_plane.shard.engines.torch_config import DTYPES
     from data_plane.shard.engines.weight_source import CpuCaps, resolve_plan
 
@@ -129,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     # What this stage holds, for stage 0's report and the benchmark's memory per stage.
     store.set(f"info/{args.rank}", json.dumps({
         "weight_bytes": runner.resident_weight_bytes, "kv_bytes": runner.kv_cache_bytes,
+        "kv_token_bytes": runner.kv_cache_bytes // (args.max_num_seqs * args.max_len),
         "host": "" if args.bind.startswith("127.") else args.bind, "load_s": round(time.monotonic() - t0, 2)}))
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world,
                             timeout=timedelta(seconds=600))

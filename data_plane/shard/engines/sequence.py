@@ -1,6 +1,6 @@
 """One request inside the torch engine: its status and its one computed-token count.
 
-    seq = SeqState(req, max_tokens=32, sink=sink, stream=TextStream(decode, ()), generator=None)
+    seq = SeqState(req, max_tokens=32, sink=sink, stream=TextStream(decode, ()), draws=None)
     seq.status                 # SeqStatus.WAITING -> RUNNING (-> PARKED -> RUNNING) -> FINISHED_*
     seq.num_computed_tokens    # tokens whose KV is in the sequence's slot
     seq.prefilling             # RUNNING with prompt tokens still to compute (the chunked prefill)
@@ -63,7 +63,7 @@ class SeqState:
     max_tokens: int
     sink: Callable[[GenerationOutput | BaseException], None]
     stream: TextStream
-    generator: Any  # torch.Generator | None (typed loosely: this module and the scheduler never import torch)
+    draws: Any  # torch_sampling.Draws | None (None: greedy; typed loosely: this module never imports torch)
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the slot
     slot: int = -1
@@ -89,6 +89,15 @@ class SeqState:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.req.prompt_ids)
+
+    @property
+    def position(self) -> int:
+        """The output position sampled next (an EOS, never appended, ends the sequence)."""
+        return len(self.output_ids)
+
+    def draw(self) -> Any:
+        """The generator for the token sampled next (torch_sampling.Draws.at), None for greedy."""
+        return None if self.draws is None else self.draws.at(self.position)
 
     @property
     def prefilling(self) -> bool:

@@ -9,7 +9,7 @@ its :class:`SeqSpec` in its ``SeqState`` (data_plane/shard/engines/sequence.py).
     k = state.draft_len(cost.row_cost(batch=1), weak=n < 2) # 0 while backed off (cost: VerifyCost)
     draft = ctx[at : at + k]                                # what followed the tail's latest occurrence
     tokens = accept_greedy(draft, argmax_rows)              # accepted drafts + one model token
-    tokens = accept_sampled(draft, probs_rows, generator)   # the same, distribution-exact
+    tokens = accept_sampled(draft, lambda j: sample_row(rows[j], params, draws.at(pos + j)))  # the same, exact
     state.record(len(draft), len(tokens) - 1, weak=n < 2)
 
 The draft needs no draft model: the most recent earlier occurrence of the sequence's last n
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -266,25 +266,20 @@ def accept_greedy(draft: Sequence[int], argmax: Sequence[int]) -> list[int]:
     return out
 
 
-def accept_sampled(draft: Sequence[int], probs: torch.Tensor, gen: torch.Generator | None) -> list[int]:
-    """Rejection sampling for a point-mass draft: `probs` [len(draft)+1, vocab] are the target
-    distributions (rows as in `accept_greedy`). Exact: the tokens have the law of sampling `probs`
-    one step at a time."""
+def accept_sampled(draft: Sequence[int], choose: Callable[[int], int]) -> list[int]:
+    """Sample-and-compare for a point-mass draft: `choose(j)` samples row j from its target distribution
+    (rows as in `accept_greedy`); the draft is accepted while the samples equal it, and the first sample
+    that differs (or the row after the whole draft) ends the run. Exact: each token is a sample of its
+    position's distribution given the tokens before it, which is rejection sampling's law when the draft
+    distribution is a point mass (accept x with probability p(x), else the residual p without x). And with
+    position-keyed draws (torch_sampling.Draws) it is the very token a plain step would have sampled, so
+    a seeded request's text does not depend on how many rows speculation verified."""
     out: list[int] = []
-    for j, x in enumerate(draft):
-        p = probs[j]
-        u = float(torch.rand((), generator=gen))
-        if u < float(p[x]):
-            out.append(int(x))
-            continue
-        residual = p.clone()
-        residual[x] = 0.0
-        if float(residual.sum()) <= 0.0:  # p(x) == 1 up to rounding: x is the only choice
-            out.append(int(x))
-            continue
-        out.append(int(torch.multinomial(residual, 1, generator=gen).item()))
-        return out
-    out.append(int(torch.multinomial(probs[len(draft)], 1, generator=gen).item()))
+    for j in range(len(draft) + 1):
+        token = choose(j)
+        out.append(token)
+        if j == len(draft) or token != draft[j]:
+            break
     return out
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from data_plane.shard.engines.pipeline import KVHop, PassTiming
+    from data_plane.shard.engines.pipeline import PassTiming
+    from data_plane.shard.engines.pipeline_kv import KVHop
 
 
 class StepListener:

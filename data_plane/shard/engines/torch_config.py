@@ -3,9 +3,9 @@
     config = EngineConfig(dtype="float32", max_num_seqs=8)   # validated on construction
     engine = TorchEngine(config, listener=MyListener())       # a StepListener subclass
 
-Imported by the engine's modules (torch_engine, torch_output), by the shard
-(data_plane/shard/app.py) and by the bench; it holds no behaviour beyond validation. A request's
-state inside the engine is sequence.SeqState.
+Imported by the engine's modules (torch_engine, torch_load, torch_output), by the shard
+(data_plane/shard/app.py) and by the bench; it holds no behaviour beyond validation and deriving the
+scheduler's part (`scheduler_config()`). A request's state inside the engine is sequence.SeqState.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from data_plane.shard.engines.kv_cache import DEFAULT_BLOCK_SIZE
+from data_plane.shard.engines.scheduler import SchedulerConfig
 from data_plane.shard.engines.step_listener import StepListener
 from data_plane.shard.engines.weight_source import DTYPE_CHOICES, QUANTIZATION_CHOICES
 
@@ -61,6 +62,9 @@ class EngineConfig:
     on a CPU, a 17th row another ~4 ms: docs/BENCHMARKS.md); each sequence drafts what pays (SeqSpec)."""
     spec_max_batch: int = 4
     """No drafting while more sequences than this run, 1..256 (measured: docs/BENCHMARKS.md)."""
+    jump_forward: bool = True
+    """Constrained sequences draft the tokens their grammar forces, verified in one pass, speculation on
+    or off (SchedulerConfig.jump_forward; docs/STRUCTURED.md)."""
     pipeline_parallel_size: int = 1
     """Stage processes the model's layers are split over, 1..64 (data_plane/shard/engines/pipeline.py)."""
     pipeline_layers: str | None = None
@@ -81,6 +85,14 @@ class EngineConfig:
     pipeline_remote_stages: tuple[int, ...] = ()
     """Stages that join from elsewhere (`switchboard stage --join host:port --rank r`) instead of being
     started by stage 0."""
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """What the engine's scheduler (data_plane/shard/engines/scheduler.py) plans with; a pipeline's
+        batch queue holds as many plans in flight as stages unless set (1 without a pipeline)."""
+        queue = (self.pipeline_batch_queue or self.pipeline_parallel_size) if self.pipeline_parallel_size > 1 else 1
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs, prefill_chunk=self.prefill_chunk,
+                               beside_share=self.beside_prefill_share, max_model_len=self.max_model_len,
+                               jump_forward=self.jump_forward, batch_queue=queue)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:

@@ -31,6 +31,7 @@ blocks a running sequence uses are referenced and never evicted.
 
 Compute runs in that thread (torch releases the GIL inside ops) so the event loop stays
 free to stream tokens and accept requests. Also here: torch_config (EngineConfig, StepListener),
+torch_load (loading the model, the prefix cache and a pipeline's stages at start),
 torch_spec + speculation (n-gram drafts), torch_prefix (the prefix cache on the slots),
 torch_threads (adaptive intra-op threads).
 """
@@ -45,9 +46,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-import torch
-
-from data_plane.common.cores import usable_cores
 from data_plane.common.errors import InvalidRequest, Overloaded
 from data_plane.shard.engines.base import (
     FINISH_ABORT,
@@ -61,13 +59,21 @@ from data_plane.shard.engines.batch_queue import BatchQueue
 from data_plane.shard.engines.grammar import GrammarCompiler, GrammarError
 from data_plane.shard.engines.logits import RequestLogits
 from data_plane.shard.engines.model_files import LoadPhases
-from data_plane.shard.engines.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from data_plane.shard.engines.scheduler import Scheduler, SchedulerOutput
 from data_plane.shard.engines.sequence import SeqState
 from data_plane.shard.engines.token_masks import MaskPrefetch
 from data_plane.shard.engines.torch_config import DTYPES, EngineConfig, StepListener
 from data_plane.shard.engines.torch_executor import Executor
+from data_plane.shard.engines.torch_load import (
+    build_prefix,
+    llguidance_tokenizer,
+    load_model,
+    ready_line,
+    start_pipeline,
+)
 from data_plane.shard.engines.torch_output import OutputProcessor
 from data_plane.shard.engines.torch_prefix import SlotPrefix
+from data_plane.shard.engines.torch_sampling import Draws
 from data_plane.shard.engines.torch_sampling import sample_row as _sample_row
 from data_plane.shard.engines.torch_spec import Speculator
 from data_plane.shard.engines.torch_threads import ThreadTuner
@@ -77,22 +83,6 @@ from data_plane.shard.kv_transcript import GeneratedTokens
 __all__ = ["DTYPES", "EngineConfig", "StepListener", "TorchEngine", "_sample_row"]
 
 log = logging.getLogger(__name__)
-
-
-def auto_threads(adaptive: bool = True) -> int:
-    """Intra-op threads when none are configured. Adaptive (the default): every core, the
-    `ThreadTuner` (data_plane/shard/engines/torch_threads.py) dropping to one thread while another
-    process holds a core. Fixed: every core but one, which the event loop (streaming, HTTP) needs
-    beside the scheduler thread; N fixed threads on N cores collapse when any other process runs
-    (2 cores, streamed: 2.9 tok/s against 25 at 1 thread; 38 against 26 when the host is idle)."""
-    cores = usable_cores()  # affinity and cgroup quota, not the host
-    return cores if adaptive else max(1, cores - 1)
-
-
-def _llguidance_tokenizer(tokenizer: Any) -> Any:
-    import llguidance.hf
-
-    return llguidance.hf.from_tokenizer(tokenizer)
 
 
 class TorchEngine:
@@ -118,11 +108,7 @@ class TorchEngine:
         self.load_phases = LoadPhases()  # where start-up went (bench coldstart, the ready line)
         self.transcripts = GeneratedTokens()
         self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=config.max_num_seqs, prefill_chunk=config.prefill_chunk,
-                            beside_share=config.beside_prefill_share, max_model_len=config.max_model_len,
-                            batch_queue=(config.pipeline_batch_queue or config.pipeline_parallel_size)
-                            if config.pipeline_parallel_size > 1 else 1),
-            prefix=self._cached_prefix,
+            config.scheduler_config(), prefix=self._cached_prefix,
             drafter=(Speculator(config.num_speculative_tokens, config.spec_max_batch,
                                 on_probe=self.listener.on_spec_cost_probe)
                      if config.speculation == "ngram" else None))
@@ -191,68 +177,19 @@ class TorchEngine:
         await ready
 
     def _load(self) -> None:
-        from data_plane.model_store import model_source, served_name
-        from data_plane.shard.engines.llama_runner import LlamaRunner
-        from data_plane.shard.engines.model_files import load_tokenizer, read_config
-        from data_plane.shard.engines.weight_source import CpuCaps, resolve_plan
-
+        """Load the model (torch_load.py), then wire the executor, the output processor and the batch
+        queue to it and run one warm-up pass."""
         phases = self.load_phases = LoadPhases()
-        source = model_source(self.config.model)
-        plan = resolve_plan(self.config.dtype, self.config.quantization, source=source.kind, caps=CpuCaps.detect())
-        self.weight_plan = plan
-        # fp32 is the batch-invariant mode: its numerics must not depend on when a probe switches threads.
-        adaptive = self.config.adaptive_threads and plan.dtype != "float32"
-        threads = self.config.threads or auto_threads(adaptive)
-        torch.set_num_threads(threads)
-        if adaptive and threads > 1:
-            self.thread_tuner = ThreadTuner(threads, torch.set_num_threads, self.listener.on_threads)
-            self.thread_tuner.start()
-        else:
-            self.listener.on_threads(threads, "start")
-        t0 = time.monotonic()
-        path = source.path
-        print(f"[switchboard] loading model from {source.gguf if plan.quantization != 'none' and source.gguf else path} "
-              f"({plan.describe()})...", flush=True)
-        hf_config = read_config(path)
-        if hf_config is None:
-            from transformers import AutoConfig
-
-            hf_config = AutoConfig.from_pretrained(str(path))
-        self.max_model_len = min(self.config.max_model_len, hf_config.max_position_embeddings)
-        phases.mark("plan_and_config")
-        self._tokenizer = load_tokenizer(path)
-        phases.mark("tokenizer")
-        ranges = None
-        if self.config.pipeline_parallel_size > 1:
-            from data_plane.shard.engines.pipeline import split_layers
-
-            ranges = split_layers(int(hf_config.num_hidden_layers), self.config.pipeline_parallel_size,
-                                  self.config.pipeline_layers)
-        self._runner = LlamaRunner.from_pretrained(
-            path, dtype=DTYPES[plan.dtype], max_num_seqs=self.config.max_num_seqs, max_len=self.max_model_len,
-            plan=plan, gguf=source.gguf, layer_range=ranges[0] if ranges else None)
-        phases.mark("weights")
-        self.listener.on_weights(plan.dtype, plan.dtype_reason.value, plan.quantization, plan.quantization_reason.value,
-                                 self._runner.weight_bytes)
-        eos = hf_config.eos_token_id
-        self._eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
-        if self._tokenizer.eos_token_id is not None:
-            self._eos.add(self._tokenizer.eos_token_id)
-        self.model_name = served_name(self.config.model)
-        self.vocab_size = int(hf_config.vocab_size)
+        model = load_model(self.config, self.listener, phases)
+        self.weight_plan, self.thread_tuner = model.plan, model.thread_tuner
+        self._runner, self._tokenizer, self._eos = model.runner, model.tokenizer, set(model.eos)
+        self.model_name, self.vocab_size, self.max_model_len = model.name, model.vocab_size, model.max_model_len
         # llguidance's token table takes ~0.6 s to build: in the compiler's pool, while the shard serves.
-        self.grammars = GrammarCompiler.lazy(lambda: _llguidance_tokenizer(self._tokenizer), listener=self.listener)
-        if self.config.prefix_caching:  # with a pipeline: stage 0's blocks hash as the whole model's
-            self.prefix = SlotPrefix.build(self._runner, model_id=str(path), dtype=plan.dtype,
-                                           block_size=self.config.kv_block_size,
-                                           budget_bytes=self.config.prefix_cache_bytes,
-                                           on_evict=self.listener.on_kv_evict,
-                                           on_block_evicted=self.listener.on_kv_block_evicted,
-                                           on_block_reused=self.listener.on_kv_block_reused,
-                                           total_layers=int(hf_config.num_hidden_layers))
+        self.grammars = GrammarCompiler.lazy(lambda: llguidance_tokenizer(self._tokenizer), listener=self.listener)
+        self.prefix = build_prefix(self.config, model, self.listener)
         phases.mark("prefix_cache")
-        if ranges:  # every stage serves the plan stage 0 resolved (the same dtype and weight format)
-            self._start_pipeline(ranges, threads, plan.dtype, plan.quantization)
+        if model.layer_ranges:
+            self.pipeline = start_pipeline(self.config, model, self.prefix, self.listener, self._stage_lost)
             phases.mark("pipeline_stages")
         self.scheduler.max_model_len = self.max_model_len
         self._executor = Executor(self._runner, self.prefix, MaskPrefetch(self.listener))
@@ -267,46 +204,14 @@ class TorchEngine:
         self._runner.prefill(0, [self._tokenizer.bos_token_id or 1], 0)
         self._runner.decode([1], [1])
         phases.mark("warm_up")
-        print(
-            f"[switchboard] model {self.model_name} ready in {time.monotonic() - t0:.1f} s "
-            f"(KV cache {self._runner.kv_cache_bytes / 2**20:.0f} MiB for "
-            f"{self.config.max_num_seqs} x {self.max_model_len} tokens; prefix cache "
-            f"{self.prefix.cache.capacity_bytes / 2**20 if self.prefix else 0:.0f} MiB; {f'1..{threads} threads (adaptive)' if self.thread_tuner else f'{threads} threads'}; "
-            f"{plan.describe()}: {self._runner.weight_format}, {self._runner.weight_bytes / 2**20:.0f} MiB"
-            f"{', oneDNN-packed' if self._runner.packed else ''}; {phases.describe()})",
-            flush=True,
-        )
-
-    def _start_pipeline(self, ranges: list[tuple[int, int]], threads: int, dtype: str, quantization: str) -> None:
-        """Stages 1..N-1 of a pipeline (data_plane/shard/engines/pipeline.py) behind the runner's forward."""
-        from data_plane.shard.engines.pipeline import PipelineGroup, PipelineSpec
-
-        spec = PipelineSpec(model=self.config.model or "", dtype=dtype, quantization=quantization,
-                            max_num_seqs=self.config.max_num_seqs,
-                            max_len=self.max_model_len, ranges=tuple(ranges),
-                            timeout_s=self.config.pipeline_stage_timeout_s, threads=threads,
-                            prefix_blocks=self.prefix.cache.num_blocks if self.prefix else 0,
-                            block_size=self.config.kv_block_size,
-                            microbatches=self.config.pipeline_microbatches,
-                            host=self.config.pipeline_host, port=self.config.pipeline_port,
-                            remote=self.config.pipeline_remote_stages)
-        self.pipeline = PipelineGroup(spec, self._stage_lost, self.listener.on_stage)
-        hops = self.pipeline.start(self._runner.hidden_size, self._runner.dtype)
-        hops.on_pass = self.listener.on_pipeline_pass
-        hops.on_kv = self.listener.on_pipeline_kv
-        self._runner.downstream = hops
-        if self.prefix is not None:  # every copy between the pool and a slot is repeated on each stage
-            self.prefix.cache.mirror = hops
+        print(ready_line(model, self.config, self.prefix, phases), flush=True)
 
     def _stage_lost(self, stage: int, why: str) -> None:
         """A stage is gone (the monitor thread): fail every open stream now (an error event the
         gateway resumes on another shard), then the shard leaves membership and exits (on_dead)."""
         if self.dead is None:
             self.dead = RuntimeError(f"pipeline stage {stage} lost: {why}")
-        with self._lock:
-            seqs = list(self._by_id.values())
-        for seq in seqs:
-            seq.sink(Overloaded("a pipeline stage of this shard failed; retry on another shard", retry_after=1))
+        self._fail_open("a pipeline stage of this shard failed; retry on another shard")
         if self.on_dead is not None:
             self.on_dead()
 
@@ -396,12 +301,12 @@ class TorchEngine:
                 out = dataclasses.replace(out, logprobs=proc.drain())  # this output's tokens (scheduler thread)
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
-        gen = None
-        if not req.params.greedy:
-            gen = torch.Generator()
-            gen.manual_seed(req.params.seed if req.params.seed is not None else torch.seed())
+        draws = None
+        if not req.params.greedy:  # a resumed stream samples on from the position after the text already sent
+            resumed = len(self._tokenizer.encode(req.resumed_text, add_special_tokens=False)) if req.resumed_text else 0
+            draws = Draws(req.params.seed, offset=resumed)
         seq = SeqState(req=req, max_tokens=max_tokens, sink=sink, stream=TextStream(self._decode_ids, req.params.stop),
-                       generator=gen)
+                       draws=draws)
         if self.prefix is not None:
             seq.block_hashes = self.prefix.hashes(req.prompt_ids, req.cache_salt, req.public_prefix_tokens)
         with self._lock:
@@ -451,10 +356,14 @@ class TorchEngine:
         except BaseException as exc:  # a dead engine fails every request, loudly
             log.exception("engine scheduler died")
             self.dead = exc
-            with self._lock:
-                seqs = list(self._by_id.values())
-            for seq in seqs:
-                seq.sink(Overloaded("the engine failed; retry on another shard", retry_after=1))
+            self._fail_open("the engine failed; retry on another shard")
+
+    def _fail_open(self, message: str) -> None:
+        """End every open stream with a retryable error (any thread): the gateway resumes it elsewhere."""
+        with self._lock:
+            seqs = list(self._by_id.values())
+        for seq in seqs:
+            seq.sink(Overloaded(message, retry_after=1))
 
     def _cached_prefix(self, seq: SeqState) -> int:
         """Prompt tokens the prefix cache holds for `seq` (leaving at least one to compute)."""

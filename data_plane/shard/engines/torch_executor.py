@@ -50,8 +50,9 @@ class StepResult:
 
 
 def choose_tokens(logits: torch.Tensor, seqs: Sequence[SeqState]) -> list[int]:
-    """One token per row of `logits` for the sequence of that row (its sampling params and generator)."""
-    return sample(logits, [s.req.params for s in seqs], [s.generator for s in seqs],
+    """One token per row of `logits` for the sequence of that row (its sampling params and its draw for
+    the position sampled)."""
+    return sample(logits, [s.req.params for s in seqs], [s.draw() for s in seqs],
                   [s.req.processor for s in seqs])
 
 
@@ -75,7 +76,7 @@ class Executor:
             self.runner.move_slot(move.src, move.dst, move.length)
         if self.prefix is not None:
             for seq in plan.admitted:
-                seq.held = self.prefix.load(seq.block_hashes, seq.cached, seq.slot)
+                seq.held = self.prefix.load(seq.block_hashes, seq.cached, seq.slot, seq.req.trace)
         rows = plan.rows
         if not rows:
             return StepResult()
@@ -98,7 +99,7 @@ class Executor:
             self.runner.move_slot(move.src, move.dst, move.length)
         if self.prefix is not None:
             for seq in plan.admitted:
-                seq.held = self.prefix.load(seq.block_hashes, seq.cached, seq.slot)
+                seq.held = self.prefix.load(seq.block_hashes, seq.cached, seq.slot, seq.req.trace)
         t0 = time.monotonic()
         rows = plan.rows
         self._prefetch(plan)

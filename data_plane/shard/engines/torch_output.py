@@ -150,7 +150,7 @@ class OutputProcessor:
 
     def _keep_prompt_blocks(self, seq: SeqState) -> None:
         if self.prefix is not None and seq.block_hashes:
-            seq.held += self.prefix.keep(seq.block_hashes, seq.cached, seq.slot)
+            seq.held += self.prefix.keep(seq.block_hashes, seq.cached, seq.slot, seq.req.trace)
 
     def _keep_all_blocks(self, seq: SeqState) -> None:
         if self.prefix is not None:

@@ -8,18 +8,22 @@
     held += prefix.keep(hashes, hit, slot)                          # once the prompt is prefilled
     prefix.finish(tokens_in_slot, salt, public, slot, hit, held, req)  # when the sequence ends
 
-    prefix.offer(hashes[k:n], kv)      # any thread: blocks fetched from the cache nodes, [n-k, 2, L, H, bs, D]
+    prefix.offer(hashes[k:n], kv, req.trace)   # any thread: blocks fetched from the cache nodes, [n-k, 2, L, H, bs, D]
     prefix.remote = tier               # data_plane/shard/kv_tier.py: a finished session's new blocks go out
 
 All of it runs on the engine's scheduler thread (data_plane/shard/engines/torch_engine.py) except
 `offer`, which queues (under a lock) what the next admission's lookup inserts first, so a request
 enqueued after its blocks were offered always sees them. Offered blocks stay referenced until a
 request loads them (or for OFFER_HOLD_S), so a busy cache cannot evict them in between. The cache
-itself, its addressing and why slots + copy-in are in data_plane/shard/engines/kv_cache.py.
+itself, its addressing and why slots + copy-in are in data_plane/shard/engines/kv_cache.py. With a
+pipeline, each copy is repeated on the later stages (the cache's mirror, pipeline_kv.KVHops), as a
+span: `load`, `keep`, `finish` and an offer's insert make the request's span (`GenerationRequest.trace`)
+current around them, so those spans are children of its `shard.generate`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -28,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from opentelemetry import trace
 
 from data_plane.shard.engines.kv_cache import (
     BlockHasher,
@@ -46,6 +51,13 @@ log = logging.getLogger(__name__)
 
 OFFER_HOLD_S = 30.0
 """How long blocks fetched for a request stay referenced waiting for it to be admitted."""
+
+
+def under(span_context: Any) -> contextlib.AbstractContextManager[Any]:
+    """The request's span (an OTel SpanContext, or None) current on this thread inside `with`."""
+    if span_context is None:
+        return contextlib.nullcontext()
+    return trace.use_span(trace.NonRecordingSpan(span_context), end_on_exit=False)
 
 
 class RemoteTier(Protocol):
@@ -72,7 +84,7 @@ class SlotPrefix:
         self.dtype = ""
         self.layout = ""
         self.remote: RemoteTier | None = None
-        self._offers: list[tuple[list[bytes], torch.Tensor]] = []
+        self._offers: list[tuple[list[bytes], torch.Tensor, Any]] = []
         self._offer_lock = threading.Lock()
         self._offered: dict[bytes, tuple[int, float]] = {}  # hash -> (pool index held, since)
 
@@ -128,9 +140,10 @@ class SlotPrefix:
         bs = self.block_size
         return bs * self.cache.probe(hashes, (prompt_len - 1) // bs)
 
-    def load(self, hashes: Sequence[bytes], hit_tokens: int, slot: int) -> list[int]:
+    def load(self, hashes: Sequence[bytes], hit_tokens: int, slot: int, trace_ctx: Any = None) -> list[int]:
         held = self.cache.acquire(hashes[: hit_tokens // self.block_size])
-        self.cache.load(held, self._runner.k_cache, self._runner.v_cache, slot)
+        with under(trace_ctx):
+            self.cache.load(held, self._runner.k_cache, self._runner.v_cache, slot)
         if self._offered:  # the request's own references now keep what was offered for it
             for h in hashes[: hit_tokens // self.block_size]:
                 got = self._offered.pop(h, None)
@@ -138,32 +151,34 @@ class SlotPrefix:
                     self.cache.release([got[0]])
         return held
 
-    def offer(self, hashes: list[bytes], kv: torch.Tensor) -> None:
-        """Blocks from the cache nodes for a request about to be enqueued (any thread)."""
+    def offer(self, hashes: list[bytes], kv: torch.Tensor, trace_ctx: Any = None) -> None:
+        """Blocks from the cache nodes for a request about to be enqueued (any thread); `trace_ctx`: its span."""
         with self._offer_lock:
-            self._offers.append((hashes, kv))
+            self._offers.append((hashes, kv, trace_ctx))
 
     def _take_offers(self) -> None:
         with self._offer_lock:
             offers, self._offers = self._offers, []
         now = time.monotonic()
-        for hashes, kv in offers:
+        for hashes, kv, trace_ctx in offers:
             fresh = [j for j, h in enumerate(hashes) if not self.cache.has(h)]
             if not fresh:
                 continue
             picked = [hashes[j] for j in fresh]
-            idxs = self.cache.insert(picked, kv if len(fresh) == len(hashes) else kv[torch.tensor(fresh)])
+            with under(trace_ctx):
+                idxs = self.cache.insert(picked, kv if len(fresh) == len(hashes) else kv[torch.tensor(fresh)])
             for h, idx in zip(picked, idxs):
                 self._offered[h] = (idx, now)
         stale = [h for h, (_, since) in self._offered.items() if now - since > OFFER_HOLD_S]
         for h in stale:
             self.cache.release([self._offered.pop(h)[0]])
 
-    def keep(self, hashes: Sequence[bytes], hit_tokens: int, slot: int) -> list[int]:
+    def keep(self, hashes: Sequence[bytes], hit_tokens: int, slot: int, trace_ctx: Any = None) -> list[int]:
         """The prompt's new full blocks enter the cache, referenced (a concurrent request with the
         same prefix, e.g. a shared system prompt, hits them at once)."""
-        return self.cache.store(hashes, self._runner.k_cache, self._runner.v_cache, slot,
-                                hit_tokens // self.block_size, hold=True)
+        with under(trace_ctx):
+            return self.cache.store(hashes, self._runner.k_cache, self._runner.v_cache, slot,
+                                    hit_tokens // self.block_size, hold=True)
 
     def finish(self, tokens: Sequence[int], salt: str | None, public_tokens: int, slot: int, hit_tokens: int,
                held: Sequence[int], req: Any = None) -> None:
@@ -172,21 +187,24 @@ class SlotPrefix:
         lack are copied out for them; then the sequence's references are released."""
         if slot >= 0 and len(tokens) >= self.block_size:
             hashes = self.hashes(tokens, salt, public_tokens)
-            self.cache.store(hashes, self._runner.k_cache, self._runner.v_cache, slot, hit_tokens // self.block_size)
-            if self.remote is not None and req is not None:
-                first = self.remote.stored_blocks(req, hashes)
-                if first is not None and first < len(hashes):
-                    kv = self._copy_out(slot, first, len(hashes))
-                    if kv is not None:  # None: a pipeline could not gather its stages' layers now
-                        self.remote.export(req, hashes, first, kv)
+            with under(getattr(req, "trace", None)):
+                self.cache.store(hashes, self._runner.k_cache, self._runner.v_cache, slot,
+                                 hit_tokens // self.block_size)
+                remote = self.remote
+                if remote is not None and req is not None:
+                    first = remote.stored_blocks(req, hashes)
+                    if first is not None and first < len(hashes):
+                        self._copy_out(slot, first, len(hashes), lambda kv: remote.export(req, hashes, first, kv))
         self.cache.release(held)
 
-    def _copy_out(self, slot: int, first: int, end: int) -> torch.Tensor | None:
+    def _copy_out(self, slot: int, first: int, end: int, then: Callable[[torch.Tensor], None]) -> None:
         """Blocks ``first..end`` of `slot` as ``[n, 2, layers, kv_heads, bs, head_dim]`` (a copy), every
-        layer: a pipeline's later stages send theirs (the cache's mirror, pipeline.Hops.gather)."""
+        layer, handed to `then`: a pipeline's later stages send theirs (the cache's mirror,
+        pipeline_kv.KVHops.gather), at once or, with passes in flight, when the newest is collected."""
         r = self._runner
         out = torch.empty((end - first, *self.block_shape), dtype=r.dtype)
         copy_out_blocks(r.k_cache, r.v_cache, slot, first, end, self.block_size, out)
-        if self.cache.mirror is not None and not self.cache.mirror.gather(slot, first, end, out):
-            return None
-        return out
+        if self.cache.mirror is None:
+            then(out)
+        else:
+            self.cache.mirror.gather(slot, first, end, out, lambda: then(out))

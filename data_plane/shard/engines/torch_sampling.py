@@ -1,8 +1,16 @@
-"""Token sampling for the torch engine: greedy argmax or temperature/top_k/top_p/min_p with a seeded generator.
+"""Token sampling for the torch engine: greedy argmax or temperature/top_k/top_p/min_p with seeded draws.
 
-    tokens = sample(logits, [seq.req.params for seq in batch], [seq.generator for seq in batch],
+    draws = Draws(seed=1234)                                   # one per sampled request
+    tokens = sample(logits, [seq.req.params for seq in batch], [seq.draws.at(seq.position) ...],
                     [seq.req.processor for seq in batch])     # per-request processing: engines/logits.py
-    token = sample_row(logits[0], params, generator)
+    token = sample_row(logits[0], params, draws.at(7))         # the token at output position 7
+
+**Draws are keyed by position** (SGLang's `sampling_seed` hashes the position into its noise for the same
+reason): the generator that samples a request's output token i is seeded from (seed, i) alone, never
+from how many numbers earlier steps happened to draw. So a seeded request's text does not depend on
+n-gram speculation (whose draft length follows timing: a verify row samples its position exactly as a
+plain step would, speculation.accept_sampled), on jump-forward, or on a resumed stream starting over
+(the continuation starts at the position after the text already sent).
 
 Called by the engine's step code (data_plane/shard/engines/torch_step.py) on the scheduler thread;
 speculation.target_probs applies the same processing batched, for verification.
@@ -13,6 +21,31 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): well-spread 63-bit generator seeds for neighbouring positions."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+class Draws:
+    """One sampled request's random draws: `at(i)` is the generator for its output token i, seeded from
+    (seed, offset + i) alone (`offset`: output tokens already sent before a resume). Reseeding costs a few
+    microseconds a token; one generator object is reused (the scheduler thread is its only user)."""
+
+    def __init__(self, seed: int | None = None, offset: int = 0) -> None:
+        self.seed = seed if seed is not None else torch.seed()
+        self.offset = offset
+        self._gen = torch.Generator()
+
+    def at(self, position: int) -> torch.Generator:
+        self._gen.manual_seed(_mix(self.seed, self.offset + position))
+        return self._gen
 
 from data_plane.shard.engines.base import SamplingParams
 from data_plane.shard.engines.logits import RequestLogits, process_batch

@@ -39,9 +39,8 @@ from data_plane.shard.engines.speculation import (
     VerifyCost,
     accept_greedy,
     accept_sampled,
-    target_probs,
 )
-from data_plane.shard.engines.torch_sampling import sample
+from data_plane.shard.engines.torch_sampling import sample, sample_row
 
 if TYPE_CHECKING:
     import torch
@@ -118,7 +117,7 @@ class Speculator:
     def accept(logits: torch.Tensor, rows: Sequence[ScheduledRow]) -> list[list[int]]:
         """Each verify row's accepted drafts plus one model token, from the pass's logits (one row of
         logits per verified position, in order): greedy by argmax, sampled by rejection sampling
-        against the request's own distribution (speculation.target_probs)."""
+        by sampling each row with the draw of its position and comparing (speculation.accept_sampled)."""
         argmax = logits.argmax(dim=-1).tolist()
         out: list[list[int]] = []
         off = 0
@@ -126,7 +125,7 @@ class Speculator:
             n, seq = len(row.tokens), row.seq
             proc = seq.req.processor
             if not row.draft:  # no draft: its one row is sampled as in a plain step (processing, generator)
-                out.append(sample(logits[off : off + n], [seq.req.params], [seq.generator], [proc]))
+                out.append(sample(logits[off : off + n], [seq.req.params], [seq.draw()], [proc]))
             elif proc is not None:  # a checked draft: each row masked by the grammar as of its position
                 masked = logits[off : off + n].clone()
                 proc.mask_draft(masked, row.draft)
@@ -142,4 +141,5 @@ class Speculator:
 def _accept(draft: Sequence[int], logits: torch.Tensor, argmax: Sequence[int], seq: SeqState) -> list[int]:
     if seq.req.params.greedy:
         return accept_greedy(draft, argmax)
-    return accept_sampled(draft, target_probs(logits, seq.req.params), seq.generator)
+    draws, params, pos = seq.draws, seq.req.params, seq.position
+    return accept_sampled(draft, lambda j: sample_row(logits[j], params, draws.at(pos + j)))
