@@ -20,16 +20,25 @@ bit-identical alone and in a batch of 16, checked by tests/data_plane/test_quant
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 INT4_GROUP = 32
 """Weights per (scale, zero) pair along K: GGUF's Q4_0/Q4_1 block size, one the kernel takes."""
 INT4_INNER_K_TILES = 2
 
-# The kernels as torch's own C-bound functions: `torch.ops.aten.X(...)` goes through a Python
-# `OpOverloadPacket.__call__` first (~1 us a call, 121 calls a decode step).
-_int4_mm = torch._weight_int4pack_mm_for_cpu
-_int8_mm = torch._weight_int8pack_mm
+
+def _kernel(name: str) -> Callable[..., torch.Tensor]:
+    """torch's C-bound function `name`: `torch.ops.aten.X(...)` goes through a Python
+    `OpOverloadPacket.__call__` first (~1 us a call, 121 calls a decode step). A torch without it
+    (2.5 has no `_weight_int4pack_mm_for_cpu`) fails when a layer is called, not at import."""
+    fn = getattr(torch, name, None)
+    return fn if fn is not None else lambda *args: getattr(torch.ops.aten, name)(*args)
+
+
+_int4_mm = _kernel("_weight_int4pack_mm_for_cpu")
+_int8_mm = _kernel("_weight_int8pack_mm")
 
 
 def int4_parts(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
