@@ -50,7 +50,11 @@ class SlotBatched:
         first = torch.tensor(list(starts), dtype=torch.long)
         if t_max == 1:  # a plain decode step
             self.span = span = max(starts) + 1
-            self.mask = (torch.arange(span).unsqueeze(0) <= first.unsqueeze(1)).view(n, 1, 1, span)
+            # Every slot at the same position (one stream, or streams in step) sees all `span` keys:
+            # no mask, the same result (an all-true mask adds 0 / fills nothing) in fewer ops.
+            self.mask: torch.Tensor | None = None
+            if min(starts) != span - 1:
+                self.mask = (torch.arange(span).unsqueeze(0) <= first.unsqueeze(1)).view(n, 1, 1, span)
             return
         lens_t = torch.tensor(list(lens), dtype=torch.long)
         self.slot = slot = torch.repeat_interleave(torch.arange(n), lens_t)
@@ -62,15 +66,17 @@ class SlotBatched:
         mask = torch.zeros(n, t_max, span, dtype=torch.bool)
         mask[:, :, 0] = True
         mask[slot, within] = torch.arange(span).unsqueeze(0) <= pos.unsqueeze(1)
-        self.mask = mask.view(n, 1, t_max, 1, span)
-        self.mask_g = self.mask.expand(n, 1, t_max, g, span).reshape(n, 1, t_max * g, span) if self.fused else self.mask
+        self.causal = mask.view(n, 1, t_max, 1, span)
+        self.mask_g = self.causal.expand(n, 1, t_max, g, span).reshape(n, 1, t_max * g, span) if self.fused else self.causal
 
     def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
         r, n, span = self.r, self.n, self.span
         kvh, g, d = r.num_kv_heads, r.group, r.head_dim
-        a = self.first_slot
-        keys = kc[a : a + n, :, :span]  # a view: decoding slots are 0..n-1 (a micro-batch: a contiguous part)
-        vals = vc[a : a + n, :, :span]
+        # kc[a : a + n, :, :span] as one view (slicing took two dispatches): decoding slots are 0..n-1
+        # (a micro-batch: a contiguous part); every layer's cache has the same shape and strides.
+        a, size, stride = self.first_slot, (n, kvh, span, d), kc.stride()
+        keys = kc.as_strided(size, stride, kc.storage_offset() + a * stride[0])
+        vals = vc.as_strided(size, stride, vc.storage_offset() + a * stride[0])
         if self.t_max == 1:
             qg = q.view(n, kvh, g, d)  # query heads grouped per KV head
             if self.fused:
@@ -81,7 +87,8 @@ class SlotBatched:
             else:
                 # fp32 is the batch-invariant mode: the same kernels as ever (tests hold it to that).
                 scores = (qg @ keys.transpose(2, 3)) * r.scale  # [n, KVH, G, span]
-                scores = scores.masked_fill(~self.mask, float("-inf"))
+                if self.mask is not None:
+                    scores = scores.masked_fill(~self.mask, float("-inf"))
                 probs = torch.softmax(scores.float(), dim=-1).to(r.dtype)
                 out = probs @ vals  # [n, KVH, G, D]
             return out.reshape(n, r.q_size)
@@ -96,7 +103,7 @@ class SlotBatched:
             out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=self.mask_g, scale=r.scale)
         else:
             scores = (qg @ keys.transpose(2, 3)) * r.scale  # [n, KVH, T*G, span]
-            scores = scores.view(n, kvh, t_max, g, span).masked_fill(~self.mask, float("-inf"))
+            scores = scores.view(n, kvh, t_max, g, span).masked_fill(~self.causal, float("-inf"))
             probs = torch.softmax(scores.float(), dim=-1).to(r.dtype).view(n, kvh, t_max * g, span)
             out = probs @ vals
         out = out.view(n, kvh, t_max, g, d).permute(0, 2, 1, 3, 4)  # [n, T, KVH, G, D]

@@ -20,11 +20,25 @@ bit-identical alone and in a batch of 16, checked by tests/data_plane/test_quant
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 INT4_GROUP = 32
 """Weights per (scale, zero) pair along K: GGUF's Q4_0/Q4_1 block size, one the kernel takes."""
 INT4_INNER_K_TILES = 2
+
+
+def _kernel(name: str) -> Callable[..., torch.Tensor]:
+    """torch's C-bound function `name`: `torch.ops.aten.X(...)` goes through a Python
+    `OpOverloadPacket.__call__` first (~1 us a call, 121 calls a decode step). A torch without it
+    (2.5 has no `_weight_int4pack_mm_for_cpu`) fails when a layer is called, not at import."""
+    fn = getattr(torch, name, None)
+    return fn if fn is not None else lambda *args: getattr(torch.ops.aten, name)(*args)
+
+
+_int4_mm = _kernel("_weight_int4pack_mm_for_cpu")
+_int8_mm = _kernel("_weight_int8pack_mm")
 
 
 def int4_parts(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -68,10 +82,10 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:  # the runner's packed rows [T, K]: no reshape/view dispatches (240 of ~1,300 a decode step)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w, self.group, self.scale_zeros)
+            y = _int4_mm(x, self.w, self.group, self.scale_zeros)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.w, self.group,
-                                                            self.scale_zeros).view(*x.shape[:-1], self.out_features)
+            y = _int4_mm(x.reshape(-1, self.in_features), self.w, self.group,
+                         self.scale_zeros).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -108,10 +122,9 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
-            y = torch.ops.aten._weight_int8pack_mm(x, self.w, self.scale)
+            y = _int8_mm(x, self.w, self.scale)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.w,
-                                                   self.scale).view(*x.shape[:-1], self.out_features)
+            y = _int8_mm(x.reshape(-1, self.in_features), self.w, self.scale).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
