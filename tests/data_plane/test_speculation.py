@@ -18,7 +18,6 @@ from data_plane.shard.engines.speculation import (
     VerifyCost,
     accept_greedy,
     accept_sampled,
-    target_probs,
 )
 
 
@@ -193,19 +192,26 @@ def test_rejection_sampler_point_mass_draft_is_always_accepted() -> None:
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(top_k=2),
                                     SamplingParams(top_p=0.6), SamplingParams(temperature=1.3, top_k=3, top_p=0.9)])
-def test_target_probs_matches_the_engine_sampler(params: SamplingParams) -> None:
-    from data_plane.shard.engines.torch_engine import _sample_row
+def test_the_sampler_keeps_to_the_top_k_and_top_p_support(params: SamplingParams) -> None:
+    """sample_row (the one sampler plain steps and verify rows share) never leaves the support its
+    params allow: the k most likely tokens, the smallest prefix of the sorted distribution reaching top_p."""
+    from data_plane.shard.engines.torch_sampling import sample_row
 
     logits = torch.randn(2, 11, generator=torch.Generator().manual_seed(7))
-    probs = target_probs(logits, params)
-    assert torch.allclose(probs.sum(-1), torch.ones(2))
     for row in range(2):
-        support = {i for i in range(11) if probs[row, i] > 0}
-        gen = torch.Generator().manual_seed(3)
-        seen = {_sample_row(logits[row], params, gen) for _ in range(300)}
-        assert seen <= support
+        probs = torch.softmax(logits[row] / params.temperature, -1)
+        order = probs.argsort(descending=True).tolist()
+        keep = len(order)
         if params.top_k:
-            assert len(support) <= params.top_k
+            keep = min(keep, params.top_k)
+        if params.top_p < 1.0:
+            cum = probs[order].cumsum(0)
+            keep = min(keep, int((cum < params.top_p).sum()) + 1)
+        support = set(order[:keep])
+        gen = torch.Generator().manual_seed(3)
+        seen = {sample_row(logits[row], params, gen) for _ in range(300)}
+        assert seen <= support
+        assert len(seen) > 1 or keep == 1
 
 
 def test_verify_cost_probes_the_kind_it_stops_seeing() -> None:

@@ -20,11 +20,11 @@ what follows draft token j.
 
 Acceptance keeps the output distribution exact. Greedy: accept while the draft equals the
 argmax, then the argmax at the first mismatch (or after the last draft) is the bonus token.
-Sampling: vLLM's rejection sampler with the draft probability taken as 1 (an n-gram draft is a
-point mass): accept draft x with probability p(x); on rejection sample from p with x removed
-and renormalised, i.e. (p - q)+ / |p - q|+ with q = one-hot(x). If every draft is accepted, the
-bonus token is sampled from the last row. `p` is the request's own processed distribution
-(temperature, top_k, top_p: `target_probs`), the same one the non-speculative path samples.
+Sampling: each row is sampled as a plain step samples its position (torch_sampling.sample_row with
+the position's own draw) and the draft is accepted while the samples equal it. For a point-mass draft
+(an n-gram draft is one) that is rejection sampling's law: x is accepted with probability p(x), and
+a rejected row's sample is p with x removed and renormalised. With position-keyed draws the tokens
+are the very ones speculation off would have sampled (docs/STRUCTURED.md, "Seeds").
 
 "Never slower": a sequence drafts only as many tokens as are expected to pay for their verify
 rows (`SeqSpec.draft_len`: its acceptance so far against what a row costs on this machine,
@@ -40,10 +40,6 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-
-import torch
-
-from data_plane.shard.engines.base import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -281,24 +277,3 @@ def accept_sampled(draft: Sequence[int], choose: Callable[[int], int]) -> list[i
         if j == len(draft) or token != draft[j]:
             break
     return out
-
-
-def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The request's sampling distribution per row: temperature, then top_k, then top_p (rows of
-    `logits` [rows, vocab]); the same processing as the engine's one-token sampler."""
-    x = logits.float() / max(p.temperature, 1e-5)
-    if p.top_k and p.top_k < x.shape[-1]:
-        kth = torch.topk(x, p.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True, dim=-1)
-        probs = torch.softmax(sorted_x, dim=-1)
-        cum = probs.cumsum(-1)
-        drop = cum - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
-    probs = torch.softmax(x, dim=-1)
-    if p.min_p > 0.0:
-        probs = probs.masked_fill(probs < p.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs

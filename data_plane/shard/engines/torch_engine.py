@@ -74,13 +74,12 @@ from data_plane.shard.engines.torch_load import (
 from data_plane.shard.engines.torch_output import OutputProcessor
 from data_plane.shard.engines.torch_prefix import SlotPrefix
 from data_plane.shard.engines.torch_sampling import Draws
-from data_plane.shard.engines.torch_sampling import sample_row as _sample_row
 from data_plane.shard.engines.torch_spec import Speculator
 from data_plane.shard.engines.torch_threads import ThreadTuner
 from data_plane.shard.kv_transcript import GeneratedTokens
 
 # Re-exported: the shard, the bench and tests import these from here.
-__all__ = ["DTYPES", "EngineConfig", "StepListener", "TorchEngine", "_sample_row"]
+__all__ = ["DTYPES", "EngineConfig", "StepListener", "TorchEngine"]
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ admitted sequences' cached prefixes copied in (torch_prefix.SlotPrefix.load), on
 every row (`LlamaRunner.forward`: batched attention over slots 0..n-1 for a decode or verify step,
 per sequence otherwise), with the constrained rows' grammar masks filled in a worker thread meanwhile
 (token_masks.MaskPrefetch: they depend only on tokens already taken), then the token choice: one call to torch_sampling.sample for the rows that
-sample, or the speculator's acceptance (speculation.target_probs) for a verify step. The executor
+sample, or the speculator's acceptance (speculation.accept_greedy / accept_sampled) for a verify step. The executor
 holds no sequence state: the engine updates the sequences from the result (torch_output.py).
 Called on the scheduler thread only.
 

@@ -13,7 +13,7 @@ plain step would, speculation.accept_sampled), on jump-forward, or on a resumed 
 (the continuation starts at the position after the text already sent).
 
 Called by the engine's step code (data_plane/shard/engines/torch_step.py) on the scheduler thread;
-speculation.target_probs applies the same processing batched, for verification.
+speculation.accept_sampled calls sample_row on each verify row.
 """
 
 from __future__ import annotations
