@@ -170,11 +170,21 @@ class ControlPlaneSettings(BaseSettings):
     """Kubernetes actuator: the Deployment's namespace (default: the context's or the pod's)."""
     kube_deployment: str = "switchboard-shard"
     """Kubernetes actuator: the shards' Deployment."""
+    pipeline_group_template: Path | None = None
+    """Kubernetes and Nomad actuators: a replica is a whole pipeline group placed across nodes, made
+    from this spec instead of a replica of the shard Deployment / task group: a YAML of the group's
+    StatefulSet and headless Service (Kubernetes), or the group's job file, HCL or JSON (Nomad). Its
+    name is <prefix>-<id> (switchboard-pp-a); the groups are named <prefix>-0, <prefix>-1, ..."""
 
     @model_validator(mode="after")
     def _check_replicas(self) -> ControlPlaneSettings:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        if self.pipeline_group_template is not None and self.actuator == "local":
+            raise ValueError(
+                "pipeline_group_template is for the kubernetes and nomad actuators; the local one scales "
+                "groups of --pipeline-parallel-size stage processes given in --shard-args"
+            )
         return self
 
     @field_validator("services", mode="before")

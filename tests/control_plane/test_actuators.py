@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from control_plane.scaling.actuators import ActuatorError
-from control_plane.scaling.actuators.kubernetes import KubernetesActuator, default_kubeconfig
+from control_plane.scaling.actuators.kubernetes import KubeClient, KubernetesActuator, default_kubeconfig
 from control_plane.scaling.actuators.local import LocalActuator
 from control_plane.scaling.actuators.nomad import NomadActuator
 from tests.support.procs import CLUSTER_TOKEN, Service, free_port
@@ -403,12 +403,12 @@ async def test_kubernetes_adapter_patches_the_scale_subresource(
 
     async with httpx.AsyncClient() as http:
         anonymous = KubernetesActuator(
-            server=url, namespace="switchboard", deployment="switchboard-shard", http=http
+            KubeClient(url, namespace="switchboard", http=http), deployment="switchboard-shard"
         )
         with pytest.raises(ActuatorError, match="401: Unauthorized"):
             await anonymous.current()
         missing = KubernetesActuator(
-            server=url, namespace="switchboard", deployment="nope", token="stub-token", http=http
+            KubeClient(url, namespace="switchboard", token="stub-token", http=http), deployment="nope"
         )
         with pytest.raises(ActuatorError, match='404: deployments.apps "nope" not found'):
             await missing.current()

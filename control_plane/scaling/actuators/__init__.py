@@ -11,6 +11,10 @@
   the shards in Consul itself.
 - ``kubernetes`` (:mod:`.kubernetes`): the ``scale`` subresource of the shards' Deployment.
 
+With ``--pipeline-group-template`` the ``nomad`` and ``kubernetes`` actuators scale pipeline groups
+placed across nodes instead, one replica a whole group (:mod:`.groups`): a job a group
+(:mod:`.nomad_groups`), a StatefulSet + headless Service a group (:mod:`.kubernetes_groups`).
+
 Errors: every adapter maps its transport and API failures to :class:`ActuatorError`, once, at
 its boundary; the autoscaler records them as the decision's outcome and carries on.
 """
@@ -57,12 +61,20 @@ def _local(settings: ControlPlaneSettings, http: httpx.AsyncClient) -> Actuator:
 
 
 def _nomad(settings: ControlPlaneSettings, http: httpx.AsyncClient) -> Actuator:
+    if settings.pipeline_group_template is not None:
+        from control_plane.scaling.actuators.nomad_groups import NomadGroups
+
+        return NomadGroups.from_settings(settings, http, settings.pipeline_group_template)
     from control_plane.scaling.actuators.nomad import NomadActuator
 
     return NomadActuator.from_settings(settings, http)
 
 
 def _kubernetes(settings: ControlPlaneSettings, http: httpx.AsyncClient) -> Actuator:
+    if settings.pipeline_group_template is not None:
+        from control_plane.scaling.actuators.kubernetes_groups import KubernetesGroups
+
+        return KubernetesGroups.from_settings(settings, settings.pipeline_group_template)
     from control_plane.scaling.actuators.kubernetes import KubernetesActuator
 
     return KubernetesActuator.from_settings(settings)

@@ -52,30 +52,28 @@ def default_kubeconfig() -> Path | None:
     return path if path.is_file() else None
 
 
-class KubernetesActuator:
+class KubeClient:
+    """The API server, as these actuators talk to it: bearer token, TLS, ``Status`` errors mapped to
+    :class:`ActuatorError`. Built from the pod's service account or a kubeconfig (:meth:`connect`)."""
+
     def __init__(
         self,
-        *,
         server: str,
+        *,
         namespace: str,
-        deployment: str,
         token: str | None = None,
         verify: ssl.SSLContext | bool = True,
         http: httpx.AsyncClient | None = None,
         timeout_s: float = 5.0,
     ) -> None:
-        self._url = (
-            f"{server.rstrip('/')}/apis/apps/v1/namespaces/{quote(namespace, safe='')}"
-            f"/deployments/{quote(deployment, safe='')}/scale"
-        )
-        self.namespace, self.deployment = namespace, deployment
+        self.server, self.namespace = server.rstrip("/"), namespace
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._owned = http is None
         self._http = http or httpx.AsyncClient(verify=verify, timeout=timeout_s)
         self._timeout_s = timeout_s
 
     @classmethod
-    def in_cluster(cls, *, deployment: str, namespace: str | None = None) -> KubernetesActuator:
+    def in_cluster(cls, namespace: str | None = None) -> KubeClient:
         host, port = os.environ.get(ENV_SERVICE_HOST), os.environ.get(ENV_SERVICE_PORT, "443")
         if not host:
             raise ActuatorError(f"not in a Kubernetes pod ({ENV_SERVICE_HOST} unset) and no kubeconfig")
@@ -83,7 +81,81 @@ class KubernetesActuator:
         ns = namespace or (SERVICE_ACCOUNT_DIR / "namespace").read_text().strip()
         verify = ssl.create_default_context(cafile=str(SERVICE_ACCOUNT_DIR / "ca.crt"))
         server = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
-        return cls(server=server, namespace=ns, deployment=deployment, token=token, verify=verify)
+        return cls(server, namespace=ns, token=token, verify=verify)
+
+    @classmethod
+    def from_kubeconfig(
+        cls, path: Path | str | None = None, *, namespace: str | None = None, context: str | None = None
+    ) -> KubeClient:
+        path = Path(path) if path else default_kubeconfig()
+        if path is None:
+            raise ActuatorError("no kubeconfig ($KUBECONFIG or ~/.kube/config)")
+        server, token, verify, ns = _read_kubeconfig(path, context)
+        return cls(server, namespace=namespace or ns, token=token, verify=verify)
+
+    @classmethod
+    def connect(cls, settings: ControlPlaneSettings) -> KubeClient:
+        """In a pod without ``--kubeconfig``: the service account; else the kubeconfig."""
+        if settings.kubeconfig is None and os.environ.get(ENV_SERVICE_HOST):
+            return cls.in_cluster(settings.kube_namespace)
+        return cls.from_kubeconfig(settings.kubeconfig, namespace=settings.kube_namespace)
+
+    def path(self, api: str, resource: str, name: str | None = None) -> str:
+        """``/apis/apps/v1/namespaces/NS/statefulsets[/NAME]`` (`api` ``apis/apps/v1`` or ``api/v1``)."""
+        tail = f"/{quote(name, safe='')}" if name else ""
+        return f"/{api}/namespaces/{quote(self.namespace, safe='')}/{resource}{tail}"
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        content_type: str = "application/json",
+        params: dict[str, str] | None = None,
+        ok: tuple[int, ...] = (200,),
+    ) -> tuple[int, dict[str, Any]]:
+        """(status, JSON body) of an answer whose status is in `ok`; anything else is an ActuatorError."""
+        url = self.server + path
+        headers = dict(self._headers)
+        if body is not None:
+            headers["Content-Type"] = content_type
+        try:
+            resp = await self._http.request(
+                method,
+                url,
+                headers=headers,
+                params=params,
+                timeout=self._timeout_s,
+                content=None if body is None else json.dumps(body).encode(),
+            )
+        except httpx.HTTPError as exc:
+            raise ActuatorError(f"kubernetes at {url}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code not in ok:
+            raise ActuatorError(
+                f"kubernetes {method} {url} answered {resp.status_code}: "
+                f"{_status_message(resp) or resp.text[:300]}"
+            )
+        try:
+            answer = resp.json()
+        except ValueError as exc:
+            raise ActuatorError(f"kubernetes answered non-JSON: {resp.text[:200]}") from exc
+        return resp.status_code, answer if isinstance(answer, dict) else {}
+
+    async def aclose(self) -> None:
+        if self._owned:
+            await self._http.aclose()
+
+
+class KubernetesActuator:
+    def __init__(self, api: KubeClient, *, deployment: str) -> None:
+        self.namespace, self.deployment = api.namespace, deployment
+        self._api = api
+        self._path = api.path("apis/apps/v1", "deployments", deployment) + "/scale"
+
+    @classmethod
+    def in_cluster(cls, *, deployment: str, namespace: str | None = None) -> KubernetesActuator:
+        return cls(KubeClient.in_cluster(namespace), deployment=deployment)
 
     @classmethod
     def from_kubeconfig(
@@ -94,58 +166,22 @@ class KubernetesActuator:
         namespace: str | None = None,
         context: str | None = None,
     ) -> KubernetesActuator:
-        path = Path(path) if path else default_kubeconfig()
-        if path is None:
-            raise ActuatorError("no kubeconfig ($KUBECONFIG or ~/.kube/config)")
-        server, token, verify, ns = _read_kubeconfig(path, context)
-        return cls(
-            server=server, namespace=namespace or ns, deployment=deployment, token=token, verify=verify
-        )
+        return cls(KubeClient.from_kubeconfig(path, namespace=namespace, context=context), deployment=deployment)
 
     @classmethod
     def from_settings(cls, settings: ControlPlaneSettings) -> KubernetesActuator:
-        if settings.kubeconfig is None and os.environ.get(ENV_SERVICE_HOST):
-            return cls.in_cluster(deployment=settings.kube_deployment, namespace=settings.kube_namespace)
-        return cls.from_kubeconfig(
-            settings.kubeconfig, deployment=settings.kube_deployment, namespace=settings.kube_namespace
-        )
+        return cls(KubeClient.connect(settings), deployment=settings.kube_deployment)
 
     async def current(self) -> int:
-        body = await self._call("GET")
+        _, body = await self._api.request("GET", self._path)
         return int((body.get("spec") or {}).get("replicas") or 0)
 
     async def scale_to(self, n: int, reason: str) -> None:
         # the scale subresource has no place for a reason; the autoscaler's decision log keeps it
-        await self._call("PATCH", {"spec": {"replicas": n}})
+        await self._api.request("PATCH", self._path, {"spec": {"replicas": n}}, content_type=MERGE_PATCH)
 
     async def aclose(self) -> None:
-        if self._owned:
-            await self._http.aclose()
-
-    async def _call(self, method: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        headers = dict(self._headers)
-        if body is not None:
-            headers["Content-Type"] = MERGE_PATCH
-        try:
-            resp = await self._http.request(
-                method,
-                self._url,
-                headers=headers,
-                timeout=self._timeout_s,
-                content=None if body is None else json.dumps(body).encode(),
-            )
-        except httpx.HTTPError as exc:
-            raise ActuatorError(f"kubernetes at {self._url}: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code != 200:
-            raise ActuatorError(
-                f"kubernetes {method} {self._url} answered {resp.status_code}: "
-                f"{_status_message(resp) or resp.text[:300]}"
-            )
-        try:
-            answer = resp.json()
-        except ValueError as exc:
-            raise ActuatorError(f"kubernetes answered non-JSON: {resp.text[:200]}") from exc
-        return answer if isinstance(answer, dict) else {}
+        await self._api.aclose()
 
 
 def _status_message(resp: httpx.Response) -> str | None:

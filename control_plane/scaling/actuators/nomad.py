@@ -31,6 +31,66 @@ if TYPE_CHECKING:
 TOKEN_HEADER = "X-Nomad-Token"
 
 
+class NomadClient:
+    """Nomad's HTTP API as these actuators use it: the ACL token, namespace and region on every call,
+    transport failures and non-200 answers mapped to :class:`ActuatorError`."""
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        *,
+        addr: str = "http://127.0.0.1:4646",
+        namespace: str | None = None,
+        region: str | None = None,
+        token: str | None = None,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self._http = http
+        self.addr = addr.rstrip("/")
+        self._params = {k: v for k, v in (("namespace", namespace), ("region", region)) if v}
+        self._headers = {TOKEN_HEADER: token} if token else {}
+        self._timeout_s = timeout_s
+
+    @classmethod
+    def from_settings(cls, settings: ControlPlaneSettings, http: httpx.AsyncClient) -> NomadClient:
+        token = settings.nomad_token.get_secret_value() if settings.nomad_token is not None else None
+        return cls(
+            http, addr=settings.nomad_addr, namespace=settings.nomad_namespace, region=settings.nomad_region,
+            token=token,
+        )
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        json: dict[str, Any] | None = None,
+        params: dict[str, str] | None = None,
+        ok: tuple[int, ...] = (200,),
+    ) -> Any:
+        """The JSON answer to ``METHOD addr+path`` (an object or, for lists, an array) when its status
+        is in `ok` (None for an empty body); any other status is an ActuatorError."""
+        url = self.addr + path
+        try:
+            resp = await self._http.request(
+                method,
+                url,
+                params={**self._params, **(params or {})},
+                headers=self._headers,
+                json=json,
+                timeout=self._timeout_s,
+            )
+        except httpx.HTTPError as exc:
+            raise ActuatorError(f"nomad at {url}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code not in ok:
+            raise ActuatorError(f"nomad {method} {url} answered {resp.status_code}: {resp.text[:300]}")
+        if not resp.content:
+            return None
+        try:
+            return resp.json()
+        except ValueError as exc:
+            raise ActuatorError(f"nomad answered non-JSON: {resp.text[:200]}") from exc
+
+
 class NomadActuator:
     def __init__(
         self,
@@ -44,12 +104,9 @@ class NomadActuator:
         token: str | None = None,
         timeout_s: float = 5.0,
     ) -> None:
-        self._http = http
-        self._url = f"{addr.rstrip('/')}/v1/job/{quote(job, safe='')}/scale"
+        self._api = NomadClient(http, addr=addr, namespace=namespace, region=region, token=token, timeout_s=timeout_s)
+        self._path = f"/v1/job/{quote(job, safe='')}/scale"
         self.job, self.group = job, group
-        self._params = {k: v for k, v in (("namespace", namespace), ("region", region)) if v}
-        self._headers = {TOKEN_HEADER: token} if token else {}
-        self._timeout_s = timeout_s
 
     @classmethod
     def from_settings(cls, settings: ControlPlaneSettings, http: httpx.AsyncClient) -> NomadActuator:
@@ -91,23 +148,7 @@ class NomadActuator:
         """Nothing to release: the http client belongs to the process."""
 
     async def _call(self, method: str, json: dict[str, Any] | None = None) -> dict[str, Any]:
-        try:
-            resp = await self._http.request(
-                method,
-                self._url,
-                params=self._params,
-                headers=self._headers,
-                json=json,
-                timeout=self._timeout_s,
-            )
-        except httpx.HTTPError as exc:
-            raise ActuatorError(f"nomad at {self._url}: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code != 200:
-            raise ActuatorError(f"nomad {method} {self._url} answered {resp.status_code}: {resp.text[:300]}")
-        try:
-            body = resp.json()
-        except ValueError as exc:
-            raise ActuatorError(f"nomad answered non-JSON: {resp.text[:200]}") from exc
+        body = await self._api.request(method, self._path, json)
         if not isinstance(body, dict):
             raise ActuatorError(f"nomad answered {type(body).__name__}, expected an object")
         return body
