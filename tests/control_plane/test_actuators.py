@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
 import os
 import signal
-import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
@@ -26,6 +22,7 @@ from control_plane.scaling.actuators import ActuatorError
 from control_plane.scaling.actuators.kubernetes import KubeClient, KubernetesActuator, default_kubeconfig
 from control_plane.scaling.actuators.local import LocalActuator
 from control_plane.scaling.actuators.nomad import NomadActuator
+from tests.support.http_stub import serve_app
 from tests.support.procs import CLUSTER_TOKEN, Service, free_port
 from tests.support.waits import eventually_async
 
@@ -114,24 +111,6 @@ async def _stream(http: httpx.AsyncClient, url: str, max_tokens: int) -> str:
 
 
 # -- HTTP stubs ------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _serve(app: FastAPI) -> Iterator[str]:
-    """`app` on a free loopback port, in a thread, for the duration."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="actuator-stub", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "stub did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(5)
 
 
 class NomadStub:
@@ -307,14 +286,14 @@ class KubernetesStub:
 @pytest.fixture
 def nomad_stub() -> Iterator[tuple[NomadStub, str]]:
     stub = NomadStub(namespace="serving", token="s3cret")
-    with _serve(stub.app) as url:
+    with serve_app(stub.app) as url:
         yield stub, url
 
 
 @pytest.fixture
 def kubernetes_stub() -> Iterator[tuple[KubernetesStub, str]]:
     stub = KubernetesStub(replicas=2)
-    with _serve(stub.app) as url:
+    with serve_app(stub.app) as url:
         yield stub, url
 
 

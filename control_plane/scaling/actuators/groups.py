@@ -41,8 +41,9 @@ class Group:
     """One group as the scheduler lists it."""
 
     id: int
-    removing: bool = False
-    """Asked to stop and still stopping: not counted, its id not free."""
+    live: bool = True
+    """False: asked to stop and still stopping, or a job of a group's name that the control plane did
+    not create: not counted, and its id not free."""
 
 
 @dataclass(frozen=True)
@@ -104,13 +105,13 @@ class GroupActuator(ABC):
     kind = "pipeline group"
 
     async def current(self) -> int:
-        return sum(1 for g in await self._list() if not g.removing)
+        return sum(1 for g in await self._list() if g.live)
 
     async def scale_to(self, n: int, reason: str) -> None:
         if n < 0:
             raise ActuatorError(f"cannot scale to {n} {self.kind}s")
         groups = await self._list()
-        live = sorted(g.id for g in groups if not g.removing)
+        live = sorted(g.id for g in groups if g.live)
         for group_id in free_ids({g.id for g in groups}, n - len(live)):
             log.info("creating %s %d: %s", self.kind, group_id, reason)
             await self._create(group_id, reason)
@@ -123,7 +124,7 @@ class GroupActuator(ABC):
 
     @abstractmethod
     async def _list(self) -> list[Group]:
-        """This template's groups that the control plane created, removing ones included."""
+        """This template's groups, stopping ones included."""
 
     @abstractmethod
     async def _create(self, group_id: int, reason: str) -> None:

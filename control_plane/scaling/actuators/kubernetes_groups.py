@@ -138,7 +138,7 @@ class KubernetesGroups(GroupActuator):
             meta = item.get("metadata") or {}
             group_id = self._names.id_of(str(meta.get("name", "")))
             if group_id is not None:
-                groups.append(Group(group_id, removing=bool(meta.get("deletionTimestamp"))))
+                groups.append(Group(group_id, live=not meta.get("deletionTimestamp")))
         return groups
 
     async def _create(self, group_id: int, reason: str) -> None:

@@ -20,8 +20,9 @@ them in the file, or pass the JSON that ``nomad job run -output -var ... FILE`` 
 
 Counting: a job counts from registration until it is stopped (stages still starting included); a
 stopped job still stopping keeps its ID, a dead one's ID is free (registering it again revives it).
-Where Nomad lists jobs' meta (``meta=true``, Nomad 1.6+), jobs of the prefix the control plane did not
-register are left alone; on older agents, keep hand-run jobs off ``<prefix><number>`` names.
+Where Nomad lists jobs' meta (``meta=true``, Nomad 1.6+), a job of a group's name that the control plane
+did not register is neither counted nor stopped, and its name is skipped; on older agents, keep
+hand-run jobs off ``<prefix><number>`` names.
 Removing: Nomad stops the allocations, each after its group's ``shutdown_delay`` (stage 0 leaves
 Consul first) and ``kill_signal``. ACL: ``list-jobs``, ``read-job``, ``submit-job`` (register,
 deregister) and ``parse-job`` on the namespace.
@@ -91,9 +92,10 @@ class NomadGroups(GroupActuator):
             meta = stub.get("Meta")
             if group_id is None or stub.get("Status") == "dead":
                 continue
-            if isinstance(meta, dict) and meta.get(META_MANAGED_BY) != MANAGED_BY:
-                continue  # a job of the same name the control plane did not register
-            groups.append(Group(group_id, removing=bool(stub.get("Stop"))))
+            # a job of a group's name that the control plane did not register: not ours to count or
+            # stop, and registering ours under its name would replace it
+            ours = not isinstance(meta, dict) or meta.get(META_MANAGED_BY) == MANAGED_BY
+            groups.append(Group(group_id, live=ours and not stub.get("Stop")))
         return groups
 
     async def _create(self, group_id: int, reason: str) -> None:
