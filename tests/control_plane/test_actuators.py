@@ -480,12 +480,10 @@ def _fill(text: str) -> str:
 def test_kubernetes_manifests_use_real_flags_and_let_the_autoscaler_scale_the_shards(monkeypatch) -> None:
     import yaml
 
-    kustomization = yaml.safe_load((DEPLOY / "kubernetes" / "kustomization.yaml").read_text())
-    docs = [
-        d
-        for f in kustomization["resources"]
-        for d in yaml.safe_load_all((DEPLOY / "kubernetes" / f).read_text())
-    ]
+    base = DEPLOY / "kubernetes" / "base"
+    assert yaml.safe_load((DEPLOY / "kubernetes" / "kustomization.yaml").read_text())["resources"] == ["base"]
+    kustomization = yaml.safe_load((base / "kustomization.yaml").read_text())
+    docs = [d for f in kustomization["resources"] for d in yaml.safe_load_all((base / f).read_text())]
     by_kind = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     config = by_kind[("ConfigMap", "switchboard-config")]["data"]
     for key, value in config.items():

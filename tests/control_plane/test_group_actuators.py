@@ -265,7 +265,7 @@ async def test_kubernetes_groups_scale_statefulsets_from_the_real_template_on_a_
 
 def test_kubernetes_group_template_is_checked_when_loaded(tmp_path: Path) -> None:
     with pytest.raises(ActuatorError, match="one StatefulSet and one Service"):
-        GroupTemplate.load(ROOT / "deploy" / "kubernetes" / "shards.yaml")
+        GroupTemplate.load(ROOT / "deploy" / "kubernetes" / "base" / "shards.yaml")
     docs = _template_docs()
     del docs["StatefulSet"]["metadata"]["labels"][PIPELINE]
     (tmp_path / "g.yaml").write_text(yaml.safe_dump_all(docs.values()))

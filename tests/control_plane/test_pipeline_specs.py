@@ -3,15 +3,23 @@ the shard's own parser accepts, and the resources they ask for are N stages' wor
 The specs that place one stage per node (a StatefulSet per group; a Nomad job with a task group per
 stage and distinct_hosts) run `switchboard shard` on stage 0 and `switchboard stage --join` on the
 others with flags the real parsers accept, consistent with each other (stage count, ranks, the
-address stage 0 listens on and the one the others join)."""
+address stage 0 listens on and the one the others join). The pipeline-nodes overlay hands group.yaml
+to the control plane as its group template, with the RBAC the group actuator's calls need; and
+kustomize builds the base and both overlays (when kubectl is installed)."""
 
 from __future__ import annotations
 
 import re
 import shlex
+import shutil
+import subprocess
+from pathlib import Path
 
+import pytest
 import yaml
 
+from control_plane.app import parse_settings as parse_control_plane
+from control_plane.scaling.actuators.kubernetes_groups import GroupTemplate
 from data_plane.common.settings_cli import parse_settings
 from data_plane.shard.engines.pipeline_stage import join_parser
 from data_plane.shard.settings import ShardSettings
@@ -22,12 +30,12 @@ DEPLOY = ROOT / "deploy"
 
 def test_kubernetes_overlay_makes_each_replica_a_whole_group() -> None:
     overlay = yaml.safe_load((DEPLOY / "kubernetes" / "pipeline" / "kustomization.yaml").read_text())
-    assert overlay["resources"] == ["../"]
+    assert overlay["resources"] == ["../base"]
     (patch,) = overlay["patches"]
     assert patch["target"]["kind"] == "Deployment" and patch["target"]["name"] == "switchboard-shard"
     ops = yaml.safe_load(patch["patch"])
     added = [op["value"] for op in ops if op["op"] == "add" and op["path"].endswith("/args/-")]
-    base = yaml.safe_load_all((DEPLOY / "kubernetes" / "shards.yaml").read_text())
+    base = yaml.safe_load_all((DEPLOY / "kubernetes" / "base" / "shards.yaml").read_text())
     (deployment,) = [d for d in base if d and d["kind"] == "Deployment"]
     args = [a for a in deployment["spec"]["template"]["spec"]["containers"][0]["args"][1:] if "$(" not in a]
     settings = parse_settings(ShardSettings, args + added, "switchboard shard")
@@ -72,7 +80,6 @@ def _exec_lines(script: str, env: dict[str, str]) -> dict[str, list[str]]:
 
 def test_kubernetes_statefulset_places_one_stage_per_node() -> None:
     here = DEPLOY / "kubernetes" / "pipeline-nodes"
-    assert yaml.safe_load((here / "kustomization.yaml").read_text())["resources"] == ["../", "group.yaml"]
     docs = [d for d in yaml.safe_load_all((here / "group.yaml").read_text()) if d]
     (svc,) = [d for d in docs if d["kind"] == "Service"]
     (sts,) = [d for d in docs if d["kind"] == "StatefulSet"]
@@ -145,3 +152,66 @@ def test_nomad_job_places_one_stage_per_node() -> None:
         assert (stage.rank, stage.join) == (i, f"{NODE_IP}:25001")
         assert f'JOIN={{{{ range service "{store.group(1)}" }}}}{{{{ .Address }}}}:{{{{ .Port }}}}' in block
         assert "env         = true" in block and "${JOIN}" in block
+
+
+def _docs(path: Path) -> dict[tuple[str, str], dict]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(path.read_text()) if d}
+
+
+def test_kubernetes_pipeline_nodes_overlay_lets_the_control_plane_scale_groups(monkeypatch) -> None:
+    here, base = DEPLOY / "kubernetes" / "pipeline-nodes", DEPLOY / "kubernetes" / "base"
+    overlay = yaml.safe_load((here / "kustomization.yaml").read_text())
+    assert overlay["resources"] == ["../base", "rbac.yaml"]  # group.yaml is no resource: a template
+    (generator,) = overlay["configMapGenerator"]
+    assert generator["files"] == ["group.yaml"]
+    delete, wiring = overlay["patches"]
+    assert yaml.safe_load(delete["patch"]) == {
+        "$patch": "delete", "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "switchboard-shard"}
+    }
+    assert wiring["target"]["name"] == "switchboard-control-plane"
+    ops = {op["path"].split("/")[-2]: op["value"] for op in yaml.safe_load(wiring["patch"])}
+    flag, _, path = ops["args"].partition("=")
+    assert flag == "--pipeline-group-template"
+    assert ops["volumes"] == {"name": ops["volumeMounts"]["name"], "configMap": {"name": generator["name"]}}
+    assert Path(path) == Path(ops["volumeMounts"]["mountPath"]) / "group.yaml"  # the ConfigMap's key
+    # the control plane's own parser, with the base's settings and the added flag
+    base_docs = _docs(base / "control-plane.yaml")
+    for key, value in _docs(base / "configmap.yaml")[("ConfigMap", "switchboard-config")]["data"].items():
+        monkeypatch.setenv(key, value)
+    deployment = base_docs[("Deployment", "switchboard-control-plane")]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    settings = parse_control_plane([re.sub(r"\$\((\w+)\)", "10.0.0.1", a) for a in args[1:]] + [ops["args"]])
+    assert settings.autoscale and settings.actuator == "kubernetes" and settings.pipeline_group_template == Path(path)
+    # the template loads, and names its full image (kustomize does not rewrite a ConfigMap's file)
+    GroupTemplate.load(here / "group.yaml")
+    (image,) = overlay["images"]
+    (container,) = _docs(here / "group.yaml")[("StatefulSet", "switchboard-pp-a")]["spec"]["template"]["spec"][
+        "containers"]
+    assert container["image"] == f"{image['newName']}:{image['newTag']}"
+    # RBAC: what KubernetesGroups calls, for the control plane's service account
+    rbac = _docs(here / "rbac.yaml")
+    (role,) = [d for (kind, _), d in rbac.items() if kind == "Role"]
+    (binding,) = [d for (kind, _), d in rbac.items() if kind == "RoleBinding"]
+    grants = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+    assert grants == {("apps", "statefulsets"): {"list", "create", "delete"}, ("", "services"): {"create", "delete"}}
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": deployment["spec"]["template"]["spec"][
+        "serviceAccountName"]}]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed (its kustomize builds them)")
+def test_kustomize_builds_the_base_and_both_overlays() -> None:
+    built = {}
+    for name in ("", "pipeline", "pipeline-nodes"):
+        out = subprocess.run(["kubectl", "kustomize", str(DEPLOY / "kubernetes" / name)],
+                             check=False, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        built[name] = [d for d in yaml.safe_load_all(out.stdout) if d]
+    deployments = {d["metadata"]["name"]: d for d in built["pipeline-nodes"] if d["kind"] == "Deployment"}
+    assert "switchboard-shard" not in deployments and "switchboard-shard" in {
+        d["metadata"]["name"] for d in built[""] if d["kind"] == "Deployment"}
+    (config_map,) = [d for d in built["pipeline-nodes"]
+                     if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("switchboard-pipeline-group-")]
+    assert config_map["data"]["group.yaml"] == (DEPLOY / "kubernetes" / "pipeline-nodes" / "group.yaml").read_text()
+    volumes = deployments["switchboard-control-plane"]["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "pipeline-group", "configMap": {"name": config_map["metadata"]["name"]}} in volumes

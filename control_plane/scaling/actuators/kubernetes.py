@@ -1,4 +1,6 @@
-"""The ``kubernetes`` actuator: the ``scale`` subresource of the shards' Deployment.
+"""The ``kubernetes`` actuator: the ``scale`` subresource of the shards' Deployment; and
+:class:`KubeClient`, its connection to the API server, which the pipeline-group variant
+(:mod:`.kubernetes_groups`, built instead with ``--pipeline-group-template``) shares.
 
 Built by ``build_actuator`` (control_plane/scaling/actuators/__init__.py) for ``--actuator kubernetes``;
 the autoscaler loop (control_plane/scaling/loop.py) calls it.
@@ -10,7 +12,7 @@ the autoscaler loop (control_plane/scaling/loop.py) calls it.
                                  # PATCH the same, application/merge-patch+json {"spec": {"replicas": 3}}
 
 The service account needs ``get`` and ``patch`` on ``deployments/scale`` (see
-``deploy/kubernetes/control-plane.yaml``). Kubeconfig support covers a bearer token (``token`` or
+``deploy/kubernetes/base/control-plane.yaml``). Kubeconfig support covers a bearer token (``token`` or
 ``tokenFile``) and client certificates; exec/auth-provider plugins are not run. Kubernetes sends
 a removed pod SIGTERM after its ``preStop`` hook; the shard Deployment's hook waits out the
 Consul deregistration so the pod leaves routing before it stops admitting.

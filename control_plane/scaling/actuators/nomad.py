@@ -1,4 +1,6 @@
-"""The ``nomad`` actuator: Nomad's job scale API, for a task group of shards.
+"""The ``nomad`` actuator: Nomad's job scale API, for a task group of shards; and
+:class:`NomadClient`, its calls to Nomad's HTTP API, which the pipeline-group variant
+(:mod:`.nomad_groups`, built instead with ``--pipeline-group-template``) shares.
 
 Built by ``build_actuator`` (control_plane/scaling/actuators/__init__.py) for ``--actuator nomad``;
 the autoscaler loop (control_plane/scaling/loop.py) calls it.
