@@ -22,9 +22,18 @@
 # N and --pipeline-remote-stages 1,...,N-1. Losing a stage: stage 0 detects it in ~1 s, fails its open
 # streams (the gateways resume them on other shards), leaves Consul and exits 1, and Nomad restarts
 # it; the other stages exit when their heartbeat to stage 0 has not gone through for 5 s and are
-# restarted to join again. Capacity: the autoscaler scales switchboard.nomad.hcl's `shard` group
-# (its count); a group spanning nodes is fixed capacity: another one is a copy of this file with
-# every `switchboard-pp-a` renamed (the job, the store service).
+# restarted to join again.
+#
+# Scaled by the autoscaler, a replica a group: give the control plane this file as its template
+# (`--actuator nomad --pipeline-group-template /local/switchboard-pipeline.nomad.hcl`, the file in its
+# task through an `artifact` or `template` block). It has Nomad parse it once (POST /v1/jobs/parse,
+# no variables given: set the defaults below, e.g. `image`, or give it instead the JSON that
+# `nomad job run -output -var image=... switchboard-pipeline.nomad.hcl` prints) and registers one
+# copy a group, jobs switchboard-pp-0, switchboard-pp-1, ... with every `switchboard-pp-a` renamed (the
+# job, the store service and the template that reads it) and meta switchboard_managed_by; scaling
+# in deregisters the highest ids first (control_plane/scaling/actuators/nomad_groups.py). Its token
+# then needs list-jobs, read-job, parse-job and submit-job on the namespace. Run by hand (above), this
+# job is one fixed group beside those; the autoscaler neither counts nor stops it.
 
 variable "image" {
   type    = string

@@ -17,7 +17,8 @@
 #                        group (a task group per pipeline): the task is stage 0, which starts stages
 #                        1..N-1 as its children on the same node; losing one exits the task (status 1)
 #                        and Nomad restarts the group. Its cpu is N stages x shard_threads_per_stage.
-#                        Stages on different nodes: switchboard-pipeline.nomad.hcl (a job per group).
+#                        Stages on different nodes: switchboard-pipeline.nomad.hcl (a job per group;
+#                        with --pipeline-group-template the autoscaler registers those jobs instead).
 #
 # The control plane, gateways and cache nodes register themselves (--membership consul://…) with
 # TTL checks; they bind to the node's address (not 0.0.0.0) because the URL they register is the
