@@ -18,7 +18,6 @@ new group never takes the name of one still stopping (its pods, its Consul servi
 
 from __future__ import annotations
 
-import copy
 import logging
 import re
 from abc import ABC, abstractmethod
@@ -83,7 +82,7 @@ class GroupNames:
                 return {k: walk(v) for k, v in value.items()}  # keys (labels, meta) stay
             if isinstance(value, list):
                 return [walk(v) for v in value]
-            return copy.copy(value)
+            return value
 
         return walk(spec)  # type: ignore[return-value]
 
@@ -102,21 +101,19 @@ def free_ids(taken: set[int], count: int) -> list[int]:
 class GroupActuator(ABC):
     """Scales by whole groups; a subclass lists, creates and removes one scheduler's groups."""
 
-    kind = "pipeline group"
-
     async def current(self) -> int:
         return sum(1 for g in await self._list() if g.live)
 
     async def scale_to(self, n: int, reason: str) -> None:
         if n < 0:
-            raise ActuatorError(f"cannot scale to {n} {self.kind}s")
+            raise ActuatorError(f"cannot scale to {n} pipeline groups")
         groups = await self._list()
         live = sorted(g.id for g in groups if g.live)
         for group_id in free_ids({g.id for g in groups}, n - len(live)):
-            log.info("creating %s %d: %s", self.kind, group_id, reason)
+            log.info("creating pipeline group %d: %s", group_id, reason)
             await self._create(group_id, reason)
         for group_id in reversed(live[n:]):  # the highest ids first: the names stay dense
-            log.info("removing %s %d: %s", self.kind, group_id, reason)
+            log.info("removing pipeline group %d: %s", group_id, reason)
             await self._remove(group_id, reason)
 
     async def aclose(self) -> None:

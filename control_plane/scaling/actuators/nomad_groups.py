@@ -63,7 +63,7 @@ class NomadGroups(GroupActuator):
     def from_settings(cls, settings: ControlPlaneSettings, http: httpx.AsyncClient, template: Path) -> NomadGroups:
         return cls(NomadClient.from_settings(settings, http), template)
 
-    async def template(self) -> tuple[dict[str, Any], GroupNames]:
+    async def _template(self) -> tuple[dict[str, Any], GroupNames]:
         """The template job (parsed by Nomad once) and its groups' names."""
         if self._job is None:
             if self._path.suffix == ".json":
@@ -82,7 +82,7 @@ class NomadGroups(GroupActuator):
         return self._job, GroupNames.of_template(self._job["ID"])
 
     async def _list(self) -> list[Group]:
-        _, names = await self.template()
+        _, names = await self._template()
         jobs = await self._api.request("GET", "/v1/jobs", params={"prefix": names.prefix, "meta": "true"})
         if not isinstance(jobs, list):
             raise ActuatorError(f"nomad listed {type(jobs).__name__}, expected an array of jobs")
@@ -99,11 +99,11 @@ class NomadGroups(GroupActuator):
         return groups
 
     async def _create(self, group_id: int, reason: str) -> None:
-        template, names = await self.template()
+        template, names = await self._template()
         job = names.rewrite(template, group_id)
         job["Meta"] = {**(job.get("Meta") or {}), META_GROUP: str(group_id), META_MANAGED_BY: MANAGED_BY}
         await self._api.request("POST", "/v1/jobs", {"Job": job})
 
     async def _remove(self, group_id: int, reason: str) -> None:
-        _, names = await self.template()
+        _, names = await self._template()
         await self._api.request("DELETE", f"/v1/job/{quote(names.name(group_id), safe='')}", ok=(200, 404))
