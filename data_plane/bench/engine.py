@@ -244,6 +244,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="torch dtype for switchboard and naive (default auto: the shard's per-CPU choice)")
     p.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default="auto",
                    help="switchboard's weight format (default auto: the GGUF's Q4 blocks as int4); naive stays dense")
+    p.add_argument("--quantization-kernel", choices=["auto", "blockq", "torch"], default="auto",
+                   help="what computes switchboard's quantized projections (default auto: blockq where it builds)")
     p.add_argument("--systems", default="switchboard,naive,llamacpp,llamacpp-lookup",
                    help=f"comma-separated, from {', '.join(SYSTEMS)} (default all)")
     p.add_argument("--workload", choices=["chat", "quote", "json", "tools"], default="chat",
@@ -313,6 +315,7 @@ def main(argv: list[str] | None = None) -> None:
         num_prompts=args.num_prompts, max_prompt_len=max(map(len, prompt_ids)), threads=args.threads,
         workload=args.workload, spec_max_batch=args.spec_max_batch,
         num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization,
+        quantization_kernel=args.quantization_kernel,
     )
     print(f"[bench] CPU: {cpu_summary()}", flush=True)
     gb_s = copy_bandwidth_gb_s(threads=args.threads)

@@ -59,6 +59,8 @@ class BenchConfig:
     """switchboard: plans in flight across steps (`--pipeline-batch-queue`; 0: as many as stages; 1: off)."""
     quantization: str = "auto"
     """switchboard's weight format (--quantization: auto, none, int8, int4); naive HF always runs dense."""
+    quantization_kernel: str = "auto"
+    """switchboard's kernel for quantized projections (--quantization-kernel: auto, blockq, torch)."""
 
     @property
     def max_model_len(self) -> int:
@@ -114,7 +116,7 @@ class SwitchboardSystem:
             EngineConfig(
                 model=config.model,
                 dtype=config.dtype,
-                quantization=config.quantization,
+                quantization=config.quantization, quantization_kernel=config.quantization_kernel,
                 max_num_seqs=min(256, max(config.concurrency)),
                 max_model_len=config.max_model_len,
                 # The same total cores whatever the split: each stage gets its share of the threads.
@@ -143,7 +145,8 @@ class SwitchboardSystem:
         self.weight_bytes = runner.weight_bytes
         self.resident_weight_bytes = runner.resident_weight_bytes
         self.dense_bf16_bytes = 2 * runner.weight_params
-        self.dtype = f"{plan.dtype}/{plan.quantization}"  # what auto resolved to, in the report
+        # what auto resolved to, in the report (+a8: blockq's int8 activations; an older tree's plan has no kernel)
+        self.dtype = f"{plan.dtype}/{plan.quantization}" + ("+a8" if getattr(plan, "blockq", False) else "")
 
     async def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestResult]:
         return await closed_loop(prompts, concurrency, partial(self._one, max_tokens))

@@ -3,7 +3,8 @@
     switchboard bench quality                                   # auto, bf16, int8, int4 against fp32
     switchboard bench quality --formats bfloat16:int4,float32:none --prompts 8 --json /tmp/quality.json
 
-For each format (``DTYPE:QUANTIZATION``, as the shard's --dtype / --quantization) the torch runner
+For each format (``DTYPE:QUANTIZATION[:KERNEL]``, as the shard's --dtype / --quantization /
+--quantization-kernel) the torch runner
 (data_plane/shard/engines/llama_runner.py) is loaded as the shard would load it, then:
 - perplexity of a fixed English text (below, ~280 tokens; each token scored from the ones before it),
 - greedy agreement with float32 dense: the first `--tokens` (32) greedy tokens of each chat prompt,
@@ -59,7 +60,7 @@ PROMPTS = [
     "Why is the sky blue?",
     "Write one sentence about autumn.",
 ]
-DEFAULT_FORMATS = "auto:auto,bfloat16:none,bfloat16:int8,bfloat16:int4"
+DEFAULT_FORMATS = "auto:auto,bfloat16:none,bfloat16:int8:torch,bfloat16:int4:torch,bfloat16:int4:blockq,float32:int4:blockq"
 
 
 def _runner(path: Any, gguf: Any, source: str, spec: str, max_seqs: int, max_len: int) -> tuple[Any, Any]:
@@ -68,8 +69,9 @@ def _runner(path: Any, gguf: Any, source: str, spec: str, max_seqs: int, max_len
     from data_plane.shard.engines.llama_runner import LlamaRunner
     from data_plane.shard.engines.weight_source import CpuCaps, resolve_plan
 
-    dtype, _, quant = spec.partition(":")
-    plan = resolve_plan(dtype or "auto", quant or "auto", source=source, caps=CpuCaps.detect())
+    dtype, _, rest = spec.partition(":")
+    quant, _, kernel = rest.partition(":")
+    plan = resolve_plan(dtype or "auto", quant or "auto", source=source, caps=CpuCaps.detect(), kernel=kernel or "auto")
     runner = LlamaRunner.from_pretrained(path, dtype=getattr(torch, plan.dtype), max_num_seqs=max_seqs,
                                          max_len=max_len, plan=plan, gguf=gguf)
     return runner, plan

@@ -79,7 +79,7 @@ def build_engine(settings: ShardSettings, metrics: ShardMetrics | None) -> Engin
     config = EngineConfig(
         model=settings.model,
         dtype=settings.dtype,
-        quantization=settings.quantization,
+        quantization=settings.quantization, quantization_kernel=settings.quantization_kernel,
         max_num_seqs=settings.max_num_seqs,
         max_model_len=settings.max_model_len,
         prefill_chunk=settings.prefill_chunk,

@@ -217,8 +217,9 @@ class ShardMetrics:
         self.weights_info = Gauge(
             "switchboard_shard_weights_info", "1 for the dtype and weight format served, with the reason each was "
             "chosen (dtype_reason: requested | native_bf16 | no_native_bf16 | quantized_kernel; quantization_reason: "
-            "requested | gguf_q4 | gguf_q8 | dense_model | dense_activations).",
-            [*m, "dtype", "dtype_reason", "quantization", "quantization_reason"], registry=registry)
+            "requested | gguf_q4 | gguf_q8 | dense_model | dense_activations; kernel: torch | blockq_avx512_vnni | "
+            "blockq_avx2 | blockq_portable).",
+            [*m, "dtype", "dtype_reason", "quantization", "quantization_reason", "kernel"], registry=registry)
         self.weight_bytes = Gauge("switchboard_shard_weight_bytes", "Bytes of model weights a decode step reads.", m,
                                   registry=registry)
         # Series exist from the start (at 0), so rate() and the KV-reuse panels work before the first hit.
@@ -401,9 +402,9 @@ class MetricsListener(StepListener):
         self.metrics.prefill_beside.labels(self.metrics.model_name).inc(prompts)
 
     def on_weights(self, dtype: str, dtype_reason: str, quantization: str, quantization_reason: str,
-                   weight_bytes: int) -> None:
+                   weight_bytes: int, kernel: str = "torch") -> None:
         m = self.metrics
-        m.weights_info.labels(m.model_name, dtype, dtype_reason, quantization, quantization_reason).set(1)
+        m.weights_info.labels(m.model_name, dtype, dtype_reason, quantization, quantization_reason, kernel).set(1)
         m.weight_bytes.labels(m.model_name).set(weight_bytes)
 
     def on_threads(self, threads: int, reason: str) -> None:

@@ -42,8 +42,11 @@ from tests.support.spec import pin_row_cost
 PASSAGE = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.\n"
            "def add(a, b):\n    return a + b\n")
 QUOTE = [{"role": "user", "content": "Copy the text below exactly, unchanged:\n" + PASSAGE * 2}]
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-FORMATS = [("bfloat16", "int4"), ("bfloat16", "int8"), ("float32", "int4")]
+CHAT = [{"role": "user", "content": "Name the capital of France."}]
+FORMATS = [("bfloat16", "int4", "blockq"), ("float32", "int4", "blockq"), ("bfloat16", "int8", "torch"),
+           ("float32", "int4", "torch")]
+"""(dtype, quantization, kernel): blockq with both activation dtypes auto picks (bf16 where the CPU has
+it natively, else float32), torch's int8 kernel, and torch's exact float32 int4."""
 N_PROMPTS, N_TOKENS = 4, 32
 PPL_TOKENS = 160
 EXACT_TOKENS = 8
@@ -73,17 +76,20 @@ def reference() -> dict[str, object]:
 class Recorder(StepListener):
     def __init__(self) -> None:
         self.weights: tuple[str, str, str, str, int] | None = None
+        self.kernel = ""
 
     def on_weights(self, dtype: str, dtype_reason: str, quantization: str, quantization_reason: str,
-                   weight_bytes: int) -> None:
+                   weight_bytes: int, kernel: str = "torch") -> None:
         self.weights = (dtype, dtype_reason, quantization, quantization_reason, weight_bytes)
+        self.kernel = kernel
 
 
 class Engine:
-    def __init__(self, dtype: str, quantization: str) -> None:
+    def __init__(self, dtype: str, quantization: str, kernel: str) -> None:
         self.loop = asyncio.new_event_loop()
         self.listener = Recorder()
-        self.engine = TorchEngine(EngineConfig(dtype=dtype, quantization=quantization, max_num_seqs=4,
+        self.engine = TorchEngine(EngineConfig(dtype=dtype, quantization=quantization, quantization_kernel=kernel,
+                                               max_num_seqs=4,
                                                max_model_len=1024, speculation="ngram", spec_max_batch=4),
                                   self.listener)
         self.loop.run_until_complete(self.engine.start())
@@ -112,7 +118,7 @@ class Engine:
         self.loop.close()
 
 
-@pytest.fixture(scope="module", params=FORMATS, ids=lambda f: f"{f[0]}-{f[1]}")
+@pytest.fixture(scope="module", params=FORMATS, ids=lambda f: "-".join(f))
 def served(request: pytest.FixtureRequest) -> Iterator[Engine]:
     e = Engine(*request.param)
     yield e
@@ -128,15 +134,19 @@ def test_format_is_what_was_asked_and_weights_shrink(served: Engine, reference: 
     assert runner.weight_bytes == nbytes
     # x dense bf16 (tied head counted once); scales/zeros are held in the activation dtype (fp32: twice),
     # and float32 activations keep the table float32 (exact), 4x its int8 bytes
-    bound = {("bfloat16", "int4"): 0.36, ("bfloat16", "int8"): 0.52, ("float32", "int4"): 0.75}[(dtype, quant)]
+    # blockq: the GGUF's Q4_1 blocks and its Q8_0 table as they are, whatever the activations
+    blockq = cfg.quantization_kernel == "blockq"
+    assert served.listener.kernel.startswith("blockq_" if blockq else "torch")
+    bound = 0.36 if blockq else {("bfloat16", "int8"): 0.52, ("float32", "int4"): 0.75}[(dtype, quant)]
     assert nbytes <= reference["bf16_bytes"] * bound, nbytes / reference["bf16_bytes"]  # type: ignore[operator]
-    if quant == "int4":
-        assert runner.weight_format == "int4[q4_1,q8_0]"  # the GGUF's own blocks, its Q8_0 head requantized
+    if quant == "int4":  # the GGUF's own blocks (torch's int8 kernel: its Q8_0 head requantized per row)
+        assert runner.weight_format == ("int4a8[q4_1,q8_0]" if blockq else "int4[q4_1,q8_0]")
 
 
 def test_quality_against_float32(served: Engine, reference: dict[str, object]) -> None:
     runner = served.engine._runner  # the engine's own: its slots are free between this module's requests
-    if served.engine.config.dtype == "float32":  # exact: the reference's weights, other summation order only
+    exact = served.engine.config.dtype == "float32" and served.engine.config.quantization_kernel == "torch"
+    if exact:  # the reference's weights, other summation order only
         short = runner.prefill(0, reference["text"][:EXACT_TOKENS], 0)  # type: ignore[index]
         ref = reference["short"]
         assert int(short.argmax()) == int(ref.argmax())  # type: ignore[attr-defined]
@@ -146,8 +156,13 @@ def test_quality_against_float32(served: Engine, reference: dict[str, object]) -
     ppl = perplexity(runner, reference["text"])  # type: ignore[arg-type]
     got, _ = greedy_margins(runner, prompts, N_TOKENS)
     _, tokens = agreement(reference["greedy"], got)  # type: ignore[arg-type]
-    assert ppl <= reference["ppl"] * 1.03, (ppl, reference["ppl"])  # type: ignore[operator]
-    assert tokens >= 0.5, tokens
+    # blockq rounds activations to int8 per 32 too (llama.cpp's numerics): more near-ties break, measured
+    # with `switchboard bench quality` (12 prompts x 32 tokens): bf16 +1.50 %, 25 % of prompts identical,
+    # 46 % of tokens before the first difference; float32 +0.91 %, 25 % / 47 %; every first difference at
+    # a float32 margin <= 0.31 (median 1.34). Held to the issue's perplexity bound (2 %) and near-ties.
+    blockq = served.engine.config.quantization_kernel == "blockq"
+    assert ppl <= reference["ppl"] * (1.02 if blockq else 1.03), (ppl, reference["ppl"])  # type: ignore[operator]
+    assert tokens >= (0.25 if blockq else 0.5), tokens
     ties = divergence_margins(reference["greedy"], reference["margins"], got)  # type: ignore[arg-type]
     assert all(m < NEAR_TIE for m in ties), ties
 
@@ -199,13 +214,14 @@ def test_prepared_file_builds_the_same_layers_as_the_gguf(tmp_path: object) -> N
     assert set(g.kinds()) == set(whole.kinds()) and g.kinds()["Q4_1"] == 2 * 7, g.kinds()
     cfg.num_hidden_layers = 2
     path = write_prepared(g, Path(str(tmp_path)) / "prepared.safetensors")
-    plan = resolve_plan("bfloat16", "int4", source="q4", caps=CpuCaps.detect())
-    logits = []
-    for source in (g, PreparedWeights.open(path)):
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-        runner = LlamaRunner(model, dtype=torch.bfloat16, max_num_seqs=1, max_len=64,
-                             weights=WeightBuilder(plan, gguf=source))
-        assert runner.weight_format == "int4[q4_1,q8_0]"
-        logits.append(runner.prefill(0, list(range(200, 230)), 0))
-    assert torch.equal(logits[0], logits[1])
+    for kernel in ("torch", "blockq"):  # blockq serves the Q8_0 table's own blocks (v2 of the file)
+        plan = resolve_plan("bfloat16", "int4", source="q4", caps=CpuCaps.detect(), kernel=kernel)
+        logits = []
+        for source in (g, PreparedWeights.open(path)):
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+            runner = LlamaRunner(model, dtype=torch.bfloat16, max_num_seqs=1, max_len=64,
+                                 weights=WeightBuilder(plan, gguf=source))
+            assert runner.weight_format == ("int4a8[q4_1,q8_0]" if plan.blockq else "int4[q4_1,q8_0]")
+            logits.append(runner.prefill(0, list(range(200, 230)), 0))
+        assert torch.equal(logits[0], logits[1]), kernel

@@ -77,6 +77,16 @@ class GGUFTensor:
         m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
         return q, d, m + 8 * d
 
+    def q8_blocks(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A Q8_0 tensor's blocks as they are: (q int8 [N, K], d float32 [N, K/32]) with w = q * d; None
+        for other kinds."""
+        if self.kind != "Q8_0":
+            return None
+        blocks = np.ascontiguousarray(self.raw).reshape(self.rows, self.cols // BLOCK, 34)
+        d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(self.rows, self.cols)
+        return q, d
+
     def dense(self) -> torch.Tensor:
         """float32 values, [N, K] (or [K] for a vector)."""
         if self.kind in ("F32", "F16"):

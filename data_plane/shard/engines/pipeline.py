@@ -132,6 +132,8 @@ class PipelineSpec:
     """A stage whose heartbeat stood still this long is lost."""
     threads: int = 1
     """torch intra-op threads of each later stage."""
+    kernel: str = "torch"
+    """What computes stage 0's quantized projections (blockq or torch): every stage uses the same."""
     port: int = 0
     """TCPStore port (0: a free one)."""
     host: str = "127.0.0.1"
@@ -320,7 +322,7 @@ class PipelineGroup:
         return [sys.executable, "-m", "data_plane.shard.engines.pipeline_stage", "--rank", str(rank),
                 "--world", str(s.size), "--port", str(self.port), "--host", s.host, "--model", s.model,
                 "--dtype", s.dtype,
-                "--quantization", s.quantization,
+                "--quantization", s.quantization, "--quantization-kernel", s.kernel,
                 "--max-num-seqs", str(s.max_num_seqs), "--max-len", str(s.max_len),
                 "--layers", f"{first}:{end}", "--threads", str(s.threads),
                 "--prefix-blocks", str(s.prefix_blocks), "--block-size", str(s.block_size), "--bind", s.host]

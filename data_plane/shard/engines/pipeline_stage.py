@@ -74,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bind", default="127.0.0.1", help="this stage's own address for the group (its gloo device)")
     ap.add_argument("--model", default="", help="the shard's --model ('' = the default model)")
     ap.add_argument("--quantization", default="none", help="the weight format stage 0 resolved")
+    ap.add_argument("--quantization-kernel", default="torch", choices=["blockq", "torch"],
+                    help="what computes stage 0's quantized projections")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=2048)
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     dtype = DTYPES[args.dtype]
     source = model_source(args.model or None)
     # Explicit dtype and format: the same plan stage 0 resolved, so the stages' numerics agree.
-    plan = resolve_plan(args.dtype, args.quantization, source=source.kind, caps=CpuCaps.detect())
+    plan = resolve_plan(args.dtype, args.quantization, source=source.kind, caps=CpuCaps.detect(),
+                        kernel=args.quantization_kernel)
     runner = LlamaRunner.from_pretrained(source.path, dtype=dtype, max_num_seqs=args.max_num_seqs,
                                          max_len=args.max_len, plan=plan, gguf=source.gguf, layer_range=(first, end))
     hidden = runner.hidden_size  # no embedding, norm or head here: stage 0 embeds and applies the head

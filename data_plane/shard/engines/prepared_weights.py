@@ -13,7 +13,9 @@ per block, AVX2 32, so it is packed at load, ~1 ms a layer):
 - Q4_0/Q4_1 tensors: ``NAME:q4`` uint8 [N, K/2] (byte i holds q[2i] low, q[2i+1] high),
   ``NAME:scale`` / ``NAME:zero`` float32 [N, K/32] (w = (q - 8) * scale + zero, exactly the GGUF's);
 - the embedding / LM head: ``NAME:q8`` int8 [N, K] and ``NAME:scale8`` float32 [N] (per-channel
-  int8, requantized from Q8_0 once, as WeightBuilder would at every load);
+  int8, requantized from Q8_0 once, as WeightBuilder would at every load, for torch's int8 kernel),
+  and where the GGUF holds Q8_0 its blocks as they are, ``NAME:q8b`` int8 [N, K] and ``NAME:d8b``
+  float32 [N, K/32] (blockq.py serves those; v2 of the file added them);
 - everything else (norms, biases, other block kinds): ``NAME`` float32, dequantized.
 ``__kind__`` maps names to their GGUF kinds (the builder's label and the KV seed use them).
 """
@@ -32,7 +34,7 @@ from data_plane.shard.engines.gguf_weights import INT4_KINDS, GGUFWeights
 from data_plane.shard.engines.quant_linear import Int8Linear
 
 log = logging.getLogger(__name__)
-PREPARED_FILE = "switchboard-prepared-v1.safetensors"
+PREPARED_FILE = "switchboard-prepared-v2.safetensors"
 TABLES = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -50,6 +52,10 @@ class PreparedTensor:
         torch.bitwise_and(packed, 0xF, out=q[..., 0])
         torch.bitwise_right_shift(packed, 4, out=q[..., 1])
         return q.view(packed.shape[0], -1), self._t[self.name + ":scale"], self._t[self.name + ":zero"]
+
+    def q8_blocks(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        q = self._t.get(self.name + ":q8b")
+        return None if q is None else (q, self._t[self.name + ":d8b"])
 
     def int8_parts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         q = self._t.get(self.name + ":q8")
@@ -134,6 +140,8 @@ def write_prepared(g: GGUFWeights, path: Path) -> Path:
         elif name in TABLES:
             table = Int8Linear.from_dense(t.dense(), dtype=torch.float32)
             out[name + ":q8"], out[name + ":scale8"] = table.w, table.scale
+            if (blocks := t.q8_blocks()) is not None:
+                out[name + ":q8b"], out[name + ":d8b"] = blocks
         else:
             out[name] = t.dense().contiguous()
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")

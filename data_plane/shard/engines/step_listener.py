@@ -53,8 +53,9 @@ class StepListener:
         """`prompts` waiting prompts were prefilled beside a chunked prefill of their priority, in its pass."""
 
     def on_weights(self, dtype: str, dtype_reason: str, quantization: str, quantization_reason: str,
-                   weight_bytes: int) -> None:
-        """The model is loaded in this dtype and weight format, chosen for that reason (weight_source.WeightPlan)."""
+                   weight_bytes: int, kernel: str = "torch") -> None:
+        """The model is loaded in this dtype and weight format, chosen for that reason, computed by `kernel`
+        (weight_source.WeightPlan)."""
 
     def on_threads(self, threads: int, reason: str) -> None:
         """The intra-op thread count is now `threads` (reason ``start`` or ``probe``: torch_threads.ThreadTuner)."""

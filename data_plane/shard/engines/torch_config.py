@@ -17,7 +17,7 @@ import torch
 from data_plane.shard.engines.kv_cache import DEFAULT_BLOCK_SIZE
 from data_plane.shard.engines.scheduler import SchedulerConfig
 from data_plane.shard.engines.step_listener import StepListener
-from data_plane.shard.engines.weight_source import DTYPE_CHOICES, QUANTIZATION_CHOICES
+from data_plane.shard.engines.weight_source import DTYPE_CHOICES, KERNEL_CHOICES, QUANTIZATION_CHOICES
 
 __all__ = ["DTYPES", "EngineConfig", "StepListener"]
 
@@ -32,6 +32,8 @@ class EngineConfig:
     """auto (the fastest on this CPU: data_plane/shard/engines/weight_source.py), bfloat16, float16 or float32
     (batch-invariant greedy output)."""
     quantization: str = "auto"
+    quantization_kernel: str = "auto"
+    """What computes quantized projections: auto | blockq | torch (weight_source.resolve_plan)."""
     """Weight format (vLLM's flag): auto (what the model ships: a GGUF's Q4 blocks -> int4), none, int8, int4."""
     max_num_seqs: int = 16
     """Sequences decoded together (KV slots), 1..256."""
@@ -99,6 +101,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}")
+        if self.quantization_kernel not in KERNEL_CHOICES:
+            raise ValueError(f"quantization_kernel must be one of {', '.join(KERNEL_CHOICES)}")
         if not 1 <= self.max_num_seqs <= 256:
             raise ValueError("max_num_seqs must be in 1..256")
         if not 16 <= self.max_model_len <= 131072:

@@ -89,7 +89,8 @@ def load_model(config: EngineConfig, listener: StepListener, phases: LoadPhases)
     from data_plane.shard.engines.weight_source import CpuCaps, resolve_plan
 
     source = model_source(config.model)
-    plan = resolve_plan(config.dtype, config.quantization, source=source.kind, caps=CpuCaps.detect())
+    plan = resolve_plan(config.dtype, config.quantization, source=source.kind, caps=CpuCaps.detect(),
+                        kernel=config.quantization_kernel)
     # fp32 is the batch-invariant mode: its numerics must not depend on when a probe switches threads.
     adaptive = config.adaptive_threads and plan.dtype != "float32"
     threads = config.threads or auto_threads(adaptive)
@@ -124,7 +125,7 @@ def load_model(config: EngineConfig, listener: StepListener, phases: LoadPhases)
         plan=plan, gguf=source.gguf, layer_range=ranges[0] if ranges else None)
     phases.mark("weights")
     listener.on_weights(plan.dtype, plan.dtype_reason.value, plan.quantization, plan.quantization_reason.value,
-                        runner.weight_bytes)
+                        runner.weight_bytes, plan.kernel)
     eos = hf_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
     if tokenizer.eos_token_id is not None:
@@ -155,6 +156,7 @@ def start_pipeline(config: EngineConfig, model: LoadedModel, prefix: SlotPrefix 
 
     assert model.layer_ranges is not None, "start_pipeline() for a one-process model"
     spec = PipelineSpec(model=config.model or "", dtype=model.plan.dtype, quantization=model.plan.quantization,
+                        kernel="blockq" if model.plan.blockq else "torch",
                         max_num_seqs=config.max_num_seqs, max_len=model.max_model_len,
                         ranges=tuple(model.layer_ranges), timeout_s=config.pipeline_stage_timeout_s,
                         threads=model.threads, prefix_blocks=prefix.cache.num_blocks if prefix else 0,

@@ -73,6 +73,8 @@ from typing import Protocol
 
 import torch
 
+from data_plane.shard.engines import blockq
+from data_plane.shard.engines.blockq import BlockEmbedding, BlockLinear
 from data_plane.shard.engines.gguf_weights import INT4_KINDS, GGUFWeights
 from data_plane.shard.engines.packed_linear import Linear, should_pack
 from data_plane.shard.engines.prepared_weights import PreparedWeights
@@ -80,6 +82,7 @@ from data_plane.shard.engines.quant_linear import Int4Linear, Int8Embedding, Int
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+KERNEL_CHOICES = ("auto", "blockq", "torch")
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
@@ -106,6 +109,8 @@ class CpuCaps:
     flags: frozenset[str]
     model: str = ""
     onednn_bf16: bool = True
+    blockq: str = ""
+    """The block-quantized kernel's path on this CPU (blockq.py: avx512_vnni | avx2 | portable), "" if unavailable."""
 
     @property
     def native_bf16(self) -> bool:
@@ -126,12 +131,14 @@ class CpuCaps:
             elif key.strip() == "model name" and not model:
                 model = value.strip()
         onednn = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        return cls(torch.backends.cpu.get_cpu_capability(), flags, model, onednn)
+        kernel = blockq.load()
+        return cls(torch.backends.cpu.get_cpu_capability(), flags, model, onednn, kernel.isa_name if kernel else "")
 
     def summary(self) -> str:
         """`model; torch CAPABILITY; bf16/amx/avx flags` for reports and the ready line."""
         keep = sorted(f for f in self.flags if f.startswith(("avx", "amx", "fma", "f16c")))
-        return f"{self.model or 'unknown CPU'}; torch {self.capability}; flags {' '.join(keep) or '-'}"
+        return (f"{self.model or 'unknown CPU'}; torch {self.capability}; flags {' '.join(keep) or '-'}; "
+                f"blockq {self.blockq or '-'}")
 
 
 @dataclass(frozen=True)
@@ -140,19 +147,29 @@ class WeightPlan:
     dtype_reason: DtypeReason
     quantization: str
     quantization_reason: QuantReason
+    kernel: str = "torch"
+    """What computes the projections: ``torch`` (dense GEMMs, or torch's weight-only int4/int8 kernels)
+    or ``blockq_<path>`` (blockq.py: int8 activations x block-quantized weights)."""
+
+    @property
+    def blockq(self) -> bool:
+        return self.kernel.startswith("blockq")
 
     def describe(self) -> str:
         return (f"{self.dtype} ({self.dtype_reason.value}), weights {self.quantization} "
-                f"({self.quantization_reason.value})")
+                f"({self.quantization_reason.value}) on {self.kernel}")
 
 
-def resolve_plan(dtype: str, quantization: str, *, source: str, caps: CpuCaps) -> WeightPlan:
+def resolve_plan(dtype: str, quantization: str, *, source: str, caps: CpuCaps, kernel: str = "auto") -> WeightPlan:
     """The served dtype and weight format (the policy in the module docstring). `source` is what the
-    model's projections ship as: ``q4`` (GGUF Q4_0/Q4_1), ``q8`` (GGUF Q8_0) or ``dense``."""
+    model's projections ship as: ``q4`` (GGUF Q4_0/Q4_1), ``q8`` (GGUF Q8_0) or ``dense``. `kernel`: what
+    computes quantized projections (auto | blockq | torch); blockq where it did not load is torch."""
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}")
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}")
+    if kernel not in KERNEL_CHOICES:
+        raise ValueError(f"quantization kernel must be one of {', '.join(KERNEL_CHOICES)}")
     if quantization != "auto":
         quant, q_reason = quantization, QuantReason.REQUESTED
     elif dtype in ("float32", "float16"):
@@ -163,13 +180,18 @@ def resolve_plan(dtype: str, quantization: str, *, source: str, caps: CpuCaps) -
         quant, q_reason = "int8", QuantReason.GGUF_Q8
     else:
         quant, q_reason = "none", QuantReason.DENSE_MODEL
+    # blockq serves quantized weights wherever it loaded, except the exact mode: float32 (or float16)
+    # asked for together with a quantized format keeps torch's kernels, which dequantize the GGUF's
+    # blocks exactly (int8 activations would round them).
+    exact = dtype in ("float32", "float16") and quantization != "auto" and kernel == "auto"
+    kernel = f"blockq_{caps.blockq}" if quant != "none" and caps.blockq and kernel != "torch" and not exact else "torch"
     if dtype != "auto":
-        return WeightPlan(dtype, DtypeReason.REQUESTED, quant, q_reason)
-    if quant != "none":
+        return WeightPlan(dtype, DtypeReason.REQUESTED, quant, q_reason, kernel)
+    if quant != "none" and kernel == "torch":
         return WeightPlan("bfloat16", DtypeReason.QUANTIZED_KERNEL, quant, q_reason)
     if caps.native_bf16:
-        return WeightPlan("bfloat16", DtypeReason.NATIVE_BF16, quant, q_reason)
-    return WeightPlan("float32", DtypeReason.NO_NATIVE_BF16, quant, q_reason)
+        return WeightPlan("bfloat16", DtypeReason.NATIVE_BF16, quant, q_reason, kernel)
+    return WeightPlan("float32", DtypeReason.NO_NATIVE_BF16, quant, q_reason, kernel)
 
 
 class LinearLike(Protocol):
@@ -206,7 +228,10 @@ class WeightBuilder:
     @property
     def label(self) -> str:
         """What was built, e.g. ``int4[q4_1]+int8[q8_0]`` or ``dense``: the prefix cache's seed part."""
-        return f"{self.plan.quantization}[{','.join(sorted(self._origins))}]" if self._origins else "dense"
+        if not self._origins:
+            return "dense"
+        # blockq rounds activations to int8: other numerics than torch's kernels, so other KV.
+        return f"{self.plan.quantization}{'a8' if self.plan.blockq else ''}[{','.join(sorted(self._origins))}]"
 
     def _dense(self, name: str) -> torch.Tensor:
         if self._gguf is not None and name in self._gguf:
@@ -237,8 +262,13 @@ class WeightBuilder:
                                                            for n in names):
             parts = [self._gguf[n].int4_parts() for n in names]
             self._origins.update(self._gguf[n].kind.lower() for n in names)
-            return Int4Linear(*(torch.cat(p) for p in zip(*parts)), dtype=self.dtype, bias=b)
+            q4, scale, zero = (torch.cat(p) for p in zip(*parts))
+            if self.plan.blockq:  # w = (q - 8) * scale + zero = q * scale + (zero - 8 * scale): Q4_1's d, m
+                return BlockLinear.q4(q4, scale, zero - 8 * scale, dtype=self.dtype, bias=b)
+            return Int4Linear(q4, scale, zero, dtype=self.dtype, bias=b)
         w = torch.cat([self._dense(n) for n in names])
+        if q in ("int4", "int8") and self.plan.blockq:
+            return BlockLinear.from_dense(w, "q4" if q == "int4" else "q8", dtype=self.dtype, bias=b)
         if q == "int4":
             return Int4Linear.from_dense(w, dtype=self.dtype, bias=b)
         if q == "int8":
@@ -258,9 +288,10 @@ class WeightBuilder:
             return self._dense(name)
         return None
 
-    def embed_and_head(self, tied: bool) -> tuple[torch.Tensor | Int8Embedding, LinearLike]:
+    def embed_and_head(self, tied: bool) -> tuple[torch.Tensor | Int8Embedding | BlockEmbedding, LinearLike]:
         """The embedding table (row lookups) and the LM head; one shared table when tied."""
-        if self.plan.quantization != "none" and (table32 := self._exact_table("model.embed_tokens.weight")) is not None:
+        if (self.plan.quantization != "none" and not self.plan.blockq
+                and (table32 := self._exact_table("model.embed_tokens.weight")) is not None):
             head32 = table32 if tied else self._exact_table("lm_head.weight")
             if head32 is not None:
                 return table32.contiguous(), Linear(head32.contiguous(), pack=False)
@@ -268,6 +299,9 @@ class WeightBuilder:
             embed = _aligned(self._dense("model.embed_tokens.weight").to(self.dtype).contiguous())
             head = embed if tied else _aligned(self._dense("lm_head.weight").to(self.dtype).contiguous())
             return embed, Linear(head, pack=self.pack)
+        if self.plan.blockq:  # Q8 per 32 (a GGUF's Q8_0 blocks as they are)
+            btable = self._q8_blocks("model.embed_tokens.weight")
+            return btable.embedding(), btable if tied else self._q8_blocks("lm_head.weight")
         table = self._int8("model.embed_tokens.weight")
         qhead = table if tied else self._int8("lm_head.weight")
         return table.embedding(), qhead
@@ -278,6 +312,13 @@ class WeightBuilder:
         checkpoint twice. `label` and `plan` stay."""
         self._state = None
         self._gguf = None
+
+    def _q8_blocks(self, name: str) -> BlockLinear:
+        """A table in blockq's Q8 blocks: the GGUF's Q8_0 blocks where it has them, else quantized now."""
+        if self._gguf is not None and name in self._gguf and (blocks := self._gguf[name].q8_blocks()) is not None:
+            self._origins.add(self._gguf[name].kind.lower())
+            return BlockLinear.q8(*blocks, dtype=self.dtype)
+        return BlockLinear.from_dense(self._dense(name), "q8", dtype=self.dtype)
 
     def _int8(self, name: str) -> Int8Linear:
         """A per-channel int8 table: as prepared (data_plane/shard/engines/prepared_weights.py) or quantized now."""

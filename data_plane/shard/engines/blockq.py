@@ -1,0 +1,281 @@
+"""Block-quantized linear layers on a small C kernel: int4/int8 weights x int8 activations (llama.cpp's way).
+
+    lib = blockq.load()                                  # None where it cannot be built or fails its self-check
+    lin = BlockLinear.q4(q, d, m, dtype=torch.bfloat16)  # GGUF Q4_1 blocks as they are: w = q * d + m
+    lin = BlockLinear.q8(q, d, dtype=torch.float32)      # GGUF Q8_0 blocks as they are: w = q * d
+    lin = BlockLinear.from_dense(w, "q4", dtype=...)     # quantized at load, per 32 (Q4_1's / Q8_0's rule)
+    y = lin(x); x = lin.add(h, x)                        # as packed_linear.Linear (the residual add fused)
+    emb = lin.embedding(); rows = emb[ids]               # a tied table's lookups over the same bytes
+
+Why: torch's weight-only CPU kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`,
+quant_linear.py) convert every weight to float and multiply in float, once per row of the batch:
+at one row they are compute-bound, not memory-bound, and their cost grows linearly with rows (a
+576 -> 1536 projection: 23 us at 1 row, 160 at 16, 318 at 32 on an Intel Xeon with avx512_bf16,
+docs/BENCHMARKS.md), which makes a speculative verify pass or a 16-stream step cost nearly as many
+decode steps. This kernel (native/blockq.c) quantizes the activations to int8 per block of 32, as
+llama.cpp does, and takes integer dot products: VNNI's `dpbusd` multiplies 64 weight-activation pairs
+an instruction (AVX2: `maddubs` + `madd`), and each weight block is unpacked once per tile of 16
+output columns and reused for every row of the batch.
+
+Built at first use with the system C compiler (~1 s) into ~/.cache/switchboard/kernels, keyed by the
+source, the compiler and its flags; the path (AVX512-VNNI, AVX2 or portable C) is chosen at run time
+from the CPU (`blockq_best_isa`), overridable with SWITCHBOARD_BLOCKQ_ISA=avx512_vnni|avx2|portable.
+OpenMP threads come from the runtime torch already loaded (libgomp.so.1), `torch.get_num_threads()`
+of them per call. Every path computes the same integers and the same float operations in the same
+order, so output is bit-identical across paths, thread counts and batch compositions: a row's
+logits do not depend on the other rows (the batch invariance fp32 dense has; tests hold both).
+Numerics: the activations' int8 rounding (relative ~0.4 % per block) is what llama.cpp serves with;
+`switchboard bench quality` measures it against float32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native") / "blockq.c"
+FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-std=c11")
+NT, QK = 16, 32
+"""Output columns per tile, weights per block along K (native/blockq.c's layout)."""
+FORMATS = {"q4": 0, "q8": 1}
+ISAS = {"portable": 0, "avx2": 1, "avx512_vnni": 2}
+_ISA_NAMES = {v: k for k, v in ISAS.items()}
+
+
+class Kernel:
+    """The loaded library and the path it runs on this CPU."""
+
+    def __init__(self, lib: ctypes.CDLL, isa: int) -> None:
+        self.lib, self.isa = lib, isa
+        self.gemm = lib.blockq_gemm
+        self.gemm.restype = ctypes.c_int
+        i, p = ctypes.c_int, ctypes.c_void_p
+        self.gemm.argtypes = [i, i, p, i, i, p, i, i, p, p, i, i, p, ctypes.c_float]
+        self.rows = lib.blockq_rows
+        self.rows.restype = ctypes.c_int
+        self.rows.argtypes = [i, p, i, i, p, i, p, i]
+
+    @property
+    def isa_name(self) -> str:
+        return _ISA_NAMES[self.isa]
+
+
+_kernel: Kernel | None = None
+_tried = False
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SWITCHBOARD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "switchboard")
+    return Path(root) / "kernels"
+
+
+def _compile(cc: str) -> Path:
+    """The shared library for this source, compiler and flags: built once (atomically: several
+    processes may start at once), then reused."""
+    version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    out = cache_dir() / f"blockq-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load() -> Kernel | None:
+    """The kernel, built and self-checked once per process; None (logged) where there is no C
+    compiler, the build fails or the CPU path disagrees with the portable one."""
+    global _kernel, _tried
+    if _tried:
+        return _kernel
+    _tried = True
+    if os.environ.get("SWITCHBOARD_BLOCKQ", "1") == "0":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("blockq: no C compiler: the torch weight-only kernels serve quantized weights")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_compile(cc)))
+        best = int(lib.blockq_best_isa())
+        wanted = os.environ.get("SWITCHBOARD_BLOCKQ_ISA")
+        isa = min(best, ISAS[wanted]) if wanted in ISAS else best
+        kernel = Kernel(lib, isa)
+        _self_check(kernel)
+    except (OSError, subprocess.SubprocessError, AssertionError, KeyError) as exc:
+        log.warning("blockq: unavailable (%s): the torch weight-only kernels serve quantized weights", exc)
+        return None
+    _kernel = kernel
+    return kernel
+
+
+def _self_check(kernel: Kernel) -> None:
+    """The CPU path gives the portable path's bits and the dequantized GEMM's values (small shapes)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 64, generator=g)
+    x = torch.randn(3, 64, generator=g)
+    for fmt in FORMATS:
+        lin = BlockLinear.from_dense(w, fmt, dtype=torch.float32, kernel=kernel)
+        y = lin(x)
+        ref = x @ lin.dequantize().T
+        assert (y - ref).abs().max() <= 0.05 * ref.abs().max(), f"{fmt}: off the dequantized GEMM"
+        lin.isa = ISAS["portable"]
+        assert torch.equal(y, lin(x)), f"{fmt}: {kernel.isa_name} differs from the portable path"
+
+
+def _check(n: int, k: int) -> None:
+    if n % NT or k % QK:
+        raise ValueError(f"block layers need N % {NT} == 0 and K % {QK} == 0 (got {n} x {k})")
+
+
+def _fp16_bytes(t: torch.Tensor) -> torch.Tensor:
+    """[T, nb, 16] float -> [T, nb, 32] uint8 (fp16 little-endian)."""
+    return t.to(torch.float16).contiguous().view(torch.uint8)
+
+
+def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """q [N, K] in 0..15, d and m [N, K/32] (w = q * d + m) -> the kernel's tiles, uint8."""
+    n, k = q.shape
+    _check(n, k)
+    t, nb = n // NT, k // QK
+    g = q.to(torch.uint8).reshape(t, NT, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [T, nb, quad, col, 4]
+    nib = (g[:, :, :4] | (g[:, :, 4:] << 4)).reshape(t, nb, 256)
+    dd = _fp16_bytes(d.reshape(t, NT, nb).permute(0, 2, 1))
+    mm = _fp16_bytes(m.reshape(t, NT, nb).permute(0, 2, 1))
+    return torch.cat([nib, dd, mm], dim=-1).reshape(-1).contiguous()
+
+
+def pack_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """q [N, K] in -128..127, d [N, K/32] (w = q * d) -> the kernel's tiles, uint8 (q stored + 128)."""
+    n, k = q.shape
+    _check(n, k)
+    t, nb = n // NT, k // QK
+    u = (q.to(torch.int16) + 128).to(torch.uint8).reshape(t, NT, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, nb, 512)
+    return torch.cat([u, _fp16_bytes(d.reshape(t, NT, nb).permute(0, 2, 1))], dim=-1).reshape(-1).contiguous()
+
+
+def quantize(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:
+    """GGUF's rules per block of 32 along K: Q4_1 (min..max in 16 levels: q, d, m) or Q8_0 (q, d);
+    the scales rounded to fp16 first, as the GGUF stores them."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // QK, QK)
+    if fmt == "q4":
+        lo, hi = g.amin(-1), g.amax(-1)
+        d = ((hi - lo) / 15).half().float()
+        m = lo.half().float()
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = ((g - m.unsqueeze(-1)) * inv.unsqueeze(-1)).round().clamp(0, 15)
+        return q.reshape(n, k), d, m
+    d = (g.abs().amax(-1) / 127).half().float()
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (g * inv.unsqueeze(-1)).round().clamp(-127, 127).reshape(n, k).to(torch.int8), d
+
+
+class BlockLinear:
+    """y = x @ W.T (+ b) with W in the kernel's blocks; x float32 or bf16, [T, K] (or [..., K])."""
+
+    packed = False
+
+    def __init__(self, fmt: str, tiles: torch.Tensor, n: int, k: int, *, dtype: torch.dtype,
+                 bias: torch.Tensor | None = None, kernel: Kernel | None = None) -> None:
+        _check(n, k)
+        kern = kernel or load()
+        if kern is None:
+            raise RuntimeError("the blockq kernel is not available on this machine")
+        self.kernel, self.isa = kern, kern.isa
+        self.fmt, self.code = fmt, FORMATS[fmt]
+        self.w = tiles
+        self.out_features, self.in_features, self.numel = n, k, n * k
+        self.dtype = dtype
+        self.bias = bias
+        self.nbytes = tiles.numel()
+
+    @classmethod
+    def q4(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, **kw) -> BlockLinear:  # type: ignore[no-untyped-def]
+        n, k = q.shape
+        return cls("q4", pack_q4(q, d, m), n, k, **kw)
+
+    @classmethod
+    def q8(cls, q: torch.Tensor, d: torch.Tensor, **kw) -> BlockLinear:  # type: ignore[no-untyped-def]
+        n, k = q.shape
+        return cls("q8", pack_q8(q, d), n, k, **kw)
+
+    @classmethod
+    def from_dense(cls, w: torch.Tensor, fmt: str, **kw) -> BlockLinear:  # type: ignore[no-untyped-def]
+        return cls.q4(*quantize(w, "q4"), **kw) if fmt == "q4" else cls.q8(*quantize(w, "q8"), **kw)
+
+    def _run(self, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor | None = None,
+             eps: float = 0.0) -> torch.Tensor:
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        m = rows.shape[0]
+        y = torch.empty(m, self.out_features, dtype=rows.dtype)
+        res = None
+        if residual is not None:
+            res = residual.reshape(m, self.out_features).to(rows.dtype).contiguous()
+        bf16 = rows.dtype == torch.bfloat16
+        if m and self.kernel.gemm(self.code, self.isa, self.w.data_ptr(), self.out_features, self.in_features,
+                                  rows.data_ptr(), bf16, m, None if res is None else res.data_ptr(),
+                                  y.data_ptr(), bf16, torch.get_num_threads(),
+                                  None if norm is None else norm.data_ptr(), eps):
+            raise RuntimeError("blockq_gemm failed")
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._run(x, None)
+        return y if self.bias is None else y + self.bias
+
+    def normed(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """(x * w / sqrt(mean(x^2) + eps)) @ W.T (+ b): the RMSNorm before a projection, in the kernel
+        (float32, never rounded to the activation dtype). `w` in x's dtype, contiguous."""
+        y = self._run(x, None, w, eps)
+        return y if self.bias is None else y + self.bias
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x @ W.T (+ b): the add in the kernel's float32, rounded once."""
+        if self.bias is not None:
+            return residual + self(x)
+        return self._run(x, residual)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] the kernel's blocks hold (tests; never on a serving path)."""
+        return BlockEmbedding(self, torch.float32)[torch.arange(self.out_features)]
+
+    def embedding(self) -> BlockEmbedding:
+        """Row lookups over these very bytes (a tied LM head and embedding are stored once)."""
+        return BlockEmbedding(self, self.dtype)
+
+
+class BlockEmbedding:
+    """`emb[ids]` -> [len(ids), K] rows of the table, dequantized to the serving dtype."""
+
+    def __init__(self, table: BlockLinear, dtype: torch.dtype) -> None:
+        self.table, self.dtype = table, dtype
+        self.nbytes = table.nbytes
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        t = self.table
+        flat = ids.reshape(-1).to(torch.long).contiguous()
+        out = torch.empty(flat.numel(), t.in_features, dtype=self.dtype)
+        if flat.numel() and t.kernel.rows(t.code, t.w.data_ptr(), t.out_features, t.in_features, flat.data_ptr(),
+                                          flat.numel(), out.data_ptr(), self.dtype == torch.bfloat16):
+            raise IndexError("token id out of the table's range")
+        return out.view(*ids.shape, t.in_features)

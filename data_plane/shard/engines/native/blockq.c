@@ -1,0 +1,419 @@
+/* Block-quantized GEMM for the torch engine's decode, verify and prefill passes: int4/int8 weights in
+ * blocks of 32 along K (GGUF's Q4_1 / Q8_0 rules) times activations quantized to int8 per block of 32
+ * (llama.cpp's Q8 activations), integer dot products, float32 accumulation.
+ *
+ * Built and loaded by data_plane/shard/engines/blockq.py (its docstring says why and what it measured).
+ *
+ * Weight layout: N output columns in tiles of NT = 16; tile t holds, for each block b of 32 along K,
+ *   Q4: 256 bytes of nibbles, 16 fp16 scales d, 16 fp16 mins m            (w = q * d + m, q in 0..15)
+ *   Q8: 512 bytes q + 128 (uint8), 16 fp16 scales d                     (w = q * d, q in -127..127)
+ * The 32 weights of column j in block b are 8 "quads" of 4 consecutive k; quad g of column j is the
+ * 4 bytes at offset 64 * g + 4 * j (Q8), or the low (g < 4) / high (g >= 4) nibbles of the 4 bytes at
+ * 64 * (g % 4) + 4 * j (Q4). So one 64-byte load gives quad g of all 16 columns: one dot-product
+ * instruction per quad (VNNI's dpbusd: 4 u8 x s8 products summed into each int32 lane).
+ *
+ * Every path (AVX512-VNNI, AVX2, portable C) computes the same integer dot per (row, column, block)
+ * exactly and the same float operations in the same order (explicit fmaf, -ffp-contract=off), so the
+ * output does not depend on the CPU path, the thread count, or the other rows of the batch. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define NT 16
+#define QK 32
+#define FMT_Q4 0
+#define FMT_Q8 1
+#define ISA_SCALAR 0
+#define ISA_AVX2 1
+#define ISA_VNNI 2
+
+static int block_bytes(int fmt) { return fmt == FMT_Q4 ? 256 + 64 : 512 + 32; }
+
+static float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static float f16_to_f32(uint16_t h) { /* exact, as F16C's vcvtph2ps */
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else { /* subnormal: normalize */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            u = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else {
+        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Activations: each row's blocks of 32 as int8 q (round to nearest even of x * 127 / amax), the scale
+ * d = amax / 127, the integer sum of q and s = d * sum (the min term of Q4). */
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+    int32_t *sum;
+} QRows;
+
+static float load_f32(const void *p, int bf16, size_t at) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[at]) : ((const float *)p)[at];
+}
+
+/* With `norm_w`, each row is first RMS-normalized and scaled: x * w / sqrt(mean(x^2) + eps) (the
+ * Llama block's norm before a projection, fused: no normalized copy is written). `row` is scratch
+ * for k floats. */
+static void quantize_rows(const void *x, int x_bf16, int m, int k, const void *norm_w, float eps, float *row,
+                          QRows *out) {
+    int nb = k / QK;
+    for (int r = 0; r < m; r++) {
+        for (int i = 0; i < k; i++) row[i] = load_f32(x, x_bf16, (size_t)r * k + i);
+        if (norm_w) {
+            float ss = 0.f;
+            for (int i = 0; i < k; i++) ss += row[i] * row[i];
+            float inv = 1.f / sqrtf(ss / (float)k + eps);
+            for (int i = 0; i < k; i++) row[i] = row[i] * inv * load_f32(norm_w, x_bf16, (size_t)i);
+        }
+        for (int b = 0; b < nb; b++) {
+            float v[QK], amax = 0.f;
+            for (int i = 0; i < QK; i++) {
+                v[i] = row[b * QK + i];
+                float a = fabsf(v[i]);
+                amax = a > amax ? a : amax;
+            }
+            float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+            int32_t sum = 0;
+            int8_t *q = out->q + (size_t)r * k + (size_t)b * QK;
+            for (int i = 0; i < QK; i++) {
+                /* round to nearest even by the 1.5 * 2^23 trick (|v * id| <= 127): no libm call */
+                int qi = (int)((v[i] * id + 12582912.f) - 12582912.f);
+                qi = qi > 127 ? 127 : (qi < -127 ? -127 : qi);
+                q[i] = (int8_t)qi;
+                sum += qi;
+            }
+            out->d[r * nb + b] = d;
+            out->sum[r * nb + b] = sum;
+            out->s[r * nb + b] = d * (float)sum;
+        }
+    }
+}
+
+/* acc (16 columns of one row) written to y: + residual, then the output dtype. */
+static void store_row(const float *acc, int r, int n0, int n, const void *res, void *y, int y_bf16) {
+    for (int j = 0; j < NT; j++) {
+        size_t at = (size_t)r * n + n0 + j;
+        float v = acc[j];
+        if (res) v += y_bf16 ? bf16_to_f32(((const uint16_t *)res)[at]) : ((const float *)res)[at];
+        if (y_bf16)
+            ((uint16_t *)y)[at] = f32_to_bf16(v);
+        else
+            ((float *)y)[at] = v;
+    }
+}
+
+/* The portable path: the reference the SIMD paths match bit for bit. */
+static void tile_scalar(int fmt, const uint8_t *tw, int nb, const QRows *x, int k, int r0, int r1, int n0, int n,
+                        const void *res, void *y, int y_bf16) {
+    int bb = block_bytes(fmt);
+    for (int r = r0; r < r1; r++) {
+        float acc[NT] = {0};
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *p = tw + (size_t)b * bb;
+            const int8_t *xq = x->q + (size_t)r * k + (size_t)b * QK;
+            float dx = x->d[r * nb + b];
+            for (int j = 0; j < NT; j++) {
+                int32_t dot = 0;
+                for (int g = 0; g < 8; g++) {
+                    for (int i = 0; i < 4; i++) {
+                        int w;
+                        if (fmt == FMT_Q4) {
+                            uint8_t byte = p[64 * (g & 3) + 4 * j + i];
+                            w = g < 4 ? (byte & 0xf) : (byte >> 4);
+                        } else {
+                            w = (int)p[64 * g + 4 * j + i] - 128;
+                        }
+                        dot += w * xq[4 * g + i];
+                    }
+                }
+                const uint16_t *hd = (const uint16_t *)(p + (fmt == FMT_Q4 ? 256 : 512));
+                float t = f16_to_f32(hd[j]) * dx;
+                acc[j] = fmaf((float)dot, t, acc[j]);
+                if (fmt == FMT_Q4) acc[j] = fmaf(f16_to_f32(hd[NT + j]), x->s[r * nb + b], acc[j]);
+            }
+        }
+        store_row(acc, r, n0, n, res, y, y_bf16);
+    }
+}
+
+#if defined(__x86_64__)
+
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+/* 8 float32 lanes -> y at `at` (+ res), as store_row does it: bf16 by round to nearest even, NaN quieted. */
+AVX2_TARGET static inline void avx2_store8(__m256 v, size_t at, const void *res, void *y, int y_bf16) {
+    if (y_bf16) {
+        if (res) {
+            __m256i r16 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)res + at)));
+            v = _mm256_add_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(r16, 16)));
+        }
+        __m256i u = _mm256_castps_si256(v);
+        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+        __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+        __m256i b = _mm256_blendv_epi8(rounded, quiet, nan);
+        __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+        _mm_storeu_si128((__m128i *)((uint16_t *)y + at), packed);
+    } else {
+        if (res) v = _mm256_add_ps(v, _mm256_loadu_ps((const float *)res + at));
+        _mm256_storeu_ps((float *)y + at, v);
+    }
+}
+
+/* AVX2: 16 columns as two 8-lane halves; u8 x s8 pairs with maddubs, pairs of pairs with madd. Q8
+ * weights are made signed again (xor 0x80) and multiplied as |w| x sign(x, w) (maddubs takes one
+ * unsigned operand; |w| <= 127 keeps its int16 pair sums exact). */
+AVX2_TARGET static inline void avx2_rows(int fmt, const uint8_t *tw, int nb, const QRows *x, int k, int r0, int rt,
+                                         int n0, int n, const void *res, void *y, int y_bf16) {
+    int bb = block_bytes(fmt);
+    __m256 acc[4][2];
+    for (int a = 0; a < 4; a++) acc[a][0] = acc[a][1] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *p = tw + (size_t)b * bb;
+        __m256i w[8][2];
+        if (fmt == FMT_Q4) {
+            for (int c = 0; c < 4; c++)
+                for (int h = 0; h < 2; h++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * c + 32 * h));
+                    w[c][h] = _mm256_and_si256(v, low);
+                    w[c + 4][h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                }
+        } else {
+            for (int g = 0; g < 8; g++)
+                for (int h = 0; h < 2; h++)
+                    w[g][h] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 64 * g + 32 * h)), flip);
+        }
+        const uint16_t *hd = (const uint16_t *)(p + (fmt == FMT_Q4 ? 256 : 512));
+        __m256 dw[2], mw[2];
+        for (int h = 0; h < 2; h++) {
+            dw[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hd + 8 * h)));
+            mw[h] = fmt == FMT_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hd + NT + 8 * h)))
+                                  : _mm256_setzero_ps();
+        }
+        for (int a = 0; a < rt; a++) {
+            int r = r0 + a;
+            const int32_t *xq = (const int32_t *)(x->q + (size_t)r * k + (size_t)b * QK);
+            __m256 t = _mm256_set1_ps(x->d[r * nb + b]), s = _mm256_set1_ps(x->s[r * nb + b]);
+            for (int h = 0; h < 2; h++) {
+                __m256i dot = _mm256_setzero_si256();
+                for (int g = 0; g < 8; g++) {
+                    __m256i xv = _mm256_set1_epi32(xq[g]), pr;
+                    if (fmt == FMT_Q4)
+                        pr = _mm256_maddubs_epi16(w[g][h], xv);
+                    else
+                        pr = _mm256_maddubs_epi16(_mm256_abs_epi8(w[g][h]), _mm256_sign_epi8(xv, w[g][h]));
+                    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pr, ones));
+                }
+                __m256 tt = _mm256_mul_ps(dw[h], t);
+                acc[a][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), tt, acc[a][h]);
+                if (fmt == FMT_Q4) acc[a][h] = _mm256_fmadd_ps(mw[h], s, acc[a][h]);
+            }
+        }
+    }
+    for (int a = 0; a < rt; a++)
+        for (int h = 0; h < 2; h++) avx2_store8(acc[a][h], (size_t)(r0 + a) * n + n0 + 8 * h, res, y, y_bf16);
+}
+
+VNNI_TARGET static inline void vnni_store16(__m512 v, size_t at, const void *res, void *y, int y_bf16) {
+    if (y_bf16) {
+        if (res) {
+            __m512i r16 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)res + at)));
+            v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(r16, 16)));
+        }
+        __m512i u = _mm512_castps_si512(v);
+        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+        __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+        __m512i b = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)y + at), _mm512_cvtepi32_epi16(b));
+    } else {
+        if (res) v = _mm512_add_ps(v, _mm512_loadu_ps((const float *)res + at));
+        _mm512_storeu_ps((float *)y + at, v);
+    }
+}
+
+/* AVX512-VNNI: 16 columns in one register; dpbusd sums 4 u8 x s8 products into each int32 lane. Q8
+ * weights are stored + 128 (unsigned), so dpbusd gives dot + 128 * sum(x q), corrected exactly. */
+VNNI_TARGET static inline void vnni_rows(int fmt, const uint8_t *tw, int nb, const QRows *x, int k, int r0, int rt,
+                                         int n0, int n, const void *res, void *y, int y_bf16) {
+    int bb = block_bytes(fmt);
+    __m512 acc[4];
+    for (int a = 0; a < 4; a++) acc[a] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *p = tw + (size_t)b * bb;
+        __m512i w[8];
+        if (fmt == FMT_Q4) {
+            for (int c = 0; c < 4; c++) {
+                __m512i v = _mm512_loadu_si512((const void *)(p + 64 * c));
+                w[c] = _mm512_and_si512(v, low);
+                w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+        } else {
+            for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512((const void *)(p + 64 * g));
+        }
+        const uint16_t *hd = (const uint16_t *)(p + (fmt == FMT_Q4 ? 256 : 512));
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hd));
+        __m512 mw = fmt == FMT_Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hd + NT))) : _mm512_setzero_ps();
+        for (int a = 0; a < rt; a++) {
+            int r = r0 + a;
+            const int32_t *xq = (const int32_t *)(x->q + (size_t)r * k + (size_t)b * QK);
+            /* four independent chains: dpbusd's latency (~5 cycles) would otherwise bound the loop */
+            __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(xq[0]));
+            __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(xq[1]));
+            __m512i d2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2], _mm512_set1_epi32(xq[2]));
+            __m512i d3 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[3], _mm512_set1_epi32(xq[3]));
+            d0 = _mm512_dpbusd_epi32(d0, w[4], _mm512_set1_epi32(xq[4]));
+            d1 = _mm512_dpbusd_epi32(d1, w[5], _mm512_set1_epi32(xq[5]));
+            d2 = _mm512_dpbusd_epi32(d2, w[6], _mm512_set1_epi32(xq[6]));
+            d3 = _mm512_dpbusd_epi32(d3, w[7], _mm512_set1_epi32(xq[7]));
+            __m512i dot = _mm512_add_epi32(_mm512_add_epi32(d0, d1), _mm512_add_epi32(d2, d3));
+            if (fmt == FMT_Q8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * x->sum[r * nb + b]));
+            __m512 tt = _mm512_mul_ps(dw, _mm512_set1_ps(x->d[r * nb + b]));
+            acc[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), tt, acc[a]);
+            if (fmt == FMT_Q4) acc[a] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x->s[r * nb + b]), acc[a]);
+        }
+    }
+    for (int a = 0; a < rt; a++) vnni_store16(acc[a], (size_t)(r0 + a) * n + n0, res, y, y_bf16);
+}
+
+/* One function per (path, tile rows) so the row loop is unrolled with its accumulators in registers. */
+AVX2_TARGET static void avx2_tile(int fmt, const uint8_t *tw, int nb, const QRows *x, int k, int m, int n0, int n,
+                                  const void *res, void *y, int y_bf16) {
+    int r = 0;
+    for (; r + 4 <= m; r += 4) avx2_rows(fmt, tw, nb, x, k, r, 4, n0, n, res, y, y_bf16);
+    for (; r < m; r++) avx2_rows(fmt, tw, nb, x, k, r, 1, n0, n, res, y, y_bf16);
+}
+
+VNNI_TARGET static void vnni_tile(int fmt, const uint8_t *tw, int nb, const QRows *x, int k, int m, int n0, int n,
+                                  const void *res, void *y, int y_bf16) {
+    int r = 0;
+    for (; r + 4 <= m; r += 4) vnni_rows(fmt, tw, nb, x, k, r, 4, n0, n, res, y, y_bf16);
+    for (; r < m; r++) vnni_rows(fmt, tw, nb, x, k, r, 1, n0, n, res, y, y_bf16);
+}
+#endif
+
+static int detect_isa(void) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        return ISA_VNNI;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return ISA_AVX2;
+#endif
+    return ISA_SCALAR;
+}
+
+/* The best path this CPU runs (2 AVX512-VNNI, 1 AVX2, 0 portable C). */
+int blockq_best_isa(void) { return detect_isa(); }
+
+/* y[m, n] = norm(x[m, k]) @ W.T (+ res), W in `fmt` tiles; x, norm_w, res, y float32 or bf16 (uint16);
+ * norm_w NULL: no norm. `isa` must not exceed blockq_best_isa(). Returns 0, or -1 on a bad shape or
+ * allocation failure. */
+int blockq_gemm(int fmt, int isa, const uint8_t *w, int n, int k, const void *x, int x_bf16, int m, const void *res,
+                void *y, int y_bf16, int threads, const void *norm_w, float eps) {
+    if (n % NT || k % QK || m <= 0) return -1;
+    int nb = k / QK, tiles = n / NT;
+    size_t tile_bytes = (size_t)nb * block_bytes(fmt);
+    QRows q;
+    q.q = (int8_t *)malloc((size_t)m * k);
+    q.d = (float *)malloc(sizeof(float) * (size_t)m * nb);
+    q.s = (float *)malloc(sizeof(float) * (size_t)m * nb);
+    q.sum = (int32_t *)malloc(sizeof(int32_t) * (size_t)m * nb);
+    float *row = (float *)malloc(sizeof(float) * (size_t)k);
+    if (!q.q || !q.d || !q.s || !q.sum || !row) {
+        free(q.q); free(q.d); free(q.s); free(q.sum); free(row);
+        return -1;
+    }
+    quantize_rows(x, x_bf16, m, k, norm_w, eps, row, &q);
+    free(row);
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        const uint8_t *tw = w + (size_t)t * tile_bytes;
+#if defined(__x86_64__)
+        if (isa == ISA_VNNI) {
+            vnni_tile(fmt, tw, nb, &q, k, m, t * NT, n, res, y, y_bf16);
+            continue;
+        }
+        if (isa == ISA_AVX2) {
+            avx2_tile(fmt, tw, nb, &q, k, m, t * NT, n, res, y, y_bf16);
+            continue;
+        }
+#endif
+        tile_scalar(fmt, tw, nb, &q, k, 0, m, t * NT, n, res, y, y_bf16);
+    }
+    free(q.q); free(q.d); free(q.s); free(q.sum);
+    return 0;
+}
+
+/* Rows `ids` of W dequantized (the tied embedding's lookups): out[len(ids), k], float32 or bf16. */
+int blockq_rows(int fmt, const uint8_t *w, int n, int k, const int64_t *ids, int count, void *out, int out_bf16) {
+    if (n % NT || k % QK) return -1;
+    int nb = k / QK, bb = block_bytes(fmt);
+    size_t tile_bytes = (size_t)nb * bb;
+    for (int i = 0; i < count; i++) {
+        int64_t id = ids[i];
+        if (id < 0 || id >= n) return -1;
+        int t = (int)(id / NT), j = (int)(id % NT);
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *p = w + (size_t)t * tile_bytes + (size_t)b * bb;
+            const uint16_t *hd = (const uint16_t *)(p + (fmt == FMT_Q4 ? 256 : 512));
+            float d = f16_to_f32(hd[j]), mn = fmt == FMT_Q4 ? f16_to_f32(hd[NT + j]) : 0.f;
+            for (int g = 0; g < 8; g++) {
+                for (int e = 0; e < 4; e++) {
+                    float v;
+                    if (fmt == FMT_Q4) {
+                        uint8_t byte = p[64 * (g & 3) + 4 * j + e];
+                        v = fmaf((float)(g < 4 ? (byte & 0xf) : (byte >> 4)), d, mn);
+                    } else {
+                        v = (float)((int)p[64 * g + 4 * j + e] - 128) * d;
+                    }
+                    size_t at = (size_t)i * k + (size_t)b * QK + 4 * g + e;
+                    if (out_bf16)
+                        ((uint16_t *)out)[at] = f32_to_bf16(v);
+                    else
+                        ((float *)out)[at] = v;
+                }
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,105 @@
+"""The blockq kernel (data_plane/shard/engines/blockq.py, native/blockq.c): every CPU path this machine
+runs gives the portable C path's bits; rows do not depend on the batch or the thread count; the weight
+layout holds the GGUF's blocks exactly; the policy picks it as documented."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from data_plane.shard.engines import blockq
+from data_plane.shard.engines.weight_source import CpuCaps, DtypeReason, resolve_plan
+
+kernel = blockq.load()
+pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler here: blockq is not built")
+PATHS = [isa for name, isa in blockq.ISAS.items() if kernel is not None and isa <= kernel.isa]
+
+
+def _layer(fmt: str, n: int = 48, k: int = 128, dtype: torch.dtype = torch.float32) -> blockq.BlockLinear:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
+    w[:, 5] *= 30  # an outlier channel, as real activations and weights have
+    return blockq.BlockLinear.from_dense(w, fmt, dtype=dtype)
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_cpu_path_gives_the_portable_bits(fmt: str, dtype: torch.dtype) -> None:
+    lin = _layer(fmt, dtype=dtype)
+    g = torch.Generator().manual_seed(2)
+    norm = torch.rand(128, generator=g).to(dtype) + 0.5
+    for m in (1, 3, 4, 7, 16):
+        x = (torch.randn(m, 128, generator=g) * 3).to(dtype)
+        res = torch.randn(m, 48, generator=g).to(dtype)
+        outs = []
+        for isa in PATHS:
+            lin.isa = isa
+            outs.append((lin(x), lin.add(x, res), lin.normed(x, norm, 1e-5)))
+        for other in outs[1:]:
+            for a, b in zip(outs[0], other):
+                assert torch.equal(a, b), (fmt, dtype, m)
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_close_to_the_dequantized_gemm_and_rows_independent_of_the_batch(fmt: str) -> None:
+    lin = _layer(fmt)
+    w = lin.dequantize()
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(3))
+    y = lin(x)
+    ref = x @ w.T
+    # the activations' int8 rounding per block of 32 (llama.cpp's): ~0.4 % of a block's largest value
+    assert (y - ref).abs().max() <= 0.02 * ref.abs().max()
+    torch.set_num_threads(2)
+    batched = lin(x)
+    torch.set_num_threads(1)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(9)])
+    assert torch.equal(batched, alone) and torch.equal(y, alone)
+    # the fused norm and residual agree with doing them outside (float32: the same math, other rounding)
+    norm = torch.rand(128) + 0.5
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm
+    assert torch.allclose(lin.normed(x, norm, 1e-5), lin(normed), rtol=1e-3, atol=1e-3 * ref.abs().max().item())
+    res = torch.randn(9, 48)
+    assert torch.allclose(lin.add(x, res), res + y, atol=1e-5)
+
+
+def test_the_layout_holds_q4_1_and_q8_0_blocks_exactly() -> None:
+    g = torch.Generator().manual_seed(4)
+    q4 = torch.randint(0, 16, (32, 64), generator=g)
+    d = torch.rand(32, 2, generator=g).half().float()
+    m = (torch.rand(32, 2, generator=g) - 0.5).half().float()
+    lin = blockq.BlockLinear.q4(q4, d, m, dtype=torch.float32)
+    expect = (q4.float().view(32, 2, 32) * d.unsqueeze(-1) + m.unsqueeze(-1)).view(32, 64)
+    assert torch.equal(lin.dequantize(), expect)
+    q8 = torch.randint(-128, 128, (32, 64), generator=g, dtype=torch.int8)
+    lin8 = blockq.BlockLinear.q8(q8, d, dtype=torch.bfloat16)
+    table = (q8.float().view(32, 2, 32) * d.unsqueeze(-1)).view(32, 64)
+    assert torch.equal(lin8.dequantize(), table)
+    ids = torch.tensor([[0, 31], [16, 15]])
+    assert torch.equal(lin8.embedding()[ids], table[ids].to(torch.bfloat16))
+    with pytest.raises(IndexError):
+        lin8.embedding()[torch.tensor([32])]
+
+
+def test_shapes_the_tiles_cannot_hold_are_refused() -> None:
+    with pytest.raises(ValueError, match="N % 16"):
+        blockq.BlockLinear.from_dense(torch.randn(20, 64), "q4", dtype=torch.float32)
+
+
+def test_policy_blockq_where_it_loads_torch_for_the_exact_mode() -> None:
+    native = CpuCaps("AVX512", frozenset({"avx512_bf16"}), blockq="avx512_vnni")
+    avx2 = CpuCaps("AVX2", frozenset({"avx2"}), onednn_bf16=False, blockq="avx2")
+    none = CpuCaps("AVX2", frozenset({"avx2"}), onednn_bf16=False)
+    plan = resolve_plan("auto", "auto", source="q4", caps=native)
+    assert (plan.dtype, plan.quantization, plan.kernel) == ("bfloat16", "int4", "blockq_avx512_vnni")
+    # no native bf16: blockq takes float32 activations as fast, so auto follows the CPU
+    plan = resolve_plan("auto", "auto", source="q4", caps=avx2)
+    assert (plan.dtype, plan.dtype_reason, plan.kernel) == ("float32", DtypeReason.NO_NATIVE_BF16, "blockq_avx2")
+    # torch's weight-only kernels need bf16 activations to be fast
+    plan = resolve_plan("auto", "auto", source="q4", caps=none)
+    assert (plan.dtype, plan.dtype_reason, plan.kernel) == ("bfloat16", DtypeReason.QUANTIZED_KERNEL, "torch")
+    # float32 with an explicit format: torch's exact mode, unless blockq is asked for
+    assert resolve_plan("float32", "int4", source="q4", caps=native).kernel == "torch"
+    assert resolve_plan("float32", "int4", source="q4", caps=native, kernel="blockq").kernel == "blockq_avx512_vnni"
+    assert resolve_plan("auto", "auto", source="q4", caps=native, kernel="torch").kernel == "torch"
+    assert resolve_plan("auto", "none", source="q4", caps=native).kernel == "torch"  # dense: no blockq
+    with pytest.raises(ValueError, match="kernel"):
+        resolve_plan("auto", "auto", source="q4", caps=native, kernel="fast")
