@@ -10,8 +10,20 @@
 
 `resolve_plan` is pure (capabilities passed in) and is the whole policy:
 
+kernel auto (``--quantization-kernel``; the plan's ``kernel``)
+  - quantized weights -> blockq (blockq.py: a C kernel built at first use; int8 activations per 32 x the
+    weight blocks, integer dot products, llama.cpp's numerics) wherever it loaded, on the best path the
+    CPU runs (``blockq_avx512_vnni`` / ``blockq_avx2`` / ``blockq_portable``). Measured on an Intel Xeon
+    (avx512_vnni, 2 threads, one 576 -> 1536 projection): 12 / 25 / 76 us at 1 / 4 / 16 rows against
+    torch's int4 kernel's 24 / 45 / 170; a decode step of the default model 11.2 -> 7.7 ms at batch 1.
+    Its cost: int8 activations break more near-ties (`switchboard bench quality`: bf16 +1.50 % perplexity
+    against torch int4's +0.79 %; llama.cpp's greedy text on the same GGUF is what it gives).
+  - the exact mode (float32 or float16 asked for with an explicit quantized format) and machines where it
+    did not build (no C compiler) -> torch's weight-only kernels (below).
+
 dtype auto
-  - a quantized format -> bfloat16 (``quantized_kernel``): torch's int4/int8 CPU kernels are only fast
+  - blockq takes either activation dtype at the same speed: it follows the CPU as dense weights do (below).
+  - a quantized format on torch's kernels -> bfloat16 (``quantized_kernel``): they are only fast
     with bf16 activations (float32: 169 / 75 ms against 27 ms dense for a decode step's GEMMs here).
     Measured again 2026-12-02 (AMD EPYC Zen 4, avx512_bf16, 1 thread, under load, A/B in one run):
     `_weight_int4pack_mm_for_cpu` does take float32 activations (exact: within 1.4e-6 of the
