@@ -151,3 +151,29 @@ def test_verify_passes_count_toward_the_period_but_never_decide() -> None:
     for _ in range(10):  # verify passes 3x slower than the plain median: not contention
         slow.observe(1, 0.105, comparable=False)
     assert slow._probe is None and slow._slow == []
+
+
+def test_a_start_at_every_thread_on_a_host_that_turns_out_busy_drops_to_one_at_once() -> None:
+    """`initial=N` (the host was idle while the model loaded: HostCpu) starts at N; contention then is
+    caught by the collapse rule, as for a tuner that probed its way to N."""
+    host = Host()
+    tuner = make(host, initial=2)
+    seen = run(tuner, host, 20)
+    assert seen[0] == 2 and tuner.threads == 2 and host.changes == [(2, "start")]
+    host.busy = True
+    seen = run(tuner, host, 40)
+    assert seen.index(1) == 3 and tuner.threads == 1
+
+
+def test_host_cpu_counts_other_processes_not_this_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(monotonic s, host busy CPU s, this process's CPU s) samples: others = (busy - own) / wall."""
+    from data_plane.shard.engines.torch_threads import HostCpu
+
+    samples = iter([(10.0, 100.0, 5.0), (12.0, 103.8, 7.0)])  # 2 s: 3.8 s busy, 2.0 s of them ours
+    monkeypatch.setattr(HostCpu, "_read", staticmethod(lambda: next(samples)))
+    assert HostCpu().others_busy() == pytest.approx(0.9)
+    samples = iter([(10.0, 100.0, 5.0), (10.1, 100.1, 5.0)])  # too short a sample to say
+    assert HostCpu().others_busy() is None
+    monkeypatch.undo()
+    sample = HostCpu._read()  # the real reader: a sample where /proc/stat exists, None elsewhere
+    assert sample is None or (len(sample) == 3 and min(sample) >= 0)

@@ -25,7 +25,7 @@ from data_plane.shard.engines.model_files import LoadPhases
 from data_plane.shard.engines.step_listener import StepListener
 from data_plane.shard.engines.torch_config import DTYPES, EngineConfig
 from data_plane.shard.engines.torch_prefix import SlotPrefix
-from data_plane.shard.engines.torch_threads import ThreadTuner
+from data_plane.shard.engines.torch_threads import HostCpu, ThreadTuner
 
 if TYPE_CHECKING:
     from data_plane.shard.engines.llama_runner import LlamaRunner
@@ -86,21 +86,17 @@ def load_model(config: EngineConfig, listener: StepListener, phases: LoadPhases)
     from data_plane.model_store import model_source, served_name
     from data_plane.shard.engines.llama_runner import LlamaRunner
     from data_plane.shard.engines.model_files import load_tokenizer, read_config
-    from data_plane.shard.engines.weight_source import CpuCaps, resolve_plan
+    from data_plane.shard.engines.weight_source import CpuCaps, DtypeReason, resolve_plan
 
     source = model_source(config.model)
     plan = resolve_plan(config.dtype, config.quantization, source=source.kind, caps=CpuCaps.detect(),
                         kernel=config.quantization_kernel)
-    # fp32 is the batch-invariant mode: its numerics must not depend on when a probe switches threads.
-    adaptive = config.adaptive_threads and plan.dtype != "float32"
+    # float32 asked for is the batch-invariant mode: its numerics must not depend on when a probe switches
+    # threads (float32 that auto chose, for a CPU without native bf16, adapts like bf16).
+    adaptive = config.adaptive_threads and not (plan.dtype == "float32" and plan.dtype_reason == DtypeReason.REQUESTED)
     threads = config.threads or auto_threads(adaptive)
     torch.set_num_threads(threads)
-    tuner = None
-    if adaptive and threads > 1:
-        tuner = ThreadTuner(threads, torch.set_num_threads, listener.on_threads)
-        tuner.start()
-    else:
-        listener.on_threads(threads, "start")
+    host = HostCpu()  # what the other processes keep busy while this one loads: the tuner's first count
     started = time.monotonic()
     path = source.path
     print(f"[switchboard] loading model from {source.gguf if plan.quantization != 'none' and source.gguf else path} "
@@ -124,6 +120,14 @@ def load_model(config: EngineConfig, listener: StepListener, phases: LoadPhases)
         path, dtype=DTYPES[plan.dtype], max_num_seqs=config.max_num_seqs, max_len=max_model_len,
         plan=plan, gguf=source.gguf, layer_range=ranges[0] if ranges else None)
     phases.mark("weights")
+    tuner = None
+    if adaptive and threads > 1:
+        busy = host.others_busy()
+        idle = busy is not None and busy + threads <= usable_cores() + 0.5
+        tuner = ThreadTuner(threads, torch.set_num_threads, listener.on_threads, initial=threads if idle else 1)
+        tuner.start()
+    else:
+        listener.on_threads(threads, "start")
     listener.on_weights(plan.dtype, plan.dtype_reason.value, plan.quantization, plan.quantization_reason.value,
                         runner.weight_bytes, plan.kernel)
     eos = hf_config.eos_token_id

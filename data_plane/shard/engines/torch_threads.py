@@ -18,8 +18,11 @@ barrier for a thread the kernel has descheduled (a step 0.3-0.9 s; streamed: 2.9
 one thread). No fixed count is right on a host the shard shares with a gateway, a cache node or
 another shard.
 
-It starts at one thread, the count that cannot collapse: on an idle host the first probe (after a
-second of decode) moves it to N; on a busy one that probe costs one collapsed step.
+It starts at N when the host's other processes left N cores idle while the model loaded (`HostCpu`:
+/proc/stat's busy time less this process's own), else at one thread, the count that cannot collapse;
+a wrong start is corrected by the first probe (after a second of decode, or at once when steps
+collapse). Starting at one thread on an idle host cost a short benchmark ~1.5x its TPOT (measured: the
+bench's 4 requests x 64 tokens spent most of their decode before the first probe).
 
 How: a *probe* runs `probe_steps` decode steps at the other count (after one warm-up step, which is
 not counted) and compares their median step time with the current count's recent median at the same
@@ -39,18 +42,48 @@ counted step is twice as slow as the current median, and the next one waits at l
 from __future__ import annotations
 
 import logging
+import os
 import statistics
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
 
+class HostCpu:
+    """Cores the host's *other* processes kept busy since this object was made (Linux /proc/stat; None
+    elsewhere): the start of a model load to its end is the sample."""
+
+    def __init__(self) -> None:
+        self._start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = f.readline().split()
+        except OSError:
+            return None
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+        own = os.times()
+        tick = os.sysconf("SC_CLK_TCK")
+        return (time.monotonic(), (user + nice + system + irq + softirq + steal) / tick, own.user + own.system)
+
+    def others_busy(self) -> float | None:
+        end = self._read()
+        if self._start is None or end is None or end[0] - self._start[0] < 0.2:
+            return None
+        wall, busy, own = (b - a for a, b in zip(self._start, end))
+        return max(0.0, (busy - own) / wall)
+
+
 class ThreadTuner:
     def __init__(self, max_threads: int, set_threads: Callable[[int], None],
                  on_change: Callable[[int, str], None] | None = None, *, probe_steps: int = 4,
                  period_s: float = 1.0, max_period_s: float = 64.0, margin: float = 0.15,
-                 collapse: float = 3.0, window: int = 16, persist: int = 3, overhead: float = 0.05) -> None:
+                 collapse: float = 3.0, window: int = 16, persist: int = 3, overhead: float = 0.05,
+                 initial: int = 1) -> None:
         if max_threads < 2:
             raise ValueError("a thread tuner needs at least 2 threads to choose from")
         self.max_threads = max_threads
@@ -63,7 +96,7 @@ class ThreadTuner:
         self.collapse = collapse
         self.persist = persist
         self.overhead = overhead
-        self.threads = 1  # the chosen count: the safe one until a probe shows N faster
+        self.threads = initial if initial in (1, max_threads) else 1  # the chosen count
         self.switches = 0
         self._applied = 0  # the count set now
         self._window = window
