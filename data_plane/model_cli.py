@@ -1,5 +1,6 @@
 """`switchboard model prepare [--model PATH]`: convert a model once, ahead of serving (the dense safetensors
-copy, and for a Q4/Q8 GGUF its blocks unpacked for the int4/int8 formats: prepared_weights.py).
+copy, and for a Q4/Q8 GGUF its blocks unpacked for the int4/int8 formats: prepared_weights.py; the
+blockq kernel built for this CPU: blockq.py).
 
     switchboard model prepare            # the default SmolLM2-135M-Instruct GGUF
     switchboard model prepare --model /m/llama.gguf
@@ -33,4 +34,10 @@ def main(argv: list[str] | None = None) -> None:
         cfg = AutoConfig.from_pretrained(str(src.path))
         load_or_prepare(src.gguf, src.path, cfg.num_attention_heads,
                         getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        # The block-quantized kernel, built now so the first shard does not compile it (blockq.py).
+        from data_plane.shard.engines import blockq
+
+        kernel = blockq.load()
+        print(f"blockq: {kernel.isa_name if kernel else 'unavailable (torch kernels serve quantized weights)'}",
+              file=sys.stderr)
     print(src.path)
