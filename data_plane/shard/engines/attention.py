@@ -3,6 +3,8 @@
     attend = SlotBatched(runner, lens=[1, 4], starts=[p0, p1])   # decode / verify steps (slots 0, 1)
     attend = SlotBatched(runner, lens=[1, 1], starts=[p2, p3], first_slot=2)   # a micro-batch: slots 2, 3
     attend = PerSequence(runner, slots=[0, 3], lens=[1, 120], starts=[p0, 0])   # prefill and mixed steps
+    native = Native(runner, blockq.load(), slot_of, pos)   # decode / verify with blockq weights:
+    out = native(qkv, k_cache[layer], v_cache[layer])      #   rope + KV write + attention in one C call
     out = attend(q, k_cache[layer], v_cache[layer])   # [tokens, heads * head_dim], after the KV was written
 
 Built once per pass by `LlamaRunner.forward` (llama_runner.py), called once per layer after that
@@ -20,10 +22,13 @@ mixed steps. bf16/fp16 use the fused SDPA kernel; fp32 the explicit matmul-softm
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from data_plane.shard.engines.blockq import Kernel
 
 
 class Heads(Protocol):
@@ -143,3 +148,36 @@ class PerSequence:
             outs.append(out.view(kvh, g, t, d).permute(2, 0, 1, 3).reshape(t, r.q_size))
             off += t
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+class Native:
+    """Decode and verify rows through the native kernel (native/attend.c): the rotary embedding, the KV
+    write at (slot, head, position) and attention over positions 0..position, one call a layer where
+    the torch path takes ~15 dispatches. The runner uses it for batched passes when blockq serves its
+    weights (llama_runner.LlamaRunner.run_layers); every row is computed on its own (batch-invariant)."""
+
+    def __init__(self, r: NativeHeads, kernel: Kernel, slot_of: torch.Tensor, pos: torch.Tensor) -> None:
+        self.r, self.kernel = r, kernel
+        self.slot = slot_of.contiguous()
+        self.pos = pos.contiguous()
+        self.rows = int(pos.numel())
+        self.bf16 = r.dtype == torch.bfloat16
+
+    def __call__(self, qkv: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        """`qkv` [rows, (heads + 2 kv_heads) * head_dim] (unroped) -> [rows, heads * head_dim]; KV written."""
+        r = self.r
+        qkv = qkv.contiguous()
+        out = torch.empty(self.rows, r.q_size, dtype=r.dtype)
+        if self.kernel.attend(qkv.data_ptr(), self.rows, r.num_heads, r.num_kv_heads, r.head_dim, r.cos.data_ptr(),
+                              r.sin_signed.data_ptr(), self.slot.data_ptr(), self.pos.data_ptr(), kc.data_ptr(),
+                              vc.data_ptr(), r.max_len, out.data_ptr(), r.scale, self.bf16, torch.get_num_threads()):
+            raise RuntimeError("native attention refused its arguments (a position past max_len?)")
+        return out
+
+
+class NativeHeads(Heads, Protocol):
+    """What the native path reads besides `Heads` (LlamaRunner has it): the rotary tables and cache length."""
+
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+    max_len: int

@@ -43,7 +43,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native") / "blockq.c"
+SOURCES = (Path(__file__).with_name("native") / "blockq.c", Path(__file__).with_name("native") / "attend.c")
+"""The GEMM kernel and the fused decode/verify attention (native_attention.py): one library."""
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-std=c11")
 NT, QK = 16, 32
 """Output columns per tile, weights per block along K (native/blockq.c's layout)."""
@@ -64,6 +65,9 @@ class Kernel:
         self.rows = lib.blockq_rows
         self.rows.restype = ctypes.c_int
         self.rows.argtypes = [i, p, i, i, p, i, p, i]
+        self.attend = lib.sb_attend
+        self.attend.restype = ctypes.c_int
+        self.attend.argtypes = [p, i, i, i, i, p, p, p, p, p, p, i, p, ctypes.c_float, i, i]
 
     @property
     def isa_name(self) -> str:
@@ -83,7 +87,8 @@ def _compile(cc: str) -> Path:
     """The shared library for this source, compiler and flags: built once (atomically: several
     processes may start at once), then reused."""
     version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    source = b"".join(s.read_bytes() for s in SOURCES)
+    key = hashlib.sha256(source + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
     out = cache_dir() / f"blockq-{key}.so"
     if out.exists():
         return out
@@ -91,7 +96,8 @@ def _compile(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
+                       timeout=120)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

@@ -3,7 +3,8 @@
 Loaded by the torch engine (data_plane/shard/engines/torch_engine.py); its executor
 (torch_executor.py) calls `forward` on the scheduler thread only; the prefix cache uses its KV cache.
 gpt-fast's `forward(idx, input_pos)` is the model: one pass for prefill, decode, mixed and verify
-steps, one place that writes the KV (`_write_kv`); the attention variants are in attention.py.
+steps, one place that writes the KV (`_write_kv`; with blockq weights, decode and verify passes write it in
+the native attention call instead, attention.Native); the attention variants are in attention.py.
 
     runner = LlamaRunner.from_pretrained(path, dtype=torch.bfloat16, max_num_seqs=16, max_len=2048)
     logits = runner.forward([(slot, token_ids, start), ...])         # last-token logits per item
@@ -39,7 +40,8 @@ from typing import Any, Protocol
 
 import torch
 
-from data_plane.shard.engines.attention import PerSequence, SlotBatched
+from data_plane.shard.engines import blockq
+from data_plane.shard.engines.attention import Native, PerSequence, SlotBatched
 from data_plane.shard.engines.blockq import BlockLinear
 from data_plane.shard.engines.model_files import (
     Weightless,
@@ -181,6 +183,8 @@ class LlamaRunner:
             weights = WeightBuilder(plan, state=model.state_dict(), pack=pack)
         self.weights = weights
         self.packed = weights.pack and weights.plan.quantization == "none"
+        # blockq's library also holds the fused decode/verify attention (attention.Native): used with its weights.
+        self.native = blockq.load() if weights.plan.blockq else None
         self.hidden_size = int(cfg.hidden_size)
         tied = bool(getattr(cfg, "tie_word_embeddings", False)) or not weights.has("lm_head.weight")
         # The embedding, final norm and LM head live on stage 0 only (it embeds and applies the head:
@@ -408,6 +412,12 @@ class LlamaRunner:
         # index_copy_ there is several times cheaper than advanced-index assignment.
         kv_rows = (((slot_of * self.num_kv_heads).unsqueeze(1) + torch.arange(self.num_kv_heads)) * self.max_len
                    + pos.unsqueeze(1)).reshape(-1)
+        if batched and self.native is not None:  # rope, KV write and attention in one native call a layer
+            native = Native(self, self.native, slot_of, pos)
+            for i, layer in enumerate(self.layers):
+                qkv = self._normed(layer.qkv, x, layer.ln_in)
+                x = self._mlp(layer, layer.o.add(native(qkv, self.k_cache[i], self.v_cache[i]), x))
+            return x
         attend = SlotBatched(self, lens, starts, slots[0]) if batched else PerSequence(self, slots, lens, starts)
         cos, sin = self.rope_tables(pos)  # [T, 1, D]
         for i, layer in enumerate(self.layers):

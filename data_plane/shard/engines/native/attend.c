@@ -1,0 +1,164 @@
+/* Decode and verify attention over the slot KV cache, with the rotary embedding and the KV write fused:
+ * one call a layer where the torch path takes ~15 small ops (rope, two index_copy_, views, SDPA).
+ *
+ * Built into the same library as blockq.c and called by data_plane/shard/engines/native_attention.py
+ * for LlamaRunner's batched passes (decode steps and speculative verify passes) when its weights are
+ * served by blockq. Rows are independent: a row's output depends on its own query and its slot's cache
+ * only (never on the other rows of the pass), so the output is the same alone and in any batch.
+ *
+ * qkv   [rows, (H + 2 KVH) * D]   the projection's output (q heads, then k heads, then v heads)
+ * cos, sin_signed [max_len, D]     rotary tables (sin_signed: -sin on the first half, as the runner's)
+ * slot, pos [rows]                 each row's cache slot and position; its keys are positions 0..pos
+ * kc, vc [slots, KVH, max_len, D]  the caches, written at (slot, head, pos) for every row first
+ * out   [rows, H * D]
+ * Everything in the activation dtype (bf16 as uint16, or float32); arithmetic in float32. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static float ld(const void *p, int bf16, size_t at) {
+    if (bf16) {
+        uint32_t u = (uint32_t)((const uint16_t *)p)[at] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    return ((const float *)p)[at];
+}
+
+static void st(void *p, int bf16, size_t at, float v) {
+    if (bf16) {
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            ((uint16_t *)p)[at] = (uint16_t)((u >> 16) | 0x40);
+        } else {
+            u += 0x7fffu + ((u >> 16) & 1u);
+            ((uint16_t *)p)[at] = (uint16_t)(u >> 16);
+        }
+    } else {
+        ((float *)p)[at] = v;
+    }
+}
+
+/* x[j] * cos[j] + x[(j + D/2) % D] * sin_signed[j]: rotate_half as the runner computes it (a roll). */
+static void rope(const void *qkv, size_t base, const void *cos, const void *sin_s, size_t trow, int d, int bf16,
+                 float *out) {
+    int h = d / 2;
+    for (int j = 0; j < d; j++) {
+        float x = ld(qkv, bf16, base + j), r = ld(qkv, bf16, base + (j + h) % d);
+        out[j] = x * ld(cos, bf16, trow + j) + r * ld(sin_s, bf16, trow + j);
+    }
+}
+
+/* e^x for x <= 0 (scores less their max), vectorizable (no libm call): 2^(x log2 e) split into a
+ * rounded integer power (the exponent bits) and 2^f, |f| <= 1/2, by a degree-6 polynomial; relative
+ * error ~2e-7. Below -87, e^x is taken as e^-87 (~1.6e-38: nothing next to the max's 1). */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static float softmax_weights(float *w, int span) {
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int p = 0; p < span; p++) {
+        float x = w[p] < -87.f ? -87.f : w[p];
+        float t = x * 1.44269504f;
+        float fi = (t + 12582912.f) - 12582912.f;
+        float f = t - fi;
+        float y = 1.f + f * (0.69314718f + f * (0.24022650f + f * (0.05550411f + f * (0.00961813f
+                  + f * (0.00133336f + f * 0.00015404f)))));
+        int32_t bits = ((int32_t)fi + 127) << 23;
+        float scale;
+        memcpy(&scale, &bits, 4);
+        w[p] = y * scale;
+        sum += w[p];
+    }
+    return sum;
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static float dot_row(const float *q, const void *k, int bf16, size_t at, int d) {
+    float s = 0.f;
+    if (bf16) {
+        const uint16_t *kk = (const uint16_t *)k + at;
+#pragma omp simd reduction(+ : s)
+        for (int j = 0; j < d; j++) {
+            uint32_t u = (uint32_t)kk[j] << 16;
+            float f;
+            memcpy(&f, &u, 4);
+            s += q[j] * f;
+        }
+    } else {
+        const float *kk = (const float *)k + at;
+#pragma omp simd reduction(+ : s)
+        for (int j = 0; j < d; j++) s += q[j] * kk[j];
+    }
+    return s;
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void axpy_row(float *acc, float p, const void *v, int bf16, size_t at, int d) {
+    if (bf16) {
+        const uint16_t *vv = (const uint16_t *)v + at;
+#pragma omp simd
+        for (int j = 0; j < d; j++) {
+            uint32_t u = (uint32_t)vv[j] << 16;
+            float f;
+            memcpy(&f, &u, 4);
+            acc[j] += p * f;
+        }
+    } else {
+        const float *vv = (const float *)v + at;
+#pragma omp simd
+        for (int j = 0; j < d; j++) acc[j] += p * vv[j];
+    }
+}
+
+int sb_attend(void *qkv, int rows, int heads, int kv_heads, int d, const void *cos, const void *sin_s,
+              const int64_t *slot, const int64_t *pos, void *kc, void *vc, int max_len, void *out, float scale,
+              int bf16, int threads) {
+    if (d > 512 || heads % kv_heads) return -1;
+    int width = (heads + 2 * kv_heads) * d, group = heads / kv_heads;
+    for (int r = 0; r < rows; r++)
+        if (pos[r] < 0 || pos[r] >= max_len) return -1;
+    float *q = (float *)malloc(sizeof(float) * (size_t)rows * heads * d);
+    if (!q) return -1;
+    (void)threads;
+    /* Phase 1: rope the queries (kept in float32) and keys; write keys and values at (slot, head, pos). */
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        size_t row = (size_t)r * width, trow = (size_t)pos[r] * d;
+        float kr[512];
+        for (int h = 0; h < heads; h++)
+            rope(qkv, row + (size_t)h * d, cos, sin_s, trow, d, bf16, q + ((size_t)r * heads + h) * d);
+        for (int g = 0; g < kv_heads; g++) {
+            size_t at = (((size_t)slot[r] * kv_heads + g) * max_len + (size_t)pos[r]) * d;
+            rope(qkv, row + (size_t)(heads + g) * d, cos, sin_s, trow, d, bf16, kr);
+            for (int j = 0; j < d; j++) {
+                st(kc, bf16, at + j, kr[j]);
+                st(vc, bf16, at + j, ld(qkv, bf16, row + (size_t)(heads + kv_heads + g) * d + j));
+            }
+        }
+    }
+    /* Phase 2: each (row, head) attends over its slot's positions 0..pos (the keys just written included). */
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int t = 0; t < rows * heads; t++) {
+        int r = t / heads, h = t % heads, g = h / group, span = (int)pos[r] + 1;
+        const float *qh = q + (size_t)t * d;
+        size_t base = ((size_t)slot[r] * kv_heads + g) * max_len * d;
+        float *w = (float *)malloc(sizeof(float) * (size_t)span), acc[512], mx = -INFINITY, sum = 0.f;
+        if (!w) continue; /* out of memory: this head's output stays as it was */
+        for (int p = 0; p < span; p++) {
+            w[p] = dot_row(qh, kc, bf16, base + (size_t)p * d, d) * scale;
+            mx = w[p] > mx ? w[p] : mx;
+        }
+        for (int p = 0; p < span; p++) w[p] -= mx;
+        sum = softmax_weights(w, span);
+        for (int j = 0; j < d; j++) acc[j] = 0.f;
+        for (int p = 0; p < span; p++) axpy_row(acc, w[p] / sum, vc, bf16, base + (size_t)p * d, d);
+        for (int j = 0; j < d; j++) st(out, bf16, (size_t)r * heads * d + (size_t)h * d + j, acc[j]);
+        free(w);
+    }
+    free(q);
+    return 0;
+}
