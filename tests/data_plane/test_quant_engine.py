@@ -18,8 +18,10 @@ tokens; float32 8.700 perplexity): dense bf16 +0.13 %, 67 % of prompts identical
 float32 reference's top-1 and top-2 logits were within 0.17 of each other (median step margin 1.33): near
 ties that bf16 rounding (activations, bf16 scales/zeros, the per-row int8 head) breaks either way, so
 a bf16 format is held to perplexity within 3 %, a mean shared prefix >= 0.5 and every divergence at a
-near-tie (margin < 0.5), not to identical tokens. float32 int4 is held to the reference's logits
-(accumulation order only) on a short prefill: its greedy decode costs ~0.6 s a row here.
+near-tie (margin < 0.5), not to identical tokens. blockq (int8 activations x the weight blocks, either
+activation dtype) is held to perplexity within 2 %, the same near-tie rule and a mean shared prefix
+>= 0.2 (test_quality_against_float32 gives its figures). Torch's float32 int4 is held to the reference's
+logits (accumulation order only) on a short prefill: its greedy decode costs ~0.6 s a row here.
 """
 
 from __future__ import annotations
@@ -157,12 +159,14 @@ def test_quality_against_float32(served: Engine, reference: dict[str, object]) -
     got, _ = greedy_margins(runner, prompts, N_TOKENS)
     _, tokens = agreement(reference["greedy"], got)  # type: ignore[arg-type]
     # blockq rounds activations to int8 per 32 too (llama.cpp's numerics): more near-ties break, measured
-    # with `switchboard bench quality` (12 prompts x 32 tokens): bf16 +1.50 %, 25 % of prompts identical,
-    # 46 % of tokens before the first difference; float32 +0.91 %, 25 % / 47 %; every first difference at
-    # a float32 margin <= 0.31 (median 1.34). Held to the issue's perplexity bound (2 %) and near-ties.
+    # with `switchboard bench quality` (12 prompts x 32 tokens, native attention): bf16 +0.69 %, 47 % of
+    # tokens before the first difference; float32 +0.43 %, 31 %; every first difference at a float32
+    # margin <= 0.33 (median 1.34); here (4 prompts, 160 tokens of text) bf16 +0.5 % / 52 %, float32
+    # +1.4 % / 30 %. Held to the issue's perplexity bound (2 %) and the near-tie rule below; the shared
+    # prefix only loosely (0.2), since near-ties break differently with each CPU's float reductions.
     blockq = served.engine.config.quantization_kernel == "blockq"
     assert ppl <= reference["ppl"] * (1.02 if blockq else 1.03), (ppl, reference["ppl"])  # type: ignore[operator]
-    assert tokens >= (0.25 if blockq else 0.5), tokens
+    assert tokens >= (0.2 if blockq else 0.5), tokens
     ties = divergence_margins(reference["greedy"], reference["margins"], got)  # type: ignore[arg-type]
     assert all(m < NEAR_TIE for m in ties), ties
 
