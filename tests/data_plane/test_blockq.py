@@ -21,7 +21,7 @@ def _layer(fmt: str, n: int = 48, k: int = 128, dtype: torch.dtype = torch.float
     return blockq.BlockLinear.from_dense(w, fmt, dtype=dtype)
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", ["q4", "q8", "q6"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_cpu_path_gives_the_portable_bits(fmt: str, dtype: torch.dtype) -> None:
     lin = _layer(fmt, dtype=dtype)
@@ -39,7 +39,7 @@ def test_every_cpu_path_gives_the_portable_bits(fmt: str, dtype: torch.dtype) ->
                 assert torch.equal(a, b), (fmt, dtype, m)
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", ["q4", "q8", "q6"])
 def test_close_to_the_dequantized_gemm_and_rows_independent_of_the_batch(fmt: str) -> None:
     lin = _layer(fmt)
     w = lin.dequantize()
@@ -61,7 +61,7 @@ def test_close_to_the_dequantized_gemm_and_rows_independent_of_the_batch(fmt: st
     assert torch.allclose(lin.add(x, res), res + y, atol=1e-5)
 
 
-def test_the_layout_holds_q4_1_and_q8_0_blocks_exactly() -> None:
+def test_the_layout_holds_q4_1_q8_0_and_q6_blocks_exactly() -> None:
     g = torch.Generator().manual_seed(4)
     q4 = torch.randint(0, 16, (32, 64), generator=g)
     d = torch.rand(32, 2, generator=g).half().float()
@@ -77,6 +77,10 @@ def test_the_layout_holds_q4_1_and_q8_0_blocks_exactly() -> None:
     assert torch.equal(lin8.embedding()[ids], table[ids].to(torch.bfloat16))
     with pytest.raises(IndexError):
         lin8.embedding()[torch.tensor([32])]
+    q6 = torch.randint(-31, 32, (32, 64), generator=g)
+    d16 = torch.rand(32, 4, generator=g).half().float()  # a scale per 16
+    lin6 = blockq.BlockLinear.q6(q6, d16, dtype=torch.float32)
+    assert torch.equal(lin6.dequantize(), (q6.float().view(32, 4, 16) * d16.unsqueeze(-1)).view(32, 64))
 
 
 def test_shapes_the_tiles_cannot_hold_are_refused() -> None:

@@ -48,7 +48,9 @@ SOURCES = (Path(__file__).with_name("native") / "blockq.c", Path(__file__).with_
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-std=c11")
 NT, QK = 16, 32
 """Output columns per tile, weights per block along K (native/blockq.c's layout)."""
-FORMATS = {"q4": 0, "q8": 1}
+FORMATS = {"q4": 0, "q8": 1, "q6": 2}
+"""q4: GGUF Q4_1 blocks (w = q d + m); q8: Q8_0 blocks (w = q d); q6: 6-bit q in -31..31 with an fp16 d per 16
+(llama.cpp's Q6_K has a scale per 16 too): the LM head / embedding table of int4 models."""
 ISAS = {"portable": 0, "avx2": 1, "avx512_vnni": 2}
 _ISA_NAMES = {v: k for k, v in ISAS.items()}
 
@@ -177,9 +179,27 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return torch.cat([u, _fp16_bytes(d.reshape(t, NT, nb).permute(0, 2, 1))], dim=-1).reshape(-1).contiguous()
 
 
+def pack_q6(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """q [N, K] in -31..31, d [N, K/16] (w = q * d) -> the kernel's tiles, uint8: Q4's nibble layout for
+    the low 4 bits of q + 32, two 64-byte chunks of 2-bit highs (quad g: bits 2 (g % 4) of chunk g / 4),
+    then the scales of each block's elements 0..15 and of 16..31."""
+    n, k = q.shape
+    _check(n, k)
+    t, nb = n // NT, k // QK
+    u = (q.to(torch.int16) + 32).to(torch.uint8).reshape(t, NT, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [T, nb, g, col, 4]
+    lo, hi = u & 0xF, u >> 4
+    nib = (lo[:, :, :4] | (lo[:, :, 4:] << 4)).reshape(t, nb, 256)
+    h = hi.reshape(t, nb, 2, 4, NT, 4)  # [.., chunk, g % 4, col, 4]
+    highs = (h[:, :, :, 0] | (h[:, :, :, 1] << 2) | (h[:, :, :, 2] << 4) | (h[:, :, :, 3] << 6)).reshape(t, nb, 128)
+    halves = d.reshape(t, NT, nb, 2).permute(0, 2, 3, 1)  # [T, nb, half, col]
+    dd = _fp16_bytes(halves[:, :, 0]), _fp16_bytes(halves[:, :, 1])
+    return torch.cat([nib, highs, *dd], dim=-1).reshape(-1).contiguous()
+
+
 def quantize(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:
-    """GGUF's rules per block of 32 along K: Q4_1 (min..max in 16 levels: q, d, m) or Q8_0 (q, d);
-    the scales rounded to fp16 first, as the GGUF stores them."""
+    """GGUF's rules per block of 32 along K: Q4_1 (min..max in 16 levels: q, d, m), Q8_0 (q, d), and
+    the symmetric 6-bit q6 (q in -31..31, d = max|w| / 31 per 16); the scales rounded to fp16 first, as
+    a GGUF stores them."""
     n, k = w.shape
     g = w.float().reshape(n, k // QK, QK)
     if fmt == "q4":
@@ -189,9 +209,12 @@ def quantize(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:
         inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
         q = ((g - m.unsqueeze(-1)) * inv.unsqueeze(-1)).round().clamp(0, 15)
         return q.reshape(n, k), d, m
-    d = (g.abs().amax(-1) / 127).half().float()
+    top = 127 if fmt == "q8" else 31
+    if fmt == "q6":
+        g = g.reshape(n, k // 16, 16)
+    d = (g.abs().amax(-1) / top).half().float()
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    return (g * inv.unsqueeze(-1)).round().clamp(-127, 127).reshape(n, k).to(torch.int8), d
+    return (g * inv.unsqueeze(-1)).round().clamp(-top, top).reshape(n, k).to(torch.int8), d
 
 
 class BlockLinear:
@@ -224,8 +247,13 @@ class BlockLinear:
         return cls("q8", pack_q8(q, d), n, k, **kw)
 
     @classmethod
+    def q6(cls, q: torch.Tensor, d: torch.Tensor, **kw) -> BlockLinear:  # type: ignore[no-untyped-def]
+        n, k = q.shape
+        return cls("q6", pack_q6(q, d), n, k, **kw)
+
+    @classmethod
     def from_dense(cls, w: torch.Tensor, fmt: str, **kw) -> BlockLinear:  # type: ignore[no-untyped-def]
-        return cls.q4(*quantize(w, "q4"), **kw) if fmt == "q4" else cls.q8(*quantize(w, "q8"), **kw)
+        return getattr(cls, fmt)(*quantize(w, fmt), **kw)
 
     def _run(self, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor | None = None,
              eps: float = 0.0) -> torch.Tensor:

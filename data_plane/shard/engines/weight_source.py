@@ -15,9 +15,12 @@ kernel auto (``--quantization-kernel``; the plan's ``kernel``)
     weight blocks, integer dot products, llama.cpp's numerics) wherever it loaded, on the best path the
     CPU runs (``blockq_avx512_vnni`` / ``blockq_avx2`` / ``blockq_portable``). Measured on an Intel Xeon
     (avx512_vnni, 2 threads, one 576 -> 1536 projection): 12 / 25 / 76 us at 1 / 4 / 16 rows against
-    torch's int4 kernel's 24 / 45 / 170; a decode step of the default model 11.2 -> 7.7 ms at batch 1.
-    Its cost: int8 activations break more near-ties (`switchboard bench quality`: bf16 +1.50 % perplexity
-    against torch int4's +0.79 %; llama.cpp's greedy text on the same GGUF is what it gives).
+    torch's int4 kernel's 24 / 45 / 170; a decode step of the default model 11.2 -> 6.0 ms at batch 1
+    (with attention.Native). Its tables (embedding / LM head): int4 models at 6 bits with a scale per 16
+    (`_table`; 0.339x of bf16's bytes in all, against 0.359x with the GGUF's Q8_0 table), int8 models
+    the Q8_0 blocks as they are. Its cost: int8 activations break more near-ties (`switchboard bench
+    quality`: bf16 +1.45 % perplexity, float32 +0.27 %, against torch int4's +0.79 % in bf16; with the
+    Q8_0 table bf16 read +0.69 %; llama.cpp's greedy text on the same GGUF is what it gives).
   - the exact mode (float32 or float16 asked for with an explicit quantized format) and machines where it
     did not build (no C compiler) -> torch's weight-only kernels (below).
 
@@ -311,9 +314,9 @@ class WeightBuilder:
             embed = _aligned(self._dense("model.embed_tokens.weight").to(self.dtype).contiguous())
             head = embed if tied else _aligned(self._dense("lm_head.weight").to(self.dtype).contiguous())
             return embed, Linear(head, pack=self.pack)
-        if self.plan.blockq:  # Q8 per 32 (a GGUF's Q8_0 blocks as they are)
-            btable = self._q8_blocks("model.embed_tokens.weight")
-            return btable.embedding(), btable if tied else self._q8_blocks("lm_head.weight")
+        if self.plan.blockq:
+            btable = self._table("model.embed_tokens.weight")
+            return btable.embedding(), btable if tied else self._table("lm_head.weight")
         table = self._int8("model.embed_tokens.weight")
         qhead = table if tied else self._int8("lm_head.weight")
         return table.embedding(), qhead
@@ -325,12 +328,24 @@ class WeightBuilder:
         self._state = None
         self._gguf = None
 
-    def _q8_blocks(self, name: str) -> BlockLinear:
-        """A table in blockq's Q8 blocks: the GGUF's Q8_0 blocks where it has them, else quantized now."""
+    def _table(self, name: str) -> BlockLinear:
+        """The embedding / LM head table in blockq's blocks. int8 models: Q8 per 32, the GGUF's Q8_0 blocks
+        as they are. int4 models: 6 bits per 32 (q6, from those blocks or the dense table), as llama.cpp's
+        int4 mixes keep their output table at 6 bits: 0.81 bytes a weight against 1.06, which brings the
+        default model to 0.33x of bf16's bytes; quality: `switchboard bench quality` (module docstring)."""
+        blocks = None
         if self._gguf is not None and name in self._gguf and (blocks := self._gguf[name].q8_blocks()) is not None:
             self._origins.add(self._gguf[name].kind.lower())
-            return BlockLinear.q8(*blocks, dtype=self.dtype)
-        return BlockLinear.from_dense(self._dense(name), "q8", dtype=self.dtype)
+        if self.plan.quantization != "int4":
+            return BlockLinear.q8(*blocks, dtype=self.dtype) if blocks else BlockLinear.from_dense(
+                self._dense(name), "q8", dtype=self.dtype)
+        self._origins.add("q6")
+        if blocks is not None:
+            q, d = blocks
+            w = (q.float().view(q.shape[0], -1, 32) * d.unsqueeze(-1)).view(q.shape)
+        else:
+            w = self._dense(name)
+        return BlockLinear.from_dense(w, "q6", dtype=self.dtype)
 
     def _int8(self, name: str) -> Int8Linear:
         """A per-channel int8 table: as prepared (data_plane/shard/engines/prepared_weights.py) or quantized now."""

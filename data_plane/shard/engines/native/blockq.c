@@ -7,9 +7,12 @@
  * Weight layout: N output columns in tiles of NT = 16; tile t holds, for each block b of 32 along K,
  *   Q4: 256 bytes of nibbles, 16 fp16 scales d, 16 fp16 mins m            (w = q * d + m, q in 0..15)
  *   Q8: 512 bytes q + 128 (uint8), 16 fp16 scales d                     (w = q * d, q in -127..127)
+ *   Q6: Q4's 256 bytes of low nibbles, 128 bytes of 2-bit highs, 16 fp16 d for elements 0..15 and 16 for
+ *       16..31 (w = q * d, q + 32 in 0..63: a scale per 16, as llama.cpp's Q6_K has)
  * The 32 weights of column j in block b are 8 "quads" of 4 consecutive k; quad g of column j is the
  * 4 bytes at offset 64 * g + 4 * j (Q8), or the low (g < 4) / high (g >= 4) nibbles of the 4 bytes at
- * 64 * (g % 4) + 4 * j (Q4). So one 64-byte load gives quad g of all 16 columns: one dot-product
+ * 64 * (g % 4) + 4 * j (Q4, Q6's low nibbles; Q6's high 2 bits are bits 2 (g % 4) of the bytes at
+ * 256 + 64 * (g / 4) + 4 * j). So one 64-byte load gives quad g of all 16 columns: one dot-product
  * instruction per quad (VNNI's dpbusd: 4 u8 x s8 products summed into each int32 lane).
  *
  * Every path (AVX512-VNNI, AVX2, portable C) computes the same integer dot per (row, column, block)
@@ -31,11 +34,26 @@
 #define QK 32
 #define FMT_Q4 0
 #define FMT_Q8 1
+#define FMT_Q6 2
 #define ISA_SCALAR 0
 #define ISA_AVX2 1
 #define ISA_VNNI 2
 
-static int block_bytes(int fmt) { return fmt == FMT_Q4 ? 256 + 64 : 512 + 32; }
+static int block_bytes(int fmt) { return fmt == FMT_Q4 ? 256 + 64 : fmt == FMT_Q8 ? 512 + 32 : 384 + 64; }
+
+/* Where a block's 16 fp16 scales start (Q4's 16 mins follow them; Q6's 16 scales of elements 16..31). */
+static int scales_at(int fmt) { return fmt == FMT_Q4 ? 256 : fmt == FMT_Q8 ? 512 : 384; }
+
+/* Weight (column j, element 4 g + i of the block at p) as the integer the dot products use: Q4's q
+ * (0..15), Q8's and Q6's signed q. */
+static int weight_at(int fmt, const uint8_t *p, int j, int g, int i) {
+    if (fmt == FMT_Q8) return (int)p[64 * g + 4 * j + i] - 128;
+    uint8_t byte = p[64 * (g & 3) + 4 * j + i];
+    int lo = g < 4 ? (byte & 0xf) : (byte >> 4);
+    if (fmt == FMT_Q4) return lo;
+    int hi = (p[256 + 64 * (g >> 2) + 4 * j + i] >> (2 * (g & 3))) & 3;
+    return (lo | (hi << 4)) - 32;
+}
 
 static float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -78,6 +96,7 @@ typedef struct {
     int8_t *q;
     float *d, *s;
     int32_t *sum;
+    int32_t *half; /* the sums of q over each block's elements 0..15 and 16..31 (Q6's two scales) */
 } QRows;
 
 static float load_f32(const void *p, int bf16, size_t at) {
@@ -106,7 +125,7 @@ static void quantize_rows(const void *x, int x_bf16, int m, int k, const void *n
                 amax = a > amax ? a : amax;
             }
             float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-            int32_t sum = 0;
+            int32_t sum = 0, first = 0;
             int8_t *q = out->q + (size_t)r * k + (size_t)b * QK;
             for (int i = 0; i < QK; i++) {
                 /* round to nearest even by the 1.5 * 2^23 trick (|v * id| <= 127): no libm call */
@@ -114,9 +133,12 @@ static void quantize_rows(const void *x, int x_bf16, int m, int k, const void *n
                 qi = qi > 127 ? 127 : (qi < -127 ? -127 : qi);
                 q[i] = (int8_t)qi;
                 sum += qi;
+                if (i == QK / 2 - 1) first = sum;
             }
             out->d[r * nb + b] = d;
             out->sum[r * nb + b] = sum;
+            out->half[2 * (r * nb + b)] = first;
+            out->half[2 * (r * nb + b) + 1] = sum - first;
             out->s[r * nb + b] = d * (float)sum;
         }
     }
@@ -146,22 +168,17 @@ static void tile_scalar(int fmt, const uint8_t *tw, int nb, const QRows *x, int 
             const int8_t *xq = x->q + (size_t)r * k + (size_t)b * QK;
             float dx = x->d[r * nb + b];
             for (int j = 0; j < NT; j++) {
-                int32_t dot = 0;
-                for (int g = 0; g < 8; g++) {
-                    for (int i = 0; i < 4; i++) {
-                        int w;
-                        if (fmt == FMT_Q4) {
-                            uint8_t byte = p[64 * (g & 3) + 4 * j + i];
-                            w = g < 4 ? (byte & 0xf) : (byte >> 4);
-                        } else {
-                            w = (int)p[64 * g + 4 * j + i] - 128;
-                        }
-                        dot += w * xq[4 * g + i];
-                    }
+                int32_t dot[2] = {0, 0};
+                for (int g = 0; g < 8; g++)
+                    for (int i = 0; i < 4; i++) dot[g >> 2] += weight_at(fmt, p, j, g, i) * xq[4 * g + i];
+                const uint16_t *hd = (const uint16_t *)(p + scales_at(fmt));
+                if (fmt == FMT_Q6) { /* a scale per 16: elements 0..15, then 16..31 */
+                    acc[j] = fmaf((float)dot[0], f16_to_f32(hd[j]) * dx, acc[j]);
+                    acc[j] = fmaf((float)dot[1], f16_to_f32(hd[NT + j]) * dx, acc[j]);
+                    continue;
                 }
-                const uint16_t *hd = (const uint16_t *)(p + (fmt == FMT_Q4 ? 256 : 512));
                 float t = f16_to_f32(hd[j]) * dx;
-                acc[j] = fmaf((float)dot, t, acc[j]);
+                acc[j] = fmaf((float)(dot[0] + dot[1]), t, acc[j]);
                 if (fmt == FMT_Q4) acc[j] = fmaf(f16_to_f32(hd[NT + j]), x->s[r * nb + b], acc[j]);
             }
         }
@@ -207,39 +224,55 @@ AVX2_TARGET static inline void avx2_rows(int fmt, const uint8_t *tw, int nb, con
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = tw + (size_t)b * bb;
         __m256i w[8][2];
-        if (fmt == FMT_Q4) {
+        if (fmt != FMT_Q8) {
             for (int c = 0; c < 4; c++)
                 for (int h = 0; h < 2; h++) {
                     __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * c + 32 * h));
                     w[c][h] = _mm256_and_si256(v, low);
                     w[c + 4][h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                 }
+            if (fmt == FMT_Q6) /* the high 2 bits: unsigned q + 32 in 0..63 (pair sums stay in int16) */
+                for (int g = 0; g < 8; g++)
+                    for (int h = 0; h < 2; h++) {
+                        __m256i v = _mm256_loadu_si256((const __m256i *)(p + 256 + 64 * (g >> 2) + 32 * h));
+                        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (g & 3)), _mm256_set1_epi8(3));
+                        w[g][h] = _mm256_or_si256(w[g][h], _mm256_slli_epi16(hi, 4));
+                    }
         } else {
             for (int g = 0; g < 8; g++)
                 for (int h = 0; h < 2; h++)
                     w[g][h] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 64 * g + 32 * h)), flip);
         }
-        const uint16_t *hd = (const uint16_t *)(p + (fmt == FMT_Q4 ? 256 : 512));
+        const uint16_t *hd = (const uint16_t *)(p + scales_at(fmt));
         __m256 dw[2], mw[2];
         for (int h = 0; h < 2; h++) {
             dw[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hd + 8 * h)));
-            mw[h] = fmt == FMT_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hd + NT + 8 * h)))
-                                  : _mm256_setzero_ps();
+            mw[h] = fmt != FMT_Q8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hd + NT + 8 * h)))
+                                  : _mm256_setzero_ps(); /* Q4's mins, Q6's second scales */
         }
         for (int a = 0; a < rt; a++) {
             int r = r0 + a;
             const int32_t *xq = (const int32_t *)(x->q + (size_t)r * k + (size_t)b * QK);
             __m256 t = _mm256_set1_ps(x->d[r * nb + b]), s = _mm256_set1_ps(x->s[r * nb + b]);
             for (int h = 0; h < 2; h++) {
-                __m256i dot = _mm256_setzero_si256();
+                __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
                 for (int g = 0; g < 8; g++) {
                     __m256i xv = _mm256_set1_epi32(xq[g]), pr;
-                    if (fmt == FMT_Q4)
+                    if (fmt != FMT_Q8) /* Q4 and Q6 weights are unsigned */
                         pr = _mm256_maddubs_epi16(w[g][h], xv);
                     else
                         pr = _mm256_maddubs_epi16(_mm256_abs_epi8(w[g][h]), _mm256_sign_epi8(xv, w[g][h]));
-                    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pr, ones));
+                    part[g >> 2] = _mm256_add_epi32(part[g >> 2], _mm256_madd_epi16(pr, ones));
                 }
+                if (fmt == FMT_Q6) { /* q + 32 stored: less 32 * sum(x q) per half; a scale per half */
+                    const int32_t *hs = x->half + 2 * (r * nb + b);
+                    __m256i lo = _mm256_sub_epi32(part[0], _mm256_set1_epi32(32 * hs[0]));
+                    __m256i hi = _mm256_sub_epi32(part[1], _mm256_set1_epi32(32 * hs[1]));
+                    acc[a][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(dw[h], t), acc[a][h]);
+                    acc[a][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(mw[h], t), acc[a][h]);
+                    continue;
+                }
+                __m256i dot = _mm256_add_epi32(part[0], part[1]);
                 __m256 tt = _mm256_mul_ps(dw[h], t);
                 acc[a][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), tt, acc[a][h]);
                 if (fmt == FMT_Q4) acc[a][h] = _mm256_fmadd_ps(mw[h], s, acc[a][h]);
@@ -279,32 +312,48 @@ VNNI_TARGET static inline void vnni_rows(int fmt, const uint8_t *tw, int nb, con
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = tw + (size_t)b * bb;
         __m512i w[8];
-        if (fmt == FMT_Q4) {
+        if (fmt != FMT_Q8) {
             for (int c = 0; c < 4; c++) {
                 __m512i v = _mm512_loadu_si512((const void *)(p + 64 * c));
                 w[c] = _mm512_and_si512(v, low);
                 w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
+            if (fmt == FMT_Q6)
+                for (int g = 0; g < 8; g++) {
+                    __m512i v = _mm512_loadu_si512((const void *)(p + 256 + 64 * (g >> 2)));
+                    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 2 * (g & 3)), _mm512_set1_epi8(3));
+                    w[g] = _mm512_or_si512(w[g], _mm512_slli_epi16(hi, 4));
+                }
         } else {
             for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512((const void *)(p + 64 * g));
         }
-        const uint16_t *hd = (const uint16_t *)(p + (fmt == FMT_Q4 ? 256 : 512));
+        const uint16_t *hd = (const uint16_t *)(p + scales_at(fmt));
         __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hd));
-        __m512 mw = fmt == FMT_Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hd + NT))) : _mm512_setzero_ps();
+        __m512 mw = fmt != FMT_Q8 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hd + NT))) : _mm512_setzero_ps();
         for (int a = 0; a < rt; a++) {
             int r = r0 + a;
             const int32_t *xq = (const int32_t *)(x->q + (size_t)r * k + (size_t)b * QK);
-            /* four independent chains: dpbusd's latency (~5 cycles) would otherwise bound the loop */
+            /* four independent chains (dpbusd's latency), elements 0..15 in d0/d1 and 16..31 in d2/d3 */
             __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(xq[0]));
             __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(xq[1]));
-            __m512i d2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2], _mm512_set1_epi32(xq[2]));
-            __m512i d3 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[3], _mm512_set1_epi32(xq[3]));
-            d0 = _mm512_dpbusd_epi32(d0, w[4], _mm512_set1_epi32(xq[4]));
-            d1 = _mm512_dpbusd_epi32(d1, w[5], _mm512_set1_epi32(xq[5]));
+            __m512i d2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], _mm512_set1_epi32(xq[4]));
+            __m512i d3 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[5], _mm512_set1_epi32(xq[5]));
+            d0 = _mm512_dpbusd_epi32(d0, w[2], _mm512_set1_epi32(xq[2]));
+            d1 = _mm512_dpbusd_epi32(d1, w[3], _mm512_set1_epi32(xq[3]));
             d2 = _mm512_dpbusd_epi32(d2, w[6], _mm512_set1_epi32(xq[6]));
             d3 = _mm512_dpbusd_epi32(d3, w[7], _mm512_set1_epi32(xq[7]));
+            if (fmt == FMT_Q6) { /* q + 32 stored: less 32 * sum(x q) per half; a scale per half */
+                const int32_t *hs = x->half + 2 * (r * nb + b);
+                __m512i lo = _mm512_sub_epi32(_mm512_add_epi32(d0, d1), _mm512_set1_epi32(32 * hs[0]));
+                __m512i hi = _mm512_sub_epi32(_mm512_add_epi32(d2, d3), _mm512_set1_epi32(32 * hs[1]));
+                __m512 dx = _mm512_set1_ps(x->d[r * nb + b]);
+                acc[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(dw, dx), acc[a]);
+                acc[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(mw, dx), acc[a]);
+                continue;
+            }
             __m512i dot = _mm512_add_epi32(_mm512_add_epi32(d0, d1), _mm512_add_epi32(d2, d3));
-            if (fmt == FMT_Q8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * x->sum[r * nb + b]));
+            if (fmt == FMT_Q8) /* stored + 128: the signed weights' dot, exactly */
+                dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * x->sum[r * nb + b]));
             __m512 tt = _mm512_mul_ps(dw, _mm512_set1_ps(x->d[r * nb + b]));
             acc[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), tt, acc[a]);
             if (fmt == FMT_Q4) acc[a] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x->s[r * nb + b]), acc[a]);
@@ -357,9 +406,10 @@ int blockq_gemm(int fmt, int isa, const uint8_t *w, int n, int k, const void *x,
     q.d = (float *)malloc(sizeof(float) * (size_t)m * nb);
     q.s = (float *)malloc(sizeof(float) * (size_t)m * nb);
     q.sum = (int32_t *)malloc(sizeof(int32_t) * (size_t)m * nb);
+    q.half = (int32_t *)malloc(sizeof(int32_t) * (size_t)m * nb * 2);
     float *row = (float *)malloc(sizeof(float) * (size_t)k);
-    if (!q.q || !q.d || !q.s || !q.sum || !row) {
-        free(q.q); free(q.d); free(q.s); free(q.sum); free(row);
+    if (!q.q || !q.d || !q.s || !q.sum || !q.half || !row) {
+        free(q.q); free(q.d); free(q.s); free(q.sum); free(q.half); free(row);
         return -1;
     }
     quantize_rows(x, x_bf16, m, k, norm_w, eps, row, &q);
@@ -380,7 +430,7 @@ int blockq_gemm(int fmt, int isa, const uint8_t *w, int n, int k, const void *x,
 #endif
         tile_scalar(fmt, tw, nb, &q, k, 0, m, t * NT, n, res, y, y_bf16);
     }
-    free(q.q); free(q.d); free(q.s); free(q.sum);
+    free(q.q); free(q.d); free(q.s); free(q.sum); free(q.half);
     return 0;
 }
 
@@ -395,17 +445,12 @@ int blockq_rows(int fmt, const uint8_t *w, int n, int k, const int64_t *ids, int
         int t = (int)(id / NT), j = (int)(id % NT);
         for (int b = 0; b < nb; b++) {
             const uint8_t *p = w + (size_t)t * tile_bytes + (size_t)b * bb;
-            const uint16_t *hd = (const uint16_t *)(p + (fmt == FMT_Q4 ? 256 : 512));
-            float d = f16_to_f32(hd[j]), mn = fmt == FMT_Q4 ? f16_to_f32(hd[NT + j]) : 0.f;
+            const uint16_t *hd = (const uint16_t *)(p + scales_at(fmt));
+            float d = f16_to_f32(hd[j]), mn = fmt != FMT_Q8 ? f16_to_f32(hd[NT + j]) : 0.f;
             for (int g = 0; g < 8; g++) {
                 for (int e = 0; e < 4; e++) {
-                    float v;
-                    if (fmt == FMT_Q4) {
-                        uint8_t byte = p[64 * (g & 3) + 4 * j + e];
-                        v = fmaf((float)(g < 4 ? (byte & 0xf) : (byte >> 4)), d, mn);
-                    } else {
-                        v = (float)((int)p[64 * g + 4 * j + e] - 128) * d;
-                    }
+                    int q = weight_at(fmt, p, j, g, e);
+                    float v = fmt == FMT_Q4 ? fmaf((float)q, d, mn) : (float)q * (fmt == FMT_Q6 && g >= 4 ? mn : d);
                     size_t at = (size_t)i * k + (size_t)b * QK + 4 * g + e;
                     if (out_bf16)
                         ((uint16_t *)out)[at] = f32_to_bf16(v);
