@@ -157,3 +157,25 @@ def test_native_attention_is_as_close_to_float32_as_the_torch_path_and_rows_stan
     with torch.inference_mode():
         alone = runner.decode([11], lens[:1])  # slot 0 by itself: the same bits as beside slots 1 and 2
     assert torch.equal(alone[0], decode[0])
+
+
+def test_built_once_into_its_cache_and_absent_without_a_compiler(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The library is built into SWITCHBOARD_KERNEL_CACHE once and reused; a machine without a working C
+    compiler gets None (torch's kernels serve) and a warning, never an exception."""
+    import shutil
+
+    monkeypatch.setenv("SWITCHBOARD_KERNEL_CACHE", str(tmp_path))
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc is not None
+    first = blockq._compile(cc)
+    assert first.parent == tmp_path and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert blockq._compile(cc) == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert not [p for p in tmp_path.iterdir() if p != first]  # no temporary left behind
+    monkeypatch.setattr(blockq, "_tried", False)
+    monkeypatch.setattr(blockq, "_kernel", None)
+    monkeypatch.setenv("CC", "/bin/false")  # a compiler that fails
+    monkeypatch.setenv("SWITCHBOARD_KERNEL_CACHE", str(tmp_path / "other"))
+    assert blockq.load() is None
+    plan = resolve_plan("auto", "auto", source="q4", caps=CpuCaps("AVX512", frozenset({"avx512_bf16"})))
+    assert plan.kernel == "torch"  # CpuCaps.blockq is "" where it did not load

@@ -17,9 +17,10 @@ llama.cpp does, and takes integer dot products: VNNI's `dpbusd` multiplies 64 we
 an instruction (AVX2: `maddubs` + `madd`), and each weight block is unpacked once per tile of 16
 output columns and reused for every row of the batch.
 
-Built at first use with the system C compiler (~1 s) into ~/.cache/switchboard/kernels, keyed by the
-source, the compiler and its flags; the path (AVX512-VNNI, AVX2 or portable C) is chosen at run time
-from the CPU (`blockq_best_isa`), overridable with SWITCHBOARD_BLOCKQ_ISA=avx512_vnni|avx2|portable.
+Built at first use with the system C compiler (~0.7 s) into ~/.cache/switchboard/kernels
+(SWITCHBOARD_KERNEL_CACHE), keyed by the sources, the compiler and its flags (SWITCHBOARD_BLOCKQ=0: never
+built, torch's kernels serve); the path (AVX512-VNNI, AVX2 or portable C) is chosen at run time from the CPU
+(`blockq_best_isa`), overridable with SWITCHBOARD_BLOCKQ_ISA=avx512_vnni|avx2|portable.
 OpenMP threads come from the runtime torch already loaded (libgomp.so.1), `torch.get_num_threads()`
 of them per call. Every path computes the same integers and the same float operations in the same
 order, so output is bit-identical across paths, thread counts and batch compositions: a row's
@@ -81,8 +82,8 @@ _tried = False
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("SWITCHBOARD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "switchboard")
-    return Path(root) / "kernels"
+    """SWITCHBOARD_KERNEL_CACHE, else ~/.cache/switchboard/kernels (beside the models' cache)."""
+    return Path(os.environ.get("SWITCHBOARD_KERNEL_CACHE") or Path.home() / ".cache" / "switchboard" / "kernels")
 
 
 def _compile(cc: str) -> Path:
