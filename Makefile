@@ -34,7 +34,8 @@ $(STAMP): pyproject.toml | $(PY)
 	$(VENV)/bin/switchboard model prepare
 	touch $(STAMP)
 
-# Test-only system packages (Redis, Prometheus, PostgreSQL), installed when running as root.
+# Test-only system packages (Redis, Prometheus, PostgreSQL; a C compiler for the blockq kernel, which
+# otherwise falls back to torch's kernels), installed when running as root.
 sysdeps: $(SYSDEPS_STAMP)
 
 $(SYSDEPS_STAMP): | $(PY)
@@ -44,6 +45,7 @@ $(SYSDEPS_STAMP): | $(PY)
 	  command -v prometheus >/dev/null || missing="$$missing prometheus"; \
 	  command -v promtool >/dev/null || missing="$$missing prometheus"; \
 	  ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	  command -v cc >/dev/null || missing="$$missing gcc libc6-dev"; \
 	  if [ -n "$$missing" ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	  fi; \

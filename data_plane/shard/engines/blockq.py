@@ -45,7 +45,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).with_name("native") / "blockq.c", Path(__file__).with_name("native") / "attend.c")
-"""The GEMM kernel and the fused decode/verify attention (native_attention.py): one library."""
+"""The GEMM kernel and the fused decode/verify attention (attention.Native): one library."""
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-std=c11")
 NT, QK = 16, 32
 """Output columns per tile, weights per block along K (native/blockq.c's layout)."""
@@ -54,6 +54,10 @@ FORMATS = {"q4": 0, "q8": 1, "q6": 2}
 (llama.cpp's Q6_K has a scale per 16 too): the LM head / embedding table of int4 models."""
 ISAS = {"portable": 0, "avx2": 1, "avx512_vnni": 2}
 _ISA_NAMES = {v: k for k, v in ISAS.items()}
+
+
+class KernelCheckFailed(RuntimeError):
+    """The CPU path disagreed with the portable one, or the output with the dequantized GEMM."""
 
 
 class Kernel:
@@ -128,7 +132,7 @@ def load() -> Kernel | None:
         isa = min(best, ISAS[wanted]) if wanted in ISAS else best
         kernel = Kernel(lib, isa)
         _self_check(kernel)
-    except (OSError, subprocess.SubprocessError, AssertionError, KeyError) as exc:
+    except (OSError, subprocess.SubprocessError, KernelCheckFailed) as exc:
         log.warning("blockq: unavailable (%s): the torch weight-only kernels serve quantized weights", exc)
         return None
     _kernel = kernel
@@ -144,9 +148,11 @@ def _self_check(kernel: Kernel) -> None:
         lin = BlockLinear.from_dense(w, fmt, dtype=torch.float32, kernel=kernel)
         y = lin(x)
         ref = x @ lin.dequantize().T
-        assert (y - ref).abs().max() <= 0.05 * ref.abs().max(), f"{fmt}: off the dequantized GEMM"
+        if (y - ref).abs().max() > 0.05 * ref.abs().max():
+            raise KernelCheckFailed(f"{fmt}: off the dequantized GEMM")
         lin.isa = ISAS["portable"]
-        assert torch.equal(y, lin(x)), f"{fmt}: {kernel.isa_name} differs from the portable path"
+        if not torch.equal(y, lin(x)):
+            raise KernelCheckFailed(f"{fmt}: {kernel.isa_name} differs from the portable path")
 
 
 def _check(n: int, k: int) -> None:

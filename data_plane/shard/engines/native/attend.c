@@ -1,8 +1,8 @@
 /* Decode and verify attention over the slot KV cache, with the rotary embedding and the KV write fused:
  * one call a layer where the torch path takes ~15 small ops (rope, two index_copy_, views, SDPA).
  *
- * Built into the same library as blockq.c and called by data_plane/shard/engines/native_attention.py
- * for LlamaRunner's batched passes (decode steps and speculative verify passes) when its weights are
+ * Built into the same library as blockq.c (data_plane/shard/engines/blockq.py) and called through
+ * data_plane/shard/engines/attention.py's `Native` for LlamaRunner's batched passes (decode steps and speculative verify passes) when its weights are
  * served by blockq. Rows are independent: a row's output depends on its own query and its slot's cache
  * only (never on the other rows of the pass), so the output is the same alone and in any batch.
  *
