@@ -107,7 +107,7 @@ class Outcome:
 async def _one(engine: Any, workload: str, index: int, constrained: bool, max_tokens: int,
                exact: bool = False) -> Outcome:
     """`exact`: exactly `max_tokens` tokens (ignore_eos), the length a constrained output had."""
-    from data_plane.shard.app import _generation_requests
+    from data_plane.shard.generation import generation_requests
 
     name, schema = CORPUS[index % len(CORPUS)]
     req = _request(workload, name, schema, constrained)
@@ -117,7 +117,7 @@ async def _one(engine: Any, workload: str, index: int, constrained: bool, max_to
     update: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.0}
     if exact:
         update["ignore_eos"] = True
-    (gen,) = _generation_requests(req.model_copy(update=update), engine, uuid.uuid4().hex, (), plan)
+    (gen,) = generation_requests(req.model_copy(update=update), engine, uuid.uuid4().hex, (), plan)
     await engine.prepare(gen)
     text, tokens, decode_s, finish = [], 0, 0.0, ""
     async for out in engine.generate(gen):

@@ -11,6 +11,9 @@ Extension fields the gateway sets: `priority` (lower first), `request_id`, `dead
 (unix seconds). `/health` answers 503 until the model is loaded, then 200. `/metrics`
 uses vLLM's metric names. Every 4xx/503 is decided before the first SSE byte; after it, a
 failure ends the stream with an error event and `data: [DONE]`.
+
+The engine comes from `engine_factory.py` (by `--engine`); each request becomes the engine's requests
+in `generation.py`. Started by `switchboard shard` (control_plane/cli.py), which calls `main`.
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ from data_plane.common.telemetry import configure_process, fastapi_options, metr
 from data_plane.common.tls import TlsConfig
 from data_plane.membership.factory import membership_from_url
 from data_plane.protocol import (
-    ChatCompletionRequest,
     PromptTokensDetails,
     Usage,
     chunk_body,
@@ -51,54 +53,19 @@ from data_plane.protocol import (
     parse_chat_request,
 )
 from data_plane.shard.choices import Choice, choice_streams, describe, merged, prepare_requests, token_bytes
-from data_plane.shard.engines.base import Engine, GenerationOutput, GenerationRequest, KVSessionRef, SamplingParams
-from data_plane.shard.engines.grammar import GrammarKind, GrammarSpec
+from data_plane.shard.engine_factory import build_engine
+from data_plane.shard.engines.base import Engine, GenerationOutput, GenerationRequest, KVSessionRef
+from data_plane.shard.generation import generation_requests
 from data_plane.shard.group_exit import GroupExit
 from data_plane.shard.kv_reports import KVReportMetrics, KVReports
 from data_plane.shard.kv_seal import KVSealer, kv_keyring
 from data_plane.shard.kv_tier import KVTier, start_kv_tier
-from data_plane.shard.metrics import MetricsListener, ShardMetrics
+from data_plane.shard.metrics import ShardMetrics
 from data_plane.shard.settings import ShardSettings
 from data_plane.shard.stage_view import record_stage_spans, stage_meta, stage_ranges
-from data_plane.structured import OutputPlan
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
-
-
-def build_engine(settings: ShardSettings, metrics: ShardMetrics | None) -> Engine:
-    if settings.engine == "synthetic":
-        from data_plane.shard.engines.synthetic import SyntheticEngine
-
-        return SyntheticEngine(settings.max_model_len, settings.synthetic_token_delay_ms / 1000.0,
-                               settings.max_num_seqs, MetricsListener(metrics) if metrics else None)
-    if settings.engine == "vllm":
-        raise ValueError("the vllm engine runs as vLLM's own server beside a sidecar (see data_plane.shard.engines.vllm_engine)")
-    from data_plane.shard.engines.torch_engine import EngineConfig, TorchEngine
-
-    config = EngineConfig(
-        model=settings.model,
-        dtype=settings.dtype,
-        quantization=settings.quantization, quantization_kernel=settings.quantization_kernel,
-        max_num_seqs=settings.max_num_seqs,
-        max_model_len=settings.max_model_len,
-        prefill_chunk=settings.prefill_chunk,
-        beside_prefill_share=settings.beside_prefill_share,
-        max_waiting=settings.max_waiting,
-        threads=settings.threads,
-        adaptive_threads=settings.adaptive_threads == "on",
-        prefix_caching=settings.prefix_caching == "on",
-        prefix_cache_bytes=settings.prefix_cache_bytes,
-        kv_block_size=settings.kv_block_size,
-        speculation=settings.speculation,
-        num_speculative_tokens=settings.num_speculative_tokens,
-        spec_max_batch=settings.spec_max_batch, jump_forward=settings.jump_forward,
-        pipeline_parallel_size=settings.pipeline_parallel_size, pipeline_layers=settings.pipeline_layers,
-        pipeline_stage_timeout_s=settings.pipeline_stage_timeout_s,
-        pipeline_microbatches=settings.pipeline_microbatches, pipeline_batch_queue=settings.pipeline_batch_queue,
-        **settings.pipeline_placement(),
-    )
-    return TorchEngine(config, MetricsListener(metrics) if metrics else None)
 
 
 class ShardState:
@@ -253,7 +220,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
         external_tokens = 0
         plan = req.output_plan()
         try:
-            gen_reqs = _generation_requests(req, engine, request_id, settings.kv_public_prefix, plan)
+            gen_reqs = generation_requests(req, engine, request_id, settings.kv_public_prefix, plan)
             gen_req = gen_reqs[0]
             describe(span, gen_reqs, plan)
             if plan.constraint is not None:
@@ -292,55 +259,6 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
 def _model_card(engine: Engine, state: ShardState) -> dict[str, Any]:
     return {"id": engine.model_name, "object": "model", "created": state.started, "owned_by": "switchboard",
             "max_model_len": engine.max_model_len}
-
-
-def _generation_requests(req: ChatCompletionRequest, engine: Engine, request_id: str,
-                         public_prefixes: list[str] | tuple[str, ...], plan: OutputPlan) -> list[GenerationRequest]:
-    """One engine request per choice (`n`): the same prompt, seeds `seed + i`."""
-    messages = req.plain_messages()
-    ids = engine.encode_chat(messages, continue_final=req.continue_final_message)
-    restore = getattr(engine, "restore_generated", None)  # token-exact transcripts (data_plane/shard/kv_transcript.py)
-    if restore is not None:
-        ids = restore(messages, ids, req.cache_salt)
-    grammar, resumed = None, ""
-    if plan.constraint is not None:
-        grammar = GrammarSpec(GrammarKind(plan.constraint.kind), plan.constraint.text)
-        resumed = messages[-1]["content"] if req.continue_final_message else ""  # the grammar continues it
-    params = SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
-        max_tokens=req.output_limit,
-        stop=tuple(req.stop or ()),
-        seed=req.seed,
-        min_p=req.min_p or 0.0,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=req.repetition_penalty or 1.0,
-        logit_bias=tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items()),
-        min_tokens=req.min_tokens or 0,
-        ignore_eos=bool(req.ignore_eos),
-        logprobs=bool(req.logprobs),
-        top_logprobs=req.top_logprobs or 0,
-        grammar=grammar,
-    )
-    public = _public_tokens(messages, ids, engine, public_prefixes)
-    out = []
-    for i in range(req.n or 1):
-        p = params if i == 0 or req.seed is None else dataclasses.replace(params, seed=req.seed + i)
-        out.append(GenerationRequest(request_id if i == 0 else f"{request_id}-{i}", list(ids), p,
-                                     priority=req.priority or 0, deadline=req.deadline, cache_salt=req.cache_salt,
-                                     public_prefix_tokens=public, resumed_text=resumed))
-    return out
-
-
-def _public_tokens(messages: list[dict[str, str]], ids: list[int], engine: Engine,
-                   public_prefixes: list[str] | tuple[str, ...]) -> int:
-    """How many leading prompt tokens are an operator-marked public system prompt (shared KV)."""
-    if not public_prefixes or messages[0]["role"] != "system" or messages[0]["content"] not in public_prefixes:
-        return 0
-    head = engine.encode_chat(messages[:1], continue_final=True)
-    return len(head) if ids[: len(head)] == head else 0
 
 
 def _usage(out: GenerationOutput) -> Usage:

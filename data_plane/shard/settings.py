@@ -4,8 +4,8 @@
     settings = parse_settings(ShardSettings, argv, prog="switchboard shard")   # data_plane/shard/app.py main()
 
 Parsed once in the shard's ``main`` (data_plane/shard/app.py) and passed down: to ``create_app``,
-the engine factory and, with ``--engine vllm``, the sidecar (data_plane/shard/engines/vllm_engine.py,
-which declares the fields it reads as a protocol). The local actuator starts shards with these flags.
+the engine factory (data_plane/shard/engine_factory.py) and, with ``--engine vllm``, the sidecar
+(data_plane/shard/engines/vllm_engine.py, which declares the fields it reads as a protocol). The local actuator starts shards with these flags.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from tests.support.chat import stream_all
 from tests.support.cluster import FP32_SHARD, KEYS, Cluster, static_shards, stored_session
 from tests.support.metrics import metric
 
@@ -77,47 +78,10 @@ def test_killed_cache_node_plus_session_survives() -> None:
             time.sleep(0.3)  # let read-repair / the write land on the survivors
 
 
-def _stream_all(url: str, prompts: list[str], max_tokens: int, on_progress=None) -> list[tuple[str, str]]:
-    """Stream every prompt concurrently; return (text, finish_reason) per prompt."""
-
-    async def run() -> list[tuple[str, str]]:
-        sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=120)
-        chunks_seen = 0
-        started: set[str] = set()
-
-        async def one(p: str) -> tuple[str, str]:
-            nonlocal chunks_seen
-            text, finish = "", ""
-            stream = await sdk.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=max_tokens, temperature=0,
-                stream=True)
-            async for chunk in stream:
-                if chunk.choices:
-                    text += chunk.choices[0].delta.content or ""
-                    finish = chunk.choices[0].finish_reason or finish
-                    chunks_seen += 1
-                    if chunk.choices[0].delta.content:
-                        started.add(p)
-                    if on_progress is not None:
-                        on_progress(len(started), chunks_seen)
-            return text, finish
-
-        out = await asyncio.gather(*(one(p) for p in prompts))
-        await sdk.close()
-        return out
-
-    return asyncio.run(run())
-
-
-MODEL = None  # set per test: the served model id
-
-
 def test_mid_stream_failover_synthetic_is_seamless() -> None:
-    global MODEL
-    MODEL = "synthetic"
     with Cluster(shards=2, caches=1, token_delay_ms=100) as c:
         prompts = [f"tell me story number {i}" for i in range(16)]
-        reference = _stream_all(c.gateway.url, prompts, 16)
+        reference = stream_all(c.gateway.url, "synthetic", prompts, 16)
         assert all(f == "length" for _, f in reference)
         killed = []
 
@@ -130,7 +94,7 @@ def test_mid_stream_failover_synthetic_is_seamless() -> None:
                 killed.append(max(range(len(running)), key=running.__getitem__))
                 c.shards[killed[0]].kill()
 
-        got = _stream_all(c.gateway.url, prompts, 16, on_progress=kill_once)
+        got = stream_all(c.gateway.url, "synthetic", prompts, 16, on_progress=kill_once)
         assert killed
         assert got == reference
         assert metric(c.gateway.url, "switchboard_router_resumes_total") >= 1
@@ -147,11 +111,9 @@ def test_mid_stream_failover_real_model_float32_equals_uninterrupted() -> None:
     test_killed_stage_mid_stream_every_stream_completes_as_uninterrupted (the same 16 greedy streams
     resumed from the failed shard onto a plain one) and tests/data_plane/test_structured_failover.py
     (JSON-schema and tool-call streams resumed after a kill -9 of their shard)."""
-    global MODEL
-    MODEL = "SmolLM2-135M-Instruct"
     with static_shards(FP32_SHARD, FP32_SHARD) as (shards, gw):
         prompts = [f"Write a short story about a robot named Unit-{i} who learns to paint." for i in range(16)]
-        reference = _stream_all(gw.url, prompts, 40)
+        reference = stream_all(gw.url, "SmolLM2-135M-Instruct", prompts, 40)
         killed = []
 
         def kill_once(streams_started: int, chunks: int) -> None:
@@ -159,7 +121,7 @@ def test_mid_stream_failover_real_model_float32_equals_uninterrupted() -> None:
                 killed.append(True)
                 shards[0].kill()
 
-        got = _stream_all(gw.url, prompts, 40, on_progress=kill_once)
+        got = stream_all(gw.url, "SmolLM2-135M-Instruct", prompts, 40, on_progress=kill_once)
         assert killed
         assert [f for _, f in got] == [f for _, f in reference]
         assert [t for t, _ in got] == [t for t, _ in reference]

@@ -101,7 +101,7 @@ def test_the_shard_flag_reaches_the_scheduler(argv: list[str], env: str | None, 
     """`switchboard shard --no-jump-forward` -> ShardSettings -> EngineConfig -> SchedulerConfig, parsed
     and built as the shard's main does (the engine built, no model loaded)."""
     from data_plane.common.settings_cli import parse_settings
-    from data_plane.shard.app import build_engine
+    from data_plane.shard.engine_factory import build_engine
     from data_plane.shard.settings import ShardSettings
 
     monkeypatch.delenv("SWITCHBOARD_SHARD_JUMP_FORWARD", raising=False)

@@ -25,18 +25,27 @@ import pytest
 
 from tests.support.chat import chat
 from tests.support.cluster import Cluster
-from tests.support.metrics import metric
+from tests.support.kv_turns import (
+    BLOCK,
+    MAX_TOKENS,
+    STORY,
+    cached,
+    direct,
+    fresh,
+    reference,
+    span_event,
+    text,
+    total,
+    two_turns,
+    wait_offloaded,
+)
 from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, Service
 
 pytestmark = pytest.mark.slow
 
-BLOCK = 16
 FRAME_BYTES = 2 * 30 * 3 * BLOCK * 64 * 4 + 128 + 64  # one fp32 SmolLM2 block on the wire: header, seal
 KV_BUDGET_BLOCKS = 48
-MAX_TOKENS = 24
 SALT = "tenant:acme"  # what the gateway sends for the test keys' tenant
-STORY = ("Tell me, in plain words, how a bicycle's gears, chain and derailleur work together when a rider "
-         "climbs a steep hill, and why the cassette has so many sprockets. ")
 
 
 @pytest.fixture(scope="module")
@@ -48,66 +57,6 @@ def cluster():
     c.start()
     yield c
     c.stop()
-
-
-def total(url: str, name: str, **labels: str) -> float:
-    try:
-        return metric(url, name, **labels)
-    except (AssertionError, KeyError, StopIteration, ValueError):
-        return 0.0
-
-
-def direct(shard: Service, messages: list[dict[str, str]], *, session: str | None, salt: str,
-           replicas: int = 2) -> dict:
-    """One greedy turn sent straight to a shard, as the gateway would send it."""
-    body: dict = {"messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS, "cache_salt": salt,
-                  "request_id": uuid.uuid4().hex}
-    if session:
-        body.update(session_id=session, kv_replicas=replicas, kv_ttl_s=600)
-    r = httpx.post(shard.url + "/v1/chat/completions", json=body, timeout=300)
-    assert r.status_code == 200, r.text
-    return {**r.json(), "request_id": body["request_id"]}
-
-
-def reference(shard: Service, messages: list[dict[str, str]]) -> str:
-    """The same turn computed from scratch (a fresh salt: nothing cached can match, no session)."""
-    return direct(shard, messages, session=None, salt=uuid.uuid4().hex)["choices"][0]["message"]["content"]
-
-
-def fresh() -> tuple[str, str]:
-    """A new session id and tenant salt: nothing any earlier test left in a prefix cache can match."""
-    return "sess_" + uuid.uuid4().hex, "tenant:" + uuid.uuid4().hex
-
-
-def text(resp: dict) -> str:
-    return resp["choices"][0]["message"]["content"]
-
-
-def cached(resp: dict) -> int:
-    return resp["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def wait_offloaded(shard: Service, before: float, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while total(shard.url, "switchboard_shard_kv_offload_blocks_total", result="stored") <= before:
-        assert time.monotonic() < deadline, "the turn's KV blocks never reached the cache nodes"
-        time.sleep(0.2)
-
-
-def span_event(shard: Service, request_id: str, name: str) -> dict:
-    spans = httpx.get(shard.url + "/debug/spans", headers=CLUSTER_HEADERS).json()
-    span = next(s for s in spans if s["name"] == "shard.generate"
-                and s["attributes"].get("switchboard.request_id") == request_id)
-    return next(e for e in span["events"] if e["name"] == name)["attributes"]
-
-
-def two_turns(a: Service, content: str, session: str, salt: str) -> tuple[list[dict[str, str]], dict]:
-    """Turn 1 on shard `a` (its blocks go to the cache nodes); the messages of turn 2."""
-    stored = total(a.url, "switchboard_shard_kv_offload_blocks_total", result="stored")
-    t1 = [{"role": "user", "content": content}]
-    r1 = direct(a, t1, session=session, salt=salt)
-    wait_offloaded(a, stored)
-    return t1 + [{"role": "assistant", "content": text(r1)}, {"role": "user", "content": "And when going downhill?"}], r1
 
 
 def test_killed_shard_next_turn_fetches_kv_from_the_cache_nodes(cluster: Cluster) -> None:

@@ -18,6 +18,7 @@ from data_plane.shard.engines.base import GenerationRequest, SamplingParams, Sta
 from data_plane.shard.engines.pipeline import PassTiming, split_layers
 from data_plane.shard.engines.torch_config import StepListener
 from data_plane.shard.engines.torch_engine import EngineConfig, TorchEngine
+from tests.support.pipeline import exit_within, stage_pids
 from tests.support.procs import Service
 
 PROMPTS = [
@@ -147,39 +148,12 @@ def test_two_and_three_stages_greedy_identical_to_unsharded_solo_and_batched() -
             assert all(p.passes > 0 and p.busy_s > 0 and p.end >= p.start for p in parts)
 
 
-def _stage_pids(shard: Service) -> list[int]:
-    """The shard's stage processes (its children running pipeline_stage), from /proc."""
-    assert shard.proc is not None
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == shard.proc.pid and b"pipeline_stage" in cmdline:
-            pids.append(int(entry))
-    return pids
-
-
 def _gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
-
-
-def _exit_within(shard: Service, seconds: float) -> int | None:
-    assert shard.proc is not None
-    try:
-        return shard.proc.wait(seconds)
-    except Exception:  # noqa: BLE001 - still running: the caller's assertion says so
-        return None
 
 
 def test_frozen_stage_is_detected_in_about_a_second_and_the_shard_exits() -> None:
@@ -189,10 +163,10 @@ def test_frozen_stage_is_detected_in_about_a_second_and_the_shard_exits() -> Non
     try:
         metrics = httpx.get(shard.url + "/metrics").text
         assert 'switchboard_shard_pipeline_stage_up{model_name="SmolLM2-135M-Instruct",stage="1"} 1.0' in metrics
-        (stage,) = _stage_pids(shard)
+        (stage,) = stage_pids(shard)
         t0 = time.monotonic()
         os.kill(stage, signal.SIGSTOP)
-        code = _exit_within(shard, 15)
+        code = exit_within(shard, 15)
         assert code == 1, shard.log_tail()
         assert time.monotonic() - t0 < 10
         assert "silent for" in shard.log_tail()
@@ -208,15 +182,14 @@ def test_killed_stage_mid_stream_every_stream_completes_as_uninterrupted() -> No
     """kill -9 of the pipelined shard's stage 1 during 16 greedy streams through a gateway with two
     shards (one pipelined): 16/16 complete, each text equal to an uninterrupted run, and the
     pipelined shard exits (its supervisor would replace the group)."""
-    from tests.data_plane import test_faults
+    from tests.support.chat import stream_all
     from tests.support.cluster import FP32_SHARD, static_shards
 
-    test_faults.MODEL = "SmolLM2-135M-Instruct"
     with static_shards((*FP32_SHARD, "--pipeline-parallel-size", "2"), FP32_SHARD,
                        ready_timeout=240) as ((piped, _plain), gw):
         prompts = [f"Write a short story about a robot named Unit-{i} who learns to paint." for i in range(16)]
-        reference = test_faults._stream_all(gw.url, prompts, 32)
-        (stage,) = _stage_pids(piped)
+        reference = stream_all(gw.url, "SmolLM2-135M-Instruct", prompts, 32)
+        (stage,) = stage_pids(piped)
         killed: list[bool] = []
 
         def kill_once(streams_started: int, chunks: int) -> None:
@@ -224,10 +197,10 @@ def test_killed_stage_mid_stream_every_stream_completes_as_uninterrupted() -> No
                 killed.append(True)
                 os.kill(stage, signal.SIGKILL)
 
-        got = test_faults._stream_all(gw.url, prompts, 32, on_progress=kill_once)
+        got = stream_all(gw.url, "SmolLM2-135M-Instruct", prompts, 32, on_progress=kill_once)
         assert killed
         assert got == reference
-        assert _exit_within(piped, 15) == 1, piped.log_tail()
+        assert exit_within(piped, 15) == 1, piped.log_tail()
         assert "stage 1" in piped.log_tail()
 
 

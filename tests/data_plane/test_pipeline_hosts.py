@@ -51,10 +51,9 @@ def _hop_ms(url: str, stage: str) -> float:
 
 
 def test_stage_in_another_namespace_serves_and_a_cut_link_resumes_every_stream(hosts: Hosts, tmp_path) -> None:
-    from tests.data_plane import test_faults
+    from tests.support.chat import stream_all
     from tests.support.cluster import api_keys_env
 
-    test_faults.MODEL = "SmolLM2-135M-Instruct"
     port = free_port()
     piped = Service(["shard", "--dtype", "float32", "--threads", "1", "--pipeline-parallel-size", "2",
                      "--pipeline-host", hosts.cp_addr, "--pipeline-port", str(port), "--pipeline-remote-stages", "1",
@@ -76,7 +75,7 @@ def test_stage_in_another_namespace_serves_and_a_cut_link_resumes_every_stream(h
         with Service(["gateway", "--shard-urls", ",".join(s.url for s in shards), "--cache-urls",
                       "http://127.0.0.1:1"], env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()}) as gw:
             prompts = [f"Write a short story about a robot named Unit-{i} who learns to paint." for i in range(8)]
-            reference = test_faults._stream_all(gw.url, prompts, 24)
+            reference = stream_all(gw.url, "SmolLM2-135M-Instruct", prompts, 24)
             assert all(text for text, _ in reference)
             # The pipelined shard served some of them, every hidden state over the veth link.
             down, back = _hop_ms(piped.url, "0"), _hop_ms(piped.url, "1")
@@ -98,7 +97,7 @@ def test_stage_in_another_namespace_serves_and_a_cut_link_resumes_every_stream(h
                     hosts.cut(1)
                     threading.Thread(target=watch_exit, daemon=True).start()
 
-            got = test_faults._stream_all(gw.url, prompts, 24, on_progress=cut_once)
+            got = stream_all(gw.url, "SmolLM2-135M-Instruct", prompts, 24, on_progress=cut_once)
             assert cut
             assert got == reference
             code = proc.wait(30)

@@ -25,19 +25,8 @@ from typing import Self
 import httpx
 import pytest
 
-from tests.data_plane.test_kv_tier import (
-    BLOCK,
-    STORY,
-    cached,
-    direct,
-    fresh,
-    reference,
-    span_event,
-    text,
-    total,
-    two_turns,
-)
 from tests.support.cluster import Cluster
+from tests.support.kv_turns import BLOCK, STORY, cached, direct, fresh, reference, span_event, text, total, two_turns
 from tests.support.procs import CLUSTER_HEADERS, Service
 
 pytestmark = pytest.mark.slow

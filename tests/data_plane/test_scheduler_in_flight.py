@@ -3,10 +3,10 @@ on a fake executor: no weights, no clock, no threads.
 
     .venv/bin/python -m pytest tests/data_plane/test_scheduler_in_flight.py -q        # < 1 s
 
-`Queue` is the engine's loop (torch_engine.TorchEngine._step_queued) around test_scheduler's
-Harness: a plan is *submitted* (its moves, prefix loads and pass written into the fake KV cache)
-and *returned* later, oldest first (the update: computed counts, tokens, finishes), with up to
-`batch_queue` plans in between. Every submission checks that no sequence is in two plans in
+`Queue` is the engine's loop (torch_engine.TorchEngine._step_queued) around the scheduler harness
+(tests/support/scheduler.py): a plan is *submitted* (its moves, prefix loads and pass written into
+the fake KV cache) and *returned* later, oldest first (the update: computed counts, tokens,
+finishes), with up to `batch_queue` plans in between. Every submission checks that no sequence is in two plans in
 flight, that a plan beside others in flight moves no slot and computes no prompt token, and the
 fake KV of every row it runs.
 """
@@ -25,7 +25,7 @@ from data_plane.shard.engines.batch_queue import BatchQueue
 from data_plane.shard.engines.scheduler import RowKind, Scheduler, SchedulerConfig, SchedulerOutput
 from data_plane.shard.engines.sequence import SeqState, SeqStatus
 from data_plane.shard.engines.torch_executor import StepResult
-from tests.data_plane.test_scheduler import FakeDrafter, Harness, make_seq
+from tests.support.scheduler import FakeDrafter, Harness, make_seq
 
 
 class Queue(Harness):

@@ -5,7 +5,8 @@
 
 PromQL is read with a small tokenizer, not a full parser: enough to find every metric a query
 selects and every label it names; Prometheus itself (tests/observability/test_live.py) checks
-that each query parses.
+that each query parses. `fast_rules` and NEEDS_PIPELINE are shared by test_live.py and
+test_pipeline_live.py.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ DASHBOARD_DIR = ROOT / "dashboards" / "grafana"
 ALERTS_DIR = ROOT / "alerts"
 RULE_FILES = sorted(ALERTS_DIR.glob("*.rules.yaml"))
 RUNBOOK = ROOT / "docs" / "runbook.md"
+
+NEEDS_PIPELINE = "switchboard_shard_pipeline_"
+"""The pipeline panels need a shard split over stages (--pipeline-parallel-size), which the synthetic
+engine the test Cluster runs cannot be. A real 2-stage torch shard's panels and its stage-gone alert are
+proven against Prometheus in tests/observability/test_pipeline_live.py; test_live.py asserts the synthetic
+shards really export none, so this exemption lapses loudly if that changes."""
 
 # Grafana's built-in interval variables -> a value Prometheus accepts; any other variable is a
 # label-value filter (`=~"$tier"`), which ".*" opens fully.
@@ -108,3 +115,19 @@ def rule_exprs() -> Iterator[tuple[str, str, Path]]:
 
 def recorded_names() -> set[str]:
     return {rule["record"] for path in RULE_FILES for rule in rules(path) if "record" in rule}
+
+
+def fast_rules(workdir: Path) -> list[Path]:
+    """Copies of the rule files that evaluate every second and fire without waiting (`for: 0s`)."""
+    out = []
+    for path in RULE_FILES:
+        doc = yaml.safe_load(path.read_text())
+        for group in doc["groups"]:
+            group["interval"] = "1s"
+            for rule in group["rules"]:
+                if "for" in rule:
+                    rule["for"] = "0s"
+        copy = workdir / path.name
+        copy.write_text(yaml.safe_dump(doc, sort_keys=False))
+        out.append(copy)
+    return out

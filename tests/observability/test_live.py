@@ -19,9 +19,8 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 
-from tests.observability.exprs import RULE_FILES, dashboard_exprs, rule_exprs, substitute
+from tests.observability.exprs import NEEDS_PIPELINE, dashboard_exprs, fast_rules, rule_exprs, substitute
 from tests.support.cluster import Cluster
 from tests.support.prometheus import PROMETHEUS, Prometheus, watched
 from tests.support.waits import eventually
@@ -60,28 +59,7 @@ test Cluster runs refuses (it has no grammar backend): NaN or no series there. T
 tested in tests/data_plane/test_structured_api.py; the test asserts the synthetic shards really compiled
 nothing, so this exemption lapses loudly if that changes."""
 
-NEEDS_PIPELINE = "switchboard_shard_pipeline_"
-"""The pipeline panels need a shard split over stages (--pipeline-parallel-size), which the synthetic
-engine the test Cluster runs cannot be. A real 2-stage torch shard's panels and its stage-gone alert are
-proven against Prometheus in tests/observability/test_pipeline_live.py; the test asserts the synthetic
-shards really export none, so this exemption lapses loudly if that changes."""
 BAD_CARD = "my card is 4111 1111 1111 1111"  # the default input policy blocks card numbers (400)
-
-
-def fast_rules(workdir: Path) -> list[Path]:
-    """Copies of the rule files that evaluate every second and fire without waiting (`for: 0s`)."""
-    out = []
-    for path in RULE_FILES:
-        doc = yaml.safe_load(path.read_text())
-        for group in doc["groups"]:
-            group["interval"] = "1s"
-            for rule in group["rules"]:
-                if "for" in rule:
-                    rule["for"] = "0s"
-        copy = workdir / path.name
-        copy.write_text(yaml.safe_dump(doc, sort_keys=False))
-        out.append(copy)
-    return out
 
 
 def drive_traffic(cluster: Cluster) -> int:

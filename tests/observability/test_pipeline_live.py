@@ -18,9 +18,8 @@ import httpx
 import pytest
 
 from dashboards.catalogue import JOBS
-from tests.data_plane.test_pipeline import _exit_within, _stage_pids
-from tests.observability.exprs import dashboard_exprs, substitute
-from tests.observability.test_live import NEEDS_PIPELINE, fast_rules
+from tests.observability.exprs import NEEDS_PIPELINE, dashboard_exprs, fast_rules, substitute
+from tests.support.pipeline import exit_within, stage_pids
 from tests.support.procs import CLUSTER_HEADERS, Service
 from tests.support.prometheus import PROMETHEUS, Prometheus
 from tests.support.waits import eventually
@@ -76,11 +75,11 @@ def test_pipeline_row_spans_and_stage_down_alert(tmp_path: Path) -> None:
             assert s["attributes"]["switchboard.stage.passes"] >= 6  # the prompt's pass and a pass per token
             assert s["attributes"]["switchboard.stage.busy_s"] > 0
 
-        (stage,) = _stage_pids(shard)
+        (stage,) = stage_pids(shard)
         os.kill(stage, signal.SIGKILL)
         eventually(lambda: any(a["labels"].get("stage") == "1" for a in prometheus.alerts("SwitchboardPipelineStageDown")),
                    15, interval_s=0.2, what="SwitchboardPipelineStageDown firing", detail=prometheus.log_tail)
-        assert _exit_within(shard, 20) == 1, shard.log_tail()
+        assert exit_within(shard, 20) == 1, shard.log_tail()
     finally:
         prometheus.stop()
         shard.stop()

@@ -3,16 +3,20 @@
     r = chat(gw.url, "free", "hello", max_tokens=8)          # httpx.Response (stream=True for SSE)
     err = assert_openai_error(r, 429, "rate_limit_exceeded")  # status, shape, Retry-After, no leak
     assert_no_leak(r.text)                                    # no stack trace or source path
+    got = stream_all(gw.url, "synthetic", prompts, 16, on_progress=kill_once)  # [(text, finish_reason)]
 
-Used by the reliability, hop-auth and at-rest tests.
+Used by the reliability, hop-auth and at-rest tests; `stream_all` by the mid-stream failover tests
+(tests/data_plane/test_faults.py, test_pipeline.py, test_pipeline_hosts.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import httpx
+import openai
 
 from tests.support.cluster import KEYS
 
@@ -61,3 +65,39 @@ def assert_no_leak(text: str) -> None:
     """An error body carries no stack trace and no source path."""
     for marker in LEAK_MARKERS:
         assert marker not in text, f"{marker!r} leaked in {text[:500]!r}"
+
+
+def stream_all(url: str, model: str, prompts: list[str], max_tokens: int,
+               on_progress: Callable[[int, int], None] | None = None) -> list[tuple[str, str]]:
+    """Stream every prompt concurrently (greedy, `model`); return (text, finish_reason) per prompt.
+
+    `on_progress(streams_started, chunks)` runs after every chunk: how many streams have sent text so
+    far and how many chunks arrived in all (a test kills a process from it, mid-stream)."""
+
+    async def run() -> list[tuple[str, str]]:
+        sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=120)
+        chunks_seen = 0
+        started: set[str] = set()
+
+        async def one(p: str) -> tuple[str, str]:
+            nonlocal chunks_seen
+            text, finish = "", ""
+            stream = await sdk.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": p}], max_tokens=max_tokens, temperature=0,
+                stream=True)
+            async for chunk in stream:
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+                    finish = chunk.choices[0].finish_reason or finish
+                    chunks_seen += 1
+                    if chunk.choices[0].delta.content:
+                        started.add(p)
+                    if on_progress is not None:
+                        on_progress(len(started), chunks_seen)
+            return text, finish
+
+        out = await asyncio.gather(*(one(p) for p in prompts))
+        await sdk.close()
+        return out
+
+    return asyncio.run(run())

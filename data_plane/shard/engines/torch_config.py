@@ -4,8 +4,8 @@
     engine = TorchEngine(config, listener=MyListener())       # a StepListener subclass
 
 Imported by the engine's modules (torch_engine, torch_load, torch_output), by the shard
-(data_plane/shard/app.py) and by the bench; it holds no behaviour beyond validation and deriving the
-scheduler's part (`scheduler_config()`). A request's state inside the engine is sequence.SeqState.
+(data_plane/shard/engine_factory.py) and by the bench; it holds no behaviour beyond validation and
+deriving the scheduler's part (`scheduler_config()`). A request's state inside the engine is sequence.SeqState.
 """
 
 from __future__ import annotations

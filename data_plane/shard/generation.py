@@ -1,0 +1,69 @@
+"""A chat-completions request as the engine's requests: one `GenerationRequest` per choice.
+
+    gens = generation_requests(req, engine, request_id, settings.kv_public_prefix, req.output_plan())
+    async for out in engine.generate(gens[0]): ...
+
+The prompt is encoded once (restored to the exact tokens an earlier turn generated when the engine
+keeps transcripts, `kv_transcript.py`); choice i gets seed `seed + i` and id `request_id-i`; an
+operator-marked public system prompt's tokens are counted for the shared KV. Called by the shard's
+app (`app.py`, per request) and by `data_plane/bench/engine_structured.py` (the same requests, no
+HTTP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from data_plane.protocol import ChatCompletionRequest
+from data_plane.shard.engines.base import Engine, GenerationRequest, SamplingParams
+from data_plane.shard.engines.grammar import GrammarKind, GrammarSpec
+from data_plane.structured import OutputPlan
+
+
+def generation_requests(req: ChatCompletionRequest, engine: Engine, request_id: str,
+                         public_prefixes: list[str] | tuple[str, ...], plan: OutputPlan) -> list[GenerationRequest]:
+    """One engine request per choice (`n`): the same prompt, seeds `seed + i`."""
+    messages = req.plain_messages()
+    ids = engine.encode_chat(messages, continue_final=req.continue_final_message)
+    restore = getattr(engine, "restore_generated", None)  # token-exact transcripts (data_plane/shard/kv_transcript.py)
+    if restore is not None:
+        ids = restore(messages, ids, req.cache_salt)
+    grammar, resumed = None, ""
+    if plan.constraint is not None:
+        grammar = GrammarSpec(GrammarKind(plan.constraint.kind), plan.constraint.text)
+        resumed = messages[-1]["content"] if req.continue_final_message else ""  # the grammar continues it
+    params = SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        max_tokens=req.output_limit,
+        stop=tuple(req.stop or ()),
+        seed=req.seed,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        logit_bias=tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items()),
+        min_tokens=req.min_tokens or 0,
+        ignore_eos=bool(req.ignore_eos),
+        logprobs=bool(req.logprobs),
+        top_logprobs=req.top_logprobs or 0,
+        grammar=grammar,
+    )
+    public = public_tokens(messages, ids, engine, public_prefixes)
+    out = []
+    for i in range(req.n or 1):
+        p = params if i == 0 or req.seed is None else dataclasses.replace(params, seed=req.seed + i)
+        out.append(GenerationRequest(request_id if i == 0 else f"{request_id}-{i}", list(ids), p,
+                                     priority=req.priority or 0, deadline=req.deadline, cache_salt=req.cache_salt,
+                                     public_prefix_tokens=public, resumed_text=resumed))
+    return out
+
+
+def public_tokens(messages: list[dict[str, str]], ids: list[int], engine: Engine,
+                   public_prefixes: list[str] | tuple[str, ...]) -> int:
+    """How many leading prompt tokens are an operator-marked public system prompt (shared KV)."""
+    if not public_prefixes or messages[0]["role"] != "system" or messages[0]["content"] not in public_prefixes:
+        return 0
+    head = engine.encode_chat(messages[:1], continue_final=True)
+    return len(head) if ids[: len(head)] == head else 0
