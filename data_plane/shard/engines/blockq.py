@@ -42,10 +42,14 @@ from pathlib import Path
 
 import torch
 
+from data_plane.shard.engines.quant_linear import int4_parts
+
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("native") / "blockq.c", Path(__file__).with_name("native") / "attend.c")
+NATIVE = Path(__file__).with_name("native")
+SOURCES = (NATIVE / "blockq.c", NATIVE / "attend.c")
 """The GEMM kernel and the fused decode/verify attention (attention.Native): one library."""
+HEADERS = (NATIVE / "activations.h",)
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-std=c11")
 NT, QK = 16, 32
 """Output columns per tile, weights per block along K (native/blockq.c's layout)."""
@@ -91,11 +95,14 @@ def cache_dir() -> Path:
 
 
 def _compile(cc: str) -> Path:
-    """The shared library for this source, compiler and flags: built once (atomically: several
-    processes may start at once), then reused."""
-    version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
-    source = b"".join(s.read_bytes() for s in SOURCES)
-    key = hashlib.sha256(source + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    """The shared library for these sources, compiler and flags: built once (atomically: several
+    processes may start at once), then reused. The compiler is keyed by its resolved path, size and
+    mtime (an upgrade changes them): no `cc --version` process at every shard start."""
+    exe = Path(shutil.which(cc) or cc).resolve()
+    st = exe.stat()
+    compiler = f"{exe}:{st.st_size}:{st.st_mtime_ns}".encode()
+    source = b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(source + compiler + " ".join(FLAGS).encode()).hexdigest()[:16]
     out = cache_dir() / f"blockq-{key}.so"
     if out.exists():
         return out
@@ -205,17 +212,13 @@ def pack_q6(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 def quantize(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:
     """GGUF's rules per block of 32 along K: Q4_1 (min..max in 16 levels: q, d, m), Q8_0 (q, d), and
-    the symmetric 6-bit q6 (q in -31..31, d = max|w| / 31 per 16); the scales rounded to fp16 first, as
-    a GGUF stores them."""
+    the symmetric 6-bit q6 (q in -31..31, d = max|w| / 31 per 16); Q8_0's and q6's scales rounded to fp16
+    first, as a GGUF stores them (Q4_1's are rounded when packed, as torch's int4 format rounds its own)."""
     n, k = w.shape
+    if fmt == "q4":  # torch's int4 format's own Q4_1 rule (zero = m + 8 d there); the kernel stores d, m in fp16
+        q, scale, zero = int4_parts(w, QK)
+        return q, scale, zero - 8 * scale
     g = w.float().reshape(n, k // QK, QK)
-    if fmt == "q4":
-        lo, hi = g.amin(-1), g.amax(-1)
-        d = ((hi - lo) / 15).half().float()
-        m = lo.half().float()
-        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-        q = ((g - m.unsqueeze(-1)) * inv.unsqueeze(-1)).round().clamp(0, 15)
-        return q.reshape(n, k), d, m
     top = 127 if fmt == "q8" else 31
     if fmt == "q6":
         g = g.reshape(n, k // 16, 16)

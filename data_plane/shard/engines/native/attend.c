@@ -18,38 +18,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-static float ld(const void *p, int bf16, size_t at) {
-    if (bf16) {
-        uint32_t u = (uint32_t)((const uint16_t *)p)[at] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        return f;
-    }
-    return ((const float *)p)[at];
-}
-
-static void st(void *p, int bf16, size_t at, float v) {
-    if (bf16) {
-        uint32_t u;
-        memcpy(&u, &v, 4);
-        if ((u & 0x7fffffffu) > 0x7f800000u) {
-            ((uint16_t *)p)[at] = (uint16_t)((u >> 16) | 0x40);
-        } else {
-            u += 0x7fffu + ((u >> 16) & 1u);
-            ((uint16_t *)p)[at] = (uint16_t)(u >> 16);
-        }
-    } else {
-        ((float *)p)[at] = v;
-    }
-}
+#include "activations.h"
 
 /* x[j] * cos[j] + x[(j + D/2) % D] * sin_signed[j]: rotate_half as the runner computes it (a roll). */
 static void rope(const void *qkv, size_t base, const void *cos, const void *sin_s, size_t trow, int d, int bf16,
                  float *out) {
     int h = d / 2;
     for (int j = 0; j < d; j++) {
-        float x = ld(qkv, bf16, base + j), r = ld(qkv, bf16, base + (j + h) % d);
-        out[j] = x * ld(cos, bf16, trow + j) + r * ld(sin_s, bf16, trow + j);
+        float x = load_act(qkv, bf16, base + j), r = load_act(qkv, bf16, base + (j + h) % d);
+        out[j] = x * load_act(cos, bf16, trow + j) + r * load_act(sin_s, bf16, trow + j);
     }
 }
 
@@ -82,12 +59,7 @@ static float dot_row(const float *q, const void *k, int bf16, size_t at, int d) 
     if (bf16) {
         const uint16_t *kk = (const uint16_t *)k + at;
 #pragma omp simd reduction(+ : s)
-        for (int j = 0; j < d; j++) {
-            uint32_t u = (uint32_t)kk[j] << 16;
-            float f;
-            memcpy(&f, &u, 4);
-            s += q[j] * f;
-        }
+        for (int j = 0; j < d; j++) s += q[j] * bf16_to_f32(kk[j]);
     } else {
         const float *kk = (const float *)k + at;
 #pragma omp simd reduction(+ : s)
@@ -101,12 +73,7 @@ static void axpy_row(float *acc, float p, const void *v, int bf16, size_t at, in
     if (bf16) {
         const uint16_t *vv = (const uint16_t *)v + at;
 #pragma omp simd
-        for (int j = 0; j < d; j++) {
-            uint32_t u = (uint32_t)vv[j] << 16;
-            float f;
-            memcpy(&f, &u, 4);
-            acc[j] += p * f;
-        }
+        for (int j = 0; j < d; j++) acc[j] += p * bf16_to_f32(vv[j]);
     } else {
         const float *vv = (const float *)v + at;
 #pragma omp simd
@@ -135,8 +102,8 @@ int sb_attend(void *qkv, int rows, int heads, int kv_heads, int d, const void *c
             size_t at = (((size_t)slot[r] * kv_heads + g) * max_len + (size_t)pos[r]) * d;
             rope(qkv, row + (size_t)(heads + g) * d, cos, sin_s, trow, d, bf16, kr);
             for (int j = 0; j < d; j++) {
-                st(kc, bf16, at + j, kr[j]);
-                st(vc, bf16, at + j, ld(qkv, bf16, row + (size_t)(heads + kv_heads + g) * d + j));
+                store_act(kc, bf16, at + j, kr[j]);
+                store_act(vc, bf16, at + j, load_act(qkv, bf16, row + (size_t)(heads + kv_heads + g) * d + j));
             }
         }
     }
@@ -156,7 +123,7 @@ int sb_attend(void *qkv, int rows, int heads, int kv_heads, int d, const void *c
         sum = softmax_weights(w, span);
         for (int j = 0; j < d; j++) acc[j] = 0.f;
         for (int p = 0; p < span; p++) axpy_row(acc, w[p] / sum, vc, bf16, base + (size_t)p * d, d);
-        for (int j = 0; j < d; j++) st(out, bf16, (size_t)r * heads * d + (size_t)h * d + j, acc[j]);
+        for (int j = 0; j < d; j++) store_act(out, bf16, (size_t)r * heads * d + (size_t)h * d + j, acc[j]);
         free(w);
     }
     free(q);

@@ -30,6 +30,8 @@
 #include <immintrin.h>
 #endif
 
+#include "activations.h"
+
 #define NT 16
 #define QK 32
 #define FMT_Q4 0
@@ -53,21 +55,6 @@ static int weight_at(int fmt, const uint8_t *p, int j, int g, int i) {
     if (fmt == FMT_Q4) return lo;
     int hi = (p[256 + 64 * (g >> 2) + 4 * j + i] >> (2 * (g & 3))) & 3;
     return (lo | (hi << 4)) - 32;
-}
-
-static float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
 }
 
 static float f16_to_f32(uint16_t h) { /* exact, as F16C's vcvtph2ps */
@@ -99,10 +86,6 @@ typedef struct {
     int32_t *half; /* the sums of q over each block's elements 0..15 and 16..31 (Q6's two scales) */
 } QRows;
 
-static float load_f32(const void *p, int bf16, size_t at) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[at]) : ((const float *)p)[at];
-}
-
 /* With `norm_w`, each row is first RMS-normalized and scaled: x * w / sqrt(mean(x^2) + eps) (the
  * Llama block's norm before a projection, fused: no normalized copy is written). `row` is scratch
  * for k floats. */
@@ -110,12 +93,12 @@ static void quantize_rows(const void *x, int x_bf16, int m, int k, const void *n
                           QRows *out) {
     int nb = k / QK;
     for (int r = 0; r < m; r++) {
-        for (int i = 0; i < k; i++) row[i] = load_f32(x, x_bf16, (size_t)r * k + i);
+        for (int i = 0; i < k; i++) row[i] = load_act(x, x_bf16, (size_t)r * k + i);
         if (norm_w) {
             float ss = 0.f;
             for (int i = 0; i < k; i++) ss += row[i] * row[i];
             float inv = 1.f / sqrtf(ss / (float)k + eps);
-            for (int i = 0; i < k; i++) row[i] = row[i] * inv * load_f32(norm_w, x_bf16, (size_t)i);
+            for (int i = 0; i < k; i++) row[i] = row[i] * inv * load_act(norm_w, x_bf16, (size_t)i);
         }
         for (int b = 0; b < nb; b++) {
             float v[QK], amax = 0.f;
@@ -149,11 +132,8 @@ static void store_row(const float *acc, int r, int n0, int n, const void *res, v
     for (int j = 0; j < NT; j++) {
         size_t at = (size_t)r * n + n0 + j;
         float v = acc[j];
-        if (res) v += y_bf16 ? bf16_to_f32(((const uint16_t *)res)[at]) : ((const float *)res)[at];
-        if (y_bf16)
-            ((uint16_t *)y)[at] = f32_to_bf16(v);
-        else
-            ((float *)y)[at] = v;
+        if (res) v += load_act(res, y_bf16, at);
+        store_act(y, y_bf16, at, v);
     }
 }
 
@@ -452,10 +432,7 @@ int blockq_rows(int fmt, const uint8_t *w, int n, int k, const int64_t *ids, int
                     int q = weight_at(fmt, p, j, g, e);
                     float v = fmt == FMT_Q4 ? fmaf((float)q, d, mn) : (float)q * (fmt == FMT_Q6 && g >= 4 ? mn : d);
                     size_t at = (size_t)i * k + (size_t)b * QK + 4 * g + e;
-                    if (out_bf16)
-                        ((uint16_t *)out)[at] = f32_to_bf16(v);
-                    else
-                        ((float *)out)[at] = v;
+                    store_act(out, out_bf16, at, v);
                 }
             }
         }
