@@ -15,6 +15,7 @@ from data_plane.shard.engines.speculation import (
     CostProbe,
     NgramIndex,
     SeqSpec,
+    SharedEvidence,
     VerifyCost,
     accept_greedy,
     accept_sampled,
@@ -40,48 +41,88 @@ def test_ngram_short_continuation_and_no_self_match() -> None:
 
 def test_seq_spec_drafts_as_many_tokens_as_pay() -> None:
     s = SeqSpec(max_k=8)
-    assert s.draft_len(0.0) == 8  # rows free: the most
-    assert s.draft_len(0.02) == 5  # no evidence (a = 0.5): 0.5^5 > 0.02 > 0.5^6
-    s.record(5, 5)  # a = 6/7: even the 8th token pays
-    assert s.accept_rate() == pytest.approx(6 / 7)
-    assert s.draft_len(0.02) == 8
-    assert s.draft_len(0.3) == 7  # dearer rows (a bigger batch): a shorter draft
-    s.record(8, 0)  # a rejection at once: a = (0.9 * 5 + 1) / (0.9 * 5 + 1 + 2)
-    assert s.accept_rate() == pytest.approx(5.5 / 7.5)
-    assert s.draft_len(0.1) == int(math.log(0.1) / math.log(5.5 / 7.5)) == 7
+    assert s.draft_len(0.0, 4) == 8  # rows free: the most
+    assert s.draft_len(0.02, 4) == 5  # no evidence (a = 0.5): 0.5^5 > 0.02 > 0.5^6
+    s.record(5, 5, 4)  # a = 6/7: even the 8th token pays
+    assert s.accept_rate(4) == pytest.approx(6 / 7)
+    assert s.draft_len(0.02, 4) == 8
+    assert s.draft_len(0.3, 4) == 7  # dearer rows (a bigger batch): a shorter draft
+    s.record(8, 0, 4)  # a rejection at once: a = (0.9 * 5 + 1) / (0.9 * 5 + 1 + 2)
+    assert s.accept_rate(4) == pytest.approx(5.5 / 7.5)
+    assert s.draft_len(0.1, 4) == int(math.log(0.1) / math.log(5.5 / 7.5)) == 7
     assert (s.drafts, s.draft_tokens, s.accepted_tokens) == (2, 13, 5)
+
+
+def test_evidence_is_kept_per_match_length() -> None:
+    """A long copy (4-gram matches, all accepted) says nothing about 2-gram coincidences, and their
+    misses do not shorten the copy's drafts (one rate for both drafted 15 tokens on every 2-gram match
+    right after a copy: tests/data_plane/test_spec_replay.py)."""
+    s = SeqSpec(max_k=15)
+    for _ in range(4):
+        s.record(15, 15, 4)
+    assert s.draft_len(0.2, 4) == 15
+    assert s.accept_rate(2) == 0.5 and s.draft_len(0.2, 2) == 2  # 0.5^2 > 0.2 > 0.5^3
+    for _ in range(3):
+        s.record(2, 0, 2)
+    assert s.draft_len(0.2, 2) <= 1 and s.draft_len(0.2, 4) == 15
+    assert s.accept_rate(9) == s.accept_rate(4)  # matches longer than the table count as the longest
+
+
+def test_new_sequences_start_from_the_engines_evidence() -> None:
+    shared = SharedEvidence(4, weight=16.0)
+    first = SeqSpec(max_k=15, evidence=shared.prior(), shared=shared)
+    assert first.draft_len(0.2, 4) == 2  # nothing known yet: a = 0.5
+    for _ in range(6):
+        first.record(15, 15, 4)
+        first.record(1, 0, 1)
+    second = SeqSpec(max_k=15, evidence=shared.prior(), shared=shared)
+    assert second.draft_len(0.2, 4) >= 8  # copies from its first match, as the last request did
+    assert second.accept_rate(1) == 0.5  # one-token matches take no prior (they never back off to retry)
+    acc, rej = second.evidence[3]
+    assert acc + rej == pytest.approx(16.0)  # worth at most `weight` observations: its own soon outweigh it
+    lengths = []
+    for _ in range(4):  # this text does not copy: its own misses shorten the drafts at once
+        second.record(15, 0, 4)
+        lengths.append(second.draft_len(0.2, 4))
+    assert lengths == sorted(lengths, reverse=True) and lengths[-1] <= 4
 
 
 def test_seq_spec_backs_off_after_misses_then_probes_one_token() -> None:
     s = SeqSpec(max_k=8, miss_limit=3)
     for _ in range(3):
-        s.record(s.draft_len(0.02) or 1, 0)  # nothing ever accepted
-    assert [s.draft_len(0.02) for _ in range(8)] == [0] * 8  # off for the back-off
-    assert s.draft_len(0.02) == 1  # then one token, to see whether the text copies again
-    s.record(1, 1)
-    assert s.draft_len(0.02) >= 1 and s.misses == 0  # it did: drafting goes on
+        s.record(s.draft_len(0.02, 2) or 1, 0, 2)  # nothing ever accepted
+    assert [s.draft_len(0.02, 2) for _ in range(8)] == [0] * 8  # off for the back-off
+    assert s.draft_len(0.02, 2) == 1  # then one token, to see whether the text copies again
+    s.record(1, 1, 2)
+    assert s.draft_len(0.02, 2) >= 1 and s.misses == 0  # it did: drafting goes on
     for _ in range(3):
-        s.record(1, 0)
-    assert sum(1 for _ in range(40) if s.draft_len(0.02) == 0) == 16  # the back-off doubled
+        s.record(1, 0, 2)
+    assert sum(1 for _ in range(40) if s.draft_len(0.02, 2) == 0) == 16  # the back-off doubled
 
 
 def test_seq_spec_backs_off_when_not_even_one_token_pays() -> None:
     s = SeqSpec(max_k=8)
-    s.record(4, 0)
-    s.record(4, 0)  # a = 1 / (1.9 + 2) = 0.26 < row cost 0.3: expected to lose
-    assert s.draft_len(0.3) == 0
+    s.record(4, 0, 3)
+    s.record(4, 0, 3)  # a = 1 / (1.9 + 2) = 0.26 < row cost 0.3: expected to lose
+    assert s.draft_len(0.3, 3) == 0
     assert s.cooldown == 8 and s.probe
 
 
 def test_weak_matches_keep_their_own_evidence_and_never_stop_strong_drafts() -> None:
     s = SeqSpec(max_k=8)
     for _ in range(10):
-        s.record(s.draft_len(0.3, weak=True) or 1, 0, weak=True)  # one-token matches never accepted
-    assert s.accept_rate(weak=True) < 0.3 and s.draft_len(0.3, weak=True) == 0  # they stop by themselves
+        s.record(s.draft_len(0.3, 1) or 1, 0, 1)  # one-token matches never accepted
+    assert s.accept_rate(1) < 0.3 and s.draft_len(0.3, 1) == 0  # they stop by themselves
     assert s.cooldown == 0 and s.misses == 0  # and cost the strong drafts nothing
-    assert s.accept_rate() == 0.5 and s.draft_len(0.3) == 1
-    s.record(1, 1)
-    assert s.accept_rate() == pytest.approx(2 / 3) and s.accept_rate(weak=True) < 0.3
+    assert s.accept_rate(2) == 0.5 and s.draft_len(0.3, 2) == 1
+    s.record(1, 1, 2)
+    assert s.accept_rate(2) == pytest.approx(2 / 3) and s.accept_rate(1) < 0.3
+
+
+def test_forced_drafts_keep_no_evidence() -> None:
+    s = SeqSpec(max_k=8)
+    s.record(6, 6, 0)  # a grammar-forced draft (n = 0): counted, but it says nothing about n-gram drafts
+    assert (s.drafts, s.accepted_tokens) == (1, 6) and all(ev == [0.0, 0.0] for ev in s.evidence)
 
 
 def test_ngram_match_says_how_long_the_match_is() -> None:
@@ -108,6 +149,22 @@ def test_verify_cost_learns_the_row_price_per_batch_size() -> None:
     c.verify(1, 9, 0.020)  # faster than a plain step (noise): the rows cost nothing, clamped
     assert c.row_cost(1) == pytest.approx(0.9 * 0.004 / 8 / 0.026)
     assert VerifyCost().row_cost(64) == 1.0  # never above one token's share
+
+
+def test_one_slow_verify_pass_does_not_stop_drafting() -> None:
+    """A single slow pass (under load: a 1.46 s step among 7 ms ones) once priced rows at a whole
+    step (row cost 1.0): no draft paid, and nothing re-measured them until the next VERIFY probe."""
+    c = VerifyCost(prior=0.02)
+    c.plain(1, 0.007)
+    for _ in range(5):
+        c.verify(1, 9, 0.007 + 8 * 0.0014)  # a row: 1.4 ms, a fifth of a step
+    assert c.row_cost(1) == pytest.approx(0.2)
+    c.verify(1, 9, 1.46)
+    assert c.row_cost(1) < 0.3  # one sample counts at most clip x the average
+    assert SeqSpec(max_k=15, evidence=[[0.0, 0.0]] * 3 + [[9.0, 1.0]]).draft_len(c.row_cost(1), 4) >= 5
+    for _ in range(30):  # rows that really got dearer (3 ms) still get there
+        c.verify(1, 9, 0.007 + 8 * 0.003)
+    assert c.row_cost(1) == pytest.approx(3 / 7, rel=0.05)
 
 
 def test_accept_greedy() -> None:
@@ -165,7 +222,7 @@ def test_rejection_sampler_has_the_target_law() -> None:
     stat, df = chi_square(counts, law, n)
     assert stat < critical(df), (stat, df)
     # The test has teeth: a sampler that accepts whenever the draft is the argmax is caught.
-    wrong = Counter()
+    wrong: Counter[tuple[int, ...]] = Counter()
     for _ in range(n):
         out: list[int] = []
         for j, x in enumerate(DRAFT):

@@ -38,7 +38,7 @@ class FakeDrafter:
 
     def draft(self, seqs, max_model_len):  # type: ignore[no-untyped-def]
         self.calls += 1
-        return [([7] * self.k, False) for _ in seqs]
+        return [([7] * self.k, 4) for _ in seqs]
 
 
 @dataclass

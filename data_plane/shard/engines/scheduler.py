@@ -92,8 +92,9 @@ class Drafter(Protocol):
     max_batch: int
     """No drafting while more sequences than this decode."""
 
-    def draft(self, seqs: Sequence[SeqState], max_model_len: int) -> list[tuple[list[int], bool]]:
-        """(draft tokens, from a one-token match) per sequence, called once per decode step."""
+    def draft(self, seqs: Sequence[SeqState], max_model_len: int) -> list[tuple[list[int], int]]:
+        """(draft tokens, the length of the n-gram match they came from) per sequence, called once
+        per decode step."""
         ...
 
 
@@ -112,7 +113,7 @@ class ScheduledRow:
     start: int
     tokens: tuple[int, ...]
     draft: tuple[int, ...] = ()
-    weak: bool = False  # the draft came from a one-token match (its own acceptance evidence)
+    match_n: int = 0  # the n-gram match the draft came from (its acceptance evidence); 0: none, or forced
 
     @property
     def samples(self) -> bool:
@@ -407,7 +408,7 @@ class Scheduler:
             seq.slot = dst
         return order_moves(moves)
 
-    def _forced(self, seq: SeqState) -> tuple[list[int], bool] | None:
+    def _forced(self, seq: SeqState) -> tuple[list[int], int] | None:
         """The tokens `seq`'s grammar forces next, as a (strong) draft, or None."""
         proc = seq.req.processor
         if proc is None:
@@ -415,20 +416,20 @@ class Scheduler:
         room = min(seq.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_computed_tokens - 3,
                    self.config.max_forced)
         forced = proc.forced(room) if room > 0 else []
-        return (forced, False) if forced else None
+        return (forced, 0) if forced else None
 
     def _rows(self, decoding: list[SeqState], new: list[SeqState], chunk: SeqState | None,
               budget: int) -> list[ScheduledRow]:
         rows = []
         if chunk is None and not new and decoding:
-            drafts: list[tuple[list[int], bool]] = [([], False)] * len(decoding)
+            drafts: list[tuple[list[int], int]] = [([], 0)] * len(decoding)
             if self.drafter is not None and len(decoding) <= self.drafter.max_batch:
                 drafts = self.drafter.draft(decoding, self.max_model_len)
             if self.config.jump_forward:
                 drafts = [self._forced(s) or d for s, d in zip(decoding, drafts)]
             if any(d for d, _ in drafts):
-                return [ScheduledRow(s, RowKind.VERIFY, s.num_computed_tokens, (s.last_token, *d), tuple(d), weak)
-                        for s, (d, weak) in zip(decoding, drafts)]
+                return [ScheduledRow(s, RowKind.VERIFY, s.num_computed_tokens, (s.last_token, *d), tuple(d), n)
+                        for s, (d, n) in zip(decoding, drafts)]
         for s in decoding:
             rows.append(ScheduledRow(s, RowKind.DECODE, s.num_computed_tokens, (s.last_token,)))
         used = 0

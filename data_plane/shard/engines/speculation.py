@@ -5,12 +5,12 @@ its :class:`SeqSpec` in its ``SeqState`` (data_plane/shard/engines/sequence.py).
 
     index = NgramIndex(min_n=1, max_n=4)
     n, at = index.match(ctx)                                # ctx = prompt_ids + output_ids; None: no match
-    state = SeqSpec(max_k=15)
-    k = state.draft_len(cost.row_cost(batch=1), weak=n < 2) # 0 while backed off (cost: VerifyCost)
+    state = SeqSpec(max_k=15, evidence=shared.prior(), shared=shared)  # shared = SharedEvidence()
+    k = state.draft_len(cost.row_cost(batch=1), n)          # 0 while backed off (cost: VerifyCost)
     draft = ctx[at : at + k]                                # what followed the tail's latest occurrence
     tokens = accept_greedy(draft, argmax_rows)              # accepted drafts + one model token
     tokens = accept_sampled(draft, lambda j: sample_row(rows[j], params, draws.at(pos + j)))  # the same, exact
-    state.record(len(draft), len(tokens) - 1, weak=n < 2)
+    state.record(len(draft), len(tokens) - 1, n)            # evidence per match length n
 
 The draft needs no draft model: the most recent earlier occurrence of the sequence's last n
 tokens (n from max_n down to min_n = 1) in prompt + output proposes the tokens that followed it
@@ -27,10 +27,10 @@ a rejected row's sample is p with x removed and renormalised. With position-keye
 are the very ones speculation off would have sampled (docs/STRUCTURED.md, "Seeds").
 
 "Never slower": a sequence drafts only as many tokens as are expected to pay for their verify
-rows (`SeqSpec.draft_len`: its acceptance so far against what a row costs on this machine,
-learnt by `VerifyCost` from the engine's own steps), backs off after repeated misses or when
-even one token would not pay, and the engine drafts for no one when more than `max_batch`
-sequences run (EngineConfig.spec_max_batch, measured: see docs/BENCHMARKS.md).
+rows (`SeqSpec.draft_len`: its acceptance so far for matches as long as this one, against what a
+row costs on this machine, learnt by `VerifyCost` from the engine's own steps), backs off after
+repeated misses or when even one token would not pay, and the engine drafts for no one when more
+than `max_batch` sequences run (EngineConfig.spec_max_batch, measured: see docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -79,29 +79,70 @@ class NgramIndex:
         return None
 
 
+def _no_evidence(buckets: int = 4) -> list[list[float]]:
+    return [[0.0, 0.0] for _ in range(buckets)]
+
+
+class SharedEvidence:
+    """Acceptance evidence per match length across the engine's sequences: a new sequence's prior.
+
+    Without it every request starts at a = 0.5 and drafts 2, 5, 13 tokens while it learns what the
+    last one already knew (a quote reply copies from its first tokens). The prior is worth at most
+    `weight` observations, so a sequence's own drafts outweigh it after a few; one-token matches
+    (n = 1) take none, as they stop by themselves and would then never be tried again."""
+
+    def __init__(self, buckets: int = 4, decay: float = 0.9, weight: float = 16.0) -> None:
+        self.decay = decay
+        self.weight = weight
+        self.evidence = _no_evidence(buckets)
+
+    def observe(self, bucket: int, accepted: int, rejected: bool) -> None:
+        ev = self.evidence[bucket]
+        ev[0] = self.decay * ev[0] + accepted
+        ev[1] = self.decay * ev[1] + rejected
+
+    def prior(self) -> list[list[float]]:
+        """A new sequence's starting evidence: the engine's, scaled to at most `weight` observations
+        (accepted tokens + rejections) per match length; none for one-token matches."""
+        out = _no_evidence(len(self.evidence))
+        for b, (acc, rej) in enumerate(self.evidence[1:], start=1):
+            scale = min(1.0, self.weight / (acc + rej)) if acc + rej > 0 else 0.0
+            out[b] = [acc * scale, rej * scale]
+        return out
+
+
 @dataclass
 class SeqSpec:
     """One sequence's speculation state: its acceptance evidence, draft length, back-off, totals.
 
-    The draft length is the longest k whose last token still pays for itself: with `a` the chance
-    a draft token is accepted once the one before it was (`accept_rate`), position j yields a token
-    with probability a^j, and every verified row costs `row_cost` (a share of one token's decode
-    time, learnt by :class:`VerifyCost`). So k = floor(log(row_cost) / log(a)), at most max_k:
-    on a CPU a row costs ~2 % of a step at batch 1, so a sequence that copies its prompt drafts the
-    full max_k and a chatty one drafts 1-2 tokens.
+    Evidence is kept per match length n (the n-gram that found the draft, 1..max_n): with `a` the
+    chance a draft token is accepted once the one before it was (`accept_rate(n)`), position j yields
+    a token with probability a^j, every verified row costs `row_cost` (a share of one token's decode
+    time, learnt by :class:`VerifyCost`), and the draft is the longest k whose last token still pays
+    for itself: k = floor(log(row_cost) / log(a)), at most max_k. (The k with the most tokens per
+    unit of time, sum(a^j) / (1 + k row_cost), is ~2x shorter when rows are dear; it wins only where
+    a verify pass costs nothing beyond its rows. The engine's passes have a fixed part, ~0.3 of a
+    step under load, which the marginal rule's longer drafts amortise: docs/BENCHMARKS.md.)
 
-    Drafts from a one-token match (`weak`: the tail's last token alone occurred before) keep their
-    own evidence, as they are accepted less often than longer matches; they stop by themselves when
-    not even one such token pays. `miss_limit` (strong) drafts in a row with nothing accepted, or
-    a rate at which even one strong draft token does not pay, turn drafting off for `backoff`
-    steps (doubling each time, up to MAX_BACKOFF_STEPS); the first draft after it is one token."""
+    Per n, because how far the match reaches back is what tells a copy from a coincidence: on the
+    quote workload 0.69 of the tokens 4-gram matches drafted were accepted, 0.27 and 0.22 of the 2-
+    and 3-gram ones', and one rate for all drafted 15 tokens on every 2-gram match right after a
+    long copy (docs/BENCHMARKS.md, "n-gram drafts by match length").
+
+    One-token matches (n = 1, `weak`) stop by themselves when not even one such token pays.
+    `miss_limit` drafts (n >= 2) in a row with nothing accepted, or a match whose rate does not pay
+    for one token, turn drafting off for `backoff` steps (doubling each time, up to MAX_BACKOFF_STEPS);
+    the first draft after it is one token. n = 0 (a grammar-forced draft, not an n-gram one) keeps
+    no evidence."""
 
     max_k: int = 8
     miss_limit: int = 6
     decay: float = 0.9
     """Weight the evidence of earlier drafts keeps at each new one (recent text matters most)."""
-    evidence: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0], [0.0, 0.0]])
-    """[accepted tokens, rejections] (decayed), for strong drafts [0] and weak ones [1]."""
+    evidence: list[list[float]] = field(default_factory=_no_evidence)
+    """[accepted tokens, rejections] (decayed) per match length n = 1.. (longer ones count as the last)."""
+    shared: SharedEvidence | None = None
+    """The engine's evidence across sequences, which every draft also feeds (Speculator)."""
     misses: int = 0
     cooldown: int = 0
     backoff: int = 8
@@ -111,13 +152,18 @@ class SeqSpec:
     accepted_tokens: int = 0
     index: NgramIndex = field(default_factory=NgramIndex)
 
-    def accept_rate(self, weak: bool = False) -> float:
-        """P(a draft token is accepted | the one before it was), Laplace-smoothed: 0.5 before any draft."""
-        accepted, rejected = self.evidence[weak]
+    def _bucket(self, n: int) -> int:
+        return min(max(n, 1), len(self.evidence)) - 1
+
+    def accept_rate(self, n: int) -> float:
+        """P(a draft token is accepted | the one before it was) for a draft from an n-token match,
+        Laplace-smoothed: 0.5 before any evidence."""
+        accepted, rejected = self.evidence[self._bucket(n)]
         return (accepted + 1.0) / (accepted + rejected + 2.0)
 
-    def draft_len(self, row_cost: float = 0.0, weak: bool = False) -> int:
-        """How many tokens to draft this step (0 while backed off); call once per decode step."""
+    def draft_len(self, row_cost: float, n: int) -> int:
+        """How many tokens to draft this step from an n-token match (0 while backed off); call once
+        per decode step."""
         if self.cooldown > 0:
             self.cooldown -= 1
             return 0
@@ -125,8 +171,8 @@ class SeqSpec:
             return 1
         if row_cost <= 0.0:
             return self.max_k
-        k = min(self.max_k, int(math.log(min(row_cost, 0.999)) / math.log(self.accept_rate(weak))))
-        if k < 1 and not weak:
+        k = min(self.max_k, int(math.log(min(row_cost, 0.999)) / math.log(self.accept_rate(n))))
+        if k < 1 and n >= 2:
             self._back_off()
         return max(k, 0)
 
@@ -134,19 +180,23 @@ class SeqSpec:
         self.cooldown, self.misses, self.probe = self.backoff, 0, True
         self.backoff = min(MAX_BACKOFF_STEPS, self.backoff * 2)
 
-    def record(self, drafted: int, accepted: int, weak: bool = False) -> None:
+    def record(self, drafted: int, accepted: int, n: int) -> None:
         if drafted <= 0:
             return
         self.drafts += 1
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
         self.probe = False
-        ev = self.evidence[weak]
+        if n <= 0:
+            return
+        ev = self.evidence[self._bucket(n)]
         ev[0] = self.decay * ev[0] + accepted
         ev[1] = self.decay * ev[1] + (accepted < drafted)
+        if self.shared is not None:
+            self.shared.observe(self._bucket(n), accepted, accepted < drafted)
         if accepted:
             self.misses = 0
-        elif not weak:
+        elif n >= 2:
             self.misses += 1
             if self.misses >= self.miss_limit:
                 self._back_off()
@@ -181,11 +231,17 @@ class VerifyCost:
     the prior's draft length). A plain step more than `drift` away from its average (x1.3 or /1.3)
     is a drift: the average takes the new time (`drift_alpha` of the way), the row average moves
     half way at each verify step, and the next probes come `probe_every // 8` steps apart until a
-    plain step agrees with the average again."""
+    plain step agrees with the average again.
+
+    One verify step's row price counts at most `clip` times the current average (or the prior's
+    price, when lower): a single slow pass (a page fault, a collection, a neighbour's burst) once
+    priced rows above a whole step for the rest of a request (row cost 1.0), which stopped drafting
+    until the next VERIFY probe, while a real rise still gets there in a few steps."""
 
     def __init__(self, prior: float = 0.02, alpha: float = 0.1, probe_every: int = 64, drift: float = 1.3,
-                 drift_alpha: float = 1.0) -> None:
+                 drift_alpha: float = 1.0, clip: float = 3.0) -> None:
         self.prior = prior
+        self.clip = clip
         self.alpha = alpha
         self.probe_every = probe_every
         self.drift = drift
@@ -222,8 +278,11 @@ class VerifyCost:
     def verify(self, batch: int, rows: int, seconds: float) -> None:
         step = self._step_s.get(batch)
         if step is not None and rows > batch:  # while drifting, rows priced against the old step go fast
-            self._ewma(self._row_s, batch, max(0.0, seconds - step) / (rows - batch),
-                       0.5 if batch in self._drifting else None)
+            row = max(0.0, seconds - step) / (rows - batch)
+            old = self._row_s.get(batch)
+            if old is not None:
+                row = min(row, self.clip * max(old, self.prior * step / batch))
+            self._ewma(self._row_s, batch, row, 0.5 if batch in self._drifting else None)
         self._since_verify[batch] = 0
         self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
 

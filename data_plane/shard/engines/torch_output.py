@@ -84,7 +84,7 @@ class OutputProcessor:
         for row, tokens in zip(plan.rows, result.tokens):
             seq = row.seq
             if row.draft and seq.spec is not None:
-                seq.spec.record(len(row.draft), len(tokens) - 1, row.weak)
+                seq.spec.record(len(row.draft), len(tokens) - 1, row.match_n)
                 self.listener.on_spec_draft(len(row.draft), len(tokens) - 1)
             held = ""
             for i, token in enumerate(tokens):

@@ -1,7 +1,7 @@
 """The torch engine's n-gram speculation: drafts for the scheduler, acceptance for the executor.
 
     spec = Speculator(max_k=15, max_batch=4)          # EngineConfig(speculation="ngram") builds it
-    drafts = spec.draft(decoding, max_model_len)      # scheduler.py, in a pure decode step: [(draft, weak)]
+    drafts = spec.draft(decoding, max_model_len)      # scheduler.py, in a pure decode step: [(draft, match n)]
     tokens = spec.accept(logits, rows)                # torch_executor.py, after the verify pass
     spec.observe_plain(batch, step_s)                 # a decode step nobody drafted in (prices the rows)
     spec.observe_verify(batch, rows, step_s)
@@ -36,6 +36,7 @@ from data_plane.shard.engines.speculation import (
     CostProbe,
     NgramIndex,
     SeqSpec,
+    SharedEvidence,
     VerifyCost,
     accept_greedy,
     accept_sampled,
@@ -59,6 +60,7 @@ class Speculator:
         self.min_n = min_n
         self.max_n = max_n
         self.cost = VerifyCost()
+        self.evidence = SharedEvidence(max_n)  # what earlier sequences' drafts taught: a new one's prior
         self.on_probe = on_probe  # a row-cost probe step ran ("plain" / "verify"): the shard's metric
 
     def observe_plain(self, batch: int, seconds: float) -> None:
@@ -70,18 +72,19 @@ class Speculator:
 
     def state(self, seq: SeqState) -> SeqSpec:
         if seq.spec is None:
-            seq.spec = SeqSpec(max_k=self.max_k, miss_limit=self.miss_limit,
-                               index=NgramIndex(self.min_n, self.max_n))
+            seq.spec = SeqSpec(max_k=self.max_k, miss_limit=self.miss_limit, evidence=self.evidence.prior(),
+                               shared=self.evidence, index=NgramIndex(self.min_n, self.max_n))
             seq.spec_ctx = list(seq.req.prompt_ids)
         return seq.spec
 
-    def draft(self, seqs: Sequence[SeqState], max_model_len: int) -> list[tuple[list[int], bool]]:
-        """This step's draft for each of `seqs` (the decoding sequences) and whether it came from a
-        one-token (weak) match; call once per decode step (back-off counts steps)."""
+    def draft(self, seqs: Sequence[SeqState], max_model_len: int) -> list[tuple[list[int], int]]:
+        """This step's draft for each of `seqs` (the decoding sequences) and the length of the n-gram
+        match it came from (its evidence bucket; 0: no draft); call once per decode step (back-off
+        counts steps)."""
         probe = self.cost.probe(len(seqs))
         if probe is CostProbe.PLAIN:  # one plain step now and then keeps the row price's baseline current
             self._probed(probe)
-            return [([], False) for _ in seqs]
+            return [([], 0) for _ in seqs]
         row_cost = self.cost.prior_cost(len(seqs)) if probe is CostProbe.VERIFY else self.cost.row_cost(len(seqs))
         drafts = [self._draft(s, max_model_len, row_cost) for s in seqs]
         if probe is CostProbe.VERIFY and any(d for d, _ in drafts):
@@ -93,25 +96,25 @@ class Speculator:
         if self.on_probe is not None:
             self.on_probe(probe.value)
 
-    def _draft(self, seq: SeqState, max_model_len: int, row_cost: float) -> tuple[list[int], bool]:
+    def _draft(self, seq: SeqState, max_model_len: int, row_cost: float) -> tuple[list[int], int]:
         proc = seq.req.processor
         if proc is not None and not proc.drafts:
-            return [], False  # penalties, bias, EOS bans, logprobs: one token a step (no drafts)
+            return [], 0  # penalties, bias, EOS bans, logprobs: one token a step (no drafts)
         state = self.state(seq)
         ctx = seq.spec_ctx
         ctx.extend(seq.output_ids[len(ctx) - len(seq.req.prompt_ids):])
         found = state.index.match(ctx)
-        weak = found is not None and found[0] < 2
+        n = found[0] if found is not None else 0
         # Drafts may run up to max_tokens (the cap then lands inside an accepted draft and the rest
         # is dropped by the emit path), never to within 2 positions of the context limit.
         room = min(seq.max_tokens - len(seq.output_ids), max_model_len - seq.num_computed_tokens - 3)
-        k = min(state.draft_len(row_cost, weak), room)
+        k = min(state.draft_len(row_cost, n), room)
         if found is None or k <= 0:
-            return [], False
+            return [], 0
         draft = ctx[found[1] : found[1] + k]
         if proc is not None:  # constrained: only what the grammar allows from here
             draft = proc.check_draft(draft)
-        return draft, weak
+        return draft, n
 
     @staticmethod
     def accept(logits: torch.Tensor, rows: Sequence[ScheduledRow]) -> list[list[int]]:
