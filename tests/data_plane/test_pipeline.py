@@ -160,7 +160,7 @@ def test_a_lone_pass_runs_on_every_core_the_stages_share_idle_host_faked(monkeyp
     """One stream's passes go through the stages one after another, so each stage runs them at the
     threads both stages hold (2 here); passes that overlap (the batch queue, micro-batches) at each
     stage's own (1). The host's load at start is faked (the engine measures it): idle, and busy, where
-    every pass keeps one count. The thread counts change no token: the blockq kernel and the native
+    the passes start at each stage's share (the thread tuner then picks from their times). The thread counts change no token: the blockq kernel and the native
     attention are bit-identical across them."""
     from data_plane.shard.engines import torch_load
 
@@ -184,8 +184,8 @@ def test_a_lone_pass_runs_on_every_core_the_stages_share_idle_host_faked(monkeyp
     assert all(t.threads == (2, 2) and t.in_flight == 1 for t in alone)
     assert all(t.threads == (1, 1) for t in overlapped)
     solo_busy, _ = asyncio.run(run(1.5, busy))
-    assert busy.passes and not any(t.alone for t in busy.passes)
-    assert all(t.threads == (1, 1) for t in busy.passes)
+    # a busy host starts at the share; the tuner may probe every core after a second of decode
+    assert busy.passes and all(t.threads == (1, 1) and not t.alone for t in busy.passes[:10])
     if blockq:
         assert solo_busy == solo
 

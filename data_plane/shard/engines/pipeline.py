@@ -222,6 +222,21 @@ class _Ticket:
     """KV gathers sent behind this pass, completed when it is collected (pipeline_kv.py)."""
 
 
+class AloneThreads:
+    """The intra-op threads a pass alone in the pipeline runs at on the stages of stage 0's host:
+    between each stage's share and PipelineSpec.alone_threads. The engine's thread tuner
+    (torch_threads.ThreadTuner, `set`) picks it from those passes' times, as it picks a plain
+    shard's threads: every core when it measures faster, each stage's share when another process
+    takes a core (the barrier collapse: 2-thread stages beside a busy process took 200-400 ms a
+    token against ~20 at one thread each, measured under load)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def set(self, count: int) -> None:
+        self.count = count
+
+
 TIMING_COLS = 4  # arrive, busy, leave (epoch seconds; busy in seconds), intra-op threads
 
 
@@ -246,16 +261,19 @@ class Hops(KVHops):
         self.max_in_flight = 0
         """The most passes ever in flight at once (sent by stage 0, rows not yet back)."""
         self._pass_threads = 0  # the header's thread count for the pass being sent (pace)
-        self._threads, self._alone = spec.threads, spec.alone_threads
+        self._threads = spec.threads
+        self.alone: AloneThreads | None = None
+        """The count for a pass alone in the pipeline, set by the engine (torch_load.start_pipeline)."""
         self._loose: list[tuple[torch.Tensor, ...]] = []  # prefix copies sent while passes were in flight
         self._loose_works: list[Any] = []
 
     def pace(self, parts: int) -> None:
         """Before stage 0's layers of a pass split into `parts` micro-batches: its intra-op threads,
-        and the count its header gives the stages of this host (PipelineSpec.alone_threads)."""
-        if not self._alone:
+        and the count its header gives the stages of this host (PipelineSpec.alone_threads; the
+        thread tuner picks between that and each stage's share, `alone`)."""
+        if self.alone is None:
             return
-        n = self._alone if parts == 1 and not self._in_flight else self._threads
+        n = self.alone.count if parts == 1 and not self._in_flight else self._threads
         self._pass_threads = n
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
@@ -304,8 +322,8 @@ class Hops(KVHops):
         for work in ticket.works:
             work.wait()
         self._in_flight.popleft()
-        if self._alone and not self._in_flight and torch.get_num_threads() != self._alone:
-            torch.set_num_threads(self._alone)  # the head, with nothing else in flight
+        if self.alone is not None and not self._in_flight and torch.get_num_threads() != self.alone.count:
+            torch.set_num_threads(self.alone.count)  # the head, with nothing else in flight
         active_s = 0.0 if self._in_flight else back - self._active_since
         rows = t.tolist()
         hop_s = tuple(max(0.0, (rows[i + 1][0] if i + 1 < size else back) - rows[i][2]) for i in range(size))
@@ -315,7 +333,7 @@ class Hops(KVHops):
             self.finish_gather(gather)
         self.on_pass(PassTiming(back - ticket.began, tuple(r[1] for r in rows), hop_s, hop_bytes,
                                 tuple((r[0], r[2]) for r in rows), ticket.in_flight, active_s,
-                                tuple(int(r[3]) for r in rows), bool(self._alone) and ticket.threads == self._alone))
+                                tuple(int(r[3]) for r in rows), ticket.threads > self._threads))
         return out
 
     def _account(self, slots: Sequence[int], starts: Sequence[int], rows: list[list[float]]) -> None:

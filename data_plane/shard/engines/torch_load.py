@@ -29,7 +29,7 @@ from data_plane.shard.engines.torch_threads import HostCpu, ThreadTuner
 
 if TYPE_CHECKING:
     from data_plane.shard.engines.llama_runner import LlamaRunner
-    from data_plane.shard.engines.pipeline import PipelineGroup
+    from data_plane.shard.engines.pipeline import AloneThreads, PipelineGroup
     from data_plane.shard.engines.weight_source import WeightPlan
 
 
@@ -65,7 +65,9 @@ class LoadedModel:
     thread_tuner: ThreadTuner | None
     """Adaptive intra-op threads, started; None when the count is fixed."""
     alone_threads: int
-    """A pipeline: threads a stage on this host runs a pass with when no other pass is in flight (0: fixed)."""
+    """A pipeline: the most threads a stage on this host runs a pass alone in it with (0: fixed)."""
+    alone: AloneThreads | None
+    """A pipeline: the count such a pass runs at now, chosen by `thread_tuner` (None: fixed)."""
     name: str
     """The served model name (the OpenAI `model` field)."""
     path: str
@@ -130,11 +132,19 @@ def load_model(config: EngineConfig, listener: StepListener, phases: LoadPhases)
         plan=plan, gguf=source.gguf, layer_range=ranges[0] if ranges else None)
     phases.mark("weights")
     tuner = None
-    alone = 0
-    if shared:  # a pipeline: threads follow how many passes overlap (pipeline.Hops.pace), no tuner
+    alone = None
+    if shared and adaptive and shared > threads:
+        # A pipeline: a pass alone in it runs on `shared` threads or on each stage's share (pipeline.Hops.pace),
+        # the tuner choosing from those passes' times; the passes that overlap always at the share.
+        from data_plane.shard.engines.pipeline import AloneThreads
+
         busy = host.others_busy()
         idle = busy is not None and busy + shared <= usable_cores() + 0.5
-        alone = shared if adaptive and shared > threads and idle else 0
+        alone = AloneThreads(threads)
+        tuner = ThreadTuner(shared, alone.set, listener.on_threads, initial=shared if idle else threads,
+                            min_threads=threads)
+        tuner.start()
+    elif shared:
         listener.on_threads(threads, "start")
     elif adaptive and threads > 1:
         busy = host.others_busy()
@@ -150,7 +160,7 @@ def load_model(config: EngineConfig, listener: StepListener, phases: LoadPhases)
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
     return LoadedModel(runner=runner, tokenizer=tokenizer, plan=plan, threads=threads, thread_tuner=tuner,
-                       alone_threads=alone,
+                       alone_threads=shared if alone else 0, alone=alone,
                        name=served_name(config.model), path=str(path), eos=frozenset(eos_ids),
                        vocab_size=int(hf_config.vocab_size), max_model_len=max_model_len, num_layers=num_layers,
                        layer_ranges=ranges, started=started)
@@ -187,6 +197,7 @@ def start_pipeline(config: EngineConfig, model: LoadedModel, prefix: SlotPrefix 
     hops = group.start(model.runner.hidden_size, model.runner.dtype)
     hops.on_pass = listener.on_pipeline_pass
     hops.on_kv = listener.on_pipeline_kv
+    hops.alone = model.alone
     model.runner.downstream = hops
     if prefix is not None:
         prefix.cache.mirror = hops
@@ -198,7 +209,7 @@ def ready_line(model: LoadedModel, config: EngineConfig, prefix: SlotPrefix | No
     runner, plan = model.runner, model.plan
     threads = f"1..{model.threads} threads (adaptive)" if model.thread_tuner else f"{model.threads} threads"
     if model.alone_threads:
-        threads = f"{model.threads} threads a stage, {model.alone_threads} for a pass alone in the pipeline"
+        threads = f"{model.threads} threads a stage, up to {model.alone_threads} for a pass alone in the pipeline (adaptive)"
     return (f"[switchboard] model {model.name} ready in {time.monotonic() - model.started:.1f} s "
             f"(KV cache {runner.kv_cache_bytes / 2**20:.0f} MiB for "
             f"{config.max_num_seqs} x {model.max_model_len} tokens; prefix cache "
