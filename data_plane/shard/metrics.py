@@ -141,6 +141,10 @@ class ShardMetrics:
         self.pipeline_active = Counter("switchboard_shard_pipeline_active_seconds", "Wall time with at least "
                                        "one pass in the pipeline (micro-batches overlap: not the sum of passes).",
                                        m, registry=registry)
+        self.alone_passes = Counter("switchboard_shard_pipeline_alone_passes", "Passes sent into an empty "
+                                    "pipeline, run by the stages on stage 0's host at every core they share "
+                                    "(one stream's steps); the others run at each stage's share.", m,
+                                    registry=registry)
         self.in_flight = Histogram("switchboard_shard_pipeline_passes_in_flight", "Passes (micro-batches) in "
                                    "flight when stage 0 sent each pass, itself included.", m,
                                    buckets=(1, 2, 3, 4, 6, 8, 16), registry=registry)
@@ -356,6 +360,8 @@ class MetricsListener(StepListener):
         m.in_flight.labels(m.model_name).observe(timing.in_flight)
         if timing.active_s > 0:
             m.pipeline_active.labels(m.model_name).inc(timing.active_s)
+        if timing.alone:
+            m.alone_passes.labels(m.model_name).inc()
         for stage, (step, hop, sent) in enumerate(zip(timing.step_s, timing.hop_s, timing.hop_bytes)):
             label = str(stage)
             m.stage_step.labels(m.model_name, label).observe(step)

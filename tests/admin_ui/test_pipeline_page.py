@@ -33,7 +33,7 @@ def test_cluster_page_shows_a_pipelined_shards_stages_and_hosts(monkeypatch, tmp
             shard.start()
             members = lambda: httpx.get(cp.url + "/admin/v1/members", headers=AUTH).json()["members"]
             eventually(lambda: len(members()) == 1, 20, what="the shard registered")
-            assert members()[0]["meta"]["pipeline_stages"] == "0@127.0.0.1:0-15,1@127.0.0.1:15-30"
+            assert members()[0]["meta"]["pipeline_stages"] == "0@127.0.0.1:0-11,1@127.0.0.1:11-30"
             console = ConsoleRunner(monkeypatch, tmp_path)
             console.point_at(cp.url)
             at = console.page("cluster")
@@ -42,7 +42,7 @@ def test_cluster_page_shows_a_pipelined_shards_stages_and_hosts(monkeypatch, tmp
             stages = next(d.value for d in at.dataframe if "layers" in d.value.columns)
             assert list(stages["member"]) == ["shard-pp", "shard-pp"]
             assert list(stages["host"]) == ["127.0.0.1", "127.0.0.1"]
-            assert list(stages["layers"]) == ["0..14", "15..29"]
+            assert list(stages["layers"]) == ["0..10", "11..29"]
             assert list(stages["stage"]) == ["1 of 2", "2 of 2"]
 
             if find_chromium() is None:

@@ -14,8 +14,9 @@ from itertools import pairwise
 import httpx
 import pytest
 
+from data_plane.common.cores import usable_cores
 from data_plane.shard.engines.base import GenerationRequest, SamplingParams, StageSpan
-from data_plane.shard.engines.pipeline import PassTiming, split_layers
+from data_plane.shard.engines.pipeline import PassTiming, head_layers, split_layers
 from data_plane.shard.engines.torch_config import StepListener
 from data_plane.shard.engines.torch_engine import EngineConfig, TorchEngine
 from tests.support.pipeline import exit_within, stage_pids
@@ -35,6 +36,12 @@ def test_split_layers_even_remainder_and_override() -> None:
     assert split_layers(30, 2) == [(0, 15), (15, 30)]
     assert split_layers(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]
     assert split_layers(30, 3, "5,25") == [(0, 5), (5, 25), (25, 30)]
+    # What only stage 0 does (the LM head: SmolLM2's is 8.0 layers' worth) counted in: even work a stage.
+    assert head_layers(576, 1536, 9, 3, 49152) == pytest.approx(8.0, abs=0.01)
+    assert split_layers(30, 2, head=8.0) == [(0, 11), (11, 30)]
+    assert split_layers(30, 3, head=8.0) == [(0, 5), (5, 18), (18, 30)]
+    assert split_layers(30, 3, "5,25", head=8.0) == [(0, 5), (5, 25), (25, 30)]  # an explicit split wins
+    assert split_layers(2, 2, head=40.0) == [(0, 1), (1, 2)]  # every stage keeps at least one layer
     for bad in ("5", "25,5", "0,10", "10,30"):
         with pytest.raises(ValueError):
             split_layers(30, 3, bad)
@@ -146,6 +153,41 @@ def test_two_and_three_stages_greedy_identical_to_unsharded_solo_and_batched() -
         for parts in stages:
             assert [p.stage for p in parts] == list(range(pp))
             assert all(p.passes > 0 and p.busy_s > 0 and p.end >= p.start for p in parts)
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="one core: nothing for a lone pass to add")
+def test_a_lone_pass_runs_on_every_core_the_stages_share_idle_host_faked(monkeypatch) -> None:
+    """One stream's passes go through the stages one after another, so each stage runs them at the
+    threads both stages hold (2 here); passes that overlap (the batch queue, micro-batches) at each
+    stage's own (1). The host's load at start is faked (the engine measures it): idle, and busy, where
+    the passes start at each stage's share (the thread tuner then picks from their times). The thread counts change no token: the blockq kernel and the native
+    attention are bit-identical across them."""
+    from data_plane.shard.engines import torch_load
+
+    async def run(busy: float | None, counting: _Counting) -> tuple[list[str], bool]:
+        monkeypatch.setattr(torch_load.HostCpu, "others_busy", lambda self: busy)
+        engine = TorchEngine(EngineConfig(max_num_seqs=4, max_model_len=512, threads=1, prefill_chunk=32,
+                                          prefix_caching=False, pipeline_parallel_size=2), counting)
+        await engine.start()
+        try:
+            solo = [await _generate(engine, i, p, max_tokens=16) for i, p in enumerate(PROMPTS)]
+            await asyncio.gather(*(_generate(engine, i, p, max_tokens=16) for i, p in enumerate(PROMPTS)))
+            return solo, engine.weight_plan.blockq
+        finally:
+            await engine.aclose()
+
+    idle, busy = _Counting(), _Counting()
+    solo, blockq = asyncio.run(run(0.0, idle))
+    alone = [t for t in idle.passes if t.alone]
+    overlapped = [t for t in idle.passes if t.in_flight > 1]
+    assert alone and overlapped
+    assert all(t.threads == (2, 2) and t.in_flight == 1 for t in alone)
+    assert all(t.threads == (1, 1) for t in overlapped)
+    solo_busy, _ = asyncio.run(run(1.5, busy))
+    # a busy host starts at the share; the tuner may probe every core after a second of decode
+    assert busy.passes and all(t.threads == (1, 1) and not t.alone for t in busy.passes[:10])
+    if blockq:
+        assert solo_busy == solo
 
 
 def _gone(pid: int) -> bool:

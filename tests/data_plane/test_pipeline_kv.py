@@ -32,8 +32,8 @@ from tests.support.procs import CLUSTER_HEADERS, Service
 pytestmark = pytest.mark.slow
 
 SHARD_ARGS = ["--dtype", "float32", "--max-num-seqs", "4", "--speculation", "off"]
-STAGES = 3  # 30 layers: 0-9 | 10-19 | 20-29
-LATER_LAYERS = 20
+STAGES = 3  # 30 layers, the head on stage 0 counted as 8: 0-4 | 5-17 | 18-29
+LATER_LAYERS = 25
 PER_BLOCK = 2 * LATER_LAYERS * 3 * BLOCK * 64 * 4  # the later stages' layers of one fp32 block: K and V
 
 
@@ -110,7 +110,7 @@ def test_a_pipelined_shard_fetches_a_conversation_it_never_saw(shards: tuple[Ser
     event = span_event(pp, r2["request_id"], "kv_fetch")
     assert event["decision"] == "fetch" and event["result"] == "hit"
     assert event["tokens_fetched"] == cached(r2) >= 4 * BLOCK and event["tokens_cached"] == 0
-    # Stages 1 and 2 got their layers of every fetched block: fp32, 20 of 30 layers, 3 KV heads x 16 x 64.
+    # Stages 1 and 2 got their layers of every fetched block: fp32, 25 of 30 layers, 3 KV heads x 16 x 64.
     assert _moved(pp, "scatter") - scattered == PER_BLOCK * cached(r2) // BLOCK
     span = kv_span(pp, r2["request_id"], "scatter")
     assert span["switchboard.kv.blocks"] == cached(r2) // BLOCK

@@ -59,7 +59,7 @@ def test_a_later_stage_reads_and_holds_only_its_layers_dense_and_int4() -> None:
 
 
 def test_each_stage_process_holds_its_share_not_the_checkpoint() -> None:
-    """A real 2-stage fp32 engine: stage 1's process holds its 15 layers (it reports their bytes) and
+    """A real 2-stage fp32 engine: stage 1's process holds its 19 layers (it reports their bytes) and
     its memory beyond them (interpreter, torch, KV touched) is less than the whole checkpoint, which
     it used to load and hold (an 820 MiB stage for 203 MiB of layers)."""
 
@@ -77,6 +77,7 @@ def test_each_stage_process_holds_its_share_not_the_checkpoint() -> None:
 
     weights, rss, stage0_weights = asyncio.run(run())
     checkpoint = 513 << 20  # SmolLM2-135M in fp32
-    assert 190 << 20 < weights < 215 << 20  # 15 of 30 layers, no embedding (stage 0 holds the 113 MiB table)
-    assert stage0_weights > weights
+    assert 245 << 20 < weights < 270 << 20  # 19 of 30 layers, no embedding (stage 0 holds the 108 MiB table)
+    # The split counts the head as the 8 layers it costs: stage 0's 11 layers and table weigh about as much.
+    assert abs(stage0_weights - weights) < 0.1 * weights
     assert rss - weights < checkpoint, f"stage 1: {rss >> 20} MiB resident for {weights >> 20} MiB of weights"

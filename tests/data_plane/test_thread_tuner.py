@@ -130,6 +130,26 @@ def test_a_batch_change_cancels_a_probe() -> None:
 def test_one_thread_is_nothing_to_tune() -> None:
     with pytest.raises(ValueError):
         ThreadTuner(1, lambda n: None)
+    with pytest.raises(ValueError):
+        ThreadTuner(2, lambda n: None, min_threads=2)
+
+
+def test_a_floor_above_one_thread_chooses_between_the_floor_and_every_thread() -> None:
+    """A pipeline's pass alone in it (pipeline.AloneThreads): each stage's share (2 of 4 cores) or
+    every core; a collapse drops to the share, never below it."""
+    times = {2: 0.030, 4: 0.018}
+    busy = {2: 0.031, 4: 0.400}
+    sets: list[int] = []
+    tuner = ThreadTuner(4, sets.append, min_threads=2, initial=4)
+    tuner.start()
+    assert sets == [4] and tuner.other == 2
+    for table in (times, busy):
+        for _ in range(60):
+            tuner.for_decode()
+            tuner.observe(1, table[sets[-1]])
+        assert tuner.threads == (4 if table is times else 2)
+    assert set(sets) == {2, 4}
+    assert ThreadTuner(4, sets.append, min_threads=2, initial=1).threads == 2  # a count outside: the floor
 
 
 def test_verify_passes_count_toward_the_period_but_never_decide() -> None:

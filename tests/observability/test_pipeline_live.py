@@ -69,7 +69,7 @@ def test_pipeline_row_spans_and_stage_down_alert(tmp_path: Path) -> None:
         stages = sorted((s for s in spans if s["name"] == "shard.pipeline_stage"),
                         key=lambda s: s["attributes"]["switchboard.stage"])
         assert [s["attributes"]["switchboard.stage"] for s in stages] == [0, 1]
-        assert [s["attributes"]["switchboard.stage.layers"] for s in stages] == ["0-15", "15-30"]
+        assert [s["attributes"]["switchboard.stage.layers"] for s in stages] == ["0-11", "11-30"]
         for s in stages:
             assert s["parent_span_id"] == generate["span_id"]
             assert s["attributes"]["switchboard.stage.passes"] >= 6  # the prompt's pass and a pass per token

@@ -102,6 +102,10 @@ class Downstream(Protocol):
 
     def move_slot(self, src: int, dst: int, length: int) -> None: ...
 
+    def pace(self, parts: int) -> None:
+        """Before stage 0's layers of a pass of `parts` micro-batches: set the threads for it."""
+        ...
+
 
 def micro_batches(lens: Sequence[int], parts: int) -> list[tuple[int, int]]:
     """Contiguous item ranges [i, j) splitting items of `lens` tokens into up to `parts` runs of
@@ -383,7 +387,9 @@ class LlamaRunner:
         assert down is not None, "submit/collect is a pipeline's (a runner with a downstream)"
         slots, lens, starts, ids, wanted = _unpack(items, logits)
         tickets, off = [], 0
-        for i, j in micro_batches(lens, microbatches or down.microbatches):
+        parts = micro_batches(lens, microbatches or down.microbatches)
+        down.pace(len(parts))
+        for i, j in parts:
             began = time.time()
             n = sum(lens[i:j])
             x = self.run_layers(self.embed[ids[off : off + n]], slots[i:j], lens[i:j], starts[i:j], batched)

@@ -1,6 +1,6 @@
 """Pipeline parallelism for the torch engine: one shard's layers split over N stage processes.
 
-    ranges = split_layers(30, 2)                        # [(0, 15), (15, 30)]; split_layers(30, 2, "10,20")
+    ranges = split_layers(30, 2, head=8.0)              # [(0, 11), (11, 30)]; split_layers(30, 2, "10,20")
     group = PipelineGroup(spec, on_lost=engine.lose)    # stage 0 (the shard): spawns stages 1..N-1
     runner = LlamaRunner.from_pretrained(path, ..., layer_range=ranges[0])
     runner.downstream = group.start()                   # waits for every stage to load and join
@@ -92,9 +92,16 @@ log = logging.getLogger(__name__)
 
 
 
-def split_layers(total: int, stages: int, spec: str | None = None) -> list[tuple[int, int]]:
-    """Contiguous layer ranges [first, end) for `stages` stages: even (the first stages take the
-    remainder) or, with `spec` "10,20", the layers where stages 1.. start."""
+def split_layers(total: int, stages: int, spec: str | None = None, head: float = 0.0) -> list[tuple[int, int]]:
+    """Contiguous layer ranges [first, end) for `stages` stages, or with `spec` "10,20" the layers
+    where stages 1.. start.
+
+    By default the split evens out each stage's work, counting what only stage 0 does as `head`
+    layers' worth (`head_layers`: the LM head, which at a decode step is ~8 of SmolLM2's 30 layers
+    in multiply-adds): stage 0 takes fewer layers, the rest are spread evenly (the first stages
+    take the remainder). With head 0 it is an even split of the layers. The slowest stage sets a
+    pipeline's pace when passes overlap: an even split of 30 layers put 15 layers and the head
+    (~23 layers' worth) on stage 0 against 15 on stage 1."""
     if not 1 <= stages <= total:
         raise ValueError(f"pipeline_parallel_size must be in 1..{total} (the model has {total} layers)")
     if spec:
@@ -103,11 +110,20 @@ def split_layers(total: int, stages: int, spec: str | None = None) -> list[tuple
             raise ValueError(f"pipeline_layers must be {stages - 1} increasing layer numbers in 1..{total - 1}")
         bounds = [0, *cuts, total]
     else:
-        base, extra = divmod(total, stages)
-        bounds = [0]
-        for i in range(stages):
+        first = total if stages == 1 else min(total - stages + 1, max(1, round((total + head) / stages - head)))
+        base, extra = divmod(total - first, stages - 1) if stages > 1 else (0, 0)
+        bounds = [0, first]
+        for i in range(stages - 1):
             bounds.append(bounds[-1] + base + (1 if i < extra else 0))
     return [(bounds[i], bounds[i + 1]) for i in range(stages)]
+
+
+def head_layers(hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int) -> float:
+    """Stage 0's LM head in layers' worth of multiply-adds a row: vocab x hidden against a layer's
+    q, k, v, o and MLP projections (SmolLM2-135M: 28.3 M against 3.5 M, 8.0 layers)."""
+    kv = hidden * kv_heads // heads
+    layer = hidden * (2 * hidden + 2 * kv) + 3 * hidden * intermediate
+    return vocab * hidden / layer
 
 
 def free_port() -> int:
@@ -131,7 +147,16 @@ class PipelineSpec:
     timeout_s: float = 1.0
     """A stage whose heartbeat stood still this long is lost."""
     threads: int = 1
-    """torch intra-op threads of each later stage."""
+    """torch intra-op threads of each stage while passes overlap (stage 0's host: its threads over its stages)."""
+    alone_threads: int = 0
+    """Threads for a pass alone in the pipeline, on the stages of stage 0's host (0: always `threads`).
+
+    One stream's passes go through the stages one after another: while stage 1 runs, stage 0 waits,
+    so each stage may use every core the host's stages share. When passes overlap (the batch queue,
+    micro-batches) every stage runs at once and each keeps its share (`threads`): more threads than
+    cores make every parallel region wait at its barrier for a descheduled thread. `Hops.pace`
+    picks per pass; the header carries the count down the chain (stages on other hosts keep theirs).
+    Set only when threads adapt (float32 asked for keeps one count) and the host was idle at load."""
     kernel: str = "torch"
     """What computes stage 0's quantized projections (blockq or torch): every stage uses the same."""
     port: int = 0
@@ -174,6 +199,10 @@ class PassTiming:
     active_s: float = 0.0
     """When this pass emptied the pipeline: the wall time since a pass last entered an empty one
     (the denominator of each stage's idle share; 0 while others are still in flight)."""
+    threads: tuple[int, ...] = ()
+    """The intra-op threads each stage ran this pass with."""
+    alone: bool = False
+    """Sent alone into the pipeline, so the stages of stage 0's host ran it at PipelineSpec.alone_threads."""
 
 
 @dataclass
@@ -185,6 +214,7 @@ class _Ticket:
     rows: int
     began: float
     in_flight: int
+    threads: int  # the header's count (0: each stage its own)
     sent_bytes: int
     buffers: tuple[torch.Tensor, ...]  # alive until the isends completed
     works: list[Any]
@@ -192,7 +222,22 @@ class _Ticket:
     """KV gathers sent behind this pass, completed when it is collected (pipeline_kv.py)."""
 
 
-TIMING_COLS = 3  # arrive, busy, leave (epoch seconds; busy in seconds)
+class AloneThreads:
+    """The intra-op threads a pass alone in the pipeline runs at on the stages of stage 0's host:
+    between each stage's share and PipelineSpec.alone_threads. The engine's thread tuner
+    (torch_threads.ThreadTuner, `set`) picks it from those passes' times, as it picks a plain
+    shard's threads: every core when it measures faster, each stage's share when another process
+    takes a core (the barrier collapse: 2-thread stages beside a busy process took 200-400 ms a
+    token against ~20 at one thread each, measured under load)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def set(self, count: int) -> None:
+        self.count = count
+
+
+TIMING_COLS = 4  # arrive, busy, leave (epoch seconds; busy in seconds), intra-op threads
 
 
 class Hops(KVHops):
@@ -215,8 +260,23 @@ class Hops(KVHops):
         self._active_since = 0.0
         self.max_in_flight = 0
         """The most passes ever in flight at once (sent by stage 0, rows not yet back)."""
+        self._pass_threads = 0  # the header's thread count for the pass being sent (pace)
+        self._threads = spec.threads
+        self.alone: AloneThreads | None = None
+        """The count for a pass alone in the pipeline, set by the engine (torch_load.start_pipeline)."""
         self._loose: list[tuple[torch.Tensor, ...]] = []  # prefix copies sent while passes were in flight
         self._loose_works: list[Any] = []
+
+    def pace(self, parts: int) -> None:
+        """Before stage 0's layers of a pass split into `parts` micro-batches: its intra-op threads,
+        and the count its header gives the stages of this host (PipelineSpec.alone_threads; the
+        thread tuner picks between that and each stage's share, `alone`)."""
+        if self.alone is None:
+            return
+        n = self.alone.count if parts == 1 and not self._in_flight else self._threads
+        self._pass_threads = n
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
 
     def forward(self, slots: Sequence[int], lens: Sequence[int], starts: Sequence[int], wanted: Sequence[int],
                 batched: bool, x: torch.Tensor, began: float | None = None) -> torch.Tensor:
@@ -229,13 +289,13 @@ class Hops(KVHops):
         last stage's rows can always come back); its own buffers, kept until collected."""
         n, m = len(slots), self.spec.max_num_seqs
         h = torch.zeros(header_size(m), dtype=torch.long)
-        h[:HEADER_FIXED] = torch.tensor([OP_FORWARD, n, int(batched), len(x)])
+        h[:HEADER_FIXED] = torch.tensor([OP_FORWARD, n, int(batched), len(x), self._pass_threads])
         for k, values in enumerate((slots, lens, starts, wanted)):
             h[HEADER_FIXED + k * m: HEADER_FIXED + k * m + n] = torch.tensor(list(values))
         t = torch.zeros(self.spec.size, TIMING_COLS, dtype=torch.float64)
         leave = time.time()
         began = leave if began is None else began
-        t[0] = torch.tensor([began, leave - began, leave], dtype=torch.float64)
+        t[0] = torch.tensor([began, leave - began, leave, torch.get_num_threads()], dtype=torch.float64)
         if not self._in_flight:
             self._active_since = began
         xw = wire(x.contiguous())
@@ -243,7 +303,7 @@ class Hops(KVHops):
         # Prefix copies sent without waiting before this pass: received once its rows are back.
         works[:0], self._loose_works = self._loose_works, []
         buffers, self._loose = (h, xw, t, *(b for pair in self._loose for b in pair)), []
-        ticket = _Ticket(tuple(slots), tuple(starts), sum(wanted), began, len(self._in_flight) + 1,
+        ticket = _Ticket(tuple(slots), tuple(starts), sum(wanted), began, len(self._in_flight) + 1, self._pass_threads,
                          h.numel() * 8 + x.numel() * x.element_size() + t.numel() * 8, buffers, works)
         self._in_flight.append(ticket)
         self.max_in_flight = max(self.max_in_flight, ticket.in_flight)
@@ -262,6 +322,8 @@ class Hops(KVHops):
         for work in ticket.works:
             work.wait()
         self._in_flight.popleft()
+        if self.alone is not None and not self._in_flight and torch.get_num_threads() != self.alone.count:
+            torch.set_num_threads(self.alone.count)  # the head, with nothing else in flight
         active_s = 0.0 if self._in_flight else back - self._active_since
         rows = t.tolist()
         hop_s = tuple(max(0.0, (rows[i + 1][0] if i + 1 < size else back) - rows[i][2]) for i in range(size))
@@ -270,7 +332,8 @@ class Hops(KVHops):
         for gather in ticket.kv.gathers:  # the last stage sent their parts right after this pass's rows
             self.finish_gather(gather)
         self.on_pass(PassTiming(back - ticket.began, tuple(r[1] for r in rows), hop_s, hop_bytes,
-                                tuple((r[0], r[2]) for r in rows), ticket.in_flight, active_s))
+                                tuple((r[0], r[2]) for r in rows), ticket.in_flight, active_s,
+                                tuple(int(r[3]) for r in rows), ticket.threads > self._threads))
         return out
 
     def _account(self, slots: Sequence[int], starts: Sequence[int], rows: list[list[float]]) -> None:
@@ -278,7 +341,7 @@ class Hops(KVHops):
             stages = self._slots.get(slot)
             if stages is None or start == 0:  # a new sequence in this slot (its predecessor was taken)
                 stages = self._slots[slot] = [[r[0], r[2], 0.0, 0] for r in rows]
-            for mine, (arrive, busy, leave) in zip(stages, rows):
+            for mine, (arrive, busy, leave, _) in zip(stages, rows):
                 mine[1] = leave
                 mine[2] += busy
                 mine[3] += 1
@@ -292,7 +355,7 @@ class Hops(KVHops):
         assert not self._in_flight, "a slot moves between passes, never while one is in flight"
         h = self.header
         h.zero_()
-        h[:HEADER_FIXED] = torch.tensor([OP_MOVE, src, dst, length])
+        h[:4] = torch.tensor([OP_MOVE, src, dst, length])
         self.dist.send(h, 1)
         moved = self._slots.pop(src, None)
         if moved is not None:
@@ -325,7 +388,8 @@ class PipelineGroup:
                 "--quantization", s.quantization, "--quantization-kernel", s.kernel,
                 "--max-num-seqs", str(s.max_num_seqs), "--max-len", str(s.max_len),
                 "--layers", f"{first}:{end}", "--threads", str(s.threads),
-                "--prefix-blocks", str(s.prefix_blocks), "--block-size", str(s.block_size), "--bind", s.host]
+                "--prefix-blocks", str(s.prefix_blocks), "--block-size", str(s.block_size), "--bind", s.host,
+                *(["--follow-threads"] if s.alone_threads and rank not in s.remote else [])]
 
     def start(self, hidden: int, dtype: torch.dtype, load_timeout_s: float = 600.0) -> Hops:
         """Spawn stages 1..N-1 (but the remote ones, which join from their hosts), wait until all

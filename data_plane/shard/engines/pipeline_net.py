@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 OP_FORWARD, OP_MOVE, OP_STOP, OP_LOAD, OP_STORE, OP_INSERT, OP_GATHER = 1, 2, 3, 4, 5, 6, 7
-HEADER_FIXED = 4  # op, items, batched, rows (FORWARD) / op, src, dst, length (MOVE)
+HEADER_FIXED = 5  # op, items, batched, rows, threads (FORWARD) / op, src, dst, length, 0 (MOVE)
+H_THREADS = 4
+"""A FORWARD header's intra-op threads for this pass on a stage of stage 0's host (0: its own count)."""
 
 HEARTBEAT_S = 0.2
 """How often a stage beats its heartbeat counter."""

@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--layers", required=True, help="first:end")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--follow-threads", action="store_true",
+                    help="run each pass at the thread count its header gives (a stage on stage 0's host)")
     ap.add_argument("--prefix-blocks", type=int, default=0, help="stage 0's prefix-cache blocks (0: off)")
     ap.add_argument("--block-size", type=int, default=16)
     args = ap.parse_args(argv)
@@ -100,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     from data_plane.shard.engines.llama_runner import LlamaRunner, select_rows
     from data_plane.shard.engines.pipeline import TIMING_COLS
     from data_plane.shard.engines.pipeline_net import (
+        H_THREADS,
         HEADER_FIXED,
         OP_FORWARD,
         OP_GATHER,
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     prev, nxt = args.rank - 1, (0 if last else args.rank + 1)
     m = args.max_num_seqs
     h = torch.zeros(header_size(m), dtype=torch.long)
-    timing = torch.zeros(args.world, TIMING_COLS, dtype=torch.float64)  # arrive, busy, leave: Hops' table
+    timing = torch.zeros(args.world, TIMING_COLS, dtype=torch.float64)  # arrive, busy, leave, threads: Hops' table
     try:
         with torch.inference_mode():
             while True:
@@ -206,6 +209,9 @@ def main(argv: list[str] | None = None) -> None:
                 n, batched, rows = int(h[1]), bool(h[2]), int(h[3])
                 cols = [h[HEADER_FIXED + k * m: HEADER_FIXED + k * m + n].tolist() for k in range(4)]
                 slots, lens, starts, wanted = cols
+                threads = int(h[H_THREADS])
+                if args.follow_threads and threads and threads != torch.get_num_threads():
+                    torch.set_num_threads(threads)  # one pass alone: every core; passes overlapping: a share
                 x = torch.empty(rows, hidden, dtype=dtype)
                 dist.recv(wire(x), prev)
                 dist.recv(timing, prev)
@@ -213,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
                 x = runner.run_layers(x, slots, lens, starts, batched)
                 out = select_rows(x, lens, wanted).contiguous() if last else x.contiguous()
                 leave = time.time()
-                timing[args.rank] = torch.tensor([arrive, leave - arrive, leave], dtype=torch.float64)
+                timing[args.rank] = torch.tensor([arrive, leave - arrive, leave, torch.get_num_threads()],
+                                                 dtype=torch.float64)
                 if not last:
                     dist.send(h, nxt)
                 dist.send(wire(out), nxt)

@@ -29,7 +29,7 @@ from data_plane.shard.engines.torch_threads import HostCpu, ThreadTuner
 
 if TYPE_CHECKING:
     from data_plane.shard.engines.llama_runner import LlamaRunner
-    from data_plane.shard.engines.pipeline import PipelineGroup
+    from data_plane.shard.engines.pipeline import AloneThreads, PipelineGroup
     from data_plane.shard.engines.weight_source import WeightPlan
 
 
@@ -64,6 +64,10 @@ class LoadedModel:
     """Intra-op threads at start (the tuner's upper bound when adaptive)."""
     thread_tuner: ThreadTuner | None
     """Adaptive intra-op threads, started; None when the count is fixed."""
+    alone_threads: int
+    """A pipeline: the most threads a stage on this host runs a pass alone in it with (0: fixed)."""
+    alone: AloneThreads | None
+    """A pipeline: the count such a pass runs at now, chosen by `thread_tuner` (None: fixed)."""
     name: str
     """The served model name (the OpenAI `model` field)."""
     path: str
@@ -94,7 +98,11 @@ def load_model(config: EngineConfig, listener: StepListener, phases: LoadPhases)
     # float32 asked for is the batch-invariant mode: its numerics must not depend on when a probe switches
     # threads (float32 that auto chose, for a CPU without native bf16, adapts like bf16).
     adaptive = config.adaptive_threads and not (plan.dtype == "float32" and plan.dtype_reason == DtypeReason.REQUESTED)
-    threads = config.threads or auto_threads(adaptive)
+    # A pipeline: `threads` is each stage's (auto: the cores over the stages on this host); together
+    # they hold that many cores each, which a pass alone in the pipeline may use (PipelineSpec.alone_threads).
+    local_stages = config.pipeline_parallel_size - len(config.pipeline_remote_stages)
+    threads = config.threads or max(1, auto_threads(adaptive) // local_stages)
+    shared = min(threads * local_stages, usable_cores()) if config.pipeline_parallel_size > 1 else 0
     torch.set_num_threads(threads)
     host = HostCpu()  # what the other processes keep busy while this one loads: the tuner's first count
     started = time.monotonic()
@@ -113,15 +121,32 @@ def load_model(config: EngineConfig, listener: StepListener, phases: LoadPhases)
     num_layers = int(hf_config.num_hidden_layers)
     ranges = None
     if config.pipeline_parallel_size > 1:
-        from data_plane.shard.engines.pipeline import split_layers
+        from data_plane.shard.engines.pipeline import head_layers, split_layers
 
-        ranges = split_layers(num_layers, config.pipeline_parallel_size, config.pipeline_layers)
+        c = hf_config
+        head = head_layers(int(c.hidden_size), int(c.intermediate_size), int(c.num_attention_heads),
+                           int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads), int(c.vocab_size))
+        ranges = split_layers(num_layers, config.pipeline_parallel_size, config.pipeline_layers, head=head)
     runner = LlamaRunner.from_pretrained(
         path, dtype=DTYPES[plan.dtype], max_num_seqs=config.max_num_seqs, max_len=max_model_len,
         plan=plan, gguf=source.gguf, layer_range=ranges[0] if ranges else None)
     phases.mark("weights")
     tuner = None
-    if adaptive and threads > 1:
+    alone = None
+    if shared and adaptive and shared > threads:
+        # A pipeline: a pass alone in it runs on `shared` threads or on each stage's share (pipeline.Hops.pace),
+        # the tuner choosing from those passes' times; the passes that overlap always at the share.
+        from data_plane.shard.engines.pipeline import AloneThreads
+
+        busy = host.others_busy()
+        idle = busy is not None and busy + shared <= usable_cores() + 0.5
+        alone = AloneThreads(threads)
+        tuner = ThreadTuner(shared, alone.set, listener.on_threads, initial=shared if idle else threads,
+                            min_threads=threads)
+        tuner.start()
+    elif shared:
+        listener.on_threads(threads, "start")
+    elif adaptive and threads > 1:
         busy = host.others_busy()
         idle = busy is not None and busy + threads <= usable_cores() + 0.5
         tuner = ThreadTuner(threads, torch.set_num_threads, listener.on_threads, initial=threads if idle else 1)
@@ -135,6 +160,7 @@ def load_model(config: EngineConfig, listener: StepListener, phases: LoadPhases)
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
     return LoadedModel(runner=runner, tokenizer=tokenizer, plan=plan, threads=threads, thread_tuner=tuner,
+                       alone_threads=shared if alone else 0, alone=alone,
                        name=served_name(config.model), path=str(path), eos=frozenset(eos_ids),
                        vocab_size=int(hf_config.vocab_size), max_model_len=max_model_len, num_layers=num_layers,
                        layer_ranges=ranges, started=started)
@@ -163,13 +189,15 @@ def start_pipeline(config: EngineConfig, model: LoadedModel, prefix: SlotPrefix 
                         kernel="blockq" if model.plan.blockq else "torch",
                         max_num_seqs=config.max_num_seqs, max_len=model.max_model_len,
                         ranges=tuple(model.layer_ranges), timeout_s=config.pipeline_stage_timeout_s,
-                        threads=model.threads, prefix_blocks=prefix.cache.num_blocks if prefix else 0,
+                        threads=model.threads, alone_threads=model.alone_threads,
+                        prefix_blocks=prefix.cache.num_blocks if prefix else 0,
                         block_size=config.kv_block_size, microbatches=config.pipeline_microbatches,
                         host=config.pipeline_host, port=config.pipeline_port, remote=config.pipeline_remote_stages)
     group = PipelineGroup(spec, on_lost, listener.on_stage)
     hops = group.start(model.runner.hidden_size, model.runner.dtype)
     hops.on_pass = listener.on_pipeline_pass
     hops.on_kv = listener.on_pipeline_kv
+    hops.alone = model.alone
     model.runner.downstream = hops
     if prefix is not None:
         prefix.cache.mirror = hops
@@ -180,6 +208,8 @@ def ready_line(model: LoadedModel, config: EngineConfig, prefix: SlotPrefix | No
     """The shard's ready line: load time, KV and prefix cache sizes, threads, weights and where the time went."""
     runner, plan = model.runner, model.plan
     threads = f"1..{model.threads} threads (adaptive)" if model.thread_tuner else f"{model.threads} threads"
+    if model.alone_threads:
+        threads = f"{model.threads} threads a stage, up to {model.alone_threads} for a pass alone in the pipeline (adaptive)"
     return (f"[switchboard] model {model.name} ready in {time.monotonic() - model.started:.1f} s "
             f"(KV cache {runner.kv_cache_bytes / 2**20:.0f} MiB for "
             f"{config.max_num_seqs} x {model.max_model_len} tokens; prefix cache "

@@ -83,10 +83,10 @@ class ThreadTuner:
                  on_change: Callable[[int, str], None] | None = None, *, probe_steps: int = 4,
                  period_s: float = 1.0, max_period_s: float = 64.0, margin: float = 0.15,
                  collapse: float = 3.0, window: int = 16, persist: int = 3, overhead: float = 0.05,
-                 initial: int = 1) -> None:
-        if max_threads < 2:
-            raise ValueError("a thread tuner needs at least 2 threads to choose from")
-        self.max_threads = max_threads
+                 initial: int = 1, min_threads: int = 1) -> None:
+        if not 1 <= min_threads < max_threads:
+            raise ValueError("a thread tuner needs two thread counts to choose from")
+        self.max_threads, self.min_threads = max_threads, min_threads
         self.set_threads = set_threads
         self.on_change = on_change or (lambda threads, reason: None)
         self.probe_steps = probe_steps
@@ -96,7 +96,7 @@ class ThreadTuner:
         self.collapse = collapse
         self.persist = persist
         self.overhead = overhead
-        self.threads = initial if initial in (1, max_threads) else 1  # the chosen count
+        self.threads = initial if initial in (min_threads, max_threads) else min_threads  # the chosen count
         self.switches = 0
         self._applied = 0  # the count set now
         self._window = window
@@ -110,7 +110,7 @@ class ThreadTuner:
 
     @property
     def other(self) -> int:
-        return 1 if self.threads != 1 else self.max_threads
+        return self.min_threads if self.threads != self.min_threads else self.max_threads
 
     def start(self) -> None:
         self._apply(self.threads)
