@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -83,10 +84,13 @@ from data_plane.shard.engines.pipeline_net import (
     OP_FORWARD,
     OP_MOVE,
     OP_STOP,
+    TIMING_COLS,
+    Frames,
     header_size,
     use_interface_of,
     wire,
 )
+from data_plane.shard.engines.torch_threads import SPIN_COUNT
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +241,6 @@ class AloneThreads:
         self.count = count
 
 
-TIMING_COLS = 4  # arrive, busy, leave (epoch seconds; busy in seconds), intra-op threads
 
 
 class Hops(KVHops):
@@ -252,6 +255,7 @@ class Hops(KVHops):
         self.dist, self.spec, self.hidden, self.dtype = dist, spec, hidden, dtype
         self.microbatches = spec.microbatches or spec.size
         self.header = torch.zeros(header_size(spec.max_num_seqs), dtype=torch.long)
+        self.frames = Frames(spec.max_num_seqs, spec.size, hidden, dtype)
         self.on_pass: Callable[[PassTiming], None] = lambda timing: None
         self.on_kv: Callable[[KVHop, int, int, float], None] = lambda op, blocks, nbytes, seconds: None
         """A KV-tier transfer (gather, scatter) of `blocks` blocks, `nbytes` over the hops, in `seconds`."""
@@ -298,13 +302,13 @@ class Hops(KVHops):
         t[0] = torch.tensor([began, leave - began, leave, torch.get_num_threads()], dtype=torch.float64)
         if not self._in_flight:
             self._active_since = began
-        xw = wire(x.contiguous())
-        works = [self.dist.isend(h, 1), self.dist.isend(xw, 1), self.dist.isend(t, 1)]
+        frame, rest = self.frames.pack(h, t, x)  # one message (a long pass: its rows as a second)
+        works = [self.dist.isend(frame, 1)] + ([self.dist.isend(wire(rest), 1)] if rest is not None else [])
         # Prefix copies sent without waiting before this pass: received once its rows are back.
         works[:0], self._loose_works = self._loose_works, []
-        buffers, self._loose = (h, xw, t, *(b for pair in self._loose for b in pair)), []
+        buffers, self._loose = (frame, *(() if rest is None else (rest,)), *(b for pair in self._loose for b in pair)), []
         ticket = _Ticket(tuple(slots), tuple(starts), sum(wanted), began, len(self._in_flight) + 1, self._pass_threads,
-                         h.numel() * 8 + x.numel() * x.element_size() + t.numel() * 8, buffers, works)
+                         frame.numel() + (0 if rest is None else rest.numel() * rest.element_size()), buffers, works)
         self._in_flight.append(ticket)
         self.max_in_flight = max(self.max_in_flight, ticket.in_flight)
         return ticket
@@ -314,11 +318,10 @@ class Hops(KVHops):
         if not self._in_flight or self._in_flight[0] is not ticket:
             raise RuntimeError("pipeline passes are collected in the order they were submitted")
         size = self.spec.size
-        out = torch.empty(ticket.rows, self.hidden, dtype=self.dtype)
-        t = torch.empty(size, TIMING_COLS, dtype=torch.float64)
-        self.dist.recv(wire(out), size - 1)
-        self.dist.recv(t, size - 1)
+        frame = torch.empty(self.frames.back_size(ticket.rows), dtype=torch.uint8)
+        self.dist.recv(frame, size - 1)
         back = time.time()
+        t, out = self.frames.unpack_back(frame, ticket.rows)
         for work in ticket.works:
             work.wait()
         self._in_flight.popleft()
@@ -327,7 +330,7 @@ class Hops(KVHops):
         active_s = 0.0 if self._in_flight else back - self._active_since
         rows = t.tolist()
         hop_s = tuple(max(0.0, (rows[i + 1][0] if i + 1 < size else back) - rows[i][2]) for i in range(size))
-        hop_bytes = tuple([ticket.sent_bytes] * (size - 1) + [out.numel() * out.element_size() + t.numel() * 8])
+        hop_bytes = tuple([ticket.sent_bytes] * (size - 1) + [frame.numel()])
         self._account(ticket.slots, ticket.starts, rows)
         for gather in ticket.kv.gathers:  # the last stage sent their parts right after this pass's rows
             self.finish_gather(gather)
@@ -360,6 +363,14 @@ class Hops(KVHops):
         moved = self._slots.pop(src, None)
         if moved is not None:
             self._slots[dst] = moved
+
+
+def stage_env(spec: PipelineSpec) -> dict[str, str] | None:
+    """A local stage's environment: the shard's, with torch_threads.SPIN_COUNT unless one was set
+    (None: inherit): its OpenMP workers must not spin through the other stages' turns."""
+    if not spec.alone_threads or "GOMP_SPINCOUNT" in os.environ:
+        return None
+    return {**os.environ, "GOMP_SPINCOUNT": SPIN_COUNT}
 
 
 class PipelineGroup:
@@ -409,7 +420,8 @@ class PipelineGroup:
                          rank, self.spec.host, self.port, rank)
                 continue
             # Forked from the engine's scheduler thread, which lives as long as the shard (lifeline.py).
-            self.procs[rank] = subprocess.Popen(self.stage_command(rank), preexec_fn=die_with_parent())  # noqa: PLW1509
+            self.procs[rank] = subprocess.Popen(self.stage_command(rank), env=stage_env(self.spec),
+                                                preexec_fn=die_with_parent())  # noqa: PLW1509
         log.info("pipeline: %d stages, layers %s, store on %s:%d", self.spec.size, self.spec.ranges, self.spec.host,
                  self.port)
         dist.init_process_group("gloo", store=self._store, rank=0, world_size=self.spec.size,

@@ -37,8 +37,94 @@ STORE_WAIT_S = 600.0
 """How long a joining stage waits for stage 0's store (and its published arguments)."""
 
 
+TIMING_COLS = 4  # arrive, busy, leave (epoch seconds; busy in seconds), intra-op threads
+INLINE_ROWS = 64
+"""A FORWARD hop's hidden states travel inside its frame up to this many rows (every decode step of
+up to 64 sequences); a longer pass (a prompt chunk) sends them as a second message."""
+
+
 def header_size(max_num_seqs: int) -> int:
     return HEADER_FIXED + 4 * max_num_seqs
+
+
+class Frames:
+    """A FORWARD hop as one gloo message: the header (longs), the pass's timing table (float64
+    [stages, TIMING_COLS]) and, up to INLINE_ROWS rows, its hidden states, packed in one byte frame;
+    the rows back to stage 0 likewise (the timing table, then the rows: stage 0 knows how many).
+
+    Why: each gloo message costs a wake-up on each side. Header, states and timing as three
+    messages made a 1-row round trip between two local processes 841 µs against 208 µs as one
+    (2 cores, idle, AMD EPYC; /work/scratch-style ping-pong of the same tensors), on the critical
+    path of every pipelined token. gloo receives a shorter message into a larger buffer, so a stage
+    receives every op into one frame-sized buffer and the other ops still send a bare header."""
+
+    def __init__(self, max_num_seqs: int, stages: int, hidden: int, dtype: torch.dtype) -> None:
+        import torch
+
+        self.dtype = dtype
+        self.h_bytes = 8 * header_size(max_num_seqs)
+        self.t_bytes = 8 * stages * TIMING_COLS
+        self.stages = stages
+        self.row_bytes = hidden * torch.empty(0, dtype=dtype).element_size()
+        self.hidden = hidden
+        self.capacity = self.h_bytes + self.t_bytes + INLINE_ROWS * self.row_bytes
+
+    def receiver(self) -> torch.Tensor:
+        """A buffer any op's first message fits in."""
+        import torch
+
+        return torch.empty(self.capacity, dtype=torch.uint8)
+
+    def pack(self, header: torch.Tensor, timing: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(frame, the rows to send as a second message or None)."""
+        import torch
+
+        rows = len(x)
+        inline = rows <= INLINE_ROWS
+        frame = torch.empty(self.h_bytes + self.t_bytes + (rows * self.row_bytes if inline else 0), dtype=torch.uint8)
+        frame[: self.h_bytes].view(torch.long).copy_(header)
+        frame[self.h_bytes : self.h_bytes + self.t_bytes].view(torch.float64).copy_(timing.reshape(-1))
+        if inline:
+            frame[self.h_bytes + self.t_bytes :].view(self.dtype).copy_(x.reshape(-1))
+            return frame, None
+        return frame, x.contiguous()
+
+    def header(self, buf: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        return buf[: self.h_bytes].view(torch.long)
+
+    def unpack(self, buf: torch.Tensor, rows: int, recv: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """A received FORWARD frame's (timing [stages, TIMING_COLS], x [rows, hidden]), both copies;
+        `recv(tensor)` receives the rows of a pass too long to travel inline."""
+        import torch
+
+        timing = buf[self.h_bytes : self.h_bytes + self.t_bytes].view(torch.float64).view(self.stages, TIMING_COLS).clone()
+        if rows <= INLINE_ROWS:
+            start = self.h_bytes + self.t_bytes
+            x = buf[start : start + rows * self.row_bytes].view(self.dtype).view(rows, self.hidden).clone()
+        else:
+            x = torch.empty(rows, self.hidden, dtype=self.dtype)
+            recv(wire(x))
+        return timing, x
+
+    def pack_back(self, timing: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The last stage's rows to stage 0: the timing table, then the rows."""
+        import torch
+
+        frame = torch.empty(self.t_bytes + len(out) * self.row_bytes, dtype=torch.uint8)
+        frame[: self.t_bytes].view(torch.float64).copy_(timing.reshape(-1))
+        frame[self.t_bytes :].view(self.dtype).copy_(out.reshape(-1))
+        return frame
+
+    def unpack_back(self, frame: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        timing = frame[: self.t_bytes].view(torch.float64).view(self.stages, TIMING_COLS)
+        return timing, frame[self.t_bytes :].view(self.dtype).view(rows, self.hidden)
+
+    def back_size(self, rows: int) -> int:
+        return self.t_bytes + rows * self.row_bytes
 
 
 def wire(x: torch.Tensor) -> torch.Tensor:

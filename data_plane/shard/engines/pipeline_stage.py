@@ -100,7 +100,6 @@ def main(argv: list[str] | None = None) -> None:
         store_blocks,
     )
     from data_plane.shard.engines.llama_runner import LlamaRunner, select_rows
-    from data_plane.shard.engines.pipeline import TIMING_COLS
     from data_plane.shard.engines.pipeline_net import (
         H_THREADS,
         HEADER_FIXED,
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         OP_MOVE,
         OP_STOP,
         OP_STORE,
-        header_size,
+        Frames,
         heartbeat,
         use_interface_of,
         wire,
@@ -153,12 +152,13 @@ def main(argv: list[str] | None = None) -> None:
     last = args.rank == args.world - 1
     prev, nxt = args.rank - 1, (0 if last else args.rank + 1)
     m = args.max_num_seqs
-    h = torch.zeros(header_size(m), dtype=torch.long)
-    timing = torch.zeros(args.world, TIMING_COLS, dtype=torch.float64)  # arrive, busy, leave, threads: Hops' table
+    frames = Frames(m, args.world, hidden, dtype)
+    buf = frames.receiver()  # every op's first message: a bare header, or a FORWARD frame
+    h = frames.header(buf)
     try:
         with torch.inference_mode():
             while True:
-                dist.recv(h, prev)
+                dist.recv(buf, prev)
                 op = int(h[0])
                 if op == OP_STOP:
                     if not last:
@@ -212,19 +212,20 @@ def main(argv: list[str] | None = None) -> None:
                 threads = int(h[H_THREADS])
                 if args.follow_threads and threads and threads != torch.get_num_threads():
                     torch.set_num_threads(threads)  # one pass alone: every core; passes overlapping: a share
-                x = torch.empty(rows, hidden, dtype=dtype)
-                dist.recv(wire(x), prev)
-                dist.recv(timing, prev)
+                timing, x = frames.unpack(buf, rows, lambda t: dist.recv(t, prev))  # arrive, busy, leave, threads
                 arrive = time.time()
                 x = runner.run_layers(x, slots, lens, starts, batched)
                 out = select_rows(x, lens, wanted).contiguous() if last else x.contiguous()
                 leave = time.time()
                 timing[args.rank] = torch.tensor([arrive, leave - arrive, leave, torch.get_num_threads()],
                                                  dtype=torch.float64)
-                if not last:
-                    dist.send(h, nxt)
-                dist.send(wire(out), nxt)
-                dist.send(timing, nxt)
+                if last:
+                    dist.send(frames.pack_back(timing, out), nxt)
+                else:
+                    frame, spill = frames.pack(h, timing, out)
+                    dist.send(frame, nxt)
+                    if spill is not None:
+                        dist.send(wire(spill), nxt)
     except Exception as exc:  # noqa: BLE001 - stage 0 went away (or the chain broke): the group is over
         log.warning("stage %d leaving: %s", args.rank, exc)
         stop.set()
