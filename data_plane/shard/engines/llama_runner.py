@@ -188,7 +188,7 @@ class LlamaRunner:
         self.weights = weights
         self.packed = weights.pack and weights.plan.quantization == "none"
         # blockq's library also holds the fused decode/verify attention (attention.Native): used with its weights.
-        self.native = blockq.load() if weights.plan.blockq else None
+        self.native = blockq.load() if weights.plan.blockq and self.num_heads // self.num_kv_heads <= 8 else None
         self.hidden_size = int(cfg.hidden_size)
         tied = bool(getattr(cfg, "tie_word_embeddings", False)) or not weights.has("lm_head.weight")
         # The embedding, final norm and LM head live on stage 0 only (it embeds and applies the head:

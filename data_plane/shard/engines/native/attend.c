@@ -53,38 +53,63 @@ static float softmax_weights(float *w, int span) {
     return sum;
 }
 
+/* One (row, KV head) task: the `group` query heads that share this KV head attend over its
+ * positions 0..span-1 together, so each key and value row is read and widened to float32 once for the
+ * group (SmolLM2: 3 query heads a KV head), and the loops inline into one vectorized body (a
+ * function call a position cost more than its 64 multiply-adds). Per query head the arithmetic is
+ * what it was one head at a time: the same dot products, softmax and accumulation order.
+ * w: [group][span] scratch; out_h: where query head h's output goes is out + h * d. */
 __attribute__((target_clones("avx512f", "avx2", "default")))
-static float dot_row(const float *q, const void *k, int bf16, size_t at, int d) {
-    float s = 0.f;
-    if (bf16) {
-        const uint16_t *kk = (const uint16_t *)k + at;
-#pragma omp simd reduction(+ : s)
-        for (int j = 0; j < d; j++) s += q[j] * bf16_to_f32(kk[j]);
-    } else {
-        const float *kk = (const float *)k + at;
-#pragma omp simd reduction(+ : s)
-        for (int j = 0; j < d; j++) s += q[j] * kk[j];
-    }
-    return s;
-}
-
-__attribute__((target_clones("avx512f", "avx2", "default")))
-static void axpy_row(float *acc, float p, const void *v, int bf16, size_t at, int d) {
-    if (bf16) {
-        const uint16_t *vv = (const uint16_t *)v + at;
+static void attend_group(const float *q, const void *kc, const void *vc, int bf16, size_t base, int span,
+                         int group, int d, float scale, float *w, void *out, size_t out_at) {
+    float kr[512], acc[8][512], inv[8];
+    for (int p = 0; p < span; p++) {
+        size_t at = base + (size_t)p * d;
+        if (bf16) {
+            const uint16_t *kk = (const uint16_t *)kc + at;
 #pragma omp simd
-        for (int j = 0; j < d; j++) acc[j] += p * bf16_to_f32(vv[j]);
-    } else {
-        const float *vv = (const float *)v + at;
-#pragma omp simd
-        for (int j = 0; j < d; j++) acc[j] += p * vv[j];
+            for (int j = 0; j < d; j++) kr[j] = bf16_to_f32(kk[j]);
+        } else {
+            memcpy(kr, (const float *)kc + at, sizeof(float) * (size_t)d);
+        }
+        for (int h = 0; h < group; h++) {
+            const float *qh = q + (size_t)h * d;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int j = 0; j < d; j++) s += qh[j] * kr[j];
+            w[(size_t)h * span + p] = s * scale;
+        }
     }
+    for (int h = 0; h < group; h++) {
+        float *wh = w + (size_t)h * span, mx = -INFINITY;
+        for (int p = 0; p < span; p++) mx = wh[p] > mx ? wh[p] : mx;
+        for (int p = 0; p < span; p++) wh[p] -= mx;
+        inv[h] = softmax_weights(wh, span);
+        for (int j = 0; j < d; j++) acc[h][j] = 0.f;
+    }
+    for (int p = 0; p < span; p++) {
+        size_t at = base + (size_t)p * d;
+        if (bf16) {
+            const uint16_t *vv = (const uint16_t *)vc + at;
+#pragma omp simd
+            for (int j = 0; j < d; j++) kr[j] = bf16_to_f32(vv[j]);
+        } else {
+            memcpy(kr, (const float *)vc + at, sizeof(float) * (size_t)d);
+        }
+        for (int h = 0; h < group; h++) {
+            float pw = w[(size_t)h * span + p] / inv[h];
+#pragma omp simd
+            for (int j = 0; j < d; j++) acc[h][j] += pw * kr[j];
+        }
+    }
+    for (int h = 0; h < group; h++)
+        for (int j = 0; j < d; j++) store_act(out, bf16, out_at + (size_t)h * d + j, acc[h][j]);
 }
 
 int sb_attend(void *qkv, int rows, int heads, int kv_heads, int d, const void *cos, const void *sin_s,
               const int64_t *slot, const int64_t *pos, void *kc, void *vc, int max_len, void *out, float scale,
               int bf16, int threads) {
-    if (d > 512 || heads % kv_heads) return -1;
+    if (d > 512 || heads % kv_heads || heads / kv_heads > 8) return -1;
     int width = (heads + 2 * kv_heads) * d, group = heads / kv_heads;
     for (int r = 0; r < rows; r++)
         if (pos[r] < 0 || pos[r] >= max_len) return -1;
@@ -107,23 +132,16 @@ int sb_attend(void *qkv, int rows, int heads, int kv_heads, int d, const void *c
             }
         }
     }
-    /* Phase 2: each (row, head) attends over its slot's positions 0..pos (the keys just written included). */
+    /* Phase 2: each (row, KV head) task: its query heads attend over the slot's positions 0..pos
+     * (the keys just written included). */
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int t = 0; t < rows * heads; t++) {
-        int r = t / heads, h = t % heads, g = h / group, span = (int)pos[r] + 1;
-        const float *qh = q + (size_t)t * d;
-        size_t base = ((size_t)slot[r] * kv_heads + g) * max_len * d;
-        float *w = (float *)malloc(sizeof(float) * (size_t)span), acc[512], mx = -INFINITY, sum = 0.f;
-        if (!w) continue; /* out of memory: this head's output stays as it was */
-        for (int p = 0; p < span; p++) {
-            w[p] = dot_row(qh, kc, bf16, base + (size_t)p * d, d) * scale;
-            mx = w[p] > mx ? w[p] : mx;
-        }
-        for (int p = 0; p < span; p++) w[p] -= mx;
-        sum = softmax_weights(w, span);
-        for (int j = 0; j < d; j++) acc[j] = 0.f;
-        for (int p = 0; p < span; p++) axpy_row(acc, w[p] / sum, vc, bf16, base + (size_t)p * d, d);
-        for (int j = 0; j < d; j++) store_act(out, bf16, (size_t)r * heads * d + (size_t)h * d + j, acc[j]);
+    for (int t = 0; t < rows * kv_heads; t++) {
+        int r = t / kv_heads, g = t % kv_heads, span = (int)pos[r] + 1;
+        float *w = (float *)malloc(sizeof(float) * (size_t)span * group);
+        if (!w) continue; /* out of memory: these heads' output stays as it was */
+        attend_group(q + ((size_t)r * heads + (size_t)g * group) * d, kc, vc, bf16,
+                     ((size_t)slot[r] * kv_heads + g) * max_len * d, span, group, d, scale, w, out,
+                     (size_t)r * heads * d + (size_t)g * group * d);
         free(w);
     }
     free(q);
