@@ -38,10 +38,10 @@ def main(argv: list[str] | None = None) -> None:
     import os
     import sys
 
+    from data_plane.common.cores import SPIN_COUNT
     from data_plane.common.tls import take_tls_flags
-    from data_plane.shard.engines.torch_threads import SPIN_COUNT
 
-    # Before any subcommand loads torch, and libgomp with it (it reads this once): torch_threads.SPIN_COUNT.
+    # Before any subcommand loads torch, and libgomp with it (it reads this once): cores.SPIN_COUNT.
     os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
 
     dispatch("switchboard", COMMANDS, take_tls_flags(list(sys.argv[1:] if argv is None else argv)))

@@ -115,3 +115,15 @@ def usable_cores(root: Path = CGROUP_ROOT, proc_self_cgroup: Path = Path("/proc/
     if quota is not None:
         cores = min(cores, math.floor(quota))
     return max(1, cores)
+
+
+SPIN_COUNT = "20000"
+"""libgomp's GOMP_SPINCOUNT for every switchboard process (control_plane/cli.py sets it unless the
+environment has one; libgomp reads it once, when torch loads it): an OpenMP worker whose parallel
+region ended spins this many pauses (~0.4 ms on an EPYC) before it sleeps, not libgomp's 300,000
+(~6 ms). Within a forward pass the gaps between regions are tens of µs, so the kernels never see the
+difference (one stream and 16 streams, 2 threads: no change beyond the run-to-run noise, AMD EPYC).
+Between passes it matters to whoever shares the cores: a pipeline's stages take turns (a stage's
+workers spun through the whole of the next stage's turn and took a core from it: a 2-thread lone
+pass measured slower than 1-thread stages, data_plane/shard/engines/pipeline.py), and a gateway or a
+cache node beside a shard gets the core back ~6 ms sooner after each step."""

@@ -75,6 +75,7 @@ from typing import Any
 
 import torch
 
+from data_plane.common.cores import SPIN_COUNT
 from data_plane.common.lifeline import die_with_parent
 from data_plane.shard.engines.base import StageSpan
 from data_plane.shard.engines.pipeline_kv import KVHop, KVHops, TicketKV
@@ -90,7 +91,6 @@ from data_plane.shard.engines.pipeline_net import (
     use_interface_of,
     wire,
 )
-from data_plane.shard.engines.torch_threads import SPIN_COUNT
 
 log = logging.getLogger(__name__)
 
@@ -366,7 +366,7 @@ class Hops(KVHops):
 
 
 def stage_env(spec: PipelineSpec) -> dict[str, str] | None:
-    """A local stage's environment: the shard's, with torch_threads.SPIN_COUNT unless one was set
+    """A local stage's environment: the shard's, with cores.SPIN_COUNT unless one was set
     (None: inherit): its OpenMP workers must not spin through the other stages' turns."""
     if not spec.alone_threads or "GOMP_SPINCOUNT" in os.environ:
         return None
