@@ -159,6 +159,50 @@ def test_native_attention_is_as_close_to_float32_as_the_torch_path_and_rows_stan
     assert torch.equal(alone[0], decode[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_attention_against_a_float64_reference(dtype: torch.dtype) -> None:
+    """native/attend.c alone, on random data: rope, the KV write at (slot, head, position) and
+    grouped-query attention over positions 0..position (spans shorter than, equal to and past its
+    16-position tiles) against the same arithmetic in float64; bf16 within its rounding."""
+    import math
+
+    assert kernel is not None
+    heads, kv_heads, d, max_len, slots = 9, 3, 64, 512, 4
+    g = torch.Generator().manual_seed(3)
+    pos = torch.tensor([5, 15, 150, 401], dtype=torch.long)  # spans 6, 16, 151, 402
+    slot = torch.tensor([0, 1, 2, 3], dtype=torch.long)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(max_len).float(), inv)
+    cos = torch.cat([freqs, freqs], -1).cos().to(dtype).contiguous()
+    sin_s = torch.cat([-freqs.sin(), freqs.sin()], -1).to(dtype).contiguous()
+    kc = torch.randn(slots, kv_heads, max_len, d, generator=g).to(dtype)
+    vc = torch.randn(slots, kv_heads, max_len, d, generator=g).to(dtype)
+    qkv = torch.randn(len(pos), (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    out = torch.empty(len(pos), heads * d, dtype=dtype)
+    k2, v2 = kc.clone(), vc.clone()
+    scale = 1 / math.sqrt(d)
+    assert kernel.attend(qkv.data_ptr(), len(pos), heads, kv_heads, d, cos.data_ptr(), sin_s.data_ptr(),
+                         slot.data_ptr(), pos.data_ptr(), k2.data_ptr(), v2.data_ptr(), max_len, out.data_ptr(),
+                         scale, dtype == torch.bfloat16, 2) == 0
+
+    def rope(x: torch.Tensor, p: int) -> torch.Tensor:
+        return x * cos[p].double() + torch.roll(x, d // 2, -1) * sin_s[p].double()
+
+    for r, (p, s) in enumerate(zip(pos.tolist(), slot.tolist())):
+        x = qkv[r].double()
+        k = rope(x[heads * d : (heads + kv_heads) * d].view(kv_heads, d), p)
+        v = x[(heads + kv_heads) * d :].view(kv_heads, d)
+        keys, values = kc[s].double().clone(), vc[s].double().clone()
+        keys[:, p], values[:, p] = k, v
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        assert torch.allclose(k2[s, :, p].double(), k, atol=tol) and torch.equal(v2[s, :, p].double(), v)
+        for h in range(heads):
+            kv = h // (heads // kv_heads)
+            w = torch.softmax(rope(x[h * d : (h + 1) * d], p) @ keys[kv, : p + 1].T * scale, -1)
+            want = w @ values[kv, : p + 1]
+            assert torch.allclose(out[r, h * d : (h + 1) * d].double(), want, atol=tol), (r, h)
+
+
 def test_built_once_into_its_cache_and_absent_without_a_compiler(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The library is built into SWITCHBOARD_KERNEL_CACHE once and reused; a machine without a working C
     compiler gets None (torch's kernels serve) and a warning, never an exception."""
