@@ -167,10 +167,11 @@ def test_native_attention_against_a_float64_reference(dtype: torch.dtype) -> Non
     import math
 
     assert kernel is not None
-    heads, kv_heads, d, max_len, slots = 9, 3, 64, 512, 4
+    heads, kv_heads, d, max_len, slots = 9, 3, 64, 640, 6
     g = torch.Generator().manual_seed(3)
-    pos = torch.tensor([5, 15, 150, 401], dtype=torch.long)  # spans 6, 16, 151, 402
-    slot = torch.tensor([0, 1, 2, 3], dtype=torch.long)
+    # spans 6 and 16 (within and at one 16-position tile), then 151, 256, 257 and 600 (tiles and a rest)
+    pos = torch.tensor([5, 15, 150, 255, 256, 599], dtype=torch.long)
+    slot = torch.tensor([0, 1, 2, 3, 4, 5], dtype=torch.long)
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     freqs = torch.outer(torch.arange(max_len).float(), inv)
     cos = torch.cat([freqs, freqs], -1).cos().to(dtype).contiguous()
