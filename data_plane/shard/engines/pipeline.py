@@ -159,8 +159,9 @@ class PipelineSpec:
     so each stage may use every core the host's stages share. When passes overlap (the batch queue,
     micro-batches) every stage runs at once and each keeps its share (`threads`): more threads than
     cores make every parallel region wait at its barrier for a descheduled thread. `Hops.pace`
-    picks per pass; the header carries the count down the chain (stages on other hosts keep theirs).
-    Set only when threads adapt (float32 asked for keeps one count) and the host was idle at load."""
+    picks per pass between this and `threads` (the thread tuner's choice: AloneThreads); the header
+    carries the count down the chain (stages on other hosts keep theirs). Set only when threads adapt
+    (float32 asked for keeps one count)."""
     kernel: str = "torch"
     """What computes stage 0's quantized projections (blockq or torch): every stage uses the same."""
     port: int = 0
@@ -234,21 +235,21 @@ class AloneThreads:
     takes a core (the barrier collapse: 2-thread stages beside a busy process took 200-400 ms a
     token against ~20 at one thread each, measured under load)."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, most: int) -> None:
         self.count = count
+        self.most = most
+        """PipelineSpec.alone_threads: every core the host's stages hold."""
 
     def set(self, count: int) -> None:
         self.count = count
-
-
 
 
 class Hops(KVHops):
     """Stage 0's side of the chain: sends passes and slot moves to stage 1, receives stage N-1's rows;
     several passes may be in flight (submit ... collect, in order).
 
-    Each pass carries a small float64 [N, 3] timing table down the chain and back (every stage
-    writes when the pass arrived, its compute, when it left): PassTiming for the metrics, and per
+    Each pass carries a small float64 [N, 4] timing table down the chain and back (every stage
+    writes when the pass arrived, its compute, when it left, its threads): PassTiming for the metrics, and per
     slot each stage's part of the request (`take`) for the request's spans."""
 
     def __init__(self, dist: Any, spec: PipelineSpec, hidden: int, dtype: torch.dtype) -> None:
@@ -358,7 +359,7 @@ class Hops(KVHops):
         assert not self._in_flight, "a slot moves between passes, never while one is in flight"
         h = self.header
         h.zero_()
-        h[:4] = torch.tensor([OP_MOVE, src, dst, length])
+        h[:HEADER_FIXED] = torch.tensor([OP_MOVE, src, dst, length, 0])
         self.dist.send(h, 1)
         moved = self._slots.pop(src, None)
         if moved is not None:

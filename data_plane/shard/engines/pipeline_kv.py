@@ -43,6 +43,7 @@ import torch
 from opentelemetry import trace
 
 from data_plane.shard.engines.pipeline_net import (
+    HEADER_FIXED,
     OP_GATHER,
     OP_INSERT,
     OP_LOAD,
@@ -207,7 +208,7 @@ class KVHops:
 
     def _header(self, op: int, a: int, b: int, c: int) -> torch.Tensor:
         h = torch.zeros(header_size(self.spec.max_num_seqs), dtype=torch.long)
-        h[:4] = torch.tensor([op, a, b, c])
+        h[:HEADER_FIXED] = torch.tensor([op, a, b, c, 0])
         return h
 
     def _span(self, op: str, blocks: int, nbytes: int, deferred: bool | None = None) -> Any:

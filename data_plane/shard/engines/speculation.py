@@ -83,6 +83,12 @@ def _no_evidence(buckets: int = 4) -> list[list[float]]:
     return [[0.0, 0.0] for _ in range(buckets)]
 
 
+def _observe(ev: list[float], decay: float, accepted: int, rejected: bool) -> None:
+    """One draft into decayed [accepted tokens, rejections] evidence."""
+    ev[0] = decay * ev[0] + accepted
+    ev[1] = decay * ev[1] + rejected
+
+
 class SharedEvidence:
     """Acceptance evidence per match length across the engine's sequences: a new sequence's prior.
 
@@ -97,9 +103,7 @@ class SharedEvidence:
         self.evidence = _no_evidence(buckets)
 
     def observe(self, bucket: int, accepted: int, rejected: bool) -> None:
-        ev = self.evidence[bucket]
-        ev[0] = self.decay * ev[0] + accepted
-        ev[1] = self.decay * ev[1] + rejected
+        _observe(self.evidence[bucket], self.decay, accepted, rejected)
 
     def prior(self) -> list[list[float]]:
         """A new sequence's starting evidence: the engine's, scaled to at most `weight` observations
@@ -189,9 +193,7 @@ class SeqSpec:
         self.probe = False
         if n <= 0:
             return
-        ev = self.evidence[self._bucket(n)]
-        ev[0] = self.decay * ev[0] + accepted
-        ev[1] = self.decay * ev[1] + (accepted < drafted)
+        _observe(self.evidence[self._bucket(n)], self.decay, accepted, accepted < drafted)
         if self.shared is not None:
             self.shared.observe(self._bucket(n), accepted, accepted < drafted)
         if accepted:

@@ -64,10 +64,8 @@ class LoadedModel:
     """Intra-op threads at start (the tuner's upper bound when adaptive)."""
     thread_tuner: ThreadTuner | None
     """Adaptive intra-op threads, started; None when the count is fixed."""
-    alone_threads: int
-    """A pipeline: the most threads a stage on this host runs a pass alone in it with (0: fixed)."""
     alone: AloneThreads | None
-    """A pipeline: the count such a pass runs at now, chosen by `thread_tuner` (None: fixed)."""
+    """A pipeline: the threads a pass alone in it runs at now, chosen by `thread_tuner` (None: fixed)."""
     name: str
     """The served model name (the OpenAI `model` field)."""
     path: str
@@ -138,18 +136,15 @@ def load_model(config: EngineConfig, listener: StepListener, phases: LoadPhases)
         # the tuner choosing from those passes' times; the passes that overlap always at the share.
         from data_plane.shard.engines.pipeline import AloneThreads
 
-        busy = host.others_busy()
-        idle = busy is not None and busy + shared <= usable_cores() + 0.5
-        alone = AloneThreads(threads)
-        tuner = ThreadTuner(shared, alone.set, listener.on_threads, initial=shared if idle else threads,
-                            min_threads=threads)
+        alone = AloneThreads(threads, shared)
+        tuner = ThreadTuner(shared, alone.set, listener.on_threads,
+                            initial=shared if host.idle_for(shared) else threads, min_threads=threads)
         tuner.start()
     elif shared:
         listener.on_threads(threads, "start")
     elif adaptive and threads > 1:
-        busy = host.others_busy()
-        idle = busy is not None and busy + threads <= usable_cores() + 0.5
-        tuner = ThreadTuner(threads, torch.set_num_threads, listener.on_threads, initial=threads if idle else 1)
+        tuner = ThreadTuner(threads, torch.set_num_threads, listener.on_threads,
+                            initial=threads if host.idle_for(threads) else 1)
         tuner.start()
     else:
         listener.on_threads(threads, "start")
@@ -160,7 +155,7 @@ def load_model(config: EngineConfig, listener: StepListener, phases: LoadPhases)
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
     return LoadedModel(runner=runner, tokenizer=tokenizer, plan=plan, threads=threads, thread_tuner=tuner,
-                       alone_threads=shared if alone else 0, alone=alone,
+                       alone=alone,
                        name=served_name(config.model), path=str(path), eos=frozenset(eos_ids),
                        vocab_size=int(hf_config.vocab_size), max_model_len=max_model_len, num_layers=num_layers,
                        layer_ranges=ranges, started=started)
@@ -189,7 +184,7 @@ def start_pipeline(config: EngineConfig, model: LoadedModel, prefix: SlotPrefix 
                         kernel="blockq" if model.plan.blockq else "torch",
                         max_num_seqs=config.max_num_seqs, max_len=model.max_model_len,
                         ranges=tuple(model.layer_ranges), timeout_s=config.pipeline_stage_timeout_s,
-                        threads=model.threads, alone_threads=model.alone_threads,
+                        threads=model.threads, alone_threads=model.alone.most if model.alone else 0,
                         prefix_blocks=prefix.cache.num_blocks if prefix else 0,
                         block_size=config.kv_block_size, microbatches=config.pipeline_microbatches,
                         host=config.pipeline_host, port=config.pipeline_port, remote=config.pipeline_remote_stages)
@@ -208,8 +203,8 @@ def ready_line(model: LoadedModel, config: EngineConfig, prefix: SlotPrefix | No
     """The shard's ready line: load time, KV and prefix cache sizes, threads, weights and where the time went."""
     runner, plan = model.runner, model.plan
     threads = f"1..{model.threads} threads (adaptive)" if model.thread_tuner else f"{model.threads} threads"
-    if model.alone_threads:
-        threads = f"{model.threads} threads a stage, up to {model.alone_threads} for a pass alone in the pipeline (adaptive)"
+    if model.alone:
+        threads = f"{model.threads} threads a stage, up to {model.alone.most} for a pass alone in the pipeline (adaptive)"
     return (f"[switchboard] model {model.name} ready in {time.monotonic() - model.started:.1f} s "
             f"(KV cache {runner.kv_cache_bytes / 2**20:.0f} MiB for "
             f"{config.max_num_seqs} x {model.max_model_len} tokens; prefix cache "

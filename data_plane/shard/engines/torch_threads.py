@@ -70,6 +70,13 @@ class HostCpu:
         tick = os.sysconf("SC_CLK_TCK")
         return (time.monotonic(), (user + nice + system + irq + softirq + steal) / tick, own.user + own.system)
 
+    def idle_for(self, threads: int) -> bool:
+        """Whether the other processes left `threads` of the usable cores idle since this was made."""
+        from data_plane.common.cores import usable_cores
+
+        busy = self.others_busy()
+        return busy is not None and busy + threads <= usable_cores() + 0.5
+
     def others_busy(self) -> float | None:
         end = self._read()
         if self._start is None or end is None or end[0] - self._start[0] < 0.2:

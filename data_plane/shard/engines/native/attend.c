@@ -93,6 +93,17 @@ static inline v16f sum_lanes16(v16f *a) {
     return __builtin_shuffle(e[0], e[1], lo1) + __builtin_shuffle(e[0], e[1], hi1);
 }
 
+/* Row `at` of a cache (d activations, bf16 as uint16 or float32) as float32, into `dst`. */
+static inline void widen_row(float *dst, const void *src, int bf16, size_t at, int d) {
+    if (bf16) {
+        const uint16_t *h = (const uint16_t *)src + at;
+#pragma omp simd
+        for (int j = 0; j < d; j++) dst[j] = bf16_to_f32(h[j]);
+    } else {
+        memcpy(dst, (const float *)src + at, sizeof(float) * (size_t)d);
+    }
+}
+
 /* One (row, KV head) task: the `group` query heads that share this KV head attend over its
  * positions 0..span-1 together, so each key and value row is read and widened to float32 once for the
  * group (SmolLM2: 3 query heads a KV head), and the loops inline into one vectorized body (a
@@ -124,14 +135,7 @@ static void attend_group(const float *q, const void *kc, const void *vc, int bf1
         }
     }
     for (int p = p0; p < span; p++) { /* the rest one position at a time */
-        size_t at = base + (size_t)p * d;
-        if (bf16) {
-            const uint16_t *kk = (const uint16_t *)kc + at;
-#pragma omp simd
-            for (int j = 0; j < d; j++) kr[j] = bf16_to_f32(kk[j]);
-        } else {
-            memcpy(kr, (const float *)kc + at, sizeof(float) * (size_t)d);
-        }
+        widen_row(kr, kc, bf16, base + (size_t)p * d, d);
         for (int h = 0; h < group; h++) {
             const float *qh = q + (size_t)h * d;
             float s = 0.f;
@@ -148,14 +152,7 @@ static void attend_group(const float *q, const void *kc, const void *vc, int bf1
         for (int j = 0; j < d; j++) acc[h][j] = 0.f;
     }
     for (int p = 0; p < span; p++) {
-        size_t at = base + (size_t)p * d;
-        if (bf16) {
-            const uint16_t *vv = (const uint16_t *)vc + at;
-#pragma omp simd
-            for (int j = 0; j < d; j++) kr[j] = bf16_to_f32(vv[j]);
-        } else {
-            memcpy(kr, (const float *)vc + at, sizeof(float) * (size_t)d);
-        }
+        widen_row(kr, vc, bf16, base + (size_t)p * d, d);
         for (int h = 0; h < group; h++) {
             float pw = w[(size_t)h * span + p] / inv[h];
 #pragma omp simd
