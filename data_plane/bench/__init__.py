@@ -30,7 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "ttft": ("data_plane.bench.ttft_breakdown", "where a follow-up turn's TTFT goes (spans), prefix caching off vs on"),
     "memory": ("data_plane.bench.memory", "facts planted early in 100+-turn conversations, asked late: retrieval recall, accuracy"),
     "response-cache": ("data_plane.bench.response_cache", "a workload with ~30 % repeats, response cache on vs off: hit latency, shard work saved"),
-    "hops": ("data_plane.bench.hop_cost", "a gloo send/recv and all-reduce of one step's hidden state between two processes"),
+    "hops": ("data_plane.bench.hop_cost", "one step's hidden state between two processes: gloo send/recv, the pipeline's link, a gloo all-reduce"),
     "quality": ("data_plane.bench.quality", "perplexity and greedy agreement against float32, per dtype/weight format"),
     "coldstart": ("data_plane.bench.coldstart", "a shard's start-up phase by phase (imports, tokenizer, weights, warm-up) to ready"),
     "verify": ("data_plane.bench.verify_cost", "a speculative verify pass against a decode step, per draft rows and batch"),

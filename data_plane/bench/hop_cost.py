@@ -7,8 +7,10 @@
 Two processes on this host join a torch.distributed gloo group (a TCPStore on 127.0.0.1, the way
 a pipeline group does: data_plane/shard/engines/pipeline.py) and time, for each row count,
 the median of:
-- `send/recv` (ping-pong / 2): one hop of a ``[rows, hidden]`` tensor, what pipeline parallelism
-  pays per stage boundary per step;
+- `gloo send/recv` (ping-pong / 2): one hop of a ``[rows, hidden]`` tensor over torch.distributed;
+- `link send/recv`: the same over the pipeline's own wire (a TCP connection a pair of stages,
+  data_plane/shard/engines/pipeline_links.py), what pipeline parallelism pays per stage boundary
+  per step;
 - `all-reduce`: one gloo all-reduce of the same tensor, what tensor parallelism pays twice per
   layer per step (after attention and after the MLP).
 It also prints what tensor parallelism would add to one decode step for a model of `--layers`
@@ -39,17 +41,19 @@ def _worker(rank: int, port: int, hidden: int, rows: list[int], repeats: int, ou
     import torch
     import torch.distributed as dist
 
+    from data_plane.shard.engines.pipeline_links import Links
     from data_plane.shard.engines.pipeline_net import use_interface_of
 
     torch.set_num_threads(1)
     use_interface_of(bind)  # gloo on this address's interface, as a pipeline stage does
     store = dist.TCPStore(host, port, 2, rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    links = Links.join(store, rank, 2, bind, timeout_s=30)  # the pipeline's own wire (pipeline_links.py)
     results = []
     for n in rows:
         x = torch.randn(n, hidden)
         y = torch.empty(n, hidden)
-        hop, red = [], []
+        hop, red, link = [], [], []
         for i in range(repeats + 5):
             dist.barrier()
             t0 = time.perf_counter()
@@ -62,13 +66,22 @@ def _worker(rank: int, port: int, hidden: int, rows: list[int], repeats: int, ou
             t1 = time.perf_counter()
             dist.all_reduce(x)
             t2 = time.perf_counter()
+            if rank == 0:
+                links.isend(x, 1).wait()
+                links.recv(y, 1)
+            else:
+                links.recv(y, 0)
+                links.send(y, 0)
+            t3 = time.perf_counter()
             if i >= 5:  # warm-up: connection setup, buffers
                 hop.append((t1 - t0) / 2)
                 red.append(t2 - t1)
+                link.append((t3 - t2) / 2)
         results.append({"rows": n, "bytes": n * hidden * 4, "hop_ms": 1000 * statistics.median(hop),
-                        "allreduce_ms": 1000 * statistics.median(red)})
+                        "link_ms": 1000 * statistics.median(link), "allreduce_ms": 1000 * statistics.median(red)})
     if rank == 0 and out is not None:
         out.put(results)
+    links.close()
     dist.destroy_process_group()
 
 
@@ -121,10 +134,10 @@ def main(argv: list[str] | None = None) -> None:
         _worker(1, int(port), args.hidden, args.rows, args.repeats, None, host, args.bind)
         return
     rows = measure(args.hidden, args.rows, args.repeats, args.host, args.peer.split() or None, args.bind)
-    table = [[str(r["rows"]), str(r["bytes"]), fmt(r["hop_ms"], 3), fmt(r["allreduce_ms"], 3),
+    table = [[str(r["rows"]), str(r["bytes"]), fmt(r["hop_ms"], 3), fmt(r["link_ms"], 3), fmt(r["allreduce_ms"], 3),
               fmt(r["allreduce_ms"] * 2 * args.layers, 1)] for r in rows]
-    print(format_table(["rows", "bytes", "send/recv ms", "all-reduce ms", f"TP all-reduces a step ms ({args.layers} layers x 2)"],
-                       table))
+    print(format_table(["rows", "bytes", "gloo send/recv ms", "link send/recv ms", "all-reduce ms",
+                        f"TP all-reduces a step ms ({args.layers} layers x 2)"], table))
     if args.json:
         write_json(args.json, {"machine": machine_info(), "hidden": args.hidden, "layers": args.layers, "rows": rows,
                                "host": args.host, "peer": args.peer, "bind": args.bind})

@@ -91,7 +91,7 @@ class ShardSettings(BaseSettings):
         "contiguous groups, the next sent while the previous is in later stages (0: as many as stages; "
         "1: each step waits for its pass)."))
     pipeline_host: str = Field("127.0.0.1", description=(
-        "Stage 0's address for the pipeline group (its TCPStore and gloo): a stage on another host must reach it."))
+        "Stage 0's address for the pipeline group (its TCPStore and pipeline links): a stage on another host must reach it."))
     pipeline_port: int = Field(0, ge=0, le=65535, description=(
         "The pipeline group's TCPStore port (0: a free one; set it when stages join from other hosts)."))
     pipeline_remote_stages: str | None = Field(None, pattern=r"^\d+(,\d+)*$", description=(

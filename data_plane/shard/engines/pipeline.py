@@ -54,7 +54,7 @@ HEARTBEAT_S; stage 0's monitor thread declares a stage lost when its process exi
 next check) or its counter stood still for `timeout_s` (frozen: SIGSTOP, a hung host), and calls
 `on_lost` once: the engine fails every open stream (an error event the gateway resumes elsewhere)
 and the shard leaves membership and exits, so its supervisor replaces the whole group. Stages die
-with stage 0 (data_plane/common/lifeline.py, and their gloo receive fails when it goes).
+with stage 0 (data_plane/common/lifeline.py, and their links to it end when it goes: pipeline_links.py).
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ from data_plane.common.cores import SPIN_COUNT
 from data_plane.common.lifeline import die_with_parent
 from data_plane.shard.engines.base import StageSpan
 from data_plane.shard.engines.pipeline_kv import KVHop, KVHops, TicketKV
+from data_plane.shard.engines.pipeline_links import Links
 from data_plane.shard.engines.pipeline_net import (
     HEADER_FIXED,
     HEARTBEAT_S,
@@ -88,7 +89,6 @@ from data_plane.shard.engines.pipeline_net import (
     TIMING_COLS,
     Frames,
     header_size,
-    use_interface_of,
     wire,
 )
 
@@ -167,7 +167,7 @@ class PipelineSpec:
     port: int = 0
     """TCPStore port (0: a free one)."""
     host: str = "127.0.0.1"
-    """Stage 0's address for the group (its TCPStore and gloo device): every stage must reach it."""
+    """Stage 0's address for the group (its TCPStore and its pipeline links): every stage must reach it."""
     remote: tuple[int, ...] = ()
     """Stages stage 0 does not start: they join from another host (`switchboard stage --join`)."""
     prefix_blocks: int = 0
@@ -375,7 +375,7 @@ def stage_env(spec: PipelineSpec) -> dict[str, str] | None:
 
 
 class PipelineGroup:
-    """Stage 0's view of the group: the stage processes, the gloo group, the heartbeat monitor."""
+    """Stage 0's view of the group: the stage processes, their links, the heartbeat monitor."""
 
     def __init__(self, spec: PipelineSpec, on_lost: Callable[[int, str], None],
                  on_stage: Callable[[int, bool], None] | None = None) -> None:
@@ -388,6 +388,7 @@ class PipelineGroup:
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self._store: Any = None
+        self.links: Links | None = None
         self.stage_info: dict[int, dict[str, Any]] = {}
         """What each later stage reported once loaded: weight_bytes (resident), kv_bytes, host, load_s."""
 
@@ -405,12 +406,11 @@ class PipelineGroup:
 
     def start(self, hidden: int, dtype: torch.dtype, load_timeout_s: float = 600.0) -> Hops:
         """Spawn stages 1..N-1 (but the remote ones, which join from their hosts), wait until all
-        joined the gloo group (they load their layers first)."""
+        connected their links (they load their layers first)."""
         import torch.distributed as dist
 
         if self.spec.remote and not self.spec.port:
             raise ValueError("stages joining from other hosts need a fixed pipeline port")
-        use_interface_of(self.spec.host)
         self._store = dist.TCPStore(self.spec.host, self.port, self.spec.size, True,
                                     timeout=timedelta(seconds=load_timeout_s), wait_for_workers=False)
         for rank in range(1, self.spec.size):
@@ -425,15 +425,14 @@ class PipelineGroup:
                                                 preexec_fn=die_with_parent())  # noqa: PLW1509
         log.info("pipeline: %d stages, layers %s, store on %s:%d", self.spec.size, self.spec.ranges, self.spec.host,
                  self.port)
-        dist.init_process_group("gloo", store=self._store, rank=0, world_size=self.spec.size,
-                                timeout=timedelta(seconds=load_timeout_s))
+        self.links = Links.join(self._store, 0, self.spec.size, self.spec.host, timeout_s=load_timeout_s)
         for rank in range(1, self.spec.size):
             self.stage_info[rank] = json.loads(self._store.get(f"info/{rank}"))
         for rank in range(self.spec.size):
             self.on_stage(rank, True)
         self._monitor = threading.Thread(target=self._watch, name="pipeline-monitor", daemon=True)
         self._monitor.start()
-        hops = Hops(dist, self.spec, hidden, dtype)
+        hops = Hops(self.links, self.spec, hidden, dtype)
         hops.kv_token_bytes = sum(int(info.get("kv_token_bytes", 0)) for info in self.stage_info.values())
         return hops
 
@@ -466,15 +465,15 @@ class PipelineGroup:
         self.on_lost(rank, why)
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         self._stop.set()
-        if self.lost is None and dist.is_initialized():
-            try:
-                dist.send(torch.tensor([OP_STOP] + [0] * (header_size(self.spec.max_num_seqs) - 1)), 1)
-            except Exception as exc:  # noqa: BLE001 - a stage already gone: it is killed below anyway
-                log.debug("pipeline: stop not delivered: %s", exc)
-            dist.destroy_process_group()
+        if self.links is not None:
+            if self.lost is None:
+                try:
+                    self.links.send(torch.tensor([OP_STOP] + [0] * (header_size(self.spec.max_num_seqs) - 1)), 1)
+                except Exception as exc:  # noqa: BLE001 - a stage already gone: it is killed below anyway
+                    log.debug("pipeline: stop not delivered: %s", exc)
+            self.links.close()
+            self.links = None
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.kill()

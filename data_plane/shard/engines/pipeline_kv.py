@@ -4,7 +4,7 @@
     cache.mirror = hops                              # kv_cache.KVMirror: LOAD, STORE, INSERT, GATHER
     hops.gather(slot, 0, 3, out, then=send)          # send() once `out` holds every layer
 
-Every op goes down the chain in the order stage 0 sent it (one gloo pair a hop, in order), so each
+Every op goes down the chain in the order stage 0 sent it (one link a pair of stages, in order), so each
 stage applies it after the passes sent before it and before those sent after. LOAD / STORE repeat a
 prefix-cache copy between the pool and a slot (block indices only cross the hops); INSERT (a
 *scatter*) sends each later stage its layers of blocks fetched from the cache nodes; GATHER brings a
@@ -223,7 +223,7 @@ class KVHops:
     def _blocks(self, op: int, slot: int, count: int, values: torch.Tensor) -> None:
         """A LOAD (`count` pool indices) or STORE (`count` (block number, pool index) pairs) for `slot`.
         May run while passes are in flight (the batch queue: a finished sequence's blocks kept): every
-        stage applies it after them, in the order stage 0 sent everything (one gloo pair a hop, in
+        stage applies it after them, in the order stage 0 sent everything (one link a pair of stages, in
         order), and no pass in flight touches `slot` (a sequence is in at most one plan in flight).
         With passes in flight it is sent without waiting (isend), like a pass: a blocking send would
         wait for stage 1 to receive it while stage 1 waits for stage 0 to take an earlier pass's rows

@@ -1,6 +1,6 @@
 """How a pipeline group's processes reach each other: addresses, interfaces and heartbeats.
 
-    use_interface_of("10.0.0.2")                 # gloo listens on (and advertises) that address's interface
+    use_interface_of("10.0.0.2")                 # gloo (bench hops) listens on that address's interface
     threading.Thread(target=heartbeat, args=(store, rank, stop), daemon=True).start()   # a later stage
 
 Stage 0 (data_plane/shard/engines/pipeline.py) watches each later stage's heartbeat counter in its
@@ -48,15 +48,16 @@ def header_size(max_num_seqs: int) -> int:
 
 
 class Frames:
-    """A FORWARD hop as one gloo message: the header (longs), the pass's timing table (float64
+    """A FORWARD hop as one message: the header (longs), the pass's timing table (float64
     [stages, TIMING_COLS]) and, up to INLINE_ROWS rows, its hidden states, packed in one byte frame;
     the rows back to stage 0 likewise (the timing table, then the rows: stage 0 knows how many).
 
-    Why: each gloo message costs a wake-up on each side. Header, states and timing as three
+    Why: each message costs a wake-up on each side. Header, states and timing as three gloo
     messages made a 1-row round trip between two local processes 841 µs against 208 µs as one
     (2 cores, idle, AMD EPYC; a ping-pong of the same tensors, isend then recv), on the critical
-    path of every pipelined token. gloo receives a shorter message into a larger buffer, so a stage
-    receives every op into one frame-sized buffer and the other ops still send a bare header."""
+    path of every pipelined token. A link (pipeline_links.py), like gloo, receives a shorter message
+    into a larger buffer, so a stage receives every op into one frame-sized buffer and the other ops
+    still send a bare header."""
 
     def __init__(self, max_num_seqs: int, stages: int, hidden: int, dtype: torch.dtype) -> None:
         import torch
@@ -128,7 +129,7 @@ class Frames:
 
 
 def wire(x: torch.Tensor) -> torch.Tensor:
-    """`x` as gloo carries it, bit for bit: 2-byte floats travel as int16 views."""
+    """`x` as a link carries it, bit for bit: 2-byte floats travel as int16 views (numpy has no bf16)."""
     import torch
 
     return x.view(torch.int16) if x.element_size() == 2 and x.is_floating_point() else x

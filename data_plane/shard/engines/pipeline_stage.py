@@ -7,10 +7,11 @@
 A stage started by stage 0 is its child; one on another host joins with `--join` (stage 0 runs
 `switchboard shard --pipeline-parallel-size 2 --pipeline-host 10.0.0.1 --pipeline-port 29500
 --pipeline-remote-stages 1`) and takes every other argument from what stage 0 published in its
-TCPStore; `--bind` is its own address, whose interface its gloo device uses.
+TCPStore; `--bind` is its own address, where it listens for its links (pipeline_links.py).
 
 It loads only its layers' weights (plus the rotary tables) and the KV cache of those layers,
-joins stage 0's gloo group (a TCPStore on 127.0.0.1:port), beats its heartbeat counter there, and
+connects its links to stage 0 and its neighbours (addresses from stage 0's TCPStore on
+127.0.0.1:port), beats its heartbeat counter there, and
 serves the chain (data_plane/shard/engines/pipeline.py): a FORWARD header and hidden states from
 the previous stage -> its layers -> the next stage, or, on the last stage, the wanted rows back
 to stage 0; a MOVE header moves a slot's KV and goes on down the chain; LOAD / STORE repeat stage 0's
@@ -35,7 +36,7 @@ log = logging.getLogger("switchboard.pipeline_stage")
 
 def joined(join: str, rank: int, bind: str, threads: int | None) -> list[str]:
     """The arguments of a stage joining from another host: what stage 0 published for `rank` in its
-    TCPStore at `join` (HOST:PORT), with this host's own address (and threads) for its gloo device."""
+    TCPStore at `join` (HOST:PORT), with this host's own address (and threads) for its links."""
     import torch.distributed as dist
 
     from data_plane.shard.engines.pipeline_net import STORE_WAIT_S
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1", help="stage 0's address (its TCPStore)")
-    ap.add_argument("--bind", default="127.0.0.1", help="this stage's own address for the group (its gloo device)")
+    ap.add_argument("--bind", default="127.0.0.1", help="this stage's own address for the group (where its links listen)")
     ap.add_argument("--model", default="", help="the shard's --model ('' = the default model)")
     ap.add_argument("--quantization", default="none", help="the weight format stage 0 resolved")
     ap.add_argument("--quantization-kernel", default="torch", choices=["blockq", "torch"],
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         store_blocks,
     )
     from data_plane.shard.engines.llama_runner import LlamaRunner, select_rows
+    from data_plane.shard.engines.pipeline_links import Links
     from data_plane.shard.engines.pipeline_net import (
         H_THREADS,
         HEADER_FIXED,
@@ -112,7 +114,6 @@ def main(argv: list[str] | None = None) -> None:
         OP_STORE,
         Frames,
         heartbeat,
-        use_interface_of,
         wire,
     )
     from data_plane.shard.engines.torch_config import DTYPES
@@ -135,15 +136,13 @@ def main(argv: list[str] | None = None) -> None:
     import gc
 
     gc.collect()
-    use_interface_of(args.bind)
     store = dist.TCPStore(args.host, args.port, args.world, False, timeout=timedelta(seconds=600))
     # What this stage holds, for stage 0's report and the benchmark's memory per stage.
     store.set(f"info/{args.rank}", json.dumps({
         "weight_bytes": runner.resident_weight_bytes, "kv_bytes": runner.kv_cache_bytes,
         "kv_token_bytes": runner.kv_cache_bytes // (args.max_num_seqs * args.max_len),
         "host": "" if args.bind.startswith("127.") else args.bind, "load_s": round(time.monotonic() - t0, 2)}))
-    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world,
-                            timeout=timedelta(seconds=600))
+    links = Links.join(store, args.rank, args.world, args.bind, timeout_s=600)
     stop = threading.Event()
     beat_store = dist.TCPStore(args.host, args.port, args.world, False, timeout=timedelta(seconds=5))
     threading.Thread(target=heartbeat, args=(beat_store, args.rank, stop), name="heartbeat", daemon=True).start()
@@ -158,41 +157,42 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with torch.inference_mode():
             while True:
-                dist.recv(buf, prev)
+                links.recv(buf, prev)
+                arrive = time.time()  # a pass's hop ends here; unpacking it is the stage's own work
                 op = int(h[0])
                 if op == OP_STOP:
                     if not last:
-                        dist.send(h, nxt)
+                        links.send(h, nxt)
                     break
                 if op == OP_MOVE:
                     src, dst, length = (int(v) for v in h[1:4])
                     runner.move_slot(src, dst, length)
                     if not last:
-                        dist.send(h, nxt)
+                        links.send(h, nxt)
                     continue
                 if op == OP_INSERT:  # fetched blocks: this stage's layers of them, straight from stage 0
                     if not last:
-                        dist.send(h, nxt)
+                        links.send(h, nxt)
                     count = int(h[1])
                     index = torch.empty(count, dtype=torch.long)
                     part = torch.empty((count, 2, runner.num_layers, runner.num_kv_heads, args.block_size,
                                         runner.head_dim), dtype=dtype)
-                    dist.recv(index, 0)
-                    dist.recv(wire(part), 0)
+                    links.recv(index, 0)
+                    links.recv(wire(part), 0)
                     insert_blocks(pool.k_pool, pool.v_pool, index.tolist(), part)
                     continue
                 if op == OP_GATHER:  # a finished turn's blocks for the cache nodes: this stage's layers
                     if not last:
-                        dist.send(h, nxt)
+                        links.send(h, nxt)
                     slot, first_block, end_block = (int(v) for v in h[1:4])
                     out = copy_out_blocks(runner.k_cache, runner.v_cache, slot, first_block, end_block,
                                           args.block_size)
-                    dist.send(wire(out), 0)
+                    links.send(wire(out), 0)
                     continue
                 if op in (OP_LOAD, OP_STORE):
                     slot, count = int(h[1]), int(h[2])
                     values = torch.empty(count * (1 if op == OP_LOAD else 2), dtype=torch.long)
-                    dist.recv(values, prev)
+                    links.recv(values, prev)
                     if op == OP_LOAD:
                         load_blocks(pool.k_pool, pool.v_pool, values.tolist(), runner.k_cache, runner.v_cache, slot,
                                     args.block_size)
@@ -201,8 +201,8 @@ def main(argv: list[str] | None = None) -> None:
                         store_blocks(pool.k_pool, pool.v_pool, pairs, runner.k_cache, runner.v_cache, slot,
                                      args.block_size)
                     if not last:
-                        dist.send(h, nxt)
-                        dist.send(values, nxt)
+                        links.send(h, nxt)
+                        links.send(values, nxt)
                     continue
                 if op != OP_FORWARD:
                     raise RuntimeError(f"unknown pipeline op {op}")
@@ -212,20 +212,19 @@ def main(argv: list[str] | None = None) -> None:
                 threads = int(h[H_THREADS])
                 if args.follow_threads and threads and threads != torch.get_num_threads():
                     torch.set_num_threads(threads)  # one pass alone: every core; passes overlapping: a share
-                timing, x = frames.unpack(buf, rows, lambda t: dist.recv(t, prev))  # arrive, busy, leave, threads
-                arrive = time.time()
+                timing, x = frames.unpack(buf, rows, lambda t: links.recv(t, prev))  # arrive, busy, leave, threads
                 x = runner.run_layers(x, slots, lens, starts, batched)
                 out = select_rows(x, lens, wanted).contiguous() if last else x.contiguous()
                 leave = time.time()
                 timing[args.rank] = torch.tensor([arrive, leave - arrive, leave, torch.get_num_threads()],
                                                  dtype=torch.float64)
                 if last:
-                    dist.send(frames.pack_back(timing, out), nxt)
+                    links.send(frames.pack_back(timing, out), nxt)
                 else:
                     frame, spill = frames.pack(h, timing, out)
-                    dist.send(frame, nxt)
+                    links.send(frame, nxt)
                     if spill is not None:
-                        dist.send(wire(spill), nxt)
+                        links.send(wire(spill), nxt)
     except Exception as exc:  # noqa: BLE001 - stage 0 went away (or the chain broke): the group is over
         log.warning("stage %d leaving: %s", args.rank, exc)
         stop.set()

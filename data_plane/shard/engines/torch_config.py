@@ -81,7 +81,7 @@ class EngineConfig:
     """Scheduler plans in flight at once through the stages, 0..64 (vLLM's batch queue; 0: as many as
     stages; 1: each step waits for its pass): decoding sequences go in that many contiguous groups."""
     pipeline_host: str = "127.0.0.1"
-    """Stage 0's address for its group (TCPStore and gloo): another host's stage must reach it."""
+    """Stage 0's address for its group (TCPStore and pipeline links): another host's stage must reach it."""
     pipeline_port: int = 0
     """The group's TCPStore port (0: a free one; set it when a stage joins from another host)."""
     pipeline_remote_stages: tuple[int, ...] = ()

@@ -1,0 +1,290 @@
+"""The pipeline group's wire: one TCP connection per pair of stages that talk, tensors sent as
+length-prefixed byte frames, with torch.distributed's point-to-point calls.
+
+    links = Links.join(store, rank=0, world=3, bind="127.0.0.1")   # every stage, once
+    links.send(header, 1); links.recv(frame, 2)                     # blocking, in order per pair
+    work = links.isend(frame, 1); ...; work.wait()                  # never blocks the caller
+    work = links.irecv(part, 2); ...; work.wait()                   # received when waited for (or earlier)
+
+Why not gloo: one hop is on the critical path of every pipelined token, and gloo pays two thread
+wake-ups a message on the receiving side (its device thread reads the socket, then signals the
+waiting thread) plus its own pair protocol. A ping-pong of a 1,600-byte frame (one decode row)
+between two idle local processes took a 202 µs round trip over gloo and 20 µs over a TCP socket
+on loopback (AMD EPYC Zen 4, 2 cores: `switchboard bench hops`). A socket also fails the way a
+link does: a dead peer is an end of stream at once, not a timeout.
+
+Who talks to whom (the only connections made): stage 0 with every stage (passes go out to stage
+1, rows come back from the last; the KV tier's parts go straight between stage 0 and each
+stage), and each stage with the next. For a pair i < j, j connects to i: every stage listens on
+its `bind` address (port 0) and publishes ``links/<rank>`` = "host:port" in stage 0's TCPStore,
+which a stage on another host already reaches.
+
+Semantics are gloo's where the pipeline relies on them: messages between two stages arrive in the
+order sent, a receive takes a message no longer than its buffer (a shorter one fills its front:
+a stage receives every op into one frame-sized buffer), `isend` returns at once (a pass sent while
+the last stage is sending rows back must not wait for stage 1 to receive it: a deadlock) and its
+buffer must stay alive until `wait()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+LENGTH = struct.Struct("<q")
+SOCKET_BUFFER = 4 << 20
+"""Each connection's kernel send/receive buffers (asked for; the kernel caps them): a prompt chunk's
+hidden states (~1 MiB) usually fit, so its isend completes without the sender thread."""
+CONNECT_TIMEOUT_S = 60.0
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes, in place (2-byte floats: pass their int16 view, pipeline_net.wire)."""
+    if not t.is_contiguous():
+        raise ValueError("only contiguous tensors travel on a pipeline link")
+    return memoryview(t.numpy()).cast("B")
+
+
+def peers_of(rank: int, world: int) -> list[int]:
+    """The stages `rank` exchanges messages with (module docstring)."""
+    if rank == 0:
+        return list(range(1, world))
+    return sorted({0, rank - 1, *([rank + 1] if rank + 1 < world else [])} - {rank})
+
+
+class Work:
+    """An isend or irecv: `wait()` returns once its bytes left (isend) or arrived (irecv)."""
+
+    def __init__(self, run: Any = None) -> None:
+        self._done = threading.Event()
+        self._run = run  # an irecv: the receive to do when waited for (Link.recv keeps the order)
+        self._error: BaseException | None = None
+        if run is None:
+            self._done.set()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+    def wait(self) -> None:
+        if self._run is not None:
+            run, self._run = self._run, None
+            run()
+        self._done.wait()
+        if self._error is not None:
+            raise ConnectionError(f"pipeline link: {self._error}") from self._error
+
+
+class Link:
+    """One connected peer: ordered sends (a background thread takes over a send the socket's
+    buffer cannot take at once) and ordered receives."""
+
+    def __init__(self, sock: socket.socket, peer: int) -> None:
+        self.sock, self.peer = sock, peer
+        self._send_lock = threading.Lock()
+        self._queue: deque[tuple[list[memoryview], Work]] = deque()
+        self._wake = threading.Condition(self._send_lock)
+        self._sender: threading.Thread | None = None
+        self._closed = False
+        self._recv_lock = threading.RLock()
+        self._pending: deque[Work] = deque()  # irecvs posted and not yet received, in order
+
+    def isend(self, t: torch.Tensor) -> Work:
+        data = byte_view(t)
+        parts = [memoryview(LENGTH.pack(len(data))), data]
+        with self._send_lock:
+            if not self._queue:  # nothing ahead of it: try the socket's buffer without blocking
+                try:
+                    sent = self.sock.sendmsg(parts, [], socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                parts = _advance(parts, sent)
+                if not parts:
+                    return Work()
+            work = Work()
+            work._done.clear()
+            self._queue.append((parts, work))
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._send_loop, name=f"pipeline-send-{self.peer}",
+                                                daemon=True)
+                self._sender.start()
+            self._wake.notify()
+        return work
+
+    def send(self, t: torch.Tensor) -> None:
+        self.isend(t).wait()
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._send_lock:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if self._closed and not self._queue:
+                    return
+                parts, work = self._queue[0]
+            try:
+                while parts:
+                    parts = _advance(parts, self.sock.sendmsg(parts))
+                error = None
+            except OSError as exc:
+                error = exc
+            with self._send_lock:
+                self._queue.popleft()
+            work.finish(error)
+
+    def recv(self, t: torch.Tensor) -> None:
+        with self._recv_lock:
+            while self._pending:  # earlier irecvs first: messages are taken in the order sent
+                self._pending[0].wait()
+            self._recv_into(byte_view(t))
+
+    def irecv(self, t: torch.Tensor) -> Work:
+        view = byte_view(t)
+        work = Work()
+        work._done.clear()
+
+        def run() -> None:
+            with self._recv_lock:
+                while self._pending and self._pending[0] is not work:
+                    self._pending[0].wait()
+                try:
+                    self._recv_into(view)
+                    error = None
+                except OSError as exc:
+                    error = exc
+                if self._pending and self._pending[0] is work:
+                    self._pending.popleft()
+                work.finish(error)
+
+        work._run = run
+        with self._recv_lock:
+            self._pending.append(work)
+        return work
+
+    def _recv_into(self, view: memoryview) -> None:
+        head = bytearray(LENGTH.size)
+        self._read(memoryview(head))
+        (n,) = LENGTH.unpack(head)
+        if n > len(view):
+            raise ConnectionError(f"pipeline link: a {n}-byte message from stage {self.peer} for a "
+                                  f"{len(view)}-byte buffer")
+        self._read(view[:n])
+
+    def _read(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            n = self.sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
+            if n == 0:
+                raise ConnectionError(f"pipeline link: stage {self.peer} closed the connection")
+            got += n
+
+    def close(self) -> None:
+        with self._send_lock:
+            self._closed = True
+            self._wake.notify()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def _advance(parts: list[memoryview], sent: int) -> list[memoryview]:
+    """What is left of `parts` after `sent` bytes went out."""
+    while parts and sent >= len(parts[0]):
+        sent -= len(parts[0])
+        parts = parts[1:]
+    if parts and sent:
+        parts = [parts[0][sent:], *parts[1:]]
+    return parts
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        except OSError:
+            pass
+
+
+class Links:
+    """This stage's links to the stages it talks to, with torch.distributed's send/recv/isend/irecv
+    (`peer` is a rank)."""
+
+    def __init__(self, links: dict[int, Link]) -> None:
+        self.links = links
+
+    @classmethod
+    def join(cls, store: Any, rank: int, world: int, bind: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Links:
+        """Listen, publish, connect to the lower peers and accept the higher ones (module docstring)."""
+        wanted = peers_of(rank, world)
+        lower = [p for p in wanted if p < rank]
+        higher = {p for p in wanted if p > rank}
+        listener = socket.create_server((bind, 0), backlog=max(1, len(higher)))
+        listener.settimeout(timeout_s)
+        try:
+            port = listener.getsockname()[1]
+            store.set(f"links/{rank}", f"{bind}:{port}")
+            links: dict[int, Link] = {}
+            for p in lower:
+                host, _, at = store.get(f"links/{p}").decode().rpartition(":")
+                sock = socket.create_connection((host, int(at)), timeout=timeout_s)
+                sock.sendall(LENGTH.pack(rank))
+                links[p] = cls._ready(sock, p)
+            while higher - set(links):
+                sock, _ = listener.accept()
+                sock.settimeout(timeout_s)
+                head = bytearray(LENGTH.size)
+                got = 0
+                while got < len(head):
+                    n = sock.recv_into(memoryview(head)[got:])
+                    if n == 0:
+                        raise ConnectionError("pipeline link: a peer left during the handshake")
+                    got += n
+                (peer,) = LENGTH.unpack(head)
+                if peer not in higher or peer in links:
+                    sock.close()
+                    raise ConnectionError(f"pipeline link: unexpected stage {peer} connected to stage {rank}")
+                links[peer] = cls._ready(sock, peer)
+        finally:
+            listener.close()
+        log.info("pipeline links of stage %d: %s", rank, sorted(links))
+        return cls(links)
+
+    @staticmethod
+    def _ready(sock: socket.socket, peer: int) -> Link:
+        sock.settimeout(None)  # blocking: a silent peer is the heartbeat monitor's call, not a timeout's
+        _tune(sock)
+        return Link(sock, peer)
+
+    def _link(self, peer: int) -> Link:
+        try:
+            return self.links[peer]
+        except KeyError:
+            raise ConnectionError(f"pipeline link: no connection to stage {peer}") from None
+
+    def send(self, t: torch.Tensor, peer: int) -> None:
+        self._link(peer).send(t)
+
+    def isend(self, t: torch.Tensor, peer: int) -> Work:
+        return self._link(peer).isend(t)
+
+    def recv(self, t: torch.Tensor, peer: int) -> None:
+        self._link(peer).recv(t)
+
+    def irecv(self, t: torch.Tensor, peer: int) -> Work:
+        return self._link(peer).irecv(t)
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()

@@ -1,0 +1,146 @@
+"""The pipeline's wire (data_plane/shard/engines/pipeline_links.py) on real sockets: stages as threads
+of this process, a real TCPStore for the rendezvous, loopback TCP between them.
+
+    PYTHONPATH=$PWD .venv/bin/python -m pytest tests/data_plane/test_pipeline_links.py -q   # ~2 s
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from data_plane.shard.engines.pipeline_links import Links, peers_of
+from data_plane.shard.engines.pipeline_net import wire
+
+
+@contextmanager
+def group(world: int) -> Iterator[list[Links]]:
+    """`world` stages' links, joined concurrently the way stage processes join."""
+    master = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    stores = [master] + [dist.TCPStore("127.0.0.1", master.port, world, False, timeout=timedelta(seconds=10))
+                         for _ in range(1, world)]
+    out: list[Any] = [None] * world
+
+    def join(rank: int) -> None:
+        out[rank] = Links.join(stores[rank], rank, world, "127.0.0.1", timeout_s=10)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in reversed(range(world))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert all(isinstance(x, Links) for x in out), "a stage failed to join"
+    try:
+        yield out
+    finally:
+        for links in out:
+            links.close()
+
+
+def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    box: list[Any] = []
+    t = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    t.start()
+    return t, box
+
+
+def test_peers_are_stage_zero_with_everyone_and_each_stage_with_the_next() -> None:
+    assert peers_of(0, 4) == [1, 2, 3]
+    assert peers_of(1, 4) == [0, 2]
+    assert peers_of(2, 4) == [0, 1, 3]
+    assert peers_of(3, 4) == [0, 2]
+    assert peers_of(1, 2) == [0]
+    with group(3) as (zero, one, two):
+        assert sorted(zero.links) == [1, 2] and sorted(one.links) == [0, 2] and sorted(two.links) == [0, 1]
+
+
+def test_messages_arrive_in_order_bit_exact_and_a_short_one_fills_the_front_of_a_larger_buffer() -> None:
+    with group(2) as (zero, one):
+        x = torch.randn(3, 576, dtype=torch.bfloat16)
+        h = torch.arange(10, dtype=torch.long)
+        works = [zero.isend(h, 1), zero.isend(wire(x), 1)]
+        buf = torch.full((64,), -1, dtype=torch.long)
+        one.recv(buf, 0)
+        assert buf[:10].tolist() == list(range(10)) and buf[10:].eq(-1).all()
+        got = torch.empty_like(x)
+        one.recv(wire(got), 0)
+        assert torch.equal(got.view(torch.int16), x.view(torch.int16))
+        for w in works:
+            w.wait()
+
+
+def test_a_message_longer_than_the_buffer_is_an_error_not_a_silent_truncation() -> None:
+    with group(2) as (zero, one):
+        zero.send(torch.zeros(100, dtype=torch.long), 1)
+        with pytest.raises(ConnectionError, match="800-byte message"):
+            one.recv(torch.empty(10, dtype=torch.long), 0)
+
+
+def test_isend_of_more_than_the_socket_buffers_hold_returns_at_once() -> None:
+    """The deadlock gloo's isend avoids: stage 0 sends a long pass while its peer is busy sending
+    rows back; neither side may block on its send."""
+    with group(2) as (zero, one):
+        big = torch.randn(64 << 20 // 4)  # 64 MiB: far past any socket buffer
+        t0 = time.perf_counter()
+        work = zero.isend(big, 1)
+        assert time.perf_counter() - t0 < 1.0
+        back = torch.arange(5, dtype=torch.long)
+        one.send(back, 0)  # the peer sends before it receives
+        got_back = torch.empty(5, dtype=torch.long)
+        zero.recv(got_back, 1)
+        assert got_back.tolist() == [0, 1, 2, 3, 4]
+        recv = torch.empty_like(big)
+        one.recv(recv, 0)
+        work.wait()
+        assert torch.equal(recv, big)
+
+
+def test_irecvs_and_recvs_take_messages_in_the_order_sent() -> None:
+    with group(2) as (zero, one):
+        for k in range(3):
+            zero.send(torch.full((4,), k, dtype=torch.long), 1)
+        a, b, c = (torch.empty(4, dtype=torch.long) for _ in range(3))
+        first = one.irecv(a, 0)
+        second = one.irecv(b, 0)
+        one.recv(c, 0)  # completes the two irecvs ahead of it first
+        first.wait()
+        second.wait()
+        assert (a.tolist(), b.tolist(), c.tolist()) == ([0] * 4, [1] * 4, [2] * 4)
+
+
+def test_a_chain_of_three_passes_a_frame_down_and_back_to_stage_zero() -> None:
+    with group(3) as (zero, one, two):
+        def middle() -> None:
+            buf = torch.empty(8)
+            one.recv(buf, 0)
+            one.send(buf + 1, 2)
+
+        def last() -> None:
+            buf = torch.empty(8)
+            two.recv(buf, 1)
+            two.send(buf * 2, 0)
+
+        workers = [in_thread(middle)[0], in_thread(last)[0]]
+        zero.isend(torch.ones(8), 1).wait()
+        out = torch.empty(8)
+        zero.recv(out, 2)
+        assert out.tolist() == [4.0] * 8
+        for t in workers:
+            t.join(5)
+
+
+def test_a_peer_that_goes_away_ends_a_blocked_receive_at_once() -> None:
+    with group(2) as (zero, one):
+        t, box = in_thread(lambda: pytest.raises(ConnectionError, one.recv, torch.empty(4), 0))
+        time.sleep(0.1)
+        zero.links[1].close()  # stage 0 gone: end of stream, not a timeout
+        t.join(5)
+        assert not t.is_alive() and box, "the receive did not end when its peer went away"
