@@ -51,7 +51,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     """The tensor's bytes, in place (2-byte floats: pass their int16 view, pipeline_net.wire)."""
     if not t.is_contiguous():
         raise ValueError("only contiguous tensors travel on a pipeline link")
-    return memoryview(t.numpy()).cast("B")
+    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # an ndarray is a buffer
 
 
 def peers_of(rank: int, world: int) -> list[int]:
