@@ -9,9 +9,11 @@ non-system messages first; the newest message is never dropped (if it alone does
 that is the caller's 400). It drops them in steps fixed by the conversation (`step`, the gateway's
 `--context-trim-step` share of the context): the cut stays at the same message for ~`step` tokens
 of new conversation, so those turns keep hitting the shard's prefix cache, instead of moving every
-turn (docs/BENCHMARKS.md, "One long chat through the full stack"). Counts come from the tokenizer on each message's rendered
-chat-template form, cached per message, so replaying a long session costs one tokenizer
-call per *new* message, not per request.
+turn (docs/BENCHMARKS.md, "One long chat through the full stack"). The chat template renders the
+same tokens before the cut whatever it is (its default system prompt goes in only when the prompt
+has none, and then on every turn alike). Counts come from the tokenizer on each message's rendered
+chat-template form, cached per message, so replaying a long session costs one tokenizer call per
+*new* message, not per request.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ class Window:
 
 DEFAULT_TRIM_STEP_SHARE = 0.25
 """The gateway's default `--context-trim-step`: the window drops old turns a quarter of the context
-at a time (between 75% and 100% of the prompt budget stays in use)."""
+at a time (the prompt keeps at least its budget less a quarter of the context and one turn)."""
 
 
 def trim_step(context: int, share: float) -> int:
