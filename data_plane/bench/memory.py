@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 
 from data_plane.bench.common import format_table, machine_info, write_json
+from data_plane.gateway.context import DEFAULT_TRIM_STEP_SHARE
 
 FACTS = (
     ("My locker code is {n}.", "What is my locker code?", "{n}"),
@@ -90,15 +91,16 @@ def generate(seed: int, turns: int) -> Planted:
     return Planted(messages, planted, question, answer.format(**values))
 
 
-def retrieval(p: Planted, counter: Any, budget: int) -> dict[str, bool]:
-    """Whether the planted turn is in the context sent to the model, with and without recall."""
+def retrieval(p: Planted, counter: Any, budget: int, step: int = 0) -> dict[str, bool]:
+    """Whether the planted turn is in the context sent to the model, with and without recall (the
+    window dropping `step` tokens at a time, as the gateway's --context-trim-step does)."""
     from data_plane.gateway.context import fit_window
     from data_plane.gateway.memory import fit_with_recall
 
     prompt = [*p.messages, {"role": "user", "content": p.question}]
     fact = p.messages[p.planted_index]["content"].split(".")[0]
-    window = fit_window(prompt, counter, budget)
-    recalled, _ = fit_with_recall(prompt, [], counter, budget)
+    window = fit_window(prompt, counter, budget, step)
+    recalled, _ = fit_with_recall(prompt, [], counter, budget, step)
     return {"window": any(fact in m["content"] for m in window.messages),
             "recall": any(fact in m["content"] for m in recalled.messages)}
 
@@ -133,12 +135,13 @@ async def accuracy(args: argparse.Namespace, convs: list[Planted], url: str, key
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from data_plane.gateway.context import TokenCounter
+    from data_plane.gateway.context import TokenCounter, trim_step
 
     counter = TokenCounter.for_model(None)
     budget = args.context - args.max_tokens - 32  # the gateway's TEMPLATE_SLACK_TOKENS
+    step = trim_step(args.context, args.context_trim_step)
     convs = [generate(args.seed + i, args.turns) for i in range(args.conversations)]
-    found = [retrieval(p, counter, budget) for p in convs]
+    found = [retrieval(p, counter, budget, step) for p in convs]
     history = [counter.prompt_tokens(p.messages) for p in convs]
     result: dict[str, Any] = {
         "machine": machine_info(), "conversations": len(convs), "turns": args.turns,
@@ -178,6 +181,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--context", type=int, default=2048, help="the model's window, as the gateway sees it")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--context-trim-step", type=float, default=DEFAULT_TRIM_STEP_SHARE,
+                    help="the gateway's --context-trim-step (share of the context the window drops at a time)")
     ap.add_argument("--recall-only", action="store_true", help="retrieval recall only: no model, no stack")
     ap.add_argument("--url", help="a running gateway (else a stack is started: shard, cache node, gateway)")
     ap.add_argument("--api-key", default="")

@@ -58,7 +58,7 @@ from data_plane.gateway.cluster_state import (
     SPAN_ATTRIBUTE,
     Effects,
 )
-from data_plane.gateway.context import Window, fit_window
+from data_plane.gateway.context import Window, fit_window, trim_step
 from data_plane.gateway.exchange import Exchange
 from data_plane.gateway.phases import (
     DEADLINE_FIRST_TOKEN_TIMEOUTS,
@@ -265,9 +265,10 @@ class ChatHandler:
             cache.put_later(self.cache_key, self.principal.tenant, CachedReply(
                 reply, c.finish_reason, c.usage.prompt_tokens, c.usage.completion_tokens))
 
-    def fit(self, prompt: list[dict[str, str]], budget: int) -> Window:
-        """The prompt fitted into `budget` tokens (the sliding window: oldest turns out first)."""
-        return fit_window(prompt, self.gw.counter, budget)
+    def fit(self, prompt: list[dict[str, str]], budget: int, step: int) -> Window:
+        """The prompt fitted into `budget` tokens (the sliding window: oldest turns out first, `step`
+        tokens at a time, data_plane/gateway/context.py)."""
+        return fit_window(prompt, self.gw.counter, budget, step)
 
     def _client_left(self) -> None:
         self.x.span.set_attribute("error.type", CLIENT_DISCONNECTED)
@@ -363,13 +364,16 @@ class ChatHandler:
         if budget <= 0:
             raise InvalidRequest(f"max_tokens {max_tokens} leaves no room for the prompt in a "
                                  f"{context}-token context", param="max_tokens", code="context_length_exceeded")
-        window = self.fit(prompt, self.effects.prompt_budget(budget, context))
+        # The step comes from the context, never from max_tokens: a step that varied would move the cut.
+        step = trim_step(context, settings.context_trim_step)
+        window = self.fit(prompt, self.effects.prompt_budget(budget, context), step)
         if not req.output_limit:
             max_tokens = max(1, min(max_tokens, context - window.prompt_tokens - tools_tokens - TEMPLATE_SLACK_TOKENS))
         if window.dropped:
             gw.metrics.context_dropped.labels(tier.name).inc(window.dropped)
-            gw.metrics.context_slides.labels(tier.name).inc()
+            gw.metrics.context_slides.labels(tier.name, "moved" if window.cut_moved else "kept").inc()
         self.x.span.set_attribute("switchboard.context.dropped_messages", window.dropped)
+        self.x.span.set_attribute("switchboard.context.cut_moved", window.cut_moved)
         if settings.log_prompts:
             log.info("request %s prompt=%r", self.request_id, window.messages)
         deadline = time.time() + settings.first_token_timeout_s * DEADLINE_FIRST_TOKEN_TIMEOUTS

@@ -1,14 +1,19 @@
 """Fitting a conversation into the context window, counted with the model's own tokenizer.
 
     counter = TokenCounter.for_model(None)            # the default model's tokenizer
-    window = fit_window(messages, counter, budget=2048 - max_tokens)
-    window.messages, window.prompt_tokens, window.dropped
+    window = fit_window(messages, counter, budget=2048 - max_tokens, step=trim_step(2048, 0.25))
+    window.messages, window.prompt_tokens, window.dropped, window.cut_moved
 
 The sliding window keeps every system message and the newest turns, dropping the oldest
 non-system messages first; the newest message is never dropped (if it alone does not fit,
-that is the caller's 400). Counts come from the tokenizer on each message's rendered
-chat-template form, cached per message, so replaying a long session costs one tokenizer
-call per *new* message, not per request.
+that is the caller's 400). It drops them in steps fixed by the conversation (`step`, the gateway's
+`--context-trim-step` share of the context): the cut stays at the same message for ~`step` tokens
+of new conversation, so those turns keep hitting the shard's prefix cache, instead of moving every
+turn (docs/BENCHMARKS.md, "One long chat through the full stack"). The chat template renders the
+same tokens before the cut whatever it is (its default system prompt goes in only when the prompt
+has none, and then on every turn alike). Counts come from the tokenizer on each message's rendered
+chat-template form, cached per message, so replaying a long session costs one tokenizer call per
+*new* message, not per request.
 """
 
 from __future__ import annotations
@@ -92,36 +97,96 @@ class Window:
     messages: list[dict[str, str]]
     prompt_tokens: int
     dropped: int
+    cut_moved: bool = False
+    """Older messages were dropped and the first kept one is not the one the conversation's previous
+    turn (the messages before its last assistant reply) gets under the same budget and step: the
+    prompt's start changed, so the shard's prefix cache misses past the system prompt."""
 
 
-def fit_window(messages: Sequence[dict[str, str]], counter: TokenCounter, budget: int) -> Window:
-    """Keep system messages and the newest turns so the prompt fits in `budget` tokens."""
+DEFAULT_TRIM_STEP_SHARE = 0.25
+"""The gateway's default `--context-trim-step`: the window drops old turns a quarter of the context
+at a time (the prompt keeps at least its budget less a quarter of the context and one turn)."""
+
+
+def trim_step(context: int, share: float) -> int:
+    """The step in tokens for a `context`-token window (0: the exact sliding window)."""
+    return max(0, int(context * share))
+
+
+def fit_window(messages: Sequence[dict[str, str]], counter: TokenCounter, budget: int, step: int = 0) -> Window:
+    """Keep system messages and the newest turns so the prompt fits in `budget` tokens.
+
+    With `step` > 0 the oldest non-system messages go in steps fixed by the conversation itself:
+    cut candidate m is the first turn boundary (a kept part that does not start with an assistant
+    reply) at or past m x `step` tokens of droppable messages counted from the conversation's start,
+    and the smallest m that fits wins. The cut then stays at the same message while about `step`
+    tokens of new conversation arrive, so those turns' prompts all start with the same tokens (the
+    shard's prefix cache serves them), and needs no state: the same messages give the same window on
+    any gateway. `step` must not depend on the request's max_tokens (a step that varies moves the
+    cut); 0 drops just enough, the cut moving nearly every turn."""
     sizes = [counter.message_tokens(m) for m in messages]
-    total = sum(sizes) + REPLY_PRIMER_TOKENS
-    keep = [True] * len(messages)
-    dropped = 0
-    last = len(messages) - 1
-    for i, m in enumerate(messages):
-        if total <= budget:
-            break
-        if m["role"] == "system" or i == last:
-            continue
-        keep[i] = False
-        total -= sizes[i]
-        dropped += 1
-    if total > budget:
+    gone = _dropped(messages, sizes, budget, step)
+    if gone is None:
+        left = sum(sizes) + REPLY_PRIMER_TOKENS - sum(sizes[i] for i in _droppable(messages))
         raise ContextLengthExceeded(
-            f"the conversation needs {total} prompt tokens even after dropping older turns, "
+            f"the conversation needs {left} prompt tokens even after dropping older turns, "
             f"but only {budget} fit with this max_tokens; shorten the message or lower max_tokens",
             param="messages",
         )
-    kept = [m for m, k in zip(messages, keep) if k]
+    kept = [m for i, m in enumerate(messages) if i not in gone]
+    total = sum(sizes) + REPLY_PRIMER_TOKENS - sum(sizes[i] for i in gone)
+    moved = bool(gone) and _dropped_before(messages, sizes, budget, step) != gone
+    return Window(kept, total, len(gone), moved)
+
+
+def _droppable(messages: Sequence[dict[str, str]]) -> list[int]:
+    """Indexes of the messages the window may drop, oldest first: not a system one, not the newest."""
+    last = len(messages) - 1
+    return [i for i, m in enumerate(messages) if m["role"] != "system" and i != last]
+
+
+def _dropped(messages: Sequence[dict[str, str]], sizes: Sequence[int], budget: int, step: int) -> set[int] | None:
+    """Indexes of the messages the window drops; None when dropping all it may is not enough."""
+    droppable = _droppable(messages)
+    cut = _cut(messages, droppable, sizes, sum(sizes) + REPLY_PRIMER_TOKENS - budget, step)
+    if cut is None:
+        return None
+    gone = set(droppable[:cut])
+    kept = [i for i in range(len(messages)) if i not in gone]
     # A window must not start with an assistant turn right after the system prompt.
-    while len(kept) > 1 and kept[0]["role"] == "assistant" or (
-        len(kept) > 2 and kept[0]["role"] == "system" and kept[1]["role"] == "assistant"
+    while len(kept) > 1 and messages[kept[0]]["role"] == "assistant" or (
+        len(kept) > 2 and messages[kept[0]]["role"] == "system" and messages[kept[1]]["role"] == "assistant"
     ):
-        idx = 0 if kept[0]["role"] == "assistant" else 1
-        total -= counter.message_tokens(kept[idx])
-        kept.pop(idx)
-        dropped += 1
-    return Window(kept, total, dropped)
+        gone.add(kept.pop(0 if messages[kept[0]]["role"] == "assistant" else 1))
+    return gone
+
+
+def _cut(messages: Sequence[dict[str, str]], droppable: Sequence[int], sizes: Sequence[int], need: int,
+         step: int) -> int | None:
+    """How many of the droppable messages (oldest first) to drop to save `need` tokens; None when all are not enough."""
+    if need <= 0:
+        return 0
+    gone, pending = 0, False
+    for k, i in enumerate(droppable, start=1):
+        before, gone = gone, gone + sizes[i]
+        if step <= 0:
+            if gone >= need:
+                return k
+            continue
+        pending = pending or gone // step > before // step  # a multiple of the step reached
+        if k < len(droppable) and (not pending or messages[droppable[k]]["role"] == "assistant"):
+            continue  # not a candidate: before the next multiple, or the kept part would open with a reply
+        pending = False
+        if gone >= need:
+            return k
+    return None
+
+
+def _dropped_before(messages: Sequence[dict[str, str]], sizes: Sequence[int], budget: int,
+                    step: int) -> set[int] | None:
+    """What the window of the conversation's previous turn (the messages before its last assistant
+    reply) drops under the same budget and step; None when there is no previous turn or it did not fit."""
+    last_reply = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=0)
+    if last_reply == 0:
+        return None
+    return _dropped(messages[:last_reply], sizes[:last_reply], budget, step)

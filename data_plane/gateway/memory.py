@@ -122,15 +122,20 @@ def recall(candidates: Sequence[dict[str, Any]], query: str, counter: TokenCount
 
 
 def fit_with_recall(prompt: Sequence[dict[str, Any]], memory: Sequence[dict[str, Any]], counter: TokenCounter,
-                    budget: int) -> tuple[Window, Recall | None]:
-    """The sliding window over `prompt` within `budget` tokens, with the earlier turns most relevant
-    to its last user message recalled (from what the window dropped and from `memory`, the turns of
-    its compaction items) into a quarter of the budget at most. Recall is None when nothing was lost."""
-    window = fit_window(prompt, counter, budget)
+                    budget: int, step: int = 0) -> tuple[Window, Recall | None]:
+    """The sliding window over `prompt` within `budget` tokens (dropping `step` tokens at a time,
+    data_plane/gateway/context.py), with the earlier turns most relevant to its last user message
+    recalled (from what the window dropped and from `memory`, the turns of its compaction items) into
+    a quarter of the budget at most. Recall is None when nothing was lost.
+
+    The window of a conversation that lost turns is fitted into the budget less the recall's whole
+    reserve, whatever the recall then fills, so the cut depends only on the conversation, the budget
+    and the step: it stays put from turn to turn as the plain window's does."""
+    window = fit_window(prompt, counter, budget, step)
     if not (window.dropped or memory):
         return window, None
     reserve = min(RECALL_BUDGET_TOKENS, budget // 4)
-    window = fit_window(prompt, counter, budget - reserve)
+    window = fit_window(prompt, counter, budget - reserve, step)
     kept = {id(m) for m in window.messages}
     candidates = [*memory, *(m for m in prompt if id(m) not in kept)]
     query = next((m.get("content") or "" for m in reversed(prompt) if m["role"] == "user"), "")
@@ -141,7 +146,7 @@ def fit_with_recall(prompt: Sequence[dict[str, Any]], memory: Sequence[dict[str,
     messages = list(window.messages)
     at = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=len(messages))
     messages.insert(at, found.message)
-    return Window(messages, window.prompt_tokens + found.tokens, window.dropped), found
+    return Window(messages, window.prompt_tokens + found.tokens, window.dropped, window.cut_moved), found
 
 
 def _relevant_sentences(turn: Turn, wanted: set[str]) -> str:

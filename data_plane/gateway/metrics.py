@@ -99,9 +99,11 @@ class GatewayMetrics:
                                        "Older session messages left out to fit the context window.", ["tier"],
                                        registry=registry)
         self.context_slides = Counter("switchboard_gateway_context_slides",
-                                      "Requests whose window dropped older messages: the prompt no longer starts "
-                                      "with the previous turn's, so the shard re-prefills it (no prefix-cache hit).",
-                                      ["tier"], registry=registry)
+                                      "Requests whose window dropped older messages, by cut: moved (the first kept "
+                                      "message is not the conversation's previous turn's: the prompt's start "
+                                      "changed, the shard re-prefills it, no prefix-cache hit) | kept (the same cut "
+                                      "as the previous turn: its prefix cache serves the history).",
+                                      ["tier", "cut"], registry=registry)
         self.sessions = Counter("switchboard_gateway_sessions", "Session requests by result (new|resumed).",
                                 ["tier", "result"], registry=registry)
         self.membership_reachable = Gauge("switchboard_membership_reachable",

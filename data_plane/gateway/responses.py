@@ -124,7 +124,7 @@ class ResponsesHandler(ChatHandler):
             self.session_id = self.route
         self.x.span.set_attribute("switchboard.responses.history_items", len(self.history_items))
 
-    def fit(self, prompt: list[dict[str, str]], budget: int) -> Window:
+    def fit(self, prompt: list[dict[str, str]], budget: int, step: int) -> Window:
         rreq = self.rreq
         assert rreq is not None
         if rreq.truncation != "auto":
@@ -135,8 +135,8 @@ class ResponsesHandler(ChatHandler):
                     "set truncation to 'auto' to drop (and recall) earlier turns", param="input")
             return Window(list(prompt), total, 0)
         if not rreq.context_recall:
-            return fit_window(prompt, self.gw.counter, budget)
-        window, found = fit_with_recall(prompt, self.memory, self.gw.counter, budget)
+            return fit_window(prompt, self.gw.counter, budget, step)
+        window, found = fit_with_recall(prompt, self.memory, self.gw.counter, budget, step)
         if found is None:
             return window
         metrics = self.gw.memory_metrics

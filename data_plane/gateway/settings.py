@@ -12,6 +12,7 @@ from pydantic import AnyHttpUrl, Field, IPvAnyNetwork, PositiveFloat, PositiveIn
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from data_plane.common.settings_cli import CommaList, TierMap
+from data_plane.gateway.context import DEFAULT_TRIM_STEP_SHARE
 from data_plane.membership.factory import MEMBERSHIP_URL_PATTERN
 from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
 
@@ -36,6 +37,10 @@ class GatewaySettings(BaseSettings):
     tokenizer: str | None = Field(None, description="Model folder/GGUF whose tokenizer counts tokens; 'whitespace' for synthetic shards.")
     model_name: str = Field("SmolLM2-135M-Instruct", description="Model id served when shards do not say.")
     max_model_len: int = Field(2048, ge=16, description="Context window when shards do not say.")
+    context_trim_step: float = Field(DEFAULT_TRIM_STEP_SHARE, ge=0, le=1, description=(
+        "Share of the context window the sliding window drops at a time, at cuts fixed by the conversation, "
+        "so the prompt's start (the shard's prefix cache) stays put for that many tokens of new turns "
+        "(0: drop just enough, the start changing every turn)."))
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body (413 beyond).")
     max_messages: int = Field(256, ge=1, description="Most messages one request may carry.")
     session_ttl_s: float = Field(86400.0, gt=0, description="Session transcript lifetime since last use.")

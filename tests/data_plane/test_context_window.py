@@ -3,15 +3,29 @@ with the whitespace counter (a token per word) so every count is worked out by h
 
     .venv/bin/python -m pytest tests/data_plane/test_context_window.py -q      # ~5 s (the last test loads the tokenizer)
 
-With it a message costs words(content) + 1 (the role) + 5 (template), a prompt adds 3.
+With it a message costs words(content) + 1 (the role) + 5 (template), a prompt adds 3. The stepped
+window (`step` > 0, the gateway's --context-trim-step) is checked over a seeded 40-turn chat: its
+cut stays put for runs of turns (the prefix cache's hits) where the exact window's moves every turn.
 """
 
 from __future__ import annotations
 
+import random
+from collections.abc import Sequence
+from itertools import pairwise
+
 import pytest
 
 from data_plane.common.errors import ContextLengthExceeded
-from data_plane.gateway.context import MESSAGE_OVERHEAD_TOKENS, REPLY_PRIMER_TOKENS, TokenCounter, fit_window
+from data_plane.gateway.context import (
+    MESSAGE_OVERHEAD_TOKENS,
+    REPLY_PRIMER_TOKENS,
+    TokenCounter,
+    Window,
+    fit_window,
+    trim_step,
+)
+from data_plane.gateway.memory import RECALL_BUDGET_TOKENS, fit_with_recall
 
 
 def msg(role: str, words: int, tag: str = "w") -> dict[str, str]:
@@ -73,7 +87,12 @@ def test_system_messages_are_kept_even_when_only_they_and_the_last_fit() -> None
 
 def test_counts_are_cached_per_text_so_a_replayed_session_encodes_only_new_messages() -> None:
     calls: list[str] = []
-    counter = TokenCounter(lambda text: calls.append(text) or len(text.split()), cache_size=100)
+
+    def words(text: str) -> int:
+        calls.append(text)
+        return len(text.split())
+
+    counter = TokenCounter(words, cache_size=100)
     fit_window([SYSTEM, *TURNS[:2]], counter, budget=1000)
     first = len(calls)
     fit_window([SYSTEM, *TURNS[:3]], counter, budget=1000)
@@ -82,7 +101,12 @@ def test_counts_are_cached_per_text_so_a_replayed_session_encodes_only_new_messa
 
 def test_the_count_cache_is_bounded_and_evicts_the_least_recent() -> None:
     calls: list[str] = []
-    counter = TokenCounter(lambda text: calls.append(text) or 1, cache_size=2)
+
+    def one(text: str) -> int:
+        calls.append(text)
+        return 1
+
+    counter = TokenCounter(one, cache_size=2)
     for text in ("a", "b", "a", "c", "a", "b"):
         counter.count(text)
     assert calls == ["a", "b", "c", "b"]  # "a" stayed recent; "b" was the one evicted by "c"
@@ -105,3 +129,153 @@ def test_the_default_models_counter_counts_as_its_transformers_tokenizer_does() 
     got = [counter.count(t) for t in TEXTS]
     assert got == [len(reference.encode(t, add_special_tokens=False)) for t in TEXTS]
     assert got[0] == 2 and got[1] == 0 and got[5] == 5  # the chat markers are one token each
+
+
+# -- the stepped window over a long chat --------------------------------------------------------
+
+BUDGET, STEP = 600, trim_step(800, 0.25)  # an 800-token context less max_tokens and slack; 200-token steps
+
+
+def long_chat(turns: int = 40, seed: int = 3) -> list[list[dict[str, str]]]:
+    """Each turn's prompt of one seeded chat: the system prompt, the history, the new user message
+    (whose first word, "lighthouse", the first turn also has, so recall finds something)."""
+    rng = random.Random(seed)
+    history: list[dict[str, str]] = [SYSTEM]
+    prompts = []
+    for t in range(turns):
+        user = msg("user", rng.randint(5, 30), f"u{t}x")
+        user = {"role": "user", "content": "lighthouse " + user["content"]}
+        prompts.append([*history, user])
+        history += [user, msg("assistant", rng.randint(10, 60), f"a{t}x")]
+    return prompts
+
+
+MAX_TURN = (1 + 30 + 1 + MESSAGE_OVERHEAD_TOKENS) + (60 + 1 + MESSAGE_OVERHEAD_TOKENS)
+"""The costliest user message and reply of `long_chat`."""
+ORDER = {m["content"]: i for i, m in enumerate(long_chat()[-1])}
+
+
+def start(window: Window) -> int:
+    """Where the window's kept history starts: the chat-wide index of its first non-system message."""
+    return ORDER[next(m for m in window.messages if m["role"] != "system")["content"]]
+
+
+def moves(windows: Sequence[Window]) -> int:
+    """How often the window's start changed between consecutive turns that dropped something."""
+    trimmed = [start(w) for w in windows if w.dropped]
+    return sum(1 for a, b in pairwise(trimmed) if a != b) + bool(trimmed)
+
+
+def test_the_stepped_cut_stays_put_for_runs_of_turns_where_the_exact_one_moves_every_turn() -> None:
+    counter = TokenCounter.whitespace()
+    prompts = long_chat()
+    stepped = [fit_window(p, counter, BUDGET, STEP) for p in prompts]
+    exact = [fit_window(p, counter, BUDGET) for p in prompts]
+    trimmed = sum(1 for w in stepped if w.dropped)
+    assert trimmed >= 25, "the chat must outgrow the window early: make it longer"
+    droppable_at_end = counter.prompt_tokens(prompts[-1][1:-1]) - REPLY_PRIMER_TOKENS
+    assert moves(stepped) <= droppable_at_end // STEP + 1
+    assert moves(exact) >= 0.8 * trimmed and moves(stepped) <= 0.4 * trimmed, (moves(exact), moves(stepped))
+    for p, w, e in zip(prompts, stepped, exact):
+        assert w.prompt_tokens <= BUDGET and w.prompt_tokens == counter.prompt_tokens(w.messages)
+        assert w.messages[0] == SYSTEM and w.messages[-1] == p[-1]
+        assert w.messages[1:] == p[len(p) - len(w.messages) + 1:]  # a suffix of the history: no gaps
+        assert w.messages[1]["role"] == "user" and w.dropped == len(p) - len(w.messages)
+        # it drops at most a step (and the turn that crosses it) more than just enough
+        assert w.prompt_tokens > BUDGET - STEP - MAX_TURN if w.dropped else w == e
+
+
+def test_cut_moved_says_whether_the_prompt_starts_as_the_previous_turns_did() -> None:
+    counter = TokenCounter.whitespace()
+    for step in (STEP, 0):
+        windows = [fit_window(p, counter, BUDGET, step) for p in long_chat()]
+        for before, now in pairwise(windows):
+            if now.dropped:
+                assert now.cut_moved == (not before.dropped or start(before) != start(now)), step
+            else:
+                assert not now.cut_moved
+        assert sum(w.cut_moved for w in windows) == moves(windows)
+
+
+def test_step_zero_is_the_exact_window_of_before() -> None:
+    """Random conversations (late system messages, assistant-first ones, tool turns, any budget):
+    step 0 gives what the sliding window gave before steps existed (`exact_window` below, its code)."""
+    rng, counter = random.Random(11), TokenCounter.whitespace()
+    for case in range(400):
+        roles = [rng.choice(["user", "assistant", "user", "assistant", "system", "tool"])
+                 for _ in range(rng.randint(1, 12))]
+        messages = [msg(role, rng.randint(0, 20), f"m{case}x{i}x") for i, role in enumerate(roles)]
+        budget = rng.randint(1, counter.prompt_tokens(messages) + 5)
+        try:
+            want: Window | str = exact_window(messages, counter, budget)
+        except ContextLengthExceeded as exc:
+            want = exc.message
+        try:
+            got: Window | str = fit_window(messages, counter, budget, step=0)
+        except ContextLengthExceeded as exc:
+            got = exc.message
+        if isinstance(got, Window):
+            got = Window(got.messages, got.prompt_tokens, got.dropped)  # cut_moved is new
+        assert got == want, (messages, budget)
+
+
+def test_a_smaller_max_tokens_does_not_move_the_cut_while_the_window_still_fits() -> None:
+    counter = TokenCounter.whitespace()
+    for p in long_chat():
+        wide = fit_window(p, counter, BUDGET, STEP)
+        for less in (10, 40, 120):
+            narrow = fit_window(p, counter, BUDGET - less, STEP)
+            if wide.prompt_tokens <= BUDGET - less:
+                assert narrow.messages == wide.messages
+            else:  # it moves by a step, not by just enough
+                assert narrow.dropped > wide.dropped
+
+
+def test_recall_keeps_the_stepped_cut_and_goes_right_before_the_new_message() -> None:
+    counter = TokenCounter.whitespace()
+    windows = []
+    for p in long_chat():
+        window, found = fit_with_recall(p, [], counter, BUDGET, STEP)
+        plain = fit_window(p, counter, BUDGET - min(RECALL_BUDGET_TOKENS, BUDGET // 4), STEP)
+        if found is None or found.message is None:
+            assert window.messages in (plain.messages, fit_window(p, counter, BUDGET, STEP).messages)
+            windows.append(window)
+            continue
+        assert window.messages[-2] == found.message and window.messages[-1] == p[-1]
+        assert window.messages[:-2] + window.messages[-1:] == plain.messages
+        assert window.prompt_tokens <= BUDGET and window.cut_moved == plain.cut_moved
+        windows.append(plain)
+    trimmed = sum(1 for w in windows if w.dropped)
+    assert trimmed >= 25 and moves(windows) <= 0.4 * trimmed
+
+
+def exact_window(messages: Sequence[dict[str, str]], counter: TokenCounter, budget: int) -> Window:
+    """fit_window as it was before steps (commit ee38941): drop just enough, oldest first."""
+    sizes = [counter.message_tokens(m) for m in messages]
+    total = sum(sizes) + REPLY_PRIMER_TOKENS
+    keep = [True] * len(messages)
+    dropped = 0
+    last = len(messages) - 1
+    for i, m in enumerate(messages):
+        if total <= budget:
+            break
+        if m["role"] == "system" or i == last:
+            continue
+        keep[i] = False
+        total -= sizes[i]
+        dropped += 1
+    if total > budget:
+        raise ContextLengthExceeded(
+            f"the conversation needs {total} prompt tokens even after dropping older turns, "
+            f"but only {budget} fit with this max_tokens; shorten the message or lower max_tokens",
+            param="messages",
+        )
+    kept = [m for m, k in zip(messages, keep) if k]
+    while len(kept) > 1 and kept[0]["role"] == "assistant" or (
+        len(kept) > 2 and kept[0]["role"] == "system" and kept[1]["role"] == "assistant"
+    ):
+        idx = 0 if kept[0]["role"] == "assistant" else 1
+        total -= counter.message_tokens(kept[idx])
+        kept.pop(idx)
+        dropped += 1
+    return Window(kept, total, dropped)
