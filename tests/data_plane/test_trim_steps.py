@@ -5,7 +5,7 @@ put (`usage.prompt_tokens_details.cached_tokens`), where the exact window (--con
 re-prefills nearly every prompt past the system prompt (docs/BENCHMARKS.md, "One long chat through
 the full stack"). The gateway's `switchboard_gateway_context_slides_total{cut}` tells the two apart.
 
-    .venv/bin/python -m pytest tests/data_plane/test_trim_steps.py -q      # ~1 min on 2 cores (slow: make test-all)
+    .venv/bin/python -m pytest tests/data_plane/test_trim_steps.py -q      # ~1 min on 2 cores (in make test: the end-to-end proof of the stepped window)
 """
 
 from __future__ import annotations
@@ -79,7 +79,6 @@ def past_the_first_trim(turns: list[Turn]) -> list[tuple[Turn, Turn]]:
     return list(zip(turns[first:], turns[first + 1:]))
 
 
-@pytest.mark.slow
 def test_turns_past_the_window_hit_the_prefix_cache_while_the_stepped_cut_stays(fp32_shard: Service,
                                                                                tiers_file: Path) -> None:
     with gateway(fp32_shard, tiers_file, "0.25") as gw:
