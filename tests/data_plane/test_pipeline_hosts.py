@@ -24,7 +24,7 @@ import pytest
 
 from tests.reliability.netns import Hosts
 from tests.support.metrics import metric
-from tests.support.procs import ROOT, Service, free_port
+from tests.support.procs import CLUSTER_TOKEN, ROOT, Service, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,8 @@ def _stage(hosts: Hosts, port: int, log_path: str) -> subprocess.Popen[bytes]:
            "--bind", hosts.host_addr(1), "--threads", "1"]
     with open(log_path, "wb") as log:
         return subprocess.Popen(hosts.wrap(1, cmd), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                # the cluster's token, as every stage needs it (pipeline_links.py's handshake)
+                                env={**os.environ, "PYTHONPATH": str(ROOT), "SWITCHBOARD_CLUSTER_TOKEN": CLUSTER_TOKEN})
 
 
 def _hop_ms(url: str, stage: str) -> float:

@@ -21,16 +21,20 @@ from data_plane.shard.engines.pipeline_links import Links, peers_of
 from data_plane.shard.engines.pipeline_net import wire
 
 
-@contextmanager
-def group(world: int) -> Iterator[list[Links]]:
-    """`world` stages' links, joined concurrently the way stage processes join."""
+def stores(world: int) -> list[Any]:
     master = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=10), wait_for_workers=False)
-    stores = [master] + [dist.TCPStore("127.0.0.1", master.port, world, False, timeout=timedelta(seconds=10))
-                         for _ in range(1, world)]
+    return [master] + [dist.TCPStore("127.0.0.1", master.port, world, False, timeout=timedelta(seconds=10))
+                       for _ in range(1, world)]
+
+
+@contextmanager
+def group(world: int, token: str | None = "s3cret") -> Iterator[list[Links]]:
+    """`world` stages' links, joined concurrently the way stage processes join."""
+    store = stores(world)
     out: list[Any] = [None] * world
 
     def join(rank: int) -> None:
-        out[rank] = Links.join(stores[rank], rank, world, "127.0.0.1", timeout_s=10)
+        out[rank] = Links.join(store[rank], rank, world, "127.0.0.1", timeout_s=10, token=token)
 
     threads = [threading.Thread(target=join, args=(r,)) for r in reversed(range(world))]
     for t in threads:
@@ -144,3 +148,39 @@ def test_a_peer_that_goes_away_ends_a_blocked_receive_at_once() -> None:
         zero.links[1].close()  # stage 0 gone: end of stream, not a timeout
         t.join(5)
         assert not t.is_alive() and box, "the receive did not end when its peer went away"
+
+
+def test_without_a_token_ranks_still_check_and_messages_flow() -> None:
+    with group(2, token=None) as (zero, one):
+        zero.send(torch.arange(3), 1)
+        got = torch.empty(3, dtype=torch.long)
+        one.recv(got, 0)
+        assert got.tolist() == [0, 1, 2]
+
+
+def test_a_stage_without_the_cluster_token_is_refused_and_the_real_one_still_joins() -> None:
+    """An impostor (wrong SWITCHBOARD_CLUSTER_TOKEN) connecting first neither takes rank 1's place
+    nor stops stage 0 from waiting for the real stage 1."""
+    store = stores(2)
+    zero_t, zero_box = in_thread(lambda: Links.join(store[0], 0, 2, "127.0.0.1", timeout_s=10, token="s3cret"))
+    with pytest.raises(ConnectionError, match="refused stage 1"):
+        Links.join(store[1], 1, 2, "127.0.0.1", timeout_s=10, token="guess")
+    one = Links.join(store[1], 1, 2, "127.0.0.1", timeout_s=10, token="s3cret")
+    zero_t.join(10)
+    (zero,) = zero_box
+    try:
+        zero.send(torch.ones(2), 1)
+        got = torch.empty(2)
+        one.recv(got, 0)
+        assert got.tolist() == [1.0, 1.0]
+    finally:
+        zero.close()
+        one.close()
+
+
+def test_stage_zero_stops_waiting_when_a_stage_is_gone() -> None:
+    store = stores(2)
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match="stage 1 exited"):
+        Links.join(store[0], 0, 2, "127.0.0.1", timeout_s=60, token=None, gone=lambda: "stage 1 exited (1)")
+    assert time.monotonic() - t0 < 5

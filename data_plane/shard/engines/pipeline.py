@@ -425,7 +425,8 @@ class PipelineGroup:
                                                 preexec_fn=die_with_parent())  # noqa: PLW1509
         log.info("pipeline: %d stages, layers %s, store on %s:%d", self.spec.size, self.spec.ranges, self.spec.host,
                  self.port)
-        self.links = Links.join(self._store, 0, self.spec.size, self.spec.host, timeout_s=load_timeout_s)
+        self.links = Links.join(self._store, 0, self.spec.size, self.spec.host, timeout_s=load_timeout_s,
+                                gone=self._exited)
         for rank in range(1, self.spec.size):
             self.stage_info[rank] = json.loads(self._store.get(f"info/{rank}"))
         for rank in range(self.spec.size):
@@ -435,6 +436,13 @@ class PipelineGroup:
         hops = Hops(self.links, self.spec, hidden, dtype)
         hops.kv_token_bytes = sum(int(info.get("kv_token_bytes", 0)) for info in self.stage_info.values())
         return hops
+
+    def _exited(self) -> str | None:
+        """Why a local stage will never connect: it exited (a load error, a refused token)."""
+        for rank, proc in sorted(self.procs.items()):
+            if proc.poll() is not None:
+                return f"stage {rank} exited ({proc.returncode}) before it connected"
+        return None
 
     def _watch(self) -> None:
         import torch.distributed as dist

@@ -19,6 +19,13 @@ stage), and each stage with the next. For a pair i < j, j connects to i: every s
 its `bind` address (port 0) and publishes ``links/<rank>`` = "host:port" in stage 0's TCPStore,
 which a stage on another host already reaches.
 
+Who may connect: the acceptor sends a random nonce, the connector answers with its rank and an
+HMAC-SHA256 over the nonce and both ranks keyed by the cluster token (SWITCHBOARD_CLUSTER_TOKEN,
+every process of a cluster has it; a stage on another host needs it too): a process without the
+token cannot take a stage's place in the chain or feed it hidden states. A failed answer is logged
+and its connection dropped; the acceptor keeps waiting for the real stage. Without a token (a
+single-machine setup) the HMAC's key is empty: ranks are still checked, nothing is secret.
+
 Semantics are gloo's where the pipeline relies on them: messages between two stages arrive in the
 order sent, a receive takes a message no longer than its buffer (a shorter one fills its front:
 a stage receives every op into one frame-sized buffer), `isend` returns at once (a pass sent while
@@ -28,11 +35,17 @@ buffer must stay alive until `wait()`.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import hmac
 import logging
+import os
 import socket
 import struct
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -45,6 +58,18 @@ SOCKET_BUFFER = 4 << 20
 """Each connection's kernel send/receive buffers (asked for; the kernel caps them): a prompt chunk's
 hidden states (~1 MiB) usually fit, so its isend completes without the sender thread."""
 CONNECT_TIMEOUT_S = 60.0
+NONCE_BYTES = 16
+MAC = hashlib.sha256
+MAC_BYTES = 32
+ACCEPTED, REFUSED = b"\x01", b"\x00"
+"""The handshake (module docstring): nonce from the acceptor; rank and HMAC from the connector; the
+acceptor's verdict (a refused stage says why and exits at once, not at the first op)."""
+
+
+def proof(token: str | None, nonce: bytes, rank: int, peer: int) -> bytes:
+    """The connector's answer: HMAC(token, nonce | its rank | the acceptor's rank)."""
+    msg = b"switchboard pipeline link" + nonce + LENGTH.pack(rank) + LENGTH.pack(peer)
+    return hmac.new((token or "").encode(), msg, MAC).digest()
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -208,6 +233,17 @@ def _advance(parts: list[memoryview], sent: int) -> list[memoryview]:
     return parts
 
 
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    got = 0
+    while got < n:
+        k = sock.recv_into(memoryview(buf)[got:])
+        if k == 0:
+            raise ConnectionError("pipeline link: the peer left during the handshake")
+        got += k
+    return bytes(buf)
+
+
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
@@ -225,13 +261,21 @@ class Links:
         self.links = links
 
     @classmethod
-    def join(cls, store: Any, rank: int, world: int, bind: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Links:
-        """Listen, publish, connect to the lower peers and accept the higher ones (module docstring)."""
+    def join(cls, store: Any, rank: int, world: int, bind: str, timeout_s: float = CONNECT_TIMEOUT_S,
+             token: str | None = None, gone: Callable[[], str | None] = lambda: None) -> Links:
+        """Listen, publish, connect to the lower peers and accept the higher ones (module docstring);
+        `token`: the cluster token (default: the environment's); `gone()`, asked twice a second while
+        waiting for peers: why to stop waiting (a stage process that exited), or None."""
+        if token is None:
+            from data_plane.common.hop_auth import cluster_token_from_env
+
+            token = cluster_token_from_env()
         wanted = peers_of(rank, world)
         lower = [p for p in wanted if p < rank]
         higher = {p for p in wanted if p > rank}
-        listener = socket.create_server((bind, 0), backlog=max(1, len(higher)))
-        listener.settimeout(timeout_s)
+        listener = socket.create_server((bind, 0), backlog=max(4, len(higher)))
+        listener.settimeout(0.5)
+        deadline = time.monotonic() + timeout_s
         try:
             port = listener.getsockname()[1]
             store.set(f"links/{rank}", f"{bind}:{port}")
@@ -239,27 +283,49 @@ class Links:
             for p in lower:
                 host, _, at = store.get(f"links/{p}").decode().rpartition(":")
                 sock = socket.create_connection((host, int(at)), timeout=timeout_s)
-                sock.sendall(LENGTH.pack(rank))
+                nonce = _read_exactly(sock, NONCE_BYTES)
+                sock.sendall(LENGTH.pack(rank) + proof(token, nonce, rank, p))
+                if _read_exactly(sock, 1) != ACCEPTED:
+                    raise ConnectionError(f"pipeline link: stage {p} refused stage {rank} (is SWITCHBOARD_CLUSTER_TOKEN "
+                                          "the same on every stage?)")
                 links[p] = cls._ready(sock, p)
             while higher - set(links):
-                sock, _ = listener.accept()
-                sock.settimeout(timeout_s)
-                head = bytearray(LENGTH.size)
-                got = 0
-                while got < len(head):
-                    n = sock.recv_into(memoryview(head)[got:])
-                    if n == 0:
-                        raise ConnectionError("pipeline link: a peer left during the handshake")
-                    got += n
-                (peer,) = LENGTH.unpack(head)
-                if peer not in higher or peer in links:
+                why = gone()
+                if why is not None or time.monotonic() > deadline:
+                    raise ConnectionError(f"pipeline link: stage {rank} gave up waiting for stages "
+                                          f"{sorted(higher - set(links))}: {why or f'none connected in {timeout_s:.0f} s'}")
+                try:
+                    sock, addr = listener.accept()
+                except TimeoutError:
+                    continue
+                peer = cls._admit(sock, rank, token, timeout_s)
+                if peer is None or peer not in higher or peer in links:
+                    log.warning("pipeline link: a connection to stage %d from %s refused (%s)", rank, addr[0],
+                                "failed the cluster-token check (is SWITCHBOARD_CLUSTER_TOKEN the same on every "
+                                "stage?)" if peer is None else f"claims stage {peer}, not one stage {rank} waits for")
+                    with contextlib.suppress(OSError):
+                        sock.sendall(REFUSED)
                     sock.close()
-                    raise ConnectionError(f"pipeline link: unexpected stage {peer} connected to stage {rank}")
+                    continue
+                sock.sendall(ACCEPTED)
                 links[peer] = cls._ready(sock, peer)
         finally:
             listener.close()
         log.info("pipeline links of stage %d: %s", rank, sorted(links))
         return cls(links)
+
+    @staticmethod
+    def _admit(sock: socket.socket, rank: int, token: str | None, timeout_s: float) -> int | None:
+        """The rank a connecting peer proves (None: a wrong proof, or it left)."""
+        sock.settimeout(timeout_s)
+        nonce = os.urandom(NONCE_BYTES)
+        try:
+            sock.sendall(nonce)
+            answer = _read_exactly(sock, LENGTH.size + MAC_BYTES)
+        except OSError:
+            return None
+        (peer,) = LENGTH.unpack(answer[: LENGTH.size])
+        return peer if hmac.compare_digest(answer[LENGTH.size :], proof(token, nonce, peer, rank)) else None
 
     @staticmethod
     def _ready(sock: socket.socket, peer: int) -> Link:
