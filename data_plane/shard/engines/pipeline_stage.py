@@ -7,7 +7,8 @@
 A stage started by stage 0 is its child; one on another host joins with `--join` (stage 0 runs
 `switchboard shard --pipeline-parallel-size 2 --pipeline-host 10.0.0.1 --pipeline-port 29500
 --pipeline-remote-stages 1`) and takes every other argument from what stage 0 published in its
-TCPStore; `--bind` is its own address, where it listens for its links (pipeline_links.py).
+TCPStore; `--bind` is its own address, where it listens for its links (pipeline_links.py). Its
+environment needs the cluster's SWITCHBOARD_CLUSTER_TOKEN: stage 0 refuses a stage without it.
 
 It loads only its layers' weights (plus the rotary tables) and the KV cache of those layers,
 connects its links to stage 0 and its neighbours (addresses from stage 0's TCPStore on
