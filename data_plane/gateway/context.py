@@ -125,6 +125,9 @@ def fit_window(messages: Sequence[dict[str, str]], counter: TokenCounter, budget
     any gateway. `step` must not depend on the request's max_tokens (a step that varies moves the
     cut); 0 drops just enough, the cut moving nearly every turn."""
     sizes = [counter.message_tokens(m) for m in messages]
+    # A step past half the budget (a large max_tokens, a shrunk context under degradation) would make
+    # "drop every old turn" the only candidate: half the budget at most.
+    step = min(step, max(1, budget // 2)) if step > 0 else 0
     gone = _dropped(messages, sizes, budget, step)
     if gone is None:
         left = sum(sizes) + REPLY_PRIMER_TOKENS - sum(sizes[i] for i in _droppable(messages))

@@ -28,6 +28,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
+from data_plane.common.errors import ContextLengthExceeded
 from data_plane.gateway.context import TokenCounter, Window, fit_window
 
 RECALL_BUDGET_TOKENS = 256
@@ -135,7 +136,10 @@ def fit_with_recall(prompt: Sequence[dict[str, Any]], memory: Sequence[dict[str,
     if not (window.dropped or memory):
         return window, None
     reserve = min(RECALL_BUDGET_TOKENS, budget // 4)
-    window = fit_window(prompt, counter, budget - reserve, step)
+    try:
+        window = fit_window(prompt, counter, budget - reserve, step)
+    except ContextLengthExceeded:  # the system prompt and the new message fit, but not with a reserve
+        return window, None
     kept = {id(m) for m in window.messages}
     candidates = [*memory, *(m for m in prompt if id(m) not in kept)]
     query = next((m.get("content") or "" for m in reversed(prompt) if m["role"] == "user"), "")

@@ -279,3 +279,27 @@ def exact_window(messages: Sequence[dict[str, str]], counter: TokenCounter, budg
         kept.pop(idx)
         dropped += 1
     return Window(kept, total, dropped)
+
+
+def test_a_step_past_half_the_budget_still_keeps_recent_turns() -> None:
+    """A large max_tokens (or a context shrunk under degradation) leaves a budget smaller than the
+    step: the step is capped at half the budget, so a window one token over drops old turns, not
+    the whole history."""
+    counter = TokenCounter.whitespace()
+    p = [SYSTEM, *(msg("user" if i % 2 == 0 else "assistant", 10, f"t{i}") for i in range(21))]
+    budget = counter.prompt_tokens(p) - 1
+    window = fit_window(p, counter, budget, step=10 * budget)
+    assert window.prompt_tokens <= budget and window.messages[0] == SYSTEM and window.messages[-1] == p[-1]
+    # at least the budget less the (capped) step and one turn (a user message and its reply)
+    assert window.prompt_tokens >= budget - budget // 2 - 2 * cost(10) and len(window.messages) >= 9, window
+
+
+def test_recall_falls_back_to_the_plain_window_when_its_reserve_does_not_fit() -> None:
+    """A conversation whose system prompt and new message fit the budget but not the budget less
+    recall's reserve is served by the plain window (before: a 400 for a request that fits)."""
+    counter = TokenCounter.whitespace()
+    big_new = msg("user", 60, "n")
+    p = [SYSTEM, msg("user", 10, "a"), msg("assistant", 10, "b"), big_new]
+    budget = cost(4) + cost(60) + REPLY_PRIMER_TOKENS + 5  # only the system prompt and the new message fit
+    window, found = fit_with_recall(p, [], counter, budget)
+    assert found is None and window.messages == [SYSTEM, big_new]

@@ -6,6 +6,7 @@ of this process, a real TCPStore for the rendezvous, loopback TCP between them.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from data_plane.shard.engines import pipeline_links
 from data_plane.shard.engines.pipeline_links import Links, peers_of
 from data_plane.shard.engines.pipeline_net import wire
 
@@ -184,3 +186,37 @@ def test_stage_zero_stops_waiting_when_a_stage_is_gone() -> None:
     with pytest.raises(ConnectionError, match="stage 1 exited"):
         Links.join(store[0], 0, 2, "127.0.0.1", timeout_s=60, token=None, gone=lambda: "stage 1 exited (1)")
     assert time.monotonic() - t0 < 5
+
+
+def test_an_irecv_is_read_as_soon_as_posted_so_a_large_send_to_stage_zero_completes() -> None:
+    """A later stage's KV part (megabytes, past any socket buffer) sent with a blocking send while
+    stage 0 has only posted its irecv: gloo reads it at once, so must a link."""
+    with group(2) as (zero, one):
+        part = torch.randn(16 << 20 // 4)  # 16 MiB
+        got = torch.empty_like(part)
+        work = zero.irecv(got, 1)
+        def send() -> bool:
+            one.send(part, 0)
+            return True
+
+        t, box = in_thread(send)
+        t.join(10)
+        assert box == [True], "the sender stayed blocked until stage 0 waited for its irecv"
+        work.wait()
+        assert torch.equal(got, part)
+
+
+def test_a_silent_client_does_not_stall_the_join(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port scanner (or anything) that connects to stage 0's listener and never answers the nonce
+    is dropped after the handshake's time limit; the real stage still joins."""
+    monkeypatch.setattr(pipeline_links, "HANDSHAKE_S", 0.5)
+    store = stores(2)
+    zero_t, zero_box = in_thread(lambda: Links.join(store[0], 0, 2, "127.0.0.1", timeout_s=20, token="s3cret"))
+    host, _, port = store[1].get("links/0").decode().rpartition(":")
+    with socket.create_connection((host, int(port))):
+        time.sleep(0.2)  # stage 0 is now in the silent client's handshake
+        one = Links.join(store[1], 1, 2, "127.0.0.1", timeout_s=20, token="s3cret")
+        zero_t.join(10)
+    (zero,) = zero_box
+    zero.close()
+    one.close()

@@ -476,8 +476,9 @@ class PipelineGroup:
         self._stop.set()
         if self.links is not None:
             if self.lost is None:
-                try:
-                    self.links.send(torch.tensor([OP_STOP] + [0] * (header_size(self.spec.max_num_seqs) - 1)), 1)
+                try:  # at most a second: a stage that stopped reading is killed below anyway
+                    stop = torch.tensor([OP_STOP] + [0] * (header_size(self.spec.max_num_seqs) - 1))
+                    self.links.isend(stop, 1).wait(1.0)
                 except Exception as exc:  # noqa: BLE001 - a stage already gone: it is killed below anyway
                     log.debug("pipeline: stop not delivered: %s", exc)
             self.links.close()

@@ -22,7 +22,10 @@ which a stage on another host already reaches.
 Who may connect: the acceptor sends a random nonce, the connector answers with its rank and an
 HMAC-SHA256 over the nonce and both ranks keyed by the cluster token (SWITCHBOARD_CLUSTER_TOKEN,
 every process of a cluster has it; a stage on another host needs it too): a process without the
-token cannot take a stage's place in the chain or feed it hidden states. A failed answer is logged
+token cannot join the chain as a stage by connecting to one. It is not a secure channel: frames are
+neither encrypted nor authenticated after the handshake, and the addresses come from torch's
+TCPStore, which takes no token, so a party that can rewrite the store and sit between two stages
+could relay the handshake. Run the group on a private network (docs/SHARDING.md). A failed answer is logged
 and its connection dropped; the acceptor keeps waiting for the real stage. Without a token (a
 single-machine setup) the HMAC's key is empty: ranks are still checked, nothing is secret.
 
@@ -54,10 +57,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LENGTH = struct.Struct("<q")
-SOCKET_BUFFER = 4 << 20
-"""Each connection's kernel send/receive buffers (asked for; the kernel caps them): a prompt chunk's
-hidden states (~1 MiB) usually fit, so its isend completes without the sender thread."""
 CONNECT_TIMEOUT_S = 60.0
+HANDSHAKE_S = 5.0
+"""How long a connecting peer has to answer the nonce (one slow or silent client cannot stall a join)."""
+LINK_DEAD_S = 10.0
+"""Unacknowledged data or failed keepalives for this long fail a link (TCP_USER_TIMEOUT)."""
 NONCE_BYTES = 16
 MAC = hashlib.sha256
 MAC_BYTES = 32
@@ -76,7 +80,8 @@ def byte_view(t: torch.Tensor) -> memoryview:
     """The tensor's bytes, in place (2-byte floats: pass their int16 view, pipeline_net.wire)."""
     if not t.is_contiguous():
         raise ValueError("only contiguous tensors travel on a pipeline link")
-    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # an ndarray is a buffer
+    # flat first: memoryview.cast refuses a zero-size multi-dimensional shape
+    return memoryview(t.reshape(-1).numpy()).cast("B")  # type: ignore[arg-type]  # an ndarray is a buffer
 
 
 def peers_of(rank: int, world: int) -> list[int]:
@@ -89,29 +94,28 @@ def peers_of(rank: int, world: int) -> list[int]:
 class Work:
     """An isend or irecv: `wait()` returns once its bytes left (isend) or arrived (irecv)."""
 
-    def __init__(self, run: Any = None) -> None:
+    def __init__(self, done: bool = False) -> None:
         self._done = threading.Event()
-        self._run = run  # an irecv: the receive to do when waited for (Link.recv keeps the order)
         self._error: BaseException | None = None
-        if run is None:
+        if done:
             self._done.set()
 
     def finish(self, error: BaseException | None = None) -> None:
         self._error = error
         self._done.set()
 
-    def wait(self) -> None:
-        if self._run is not None:
-            run, self._run = self._run, None
-            run()
-        self._done.wait()
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"pipeline link: not done in {timeout} s")
         if self._error is not None:
             raise ConnectionError(f"pipeline link: {self._error}") from self._error
 
 
 class Link:
     """One connected peer: ordered sends (a background thread takes over a send the socket's
-    buffer cannot take at once) and ordered receives."""
+    buffer cannot take at once) and ordered receives (irecvs are read by a background thread as
+    soon as they are posted, as gloo reads them: a stage sending a large part to stage 0 is not held
+    until stage 0 waits for it; a blocking recv first waits for the irecvs posted before it)."""
 
     def __init__(self, sock: socket.socket, peer: int) -> None:
         self.sock, self.peer = sock, peer
@@ -120,8 +124,10 @@ class Link:
         self._wake = threading.Condition(self._send_lock)
         self._sender: threading.Thread | None = None
         self._closed = False
-        self._recv_lock = threading.RLock()
-        self._pending: deque[Work] = deque()  # irecvs posted and not yet received, in order
+        self._recv_lock = threading.Lock()  # one reader of the socket at a time
+        self._posted = threading.Condition()
+        self._pending: deque[tuple[memoryview, Work]] = deque()  # irecvs posted and not yet received, in order
+        self._receiver: threading.Thread | None = None
 
     def isend(self, t: torch.Tensor) -> Work:
         data = byte_view(t)
@@ -134,9 +140,8 @@ class Link:
                     sent = 0
                 parts = _advance(parts, sent)
                 if not parts:
-                    return Work()
+                    return Work(done=True)
             work = Work()
-            work._done.clear()
             self._queue.append((parts, work))
             if self._sender is None:
                 self._sender = threading.Thread(target=self._send_loop, name=f"pipeline-send-{self.peer}",
@@ -167,39 +172,49 @@ class Link:
             work.finish(error)
 
     def recv(self, t: torch.Tensor) -> None:
+        view = byte_view(t)
+        with self._posted:  # earlier irecvs first: messages are taken in the order sent
+            while self._pending:
+                self._posted.wait()
         with self._recv_lock:
-            while self._pending:  # earlier irecvs first: messages are taken in the order sent
-                self._pending[0].wait()
-            self._recv_into(byte_view(t))
+            self._recv_into(view)
 
     def irecv(self, t: torch.Tensor) -> Work:
-        view = byte_view(t)
         work = Work()
-        work._done.clear()
+        with self._posted:
+            self._pending.append((byte_view(t), work))
+            if self._receiver is None:
+                self._receiver = threading.Thread(target=self._recv_loop, name=f"pipeline-recv-{self.peer}",
+                                                  daemon=True)
+                self._receiver.start()
+            self._posted.notify_all()
+        return work
 
-        def run() -> None:
-            with self._recv_lock:
-                while self._pending and self._pending[0] is not work:
-                    self._pending[0].wait()
+    def _recv_loop(self) -> None:
+        error: BaseException | None = None
+        while True:
+            with self._posted:
+                while not self._pending and not self._closed:
+                    self._posted.wait()
+                if not self._pending:
+                    return
+                view, work = self._pending[0]
+            if error is None:  # after a failure every later irecv fails too: the stream is out of step
                 try:
-                    self._recv_into(view)
-                    error = None
+                    with self._recv_lock:
+                        self._recv_into(view)
                 except OSError as exc:
                     error = exc
-                if self._pending and self._pending[0] is work:
-                    self._pending.popleft()
-                work.finish(error)
-
-        work._run = run
-        with self._recv_lock:
-            self._pending.append(work)
-        return work
+            work.finish(error)
+            with self._posted:
+                self._pending.popleft()
+                self._posted.notify_all()
 
     def _recv_into(self, view: memoryview) -> None:
         head = bytearray(LENGTH.size)
         self._read(memoryview(head))
         (n,) = LENGTH.unpack(head)
-        if n > len(view):
+        if not 0 <= n <= len(view):
             raise ConnectionError(f"pipeline link: a {n}-byte message from stage {self.peer} for a "
                                   f"{len(view)}-byte buffer")
         self._read(view[:n])
@@ -216,10 +231,13 @@ class Link:
         with self._send_lock:
             self._closed = True
             self._wake.notify()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        with self._posted:
+            self._posted.notify_all()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a sender or receiver thread blocked on it
+        for thread in (self._sender, self._receiver):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(2.0)
         self.sock.close()
 
 
@@ -233,10 +251,17 @@ def _advance(parts: list[memoryview], sent: int) -> list[memoryview]:
     return parts
 
 
-def _read_exactly(sock: socket.socket, n: int) -> bytes:
+def _read_exactly(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """`n` bytes; with a `deadline` (time.monotonic()), all of them by then (a peer that trickles
+    bytes cannot hold the handshake open), else socket.timeout."""
     buf = bytearray(n)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("pipeline link: the handshake took too long")
+            sock.settimeout(left)
         k = sock.recv_into(memoryview(buf)[got:])
         if k == 0:
             raise ConnectionError("pipeline link: the peer left during the handshake")
@@ -245,12 +270,17 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes:
 
 
 def _tune(sock: socket.socket) -> None:
+    """No Nagle delay; keepalives and a user timeout, so a link cut between two later stages (which
+    stage 0's heartbeats do not cross) fails its sockets in ~LINK_DEAD_S instead of TCP's ~15 min of
+    retransmissions. The kernel's buffer autotuning is left on (a fixed SO_SNDBUF caps it at wmem_max)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-        except OSError:
-            pass
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 2), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3),
+                        ("TCP_USER_TIMEOUT", int(LINK_DEAD_S * 1000))):
+        opt = getattr(socket, name, None)
+        if opt is not None:  # Linux; elsewhere the defaults
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, opt, value)
 
 
 class Links:
@@ -276,16 +306,23 @@ class Links:
         listener = socket.create_server((bind, 0), backlog=max(4, len(higher)))
         listener.settimeout(0.5)
         deadline = time.monotonic() + timeout_s
+        links: dict[int, Link] = {}
+        done = False
         try:
             port = listener.getsockname()[1]
             store.set(f"links/{rank}", f"{bind}:{port}")
-            links: dict[int, Link] = {}
             for p in lower:
                 host, _, at = store.get(f"links/{p}").decode().rpartition(":")
                 sock = socket.create_connection((host, int(at)), timeout=timeout_s)
-                nonce = _read_exactly(sock, NONCE_BYTES)
-                sock.sendall(LENGTH.pack(rank) + proof(token, nonce, rank, p))
-                if _read_exactly(sock, 1) != ACCEPTED:
+                try:
+                    nonce = _read_exactly(sock, NONCE_BYTES, time.monotonic() + HANDSHAKE_S)
+                    sock.sendall(LENGTH.pack(rank) + proof(token, nonce, rank, p))
+                    verdict = _read_exactly(sock, 1, time.monotonic() + HANDSHAKE_S)
+                except OSError:
+                    sock.close()
+                    raise
+                if verdict != ACCEPTED:
+                    sock.close()
                     raise ConnectionError(f"pipeline link: stage {p} refused stage {rank} (is SWITCHBOARD_CLUSTER_TOKEN "
                                           "the same on every stage?)")
                 links[p] = cls._ready(sock, p)
@@ -296,32 +333,42 @@ class Links:
                                           f"{sorted(higher - set(links))}: {why or f'none connected in {timeout_s:.0f} s'}")
                 try:
                     sock, addr = listener.accept()
-                except TimeoutError:
+                except OSError:  # the 0.5 s poll, or a connection aborted before it was taken
                     continue
-                peer = cls._admit(sock, rank, token, timeout_s)
+                peer = cls._admit(sock, rank, token)
                 if peer is None or peer not in higher or peer in links:
                     log.warning("pipeline link: a connection to stage %d from %s refused (%s)", rank, addr[0],
                                 "failed the cluster-token check (is SWITCHBOARD_CLUSTER_TOKEN the same on every "
-                                "stage?)" if peer is None else f"claims stage {peer}, not one stage {rank} waits for")
+                                "stage?), or did not answer in time" if peer is None
+                                else f"claims stage {peer}, not one stage {rank} waits for")
                     with contextlib.suppress(OSError):
                         sock.sendall(REFUSED)
                     sock.close()
                     continue
-                sock.sendall(ACCEPTED)
+                try:
+                    sock.sendall(ACCEPTED)
+                except OSError:  # it left: the real one may still come
+                    sock.close()
+                    continue
                 links[peer] = cls._ready(sock, peer)
+            done = True
         finally:
             listener.close()
+            if not done:
+                for link in links.values():
+                    link.close()
         log.info("pipeline links of stage %d: %s", rank, sorted(links))
         return cls(links)
 
     @staticmethod
-    def _admit(sock: socket.socket, rank: int, token: str | None, timeout_s: float) -> int | None:
-        """The rank a connecting peer proves (None: a wrong proof, or it left)."""
-        sock.settimeout(timeout_s)
+    def _admit(sock: socket.socket, rank: int, token: str | None) -> int | None:
+        """The rank a connecting peer proves within HANDSHAKE_S (None: a wrong proof, too slow, or it left)."""
+        deadline = time.monotonic() + HANDSHAKE_S
+        sock.settimeout(HANDSHAKE_S)
         nonce = os.urandom(NONCE_BYTES)
         try:
             sock.sendall(nonce)
-            answer = _read_exactly(sock, LENGTH.size + MAC_BYTES)
+            answer = _read_exactly(sock, LENGTH.size + MAC_BYTES, deadline)
         except OSError:
             return None
         (peer,) = LENGTH.unpack(answer[: LENGTH.size])
