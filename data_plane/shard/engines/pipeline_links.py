@@ -59,7 +59,8 @@ log = logging.getLogger(__name__)
 LENGTH = struct.Struct("<q")
 CONNECT_TIMEOUT_S = 60.0
 HANDSHAKE_S = 5.0
-"""How long a connecting peer has to answer the nonce (one slow or silent client cannot stall a join)."""
+"""How long a connecting peer has to answer the nonce (one slow or silent client cannot stall a join);
+the connecting side waits for its nonce and verdict as long as its join may take."""
 LINK_DEAD_S = 10.0
 """Unacknowledged data or failed keepalives for this long fail a link (TCP_USER_TIMEOUT)."""
 NONCE_BYTES = 16
@@ -315,9 +316,10 @@ class Links:
                 host, _, at = store.get(f"links/{p}").decode().rpartition(":")
                 sock = socket.create_connection((host, int(at)), timeout=timeout_s)
                 try:
-                    nonce = _read_exactly(sock, NONCE_BYTES, time.monotonic() + HANDSHAKE_S)
+                    # the acceptor may be busy with another client's handshake first: the join's own time
+                    nonce = _read_exactly(sock, NONCE_BYTES, deadline)
                     sock.sendall(LENGTH.pack(rank) + proof(token, nonce, rank, p))
-                    verdict = _read_exactly(sock, 1, time.monotonic() + HANDSHAKE_S)
+                    verdict = _read_exactly(sock, 1, deadline)
                 except OSError:
                     sock.close()
                     raise
