@@ -155,12 +155,13 @@ def _dropped(messages: Sequence[dict[str, str]], sizes: Sequence[int], budget: i
     if cut is None:
         return None
     gone = set(droppable[:cut])
+    if not gone:  # a conversation that fits goes as the app sent it (an assistant greeting first included)
+        return gone
     kept = [i for i in range(len(messages)) if i not in gone]
-    # A window must not start with an assistant turn right after the system prompt.
-    while len(kept) > 1 and messages[kept[0]]["role"] == "assistant" or (
-        len(kept) > 2 and messages[kept[0]]["role"] == "system" and messages[kept[1]]["role"] == "assistant"
-    ):
-        gone.add(kept.pop(0 if messages[kept[0]]["role"] == "assistant" else 1))
+    # A cut window must not open with an assistant turn (after the system messages): its question is gone.
+    lead = next((j for j, i in enumerate(kept) if messages[i]["role"] != "system"), len(kept))
+    while lead < len(kept) - 1 and messages[kept[lead]]["role"] == "assistant":
+        gone.add(kept.pop(lead))
     return gone
 
 

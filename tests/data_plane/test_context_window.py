@@ -250,7 +250,8 @@ def test_recall_keeps_the_stepped_cut_and_goes_right_before_the_new_message() ->
 
 
 def exact_window(messages: Sequence[dict[str, str]], counter: TokenCounter, budget: int) -> Window:
-    """fit_window as it was before steps (commit ee38941): drop just enough, oldest first."""
+    """fit_window as it was before steps (commit ee38941): drop just enough, oldest first (its
+    opening guard as it is now, see below)."""
     sizes = [counter.message_tokens(m) for m in messages]
     total = sum(sizes) + REPLY_PRIMER_TOKENS
     keep = [True] * len(messages)
@@ -271,12 +272,12 @@ def exact_window(messages: Sequence[dict[str, str]], counter: TokenCounter, budg
             param="messages",
         )
     kept = [m for m, k in zip(messages, keep) if k]
-    while len(kept) > 1 and kept[0]["role"] == "assistant" or (
-        len(kept) > 2 and kept[0]["role"] == "system" and kept[1]["role"] == "assistant"
-    ):
-        idx = 0 if kept[0]["role"] == "assistant" else 1
-        total -= counter.message_tokens(kept[idx])
-        kept.pop(idx)
+    # Changed since: the opening guard applies only to a cut window, after all its system messages
+    # (an app's assistant greeting stays while the conversation fits).
+    lead = next((j for j, m in enumerate(kept) if m["role"] != "system"), len(kept))
+    while dropped and lead < len(kept) - 1 and kept[lead]["role"] == "assistant":
+        total -= counter.message_tokens(kept[lead])
+        kept.pop(lead)
         dropped += 1
     return Window(kept, total, dropped)
 
@@ -303,3 +304,18 @@ def test_recall_falls_back_to_the_plain_window_when_its_reserve_does_not_fit() -
     budget = cost(4) + cost(60) + REPLY_PRIMER_TOKENS + 5  # only the system prompt and the new message fit
     window, found = fit_with_recall(p, [], counter, budget)
     assert found is None and window.messages == [SYSTEM, big_new]
+
+
+def test_a_conversation_that_fits_keeps_its_assistant_greeting_and_a_cut_one_never_opens_with_a_reply() -> None:
+    """An app's greeting ("How can I help?") before the first user message is part of the
+    conversation while it fits; once old turns are cut, the window does not open with a reply whose
+    question is gone, however many system messages lead it."""
+    counter = TokenCounter.whitespace()
+    greeting = msg("assistant", 3, "g")
+    p = [SYSTEM, greeting, *TURNS]
+    whole = fit_window(p, counter, budget=10_000)
+    assert whole.messages == p and whole.dropped == 0 and not whole.cut_moved
+    two_systems = [SYSTEM, msg("system", 3, "x"), *TURNS]
+    budget = counter.prompt_tokens(two_systems) - 1  # one token over: the first user turn goes, then its reply
+    cut = fit_window(two_systems, counter, budget=budget)
+    assert [m["role"] for m in cut.messages[:3]] == ["system", "system", "user"], cut.messages
