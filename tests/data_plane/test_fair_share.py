@@ -118,4 +118,9 @@ def test_a_flooding_tenant_is_shed_while_a_light_tenant_of_its_tier_keeps_its_tt
           f"({under / base:.2f}x); flood: {served} served, {shed} shed (503)")
     assert statuses == [200] * 30, statuses  # the light tenant is never shed
     assert shed > served > 0, (served, shed)  # the flood is, most of its requests
-    assert under <= 2 * base, f"light TTFT p95 {under:.3f}s > 2x unloaded {base:.3f}s"
+    # The typical light request keeps its unloaded time (queued behind the flood it would wait whole
+    # 100 ms steps: 2x and more); the p95 of 30 is the second-worst sample, and a test beside this one
+    # on the 2 cores (CI runs two at a time) can delay any single request by a step: it gets 3x.
+    base_mid, under_mid = statistics.median(unloaded), statistics.median(loaded)
+    assert under_mid <= 2 * base_mid, f"light TTFT median {under_mid:.3f}s > 2x unloaded {base_mid:.3f}s"
+    assert under <= 3 * base, f"light TTFT p95 {under:.3f}s > 3x unloaded {base:.3f}s"
