@@ -377,7 +377,9 @@ def _check_nomad_group(job: dict[str, Any], g: int) -> None:
     assert job["Constraints"] == [{"LTarget": "", "RTarget": "true", "Operand": "distinct_hosts"}]
     stage0, stage1 = job["TaskGroups"]
     assert [s["Name"] for s in stage0["Services"]] == ["switchboard-shard", f"{name}-store"]
-    (tmpl,) = stage1["Tasks"][0]["Templates"]  # stage 1 joins this group's stage 0
+    templates = {t["DestPath"]: t for t in stage1["Tasks"][0]["Templates"]}
+    assert set(templates) == {"local/join.env", "secrets/cluster.env"}  # the join address; the cluster token
+    tmpl = templates["local/join.env"]  # stage 1 joins this group's stage 0
     assert f'range service "{name}-store"' in tmpl["EmbeddedTmpl"]
     args = [_nomad_filled(a) for a in stage0["Tasks"][0]["Config"]["args"]]
     assert args[0] == "shard"
