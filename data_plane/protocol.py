@@ -13,11 +13,13 @@ tenants).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from data_plane.common.errors import InvalidRequest, UnsupportedParameter
 from data_plane.structured import (
@@ -43,6 +45,19 @@ def _valid_unicode(value: str) -> str:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise ValueError("text contains invalid Unicode (a lone surrogate)") from None
+    return value
+
+
+MAX_METADATA_PAIRS = 16
+
+
+def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's bounds on `metadata` (16 pairs, keys <= 64 and values <= 512 characters): it is
+    stored with a response, so unbounded metadata would be unbounded storage per request."""
+    if value is not None and (len(value) > MAX_METADATA_PAIRS
+                              or any(len(k) > 64 or len(v) > 512 for k, v in value.items())):
+        raise ValueError(f"at most {MAX_METADATA_PAIRS} pairs, keys of at most 64 and values of at most 512 "
+                         "characters")
     return value
 
 
@@ -210,6 +225,8 @@ class ChatCompletionRequest(BaseModel):
                 raise ValueError(f"stop sequences must be at most {MAX_STOP_LENGTH} characters")
         return stops
 
+    _metadata = field_validator("metadata")(check_metadata)
+
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
@@ -235,7 +252,10 @@ class ChatCompletionRequest(BaseModel):
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         called: set[str] = set()
-        for m in self.messages:
+        for i, m in enumerate(self.messages):
+            if m.content is None and m.role != "assistant":  # OpenAI: only an assistant's may be null
+                raise InvalidRequest(f"messages.{i}.content: a {m.role} message needs content",
+                                     param=f"messages.{i}.content")
             if m.role == "assistant" and m.tool_calls:
                 called.update(c.get("id", "") for c in _tool_call_list(m.tool_calls))
             elif m.role == "tool" and (not m.tool_call_id or m.tool_call_id not in called):
@@ -398,10 +418,6 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 def parse_chat_request(raw: bytes, content_type: str | None) -> ChatCompletionRequest:
     """Decode and validate a chat-completions body; every failure is a 4xx SwitchboardError."""
-    import json
-
-    from pydantic import ValidationError
-
     from data_plane.common.errors import UnsupportedMediaType
 
     ctype = (content_type or "").split(";")[0].strip().lower()
@@ -419,14 +435,58 @@ def parse_chat_request(raw: bytes, content_type: str | None) -> ChatCompletionRe
         raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    check_unicode(body)
+    req = validated(ChatCompletionRequest, body)
+    req.check_supported()
+    return req
+
+
+def check_unicode(body: Any) -> None:
+    """400 for a body with a lone surrogate anywhere: JSON may escape one ("\\ud800") and no UTF-8
+    encoder takes it, so one in a JSON schema, a tool call's arguments or stored metadata was a 500
+    wherever the gateway, the grammar compiler or the cache node first encoded it."""
     try:
-        req = ChatCompletionRequest.model_validate(body)
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest("request body contains invalid Unicode (a lone surrogate)", code="invalid_json") from None
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def validated(model: type[M], body: dict[str, Any]) -> M:
+    """`body` as `model`, in pydantic's strict mode, or the 400 OpenAI gives.
+
+    Strict, because lax mode coerced what a client got wrong into something it did not ask for:
+    ``"stream": "yes"`` streamed, ``"n": "2"`` and ``"n": true`` were numbers, ``"store": "no"`` was
+    false. OpenAI answers each with a 400 ("Invalid type for 'stream': expected a boolean").
+    JSON objects still validate as nested models, and an integer as a float."""
+    try:
+        return model.model_validate(body, strict=True)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = [str(p) for p in first.get("loc", ())]
-        param = ".".join(loc) or None
+        # of a union's errors (one per member), the one that got furthest into what the client sent
+        errors = [(wire_param(e.get("loc", ()), body, e.get("type") == "missing"), e) for e in exc.errors()]
+        (param, _), first = max(errors, key=lambda pe: pe[0][1])
         if first.get("type") == "extra_forbidden":
             raise UnsupportedParameter(f"unrecognized request argument supplied: {param}", param=param) from None
         raise InvalidRequest(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param) from None
-    req.check_supported()
-    return req
+
+
+def wire_param(loc: Sequence[Any], body: Any, missing: bool = False) -> tuple[str | None, int]:
+    """A validation error's location as a path through the request body (``messages.0.content``),
+    and how many of its steps are in the body.
+
+    pydantic puts the union member it tried into `loc` (``str``, ``literal['none','auto','required']``,
+    ``NamedToolChoice``), which is no field the client sent: keep the keys and indexes that walk
+    `body`, and, for a `missing` error, the last key (the required field)."""
+    parts: list[str] = []
+    node = body
+    for i, step in enumerate(loc):
+        walks = (isinstance(node, dict) and isinstance(step, str) and step in node) or (
+            isinstance(node, list) and isinstance(step, int) and 0 <= step < len(node))
+        if walks:
+            node = node[step]
+        elif not (missing and i == len(loc) - 1):
+            continue  # a union member's tag
+        parts.append(str(step))
+    return ".".join(parts) or None, len(parts)

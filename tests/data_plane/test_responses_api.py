@@ -7,6 +7,7 @@ import json
 import sqlite3
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -164,6 +165,50 @@ def test_conversations_crud_and_turns(stack: Stack) -> None:
     assert_gone(stack, conv.id)
     with pytest.raises(openai.NotFoundError):
         sdk.conversations.retrieve(conv.id)
+
+
+def _locked_or_ok(r: httpx.Response) -> bool:
+    """True for a 200; a refusal must be OpenAI's conversation_locked 400, nothing else."""
+    if r.status_code == 200:
+        return True
+    assert r.status_code == 400 and r.json()["error"]["code"] == "conversation_locked", r.text
+    return False
+
+
+def test_concurrent_writes_to_one_conversation_lose_no_turn(stack: Stack) -> None:
+    """Regression: 6 responses at once on one conversation all got 200 and 5 of the turns vanished
+    (each loaded version v and saved v + 1; the nodes kept the last). Now a second writer is refused
+    with OpenAI's 400 conversation_locked, and every turn that got a 200 is stored; concurrent item
+    adds wait their turn and all land; an X-Session-Id chat session is guarded the same way."""
+    sdk = stack.sdk()
+    conv = sdk.conversations.create()
+    url, auth = stack.gateway.url + "/v1", {"Authorization": f"Bearer {KEYS['plus']}"}
+
+    def turn(i: int) -> bool:
+        return _locked_or_ok(httpx.post(url + "/responses", headers=auth, timeout=120, json={
+            "model": MODEL, "input": f"Say the number {i}.", "conversation": conv.id, "max_output_tokens": 8}))
+
+    with ThreadPoolExecutor(6) as pool:
+        answered = sum(pool.map(turn, range(6)))
+    assert answered >= 1
+    assert len(sdk.conversations.items.list(conv.id, limit=100).data) == 2 * answered
+
+    conv2 = sdk.conversations.create()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: sdk.conversations.items.create(
+            conv2.id, items=[{"type": "message", "role": "user", "content": f"note {i}"}]), range(8)))
+    texts = sorted(i.content[0].text for i in sdk.conversations.items.list(conv2.id, limit=100).data)
+    assert texts == [f"note {i}" for i in range(8)]
+
+    first = stack.chat({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+                       headers={"X-Session-Id": "new"})
+    sid = first.headers["x-session-id"]
+    with ThreadPoolExecutor(4) as pool:
+        answered = sum(pool.map(lambda i: _locked_or_ok(stack.chat(
+            {"messages": [{"role": "user", "content": f"Count to {i}."}], "max_tokens": 8},
+            headers={"X-Session-Id": sid})), range(4)))
+    held = [stored_session(c.url, sid) for c in stack.caches]
+    assert max(len(r["messages"]) for r in held if r) == 2 + 2 * answered
 
 
 @pytest.mark.parametrize("body,status,param", [
