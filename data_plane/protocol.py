@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_plane.common.errors import InvalidRequest, UnsupportedParameter
+from data_plane.request_checks import WholeNumber, check_metadata, check_unicode, validated
 from data_plane.structured import (
     OutputPlan,
     ResponseFormat,
@@ -45,19 +45,6 @@ def _valid_unicode(value: str) -> str:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise ValueError("text contains invalid Unicode (a lone surrogate)") from None
-    return value
-
-
-MAX_METADATA_PAIRS = 16
-
-
-def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
-    """OpenAI's bounds on `metadata` (16 pairs, keys <= 64 and values <= 512 characters): it is
-    stored with a response, so unbounded metadata would be unbounded storage per request."""
-    if value is not None and (len(value) > MAX_METADATA_PAIRS
-                              or any(len(k) > 64 or len(v) > 512 for k, v in value.items())):
-        raise ValueError(f"at most {MAX_METADATA_PAIRS} pairs, keys of at most 64 and values of at most 512 "
-                         "characters")
     return value
 
 
@@ -138,11 +125,11 @@ class ChatCompletionRequest(BaseModel):
     messages: list[ChatMessage] = Field(min_length=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0, le=100_000)
-    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    top_k: WholeNumber | None = Field(default=None, ge=0, le=100_000)
+    max_tokens: WholeNumber | None = Field(default=None, ge=1, le=1_000_000)
+    max_completion_tokens: WholeNumber | None = Field(default=None, ge=1, le=1_000_000)
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    seed: WholeNumber | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
@@ -157,18 +144,18 @@ class ChatCompletionRequest(BaseModel):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # Sampling.
-    n: int | None = Field(default=None, ge=1, le=MAX_N)
+    n: WholeNumber | None = Field(default=None, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     """vLLM's: > 1 discourages tokens already in the prompt or output."""
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    min_tokens: int | None = Field(default=None, ge=0, le=1_000_000)
+    min_tokens: WholeNumber | None = Field(default=None, ge=0, le=1_000_000)
     """vLLM's: no EOS before this many output tokens."""
     ignore_eos: bool | None = None
     """vLLM's: EOS does not end the output (benchmarks fix output lengths with it)."""
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: WholeNumber | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     logit_bias: dict[str, float] | None = None
     # Fields the official SDK sends, accepted deliberately (README "Structured outputs, tools, sampling"):
     prompt_cache_key: str | None = Field(default=None, max_length=1024)
@@ -196,12 +183,12 @@ class ChatCompletionRequest(BaseModel):
     """LiteLLM's per-request cache controls: {"no-cache": true} skips the response cache's lookup,
     {"no-store": true} its write (data_plane/gateway/response_cache.py)."""
     # Switchboard extensions (set by the gateway; harmless for other servers).
-    priority: int | None = Field(default=None, ge=-1_000_000, le=1_000_000)
+    priority: WholeNumber | None = Field(default=None, ge=-1_000_000, le=1_000_000)
     request_id: str | None = Field(default=None, max_length=128)
     deadline: float | None = None
     session_id: str | None = Field(default=None, max_length=128)
     cache_salt: str | None = Field(default=None, max_length=256)
-    kv_replicas: int | None = Field(default=None, ge=1, le=16)
+    kv_replicas: WholeNumber | None = Field(default=None, ge=1, le=16)
     """Cache nodes that keep this session's KV blocks (the tier's transcript replication)."""
     kv_ttl_s: float | None = Field(default=None, gt=0, le=30 * 24 * 3600.0)
     """Their TTL: the session's (the blocks expire with it)."""
@@ -439,54 +426,3 @@ def parse_chat_request(raw: bytes, content_type: str | None) -> ChatCompletionRe
     req = validated(ChatCompletionRequest, body)
     req.check_supported()
     return req
-
-
-def check_unicode(body: Any) -> None:
-    """400 for a body with a lone surrogate anywhere: JSON may escape one ("\\ud800") and no UTF-8
-    encoder takes it, so one in a JSON schema, a tool call's arguments or stored metadata was a 500
-    wherever the gateway, the grammar compiler or the cache node first encoded it."""
-    try:
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidRequest("request body contains invalid Unicode (a lone surrogate)", code="invalid_json") from None
-
-
-M = TypeVar("M", bound=BaseModel)
-
-
-def validated(model: type[M], body: dict[str, Any]) -> M:
-    """`body` as `model`, in pydantic's strict mode, or the 400 OpenAI gives.
-
-    Strict, because lax mode coerced what a client got wrong into something it did not ask for:
-    ``"stream": "yes"`` streamed, ``"n": "2"`` and ``"n": true`` were numbers, ``"store": "no"`` was
-    false. OpenAI answers each with a 400 ("Invalid type for 'stream': expected a boolean").
-    JSON objects still validate as nested models, and an integer as a float."""
-    try:
-        return model.model_validate(body, strict=True)
-    except ValidationError as exc:
-        # of a union's errors (one per member), the one that got furthest into what the client sent
-        errors = [(wire_param(e.get("loc", ()), body, e.get("type") == "missing"), e) for e in exc.errors()]
-        (param, _), first = max(errors, key=lambda pe: pe[0][1])
-        if first.get("type") == "extra_forbidden":
-            raise UnsupportedParameter(f"unrecognized request argument supplied: {param}", param=param) from None
-        raise InvalidRequest(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param) from None
-
-
-def wire_param(loc: Sequence[Any], body: Any, missing: bool = False) -> tuple[str | None, int]:
-    """A validation error's location as a path through the request body (``messages.0.content``),
-    and how many of its steps are in the body.
-
-    pydantic puts the union member it tried into `loc` (``str``, ``literal['none','auto','required']``,
-    ``NamedToolChoice``), which is no field the client sent: keep the keys and indexes that walk
-    `body`, and, for a `missing` error, the last key (the required field)."""
-    parts: list[str] = []
-    node = body
-    for i, step in enumerate(loc):
-        walks = (isinstance(node, dict) and isinstance(step, str) and step in node) or (
-            isinstance(node, list) and isinstance(step, int) and 0 <= step < len(node))
-        if walks:
-            node = node[step]
-        elif not (missing and i == len(loc) - 1):
-            continue  # a union member's tag
-        parts.append(str(step))
-    return ".".join(parts) or None, len(parts)

@@ -23,7 +23,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_plane.common.errors import InvalidRequest, UnsupportedParameter
-from data_plane.protocol import ChatCompletionRequest, check_metadata, check_unicode, validated
+from data_plane.protocol import ChatCompletionRequest
+from data_plane.request_checks import WholeNumber, check_metadata, check_unicode, validated
 
 SUPPORTED_ITEM_TYPES = ("message", "function_call", "function_call_output", "compaction")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -37,7 +38,7 @@ def new_id(prefix: str) -> str:
 class ContextManagement(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["compaction"]
-    compact_threshold: int | None = Field(default=None, ge=64)
+    compact_threshold: WholeNumber | None = Field(default=None, ge=64)
 
 
 class ResponsesRequest(BaseModel):
@@ -54,10 +55,10 @@ class ResponsesRequest(BaseModel):
     store: bool | None = True
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    max_output_tokens: WholeNumber | None = Field(default=None, ge=1, le=1_000_000)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: WholeNumber | None = None
     """Not OpenAI's (it has none on responses); vLLM's extension, passed to the chat path."""
     ignore_eos: bool | None = None
     """vLLM's extension (guidellm sends it for fixed output lengths), passed to the chat path."""
@@ -82,9 +83,9 @@ class ResponsesRequest(BaseModel):
     # Accepted only at their neutral value (see check_supported).
     background: bool | None = None
     reasoning: dict[str, Any] | None = None
-    max_tool_calls: int | None = None
+    max_tool_calls: WholeNumber | None = None
     prompt: Any = None
-    top_logprobs: int | None = None
+    top_logprobs: WholeNumber | None = None
     stop: Any = None
     """Not a Responses field; guidellm sends `"stop": null` beside `ignore_eos`, as vLLM accepts."""
 

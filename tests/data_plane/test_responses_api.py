@@ -220,6 +220,18 @@ def test_concurrent_writes_to_one_conversation_lose_no_turn(stack: Stack) -> Non
     ({"input": "x", "previous_response_id": "resp_a", "conversation": "conv_b"}, 400, "previous_response_id"),
     ({"input": "word " * 3000, "max_output_tokens": 4}, 400, "input"),
     ({"input": ""}, 400, "input"),
+    # strict types (lax mode took "no" as false) and OpenAI's bounds and required fields
+    ({"input": "x", "stream": "no"}, 400, "stream"),
+    ({"input": "x", "store": "no"}, 400, "store"),
+    ({"input": "x", "max_output_tokens": "8"}, 400, "max_output_tokens"),
+    ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, 400, "metadata"),
+    ({"input": "x", "metadata": {"k": "v" * 513}}, 400, "metadata"),
+    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, 400, "text.format.name"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format.schema"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"},
+                                        "strict": "yes"}}}, 400, "text.format.strict"),
+    ({"input": "x", "text": {"format": "json"}}, 400, "text.format"),  # was a 500
+    ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, 400, "input"),
 ])
 def test_bad_requests_are_openai_errors(stack: Stack, body: dict, status: int, param: str) -> None:
     r = httpx.post(stack.gateway.url + "/v1/responses", json={"model": MODEL, **body},
@@ -227,6 +239,33 @@ def test_bad_requests_are_openai_errors(stack: Stack, body: dict, status: int, p
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+    assert "tool_call_id" not in err["message"]  # the Responses API's words, not the chat path's
+
+
+def test_conversations_and_compact_refuse_bad_bodies_with_openai_errors(stack: Stack) -> None:
+    """Regression: these routes read raw JSON themselves; `items: "x"` made an empty conversation,
+    21 items went in at once, a non-string item id was stored, and deep nesting, a lone surrogate or
+    `input: 5` were 500s; a text/plain body was taken as JSON."""
+    url, auth = stack.gateway.url + "/v1", {"Authorization": f"Bearer {KEYS['plus']}"}
+    json_h = {**auth, "content-type": "application/json"}
+    item = {"type": "message", "role": "user", "content": "x"}
+    for path, body, status, param in [
+        ("/conversations", {"items": "x"}, 400, "items"),
+        ("/conversations", {"items": [item] * 21}, 400, "items"),
+        ("/conversations", {"items": [{**item, "id": 5}]}, 400, "items[0].id"),
+        ("/conversations", b'{"items":' + b"[" * 50_000 + b"]" * 50_000 + b"}", 400, None),
+        ("/conversations", b'{"items":[{"role":"user","content":"\\ud800"}]}', 400, None),
+        ("/conversations", {"items": [{"role": "user", "content": [{"type": "input_text"}]}]}, 400,
+         "items[0].content[0].text"),
+        ("/responses", b'{"input":"x","instructions":"\\ud800"}', 400, None),
+        ("/responses/compact", {"input": 5}, 400, "input"),
+        ("/responses/compact", {"input": "x", "keep_tokens": True}, 400, "keep_tokens"),
+    ]:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = httpx.post(url + path, content=raw, headers=json_h, timeout=30)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (path, body, r.text[:300])
+    r = httpx.post(url + "/conversations", content=b"{}", headers={**auth, "content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", r.text
 
 
 def test_agents_sdk_default_responses_model(stack: Stack) -> None:
