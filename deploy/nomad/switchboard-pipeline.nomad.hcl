@@ -5,6 +5,16 @@
 # Run it beside switchboard.nomad.hcl (control plane, gateways, cache nodes, autoscaled shards): its
 # stage 0 registers as one more `switchboard-shard` in Consul.
 #
+# Its tasks read the cluster token from the `switchboard` job's variable (nomad/jobs/switchboard,
+# cluster_token; see switchboard.nomad.hcl). A job reads only its own nomad/jobs/<job> path by
+# default, so with ACLs on give this job (and each switchboard-pp-<i> the autoscaler registers) a
+# policy that reads it:
+#
+#   nomad acl policy apply -namespace default -job switchboard-pp-a switchboard-cluster-token policy.hcl
+#   # policy.hcl: namespace "default" { variables { path "nomad/jobs/switchboard" { capabilities = ["read"] } } }
+#
+# Without the token stage 0 refuses the stage (both log it) and the group never serves.
+#
 # A job per pipeline group, a task group per stage, and `distinct_hosts` on the job: no two stages
 # on one client. Why not one task group per pipeline: Nomad places a task group as a unit, all its
 # tasks on one client, so a group per pipeline is the one-node placement (switchboard.nomad.hcl's
@@ -120,6 +130,14 @@ job "switchboard-pp-a" {
         ]
       }
 
+      template {
+        destination = "secrets/cluster.env"
+        env         = true
+        data        = <<-EOT
+          {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_CLUSTER_TOKEN={{ .cluster_token }}{{ end }}
+        EOT
+      }
+
       resources {
         # one stage: its threads, and weights/N + KV/N + a fixed ~0.3 GiB a process (SHARDING.md)
         cpu    = 1000 * var.threads_per_stage
@@ -153,6 +171,14 @@ job "switchboard-pp-a" {
         destination = "local/join.env"
         env         = true
         change_mode = "restart"
+      }
+
+      template {
+        destination = "secrets/cluster.env"
+        env         = true
+        data        = <<-EOT
+          {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_CLUSTER_TOKEN={{ .cluster_token }}{{ end }}
+        EOT
       }
 
       resources {

@@ -1,7 +1,11 @@
 # Switchboard on Nomad, with membership in Consul.
 #
 #   nomad job run -var image=registry.example.com/switchboard:0.1.0 deploy/nomad/switchboard.nomad.hcl
-#   nomad var put nomad/jobs/switchboard admin_token=... api_keys='sk-...:acme:plus,...'
+#   nomad var put nomad/jobs/switchboard admin_token=$(openssl rand -hex 32) \
+#       cluster_token=$(openssl rand -hex 32) api_keys='sk-...:acme:plus,...'
+#
+# cluster_token is SWITCHBOARD_CLUSTER_TOKEN, which every task below holds: the hops between
+# gateways, shards and cache nodes carry it, and a pipeline stage proves it before it joins a group.
 #
 # Every client node runs a Consul agent on its own address (:8500), as Nomad's Consul
 # integration expects. Groups:
@@ -122,6 +126,7 @@ job "switchboard" {
         env         = true
         data        = <<-EOT
           {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_ADMIN_TOKEN={{ .admin_token }}{{ end }}
+          {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_CLUSTER_TOKEN={{ .cluster_token }}{{ end }}
         EOT
       }
 
@@ -182,6 +187,7 @@ job "switchboard" {
         env         = true
         data        = <<-EOT
           {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_GATEWAY_API_KEYS={{ .api_keys }}{{ end }}
+          {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_CLUSTER_TOKEN={{ .cluster_token }}{{ end }}
         EOT
       }
 
@@ -219,6 +225,14 @@ job "switchboard" {
           "--node-id", "cache-${NOMAD_ALLOC_INDEX}",
           "--zone", "${node.datacenter}"
         ]
+      }
+
+      template {
+        destination = "secrets/cluster.env"
+        env         = true
+        data        = <<-EOT
+          {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_CLUSTER_TOKEN={{ .cluster_token }}{{ end }}
+        EOT
       }
 
       resources {
@@ -291,6 +305,14 @@ job "switchboard" {
           "--threads", "${var.shard_threads_per_stage}",
           "--zone", "${node.datacenter}"
         ]
+      }
+
+      template {
+        destination = "secrets/cluster.env"
+        env         = true
+        data        = <<-EOT
+          {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_CLUSTER_TOKEN={{ .cluster_token }}{{ end }}
+        EOT
       }
 
       resources {

@@ -215,3 +215,26 @@ def test_kustomize_builds_the_base_and_both_overlays() -> None:
     assert config_map["data"]["group.yaml"] == (DEPLOY / "kubernetes" / "pipeline-nodes" / "group.yaml").read_text()
     volumes = deployments["switchboard-control-plane"]["spec"]["template"]["spec"]["volumes"]
     assert {"name": "pipeline-group", "configMap": {"name": config_map["metadata"]["name"]}} in volumes
+
+
+def test_every_process_in_the_specs_holds_the_cluster_token_from_a_secret() -> None:
+    """Cache nodes without SWITCHBOARD_CLUSTER_TOKEN serve transcripts to anyone on their port, and a
+    pipeline stage without it is refused by stage 0: every container and task of every spec gets it,
+    from the Secret / Nomad variable, never as a literal."""
+    containers = []
+    for path in [*(DEPLOY / "kubernetes" / "base").glob("*.yaml"), DEPLOY / "kubernetes" / "pipeline-nodes" / "group.yaml"]:
+        for doc in yaml.safe_load_all(path.read_text()):
+            spec = ((doc or {}).get("spec") or {}).get("template", {}).get("spec", {})
+            containers += [(path.name, c) for c in spec.get("containers", [])]
+    assert {c["name"] for _, c in containers} >= {"gateway", "shard", "cache-node", "control-plane", "stage"}
+    for name, c in containers:
+        env = {e["name"]: e for e in c.get("env", [])}
+        assert env.get("SWITCHBOARD_CLUSTER_TOKEN", {}).get("valueFrom") == {
+            "secretKeyRef": {"name": "switchboard-secrets", "key": "cluster-token"}}, (name, c["name"])
+    assert "--from-literal=cluster-token=" in (DEPLOY / "kubernetes" / "kustomization.yaml").read_text()
+    for path in (DEPLOY / "nomad").glob("*.nomad.hcl"):
+        tasks = re.split(r'\n\s*task "', path.read_text())[1:]
+        assert tasks, path.name
+        for task in tasks:
+            assert ('{{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_CLUSTER_TOKEN={{ .cluster_token }}'
+                    in task), (path.name, task.split('"', 1)[0])

@@ -220,3 +220,39 @@ def test_a_silent_client_does_not_stall_the_join(monkeypatch: pytest.MonkeyPatch
     (zero,) = zero_box
     zero.close()
     one.close()
+
+
+def test_a_listener_posing_as_a_stage_without_the_token_gets_no_connection() -> None:
+    """The addresses come from the TCPStore, which takes no token: a party that rewrites
+    ``links/0`` to its own listener and answers with the wrong token (it accepts, as an impostor
+    would) is refused by the connecting stage, which closes and says so instead of sending it hidden
+    states."""
+    store = stores(2)
+    impostor = socket.create_server(("127.0.0.1", 0))
+    impostor.settimeout(10)
+    store[0].set("links/0", f"127.0.0.1:{impostor.getsockname()[1]}")
+
+    def pose() -> bytes:
+        sock, _ = impostor.accept()
+        with sock:
+            sock.sendall(b"\0" * pipeline_links.NONCE_BYTES)
+            answer = pipeline_links._read_exactly(sock, pipeline_links.ANSWER, time.monotonic() + 10)
+            ours = answer[pipeline_links.LENGTH.size : pipeline_links.LENGTH.size + pipeline_links.NONCE_BYTES]
+            sock.sendall(pipeline_links.ACCEPTED + pipeline_links.proof("guess", ours, 0, 1, pipeline_links.ACCEPTOR))
+            sock.settimeout(5)
+            return sock.recv(1 << 16)  # what the real stage sends after the handshake: nothing
+
+    t, box = in_thread(pose)
+    try:
+        with pytest.raises(ConnectionError, match="could not prove the cluster token"):
+            Links.join(store[1], 1, 2, "127.0.0.1", timeout_s=10, token="s3cret")
+        t.join(10)
+        assert box == [b""], "the stage sent data to a listener that failed the token check"
+    finally:
+        impostor.close()
+
+
+def test_the_acceptors_proof_cannot_be_reflected_as_a_connectors() -> None:
+    """Each side's proof is labelled with its role: the same nonce and ranks give different MACs."""
+    nonce = bytes(range(pipeline_links.NONCE_BYTES))
+    assert pipeline_links.proof("t", nonce, 0, 1) != pipeline_links.proof("t", nonce, 0, 1, pipeline_links.ACCEPTOR)

@@ -19,15 +19,19 @@ stage), and each stage with the next. For a pair i < j, j connects to i: every s
 its `bind` address (port 0) and publishes ``links/<rank>`` = "host:port" in stage 0's TCPStore,
 which a stage on another host already reaches.
 
-Who may connect: the acceptor sends a random nonce, the connector answers with its rank and an
-HMAC-SHA256 over the nonce and both ranks keyed by the cluster token (SWITCHBOARD_CLUSTER_TOKEN,
-every process of a cluster has it; a stage on another host needs it too): a process without the
-token cannot join the chain as a stage by connecting to one. It is not a secure channel: frames are
-neither encrypted nor authenticated after the handshake, and the addresses come from torch's
-TCPStore, which takes no token, so a party that can rewrite the store and sit between two stages
-could relay the handshake. Run the group on a private network (docs/SHARDING.md). A failed answer is logged
-and its connection dropped; the acceptor keeps waiting for the real stage. Without a token (a
-single-machine setup) the HMAC's key is empty: ranks are still checked, nothing is secret.
+Who may connect, both ways: the acceptor sends a random nonce; the connector answers with its rank,
+a nonce of its own and an HMAC-SHA256 over the acceptor's nonce and both ranks keyed by the cluster
+token (SWITCHBOARD_CLUSTER_TOKEN, every process of a cluster has it; a stage on another host needs it
+too); the acceptor's verdict carries its own HMAC over the connector's nonce. The two proofs are
+labelled apart, so neither can be reflected as the other. A process without the token can neither
+join the chain as a stage by connecting to one nor pose as one to a connecting stage: the addresses
+come from torch's TCPStore, which takes no token, and a party that rewrites ``links/<rank>`` there
+gets a refused connection, not hidden states. What is left to such a party is denial of service.
+It is not a secure channel: frames are neither encrypted nor authenticated after the handshake, so
+a party on the path could still read or relay them. Run the group on a private network
+(docs/SHARDING.md). A failed proof either way is logged and its connection dropped; the acceptor
+keeps waiting for the real stage. Without a token (a single-machine setup) the HMAC's key is empty:
+ranks are still checked, nothing is secret.
 
 Semantics are gloo's where the pipeline relies on them: messages between two stages arrive in the
 order sent, a receive takes a message no longer than its buffer (a shorter one fills its front:
@@ -67,13 +71,18 @@ NONCE_BYTES = 16
 MAC = hashlib.sha256
 MAC_BYTES = 32
 ACCEPTED, REFUSED = b"\x01", b"\x00"
-"""The handshake (module docstring): nonce from the acceptor; rank and HMAC from the connector; the
-acceptor's verdict (a refused stage says why and exits at once, not at the first op)."""
+"""The handshake (module docstring): nonce from the acceptor; rank, nonce and proof from the
+connector; the acceptor's verdict, with its own proof when it accepts (a refused stage says why and
+exits at once, not at the first op)."""
+CONNECTOR, ACCEPTOR = b"switchboard pipeline link/connector", b"switchboard pipeline link/acceptor"
+"""Each side's proof is labelled with its role, so an acceptor's proof is never a valid connector's."""
+ANSWER = LENGTH.size + NONCE_BYTES + MAC_BYTES
+"""The connector's answer: its rank, its nonce, its proof."""
 
 
-def proof(token: str | None, nonce: bytes, rank: int, peer: int) -> bytes:
-    """The connector's answer: HMAC(token, nonce | its rank | the acceptor's rank)."""
-    msg = b"switchboard pipeline link" + nonce + LENGTH.pack(rank) + LENGTH.pack(peer)
+def proof(token: str | None, nonce: bytes, rank: int, peer: int, role: bytes = CONNECTOR) -> bytes:
+    """HMAC(token, role | the other side's nonce | the prover's rank | the other side's rank)."""
+    msg = role + nonce + LENGTH.pack(rank) + LENGTH.pack(peer)
     return hmac.new((token or "").encode(), msg, MAC).digest()
 
 
@@ -317,9 +326,10 @@ class Links:
                 sock = socket.create_connection((host, int(at)), timeout=timeout_s)
                 try:
                     # the acceptor may be busy with another client's handshake first: the join's own time
-                    nonce = _read_exactly(sock, NONCE_BYTES, deadline)
-                    sock.sendall(LENGTH.pack(rank) + proof(token, nonce, rank, p))
+                    nonce, ours = _read_exactly(sock, NONCE_BYTES, deadline), os.urandom(NONCE_BYTES)
+                    sock.sendall(LENGTH.pack(rank) + ours + proof(token, nonce, rank, p))
                     verdict = _read_exactly(sock, 1, deadline)
+                    theirs = _read_exactly(sock, MAC_BYTES, deadline) if verdict == ACCEPTED else b""
                 except OSError:
                     sock.close()
                     raise
@@ -327,6 +337,12 @@ class Links:
                     sock.close()
                     raise ConnectionError(f"pipeline link: stage {p} refused stage {rank} (is SWITCHBOARD_CLUSTER_TOKEN "
                                           "the same on every stage?)")
+                if not hmac.compare_digest(theirs, proof(token, ours, p, rank, ACCEPTOR)):
+                    sock.close()
+                    log.warning("pipeline link: %s:%s, published as stage %d, failed the cluster-token check", host, at, p)
+                    raise ConnectionError(f"pipeline link: the listener at {host}:{at} published as stage {p} could not "
+                                          "prove the cluster token (a rewritten store address, or a different "
+                                          "SWITCHBOARD_CLUSTER_TOKEN on that stage)")
                 links[p] = cls._ready(sock, p)
             while higher - set(links):
                 why = gone()
@@ -337,7 +353,7 @@ class Links:
                     sock, addr = listener.accept()
                 except OSError:  # the 0.5 s poll, or a connection aborted before it was taken
                     continue
-                peer = cls._admit(sock, rank, token)
+                peer, theirs = cls._admit(sock, rank, token)
                 if peer is None or peer not in higher or peer in links:
                     log.warning("pipeline link: a connection to stage %d from %s refused (%s)", rank, addr[0],
                                 "failed the cluster-token check (is SWITCHBOARD_CLUSTER_TOKEN the same on every "
@@ -348,7 +364,7 @@ class Links:
                     sock.close()
                     continue
                 try:
-                    sock.sendall(ACCEPTED)
+                    sock.sendall(ACCEPTED + proof(token, theirs, rank, peer, ACCEPTOR))
                 except OSError:  # it left: the real one may still come
                     sock.close()
                     continue
@@ -363,18 +379,20 @@ class Links:
         return cls(links)
 
     @staticmethod
-    def _admit(sock: socket.socket, rank: int, token: str | None) -> int | None:
-        """The rank a connecting peer proves within HANDSHAKE_S (None: a wrong proof, too slow, or it left)."""
+    def _admit(sock: socket.socket, rank: int, token: str | None) -> tuple[int | None, bytes]:
+        """The rank a connecting peer proves within HANDSHAKE_S (None: a wrong proof, too slow, or it
+        left) and the nonce it wants this side's proof over."""
         deadline = time.monotonic() + HANDSHAKE_S
         sock.settimeout(HANDSHAKE_S)
         nonce = os.urandom(NONCE_BYTES)
         try:
             sock.sendall(nonce)
-            answer = _read_exactly(sock, LENGTH.size + MAC_BYTES, deadline)
+            answer = _read_exactly(sock, ANSWER, deadline)
         except OSError:
-            return None
+            return None, b""
         (peer,) = LENGTH.unpack(answer[: LENGTH.size])
-        return peer if hmac.compare_digest(answer[LENGTH.size :], proof(token, nonce, peer, rank)) else None
+        theirs, mac = answer[LENGTH.size : LENGTH.size + NONCE_BYTES], answer[LENGTH.size + NONCE_BYTES :]
+        return (peer if hmac.compare_digest(mac, proof(token, nonce, peer, rank)) else None), theirs
 
     @staticmethod
     def _ready(sock: socket.socket, peer: int) -> Link:
