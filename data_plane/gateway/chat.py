@@ -134,6 +134,8 @@ class ChatHandler:
         """Set when this request's reply goes into the response cache once complete."""
         self.opened: Opened | None = None
         """Set once a stream is open (the reply's hooks read the completion from it)."""
+        self.held: list[str] = []
+        """Conversations / sessions this request writes, locked until it ends (`hold`)."""
         # the level and tier policy are read once, so one request sees one consistent state
         state = rt.cluster.current()
         self.tiers = state.tiers or gw.tiers
@@ -204,6 +206,17 @@ class ChatHandler:
             x.disconnect.stop()
             otel_context.detach(token)
             x.close(None)  # a no-op unless the server cancelled the request
+            for record_id in self.held:
+                self.gw.record_locks.release(record_id)
+            self.held.clear()
+
+    async def hold(self, record_id: str, param: str) -> None:
+        """Lock the stored conversation this request will rewrite, until the request ends: a second
+        request on it meanwhile is a 400 ``conversation_locked`` instead of a lost turn
+        (data_plane/gateway/record_locks.py). Keyed by the owner too: another key never contends."""
+        key = f"{self.owner}/{record_id}"
+        await self.gw.record_locks.acquire(key, wait_s=0.0, param=param)
+        self.held.append(key)
 
     async def respond_stream(self, opened: Opened, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
         """Stream the reply as SSE onto `send` (the Exchange is closed before the last write)."""
@@ -422,6 +435,7 @@ class ChatHandler:
         self.x.span.set_attribute("switchboard.session", True)
         transcript = None
         if header != NEW_SESSION:
+            await self.hold(self.session_id, "session_id")
             transcript = await sessions.load(self.session_id, self.owner, tier.replication)
         if transcript is None and header != NEW_SESSION:
             # Ids are minted by the gateway (unguessable), so an unknown one expired, was lost with

@@ -7,6 +7,7 @@ import json
 import sqlite3
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -166,6 +167,50 @@ def test_conversations_crud_and_turns(stack: Stack) -> None:
         sdk.conversations.retrieve(conv.id)
 
 
+def _locked_or_ok(r: httpx.Response) -> bool:
+    """True for a 200; a refusal must be OpenAI's conversation_locked 400, nothing else."""
+    if r.status_code == 200:
+        return True
+    assert r.status_code == 400 and r.json()["error"]["code"] == "conversation_locked", r.text
+    return False
+
+
+def test_concurrent_writes_to_one_conversation_lose_no_turn(stack: Stack) -> None:
+    """Regression: 6 responses at once on one conversation all got 200 and 5 of the turns vanished
+    (each loaded version v and saved v + 1; the nodes kept the last). Now a second writer is refused
+    with OpenAI's 400 conversation_locked, and every turn that got a 200 is stored; concurrent item
+    adds wait their turn and all land; an X-Session-Id chat session is guarded the same way."""
+    sdk = stack.sdk()
+    conv = sdk.conversations.create()
+    url, auth = stack.gateway.url + "/v1", {"Authorization": f"Bearer {KEYS['plus']}"}
+
+    def turn(i: int) -> bool:
+        return _locked_or_ok(httpx.post(url + "/responses", headers=auth, timeout=120, json={
+            "model": MODEL, "input": f"Say the number {i}.", "conversation": conv.id, "max_output_tokens": 8}))
+
+    with ThreadPoolExecutor(6) as pool:
+        answered = sum(pool.map(turn, range(6)))
+    assert answered >= 1
+    assert len(sdk.conversations.items.list(conv.id, limit=100).data) == 2 * answered
+
+    conv2 = sdk.conversations.create()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: sdk.conversations.items.create(
+            conv2.id, items=[{"type": "message", "role": "user", "content": f"note {i}"}]), range(8)))
+    texts = sorted(i.content[0].text for i in sdk.conversations.items.list(conv2.id, limit=100).data)
+    assert texts == [f"note {i}" for i in range(8)]
+
+    first = stack.chat({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+                       headers={"X-Session-Id": "new"})
+    sid = first.headers["x-session-id"]
+    with ThreadPoolExecutor(4) as pool:
+        answered = sum(pool.map(lambda i: _locked_or_ok(stack.chat(
+            {"messages": [{"role": "user", "content": f"Count to {i}."}], "max_tokens": 8},
+            headers={"X-Session-Id": sid})), range(4)))
+    held = [stored_session(c.url, sid) for c in stack.caches]
+    assert max(len(r["messages"]) for r in held if r) == 2 + 2 * answered
+
+
 @pytest.mark.parametrize("body,status,param", [
     ({"input": "x", "background": True}, 400, "background"),
     ({"input": "x", "bogus": 1}, 400, "bogus"),
@@ -175,6 +220,18 @@ def test_conversations_crud_and_turns(stack: Stack) -> None:
     ({"input": "x", "previous_response_id": "resp_a", "conversation": "conv_b"}, 400, "previous_response_id"),
     ({"input": "word " * 3000, "max_output_tokens": 4}, 400, "input"),
     ({"input": ""}, 400, "input"),
+    # strict types (lax mode took "no" as false) and OpenAI's bounds and required fields
+    ({"input": "x", "stream": "no"}, 400, "stream"),
+    ({"input": "x", "store": "no"}, 400, "store"),
+    ({"input": "x", "max_output_tokens": "8"}, 400, "max_output_tokens"),
+    ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, 400, "metadata"),
+    ({"input": "x", "metadata": {"k": "v" * 513}}, 400, "metadata"),
+    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, 400, "text.format.name"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format.schema"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"},
+                                        "strict": "yes"}}}, 400, "text.format.strict"),
+    ({"input": "x", "text": {"format": "json"}}, 400, "text.format"),  # was a 500
+    ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, 400, "input"),
 ])
 def test_bad_requests_are_openai_errors(stack: Stack, body: dict, status: int, param: str) -> None:
     r = httpx.post(stack.gateway.url + "/v1/responses", json={"model": MODEL, **body},
@@ -182,6 +239,33 @@ def test_bad_requests_are_openai_errors(stack: Stack, body: dict, status: int, p
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+    assert "tool_call_id" not in err["message"]  # the Responses API's words, not the chat path's
+
+
+def test_conversations_and_compact_refuse_bad_bodies_with_openai_errors(stack: Stack) -> None:
+    """Regression: these routes read raw JSON themselves; `items: "x"` made an empty conversation,
+    21 items went in at once, a non-string item id was stored, and deep nesting, a lone surrogate or
+    `input: 5` were 500s; a text/plain body was taken as JSON."""
+    url, auth = stack.gateway.url + "/v1", {"Authorization": f"Bearer {KEYS['plus']}"}
+    json_h = {**auth, "content-type": "application/json"}
+    item = {"type": "message", "role": "user", "content": "x"}
+    for path, body, status, param in [
+        ("/conversations", {"items": "x"}, 400, "items"),
+        ("/conversations", {"items": [item] * 21}, 400, "items"),
+        ("/conversations", {"items": [{**item, "id": 5}]}, 400, "items[0].id"),
+        ("/conversations", b'{"items":' + b"[" * 50_000 + b"]" * 50_000 + b"}", 400, None),
+        ("/conversations", b'{"items":[{"role":"user","content":"\\ud800"}]}', 400, None),
+        ("/conversations", {"items": [{"role": "user", "content": [{"type": "input_text"}]}]}, 400,
+         "items[0].content[0].text"),
+        ("/responses", b'{"input":"x","instructions":"\\ud800"}', 400, None),
+        ("/responses/compact", {"input": 5}, 400, "input"),
+        ("/responses/compact", {"input": "x", "keep_tokens": True}, 400, "keep_tokens"),
+    ]:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = httpx.post(url + path, content=raw, headers=json_h, timeout=30)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (path, body, r.text[:300])
+    r = httpx.post(url + "/conversations", content=b"{}", headers={**auth, "content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", r.text
 
 
 def test_agents_sdk_default_responses_model(stack: Stack) -> None:
