@@ -327,12 +327,25 @@ def check_call_outputs(items: list[dict[str, Any]]) -> None:
                                  param="input")
 
 
+def call_status(arguments: str, status: str) -> str:
+    """A function_call item's status: "incomplete" when the reply was cut (`status`) inside this
+    call's arguments (they are no whole JSON value), so an app does not run a call with half its
+    arguments; calls the model finished before the cut are "completed"."""
+    if status == "completed":
+        return status
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return "incomplete"
+    return "completed"
+
+
 def output_items(message: dict[str, Any], status: str = "completed") -> list[dict[str, Any]]:
     """A chat completion's message as Responses output items: function_call items, then the text."""
     items: list[dict[str, Any]] = []
     for call in message.get("tool_calls") or []:
         fn = call.get("function", {})
-        items.append({"type": "function_call", "id": new_id("fc"), "status": "completed",
+        items.append({"type": "function_call", "id": new_id("fc"), "status": call_status(fn.get("arguments", ""), status),
                       "call_id": call.get("id") or new_id("call"), "name": fn.get("name", ""),
                       "arguments": fn.get("arguments", "")})
     text = message.get("content")

@@ -368,6 +368,31 @@ def test_text_format_and_function_tools_through_the_chat_path(stack: Stack) -> N
     assert e.value.body["param"] == "tools[0].type"
 
 
+def test_a_call_cut_by_max_output_tokens_is_an_incomplete_item_not_a_completed_one(stack: Stack) -> None:
+    """A function call whose arguments the output limit cut is no call an app may run: the item says
+    "incomplete" (the response too, reason max_output_tokens), streamed and not; a whole call is
+    "completed"."""
+    sdk = stack.sdk()
+    tool = {"type": "function", "name": "weather", "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    ask = {"model": MODEL, "input": "What is the weather in Paris?", "tools": [tool], "tool_choice": "required",
+           "parallel_tool_calls": False, "temperature": 0}
+    whole = sdk.responses.create(**ask, max_output_tokens=48)
+    assert [i.status for i in whole.output if i.type == "function_call"] == ["completed"]
+    cut = sdk.responses.create(**ask, max_output_tokens=16)  # greedy: cut inside '{"city":"Paris"}'
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    calls = [i for i in cut.output if i.type == "function_call"]
+    assert [i.status for i in calls] == ["incomplete"] and calls[0].arguments != whole.output[0].arguments, cut.output
+    with sdk.responses.stream(**ask, max_output_tokens=16) as stream:
+        events = list(stream)
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    (final,) = [e.response for e in events if e.type == "response.incomplete"]
+    assert [i.status for i in done if i.type == "function_call"] == ["incomplete"]
+    assert [i.status for i in final.output if i.type == "function_call"] == ["incomplete"]
+    stored = sdk.responses.retrieve(cut.id)
+    assert [i.status for i in stored.output if i.type == "function_call"] == ["incomplete"]
+
+
 def test_a_streamed_responses_request_is_served_from_the_cache_too(stack: Stack) -> None:
     sdk = stack.sdk()
     ask = {"model": MODEL, "input": "Name an animal.", "max_output_tokens": 6, "temperature": 0}
