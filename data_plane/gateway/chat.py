@@ -206,17 +206,23 @@ class ChatHandler:
             x.disconnect.stop()
             otel_context.detach(token)
             x.close(None)  # a no-op unless the server cancelled the request
-            for record_id in self.held:
-                self.gw.record_locks.release(record_id)
-            self.held.clear()
+            self.let_go()
 
     async def hold(self, record_id: str, param: str) -> None:
-        """Lock the stored conversation this request will rewrite, until the request ends: a second
-        request on it meanwhile is a 400 ``conversation_locked`` instead of a lost turn
-        (data_plane/gateway/record_locks.py). Keyed by the owner too: another key never contends."""
+        """Lock the stored conversation this request will rewrite, until its turn is saved (or the
+        request ends without one): a second request on it meanwhile is a 400 ``conversation_locked``
+        instead of a lost turn (data_plane/gateway/record_locks.py). Keyed by the owner too: another
+        key never contends."""
         key = f"{self.owner}/{record_id}"
         await self.gw.record_locks.acquire(key, wait_s=0.0, param=param)
         self.held.append(key)
+
+    def let_go(self) -> None:
+        """Release what `hold` took: once the turn is saved, before the reply's last bytes, so a client
+        that sends its next turn the moment it reads the end of this one is not refused."""
+        for key in self.held:
+            self.gw.record_locks.release(key)
+        self.held.clear()
 
     async def respond_stream(self, opened: Opened, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
         """Stream the reply as SSE onto `send` (the Exchange is closed before the last write)."""
@@ -467,3 +473,4 @@ class ChatHandler:
         transcript = merge_history(self.history, self.new_messages) + [{"role": "assistant", "content": reply}]
         await self.rt.sessions.save(self.session_id, self.owner, transcript, self.session_version + 1,
                                     self.tier.replication, ttl_s=self.gw.settings.session_ttl_s)
+        self.let_go()

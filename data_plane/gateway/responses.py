@@ -210,6 +210,7 @@ class ResponsesHandler(ChatHandler):
                             input_range=(start, start + len(self.new_items)))
             await self.store.save(record, self.owner, replicas)
             saved.append(record)
+        self.let_go()  # the conversation is written: its next turn may start
         threshold = next((c.compact_threshold for c in rreq.context_management or () if c.compact_threshold), None)
         for rec in saved:
             if threshold and conversation_tokens(rec.items, self.gw.counter) > threshold:

@@ -211,6 +211,41 @@ def test_concurrent_writes_to_one_conversation_lose_no_turn(stack: Stack) -> Non
     assert max(len(r["messages"]) for r in held if r) == 2 + 2 * answered
 
 
+def test_a_turn_sent_the_moment_the_last_one_completes_is_not_refused(stack: Stack) -> None:
+    """The write lock is let go once the turn is saved, before the reply's last bytes: an app (or the
+    Agents SDK) that sends its next turn as soon as it reads `response.completed`, or a chat
+    session's `finish_reason`, is answered, never told conversation_locked."""
+    sdk = stack.sdk()
+    conv = sdk.conversations.create()
+    url, auth = stack.gateway.url + "/v1", {"Authorization": f"Bearer {KEYS['plus']}"}
+    ask = {"model": MODEL, "conversation": conv.id, "max_output_tokens": 6, "stream": True}
+    for i in range(4):
+        with httpx.stream("POST", url + "/responses", headers=auth, timeout=120,
+                          json={**ask, "input": f"Say the number {i}."}) as first:
+            for line in first.iter_lines():
+                if line.startswith("data:") and json.loads(line[5:]).get("type") in (
+                        "response.completed", "response.incomplete"):
+                    # the stream is still open: its handler has not returned yet
+                    nxt = httpx.post(url + "/responses", headers=auth, timeout=120,
+                                     json={**ask, "stream": False, "input": "And the next?"})
+                    assert nxt.status_code == 200, nxt.text
+                    break
+    assert len(sdk.conversations.items.list(conv.id, limit=100).data) == 4 * 4
+    sid = "new"
+    for _ in range(3):
+        with httpx.stream("POST", url + "/chat/completions", headers={**auth, "X-Session-Id": sid}, timeout=120,
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                "stream": True}) as first:
+            sid = first.headers["x-session-id"]
+            for line in first.iter_lines():
+                if line.startswith("data:") and line != "data: [DONE]" and any(
+                        c.get("finish_reason") for c in json.loads(line[5:]).get("choices", [])):
+                    nxt = stack.chat({"messages": [{"role": "user", "content": "More."}], "max_tokens": 4},
+                                     headers={"X-Session-Id": sid})
+                    assert nxt.status_code == 200, nxt.text
+                    break
+
+
 @pytest.mark.parametrize("body,status,param", [
     ({"input": "x", "background": True}, 400, "background"),
     ({"input": "x", "bogus": 1}, 400, "bogus"),
