@@ -107,11 +107,15 @@ def retrieval(p: Planted, counter: Any, budget: int, step: int = 0) -> dict[str,
 
 async def ask(http: httpx.AsyncClient, url: str, key: str, p: Planted, recall: bool, max_tokens: int) -> str:
     headers = {"authorization": f"Bearer {key}"}
-    conv = await http.post(url + "/v1/conversations", headers=headers, json={
-        "items": [{"type": "message", **m} for m in p.messages]})
+    items = [{"type": "message", **m} for m in p.messages]
+    conv = await http.post(url + "/v1/conversations", headers=headers, json={"items": items[:20]})
     conv.raise_for_status()
+    conv_id = conv.json()["id"]
+    for start in range(20, len(items), 20):  # OpenAI's limit: 20 items an add
+        (await http.post(f"{url}/v1/conversations/{conv_id}/items", headers=headers,
+                         json={"items": items[start:start + 20]})).raise_for_status()
     r = await http.post(url + "/v1/responses", headers=headers, json={
-        "input": p.question, "conversation": conv.json()["id"], "truncation": "auto", "context_recall": recall,
+        "input": p.question, "conversation": conv_id, "truncation": "auto", "context_recall": recall,
         "temperature": 0, "max_output_tokens": max_tokens, "store": False})
     r.raise_for_status()
     out = r.json()["output"]

@@ -41,9 +41,15 @@ def sent_prompt(c: Cluster, r: httpx.Response) -> str:
 
 
 def conversation(c: Cluster, p: Planted, key: str = "plus") -> str:
-    r = post(c, "/v1/conversations", {"items": [{"type": "message", **m} for m in p.messages]}, key)
+    """A stored conversation of `p`'s messages, 20 items a request (OpenAI's limit on one add)."""
+    items = [{"type": "message", **m} for m in p.messages]
+    r = post(c, "/v1/conversations", {"items": items[:20]}, key)
     assert r.status_code == 200, r.text
-    return r.json()["id"]
+    conv = r.json()["id"]
+    for start in range(20, len(items), 20):
+        r = post(c, f"/v1/conversations/{conv}/items", {"items": items[start:start + 20]}, key)
+        assert r.status_code == 200, r.text
+    return conv
 
 
 def test_recall_brings_back_a_fact_from_before_the_window_and_only_this_conversations(cluster: Cluster) -> None:
