@@ -32,7 +32,7 @@ import logging
 import time
 from pathlib import Path
 
-from control_plane.policy_store import write_json_atomic
+from control_plane.json_files import write_json_atomic
 
 log = logging.getLogger(__name__)
 
