@@ -76,6 +76,11 @@ def test_overview_tiles_show_the_cluster(console, admin):
     assert tiles["Healthy shards"] == "2 / 2"
     assert tiles["Degradation"].startswith("L")
     assert "shards 2/2 passing" in texts(at)
+    # idle shards are said in words (an all-zero bar chart drew an empty plot with a "0.000000" tick)
+    while "All 2 shards idle: nothing running or waiting." not in texts(at):
+        assert time.monotonic() < deadline + 10, texts(at)
+        time.sleep(0.5)
+        at = console.page("overview")
 
 
 def test_cluster_page_lists_the_shards_that_are_up(console, admin):
