@@ -13,6 +13,7 @@ tenants).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -20,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_plane.common.errors import InvalidRequest, UnsupportedParameter
+from data_plane.request_checks import WholeNumber, check_metadata, check_unicode, validated
 from data_plane.structured import (
     OutputPlan,
     ResponseFormat,
@@ -123,11 +125,11 @@ class ChatCompletionRequest(BaseModel):
     messages: list[ChatMessage] = Field(min_length=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0, le=100_000)
-    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    top_k: WholeNumber | None = Field(default=None, ge=0, le=100_000)
+    max_tokens: WholeNumber | None = Field(default=None, ge=1, le=1_000_000)
+    max_completion_tokens: WholeNumber | None = Field(default=None, ge=1, le=1_000_000)
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    seed: WholeNumber | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
@@ -142,18 +144,18 @@ class ChatCompletionRequest(BaseModel):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # Sampling.
-    n: int | None = Field(default=None, ge=1, le=MAX_N)
+    n: WholeNumber | None = Field(default=None, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     """vLLM's: > 1 discourages tokens already in the prompt or output."""
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    min_tokens: int | None = Field(default=None, ge=0, le=1_000_000)
+    min_tokens: WholeNumber | None = Field(default=None, ge=0, le=1_000_000)
     """vLLM's: no EOS before this many output tokens."""
     ignore_eos: bool | None = None
     """vLLM's: EOS does not end the output (benchmarks fix output lengths with it)."""
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: WholeNumber | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     logit_bias: dict[str, float] | None = None
     # Fields the official SDK sends, accepted deliberately (README "Structured outputs, tools, sampling"):
     prompt_cache_key: str | None = Field(default=None, max_length=1024)
@@ -181,12 +183,12 @@ class ChatCompletionRequest(BaseModel):
     """LiteLLM's per-request cache controls: {"no-cache": true} skips the response cache's lookup,
     {"no-store": true} its write (data_plane/gateway/response_cache.py)."""
     # Switchboard extensions (set by the gateway; harmless for other servers).
-    priority: int | None = Field(default=None, ge=-1_000_000, le=1_000_000)
+    priority: WholeNumber | None = Field(default=None, ge=-1_000_000, le=1_000_000)
     request_id: str | None = Field(default=None, max_length=128)
     deadline: float | None = None
     session_id: str | None = Field(default=None, max_length=128)
     cache_salt: str | None = Field(default=None, max_length=256)
-    kv_replicas: int | None = Field(default=None, ge=1, le=16)
+    kv_replicas: WholeNumber | None = Field(default=None, ge=1, le=16)
     """Cache nodes that keep this session's KV blocks (the tier's transcript replication)."""
     kv_ttl_s: float | None = Field(default=None, gt=0, le=30 * 24 * 3600.0)
     """Their TTL: the session's (the blocks expire with it)."""
@@ -209,6 +211,8 @@ class ChatCompletionRequest(BaseModel):
             if len(s) > MAX_STOP_LENGTH:
                 raise ValueError(f"stop sequences must be at most {MAX_STOP_LENGTH} characters")
         return stops
+
+    _metadata = field_validator("metadata")(check_metadata)
 
     @field_validator("logit_bias")
     @classmethod
@@ -235,7 +239,10 @@ class ChatCompletionRequest(BaseModel):
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         called: set[str] = set()
-        for m in self.messages:
+        for i, m in enumerate(self.messages):
+            if m.content is None and m.role != "assistant":  # OpenAI: only an assistant's may be null
+                raise InvalidRequest(f"messages.{i}.content: a {m.role} message needs content",
+                                     param=f"messages.{i}.content")
             if m.role == "assistant" and m.tool_calls:
                 called.update(c.get("id", "") for c in _tool_call_list(m.tool_calls))
             elif m.role == "tool" and (not m.tool_call_id or m.tool_call_id not in called):
@@ -398,10 +405,6 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 def parse_chat_request(raw: bytes, content_type: str | None) -> ChatCompletionRequest:
     """Decode and validate a chat-completions body; every failure is a 4xx SwitchboardError."""
-    import json
-
-    from pydantic import ValidationError
-
     from data_plane.common.errors import UnsupportedMediaType
 
     ctype = (content_type or "").split(";")[0].strip().lower()
@@ -419,14 +422,7 @@ def parse_chat_request(raw: bytes, content_type: str | None) -> ChatCompletionRe
         raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_json")
-    try:
-        req = ChatCompletionRequest.model_validate(body)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = [str(p) for p in first.get("loc", ())]
-        param = ".".join(loc) or None
-        if first.get("type") == "extra_forbidden":
-            raise UnsupportedParameter(f"unrecognized request argument supplied: {param}", param=param) from None
-        raise InvalidRequest(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param) from None
+    check_unicode(body)
+    req = validated(ChatCompletionRequest, body)
     req.check_supported()
     return req

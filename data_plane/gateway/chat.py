@@ -134,6 +134,8 @@ class ChatHandler:
         """Set when this request's reply goes into the response cache once complete."""
         self.opened: Opened | None = None
         """Set once a stream is open (the reply's hooks read the completion from it)."""
+        self.held: list[str] = []
+        """Conversations / sessions this request writes, locked until it ends (`hold`)."""
         # the level and tier policy are read once, so one request sees one consistent state
         state = rt.cluster.current()
         self.tiers = state.tiers or gw.tiers
@@ -204,6 +206,23 @@ class ChatHandler:
             x.disconnect.stop()
             otel_context.detach(token)
             x.close(None)  # a no-op unless the server cancelled the request
+            self.let_go()
+
+    async def hold(self, record_id: str, param: str) -> None:
+        """Lock the stored conversation this request will rewrite, until its turn is saved (or the
+        request ends without one): a second request on it meanwhile is a 400 ``conversation_locked``
+        instead of a lost turn (data_plane/gateway/record_locks.py). Keyed by the owner too: another
+        key never contends."""
+        key = f"{self.owner}/{record_id}"
+        await self.gw.record_locks.acquire(key, wait_s=0.0, param=param)
+        self.held.append(key)
+
+    def let_go(self) -> None:
+        """Release what `hold` took: once the turn is saved, before the reply's last bytes, so a client
+        that sends its next turn the moment it reads the end of this one is not refused."""
+        for key in self.held:
+            self.gw.record_locks.release(key)
+        self.held.clear()
 
     async def respond_stream(self, opened: Opened, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
         """Stream the reply as SSE onto `send` (the Exchange is closed before the last write)."""
@@ -422,6 +441,7 @@ class ChatHandler:
         self.x.span.set_attribute("switchboard.session", True)
         transcript = None
         if header != NEW_SESSION:
+            await self.hold(self.session_id, "session_id")
             transcript = await sessions.load(self.session_id, self.owner, tier.replication)
         if transcript is None and header != NEW_SESSION:
             # Ids are minted by the gateway (unguessable), so an unknown one expired, was lost with
@@ -453,3 +473,4 @@ class ChatHandler:
         transcript = merge_history(self.history, self.new_messages) + [{"role": "assistant", "content": reply}]
         await self.rt.sessions.save(self.session_id, self.owner, transcript, self.session_version + 1,
                                     self.tier.replication, ttl_s=self.gw.settings.session_ttl_s)
+        self.let_go()

@@ -12,17 +12,19 @@ node. Its id routes its turns (kv_aware routing keeps them on the shard holding 
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 
 from data_plane.common.errors import InvalidRequest, NotFound
 from data_plane.gateway.auth import key_digest
+from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S
 from data_plane.gateway.response_store import ConversationStore, Kind, conversation_object, new_conversation
 from data_plane.gateway.responses import page
-from data_plane.gateway.responses_items import input_items, new_id
+from data_plane.gateway.responses_items import input_items, json_object, new_id
 from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.runtime import Gateway
 
@@ -30,6 +32,22 @@ log = logging.getLogger(__name__)
 
 CONVERSATIONS_PATH = "/v1/conversations"
 MAX_METADATA = 16
+MAX_ITEMS_AT_ONCE = 20
+"""OpenAI's limit on the items one create or items.create call adds."""
+
+
+def _items(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The body's `items` as stored items: a list of at most 20 (anything else is a 400, never
+    silently an empty conversation)."""
+    raw = body.get("items")
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise InvalidRequest("items must be an array of items", param="items")
+    if len(raw) > MAX_ITEMS_AT_ONCE:
+        raise InvalidRequest(f"items holds {len(raw)} items; at most {MAX_ITEMS_AT_ONCE} can be added at a time",
+                             param="items")
+    return input_items(raw, param="items")
 
 
 def _metadata(value: Any) -> dict[str, str] | None:
@@ -43,27 +61,30 @@ def _metadata(value: Any) -> dict[str, str] | None:
 
 
 async def _body(request: Request) -> dict[str, Any]:
+    """The JSON object a route was sent ({} for none), checked as the Responses API checks its own
+    (data_plane/gateway/responses_items.py `json_object`: 415, nesting, UTF-8, lone surrogates)."""
     raw = await request.body()
-    if not raw:
-        return {}
-    try:
-        import json
-
-        body = json.loads(raw)
-    except ValueError:
-        raise InvalidRequest("request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
-    return body
+    return json_object(raw, request.headers.get("content-type")) if raw else {}
 
 
 def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore]) -> None:
     """The Conversations API's routes on `app`; `store()` gives the ConversationStore once the runtime is open."""
 
     def caller(request: Request) -> tuple[str, int]:
-        principal = gw.keys.authenticate(request.headers.get("authorization"))
+        principal = gw.guard.authenticate(gw.keys, request)  # banned addresses refused, failures counted
         token = (request.headers.get("authorization") or "").partition(" ")[2].strip()
         return key_digest(token), gw.tiers.get(principal.tier).replication
+
+    @contextlib.asynccontextmanager
+    async def editing(owner: str, conversation_id: str) -> AsyncIterator[None]:
+        """Hold the conversation's write lock (shared with responses in it, keyed the same way:
+        data_plane/gateway/record_locks.py) across a load-modify-save, so no edit is lost."""
+        key = f"{owner}/{conversation_id}"
+        await gw.record_locks.acquire(key, wait_s=ITEM_EDIT_WAIT_S, param="conversation_id")
+        try:
+            yield
+        finally:
+            gw.record_locks.release(key)
 
     @app.post(CONVERSATIONS_PATH)
     async def create(request: Request) -> dict[str, Any]:
@@ -74,7 +95,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
             if unknown:
                 raise InvalidRequest(f"unrecognized request argument supplied: {min(unknown)}",
                                      param=min(unknown), code="unsupported_parameter")
-            items = input_items(body.get("items") or [], param="items")
+            items = _items(body)
             record = new_conversation(new_id("conv"), items, _metadata(body.get("metadata")))
             await store().save(record, owner, replicas)
             log.info("conversation created with %d item(s)", len(items))
@@ -93,9 +114,11 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
             body = await _body(request)
             if set(body) != {"metadata"}:
                 raise InvalidRequest("metadata is required (and the only field)", param="metadata")
-            record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
-            record.conversation["metadata"] = _metadata(body["metadata"]) or {}
-            await store().save(record, owner, replicas)
+            metadata = _metadata(body["metadata"]) or {}
+            async with editing(owner, conversation_id):
+                record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
+                record.conversation["metadata"] = metadata
+                await store().save(record, owner, replicas)
             return conversation_object(record)
 
     @app.delete(CONVERSATIONS_PATH + "/{conversation_id}")
@@ -118,12 +141,13 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
         with observed(gw.responses_metrics, Op.ITEMS_CREATE):
             owner, replicas = caller(request)
             body = await _body(request)
-            items = input_items(body.get("items") or [], param="items")
+            items = _items(body)
             if not items:
                 raise InvalidRequest("items must hold at least one item", param="items")
-            record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
-            record.items = record.items + items
-            await store().save(record, owner, replicas)
+            async with editing(owner, conversation_id):
+                record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
+                record.items = record.items + items
+                await store().save(record, owner, replicas)
             return {"object": "list", "data": items, "first_id": items[0]["id"], "last_id": items[-1]["id"],
                     "has_more": False}
 
@@ -141,10 +165,11 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
     async def delete_item(conversation_id: str, item_id: str, request: Request) -> dict[str, Any]:
         with observed(gw.responses_metrics, Op.ITEM_DELETE):
             owner, replicas = caller(request)
-            record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
-            kept = [i for i in record.items if i.get("id") != item_id]
-            if len(kept) == len(record.items):
-                raise NotFound(f"Item with id '{item_id}' not found.", param="item_id")
-            record.items = kept
-            await store().save(record, owner, replicas)
+            async with editing(owner, conversation_id):
+                record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
+                kept = [i for i in record.items if i.get("id") != item_id]
+                if len(kept) == len(record.items):
+                    raise NotFound(f"Item with id '{item_id}' not found.", param="item_id")
+                record.items = kept
+                await store().save(record, owner, replicas)
             return conversation_object(record)

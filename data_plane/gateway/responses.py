@@ -36,6 +36,7 @@ from data_plane.gateway.memory import Compaction, compact, fit_with_recall, open
 from data_plane.gateway.response_store import ConversationStore, Kind, Record
 from data_plane.gateway.responses_items import (
     ResponsesRequest,
+    check_call_outputs,
     input_items,
     items_to_messages,
     json_object,
@@ -102,6 +103,7 @@ class ResponsesHandler(ChatHandler):
             raise InvalidRequest("input is required", param="input")
         assert self.tier is not None
         await self._load_history(rreq, self.tier)
+        check_call_outputs(self.history_items + self.new_items)
         system = [{"role": "system", "content": rreq.instructions}] if rreq.instructions else []
         history = items_to_messages(self.history_items, self._open_compaction)
         self.history_messages = len(history)
@@ -117,6 +119,7 @@ class ResponsesHandler(ChatHandler):
             previous = await self.store.load(rreq.previous_response_id, self.owner, tier.replication, Kind.RESPONSE)
             self.history_items, self.route = previous.items, previous.route
         elif conv_id:
+            await self.hold(conv_id, "conversation")
             self.conversation = await self.store.load(conv_id, self.owner, tier.replication, Kind.CONVERSATION)
             self.history_items, self.route = self.conversation.items, self.conversation.route
         if self.history_items or rreq.store is not False or self.conversation is not None:
@@ -207,6 +210,7 @@ class ResponsesHandler(ChatHandler):
                             input_range=(start, start + len(self.new_items)))
             await self.store.save(record, self.owner, replicas)
             saved.append(record)
+        self.let_go()  # the conversation is written: its next turn may start
         threshold = next((c.compact_threshold for c in rreq.context_management or () if c.compact_threshold), None)
         for rec in saved:
             if threshold and conversation_tokens(rec.items, self.gw.counter) > threshold:
@@ -268,7 +272,17 @@ async def compact_record(gw: Gateway, rt: Runtime, store: ConversationStore, rec
     """`context_management` compaction, off the request path: the stored record's older turns become
     one compaction item once the conversation passes `threshold` tokens."""
     with tracer.start_as_current_span("responses.compaction"):
+        lock = f"{owner}/{record.id}"
+        try:  # the conversation's write lock (record_locks.py): a turn under way would be overwritten
+            await gw.record_locks.acquire(lock, wait_s=0.0)
+        except SwitchboardError:
+            log.info("background compaction skipped: a turn is under way")
+            return
         try:
+            current = await store.load(record.id, owner, replicas, record.kind)
+            if current.version != record.version:  # a newer turn was saved meanwhile: compact it next time
+                log.info("background compaction skipped: the record changed")
+                return
             done = compact_items(gw, rt, record.items, owner, threshold // 2, "threshold")
             if done is None:
                 return
@@ -278,8 +292,10 @@ async def compact_record(gw: Gateway, rt: Runtime, store: ConversationStore, rec
             if record.kind is Kind.RESPONSE:  # the input range moves with the items (or goes, if folded)
                 record.input_range = (start - folded + 1, end - folded + 1) if start >= folded else (0, 0)
             await store.save(record, owner, replicas)
-        except SwitchboardError as exc:  # a newer turn won the race, or the nodes failed: next time
+        except SwitchboardError as exc:  # the nodes failed (or the record is gone): next time
             log.info("background compaction skipped: %s", exc.code)
+        finally:
+            gw.record_locks.release(lock)
 
 
 def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore],
@@ -288,7 +304,7 @@ def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationS
     /v1/responses/compact on `app`; `store()` and `runtime()` once the lifespan opened them."""
 
     def caller(request: Request) -> tuple[str, int]:
-        principal = gw.keys.authenticate(request.headers.get("authorization"))
+        principal = gw.guard.authenticate(gw.keys, request)  # banned addresses refused, 401s counted
         token = (request.headers.get("authorization") or "").partition(" ")[2].strip()
         return key_digest(token), gw.tiers.get(principal.tier).replication
 
@@ -323,7 +339,7 @@ def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationS
                 items = (await store().load(str(body["previous_response_id"]), owner, replicas, Kind.RESPONSE)).items
             items = items + input_items(body.get("input") or [])
             keep = body.get("keep_tokens", 256)
-            if not isinstance(keep, int) or keep < 0:
+            if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
                 raise InvalidRequest("keep_tokens must be a non-negative integer", param="keep_tokens")
             done = compact_items(gw, runtime(), items, owner, keep, "endpoint")
             output = [done.item, *done.kept] if done is not None else items

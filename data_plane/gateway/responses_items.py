@@ -20,10 +20,11 @@ import secrets
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_plane.common.errors import InvalidRequest, UnsupportedParameter
 from data_plane.protocol import ChatCompletionRequest
+from data_plane.request_checks import WholeNumber, check_metadata, check_unicode, validated
 
 SUPPORTED_ITEM_TYPES = ("message", "function_call", "function_call_output", "compaction")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -37,7 +38,7 @@ def new_id(prefix: str) -> str:
 class ContextManagement(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["compaction"]
-    compact_threshold: int | None = Field(default=None, ge=64)
+    compact_threshold: WholeNumber | None = Field(default=None, ge=64)
 
 
 class ResponsesRequest(BaseModel):
@@ -54,10 +55,10 @@ class ResponsesRequest(BaseModel):
     store: bool | None = True
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    max_output_tokens: WholeNumber | None = Field(default=None, ge=1, le=1_000_000)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: WholeNumber | None = None
     """Not OpenAI's (it has none on responses); vLLM's extension, passed to the chat path."""
     ignore_eos: bool | None = None
     """vLLM's extension (guidellm sends it for fixed output lengths), passed to the chat path."""
@@ -82,11 +83,13 @@ class ResponsesRequest(BaseModel):
     # Accepted only at their neutral value (see check_supported).
     background: bool | None = None
     reasoning: dict[str, Any] | None = None
-    max_tool_calls: int | None = None
+    max_tool_calls: WholeNumber | None = None
     prompt: Any = None
-    top_logprobs: int | None = None
+    top_logprobs: WholeNumber | None = None
     stop: Any = None
     """Not a Responses field; guidellm sends `"stop": null` beside `ignore_eos`, as vLLM accepts."""
+
+    _metadata = field_validator("metadata")(check_metadata)
 
     def check_supported(self) -> None:
         neutral: dict[str, tuple[Any, ...]] = {
@@ -117,9 +120,15 @@ class ResponsesRequest(BaseModel):
     def response_format(self) -> dict[str, Any] | None:
         """`text.format` as the chat path's `response_format` (None: plain text)."""
         fmt = (self.text or {}).get("format")
+        if fmt is not None and not isinstance(fmt, dict):
+            raise InvalidRequest("text.format must be an object", param="text.format")
         if not fmt or fmt.get("type") == "text":
             return None
         if fmt.get("type") == "json_schema":  # Responses flattens what chat nests under json_schema
+            for required in ("name", "schema"):  # OpenAI's 400s: no silently unconstrained output
+                if fmt.get(required) is None:
+                    raise InvalidRequest(f"Missing required parameter: 'text.format.{required}'.",
+                                         param=f"text.format.{required}", code="missing_required_parameter")
             schema = {k: v for k, v in fmt.items() if k in ("name", "schema", "strict", "description")}
             return {"type": "json_schema", "json_schema": schema}
         return dict(fmt)
@@ -161,19 +170,15 @@ class ResponsesRequest(BaseModel):
         if not self.tools:
             body.pop("parallel_tool_calls", None)
         try:
-            req = ChatCompletionRequest.model_validate(body)
+            req = validated(ChatCompletionRequest, body)
             req.check_supported()
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            param = _responses_param(".".join(str(p) for p in first.get("loc", ())) or None)
-            if first.get("type") == "extra_forbidden":
-                raise UnsupportedParameter(f"parameter {param!r} is not supported by this server",
-                                           param=param) from None
-            raise InvalidRequest(f"{param}: {first.get('msg')}", param=param) from None
         except InvalidRequest as exc:  # the chat path's verdict, in the Responses API's names
             renamed = _responses_param(exc.param)
             if exc.param and renamed:
-                exc.message, exc.param = exc.message.replace(repr(exc.param), repr(renamed)), renamed
+                message = exc.message.replace(repr(exc.param), repr(renamed))
+                if message.startswith(exc.param + ":"):  # a validation error: "<param>: <what is wrong>"
+                    message = renamed + message[len(exc.param):]
+                exc.message, exc.param = message, renamed
             raise
         return req
 
@@ -185,21 +190,15 @@ def _responses_param(param: str | None) -> str | None:
     """A chat request's parameter name as the Responses API calls it."""
     if param is None:
         return None
+    if param.startswith("response_format.json_schema."):  # text.format is flat: no json_schema level
+        return "text.format." + param.removeprefix("response_format.json_schema.")
     head, dot, rest = param.partition(".")
     return CHAT_TO_RESPONSES.get(head, head) + dot + rest
 
 
 def parse_responses_request(raw: bytes, content_type: str | None) -> ResponsesRequest:
     """Decode and validate a Responses body; every failure is a 4xx SwitchboardError."""
-    body = json_object(raw, content_type)
-    try:
-        req = ResponsesRequest.model_validate(body)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
-        if first.get("type") == "extra_forbidden":
-            raise UnsupportedParameter(f"unrecognized request argument supplied: {param}", param=param) from None
-        raise InvalidRequest(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param) from None
+    req = validated(ResponsesRequest, json_object(raw, content_type))  # strict: "stream": "no" is a 400
     req.check_supported()
     return req
 
@@ -212,10 +211,13 @@ def json_object(raw: bytes, content_type: str | None) -> dict[str, Any]:
         raise UnsupportedMediaType(f"Content-Type must be application/json, not {ctype!r}")
     try:
         body = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply", code="invalid_json") from None
+    except (UnicodeDecodeError, ValueError):
         raise InvalidRequest("request body is not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    check_unicode(body)
     return body
 
 
@@ -226,11 +228,15 @@ def input_items(value: str | list[dict[str, Any]], param: str = "input") -> list
     """`input` as stored items (each with an id and a status), validated; 400 naming the bad item."""
     if isinstance(value, str):
         value = [{"type": "message", "role": "user", "content": value}] if value else []
+    if not isinstance(value, list):  # routes that read raw JSON (compact, conversations) pass anything
+        raise InvalidRequest(f"{param} must be a string or an array of items", param=param)
     out = []
     for i, raw in enumerate(value):
         where = f"{param}[{i}]"
         if not isinstance(raw, dict):
             raise InvalidRequest(f"{where} must be an object", param=where)
+        if not isinstance(raw.get("id", ""), str):  # ids are stored, listed and used as cursors
+            raise InvalidRequest(f"{where}.id must be a string", param=f"{where}.id")
         kind = raw.get("type", "message")
         if kind not in SUPPORTED_ITEM_TYPES:
             raise UnsupportedParameter(f"input item type {kind!r} is not supported", param=f"{where}.type")
@@ -272,7 +278,9 @@ def _text_parts(content: Any, role: str, where: str) -> list[dict[str, Any]]:
     parts = []
     for j, part in enumerate(content):
         ptype = part.get("type") if isinstance(part, dict) else None
-        if ptype not in TEXT_PARTS or not isinstance(part.get("text"), str):
+        if ptype in TEXT_PARTS and not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"{where}.content[{j}].text must be a string", param=f"{where}.content[{j}].text")
+        if ptype not in TEXT_PARTS:
             raise UnsupportedParameter(f"content part type {ptype!r} is not supported; only text parts are",
                                        param=f"{where}.content[{j}]")
         parts.append(_part(kind, part["text"]))
@@ -307,12 +315,37 @@ def items_to_messages(items: list[dict[str, Any]], open_compaction: Any = None) 
     return out
 
 
+def check_call_outputs(items: list[dict[str, Any]]) -> None:
+    """OpenAI's 400 for a function_call_output that answers no function_call before it, in its words
+    (the chat path's check would name tool messages and tool_call_id, which a Responses client never sent)."""
+    called: set[str] = set()
+    for item in items:
+        if item["type"] == "function_call":
+            called.add(item["call_id"])
+        elif item["type"] == "function_call_output" and item["call_id"] not in called:
+            raise InvalidRequest(f"No tool call found for function call output with call_id {item['call_id']}.",
+                                 param="input")
+
+
+def call_status(arguments: str, status: str) -> str:
+    """A function_call item's status: "incomplete" when the reply was cut (`status`) inside this
+    call's arguments (they are no whole JSON value), so an app does not run a call with half its
+    arguments; calls the model finished before the cut are "completed"."""
+    if status == "completed":
+        return status
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return "incomplete"
+    return "completed"
+
+
 def output_items(message: dict[str, Any], status: str = "completed") -> list[dict[str, Any]]:
     """A chat completion's message as Responses output items: function_call items, then the text."""
     items: list[dict[str, Any]] = []
     for call in message.get("tool_calls") or []:
         fn = call.get("function", {})
-        items.append({"type": "function_call", "id": new_id("fc"), "status": "completed",
+        items.append({"type": "function_call", "id": new_id("fc"), "status": call_status(fn.get("arguments", ""), status),
                       "call_id": call.get("id") or new_id("call"), "name": fn.get("name", ""),
                       "arguments": fn.get("arguments", "")})
     text = message.get("content")

@@ -22,7 +22,7 @@ from typing import Any
 
 from starlette.types import Message, Send
 
-from data_plane.gateway.responses_items import _part
+from data_plane.gateway.responses_items import _part, call_status
 
 
 def call_item_id(call_id: str) -> str:
@@ -143,7 +143,8 @@ class ResponseEvents:
             else:
                 self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                             arguments=item["arguments"], name=item["name"])
-                done = {k: v for k, v in item.items() if k != "output_index"} | {"status": "completed"}
+                done = {k: v for k, v in item.items() if k != "output_index"} | {
+                    "status": call_status(item["arguments"], status)}
             self._event("response.output_item.done", output_index=index, item=done)
             output.append(done)
         response = self._finish(self._finish_reason, output)

@@ -35,6 +35,7 @@ from data_plane.gateway.context import TokenCounter
 from data_plane.gateway.memory import MemoryMetrics
 from data_plane.gateway.metrics import GatewayMetrics
 from data_plane.gateway.ratelimit.limiter import RateLimiter, RateLimitMetrics, build_limiter
+from data_plane.gateway.record_locks import RecordLocks
 from data_plane.gateway.response_cache import ResponseCache, ResponseCacheMetrics
 from data_plane.gateway.responses_metrics import ResponsesMetrics
 from data_plane.gateway.safety.pipeline import SafetyMetrics, SafetyPolicies
@@ -70,6 +71,8 @@ class Gateway:
     """One usage record per request (data_plane/ledger/writer.py); None with --usage-db off."""
     guard: AbuseGuard = field(init=False)
     """The control plane's abuse actions, applied per request (data_plane/gateway/abuse.py)."""
+    record_locks: RecordLocks = field(init=False)
+    """One writer at a time per conversation / session (data_plane/gateway/record_locks.py)."""
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -83,6 +86,7 @@ class Gateway:
                                      tier_rpm=s.tier_rpm, tier_tpm=s.tier_tpm, known_tiers=self.tiers.names())
         self.ledger = ledger_from_settings(s, self.registry)
         self.guard = AbuseGuard(AbuseGuardMetrics(self.registry), ClientAddress(s.trusted_proxies))
+        self.record_locks = RecordLocks()
 
 
 @dataclass(frozen=True)

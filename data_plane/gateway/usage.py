@@ -16,6 +16,7 @@ A key sees only its own records (filtered by its digest, never by a parameter it
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,7 @@ from data_plane.ledger.store import UsageQuery, default_usage_db, open_ledger_st
 from data_plane.ledger.writer import UsageLedger, open_ledger
 
 if TYPE_CHECKING:
-    from data_plane.gateway.auth import KeyStore
+    from data_plane.gateway.auth import Principal
     from data_plane.gateway.settings import GatewaySettings
 
 BUCKET_WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
@@ -66,7 +67,9 @@ def openai_usage_page(result: dict[str, Any], width: int, group_by: tuple[str, .
         for start, results in sorted(buckets.items())]}
 
 
-def usage_route(keys: KeyStore, ledger: UsageLedger | None) -> Any:
+def usage_route(authenticate: Callable[[Request], Principal], ledger: UsageLedger | None) -> Any:
+    """GET /v1/usage; `authenticate` is the gateway's (the abuse guard's: a banned address is refused
+    and every 401 counted, as on the chat path)."""
     async def usage(request: Request,
                     start_time: int | None = Query(None, description="unix seconds (inclusive); default: "
                                                    "as many buckets back as OpenAI's default"),
@@ -75,7 +78,7 @@ def usage_route(keys: KeyStore, ledger: UsageLedger | None) -> Any:
                     group_by: str | None = Query(None, description="'model' splits each bucket by model")
                     ) -> JSONResponse:
         """This API key's own usage (tokens and requests per time bucket), from the usage ledger."""
-        principal = keys.authenticate(request.headers.get("authorization"))
+        principal = authenticate(request)
         if ledger is None:
             raise NotFound("the usage ledger is off on this gateway (--usage-db off)", code="usage_disabled")
         groups = tuple(g for g in (group_by or "").split(",") if g)

@@ -295,11 +295,15 @@ class UsageLedger:
                 self.metrics.spool_records.set(self._pending)
         return True
 
-    def _write_segment(self, path: Path) -> tuple[int, int]:
+    def _ensure_schema(self) -> None:
+        """Migrate once, before the first statement of any kind (in the ledger's thread)."""
         if not self._migrated:
             version = self.store.migrate()
             self._migrated = True
             log.info("usage ledger: %s at schema version %d", _redact(self.store.url), version)
+
+    def _write_segment(self, path: Path) -> tuple[int, int]:
+        self._ensure_schema()
         rows = read_segment(path)
         written = self.store.insert_many(rows)
         path.unlink()
@@ -326,9 +330,15 @@ class UsageLedger:
                                         and time.monotonic() - self._pruned_at < PRUNE_INTERVAL_S):
             return
         self._pruned_at = time.monotonic()
-        gone = await self._in_thread(lambda: self.store.prune(time.time() - self.retention_days * 86400))
+        gone = await self._in_thread(lambda: self._prune_now(time.time() - self.retention_days * 86400))
         if gone:
             log.info("usage ledger: retention removed %d records older than %g days", gone, self.retention_days)
+
+    def _prune_now(self, before: float) -> int:
+        """The schema first: a gateway that has served nothing yet has written no segment (the write
+        migrates), and its first prune on a new database was a 'no such table' traceback at startup."""
+        self._ensure_schema()
+        return int(self.store.prune(before))
 
     async def aclose(self) -> None:
         await stop_tasks(self._task)

@@ -280,6 +280,27 @@ def test_the_actions_survive_a_control_plane_restart(cluster: Cluster) -> None:
     assert float(blocks.rsplit(" ", 1)[1]) >= 1, blocks
 
 
+def test_every_api_route_counts_bad_keys_and_refuses_a_banned_address(cluster: Cluster) -> None:
+    """Regression: only chat completions and POST /v1/responses went through the abuse guard; the
+    models, usage, stored-response and Conversations routes looked keys up directly, so a client could
+    guess keys there without a failure counted, and a banned address kept using them."""
+    source, good = "127.0.0.4", {"Authorization": f"Bearer {cluster.keys['plus2']}"}
+    client = httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=30)
+    routes = [("GET", "/v1/models"), ("GET", "/v1/models/synthetic"), ("GET", "/v1/usage"),
+              ("GET", "/v1/responses/resp_x"), ("GET", "/v1/conversations/conv_x"), ("POST", "/v1/conversations")]
+    for i, (method, path) in enumerate(routes[:5]):  # the threshold: 5 failures, none of them chat
+        resp = client.request(method, cluster.gateway.url + path, headers={"Authorization": f"Bearer sk-bad-{i}"})
+        assert resp.status_code == 401, (path, resp.text)
+    deadline = time.monotonic() + 15
+    while (resp := client.get(cluster.gateway.url + "/v1/models", headers=good)).status_code != 403:
+        assert resp.status_code == 200 and time.monotonic() < deadline, (resp.text, _actions(cluster))
+        time.sleep(0.3)
+    for method, path in routes:
+        resp = client.request(method, cluster.gateway.url + path, headers=good)
+        assert resp.status_code == 403 and resp.json()["error"]["code"] == "address_banned", (path, resp.text)
+    assert any(a["subject"] == source and a["response"] == "ban" for a in _actions(cluster))
+
+
 def test_an_address_with_repeated_bad_keys_is_banned_then_unbanned(cluster: Cluster) -> None:
     """Last in this module: the whole test runs from 127.0.0.1, which this bans for a while."""
     good = cluster.keys["plus2"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import threading
 import time
@@ -146,6 +147,25 @@ def test_retention_prunes_old_records_after_a_flush(tmp_path: Path) -> None:
 
     asyncio.run(run())
     assert open_ledger_store(db).usage(UsageQuery())["totals"]["requests"] == 1
+
+
+def test_an_idle_gateway_prunes_a_new_database_without_an_error(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Regression: the first prune ran before any record was written, so before the migration (done
+    by the first write): every fresh `switchboard up` logged 'no such table: usage_records'."""
+    db = f"sqlite:///{tmp_path / 'usage.db'}"
+
+    async def run() -> None:
+        ledger = UsageLedger(open_ledger_store(db), Spool(tmp_path / "s"), LedgerMetrics(CollectorRegistry()),
+                             gateway="gw", flush_interval_s=0.05, retention_days=30)
+        await ledger.start()
+        await asyncio.sleep(0.3)  # a few idle flush rounds: the first one prunes
+        await ledger.aclose()
+
+    with caplog.at_level(logging.INFO, logger="data_plane.ledger.writer"):
+        asyncio.run(run())
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "schema version" in caplog.text
+    assert open_ledger_store(db).usage(UsageQuery())["totals"]["requests"] == 0
 
 
 def test_a_database_that_is_down_keeps_records_spooled(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import json
 import sqlite3
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -166,6 +167,85 @@ def test_conversations_crud_and_turns(stack: Stack) -> None:
         sdk.conversations.retrieve(conv.id)
 
 
+def _locked_or_ok(r: httpx.Response) -> bool:
+    """True for a 200; a refusal must be OpenAI's conversation_locked 400, nothing else."""
+    if r.status_code == 200:
+        return True
+    assert r.status_code == 400 and r.json()["error"]["code"] == "conversation_locked", r.text
+    return False
+
+
+def test_concurrent_writes_to_one_conversation_lose_no_turn(stack: Stack) -> None:
+    """Regression: 6 responses at once on one conversation all got 200 and 5 of the turns vanished
+    (each loaded version v and saved v + 1; the nodes kept the last). Now a second writer is refused
+    with OpenAI's 400 conversation_locked, and every turn that got a 200 is stored; concurrent item
+    adds wait their turn and all land; an X-Session-Id chat session is guarded the same way."""
+    sdk = stack.sdk()
+    conv = sdk.conversations.create()
+    url, auth = stack.gateway.url + "/v1", {"Authorization": f"Bearer {KEYS['plus']}"}
+
+    def turn(i: int) -> bool:
+        return _locked_or_ok(httpx.post(url + "/responses", headers=auth, timeout=120, json={
+            "model": MODEL, "input": f"Say the number {i}.", "conversation": conv.id, "max_output_tokens": 8}))
+
+    with ThreadPoolExecutor(6) as pool:
+        answered = sum(pool.map(turn, range(6)))
+    assert answered >= 1
+    assert len(sdk.conversations.items.list(conv.id, limit=100).data) == 2 * answered
+
+    conv2 = sdk.conversations.create()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: sdk.conversations.items.create(
+            conv2.id, items=[{"type": "message", "role": "user", "content": f"note {i}"}]), range(8)))
+    texts = sorted(i.content[0].text for i in sdk.conversations.items.list(conv2.id, limit=100).data)
+    assert texts == [f"note {i}" for i in range(8)]
+
+    first = stack.chat({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+                       headers={"X-Session-Id": "new"})
+    sid = first.headers["x-session-id"]
+    with ThreadPoolExecutor(4) as pool:
+        answered = sum(pool.map(lambda i: _locked_or_ok(stack.chat(
+            {"messages": [{"role": "user", "content": f"Count to {i}."}], "max_tokens": 8},
+            headers={"X-Session-Id": sid})), range(4)))
+    held = [stored_session(c.url, sid) for c in stack.caches]
+    assert max(len(r["messages"]) for r in held if r) == 2 + 2 * answered
+
+
+def test_a_turn_sent_the_moment_the_last_one_completes_is_not_refused(stack: Stack) -> None:
+    """The write lock is let go once the turn is saved, before the reply's last bytes: an app (or the
+    Agents SDK) that sends its next turn as soon as it reads `response.completed`, or a chat
+    session's `finish_reason`, is answered, never told conversation_locked."""
+    sdk = stack.sdk()
+    conv = sdk.conversations.create()
+    url, auth = stack.gateway.url + "/v1", {"Authorization": f"Bearer {KEYS['plus']}"}
+    ask = {"model": MODEL, "conversation": conv.id, "max_output_tokens": 6, "stream": True}
+    for i in range(4):
+        with httpx.stream("POST", url + "/responses", headers=auth, timeout=120,
+                          json={**ask, "input": f"Say the number {i}."}) as first:
+            for line in first.iter_lines():
+                if line.startswith("data:") and json.loads(line[5:]).get("type") in (
+                        "response.completed", "response.incomplete"):
+                    # the stream is still open: its handler has not returned yet
+                    nxt = httpx.post(url + "/responses", headers=auth, timeout=120,
+                                     json={**ask, "stream": False, "input": "And the next?"})
+                    assert nxt.status_code == 200, nxt.text
+                    break
+    assert len(sdk.conversations.items.list(conv.id, limit=100).data) == 4 * 4
+    sid = "new"
+    for _ in range(3):
+        with httpx.stream("POST", url + "/chat/completions", headers={**auth, "X-Session-Id": sid}, timeout=120,
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                "stream": True}) as first:
+            sid = first.headers["x-session-id"]
+            for line in first.iter_lines():
+                if line.startswith("data:") and line != "data: [DONE]" and any(
+                        c.get("finish_reason") for c in json.loads(line[5:]).get("choices", [])):
+                    nxt = stack.chat({"messages": [{"role": "user", "content": "More."}], "max_tokens": 4},
+                                     headers={"X-Session-Id": sid})
+                    assert nxt.status_code == 200, nxt.text
+                    break
+
+
 @pytest.mark.parametrize("body,status,param", [
     ({"input": "x", "background": True}, 400, "background"),
     ({"input": "x", "bogus": 1}, 400, "bogus"),
@@ -175,6 +255,18 @@ def test_conversations_crud_and_turns(stack: Stack) -> None:
     ({"input": "x", "previous_response_id": "resp_a", "conversation": "conv_b"}, 400, "previous_response_id"),
     ({"input": "word " * 3000, "max_output_tokens": 4}, 400, "input"),
     ({"input": ""}, 400, "input"),
+    # strict types (lax mode took "no" as false) and OpenAI's bounds and required fields
+    ({"input": "x", "stream": "no"}, 400, "stream"),
+    ({"input": "x", "store": "no"}, 400, "store"),
+    ({"input": "x", "max_output_tokens": "8"}, 400, "max_output_tokens"),
+    ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, 400, "metadata"),
+    ({"input": "x", "metadata": {"k": "v" * 513}}, 400, "metadata"),
+    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, 400, "text.format.name"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format.schema"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"},
+                                        "strict": "yes"}}}, 400, "text.format.strict"),
+    ({"input": "x", "text": {"format": "json"}}, 400, "text.format"),  # was a 500
+    ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, 400, "input"),
 ])
 def test_bad_requests_are_openai_errors(stack: Stack, body: dict, status: int, param: str) -> None:
     r = httpx.post(stack.gateway.url + "/v1/responses", json={"model": MODEL, **body},
@@ -182,6 +274,33 @@ def test_bad_requests_are_openai_errors(stack: Stack, body: dict, status: int, p
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+    assert "tool_call_id" not in err["message"]  # the Responses API's words, not the chat path's
+
+
+def test_conversations_and_compact_refuse_bad_bodies_with_openai_errors(stack: Stack) -> None:
+    """Regression: these routes read raw JSON themselves; `items: "x"` made an empty conversation,
+    21 items went in at once, a non-string item id was stored, and deep nesting, a lone surrogate or
+    `input: 5` were 500s; a text/plain body was taken as JSON."""
+    url, auth = stack.gateway.url + "/v1", {"Authorization": f"Bearer {KEYS['plus']}"}
+    json_h = {**auth, "content-type": "application/json"}
+    item = {"type": "message", "role": "user", "content": "x"}
+    for path, body, status, param in [
+        ("/conversations", {"items": "x"}, 400, "items"),
+        ("/conversations", {"items": [item] * 21}, 400, "items"),
+        ("/conversations", {"items": [{**item, "id": 5}]}, 400, "items[0].id"),
+        ("/conversations", b'{"items":' + b"[" * 50_000 + b"]" * 50_000 + b"}", 400, None),
+        ("/conversations", b'{"items":[{"role":"user","content":"\\ud800"}]}', 400, None),
+        ("/conversations", {"items": [{"role": "user", "content": [{"type": "input_text"}]}]}, 400,
+         "items[0].content[0].text"),
+        ("/responses", b'{"input":"x","instructions":"\\ud800"}', 400, None),
+        ("/responses/compact", {"input": 5}, 400, "input"),
+        ("/responses/compact", {"input": "x", "keep_tokens": True}, 400, "keep_tokens"),
+    ]:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = httpx.post(url + path, content=raw, headers=json_h, timeout=30)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (path, body, r.text[:300])
+    r = httpx.post(url + "/conversations", content=b"{}", headers={**auth, "content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", r.text
 
 
 def test_agents_sdk_default_responses_model(stack: Stack) -> None:
@@ -282,6 +401,31 @@ def test_text_format_and_function_tools_through_the_chat_path(stack: Stack) -> N
     with pytest.raises(openai.BadRequestError) as e:
         sdk.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}], max_output_tokens=4)
     assert e.value.body["param"] == "tools[0].type"
+
+
+def test_a_call_cut_by_max_output_tokens_is_an_incomplete_item_not_a_completed_one(stack: Stack) -> None:
+    """A function call whose arguments the output limit cut is no call an app may run: the item says
+    "incomplete" (the response too, reason max_output_tokens), streamed and not; a whole call is
+    "completed"."""
+    sdk = stack.sdk()
+    tool = {"type": "function", "name": "weather", "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    ask = {"model": MODEL, "input": "What is the weather in Paris?", "tools": [tool], "tool_choice": "required",
+           "parallel_tool_calls": False, "temperature": 0}
+    whole = sdk.responses.create(**ask, max_output_tokens=48)
+    assert [i.status for i in whole.output if i.type == "function_call"] == ["completed"]
+    cut = sdk.responses.create(**ask, max_output_tokens=16)  # greedy: cut inside '{"city":"Paris"}'
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    calls = [i for i in cut.output if i.type == "function_call"]
+    assert [i.status for i in calls] == ["incomplete"] and calls[0].arguments != whole.output[0].arguments, cut.output
+    with sdk.responses.stream(**ask, max_output_tokens=16) as stream:
+        events = list(stream)
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    (final,) = [e.response for e in events if e.type == "response.incomplete"]
+    assert [i.status for i in done if i.type == "function_call"] == ["incomplete"]
+    assert [i.status for i in final.output if i.type == "function_call"] == ["incomplete"]
+    stored = sdk.responses.retrieve(cut.id)
+    assert [i.status for i in stored.output if i.type == "function_call"] == ["incomplete"]
 
 
 def test_a_streamed_responses_request_is_served_from_the_cache_too(stack: Stack) -> None:

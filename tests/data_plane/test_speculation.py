@@ -4,6 +4,7 @@ target distributions one step at a time."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 
@@ -308,3 +309,14 @@ def test_verify_cost_follows_a_drift_fast() -> None:
         c.plain(1, 0.060)
         c.verify(1, 9, 0.072)
     assert c.row_cost(1) == pytest.approx(0.0015 / 0.060, rel=0.05)
+
+
+def test_a_noisy_host_drifts_without_a_log_line_a_step(caplog: pytest.LogCaptureFixture) -> None:
+    """Every plain step 1.5x or 1/1.5x the last is a drift each time (counted), but the shard's log
+    gets one line for it, not one a step."""
+    cost = VerifyCost()
+    with caplog.at_level(logging.INFO, logger="data_plane.shard.engines.speculation"):
+        for i in range(40):
+            cost.plain(1, 0.010 if i % 2 else 0.015)
+    assert cost.drifts == 39
+    assert len([r for r in caplog.records if r.levelno >= logging.INFO]) == 1

@@ -43,7 +43,12 @@ CASES: list[tuple[str, Any, dict[str, str], set[int]]] = [
     ("max_completion_tokens huge", {"messages": USER, "max_completion_tokens": 999_999}, {}, BAD),
     ("max_tokens zero", {"messages": USER, "max_tokens": 0}, {}, BAD),
     ("max_tokens 4.0", {"messages": USER, "max_tokens": 4.0}, {}, OK),
-    ("max_tokens true", {"messages": USER, "max_tokens": True}, {}, OK | BAD),
+    ("max_tokens true (strict types: not 1)", {"messages": USER, "max_tokens": True}, {}, BAD),
+    ("max_tokens a string", {"messages": USER, "max_tokens": "5"}, {}, BAD),
+    ("max_tokens 4.5", {"messages": USER, "max_tokens": 4.5}, {}, BAD),
+    ("n a string", {"messages": USER, "n": "2", "max_tokens": 2}, {}, BAD),
+    ("n true", {"messages": USER, "n": True, "max_tokens": 2}, {}, BAD),
+    ("logprobs a string", {"messages": USER, "logprobs": "false", "max_tokens": 2}, {}, BAD),
     (
         "max_tokens and max_completion_tokens disagree",
         {"messages": USER, "max_tokens": 3, "max_completion_tokens": 4},
@@ -72,7 +77,28 @@ CASES: list[tuple[str, Any, dict[str, str], set[int]]] = [
     ),
     ("only whitespace", {"messages": [{"role": "user", "content": " \n\t "}], "max_tokens": 2}, {}, OK | BAD),
     ("empty content", {"messages": [{"role": "user", "content": ""}], "max_tokens": 2}, {}, OK | BAD),
-    ("null content", {"messages": [{"role": "user", "content": None}], "max_tokens": 2}, {}, OK | BAD),
+    ("null content", {"messages": [{"role": "user", "content": None}], "max_tokens": 2}, {}, BAD),
+    (
+        "null content on an assistant turn (allowed, as OpenAI does)",
+        {"messages": USER + [{"role": "assistant", "content": None}] + USER, "max_tokens": 2},
+        {},
+        OK,
+    ),
+    (
+        "lone surrogate in a JSON schema (was a 500)",
+        (b'{"messages":[{"role":"user","content":"x"}],"max_tokens":2,"response_format":{"type":"json_schema",'
+        b'"json_schema":{"name":"x","schema":{"type":"string","enum":["\\ud800"]}}}}'),
+        {},
+        BAD,
+    ),
+    (
+        "lone surrogate in a tool call's arguments (was a 500)",
+        (b'{"messages":[{"role":"user","content":"x"},{"role":"assistant","tool_calls":[{"id":"c1","type":"function",'
+        b'"function":{"name":"f","arguments":"\\ud800"}}]},{"role":"tool","tool_call_id":"c1","content":"ok"}],'
+        b'"max_tokens":2}'),
+        {},
+        BAD,
+    ),
     # structure
     (
         "developer role",
@@ -112,12 +138,7 @@ CASES: list[tuple[str, Any, dict[str, str], set[int]]] = [
         {},
         OK | BAD,
     ),
-    (
-        "stream is a string",
-        {"messages": USER, "stream": "yes", "max_tokens": 2},
-        {},
-        OK | BAD,
-    ),  # lax: "yes" is true
+    ("stream is a string (it streamed: lax mode took 'yes' as true)", {"messages": USER, "stream": "yes"}, {}, BAD),
     ("stream_options without stream", {"messages": USER, "stream_options": {"include_usage": True}}, {}, BAD),
     # extension fields a client may send (the gateway sets its own)
     (

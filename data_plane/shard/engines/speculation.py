@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -257,6 +258,7 @@ class VerifyCost:
         """Probe steps run, per kind (counted by the Speculator, which runs them)."""
         self.drifts = 0
         """Plain steps that moved more than `drift` from their average."""
+        self._logged_at = float("-inf")
 
     def _ewma(self, table: dict[int, float], key: int, value: float, alpha: float | None = None) -> None:
         old = table.get(key)
@@ -266,9 +268,13 @@ class VerifyCost:
         old = self._step_s.get(batch)
         if old is not None and old > 0.0 and not 1 / self.drift <= seconds / old <= self.drift:
             self.drifts += 1
+            # one line a minute at most: on a noisy host every plain step can drift (the count is a metric)
+            now = time.monotonic()
+            level = logging.INFO if batch not in self._drifting and now - self._logged_at >= 60.0 else logging.DEBUG
+            self._logged_at = now if level == logging.INFO else self._logged_at
+            log.log(level, "decode step at batch %d moved from %.1f to %.1f ms: re-measuring the verify row cost "
+                    "(%d drifts so far)", batch, 1e3 * old, 1e3 * seconds, self.drifts)
             self._drifting.add(batch)
-            log.info("decode step at batch %d moved from %.1f to %.1f ms: re-measuring the verify row cost",
-                     batch, 1e3 * old, 1e3 * seconds)
             self._ewma(self._step_s, batch, seconds, self.drift_alpha)
             self._since_verify[batch] = self._interval(batch)  # rows are priced against the old step: re-probe
         else:

@@ -1,0 +1,78 @@
+"""One writer at a time per stored conversation on this gateway: the lock that stops lost turns.
+
+    locks = RecordLocks()
+    await locks.acquire("conv_...", wait_s=0.0)     # 400 conversation_locked when another write holds it
+    ...load the record, generate, save it...
+    locks.release("conv_...")
+
+Why: a conversation (Responses API), and a chat session (X-Session-Id), is stored as one whole record
+on the cache nodes, rewritten on every turn: load it, append the turn, save it with version + 1. Two
+requests on one conversation at once both load version v and both save v + 1; the nodes keep the
+last of two equal versions, so one turn (its input and the model's reply) vanished while both
+clients were told 200. OpenAI refuses the second request instead: 400 ``conversation_locked``,
+"Another process is currently operating on this conversation. Please retry in a few seconds."
+That is what this lock gives: a response in a conversation holds it from the load to the save (so
+for the whole generation) and a second one is refused at once; the conversation's item edits (add,
+delete, metadata) wait a few seconds for each other (each takes milliseconds) and are refused only
+when a generation holds the lock longer.
+
+The lock is per gateway process: two gateways (zones) writing one conversation at the same moment
+can still race (the cache nodes would need a compare-and-set on the version for that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from data_plane.common.errors import InvalidRequest
+
+ITEM_EDIT_WAIT_S = 5.0
+"""How long an item edit waits for another write on its conversation before it is refused."""
+
+
+def locked_error(param: str) -> InvalidRequest:
+    """OpenAI's answer to a second writer on a conversation."""
+    return InvalidRequest("Another process is currently operating on this conversation. Please retry in a few "
+                          "seconds.", param=param, code="conversation_locked")
+
+
+class RecordLocks:
+    """Per-record locks, created on first use and dropped when nobody holds or waits for them (so
+    the table never grows with the number of conversations ever written)."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._users: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+    async def acquire(self, record_id: str, *, wait_s: float, param: str = "conversation") -> None:
+        """Hold `record_id`'s lock, waiting at most `wait_s` (0: only if free now); else 400
+        ``conversation_locked``."""
+        lock = self._locks.setdefault(record_id, asyncio.Lock())
+        self._users[record_id] = self._users.get(record_id, 0) + 1
+        try:
+            if lock.locked() and wait_s <= 0:
+                raise locked_error(param)
+            await asyncio.wait_for(lock.acquire(), timeout=wait_s if wait_s > 0 else None)
+        except (TimeoutError, InvalidRequest):
+            self._drop(record_id)
+            raise locked_error(param) from None
+        except BaseException:
+            self._drop(record_id)
+            raise
+
+    def release(self, record_id: str) -> None:
+        lock = self._locks.get(record_id)
+        if lock is not None and lock.locked():
+            lock.release()
+        self._drop(record_id)
+
+    def _drop(self, record_id: str) -> None:
+        left = self._users.get(record_id, 1) - 1
+        if left > 0:
+            self._users[record_id] = left
+            return
+        self._users.pop(record_id, None)
+        self._locks.pop(record_id, None)

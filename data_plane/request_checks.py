@@ -1,0 +1,91 @@
+"""Checks every public request body gets before its fields are read (chat, Responses, Conversations).
+
+    check_unicode(body)                           # 400 for a lone surrogate anywhere in it
+    req = validated(ChatCompletionRequest, body)  # strict types; a 400 naming the field as sent
+    max_tokens: WholeNumber | None                # an int field that also takes 4.0, never true or "4"
+
+Shared by data_plane/protocol.py (chat, on the gateway and the shard) and
+data_plane/gateway/responses_items.py (Responses, Conversations), so the three answer alike.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, BeforeValidator, ValidationError
+
+from data_plane.common.errors import InvalidRequest, UnsupportedParameter
+
+MAX_METADATA_PAIRS = 16
+
+
+def _whole(value: Any) -> Any:
+    """4.0 -> 4 (JSON has one number type; a client that computed a limit may send it so); anything
+    else goes on to the strict int check, which refuses true, "4" and 4.5."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+WholeNumber = Annotated[int, BeforeValidator(_whole)]
+
+
+def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's bounds on `metadata` (16 pairs, keys <= 64 and values <= 512 characters): it is
+    stored with a response, so unbounded metadata would be unbounded storage per request."""
+    if value is not None and (len(value) > MAX_METADATA_PAIRS
+                              or any(len(k) > 64 or len(v) > 512 for k, v in value.items())):
+        raise ValueError(f"at most {MAX_METADATA_PAIRS} pairs, keys of at most 64 and values of at most 512 "
+                         "characters")
+    return value
+
+
+def check_unicode(body: Any) -> None:
+    """400 for a body with a lone surrogate anywhere: JSON may escape one ("\\ud800") and no UTF-8
+    encoder takes it, so one in a JSON schema, a tool call's arguments or stored metadata was a 500
+    wherever the gateway, the grammar compiler or the cache node first encoded it."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest("request body contains invalid Unicode (a lone surrogate)", code="invalid_json") from None
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def validated(model: type[M], body: dict[str, Any]) -> M:
+    """`body` as `model`, in pydantic's strict mode, or the 400 OpenAI gives.
+
+    Strict, because lax mode coerced what a client got wrong into something it did not ask for:
+    ``"stream": "yes"`` streamed, ``"n": "2"`` and ``"n": true`` were numbers, ``"store": "no"`` was
+    false. OpenAI answers each with a 400 ("Invalid type for 'stream': expected a boolean").
+    JSON objects still validate as nested models, and an integer as a float."""
+    try:
+        return model.model_validate(body, strict=True)
+    except ValidationError as exc:
+        # of a union's errors (one per member), the one that got furthest into what the client sent
+        errors = [(wire_param(e.get("loc", ()), body, e.get("type") == "missing"), e) for e in exc.errors()]
+        (param, _), first = max(errors, key=lambda pe: pe[0][1])
+        if first.get("type") == "extra_forbidden":
+            raise UnsupportedParameter(f"unrecognized request argument supplied: {param}", param=param) from None
+        raise InvalidRequest(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param) from None
+
+
+def wire_param(loc: Sequence[Any], body: Any, missing: bool = False) -> tuple[str | None, int]:
+    """A validation error's location as a path through the request body (``messages.0.content``),
+    and how many of its steps are in the body.
+
+    pydantic puts the union member it tried into `loc` (``str``, ``literal['none','auto','required']``,
+    ``NamedToolChoice``), which is no field the client sent: keep the keys and indexes that walk
+    `body`, and, for a `missing` error, the last key (the required field)."""
+    parts: list[str] = []
+    node = body
+    for i, step in enumerate(loc):
+        walks = (isinstance(node, dict) and isinstance(step, str) and step in node) or (
+            isinstance(node, list) and isinstance(step, int) and 0 <= step < len(node))
+        if walks:
+            node = node[step]
+        elif not (missing and i == len(loc) - 1):
+            continue  # a union member's tag
+        parts.append(str(step))
+    return ".".join(parts) or None, len(parts)
