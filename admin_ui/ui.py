@@ -70,7 +70,7 @@ def _argv() -> list[str]:
     return list(sys.argv[1:]) if "streamlit" in os.path.basename(sys.argv[0]) or sys.argv[0].endswith("app.py") else []
 
 
-@st.cache_resource(show_spinner=False)
+@st.cache_resource(show_spinner=False, max_entries=8)  # a rewritten credentials file makes a new entry
 def _console(argv: tuple[str, ...], env_key: tuple[str | None, ...]) -> Console:
     settings = ConsoleSettings.from_argv(list(argv))
     admin = AdminClient(settings.control_plane_url, settings.admin_token_value(), timeout_s=settings.timeout_s)
@@ -78,21 +78,38 @@ def _console(argv: tuple[str, ...], env_key: tuple[str | None, ...]) -> Console:
 
 
 def console() -> Console:
-    """The console's settings and clients (cached per process, rebuilt if the environment changes)."""
+    """The console's settings and clients (cached per process, rebuilt if the environment or the
+    credentials file changes: an operator who fixes the token there, or a `switchboard up` that
+    rewrote it, is heard on the next refresh instead of after a console restart)."""
     keys = ("SWITCHBOARD_CONTROL_PLANE_URL", "SWITCHBOARD_GATEWAY_URL", ENV_ADMIN_TOKEN,
             "SWITCHBOARD_CREDENTIALS_FILE", "SWITCHBOARD_CONSOLE_REFRESH_S")
-    return _console(tuple(_argv()), tuple(os.environ.get(k) for k in keys))
+    argv = tuple(_argv())
+    return _console(argv, (*(os.environ.get(k) for k in keys), _credentials_stamp(argv)))
 
 
-def fetch(what: str, call: Callable[[], T], *, quiet_unavailable: bool = False) -> T | None:
-    """Run one admin-API call; on failure say why (in place) and return None."""
+def _credentials_stamp(argv: tuple[str, ...]) -> str | None:
+    """The credentials file's identity and mtime (None when there is none): part of the cache key."""
+    path = ConsoleSettings.from_argv(list(argv)).credentials_file
+    try:
+        stat = os.stat(os.path.expanduser(path))
+    except OSError:
+        return None
+    return f"{path}:{stat.st_ino}:{stat.st_mtime_ns}:{stat.st_size}"
+
+
+def fetch(what: str, call: Callable[[], T], *, quiet_unavailable: bool = False,
+          quiet_refused: bool = False) -> T | None:
+    """Run one admin-API call; on failure say why (in place) and return None. `quiet_refused`: for a
+    call outside the live region, whose banner already says the token is refused."""
     try:
         return call()
     except Unreachable as exc:
         st.error(f"**{what}: control plane unreachable.** {exc.message}", icon=":material/power_off:")
     except Unauthorized as exc:
-        st.error(f"**{what}: the admin token was refused** ({exc.message}). Set {ENV_ADMIN_TOKEN} or the "
-                 "`admin_token` in `.switchboard/credentials.json` to the control plane's token.", icon=":material/lock:")
+        if quiet_refused:
+            return None
+        st.error(f"**{what}: the admin token was refused** ({exc.message}). {token_hint(console())}",
+                 icon=":material/lock:")
     except NotAvailable:
         if not quiet_unavailable:
             st.info(f"**{what}: not available yet** on this control plane (the endpoint answered 404).", icon=":material/construction:")
@@ -140,9 +157,13 @@ def live(name: str) -> Callable[[Callable[[Console], None]], Callable[[], None]]
             if not c.admin.health():
                 unreachable_banner(c)
                 return
-            if not c.admin.has_token:
-                st.warning(f"No admin token: set {ENV_ADMIN_TOKEN} or run `switchboard up` (it writes "
-                           f"{c.settings.credentials_file}). The admin API will refuse every call.", icon=":material/lock:")
+            try:  # the cheapest authenticated read: a refused token is said once, not once per call
+                c.admin.members()
+            except Unauthorized as exc:
+                token_banner(c, exc)
+                return
+            except ConsoleError:
+                pass  # the page's own calls say what else is wrong, each in place
             zone_banner(c)
             body(c)
             st.caption(f"Updated {time.strftime('%H:%M:%S')} · every {c.settings.refresh_s:g} s"
@@ -174,6 +195,30 @@ def zone_banner(c: Console) -> None:
         f"paid sessions continue from their replica elsewhere, free sessions that lived there are lost. "
         f"Add capacity in the surviving zones (runbook: SwitchboardZoneDown).",
         icon=":material/public_off:",
+    )
+
+
+def token_hint(c: Console) -> str:
+    """Where this console's token came from, so the operator fixes the right place."""
+    if c.settings.admin_token is not None and c.settings.admin_token.get_secret_value():
+        source = f"the console sends {ENV_ADMIN_TOKEN}"
+    elif c.admin.has_token:
+        source = f"the console read `admin_token` from `{c.settings.credentials_file}`"
+    else:
+        source = f"the console has no token: {ENV_ADMIN_TOKEN} is unset and `{c.settings.credentials_file}` holds none"
+    return (f"{source[0].upper()}{source[1:]}. Set {ENV_ADMIN_TOKEN}, or point `--credentials-file` at the file "
+            f"`switchboard up` wrote (its `admin_token`), to the control plane's admin token.")
+
+
+def token_banner(c: Console, exc: ConsoleError) -> None:
+    """The whole page's answer when the admin API refuses the token: every figure below would be a
+    blank made to look like an empty cluster ("0/0 passing", "No shards registered")."""
+    st.error(
+        f"### Admin token refused\n"
+        f"The control plane at **{c.settings.control_plane_url}** answers, but refuses this console's token "
+        f"({exc.message}), so nothing on this page can be shown. {token_hint(c)} Retrying every "
+        f"{c.settings.refresh_s:g} s.",
+        icon=":material/lock:",
     )
 
 

@@ -30,6 +30,7 @@ from control_plane.admin.usage import build_usage_router
 from control_plane.degradation import DegradationController, DegradationMetrics, ladder_config
 from control_plane.policy_store import open_store
 from control_plane.registry.consul import ConsulMembers
+from control_plane.registry.drains import DrainMarks
 from control_plane.registry.embedded import Registry, RegistryMetrics, build_router
 from control_plane.scaling.actuators.local import LocalActuator
 from control_plane.scaling.loop import build_autoscaler
@@ -66,6 +67,7 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
         max_wait_s=settings.max_wait_s,
         warmup_s=settings.warmup_s,
         default_ttl_s=settings.default_ttl_s,
+        drains=DrainMarks(settings.state_dir),  # an operator's drain outlives a restart of this process
     )
     consul = None  # with --membership consul://…, members live in Consul: read there, not hosted here
     if settings.membership:

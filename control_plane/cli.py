@@ -8,6 +8,7 @@
     switchboard control-plane           # registry + admin API
     switchboard bench engine            # engine throughput vs the naive server
     switchboard model prepare           # convert the default model once
+    switchboard admin status            # members, degradation level, alerts (admin_ui/cli.py)
 
 Each subcommand's module owns its flags (`main(argv)`); they are imported lazily so that
 `switchboard cache-node` never pays for importing torch. Every subcommand also takes
@@ -30,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("data_plane.model_cli", "model tools: prepare (convert the default model once)"),
     "dashboards": ("dashboards.cli", "Grafana dashboards: push, check (which panels fill)"),
     "console": ("admin_ui.launch", "run the admin console (Streamlit)"),
+    "admin": ("admin_ui.cli", "operator actions over the admin API: status, members, drain/undrain, degrade"),
     "autoscale": ("control_plane.scaling.cli", "autoscaling tools: simulate (replay a load trace; PNG)"),
 }
 

@@ -27,9 +27,11 @@ import os
 import re
 import secrets
 import shlex
+import socket
 import time
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import httpx
 from pydantic import Field, field_validator
@@ -216,6 +218,38 @@ def plan(s: UpSettings, state: Path, admin_token: str,
     return cp, caches, shards, gateways
 
 
+PORT_FLAGS = (("control-plane", "--control-plane-port"), ("gateway", "--gateway-port"), ("console", "--console-port"),
+              ("prometheus", "--prometheus-port"), ("shard-", "--shard-base-port"), ("cache-", "--cache-base-port"))
+"""Child name prefix -> the flag that moves its port."""
+
+
+def busy_ports(children: list[Child], host: str) -> list[str]:
+    """The children whose port something else already holds, as "gateway port 8000 (--gateway-port)".
+
+    Why before anything starts: a child that cannot bind exits only after its start-up, and by then
+    whatever holds the port (often another `switchboard up`) has answered its health check. The
+    launcher then printed "Switchboard is up" with the other platform's URL beside this one's keys
+    (every request a 401), and restarted the gateway forever."""
+    busy = []
+    for child in children:
+        port = urlsplit(child.url).port
+        if port is not None and _port_taken(host, port):
+            flag = next((f for prefix, f in PORT_FLAGS if child.name.startswith(prefix)), "")
+            busy.append(f"{child.name} port {port}" + (f" ({flag})" if flag else ""))
+    return busy
+
+
+def _port_taken(host: str, port: int) -> bool:
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is free
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def local_max_shards(s: UpSettings, threads: int, cores: int | None = None) -> int:
     """Shards (pipeline groups) the local actuator may run: as many stage processes of `threads`
     threads as the cores hold, divided into groups of `pipeline_parallel_size` (at least min_replicas)."""
@@ -311,6 +345,10 @@ def main(argv: list[str] | None = None) -> None:
     if prometheus is not None:
         cp.args += ["--prometheus", prometheus.url]
     order = [cp, *caches, *shards, *gateways] + [c for c in (prometheus, console) if c is not None]
+    busy = busy_ports(order, s.host)
+    if busy:
+        raise SystemExit(f"switchboard up: already in use on {s.host}: {', '.join(busy)}. Another `switchboard up` "
+                         f"may be running; stop it, or move this one with the flag(s) named.")
     supervisor = Supervisor(order)
     supervisor.guard()  # a stop signal from here on stops the children started so far
     try:

@@ -25,13 +25,13 @@ import contextlib
 import json
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from control_plane.json_files import write_json_atomic
 from control_plane.ladder import LevelChange
 from data_plane.common.ladder import Level
 from data_plane.tiers import TierPolicy
@@ -83,30 +83,6 @@ class DegradationRecord:
             since=float(data.get("since") or 0.0),
             history=tuple(LevelChange.from_dict(e) for e in history),
         )
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Replace `path` with `data` as JSON so that a crash leaves the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    # the rename itself is durable only once the directory entry is
-    with contextlib.suppress(OSError):
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
 
 
 class PolicyStore:

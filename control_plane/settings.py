@@ -83,9 +83,9 @@ class ControlPlaneSettings(BaseSettings):
     access_log: bool = False
     """Log every HTTP request (heartbeats make this noisy)."""
     state_dir: Path | None = None
-    """Directory where the tier policy and the degradation level are persisted (JSON, written
-    atomically), and the abuse monitor's actions (sealed), restored from at start; without one
-    they live in memory only."""
+    """Directory where the tier policy, the degradation level and the operator's drains are persisted
+    (JSON, written atomically), and the abuse monitor's actions (sealed), restored from at start;
+    without one they live in memory only."""
     state_keys_file: Path | None = None
     """Keys that seal the abuse monitor's state in the state dir (the session keys file's format: the
     first seals, every listed one opens); default: a key derived from the cluster token."""

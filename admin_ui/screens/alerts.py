@@ -91,7 +91,11 @@ def body(c: ui.Console) -> None:
                      column_config={"summary": st.column_config.TextColumn("Summary", width="large")})
     st.subheader("Recently resolved", divider="gray")
     if not recent:
-        st.caption("Nothing has stopped firing since this console started.")
+        # The console notices a resolve only by watching: an alert that fired and cleared while no one had
+        # this page open (a shard killed and restarted) left no trace, and "since this console started"
+        # claimed otherwise. Alertmanager / Prometheus keep the history.
+        st.caption("Nothing seen to stop firing while this page was open. Alerts that fired and cleared with "
+                   "the page closed are not listed: Prometheus / Alertmanager keep that history.")
     else:
         st.dataframe(_frame(recent, resolved=True), hide_index=True, width="stretch")
 

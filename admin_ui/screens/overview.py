@@ -48,6 +48,9 @@ def body(c: ui.Console) -> None:
         frame = members_frame([m for m in member_list if m.get("service") == "shard"], latest, now=0)
         if frame.empty:
             st.caption("No shards registered.")
+        elif not frame[["running", "waiting"]].fillna(0).to_numpy().any():
+            # all zero: Vega draws an empty plot with one tick labelled "0.000000"; say it in words
+            st.caption(f"All {len(frame)} shard{'s' if len(frame) > 1 else ''} idle: nothing running or waiting.")
         else:
             chart = frame.set_index("member")[["running", "waiting"]].fillna(0)
             st.bar_chart(chart, horizontal=True, stack=True, y_label="", x_label="requests", height=220,

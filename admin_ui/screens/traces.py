@@ -76,7 +76,7 @@ def body(c: ui.Console) -> None:
         st.dataframe(ui.colour_words(traces_frame(traces), ["status"]), hide_index=True, width="stretch",
                      height=min(36 + 35 * len(traces), 360), column_config={
             "time": st.column_config.DatetimeColumn("When", format="HH:mm:ss.SSS"),
-            "status": st.column_config.TextColumn("Status", width="small"),
+            "status": st.column_config.TextColumn("Status", width="medium"),  # "ok (1 leg failed)"
             "tier": st.column_config.TextColumn("Tier", width="small"),
             "root": st.column_config.TextColumn("Root span"),
             "duration_ms": st.column_config.NumberColumn("Latency", format="%.1f ms"),

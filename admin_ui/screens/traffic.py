@@ -78,7 +78,7 @@ c = ui.console()
 
 
 def _load() -> None:
-    loaded = ui.fetch("Tier policy", c.admin.tiers)
+    loaded = ui.fetch("Tier policy", c.admin.tiers, quiet_refused=True)  # the banner above says so
     if loaded is not None:
         st.session_state["tiers_loaded"] = loaded
         st.session_state["tiers_editor_version"] = st.session_state.get("tiers_editor_version", 0) + 1

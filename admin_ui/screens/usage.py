@@ -29,9 +29,15 @@ f3.text_input("Tenant", key="usage_tenant", placeholder="any")
 f4.text_input("Key id", key="usage_key", placeholder="any", help="A key's short SHA-256 digest, as in the ledger.")
 
 
+NO_TENANT = "(no valid key)"
+
+
 def usage_frame(rows: list[dict]) -> pd.DataFrame:
     """Ledger rows -> one row per bucket x tenant x tier, with a `time` column and a token total."""
     frame = pd.DataFrame(rows, columns=["start", "tenant", "tier", "requests", "errors", *TOKENS])
+    # A request refused before its key was known (401) has no tenant: say so, rather than draw a
+    # nameless series and a blank cell beside the "unknown" tier.
+    frame["tenant"] = frame["tenant"].fillna("").replace("", NO_TENANT)
     frame["time"] = pd.to_datetime(frame["start"], unit="s", utc=True)
     frame["tokens"] = frame["prompt_tokens"] + frame["completion_tokens"]
     return frame

@@ -36,13 +36,23 @@ def is_chat_trace(trace: Mapping[str, Any]) -> bool:
     return str(trace.get("root", "")) == "gateway.request"
 
 
+def _status(trace: Mapping[str, Any]) -> str:
+    """``ok``, ``error``, or ``ok (1 leg failed)``: a request the platform recovered (a shard lost
+    mid-stream, the reply resumed elsewhere) is ok for its client, and the operator still sees why
+    its waterfall holds a red span."""
+    if trace.get("status") == "error":
+        return "error"
+    failed = int(num(trace.get("failed_spans")) or 0)
+    return f"ok ({failed} leg{'s' if failed > 1 else ''} failed)" if failed else "ok"
+
+
 def traces_frame(traces: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     """One row per trace, most recent first."""
     rows = []
     for t in traces:
         rows.append({
             "time": pd.Timestamp(num(t.get("start")) or 0, unit="s", tz="UTC"),
-            "status": "error" if t.get("status") == "error" else "ok",
+            "status": _status(t),
             "tier": t.get("tier") or "—",
             "root": t.get("root", ""),
             "duration_ms": num(t.get("duration_ms")),

@@ -31,7 +31,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from prometheus_client import CollectorRegistry, Counter
 
-from control_plane.policy_store import write_json_atomic
+from control_plane.json_files import write_json_atomic
 from data_plane.common.crypto import ENVELOPE_VERSION, NONCE_BYTES, Keyring
 
 log = logging.getLogger(__name__)

@@ -209,8 +209,9 @@ class TraceModel(BaseModel):
     root: str = Field(description="name of the root span")
     services: list[str]
     start: float = Field(description="unix seconds")
-    duration_ms: float
-    status: str = Field(description="ok | error")
+    duration_ms: float = Field(description="the root span's (what the client saw)")
+    status: str = Field(description="ok | error: the root span's")
+    failed_spans: int = Field(default=0, description="spans that ended in error (a leg recovered from, too)")
     tier: str | None
     span_count: int
     spans: list[SpanModel] = Field(description="sorted by start")

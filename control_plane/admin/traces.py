@@ -73,6 +73,13 @@ async def collect_spans(
 def assemble_traces(spans: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Group span dicts (as served at ``/debug/spans``) into traces, most recent first.
 
+    A trace's ``duration_ms`` and ``status`` are its root span's (the gateway's ``gateway.request``:
+    what the client got), not the union of every span: after a mid-stream failover the abandoned
+    shard's ``shard.generate`` ends in error up to the stall's length later, and a request that was
+    delivered whole in 6 s must not be listed as a 21 s error. ``failed_spans`` counts the spans
+    that ended in error (a failed leg the request recovered from shows as ``ok`` with a count).
+    Without its root (not collected, or still open) a trace spans all it has, an error if any is.
+
     assemble_traces([{"trace_id": "a"*32, "span_id": "1"*16, "parent_span_id": None, "name": "gateway.request",
                       "service": "switchboard-gateway", "start_ns": 1, "end_ns": 2, "status": "OK",
                       "attributes": {"switchboard.tier": "free"}, "events": []}])[0]["tier"]   # 'free'
@@ -85,8 +92,16 @@ def assemble_traces(spans: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         ordered = sorted(by_id.values(), key=lambda s: (s.get("start_ns") or 0, s.get("name", "")))
         roots = [s for s in ordered if not s.get("parent_span_id") or s["parent_span_id"] not in by_id]
         root = roots[0] if roots else ordered[0]
-        start = min(s.get("start_ns") or 0 for s in ordered)
-        end = max((s.get("end_ns") or s.get("start_ns") or 0) for s in ordered)
+        failed = sum(1 for s in ordered if s.get("status") == "ERROR")
+        if not root.get("parent_span_id") and root.get("end_ns"):
+            # The request as its caller saw it: a shard leg abandoned after a failover ends (in error)
+            # whenever that shard notices, long after the resumed reply was delivered.
+            start, end = int(root.get("start_ns") or 0), int(root["end_ns"])
+            status = "error" if root.get("status") == "ERROR" else "ok"
+        else:  # root not collected (yet): the spans we have are all there is to go on
+            start = min(s.get("start_ns") or 0 for s in ordered)
+            end = max((s.get("end_ns") or s.get("start_ns") or 0) for s in ordered)
+            status = "error" if failed else "ok"
         tier = next(
             (s["attributes"][TIER_ATTRIBUTE] for s in ordered if TIER_ATTRIBUTE in (s.get("attributes") or {})),
             None,
@@ -97,7 +112,8 @@ def assemble_traces(spans: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             "services": sorted({str(s.get("service", "")) for s in ordered}),
             "start": start / 1e9,
             "duration_ms": round((end - start) / 1e6, 3),
-            "status": "error" if any(s.get("status") == "ERROR" for s in ordered) else "ok",
+            "status": status,
+            "failed_spans": failed,
             "tier": str(tier) if tier is not None else None,
             "span_count": len(ordered),
             "spans": ordered,

@@ -48,6 +48,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from control_plane.registry.drains import DrainMarks
 from data_plane.common.errors import InvalidRequest, NotFound
 from data_plane.common.hop_auth import require_cluster_token
 from data_plane.common.tasks import every, stop_tasks
@@ -153,6 +154,8 @@ class Registry:
 
     `upsert`, `remove` and `set_draining` are called by the HTTP handlers; `query` by blocking
     queries; the reaper task (started by `start`, cancelled by `aclose`) expires silent members.
+    `drains` keeps the operator's drains across a restart (control_plane/registry/drains.py): a
+    member that registers under a drained id starts out draining.
     """
 
     def __init__(
@@ -166,8 +169,10 @@ class Registry:
         warmup_s: float = 0.0,
         default_ttl_s: float = 10.0,
         clock: _Clock | None = None,
+        drains: DrainMarks | None = None,
     ) -> None:
         self.services = tuple(services)
+        self.drains = drains if drains is not None else DrainMarks(None)
         self.default_ttl_s = default_ttl_s
         self.instance_id = uuid.uuid4().hex
         self._metrics = metrics
@@ -257,9 +262,11 @@ class Registry:
             self._remove(entry, reason=f"re-registering as {service}")
             entry = None
         if entry is None:
-            entry = _Entry(member_id, service, url, dict(meta), ttl, wall, mono + ttl)
+            entry = _Entry(member_id, service, url, dict(meta), ttl, wall, mono + ttl,
+                           draining=member_id in self.drains)
             self._entries[member_id] = entry
-            log.info("registered %s (%s) at %s ttl=%.1fs meta=%s", member_id, service, url, ttl, dict(meta))
+            log.info("registered %s (%s) at %s ttl=%.1fs meta=%s%s", member_id, service, url, ttl, dict(meta),
+                     " (draining: an operator drained it)" if entry.draining else "")
             self._bump(service, "registered")
             return entry.to_dict(), True
         changed = entry.url != url or entry.meta != meta or entry.critical_since is not None
@@ -279,12 +286,14 @@ class Registry:
         if entry is None:
             raise NotFound(f"no member {member_id!r} in the registry", param="id")
         self._remove(entry, reason="deregistered")
+        self.drains.set(member_id, False)  # it left on its own: a new member under this id starts fresh
         return entry.to_dict()
 
     def set_draining(self, member_id: str, draining: bool) -> dict[str, Any]:
         entry = self._entries.get(member_id)
         if entry is None:
             raise NotFound(f"no member {member_id!r} in the registry", param="id")
+        self.drains.set(member_id, draining)
         if entry.draining != draining:
             entry.draining = draining
             event = "drained" if draining else "undrained"

@@ -242,13 +242,35 @@ def print_metrics(m: dict[str, Any], concurrency: int | None, rate: float) -> No
 # -- command line ------------------------------------------------------------------------
 
 
+class BenchError(Exception):
+    """A run that cannot start (nothing at the URL, a refused key): one line for the operator,
+    never a traceback through httpx."""
+
+
+def _why(resp: httpx.Response) -> str:
+    """The server's own words for an error answer (OpenAI's ``error.message`` when it has one)."""
+    try:
+        body = resp.json()
+        message = body.get("error", {}).get("message") if isinstance(body, dict) else None
+    except (ValueError, AttributeError):
+        message = None
+    return str(message or resp.text[:200] or resp.reason_phrase)
+
+
 async def discover_model(client: httpx.AsyncClient, endpoint: Endpoint) -> str:
-    resp = await client.get(endpoint.base + "/v1/models", headers=endpoint.headers)
-    resp.raise_for_status()
-    data = resp.json().get("data") or []
-    if not data:
-        raise RuntimeError(f"{endpoint.base}/v1/models lists no model; pass --model")
-    return str(data[0]["id"])
+    url = endpoint.base + "/v1/models"
+    try:
+        resp = await client.get(url, headers=endpoint.headers)
+    except httpx.HTTPError as exc:
+        raise BenchError(f"cannot reach {url} ({type(exc).__name__}: {exc}); check --url") from None
+    if resp.status_code >= 400:
+        hint = "; check --api-key" if resp.status_code in (401, 403) else ""
+        raise BenchError(f"{url} answered {resp.status_code}: {_why(resp)}{hint}")
+    try:
+        data = resp.json().get("data") or []
+        return str(data[0]["id"])
+    except (ValueError, AttributeError, LookupError, TypeError):
+        raise BenchError(f"{url} lists no model; pass --model") from None
 
 
 def _workload(args: argparse.Namespace) -> tuple[int | None, list[str]]:
@@ -376,6 +398,15 @@ def main(argv: list[str] | None = None) -> None:
         slos = parse_goodput(args.goodput)
     except ValueError as exc:
         raise SystemExit(f"switchboard bench serve: {exc}") from None
-    result = asyncio.run(run_compare(args, slos) if args.compare_url else run(args, slos))
+    try:
+        result = asyncio.run(run_compare(args, slos) if args.compare_url else run(args, slos))
+    except BenchError as exc:
+        raise SystemExit(f"switchboard bench serve: {exc}") from None
     if args.json:
         write_json(args.json, result)
+    # A run in which nothing was served measured nothing: exit 1 so a script or CI step notices
+    # (it used to print a table of nan and exit 0 when every request was refused).
+    for name, m in ((("A", result["a"]), ("B", result["b"])) if args.compare_url else (("", result),)):
+        if not m["completed"]:
+            where = f" ({name}: {args.url if name == 'A' else args.compare_url})" if name else ""
+            raise SystemExit(f"switchboard bench serve: every request failed{where}; see 'failed x' above")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -29,10 +30,27 @@ def test_unreachable_control_plane_is_said_on_every_page(bare_console, page):
     assert "Control plane unreachable" in texts(at)
 
 
-def test_wrong_admin_token_is_named(console, cluster):
+@pytest.mark.parametrize("page", [p for p in PAGES if p != "playground"])
+def test_wrong_admin_token_is_one_banner_and_no_fake_empty_cluster(console, cluster, page):
+    """A refused token used to give one red box per admin call (four on the Overview) above tiles that
+    read "shards 0/0 passing" and "No shards registered", and named `.switchboard/credentials.json`
+    whatever file the console was given."""
     console.point_at(cluster.control_plane.url, token="not-the-token")
-    at = console.page("cluster")
-    assert "admin token was refused" in texts(at)
+    at = console.page(page)
+    [error] = [e.value for e in at.error]
+    assert "Admin token refused" in error and "SWITCHBOARD_ADMIN_TOKEN" in error
+    shown = texts(at)
+    assert "0/0 passing" not in shown and "No shards registered" not in shown and not at.metric
+
+
+def test_a_wrong_token_in_the_credentials_file_names_that_file(console, cluster, monkeypatch):
+    monkeypatch.delenv("SWITCHBOARD_ADMIN_TOKEN")  # the token comes from the file alone
+    console.credentials.write_text(json.dumps({"keys": {}, "admin_token": "sb-admin-stale"}))
+    [error] = [e.value for e in console.page("cluster").error]
+    assert "Admin token refused" in error and str(console.credentials) in error
+    console.credentials.write_text(json.dumps({"keys": {}}))
+    [error] = [e.value for e in console.page("overview").error]
+    assert "has no token" in error and str(console.credentials) in error
 
 
 def test_missing_endpoints_say_not_available(console, cluster):
@@ -58,6 +76,11 @@ def test_overview_tiles_show_the_cluster(console, admin):
     assert tiles["Healthy shards"] == "2 / 2"
     assert tiles["Degradation"].startswith("L")
     assert "shards 2/2 passing" in texts(at)
+    # idle shards are said in words (an all-zero bar chart drew an empty plot with a "0.000000" tick)
+    while "All 2 shards idle: nothing running or waiting." not in texts(at):
+        assert time.monotonic() < deadline + 10, texts(at)
+        time.sleep(0.5)
+        at = console.page("overview")
 
 
 def test_cluster_page_lists_the_shards_that_are_up(console, admin):

@@ -13,6 +13,10 @@ from tests.support.console import require, texts
 def test_usage_page_shows_the_ledger_per_tenant_and_tier_with_a_csv(console, cluster, admin):
     require(admin, "/admin/v1/usage")
     before = admin.get("/admin/v1/usage").json()["totals"]["requests"]
+    refused = httpx.post(cluster.gateway.url + "/v1/chat/completions", timeout=30,
+                         headers={"Authorization": "Bearer sk-not-a-key"}, json={"messages": []})
+    assert refused.status_code == 401  # in the ledger with no tenant: it had no valid key
+    before += 1
     for tier in ("plus", "enterprise"):
         r = httpx.post(cluster.gateway.url + "/v1/chat/completions", timeout=30,
                        headers={"Authorization": f"Bearer {cluster.keys[tier]}"},
@@ -28,6 +32,6 @@ def test_usage_page_shows_the_ledger_per_tenant_and_tier_with_a_csv(console, clu
     assert len(at.get("arrow_vega_lite_chart")) + len(at.get("vega_lite_chart")) >= 2  # per tenant, per tier
     assert "No usage recorded" not in texts(at)
     tenants = set(at.dataframe[-1].value["tenant"])
-    assert {"acme", "bigco"} <= tenants
+    assert {"acme", "bigco", "(no valid key)"} <= tenants and "" not in tenants
     csv = admin.get("/admin/v1/usage", params={"format": "csv", "by": "tenant,tier"}).text
     assert csv.splitlines()[0].startswith("start,end,start_unix,end_unix,tenant,tier,requests")

@@ -10,7 +10,7 @@ from admin_ui.views.alerts import alert_rows
 from admin_ui.views.cluster import members_frame
 from admin_ui.views.signals import SignalsView, overview_tiles, split_signals
 from admin_ui.views.tiers import frame_problems, local_policy_problems, policy_from_frame, tiers_frame
-from admin_ui.views.traces import waterfall_frames
+from admin_ui.views.traces import traces_frame, waterfall_frames
 
 POLICY = {"tiers": {
     "free": {"priority": 2, "rpm": 60, "tpm": 20000, "max_context_tokens": 2048, "max_output_tokens": 256,
@@ -98,6 +98,15 @@ def test_waterfall_puts_children_under_parents_with_offsets():
     assert spans.iloc[0]["start_ms"] == 0 and spans.iloc[3]["duration_ms"] == 4.0
     assert list(spans["service"]) == ["gateway", "gateway", "gateway", "shard"]
     assert events.empty
+
+
+def test_trace_list_says_a_recovered_request_was_ok_and_why_it_has_a_failed_span():
+    base = {"start": 0, "tier": "plus", "root": "gateway.request", "duration_ms": 6411.0, "span_count": 4}
+    frame = traces_frame([{**base, "trace_id": "a", "status": "ok", "failed_spans": 1},
+                          {**base, "trace_id": "b", "status": "ok", "failed_spans": 0},
+                          {**base, "trace_id": "c", "status": "error", "failed_spans": 2},
+                          {**base, "trace_id": "d", "status": "ok"}])  # an older control plane: no count
+    assert list(frame["status"]) == ["ok (1 leg failed)", "ok", "error", "ok"]
 
 
 def test_signals_view_reads_fields_by_attribute_and_a_missing_field_is_incomplete() -> None:

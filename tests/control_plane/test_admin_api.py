@@ -277,6 +277,27 @@ def test_assemble_traces_orders_and_summarises() -> None:
     assert assemble_traces(STUB_SPANS[1:])[0]["root"] == "router.route"
 
 
+def test_a_trace_recovered_by_failover_is_summarised_by_its_root() -> None:
+    """A stream resumed on another shard after its first shard stalled: the client got every token in
+    6.4 s, but the stalled shard's leg ended in error 21.4 s in, when that shard woke. The list said
+    "error, 21412 ms" for a request that had succeeded; the root span is what the client saw."""
+    resumed = [
+        span("1" * 16, None, "gateway.request", "switchboard-gateway", 0, 6411, **{"switchboard.tier": "plus"}),
+        span("2" * 16, "1" * 16, "router.route", "switchboard-gateway", 1, 150),
+        span("3" * 16, "2" * 16, "shard.generate", "switchboard-shard", 10, 21412, status="ERROR"),
+        span("4" * 16, "2" * 16, "shard.generate", "switchboard-shard", 1990, 6411),
+    ]
+    [trace] = assemble_traces(resumed)
+    assert trace["status"] == "ok" and trace["duration_ms"] == 6411.0 and trace["failed_spans"] == 1
+    assert trace["span_count"] == 4  # the failed leg is still in the waterfall
+    # the root failing is the request failing, however short its children were
+    resumed[0] = span("1" * 16, None, "gateway.request", "switchboard-gateway", 0, 6411, status="ERROR")
+    assert assemble_traces(resumed)[0]["status"] == "error"
+    # without its root (still streaming, or not collected) the spans we have decide, as before
+    [partial] = assemble_traces(resumed[1:])
+    assert partial["status"] == "error" and partial["duration_ms"] == 21411.0 and partial["root"] == "router.route"
+
+
 async def test_alerts_from_alertmanager(tmp_path: Path, stub: StubServer) -> None:
     proc = open_control_plane("--warmup", "0", "--alertmanager", stub.url, log_path=tmp_path / "cp.log").start()
     try:

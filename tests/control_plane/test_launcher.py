@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from tests.support.procs import free_port, start_up, wait_up
+from tests.support.procs import free_port, start_up, switchboard, wait_up
 
 
 def _children(pid: int) -> list[int]:
@@ -86,6 +87,23 @@ def test_up_starts_platform_and_stops_cleanly(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_up_on_a_port_another_process_holds_says_so_and_starts_nothing(tmp_path: Path) -> None:
+    """A second `switchboard up` on the first one's ports printed "Switchboard is up" with the first
+    platform's URLs (they answered its health checks) beside its own keys, and restarted its gateway
+    forever; now it names each taken port and the flag that moves it, before starting anything."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        out = switchboard("up", "--engine", "synthetic", "--gateway-port", str(port), "--control-plane-port",
+                          str(free_port()), "--no-console", "--shards", "1", "--cache-nodes", "1",
+                          "--state-dir", str(tmp_path / "state"), timeout=60)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"gateway port {port} (--gateway-port)" in out.stderr and "Traceback" not in out.stderr
+    assert "Switchboard is up" not in out.stdout and "starting control plane" not in out.stdout
+    assert not list((tmp_path / "state" / "logs").glob("*.log"))  # no child was started
 
 
 def test_up_autoscale_lets_the_control_plane_start_and_stop_the_shards(tmp_path: Path) -> None:

@@ -230,6 +230,50 @@ async def test_bad_input_gets_a_4xx_in_the_openai_shape(control_plane: Service) 
             assert_openai_error(await http.request(method, path, **kwargs), status)
 
 
+async def test_a_drain_outlives_a_control_plane_restart(tmp_path: pathlib.Path) -> None:
+    """kill -9 of the control plane (its supervisor restarts it) used to put a drained shard back into
+    rotation: the registry is in memory and the shard's heartbeat re-registered it as passing."""
+    state = str(tmp_path / "state")
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    body = {"service": "shard", "url": "http://127.0.0.1:8101", "ttl_s": 30}
+    first = await asyncio.to_thread(
+        open_control_plane("--warmup", "0", "--state-dir", state, log_path=tmp_path / "cp1.log").start)
+    try:
+        async with httpx.AsyncClient(base_url=first.url, timeout=10) as http:
+            for member in ("shard-a", "shard-b", "shard-c"):
+                assert (await http.put(f"/v1/registry/members/{member}", json=body)).status_code == 200
+            for member in ("shard-a", "shard-c"):
+                resp = await http.post(f"/admin/v1/members/{member}/drain", headers=admin)
+                assert resp.json()["status"] == "draining"
+            # shard-c leaves cleanly (the local autoscaler drains, then stops): its id is free again
+            assert (await http.delete("/v1/registry/members/shard-c")).status_code == 200
+    finally:
+        first.kill()
+    again = await asyncio.to_thread(open_control_plane(
+        "--warmup", "0", "--state-dir", state, port=first.port, log_path=tmp_path / "cp2.log").start)
+    try:
+        async with httpx.AsyncClient(base_url=again.url, timeout=10) as http:
+            status = {}
+            for member in ("shard-a", "shard-b", "shard-c"):  # their next heartbeats
+                status[member] = (await http.put(f"/v1/registry/members/{member}", json=body)).json()["status"]
+            assert status == {"shard-a": "draining", "shard-b": "passing", "shard-c": "passing"}
+            routed = (await http.get("/v1/registry/members", params={"service": "shard"})).json()["members"]
+            assert {m["id"]: m["draining"] for m in routed} == {"shard-a": True, "shard-b": False, "shard-c": False}
+            # undraining is remembered too: a third start leaves shard-a in rotation
+            resp = await http.post("/admin/v1/members/shard-a/undrain", headers=admin)
+            assert resp.json()["status"] == "passing"
+    finally:
+        again.kill()
+    third = await asyncio.to_thread(open_control_plane(
+        "--warmup", "0", "--state-dir", state, port=first.port, log_path=tmp_path / "cp3.log").start)
+    try:
+        async with httpx.AsyncClient(base_url=third.url, timeout=10) as http:
+            resp = await http.put("/v1/registry/members/shard-a", json=body)
+            assert resp.json()["status"] == "passing"
+    finally:
+        third.kill()
+
+
 async def test_sigterm_answers_blocking_queries_and_exits(tmp_path: pathlib.Path) -> None:
     proc = await asyncio.to_thread(open_control_plane("--warmup", "0", log_path=tmp_path / "cp.log").start)
     try:

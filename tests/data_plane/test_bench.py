@@ -85,6 +85,36 @@ def test_help_and_unknown_subcommands() -> None:
     assert exc.value.code == 2
 
 
+def test_bench_serve_refused_or_unreachable_is_one_line_and_exit_1() -> None:
+    """A wrong --api-key or --url used to end in an httpx traceback (at model discovery), or, with
+    --model, in a table of nan and exit code 0."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from tests.support.http_stub import serve_app
+    from tests.support.procs import free_port
+
+    refusing = FastAPI()
+
+    @refusing.api_route("/{path:path}", methods=["GET", "POST"])
+    async def refuse(path: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": "invalid API key", "type": "authentication_error",
+                                       "param": None, "code": "invalid_api_key"}}, status_code=401)
+
+    small = ("--num-prompts", "2", "--max-tokens", "4", "--timeout", "10")
+    with serve_app(refusing) as url:
+        found = switchboard("bench", "serve", "--url", url, "--api-key", "sk-wrong", *small, timeout=60)
+        served = switchboard("bench", "serve", "--url", url, "--model", "m", *small, timeout=60)
+    nothing = switchboard("bench", "serve", "--url", f"http://127.0.0.1:{free_port()}", *small, timeout=60)
+    for out in (found, served, nothing):
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert found.stderr.strip() == (f"switchboard bench serve: {url}/v1/models answered 401: invalid API key; "
+                                    "check --api-key")
+    assert "failed x2: HTTP 401" in served.stdout
+    assert served.stderr.strip().endswith("every request failed; see 'failed x' above")
+    assert "cannot reach" in nothing.stderr and "check --url" in nothing.stderr
+
+
 def test_bench_serve_against_a_synthetic_shard(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "serve.json"
     with Service(["shard", "--engine", "synthetic"]) as shard:

@@ -1,0 +1,154 @@
+"""`switchboard admin`: the operator's actions from a shell, over the same admin API as the console.
+
+    switchboard admin status                       # members, degradation level, firing alerts
+    switchboard admin members --json               # GET /admin/v1/members, as JSON
+    switchboard admin drain shard-1                # stop routing to a member (in-flight work finishes)
+    switchboard admin undrain shard-1
+    switchboard admin degrade 3 --reason "incident 4711"   # pin a degradation level
+    switchboard admin degrade --release                     # let the automatic rule decide again
+
+Why: the runbook's steps (docs/runbook.md: drain the outlier, release a pin) were raw ``curl`` calls
+with a bearer token pasted by hand, and an operator without a browser on the console's network had
+no other way. Every command finds the control plane and its token as the console does
+(``--control-plane-url`` / ``SWITCHBOARD_CONTROL_PLANE_URL``; ``SWITCHBOARD_ADMIN_TOKEN``, else the
+``admin_token`` in ``--credentials-file``, which ``switchboard up`` writes) and goes through
+:class:`admin_ui.client.AdminClient`, so a failure is one line naming what to fix, never a traceback.
+
+Exit codes: 0 done; 1 the control plane is unreachable, refused the token, or refused the action
+(an unknown member, a bad level); 2 a usage error (argparse's own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from admin_ui.client import AdminClient, ConsoleError, NotAvailable, Unauthorized, Unreachable
+from admin_ui.settings import DEFAULT_CREDENTIALS_FILE, ENV_ADMIN_TOKEN, ConsoleSettings
+
+PROG = "switchboard admin"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--control-plane-url", default=None,
+                        help="the control plane (env SWITCHBOARD_CONTROL_PLANE_URL; default http://127.0.0.1:8300)")
+    common.add_argument("--credentials-file", default=None,
+                        help=f"where the admin token is when {ENV_ADMIN_TOKEN} is unset "
+                             f"(env SWITCHBOARD_CREDENTIALS_FILE; default {DEFAULT_CREDENTIALS_FILE})")
+    common.add_argument("--timeout-s", type=float, default=5.0, help="timeout of one call (default 5)")
+    common.add_argument("--json", action="store_true", help="print the control plane's answer as JSON")
+    parser = argparse.ArgumentParser(prog=PROG, description="Operator actions over the control plane's admin API.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("status", parents=[common], help="members, degradation level and firing alerts at a glance")
+    sub.add_parser("members", parents=[common], help="every registered process and its status")
+    for name, what in (("drain", "stop routing new requests to a member"), ("undrain", "put a member back")):
+        p = sub.add_parser(name, parents=[common], help=what)
+        p.add_argument("member", help="member id, as `switchboard admin members` lists it (e.g. shard-1)")
+    p = sub.add_parser("degrade", parents=[common], help="pin a degradation level, or --release the pin")
+    p.add_argument("level", nargs="?", type=int, choices=range(5), help="0 normal ... 4 enterprise only")
+    p.add_argument("--reason", default="", help="why (kept in the level's history; required with a level)")
+    p.add_argument("--release", action="store_true", help="release the operator's pin")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "degrade":
+        if args.release == (args.level is not None):
+            parser.error("degrade takes a LEVEL (with --reason) or --release")
+        if args.level is not None and not args.reason.strip():
+            parser.error("degrade LEVEL needs --reason (it is kept in the history)")
+    overrides = {k: v for k, v in (("control_plane_url", args.control_plane_url),
+                                   ("credentials_file", args.credentials_file)) if v is not None}
+    settings = ConsoleSettings(**overrides)
+    admin = AdminClient(settings.control_plane_url, settings.admin_token_value(), timeout_s=args.timeout_s)
+    try:
+        run(args, admin)
+    except Unauthorized as exc:
+        source = (f"from {ENV_ADMIN_TOKEN}" if settings.admin_token is not None
+                  else f"from {settings.credentials_file}" if admin.has_token
+                  else f"none: {ENV_ADMIN_TOKEN} is unset and {settings.credentials_file} holds none")
+        raise SystemExit(f"{PROG}: the control plane at {settings.control_plane_url} refused the admin token "
+                         f"({exc.message}); token {source}") from None
+    except Unreachable as exc:
+        raise SystemExit(f"{PROG}: {exc.message}; check --control-plane-url") from None
+    except NotAvailable as exc:
+        raise SystemExit(f"{PROG}: {exc.message}") from None
+    except ConsoleError as exc:
+        raise SystemExit(f"{PROG}: the control plane answered {exc.status}: {exc.message}") from None
+    finally:
+        admin.close()
+
+
+def run(args: argparse.Namespace, admin: AdminClient) -> None:
+    actions: dict[str, Callable[[], Any]] = {
+        "members": admin.members,
+        "drain": lambda: admin.drain(args.member),
+        "undrain": lambda: admin.undrain(args.member),
+        "degrade": lambda: admin.release_degradation() if args.release
+        else admin.pin_degradation(args.level, args.reason),
+    }
+    if args.command == "status":
+        body = {"members": admin.members(), "degradation": admin.degradation(), "alerts": _alerts(admin)}
+        print(json.dumps(body, indent=2) if args.json else format_status(body))
+        return
+    body = actions[args.command]()
+    if args.json:
+        print(json.dumps(body, indent=2))
+    elif args.command == "members":
+        print(format_members(body.get("members") or []))
+    elif args.command == "degrade":
+        print(f"degradation level {body.get('level')} ({body.get('name', '')}): "
+              + (str(body.get("reason", "")) if body.get("pinned") else "automatic (the pin is released)"))
+    else:
+        print(f"{body.get('id', args.member)}: {body.get('status')}")
+
+
+def _alerts(admin: AdminClient) -> dict[str, Any] | None:
+    try:
+        return admin.alerts()
+    except NotAvailable:
+        return None
+
+
+def format_members(members: list[dict[str, Any]], now: float | None = None) -> str:
+    """One line per member: id, service, zone, status, heartbeat age, URL."""
+    now = time.time() if now is None else now
+    rows = [("MEMBER", "SERVICE", "ZONE", "STATUS", "HEARTBEAT", "URL")]
+    for m in sorted(members, key=lambda m: (str(m.get("service")), str(m.get("id")))):
+        beat = m.get("last_heartbeat")
+        age = f"{max(0.0, now - float(beat)):.1f} s ago" if isinstance(beat, int | float) else "-"
+        rows.append((str(m.get("id")), str(m.get("service")), str(m.get("zone") or "-"), str(m.get("status")),
+                     age, str(m.get("url"))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1] for r in rows)
+
+
+def format_status(body: dict[str, Any], now: float | None = None) -> str:
+    members = (body.get("members") or {}).get("members") or []
+    lines = []
+    for service in ("shard", "cache", "gateway"):
+        of = [m for m in members if m.get("service") == service]
+        passing = sum(1 for m in of if m.get("status") == "passing")
+        others = sorted({str(m.get("status")) for m in of} - {"passing"})
+        detail = ", ".join(f"{sum(1 for m in of if m.get('status') == s)} {s}" for s in others)
+        lines.append(f"{service + 's':<9} {passing}/{len(of)} passing" + (f" ({detail})" if detail else ""))
+    d = body.get("degradation") or {}
+    lines.append(f"{'level':<9} L{d.get('level', '?')} {d.get('name', '')}"
+                 + (f" ({d.get('reason', '')})" if d.get("pinned") else ""))
+    alerts = body.get("alerts")
+    if alerts is not None:
+        firing = [a for a in alerts.get("alerts") or [] if a.get("state") == "firing"]
+        names = ", ".join(str(a.get("name")) for a in firing)
+        lines.append(f"{'alerts':<9} {len(firing)} firing" + (f": {names}" if names else ""))
+    return "\n".join(lines) + "\n\n" + format_members(members, now)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

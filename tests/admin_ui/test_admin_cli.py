@@ -1,0 +1,73 @@
+"""`switchboard admin` (admin_ui/cli.py) against the package's real cluster: the runbook's actions
+from a shell, and one clear line with exit code 1 for each way they can fail."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from admin_ui.cli import main
+from tests.support.cluster import ADMIN_TOKEN
+from tests.support.procs import free_port, switchboard
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)  # what the interpreter prints for it
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch, cluster, tmp_path):
+    monkeypatch.setenv("SWITCHBOARD_CONTROL_PLANE_URL", cluster.control_plane.url)
+    monkeypatch.setenv("SWITCHBOARD_ADMIN_TOKEN", ADMIN_TOKEN)
+    monkeypatch.setenv("SWITCHBOARD_CREDENTIALS_FILE", str(tmp_path / "credentials.json"))
+    return cluster
+
+
+def test_status_drain_undrain_and_a_pin(env, admin, capsys) -> None:
+    code, out, _ = run(capsys, "status")
+    assert code == 0 and "shards    2/2 passing" in out and "level     L" in out and "shard-0" in out
+    shard = env.shards[0]
+    member = next(m["id"] for m in admin.get("/admin/v1/members").json()["members"] if m["url"] == shard.url)
+    try:
+        code, out, _ = run(capsys, "drain", member)
+        assert (code, out.strip()) == (0, f"{member}: draining")
+        assert next(m for m in admin.get("/admin/v1/members").json()["members"] if m["id"] == member)["draining"]
+        code, out, _ = run(capsys, "status")
+        assert "shards    1/2 passing (1 draining)" in out
+    finally:
+        code, out, _ = run(capsys, "undrain", member)
+    assert (code, out.strip()) == (0, f"{member}: passing")
+    try:
+        code, out, _ = run(capsys, "degrade", "2", "--reason", "cli drill", "--json")
+        assert code == 0 and json.loads(out)["pinned"] and admin.get("/admin/v1/degradation").json()["level"] == 2
+    finally:
+        code, out, _ = run(capsys, "degrade", "--release")
+    assert code == 0 and "automatic" in out and not admin.get("/admin/v1/degradation").json()["pinned"]
+
+
+def test_failures_are_one_line_and_exit_1(env, monkeypatch, capsys) -> None:
+    code, _, err = run(capsys, "drain", "no-such-member")
+    assert code == 1 and "answered 404: no member 'no-such-member'" in err
+    monkeypatch.setenv("SWITCHBOARD_ADMIN_TOKEN", "not-the-token")
+    code, _, err = run(capsys, "members")
+    assert code == 1 and "refused the admin token" in err and "from SWITCHBOARD_ADMIN_TOKEN" in err
+    code, _, err = run(capsys, "status", "--control-plane-url", f"http://127.0.0.1:{free_port()}")
+    assert code == 1 and "cannot reach the control plane" in err and "--control-plane-url" in err
+    code, _, err = run(capsys, "degrade", "3")  # a pin without a reason is a usage error
+    assert code == 2 and "needs --reason" in err
+
+
+def test_it_is_a_switchboard_subcommand() -> None:
+    shown = switchboard("admin", "--help", timeout=60)
+    assert shown.returncode == 0 and "usage: switchboard admin" in shown.stdout
+    assert "admin" in switchboard("--help", timeout=60).stdout
