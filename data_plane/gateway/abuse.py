@@ -207,7 +207,8 @@ class AbuseGuard:
             self._metrics.rejections.labels(Outcome.BANNED.value).inc()
             raise PermissionDenied(
                 f"requests from this address are refused for a while after repeated invalid API keys ({ban.reason}); "
-                "retry after the time in Retry-After, with a valid key", code="address_banned",
+                "every request from it is refused until the time in Retry-After has passed, even with a valid "
+                "key (an operator can lift the ban on the console's Abuse page)", code="address_banned",
                 retry_after=self._retry_after(ban))
         header = request.headers.get("authorization")
         try:
