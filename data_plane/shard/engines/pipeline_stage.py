@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         if known.rank is None:
             raise SystemExit("--join needs --rank")
         argv = joined(known.join, known.rank, known.bind, known.threads) + rest
-    ap = argparse.ArgumentParser(prog="pipeline_stage", description=__doc__,
+    ap = argparse.ArgumentParser(prog="switchboard stage", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--join", default="", help="HOST:PORT of stage 0's group (its TCPStore): the rest comes "
                     "from there (with --rank and --bind)")
