@@ -6,6 +6,7 @@ enough to parse but not to re-encode, and the nulls real SDKs send, in process (
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -57,3 +58,22 @@ def test_an_input_item_id_of_null_is_no_id() -> None:
     with pytest.raises(SwitchboardError) as e:
         input_items([{**items[0], "id": 5}])
     assert e.value.status == 400 and e.value.param == "input[0].id"
+
+
+def test_replayed_openai_assistant_messages_and_the_sdks_stream_options_are_accepted() -> None:
+    """An app that replays OpenAI's message objects sends `refusal`, `audio` and `function_call` as
+    null, and the current openai SDK may send `stream_options.include_obfuscation`: all were 400s
+    (extra fields forbidden). A refusal with no content is that turn's text; a non-null audio or
+    function_call is still refused, naming the field."""
+    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False},
+            "messages": [{"role": "user", "content": "Help me."},
+                         {"role": "assistant", "content": None, "refusal": "I can't help with that.",
+                          "audio": None, "function_call": None},
+                         {"role": "user", "content": "Then say hi."}]}
+    req = parse_chat_request(json.dumps(body).encode(), "application/json")
+    assert [m.text() for m in req.messages] == ["Help me.", "I can't help with that.", "Then say hi."]
+    for field, value in (("audio", {"id": "audio_1"}), ("function_call", {"name": "f", "arguments": "{}"})):
+        bad = {**body, "messages": [{"role": "assistant", "content": "x", field: value}, body["messages"][2]]}
+        with pytest.raises(SwitchboardError) as e:
+            parse_chat_request(json.dumps(bad).encode(), "application/json")
+        assert e.value.status == 400 and e.value.param == f"messages.0.{field}"
