@@ -108,9 +108,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
     """vLLM's extension: usage (so far) on every chunk; the gateway uses it to resume streams."""
-    include_obfuscation: bool = True
+    include_obfuscation: bool | None = None
     """OpenAI's padding of stream chunks against size side channels (the openai SDK sends it): accepted;
-    chunks here are not padded, whatever it says."""
+    chunks here are not padded, whatever it says (None: not sent, and not passed on to the shard)."""
 
 
 # Parameters OpenAI defines that we accept only at their neutral value.
