@@ -22,6 +22,7 @@ stops them on exit. The decisions are in the console's Autoscaler page and ``/ad
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -240,13 +241,19 @@ def busy_ports(children: list[Child], host: str) -> list[str]:
 
 
 def _port_taken(host: str, port: int) -> bool:
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    """Whether something holds `port` on `host`. Only "in use" counts: a host that does not resolve,
+    or an address this machine lacks (localhost's ::1 without IPv6), is left to the child's own
+    start-up error rather than reported as a busy port."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError:
+        return False
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is free
         try:
             probe.bind((host, port))
-        except OSError:
-            return True
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
     return False
 
 

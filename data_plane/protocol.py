@@ -66,6 +66,13 @@ class ChatMessage(BaseModel):
     name: str | None = Field(default=None, max_length=256)
     tool_calls: Any = None
     tool_call_id: str | None = None
+    refusal: str | None = None
+    """An assistant message's refusal, as OpenAI's replies carry it (null when it answered): replayed
+    history stays valid; a refusal with no content is the turn's text."""
+    audio: None = None
+    function_call: None = None
+    """OpenAI's assistant message fields this server never produces, accepted as null (an app that
+    replays OpenAI's message objects sends them): anything else is a 400."""
 
     @field_validator("content")
     @classmethod
@@ -80,7 +87,7 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -101,6 +108,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
     """vLLM's extension: usage (so far) on every chunk; the gateway uses it to resume streams."""
+    include_obfuscation: bool = True
+    """OpenAI's padding of stream chunks against size side channels (the openai SDK sends it): accepted;
+    chunks here are not padded, whatever it says."""
 
 
 # Parameters OpenAI defines that we accept only at their neutral value.

@@ -48,6 +48,8 @@ def check_unicode(body: Any) -> None:
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidRequest("request body contains invalid Unicode (a lone surrogate)", code="invalid_json") from None
+    except RecursionError:  # encoding takes a few more frames than the parse did: a body nested just deep enough
+        raise InvalidRequest("request body is nested too deeply", code="invalid_json") from None
 
 
 M = TypeVar("M", bound=BaseModel)

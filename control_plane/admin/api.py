@@ -120,6 +120,14 @@ class MemberModel(_Open):
     draining: bool
 
 
+class AbsentMemberModel(_Open):
+    """An undrain of a member that is not registered now: its drain mark was cleared, so the next
+    process under its id is routed to."""
+    id: str
+    status: str = Field(description="absent")
+    draining: bool
+
+
 class MembersResponse(BaseModel):
     index: int = Field(description="registry change index")
     warming_up: bool = Field(description="true right after a restart, while members re-register")
@@ -253,7 +261,8 @@ def build_admin_router(ctx: AdminContext) -> APIRouter:
     async def drain(member_id: str = member_id_path) -> dict[str, Any]:
         return ctx.registry.set_draining(member_id, True)
 
-    @router.post("/members/{member_id}/undrain", response_model=MemberModel, summary="Resume routing to a member")
+    @router.post("/members/{member_id}/undrain", response_model=MemberModel | AbsentMemberModel,
+                 summary="Resume routing to a member (or clear an absent one's drain)")
     async def undrain(member_id: str = member_id_path) -> dict[str, Any]:
         return ctx.registry.set_draining(member_id, False)
 

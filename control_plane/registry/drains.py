@@ -14,11 +14,11 @@ restarted (its supervisor does that after a crash), with nothing on screen to sa
 policy and a pinned degradation level already survive a restart (control_plane/policy_store.py);
 a drain is the same kind of operator decision.
 
-A mark lasts until the operator undrains the member or the member deregisters itself (a clean
-shutdown: the local autoscaler drains a shard, then stops it, and may later start a new shard
-under the same id, which must not be born drained). A member that only dies (kill -9, expiry)
-keeps its mark: when it comes back under the same id it is still drained, as it is when the
-control plane never went away.
+A mark lasts until the operator undrains the member (present or not) or the member deregisters
+itself (a clean shutdown: the local autoscaler drains a shard, then stops it, and may later start
+a new shard under the same id, which must not be born drained; when it had to kill the shard, it
+undrains the id itself). A member that only dies (kill -9, expiry) keeps its mark: when it comes
+back under the same id it is still drained, as it is when the control plane never went away.
 
 File (``drains.json`` in the control plane's ``--state-dir``)::
 
@@ -85,7 +85,7 @@ class DrainMarks:
             marks = {str(k): float(v) for k, v in members.items()}
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, OverflowError) as exc:
             log.error("ignoring %s (%s): no member starts drained", self.path, exc)
             return {}
         if marks:

@@ -291,6 +291,12 @@ class Registry:
 
     def set_draining(self, member_id: str, draining: bool) -> dict[str, Any]:
         entry = self._entries.get(member_id)
+        if entry is None and not draining and member_id in self.drains:
+            # a drained member that died without deregistering (kill -9, expiry) keeps its mark, so
+            # the next process under its id would be born drained: undrain clears it while it is away
+            self.drains.set(member_id, False)
+            log.info("drain mark of absent member %s cleared", member_id)
+            return {"id": member_id, "status": "absent", "draining": False}
         if entry is None:
             raise NotFound(f"no member {member_id!r} in the registry", param="id")
         self.drains.set(member_id, draining)

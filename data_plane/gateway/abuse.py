@@ -222,6 +222,14 @@ class AbuseGuard:
                     self._metrics.dropped.inc()
             raise
 
+    def caller(self, keys: _Keys, request: _Request) -> Any:
+        """`authenticate`, then `admit`: the principal of a request to any route other than a
+        generation's (models, usage, stored responses, conversations), so a blocked key is refused
+        there too and a throttled one counts those requests toward its rate."""
+        principal = self.authenticate(keys, request)
+        self.admit(principal)
+        return principal
+
     def admit(self, principal: Any) -> Measures:
         """429 for a blocked key, or a throttled one past its rate; else the measures for it."""
         held = self._in_force(self._keys, principal.key_id)

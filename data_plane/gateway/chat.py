@@ -69,6 +69,7 @@ from data_plane.gateway.phases import (
     merge_history,
     shard_request,
 )
+from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S
 from data_plane.gateway.response_cache import CachedReply, Decision, ReplayStream, cache_key, cache_policy
 from data_plane.gateway.response_store import META_ROLE
 from data_plane.gateway.runtime import Gateway, Runtime
@@ -136,7 +137,7 @@ class ChatHandler:
         self.opened: Opened | None = None
         """Set once a stream is open (the reply's hooks read the completion from it)."""
         self.held: list[str] = []
-        """Conversations / sessions this request writes, locked until it ends (`hold`)."""
+        """Conversations / sessions this request writes, locked until its turn is saved (`hold`, `let_go`)."""
         # the level and tier policy are read once, so one request sees one consistent state
         state = rt.cluster.current()
         self.tiers = state.tiers or gw.tiers
@@ -215,7 +216,7 @@ class ChatHandler:
         instead of a lost turn (data_plane/gateway/record_locks.py). Keyed by the owner too: another
         key never contends."""
         key = f"{self.owner}/{record_id}"
-        await self.gw.record_locks.acquire(key, wait_s=0.0, param=param)
+        await self.gw.record_locks.acquire(key, wait_s=ITEM_EDIT_WAIT_S, param=param, generation=True)
         self.held.append(key)
 
     def let_go(self) -> None:

@@ -71,7 +71,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
     """The Conversations API's routes on `app`; `store()` gives the ConversationStore once the runtime is open."""
 
     def caller(request: Request) -> tuple[str, int]:
-        principal = gw.guard.authenticate(gw.keys, request)  # banned addresses refused, failures counted
+        principal = gw.guard.caller(gw.keys, request)  # bans, blocked keys and throttles; failures counted
         token = (request.headers.get("authorization") or "").partition(" ")[2].strip()
         return key_digest(token), gw.tiers.get(principal.tier).replication
 

@@ -1,7 +1,7 @@
 """One writer at a time per stored conversation on this gateway: the lock that stops lost turns.
 
     locks = RecordLocks()
-    await locks.acquire("conv_...", wait_s=0.0)     # 400 conversation_locked when another write holds it
+    await locks.acquire("conv_...", wait_s=5.0, generation=True)  # 400 conversation_locked: another turn holds it
     ...load the record, generate, save it...
     locks.release("conv_...")
 
@@ -13,8 +13,8 @@ clients were told 200. OpenAI refuses the second request instead: 400 ``conversa
 "Another process is currently operating on this conversation. Please retry in a few seconds."
 That is what this lock gives: a response in a conversation holds it from the load to the save (so
 for the whole generation) and a second one is refused at once; the conversation's item edits (add,
-delete, metadata) wait a few seconds for each other (each takes milliseconds) and are refused only
-when a generation holds the lock longer.
+delete, metadata) and its background compaction hold it for milliseconds, and a turn or an edit
+waits a few seconds for them; an edit is refused only when a generation holds the lock longer.
 
 The lock is per gateway process: two gateways (zones) writing one conversation at the same moment
 can still race (the cache nodes would need a compare-and-set on the version for that).
@@ -43,19 +43,27 @@ class RecordLocks:
     def __init__(self) -> None:
         self._locks: dict[str, asyncio.Lock] = {}
         self._users: dict[str, int] = {}
+        self._generating: set[str] = set()
+        """Records whose lock a generation holds (a second generation is refused without waiting)."""
 
     def __len__(self) -> int:
         return len(self._locks)
 
-    async def acquire(self, record_id: str, *, wait_s: float, param: str = "conversation") -> None:
+    async def acquire(self, record_id: str, *, wait_s: float, param: str = "conversation",
+                      generation: bool = False) -> None:
         """Hold `record_id`'s lock, waiting at most `wait_s` (0: only if free now); else 400
-        ``conversation_locked``."""
+        ``conversation_locked``. A `generation` (a turn that will rewrite the record) is refused at
+        once while another generation holds it, and waits `wait_s` only for the short holders: an
+        item edit, or the background compaction that may start the moment a turn is saved (a
+        client that sends its next turn on reading the last one's end must not be refused for it)."""
         lock = self._locks.setdefault(record_id, asyncio.Lock())
         self._users[record_id] = self._users.get(record_id, 0) + 1
         try:
-            if lock.locked() and wait_s <= 0:
+            if lock.locked() and (wait_s <= 0 or (generation and record_id in self._generating)):
                 raise locked_error(param)
             await asyncio.wait_for(lock.acquire(), timeout=wait_s if wait_s > 0 else None)
+            if generation:
+                self._generating.add(record_id)
         except (TimeoutError, InvalidRequest):
             self._drop(record_id)
             raise locked_error(param) from None
@@ -64,6 +72,7 @@ class RecordLocks:
             raise
 
     def release(self, record_id: str) -> None:
+        self._generating.discard(record_id)
         lock = self._locks.get(record_id)
         if lock is not None and lock.locked():
             lock.release()

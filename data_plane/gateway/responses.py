@@ -304,7 +304,7 @@ def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationS
     /v1/responses/compact on `app`; `store()` and `runtime()` once the lifespan opened them."""
 
     def caller(request: Request) -> tuple[str, int]:
-        principal = gw.guard.authenticate(gw.keys, request)  # banned addresses refused, 401s counted
+        principal = gw.guard.caller(gw.keys, request)  # bans, blocked keys and throttles; 401s counted
         token = (request.headers.get("authorization") or "").partition(" ")[2].strip()
         return key_digest(token), gw.tiers.get(principal.tier).replication
 

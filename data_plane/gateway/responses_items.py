@@ -235,7 +235,8 @@ def input_items(value: str | list[dict[str, Any]], param: str = "input") -> list
         where = f"{param}[{i}]"
         if not isinstance(raw, dict):
             raise InvalidRequest(f"{where} must be an object", param=where)
-        if not isinstance(raw.get("id", ""), str):  # ids are stored, listed and used as cursors
+        if raw.get("id") is not None and not isinstance(raw["id"], str):  # stored, listed, used as cursors
+            # (null is the SDK's "no id": its input item types declare `id: Optional[str]`)
             raise InvalidRequest(f"{where}.id must be a string", param=f"{where}.id")
         kind = raw.get("type", "message")
         if kind not in SUPPORTED_ITEM_TYPES:

@@ -312,7 +312,12 @@ class UsageLedger:
     async def usage(self, query: UsageQuery) -> dict[str, Any]:
         """A usage read (after flushing this gateway's spool, so a key sees its own last requests)."""
         await self.flush()
-        return dict(await self._in_thread(lambda: self.store.usage(query)))
+
+        def read() -> dict[str, Any]:
+            self._ensure_schema()  # a new database answers "nothing yet", not "no such table"
+            return dict(self.store.usage(query))
+
+        return await self._in_thread(read)
 
     async def _run(self) -> None:
         while True:

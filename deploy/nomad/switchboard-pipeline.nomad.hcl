@@ -131,8 +131,9 @@ job "switchboard-pp-a" {
       }
 
       template {
-        destination = "secrets/cluster.env"
-        env         = true
+        destination          = "secrets/cluster.env"
+        env                  = true
+        error_on_missing_key = true # no cluster_token in the variable: the task does not start (never a "<no value>" token)
         data        = <<-EOT
           {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_CLUSTER_TOKEN={{ .cluster_token }}{{ end }}
         EOT
@@ -174,8 +175,9 @@ job "switchboard-pp-a" {
       }
 
       template {
-        destination = "secrets/cluster.env"
-        env         = true
+        destination          = "secrets/cluster.env"
+        env                  = true
+        error_on_missing_key = true # no cluster_token in the variable: the task does not start (never a "<no value>" token)
         data        = <<-EOT
           {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_CLUSTER_TOKEN={{ .cluster_token }}{{ end }}
         EOT

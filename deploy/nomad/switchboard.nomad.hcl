@@ -122,8 +122,9 @@ job "switchboard" {
       }
 
       template {
-        destination = "secrets/switchboard.env"
-        env         = true
+        destination          = "secrets/switchboard.env"
+        env                  = true
+        error_on_missing_key = true # a key missing from the variable stops the task (never "<no value>")
         data        = <<-EOT
           {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_ADMIN_TOKEN={{ .admin_token }}{{ end }}
           {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_CLUSTER_TOKEN={{ .cluster_token }}{{ end }}
@@ -183,8 +184,9 @@ job "switchboard" {
       }
 
       template {
-        destination = "secrets/gateway.env"
-        env         = true
+        destination          = "secrets/gateway.env"
+        env                  = true
+        error_on_missing_key = true # a key missing from the variable stops the task (never "<no value>")
         data        = <<-EOT
           {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_GATEWAY_API_KEYS={{ .api_keys }}{{ end }}
           {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_CLUSTER_TOKEN={{ .cluster_token }}{{ end }}
@@ -228,8 +230,9 @@ job "switchboard" {
       }
 
       template {
-        destination = "secrets/cluster.env"
-        env         = true
+        destination          = "secrets/cluster.env"
+        env                  = true
+        error_on_missing_key = true # no cluster_token in the variable: the task does not start (never a "<no value>" token)
         data        = <<-EOT
           {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_CLUSTER_TOKEN={{ .cluster_token }}{{ end }}
         EOT
@@ -308,8 +311,9 @@ job "switchboard" {
       }
 
       template {
-        destination = "secrets/cluster.env"
-        env         = true
+        destination          = "secrets/cluster.env"
+        env                  = true
+        error_on_missing_key = true # no cluster_token in the variable: the task does not start (never a "<no value>" token)
         data        = <<-EOT
           {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_CLUSTER_TOKEN={{ .cluster_token }}{{ end }}
         EOT

@@ -275,6 +275,14 @@ def test_the_actions_survive_a_control_plane_restart(cluster: Cluster) -> None:
     # ... and the restored action is part of what it applies
     resp = _chat(cluster, key)
     assert resp.status_code == 429 and resp.json()["error"]["code"] == "abuse_blocked", resp.text
+    # a blocked key is refused on every route, not only where it generates (review: conversations,
+    # stored responses, models and usage served it)
+    for method, path in (("GET", "/v1/models"), ("GET", "/v1/usage"), ("GET", "/v1/responses/resp_x"),
+                         ("GET", "/v1/conversations/conv_x"), ("POST", "/v1/conversations")):
+        resp = httpx.request(method, cluster.gateway.url + path, headers={"Authorization": f"Bearer {key}"},
+                             json={} if method == "POST" else None, timeout=30)
+        assert resp.status_code == 429 and resp.json()["error"]["code"] == "abuse_blocked", (path, resp.text)
+        assert resp.headers.get("retry-after"), path
     metrics = httpx.get(cluster.gateway.url + "/metrics").text
     blocks = next(line for line in metrics.splitlines() if line.startswith('switchboard_gateway_abuse_actions{response="block"}'))
     assert float(blocks.rsplit(" ", 1)[1]) >= 1, blocks

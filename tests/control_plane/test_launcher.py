@@ -138,3 +138,14 @@ def test_up_autoscale_lets_the_control_plane_start_and_stop_the_shards(tmp_path:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_port_check_counts_only_a_port_in_use() -> None:
+    """Review: `--host` that does not resolve was a traceback, and an address this machine lacks
+    (localhost's ::1 without IPv6) read as "port in use". Those are the children's own errors to give."""
+    from control_plane.launcher import _port_taken
+
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        assert _port_taken("127.0.0.1", held.getsockname()[1])
+    assert not _port_taken("no-such-host.invalid", 8000)
+    assert not _port_taken("192.0.2.1", 8000)  # TEST-NET-1: never an address of this machine

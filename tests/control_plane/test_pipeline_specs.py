@@ -238,3 +238,7 @@ def test_every_process_in_the_specs_holds_the_cluster_token_from_a_secret() -> N
         for task in tasks:
             assert ('{{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_CLUSTER_TOKEN={{ .cluster_token }}'
                     in task), (path.name, task.split('"', 1)[0])
+        # a variable without cluster_token stops the task instead of rendering "<no value>" as the token
+        blocks = re.findall(r"template \{(.*?)\n\s*\}", path.read_text(), re.DOTALL)
+        cluster = [b for b in blocks if ".cluster_token" in b]
+        assert cluster and all(re.search(r"error_on_missing_key\s*=\s*true", b) for b in cluster), path.name

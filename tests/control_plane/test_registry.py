@@ -331,3 +331,27 @@ async def test_joining_needs_the_cluster_token(tmp_path: pathlib.Path) -> None:
 
 async def test_without_a_cluster_token_the_open_registry_is_logged(control_plane: Service) -> None:
     assert "no cluster token (SWITCHBOARD_CLUSTER_TOKEN)" in control_plane.log_path.read_text()
+
+
+async def test_an_absent_members_drain_mark_can_be_cleared(tmp_path: pathlib.Path) -> None:
+    """Review: a drained member that died without deregistering (kill -9 after a drain, or killed by
+    the local actuator when it ignored SIGTERM) kept its mark, undrain answered 404 while it was
+    away, and the next process under its id was born drained. Undrain now clears an absent id's
+    mark (and only a mark: an unknown id is still a 404)."""
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    body = {"service": "shard", "url": "http://127.0.0.1:8102", "ttl_s": 30}
+    cp = await asyncio.to_thread(open_control_plane(
+        "--warmup", "0", "--state-dir", str(tmp_path / "state"), log_path=tmp_path / "cp.log").start)
+    try:
+        async with httpx.AsyncClient(base_url=cp.url, timeout=10) as http:
+            assert (await http.put("/v1/registry/members/shard-x", json=body)).status_code == 200
+            assert (await http.post("/admin/v1/members/shard-x/drain", headers=admin)).status_code == 200
+        cp.kill()  # the member is gone with the registry's memory; its mark is on disk
+        cp.start()
+        async with httpx.AsyncClient(base_url=cp.url, timeout=10) as http:
+            resp = await http.post("/admin/v1/members/shard-x/undrain", headers=admin)
+            assert resp.status_code == 200 and resp.json() == {"id": "shard-x", "status": "absent", "draining": False}
+            assert (await http.put("/v1/registry/members/shard-x", json=body)).json()["status"] == "passing"
+            assert (await http.post("/admin/v1/members/shard-never/undrain", headers=admin)).status_code == 404
+    finally:
+        cp.kill()

@@ -115,3 +115,19 @@ def test_context_management_compacts_a_conversation_off_the_request_path(cluster
     metrics = httpx.get(cluster.gateway.url + "/metrics").text
     done = [line for line in metrics.splitlines() if line.startswith('switchboard_context_compactions_total{trigger="threshold"}')]
     assert float(done[0].rsplit(" ", 1)[1]) >= 1  # the conversation, and the stored response
+
+
+def test_the_next_turn_is_not_refused_while_the_last_ones_compaction_runs(cluster: Cluster) -> None:
+    """Background compaction starts the moment a turn is saved and holds the conversation's lock for
+    its load-compact-save: a turn sent right after the last one's reply waits for it (milliseconds)
+    instead of being told conversation_locked (the Agents SDK sends its next turn at once)."""
+    p = generate(5, 60)
+    conv = conversation(cluster, p)
+    manage = {"conversation": conv, "truncation": "auto", "max_output_tokens": 4,
+              "context_management": [{"type": "compaction", "compact_threshold": 400}]}
+    for i in range(4):
+        r = post(cluster, "/v1/responses", {**manage, "input": f"Turn {i}."})
+        assert r.status_code == 200, r.text
+    items = httpx.get(f"{cluster.gateway.url}/v1/conversations/{conv}/items?order=asc&limit=100",
+                      headers={"Authorization": f"Bearer {KEYS['plus']}"}).json()["data"]
+    assert items[0]["type"] == "compaction"  # compaction did run between the turns

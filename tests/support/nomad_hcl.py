@@ -148,6 +148,7 @@ def parse_job(text: str) -> dict[str, Any]:
                                 "DestPath": ev(t.get("destination")),
                                 "Envvars": ev(t.get("env", False)),
                                 "ChangeMode": ev(t.get("change_mode", "restart")),
+                                "ErrMissingKey": ev(t.get("error_on_missing_key", False)),
                             }
                             for _, t in blocks(task, "template")
                         ],

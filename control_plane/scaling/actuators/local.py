@@ -208,6 +208,7 @@ class LocalActuator:
             if await self._mark_draining(shard):
                 await self._wait_idle(shard)
             await self._stop(shard)
+            await self._clear_mark(shard)
         finally:
             self._drains.pop(shard.id, None)
 
@@ -226,6 +227,17 @@ class LocalActuator:
         if resp.status_code != 200:
             log.warning("draining %s: registry answered %d %s", shard.id, resp.status_code, resp.text[:200])
         return True
+
+    async def _clear_mark(self, shard: _Shard) -> None:
+        """Undrain a stopped shard's id: one that had to be killed never deregistered, and its drain
+        mark (kept across control-plane restarts) would leave the next shard started on its port, so
+        under its id, drained while counted as capacity. 404: nothing to clear (it deregistered)."""
+        url = f"{self._registry_url}/admin/v1/members/{shard.id}/undrain"
+        headers = {"Authorization": f"Bearer {self._admin_token}"} if self._admin_token else {}
+        try:
+            await self._http.post(url, timeout=2.0, headers=headers)
+        except httpx.HTTPError as exc:
+            log.warning("could not clear the drain mark of %s (%s)", shard.id, exc)
 
     async def _wait_idle(self, shard: _Shard) -> None:
         deadline = time.monotonic() + self._drain_timeout_s

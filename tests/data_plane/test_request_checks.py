@@ -1,0 +1,79 @@
+"""Request bodies before any field is read (data_plane/request_checks.py): a body nested just deep
+enough to parse but not to re-encode, and the nulls real SDKs send, in process (no server needed).
+
+    .venv/bin/python -m pytest tests/data_plane/test_request_checks.py -q   # ~2 s
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from data_plane.common.errors import SwitchboardError
+from data_plane.gateway.responses_items import input_items, parse_responses_request
+from data_plane.protocol import parse_chat_request
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("parse,body", [
+    (parse_chat_request, '{{"model": "m", "messages": [{{"role": "user", "content": "hi"}}], "metadata": {{"k": {}}}}}'),
+    (parse_responses_request, '{{"model": "m", "input": "hi", "metadata": {{"k": {}}}}}'),
+])
+def test_a_body_nested_near_the_parsers_limit_is_a_400_never_a_recursion_error(parse, body) -> None:
+    """Review: encoding the body again to find lone surrogates takes a few more frames than parsing
+    it, so some depths parsed and then failed in json.dumps: an uncaught RecursionError, a 500."""
+    failures: list[str] = []
+
+    def scan() -> None:  # on a thread of its own: a stack as shallow as a server's handler's, not pytest's
+        for depth in range(850, 1010):
+            try:
+                parse(body.format(nested(depth)).encode(), "application/json")
+            except SwitchboardError as e:
+                if e.status != 400:
+                    failures.append(f"{depth}: {e}")
+            except Exception as e:  # noqa: BLE001 - what the test is for
+                failures.append(f"{depth}: {type(e).__name__}")
+
+    t = threading.Thread(target=scan)
+    t.start()
+    t.join()
+    assert not failures, failures[:3]
+
+
+def test_an_input_item_id_of_null_is_no_id() -> None:
+    """The openai SDK's input item types declare `id: Optional[str]`: null means none, as absent
+    (review: a 400 "input[0].id must be a string" since the sweep's id check)."""
+    items = [{"type": "message", "role": "user", "content": "What is the weather?", "id": None},
+             {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": "{}", "id": None,
+              "status": None},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny", "id": None, "status": None}]
+    out = input_items(items)
+    assert [i["type"] for i in out] == ["message", "function_call", "function_call_output"]
+    assert all(isinstance(i.get("id"), str) and i["id"] for i in out)  # given ids of their own
+    with pytest.raises(SwitchboardError) as e:
+        input_items([{**items[0], "id": 5}])
+    assert e.value.status == 400 and e.value.param == "input[0].id"
+
+
+def test_replayed_openai_assistant_messages_and_the_sdks_stream_options_are_accepted() -> None:
+    """An app that replays OpenAI's message objects sends `refusal`, `audio` and `function_call` as
+    null, and the current openai SDK may send `stream_options.include_obfuscation`: all were 400s
+    (extra fields forbidden). A refusal with no content is that turn's text; a non-null audio or
+    function_call is still refused, naming the field."""
+    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False},
+            "messages": [{"role": "user", "content": "Help me."},
+                         {"role": "assistant", "content": None, "refusal": "I can't help with that.",
+                          "audio": None, "function_call": None},
+                         {"role": "user", "content": "Then say hi."}]}
+    req = parse_chat_request(json.dumps(body).encode(), "application/json")
+    assert [m.text() for m in req.messages] == ["Help me.", "I can't help with that.", "Then say hi."]
+    for field, value in (("audio", {"id": "audio_1"}), ("function_call", {"name": "f", "arguments": "{}"})):
+        bad = {**body, "messages": [{"role": "assistant", "content": "x", field: value}, body["messages"][2]]}
+        with pytest.raises(SwitchboardError) as e:
+            parse_chat_request(json.dumps(bad).encode(), "application/json")
+        assert e.value.status == 400 and e.value.param == f"messages.0.{field}"
