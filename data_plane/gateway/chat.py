@@ -44,6 +44,7 @@ from starlette.types import Receive, Scope, Send
 from data_plane.cache.model import validate_session_id
 from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, CLIENT_DISCONNECTED, DisconnectWatch
 from data_plane.common.errors import (
+    ContextLengthExceeded,
     InvalidRequest,
     ModelNotFound,
     NotFound,
@@ -290,6 +291,20 @@ class ChatHandler:
         tokens at a time, data_plane/gateway/context.py)."""
         return fit_window(prompt, self.gw.counter, budget, step)
 
+    def _fit_degraded(self, prompt: list[dict[str, str]], budget: int, context: int, step: int) -> Window:
+        """The window under the degradation level in force. Level 1's half-size window is there to drop
+        older turns (less prefill under load), never to refuse a request: a newest message (or a
+        Responses input with truncation disabled) that needs more than the half but fits the model's own
+        context is fitted into the full `budget` instead. A 400 context_length_exceeded for a transient
+        level would be wrong twice: it names a limit the request is within, and clients do not retry it."""
+        shrunk = self.effects.prompt_budget(budget, context)
+        try:
+            return self.fit(prompt, shrunk, step)
+        except ContextLengthExceeded:
+            if shrunk >= budget:
+                raise
+        return self.fit(prompt, budget, step)
+
     def _client_left(self) -> None:
         self.x.span.set_attribute("error.type", CLIENT_DISCONNECTED)
         log.info("request %s: client disconnected; generation aborted", self.request_id)
@@ -386,7 +401,7 @@ class ChatHandler:
                                  f"{context}-token context", param="max_tokens", code="context_length_exceeded")
         # The step comes from the context, never from max_tokens: a step that varied would move the cut.
         step = trim_step(context, settings.context_trim_step)
-        window = self.fit(prompt, self.effects.prompt_budget(budget, context), step)
+        window = self._fit_degraded(prompt, budget, context, step)
         if not req.output_limit:
             max_tokens = max(1, min(max_tokens, context - window.prompt_tokens - tools_tokens - TEMPLATE_SLACK_TOKENS))
         if window.dropped:

@@ -110,6 +110,9 @@ class Completion:
         self.completion_id = new_completion_id()
         self.created = int(time.time())
         self.usage = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+        self._final_usage = False
+        """The stream's final usage arrived (until then `usage` is the running count, `_usage_so_far`)."""
+        self._choice_tokens: dict[int, int] = {}
         # A content chunk is the same JSON but for the text: built once, the text spliced in.
         head = _json({"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
                       "model": model, "system_fingerprint": SYSTEM_FINGERPRINT})
@@ -141,6 +144,8 @@ class Completion:
     def _take(self, event: Event, out: list[Piece]) -> None:
         if isinstance(event, Delta):
             c = self.choice(event.index)
+            if event.usage is not None and not self._final_usage:
+                self._usage_so_far(event.index, event.usage)
             if event.logprobs:
                 c.has_logprobs = True
                 c.logprobs.extend(event.logprobs)
@@ -169,11 +174,23 @@ class Completion:
             c = self.choice(event.index)
             c.finish_reason = event.reason
         elif isinstance(event, UsageEvent):
+            self._final_usage = True
             cached = PromptTokensDetails(cached_tokens=event.cached_tokens)
             self.usage = Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
                                total_tokens=event.prompt_tokens + event.completion_tokens,
                                prompt_tokens_details=cached)
             self.x.usage = self.usage
+
+    def _usage_so_far(self, index: int, so_far: tuple[int, int]) -> None:
+        """The shard's running count (continuous usage stats: every chunk carries it) until its final
+        usage arrives. A stream that ends without one (the client left, the shard died past its resumes)
+        is then recorded, billed and rate-limited for the prompt it prefilled and the tokens it produced,
+        not as 0: otherwise disconnecting just before the end would make any reply free."""
+        self._choice_tokens[index] = so_far[1]
+        prompt = max(so_far[0], self.usage.prompt_tokens)
+        completion = sum(self._choice_tokens.values())
+        self.usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        self.x.usage = self.usage
 
     def _tails(self) -> list[Piece]:
         """What the filters still hold once the upstream ended (nothing was blocked)."""

@@ -25,7 +25,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NoReturn
 
 from opentelemetry import trace
@@ -386,6 +386,8 @@ class ResumableStream:
                                 if self._prompt_tokens is None:
                                     self._prompt_tokens = event.usage[0]
                                 self._completion = self._base_completion + event.usage[1]
+                                # the request's own count, not the resumed shard's (its prompt holds the output)
+                                event = replace(event, usage=(self._prompt_tokens, self._completion))
                             out.append(event)
                         elif isinstance(event, ToolCallDelta):
                             self._sent.call(event.call, event.name, event.arguments)

@@ -135,6 +135,15 @@ def test_level_1_shrinks_the_context_and_level_2_caps_output(stack: Stack) -> No
     assert shrunk.status_code == 200 and shrunk.headers["x-switchboard-degraded"] == "1"
     assert shrunk.json()["usage"]["prompt_tokens"] < 20  # the 1200-word turn no longer fits in 1024
 
+    # a newest message that needs more than the shrunk half but fits the context is served, not a 400
+    # (found under load: the ladder rose to 1 and every ~1700-token prompt got context_length_exceeded)
+    alone = stack.chat("plus", content="word " * 1200, max_tokens=8)
+    assert alone.status_code == 200, alone.text
+    assert alone.json()["usage"]["prompt_tokens"] > 1200 and alone.headers["x-switchboard-degraded"] == "1"
+    over = stack.chat("plus", content="word " * 2100, max_tokens=8)  # over the real context: still a 400
+    assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
+    assert "only 1024 fit" not in over.json()["error"]["message"]  # names the real budget, not the shrunk one
+
     # above the level-2 cap (256) but within the tier's own (2048): capped, not refused
     assert stack.chat("enterprise", max_tokens=1000).status_code == 200
     stack.pin(2)

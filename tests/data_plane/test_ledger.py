@@ -299,6 +299,40 @@ def test_ledger_totals_equal_what_clients_saw_sqlite(tmp_path: Path) -> None:
     assert all(r[13] == "shard-0" for r in rows if r[9] == 200)
 
 
+def test_a_stream_the_client_leaves_is_recorded_with_the_tokens_it_used(tmp_path: Path) -> None:
+    """Found under load: every client_disconnected record had 0 prompt and 0 completion tokens (usage
+    came only with the stream's last chunk), so leaving just before the end made any reply free."""
+    db = f"sqlite:///{tmp_path / 'usage.db'}"
+    with Cluster(shards=1, caches=1, token_delay_ms=40.0,
+                 gateway_args=["--usage-db", db, "--usage-flush-interval-s", "0.2", "--state-dir", str(tmp_path)]) as c:
+        body = {"messages": [{"role": "user", "content": "tell me a long story please"}], "max_tokens": 200,
+                "stream": True}
+        chunks = 0
+        with httpx.stream("POST", c.gateway.url + "/v1/chat/completions", json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {KEYS['plus']}"}) as r:
+            assert r.status_code == 200
+            request_id = r.headers["x-request-id"]
+            for line in r.iter_lines():
+                if '"content":"' in line and '"content":""' not in line:
+                    chunks += 1
+                if chunks >= 4:
+                    break  # leaving closes the connection mid-stream
+        whole = httpx.post(c.gateway.url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 1},
+                           headers={"Authorization": f"Bearer {KEYS['plus']}"}, timeout=30).json()["usage"]
+        _wait_totals(db, 2)
+        store = open_ledger_store(db)
+        try:
+            def row(conn: Any) -> Any:
+                return conn.execute("SELECT status, error_code, prompt_tokens, completion_tokens FROM usage_records "
+                                    "WHERE request_id = ?", (request_id,)).fetchone()
+            status, code, prompt, completion = store._run(row)  # type: ignore[attr-defined]
+        finally:
+            store.close()
+    assert (status, code) == (499, "client_disconnected")
+    assert prompt == whole["prompt_tokens"] > 0  # the prompt it prefilled, as a whole request reports it
+    assert 4 <= completion < 200  # what it was sent, at least; not the whole reply
+
+
 def test_two_gateways_write_one_postgresql(postgres: PostgresServer, tmp_path: Path) -> None:
     url = postgres.create_database("two")
     args = ["--usage-db", url, "--usage-flush-interval-s", "0.2", "--state-dir", str(tmp_path)]
