@@ -13,7 +13,6 @@ tenants).
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, Literal
@@ -21,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_plane.common.errors import InvalidRequest, UnsupportedParameter
-from data_plane.request_checks import WholeNumber, check_metadata, check_unicode, validated
+from data_plane.request_checks import WholeNumber, check_metadata, json_body, validated
 from data_plane.structured import (
     OutputPlan,
     ResponseFormat,
@@ -415,24 +414,6 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 def parse_chat_request(raw: bytes, content_type: str | None) -> ChatCompletionRequest:
     """Decode and validate a chat-completions body; every failure is a 4xx SwitchboardError."""
-    from data_plane.common.errors import UnsupportedMediaType
-
-    ctype = (content_type or "").split(";")[0].strip().lower()
-    if ctype and ctype != "application/json" and not ctype.endswith("+json"):
-        raise UnsupportedMediaType(f"Content-Type must be application/json, not {ctype!r}")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise InvalidRequest("request body is not valid UTF-8", code="invalid_json") from None
-    try:
-        body = json.loads(text)
-    except RecursionError:
-        raise InvalidRequest("request body is nested too deeply", code="invalid_json") from None
-    except ValueError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
-    check_unicode(body)
-    req = validated(ChatCompletionRequest, body)
+    req = validated(ChatCompletionRequest, json_body(raw, content_type))
     req.check_supported()
     return req

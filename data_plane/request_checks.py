@@ -1,6 +1,6 @@
 """Checks every public request body gets before its fields are read (chat, Responses, Conversations).
 
-    check_unicode(body)                           # 400 for a lone surrogate anywhere in it
+    body = json_body(raw, content_type)           # 415 / 400 invalid_json; lone surrogates refused
     req = validated(ChatCompletionRequest, body)  # strict types; a 400 naming the field as sent
     max_tokens: WholeNumber | None                # an int field that also takes 4.0, never true or "4"
 
@@ -16,7 +16,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ValidationError
 
-from data_plane.common.errors import InvalidRequest, UnsupportedParameter
+from data_plane.common.errors import InvalidRequest, UnsupportedMediaType, UnsupportedParameter
 
 MAX_METADATA_PAIRS = 16
 
@@ -50,6 +50,29 @@ def check_unicode(body: Any) -> None:
         raise InvalidRequest("request body contains invalid Unicode (a lone surrogate)", code="invalid_json") from None
     except RecursionError:  # encoding takes a few more frames than the parse did: a body nested just deep enough
         raise InvalidRequest("request body is nested too deeply", code="invalid_json") from None
+
+
+def json_body(raw: bytes, content_type: str | None) -> dict[str, Any]:
+    """A request body as the JSON object every public route takes: 415 for another content type,
+    400 ``invalid_json`` for bytes that are not UTF-8, not JSON, nested too deeply, not an object,
+    or holding a lone surrogate."""
+    ctype = (content_type or "").split(";")[0].strip().lower()
+    if ctype and ctype != "application/json" and not ctype.endswith("+json"):
+        raise UnsupportedMediaType(f"Content-Type must be application/json, not {ctype!r}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequest("request body is not valid UTF-8", code="invalid_json") from None
+    try:
+        body = json.loads(text)
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply", code="invalid_json") from None
+    except ValueError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    check_unicode(body)
+    return body
 
 
 M = TypeVar("M", bound=BaseModel)

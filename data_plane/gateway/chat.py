@@ -69,7 +69,7 @@ from data_plane.gateway.phases import (
     merge_history,
     shard_request,
 )
-from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S
+from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S, record_key
 from data_plane.gateway.response_cache import CachedReply, Decision, ReplayStream, cache_key, cache_policy
 from data_plane.gateway.response_store import META_ROLE
 from data_plane.gateway.runtime import Gateway, Runtime
@@ -215,7 +215,7 @@ class ChatHandler:
         request ends without one): a second request on it meanwhile is a 400 ``conversation_locked``
         instead of a lost turn (data_plane/gateway/record_locks.py). Keyed by the owner too: another
         key never contends."""
-        key = f"{self.owner}/{record_id}"
+        key = record_key(self.owner, record_id)
         await self.gw.record_locks.acquire(key, wait_s=ITEM_EDIT_WAIT_S, param=param, generation=True)
         self.held.append(key)
 

@@ -20,13 +20,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from data_plane.common.errors import InvalidRequest, NotFound
-from data_plane.gateway.auth import key_digest
-from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S
+from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S, record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, conversation_object, new_conversation
-from data_plane.gateway.responses import page
-from data_plane.gateway.responses_items import input_items, json_object, new_id
+from data_plane.gateway.responses import page, record_caller
+from data_plane.gateway.responses_items import input_items, new_id
 from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.runtime import Gateway
+from data_plane.request_checks import json_body
 
 log = logging.getLogger(__name__)
 
@@ -62,24 +62,22 @@ def _metadata(value: Any) -> dict[str, str] | None:
 
 async def _body(request: Request) -> dict[str, Any]:
     """The JSON object a route was sent ({} for none), checked as the Responses API checks its own
-    (data_plane/gateway/responses_items.py `json_object`: 415, nesting, UTF-8, lone surrogates)."""
+    (data_plane/request_checks.py `json_body`: 415, nesting, UTF-8, lone surrogates)."""
     raw = await request.body()
-    return json_object(raw, request.headers.get("content-type")) if raw else {}
+    return json_body(raw, request.headers.get("content-type")) if raw else {}
 
 
 def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore]) -> None:
     """The Conversations API's routes on `app`; `store()` gives the ConversationStore once the runtime is open."""
 
     def caller(request: Request) -> tuple[str, int]:
-        principal = gw.guard.caller(gw.keys, request)  # bans, blocked keys and throttles; failures counted
-        token = (request.headers.get("authorization") or "").partition(" ")[2].strip()
-        return key_digest(token), gw.tiers.get(principal.tier).replication
+        return record_caller(gw, request)
 
     @contextlib.asynccontextmanager
     async def editing(owner: str, conversation_id: str) -> AsyncIterator[None]:
         """Hold the conversation's write lock (shared with responses in it, keyed the same way:
         data_plane/gateway/record_locks.py) across a load-modify-save, so no edit is lost."""
-        key = f"{owner}/{conversation_id}"
+        key = record_key(owner, conversation_id)
         await gw.record_locks.acquire(key, wait_s=ITEM_EDIT_WAIT_S, param="conversation_id")
         try:
             yield

@@ -30,6 +30,12 @@ ITEM_EDIT_WAIT_S = 5.0
 """How long an item edit waits for another write on its conversation before it is refused."""
 
 
+def record_key(owner: str, record_id: str) -> str:
+    """The lock's key for a stored record: bound to its owner (the key's digest), so another key's
+    request never contends for it."""
+    return f"{owner}/{record_id}"
+
+
 def locked_error(param: str) -> InvalidRequest:
     """OpenAI's answer to a second writer on a conversation."""
     return InvalidRequest("Another process is currently operating on this conversation. Please retry in a few "

@@ -33,13 +33,13 @@ from data_plane.gateway.auth import key_digest
 from data_plane.gateway.chat import ChatHandler, Opened
 from data_plane.gateway.context import Window, fit_window
 from data_plane.gateway.memory import Compaction, compact, fit_with_recall, open_compaction
+from data_plane.gateway.record_locks import record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, Record
 from data_plane.gateway.responses_items import (
     ResponsesRequest,
     check_call_outputs,
     input_items,
     items_to_messages,
-    json_object,
     new_id,
     output_items,
     parse_responses_request,
@@ -50,6 +50,7 @@ from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.responses_stream import ResponseEvents, call_item_id
 from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.protocol import ChatCompletionRequest
+from data_plane.request_checks import json_body
 from data_plane.tiers import Tier
 
 log = logging.getLogger(__name__)
@@ -272,7 +273,7 @@ async def compact_record(gw: Gateway, rt: Runtime, store: ConversationStore, rec
     """`context_management` compaction, off the request path: the stored record's older turns become
     one compaction item once the conversation passes `threshold` tokens."""
     with tracer.start_as_current_span("responses.compaction"):
-        lock = f"{owner}/{record.id}"
+        lock = record_key(owner, record.id)
         try:  # the conversation's write lock (record_locks.py): a turn under way would be overwritten
             await gw.record_locks.acquire(lock, wait_s=0.0)
         except SwitchboardError:
@@ -298,15 +299,22 @@ async def compact_record(gw: Gateway, rt: Runtime, store: ConversationStore, rec
             gw.record_locks.release(lock)
 
 
+def record_caller(gw: Gateway, request: Request) -> tuple[str, int]:
+    """Who owns the stored records a request reads or edits (its key's digest) and how many copies
+    its tier keeps, after the abuse guard (bans, blocked keys and throttles; 401s counted): the
+    stored-response and Conversations routes."""
+    principal = gw.guard.caller(gw.keys, request)
+    token = (request.headers.get("authorization") or "").partition(" ")[2].strip()
+    return key_digest(token), gw.tiers.get(principal.tier).replication
+
+
 def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore],
                     runtime: Callable[[], Runtime]) -> None:
     """GET/DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items and POST
     /v1/responses/compact on `app`; `store()` and `runtime()` once the lifespan opened them."""
 
     def caller(request: Request) -> tuple[str, int]:
-        principal = gw.guard.caller(gw.keys, request)  # bans, blocked keys and throttles; 401s counted
-        token = (request.headers.get("authorization") or "").partition(" ")[2].strip()
-        return key_digest(token), gw.tiers.get(principal.tier).replication
+        return record_caller(gw, request)
 
     @app.get(RESPONSES_PATH + "/{response_id}")
     async def retrieve(response_id: str, request: Request) -> dict[str, Any]:
@@ -329,7 +337,7 @@ def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationS
         and the newest turns; pass them as the next request's input."""
         with observed(gw.responses_metrics, Op.COMPACT):
             owner, replicas = caller(request)
-            body = json_object(await request.body(), request.headers.get("content-type"))
+            body = json_body(await request.body(), request.headers.get("content-type"))
             unknown = set(body) - {"model", "input", "previous_response_id", "instructions", "keep_tokens"}
             if unknown:
                 raise InvalidRequest(f"unrecognized request argument supplied: {min(unknown)}", param=min(unknown),

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_plane.common.errors import InvalidRequest, UnsupportedParameter
 from data_plane.protocol import ChatCompletionRequest
-from data_plane.request_checks import WholeNumber, check_metadata, check_unicode, validated
+from data_plane.request_checks import WholeNumber, check_metadata, json_body, validated
 
 SUPPORTED_ITEM_TYPES = ("message", "function_call", "function_call_output", "compaction")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -198,27 +198,9 @@ def _responses_param(param: str | None) -> str | None:
 
 def parse_responses_request(raw: bytes, content_type: str | None) -> ResponsesRequest:
     """Decode and validate a Responses body; every failure is a 4xx SwitchboardError."""
-    req = validated(ResponsesRequest, json_object(raw, content_type))  # strict: "stream": "no" is a 400
+    req = validated(ResponsesRequest, json_body(raw, content_type))  # strict: "stream": "no" is a 400
     req.check_supported()
     return req
-
-
-def json_object(raw: bytes, content_type: str | None) -> dict[str, Any]:
-    from data_plane.common.errors import UnsupportedMediaType
-
-    ctype = (content_type or "").split(";")[0].strip().lower()
-    if ctype and ctype != "application/json" and not ctype.endswith("+json"):
-        raise UnsupportedMediaType(f"Content-Type must be application/json, not {ctype!r}")
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except RecursionError:
-        raise InvalidRequest("request body is nested too deeply", code="invalid_json") from None
-    except (UnicodeDecodeError, ValueError):
-        raise InvalidRequest("request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
-    check_unicode(body)
-    return body
 
 
 # -- items ------------------------------------------------------------------------------------
