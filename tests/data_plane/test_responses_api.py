@@ -212,9 +212,11 @@ def test_concurrent_writes_to_one_conversation_lose_no_turn(stack: Stack) -> Non
 
 
 def test_a_turn_sent_the_moment_the_last_one_completes_is_not_refused(stack: Stack) -> None:
-    """The write lock is let go once the turn is saved, before the reply's last bytes: an app (or the
-    Agents SDK) that sends its next turn as soon as it reads `response.completed`, or a chat
-    session's `finish_reason`, is answered, never told conversation_locked."""
+    """An app (or the Agents SDK) that sends its next turn as soon as it reads `response.completed`, or
+    a chat session's `finish_reason`, while the last stream is still open, is answered, never told
+    conversation_locked: no turn's lock outlives its save. (The lock is let go at the save, before the
+    reply's last bytes; that ordering is too fast to observe from a client here, so this guards the
+    outcome, and tests/data_plane/test_record_locks.py pins who waits and who is refused.)"""
     sdk = stack.sdk()
     conv = sdk.conversations.create()
     url, auth = stack.gateway.url + "/v1", {"Authorization": f"Bearer {KEYS['plus']}"}
