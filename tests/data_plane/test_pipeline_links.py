@@ -256,3 +256,26 @@ def test_the_acceptors_proof_cannot_be_reflected_as_a_connectors() -> None:
     """Each side's proof is labelled with its role: the same nonce and ranks give different MACs."""
     nonce = bytes(range(pipeline_links.NONCE_BYTES))
     assert pipeline_links.proof("t", nonce, 0, 1) != pipeline_links.proof("t", nonce, 0, 1, pipeline_links.ACCEPTOR)
+
+
+def test_a_polling_receive_takes_a_message_sent_during_the_poll_or_after_it_and_sees_a_peer_leave() -> None:
+    """`poll_s` (pipeline_links.POLL_S: a lone pass on every core) polls the socket before sleeping in
+    it: a message that comes while it polls, one that comes only after the poll gave up (the thread
+    then sleeps, burning nothing), and a peer that leaves mid-poll all end the receive as a plain one."""
+    with group(2) as (zero, one):
+        for delay_s in (0.005, 0.4):  # inside a 0.05 s poll; after it
+            buf = torch.zeros(4, dtype=torch.long)
+            sender = threading.Timer(delay_s, lambda: zero.send(torch.tensor([7, 8, 9, 10]), 1))
+            cpu0, t0 = time.process_time(), time.monotonic()
+            sender.start()
+            one.recv(buf, 0, poll_s=0.05)
+            cpu, took = time.process_time() - cpu0, time.monotonic() - t0
+            sender.join()
+            assert buf.tolist() == [7, 8, 9, 10] and took >= delay_s
+        assert cpu < 0.25, f"{cpu:.2f} s of CPU over a {took:.2f} s wait: the poll did not give up after 0.05 s"
+        t, box = in_thread(lambda: pytest.raises(ConnectionError, one.recv, torch.zeros(4, dtype=torch.long), 0,
+                                                 poll_s=5.0))
+        time.sleep(0.05)  # polling now
+        zero.links[1].close()
+        t.join(2)
+        assert not t.is_alive() and box, "a polling receive did not end when its peer went away"

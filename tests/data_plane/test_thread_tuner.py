@@ -197,3 +197,18 @@ def test_host_cpu_counts_other_processes_not_this_one(monkeypatch: pytest.Monkey
     monkeypatch.undo()
     sample = HostCpu._read()  # the real reader: a sample where /proc/stat exists, None elsewhere
     assert sample is None or (len(sample) == 3 and min(sample) >= 0)
+
+
+def test_fewer_threads_need_the_larger_margin_to_win() -> None:
+    """At every thread, a probe at one thread 20 % faster (a near call: noise, or a probe read while
+    the other cores were still awake) keeps every thread; 40 % faster moves down."""
+    host = Host()
+    tuner = make(host, initial=2)
+    for _ in range(1000):
+        tuner.for_decode()
+        tuner.observe(1, 0.024 if host.threads == 1 else 0.030)
+    assert tuner.threads == 2 and tuner.switches == 0
+    for _ in range(1000):
+        tuner.for_decode()
+        tuner.observe(1, 0.017 if host.threads == 1 else 0.030)
+    assert tuner.threads == 1 and tuner.switches == 1

@@ -79,7 +79,7 @@ from data_plane.common.cores import SPIN_COUNT
 from data_plane.common.lifeline import die_with_parent
 from data_plane.shard.engines.base import StageSpan
 from data_plane.shard.engines.pipeline_kv import KVHop, KVHops, TicketKV
-from data_plane.shard.engines.pipeline_links import Links
+from data_plane.shard.engines.pipeline_links import POLL_S, Links
 from data_plane.shard.engines.pipeline_net import (
     HEADER_FIXED,
     HEARTBEAT_S,
@@ -320,7 +320,7 @@ class Hops(KVHops):
             raise RuntimeError("pipeline passes are collected in the order they were submitted")
         size = self.spec.size
         frame = torch.empty(self.frames.back_size(ticket.rows), dtype=torch.uint8)
-        self.dist.recv(frame, size - 1)
+        self.dist.recv(frame, size - 1, POLL_S if ticket.threads > self._threads else 0.0)
         back = time.time()
         t, out = self.frames.unpack_back(frame, ticket.rows)
         for work in ticket.works:

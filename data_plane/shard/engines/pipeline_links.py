@@ -78,6 +78,16 @@ CONNECTOR, ACCEPTOR = b"switchboard pipeline link/connector", b"switchboard pipe
 """Each side's proof is labelled with its role, so an acceptor's proof is never a valid connector's."""
 ANSWER = LENGTH.size + NONCE_BYTES + MAC_BYTES
 """The connector's answer: its rank, its nonce, its proof."""
+POLL_S = 0.010
+"""How long a stage polls its link before sleeping in it, while passes alone in the pipeline run on
+every core of the host (pipeline.AloneThreads above each stage's share). A thread asleep in a socket
+lets its core halt, and in a VM without halt-polling (Firecracker: guest_halt_poll_ns 0) waking a
+halted vCPU costs the next stage's turn its first fraction of a millisecond, twice a token, and the
+other stage's OpenMP worker on that core the same again. Polling, yielding between polls, keeps the core
+awake for both. One stream through N=2 on a 2-core AMD EPYC Zen 4: TPOT 1.27-1.53x N=1 sleeping, 1.13x
+polling (docs/SHARDING.md). 10 ms is above a lone pass's round trip for this model here (~7-9 ms) and
+bounds what a group burns after its last pass. Passes at each stage's share (the tuner's choice
+beside a busy process, overlapping passes) do not poll."""
 
 
 def proof(token: str | None, nonce: bytes, rank: int, peer: int, role: bytes = CONNECTOR) -> bytes:
@@ -181,13 +191,31 @@ class Link:
                 self._queue.popleft()
             work.finish(error)
 
-    def recv(self, t: torch.Tensor) -> None:
+    def recv(self, t: torch.Tensor, poll_s: float = 0.0) -> None:
+        """Blocking. With `poll_s` > 0 the socket is polled for up to that long before the thread
+        sleeps in it, so the core does not halt while the peer's turn is short (POLL_S)."""
         view = byte_view(t)
         with self._posted:  # earlier irecvs first: messages are taken in the order sent
             while self._pending:
                 self._posted.wait()
         with self._recv_lock:
+            if poll_s > 0:
+                self._poll(poll_s)
             self._recv_into(view)
+
+    def _poll(self, poll_s: float) -> None:
+        """Until the next message's first byte is there or `poll_s` passed, yielding the core between
+        polls (a thread that wants it, another stage's OpenMP worker, runs at once)."""
+        peek = bytearray(1)
+        deadline = time.perf_counter() + poll_s
+        while True:
+            try:
+                self.sock.recv_into(peek, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                return  # a byte (or the end of the stream: the read says so)
+            except BlockingIOError:
+                if time.perf_counter() >= deadline:
+                    return
+                os.sched_yield()
 
     def irecv(self, t: torch.Tensor) -> Work:
         work = Work()
@@ -412,8 +440,9 @@ class Links:
     def isend(self, t: torch.Tensor, peer: int) -> Work:
         return self._link(peer).isend(t)
 
-    def recv(self, t: torch.Tensor, peer: int) -> None:
-        self._link(peer).recv(t)
+    def recv(self, t: torch.Tensor, peer: int, poll_s: float = 0.0) -> None:
+        """Blocking; `poll_s` > 0: poll the socket for up to that long first (Link.recv, POLL_S)."""
+        self._link(peer).recv(t, poll_s)
 
     def irecv(self, t: torch.Tensor, peer: int) -> Work:
         return self._link(peer).irecv(t)

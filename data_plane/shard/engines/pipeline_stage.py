@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         store_blocks,
     )
     from data_plane.shard.engines.llama_runner import LlamaRunner, select_rows
-    from data_plane.shard.engines.pipeline_links import Links
+    from data_plane.shard.engines.pipeline_links import POLL_S, Links
     from data_plane.shard.engines.pipeline_net import (
         H_THREADS,
         HEADER_FIXED,
@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with torch.inference_mode():
             while True:
-                links.recv(buf, prev)
+                # a pass alone at every core of the host: poll for the next (pipeline_links.POLL_S)
+                links.recv(buf, prev, POLL_S if torch.get_num_threads() > args.threads else 0.0)
                 arrive = time.time()  # a pass's hop ends here; unpacking it is the stage's own work
                 op = int(h[0])
                 if op == OP_STOP:

@@ -27,7 +27,13 @@ bench's 4 requests x 64 tokens spent most of their decode before the first probe
 How: a *probe* runs `probe_steps` decode steps at the other count (after one warm-up step, which is
 not counted) and compares their median step time with the current count's recent median at the same
 batch size (a window per batch size, so arrivals and departures do not reset the evidence). The
-other count wins only when it is faster by more than `margin` (hysteresis: no flapping on noise).
+other count wins only when it is faster by more than `margin` (hysteresis: no flapping on noise), and
+fewer threads only when faster by more than `margin_down`: a wrong move down costs the cores' gain
+for a probe period that doubles up to `max_period_s`, and a short probe at fewer threads right after
+steps at every thread reads fast (the other cores are still awake: a 2-stage pipeline on a 2-core VM
+probed 1 thread at 6.6-10.4 ms a pass where 1 thread steadily ran 8.5-10.6 ms, against 6.3-7.8 at 2);
+a wrong move up is undone within `persist` steps once they collapse. Contention is no near call: a
+collapsed step is several times slower, far past either margin.
 Only decode steps are probed: prefill passes always run at the chosen count.
 
 When: a probe starts once `period_s` seconds of decode have passed since the last one (time, not
@@ -88,7 +94,7 @@ class HostCpu:
 class ThreadTuner:
     def __init__(self, max_threads: int, set_threads: Callable[[int], None],
                  on_change: Callable[[int, str], None] | None = None, *, probe_steps: int = 4,
-                 period_s: float = 1.0, max_period_s: float = 64.0, margin: float = 0.15,
+                 period_s: float = 1.0, max_period_s: float = 64.0, margin: float = 0.15, margin_down: float = 0.30,
                  collapse: float = 3.0, window: int = 16, persist: int = 3, overhead: float = 0.05,
                  initial: int = 1, min_threads: int = 1) -> None:
         if not 1 <= min_threads < max_threads:
@@ -99,7 +105,7 @@ class ThreadTuner:
         self.probe_steps = probe_steps
         self.base_period_s = self.period_s = period_s
         self.max_period_s = max_period_s
-        self.margin = margin
+        self.margin, self.margin_down = margin, margin_down
         self.collapse = collapse
         self.persist = persist
         self.overhead = overhead
@@ -191,7 +197,8 @@ class ThreadTuner:
             return
         if len(self._probe) >= self.probe_steps:
             probe = statistics.median(self._probe)
-            faster = probe < (1 - self.margin) * current
+            margin = self.margin_down if self.other < self.threads else self.margin
+            faster = probe < (1 - margin) * current
             self._end_probe(faster, f"{1000 * probe:.1f} ms a step against {1000 * current:.1f} ms")
 
     def _end_probe(self, switch: bool | None, why: str) -> None:
