@@ -175,7 +175,8 @@ class ResponsesHandler(ChatHandler):
         if self.response is not None:
             return self.response
         choice = body["choices"][0]
-        return self._final(choice.get("finish_reason"), output_items(choice["message"]))
+        return self._final(choice.get("finish_reason"),
+                           output_items(choice["message"], logprobs=(choice.get("logprobs") or {}).get("content")))
 
     async def respond_stream(self, opened: Opened, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
         events = ResponseEvents(send, start=lambda: self._response("in_progress", [], None),
@@ -189,8 +190,9 @@ class ResponsesHandler(ChatHandler):
         assert rreq is not None and opened is not None and self.tier is not None
         finish_reason = opened.completion.finish_reason
         incomplete = INCOMPLETE_REASONS.get(finish_reason or "")
-        output = output_items(message or opened.completion.choice(0).message(),
-                              "incomplete" if incomplete else "completed")
+        choice = opened.completion.choice(0)
+        output = output_items(message or choice.message(), "incomplete" if incomplete else "completed",
+                              choice.logprobs if choice.has_logprobs else None)
         for item in output:  # the same ids the stream announced
             if item["type"] == "message":
                 item["id"] = self.message_id

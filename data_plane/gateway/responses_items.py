@@ -26,6 +26,7 @@ from data_plane.common.errors import InvalidRequest, UnsupportedParameter
 from data_plane.protocol import ChatCompletionRequest
 from data_plane.request_checks import WholeNumber, check_metadata, json_body, validated
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 SUPPORTED_ITEM_TYPES = ("message", "function_call", "function_call_output", "compaction")
 TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -80,12 +81,14 @@ class ResponsesRequest(BaseModel):
     prompt_cache_retention: str | None = None
     service_tier: str | None = None
     include: list[str] | None = None
+    """Only ``message.output_text.logprobs`` (the chat path's logprobs on the output text); any
+    other includable names output this server never makes (a 400 naming it)."""
+    top_logprobs: WholeNumber | None = Field(default=None, ge=0, le=20)
     # Accepted only at their neutral value (see check_supported).
     background: bool | None = None
     reasoning: dict[str, Any] | None = None
     max_tool_calls: WholeNumber | None = None
     prompt: Any = None
-    top_logprobs: WholeNumber | None = None
     stop: Any = None
     """Not a Responses field; guidellm sends `"stop": null` beside `ignore_eos`, as vLLM accepts."""
 
@@ -93,12 +96,15 @@ class ResponsesRequest(BaseModel):
 
     def check_supported(self) -> None:
         neutral: dict[str, tuple[Any, ...]] = {
-            "background": (None, False), "prompt": (None,), "top_logprobs": (None, 0),
-            "include": (None, []), "max_tool_calls": (None,), "stop": (None,),
+            "background": (None, False), "prompt": (None,), "max_tool_calls": (None,), "stop": (None,),
         }
         for name, values in neutral.items():
             if getattr(self, name) not in values:
                 raise UnsupportedParameter(f"parameter {name!r} is not supported by this server", param=name)
+        for i, value in enumerate(self.include or ()):
+            if value != LOGPROBS_INCLUDE:
+                raise UnsupportedParameter(f"include value {value!r} is not supported; only {LOGPROBS_INCLUDE!r}",
+                                           param=f"include[{i}]")
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
             raise UnsupportedParameter("reasoning is not supported by this model", param="reasoning")
         if self.previous_response_id and self.conversation:
@@ -106,6 +112,11 @@ class ResponsesRequest(BaseModel):
                                  param="previous_response_id")
         if self.stream_options and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+
+    @property
+    def with_logprobs(self) -> bool:
+        """Whether the output text carries logprobs (OpenAI's `include`; `top_logprobs` alone does not)."""
+        return LOGPROBS_INCLUDE in (self.include or ())
 
     @property
     def conversation_id(self) -> str | None:
@@ -165,6 +176,8 @@ class ResponsesRequest(BaseModel):
                 body[name] = value
         if self.stream:
             body["stream_options"] = {"include_usage": True}
+        if self.with_logprobs:
+            body["logprobs"], body["top_logprobs"] = True, self.top_logprobs or 0
         if not self.tools and body.get("tool_choice") in ("auto", "none"):
             body.pop("tool_choice")  # the Agents SDK names a choice without tools
         if not self.tools:
@@ -323,8 +336,23 @@ def call_status(arguments: str, status: str) -> str:
     return "completed"
 
 
-def output_items(message: dict[str, Any], status: str = "completed") -> list[dict[str, Any]]:
-    """A chat completion's message as Responses output items: function_call items, then the text."""
+def text_logprobs(entries: list[dict[str, Any]] | None, *, with_bytes: bool = True) -> list[dict[str, Any]]:
+    """The chat path's logprobs entries as the Responses API's: `output_text.logprobs` has the chat
+    shape (token, bytes, logprob, top_logprobs); the stream's text delta/done events have no bytes
+    (OpenAI's ResponseTextDeltaEvent.Logprob)."""
+    if with_bytes:
+        return [{"token": e["token"], "bytes": e.get("bytes") or [], "logprob": e["logprob"],
+                 "top_logprobs": [{"token": t["token"], "bytes": t.get("bytes") or [], "logprob": t["logprob"]}
+                                  for t in e.get("top_logprobs") or []]} for e in entries or ()]
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e.get("top_logprobs") or []]}
+            for e in entries or ()]
+
+
+def output_items(message: dict[str, Any], status: str = "completed",
+                 logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """A chat completion's message as Responses output items: function_call items, then the text
+    (with `logprobs`, the chat path's entries, when the request included them)."""
     items: list[dict[str, Any]] = []
     for call in message.get("tool_calls") or []:
         fn = call.get("function", {})
@@ -333,8 +361,10 @@ def output_items(message: dict[str, Any], status: str = "completed") -> list[dic
                       "arguments": fn.get("arguments", "")})
     text = message.get("content")
     if text or not items:
+        part = _part("output_text", text or "")
+        part["logprobs"] = text_logprobs(logprobs)
         items.append({"type": "message", "id": new_id("msg"), "status": status, "role": "assistant",
-                      "content": [_part("output_text", text or "")]})
+                      "content": [part]})
     return items
 
 
@@ -363,7 +393,7 @@ def response_object(resp_id: str, req: ResponsesRequest, model: str, *, status: 
         "store": req.store is not False, "temperature": req.temperature, "top_p": req.top_p,
         "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
         "tools": req.tools or [], "truncation": req.truncation or "disabled", "usage": usage,
-        "user": req.user, "metadata": req.metadata or {},
+        "user": req.user, "metadata": req.metadata or {}, "top_logprobs": req.top_logprobs,
         "conversation": {"id": conversation} if conversation else None,
     }
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from starlette.types import Message, Send
 
-from data_plane.gateway.responses_items import _part, call_status
+from data_plane.gateway.responses_items import _part, call_status, text_logprobs
 
 
 def call_item_id(call_id: str) -> str:
@@ -48,6 +48,10 @@ class ResponseEvents:
         self._calls: dict[int, dict[str, Any]] = {}
         """chat tool_call index -> its output item (arguments accumulating)."""
         self._items: list[dict[str, Any]] = []
+        self._logprobs: list[dict[str, Any]] = []
+        """The text's logprobs so far (chat entries), when the request included them."""
+        self._pending: list[dict[str, Any]] = []
+        """Logprobs that came in a chunk without text: they go with the next text delta."""
         self._finish_reason: str | None = None
         self._failed = False
 
@@ -88,6 +92,8 @@ class ResponseEvents:
             return
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            if not delta.get("tool_calls"):  # a function call's item has no logprobs
+                self._pending += (choice.get("logprobs") or {}).get("content") or []
             if delta.get("content"):
                 self._text_delta(delta["content"])
             for call in delta.get("tool_calls") or []:
@@ -105,8 +111,10 @@ class ResponseEvents:
             self._event("response.content_part.added", item_id=self._message_id, output_index=self._message_index,
                         content_index=0, part=_part("output_text", ""))
         self._text.append(text)
+        logprobs, self._pending = self._pending, []
+        self._logprobs += logprobs
         self._event("response.output_text.delta", item_id=self._message_id, output_index=self._message_index,
-                    content_index=0, delta=text, logprobs=[])
+                    content_index=0, delta=text, logprobs=text_logprobs(logprobs, with_bytes=False))
 
     def _call_delta(self, call: dict[str, Any]) -> None:
         index = call.get("index", 0)
@@ -135,8 +143,10 @@ class ResponseEvents:
         for index, item in enumerate(self._items):
             if item["type"] == "message":
                 part = _part("output_text", text)
+                logprobs = self._logprobs + self._pending
+                part["logprobs"] = text_logprobs(logprobs)
                 self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                            text=text, logprobs=[])
+                            text=text, logprobs=text_logprobs(logprobs, with_bytes=False))
                 self._event("response.content_part.done", item_id=item["id"], output_index=index,
                             content_index=0, part=part)
                 done = {**item, "status": status, "content": [part]}

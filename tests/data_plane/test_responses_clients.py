@@ -1,7 +1,9 @@
 """Load generators and gateways applications use, against the Responses API unchanged: guidellm
 (vLLM's load generator) with `request_format=/v1/responses` and its server-side history mode
 (`server_history`: each turn sends only its new input and the last turn's `previous_response_id`),
-and LiteLLM's `litellm.responses` (its SDK, the call its proxy makes) pointed at the gateway.
+and LiteLLM's `litellm.responses` (its SDK, the call its proxy makes) pointed at the gateway; the
+openai SDK and the Agents SDK asking for logprobs (`include=["message.output_text.logprobs"]`,
+`top_logprobs`), streamed and not.
 
     PYTHONPATH=$PWD .venv/bin/python -m pytest tests/data_plane/test_responses_clients.py -q   # ~2 min (real model)
 
@@ -81,6 +83,45 @@ def test_litellm_responses_against_the_gateway(gateway: Service) -> None:
     assert sdk.responses.retrieve(ours).previous_response_id == platform_id(first.id)
     r = httpx.get(f"{gateway.url}/v1/responses/{ours}", headers={"Authorization": f"Bearer {KEYS['enterprise']}"})
     assert r.status_code == 404
+
+
+def test_logprobs_through_the_sdk_and_the_agents_sdk(gateway: Service) -> None:
+    """`include=["message.output_text.logprobs"]` + `top_logprobs` was a 400 (so was any Agents SDK
+    agent with ModelSettings(top_logprobs=...), which sends both): the chat path's logprobs now come
+    back on the output text, streamed (delta/done events) and not, and stay on the stored response."""
+    sdk = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=120)
+    ask = {"model": MODEL, "input": "Say hello.", "max_output_tokens": 60, "temperature": 0,
+           "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    done = sdk.responses.create(**ask)
+    assert done.top_logprobs == 2
+    text = done.output[0].content[0]
+    assert text.logprobs and "".join(lp.token for lp in text.logprobs) == text.text
+    assert all(len(lp.top_logprobs) == 2 and lp.bytes and lp.logprob <= 0 for lp in text.logprobs)
+    stored = sdk.responses.retrieve(done.id).output[0].content[0].logprobs
+    assert stored is not None and [lp.token for lp in stored] == [lp.token for lp in text.logprobs]
+    with sdk.responses.stream(**ask) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    (text_done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert "".join(lp.token for d in deltas for lp in d.logprobs) == text_done.text
+    assert [lp.token for lp in text_done.logprobs] == [lp.token for lp in final.output[0].content[0].logprobs]
+    assert all(len(lp.top_logprobs or []) == 2 for lp in text_done.logprobs)
+    plain = sdk.responses.create(**{**ask, "include": None})  # top_logprobs alone: no logprobs (OpenAI's rule)
+    assert plain.top_logprobs == 2 and not plain.output[0].content[0].logprobs
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk.responses.create(**{**ask, "include": ["file_search_call.results"]})
+    assert bad.value.body["param"] == "include[0]" and bad.value.code == "unsupported_parameter"
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=120)
+    agent = Agent(name="greeter", instructions="Be brief.", model=OpenAIResponsesModel(MODEL, client),
+                  model_settings=ModelSettings(temperature=0, max_tokens=200, top_logprobs=1))
+    result = Runner.run_sync(agent, "Say hello.", max_turns=1)
+    (message,) = result.raw_responses[0].output
+    assert message.content[0].logprobs and result.final_output == message.content[0].text
 
 
 def platform_id(litellm_id: str) -> str:
