@@ -35,7 +35,7 @@ from data_plane.common.telemetry import (
     recent_spans_endpoint,
 )
 from data_plane.gateway.auth import KeyStore
-from data_plane.gateway.chat import ChatHandler
+from data_plane.gateway.chat_store import StoredChatHandler, mount_chat_store
 from data_plane.gateway.context import TokenCounter
 from data_plane.gateway.conversations import mount_conversations
 from data_plane.gateway.response_store import ConversationStore
@@ -142,6 +142,7 @@ def create_app(gw: Gateway) -> GatewayApp:
                       methods=["GET"])
     mount_responses(app, gw, lambda: holder.conversations(), lambda: holder.started())
     mount_conversations(app, gw, lambda: holder.conversations())
+    mount_chat_store(app, gw, lambda: holder.conversations())
 
     @app.post(RESPONSES_PATH)
     async def responses(request: Request) -> Response:  # pragma: no cover - GatewayApp serves this path
@@ -210,7 +211,7 @@ class GatewayApp:
             except Overloaded as exc:
                 await render(exc, request)(scope, receive, send)
                 return
-            handler = (ChatHandler(self.gw, runtime, request) if path == CHAT_PATH else
+            handler = (StoredChatHandler(self.gw, runtime, request, self.conversations()) if path == CHAT_PATH else
                        ResponsesHandler(self.gw, runtime, request, self.conversations()))
             await handler.serve(scope, receive, send)
         else:

@@ -50,7 +50,8 @@ def _items(body: dict[str, Any]) -> list[dict[str, Any]]:
     return input_items(raw, param="items")
 
 
-def _metadata(value: Any) -> dict[str, str] | None:
+def metadata_value(value: Any) -> dict[str, str] | None:
+    """A request's `metadata` as OpenAI bounds it (also for stored chat completions' updates)."""
     if value is None:
         return None
     if not isinstance(value, dict) or len(value) > MAX_METADATA or not all(
@@ -94,7 +95,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
                 raise InvalidRequest(f"unrecognized request argument supplied: {min(unknown)}",
                                      param=min(unknown), code="unsupported_parameter")
             items = _items(body)
-            record = new_conversation(new_id("conv"), items, _metadata(body.get("metadata")))
+            record = new_conversation(new_id("conv"), items, metadata_value(body.get("metadata")))
             await store().save(record, owner, replicas)
             log.info("conversation created with %d item(s)", len(items))
             return conversation_object(record)
@@ -112,7 +113,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
             body = await _body(request)
             if set(body) != {"metadata"}:
                 raise InvalidRequest("metadata is required (and the only field)", param="metadata")
-            metadata = _metadata(body["metadata"]) or {}
+            metadata = metadata_value(body["metadata"]) or {}
             async with editing(owner, conversation_id):
                 record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
                 record.conversation["metadata"] = metadata

@@ -39,6 +39,11 @@ META_ROLE = "x-responses"
 class Kind(str, enum.Enum):
     RESPONSE = "response"
     CONVERSATION = "conversation"
+    CHAT_COMPLETION = "chat.completion"
+    """A stored chat completion (data_plane/gateway/chat_store.py): `response` the completion object,
+    `items` its request messages."""
+    CHAT_INDEX = "chat.completion.index"
+    """One owner's list of stored chat completions (`items`: id, created, model, metadata), for listing."""
 
 
 @dataclass
@@ -75,10 +80,12 @@ class Record:
 
 
 def not_found(kind: Kind, record_id: str) -> NotFound:
-    """OpenAI's 404 for a response or conversation this key cannot see."""
-    name = "Response" if kind is Kind.RESPONSE else "Conversation"
-    param = "response_id" if kind is Kind.RESPONSE else "conversation_id"
+    """OpenAI's 404 for a response, conversation or chat completion this caller cannot see."""
+    name, param = _NAMES.get(kind, ("Chat completion", "completion_id"))
     return NotFound(f"{name} with id '{record_id}' not found.", param=param, code="not_found")
+
+
+_NAMES = {Kind.RESPONSE: ("Response", "response_id"), Kind.CONVERSATION: ("Conversation", "conversation_id")}
 
 
 class ConversationStore:

@@ -1,4 +1,4 @@
-"""Metrics and spans of the Responses and Conversations APIs (their generations are also counted as
+"""Metrics and spans of the Responses and Conversations APIs and of stored chat completions (their generations are also counted as
 chat requests are: switchboard_gateway_*, the same TTFT, tokens and ledger).
 
     metrics = ResponsesMetrics(registry)
@@ -24,7 +24,7 @@ tracer = trace.get_tracer(__name__)
 
 
 class Op(str, enum.Enum):
-    """One Responses/Conversations API operation (the metric's `op` label)."""
+    """One Responses/Conversations/stored Chat Completions operation (the metric's `op` label)."""
 
     CREATE = "create"
     RETRIEVE = "retrieve"
@@ -39,6 +39,13 @@ class Op(str, enum.Enum):
     ITEMS_CREATE = "items_create"
     ITEM_RETRIEVE = "item_retrieve"
     ITEM_DELETE = "item_delete"
+    CHAT_STORE = "chat_store"
+    """A chat completion kept because of `store: true` (its generation is counted as a chat request)."""
+    CHAT_RETRIEVE = "chat_retrieve"
+    CHAT_LIST = "chat_list"
+    CHAT_UPDATE = "chat_update"
+    CHAT_DELETE = "chat_delete"
+    CHAT_MESSAGES = "chat_messages"
 
 
 STATUSES = ("200", "400", "401", "404", "409", "429", "499", "500", "503")
@@ -48,11 +55,13 @@ STATUSES = ("200", "400", "401", "404", "409", "429", "499", "500", "503")
 class ResponsesMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter("switchboard_responses_requests_total",
-                                "Responses and Conversations API requests by operation and HTTP status.",
+                                "Responses, Conversations and stored Chat Completions API requests by operation and HTTP "
+                                "status.",
                                 ["op", "status"], registry=registry)
         self.seconds = Histogram("switchboard_responses_op_seconds",
                                  "Time to serve a stored-state operation (retrieve, delete, lists, conversations, "
-                                 "compact); creating a response is timed like a chat request.", ["op"],
+                                 "compact, stored chat completions and their store on create); creating a response "
+                                 "is timed like a chat request.", ["op"],
                                  buckets=LATENCY_BUCKETS, registry=registry)
         for op in Op:
             self.requests.labels(op.value, "200")

@@ -292,6 +292,11 @@ class Completion:
             raise
         finally:
             stream.close()  # idempotent; here for a cancellation before the first batch
+        return self.body()
+
+    def body(self) -> dict[str, Any]:
+        """The chat.completion object of what was released so far (every choice): the reply's JSON
+        body, and what a stored completion keeps whether it was streamed or not."""
         body = completion_body(completion_id=self.completion_id, model=self.model, text="",
                                finish_reason=None, usage=self.usage, created=self.created)
         body["choices"] = [{"index": i, "message": c.message(),

@@ -1,0 +1,235 @@
+"""OpenAI's stored Chat Completions: `store: true` keeps a completion, and its routes read it back.
+
+    c = client.chat.completions.create(model=..., messages=[...], store=True, metadata={"run": "7"})
+    client.chat.completions.retrieve(c.id); client.chat.completions.messages.list(c.id)
+    client.chat.completions.list(model=..., metadata={"run": "7"}, order="desc", limit=20, after=...)
+    client.chat.completions.update(c.id, metadata={...}); client.chat.completions.delete(c.id)
+
+A stored completion is one record of the conversation store (data_plane/gateway/response_store.py,
+kind CHAT_COMPLETION): sealed, replicated per the tier, read-repaired, deleted from every cache node;
+it holds the completion object (every choice, streamed or not, with the request's `metadata`) and the
+request's messages. It belongs to the caller's *tenant* (every key of it sees it; another tenant's id
+is a 404, like a missing one), as OpenAI's stored completions belong to a project, not to one key.
+
+Listing needs what a key-value store lacks: one index record per tenant (kind CHAT_INDEX: id,
+created, model, metadata of each, oldest first, at most MAX_LISTED, entries past the TTL pruned),
+rewritten under the record lock (data_plane/gateway/record_locks.py) when a completion is stored,
+updated or deleted. A completion that dropped out of the index is still retrievable by id.
+
+Storing is part of the reply (awaited before the last bytes, so a retrieve right after the create
+finds it), but a failure to store is logged and counted, never turned into a failed completion: the
+reply is what was asked for, and `store` was accepted and ignored before this existed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from data_plane.common.errors import InvalidRequest, NotFound, SwitchboardError
+from data_plane.gateway.chat import ChatHandler
+from data_plane.gateway.conversations import metadata_value
+from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S, record_key
+from data_plane.gateway.response_store import ConversationStore, Kind, Record
+from data_plane.gateway.responses import page
+from data_plane.gateway.responses_metrics import Op, observed
+from data_plane.gateway.runtime import Gateway, Runtime
+from data_plane.protocol import ChatCompletionRequest, ChatMessage
+from data_plane.request_checks import json_body
+from data_plane.routing.upstream import CHAT_PATH
+
+log = logging.getLogger(__name__)
+
+MAX_LISTED = 10_000
+"""Completions one tenant's list holds (the newest); the index record is rewritten on every store."""
+
+
+def tenant_owner(tenant: str) -> str:
+    """The owner stored completions are bound to (and sealed for): the tenant, as a digest in its own
+    namespace, so it never equals a key's digest (sessions, responses, conversations stay per key)."""
+    return hashlib.sha256(f"chat-completions/{tenant}".encode()).hexdigest()
+
+
+def index_id(owner: str) -> str:
+    """The id of the owner's index record (a valid session id; bound to the owner like any record)."""
+    return "chatidx_" + hashlib.sha256(owner.encode()).hexdigest()[:40]
+
+
+def stored_messages(completion_id: str, messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The request's messages as ChatCompletionStoreMessage objects (id `<completion id>-<index>`)."""
+    out = []
+    for i, m in enumerate(messages):
+        item: dict[str, Any] = {"id": f"{completion_id}-{i}", **m.model_dump(exclude_none=True)}
+        if isinstance(m.content, list):
+            item["content"], item["content_parts"] = m.text(), m.model_dump(mode="json")["content"]
+        else:
+            item["content_parts"] = None
+        out.append(item)
+    return out
+
+
+class StoredChatHandler(ChatHandler):
+    """`POST /v1/chat/completions`, which also keeps the completion when the request says `store: true`."""
+
+    def __init__(self, gw: Gateway, rt: Runtime, request: Request, store: ConversationStore) -> None:
+        super().__init__(gw, rt, request)
+        self.store = store
+        self.stored_request: ChatCompletionRequest | None = None
+
+    async def parse(self, raw: bytes) -> ChatCompletionRequest:
+        req = await super().parse(raw)
+        if req.store:
+            self.stored_request = req
+        return req
+
+    async def save_turn(self, reply: str) -> None:
+        await super().save_turn(reply)
+        req, opened, principal, tier = self.stored_request, self.opened, self.principal, self.tier
+        if req is None or opened is None or principal is None or tier is None:
+            return
+        started = time.perf_counter()
+        status = 200
+        try:
+            completion = {**opened.completion.body(), "metadata": dict(req.metadata or {})}
+            record = Record(completion["id"], Kind.CHAT_COMPLETION, stored_messages(completion["id"], req.messages),
+                            completion["id"], response=completion)
+            owner = tenant_owner(principal.tenant)
+            await self.store.save(record, owner, tier.replication)
+            await edit_index(self.gw, self.store, owner, tier.replication, add=index_entry(completion))
+            log.info("request %s: chat completion stored (%d choice(s), %d message(s))", self.request_id,
+                     len(completion["choices"]), len(record.items))
+        except SwitchboardError as exc:  # the reply stands; the record is what failed
+            status = exc.status
+            log.warning("request %s: chat completion not stored: %s", self.request_id, exc.code)
+        finally:
+            self.gw.responses_metrics.count(Op.CHAT_STORE, status)
+            self.gw.responses_metrics.seconds.labels(Op.CHAT_STORE.value).observe(time.perf_counter() - started)
+
+
+def index_entry(completion: dict[str, Any]) -> dict[str, Any]:
+    return {"id": completion["id"], "created": completion["created"], "model": completion["model"],
+            "metadata": completion.get("metadata") or {}}
+
+
+async def edit_index(gw: Gateway, store: ConversationStore, owner: str, replicas: int, *,
+                     add: dict[str, Any] | None = None, remove: str | None = None) -> None:
+    """Add, replace (same id) or remove one entry of the owner's index, under its record lock (another
+    store of the same tenant waits; two gateways at once can still race: record_locks.py)."""
+    rid = index_id(owner)
+    key = record_key(owner, rid)
+    await gw.record_locks.acquire(key, wait_s=ITEM_EDIT_WAIT_S, param="completion_id")
+    try:
+        index = await load_index(store, owner, replicas)
+        gone = remove or (add["id"] if add is not None else None)
+        entries = [e for e in index.items if e["id"] != gone]
+        if add is not None and remove is None:
+            entries.append(add)
+            entries.sort(key=lambda e: e["created"])
+        index.items = entries[-MAX_LISTED:]
+        await store.save(index, owner, replicas)
+    finally:
+        gw.record_locks.release(key)
+
+
+async def load_index(store: ConversationStore, owner: str, replicas: int) -> Record:
+    """The owner's index (empty when it has none yet), without entries older than the store's TTL."""
+    try:
+        index = await store.load(index_id(owner), owner, replicas, Kind.CHAT_INDEX)
+    except NotFound:
+        index = Record(index_id(owner), Kind.CHAT_INDEX, [], index_id(owner))
+    oldest = time.time() - store.ttl_s
+    index.items = [e for e in index.items if e["created"] >= oldest]
+    return index
+
+
+def metadata_filter(request: Request) -> dict[str, str]:
+    """`metadata[key]=value` query parameters (how the openai SDK sends a dict in a query)."""
+    out = {}
+    for name, value in request.query_params.multi_items():
+        if name.startswith("metadata[") and name.endswith("]"):
+            out[name[len("metadata["):-1]] = value
+        elif name == "metadata":
+            raise InvalidRequest("metadata filters are sent as metadata[key]=value", param="metadata")
+    return out
+
+
+def mount_chat_store(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore]) -> None:
+    """The stored Chat Completions routes on `app` (POST /v1/chat/completions itself is GatewayApp's)."""
+
+    def caller(request: Request) -> tuple[str, int]:
+        """The tenant's owner digest and the tier's replicas, after the abuse guard (bans, blocked keys
+        and throttles; 401s counted), as the other stored-record routes."""
+        principal = gw.guard.caller(gw.keys, request)
+        return tenant_owner(principal.tenant), gw.tiers.get(principal.tier).replication
+
+    async def load(completion_id: str, owner: str, replicas: int) -> Record:
+        return await store().load(completion_id, owner, replicas, Kind.CHAT_COMPLETION)
+
+    @app.get(CHAT_PATH)
+    async def list_completions(request: Request, limit: int = 20, order: str = "asc", after: str | None = None,
+                               model: str | None = None) -> dict[str, Any]:
+        with observed(gw.responses_metrics, Op.CHAT_LIST):
+            owner, replicas = caller(request)
+            wanted = metadata_filter(request)
+            index = await load_index(store(), owner, replicas)
+            entries = [e for e in index.items if (model is None or e["model"] == model)
+                       and all(e["metadata"].get(k) == v for k, v in wanted.items())]
+            listed = page(entries, limit=limit, order=order, after=after)
+            found = await asyncio.gather(*(load(e["id"], owner, replicas) for e in listed["data"]),
+                                         return_exceptions=True)
+            for got in found:  # a record gone meanwhile is left out; a cache failure is the answer
+                if isinstance(got, BaseException) and not isinstance(got, NotFound):
+                    raise got
+            data = [dict(r.response or {}) for r in found if isinstance(r, Record)]
+            return {**listed, "data": data, "first_id": data[0]["id"] if data else None,
+                    "last_id": data[-1]["id"] if data else None}
+
+    @app.get(CHAT_PATH + "/{completion_id}")
+    async def retrieve(completion_id: str, request: Request) -> dict[str, Any]:
+        with observed(gw.responses_metrics, Op.CHAT_RETRIEVE):
+            owner, replicas = caller(request)
+            return dict((await load(completion_id, owner, replicas)).response or {})
+
+    @app.post(CHAT_PATH + "/{completion_id}")
+    async def update(completion_id: str, request: Request) -> dict[str, Any]:
+        with observed(gw.responses_metrics, Op.CHAT_UPDATE):
+            owner, replicas = caller(request)
+            raw = await request.body()
+            body = json_body(raw, request.headers.get("content-type")) if raw else {}
+            if set(body) != {"metadata"}:
+                raise InvalidRequest("metadata is required (and the only field that can be updated)",
+                                     param="metadata")
+            metadata = metadata_value(body["metadata"]) or {}
+            key = record_key(owner, completion_id)
+            await gw.record_locks.acquire(key, wait_s=ITEM_EDIT_WAIT_S, param="completion_id")
+            try:
+                record = await load(completion_id, owner, replicas)
+                completion = record.response = {**(record.response or {}), "metadata": metadata}
+                await store().save(record, owner, replicas)
+            finally:
+                gw.record_locks.release(key)
+            await edit_index(gw, store(), owner, replicas, add=index_entry(completion))
+            return dict(completion)
+
+    @app.delete(CHAT_PATH + "/{completion_id}")
+    async def delete(completion_id: str, request: Request) -> dict[str, Any]:
+        with observed(gw.responses_metrics, Op.CHAT_DELETE):
+            owner, replicas = caller(request)
+            await store().delete(completion_id, owner, replicas, Kind.CHAT_COMPLETION)
+            await edit_index(gw, store(), owner, replicas, remove=completion_id)
+            log.info("chat completion deleted from every cache node")
+            return {"id": completion_id, "object": "chat.completion.deleted", "deleted": True}
+
+    @app.get(CHAT_PATH + "/{completion_id}/messages")
+    async def messages(completion_id: str, request: Request, limit: int = 20, order: str = "asc",
+                       after: str | None = None) -> dict[str, Any]:
+        with observed(gw.responses_metrics, Op.CHAT_MESSAGES):
+            owner, replicas = caller(request)
+            record = await load(completion_id, owner, replicas)
+            return page(record.items, limit=limit, order=order, after=after)
