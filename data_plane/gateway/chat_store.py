@@ -107,6 +107,9 @@ class StoredChatHandler(ChatHandler):
         except SwitchboardError as exc:  # the reply stands; the record is what failed
             status = exc.status
             log.warning("request %s: chat completion not stored: %s", self.request_id, exc.code)
+        except Exception as exc:  # noqa: BLE001 -- a bug here must not fail a reply already made
+            status = 500
+            log.error("request %s: chat completion not stored: %s", self.request_id, type(exc).__name__)
         finally:
             self.gw.responses_metrics.count(Op.CHAT_STORE, status)
             self.gw.responses_metrics.seconds.labels(Op.CHAT_STORE.value).observe(time.perf_counter() - started)
@@ -126,11 +129,14 @@ async def edit_index(gw: Gateway, store: ConversationStore, owner: str, replicas
     await gw.record_locks.acquire(key, wait_s=ITEM_EDIT_WAIT_S, param="completion_id")
     try:
         index = await load_index(store, owner, replicas)
-        gone = remove or (add["id"] if add is not None else None)
-        entries = [e for e in index.items if e["id"] != gone]
-        if add is not None and remove is None:
-            entries.append(add)
-            entries.sort(key=lambda e: e["created"])
+        entries = list(index.items)
+        if remove is not None:
+            entries = [e for e in entries if e["id"] != remove]
+        elif add is not None:  # an update replaces its entry in place: the list's order never moves
+            entries = [add if e["id"] == add["id"] else e for e in entries]
+            if add not in entries:
+                entries.append(add)
+                entries.sort(key=lambda e: e["created"])  # stable: same-second stores keep their order
         index.items = entries[-MAX_LISTED:]
         await store.save(index, owner, replicas)
     finally:

@@ -125,6 +125,10 @@ def test_list_pages_and_filters(stack: Stack) -> None:
     assert [c.id for c in sdk.chat.completions.list(metadata={"batch": batch, "i": "1"}).data] == [made[1]]
     assert [c.id for c in sdk.chat.completions.list(metadata={"batch": batch}, model=MODEL).data] == made
     assert sdk.chat.completions.list(metadata={"batch": batch}, model="another-model").data == []
+    # an update moves the completion's metadata in the list, never its place
+    sdk.chat.completions.update(made[0], metadata={"batch": batch, "i": "0", "seen": "yes"})
+    assert [c.id for c in sdk.chat.completions.list(metadata={"batch": batch}).data] == made
+    assert [c.id for c in sdk.chat.completions.list(metadata={"batch": batch, "seen": "yes"}).data] == made[:1]
     listed = sdk.chat.completions.list(metadata={"batch": batch}).data[0]
     assert listed.model_dump() == sdk.chat.completions.retrieve(made[0]).model_dump()
     # bad parameters are OpenAI-shaped 400s, never a 500
