@@ -174,7 +174,8 @@ def test_unknown_model_by_id_is_404_model_not_found(cluster: Cluster) -> None:
 def test_wrong_methods_and_paths_are_openai_errors(cluster: Cluster) -> None:
     auth = {"Authorization": f"Bearer {KEYS['plus']}"}
     for method, path, status in [
-        ("GET", "/v1/chat/completions", 405),
+        ("PUT", "/v1/chat/completions", 405),  # GET lists stored completions (chat_store.py)
+        ("PATCH", "/v1/chat/completions/chatcmpl-x", 405),
         ("PUT", "/v1/models", 405),
         ("GET", "/v1/completions", 404),
         ("POST", "/v1/../admin/v1/tiers", 404),
