@@ -125,6 +125,8 @@ MAX_N = 8
 SYSTEM_FINGERPRINT = "fp_switchboard_1"
 """OpenAI's backend-configuration marker: changes when the serving stack changes what a seed produces."""
 MAX_TOP_LOGPROBS = 20
+INPUT_TOKENS_PATH = "/v1/chat/completions/input_tokens"
+"""A shard's count of a chat request's prompt tokens (the same body; nothing generated)."""
 
 
 class ChatCompletionRequest(BaseModel):

@@ -40,6 +40,7 @@ from data_plane.gateway.context import TokenCounter
 from data_plane.gateway.conversations import mount_conversations
 from data_plane.gateway.response_store import ConversationStore
 from data_plane.gateway.responses import RESPONSES_PATH, ResponsesHandler, mount_responses
+from data_plane.gateway.responses_count import mount_input_tokens_and_cancel
 from data_plane.gateway.runtime import Gateway, Runtime, open_runtime
 from data_plane.gateway.safety.pipeline import SafetyPolicies
 from data_plane.gateway.settings import GatewaySettings
@@ -141,6 +142,7 @@ def create_app(gw: Gateway) -> GatewayApp:
     app.add_api_route("/v1/usage", usage_route(lambda r: gw.guard.caller(gw.keys, r), gw.ledger),
                       methods=["GET"])
     mount_responses(app, gw, lambda: holder.conversations(), lambda: holder.started())
+    mount_input_tokens_and_cancel(app, gw, lambda: holder.conversations(), lambda: holder.started())
     mount_conversations(app, gw, lambda: holder.conversations())
     mount_chat_store(app, gw, lambda: holder.conversations())
 

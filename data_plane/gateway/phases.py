@@ -93,5 +93,10 @@ def shard_request(checked: Checked, caller: Caller, window: Window, max_tokens: 
     return ShardRequest(
         messages=[ChatMessage.model_validate(m) for m in window.messages],
         max_tokens=max_tokens, stream=True, priority=caller.tier.priority,
-        # Prefix-cache scope: KV is reused within a tenant only (no timing side channel across tenants).
-        cache_salt=f"tenant:{caller.principal.tenant}", request_id=request_id, deadline=deadline, **fields)
+        cache_salt=cache_salt(caller.principal.tenant), request_id=request_id, deadline=deadline, **fields)
+
+
+def cache_salt(tenant: str) -> str:
+    """The prefix-cache scope of a tenant's requests: KV is reused within a tenant only (no timing side
+    channel across tenants); the shard's token-exact transcripts are kept per scope too."""
+    return f"tenant:{tenant}"

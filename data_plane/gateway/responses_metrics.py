@@ -31,6 +31,8 @@ class Op(str, enum.Enum):
     DELETE = "delete"
     INPUT_ITEMS = "input_items"
     COMPACT = "compact"
+    INPUT_TOKENS = "input_tokens"
+    CANCEL = "cancel"
     CONVERSATION_CREATE = "conversation_create"
     CONVERSATION_RETRIEVE = "conversation_retrieve"
     CONVERSATION_UPDATE = "conversation_update"

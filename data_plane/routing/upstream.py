@@ -41,7 +41,7 @@ from data_plane.common.errors import (
 from data_plane.common.keepalive import KEEPALIVE_META
 from data_plane.common.kv_report import CHAIN_HEADER, parse_chain
 from data_plane.membership.view import Member
-from data_plane.protocol import ChatMessage, ShardRequest, StreamOptions
+from data_plane.protocol import INPUT_TOKENS_PATH, ChatMessage, ShardRequest, StreamOptions
 from data_plane.routing.events import Delta, Event, Finish, ToolCallDelta, UsageEvent, parse_line
 from data_plane.routing.failures import FailureReason
 from data_plane.routing.hop_client import (
@@ -214,6 +214,49 @@ class Upstream:
         usage = StreamOptions(include_usage=True, continuous_usage_stats=True)
         request = request.model_copy(update={"stream_options": usage})
         return ResumableStream(self, request, session_id, await self.open(request, session_id))
+
+    async def count(self, request: ShardRequest, session_id: str | None) -> int:
+        """The prompt tokens `request` would have (a shard's INPUT_TOKENS_PATH: nothing generated), on
+        the shard its session's turn would go to (its token-exact transcripts count as that turn would),
+        tried like `open`: once more elsewhere when a shard fails, a 4xx passed through."""
+        payload = json.dumps(request.wire(), ensure_ascii=False).encode()
+        tried: set[str] = set()
+        timeout = self.config.headers_timeout_s
+
+        async def attempt(n: int) -> int:
+            member = self.router.pick(session_id, tried)
+            leases = ExitStack()
+            leases.enter_context(self.router.lease(member))
+            response: ShardResponse | None = None
+            try:
+                response = await self.pool.post(member.url, INPUT_TOKENS_PATH, payload, {}, timeout=timeout)
+                if response.status != 200:
+                    await self._refuse(member, response, leases)
+                raw = await response.read(asyncio.get_running_loop().time() + timeout)
+                tokens = int(json.loads(raw)["input_tokens"])
+            except (HopError, ValueError, KeyError, TypeError) as exc:  # unreachable, or no count in its answer
+                reason = FailureReason.CONNECT if isinstance(exc, HopConnectError) else FailureReason.TRANSPORT
+                failure = Retryable(reason, UpstreamError(f"a shard failed to count: {exc}"))
+                self.router.report_failure(member, failure.reason)
+                tried.add(member.id)
+                failure.member = member
+                raise failure from None
+            except Retryable as failure:
+                self.router.report_failure(member, failure.reason)
+                tried.add(member.id)
+                failure.member = member
+                raise
+            finally:
+                _close(response)
+                leases.close()
+            self.router.report_success(member)
+            return tokens
+
+        def on_retry(failure: Retryable) -> None:
+            assert failure.member is not None
+            self.router.record_retry(failure.member, failure.reason)
+
+        return await with_retries(attempt, 1 + self.config.retries, on_retry)
 
     async def _try(self, member: Member, payload: bytes, attempt: int, session_id: str | None = None) -> ShardStream:
         """One attempt on `member`: connect, headers, first token. Raises :class:`Retryable` for a

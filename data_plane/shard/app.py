@@ -45,6 +45,8 @@ from data_plane.common.telemetry import configure_process, fastapi_options, metr
 from data_plane.common.tls import TlsConfig
 from data_plane.membership.factory import membership_from_url
 from data_plane.protocol import (
+    INPUT_TOKENS_PATH,
+    ChatCompletionRequest,
     PromptTokensDetails,
     Usage,
     chunk_body,
@@ -55,7 +57,7 @@ from data_plane.protocol import (
 from data_plane.shard.choices import Choice, choice_streams, describe, merged, prepare_requests, token_bytes
 from data_plane.shard.engine_factory import build_engine
 from data_plane.shard.engines.base import Engine, GenerationOutput, GenerationRequest, KVSessionRef
-from data_plane.shard.generation import generation_requests
+from data_plane.shard.generation import generation_requests, prompt_ids
 from data_plane.shard.group_exit import GroupExit
 from data_plane.shard.kv_reports import KVReportMetrics, KVReports
 from data_plane.shard.kv_seal import KVSealer, kv_keyring
@@ -192,8 +194,8 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
             raise ModelNotFound(f"the model {model_id!r} does not exist", param="model")
         return _model_card(engine, state)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
+    async def serving(request: Request) -> ChatCompletionRequest:
+        """The request's body, once the model is loaded and is the one it names (503 / 404 otherwise)."""
         raw = await read_body(request, settings.max_body_bytes)
         req = parse_chat_request(raw, request.headers.get("content-type"))
         if state.load_error:
@@ -203,6 +205,19 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
         if req.model and req.model != engine.model_name:
             raise ModelNotFound(f"the model {req.model!r} does not exist; this shard serves "
                                 f"{engine.model_name!r}", param="model")
+        return req
+
+    @app.post(INPUT_TOKENS_PATH)
+    async def input_tokens(request: Request) -> dict[str, Any]:
+        """The prompt tokens a chat request would have (its `usage.prompt_tokens`), generating nothing:
+        the Responses API's input token count (data_plane/gateway/responses_count.py)."""
+        req = await serving(request)
+        _, ids = prompt_ids(req, engine)
+        return {"object": "chat.input_tokens", "input_tokens": len(ids)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = await serving(request)
         ctx = extract(request.headers)
         request_id = req.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
         request.state.request_id = request_id

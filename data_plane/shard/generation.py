@@ -23,11 +23,7 @@ from data_plane.structured import OutputPlan
 def generation_requests(req: ChatCompletionRequest, engine: Engine, request_id: str,
                          public_prefixes: list[str] | tuple[str, ...], plan: OutputPlan) -> list[GenerationRequest]:
     """One engine request per choice (`n`): the same prompt, seeds `seed + i`."""
-    messages = req.plain_messages()
-    ids = engine.encode_chat(messages, continue_final=req.continue_final_message)
-    restore = getattr(engine, "restore_generated", None)  # token-exact transcripts (data_plane/shard/kv_transcript.py)
-    if restore is not None:
-        ids = restore(messages, ids, req.cache_salt)
+    messages, ids = prompt_ids(req, engine)
     grammar, resumed = None, ""
     if plan.constraint is not None:
         grammar = GrammarSpec(GrammarKind(plan.constraint.kind), plan.constraint.text)
@@ -58,6 +54,18 @@ def generation_requests(req: ChatCompletionRequest, engine: Engine, request_id: 
                                      priority=req.priority or 0, deadline=req.deadline, cache_salt=req.cache_salt,
                                      public_prefix_tokens=public, resumed_text=resumed))
     return out
+
+
+def prompt_ids(req: ChatCompletionRequest, engine: Engine) -> tuple[list[dict[str, str]], list[int]]:
+    """The request's messages as the chat template sees them (tools' prompt included) and the prompt's
+    token ids, as generated from: also what `POST /v1/chat/completions/input_tokens` counts, so a
+    count is the `prompt_tokens` the same request is billed."""
+    messages = req.plain_messages()
+    ids = engine.encode_chat(messages, continue_final=req.continue_final_message)
+    restore = getattr(engine, "restore_generated", None)  # token-exact transcripts (data_plane/shard/kv_transcript.py)
+    if restore is not None:
+        ids = restore(messages, ids, req.cache_salt)
+    return messages, ids
 
 
 def public_tokens(messages: list[dict[str, str]], ids: list[int], engine: Engine,

@@ -203,6 +203,24 @@ def test_bad_input_gets_openai_error(fp32_shard: Service, name, body, ctype, sta
             assert err["code"] == code, err
 
 
+def test_input_tokens_is_the_prompt_a_completion_is_billed(fp32_shard: Service) -> None:
+    """The count route (the Responses API's input_tokens, via the gateway) encodes the prompt as
+    generation does, tools' prompt included, and generates nothing."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    for extra in ({}, {"tools": tools}):
+        body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], **extra}
+        generated = metric(fp32_shard.url, "vllm:generation_tokens_total")
+        counted = httpx.post(fp32_shard.url + "/v1/chat/completions/input_tokens", json=body, timeout=60)
+        assert counted.status_code == 200, counted.text
+        assert metric(fp32_shard.url, "vllm:generation_tokens_total") == generated
+        billed = chat(fp32_shard.url, "Weather in Paris?", max_tokens=2, **extra)["usage"]["prompt_tokens"]
+        assert counted.json() == {"object": "chat.input_tokens", "input_tokens": billed}
+    wrong = httpx.post(fp32_shard.url + "/v1/chat/completions/input_tokens", timeout=60,
+                       json={"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    assert wrong.status_code == 404 and wrong.json()["error"]["param"] == "model"
+
+
 def test_oversize_body_413(fp32_shard: Service) -> None:
     big = {"messages": [{"role": "user", "content": "x" * (2 << 20)}]}
     r = httpx.post(fp32_shard.url + "/v1/chat/completions", json=big, timeout=30)

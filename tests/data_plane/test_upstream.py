@@ -302,3 +302,27 @@ async def test_a_json_schema_stream_resumes_but_several_choices_do_not() -> None
     with pytest.raises(UpstreamError):
         await drain(stream)
     assert len(pool.posts) == 1
+
+
+# -- counting a prompt (POST /v1/responses/input_tokens): no stream, the same retry rules ------------
+
+
+async def test_a_count_is_retried_once_elsewhere_and_a_4xx_is_the_requests_own() -> None:
+    pool = Pool(HopConnectError("refused"), Response(200, body=b'{"object": "chat.input_tokens", "input_tokens": 42}'))
+    up, registry = upstream(pool)
+    assert await up.count(BODY, session_id=None) == 42
+    (first_url, first), (second_url, _) = pool.posts
+    assert second_url != first_url and first["messages"] == [{"role": "user", "content": "hi"}]
+    assert count(registry, "switchboard_router_retries_total", reason="connect") == 1
+    bad = b'{"error": {"message": "tools: bad", "type": "invalid_request_error", "param": "tools", "code": null}}'
+    pool = Pool(Response(400, body=bad), Response(200, body=b'{"input_tokens": 1}'))
+    up, registry = upstream(pool)
+    with pytest.raises(SwitchboardError) as raised:
+        await up.count(BODY, session_id=None)
+    assert raised.value.status == 400 and raised.value.param == "tools" and len(pool.posts) == 1
+    pool = Pool(Response(200, body=b"<html>"), Response(200, body=b"{}"))  # no count in either answer
+    up, registry = upstream(pool)
+    with pytest.raises(UpstreamError):
+        await up.count(BODY, session_id=None)
+    assert len(pool.posts) == 2 and count(registry, "switchboard_router_upstream_failures_total",
+                                          reason="transport") == 2

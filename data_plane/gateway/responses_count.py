@@ -1,0 +1,127 @@
+"""`POST /v1/responses/input_tokens` and `POST /v1/responses/{id}/cancel`: the Responses API's two
+routes that generate nothing.
+
+    client.responses.input_tokens.count(model=..., input="And then?", previous_response_id=r.id, tools=[...])
+    # InputTokenCountResponse(object="response.input_tokens", input_tokens=57)
+    client.responses.cancel(r.id)   # 400: only background responses can be cancelled (none are, here)
+
+A count is the prompt the same `POST /v1/responses` would send: its instructions, the history of its
+previous response or conversation (tenant-bound: another key's id is a 404), its input, and its tools
+as the shard's chat template renders them. It is counted by a shard (`Upstream.count`, the shard's
+`INPUT_TOKENS_PATH`), with the very code that encodes a prompt for generation
+(data_plane/shard/generation.py `prompt_ids`), on the shard the turn would go to; so it equals the
+`usage.input_tokens` that create reports. Nothing is generated, stored, rate-limited as tokens or
+written to the usage ledger. With `truncation: "auto"` the count is the whole conversation, before
+any older turns are dropped to fit the window.
+
+Switchboard runs no background responses (`background: true` is a 400 on create), so no response can
+be cancelled: a known id answers OpenAI's 400 for a response not created in the background, an
+unknown one (or another key's) 404.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from data_plane.common.errors import InvalidRequest, ModelNotFound, UnsupportedParameter
+from data_plane.common.http_body import read_body
+from data_plane.gateway.auth import key_digest
+from data_plane.gateway.memory import open_compaction
+from data_plane.gateway.phases import FORWARDED, cache_salt
+from data_plane.gateway.response_store import ConversationStore, Kind
+from data_plane.gateway.responses import RESPONSES_PATH, record_caller, unsealer
+from data_plane.gateway.responses_items import (
+    ResponsesRequest,
+    check_call_outputs,
+    input_items,
+    items_to_messages,
+)
+from data_plane.gateway.responses_metrics import Op, observed
+from data_plane.gateway.runtime import Gateway, Runtime
+from data_plane.protocol import ChatMessage, ShardRequest
+from data_plane.request_checks import json_body, validated
+
+log = logging.getLogger(__name__)
+
+COUNT_FIELDS = frozenset((
+    "model", "input", "instructions", "tools", "text", "previous_response_id", "conversation", "reasoning",
+    "tool_choice", "parallel_tool_calls", "truncation", "personality",
+))
+"""The body `client.responses.input_tokens.count` sends (openai-python's input_token_count_params)."""
+NOT_BACKGROUND = "Only responses created with background=true can be cancelled; this response was not."
+
+
+def count_request(body: dict[str, Any]) -> ResponsesRequest:
+    """The count's body as a Responses request (the same 400s as create); other fields are a 400."""
+    unknown = set(body) - COUNT_FIELDS
+    if unknown:
+        raise UnsupportedParameter(f"unrecognized request argument supplied: {min(unknown)}", param=min(unknown))
+    if body.get("personality") is not None:
+        raise UnsupportedParameter("parameter 'personality' is not supported by this server", param="personality")
+    rreq = validated(ResponsesRequest, {k: v for k, v in body.items() if k != "personality"})
+    rreq.check_supported()
+    return rreq
+
+
+def mount_input_tokens_and_cancel(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore],
+                                  runtime: Callable[[], Runtime]) -> None:
+    """The two routes on `app`; `store()` and `runtime()` once the lifespan opened them."""
+
+    @app.post(RESPONSES_PATH + "/input_tokens")
+    async def input_tokens(request: Request) -> dict[str, Any]:
+        with observed(gw.responses_metrics, Op.INPUT_TOKENS) as span:
+            principal = gw.guard.caller(gw.keys, request)  # bans, blocked keys, throttles; 401s counted
+            owner = key_digest((request.headers.get("authorization") or "").partition(" ")[2].strip())
+            replicas = gw.tiers.get(principal.tier).replication
+            raw = await read_body(request, gw.settings.max_body_bytes)
+            rreq = count_request(json_body(raw, request.headers.get("content-type")))
+            new_items = input_items(rreq.input)
+            if not new_items:
+                raise InvalidRequest("input is required", param="input")
+            rt = runtime()
+            history: list[dict[str, Any]] = []
+            route: str | None = None
+            conversation = rreq.conversation_id
+            if rreq.previous_response_id or conversation:  # a 404 for an unknown or another key's id
+                kind = Kind.RESPONSE if rreq.previous_response_id else Kind.CONVERSATION
+                record = await store().load(rreq.previous_response_id or conversation or "", owner, replicas, kind)
+                history, route = record.items, record.route
+            check_call_outputs(history + new_items)
+            unseal = unsealer(rt, owner)
+
+            def summary(encrypted: str) -> str:
+                return open_compaction(encrypted, unseal)[1]
+
+            system = [{"role": "system", "content": rreq.instructions}] if rreq.instructions else []
+            earlier = items_to_messages(history, summary)
+            chat = rreq.chat_request(system + earlier + items_to_messages(new_items, summary))
+            if len(chat.messages) - len(earlier) > gw.settings.max_messages:
+                raise InvalidRequest(f"at most {gw.settings.max_messages} messages are allowed per request",
+                                     param="input")
+            models = rt.models()
+            model = chat.model or next(iter(models), "")
+            if model not in models:
+                raise ModelNotFound(f"the model {chat.model!r} does not exist", param="model")
+            # The request a shard would get for this turn (data_plane/gateway/phases.py shard_request).
+            fields: dict[str, Any] = {name: value for name, value in chat if name in FORWARDED and value is not None}
+            if chat.model:
+                fields["model"] = model
+            shard_req = ShardRequest(
+                messages=[ChatMessage.model_validate(m) for m in chat.plain_messages(tools_prompt=False)],
+                cache_salt=cache_salt(principal.tenant), **fields)
+            tokens = await rt.upstream.count(shard_req, route)
+            span.set_attribute("gen_ai.usage.input_tokens", tokens)
+            log.info("input tokens counted: %d (%d history items, %d new)", tokens, len(history), len(new_items))
+            return {"object": "response.input_tokens", "input_tokens": tokens}
+
+    @app.post(RESPONSES_PATH + "/{response_id}/cancel")
+    async def cancel(response_id: str, request: Request) -> dict[str, Any]:
+        with observed(gw.responses_metrics, Op.CANCEL):
+            owner, replicas = record_caller(gw, request)
+            await store().load(response_id, owner, replicas, Kind.RESPONSE)  # 404: unknown or another key's
+            log.info("cancel refused: the response was not created in the background")
+            raise InvalidRequest(NOT_BACKGROUND, param="response_id")
