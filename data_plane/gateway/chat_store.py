@@ -34,14 +34,13 @@ from fastapi import FastAPI, Request
 
 from data_plane.common.errors import InvalidRequest, NotFound, SwitchboardError
 from data_plane.gateway.chat import ChatHandler
-from data_plane.gateway.conversations import metadata_value
+from data_plane.gateway.conversations import metadata_update
 from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S, record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, Record
 from data_plane.gateway.responses import page
 from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.protocol import ChatCompletionRequest, ChatMessage
-from data_plane.request_checks import json_body
 from data_plane.routing.upstream import CHAT_PATH
 
 log = logging.getLogger(__name__)
@@ -206,12 +205,7 @@ def mount_chat_store(app: FastAPI, gw: Gateway, store: Callable[[], Conversation
     async def update(completion_id: str, request: Request) -> dict[str, Any]:
         with observed(gw.responses_metrics, Op.CHAT_UPDATE):
             owner, replicas = caller(request)
-            raw = await request.body()
-            body = json_body(raw, request.headers.get("content-type")) if raw else {}
-            if set(body) != {"metadata"}:
-                raise InvalidRequest("metadata is required (and the only field that can be updated)",
-                                     param="metadata")
-            metadata = metadata_value(body["metadata"]) or {}
+            metadata = await metadata_update(request)
             key = record_key(owner, completion_id)
             await gw.record_locks.acquire(key, wait_s=ITEM_EDIT_WAIT_S, param="completion_id")
             try:

@@ -68,6 +68,14 @@ async def _body(request: Request) -> dict[str, Any]:
     return json_body(raw, request.headers.get("content-type")) if raw else {}
 
 
+async def metadata_update(request: Request) -> dict[str, str]:
+    """An update's body: `metadata` and nothing else (a conversation's, a stored chat completion's)."""
+    body = await _body(request)
+    if set(body) != {"metadata"}:
+        raise InvalidRequest("metadata is required (and the only field that can be updated)", param="metadata")
+    return metadata_value(body["metadata"]) or {}
+
+
 def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore]) -> None:
     """The Conversations API's routes on `app`; `store()` gives the ConversationStore once the runtime is open."""
 
@@ -110,10 +118,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
     async def update(conversation_id: str, request: Request) -> dict[str, Any]:
         with observed(gw.responses_metrics, Op.CONVERSATION_UPDATE):
             owner, replicas = caller(request)
-            body = await _body(request)
-            if set(body) != {"metadata"}:
-                raise InvalidRequest("metadata is required (and the only field)", param="metadata")
-            metadata = metadata_value(body["metadata"]) or {}
+            metadata = await metadata_update(request)
             async with editing(owner, conversation_id):
                 record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
                 record.conversation["metadata"] = metadata
