@@ -37,7 +37,6 @@ from data_plane.gateway.record_locks import record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, Record
 from data_plane.gateway.responses_items import (
     ResponsesRequest,
-    check_call_outputs,
     input_items,
     items_to_messages,
     new_id,
@@ -104,11 +103,8 @@ class ResponsesHandler(ChatHandler):
             raise InvalidRequest("input is required", param="input")
         assert self.tier is not None
         await self._load_history(rreq, self.tier)
-        check_call_outputs(self.history_items + self.new_items)
-        system = [{"role": "system", "content": rreq.instructions}] if rreq.instructions else []
-        history = items_to_messages(self.history_items, self._open_compaction)
-        self.history_messages = len(history)
-        return rreq.chat_request(system + history + items_to_messages(self.new_items, self._open_compaction))
+        req, self.history_messages = rreq.turn_request(self.history_items, self.new_items, self._open_compaction)
+        return req
 
     async def context(self, req: ChatCompletionRequest, messages: list[dict[str, str]],
                       tier: Tier) -> list[dict[str, str]]:
@@ -305,9 +301,15 @@ def record_caller(gw: Gateway, request: Request) -> tuple[str, int]:
     """Who owns the stored records a request reads or edits (its key's digest) and how many copies
     its tier keeps, after the abuse guard (bans, blocked keys and throttles; 401s counted): the
     stored-response and Conversations routes."""
+    _, owner, replicas = record_principal(gw, request)
+    return owner, replicas
+
+
+def record_principal(gw: Gateway, request: Request) -> tuple[Any, str, int]:
+    """`record_caller` with the principal itself (its tenant scopes the prefix cache)."""
     principal = gw.guard.caller(gw.keys, request)
     token = (request.headers.get("authorization") or "").partition(" ")[2].strip()
-    return key_digest(token), gw.tiers.get(principal.tier).replication
+    return principal, key_digest(token), gw.tiers.get(principal.tier).replication
 
 
 def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore],

@@ -29,16 +29,13 @@ from fastapi import FastAPI, Request
 
 from data_plane.common.errors import InvalidRequest, ModelNotFound, UnsupportedParameter
 from data_plane.common.http_body import read_body
-from data_plane.gateway.auth import key_digest
 from data_plane.gateway.memory import open_compaction
 from data_plane.gateway.phases import FORWARDED, cache_salt
 from data_plane.gateway.response_store import ConversationStore, Kind
-from data_plane.gateway.responses import RESPONSES_PATH, record_caller, unsealer
+from data_plane.gateway.responses import RESPONSES_PATH, record_caller, record_principal, unsealer
 from data_plane.gateway.responses_items import (
     ResponsesRequest,
-    check_call_outputs,
     input_items,
-    items_to_messages,
 )
 from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.runtime import Gateway, Runtime
@@ -74,9 +71,7 @@ def mount_input_tokens_and_cancel(app: FastAPI, gw: Gateway, store: Callable[[],
     @app.post(RESPONSES_PATH + "/input_tokens")
     async def input_tokens(request: Request) -> dict[str, Any]:
         with observed(gw.responses_metrics, Op.INPUT_TOKENS) as span:
-            principal = gw.guard.caller(gw.keys, request)  # bans, blocked keys, throttles; 401s counted
-            owner = key_digest((request.headers.get("authorization") or "").partition(" ")[2].strip())
-            replicas = gw.tiers.get(principal.tier).replication
+            principal, owner, replicas = record_principal(gw, request)  # the abuse guard first; 401s counted
             raw = await read_body(request, gw.settings.max_body_bytes)
             rreq = count_request(json_body(raw, request.headers.get("content-type")))
             new_items = input_items(rreq.input)
@@ -90,16 +85,9 @@ def mount_input_tokens_and_cancel(app: FastAPI, gw: Gateway, store: Callable[[],
                 kind = Kind.RESPONSE if rreq.previous_response_id else Kind.CONVERSATION
                 record = await store().load(rreq.previous_response_id or conversation or "", owner, replicas, kind)
                 history, route = record.items, record.route
-            check_call_outputs(history + new_items)
             unseal = unsealer(rt, owner)
-
-            def summary(encrypted: str) -> str:
-                return open_compaction(encrypted, unseal)[1]
-
-            system = [{"role": "system", "content": rreq.instructions}] if rreq.instructions else []
-            earlier = items_to_messages(history, summary)
-            chat = rreq.chat_request(system + earlier + items_to_messages(new_items, summary))
-            if len(chat.messages) - len(earlier) > gw.settings.max_messages:
+            chat, earlier = rreq.turn_request(history, new_items, lambda encrypted: open_compaction(encrypted, unseal)[1])
+            if len(chat.messages) - earlier > gw.settings.max_messages:
                 raise InvalidRequest(f"at most {gw.settings.max_messages} messages are allowed per request",
                                      param="input")
             models = rt.models()

@@ -23,10 +23,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 from opentelemetry import trace
 from opentelemetry.propagate import inject
@@ -56,6 +56,7 @@ from data_plane.routing.transport import ShardResponse, ShardTransport
 from data_plane.tool_calls import SentOutput
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 CHAT_PATH = "/v1/chat/completions"
@@ -182,11 +183,18 @@ class Upstream:
                    exclude: set[str] | None = None) -> ShardStream:
         """A stream from the first shard to produce a token: up to 1 + ``retries`` shards, each tried
         once; a failure before the first token is held against its shard."""
-        tried = set(exclude or ())
         payload = json.dumps(request.wire(), ensure_ascii=False).encode()
+        return await self._on_shards(session_id, exclude, lambda member, n: self._try(member, payload, n, session_id))
+
+    async def _on_shards(self, session_id: str | None, exclude: set[str] | None,
+                         one: Callable[[Member, int], Awaitable[T]]) -> T:
+        """`one(member, attempt)` on up to 1 + ``retries`` shards the router picks, each tried once: a
+        :class:`Retryable` failure is held against its shard and the next is tried; when no other shard
+        is left, the last real failure is raised (not "no healthy backend")."""
+        tried = set(exclude or ())
         failed: list[Retryable] = []
 
-        async def attempt(n: int) -> ShardStream:
+        async def attempt(n: int) -> T:
             try:
                 member = self.router.pick(session_id, tried)
             except NoHealthyBackend:
@@ -194,7 +202,7 @@ class Upstream:
                     raise failed[-1].error from None  # every other shard is out: the real failure
                 raise
             try:
-                return await self._try(member, payload, n, session_id)
+                return await one(member, n)
             except Retryable as failure:
                 self.router.report_failure(member, failure.reason)
                 tried.add(member.id)
@@ -220,43 +228,34 @@ class Upstream:
         the shard its session's turn would go to (its token-exact transcripts count as that turn would),
         tried like `open`: once more elsewhere when a shard fails, a 4xx passed through."""
         payload = json.dumps(request.wire(), ensure_ascii=False).encode()
-        tried: set[str] = set()
+        return await self._on_shards(session_id, None, lambda member, n: self._count_on(member, payload))
+
+    async def _count_on(self, member: Member, payload: bytes) -> int:
+        """One count on `member`; :class:`Retryable` when the shard failed (unreachable, too slow, or an
+        answer without a count), the request's own error (4xx) as it is."""
         timeout = self.config.headers_timeout_s
-
-        async def attempt(n: int) -> int:
-            member = self.router.pick(session_id, tried)
-            leases = ExitStack()
-            leases.enter_context(self.router.lease(member))
-            response: ShardResponse | None = None
-            try:
-                response = await self.pool.post(member.url, INPUT_TOKENS_PATH, payload, {}, timeout=timeout)
-                if response.status != 200:
-                    await self._refuse(member, response, leases)
-                raw = await response.read(asyncio.get_running_loop().time() + timeout)
-                tokens = int(json.loads(raw)["input_tokens"])
-            except (HopError, ValueError, KeyError, TypeError) as exc:  # unreachable, or no count in its answer
-                reason = FailureReason.CONNECT if isinstance(exc, HopConnectError) else FailureReason.TRANSPORT
-                failure = Retryable(reason, UpstreamError(f"a shard failed to count: {exc}"))
-                self.router.report_failure(member, failure.reason)
-                tried.add(member.id)
-                failure.member = member
-                raise failure from None
-            except Retryable as failure:
-                self.router.report_failure(member, failure.reason)
-                tried.add(member.id)
-                failure.member = member
-                raise
-            finally:
-                _close(response)
-                leases.close()
-            self.router.report_success(member)
-            return tokens
-
-        def on_retry(failure: Retryable) -> None:
-            assert failure.member is not None
-            self.router.record_retry(failure.member, failure.reason)
-
-        return await with_retries(attempt, 1 + self.config.retries, on_retry)
+        leases = ExitStack()
+        leases.enter_context(self.router.lease(member))
+        response: ShardResponse | None = None
+        try:
+            response = await self.pool.post(member.url, INPUT_TOKENS_PATH, payload, {}, timeout=timeout)
+            if response.status != 200:
+                await self._refuse(member, response, leases)
+            raw = await response.read(asyncio.get_running_loop().time() + timeout)
+            tokens = int(json.loads(raw)["input_tokens"])
+        except HopConnectError:
+            raise Retryable(FailureReason.CONNECT, NoHealthyBackend("could not connect to a shard",
+                                                                    retry_after=2)) from None
+        except HopTimeout:
+            raise Retryable(FailureReason.TIMEOUT, UpstreamTimeout("a shard did not answer in time",
+                                                                   retry_after=2)) from None
+        except (HopError, ValueError, KeyError, TypeError) as exc:  # no count in its answer
+            raise Retryable(FailureReason.TRANSPORT, UpstreamError(f"a shard failed to count: {exc}")) from None
+        finally:
+            _close(response)
+            leases.close()
+        self.router.report_success(member)
+        return tokens
 
     async def _try(self, member: Member, payload: bytes, attempt: int, session_id: str | None = None) -> ShardStream:
         """One attempt on `member`: connect, headers, first token. Raises :class:`Retryable` for a
