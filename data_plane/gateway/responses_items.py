@@ -352,13 +352,13 @@ def text_logprobs(entries: list[dict[str, Any]] | None, *, with_bytes: bool = Tr
     """The chat path's logprobs entries as the Responses API's: `output_text.logprobs` has the chat
     shape (token, bytes, logprob, top_logprobs); the stream's text delta/done events have no bytes
     (OpenAI's ResponseTextDeltaEvent.Logprob)."""
-    if with_bytes:
-        return [{"token": e["token"], "bytes": e.get("bytes") or [], "logprob": e["logprob"],
-                 "top_logprobs": [{"token": t["token"], "bytes": t.get("bytes") or [], "logprob": t["logprob"]}
-                                  for t in e.get("top_logprobs") or []]} for e in entries or ()]
-    return [{"token": e["token"], "logprob": e["logprob"],
-             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e.get("top_logprobs") or []]}
-            for e in entries or ()]
+    def entry(e: dict[str, Any]) -> dict[str, Any]:
+        out = {"token": e["token"], "logprob": e["logprob"]}
+        if with_bytes:
+            out["bytes"] = e.get("bytes") or []
+        return out
+
+    return [{**entry(e), "top_logprobs": [entry(t) for t in e.get("top_logprobs") or []]} for e in entries or ()]
 
 
 def output_items(message: dict[str, Any], status: str = "completed",
