@@ -150,6 +150,25 @@ def test_every_unsupported_keyword_is_a_400_naming_it(cluster: Cluster) -> None:
     assert "not" in info.value.message and info.value.body["param"] == "tools"
 
 
+def test_a_schema_no_output_satisfies_is_a_400_not_an_empty_reply(cluster: Cluster) -> None:
+    """A $ref cycle with no base case compiles, but admits no first token: served, it was a 200 with
+    content "" and finish_reason "stop" (no parser of the schema accepts that). A 400 names it now,
+    streamed or not; the same schema with a way out is still served."""
+    client = sdk(cluster)
+    cycle = {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="", messages=ASK_PERSON, max_tokens=5, stream=stream,
+                                           response_format={"type": "json_schema",
+                                                            "json_schema": {"name": "x", "schema": cycle}})
+        assert info.value.body["param"] == "response_format" and "no output satisfies" in info.value.message
+    way_out = {"$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"}, {"type": "integer"}]}}, "$ref": "#/$defs/A"}
+    reply = client.chat.completions.create(model="", messages=ASK_PERSON, max_tokens=8, temperature=0,
+                                           response_format={"type": "json_schema",
+                                                            "json_schema": {"name": "x", "schema": way_out}})
+    assert isinstance(json.loads(reply.choices[0].message.content or ""), int)
+
+
 def test_sampling_parameters(cluster: Cluster) -> None:
     client = sdk(cluster)
     kw: dict[str, Any] = {"model": "", "messages": ASK_PERSON, "max_tokens": 12, "temperature": 1.0, "seed": 1234}

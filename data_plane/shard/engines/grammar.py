@@ -242,7 +242,13 @@ class GrammarCompiler:
         if matcher.is_error():
             raise _refusal(spec, matcher.get_error())
         # The first mask builds the lexer states the start needs (shared by every copy): here, not in a step.
-        matcher.deep_copy().compute_bitmask()
+        probe = matcher.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error() or (probe.is_stopped() and not probe.is_accepting()):
+            # No first token and nothing accepted yet: the grammar admits no output at all (a $ref
+            # cycle, a regex matching nothing). Served, the reply would be "" with finish_reason
+            # "stop", which no parser of the schema accepts: refuse it, as an empty anyOf is refused.
+            raise GrammarError(f"the {spec.kind.value} is not valid: no output satisfies it", "invalid")
         log.debug("compiled a %s grammar (%d bytes) in %.1f ms", spec.kind.value, len(spec.text),
                   (time.monotonic() - t0) * 1000)
         return CompiledGrammar(spec, matcher, int(self.tokenizer.vocab_size), self.tokenizer)
