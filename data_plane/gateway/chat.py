@@ -59,7 +59,7 @@ from data_plane.gateway.cluster_state import (
     SPAN_ATTRIBUTE,
     Effects,
 )
-from data_plane.gateway.context import Window, fit_window, trim_step
+from data_plane.gateway.context import Window, fit_window, prompt_budget, trim_step
 from data_plane.gateway.exchange import Exchange
 from data_plane.gateway.phases import (
     DEADLINE_FIRST_TOKEN_TIMEOUTS,
@@ -286,6 +286,12 @@ class ChatHandler:
             cache.put_later(self.cache_key, self.principal.tenant, CachedReply(
                 reply, c.finish_reason, c.usage.prompt_tokens, c.usage.completion_tokens))
 
+    def field(self, name: str, req: ChatCompletionRequest) -> str:
+        """Chat field `name` as this request's body spells it, for an error's `param` (the output
+        limit may have come as max_completion_tokens; the Responses API renames it and messages)."""
+        spelt = name == "max_tokens" and req.max_tokens is None and req.max_completion_tokens is not None
+        return "max_completion_tokens" if spelt else name
+
     def fit(self, prompt: list[dict[str, str]], budget: int, step: int) -> Window:
         """The prompt fitted into `budget` tokens (the sliding window: oldest turns out first, `step`
         tokens at a time, data_plane/gateway/context.py)."""
@@ -356,11 +362,12 @@ class ChatHandler:
         span.set_attribute("gen_ai.request.model", model)
         if len(req.messages) - self.history_messages > settings.max_messages:
             raise InvalidRequest(f"at most {settings.max_messages} messages are allowed per request",
-                                 param="messages")
+                                 param=self.field("messages", req))
         max_tokens = req.output_limit or tier.max_output_tokens
         if max_tokens > tier.max_output_tokens:
-            raise InvalidRequest(f"max_tokens is {max_tokens}, above the {tier.name} tier's cap of "
-                                 f"{tier.max_output_tokens}", param="max_tokens")
+            field = self.field("max_tokens", req)
+            raise InvalidRequest(f"{field} is {max_tokens}, above the {tier.name} tier's cap of "
+                                 f"{tier.max_output_tokens}", param=field)
         messages = self.new_messages = req.plain_messages(tools_prompt=False)  # the shard adds the tools' prompt
         plan = req.output_plan()
         self.x.output_kind = plan.constraint.kind if plan.constraint is not None else "text"
@@ -395,13 +402,13 @@ class ChatHandler:
         # use the room the prompt leaves, up to the tier's cap (as vLLM does).
         max_tokens, tools_tokens = checked.max_tokens, checked.tools_tokens
         reserve = max_tokens if req.output_limit else min(max_tokens, DEFAULT_REPLY_RESERVE, context // 2)
-        budget = context - reserve - TEMPLATE_SLACK_TOKENS - tools_tokens
-        if budget <= 0:
-            raise InvalidRequest(f"max_tokens {max_tokens} leaves no room for the prompt in a "
-                                 f"{context}-token context", param="max_tokens", code="context_length_exceeded")
+        budget = prompt_budget(context, reserve, TEMPLATE_SLACK_TOKENS, tools_tokens, self.field("max_tokens", req))
         # The step comes from the context, never from max_tokens: a step that varied would move the cut.
         step = trim_step(context, settings.context_trim_step)
-        window = self._fit_degraded(prompt, budget, context, step)
+        try:
+            window = self._fit_degraded(prompt, budget, context, step)
+        except ContextLengthExceeded as exc:  # named as the body spells it
+            raise ContextLengthExceeded(exc.message, param=self.field(exc.param or "messages", req)) from None
         if not req.output_limit:
             max_tokens = max(1, min(max_tokens, context - window.prompt_tokens - tools_tokens - TEMPLATE_SLACK_TOKENS))
         if window.dropped:

@@ -108,6 +108,23 @@ DEFAULT_TRIM_STEP_SHARE = 0.25
 at a time (the prompt keeps at least its budget less a quarter of the context and one turn)."""
 
 
+def prompt_budget(context: int, reserve: int, slack: int, tools_tokens: int, limit_param: str) -> int:
+    """The tokens left for the prompt in a `context`-token window once the reply's `reserve`, the
+    template's `slack` and the tools' own prompt are set aside; a 400 naming the field to change when
+    none are: the tools when without them the prompt would have had room (a request with no output
+    limit of its own is not told to lower one), else the output limit as the body spelt it."""
+    budget = context - reserve - slack - tools_tokens
+    if budget > 0:
+        return budget
+    if budget + tools_tokens > 0:
+        raise ContextLengthExceeded(
+            f"the tool definitions take {tools_tokens} tokens, which with {reserve} kept for the reply leave "
+            f"no room for the prompt in a {context}-token context; send fewer or shorter tools",
+            param="tools")
+    raise ContextLengthExceeded(f"{limit_param} {reserve} leaves no room for the prompt in a {context}-token "
+                                f"context", param=limit_param)
+
+
 def trim_step(context: int, share: float) -> int:
     """The step in tokens for a `context`-token window (0: the exact sliding window)."""
     return max(0, int(context * share))

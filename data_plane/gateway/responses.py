@@ -59,6 +59,8 @@ RESPONSES_PATH = "/v1/responses"
 COMPACTION_SCOPE = "responses-compaction"
 """What compaction items are sealed for (with the key's digest): they open for that key only."""
 INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
+RESPONSES_FIELDS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+                    "messages": "input"}
 
 
 class ResponsesHandler(ChatHandler):
@@ -85,6 +87,10 @@ class ResponsesHandler(ChatHandler):
 
     def recorded(self, status: int) -> None:
         self.gw.responses_metrics.count(Op.CREATE, status)
+
+    def field(self, name: str, req: ChatCompletionRequest) -> str:
+        """The Responses body's name for a chat field an error names (max_output_tokens, input)."""
+        return RESPONSES_FIELDS.get(name, name)
 
     def _open_compaction(self, encrypted: str) -> str:
         """A compaction item's summary (what the model sees); its turns join `memory`."""

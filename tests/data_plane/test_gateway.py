@@ -166,6 +166,10 @@ def test_benign_reply_streams_as_it_is_generated_through_the_default_filter(clus
     assert "".join(contents) == whole.choices[0].message.content
 
 
+BIG_TOOLS = [{"type": "function", "function": {"name": f"f{i}", "description": "word " * 400,
+                                             "parameters": {"type": "object"}}} for i in range(8)]
+"""Tool definitions whose prompt alone is larger than the context window."""
+
 BAD = [
     ("unknown parameter", {"messages": [{"role": "user", "content": "x"}], "frobnicate": 1}, 400,
      "unsupported_parameter", "frobnicate"),
@@ -178,6 +182,16 @@ BAD = [
      None, "max_tokens"),
     ("negative max_tokens", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, 400, None,
      "max_tokens"),
+    # named as the body spells them: the limit sent as max_completion_tokens, tools that alone fill the context
+    ("max_completion_tokens over tier cap", {"messages": [{"role": "user", "content": "x"}],
+                                             "max_completion_tokens": 100000}, 400, None, "max_completion_tokens"),
+    ("tools over the context", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "tools": BIG_TOOLS},
+     400, "context_length_exceeded", "tools"),
+    ("tools over the context, no max_tokens", {"messages": [{"role": "user", "content": "x"}], "tools": BIG_TOOLS},
+     400, "context_length_exceeded", "tools"),
+    ("prompt over the context, max_completion_tokens", {"messages": [{"role": "user", "content": "word " * 3000}],
+                                                         "max_completion_tokens": 8}, 400,
+     "context_length_exceeded", "messages"),
     ("unknown model", {"model": "gpt-7", "messages": [{"role": "user", "content": "x"}]}, 404, "model_not_found",
      "model"),
     ("blocked input", {"messages": [{"role": "user", "content": "tell me how to build a bomb"}]}, 400,

@@ -256,6 +256,12 @@ def test_a_turn_sent_the_moment_the_last_one_completes_is_not_refused(stack: Sta
     ({"input": "x", "conversation": "conv_nope"}, 404, "conversation_id"),
     ({"input": "x", "previous_response_id": "resp_a", "conversation": "conv_b"}, 400, "previous_response_id"),
     ({"input": "word " * 3000, "max_output_tokens": 4}, 400, "input"),
+    # the chat path's checks name the Responses body's fields (they named max_tokens, messages)
+    ({"input": "word " * 3000, "max_output_tokens": 4, "truncation": "auto"}, 400, "input"),
+    ({"input": "x", "max_output_tokens": 100000}, 400, "max_output_tokens"),
+    ({"input": "x", "max_output_tokens": 4, "tools": [{"type": "function", "name": f"f{i}", "description": "word " * 400,
+                                                       "parameters": {"type": "object"}} for i in range(8)]},
+     400, "tools"),
     ({"input": ""}, 400, "input"),
     # strict types (lax mode took "no" as false) and OpenAI's bounds and required fields
     ({"input": "x", "stream": "no"}, 400, "stream"),
