@@ -93,6 +93,11 @@ class ChatMessage(BaseModel):
         for part in self.content:
             if isinstance(part, TextPart):
                 parts.append(part.text)
+            elif isinstance(part, dict) and part.get("type") == "text":  # one TextPart refused: say why
+                if not isinstance(part.get("text"), str):
+                    raise InvalidRequest("a 'text' content part needs 'text', a string", param="messages.content.text")
+                extra = f"messages.content.{min(set(part) - {'type', 'text'})}"
+                raise UnsupportedParameter(f"unrecognized request argument supplied: {extra}", param=extra)
             else:
                 kind = part.get("type", "unknown") if isinstance(part, dict) else "unknown"
                 raise UnsupportedParameter(
