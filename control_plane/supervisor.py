@@ -32,7 +32,12 @@ import httpx
 from data_plane.common.lifeline import die_with_parent
 
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
-"""Seconds before restarting a child that died, by how often it has (the last one repeats)."""
+"""Seconds before restarting a child that died, by how often it has in a row (the last one repeats)."""
+RESTART_STABLE_S = 60.0
+"""A child that ran this long before dying starts the backoff again at its first step: the backoff is
+for crash loops. Counted over its lifetime instead, a gateway killed for the fifth time in a day (each
+time after hours of service) stayed down 30 s, the whole chat API with it (systemd and Kubernetes reset
+their backoff the same way)."""
 
 
 @dataclass
@@ -50,8 +55,12 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     next_restart: float = 0.0
+    crashes: int = 0
+    """Deaths in a row, each within RESTART_STABLE_S of its start: the backoff step."""
+    started_at: float = 0.0
 
     def start(self) -> None:
+        self.started_at = time.monotonic()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.command or [sys.executable, "-m", "control_plane.cli", *self.args],
@@ -147,7 +156,10 @@ class Supervisor:
                 continue
             if child.next_restart == 0.0:
                 code = child.proc.returncode if child.proc else None
-                delay = RESTART_BACKOFF_S[min(child.restarts, len(RESTART_BACKOFF_S) - 1)]
+                if now - child.started_at >= RESTART_STABLE_S:
+                    child.crashes = 0
+                delay = RESTART_BACKOFF_S[min(child.crashes, len(RESTART_BACKOFF_S) - 1)]
+                child.crashes += 1
                 print(f"[switchboard] {child.name} exited (code {code}); restarting in {delay:.0f} s "
                       f"(log: {child.log_path})", flush=True)
                 child.next_restart = now + delay
