@@ -103,7 +103,8 @@ class Exchange:
         """Release everything, once: the request's Outcome built, counted with `status`/`code` and
         recorded (not when `status` is None: the server, not the request, ended it), the in-flight
         gauge down, the admission slot freed, the token estimate settled (all refunded if no shard
-        started, real usage once known, kept if the stream broke before usage came), the span ended.
+        started, real usage once known, kept if the stream broke before usage came; the request itself
+        refunded too when the server failed it, a 5xx, before a shard started), the span ended.
         Returns the Outcome (None on a second call, or when `status` is None)."""
         if self._closed:
             return None
@@ -119,7 +120,7 @@ class Exchange:
         used = self.used_tokens if self.used_tokens is not None else (None if self.first_token_at else 0)
         if self.ticket is not None:  # the real tokens settle the tenant's fair share (estimate if unknown)
             self.ticket.release(used)
-        if self.grant is not None and used is not None:
-            self._limiter.settle_later(self.grant, used)
+        if self.grant is not None and used is not None:  # a 5xx before any work: the request back too
+            self._limiter.settle_later(self.grant, used, refund_request=used == 0 and (status or 0) >= 500)
         self.span.end()
         return outcome

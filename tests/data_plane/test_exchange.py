@@ -30,9 +30,11 @@ class _Ticket:
 class _Limiter:
     def __init__(self) -> None:
         self.settled: list[tuple[Any, int]] = []
+        self.requests_back: list[bool] = []
 
-    def settle_later(self, grant: Any, used: int) -> None:
+    def settle_later(self, grant: Any, used: int, refund_request: bool = False) -> None:
         self.settled.append((grant, used))
+        self.requests_back.append(refund_request)
 
 
 class _Span(trace.NonRecordingSpan):
@@ -84,6 +86,19 @@ def test_before_any_shard_the_estimate_is_refunded_and_no_gauge_moves() -> None:
     x.close(429, "rate_limit_exceeded")
     assert limiter.settled[0][1] == 0 and records == [(429, "rate_limit_exceeded")]
     assert _value(registry, "switchboard_gateway_inflight_requests", tier="plus") == 0
+    assert limiter.requests_back == [False]  # the client's 4xx still counts against its RPM
+
+
+def test_a_5xx_before_any_shard_gives_the_request_back_one_after_work_does_not() -> None:
+    limiter = _Limiter()
+    shed = _exchange(CollectorRegistry(), limiter, _Span(), [])
+    shed.grant = object()  # type: ignore[assignment]
+    shed.close(503, "overloaded")  # shed by admission: the server's doing, retried as told
+    served = _exchange(CollectorRegistry(), limiter, _Span(), [])
+    served.grant = object()  # type: ignore[assignment]
+    served.first_token_at, served.used_tokens = 1.0, 30
+    served.close(503, "cache_unavailable")  # generated, then could not store: the work was done
+    assert limiter.settled == [(shed.grant, 0), (served.grant, 30)] and limiter.requests_back == [True, False]
 
 
 def test_a_server_cancel_releases_without_counting_the_request() -> None:

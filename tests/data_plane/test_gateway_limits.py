@@ -174,6 +174,9 @@ async def test_admission_serves_enterprise_first_and_sheds_free_past_its_deadlin
         assert shed.status_code == 503 and shed.json()["error"]["code"] == "overloaded", shed.text
         assert int(shed.headers["retry-after"]) >= 1 and "x-ratelimit-remaining-requests" in shed.headers
         results = await asyncio.gather(holder, *bulk, ent)
+    # The shed request was given back to free2's 3 RPM (it used to count): a retry is its first request.
+    retry = chat(one.url, KEYS["free2"], max_tokens=1)
+    assert retry.status_code == 200 and retry.headers["x-ratelimit-remaining-requests"] == "2", retry.headers
     assert [r.status_code for r in results] == [200] * 4
     served = [n for n in order if n != "free2"]
     assert served[:2] == ["enterprise-hold", "enterprise-late"] and set(served[2:]) == {"bulk-0", "bulk-1"}, order

@@ -10,7 +10,10 @@ Optionally a whole tier also has an aggregate allowance over all its keys (gatew
 ``--tier-rpm free=600`` / ``--tier-tpm free=200000``); a request must fit every bucket that
 applies, and takes from all of them or from none. Tokens are taken at admission as an
 estimate (the gateway's prompt count + ``max_tokens``) and settled after the completion with
-the real ``usage.total_tokens``: the difference is refunded or charged.
+the real ``usage.total_tokens``: the difference is refunded or charged. A request the server
+itself failed before any generation (shed by admission, no shard: a 5xx) also gets its request
+back (``settle(..., refund_request=True)``): a client that honours ``Retry-After`` through an
+overload is not then refused with 429s for the retries it was told to make.
 
 The algorithm is a token bucket (equivalently GCRA): a bucket of ``limit`` per minute
 refills continuously at ``limit``/60 s and holds at most ``limit``, so any interval of *t*
@@ -112,6 +115,7 @@ class Grant:
     token_buckets: list[Bucket]
     backend: Backend
     settled: bool = field(default=False)
+    request_buckets: list[Bucket] = field(default_factory=list)
 
 
 class RateLimiter:
@@ -155,7 +159,8 @@ class RateLimiter:
                                int(headers["x-ratelimit-remaining-tokens"]))
             if all(s.allowed for s in states):
                 span.set_attribute("switchboard.ratelimit.allowed", True)
-                return Grant(headers, tokens, [b for b in buckets if b.kind == "tokens"], backend)
+                return Grant(headers, tokens, [b for b in buckets if b.kind == "tokens"], backend,
+                             request_buckets=[b for b in buckets if b.kind == "requests"])
             span.set_attribute("switchboard.ratelimit.allowed", False)
             raise self._refusal(tier, buckets, states, headers, span)
 
@@ -207,9 +212,10 @@ class RateLimiter:
             self._down_until = 0.0
             self.metrics.backend_up.set(1)
 
-    async def settle(self, grant: Grant, used_tokens: int) -> None:
-        """Charge or refund ``used_tokens - grant.tokens`` on the token buckets (once per grant)."""
-        adjusted = _settlement(grant, used_tokens)
+    async def settle(self, grant: Grant, used_tokens: int, refund_request: bool = False) -> None:
+        """Charge or refund ``used_tokens - grant.tokens`` on the token buckets (once per grant), and
+        give the request back when `refund_request` (the server failed it before any work)."""
+        adjusted = _settlement(grant, used_tokens, refund_request)
         if adjusted is None:
             return
         try:
@@ -217,18 +223,18 @@ class RateLimiter:
         except BackendUnavailable as exc:
             self._mark_down("adjust", exc)
 
-    def settle_later(self, grant: Grant, used_tokens: int) -> None:
+    def settle_later(self, grant: Grant, used_tokens: int, refund_request: bool = False) -> None:
         """:meth:`settle` in a task of its own: never delays a response, never dies with a client.
         In-process buckets involve no I/O: settled right here (a task per request costs more)."""
         if grant.settled:
             return
         if isinstance(grant.backend, LocalBackend):
-            adjusted = _settlement(grant, used_tokens)
+            adjusted = _settlement(grant, used_tokens, refund_request)
             if adjusted is not None:
                 grant.backend.adjust_now(adjusted)
             return
         loop = asyncio.get_running_loop()
-        task = loop.create_task(self.settle(grant, used_tokens), name="ratelimit.settle")
+        task = loop.create_task(self.settle(grant, used_tokens, refund_request), name="ratelimit.settle")
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
@@ -240,15 +246,16 @@ class RateLimiter:
             await self.fallback.aclose()
 
 
-def _settlement(grant: Grant, used_tokens: int) -> list[Bucket] | None:
-    """Mark `grant` settled; the token-bucket adjustments still to apply (None: nothing to do)."""
+def _settlement(grant: Grant, used_tokens: int, refund_request: bool = False) -> list[Bucket] | None:
+    """Mark `grant` settled; the bucket adjustments still to apply (None: nothing to do)."""
     if grant.settled:
         return None
     grant.settled = True
     delta = int(used_tokens) - grant.tokens
-    if delta == 0 or not grant.token_buckets:
-        return None
-    return [Bucket(b.scope, b.kind, b.limit, delta, b.period_us) for b in grant.token_buckets]
+    out = [Bucket(b.scope, b.kind, b.limit, delta, b.period_us) for b in grant.token_buckets] if delta else []
+    if refund_request:
+        out += [Bucket(b.scope, b.kind, b.limit, -b.cost, b.period_us) for b in grant.request_buckets]
+    return out or None
 
 
 def _headers(buckets: Sequence[Bucket], states: Sequence[BucketState]) -> dict[str, str]:
