@@ -71,3 +71,22 @@ def test_typed_fields_validate_once_at_parse_time(capsys: pytest.CaptureFixture[
     with pytest.raises(SystemExit):
         parse_settings(GatewaySettings, ["--tier-rpm", "free=0"], prog="gw")
     assert "gw: --tier-rpm" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("command", "flag"), [
+    ("gateway", "--keys-file"), ("gateway", "--session-keys-file"),
+    ("shard", "--kv-keys-file"),  # read only by the torch engine's KV sealer: was silently ignored with synthetic
+    ("control-plane", "--abuse-rules"), ("control-plane", "--state-keys-file"),  # the latter: only with a state dir
+    ("up", "--abuse-rules"),
+])
+def test_a_missing_input_file_is_one_line_naming_its_flag(tmp_path, command: str, flag: str) -> None:
+    missing = tmp_path / "nope.yaml"
+    extra = ["--engine", "synthetic"] if command == "shard" else []
+    ran = switchboard(command, flag, str(missing), "--port" if command != "up" else "--state-dir",
+                      "1" if command != "up" else str(tmp_path / "state"), *extra, timeout=60)
+    assert ran.returncode == 2, (ran.returncode, ran.stderr[-2000:])
+    assert "Traceback" not in ran.stderr
+    assert ran.stderr.strip() == f"switchboard {command}: {flag}: no such file {str(missing)!r}"
+    a_dir = switchboard(command, flag, str(tmp_path), "--port" if command != "up" else "--state-dir",
+                        "1" if command != "up" else str(tmp_path / "state"), *extra, timeout=60)
+    assert a_dir.returncode == 2 and a_dir.stderr.strip().endswith(f"{flag}: {str(tmp_path)!r} is not a file")
