@@ -212,3 +212,36 @@ def test_fewer_threads_need_the_larger_margin_to_win() -> None:
         tuner.for_decode()
         tuner.observe(1, 0.017 if host.threads == 1 else 0.030)
     assert tuner.threads == 1 and tuner.switches == 1
+
+
+def test_a_burst_on_the_host_is_not_contention() -> None:
+    """A VM's host steals a vCPU for a few steps now and then: every step at 2 threads collapses while
+    it lasts, then runs as before. The probe at 1 thread beats the collapsed steps but not 2 threads'
+    speed before them; the step back at 2 threads runs fast, so 2 threads stay (before: each burst
+    moved the tuner to 1 thread for a probe period, 1.4x slower a step)."""
+    host = Host()
+    tuner = make(host, initial=2)
+    run(tuner, host, 50)
+    seen = []
+    for _ in range(10):  # a 4-step burst, then ~2 s of normal steps
+        for _ in range(4):
+            tuner.for_decode()
+            seen.append(host.threads)
+            tuner.observe(1, host.step_s() * (6 if host.threads == 2 else 1))
+        seen += run(tuner, host, 80)
+    assert tuner.threads == 2 and tuner.switches == 0
+    assert seen.count(1) <= 10 * 5  # each burst: one probe at 1 thread (a warm-up and 4 counted steps)
+    assert host.changes == [(2, "start")]
+
+
+def test_contention_is_confirmed_by_one_step_back() -> None:
+    """Contention: the probe at 1 thread (36 ms) beats the collapsed steps (300 ms) but not 2 threads
+    before them (23 ms); the one step back at 2 threads collapses again, and 1 thread is chosen then,
+    without another probe."""
+    host = Host()
+    tuner = make(host, initial=2)
+    run(tuner, host, 50)
+    host.busy = True
+    seen = run(tuner, host, 20)
+    assert seen[:9] == [2, 2, 2, 1, 1, 1, 1, 1, 2] and set(seen[9:]) == {1}
+    assert tuner.threads == 1 and host.changes == [(2, "start"), (1, "probe")]

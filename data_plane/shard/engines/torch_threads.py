@@ -40,7 +40,13 @@ When: a probe starts once `period_s` seconds of decode have passed since the las
 steps: a collapsed step can take a second); the period doubles (up to `max_period_s`) each time the
 probe keeps the count and resets when it switches. `persist` steps in a row slower than `collapse`
 times the current median (contention arrived; one slow step is a GC pause) start a probe at once,
-against those slow steps. A probe stops early when its warm-up step already collapsed or its first
+against those slow steps. A probe that beats the slow steps but not the current count's median from
+before them is a burst or contention, and only the current count can tell: one step back at it
+(`_recheck`) moves down if it collapses again, else keeps the count and its old window. Bursts are
+common on a VM: the host steals one vCPU for a few steps, and every thread of a step waits for it at
+a barrier (runs of three 40-60 ms steps against 10-13 ms, on a 2-vCPU Firecracker guest): moving down
+on each cost a probe period at the slower count, and the period doubles when the move back's probe
+lands in the next burst. A probe stops early when its warm-up step already collapsed or its first
 counted step is twice as slow as the current median, and the next one waits at least its cost over
 `overhead` (probes take at most 5 % of decode time). A change of batch size mid-probe cancels it.
 """
@@ -115,6 +121,8 @@ class ThreadTuner:
         self._window = window
         self._recent: defaultdict[int, deque[float]] = defaultdict(lambda: deque(maxlen=self._window))
         self._slow: list[float] = []  # consecutive decode steps slower than `collapse` x the median
+        self._before: list[float] | None = None  # the window a collapse replaced, while its probe runs
+        self._recheck: tuple[int, float] | None = None  # a collapse's batch size, and its median before it
         self._since_probe_s = 0.0
         self._probe: list[float] | None = None  # counted step times at the other count
         self._probe_batch = -1
@@ -161,11 +169,17 @@ class ThreadTuner:
         recent = self._recent[batch]
         current = statistics.median(recent) if len(recent) >= 4 else None
         self._since_probe_s += seconds
+        if self._recheck is not None:
+            (at, before), self._recheck = self._recheck, None
+            if at == batch and seconds > self.collapse * before:  # collapsed again: contention, not a burst
+                self._switch(self.other, f"{1000 * seconds:.1f} ms a step again, {1000 * before:.1f} ms before")
+                return
         if current is not None and seconds > self.collapse * current:
             # Kept out of the baseline until it persists (a GC pause is one slow step, contention is not);
             # then the slow steps are the baseline the probe must beat.
             self._slow.append(seconds)
             if len(self._slow) >= self.persist:
+                self._before = list(recent)
                 recent.clear()
                 recent.extend(self._slow)
                 self._slow.clear()
@@ -198,23 +212,34 @@ class ThreadTuner:
         if len(self._probe) >= self.probe_steps:
             probe = statistics.median(self._probe)
             margin = self.margin_down if self.other < self.threads else self.margin
-            faster = probe < (1 - margin) * current
+            faster: bool | None = probe < (1 - margin) * current
+            before = self._before
+            if faster and before and not probe < (1 - margin) * statistics.median(before):
+                # Faster than the collapsed steps, not than this count before them: a burst on the host
+                # (one vCPU stolen for a few steps) or contention? One step back at this count tells.
+                self._recent[self._probe_batch].clear()
+                self._recent[self._probe_batch].extend(before)
+                self._recheck = (self._probe_batch, statistics.median(before))
+                faster = None
             self._end_probe(faster, f"{1000 * probe:.1f} ms a step against {1000 * current:.1f} ms")
 
     def _end_probe(self, switch: bool | None, why: str) -> None:
         """Close the probe: switch to the probed count (True), keep the current one (False), or
         cancel it (None: no verdict, probe again after another period)."""
-        probed = self.other
         self._probe = None
+        self._before = None
         self._since_probe_s = 0.0
         if switch:
-            self.threads = probed
-            self.switches += 1
-            self.period_s = self.base_period_s
-            self._recent.clear()
-            log.info("intra-op threads -> %d (%s)", probed, why)
-            self.on_change(probed, "probe")
+            self._switch(self.other, why)
         elif switch is False:
             self.period_s = min(self.max_period_s, self.period_s * 2)
         # Probing never costs more than `overhead` of decode time (a collapsed step can take a second).
         self.period_s = max(self.period_s, self._probe_s / self.overhead)
+
+    def _switch(self, count: int, why: str) -> None:
+        self.threads = count
+        self.switches += 1
+        self.period_s = self.base_period_s
+        self._recent.clear()
+        log.info("intra-op threads -> %d (%s)", count, why)
+        self.on_change(count, "probe")
