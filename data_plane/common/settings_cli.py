@@ -36,6 +36,8 @@ from typing import Annotated, Any, TypeVar
 from pydantic import AfterValidator, AliasChoices, BeforeValidator, ValidationError
 from pydantic_settings import BaseSettings, NoDecode
 
+from data_plane.common.yaml_source import is_inline
+
 S = TypeVar("S", bound=BaseSettings)
 T = TypeVar("T")
 
@@ -90,6 +92,15 @@ InputFile = Annotated[str, AfterValidator(readable_file)]
 """A path to a file read at start (str-typed settings); validated by :func:`readable_file`."""
 InputPath = Annotated[Path, AfterValidator(readable_file)]
 """The same for Path-typed settings."""
+
+
+def readable_file_or_inline(value: str) -> str:
+    """A policy flag's value: inline YAML as it is, else a file name checked by :func:`readable_file`."""
+    return value if is_inline(value) else readable_file(value)
+
+
+InputFileOrYaml = Annotated[str, AfterValidator(readable_file_or_inline)]
+"""A policy given as a file or as inline YAML text (data_plane/common/yaml_source.py)."""
 
 
 def _base(annotation: Any) -> Any:

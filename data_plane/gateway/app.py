@@ -213,7 +213,10 @@ def main(argv: list[str] | None = None) -> None:
 
     settings = parse_settings(GatewaySettings, argv, prog="switchboard gateway")
     configure_process("switchboard-gateway")
-    gw = build_gateway(settings)
+    try:  # a keys, tier or safety file that does not parse or does not fit: one line, not a traceback
+        gw = build_gateway(settings)
+    except ValueError as exc:
+        raise SystemExit(f"switchboard gateway: {exc}") from None
     serve(create_app(gw), host=settings.host, port=settings.port, registry=gw.registry)
 
 

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import AnyHttpUrl, Field, IPvAnyNetwork, PositiveFloat, PositiveInt
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from data_plane.common.settings_cli import CommaList, InputFile, TierMap
+from data_plane.common.settings_cli import CommaList, InputFile, InputFileOrYaml, TierMap
 from data_plane.gateway.context import DEFAULT_TRIM_STEP_SHARE
 from data_plane.membership.factory import MEMBERSHIP_URL_PATTERN
 from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
@@ -32,8 +32,8 @@ class GatewaySettings(BaseSettings):
     cache_urls: CommaList[AnyHttpUrl] = Field(default_factory=list, description="Comma-separated cache-node URLs (static).")
     keys_file: InputFile | None = Field(None, description="YAML file of API keys -> tenant, tier.")
     api_keys: str | None = Field(None, description="Extra keys, 'key:tenant:tier,...' (env SWITCHBOARD_GATEWAY_API_KEYS).")
-    tiers_file: InputFile | None = Field(None, description="YAML tier policy (default: built-in free/plus/enterprise).")
-    safety_file: InputFile | None = Field(None, description="YAML safety policies (default: built-in).")
+    tiers_file: InputFileOrYaml | None = Field(None, description="YAML tier policy (default: built-in free/plus/enterprise).")
+    safety_file: InputFileOrYaml | None = Field(None, description="YAML safety policies (default: built-in).")
     tokenizer: str | None = Field(None, description="Model folder/GGUF whose tokenizer counts tokens; 'whitespace' for synthetic shards.")
     model_name: str = Field("SmolLM2-135M-Instruct", description="Model id served when shards do not say.")
     max_model_len: int = Field(2048, ge=16, description="Context window when shards do not say.")
