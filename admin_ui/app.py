@@ -42,6 +42,7 @@ def main() -> None:
     st.set_page_config(page_title="Switchboard console", page_icon=":material/hub:", layout="wide")
     pages = [st.Page(str(HERE / f), title=t, icon=i, url_path=u, default=(u == "overview")) for f, t, i, u in PAGES]
     nav = st.navigation(pages, position="sidebar")
+    st.session_state["_page"] = nav.url_path  # whose actions' outcomes ui.show_flash shows
     st.markdown(CSS, unsafe_allow_html=True)
     c = ui.console()
     with st.sidebar:

@@ -25,12 +25,24 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from admin_ui.client import AdminClient, ConsoleError, NotAvailable, Unauthorized, Unreachable
 from admin_ui.settings import DEFAULT_CREDENTIALS_FILE, ENV_ADMIN_TOKEN, ConsoleSettings
 
 PROG = "switchboard admin"
+
+
+def _seconds(text: str) -> float:
+    """A timeout: a positive number (0 or less reached httpx's socket layer as a traceback)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--credentials-file", default=None,
                         help=f"where the admin token is when {ENV_ADMIN_TOKEN} is unset "
                              f"(env SWITCHBOARD_CREDENTIALS_FILE; default {DEFAULT_CREDENTIALS_FILE})")
-    common.add_argument("--timeout-s", type=float, default=5.0, help="timeout of one call (default 5)")
+    common.add_argument("--timeout-s", type=_seconds, default=5.0, help="timeout of one call (default 5)")
     common.add_argument("--json", action="store_true", help="print the control plane's answer as JSON")
     parser = argparse.ArgumentParser(prog=PROG, description="Operator actions over the control plane's admin API.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -71,9 +83,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run(args, admin)
     except Unauthorized as exc:
+        where = Path(settings.credentials_file)
         source = (f"from {ENV_ADMIN_TOKEN}" if settings.admin_token is not None
-                  else f"from {settings.credentials_file}" if admin.has_token
-                  else f"none: {ENV_ADMIN_TOKEN} is unset and {settings.credentials_file} holds none")
+                  else f"from {where}" if admin.has_token
+                  else f"none: {ENV_ADMIN_TOKEN} is unset and {where} holds none" if where.exists()
+                  else f"none: {ENV_ADMIN_TOKEN} is unset and there is no {where.resolve()} (run this where "
+                       f"`switchboard up` ran, or pass --credentials-file)")
         raise SystemExit(f"{PROG}: the control plane at {settings.control_plane_url} refused the admin token "
                          f"({exc.message}); token {source}") from None
     except Unreachable as exc:

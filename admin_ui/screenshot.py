@@ -45,6 +45,7 @@ PAGES = {  # page name -> the page's title, which must be on screen before the c
     "degradation": "Degradation",
     "traces": "Traces",
     "alerts": "Alerts",
+    "usage": "Usage",
     "abuse": "Abuse",
     "playground": "Playground",
 }

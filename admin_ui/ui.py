@@ -130,13 +130,29 @@ def act(what: str, call: Callable[[], Any]) -> bool:
     return True
 
 
+FLASH_S = 20.0
+"""How long an action's outcome stays on its page. Most pages show it inside their live region, which
+re-runs every refresh_s: shown once and dropped, a "done" or a refusal was gone within 3 s."""
+FLASH_KEEP = 3
+"""The most outcomes shown at once (the latest)."""
+
+
 def flash(kind: str, message: str) -> None:
-    st.session_state.setdefault("_flash", []).append((kind, message))
+    """Leave an action's outcome for its page: shown on every run of that page for FLASH_S."""
+    shown = st.session_state.setdefault("_flash", [])
+    shown.append((kind, message, st.session_state.get("_page"), time.time()))
+    del shown[:-FLASH_KEEP]
 
 
 def show_flash() -> None:
-    for kind, message in st.session_state.pop("_flash", []):
-        (st.success if kind == "success" else st.error)(message, icon=":material/check_circle:" if kind == "success" else "⚠️")
+    """The outcomes of this page's recent actions (of another page's: kept for that page, until they expire)."""
+    now, page = time.time(), st.session_state.get("_page")
+    kept = [f for f in st.session_state.get("_flash", []) if now - f[3] < FLASH_S]
+    st.session_state["_flash"] = kept
+    for kind, message, where, _ in kept:
+        if where == page:
+            (st.success if kind == "success" else st.error)(
+                message, icon=":material/check_circle:" if kind == "success" else "⚠️")
 
 
 def header(title: str, caption: str) -> None:

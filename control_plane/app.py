@@ -173,7 +173,10 @@ def parse_settings(argv: list[str] | None) -> ControlPlaneSettings:
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     configure_process(SERVICE_NAME)
-    app = create_app(settings)
+    try:  # a tier policy or abuse rules file that does not parse or does not fit: one line, not a traceback
+        app = create_app(settings)
+    except ValueError as exc:
+        raise SystemExit(f"switchboard control-plane: {exc}") from None
     if settings.admin_token is None:
         log.warning("no admin token configured; /admin/v1 answers 401 (set %s)", ENV_ADMIN_TOKEN)
     log.info("control plane on http://%s:%d", settings.host, settings.port)

@@ -46,7 +46,28 @@ def main(argv: list[str] | None = None) -> None:
     # Before any subcommand loads torch, and libgomp with it (it reads this once): cores.SPIN_COUNT.
     os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
 
-    dispatch("switchboard", COMMANDS, take_tls_flags(list(sys.argv[1:] if argv is None else argv)))
+    try:
+        dispatch("switchboard", COMMANDS, take_tls_flags(list(sys.argv[1:] if argv is None else argv)))
+    except BrokenPipeError:
+        if not stdout_closed():
+            raise  # another pipe (a socket, a child's): a real failure, with its traceback
+        # The reader went away (`switchboard admin members | head -1`): it has what it wanted. Python's
+        # documented handling: stdout to devnull, so the interpreter's exit flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(1) from None
+
+
+def stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (poll reports an error on the writing end)."""
+    import select
+    import sys
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from control_plane.supervisor import Child, Stopped, Supervisor, wait_healthy
 from data_plane.common.cores import usable_cores
 from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV
 from data_plane.common.http_server import free_port
-from data_plane.common.settings_cli import parse_settings
+from data_plane.common.settings_cli import InputFile, parse_settings
 from data_plane.common.tls import TlsConfig, make_dev_pki
 from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
 
@@ -79,7 +79,7 @@ class UpSettings(BaseSettings):
     min_replicas: int = Field(1, ge=1, le=64, description="With --autoscale: fewest shards.")
     max_replicas: int = Field(4, ge=1, le=64, description="With --autoscale: most shards.")
     usage_db: str | None = Field(None, description="Usage ledger database for gateways and control plane (default: sqlite in --state-dir; postgresql://... to share).")
-    abuse_rules: str | None = Field(None, description="YAML of abuse-monitor thresholds for the control plane "
+    abuse_rules: InputFile | None = Field(None, description="YAML of abuse-monitor thresholds for the control plane "
                                     "(control_plane/abuse/model.py; default: built-in).")
     trusted_proxies: str | None = Field(None, description="CIDRs of load balancers in front of the gateways: "
                                         "only from them is X-Forwarded-For believed (the gateway's --trusted-proxies).")

@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from control_plane.registry.consul import CONSUL_URL_PATTERN
 from control_plane.slo import TTFT_SLO_S
 from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV
+from data_plane.common.settings_cli import InputPath
 
 ENV_PREFIX = "SWITCHBOARD_CONTROL_PLANE_"
 """Prefix of the environment variables that configure the control plane."""
@@ -86,15 +87,15 @@ class ControlPlaneSettings(BaseSettings):
     """Directory where the tier policy, the degradation level and the operator's drains are persisted
     (JSON, written atomically), and the abuse monitor's actions (sealed), restored from at start;
     without one they live in memory only."""
-    state_keys_file: Path | None = None
+    state_keys_file: InputPath | None = None
     """Keys that seal the abuse monitor's state in the state dir (the session keys file's format: the
     first seals, every listed one opens); default: a key derived from the cluster token."""
-    tiers_file: Path | None = None
+    tiers_file: InputPath | None = None
     """YAML tier policy put in force at start when the state dir holds none (default: built-in)."""
     usage_db: str | None = None
     """Usage ledger database the gateways write (``sqlite:///path``, ``postgresql://…``, or ``off``);
     ``/admin/v1/usage`` reads it. Default: ``sqlite:///.switchboard/usage.db``, the gateway's default."""
-    abuse_rules: Path | None = None
+    abuse_rules: InputPath | None = None
     """YAML of abuse-monitor thresholds (control_plane/abuse/model.py AbuseConfig); default: built-in."""
     alertmanager: str | None = None
     """Alertmanager base URL; ``/admin/v1/alerts`` then lists its active alerts."""
@@ -164,13 +165,13 @@ class ControlPlaneSettings(BaseSettings):
     """Nomad actuator: the job's namespace (Nomad's default when unset)."""
     nomad_region: str | None = None
     """Nomad actuator: the job's region (the agent's when unset)."""
-    kubeconfig: Path | None = None
+    kubeconfig: InputPath | None = None
     """Kubernetes actuator: kubeconfig path; unset: in-cluster service account, else $KUBECONFIG."""
     kube_namespace: str | None = None
     """Kubernetes actuator: the Deployment's namespace (default: the context's or the pod's)."""
     kube_deployment: str = "switchboard-shard"
     """Kubernetes actuator: the shards' Deployment."""
-    pipeline_group_template: Path | None = None
+    pipeline_group_template: InputPath | None = None
     """Kubernetes and Nomad actuators: a replica is a whole pipeline group placed across nodes, made
     from this spec instead of a replica of the shard Deployment / task group: a YAML of the group's
     StatefulSet and headless Service (Kubernetes), or the group's job file, HCL or JSON (Nomad). Its

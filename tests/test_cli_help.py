@@ -71,3 +71,54 @@ def test_typed_fields_validate_once_at_parse_time(capsys: pytest.CaptureFixture[
     with pytest.raises(SystemExit):
         parse_settings(GatewaySettings, ["--tier-rpm", "free=0"], prog="gw")
     assert "gw: --tier-rpm" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("command", "flag"), [
+    ("gateway", "--keys-file"), ("gateway", "--session-keys-file"),
+    ("shard", "--kv-keys-file"),  # read only by the torch engine's KV sealer: was silently ignored with synthetic
+    ("control-plane", "--abuse-rules"), ("control-plane", "--state-keys-file"),  # the latter: only with a state dir
+    ("up", "--abuse-rules"),
+])
+def test_a_missing_input_file_is_one_line_naming_its_flag(tmp_path, command: str, flag: str) -> None:
+    missing = tmp_path / "nope.yaml"
+    extra = ["--engine", "synthetic"] if command == "shard" else []
+    ran = switchboard(command, flag, str(missing), "--port" if command != "up" else "--state-dir",
+                      "1" if command != "up" else str(tmp_path / "state"), *extra, timeout=60)
+    assert ran.returncode == 2, (ran.returncode, ran.stderr[-2000:])
+    assert "Traceback" not in ran.stderr
+    assert ran.stderr.strip() == f"switchboard {command}: {flag}: no such file {str(missing)!r}"
+    a_dir = switchboard(command, flag, str(tmp_path), "--port" if command != "up" else "--state-dir",
+                        "1" if command != "up" else str(tmp_path / "state"), *extra, timeout=60)
+    assert a_dir.returncode == 2 and a_dir.stderr.strip().endswith(f"{flag}: {str(tmp_path)!r} is not a file")
+
+
+@pytest.mark.parametrize(("command", "flag", "content", "said"), [
+    ("gateway", "--keys-file", "keys: [ {key: ", "is not valid YAML (line 1, column 15: expected the node content"),
+    ("gateway", "--keys-file", "keys: [{key: sk-a, tenant: t, tier: gold}]", "key id a4a6d307ad00 has tier 'gold'"),  # an unknown tier
+    ("gateway", "--tiers-file", "tiers: {free: {priority: x}}", "invalid tier policy: tiers.free.priority"),
+    ("control-plane", "--tiers-file", "tiers: [", "is not valid YAML"),
+    ("control-plane", "--abuse-rules", "nonsense: 1", "unknown abuse settings ['nonsense']"),
+])
+def test_a_config_file_that_does_not_parse_or_fit_is_one_line(tmp_path, command: str, flag: str, content: str,
+                                                               said: str) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(content)
+    keys = [] if flag == "--keys-file" else ["--keys-file", str(_keys_file(tmp_path))]
+    ran = switchboard(command, flag, str(bad), *(keys if command == "gateway" else []), "--port", "1", timeout=60)
+    assert ran.returncode == 1 and "Traceback" not in ran.stderr, ran.stderr[-2000:]
+    line = ran.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"switchboard {command}: ") and said in line, line
+
+
+def _keys_file(tmp_path):
+    path = tmp_path / "keys.yaml"
+    path.write_text("keys: [{key: sk-a, tenant: t, tier: free}]\n")
+    return path
+
+
+def test_a_policy_flag_still_takes_inline_yaml(tmp_path) -> None:
+    """--tiers-file / --safety-file take a file or YAML text (data_plane/common/yaml_source.py): the file
+    check leaves the text to the policy's own validation."""
+    ran = switchboard("gateway", "--tiers-file", "tiers: {free: {priority: x}}", "--keys-file",
+                      str(_keys_file(tmp_path)), "--port", "1", timeout=60)
+    assert ran.returncode == 1 and "invalid tier policy: tiers.free.priority" in ran.stderr, ran.stderr[-2000:]

@@ -65,7 +65,7 @@ elif output == "Tools":
     parallel_col.checkbox("Parallel calls", value=False, key="pg_parallel",
                           help="parallel_tool_calls: the model may call several tools at once (off here by "
                                "default: a small model tends to repeat a call until the token limit).")
-send_col, clear_col, _ = st.columns([1, 1, 4])
+send_col, clear_col, _ = st.columns([1, 1.4, 3.6])  # 1:1 cut "New conversation" to "New conversat…" at 1440 px
 send = send_col.button("Send", type="primary", icon=":material/send:", width="stretch")
 if clear_col.button("New conversation", icon=":material/restart_alt:", width="stretch"):
     st.session_state["pg_history"] = []

@@ -36,12 +36,22 @@ def is_chat_trace(trace: Mapping[str, Any]) -> bool:
     return str(trace.get("root", "")) == "gateway.request"
 
 
+def _error_type(trace: Mapping[str, Any]) -> str:
+    """The ``error.type`` the gateway put on the request's span (``rate_limit_exceeded``, ...), or ""."""
+    for span in trace.get("spans") or []:
+        if isinstance(span, Mapping) and span.get("name") == "gateway.request":
+            return str(mapping(span.get("attributes")).get("error.type") or "")
+    return ""
+
+
 def _status(trace: Mapping[str, Any]) -> str:
-    """``ok``, ``error``, or ``ok (1 leg failed)``: a request the platform recovered (a shard lost
-    mid-stream, the reply resumed elsewhere) is ok for its client, and the operator still sees why
-    its waterfall holds a red span."""
+    """``ok``, ``error (its error.type)``, or ``ok (1 leg failed)``: a request the platform recovered (a
+    shard lost mid-stream, the reply resumed elsewhere) is ok for its client, and the operator still
+    sees why its waterfall holds a red span. A bare "error" made a 429 look like an outage until its
+    waterfall was opened."""
     if trace.get("status") == "error":
-        return "error"
+        why = _error_type(trace)
+        return f"error ({why})" if why else "error"
     failed = int(num(trace.get("failed_spans")) or 0)
     return f"ok ({failed} leg{'s' if failed > 1 else ''} failed)" if failed else "ok"
 

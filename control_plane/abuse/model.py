@@ -258,11 +258,11 @@ class AbuseConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> AbuseConfig:
-        import yaml
+        from data_plane.common.yaml_source import parse_yaml
 
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = parse_yaml(Path(path).read_text(), str(path)) or {}
         if not isinstance(data, dict):
-            raise TypeError(f"{path}: expected a mapping of abuse thresholds")
+            raise ValueError(f"{path}: expected a mapping of abuse thresholds")
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:

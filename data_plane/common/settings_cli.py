@@ -25,14 +25,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import types
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
-from pydantic import AliasChoices, BeforeValidator, ValidationError
+from pydantic import AfterValidator, AliasChoices, BeforeValidator, ValidationError
 from pydantic_settings import BaseSettings, NoDecode
+
+from data_plane.common.yaml_source import is_inline
 
 S = TypeVar("S", bound=BaseSettings)
 T = TypeVar("T")
@@ -65,6 +69,38 @@ CommaList = Annotated[list[T], NoDecode, BeforeValidator(split_commas)]
 """A list given as ``a,b,c`` in a flag or env variable (a list from code)."""
 TierMap = Annotated[dict[str, T], NoDecode, BeforeValidator(split_pairs)]
 """A mapping given as ``free=600,plus=6000`` in a flag or env variable (a dict from code)."""
+
+P = TypeVar("P", str, Path)
+
+
+def readable_file(value: P) -> P:
+    """A file a process reads at start (keys, a policy, rules) must be there and readable when the
+    settings are parsed: a mistyped path then stops the start with one line naming its flag, instead
+    of a traceback from wherever the file is first opened (or, for a file read only in some modes,
+    nothing at all until that mode is reached)."""
+    path = Path(value)
+    if not path.exists():
+        raise ValueError(f"no such file {str(value)!r}")
+    if not path.is_file():
+        raise ValueError(f"{str(value)!r} is not a file")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"cannot read {str(value)!r} (permission denied)")
+    return value
+
+
+InputFile = Annotated[str, AfterValidator(readable_file)]
+"""A path to a file read at start (str-typed settings); validated by :func:`readable_file`."""
+InputPath = Annotated[Path, AfterValidator(readable_file)]
+"""The same for Path-typed settings."""
+
+
+def readable_file_or_inline(value: str) -> str:
+    """A policy flag's value: inline YAML as it is, else a file name checked by :func:`readable_file`."""
+    return value if is_inline(value) else readable_file(value)
+
+
+InputFileOrYaml = Annotated[str, AfterValidator(readable_file_or_inline)]
+"""A policy given as a file or as inline YAML text (data_plane/common/yaml_source.py)."""
 
 
 def _base(annotation: Any) -> Any:
@@ -158,7 +194,8 @@ def parse_flags(cls: type[S], argv: list[str] | None, prog: str,
     except ValidationError as exc:
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"])
-            print(f"{prog}: --{loc.replace('_', '-')}: {err['msg']}", file=sys.stderr)
+            why = err.get("ctx", {}).get("error") if err["type"] == "value_error" else None  # our own words
+            print(f"{prog}: --{loc.replace('_', '-')}: {why or err['msg']}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -34,10 +34,10 @@ from data_plane.common.telemetry import (
     metrics_endpoint,
     recent_spans_endpoint,
 )
-from data_plane.gateway.auth import KeyStore
 from data_plane.gateway.chat_store import StoredChatHandler, mount_chat_store
 from data_plane.gateway.context import TokenCounter
 from data_plane.gateway.conversations import mount_conversations
+from data_plane.gateway.keys_file import checked_keys
 from data_plane.gateway.response_store import ConversationStore
 from data_plane.gateway.responses import RESPONSES_PATH, ResponsesHandler, mount_responses
 from data_plane.gateway.responses_count import mount_input_tokens_and_cancel
@@ -62,23 +62,10 @@ CHAT_OPENAPI: dict[str, Any] = {
 }
 
 
-def _load_keys(settings: GatewaySettings) -> KeyStore:
-    stores = []
-    if settings.keys_file:
-        stores.append(KeyStore.from_yaml(settings.keys_file))
-    if settings.api_keys:
-        stores.append(KeyStore.from_env(settings.api_keys))
-    if not stores:
-        raise SystemExit("switchboard gateway: no API keys configured; pass --keys-file or "
-                         "SWITCHBOARD_GATEWAY_API_KEYS='key:tenant:tier' (`switchboard up` makes dev keys)")
-    return KeyStore.merged(*stores)
-
-
 def build_gateway(settings: GatewaySettings, registry: CollectorRegistry | None = None) -> Gateway:
     tiers = TierPolicy.from_yaml(settings.tiers_file) if settings.tiers_file else TierPolicy.default()
     safety = SafetyPolicies.from_yaml(settings.safety_file) if settings.safety_file else SafetyPolicies.default()
-    keys = _load_keys(settings)
-    keys.validate_tiers(tiers.names())
+    keys = checked_keys(settings, tiers)
     safety.validate_names(t.safety for t in (tiers.get(n) for n in tiers.names()))
     counter = TokenCounter.whitespace() if settings.tokenizer == "whitespace" else TokenCounter.for_model(
         settings.tokenizer)
@@ -226,7 +213,10 @@ def main(argv: list[str] | None = None) -> None:
 
     settings = parse_settings(GatewaySettings, argv, prog="switchboard gateway")
     configure_process("switchboard-gateway")
-    gw = build_gateway(settings)
+    try:  # a keys, tier or safety file that does not parse or does not fit: one line, not a traceback
+        gw = build_gateway(settings)
+    except ValueError as exc:
+        raise SystemExit(f"switchboard gateway: {exc}") from None
     serve(create_app(gw), host=settings.host, port=settings.port, registry=gw.registry)
 
 

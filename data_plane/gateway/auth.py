@@ -37,6 +37,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from data_plane.common.errors import AuthenticationError
+from data_plane.common.yaml_source import parse_yaml
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class KeyStore:
     @classmethod
     def from_yaml(cls, path: str | Path) -> KeyStore:
         path = Path(path)
-        return cls.from_dict(yaml.safe_load(path.read_text()), where=str(path))
+        return cls.from_dict(parse_yaml(path.read_text(), str(path)), where=str(path))
 
     @classmethod
     def from_env(cls, value: str) -> KeyStore:

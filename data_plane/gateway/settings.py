@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import AnyHttpUrl, Field, IPvAnyNetwork, PositiveFloat, PositiveInt
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from data_plane.common.settings_cli import CommaList, TierMap
+from data_plane.common.settings_cli import CommaList, InputFile, InputFileOrYaml, TierMap
 from data_plane.gateway.context import DEFAULT_TRIM_STEP_SHARE
 from data_plane.membership.factory import MEMBERSHIP_URL_PATTERN
 from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
@@ -30,10 +30,10 @@ class GatewaySettings(BaseSettings):
     control_plane_url: str | None = Field(None, description="Control plane URL for the degradation level and the hot tier policy (default: --registry-url).")
     shard_urls: CommaList[AnyHttpUrl] = Field(default_factory=list, description="Comma-separated shard URLs (static, instead of a registry).")
     cache_urls: CommaList[AnyHttpUrl] = Field(default_factory=list, description="Comma-separated cache-node URLs (static).")
-    keys_file: str | None = Field(None, description="YAML file of API keys -> tenant, tier.")
+    keys_file: InputFile | None = Field(None, description="YAML file of API keys -> tenant, tier.")
     api_keys: str | None = Field(None, description="Extra keys, 'key:tenant:tier,...' (env SWITCHBOARD_GATEWAY_API_KEYS).")
-    tiers_file: str | None = Field(None, description="YAML tier policy (default: built-in free/plus/enterprise).")
-    safety_file: str | None = Field(None, description="YAML safety policies (default: built-in).")
+    tiers_file: InputFileOrYaml | None = Field(None, description="YAML tier policy (default: built-in free/plus/enterprise).")
+    safety_file: InputFileOrYaml | None = Field(None, description="YAML safety policies (default: built-in).")
     tokenizer: str | None = Field(None, description="Model folder/GGUF whose tokenizer counts tokens; 'whitespace' for synthetic shards.")
     model_name: str = Field("SmolLM2-135M-Instruct", description="Model id served when shards do not say.")
     max_model_len: int = Field(2048, ge=16, description="Context window when shards do not say.")
@@ -80,7 +80,7 @@ class GatewaySettings(BaseSettings):
     usage_db: str | None = Field(None, description="Usage ledger database: sqlite:///path (default STATE_DIR/usage.db), postgresql://..., or 'off'.")
     usage_spool_dir: str | None = Field(None, description="Usage spool folder, one per gateway (default STATE_DIR/ledger-spool/<node>-<pid>-<rand>; orphans are adopted).")
     usage_flush_interval_s: float = Field(1.0, gt=0, le=60, description="Seconds between batch writes of spooled usage records to the database.")
-    session_keys_file: str | None = Field(None, description="Keys that encrypt session transcripts at rest: one '<key id> <base64 32 bytes>' per line, the first seals (default: derived from the cluster token).")
+    session_keys_file: InputFile | None = Field(None, description="Keys that encrypt session transcripts at rest: one '<key id> <base64 32 bytes>' per line, the first seals (default: derived from the cluster token).")
     session_keys: str | None = Field(None, description="The same as 'kid:base64,kid:base64' (env SWITCHBOARD_GATEWAY_SESSION_KEYS); the first seals.")
     trusted_proxies: CommaList[IPvAnyNetwork] = Field(default_factory=list, description="Networks of the load balancers in front (CIDRs, comma-separated): only from these is X-Forwarded-For believed (its rightmost hop that is not one of them is the client, e.g. for address bans); from any other peer it is ignored.")
     usage_retention_days: float = Field(90.0, ge=0, description="Usage records older than this are deleted (0 = keep forever).")

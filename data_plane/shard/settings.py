@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from data_plane.common.settings_cli import InputFile
 from data_plane.membership.factory import MEMBERSHIP_URL_PATTERN
 from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
 
@@ -116,7 +117,7 @@ class ShardSettings(BaseSettings):
     kv_seal: Literal["on", "off"] = Field("on", description=(
         "Seal KV blocks (AES-256-GCM) before they reach a cache node and open them after a fetch: on | off "
         "(off stores plaintext KV: only to measure the cost)."))
-    kv_keys_file: str | None = Field(None, description=(
+    kv_keys_file: InputFile | None = Field(None, description=(
         "Keys that seal KV blocks: one '<key id> <base64 32 bytes>' per line, the first seals, every one opens; "
         "may be the gateway's --session-keys-file (KV keys are derived from it with their own label). "
         "Default: SWITCHBOARD_SHARD_KV_KEYS, else derived from the cluster token."))

@@ -4,13 +4,15 @@ from a shell, and one clear line with exit code 1 for each way they can fail."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
 
 from admin_ui.cli import main
 from tests.support.cluster import ADMIN_TOKEN
-from tests.support.procs import free_port, switchboard
+from tests.support.procs import ROOT, free_port, switchboard
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -71,3 +73,27 @@ def test_it_is_a_switchboard_subcommand() -> None:
     shown = switchboard("admin", "--help", timeout=60)
     assert shown.returncode == 0 and "usage: switchboard admin" in shown.stdout
     assert "admin" in switchboard("--help", timeout=60).stdout
+
+
+def test_a_bad_timeout_and_a_missing_credentials_file_are_one_line(env, monkeypatch, tmp_path) -> None:
+    bad = switchboard("admin", "status", "--timeout-s", "-1", timeout=60)  # reached httpx's socket: a traceback
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "--timeout-s: must be more than 0 seconds, got -1" in bad.stderr
+    monkeypatch.delenv("SWITCHBOARD_ADMIN_TOKEN")
+    monkeypatch.delenv("SWITCHBOARD_CREDENTIALS_FILE")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # run from elsewhere, this tree's code still
+    elsewhere = switchboard("admin", "status", timeout=60, cwd=tmp_path)  # not where `switchboard up` ran
+    assert elsewhere.returncode == 1 and "Traceback" not in elsewhere.stderr
+    assert f"there is no {tmp_path / '.switchboard' / 'credentials.json'}" in elsewhere.stderr
+
+
+def test_output_into_a_closed_pipe_is_no_traceback(env) -> None:
+    """`switchboard admin members | head -1`: the reader leaves before the writer ends."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        ran = subprocess.run([sys.executable, "-m", "control_plane.cli", "admin", "members"], cwd=ROOT, stdout=write,
+                             stderr=subprocess.PIPE, text=True, timeout=60, check=False)
+    finally:
+        os.close(write)
+    assert ran.returncode == 1 and ran.stderr == ""

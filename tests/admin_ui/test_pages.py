@@ -106,6 +106,26 @@ def test_drain_and_undrain_from_the_ui_change_the_registry(console, admin):
         admin.post("/admin/v1/members/shard-1/undrain")
 
 
+def test_an_actions_outcome_outlives_the_next_refresh_on_its_own_page(console, admin, monkeypatch):
+    """The outcome used to be shown once and dropped: the page's live region re-runs every 3 s, so a
+    "done" or a refusal vanished from the browser within 3 s of the click."""
+    import admin_ui.ui
+
+    at = console.page("degradation")
+    at.button[0].click().run()  # "Pin level" without a reason: refused
+    assert "Say why" in texts(at)
+    at.run()  # the next refresh
+    assert "Say why" in texts(at)
+    at.switch_page("screens/cluster.py").run()  # another page does not show it
+    assert "Say why" not in texts(at)
+    at.switch_page("screens/degradation.py").run()
+    assert "Say why" in texts(at)
+    monkeypatch.setattr(admin_ui.ui, "FLASH_S", 0.0)  # and it does expire
+    at.run()
+    assert "Say why" not in texts(at)
+    assert admin.get("/admin/v1/degradation").json()["pinned"] is False
+
+
 def test_pin_and_release_a_degradation_level(console, admin):
     require(admin, "/admin/v1/degradation")
     at = console.page("degradation")

@@ -107,6 +107,10 @@ def test_trace_list_says_a_recovered_request_was_ok_and_why_it_has_a_failed_span
                           {**base, "trace_id": "c", "status": "error", "failed_spans": 2},
                           {**base, "trace_id": "d", "status": "ok"}])  # an older control plane: no count
     assert list(frame["status"]) == ["ok (1 leg failed)", "ok", "error", "ok"]
+    limited = {**base, "trace_id": "e", "status": "error", "spans": [
+        {"name": "ratelimit", "attributes": {"switchboard.ratelimit.allowed": False}},
+        {"name": "gateway.request", "attributes": {"error.type": "rate_limit_exceeded"}}]}
+    assert list(traces_frame([limited])["status"]) == ["error (rate_limit_exceeded)"]  # why, without opening it
 
 
 def test_signals_view_reads_fields_by_attribute_and_a_missing_field_is_incomplete() -> None:

@@ -129,6 +129,22 @@ async def test_adjust_refunds_and_charges_exactly(make_backend) -> None:
     assert (await backend.take([Bucket("key:k", "tokens", 1000, 0)]))[0].remaining == 1000
 
 
+async def test_a_lowered_limit_holds_a_busy_key_to_the_new_capacity_not_its_old_fill(make_backend) -> None:
+    """The tier policy lowered a tier's RPM from 60 to 3: a key that had just used its 60 waits one
+    unit of the new pace (20 s), not the 20 minutes its old fill would take to drain at 3 a minute;
+    a raised limit keeps the units already used."""
+    clock = micro_clock()
+    backend = make_backend(clock)
+    for _ in range(60):
+        assert (await backend.take([Bucket("key:k", "requests", 60, 1)]))[0].allowed
+    state = (await backend.take([Bucket("key:k", "requests", 3, 1)]))[0]
+    assert not state.allowed and state.remaining == 0 and state.retry_us == 20 * S
+    clock.advance(20)
+    assert (await backend.take([Bucket("key:k", "requests", 3, 1)]))[0].allowed
+    state = (await backend.take([Bucket("key:k", "requests", 600, 1)]))[0]  # raised: 3 used, 1 more now
+    assert state.allowed and state.remaining == 600 - 4
+
+
 async def test_limits_that_do_not_divide_a_minute_are_exact(make_backend) -> None:
     clock = micro_clock()
     backend = make_backend(clock)

@@ -68,19 +68,25 @@ class Backend(Protocol):
     async def aclose(self) -> None: ...
 
 
-State = tuple[int, int]
-"""A bucket's stored state: (fill, at): its fill in units x period_us, as of `at` (unix microseconds)."""
+State = tuple[int, int, int]
+"""A bucket's stored state: (fill, at, limit): its fill in units x period_us, as of `at` (unix
+microseconds), under the per-period `limit` it was stored with."""
 
 
 def _fill_at(state: State | None, now: int, b: Bucket) -> int:
-    """The fill at `now`: the stored fill less the continuous refill since (`limit` per period)."""
+    """The fill at `now`: the stored fill less the continuous refill since (at the stored limit's pace).
+
+    A fill stored under another limit (the tier policy changed) is held to this limit's capacity: the
+    units it counts are kept, but never more than a full bucket. Unclamped, lowering a tier's RPM from
+    60 to 3 left a key that had just used its 60 owing 20 minutes of the new pace, not one minute's;
+    debt under an unchanged limit (a settlement beyond the estimate) is still kept exactly."""
     if state is None:
         return 0
-    fill, at = state
+    fill, at, limit = state
     elapsed = now - at
-    if elapsed <= 0:  # a clock that steps back refills nothing
-        return fill
-    return max(0, fill - elapsed * b.limit)
+    if elapsed > 0:  # a clock that steps back refills nothing
+        fill = max(0, fill - elapsed * limit)
+    return fill if limit == b.limit else min(fill, b.limit * b.period_us)
 
 
 def decide(states: Sequence[State | None], now: int,
@@ -108,7 +114,7 @@ def decide(states: Sequence[State | None], now: int,
         fill = a if ok else f
         remaining = max(0, min(b.limit, (b.limit * b.period_us - fill) // b.period_us))
         out.append(BucketState(yes, remaining, -(-fill // b.limit), r))
-    return out, ([(a, now) for a in after] if ok else None)
+    return out, ([(a, now, b.limit) for a, b in zip(after, buckets)] if ok else None)
 
 
 def _now_us() -> int:
@@ -128,7 +134,7 @@ class LocalBackend:
 
     async def take(self, buckets: Sequence[Bucket]) -> list[BucketState]:
         now = self._clock()
-        out, new = decide([self._state.get(b.key) for b in buckets], now, buckets)
+        out, new = decide([self._rebased(b, now) for b in buckets], now, buckets)
         if new is not None:
             for b, state in zip(buckets, new):
                 self._store(b, state)
@@ -144,7 +150,16 @@ class LocalBackend:
     def adjust_now(self, buckets: Sequence[Bucket]) -> None:
         now = self._clock()
         for b in buckets:
-            self._store(b, (max(0, _fill_at(self._state.get(b.key), now, b) + b.cost * b.period_us), now))
+            self._store(b, (max(0, _fill_at(self._state.get(b.key), now, b) + b.cost * b.period_us), now, b.limit))
+
+    def _rebased(self, b: Bucket, now: int) -> State | None:
+        """The bucket's state, re-stored under `b.limit` at `now` if it was stored under another limit
+        (held to the new capacity once, then refilled at the new pace, refused requests or not)."""
+        state = self._state.get(b.key)
+        if state is not None and state[2] != b.limit:
+            state = (_fill_at(state, now, b), now, b.limit)
+            self._store(b, state)
+        return self._state.get(b.key)
 
     def _store(self, b: Bucket, state: State) -> None:
         if state[0] > 0:
@@ -160,7 +175,9 @@ class LocalBackend:
 
 _LUA = """
 -- Exact token buckets over several keys, all or nothing (data_plane/gateway/ratelimit/limiter.py: decide).
--- KEYS: bucket keys, each a hash {f = fill in units x period_us, t = as of, unix us}.
+-- KEYS: bucket keys, each a hash {f = fill in units x period_us, t = as of, unix us, l = the limit it was
+-- stored under (absent before it was kept: taken as the current one); a fill stored under another limit
+-- is held to this limit's capacity, as _fill_at does.
 -- ARGV[1]: 'take' | 'adjust'; ARGV[2]: now in us ('' = this server's clock); then per bucket:
 -- limit, period_us, cost. 'take' returns per bucket: allowed (1/0), remaining, reset_us,
 -- retry_us (-1: never fits). Lua numbers are doubles: every value here is an integer below
@@ -178,21 +195,28 @@ local function idiv(a, b)
   return q
 end
 local function cdiv(a, b) return -idiv(-a, b) end
-local function fill_at(key, limit, period)
-  local v = redis.call('HMGET', key, 'f', 't')
-  if not v[1] then return 0 end
-  local fill, elapsed = tonumber(v[1]), now - tonumber(v[2])
-  if elapsed <= 0 then return fill end
-  if elapsed >= period + cdiv(fill, limit) then return 0 end
-  return math.max(0, fill - elapsed * limit)
-end
 local function store(key, fill, limit)
   if fill > 0 then
-    redis.call('HSET', key, 'f', string.format('%.0f', fill), 't', string.format('%.0f', now))
+    redis.call('HSET', key, 'f', string.format('%.0f', fill), 't', string.format('%.0f', now),
+               'l', string.format('%.0f', limit))
     redis.call('PEXPIRE', key, cdiv(cdiv(fill, limit), 1000) + 1000)
   else
     redis.call('DEL', key)
   end
+end
+local function fill_at(key, limit, period)
+  local v = redis.call('HMGET', key, 'f', 't', 'l')
+  if not v[1] then return 0 end
+  local fill, elapsed = tonumber(v[1]), now - tonumber(v[2])
+  local was = tonumber(v[3]) or limit
+  if elapsed > 0 then
+    if elapsed >= period + cdiv(fill, was) then fill = 0 else fill = math.max(0, fill - elapsed * was) end
+  end
+  if was ~= limit then  -- re-stored under the new limit now, so it refills at the new pace from here
+    fill = math.min(fill, limit * period)
+    store(key, fill, limit)
+  end
+  return fill
 end
 local n = #KEYS
 local lim, per, cost = {}, {}, {}
