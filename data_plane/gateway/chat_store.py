@@ -179,7 +179,7 @@ def mount_chat_store(app: FastAPI, gw: Gateway, store: Callable[[], Conversation
     @app.get(CHAT_PATH)
     async def list_completions(request: Request, limit: int = 20, order: str = "asc", after: str | None = None,
                                model: str | None = None) -> dict[str, Any]:
-        with observed(gw.responses_metrics, Op.CHAT_LIST):
+        with observed(gw.responses_metrics, Op.CHAT_LIST, request):
             owner, replicas = caller(request)
             wanted = metadata_filter(request)
             index = await load_index(store(), owner, replicas)
@@ -197,13 +197,13 @@ def mount_chat_store(app: FastAPI, gw: Gateway, store: Callable[[], Conversation
 
     @app.get(CHAT_PATH + "/{completion_id}")
     async def retrieve(completion_id: str, request: Request) -> dict[str, Any]:
-        with observed(gw.responses_metrics, Op.CHAT_RETRIEVE):
+        with observed(gw.responses_metrics, Op.CHAT_RETRIEVE, request):
             owner, replicas = caller(request)
             return dict((await load(completion_id, owner, replicas)).response or {})
 
     @app.post(CHAT_PATH + "/{completion_id}")
     async def update(completion_id: str, request: Request) -> dict[str, Any]:
-        with observed(gw.responses_metrics, Op.CHAT_UPDATE):
+        with observed(gw.responses_metrics, Op.CHAT_UPDATE, request):
             owner, replicas = caller(request)
             metadata = await metadata_update(request)
             key = record_key(owner, completion_id)
@@ -219,7 +219,7 @@ def mount_chat_store(app: FastAPI, gw: Gateway, store: Callable[[], Conversation
 
     @app.delete(CHAT_PATH + "/{completion_id}")
     async def delete(completion_id: str, request: Request) -> dict[str, Any]:
-        with observed(gw.responses_metrics, Op.CHAT_DELETE):
+        with observed(gw.responses_metrics, Op.CHAT_DELETE, request):
             owner, replicas = caller(request)
             await store().delete(completion_id, owner, replicas, Kind.CHAT_COMPLETION)
             await edit_index(gw, store(), owner, replicas, remove=completion_id)
@@ -229,7 +229,7 @@ def mount_chat_store(app: FastAPI, gw: Gateway, store: Callable[[], Conversation
     @app.get(CHAT_PATH + "/{completion_id}/messages")
     async def messages(completion_id: str, request: Request, limit: int = 20, order: str = "asc",
                        after: str | None = None) -> dict[str, Any]:
-        with observed(gw.responses_metrics, Op.CHAT_MESSAGES):
+        with observed(gw.responses_metrics, Op.CHAT_MESSAGES, request):
             owner, replicas = caller(request)
             record = await load(completion_id, owner, replicas)
             return page(record.items, limit=limit, order=order, after=after)

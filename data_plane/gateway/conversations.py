@@ -95,7 +95,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
 
     @app.post(CONVERSATIONS_PATH)
     async def create(request: Request) -> dict[str, Any]:
-        with observed(gw.responses_metrics, Op.CONVERSATION_CREATE):
+        with observed(gw.responses_metrics, Op.CONVERSATION_CREATE, request):
             owner, replicas = caller(request)
             body = await _body(request)
             unknown = set(body) - {"items", "metadata"}
@@ -110,13 +110,13 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
 
     @app.get(CONVERSATIONS_PATH + "/{conversation_id}")
     async def retrieve(conversation_id: str, request: Request) -> dict[str, Any]:
-        with observed(gw.responses_metrics, Op.CONVERSATION_RETRIEVE):
+        with observed(gw.responses_metrics, Op.CONVERSATION_RETRIEVE, request):
             owner, replicas = caller(request)
             return conversation_object(await store().load(conversation_id, owner, replicas, Kind.CONVERSATION))
 
     @app.post(CONVERSATIONS_PATH + "/{conversation_id}")
     async def update(conversation_id: str, request: Request) -> dict[str, Any]:
-        with observed(gw.responses_metrics, Op.CONVERSATION_UPDATE):
+        with observed(gw.responses_metrics, Op.CONVERSATION_UPDATE, request):
             owner, replicas = caller(request)
             metadata = await metadata_update(request)
             async with editing(owner, conversation_id):
@@ -127,7 +127,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
 
     @app.delete(CONVERSATIONS_PATH + "/{conversation_id}")
     async def delete(conversation_id: str, request: Request) -> dict[str, Any]:
-        with observed(gw.responses_metrics, Op.CONVERSATION_DELETE):
+        with observed(gw.responses_metrics, Op.CONVERSATION_DELETE, request):
             owner, replicas = caller(request)
             await store().delete(conversation_id, owner, replicas, Kind.CONVERSATION)
             return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
@@ -135,14 +135,14 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
     @app.get(CONVERSATIONS_PATH + "/{conversation_id}/items")
     async def list_items(conversation_id: str, request: Request, limit: int = 20, order: str = "desc",
                          after: str | None = None) -> dict[str, Any]:
-        with observed(gw.responses_metrics, Op.ITEMS_LIST):
+        with observed(gw.responses_metrics, Op.ITEMS_LIST, request):
             owner, replicas = caller(request)
             record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
             return page(record.items, limit=limit, order=order, after=after)
 
     @app.post(CONVERSATIONS_PATH + "/{conversation_id}/items")
     async def add_items(conversation_id: str, request: Request) -> dict[str, Any]:
-        with observed(gw.responses_metrics, Op.ITEMS_CREATE):
+        with observed(gw.responses_metrics, Op.ITEMS_CREATE, request):
             owner, replicas = caller(request)
             body = await _body(request)
             items = _items(body)
@@ -157,7 +157,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
 
     @app.get(CONVERSATIONS_PATH + "/{conversation_id}/items/{item_id}")
     async def get_item(conversation_id: str, item_id: str, request: Request) -> dict[str, Any]:
-        with observed(gw.responses_metrics, Op.ITEM_RETRIEVE):
+        with observed(gw.responses_metrics, Op.ITEM_RETRIEVE, request):
             owner, replicas = caller(request)
             record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
             for item in record.items:
@@ -167,7 +167,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
 
     @app.delete(CONVERSATIONS_PATH + "/{conversation_id}/items/{item_id}")
     async def delete_item(conversation_id: str, item_id: str, request: Request) -> dict[str, Any]:
-        with observed(gw.responses_metrics, Op.ITEM_DELETE):
+        with observed(gw.responses_metrics, Op.ITEM_DELETE, request):
             owner, replicas = caller(request)
             async with editing(owner, conversation_id):
                 record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)

@@ -14,6 +14,16 @@ the turn is stored (unless `store: false`). Authentication, limits, admission, s
 routing, resumable streams, usage and the ledger are the chat path's own. `truncation: "disabled"`
 (OpenAI's default) answers 400 when the conversation no longer fits the window; `"auto"` drops the
 oldest turns and re-injects the most relevant of them (data_plane/gateway/memory.py).
+
+A streamed response that ends without its reply is still stored (OpenAI keeps it too), as the stream
+last told the client: status ``failed`` with an ``error`` ({code, message}) when the generation failed
+after ``response.created`` (every shard gone past the resumes, an upstream error), or ``incomplete``
+with ``incomplete_details.reason: "client_disconnected"`` (Switchboard's reason) when the client left
+(the gateway then aborts the generation, as OpenAI does for a stream that is not background); its
+output is what the client got so far. Such a turn is not added to a conversation, and a
+`previous_response_id` naming it continues from its input (without the unfinished output): retrying
+the turn is then one request. A response that fails before any event (an HTTP error) is not stored:
+the client never learnt its id.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from opentelemetry import trace
 from starlette.types import Send
 
 from data_plane.common.crypto import SealError
+from data_plane.common.disconnect import CLIENT_DISCONNECTED
 from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, SwitchboardError
 from data_plane.gateway.auth import key_digest
 from data_plane.gateway.chat import ChatHandler, Opened
@@ -59,6 +70,9 @@ RESPONSES_PATH = "/v1/responses"
 COMPACTION_SCOPE = "responses-compaction"
 """What compaction items are sealed for (with the key's digest): they open for that key only."""
 INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
+RESPONSE_ERROR_CODES = ("server_error", "rate_limit_exceeded", "invalid_prompt")
+"""The codes of OpenAI's ResponseError this server can mean; a failed response names any other as server_error
+(the stream's ``error`` event keeps the precise one)."""
 RESPONSES_FIELDS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
                     "messages": "input"}
 
@@ -81,6 +95,8 @@ class ResponsesHandler(ChatHandler):
         self.route = self.response_id
         self.instructions = 0
         self.response: dict[str, Any] | None = None
+        self.unfinished: dict[str, Any] | None = None
+        """The response of a stream that ended without its reply (failed, or the client left)."""
         self.memory: list[dict[str, str]] = []
         """Earlier turns held by compaction items of this conversation: recall's candidates."""
         self.x.span.set_attribute("switchboard.response_id", self.response_id)
@@ -131,6 +147,19 @@ class ResponsesHandler(ChatHandler):
         self.x.span.set_attribute("switchboard.responses.history_items", len(self.history_items))
 
     def fit(self, prompt: list[dict[str, str]], budget: int, step: int) -> Window:
+        try:
+            return self._fit(prompt, budget, step)
+        except ContextLengthExceeded:
+            rreq = self.rreq
+            assert rreq is not None
+            # instructions that do not fit on their own: no input (and no truncation) could help
+            own = self.gw.counter.prompt_tokens([{"role": "system", "content": rreq.instructions or ""}])
+            if rreq.instructions and own > budget:
+                raise ContextLengthExceeded(f"the instructions are {own} tokens, over the {budget} this request "
+                                            "leaves for input; shorten them", param="instructions") from None
+            raise
+
+    def _fit(self, prompt: list[dict[str, str]], budget: int, step: int) -> Window:
         rreq = self.rreq
         assert rreq is not None
         if rreq.truncation != "auto":
@@ -181,9 +210,52 @@ class ResponsesHandler(ChatHandler):
                            output_items(choice["message"], logprobs=(choice.get("logprobs") or {}).get("content")))
 
     async def respond_stream(self, opened: Opened, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        opened.completion.on_failure = self._save_unfinished
         events = ResponseEvents(send, start=lambda: self._response("in_progress", [], None),
-                                finish=self._final, message_id=self.message_id)
+                                finish=self._final, fail=self._unfinished, message_id=self.message_id)
         await opened.completion.stream_to(events.send, opened.stream, True, headers)
+
+    def _output(self, status: str, message: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Choice 0 (or `message`) as output items, with the ids the stream announced."""
+        assert self.opened is not None
+        choice = self.opened.completion.choice(0)
+        output = output_items(message or choice.message(), status, choice.logprobs if choice.has_logprobs else None)
+        for item in output:
+            if item["type"] == "message":
+                item["id"] = self.message_id
+            elif item["type"] == "function_call":
+                item["id"] = call_item_id(item["call_id"])
+        return output
+
+    def _unfinished(self, code: str, message: str) -> dict[str, Any]:
+        """The response of a stream that ended without its reply (the module docstring): what
+        ``response.failed`` carries and what is stored, built once so the two are the same."""
+        if self.unfinished is None:
+            assert self.opened is not None
+            choice = self.opened.completion.choice(0)
+            output = self._output("incomplete") if choice.text or choice.calls else []
+            usage = response_usage(self.opened.completion.usage.wire())
+            if code == CLIENT_DISCONNECTED:
+                self.unfinished = self._response("incomplete", output, usage, CLIENT_DISCONNECTED)
+            else:
+                self.unfinished = self._response("failed", output, usage)
+                self.unfinished["error"] = {"code": code if code in RESPONSE_ERROR_CODES else "server_error",
+                                            "message": message}
+        return self.unfinished
+
+    async def _save_unfinished(self, code: str, message: str) -> None:
+        """Store the unfinished response (unless `store: false`): its chain holds its input, not the
+        unfinished output, and no conversation gets the turn."""
+        response = self._unfinished(code, message)
+        rreq = self.rreq
+        assert rreq is not None and self.tier is not None
+        if rreq.store is False:
+            return
+        start = len(self.history_items)
+        record = Record(self.response_id, Kind.RESPONSE, self.history_items + self.new_items, self.route,
+                        response=response, input_range=(start, start + len(self.new_items)))
+        await self.store.save(record, self.owner, self.tier.replication)
+        log.info("request %s: response stored as %s (%s)", self.request_id, response["status"], code)
 
     async def save_turn(self, reply: str, message: dict[str, Any] | None = None) -> None:
         """Build the response and store it (and the conversation's new items): before the reply
@@ -192,14 +264,7 @@ class ResponsesHandler(ChatHandler):
         assert rreq is not None and opened is not None and self.tier is not None
         finish_reason = opened.completion.finish_reason
         incomplete = INCOMPLETE_REASONS.get(finish_reason or "")
-        choice = opened.completion.choice(0)
-        output = output_items(message or choice.message(), "incomplete" if incomplete else "completed",
-                              choice.logprobs if choice.has_logprobs else None)
-        for item in output:  # the same ids the stream announced
-            if item["type"] == "message":
-                item["id"] = self.message_id
-            elif item["type"] == "function_call":
-                item["id"] = call_item_id(item["call_id"])
+        output = self._output("incomplete" if incomplete else "completed", message)
         self.response = self._response("incomplete" if incomplete else "completed", output,
                                         response_usage(opened.completion.usage.wire()), incomplete)
         items = self.history_items + self.new_items + output
@@ -328,14 +393,14 @@ def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationS
 
     @app.get(RESPONSES_PATH + "/{response_id}")
     async def retrieve(response_id: str, request: Request) -> dict[str, Any]:
-        with observed(gw.responses_metrics, Op.RETRIEVE):
+        with observed(gw.responses_metrics, Op.RETRIEVE, request):
             owner, replicas = caller(request)
             record = await store().load(response_id, owner, replicas, Kind.RESPONSE)
             return dict(record.response or {})
 
     @app.delete(RESPONSES_PATH + "/{response_id}")
     async def delete(response_id: str, request: Request) -> dict[str, Any]:
-        with observed(gw.responses_metrics, Op.DELETE):
+        with observed(gw.responses_metrics, Op.DELETE, request):
             owner, replicas = caller(request)
             await store().delete(response_id, owner, replicas, Kind.RESPONSE)
             log.info("response deleted from every cache node")
@@ -345,7 +410,7 @@ def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationS
     async def compact_route(request: Request) -> dict[str, Any]:
         """Fold a conversation (input items, after previous_response_id's) into a compaction item
         and the newest turns; pass them as the next request's input."""
-        with observed(gw.responses_metrics, Op.COMPACT):
+        with observed(gw.responses_metrics, Op.COMPACT, request):
             owner, replicas = caller(request)
             body = json_body(await request.body(), request.headers.get("content-type"))
             unknown = set(body) - {"model", "input", "previous_response_id", "instructions", "keep_tokens"}
@@ -368,7 +433,7 @@ def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationS
     @app.get(RESPONSES_PATH + "/{response_id}/input_items")
     async def input_items_list(response_id: str, request: Request, limit: int = 20, order: str = "desc",
                                after: str | None = None) -> dict[str, Any]:
-        with observed(gw.responses_metrics, Op.INPUT_ITEMS):
+        with observed(gw.responses_metrics, Op.INPUT_ITEMS, request):
             owner, replicas = caller(request)
             record = await store().load(response_id, owner, replicas, Kind.RESPONSE)
             start, end = record.input_range

@@ -70,7 +70,7 @@ def mount_input_tokens_and_cancel(app: FastAPI, gw: Gateway, store: Callable[[],
 
     @app.post(RESPONSES_PATH + "/input_tokens")
     async def input_tokens(request: Request) -> dict[str, Any]:
-        with observed(gw.responses_metrics, Op.INPUT_TOKENS) as span:
+        with observed(gw.responses_metrics, Op.INPUT_TOKENS, request) as span:
             principal, owner, replicas = record_principal(gw, request)  # the abuse guard first; 401s counted
             raw = await read_body(request, gw.settings.max_body_bytes)
             rreq = count_request(json_body(raw, request.headers.get("content-type")))
@@ -108,7 +108,7 @@ def mount_input_tokens_and_cancel(app: FastAPI, gw: Gateway, store: Callable[[],
 
     @app.post(RESPONSES_PATH + "/{response_id}/cancel")
     async def cancel(response_id: str, request: Request) -> dict[str, Any]:
-        with observed(gw.responses_metrics, Op.CANCEL):
+        with observed(gw.responses_metrics, Op.CANCEL, request):
             owner, replicas = record_caller(gw, request)
             await store().load(response_id, owner, replicas, Kind.RESPONSE)  # 404: unknown or another key's
             log.info("cancel refused: the response was not created in the background")

@@ -2,7 +2,7 @@
 chat requests are: switchboard_gateway_*, the same TTFT, tokens and ledger).
 
     metrics = ResponsesMetrics(registry)
-    with observed(metrics, Op.RETRIEVE):        # span responses.retrieve, a count by op and status, a latency
+    with observed(metrics, Op.RETRIEVE, request):   # span responses.retrieve, a count by op and status, a latency
         ...
     metrics.requests.labels(Op.CREATE.value, "200").inc()
 """
@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import enum
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from starlette.requests import Request
 
 from data_plane.common.errors import SwitchboardError
 from data_plane.common.telemetry import LATENCY_BUCKETS
@@ -74,11 +76,17 @@ class ResponsesMetrics:
 
 
 @contextmanager
-def observed(metrics: ResponsesMetrics, op: Op) -> Iterator[trace.Span]:
+def observed(metrics: ResponsesMetrics, op: Op, request: Request) -> Iterator[trace.Span]:
+    """The operation's span, count and latency. Its error (rendered by the app's handler,
+    data_plane/common/errors.py `render`) carries a request id and the trace id, in the body and the
+    X-Request-Id / X-Trace-Id headers, as the chat path's errors do: a complaint leads to the trace."""
     started = time.perf_counter()
     status = 500
     with tracer.start_as_current_span(f"responses.{op.value}") as span:
         span.set_attribute("gen_ai.operation.name", f"responses.{op.value}")
+        request_id = request.state.request_id = uuid.uuid4().hex
+        request.state.trace_id = format(span.get_span_context().trace_id, "032x")
+        span.set_attribute("switchboard.request_id", request_id)
         try:
             yield span
             status = 200

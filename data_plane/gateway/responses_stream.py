@@ -10,7 +10,8 @@ item ``response.output_item.added``, ``response.content_part.added``,
 ``response.output_text.delta``... (or ``response.function_call_arguments.delta`` for a tool call),
 their ``.done`` events, and ``response.completed`` (``response.incomplete`` when cut by
 max_output_tokens or the output filter). A failure mid-stream becomes an ``error`` event then
-``response.failed``. So streaming, the output filter, usage and the ledger are the chat path's own.
+``response.failed`` carrying the failed response as it is stored (``fail``: its error, the output
+the client got so far). So streaming, the output filter, usage and the ledger are the chat path's own.
 """
 
 from __future__ import annotations
@@ -34,12 +35,15 @@ class ResponseEvents:
     """An ASGI `send` that turns chat SSE chunks into Responses SSE events (see the module docstring)."""
 
     def __init__(self, send: Send, *, start: Callable[[], dict[str, Any]],
-                 finish: Callable[[str | None, list[dict[str, Any]]], dict[str, Any]], message_id: str) -> None:
+                 finish: Callable[[str | None, list[dict[str, Any]]], dict[str, Any]],
+                 fail: Callable[[str, str], dict[str, Any]], message_id: str) -> None:
         """`start()`: the response object while in progress; `finish(finish_reason, output)`: the
-        final one (as stored); `message_id`: the id of the text output item."""
+        final one (as stored); `fail(code, message)`: the failed one (as stored); `message_id`: the
+        id of the text output item."""
         self._send = send
         self._start = start
         self._finish = finish
+        self._fail = fail
         self._message_id = message_id
         self._seq = 0
         self._out: list[bytes] = []
@@ -85,10 +89,7 @@ class ResponseEvents:
             self._failed = True
             err = chunk["error"]
             self._event("error", code=err.get("code"), message=err.get("message", ""), param=err.get("param"))
-            response = self._start()
-            response["status"] = "failed"
-            response["error"] = {"code": err.get("code") or "server_error", "message": err.get("message", "")}
-            self._event("response.failed", response=response)
+            self._event("response.failed", response=self._fail(err.get("code") or "error", err.get("message", "")))
             return
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}

@@ -113,6 +113,10 @@ class Completion:
         self._final_usage = False
         """The stream's final usage arrived (until then `usage` is the running count, `_usage_so_far`)."""
         self._choice_tokens: dict[int, int] = {}
+        self.on_failure: Callable[[str, str], Awaitable[None]] | None = None
+        """Called (code, message) when a stream that was answered (status 200 sent) ends without its
+        reply: it failed, or the client left. The Responses API keeps such a response (failed or
+        incomplete) under the id its first event gave the client; the chat path sets none."""
         # A content chunk is the same JSON but for the text: built once, the text spliced in.
         head = _json({"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
                       "model": model, "system_fingerprint": SYSTEM_FINGERPRINT})
@@ -320,6 +324,7 @@ class Completion:
         span = x.span
         common: dict[str, Any] = {"completion_id": self.completion_id, "model": self.model, "created": self.created}
         error: str | None = None
+        message = "the client disconnected"
         out = [_event(chunk_body(**common, delta={"role": "assistant", "content": ""}))]
         try:
             await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -345,12 +350,14 @@ class Completion:
             failure = as_error(exc, f"request {x.request_id} mid-stream")
             if failure is exc:
                 log.warning("request %s failed mid-stream: %s", x.request_id, failure.message)
-            error = failure.code or "error"
+            error, message = failure.code or "error", failure.message
             out.append(_event(failure.body(x.request_id, x.trace_id)))
         finally:
             stream.close()  # idempotent; here for a cancellation before the first batch
             if error is not None:
                 await _quiet(self._finish(error))
+                if self.on_failure is not None:  # before the error event is written: retrievable once read
+                    await _quiet(self.on_failure(error, message))
                 span.set_attribute("error.type", error)
                 span.set_status(trace.Status(trace.StatusCode.ERROR, error))
             x.close(CLIENT_CLOSED_STATUS if error == CLIENT_DISCONNECTED else 200, OK if error is None else error)
