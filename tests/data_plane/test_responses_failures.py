@@ -150,3 +150,7 @@ def test_stream_failed_mid_reply_is_stored_failed_and_continues_from_its_input(c
         {"role": "user", "content": STORY}, {"role": "user", "content": "go on"}])
     assert after.usage is not None and same.usage is not None
     assert after.usage.input_tokens == same.usage.input_tokens  # the prompt: its input, then the new one
+    # cut short by max_output_tokens: stored incomplete, as OpenAI keeps it
+    cut = client.responses.retrieve(after.id)
+    assert cut.status == "incomplete" and cut.incomplete_details is not None
+    assert cut.incomplete_details.reason == "max_output_tokens"
