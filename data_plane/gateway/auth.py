@@ -15,7 +15,8 @@ A keys file lists plaintext keys or, so operators need not store them, their SHA
       - {key_sha256: 3f0a...e1 (64 hex digits), tenant: globex, tier: enterprise, name: ci-bot}
 
 ``switchboard keys create --tenant globex --tier enterprise`` makes a key and stores only its digest
-(data_plane/gateway/keys_cli.py; ``name`` is an optional label the gateway ignores). The environment form is ``key:tenant:tier`` entries separated by commas.
+(data_plane/gateway/keys_cli.py; ``name`` is an optional label the gateway ignores). The
+environment form is ``key:tenant:tier`` entries separated by commas.
 
 Every failure raises :class:`data_plane.common.errors.AuthenticationError` (401) with a message
 that never contains the presented key or header.

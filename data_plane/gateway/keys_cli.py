@@ -212,7 +212,8 @@ def revoke(args: argparse.Namespace, path: Path) -> None:
         gone = _matches(args, entries)
         _write(path, remove_entries(text, gone))
     for r in (rows(entries)[i] for i in sorted(gone)):
-        print(f"revoked {r['key_id']}  tenant {r['tenant']}  tier {r['tier']}" + (f"  ({r['name']})" if r["name"] else ""))
+        label = f"  ({r['name']})" if r["name"] else ""
+        print(f"revoked {r['key_id']}  tenant {r['tenant']}  tier {r['tier']}{label}")
     print(f"{PROG}: removed {len(gone)} entr{'y' if len(gone) == 1 else 'ies'} from {path}; running gateways "
           "refuse the key(s) within about a second", file=sys.stderr)
 
@@ -220,7 +221,10 @@ def revoke(args: argparse.Namespace, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     path = args.keys_file or default_keys_file()
-    {"create": create, "list": list_keys, "revoke": revoke}[args.command](args, path)
+    try:
+        {"create": create, "list": list_keys, "revoke": revoke}[args.command](args, path)
+    except OSError as exc:  # a read-only folder, a file owned by another user: one line, not a traceback
+        _fail(1, f"{exc.filename or path}: {exc.strerror or exc}")
 
 
 if __name__ == "__main__":

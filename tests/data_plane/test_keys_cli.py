@@ -112,7 +112,8 @@ def test_an_unknown_tier_is_refused_in_one_line_and_a_tier_policy_widens_the_cho
     assert code == 0 and KeyStore.from_yaml(keys_file).authenticate(f"Bearer {out.strip()}").tier == "gold"
 
 
-def test_list_never_shows_a_key_even_one_stored_in_plaintext(keys_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_list_never_shows_a_key_even_one_stored_in_plaintext(keys_file: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _run(capsys, "list", "--keys-file", str(keys_file))
     assert code == 0 and KEEP not in out + err
     assert key_digest(KEEP)[:12] in out and "ab" * 6 in out and "plaintext" in out and "1 key(s)" in err
@@ -186,7 +187,7 @@ def test_up_says_so_when_every_dev_key_was_revoked(tmp_path: Path, capsys: pytes
     keys = write_dev_keys(tmp_path / "keys.yaml")
     assert keys == {}
     cp, gw = (Child(n, [], f"http://127.0.0.1:{p}", tmp_path / f"{n}.log") for n, p in (("cp", 1), ("gw", 2)))
-    _banner(UpSettings(console=False), {"keys": keys, "admin_token": "t"}, cp, [], [], [gw], tmp_path)
+    _banner(UpSettings.model_validate({"console": False}), {"keys": keys, "admin_token": "t"}, cp, [], [], [gw], tmp_path)
     shown = capsys.readouterr().out
     assert "switchboard keys create --tenant dev --tier plus" in shown and "Bearer $KEY" in shown
 
@@ -198,7 +199,8 @@ def test_a_layout_the_editor_does_not_follow_is_written_afresh_with_its_header_a
     new = {"key_sha256": "cd" * 32, "tenant": "u", "tier": "plus"}
     added = append_entry(text, new)
     assert added.startswith("# issued by ops, ticket 4711\n")
-    assert [(p.tenant, p.tier) for p in KeyStore.from_dict(yaml_load(added)).principals()] == [("t", "free"), ("u", "plus")]
+    principals = KeyStore.from_dict(yaml_load(added)).principals()
+    assert [(p.tenant, p.tier) for p in principals] == [("t", "free"), ("u", "plus")]
     assert "name: legacy" in added
     assert yaml_load(remove_entries(added, {0, 1})) == {"keys": []}
 
