@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--one-ms", type=float, default=10.0, help="a step at 1 thread, quiet")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    rows, report = [], []
+    rows: list[list[str]] = []
+    report: list[dict[str, Any]] = []
     cases = [(float(r), False) for r in args.rates.split(",")] + [(0.0, True)]
     for rate, contention in cases:
         for policy in ("tuner", "held 2", "held 1"):
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
                      "tok_s_median": statistics.median(rates), "tok_s_p10": rates[len(rates) // 10],
                      "share_at_2": statistics.median(s for _, s in runs)}
             report.append(entry)
-            rows.append([entry["host"], policy, f"{entry['tok_s_median']:.1f}", f"{entry['tok_s_p10']:.1f}",
+            rows.append([f"{entry['host']}", policy, f"{entry['tok_s_median']:.1f}", f"{entry['tok_s_p10']:.1f}",
                          f"{entry['share_at_2']:.2f}"])
     print(format_table(["host", "policy", "tok/s median", "tok/s p10", "steps at 2 threads"], rows))
     if args.json:
