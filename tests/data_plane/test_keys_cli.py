@@ -65,11 +65,14 @@ def test_a_created_key_serves_on_a_running_gateway_and_a_revoked_one_is_refused(
         assert "cannot be shown again" in made.stderr and key not in made.stderr
         assert key not in keys.read_text() and key_digest(key) in keys.read_text()
 
-        sdk = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
-        eventually(lambda: sdk.models.list().data, timeout_s=10, what="the new key accepted", detail=gw.log_tail)
-
         def status(k: str) -> int:
             return httpx.get(gw.url + "/v1/models", headers={"Authorization": f"Bearer {k}"}, timeout=5).status_code
+
+        # the gateway checks the file every second: a 401 until then
+        took = eventually(lambda: status(key) == 200, timeout_s=10, what="the new key accepted", detail=gw.log_tail)
+        assert took < 5
+        sdk = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+        assert sdk.models.list().data
 
         listed = json.loads(_cli("keys", "list", "--json", cwd=tmp_path).stdout)
         key_id = next(r["key_id"] for r in listed if r["name"] == "e2e")
