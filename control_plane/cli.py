@@ -9,6 +9,7 @@
     switchboard bench engine            # engine throughput vs the naive server
     switchboard model prepare           # convert the default model once
     switchboard admin status            # members, degradation level, alerts (admin_ui/cli.py)
+    switchboard keys create --tenant acme --tier plus   # a gateway API key (data_plane/gateway/keys_cli.py)
 
 Each subcommand's module owns its flags (`main(argv)`); they are imported lazily so that
 `switchboard cache-node` never pays for importing torch. Every subcommand also takes
@@ -32,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dashboards": ("dashboards.cli", "Grafana dashboards: push, check (which panels fill)"),
     "console": ("admin_ui.launch", "run the admin console (Streamlit)"),
     "admin": ("admin_ui.cli", "operator actions over the admin API: status, members, drain/undrain, degrade"),
+    "keys": ("data_plane.gateway.keys_cli", "gateway API keys: create (stores only its digest), list, revoke"),
     "autoscale": ("control_plane.scaling.cli", "autoscaling tools: simulate (replay a load trace; PNG)"),
 }
 

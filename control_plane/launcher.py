@@ -438,12 +438,15 @@ def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: 
         "",
         "  API keys (dev, one per tier):",
         *[f"    {tier:<11} {key}" for tier, key in keys.items()],
+        # the dev keys were revoked (`switchboard keys revoke`): the file holds digests only
+        *([f"    none in plaintext in {state / 'keys.yaml'}: `switchboard keys create --tenant dev --tier plus`"]
+          if not keys else []),
         f"  admin token: {creds['admin_token']}",
         f"  saved to {state / 'credentials.json'} (mode 600); logs in {state / 'logs'}",
         "",
         "Try it:",
         f"  curl -s {gateway.url}/v1/chat/completions \\",
-        f"    -H 'Authorization: Bearer {keys.get('plus') or next(iter(keys.values()))}' \\",
+        f"    -H 'Authorization: Bearer {keys.get('plus') or next(iter(keys.values()), '$KEY')}' \\",
         "    -H 'Content-Type: application/json' \\",
         "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], "
         "\"max_tokens\": 64}'" if not model else

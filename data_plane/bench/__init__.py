@@ -12,6 +12,7 @@
     switchboard bench hops --rows 1,16 --json /tmp/hops.json
     switchboard bench quality --formats bfloat16:int4 --json /tmp/quality.json
     switchboard bench coldstart --runs 3 --json /tmp/coldstart.json
+    switchboard bench tuner --rates 0,0.3,1,2 --json /tmp/tuner.json
 
 Subcommand modules are imported lazily, so `bench serve` never imports torch.
 """
@@ -33,6 +34,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "hops": ("data_plane.bench.hop_cost", "one step's hidden state between two processes: gloo send/recv, the pipeline's link, a gloo all-reduce"),
     "quality": ("data_plane.bench.quality", "perplexity and greedy agreement against float32, per dtype/weight format"),
     "coldstart": ("data_plane.bench.coldstart", "a shard's start-up phase by phase (imports, tokenizer, weights, warm-up) to ready"),
+    "tuner": ("data_plane.bench.tuner_sim", "the adaptive thread tuner on a modelled noisy host: bursts, contention, held counts"),
     "verify": ("data_plane.bench.verify_cost", "a speculative verify pass against a decode step, per draft rows and batch"),
 }
 

@@ -12,10 +12,11 @@ A keys file lists plaintext keys or, so operators need not store them, their SHA
 
     keys:
       - {key: sk-sb-..., tenant: acme, tier: plus}
-      - {key_sha256: 3f0a...e1 (64 hex digits), tenant: globex, tier: enterprise}
+      - {key_sha256: 3f0a...e1 (64 hex digits), tenant: globex, tier: enterprise, name: ci-bot}
 
-``python -c "import hashlib; print(hashlib.sha256(b'sk-sb-...').hexdigest())"`` gives the
-digest. The environment form is ``key:tenant:tier`` entries separated by commas.
+``switchboard keys create --tenant globex --tier enterprise`` makes a key and stores only its digest
+(data_plane/gateway/keys_cli.py; ``name`` is an optional label the gateway ignores). The
+environment form is ``key:tenant:tier`` entries separated by commas.
 
 Every failure raises :class:`data_plane.common.errors.AuthenticationError` (401) with a message
 that never contains the presented key or header.
@@ -46,7 +47,10 @@ KEY_ID_LENGTH = 12
 DEV_TENANT = "dev"
 """Tenant of the keys :func:`write_dev_keys` creates."""
 
-_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}$"
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}$"
+"""What a tenant or tier name in a keys file must match."""
+LABEL_PATTERN = r"^[^\x00-\x1f\x7f]{1,128}$"
+"""An entry's optional ``name``: free text for operators, one printable line."""
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -72,8 +76,9 @@ class _KeyEntry(BaseModel):
 
     key: str | None = Field(default=None, min_length=1, max_length=512, pattern=r"^\S+$")
     key_sha256: str | None = None
-    tenant: str = Field(pattern=_NAME)
-    tier: str = Field(pattern=_NAME)
+    tenant: str = Field(pattern=NAME_PATTERN)
+    tier: str = Field(pattern=NAME_PATTERN)
+    name: str | None = Field(default=None, pattern=LABEL_PATTERN)
 
     @model_validator(mode="after")
     def _one_key(self) -> _KeyEntry:
