@@ -158,7 +158,7 @@ def _docs(path: Path) -> dict[tuple[str, str], dict]:
     return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(path.read_text()) if d}
 
 
-def test_kubernetes_pipeline_nodes_overlay_lets_the_control_plane_scale_groups(monkeypatch) -> None:
+def test_kubernetes_pipeline_nodes_overlay_lets_the_control_plane_scale_groups(monkeypatch, tmp_path) -> None:
     here, base = DEPLOY / "kubernetes" / "pipeline-nodes", DEPLOY / "kubernetes" / "base"
     overlay = yaml.safe_load((here / "kustomization.yaml").read_text())
     assert overlay["resources"] == ["../base", "rbac.yaml"]  # group.yaml is no resource: a template
@@ -180,8 +180,13 @@ def test_kubernetes_pipeline_nodes_overlay_lets_the_control_plane_scale_groups(m
         monkeypatch.setenv(key, value)
     deployment = base_docs[("Deployment", "switchboard-control-plane")]
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-    settings = parse_control_plane([re.sub(r"\$\((\w+)\)", "10.0.0.1", a) for a in args[1:]] + [ops["args"]])
-    assert settings.autoscale and settings.actuator == "kubernetes" and settings.pipeline_group_template == Path(path)
+    # the mounted file, here under tmp_path: the parser checks that a file it is given is there
+    mounted = tmp_path / path.lstrip("/")
+    mounted.parent.mkdir(parents=True)
+    mounted.write_text((here / "group.yaml").read_text())
+    settings = parse_control_plane([re.sub(r"\$\((\w+)\)", "10.0.0.1", a) for a in args[1:]]
+                                   + [f"{flag}={mounted}"])
+    assert settings.autoscale and settings.actuator == "kubernetes" and settings.pipeline_group_template == mounted
     # the template loads, and names its full image (kustomize does not rewrite a ConfigMap's file)
     GroupTemplate.load(here / "group.yaml")
     (image,) = overlay["images"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -261,6 +262,7 @@ def test_switchboard_up_gives_every_shard_the_session_keys_file(tmp_path) -> Non
 
     keys = str(tmp_path / "session_keys")
     _, _, shards, gateways = plan(UpSettings(shards=2, engine="synthetic"), tmp_path, "admin", "cluster")
+    Path(keys).touch()  # `switchboard up` writes it before it starts a shard (the parser checks it is there)
     for shard in shards:  # the shard's own parser reads it (and sealing is on by default)
         settings = parse_settings(ShardSettings, shard.args[1:], "switchboard shard")
         assert settings.kv_keys_file == keys and settings.kv_seal == "on"

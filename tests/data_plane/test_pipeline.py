@@ -252,6 +252,7 @@ def test_switchboard_up_starts_pipeline_groups_and_caps_stage_processes(tmp_path
     from data_plane.shard.settings import ShardSettings
 
     _, _, shards, _ = plan(UpSettings(shards=2, pipeline_parallel_size=2), tmp_path, "admin", "cluster")
+    (tmp_path / "session_keys").touch()  # `switchboard up` writes it before it starts a shard
     for shard in shards:  # the shard's own parser reads the flag
         assert parse_settings(ShardSettings, shard.args[1:], "switchboard shard").pipeline_parallel_size == 2
     # 16 cores at 2 threads a stage: 8 stage processes = 4 groups of 2, or 2 groups of 4.
