@@ -56,12 +56,14 @@ class Flood:
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
     def __enter__(self) -> Self:
+        self.began = time.monotonic()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(30)
+        self.seconds = time.monotonic() - self.began
 
     async def _run(self) -> None:
         limits = httpx.Limits(max_connections=FLOOD_CLIENTS)
@@ -117,7 +119,12 @@ def test_a_flooding_tenant_is_shed_while_a_light_tenant_of_its_tier_keeps_its_tt
     print(f"\nlight TTFT p95: unloaded {base * 1000:.0f} ms, under the flood {under * 1000:.0f} ms "
           f"({under / base:.2f}x); flood: {served} served, {shed} shed (503)")
     assert statuses == [200] * 30, statuses  # the light tenant is never shed
-    assert shed > served > 0, (served, shed)  # the flood is, most of its requests
+    # The flood is shed, and served no faster than the free tier's 6 slots allow: a request holds a
+    # slot for at least one 100 ms token. (Not "shed > served": how fast 40 clients cycle through 503s
+    # is the test process's CPU, not the gateway's policy; with a busy core beside the suite the flood
+    # read 341 served, 302 shed, both within the policy.)
+    assert shed > 0 and served > 0, (served, shed)
+    assert served <= 6 * flood.seconds / 0.100 + 6, (served, flood.seconds)
     # The typical light request keeps its unloaded time (queued behind the flood it would wait whole
     # 100 ms steps: 2x and more); the p95 of 30 is the second-worst sample, and a test beside this one
     # on the 2 cores (CI runs two at a time) can delay any single request by a step: it gets 3x.
