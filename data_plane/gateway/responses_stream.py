@@ -12,6 +12,12 @@ their ``.done`` events, and ``response.completed`` (``response.incomplete`` when
 max_output_tokens or the output filter). A failure mid-stream becomes an ``error`` event then
 ``response.failed`` carrying the failed response as it is stored (``fail``: its error, the output
 the client got so far). So streaming, the output filter, usage and the ledger are the chat path's own.
+
+Items are sent one after another, as OpenAI sends them: a function call's ``.done`` events go out when
+the next call begins (the chat path sends parallel calls in order, each whole before the next), so
+``output_item.done`` of item i precedes ``output_item.added`` of item i+1; a client that acts on a call
+once its item is done (runs it, renders it) is not kept waiting for the whole reply. The text item stays
+open to the end (a vLLM tool parser sends text before its calls, and nothing after them).
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ class ResponseEvents:
         self._calls: dict[int, dict[str, Any]] = {}
         """chat tool_call index -> its output item (arguments accumulating)."""
         self._items: list[dict[str, Any]] = []
+        self._done: dict[int, dict[str, Any]] = {}
+        """Output index -> the item as its ``output_item.done`` event carried it."""
         self._logprobs: list[dict[str, Any]] = []
         """The text's logprobs so far (chat entries), when the request included them."""
         self._pending: list[dict[str, Any]] = []
@@ -122,6 +130,7 @@ class ResponseEvents:
         item = self._calls.get(index)
         fn = call.get("function") or {}
         if item is None:
+            self._close_calls()  # the calls before this one are whole
             call_id = call.get("id") or f"call_{index}"
             item = {"type": "function_call", "id": call_item_id(call_id), "status": "in_progress",
                     "call_id": call_id, "name": fn.get("name") or "", "arguments": ""}
@@ -135,29 +144,42 @@ class ResponseEvents:
             self._event("response.function_call_arguments.delta", item_id=item["id"],
                         output_index=item["output_index"], delta=fn["arguments"])
 
+    def _close_calls(self) -> None:
+        """Send the ``.done`` events of the function calls still open (each is whole: a later item began)."""
+        for index, item in enumerate(self._items):
+            if item["type"] == "function_call" and index not in self._done:
+                self._item_done(index, "completed")
+
+    def _item_done(self, index: int, status: str) -> None:
+        """Item `index`'s ``.done`` events; `status` is the response's (a call cut inside its arguments
+        is incomplete)."""
+        item = self._items[index]
+        if item["type"] == "message":
+            text = "".join(self._text)
+            part = _part("output_text", text)
+            logprobs = self._logprobs + self._pending
+            part["logprobs"] = text_logprobs(logprobs)
+            self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                        text=text, logprobs=text_logprobs(logprobs, with_bytes=False))
+            self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                        content_index=0, part=part)
+            done = {**item, "status": status, "content": [part]}
+        else:
+            self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                        arguments=item["arguments"], name=item["name"])
+            done = {k: v for k, v in item.items() if k != "output_index"} | {
+                "status": call_status(item["arguments"], status)}
+        self._event("response.output_item.done", output_index=index, item=done)
+        self._done[index] = done
+
     def _close(self) -> None:
         if self._failed:
             return
-        text = "".join(self._text)
         status = "completed" if self._finish_reason in (None, "stop", "tool_calls") else "incomplete"
-        output: list[dict[str, Any]] = []
-        for index, item in enumerate(self._items):
-            if item["type"] == "message":
-                part = _part("output_text", text)
-                logprobs = self._logprobs + self._pending
-                part["logprobs"] = text_logprobs(logprobs)
-                self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                            text=text, logprobs=text_logprobs(logprobs, with_bytes=False))
-                self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                            content_index=0, part=part)
-                done = {**item, "status": status, "content": [part]}
-            else:
-                self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                            arguments=item["arguments"], name=item["name"])
-                done = {k: v for k, v in item.items() if k != "output_index"} | {
-                    "status": call_status(item["arguments"], status)}
-            self._event("response.output_item.done", output_index=index, item=done)
-            output.append(done)
+        for index in range(len(self._items)):
+            if index not in self._done:
+                self._item_done(index, status)
+        output = [self._done[index] for index in range(len(self._items))]
         response = self._finish(self._finish_reason, output)
         kind = "response.completed" if response["status"] == "completed" else "response." + response["status"]
         self._event(kind, response=response)
