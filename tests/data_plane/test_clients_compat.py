@@ -200,11 +200,11 @@ def test_langchain_usage_json_mode_and_responses_api(gateway: Service) -> None:
     responses = llm(use_responses_api=True, stream_usage=True)
     answer = responses.invoke("Say hi.")
     assert answer.text and answer.usage_metadata and answer.response_metadata["status"] == "completed"
-    streamed: Any = None
+    merged: Any = None
     for chunk in responses.stream("Say hi."):
-        streamed = chunk if streamed is None else streamed + chunk
-    assert streamed is not None and streamed.text == answer.text
-    assert streamed.usage_metadata and streamed.usage_metadata["output_tokens"] == answer.usage_metadata["output_tokens"]
+        merged = chunk if merged is None else merged + chunk
+    assert merged is not None and merged.text == answer.text
+    assert merged.usage_metadata and merged.usage_metadata["output_tokens"] == answer.usage_metadata["output_tokens"]
     called = responses.bind_tools([GetWeather], tool_choice="GetWeather").invoke("What is the weather in Paris?")
     (call,) = called.tool_calls
     GetWeather.model_validate(call["args"])
