@@ -72,6 +72,12 @@ class ChatMessage(BaseModel):
     function_call: None = None
     """OpenAI's assistant message fields this server never produces, accepted as null (an app that
     replays OpenAI's message objects sends them): anything else is a 400."""
+    annotations: list[dict[str, Any]] | None = None
+    """An OpenAI reply's url citations (`"annotations": []` on every message it sends; the openai SDK's
+    `message.model_dump()` writes them as null): replayed history carries them. Not part of the prompt."""
+    parsed: Any = None
+    """What the openai SDK's `parse` helpers add to a message they return (the content, parsed): an app that
+    appends that message object to its history sends it. The content is what the prompt is made of."""
 
     @field_validator("content")
     @classmethod

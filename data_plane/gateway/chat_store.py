@@ -64,7 +64,8 @@ def stored_messages(completion_id: str, messages: list[ChatMessage]) -> list[dic
     """The request's messages as ChatCompletionStoreMessage objects (id `<completion id>-<index>`)."""
     out = []
     for i, m in enumerate(messages):
-        item: dict[str, Any] = {"id": f"{completion_id}-{i}", **m.model_dump(exclude_none=True)}
+        # (`parsed` is the openai SDK's own addition to a message it returns, not part of the message)
+        item: dict[str, Any] = {"id": f"{completion_id}-{i}", **m.model_dump(exclude_none=True, exclude={"parsed"})}
         if isinstance(m.content, list):
             item["content"], item["content_parts"] = m.text(), m.model_dump(mode="json")["content"]
         else:

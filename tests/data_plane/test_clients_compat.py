@@ -131,6 +131,34 @@ def test_chat_stream_helper_events_usage_and_n(gateway: Service) -> None:
         stream.get_final_completion()
 
 
+def test_history_replayed_from_the_sdks_message_objects(gateway: Service) -> None:
+    """Apps keep history as the openai SDK hands it back: `messages.append(reply.choices[0].message)`
+    (after `parse`, that object carries `parsed`; a parsed tool call, `parsed_arguments`) or its
+    `model_dump()` (which writes `annotations: null`, plus `refusal`/`audio`/`function_call`). Both were
+    a 400 (`messages.1.annotations` / `messages.1.parsed`: extra fields forbidden); now they are replayed,
+    and a stored completion's messages do not keep the SDK's `parsed`."""
+    client = sdk(gateway)
+    ask = {"role": "user", "content": "Invent a person."}
+    parsed = client.chat.completions.parse(model=MODEL, messages=[ask], response_format=Person, max_tokens=40,
+                                           temperature=0).choices[0].message
+    weather = {"role": "user", "content": "What is the weather in Paris?"}
+    called = client.chat.completions.parse(model=MODEL, messages=[weather], max_tokens=40, temperature=0,
+                                           tools=[openai.pydantic_function_tool(GetWeather)],
+                                           tool_choice="required", parallel_tool_calls=False).choices[0].message
+    assert called.tool_calls and called.tool_calls[0].function.parsed_arguments is not None
+    result = {"role": "tool", "tool_call_id": called.tool_calls[0].id, "content": "Sunny"}
+    histories = [[ask, parsed, {"role": "user", "content": "Another."}],
+                 [ask, parsed.model_dump(), {"role": "user", "content": "Another."}],
+                 [weather, called, result], [weather, called.model_dump(), result]]
+    for history in histories:
+        reply = client.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0)
+        assert reply.choices[0].message.content is not None or reply.choices[0].message.tool_calls
+    stored = client.chat.completions.create(model=MODEL, messages=histories[0], max_tokens=4, store=True)
+    kept = client.chat.completions.messages.list(stored.id, order="asc").data
+    assert [m.role for m in kept] == ["user", "assistant", "user"] and kept[1].content == parsed.content
+    assert "parsed" not in (kept[1].model_extra or {})
+
+
 def test_instructor_md_json_partial_iterable_and_retry(gateway: Service) -> None:
     """instructor beyond TOOLS/JSON_SCHEMA: MD_JSON (plain text, no response_format), `create_partial`
     (streamed partial objects), `create_iterable` and a retry after a validator that fails once (the

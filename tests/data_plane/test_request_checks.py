@@ -77,3 +77,21 @@ def test_replayed_openai_assistant_messages_and_the_sdks_stream_options_are_acce
         with pytest.raises(SwitchboardError) as e:
             parse_chat_request(json.dumps(bad).encode(), "application/json")
         assert e.value.status == 400 and e.value.param == f"messages.0.{field}"
+
+
+def test_replayed_sdk_message_objects_with_annotations_and_parsed_are_accepted() -> None:
+    """The openai SDK's `message.model_dump()` writes `annotations` (null, or OpenAI's `[]`), and a message
+    its `parse` helpers return carries `parsed` (and a tool call, `parsed_arguments`): both were a 400
+    naming the field. They are replayed; the prompt is made of the content and the calls only."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city":"Paris"}', "parsed_arguments": {"city": "Paris"}}}
+    body = {"model": "m", "messages": [
+        {"role": "user", "content": "Invent a person."},
+        {"role": "assistant", "content": '{"name":"Ann","age":3}', "refusal": None, "annotations": [],
+         "audio": None, "function_call": None, "tool_calls": None, "parsed": {"name": "Ann", "age": 3}},
+        {"role": "assistant", "content": None, "annotations": None, "parsed": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"}]}
+    req = parse_chat_request(json.dumps(body).encode(), "application/json")
+    plain = req.plain_messages()
+    assert plain[1] == {"role": "assistant", "content": '{"name":"Ann","age":3}'}
+    assert "parsed" not in plain[2]["content"] and "get_weather" in plain[2]["content"]
