@@ -30,7 +30,7 @@ from data_plane.structured import (
     check_output_fields,
     output_plan,
 )
-from data_plane.tool_calls import envelope_text
+from data_plane.tool_calls import envelope_text, holds_tool_calls
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -295,8 +295,9 @@ class ChatCompletionRequest(BaseModel):
 
     def output_plan(self) -> OutputPlan:
         """The constraint, tool mode and tools prompt of this request (data_plane/structured.py)."""
+        history = [{"role": m.role, "content": m.content, "tool_calls": m.tool_calls} for m in self.messages]
         return output_plan(self.response_format, self.structured_outputs, self.tools, self.tool_choice,
-                           self.parallel_tool_calls)
+                           self.parallel_tool_calls, holds_tool_calls(history))
 
     def plain_messages(self, tools_prompt: bool = True) -> list[dict[str, str]]:
         """Messages as role/content strings, ready for a chat template: an assistant message's tool calls

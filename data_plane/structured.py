@@ -22,7 +22,9 @@ grammar source the engine compiles: data_plane/shard/engines/grammar.py):
   response_format has nothing left to shape then, as with OpenAI);
   ``parallel_tool_calls: false`` allows one call. The tools and the envelope are described to the model
   in a system message (`tools_prompt`); data_plane/tool_calls.py parses the envelope back into OpenAI's
-  ``tool_calls`` (streamed as deltas). ``tool_choice: none`` leaves tools out entirely.
+  ``tool_calls`` (streamed as deltas). ``tool_choice: none`` leaves tools out entirely; when the
+  conversation already holds tool calls (a tool's result came back), the reply is the envelope's answer
+  alone (``ToolMode.ANSWER``), sent as plain content, so the model answers rather than copy a call as text.
 """
 
 from __future__ import annotations
@@ -112,6 +114,15 @@ class ToolMode(str, Enum):
     AUTO = "auto"
     REQUIRED = "required"
     NAMED = "named"
+    ANSWER = "answer"
+    """No tool may be called (tool_choice none, or no tools) but the conversation holds tool calls, written
+    back as the envelope: the reply is the envelope's answer (`{"response": ...}`, sent as plain content).
+    Left free, SmolLM2 copied its last turn and sent `{"tool_calls": ...}` as the text of its answer."""
+
+
+ANSWER_SCHEMA: dict[str, Any] = {"type": "object", "properties": {"response": {"type": "string"}},
+                                 "required": ["response"], "additionalProperties": False}
+ANSWER_PROMPT = 'Answer with JSON only: {"response": <your answer to the user>}.'
 
 
 @dataclass(frozen=True)
@@ -241,8 +252,10 @@ def tool_mode(tools: list[ToolDef] | None, choice: Any) -> ToolMode:
 
 
 def output_plan(response_format: ResponseFormat | None, structured: StructuredOutputs | None,
-                tools: list[ToolDef] | None, choice: Any, parallel: bool | None) -> OutputPlan:
-    """The constraint and tool mode of a request (validated already: `check_output_fields`)."""
+                tools: list[ToolDef] | None, choice: Any, parallel: bool | None,
+                tool_history: bool = False) -> OutputPlan:
+    """The constraint and tool mode of a request (validated already: `check_output_fields`);
+    `tool_history`: its messages hold tool calls (ToolMode.ANSWER when none may be called now)."""
     mode = tool_mode(tools, choice)
     if mode != ToolMode.NONE:
         assert tools is not None
@@ -265,6 +278,8 @@ def output_plan(response_format: ResponseFormat | None, structured: StructuredOu
             return OutputPlan(Constraint("grammar", structured.grammar), mode, None)
         return OutputPlan(Constraint("json_object", ANY_JSON_OBJECT), mode, None)
     if response_format is None or response_format.type == "text":
+        if tool_history:
+            return OutputPlan(Constraint("tools", json.dumps(ANSWER_SCHEMA)), ToolMode.ANSWER, ANSWER_PROMPT)
         return OutputPlan(None, mode, None)
     answer = response_schema(response_format)
     assert answer is not None

@@ -242,6 +242,18 @@ def delta_of(event: Event) -> dict[str, Any]:
     return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
 
 
+CALLS_PREFIX = '{"tool_calls":'
+"""How an assistant turn that called tools starts once written back as text (`envelope_text`; the model's own
+output under the grammar, as a session transcript keeps it)."""
+
+
+def holds_tool_calls(messages: list[dict[str, Any]]) -> bool:
+    """Whether a conversation holds tool calls: an assistant message with `tool_calls`, or one written back
+    as the envelope (a shard sees those, and a session's transcript keeps them)."""
+    return any(m.get("role") == "assistant" and (m.get("tool_calls") or (
+        isinstance(m.get("content"), str) and m["content"].startswith(CALLS_PREFIX))) for m in messages)
+
+
 def envelope_text(content: str | None, tool_calls: list[dict[str, Any]] | None) -> str:
     """An assistant message with tool calls, written back as the envelope the model produced (history)."""
     if not tool_calls:
@@ -279,10 +291,11 @@ class SentOutput:
     @classmethod
     def for_body(cls, body: dict[str, Any]) -> SentOutput:
         choice = body.get("tool_choice")
-        if not body.get("tools") or choice == "none":
-            return cls(False)
         rf = body.get("response_format")
         answer_json = isinstance(rf, dict) and rf.get("type") in ("json_object", "json_schema")
+        if not body.get("tools") or choice == "none":  # ToolMode.ANSWER (data_plane/structured.py) or free text
+            answer = not answer_json and not body.get("structured_outputs")
+            return cls(answer and holds_tool_calls(body.get("messages") or []))
         return cls(True, answer_json and choice in (None, "auto"))
 
     def content(self, text: str) -> None:

@@ -159,6 +159,38 @@ def test_history_replayed_from_the_sdks_message_objects(gateway: Service) -> Non
     assert "parsed" not in (kept[1].model_extra or {})
 
 
+def test_the_answer_after_a_tool_result_is_text_not_a_copied_call(gateway: Service) -> None:
+    """The function-calling round trip as OpenAI's guide writes it: a call, its result sent back, then the
+    answer asked for with tool_choice "none" or without tools. The call was in the prompt as the tool
+    envelope and nothing constrained the reply, so SmolLM2 copied it: the answer's content was
+    `{"tool_calls":[{"name":"get_weather",...}]}`, streamed or not, chat or Responses. Now the reply is
+    the envelope's answer, sent as plain content (data_plane/structured.py ToolMode.ANSWER)."""
+    client = sdk(gateway)
+    tools = [{"type": "function", "function": {"name": WEATHER_TOOL["name"], "parameters": WEATHER_TOOL["parameters"]}}]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    called = client.chat.completions.create(model=MODEL, messages=ask, tools=tools, tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=40, temperature=0)
+    call = called.choices[0].message.tool_calls[0]
+    history = [*ask, called.choices[0].message,
+               {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"}]
+    for extra in ({"tools": tools, "tool_choice": "none"}, {}):
+        answer = client.chat.completions.create(model=MODEL, messages=history, max_tokens=40, temperature=0,
+                                                **extra).choices[0]
+        assert answer.finish_reason == "stop" and answer.message.content and not answer.message.tool_calls
+        assert not answer.message.content.lstrip().startswith("{"), answer.message.content
+        chunks = list(client.chat.completions.create(model=MODEL, messages=history, max_tokens=40, temperature=0,
+                                                     stream=True, **extra))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer.message.content
+    first = client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER_TOOL],
+                                    tool_choice="required", parallel_tool_calls=False, max_output_tokens=40,
+                                    temperature=0)
+    (fc,) = [o for o in first.output if o.type == "function_call"]
+    after = client.responses.create(model=MODEL, previous_response_id=first.id, tools=[WEATHER_TOOL],
+                                    tool_choice="none", max_output_tokens=40, temperature=0,
+                                    input=[{"type": "function_call_output", "call_id": fc.call_id, "output": "Sunny"}])
+    assert after.status == "completed" and after.output_text and not after.output_text.lstrip().startswith("{")
+
+
 def test_instructor_md_json_partial_iterable_and_retry(gateway: Service) -> None:
     """instructor beyond TOOLS/JSON_SCHEMA: MD_JSON (plain text, no response_format), `create_partial`
     (streamed partial objects), `create_iterable` and a retry after a validator that fails once (the
@@ -240,7 +272,7 @@ def test_langchain_usage_json_mode_and_responses_api(gateway: Service) -> None:
     GetWeather.model_validate(call["args"])
     follow = responses.bind_tools([GetWeather], tool_choice="none").invoke(
         [HumanMessage("What is the weather in Paris?"), called, ToolMessage("Sunny", tool_call_id=call["id"])])
-    assert follow.text and not follow.tool_calls
+    assert follow.text and not follow.tool_calls and not follow.text.startswith('{"tool_calls"')
     assert isinstance(responses.with_structured_output(Person, method="json_schema").invoke("Invent a person."),
                       Person)
 

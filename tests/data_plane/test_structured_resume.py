@@ -96,3 +96,32 @@ def test_a_plain_response_and_a_json_schema_resume(compiler: GrammarCompiler) ->
         g.resumed('{"m":')
     assert err.value.reason == "resume_rejected"
     assert ToolMode.AUTO == plan.tool_mode
+
+
+def test_after_a_tool_result_with_no_tool_to_call_the_reply_is_the_envelopes_answer(
+        compiler: GrammarCompiler) -> None:
+    """A conversation whose assistant turn called a tool (written back as the envelope: structurally on the
+    gateway, as text on a shard or in a session's transcript) and nothing to call now (tool_choice none, or
+    no tools): left free, SmolLM2 copied its last turn and answered `{"tool_calls": ...}` as plain text. The
+    reply is now the envelope's answer, sent as content, and a stream cut there resumes inside it; without
+    such a turn, or with a response_format, nothing changes."""
+    called = [{"role": "user", "content": "Weather in Paris?"},
+              {"role": "assistant", "content": ENVELOPE}, {"role": "user", "content": "The tool returned: Sunny"}]
+    plan = output_plan(None, None, None, None, None, tool_history=True)
+    assert plan.tool_mode == ToolMode.ANSWER and plan.constraint is not None and plan.tools_prompt
+    assert output_plan(None, None, TOOLS, "none", True, tool_history=True) == plan
+    assert output_plan(None, None, None, None, None).constraint is None
+    answer = '{"response":"It is sunny in Paris."}'
+    choice = Choice(0, plan, None)
+    deltas = choice.feed(GenerationOutput(answer, None, 0, 0))
+    assert "".join(d.get("content") or "" for d in deltas) == "It is sunny in Paris."
+    assert choice.finish("stop") == "stop"
+    grammar = asyncio.run(compiler.compile(GrammarSpec(GrammarKind.TOOLS, plan.constraint.text)))
+    for body in ({"messages": called}, {"messages": called, "tools": [t.model_dump() for t in TOOLS],
+                                         "tool_choice": "none"}):
+        for cut in range(len(answer)):
+            prefix = _sent(answer[:cut], body)
+            assert answer.startswith(prefix), (cut, prefix)
+            grammar.resumed(prefix)
+    assert not SentOutput.for_body({"messages": called[:1]}).envelope
+    assert not SentOutput.for_body({"messages": called, "response_format": {"type": "json_object"}}).envelope
