@@ -92,6 +92,6 @@ def test_replayed_sdk_message_objects_with_annotations_and_parsed_are_accepted()
         {"role": "assistant", "content": None, "annotations": None, "parsed": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"}]}
     req = parse_chat_request(json.dumps(body).encode(), "application/json")
-    plain = req.plain_messages()
+    plain = req.plain_messages(tools_prompt=False)
     assert plain[1] == {"role": "assistant", "content": '{"name":"Ann","age":3}'}
     assert "parsed" not in plain[2]["content"] and "get_weather" in plain[2]["content"]
