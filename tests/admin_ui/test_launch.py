@@ -52,3 +52,30 @@ def test_the_playground_offers_only_the_dev_keys_the_live_keys_file_still_lists(
     assert s.dev_keys() == {}
     cmd = launch.command(["--credentials-file", str(creds), "--keys-file", str(keys_file)])
     assert cmd[cmd.index("--") + 1:] == ["--credentials-file", str(creds), "--keys-file", str(keys_file)]
+
+
+def test_the_playground_page_lists_a_revoked_dev_key_no_more(monkeypatch, tmp_path):
+    """The page itself (AppTest): after a revocation its "Send as" choices lose the key on the next run,
+    and each choice shows the key id (the digest prefix logs show), never the start of the key."""
+    import pytest
+
+    pytest.importorskip("streamlit")
+    from data_plane.gateway.auth import key_digest
+    from tests.support.console import ConsoleRunner
+
+    runner = ConsoleRunner(monkeypatch, tmp_path)
+    keys = {"free": "sk-sb-free-0123456789", "plus": "sk-sb-plus-0123456789"}
+    runner.point_at("http://127.0.0.1:9", keys=keys)
+    keys_file = tmp_path / "keys.yaml"
+    monkeypatch.setenv("SWITCHBOARD_CONSOLE_KEYS_FILE", str(keys_file))
+    keys_file.write_text("keys:\n" + "".join(f"  - {{key_sha256: {key_digest(k)}, tenant: dev, tier: {t}}}\n"
+                                             for t, k in keys.items()))
+    at = runner.page("playground")
+    send_as = at.selectbox(key="pg_tier")
+    assert send_as.options == [f"free tier  (key id {key_digest(keys['free'])[:12]})",
+                               f"plus tier  (key id {key_digest(keys['plus'])[:12]})", "custom key…"]
+    keys_file.write_text(f"keys:\n  - {{key_sha256: {key_digest(keys['plus'])}, tenant: dev, tier: plus}}\n")
+    at.run()
+    assert at.selectbox(key="pg_tier").options == [f"plus tier  (key id {key_digest(keys['plus'])[:12]})",
+                                                   "custom key…"]
+    assert not any("sk-sb-" in option for option in at.selectbox(key="pg_tier").options)
