@@ -99,13 +99,14 @@ def _gateway(registry: CollectorRegistry) -> list[object]:
     from data_plane.gateway.response_cache import ResponseCacheMetrics
     from data_plane.gateway.responses_metrics import ResponsesMetrics
     from data_plane.gateway.safety.pipeline import SafetyMetrics
+    from data_plane.gateway.tier_gate import TierGate
     from data_plane.ledger.writer import LedgerMetrics
     from data_plane.routing.router import RouterMetrics
 
     return [GatewayMetrics(registry), SafetyMetrics(registry), RouterMetrics(registry),
             SessionStoreMetrics(registry), RateLimitMetrics(registry), AdmissionMetrics(registry),
             LedgerMetrics(registry), SealMetrics(registry), AbuseGuardMetrics(registry), SlowClientMetrics(registry, "gateway"),
-            ResponseCacheMetrics(registry), MemoryMetrics(registry), ResponsesMetrics(registry)]
+            ResponseCacheMetrics(registry), MemoryMetrics(registry), ResponsesMetrics(registry), TierGate(registry)]
 
 
 def _cache_node(registry: CollectorRegistry) -> list[object]:
