@@ -250,8 +250,10 @@ class ChatCompletionRequest(BaseModel):
                 raise ValueError("logit_bias values must be in -100..100")
         return v
 
-    def check_supported(self) -> None:
-        """Reject OpenAI parameters we do not implement, naming them (400)."""
+    def check_supported(self, continues: bool = False) -> None:
+        """Reject OpenAI parameters we do not implement, naming them (400). `continues`: the request goes
+        on with a server-side session (X-Session-Id), whose transcript may hold the tool calls its `tool`
+        messages answer (the app sends only the new messages: the results)."""
         for name, neutral in _NEUTRAL.items():
             value = getattr(self, name)
             if value not in neutral:
@@ -267,7 +269,7 @@ class ChatCompletionRequest(BaseModel):
                                      param=f"messages.{i}.content")
             if m.role == "assistant" and m.tool_calls:
                 called.update(c.get("id", "") for c in _tool_call_list(m.tool_calls))
-            elif m.role == "tool" and (not m.tool_call_id or m.tool_call_id not in called):
+            elif m.role == "tool" and (not m.tool_call_id or (m.tool_call_id not in called and not continues)):
                 raise InvalidRequest("messages with role 'tool' must answer a preceding assistant message's "
                                      "tool_calls (tool_call_id)", param="messages")
         clash = check_output_fields(self.response_format, self.structured_outputs, self.tools, self.tool_choice)
@@ -312,7 +314,8 @@ class ChatCompletionRequest(BaseModel):
                 content = envelope_text(content or None, _tool_call_list(m.tool_calls))
             elif role == "tool":  # the template has no tool role: the result comes back as the user's turn
                 role = "user"
-                content = f"The tool {names.get(m.tool_call_id or '', 'call')} returned: {content}"
+                name = names.get(m.tool_call_id or "")  # (unknown: a call in a session's transcript)
+                content = f"The tool {name} returned: {content}" if name else f"The tool returned: {content}"
             if m.role == "assistant" and m.tool_calls:
                 names.update({c.get("id", ""): (c.get("function") or {}).get("name", "") for c in m.tool_calls
                               if isinstance(c, dict)})
@@ -426,8 +429,11 @@ def chunk_body(
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
-def parse_chat_request(raw: bytes, content_type: str | None) -> ChatCompletionRequest:
-    """Decode and validate a chat-completions body; every failure is a 4xx SwitchboardError."""
+def parse_chat_request(raw: bytes, content_type: str | None, session: str | None = None) -> ChatCompletionRequest:
+    """Decode and validate a chat-completions body; every failure is a 4xx SwitchboardError. `session`:
+    the X-Session-Id header (the body's `session_id` counts too): a session it continues may hold the
+    calls the request's tool messages answer."""
     req = validated(ChatCompletionRequest, json_body(raw, content_type))
-    req.check_supported()
+    session = session or req.session_id
+    req.check_supported(continues=bool(session) and session != "new")
     return req

@@ -237,7 +237,7 @@ class ChatHandler:
 
     async def parse(self, raw: bytes) -> ChatCompletionRequest:
         """The request body as a chat request (4xx SwitchboardError when it is not one)."""
-        return parse_chat_request(raw, self.request.headers.get("content-type"))
+        return parse_chat_request(raw, self.request.headers.get("content-type"), self.request.headers.get("x-session-id"))
 
     async def context(self, req: ChatCompletionRequest, messages: list[dict[str, str]],
                       tier: Tier) -> list[dict[str, str]]:

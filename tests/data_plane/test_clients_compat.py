@@ -191,6 +191,31 @@ def test_the_answer_after_a_tool_result_is_text_not_a_copied_call(gateway: Servi
     assert after.status == "completed" and after.output_text and not after.output_text.lstrip().startswith("{")
 
 
+def test_a_tool_round_trip_in_a_server_side_session(gateway: Service) -> None:
+    """With `X-Session-Id` the app sends only the new messages, so the turn after a call is the tool's
+    result alone: it was a 400 ("messages with role 'tool' must answer a preceding assistant message's
+    tool_calls"), the call being in the session's transcript, not in the request. It is answered now
+    (the transcript holds the call as the envelope); without a session, an unanswered result is still
+    a 400, and the answer is text, not a copied call."""
+    client = sdk(gateway)
+    tools = [{"type": "function", "function": {"name": WEATHER_TOOL["name"], "parameters": WEATHER_TOOL["parameters"]}}]
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=tools,
+        tool_choice="required", parallel_tool_calls=False, max_tokens=40, temperature=0,
+        extra_headers={"X-Session-Id": "new"})
+    session, call = raw.headers["x-session-id"], raw.parse().choices[0].message.tool_calls[0]
+    result = [{"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"}]
+    answer = client.chat.completions.create(model=MODEL, messages=result, max_tokens=40, temperature=0,
+                                            extra_headers={"X-Session-Id": session}).choices[0]
+    assert answer.finish_reason == "stop" and answer.message.content
+    assert not answer.message.content.lstrip().startswith("{"), answer.message.content
+    for headers in ({}, {"X-Session-Id": "new"}):
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(model=MODEL, messages=result, max_tokens=4, extra_headers=headers)
+        body: Any = bad.value.body
+        assert body["param"] == "messages"
+
+
 def test_instructor_md_json_partial_iterable_and_retry(gateway: Service) -> None:
     """instructor beyond TOOLS/JSON_SCHEMA: MD_JSON (plain text, no response_format), `create_partial`
     (streamed partial objects), `create_iterable` and a retry after a validator that fails once (the

@@ -95,3 +95,18 @@ def test_replayed_sdk_message_objects_with_annotations_and_parsed_are_accepted()
     plain = req.plain_messages(tools_prompt=False)
     assert plain[1] == {"role": "assistant", "content": '{"name":"Ann","age":3}'}
     assert "parsed" not in plain[2]["content"] and "get_weather" in plain[2]["content"]
+
+
+def test_a_tool_result_may_answer_a_call_in_the_session_it_continues() -> None:
+    """With X-Session-Id (or the body's session_id) the call a tool message answers is in the session's
+    transcript, not in the request: accepted there (was a 400), and read as the tool's result without a
+    name; without a session, or starting one, it is still a 400."""
+    body = {"model": "m", "messages": [{"role": "tool", "tool_call_id": "call_1", "content": "Sunny"}]}
+    raw = json.dumps(body).encode()
+    req = parse_chat_request(raw, "application/json", "sess_abc")
+    assert req.plain_messages() == [{"role": "user", "content": "The tool returned: Sunny"}]
+    parse_chat_request(json.dumps({**body, "session_id": "sess_abc"}).encode(), "application/json")
+    for session in (None, "new"):
+        with pytest.raises(SwitchboardError) as e:
+            parse_chat_request(raw, "application/json", session)
+        assert e.value.status == 400 and e.value.param == "messages"
