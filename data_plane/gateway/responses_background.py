@@ -111,6 +111,7 @@ class Run:
         self.first_seq = 0
         """The sequence number of the oldest event still held."""
         self._status = 0
+        self._headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
         self._accepted = asyncio.get_running_loop().create_future()
         self._stopping = asyncio.Event()

@@ -49,8 +49,9 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 DEADLINE_GRACE_S = 60.0
-"""Past `--background-max-s`, how long a reader waits before it calls an unfinished record expired
-(the running gateway stops its own run at the limit and stores it; this covers that write)."""
+"""Past `--background-max-s` (or that long, if shorter), how long a reader waits before it calls an
+unfinished record expired (the running gateway stops its own run at the limit and stores it; this
+covers that write)."""
 CANCEL_WAIT_S = 10.0
 """How long a cancel waits for the run to store what it came to."""
 NOT_BACKGROUND = "Only responses created with background=true can be cancelled; this response was not."
@@ -230,7 +231,7 @@ async def serve_background(gw: Gateway, rt: Runtime, store: ConversationStore, r
         span.set_attribute("switchboard.response_id", run.id)
         detached = {**scope, "state": {}}
         handler = BackgroundHandler(gw, rt, Request(detached, run.receive), store, run,
-                                    deadline=time.time() + runs.max_s + DEADLINE_GRACE_S)
+                                    deadline=time.time() + runs.max_s + min(DEADLINE_GRACE_S, runs.max_s))
         run.task = asyncio.get_running_loop().create_task(drive(runs, run, handler, detached),
                                                           name=f"background-{run.id}")
         await run.accepted()
