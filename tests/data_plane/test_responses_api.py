@@ -249,7 +249,7 @@ def test_a_turn_sent_the_moment_the_last_one_completes_is_not_refused(stack: Sta
 
 
 @pytest.mark.parametrize("body,status,param", [
-    ({"input": "x", "background": True}, 400, "background"),
+    ({"input": "x", "background": True, "store": False}, 400, "store"),
     ({"input": "x", "bogus": 1}, 400, "bogus"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, 400, "input[0].type"),
     ({"input": "x", "previous_response_id": "resp_nope"}, 404, "response_id"),
