@@ -324,7 +324,7 @@ async def test_several_choices_resume_each_from_its_own_text() -> None:
     assert resumed["messages"][-1] == {"role": "assistant", "content": "Hello"} and resumed["continue_final_message"]
     assert events[-1] == UsageEvent(7, (1 + 3) + 2, 0)  # choice 0: 1 then 3 on the second shard; choice 1: 2
     assert [e.usage for e in events if isinstance(e, Delta) and e.index == 0] == [(7, 1), (7, 2)]
-    assert count(registry, "switchboard_router_resumes_total") == 1
+    assert count(registry, "switchboard_router_resumes_total", reason="stream_broken") == 1
     # past the resumes: the stream ends with the shard's failure (an error event), it never hangs
     pool = Pool(Response(200, [[choice(0, "a", 1), choice(1, "b", 1)], HopDisconnected("reset")]),
                 Response(200, [[token("c", 1)], HopDisconnected("reset")]), Response(200, [[token("d", 1)]]),
