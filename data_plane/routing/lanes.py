@@ -10,9 +10,10 @@ choice ``i`` is re-opened on another shard as a request of one choice: the promp
 output so far as the message to continue (its tool envelope rebuilt, `SentOutput`), and
 ``max_tokens`` less the tokens choice ``i`` already produced. Their events come back with index ``i``;
 a choice that fails again is continued again while the request's resumes last (each continuation
-counts as one). Greedy choices continue exactly as an uninterrupted run would (float32); a sampled
-choice continues as a sample from where it stopped (the same seed, as for ``n`` = 1: the text is a
-valid continuation, not the one the dead shard would have drawn). Usage stays the original request's:
+counts as one). Greedy choices continue exactly as an uninterrupted run would (float32); a seeded choice
+continues with its own seed (the shard gives choice ``i`` ``seed + i``), as a seeded ``n`` = 1 stream
+does; an unseeded sampled choice continues as a sample from where it stopped (a valid continuation,
+not the one the dead shard would have drawn). Usage stays the original request's:
 its prompt once, the completion tokens of every choice summed, in one final usage event.
 """
 
@@ -105,9 +106,10 @@ class ChoiceLanes:
         if remaining <= 0:
             return False
         so_far = ChatMessage(role="assistant", content=p.output(index, self._body).text())
-        request = self._request.model_copy(update={
+        seed = self._request.seed
+        request = self._request.model_copy(update={  # choice i's seed is seed + i (data_plane/shard/generation.py)
             "n": 1, "messages": [*self._request.messages, so_far], "continue_final_message": True,
-            "add_generation_prompt": False, "max_tokens": remaining})
+            "add_generation_prompt": False, "max_tokens": remaining, "seed": None if seed is None else seed + index})
         stream = await self._upstream.open(request, self._session_id, exclude=self._tried)
         self._lanes[index] = stream
         self._tasks[index] = asyncio.ensure_future(self._pump(index, stream))
