@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,8 +26,9 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 from starlette.types import Receive, Scope, Send
 
+from data_plane.cache.model import VersionConflict
 from data_plane.common.disconnect import DisconnectWatch
-from data_plane.common.errors import InvalidRequest, SwitchboardError, render
+from data_plane.common.errors import InvalidRequest, NotFound, SwitchboardError, render
 from data_plane.gateway.chat import Opened
 from data_plane.gateway.phases import Caller, Checked, Prepared
 from data_plane.gateway.response_store import ConversationStore, Kind, Record
@@ -54,6 +56,8 @@ unfinished record expired (the running gateway stops its own run at the limit an
 covers that write)."""
 CANCEL_WAIT_S = 10.0
 """How long a cancel waits for the run to store what it came to."""
+CANCEL_POLL_S = 2.0
+"""How often a run reads its record for a cancel sent to another gateway (one cache read)."""
 NOT_BACKGROUND = "Only responses created with background=true can be cancelled; this response was not."
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
@@ -71,6 +75,8 @@ class PinnedStore(ConversationStore):
         self._lock = asyncio.Lock()
         self.last: dict[str, Any] | None = None
         """The response as last stored."""
+        self.on_cancelled: Callable[[], Any] | None = None
+        """Called when a write finds the record cancelled or deleted by another gateway."""
 
     def later(self, work: Any, name: str) -> None:
         self._store.later(work, name)  # tracked by the app's store, closed with it
@@ -82,9 +88,34 @@ class PinnedStore(ConversationStore):
             if (self.last or {}).get("status") in TERMINAL:
                 return
             record.version = max(record.version, self._version)
-            await self._store.save(record, owner, replicas)
+            try:
+                await self._store.save(record, owner, replicas)
+            except VersionConflict:  # another gateway cancelled (or deleted) it meanwhile: that stands
+                try:
+                    current = await self._store.load(record.id, owner, replicas, Kind.RESPONSE)
+                except NotFound:
+                    current = Record(record.id, Kind.RESPONSE, [], record.route,
+                                     response={**(record.response or {}), "status": "cancelled"})
+                if (current.response or {}).get("status") != "cancelled":
+                    raise
+                self._version, self.last = current.version, current.response
+                if self.on_cancelled is not None:
+                    self.on_cancelled()  # the run stops: the shard's work is aborted
+                return
             self._version = record.version
             self.last = record.response
+
+    async def cancelled_elsewhere(self, owner: str, replicas: int) -> bool:
+        """Whether another gateway stored this response cancelled (`POST .../cancel` sent there); its
+        version is taken, so this gateway's own end is written over it."""
+        async with self._lock:
+            if self.last is None or self.last.get("status") in TERMINAL:
+                return False
+            current = await self._store.load(self._id, owner, replicas, Kind.RESPONSE)
+            if (current.response or {}).get("status") != "cancelled":
+                return False
+            self._version = max(self._version, current.version)
+            return True
 
 
 class BackgroundHandler(ResponsesHandler):
@@ -95,6 +126,7 @@ class BackgroundHandler(ResponsesHandler):
         super().__init__(gw, rt, request, PinnedStore(store, run.id))
         self.pinned: PinnedStore = self.store  # type: ignore[assignment]
         self.run = run
+        self.pinned.on_cancelled = lambda: run.stop(CANCELLED)
         self.response_id = self.route = run.id
         self.deadline = deadline
         self.x.span.set_attribute("switchboard.response_id", run.id)
@@ -163,9 +195,26 @@ class BackgroundHandler(ResponsesHandler):
         return response
 
 
+async def watch_remote_cancel(handler: BackgroundHandler, run: Run) -> None:
+    """Every CANCEL_POLL_S, whether a cancel reached another gateway (it stores the record cancelled,
+    data_plane/gateway/responses_detached.py `cancel`): then this run is stopped as if cancelled here."""
+    while not run.done:
+        await asyncio.sleep(CANCEL_POLL_S)
+        if handler.tier is None:
+            continue
+        try:
+            if await handler.pinned.cancelled_elsewhere(handler.owner, handler.tier.replication):
+                log.info("background response %s: cancelled on another gateway", run.id)
+                run.stop(CANCELLED)
+                return
+        except SwitchboardError as exc:  # the nodes failed for now: next time
+            log.debug("background response %s: cancel check failed (%s)", run.id, exc.code)
+
+
 async def drive(runs: BackgroundRuns, run: Run, handler: BackgroundHandler, scope: Scope) -> None:
     """The run's task: the request, then what it came to, stored; bounded by --background-max-s."""
     timer = asyncio.get_running_loop().call_later(runs.max_s, run.stop, "timed_out")
+    watcher = asyncio.get_running_loop().create_task(watch_remote_cancel(handler, run))
     try:
         await handler.serve(scope, run.receive, run.send)
     except asyncio.CancelledError:  # shutdown past its wait: still store the end below
@@ -174,6 +223,7 @@ async def drive(runs: BackgroundRuns, run: Run, handler: BackgroundHandler, scop
         log.exception("background response %s: unhandled error", run.id)
     finally:
         timer.cancel()
+        watcher.cancel()
         final = None if run.early is not None else await settle(handler, run)
         run.ended(final)
         runs.finished(run)
@@ -328,8 +378,12 @@ def mount_background(app: FastAPI, gw: Gateway, store: Any, runs: Any) -> None:
                 return response  # idempotent, as OpenAI's
             if response.get("status") in TERMINAL:
                 raise InvalidRequest(f"Cannot cancel a {response['status']} response.", param="response_id")
-            raise InvalidRequest("this background response runs on another gateway; cancel it there, or wait "
-                                 "for it to finish", param="response_id", code="response_not_here")
+            # another gateway runs it: the record says cancelled, and that gateway, which reads it every
+            # CANCEL_POLL_S, stops the run and stores the output it had
+            record.response, record.deadline = {**response, "status": "cancelled"}, 0.0
+            await store().save(record, owner, replicas)
+            log.info("background response %s: cancelled for the gateway running it", response_id)
+            return record.response
 
 
 class StreamResponse(Response):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -33,6 +34,8 @@ from data_plane.tool_calls import SentOutput
 
 if TYPE_CHECKING:
     from data_plane.routing.upstream import ShardStream, Upstream
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -106,10 +109,12 @@ class ChoiceLanes:
         if remaining <= 0:
             return False
         so_far = ChatMessage(role="assistant", content=p.output(index, self._body).text())
-        seed = self._request.seed
+        seed, rid = self._request.seed, self._request.request_id
         request = self._request.model_copy(update={  # choice i's seed is seed + i (data_plane/shard/generation.py)
             "n": 1, "messages": [*self._request.messages, so_far], "continue_final_message": True,
-            "add_generation_prompt": False, "max_tokens": remaining, "seed": None if seed is None else seed + index})
+            "add_generation_prompt": False, "max_tokens": remaining, "seed": None if seed is None else seed + index,
+            # its own id: two choices may continue on one shard, which refuses a second request of one id
+            "request_id": None if rid is None else f"{rid[:120]}-lane{index}"})
         stream = await self._upstream.open(request, self._session_id, exclude=self._tried)
         self._lanes[index] = stream
         self._tasks[index] = asyncio.ensure_future(self._pump(index, stream))
@@ -131,7 +136,8 @@ class ChoiceLanes:
                     continue
                 try:
                     opened = await self._open(index)
-                except SwitchboardError:
+                except SwitchboardError as exc:
+                    log.warning("choice %d could not be continued elsewhere: %s", index, exc.message)
                     raise self._cause from None
                 if not opened:
                     p.finished.add(index)
@@ -169,7 +175,8 @@ class ChoiceLanes:
         self._upstream.router.record_resume(stream.member, stream.failure or FailureReason.STREAM_ERROR)
         try:
             await self._open(index)
-        except SwitchboardError:
+        except SwitchboardError as again:
+            log.warning("choice %d could not be continued elsewhere: %s", index, again.message)
             raise exc from None
 
     def close(self) -> None:

@@ -128,28 +128,3 @@ def test_a_tool_call_stream_resumed_after_its_shard_is_killed_keeps_its_call(clu
     assert isinstance(trip, Trip) and len(trip.stops) == 3
     assert Trip.model_validate_json(call.function.arguments) == trip
 
-
-def test_a_greedy_stream_of_two_choices_resumed_after_its_shard_is_killed_equals_an_unbroken_one(cluster) -> None:
-    """n=2: each choice is continued on its own (its own text, the tokens it has left); greedy float32
-    gives each the text an unbroken stream gives (data_plane/routing/lanes.py)."""
-    shards, gw = cluster
-    ask = [{"role": "user", "content": "Write a short poem about the sea."}]
-
-    def stream(kill_after: int | None) -> tuple[dict[int, str], list[Service]]:
-        out: dict[int, str] = {0: "", 1: ""}
-        killed: list[Service] = []
-        chunks = 0
-        for chunk in _client(gw).chat.completions.create(model="", messages=ask, n=2, max_tokens=48, temperature=0,
-                                                         stream=True):
-            for choice in chunk.choices:
-                out[choice.index] += choice.delta.content or ""
-                chunks += 1
-                if chunks == kill_after:
-                    killed.append(_kill_serving([s for s in shards if s.proc is not None and s.proc.poll() is None]))
-        return out, killed
-
-    whole, _ = stream(None)
-    before = _resumes(gw)
-    resumed, killed = stream(12)
-    assert killed and _resumes(gw) == before + 1
-    assert resumed == whole and whole[0] == whole[1] and len(whole[0]) > 40, (whole, resumed)

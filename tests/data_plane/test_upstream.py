@@ -313,8 +313,8 @@ async def test_several_choices_resume_each_from_its_own_text() -> None:
                                HopDisconnected("reset")]),
                 Response(200, [[token(" there", 1)], [FINISH], [USAGE]]))
     up, registry = upstream(pool)
-    stream = await up.open_resumable(ShardRequest.model_validate({**BODY.wire(), "n": 2, "max_tokens": 10}),
-                                     session_id=None)
+    stream = await up.open_resumable(ShardRequest.model_validate({**BODY.wire(), "n": 2, "max_tokens": 10,
+                                                                  "request_id": "r1"}), session_id=None)
     events = await drain(stream)
     text = {i: "".join(e.text for e in events if isinstance(e, Delta) and e.index == i) for i in (0, 1)}
     assert text == {0: "Hello there", 1: "Hi all"}
@@ -322,6 +322,7 @@ async def test_several_choices_resume_each_from_its_own_text() -> None:
     (_, resumed) = pool.posts[1]
     assert len(pool.posts) == 2 and resumed["n"] == 1 and resumed["max_tokens"] == 9
     assert resumed["messages"][-1] == {"role": "assistant", "content": "Hello"} and resumed["continue_final_message"]
+    assert resumed["request_id"] == "r1-lane0"  # its own id: another choice may continue on the same shard
     assert events[-1] == UsageEvent(7, (1 + 3) + 2, 0)  # choice 0: 1 then 3 on the second shard; choice 1: 2
     assert [e.usage for e in events if isinstance(e, Delta) and e.index == 0] == [(7, 1), (7, 2)]
     assert count(registry, "switchboard_router_resumes_total", reason="stream_broken") == 1
@@ -335,6 +336,7 @@ async def test_several_choices_resume_each_from_its_own_text() -> None:
     with pytest.raises(UpstreamError):
         await asyncio.wait_for(drain(stream), 10)
     stream.close()
+    assert [body["messages"][-1]["content"] for _, body in pool.posts[1:3]] == ["a", "b"]  # each its own text
 
 
 # -- counting a prompt (POST /v1/responses/input_tokens): no stream, the same retry rules ------------
