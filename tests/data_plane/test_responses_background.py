@@ -6,8 +6,9 @@ when a loaded test acts on it), two cache nodes and a gateway with a cap of 2 ba
 
 Create returns ``queued`` at once and the run goes on without the connection; retrieve polls it;
 cancel aborts the shard's work and stores ``cancelled``; a stream can be followed again from any
-sequence number; another key gets 404; the tenant's cap is a 429 with Retry-After; a gateway killed
-mid-run leaves a record that reads ``failed`` once its deadline passed, never ``in_progress`` forever.
+sequence number; another key gets 404; the tenant's cap is a 429 with Retry-After; a cancel sent to
+another gateway stops the run; a gateway that shuts down stores its runs ``failed``; one killed mid-run
+leaves a record that reads ``failed`` once its deadline passed, never ``in_progress`` forever.
 The real model's background response (same text as the foreground one) is in test_responses_api.py.
 """
 
@@ -29,7 +30,7 @@ from tests.support.waits import eventually
 MODEL = "synthetic"
 LONG = 1000
 """Output tokens asked for (the synthetic engine stops at 16: 8 s)."""
-MAX_S = 3
+MAX_S = 5
 """--background-max-s of the second gateway (`short_lived`): a run stops there; an orphaned record
 expires at twice it."""
 
@@ -173,6 +174,14 @@ def test_a_run_past_its_limit_fails_and_a_killed_gateway_leaves_no_run_in_progre
                    what="stopped at --background-max-s")
         err = client.responses.retrieve(r.id).error
         assert err is not None and err.code == "server_error" and "limit" in err.message
+        # a cancel sent to another gateway: the record says so, the running gateway stops the run
+        r = client.responses.create(model=MODEL, input="long", background=True, max_output_tokens=LONG)
+        eventually(lambda: client.responses.retrieve(r.id).status == "in_progress", 20, what="in progress")
+        assert sdk(cluster).responses.cancel(r.id).status == "cancelled"
+        eventually(lambda: metric(gw.url, "switchboard_background_responses_total", outcome="cancelled") == 1, 10,
+                   what="the running gateway stopped it")
+        eventually(lambda: client.responses.retrieve(r.id).output_text != "", 10, what="its output so far stored")
+        assert client.responses.retrieve(r.id).status == "cancelled"
         # kill -9 the gateway mid-run: nothing can store its end; another gateway reports it failed at the deadline
         r = client.responses.create(model=MODEL, input="long", background=True, max_output_tokens=LONG)
         eventually(lambda: client.responses.retrieve(r.id).status == "in_progress", 20, what="in progress")
@@ -188,6 +197,20 @@ def test_a_run_past_its_limit_fails_and_a_killed_gateway_leaves_no_run_in_progre
     assert got.error is not None and "stopped before it finished" in got.error.message
     with pytest.raises(openai.BadRequestError):
         sdk(cluster).responses.cancel(r.id)
+
+
+def test_a_gateway_that_shuts_down_stores_its_runs_failed(cluster: Cluster) -> None:
+    gw = short_lived(cluster).start()
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=60)
+    try:
+        eventually(lambda: client.models.list().data, 30, what="the second gateway sees the shard")
+        r = client.responses.create(model=MODEL, input="long", background=True, max_output_tokens=LONG)
+        eventually(lambda: client.responses.retrieve(r.id).status == "in_progress", 20, what="in progress")
+    finally:
+        gw.stop()  # SIGTERM: the graceful shutdown
+    got = sdk(cluster).responses.retrieve(r.id)  # at once, from the other gateway: no deadline to wait for
+    assert got.status == "failed" and got.error is not None and "shut down" in got.error.message, got
+    assert got.output_text, "the output it had is kept"
 
 
 def test_metrics_and_log_have_no_prompt(cluster: Cluster) -> None:
