@@ -268,7 +268,8 @@ async def serve_background(gw: Gateway, rt: Runtime, store: ConversationStore, r
     events; an error before that is answered as the request's own (400, 404, 429, 503...)."""
     request, rreq = front.request, front.rreq
     assert front.principal is not None and rreq is not None
-    with tracer.start_as_current_span("responses.background.create") as span:
+    parent = trace.set_span_in_context(front.x.span)  # the create's own request span (the client's trace)
+    with tracer.start_as_current_span("responses.background.create", context=parent) as span:
         try:
             run = runs.admit(new_id("resp"), front.owner, front.principal.tenant, raw)
         except SwitchboardError as exc:

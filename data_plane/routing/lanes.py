@@ -24,18 +24,37 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from data_plane.common.errors import SwitchboardError, UpstreamError, UpstreamTimeout
+from data_plane.membership.view import Member
 from data_plane.protocol import ChatMessage, ShardRequest
 from data_plane.routing.events import Delta, Event, Finish, ToolCallDelta, UsageEvent
 from data_plane.routing.failures import FailureReason
+from data_plane.routing.router import Router
 from data_plane.tool_calls import SentOutput
 
-if TYPE_CHECKING:
-    from data_plane.routing.upstream import ShardStream, Upstream
-
 log = logging.getLogger(__name__)
+
+
+class ShardStream(Protocol):
+    """What a lane reads: data_plane/routing/upstream.py `ShardStream`."""
+
+    member: Member
+    failure: FailureReason | None
+
+    def batches(self) -> AsyncIterator[list[Event]]: ...
+
+    def close(self) -> None: ...
+
+
+class Upstream(Protocol):
+    """What opens a lane: data_plane/routing/upstream.py `Upstream` (not imported: it imports this)."""
+
+    router: Router
+
+    async def open(self, request: ShardRequest, session_id: str | None,
+                   exclude: set[str] | None = None) -> ShardStream: ...
 
 
 @dataclass
