@@ -127,4 +127,3 @@ def test_a_tool_call_stream_resumed_after_its_shard_is_killed_keeps_its_call(clu
     trip = call.function.parsed_arguments
     assert isinstance(trip, Trip) and len(trip.stops) == 3
     assert Trip.model_validate_json(call.function.arguments) == trip
-
