@@ -31,7 +31,6 @@ after which any gateway that reads it reports and stores it ``failed`` (`expired
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 import time
@@ -70,6 +69,8 @@ class Detach(BaseException):
 
 
 class BackgroundMetrics:
+    """The gateway's background-response metrics (bounded labels: outcome, result)."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
         self.active = Gauge("switchboard_background_responses_active",
                             "Background responses queued or in progress on this gateway.", registry=registry)
@@ -106,7 +107,7 @@ class Run:
         self._raw: bytes | None = raw
         self._max_bytes = max_bytes
         self._metrics = metrics
-        self._events: collections.deque[bytes] = collections.deque()
+        self._events: list[bytes] = []
         self._held = 0
         self.first_seq = 0
         """The sequence number of the oldest event still held."""
@@ -162,11 +163,15 @@ class Run:
         self._events.append(event)
         self._held += len(event)
         self._metrics.held_bytes.inc(len(event))
-        while self._held > self._max_bytes and len(self._events) > 1:
-            dropped = self._events.popleft()
-            self._held -= len(dropped)
-            self._metrics.held_bytes.dec(len(dropped))
-            self.first_seq += 1
+        if self._held > self._max_bytes:  # down to 3/4 at once: a list indexes in O(1), drops amortized
+            dropped = freed = 0
+            while self._held - freed > self._max_bytes * 3 // 4 and dropped < len(self._events) - 1:
+                freed += len(self._events[dropped])
+                dropped += 1
+            del self._events[:dropped]
+            self._held -= freed
+            self._metrics.held_bytes.dec(freed)
+            self.first_seq += dropped
 
     def send_event(self, event: bytes) -> None:
         """Add one event of the gateway's own (a run that ended without its stream telling why)."""
@@ -267,15 +272,16 @@ class BackgroundRuns:
         if self._closing:
             raise Overloaded("the gateway is shutting down", retry_after=1, code="not_ready")
         self._evict()
+        if not self.per_tenant:
+            raise InvalidRequest("background responses are turned off on this server", param="background")
         active = [r for r in self._runs.values() if r.tenant == tenant and not r.done]
         if len(active) >= self.per_tenant:
             self.metrics.ended.labels("refused").inc()
             oldest = min((r.started for r in active), default=time.monotonic())
             wait = max(1.0, min(60.0, (time.monotonic() - oldest) / 2 or 1.0))
-            message = (f"this organization has {len(active)} background responses queued or in progress, the most "
-                       "allowed at once; retry once one finishes" if self.per_tenant else
-                       "background responses are turned off on this server")
-            raise RateLimited(message, param="background", retry_after=wait)
+            raise RateLimited(f"this organization has {len(active)} background responses queued or in progress, "
+                              "the most allowed at once; retry once one finishes", param="background",
+                              retry_after=wait)
         run = Run(response_id, owner, tenant, raw, self.event_bytes, self.metrics)
         self._runs[response_id] = run
         self.metrics.active.inc()

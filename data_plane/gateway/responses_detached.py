@@ -292,6 +292,11 @@ async def serve_background(gw: Gateway, rt: Runtime, store: ConversationStore, r
             await send({"type": "http.response.start", "status": status, "headers": raw_headers})
             await send({"type": "http.response.body", "body": body, "more_body": False})
             return
+        if run.response is None:  # ended before it was accepted without an answer (a bug): still an answer
+            gw.responses_metrics.count(Op.CREATE, 500)
+            request.state.request_id, request.state.trace_id = handler.request_id, handler.x.trace_id
+            await render(SwitchboardError("internal server error"), request)(scope, receive, send)
+            return
         gw.responses_metrics.count(Op.CREATE, 200)
         log.info("request %s: background response %s queued", handler.request_id, run.id)
         headers = {"X-Request-Id": handler.request_id}
@@ -382,6 +387,9 @@ def mount_background(app: FastAPI, gw: Gateway, store: Any, runs: Any) -> None:
             # another gateway runs it: the record says cancelled, and that gateway, which reads it every
             # CANCEL_POLL_S, stops the run and stores the output it had
             record.response, record.deadline = {**response, "status": "cancelled"}, 0.0
+            # two versions on: a progress write the running gateway makes meanwhile, one version on from
+            # what was read here, cannot tie with this one (a tie is written over) and so cannot undo it
+            record.version += 1
             await store().save(record, owner, replicas)
             log.info("background response %s: cancelled for the gateway running it", response_id)
             return record.response
