@@ -42,10 +42,10 @@ def cluster() -> Iterator[Cluster]:
         yield c
 
 
-def short_lived(c: Cluster) -> Service:
-    """Another gateway of the cluster whose background responses may run MAX_S seconds (not started)."""
+def short_lived(c: Cluster, max_s: float = MAX_S) -> Service:
+    """Another gateway of the cluster whose background responses may run `max_s` seconds (not started)."""
     return Service(["gateway", "--registry-url", c.registry, "--tokenizer", "whitespace", "--model-name", MODEL,
-                    "--background-max-s", str(MAX_S)], env=c.gateway.env)
+                    "--background-max-s", str(max_s)], env=c.gateway.env)
 
 
 def sdk(c: Cluster, key: str = "plus") -> openai.OpenAI:
@@ -174,14 +174,18 @@ def test_a_run_past_its_limit_fails_and_a_killed_gateway_leaves_no_run_in_progre
                    what="stopped at --background-max-s")
         err = client.responses.retrieve(r.id).error
         assert err is not None and err.code == "server_error" and "limit" in err.message
-        # a cancel sent to another gateway: the record says so, the running gateway stops the run
-        r = client.responses.create(model=MODEL, input="long", background=True, max_output_tokens=LONG)
-        eventually(lambda: client.responses.retrieve(r.id).status == "in_progress", 20, what="in progress")
-        assert sdk(cluster).responses.cancel(r.id).status == "cancelled"
-        eventually(lambda: metric(gw.url, "switchboard_background_responses_total", outcome="cancelled") == 1, 10,
-                   what="the running gateway stopped it")
+        # a cancel sent to another gateway (this one; the first runs it): the record says so, and the
+        # running gateway stops the run and stores the output it had
+        runner = sdk(cluster)
+        before = metric(cluster.gateway.url, "switchboard_background_responses_total", outcome="cancelled")
+        r = runner.responses.create(model=MODEL, input="long", background=True, max_output_tokens=LONG)
+        eventually(lambda: runner.responses.retrieve(r.id).status == "in_progress", 20, what="in progress")
+        assert client.responses.cancel(r.id).status == "cancelled"
+        eventually(lambda: metric(cluster.gateway.url, "switchboard_background_responses_total",
+                                  outcome="cancelled") == before + 1, 10, what="the running gateway stopped it")
         eventually(lambda: client.responses.retrieve(r.id).output_text != "", 10, what="its output so far stored")
         assert client.responses.retrieve(r.id).status == "cancelled"
+        eventually(lambda: shard_running(cluster) == 0, 10, what="the shard's work aborted")
         # kill -9 the gateway mid-run: nothing can store its end; another gateway reports it failed at the deadline
         r = client.responses.create(model=MODEL, input="long", background=True, max_output_tokens=LONG)
         eventually(lambda: client.responses.retrieve(r.id).status == "in_progress", 20, what="in progress")
@@ -200,7 +204,7 @@ def test_a_run_past_its_limit_fails_and_a_killed_gateway_leaves_no_run_in_progre
 
 
 def test_a_gateway_that_shuts_down_stores_its_runs_failed(cluster: Cluster) -> None:
-    gw = short_lived(cluster).start()
+    gw = short_lived(cluster, max_s=600).start()
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=60)
     try:
         eventually(lambda: client.models.list().data, 30, what="the second gateway sees the shard")
