@@ -9,12 +9,13 @@ A shard continues one final assistant message (vLLM's `continue_final_message`),
 choice ``i`` is re-opened on another shard as a request of one choice: the prompt, choice ``i``'s own
 output so far as the message to continue (its tool envelope rebuilt, `SentOutput`), and
 ``max_tokens`` less the tokens choice ``i`` already produced. Their events come back with index ``i``;
-a choice that fails again is continued again while the request's resumes last (each continuation
-counts as one). Greedy choices continue exactly as an uninterrupted run would (float32); a seeded choice
-continues with its own seed (the shard gives choice ``i`` ``seed + i``), as a seeded ``n`` = 1 stream
-does; an unseeded sampled choice continues as a sample from where it stopped (a valid continuation,
-not the one the dead shard would have drawn). Usage stays the original request's:
-its prompt once, the completion tokens of every choice summed, in one final usage event.
+a choice that fails again is continued again while the request's resumes last (the split counts as
+one resume, each choice that fails again as one more). Greedy choices continue exactly as an
+uninterrupted run would (float32); a seeded choice continues with its own seed (the shard gives
+choice ``i`` ``seed + i``), as a seeded ``n`` = 1 stream does; an unseeded sampled choice continues as
+a sample from where it stopped (a valid continuation, not the one the dead shard would have drawn).
+Usage stays the original request's: its prompt once, the completion tokens of every choice summed,
+in one final usage event.
 """
 
 from __future__ import annotations
@@ -99,7 +100,10 @@ class Progress:
         return None
 
     def usage(self) -> UsageEvent:
-        return UsageEvent(self.prompt_tokens or 0, sum(self.tokens.values()), self.cached_tokens)
+        """The request's usage: its prompt once (a continuation's prompt also holds the output, so its
+        cached count is capped at the request's prompt), every choice's tokens summed."""
+        prompt = self.prompt_tokens or 0
+        return UsageEvent(prompt, sum(self.tokens.values()), min(self.cached_tokens, prompt))
 
 
 class ChoiceLanes:
