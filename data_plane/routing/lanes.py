@@ -144,11 +144,13 @@ class ChoiceLanes:
         return True
 
     async def _pump(self, index: int, stream: ShardStream) -> None:
+        """Lane `index`'s events onto the queue, then None; or whatever ended it (never nothing: the
+        merge waits on the queue)."""
         try:
             async for events in stream.batches():
                 await self._queue.put((index, events))
             await self._queue.put((index, None))
-        except (UpstreamError, UpstreamTimeout) as exc:
+        except Exception as exc:  # noqa: BLE001 -- the merge decides: resume (a shard's failure) or raise
             await self._queue.put((index, exc))
 
     async def batches(self) -> AsyncIterator[list[Event]]:
@@ -191,7 +193,8 @@ class ChoiceLanes:
         """Lane `index` broke: continue that choice once more elsewhere, or end the stream with `exc`."""
         stream = self._lanes.pop(index)
         del self._tasks[index]
-        if index in self.progress.finished or self.resumes_left <= 0:
+        resumable = isinstance(exc, (UpstreamError, UpstreamTimeout))  # the shard's failure, as for n = 1
+        if not resumable or index in self.progress.finished or self.resumes_left <= 0:
             raise exc
         self.resumes_left -= 1
         self._tried.add(stream.member.id)

@@ -337,6 +337,16 @@ async def test_several_choices_resume_each_from_its_own_text() -> None:
         await asyncio.wait_for(drain(stream), 10)
     stream.close()
     assert [body["messages"][-1]["content"] for _, body in pool.posts[1:3]] == ["a", "b"]  # each its own text
+    # a continuation whose shard sends an error event past the resumes: the stream ends with it
+    pool = Pool(Response(200, [[choice(0, "a", 1), choice(1, "b", 1)], HopDisconnected("reset")]),
+                Response(200, [[token("c", 1)], [ERROR_EVENT]]), Response(200, [[token("d", 1)], [ERROR_EVENT]]))
+    up, _ = upstream(pool, resumes=1)
+    stream = await up.open_resumable(ShardRequest.model_validate({**BODY.wire(), "n": 2, "max_tokens": 10}),
+                                     session_id=None)
+    with pytest.raises(SwitchboardError) as raised:
+        await asyncio.wait_for(drain(stream), 10)
+    assert "engine died" in raised.value.message
+    stream.close()
 
 
 # -- counting a prompt (POST /v1/responses/input_tokens): no stream, the same retry rules ------------
