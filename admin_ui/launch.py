@@ -24,7 +24,7 @@ HEALTH_PATH = "/_stcore/health"
 """Where a supervisor polls the console's readiness."""
 
 
-APP_FIELDS = ("control_plane_url", "gateway_url", "credentials_file", "refresh_s", "timeout_s")
+APP_FIELDS = ("control_plane_url", "gateway_url", "credentials_file", "keys_file", "refresh_s", "timeout_s")
 """What the Streamlit app itself reads from its argv (ConsoleSettings.from_argv)."""
 
 

@@ -21,6 +21,7 @@ from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from data_plane.common.settings_cli import build_parser as settings_parser
+from data_plane.gateway.auth import key_digest
 
 ENV_CONTROL_PLANE_URL = "SWITCHBOARD_CONTROL_PLANE_URL"
 """Base URL of the control plane's admin API."""
@@ -30,6 +31,8 @@ ENV_ADMIN_TOKEN = "SWITCHBOARD_ADMIN_TOKEN"
 """Bearer token of the admin API (same variable as the control plane's)."""
 ENV_CREDENTIALS_FILE = "SWITCHBOARD_CREDENTIALS_FILE"
 """Credentials written by ``switchboard up``: ``{"keys": {tier: key}, "admin_token": ...}``."""
+ENV_KEYS_FILE = "SWITCHBOARD_CONSOLE_KEYS_FILE"
+"""The gateways' keys file (``switchboard up``'s ``keys.yaml``), read for which dev keys are still live."""
 ENV_REFRESH_S = "SWITCHBOARD_CONSOLE_REFRESH_S"
 """Seconds between automatic refreshes of the live parts of each page."""
 
@@ -57,7 +60,10 @@ class ConsoleSettings(BaseSettings):
     credentials_file: str = Field(
         default=DEFAULT_CREDENTIALS_FILE, validation_alias=AliasChoices("credentials_file", ENV_CREDENTIALS_FILE)
     )
-    """Where ``switchboard up`` saved the dev API keys and the admin token."""
+    """Where ``switchboard up`` saved the dev API keys and the admin token (a client credential, mode 600)."""
+    keys_file: str | None = Field(default=None, validation_alias=AliasChoices("keys_file", ENV_KEYS_FILE))
+    """The gateways' keys file (digests): the Playground offers only the dev keys it still lists, so a
+    revoked key disappears at once. Unset (a console away from the gateways' files): every dev key."""
     refresh_s: float = Field(default=3.0, ge=0.5, le=300.0, validation_alias=AliasChoices("refresh_s", ENV_REFRESH_S))
     """Seconds between automatic refreshes."""
     timeout_s: float = Field(default=3.0, gt=0.0, le=60.0)
@@ -88,11 +94,29 @@ class ConsoleSettings(BaseSettings):
         return str(token) if token else None
 
     def dev_keys(self) -> dict[str, str]:
-        """``{tier: api key}`` from the credentials file (the Playground's choice of caller)."""
+        """``{tier: api key}`` from the credentials file (the Playground's choice of caller), less any key
+        the keys file (when set) no longer lists under that tier: read on every call, so a key revoked
+        with ``switchboard keys revoke`` is not offered, and an unreadable keys file offers none."""
         keys = self.credentials().get("keys")
-        return {str(k): str(v) for k, v in keys.items()} if isinstance(keys, dict) else {}
+        found = {str(k): str(v) for k, v in keys.items()} if isinstance(keys, dict) else {}
+        if self.keys_file is None:
+            return found
+        live = live_digests(Path(self.keys_file).expanduser())
+        return {tier: key for tier, key in found.items() if live.get(key_digest(key)) == tier}
 
 
 def build_parser(prog: str = "switchboard console") -> argparse.ArgumentParser:
     """The console's flags, one per field (data_plane/common/settings_cli.py); none for the token."""
     return settings_parser(ConsoleSettings, prog, "The Switchboard admin console (Streamlit).")
+
+
+def live_digests(path: Path) -> dict[str, str]:
+    """``{sha256 hex: tier}`` of every entry of a gateway keys file; ``{}`` if it is missing or invalid."""
+    from data_plane.common.yaml_source import parse_yaml
+    from data_plane.gateway.auth import KeyStore
+
+    try:
+        keys = KeyStore.from_dict(parse_yaml(path.read_text(), str(path)), where=str(path))
+    except (OSError, ValueError):
+        return {}
+    return {digest: p.tier for digest, p in keys.by_digest().items()}

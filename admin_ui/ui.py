@@ -82,7 +82,7 @@ def console() -> Console:
     credentials file changes: an operator who fixes the token there, or a `switchboard up` that
     rewrote it, is heard on the next refresh instead of after a console restart)."""
     keys = ("SWITCHBOARD_CONTROL_PLANE_URL", "SWITCHBOARD_GATEWAY_URL", ENV_ADMIN_TOKEN,
-            "SWITCHBOARD_CREDENTIALS_FILE", "SWITCHBOARD_CONSOLE_REFRESH_S")
+            "SWITCHBOARD_CREDENTIALS_FILE", "SWITCHBOARD_CONSOLE_KEYS_FILE", "SWITCHBOARD_CONSOLE_REFRESH_S")
     argv = tuple(_argv())
     return _console(argv, (*(os.environ.get(k) for k in keys), _credentials_stamp(argv)))
 

@@ -6,8 +6,9 @@
     switchboard up --autoscale --min-replicas 1 --max-replicas 3   # the control plane starts the shards
 
 Starts every process as a child on loopback, waits for each to be healthy, prints the URLs,
-one dev API key per tier and the admin token, and writes them to
-`.switchboard/credentials.json` (mode 600) in the working directory. A child that dies is
+one dev API key per tier (in full only on the run that made them) and the admin token. The gateway's
+keys file holds only the keys' digests; the keys themselves go to the operator's client credentials file
+`.switchboard/credentials.json` (mode 600, control_plane/dev_credentials.py). A child that dies is
 reported and restarted (with backoff); Ctrl-C or SIGTERM stops everything cleanly, at any moment of
 start-up too, and no child outlives the launcher (kill -9, a crash) by more than moments
 (control_plane/supervisor.py, data_plane/common/lifeline.py).
@@ -26,7 +27,6 @@ import errno
 import json
 import os
 import re
-import secrets
 import shlex
 import socket
 import time
@@ -38,6 +38,7 @@ import httpx
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from control_plane.dev_credentials import key_id, prepare
 from control_plane.supervisor import Child, Stopped, Supervisor, wait_healthy
 from data_plane.common.cores import usable_cores
 from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV
@@ -116,45 +117,6 @@ class UpSettings(BaseSettings):
         if len(set(v)) != len(v):
             raise ValueError(f"zones listed twice: {v}")
         return v
-
-
-def _secret(path: Path, prefix: str) -> str:
-    """A token made once (mode 600) and reused on every later run."""
-    if not path.exists():
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(prefix + secrets.token_urlsafe(32))
-    return path.read_text().strip()
-
-
-def _session_keys(path: Path) -> Path:
-    """The key that encrypts session transcripts and (through shards, data_plane/shard/kv_seal.py) KV blocks at rest, made once (mode 600). To rotate: put a
-    new line first (`python -c "from data_plane.common.crypto import new_key_line as k; print(k('k2'))"`),
-    keep the old line below it until old sessions have expired."""
-    if not path.exists():
-        from data_plane.common.crypto import new_key_line
-
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write("# session transcript and KV block keys: '<key id> <base64 32 bytes>', the first seals\n"
-                    + new_key_line("k" + time.strftime("%Y%m%d")) + "\n")
-    return path
-
-
-def _credentials(state: Path) -> dict[str, object]:
-    from data_plane.gateway.auth import write_dev_keys
-
-    keys = write_dev_keys(state / "keys.yaml")
-    creds: dict[str, object] = {"keys": keys, "admin_token": _secret(state / "admin_token", "sb-admin-"),
-             # what a shard or cache node started by hand needs to join (SWITCHBOARD_CLUSTER_TOKEN)
-             "cluster_token": _secret(state / "cluster_token", "sb-cluster-")}
-    creds["session_keys_file"] = str(_session_keys(state / "session_keys"))
-    path = state / "credentials.json"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(creds, f, indent=2)
-    os.chmod(path, 0o600)
-    return creds
 
 
 def plan(s: UpSettings, state: Path, admin_token: str,
@@ -279,7 +241,7 @@ def _shard_flags(s: UpSettings, threads: int, state: Path) -> list[str]:
 def console_child(s: UpSettings, state: Path, cp: Child, gateway: Child, admin_token: str) -> Child:
     return Child("console", ["console", "--host", s.host, "--port", str(s.console_port), "--control-plane-url",
                              cp.url, "--gateway-url", gateway.url, "--credentials-file",
-                             str(state / "credentials.json")],
+                             str(state / "credentials.json"), "--keys-file", str(state / "keys.yaml")],
                  f"http://{s.host}:{s.console_port}", state / "logs" / "console.log",
                  env={"SWITCHBOARD_ADMIN_TOKEN": admin_token}, health="/_stcore/health")
 
@@ -336,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
             resolve_model(s.model)  # converts the GGUF once, before shards race to do it
         except ModelNotAvailable as exc:
             raise SystemExit(f"switchboard up: {exc}") from None
-    creds = _credentials(state)
+    creds = prepare(state)
     tls = s.tls or TlsConfig.from_env().enabled  # --tls, or certificates given (--tls-cert/--tls-key)
     if s.tls and not TlsConfig.from_env().enabled:  # every child inherits it: listen, and verify peers with the CA
         os.environ.update(make_dev_pki(state / "tls", tuple(dict.fromkeys((s.host, "127.0.0.1", "localhost")))).env())
@@ -418,6 +380,7 @@ def _wait_routable(url: str, shards: int, timeout: float) -> bool:
 def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: list[Child],
             gateways: list[Child], state: Path) -> None:
     keys = creds["keys"]
+    tier = "plus" if "plus" in keys else next(iter(keys), None)
     gateway = gateways[0]
     zones = s.zones or [DEFAULT_ZONE]
     model = "synthetic" if s.engine == "synthetic" else None
@@ -436,17 +399,17 @@ def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: 
         *([f"  prometheus                    {s.host}:{s.prometheus_port}  (alerts: /alerts)"]
           if s.prometheus else []),
         "",
-        "  API keys (dev, one per tier):",
-        *[f"    {tier:<11} {key}" for tier, key in keys.items()],
-        # the dev keys were revoked (`switchboard keys revoke`): the file holds digests only
-        *([f"    none in plaintext in {state / 'keys.yaml'}: `switchboard keys create --tenant dev --tier plus`"]
-          if not keys else []),
+        *_key_lines(creds, state),
         f"  admin token: {creds['admin_token']}",
-        f"  saved to {state / 'credentials.json'} (mode 600); logs in {state / 'logs'}",
+        (f"  saved to {state / 'credentials.json'} (mode 600, a client credential: the gateway's keys file holds "
+        "digests only)"),
+        f"  logs in {state / 'logs'}",
         "",
         "Try it:",
+        f"  KEY=$(python3 -c \"import json; print(json.load(open('{state / 'credentials.json'}'))['keys']"
+        f"['{tier}'])\")" if tier else "  KEY=...   # `switchboard keys create --tenant dev --tier plus` prints one",
         f"  curl -s {gateway.url}/v1/chat/completions \\",
-        f"    -H 'Authorization: Bearer {keys.get('plus') or next(iter(keys.values()), '$KEY')}' \\",
+        "    -H \"Authorization: Bearer $KEY\" \\",
         "    -H 'Content-Type: application/json' \\",
         "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], "
         "\"max_tokens\": 64}'" if not model else
@@ -456,3 +419,15 @@ def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: 
         "",
     ]
     print("\n".join(lines), flush=True)
+
+
+def _key_lines(creds: dict, state: Path) -> list[str]:
+    """The dev keys in full on the run that made them (shown once); their key ids on later runs."""
+    keys: dict[str, str] = creds["keys"]
+    if not keys:  # the dev keys were revoked (`switchboard keys revoke`), or credentials.json was lost
+        return ["  API keys: no dev key is left in the keys file: `switchboard keys create --tenant dev --tier plus`"]
+    if creds.get("minted"):
+        return ["  API keys (dev, one per tier; shown here once, kept in credentials.json below):",
+                *[f"    {t:<11} {k}" for t, k in keys.items()]]
+    return ["  API keys (dev, one per tier; the keys are in credentials.json below):",
+            *[f"    {t:<11} key id {key_id(k)}" for t, k in keys.items()]]

@@ -100,13 +100,14 @@ def _gateway(registry: CollectorRegistry) -> list[object]:
     from data_plane.gateway.responses_background import BackgroundMetrics
     from data_plane.gateway.responses_metrics import ResponsesMetrics
     from data_plane.gateway.safety.pipeline import SafetyMetrics
+    from data_plane.gateway.tier_gate import TierGate
     from data_plane.ledger.writer import LedgerMetrics
     from data_plane.routing.router import RouterMetrics
 
     return [GatewayMetrics(registry), SafetyMetrics(registry), RouterMetrics(registry),
             SessionStoreMetrics(registry), RateLimitMetrics(registry), AdmissionMetrics(registry),
             LedgerMetrics(registry), SealMetrics(registry), AbuseGuardMetrics(registry), SlowClientMetrics(registry, "gateway"),
-            ResponseCacheMetrics(registry), MemoryMetrics(registry), ResponsesMetrics(registry),
+            ResponseCacheMetrics(registry), MemoryMetrics(registry), ResponsesMetrics(registry), TierGate(registry),
             BackgroundMetrics(registry)]
 
 

@@ -24,6 +24,7 @@ from admin_ui.views.playground import (
     output_fields,
     structured_json,
 )
+from data_plane.gateway.auth import key_digest
 
 ui.header("Playground", "Talk to the platform exactly as a user of a tier would, then open the request's trace.")
 
@@ -36,8 +37,9 @@ CUSTOM = "custom key…"
 left, mid, right = st.columns([2, 1, 1])
 choices = [*keys, CUSTOM] if keys else [CUSTOM]
 tier = left.selectbox("Send as", choices, key="pg_tier", index=choices.index("plus") if "plus" in choices else 0,
-                      format_func=lambda t: t if t == CUSTOM else f"{t} tier  ({keys[t][:10]}…)",
-                      help=f"Dev keys from {c.settings.credentials_file} (written by `switchboard up`).")
+                      format_func=lambda t: t if t == CUSTOM else f"{t} tier  (key id {key_digest(keys[t])[:12]})",
+                      help=f"Dev keys from {c.settings.credentials_file} (written by `switchboard up`)"
+                           + (f" that {c.settings.keys_file} still accepts." if c.settings.keys_file else "."))
 if tier == CUSTOM:
     st.text_input("API key", type="password", key="pg_key")
 max_tokens = mid.number_input("Max tokens", min_value=1, max_value=4096, value=128, step=16, key="pg_max_tokens")

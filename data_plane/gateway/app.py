@@ -119,21 +119,21 @@ def create_app(gw: Gateway) -> GatewayApp:
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        gw.guard.caller(gw.keys, request)  # bans, blocked keys and throttles apply; 401s counted (abuse.py)
+        gw.caller(request)  # bans, blocked keys, throttles and a removed tier apply; 401s counted
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "switchboard", "max_model_len": ctx}
             for name, ctx in sorted(holder.started().models().items())]}
 
     @app.get("/v1/models/{model_id}")
     async def model(model_id: str, request: Request) -> dict[str, Any]:
-        gw.guard.caller(gw.keys, request)  # bans, blocked keys and throttles apply; 401s counted (abuse.py)
+        gw.caller(request)  # bans, blocked keys, throttles and a removed tier apply; 401s counted
         found = holder.started().models()
         if model_id not in found:
             raise ModelNotFound(f"the model {model_id!r} does not exist", param="model")
         return {"id": model_id, "object": "model", "created": 0, "owned_by": "switchboard",
                 "max_model_len": found[model_id]}
 
-    app.add_api_route("/v1/usage", usage_route(lambda r: gw.guard.caller(gw.keys, r), gw.ledger),
+    app.add_api_route("/v1/usage", usage_route(lambda r: gw.caller(r)[0], gw.ledger),
                       methods=["GET"])
     mount_responses(app, gw, lambda: holder.conversations(), lambda: holder.started())
     mount_input_tokens(app, gw, lambda: holder.conversations(), lambda: holder.started())

@@ -342,8 +342,8 @@ class ChatHandler:
         gw, x = self.gw, self.x
         principal = self.principal = gw.guard.authenticate(gw.keys, self.request, x.span)
         x.key_id, x.tenant = principal.key_id, principal.tenant
-        tiers = self.tiers if principal.tier in self.tiers else gw.tiers  # a key's tier the hot policy lacks
-        tier = tiers.get(principal.tier)
+        tiers = self.tiers
+        tier = gw.tier_gate.tier(principal, tiers)  # a tier removed from the hot policy: 403 tier_removed
         self.tier, x.tier_name = tier, tier.name
         x.span.set_attribute("switchboard.tier", tier.name)
         self.effects.admit(tier, tiers)

@@ -169,9 +169,9 @@ def mount_chat_store(app: FastAPI, gw: Gateway, store: Callable[[], Conversation
 
     def caller(request: Request) -> tuple[str, int]:
         """The tenant's owner digest and the tier's replicas, after the abuse guard (bans, blocked keys
-        and throttles; 401s counted), as the other stored-record routes."""
-        principal = gw.guard.caller(gw.keys, request)
-        return tenant_owner(principal.tenant), gw.tiers.get(principal.tier).replication
+        and throttles; 401s counted) and the tier gate (a removed tier: 403), as the other stored-record routes."""
+        principal, tier = gw.caller(request)
+        return tenant_owner(principal.tenant), tier.replication
 
     async def load(completion_id: str, owner: str, replicas: int) -> Record:
         return await store().load(completion_id, owner, replicas, Kind.CHAT_COMPLETION)

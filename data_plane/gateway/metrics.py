@@ -39,6 +39,8 @@ class RequestCode(enum.StrEnum):
     INVALID_API_KEY = "invalid_api_key"
     INVALID_CLUSTER_TOKEN = "invalid_cluster_token"
     PERMISSION_DENIED = "permission_denied"
+    TIER_REMOVED = "tier_removed"
+    """The key's tier is not in the hot tier policy (data_plane/gateway/tier_gate.py)."""
     ADDRESS_BANNED = "address_banned"
     ABUSE_BLOCKED = "abuse_blocked"
     ABUSE_THROTTLED = "abuse_throttled"

@@ -389,9 +389,9 @@ def record_caller(gw: Gateway, request: Request) -> tuple[str, int]:
 
 def record_principal(gw: Gateway, request: Request) -> tuple[Any, str, int]:
     """`record_caller` with the principal itself (its tenant scopes the prefix cache)."""
-    principal = gw.guard.caller(gw.keys, request)
+    principal, tier = gw.caller(request)  # a key whose tier was removed: 403 (tier_gate.py)
     token = (request.headers.get("authorization") or "").partition(" ")[2].strip()
-    return principal, key_digest(token), gw.tiers.get(principal.tier).replication
+    return principal, key_digest(token), tier.replication
 
 
 def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore],

@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry
@@ -28,7 +30,7 @@ from data_plane.common.hop_auth import cluster_headers, cluster_token_from_env
 from data_plane.common.tls import TlsConfig
 from data_plane.gateway.abuse import AbuseGuard, AbuseGuardMetrics
 from data_plane.gateway.admission import Admission, AdmissionConfig, AdmissionMetrics, shard_capacity
-from data_plane.gateway.auth import KeyStore
+from data_plane.gateway.auth import KeyStore, Principal
 from data_plane.gateway.client_address import ClientAddress
 from data_plane.gateway.cluster_state import ClusterStateView, HttpClusterState, StaticClusterState
 from data_plane.gateway.context import TokenCounter
@@ -41,6 +43,7 @@ from data_plane.gateway.response_cache import ResponseCache, ResponseCacheMetric
 from data_plane.gateway.responses_metrics import ResponsesMetrics
 from data_plane.gateway.safety.pipeline import SafetyMetrics, SafetyPolicies
 from data_plane.gateway.settings import GatewaySettings
+from data_plane.gateway.tier_gate import TierGate
 from data_plane.gateway.usage import ledger_from_settings
 from data_plane.ledger.writer import UsageLedger
 from data_plane.membership.embedded import HttpMembership
@@ -49,7 +52,7 @@ from data_plane.membership.view import Member, MembershipView, StaticMembership
 from data_plane.routing.hop_client import HOP_EVENTS, HopPool
 from data_plane.routing.router import Router, RouterMetrics
 from data_plane.routing.upstream import Upstream, UpstreamConfig
-from data_plane.tiers import TierPolicy
+from data_plane.tiers import Tier, TierPolicy
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,10 @@ class Gateway:
     """The control plane's abuse actions, applied per request (data_plane/gateway/abuse.py)."""
     record_locks: RecordLocks = field(init=False)
     """One writer at a time per conversation / session (data_plane/gateway/record_locks.py)."""
+    tier_gate: TierGate = field(init=False)
+    """Refuses a key whose tier the policy in force lacks (data_plane/gateway/tier_gate.py)."""
+    policy: Callable[[], TierPolicy] = field(init=False)
+    """The tier policy in force: the control plane's hot one once `open_runtime` watches it, else `tiers`."""
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -88,6 +95,14 @@ class Gateway:
         self.ledger = ledger_from_settings(s, self.registry)
         self.guard = AbuseGuard(AbuseGuardMetrics(self.registry), ClientAddress(s.trusted_proxies))
         self.record_locks = RecordLocks()
+        self.tier_gate = TierGate(self.registry)
+        self.policy = lambda: self.tiers
+
+    def caller(self, request: Any) -> tuple[Principal, Tier]:
+        """The principal of a request to a route other than a generation's, after the abuse guard (bans,
+        blocked keys, throttles; 401s counted), and its tier in the policy in force (403 tier_removed)."""
+        principal = self.guard.caller(self.keys, request)
+        return principal, self.tier_gate.tier(principal, self.policy())
 
 
 @dataclass(frozen=True)
@@ -149,6 +164,7 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
         await watched.start()
         stack.push_async_callback(watched.aclose)
         cluster = watched
+        gw.policy = lambda: watched.current().tiers or gw.tiers
         await gw.guard.connect(settings.control_plane_url or settings.registry_url or "", http,
                                cluster_headers(cluster_token_from_env()))
         stack.push_async_callback(gw.guard.aclose)

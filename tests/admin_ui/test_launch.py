@@ -28,3 +28,54 @@ def test_settings_read_flags_then_env_then_credentials(monkeypatch, tmp_path):
     assert ConsoleSettings.from_argv(["--control-plane-url", "http://flag:2"]).control_plane_url == "http://flag:2"
     monkeypatch.setenv("SWITCHBOARD_ADMIN_TOKEN", "from-env")
     assert ConsoleSettings.from_argv(["--credentials-file", str(creds)]).admin_token_value() == "from-env"
+
+
+def test_the_playground_offers_only_the_dev_keys_the_live_keys_file_still_lists(tmp_path):
+    """A dev key revoked from the keys file (`switchboard keys revoke`) was offered until the next `up`
+    rewrote credentials.json; the console now reads the keys file on every page run."""
+    from data_plane.gateway.auth import key_digest
+
+    creds = tmp_path / "credentials.json"
+    creds.write_text('{"keys": {"free": "sk-free", "plus": "sk-plus", "enterprise": "sk-ent"}}')
+    keys_file = tmp_path / "keys.yaml"
+
+    def write(entries: list[tuple[str, str]]) -> None:
+        keys_file.write_text("keys:\n" + "".join(f"  - {{key_sha256: {key_digest(k)}, tenant: dev, tier: {t}}}\n"
+                                                 for k, t in entries))
+
+    write([("sk-free", "free"), ("sk-plus", "plus"), ("sk-ent", "free")])  # sk-ent now names another tier
+    s = ConsoleSettings.from_argv(["--credentials-file", str(creds), "--keys-file", str(keys_file)])
+    assert s.dev_keys() == {"free": "sk-free", "plus": "sk-plus"}
+    write([("sk-plus", "plus")])  # free revoked: the same settings object sees it at once
+    assert s.dev_keys() == {"plus": "sk-plus"}
+    keys_file.write_text("keys: [")  # half-written or broken: offer nothing rather than a key it may refuse
+    assert s.dev_keys() == {}
+    cmd = launch.command(["--credentials-file", str(creds), "--keys-file", str(keys_file)])
+    assert cmd[cmd.index("--") + 1:] == ["--credentials-file", str(creds), "--keys-file", str(keys_file)]
+
+
+def test_the_playground_page_lists_a_revoked_dev_key_no_more(monkeypatch, tmp_path):
+    """The page itself (AppTest): after a revocation its "Send as" choices lose the key on the next run,
+    and each choice shows the key id (the digest prefix logs show), never the start of the key."""
+    import pytest
+
+    pytest.importorskip("streamlit")
+    from data_plane.gateway.auth import key_digest
+    from tests.support.console import ConsoleRunner
+
+    runner = ConsoleRunner(monkeypatch, tmp_path)
+    keys = {"free": "sk-sb-free-0123456789", "plus": "sk-sb-plus-0123456789"}
+    runner.point_at("http://127.0.0.1:9", keys=keys)
+    keys_file = tmp_path / "keys.yaml"
+    monkeypatch.setenv("SWITCHBOARD_CONSOLE_KEYS_FILE", str(keys_file))
+    keys_file.write_text("keys:\n" + "".join(f"  - {{key_sha256: {key_digest(k)}, tenant: dev, tier: {t}}}\n"
+                                             for t, k in keys.items()))
+    at = runner.page("playground")
+    send_as = at.selectbox(key="pg_tier")
+    assert send_as.options == [f"free tier  (key id {key_digest(keys['free'])[:12]})",
+                               f"plus tier  (key id {key_digest(keys['plus'])[:12]})", "custom key…"]
+    keys_file.write_text(f"keys:\n  - {{key_sha256: {key_digest(keys['plus'])}, tenant: dev, tier: plus}}\n")
+    at.run()
+    assert at.selectbox(key="pg_tier").options == [f"plus tier  (key id {key_digest(keys['plus'])[:12]})",
+                                                   "custom key…"]
+    assert not any("sk-sb-" in option for option in at.selectbox(key="pg_tier").options)

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 
+from data_plane.gateway.auth import key_digest
 from tests.support.procs import free_port, start_up, switchboard, wait_up
 
 
@@ -41,8 +42,10 @@ def test_up_starts_platform_and_stops_cleanly(tmp_path: Path) -> None:
         assert stat.S_IMODE(creds_path.stat().st_mode) == 0o600
         creds = json.loads(creds_path.read_text())
         assert set(creds["keys"]) == {"free", "plus", "enterprise"} and creds["admin_token"]
+        keys_yaml = (tmp_path / ".switchboard" / "keys.yaml").read_text()
         for key in creds["keys"].values():
-            assert key in banner
+            assert key in banner  # the run that made them shows them, once
+            assert key not in keys_yaml and key_digest(key) in keys_yaml  # the server's store: digests only
         assert f"http://127.0.0.1:{gw}/v1" in banner and "curl" in banner
         assert f"http://127.0.0.1:{console}" in banner
         assert httpx.get(f"http://127.0.0.1:{console}/_stcore/health").text == "ok"

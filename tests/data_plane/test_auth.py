@@ -1,16 +1,13 @@
 from __future__ import annotations
 
 import hashlib
-import os
-import stat
-import threading
 from pathlib import Path
 
 import pytest
 import yaml
 
 from data_plane.common.errors import AuthenticationError
-from data_plane.gateway.auth import KeyStore, Principal, generate_key, key_digest, write_dev_keys
+from data_plane.gateway.auth import KeyStore, Principal, generate_key, key_digest
 
 KEY_A = "sk-test-aaaaaaaaaaaa"
 KEY_B = "sk-test-bbbbbbbbbbbb"
@@ -136,38 +133,3 @@ def test_generate_key():
     k1, k2 = generate_key(), generate_key("sk-x-")
     assert k1.startswith("sk-sb-") and k2.startswith("sk-x-") and k1 != k2
     assert len(k1) >= len("sk-sb-") + 43 and ":" not in k1 and not any(c.isspace() for c in k1)
-
-
-def test_write_dev_keys_creates_mode_600_and_is_idempotent(tmp_path: Path):
-    path = tmp_path / "sub" / "keys.yaml"
-    keys = write_dev_keys(path)
-    assert set(keys) == {"free", "plus", "enterprise"}
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert write_dev_keys(path) == keys
-    assert write_dev_keys(path, tiers=("plus", "gold")) == {"plus": keys["plus"]}
-    store = KeyStore.from_yaml(path)
-    for tier, key in keys.items():
-        assert store.authenticate(f"Bearer {key}").tier == tier
-    assert [p.name for p in path.parent.iterdir()] == ["keys.yaml"]  # no temp files left
-
-
-def test_write_dev_keys_reads_existing_file_untouched(tmp_path: Path):
-    path = tmp_path / "keys.yaml"
-    body = yaml.safe_dump({"keys": [{"key": KEY_A, "tenant": "t", "tier": "free"},
-                                    {"key_sha256": key_digest(KEY_B), "tenant": "t", "tier": "plus"}]})
-    path.write_text(body)
-    os.chmod(path, 0o600)
-    assert write_dev_keys(path) == {"free": KEY_A}
-    assert path.read_text() == body
-
-
-def test_write_dev_keys_concurrent_callers_agree(tmp_path: Path):
-    path = tmp_path / "keys.yaml"
-    results: list[dict[str, str]] = []
-    threads = [threading.Thread(target=lambda: results.append(write_dev_keys(path))) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(results) == 8 and all(r == results[0] for r in results)
-    assert len(KeyStore.from_yaml(path)) == 3

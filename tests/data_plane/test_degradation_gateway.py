@@ -170,6 +170,39 @@ def test_tier_policy_is_hot_reloaded(stack: Stack) -> None:
     assert stack.chat("plus", max_tokens=8).status_code == 400  # the valid policy stays in force
 
 
+def test_a_tier_deleted_from_the_hot_policy_refuses_its_keys_everywhere(stack: Stack) -> None:
+    """Deleting a tier from the control plane's policy used to leave its keys served at the tier the
+    gateway started with; now they get 403 tier_removed on every route (chat, models, stored records),
+    the other tiers are untouched, and restoring the tier serves them again."""
+    before = {"tiers": stack.admin.get("/admin/v1/tiers").json()["tiers"]}  # the earlier tests' policy
+    policy = {"tiers": {name: tier for name, tier in before["tiers"].items() if name != "plus"}}
+    assert stack.admin.put("/admin/v1/tiers", json=policy).status_code == 200
+
+    def refused() -> bool:
+        return stack.chat("plus").status_code == 403
+
+    eventually(refused, PROPAGATION_S)
+    plus = {"Authorization": f"Bearer {KEYS['plus']}"}
+    for resp in (stack.chat("plus"), stack.chat("plus", stream=True),
+                 httpx.get(stack.gateway.url + "/v1/models", headers=plus, timeout=5.0),
+                 httpx.get(stack.gateway.url + "/v1/chat/completions", headers=plus, timeout=5.0),
+                 httpx.get(stack.gateway.url + "/v1/responses/resp_nope", headers=plus, timeout=5.0)):
+        assert resp.status_code == 403, (resp.request.url, resp.text)
+        error = resp.json()["error"]
+        assert (error["type"], error["code"]) == ("permission_error", "tier_removed"), error
+        assert "'plus'" in error["message"] and KEYS["plus"] not in error["message"]
+    for tier in ("free", "enterprise"):
+        assert stack.chat(tier).status_code == 200
+    scrape = httpx.get(stack.gateway.url + "/metrics", timeout=5.0).text
+    assert 'switchboard_gateway_tier_refusals_total{tier="plus"}' in scrape
+    assert 'code="tier_removed"' in scrape and 'status="403"' in scrape
+    log = stack.gateway.log_tail(200_000)
+    assert "its tier 'plus' is not in the tier policy in force" in log and KEYS["plus"] not in log
+
+    assert stack.admin.put("/admin/v1/tiers", json=before).status_code == 200
+    eventually(lambda: stack.chat("plus", max_tokens=1).status_code == 200, PROPAGATION_S)
+
+
 def test_gateway_keeps_the_last_state_without_the_control_plane(stack: Stack) -> None:
     stack.pin(3)
     stack.control_plane.kill()
@@ -264,3 +297,26 @@ async def test_watcher_refuses_a_policy_the_gateway_cannot_serve() -> None:
         assert watcher.current().degradation.level == 3 and watcher.current().tiers == TierPolicy.default()
         assert not await watcher._sync(wait_s=0, timeout_s=1)  # 503: unreachable, last state kept
         assert not watcher.reachable and watcher.current().degradation.level == 3
+
+
+def test_tier_gate_refuses_a_missing_tier_and_logs_its_key_id_once_a_minute(caplog) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from data_plane.common.errors import PermissionDenied
+    from data_plane.gateway.auth import Principal
+    from data_plane.gateway.tier_gate import TierGate
+
+    now = [0.0]
+    registry = CollectorRegistry()
+    gate = TierGate(registry, clock=lambda: now[0])
+    policy = TierPolicy.default()
+    assert gate.tier(Principal("abc123", "acme", "plus"), policy).name == "plus"
+    gone = Principal("def456", "acme", "gold")
+    with caplog.at_level("WARNING", logger="data_plane.gateway.tier_gate"):
+        for t in (0.0, 30.0, 61.0):
+            now[0] = t
+            with pytest.raises(PermissionDenied) as refused:
+                gate.tier(gone, policy)
+            assert (refused.value.status, refused.value.code) == (403, "tier_removed")
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["refusing API key def456"] * 2
+    assert registry.get_sample_value("switchboard_gateway_tier_refusals_total", {"tier": "gold"}) == 3

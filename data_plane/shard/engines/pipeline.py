@@ -49,6 +49,10 @@ docs/SHARDING.md. These block ops, and how they ride among passes in flight (a
 GATHER behind the batch queue's passes completes when the newest of them is collected), are in
 pipeline_kv.py (`KVHops`, which Hops extends), each with its span.
 
+The group's TCPStore (its rendezvous: arguments, link addresses, load reports, heartbeats) holds only
+values sealed with a key derived from the cluster token (pipeline_store.py): a process without the
+token can neither read nor forge them, and a stage with the wrong token exits on its first read.
+
 Losing a stage: every stage beats a heartbeat counter into the group's TCPStore every
 HEARTBEAT_S; stage 0's monitor thread declares a stage lost when its process exited (kill -9: the
 next check) or its counter stood still for `timeout_s` (frozen: SIGSTOP, a hung host), and calls
@@ -70,7 +74,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -91,6 +94,7 @@ from data_plane.shard.engines.pipeline_net import (
     header_size,
     wire,
 )
+from data_plane.shard.engines.pipeline_store import GroupStore
 
 log = logging.getLogger(__name__)
 
@@ -407,12 +411,15 @@ class PipelineGroup:
     def start(self, hidden: int, dtype: torch.dtype, load_timeout_s: float = 600.0) -> Hops:
         """Spawn stages 1..N-1 (but the remote ones, which join from their hosts), wait until all
         connected their links (they load their layers first)."""
-        import torch.distributed as dist
+        from data_plane.common.hop_auth import cluster_token_from_env
 
+        token = cluster_token_from_env()
         if self.spec.remote and not self.spec.port:
             raise ValueError("stages joining from other hosts need a fixed pipeline port")
-        self._store = dist.TCPStore(self.spec.host, self.port, self.spec.size, True,
-                                    timeout=timedelta(seconds=load_timeout_s), wait_for_workers=False)
+        if self.spec.remote and not token:  # pipeline_store.py: a group open to other hosts proves the token
+            raise ValueError("stages joining from other hosts need the cluster token: set SWITCHBOARD_CLUSTER_TOKEN "
+                             "here and on every stage")
+        self._store = GroupStore.serve(self.spec.host, self.port, self.spec.size, token, load_timeout_s)
         for rank in range(1, self.spec.size):
             # What a joining stage runs with: the arguments stage 0 would have started it with.
             self._store.set(f"spec/{rank}", json.dumps(self.stage_command(rank)[3:]))
@@ -445,9 +452,7 @@ class PipelineGroup:
         return None
 
     def _watch(self) -> None:
-        import torch.distributed as dist
-
-        store = dist.TCPStore(self.spec.host, self.port, self.spec.size, False, timeout=timedelta(seconds=5))
+        store = self._store.another(5.0)
         seen: dict[int, tuple[int, float]] = {r: (-1, time.monotonic()) for r in range(1, self.spec.size)}
         while not self._stop.wait(HEARTBEAT_S / 2):
             now = time.monotonic()
@@ -456,7 +461,7 @@ class PipelineGroup:
                 if proc is not None and proc.poll() is not None:
                     return self._lose(rank, f"stage {rank} exited ({proc.returncode})")
                 try:
-                    beat = int(store.add(f"hb/{rank}", 0))
+                    beat = store.beat_count(rank)  # sealed and growing: a forged or replayed beat does not count
                 except Exception as exc:  # noqa: BLE001 - the store is stage 0's own: treat as lost
                     return self._lose(rank, f"heartbeat store failed: {exc}")
                 if beat != last:

@@ -4,7 +4,7 @@
     threading.Thread(target=heartbeat, args=(store, rank, stop), daemon=True).start()   # a later stage
 
 Stage 0 (data_plane/shard/engines/pipeline.py) watches each later stage's heartbeat counter in its
-TCPStore; a stage (pipeline_stage.py) beats it every HEARTBEAT_S and leaves when its beats stop
+TCPStore (sealed: pipeline_store.py); a stage (pipeline_stage.py) beats it every HEARTBEAT_S and leaves when its beats stop
 getting through. A stage on another host joins with `switchboard stage --join`. The chain's wire
 format: a header of `header_size(max_num_seqs)` longs (op first), then the op's tensors; 2-byte
 floats travel as int16 views (`wire`).
@@ -176,9 +176,11 @@ def heartbeat(store: Any, rank: int, stop: threading.Event, give_up_s: float = S
                 os._exit(1)
 
     threading.Thread(target=watchdog, name="heartbeat-watchdog", daemon=True).start()
+    count = 0
     while not stop.wait(HEARTBEAT_S):
+        count += 1
         try:
-            store.add(f"hb/{rank}", 1)
+            store.beat(rank, count)  # pipeline_store.GroupStore: sealed, so only a stage with the token beats
         except Exception:  # noqa: BLE001 - stage 0 is gone: the stage exits with it
             os._exit(1)
         last[0] = time.monotonic()

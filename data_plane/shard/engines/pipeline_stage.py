@@ -8,7 +8,9 @@ A stage started by stage 0 is its child; one on another host joins with `--join`
 `switchboard shard --pipeline-parallel-size 2 --pipeline-host 10.0.0.1 --pipeline-port 29500
 --pipeline-remote-stages 1`) and takes every other argument from what stage 0 published in its
 TCPStore; `--bind` is its own address, where it listens for its links (pipeline_links.py). Its
-environment needs the cluster's SWITCHBOARD_CLUSTER_TOKEN: stage 0 refuses a stage without it.
+environment needs the cluster's SWITCHBOARD_CLUSTER_TOKEN: the store's values are sealed with it
+(pipeline_store.py), so a stage without it, or with another, exits at its first read with one line,
+before loading anything; and stage 0's links refuse it too.
 
 It loads only its layers' weights (plus the rotary tables) and the KV cache of those layers,
 connects its links to stage 0 and its neighbours (addresses from stage 0's TCPStore on
@@ -30,21 +32,29 @@ import os
 import sys
 import threading
 import time
-from datetime import timedelta
 
 log = logging.getLogger("switchboard.pipeline_stage")
 
 
 def joined(join: str, rank: int, bind: str, threads: int | None) -> list[str]:
     """The arguments of a stage joining from another host: what stage 0 published for `rank` in its
-    TCPStore at `join` (HOST:PORT), with this host's own address (and threads) for its links."""
-    import torch.distributed as dist
-
+    TCPStore at `join` (HOST:PORT), with this host's own address (and threads) for its links. Read
+    before anything is loaded or written: a missing or wrong cluster token is a one-line exit at once
+    (pipeline_store.py), and the group is not touched."""
+    from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV, cluster_token_from_env
     from data_plane.shard.engines.pipeline_net import STORE_WAIT_S
+    from data_plane.shard.engines.pipeline_store import GroupStore, StoreRefused
 
+    token = cluster_token_from_env()
+    if not token:
+        raise SystemExit(f"switchboard stage: {CLUSTER_TOKEN_ENV} is not set: a stage joining a pipeline group must "
+                         "prove the cluster's token (the cluster_token of stage 0's credentials)")
     host, _, port = join.rpartition(":")
-    store = dist.TCPStore(host, int(port), None, False, timeout=timedelta(seconds=STORE_WAIT_S))
-    args: list[str] = json.loads(store.get(f"spec/{rank}"))
+    try:
+        store = GroupStore.connect(host, int(port), token, STORE_WAIT_S)
+        args: list[str] = json.loads(store.get(f"spec/{rank}"))
+    except StoreRefused as exc:
+        raise SystemExit(f"switchboard stage: refused by the group at {join}: {exc}") from None
     args += ["--host", host, "--bind", bind]
     return args + (["--threads", str(threads)] if threads else [])
 
@@ -91,8 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s stage{args.rank} %(levelname)s %(message)s")
 
     import torch
-    import torch.distributed as dist
 
+    from data_plane.common.hop_auth import cluster_token_from_env
     from data_plane.model_store import model_source
     from data_plane.shard.engines.kv_cache import (
         PrefixCache,
@@ -117,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         heartbeat,
         wire,
     )
+    from data_plane.shard.engines.pipeline_store import GroupStore, StoreRefused
     from data_plane.shard.engines.torch_config import DTYPES
     from data_plane.shard.engines.weight_source import CpuCaps, resolve_plan
 
@@ -137,7 +148,11 @@ def main(argv: list[str] | None = None) -> None:
     import gc
 
     gc.collect()
-    store = dist.TCPStore(args.host, args.port, args.world, False, timeout=timedelta(seconds=600))
+    try:  # the group's store, sealed with the cluster token (pipeline_store.py)
+        store = GroupStore.connect(args.host, args.port, cluster_token_from_env(), 600)
+        store.get(f"spec/{args.rank}")  # a token not the group's: one line now, nothing written
+    except StoreRefused as exc:
+        raise SystemExit(f"switchboard stage {args.rank}: {exc}") from None
     # What this stage holds, for stage 0's report and the benchmark's memory per stage.
     store.set(f"info/{args.rank}", json.dumps({
         "weight_bytes": runner.resident_weight_bytes, "kv_bytes": runner.kv_cache_bytes,
@@ -145,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         "host": "" if args.bind.startswith("127.") else args.bind, "load_s": round(time.monotonic() - t0, 2)}))
     links = Links.join(store, args.rank, args.world, args.bind, timeout_s=600)
     stop = threading.Event()
-    beat_store = dist.TCPStore(args.host, args.port, args.world, False, timeout=timedelta(seconds=5))
+    beat_store = store.another(5.0)
     threading.Thread(target=heartbeat, args=(beat_store, args.rank, stop), name="heartbeat", daemon=True).start()
     log.info("layers %d..%d ready in %.1f s (KV %.0f MiB)", first, end - 1, time.monotonic() - t0,
              runner.kv_cache_bytes / 2**20)
