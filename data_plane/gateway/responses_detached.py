@@ -197,7 +197,8 @@ class BackgroundHandler(ResponsesHandler):
 
 async def watch_remote_cancel(handler: BackgroundHandler, run: Run) -> None:
     """Every CANCEL_POLL_S, whether a cancel reached another gateway (it stores the record cancelled,
-    data_plane/gateway/responses_detached.py `cancel`): then this run is stopped as if cancelled here."""
+    `cancel` below) or the response was deleted: then this run is stopped as if cancelled here (its
+    shard work aborted; a deleted one's end is not written back: the tombstone outranks it)."""
     while not run.done:
         await asyncio.sleep(CANCEL_POLL_S)
         if handler.tier is None:
@@ -207,6 +208,10 @@ async def watch_remote_cancel(handler: BackgroundHandler, run: Run) -> None:
                 log.info("background response %s: cancelled on another gateway", run.id)
                 run.stop(CANCELLED)
                 return
+        except NotFound:  # deleted (DELETE /v1/responses/{id}) while it ran: nobody can read it any more
+            log.info("background response %s: deleted while it ran; stopped", run.id)
+            run.stop(CANCELLED)
+            return
         except SwitchboardError as exc:  # the nodes failed for now: next time
             log.debug("background response %s: cancel check failed (%s)", run.id, exc.code)
 

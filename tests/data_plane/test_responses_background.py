@@ -124,6 +124,19 @@ def test_cancel_aborts_the_shard_work(cluster: Cluster) -> None:
     eventually(lambda: active(cluster) == 0, 10, what="no background response active")
 
 
+def test_deleting_a_running_response_stops_it(cluster: Cluster) -> None:
+    client = sdk(cluster)
+    r = client.responses.create(model=MODEL, input="tell a long story", background=True, max_output_tokens=LONG)
+    eventually(lambda: client.responses.retrieve(r.id).status == "in_progress", 20, what="in_progress")
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    eventually(lambda: shard_running(cluster) == 0, 10, what="the shard's work aborted (no one can read it)")
+    eventually(lambda: active(cluster) == 0, 10, what="the run ended")
+    with pytest.raises(openai.NotFoundError):  # its end was not written back over the tombstone
+        client.responses.retrieve(r.id)
+
+
 def test_stream_then_resume_after_a_sequence_number(cluster: Cluster) -> None:
     client = sdk(cluster)
     first: list = []
