@@ -97,6 +97,7 @@ def _gateway(registry: CollectorRegistry) -> list[object]:
     from data_plane.gateway.metrics import GatewayMetrics
     from data_plane.gateway.ratelimit.limiter import RateLimitMetrics
     from data_plane.gateway.response_cache import ResponseCacheMetrics
+    from data_plane.gateway.responses_background import BackgroundMetrics
     from data_plane.gateway.responses_metrics import ResponsesMetrics
     from data_plane.gateway.safety.pipeline import SafetyMetrics
     from data_plane.gateway.tier_gate import TierGate
@@ -106,7 +107,8 @@ def _gateway(registry: CollectorRegistry) -> list[object]:
     return [GatewayMetrics(registry), SafetyMetrics(registry), RouterMetrics(registry),
             SessionStoreMetrics(registry), RateLimitMetrics(registry), AdmissionMetrics(registry),
             LedgerMetrics(registry), SealMetrics(registry), AbuseGuardMetrics(registry), SlowClientMetrics(registry, "gateway"),
-            ResponseCacheMetrics(registry), MemoryMetrics(registry), ResponsesMetrics(registry), TierGate(registry)]
+            ResponseCacheMetrics(registry), MemoryMetrics(registry), ResponsesMetrics(registry), TierGate(registry),
+            BackgroundMetrics(registry)]
 
 
 def _cache_node(registry: CollectorRegistry) -> list[object]:

@@ -40,7 +40,9 @@ from data_plane.gateway.conversations import mount_conversations
 from data_plane.gateway.keys_file import checked_keys
 from data_plane.gateway.response_store import ConversationStore
 from data_plane.gateway.responses import RESPONSES_PATH, ResponsesHandler, mount_responses
-from data_plane.gateway.responses_count import mount_input_tokens_and_cancel
+from data_plane.gateway.responses_background import BackgroundMetrics, BackgroundRuns, Detach
+from data_plane.gateway.responses_count import mount_input_tokens
+from data_plane.gateway.responses_detached import mount_background, serve_background
 from data_plane.gateway.runtime import Gateway, Runtime, open_runtime
 from data_plane.gateway.safety.pipeline import SafetyPolicies
 from data_plane.gateway.settings import GatewaySettings
@@ -81,6 +83,10 @@ def create_app(gw: Gateway) -> GatewayApp:
             holder.runtime = await open_runtime(gw, stack)
             holder.store = ConversationStore(holder.runtime.sessions, gw.settings.session_ttl_s)
             stack.push_async_callback(holder.store.aclose)  # pending background compactions
+            s = gw.settings
+            holder.background = BackgroundRuns(s.background_per_tenant, s.background_max_s, s.background_keep_s,
+                                               s.background_event_bytes, s.background_held, background_metrics)
+            stack.push_async_callback(holder.background.aclose)  # first: runs store their end while nodes are up
             try:
                 yield
             finally:
@@ -89,6 +95,7 @@ def create_app(gw: Gateway) -> GatewayApp:
     app = FastAPI(title="Switchboard gateway", version="0.1.0", lifespan=lifespan, **fastapi_options(),
                   description="OpenAI-compatible chat completions with server-side sessions.")
     install_error_handlers(app)
+    background_metrics = BackgroundMetrics(gw.registry)
     app.add_route("/debug/spans", guarded(recent_spans_endpoint, cluster_token_from_env()))
     scrape = metrics_endpoint(gw.registry)
 
@@ -129,7 +136,8 @@ def create_app(gw: Gateway) -> GatewayApp:
     app.add_api_route("/v1/usage", usage_route(lambda r: gw.caller(r)[0], gw.ledger),
                       methods=["GET"])
     mount_responses(app, gw, lambda: holder.conversations(), lambda: holder.started())
-    mount_input_tokens_and_cancel(app, gw, lambda: holder.conversations(), lambda: holder.started())
+    mount_input_tokens(app, gw, lambda: holder.conversations(), lambda: holder.started())
+    mount_background(app, gw, lambda: holder.conversations(), lambda: holder.runs())
     mount_conversations(app, gw, lambda: holder.conversations())
     mount_chat_store(app, gw, lambda: holder.conversations())
 
@@ -177,6 +185,7 @@ class GatewayApp:
         self.api = api
         self.runtime: Runtime | None = None
         self.store: ConversationStore | None = None
+        self.background: BackgroundRuns | None = None
         """Set for as long as the lifespan runs (from start-up to shutdown): the one check for it is `started`."""
 
     def started(self) -> Runtime:
@@ -191,6 +200,12 @@ class GatewayApp:
         assert self.store is not None
         return self.store
 
+    def runs(self) -> BackgroundRuns:
+        """This gateway's background responses (503 while not started)."""
+        self.started()
+        assert self.background is not None
+        return self.background
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"] if scope["type"] == "http" and scope["method"] == "POST" else ""
         if path in (CHAT_PATH, RESPONSES_PATH):
@@ -202,7 +217,12 @@ class GatewayApp:
                 return
             handler = (StoredChatHandler(self.gw, runtime, request, self.conversations()) if path == CHAT_PATH else
                        ResponsesHandler(self.gw, runtime, request, self.conversations()))
-            await handler.serve(scope, receive, send)
+            try:
+                await handler.serve(scope, receive, send)
+            except Detach as detach:  # background: true (data_plane/gateway/responses_detached.py)
+                assert isinstance(handler, ResponsesHandler)
+                await serve_background(self.gw, runtime, self.conversations(), self.runs(), handler, detach.raw,
+                                       scope, receive, send)
         else:
             await self.api(scope, receive, send)
 

@@ -63,10 +63,15 @@ class Record:
     """kind RESPONSE: items[start:end] were this response's input."""
     conversation: dict[str, Any] = field(default_factory=dict)
     """kind CONVERSATION: id, created_at, metadata."""
+    deadline: float = 0.0
+    """A background response stored unfinished (queued, in_progress): the wall-clock time by which its
+    gateway ends it; past it, a reader knows that gateway is gone (data_plane/gateway/responses_background.py)."""
 
     def to_message(self) -> dict[str, str]:
-        body = {"kind": self.kind.value, "items": self.items, "route": self.route, "response": self.response,
+        body: dict[str, Any] = {"kind": self.kind.value, "items": self.items, "route": self.route, "response": self.response,
                 "input_range": list(self.input_range), "conversation": self.conversation}
+        if self.deadline:
+            body["deadline"] = self.deadline
         return {"role": META_ROLE, "content": json.dumps(body, ensure_ascii=False, separators=(",", ":"))}
 
     @classmethod
@@ -76,7 +81,7 @@ class Record:
         body = json.loads(messages[0]["content"])
         start, end = body.get("input_range") or (0, 0)
         return cls(record_id, Kind(body["kind"]), body["items"], body["route"], version, body.get("response"),
-                   (start, end), body.get("conversation") or {})
+                   (start, end), body.get("conversation") or {}, float(body.get("deadline") or 0.0))
 
 
 def not_found(kind: Kind, record_id: str) -> NotFound:

@@ -46,6 +46,7 @@ from data_plane.gateway.context import Window, fit_window
 from data_plane.gateway.memory import Compaction, compact, fit_with_recall, open_compaction
 from data_plane.gateway.record_locks import record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, Record
+from data_plane.gateway.responses_background import Detach
 from data_plane.gateway.responses_items import (
     ResponsesRequest,
     input_items,
@@ -120,6 +121,8 @@ class ResponsesHandler(ChatHandler):
         """The chat request of the whole conversation: instructions, the stored history, the new input
         (so a function_call_output answers a call the history holds, as the chat path checks)."""
         rreq = self.rreq = parse_responses_request(raw, self.request.headers.get("content-type"))
+        if rreq.background:
+            self.go_background(rreq, raw)
         self.new_items = input_items(rreq.input)
         if not self.new_items:
             raise InvalidRequest("input is required", param="input")
@@ -127,6 +130,14 @@ class ResponsesHandler(ChatHandler):
         await self._load_history(rreq, self.tier)
         req, self.history_messages = rreq.turn_request(self.history_items, self.new_items, self._open_compaction)
         return req
+
+    def go_background(self, rreq: ResponsesRequest, raw: bytes) -> None:
+        """``background: true``: hand the request to the app, which runs it apart from this connection
+        (data_plane/gateway/responses_background.py); it needs ``store`` (400 otherwise, as OpenAI's)."""
+        if rreq.store is False:
+            raise InvalidRequest("background responses must be stored: set store to true (the default)",
+                                 param="store")
+        raise Detach(raw)
 
     async def context(self, req: ChatCompletionRequest, messages: list[dict[str, str]],
                       tier: Tier) -> list[dict[str, str]]:
@@ -385,18 +396,11 @@ def record_principal(gw: Gateway, request: Request) -> tuple[Any, str, int]:
 
 def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore],
                     runtime: Callable[[], Runtime]) -> None:
-    """GET/DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items and POST
-    /v1/responses/compact on `app`; `store()` and `runtime()` once the lifespan opened them."""
+    """DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items and POST /v1/responses/compact
+    on `app` (GET and cancel: data_plane/gateway/responses_detached.py); `store()` and `runtime()` once the lifespan opened them."""
 
     def caller(request: Request) -> tuple[str, int]:
         return record_caller(gw, request)
-
-    @app.get(RESPONSES_PATH + "/{response_id}")
-    async def retrieve(response_id: str, request: Request) -> dict[str, Any]:
-        with observed(gw.responses_metrics, Op.RETRIEVE, request):
-            owner, replicas = caller(request)
-            record = await store().load(response_id, owner, replicas, Kind.RESPONSE)
-            return dict(record.response or {})
 
     @app.delete(RESPONSES_PATH + "/{response_id}")
     async def delete(response_id: str, request: Request) -> dict[str, Any]:

@@ -1,9 +1,7 @@
-"""`POST /v1/responses/input_tokens` and `POST /v1/responses/{id}/cancel`: the Responses API's two
-routes that generate nothing.
+"""`POST /v1/responses/input_tokens`: the Responses API's route that generates nothing.
 
     client.responses.input_tokens.count(model=..., input="And then?", previous_response_id=r.id, tools=[...])
     # InputTokenCountResponse(object="response.input_tokens", input_tokens=57)
-    client.responses.cancel(r.id)   # 400: only background responses can be cancelled (none are, here)
 
 A count is the prompt the same `POST /v1/responses` would send: its instructions, the history of its
 previous response or conversation (tenant-bound: another key's id is a 404), its input, and its tools
@@ -14,9 +12,8 @@ as the shard's chat template renders them. It is counted by a shard (`Upstream.c
 written to the usage ledger. With `truncation: "auto"` the count is the whole conversation, before
 any older turns are dropped to fit the window.
 
-Switchboard runs no background responses (`background: true` is a 400 on create), so no response can
-be cancelled: a known id answers OpenAI's 400 for a response not created in the background, an
-unknown one (or another key's) 404.
+(`POST /v1/responses/{id}/cancel` is with the background responses it cancels:
+data_plane/gateway/responses_detached.py.)
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ from data_plane.common.http_body import read_body
 from data_plane.gateway.memory import open_compaction
 from data_plane.gateway.phases import FORWARDED, cache_salt
 from data_plane.gateway.response_store import ConversationStore, Kind
-from data_plane.gateway.responses import RESPONSES_PATH, record_caller, record_principal, unsealer
+from data_plane.gateway.responses import RESPONSES_PATH, record_principal, unsealer
 from data_plane.gateway.responses_items import (
     ResponsesRequest,
     input_items,
@@ -49,7 +46,6 @@ COUNT_FIELDS = frozenset((
     "tool_choice", "parallel_tool_calls", "truncation", "personality",
 ))
 """The body `client.responses.input_tokens.count` sends (openai-python's input_token_count_params)."""
-NOT_BACKGROUND = "Only responses created with background=true can be cancelled; this response was not."
 
 
 def count_request(body: dict[str, Any]) -> ResponsesRequest:
@@ -64,9 +60,9 @@ def count_request(body: dict[str, Any]) -> ResponsesRequest:
     return rreq
 
 
-def mount_input_tokens_and_cancel(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore],
+def mount_input_tokens(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore],
                                   runtime: Callable[[], Runtime]) -> None:
-    """The two routes on `app`; `store()` and `runtime()` once the lifespan opened them."""
+    """The route on `app`; `store()` and `runtime()` once the lifespan opened them."""
 
     @app.post(RESPONSES_PATH + "/input_tokens")
     async def input_tokens(request: Request) -> dict[str, Any]:
@@ -105,11 +101,3 @@ def mount_input_tokens_and_cancel(app: FastAPI, gw: Gateway, store: Callable[[],
             span.set_attribute("gen_ai.usage.input_tokens", tokens)
             log.info("input tokens counted: %d (%d history items, %d new)", tokens, len(history), len(new_items))
             return {"object": "response.input_tokens", "input_tokens": tokens}
-
-    @app.post(RESPONSES_PATH + "/{response_id}/cancel")
-    async def cancel(response_id: str, request: Request) -> dict[str, Any]:
-        with observed(gw.responses_metrics, Op.CANCEL, request):
-            owner, replicas = record_caller(gw, request)
-            await store().load(response_id, owner, replicas, Kind.RESPONSE)  # 404: unknown or another key's
-            log.info("cancel refused: the response was not created in the background")
-            raise InvalidRequest(NOT_BACKGROUND, param="response_id")

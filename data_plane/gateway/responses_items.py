@@ -85,8 +85,9 @@ class ResponsesRequest(BaseModel):
     """Only ``message.output_text.logprobs`` (the chat path's logprobs on the output text); any
     other includable names output this server never makes (a 400 naming it)."""
     top_logprobs: WholeNumber | None = Field(default=None, ge=0, le=20)
-    # Accepted only at their neutral value (see check_supported).
     background: bool | None = None
+    """Run it in the gateway, apart from this connection (data_plane/gateway/responses_background.py)."""
+    # Accepted only at their neutral value (see check_supported).
     reasoning: dict[str, Any] | None = None
     max_tool_calls: WholeNumber | None = None
     prompt: Any = None
@@ -97,7 +98,7 @@ class ResponsesRequest(BaseModel):
 
     def check_supported(self) -> None:
         neutral: dict[str, tuple[Any, ...]] = {
-            "background": (None, False), "prompt": (None,), "max_tool_calls": (None,), "stop": (None,),
+            "prompt": (None,), "max_tool_calls": (None,), "stop": (None,),
         }
         for name, values in neutral.items():
             if getattr(self, name) not in values:
@@ -397,7 +398,7 @@ def response_object(resp_id: str, req: ResponsesRequest, model: str, *, status: 
     conversation = req.conversation_id
     return {
         "id": resp_id, "object": "response", "created_at": int(created_at or time.time()), "status": status,
-        "background": False, "error": None,
+        "background": bool(req.background), "error": None,
         "incomplete_details": {"reason": incomplete} if incomplete else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": model,
         "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,

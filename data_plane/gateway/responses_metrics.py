@@ -35,6 +35,8 @@ class Op(str, enum.Enum):
     COMPACT = "compact"
     INPUT_TOKENS = "input_tokens"
     CANCEL = "cancel"
+    BACKGROUND = "background"
+    """A background response's own run (its create is counted as CREATE, answered at once)."""
     CONVERSATION_CREATE = "conversation_create"
     CONVERSATION_RETRIEVE = "conversation_retrieve"
     CONVERSATION_UPDATE = "conversation_update"

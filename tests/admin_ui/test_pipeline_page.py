@@ -17,6 +17,7 @@ pytest.importorskip("streamlit")
 from admin_ui.screenshot import Chromium, find_chromium
 from tests.support.cluster import ADMIN_TOKEN
 from tests.support.console import ConsoleRunner, texts
+from tests.support.formats import INVARIANT_ARGS
 from tests.support.live_platform import console_service
 from tests.support.procs import Service
 from tests.support.waits import eventually
@@ -27,7 +28,7 @@ DOCS_IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
 
 def test_cluster_page_shows_a_pipelined_shards_stages_and_hosts(monkeypatch, tmp_path) -> None:
     with Service(["control-plane", "--admin-token", ADMIN_TOKEN]) as cp:
-        shard = Service(["shard", "--dtype", "float32", "--threads", "1", "--pipeline-parallel-size", "2",
+        shard = Service(["shard", *INVARIANT_ARGS, "--threads", "1", "--pipeline-parallel-size", "2",
                          "--max-model-len", "512", "--registry-url", cp.url, "--node-id", "shard-pp"], ready_timeout=240)
         try:
             shard.start()

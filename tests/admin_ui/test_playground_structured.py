@@ -22,6 +22,7 @@ from admin_ui.screenshot import find_chromium
 from admin_ui.views.playground import EXAMPLE_SCHEMA, ToolCalls, output_fields, structured_json
 from tests.support.cluster import ADMIN_TOKEN, Cluster
 from tests.support.console import ConsoleRunner, texts
+from tests.support.formats import INVARIANT_ARGS
 
 DOCS_IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
 PERSON = "Invent a person. Give their name and age."
@@ -48,7 +49,7 @@ def test_output_fields_and_tool_call_assembly() -> None:
 @pytest.fixture(scope="module")
 def torch_cluster() -> Iterator[Cluster]:
     with Cluster(shards=1, caches=1, engine="torch",
-                 shard_args=["--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "2048"],
+                 shard_args=[*INVARIANT_ARGS, "--max-num-seqs", "4", "--max-model-len", "2048"],
                  gateway_args=["--silence-timeout-s", "30"]) as c:
         yield c
 

@@ -159,6 +159,35 @@ def test_native_attention_is_as_close_to_float32_as_the_torch_path_and_rows_stan
     assert torch.equal(alone[0], decode[0])
 
 
+def test_float32_on_blockq_gives_a_token_the_same_bits_whichever_pass_carried_it() -> None:
+    """float32 on blockq sends prompts through attention.Native too (llama_runner.native_prompts), so a
+    position's logits are bit-identical whether its token came in a prompt, a chunk of one, a decode step
+    or a verify pass: what a resumed stream (its text prefilled) and a jump-forward run of forced tokens
+    rely on to continue the unbroken text. Through the torch path for prompts they were not (checked)."""
+    from data_plane.model_store import model_source
+    from data_plane.shard.engines.llama_runner import LlamaRunner
+
+    src = model_source(None)
+    plan = resolve_plan("float32", "int4", source=src.kind, caps=CpuCaps.detect(), kernel="blockq")
+    r = LlamaRunner.from_pretrained(src.path, dtype=torch.float32, max_num_seqs=2, max_len=128, plan=plan,
+                                    gguf=src.gguf)
+    assert r.native is not None and r.native_prompts
+    ids = list(range(400, 440))
+    with torch.inference_mode():
+        whole = r.forward([(1, ids, 0)], logits=[len(ids)])  # slot 1: every position's logits, one prompt pass
+        r.forward([(0, ids[:20], 0)])  # slot 0: a chunk of 20, a chunk of 12, then a decode and a verify pass
+        chunk = r.forward([(0, ids[20:32], 20)], logits=[12])
+        step = r.decode([ids[32]], [32])
+        verify = r.verify([ids[33:40]], [33])
+    assert torch.equal(chunk, whole[20:32])
+    assert torch.equal(step[0], whole[32])
+    assert torch.equal(verify, whole[33:40])
+    r.native_prompts = False  # the torch path for prompts: the chunk's bits differ from the decode row's
+    with torch.inference_mode():
+        torch_whole = r.forward([(1, ids, 0)], logits=[len(ids)])
+    assert not torch.equal(torch_whole[32], step[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_attention_against_a_float64_reference(dtype: torch.dtype) -> None:
     """native/attend.c alone, on random data: rope, the KV write at (slot, head, position) and

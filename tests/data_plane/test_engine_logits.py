@@ -20,6 +20,7 @@ from data_plane.shard.engines.base import GenerationOutput, GenerationRequest, S
 from data_plane.shard.engines.grammar import GrammarError, GrammarKind, GrammarSpec
 from data_plane.shard.engines.torch_config import StepListener
 from data_plane.shard.engines.torch_engine import EngineConfig, TorchEngine
+from tests.support.formats import INVARIANT
 
 ASK = [{"role": "user", "content": "Give me a person as JSON with a name and an age."}]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
@@ -44,7 +45,7 @@ class Seen(StepListener):
 def engine() -> Iterator[tuple[TorchEngine, asyncio.AbstractEventLoop, Seen]]:
     loop = asyncio.new_event_loop()
     seen = Seen()
-    eng = TorchEngine(EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=1024, threads=1,
+    eng = TorchEngine(EngineConfig(**INVARIANT, max_num_seqs=8, max_model_len=1024, threads=1,
                                    speculation="ngram"), seen)
     loop.run_until_complete(eng.start())
     yield eng, loop, seen

@@ -20,6 +20,7 @@ import pytest
 from data_plane.shard.engines.base import GenerationRequest, SamplingParams
 from data_plane.shard.engines.torch_config import StepListener
 from data_plane.shard.engines.torch_engine import EngineConfig, TorchEngine
+from tests.support.formats import INVARIANT
 
 LONG = [{"role": "user", "content": "Summarise the following notes. " + "The meeting covered budgets, hiring, "
          "the roadmap for the next two quarters, and the open questions about the data migration. " * 30}]
@@ -59,7 +60,7 @@ def engine() -> Iterator[tuple[TorchEngine, asyncio.AbstractEventLoop]]:
     # float32: batch-invariant greedy output; a small prefill chunk so the long prompt takes many steps
     # beside_prefill_share 0.75: a 37-token SHORT fits beside a chunk of 64 (the chunk keeps >= 16)
     listener = Preemptions()
-    eng = TorchEngine(EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=1024, prefill_chunk=64,
+    eng = TorchEngine(EngineConfig(**INVARIANT, max_num_seqs=4, max_model_len=1024, prefill_chunk=64,
                                    beside_prefill_share=0.75, prefix_caching=False), listener=listener)
     listener.engine = eng
     loop.run_until_complete(eng.start())

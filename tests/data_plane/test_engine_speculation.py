@@ -19,6 +19,7 @@ import pytest
 from data_plane.shard.engines.base import GenerationOutput, GenerationRequest, SamplingParams
 from data_plane.shard.engines.grammar import GrammarKind, GrammarSpec
 from data_plane.shard.engines.torch_engine import EngineConfig, StepListener, TorchEngine
+from tests.support.formats import INVARIANT
 from tests.support.spec import pin_row_cost
 
 PASSAGE = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.\n"
@@ -44,7 +45,7 @@ class Harness:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.listener = Recorder()
-        self.engine = TorchEngine(EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=1024,
+        self.engine = TorchEngine(EngineConfig(**INVARIANT, max_num_seqs=8, max_model_len=1024,
                                                speculation="ngram", spec_max_batch=8), self.listener)
         self.loop.run_until_complete(self.engine.start())
         pin_row_cost(self.engine)  # drafting decided by the engine's logic, not by how loaded the CPU is

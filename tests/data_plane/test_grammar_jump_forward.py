@@ -22,6 +22,7 @@ from data_plane.bench.schema_corpus import CORPUS
 from data_plane.shard.engines.base import GenerationRequest, SamplingParams
 from data_plane.shard.engines.grammar import GrammarKind, GrammarSpec
 from data_plane.shard.engines.torch_engine import EngineConfig, TorchEngine
+from tests.support.formats import INVARIANT
 
 SCHEMAS = dict(CORPUS)
 
@@ -31,7 +32,7 @@ class Counted:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self.engine = TorchEngine(EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=1024,
+        self.engine = TorchEngine(EngineConfig(**INVARIANT, max_num_seqs=4, max_model_len=1024,
                                                prefix_caching=False))
         self.loop.run_until_complete(self.engine.start())
         self.passes = 0

@@ -25,6 +25,7 @@ import pytest
 
 from tests.support.chat import chat
 from tests.support.cluster import Cluster
+from tests.support.formats import INVARIANT_ARGS
 from tests.support.kv_turns import (
     BLOCK,
     MAX_TOKENS,
@@ -51,7 +52,7 @@ SALT = "tenant:acme"  # what the gateway sends for the test keys' tenant
 @pytest.fixture(scope="module")
 def cluster():
     c = Cluster(shards=2, caches=2, engine="torch",
-                shard_args=["--dtype", "float32", "--max-num-seqs", "4", "--speculation", "off"])
+                shard_args=[*INVARIANT_ARGS, "--max-num-seqs", "4", "--speculation", "off"])
     for cache in c.caches:
         cache.env["SWITCHBOARD_CACHE_KV_MAX_BYTES"] = str(KV_BUDGET_BLOCKS * FRAME_BYTES)
     c.start()
@@ -99,7 +100,7 @@ def test_fetched_turn_span_events_say_fetched_not_computed(cluster: Cluster) -> 
     a = cluster.survivor  # type: ignore[attr-defined]
     # A second shard again, so blocks can cross between shards for the remaining tests.
     b = Service(["shard", "--engine", "torch", "--registry-url", cluster.registry, "--node-id", "shard-b",
-                 "--dtype", "float32", "--max-num-seqs", "4", "--speculation", "off"], ready_timeout=180).start()
+                 *INVARIANT_ARGS, "--max-num-seqs", "4", "--speculation", "off"], ready_timeout=180).start()
     cluster.other = b  # type: ignore[attr-defined]
     cluster.extra = [b]  # type: ignore[attr-defined]
     session, salt = fresh()

@@ -19,6 +19,7 @@ from data_plane.shard.engines.base import GenerationRequest, SamplingParams, Sta
 from data_plane.shard.engines.pipeline import PassTiming, head_layers, split_layers
 from data_plane.shard.engines.torch_config import StepListener
 from data_plane.shard.engines.torch_engine import EngineConfig, TorchEngine
+from tests.support.formats import INVARIANT, INVARIANT_ARGS
 from tests.support.pipeline import exit_within, stage_pids
 from tests.support.procs import Service
 
@@ -107,7 +108,7 @@ async def _generate(engine: TorchEngine, i: int, prompt: str, max_tokens: int = 
 
 async def _outputs(pp: int, listener: StepListener | None = None,
                    stages: list[tuple[StageSpan, ...]] | None = None) -> tuple[list[str], list[str]]:
-    engine = TorchEngine(EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=512, threads=1,
+    engine = TorchEngine(EngineConfig(**INVARIANT, max_num_seqs=4, max_model_len=512, threads=1,
                                       prefill_chunk=32, prefix_caching=False, speculation="ngram",
                                       pipeline_parallel_size=pp), listener)
     await engine.start()
@@ -199,7 +200,7 @@ def _gone(pid: int) -> bool:
 
 
 def test_frozen_stage_is_detected_in_about_a_second_and_the_shard_exits() -> None:
-    shard = Service(["shard", "--dtype", "float32", "--threads", "1", "--pipeline-parallel-size", "2",
+    shard = Service(["shard", *INVARIANT_ARGS, "--threads", "1", "--pipeline-parallel-size", "2",
                      "--max-model-len", "512"], ready_timeout=240)
     shard.start()
     try:
@@ -313,7 +314,7 @@ def test_prefix_cache_hits_through_two_stages() -> None:
 
     async def run() -> list[tuple[str, int]]:
         # one slot: the second prompt (24 tokens in common, 51 + 16 in all) overwrites the first's KV there
-        engine = TorchEngine(EngineConfig(dtype="float32", max_num_seqs=1, max_model_len=512, threads=1,
+        engine = TorchEngine(EngineConfig(**INVARIANT, max_num_seqs=1, max_model_len=512, threads=1,
                                           prefill_chunk=32, prefix_caching=True, pipeline_parallel_size=2))
         await engine.start()
         try:

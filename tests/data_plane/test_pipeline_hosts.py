@@ -23,6 +23,7 @@ import time
 import pytest
 
 from tests.reliability.netns import Hosts
+from tests.support.formats import INVARIANT_ARGS
 from tests.support.metrics import metric
 from tests.support.procs import CLUSTER_TOKEN, ROOT, Service, free_port
 
@@ -56,10 +57,10 @@ def test_stage_in_another_namespace_serves_and_a_cut_link_resumes_every_stream(h
     from tests.support.cluster import api_keys_env
 
     port = free_port()
-    piped = Service(["shard", "--dtype", "float32", "--threads", "1", "--pipeline-parallel-size", "2",
+    piped = Service(["shard", *INVARIANT_ARGS, "--threads", "1", "--pipeline-parallel-size", "2",
                      "--pipeline-host", hosts.cp_addr, "--pipeline-port", str(port), "--pipeline-remote-stages", "1",
                      "--pipeline-exit-linger-s", "0"], ready_timeout=300)
-    plain = Service(["shard", "--dtype", "float32", "--threads", "1"], ready_timeout=300)
+    plain = Service(["shard", *INVARIANT_ARGS, "--threads", "1"], ready_timeout=300)
     shards = [piped, plain]
     stage: subprocess.Popen[bytes] | None = None
     try:

@@ -18,6 +18,7 @@ from datetime import timedelta
 import httpx
 import torch.distributed as dist
 
+from tests.support.formats import INVARIANT_ARGS
 from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, ROOT, Service, free_port
 
 
@@ -43,7 +44,7 @@ def _refused(port: int, token: str | None) -> tuple[str, float]:
 
 def test_a_stage_without_the_cluster_token_is_refused_at_once_and_the_real_one_joins(tmp_path) -> None:
     port = free_port()
-    shard = Service(["shard", "--dtype", "float32", "--threads", "1", "--max-model-len", "512",
+    shard = Service(["shard", *INVARIANT_ARGS, "--threads", "1", "--max-model-len", "512",
                      "--pipeline-parallel-size", "2", "--pipeline-host", "127.0.0.1", "--pipeline-port", str(port),
                      "--pipeline-remote-stages", "1", "--pipeline-exit-linger-s", "0"], ready_timeout=300)
     stage: subprocess.Popen[bytes] | None = None

@@ -26,12 +26,13 @@ import httpx
 import pytest
 
 from tests.support.cluster import Cluster
+from tests.support.formats import INVARIANT_ARGS
 from tests.support.kv_turns import BLOCK, STORY, cached, direct, fresh, reference, span_event, text, total, two_turns
 from tests.support.procs import CLUSTER_HEADERS, Service
 
 pytestmark = pytest.mark.slow
 
-SHARD_ARGS = ["--dtype", "float32", "--max-num-seqs", "4", "--speculation", "off"]
+SHARD_ARGS = [*INVARIANT_ARGS, "--max-num-seqs", "4", "--speculation", "off"]
 STAGES = 3  # 30 layers, the head on stage 0 counted as 8: 0-4 | 5-17 | 18-29
 LATER_LAYERS = 25
 PER_BLOCK = 2 * LATER_LAYERS * 3 * BLOCK * 64 * 4  # the later stages' layers of one fp32 block: K and V

@@ -249,7 +249,7 @@ def test_a_turn_sent_the_moment_the_last_one_completes_is_not_refused(stack: Sta
 
 
 @pytest.mark.parametrize("body,status,param", [
-    ({"input": "x", "background": True}, 400, "background"),
+    ({"input": "x", "background": True, "store": False}, 400, "store"),
     ({"input": "x", "bogus": 1}, 400, "bogus"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, 400, "input[0].type"),
     ({"input": "x", "previous_response_id": "resp_nope"}, 404, "response_id"),
@@ -487,3 +487,21 @@ def test_agents_sdk_responses_model_with_a_function_tool_and_an_output_type(stac
     text, report = asyncio.run(run())
     assert calls and text == f"Sunny in {calls[0]}"
     assert isinstance(report, Report)
+
+
+def test_background_response_with_the_real_model(stack: Stack) -> None:
+    """`background=True` runs the same request apart from the connection: the same greedy text as the
+    foreground create, polled with retrieve, its events followed again from a sequence number."""
+    sdk = stack.sdk()
+    ask = {"model": MODEL, "input": "What is the capital of France?", "instructions": SYSTEM,
+           "max_output_tokens": 12, "temperature": 0}
+    fg = sdk.responses.create(**ask, extra_headers={"Cache-Control": "no-cache"})
+    bg = sdk.responses.create(**ask, background=True, extra_headers={"Cache-Control": "no-cache"})
+    assert bg.status in ("queued", "in_progress") and bg.background is True
+    eventually(lambda: sdk.responses.retrieve(bg.id).status not in ("queued", "in_progress"), 60,
+               what="the background response done")
+    done = sdk.responses.retrieve(bg.id)
+    assert done.output_text == fg.output_text and "Paris" in done.output_text
+    with sdk.responses.retrieve(bg.id, stream=True, starting_after=2) as events:
+        got = list(events)
+    assert got[0].sequence_number == 3 and got[-1].response.output_text == fg.output_text

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from tests.support.cluster import KEYS, Cluster
+from tests.support.formats import INVARIANT_ARGS
 from tests.support.metrics import metric
 from tests.support.procs import Service
 from tests.support.waits import eventually
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 BLOCK = 16
 MAX_TOKENS = 16
-SHARD_ARGS = ["--dtype", "float32", "--max-num-seqs", "4", "--speculation", "off"]
+SHARD_ARGS = [*INVARIANT_ARGS, "--max-num-seqs", "4", "--speculation", "off"]
 STORY = ("Tell me, in plain words, how a bicycle's gears, chain and derailleur work together when a rider "
          "climbs a steep hill, and why the cassette has so many sprockets. ")
 FOLLOW_UP = "And when going downhill?"

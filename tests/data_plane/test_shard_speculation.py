@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from tests.support.formats import INVARIANT_ARGS
 from tests.support.metrics import metric
 from tests.support.procs import CLUSTER_HEADERS, Service
 
@@ -23,7 +24,7 @@ NAMES = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens
 
 @pytest.fixture(scope="module")
 def off_shard() -> Iterator[Service]:
-    svc = Service(["shard", "--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "1024",
+    svc = Service(["shard", *INVARIANT_ARGS, "--max-num-seqs", "4", "--max-model-len", "1024",
                    "--speculation", "off"], ready_timeout=180)
     svc.start()
     yield svc

@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, Field
 
 from tests.support.cluster import KEYS, Cluster
+from tests.support.formats import INVARIANT_ARGS
 from tests.support.guidellm import run_guidellm
 
 BLOCKED = "nukeville"
@@ -51,7 +52,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tiers["tiers"]["enterprise"]["safety"] = "strict"
     (tmp / "tiers.yaml").write_text(yaml.safe_dump(tiers))
     with Cluster(shards=1, caches=1, engine="torch",
-                 shard_args=["--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "2048"],
+                 shard_args=[*INVARIANT_ARGS, "--max-num-seqs", "8", "--max-model-len", "2048"],
                  # a generous silence bound: these tests are about the API, not failover (2 cores, loaded)
                  gateway_args=["--safety-file", str(tmp / "safety.yaml"), "--tiers-file", str(tmp / "tiers.yaml"),
                                "--silence-timeout-s", "30"]

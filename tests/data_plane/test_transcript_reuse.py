@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.support.cluster import Cluster
+from tests.support.formats import INVARIANT_ARGS
 from tests.support.metrics import metric
 
 BLOCK = 16
@@ -26,7 +27,7 @@ QUESTIONS = [
 @pytest.fixture(scope="module")
 def stack():
     with Cluster(shards=1, caches=1, engine="torch",
-                 shard_args=["--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "448"]) as c:
+                 shard_args=[*INVARIANT_ARGS, "--max-num-seqs", "4", "--max-model-len", "448"]) as c:
         yield c
 
 

@@ -10,6 +10,7 @@ attempt went to and how many attempts there were. No processes.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from typing import Any
@@ -287,7 +288,7 @@ async def test_a_tool_call_stream_resumes_with_its_envelope_so_far() -> None:
     assert resumed["continue_final_message"] is True
 
 
-async def test_a_json_schema_stream_resumes_but_several_choices_do_not() -> None:
+async def test_a_json_schema_stream_resumes() -> None:
     schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
     pool = Pool(Response(200, [[token('{"a":', 1)], HopDisconnected("reset")]),
                 Response(200, [[token("1}", 1)], [FINISH]]))
@@ -296,12 +297,56 @@ async def test_a_json_schema_stream_resumes_but_several_choices_do_not() -> None
                                      session_id=None)
     assert "".join(e.text for e in await drain(stream) if isinstance(e, Delta)) == '{"a":1}'
     assert pool.posts[1][1]["messages"][-1]["content"] == '{"a":'
-    pool = Pool(Response(200, [[token("a", 1)], HopDisconnected("reset")]), Response(200, [[token("never")]]))
-    up, _ = upstream(pool)
-    stream = await up.open_resumable(ShardRequest.model_validate({**BODY.wire(), "n": 2}), session_id=None)
+
+
+def choice(index: int, text: str, completion: int, finish: str | None = None) -> bytes:
+    chunk: dict[str, Any] = {"choices": [{"index": index, "delta": {"content": text}, "finish_reason": finish}],
+                             "usage": {"prompt_tokens": 7, "completion_tokens": completion}}
+    return b"data: " + json.dumps(chunk).encode()
+
+
+async def test_several_choices_resume_each_from_its_own_text() -> None:
+    """n=2, the shard dies with choice 1 finished and choice 0 half-way: choice 0 alone is continued (one
+    choice, its own text, the tokens it has left), its events come back as index 0, and usage is the
+    original prompt once with both choices' tokens; a choice that fails past the resumes ends the stream."""
+    pool = Pool(Response(200, [[choice(0, "Hello", 1), choice(1, "Hi", 1)], [choice(1, " all", 2), choice(1, "", 2, "stop")],
+                               HopDisconnected("reset")]),
+                Response(200, [[token(" there", 1)], [FINISH], [USAGE]]))
+    up, registry = upstream(pool)
+    stream = await up.open_resumable(ShardRequest.model_validate({**BODY.wire(), "n": 2, "max_tokens": 10,
+                                                                  "request_id": "r1"}), session_id=None)
+    events = await drain(stream)
+    text = {i: "".join(e.text for e in events if isinstance(e, Delta) and e.index == i) for i in (0, 1)}
+    assert text == {0: "Hello there", 1: "Hi all"}
+    assert sorted((e.index, e.reason) for e in events if isinstance(e, Finish)) == [(0, "stop"), (1, "stop")]
+    (_, resumed) = pool.posts[1]
+    assert len(pool.posts) == 2 and resumed["n"] == 1 and resumed["max_tokens"] == 9
+    assert resumed["messages"][-1] == {"role": "assistant", "content": "Hello"} and resumed["continue_final_message"]
+    assert resumed["request_id"] == "r1-lane0"  # its own id: another choice may continue on the same shard
+    assert events[-1] == UsageEvent(7, (1 + 3) + 2, 0)  # choice 0: 1 then 3 on the second shard; choice 1: 2
+    assert [e.usage for e in events if isinstance(e, Delta) and e.index == 0] == [(7, 1), (7, 2)]
+    assert count(registry, "switchboard_router_resumes_total", reason="stream_broken") == 1
+    # past the resumes: the stream ends with the shard's failure (an error event), it never hangs
+    pool = Pool(Response(200, [[choice(0, "a", 1), choice(1, "b", 1)], HopDisconnected("reset")]),
+                Response(200, [[token("c", 1)], HopDisconnected("reset")]), Response(200, [[token("d", 1)]]),
+                Response(200, [[token("e", 1)]]))
+    up, _ = upstream(pool, resumes=1)
+    stream = await up.open_resumable(ShardRequest.model_validate({**BODY.wire(), "n": 2, "max_tokens": 10}),
+                                     session_id=None)
     with pytest.raises(UpstreamError):
-        await drain(stream)
-    assert len(pool.posts) == 1
+        await asyncio.wait_for(drain(stream), 10)
+    stream.close()
+    assert [body["messages"][-1]["content"] for _, body in pool.posts[1:3]] == ["a", "b"]  # each its own text
+    # a continuation whose shard sends an error event past the resumes: the stream ends with it
+    pool = Pool(Response(200, [[choice(0, "a", 1), choice(1, "b", 1)], HopDisconnected("reset")]),
+                Response(200, [[token("c", 1)], [ERROR_EVENT]]), Response(200, [[token("d", 1)], [ERROR_EVENT]]))
+    up, _ = upstream(pool, resumes=1)
+    stream = await up.open_resumable(ShardRequest.model_validate({**BODY.wire(), "n": 2, "max_tokens": 10}),
+                                     session_id=None)
+    with pytest.raises(SwitchboardError) as raised:
+        await asyncio.wait_for(drain(stream), 10)
+    assert "engine died" in raised.value.message
+    stream.close()
 
 
 # -- counting a prompt (POST /v1/responses/input_tokens): no stream, the same retry rules ------------

@@ -19,6 +19,7 @@ import pytest
 
 from dashboards.catalogue import JOBS
 from tests.observability.exprs import NEEDS_PIPELINE, dashboard_exprs, fast_rules, substitute
+from tests.support.formats import INVARIANT_ARGS
 from tests.support.pipeline import exit_within, stage_pids
 from tests.support.procs import CLUSTER_HEADERS, Service
 from tests.support.prometheus import PROMETHEUS, Prometheus
@@ -35,7 +36,7 @@ def _chat(shard: Service, content: str, trace_id: str) -> None:
 
 
 def test_pipeline_row_spans_and_stage_down_alert(tmp_path: Path) -> None:
-    shard = Service(["shard", "--dtype", "float32", "--threads", "1", "--pipeline-parallel-size", "2",
+    shard = Service(["shard", *INVARIANT_ARGS, "--threads", "1", "--pipeline-parallel-size", "2",
                      "--max-model-len", "512", "--pipeline-exit-linger-s", "4"], ready_timeout=240)
     shard.start()
     prometheus = Prometheus(tmp_path, {JOBS["shard"]: [shard.url.removeprefix("http://")]}, fast_rules(tmp_path))

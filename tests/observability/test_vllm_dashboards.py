@@ -23,6 +23,7 @@ from dashboards.catalogue import NOTES
 from dashboards.check import HttpPrometheus, check_dir
 from tests.observability.vllm_panels import CANNOT_APPLY, FILLS, NO_MODEL_NAME, parse
 from tests.support.cluster import Cluster
+from tests.support.formats import INVARIANT_ARGS
 from tests.support.prometheus import PROMETHEUS, Prometheus, watched
 from tests.support.waits import eventually
 
@@ -78,7 +79,7 @@ def present(prometheus: Prometheus, series: str) -> bool:
 @pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (apt-get install prometheus)")
 def test_vllm_dashboard_panels_fill(tmp_path: Path) -> None:
     cluster = Cluster(shards=1, caches=1, engine="torch", shard_args=[
-        "--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "1024",
+        *INVARIANT_ARGS, "--max-num-seqs", "4", "--max-model-len", "1024",
         "--prefix-cache-bytes", str(12 * BLOCK_BYTES)])
     with watched(cluster, tmp_path) as prometheus:
         drive(cluster)

@@ -18,6 +18,7 @@ from typing import Self
 
 import httpx
 
+from tests.support.formats import INVARIANT_ARGS
 from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, Service, free_port, stop_all
 
 KEYS = {
@@ -91,8 +92,9 @@ class Cluster:
         self.stop()
 
 
-FP32_SHARD = ("--dtype", "float32", "--threads", "1")
-"""A real-model shard's flags where greedy output must not depend on batching: float32, one thread."""
+FP32_SHARD = (*INVARIANT_ARGS, "--threads", "1")
+"""A real-model shard's flags where greedy output must not depend on batching: the batch-invariant format
+(tests/support/formats.py), one thread."""
 
 
 @contextmanager

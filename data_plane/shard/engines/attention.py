@@ -151,10 +151,11 @@ class PerSequence:
 
 
 class Native:
-    """Decode and verify rows through the native kernel (native/attend.c): the rotary embedding, the KV
-    write at (slot, head, position) and attention over positions 0..position, one call a layer where
-    the torch path takes ~15 dispatches. The runner uses it for batched passes when blockq serves its
-    weights (llama_runner.LlamaRunner.run_layers); every row is computed on its own (batch-invariant)."""
+    """Rows through the native kernel (native/attend.c): the rotary embedding, the KV write at (slot,
+    head, position) and attention over positions 0..position, one call a layer where the torch path
+    takes ~15 dispatches. The runner uses it for batched passes (decode, verify) when blockq serves its
+    weights, and in float32 for every pass, prompts too (llama_runner.LlamaRunner.run_layers); every
+    row is computed on its own, so its output does not depend on the pass that carried it."""
 
     def __init__(self, r: NativeHeads, kernel: Kernel, slot_of: torch.Tensor, pos: torch.Tensor) -> None:
         self.r, self.kernel = r, kernel

@@ -3,8 +3,9 @@
 Loaded by the torch engine (data_plane/shard/engines/torch_engine.py); its executor
 (torch_executor.py) calls `forward` on the scheduler thread only; the prefix cache uses its KV cache.
 gpt-fast's `forward(idx, input_pos)` is the model: one pass for prefill, decode, mixed and verify
-steps, one place that writes the KV (`_write_kv`; with blockq weights, decode and verify passes write it in
-the native attention call instead, attention.Native); the attention variants are in attention.py.
+steps, one place that writes the KV (`_write_kv`; with blockq weights, decode and verify passes, and in float32
+every pass, write it in the native attention call instead, attention.Native); the attention variants are in
+attention.py.
 
     runner = LlamaRunner.from_pretrained(path, dtype=torch.bfloat16, max_num_seqs=16, max_len=2048)
     logits = runner.forward([(slot, token_ids, start), ...])         # last-token logits per item
@@ -189,6 +190,15 @@ class LlamaRunner:
         self.packed = weights.pack and weights.plan.quantization == "none"
         # blockq's library also holds the fused decode/verify attention (attention.Native): used with its weights.
         self.native = blockq.load() if weights.plan.blockq and self.num_heads // self.num_kv_heads <= 8 else None
+        # float32 on blockq: prompts and mixed steps through it too, so a row's output does not depend on
+        # the pass that carried it (a prefill chunk, a mixed step, a decode step, a verify pass): the batch
+        # invariance float32 promises, now with blockq's 87 MiB a token against dense float32's 513 (a
+        # resumed stream, a jump-forward run of forced tokens, a draft's rows all give the unbroken text).
+        # It is also the faster prompt path there: 1,024 tokens 2.7-3.2 s against 4.1-6.8 s for the torch
+        # path's explicit matmul-softmax-matmul, 64-512 tokens the same (1 thread, AMD EPYC Zen 4, under
+        # load, 2026-12-03). bf16 keeps torch's fused SDPA for prompts: bf16 formats are not batch-invariant
+        # anyway, and for long prompts SDPA held its own (1,024 tokens 1.6-2.8 s against 2.0-3.2 s, 2 threads).
+        self.native_prompts = self.native is not None and dtype == torch.float32
         self.hidden_size = int(cfg.hidden_size)
         tied = bool(getattr(cfg, "tie_word_embeddings", False)) or not weights.has("lm_head.weight")
         # The embedding, final norm and LM head live on stage 0 only (it embeds and applies the head:
@@ -418,7 +428,7 @@ class LlamaRunner:
         # index_copy_ there is several times cheaper than advanced-index assignment.
         kv_rows = (((slot_of * self.num_kv_heads).unsqueeze(1) + torch.arange(self.num_kv_heads)) * self.max_len
                    + pos.unsqueeze(1)).reshape(-1)
-        if batched and self.native is not None:  # rope, KV write and attention in one native call a layer
+        if self.native is not None and (batched or self.native_prompts):  # rope, KV write, attention: one call a layer
             native = Native(self, self.native, slot_of, pos)
             for i, layer in enumerate(self.layers):
                 qkv = self._normed(layer.qkv, x, layer.ln_in)

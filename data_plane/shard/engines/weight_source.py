@@ -50,8 +50,11 @@ dtype auto
   - else float32 (``no_native_bf16``): on an AVX2-only EPYC one GEMM was 1.7x (batch 1) to 6.1x
     (batch 16) slower in bf16 than fp32 (docs/BENCHMARKS.md).
 quantization auto
-  - float32 or float16 asked for explicitly -> none (``dense_activations``): float32 is the
-    batch-invariant mode, and the int kernels are slower than dense with those activations.
+  - float32 or float16 asked for explicitly -> none (``dense_activations``): the numerics asked for
+    (blockq would round the activations to int8; torch's int4 kernel with float32 activations is an
+    exact but slow loop). float32 is batch-invariant dense and on blockq alike; ``--quantization int4
+    --quantization-kernel blockq`` is the fast batch-invariant choice (3-5x dense float32 at 1-4
+    streams, 1 thread, 2026-12-03: tests/support/formats.py), chosen by name, not by auto.
   - a GGUF whose projections are Q4_0/Q4_1 -> int4 (``gguf_q4``): its blocks served as they are. The
     decode step at a few streams is memory-bound (bytes per token): the step's GEMMs 3.9 ms int4
     against 7.8 ms bf16 at batch 1 on avx512_bf16, and with AVX2 kernels only (ATEN_CPU_CAPABILITY=avx2,

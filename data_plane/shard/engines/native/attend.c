@@ -2,7 +2,7 @@
  * one call a layer where the torch path takes ~15 small ops (rope, two index_copy_, views, SDPA).
  *
  * Built into the same library as blockq.c (data_plane/shard/engines/blockq.py) and called through
- * data_plane/shard/engines/attention.py's `Native` for LlamaRunner's batched passes (decode steps and speculative verify passes) when its weights are
+ * data_plane/shard/engines/attention.py's `Native` for LlamaRunner's batched passes (decode steps and speculative verify passes; in float32 every pass, prompts too) when its weights are
  * served by blockq. Rows are independent: a row's output depends on its own query and its slot's cache
  * only (never on the other rows of the pass), so the output is the same alone and in any batch.
  *
