@@ -25,21 +25,11 @@ from pydantic import BaseModel, Field, field_validator
 
 from tests.support.cluster import KEYS, cache_node
 from tests.support.procs import Service
+from tests.support.schemas import GetWeather, Person
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Get the weather in a city.",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-
-
-class Person(BaseModel):
-    name: str = Field(max_length=24)
-    age: int = Field(ge=0, le=120)
-
-
-class GetWeather(BaseModel):
-    """Get the current weather in a city."""
-
-    city: str = Field(max_length=24)
 
 
 @pytest.fixture(scope="module")

@@ -23,19 +23,9 @@ from pydantic import BaseModel, Field
 from tests.support.cluster import KEYS, Cluster
 from tests.support.formats import INVARIANT_ARGS
 from tests.support.guidellm import run_guidellm
+from tests.support.schemas import GetWeather, Person
 
 BLOCKED = "nukeville"
-
-
-class Person(BaseModel):
-    name: str = Field(max_length=24)
-    age: int = Field(ge=0, le=120)
-
-
-class GetWeather(BaseModel):
-    """Get the current weather in a city."""
-
-    city: str = Field(max_length=24)
 
 
 @pytest.fixture(scope="module")
