@@ -64,7 +64,25 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+class AllowedTools(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1, max_length=128)
+
+
+class AllowedToolsChoice(BaseModel):
+    """OpenAI's `allowed_tools` choice: calls restricted to a subset of `tools`, in auto or required mode
+    (the full list stays in the request, so an app can keep one tool list and narrow it per turn)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+    def names(self) -> set[str]:
+        return {t.function.name for t in self.allowed_tools.tools}
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice
 
 
 class JsonSchemaFormat(BaseModel):
@@ -248,6 +266,8 @@ def tool_mode(tools: list[ToolDef] | None, choice: Any) -> ToolMode:
         return ToolMode.NONE
     if isinstance(choice, NamedToolChoice):
         return ToolMode.NAMED
+    if isinstance(choice, AllowedToolsChoice):
+        return ToolMode.REQUIRED if choice.allowed_tools.mode == "required" else ToolMode.AUTO
     return ToolMode.REQUIRED if choice == "required" else ToolMode.AUTO
 
 
@@ -262,6 +282,8 @@ def output_plan(response_format: ResponseFormat | None, structured: StructuredOu
         chosen = tools
         if isinstance(choice, NamedToolChoice):
             chosen = [t for t in tools if t.function.name == choice.function.name]
+        elif isinstance(choice, AllowedToolsChoice):  # only these are described and may be called
+            chosen = [t for t in tools if t.function.name in choice.names()]
         answer = response_schema(response_format)
         schema = envelope_schema(chosen, mode, parallel is not False, answer)
         return OutputPlan(Constraint("tools", json.dumps(schema)), mode, tools_prompt(chosen, mode),
@@ -305,6 +327,11 @@ def check_output_fields(response_format: ResponseFormat | None, structured: Stru
     if isinstance(choice, NamedToolChoice) and tools and choice.function.name not in {
             t.function.name for t in tools}:
         return "tool_choice", f"tool_choice names {choice.function.name!r}, which is not among the tools"
+    if isinstance(choice, AllowedToolsChoice) and tools:
+        unknown = sorted(choice.names() - {t.function.name for t in tools})
+        if unknown:
+            verb = "is" if len(unknown) == 1 else "are"
+            return "tool_choice", f"allowed_tools names {', '.join(map(repr, unknown))}, which {verb} not among the tools"
     if tools and len({t.function.name for t in tools}) != len(tools):
         return "tools", "tool names must be unique"
     constrained = response_format is not None and response_format.type != "text"

@@ -296,7 +296,9 @@ class SentOutput:
         if not body.get("tools") or choice == "none":  # ToolMode.ANSWER (data_plane/structured.py) or free text
             answer = not answer_json and not body.get("structured_outputs")
             return cls(answer and holds_tool_calls(body.get("messages") or []))
-        return cls(True, answer_json and choice in (None, "auto"))
+        auto = choice in (None, "auto") or (isinstance(choice, dict) and choice.get("type") == "allowed_tools"
+                                            and (choice.get("allowed_tools") or {}).get("mode") == "auto")
+        return cls(True, answer_json and auto)
 
     def content(self, text: str) -> None:
         self._content.append(text)

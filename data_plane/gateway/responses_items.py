@@ -160,9 +160,22 @@ class ResponsesRequest(BaseModel):
         return out
 
     def chat_tool_choice(self) -> Any:
+        """The Responses form of a choice in chat's: a function is named at the top level there, and an
+        `allowed_tools` choice holds its mode and tools beside its type (function tools only here)."""
         choice = self.tool_choice
         if isinstance(choice, dict) and choice.get("type") == "function":
             return {"type": "function", "function": {"name": choice.get("name")}}
+        if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+            allowed = choice.get("tools")
+            for i, tool in enumerate(allowed if isinstance(allowed, list) else []):
+                if not isinstance(tool, dict) or tool.get("type") != "function":
+                    kind = tool.get("type") if isinstance(tool, dict) else None
+                    raise UnsupportedParameter(f"allowed tool type {kind!r} is not supported; only 'function'",
+                                               param=f"tool_choice.tools[{i}].type")
+            return {"type": "allowed_tools", "allowed_tools": {
+                "mode": choice.get("mode"),
+                "tools": [{"type": "function", "function": {"name": t.get("name")}} for t in allowed]
+                if isinstance(allowed, list) else allowed}}
         return choice
 
     def turn_request(self, history: list[dict[str, Any]], new: list[dict[str, Any]],

@@ -110,6 +110,48 @@ def test_openai_tools_required_named_auto_streamed(cluster: Cluster) -> None:
     assert msg.finish_reason in ("stop", "tool_calls", "length")
 
 
+class GetTime(BaseModel):
+    """Get the current time in a city."""
+
+    city: str = Field(max_length=24)
+
+
+def test_allowed_tools_narrow_the_calls_in_chat_and_responses(cluster: Cluster) -> None:
+    """OpenAI's `allowed_tools` choice: the request keeps its whole tool list and may call only the named
+    subset (here the tool the question does not ask for, so only the constraint can pick it), in
+    required and auto mode; a name not among the tools, or a non-function allowed tool, is a 400."""
+    client = sdk(cluster)
+    tools = [openai.pydantic_function_tool(GetWeather), openai.pydantic_function_tool(GetTime)]
+
+    def allowed(mode: str, *names: str) -> Any:
+        return {"type": "allowed_tools",
+                "allowed_tools": {"mode": mode, "tools": [{"type": "function", "function": {"name": n}} for n in names]}}
+
+    out = client.chat.completions.create(model="", messages=ASK_WEATHER, tools=tools, max_tokens=40, temperature=0,
+                                         parallel_tool_calls=False, tool_choice=allowed("required", "GetTime"))
+    assert out.choices[0].finish_reason == "tool_calls"
+    assert [c.function.name for c in out.choices[0].message.tool_calls] == ["GetTime"]
+    GetTime.model_validate_json(out.choices[0].message.tool_calls[0].function.arguments)
+    auto = client.chat.completions.create(model="", messages=ASK_WEATHER, tools=tools, max_tokens=40, temperature=0,
+                                          tool_choice=allowed("auto", "GetTime"))
+    assert {c.function.name for c in auto.choices[0].message.tool_calls or []} <= {"GetTime"}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="", messages=ASK_WEATHER, tools=tools, max_tokens=8,
+                                       tool_choice=allowed("required", "GetTime", "Nope"))
+    assert err.value.body["param"] == "tool_choice" and "'Nope'" in err.value.body["message"]  # type: ignore[index]
+    functions = [{"type": "function", "name": t.__name__, "parameters": t.model_json_schema()} for t in (GetWeather, GetTime)]
+    resp = client.responses.create(model="", input="What is the weather in Paris?", tools=functions,  # type: ignore[arg-type]
+                                   max_output_tokens=40, temperature=0, parallel_tool_calls=False,
+                                   tool_choice={"type": "allowed_tools", "mode": "required",
+                                                "tools": [{"type": "function", "name": "GetTime"}]})
+    assert [item.name for item in resp.output if item.type == "function_call"] == ["GetTime"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="", input="Hi", tools=functions, max_output_tokens=8,  # type: ignore[arg-type]
+                                tool_choice={"type": "allowed_tools", "mode": "auto",
+                                             "tools": [{"type": "mcp", "server_label": "deepwiki"}]})
+    assert err.value.body["param"] == "tool_choice.tools[0].type"  # type: ignore[index]
+
+
 def test_blocked_phrase_inside_tool_arguments_is_never_sent(cluster: Cluster) -> None:
     tool = {"type": "function", "function": {"name": "travel", "parameters": {
         "type": "object", "properties": {"city": {"const": "Nukeville"}}, "required": ["city"]}}}
