@@ -80,21 +80,8 @@ def _create(path: Path, tiers: tuple[str, ...]) -> dict[str, str] | None:
     callers agree on one file: it appears whole, or not at all)."""
     keys = {tier: generate_key() for tier in tiers}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(HEADER)
-            yaml.safe_dump({"keys": [_entry(t, k) for t, k in keys.items()]}, f, sort_keys=False, width=1000)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)  # fails if another process created it first
-        except FileExistsError:
-            return None
-        return keys
-    finally:
-        tmp.unlink(missing_ok=True)
+    text = HEADER + yaml.safe_dump({"keys": [_entry(t, k) for t, k in keys.items()]}, sort_keys=False, width=1000)
+    return keys if write_atomic(path, text, exclusive=True) else None
 
 
 def _digest_dev_entries(path: Path) -> tuple[list[dict[str, Any]], dict[str, str]]:

@@ -64,9 +64,11 @@ def read_keys_file(path: Path) -> tuple[str, list[dict[str, Any]]]:
     return text, [dict(e) for e in entries]
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str, *, exclusive: bool = False) -> bool:
     """Write `text` to a temporary file beside `path` (mode 600), fsync it, rename it over `path`: a
-    reader (a gateway's reload) sees the old file or the new one, never half of one."""
+    reader (a gateway's reload) sees the old file or the new one, never half of one. `exclusive`: only
+    if `path` does not exist yet (a hard link, not a rename: concurrent creators agree on one file);
+    False when another process made it first."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -74,7 +76,13 @@ def write_atomic(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if not exclusive:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
     finally:
         tmp.unlink(missing_ok=True)
     with contextlib.suppress(OSError):  # the rename itself durable (not possible on every filesystem)
@@ -83,6 +91,7 @@ def write_atomic(path: Path, text: str) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+    return True
 
 
 def _load_entries(text: str) -> list[Any]:
