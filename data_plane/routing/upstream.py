@@ -379,15 +379,6 @@ def _close(response: ShardResponse | None) -> None:
         response.close()
 
 
-def resumable(request: ShardRequest) -> bool:
-    """A stream may continue on another shard with one choice. A constrained or tool-call stream resumes
-    too: the new shard advances its grammar over the output already sent before continuing (torch shards:
-    data_plane/shard/engines/grammar.py; a vLLM shard would restart the grammar, docs/STRUCTURED.md).
-    Several choices (``n``) resume too, but not as one request: a shard continues one final assistant
-    message, so each unfinished choice gets its own (data_plane/routing/lanes.py)."""
-    return (request.n or 1) == 1
-
-
 class ResumableStream:
     """A stream that survives shard failures after its first token.
 
@@ -399,6 +390,10 @@ class ResumableStream:
     (vLLM's `continue_final_message`; with tools, the envelope rebuilt from the deltas: SentOutput),
     and `max_tokens` reduced by the tokens already generated; the client sees one seamless stream.
     Greedy decoding in float32 gives the same text as an uninterrupted run. Usage is reported against the original prompt.
+    A constrained or tool-call stream resumes too: the new shard advances its grammar over the output already
+    sent (torch shards: data_plane/shard/engines/grammar.py; a vLLM shard restarts it, docs/STRUCTURED.md).
+    With several choices (``n``) each unfinished choice continues as its own request (a shard continues one
+    final assistant message): data_plane/routing/lanes.py.
     """
 
     def __init__(self, upstream: Upstream, request: ShardRequest, session_id: str | None,
