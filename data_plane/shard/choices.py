@@ -9,7 +9,7 @@ finish_reason follows OpenAI: ``tool_calls`` when the model called tools (requir
 to), ``stop`` for a named tool choice, ``length`` whenever the limit cut the output (a cut structure is
 never reported as complete). Logprobs are OpenAI's shape: ``{"content": [{"token", "logprob", "bytes",
 "top_logprobs": [...]}]}``, with ``bytes`` the token's own UTF-8 bytes (a token may hold part of a
-character).
+character), for the content's tokens only: under tools, none for the envelope or a call.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from data_plane.common.errors import InvalidRequest, UnsupportedParameter
 from data_plane.shard.engines.base import FINISH_LENGTH, GenerationOutput, GenerationRequest, TokenLogprob
 from data_plane.shard.engines.grammar import GrammarError
 from data_plane.structured import OutputPlan, ToolMode
-from data_plane.tool_calls import EnvelopeParser, assemble, delta_of
+from data_plane.tool_calls import Content, EnvelopeParser, assemble, delta_of
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +48,18 @@ class Choice:
     def feed(self, out: GenerationOutput) -> list[dict[str, Any]]:
         """The chunk deltas for one engine output (the logprobs ride on the first, or on an empty delta)."""
         deltas: list[dict[str, Any]] = []
+        visible = True  # whether this output's tokens are the client's content (not the tool envelope)
+        if self.parser is not None:
+            before = self.parser.state
+            events = self.parser.feed(out.text) if out.text else []
+            self.events.extend(events)
+            deltas.extend(delta_of(e) for e in events)
+            visible = _content_tokens(before, self.parser.state, events)
         if out.text:
             self.text.append(out.text)
             if self.parser is None:
                 deltas.append({"content": out.text})
-            else:
-                events = self.parser.feed(out.text)
-                self.events.extend(events)
-                deltas.extend(delta_of(e) for e in events)
-        lps = [self._entry(e) for e in out.logprobs] if self.token_bytes is not None else []
+        lps = [self._entry(e) for e in out.logprobs] if self.token_bytes is not None and visible else []
         self.logprobs.extend(lps)
         if lps:
             if not deltas:
@@ -89,6 +92,24 @@ class Choice:
 
     def wire_logprobs(self) -> dict[str, Any] | None:
         return {"content": self.logprobs} if self.token_bytes is not None else None
+
+
+_CONTENT_STATES = ("response", "json_response")
+
+
+def _content_tokens(before: str, after: str, events: list[Any]) -> bool:
+    """Whether an output's tokens belong to the message's content rather than to the tool envelope.
+
+    Under tools the model writes ``{"response": "..."}`` or ``{"tool_calls": [...]}`` (tool_calls.py); the
+    client sees only the content string unescaped, or the calls. Logprobs are per token of the client's
+    content, as OpenAI's are: the envelope's own tokens (its head, the closing quote, a call's name and
+    arguments) are none of the client's text, so their logprobs are left out (a call has none, as a
+    Responses API function call item has none). A token that started inside the content and either gave
+    content or is still inside it (an escape waiting for its end) counts; one that also opens or closes
+    the envelope counts when it gave content (its text is the content plus a quote or a brace)."""
+    if before not in _CONTENT_STATES or any(not isinstance(e, Content) for e in events):
+        return False
+    return bool(events) or after in _CONTENT_STATES
 
 
 async def merged(streams: Sequence[AsyncIterator[GenerationOutput]]) -> AsyncIterator[tuple[int, GenerationOutput]]:

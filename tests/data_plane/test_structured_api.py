@@ -110,6 +110,28 @@ def test_openai_tools_required_named_auto_streamed(cluster: Cluster) -> None:
     assert msg.finish_reason in ("stop", "tool_calls", "length")
 
 
+def test_logprobs_under_tools_cover_the_content_not_the_envelope(cluster: Cluster) -> None:
+    """Under tools the model writes an envelope (`{"response": ...}` / `{"tool_calls": [...]}`); logprobs
+    are the client's tokens: a call has none, an answer's tokens spell its content (they named the
+    envelope's `{"tool_calls":[{"name"...` tokens and skipped the arguments' before)."""
+    client = sdk(cluster)
+    kw: dict[str, Any] = {"model": "", "messages": ASK_WEATHER, "tools": [openai.pydantic_function_tool(GetWeather)],
+                          "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 40,
+                          "temperature": 0, "logprobs": True}
+    call = client.chat.completions.create(**kw)
+    assert call.choices[0].message.tool_calls and not (call.choices[0].logprobs and call.choices[0].logprobs.content)
+    streamed = list(client.chat.completions.create(**kw, stream=True))
+    assert not [ch for ch in streamed if ch.choices and ch.choices[0].logprobs and ch.choices[0].logprobs.content]
+    made = call.choices[0].message.tool_calls[0]
+    history = ASK_WEATHER + [{"role": "assistant", "content": None, "tool_calls": [made.model_dump()]},
+                             {"role": "tool", "tool_call_id": made.id, "content": "Sunny, 21 C"}]
+    answer = client.chat.completions.create(**{**kw, "messages": history, "tool_choice": "none", "max_tokens": 12,
+                                               "top_logprobs": 1})
+    content = answer.choices[0].message.content or ""
+    tokens = "".join(e.token for e in answer.choices[0].logprobs.content)
+    assert content and "response" not in tokens and tokens.startswith(content[:4]), (content, tokens)
+
+
 class GetTime(BaseModel):
     """Get the current time in a city."""
 
