@@ -132,6 +132,24 @@ def test_logprobs_under_tools_cover_the_content_not_the_envelope(cluster: Cluste
     assert content and "response" not in tokens and tokens.startswith(content[:4]), (content, tokens)
 
 
+def test_logprobs_stop_where_the_content_stops(cluster: Cluster) -> None:
+    """A stop string's tokens are cut from the text and so from logprobs (they were sent: the joined
+    tokens ran on past the content by the whole stop string), streamed or not."""
+    client = sdk(cluster)
+    kw: dict[str, Any] = {"model": "", "messages": [{"role": "user", "content": "Count from 1 to 20."}],
+                          "max_tokens": 24, "temperature": 0, "logprobs": True}
+    tokens = [e.token for e in client.chat.completions.create(**kw).choices[0].logprobs.content]
+    i = next(i for i in range(4, len(tokens) - 2) if "".join(tokens).find(tokens[i] + tokens[i + 1])
+             == len("".join(tokens[:i])) and tokens[i].strip())
+    stop, before = tokens[i] + tokens[i + 1], "".join(tokens[:i])
+    done = client.chat.completions.create(**kw, stop=[stop])
+    assert done.choices[0].message.content == before and done.choices[0].finish_reason == "stop"
+    assert "".join(e.token for e in done.choices[0].logprobs.content) == before
+    chunks = list(client.chat.completions.create(**kw, stop=[stop], stream=True))
+    assert "".join(e.token for ch in chunks if ch.choices and ch.choices[0].logprobs
+                   for e in ch.choices[0].logprobs.content or []) == before
+
+
 class GetTime(BaseModel):
     """Get the current time in a city."""
 
