@@ -150,6 +150,29 @@ def test_logprobs_stop_where_the_content_stops(cluster: Cluster) -> None:
                    for e in ch.choices[0].logprobs.content or []) == before
 
 
+def test_stop_strings_under_tools_cut_the_content_not_the_envelope(cluster: Cluster) -> None:
+    """The engine applied stop strings to the tool envelope it writes: `stop: ["name"]` (or `"`, `,`)
+    cut every call at `{"tool_calls":[{"`, an empty message with finish "stop" under tool_choice
+    required. Now calls are never cut and an answer's content stops at the stop string, streamed or not."""
+    client = sdk(cluster)
+    tool = openai.pydantic_function_tool(GetWeather)
+    kw: dict[str, Any] = {"model": "", "messages": ASK_WEATHER, "tools": [tool], "tool_choice": "required",
+                          "parallel_tool_calls": False, "max_tokens": 40, "temperature": 0, "stop": ["name", '"']}
+    call = client.chat.completions.create(**kw)
+    assert call.choices[0].finish_reason == "tool_calls" and call.choices[0].message.tool_calls
+    made = call.choices[0].message.tool_calls[0]
+    history = ASK_WEATHER + [{"role": "assistant", "content": None, "tool_calls": [made.model_dump()]},
+                             {"role": "tool", "tool_call_id": made.id, "content": "Sunny, 21 C"}]
+    answer = {**kw, "messages": history, "tool_choice": "none", "stop": None, "max_tokens": 16}
+    full = client.chat.completions.create(**answer).choices[0].message.content or ""
+    word = next(w for w in full.split()[1:] if full.find(w) > 0)
+    cut = client.chat.completions.create(**{**answer, "stop": [word]}).choices[0]
+    assert (cut.message.content, cut.finish_reason) == (full[:full.find(word)], "stop")
+    chunks = list(client.chat.completions.create(**{**answer, "stop": [word]}, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == full[:full.find(word)]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["stop"]
+
+
 class GetTime(BaseModel):
     """Get the current time in a city."""
 
