@@ -388,7 +388,9 @@ def mount_background(app: FastAPI, gw: Gateway, store: Any, runs: Any) -> None:
             if response.get("status") == "cancelled":
                 return response  # idempotent, as OpenAI's
             if response.get("status") in TERMINAL:
-                raise InvalidRequest(f"Cannot cancel a {response['status']} response.", param="response_id")
+                done = response["status"]  # OpenAI's "Cannot cancel a completed response.", with its article
+                raise InvalidRequest(f"Cannot cancel {'an' if done[0] in 'aeiou' else 'a'} {done} response.",
+                                     param="response_id")
             # another gateway runs it: the record says cancelled, and that gateway, which reads it every
             # CANCEL_POLL_S, stops the run and stores the output it had
             record.response, record.deadline = {**response, "status": "cancelled"}, 0.0

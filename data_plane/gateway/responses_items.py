@@ -16,6 +16,7 @@ supports; what it rejects comes back as the same 400 naming the Responses field.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -231,6 +232,8 @@ def _responses_param(param: str | None) -> str | None:
         return None
     if param.startswith("response_format.json_schema."):  # text.format is flat: no json_schema level
         return "text.format." + param.removeprefix("response_format.json_schema.")
+    # a Responses function tool (and a named choice) is flat: no `function` level
+    param = re.sub(r"^(tools\.\d+|tool_choice)\.function(?=\.|$)", r"\1", param)
     head, dot, rest = param.partition(".")
     return CHAT_TO_RESPONSES.get(head, head) + dot + rest
 

@@ -56,7 +56,7 @@ from data_plane.protocol import (
 )
 from data_plane.shard.choices import Choice, choice_streams, describe, merged, prepare_requests, token_bytes
 from data_plane.shard.engine_factory import build_engine
-from data_plane.shard.engines.base import Engine, GenerationOutput, GenerationRequest, KVSessionRef
+from data_plane.shard.engines.base import FINISH_STOP, Engine, GenerationOutput, GenerationRequest, KVSessionRef
 from data_plane.shard.generation import generation_requests, prompt_ids
 from data_plane.shard.group_exit import GroupExit
 from data_plane.shard.kv_reports import KVReportMetrics, KVReports
@@ -254,8 +254,9 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
             log.info("request %s prompt=%r", request_id, req.plain_messages())
         headers = {"X-Request-Id": request_id, **kv_reports.headers(gen_req, request.headers.get(SINCE_HEADER))}
         run = _Run(state, gen_req, span, time.monotonic(),
-                   [Choice(i, plan, token_bytes(engine) if req.logprobs else None, r.resumed_text)
+                   [Choice(i, plan, token_bytes(engine) if req.logprobs else None, r.resumed_text, req.stop or ())
                     for i, r in enumerate(gen_reqs)])
+        run.request_ids = [r.request_id for r in gen_reqs]
         run.external_tokens = external_tokens
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -296,6 +297,19 @@ class _Run:
         self.completion_id = new_completion_id()
         self.created = int(time.time())
         self.external_tokens = 0  # prompt tokens whose KV came from the cache nodes (kv_tier.py)
+        self.request_ids = [req.request_id]  # one engine request per choice
+
+    async def _stopped(self, index: int, out: GenerationOutput) -> GenerationOutput | None:
+        """`out` as choice `index`'s final output when its content just hit a stop string (under tools the
+        choice applies them, choices.ContentStop): the engine's request is aborted, its later outputs
+        are dropped. None when the choice goes on; the output itself when it had already ended."""
+        if index in self.finals:
+            return None
+        choice = self.choices[index]
+        if not choice.stopped or out.finish_reason is not None:
+            return out
+        await self.state.engine.abort(self.request_ids[index])
+        return dataclasses.replace(out, finish_reason=FINISH_STOP)
 
     def _finish(self, last: GenerationOutput | None, error: str | None = None) -> None:
         span = self.span
@@ -348,6 +362,9 @@ class _Run:
         try:
             async for index, out in outputs:
                 self.choices[index].feed(out)
+                if (kept := await self._stopped(index, out)) is None:
+                    continue
+                out = kept
                 last = (self._final(index, out) if out.finish_reason is not None else None) or out
         except asyncio.CancelledError:
             self._finish(last, CLIENT_DISCONNECTED)
@@ -388,12 +405,14 @@ class _Run:
                     yield KEEPALIVE_COMMENT
                     continue
                 index, out = item
-                last = out
                 choice = self.choices[index]
                 so_far = _usage(out) if continuous_usage else None
                 for delta in choice.feed(out):
                     logprobs = delta.pop("logprobs", None)
                     yield event(chunk_body(**common, delta=delta, usage=so_far, index=index, logprobs=logprobs))
+                if (kept := await self._stopped(index, out)) is None:
+                    continue
+                last = out = kept
                 if out.finish_reason is not None:
                     yield event(chunk_body(**common, delta={}, finish_reason=choice.finish(out.finish_reason),
                                            index=index))

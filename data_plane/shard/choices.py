@@ -9,7 +9,7 @@ finish_reason follows OpenAI: ``tool_calls`` when the model called tools (requir
 to), ``stop`` for a named tool choice, ``length`` whenever the limit cut the output (a cut structure is
 never reported as complete). Logprobs are OpenAI's shape: ``{"content": [{"token", "logprob", "bytes",
 "top_logprobs": [...]}]}``, with ``bytes`` the token's own UTF-8 bytes (a token may hold part of a
-character).
+character), for the content's tokens only: under tools, none for the envelope or a call.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from data_plane.common.errors import InvalidRequest, UnsupportedParameter
-from data_plane.shard.engines.base import FINISH_LENGTH, GenerationOutput, GenerationRequest, TokenLogprob
+from data_plane.shard.engines.base import FINISH_LENGTH, FINISH_STOP, GenerationOutput, GenerationRequest, TokenLogprob
 from data_plane.shard.engines.grammar import GrammarError
 from data_plane.structured import OutputPlan, ToolMode
-from data_plane.tool_calls import EnvelopeParser, assemble, delta_of
+from data_plane.tool_calls import Content, EnvelopeParser, assemble, delta_of
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +32,13 @@ FINISH_TOOL_CALLS = "tool_calls"
 
 class Choice:
     def __init__(self, index: int, plan: OutputPlan, token_bytes: Callable[[int], bytes] | None,
-                 resumed: str = "") -> None:
+                 resumed: str = "", stop: Sequence[str] = ()) -> None:
         self.index = index
         self.plan = plan
         self.token_bytes = token_bytes
         self.parser = EnvelopeParser(plan.json_response) if plan.tool_mode != ToolMode.NONE else None
+        # under tools the engine sees the envelope, so the stop strings are applied here, to the content
+        self.stop = ContentStop(stop) if self.parser is not None and stop else None
         if self.parser is not None and resumed:
             # A resumed stream: the envelope so far was sent by another shard. Parsed, not sent again, so
             # calls keep their indexes and a call under way gets only the rest of its arguments.
@@ -48,15 +50,23 @@ class Choice:
     def feed(self, out: GenerationOutput) -> list[dict[str, Any]]:
         """The chunk deltas for one engine output (the logprobs ride on the first, or on an empty delta)."""
         deltas: list[dict[str, Any]] = []
+        if self.stopped:
+            return deltas  # a stop string ended the content; the engine is aborting the rest
+        visible = True  # whether this output's tokens are the client's content (not the tool envelope)
+        if self.parser is not None:
+            before = self.parser.state
+            events = self.parser.feed(out.text) if out.text else []
+            if self.stop is not None:
+                events = self.stop.events(events, final=out.finish_reason is not None)
+            self.events.extend(events)
+            deltas.extend(delta_of(e) for e in events)
+            visible = _content_tokens(before, self.parser.state, events)
         if out.text:
             self.text.append(out.text)
             if self.parser is None:
                 deltas.append({"content": out.text})
-            else:
-                events = self.parser.feed(out.text)
-                self.events.extend(events)
-                deltas.extend(delta_of(e) for e in events)
-        lps = [self._entry(e) for e in out.logprobs] if self.token_bytes is not None else []
+        visible = visible and not self.stopped  # the token that completed a stop string is none of the content
+        lps = [self._entry(e) for e in out.logprobs] if self.token_bytes is not None and visible else []
         self.logprobs.extend(lps)
         if lps:
             if not deltas:
@@ -74,6 +84,11 @@ class Choice:
         return {**one(e.token_id, e.logprob), "top_logprobs": [one(t.token_id, t.logprob) for t in e.top]}
 
     @property
+    def stopped(self) -> bool:
+        """A stop string ended the content (under tools: otherwise the engine stops and says so)."""
+        return self.stop is not None and self.stop.stopped
+
+    @property
     def called_tools(self) -> bool:
         return self.parser is not None and bool(self.parser.calls)
 
@@ -83,12 +98,80 @@ class Choice:
         return {"role": "assistant", **assemble(self.events)}
 
     def finish(self, reason: str | None) -> str | None:
+        if self.stopped:
+            return FINISH_STOP
         if reason == FINISH_LENGTH or not self.called_tools:
             return reason
         return "stop" if self.plan.tool_mode == ToolMode.NAMED else FINISH_TOOL_CALLS
 
     def wire_logprobs(self) -> dict[str, Any] | None:
         return {"content": self.logprobs} if self.token_bytes is not None else None
+
+
+class ContentStop:
+    """Stop strings over a message's content as it streams, for a choice under tools: the engine applies
+    stop strings to what it generates, which there is the envelope (`{"tool_calls":[{"name":...` or
+    `{"response":"...`), so a stop string such as `"`, `,` or `name` cut every call and every answer
+    (an empty message, finish "stop", even with tool_choice required). Here they apply, as the client
+    reads them, to the unescaped content only; calls are never cut. A content tail that could still
+    become a stop string is held back, so a stop string is never half-sent."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.stop = tuple(stop)
+        self.longest = max(len(s) for s in self.stop)
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def events(self, events: list[Any], final: bool) -> list[Any]:
+        """`events` with their content cut at the first stop string (and nothing after it)."""
+        out: list[Any] = []
+        for e in events:
+            if not isinstance(e, Content):
+                out.append(e)
+                continue
+            if piece := self._feed(e.text):
+                out.append(Content(piece))
+            if self.stopped:
+                return out
+        if final and self.sent < len(self.text):
+            out.append(Content(self.text[self.sent:]))
+            self.sent = len(self.text)
+        return out
+
+    def _feed(self, text: str) -> str:
+        self.text += text
+        start = max(0, self.sent - self.longest + 1)
+        cuts = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if cuts:
+            self.stopped, end = True, min(cuts)
+        else:
+            end = len(self.text) - self._held_back()
+        end = max(end, self.sent)
+        piece, self.sent = self.text[self.sent:end], end
+        return piece
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the content that is a proper prefix of a stop string."""
+        return max((n for s in self.stop for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0)
+
+
+_CONTENT_STATES = ("response", "json_response")
+
+
+def _content_tokens(before: str, after: str, events: list[Any]) -> bool:
+    """Whether an output's tokens belong to the message's content rather than to the tool envelope.
+
+    Under tools the model writes ``{"response": "..."}`` or ``{"tool_calls": [...]}`` (tool_calls.py); the
+    client sees only the content string unescaped, or the calls. Logprobs are per token of the client's
+    content, as OpenAI's are: the envelope's own tokens (its head, the closing quote, a call's name and
+    arguments) are none of the client's text, so their logprobs are left out (a call has none, as a
+    Responses API function call item has none). A token that started inside the content and either gave
+    content or is still inside it (an escape waiting for its end) counts; one that also opens or closes
+    the envelope counts when it gave content (its text is the content plus a quote or a brace)."""
+    if before not in _CONTENT_STATES or any(not isinstance(e, Content) for e in events):
+        return False
+    return bool(events) or after in _CONTENT_STATES
 
 
 async def merged(streams: Sequence[AsyncIterator[GenerationOutput]]) -> AsyncIterator[tuple[int, GenerationOutput]]:

@@ -17,7 +17,7 @@ import dataclasses
 from data_plane.protocol import ChatCompletionRequest
 from data_plane.shard.engines.base import Engine, GenerationRequest, SamplingParams
 from data_plane.shard.engines.grammar import GrammarKind, GrammarSpec
-from data_plane.structured import OutputPlan
+from data_plane.structured import OutputPlan, ToolMode
 
 
 def generation_requests(req: ChatCompletionRequest, engine: Engine, request_id: str,
@@ -33,7 +33,7 @@ def generation_requests(req: ChatCompletionRequest, engine: Engine, request_id: 
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=req.top_k or 0,
         max_tokens=req.output_limit,
-        stop=tuple(req.stop or ()),
+        stop=tuple(req.stop or ()) if plan.tool_mode == ToolMode.NONE else (),  # under tools: choices.ContentStop
         seed=req.seed,
         min_p=req.min_p or 0.0,
         presence_penalty=req.presence_penalty or 0.0,

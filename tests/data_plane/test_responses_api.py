@@ -275,6 +275,8 @@ def test_a_turn_sent_the_moment_the_last_one_completes_is_not_refused(stack: Sta
                                         "strict": "yes"}}}, 400, "text.format.strict"),
     ({"input": "x", "text": {"format": "json"}}, 400, "text.format"),  # was a 500
     ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, 400, "input"),
+    # a Responses function tool is flat: the param named the chat path's `tools.0.function.name`
+    ({"input": "x", "tools": [{"type": "function", "name": "bad name!"}]}, 400, "tools.0.name"),
 ])
 def test_bad_requests_are_openai_errors(stack: Stack, body: dict, status: int, param: str) -> None:
     r = httpx.post(stack.gateway.url + "/v1/responses", json={"model": MODEL, **body},

@@ -110,6 +110,69 @@ def test_openai_tools_required_named_auto_streamed(cluster: Cluster) -> None:
     assert msg.finish_reason in ("stop", "tool_calls", "length")
 
 
+def test_logprobs_under_tools_cover_the_content_not_the_envelope(cluster: Cluster) -> None:
+    """Under tools the model writes an envelope (`{"response": ...}` / `{"tool_calls": [...]}`); logprobs
+    are the client's tokens: a call has none, an answer's tokens spell its content (they named the
+    envelope's `{"tool_calls":[{"name"...` tokens and skipped the arguments' before)."""
+    client = sdk(cluster)
+    kw: dict[str, Any] = {"model": "", "messages": ASK_WEATHER, "tools": [openai.pydantic_function_tool(GetWeather)],
+                          "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 40,
+                          "temperature": 0, "logprobs": True}
+    call = client.chat.completions.create(**kw)
+    assert call.choices[0].message.tool_calls and not (call.choices[0].logprobs and call.choices[0].logprobs.content)
+    streamed = list(client.chat.completions.create(**kw, stream=True))
+    assert not [ch for ch in streamed if ch.choices and ch.choices[0].logprobs and ch.choices[0].logprobs.content]
+    made = call.choices[0].message.tool_calls[0]
+    history = ASK_WEATHER + [{"role": "assistant", "content": None, "tool_calls": [made.model_dump()]},
+                             {"role": "tool", "tool_call_id": made.id, "content": "Sunny, 21 C"}]
+    answer = client.chat.completions.create(**{**kw, "messages": history, "tool_choice": "none", "max_tokens": 12,
+                                               "top_logprobs": 1})
+    content = answer.choices[0].message.content or ""
+    tokens = "".join(e.token for e in answer.choices[0].logprobs.content)
+    assert content and "response" not in tokens and tokens.startswith(content[:4]), (content, tokens)
+
+
+def test_logprobs_stop_where_the_content_stops(cluster: Cluster) -> None:
+    """A stop string's tokens are cut from the text and so from logprobs (they were sent: the joined
+    tokens ran on past the content by the whole stop string), streamed or not."""
+    client = sdk(cluster)
+    kw: dict[str, Any] = {"model": "", "messages": [{"role": "user", "content": "Count from 1 to 20."}],
+                          "max_tokens": 24, "temperature": 0, "logprobs": True}
+    tokens = [e.token for e in client.chat.completions.create(**kw).choices[0].logprobs.content]
+    i = next(i for i in range(4, len(tokens) - 2) if "".join(tokens).find(tokens[i] + tokens[i + 1])
+             == len("".join(tokens[:i])) and tokens[i].strip())
+    stop, before = tokens[i] + tokens[i + 1], "".join(tokens[:i])
+    done = client.chat.completions.create(**kw, stop=[stop])
+    assert done.choices[0].message.content == before and done.choices[0].finish_reason == "stop"
+    assert "".join(e.token for e in done.choices[0].logprobs.content) == before
+    chunks = list(client.chat.completions.create(**kw, stop=[stop], stream=True))
+    assert "".join(e.token for ch in chunks if ch.choices and ch.choices[0].logprobs
+                   for e in ch.choices[0].logprobs.content or []) == before
+
+
+def test_stop_strings_under_tools_cut_the_content_not_the_envelope(cluster: Cluster) -> None:
+    """The engine applied stop strings to the tool envelope it writes: `stop: ["name"]` (or `"`, `,`)
+    cut every call at `{"tool_calls":[{"`, an empty message with finish "stop" under tool_choice
+    required. Now calls are never cut and an answer's content stops at the stop string, streamed or not."""
+    client = sdk(cluster)
+    tool = openai.pydantic_function_tool(GetWeather)
+    kw: dict[str, Any] = {"model": "", "messages": ASK_WEATHER, "tools": [tool], "tool_choice": "required",
+                          "parallel_tool_calls": False, "max_tokens": 40, "temperature": 0, "stop": ["name", '"']}
+    call = client.chat.completions.create(**kw)
+    assert call.choices[0].finish_reason == "tool_calls" and call.choices[0].message.tool_calls
+    made = call.choices[0].message.tool_calls[0]
+    history = ASK_WEATHER + [{"role": "assistant", "content": None, "tool_calls": [made.model_dump()]},
+                             {"role": "tool", "tool_call_id": made.id, "content": "Sunny, 21 C"}]
+    answer = {**kw, "messages": history, "tool_choice": "none", "stop": None, "max_tokens": 16}
+    full = client.chat.completions.create(**answer).choices[0].message.content or ""
+    word = next(w for w in full.split()[1:] if full.find(w) > 0)
+    cut = client.chat.completions.create(**{**answer, "stop": [word]}).choices[0]
+    assert (cut.message.content, cut.finish_reason) == (full[:full.find(word)], "stop")
+    chunks = list(client.chat.completions.create(**{**answer, "stop": [word]}, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == full[:full.find(word)]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["stop"]
+
+
 class GetTime(BaseModel):
     """Get the current time in a city."""
 

@@ -111,6 +111,7 @@ class OutputProcessor:
         seq.output_ids.append(token)
         delta = held + seq.stream.push(token)
         if seq.stream.stopped:
+            self._drop_stopped_logprobs(seq, delta)
             self.finish(seq, FINISH_STOP, delta)
             return ""
         if len(seq.output_ids) >= seq.max_tokens or seq.num_computed_tokens + 1 >= self.max_model_len:
@@ -122,6 +123,21 @@ class OutputProcessor:
             seq.sink(GenerationOutput(delta, None, seq.num_prompt_tokens, len(seq.output_ids),
                                       cached_tokens=seq.cached))
         return ""
+
+    def _drop_stopped_logprobs(self, seq: SeqState, kept: str) -> None:
+        """A stop string is cut from the text, so its tokens' logprobs go too: `logprobs.content` spells
+        the content, as OpenAI's does (they were sent after it). The logprobs not yet sent are those of
+        the last tokens, whose text not yet sent is `kept` (the text before the stop string): a token
+        that starts before the cut keeps its entry, the ones after it are dropped."""
+        proc = seq.req.processor
+        pending = getattr(proc, "logprobs", None)
+        if not pending:
+            return
+        ids = seq.output_ids[-len(pending):]
+        keep = 0
+        while keep < len(ids) and len(self.decode_ids(ids[:keep])) < len(kept):
+            keep += 1
+        del pending[keep:]
 
     def finish(self, seq: SeqState, reason: str, delta: str = "") -> None:
         if reason != FINISH_ABORT:
