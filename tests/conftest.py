@@ -6,14 +6,19 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.support.formats import INVARIANT_ARGS
 from tests.support.procs import Service
 from tests.support.redis import RedisServer, have_redis
 
 
 @pytest.fixture(scope="session")
 def fp32_shard():
-    """One real torch shard (float32, so greedy output is batch-invariant) for the session."""
-    svc = Service(["shard", "--dtype", "float32", "--max-num-seqs", "16", "--max-model-len", "2048"],
+    """One real torch shard for the session, in the batch-invariant format (tests/support/formats.py: float32
+    activations on blockq's int4 kernel), so greedy output does not depend on the batch, nor on the CPU.
+
+    It was float32 dense: 513 MiB of weights read a token, a 60 ms decode step, and ~220 CPU-seconds of a
+    `make test` (the two workers' shards, a Zen 4); its answers also depended on the CPU's sgemm path."""
+    svc = Service(["shard", *INVARIANT_ARGS, "--max-num-seqs", "16", "--max-model-len", "2048"],
                   ready_timeout=180)
     svc.start()
     yield svc

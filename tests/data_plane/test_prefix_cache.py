@@ -11,6 +11,7 @@ import uuid
 import httpx
 import pytest
 
+from tests.support.formats import INVARIANT_ARGS
 from tests.support.metrics import metric
 from tests.support.procs import CLUSTER_HEADERS, Service
 
@@ -110,10 +111,10 @@ async def _all_at_once(url: str, prompts: list[list[dict[str, str]]], max_tokens
 @pytest.fixture(scope="module")
 def reuse_shards():
     """A shard without prefix caching, and one whose budget holds only 12 blocks (it evicts all
-    the time, and marks SYSTEM public), both float32."""
-    off = Service(["shard", "--dtype", "float32", "--max-num-seqs", "12", "--prefix-caching", "off"],
+    the time, and marks SYSTEM public), both in the session shard's batch-invariant format."""
+    off = Service(["shard", *INVARIANT_ARGS, "--max-num-seqs", "12", "--prefix-caching", "off"],
                   ready_timeout=180)
-    tiny = Service(["shard", "--dtype", "float32", "--max-num-seqs", "12",
+    tiny = Service(["shard", *INVARIANT_ARGS, "--max-num-seqs", "12",
                     "--prefix-cache-bytes", str(12 * 737280), "--kv-public-prefix", json.dumps([SYSTEM])],
                    ready_timeout=180)
     off.start(wait=False)

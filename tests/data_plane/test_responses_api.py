@@ -86,7 +86,7 @@ def stack(fp32_shard: Service, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 def test_create_chain_retrieve_input_items_delete(stack: Stack) -> None:
     sdk = stack.sdk()
-    first = sdk.responses.create(model=MODEL, input="What is the capital of France?", instructions=SYSTEM,
+    first = sdk.responses.create(model=MODEL, input="Name the capital of France.", instructions=SYSTEM,
                                  max_output_tokens=12, temperature=0)
     assert first.id.startswith("resp_") and first.object == "response"
     assert "Paris" in first.output_text and first.usage.input_tokens > 0
@@ -325,7 +325,7 @@ def test_agents_sdk_default_responses_model(stack: Stack) -> None:
                   model_settings=ModelSettings(max_tokens=48, temperature=0))
 
     async def run() -> str:
-        result = await Runner.run(agent, "What is the capital of France?")
+        result = await Runner.run(agent, "Name the capital of France.")
         return str(result.final_output)
 
     assert "Paris" in asyncio.run(run())
@@ -495,7 +495,7 @@ def test_background_response_with_the_real_model(stack: Stack) -> None:
     """`background=True` runs the same request apart from the connection: the same greedy text as the
     foreground create, polled with retrieve, its events followed again from a sequence number."""
     sdk = stack.sdk()
-    ask = {"model": MODEL, "input": "What is the capital of France?", "instructions": SYSTEM,
+    ask = {"model": MODEL, "input": "Name the capital of France.", "instructions": SYSTEM,
            "max_output_tokens": 12, "temperature": 0}
     fg = sdk.responses.create(**ask, extra_headers={"Cache-Control": "no-cache"})
     bg = sdk.responses.create(**ask, background=True, extra_headers={"Cache-Control": "no-cache"})

@@ -68,7 +68,7 @@ def test_litellm_responses_against_the_gateway(gateway: Service) -> None:
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # offline: no cost map download
     litellm = pytest.importorskip("litellm")
     common = {"model": f"openai/{MODEL}", "api_base": gateway.url + "/v1", "api_key": KEYS["plus"]}
-    first = litellm.responses(input="What is the capital of France?", max_output_tokens=12, temperature=0,
+    first = litellm.responses(input="Name the capital of France.", max_output_tokens=12, temperature=0,
                               **common)
     assert first.output and "Paris" in first.output[0].content[0].text
     second = litellm.responses(input="And of Italy?", previous_response_id=first.id, max_output_tokens=12,

@@ -51,11 +51,11 @@ def sdk(gateway: Service, key: str = "plus") -> openai.OpenAI:
 def test_count_is_the_input_tokens_create_reports(gateway: Service, fp32_shard: Service) -> None:
     client = sdk(gateway)
     prompt = metric(fp32_shard.url, "vllm:prompt_tokens_total")
-    counted = client.responses.input_tokens.count(model=MODEL, input="What is the capital of France?",
+    counted = client.responses.input_tokens.count(model=MODEL, input="Name the capital of France.",
                                                   instructions=SYSTEM)
     assert counted.object == "response.input_tokens" and counted.input_tokens > 10
     assert metric(fp32_shard.url, "vllm:prompt_tokens_total") == prompt, "a count generates nothing"
-    first = client.responses.create(model=MODEL, input="What is the capital of France?", instructions=SYSTEM,
+    first = client.responses.create(model=MODEL, input="Name the capital of France.", instructions=SYSTEM,
                                     max_output_tokens=8, temperature=0)
     assert first.usage is not None and counted.input_tokens == first.usage.input_tokens
 

@@ -14,7 +14,7 @@ from tests.support.metrics import metric
 from tests.support.procs import Service
 
 PROMPTS = [
-    "What is the capital of France?",
+    "Name the capital of France.",
     "Write one sentence about the sea.",
     "List three colours.",
     ("Explain in detail, step by step, how a bicycle works, covering the frame, the wheels, the chain, "
