@@ -380,7 +380,10 @@ def test_end_to_end_scales_out_under_a_load_ramp_and_back_in_after(tmp_path) -> 
             ups = [d for d in log if d["action"] == "scale_up"]
             assert ups and max(d["to"] for d in ups) == 3, _fmt(log)
             assert ups[0]["from"] == 0 and ups[0]["code"] == "bounds"
-            assert any(d["code"] == "waiting" for d in ups), _fmt(log)
+            # Scaled for the queue: waiting requests, or their queue time once a window has passed since the
+            # fleet settled. On a host slowed by a compile beside the suite the queue-time window was already
+            # full when the first waiting reading came, and its larger want (load / slots) named the decision.
+            assert any(d["code"] in ("waiting", "queue_time") for d in ups[1:]), _fmt(log)
             eventually(lambda: any(d["action"] == "scale_down" and d["to"] == 1 for d in _decisions(cp)),
                        40, 0.25, what="scaled back in to 1", detail=lambda: _context(cp))
             eventually(lambda: len(_shards(cp)) == 1, 20, 0.25, what="drained shards gone from the registry",
