@@ -86,8 +86,9 @@ class ChatMessage(BaseModel):
             _valid_unicode(v)
         elif isinstance(v, list):
             for part in v:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    _valid_unicode(part["text"])
+                for key in ("text", "refusal"):
+                    if isinstance(part, dict) and isinstance(part.get(key), str):
+                        _valid_unicode(part[key])
         return v
 
     def text(self) -> str:
@@ -99,6 +100,13 @@ class ChatMessage(BaseModel):
         for part in self.content:
             if isinstance(part, TextPart):
                 parts.append(part.text)
+            elif self.role == "assistant" and isinstance(part, dict) and part.get("type") == "refusal":
+                # OpenAI's assistant content may hold refusal parts ({"type": "refusal", "refusal": "..."}):
+                # a history recorded there replays here, the refusal as the turn's text (as `refusal` is)
+                if not isinstance(part.get("refusal"), str) or set(part) != {"type", "refusal"}:
+                    raise InvalidRequest("a 'refusal' content part needs 'refusal', a string, and nothing else",
+                                         param="messages.content.refusal")
+                parts.append(part["refusal"])  # its Unicode checked with the content (_content_unicode)
             elif isinstance(part, dict) and part.get("type") == "text":  # one TextPart refused: say why
                 if not isinstance(part.get("text"), str):
                     raise InvalidRequest("a 'text' content part needs 'text', a string", param="messages.content.text")
@@ -107,7 +115,8 @@ class ChatMessage(BaseModel):
             else:
                 kind = part.get("type", "unknown") if isinstance(part, dict) else "unknown"
                 raise UnsupportedParameter(
-                    f"content part type {kind!r} is not supported; only 'text' parts are",
+                    f"content part type {kind!r} is not supported; only 'text' parts are (and 'refusal' in an"
+                    " assistant message)",
                     param="messages.content",
                 )
         return "".join(parts)

@@ -110,3 +110,27 @@ def test_a_tool_result_may_answer_a_call_in_the_session_it_continues() -> None:
         with pytest.raises(SwitchboardError) as e:
             parse_chat_request(raw, "application/json", session)
         assert e.value.status == 400 and e.value.param == "messages"
+
+
+def test_an_assistant_refusal_part_replays_as_its_text_and_elsewhere_is_a_400() -> None:
+    """History recorded on OpenAI may carry assistant content parts of type "refusal" (the SDK's
+    ChatCompletionContentPartRefusalParam): they were a 400 "content part type 'refusal' is not supported"."""
+    def chat(message: dict) -> bytes:
+        return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}, message,
+                                                      {"role": "user", "content": "why?"}]}).encode()
+
+    req = parse_chat_request(chat({"role": "assistant", "content": [
+        {"type": "text", "text": "Sorry. "}, {"type": "refusal", "refusal": "I can't help with that."}]}),
+        "application/json")
+    assert req.messages[1].text() == "Sorry. I can't help with that."
+    for bad, param in [({"role": "assistant", "content": [{"type": "refusal"}]}, "messages.content.refusal"),
+                       ({"role": "assistant", "content": [{"type": "refusal", "refusal": "x", "extra": 1}]},
+                        "messages.content.refusal"),
+                       ({"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}, "messages.content")]:
+        with pytest.raises(SwitchboardError) as e:
+            parse_chat_request(chat(bad), "application/json").messages[1].text()
+        assert e.value.status == 400 and e.value.param == param, (bad, e.value)
+    with pytest.raises(SwitchboardError) as e:  # a lone surrogate in a refusal: a 400 as in text, never a 500
+        parse_chat_request(chat({"role": "assistant", "content": [{"type": "refusal", "refusal": "\ud800"}]}),
+                           "application/json")
+    assert e.value.status == 400
