@@ -20,7 +20,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from data_plane.common.errors import InvalidRequest, UnsupportedParameter
-from data_plane.shard.engines.base import FINISH_LENGTH, FINISH_STOP, GenerationOutput, GenerationRequest, TokenLogprob
+from data_plane.shard.engines.base import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationOutput,
+    GenerationRequest,
+    StopStrings,
+    TokenLogprob,
+)
 from data_plane.shard.engines.grammar import GrammarError
 from data_plane.structured import OutputPlan, ToolMode
 from data_plane.tool_calls import Content, EnvelopeParser, assemble, delta_of
@@ -113,15 +120,14 @@ class ContentStop:
     stop strings to what it generates, which there is the envelope (`{"tool_calls":[{"name":...` or
     `{"response":"...`), so a stop string such as `"`, `,` or `name` cut every call and every answer
     (an empty message, finish "stop", even with tool_choice required). Here they apply, as the client
-    reads them, to the unescaped content only; calls are never cut. A content tail that could still
-    become a stop string is held back, so a stop string is never half-sent."""
+    reads them, to the unescaped content only (the engine's own :class:`StopStrings`); calls are never cut."""
 
     def __init__(self, stop: Sequence[str]) -> None:
-        self.stop = tuple(stop)
-        self.longest = max(len(s) for s in self.stop)
-        self.text = ""
-        self.sent = 0
-        self.stopped = False
+        self.strings = StopStrings(stop)
+
+    @property
+    def stopped(self) -> bool:
+        return self.strings.stopped
 
     def events(self, events: list[Any], final: bool) -> list[Any]:
         """`events` with their content cut at the first stop string (and nothing after it)."""
@@ -130,30 +136,13 @@ class ContentStop:
             if not isinstance(e, Content):
                 out.append(e)
                 continue
-            if piece := self._feed(e.text):
+            if piece := self.strings.feed(e.text):
                 out.append(Content(piece))
             if self.stopped:
                 return out
-        if final and self.sent < len(self.text):
-            out.append(Content(self.text[self.sent:]))
-            self.sent = len(self.text)
+        if final and (tail := self.strings.flush()):
+            out.append(Content(tail))
         return out
-
-    def _feed(self, text: str) -> str:
-        self.text += text
-        start = max(0, self.sent - self.longest + 1)
-        cuts = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-        if cuts:
-            self.stopped, end = True, min(cuts)
-        else:
-            end = len(self.text) - self._held_back()
-        end = max(end, self.sent)
-        piece, self.sent = self.text[self.sent:end], end
-        return piece
-
-    def _held_back(self) -> int:
-        """Length of the longest tail of the content that is a proper prefix of a stop string."""
-        return max((n for s in self.stop for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0)
 
 
 _CONTENT_STATES = ("response", "json_response")

@@ -236,12 +236,65 @@ def check_lengths(prompt_len: int, max_tokens: int | None, max_model_len: int) -
     return max_tokens
 
 
+class StopStrings:
+    """Stop strings over text that arrives in pieces: what is safe to send now, and whether a stop string
+    was produced. A tail that could still become a stop string is held back, so one is never half-sent.
+
+        stops = StopStrings(("\\n\\n",))
+        piece = stops.feed(text)       # up to a stop string (then `stopped`), or all but a held-back tail
+        tail = stops.flush()           # at the end: whatever was held back
+
+    Used by :class:`TextStream` (the engine's text) and by choices.ContentStop (a tool-mode reply's content,
+    where the engine's text is the tool envelope)."""
+
+    def __init__(self, stop: Sequence[str] = ()) -> None:
+        self.stop = tuple(stop)
+        self._max_stop = max((len(s) for s in self.stop), default=0)
+        self.text = ""
+        self._emitted = 0
+        self.stopped = False
+
+    def feed(self, piece: str) -> str:
+        if self.stopped:
+            return ""
+        self.text += piece
+        if not self.stop:
+            return self._take(len(self.text))
+        search_from = max(0, self._emitted - self._max_stop)
+        cut = min((i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self.text = self.text[:cut]
+            return self._take(len(self.text))
+        return self._take(len(self.text) - self._held_back())
+
+    def flush(self) -> str:
+        return self._take(len(self.text))
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        text = self.text
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def _take(self, end: int) -> str:
+        end = max(end, self._emitted)
+        out = self.text[self._emitted : end]
+        self._emitted = end
+        return out
+
+
 class TextStream:
     """Incremental detokenizer with stop strings for one request.
 
     Emits text that never splits a multi-byte character (a trailing U+FFFD means the
     token ended mid-character, so we wait for the next one), and holds back any tail that
-    could still become a stop string so a stop string is never half-sent.
+    could still become a stop string so a stop string is never half-sent (:class:`StopStrings`).
 
         ts = TextStream(tokenizer.decode, stop=("\\n\\n",))
         delta = ts.push(token_id)      # "" while undecidable
@@ -251,59 +304,30 @@ class TextStream:
 
     def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()) -> None:
         self._decode = decode
-        self._stop = tuple(stop)
-        self._max_stop = max((len(s) for s in self._stop), default=0)
+        self._stops = StopStrings(stop)
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
-        self._text = ""
-        self._emitted = 0
-        self.stopped = False
 
     def push(self, token_id: int) -> str:
-        if self.stopped:
+        if self._stops.stopped:
             return ""
         self._ids.append(token_id)
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
-        self._text += full[len(prefix) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        if self._stop:
-            search_from = max(0, self._emitted - self._max_stop)
-            cut = min(
-                (i for i in (self._text.find(s, search_from) for s in self._stop) if i >= 0),
-                default=-1,
-            )
-            if cut >= 0:
-                self.stopped = True
-                self._text = self._text[:cut]
-                return self._take(len(self._text))
-            return self._take(len(self._text) - self._held_back())
-        return self._take(len(self._text))
+        return self._stops.feed(full[len(prefix) :])
 
     def flush(self) -> str:
-        return self._take(len(self._text))
+        return self._stops.flush()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stops.stopped
 
     @property
     def text(self) -> str:
-        return self._text
-
-    def _held_back(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        text = self._text
-        best = 0
-        for s in self._stop:
-            for n in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:n]):
-                    best = n
-                    break
-        return best
-
-    def _take(self, end: int) -> str:
-        end = max(end, self._emitted)
-        out = self._text[self._emitted : end]
-        self._emitted = end
-        return out
+        return self._stops.text
