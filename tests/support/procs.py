@@ -26,6 +26,8 @@ from typing import Self
 
 import httpx
 
+from tests.support.forkserver import ForkedProcess, ForkServer
+
 ROOT = Path(__file__).resolve().parents[2]
 """The repository root (children run there)."""
 
@@ -154,12 +156,16 @@ class Service:
             base.setdefault("SWITCHBOARD_CONTROL_PLANE_USAGE_DB", f"sqlite:///{STATE_DIR / 'usage.db'}")
         self.env = {**base, **(env or {})}
         self.health = health
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | ForkedProcess | None = None
         self.log_path = log_path or Path(tempfile.mkstemp(prefix="sb-test-", suffix=".log")[1])
 
     def start(self, wait: bool = True) -> Self:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 -- the process writes to it until stop()
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env)
+        # `python -m MODULE ...` is forked; a command wrapped in another (`ip netns exec ...`) is not
+        server = ForkServer.shared(ROOT) if self.args[:2] == [sys.executable, "-m"] else None
+        forked = server and server.spawn(self.args[2], self.args[3:], env=self.env, cwd=ROOT, log=self._log.fileno())
+        self.proc = forked or subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                               env=self.env)
         if wait:
             try:
                 self.wait_healthy()

@@ -1,0 +1,236 @@
+"""A fork server for the tests' services: a process that has imported the platform once and forks a
+child per service, which then runs `python -m MODULE ARGS` as a fresh interpreter would.
+
+    server = ForkServer.start()                       # once per test process, on the first service
+    proc = server.spawn("control_plane.cli", ["gateway", "--port", "8000"], env=env, cwd=ROOT, log=log)
+    proc.poll(); proc.send_signal(signal.SIGTERM); proc.wait(15)   # subprocess.Popen's, for a Service
+
+Why: a suite starts ~300 gateways, control planes, shards and cache nodes, and nearly all the CPU a
+non-model one spends before /health is importing fastapi, pydantic, httpx and our modules: ~0.6 CPU-s a
+process on a quiet Zen 4, 1-1.5 s on a loaded AVX2 host, where `make test` is bound by CPU. A forked
+child starts with those imports done and pays only for what is its own (its settings, its app, its
+port). It is still a real process on a loopback port, killed, stopped and frozen by its pid; `switchboard
+up` and the CLI's own tests still start fresh interpreters (tests/test_startup_imports.py checks what a
+fresh one imports).
+
+What a fork keeps from the server, and why that is safe here:
+- the server imports no torch and starts no thread and no event loop, so a fork copies one thread and
+  no locks held by another; a model shard's child imports torch itself, after the fork;
+- environment variables are read when settings are built, never at import (a child's environment is
+  replaced before its module runs); a request whose interpreter-level variables (`PYTHON*`) differ from
+  the server's is not forked: :meth:`ForkServer.spawn` returns None and the caller starts a process;
+- `random` reseeds itself in a forked child (it registers `os.register_at_fork`); `secrets` and
+  `uuid4` read the kernel. The string hash seed is the server's, as in any forked worker.
+
+The server is the children's parent: it reaps each and sends its exit status back over the socket
+(negative for a signal, as Popen reports it). It exits when the test process does (end of file on its
+socket); children still running then are left as a Popen'd child would be.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+PRELOAD = ("control_plane.cli", "control_plane.app", "data_plane.gateway.app", "data_plane.shard.app",
+           "data_plane.shard.engines.synthetic", "data_plane.cache.node", "data_plane.common.tracing",
+           "data_plane.model_store", "uvicorn", "uvicorn.lifespan.on", "uvicorn.loops.uvloop",
+           "uvicorn.protocols.websockets.auto", "httpcore", "h2.connection", "tokenizers", "pydantic.v1",
+           "fastapi.telemetry._runtime")
+"""What the server imports before it forks: the modules behind `switchboard gateway`, `control-plane`,
+`shard` (not its torch engine: `torch` is imported by the engine, after the fork) and `cache-node`, and
+what their start imports lazily (uvicorn's loop and protocols, httpx's HTTP/2, the tokenizer). None of
+them starts a thread at import."""
+
+MAX_MESSAGE = 1 << 20
+INTERPRETER_ENV = "PYTHON"
+"""Variables the interpreter reads at its own start (PYTHONPATH, PYTHONHASHSEED, PYTHONUNBUFFERED, ...):
+a child cannot change them after the fork, so a request that changes one is started the usual way."""
+ENV_DISABLE = "SWITCHBOARD_TEST_FORKSERVER"
+"""Set to 0 to start every service as a fresh interpreter (how the suite ran before this server)."""
+
+
+class ForkedProcess:
+    """The part of `subprocess.Popen` the tests use, for a child of the fork server."""
+
+    def __init__(self, server: ForkServer, pid: int, args: list[str]) -> None:
+        self._server = server
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.exit_code(self.pid, timeout=0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            code = self._server.exit_code(self.pid, timeout=timeout)
+            if code is None:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            self.returncode = code
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass  # exited, its status not yet read
+
+    def terminate(self) -> None:
+        import signal
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        import signal
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """The test process's end of the server: one socket, one request at a time (a lock), exit codes kept
+    as they arrive."""
+
+    _instance: ForkServer | None = None
+    _lock = threading.Lock()
+
+    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket, env: dict[str, str]) -> None:
+        self._proc = proc
+        self._sock = sock
+        self._env = env
+        self._exits: dict[int, int] = {}
+        self._io = threading.Lock()
+
+    @classmethod
+    def shared(cls, cwd: Path) -> ForkServer | None:
+        """This process's server, started on first use; None where forking is off or unavailable."""
+        if os.environ.get(ENV_DISABLE, "1") == "0" or not hasattr(os, "pidfd_open") or sys.platform != "linux":
+            return None
+        with cls._lock:
+            if cls._instance is None or cls._instance._proc.poll() is not None:
+                cls._instance = cls._start(cwd)
+            return cls._instance
+
+    @classmethod
+    def _start(cls, cwd: Path) -> ForkServer:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(os.environ)
+        proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())], cwd=cwd, env=env,
+                                pass_fds=(theirs.fileno(),))
+        theirs.close()
+        server = cls(proc, ours, env)
+        server._request({"op": "ping"}, [])  # its imports done: the first fork is as fast as the rest
+        return server
+
+    def spawn(self, module: str, argv: list[str], *, env: dict[str, str], cwd: Path, log: int) -> ForkedProcess | None:
+        """`python -m MODULE ARGV` as a fork with this environment, cwd and output (a file descriptor);
+        None if the environment changes what the interpreter reads at its start."""
+        if any(k.startswith(INTERPRETER_ENV) and env.get(k) != self._env.get(k) for k in {*env, *self._env}):
+            return None
+        reply = self._request({"op": "spawn", "module": module, "argv": argv, "env": env, "cwd": str(cwd)}, [log])
+        return ForkedProcess(self, int(reply["pid"]), [sys.executable, "-m", module, *argv])
+
+    def exit_code(self, pid: int, timeout: float | None) -> int | None:
+        """PID's exit status once the server has reaped it; None if it is still running after TIMEOUT."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._io:
+            while pid not in self._exits:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self._sock.settimeout(left)
+                try:
+                    self._read_one()
+                except (TimeoutError, BlockingIOError):
+                    return None
+            return self._exits[pid]
+
+    def _request(self, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        with self._io:
+            self._sock.settimeout(None)
+            socket.send_fds(self._sock, [json.dumps(message).encode()], fds)
+            while True:
+                reply = self._read_one()
+                if reply["op"] != "exit":
+                    return reply
+
+    def _read_one(self) -> dict[str, Any]:
+        data = self._sock.recv(MAX_MESSAGE)
+        if not data:
+            raise RuntimeError("the tests' fork server exited")
+        message: dict[str, Any] = json.loads(data)
+        if message["op"] == "exit":
+            self._exits[int(message["pid"])] = int(message["code"])
+        return message
+
+
+def _serve(sock: socket.socket) -> dict[str, Any]:
+    """The server's loop: fork on each request, reap each child. Returns (in the child only) the request
+    that child is to run."""
+    selector = selectors.DefaultSelector()
+    selector.register(sock, selectors.EVENT_READ)
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj is sock:
+                try:
+                    data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 4)
+                except ConnectionResetError:
+                    data = b""
+                if not data:
+                    sys.exit(0)  # the test process is gone
+                request = json.loads(data)
+                if request["op"] == "ping":
+                    sock.send(json.dumps({"op": "pong"}).encode())
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    for fd in [k.fd for k in selector.get_map().values() if k.fileobj is not sock]:
+                        os.close(fd)  # the other children's pidfds
+                    selector.close()
+                    sock.close()
+                    request["log"] = fds[0]
+                    return request  # type: ignore[no-any-return]
+                for fd in fds:
+                    os.close(fd)
+                pidfd = os.pidfd_open(pid)
+                selector.register(pidfd, selectors.EVENT_READ, pid)
+                sock.send(json.dumps({"op": "spawned", "pid": pid}).encode())
+            else:
+                pid = key.data
+                selector.unregister(key.fileobj)
+                os.close(key.fd)
+                _, status = os.waitpid(pid, 0)
+                sock.send(json.dumps({"op": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+
+
+def _run(request: dict[str, Any]) -> None:
+    """In a forked child: become `python -m MODULE ARGV` in its environment, cwd and output."""
+    import runpy
+
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    log = request["log"]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.argv = [request["module"], *request["argv"]]
+    sys.modules.pop(request["module"], None)  # run as `python -m` would: the module's code as __main__ only
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    _run(_serve(socket.socket(fileno=int(sys.argv[1]))))
