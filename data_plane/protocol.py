@@ -283,7 +283,7 @@ class ChatCompletionRequest(BaseModel):
                                      "tool_calls (tool_call_id)", param="messages")
         clash = check_output_fields(self.response_format, self.structured_outputs, self.tools, self.tool_choice)
         if clash is not None:
-            raise InvalidRequest(clash[1], param=clash[0])
+            raise InvalidRequest(clash.message, param=clash.param, code=clash.code)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest(
                 "stream_options is only allowed when stream is true", param="stream_options"
