@@ -419,7 +419,11 @@ def chunk_body(
     empty_choices: bool = False,
     index: int = 0,
     logprobs: dict[str, Any] | None = None,
+    include_usage: bool = False,
 ) -> dict[str, Any]:
+    """One chat.completion.chunk. `include_usage` (the request's ``stream_options.include_usage``): the
+    chunk carries ``usage``, null until the final usage chunk, as OpenAI sends it (the spec types it
+    nullable, not optional, and clients built from the spec read the key)."""
     body: dict[str, Any] = {
         "id": completion_id,
         "object": "chat.completion.chunk",
@@ -430,8 +434,8 @@ def chunk_body(
         if empty_choices
         else [{"index": index, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
-    if usage is not None:
-        body["usage"] = usage.wire()
+    if usage is not None or include_usage:
+        body["usage"] = usage.wire() if usage is not None else None
     return body
 
 

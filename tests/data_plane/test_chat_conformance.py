@@ -1,5 +1,6 @@
 """Where Chat Completions answered differently from OpenAI's API, found by driving it as an application
-does (the openai SDK, instructor, LangChain, raw SSE): strict schemas strict mode refuses. Real processes: the session's fp32
+does (the openai SDK, instructor, LangChain, raw SSE): strict schemas strict mode refuses, `usage: null`
+on the chunks before the usage chunk. Real processes: the session's fp32
 shard, a cache node and a gateway on loopback.
 
     PYTHONPATH=$PWD .venv/bin/python -m pytest tests/data_plane/test_chat_conformance.py -q
@@ -7,15 +8,17 @@ shard, a cache node and a gateway on loopback.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
 from tests.support.cluster import KEYS, cache_node
-from tests.support.procs import Service
+from tests.support.procs import CLUSTER_HEADERS, Service
 from tests.support.schemas import GetWeather, Person
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -125,3 +128,34 @@ def test_strict_schemas_the_clients_build_are_served(gateway: Service) -> None:
         assert isinstance(person, Person), method
     msg = llm.bind_tools([GetWeather], strict=True, tool_choice="GetWeather").invoke("What is the weather in Paris?")
     assert msg.tool_calls and GetWeather.model_validate(msg.tool_calls[0]["args"])
+
+
+def sse_chunks(url: str, headers: dict[str, str], body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        text = r.read().decode()
+    events = [block[len("data: "):] for block in text.split("\n\n") if block.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_usage_is_null_on_every_chunk_before_the_usage_chunk(gateway: Service, fp32_shard: Service) -> None:
+    """With `stream_options.include_usage`, OpenAI's chunks carry `"usage": null` until the last, which
+    has the usage and no choices; Switchboard left the key out (the openai SDK takes either; clients
+    generated from the spec, where the field is nullable but not optional, read it). On the gateway (its
+    content chunks are spliced bytes), for text, n=2 and tool calls, and on a shard served directly."""
+    user = {"Authorization": f"Bearer {KEYS['plus']}"}
+    asks: list[dict[str, Any]] = [{"max_tokens": 6},
+            {"max_tokens": 4, "n": 2, "seed": 1, "temperature": 0.8},
+            {"max_tokens": 30, "tools": [openai.pydantic_function_tool(GetWeather)], "tool_choice": "required",
+             "messages": [{"role": "user", "content": "Weather in Paris?"}]}]
+    for url, headers in ((gateway.url, user), (fp32_shard.url, CLUSTER_HEADERS)):
+        for ask in asks:
+            body = {"model": MODEL, "messages": ASK, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}, **ask}
+            chunks = sse_chunks(url, headers, body)
+            *before, last = chunks
+            assert last["choices"] == [] and last["usage"]["total_tokens"] > 0, (url, ask)
+            assert before and all("usage" in c and c["usage"] is None for c in before), (url, ask, before)
+            plain = sse_chunks(url, headers, {k: v for k, v in body.items() if k != "stream_options"})
+            assert all("usage" not in c for c in plain), (url, ask)
