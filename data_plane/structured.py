@@ -163,9 +163,12 @@ class OutputPlan:
     """A system message describing the tools and the envelope (None without tools)."""
     json_response: bool = False
     """Auto tools with a response_format: the envelope's answer is a JSON value (its text is the content)."""
+    param: str = "response_format"
+    """The request field the constraint came from (the `param` of a 400 refusing it)."""
 
 
 ANY_JSON_OBJECT = '{"type": "object"}'
+STRUCTURED = "structured_outputs"
 SAFE_INTEGER = 2**53 - 1
 
 
@@ -290,21 +293,22 @@ def output_plan(response_format: ResponseFormat | None, structured: StructuredOu
         answer = response_schema(response_format)
         schema = envelope_schema(chosen, mode, parallel is not False, answer)
         return OutputPlan(Constraint("tools", json.dumps(schema)), mode, tools_prompt(chosen, mode),
-                          answer is not None)
+                          answer is not None, param="tools")
     if structured is not None:
         if structured.json_ is not None:
             text = structured.json_ if isinstance(structured.json_, str) else json.dumps(closed(structured.json_))
-            return OutputPlan(Constraint("json_schema", text), mode, None)
+            return OutputPlan(Constraint("json_schema", text), mode, None, param=STRUCTURED)
         if structured.regex is not None:
-            return OutputPlan(Constraint("regex", structured.regex), mode, None)
+            return OutputPlan(Constraint("regex", structured.regex), mode, None, param=STRUCTURED)
         if structured.choice is not None:
-            return OutputPlan(Constraint("choice", json.dumps(structured.choice)), mode, None)
+            return OutputPlan(Constraint("choice", json.dumps(structured.choice)), mode, None, param=STRUCTURED)
         if structured.grammar is not None:
-            return OutputPlan(Constraint("grammar", structured.grammar), mode, None)
-        return OutputPlan(Constraint("json_object", ANY_JSON_OBJECT), mode, None)
+            return OutputPlan(Constraint("grammar", structured.grammar), mode, None, param=STRUCTURED)
+        return OutputPlan(Constraint("json_object", ANY_JSON_OBJECT), mode, None, param=STRUCTURED)
     if response_format is None or response_format.type == "text":
         if tool_history:
-            return OutputPlan(Constraint("tools", json.dumps(ANSWER_SCHEMA)), ToolMode.ANSWER, ANSWER_PROMPT)
+            return OutputPlan(Constraint("tools", json.dumps(ANSWER_SCHEMA)), ToolMode.ANSWER, ANSWER_PROMPT,
+                              param="tools")
         return OutputPlan(None, mode, None)
     answer = response_schema(response_format)
     assert answer is not None

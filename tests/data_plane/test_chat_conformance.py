@@ -1,6 +1,6 @@
 """Where Chat Completions answered differently from OpenAI's API, found by driving it as an application
 does (the openai SDK, instructor, LangChain, raw SSE): strict schemas strict mode refuses, `usage: null`
-on the chunks before the usage chunk. Real processes: the session's fp32
+on the chunks before the usage chunk, refusals worded for people. Real processes: the session's fp32
 shard, a cache node and a gateway on loopback.
 
     PYTHONPATH=$PWD .venv/bin/python -m pytest tests/data_plane/test_chat_conformance.py -q
@@ -159,3 +159,21 @@ def test_usage_is_null_on_every_chunk_before_the_usage_chunk(gateway: Service, f
             assert before and all("usage" in c and c["usage"] is None for c in before), (url, ask, before)
             plain = sse_chunks(url, headers, {k: v for k, v in body.items() if k != "stream_options"})
             assert all("usage" not in c for c in plain), (url, ask)
+
+
+def test_refusals_name_what_was_sent_in_plain_words(gateway: Service) -> None:
+    """A schema or regex the grammar compiler refuses read "the tools is not valid", "the json_schema is
+    not valid" (the constraint's label), and a refused structured_outputs constraint named
+    response_format as its param."""
+    client = sdk(gateway)
+    bad_type = {"type": "object", "properties": {"x": {"type": "colour"}}}
+    body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, tools=[
+        {"type": "function", "function": {"name": "f", "parameters": bad_type}}]))
+    assert body["param"] == "tools" and body["message"].startswith(
+        "the schema of the tools' parameters is not valid: "), body
+    body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": bad_type}}))
+    assert body["param"] == "response_format" and body["message"].startswith("the JSON schema is not valid: ")
+    body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5,
+                                                          extra_body={"structured_outputs": {"regex": "(("}}))
+    assert body["param"] == "structured_outputs" and body["message"].startswith("the regex is not valid: ")
