@@ -277,7 +277,7 @@ class ChatCompletionRequest(BaseModel):
                 raise InvalidRequest(f"messages.{i}.content: a {m.role} message needs content",
                                      param=f"messages.{i}.content")
             if m.role == "assistant" and m.tool_calls:
-                called.update(c.get("id", "") for c in _tool_call_list(m.tool_calls))
+                called.update(c["id"] for c in _tool_call_list(m.tool_calls, f"messages.{i}"))
             elif m.role == "tool" and (not m.tool_call_id or (m.tool_call_id not in called and not continues)):
                 raise InvalidRequest("messages with role 'tool' must answer a preceding assistant message's "
                                      "tool_calls (tool_call_id)", param="messages")
@@ -355,11 +355,34 @@ class ShardRequest(ChatCompletionRequest):
         return self.model_dump(include=set(self.model_fields_set), exclude_none=True, by_alias=True)
 
 
-def _tool_call_list(value: Any) -> list[dict[str, Any]]:
+def _tool_call_list(value: Any, where: str = "messages") -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls` as OpenAI takes them: objects with an `id` and a `function`
+    whose `name` and `arguments` are strings (`where`: the message's path, for the 400). Arguments sent as
+    a JSON object, or a function as a bare name, were a 500 where the history was written back."""
     if not isinstance(value, list) or not all(isinstance(c, dict) for c in value):
         raise InvalidRequest("an assistant message's tool_calls must be a list of objects",
-                             param="messages.tool_calls")
+                             param=f"{where}.tool_calls")
+    for j, call in enumerate(value):
+        fn = call.get("function")
+        fields: list[tuple[str, Any]] = [("id", call.get("id")), ("function", fn)]
+        if isinstance(fn, dict):
+            fields += [("function.name", fn.get("name")), ("function.arguments", fn.get("arguments"))]
+        for name, field in fields:
+            expected = "an object" if name == "function" else "a string"
+            if not (isinstance(field, dict) if name == "function" else isinstance(field, str)):
+                param = f"{where}.tool_calls.{j}.{name}"
+                raise InvalidRequest(f"Invalid type for '{param}': expected {expected}, but got "
+                                     f"{_json_type(field)} instead.", param=param)
     return value
+
+
+def _json_type(value: Any) -> str:
+    """A value's JSON type as OpenAI's type errors name it ("an object", "null")."""
+    if value is None:
+        return "null"
+    kinds = ((bool, "a boolean"), (int, "an integer"), (float, "a decimal"), (str, "a string"), (dict, "an object"),
+             (list, "an array"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), "a value")
 
 
 class PromptTokensDetails(BaseModel):

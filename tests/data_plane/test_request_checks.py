@@ -183,3 +183,29 @@ def test_strict_schemas_the_sdk_builds_pass_the_strict_check() -> None:
         "type": "json_schema", "json_schema": {"name": "o", "strict": True,
                                                "schema": tool["function"]["parameters"]}}}
     assert parse_chat_request(json.dumps(body).encode(), "application/json").tools
+
+
+@pytest.mark.parametrize("call,param,got", [
+    ({"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+     "messages.1.tool_calls.0.function.arguments", "an object"),
+    ({"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": 5}},
+     "messages.1.tool_calls.0.function.arguments", "an integer"),
+    ({"id": "c1", "type": "function", "function": "get_weather"}, "messages.1.tool_calls.0.function", "a string"),
+    ({"id": "c1", "type": "function"}, "messages.1.tool_calls.0.function", "null"),
+    ({"id": 7, "type": "function", "function": {"name": "get_weather", "arguments": "{}"}},
+     "messages.1.tool_calls.0.id", "an integer"),
+])
+def test_a_malformed_tool_call_in_history_is_a_400_naming_it(call, param, got) -> None:
+    """An assistant message's tool call with its arguments as a JSON object (a hand-built history), or its
+    function as a bare name, was a 500: writing the history back as the envelope read them as strings."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "Weather?"},
+                                       {"role": "assistant", "content": None, "tool_calls": [call]},
+                                       {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}]}
+    with pytest.raises(SwitchboardError) as e:
+        parse_chat_request(json.dumps(body).encode(), "application/json").plain_messages()
+    assert (e.value.status, e.value.param) == (400, param)
+    assert e.value.message == f"Invalid type for '{param}': expected {'an object' if param.endswith('function') else 'a string'}, but got {got} instead."
+    good = {**call, "id": "c1", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    body["messages"][1]["tool_calls"] = [good]
+    replayed = parse_chat_request(json.dumps(body).encode(), "application/json").plain_messages()
+    assert any(m["role"] == "assistant" and "get_weather" in m["content"] for m in replayed)
