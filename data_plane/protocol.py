@@ -277,13 +277,13 @@ class ChatCompletionRequest(BaseModel):
                 raise InvalidRequest(f"messages.{i}.content: a {m.role} message needs content",
                                      param=f"messages.{i}.content")
             if m.role == "assistant" and m.tool_calls:
-                called.update(c.get("id", "") for c in _tool_call_list(m.tool_calls))
+                called.update(c["id"] for c in _tool_call_list(m.tool_calls, f"messages.{i}"))
             elif m.role == "tool" and (not m.tool_call_id or (m.tool_call_id not in called and not continues)):
                 raise InvalidRequest("messages with role 'tool' must answer a preceding assistant message's "
                                      "tool_calls (tool_call_id)", param="messages")
         clash = check_output_fields(self.response_format, self.structured_outputs, self.tools, self.tool_choice)
         if clash is not None:
-            raise InvalidRequest(clash[1], param=clash[0])
+            raise InvalidRequest(clash.message, param=clash.param, code=clash.code)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest(
                 "stream_options is only allowed when stream is true", param="stream_options"
@@ -355,11 +355,34 @@ class ShardRequest(ChatCompletionRequest):
         return self.model_dump(include=set(self.model_fields_set), exclude_none=True, by_alias=True)
 
 
-def _tool_call_list(value: Any) -> list[dict[str, Any]]:
+def _tool_call_list(value: Any, where: str = "messages") -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls` as OpenAI takes them: objects with an `id` and a `function`
+    whose `name` and `arguments` are strings (`where`: the message's path, for the 400). Arguments sent as
+    a JSON object, or a function as a bare name, were a 500 where the history was written back."""
     if not isinstance(value, list) or not all(isinstance(c, dict) for c in value):
         raise InvalidRequest("an assistant message's tool_calls must be a list of objects",
-                             param="messages.tool_calls")
+                             param=f"{where}.tool_calls")
+    for j, call in enumerate(value):
+        fn = call.get("function")
+        fields: list[tuple[str, Any]] = [("id", call.get("id")), ("function", fn)]
+        if isinstance(fn, dict):
+            fields += [("function.name", fn.get("name")), ("function.arguments", fn.get("arguments"))]
+        for name, field in fields:
+            expected = "an object" if name == "function" else "a string"
+            if not (isinstance(field, dict) if name == "function" else isinstance(field, str)):
+                param = f"{where}.tool_calls.{j}.{name}"
+                raise InvalidRequest(f"Invalid type for '{param}': expected {expected}, but got "
+                                     f"{_json_type(field)} instead.", param=param)
     return value
+
+
+def _json_type(value: Any) -> str:
+    """A value's JSON type as OpenAI's type errors name it ("an object", "null")."""
+    if value is None:
+        return "null"
+    kinds = ((bool, "a boolean"), (int, "an integer"), (float, "a decimal"), (str, "a string"), (dict, "an object"),
+             (list, "an array"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), "a value")
 
 
 class PromptTokensDetails(BaseModel):
@@ -419,7 +442,11 @@ def chunk_body(
     empty_choices: bool = False,
     index: int = 0,
     logprobs: dict[str, Any] | None = None,
+    include_usage: bool = False,
 ) -> dict[str, Any]:
+    """One chat.completion.chunk. `include_usage` (the request's ``stream_options.include_usage``): the
+    chunk carries ``usage``, null until the final usage chunk, as OpenAI sends it (the spec types it
+    nullable, not optional, and clients built from the spec read the key)."""
     body: dict[str, Any] = {
         "id": completion_id,
         "object": "chat.completion.chunk",
@@ -430,8 +457,8 @@ def chunk_body(
         if empty_choices
         else [{"index": index, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
-    if usage is not None:
-        body["usage"] = usage.wire()
+    if usage is not None or include_usage:
+        body["usage"] = usage.wire() if usage is not None else None
     return body
 
 

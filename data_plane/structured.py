@@ -9,7 +9,8 @@ them); their shapes are here. What a request asks of its output becomes one `Con
 grammar source the engine compiles: data_plane/shard/engines/grammar.py):
 
 - ``response_format`` ``json_object`` -> any JSON object; ``json_schema`` -> its schema (strict or not:
-  both are enforced by the grammar; keywords the grammar engine cannot enforce are a 400 naming them).
+  both are enforced by the grammar; keywords the grammar engine cannot enforce are a 400 naming them; a
+  strict schema that breaks strict mode's rules is a 400 as OpenAI gives it: data_plane/strict_schema.py).
 - vLLM's ``structured_outputs`` extension: exactly one of ``json``, ``regex``, ``choice``, ``grammar``
   (Lark or GBNF), ``json_object``.
 - ``tools`` with ``tool_choice`` ``auto`` / ``required`` / a named function: the generic JSON envelope
@@ -35,6 +36,8 @@ from enum import Enum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from data_plane.strict_schema import strict_schema_problem
 
 MAX_TOOLS = 128
 
@@ -160,9 +163,12 @@ class OutputPlan:
     """A system message describing the tools and the envelope (None without tools)."""
     json_response: bool = False
     """Auto tools with a response_format: the envelope's answer is a JSON value (its text is the content)."""
+    param: str = "response_format"
+    """The request field the constraint came from (the `param` of a 400 refusing it)."""
 
 
 ANY_JSON_OBJECT = '{"type": "object"}'
+STRUCTURED = "structured_outputs"
 SAFE_INTEGER = 2**53 - 1
 
 
@@ -287,21 +293,22 @@ def output_plan(response_format: ResponseFormat | None, structured: StructuredOu
         answer = response_schema(response_format)
         schema = envelope_schema(chosen, mode, parallel is not False, answer)
         return OutputPlan(Constraint("tools", json.dumps(schema)), mode, tools_prompt(chosen, mode),
-                          answer is not None)
+                          answer is not None, param="tools")
     if structured is not None:
         if structured.json_ is not None:
             text = structured.json_ if isinstance(structured.json_, str) else json.dumps(closed(structured.json_))
-            return OutputPlan(Constraint("json_schema", text), mode, None)
+            return OutputPlan(Constraint("json_schema", text), mode, None, param=STRUCTURED)
         if structured.regex is not None:
-            return OutputPlan(Constraint("regex", structured.regex), mode, None)
+            return OutputPlan(Constraint("regex", structured.regex), mode, None, param=STRUCTURED)
         if structured.choice is not None:
-            return OutputPlan(Constraint("choice", json.dumps(structured.choice)), mode, None)
+            return OutputPlan(Constraint("choice", json.dumps(structured.choice)), mode, None, param=STRUCTURED)
         if structured.grammar is not None:
-            return OutputPlan(Constraint("grammar", structured.grammar), mode, None)
-        return OutputPlan(Constraint("json_object", ANY_JSON_OBJECT), mode, None)
+            return OutputPlan(Constraint("grammar", structured.grammar), mode, None, param=STRUCTURED)
+        return OutputPlan(Constraint("json_object", ANY_JSON_OBJECT), mode, None, param=STRUCTURED)
     if response_format is None or response_format.type == "text":
         if tool_history:
-            return OutputPlan(Constraint("tools", json.dumps(ANSWER_SCHEMA)), ToolMode.ANSWER, ANSWER_PROMPT)
+            return OutputPlan(Constraint("tools", json.dumps(ANSWER_SCHEMA)), ToolMode.ANSWER, ANSWER_PROMPT,
+                              param="tools")
         return OutputPlan(None, mode, None)
     answer = response_schema(response_format)
     assert answer is not None
@@ -317,27 +324,56 @@ def response_schema(response_format: ResponseFormat | None) -> dict[str, Any] | 
     return closed(response_format.json_schema.schema_ or {"type": "object"})
 
 
+@dataclass(frozen=True)
+class Clash:
+    """Why a request's output fields cannot be served as sent: a 400 naming `param` (and an OpenAI `code`)."""
+
+    param: str
+    message: str
+    code: str | None = None
+
+
 def check_output_fields(response_format: ResponseFormat | None, structured: StructuredOutputs | None,
-                        tools: list[ToolDef] | None, choice: Any) -> tuple[str, str] | None:
-    """(param, message) for a request whose output fields contradict each other, else None."""
+                        tools: list[ToolDef] | None, choice: Any) -> Clash | None:
+    """What is wrong with a request's output fields (they contradict each other, or a strict schema breaks
+    strict mode's rules: data_plane/strict_schema.py), else None."""
     if tools is not None and len(tools) > MAX_TOOLS:
-        return "tools", f"at most {MAX_TOOLS} tools are allowed"
+        return Clash("tools", f"at most {MAX_TOOLS} tools are allowed")
     if choice is not None and choice != "none" and not tools:
-        return "tool_choice", "tool_choice needs tools"
+        return Clash("tool_choice", "tool_choice needs tools")
     if isinstance(choice, NamedToolChoice) and tools and choice.function.name not in {
             t.function.name for t in tools}:
-        return "tool_choice", f"tool_choice names {choice.function.name!r}, which is not among the tools"
+        return Clash("tool_choice", f"tool_choice names {choice.function.name!r}, which is not among the tools")
     if isinstance(choice, AllowedToolsChoice) and tools:
         unknown = sorted(choice.names() - {t.function.name for t in tools})
         if unknown:
             verb = "is" if len(unknown) == 1 else "are"
-            return "tool_choice", f"allowed_tools names {', '.join(map(repr, unknown))}, which {verb} not among the tools"
+            return Clash("tool_choice", f"allowed_tools names {', '.join(map(repr, unknown))}, which {verb} not among the tools")
     if tools and len({t.function.name for t in tools}) != len(tools):
-        return "tools", "tool names must be unique"
+        return Clash("tools", "tool names must be unique")
     constrained = response_format is not None and response_format.type != "text"
     if constrained and structured is not None:
-        return "structured_outputs", "set response_format or structured_outputs, not both"
+        return Clash("structured_outputs", "set response_format or structured_outputs, not both")
     mode = tool_mode(tools, choice)
     if mode != ToolMode.NONE and structured is not None:
-        return "structured_outputs", "structured_outputs cannot be combined with tools"
+        return Clash("structured_outputs", "structured_outputs cannot be combined with tools")
+    return _strict_clash(response_format, tools)
+
+
+def _strict_clash(response_format: ResponseFormat | None, tools: list[ToolDef] | None) -> Clash | None:
+    """A 400 for a schema sent with ``strict: true`` that strict mode refuses (OpenAI's code and words)."""
+    fmt = response_format.json_schema if response_format is not None and response_format.type == "json_schema" \
+        else None
+    if fmt is not None and fmt.strict and fmt.schema_ is not None:
+        problem = strict_schema_problem(fmt.schema_)
+        if problem is not None:
+            return Clash("response_format", f"Invalid schema for response_format {fmt.name!r}: {problem}",
+                         "invalid_json_schema")
+    for i, tool in enumerate(tools or []):
+        f = tool.function
+        if f.strict and f.parameters is not None:
+            problem = strict_schema_problem(f.parameters)
+            if problem is not None:
+                return Clash(f"tools.{i}.function.parameters", f"Invalid schema for function {f.name!r}: {problem}",
+                             "invalid_function_parameters")
     return None

@@ -19,7 +19,8 @@ OUTPUTS = ("Text", "JSON schema", "Tools")
 
 EXAMPLE_SCHEMA = json.dumps({"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-    "required": ["name", "age"]}, indent=2)
+    "required": ["name", "age"], "additionalProperties": False}, indent=2)
+"""Sent with ``strict: true``: closed, every property required (strict mode's rules; a 400 otherwise)."""
 EXAMPLE_TOOLS = json.dumps([{"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},

@@ -308,10 +308,10 @@ class Completion:
                             "finish_reason": c.finish_reason} for i, c in sorted(self.choices.items())]
         return body
 
-    def _chunk(self, common: dict[str, Any], piece: Piece) -> bytes:
+    def _chunk(self, common: dict[str, Any], piece: Piece, content_suffix: bytes) -> bytes:
         index, delta = piece
         if index == 0 and list(delta) == ["content"]:
-            return self._content_prefix + _json(delta["content"]) + self._content_suffix
+            return self._content_prefix + _json(delta["content"]) + content_suffix
         delta = dict(delta)
         logprobs = delta.pop("logprobs", None)
         return _event(chunk_body(**common, delta=delta, index=index, logprobs=logprobs))
@@ -322,7 +322,9 @@ class Completion:
         the role chunk riding with the first, the finish, usage and `[DONE]` with the last."""
         x = self.x
         span = x.span
-        common: dict[str, Any] = {"completion_id": self.completion_id, "model": self.model, "created": self.created}
+        common: dict[str, Any] = {"completion_id": self.completion_id, "model": self.model, "created": self.created,
+                                  "include_usage": include_usage}
+        content_suffix = self._content_suffix[:-3] + b',"usage":null}\n\n' if include_usage else self._content_suffix
         error: str | None = None
         message = "the client disconnected"
         out = [_event(chunk_body(**common, delta={"role": "assistant", "content": ""}))]
@@ -334,7 +336,7 @@ class Completion:
                         self._roles_sent.add(piece[0])
                         out.append(_event(chunk_body(**common, delta={"role": "assistant", "content": ""},
                                                      index=piece[0])))
-                    out.append(self._chunk(common, piece))
+                    out.append(self._chunk(common, piece, content_suffix))
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                 out = []
             for index, c in sorted(self.choices.items()):

@@ -394,7 +394,8 @@ class _Run:
         def event(body: dict[str, Any]) -> bytes:
             return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
-        common: dict[str, Any] = {"completion_id": self.completion_id, "model": model, "created": self.created}
+        common: dict[str, Any] = {"completion_id": self.completion_id, "model": model, "created": self.created,
+                                  "include_usage": include_usage}
         error = None
         try:
             for c in self.choices:

@@ -214,19 +214,13 @@ async def prepare_requests(engine: Any, reqs: Sequence[GenerationRequest], plan:
     if prepare is None:
         if needs:
             raise UnsupportedParameter("this shard's engine does not support structured outputs, tools, "
-                                       "logprobs, penalties or logit_bias", param=_param(plan))
+                                       "logprobs, penalties or logit_bias", param=plan.param)
         return
     try:
         for r in reqs:
             await prepare(r)
     except GrammarError as exc:
-        raise InvalidRequest(exc.message, param=_param(plan), code=_GRAMMAR_CODES.get(exc.reason)) from None
-
-
-def _param(plan: OutputPlan) -> str:
-    if plan.tool_mode != ToolMode.NONE:
-        return "tools"
-    return "response_format"
+        raise InvalidRequest(exc.message, param=plan.param, code=_GRAMMAR_CODES.get(exc.reason)) from None
 
 
 def choice_streams(engine: Any, reqs: Sequence[GenerationRequest]) -> list[AsyncIterator[GenerationOutput]]:

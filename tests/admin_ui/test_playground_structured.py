@@ -20,6 +20,7 @@ import pytest
 from admin_ui.client import ChatToolCall
 from admin_ui.screenshot import find_chromium
 from admin_ui.views.playground import EXAMPLE_SCHEMA, ToolCalls, output_fields, structured_json
+from data_plane.strict_schema import strict_schema_problem
 from tests.support.cluster import ADMIN_TOKEN, Cluster
 from tests.support.console import ConsoleRunner, texts
 from tests.support.formats import INVARIANT_ARGS
@@ -33,6 +34,7 @@ def test_output_fields_and_tool_call_assembly() -> None:
     assert output_fields("Text", "", "", "auto") == {}
     rf = output_fields("JSON schema", EXAMPLE_SCHEMA, "", "auto")["response_format"]
     assert rf["type"] == "json_schema" and rf["json_schema"]["schema"]["required"] == ["name", "age"]
+    assert rf["json_schema"]["strict"] and strict_schema_problem(rf["json_schema"]["schema"]) is None  # else a 400
     with pytest.raises(ValueError, match="not valid JSON"):
         output_fields("JSON schema", "{name", "", "auto")
     with pytest.raises(ValueError, match="JSON list"):

@@ -134,3 +134,78 @@ def test_an_assistant_refusal_part_replays_as_its_text_and_elsewhere_is_a_400() 
         parse_chat_request(chat({"role": "assistant", "content": [{"type": "refusal", "refusal": "\ud800"}]}),
                            "application/json")
     assert e.value.status == 400
+
+
+CLOSED = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("schema,context", [
+    ({"type": "object"}, "()"),  # a free-form object (a `dict` field) cannot be strict
+    ({**CLOSED, "additionalProperties": True}, "()"),
+    ({**CLOSED, "properties": {"a": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {}}]}}},
+     "('properties', 'a', 'anyOf', 1)"),
+    ({**CLOSED, "$defs": {"B": {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}}},
+     "('$defs', 'B')"),
+    ({**CLOSED, "properties": {"a": {"type": "array", "items": {"type": ["object", "null"]}}}},
+     "('properties', 'a', 'items')"),
+])
+def test_strict_mode_needs_every_object_closed(schema, context) -> None:
+    """OpenAI's strict mode: every object says `additionalProperties: false`, wherever it sits (a 400
+    naming the path, as OpenAI words it); the same schema without `strict` is served (closed by the grammar)."""
+    def body(strict: bool) -> bytes:
+        return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "s", "strict": strict, "schema": schema}}}).encode()
+
+    with pytest.raises(SwitchboardError) as e:
+        parse_chat_request(body(True), "application/json")
+    assert (e.value.status, e.value.code, e.value.param) == (400, "invalid_json_schema", "response_format")
+    assert f"In context={context}, 'additionalProperties' is required to be supplied and to be false." in e.value.message
+    parse_chat_request(body(False), "application/json")
+
+
+def test_strict_schemas_the_sdk_builds_pass_the_strict_check() -> None:
+    """The openai SDK's strict conversion of nested models, optional fields and lists is what strict mode
+    asks for: none of it may be refused."""
+    import openai
+    from pydantic import BaseModel
+
+    class Inner(BaseModel):
+        x: int
+        note: str | None = None
+
+    class Outer(BaseModel):
+        items: list[Inner]
+        best: Inner | None = None
+        tags: list[str] = []
+
+    tool = openai.pydantic_function_tool(Outer)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [tool], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "o", "strict": True,
+                                               "schema": tool["function"]["parameters"]}}}
+    assert parse_chat_request(json.dumps(body).encode(), "application/json").tools
+
+
+@pytest.mark.parametrize("call,param,got", [
+    ({"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+     "messages.1.tool_calls.0.function.arguments", "an object"),
+    ({"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": 5}},
+     "messages.1.tool_calls.0.function.arguments", "an integer"),
+    ({"id": "c1", "type": "function", "function": "get_weather"}, "messages.1.tool_calls.0.function", "a string"),
+    ({"id": "c1", "type": "function"}, "messages.1.tool_calls.0.function", "null"),
+    ({"id": 7, "type": "function", "function": {"name": "get_weather", "arguments": "{}"}},
+     "messages.1.tool_calls.0.id", "an integer"),
+])
+def test_a_malformed_tool_call_in_history_is_a_400_naming_it(call, param, got) -> None:
+    """An assistant message's tool call with its arguments as a JSON object (a hand-built history), or its
+    function as a bare name, was a 500: writing the history back as the envelope read them as strings."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "Weather?"},
+                                       {"role": "assistant", "content": None, "tool_calls": [call]},
+                                       {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}]}
+    with pytest.raises(SwitchboardError) as e:
+        parse_chat_request(json.dumps(body).encode(), "application/json").plain_messages()
+    assert (e.value.status, e.value.param) == (400, param)
+    assert e.value.message == f"Invalid type for '{param}': expected {'an object' if param.endswith('function') else 'a string'}, but got {got} instead."
+    good = {**call, "id": "c1", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    body["messages"][1]["tool_calls"] = [good]
+    replayed = parse_chat_request(json.dumps(body).encode(), "application/json").plain_messages()
+    assert any(m["role"] == "assistant" and "get_weather" in m["content"] for m in replayed)

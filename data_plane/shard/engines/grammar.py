@@ -48,6 +48,17 @@ class GrammarKind(str, Enum):
     TOOLS = "tools"
     """A tool-call envelope (a JSON schema built from the request's tools: data_plane/tool_calls.py)."""
 
+    @property
+    def noun(self) -> str:
+        """What the client sent, as a refusal names it ("the regex is not valid"; the label itself read
+        "the tools is not valid", "the json_schema is not valid")."""
+        return _NOUNS[self]
+
+
+_NOUNS = {GrammarKind.JSON_OBJECT: "the JSON object format", GrammarKind.JSON_SCHEMA: "the JSON schema",
+          GrammarKind.REGEX: "the regex", GrammarKind.CHOICE: "the choice list", GrammarKind.GRAMMAR: "the grammar",
+          GrammarKind.TOOLS: "the schema of the tools' parameters"}
+
 
 JSON_KINDS = frozenset({GrammarKind.JSON_OBJECT, GrammarKind.JSON_SCHEMA, GrammarKind.TOOLS})
 
@@ -127,7 +138,7 @@ class CompiledGrammar:
         m = self._template.deep_copy()
         taken = m.try_consume_tokens(tokens)
         if taken != len(tokens) or m.is_error():
-            raise GrammarError(f"the output already sent does not follow the {self.spec.kind.value} "
+            raise GrammarError(f"the output already sent does not follow {self.spec.kind.noun} "
                                f"(rejected after {taken} of {len(tokens)} tokens)", "resume_rejected")
         out = CompiledGrammar(self.spec, m, self.vocab_size, self._tokenizer)
         out.resumed_tokens = len(tokens)
@@ -185,7 +196,7 @@ class GrammarCompiler:
         kind = spec.kind.value
         if len(spec.text.encode()) > self.limits.max_bytes:
             self._observe(kind, 0.0, "too_large")
-            raise GrammarError(f"the {kind} is {len(spec.text.encode())} bytes; at most {self.limits.max_bytes} "
+            raise GrammarError(f"{spec.kind.noun} is {len(spec.text.encode())} bytes; at most {self.limits.max_bytes} "
                                "are accepted", "too_large")
         key = spec.digest
         hit = self._cache.get(key)
@@ -205,7 +216,7 @@ class GrammarCompiler:
             compiled = await asyncio.wait_for(asyncio.shield(job), self.limits.compile_timeout_s)
         except TimeoutError:
             self._observe(kind, time.monotonic() - t0, "timeout")
-            raise GrammarError(f"the {kind} took longer than {self.limits.compile_timeout_s:g} s to compile",
+            raise GrammarError(f"{spec.kind.noun} took longer than {self.limits.compile_timeout_s:g} s to compile",
                                "timeout") from None
         except GrammarError as exc:
             self._observe(kind, time.monotonic() - t0, exc.reason)
@@ -232,7 +243,7 @@ class GrammarCompiler:
         except ValueError as exc:
             if isinstance(exc, GrammarError):
                 raise
-            raise GrammarError(f"the {spec.kind.value} is not valid: {exc}", "invalid") from None
+            raise GrammarError(f"{spec.kind.noun} is not valid: {exc}", "invalid") from None
         limits = llguidance.LLParserLimits(max_grammar_size=self.limits.max_grammar_size)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer,
                                                                                 limits=limits)
@@ -248,7 +259,7 @@ class GrammarCompiler:
             # No first token and nothing accepted yet: the grammar admits no output at all (a $ref
             # cycle, a regex matching nothing). Served, the reply would be "" with finish_reason
             # "stop", which no parser of the schema accepts: refuse it, as an empty anyOf is refused.
-            raise GrammarError(f"the {spec.kind.value} is not valid: no output satisfies it", "invalid")
+            raise GrammarError(f"{spec.kind.noun} is not valid: no output satisfies it", "invalid")
         log.debug("compiled a %s grammar (%d bytes) in %.1f ms", spec.kind.value, len(spec.text),
                   (time.monotonic() - t0) * 1000)
         return CompiledGrammar(spec, matcher, int(self.tokenizer.vocab_size), self.tokenizer)
@@ -260,5 +271,5 @@ def _refusal(spec: GrammarSpec, message: str) -> GrammarError:
         keys = [k.strip().strip('"') for k in found.group(1).split(",") if k.strip()]
         return GrammarError(f"JSON schema keyword(s) not supported: {', '.join(keys)}", "unsupported")
     if "size" in message.lower() and "limit" in message.lower():
-        return GrammarError(f"the {spec.kind.value} is too large to compile: {message[:300]}", "too_large")
-    return GrammarError(f"the {spec.kind.value} is not valid: {message[:300]}", "invalid")
+        return GrammarError(f"{spec.kind.noun} is too large to compile: {message[:300]}", "too_large")
+    return GrammarError(f"{spec.kind.noun} is not valid: {message[:300]}", "invalid")

@@ -1,0 +1,179 @@
+"""Where Chat Completions answered differently from OpenAI's API, found by driving it as an application
+does (the openai SDK, instructor, LangChain, raw SSE): strict schemas strict mode refuses, `usage: null`
+on the chunks before the usage chunk, refusals worded for people. Real processes: the session's fp32
+shard, a cache node and a gateway on loopback.
+
+    PYTHONPATH=$PWD .venv/bin/python -m pytest tests/data_plane/test_chat_conformance.py -q
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.support.cluster import KEYS, cache_node
+from tests.support.procs import CLUSTER_HEADERS, Service
+from tests.support.schemas import GetWeather, Person
+
+MODEL = "SmolLM2-135M-Instruct"
+ASK = [{"role": "user", "content": "Invent a person. Give their name and age."}]
+OPEN_PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+               "required": ["name", "age"]}
+
+
+@pytest.fixture(scope="module")
+def gateway(fp32_shard: Service, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    state = tmp_path_factory.mktemp("chat-conformance")
+    cache = cache_node().start()
+    gw = Service(["gateway", "--shard-urls", fp32_shard.url, "--cache-urls", cache.url, "--state-dir", str(state),
+                  "--usage-db", "off", "--silence-timeout-s", "60"],
+                 env={"SWITCHBOARD_GATEWAY_API_KEYS": f"{KEYS['plus']}:acme:plus"}, ready_timeout=240)
+    try:
+        with gw:
+            yield gw
+    finally:
+        cache.stop()
+
+
+def sdk(gw: Service) -> Any:
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=120)
+
+
+def refusal(call: Any) -> dict[str, Any]:
+    with pytest.raises(openai.BadRequestError) as info:
+        call()
+    body = info.value.body
+    assert isinstance(body, dict)
+    return body
+
+
+def strict_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": schema}}
+
+
+def test_a_strict_schema_strict_mode_refuses_is_a_400_as_openai_answers_it(gateway: Service) -> None:
+    """`strict: true` with an object left open, or a property missing from `required`, was served (the
+    grammar closed the object and let the property be left out); OpenAI refuses such a schema with a 400
+    before generating, and an app tested here would fail there. Now the same 400: its code, its param
+    and its words (with the path to the object), streamed or not, in Chat Completions and Responses."""
+    client = sdk(gateway)
+    for stream in (False, True):
+        body = refusal(lambda stream=stream: client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=5, stream=stream, response_format=strict_format(OPEN_PERSON)))
+        assert (body["code"], body["param"], body["type"]) == (
+            "invalid_json_schema", "response_format", "invalid_request_error")
+        assert body["message"] == ("Invalid schema for response_format 'person': In context=(), "
+                                   "'additionalProperties' is required to be supplied and to be false.")
+    optional_age = {**OPEN_PERSON, "additionalProperties": False, "required": ["name"]}
+    body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5,
+                                                          response_format=strict_format(optional_age)))
+    assert body["message"].endswith("'required' is required to be supplied and to be an array including every "
+                                    "key in properties. Missing 'age'.")
+    nested = {"type": "object", "properties": {"people": {"type": "array", "items": OPEN_PERSON}},
+              "required": ["people"], "additionalProperties": False}
+    body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5,
+                                                          response_format=strict_format(nested)))
+    assert "In context=('properties', 'people', 'items'), 'additionalProperties'" in body["message"]
+    tool: dict[str, Any] = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, tools=[tool]))
+    assert (body["code"], body["param"]) == ("invalid_function_parameters", "tools.0.function.parameters")
+    assert body["message"].startswith("Invalid schema for function 'get_weather': In context=(), 'additionalProp")
+    body = refusal(lambda: client.responses.create(model=MODEL, input="Hi", max_output_tokens=5, text={"format": {
+        "type": "json_schema", "name": "person", "strict": True, "schema": OPEN_PERSON}}))
+    assert (body["code"], body["param"]) == ("invalid_json_schema", "text.format")
+    flat_tool = {"type": "function", **tool["function"]}
+    body = refusal(lambda: client.responses.create(model=MODEL, input="Hi", max_output_tokens=5, tools=[flat_tool]))
+    assert body["param"] == "tools.0.parameters"
+    # not strict: served, the grammar closing the object (as before)
+    loose = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "person", "schema": OPEN_PERSON}})
+    assert loose.choices[0].message.content
+
+
+class Team(BaseModel):
+    """Nested models, an optional field, a list: `$defs`, `anyOf` with null, `items` in the strict schema."""
+
+    lead: Person
+    members: list[Person] = Field(max_length=1)
+    motto: str | None = Field(default=None, max_length=12)
+
+
+def test_strict_schemas_the_clients_build_are_served(gateway: Service) -> None:
+    """What the clients send with strict mode on follows its rules, so the check must let all of it
+    through: the openai SDK's `parse` (nested models, an optional field) and `pydantic_function_tool`,
+    LangChain's `with_structured_output(strict=True)` (json_schema and function calling) and
+    `bind_tools(strict=True)`."""
+    from langchain_openai import ChatOpenAI
+
+    client = sdk(gateway)
+    team = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Invent a team."}],
+                                         response_format=Team, max_tokens=120, temperature=0)
+    assert team.choices[0].finish_reason in ("stop", "length")
+    called = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                            tools=[openai.pydantic_function_tool(GetWeather)], tool_choice="required",
+                                            max_tokens=40, temperature=0)
+    assert called.choices[0].message.tool_calls
+    llm = ChatOpenAI(base_url=gateway.url + "/v1", api_key=KEYS["plus"], model=MODEL, temperature=0,
+                     max_tokens=60, max_retries=0)
+    for method in ("json_schema", "function_calling"):
+        person = llm.with_structured_output(Person, method=method, strict=True).invoke(ASK[0]["content"])
+        assert isinstance(person, Person), method
+    msg = llm.bind_tools([GetWeather], strict=True, tool_choice="GetWeather").invoke("What is the weather in Paris?")
+    assert msg.tool_calls and GetWeather.model_validate(msg.tool_calls[0]["args"])
+
+
+def sse_chunks(url: str, headers: dict[str, str], body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        text = r.read().decode()
+    events = [block[len("data: "):] for block in text.split("\n\n") if block.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_usage_is_null_on_every_chunk_before_the_usage_chunk(gateway: Service, fp32_shard: Service) -> None:
+    """With `stream_options.include_usage`, OpenAI's chunks carry `"usage": null` until the last, which
+    has the usage and no choices; Switchboard left the key out (the openai SDK takes either; clients
+    generated from the spec, where the field is nullable but not optional, read it). On the gateway (its
+    content chunks are spliced bytes), for text, n=2 and tool calls, and on a shard served directly."""
+    user = {"Authorization": f"Bearer {KEYS['plus']}"}
+    asks: list[dict[str, Any]] = [{"max_tokens": 6},
+            {"max_tokens": 4, "n": 2, "seed": 1, "temperature": 0.8},
+            {"max_tokens": 30, "tools": [openai.pydantic_function_tool(GetWeather)], "tool_choice": "required",
+             "messages": [{"role": "user", "content": "Weather in Paris?"}]}]
+    for url, headers in ((gateway.url, user), (fp32_shard.url, CLUSTER_HEADERS)):
+        for ask in asks:
+            body = {"model": MODEL, "messages": ASK, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}, **ask}
+            chunks = sse_chunks(url, headers, body)
+            *before, last = chunks
+            assert last["choices"] == [] and last["usage"]["total_tokens"] > 0, (url, ask)
+            assert before and all("usage" in c and c["usage"] is None for c in before), (url, ask, before)
+            plain = sse_chunks(url, headers, {k: v for k, v in body.items() if k != "stream_options"})
+            assert all("usage" not in c for c in plain), (url, ask)
+
+
+def test_refusals_name_what_was_sent_in_plain_words(gateway: Service) -> None:
+    """A schema or regex the grammar compiler refuses read "the tools is not valid", "the json_schema is
+    not valid" (the constraint's label), and a refused structured_outputs constraint named
+    response_format as its param."""
+    client = sdk(gateway)
+    bad_type = {"type": "object", "properties": {"x": {"type": "colour"}}}
+    body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, tools=[
+        {"type": "function", "function": {"name": "f", "parameters": bad_type}}]))
+    assert body["param"] == "tools" and body["message"].startswith(
+        "the schema of the tools' parameters is not valid: "), body
+    body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": bad_type}}))
+    assert body["param"] == "response_format" and body["message"].startswith("the JSON schema is not valid: ")
+    body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5,
+                                                          extra_body={"structured_outputs": {"regex": "(("}}))
+    assert body["param"] == "structured_outputs" and body["message"].startswith("the regex is not valid: ")
