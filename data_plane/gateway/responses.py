@@ -49,6 +49,7 @@ from data_plane.gateway.response_store import ConversationStore, Kind, Record
 from data_plane.gateway.responses_background import Detach
 from data_plane.gateway.responses_items import (
     ResponsesRequest,
+    in_responses_terms,
     input_items,
     items_to_messages,
     new_id,
@@ -116,6 +117,15 @@ class ResponsesHandler(ChatHandler):
         return summary
 
     # -- the request -----------------------------------------------------------------------------
+
+    async def _prepare_and_open(self) -> Opened:
+        """The chat path's phases; an error any of them (or the shard, before the first token) raises names
+        the Responses body's field: a json_schema the shard's grammar refuses is `text.format`, not
+        `response_format`."""
+        try:
+            return await super()._prepare_and_open()
+        except SwitchboardError as exc:
+            raise in_responses_terms(exc) from None
 
     async def parse(self, raw: bytes) -> ChatCompletionRequest:
         """The chat request of the whole conversation: instructions, the stored history, the new input

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from data_plane.common.errors import InvalidRequest, UnsupportedParameter
+from data_plane.common.errors import InvalidRequest, SwitchboardError, UnsupportedParameter
 from data_plane.protocol import ChatCompletionRequest
 from data_plane.request_checks import WholeNumber, check_metadata, json_body, validated
 
@@ -213,17 +213,27 @@ class ResponsesRequest(BaseModel):
             req = validated(ChatCompletionRequest, body)
             req.check_supported()
         except InvalidRequest as exc:  # the chat path's verdict, in the Responses API's names
-            renamed = _responses_param(exc.param)
-            if exc.param and renamed:
-                message = exc.message.replace(repr(exc.param), repr(renamed))
-                if message.startswith(exc.param + ":"):  # a validation error: "<param>: <what is wrong>"
-                    message = renamed + message[len(exc.param):]
-                exc.message, exc.param = message, renamed
-            raise
+            raise in_responses_terms(exc)
         return req
 
 
 CHAT_TO_RESPONSES = {"response_format": "text.format", "max_tokens": "max_output_tokens", "messages": "input"}
+
+
+def in_responses_terms(exc: SwitchboardError) -> SwitchboardError:
+    """`exc` (a chat request's error: the gateway's checks, or the shard's, such as a schema its grammar
+    cannot compile) naming the Responses body's field, in its `param` and its message; others unchanged.
+
+        except SwitchboardError as exc:
+            raise in_responses_terms(exc) from None
+    """
+    renamed = _responses_param(exc.param)
+    if exc.param and renamed and renamed != exc.param:
+        message = exc.message.replace(repr(exc.param), repr(renamed))
+        if message.startswith(exc.param + ":"):  # a validation error: "<param>: <what is wrong>"
+            message = renamed + message[len(exc.param):]
+        exc.message, exc.param = message, renamed
+    return exc
 
 
 def _responses_param(param: str | None) -> str | None:
