@@ -279,7 +279,7 @@ def input_items(value: str | list[dict[str, Any]], param: str = "input") -> list
             role = raw.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise InvalidRequest(f"{where}.role must be user, system, developer or assistant", param=f"{where}.role")
-            parts = _text_parts(raw.get("content"), role, where)
+            parts = _text_parts(raw.get("content"), role, f"{where}.content")
             out.append({"type": "message", "id": raw.get("id") or new_id("msg"), "status": "completed",
                         "role": role, "content": parts})
         elif kind == "function_call":
@@ -290,8 +290,8 @@ def input_items(value: str | list[dict[str, Any]], param: str = "input") -> list
                         "call_id": raw["call_id"], "name": raw["name"], "arguments": raw["arguments"]})
         elif kind == "function_call_output":
             output = raw.get("output")
-            if isinstance(output, list):
-                output = "".join(p.get("text", "") for p in output if isinstance(p, dict))
+            if isinstance(output, list):  # content parts: text only (an image's would vanish from the prompt)
+                output = "".join(p["text"] for p in _text_parts(output, "tool", f"{where}.output"))
             if not isinstance(raw.get("call_id"), str) or not isinstance(output, str):
                 raise InvalidRequest(f"{where} needs call_id and output strings", param=where)
             out.append({"type": "function_call_output", "id": raw.get("id") or new_id("fco"),
@@ -304,20 +304,22 @@ def input_items(value: str | list[dict[str, Any]], param: str = "input") -> list
     return out
 
 
-def _text_parts(content: Any, role: str, where: str) -> list[dict[str, Any]]:
+def _text_parts(content: Any, role: str, at: str) -> list[dict[str, Any]]:
+    """A message's `content` (or a function_call_output's `output`) as text parts; a 400 naming `at`
+    (``input[0].content``), or its part, when it is not text."""
     kind = "output_text" if role == "assistant" else "input_text"
     if isinstance(content, str):
         return [_part(kind, content)]
     if not isinstance(content, list):
-        raise InvalidRequest(f"{where}.content must be a string or a list of parts", param=f"{where}.content")
+        raise InvalidRequest(f"{at} must be a string or a list of parts", param=at)
     parts = []
     for j, part in enumerate(content):
         ptype = part.get("type") if isinstance(part, dict) else None
         if ptype in TEXT_PARTS and not isinstance(part.get("text"), str):
-            raise InvalidRequest(f"{where}.content[{j}].text must be a string", param=f"{where}.content[{j}].text")
+            raise InvalidRequest(f"{at}[{j}].text must be a string", param=f"{at}[{j}].text")
         if ptype not in TEXT_PARTS:
             raise UnsupportedParameter(f"content part type {ptype!r} is not supported; only text parts are",
-                                       param=f"{where}.content[{j}]")
+                                       param=f"{at}[{j}]")
         parts.append(_part(kind, part["text"]))
     return parts
 

@@ -280,6 +280,10 @@ def test_a_turn_sent_the_moment_the_last_one_completes_is_not_refused(stack: Sta
     # a schema the shard's grammar refuses: it named the chat path's `response_format`
     ({"input": "x", "max_output_tokens": 4, "text": {"format": {"type": "json_schema", "name": "x", "schema": {
         "type": "object", "properties": {"a": {"type": "string", "pattern": "["}}}}}}, 400, "text.format"),
+    # a tool result's image part was dropped without a word (the model saw an empty result)
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_image", "image_url": "x"}]}]},
+     400, "input[1].output[0]"),
 ])
 def test_bad_requests_are_openai_errors(stack: Stack, body: dict, status: int, param: str) -> None:
     r = httpx.post(stack.gateway.url + "/v1/responses", json={"model": MODEL, **body},
