@@ -55,6 +55,7 @@ from data_plane.gateway.responses_items import (
     new_id,
     output_items,
     parse_responses_request,
+    refuse_duplicates,
     response_object,
     response_usage,
 )
@@ -138,6 +139,7 @@ class ResponsesHandler(ChatHandler):
             raise InvalidRequest("input is required", param="input")
         assert self.tier is not None
         await self._load_history(rreq, self.tier)
+        refuse_duplicates(self.new_items, "input", self.history_items)
         req, self.history_messages = rreq.turn_request(self.history_items, self.new_items, self._open_compaction)
         return req
 

@@ -301,7 +301,20 @@ def input_items(value: str | list[dict[str, Any]], param: str = "input") -> list
                 raise InvalidRequest(f"{where}.encrypted_content must be a string", param=where)
             out.append({"type": "compaction", "id": raw.get("id") or new_id("cmp"),
                         "encrypted_content": raw["encrypted_content"]})
+    refuse_duplicates(out, param)
     return out
+
+
+def refuse_duplicates(items: list[dict[str, Any]], param: str, earlier: list[dict[str, Any]] | None = None) -> None:
+    """OpenAI's 400 for an item id given twice, in `items` or already among `earlier` (the conversation or
+    chain they join): ids are the cursors of item lists (`after`) and what item routes name, so a repeated
+    one made a conversation's pages loop forever (`after` found its first copy) and a delete drop both."""
+    seen = {item.get("id") for item in earlier or ()}
+    for item in items:
+        if item["id"] in seen:
+            raise InvalidRequest(f"Duplicate item found with id {item['id']}. Remove duplicate items from your "
+                                 "input and try again.", param=param)
+        seen.add(item["id"])
 
 
 def _text_parts(content: Any, role: str, at: str) -> list[dict[str, Any]]:

@@ -284,6 +284,8 @@ def test_a_turn_sent_the_moment_the_last_one_completes_is_not_refused(stack: Sta
     ({"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
                 {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_image", "image_url": "x"}]}]},
      400, "input[1].output[0]"),
+    ({"input": [{"role": "user", "content": "a", "id": "msg_1"}, {"role": "user", "content": "b", "id": "msg_1"}]},
+     400, "input"),
 ])
 def test_bad_requests_are_openai_errors(stack: Stack, body: dict, status: int, param: str) -> None:
     r = httpx.post(stack.gateway.url + "/v1/responses", json={"model": MODEL, **body},
@@ -318,6 +320,30 @@ def test_conversations_and_compact_refuse_bad_bodies_with_openai_errors(stack: S
         assert r.status_code == status and r.json()["error"]["param"] == param, (path, body, r.text[:300])
     r = httpx.post(url + "/conversations", content=b"{}", headers={**auth, "content-type": "text/plain"})
     assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", r.text
+
+
+def test_item_ids_are_unique_in_a_conversation_and_a_chain(stack: Stack) -> None:
+    """Regression: an item id given twice was stored twice (OpenAI refuses it: "Duplicate item found with
+    id ..."), and a conversation holding it paged forever: `after` found its first copy, so the SDK's
+    auto-pagination at limit=1 went A, B, A, B... Now a repeated id is a 400 naming the field, wherever
+    the earlier copy is: the same request, the conversation, or the previous response's chain."""
+    sdk = stack.sdk()
+    a, b = ({"type": "message", "role": "user", "content": t, "id": f"msg_{t}"} for t in ("a", "b"))
+    conv = sdk.conversations.create(items=[a, b])
+    for call, param in ((lambda: sdk.conversations.create(items=[a, b, a]), "items"),
+                        (lambda: sdk.conversations.items.create(conv.id, items=[b]), "items"),
+                        (lambda: sdk.responses.create(model=MODEL, input=[a], conversation=conv.id,
+                                                      max_output_tokens=2), "input")):
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.body["param"] == param and "Duplicate item found with id msg_" in e.value.body["message"]
+    listed = [i.id for i in sdk.conversations.items.list(conv.id, limit=1, order="asc")]  # every page, once
+    assert listed == ["msg_a", "msg_b"]
+    first = sdk.responses.create(model=MODEL, input=[a], max_output_tokens=2)
+    again = first.output[0].model_dump(exclude_none=True)  # the previous output, resent with its chain
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.responses.create(model=MODEL, input=[again], previous_response_id=first.id, max_output_tokens=2)
+    assert e.value.body["param"] == "input"
 
 
 def test_agents_sdk_default_responses_model(stack: Stack) -> None:
