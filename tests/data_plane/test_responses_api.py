@@ -344,6 +344,10 @@ def test_item_ids_are_unique_in_a_conversation_and_a_chain(stack: Stack) -> None
     with pytest.raises(openai.BadRequestError) as e:
         sdk.responses.create(model=MODEL, input=[again], previous_response_id=first.id, max_output_tokens=2)
     assert e.value.body["param"] == "input"
+    # a query parameter's error names it as the client spelt it (it was `query.limit`)
+    r = httpx.get(f"{stack.gateway.url}/v1/conversations/{conv.id}/items?limit=x", timeout=30,
+                  headers={"Authorization": f"Bearer {KEYS['plus']}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit", r.text
 
 
 def test_agents_sdk_default_responses_model(stack: Stack) -> None:
