@@ -81,7 +81,8 @@ class ResponsesRequest(BaseModel):
     safety_identifier: str | None = Field(default=None, max_length=256)
     prompt_cache_key: str | None = Field(default=None, max_length=256)
     prompt_cache_retention: str | None = None
-    service_tier: str | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    """Accepted (OpenAI's values); every request runs at this server's one processing tier, "default"."""
     include: list[str] | None = None
     """Only ``message.output_text.logprobs`` (the chat path's logprobs on the output text); any
     other includable names output this server never makes (a 400 naming it)."""
@@ -435,10 +436,12 @@ def response_usage(chat_usage: dict[str, Any] | None) -> dict[str, Any]:
 def response_object(resp_id: str, req: ResponsesRequest, model: str, *, status: str, output: list[dict[str, Any]],
                     usage: dict[str, Any] | None, created_at: float | None = None,
                     incomplete: str | None = None) -> dict[str, Any]:
-    """The Response object (OpenAI's shape) for POST, GET and the stream's events."""
+    """The Response object (OpenAI's shape) for POST, GET and the stream's events: the request's settings
+    echoed, `completed_at` once it is completed, `service_tier` the one it ran at."""
     conversation = req.conversation_id
     return {
         "id": resp_id, "object": "response", "created_at": int(created_at or time.time()), "status": status,
+        "completed_at": int(time.time()) if status == "completed" else None,
         "background": bool(req.background), "error": None,
         "incomplete_details": {"reason": incomplete} if incomplete else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": model,
@@ -448,7 +451,9 @@ def response_object(resp_id: str, req: ResponsesRequest, model: str, *, status: 
         "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
         "tools": req.tools or [], "truncation": req.truncation or "disabled", "usage": usage,
         "user": req.user, "metadata": req.metadata or {}, "top_logprobs": req.top_logprobs,
-        "conversation": {"id": conversation} if conversation else None,
+        "conversation": {"id": conversation} if conversation else None, "max_tool_calls": req.max_tool_calls,
+        "prompt_cache_key": req.prompt_cache_key, "prompt_cache_retention": req.prompt_cache_retention,
+        "safety_identifier": req.safety_identifier, "service_tier": "default",
     }
 
 

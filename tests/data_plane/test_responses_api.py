@@ -286,6 +286,7 @@ def test_a_turn_sent_the_moment_the_last_one_completes_is_not_refused(stack: Sta
      400, "input[1].output[0]"),
     ({"input": [{"role": "user", "content": "a", "id": "msg_1"}, {"role": "user", "content": "b", "id": "msg_1"}]},
      400, "input"),
+    ({"input": "x", "service_tier": "fastest"}, 400, "service_tier"),
 ])
 def test_bad_requests_are_openai_errors(stack: Stack, body: dict, status: int, param: str) -> None:
     r = httpx.post(stack.gateway.url + "/v1/responses", json={"model": MODEL, **body},
@@ -348,6 +349,21 @@ def test_item_ids_are_unique_in_a_conversation_and_a_chain(stack: Stack) -> None
     r = httpx.get(f"{stack.gateway.url}/v1/conversations/{conv.id}/items?limit=x", timeout=30,
                   headers={"Authorization": f"Bearer {KEYS['plus']}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "limit", r.text
+
+
+def test_the_response_echoes_its_settings_and_when_it_completed(stack: Stack) -> None:
+    """OpenAI's Response carries the request's prompt_cache_key, safety_identifier and max_tool_calls,
+    the service_tier it ran at, and `completed_at` once completed: they were missing (the SDK read None)."""
+    sdk = stack.sdk()
+    r = sdk.responses.create(model=MODEL, input="Name the capital of France.", instructions=SYSTEM,
+                             max_output_tokens=12, temperature=0, prompt_cache_key="geo", safety_identifier="user-7",
+                             service_tier="auto")
+    assert r.status == "completed" and r.completed_at is not None and r.completed_at >= r.created_at
+    assert (r.prompt_cache_key, r.safety_identifier, r.service_tier) == ("geo", "user-7", "default")
+    got = sdk.responses.retrieve(r.id)
+    assert (got.completed_at, got.prompt_cache_key, got.safety_identifier) == (r.completed_at, "geo", "user-7")
+    cut = sdk.responses.create(model=MODEL, input="Tell me a story.", max_output_tokens=2)
+    assert cut.status == "incomplete" and cut.completed_at is None
 
 
 def test_agents_sdk_default_responses_model(stack: Stack) -> None:
