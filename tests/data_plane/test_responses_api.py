@@ -167,6 +167,30 @@ def test_conversations_crud_and_turns(stack: Stack) -> None:
         sdk.conversations.retrieve(conv.id)
 
 
+def test_a_conversation_deleted_during_its_turn_is_a_404_and_stays_deleted(stack: Stack) -> None:
+    """Regression: a turn whose conversation was deleted while it generated ended on the cache's 409
+    ("session 'conv_...' already has a newer version", param `version`, its tombstone's stored_version):
+    streamed, the error event and the failed response said so. Now it is OpenAI's 404 for the
+    conversation, and nothing brings the conversation back."""
+    sdk = stack.sdk()
+    conv = sdk.conversations.create(items=[{"type": "message", "role": "user", "content": "Hello."}])
+    body = {"model": MODEL, "input": "Tell me a story.", "conversation": conv.id, "max_output_tokens": 48,
+            "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", stack.gateway.url + "/v1/responses", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {KEYS['plus']}"}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if events[-1]["type"] == "response.output_text.delta" and len(events) == 5:  # the first delta
+                    assert sdk.conversations.delete(conv.id).deleted
+    error, failed = events[-2], events[-1]
+    assert error["type"] == "error" and error["code"] == "not_found" and error["param"] == "conversation_id", error
+    assert failed["type"] == "response.failed" and "not found" in failed["response"]["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        sdk.conversations.retrieve(conv.id)
+
+
 def _locked_or_ok(r: httpx.Response) -> bool:
     """True for a 200; a refusal must be OpenAI's conversation_locked 400, nothing else."""
     if r.status_code == 200:
