@@ -31,6 +31,9 @@ from data_plane.request_checks import WholeNumber, check_metadata, json_body, va
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 SUPPORTED_ITEM_TYPES = ("message", "function_call", "function_call_output", "compaction")
 TEXT_PARTS = ("input_text", "output_text", "text")
+FORMAT_FIELDS = {"text": {"type"}, "json_object": {"type"},
+                 "json_schema": {"type", "name", "schema", "strict", "description"}}
+"""The fields of each `text.format` type (OpenAI's); another type is the chat path's 400."""
 
 
 def new_id(prefix: str) -> str:
@@ -137,6 +140,13 @@ class ResponsesRequest(BaseModel):
         fmt = (self.text or {}).get("format")
         if fmt is not None and not isinstance(fmt, dict):
             raise InvalidRequest("text.format must be an object", param="text.format")
+        unknown = [f"text.{k}" for k in self.text or {} if k not in ("format", "verbosity")]
+        if fmt:  # (a type not among them is the chat path's 400, naming text.format.type)
+            known = FORMAT_FIELDS.get(str(fmt.get("type")), set(fmt))
+            unknown += [f"text.format.{k}" for k in fmt if k not in known]
+        if unknown:  # as the body's other unknown fields: a 400, never a setting silently dropped
+            raise InvalidRequest(f"unrecognized request argument supplied: {unknown[0]}", param=unknown[0],
+                                 code="unsupported_parameter")
         if not fmt or fmt.get("type") == "text":
             return None
         if fmt.get("type") == "json_schema":  # Responses flattens what chat nests under json_schema

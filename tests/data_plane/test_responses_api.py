@@ -311,6 +311,10 @@ def test_a_turn_sent_the_moment_the_last_one_completes_is_not_refused(stack: Sta
     ({"input": [{"role": "user", "content": "a", "id": "msg_1"}, {"role": "user", "content": "b", "id": "msg_1"}]},
      400, "input"),
     ({"input": "x", "service_tier": "fastest"}, 400, "service_tier"),
+    # unknown fields of `text` were dropped without a word, as the body's own are not
+    ({"input": "x", "text": {"formats": {"type": "json_object"}}}, 400, "text.formats"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"},
+                                        "schemas": {}}}}, 400, "text.format.schemas"),
 ])
 def test_bad_requests_are_openai_errors(stack: Stack, body: dict, status: int, param: str) -> None:
     r = httpx.post(stack.gateway.url + "/v1/responses", json={"model": MODEL, **body},
