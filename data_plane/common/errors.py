@@ -208,7 +208,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    where = list(first.get("loc", ()))
+    if where and where[0] in ("body", "query", "path", "header"):  # FastAPI's location: `limit`, not `query.limit`
+        where = where[1:]
+    loc = [str(p) for p in where]
     param = ".".join(loc) or None
     kind = first.get("type", "")
     if kind == "json_invalid":

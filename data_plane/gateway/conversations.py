@@ -23,7 +23,7 @@ from data_plane.common.errors import InvalidRequest, NotFound
 from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S, record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, conversation_object, new_conversation
 from data_plane.gateway.responses import page, record_caller
-from data_plane.gateway.responses_items import input_items, new_id
+from data_plane.gateway.responses_items import input_items, new_id, refuse_duplicates
 from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.runtime import Gateway
 from data_plane.request_checks import json_body
@@ -150,6 +150,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
                 raise InvalidRequest("items must hold at least one item", param="items")
             async with editing(owner, conversation_id):
                 record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
+                refuse_duplicates(items, "items", record.items)
                 record.items = record.items + items
                 await store().save(record, owner, replicas)
             return {"object": "list", "data": items, "first_id": items[0]["id"], "last_id": items[-1]["id"],

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from data_plane.cache.client import SessionStore
-from data_plane.cache.model import validate_session_id
+from data_plane.cache.model import TOMBSTONE_VERSION, VersionConflict, validate_session_id
 from data_plane.common.errors import NotFound, SwitchboardError
 
 META_ROLE = "x-responses"
@@ -131,9 +131,18 @@ class ConversationStore:
         return record
 
     async def save(self, record: Record, owner: str, replicas: int) -> None:
+        """Write `record` as its next version. A conversation deleted since it was loaded (its tombstone
+        outranks every write) is OpenAI's 404 for it, not the cache's 409 on a ``version`` the client never
+        sent: a turn or an item edit racing the delete. (A response's writer, the background run, reads
+        that 409 itself: its delete stands as a cancel, data_plane/gateway/responses_detached.py.)"""
         record.version += 1
-        await self.sessions.save(record.id, owner, [record.to_message()], record.version, replicas,
-                                 ttl_s=self.ttl_s)
+        try:
+            await self.sessions.save(record.id, owner, [record.to_message()], record.version, replicas,
+                                     ttl_s=self.ttl_s)
+        except VersionConflict as exc:
+            if record.kind is Kind.CONVERSATION and exc.stored_version >= TOMBSTONE_VERSION:
+                raise not_found(record.kind, record.id) from None
+            raise
 
     async def delete(self, record_id: str, owner: str, replicas: int, kind: Kind) -> None:
         await self.load(record_id, owner, replicas, kind)  # 404 unless it is this key's and of this kind

@@ -49,11 +49,13 @@ from data_plane.gateway.response_store import ConversationStore, Kind, Record
 from data_plane.gateway.responses_background import Detach
 from data_plane.gateway.responses_items import (
     ResponsesRequest,
+    in_responses_terms,
     input_items,
     items_to_messages,
     new_id,
     output_items,
     parse_responses_request,
+    refuse_duplicates,
     response_object,
     response_usage,
 )
@@ -117,6 +119,15 @@ class ResponsesHandler(ChatHandler):
 
     # -- the request -----------------------------------------------------------------------------
 
+    async def _prepare_and_open(self) -> Opened:
+        """The chat path's phases; an error any of them (or the shard, before the first token) raises names
+        the Responses body's field: a json_schema the shard's grammar refuses is `text.format`, not
+        `response_format`."""
+        try:
+            return await super()._prepare_and_open()
+        except SwitchboardError as exc:
+            raise in_responses_terms(exc) from None
+
     async def parse(self, raw: bytes) -> ChatCompletionRequest:
         """The chat request of the whole conversation: instructions, the stored history, the new input
         (so a function_call_output answers a call the history holds, as the chat path checks)."""
@@ -128,6 +139,7 @@ class ResponsesHandler(ChatHandler):
             raise InvalidRequest("input is required", param="input")
         assert self.tier is not None
         await self._load_history(rreq, self.tier)
+        refuse_duplicates(self.new_items, "input", self.history_items)
         req, self.history_messages = rreq.turn_request(self.history_items, self.new_items, self._open_compaction)
         return req
 

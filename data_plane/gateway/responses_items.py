@@ -24,13 +24,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from data_plane.common.errors import InvalidRequest, UnsupportedParameter
+from data_plane.common.errors import InvalidRequest, SwitchboardError, UnsupportedParameter
 from data_plane.protocol import ChatCompletionRequest
 from data_plane.request_checks import WholeNumber, check_metadata, json_body, validated
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 SUPPORTED_ITEM_TYPES = ("message", "function_call", "function_call_output", "compaction")
 TEXT_PARTS = ("input_text", "output_text", "text")
+FORMAT_FIELDS = {"text": {"type"}, "json_object": {"type"},
+                 "json_schema": {"type", "name", "schema", "strict", "description"}}
+"""The fields of each `text.format` type (OpenAI's); another type is the chat path's 400."""
 
 
 def new_id(prefix: str) -> str:
@@ -81,7 +84,8 @@ class ResponsesRequest(BaseModel):
     safety_identifier: str | None = Field(default=None, max_length=256)
     prompt_cache_key: str | None = Field(default=None, max_length=256)
     prompt_cache_retention: str | None = None
-    service_tier: str | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    """Accepted (OpenAI's values); every request runs at this server's one processing tier, "default"."""
     include: list[str] | None = None
     """Only ``message.output_text.logprobs`` (the chat path's logprobs on the output text); any
     other includable names output this server never makes (a 400 naming it)."""
@@ -136,6 +140,13 @@ class ResponsesRequest(BaseModel):
         fmt = (self.text or {}).get("format")
         if fmt is not None and not isinstance(fmt, dict):
             raise InvalidRequest("text.format must be an object", param="text.format")
+        unknown = [f"text.{k}" for k in self.text or {} if k not in ("format", "verbosity")]
+        if fmt:  # (a type not among them is the chat path's 400, naming text.format.type)
+            known = FORMAT_FIELDS.get(str(fmt.get("type")), set(fmt))
+            unknown += [f"text.format.{k}" for k in fmt if k not in known]
+        if unknown:  # as the body's other unknown fields: a 400, never a setting silently dropped
+            raise InvalidRequest(f"unrecognized request argument supplied: {unknown[0]}", param=unknown[0],
+                                 code="unsupported_parameter")
         if not fmt or fmt.get("type") == "text":
             return None
         if fmt.get("type") == "json_schema":  # Responses flattens what chat nests under json_schema
@@ -213,17 +224,27 @@ class ResponsesRequest(BaseModel):
             req = validated(ChatCompletionRequest, body)
             req.check_supported()
         except InvalidRequest as exc:  # the chat path's verdict, in the Responses API's names
-            renamed = _responses_param(exc.param)
-            if exc.param and renamed:
-                message = exc.message.replace(repr(exc.param), repr(renamed))
-                if message.startswith(exc.param + ":"):  # a validation error: "<param>: <what is wrong>"
-                    message = renamed + message[len(exc.param):]
-                exc.message, exc.param = message, renamed
-            raise
+            raise in_responses_terms(exc)
         return req
 
 
 CHAT_TO_RESPONSES = {"response_format": "text.format", "max_tokens": "max_output_tokens", "messages": "input"}
+
+
+def in_responses_terms(exc: SwitchboardError) -> SwitchboardError:
+    """`exc` (a chat request's error: the gateway's checks, or the shard's, such as a schema its grammar
+    cannot compile) naming the Responses body's field, in its `param` and its message; others unchanged.
+
+        except SwitchboardError as exc:
+            raise in_responses_terms(exc) from None
+    """
+    renamed = _responses_param(exc.param)
+    if exc.param and renamed and renamed != exc.param:
+        message = exc.message.replace(repr(exc.param), repr(renamed))
+        if message.startswith(exc.param + ":"):  # a validation error: "<param>: <what is wrong>"
+            message = renamed + message[len(exc.param):]
+        exc.message, exc.param = message, renamed
+    return exc
 
 
 def _responses_param(param: str | None) -> str | None:
@@ -269,7 +290,7 @@ def input_items(value: str | list[dict[str, Any]], param: str = "input") -> list
             role = raw.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise InvalidRequest(f"{where}.role must be user, system, developer or assistant", param=f"{where}.role")
-            parts = _text_parts(raw.get("content"), role, where)
+            parts = _text_parts(raw.get("content"), role, f"{where}.content")
             out.append({"type": "message", "id": raw.get("id") or new_id("msg"), "status": "completed",
                         "role": role, "content": parts})
         elif kind == "function_call":
@@ -280,8 +301,8 @@ def input_items(value: str | list[dict[str, Any]], param: str = "input") -> list
                         "call_id": raw["call_id"], "name": raw["name"], "arguments": raw["arguments"]})
         elif kind == "function_call_output":
             output = raw.get("output")
-            if isinstance(output, list):
-                output = "".join(p.get("text", "") for p in output if isinstance(p, dict))
+            if isinstance(output, list):  # content parts: text only (an image's would vanish from the prompt)
+                output = "".join(p["text"] for p in _text_parts(output, "tool", f"{where}.output"))
             if not isinstance(raw.get("call_id"), str) or not isinstance(output, str):
                 raise InvalidRequest(f"{where} needs call_id and output strings", param=where)
             out.append({"type": "function_call_output", "id": raw.get("id") or new_id("fco"),
@@ -291,23 +312,38 @@ def input_items(value: str | list[dict[str, Any]], param: str = "input") -> list
                 raise InvalidRequest(f"{where}.encrypted_content must be a string", param=where)
             out.append({"type": "compaction", "id": raw.get("id") or new_id("cmp"),
                         "encrypted_content": raw["encrypted_content"]})
+    refuse_duplicates(out, param)
     return out
 
 
-def _text_parts(content: Any, role: str, where: str) -> list[dict[str, Any]]:
+def refuse_duplicates(items: list[dict[str, Any]], param: str, earlier: list[dict[str, Any]] | None = None) -> None:
+    """OpenAI's 400 for an item id given twice, in `items` or already among `earlier` (the conversation or
+    chain they join): ids are the cursors of item lists (`after`) and what item routes name, so a repeated
+    one made a conversation's pages loop forever (`after` found its first copy) and a delete drop both."""
+    seen = {item.get("id") for item in earlier or ()}
+    for item in items:
+        if item["id"] in seen:
+            raise InvalidRequest(f"Duplicate item found with id {item['id']}. Remove duplicate items from your "
+                                 "input and try again.", param=param)
+        seen.add(item["id"])
+
+
+def _text_parts(content: Any, role: str, at: str) -> list[dict[str, Any]]:
+    """A message's `content` (or a function_call_output's `output`) as text parts; a 400 naming `at`
+    (``input[0].content``), or its part, when it is not text."""
     kind = "output_text" if role == "assistant" else "input_text"
     if isinstance(content, str):
         return [_part(kind, content)]
     if not isinstance(content, list):
-        raise InvalidRequest(f"{where}.content must be a string or a list of parts", param=f"{where}.content")
+        raise InvalidRequest(f"{at} must be a string or a list of parts", param=at)
     parts = []
     for j, part in enumerate(content):
         ptype = part.get("type") if isinstance(part, dict) else None
         if ptype in TEXT_PARTS and not isinstance(part.get("text"), str):
-            raise InvalidRequest(f"{where}.content[{j}].text must be a string", param=f"{where}.content[{j}].text")
+            raise InvalidRequest(f"{at}[{j}].text must be a string", param=f"{at}[{j}].text")
         if ptype not in TEXT_PARTS:
             raise UnsupportedParameter(f"content part type {ptype!r} is not supported; only text parts are",
-                                       param=f"{where}.content[{j}]")
+                                       param=f"{at}[{j}]")
         parts.append(_part(kind, part["text"]))
     return parts
 
@@ -410,10 +446,12 @@ def response_usage(chat_usage: dict[str, Any] | None) -> dict[str, Any]:
 def response_object(resp_id: str, req: ResponsesRequest, model: str, *, status: str, output: list[dict[str, Any]],
                     usage: dict[str, Any] | None, created_at: float | None = None,
                     incomplete: str | None = None) -> dict[str, Any]:
-    """The Response object (OpenAI's shape) for POST, GET and the stream's events."""
+    """The Response object (OpenAI's shape) for POST, GET and the stream's events: the request's settings
+    echoed, `completed_at` once it is completed, `service_tier` the one it ran at."""
     conversation = req.conversation_id
     return {
         "id": resp_id, "object": "response", "created_at": int(created_at or time.time()), "status": status,
+        "completed_at": int(time.time()) if status == "completed" else None,
         "background": bool(req.background), "error": None,
         "incomplete_details": {"reason": incomplete} if incomplete else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": model,
@@ -423,7 +461,9 @@ def response_object(resp_id: str, req: ResponsesRequest, model: str, *, status: 
         "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
         "tools": req.tools or [], "truncation": req.truncation or "disabled", "usage": usage,
         "user": req.user, "metadata": req.metadata or {}, "top_logprobs": req.top_logprobs,
-        "conversation": {"id": conversation} if conversation else None,
+        "conversation": {"id": conversation} if conversation else None, "max_tool_calls": req.max_tool_calls,
+        "prompt_cache_key": req.prompt_cache_key, "prompt_cache_retention": req.prompt_cache_retention,
+        "safety_identifier": req.safety_identifier, "service_tier": "default",
     }
 
 

@@ -167,6 +167,30 @@ def test_conversations_crud_and_turns(stack: Stack) -> None:
         sdk.conversations.retrieve(conv.id)
 
 
+def test_a_conversation_deleted_during_its_turn_is_a_404_and_stays_deleted(stack: Stack) -> None:
+    """Regression: a turn whose conversation was deleted while it generated ended on the cache's 409
+    ("session 'conv_...' already has a newer version", param `version`, its tombstone's stored_version):
+    streamed, the error event and the failed response said so. Now it is OpenAI's 404 for the
+    conversation, and nothing brings the conversation back."""
+    sdk = stack.sdk()
+    conv = sdk.conversations.create(items=[{"type": "message", "role": "user", "content": "Hello."}])
+    body = {"model": MODEL, "input": "Tell me a story.", "conversation": conv.id, "max_output_tokens": 48,
+            "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", stack.gateway.url + "/v1/responses", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {KEYS['plus']}"}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if events[-1]["type"] == "response.output_text.delta" and len(events) == 5:  # the first delta
+                    assert sdk.conversations.delete(conv.id).deleted
+    error, failed = events[-2], events[-1]
+    assert error["type"] == "error" and error["code"] == "not_found" and error["param"] == "conversation_id", error
+    assert failed["type"] == "response.failed" and "not found" in failed["response"]["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        sdk.conversations.retrieve(conv.id)
+
+
 def _locked_or_ok(r: httpx.Response) -> bool:
     """True for a 200; a refusal must be OpenAI's conversation_locked 400, nothing else."""
     if r.status_code == 200:
@@ -277,6 +301,20 @@ def test_a_turn_sent_the_moment_the_last_one_completes_is_not_refused(stack: Sta
     ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, 400, "input"),
     # a Responses function tool is flat: the param named the chat path's `tools.0.function.name`
     ({"input": "x", "tools": [{"type": "function", "name": "bad name!"}]}, 400, "tools.0.name"),
+    # a schema the shard's grammar refuses: it named the chat path's `response_format`
+    ({"input": "x", "max_output_tokens": 4, "text": {"format": {"type": "json_schema", "name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "["}}}}}}, 400, "text.format"),
+    # a tool result's image part was dropped without a word (the model saw an empty result)
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_image", "image_url": "x"}]}]},
+     400, "input[1].output[0]"),
+    ({"input": [{"role": "user", "content": "a", "id": "msg_1"}, {"role": "user", "content": "b", "id": "msg_1"}]},
+     400, "input"),
+    ({"input": "x", "service_tier": "fastest"}, 400, "service_tier"),
+    # unknown fields of `text` were dropped without a word, as the body's own are not
+    ({"input": "x", "text": {"formats": {"type": "json_object"}}}, 400, "text.formats"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"},
+                                        "schemas": {}}}}, 400, "text.format.schemas"),
 ])
 def test_bad_requests_are_openai_errors(stack: Stack, body: dict, status: int, param: str) -> None:
     r = httpx.post(stack.gateway.url + "/v1/responses", json={"model": MODEL, **body},
@@ -311,6 +349,49 @@ def test_conversations_and_compact_refuse_bad_bodies_with_openai_errors(stack: S
         assert r.status_code == status and r.json()["error"]["param"] == param, (path, body, r.text[:300])
     r = httpx.post(url + "/conversations", content=b"{}", headers={**auth, "content-type": "text/plain"})
     assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", r.text
+
+
+def test_item_ids_are_unique_in_a_conversation_and_a_chain(stack: Stack) -> None:
+    """Regression: an item id given twice was stored twice (OpenAI refuses it: "Duplicate item found with
+    id ..."), and a conversation holding it paged forever: `after` found its first copy, so the SDK's
+    auto-pagination at limit=1 went A, B, A, B... Now a repeated id is a 400 naming the field, wherever
+    the earlier copy is: the same request, the conversation, or the previous response's chain."""
+    sdk = stack.sdk()
+    a, b = ({"type": "message", "role": "user", "content": t, "id": f"msg_{t}"} for t in ("a", "b"))
+    conv = sdk.conversations.create(items=[a, b])
+    for call, param in ((lambda: sdk.conversations.create(items=[a, b, a]), "items"),
+                        (lambda: sdk.conversations.items.create(conv.id, items=[b]), "items"),
+                        (lambda: sdk.responses.create(model=MODEL, input=[a], conversation=conv.id,
+                                                      max_output_tokens=2), "input")):
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.body["param"] == param and "Duplicate item found with id msg_" in e.value.body["message"]
+    listed = [i.id for i in sdk.conversations.items.list(conv.id, limit=1, order="asc")]  # every page, once
+    assert listed == ["msg_a", "msg_b"]
+    first = sdk.responses.create(model=MODEL, input=[a], max_output_tokens=2)
+    again = first.output[0].model_dump(exclude_none=True)  # the previous output, resent with its chain
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.responses.create(model=MODEL, input=[again], previous_response_id=first.id, max_output_tokens=2)
+    assert e.value.body["param"] == "input"
+    # a query parameter's error names it as the client spelt it (it was `query.limit`)
+    r = httpx.get(f"{stack.gateway.url}/v1/conversations/{conv.id}/items?limit=x", timeout=30,
+                  headers={"Authorization": f"Bearer {KEYS['plus']}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit", r.text
+
+
+def test_the_response_echoes_its_settings_and_when_it_completed(stack: Stack) -> None:
+    """OpenAI's Response carries the request's prompt_cache_key, safety_identifier and max_tool_calls,
+    the service_tier it ran at, and `completed_at` once completed: they were missing (the SDK read None)."""
+    sdk = stack.sdk()
+    r = sdk.responses.create(model=MODEL, input="Name the capital of France.", instructions=SYSTEM,
+                             max_output_tokens=12, temperature=0, prompt_cache_key="geo", safety_identifier="user-7",
+                             service_tier="auto")
+    assert r.status == "completed" and r.completed_at is not None and r.completed_at >= r.created_at
+    assert (r.prompt_cache_key, r.safety_identifier, r.service_tier) == ("geo", "user-7", "default")
+    got = sdk.responses.retrieve(r.id)
+    assert (got.completed_at, got.prompt_cache_key, got.safety_identifier) == (r.completed_at, "geo", "user-7")
+    cut = sdk.responses.create(model=MODEL, input="Tell me a story.", max_output_tokens=2)
+    assert cut.status == "incomplete" and cut.completed_at is None
 
 
 def test_agents_sdk_default_responses_model(stack: Stack) -> None:
