@@ -44,6 +44,9 @@ class Kind(str, enum.Enum):
     `items` its request messages."""
     CHAT_INDEX = "chat.completion.index"
     """One owner's list of stored chat completions (`items`: id, created, model, metadata), for listing."""
+    ITEM_INDEX = "item.index"
+    """Where one stored item of an owner lives (`items`: the records holding it), for `item_reference`
+    inputs (data_plane/gateway/item_index.py)."""
 
 
 @dataclass

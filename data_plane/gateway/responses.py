@@ -43,6 +43,7 @@ from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, Swit
 from data_plane.gateway.auth import key_digest
 from data_plane.gateway.chat import ChatHandler, Opened
 from data_plane.gateway.context import Window, fit_window
+from data_plane.gateway.item_index import Home, index_items, resolve_references
 from data_plane.gateway.memory import Compaction, compact, fit_with_recall, open_compaction
 from data_plane.gateway.record_locks import record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, Record
@@ -138,6 +139,7 @@ class ResponsesHandler(ChatHandler):
         if not self.new_items:
             raise InvalidRequest("input is required", param="input")
         assert self.tier is not None
+        self.new_items = await resolve_references(self.store, self.new_items, self.owner, self.tier.replication)
         await self._load_history(rreq, self.tier)
         refuse_duplicates(self.new_items, "input", self.history_items)
         req, self.history_messages = rreq.turn_request(self.history_items, self.new_items, self._open_compaction)
@@ -278,6 +280,7 @@ class ResponsesHandler(ChatHandler):
         record = Record(self.response_id, Kind.RESPONSE, self.history_items + self.new_items, self.route,
                         response=response, input_range=(start, start + len(self.new_items)))
         await self.store.save(record, self.owner, self.tier.replication)
+        await self._index(self.new_items, [Home(Kind.RESPONSE, self.response_id)])
         log.info("request %s: response stored as %s (%s)", self.request_id, response["status"], code)
 
     async def save_turn(self, reply: str, message: dict[str, Any] | None = None) -> None:
@@ -304,11 +307,22 @@ class ResponsesHandler(ChatHandler):
             await self.store.save(record, self.owner, replicas)
             saved.append(record)
         self.let_go()  # the conversation is written: its next turn may start
+        await self._index(self.new_items + output, [Home(r.kind, r.id) for r in saved])
         threshold = next((c.compact_threshold for c in rreq.context_management or () if c.compact_threshold), None)
         for rec in saved:
             if threshold and conversation_tokens(rec.items, self.gw.counter) > threshold:
                 self.store.later(compact_record(self.gw, self.rt, self.store, rec, self.owner, replicas, threshold),
                                  name="responses-compaction")
+
+
+    async def _index(self, items: list[dict[str, Any]], homes: list[Home]) -> None:
+        """Index the turn's stored items (item_index.py), before the reply ends so that a reference sent at
+        once resolves. A failure leaves them unreferenceable, never the stored turn failed."""
+        assert self.tier is not None
+        try:
+            await index_items(self.store, items, homes, self.owner, self.tier.replication)
+        except SwitchboardError as exc:
+            log.warning("request %s: stored items not indexed: %s", self.request_id, exc.code)
 
 
 def unsealer(rt: Runtime, owner: str) -> Callable[[str], list[dict[str, str]]]:
@@ -436,7 +450,7 @@ def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationS
             items: list[dict[str, Any]] = []
             if body.get("previous_response_id"):
                 items = (await store().load(str(body["previous_response_id"]), owner, replicas, Kind.RESPONSE)).items
-            items = items + input_items(body.get("input") or [])
+            items = items + await resolve_references(store(), input_items(body.get("input") or []), owner, replicas)
             keep = body.get("keep_tokens", 256)
             if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
                 raise InvalidRequest("keep_tokens must be a non-negative integer", param="keep_tokens")

@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 
 from data_plane.common.errors import InvalidRequest, ModelNotFound, UnsupportedParameter
 from data_plane.common.http_body import read_body
+from data_plane.gateway.item_index import resolve_references
 from data_plane.gateway.memory import open_compaction
 from data_plane.gateway.phases import FORWARDED, cache_salt
 from data_plane.gateway.response_store import ConversationStore, Kind
@@ -70,7 +71,7 @@ def mount_input_tokens(app: FastAPI, gw: Gateway, store: Callable[[], Conversati
             principal, owner, replicas = record_principal(gw, request)  # the abuse guard first; 401s counted
             raw = await read_body(request, gw.settings.max_body_bytes)
             rreq = count_request(json_body(raw, request.headers.get("content-type")))
-            new_items = input_items(rreq.input)
+            new_items = await resolve_references(store(), input_items(rreq.input), owner, replicas)
             if not new_items:
                 raise InvalidRequest("input is required", param="input")
             rt = runtime()

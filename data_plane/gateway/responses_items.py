@@ -29,7 +29,7 @@ from data_plane.protocol import ChatCompletionRequest
 from data_plane.request_checks import WholeNumber, check_metadata, json_body, validated
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-SUPPORTED_ITEM_TYPES = ("message", "function_call", "function_call_output", "compaction")
+SUPPORTED_ITEM_TYPES = ("message", "function_call", "function_call_output", "compaction", "item_reference")
 TEXT_PARTS = ("input_text", "output_text", "text")
 FORMAT_FIELDS = {"text": {"type"}, "json_object": {"type"},
                  "json_schema": {"type", "name", "schema", "strict", "description"}}
@@ -270,7 +270,8 @@ def parse_responses_request(raw: bytes, content_type: str | None) -> ResponsesRe
 
 
 def input_items(value: str | list[dict[str, Any]], param: str = "input") -> list[dict[str, Any]]:
-    """`input` as stored items (each with an id and a status), validated; 400 naming the bad item."""
+    """`input` as stored items (each with an id and a status), validated; 400 naming the bad item. An
+    ``item_reference`` stays as one, for `resolve_references` (data_plane/gateway/item_index.py) to replace."""
     if isinstance(value, str):
         value = [{"type": "message", "role": "user", "content": value}] if value else []
     if not isinstance(value, list):  # routes that read raw JSON (compact, conversations) pass anything
@@ -283,7 +284,8 @@ def input_items(value: str | list[dict[str, Any]], param: str = "input") -> list
         if raw.get("id") is not None and not isinstance(raw["id"], str):  # stored, listed, used as cursors
             # (null is the SDK's "no id": its input item types declare `id: Optional[str]`)
             raise InvalidRequest(f"{where}.id must be a string", param=f"{where}.id")
-        kind = raw.get("type", "message")
+        # the SDK's ItemReference may leave out its type: an item that is nothing but an id is one
+        kind = raw.get("type", "item_reference" if set(raw) == {"id"} else "message")
         if kind not in SUPPORTED_ITEM_TYPES:
             raise UnsupportedParameter(f"input item type {kind!r} is not supported", param=f"{where}.type")
         if kind == "message":
@@ -299,6 +301,10 @@ def input_items(value: str | list[dict[str, Any]], param: str = "input") -> list
                     raise InvalidRequest(f"{where}.{key} must be a string", param=f"{where}.{key}")
             out.append({"type": "function_call", "id": raw.get("id") or new_id("fc"), "status": "completed",
                         "call_id": raw["call_id"], "name": raw["name"], "arguments": raw["arguments"]})
+        elif kind == "item_reference":  # a stored item, resolved by the caller (data_plane/gateway/item_index.py)
+            if not isinstance(raw.get("id"), str) or not raw["id"]:
+                raise InvalidRequest(f"{where}.id must be a string", param=f"{where}.id")
+            out.append({"type": "item_reference", "id": raw["id"]})
         elif kind == "function_call_output":
             output = raw.get("output")
             if isinstance(output, list):  # content parts: text only (an image's would vanish from the prompt)

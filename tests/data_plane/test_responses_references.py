@@ -1,0 +1,83 @@
+"""`item_reference` inputs, and the Response object's echoes and query checks: the real model, two cache
+nodes and a gateway on loopback (test_responses_api.py's stack), driven by the openai SDK."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.data_plane.test_responses_api import MODEL, Stack, stack  # noqa: F401  (the module's stack)
+from tests.support.cluster import KEYS
+
+
+def ref(item_id: str) -> dict:
+    return {"type": "item_reference", "id": item_id}
+
+
+def test_an_item_reference_is_the_stored_item_it_names(stack: Stack) -> None:
+    """Input and output items of a stored response resolve (the prompt is the one the items themselves
+    make), in a plain request, after previous_response_id and in a conversation."""
+    sdk = stack.sdk()
+    first = sdk.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=4, temperature=0)
+    (asked,) = sdk.responses.input_items.list(first.id).data
+    answer = first.output[0]
+    literal = [{"type": "message", "role": "user", "content": "Name a colour."},
+               {"type": "message", "role": "assistant", "content": first.output_text}]
+    by_ref = [ref(asked.id), ref(answer.id)]
+    count = sdk.responses.input_tokens.count
+    assert count(model=MODEL, input=by_ref).input_tokens == count(model=MODEL, input=literal).input_tokens
+    second = sdk.responses.create(model=MODEL, input=[*by_ref, {"role": "user", "content": "Another?"}],
+                                  max_output_tokens=4, temperature=0)
+    got = sdk.responses.input_items.list(second.id, order="asc").data
+    assert [i.id for i in got[:2]] == [asked.id, answer.id]
+    assert got[1].content[0].text == first.output_text and got[0].content[0].text == "Name a colour."
+    # with previous_response_id: an item of another response joins the chain
+    other = sdk.responses.create(model=MODEL, input="Name a fruit.", max_output_tokens=4, temperature=0)
+    chained = sdk.responses.create(model=MODEL, previous_response_id=second.id, input=[ref(other.output[0].id)],
+                                   max_output_tokens=4, temperature=0)
+    assert [i.id for i in sdk.responses.input_items.list(chained.id).data] == [other.output[0].id]
+    # in a conversation: a conversation's item, and a response's, both resolve; the turn holds them
+    conv = sdk.conversations.create(items=[{"type": "message", "role": "user", "content": "I like blue."}])
+    (held,) = sdk.conversations.items.list(conv.id).data
+    conv2 = sdk.conversations.create()
+    sdk.responses.create(model=MODEL, conversation=conv2.id, input=[ref(held.id), ref(other.output[0].id)],
+                         max_output_tokens=4, temperature=0)
+    ids = [i.id for i in sdk.conversations.items.list(conv2.id, order="asc").data]
+    assert ids[:2] == [held.id, other.output[0].id] and len(ids) == 3
+    sdk.conversations.items.create(conv2.id, items=[ref(answer.id)])
+    assert sdk.conversations.items.retrieve(answer.id, conversation_id=conv2.id).id == answer.id
+
+
+def _missing(sdk: openai.OpenAI, item_id: str) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        sdk.responses.create(model=MODEL, input=[ref(item_id)], max_output_tokens=2)
+    assert e.value.body["param"] == "input" and item_id in e.value.body["message"]
+
+
+def test_an_item_reference_resolves_for_its_key_only_and_never_once_deleted(stack: Stack) -> None:
+    sdk = stack.sdk()
+    first = sdk.responses.create(model=MODEL, input="Say hi.", max_output_tokens=3, temperature=0)
+    (asked,) = sdk.responses.input_items.list(first.id).data
+    _missing(stack.sdk("plus2"), first.output[0].id)  # another key of the same tenant: OpenAI's unknown id
+    _missing(sdk, "msg_never_stored")
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.input_tokens.count(model=MODEL, input=[ref("msg_never_stored")])
+    unstored = sdk.responses.create(model=MODEL, input="Say hi.", max_output_tokens=3, store=False)
+    _missing(sdk, unstored.output[0].id)
+    sdk.responses.delete(first.id)
+    _missing(sdk, first.output[0].id)
+    _missing(sdk, asked.id)
+    conv = sdk.conversations.create(items=[{"role": "user", "content": "one"}, {"role": "user", "content": "two"}])
+    one, two = sdk.conversations.items.list(conv.id, order="asc").data
+    sdk.conversations.items.delete(one.id, conversation_id=conv.id)
+    _missing(sdk, one.id)
+    assert sdk.responses.input_tokens.count(model=MODEL, input=[ref(two.id)]).input_tokens > 0
+    sdk.conversations.delete(conv.id)
+    _missing(sdk, two.id)
+    r = httpx.post(stack.gateway.url + "/v1/conversations", json={"items": [ref("msg_never_stored")]},
+                   headers={"Authorization": f"Bearer {KEYS['plus']}"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "items", r.text
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.responses.create(model=MODEL, input=[{"type": "item_reference", "id": 7}], max_output_tokens=2)
+    assert e.value.body["param"] == "input[0].id"
