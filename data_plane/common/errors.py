@@ -40,14 +40,17 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from opentelemetry import trace
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
 
 
 class SwitchboardError(Exception):
@@ -260,7 +263,18 @@ def install_error_handlers(app: FastAPI) -> None:
         message, param = _validation_message(exc)
         kind = (exc.errors() or [{}])[0].get("type", "")
         code = "unsupported_parameter" if kind == "extra_forbidden" else "invalid_value"
-        return render(InvalidRequest(message, param=param, code=code), request)
+        error = InvalidRequest(message, param=param, code=code)
+        if getattr(request.state, "request_id", None) is not None:
+            return render(error, request)
+        # FastAPI refused a query or path parameter before the route (which names the request) ran: the
+        # error still gets a request id and a trace of its own, as every other error does
+        with tracer.start_as_current_span("http.request.invalid") as span:
+            request.state.request_id = uuid.uuid4().hex
+            request.state.trace_id = format(span.get_span_context().trace_id, "032x")
+            span.set_attribute("switchboard.request_id", request.state.request_id)
+            span.set_attribute("url.path", request.url.path)
+            span.set_attribute("error.type", error.code or "invalid_value")
+            return render(error, request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

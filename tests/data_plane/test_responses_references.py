@@ -81,3 +81,15 @@ def test_an_item_reference_resolves_for_its_key_only_and_never_once_deleted(stac
     with pytest.raises(openai.BadRequestError) as e:
         sdk.responses.create(model=MODEL, input=[{"type": "item_reference", "id": 7}], max_output_tokens=2)
     assert e.value.body["param"] == "input[0].id"
+
+
+def test_a_query_parameter_error_carries_a_request_id_and_a_trace_id(stack: Stack) -> None:
+    """As every other error does (a complaint leads to the trace), though FastAPI refuses it before the route."""
+    made = stack.sdk().responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    auth = {"Authorization": f"Bearer {KEYS['plus']}"}
+    for path in (f"/v1/responses/{made.id}/input_items?limit=many", f"/v1/responses/{made.id}?stream=maybe"):
+        r = httpx.get(stack.gateway.url + path, headers=auth)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] in ("limit", "stream"), r.text
+        assert len(err["request_id"]) == 32 and len(err["trace_id"]) == 32 and set(err["trace_id"]) != {"0"}, err
+        assert r.headers["x-request-id"] == err["request_id"]
