@@ -42,7 +42,7 @@ from data_plane.gateway.responses_background import (
     Run,
     expired,
 )
-from data_plane.gateway.responses_items import ResponsesRequest, new_id, response_usage
+from data_plane.gateway.responses_items import ResponsesRequest, check_include, new_id, response_usage
 from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.gateway.stream import EventSource
@@ -354,6 +354,8 @@ def mount_background(app: FastAPI, gw: Gateway, store: Any, runs: Any) -> None:
                        starting_after: int | None = None) -> Response:
         with observed(gw.responses_metrics, Op.RETRIEVE, request) as span:
             owner, replicas = record_caller(gw, request)
+            # the SDK sends include[]=...; OpenAI's 400 names a value it does not define (it was ignored)
+            check_include(request.query_params.getlist("include") + request.query_params.getlist("include[]"))
             run, record = await current(response_id, owner, replicas)
             if not stream:
                 live = run.response if run is not None and not run.done else None

@@ -29,6 +29,10 @@ from data_plane.protocol import ChatCompletionRequest
 from data_plane.request_checks import WholeNumber, check_metadata, json_body, validated
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+INCLUDABLE = ("code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
+              "message.input_image.image_url", LOGPROBS_INCLUDE, "reasoning.encrypted_content",
+              "web_search_call.action.sources", "web_search_call.results")
+"""OpenAI's `include` values (any other is its 400 "Invalid value")."""
 SUPPORTED_ITEM_TYPES = ("message", "function_call", "function_call_output", "compaction", "item_reference")
 TEXT_PARTS = ("input_text", "output_text", "text")
 FORMAT_FIELDS = {"text": {"type"}, "json_object": {"type"},
@@ -108,10 +112,7 @@ class ResponsesRequest(BaseModel):
         for name, values in neutral.items():
             if getattr(self, name) not in values:
                 raise UnsupportedParameter(f"parameter {name!r} is not supported by this server", param=name)
-        for i, value in enumerate(self.include or ()):
-            if value != LOGPROBS_INCLUDE:
-                raise UnsupportedParameter(f"include value {value!r} is not supported; only {LOGPROBS_INCLUDE!r}",
-                                           param=f"include[{i}]")
+        check_include(self.include or [])
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
             raise UnsupportedParameter("reasoning is not supported by this model", param="reasoning")
         if self.previous_response_id and self.conversation:
@@ -257,6 +258,19 @@ def _responses_param(param: str | None) -> str | None:
     param = re.sub(r"^(tools\.\d+|tool_choice)\.function(?=\.|$)", r"\1", param)
     head, dot, rest = param.partition(".")
     return CHAT_TO_RESPONSES.get(head, head) + dot + rest
+
+
+def check_include(values: list[str]) -> None:
+    """OpenAI's 400 for an `include` value it does not define, naming it; for one it defines but this
+    server never makes (anything but the output text's logprobs), a 400 saying so."""
+    for i, value in enumerate(values):
+        if value not in INCLUDABLE:
+            supported = ", ".join(repr(v) for v in INCLUDABLE)
+            raise InvalidRequest(f"Invalid value: {value!r}. Supported values are: {supported}.",
+                                 param=f"include[{i}]", code="invalid_value")
+        if value != LOGPROBS_INCLUDE:
+            raise UnsupportedParameter(f"include value {value!r} is not supported; only {LOGPROBS_INCLUDE!r}",
+                                       param=f"include[{i}]")
 
 
 def parse_responses_request(raw: bytes, content_type: str | None) -> ResponsesRequest:

@@ -83,6 +83,18 @@ def test_an_item_reference_resolves_for_its_key_only_and_never_once_deleted(stac
     assert e.value.body["param"] == "input[0].id"
 
 
+def test_retrieve_refuses_an_include_value_openai_does_not_define(stack: Stack) -> None:
+    sdk = stack.sdk()
+    made = sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    assert sdk.responses.retrieve(made.id, include=["message.output_text.logprobs"]).id == made.id
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.responses.retrieve(made.id, include=["message.output_text.logprobz"])  # type: ignore[list-item]
+    assert e.value.body["param"] == "include[0]" and "message.output_text.logprobz" in e.value.body["message"]
+    r = httpx.get(f"{stack.gateway.url}/v1/responses/{made.id}", params={"include": "nope"},
+                  headers={"Authorization": f"Bearer {KEYS['plus']}"})
+    assert r.status_code == 400 and "'nope'" in r.json()["error"]["message"], r.text
+
+
 def test_a_query_parameter_error_carries_a_request_id_and_a_trace_id(stack: Stack) -> None:
     """As every other error does (a complaint leads to the trace), though FastAPI refuses it before the route."""
     made = stack.sdk().responses.create(model=MODEL, input="Hi", max_output_tokens=2)
