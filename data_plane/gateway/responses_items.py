@@ -142,6 +142,9 @@ class ResponsesRequest(BaseModel):
         if fmt is not None and not isinstance(fmt, dict):
             raise InvalidRequest("text.format must be an object", param="text.format")
         unknown = [f"text.{k}" for k in self.text or {} if k not in ("format", "verbosity")]
+        if (verbosity := (self.text or {}).get("verbosity")) not in (None, "low", "medium", "high"):
+            raise InvalidRequest(f"Invalid value: {verbosity!r}. Supported values are: 'low', 'medium' and 'high'.",
+                                 param="text.verbosity", code="invalid_value")
         if fmt:  # (a type not among them is the chat path's 400, naming text.format.type)
             known = FORMAT_FIELDS.get(str(fmt.get("type")), set(fmt))
             unknown += [f"text.format.{k}" for k in fmt if k not in known]
@@ -271,6 +274,11 @@ def check_include(values: list[str]) -> None:
         if value != LOGPROBS_INCLUDE:
             raise UnsupportedParameter(f"include value {value!r} is not supported; only {LOGPROBS_INCLUDE!r}",
                                        param=f"include[{i}]")
+
+
+def text_settings(text: dict[str, Any] | None) -> dict[str, Any]:
+    """The Response object's `text`: the request's, with OpenAI's defaults (plain text, medium verbosity)."""
+    return {"format": {"type": "text"}, "verbosity": "medium", **{k: v for k, v in (text or {}).items() if v}}
 
 
 def parse_responses_request(raw: bytes, content_type: str | None) -> ResponsesRequest:
@@ -478,7 +486,7 @@ def response_object(resp_id: str, req: ResponsesRequest, model: str, *, status: 
         "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
         "store": req.store is not False, "temperature": req.temperature, "top_p": req.top_p,
-        "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
+        "text": text_settings(req.text), "tool_choice": req.tool_choice or "auto",
         "tools": req.tools or [], "truncation": req.truncation or "disabled", "usage": usage,
         "user": req.user, "metadata": req.metadata or {}, "top_logprobs": req.top_logprobs,
         "conversation": {"id": conversation} if conversation else None, "max_tool_calls": req.max_tool_calls,

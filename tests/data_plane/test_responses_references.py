@@ -83,6 +83,18 @@ def test_an_item_reference_resolves_for_its_key_only_and_never_once_deleted(stac
     assert e.value.body["param"] == "input[0].id"
 
 
+def test_text_verbosity_is_echoed_and_checked(stack: Stack) -> None:
+    """OpenAI's Response echoes text.verbosity ("medium" unless the request said), created and retrieved."""
+    sdk = stack.sdk()
+    plain = sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    assert plain.text.verbosity == "medium" and plain.text.format.type == "text"
+    low = sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=2, text={"verbosity": "low"})
+    assert low.text.verbosity == "low" and sdk.responses.retrieve(low.id).text.verbosity == "low"
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=2, text={"verbosity": "loud"})
+    assert e.value.body["param"] == "text.verbosity" and "loud" in e.value.body["message"]
+
+
 def test_retrieve_refuses_an_include_value_openai_does_not_define(stack: Stack) -> None:
     sdk = stack.sdk()
     made = sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
