@@ -7,8 +7,12 @@ import httpx
 import openai
 import pytest
 
-from tests.data_plane.test_responses_api import MODEL, Stack, stack  # noqa: F401  (the module's stack)
+from tests.data_plane import test_responses_api
+from tests.data_plane.test_responses_api import MODEL, Stack
 from tests.support.cluster import KEYS
+
+stack = test_responses_api.stack
+"""That module's stack (the fixture), for this module's own instance."""
 
 
 def ref(item_id: str) -> dict:
@@ -117,3 +121,30 @@ def test_a_query_parameter_error_carries_a_request_id_and_a_trace_id(stack: Stac
         assert r.status_code == 400 and err["param"] in ("limit", "stream"), r.text
         assert len(err["request_id"]) == 32 and len(err["trace_id"]) == 32 and set(err["trace_id"]) != {"0"}, err
         assert r.headers["x-request-id"] == err["request_id"]
+
+
+def test_calls_cut_by_the_output_limit_agree_streamed_stored_and_not(stack: Stack) -> None:
+    """Parallel calls until max_output_tokens: an incomplete response keeps what was generated (OpenAI's),
+    so the last call, cut before or inside its arguments, is an incomplete item in the stream's events,
+    its final response, the stored response and the non-streamed one alike."""
+    sdk = stack.sdk()
+    tool = {"type": "function", "name": "weather", "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    ask = {"model": MODEL, "input": "What is the weather in Paris, London, Rome, Berlin and Madrid?",
+           "tools": [tool], "tool_choice": "required", "parallel_tool_calls": True, "temperature": 0,
+           "extra_body": {"cache": {"no-cache": True}}}
+
+    def calls(output: list) -> list[tuple[str, str, str]]:
+        return [(i.name, i.arguments, i.status) for i in output if i.type == "function_call"]
+
+    for limit in (26, 28, 39):  # greedy: cut before the last call's arguments, inside them, before them
+        with sdk.responses.stream(**ask, max_output_tokens=limit) as stream:
+            events = list(stream)
+        final = events[-1].response
+        announced = [e.item for e in events if e.type == "response.output_item.done"]
+        plain = sdk.responses.create(**ask, max_output_tokens=limit)
+        stored = sdk.responses.retrieve(final.id)
+        assert final.status == plain.status == stored.status == "incomplete"
+        assert calls(announced) == calls(final.output) == calls(stored.output) == calls(plain.output), limit
+        assert len(calls(plain.output)) >= 2 and calls(plain.output)[-1][2] == "incomplete", plain.output
+        assert [(i.id, i.call_id) for i in announced] == [(i.id, i.call_id) for i in stored.output]
