@@ -462,6 +462,21 @@ def chunk_body(
     return body
 
 
+ROLE_DELTA: dict[str, Any] = {"role": "assistant", "content": ""}
+"""The delta that opens a choice's stream, as OpenAI sends it before text."""
+
+
+def opening_deltas(first: dict[str, Any]) -> list[dict[str, Any]]:
+    """The deltas that open a choice whose first delta is `first`, as OpenAI streams them. A reply that
+    starts with a tool call opens with one delta, ``{"role": "assistant", "content": null, "tool_calls":
+    [...]}``: a stream helper (the openai SDK's ``ChatCompletionStreamState``) then assembles content
+    None, as the non-streamed message has it; it assembled "" from the ``content: ""`` a text reply opens
+    with (`ROLE_DELTA`, a delta of its own before the first text)."""
+    if "tool_calls" in first:
+        return [{"role": "assistant", "content": None, **first}]
+    return [dict(ROLE_DELTA), first]
+
+
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 

@@ -177,3 +177,48 @@ def test_refusals_name_what_was_sent_in_plain_words(gateway: Service) -> None:
     body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5,
                                                           extra_body={"structured_outputs": {"regex": "(("}}))
     assert body["param"] == "structured_outputs" and body["message"].startswith("the regex is not valid: ")
+
+
+WEATHER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def test_a_streamed_tool_call_opens_with_content_null_as_openai_streams_it(gateway: Service,
+                                                                           fp32_shard: Service) -> None:
+    """Every stream opened with `{"role": "assistant", "content": ""}`; OpenAI opens a reply that is a tool
+    call with one delta holding the role, `"content": null` and the call's name, so the openai SDK's stream
+    helper assembled `content == ""` where the same reply unstreamed has `None`. Now as OpenAI: the gateway
+    and a shard served directly, one choice or n=2 with include_usage; a text reply still opens with `""`.
+    LangChain's streamed tool calls still merge into the call."""
+    from langchain_openai import ChatOpenAI
+
+    user = {"Authorization": f"Bearer {KEYS['plus']}"}
+    tools = [openai.pydantic_function_tool(GetWeather)]
+    for url, headers in ((gateway.url, user), (fp32_shard.url, CLUSTER_HEADERS)):
+        for ask in ({}, {"n": 2, "seed": 1, "temperature": 0.8, "stream_options": {"include_usage": True}}):
+            body = {"model": MODEL, "messages": WEATHER, "max_tokens": 30, "temperature": 0, "stream": True,
+                    "tools": tools, "tool_choice": "required", **ask}
+            deltas = [(c["choices"][0]["index"], c["choices"][0]["delta"])
+                      for c in sse_chunks(url, headers, body) if c["choices"]]
+            for index in range(int(ask.get("n", 1))):
+                first, *rest = [d for i, d in deltas if i == index]
+                assert first["role"] == "assistant" and first["content"] is None, (url, ask, first)
+                assert first["tool_calls"][0]["function"] == {"name": "GetWeather", "arguments": ""}, first
+                assert not any("role" in d or "content" in d for d in rest), (url, ask, rest)
+        text = sse_chunks(url, headers, {"model": MODEL, "messages": ASK, "max_tokens": 3, "stream": True})
+        assert text[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}, (url, text[0])
+    client = sdk(gateway)
+    ask_call: dict[str, Any] = {"model": MODEL, "messages": WEATHER, "tools": tools, "tool_choice": "required",
+                                "parallel_tool_calls": False, "max_tokens": 60, "temperature": 0}
+    with client.chat.completions.stream(**ask_call) as stream:
+        streamed = stream.get_final_completion().choices[0].message
+    whole = client.chat.completions.create(**ask_call).choices[0].message
+    assert streamed.content is None and whole.content is None
+    assert streamed.tool_calls and isinstance(streamed.tool_calls[0].function.parsed_arguments, GetWeather)
+    llm = ChatOpenAI(base_url=gateway.url + "/v1", api_key=KEYS["plus"], model=MODEL, temperature=0,
+                     max_tokens=60, max_retries=0).bind_tools([GetWeather], tool_choice="required",
+                                                              parallel_tool_calls=False)
+    merged: Any = None
+    for chunk in llm.stream("What is the weather in Paris?"):
+        merged = chunk if merged is None else merged + chunk
+    assert merged.tool_calls and merged.tool_calls[0]["name"] == "GetWeather", merged
+    assert GetWeather.model_validate(merged.tool_calls[0]["args"])
