@@ -281,7 +281,8 @@ class ChatCompletionRequest(BaseModel):
             elif m.role == "tool" and (not m.tool_call_id or (m.tool_call_id not in called and not continues)):
                 raise InvalidRequest("messages with role 'tool' must answer a preceding assistant message's "
                                      "tool_calls (tool_call_id)", param="messages")
-        clash = check_output_fields(self.response_format, self.structured_outputs, self.tools, self.tool_choice)
+        clash = check_output_fields(self.response_format, self.structured_outputs, self.tools, self.tool_choice,
+                                    self.parallel_tool_calls)
         if clash is not None:
             raise InvalidRequest(clash.message, param=clash.param, code=clash.code)
         if self.stream_options is not None and not self.stream:

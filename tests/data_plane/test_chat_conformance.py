@@ -222,3 +222,71 @@ def test_a_streamed_tool_call_opens_with_content_null_as_openai_streams_it(gatew
         merged = chunk if merged is None else merged + chunk
     assert merged.tool_calls and merged.tool_calls[0]["name"] == "GetWeather", merged
     assert GetWeather.model_validate(merged.tool_calls[0]["args"])
+
+
+def _function(name: str = "get_weather", parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": parameters or {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}}}}
+
+
+PATTERN = "Expected a string that matches the pattern '^[a-zA-Z0-9_-]+$'."
+STRICT_ANY_OF = {"name": "person", "strict": True, "schema": {"anyOf": [
+    {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"], "additionalProperties": False},
+    {"type": "object", "properties": {"b": {"type": "string"}}, "required": ["b"], "additionalProperties": False}]}}
+
+
+@pytest.mark.parametrize("fields,param,code,message", [
+    ({"tools": []}, None, "invalid_value", "[] is too short - 'tools'"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls", "invalid_value",
+     "Invalid value for 'parallel_tool_calls': 'parallel_tool_calls' is only allowed when 'tools' are specified."),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": OPEN_PERSON}}},
+     "response_format.json_schema.name", "missing_required_parameter",
+     "Missing required parameter: 'response_format.json_schema.name'."),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a person", "schema": OPEN_PERSON}}},
+     "response_format.json_schema.name", "invalid_value",
+     f"Invalid 'response_format.json_schema.name': string does not match pattern. {PATTERN}"),
+    ({"tools": [_function("weather.get")]}, "tools.0.function.name", "invalid_value",
+     f"Invalid 'tools.0.function.name': string does not match pattern. {PATTERN}"),
+    ({"tools": [_function(), _function("w" * 65)]}, "tools.1.function.name", "string_above_max_length",
+     "Invalid 'tools.1.function.name': string too long. Expected a string with maximum length 64, but got a "
+     "string with length 65 instead."),
+    ({"tools": [_function(parameters={"type": "array", "items": {"type": "string"}})]},
+     "tools.0.function.parameters", "invalid_function_parameters",
+     """Invalid schema for function 'get_weather': schema must be a JSON Schema of 'type: "object"', got 'type: "array"'."""),
+    ({"response_format": {"type": "json_schema", "json_schema": STRICT_ANY_OF}}, "response_format",
+     "invalid_json_schema",
+     """Invalid schema for response_format 'person': schema must be a JSON Schema of 'type: "object"', got 'type: "None"'."""),
+])
+def test_tools_and_formats_openai_refuses_are_a_400_as_openai_answers_them(gateway: Service, fields: dict[str, Any],
+                                                                           param: str | None, code: str,
+                                                                           message: str) -> None:
+    """Served though OpenAI refuses them (an app tested here would fail there): `"tools": []`,
+    parallel_tool_calls without tools, a json_schema format without a name or with one OpenAI's pattern
+    refuses, a function name with a dot or over 64 characters (the pattern allowed `.` and `:`), a
+    function's parameters not an object's schema, a strict schema whose root is an `anyOf`. Now OpenAI's
+    400, its param (in the chat path's dotted form) and its words, streamed or not."""
+    client = sdk(gateway)
+    for stream in (False, True):
+        body = refusal(lambda stream=stream: client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=5, stream=stream, **fields))
+        assert (body["param"], body["code"], body["message"]) == (param, code, message)
+
+
+def test_names_and_schemas_openai_takes_are_still_served(gateway: Service) -> None:
+    """The other side of the checks above: names with `_` and `-`, a function without parameters or with
+    `{}`, a non-strict format whose root is an `anyOf`; and a Responses tool named with a dot is refused
+    naming the Responses field."""
+    client = sdk(gateway)
+    tools = [_function("get-weather_2"), {"type": "function", "function": {"name": "now"}},
+             {"type": "function", "function": {"name": "today", "parameters": {}}}]
+    reply = client.chat.completions.create(model=MODEL, messages=WEATHER, max_tokens=30, temperature=0, tools=tools,
+                                           tool_choice="required", parallel_tool_calls=False)
+    assert reply.choices[0].message.tool_calls
+    loose = {**STRICT_ANY_OF, "strict": False, "name": "a-or_b"}
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=20, temperature=0,
+                                           response_format={"type": "json_schema", "json_schema": loose})
+    assert reply.choices[0].message.content
+    body = refusal(lambda: client.responses.create(model=MODEL, input="Hi", max_output_tokens=5, tools=[
+        {"type": "function", "name": "weather.get", "parameters": {"type": "object", "properties": {}}}]))
+    assert (body["param"], body["message"]) == (
+        "tools.0.name", f"Invalid 'tools.0.name': string does not match pattern. {PATTERN}")
