@@ -34,7 +34,7 @@ import json
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -158,6 +158,25 @@ class Constraint:
     text: str
 
 
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+"""A function's parameters when it has none."""
+
+
+class FunctionSchema(NamedTuple):
+    """A function a tool envelope offers, kept to name it when the grammar refuses the envelope: the
+    grammar's words are about the envelope (`"required property 'tool_calls' is unsatisfiable"`), which
+    the client never sent."""
+
+    param: str
+    """Where the request holds its parameters (``tools.<i>.function.parameters``)."""
+    name: str
+    parameters: dict[str, Any] | None
+
+    def grammar_source(self) -> str:
+        """Its parameters' schema as the envelope holds it (closed), alone."""
+        return json.dumps(closed(self.parameters or EMPTY_PARAMETERS))
+
+
 @dataclass(frozen=True)
 class OutputPlan:
     constraint: Constraint | None
@@ -168,6 +187,8 @@ class OutputPlan:
     """Auto tools with a response_format: the envelope's answer is a JSON value (its text is the content)."""
     param: str = "response_format"
     """The request field the constraint came from (the `param` of a 400 refusing it)."""
+    functions: tuple[FunctionSchema, ...] = ()
+    """The functions a tool envelope offers (none without one)."""
 
 
 ANY_JSON_OBJECT = '{"type": "object"}'
@@ -231,7 +252,7 @@ def closed(schema: Any, in_all_of: bool = False) -> Any:
 
 
 def _call_schema(tool: ToolDef, prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
-    params = _hoist(closed(tool.function.parameters or {"type": "object", "properties": {}}), prefix, defs)
+    params = _hoist(closed(tool.function.parameters or EMPTY_PARAMETERS), prefix, defs)
     return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": params},
             "required": ["name", "arguments"], "additionalProperties": False}
 
@@ -295,8 +316,11 @@ def output_plan(response_format: ResponseFormat | None, structured: StructuredOu
             chosen = [t for t in tools if t.function.name in choice.names()]
         answer = response_schema(response_format)
         schema = envelope_schema(chosen, mode, parallel is not False, answer)
+        offered = {t.function.name for t in chosen}
+        functions = tuple(FunctionSchema(f"tools.{i}.function.parameters", t.function.name, t.function.parameters)
+                          for i, t in enumerate(tools) if t.function.name in offered)
         return OutputPlan(Constraint("tools", json.dumps(schema)), mode, tools_prompt(chosen, mode),
-                          answer is not None, param="tools")
+                          answer is not None, param="tools", functions=functions)
     if structured is not None:
         if structured.json_ is not None:
             text = structured.json_ if isinstance(structured.json_, str) else json.dumps(closed(structured.json_))

@@ -169,8 +169,8 @@ def test_refusals_name_what_was_sent_in_plain_words(gateway: Service) -> None:
     bad_type = {"type": "object", "properties": {"x": {"type": "colour"}}}
     body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, tools=[
         {"type": "function", "function": {"name": "f", "parameters": bad_type}}]))
-    assert body["param"] == "tools" and body["message"].startswith(
-        "the schema of the tools' parameters is not valid: "), body
+    assert body["param"] == "tools.0.function.parameters" and body["message"].startswith(
+        "Invalid schema for function 'f': the JSON schema is not valid: "), body  # (named since: the next test)
     body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": bad_type}}))
     assert body["param"] == "response_format" and body["message"].startswith("the JSON schema is not valid: ")
@@ -290,3 +290,31 @@ def test_names_and_schemas_openai_takes_are_still_served(gateway: Service) -> No
         {"type": "function", "name": "weather.get", "parameters": {"type": "object", "properties": {}}}]))
     assert (body["param"], body["message"]) == (
         "tools.0.name", f"Invalid 'tools.0.name': string does not match pattern. {PATTERN}")
+
+
+def test_a_tool_schema_the_grammar_refuses_is_named_in_the_clients_terms(gateway: Service) -> None:
+    """A tool whose parameters no value satisfies (a required property's minimum above its maximum), when
+    it is the only one that may be called, was a 400 about our tool-call envelope ("required property
+    'tool_calls' is unsatisfiable"), a schema the client never sent. Now the 400 names the function and
+    where its parameters are (the Responses field when asked there). (Beside another tool that may be
+    called, the envelope is satisfiable and served: that one is called.)"""
+    client = sdk(gateway)
+    impossible = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}},
+                  "required": ["a"]}
+    tools = [_function(), _function("pick", impossible)]
+    for stream in (False, True):
+        body = refusal(lambda stream=stream: client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=5, stream=stream, tools=tools,
+            tool_choice={"type": "function", "function": {"name": "pick"}}))
+        assert (body["param"], body["code"]) == ("tools.1.function.parameters", "invalid_grammar"), body
+        assert body["message"] == ("Invalid schema for function 'pick': the JSON schema is not valid: Unsatisfiable "
+                                   "schema: required property 'a' is unsatisfiable"), body
+    flat = [{"type": "function", **t["function"]} for t in tools]
+    body = refusal(lambda: client.responses.create(model=MODEL, input="Hi", max_output_tokens=5, tools=flat[1:],
+                                                   tool_choice="required"))
+    assert body["param"] == "tools.0.parameters" and "'pick'" in body["message"], body
+    # the property not required: `{}` satisfies the schema, and is served
+    optional = {k: v for k, v in impossible.items() if k != "required"}
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=20, temperature=0,
+                                           tools=[_function("pick", optional)], tool_choice="required")
+    assert reply.choices[0].message.tool_calls
