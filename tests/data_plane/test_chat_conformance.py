@@ -318,3 +318,17 @@ def test_a_tool_schema_the_grammar_refuses_is_named_in_the_clients_terms(gateway
     reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=20, temperature=0,
                                            tools=[_function("pick", optional)], tool_choice="required")
     assert reply.choices[0].message.tool_calls
+
+
+def test_a_content_part_refused_is_named_with_its_message_and_part(gateway: Service) -> None:
+    """An image part (or a text part with a key too many) was a 400 naming `messages.content`: which
+    message, which part? Now its path, as the request's other checks name theirs (`messages.<i>...`)."""
+    client = sdk(gateway)
+    image = {"type": "image_url", "image_url": {"url": "http://x"}}
+    messages: list[Any] = [{"role": "user", "content": [image]}]
+    body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5))
+    assert (body["param"], body["code"]) == ("messages.0.content.0", "unsupported_parameter"), body
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Look:"}, image]}]
+    body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5))
+    assert body["param"] == "messages.1.content.1", body
