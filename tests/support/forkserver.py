@@ -29,6 +29,7 @@ socket); children still running then are left as a Popen'd child would be.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import selectors
@@ -101,6 +102,7 @@ class ForkServer:
     as they arrive."""
 
     _instance: ForkServer | None = None
+    _tried = False
     _lock = threading.Lock()
 
     def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket, env: dict[str, str]) -> None:
@@ -116,27 +118,45 @@ class ForkServer:
         if os.environ.get(ENV_DISABLE, "1") == "0" or not hasattr(os, "pidfd_open") or sys.platform != "linux":
             return None
         with cls._lock:
-            if cls._instance is None or cls._instance._proc.poll() is not None:
+            if not cls._tried or (cls._instance is not None and cls._instance._proc.poll() is not None):
+                cls._tried = True
                 cls._instance = cls._start(cwd)
             return cls._instance
 
     @classmethod
-    def _start(cls, cwd: Path) -> ForkServer:
+    def _start(cls, cwd: Path) -> ForkServer | None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ)
         proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())], cwd=cwd, env=env,
                                 pass_fds=(theirs.fileno(),))
         theirs.close()
         server = cls(proc, ours, env)
-        server._request({"op": "ping"}, [])  # its imports done: the first fork is as fast as the rest
+        atexit.register(server.close)
+        # its imports done, the first fork is as fast as the rest; a kernel without pidfds gets no forks
+        if not server._request({"op": "ping"}, []).get("pidfd"):
+            server.close()
+            return None
         return server
+
+    def close(self) -> None:
+        """End the server (end of file on its socket) and reap it, so its CPU time and its children's count
+        towards this process's (`time make test` reads the whole suite)."""
+        self._sock.close()
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
 
     def spawn(self, module: str, argv: list[str], *, env: dict[str, str], cwd: Path, log: int) -> ForkedProcess | None:
         """`python -m MODULE ARGV` as a fork with this environment, cwd and output (a file descriptor);
         None if the environment changes what the interpreter reads at its start."""
         if any(k.startswith(INTERPRETER_ENV) and env.get(k) != self._env.get(k) for k in {*env, *self._env}):
             return None
-        reply = self._request({"op": "spawn", "module": module, "argv": argv, "env": env, "cwd": str(cwd)}, [log])
+        try:
+            reply = self._request({"op": "spawn", "module": module, "argv": argv, "env": env, "cwd": str(cwd)},
+                                  [log])
+        except (OSError, RuntimeError):  # the server is gone: this one starts as a fresh interpreter
+            return None
         return ForkedProcess(self, int(reply["pid"]), [sys.executable, "-m", module, *argv])
 
     def exit_code(self, pid: int, timeout: float | None) -> int | None:
@@ -171,6 +191,15 @@ class ForkServer:
         return message
 
 
+def _pidfds() -> bool:
+    """Whether this kernel gives out pidfds (Linux 5.3 and later, unless a sandbox refuses the call)."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:
+        return False
+    return True
+
+
 def _serve(sock: socket.socket) -> dict[str, Any]:
     """The server's loop: fork on each request, reap each child. Returns (in the child only) the request
     that child is to run."""
@@ -187,7 +216,7 @@ def _serve(sock: socket.socket) -> dict[str, Any]:
                     sys.exit(0)  # the test process is gone
                 request = json.loads(data)
                 if request["op"] == "ping":
-                    sock.send(json.dumps({"op": "pong"}).encode())
+                    sock.send(json.dumps({"op": "pong", "pidfd": _pidfds()}).encode())
                     continue
                 pid = os.fork()
                 if pid == 0:
@@ -214,6 +243,8 @@ def _run(request: dict[str, Any]) -> None:
     """In a forked child: become `python -m MODULE ARGV` in its environment, cwd and output."""
     import runpy
 
+    if sys.path and sys.path[0] == os.getcwd():  # `python -m` puts its cwd first on the path
+        sys.path[0] = request["cwd"]
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
