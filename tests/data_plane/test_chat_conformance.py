@@ -248,8 +248,8 @@ STRICT_ANY_OF = {"name": "person", "strict": True, "schema": {"anyOf": [
     ({"tools": [_function("weather.get")]}, "tools.0.function.name", "invalid_value",
      f"Invalid 'tools.0.function.name': string does not match pattern. {PATTERN}"),
     ({"tools": [_function(), _function("w" * 65)]}, "tools.1.function.name", "string_above_max_length",
-     "Invalid 'tools.1.function.name': string too long. Expected a string with maximum length 64, but got a "
-     "string with length 65 instead."),
+     ("Invalid 'tools.1.function.name': string too long. Expected a string with maximum length 64, but got a "
+      "string with length 65 instead.")),
     ({"tools": [_function(parameters={"type": "array", "items": {"type": "string"}})]},
      "tools.0.function.parameters", "invalid_function_parameters",
      """Invalid schema for function 'get_weather': schema must be a JSON Schema of 'type: "object"', got 'type: "array"'."""),
