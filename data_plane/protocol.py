@@ -91,13 +91,16 @@ class ChatMessage(BaseModel):
                         _valid_unicode(part[key])
         return v
 
-    def text(self) -> str:
+    def text(self, where: str = "messages") -> str:
+        """The message's text; a 400 for a content part that is not text (`where`: the message's path,
+        ``messages.<i>``, for its param: the request's checks call this first, with it)."""
         if self.content is None:
             return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         parts = []
-        for part in self.content:
+        for j, part in enumerate(self.content):
+            at = f"{where}.content.{j}"
             if isinstance(part, TextPart):
                 parts.append(part.text)
             elif self.role == "assistant" and isinstance(part, dict) and part.get("type") == "refusal":
@@ -105,19 +108,19 @@ class ChatMessage(BaseModel):
                 # a history recorded there replays here, the refusal as the turn's text (as `refusal` is)
                 if not isinstance(part.get("refusal"), str) or set(part) != {"type", "refusal"}:
                     raise InvalidRequest("a 'refusal' content part needs 'refusal', a string, and nothing else",
-                                         param="messages.content.refusal")
+                                         param=f"{at}.refusal")
                 parts.append(part["refusal"])  # its Unicode checked with the content (_content_unicode)
             elif isinstance(part, dict) and part.get("type") == "text":  # one TextPart refused: say why
                 if not isinstance(part.get("text"), str):
-                    raise InvalidRequest("a 'text' content part needs 'text', a string", param="messages.content.text")
-                extra = f"messages.content.{min(set(part) - {'type', 'text'})}"
+                    raise InvalidRequest("a 'text' content part needs 'text', a string", param=f"{at}.text")
+                extra = f"{at}.{min(set(part) - {'type', 'text'})}"
                 raise UnsupportedParameter(f"unrecognized request argument supplied: {extra}", param=extra)
             else:
                 kind = part.get("type", "unknown") if isinstance(part, dict) else "unknown"
                 raise UnsupportedParameter(
                     f"content part type {kind!r} is not supported; only 'text' parts are (and 'refusal' in an"
                     " assistant message)",
-                    param="messages.content",
+                    param=at,
                 )
         return "".join(parts)
 
@@ -276,12 +279,14 @@ class ChatCompletionRequest(BaseModel):
             if m.content is None and m.role != "assistant":  # OpenAI: only an assistant's may be null
                 raise InvalidRequest(f"messages.{i}.content: a {m.role} message needs content",
                                      param=f"messages.{i}.content")
+            m.text(f"messages.{i}")  # its content parts, checked here where the message's index is known
             if m.role == "assistant" and m.tool_calls:
                 called.update(c["id"] for c in _tool_call_list(m.tool_calls, f"messages.{i}"))
             elif m.role == "tool" and (not m.tool_call_id or (m.tool_call_id not in called and not continues)):
                 raise InvalidRequest("messages with role 'tool' must answer a preceding assistant message's "
                                      "tool_calls (tool_call_id)", param="messages")
-        clash = check_output_fields(self.response_format, self.structured_outputs, self.tools, self.tool_choice)
+        clash = check_output_fields(self.response_format, self.structured_outputs, self.tools, self.tool_choice,
+                                    self.parallel_tool_calls)
         if clash is not None:
             raise InvalidRequest(clash.message, param=clash.param, code=clash.code)
         if self.stream_options is not None and not self.stream:
@@ -460,6 +465,21 @@ def chunk_body(
     if usage is not None or include_usage:
         body["usage"] = usage.wire() if usage is not None else None
     return body
+
+
+ROLE_DELTA: dict[str, Any] = {"role": "assistant", "content": ""}
+"""The delta that opens a choice's stream, as OpenAI sends it before text."""
+
+
+def opening_deltas(first: dict[str, Any]) -> list[dict[str, Any]]:
+    """The deltas that open a choice whose first delta is `first`, as OpenAI streams them. A reply that
+    starts with a tool call opens with one delta, ``{"role": "assistant", "content": null, "tool_calls":
+    [...]}``: a stream helper (the openai SDK's ``ChatCompletionStreamState``) then assembles content
+    None, as the non-streamed message has it; it assembled "" from the ``content: ""`` a text reply opens
+    with (`ROLE_DELTA`, a delta of its own before the first text)."""
+    if "tool_calls" in first:
+        return [{"role": "assistant", "content": None, **first}]
+    return [dict(ROLE_DELTA), first]
 
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20

@@ -28,11 +28,29 @@ def _is_object(node: dict[str, Any]) -> bool:
     return kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in node
 
 
+def object_root_problem(schema: dict[str, Any]) -> str | None:
+    """OpenAI's words for a schema whose root is not an object's (``anyOf`` at the root, an array, no
+    type), or None. A function's arguments and a strict response format are objects. A root that is only
+    a local ``$ref`` (a recursive pydantic model's) is read through to the schema it names."""
+    root = schema
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")):
+        head, _, name = ref[2:].partition("/")
+        defs = schema.get(head)
+        root = defs.get(name, schema) if isinstance(defs, dict) else schema
+    kind = root.get("type") if isinstance(root, dict) else None
+    if kind == "object":
+        return None
+    return f"schema must be a JSON Schema of 'type: \"object\"', got 'type: \"{kind}\"'."
+
+
 def strict_schema_problem(schema: Any, path: tuple[str | int, ...] = ()) -> str | None:
-    """The first rule of strict mode `schema` breaks, as OpenAI words it, or None. Objects are checked
-    before what they contain, in the schema's own key order."""
+    """The first rule of strict mode `schema` breaks, as OpenAI words it, or None: the root is an
+    object's schema, then objects are checked before what they contain, in the schema's own key order."""
     if not isinstance(schema, dict):
         return None
+    if not path and (problem := object_root_problem(schema)) is not None:
+        return problem
     if _is_object(schema):
         if schema.get("additionalProperties") is not False:
             return f"In context={path!r}, 'additionalProperties' is required to be supplied and to be false."

@@ -31,20 +31,22 @@ grammar source the engine compiles: data_plane/shard/engines/grammar.py):
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from data_plane.strict_schema import strict_schema_problem
+from data_plane.strict_schema import object_root_problem, strict_schema_problem
 
 MAX_TOOLS = 128
 
 
 class FunctionDef(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    name: str
+    """OpenAI's rule (`NAME_PATTERN`, 64 characters) is checked with its words: `check_output_fields`."""
     description: str | None = Field(default=None, max_length=8192)
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -90,7 +92,8 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | AllowedTool
 
 class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    name: str = Field(default="response", max_length=64)
+    name: str | None = None
+    """Required, as OpenAI requires it (its 400 is `check_output_fields`'); None: not sent."""
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
@@ -155,6 +158,25 @@ class Constraint:
     text: str
 
 
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+"""A function's parameters when it has none."""
+
+
+class FunctionSchema(NamedTuple):
+    """A function a tool envelope offers, kept to name it when the grammar refuses the envelope: the
+    grammar's words are about the envelope (`"required property 'tool_calls' is unsatisfiable"`), which
+    the client never sent."""
+
+    param: str
+    """Where the request holds its parameters (``tools.<i>.function.parameters``)."""
+    name: str
+    parameters: dict[str, Any] | None
+
+    def grammar_source(self) -> str:
+        """Its parameters' schema as the envelope holds it (closed), alone."""
+        return json.dumps(closed(self.parameters or EMPTY_PARAMETERS))
+
+
 @dataclass(frozen=True)
 class OutputPlan:
     constraint: Constraint | None
@@ -165,6 +187,8 @@ class OutputPlan:
     """Auto tools with a response_format: the envelope's answer is a JSON value (its text is the content)."""
     param: str = "response_format"
     """The request field the constraint came from (the `param` of a 400 refusing it)."""
+    functions: tuple[FunctionSchema, ...] = ()
+    """The functions a tool envelope offers (none without one)."""
 
 
 ANY_JSON_OBJECT = '{"type": "object"}'
@@ -228,7 +252,7 @@ def closed(schema: Any, in_all_of: bool = False) -> Any:
 
 
 def _call_schema(tool: ToolDef, prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
-    params = _hoist(closed(tool.function.parameters or {"type": "object", "properties": {}}), prefix, defs)
+    params = _hoist(closed(tool.function.parameters or EMPTY_PARAMETERS), prefix, defs)
     return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": params},
             "required": ["name", "arguments"], "additionalProperties": False}
 
@@ -292,8 +316,11 @@ def output_plan(response_format: ResponseFormat | None, structured: StructuredOu
             chosen = [t for t in tools if t.function.name in choice.names()]
         answer = response_schema(response_format)
         schema = envelope_schema(chosen, mode, parallel is not False, answer)
+        offered = {t.function.name for t in chosen}
+        functions = tuple(FunctionSchema(f"tools.{i}.function.parameters", t.function.name, t.function.parameters)
+                          for i, t in enumerate(tools) if t.function.name in offered)
         return OutputPlan(Constraint("tools", json.dumps(schema)), mode, tools_prompt(chosen, mode),
-                          answer is not None, param="tools")
+                          answer is not None, param="tools", functions=functions)
     if structured is not None:
         if structured.json_ is not None:
             text = structured.json_ if isinstance(structured.json_, str) else json.dumps(closed(structured.json_))
@@ -328,17 +355,55 @@ def response_schema(response_format: ResponseFormat | None) -> dict[str, Any] | 
 class Clash:
     """Why a request's output fields cannot be served as sent: a 400 naming `param` (and an OpenAI `code`)."""
 
-    param: str
+    param: str | None
     message: str
     code: str | None = None
 
 
-def check_output_fields(response_format: ResponseFormat | None, structured: StructuredOutputs | None,
-                        tools: list[ToolDef] | None, choice: Any) -> Clash | None:
-    """What is wrong with a request's output fields (they contradict each other, or a strict schema breaks
-    strict mode's rules: data_plane/strict_schema.py), else None."""
-    if tools is not None and len(tools) > MAX_TOOLS:
+NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]+$")
+"""OpenAI's rule for a function's and a json_schema response format's name (at most 64 characters)."""
+
+
+def _name_clash(param: str, name: str | None) -> Clash | None:
+    """OpenAI's 400 for a function or json_schema `name` missing, too long, or with other characters."""
+    if name is None:
+        return Clash(param, f"Missing required parameter: '{param}'.", "missing_required_parameter")
+    if len(name) > 64:
+        return Clash(param, f"Invalid '{param}': string too long. Expected a string with maximum length 64, but "
+                            f"got a string with length {len(name)} instead.", "string_above_max_length")
+    if not NAME_PATTERN.match(name):
+        return Clash(param, f"Invalid '{param}': string does not match pattern. Expected a string that matches "
+                            f"the pattern '{NAME_PATTERN.pattern}'.", "invalid_value")
+    return None
+
+
+def _tools_clash(tools: list[ToolDef]) -> Clash | None:
+    """OpenAI's 400s for the tools themselves: none at all, too many, a bad name, parameters that are
+    not an object's schema (the arguments are an object: a function's root is ``type: "object"``)."""
+    if not tools:
+        return Clash(None, "[] is too short - 'tools'")
+    if len(tools) > MAX_TOOLS:
         return Clash("tools", f"at most {MAX_TOOLS} tools are allowed")
+    for i, tool in enumerate(tools):
+        f = tool.function
+        if (clash := _name_clash(f"tools.{i}.function.name", f.name)) is not None:
+            return clash
+        if f.parameters and (problem := object_root_problem(f.parameters)) is not None:
+            return Clash(f"tools.{i}.function.parameters", f"Invalid schema for function {f.name!r}: {problem}",
+                         "invalid_function_parameters")
+    return None
+
+
+def check_output_fields(response_format: ResponseFormat | None, structured: StructuredOutputs | None,
+                        tools: list[ToolDef] | None, choice: Any, parallel: bool | None = None) -> Clash | None:
+    """What is wrong with a request's output fields (they contradict each other, a name or a schema is
+    one OpenAI refuses, or a strict schema breaks strict mode's rules: data_plane/strict_schema.py), else
+    None. `parallel`: the request's parallel_tool_calls."""
+    if tools is not None and (clash := _tools_clash(tools)) is not None:
+        return clash
+    if parallel is not None and not tools:
+        return Clash("parallel_tool_calls", "Invalid value for 'parallel_tool_calls': 'parallel_tool_calls' is "
+                                            "only allowed when 'tools' are specified.")
     if choice is not None and choice != "none" and not tools:
         return Clash("tool_choice", "tool_choice needs tools")
     if isinstance(choice, NamedToolChoice) and tools and choice.function.name not in {
@@ -361,9 +426,12 @@ def check_output_fields(response_format: ResponseFormat | None, structured: Stru
 
 
 def _strict_clash(response_format: ResponseFormat | None, tools: list[ToolDef] | None) -> Clash | None:
-    """A 400 for a schema sent with ``strict: true`` that strict mode refuses (OpenAI's code and words)."""
+    """A 400 for a json_schema format without a good name, or a schema sent with ``strict: true`` that
+    strict mode refuses (OpenAI's code and words)."""
     fmt = response_format.json_schema if response_format is not None and response_format.type == "json_schema" \
         else None
+    if fmt is not None and (clash := _name_clash("response_format.json_schema.name", fmt.name)) is not None:
+        return clash
     if fmt is not None and fmt.strict and fmt.schema_ is not None:
         problem = strict_schema_problem(fmt.schema_)
         if problem is not None:

@@ -32,12 +32,14 @@ from data_plane.gateway.safety.filters import Verdict
 from data_plane.gateway.safety.pipeline import ALLOW, OutputStreamFilter, SafetyMetrics
 from data_plane.membership.view import Member
 from data_plane.protocol import (
+    ROLE_DELTA,
     SYSTEM_FINGERPRINT,
     PromptTokensDetails,
     Usage,
     chunk_body,
     completion_body,
     new_completion_id,
+    opening_deltas,
 )
 from data_plane.routing.upstream import Delta, Event, Finish, ToolCallDelta, UsageEvent
 from data_plane.tool_calls import envelope_text
@@ -106,7 +108,8 @@ class Completion:
         self.model = model
         self.new_filter = new_filter
         self.choices: dict[int, _Choice] = {}
-        self._roles_sent = {0}
+        self._opened: set[int] = set()
+        """Choices whose stream was opened (their role sent: `opening_deltas`)."""
         self.completion_id = new_completion_id()
         self.created = int(time.time())
         self.usage = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
@@ -319,7 +322,8 @@ class Completion:
     async def stream_to(self, send: Send, stream: EventSource, include_usage: bool,
                         headers: list[tuple[bytes, bytes]]) -> None:
         """The completion as SSE, straight onto the ASGI `send`: one write per batch of tokens,
-        the role chunk riding with the first, the finish, usage and `[DONE]` with the last."""
+        each choice opened with its first piece (`opening_deltas`: ``content: null`` beside a first tool
+        call, ``content: ""`` before text), the finish, usage and `[DONE]` with the last."""
         x = self.x
         span = x.span
         common: dict[str, Any] = {"completion_id": self.completion_id, "model": self.model, "created": self.created,
@@ -327,19 +331,21 @@ class Completion:
         content_suffix = self._content_suffix[:-3] + b',"usage":null}\n\n' if include_usage else self._content_suffix
         error: str | None = None
         message = "the client disconnected"
-        out = [_event(chunk_body(**common, delta={"role": "assistant", "content": ""}))]
+        out: list[bytes] = []
         try:
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             async for pieces in self._batches(stream):
-                for piece in pieces:
-                    if piece[0] not in self._roles_sent:
-                        self._roles_sent.add(piece[0])
-                        out.append(_event(chunk_body(**common, delta={"role": "assistant", "content": ""},
-                                                     index=piece[0])))
-                    out.append(self._chunk(common, piece, content_suffix))
+                for index, delta in pieces:
+                    deltas = [delta]
+                    if index not in self._opened:
+                        self._opened.add(index)
+                        deltas = opening_deltas(delta)
+                    out.extend(self._chunk(common, (index, d), content_suffix) for d in deltas)
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                 out = []
             for index, c in sorted(self.choices.items()):
+                if index not in self._opened:  # a choice that released nothing still opens, then ends
+                    out.append(_event(chunk_body(**common, delta=dict(ROLE_DELTA), index=index)))
                 out.append(_event(chunk_body(**common, delta={}, finish_reason=c.finish_reason or "stop",
                                              index=index)))
             await self._finish(None)

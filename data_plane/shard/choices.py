@@ -28,7 +28,7 @@ from data_plane.shard.engines.base import (
     StopStrings,
     TokenLogprob,
 )
-from data_plane.shard.engines.grammar import GrammarError
+from data_plane.shard.engines.grammar import GrammarError, GrammarKind, GrammarSpec
 from data_plane.structured import OutputPlan, ToolMode
 from data_plane.tool_calls import Content, EnvelopeParser, assemble, delta_of
 
@@ -220,7 +220,25 @@ async def prepare_requests(engine: Any, reqs: Sequence[GenerationRequest], plan:
         for r in reqs:
             await prepare(r)
     except GrammarError as exc:
-        raise InvalidRequest(exc.message, param=plan.param, code=_GRAMMAR_CODES.get(exc.reason)) from None
+        blamed = await _function_at_fault(engine, plan) if exc.reason in _SCHEMA_REASONS else None
+        refused, param = blamed or (exc, plan.param)
+        raise InvalidRequest(refused.message, param=param, code=_GRAMMAR_CODES.get(refused.reason)) from None
+
+
+_SCHEMA_REASONS = frozenset({"invalid", "unsupported"})
+
+
+async def _function_at_fault(engine: Any, plan: OutputPlan) -> tuple[GrammarError, str] | None:
+    """For a tool envelope the grammar refused: the first function whose parameters it refuses alone, and
+    where the request holds them, so the 400 speaks of the client's schema, not of our envelope."""
+    grammars = getattr(engine, "grammars", None)
+    if grammars is None:
+        return None
+    for f in plan.functions:
+        refused = await grammars.refusal(GrammarSpec(GrammarKind.JSON_SCHEMA, f.grammar_source()))
+        if refused is not None:
+            return GrammarError(f"Invalid schema for function {f.name!r}: {refused.message}", refused.reason), f.param
+    return None
 
 
 def choice_streams(engine: Any, reqs: Sequence[GenerationRequest]) -> list[AsyncIterator[GenerationOutput]]:

@@ -169,11 +169,166 @@ def test_refusals_name_what_was_sent_in_plain_words(gateway: Service) -> None:
     bad_type = {"type": "object", "properties": {"x": {"type": "colour"}}}
     body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, tools=[
         {"type": "function", "function": {"name": "f", "parameters": bad_type}}]))
-    assert body["param"] == "tools" and body["message"].startswith(
-        "the schema of the tools' parameters is not valid: "), body
+    assert body["param"] == "tools.0.function.parameters" and body["message"].startswith(
+        "Invalid schema for function 'f': the JSON schema is not valid: "), body  # (named since: the next test)
     body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": bad_type}}))
     assert body["param"] == "response_format" and body["message"].startswith("the JSON schema is not valid: ")
     body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5,
                                                           extra_body={"structured_outputs": {"regex": "(("}}))
     assert body["param"] == "structured_outputs" and body["message"].startswith("the regex is not valid: ")
+
+
+WEATHER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def test_a_streamed_tool_call_opens_with_content_null_as_openai_streams_it(gateway: Service,
+                                                                           fp32_shard: Service) -> None:
+    """Every stream opened with `{"role": "assistant", "content": ""}`; OpenAI opens a reply that is a tool
+    call with one delta holding the role, `"content": null` and the call's name, so the openai SDK's stream
+    helper assembled `content == ""` where the same reply unstreamed has `None`. Now as OpenAI: the gateway
+    and a shard served directly, one choice or n=2 with include_usage; a text reply still opens with `""`.
+    LangChain's streamed tool calls still merge into the call."""
+    from langchain_openai import ChatOpenAI
+
+    user = {"Authorization": f"Bearer {KEYS['plus']}"}
+    tools = [openai.pydantic_function_tool(GetWeather)]
+    for url, headers in ((gateway.url, user), (fp32_shard.url, CLUSTER_HEADERS)):
+        for ask in ({}, {"n": 2, "seed": 1, "temperature": 0.8, "stream_options": {"include_usage": True}}):
+            body = {"model": MODEL, "messages": WEATHER, "max_tokens": 30, "temperature": 0, "stream": True,
+                    "tools": tools, "tool_choice": "required", **ask}
+            deltas = [(c["choices"][0]["index"], c["choices"][0]["delta"])
+                      for c in sse_chunks(url, headers, body) if c["choices"]]
+            for index in range(int(ask.get("n", 1))):
+                first, *rest = [d for i, d in deltas if i == index]
+                assert first["role"] == "assistant" and first["content"] is None, (url, ask, first)
+                assert first["tool_calls"][0]["function"] == {"name": "GetWeather", "arguments": ""}, first
+                assert not any("role" in d or "content" in d for d in rest), (url, ask, rest)
+        text = sse_chunks(url, headers, {"model": MODEL, "messages": ASK, "max_tokens": 3, "stream": True})
+        assert text[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}, (url, text[0])
+    client = sdk(gateway)
+    ask_call: dict[str, Any] = {"model": MODEL, "messages": WEATHER, "tools": tools, "tool_choice": "required",
+                                "parallel_tool_calls": False, "max_tokens": 60, "temperature": 0}
+    with client.chat.completions.stream(**ask_call) as stream:
+        streamed = stream.get_final_completion().choices[0].message
+    whole = client.chat.completions.create(**ask_call).choices[0].message
+    assert streamed.content is None and whole.content is None
+    assert streamed.tool_calls and isinstance(streamed.tool_calls[0].function.parsed_arguments, GetWeather)
+    llm = ChatOpenAI(base_url=gateway.url + "/v1", api_key=KEYS["plus"], model=MODEL, temperature=0,
+                     max_tokens=60, max_retries=0).bind_tools([GetWeather], tool_choice="required",
+                                                              parallel_tool_calls=False)
+    merged: Any = None
+    for chunk in llm.stream("What is the weather in Paris?"):
+        merged = chunk if merged is None else merged + chunk
+    assert merged.tool_calls and merged.tool_calls[0]["name"] == "GetWeather", merged
+    assert GetWeather.model_validate(merged.tool_calls[0]["args"])
+
+
+def _function(name: str = "get_weather", parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": parameters or {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}}}}
+
+
+PATTERN = "Expected a string that matches the pattern '^[a-zA-Z0-9_-]+$'."
+STRICT_ANY_OF = {"name": "person", "strict": True, "schema": {"anyOf": [
+    {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"], "additionalProperties": False},
+    {"type": "object", "properties": {"b": {"type": "string"}}, "required": ["b"], "additionalProperties": False}]}}
+
+
+@pytest.mark.parametrize("fields,param,code,message", [
+    ({"tools": []}, None, "invalid_value", "[] is too short - 'tools'"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls", "invalid_value",
+     "Invalid value for 'parallel_tool_calls': 'parallel_tool_calls' is only allowed when 'tools' are specified."),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": OPEN_PERSON}}},
+     "response_format.json_schema.name", "missing_required_parameter",
+     "Missing required parameter: 'response_format.json_schema.name'."),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a person", "schema": OPEN_PERSON}}},
+     "response_format.json_schema.name", "invalid_value",
+     f"Invalid 'response_format.json_schema.name': string does not match pattern. {PATTERN}"),
+    ({"tools": [_function("weather.get")]}, "tools.0.function.name", "invalid_value",
+     f"Invalid 'tools.0.function.name': string does not match pattern. {PATTERN}"),
+    ({"tools": [_function(), _function("w" * 65)]}, "tools.1.function.name", "string_above_max_length",
+     ("Invalid 'tools.1.function.name': string too long. Expected a string with maximum length 64, but got a "
+      "string with length 65 instead.")),
+    ({"tools": [_function(parameters={"type": "array", "items": {"type": "string"}})]},
+     "tools.0.function.parameters", "invalid_function_parameters",
+     """Invalid schema for function 'get_weather': schema must be a JSON Schema of 'type: "object"', got 'type: "array"'."""),
+    ({"response_format": {"type": "json_schema", "json_schema": STRICT_ANY_OF}}, "response_format",
+     "invalid_json_schema",
+     """Invalid schema for response_format 'person': schema must be a JSON Schema of 'type: "object"', got 'type: "None"'."""),
+])
+def test_tools_and_formats_openai_refuses_are_a_400_as_openai_answers_them(gateway: Service, fields: dict[str, Any],
+                                                                           param: str | None, code: str,
+                                                                           message: str) -> None:
+    """Served though OpenAI refuses them (an app tested here would fail there): `"tools": []`,
+    parallel_tool_calls without tools, a json_schema format without a name or with one OpenAI's pattern
+    refuses, a function name with a dot or over 64 characters (the pattern allowed `.` and `:`), a
+    function's parameters not an object's schema, a strict schema whose root is an `anyOf`. Now OpenAI's
+    400, its param (in the chat path's dotted form) and its words, streamed or not."""
+    client = sdk(gateway)
+    for stream in (False, True):
+        body = refusal(lambda stream=stream: client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=5, stream=stream, **fields))
+        assert (body["param"], body["code"], body["message"]) == (param, code, message)
+
+
+def test_names_and_schemas_openai_takes_are_still_served(gateway: Service) -> None:
+    """The other side of the checks above: names with `_` and `-`, a function without parameters or with
+    `{}`, a non-strict format whose root is an `anyOf`; and a Responses tool named with a dot is refused
+    naming the Responses field."""
+    client = sdk(gateway)
+    tools = [_function("get-weather_2"), {"type": "function", "function": {"name": "now"}},
+             {"type": "function", "function": {"name": "today", "parameters": {}}}]
+    reply = client.chat.completions.create(model=MODEL, messages=WEATHER, max_tokens=30, temperature=0, tools=tools,
+                                           tool_choice="required", parallel_tool_calls=False)
+    assert reply.choices[0].message.tool_calls
+    loose = {**STRICT_ANY_OF, "strict": False, "name": "a-or_b"}
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=20, temperature=0,
+                                           response_format={"type": "json_schema", "json_schema": loose})
+    assert reply.choices[0].message.content
+    body = refusal(lambda: client.responses.create(model=MODEL, input="Hi", max_output_tokens=5, tools=[
+        {"type": "function", "name": "weather.get", "parameters": {"type": "object", "properties": {}}}]))
+    assert (body["param"], body["message"]) == (
+        "tools.0.name", f"Invalid 'tools.0.name': string does not match pattern. {PATTERN}")
+
+
+def test_a_tool_schema_the_grammar_refuses_is_named_in_the_clients_terms(gateway: Service) -> None:
+    """A tool whose parameters no value satisfies (a required property's minimum above its maximum), when
+    it is the only one that may be called, was a 400 about our tool-call envelope ("required property
+    'tool_calls' is unsatisfiable"), a schema the client never sent. Now the 400 names the function and
+    where its parameters are (the Responses field when asked there). (Beside another tool that may be
+    called, the envelope is satisfiable and served: that one is called.)"""
+    client = sdk(gateway)
+    impossible = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}},
+                  "required": ["a"]}
+    tools = [_function(), _function("pick", impossible)]
+    for stream in (False, True):
+        body = refusal(lambda stream=stream: client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=5, stream=stream, tools=tools,
+            tool_choice={"type": "function", "function": {"name": "pick"}}))
+        assert (body["param"], body["code"]) == ("tools.1.function.parameters", "invalid_grammar"), body
+        assert body["message"] == ("Invalid schema for function 'pick': the JSON schema is not valid: Unsatisfiable "
+                                   "schema: required property 'a' is unsatisfiable"), body
+    flat = [{"type": "function", **t["function"]} for t in tools]
+    body = refusal(lambda: client.responses.create(model=MODEL, input="Hi", max_output_tokens=5, tools=flat[1:],
+                                                   tool_choice="required"))
+    assert body["param"] == "tools.0.parameters" and "'pick'" in body["message"], body
+    # the property not required: `{}` satisfies the schema, and is served
+    optional = {k: v for k, v in impossible.items() if k != "required"}
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=20, temperature=0,
+                                           tools=[_function("pick", optional)], tool_choice="required")
+    assert reply.choices[0].message.tool_calls
+
+
+def test_a_content_part_refused_is_named_with_its_message_and_part(gateway: Service) -> None:
+    """An image part (or a text part with a key too many) was a 400 naming `messages.content`: which
+    message, which part? Now its path, as the request's other checks name theirs (`messages.<i>...`)."""
+    client = sdk(gateway)
+    image = {"type": "image_url", "image_url": {"url": "http://x"}}
+    messages: list[Any] = [{"role": "user", "content": [image]}]
+    body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5))
+    assert (body["param"], body["code"]) == ("messages.0.content.0", "unsupported_parameter"), body
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Look:"}, image]}]
+    body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5))
+    assert body["param"] == "messages.1.content.1", body

@@ -180,10 +180,10 @@ BAD = [
     ("empty messages", {"messages": []}, 400, None, "messages"),
     # a text part the model refused was reported as "content part type 'text' is not supported"
     ("text part without text", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
-     "invalid_value", "messages.content.text"),
+     "invalid_value", "messages.0.content.0.text"),
     ("text part with an unknown key", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}]}]}, 400, "unsupported_parameter",
-     "messages.content.cache_control"),
+     "messages.0.content.0.cache_control"),
     ("max_tokens over tier cap", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, 400,
      None, "max_tokens"),
     ("negative max_tokens", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, 400, None,

@@ -123,10 +123,11 @@ def test_an_assistant_refusal_part_replays_as_its_text_and_elsewhere_is_a_400() 
         {"type": "text", "text": "Sorry. "}, {"type": "refusal", "refusal": "I can't help with that."}]}),
         "application/json")
     assert req.messages[1].text() == "Sorry. I can't help with that."
-    for bad, param in [({"role": "assistant", "content": [{"type": "refusal"}]}, "messages.content.refusal"),
-                       ({"role": "assistant", "content": [{"type": "refusal", "refusal": "x", "extra": 1}]},
-                        "messages.content.refusal"),
-                       ({"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}, "messages.content")]:
+    for bad, param in [({"role": "assistant", "content": [{"type": "refusal"}]}, "messages.1.content.0.refusal"),
+                       ({"role": "assistant", "content": [{"type": "text", "text": "x"},
+                                                          {"type": "refusal", "refusal": "x", "extra": 1}]},
+                        "messages.1.content.1.refusal"),
+                       ({"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}, "messages.1.content.0")]:
         with pytest.raises(SwitchboardError) as e:
             parse_chat_request(chat(bad), "application/json").messages[1].text()
         assert e.value.status == 400 and e.value.param == param, (bad, e.value)

@@ -227,6 +227,18 @@ class GrammarCompiler:
         self._observe(kind, time.monotonic() - t0, "cache_hit" if joined else "compiled")
         return compiled
 
+    async def refusal(self, spec: GrammarSpec) -> GrammarError | None:
+        """Why `spec` does not compile, or None (it does, or took too long to tell): a part of a grammar
+        that was refused, checked alone to name it. Neither cached nor counted."""
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(loop.run_in_executor(self._pool, self._build, spec), self.limits.compile_timeout_s)
+        except GrammarError as exc:
+            return exc
+        except TimeoutError:
+            return None
+        return None
+
     def _forget(self, key: str, _job: object) -> None:
         self._jobs.pop(key, None)
 
