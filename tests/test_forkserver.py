@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -45,5 +46,24 @@ def test_a_killed_child_reads_as_popen_reads_it(server: ForkServer, tmp_path: Pa
 
 def test_a_changed_interpreter_variable_is_not_forked(server: ForkServer, tmp_path: Path) -> None:
     with open(tmp_path / "out.log", "wb") as log:
+        same = server.spawn("calendar", [], env=dict(os.environ), cwd=tmp_path, log=log.fileno())
+        assert same is not None and same.wait(30) == 0  # the control: the same environment is forked
         assert server.spawn("calendar", [], env={**os.environ, "PYTHONHASHSEED": "7"}, cwd=tmp_path,
                             log=log.fileno()) is None
+
+
+def test_pythonunbuffered_output_reaches_the_file_before_a_kill(server: ForkServer, tmp_path: Path) -> None:
+    """As with a fresh `python -u`: a line written and never flushed is in the log when the child is killed
+    (a cache node is started so, and a test reads its log)."""
+    out = tmp_path / "out.log"
+    (tmp_path / "talker.py").write_text("import sys, time\nsys.stdout.write('said')\ntime.sleep(60)\n")
+    with open(out, "wb") as log:
+        proc = server.spawn("talker", [], env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=tmp_path,
+                            log=log.fileno())
+    assert proc is not None
+    deadline = time.monotonic() + 30
+    while out.read_text() != "said" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.kill()
+    assert proc.wait(30) == -signal.SIGKILL
+    assert out.read_text() == "said"

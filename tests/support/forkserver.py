@@ -15,7 +15,9 @@ fresh one imports).
 
 What a fork keeps from the server, and why that is safe here:
 - the server imports no torch and starts no thread and no event loop, so a fork copies one thread and
-  no locks held by another; a model shard's child imports torch itself, after the fork;
+  no locks held by another (it refuses to fork, and the service starts the usual way, if a Python thread
+  is running); a model shard's child imports torch itself, after the fork. The one native pool the
+  imports start is numpy's OpenBLAS, which stops its workers around a fork itself (`pthread_atfork`);
 - environment variables are read when settings are built, never at import (a child's environment is
   replaced before its module runs); a request whose interpreter-level variables (`PYTHON*`) differ from
   the server's is not forked: :meth:`ForkServer.spawn` returns None and the caller starts a process;
@@ -30,14 +32,18 @@ socket); children still running then are left as a Popen'd child would be.
 from __future__ import annotations
 
 import atexit
+import io
 import json
 import os
+import select
 import selectors
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +59,12 @@ them starts a thread at import."""
 
 MAX_MESSAGE = 1 << 20
 INTERPRETER_ENV = "PYTHON"
-"""Variables the interpreter reads at its own start (PYTHONPATH, PYTHONHASHSEED, PYTHONUNBUFFERED, ...):
-a child cannot change them after the fork, so a request that changes one is started the usual way."""
+"""Variables the interpreter reads at its own start (PYTHONPATH, PYTHONHASHSEED, ...): a child cannot
+change them after the fork, so a request that changes one is started the usual way. PYTHONUNBUFFERED
+is the exception: a child builds its own stdout and stderr (`_fresh_stdio`), as that variable asks."""
+UNBUFFERED = "PYTHONUNBUFFERED"
+LOST = -255
+"""The exit code read for a child whose end the server could not report (the server itself was gone)."""
 ENV_DISABLE = "SWITCHBOARD_TEST_FORKSERVER"
 """Set to 0 to start every service as a fresh interpreter (how the suite ran before this server)."""
 
@@ -67,34 +77,47 @@ class ForkedProcess:
         self.pid = pid
         self.args = args
         self.returncode: int | None = None
+        try:  # signals go through it: once the server has reaped the child, its pid may be reused
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._pidfd = None  # already ended and reaped: its status is on the way
+        self._finalizer = weakref.finalize(self, _close, self._pidfd)
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self._server.exit_code(self.pid, timeout=0.0)
-        return self.returncode
+        return self._ended(0.0)
 
     def wait(self, timeout: float | None = None) -> int:
+        code = self._ended(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return code
+
+    def _ended(self, timeout: float | None) -> int | None:
         if self.returncode is None:
-            code = self._server.exit_code(self.pid, timeout=timeout)
-            if code is None:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-            self.returncode = code
+            try:
+                self.returncode = self._server.exit_code(self.pid, timeout=timeout)
+            except (OSError, RuntimeError):  # the server is gone: its children were handed to init
+                if self._pidfd is None or select.select([self._pidfd], [], [], timeout)[0]:
+                    self.returncode = LOST
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
+        if self.poll() is None and self._pidfd is not None:
             try:
-                os.kill(self.pid, sig)
+                signal.pidfd_send_signal(self._pidfd, sig)
             except ProcessLookupError:
                 pass  # exited, its status not yet read
 
     def terminate(self) -> None:
-        import signal
         self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        import signal
         self.send_signal(signal.SIGKILL)
+
+
+def _close(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
 
 
 class ForkServer:
@@ -132,8 +155,13 @@ class ForkServer:
         theirs.close()
         server = cls(proc, ours, env)
         atexit.register(server.close)
-        # its imports done, the first fork is as fast as the rest; a kernel without pidfds gets no forks
-        if not server._request({"op": "ping"}, []).get("pidfd"):
+        # its imports done, the first fork is as fast as the rest; a kernel without pidfds gets no forks,
+        # nor a server that died at its start (a module it imports failing): services start as before
+        try:
+            usable = server._request({"op": "ping"}, []).get("pidfd")
+        except (OSError, RuntimeError):
+            usable = False
+        if not usable:
             server.close()
             return None
         return server
@@ -150,12 +178,15 @@ class ForkServer:
     def spawn(self, module: str, argv: list[str], *, env: dict[str, str], cwd: Path, log: int) -> ForkedProcess | None:
         """`python -m MODULE ARGV` as a fork with this environment, cwd and output (a file descriptor);
         None if the environment changes what the interpreter reads at its start."""
-        if any(k.startswith(INTERPRETER_ENV) and env.get(k) != self._env.get(k) for k in {*env, *self._env}):
+        if any(k.startswith(INTERPRETER_ENV) and k != UNBUFFERED and env.get(k) != self._env.get(k)
+               for k in {*env, *self._env}):
             return None
         try:
             reply = self._request({"op": "spawn", "module": module, "argv": argv, "env": env, "cwd": str(cwd)},
                                   [log])
         except (OSError, RuntimeError):  # the server is gone: this one starts as a fresh interpreter
+            return None
+        if reply["pid"] is None:  # the server holds a thread: a fork could inherit a held lock
             return None
         return ForkedProcess(self, int(reply["pid"]), [sys.executable, "-m", module, *argv])
 
@@ -218,6 +249,11 @@ def _serve(sock: socket.socket) -> dict[str, Any]:
                 if request["op"] == "ping":
                     sock.send(json.dumps({"op": "pong", "pidfd": _pidfds()}).encode())
                     continue
+                if threading.active_count() != 1:  # a Python thread (an import started one): no forks
+                    for fd in fds:
+                        os.close(fd)
+                    sock.send(json.dumps({"op": "spawned", "pid": None}).encode())
+                    continue
                 pid = os.fork()
                 if pid == 0:
                     for fd in [k.fd for k in selector.get_map().values() if k.fileobj is not sock]:
@@ -239,6 +275,20 @@ def _serve(sock: socket.socket) -> dict[str, Any]:
                 sock.send(json.dumps({"op": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
 
 
+def _fresh_stdio(unbuffered: bool) -> None:
+    """sys.stdout and sys.stderr as a fresh interpreter makes them over a file (the server's were made for
+    its own output, a terminal perhaps): stdout block-buffered, stderr line-buffered; with
+    PYTHONUNBUFFERED, both write through to the file."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        old = getattr(sys, name)
+        raw = io.FileIO(fd, "w", closefd=False)
+        stream = io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), encoding=old.encoding,
+                                  errors=old.errors, line_buffering=name == "stderr" and not unbuffered,
+                                  write_through=unbuffered)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
 def _run(request: dict[str, Any]) -> None:
     """In a forked child: become `python -m MODULE ARGV` in its environment, cwd and output."""
     import runpy
@@ -254,6 +304,7 @@ def _run(request: dict[str, Any]) -> None:
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
+    _fresh_stdio(bool(os.environ.get(UNBUFFERED)))
     sys.argv = [request["module"], *request["argv"]]
     sys.modules.pop(request["module"], None)  # run as `python -m` would: the module's code as __main__ only
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
