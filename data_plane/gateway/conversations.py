@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from data_plane.common.errors import InvalidRequest, NotFound
-from data_plane.gateway.item_index import Home, index_items, resolve_references
+from data_plane.gateway.item_index import Home, fresh_items, index_items, resolve_references
 from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S, record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, conversation_object, new_conversation
 from data_plane.gateway.responses import page, record_caller
@@ -106,7 +106,8 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
             items = await resolve_references(store(), _items(body), owner, replicas, "items")
             record = new_conversation(new_id("conv"), items, metadata_value(body.get("metadata")))
             await store().save(record, owner, replicas)
-            await index_items(store(), items, [Home(Kind.CONVERSATION, record.id)], owner, replicas)
+            await index_items(store(), fresh_items(items, body.get("items") or []), [Home(Kind.CONVERSATION, record.id)],
+                              owner, replicas)
             log.info("conversation created with %d item(s)", len(items))
             return conversation_object(record)
 
@@ -147,15 +148,17 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
         with observed(gw.responses_metrics, Op.ITEMS_CREATE, request):
             owner, replicas = caller(request)
             body = await _body(request)
-            items = await resolve_references(store(), _items(body), owner, replicas, "items")
-            if not items:
+            sent = _items(body)
+            if not sent:
                 raise InvalidRequest("items must hold at least one item", param="items")
             async with editing(owner, conversation_id):
                 record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
+                items = await resolve_references(store(), sent, owner, replicas, "items", local=record.items)
                 refuse_duplicates(items, "items", record.items)
                 record.items = record.items + items
                 await store().save(record, owner, replicas)
-            await index_items(store(), items, [Home(Kind.CONVERSATION, conversation_id)], owner, replicas)
+            await index_items(store(), fresh_items(items, body.get("items") or []),
+                              [Home(Kind.CONVERSATION, conversation_id)], owner, replicas)
             return {"object": "list", "data": items, "first_id": items[0]["id"], "last_id": items[-1]["id"],
                     "has_more": False}
 

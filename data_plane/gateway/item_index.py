@@ -16,8 +16,13 @@ first. The item itself is read from its home, so deleting a response or a conver
 a conversation) is enough for its items to stop resolving: the index is never the item's copy. An item
 folded into a compaction item is no longer in its home either, and does not resolve.
 
-Resolving a reference costs two cache reads (the index record, then the home); storing a turn one read
-and one write per new item, concurrently.
+A reference to an item of the chain or conversation the request continues is taken from it, with no
+read. Any other costs two cache reads (the index record, then the home; a home read once per request),
+and a request may name at most MAX_REFERENCES distinct ids. Storing a turn indexes only the items new
+to storage (its output, and input items the server gave an id: `fresh_items`): one read and one write
+each, CONCURRENCY at a time, so a client that resends its whole history every turn adds no index work.
+An index record lives as the cache's records do (`--session-ttl-s` from its last write): past that, its
+item still resolves within its own chain or conversation, not from elsewhere.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from data_plane.common.errors import NotFound, SwitchboardError
+from data_plane.common.errors import InvalidRequest, NotFound, SwitchboardError
 from data_plane.gateway.response_store import ConversationStore, Kind, Record
 
 log = logging.getLogger(__name__)
@@ -36,6 +41,10 @@ log = logging.getLogger(__name__)
 REFERENCE = "item_reference"
 MAX_HOMES = 16
 """Homes one index record keeps (the newest): an id a client reuses in many conversations."""
+MAX_REFERENCES = 128
+"""Distinct item ids one request may reference (each costs reads before admission)."""
+CONCURRENCY = 8
+"""Cache reads or writes one request's references or one turn's index has in flight at once."""
 
 
 @dataclass(frozen=True)
@@ -57,11 +66,33 @@ def unknown_item(item_id: str, param: str) -> NotFound:
                     "Try again with `store` set to true, or remove this item from your input.", param=param)
 
 
+def fresh_items(items: list[dict[str, Any]], sent: list[dict[str, Any]] | str) -> list[dict[str, Any]]:
+    """The items of `items` new to storage: those whose id the client did not send in `sent` (the raw
+    `input` or `items`). An id the client sent names an item stored before (indexed then: a history the
+    Agents SDK resends each turn costs no index writes) or a reference; an id it made up itself resolves
+    within its own chain or conversation only."""
+    ids = {raw.get("id") for raw in sent if isinstance(raw, dict)} if isinstance(sent, list) else set()
+    return [item for item in items if item.get("id") not in ids]
+
+
 async def index_items(store: ConversationStore, items: list[dict[str, Any]], homes: list[Home], owner: str,
                       replicas: int) -> None:
-    """Add `homes` to the index records of `items` (each read, merged, written back; all at once)."""
-    if homes:
-        await asyncio.gather(*(_add(store, item["id"], homes, owner, replicas) for item in items))
+    """Add `homes` to the index records of `items` (each read, merged, written back; at most CONCURRENCY at
+    once). Best effort: a failure is logged, and leaves those items resolvable in their own chain or
+    conversation only; the turn that stored them stands (never a 409 or a 503 for a stored turn)."""
+    if not homes or not items:
+        return
+    limit = asyncio.Semaphore(CONCURRENCY)
+
+    async def add(item_id: str) -> None:
+        async with limit:
+            await _add(store, item_id, homes, owner, replicas)
+
+    for outcome in await asyncio.gather(*(add(item["id"]) for item in items), return_exceptions=True):
+        if isinstance(outcome, SwitchboardError):
+            log.warning("stored items not indexed: %s", outcome.code)
+        elif isinstance(outcome, BaseException):
+            raise outcome
 
 
 async def _add(store: ConversationStore, item_id: str, homes: list[Home], owner: str, replicas: int) -> None:
@@ -78,31 +109,61 @@ async def _add(store: ConversationStore, item_id: str, homes: list[Home], owner:
 
 
 async def resolve_references(store: ConversationStore, items: list[dict[str, Any]], owner: str, replicas: int,
-                             param: str = "input") -> list[dict[str, Any]]:
+                             param: str = "input", local: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """`items` with each ``item_reference`` replaced by the item it names (a 404 naming `param` if it does
-    not resolve for `owner`); the others as they are."""
-    refs = [item["id"] for item in items if item["type"] == REFERENCE]
+    not resolve for `owner`); the others as they are. An id in `local` (the chain or conversation the
+    request continues, already loaded) is taken from there without a read; each other distinct id costs
+    an index read, and each distinct home one read, at most CONCURRENCY at once. More than
+    MAX_REFERENCES distinct ids is a 400 before anything is read."""
+    refs = list(dict.fromkeys(item["id"] for item in items if item["type"] == REFERENCE))
     if not refs:
         return items
-    found = dict(zip(refs, await asyncio.gather(*(resolve(store, i, owner, replicas, param) for i in refs)),
-                     strict=True))
+    if len(refs) > MAX_REFERENCES:
+        raise InvalidRequest(f"at most {MAX_REFERENCES} item references are allowed in one request "
+                             f"(got {len(refs)})", param=param)
+    near = {item.get("id"): item for item in local or ()}
+    found = {ref: dict(near[ref]) for ref in refs if ref in near}
+    homes = _Homes(store, owner, replicas)
+    far = [ref for ref in refs if ref not in found]
+    outcomes = await asyncio.gather(*(_resolve(homes, ref, param) for ref in far), return_exceptions=True)
+    for ref, outcome in zip(far, outcomes, strict=True):
+        if isinstance(outcome, BaseException):
+            raise outcome  # the first in the request's order, whichever read ended first
+        found[ref] = outcome
     return [found[item["id"]] if item["type"] == REFERENCE else item for item in items]
 
 
-async def resolve(store: ConversationStore, item_id: str, owner: str, replicas: int, param: str) -> dict[str, Any]:
-    """The stored item `item_id` of `owner`, from the first of its homes that still holds it."""
-    try:
-        index = await store.load(index_id(owner, item_id), owner, replicas, Kind.ITEM_INDEX)
-    except NotFound:
-        raise unknown_item(item_id, param) from None
-    for home in index.items:
-        try:
-            record = await store.load(home["id"], owner, replicas, Kind(home["kind"]))
-        except SwitchboardError as exc:
-            if exc.status != 404:
-                raise
-            continue  # deleted: its items are gone with it
-        item = next((i for i in record.items if i.get("id") == item_id), None)
+class _Homes:
+    """Index records and homes read for one request: each at most once, CONCURRENCY reads at a time."""
+
+    def __init__(self, store: ConversationStore, owner: str, replicas: int) -> None:
+        self.store, self.owner, self.replicas = store, owner, replicas
+        self.limit = asyncio.Semaphore(CONCURRENCY)
+        self.reads: dict[tuple[str, Kind], asyncio.Future[Record | None]] = {}
+
+    async def read(self, record_id: str, kind: Kind) -> Record | None:
+        """The record, or None if it is gone (deleted, expired, never there, another key's)."""
+        key = (record_id, kind)
+        if key not in self.reads:
+            self.reads[key] = asyncio.ensure_future(self._read(record_id, kind))
+        return await self.reads[key]
+
+    async def _read(self, record_id: str, kind: Kind) -> Record | None:
+        async with self.limit:
+            try:
+                return await self.store.load(record_id, self.owner, self.replicas, kind)
+            except SwitchboardError as exc:
+                if exc.status != 404:
+                    raise
+                return None
+
+
+async def _resolve(homes: _Homes, item_id: str, param: str) -> dict[str, Any]:
+    """The stored item `item_id`, from the first of its homes that still holds it."""
+    index = await homes.read(index_id(homes.owner, item_id), Kind.ITEM_INDEX)
+    for home in index.items if index is not None else ():
+        record = await homes.read(home["id"], Kind(home["kind"]))
+        item = next((i for i in record.items if i.get("id") == item_id), None) if record is not None else None
         if item is not None:
             return dict(item)
     raise unknown_item(item_id, param)

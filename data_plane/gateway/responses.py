@@ -43,7 +43,7 @@ from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, Swit
 from data_plane.gateway.auth import key_digest
 from data_plane.gateway.chat import ChatHandler, Opened
 from data_plane.gateway.context import Window, fit_window
-from data_plane.gateway.item_index import Home, index_items, resolve_references
+from data_plane.gateway.item_index import Home, fresh_items, index_items, resolve_references
 from data_plane.gateway.memory import Compaction, compact, fit_with_recall, open_compaction
 from data_plane.gateway.record_locks import record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, Record
@@ -139,8 +139,9 @@ class ResponsesHandler(ChatHandler):
         if not self.new_items:
             raise InvalidRequest("input is required", param="input")
         assert self.tier is not None
-        self.new_items = await resolve_references(self.store, self.new_items, self.owner, self.tier.replication)
         await self._load_history(rreq, self.tier)
+        self.new_items = await resolve_references(self.store, self.new_items, self.owner, self.tier.replication,
+                                                  local=self.history_items)
         refuse_duplicates(self.new_items, "input", self.history_items)
         req, self.history_messages = rreq.turn_request(self.history_items, self.new_items, self._open_compaction)
         return req
@@ -280,7 +281,7 @@ class ResponsesHandler(ChatHandler):
         record = Record(self.response_id, Kind.RESPONSE, self.history_items + self.new_items, self.route,
                         response=response, input_range=(start, start + len(self.new_items)))
         await self.store.save(record, self.owner, self.tier.replication)
-        await self._index(self.new_items, [Home(Kind.RESPONSE, self.response_id)])
+        await self._index(fresh_items(self.new_items, rreq.input), [Home(Kind.RESPONSE, self.response_id)])
         log.info("request %s: response stored as %s (%s)", self.request_id, response["status"], code)
 
     async def save_turn(self, reply: str, message: dict[str, Any] | None = None) -> None:
@@ -307,7 +308,7 @@ class ResponsesHandler(ChatHandler):
             await self.store.save(record, self.owner, replicas)
             saved.append(record)
         self.let_go()  # the conversation is written: its next turn may start
-        await self._index(self.new_items + output, [Home(r.kind, r.id) for r in saved])
+        await self._index(fresh_items(self.new_items, rreq.input) + output, [Home(r.kind, r.id) for r in saved])
         threshold = next((c.compact_threshold for c in rreq.context_management or () if c.compact_threshold), None)
         for rec in saved:
             if threshold and conversation_tokens(rec.items, self.gw.counter) > threshold:
@@ -316,13 +317,10 @@ class ResponsesHandler(ChatHandler):
 
 
     async def _index(self, items: list[dict[str, Any]], homes: list[Home]) -> None:
-        """Index the turn's stored items (item_index.py), before the reply ends so that a reference sent at
-        once resolves. A failure leaves them unreferenceable, never the stored turn failed."""
+        """Index the turn's new stored items (item_index.py), before the reply ends so that a reference sent
+        at once resolves (best effort: a failure is logged, the stored turn stands)."""
         assert self.tier is not None
-        try:
-            await index_items(self.store, items, homes, self.owner, self.tier.replication)
-        except SwitchboardError as exc:
-            log.warning("request %s: stored items not indexed: %s", self.request_id, exc.code)
+        await index_items(self.store, items, homes, self.owner, self.tier.replication)
 
 
 def unsealer(rt: Runtime, owner: str) -> Callable[[str], list[dict[str, str]]]:
@@ -450,7 +448,8 @@ def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationS
             items: list[dict[str, Any]] = []
             if body.get("previous_response_id"):
                 items = (await store().load(str(body["previous_response_id"]), owner, replicas, Kind.RESPONSE)).items
-            items = items + await resolve_references(store(), input_items(body.get("input") or []), owner, replicas)
+            items = items + await resolve_references(store(), input_items(body.get("input") or []), owner, replicas,
+                                                     local=items)
             keep = body.get("keep_tokens", 256)
             if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
                 raise InvalidRequest("keep_tokens must be a non-negative integer", param="keep_tokens")

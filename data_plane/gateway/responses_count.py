@@ -71,7 +71,7 @@ def mount_input_tokens(app: FastAPI, gw: Gateway, store: Callable[[], Conversati
             principal, owner, replicas = record_principal(gw, request)  # the abuse guard first; 401s counted
             raw = await read_body(request, gw.settings.max_body_bytes)
             rreq = count_request(json_body(raw, request.headers.get("content-type")))
-            new_items = await resolve_references(store(), input_items(rreq.input), owner, replicas)
+            new_items = input_items(rreq.input)
             if not new_items:
                 raise InvalidRequest("input is required", param="input")
             rt = runtime()
@@ -82,6 +82,7 @@ def mount_input_tokens(app: FastAPI, gw: Gateway, store: Callable[[], Conversati
                 kind = Kind.RESPONSE if rreq.previous_response_id else Kind.CONVERSATION
                 record = await store().load(rreq.previous_response_id or conversation or "", owner, replicas, kind)
                 history, route = record.items, record.route
+            new_items = await resolve_references(store(), new_items, owner, replicas, local=history)
             unseal = unsealer(rt, owner)
             chat, earlier = rreq.turn_request(history, new_items, lambda encrypted: open_compaction(encrypted, unseal)[1])
             if len(chat.messages) - earlier > gw.settings.max_messages:

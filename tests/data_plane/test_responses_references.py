@@ -87,6 +87,21 @@ def test_an_item_reference_resolves_for_its_key_only_and_never_once_deleted(stac
     assert e.value.body["param"] == "input[0].id"
 
 
+def test_too_many_distinct_references_are_a_400_before_any_read(stack: Stack) -> None:
+    """Each distinct id costs cache reads before admission: more than MAX_REFERENCES is refused at once;
+    MAX_REFERENCES are read (and here, none is stored: a 404 naming the first)."""
+    from data_plane.gateway.item_index import MAX_REFERENCES
+
+    sdk = stack.sdk()
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.responses.create(model=MODEL, input=[ref(f"msg_{i}") for i in range(MAX_REFERENCES + 1)],
+                             max_output_tokens=2)
+    assert e.value.body["param"] == "input" and str(MAX_REFERENCES) in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as e:
+        sdk.responses.create(model=MODEL, input=[ref(f"msg_{i}") for i in range(MAX_REFERENCES)], max_output_tokens=2)
+    assert e.value.body["param"] == "input" and "msg_0" in e.value.body["message"]
+
+
 def test_text_verbosity_is_echoed_and_checked(stack: Stack) -> None:
     """OpenAI's Response echoes text.verbosity ("medium" unless the request said), created and retrieved."""
     sdk = stack.sdk()
