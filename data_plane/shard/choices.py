@@ -226,6 +226,9 @@ async def prepare_requests(engine: Any, reqs: Sequence[GenerationRequest], plan:
 
 
 _SCHEMA_REASONS = frozenset({"invalid", "unsupported"})
+MAX_BLAMED = 16
+"""Functions checked one by one to name the one a refused envelope is refused for (each a compile on the
+shard's grammar pool; verdicts are kept): past that, the 400 speaks of the tools as a whole."""
 
 
 async def _function_at_fault(engine: Any, plan: OutputPlan) -> tuple[GrammarError, str] | None:
@@ -234,7 +237,7 @@ async def _function_at_fault(engine: Any, plan: OutputPlan) -> tuple[GrammarErro
     grammars = getattr(engine, "grammars", None)
     if grammars is None:
         return None
-    for f in plan.functions:
+    for f in plan.functions[:MAX_BLAMED]:
         refused = await grammars.refusal(GrammarSpec(GrammarKind.JSON_SCHEMA, f.grammar_source()))
         if refused is not None:
             return GrammarError(f"Invalid schema for function {f.name!r}: {refused.message}", refused.reason), f.param

@@ -175,6 +175,8 @@ class GrammarCompiler:
         self.listener = listener
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._refusals: OrderedDict[str, GrammarError | None] = OrderedDict()
+        """`refusal`'s verdicts by digest: a client that resends its bad tools pays for them once."""
         self._jobs: dict[str, asyncio.Future[CompiledGrammar]] = {}
 
     @classmethod
@@ -229,15 +231,24 @@ class GrammarCompiler:
 
     async def refusal(self, spec: GrammarSpec) -> GrammarError | None:
         """Why `spec` does not compile, or None (it does, or took too long to tell): a part of a grammar
-        that was refused, checked alone to name it. Neither cached nor counted."""
+        that was refused, checked alone to name it. Not counted as a compile; its verdict is kept (by
+        digest, as many as compiled grammars), its grammar is not."""
+        key = spec.digest
+        if key in self._refusals:
+            self._refusals.move_to_end(key)
+            return self._refusals[key]
         loop = asyncio.get_running_loop()
+        verdict: GrammarError | None = None
         try:
             await asyncio.wait_for(loop.run_in_executor(self._pool, self._build, spec), self.limits.compile_timeout_s)
         except GrammarError as exc:
-            return exc
+            verdict = exc
         except TimeoutError:
-            return None
-        return None
+            return None  # not known: asked again, it is tried again
+        self._refusals[key] = verdict
+        while len(self._refusals) > self.limits.cache_size:
+            self._refusals.popitem(last=False)
+        return verdict
 
     def _forget(self, key: str, _job: object) -> None:
         self._jobs.pop(key, None)
