@@ -371,7 +371,7 @@ def _name_clash(param: str, name: str | None) -> Clash | None:
     if len(name) > 64:
         return Clash(param, f"Invalid '{param}': string too long. Expected a string with maximum length 64, but "
                             f"got a string with length {len(name)} instead.", "string_above_max_length")
-    if not NAME_PATTERN.match(name):
+    if not NAME_PATTERN.fullmatch(name):
         return Clash(param, f"Invalid '{param}': string does not match pattern. Expected a string that matches "
                             f"the pattern '{NAME_PATTERN.pattern}'.", "invalid_value")
     return None

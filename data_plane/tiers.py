@@ -175,7 +175,7 @@ class TierPolicy:
 
 
 def _check_tier(tier: Tier) -> None:
-    if not isinstance(tier.name, str) or not re.match(TIER_NAME_PATTERN, tier.name):
+    if not isinstance(tier.name, str) or not re.fullmatch(TIER_NAME_PATTERN, tier.name):
         raise ValueError(
             f"tier name {tier.name!r} is not valid: use 1-64 letters, digits, '_', '.', '-'"
         )

@@ -247,6 +247,8 @@ STRICT_ANY_OF = {"name": "person", "strict": True, "schema": {"anyOf": [
      f"Invalid 'response_format.json_schema.name': string does not match pattern. {PATTERN}"),
     ({"tools": [_function("weather.get")]}, "tools.0.function.name", "invalid_value",
      f"Invalid 'tools.0.function.name': string does not match pattern. {PATTERN}"),
+    ({"tools": [_function("get_weather\n")]}, "tools.0.function.name", "invalid_value",  # `$` would pass it
+     f"Invalid 'tools.0.function.name': string does not match pattern. {PATTERN}"),
     ({"tools": [_function(), _function("w" * 65)]}, "tools.1.function.name", "string_above_max_length",
      ("Invalid 'tools.1.function.name': string too long. Expected a string with maximum length 64, but got a "
       "string with length 65 instead.")),
