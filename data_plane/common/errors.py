@@ -251,6 +251,16 @@ def render(exc: SwitchboardError, request: Request | None = None) -> JSONRespons
     return JSONResponse(exc.body(request_id, trace_id), status_code=exc.status, headers=headers)
 
 
+def name_request(request: Request, span: Any) -> str:
+    """A new request id for `request`, and its trace id, on its state (what `render` puts in an error's
+    body and headers) and the id on `span`; the id."""
+    request_id: str = uuid.uuid4().hex
+    request.state.request_id = request_id
+    request.state.trace_id = format(span.get_span_context().trace_id, "032x")
+    span.set_attribute("switchboard.request_id", request_id)
+    return request_id
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map every exception a service can raise onto the OpenAI error shape, once."""
 
@@ -269,9 +279,7 @@ def install_error_handlers(app: FastAPI) -> None:
         # FastAPI refused a query or path parameter before the route (which names the request) ran: the
         # error still gets a request id and a trace of its own, as every other error does
         with tracer.start_as_current_span("http.request.invalid") as span:
-            request.state.request_id = uuid.uuid4().hex
-            request.state.trace_id = format(span.get_span_context().trace_id, "032x")
-            span.set_attribute("switchboard.request_id", request.state.request_id)
+            name_request(request, span)
             span.set_attribute("url.path", request.url.path)
             span.set_attribute("error.type", error.code or "invalid_value")
             return render(error, request)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import enum
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -19,7 +18,7 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.requests import Request
 
-from data_plane.common.errors import SwitchboardError
+from data_plane.common.errors import SwitchboardError, name_request
 from data_plane.common.telemetry import LATENCY_BUCKETS
 
 tracer = trace.get_tracer(__name__)
@@ -86,9 +85,7 @@ def observed(metrics: ResponsesMetrics, op: Op, request: Request) -> Iterator[tr
     status = 500
     with tracer.start_as_current_span(f"responses.{op.value}") as span:
         span.set_attribute("gen_ai.operation.name", f"responses.{op.value}")
-        request_id = request.state.request_id = uuid.uuid4().hex
-        request.state.trace_id = format(span.get_span_context().trace_id, "032x")
-        span.set_attribute("switchboard.request_id", request_id)
+        name_request(request, span)
         try:
             yield span
             status = 200
