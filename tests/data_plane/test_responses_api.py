@@ -177,13 +177,15 @@ def test_a_conversation_deleted_during_its_turn_is_a_404_and_stays_deleted(stack
     body = {"model": MODEL, "input": "Tell me a story.", "conversation": conv.id, "max_output_tokens": 48,
             "ignore_eos": True, "stream": True}
     events = []
+    deleted = False
     with httpx.stream("POST", stack.gateway.url + "/v1/responses", json=body, timeout=120,
                       headers={"Authorization": f"Bearer {KEYS['plus']}"}) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 events.append(json.loads(line[6:]))
-                if events[-1]["type"] == "response.output_text.delta" and len(events) == 5:  # the first delta
-                    assert sdk.conversations.delete(conv.id).deleted
+                if events[-1]["type"] == "response.output_text.delta" and not deleted:  # at the first delta
+                    deleted = sdk.conversations.delete(conv.id).deleted
+    assert deleted
     error, failed = events[-2], events[-1]
     assert error["type"] == "error" and error["code"] == "not_found" and error["param"] == "conversation_id", error
     assert failed["type"] == "response.failed" and "not found" in failed["response"]["error"]["message"]
