@@ -23,7 +23,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field, field_validator
 
-from tests.support.cluster import KEYS, cache_node
+from tests.support.chat import sdk
+from tests.support.cluster import KEYS, gateway_before
 from tests.support.procs import Service
 from tests.support.schemas import GetWeather, Person
 
@@ -34,21 +35,8 @@ WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Get t
 
 @pytest.fixture(scope="module")
 def gateway(fp32_shard: Service, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    state = tmp_path_factory.mktemp("clients-compat")
-    cache = cache_node().start()
-    gw = Service(["gateway", "--shard-urls", fp32_shard.url, "--cache-urls", cache.url, "--state-dir", str(state),
-                  "--usage-db", "off", "--silence-timeout-s", "60"],
-                 env={"SWITCHBOARD_GATEWAY_API_KEYS": f"{KEYS['plus']}:acme:plus"}, ready_timeout=240)
-    try:
-        with gw:
-            yield gw
-    finally:
-        cache.stop()
-
-
-def sdk(gw: Service) -> Any:
-    """The openai SDK (typed Any: its request types are TypedDicts these tests' plain dicts do not name)."""
-    return openai.OpenAI(base_url=gw.url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=120)
+    with gateway_before(fp32_shard, tmp_path_factory.mktemp("clients-compat")) as gw:
+        yield gw
 
 
 def async_sdk(gw: Service) -> Any:

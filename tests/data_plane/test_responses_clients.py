@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.cluster import KEYS, cache_node
+from tests.support.cluster import KEYS, gateway_before
 from tests.support.guidellm import run_guidellm
 from tests.support.metrics import metric
 from tests.support.procs import Service
@@ -31,17 +31,9 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def gateway(fp32_shard: Service, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    state = tmp_path_factory.mktemp("responses-clients")
-    cache = cache_node().start()
     keys = ",".join([f"{KEYS['plus']}:acme:plus", f"{KEYS['enterprise']}:bigco:enterprise"])
-    gw = Service(["gateway", "--shard-urls", fp32_shard.url, "--cache-urls", cache.url, "--state-dir", str(state),
-                  "--usage-db", "off", "--silence-timeout-s", "60"], env={"SWITCHBOARD_GATEWAY_API_KEYS": keys},
-                 ready_timeout=240)
-    try:
-        with gw:
-            yield gw
-    finally:
-        cache.stop()
+    with gateway_before(fp32_shard, tmp_path_factory.mktemp("responses-clients"), keys) as gw:
+        yield gw
 
 
 def test_guidellm_multiturn_with_server_side_history(gateway: Service, tmp_path: Path) -> None:

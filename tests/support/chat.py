@@ -24,6 +24,12 @@ LEAK_MARKERS = ("Traceback", 'File "', "site-packages", "/work/", '.py"', ".py:"
 """What a stack trace or a source path looks like inside an error body."""
 
 
+def sdk(gw: Any, key: str = KEYS["plus"], timeout: float = 120.0) -> Any:
+    """The openai SDK on the gateway `gw` (a Service), no retries (typed Any: its request types are
+    TypedDicts the tests' plain dicts do not name)."""
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=timeout)
+
+
 def chat(
     url: str,
     tier: str = "plus",

@@ -134,6 +134,22 @@ def cache_node(*args: str, log_dir: Path | None = None, port: int | None = None)
                    env={"PYTHONUNBUFFERED": "1"})
 
 
+@contextmanager
+def gateway_before(shard: Service, state: Path, keys: str | None = None) -> Iterator[Service]:
+    """A started gateway in front of `shard` alone, with a cache node of its own (its state in `state`; the
+    `plus` key unless `keys`, as SWITCHBOARD_GATEWAY_API_KEYS reads them). For tests of the API, not of
+    failover: a 60 s silence timeout, and start-up allowed minutes on a loaded host."""
+    cache = cache_node().start()
+    gw = Service(["gateway", "--shard-urls", shard.url, "--cache-urls", cache.url, "--state-dir", str(state),
+                  "--usage-db", "off", "--silence-timeout-s", "60"],
+                 env={"SWITCHBOARD_GATEWAY_API_KEYS": keys or f"{KEYS['plus']}:acme:plus"}, ready_timeout=240)
+    try:
+        with gw:
+            yield gw
+    finally:
+        cache.stop()
+
+
 def start_cache_nodes(count: int, *args: str, log_dir: Path | None = None) -> list[Service]:
     """`count` :func:`cache_node`s started at once (start-up overlaps), all healthy (or all stopped)."""
     nodes = [cache_node(*args, log_dir=log_dir) for _ in range(count)]
