@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_plane.common.errors import InvalidRequest, UnsupportedParameter
-from data_plane.request_checks import WholeNumber, check_metadata, json_body, validated
+from data_plane.request_checks import WholeNumber, check_metadata, json_body, json_type, validated
 from data_plane.structured import (
     OutputPlan,
     ResponseFormat,
@@ -377,17 +377,8 @@ def _tool_call_list(value: Any, where: str = "messages") -> list[dict[str, Any]]
             if not (isinstance(field, dict) if name == "function" else isinstance(field, str)):
                 param = f"{where}.tool_calls.{j}.{name}"
                 raise InvalidRequest(f"Invalid type for '{param}': expected {expected}, but got "
-                                     f"{_json_type(field)} instead.", param=param)
+                                     f"{json_type(field)} instead.", param=param)
     return value
-
-
-def _json_type(value: Any) -> str:
-    """A value's JSON type as OpenAI's type errors name it ("an object", "null")."""
-    if value is None:
-        return "null"
-    kinds = ((bool, "a boolean"), (int, "an integer"), (float, "a decimal"), (str, "a string"), (dict, "an object"),
-             (list, "an array"))
-    return next((name for kind, name in kinds if isinstance(value, kind)), "a value")
 
 
 class PromptTokensDetails(BaseModel):

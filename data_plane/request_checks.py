@@ -40,6 +40,15 @@ def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
     return value
 
 
+def json_type(value: Any) -> str:
+    """A value's JSON type as OpenAI's type errors name it ("an object", "null")."""
+    if value is None:
+        return "null"
+    kinds = ((bool, "a boolean"), (int, "an integer"), (float, "a decimal"), (str, "a string"), (dict, "an object"),
+             (list, "an array"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), "a value")
+
+
 def check_unicode(body: Any) -> None:
     """400 for a body with a lone surrogate anywhere: JSON may escape one ("\\ud800") and no UTF-8
     encoder takes it, so one in a JSON schema, a tool call's arguments or stored metadata was a 500

@@ -30,7 +30,6 @@ import logging
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -65,6 +64,7 @@ from data_plane.gateway.phases import (
     DEADLINE_FIRST_TOKEN_TIMEOUTS,
     Caller,
     Checked,
+    Opened,
     Prepared,
     merge_history,
     shard_request,
@@ -87,17 +87,6 @@ DEFAULT_REPLY_RESERVE = 256
 TEMPLATE_SLACK_TOKENS = 32
 """Headroom for chat-template tokens the per-message count cannot see (e.g. a default system
 prompt the template inserts), so the shard never refuses what the gateway admitted."""
-
-
-@dataclass
-class Opened:
-    """A request that passed every check, with its shard stream's first token in hand."""
-
-    stream: EventSource
-    completion: Completion
-    headers: dict[str, str]
-    include_usage: bool | None
-    """None: answer with one JSON body; else stream SSE (with a usage chunk when True)."""
 
 
 class ChatHandler:

@@ -18,6 +18,7 @@ from typing import Any
 from data_plane.gateway.abuse import Measures
 from data_plane.gateway.auth import Principal
 from data_plane.gateway.context import Window
+from data_plane.gateway.stream import Completion, EventSource
 from data_plane.protocol import ChatCompletionRequest, ChatMessage, ShardRequest
 from data_plane.tiers import Tier, TierPolicy
 
@@ -58,6 +59,18 @@ class Checked:
     @property
     def choices(self) -> int:
         return self.req.n or 1
+
+
+@dataclass
+class Opened:
+    """A request that passed every check, with its shard stream's first token in hand (not frozen: a
+    detached Responses run streams what the request would have answered in one body)."""
+
+    stream: EventSource
+    completion: Completion
+    headers: dict[str, str]
+    include_usage: bool | None
+    """None: answer with one JSON body; else stream SSE (with a usage chunk when True)."""
 
 
 @dataclass(frozen=True)
