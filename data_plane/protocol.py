@@ -13,6 +13,7 @@ tenants).
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -35,6 +36,7 @@ from data_plane.tool_calls import envelope_text, holds_tool_calls
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 MAX_STOP_SEQUENCES = 4
+TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key (the engine checks it against its vocabulary)
 MAX_STOP_LENGTH = 256
 
 
@@ -158,18 +160,20 @@ class ChatCompletionRequest(BaseModel):
     model: str = Field(default="", max_length=256)
     messages: list[ChatMessage] = Field(min_length=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    """0..1 as OpenAI's: 0 keeps the one most likely token (the gateway sends it as top_k 1, vLLM refusing 0)."""
     top_k: WholeNumber | None = Field(default=None, ge=0, le=100_000)
     max_tokens: WholeNumber | None = Field(default=None, ge=1, le=1_000_000)
     max_completion_tokens: WholeNumber | None = Field(default=None, ge=1, le=1_000_000)
     stop: str | list[str] | None = None
     seed: WholeNumber | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False
+    """null (OpenAI's spec makes it nullable) is false: `_stream`."""
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    service_tier: str | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     # Structured outputs and tools (shapes and the constraint they make: data_plane/structured.py).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -248,6 +252,11 @@ class ChatCompletionRequest(BaseModel):
 
     _metadata = field_validator("metadata")(check_metadata)
 
+    @field_validator("stream", mode="before")
+    @classmethod
+    def _stream(cls, v: Any) -> Any:
+        return False if v is None else v
+
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
@@ -256,7 +265,8 @@ class ChatCompletionRequest(BaseModel):
         if len(v) > 300:
             raise ValueError("at most 300 logit_bias entries are allowed")
         for key, bias in v.items():
-            if not key.isdigit():
+            # ASCII digits only: str.isdigit() takes "²" (int() refuses it: a 500 on the shard) and "٥" (5)
+            if not TOKEN_ID.fullmatch(key):
                 raise ValueError(f"logit_bias keys are token ids; {key[:32]!r} is not one")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError("logit_bias values must be in -100..100")

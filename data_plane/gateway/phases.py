@@ -103,6 +103,9 @@ def shard_request(checked: Checked, caller: Caller, window: Window, max_tokens: 
         fields.update(session_id=session_id, kv_replicas=caller.tier.replication, kv_ttl_s=kv_ttl_s)
     if req.model:
         fields["model"] = checked.model
+    if fields.get("top_p") == 0:  # the nucleus of the one most likely token, as vLLM takes it (it refuses top_p 0)
+        fields.pop("top_p")
+        fields["top_k"] = 1
     return ShardRequest(
         messages=[ChatMessage.model_validate(m) for m in window.messages],
         max_tokens=max_tokens, stream=True, priority=caller.tier.priority,

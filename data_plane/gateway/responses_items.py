@@ -67,7 +67,7 @@ class ResponsesRequest(BaseModel):
     stream_options: dict[str, Any] | None = None
     max_output_tokens: WholeNumber | None = Field(default=None, ge=1, le=1_000_000)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: WholeNumber | None = None
     """Not OpenAI's (it has none on responses); vLLM's extension, passed to the chat path."""
     ignore_eos: bool | None = None

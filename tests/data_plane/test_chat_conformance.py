@@ -323,3 +323,44 @@ def test_a_content_part_refused_is_named_with_its_message_and_part(gateway: Serv
                 {"role": "user", "content": [{"type": "text", "text": "Look:"}, image]}]
     body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5))
     assert body["param"] == "messages.1.content.1", body
+
+
+HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+def test_a_logit_bias_key_in_other_digits_is_a_400_not_a_server_error(gateway: Service) -> None:
+    """A logit_bias key of Unicode digits passed the key check (`str.isdigit()`): "²" was then a 500 on the
+    shard (int() refuses it) and a 502 to the client, "٥" was read as token 5. Now both are the 400 any key
+    that is not a token id gets; a token id in ASCII digits still biases (100 forces the token)."""
+    client = sdk(gateway)
+    for key in ("²", "٥"):
+        body = refusal(lambda key=key: client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3,
+                                                                      logit_bias={key: 1}))
+        assert (body["param"], body["message"]) == (
+            "logit_bias", f"logit_bias: Value error, logit_bias keys are token ids; {key!r} is not one"), body
+    forced = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3, temperature=0,
+                                            logit_bias={"28": 100})
+    assert forced.choices[0].message.content == ",,,"
+
+
+def test_top_p_0_stream_null_and_service_tier_are_read_as_openai_reads_them(gateway: Service) -> None:
+    """OpenAI's spec takes `top_p` in 0..1 and `stream: null`: both were a 400 here (top_p must be > 0, stream a
+    boolean). top_p 0 keeps the one most likely token (greedy, whatever the temperature; the gateway sends a
+    shard top_k 1, as vLLM refuses top_p 0), in Responses too; a null stream is a JSON reply. And a
+    `service_tier` OpenAI does not have was served in chat (Responses refused it): now a 400 naming it."""
+    client = sdk(gateway)
+    greedy = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, temperature=0)
+    for temperature in (None, 2.0):
+        nucleus = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, top_p=0,
+                                                 temperature=temperature)
+        assert nucleus.choices[0].message.content == greedy.choices[0].message.content, temperature
+    reply = client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=6, top_p=0, temperature=2)
+    assert reply.output_text == greedy.choices[0].message.content and reply.top_p == 0
+    r = httpx.post(gateway.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEYS['plus']}"},
+                   json={"model": MODEL, "messages": HELLO, "max_tokens": 2, "stream": None}, timeout=60)
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text
+    body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2,
+                                                          extra_body={"service_tier": "gold"}))
+    assert body["param"] == "service_tier"
+    assert client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, service_tier="flex").choices
+
