@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal, NamedTuple
@@ -423,6 +424,21 @@ def check_output_fields(response_format: ResponseFormat | None, structured: Stru
     if mode != ToolMode.NONE and structured is not None:
         return Clash("structured_outputs", "structured_outputs cannot be combined with tools")
     return _strict_clash(response_format, tools)
+
+
+def json_word_clash(response_format: ResponseFormat | None, texts: Iterable[str], responses: bool = False) -> Clash | None:
+    """OpenAI's rule for JSON mode: a ``json_object`` format needs the word "json" (any case) in the
+    messages, `texts` (in the Responses API, `responses`, the input's: the instructions do not count), or it
+    is a 400 in its words. Served, such a request got ``{}`` or whitespace to the limit from a model not told
+    to write JSON, and an app tested here failed on OpenAI. The gateway checks what the client sent (the
+    shard gets a window, which may have dropped the message that said it)."""
+    if response_format is None or response_format.type != "json_object" or any("json" in t.lower() for t in texts):
+        return None
+    if responses:
+        return Clash("text.format", "Response input messages must contain the word 'json' in some form to use "
+                                    "'text.format' of type 'json_object'.")
+    return Clash("messages", "'messages' must contain the word 'json' in some form, to use 'response_format' of "
+                             "type 'json_object'.")
 
 
 def _strict_clash(response_format: ResponseFormat | None, tools: list[ToolDef] | None) -> Clash | None:

@@ -76,6 +76,7 @@ from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.gateway.safety.pipeline import SafetyPolicy, raise_if_blocked
 from data_plane.gateway.stream import Completion, EventSource
 from data_plane.protocol import ChatCompletionRequest, parse_chat_request
+from data_plane.structured import json_word_clash
 from data_plane.tiers import Tier
 
 log = logging.getLogger(__name__)
@@ -225,8 +226,14 @@ class ChatHandler:
         return await opened.completion.collect(opened.stream)
 
     async def parse(self, raw: bytes) -> ChatCompletionRequest:
-        """The request body as a chat request (4xx SwitchboardError when it is not one)."""
-        return parse_chat_request(raw, self.request.headers.get("content-type"), self.request.headers.get("x-session-id"))
+        """The request body as a chat request (4xx SwitchboardError when it is not one; JSON mode asked
+        without saying "json", as OpenAI refuses it, unless the session's transcript may say it)."""
+        session = self.request.headers.get("x-session-id")
+        req = parse_chat_request(raw, self.request.headers.get("content-type"), session)
+        clash = json_word_clash(req.response_format, (m.text() for m in req.messages))
+        if clash is not None and (session or req.session_id or NEW_SESSION) == NEW_SESSION:
+            raise InvalidRequest(clash.message, param=clash.param)
+        return req
 
     async def context(self, req: ChatCompletionRequest, messages: list[dict[str, str]],
                       tier: Tier) -> list[dict[str, str]]:

@@ -65,6 +65,7 @@ from data_plane.gateway.responses_stream import ResponseEvents, call_item_id
 from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.protocol import ChatCompletionRequest
 from data_plane.request_checks import json_body
+from data_plane.structured import json_word_clash
 from data_plane.tiers import Tier
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,9 @@ class ResponsesHandler(ChatHandler):
                                                   local=self.history_items)
         refuse_duplicates(self.new_items, "input", self.history_items)
         req, self.history_messages = rreq.turn_request(self.history_items, self.new_items, self._open_compaction)
+        clash = json_word_clash(req.response_format, (m.text() for m in req.messages[bool(rreq.instructions):]), True)
+        if clash is not None:  # the input's messages must say "json" (the instructions do not count)
+            raise InvalidRequest(clash.message, param=clash.param)
         return req
 
     def go_background(self, rreq: ResponsesRequest, raw: bytes) -> None:

@@ -364,3 +364,35 @@ def test_top_p_0_stream_null_and_service_tier_are_read_as_openai_reads_them(gate
     assert body["param"] == "service_tier"
     assert client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, service_tier="flex").choices
 
+
+SAY_JSON = "'messages' must contain the word 'json' in some form, to use 'response_format' of type 'json_object'."
+SAY_JSON_IN_INPUT = ("Response input messages must contain the word 'json' in some form to use 'text.format' of type "
+                     "'json_object'.")
+
+
+def test_json_mode_without_the_word_json_is_refused_as_openai_refuses_it(gateway: Service) -> None:
+    """`response_format: json_object` needs the word "json" in the messages on OpenAI (a 400 otherwise), and
+    here it was served: an app tested here failed there, and the model, never told to write JSON, answered
+    `{}`. Now OpenAI's 400 (its words and param), streamed or not; any message may say it (a system one, in any
+    case); a session's later turns are served (its transcript holds the earlier ones). The Responses API: the
+    input must say it, the instructions do not count (param text.format)."""
+    client = sdk(gateway)
+    fmt: dict[str, Any] = {"type": "json_object"}
+    for stream in (False, True):
+        body = refusal(lambda stream=stream: client.chat.completions.create(
+            model=MODEL, messages=HELLO, max_tokens=5, stream=stream, response_format=fmt))
+        assert (body["param"], body["message"]) == ("messages", SAY_JSON), body
+    said = [{"role": "system", "content": "Answer in JSON."}, *HELLO]
+    reply = client.chat.completions.create(model=MODEL, messages=said, max_tokens=20, temperature=0, response_format=fmt)
+    assert reply.choices[0].message.content.startswith("{")
+    opened = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=said, max_tokens=5, response_format=fmt, extra_headers={"X-Session-Id": "new"})
+    later = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, response_format=fmt,
+                                           extra_headers={"X-Session-Id": opened.headers["x-session-id"]})
+    assert later.choices[0].message.content.startswith("{")
+    body = refusal(lambda: client.responses.create(model=MODEL, input="Say hello.", instructions="Answer in JSON.",
+                                                   max_output_tokens=5, text={"format": fmt}))
+    assert (body["param"], body["message"]) == ("text.format", SAY_JSON_IN_INPUT)
+    assert client.responses.create(model=MODEL, input="Say hello in json.", max_output_tokens=5,
+                                   text={"format": fmt}).output_text.startswith("{")
+
