@@ -293,19 +293,22 @@ class ChatHandler:
         tokens at a time, data_plane/gateway/context.py)."""
         return fit_window(prompt, self.gw.counter, budget, step)
 
-    def _fit_degraded(self, prompt: list[dict[str, str]], budget: int, context: int, step: int) -> Window:
+    def _fit_degraded(self, prompt: list[dict[str, str]], budget: int, context: int, step: int,
+                      most: int) -> Window:
         """The window under the degradation level in force. Level 1's half-size window is there to drop
         older turns (less prefill under load), never to refuse a request: a newest message (or a
         Responses input with truncation disabled) that needs more than the half but fits the model's own
         context is fitted into the full `budget` instead. A 400 context_length_exceeded for a transient
-        level would be wrong twice: it names a limit the request is within, and clients do not retry it."""
-        shrunk = self.effects.prompt_budget(budget, context)
-        try:
-            return self.fit(prompt, shrunk, step)
-        except ContextLengthExceeded:
-            if shrunk >= budget:
-                raise
-        return self.fit(prompt, budget, step)
+        level would be wrong twice: it names a limit the request is within, and clients do not retry it.
+        So is the reply's reserve when the request set no output limit: then `most` (the prompt's room
+        beside a one-token reply) is tried last, and the reply gets what is left, as OpenAI and vLLM serve it."""
+        tries = sorted({self.effects.prompt_budget(budget, context), budget, most})
+        for tried in tries[:-1]:
+            try:
+                return self.fit(prompt, tried, step)
+            except ContextLengthExceeded:
+                pass
+        return self.fit(prompt, tries[-1], step)
 
     def _client_left(self) -> None:
         self.x.span.set_attribute("error.type", CLIENT_DISCONNECTED)
@@ -399,10 +402,11 @@ class ChatHandler:
         max_tokens, tools_tokens = checked.max_tokens, checked.tools_tokens
         reserve = max_tokens if req.output_limit else min(max_tokens, DEFAULT_REPLY_RESERVE, context // 2)
         budget = prompt_budget(context, reserve, TEMPLATE_SLACK_TOKENS, tools_tokens, self.field("max_tokens", req))
+        most = budget if req.output_limit else budget + reserve - 1
         # The step comes from the context, never from max_tokens: a step that varied would move the cut.
         step = trim_step(context, settings.context_trim_step)
         try:
-            window = self._fit_degraded(prompt, budget, context, step)
+            window = self._fit_degraded(prompt, budget, context, step, most)
         except ContextLengthExceeded as exc:  # named as the body spells it
             raise ContextLengthExceeded(exc.message, param=self.field(exc.param or "messages", req)) from None
         if not req.output_limit:

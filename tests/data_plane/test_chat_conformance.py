@@ -396,3 +396,17 @@ def test_json_mode_without_the_word_json_is_refused_as_openai_refuses_it(gateway
     assert client.responses.create(model=MODEL, input="Say hello in json.", max_output_tokens=5,
                                    text={"format": fmt}).output_text.startswith("{")
 
+
+def test_a_prompt_that_fits_the_context_is_served_without_max_tokens(gateway: Service) -> None:
+    """Without max_tokens the gateway keeps 256 tokens for the reply while it fits the window, and a message
+    that fit the 2048-token context but not beside those 256 was a 400 "lower max_tokens" (none was sent);
+    OpenAI and vLLM serve it, the reply getting the room left. Now served so: a reply that ends at `length`
+    within the context. With a max_tokens that leaves no room, still the 400."""
+    client = sdk(gateway)
+    long = [{"role": "user", "content": "word " * 1900 + "\nSay hello."}]
+    reply = client.chat.completions.create(model=MODEL, messages=long, temperature=0, extra_body={"ignore_eos": True})
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens > 0, reply
+    assert reply.usage.prompt_tokens + reply.usage.completion_tokens <= 2048, reply.usage
+    body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=long, max_tokens=300))
+    assert body["code"] == "context_length_exceeded"
+
