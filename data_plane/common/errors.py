@@ -287,7 +287,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         cls = _STATUS_TO_ERROR.get(exc.status_code, SwitchboardError)
-        err = cls(str(exc.detail), code=None if cls is not SwitchboardError else "http_error")
+        # no route: OpenAI's words, with what was asked ("Not Found" told a client nothing)
+        detail = f"Invalid URL ({request.method} {request.url.path})" if exc.status_code == 404 else str(exc.detail)
+        err = cls(detail, code=None if cls is not SwitchboardError else "http_error")
         err.status = exc.status_code
         return render(err, request)
 

@@ -410,3 +410,19 @@ def test_a_prompt_that_fits_the_context_is_served_without_max_tokens(gateway: Se
     body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=long, max_tokens=300))
     assert body["code"] == "context_length_exceeded"
 
+
+def test_an_unserved_route_is_a_404_naming_it_as_openai_does(gateway: Service, fp32_shard: Service) -> None:
+    """A route this server does not serve (embeddings, the legacy completions, a typo) answered 404 "Not
+    Found", which told a client nothing; OpenAI answers "Invalid URL (POST /v1/embeddings)". Now those words,
+    on the gateway and a shard alike; the SDK raises NotFoundError. An unknown model id stays model_not_found."""
+    client = sdk(gateway)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.embeddings.create(model=MODEL, input="hi")
+    assert info.value.body["message"] == "Invalid URL (POST /v1/embeddings)", info.value.body
+    for url in (gateway.url, fp32_shard.url):
+        for method, path in (("POST", "/v1/completions"), ("GET", "/v1/nope")):
+            r = httpx.request(method, url + path, headers={"Authorization": f"Bearer {KEYS['plus']}"})
+            assert r.status_code == 404 and r.json()["error"]["message"] == f"Invalid URL ({method} {path})", r.text
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4o")
+    assert (info.value.body["code"], info.value.body["param"]) == ("model_not_found", "model")
