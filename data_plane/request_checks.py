@@ -102,7 +102,40 @@ def validated(model: type[M], body: dict[str, Any]) -> M:
         (param, _), first = max(errors, key=lambda pe: pe[0][1])
         if first.get("type") == "extra_forbidden":
             raise UnsupportedParameter(f"unrecognized request argument supplied: {param}", param=param) from None
+        words = openai_words(param, first) if param else None
+        if words is not None:
+            raise InvalidRequest(words[0], param=param, code=words[1]) from None
         raise InvalidRequest(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param) from None
+
+
+_BOUNDS = {"less_than_equal": ("le", "<=", "above", "max"), "less_than": ("lt", "<", "above", "max"),
+           "greater_than_equal": ("ge", ">=", "below", "min"), "greater_than": ("gt", ">", "below", "min")}
+
+
+def openai_words(param: str, error: Any) -> tuple[str, str] | None:
+    """OpenAI's message and code for a pydantic error at `param` that OpenAI words its own way: a number out
+    of its range ("Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 2.5
+    instead.", decimal_above_max_value; integer_... for an integer field), a string too long, an empty
+    list that needs items; None for others (pydantic's words, prefixed with the param)."""
+    kind, ctx, value = error.get("type"), error.get("ctx") or {}, error.get("input")
+    if kind in _BOUNDS:
+        key, op, side, end = _BOUNDS[kind]
+        bound = ctx.get(key)
+        if not isinstance(bound, int | float):
+            return None
+        number = "decimal" if isinstance(bound, float) else "integer"
+        shown = int(bound) if isinstance(bound, float) and bound.is_integer() else bound
+        what = f"{number} {side} {'maximum' if end == 'max' else 'minimum'} value"
+        message = f"Expected a value {op} {shown}, but got {json.dumps(value)} instead."
+        return f"Invalid '{param}': {what}. {message}", f"{number}_{side}_{end}_value"
+    if kind == "string_too_long" and isinstance(value, str):
+        message = (f"Expected a string with maximum length {ctx.get('max_length')}, but got a string with length "
+                   f"{len(value)} instead.")
+        return f"Invalid '{param}': string too long. {message}", "string_above_max_length"
+    if kind == "too_short" and value == [] and ctx.get("min_length") == 1:
+        message = "Expected an array with minimum length 1, but got an empty array instead."
+        return f"Invalid '{param}': empty array. {message}", "empty_array"
+    return None
 
 
 def wire_param(loc: Sequence[Any], body: Any, missing: bool = False) -> tuple[str | None, int]:
