@@ -19,6 +19,7 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from data_plane.common.errors import InvalidRequest, UnsupportedParameter
 from data_plane.request_checks import WholeNumber, check_metadata, json_body, json_type, validated
@@ -240,8 +241,8 @@ class ChatCompletionRequest(BaseModel):
         if v is None:
             return None
         stops = [v] if isinstance(v, str) else list(v)
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        if len(stops) > MAX_STOP_SEQUENCES:  # OpenAI's words: request_checks.openai_words
+            raise PydanticCustomError("too_long", "too many stop sequences", {"max_length": MAX_STOP_SEQUENCES})
         for s in stops:
             _valid_unicode(s)
             if not s:

@@ -115,8 +115,8 @@ _BOUNDS = {"less_than_equal": ("le", "<=", "above", "max"), "less_than": ("lt", 
 def openai_words(param: str, error: Any) -> tuple[str, str] | None:
     """OpenAI's message and code for a pydantic error at `param` that OpenAI words its own way: a number out
     of its range ("Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 2.5
-    instead.", decimal_above_max_value; integer_... for an integer field), a string too long, an empty
-    list that needs items; None for others (pydantic's words, prefixed with the param)."""
+    instead.", decimal_above_max_value; integer_... for an integer field), a string or a list too long, an
+    empty list that needs items; None for others (pydantic's words, prefixed with the param)."""
     kind, ctx, value = error.get("type"), error.get("ctx") or {}, error.get("input")
     if kind in _BOUNDS:
         key, op, side, end = _BOUNDS[kind]
@@ -132,6 +132,10 @@ def openai_words(param: str, error: Any) -> tuple[str, str] | None:
         message = (f"Expected a string with maximum length {ctx.get('max_length')}, but got a string with length "
                    f"{len(value)} instead.")
         return f"Invalid '{param}': string too long. {message}", "string_above_max_length"
+    if kind == "too_long" and isinstance(value, list):
+        message = (f"Expected an array with maximum length {ctx.get('max_length')}, but got an array with length "
+                   f"{len(value)} instead.")
+        return f"Invalid '{param}': array too long. {message}", "array_above_max_length"
     if kind == "too_short" and value == [] and ctx.get("min_length") == 1:
         message = "Expected an array with minimum length 1, but got an empty array instead."
         return f"Invalid '{param}': empty array. {message}", "empty_array"

@@ -440,15 +440,18 @@ def test_an_unserved_route_is_a_404_naming_it_as_openai_does(gateway: Service, f
      "integer below minimum value. Expected a value >= 1, but got 0 instead."),
     ({"messages": []}, "messages", "empty_array",
      "empty array. Expected an array with minimum length 1, but got an empty array instead."),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "array_above_max_length",
+     "array too long. Expected an array with maximum length 4, but got an array with length 5 instead."),
     ({"user": "u" * 300}, "user", "string_above_max_length",
      "string too long. Expected a string with maximum length 256, but got a string with length 300 instead."),
 ])
 def test_a_value_out_of_its_range_is_worded_as_openai_words_it(gateway: Service, fields: dict[str, Any], param: str,
                                                                 code: str, said: str) -> None:
-    """A number out of its range, an empty messages list, a string too long read "temperature: Input should be
-    less than or equal to 2" (pydantic's words) with code invalid_value; OpenAI says "Invalid 'temperature':
-    decimal above maximum value. Expected a value <= 2, but got 2.5 instead." with its own code
-    (request_checks.openai_words). Now those, the Responses API's fields too."""
+    """A number out of its range, an empty messages list, a fifth stop sequence, a string too long read
+    "temperature: Input should be less than or equal to 2" (pydantic's words; "at most 4 stop sequences") with
+    code invalid_value; OpenAI says "Invalid 'temperature': decimal above maximum value. Expected a value <= 2,
+    but got 2.5 instead." with its own code (request_checks.openai_words). Now those, the Responses API's
+    fields too."""
     client = sdk(gateway)
     body = refusal(lambda: client.chat.completions.create(**{"model": MODEL, "messages": HELLO, **fields}))
     assert (body["param"], body["code"], body["message"]) == (param, code, f"Invalid '{param}': {said}")
