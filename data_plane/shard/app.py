@@ -341,6 +341,8 @@ class _Run:
                 span.add_event("queue", {"duration_s": t.queued_s})
                 span.add_event("prefill", {"duration_s": t.prefill_s})
                 span.add_event("decode", {"duration_s": t.decode_s})
+        elif error == CLIENT_DISCONNECTED:
+            self.state.metrics.observe_left_early()
         if error:
             span.set_attribute("error.type", error)
             span.set_status(trace.Status(trace.StatusCode.ERROR, error))

@@ -282,6 +282,12 @@ class ShardMetrics:
         if decode_s is not None and completion_tokens > 1:
             self.tpot.labels(m).observe(decode_s / (completion_tokens - 1))
 
+    def observe_left_early(self) -> None:
+        """A request whose client left before its first output (in the queue or its prefill): aborted with
+        no tokens. Counted, as vLLM counts every aborted request; it was not (only a request with an output
+        was), so a client that gave up on a long prefill left no trace in the abort count."""
+        self.request_success.labels(self.model_name, "abort").inc()
+
     def observe_engine(self, engine: Engine, block_size: int, dtype: str) -> None:
         """At a scrape of a serving shard: the engine's gauges, and ``vllm:cache_config_info`` once."""
         stats = engine.stats()

@@ -153,6 +153,25 @@ def test_client_disconnect_aborts_and_frees_slot(fp32_shard: Service) -> None:
     assert httpx.get(fp32_shard.url + "/health").json()["running"] == 0
 
 
+def test_a_client_that_leaves_before_the_first_token_is_counted_as_an_abort(fp32_shard: Service) -> None:
+    """A client that gave up during its request's prefill (or in the queue) was aborted but counted
+    nowhere: vllm:request_success_total{finished_reason="abort"} counted only requests that had an output,
+    so the aborts of an overloaded shard, whose clients give up before their first token, did not show.
+    (A 1,800-token prompt takes far longer than 0.1 s to prefill on a CPU.)"""
+    aborted_before = metric(fp32_shard.url, "vllm:request_success_total", finished_reason="abort")
+    body = {"messages": [{"role": "user", "content": "story " * 1800}], "max_tokens": 20, "stream": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(fp32_shard.url + "/v1/chat/completions", json=body, timeout=0.1)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        aborted = metric(fp32_shard.url, "vllm:request_success_total", finished_reason="abort")
+        if httpx.get(fp32_shard.url + "/health").json()["running"] == 0 and aborted > aborted_before:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the abort was not counted: {aborted} (was {aborted_before})")
+
+
 BAD_INPUTS = [
     ("malformed json", b'{"messages": [', "application/json", 400, "invalid_json"),
     ("invalid utf-8", b'{"messages": "\xff\xfe"}', "application/json", 400, "invalid_json"),
