@@ -442,15 +442,15 @@ class ChatHandler:
         return stream
 
     def _opened(self, checked: Checked, policy: SafetyPolicy, stream: EventSource) -> Opened:
-        x = self.x
+        x, req = self.x, checked.req
         x.model, x.shard = checked.model, stream.member.id
-        completion = Completion(x, checked.model, policy.output_stream, self.gw.safety_metrics, self._completed)
+        completion = Completion(x, checked.model, policy.output_stream, self.gw.safety_metrics, self._completed,
+                                logprobs=bool(req.logprobs))
         headers = {"X-Request-Id": self.request_id, **(x.grant.headers if x.grant else {})}
         if self.cache_header:
             headers["X-Cache"] = self.cache_header
         if self.session_id:
             headers["X-Session-Id"] = self.session_id
-        req = checked.req
         include_usage = bool(req.stream_options and req.stream_options.include_usage) if req.stream else None
         return Opened(stream, completion, headers, include_usage)
 

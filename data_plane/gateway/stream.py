@@ -101,8 +101,13 @@ class Completion:
     blocked like one in text (held back while it could still become a match: never half-sent)."""
 
     def __init__(self, exchange: Exchange, model: str, new_filter: Callable[[], OutputStreamFilter],
-                 safety_metrics: SafetyMetrics, save_turn: Callable[[str], Awaitable[None]]) -> None:
+                 safety_metrics: SafetyMetrics, save_turn: Callable[[str], Awaitable[None]],
+                 logprobs: bool = False) -> None:
         self.x = exchange
+        self.with_logprobs = logprobs
+        """The request asked for logprobs: every choice's body has a `logprobs` object, its `content` empty
+        for a reply of no text (a stop string at its first token, EOS, tool calls), as a shard answers it
+        and OpenAI's SDK types it (it was null: `choice.logprobs.content` raised on such a reply)."""
         self.safety_metrics = safety_metrics
         self.save_turn = save_turn
         self.model = model
@@ -307,7 +312,7 @@ class Completion:
         body = completion_body(completion_id=self.completion_id, model=self.model, text="",
                                finish_reason=None, usage=self.usage, created=self.created)
         body["choices"] = [{"index": i, "message": c.message(),
-                            "logprobs": {"content": c.logprobs} if c.has_logprobs else None,
+                            "logprobs": {"content": c.logprobs} if c.has_logprobs or self.with_logprobs else None,
                             "finish_reason": c.finish_reason} for i, c in sorted(self.choices.items())]
         return body
 

@@ -459,3 +459,22 @@ def test_a_value_out_of_its_range_is_worded_as_openai_words_it(gateway: Service,
         body = refusal(lambda: client.responses.create(model=MODEL, input="Hi", max_output_tokens=0))
         assert (body["param"], body["code"]) == ("max_output_tokens", code), body
         assert body["message"] == f"Invalid 'max_output_tokens': {said}"
+
+
+def test_logprobs_asked_for_are_an_object_even_for_a_reply_without_text(gateway: Service) -> None:
+    """With `logprobs: true`, a reply with no text (a stop string at its first token, EOS forced, a tool call)
+    came back from the gateway with `"logprobs": null` where the shard itself answers `{"content": []}`:
+    an app reading `choice.logprobs.content` (a confidence score) raised on it. Now the object, empty; a
+    request that did not ask still gets null."""
+    client = sdk(gateway)
+    for ask in ({"stop": ["Hello"]}, {"logit_bias": {"2": 100}}):  # the greedy reply opens with "Hello"; 2 is EOS
+        reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, temperature=0,
+                                               logprobs=True, **ask)
+        choice = reply.choices[0]
+        assert (choice.message.content, choice.finish_reason) == ("", "stop"), (ask, choice)
+        assert choice.logprobs is not None and choice.logprobs.content == [], (ask, choice)
+    called = client.chat.completions.create(model=MODEL, messages=WEATHER, max_tokens=30, temperature=0, logprobs=True,
+                                            tools=[openai.pydantic_function_tool(GetWeather)], tool_choice="required")
+    assert called.choices[0].message.tool_calls and called.choices[0].logprobs is not None
+    plain = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, temperature=0, stop=["Hello"])
+    assert plain.choices[0].logprobs is None
