@@ -163,7 +163,7 @@ class ChatCompletionRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     """0..1 as OpenAI's: 0 keeps the one most likely token (the gateway sends it as top_k 1, vLLM refusing 0)."""
-    top_k: WholeNumber | None = Field(default=None, ge=0, le=100_000)
+    top_k: WholeNumber | None = Field(default=None, ge=-1, le=100_000)  # vLLM's: 0 or -1, every token
     max_tokens: WholeNumber | None = Field(default=None, ge=1, le=1_000_000)
     max_completion_tokens: WholeNumber | None = Field(default=None, ge=1, le=1_000_000)
     stop: str | list[str] | None = None

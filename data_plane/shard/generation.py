@@ -31,7 +31,7 @@ def generation_requests(req: ChatCompletionRequest, engine: Engine, request_id: 
     params = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
+        top_k=max(req.top_k or 0, 0),  # vLLM's -1 (every token) is 0 here
         max_tokens=req.output_limit,
         stop=tuple(req.stop or ()) if plan.tool_mode == ToolMode.NONE else (),  # under tools: choices.ContentStop
         seed=req.seed,

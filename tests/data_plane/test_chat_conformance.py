@@ -365,6 +365,19 @@ def test_top_p_0_stream_null_and_service_tier_are_read_as_openai_reads_them(gate
     assert client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, service_tier="flex").choices
 
 
+
+def test_vllm_top_k_minus_1_means_every_token(gateway: Service, fp32_shard: Service) -> None:
+    """vLLM takes `top_k` 0 or -1 for "every token", and clients written for it send -1: a 400 here (top_k
+    had to be >= 0). Now -1 is every token (0 for the sampler, which would take -1 to torch.topk): the
+    seeded reply is the one without top_k, through the gateway and on a shard served directly."""
+    client = sdk(gateway)
+    ask: dict[str, Any] = {"model": MODEL, "messages": HELLO, "max_tokens": 8, "temperature": 0.9, "seed": 5}
+    free = client.chat.completions.create(**ask).choices[0].message.content
+    assert client.chat.completions.create(**ask, extra_body={"top_k": -1}).choices[0].message.content == free
+    r = httpx.post(fp32_shard.url + "/v1/chat/completions", headers=CLUSTER_HEADERS, json={**ask, "top_k": -1},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == free, r.text
+
 SAY_JSON = "'messages' must contain the word 'json' in some form, to use 'response_format' of type 'json_object'."
 SAY_JSON_IN_INPUT = ("Response input messages must contain the word 'json' in some form to use 'text.format' of type "
                      "'json_object'.")
