@@ -268,7 +268,8 @@ class ChatCompletionRequest(BaseModel):
         for key, bias in v.items():
             # ASCII digits only: str.isdigit() takes "²" (int() refuses it: a 500 on the shard) and "٥" (5)
             if not TOKEN_ID.fullmatch(key):
-                raise ValueError(f"logit_bias keys are token ids; {key[:32]!r} is not one")
+                raise PydanticCustomError("openai", "Invalid key in 'logit_bias': {key}. You should only be "
+                                          "submitting non-negative integers.", {"key": key[:32]})
             if not -100.0 <= bias <= 100.0:
                 raise ValueError("logit_bias values must be in -100..100")
         return v

@@ -116,8 +116,11 @@ def openai_words(param: str, error: Any) -> tuple[str, str] | None:
     """OpenAI's message and code for a pydantic error at `param` that OpenAI words its own way: a number out
     of its range ("Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 2.5
     instead.", decimal_above_max_value; integer_... for an integer field), a string or a list too long, an
-    empty list that needs items; None for others (pydantic's words, prefixed with the param)."""
+    empty list that needs items, a validator's own OpenAI words (a PydanticCustomError of type "openai", its
+    code in its context, else invalid_value); None for others (pydantic's words, prefixed with the param)."""
     kind, ctx, value = error.get("type"), error.get("ctx") or {}, error.get("input")
+    if kind == "openai":  # a validator's message in OpenAI's words already: PydanticCustomError("openai", ...)
+        return str(error.get("msg")), str(ctx.get("code", "invalid_value"))
     if kind in _BOUNDS:
         key, op, side, end = _BOUNDS[kind]
         bound = ctx.get(key)

@@ -331,13 +331,17 @@ HELLO = [{"role": "user", "content": "Say hello."}]
 def test_a_logit_bias_key_in_other_digits_is_a_400_not_a_server_error(gateway: Service) -> None:
     """A logit_bias key of Unicode digits passed the key check (`str.isdigit()`): "²" was then a 500 on the
     shard (int() refuses it) and a 502 to the client, "٥" was read as token 5. Now both are the 400 any key
-    that is not a token id gets; a token id in ASCII digits still biases (100 forces the token)."""
+    that is not a token id gets, in OpenAI's words (an id past the vocabulary too); a token id in ASCII digits
+    still biases (100 forces the token)."""
     client = sdk(gateway)
     for key in ("²", "٥"):
         body = refusal(lambda key=key: client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3,
                                                                       logit_bias={key: 1}))
-        assert (body["param"], body["message"]) == (
-            "logit_bias", f"logit_bias: Value error, logit_bias keys are token ids; {key!r} is not one"), body
+        said = f"Invalid key in 'logit_bias': {key}. You should only be submitting non-negative integers."
+        assert (body["param"], body["message"]) == ("logit_bias", said), body
+    body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3,
+                                                          logit_bias={"99999999": 1}))  # the shard's check
+    assert body["message"] == "Invalid key in 'logit_bias': 99999999. Maximum value is 49151.", body
     forced = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3, temperature=0,
                                             logit_bias={"28": 100})
     assert forced.choices[0].message.content == ",,,"

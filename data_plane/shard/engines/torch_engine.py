@@ -267,8 +267,8 @@ class TorchEngine:
         its logit_bias token ids."""
         bad = [t for t, _ in req.params.logit_bias if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidRequest(f"logit_bias names token id {bad[0]}, outside this model's vocabulary "
-                                 f"(0..{self.vocab_size - 1})", param="logit_bias")
+            raise InvalidRequest(f"Invalid key in 'logit_bias': {bad[0]}. Maximum value is {self.vocab_size - 1}.",
+                                 param="logit_bias")  # OpenAI's words
         if req.params.grammar is not None and req.grammar is None:
             assert self.grammars is not None, "prepare() before the model is loaded"
             req.grammar = await self.grammars.compile(req.params.grammar)
