@@ -104,7 +104,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
         http = httpx.AsyncClient(timeout=5.0)
         agent = None
         views: list[Any] = []
-        # A lost pipeline stage: the shard leaves membership and exits at once (data_plane/shard/group_exit.py).
+        # A lost pipeline stage or a dead engine: the shard leaves membership and exits at once (group_exit.py).
         group_exit = GroupExit.attach(engine, asyncio.get_running_loop(), lambda: agent.aclose() if agent else None,
                                       settings.pipeline_exit_linger_s)
 
