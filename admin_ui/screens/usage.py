@@ -45,7 +45,7 @@ def usage_frame(rows: list[dict]) -> pd.DataFrame:
 
 def _chart(frame: pd.DataFrame, by: str) -> alt.Chart:
     return alt.Chart(frame).mark_bar().encode(
-        x=alt.X("time:T", title=None), y=alt.Y("sum(tokens):Q", title="tokens (prompt + completion)"),
+        x=ui.time_x(), y=alt.Y("sum(tokens):Q", title="tokens (prompt + completion)"),
         color=alt.Color(f"{by}:N", title=by), tooltip=["time:T", f"{by}:N", "sum(tokens):Q", "sum(requests):Q"],
     ).properties(height=260)
 
