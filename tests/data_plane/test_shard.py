@@ -162,7 +162,7 @@ def test_a_client_that_leaves_before_the_first_token_is_counted_as_an_abort(fp32
     aborted_before = metric(fp32_shard.url, "vllm:request_success_total", finished_reason="abort")
     body = {"messages": [{"role": "user", "content": "story " * 1800}], "max_tokens": 20, "stream": True}
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(fp32_shard.url + "/v1/chat/completions", json=body, timeout=0.1)
+        httpx.post(fp32_shard.url + "/v1/chat/completions", json=body, headers=CLUSTER_HEADERS, timeout=0.1)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         aborted = metric(fp32_shard.url, "vllm:request_success_total", finished_reason="abort")
