@@ -116,7 +116,8 @@ def openai_words(param: str, error: Any) -> tuple[str, str] | None:
     """OpenAI's message and code for a pydantic error at `param` that OpenAI words its own way: a number out
     of its range ("Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 2.5
     instead.", decimal_above_max_value; integer_... for an integer field), a string or a list too long, an
-    empty list that needs items, a validator's own OpenAI words (a PydanticCustomError of type "openai", its
+    empty list that needs items, a value not among a field's ("Invalid value: 'xml'. Supported values are:
+    'text', 'json_object', and 'json_schema'."), a validator's own OpenAI words (a PydanticCustomError of type "openai", its
     code in its context, else invalid_value); None for others (pydantic's words, prefixed with the param)."""
     kind, ctx, value = error.get("type"), error.get("ctx") or {}, error.get("input")
     if kind == "openai":  # a validator's message in OpenAI's words already: PydanticCustomError("openai", ...)
@@ -139,6 +140,10 @@ def openai_words(param: str, error: Any) -> tuple[str, str] | None:
         message = (f"Expected an array with maximum length {ctx.get('max_length')}, but got an array with length "
                    f"{len(value)} instead.")
         return f"Invalid '{param}': array too long. {message}", "array_above_max_length"
+    if kind == "literal_error" and isinstance(value, str):  # pydantic: "'a', 'b' or 'c'"; OpenAI: "'a', 'b', and 'c'"
+        head, _, last = str(ctx.get("expected", "")).rpartition(" or ")
+        options = f"{head}, and {last}" if ", " in head else f"{head} and {last}" if head else last
+        return f"Invalid value: '{value[:64]}'. Supported values are: {options}.", "invalid_value"
     if kind == "too_short" and value == [] and ctx.get("min_length") == 1:
         message = "Expected an array with minimum length 1, but got an empty array instead."
         return f"Invalid '{param}': empty array. {message}", "empty_array"

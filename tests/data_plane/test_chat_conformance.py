@@ -447,35 +447,43 @@ def test_an_unserved_route_is_a_404_naming_it_as_openai_does(gateway: Service, f
 
 @pytest.mark.parametrize("fields,param,code,said", [
     ({"temperature": 2.5}, "temperature", "decimal_above_max_value",
-     "decimal above maximum value. Expected a value <= 2, but got 2.5 instead."),
+     "Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 2.5 instead."),
     ({"frequency_penalty": -3}, "frequency_penalty", "decimal_below_min_value",
-     "decimal below minimum value. Expected a value >= -2, but got -3 instead."),
-    ({"n": 0}, "n", "integer_below_min_value", "integer below minimum value. Expected a value >= 1, but got 0 instead."),
+     "Invalid 'frequency_penalty': decimal below minimum value. Expected a value >= -2, but got -3 instead."),
+    ({"n": 0}, "n", "integer_below_min_value",
+     "Invalid 'n': integer below minimum value. Expected a value >= 1, but got 0 instead."),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "integer_above_max_value",
-     "integer above maximum value. Expected a value <= 20, but got 21 instead."),
+     "Invalid 'top_logprobs': integer above maximum value. Expected a value <= 20, but got 21 instead."),
     ({"max_completion_tokens": 0}, "max_completion_tokens", "integer_below_min_value",
-     "integer below minimum value. Expected a value >= 1, but got 0 instead."),
+     "Invalid 'max_completion_tokens': integer below minimum value. Expected a value >= 1, but got 0 instead."),
     ({"messages": []}, "messages", "empty_array",
-     "empty array. Expected an array with minimum length 1, but got an empty array instead."),
+     "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty array instead."),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "array_above_max_length",
-     "array too long. Expected an array with maximum length 4, but got an array with length 5 instead."),
+     ("Invalid 'stop': array too long. Expected an array with maximum length 4, but got an array with length 5 "
+     "instead.")),
     ({"user": "u" * 300}, "user", "string_above_max_length",
-     "string too long. Expected a string with maximum length 256, but got a string with length 300 instead."),
+     ("Invalid 'user': string too long. Expected a string with maximum length 256, but got a string with length 300 "
+     "instead.")),
+    ({"service_tier": "gold"}, "service_tier", "invalid_value",
+     "Invalid value: 'gold'. Supported values are: 'auto', 'default', 'flex', 'scale', and 'priority'."),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "invalid_value",
+     "Invalid value: 'xml'. Supported values are: 'text', 'json_object', and 'json_schema'."),
 ])
 def test_a_value_out_of_its_range_is_worded_as_openai_words_it(gateway: Service, fields: dict[str, Any], param: str,
                                                                 code: str, said: str) -> None:
     """A number out of its range, an empty messages list, a fifth stop sequence, a string too long read
     "temperature: Input should be less than or equal to 2" (pydantic's words; "at most 4 stop sequences") with
-    code invalid_value; OpenAI says "Invalid 'temperature': decimal above maximum value. Expected a value <= 2,
-    but got 2.5 instead." with its own code (request_checks.openai_words). Now those, the Responses API's
-    fields too."""
+    code invalid_value, a value not among a field's "service_tier: Input should be 'auto', ... or 'priority'";
+    OpenAI says "Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 2.5
+    instead." with its own code, and "Invalid value: 'gold'. Supported values are: ..., and 'priority'."
+    (request_checks.openai_words). Now those, the Responses API's fields too."""
     client = sdk(gateway)
     body = refusal(lambda: client.chat.completions.create(**{"model": MODEL, "messages": HELLO, **fields}))
-    assert (body["param"], body["code"], body["message"]) == (param, code, f"Invalid '{param}': {said}")
+    assert (body["param"], body["code"], body["message"]) == (param, code, said)
     if param == "max_completion_tokens":
         body = refusal(lambda: client.responses.create(model=MODEL, input="Hi", max_output_tokens=0))
         assert (body["param"], body["code"]) == ("max_output_tokens", code), body
-        assert body["message"] == f"Invalid 'max_output_tokens': {said}"
+        assert body["message"] == said.replace("'max_completion_tokens'", "'max_output_tokens'")
 
 
 def test_logprobs_asked_for_are_an_object_even_for_a_reply_without_text(gateway: Service) -> None:
