@@ -102,7 +102,8 @@ def validated(model: type[M], body: dict[str, Any]) -> M:
         (param, _), first = max(errors, key=lambda pe: pe[0][1])
         if first.get("type") == "extra_forbidden":
             raise UnsupportedParameter(f"unrecognized request argument supplied: {param}", param=param) from None
-        words = openai_words(param, first) if param else None
+        kinds = {e.get("type") for (p, _), e in errors if p == param}  # a union's members: one type error each
+        words = openai_words(param, first, kinds) if param else None
         if words is not None:
             raise InvalidRequest(words[0], param=param, code=words[1]) from None
         raise InvalidRequest(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param) from None
@@ -112,14 +113,24 @@ _BOUNDS = {"less_than_equal": ("le", "<=", "above", "max"), "less_than": ("lt", 
            "greater_than_equal": ("ge", ">=", "below", "min"), "greater_than": ("gt", ">", "below", "min")}
 
 
-def openai_words(param: str, error: Any) -> tuple[str, str] | None:
+_TYPES = {"bool_type": "a boolean", "int_type": "an integer", "float_type": "a decimal", "string_type": "a string",
+          "dict_type": "an object", "model_type": "an object", "list_type": "an array"}
+
+
+def openai_words(param: str, error: Any, kinds: set[Any] | None = None) -> tuple[str, str] | None:
     """OpenAI's message and code for a pydantic error at `param` that OpenAI words its own way: a number out
     of its range ("Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 2.5
     instead.", decimal_above_max_value; integer_... for an integer field), a string or a list too long, an
     empty list that needs items, a value not among a field's ("Invalid value: 'xml'. Supported values are:
-    'text', 'json_object', and 'json_schema'."), a validator's own OpenAI words (a PydanticCustomError of type "openai", its
+    'text', 'json_object', and 'json_schema'."), a value of the wrong type ("Invalid type for 'n': expected an
+    integer, but got a string instead.", invalid_type; `kinds`: the error types at `param`, one per member of
+    a union), a validator's own OpenAI words (a PydanticCustomError of type "openai", its
     code in its context, else invalid_value); None for others (pydantic's words, prefixed with the param)."""
     kind, ctx, value = error.get("type"), error.get("ctx") or {}, error.get("input")
+    if kind in _TYPES:  # a union's members named in turn ("expected one of a string or an array")
+        expected = sorted({_TYPES[k] for k in kinds or {kind} if k in _TYPES})
+        wanted = expected[0] if len(expected) == 1 else f"one of {', '.join(expected[:-1])} or {expected[-1]}"
+        return f"Invalid type for '{param}': expected {wanted}, but got {json_type(value)} instead.", "invalid_type"
     if kind == "openai":  # a validator's message in OpenAI's words already: PydanticCustomError("openai", ...)
         return str(error.get("msg")), str(ctx.get("code", "invalid_value"))
     if kind in _BOUNDS:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 
 from tests.support.chat import sdk
 from tests.support.cluster import KEYS, gateway_before
+from tests.support.metrics import metric
 from tests.support.procs import CLUSTER_HEADERS, Service
 from tests.support.schemas import GetWeather, Person
 
@@ -464,6 +465,10 @@ def test_an_unserved_route_is_a_404_naming_it_as_openai_does(gateway: Service, f
     ({"user": "u" * 300}, "user", "string_above_max_length",
      ("Invalid 'user': string too long. Expected a string with maximum length 256, but got a string with length 300 "
      "instead.")),
+    ({"temperature": "hot"}, "temperature", "invalid_type",
+     "Invalid type for 'temperature': expected a decimal, but got a string instead."),
+    ({"stop": 5}, "stop", "invalid_type",
+     "Invalid type for 'stop': expected one of a string or an array, but got an integer instead."),
     ({"service_tier": "gold"}, "service_tier", "invalid_value",
      "Invalid value: 'gold'. Supported values are: 'auto', 'default', 'flex', 'scale', and 'priority'."),
     ({"response_format": {"type": "xml"}}, "response_format.type", "invalid_value",
@@ -476,10 +481,15 @@ def test_a_value_out_of_its_range_is_worded_as_openai_words_it(gateway: Service,
     code invalid_value, a value not among a field's "service_tier: Input should be 'auto', ... or 'priority'";
     OpenAI says "Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 2.5
     instead." with its own code, and "Invalid value: 'gold'. Supported values are: ..., and 'priority'."
-    (request_checks.openai_words). Now those, the Responses API's fields too."""
+    (request_checks.openai_words); a value of the wrong type "temperature: Input should be a valid number",
+    where OpenAI says "Invalid type for 'temperature': expected a decimal, but got a string instead."
+    (invalid_type). Now those, the Responses API's fields too."""
     client = sdk(gateway)
+    counted = metric(gateway.url, "switchboard_gateway_requests_total", code="invalid_value")
     body = refusal(lambda: client.chat.completions.create(**{"model": MODEL, "messages": HELLO, **fields}))
     assert (body["param"], body["code"], body["message"]) == (param, code, said)
+    # the request counter's bounded label: still invalid_value (an unknown code would be "other")
+    assert metric(gateway.url, "switchboard_gateway_requests_total", code="invalid_value") == counted + 1
     if param == "max_completion_tokens":
         body = refusal(lambda: client.responses.create(model=MODEL, input="Hi", max_output_tokens=0))
         assert (body["param"], body["code"]) == ("max_output_tokens", code), body
