@@ -117,7 +117,7 @@ class ChatMessage(BaseModel):
                 if not isinstance(part.get("text"), str):
                     raise InvalidRequest("a 'text' content part needs 'text', a string", param=f"{at}.text")
                 extra = f"{at}.{min(set(part) - {'type', 'text'})}"
-                raise UnsupportedParameter(f"unrecognized request argument supplied: {extra}", param=extra)
+                raise UnsupportedParameter(f"Unrecognized request argument supplied: {extra}", param=extra)
             else:
                 kind = part.get("type", "unknown") if isinstance(part, dict) else "unknown"
                 raise UnsupportedParameter(
@@ -282,7 +282,7 @@ class ChatCompletionRequest(BaseModel):
             value = getattr(self, name)
             if value not in neutral:
                 raise UnsupportedParameter(
-                    f"parameter {name!r} is not supported by this server", param=name
+                    f"Unsupported parameter: {name!r} is not supported with this model.", param=name
                 )
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")

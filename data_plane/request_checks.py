@@ -101,7 +101,7 @@ def validated(model: type[M], body: dict[str, Any]) -> M:
         errors = [(wire_param(e.get("loc", ()), body, e.get("type") == "missing"), e) for e in exc.errors()]
         (param, _), first = max(errors, key=lambda pe: pe[0][1])
         if first.get("type") == "extra_forbidden":
-            raise UnsupportedParameter(f"unrecognized request argument supplied: {param}", param=param) from None
+            raise UnsupportedParameter(f"Unrecognized request argument supplied: {param}", param=param) from None
         kinds = {e.get("type") for (p, _), e in errors if p == param}  # a union's members: one type error each
         words = openai_words(param, first, kinds) if param else None
         if words is not None:

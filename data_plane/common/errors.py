@@ -220,7 +220,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if kind == "json_invalid":
         return "request body is not valid JSON", None
     if kind == "extra_forbidden":
-        return f"unrecognized request argument supplied: {param}", param
+        return f"Unrecognized request argument supplied: {param}", param
     msg = first.get("msg", "invalid value")
     return (f"{param}: {msg}" if param else msg), param
 

@@ -101,7 +101,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
             body = await _body(request)
             unknown = set(body) - {"items", "metadata"}
             if unknown:
-                raise InvalidRequest(f"unrecognized request argument supplied: {min(unknown)}",
+                raise InvalidRequest(f"Unrecognized request argument supplied: {min(unknown)}",
                                      param=min(unknown), code="unsupported_parameter")
             items = await resolve_references(store(), _items(body), owner, replicas, "items")
             record = new_conversation(new_id("conv"), items, metadata_value(body.get("metadata")))

@@ -447,7 +447,7 @@ def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationS
             body = json_body(await request.body(), request.headers.get("content-type"))
             unknown = set(body) - {"model", "input", "previous_response_id", "instructions", "keep_tokens"}
             if unknown:
-                raise InvalidRequest(f"unrecognized request argument supplied: {min(unknown)}", param=min(unknown),
+                raise InvalidRequest(f"Unrecognized request argument supplied: {min(unknown)}", param=min(unknown),
                                      code="unsupported_parameter")
             items: list[dict[str, Any]] = []
             if body.get("previous_response_id"):

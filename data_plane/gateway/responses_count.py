@@ -53,9 +53,9 @@ def count_request(body: dict[str, Any]) -> ResponsesRequest:
     """The count's body as a Responses request (the same 400s as create); other fields are a 400."""
     unknown = set(body) - COUNT_FIELDS
     if unknown:
-        raise UnsupportedParameter(f"unrecognized request argument supplied: {min(unknown)}", param=min(unknown))
+        raise UnsupportedParameter(f"Unrecognized request argument supplied: {min(unknown)}", param=min(unknown))
     if body.get("personality") is not None:
-        raise UnsupportedParameter("parameter 'personality' is not supported by this server", param="personality")
+        raise UnsupportedParameter("Unsupported parameter: 'personality' is not supported with this model.", param="personality")
     rreq = validated(ResponsesRequest, {k: v for k, v in body.items() if k != "personality"})
     rreq.check_supported()
     return rreq

@@ -111,7 +111,7 @@ class ResponsesRequest(BaseModel):
         }
         for name, values in neutral.items():
             if getattr(self, name) not in values:
-                raise UnsupportedParameter(f"parameter {name!r} is not supported by this server", param=name)
+                raise UnsupportedParameter(f"Unsupported parameter: {name!r} is not supported with this model.", param=name)
         check_include(self.include or [])
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
             raise UnsupportedParameter("reasoning is not supported by this model", param="reasoning")
@@ -149,7 +149,7 @@ class ResponsesRequest(BaseModel):
             known = FORMAT_FIELDS.get(str(fmt.get("type")), set(fmt))
             unknown += [f"text.format.{k}" for k in fmt if k not in known]
         if unknown:  # as the body's other unknown fields: a 400, never a setting silently dropped
-            raise InvalidRequest(f"unrecognized request argument supplied: {unknown[0]}", param=unknown[0],
+            raise InvalidRequest(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0],
                                  code="unsupported_parameter")
         if not fmt or fmt.get("type") == "text":
             return None

@@ -513,3 +513,26 @@ def test_logprobs_asked_for_are_an_object_even_for_a_reply_without_text(gateway:
     assert called.choices[0].message.tool_calls and called.choices[0].logprobs is not None
     plain = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, temperature=0, stop=["Hello"])
     assert plain.choices[0].logprobs is None
+
+
+def test_openai_parameters_are_accepted_or_refused_in_openai_words(gateway: Service) -> None:
+    """What OpenAI has and this model does not do is a 400 naming it, in OpenAI's words: "Unsupported
+    parameter: 'audio' is not supported with this model." (was "parameter 'audio' is not supported by this
+    server"); an unknown key "Unrecognized request argument supplied: foo" (was lowercase). What OpenAI takes
+    for a text model is accepted (store, metadata, user, service_tier, reasoning_effort, modalities ["text"])."""
+    client = sdk(gateway)
+    refused: list[tuple[dict[str, Any], str]] = [
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"), ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"prediction": {"type": "content", "content": "Hello"}}, "prediction"),
+        ({"web_search_options": {}}, "web_search_options")]
+    for fields, param in refused:
+        body = refusal(lambda fields=fields: client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2,
+                                                                            **fields))
+        assert (body["param"], body["code"], body["message"]) == (
+            param, "unsupported_parameter", f"Unsupported parameter: '{param}' is not supported with this model."), body
+    body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2,
+                                                          extra_body={"foo": 1}))
+    assert (body["code"], body["message"]) == ("unsupported_parameter", "Unrecognized request argument supplied: foo")
+    reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, store=True, metadata={"app": "qa"},
+                                           user="u-1", service_tier="auto", reasoning_effort="low", modalities=["text"])
+    assert reply.choices[0].finish_reason in ("stop", "length")
