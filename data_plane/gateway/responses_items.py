@@ -462,11 +462,14 @@ def output_items(message: dict[str, Any], status: str = "completed",
 
 
 def response_usage(chat_usage: dict[str, Any] | None) -> dict[str, Any]:
-    """A chat usage body in the Responses shape (cached tokens included)."""
+    """A chat usage body in the Responses shape (cached tokens included). `cache_write_tokens` is a required
+    member of OpenAI's `input_tokens_details` (openai-python's ResponseUsage, since 2.45): 0, as filling
+    the prefix cache is not billed here; without it the SDK's own types refused the body when validated
+    (`Response.model_validate`, a stored response read back, a typed proxy in front)."""
     u = chat_usage or {}
     cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     prompt, completion = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion}
 
