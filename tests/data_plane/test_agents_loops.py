@@ -96,7 +96,8 @@ def test_agents_loop_handoff_tool_and_output_type_on_the_wire(gateway: Service) 
     """A triage agent hands off (a function call the SDK turns into the other agent), the weather agent's
     tool runs once and its output goes back as a function_call_output, the answer ends the run: streamed
     and not, the second run on a server-side chain (`auto_previous_response_id`: only the new items go
-    up); an agent with an output type gets it through `text.format`. Every body and event the SDK read
+    up); an agent with an output type gets it through `text.format` (and its prompt_cache_options and
+    moderation, the chat path's no-ops, were a 400 on /v1/responses). Every body and event the SDK read
     validates against openai's types: `usage.input_tokens_details` lacked `cache_write_tokens`, which
     OpenAI's schema requires (openai-python's ResponseUsage since 2.45), so `response.completed`, every
     body and every stored response failed `Response.model_validate`."""
@@ -120,8 +121,12 @@ def test_agents_loop_handoff_tool_and_output_type_on_the_wire(gateway: Service) 
                     model=model, model_settings=forced)
     triage = Agent(name="triage", instructions="Hand off to the weather agent.", handoffs=[weather], model=model,
                    model_settings=forced)
+    # prompt_cache_options (ModelSettings) and moderation: the chat path's no-ops, a 400 "unrecognized request
+    # argument" on /v1/responses (every Agents SDK agent on the Responses model setting the first)
     typed = Agent(name="report", instructions="Report the weather: it is sunny in Paris.", output_type=Report,
-                  model=model, model_settings=ModelSettings(temperature=0, max_tokens=60))
+                  model=model, model_settings=ModelSettings(
+                      temperature=0, max_tokens=60, prompt_cache_options={"mode": "implicit", "ttl": "30m"},
+                      extra_body={"moderation": {"model": "omni-moderation-latest"}}))
 
     async def run() -> list[Any]:
         done = []
