@@ -9,8 +9,7 @@
 A stored response and a conversation are each one session record (data_plane/cache/client.py):
 sealed with the key it belongs to, replicated like any session of the tier, read-repaired, and
 bound to the API key that made it (another key's id is a 404, exactly like a missing one; named as a
-`previous_response_id`, the 400 of `previous`). The
-record's single message (role ``x-responses``) holds the Responses API's own state as JSON: the
+`previous_response_id`, the 400 of `previous`). The record's single message (role ``x-responses``) holds the Responses API's own state as JSON: the
 items so far (the conversation as the model sees it: messages, function calls, their outputs,
 compaction items), the response object or the conversation's metadata, and ``route``: the session
 id the chain's generations run under (the first response's id, or the conversation's), so every
@@ -140,8 +139,8 @@ class ConversationStore:
         ``previous_response_not_found``, param ``previous_response_id``, "Previous response with id '...' not
         found." (unknown, deleted, `store: false`, another key's, or out of this zone). Not the 404 that
         GET /v1/responses/{id} is: clients that chain turns read that code to start the chain again with the
-        whole history (pydantic-ai's `openai_previous_response_id="auto"`, Codex's bridges); a 404 with
-        param `response_id` read to them as a broken endpoint."""
+        whole history (pydantic-ai's `openai_previous_response_id="auto"`, Codex's bridges), and the 404
+        left them with a dead chain."""
         try:
             return await self.load(response_id, owner, replicas, Kind.RESPONSE)
         except NotFound:
