@@ -6,14 +6,15 @@
     await store.save(rec, owner, replicas=2)
     await store.delete("conv_...", owner, replicas=2, kind=Kind.CONVERSATION)     # from every cache node
 
-A stored response and a conversation are each one session record (data_plane/cache/client.py):
-sealed with the key it belongs to, replicated like any session of the tier, read-repaired, and
-bound to the API key that made it (another key's id is a 404, exactly like a missing one; named as a
+A stored response and a conversation are each one session record (data_plane/cache/client.py): sealed
+with the key it belongs to, replicated like any session of the tier, read-repaired, and bound to the
+API key that made it (another key's id is a 404, exactly like a missing one; named as a
 `previous_response_id`, the 400 of `previous`). The record's single message (role ``x-responses``)
-holds the Responses API's own state as JSON: the items so far (the conversation as the model sees
-it: messages, function calls, their outputs, compaction items), the response object or the conversation's metadata, and ``route``: the session
-id the chain's generations run under (the first response's id, or the conversation's), so every
-turn of a chain reaches the shard and the cache nodes that hold its KV blocks (kv_aware routing).
+holds the Responses API's own state as JSON: the items so far (the conversation as the model sees it:
+messages, function calls, their outputs, compaction items), the response object or the conversation's
+metadata, and ``route``: the session id the chain's generations run under (the first response's id, or
+the conversation's), so every turn of a chain reaches the shard and the cache nodes that hold its KV
+blocks (kv_aware routing).
 
 A response record holds the whole chain up to it (copy on write): `previous_response_id` may point
 at any earlier response and branch from there, and a turn costs one cache read, not one per turn.
