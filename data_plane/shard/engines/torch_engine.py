@@ -250,9 +250,6 @@ class TorchEngine:
             self.listener.on_tokens_restored(restored)
         return out
 
-    def count_tokens(self, text: str) -> int:
-        return len(self._tokenizer.encode(text, add_special_tokens=False))
-
     def stats(self) -> EngineStats:
         with self._lock:
             holders = self.scheduler.holders
