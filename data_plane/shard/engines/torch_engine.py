@@ -210,7 +210,7 @@ class TorchEngine:
         gateway resumes on another shard), then the shard leaves membership and exits (on_dead)."""
         if self.dead is None:
             self.dead = RuntimeError(f"pipeline stage {stage} lost: {why}")
-        self._fail_open("a pipeline stage of this shard failed; retry on another shard")
+        self._fail_open("a pipeline stage of the shard failed")
         if self.on_dead is not None:
             self.on_dead()
 
@@ -355,7 +355,7 @@ class TorchEngine:
         except BaseException as exc:  # a dead engine fails every request, loudly
             log.exception("engine scheduler died")
             self.dead = exc
-            self._fail_open("the engine failed; retry on another shard")
+            self._fail_open("the shard's engine failed")
 
     def _fail_open(self, message: str) -> None:
         """End every open stream with a retryable error (any thread): the gateway resumes it elsewhere."""
