@@ -21,12 +21,13 @@ from fastapi import FastAPI, Request
 
 from data_plane.common.errors import InvalidRequest, NotFound
 from data_plane.gateway.item_index import Home, fresh_items, index_items, resolve_references
+from data_plane.gateway.memory import Unseal, open_compaction
 from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S, record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, conversation_object, new_conversation
-from data_plane.gateway.responses import page, record_caller
+from data_plane.gateway.responses import page, record_caller, unsealer
 from data_plane.gateway.responses_items import input_items, new_id, refuse_duplicates
 from data_plane.gateway.responses_metrics import Op, observed
-from data_plane.gateway.runtime import Gateway
+from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.request_checks import json_body
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,23 @@ def _items(body: dict[str, Any]) -> list[dict[str, Any]]:
         raise InvalidRequest(f"items holds {len(raw)} items; at most {MAX_ITEMS_AT_ONCE} can be added at a time",
                              param="items")
     return input_items(raw, param="items")
+
+
+def _opened(items: list[dict[str, Any]], unseal: Unseal) -> list[dict[str, Any]]:
+    """`items`, once each compaction item among them opens for this key (400 otherwise). Stored unchecked,
+    one that does not (another key's, tampered, made up) made every later turn of the conversation a 400
+    (`/v1/responses` opens them to build the prompt) until the item was deleted by hand."""
+    for i, item in enumerate(items):
+        if item["type"] != "compaction":
+            continue
+        try:
+            open_compaction(item["encrypted_content"], unseal)
+        except InvalidRequest as exc:
+            raise InvalidRequest(exc.message, param=f"items[{i}]", code=exc.code) from None
+        except ValueError:
+            raise InvalidRequest("a compaction item's encrypted_content does not open for this API key",
+                                 param=f"items[{i}]", code="invalid_encrypted_content") from None
+    return items
 
 
 def metadata_value(value: Any) -> dict[str, str] | None:
@@ -77,8 +95,9 @@ async def metadata_update(request: Request) -> dict[str, str]:
     return metadata_value(body["metadata"]) or {}
 
 
-def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore]) -> None:
-    """The Conversations API's routes on `app`; `store()` gives the ConversationStore once the runtime is open."""
+def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore],
+                        runtime: Callable[[], Runtime]) -> None:
+    """The Conversations API's routes on `app`; `store()` and `runtime()` once the lifespan opened them."""
 
     def caller(request: Request) -> tuple[str, int]:
         return record_caller(gw, request)
@@ -103,7 +122,8 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
             if unknown:
                 raise InvalidRequest(f"unrecognized request argument supplied: {min(unknown)}",
                                      param=min(unknown), code="unsupported_parameter")
-            items = await resolve_references(store(), _items(body), owner, replicas, "items")
+            sent = _opened(_items(body), unsealer(runtime(), owner))
+            items = await resolve_references(store(), sent, owner, replicas, "items")
             record = new_conversation(new_id("conv"), items, metadata_value(body.get("metadata")))
             await store().save(record, owner, replicas)
             await index_items(store(), fresh_items(items, body.get("items") or []), [Home(Kind.CONVERSATION, record.id)],
@@ -148,7 +168,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
         with observed(gw.responses_metrics, Op.ITEMS_CREATE, request):
             owner, replicas = caller(request)
             body = await _body(request)
-            sent = _items(body)
+            sent = _opened(_items(body), unsealer(runtime(), owner))
             if not sent:
                 raise InvalidRequest("items must hold at least one item", param="items")
             async with editing(owner, conversation_id):
