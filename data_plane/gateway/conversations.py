@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from data_plane.common.errors import InvalidRequest, NotFound
+from data_plane.common.http_body import read_body
 from data_plane.gateway.item_index import Home, fresh_items, index_items, resolve_references
 from data_plane.gateway.memory import Unseal, open_compaction
 from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S, record_key
@@ -80,16 +81,19 @@ def metadata_value(value: Any) -> dict[str, str] | None:
     return value
 
 
-async def _body(request: Request) -> dict[str, Any]:
-    """The JSON object a route was sent ({} for none), checked as the Responses API checks its own
-    (data_plane/request_checks.py `json_body`: 415, nesting, UTF-8, lone surrogates)."""
-    raw = await request.body()
+async def _body(request: Request, limit: int) -> dict[str, Any]:
+    """The JSON object a route was sent ({} for none), read and checked as the Responses API reads its own
+    (data_plane/common/http_body.py `read_body`: 413 past `limit` bytes, never buffering more, 408 for a
+    stalled body; data_plane/request_checks.py `json_body`: 415, nesting, UTF-8, lone surrogates). It was read
+    whole, unbounded: a 200 MB body took the gateway from 116 to 477 MB for a 400."""
+    raw = await read_body(request, limit)
     return json_body(raw, request.headers.get("content-type")) if raw else {}
 
 
-async def metadata_update(request: Request) -> dict[str, str]:
-    """An update's body: `metadata` and nothing else (a conversation's, a stored chat completion's)."""
-    body = await _body(request)
+async def metadata_update(request: Request, limit: int) -> dict[str, str]:
+    """An update's body (at most `limit` bytes): `metadata` and nothing else (a conversation's, a stored chat
+    completion's)."""
+    body = await _body(request, limit)
     if set(body) != {"metadata"}:
         raise InvalidRequest("metadata is required (and the only field that can be updated)", param="metadata")
     return metadata_value(body["metadata"]) or {}
@@ -117,7 +121,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
     async def create(request: Request) -> dict[str, Any]:
         with observed(gw.responses_metrics, Op.CONVERSATION_CREATE, request):
             owner, replicas = caller(request)
-            body = await _body(request)
+            body = await _body(request, gw.settings.max_body_bytes)
             unknown = set(body) - {"items", "metadata"}
             if unknown:
                 raise InvalidRequest(f"unrecognized request argument supplied: {min(unknown)}",
@@ -141,7 +145,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
     async def update(conversation_id: str, request: Request) -> dict[str, Any]:
         with observed(gw.responses_metrics, Op.CONVERSATION_UPDATE, request):
             owner, replicas = caller(request)
-            metadata = await metadata_update(request)
+            metadata = await metadata_update(request, gw.settings.max_body_bytes)
             async with editing(owner, conversation_id):
                 record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
                 record.conversation["metadata"] = metadata
@@ -167,7 +171,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
     async def add_items(conversation_id: str, request: Request) -> dict[str, Any]:
         with observed(gw.responses_metrics, Op.ITEMS_CREATE, request):
             owner, replicas = caller(request)
-            body = await _body(request)
+            body = await _body(request, gw.settings.max_body_bytes)
             sent = _opened(_items(body), unsealer(runtime(), owner))
             if not sent:
                 raise InvalidRequest("items must hold at least one item", param="items")
