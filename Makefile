@@ -35,7 +35,10 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $(STAMP)
 
 # Test-only system packages (Redis, Prometheus, PostgreSQL; a C compiler for the blockq kernel, which
-# otherwise falls back to torch's kernels), installed when running as root.
+# otherwise falls back to torch's kernels), installed when running as root. Not chromium: the console's
+# browser tests are `slow` (`make test` never runs them), and installing it (~40 s, 113 MB) plus the two tests
+# (~90 s + ~45 s on 2 cores, measured 2026-12-04) is over two minutes; `apt-get install chromium` before
+# `make test-all` to run them.
 sysdeps: $(SYSDEPS_STAMP)
 
 $(SYSDEPS_STAMP): | $(PY)

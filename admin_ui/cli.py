@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
                   else f"from {where}" if admin.has_token
                   else f"none: {ENV_ADMIN_TOKEN} is unset and {where} holds none" if where.exists()
                   else f"none: {ENV_ADMIN_TOKEN} is unset and there is no {where.resolve()} (run this where "
-                       f"`switchboard up` ran, or pass --credentials-file)")
+                       f"`switchboard up` ran, set SWITCHBOARD_UP_STATE_DIR to its --state-dir, or pass "
+                       f"--credentials-file)")
         raise SystemExit(f"{PROG}: the control plane at {settings.control_plane_url} refused the admin token "
                          f"({exc.message}); token {source}") from None
     except Unreachable as exc:

@@ -22,6 +22,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from data_plane.common.settings_cli import build_parser as settings_parser
 from data_plane.gateway.auth import key_digest
+from data_plane.gateway.keys_cli import up_state_dir
 
 ENV_CONTROL_PLANE_URL = "SWITCHBOARD_CONTROL_PLANE_URL"
 """Base URL of the control plane's admin API."""
@@ -36,7 +37,13 @@ ENV_KEYS_FILE = "SWITCHBOARD_CONSOLE_KEYS_FILE"
 ENV_REFRESH_S = "SWITCHBOARD_CONSOLE_REFRESH_S"
 """Seconds between automatic refreshes of the live parts of each page."""
 
-DEFAULT_CREDENTIALS_FILE = ".switchboard/credentials.json"
+DEFAULT_CREDENTIALS_FILE = "$SWITCHBOARD_UP_STATE_DIR/credentials.json, else .switchboard/credentials.json"
+"""Where the credentials are looked for by default (said in --help): where `switchboard keys` finds its keys file."""
+
+
+def default_credentials_file() -> str:
+    """`switchboard up`'s credentials.json in its state dir (keys_cli.up_state_dir)."""
+    return str(up_state_dir() / "credentials.json")
 
 
 class ConsoleSettings(BaseSettings):
@@ -58,7 +65,7 @@ class ConsoleSettings(BaseSettings):
     admin_token: SecretStr | None = Field(default=None, validation_alias=AliasChoices("admin_token", ENV_ADMIN_TOKEN))
     """Admin bearer token; falls back to the credentials file's ``admin_token``."""
     credentials_file: str = Field(
-        default=DEFAULT_CREDENTIALS_FILE, validation_alias=AliasChoices("credentials_file", ENV_CREDENTIALS_FILE)
+        default_factory=default_credentials_file, validation_alias=AliasChoices("credentials_file", ENV_CREDENTIALS_FILE)
     )
     """Where ``switchboard up`` saved the dev API keys and the admin token (a client credential, mode 600)."""
     keys_file: str | None = Field(default=None, validation_alias=AliasChoices("keys_file", ENV_KEYS_FILE))

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import altair as alt
 import streamlit as st
 
 from admin_ui.client import (
@@ -257,6 +258,30 @@ def colour_words(frame: Any, columns: list[str]) -> Any:
 
     present = [c for c in columns if c in frame.columns]
     return frame.style.map(css, subset=present) if present else frame
+
+
+# Vega's default time axis labels minute ticks "%I:%M": 12-hour, no am/pm, so at 19:30 the charts read
+# "07:30" beside "Updated 19:30:47" and the tables' 19:29:30. Every time axis here says 24-hour time
+# (seconds ticks ":%S", midnight its date), as the rest of the console does.
+TIME_LABELS = ("hours(datum.value) || minutes(datum.value) || seconds(datum.value) ? "
+               "timeFormat(datum.value, seconds(datum.value) ? ':%S' : '%H:%M') : timeFormat(datum.value, '%b %d')")
+
+
+def time_x(field: str = "time") -> alt.X:
+    """The x encoding of a chart over time: `field` (a datetime column) on the 24-hour axis."""
+    return alt.X(f"{field}:T", title=None, axis=alt.Axis(labelExpr=TIME_LABELS))
+
+
+def tier_chart(frame: Any, *, stacked: bool, height: int) -> alt.Chart:
+    """Requests per second by tier over time (:func:`admin_ui.views.tiers.tier_history_frame`): stacked
+    areas (demand, all of it) or lines (each tier's own level)."""
+    chart = alt.Chart(frame)
+    mark = chart.mark_area(opacity=0.85) if stacked else chart.mark_line()
+    return mark.encode(
+        x=time_x(), y=alt.Y("value:Q", title="req/s", stack="zero" if stacked else None),
+        color=alt.Color("tier:N", title="tier", legend=alt.Legend(orient="bottom")),
+        tooltip=[alt.Tooltip("time:T", format="%H:%M:%S"), "tier:N", alt.Tooltip("value:Q", format=".2f")],
+    ).properties(height=height)
 
 
 def badge(label: str, color: str) -> str:

@@ -6,7 +6,7 @@
 
 Extension fields the gateway sets on its way to a shard (any OpenAI-compatible server
 ignores what it does not know; ours reads them): ``priority`` (lower runs first),
-``request_id`` and ``deadline`` (unix seconds after which the work is abandoned), and vLLM's
+``request_id`` and ``deadline`` (unix seconds after which work still waiting for a slot is abandoned), and vLLM's
 ``cache_salt`` (the prefix-cache scope: the gateway sets the tenant, so reuse never crosses
 tenants).
 """

@@ -19,7 +19,7 @@ ui.header("Autoscaler", "Target tracking on waiting requests per shard and TTFT 
 
 
 def _replicas_chart(frame) -> alt.LayerChart:
-    base = alt.Chart(frame).encode(x=alt.X("time:T", title=None))
+    base = alt.Chart(frame).encode(x=ui.time_x())
     replicas = base.transform_filter(alt.datum.axis == "replicas").mark_line(interpolate="step-after", strokeWidth=3).encode(
         y=alt.Y("value:Q", title="replicas", axis=alt.Axis(tickMinStep=1)),
         color=alt.Color("series:N", title=None, scale=alt.Scale(

@@ -71,7 +71,7 @@ def body(c: ui.Console) -> None:
     steps = pd.concat([frame[["time", "level"]],
                        pd.DataFrame({"time": [pd.Timestamp.now(tz="UTC")], "level": [level]})])
     chart = alt.Chart(steps).mark_line(interpolate="step-after", point=True).encode(
-        x=alt.X("time:T", title=None),
+        x=ui.time_x(),
         y=alt.Y("level:Q", title="level", scale=alt.Scale(domain=[0, 4]), axis=alt.Axis(tickCount=5)),
     ).properties(height=160)
     st.altair_chart(chart, width="stretch")

@@ -42,7 +42,7 @@ def body(c: ui.Console) -> None:
         if demand.empty:
             st.caption("No per-tier demand yet (no gateway traffic in the window).")
         else:
-            st.area_chart(demand, x="time", y="value", color="tier", y_label="req/s", x_label="", height=220)
+            st.altair_chart(ui.tier_chart(demand, stacked=True, height=220), width="stretch")
     with right:
         st.subheader("Load per shard", divider="gray")
         frame = members_frame([m for m in member_list if m.get("service") == "shard"], latest, now=0)

@@ -59,14 +59,14 @@ def body(c: ui.Console) -> None:
         if demand.empty:
             st.caption("— no history yet —")
         else:
-            st.line_chart(demand, x="time", y="value", color="tier", y_label="req/s", x_label="", height=200)
+            st.altair_chart(ui.tier_chart(demand, stacked=False, height=200), width="stretch")
     with right:
         rejected = tier_history_frame(history, "rejections_by_tier")
         st.caption("Rejections per second by tier (429 rate limit, 503 shed/overload)")
         if rejected.empty:
             st.caption("— no rejections in the history —")
         else:
-            st.line_chart(rejected, x="time", y="value", color="tier", y_label="req/s", x_label="", height=200)
+            st.altair_chart(ui.tier_chart(rejected, stacked=False, height=200), width="stretch")
 
 
 body()

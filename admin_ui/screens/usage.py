@@ -20,6 +20,10 @@ ui.header("Usage", "One record per request from the usage ledger (GET /admin/v1/
 ANY = "any"
 RANGES = {"last 24 hours": 86400, "last 7 days": 7 * 86400, "last 30 days": 30 * 86400}
 TOKENS = ["prompt_tokens", "completion_tokens", "cached_tokens"]
+RECORD_COLUMNS = {"time": "When (UTC)", "tenant": "Tenant", "tier": "Tier", "requests": "Requests", "errors": "Errors",
+                  "prompt_tokens": "Prompt tokens", "completion_tokens": "Completion tokens",
+                  "cached_tokens": "Cached tokens"}
+"""The records table's headers: the tiles' words, not the ledger's column names."""
 
 f0, f1, f2, f3, f4 = st.columns([1.2, 1, 1, 1, 1])
 f0.selectbox("Range", list(RANGES), index=1, key="usage_range")
@@ -45,7 +49,7 @@ def usage_frame(rows: list[dict]) -> pd.DataFrame:
 
 def _chart(frame: pd.DataFrame, by: str) -> alt.Chart:
     return alt.Chart(frame).mark_bar().encode(
-        x=alt.X("time:T", title=None), y=alt.Y("sum(tokens):Q", title="tokens (prompt + completion)"),
+        x=ui.time_x(), y=alt.Y("sum(tokens):Q", title="tokens (prompt + completion)"),
         color=alt.Color(f"{by}:N", title=by), tooltip=["time:T", f"{by}:N", "sum(tokens):Q", "sum(requests):Q"],
     ).properties(height=260)
 
@@ -84,7 +88,7 @@ def body(c: ui.Console) -> None:
     st.subheader("Records by bucket", divider="gray")
     shown = frame.assign(time=frame["time"].dt.strftime("%Y-%m-%d %H:%M"))
     st.dataframe(shown[["time", "tenant", "tier", "requests", "errors", *TOKENS]].iloc[::-1], hide_index=True,
-                 width="stretch")
+                 width="stretch", column_config=RECORD_COLUMNS)
     csv = ui.fetch("Usage CSV", lambda: c.admin.usage_csv(**filters))
     if csv is not None:
         st.download_button("Download CSV", csv, file_name="switchboard-usage.csv", mime="text/csv",

@@ -132,7 +132,7 @@ async def measure_failover(args: argparse.Namespace, system: str, stack: Failove
     await _until(lambda: _routable_shards(stack) == 1, 30, "shard B drained")
     async with httpx.AsyncClient(timeout=600) as http:
         for shard in (a, b):  # warm-up: lazy imports, first kernels (B directly: it is drained)
-            r = await http.post(shard.url + "/v1/chat/completions",
+            r = await http.post(shard.url + "/v1/chat/completions", headers={"authorization": f"Bearer {CLUSTER_TOKEN}"},
                                 json={"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
             r.raise_for_status()
         await warm_up(http, stack.gateway.url, system)

@@ -82,6 +82,14 @@ AUDIT_SHARE = 0.05
 """Share of reads that check the replicas they did not need to ask, whatever the above says."""
 
 
+def _newest_last(entries: OrderedDict[str, Any], key: str, value: Any, cap: int) -> None:
+    """`key` -> `value` as the newest of `entries`, the oldest dropped past `cap` (every path that adds)."""
+    entries[key] = value
+    entries.move_to_end(key)
+    if len(entries) > cap:
+        entries.popitem(last=False)
+
+
 @dataclass
 class _Outcome:
     result: str = "error"
@@ -206,12 +214,9 @@ class SessionStore:
             acks = sum(1 for r in results if r.result == "ok")
             span.set_attribute("switchboard.session.acks", acks)
             if acks:
-                self._recent[session_id] = replicas
-                self._recent.move_to_end(session_id)
-                if len(self._recent) > MAX_RECENT:
-                    self._recent.popitem(last=False)
+                _newest_last(self._recent, session_id, replicas, MAX_RECENT)
             if 0 < acks < len(targets):
-                self._suspect(session_id)  # a replica missed this write: check it on the next read
+                _newest_last(self._suspects, session_id, None, MAX_SUSPECTS)  # a replica missed this write: check it on the next read
             elif acks == len(targets):
                 self._suspects.pop(session_id, None)
             if acks == 0:
@@ -251,8 +256,8 @@ class SessionStore:
             marked = await asyncio.gather(*(self._put(m, tombstone, ttl, keep_updated_at=False)
                                             for m in self.replicas_for(session_id, replicas)))
             if any(r.result != "ok" for r in marked):  # a replica missed it: the next read compares them all
-                self._suspect(session_id)
-            self._recent[session_id] = self._recent.pop(session_id, replicas)  # joining nodes get the tombstone
+                _newest_last(self._suspects, session_id, None, MAX_SUSPECTS)
+            _newest_last(self._recent, session_id, self._recent.get(session_id, replicas), MAX_RECENT)  # joiners: the tombstone
             span.set_attribute("switchboard.session.deleted_copies", held)
             span.set_attribute("switchboard.session.tombstones", sum(r.result == "ok" for r in marked))
             outcome.result = "ok"
@@ -447,11 +452,6 @@ class SessionStore:
         doubled the cache reads of every resumed session."""
         return (found.updated_at < self._placement.since + CLOCK_SLACK_S
                 or found.session_id in self._suspects or random.random() < AUDIT_SHARE)
-
-    def _suspect(self, session_id: str) -> None:
-        self._suspects[session_id] = None
-        if len(self._suspects) > MAX_SUSPECTS:
-            self._suspects.popitem(last=False)
 
     async def _newest(self, first: Member, found: Transcript, rest: list[Member]) -> tuple[Transcript, list[Member]]:
         """The newest of `found` (from `first`) and the copies `rest` hold, and the members that lack it

@@ -11,7 +11,8 @@ admin token on the control plane's ``/admin/v1``.
 ``WWW-Authenticate: Bearer``, a warning with the caller's address, an `on_refused` hook for a
 counter); `require_cluster_token` is it for the cluster token, open without one.
 
-What needs it: registering in the embedded registry (control_plane/registry/embedded.py), a cache node's
+What needs it: registering in the embedded registry (control_plane/registry/embedded.py), a shard's
+chat API (generation and token counts: the gateway's `Upstream` presents it), a cache node's
 `/v1/sessions/*`, and `/debug/spans` on every process (spans carry ids and timings an outsider
 has no business reading). With no token configured a process runs open (and says so at start),
 as a single-machine dev setup without `switchboard up` would. Comparison is constant-time.

@@ -46,11 +46,17 @@ MIN_PREFIX = 6
 _HEX = re.compile(r"^[0-9a-f]+$")
 
 
+def up_state_dir() -> Path:
+    """`switchboard up`'s state dir as its clients find it (`switchboard keys`, `switchboard admin`, the
+    console): $SWITCHBOARD_UP_STATE_DIR, as `up --state-dir` was given, else .switchboard/ here."""
+    return Path(os.environ.get("SWITCHBOARD_UP_STATE_DIR") or UP_STATE_DIR)
+
+
 def default_keys_file() -> Path:
     """The file `switchboard keys` edits when --keys-file is not given (see the module's docstring)."""
     if os.environ.get(KEYS_FILE_ENV):
         return Path(os.environ[KEYS_FILE_ENV])
-    return Path(os.environ.get("SWITCHBOARD_UP_STATE_DIR") or UP_STATE_DIR) / "keys.yaml"
+    return up_state_dir() / "keys.yaml"
 
 
 def _fail(code: int, message: str) -> NoReturn:

@@ -28,7 +28,8 @@ FORWARDED = frozenset((
 ))
 """Request fields the gateway sends on to the shard as the client gave them (data_plane/protocol.py)."""
 DEADLINE_FIRST_TOKEN_TIMEOUTS = 5
-"""The shard abandons the work this many first-token timeouts after the gateway sent it."""
+"""The shard abandons the work this many first-token timeouts after the gateway sent it, if it is still
+waiting for a slot then (a stream already running is ended by its length or its client, not the clock)."""
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,8 @@ class FailureReason(StrEnum):
     STATUS_504 = "status_504"
     STATUS_5XX = "status_5xx"
     """Any other 5xx status."""
+    REFUSED = "refused"
+    """401: the shard refused the gateway's cluster token (the two run with different tokens)."""
     SILENT = "silent"
     """A shard that announces keep-alives sent nothing for ``silence_timeout_s``."""
     FIRST_TOKEN_TIMEOUT = "first_token_timeout"

@@ -164,10 +164,13 @@ class ShardStream:
 
 
 class Upstream:
-    def __init__(self, router: Router, pool: ShardTransport, config: UpstreamConfig) -> None:
+    def __init__(self, router: Router, pool: ShardTransport, config: UpstreamConfig,
+                 headers: Mapping[str, str] | None = None) -> None:
         self.router = router
         self.pool = pool
         self.config = config
+        self.headers = dict(headers or {})
+        """Sent on every call to a shard: the cluster token (`cluster_headers`), which shards require."""
         self._live: set[ShardStream] = set()
         """Open streams, so a membership change can fail those whose shard left."""
 
@@ -239,7 +242,8 @@ class Upstream:
         leases.enter_context(self.router.lease(member))
         response: ShardResponse | None = None
         try:
-            response = await self.pool.post(member.url, INPUT_TOKENS_PATH, payload, {}, timeout=timeout)
+            response = await self.pool.post(member.url, INPUT_TOKENS_PATH, payload, dict(self.headers),
+                                            timeout=timeout)
             if response.status != 200:
                 await self._refuse(member, response, leases)
             raw = await response.read(asyncio.get_running_loop().time() + timeout)
@@ -295,6 +299,7 @@ class Upstream:
         cfg = self.config
         reports = self.router.kv_reports
         headers: dict[str, str] = reports.request_headers(member.id) if reports is not None else {}
+        headers.update(self.headers)
         inject(headers)
         timeout = min(cfg.headers_timeout_s, cfg.first_token_timeout_s, silence or cfg.headers_timeout_s)
         try:
@@ -369,6 +374,10 @@ class Upstream:
             raise error  # the request's fault, not the shard's: no retry, no ejection
         if response.status >= 500 or response.status == 429:
             raise Retryable(FailureReason.for_status(response.status), error)
+        if response.status == 401:  # the shard refused our cluster token: never the client's 401
+            log.warning("shard %s refused the gateway's cluster token (SWITCHBOARD_CLUSTER_TOKEN differs)", member.id)
+            raise Retryable(FailureReason.REFUSED, UpstreamError("a shard refused this gateway (cluster token "
+                                                                 "mismatch)"))
         leases.close()
         self.router.report_success(member)
         raise error

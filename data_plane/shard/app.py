@@ -5,7 +5,13 @@
     switchboard shard --model /models/qwen.gguf --registry-url http://127.0.0.1:8300
 
     curl -s localhost:8101/v1/chat/completions -H 'content-type: application/json' \\
+         -H "Authorization: Bearer $SWITCHBOARD_CLUSTER_TOKEN" \\
          -d '{"messages":[{"role":"user","content":"Hi"}],"max_tokens":32}'
+
+With a cluster token (`SWITCHBOARD_CLUSTER_TOKEN`, as `switchboard up` starts it) generation and token
+counts need it, as the gateways send it: a caller that skipped the gateway would skip its keys, rate
+limits, safety filter and ledger, and could name another tenant's `cache_salt` or session. Without
+one the shard runs open, as a single-machine dev shard.
 
 Extension fields the gateway sets: `priority` (lower first), `request_id`, `deadline`
 (unix seconds). `/health` answers 503 until the model is loaded, then 200. `/metrics`
@@ -28,7 +34,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from opentelemetry.propagate import extract
@@ -36,7 +42,7 @@ from prometheus_client import CollectorRegistry
 
 from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, CLIENT_DISCONNECTED, DisconnectWatch
 from data_plane.common.errors import ModelNotFound, Overloaded, SwitchboardError, install_error_handlers
-from data_plane.common.hop_auth import cluster_headers, cluster_token_from_env, guarded
+from data_plane.common.hop_auth import cluster_headers, cluster_token_from_env, guarded, require_cluster_token
 from data_plane.common.http_body import read_body
 from data_plane.common.http_metrics import install_http_metrics
 from data_plane.common.keepalive import KEEPALIVE_COMMENT, KEEPALIVE_META, with_keepalives
@@ -104,7 +110,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
         http = httpx.AsyncClient(timeout=5.0)
         agent = None
         views: list[Any] = []
-        # A lost pipeline stage: the shard leaves membership and exits at once (data_plane/shard/group_exit.py).
+        # A lost pipeline stage or a dead engine: the shard leaves membership and exits at once (group_exit.py).
         group_exit = GroupExit.attach(engine, asyncio.get_running_loop(), lambda: agent.aclose() if agent else None,
                                       settings.pipeline_exit_linger_s)
 
@@ -209,7 +215,9 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
                                 f"{engine.model_name!r}", param="model")
         return req
 
-    @app.post(INPUT_TOKENS_PATH)
+    hop = [Depends(require_cluster_token(cluster_token_from_env(), "the shard's chat API"))]
+
+    @app.post(INPUT_TOKENS_PATH, dependencies=hop)
     async def input_tokens(request: Request) -> dict[str, Any]:
         """The prompt tokens a chat request would have (its `usage.prompt_tokens`), generating nothing:
         the Responses API's input token count (data_plane/gateway/responses_count.py)."""
@@ -217,7 +225,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
         _, ids = prompt_ids(req, engine)
         return {"object": "chat.input_tokens", "input_tokens": len(ids)}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=hop)
     async def chat(request: Request) -> Response:
         req = await serving(request)
         ctx = extract(request.headers)

@@ -15,7 +15,7 @@ from data_plane.shard.engines.grammar import GrammarKind
 
 COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 MASK_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
-OUTCOMES = ("compiled", "cache_hit", "unsupported", "invalid", "too_large", "timeout")
+OUTCOMES = ("compiled", "cache_hit", "unsupported", "invalid", "too_large", "timeout", "busy")
 RESUME_OUTCOMES = ("resumed", "rejected")
 
 
@@ -30,8 +30,8 @@ class StructuredMetrics:
                                          "Grammar compile time (off the scheduler thread), cache misses only.",
                                          m + ["kind"], buckets=COMPILE_BUCKETS, registry=registry)
         self.compiles = Counter("switchboard_shard_grammar_compiles",
-                                "Grammar compile requests by outcome: compiled, cache_hit, or refused "
-                                "(unsupported, invalid, too_large, timeout).", m + ["kind", "outcome"],
+                                "Grammar compile requests by outcome: compiled, cache_hit, refused "
+                                "(unsupported, invalid, too_large, timeout), or busy (a 503: too many compiling).", m + ["kind", "outcome"],
                                 registry=registry)
         self.mask_seconds = Histogram("switchboard_shard_grammar_mask_seconds",
                                       "Per engine step: filling and applying the constrained rows' token masks.",

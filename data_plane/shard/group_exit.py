@@ -1,4 +1,4 @@
-"""How a shard leaves when its engine can no longer serve (a lost pipeline stage).
+"""How a shard leaves when its engine can no longer serve (a lost pipeline stage, a dead scheduler thread).
 
     exit = GroupExit.attach(engine, asyncio.get_running_loop(), lambda: agent.aclose() if agent else None)
     # engine.on_dead is now exit.trigger: any thread (the pipeline's monitor) calls it
@@ -53,7 +53,7 @@ class GroupExit:
                                                                                            name="shard-leave")))
 
     async def _leave(self) -> None:
-        log.error("the engine lost a pipeline stage: leaving membership and exiting")
+        log.error("the engine can no longer serve: leaving membership and exiting")
         threading.Timer(HARD_EXIT_S + self.linger_s, os._exit, (1,)).start()
         pending = self.deregister()
         if pending is not None:

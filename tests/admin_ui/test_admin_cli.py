@@ -87,6 +87,20 @@ def test_a_bad_timeout_and_a_missing_credentials_file_are_one_line(env, monkeypa
     assert f"there is no {tmp_path / '.switchboard' / 'credentials.json'}" in elsewhere.stderr
 
 
+def test_the_token_is_found_in_ups_state_dir_as_switchboard_keys_finds_its_keys(env, monkeypatch, tmp_path) -> None:
+    """After `switchboard up --state-dir D`, `SWITCHBOARD_UP_STATE_DIR=D switchboard keys ...` edited D's keys
+    file while `switchboard admin` still looked for ./.switchboard/credentials.json and was refused."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "credentials.json").write_text(json.dumps({"keys": {}, "admin_token": ADMIN_TOKEN}))
+    monkeypatch.delenv("SWITCHBOARD_ADMIN_TOKEN")
+    monkeypatch.delenv("SWITCHBOARD_CREDENTIALS_FILE")
+    monkeypatch.setenv("SWITCHBOARD_UP_STATE_DIR", str(state))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    ran = switchboard("admin", "status", timeout=60, cwd=tmp_path)  # not where `switchboard up` ran
+    assert ran.returncode == 0 and "shards    2/2 passing" in ran.stdout, ran.stderr
+
+
 def test_output_into_a_closed_pipe_is_no_traceback(env) -> None:
     """`switchboard admin members | head -1`: the reader leaves before the writer ends."""
     read, write = os.pipe()

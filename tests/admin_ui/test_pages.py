@@ -8,6 +8,7 @@ import time
 import pytest
 import yaml
 
+from tests.support.chat import chat
 from tests.support.console import PAGES, require, texts
 
 TITLES = {"overview": "Overview", "cluster": "Cluster", "traffic": "Traffic & tiers", "autoscaler": "Autoscaler",
@@ -239,3 +240,25 @@ def test_playground_streams_a_chat_and_links_its_trace(console, admin):
     traces_page.run()
     assert trace_id in texts(traces_page)
     assert traces_page.get("vega_lite_chart") or traces_page.get("arrow_vega_lite_chart")
+
+
+def _time_axes(at) -> list[dict]:
+    """The x axis of every time chart on a rendered page (from the Vega-Lite specs it sent)."""
+    specs = [json.loads(e.proto.spec) for kind in ("arrow_vega_lite_chart", "vega_lite_chart") for e in at.get(kind)]
+    layers = [layer for spec in specs for layer in (spec.get("layer") or [spec])]
+    return [x.get("axis") or {} for layer in layers
+            if (x := (layer.get("encoding") or {}).get("x") or {}).get("type") == "temporal"]
+
+
+def test_time_axes_read_24_hour_time_as_the_rest_of_the_console(console, cluster):
+    """Vega's default axis labelled 19:30 "07:30" (12-hour, no am/pm) beside "Updated 19:30:47" and the
+    tables' 24-hour times: an operator read the demand charts twelve hours off."""
+    for tier in ("free", "plus"):
+        assert chat(cluster.gateway.url, tier, "hello", max_tokens=2).status_code == 200
+    deadline = time.monotonic() + 20
+    for page in ("overview", "traffic", "autoscaler"):
+        while not (axes := _time_axes(console.page(page))):  # demand reaches the signal history in seconds
+            assert time.monotonic() < deadline, f"no time chart on {page}"
+            time.sleep(0.5)
+        for axis in axes:
+            assert "%H:%M" in axis.get("labelExpr", ""), (page, axis)

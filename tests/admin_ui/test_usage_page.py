@@ -3,6 +3,7 @@ plane reads (both on the default SQLite file)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -31,6 +32,8 @@ def test_usage_page_shows_the_ledger_per_tenant_and_tier_with_a_csv(console, clu
     assert int(tiles["Requests"].replace(",", "")) >= before + 2
     assert len(at.get("arrow_vega_lite_chart")) + len(at.get("vega_lite_chart")) >= 2  # per tenant, per tier
     assert "No usage recorded" not in texts(at)
+    headers = {c.get("label") for c in json.loads(at.dataframe[-1].proto.columns).values()}
+    assert {"Tenant", "Prompt tokens", "Cached tokens"} <= headers, headers  # not the ledger's snake_case
     tenants = set(at.dataframe[-1].value["tenant"])
     assert {"acme", "bigco", "(no valid key)"} <= tenants and "" not in tenants
     csv = admin.get("/admin/v1/usage", params={"format": "csv", "by": "tenant,tier"}).text

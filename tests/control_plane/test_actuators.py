@@ -105,7 +105,8 @@ def _health(url: str) -> dict[str, Any]:
 
 async def _stream(http: httpx.AsyncClient, url: str, max_tokens: int) -> str:
     body = {"messages": [{"role": "user", "content": "drain me"}], "max_tokens": max_tokens, "stream": True}
-    async with http.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
+    async with http.stream("POST", url + "/v1/chat/completions", json=body, timeout=30,
+                           headers={"Authorization": f"Bearer {CLUSTER_TOKEN}"}) as r:
         assert r.status_code == 200
         return (await r.aread()).decode().strip()
 

@@ -19,18 +19,32 @@ from data_plane.shard.engines.torch_executor import Executor
 
 
 @pytest.fixture(scope="module")
-def runner() -> LlamaRunner:
+def model() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    model = LlamaForCausalLM(cfg).eval()
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def runner(model: torch.nn.Module) -> LlamaRunner:
     return LlamaRunner(model, dtype=torch.float32, max_num_seqs=4, max_len=128)
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_every_positions_logits_are_the_reference_models(model: torch.nn.Module, runner: LlamaRunner) -> None:
+    """The hand-written pass against transformers' own forward of the same weights: a prompt's every
+    position, then a decode step on its KV (float32)."""
+    ids = list(range(3, 40))
+    with torch.no_grad():
+        reference = model(torch.tensor([[*ids, 11]])).logits[0]
+    assert close(runner.forward([(2, ids, 0)], [len(ids)]), reference[:-1])
+    assert close(runner.forward([(2, [11], len(ids))])[0], reference[-1])
 
 
 def test_a_mixed_pass_gives_each_row_its_own_pass(runner: LlamaRunner) -> None:

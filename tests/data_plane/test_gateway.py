@@ -275,7 +275,7 @@ def test_real_model_through_gateway(fp32_shard: Service) -> None:
         out = sdk.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=12,
                                           temperature=0)
         assert "Paris" in out.choices[0].message.content
-        direct = httpx.post(fp32_shard.url + "/v1/chat/completions",
+        direct = httpx.post(fp32_shard.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {CLUSTER_TOKEN}"},
                             json={"messages": msgs, "max_tokens": 12, "temperature": 0}).json()
         assert out.choices[0].message.content == direct["choices"][0]["message"]["content"]
         assert out.usage.prompt_tokens == direct["usage"]["prompt_tokens"]

@@ -83,7 +83,8 @@ class Background:
     def _run(self) -> None:
         body = {"messages": [{"role": "user", "content": STORY}], "temperature": 0, "max_tokens": 1500,
                 "ignore_eos": True, "stream": True, "cache_salt": uuid.uuid4().hex}
-        with httpx.stream("POST", self.shard.url + "/v1/chat/completions", json=body, timeout=300) as r:
+        with httpx.stream("POST", self.shard.url + "/v1/chat/completions", json=body, timeout=300,
+                          headers=CLUSTER_HEADERS) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {") and json.loads(line[6:])["choices"]:
                     self.tokens += 1

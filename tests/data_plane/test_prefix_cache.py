@@ -27,7 +27,7 @@ def ask(url: str, messages: list[dict[str, str]], salt: str | None = "tenant-a",
         body["cache_salt"] = salt
     if request_id:
         body["request_id"] = request_id
-    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=180)
+    r = httpx.post(url + "/v1/chat/completions", json=body, headers=CLUSTER_HEADERS, timeout=180)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -99,7 +99,7 @@ def conversations() -> list[list[dict[str, str]]]:
 
 
 async def _all_at_once(url: str, prompts: list[list[dict[str, str]]], max_tokens: list[int]) -> list[str]:
-    async with httpx.AsyncClient(timeout=300) as http:
+    async with httpx.AsyncClient(timeout=300, headers=CLUSTER_HEADERS) as http:
         async def one(messages: list[dict[str, str]], m: int) -> str:
             r = await http.post(url + "/v1/chat/completions", json={
                 "messages": messages, "temperature": 0, "max_tokens": m, "cache_salt": "t"})

@@ -20,7 +20,7 @@ import pytest
 from tests.support.cluster import KEYS, Cluster
 from tests.support.formats import INVARIANT_ARGS
 from tests.support.metrics import metric
-from tests.support.procs import Service
+from tests.support.procs import CLUSTER_HEADERS, Service
 from tests.support.waits import eventually
 
 pytestmark = pytest.mark.slow
@@ -63,7 +63,7 @@ def sdk(c: Cluster) -> openai.OpenAI:
 
 def reference(shard: Service, messages: list[dict[str, str]]) -> dict:
     """The same turn computed from scratch on `shard` (a fresh salt: nothing cached matches)."""
-    r = httpx.post(shard.url + "/v1/chat/completions", timeout=300,
+    r = httpx.post(shard.url + "/v1/chat/completions", timeout=300, headers=CLUSTER_HEADERS,
                    json={"messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS,
                          "cache_salt": uuid.uuid4().hex, "request_id": uuid.uuid4().hex})
     assert r.status_code == 200, r.text

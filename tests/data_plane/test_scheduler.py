@@ -183,6 +183,20 @@ def test_aborts_and_deadlines() -> None:
     assert plan.finished == (run,) and not plan.rows and not h.sched.holders
 
 
+def test_a_deadline_abandons_waiting_work_but_never_cuts_a_running_stream() -> None:
+    """The gateway's deadline is for work nobody waits for any more; a stream that runs past it (a long
+    reply, or one resumed on this shard after a failover, which keeps the first attempt's deadline)
+    ends by its length or its client's disconnect, not mid-reply with a finish reason OpenAI lacks."""
+    h = Harness(SchedulerConfig(max_num_seqs=1, prefill_chunk=64))
+    running = h.add(make_seq("running", 8, max_tokens=30, deadline=h.now + 5))
+    waiting = h.add(make_seq("waiting", 8, deadline=h.now + 5))
+    h.step()
+    h.now += 10
+    assert h.step().finished == (waiting,)
+    h.run()
+    assert running.status is SeqStatus.FINISHED_LENGTH and len(running.output_ids) == 30
+
+
 def test_a_prefix_hit_counts_only_the_uncached_tokens() -> None:
     h = Harness(SchedulerConfig(max_num_seqs=4, prefill_chunk=64), hits={"a": 96, "b": 32})
     h.add(make_seq("a", 100))

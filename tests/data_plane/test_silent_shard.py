@@ -17,6 +17,7 @@ import pytest
 from data_plane.common.keepalive import KEEPALIVE_COMMENT, with_keepalives
 from tests.support.cluster import KEYS, Cluster
 from tests.support.metrics import metric
+from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN
 
 
 def _running(url: str) -> float:
@@ -44,7 +45,7 @@ def _freeze_the_streaming_shard(c: Cluster, stopped: list[object]) -> None:
 
 def test_shard_sends_keepalives_while_the_engine_is_quiet() -> None:
     with Cluster(shards=1, caches=1, token_delay_ms=700) as c:  # 0.7 s between tokens > 0.5 s keep-alive
-        with httpx.stream("POST", c.shards[0].url + "/v1/chat/completions", timeout=30,
+        with httpx.stream("POST", c.shards[0].url + "/v1/chat/completions", timeout=30, headers=CLUSTER_HEADERS,
                           json={"messages": [{"role": "user", "content": "slow"}], "max_tokens": 3,
                                 "stream": True}) as r:
             raw = b"".join(r.iter_raw())
@@ -52,7 +53,7 @@ def test_shard_sends_keepalives_while_the_engine_is_quiet() -> None:
         members = httpx.get(c.registry + "/v1/registry/members").json()["members"]
         assert [m["meta"].get("keepalive_s") for m in members if m["service"] == "shard"] == ["0.5"]
         # the openai SDK ignores the comments
-        sdk = openai.OpenAI(base_url=c.shards[0].url + "/v1", api_key="x", max_retries=0)
+        sdk = openai.OpenAI(base_url=c.shards[0].url + "/v1", api_key=CLUSTER_TOKEN, max_retries=0)
         chunks = list(sdk.chat.completions.create(model="synthetic", messages=[{"role": "user", "content": "s"}],
                                                   max_tokens=2, stream=True))
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)

@@ -22,6 +22,7 @@ import pytest
 
 from tests.observability.exprs import NEEDS_PIPELINE, dashboard_exprs, fast_rules, rule_exprs, substitute
 from tests.support.cluster import Cluster
+from tests.support.procs import CLUSTER_HEADERS
 from tests.support.prometheus import PROMETHEUS, Prometheus, watched
 from tests.support.waits import eventually
 
@@ -98,7 +99,7 @@ def drive_traffic(cluster: Cluster) -> int:
         post(keys["free"], {**chat, "model": "no-such-model"}, 404)
         post(keys["free"], {**chat, "messages": [{"role": "user", "content": BAD_CARD}]}, 400)
     # A request the shard itself refuses before compute (switchboard_shard_requests_rejected_total).
-    refused = httpx.post(cluster.shards[0].url + "/v1/chat/completions", timeout=10.0,
+    refused = httpx.post(cluster.shards[0].url + "/v1/chat/completions", timeout=10.0, headers=CLUSTER_HEADERS,
                          json={**chat, "max_tokens": 10**6})
     assert refused.status_code == 400, refused.text
     return sent

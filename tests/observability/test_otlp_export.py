@@ -16,7 +16,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from data_plane.common.tracing import LeanSpan, LeanTracerProvider, Sampler
-from tests.support.procs import Service
+from tests.support.procs import CLUSTER_HEADERS, Service
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 
@@ -65,7 +65,7 @@ def test_a_shard_exports_its_spans_over_otlp(collector: Collector) -> None:
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": collector.url, "OTEL_BSP_SCHEDULE_DELAY": "100"}
     with Service(["shard", "--engine", "synthetic"], env=env) as shard:
         r = httpx.post(shard.url + "/v1/chat/completions", timeout=10.0,
-                       headers={"traceparent": f"00-{TRACE_ID}-00f067aa0ba902b7-01"},
+                       headers={"traceparent": f"00-{TRACE_ID}-00f067aa0ba902b7-01", **CLUSTER_HEADERS},
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
         assert r.status_code == 200
         deadline = time.monotonic() + 10

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not insta
 
 
 def _chat(shard: Service, content: str, trace_id: str) -> None:
-    headers = {"traceparent": f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"}
+    headers = {"traceparent": f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01", **CLUSTER_HEADERS}
     r = httpx.post(shard.url + "/v1/chat/completions", headers=headers, timeout=120.0,
                    json={"messages": [{"role": "user", "content": content}], "max_tokens": 6, "temperature": 0})
     assert r.status_code == 200, r.text

@@ -32,7 +32,7 @@ from tests.reliability.inputs import CASES
 from tests.support.chat import assert_no_leak, assert_openai_error, chat
 from tests.support.cluster import ADMIN_TOKEN, KEYS, Cluster, api_keys_env
 from tests.support.metrics import metric
-from tests.support.procs import Service
+from tests.support.procs import CLUSTER_HEADERS, Service
 from tests.support.waits import eventually
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
@@ -438,7 +438,7 @@ def test_error_bodies_never_leak_stack_traces(cluster: Cluster, lone_control_pla
             "POST",
             cluster.shards[0].url + "/v1/chat/completions",
             b'{"messages":[{"role":"x"}]}',
-            {"content-type": "application/json"},
+            {"content-type": "application/json", **CLUSTER_HEADERS},
         ),
         ("GET", cluster.caches[0].url + "/v1/sessions/bad%20id", None, {}),
         ("PUT", cluster.caches[0].url + "/v1/sessions/s1", b"[", {"content-type": "application/json"}),

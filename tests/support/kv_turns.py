@@ -44,7 +44,7 @@ def direct(shard: Service, messages: list[dict[str, str]], *, session: str | Non
                   "request_id": uuid.uuid4().hex}
     if session:
         body.update(session_id=session, kv_replicas=replicas, kv_ttl_s=600)
-    r = httpx.post(shard.url + "/v1/chat/completions", json=body, timeout=300)
+    r = httpx.post(shard.url + "/v1/chat/completions", json=body, headers=CLUSTER_HEADERS, timeout=300)
     assert r.status_code == 200, r.text
     return {**r.json(), "request_id": body["request_id"]}
 

@@ -1,13 +1,13 @@
 """A pipeline's batch queue: up to B scheduler plans in flight through the stages at once.
 
-    queue = BatchQueue(scheduler, executor, output, lock, observe, tuner)   # scheduler.config.batch_queue = B
+    queue = BatchQueue(plan, scheduler, executor, output, lock, observe)   # scheduler.config.batch_queue = B
     while running:
         if not queue.step():          # one iteration; False: nothing to do
             wait_for_work()
 
 vLLM v1's `EngineCore.step_with_batch_queue` is the model (its batch queue holds as many batches
 as pipeline stages, so every stage stays busy). Each iteration, while fewer than B plans are in
-flight, the scheduler plans one and the executor sends it (the slot moves, prefix loads and stage
+flight, the engine plans one (its `_plan`: schedule() and what surrounds it) and the executor sends it (the slot moves, prefix loads and stage
 0's layers run now; `Executor.submit`): filling the queue comes first, so stage 0 runs its layers
 for *other* sequences while earlier plans are still in the later stages. When the queue is full,
 or the scheduler has nothing to add beside the plans in flight (a sequence in flight is in no
@@ -25,12 +25,9 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-from data_plane.shard.engines.base import FINISH_ABORT
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from data_plane.shard.engines.scheduler import Scheduler, SchedulerOutput
@@ -42,13 +39,13 @@ log = logging.getLogger(__name__)
 
 
 class BatchQueue:
-    def __init__(self, scheduler: Scheduler, executor: Executor, output: OutputProcessor, lock: threading.Lock,
-                 observe: Callable[[SchedulerOutput, float], None], tuner: Any = None,
+    def __init__(self, plan: Callable[[], SchedulerOutput], scheduler: Scheduler, executor: Executor,
+                 output: OutputProcessor, lock: threading.Lock, observe: Callable[[SchedulerOutput, float], None],
                  listener: StepListener | None = None) -> None:
+        self.plan = plan  # the engine's _plan: schedule(), prefix hits reserved, reaped finished, admissions
         self.scheduler, self.executor, self.output, self.lock = scheduler, executor, output, lock
         self.listener = listener  # on_batch_sent: switchboard_shard_pipeline_steps_in_flight
         self.observe = observe  # a pass's cost, for the speculator and the thread tuner (only passes alone)
-        self.tuner = tuner  # torch_threads.ThreadTuner | None
         self.depth = scheduler.config.batch_queue
         self._queue: deque[tuple[Pending, bool]] = deque()  # in flight, oldest first; (plan, sent alone)
         self.sent = self.sent_beside = 0
@@ -61,17 +58,8 @@ class BatchQueue:
         """Send one plan, or collect and update from the oldest; False when there was nothing to do."""
         queue = self._queue
         if len(queue) < self.depth:
-            with self.lock:
-                plan = self.scheduler.schedule(time.time())
-            for seq in plan.finished:
-                self.output.finish(seq, FINISH_ABORT)
+            plan = self.plan()
             if plan.rows:
-                self.output.admit(plan)
-                if self.tuner is not None:  # prefill passes run at the chosen thread count, never a probed one
-                    if plan.is_decode:
-                        self.tuner.for_decode()
-                    else:
-                        self.tuner.for_other()
                 queue.append((self.executor.submit(plan, microbatches=1 if plan.is_decode else None), not queue))
                 self.sent += 1
                 if len(queue) > 1:

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
+from data_plane.common.errors import Overloaded
+
 log = logging.getLogger(__name__)
 
 
@@ -164,6 +166,12 @@ def to_llguidance(spec: GrammarSpec) -> str:
         raise GrammarError(f"the grammar does not parse: {exc}", "invalid") from None
 
 
+PENDING_PER_WORKER = 8
+"""Distinct compiles queued or running per pool worker before another is refused with a 503: one that
+timed out keeps its worker until it ends (a thread cannot be stopped), so a flood of slow grammars
+must not queue every later constrained request behind it."""
+
+
 class GrammarCompiler:
     """Compiles GrammarSpecs for one tokenizer in a small thread pool, caching the results."""
 
@@ -178,6 +186,7 @@ class GrammarCompiler:
         self._refusals: OrderedDict[str, GrammarError | None] = OrderedDict()
         """`refusal`'s verdicts by digest: a client that resends its bad tools pays for them once."""
         self._jobs: dict[str, asyncio.Future[CompiledGrammar]] = {}
+        self._max_jobs = PENDING_PER_WORKER * workers
 
     @classmethod
     def lazy(cls, build_tokenizer: Callable[[], Any], **kwargs: Any) -> GrammarCompiler:
@@ -209,6 +218,10 @@ class GrammarCompiler:
         job = self._jobs.get(key)
         joined = job is not None  # the same grammar is compiling for another request: wait for that one
         if job is None:
+            if len(self._jobs) >= self._max_jobs:
+                self._observe(kind, 0.0, "busy")
+                raise Overloaded(f"{len(self._jobs)} grammars are compiling on this shard; retry shortly",
+                                 code="grammar_compiler_busy", retry_after=1)
             loop = asyncio.get_running_loop()
             job = asyncio.ensure_future(loop.run_in_executor(self._pool, self._build, spec))
             self._jobs[key] = job
@@ -250,8 +263,10 @@ class GrammarCompiler:
             self._refusals.popitem(last=False)
         return verdict
 
-    def _forget(self, key: str, _job: object) -> None:
+    def _forget(self, key: str, job: asyncio.Future[CompiledGrammar]) -> None:
         self._jobs.pop(key, None)
+        if not job.cancelled():
+            job.exception()  # retrieved: a refusal nobody waited for (they timed out) is not an asyncio error log
 
     def _observe(self, kind: str, seconds: float, outcome: str) -> None:
         if self.listener is not None:

@@ -22,7 +22,7 @@ decode pass over all running sequences with no per-step Python bookkeeping from 
 library was measured at 152 fp32 / 248 bf16 tok/s at 16 streams here, against 85 / 141
 for transformers' own continuous batching (docs/FACTS.md). The weights, rotary
 tables and tokenizer all come from transformers, so numerics follow the reference model;
-`tests/data_plane/test_llama_runner.py` checks logits against it.
+`tests/data_plane/test_forward_pass.py` checks a prompt's and a decode step's logits against its forward.
 
 Supported: `LlamaForCausalLM` and architectures with the same block (Mistral, Qwen2 with
 q/k/v bias). Others raise `UnsupportedModel` naming the architecture.
@@ -331,7 +331,7 @@ class LlamaRunner:
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # The reference's w * (x * rsqrt(mean(x^2) + eps) in fp32).to(dtype), bit for bit (torch's
         # rms_norm upcasts bf16/fp16 to fp32 inside and casts back, then multiplies by the weight in
-        # place: tests/data_plane/test_llama_runner.py checks both forms agree exactly), in fewer ops:
+        # place: tests/data_plane/test_runner_rms.py checks both forms agree exactly), in fewer ops:
         # float32 takes the weight inside (~3x faster a call here); bf16/fp16 keep the multiply by the
         # weight after the cast (the fused weight would round once, not twice: other numerics).
         # torch.rms_norm and torch._C._nn.silu, not F.*: the same ops without F's Python wrappers (91 calls a step).
@@ -453,10 +453,6 @@ class LlamaRunner:
     def prefill(self, slot: int, token_ids: list[int], start: int) -> torch.Tensor:
         """Run `token_ids` at positions start.. for one slot; return last-token logits [vocab]."""
         return self.forward([(slot, token_ids, start)])[0]
-
-    def prefill_batch(self, items: list[tuple[int, list[int], int]]) -> torch.Tensor:
-        """Prefill several sequences in one pass: items are (slot, token_ids, start); last-token logits [k, vocab]."""
-        return self.forward(items)
 
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One decode step for slots 0..n-1 (token i at positions[i]); return logits [n, vocab]."""

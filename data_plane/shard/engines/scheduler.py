@@ -330,8 +330,9 @@ class Scheduler:
         if gone:
             self._waiting = [e for e in self._waiting if e[2] not in gone]
             heapq.heapify(self._waiting)
-        held = [s for s in self._holders
-                if s.request_id in aborts or (s.req.deadline is not None and s.req.deadline < now)]
+        # A deadline abandons waiting work only: a sequence holding a slot has streamed or is about to,
+        # and its client's disconnect (an abort) or its length ends it, never the clock.
+        held = [s for s in self._holders if s.request_id in aborts]
         # A sequence in flight leaves when its pass is back (its abort kept until then).
         self._aborts |= {s.request_id for s in held if s in self._in_flight and s.request_id in aborts}
         gone += [s for s in held if s not in self._in_flight]

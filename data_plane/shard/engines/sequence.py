@@ -113,8 +113,3 @@ class SeqState:
     def prefilled(self) -> int:
         """Prompt tokens in the KV."""
         return min(self.num_computed_tokens, len(self.req.prompt_ids))
-
-    @property
-    def length(self) -> int:
-        """Tokens in the KV (== num_computed_tokens)."""
-        return self.num_computed_tokens

@@ -69,9 +69,6 @@ class SyntheticEngine:
             ids.append(self._id("<assistant>"))
         return ids
 
-    def count_tokens(self, text: str) -> int:
-        return len(text.split())
-
     def _decode(self, ids: list[int]) -> str:
         return "".join(" " + self._words.get(i, "") for i in ids)
 

@@ -32,9 +32,9 @@ class EngineConfig:
     """auto (the fastest on this CPU: data_plane/shard/engines/weight_source.py), bfloat16, float16 or float32
     (batch-invariant greedy output)."""
     quantization: str = "auto"
+    """Weight format (vLLM's flag): auto (what the model ships: a GGUF's Q4 blocks -> int4), none, int8, int4."""
     quantization_kernel: str = "auto"
     """What computes quantized projections: auto | blockq | torch (weight_source.resolve_plan)."""
-    """Weight format (vLLM's flag): auto (what the model ships: a GGUF's Q4 blocks -> int4), none, int8, int4."""
     max_num_seqs: int = 16
     """Sequences decoded together (KV slots), 1..256."""
     max_model_len: int = 2048

@@ -190,6 +190,16 @@ class TorchEngine:
         if model.layer_ranges:
             self.pipeline = start_pipeline(self.config, model, self.prefix, self.listener, self._stage_lost)
             phases.mark("pipeline_stages")
+        self._assemble()
+        # One tiny warm-up pass so the first request doesn't pay for lazy kernel setup.
+        self._runner.prefill(0, [self._tokenizer.bos_token_id or 1], 0)
+        self._runner.decode([1], [1])
+        phases.mark("warm_up")
+        print(ready_line(model, self.config, self.prefix, phases), flush=True)
+
+    def _assemble(self) -> None:
+        """The step loop's parts around the loaded runner, tokenizer and prefix cache (tests assemble
+        an engine around a fake runner this way: tests/data_plane/test_engine_step.py)."""
         self.scheduler.max_model_len = self.max_model_len
         self._executor = Executor(self._runner, self.prefix, MaskPrefetch(self.listener))
         self._output = OutputProcessor(self.scheduler, self._lock, self._by_id, self.listener, self.transcripts,
@@ -197,13 +207,8 @@ class TorchEngine:
         if self.pipeline is not None:  # each final output carries its stages' part (the shard's spans)
             self._output.stage_spans = self._runner.downstream.take
         if self.scheduler.config.batch_queue > 1:
-            self._queue = BatchQueue(self.scheduler, self._executor, self._output, self._lock, self._observe,
-                                     self.thread_tuner, self.listener)
-        # One tiny warm-up pass so the first request doesn't pay for lazy kernel setup.
-        self._runner.prefill(0, [self._tokenizer.bos_token_id or 1], 0)
-        self._runner.decode([1], [1])
-        phases.mark("warm_up")
-        print(ready_line(model, self.config, self.prefix, phases), flush=True)
+            self._queue = BatchQueue(self._plan, self.scheduler, self._executor, self._output, self._lock,
+                                     self._observe, self.listener)
 
     def _stage_lost(self, stage: int, why: str) -> None:
         """A stage is gone (the monitor thread): fail every open stream now (an error event the
@@ -244,9 +249,6 @@ class TorchEngine:
         if restored:
             self.listener.on_tokens_restored(restored)
         return out
-
-    def count_tokens(self, text: str) -> int:
-        return len(self._tokenizer.encode(text, add_special_tokens=False))
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -309,6 +311,8 @@ class TorchEngine:
         if self.prefix is not None:
             seq.block_hashes = self.prefix.hashes(req.prompt_ids, req.cache_salt, req.public_prefix_tokens)
         with self._lock:
+            if self.dead is not None:  # it died while this request was being prepared
+                raise Overloaded("the engine has failed; this shard is restarting", retry_after=5)
             if self.scheduler.num_waiting >= self.config.max_waiting:
                 raise Overloaded("the shard's queue is full; retry shortly", retry_after=1)
             if req.request_id in self._by_id:
@@ -352,10 +356,13 @@ class TorchEngine:
                     self._wake.clear()
             if self._queue is not None:  # a pipeline's passes in flight come back before it is closed
                 self._queue.drain()
-        except BaseException as exc:  # a dead engine fails every request, loudly
+        except BaseException as exc:  # a dead engine fails every request, loudly, and the shard goes
             log.exception("engine scheduler died")
-            self.dead = exc
+            with self._lock:  # generate() checks under it too: no request slips in after the snapshot
+                self.dead = exc
             self._fail_open("the shard's engine failed")
+            if self.on_dead is not None:  # leave membership and exit, to be restarted (group_exit.py)
+                self.on_dead()
 
     def _fail_open(self, message: str) -> None:
         """End every open stream with a retryable error (any thread): the gateway resumes it elsewhere."""
@@ -370,25 +377,43 @@ class TorchEngine:
             return 0
         return self.prefix.cached_tokens(seq.block_hashes, len(seq.req.prompt_ids))
 
+    def _plan(self) -> SchedulerOutput:
+        """The next plan, and what must surround schedule(): the KV tier's offered blocks inserted
+        before it (outside the lock: an insert copies blocks, and a pipeline sends them on; schedule()
+        runs only once no offer is left, so a request enqueued after its offer sees its blocks); the
+        admitted sequences' prefix hits referenced right after it, before the sequences it reaped are
+        finished (storing their blocks may evict unreferenced ones: a counted hit among them would be
+        gone by its load); the admissions recorded and the pass's thread count chosen."""
+        executor, output, tuner, prefix = self._executor, self._output, self.thread_tuner, self.prefix
+        assert executor is not None and output is not None
+        while True:
+            if prefix is not None:
+                prefix.take_offers()
+            with self._lock:
+                if prefix is None or not prefix.has_offers:
+                    plan = self.scheduler.schedule(time.time())
+                    break
+        executor.reserve(plan)
+        for seq in plan.finished:
+            output.finish(seq, FINISH_ABORT)
+        if plan.rows:
+            output.admit(plan)
+            if tuner is not None:  # prefill passes run at the chosen thread count, never at a probed one
+                if plan.is_decode:
+                    tuner.for_decode()
+                else:
+                    tuner.for_other()
+        return plan
+
     def _step(self) -> bool:
         """One iteration: schedule -> execute -> update; returns False when there was nothing to do."""
         if self._queue is not None:
             return self._queue.step()
-        executor, output, tuner = self._executor, self._output, self.thread_tuner
+        executor, output = self._executor, self._output
         assert executor is not None and output is not None
-        with self._lock:
-            plan = self.scheduler.schedule(time.time())
-        for seq in plan.finished:
-            output.finish(seq, FINISH_ABORT)
+        plan = self._plan()
         if not plan.rows:
             return bool(plan.finished)
-        output.admit(plan)
-        if tuner is not None:
-            # Prefill passes run at the chosen thread count, never at a probed one.
-            if plan.is_decode:
-                tuner.for_decode()
-            else:
-                tuner.for_other()
         result = executor.execute(plan)
         output.update(plan, result)
         self._observe(plan, result.seconds)

@@ -1,12 +1,16 @@
 """The torch engine's executor: runs a scheduler's plan on the model and reports the tokens.
 
     executor = Executor(runner, prefix, masks)   # a loaded LlamaRunner, the SlotPrefix or None, a MaskPrefetch
-    result = executor.execute(plan)              # plan: scheduler.SchedulerOutput
+    executor.reserve(plan)                       # plan: scheduler.SchedulerOutput; its prefix hits referenced
+    result = executor.execute(plan)
     result.tokens[i]                             # plan.rows[i]'s tokens: 0 (a chunk), 1, or accepted drafts + 1
     result.seconds                               # the pass and the token choice
 
-In order: the plan's slot moves (already ordered so none overwrites KV still to be moved), the
-admitted sequences' cached prefixes copied in (torch_prefix.SlotPrefix.load), one forward pass over
+`reserve` comes right after schedule(), before the engine finishes the sequences the plan reaped
+(their blocks are stored, which may evict unreferenced ones: a hit counted by schedule() must be
+referenced first). Then `execute`, in order: the plan's slot moves (already ordered so none
+overwrites KV still to be moved), the admitted sequences' reserved prefixes copied in
+(torch_prefix.SlotPrefix.load), one forward pass over
 every row (`LlamaRunner.forward`: batched attention over slots 0..n-1 for a decode or verify step,
 per sequence otherwise), with the constrained rows' grammar masks filled in a worker thread meanwhile
 (token_masks.MaskPrefetch: they depend only on tokens already taken), then the token choice: one call to torch_sampling.sample for the rows that
@@ -71,12 +75,23 @@ class Executor:
         self.prefix = prefix
         self.masks = masks
 
-    def execute(self, plan: SchedulerOutput) -> StepResult:
+    def reserve(self, plan: SchedulerOutput) -> None:
+        """Reference the admitted sequences' prefix hits, right after schedule() counted them and before
+        anything stores or inserts blocks (the engine's `_plan`)."""
+        if self.prefix is not None:
+            for seq in plan.admitted:
+                seq.held = self.prefix.reserve(seq.block_hashes, seq.num_computed_tokens)
+
+    def _prepare(self, plan: SchedulerOutput) -> None:
+        """The plan's slot moves, then its admitted sequences' reserved prefixes copied in."""
         for move in plan.moves:
             self.runner.move_slot(move.src, move.dst, move.length)
         if self.prefix is not None:
             for seq in plan.admitted:
-                seq.held = self.prefix.load(seq.block_hashes, seq.cached, seq.slot, seq.req.trace)
+                self.prefix.load(seq.held, seq.slot, seq.req.trace)
+
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        self._prepare(plan)
         rows = plan.rows
         if not rows:
             return StepResult()
@@ -95,11 +110,7 @@ class Executor:
     def submit(self, plan: SchedulerOutput, microbatches: int | None = None) -> Pending:
         """`execute` up to the pipeline's hop: the moves, the prefixes, stage 0's layers sent on
         (in up to `microbatches` micro-batches; None: the pipeline's own count). `plan` has rows."""
-        for move in plan.moves:
-            self.runner.move_slot(move.src, move.dst, move.length)
-        if self.prefix is not None:
-            for seq in plan.admitted:
-                seq.held = self.prefix.load(seq.block_hashes, seq.cached, seq.slot, seq.req.trace)
+        self._prepare(plan)
         t0 = time.monotonic()
         rows = plan.rows
         self._prefetch(plan)

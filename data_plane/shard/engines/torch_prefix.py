@@ -3,8 +3,10 @@
     prefix = SlotPrefix.build(runner, model_id="/models/smollm2", dtype="float32", block_size=16,
                               budget_bytes=0, on_evict=listener.on_kv_evict)   # 0 = auto budget
     hashes = prefix.hashes(prompt_ids, salt="tenant:acme")          # when the request arrives
+    prefix.take_offers()                                            # before each schedule(): the KV tier's blocks in
     hit = prefix.cached_tokens(hashes, len(prompt_ids))             # while admitting (no side effect)
-    held = prefix.load(hashes, hit, slot)                           # copy-in, blocks referenced
+    held = prefix.reserve(hashes, hit)                              # right after schedule(): blocks referenced
+    prefix.load(held, slot)                                         # copy-in, after the plan's slot moves
     held += prefix.keep(hashes, hit, slot)                          # once the prompt is prefilled
     prefix.finish(tokens_in_slot, salt, public, slot, hit, held, req)  # when the sequence ends
 
@@ -12,8 +14,11 @@
     prefix.remote = tier               # data_plane/shard/kv_tier.py: a finished session's new blocks go out
 
 All of it runs on the engine's scheduler thread (data_plane/shard/engines/torch_engine.py) except
-`offer`, which queues (under a lock) what the next admission's lookup inserts first, so a request
-enqueued after its blocks were offered always sees them. Offered blocks stay referenced until a
+`offer`, which queues (under a lock) what the next `take_offers` inserts; the engine takes them before
+each schedule() and schedules only once none is left, so a request enqueued after its blocks were
+offered always sees them. Nothing changes the cache between a lookup and its reservation: an insert
+or a store may evict the least recently used unreferenced blocks, and a hit among them would be gone
+by the time it is loaded. Offered blocks stay referenced until a
 request loads them (or for OFFER_HOLD_S), so a busy cache cannot evict them in between. The cache
 itself, its addressing and why slots + copy-in are in data_plane/shard/engines/kv_cache.py. With a
 pipeline, each copy is repeated on the later stages (the cache's mirror, pipeline_kv.KVHops), as a
@@ -135,28 +140,41 @@ class SlotPrefix:
 
     def cached_tokens(self, hashes: Sequence[bytes], prompt_len: int) -> int:
         """Prompt tokens the cache holds, leaving at least one to compute (its logits start the reply)."""
-        if self._offers or self._offered:
-            self._take_offers()
         bs = self.block_size
         return bs * self.cache.probe(hashes, (prompt_len - 1) // bs)
 
-    def load(self, hashes: Sequence[bytes], hit_tokens: int, slot: int, trace_ctx: Any = None) -> list[int]:
-        held = self.cache.acquire(hashes[: hit_tokens // self.block_size])
-        with under(trace_ctx):
-            self.cache.load(held, self._runner.k_cache, self._runner.v_cache, slot)
+    def reserve(self, hashes: Sequence[bytes], hit_tokens: int) -> list[int]:
+        """Reference the blocks of a hit `cached_tokens` just counted (nothing may have changed the
+        cache since); returns them, for `load` and the sequence's release."""
+        hit = hashes[: hit_tokens // self.block_size]
+        held = self.cache.acquire(hit)
         if self._offered:  # the request's own references now keep what was offered for it
-            for h in hashes[: hit_tokens // self.block_size]:
+            for h in hit:
                 got = self._offered.pop(h, None)
                 if got is not None:
                     self.cache.release([got[0]])
         return held
+
+    def load(self, held: Sequence[int], slot: int, trace_ctx: Any = None) -> None:
+        """Copy reserved blocks into `slot` (after the plan's slot moves)."""
+        with under(trace_ctx):
+            self.cache.load(held, self._runner.k_cache, self._runner.v_cache, slot)
 
     def offer(self, hashes: list[bytes], kv: torch.Tensor, trace_ctx: Any = None) -> None:
         """Blocks from the cache nodes for a request about to be enqueued (any thread); `trace_ctx`: its span."""
         with self._offer_lock:
             self._offers.append((hashes, kv, trace_ctx))
 
-    def _take_offers(self) -> None:
+    @property
+    def has_offers(self) -> bool:
+        """Offered blocks not inserted yet."""
+        return bool(self._offers)
+
+    def take_offers(self) -> None:
+        """Insert the offered blocks (held for their request) and let go of holds past OFFER_HOLD_S;
+        the scheduler thread, before it schedules (never between a lookup and its reservation)."""
+        if not self._offers and not self._offered:
+            return
         with self._offer_lock:
             offers, self._offers = self._offers, []
         now = time.monotonic()

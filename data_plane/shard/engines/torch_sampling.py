@@ -12,7 +12,7 @@ n-gram speculation (whose draft length follows timing: a verify row samples its 
 plain step would, speculation.accept_sampled), on jump-forward, or on a resumed stream starting over
 (the continuation starts at the position after the text already sent).
 
-Called by the engine's step code (data_plane/shard/engines/torch_step.py) on the scheduler thread;
+Called by the engine's executor (data_plane/shard/engines/torch_executor.py) on the scheduler thread;
 speculation.accept_sampled calls sample_row on each verify row.
 """
 
