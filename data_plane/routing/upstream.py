@@ -38,7 +38,7 @@ from data_plane.common.errors import (
     UpstreamTimeout,
     from_openai_body,
 )
-from data_plane.common.keepalive import KEEPALIVE_META
+from data_plane.common.keepalive import KEEPALIVE_HEADER, KEEPALIVE_META
 from data_plane.common.kv_report import CHAIN_HEADER, parse_chain
 from data_plane.membership.view import Member
 from data_plane.protocol import INPUT_TOKENS_PATH, ChatMessage, ShardRequest, StreamOptions
@@ -275,6 +275,8 @@ class Upstream:
         response: ShardResponse | None = None
         try:
             response = await self._connect(member, payload, silence)
+            if silence is None and response.header(KEEPALIVE_HEADER.encode()):  # a shard known by URL only
+                silence = cfg.silence_timeout_s
             chain = await self._headers(member, response, leases)
             first = await self._first_token(response, first_token_by, silence)
         except HopError as exc:  # HopConnectError / HopTimeout are mapped in their stage
