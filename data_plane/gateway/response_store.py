@@ -2,17 +2,19 @@
 
     store = ConversationStore(runtime.sessions, ttl_s=86400)
     rec = await store.load("resp_...", owner, replicas=2, kind=Kind.RESPONSE)   # 404 if not this key's
+    rec = await store.previous("resp_...", owner, replicas=2)   # a previous_response_id: 400 if not this key's
     await store.save(rec, owner, replicas=2)
     await store.delete("conv_...", owner, replicas=2, kind=Kind.CONVERSATION)     # from every cache node
 
-A stored response and a conversation are each one session record (data_plane/cache/client.py):
-sealed with the key it belongs to, replicated like any session of the tier, read-repaired, and
-bound to the API key that made it (another key's id is a 404, exactly like a missing one). The
-record's single message (role ``x-responses``) holds the Responses API's own state as JSON: the
-items so far (the conversation as the model sees it: messages, function calls, their outputs,
-compaction items), the response object or the conversation's metadata, and ``route``: the session
-id the chain's generations run under (the first response's id, or the conversation's), so every
-turn of a chain reaches the shard and the cache nodes that hold its KV blocks (kv_aware routing).
+A stored response and a conversation are each one session record (data_plane/cache/client.py): sealed
+with the key it belongs to, replicated like any session of the tier, read-repaired, and bound to the
+API key that made it (another key's id is a 404, exactly like a missing one; named as a
+`previous_response_id`, the 400 of `previous`). The record's single message (role ``x-responses``)
+holds the Responses API's own state as JSON: the items so far (the conversation as the model sees it:
+messages, function calls, their outputs, compaction items), the response object or the conversation's
+metadata, and ``route``: the session id the chain's generations run under (the first response's id, or
+the conversation's), so every turn of a chain reaches the shard and the cache nodes that hold its KV
+blocks (kv_aware routing).
 
 A response record holds the whole chain up to it (copy on write): `previous_response_id` may point
 at any earlier response and branch from there, and a turn costs one cache read, not one per turn.
@@ -30,7 +32,7 @@ from typing import Any
 
 from data_plane.cache.client import SessionStore
 from data_plane.cache.model import TOMBSTONE_VERSION, VersionConflict, validate_session_id
-from data_plane.common.errors import NotFound, SwitchboardError
+from data_plane.common.errors import InvalidRequest, NotFound, SwitchboardError
 
 META_ROLE = "x-responses"
 """The role of the one message a Responses record holds (never sent to a model)."""
@@ -132,6 +134,19 @@ class ConversationStore:
         if record is None or record.kind is not kind:
             raise not_found(kind, record_id)
         return record
+
+    async def previous(self, response_id: str, owner: str, replicas: int) -> Record:
+        """The response a request's `previous_response_id` names, or OpenAI's 400 for it:
+        ``previous_response_not_found``, param ``previous_response_id``, "Previous response with id '...' not
+        found." (unknown, deleted, `store: false`, another key's, or out of this zone). Not the 404 that
+        GET /v1/responses/{id} is: clients that chain turns read that code to start the chain again with the
+        whole history (pydantic-ai's `openai_previous_response_id="auto"`, Codex's bridges), and the 404
+        left them with a dead chain."""
+        try:
+            return await self.load(response_id, owner, replicas, Kind.RESPONSE)
+        except NotFound:
+            raise InvalidRequest(f"Previous response with id '{response_id}' not found.",
+                                 param="previous_response_id", code="previous_response_not_found") from None
 
     async def save(self, record: Record, owner: str, replicas: int) -> None:
         """Write `record` as its next version. A conversation deleted since it was loaded (its tombstone

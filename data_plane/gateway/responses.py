@@ -162,7 +162,7 @@ class ResponsesHandler(ChatHandler):
     async def _load_history(self, rreq: ResponsesRequest, tier: Tier) -> None:
         conv_id = rreq.conversation_id
         if rreq.previous_response_id:
-            previous = await self.store.load(rreq.previous_response_id, self.owner, tier.replication, Kind.RESPONSE)
+            previous = await self.store.previous(rreq.previous_response_id, self.owner, tier.replication)
             self.history_items, self.route = previous.items, previous.route
         elif conv_id:
             await self.hold(conv_id, "conversation")
@@ -448,7 +448,7 @@ def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationS
                                      code="unsupported_parameter")
             items: list[dict[str, Any]] = []
             if body.get("previous_response_id"):
-                items = (await store().load(str(body["previous_response_id"]), owner, replicas, Kind.RESPONSE)).items
+                items = (await store().previous(str(body["previous_response_id"]), owner, replicas)).items
             items = items + await resolve_references(store(), input_items(body.get("input") or []), owner, replicas,
                                                      local=items)
             keep = body.get("keep_tokens", 256)

@@ -78,9 +78,10 @@ def mount_input_tokens(app: FastAPI, gw: Gateway, store: Callable[[], Conversati
             history: list[dict[str, Any]] = []
             route: str | None = None
             conversation = rreq.conversation_id
-            if rreq.previous_response_id or conversation:  # a 404 for an unknown or another key's id
-                kind = Kind.RESPONSE if rreq.previous_response_id else Kind.CONVERSATION
-                record = await store().load(rreq.previous_response_id or conversation or "", owner, replicas, kind)
+            if rreq.previous_response_id or conversation:  # unknown or another key's: the create's 400 / 404
+                record = (await store().previous(rreq.previous_response_id, owner, replicas)
+                          if rreq.previous_response_id else
+                          await store().load(conversation or "", owner, replicas, Kind.CONVERSATION))
                 history, route = record.items, record.route
             new_items = await resolve_references(store(), new_items, owner, replicas, local=history)
             unseal = unsealer(rt, owner)

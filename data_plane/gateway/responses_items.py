@@ -88,6 +88,8 @@ class ResponsesRequest(BaseModel):
     safety_identifier: str | None = Field(default=None, max_length=256)
     prompt_cache_key: str | None = Field(default=None, max_length=256)
     prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None  # no-ops, as on the chat path (the Agents SDK sends this
+    moderation: dict[str, Any] | None = None  # one from ModelSettings); the gateway's safety filters always apply
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     """Accepted (OpenAI's values); every request runs at this server's one processing tier, "default"."""
     include: list[str] | None = None
@@ -106,9 +108,7 @@ class ResponsesRequest(BaseModel):
     _metadata = field_validator("metadata")(check_metadata)
 
     def check_supported(self) -> None:
-        neutral: dict[str, tuple[Any, ...]] = {
-            "prompt": (None,), "max_tool_calls": (None,), "stop": (None,),
-        }
+        neutral: dict[str, tuple[Any, ...]] = {"prompt": (None,), "max_tool_calls": (None,), "stop": (None,)}
         for name, values in neutral.items():
             if getattr(self, name) not in values:
                 raise UnsupportedParameter(f"parameter {name!r} is not supported by this server", param=name)
@@ -462,11 +462,12 @@ def output_items(message: dict[str, Any], status: str = "completed",
 
 
 def response_usage(chat_usage: dict[str, Any] | None) -> dict[str, Any]:
-    """A chat usage body in the Responses shape (cached tokens included)."""
+    """A chat usage body in the Responses shape (cached tokens included; `cache_write_tokens`, which OpenAI's
+    schema requires since openai-python 2.45, is 0: filling the prefix cache is not billed here)."""
     u = chat_usage or {}
     cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     prompt, completion = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion}
 

@@ -103,13 +103,14 @@ def test_create_chain_retrieve_input_items_delete(stack: Stack) -> None:
     assert got.metadata == {"ticket": "T-1"} and got.previous_response_id == first.id
     items = sdk.responses.input_items.list(second.id)
     assert [i.type for i in items.data] == ["message"] and items.data[0].content[0].text == "And of Italy?"
-    # another key (even of the same tenant) sees nothing
-    for call in (lambda s: s.responses.retrieve(first.id), lambda s: s.responses.delete(first.id),
-                 lambda s: s.responses.create(model=MODEL, input="x", previous_response_id=first.id,
-                                              max_output_tokens=2)):
+    # another key (even of the same tenant) sees nothing; continuing its chain is OpenAI's 400 for that
+    for call in (lambda s: s.responses.retrieve(first.id), lambda s: s.responses.delete(first.id)):
         with pytest.raises(openai.NotFoundError) as e:
             call(stack.sdk("plus2"))
-        assert e.value.body["param"] in ("response_id", "previous_response_id") or e.value.status_code == 404
+        assert e.value.body["param"] == "response_id"
+    with pytest.raises(openai.BadRequestError) as refused:
+        stack.sdk("plus2").responses.create(model=MODEL, input="x", previous_response_id=first.id, max_output_tokens=2)
+    assert refused.value.code == "previous_response_not_found" and refused.value.param == "previous_response_id"
     # deleted: gone from every cache node, and a 404 after
     held = [c for c in stack.caches if stored_session(c.url, first.id) is not None]
     assert held, "a stored response lives on the cache nodes"
@@ -278,7 +279,7 @@ def test_a_turn_sent_the_moment_the_last_one_completes_is_not_refused(stack: Sta
     ({"input": "x", "background": True, "store": False}, 400, "store"),
     ({"input": "x", "bogus": 1}, 400, "bogus"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, 400, "input[0].type"),
-    ({"input": "x", "previous_response_id": "resp_nope"}, 404, "response_id"),
+    ({"input": "x", "previous_response_id": "resp_nope"}, 400, "previous_response_id"),
     ({"input": "x", "conversation": "conv_nope"}, 404, "conversation_id"),
     ({"input": "x", "previous_response_id": "resp_a", "conversation": "conv_b"}, 400, "previous_response_id"),
     ({"input": "word " * 3000, "max_output_tokens": 4}, 400, "input"),

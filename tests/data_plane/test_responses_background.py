@@ -102,8 +102,9 @@ def test_background_needs_store_and_checks_come_first(cluster: Cluster) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input="x", background=True, store=False)
     assert e.value.body["param"] == "store"
-    with pytest.raises(openai.NotFoundError):  # the request's own error, answered at once
+    with pytest.raises(openai.BadRequestError) as e:  # the request's own error, answered at once
         client.responses.create(model=MODEL, input="x", background=True, previous_response_id="resp_nope")
+    assert e.value.code == "previous_response_not_found"
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model=MODEL, input="x", background=True, max_output_tokens=10**9)
 

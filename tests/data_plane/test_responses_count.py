@@ -87,10 +87,12 @@ def test_count_errors_and_tenant_binding(gateway: Service) -> None:
     client = sdk(gateway)
     refused = metric(gateway.url, "switchboard_responses_requests_total", op="input_tokens", status="400")
     stored = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, temperature=0)
-    with pytest.raises(openai.NotFoundError):  # another key's response is not there for it
+    with pytest.raises(openai.BadRequestError) as e:  # another key's response is not there for it (the create's 400)
         sdk(gateway, "plus2").responses.input_tokens.count(model=MODEL, input="x", previous_response_id=stored.id)
-    with pytest.raises(openai.NotFoundError):
+    assert e.value.code == "previous_response_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
         client.responses.input_tokens.count(model=MODEL, input="x", previous_response_id="resp_" + "0" * 48)
+    assert param(e.value) == "previous_response_id"
     with pytest.raises(openai.BadRequestError) as e:  # a create-only field is not a count's
         client.responses.input_tokens.count(model=MODEL, input="x", extra_body={"max_output_tokens": 5})
     assert param(e.value) == "max_output_tokens"
@@ -107,7 +109,7 @@ def test_count_errors_and_tenant_binding(gateway: Service) -> None:
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=gateway.url + "/v1", api_key="sk-wrong", max_retries=0).responses.input_tokens.count(
             model=MODEL, input="x")
-    assert metric(gateway.url, "switchboard_responses_requests_total", op="input_tokens", status="400") == refused + 3
+    assert metric(gateway.url, "switchboard_responses_requests_total", op="input_tokens", status="400") == refused + 5
 
 
 def test_cancel_is_refused_for_a_response_not_made_in_the_background(gateway: Service) -> None:

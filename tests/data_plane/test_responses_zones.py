@@ -89,5 +89,6 @@ def test_free_records_stay_in_their_zone(gateways: dict[str, Service]) -> None:
     a, b = sdk(gateways["a"], "free"), sdk(gateways["b"], "free")
     r1 = a.responses.create(model="synthetic", input="hello from zone a", max_output_tokens=4)
     assert a.responses.retrieve(r1.id).id == r1.id
-    with pytest.raises(openai.NotFoundError):  # one replica, in zone A: zone B does not have it
+    with pytest.raises(openai.BadRequestError) as e:  # one replica, in zone A: zone B does not have it
         b.responses.create(model="synthetic", input="and now", previous_response_id=r1.id, max_output_tokens=4)
+    assert e.value.code == "previous_response_not_found"

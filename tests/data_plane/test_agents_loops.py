@@ -1,0 +1,206 @@
+"""Agent programs as an app developer writes them with the OpenAI Agents SDK, against the real model: a
+triage agent hands off to a weather agent whose function tool runs once (function_call ->
+function_call_output -> the answer), streamed and not, on a server-side chain, with an output type, and
+every body and stream event the gateway sent checked against the openai SDK's own types (what a typed
+client or proxy validates). A chain whose previous response is gone is OpenAI's 400
+`previous_response_not_found`, the code clients read to start the chain again with the whole history.
+What test_clients_compat.py, test_structured_api.py and test_responses_*.py cover is not repeated here.
+
+    PYTHONPATH=$PWD .venv/bin/python -m pytest tests/data_plane/test_agents_loops.py -q   # ~1 min (real model)
+
+Real processes: the session's fp32 shard, a cache node and a gateway on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from agents import (
+    Agent,
+    ModelSettings,
+    OpenAIResponsesModel,
+    RunContextWrapper,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import BaseModel, Field, TypeAdapter
+
+from tests.support.chat import sdk
+from tests.support.cluster import KEYS, gateway_before
+from tests.support.procs import Service
+
+MODEL = "SmolLM2-135M-Instruct"
+EVENT: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+set_tracing_disabled(True)  # (no trace export to OpenAI from a test)
+
+
+@pytest.fixture(scope="module")
+def gateway(fp32_shard: Service, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    keys = ",".join([f"{KEYS['plus']}:acme:plus", f"{KEYS['enterprise']}:bigco:enterprise"])
+    with gateway_before(fp32_shard, tmp_path_factory.mktemp("agents-loops"), keys) as gw:
+        yield gw
+
+
+class Wire:
+    """What the gateway sent an AsyncOpenAI client on /v1/responses, as raw JSON: each body and each
+    stream's events (read whole in httpx's response hook; the SDK then reads the same bytes)."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.streams: list[list[dict[str, Any]]] = []
+
+    async def record(self, response: Any) -> None:  # an httpx2.Response (the openai SDK's httpx)
+        if not response.request.url.path.endswith("/responses"):
+            return
+        await response.aread()
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            self.streams.append([json.loads(line[6:]) for line in response.text.splitlines()
+                                 if line.startswith("data: ")])
+        else:
+            self.bodies.append(response.json())
+
+    def client(self, gw: Service) -> openai.AsyncOpenAI:
+        http = openai.DefaultAsyncHttpxClient(timeout=120, event_hooks={"response": [self.record]})
+        return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEYS["plus"], max_retries=0, http_client=http)
+
+
+def check_stream(events: list[dict[str, Any]]) -> None:
+    """One Responses stream as OpenAI's spec has it: every event valid as the SDK types it, sequence numbers
+    0, 1, 2, ..., created and in_progress first, one terminal event last, and each output item opened, filled
+    and closed before the next is added."""
+    for event in events:
+        EVENT.validate_python(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"], kinds
+    assert kinds[-1] in ("response.completed", "response.incomplete") and kinds.count(kinds[-1]) == 1, kinds
+    opened = -1
+    for e in events[2:-1]:
+        if e["type"] == "response.output_item.added":
+            assert e["output_index"] == opened + 1, kinds
+            opened = e["output_index"]
+        else:
+            assert e["output_index"] == opened, (e, kinds)
+    Response.model_validate(events[-1]["response"])
+
+
+def test_agents_loop_handoff_tool_and_output_type_on_the_wire(gateway: Service) -> None:
+    """A triage agent hands off (a function call the SDK turns into the other agent), the weather agent's
+    tool runs once and its output goes back as a function_call_output, the answer ends the run: streamed
+    and not, the second run on a server-side chain (`auto_previous_response_id`: only the new items go
+    up); an agent with an output type gets it through `text.format` (and its prompt_cache_options and
+    moderation, the chat path's no-ops, were a 400 on /v1/responses). Every body and event the SDK read
+    validates against openai's types: `usage.input_tokens_details` lacked `cache_write_tokens`, which
+    OpenAI's schema requires (openai-python's ResponseUsage since 2.45), so `response.completed`, every
+    body and every stored response failed `Response.model_validate`."""
+    def not_yet_called(ctx: RunContextWrapper[Any], agent: Any) -> bool:  # the model would call it forever
+        return not ctx.context["calls"]
+
+    @function_tool(is_enabled=not_yet_called)
+    def get_weather(ctx: RunContextWrapper[Any], city: str) -> str:
+        """Get the current weather in a city."""
+        ctx.context["calls"].append(city)
+        return f"Sunny in {city}"
+
+    class Report(BaseModel):
+        city: str = Field(max_length=20)
+        sky: str = Field(max_length=20)
+
+    wire = Wire()
+    model = OpenAIResponsesModel(MODEL, wire.client(gateway))
+    forced = ModelSettings(temperature=0, max_tokens=60, tool_choice="required", parallel_tool_calls=False)
+    weather = Agent(name="weather", instructions="Use the tool, then answer briefly.", tools=[get_weather],
+                    model=model, model_settings=forced)
+    triage = Agent(name="triage", instructions="Hand off to the weather agent.", handoffs=[weather], model=model,
+                   model_settings=forced)
+    # prompt_cache_options (ModelSettings) and moderation: the chat path's no-ops, a 400 "unrecognized request
+    # argument" on /v1/responses (every Agents SDK agent on the Responses model setting the first)
+    typed = Agent(name="report", instructions="Report the weather: it is sunny in Paris.", output_type=Report,
+                  model=model, model_settings=ModelSettings(
+                      temperature=0, max_tokens=60, prompt_cache_options={"mode": "implicit", "ttl": "30m"},
+                      extra_body={"moderation": {"model": "omni-moderation-latest"}}))
+
+    async def run() -> list[Any]:
+        done = []
+        for streamed, chained in ((True, False), (False, True)):
+            context: dict[str, list[str]] = {"calls": []}
+            if streamed:
+                result: Any = Runner.run_streamed(triage, "What is the weather in Paris?", context=context,
+                                                  max_turns=4)
+                async for _ in result.stream_events():
+                    pass
+            else:
+                result = await Runner.run(triage, "What is the weather in Paris?", context=context, max_turns=4,
+                                          auto_previous_response_id=chained)
+            kinds = [type(item).__name__ for item in result.new_items]
+            assert kinds == ["HandoffCallItem", "HandoffOutputItem", "ToolCallItem", "ToolCallOutputItem",
+                             "MessageOutputItem"], kinds
+            assert result.last_agent is weather and len(context["calls"]) == 1 and result.final_output
+            done.append(result)
+        done.append(await Runner.run(typed, "Report.", max_turns=1))
+        return done
+
+    *_, report = asyncio.run(run())
+    assert isinstance(report.final_output, Report)
+    assert len(wire.streams) == 3 and len(wire.bodies) == 4, (len(wire.streams), len(wire.bodies))
+    for events in wire.streams:
+        check_stream(events)
+    for body in wire.bodies:
+        assert Response.model_validate(body).usage.input_tokens_details.cache_write_tokens == 0  # type: ignore[union-attr]
+    stored = httpx.get(f"{gateway.url}/v1/responses/{wire.bodies[-1]['id']}", timeout=30,
+                       headers={"Authorization": f"Bearer {KEYS['plus']}"})
+    Response.model_validate(stored.json())
+
+
+def test_a_previous_response_that_is_gone_is_openais_400_and_the_app_starts_again(gateway: Service) -> None:
+    """`previous_response_id` naming a response this key cannot see (unknown, deleted, `store: false`, another
+    key's) was a 404 `not_found` with param `response_id`, the answer to GET /v1/responses/{id}. OpenAI
+    answers a 400 `previous_response_not_found`, param `previous_response_id`, and clients read that code to
+    resend the whole history (pydantic-ai's `openai_previous_response_id="auto"`, Codex bridges); the Agents
+    SDK raised openai.NotFoundError where an app catching BadRequestError recovers. The same for a streamed
+    create, `input_tokens` and `compact`; GET of the id stays a 404."""
+    plus = sdk(gateway)
+    ask = {"model": MODEL, "max_output_tokens": 4, "temperature": 0}
+    deleted = plus.responses.create(input="Say hi.", **ask)
+    plus.responses.delete(deleted.id)
+    unstored = plus.responses.create(input="Say hi.", store=False, **ask)
+    others = sdk(gateway, KEYS["enterprise"]).responses.create(input="Say hi.", **ask)
+
+    def attempts(gone: str) -> list[Callable[[], object]]:
+        return [lambda: plus.responses.create(input="And?", previous_response_id=gone, **ask),
+                lambda: list(plus.responses.create(input="And?", previous_response_id=gone, stream=True, **ask)),
+                lambda: plus.responses.input_tokens.count(model=MODEL, input="And?", previous_response_id=gone),
+                lambda: plus.post("/responses/compact", cast_to=object,
+                                  body={"model": MODEL, "input": "And?", "previous_response_id": gone})]
+
+    for gone in ("resp_" + "0" * 48, deleted.id, unstored.id, others.id):
+        for call in attempts(gone):
+            with pytest.raises(openai.BadRequestError) as refused:
+                call()
+            assert refused.value.code == "previous_response_not_found", refused.value.body
+            assert refused.value.param == "previous_response_id"
+            assert refused.value.body["message"] == f"Previous response with id '{gone}' not found."  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        plus.responses.retrieve(deleted.id)
+
+    agent = Agent(name="chat", instructions="Be brief.", model=OpenAIResponsesModel(MODEL, openai.AsyncOpenAI(
+        base_url=gateway.url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=120)),
+        model_settings=ModelSettings(temperature=0, max_tokens=200))
+
+    async def chat_on(previous: str) -> Any:
+        try:
+            return await Runner.run(agent, "Say hi.", previous_response_id=previous, max_turns=1)
+        except openai.BadRequestError as exc:  # the chain expired: start it again
+            assert exc.code == "previous_response_not_found"
+            return await Runner.run(agent, "Say hi.", max_turns=1)
+
+    again = asyncio.run(chat_on(deleted.id))
+    assert again.final_output and again.last_response_id
