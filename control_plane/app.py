@@ -40,6 +40,7 @@ from control_plane.state_api import StateIndex, build_state_router, cluster_stat
 from control_plane.zones import ZoneMetrics, ZoneWatch, build_zones_router
 from data_plane.common.errors import install_error_handlers
 from data_plane.common.hop_auth import cluster_headers, guarded
+from data_plane.common.http_body import BodyLimit
 from data_plane.common.http_server import serve
 from data_plane.common.settings_cli import parse_settings as cli_settings
 from data_plane.common.telemetry import (
@@ -54,6 +55,9 @@ from data_plane.membership.consul import token_from_env
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "switchboard-control-plane"
+MAX_BODY_BYTES = 8 << 20
+"""The largest request body the control plane reads (413 beyond, before any token check): its largest are a
+tier policy and a gateway's report of failed authentications (at most 4,096 addresses), well under 1 MiB."""
 
 
 def create_app(settings: ControlPlaneSettings) -> FastAPI:
@@ -132,6 +136,7 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
     app.state.admin = admin
     app.state.metrics_registry = metrics_registry
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -7,8 +7,9 @@ A shard (data_plane/shard/app.py) writes the SSE comment ``: keep-alive`` whenev
 produced nothing for ``interval_s`` — while the request waits in the queue, during a long
 prefill, between slow tokens — and announces ``keepalive_s`` in its membership meta. The
 gateway (data_plane/routing/upstream.py) then knows that silence from that shard means the host, the
-process or the network is gone: after ``silence_timeout_s`` (2 s by default, a few keep-alive
-intervals) it fails the attempt over to another shard, before the first token as a retry and
+process or the network is gone (a gateway without the meta, routing to ``--shard-urls``, reads
+the stream's ``x-switchboard-keepalive-s`` header instead): after ``silence_timeout_s`` (2 s by default, a
+few keep-alive intervals) it fails the attempt over to another shard, before the first token as a retry and
 mid-stream as a resume. A shard that announces nothing (vLLM's own server, any other
 OpenAI-compatible engine) keeps the long first-token and idle timeouts.
 
@@ -28,6 +29,10 @@ T = TypeVar("T")
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
 KEEPALIVE_META = "keepalive_s"
 """Membership meta key: the interval a shard sends keep-alives at (its absence: none sent)."""
+KEEPALIVE_HEADER = "x-switchboard-keepalive-s"
+"""The same, as a header of each stream the shard answers: a gateway that knows its shards by URL
+(``--shard-urls``, no registry, so no meta) reads it there. Without it a frozen shard held such a gateway's
+streams for the 30 s idle timeout, not the 2 s silence timeout."""
 
 
 async def with_keepalives(source: AsyncIterator[T], interval_s: float) -> AsyncIterator[T | None]:

@@ -138,7 +138,7 @@ def create_app(gw: Gateway) -> GatewayApp:
     mount_responses(app, gw, lambda: holder.conversations(), lambda: holder.started())
     mount_input_tokens(app, gw, lambda: holder.conversations(), lambda: holder.started())
     mount_background(app, gw, lambda: holder.conversations(), lambda: holder.runs())
-    mount_conversations(app, gw, lambda: holder.conversations())
+    mount_conversations(app, gw, lambda: holder.conversations(), lambda: holder.started())
     mount_chat_store(app, gw, lambda: holder.conversations())
 
     @app.post(RESPONSES_PATH)

@@ -206,7 +206,7 @@ def mount_chat_store(app: FastAPI, gw: Gateway, store: Callable[[], Conversation
     async def update(completion_id: str, request: Request) -> dict[str, Any]:
         with observed(gw.responses_metrics, Op.CHAT_UPDATE, request):
             owner, replicas = caller(request)
-            metadata = await metadata_update(request)
+            metadata = await metadata_update(request, gw.settings.max_body_bytes)
             key = record_key(owner, completion_id)
             await gw.record_locks.acquire(key, wait_s=ITEM_EDIT_WAIT_S, param="completion_id")
             try:

@@ -20,13 +20,15 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from data_plane.common.errors import InvalidRequest, NotFound
+from data_plane.common.http_body import read_body
 from data_plane.gateway.item_index import Home, fresh_items, index_items, resolve_references
+from data_plane.gateway.memory import Unseal, open_compaction
 from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S, record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, conversation_object, new_conversation
-from data_plane.gateway.responses import page, record_caller
+from data_plane.gateway.responses import page, record_caller, unsealer
 from data_plane.gateway.responses_items import input_items, new_id, refuse_duplicates
 from data_plane.gateway.responses_metrics import Op, observed
-from data_plane.gateway.runtime import Gateway
+from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.request_checks import json_body
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,23 @@ def _items(body: dict[str, Any]) -> list[dict[str, Any]]:
     return input_items(raw, param="items")
 
 
+def _opened(items: list[dict[str, Any]], unseal: Unseal) -> list[dict[str, Any]]:
+    """`items`, once each compaction item among them opens for this key (400 otherwise). Stored unchecked,
+    one that does not (another key's, tampered, made up) made every later turn of the conversation a 400
+    (`/v1/responses` opens them to build the prompt) until the item was deleted by hand."""
+    for i, item in enumerate(items):
+        if item["type"] != "compaction":
+            continue
+        try:
+            open_compaction(item["encrypted_content"], unseal)
+        except InvalidRequest as exc:
+            raise InvalidRequest(exc.message, param=f"items[{i}]", code=exc.code) from None
+        except ValueError:
+            raise InvalidRequest("a compaction item's encrypted_content does not open for this API key",
+                                 param=f"items[{i}]", code="invalid_encrypted_content") from None
+    return items
+
+
 def metadata_value(value: Any) -> dict[str, str] | None:
     """A request's `metadata` as OpenAI bounds it (also for stored chat completions' updates)."""
     if value is None:
@@ -62,23 +81,27 @@ def metadata_value(value: Any) -> dict[str, str] | None:
     return value
 
 
-async def _body(request: Request) -> dict[str, Any]:
-    """The JSON object a route was sent ({} for none), checked as the Responses API checks its own
-    (data_plane/request_checks.py `json_body`: 415, nesting, UTF-8, lone surrogates)."""
-    raw = await request.body()
+async def _body(request: Request, limit: int) -> dict[str, Any]:
+    """The JSON object a route was sent ({} for none), read and checked as the Responses API reads its own
+    (data_plane/common/http_body.py `read_body`: 413 past `limit` bytes, never buffering more, 408 for a
+    stalled body; data_plane/request_checks.py `json_body`: 415, nesting, UTF-8, lone surrogates). It was read
+    whole, unbounded: a 200 MB body took the gateway from 116 to 477 MB for a 400."""
+    raw = await read_body(request, limit)
     return json_body(raw, request.headers.get("content-type")) if raw else {}
 
 
-async def metadata_update(request: Request) -> dict[str, str]:
-    """An update's body: `metadata` and nothing else (a conversation's, a stored chat completion's)."""
-    body = await _body(request)
+async def metadata_update(request: Request, limit: int) -> dict[str, str]:
+    """An update's body (at most `limit` bytes): `metadata` and nothing else (a conversation's, a stored chat
+    completion's)."""
+    body = await _body(request, limit)
     if set(body) != {"metadata"}:
         raise InvalidRequest("metadata is required (and the only field that can be updated)", param="metadata")
     return metadata_value(body["metadata"]) or {}
 
 
-def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore]) -> None:
-    """The Conversations API's routes on `app`; `store()` gives the ConversationStore once the runtime is open."""
+def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore],
+                        runtime: Callable[[], Runtime]) -> None:
+    """The Conversations API's routes on `app`; `store()` and `runtime()` once the lifespan opened them."""
 
     def caller(request: Request) -> tuple[str, int]:
         return record_caller(gw, request)
@@ -98,12 +121,13 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
     async def create(request: Request) -> dict[str, Any]:
         with observed(gw.responses_metrics, Op.CONVERSATION_CREATE, request):
             owner, replicas = caller(request)
-            body = await _body(request)
+            body = await _body(request, gw.settings.max_body_bytes)
             unknown = set(body) - {"items", "metadata"}
             if unknown:
                 raise InvalidRequest(f"Unrecognized request argument supplied: {min(unknown)}",
                                      param=min(unknown), code="unsupported_parameter")
-            items = await resolve_references(store(), _items(body), owner, replicas, "items")
+            sent = _opened(_items(body), unsealer(runtime(), owner))
+            items = await resolve_references(store(), sent, owner, replicas, "items")
             record = new_conversation(new_id("conv"), items, metadata_value(body.get("metadata")))
             await store().save(record, owner, replicas)
             await index_items(store(), fresh_items(items, body.get("items") or []), [Home(Kind.CONVERSATION, record.id)],
@@ -121,7 +145,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
     async def update(conversation_id: str, request: Request) -> dict[str, Any]:
         with observed(gw.responses_metrics, Op.CONVERSATION_UPDATE, request):
             owner, replicas = caller(request)
-            metadata = await metadata_update(request)
+            metadata = await metadata_update(request, gw.settings.max_body_bytes)
             async with editing(owner, conversation_id):
                 record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
                 record.conversation["metadata"] = metadata
@@ -147,8 +171,8 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
     async def add_items(conversation_id: str, request: Request) -> dict[str, Any]:
         with observed(gw.responses_metrics, Op.ITEMS_CREATE, request):
             owner, replicas = caller(request)
-            body = await _body(request)
-            sent = _items(body)
+            body = await _body(request, gw.settings.max_body_bytes)
+            sent = _opened(_items(body), unsealer(runtime(), owner))
             if not sent:
                 raise InvalidRequest("items must hold at least one item", param="items")
             async with editing(owner, conversation_id):

@@ -40,6 +40,7 @@ from starlette.types import Send
 from data_plane.common.crypto import SealError
 from data_plane.common.disconnect import CLIENT_DISCONNECTED
 from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, SwitchboardError
+from data_plane.common.http_body import read_body
 from data_plane.gateway.auth import key_digest
 from data_plane.gateway.chat import ChatHandler, Opened
 from data_plane.gateway.context import Window, fit_window
@@ -444,7 +445,7 @@ def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationS
         and the newest turns; pass them as the next request's input."""
         with observed(gw.responses_metrics, Op.COMPACT, request):
             owner, replicas = caller(request)
-            body = json_body(await request.body(), request.headers.get("content-type"))
+            body = json_body(await read_body(request, gw.settings.max_body_bytes), request.headers.get("content-type"))
             unknown = set(body) - {"model", "input", "previous_response_id", "instructions", "keep_tokens"}
             if unknown:
                 raise InvalidRequest(f"Unrecognized request argument supplied: {min(unknown)}", param=min(unknown),

@@ -3,6 +3,7 @@ hands the gateway.
 
     event = parse_line(b'data: {"choices": [{"delta": {"content": "Hi"}}]}')   # Delta("Hi")
     isinstance(event, SwitchboardError)       # the shard's error event, as one of ours
+    raise unresumed(event)                    # once no shard could continue the stream
 
 Role chunks, comments and ``[DONE]`` parse to None.
 """
@@ -13,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from data_plane.common.errors import SwitchboardError, UpstreamError, from_openai_body
+from data_plane.common.errors import Overloaded, SwitchboardError, UpstreamError, from_openai_body
 
 
 @dataclass(frozen=True)
@@ -101,3 +102,16 @@ def parse_line(line: bytes) -> Event | SwitchboardError | None:
 
 
 __all__ = ["Delta", "Event", "Finish", "ToolCallDelta", "UsageEvent", "parse_line"]
+
+
+def unresumed(exc: SwitchboardError) -> SwitchboardError:
+    """What the client reads when its stream broke mid-way and no shard could continue it.
+
+    A shard ends its open streams with a 503 ``overloaded`` event when its engine or a pipeline stage fails:
+    words for the gateway, which resumes them elsewhere. With nowhere to resume (a lone shard, every other
+    one out) that event reached the client as it was, ``overloaded`` for a shard that had died; it now reads
+    as a broken connection does, the gateway's ``upstream_error``."""
+    if isinstance(exc, UpstreamError) and exc.code == Overloaded.code:
+        return UpstreamError(f"the shard serving this stream failed mid-way and no other shard could continue it "
+                             f"({exc.message}); retry the request")
+    return exc

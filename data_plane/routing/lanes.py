@@ -30,7 +30,7 @@ from typing import Protocol
 from data_plane.common.errors import SwitchboardError, UpstreamError, UpstreamTimeout
 from data_plane.membership.view import Member
 from data_plane.protocol import ChatMessage, ShardRequest
-from data_plane.routing.events import Delta, Event, Finish, ToolCallDelta, UsageEvent
+from data_plane.routing.events import Delta, Event, Finish, ToolCallDelta, UsageEvent, unresumed
 from data_plane.routing.failures import FailureReason
 from data_plane.routing.router import Router
 from data_plane.tool_calls import SentOutput
@@ -163,7 +163,7 @@ class ChoiceLanes:
                     opened = await self._open(index)
                 except SwitchboardError as exc:
                     log.warning("choice %d could not be continued elsewhere: %s", index, exc.message)
-                    raise self._cause from None
+                    raise unresumed(self._cause) from None
                 if not opened:
                     p.finished.add(index)
                     yield [Finish("length", index)]
@@ -194,8 +194,10 @@ class ChoiceLanes:
         stream = self._lanes.pop(index)
         del self._tasks[index]
         resumable = isinstance(exc, (UpstreamError, UpstreamTimeout))  # the shard's failure, as for n = 1
-        if not resumable or index in self.progress.finished or self.resumes_left <= 0:
+        if not resumable or index in self.progress.finished:
             raise exc
+        if self.resumes_left <= 0:
+            raise unresumed(exc) if isinstance(exc, SwitchboardError) else exc
         self.resumes_left -= 1
         self._tried.add(stream.member.id)
         self._upstream.router.record_resume(stream.member, stream.failure or FailureReason.STREAM_ERROR)
@@ -203,7 +205,7 @@ class ChoiceLanes:
             await self._open(index)
         except SwitchboardError as again:
             log.warning("choice %d could not be continued elsewhere: %s", index, again.message)
-            raise exc from None
+            raise (unresumed(exc) if isinstance(exc, SwitchboardError) else exc) from None
 
     def close(self) -> None:
         """Idempotent: every lane's stream closed (each shard aborts its choice)."""

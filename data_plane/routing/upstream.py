@@ -38,11 +38,11 @@ from data_plane.common.errors import (
     UpstreamTimeout,
     from_openai_body,
 )
-from data_plane.common.keepalive import KEEPALIVE_META
+from data_plane.common.keepalive import KEEPALIVE_HEADER, KEEPALIVE_META
 from data_plane.common.kv_report import CHAIN_HEADER, parse_chain
 from data_plane.membership.view import Member
 from data_plane.protocol import INPUT_TOKENS_PATH, ChatMessage, ShardRequest, StreamOptions
-from data_plane.routing.events import Delta, Event, Finish, ToolCallDelta, UsageEvent, parse_line
+from data_plane.routing.events import Delta, Event, Finish, ToolCallDelta, UsageEvent, parse_line, unresumed
 from data_plane.routing.failures import FailureReason
 from data_plane.routing.hop_client import (
     HopConnectError,
@@ -275,6 +275,8 @@ class Upstream:
         response: ShardResponse | None = None
         try:
             response = await self._connect(member, payload, silence)
+            if silence is None and response.header(KEEPALIVE_HEADER.encode()):  # a shard known by URL only
+                silence = cfg.silence_timeout_s
             chain = await self._headers(member, response, leases)
             first = await self._first_token(response, first_token_by, silence)
         except HopError as exc:  # HopConnectError / HopTimeout are mapped in their stage
@@ -457,8 +459,10 @@ class ResumableStream:
                     yield out
                 return
             except (UpstreamError, UpstreamTimeout) as exc:
-                if finished or self.resumes >= self._upstream.config.resumes:
+                if finished:
                     raise
+                if self.resumes >= self._upstream.config.resumes:
+                    raise unresumed(exc) from None
                 failed = self._stream.member
                 tried.add(failed.id)
                 self.resumes += 1
@@ -482,7 +486,7 @@ class ResumableStream:
                 try:
                     self._stream = await self._upstream.open(request, self._session_id, exclude=tried)
                 except SwitchboardError:
-                    raise exc from None
+                    raise unresumed(exc) from None
                 self.member = self._stream.member
 
     def close(self) -> None:

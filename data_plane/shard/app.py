@@ -45,7 +45,7 @@ from data_plane.common.errors import ModelNotFound, Overloaded, SwitchboardError
 from data_plane.common.hop_auth import cluster_headers, cluster_token_from_env, guarded, require_cluster_token
 from data_plane.common.http_body import read_body
 from data_plane.common.http_metrics import install_http_metrics
-from data_plane.common.keepalive import KEEPALIVE_COMMENT, KEEPALIVE_META, with_keepalives
+from data_plane.common.keepalive import KEEPALIVE_COMMENT, KEEPALIVE_HEADER, KEEPALIVE_META, with_keepalives
 from data_plane.common.kv_report import SINCE_HEADER
 from data_plane.common.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
 from data_plane.common.tls import TlsConfig
@@ -273,7 +273,9 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             return StreamingResponse(run.sse(outputs, include_usage, continuous, settings.keepalive_s),
                                      media_type="text/event-stream",
-                                     headers={**headers, "Cache-Control": "no-cache"})
+                                     headers={**headers, "Cache-Control": "no-cache",
+                                              **({KEEPALIVE_HEADER: f"{settings.keepalive_s:g}"}
+                                                 if settings.keepalive_s else {})})
         body = await run.collect(outputs, request)
         if body is None:  # the client is gone: nothing to send
             return Response(status_code=CLIENT_CLOSED_STATUS)

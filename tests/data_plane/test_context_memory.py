@@ -132,3 +132,27 @@ def test_the_next_turn_is_not_refused_while_the_last_ones_compaction_runs(cluste
     items = httpx.get(f"{cluster.gateway.url}/v1/conversations/{conv}/items?order=asc&limit=100",
                       headers={"Authorization": f"Bearer {KEYS['plus']}"}).json()["data"]
     assert items[0]["type"] == "compaction"  # compaction did run between the turns
+
+
+def test_a_compaction_item_another_key_made_is_refused_when_added_not_at_every_later_turn(cluster: Cluster) -> None:
+    """A conversation took any compaction item, then refused each of its turns with a 400 until the item was
+    deleted by hand; the item is now checked when it is added (create and items.create), and one this key made
+    is still taken."""
+    p = generate(4, 40)
+    made = post(cluster, "/v1/responses/compact", {"input": [{"type": "message", **m} for m in p.messages],
+                                                   "keep_tokens": 100})
+    assert made.status_code == 200, made.text
+    compaction = made.json()["output"][0]
+    forged = {"type": "compaction", "encrypted_content": "not-sealed-by-us"}
+    for key, item in (("enterprise", compaction), ("plus", forged)):  # another tenant's item; a made-up one
+        r = post(cluster, "/v1/conversations", {"items": [{"role": "user", "content": "hi"}, item]}, key=key)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "invalid_encrypted_content" and r.json()["error"]["param"] == "items[1]"
+        conv = post(cluster, "/v1/conversations", {}, key=key).json()["id"]
+        r = post(cluster, f"/v1/conversations/{conv}/items", {"items": [item]}, key=key)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "items[0]", r.text
+        turn = post(cluster, "/v1/responses", {"input": "go on", "conversation": conv, "max_output_tokens": 2}, key=key)
+        assert turn.status_code == 200, turn.text
+    conv = post(cluster, "/v1/conversations", {"items": [compaction]}).json()["id"]
+    turn = post(cluster, "/v1/responses", {"input": p.question, "conversation": conv, "max_output_tokens": 2})
+    assert "Summary of the earlier conversation:" in sent_prompt(cluster, turn)

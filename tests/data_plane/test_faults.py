@@ -1,8 +1,10 @@
-"""Faults with real processes (kill -9): a shard dies, a cache node dies."""
+"""Faults with real processes (kill -9, SIGSTOP): a shard dies or freezes, a cache node dies."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import httpx
@@ -104,6 +106,37 @@ def test_mid_stream_failover_synthetic_is_seamless() -> None:
         assert killed
         assert got == reference
         assert metric(c.gateway.url, "switchboard_router_resumes_total") >= 1
+
+
+def test_a_frozen_shard_behind_shard_urls_resumes_its_streams_in_seconds() -> None:
+    """A gateway routing to ``--shard-urls`` (no registry) had no membership meta saying its shards send SSE
+    keep-alives, so a shard SIGSTOPped mid-stream held its streams for the 30 s idle timeout before they
+    resumed on the other shard. It reads the interval from each stream's header now: 2 s of silence."""
+    synthetic = ("--engine", "synthetic", "--synthetic-token-delay-ms", "100")
+    with static_shards(synthetic, synthetic,
+                       gateway_args=["--tokenizer", "whitespace", "--model-name", "synthetic"]) as (shards, gw):
+        prompts = [f"tell me story number {i}" for i in range(8)]
+        reference = stream_all(gw.url, "synthetic", prompts, 16)
+        frozen: list[int] = []
+
+        def freeze_once(streams_started: int, chunks: int) -> None:
+            if streams_started == len(prompts) and not frozen:  # the busier shard, so streams must resume
+                running = [metric(s.url, "vllm:num_requests_running") for s in shards]
+                pid = shards[max(range(len(shards)), key=running.__getitem__)].proc.pid  # type: ignore[union-attr]
+                frozen.append(pid)
+                os.kill(pid, signal.SIGSTOP)
+
+        t0 = time.monotonic()
+        try:
+            got = stream_all(gw.url, "synthetic", prompts, 16, on_progress=freeze_once)
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+        took = time.monotonic() - t0
+        assert frozen
+        assert got == reference
+        assert took < 15, f"the streams of the frozen shard waited {took:.1f} s to resume"
+        assert metric(gw.url, "switchboard_router_resumes_total") >= 1
 
 
 @pytest.mark.slow  # `make test` keeps one real-model test of this behaviour (issue 23): see the docstring

@@ -247,6 +247,52 @@ def test_killed_stage_mid_stream_every_stream_completes_as_uninterrupted() -> No
         assert "stage 1" in piped.log_tail()
 
 
+def test_a_lone_pipelined_shard_losing_a_stage_ends_each_stream_with_a_clear_error() -> None:
+    """kill -9 of stage 1 of the only shard, 4 streams open (the openai SDK): nowhere to resume, so each
+    stream ends at once with an error the client can act on: `upstream_error`, saying the shard failed
+    (it was the shard's word to the gateway, `overloaded` "the engine failed; retry on another shard");
+    the next request is a 503 with Retry-After, not a hang."""
+    import openai
+
+    from tests.support.chat import assert_openai_error, chat
+    from tests.support.cluster import FP32_SHARD, KEYS, static_shards
+
+    with static_shards((*FP32_SHARD, "--pipeline-parallel-size", "2"), ready_timeout=240) as ((piped,), gw):
+        (stage,) = stage_pids(piped)
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=60)
+        started: set[int] = set()
+
+        async def one(i: int) -> dict | None:
+            stream = await client.chat.completions.create(
+                model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": f"Tell a long story, {i}."}],
+                max_tokens=400, temperature=0, stream=True)
+            try:
+                async for chunk in stream:
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        started.add(i)
+                        if len(started) == 4 and not _gone(stage):
+                            os.kill(stage, signal.SIGKILL)
+            except openai.APIError as exc:
+                return exc.body if isinstance(exc.body, dict) else {"message": exc.message}
+            return None
+
+        async def run() -> list[dict | None]:
+            try:
+                return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(4))), 60)
+            finally:
+                await client.close()
+
+        t0 = time.monotonic()
+        errors = asyncio.run(run())
+        assert time.monotonic() - t0 < 45
+        for err in errors:
+            assert err is not None, "a stream finished although its shard lost a stage"
+            assert err["code"] == "upstream_error", err
+            assert "failed" in err["message"] and "another shard" not in err["message"], err
+        assert exit_within(piped, 15) == 1, piped.log_tail()
+        assert_openai_error(chat(gw.url, max_tokens=4), 503)
+
+
 def test_switchboard_up_starts_pipeline_groups_and_caps_stage_processes(tmp_path) -> None:
     from control_plane.launcher import UpSettings, local_max_shards, plan
     from data_plane.common.settings_cli import parse_settings

@@ -27,7 +27,7 @@ import pytest
 
 from data_plane.common.http_body import BODY_TIMEOUT_S
 from data_plane.protocol import ChatCompletionRequest
-from tests.reliability.common import report
+from tests.reliability.common import report, rss_kb
 from tests.reliability.inputs import CASES
 from tests.support.chat import assert_no_leak, assert_openai_error, chat
 from tests.support.cluster import ADMIN_TOKEN, KEYS, Cluster, api_keys_env
@@ -183,6 +183,22 @@ def test_wrong_methods_and_paths_are_openai_errors(cluster: Cluster) -> None:
     ]:
         r = httpx.request(method, cluster.gateway.url + path, headers=auth)
         assert_openai_error(r, status)
+
+
+def test_every_route_that_reads_a_body_bounds_it(cluster: Cluster) -> None:
+    """A body past the gateway's --max-body-bytes (1 MiB) is a 413 on every route that reads one, read no
+    further than that. The Conversations routes, a stored chat completion's update and /v1/responses/compact
+    read it whole: a 200 MB body took the gateway from 116 to 477 MB of RSS, to answer a 400."""
+    assert cluster.gateway.proc is not None
+    auth = {"Authorization": f"Bearer {KEYS['plus']}", "content-type": "application/json"}
+    big = b'{"metadata":{"a":"' + b"x" * (48 << 20) + b'"}}'
+    for path in ("/v1/conversations", "/v1/conversations/conv_x", "/v1/conversations/conv_x/items",
+                 "/v1/chat/completions/chatcmpl-x", "/v1/responses/compact"):
+        before = rss_kb(cluster.gateway.proc.pid)
+        r = httpx.post(cluster.gateway.url + path, content=big, headers=auth, timeout=60)
+        grew_mb = (rss_kb(cluster.gateway.proc.pid) - before) / 1024
+        assert_openai_error(r, 413, "payload_too_large")
+        assert grew_mb < 24, (path, grew_mb)
 
 
 def test_lone_surrogate_is_a_400_not_a_shard_failure() -> None:

@@ -215,7 +215,7 @@ class TorchEngine:
         gateway resumes on another shard), then the shard leaves membership and exits (on_dead)."""
         if self.dead is None:
             self.dead = RuntimeError(f"pipeline stage {stage} lost: {why}")
-        self._fail_open("a pipeline stage of this shard failed; retry on another shard")
+        self._fail_open("a pipeline stage of the shard failed")
         if self.on_dead is not None:
             self.on_dead()
 
@@ -360,7 +360,7 @@ class TorchEngine:
             log.exception("engine scheduler died")
             with self._lock:  # generate() checks under it too: no request slips in after the snapshot
                 self.dead = exc
-            self._fail_open("the engine failed; retry on another shard")
+            self._fail_open("the shard's engine failed")
             if self.on_dead is not None:  # leave membership and exit, to be restarted (group_exit.py)
                 self.on_dead()
 
