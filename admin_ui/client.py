@@ -78,8 +78,10 @@ def _error_from(response: httpx.Response, what: str) -> ConsoleError:
     cls: type[ConsoleError] = Rejected
     if status in (401, 403):
         cls = Unauthorized
-    # A missing *route* answers the framework's bare "Not Found"; a missing *member* says which.
-    elif status == 405 or (status == 404 and message.strip().lower() in ("not found", "")):
+    # A missing *route* answers OpenAI's "Invalid URL (GET /path)" (the framework's bare "Not Found" before);
+    # a missing *member* says which.
+    elif status == 405 or (status == 404 and (message.startswith("Invalid URL (")
+                                              or message.strip().lower() in ("not found", ""))):
         cls, message = NotAvailable, f"{what} is not available on this control plane yet"
     return cls(message, status=status, param=err.get("param"), code=err.get("code"), type=err.get("type"))
 

@@ -16,14 +16,15 @@ httpx.AsyncClient and reads the SSE events. Metric definitions follow vLLM's `be
   instead, with a warning, if the server sends no usage)
 - goodput: completed requests per second meeting every `--goodput` SLO (ms)
 
-Two systems in one run: `--compare-url` (e.g. a shard directly, with `--compare-api-key`) is
+Two systems in one run: `--compare-url` (e.g. a shard directly, with `--compare-api-key` the cluster
+token: a shard's chat API asks for it whenever the cluster has one) is
 measured beside `--url` (e.g. the gateway in front of it), in `--rounds` interleaved rounds
 (A, B, B, A, ...) of the same workload so machine drift lands on both alike; both result blocks
 are printed, then the ratios of A to B (TTFT p50/p99, E2EL p50), the first of which is what a
 chat user feels of the stack in front of the engine:
 
     switchboard bench serve --url http://127.0.0.1:8000 --api-key $KEY \
-        --compare-url http://127.0.0.1:8101 --compare-api-key none --max-tokens 40 --num-prompts 20
+        --compare-url http://127.0.0.1:8101 --compare-api-key $SWITCHBOARD_CLUSTER_TOKEN --max-tokens 40 --num-prompts 20
 
 Load: `--request-rate inf` (default) is a closed loop of `--concurrency` workers; a finite
 rate sends Poisson arrivals, at most `--concurrency` in flight (unbounded if not given).

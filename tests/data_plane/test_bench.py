@@ -19,7 +19,7 @@ from data_plane.bench.common import RequestResult, closed_loop, finish, percenti
 from data_plane.bench.serve import compute_metrics, parse_goodput
 from tests.support.bench import ENGINE_ROW_KEYS, needs_model
 from tests.support.cluster import Cluster
-from tests.support.procs import Service, switchboard
+from tests.support.procs import CLUSTER_TOKEN, Service, switchboard
 
 SERVE_KEYS = {
     "completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
@@ -118,7 +118,7 @@ def test_bench_serve_refused_or_unreachable_is_one_line_and_exit_1() -> None:
 def test_bench_serve_against_a_synthetic_shard(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "serve.json"
     with Service(["shard", "--engine", "synthetic"]) as shard:
-        bench.main(["serve", "--url", shard.url + "/v1", "--api-key", "k", "--concurrency", "2",
+        bench.main(["serve", "--url", shard.url + "/v1", "--api-key", CLUSTER_TOKEN, "--concurrency", "2",
                     "--num-prompts", "6", "--max-tokens", "8", "--goodput", "ttft:10000", "tpot:10000",
                     "--json", str(out)])
     printed = capsys.readouterr().out
@@ -136,7 +136,8 @@ def test_bench_serve_compares_gateway_and_shard_in_one_run(tmp_path: Path,
     out = tmp_path / "compare.json"
     with Cluster(shards=1, caches=1, engine="synthetic", token_delay_ms=5) as c:
         bench.main(["serve", "--url", c.gateway.url, "--api-key", c.keys["plus"],
-                    "--compare-url", c.shards[0].url + "/v1", "--num-prompts", "3", "--max-tokens", "12",
+                    "--compare-url", c.shards[0].url + "/v1", "--compare-api-key", CLUSTER_TOKEN,
+                    "--num-prompts", "3", "--max-tokens", "12",
                     "--rounds", "2", "--json", str(out)])
         metrics = httpx.get(c.gateway.url + "/metrics").text
     printed = capsys.readouterr().out

@@ -147,7 +147,8 @@ def test_the_code_label_is_bounded_and_the_outcome_keeps_the_real_code() -> None
 
 
 CODE_SOURCES = ("data_plane/common", "data_plane/gateway", "data_plane/routing", "data_plane/cache/client.py",
-                "data_plane/cache/model.py", "data_plane/cache/storage.py", "data_plane/shard/app.py")
+                "data_plane/cache/model.py", "data_plane/cache/storage.py", "data_plane/shard/app.py",
+                "data_plane/shard/engines/grammar.py")
 """Where the codes a gateway answers with are written: its own errors, and those its shards and cache
 nodes send it (passed through)."""
 

@@ -20,7 +20,7 @@ from data_plane.routing.hop_client import (
     HopProtocolError,
     HopTimeout,
 )
-from tests.support.procs import Service, free_port
+from tests.support.procs import CLUSTER_HEADERS, Service, free_port
 
 CHAT = "/v1/chat/completions"
 pytestmark = pytest.mark.asyncio(loop_scope="session")  # the pool fixture's loop is the tests' loop
@@ -62,7 +62,8 @@ async def test_streams_a_completion_and_reuses_the_connection(shard: Service, po
                                                               events: list[str]) -> None:
     texts = []
     for _ in range(3):
-        response = await pool.post(shard.url, CHAT, _body(), {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"})
+        response = await pool.post(shard.url, CHAT, _body(),
+                                   {**CLUSTER_HEADERS, "traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"})
         assert response.status == 200
         assert response.header(b"content-type").startswith(b"text/event-stream")
         lines = await _all_lines(response)
@@ -79,7 +80,7 @@ async def test_streams_a_completion_and_reuses_the_connection(shard: Service, po
 
 
 async def test_a_non_200_body_is_read_whole(shard: Service, pool: HopPool) -> None:
-    response = await pool.post(shard.url, CHAT, b'{"messages": []}', {})
+    response = await pool.post(shard.url, CHAT, b'{"messages": []}', CLUSTER_HEADERS)
     assert response.status == 400
     error = json.loads(await response.read())["error"]
     assert error["type"] == "invalid_request_error"
@@ -87,7 +88,7 @@ async def test_a_non_200_body_is_read_whole(shard: Service, pool: HopPool) -> No
 
 
 async def test_closing_early_drops_the_connection_and_the_shard_aborts(shard: Service, pool: HopPool) -> None:
-    response = await pool.post(shard.url, CHAT, _body(max_tokens=200), {})
+    response = await pool.post(shard.url, CHAT, _body(max_tokens=200), CLUSTER_HEADERS)
     assert response.status == 200
     while True:  # up to the first token: the generation is under way
         lines = await response.lines(timeout=5.0)
