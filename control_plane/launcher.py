@@ -351,7 +351,8 @@ def main(argv: list[str] | None = None) -> None:
         supervisor.shutdown()
         raise
     try:
-        _banner(s, creds, cp, caches, shards, gateways, state)
+        stages = _pipeline_stages(cp, creds["admin_token"], shards) if s.pipeline_parallel_size > 1 else {}
+        _banner(s, creds, cp, caches, shards, gateways, state, stages)
         supervisor.run()  # until a stop signal
     except Stopped:  # between the start-up and run()
         pass
@@ -377,8 +378,27 @@ def _wait_routable(url: str, shards: int, timeout: float) -> bool:
     return False
 
 
+def _pipeline_stages(cp: Child, admin_token: str, shards: list[Child], timeout: float = 10.0) -> dict[str, str]:
+    """Each pipelined shard's stages as it registered them ("0@host:0-11,1@host:11-30": stage@host:layers,
+    data_plane/shard/stage_view.py), read from the admin API, for the banner. A shard registers just after
+    its /health answers, so this waits a little; a shard still missing is printed without its stages."""
+    names = {c.name for c in shards}
+    found: dict[str, str] = {}
+    deadline = time.monotonic() + timeout
+    while names - set(found) and time.monotonic() < deadline:
+        try:
+            members = httpx.get(cp.url + "/admin/v1/members", timeout=2,
+                                headers={"Authorization": f"Bearer {admin_token}"}).json()["members"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            members = []
+        found = {str(m.get("id")): str(m["meta"]["pipeline_stages"]) for m in members
+                 if m.get("id") in names and "pipeline_stages" in (m.get("meta") or {})}
+        time.sleep(0.2)
+    return found
+
+
 def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: list[Child],
-            gateways: list[Child], state: Path) -> None:
+            gateways: list[Child], state: Path, stages: dict[str, str]) -> None:
     keys = creds["keys"]
     tier = "plus" if "plus" in keys else next(iter(keys), None)
     gateway = gateways[0]
@@ -393,6 +413,7 @@ def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: 
         f"  control plane / admin API     {cp.url}   (admin token below)",
         *([f"  admin console                 http://{s.host}:{s.console_port}"] if s.console else []),
         *[f"  {c.name:<28}  {c.url}" + (f"   (zone {c.args[c.args.index('--zone') + 1]})" if s.zones else "")
+          + (f"   stages {stages[c.name].replace(',', ' ')}  (stage@host:layers)" if c.name in stages else "")
           for c in shards + caches],
         *([f"  shards                        autoscaled, {s.min_replicas}..{s.max_replicas} (console: Autoscaler)"]
           if s.autoscale else []),

@@ -92,6 +92,26 @@ def test_up_starts_platform_and_stops_cleanly(tmp_path: Path) -> None:
             proc.kill()
 
 
+def test_up_with_pipelines_prints_each_shards_stages_and_hosts(tmp_path: Path) -> None:
+    """`switchboard up --pipeline-parallel-size 2`: the banner names each shard's stages, their host and
+    layers (as the console's Cluster page does), not only stage 0's URL."""
+    gw, cp = free_port(), free_port()
+    proc = start_up(tmp_path, "--pipeline-parallel-size", "2", "--shards", "2", "--cache-nodes", "1",
+                    "--no-console", "--max-model-len", "512", "--max-num-seqs", "2",
+                    "--gateway-port", str(gw), "--control-plane-port", str(cp))
+    try:
+        banner = wait_up(proc, tmp_path, timeout=300)
+        for name in ("shard-0", "shard-1"):
+            (line,) = [ln for ln in banner.splitlines() if ln.strip().startswith(name)]
+            assert "stages 0@127.0.0.1:0-11 1@127.0.0.1:11-30" in line, banner
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def test_up_on_a_port_another_process_holds_says_so_and_starts_nothing(tmp_path: Path) -> None:
     """A second `switchboard up` on the first one's ports printed "Switchboard is up" with the first
     platform's URLs (they answered its health checks) beside its own keys, and restarted its gateway
