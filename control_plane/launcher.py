@@ -30,6 +30,7 @@ import re
 import shlex
 import socket
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -235,6 +236,8 @@ def _shard_flags(s: UpSettings, threads: int, state: Path) -> list[str]:
             "--kv-keys-file", str(state / "session_keys")]
     if s.pipeline_parallel_size > 1:
         args += ["--pipeline-parallel-size", str(s.pipeline_parallel_size)]
+        if s.prometheus:  # a group that lost a stage answers /metrics until a scrape has seen its stage_up 0
+            args += ["--pipeline-exit-linger-s", str(SCRAPE_INTERVAL_S + 1)]
     return args + (["--model", s.model] if s.model else [])
 
 
@@ -249,10 +252,18 @@ def console_child(s: UpSettings, state: Path, cp: Child, gateway: Child, admin_t
 ALERTS_DIR = Path(__file__).resolve().parent.parent / "alerts"
 SCRAPE_JOBS = {"gateway": "switchboard-gateway", "shard": "switchboard-shard", "cache": "switchboard-cache"}
 """Job names the alert rules and dashboards assume (dashboards/catalogue.py JOBS)."""
+SCRAPE_INTERVAL_S = 5
+"""`--prometheus`'s scrape and evaluation interval; pipelined shards linger a second longer than it."""
 
 
-def prometheus_child(s: UpSettings, state: Path, cp: Child) -> Child | None:
-    """A Prometheus that discovers members through the control plane (HTTP SD), with our rules."""
+def prometheus_child(s: UpSettings, state: Path, cp: Child, shards: Sequence[Child] = ()) -> Child | None:
+    """A Prometheus that discovers members through the control plane (HTTP SD), with our rules.
+
+    The shards started here are scraped as static targets instead: HTTP SD lists members only, and a
+    shard that lost a pipeline stage leaves membership at once, so the next refresh could drop it before
+    any scrape saw its `switchboard_shard_pipeline_stage_up` 0 (SwitchboardPipelineStageDown never fired
+    in two of two kill -9 trials). Their ports are fixed across restarts; autoscaled shards still come
+    from SD."""
     import shutil
 
     import yaml
@@ -265,12 +276,15 @@ def prometheus_child(s: UpSettings, state: Path, cp: Child) -> Child | None:
     folder = state / "prometheus"
     (folder / "data").mkdir(parents=True, exist_ok=True)
     config: dict[str, Any] = {
-        "global": {"scrape_interval": "5s", "evaluation_interval": "5s"},
+        "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s", "evaluation_interval": f"{SCRAPE_INTERVAL_S}s"},
         "rule_files": [str(p) for p in sorted(ALERTS_DIR.glob("*.rules.yaml"))],
         "scrape_configs": [{"job_name": "switchboard-control-plane", "static_configs": [
             {"targets": [cp.url.split("://", 1)[1]]}]}] + [
+            {"job_name": job, "static_configs": [{"targets": [c.url.split("://", 1)[1] for c in shards],
+                                                  "labels": {"switchboard_service": service}}]}
+            if service == "shard" and shards else
             {"job_name": job, "http_sd_configs": [{"url": f"{cp.url}/v1/sd/prometheus?service={service}",
-                                                    "refresh_interval": "5s"}]}
+                                                    "refresh_interval": f"{SCRAPE_INTERVAL_S}s"}]}
             for service, job in SCRAPE_JOBS.items()],
     }
     ca = os.environ.get("SSL_CERT_FILE")
@@ -307,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     if tls:
         for child in (cp, *caches, *shards, *gateways):
             _https(child)
-    prometheus = prometheus_child(s, state, cp) if s.prometheus else None
+    prometheus = prometheus_child(s, state, cp, shards) if s.prometheus else None
     console = console_child(s, state, cp, gateway, str(creds["admin_token"])) if s.console else None
     if tls and console is not None:
         _https(console)
