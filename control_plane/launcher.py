@@ -30,6 +30,7 @@ import re
 import shlex
 import socket
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -235,6 +236,8 @@ def _shard_flags(s: UpSettings, threads: int, state: Path) -> list[str]:
             "--kv-keys-file", str(state / "session_keys")]
     if s.pipeline_parallel_size > 1:
         args += ["--pipeline-parallel-size", str(s.pipeline_parallel_size)]
+        if s.prometheus:  # a group that lost a stage answers /metrics until a scrape has seen its stage_up 0
+            args += ["--pipeline-exit-linger-s", str(SCRAPE_INTERVAL_S + 1)]
     return args + (["--model", s.model] if s.model else [])
 
 
@@ -249,10 +252,18 @@ def console_child(s: UpSettings, state: Path, cp: Child, gateway: Child, admin_t
 ALERTS_DIR = Path(__file__).resolve().parent.parent / "alerts"
 SCRAPE_JOBS = {"gateway": "switchboard-gateway", "shard": "switchboard-shard", "cache": "switchboard-cache"}
 """Job names the alert rules and dashboards assume (dashboards/catalogue.py JOBS)."""
+SCRAPE_INTERVAL_S = 5
+"""`--prometheus`'s scrape and evaluation interval; pipelined shards linger a second longer than it."""
 
 
-def prometheus_child(s: UpSettings, state: Path, cp: Child) -> Child | None:
-    """A Prometheus that discovers members through the control plane (HTTP SD), with our rules."""
+def prometheus_child(s: UpSettings, state: Path, cp: Child, shards: Sequence[Child] = ()) -> Child | None:
+    """A Prometheus that discovers members through the control plane (HTTP SD), with our rules.
+
+    The shards started here are scraped as static targets instead: HTTP SD lists members only, and a
+    shard that lost a pipeline stage leaves membership at once, so the next refresh could drop it before
+    any scrape saw its `switchboard_shard_pipeline_stage_up` 0 (SwitchboardPipelineStageDown never fired
+    in two of two kill -9 trials). Their ports are fixed across restarts; autoscaled shards still come
+    from SD."""
     import shutil
 
     import yaml
@@ -265,12 +276,15 @@ def prometheus_child(s: UpSettings, state: Path, cp: Child) -> Child | None:
     folder = state / "prometheus"
     (folder / "data").mkdir(parents=True, exist_ok=True)
     config: dict[str, Any] = {
-        "global": {"scrape_interval": "5s", "evaluation_interval": "5s"},
+        "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s", "evaluation_interval": f"{SCRAPE_INTERVAL_S}s"},
         "rule_files": [str(p) for p in sorted(ALERTS_DIR.glob("*.rules.yaml"))],
         "scrape_configs": [{"job_name": "switchboard-control-plane", "static_configs": [
             {"targets": [cp.url.split("://", 1)[1]]}]}] + [
+            {"job_name": job, "static_configs": [{"targets": [c.url.split("://", 1)[1] for c in shards],
+                                                  "labels": {"switchboard_service": service}}]}
+            if service == "shard" and shards else
             {"job_name": job, "http_sd_configs": [{"url": f"{cp.url}/v1/sd/prometheus?service={service}",
-                                                    "refresh_interval": "5s"}]}
+                                                    "refresh_interval": f"{SCRAPE_INTERVAL_S}s"}]}
             for service, job in SCRAPE_JOBS.items()],
     }
     ca = os.environ.get("SSL_CERT_FILE")
@@ -307,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     if tls:
         for child in (cp, *caches, *shards, *gateways):
             _https(child)
-    prometheus = prometheus_child(s, state, cp) if s.prometheus else None
+    prometheus = prometheus_child(s, state, cp, shards) if s.prometheus else None
     console = console_child(s, state, cp, gateway, str(creds["admin_token"])) if s.console else None
     if tls and console is not None:
         _https(console)
@@ -351,7 +365,8 @@ def main(argv: list[str] | None = None) -> None:
         supervisor.shutdown()
         raise
     try:
-        _banner(s, creds, cp, caches, shards, gateways, state)
+        stages = _pipeline_stages(cp, creds["admin_token"], shards) if s.pipeline_parallel_size > 1 else {}
+        _banner(s, creds, cp, caches, shards, gateways, state, stages)
         supervisor.run()  # until a stop signal
     except Stopped:  # between the start-up and run()
         pass
@@ -377,8 +392,27 @@ def _wait_routable(url: str, shards: int, timeout: float) -> bool:
     return False
 
 
+def _pipeline_stages(cp: Child, admin_token: str, shards: list[Child], timeout: float = 10.0) -> dict[str, str]:
+    """Each pipelined shard's stages as it registered them ("0@host:0-11,1@host:11-30": stage@host:layers,
+    data_plane/shard/stage_view.py), read from the admin API, for the banner. A shard registers just after
+    its /health answers, so this waits a little; a shard still missing is printed without its stages."""
+    names = {c.name for c in shards}
+    found: dict[str, str] = {}
+    deadline = time.monotonic() + timeout
+    while names - set(found) and time.monotonic() < deadline:
+        try:
+            members = httpx.get(cp.url + "/admin/v1/members", timeout=2,
+                                headers={"Authorization": f"Bearer {admin_token}"}).json()["members"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            members = []
+        found = {str(m.get("id")): str(m["meta"]["pipeline_stages"]) for m in members
+                 if m.get("id") in names and "pipeline_stages" in (m.get("meta") or {})}
+        time.sleep(0.2)
+    return found
+
+
 def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: list[Child],
-            gateways: list[Child], state: Path) -> None:
+            gateways: list[Child], state: Path, stages: dict[str, str]) -> None:
     keys = creds["keys"]
     tier = "plus" if "plus" in keys else next(iter(keys), None)
     gateway = gateways[0]
@@ -393,6 +427,7 @@ def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: 
         f"  control plane / admin API     {cp.url}   (admin token below)",
         *([f"  admin console                 http://{s.host}:{s.console_port}"] if s.console else []),
         *[f"  {c.name:<28}  {c.url}" + (f"   (zone {c.args[c.args.index('--zone') + 1]})" if s.zones else "")
+          + (f"   stages {stages[c.name].replace(',', ' ')}  (stage@host:layers)" if c.name in stages else "")
           for c in shards + caches],
         *([f"  shards                        autoscaled, {s.min_replicas}..{s.max_replicas} (console: Autoscaler)"]
           if s.autoscale else []),

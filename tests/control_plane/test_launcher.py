@@ -14,9 +14,12 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from data_plane.gateway.auth import key_digest
 from tests.support.procs import free_port, start_up, switchboard, wait_up
+from tests.support.prometheus import PROMETHEUS
+from tests.support.waits import eventually
 
 
 def _children(pid: int) -> list[int]:
@@ -89,6 +92,59 @@ def test_up_starts_platform_and_stops_cleanly(tmp_path: Path) -> None:
         assert not alive, [(p, _cmdline(p)) for p in alive]
     finally:
         if proc.poll() is None:
+            proc.kill()
+
+
+def test_up_with_pipelines_prints_each_shards_stages_and_hosts(tmp_path: Path) -> None:
+    """`switchboard up --pipeline-parallel-size 2`: the banner names each shard's stages, their host and
+    layers (as the console's Cluster page does), not only stage 0's URL."""
+    gw, cp = free_port(), free_port()
+    proc = start_up(tmp_path, "--pipeline-parallel-size", "2", "--shards", "2", "--cache-nodes", "1",
+                    "--no-console", "--max-model-len", "512", "--max-num-seqs", "2",
+                    "--gateway-port", str(gw), "--control-plane-port", str(cp))
+    try:
+        banner = wait_up(proc, tmp_path, timeout=300)
+        for name in ("shard-0", "shard-1"):
+            (line,) = [ln for ln in banner.splitlines() if ln.strip().startswith(name)]
+            assert "stages 0@127.0.0.1:0-11 1@127.0.0.1:11-30" in line, banner
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (apt-get install prometheus)")
+def test_up_prometheus_sees_a_lost_stage_and_fires_the_stage_down_alert(tmp_path: Path) -> None:
+    """`switchboard up --prometheus --pipeline-parallel-size 2`, kill -9 of a shard's stage 1: its own
+    Prometheus (5 s scrapes) fires SwitchboardPipelineStageDown. It never did: HTTP SD dropped the shard
+    as soon as it left membership, and it lingered 2 s, under one scrape interval."""
+    gw, cp, prom = free_port(), free_port(), free_port()
+    proc = start_up(tmp_path, "--pipeline-parallel-size", "2", "--shards", "1", "--cache-nodes", "1",
+                    "--no-console", "--max-model-len", "512", "--max-num-seqs", "2", "--prometheus",
+                    "--prometheus-port", str(prom), "--gateway-port", str(gw), "--control-plane-port", str(cp))
+    api = f"http://127.0.0.1:{prom}/api/v1/"
+    try:
+        wait_up(proc, tmp_path, timeout=300)
+        up = 'switchboard_shard_pipeline_stage_up{stage="1"}'
+        eventually(lambda: httpx.get(api + "query", params={"query": up}).json()["data"]["result"], 30,
+                   what="stage 1 scraped")
+        (shard,) = [p for p in _children(proc.pid) if " shard " in _cmdline(p)]
+        (stage,) = [p for p in _children(shard) if "pipeline_stage" in _cmdline(p)]
+        os.kill(stage, signal.SIGKILL)
+
+        def firing() -> bool:
+            alerts = httpx.get(api + "alerts").json()["data"]["alerts"]
+            return any(a["labels"]["alertname"] == "SwitchboardPipelineStageDown" and a["state"] == "firing"
+                       and a["labels"].get("stage") == "1" for a in alerts)
+        eventually(firing, 30, interval_s=0.5, what="SwitchboardPipelineStageDown firing",
+                   detail=lambda: (tmp_path / "up.log").read_text())
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
             proc.kill()
 
 

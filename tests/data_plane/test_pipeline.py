@@ -251,7 +251,7 @@ def test_a_lone_pipelined_shard_losing_a_stage_ends_each_stream_with_a_clear_err
     """kill -9 of stage 1 of the only shard, 4 streams open (the openai SDK): nowhere to resume, so each
     stream ends at once with an error the client can act on: `upstream_error`, saying the shard failed
     (it was the shard's word to the gateway, `overloaded` "the engine failed; retry on another shard");
-    the next request is a 503 with Retry-After, not a hang."""
+    the next request is a 503 with Retry-After, not a hang; the shard's log says so without a traceback."""
     import openai
 
     from tests.support.chat import assert_openai_error, chat
@@ -291,6 +291,8 @@ def test_a_lone_pipelined_shard_losing_a_stage_ends_each_stream_with_a_clear_err
             assert "failed" in err["message"] and "another shard" not in err["message"], err
         assert exit_within(piped, 15) == 1, piped.log_tail()
         assert_openai_error(chat(gw.url, max_tokens=4), 503)
+        log = piped.log_tail(20_000)  # an expected event, told in a line each: no traceback for the operator
+        assert "stage 1 exited (-9)" in log and "Traceback" not in log, log
 
 
 def test_switchboard_up_starts_pipeline_groups_and_caps_stage_processes(tmp_path) -> None:

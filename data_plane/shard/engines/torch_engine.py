@@ -357,7 +357,13 @@ class TorchEngine:
             if self._queue is not None:  # a pipeline's passes in flight come back before it is closed
                 self._queue.drain()
         except BaseException as exc:  # a dead engine fails every request, loudly, and the shard goes
-            log.exception("engine scheduler died")
+            if self.pipeline is not None and isinstance(exc, ConnectionError):
+                # A stage that died or froze (kill -9, OOM, a cut link) ends its link here, often before the
+                # monitor's own line: an expected event, one line, no traceback (runbook: PipelineStageDown).
+                log.error("engine stopped: %s; the shard fails its streams and exits (a pipeline stage is gone)",
+                          exc)
+            else:
+                log.exception("engine scheduler died")
             with self._lock:  # generate() checks under it too: no request slips in after the snapshot
                 self.dead = exc
             self._fail_open("the shard's engine failed")
