@@ -457,13 +457,13 @@ class ChatHandler:
     async def _load_session(self, header: str, messages: list[dict[str, str]], tier: Tier) -> list[dict[str, str]]:
         gw, sessions = self.gw, self.rt.sessions
         assert self.principal is not None
-        if header == NEW_SESSION:
+        self.x.span.set_attribute("switchboard.session", True)
+        if header == NEW_SESSION:  # no cache node to keep it on: 503 now, not after the reply (its id already sent)
             self.session_id = "sess_" + secrets.token_urlsafe(24)
+            sessions.replicas_for(self.session_id, tier.replication)
+            transcript = None
         else:
             self.session_id = validate_session_id(header)
-        self.x.span.set_attribute("switchboard.session", True)
-        transcript = None
-        if header != NEW_SESSION:
             await self.hold(self.session_id, "session_id")
             transcript = await sessions.load(self.session_id, self.owner, tier.replication)
         if transcript is None and header != NEW_SESSION:
