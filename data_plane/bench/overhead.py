@@ -85,6 +85,7 @@ from data_plane.bench.overhead_report import (
     check_targets,
     render,
 )
+from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV
 from data_plane.common.http_server import free_port
 from data_plane.routing.hop_client import HopError, HopPool
 
@@ -319,12 +320,15 @@ def start_stack(args: argparse.Namespace, litellm_bin: str | None, logs: Path) -
     """The shard, our gateway and (with `litellm_bin`) LiteLLM, started together."""
     shard_port, gw_port = free_port(), free_port()
     delay = f"{args.token_interval_ms:g}"
+    # No cluster token, even when the operator's shell has one: the direct baseline and LiteLLM call the
+    # shard as any OpenAI-compatible server, with no token (a shard that has one answers them 401).
+    open_shard = {CLUSTER_TOKEN_ENV: ""}
     shard = Proc("shard", switchboard_cmd("shard", "--engine", "synthetic", "--synthetic-token-delay-ms", delay,
-                                          "--port", str(shard_port)), shard_port, "/health", logs)
+                                          "--port", str(shard_port)), shard_port, "/health", logs, env=open_shard)
     gateway = Proc("gateway", switchboard_cmd("gateway", "--shard-urls", shard.url, "--tokenizer",
                                               "whitespace", "--model-name", MODEL, "--port", str(gw_port)),
                    gw_port, "/health", logs,
-                   env={"SWITCHBOARD_GATEWAY_API_KEYS": f"{BENCH_KEY}:bench:enterprise"})
+                   env={**open_shard, "SWITCHBOARD_GATEWAY_API_KEYS": f"{BENCH_KEY}:bench:enterprise"})
     ours = [System(DIRECT, shard.url + "/v1", {}, None),
             System(SWITCHBOARD, gateway.url + "/v1", {"authorization": f"Bearer {BENCH_KEY}"},
                    gateway)]

@@ -3,7 +3,7 @@ more), 408 when the client stalls (slowloris), 400/415 for a JSON body that is n
 
     raw = await read_body(request, settings.max_body_bytes)          # gateway, shard: bytes
     body = await read_json_body(request, settings.max_body_bytes)    # cache node: parsed JSON
-    app.add_middleware(BodyLimit, limit=CONTROL_PLANE_BODY_BYTES)    # routes whose body FastAPI parses
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)              # control plane (app.py): FastAPI parses
 
 The connection-level half (a client that never sends its first request) is the protocol's job,
 see data_plane/common/http_server.py.

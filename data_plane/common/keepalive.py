@@ -35,6 +35,19 @@ KEEPALIVE_HEADER = "x-switchboard-keepalive-s"
 streams for the 30 s idle timeout, not the 2 s silence timeout."""
 
 
+def silence_for(interval: str | bytes | None, floor_s: float) -> float | None:
+    """How long a shard announcing keep-alives every `interval` seconds (its meta or header value; None or
+    empty: it sends none, so None) may send nothing: `floor_s` (the gateway's silence timeout), or three of
+    its intervals where those are longer (a shard may send them up to a minute apart)."""
+    if not interval:
+        return None
+    try:
+        every = float(interval)
+    except ValueError:
+        return floor_s
+    return max(floor_s, 3 * every)
+
+
 async def with_keepalives(source: AsyncIterator[T], interval_s: float) -> AsyncIterator[T | None]:
     """Items of `source`, with None whenever `interval_s` passes without one. Closing or cancelling
     the consumer cancels the pending read and closes `source` (so the engine aborts the request)."""

@@ -101,7 +101,7 @@ def parse_line(line: bytes) -> Event | SwitchboardError | None:
     return None
 
 
-__all__ = ["Delta", "Event", "Finish", "ToolCallDelta", "UsageEvent", "parse_line"]
+__all__ = ["Delta", "Event", "Finish", "ToolCallDelta", "UsageEvent", "parse_line", "unresumed"]
 
 
 def unresumed(exc: SwitchboardError) -> SwitchboardError:

@@ -38,7 +38,7 @@ from data_plane.common.errors import (
     UpstreamTimeout,
     from_openai_body,
 )
-from data_plane.common.keepalive import KEEPALIVE_HEADER, KEEPALIVE_META
+from data_plane.common.keepalive import KEEPALIVE_HEADER, KEEPALIVE_META, silence_for
 from data_plane.common.kv_report import CHAIN_HEADER, parse_chain
 from data_plane.membership.view import Member
 from data_plane.protocol import INPUT_TOKENS_PATH, ChatMessage, ShardRequest, StreamOptions
@@ -61,8 +61,8 @@ T = TypeVar("T")
 
 
 CHAT_PATH = "/v1/chat/completions"
-REQUEST_NOT_SHARD_CODES = frozenset({"duplicate_request_id"})
-"""Shard errors caused by the request itself: never counted against the shard."""
+REQUEST_NOT_SHARD_CODES = frozenset({"duplicate_request_id", "grammar_compiler_busy"})
+"""Shard errors caused by the request itself (or by its grammars' flood): never counted against the shard."""
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,8 @@ class UpstreamConfig:
     """Longest gap between two events once streaming."""
     silence_timeout_s: float = 2.0
     """For a shard that announces SSE keep-alives (meta ``keepalive_s``, data_plane/common/keepalive.py): the
-    longest it may send nothing at all, before or after its first token, before the attempt fails
-    over (a dead host, process or link). Used instead of the idle timeout for those shards."""
+    longest it may send nothing at all (or three of its intervals, when longer: keepalive.silence_for), before
+    or after its first token, before the attempt fails over. Used instead of the idle timeout for those shards."""
     retries: int = 1
     """Extra attempts on other shards for failures before the first token."""
     resumes: int = 2
@@ -271,12 +271,12 @@ class Upstream:
         span = trace.get_current_span()
         span.set_attribute("switchboard.shard", member.id)
         first_token_by = asyncio.get_running_loop().time() + cfg.first_token_timeout_s
-        silence = cfg.silence_timeout_s if KEEPALIVE_META in member.meta else None
+        silence = silence_for(member.meta.get(KEEPALIVE_META), cfg.silence_timeout_s)
         response: ShardResponse | None = None
         try:
             response = await self._connect(member, payload, silence)
-            if silence is None and response.header(KEEPALIVE_HEADER.encode()):  # a shard known by URL only
-                silence = cfg.silence_timeout_s
+            if silence is None:  # a shard known by URL only: its stream's header says
+                silence = silence_for(response.header(KEEPALIVE_HEADER.encode()), cfg.silence_timeout_s)
             chain = await self._headers(member, response, leases)
             first = await self._first_token(response, first_token_by, silence)
         except HopError as exc:  # HopConnectError / HopTimeout are mapped in their stage

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from data_plane.common.keepalive import KEEPALIVE_COMMENT, with_keepalives
+from data_plane.common.keepalive import KEEPALIVE_COMMENT, silence_for, with_keepalives
 from tests.support.cluster import KEYS, Cluster
 from tests.support.metrics import metric
 from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN
@@ -154,3 +154,10 @@ async def test_with_keepalives_interleaves_and_closes_the_source(interval: float
 
     items = [x async for x in with_keepalives(source(), interval)]
     assert items[0] == 1 and items[-1] == 2 and items.count(None) >= 2 and closed == [True]
+
+
+def test_silence_allowed_follows_the_interval_a_shard_announces() -> None:
+    """A shard sending keep-alives every 5 s (--keepalive-s 5) is not failed over while it waits 3 s in
+    its queue: three of its intervals, not the gateway's 2 s; none announced: no silence rule at all."""
+    assert silence_for("0.5", 2.0) == 2.0 and silence_for(b"5", 2.0) == 15.0
+    assert silence_for(None, 2.0) is None and silence_for(b"", 2.0) is None and silence_for("x", 2.0) == 2.0

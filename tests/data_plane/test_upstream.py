@@ -158,6 +158,24 @@ async def test_a_shards_4xx_is_the_requests_fault_passed_through_without_retry()
     assert count(registry, "switchboard_router_upstream_failures_total", reason="status_400") == 0
 
 
+async def test_a_grammar_flood_is_the_requests_503_and_ejects_no_shard() -> None:
+    """A shard whose grammar compiler is full (one tenant's distinct slow schemas) answers 503
+    grammar_compiler_busy: the client gets it with Retry-After, and the shard stays in routing for
+    everyone else's plain requests (counted as the shard's failure, three ejected every shard)."""
+    busy = (b'{"error": {"message": "16 grammars are compiling on this shard; retry shortly", '
+            b'"type": "server_error", "code": "grammar_compiler_busy"}}')
+    pool = Pool(*[Response(503, body=busy) for _ in range(3)], Response(200, [[token("hi"), FINISH]]))
+    up, registry = upstream(pool, shards=2)
+    for _ in range(3):
+        with pytest.raises(SwitchboardError) as raised:
+            await up.open(BODY, session_id=None)
+        assert raised.value.status == 503 and raised.value.code == "grammar_compiler_busy"
+    assert len(pool.posts) == 3  # no retry elsewhere: every shard would say the same of this flood
+    assert count(registry, "switchboard_router_upstream_failures_total", reason="status_503") == 0
+    stream = await up.open(BODY, session_id=None)
+    assert stream.member.id in ("s0", "s1")
+
+
 # -- after the first token: an error, no retry -----------------------------------------------
 
 

@@ -215,17 +215,12 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
             self._observe(kind, 0.0, "cache_hit")
             return hit
-        job = self._jobs.get(key)
-        joined = job is not None  # the same grammar is compiling for another request: wait for that one
+        joined = key in self._jobs  # the same grammar is compiling for another request: wait for that one
+        job = self._job(spec)
         if job is None:
-            if len(self._jobs) >= self._max_jobs:
-                self._observe(kind, 0.0, "busy")
-                raise Overloaded(f"{len(self._jobs)} grammars are compiling on this shard; retry shortly",
-                                 code="grammar_compiler_busy", retry_after=1)
-            loop = asyncio.get_running_loop()
-            job = asyncio.ensure_future(loop.run_in_executor(self._pool, self._build, spec))
-            self._jobs[key] = job
-            job.add_done_callback(functools.partial(self._forget, key))
+            self._observe(kind, 0.0, "busy")
+            raise Overloaded(f"{len(self._jobs)} grammars are compiling on this shard; retry shortly",
+                             code="grammar_compiler_busy", retry_after=1)
         t0 = time.monotonic()
         try:
             compiled = await asyncio.wait_for(asyncio.shield(job), self.limits.compile_timeout_s)
@@ -250,10 +245,12 @@ class GrammarCompiler:
         if key in self._refusals:
             self._refusals.move_to_end(key)
             return self._refusals[key]
-        loop = asyncio.get_running_loop()
+        job = self._job(spec)
+        if job is None:
+            return None  # the pool is full: not known now
         verdict: GrammarError | None = None
         try:
-            await asyncio.wait_for(loop.run_in_executor(self._pool, self._build, spec), self.limits.compile_timeout_s)
+            await asyncio.wait_for(asyncio.shield(job), self.limits.compile_timeout_s)
         except GrammarError as exc:
             verdict = exc
         except TimeoutError:
@@ -262,6 +259,18 @@ class GrammarCompiler:
         while len(self._refusals) > self.limits.cache_size:
             self._refusals.popitem(last=False)
         return verdict
+
+    def _job(self, spec: GrammarSpec) -> asyncio.Future[CompiledGrammar] | None:
+        """The pool's build of `spec`: the one already running for it (a compile or a refusal check of the
+        same digest), or a new one; None when the pool already holds as many as it may."""
+        job = self._jobs.get(spec.digest)
+        if job is None:
+            if len(self._jobs) >= self._max_jobs:
+                return None
+            job = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(self._pool, self._build, spec))
+            self._jobs[spec.digest] = job
+            job.add_done_callback(functools.partial(self._forget, spec.digest))
+        return job
 
     def _forget(self, key: str, job: asyncio.Future[CompiledGrammar]) -> None:
         self._jobs.pop(key, None)

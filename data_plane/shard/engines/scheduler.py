@@ -13,7 +13,7 @@ vLLM v1's `Scheduler.schedule()` is the model: one place holds the policy and re
 `SchedulerOutput`; a sequence has a `SeqStatus` and one `num_computed_tokens` (sequence.py). The
 policy, in order, each step:
 
-1. Aborted requests and those past their deadline leave (`finished`).
+1. Aborted requests, and waiting ones past their deadline, leave (`finished`).
 2. A chunked prefill that finished or left hands over to the most recently parked one.
 3. Without a chunked prefill, waiting requests are taken by (priority, arrival) while slots allow
    and their uncached prompt tokens fit `prefill_chunk` together; a longer first one becomes the
@@ -44,8 +44,8 @@ in flight, and only when the layout stays put: no slot moves, no admissions, no 
 parking; a sequence in flight is never moved, parked or finished. Whatever needs the layout to
 change (a waiting request and a free slot, a hole left by a finished sequence, a prompt or chunk
 under way) gets an empty plan, on which the engine waits for the oldest plan in flight; once none
-is, the full policy above runs. Aborts and deadlines of a sequence in flight apply at the first
-`schedule()` after it returned.
+is, the full policy above runs. The abort of a sequence in flight applies at the first `schedule()`
+after it returned.
 """
 
 from __future__ import annotations
@@ -334,7 +334,7 @@ class Scheduler:
         # and its client's disconnect (an abort) or its length ends it, never the clock.
         held = [s for s in self._holders if s.request_id in aborts]
         # A sequence in flight leaves when its pass is back (its abort kept until then).
-        self._aborts |= {s.request_id for s in held if s in self._in_flight and s.request_id in aborts}
+        self._aborts |= {s.request_id for s in held if s in self._in_flight}
         gone += [s for s in held if s not in self._in_flight]
         for seq in gone:
             self.finish(seq, SeqStatus.FINISHED_ABORTED)
