@@ -66,9 +66,10 @@ async def test_an_edit_waits_its_limit_then_is_refused_and_leaves_nothing_behind
 
 @pytest.fixture(scope="module")
 def two_gateways() -> Iterator[tuple[Cluster, Service]]:
-    """A synthetic cluster (one shard, two cache nodes, 30 ms a token: a 20-token turn takes 0.6 s) and a
-    second gateway beside its own, as two gateways behind one load balancer are."""
-    with (Cluster(shards=1, caches=2, token_delay_ms=30) as c,
+    """A synthetic cluster (one shard, two cache nodes, 60 ms a token: a 20-token turn takes 1.2 s, so two
+    turns sent at once both load the same version) and a second gateway beside its own, as two gateways
+    behind one load balancer are."""
+    with (Cluster(shards=1, caches=2, token_delay_ms=60) as c,
           Service(c.gateway.args[3:-2], env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()}) as other):
         yield c, other
 
