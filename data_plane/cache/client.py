@@ -27,7 +27,9 @@ a free session in the gateway's own zone), and reads ask the local zone's copy f
   answered at all, the store is unavailable, not empty.
 - ``save`` writes the whole transcript to every replica at once and returns how many
   acknowledged. Nodes keep the highest version (last writer by version wins); when every replica
-  already holds a newer version the write raises :class:`VersionConflict`.
+  already holds a newer version the write raises :class:`VersionConflict`. A turn (``only_newer``)
+  is written to the first replica that answers before the others, and an equal version there is a
+  VersionConflict too: two gateways' turns on one version meet on that node, and one loses.
 
 Errors raised (all from :mod:`data_plane.common.errors`)::
 
@@ -50,13 +52,14 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import propagate, trace
 from prometheus_client import CollectorRegistry
 
 from data_plane.cache.client_metrics import SessionStoreMetrics
+from data_plane.cache.client_values import Placement, WriteResult, json_or_none, newest_last
 from data_plane.cache.model import MAX_RECORD_BYTES, TOMBSTONE_VERSION, Transcript, VersionConflict, validate_session_id
 from data_plane.common.crypto import SealError, TranscriptSealer
 from data_plane.common.errors import NotFound, Overloaded, from_openai_body
@@ -82,35 +85,9 @@ AUDIT_SHARE = 0.05
 """Share of reads that check the replicas they did not need to ask, whatever the above says."""
 
 
-def _newest_last(entries: OrderedDict[str, Any], key: str, value: Any, cap: int) -> None:
-    """`key` -> `value` as the newest of `entries`, the oldest dropped past `cap` (every path that adds)."""
-    entries[key] = value
-    entries.move_to_end(key)
-    if len(entries) > cap:
-        entries.popitem(last=False)
-
-
 @dataclass
 class _Outcome:
     result: str = "error"
-
-
-@dataclass(frozen=True)
-class _WriteResult:
-    result: str  # ok | stale | rejected | error
-    status: int | None = None
-    body: Any = None
-    stored_version: int | None = None
-
-
-@dataclass
-class _Placement:
-    key: tuple[tuple[str, str, str], ...] = ()
-    ring: HashRing = field(default_factory=lambda: HashRing(()))
-    by_id: dict[str, Member] = field(default_factory=dict)
-    zone_of: dict[str, str] = field(default_factory=dict)
-    since: float = field(default_factory=time.time)
-    """Wall-clock time this preference order took effect here."""
 
 
 class SessionStore:
@@ -142,7 +119,7 @@ class SessionStore:
         self._membership, self._http, self._timeout_s = membership, http, timeout_s
         self._vnodes, self._service, self._prefix = vnodes, service, prefix
         self.metrics = SessionStoreMetrics(registry if registry is not None else CollectorRegistry())
-        self._placement = _Placement()
+        self._placement = Placement()
         self._repairs: set[asyncio.Task[None]] = set()
         self._suspects: OrderedDict[str, None] = OrderedDict()
         """Sessions whose last save here missed a replica (bounded, oldest forgotten first)."""
@@ -202,21 +179,28 @@ class SessionStore:
         version: int,
         replicas: int,
         ttl_s: float | None = None,
+        only_newer: bool = False,
     ) -> int:
-        """Write the whole transcript to every replica at once; returns how many acknowledged."""
+        """Write the whole transcript to every replica at once (`only_newer`: the first that answers
+        first, see the module docstring); returns how many acknowledged."""
         validate_session_id(session_id)
         with self._op("save", "cache.append") as (outcome, span):
             targets = self.replicas_for(session_id, replicas)
             transcript = Transcript(session_id, owner, tuple(messages), version, updated_at=time.time())
-            results = await asyncio.gather(
-                *(self._put(m, transcript, ttl_s, keep_updated_at=False) for m in targets)
+            first: list[WriteResult] = []
+            while only_newer and len(first) < len(targets) and (not first or first[-1].result == "error"):
+                first.append(await self._put(targets[len(first)], transcript, ttl_s, keep_updated_at=False,
+                                             only_newer=True))
+            rest = [] if first and first[-1].result != "ok" else targets[len(first):]
+            results = first + await asyncio.gather(
+                *(self._put(m, transcript, ttl_s, keep_updated_at=False) for m in rest)
             )
             acks = sum(1 for r in results if r.result == "ok")
             span.set_attribute("switchboard.session.acks", acks)
             if acks:
-                _newest_last(self._recent, session_id, replicas, MAX_RECENT)
+                newest_last(self._recent, session_id, replicas, MAX_RECENT)
             if 0 < acks < len(targets):
-                _newest_last(self._suspects, session_id, None, MAX_SUSPECTS)  # a replica missed this write: check it on the next read
+                newest_last(self._suspects, session_id, None, MAX_SUSPECTS)  # a replica missed this write: check it on the next read
             elif acks == len(targets):
                 self._suspects.pop(session_id, None)
             if acks == 0:
@@ -256,8 +240,8 @@ class SessionStore:
             marked = await asyncio.gather(*(self._put(m, tombstone, ttl, keep_updated_at=False)
                                             for m in self.replicas_for(session_id, replicas)))
             if any(r.result != "ok" for r in marked):  # a replica missed it: the next read compares them all
-                _newest_last(self._suspects, session_id, None, MAX_SUSPECTS)
-            _newest_last(self._recent, session_id, self._recent.get(session_id, replicas), MAX_RECENT)  # joiners: the tombstone
+                newest_last(self._suspects, session_id, None, MAX_SUSPECTS)
+            newest_last(self._recent, session_id, self._recent.get(session_id, replicas), MAX_RECENT)  # joiners: the tombstone
             span.set_attribute("switchboard.session.deleted_copies", held)
             span.set_attribute("switchboard.session.tombstones", sum(r.result == "ok" for r in marked))
             outcome.result = "ok"
@@ -280,13 +264,13 @@ class SessionStore:
         if members:
             self._refresh_placement(members)
 
-    def _refresh_placement(self, members: list[Member]) -> _Placement:
+    def _refresh_placement(self, members: list[Member]) -> Placement:
         key = tuple((m.id, m.url, m.zone) for m in members)
         if key != self._placement.key:
             added = {m.id for m in members} - set(self._placement.by_id)
             if added and self._placement.key:  # a node (or a zone) joined or came back
                 self._schedule_placement_repair(added)
-            self._placement = _Placement(
+            self._placement = Placement(
                 key, HashRing((m.id for m in members), self._vnodes), {m.id: m for m in members},
                 zone_of={m.id: m.zone for m in members},
             )
@@ -399,8 +383,8 @@ class SessionStore:
             return "error", None
 
     async def _put(
-        self, member: Member, t: Transcript, ttl_s: float | None, *, keep_updated_at: bool
-    ) -> _WriteResult:
+        self, member: Member, t: Transcript, ttl_s: float | None, *, keep_updated_at: bool, only_newer: bool = False
+    ) -> WriteResult:
         messages = (self._sealer.seal(t.session_id, t.owner, t.messages) if self._sealer is not None
                     else [dict(m) for m in t.messages])
         body: dict[str, Any] = {
@@ -411,6 +395,8 @@ class SessionStore:
         }
         if keep_updated_at:
             body["updated_at"] = t.updated_at
+        if only_newer:
+            body["only_newer"] = True
         try:
             resp = await self._http.request("PUT", member.url, self._path(t.session_id),
                                             json.dumps(body, ensure_ascii=False).encode(),
@@ -418,25 +404,25 @@ class SessionStore:
             raw = await resp.read(self._deadline())
         except HopError as exc:
             log.warning("cache node %s unreachable for PUT: %s", member.id, type(exc).__name__)
-            return _WriteResult("error")
+            return WriteResult("error")
         if resp.status == 200:
-            return _WriteResult("ok", 200)
-        payload = _json_or_none(raw)
+            return WriteResult("ok", 200)
+        payload = json_or_none(raw)
         if resp.status == 409:
             stored = None
             if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
                 stored = payload["error"].get("stored_version")
-            return _WriteResult("stale", 409, payload, stored if isinstance(stored, int) else None)
+            return WriteResult("stale", 409, payload, stored if isinstance(stored, int) else None)
         if 400 <= resp.status < 500:
-            return _WriteResult("rejected", resp.status, payload)
+            return WriteResult("rejected", resp.status, payload)
         log.warning("cache node %s answered PUT with %d", member.id, resp.status)
-        return _WriteResult("error", resp.status, payload)
+        return WriteResult("error", resp.status, payload)
 
     async def _delete_one(self, member: Member, session_id: str) -> bool:
         try:
             resp = await self._http.request("DELETE", member.url, self._path(session_id), headers=self._headers(),
                                             timeout=self._timeout_s)
-            body = _json_or_none(await resp.read(self._deadline()))
+            body = json_or_none(await resp.read(self._deadline()))
         except HopError:
             return False
         return resp.status == 200 and isinstance(body, dict) and bool(body.get("deleted"))
@@ -492,9 +478,3 @@ class SessionStore:
             log.info("read-repair onto %s: %s", member.id, result)
         return result == "ok"
 
-
-def _json_or_none(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return None

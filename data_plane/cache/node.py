@@ -8,9 +8,10 @@ HTTP API (errors in the OpenAI shape)::
 
     GET    /v1/sessions/{id}   200 {"session_id","owner","messages","version","updated_at","expires_at"}
                                404 session_not_found
-    PUT    /v1/sessions/{id}   {"owner","messages":[{"role","content"}],"version","ttl_s"?,"updated_at"?}
+    PUT    /v1/sessions/{id}   {"owner","messages":[{"role","content"}],"version","ttl_s"?,"updated_at"?,"only_newer"?}
                                200 stored; 409 session_version_conflict (+ "stored_version") when the
-                               stored version is higher: whole records, last writer by version wins
+                               stored version is higher (or equal, with only_newer: a turn's write):
+                               whole records, last writer by version wins
     DELETE /v1/sessions/{id}   200 {"session_id","deleted": bool}
     GET|PUT|DELETE /v1/response-cache/{id}   the same for cached replies (the gateway's response
                                cache), in memory with their own byte budget and TTL
@@ -140,6 +141,9 @@ class PutSessionBody(BaseModel):
     ttl_s: float | None = Field(default=None, gt=0, le=MAX_TTL_S)
     updated_at: float | None = Field(default=None, ge=0)
     """Kept when replicating or repairing a record; the node's clock otherwise."""
+    only_newer: bool = False
+    """A turn's write: refused (409) when this version is already stored, i.e. another gateway's turn on the
+    same version got there first (without it an equal version is written over, as a repair's copy is)."""
 
 
 # -- storage (data_plane/cache/storage.py) ---------------------------------------------------
@@ -353,11 +357,11 @@ def _mount_records(app: FastAPI, prefix: str, store: ManagedStorage, default_ttl
                 updated_at=body.updated_at if body.updated_at is not None else now,
                 expires_at=now + ttl_s,
             )
-            outcome = await store.put(record, ttl_s)
+            outcome = await store.put(record, ttl_s, only_newer=body.only_newer)
             if not outcome.stored:
                 op.result = "stale"
                 raise VersionConflict(
-                    f"session {session_id!r} holds version {outcome.version} > {body.version}",
+                    f"session {session_id!r} holds version {outcome.version} >= {body.version}",
                     param="version",
                     stored_version=outcome.version,
                 )

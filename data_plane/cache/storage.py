@@ -10,7 +10,8 @@ else reads or writes it.
     transcript = await storage.get("sess_...")
 
 Both keep whole records, the newer version winning (a put older than what is stored is refused
-and says which version is stored); the HTTP API over them is data_plane/cache/node.py.
+and says which version is stored; with ``only_newer``, a turn's write, one of the same version too: another
+gateway's turn got there first); the HTTP API over them is data_plane/cache/node.py.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Storage(Protocol):
     """What the HTTP handlers need; called once per request, on the event loop."""
 
     async def get(self, session_id: str) -> Transcript | None: ...
-    async def put(self, record: Transcript, ttl_s: float) -> PutOutcome: ...
+    async def put(self, record: Transcript, ttl_s: float, *, only_newer: bool = False) -> PutOutcome: ...
     async def delete(self, session_id: str) -> bool: ...
 
 
@@ -125,9 +126,9 @@ class MemoryStorage:
         self._entries.move_to_end(session_id)
         return entry.record
 
-    async def put(self, record: Transcript, ttl_s: float) -> PutOutcome:
+    async def put(self, record: Transcript, ttl_s: float, *, only_newer: bool = False) -> PutOutcome:
         current = self._live(record.session_id)
-        if current is not None and current.record.version > record.version:
+        if current is not None and current.record.version >= record.version + (0 if only_newer else 1):
             return PutOutcome(False, current.record.version)
         size = len(encode_record(record))
         if size > self.max_bytes:
@@ -190,13 +191,14 @@ class MemoryStorage:
             self.sweep()
 
 
-# Compare-and-set by version, atomically: keep the stored record when it is newer.
+# Compare-and-set by version, atomically: keep the stored record when it is newer (ARGV[4] 1), or
+# not older (ARGV[4] 0: only_newer, a turn's write).
 _PUT_IF_NOT_OLDER = """
 local cur = redis.call('GET', KEYS[1])
 if cur then
   local ok, rec = pcall(cjson.decode, cur)
   if ok and type(rec) == 'table' and tonumber(rec['version']) ~= nil
-     and tonumber(rec['version']) > tonumber(ARGV[2]) then
+     and tonumber(rec['version']) >= tonumber(ARGV[2]) + tonumber(ARGV[4]) then
     return {0, tostring(rec['version'])}
   end
 end
@@ -248,11 +250,12 @@ class RedisStorage:
             raw = await self._redis.get(self._prefix + session_id)
         return None if raw is None else Transcript.from_wire(json.loads(raw))
 
-    async def put(self, record: Transcript, ttl_s: float) -> PutOutcome:
+    async def put(self, record: Transcript, ttl_s: float, *, only_newer: bool = False) -> PutOutcome:
         px = max(1, int(ttl_s * 1000))
         with _redis_errors():
             stored, version = await self._put_script(
-                keys=[self._prefix + record.session_id], args=[encode_record(record), record.version, px]
+                keys=[self._prefix + record.session_id],
+                args=[encode_record(record), record.version, px, 0 if only_newer else 1]
             )
         return PutOutcome(bool(int(stored)), int(version))
 

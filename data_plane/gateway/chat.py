@@ -69,7 +69,7 @@ from data_plane.gateway.phases import (
     merge_history,
     shard_request,
 )
-from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S, record_key
+from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S, lost_race, record_key
 from data_plane.gateway.response_cache import CachedReply, Decision, ReplayStream, cache_key, cache_policy
 from data_plane.gateway.response_store import META_ROLE
 from data_plane.gateway.runtime import Gateway, Runtime
@@ -457,13 +457,13 @@ class ChatHandler:
     async def _load_session(self, header: str, messages: list[dict[str, str]], tier: Tier) -> list[dict[str, str]]:
         gw, sessions = self.gw, self.rt.sessions
         assert self.principal is not None
-        if header == NEW_SESSION:
+        self.x.span.set_attribute("switchboard.session", True)
+        if header == NEW_SESSION:  # no cache node to keep it on: 503 now, not after the reply (its id already sent)
             self.session_id = "sess_" + secrets.token_urlsafe(24)
+            sessions.replicas_for(self.session_id, tier.replication)
+            transcript = None
         else:
             self.session_id = validate_session_id(header)
-        self.x.span.set_attribute("switchboard.session", True)
-        transcript = None
-        if header != NEW_SESSION:
             await self.hold(self.session_id, "session_id")
             transcript = await sessions.load(self.session_id, self.owner, tier.replication)
         if transcript is None and header != NEW_SESSION:
@@ -494,6 +494,7 @@ class ChatHandler:
         if not self.session_id or self.tier is None:
             return
         transcript = merge_history(self.history, self.new_messages) + [{"role": "assistant", "content": reply}]
-        await self.rt.sessions.save(self.session_id, self.owner, transcript, self.session_version + 1,
-                                    self.tier.replication, ttl_s=self.gw.settings.session_ttl_s)
+        with lost_race("session_id"):  # another gateway's turn on this version came first: a 400, not a lost turn
+            await self.rt.sessions.save(self.session_id, self.owner, transcript, self.session_version + 1,
+                                        self.tier.replication, ttl_s=self.gw.settings.session_ttl_s, only_newer=True)
         self.let_go()

@@ -16,14 +16,20 @@ for the whole generation) and a second one is refused at once; the conversation'
 delete, metadata) and its background compaction hold it for milliseconds, and a turn or an edit
 waits a few seconds for them; an edit is refused only when a generation holds the lock longer.
 
-The lock is per gateway process: two gateways (zones) writing one conversation at the same moment
-can still race (the cache nodes would need a compare-and-set on the version for that).
+The lock is per gateway process; two gateways (zones, or several behind a load balancer) meet on the
+cache nodes instead: a turn's save is written ``only_newer`` (data_plane/cache/client.py), to the first
+replica that answers before the others, and that node refuses the second write of one version, which
+:func:`lost_race` turns into the same 400 (after its generation, so a stream ends with it as an error
+event): one turn stored, the other refused, none lost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 
+from data_plane.cache.model import VersionConflict
 from data_plane.common.errors import InvalidRequest
 
 ITEM_EDIT_WAIT_S = 5.0
@@ -40,6 +46,16 @@ def locked_error(param: str) -> InvalidRequest:
     """OpenAI's answer to a second writer on a conversation."""
     return InvalidRequest("Another process is currently operating on this conversation. Please retry in a few "
                           "seconds.", param=param, code="conversation_locked")
+
+
+@contextlib.contextmanager
+def lost_race(param: str) -> Iterator[None]:
+    """Around a turn's ``only_newer`` save: the cache's 409 (this version is stored already, another
+    gateway's turn) is OpenAI's ``conversation_locked``, as the lock's own refusal is."""
+    try:
+        yield
+    except VersionConflict:
+        raise locked_error(param) from None
 
 
 class RecordLocks:

@@ -33,6 +33,7 @@ from typing import Any
 from data_plane.cache.client import SessionStore
 from data_plane.cache.model import TOMBSTONE_VERSION, VersionConflict, validate_session_id
 from data_plane.common.errors import InvalidRequest, NotFound, SwitchboardError
+from data_plane.gateway.record_locks import locked_error
 
 META_ROLE = "x-responses"
 """The role of the one message a Responses record holds (never sent to a model)."""
@@ -154,12 +155,15 @@ class ConversationStore:
         sent: a turn or an item edit racing the delete. (A response's writer, the background run, reads
         that 409 itself: its delete stands as a cancel, data_plane/gateway/responses_detached.py.)"""
         record.version += 1
-        try:
+        conversation = record.kind is Kind.CONVERSATION
+        try:  # only_newer: another gateway's turn or edit on this version got there first (record_locks.py)
             await self.sessions.save(record.id, owner, [record.to_message()], record.version, replicas,
-                                     ttl_s=self.ttl_s)
+                                     ttl_s=self.ttl_s, only_newer=conversation)
         except VersionConflict as exc:
-            if record.kind is Kind.CONVERSATION and exc.stored_version >= TOMBSTONE_VERSION:
+            if conversation and exc.stored_version >= TOMBSTONE_VERSION:
                 raise not_found(record.kind, record.id) from None
+            if conversation:
+                raise locked_error("conversation") from None
             raise
 
     async def delete(self, record_id: str, owner: str, replicas: int, kind: Kind) -> None:

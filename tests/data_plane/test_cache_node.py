@@ -98,6 +98,18 @@ def test_lower_version_is_refused_with_stored_version(node: Service, client: htt
     assert client.get(url).json()["version"] == 6
 
 
+def test_a_turns_write_of_a_version_already_stored_is_refused(node: Service, client: httpx.Client) -> None:
+    """`only_newer` (a gateway's turn): the second write of one version is another gateway's turn on the
+    same history, refused on both backends; a newer one, or one onto a node that lacks it, is stored."""
+    url = f"{node.url}/v1/sessions/{sid()}"
+    assert client.put(url, json=record(version=2, n=4, only_newer=True)).status_code == 200  # nothing stored yet
+    err = assert_openai_error(client.put(url, json=record(version=2, n=3, only_newer=True)), 409,
+                              "session_version_conflict")
+    assert err["stored_version"] == 2 and len(client.get(url).json()["messages"]) == 4
+    assert client.put(url, json=record(version=3, n=6, only_newer=True)).status_code == 200
+    assert client.get(url).json()["version"] == 3
+
+
 def test_ttl_expiry(node: Service, client: httpx.Client) -> None:
     s = sid()
     url = f"{node.url}/v1/sessions/{s}"

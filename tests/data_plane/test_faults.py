@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.chat import stream_all
+from tests.support.chat import assert_openai_error, stream_all
 from tests.support.cluster import FP32_SHARD, KEYS, Cluster, static_shards, stored_session
 from tests.support.metrics import metric
 
@@ -85,6 +85,20 @@ def test_killed_cache_node_plus_session_survives() -> None:
             first_prompt = r.json()["usage"]["prompt_tokens"]
             time.sleep(0.3)  # let read-repair / the write land on the survivors
 
+
+
+def test_a_new_session_with_no_cache_node_left_is_503_before_its_reply() -> None:
+    """`X-Session-Id: new` streamed while no cache node is healthy: the whole reply was generated and sent
+    with its session id, then an error event ("no healthy cache nodes"), and the id it had handed out was a
+    404 on the next turn. Now 503 cache_unavailable with Retry-After before any byte, as an old session's."""
+    with Cluster(shards=1, caches=1) as c:
+        c.caches[0].kill()
+        c.wait_members(shards=1, caches=0, timeout=10)
+        for stream in (True, False):
+            r = post(c, {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "stream": stream},
+                     headers={"X-Session-Id": "new"})
+            assert_openai_error(r, 503, "cache_unavailable")
+            assert r.headers["retry-after"] and "x-session-id" not in r.headers
 
 def test_mid_stream_failover_synthetic_is_seamless() -> None:
     with Cluster(shards=2, caches=1, token_delay_ms=100) as c:

@@ -1,19 +1,28 @@
 """The per-conversation write lock (data_plane/gateway/record_locks.py) on its own: who is refused at
-once, who waits, and that nothing is left behind. The gateway-level behaviour (lost turns, a turn
-sent the moment the last one ends) is tests/data_plane/test_responses_api.py's.
+once, who waits, and that nothing is left behind; then two gateways in front of one cluster, where the
+lock cannot see the other's turn and the cache nodes' ``only_newer`` write refuses the second. The
+one-gateway behaviour (lost turns, a turn sent the moment the last one ends) is
+tests/data_plane/test_responses_api.py's.
 
-    .venv/bin/python -m pytest tests/data_plane/test_record_locks.py -q   # < 1 s
+    .venv/bin/python -m pytest tests/data_plane/test_record_locks.py -q   # ~10 s
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from data_plane.common.errors import InvalidRequest
 from data_plane.gateway.record_locks import RecordLocks
+from tests.support.chat import assert_openai_error
+from tests.support.cluster import KEYS, Cluster, api_keys_env, stored_session
+from tests.support.procs import Service
+
+AUTH = {"Authorization": f"Bearer {KEYS['plus']}"}
 
 
 async def test_a_second_generation_is_refused_at_once() -> None:
@@ -53,3 +62,57 @@ async def test_an_edit_waits_its_limit_then_is_refused_and_leaves_nothing_behind
     await locks.acquire("k/conv", wait_s=0.0)
     locks.release("k/conv")
     assert len(locks) == 0
+
+
+@pytest.fixture(scope="module")
+def two_gateways() -> Iterator[tuple[Cluster, Service]]:
+    """A synthetic cluster (one shard, two cache nodes, 60 ms a token: a 20-token turn takes 1.2 s, so two
+    turns sent at once both load the same version) and a second gateway beside its own, as two gateways
+    behind one load balancer are."""
+    with (Cluster(shards=1, caches=2, token_delay_ms=60) as c,
+          Service(c.gateway.args[3:-2], env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()}) as other):
+        yield c, other
+
+
+def _at_once(*calls: tuple[str, dict, dict]) -> list[httpx.Response]:
+    """POST each (url, headers, body) at the same moment; the responses in that order."""
+    async def all_of() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return list(await asyncio.gather(*(client.post(u, headers={**AUTH, **h}, json=b) for u, h, b in calls)))
+    return asyncio.run(all_of())
+
+
+def test_two_gateways_turns_on_one_session_at_once_store_one_and_refuse_the_other(
+        two_gateways: tuple[Cluster, Service]) -> None:
+    """Both loaded version 1 and both were answered 200 before: the second save wrote over the first
+    (equal versions, last writer wins), so one user's turn and its reply vanished."""
+    c, other = two_gateways
+    first = httpx.post(c.gateway.url + "/v1/chat/completions", headers={**AUTH, "X-Session-Id": "new"},
+                       json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}, timeout=60)
+    sid = first.headers["x-session-id"]
+    got = _at_once(*((gw.url + "/v1/chat/completions", {"X-Session-Id": sid},
+                      {"messages": [{"role": "user", "content": f"turn from {i}"}], "max_tokens": 20})
+                     for i, gw in enumerate((c.gateway, other))))
+    assert sorted(r.status_code for r in got) == [200, 400], [r.text[:200] for r in got]
+    assert_openai_error(next(r for r in got if r.status_code == 400), 400, "conversation_locked")
+    winner = next(i for i, r in enumerate(got) if r.status_code == 200)
+    reply = got[winner].json()["choices"][0]["message"]["content"]
+    for node in c.caches:
+        record = stored_session(node.url, sid)
+        assert record is not None and record["version"] == 2
+        assert [m["content"] for m in record["messages"]][2:] == [f"turn from {winner}", reply]
+
+
+def test_two_gateways_turns_on_one_conversation_at_once_store_one_and_refuse_the_other(
+        two_gateways: tuple[Cluster, Service]) -> None:
+    c, other = two_gateways
+    conv = httpx.post(c.gateway.url + "/v1/conversations", headers=AUTH, json={}, timeout=30).json()["id"]
+    got = _at_once(*((gw.url + "/v1/responses", {}, {"input": f"turn from {i}", "conversation": conv,
+                                                      "max_output_tokens": 20})
+                     for i, gw in enumerate((c.gateway, other))))
+    assert sorted(r.status_code for r in got) == [200, 400], [r.text[:200] for r in got]
+    assert_openai_error(next(r for r in got if r.status_code == 400), 400, "conversation_locked")
+    winner = next(i for i, r in enumerate(got) if r.status_code == 200)
+    items = httpx.get(f"{other.url}/v1/conversations/{conv}/items?order=asc", headers=AUTH, timeout=30).json()["data"]
+    assert [(i["role"], i["content"][0]["text"]) for i in items] == [
+        ("user", f"turn from {winner}"), ("assistant", got[winner].json()["output"][0]["content"][0]["text"])]
