@@ -126,6 +126,7 @@ job "switchboard-pp-a" {
           "--pipeline-host", "${NOMAD_IP_pipeline}",
           "--pipeline-port", "${NOMAD_PORT_pipeline}",
           "--pipeline-stage-timeout-s", "2",
+          "--pipeline-exit-linger-s", "16",
           "--zone", "${node.datacenter}"
         ]
       }

@@ -305,6 +305,7 @@ job "switchboard" {
           "--engine", "${var.shard_engine}",
           "--max-num-seqs", "${var.shard_max_num_seqs}",
           "--pipeline-parallel-size", "${var.shard_pipeline_parallel_size}",
+          "--pipeline-exit-linger-s", "16",
           "--threads", "${var.shard_threads_per_stage}",
           "--zone", "${node.datacenter}"
         ]
