@@ -156,17 +156,18 @@ def write_client_credentials(path: Path, creds: dict[str, Any]) -> None:
 
 def prepare(state: Path) -> dict[str, Any]:
     """Every credential `up` hands out, made where missing, and the client credentials file written.
-    ``minted`` (not written to the file) says the keys were made now."""
+    ``minted`` and ``admin_minted`` (not written to the file) say the keys, the admin token, were made now."""
     path = state / "credentials.json"
     with locked(path):  # two `up`s at once: the second reads the keys the first made, never writes {} over them
         keys, minted = dev_keys(state / "keys.yaml", _remembered(path))
+        admin_minted = not (state / "admin_token").exists()
         creds: dict[str, Any] = {
             "keys": keys, "admin_token": secret(state / "admin_token", "sb-admin-"),
             # what a shard or cache node started by hand needs to join (SWITCHBOARD_CLUSTER_TOKEN)
             "cluster_token": secret(state / "cluster_token", "sb-cluster-"),
             "session_keys_file": str(session_keys(state / "session_keys"))}
         write_client_credentials(path, creds)
-    return {**creds, "minted": minted}
+    return {**creds, "minted": minted, "admin_minted": admin_minted}
 
 
 def key_id(key: str) -> str:

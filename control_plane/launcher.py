@@ -6,7 +6,7 @@
     switchboard up --autoscale --min-replicas 1 --max-replicas 3   # the control plane starts the shards
 
 Starts every process as a child on loopback, waits for each to be healthy, prints the URLs,
-one dev API key per tier (in full only on the run that made them) and the admin token. The gateway's
+one dev API key per tier and the admin token (each in full only on the run that made it). The gateway's
 keys file holds only the keys' digests; the keys themselves go to the operator's client credentials file
 `.switchboard/credentials.json` (mode 600, control_plane/dev_credentials.py). A child that dies is
 reported and restarted (with backoff); Ctrl-C or SIGTERM stops everything cleanly, at any moment of
@@ -435,7 +435,7 @@ def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: 
           if s.prometheus else []),
         "",
         *_key_lines(creds, state),
-        f"  admin token: {creds['admin_token']}",
+        _admin_line(creds),
         (f"  saved to {state / 'credentials.json'} (mode 600, a client credential: the gateway's keys file holds "
         "digests only)"),
         f"  logs in {state / 'logs'}",
@@ -454,6 +454,14 @@ def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: 
         "",
     ]
     print("\n".join(lines), flush=True)
+
+
+def _admin_line(creds: dict) -> str:
+    """The admin token in full on the run that made it (shown once, like the dev keys): the most powerful
+    secret of the platform does not go to every later run's scrollback and CI log."""
+    if creds.get("admin_minted"):
+        return f"  admin token: {creds['admin_token']}   (shown here once, kept in credentials.json below)"
+    return "  admin token: in credentials.json below (`switchboard admin` and the console read it there)"
 
 
 def _key_lines(creds: dict, state: Path) -> list[str]:

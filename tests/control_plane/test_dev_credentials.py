@@ -101,7 +101,7 @@ def test_dev_keys_alone_never_returns_a_key_it_did_not_make_or_remember(tmp_path
     assert dev_keys(path, {"plus": keys["plus"], "free": keys["plus"]}) == ({"plus": keys["plus"]}, False)
 
 
-def test_the_banner_shows_the_keys_once_then_only_their_ids(tmp_path: Path, capsys) -> None:
+def test_the_banner_shows_the_keys_and_admin_token_once_then_only_where_they_are(tmp_path: Path, capsys) -> None:
     from control_plane.dev_credentials import key_id
     from control_plane.launcher import UpSettings, _banner
     from control_plane.supervisor import Child
@@ -109,11 +109,12 @@ def test_the_banner_shows_the_keys_once_then_only_their_ids(tmp_path: Path, caps
     cp, gw = (Child(n, [], f"http://127.0.0.1:{p}", tmp_path / f"{n}.log") for n, p in (("cp", 1), ("gw", 2)))
     settings = UpSettings.model_validate({"console": False})
     first = prepare(tmp_path)
-    _banner(settings, first, cp, [], [], [gw], tmp_path)
+    _banner(settings, first, cp, [], [], [gw], tmp_path, {})
     shown = capsys.readouterr().out
     assert all(key in shown for key in first["keys"].values()) and "shown here once" in shown
-    _banner(settings, prepare(tmp_path), cp, [], [], [gw], tmp_path)
+    assert first["admin_token"] in shown  # the admin token too, on the run that made it only
+    _banner(settings, prepare(tmp_path), cp, [], [], [gw], tmp_path, {})
     shown = capsys.readouterr().out
-    assert not any(key in shown for key in first["keys"].values())
+    assert not any(key in shown for key in first["keys"].values()) and first["admin_token"] not in shown
     assert all(f"key id {key_id(key)}" in shown for key in first["keys"].values())
     assert "Bearer $KEY" in shown and str(tmp_path / "credentials.json") in shown
