@@ -412,7 +412,9 @@ def _pipeline_stages(cp: Child, admin_token: str, shards: list[Child], timeout: 
 
 
 def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: list[Child],
-            gateways: list[Child], state: Path, stages: dict[str, str]) -> None:
+            gateways: list[Child], state: Path, stages: dict[str, str] | None = None) -> None:
+    """What `up` prints once everything is healthy; `stages`: each pipelined shard's stages (stage@host:layers)."""
+    stages = stages or {}
     keys = creds["keys"]
     tier = "plus" if "plus" in keys else next(iter(keys), None)
     gateway = gateways[0]

@@ -109,11 +109,11 @@ def test_the_banner_shows_the_keys_and_admin_token_once_then_only_where_they_are
     cp, gw = (Child(n, [], f"http://127.0.0.1:{p}", tmp_path / f"{n}.log") for n, p in (("cp", 1), ("gw", 2)))
     settings = UpSettings.model_validate({"console": False})
     first = prepare(tmp_path)
-    _banner(settings, first, cp, [], [], [gw], tmp_path, {})
+    _banner(settings, first, cp, [], [], [gw], tmp_path)
     shown = capsys.readouterr().out
     assert all(key in shown for key in first["keys"].values()) and "shown here once" in shown
     assert first["admin_token"] in shown  # the admin token too, on the run that made it only
-    _banner(settings, prepare(tmp_path), cp, [], [], [gw], tmp_path, {})
+    _banner(settings, prepare(tmp_path), cp, [], [], [gw], tmp_path)
     shown = capsys.readouterr().out
     assert not any(key in shown for key in first["keys"].values()) and first["admin_token"] not in shown
     assert all(f"key id {key_id(key)}" in shown for key in first["keys"].values())
