@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from data_plane.gateway.auth import key_digest
-from tests.support.procs import free_port, start_up, switchboard, wait_up
+from tests.support.procs import free_port, start_up, stop_up, switchboard, wait_up
 from tests.support.prometheus import PROMETHEUS
 from tests.support.waits import eventually
 
@@ -108,11 +108,7 @@ def test_up_with_pipelines_prints_each_shards_stages_and_hosts(tmp_path: Path) -
             (line,) = [ln for ln in banner.splitlines() if ln.strip().startswith(name)]
             assert "stages 0@127.0.0.1:0-11 1@127.0.0.1:11-30" in line, banner
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_up(proc)
 
 
 @pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (apt-get install prometheus)")
@@ -141,11 +137,7 @@ def test_up_prometheus_sees_a_lost_stage_and_fires_the_stage_down_alert(tmp_path
         eventually(firing, 30, interval_s=0.5, what="SwitchboardPipelineStageDown firing",
                    detail=lambda: (tmp_path / "up.log").read_text())
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_up(proc)
 
 
 def test_up_on_a_port_another_process_holds_says_so_and_starts_nothing(tmp_path: Path) -> None:

@@ -120,9 +120,8 @@ def test_the_hop_client_refuses_a_peer_the_ca_did_not_sign(tls_cluster: dict, tm
 def test_switchboard_up_tls_runs_the_platform_on_tls(tmp_path: Path) -> None:
     import json
     import signal
-    import subprocess
 
-    from tests.support.procs import free_port, start_up, wait_up
+    from tests.support.procs import free_port, start_up, stop_up, wait_up
 
     gw, cp = free_port(), free_port()
     log_path = tmp_path / "up.log"
@@ -145,11 +144,7 @@ def test_switchboard_up_tls_runs_the_platform_on_tls(tmp_path: Path) -> None:
         assert {m["service"] for m in members} == {"shard", "cache", "gateway"}
         assert all(m["url"].startswith("https://") for m in members)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_up(proc, signal.SIGTERM)
 
 
 def test_tls_flags_on_any_subcommand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

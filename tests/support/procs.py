@@ -248,6 +248,15 @@ def start_up(cwd: Path, *args: str) -> subprocess.Popen[bytes]:
                                 stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+def stop_up(proc: subprocess.Popen[bytes], sig: int = signal.SIGINT) -> None:
+    """Stop a `switchboard up` from :func:`start_up` as an operator would (Ctrl-C), killed after 60 s."""
+    proc.send_signal(sig)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def wait_up(proc: subprocess.Popen[bytes], cwd: Path, timeout: float = 90.0) -> str:
     """Until `switchboard up` (from :func:`start_up`) prints its banner; returns its output so far."""
     log_path = cwd / "up.log"
