@@ -1,6 +1,6 @@
-"""The torch engine's step loop (schedule -> execute -> update) around a fake runner: the real
-scheduler, executor, output processor and prefix cache, no weights, steps driven by hand so the
-order of events inside one step is the test's to choose. What it holds:
+"""The torch engine's step loop (schedule -> execute -> update): the real scheduler, executor, output
+processor, prefix cache and runner (on a tiny randomly initialised Llama: no weights), steps driven by
+hand so the order of events inside one step is the test's to choose (a stand-in tokenizer decodes). What it holds:
 
 - a prefix hit the scheduler counted is referenced before anything can evict it: neither the
   blocks a sequence reaped in the same step stores, nor the KV tier's offered blocks inserted for
@@ -24,30 +24,22 @@ import torch
 from data_plane.common.errors import Overloaded
 from data_plane.shard.engines.base import GenerationOutput, GenerationRequest, SamplingParams, TextStream
 from data_plane.shard.engines.kv_cache import BlockHasher, PrefixCache
+from data_plane.shard.engines.llama_runner import LlamaRunner
 from data_plane.shard.engines.sequence import SeqState
 from data_plane.shard.engines.torch_engine import EngineConfig, TorchEngine
 from data_plane.shard.engines.torch_prefix import SlotPrefix
 
-BS, SLOTS, MAX_LEN, VOCAB = 4, 4, 64, 10
+BS, SLOTS, MAX_LEN, VOCAB = 4, 4, 64, 32
 
 
-class FakeRunner:
-    """A model of one layer whose every row's logits pick token 3; KV caches of the real shape."""
+def tiny_runner() -> LlamaRunner:
+    """The real runner on a tiny randomly initialised Llama (no weights loaded, well under a second)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    num_layers, num_kv_heads, head_dim, dtype = 1, 1, 2, torch.float32
-
-    def __init__(self) -> None:
-        self.k_cache = [torch.zeros(SLOTS, 1, MAX_LEN, 2)]
-        self.v_cache = [torch.zeros(SLOTS, 1, MAX_LEN, 2)]
-
-    def move_slot(self, src: int, dst: int, length: int) -> None:
-        for c in self.k_cache + self.v_cache:
-            c[dst, :, :length] = c[src, :, :length]
-
-    def forward(self, items: Sequence[Any], logits: Sequence[int], batched: bool = False) -> torch.Tensor:
-        out = torch.zeros(sum(logits), VOCAB)
-        out[:, 3] = 1.0
-        return out
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=MAX_LEN)
+    return LlamaRunner(LlamaForCausalLM(cfg).eval(), dtype=torch.float32, max_num_seqs=SLOTS, max_len=MAX_LEN)
 
 
 class FakeTokenizer:
@@ -57,17 +49,16 @@ class FakeTokenizer:
 
 
 class Stepped:
-    """A TorchEngine assembled around FakeRunner and a prefix cache of `blocks` blocks, no thread."""
+    """A TorchEngine assembled around a tiny real runner and a prefix cache of `blocks` blocks, no thread."""
 
     def __init__(self, blocks: int = 4) -> None:
         self.engine = eng = TorchEngine(EngineConfig(max_num_seqs=SLOTS, max_model_len=MAX_LEN, prefill_chunk=64,
                                                      adaptive_threads=False, speculation="off"))
-        self.runner = FakeRunner()
-        self.cache = PrefixCache(num_layers=1, kv_heads=1, head_dim=2, block_size=BS, dtype=torch.float32,
-                                 budget_bytes=0, num_blocks=blocks)
-        eng._runner, eng._tokenizer = self.runner, FakeTokenizer()
-        eng.prefix = self.prefix = SlotPrefix(self.runner, self.cache,  # type: ignore[arg-type]
-                                              BlockHasher(b"test-seed-bytes!", BS))
+        self.runner = r = tiny_runner()
+        self.cache = PrefixCache(num_layers=r.num_layers, kv_heads=r.num_kv_heads, head_dim=r.head_dim,
+                                 block_size=BS, dtype=torch.float32, budget_bytes=0, num_blocks=blocks)
+        eng._runner, eng._tokenizer = r, FakeTokenizer()
+        eng.prefix = self.prefix = SlotPrefix(r, self.cache, BlockHasher(b"test-seed-bytes!", BS))
         eng._assemble()
         self.outputs: dict[str, list[GenerationOutput | BaseException]] = {}
 
@@ -124,7 +115,7 @@ def test_blocks_offered_while_the_scheduler_looks_up_do_not_evict_a_hit_it_count
         calls.append(seq.request_id)
         hit = lookup(seq)
         if len(calls) == 1:
-            s.prefix.offer(fetched.block_hashes[:2], torch.ones(2, 2, 1, 1, BS, 2))
+            s.prefix.offer(fetched.block_hashes[:2], torch.ones(2, *s.prefix.block_shape))
         return hit
 
     s.engine.scheduler.prefix = offer_during_the_first_lookup
