@@ -362,8 +362,9 @@ class WeightBuilder:
         if self._gguf is not None and name in self._gguf and (blocks := self._gguf[name].q8_blocks()) is not None:
             self._origins.add(self._gguf[name].kind.lower())
         if self.plan.quantization != "int4" or self.plan.exact:
-            kw = {"dtype": self.dtype, "exact": self.plan.exact}
-            return BlockLinear.q8(*blocks, **kw) if blocks else BlockLinear.from_dense(self._dense(name), "q8", **kw)
+            if blocks:
+                return BlockLinear.q8(*blocks, dtype=self.dtype, exact=self.plan.exact)
+            return BlockLinear.from_dense(self._dense(name), "q8", dtype=self.dtype, exact=self.plan.exact)
         self._origins.add("q6")
         if blocks is not None:
             q, d = blocks
