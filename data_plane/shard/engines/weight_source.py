@@ -21,8 +21,16 @@ kernel auto (``--quantization-kernel``; the plan's ``kernel``)
     the Q8_0 blocks as they are. Its cost: int8 activations break more near-ties (`switchboard bench
     quality`: bf16 +1.45 % perplexity, float32 +0.27 %, against torch int4's +0.79 % in bf16; with the
     Q8_0 table bf16 read +0.69 %; llama.cpp's greedy text on the same GGUF is what it gives).
-  - the exact mode (float32 or float16 asked for with an explicit quantized format) and machines where it
-    did not build (no C compiler) -> torch's weight-only kernels (below).
+  - the exact mode (float32 asked for with an explicit quantized format, or ``blockq_exact`` by name) ->
+    blockq's float path (``blockq_exact_<path>``, native/blockq_exact.c): the same blocks, float32
+    activations, each weight's integer met in a float32 FMA, and int4 models keep the GGUF's Q8_0 table as
+    it is. It computes float32 dense's own weights (the GGUF's blocks dequantized) in float32: `switchboard
+    bench quality --formats float32:int4` 2026-12-04 (AMD EPYC Zen 4): perplexity +0.00 %, greedy tokens
+    identical on 12 of 12 prompts x 32 tokens, 92.1 MiB read a step (0.359x bf16), 0.297x resident. Its
+    cost is compute: a decode step (1 thread, under load, in-process A/B) 28 ms at batch 1 and 184 ms at
+    16 against 13.5 / 68 ms for float32 on blockq's int8 activations and 99 / 228 ms for dense float32.
+  - float16 with an explicit format, and machines where blockq did not build (no C compiler) -> torch's
+    weight-only kernels (below).
 
 dtype auto
   - blockq takes either activation dtype at the same speed: it follows the CPU as dense weights do (below).
@@ -43,16 +51,16 @@ dtype auto
     (float32's top-1 minus top-2 logit 0.01-0.17, against a median of 1.33 over all steps). An earlier
     58 % for "float32 activations" kept the per-row int8 table, which alone (float32 dense, only the
     table requantized) agreed on 75 %: it was the table, not the Q4_1 blocks. So auto keeps bf16 for
-    quantized weights; ``--dtype float32 --quantization int4`` is the exact, batch-invariant and slow
-    mode (tests/data_plane/test_quant_engine.py).
+    quantized weights; ``--dtype float32 --quantization int4`` is the exact and batch-invariant mode, on
+    blockq's float path where it builds (above; tests/data_plane/test_quant_engine.py).
   - else a CPU with native bf16 (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo, and oneDNN agrees)
     -> bfloat16 (``native_bf16``): a decode step's GEMMs 7.8 ms against 26.6 fp32 (batch 1).
   - else float32 (``no_native_bf16``): on an AVX2-only EPYC one GEMM was 1.7x (batch 1) to 6.1x
     (batch 16) slower in bf16 than fp32 (docs/BENCHMARKS.md).
 quantization auto
   - float32 or float16 asked for explicitly -> none (``dense_activations``): the numerics asked for
-    (blockq would round the activations to int8; torch's int4 kernel with float32 activations is an
-    exact but slow loop). float32 is batch-invariant dense and on blockq alike; ``--quantization int4
+    (blockq would round the activations to int8; its exact path and torch's int4 kernel are asked for
+    with an explicit format); ``blockq_exact`` by name -> what the GGUF ships (its blocks, exactly). float32 is batch-invariant dense and on blockq alike; ``--quantization int4
     --quantization-kernel blockq`` is the fast batch-invariant choice (3-5x dense float32 at 1-4
     streams, 1 thread, 2026-12-03: tests/support/formats.py), chosen by name, not by auto.
   - a GGUF whose projections are Q4_0/Q4_1 -> int4 (``gguf_q4``): its blocks served as they are. The
