@@ -60,6 +60,7 @@ class RequestCode(enum.StrEnum):
     OVERLOADED = "overloaded"
     NOT_READY = "not_ready"
     NO_HEALTHY_BACKEND = "no_healthy_backend"
+    PIPELINE_STAGE_LOST = "pipeline_stage_lost"
     CACHE_UNAVAILABLE = "cache_unavailable"
     CACHE_BACKEND_UNAVAILABLE = "cache_backend_unavailable"
     RECORD_TOO_LARGE = "record_too_large"
