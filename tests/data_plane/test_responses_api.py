@@ -328,6 +328,24 @@ def test_bad_requests_are_openai_errors(stack: Stack, body: dict, status: int, p
     assert "tool_call_id" not in err["message"]  # the Responses API's words, not the chat path's
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_empty_conversation_or_previous_response_id_is_a_400_not_a_turn_without_history(
+        stack: Stack, stream: bool) -> None:
+    """`conversation: ""` and `previous_response_id: ""` (an app's unset id) were taken for "none": a 200
+    whose model saw none of the history, and nothing stored in any conversation. OpenAI's 400 empty_string,
+    before the stream's first byte; for input_tokens.count too."""
+    client = stack.sdk()
+    for field, value, param in (("conversation", "", "conversation"), ("previous_response_id", "", "previous_response_id"),
+                                ("conversation", {"id": ""}, "conversation")):
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.responses.create(model=MODEL, input="What is my name?", max_output_tokens=4, stream=stream,
+                                    **{field: value})
+        assert bad.value.body["param"] == param, bad.value.body
+        assert bad.value.body["code"] == ("invalid_value" if isinstance(value, dict) else "empty_string")
+        with pytest.raises(openai.BadRequestError):
+            client.responses.input_tokens.count(model=MODEL, input="x", **{field: value})
+
+
 def test_conversations_and_compact_refuse_bad_bodies_with_openai_errors(stack: Stack) -> None:
     """Regression: these routes read raw JSON themselves; `items: "x"` made an empty conversation,
     21 items went in at once, a non-string item id was stored, and deep nesting, a lone surrogate or
