@@ -116,8 +116,8 @@ class ResponsesRequest(BaseModel):
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
             raise UnsupportedParameter("reasoning is not supported by this model", param="reasoning")
         if self.previous_response_id and self.conversation:
-            raise InvalidRequest("previous_response_id and conversation cannot be used together",
-                                 param="previous_response_id")
+            raise InvalidRequest("Mutually exclusive parameters. Ensure you are only providing one of: "
+                                 "'previous_response_id' or 'conversation'.", code="mutually_exclusive_parameters")
         if self.stream_options and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
 

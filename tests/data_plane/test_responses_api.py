@@ -346,6 +346,21 @@ def test_an_empty_conversation_or_previous_response_id_is_a_400_not_a_turn_witho
             client.responses.input_tokens.count(model=MODEL, input="x", **{field: value})
 
 
+def test_conversation_with_previous_response_id_is_openais_mutually_exclusive_error(stack: Stack) -> None:
+    """It was a 400 invalid_value naming previous_response_id in words of our own; a client that reads
+    OpenAI's code (mutually_exclusive_parameters, param null) did not recognise it."""
+    client = stack.sdk()
+    prev = client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    conv = client.conversations.create()
+    for call in (client.responses.create, client.responses.input_tokens.count):
+        with pytest.raises(openai.BadRequestError) as bad:
+            call(model=MODEL, input="x", previous_response_id=prev.id, conversation=conv.id)
+        assert bad.value.body == {"message": "Mutually exclusive parameters. Ensure you are only providing one of: "
+                                  "'previous_response_id' or 'conversation'.", "type": "invalid_request_error",
+                                  "param": None, "code": "mutually_exclusive_parameters",
+                                  **{k: bad.value.body[k] for k in ("request_id", "trace_id")}}
+
+
 def test_conversations_and_compact_refuse_bad_bodies_with_openai_errors(stack: Stack) -> None:
     """Regression: these routes read raw JSON themselves; `items: "x"` made an empty conversation,
     21 items went in at once, a non-string item id was stored, and deep nesting, a lone surrogate or
