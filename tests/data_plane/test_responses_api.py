@@ -281,7 +281,7 @@ def test_a_turn_sent_the_moment_the_last_one_completes_is_not_refused(stack: Sta
     ({"input": [{"type": "input_image", "image_url": "x"}]}, 400, "input[0].type"),
     ({"input": "x", "previous_response_id": "resp_nope"}, 400, "previous_response_id"),
     ({"input": "x", "conversation": "conv_nope"}, 404, "conversation_id"),
-    ({"input": "x", "previous_response_id": "resp_a", "conversation": "conv_b"}, 400, "previous_response_id"),
+    ({"input": "x", "previous_response_id": "resp_a", "conversation": "conv_b"}, 400, None),  # OpenAI: mutually_exclusive_parameters, param null
     ({"input": "word " * 3000, "max_output_tokens": 4}, 400, "input"),
     # the chat path's checks name the Responses body's fields (they named max_tokens, messages)
     ({"input": "word " * 3000, "max_output_tokens": 4, "truncation": "auto"}, 400, "input"),
@@ -319,7 +319,7 @@ def test_a_turn_sent_the_moment_the_last_one_completes_is_not_refused(stack: Sta
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"},
                                         "schemas": {}}}}, 400, "text.format.schemas"),
 ])
-def test_bad_requests_are_openai_errors(stack: Stack, body: dict, status: int, param: str) -> None:
+def test_bad_requests_are_openai_errors(stack: Stack, body: dict, status: int, param: str | None) -> None:
     r = httpx.post(stack.gateway.url + "/v1/responses", json={"model": MODEL, **body},
                    headers={"Authorization": f"Bearer {KEYS['plus']}"}, timeout=60)
     assert r.status_code == status, r.text
