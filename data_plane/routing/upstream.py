@@ -33,7 +33,6 @@ from opentelemetry.propagate import inject
 
 from data_plane.common.errors import (
     NoHealthyBackend,
-    PipelineStageLost,
     SwitchboardError,
     UpstreamError,
     UpstreamTimeout,
@@ -136,9 +135,7 @@ class ShardStream:
                 for line in lines:
                     event = parse_line(line)
                     if isinstance(event, SwitchboardError):
-                        # the shard said so: not held against it
-                        self.failure = (FailureReason.PIPELINE_STAGE_LOST if event.code == PipelineStageLost.code
-                                        else FailureReason.STREAM_ERROR)
+                        self.failure = FailureReason.for_stream_error(event.code)  # not held against the shard
                         if events:
                             yield events
                         raise event
