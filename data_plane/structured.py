@@ -395,11 +395,52 @@ def _tools_clash(tools: list[ToolDef]) -> Clash | None:
     return None
 
 
+MAX_SCHEMA_DEPTH = 124
+"""How deeply a schema may nest (JSON levels: objects and arrays): the deepest the grammar compiler takes
+(llguidance reads the schema 3 levels down in its grammar's JSON, with serde_json's 128-level recursion
+limit; deeper was its 400 "recursion limit exceeded"). A tool's parameters sit ~10 levels further down, in
+the envelope, where the compiler's own 400 still speaks. Checked first: past ~300 levels the gateway's and
+the shard's recursive walks of a schema (`closed`, the strict-mode check) ran out of Python's stack, a 500
+(a 502 from the shard) for a request that was only a bad schema."""
+
+
+def nests_deeper(value: Any, limit: int) -> bool:
+    """Whether `value` nests more than `limit` JSON levels (objects and arrays), found without recursion
+    and without walking past that level: the walk is as safe and as bounded for any body."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            if depth == limit:
+                return True
+            stack.extend((v, depth + 1) for v in (node.values() if isinstance(node, dict) else node))
+    return False
+
+
+def _depth_clash(response_format: ResponseFormat | None, structured: StructuredOutputs | None,
+                 tools: list[ToolDef] | None) -> Clash | None:
+    """A 400 for a schema nested deeper than MAX_SCHEMA_DEPTH, naming where the request holds it; checked
+    before any recursive walk of the schema."""
+    schemas: list[tuple[str, Any]] = [(f"tools.{i}.function.parameters", t.function.parameters)
+                                      for i, t in enumerate(tools or [])]
+    if response_format is not None and response_format.json_schema is not None:
+        schemas.append(("response_format", response_format.json_schema.schema_))
+    if structured is not None and isinstance(structured.json_, dict):
+        schemas.append((STRUCTURED, structured.json_))
+    for param, schema in schemas:
+        if nests_deeper(schema, MAX_SCHEMA_DEPTH):
+            return Clash(param, f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} levels deep; at most "
+                                f"{MAX_SCHEMA_DEPTH} are accepted", "grammar_too_large")
+    return None
+
+
 def check_output_fields(response_format: ResponseFormat | None, structured: StructuredOutputs | None,
                         tools: list[ToolDef] | None, choice: Any, parallel: bool | None = None) -> Clash | None:
     """What is wrong with a request's output fields (they contradict each other, a name or a schema is
     one OpenAI refuses, or a strict schema breaks strict mode's rules: data_plane/strict_schema.py), else
     None. `parallel`: the request's parallel_tool_calls."""
+    if (clash := _depth_clash(response_format, structured, tools)) is not None:
+        return clash
     if tools is not None and (clash := _tools_clash(tools)) is not None:
         return clash
     if parallel is not None and not tools:

@@ -1,0 +1,85 @@
+"""Structured outputs and tools at their edges, found by building on them as an application does (the
+openai SDK's `create`/`parse`/streams, the Responses API, raw HTTP to a shard): schemas past what the
+grammar compiler takes. Real processes: the session's fp32 shard, a cache node and a gateway on loopback.
+
+    PYTHONPATH=$PWD .venv/bin/python -m pytest tests/data_plane/test_structured_edges.py -q
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.support.chat import assert_no_leak, sdk
+from tests.support.cluster import gateway_before
+from tests.support.procs import CLUSTER_HEADERS, Service
+
+MODEL = "SmolLM2-135M-Instruct"
+ASK = [{"role": "user", "content": "Give me the data."}]
+
+
+@pytest.fixture(scope="module")
+def gateway(fp32_shard: Service, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    with gateway_before(fp32_shard, tmp_path_factory.mktemp("structured-edges")) as gw:
+        yield gw
+
+
+def nested(objects: int) -> dict[str, Any]:
+    """A schema of `objects` objects, each the one property of the next (2 JSON levels an object)."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(objects):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"], "additionalProperties": False}
+    return schema
+
+
+def refusal(call: Any) -> dict[str, Any]:
+    with pytest.raises(openai.BadRequestError) as info:
+        call()
+    body = info.value.body
+    assert isinstance(body, dict)
+    return body
+
+
+def test_a_schema_nested_past_the_grammars_bound_is_a_400_not_a_500(gateway: Service, fp32_shard: Service) -> None:
+    """A schema nested 320-480 objects deep (inside the body's own nesting bound) was a 500 from the
+    gateway, or a 502 after the shard failed the same way: their recursive walks of the schema (closing
+    objects, strict mode's check) ran out of Python's stack. The grammar compiler takes at most 124 levels
+    (61 objects; 62 was already its 400, "recursion limit exceeded"). Now a 400 `grammar_too_large` naming
+    where the schema is, from the gateway and from a shard asked directly, streamed or not; 61 objects are
+    still served, 62 are the same 400."""
+    client = sdk(gateway)
+    deep = nested(400)
+    asks: list[tuple[dict[str, Any], str]] = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "d", "strict": True, "schema": deep}}},
+         "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": nested(320)}}},
+         "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": deep}}]},
+         "tools.0.function.parameters"),
+        ({"extra_body": {"structured_outputs": {"json": deep}}}, "structured_outputs")]
+    for fields, param in asks:
+        for stream in (False, True):
+            body = refusal(lambda fields=fields, stream=stream: client.chat.completions.create(
+                model=MODEL, messages=ASK, max_tokens=5, stream=stream, **fields))
+            assert (body["param"], body["code"]) == (param, "grammar_too_large"), body
+            assert "at most 124" in body["message"], body
+    body = refusal(lambda: client.responses.create(model=MODEL, input="Hi", max_output_tokens=5, text={
+        "format": {"type": "json_schema", "name": "d", "schema": deep}}))
+    assert (body["param"], body["code"]) == ("text.format", "grammar_too_large"), body
+    shard = httpx.post(fp32_shard.url + "/v1/chat/completions", headers=CLUSTER_HEADERS, timeout=60, json={
+        "model": MODEL, "messages": ASK, "max_tokens": 5,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": deep}}})
+    assert shard.status_code == 400 and shard.json()["error"]["code"] == "grammar_too_large", shard.text
+    assert_no_leak(shard.text)
+    def edge(objects: int) -> dict[str, Any]:
+        return {"type": "json_schema", "json_schema": {"name": "d", "strict": True, "schema": nested(objects)}}
+
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, response_format=edge(61))
+    assert reply.choices[0].message.content.startswith('{"a":')
+    body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5,
+                                                          response_format=edge(62)))
+    assert body["code"] == "grammar_too_large", body
