@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from data_plane.strict_schema import object_root_problem, strict_schema_problem
 
@@ -117,10 +117,25 @@ class StructuredOutputs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    """A schema, as an object or as its JSON text (vLLM takes either; the text is read here, so both are
+    checked and closed alike: served as sent, the text's objects stayed open and SmolLM2 added keys)."""
     regex: str | None = None
     choice: list[str] | None = Field(default=None, min_length=1, max_length=1024)
     grammar: str | None = None
     json_object: bool | None = None
+
+    @field_validator("json_", mode="after")
+    @classmethod
+    def _schema_text_read(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | str | None:
+        """The schema an object's JSON text spells, as that object; other text is left for the grammar
+        compiler to refuse in its words."""
+        if not isinstance(value, str):
+            return value
+        try:
+            schema = json.loads(value)
+        except (ValueError, RecursionError):
+            return value
+        return schema if isinstance(schema, dict) else value
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:

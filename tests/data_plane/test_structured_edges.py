@@ -7,6 +7,7 @@ grammar compiler takes. Real processes: the session's fp32 shard, a cache node a
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,3 +84,24 @@ def test_a_schema_nested_past_the_grammars_bound_is_a_400_not_a_500(gateway: Ser
     body = refusal(lambda: client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5,
                                                           response_format=edge(62)))
     assert body["code"] == "grammar_too_large", body
+
+
+def test_a_schema_sent_as_json_text_is_served_as_the_same_schema_sent_as_an_object(gateway: Service) -> None:
+    """vLLM's `structured_outputs.json` takes a schema as an object or as its JSON text. The object was
+    closed (an object listing `properties` takes no other keys, an unbounded integer gets JSON's portable
+    range: docs/STRUCTURED.md) and depth-checked, the text went to the grammar as sent: its objects stayed
+    open, and SmolLM2 answered `{"a": 1, "b": 2}` to a schema of `a` alone. Now the text is read as the
+    object it spells: the same output either way, and the same 400 for one nested too deeply."""
+    client = sdk(gateway)
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a"]}
+    ask = [{"role": "user", "content": "Pick one. Reply in JSON."}]
+    texts = [client.chat.completions.create(model=MODEL, messages=ask, max_tokens=12, temperature=0,
+                                            extra_body={"structured_outputs": {"json": form}}
+                                            ).choices[0].message.content
+             for form in (schema, json.dumps(schema))]
+    assert texts[0] == texts[1], texts
+    assert set(json.loads(texts[1])) == {"a"}, texts
+    body = refusal(lambda: client.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=5, extra_body={"structured_outputs": {"json": json.dumps(nested(300))}}))
+    assert (body["param"], body["code"]) == ("structured_outputs", "grammar_too_large"), body
