@@ -214,7 +214,10 @@ SAFE_INTEGER = 2**53 - 1
 
 def _hoist(schema: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
     """`schema` to be nested in the envelope: its `$defs`/`definitions` move to the root's `defs` under
-    `prefix` and its local refs ("#", "#/$defs/X", "#/definitions/X") are rewritten to match."""
+    `prefix` and its local refs are rewritten to match: "#/$defs/X..." and "#/definitions/X..." to the
+    moved definition, "#" and any other pointer ("#/properties/a", as zod-to-json-schema writes a schema
+    used twice) into a copy of the schema itself, kept in `defs` as `prefix`root (left as sent, such a
+    pointer named a place in the envelope, and a schema served alone was refused there)."""
     schema = dict(schema)
     own = {**schema.pop("definitions", {}), **schema.pop("$defs", {})}
 
@@ -222,13 +225,13 @@ def _hoist(schema: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[st
         if isinstance(node, dict):
             out = {k: walk(v) for k, v in node.items()}
             ref = out.get("$ref")
-            if isinstance(ref, str):
-                if ref == "#":
-                    out["$ref"] = f"#/$defs/{prefix}root"
+            if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+                moved = next((head for head in ("#/$defs/", "#/definitions/") if ref.startswith(head)), None)
+                if moved is not None:
+                    out["$ref"] = "#/$defs/" + prefix + ref[len(moved):]
+                else:
+                    out["$ref"] = f"#/$defs/{prefix}root" + ref[1:]
                     defs.setdefault(f"{prefix}root", None)
-                for head in ("#/$defs/", "#/definitions/"):
-                    if ref.startswith(head):
-                        out["$ref"] = "#/$defs/" + prefix + ref[len(head):]
             return out
         if isinstance(node, list):
             return [walk(v) for v in node]

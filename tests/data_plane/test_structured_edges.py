@@ -105,3 +105,28 @@ def test_a_schema_sent_as_json_text_is_served_as_the_same_schema_sent_as_an_obje
     body = refusal(lambda: client.chat.completions.create(
         model=MODEL, messages=ask, max_tokens=5, extra_body={"structured_outputs": {"json": json.dumps(nested(300))}}))
     assert (body["param"], body["code"]) == ("structured_outputs", "grammar_too_large"), body
+
+
+def test_a_pointer_into_the_schema_itself_is_served_in_tool_parameters(gateway: Service) -> None:
+    """A `$ref` to a place in the schema itself ("#/properties/a": zod-to-json-schema writes one for a
+    schema used twice, so LangChain.js and the Vercel AI SDK send them) is served in a response_format, but
+    in a tool's parameters, or in a response_format beside tools, it was a 400 "Pointer '/properties/a'
+    does not exist": the schema is nested in the tool-call envelope, where the pointer named the
+    envelope's own root. Now it points into the schema as sent, streamed or not."""
+    client = sdk(gateway)
+    twice = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5}, "b": {"$ref": "#/properties/a"}},
+             "required": ["a", "b"]}
+    ask = [{"role": "user", "content": "Fill in a and b."}]
+    kw: dict[str, Any] = {"model": MODEL, "messages": ask, "max_tokens": 40, "temperature": 0,
+                          "tools": [{"type": "function", "function": {"name": "f", "parameters": twice}}],
+                          "tool_choice": "required", "parallel_tool_calls": False}
+    with client.chat.completions.stream(**kw) as stream:
+        streamed = stream.get_final_completion()
+    for reply in (client.chat.completions.create(**kw), streamed):
+        (call,) = reply.choices[0].message.tool_calls
+        assert set(json.loads(call.function.arguments)) == {"a", "b"}, call
+    beside = client.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "ab", "schema": twice}},
+        tools=[{"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {}}}}])
+    assert beside.choices[0].finish_reason in ("stop", "tool_calls", "length"), beside  # served, not a 400
