@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.support.chat import assert_no_leak, sdk
-from tests.support.cluster import gateway_before
+from tests.support.cluster import KEYS, gateway_before
 from tests.support.procs import CLUSTER_HEADERS, Service
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -130,3 +130,33 @@ def test_a_pointer_into_the_schema_itself_is_served_in_tool_parameters(gateway: 
         response_format={"type": "json_schema", "json_schema": {"name": "ab", "schema": twice}},
         tools=[{"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {}}}}])
     assert beside.choices[0].finish_reason in ("stop", "tool_calls", "length"), beside  # served, not a 400
+
+
+def test_replies_carry_refusal_null_where_openais_spec_requires_it(gateway: Service, fp32_shard: Service) -> None:
+    """OpenAI's spec requires `refusal` (null when the model did not refuse) in a reply's message, and
+    `content` and `refusal` in a choice's `logprobs` object, streamed or not; OpenAI always sends them. Both
+    were left out (the openai SDK fills in None; a client generated from the spec, or one checking
+    `"refusal" in message` before it reads the content, found them missing). Now present, from the gateway
+    and from a shard asked directly, for text, a JSON-schema reply and a tool call."""
+    asks: list[dict[str, Any]] = [
+        {"logprobs": True},
+        {"logprobs": True, "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+            "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}}}},
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["x"]}}}],
+         "tool_choice": "required"}]
+    user = {"Authorization": f"Bearer {KEYS['plus']}"}
+    for url, headers in ((gateway.url, user), (fp32_shard.url, CLUSTER_HEADERS)):
+        for ask in asks:
+            body = {"model": MODEL, "messages": ASK, "max_tokens": 20, "temperature": 0, **ask}
+            reply = httpx.post(url + "/v1/chat/completions", headers=headers, json=body, timeout=60)
+            choice = reply.json()["choices"][0]
+            assert "refusal" in choice["message"] and choice["message"]["refusal"] is None, (url, ask, choice)
+            if ask.get("logprobs"):
+                assert choice["logprobs"]["refusal"] is None and choice["logprobs"]["content"], (url, ask, choice)
+                with httpx.stream("POST", url + "/v1/chat/completions", headers=headers, timeout=60,
+                                  json={**body, "stream": True}) as streamed:
+                    chunks = [json.loads(line[6:]) for line in streamed.iter_lines()
+                              if line.startswith("data: {")]
+                scored = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0].get("logprobs")]
+                assert scored and all(lp["refusal"] is None for lp in scored), (url, ask, scored)
