@@ -61,6 +61,9 @@ class FailureReason(StrEnum):
     """The shard left membership (critical or gone) mid-stream."""
     STREAM_ERROR = "stream_error"
     """The shard sent an error event mid-stream (a resume reason; not held against the shard)."""
+    PIPELINE_STAGE_LOST = "pipeline_stage_lost"
+    """The shard's error event said it lost a pipeline stage (a resume reason, as stream_error; counted
+    apart so the loss is seen from the gateway, which Prometheus scrapes whatever becomes of the shard)."""
 
     @classmethod
     def for_status(cls, status: int) -> FailureReason:

@@ -33,6 +33,7 @@ from opentelemetry.propagate import inject
 
 from data_plane.common.errors import (
     NoHealthyBackend,
+    PipelineStageLost,
     SwitchboardError,
     UpstreamError,
     UpstreamTimeout,
@@ -135,7 +136,9 @@ class ShardStream:
                 for line in lines:
                     event = parse_line(line)
                     if isinstance(event, SwitchboardError):
-                        self.failure = FailureReason.STREAM_ERROR  # the shard said so: not held against it
+                        # the shard said so: not held against it
+                        self.failure = (FailureReason.PIPELINE_STAGE_LOST if event.code == PipelineStageLost.code
+                                        else FailureReason.STREAM_ERROR)
                         if events:
                             yield events
                         raise event

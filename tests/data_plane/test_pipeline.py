@@ -257,6 +257,11 @@ def test_killed_stage_mid_stream_every_stream_completes_as_uninterrupted() -> No
         assert got == reference
         assert exit_within(piped, 15) == 1, piped.log_tail()
         assert "stage 1" in piped.log_tail()
+        # the gateway counts those resumes under the loss's own reason (SwitchboardPipelineStageLostStreams)
+        metrics = httpx.get(gw.url + "/metrics", timeout=10).text
+        resumed = [line for line in metrics.splitlines()
+                   if line.startswith('switchboard_router_resumes_total{reason="pipeline_stage_lost"}')]
+        assert resumed and float(resumed[0].split()[-1]) >= 1, metrics
 
 
 def test_a_lone_pipelined_shard_losing_a_stage_ends_each_stream_with_a_clear_error() -> None:
