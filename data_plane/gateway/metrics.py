@@ -32,6 +32,7 @@ class RequestCode(enum.StrEnum):
     INVALID_JSON = "invalid_json"
     UNSUPPORTED_PARAMETER = "unsupported_parameter"
     MISSING_REQUIRED_PARAMETER = "missing_required_parameter"
+    MUTUALLY_EXCLUSIVE_PARAMETERS = "mutually_exclusive_parameters"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     CONTENT_POLICY_VIOLATION = "content_policy_violation"
     INVALID_ENCRYPTED_CONTENT = "invalid_encrypted_content"
@@ -77,7 +78,7 @@ _CODES = {c.value: c for c in RequestCode}
 _CODES.update(dict.fromkeys((f"{number}_{side}_value" for number in ("integer", "decimal")
                              for side in ("above_max", "below_min")), RequestCode.INVALID_VALUE))
 _CODES.update(dict.fromkeys(("invalid_type", "string_above_max_length", "array_above_max_length", "empty_array",
-                             "empty_string", "mutually_exclusive_parameters"),
+                             "empty_string"),
                             RequestCode.INVALID_VALUE))
 """OpenAI's finer codes for a value the request checks refuse (data_plane/request_checks.py openai_words):
 counted as invalid_value, as they were before they had words of their own."""
