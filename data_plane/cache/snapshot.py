@@ -38,7 +38,12 @@ class Snapshot:
         self.path = path
 
     def read(self, now: float) -> list[tuple[Transcript, float]]:
-        """The records the file holds that expire after `now`, in the file's order; [] without a file."""
+        """The records the file holds that expire after `now`, in the file's order; [] without a file.
+        A write cut off by a crash (kill -9, power) left its temporary file: removed here, each as large
+        as the store."""
+        for stale in self.path.parent.glob(f".{self.path.name}.*.tmp"):
+            with contextlib.suppress(OSError):
+                stale.unlink()
         try:
             with self.path.open(encoding="utf-8") as f:
                 records, bad = _parse(f, now)
@@ -67,6 +72,11 @@ class Snapshot:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
+            folder = os.open(self.path.parent, os.O_RDONLY)  # the rename itself outlives a power loss
+            try:
+                os.fsync(folder)
+            finally:
+                os.close(folder)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)

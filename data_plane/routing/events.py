@@ -101,7 +101,16 @@ def parse_line(line: bytes) -> Event | SwitchboardError | None:
     return None
 
 
-__all__ = ["Delta", "Event", "Finish", "ToolCallDelta", "UsageEvent", "parse_line", "unresumed"]
+__all__ = ["Delta", "Event", "Finish", "ToolCallDelta", "UsageEvent", "client_error", "parse_line", "unresumed"]
+
+
+def client_error(exc: SwitchboardError) -> SwitchboardError:
+    """A shard's error event as the client reads it when it ends the request: ``pipeline_stage_lost`` (the
+    shard's word to the gateway, which counts it under its own reason) as ``overloaded``, the code the
+    same event had before it had its own; any other error as it is."""
+    if exc.code == PipelineStageLost.code:
+        return type(exc)(exc.message, param=exc.param, code=Overloaded.code)
+    return exc
 
 
 def unresumed(exc: SwitchboardError) -> SwitchboardError:

@@ -64,13 +64,17 @@ class FailureReason(StrEnum):
     STREAM_ERROR = "stream_error"
     """The shard sent an error event mid-stream (a resume reason; not held against the shard)."""
     PIPELINE_STAGE_LOST = "pipeline_stage_lost"
-    """The shard's error event said it lost a pipeline stage (a resume reason, as stream_error; counted
-    apart so the loss is seen from the gateway, which Prometheus scrapes whatever becomes of the shard)."""
+    """The shard's error event said it lost a pipeline stage, before the first token (a retry, held against
+    the shard) or after it (a resume, as stream_error): counted apart so the loss is seen from the
+    gateway, which Prometheus scrapes whatever becomes of the shard."""
 
     @classmethod
-    def for_stream_error(cls, code: str | None) -> FailureReason:
-        """The reason for an error event mid-stream: the shard's code when it names a stage loss."""
-        return cls.PIPELINE_STAGE_LOST if code == PipelineStageLost.code else cls.STREAM_ERROR
+    def for_stream_error(cls, code: str | None, first_token: bool = True) -> FailureReason:
+        """The reason for a shard's error event, after the first token or before it: the shard's code when
+        it names a stage loss."""
+        if code == PipelineStageLost.code:
+            return cls.PIPELINE_STAGE_LOST
+        return cls.STREAM_ERROR if first_token else cls.STREAM_ERROR_BEFORE_FIRST_TOKEN
 
     @classmethod
     def for_status(cls, status: int) -> FailureReason:

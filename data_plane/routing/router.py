@@ -57,6 +57,7 @@ class RouterMetrics:
                                  registry=registry)
         self.failures = Counter("switchboard_router_upstream_failures", "Failed shard calls by reason.",
                                 ["reason"], registry=registry)
+        self.failures.labels(FailureReason.PIPELINE_STAGE_LOST)  # as resumes': a stage lost before the first token
         self.decisions = Counter("switchboard_router_decisions", "Routing decisions by policy.", ["policy"],
                                  registry=registry)
         self.shards = Gauge("switchboard_router_shards", "Shards known to this router by state.", ["state"],

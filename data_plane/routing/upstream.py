@@ -42,7 +42,8 @@ from data_plane.common.keepalive import KEEPALIVE_HEADER, KEEPALIVE_META, silenc
 from data_plane.common.kv_report import CHAIN_HEADER, parse_chain
 from data_plane.membership.view import Member
 from data_plane.protocol import INPUT_TOKENS_PATH, ChatMessage, ShardRequest, StreamOptions
-from data_plane.routing.events import Delta, Event, Finish, ToolCallDelta, UsageEvent, parse_line, unresumed
+from data_plane.routing import events as wire
+from data_plane.routing.events import Delta, Event, Finish, ToolCallDelta, UsageEvent
 from data_plane.routing.failures import FailureReason
 from data_plane.routing.hop_client import (
     HopConnectError,
@@ -133,7 +134,7 @@ class ShardStream:
                     return
                 events: list[Event] = []
                 for line in lines:
-                    event = parse_line(line)
+                    event = wire.parse_line(line)
                     if isinstance(event, SwitchboardError):
                         self.failure = FailureReason.for_stream_error(event.code)  # not held against the shard
                         if events:
@@ -345,9 +346,9 @@ class Upstream:
                                 UpstreamError("a shard closed the stream before any token"))
             token = False
             for line in lines:
-                event = parse_line(line)
+                event = wire.parse_line(line)
                 if isinstance(event, SwitchboardError):
-                    raise Retryable(FailureReason.STREAM_ERROR_BEFORE_FIRST_TOKEN, event)
+                    raise Retryable(FailureReason.for_stream_error(event.code, False), wire.client_error(event))
                 if event is not None:
                     first.append(event)
                     token = token or isinstance(event, (Delta, ToolCallDelta, Finish))
@@ -460,9 +461,9 @@ class ResumableStream:
                 return
             except (UpstreamError, UpstreamTimeout) as exc:
                 if finished:
-                    raise
+                    raise wire.client_error(exc) from None
                 if self.resumes >= self._upstream.config.resumes:
-                    raise unresumed(exc) from None
+                    raise wire.unresumed(exc) from None
                 failed = self._stream.member
                 tried.add(failed.id)
                 self.resumes += 1
@@ -486,7 +487,7 @@ class ResumableStream:
                 try:
                     self._stream = await self._upstream.open(request, self._session_id, exclude=tried)
                 except SwitchboardError:
-                    raise unresumed(exc) from None
+                    raise wire.unresumed(exc) from None
                 self.member = self._stream.member
 
     def close(self) -> None:

@@ -129,7 +129,13 @@ def test_policy_blockq_where_it_loads_and_its_exact_path_for_the_exact_mode() ->
     assert resolve_plan("float32", "int4", source="q4", caps=none).kernel == "torch"
     assert resolve_plan("float32", "int4", source="q4", caps=native, kernel="blockq").kernel == "blockq_avx512_vnni"
     assert resolve_plan("float32", "int4", source="q4", caps=native, kernel="torch").kernel == "torch"
-    assert resolve_plan("float16", "int4", source="q4", caps=native).kernel == "torch"  # blockq takes fp32/bf16
+    # blockq takes float32 or bf16 activations: float16 is torch's, even by name (its buffers are not float32)
+    assert resolve_plan("float16", "int4", source="q4", caps=native).kernel == "torch"
+    assert resolve_plan("float16", "int4", source="q4", caps=native, kernel="blockq").kernel == "torch"
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        blockq.BlockLinear.from_dense(torch.randn(16, 32), "q4", dtype=torch.float16)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        _layer("q4")(torch.randn(2, 128).half())
     # blockq_exact by name: the model's own blocks, float32 activations whatever the CPU
     plan = resolve_plan("auto", "auto", source="q4", caps=native, kernel="blockq_exact")
     assert (plan.dtype, plan.dtype_reason, plan.quantization, plan.kernel) == (

@@ -301,6 +301,8 @@ async def test_memory_storage_snapshot_keeps_live_records_in_lru_order(tmp_path:
     assert snapshot.path.stat().st_mode & 0o777 == 0o600
     with snapshot.path.open("a") as f:
         f.write('{"record": {"session_id": "torn"\n')
+    stale = snapshot.path.parent / f".{snapshot.path.name}.x1y2.tmp"  # a write cut off by kill -9
+    stale.write_text("half a store")
     clock.now += 10
     evictions: list[tuple[str, int]] = []
     room_for_two = 2 * len(encode_record(rec("a")))
@@ -308,6 +310,7 @@ async def test_memory_storage_snapshot_keeps_live_records_in_lru_order(tmp_path:
     await again.start()
     try:
         assert again.stats().entries == 2 and evictions == []  # "s" expired while down: never restored
+        assert not stale.exists()
         await again.put(rec("c"), ttl_s=100)
         assert evictions == [("lru", 1)] and await again.get("b") is None  # b was the least recent before
         assert (await again.get("a")).version == 3

@@ -389,3 +389,35 @@ async def test_a_count_is_retried_once_elsewhere_and_a_4xx_is_the_requests_own()
         await up.count(BODY, session_id=None)
     assert len(pool.posts) == 2 and count(registry, "switchboard_router_upstream_failures_total",
                                           reason="transport") == 2
+
+
+def _stage_lost_event() -> bytes:
+    return (b'data: {"error": {"message": "a pipeline stage of the shard failed", "type": "server_error", '
+            b'"param": null, "code": "pipeline_stage_lost"}}')
+
+
+async def test_a_stage_loss_is_counted_under_its_reason_and_the_client_reads_the_codes_it_always_did() -> None:
+    """A pipelined shard that lost a stage ends its streams with `pipeline_stage_lost`, the gateway's word for
+    its metrics (SwitchboardPipelineStageLostStreams): before the first token a failure under that reason,
+    mid-stream a resume; the client never reads the new code: `overloaded` before the first token (retries
+    spent), `upstream_error` mid-stream with nowhere to resume, `overloaded` after the finish."""
+    up, registry = upstream(Pool(Response(200, [[_stage_lost_event()]])), shards=1)
+    with pytest.raises(SwitchboardError) as before:
+        await up.open(BODY, session_id=None)
+    assert before.value.code == "overloaded" and "stage" in before.value.message
+    assert count(registry, "switchboard_router_upstream_failures_total", reason="pipeline_stage_lost") == 1
+
+    up, registry = upstream(Pool(Response(200, [[token("Hi", 1)], [_stage_lost_event()]])), shards=1)
+    with pytest.raises(SwitchboardError) as mid:
+        await drain(await up.open_resumable(BODY, session_id=None))
+    assert mid.value.code == "upstream_error"
+
+    up, registry = upstream(Pool(Response(200, [[token("Hi", 1)], [_stage_lost_event()]]),
+                                 Response(200, [[token(" there", 2)], [FINISH]])), shards=2)
+    assert await drain(await up.open_resumable(BODY, session_id=None))
+    assert count(registry, "switchboard_router_resumes_total", reason="pipeline_stage_lost") == 1
+
+    up, _ = upstream(Pool(Response(200, [[token("Hi", 1)], [FINISH], [_stage_lost_event()]])), shards=1)
+    with pytest.raises(SwitchboardError) as after:
+        await drain(await up.open_resumable(BODY, session_id=None))
+    assert after.value.code == "overloaded"

@@ -241,6 +241,8 @@ class BlockLinear:
     def __init__(self, fmt: str, tiles: torch.Tensor, n: int, k: int, *, dtype: torch.dtype,
                  bias: torch.Tensor | None = None, kernel: Kernel | None = None, exact: bool = False) -> None:
         _check(n, k)
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"blockq takes float32 or bfloat16 activations, not {dtype}")
         kern = kernel or load()
         if kern is None:
             raise RuntimeError("the blockq kernel is not available on this machine")
@@ -276,6 +278,8 @@ class BlockLinear:
     def _run(self, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor | None = None,
              eps: float = 0.0) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if rows.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"blockq takes float32 or bfloat16 activations, not {rows.dtype}")
         if not rows.is_contiguous():
             rows = rows.contiguous()
         m = rows.shape[0]

@@ -169,6 +169,10 @@ def main(argv: list[str] | None = None) -> None:
     # Explicit dtype and format: the same plan stage 0 resolved, so the stages' numerics agree.
     plan = resolve_plan(args.dtype, args.quantization, source=source.kind, caps=CpuCaps.detect(),
                         kernel=args.quantization_kernel)
+    if args.quantization_kernel != "torch" and not plan.kernel.startswith(args.quantization_kernel + "_"):
+        # blockq did not build here (no C compiler): torch's kernels would give other numerics than stage 0's
+        raise SystemExit(f"switchboard stage: stage 0 serves {args.quantization_kernel}, which this host cannot "
+                         f"build (it would serve {plan.kernel}): install a C compiler (cc) here")
     runner = LlamaRunner.from_pretrained(source.path, dtype=dtype, max_num_seqs=args.max_num_seqs,
                                          max_len=args.max_len, plan=plan, gguf=source.gguf, layer_range=(first, end))
     hidden = runner.hidden_size  # no embedding, norm or head here: stage 0 embeds and applies the head

@@ -93,9 +93,11 @@ def load_model(config: EngineConfig, listener: StepListener, phases: LoadPhases)
     source = model_source(config.model)
     plan = resolve_plan(config.dtype, config.quantization, source=source.kind, caps=CpuCaps.detect(),
                         kernel=config.quantization_kernel)
-    # float32 asked for is the batch-invariant mode: its numerics must not depend on when a probe switches
-    # threads (float32 that auto chose, for a CPU without native bf16, adapts like bf16).
-    adaptive = config.adaptive_threads and not (plan.dtype == "float32" and plan.dtype_reason == DtypeReason.REQUESTED)
+    # float32 asked for (or the exact kernel by name) is the batch-invariant mode: its numerics must not
+    # depend on when a probe switches threads (float32 that auto chose, for a CPU without native bf16,
+    # adapts like bf16).
+    pinned = plan.dtype_reason in (DtypeReason.REQUESTED, DtypeReason.EXACT_KERNEL)
+    adaptive = config.adaptive_threads and not (plan.dtype == "float32" and pinned)
     # A pipeline: `threads` is each stage's (auto: the cores over the stages on this host); together
     # they hold that many cores each, which a pass alone in the pipeline may use (PipelineSpec.alone_threads).
     local_stages = config.pipeline_parallel_size - len(config.pipeline_remote_stages)

@@ -221,9 +221,8 @@ def resolve_plan(dtype: str, quantization: str, *, source: str, caps: CpuCaps, k
     # quantized format, or blockq_exact by name) keeps float32 activations on it (blockq_exact.c); where
     # blockq did not load, and for float16, torch's kernels, which dequantize the GGUF's blocks exactly.
     exact = (kernel == "blockq_exact" or (dtype == "float32" and quantization != "auto" and kernel == "auto"))
-    if quant == "none" or not caps.blockq or kernel == "torch" or (dtype == "float16" and kernel == "auto"
-                                                                    and quantization != "auto"):
-        kernel = "torch"
+    if quant == "none" or not caps.blockq or kernel == "torch" or dtype == "float16":
+        kernel = "torch"  # blockq takes float32 or bf16 activations only
     else:
         kernel = f"blockq_exact_{caps.blockq}" if exact else f"blockq_{caps.blockq}"
     if dtype != "auto":
