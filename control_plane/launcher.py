@@ -72,7 +72,7 @@ class UpSettings(BaseSettings):
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description=(
         "Stage processes per shard (a replica is a whole pipeline group: data_plane/shard/engines/pipeline.py)."))
     max_model_len: int = Field(2048, ge=16, description="Context window per shard.")
-    state_dir: str = Field(".switchboard", description="Where credentials and logs go.")
+    state_dir: str = Field(".switchboard", description="Where credentials, logs, the usage ledger and the cache nodes' records (without --redis) go.")
     redis: str | None = Field(None, description="Redis URL for cache nodes (default: in memory).")
     prometheus: bool = Field(False, description="Also start Prometheus (when the binary exists) with the alert rules.")
     prometheus_port: int = Field(9090, ge=1, le=65535, description="Prometheus port (with --prometheus).")
@@ -152,6 +152,8 @@ def plan(s: UpSettings, state: Path, admin_token: str,
                 "--node-id", f"cache-{i}", "--zone", zone]
         if s.redis:
             args += ["--redis", s.redis]
+        else:  # stored responses and conversations outlive a restart, as the keys and the ledger do
+            args += ["--snapshot-file", str(state / "cache" / f"cache-{i}.jsonl")]
         caches.append(Child(f"cache-{i}", args, f"http://{host}:{port}", logs / f"cache-{i}.log", env=member_env))
     shards = []
     n_shards = 0 if s.autoscale else (max(s.shards, len(zones)) if s.shards else 0)

@@ -430,7 +430,7 @@ def completion_body(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": {"role": "assistant", "content": text, "refusal": None},
                 "logprobs": None,
                 "finish_reason": finish_reason,
             }

@@ -121,7 +121,7 @@ def openai_words(param: str, error: Any, kinds: set[Any] | None = None) -> tuple
     """OpenAI's message and code for a pydantic error at `param` that OpenAI words its own way: a number out
     of its range ("Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 2.5
     instead.", decimal_above_max_value; integer_... for an integer field), a string or a list too long, an
-    empty list that needs items, a value not among a field's ("Invalid value: 'xml'. Supported values are:
+    empty string or list that needs content, a value not among a field's ("Invalid value: 'xml'. Supported values are:
     'text', 'json_object', and 'json_schema'."), a value of the wrong type ("Invalid type for 'n': expected an
     integer, but got a string instead.", invalid_type; `kinds`: the error types at `param`, one per member of
     a union), a validator's own OpenAI words (a PydanticCustomError of type "openai", its
@@ -147,6 +147,9 @@ def openai_words(param: str, error: Any, kinds: set[Any] | None = None) -> tuple
         message = (f"Expected a string with maximum length {ctx.get('max_length')}, but got a string with length "
                    f"{len(value)} instead.")
         return f"Invalid '{param}': string too long. {message}", "string_above_max_length"
+    if kind == "string_too_short" and value == "" and ctx.get("min_length") == 1:
+        message = "Expected a string with minimum length 1, but got an empty string instead."
+        return f"Invalid '{param}': empty string. {message}", "empty_string"
     if kind == "too_long" and isinstance(value, list):
         message = (f"Expected an array with maximum length {ctx.get('max_length')}, but got an array with length "
                    f"{len(value)} instead.")

@@ -8,7 +8,7 @@ the schema as sent is the contract (OpenAI: "Supported schemas" of the Structure
 object says ``additionalProperties: false`` and lists every key of its ``properties`` in ``required``.
 OpenAI answers a schema that breaks either rule with a 400 before generating anything, in the words
 used here (so a client's error handling, and a developer's search for the message, work the same).
-Without ``strict`` the grammar still enforces the schema, objects closed (`structured.closed`).
+Without ``strict`` the grammar still enforces the schema, objects closed (`schema_rewrite.closed`).
 
 The clients that send strict schemas build them to these rules: the openai SDK's ``parse`` and
 ``pydantic_function_tool`` (``to_strict_json_schema``), the Agents SDK (``ensure_strict_json_schema``),

@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from data_plane.schema_rewrite import closed, hoist
 from data_plane.strict_schema import object_root_problem, strict_schema_problem
 
 MAX_TOOLS = 128
@@ -117,10 +118,25 @@ class StructuredOutputs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    """A schema, as an object or as its JSON text (vLLM takes either; the text is read here, so both are
+    checked and closed alike: served as sent, the text's objects stayed open and SmolLM2 added keys)."""
     regex: str | None = None
     choice: list[str] | None = Field(default=None, min_length=1, max_length=1024)
     grammar: str | None = None
     json_object: bool | None = None
+
+    @field_validator("json_", mode="after")
+    @classmethod
+    def _schema_text_read(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | str | None:
+        """The schema an object's JSON text spells, as that object; other text is left for the grammar
+        compiler to refuse in its words."""
+        if not isinstance(value, str):
+            return value
+        try:
+            schema = json.loads(value)
+        except (ValueError, RecursionError):
+            return value
+        return schema if isinstance(schema, dict) else value
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:
@@ -194,66 +210,10 @@ class OutputPlan:
 
 ANY_JSON_OBJECT = '{"type": "object"}'
 STRUCTURED = "structured_outputs"
-SAFE_INTEGER = 2**53 - 1
-
-
-def _hoist(schema: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
-    """`schema` to be nested in the envelope: its `$defs`/`definitions` move to the root's `defs` under
-    `prefix` and its local refs ("#", "#/$defs/X", "#/definitions/X") are rewritten to match."""
-    schema = dict(schema)
-    own = {**schema.pop("definitions", {}), **schema.pop("$defs", {})}
-
-    def walk(node: Any) -> Any:
-        if isinstance(node, dict):
-            out = {k: walk(v) for k, v in node.items()}
-            ref = out.get("$ref")
-            if isinstance(ref, str):
-                if ref == "#":
-                    out["$ref"] = f"#/$defs/{prefix}root"
-                    defs.setdefault(f"{prefix}root", None)
-                for head in ("#/$defs/", "#/definitions/"):
-                    if ref.startswith(head):
-                        out["$ref"] = "#/$defs/" + prefix + ref[len(head):]
-            return out
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        return node
-
-    body = walk(schema)
-    for name, sub in own.items():
-        defs[prefix + name] = walk(sub)
-    if f"{prefix}root" in defs and defs[f"{prefix}root"] is None:
-        defs[f"{prefix}root"] = body
-    return body
-
-
-def closed(schema: Any, in_all_of: bool = False) -> Any:
-    """`schema` with every object that lists `properties` and says nothing of `additionalProperties` closed
-    (``additionalProperties: false``, as OpenAI's strict mode requires of every object): a model then
-    writes the listed keys, not keys of its own. Say ``additionalProperties: true`` to allow extra keys.
-    Members of an ``allOf`` are left open (closing them would contradict each other). An unbounded
-    ``integer`` gets JSON's portable range (+-(2**53 - 1), 16 digits), so a small model cannot write digits
-    until the token limit."""
-    if isinstance(schema, list):
-        return [closed(v, in_all_of) for v in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: closed(v, k == "allOf") if k in ("allOf", "anyOf", "oneOf", "items", "prefixItems") else
-           {n: closed(d) for n, d in v.items()} if k in ("properties", "$defs", "definitions") and isinstance(v, dict)
-           else v for k, v in schema.items()}
-    if ("properties" in out and "additionalProperties" not in out and "patternProperties" not in out
-            and not in_all_of):
-        out["additionalProperties"] = False
-    if out.get("type") == "integer":
-        if "minimum" not in out and "exclusiveMinimum" not in out:
-            out["minimum"] = -SAFE_INTEGER
-        if "maximum" not in out and "exclusiveMaximum" not in out:
-            out["maximum"] = SAFE_INTEGER
-    return out
 
 
 def _call_schema(tool: ToolDef, prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
-    params = _hoist(closed(tool.function.parameters or EMPTY_PARAMETERS), prefix, defs)
+    params = hoist(closed(tool.function.parameters or EMPTY_PARAMETERS), prefix, defs)
     return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": params},
             "required": ["name", "arguments"], "additionalProperties": False}
 
@@ -272,7 +232,7 @@ def envelope_schema(tools: list[ToolDef], mode: ToolMode, parallel: bool,
                   "additionalProperties": False}
     root: dict[str, Any] = tool_calls
     if mode == ToolMode.AUTO:
-        answer = _hoist(response, "r_", defs) if response is not None else {"type": "string"}
+        answer = hoist(response, "r_", defs) if response is not None else {"type": "string"}
         root = {"anyOf": [tool_calls, {"type": "object", "properties": {"response": answer},
                                        "required": ["response"], "additionalProperties": False}]}
     return {**root, "$defs": defs} if defs else root
@@ -395,11 +355,52 @@ def _tools_clash(tools: list[ToolDef]) -> Clash | None:
     return None
 
 
+MAX_SCHEMA_DEPTH = 124
+"""How deeply a schema may nest (JSON levels: objects and arrays): the deepest the grammar compiler takes
+(llguidance reads the schema 3 levels down in its grammar's JSON, with serde_json's 128-level recursion
+limit; deeper was its 400 "recursion limit exceeded"). A tool's parameters sit ~10 levels further down, in
+the envelope, where the compiler's own 400 still speaks. Checked first: past ~300 levels the gateway's and
+the shard's recursive walks of a schema (`closed`, the strict-mode check) ran out of Python's stack, a 500
+(a 502 from the shard) for a request that was only a bad schema."""
+
+
+def nests_deeper(value: Any, limit: int) -> bool:
+    """Whether `value` nests more than `limit` JSON levels (objects and arrays), found without recursion
+    and without walking past that level: the walk is as safe and as bounded for any body."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            if depth == limit:
+                return True
+            stack.extend((v, depth + 1) for v in (node.values() if isinstance(node, dict) else node))
+    return False
+
+
+def _depth_clash(response_format: ResponseFormat | None, structured: StructuredOutputs | None,
+                 tools: list[ToolDef] | None) -> Clash | None:
+    """A 400 for a schema nested deeper than MAX_SCHEMA_DEPTH, naming where the request holds it; checked
+    before any recursive walk of the schema."""
+    schemas: list[tuple[str, Any]] = [(f"tools.{i}.function.parameters", t.function.parameters)
+                                      for i, t in enumerate(tools or [])]
+    if response_format is not None and response_format.json_schema is not None:
+        schemas.append(("response_format", response_format.json_schema.schema_))
+    if structured is not None and isinstance(structured.json_, dict):
+        schemas.append((STRUCTURED, structured.json_))
+    for param, schema in schemas:
+        if nests_deeper(schema, MAX_SCHEMA_DEPTH):
+            return Clash(param, f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} levels deep; at most "
+                                f"{MAX_SCHEMA_DEPTH} are accepted", "grammar_too_large")
+    return None
+
+
 def check_output_fields(response_format: ResponseFormat | None, structured: StructuredOutputs | None,
                         tools: list[ToolDef] | None, choice: Any, parallel: bool | None = None) -> Clash | None:
     """What is wrong with a request's output fields (they contradict each other, a name or a schema is
     one OpenAI refuses, or a strict schema breaks strict mode's rules: data_plane/strict_schema.py), else
     None. `parallel`: the request's parallel_tool_calls."""
+    if (clash := _depth_clash(response_format, structured, tools)) is not None:
+        return clash
     if tools is not None and (clash := _tools_clash(tools)) is not None:
         return clash
     if parallel is not None and not tools:

@@ -17,10 +17,10 @@ For each format (``DTYPE:QUANTIZATION[:KERNEL]``, as the shard's --dtype / --qua
   tied table twice: the embedding and the oneDNN-packed head), each over dense bf16's.
 The reference is always float32 with dense weights (`--quantization none`): for a GGUF model those
 *are* the file's blocks dequantized (the converted checkpoint), so the reference and the int4 formats
-hold the same weights and every difference is rounding. ``float32:int4`` (not in the defaults: torch's
-int4 kernel runs a reference loop with float32 activations, ~0.6 s a token here, ~15 min for this
-bench) serves them exactly: the kernel dequantizes Q4_1 bit-exactly with float32 scales/zeros and the
-table stays float32 (data_plane/shard/engines/weight_source.py). Quantized rows are checked
+hold the same weights and every difference is rounding. ``float32:int4`` (the exact mode) serves them
+exactly: blockq's float path (native/blockq_exact.c) meets the Q4_1 / Q8_0 blocks as the GGUF holds
+them with float32 activations (``float32:int4:torch``: torch's int4 kernel, exact too, but a reference
+loop, ~0.6 s a token; data_plane/shard/engines/weight_source.py). Quantized rows are checked
 in tests too: tests/data_plane/test_quant_engine.py.
 """
 
@@ -60,7 +60,8 @@ PROMPTS = [
     "Why is the sky blue?",
     "Write one sentence about autumn.",
 ]
-DEFAULT_FORMATS = "auto:auto,bfloat16:none,bfloat16:int8:torch,bfloat16:int4:torch,bfloat16:int4:blockq,float32:int4:blockq"
+DEFAULT_FORMATS = ("auto:auto,bfloat16:none,bfloat16:int8:torch,bfloat16:int4:torch,bfloat16:int4:blockq,"
+                   "float32:int4:blockq,float32:int4")
 
 
 def _runner(path: Any, gguf: Any, source: str, spec: str, max_seqs: int, max_len: int) -> tuple[Any, Any]:

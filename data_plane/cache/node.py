@@ -3,6 +3,7 @@
     switchboard cache-node --port 8201                                  # in-memory, 256 MiB
     switchboard cache-node --port 8202 --redis redis://127.0.0.1:6379/0 --registry-url http://127.0.0.1:8300
     SWITCHBOARD_CACHE_MAX_BYTES=67108864 switchboard cache-node --port 8203
+    switchboard cache-node --port 8204 --snapshot-file .switchboard/cache/cache-0.jsonl   # kept across restarts
 
 HTTP API (errors in the OpenAI shape)::
 
@@ -36,6 +37,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import httpx
@@ -49,6 +51,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from data_plane.cache.kv_routes import KVNode, announce_kv_bytes, mount_kv
 from data_plane.cache.model import SECONDS_BUCKETS, Transcript, VersionConflict, validate_session_id
+from data_plane.cache.snapshot import Snapshot
 from data_plane.cache.storage import ManagedStorage, MemoryStorage, RedisStorage
 from data_plane.common.errors import NotFound, SwitchboardError, install_error_handlers
 from data_plane.common.hop_auth import cluster_token_from_env, guarded, require_cluster_token
@@ -96,6 +99,11 @@ class CacheNodeSettings(BaseSettings):
     """TTL of the membership health check."""
     max_bytes: int = Field(256 * MiB, ge=1024, le=1 << 40)
     """In-memory backend: total bytes of stored records before LRU eviction."""
+    snapshot_file: Path | None = None
+    """In-memory backend: a file that keeps the records across restarts (read at start, rewritten every
+    ``--snapshot-interval-s`` when one changed, and at shutdown; `switchboard up` sets it in its state dir)."""
+    snapshot_interval_s: float = Field(10.0, gt=0, le=3600)
+    """In-memory backend with ``--snapshot-file``: seconds between rewrites (what a crash can lose)."""
     ttl_s: float = Field(24 * 3600.0, gt=0, le=MAX_TTL_S)
     """Default record TTL when a PUT leaves ``ttl_s`` null."""
     response_cache_max_bytes: int = Field(64 * MiB, ge=1024, le=1 << 40)
@@ -153,7 +161,9 @@ def build_storage(settings: CacheNodeSettings, metrics: CacheNodeMetrics) -> Man
     if settings.redis:
         prefix = settings.redis_prefix or f"switchboard:{settings.member_id}:session:"
         return RedisStorage(settings.redis, prefix)
-    return MemoryStorage(settings.max_bytes, on_evict=metrics.evicted)
+    snapshot = Snapshot(settings.snapshot_file) if settings.snapshot_file else None
+    return MemoryStorage(settings.max_bytes, on_evict=metrics.evicted, snapshot=snapshot,
+                         snapshot_interval_s=settings.snapshot_interval_s)
 
 
 # -- metrics --------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Built and owned by the cache node (data_plane/cache/node.py) from its storage settings; nothing
 else reads or writes it.
 
-    storage = MemoryStorage(max_bytes=256 << 20, on_evict=metrics.evicted)   # or
+    storage = MemoryStorage(max_bytes=256 << 20, on_evict=metrics.evicted)   # or, kept across restarts,
+    storage = MemoryStorage(256 << 20, snapshot=Snapshot(Path("cache-0.jsonl")))  # or
     storage = RedisStorage("redis://127.0.0.1:6379/0", prefix="switchboard:cache-0:session:")
     await storage.start()
     outcome = await storage.put(transcript, ttl_s=3600)   # PutOutcome(stored, version)
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from data_plane.cache.model import Transcript
+from data_plane.cache.snapshot import Snapshot
 from data_plane.common.errors import (
     Overloaded,
     PayloadTooLarge,
@@ -85,6 +87,10 @@ class MemoryStorage:
 
     Expired records vanish on read and from a sweeper task (``cache-node-ttl-sweeper``) that
     pops a heap of expiry times; `on_evict(reason, count)` hears of every eviction.
+
+    With a `snapshot`, ``start`` loads the records it holds and a task (``cache-node-snapshot``)
+    rewrites it every `snapshot_interval_s` when a record was stored or deleted since, and ``aclose``
+    once more: a clean restart loses nothing, a crash what changed in the last interval.
     """
 
     backend = "memory"
@@ -96,6 +102,8 @@ class MemoryStorage:
         on_evict: Callable[[str, int], None] | None = None,
         clock: Callable[[], float] = time.time,
         sweep_interval_s: float = 0.5,
+        snapshot: Snapshot | None = None,
+        snapshot_interval_s: float = 10.0,
     ) -> None:
         self.max_bytes = max_bytes
         self._on_evict = on_evict or (lambda reason, n: None)
@@ -105,13 +113,44 @@ class MemoryStorage:
         self._bytes = 0
         self._expiries: list[tuple[float, str]] = []
         self._sweeper: asyncio.Task[None] | None = None
+        self._snapshot = snapshot
+        self._snapshot_interval_s = snapshot_interval_s
+        self._snapshotter: asyncio.Task[None] | None = None
+        self._writing: asyncio.Future[int] | None = None
+        self._changed = False
 
     async def start(self) -> None:
+        if self._snapshot is not None:
+            restored = await asyncio.to_thread(self._snapshot.read, self._clock())
+            for record, expires_at in restored:
+                if record.session_id in self._entries:  # a file written by hand, or twice over
+                    self._remove(record.session_id)
+                self._insert(record, len(encode_record(record)), expires_at)
+            log.info("restored %d of %d records from %s", len(self._entries), len(restored), self._snapshot.path)
+            self._snapshotter = asyncio.create_task(self._snapshot_loop(), name="cache-node-snapshot")
         self._sweeper = asyncio.create_task(self._sweep_loop(), name="cache-node-ttl-sweeper")
 
     async def aclose(self) -> None:
-        await stop_tasks(self._sweeper)
-        self._sweeper = None
+        await stop_tasks(self._sweeper, self._snapshotter)
+        self._sweeper = self._snapshotter = None
+        if self._writing is not None:  # a periodic write cut off by the stop: let it finish before the last
+            with contextlib.suppress(OSError):
+                await self._writing
+        await self.save(force=True)
+
+    async def save(self, *, force: bool = False) -> None:
+        """Write the snapshot (when there is one, and a record changed since the last write or `force`).
+        The entries are listed here, on the event loop; the file is written in a thread."""
+        if self._snapshot is None or not (self._changed or force):
+            return
+        self._changed = False
+        entries = [(e.record, e.expires_at) for e in self._entries.values()]
+        self._writing = asyncio.ensure_future(asyncio.to_thread(self._snapshot.write, entries))
+        try:
+            await asyncio.shield(self._writing)  # a stop waits for it in aclose rather than racing it
+        except OSError as exc:
+            self._changed = True
+            log.warning("cache snapshot %s not written: %s", self._snapshot.path, exc)
 
     async def ready(self) -> bool:
         return True
@@ -138,7 +177,19 @@ class MemoryStorage:
             )
         if current is not None:
             self._remove(record.session_id)
-        expires_at = self._clock() + ttl_s
+        self._insert(record, size, self._clock() + ttl_s)
+        self._changed = True
+        return PutOutcome(True, record.version)
+
+    async def delete(self, session_id: str) -> bool:
+        if self._live(session_id) is None:
+            return False
+        self._remove(session_id)
+        self._changed = True
+        return True
+
+    def _insert(self, record: Transcript, size: int, expires_at: float) -> None:
+        """Keep `record` as the most recently used, evicting the least recent ones past `max_bytes`."""
         self._entries[record.session_id] = _Entry(record, size, expires_at)
         self._bytes += size
         heapq.heappush(self._expiries, (expires_at, record.session_id))
@@ -149,13 +200,6 @@ class MemoryStorage:
             evicted += 1
         if evicted:
             self._on_evict("lru", evicted)
-        return PutOutcome(True, record.version)
-
-    async def delete(self, session_id: str) -> bool:
-        if self._live(session_id) is None:
-            return False
-        self._remove(session_id)
-        return True
 
     def sweep(self) -> int:
         """Drop every expired record now; returns how many."""
@@ -189,6 +233,11 @@ class MemoryStorage:
         while True:
             await asyncio.sleep(self._sweep_interval_s)
             self.sweep()
+
+    async def _snapshot_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._snapshot_interval_s)
+            await self.save()
 
 
 # Compare-and-set by version, atomically: keep the stored record when it is newer (ARGV[4] 1), or

@@ -169,6 +169,13 @@ class NoHealthyBackend(Overloaded):
     code = "no_healthy_backend"
 
 
+class PipelineStageLost(Overloaded):
+    """A pipelined shard lost a stage mid-stream: retry on another shard (the gateway resumes the stream, and
+    counts the resume under its own reason: switchboard_router_resumes_total{reason="pipeline_stage_lost"})."""
+
+    code = "pipeline_stage_lost"
+
+
 class UpstreamError(SwitchboardError):
     status = 502
     type = "server_error"

@@ -32,6 +32,7 @@ class RequestCode(enum.StrEnum):
     INVALID_JSON = "invalid_json"
     UNSUPPORTED_PARAMETER = "unsupported_parameter"
     MISSING_REQUIRED_PARAMETER = "missing_required_parameter"
+    MUTUALLY_EXCLUSIVE_PARAMETERS = "mutually_exclusive_parameters"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     CONTENT_POLICY_VIOLATION = "content_policy_violation"
     INVALID_ENCRYPTED_CONTENT = "invalid_encrypted_content"
@@ -60,6 +61,7 @@ class RequestCode(enum.StrEnum):
     OVERLOADED = "overloaded"
     NOT_READY = "not_ready"
     NO_HEALTHY_BACKEND = "no_healthy_backend"
+    PIPELINE_STAGE_LOST = "pipeline_stage_lost"
     CACHE_UNAVAILABLE = "cache_unavailable"
     CACHE_BACKEND_UNAVAILABLE = "cache_backend_unavailable"
     RECORD_TOO_LARGE = "record_too_large"
@@ -75,7 +77,8 @@ class RequestCode(enum.StrEnum):
 _CODES = {c.value: c for c in RequestCode}
 _CODES.update(dict.fromkeys((f"{number}_{side}_value" for number in ("integer", "decimal")
                              for side in ("above_max", "below_min")), RequestCode.INVALID_VALUE))
-_CODES.update(dict.fromkeys(("invalid_type", "string_above_max_length", "array_above_max_length", "empty_array"),
+_CODES.update(dict.fromkeys(("invalid_type", "string_above_max_length", "array_above_max_length", "empty_array",
+                             "empty_string"),
                             RequestCode.INVALID_VALUE))
 """OpenAI's finer codes for a value the request checks refuse (data_plane/request_checks.py openai_words):
 counted as invalid_value, as they were before they had words of their own."""

@@ -20,7 +20,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -60,8 +60,8 @@ class ResponsesRequest(BaseModel):
     model: str = Field(default="", max_length=256)
     input: str | list[dict[str, Any]] = ""
     instructions: str | None = None
-    previous_response_id: str | None = Field(default=None, max_length=128)
-    conversation: str | dict[str, Any] | None = None
+    previous_response_id: str | None = Field(default=None, min_length=1, max_length=128)
+    conversation: Annotated[str, Field(min_length=1)] | dict[str, Any] | None = None
     store: bool | None = True
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
@@ -116,8 +116,8 @@ class ResponsesRequest(BaseModel):
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
             raise UnsupportedParameter("reasoning is not supported by this model", param="reasoning")
         if self.previous_response_id and self.conversation:
-            raise InvalidRequest("previous_response_id and conversation cannot be used together",
-                                 param="previous_response_id")
+            raise InvalidRequest("Mutually exclusive parameters. Ensure you are only providing one of: "
+                                 "'previous_response_id' or 'conversation'.", code="mutually_exclusive_parameters")
         if self.stream_options and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
 
@@ -130,8 +130,8 @@ class ResponsesRequest(BaseModel):
     def conversation_id(self) -> str | None:
         if isinstance(self.conversation, dict):
             conv = self.conversation.get("id")
-            if not isinstance(conv, str):
-                raise InvalidRequest("conversation.id must be a string", param="conversation")
+            if not isinstance(conv, str) or not conv:
+                raise InvalidRequest("conversation.id must be a non-empty string", param="conversation")
             return conv
         return self.conversation
 

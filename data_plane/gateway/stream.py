@@ -167,7 +167,7 @@ class Completion:
             if safe or event.logprobs:
                 delta: dict[str, Any] = {"content": safe} if safe else {}
                 if event.logprobs:
-                    delta["logprobs"] = {"content": list(event.logprobs)}
+                    delta["logprobs"] = {"content": list(event.logprobs), "refusal": None}
                 out.append((event.index, delta))
         elif isinstance(event, ToolCallDelta):
             c = self.choice(event.index)
@@ -311,8 +311,10 @@ class Completion:
         body, and what a stored completion keeps whether it was streamed or not."""
         body = completion_body(completion_id=self.completion_id, model=self.model, text="",
                                finish_reason=None, usage=self.usage, created=self.created)
-        body["choices"] = [{"index": i, "message": c.message(),
-                            "logprobs": {"content": c.logprobs} if c.has_logprobs or self.with_logprobs else None,
+        # `refusal` is never set here, but OpenAI's spec requires it (null) in a reply's message and logprobs
+        body["choices"] = [{"index": i, "message": {**c.message(), "refusal": None},
+                            "logprobs": {"content": c.logprobs, "refusal": None}
+                            if c.has_logprobs or self.with_logprobs else None,
                             "finish_reason": c.finish_reason} for i, c in sorted(self.choices.items())]
         return body
 

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from data_plane.common.errors import Overloaded, SwitchboardError, UpstreamError, from_openai_body
+from data_plane.common.errors import Overloaded, PipelineStageLost, SwitchboardError, UpstreamError, from_openai_body
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,9 @@ def unresumed(exc: SwitchboardError) -> SwitchboardError:
     A shard ends its open streams with a 503 ``overloaded`` event when its engine or a pipeline stage fails:
     words for the gateway, which resumes them elsewhere. With nowhere to resume (a lone shard, every other
     one out) that event reached the client as it was, ``overloaded`` for a shard that had died; it now reads
-    as a broken connection does, the gateway's ``upstream_error``."""
-    if isinstance(exc, UpstreamError) and exc.code == Overloaded.code:
+    as a broken connection does, the gateway's ``upstream_error`` (so does ``pipeline_stage_lost``, the same
+    event from a shard that lost a stage)."""
+    if isinstance(exc, UpstreamError) and exc.code in (Overloaded.code, PipelineStageLost.code):
         return UpstreamError(f"the shard serving this stream failed mid-way and no other shard could continue it "
                              f"({exc.message}); retry the request")
     return exc

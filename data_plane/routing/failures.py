@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from data_plane.common.errors import PipelineStageLost
+
 
 class FailureReason(StrEnum):
     """Why one call to a shard failed. Before the first token (retried on another shard):"""
@@ -61,6 +63,14 @@ class FailureReason(StrEnum):
     """The shard left membership (critical or gone) mid-stream."""
     STREAM_ERROR = "stream_error"
     """The shard sent an error event mid-stream (a resume reason; not held against the shard)."""
+    PIPELINE_STAGE_LOST = "pipeline_stage_lost"
+    """The shard's error event said it lost a pipeline stage (a resume reason, as stream_error; counted
+    apart so the loss is seen from the gateway, which Prometheus scrapes whatever becomes of the shard)."""
+
+    @classmethod
+    def for_stream_error(cls, code: str | None) -> FailureReason:
+        """The reason for an error event mid-stream: the shard's code when it names a stage loss."""
+        return cls.PIPELINE_STAGE_LOST if code == PipelineStageLost.code else cls.STREAM_ERROR
 
     @classmethod
     def for_status(cls, status: int) -> FailureReason:

@@ -51,6 +51,8 @@ class RouterMetrics:
                                registry=registry)
         self.resumes = Counter("switchboard_router_resumes", "Streams resumed on another shard mid-way.",
                                ["reason"], registry=registry)
+        # at 0 from the start: an alert's increase() sees the first loss (a series born at 1 shows none)
+        self.resumes.labels(FailureReason.PIPELINE_STAGE_LOST)
         self.ejections = Counter("switchboard_router_ejections", "Shards ejected from routing after failures.",
                                  registry=registry)
         self.failures = Counter("switchboard_router_upstream_failures", "Failed shard calls by reason.",

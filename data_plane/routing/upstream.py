@@ -135,7 +135,7 @@ class ShardStream:
                 for line in lines:
                     event = parse_line(line)
                     if isinstance(event, SwitchboardError):
-                        self.failure = FailureReason.STREAM_ERROR  # the shard said so: not held against it
+                        self.failure = FailureReason.for_stream_error(event.code)  # not held against the shard
                         if events:
                             yield events
                         raise event

@@ -396,7 +396,8 @@ class _Run:
         usage = _usage(last)
         body = completion_body(completion_id=self.completion_id, model=self.state.engine.model_name, text="",
                                finish_reason=None, usage=usage, created=self.created)
-        body["choices"] = [{"index": c.index, "message": c.message(), "logprobs": c.wire_logprobs(),
+        body["choices"] = [{"index": c.index, "message": {**c.message(), "refusal": None},
+                            "logprobs": c.wire_logprobs(),
                             "finish_reason": c.finish(self.finals[c.index].finish_reason)} for c in self.choices]
         return body
 

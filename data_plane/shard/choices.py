@@ -78,7 +78,7 @@ class Choice:
         if lps:
             if not deltas:
                 deltas.append({})
-            deltas[0] = {**deltas[0], "logprobs": {"content": lps}}
+            deltas[0] = {**deltas[0], "logprobs": {"content": lps, "refusal": None}}
         return deltas
 
     def _entry(self, e: TokenLogprob) -> dict[str, Any]:
@@ -112,7 +112,7 @@ class Choice:
         return "stop" if self.plan.tool_mode == ToolMode.NAMED else FINISH_TOOL_CALLS
 
     def wire_logprobs(self) -> dict[str, Any] | None:
-        return {"content": self.logprobs} if self.token_bytes is not None else None
+        return {"content": self.logprobs, "refusal": None} if self.token_bytes is not None else None
 
 
 class ContentStop:

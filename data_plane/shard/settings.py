@@ -39,10 +39,10 @@ class ShardSettings(BaseSettings):
     quantization: Literal["auto", "none", "int8", "int4"] = Field(
         "auto", description="Weight format: auto (a GGUF's Q4 blocks as int4, Q8_0 as int8, a dense model as is), "
         "none, int8 (per channel) or int4 (groups of 32).")
-    quantization_kernel: Literal["auto", "blockq", "torch"] = Field(
+    quantization_kernel: Literal["auto", "blockq", "blockq_exact", "torch"] = Field(
         "auto", description="What computes quantized projections: auto (blockq, int8 activations x the weight "
-        "blocks, where its C kernel builds; torch's weight-only kernels for an explicit float32 quantized format), "
-        "blockq or torch.")
+        "blocks, where its C kernel builds; blockq_exact, float32 activations x the same blocks, for an explicit "
+        "float32 quantized format), blockq, blockq_exact or torch.")
     max_num_seqs: int = Field(16, ge=1, le=256, description="Sequences decoded together (KV slots).")
     max_model_len: int = Field(2048, ge=16, le=131072, description="Context window (prompt + output).")
     prefill_chunk: int = Field(256, ge=1, le=8192, description="Prompt tokens prefilled per scheduler step.")

@@ -1,6 +1,7 @@
-"""The blockq kernel (data_plane/shard/engines/blockq.py, native/blockq.c): every CPU path this machine
-runs gives the portable C path's bits; rows do not depend on the batch or the thread count; the weight
-layout holds the GGUF's blocks exactly; the policy picks it as documented."""
+"""The blockq kernel (data_plane/shard/engines/blockq.py, native/blockq.c and its float-activation path
+native/blockq_exact.c): every CPU path this machine runs gives the portable C path's bits; rows do not
+depend on the batch or the thread count; the weight layout holds the GGUF's blocks exactly; the exact path
+is float32 GEMM close to the dequantized weights; the policy picks each as documented."""
 
 from __future__ import annotations
 
@@ -15,16 +16,18 @@ pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler here: bloc
 PATHS = [isa for name, isa in blockq.ISAS.items() if kernel is not None and isa <= kernel.isa]
 
 
-def _layer(fmt: str, n: int = 48, k: int = 128, dtype: torch.dtype = torch.float32) -> blockq.BlockLinear:
+def _layer(fmt: str, n: int = 48, k: int = 128, dtype: torch.dtype = torch.float32,
+           exact: bool = False) -> blockq.BlockLinear:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
     w[:, 5] *= 30  # an outlier channel, as real activations and weights have
-    return blockq.BlockLinear.from_dense(w, fmt, dtype=dtype)
+    return blockq.BlockLinear.from_dense(w, fmt, dtype=dtype, exact=exact)
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["int8_activations", "exact"])
 @pytest.mark.parametrize("fmt", ["q4", "q8", "q6"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_cpu_path_gives_the_portable_bits(fmt: str, dtype: torch.dtype) -> None:
-    lin = _layer(fmt, dtype=dtype)
+def test_every_cpu_path_gives_the_portable_bits(fmt: str, dtype: torch.dtype, exact: bool) -> None:
+    lin = _layer(fmt, dtype=dtype, exact=exact)
     g = torch.Generator().manual_seed(2)
     norm = torch.rand(128, generator=g).to(dtype) + 0.5
     for m in (1, 3, 4, 7, 16):
@@ -61,6 +64,25 @@ def test_close_to_the_dequantized_gemm_and_rows_independent_of_the_batch(fmt: st
     assert torch.allclose(lin.add(x, res), res + y, atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["q4", "q8", "q6"])
+def test_the_exact_path_is_float32_gemm_on_the_blocks_weights(fmt: str) -> None:
+    """float32 activations (native/blockq_exact.c): against a float64 GEMM of the dequantized weights, no
+    further from it than torch's own float32 GEMM is (a few ulps of accumulation); rows alone = batched."""
+    w = torch.randn(64, 576, generator=torch.Generator().manual_seed(5)) * 0.05
+    lin = blockq.BlockLinear.from_dense(w, fmt, dtype=torch.float32, exact=True)
+    dq = lin.dequantize()
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(6))
+    x[:, 7] *= 40  # an outlier channel: int8 activations would lose the rest of its block
+    ref = x.double() @ dq.double().T
+    torch_err = ((x @ dq.T).double() - ref).abs().max().item()
+    y = lin(x)
+    assert (y.double() - ref).abs().max().item() <= 4 * torch_err + 1e-6 * ref.abs().max().item()
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(9)])
+    assert torch.equal(y, alone)
+    inexact = blockq.BlockLinear.from_dense(w, fmt, dtype=torch.float32)  # the same blocks, int8 activations
+    assert (inexact(x).double() - ref).abs().max().item() > 10 * (y.double() - ref).abs().max().item()
+
+
 def test_the_layout_holds_q4_1_q8_0_and_q6_blocks_exactly() -> None:
     g = torch.Generator().manual_seed(4)
     q4 = torch.randint(0, 16, (32, 64), generator=g)
@@ -88,7 +110,7 @@ def test_shapes_the_tiles_cannot_hold_are_refused() -> None:
         blockq.BlockLinear.from_dense(torch.randn(20, 64), "q4", dtype=torch.float32)
 
 
-def test_policy_blockq_where_it_loads_torch_for_the_exact_mode() -> None:
+def test_policy_blockq_where_it_loads_and_its_exact_path_for_the_exact_mode() -> None:
     native = CpuCaps("AVX512", frozenset({"avx512_bf16"}), blockq="avx512_vnni")
     avx2 = CpuCaps("AVX2", frozenset({"avx2"}), onednn_bf16=False, blockq="avx2")
     none = CpuCaps("AVX2", frozenset({"avx2"}), onednn_bf16=False)
@@ -100,9 +122,21 @@ def test_policy_blockq_where_it_loads_torch_for_the_exact_mode() -> None:
     # torch's weight-only kernels need bf16 activations to be fast
     plan = resolve_plan("auto", "auto", source="q4", caps=none)
     assert (plan.dtype, plan.dtype_reason, plan.kernel) == ("bfloat16", DtypeReason.QUANTIZED_KERNEL, "torch")
-    # float32 with an explicit format: torch's exact mode, unless blockq is asked for
-    assert resolve_plan("float32", "int4", source="q4", caps=native).kernel == "torch"
+    # float32 with an explicit format: the exact mode, float32 activations on blockq (torch's exact kernels
+    # where blockq did not build); blockq by name rounds them to int8 (fast, batch-invariant, not exact)
+    plan = resolve_plan("float32", "int4", source="q4", caps=native)
+    assert (plan.kernel, plan.exact, plan.blockq) == ("blockq_exact_avx512_vnni", True, True)
+    assert resolve_plan("float32", "int4", source="q4", caps=none).kernel == "torch"
     assert resolve_plan("float32", "int4", source="q4", caps=native, kernel="blockq").kernel == "blockq_avx512_vnni"
+    assert resolve_plan("float32", "int4", source="q4", caps=native, kernel="torch").kernel == "torch"
+    assert resolve_plan("float16", "int4", source="q4", caps=native).kernel == "torch"  # blockq takes fp32/bf16
+    # blockq_exact by name: the model's own blocks, float32 activations whatever the CPU
+    plan = resolve_plan("auto", "auto", source="q4", caps=native, kernel="blockq_exact")
+    assert (plan.dtype, plan.dtype_reason, plan.quantization, plan.kernel) == (
+        "float32", DtypeReason.EXACT_KERNEL, "int4", "blockq_exact_avx512_vnni")
+    assert resolve_plan("auto", "auto", source="q4", caps=none, kernel="blockq_exact").dtype == "float32"
+    with pytest.raises(ValueError, match="float32 activations"):
+        resolve_plan("bfloat16", "auto", source="q4", caps=native, kernel="blockq_exact")
     assert resolve_plan("auto", "auto", source="q4", caps=native, kernel="torch").kernel == "torch"
     assert resolve_plan("auto", "none", source="q4", caps=native).kernel == "torch"  # dense: no blockq
     with pytest.raises(ValueError, match="kernel"):

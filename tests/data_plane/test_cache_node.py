@@ -20,6 +20,7 @@ import pytest
 
 from data_plane.cache.model import Transcript
 from data_plane.cache.node import parse_settings
+from data_plane.cache.snapshot import Snapshot
 from data_plane.cache.storage import MemoryStorage, encode_record
 from tests.support.chat import assert_openai_error
 from tests.support.clock import FakeClock
@@ -27,6 +28,7 @@ from tests.support.cluster import cache_node, start_cache_nodes
 from tests.support.metrics import metric_in, series
 from tests.support.procs import Service, free_port
 from tests.support.redis import RedisServer
+from tests.support.waits import eventually
 
 STARTUP_TIMEOUT_S = 20.0
 
@@ -278,6 +280,67 @@ async def test_memory_storage_expired_record_does_not_block_a_lower_version() ->
     await store.put(Transcript("s", "o", (), 9, 0.0), ttl_s=1)
     clock.now = 2
     assert (await store.put(Transcript("s", "o", (), 1, 2.0), ttl_s=1)).stored
+
+
+async def test_memory_storage_snapshot_keeps_live_records_in_lru_order(tmp_path: Path) -> None:
+    """What `switchboard up`'s cache nodes keep across a restart: the unexpired records, least recent
+    first (so LRU eviction after the restart drops what it would have before), and a torn line skipped."""
+    clock = FakeClock(1000.0)
+    snapshot = Snapshot(tmp_path / "cache" / "node.jsonl")
+
+    def rec(s: str) -> Transcript:
+        return Transcript(s, "o", ({"role": "user", "content": s * 8},), 3, clock.now)
+
+    store = MemoryStorage(10_000, clock=clock, snapshot=snapshot)
+    await store.start()
+    for s, ttl in (("a", 100), ("s", 5), ("b", 100)):
+        await store.put(rec(s), ttl_s=ttl)
+    await store.get("a")  # now the most recent
+    await store.aclose()
+    assert (tmp_path / "cache").stat().st_mode & 0o777 == 0o700
+    assert snapshot.path.stat().st_mode & 0o777 == 0o600
+    with snapshot.path.open("a") as f:
+        f.write('{"record": {"session_id": "torn"\n')
+    clock.now += 10
+    evictions: list[tuple[str, int]] = []
+    room_for_two = 2 * len(encode_record(rec("a")))
+    again = MemoryStorage(room_for_two, clock=clock, snapshot=snapshot, on_evict=lambda r, n: evictions.append((r, n)))
+    await again.start()
+    try:
+        assert again.stats().entries == 2 and evictions == []  # "s" expired while down: never restored
+        await again.put(rec("c"), ttl_s=100)
+        assert evictions == [("lru", 1)] and await again.get("b") is None  # b was the least recent before
+        assert (await again.get("a")).version == 3
+    finally:
+        await again.aclose()
+
+
+def test_memory_records_survive_a_restart_and_a_crash_with_a_snapshot_file(tmp_path: Path,
+                                                                           client: httpx.Client) -> None:
+    """kill -9 loses only what changed in the last --snapshot-interval-s; a clean stop loses nothing,
+    a delete included (the record does not come back)."""
+    path = tmp_path / "cache-0.jsonl"
+    (first,) = start_cache_nodes(1, "--snapshot-file", str(path), "--snapshot-interval-s", "0.2", log_dir=tmp_path)
+    kept, dropped = sid(), sid()
+    try:
+        for s in (kept, dropped):
+            assert client.put(f"{first.url}/v1/sessions/{s}", json=record(version=7)).status_code == 200
+        eventually(lambda: path.exists() and dropped in path.read_text(), 10, what="the periodic snapshot")
+    finally:
+        first.kill()
+    (second,) = start_cache_nodes(1, "--snapshot-file", str(path), "--snapshot-interval-s", "3600", log_dir=tmp_path)
+    try:
+        assert client.get(f"{second.url}/v1/sessions/{kept}").json()["version"] == 7
+        assert client.put(f"{second.url}/v1/sessions/{kept}", json=record(version=8)).status_code == 200
+        assert client.delete(f"{second.url}/v1/sessions/{dropped}").json()["deleted"] is True
+    finally:
+        second.stop()
+    (third,) = start_cache_nodes(1, "--snapshot-file", str(path), log_dir=tmp_path)
+    try:
+        assert client.get(f"{third.url}/v1/sessions/{kept}").json()["version"] == 8
+        assert client.get(f"{third.url}/v1/sessions/{dropped}").status_code == 404
+    finally:
+        third.stop()
 
 
 # -- Redis backend specifics ----------------------------------------------------------------

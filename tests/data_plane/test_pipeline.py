@@ -19,7 +19,7 @@ from data_plane.shard.engines.base import GenerationRequest, SamplingParams, Sta
 from data_plane.shard.engines.pipeline import PassTiming, head_layers, split_layers
 from data_plane.shard.engines.torch_config import StepListener
 from data_plane.shard.engines.torch_engine import EngineConfig, TorchEngine
-from tests.support.formats import INVARIANT, INVARIANT_ARGS
+from tests.support.formats import BLOCKQ, INVARIANT, INVARIANT_ARGS
 from tests.support.pipeline import exit_within, stage_pids
 from tests.support.procs import Service
 
@@ -107,8 +107,9 @@ async def _generate(engine: TorchEngine, i: int, prompt: str, max_tokens: int = 
 
 
 async def _outputs(pp: int, listener: StepListener | None = None,
-                   stages: list[tuple[StageSpan, ...]] | None = None) -> tuple[list[str], list[str]]:
-    engine = TorchEngine(EngineConfig(**INVARIANT, max_num_seqs=4, max_model_len=512, threads=1,
+                   stages: list[tuple[StageSpan, ...]] | None = None,
+                   fmt: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
+    engine = TorchEngine(EngineConfig(**(fmt or INVARIANT), max_num_seqs=4, max_model_len=512, threads=1,
                                       prefill_chunk=32, prefix_caching=False, speculation="ngram",
                                       pipeline_parallel_size=pp), listener)
     await engine.start()
@@ -154,6 +155,17 @@ def test_two_and_three_stages_greedy_identical_to_unsharded_solo_and_batched() -
         for parts in stages:
             assert [p.stage for p in parts] == list(range(pp))
             assert all(p.passes > 0 and p.busy_s > 0 and p.end >= p.start for p in parts)
+
+
+@pytest.mark.skipif(not BLOCKQ, reason="no C compiler here: blockq is not built")
+def test_the_exact_mode_through_two_stages_gives_the_unsharded_exact_tokens() -> None:
+    """--dtype float32 --quantization int4 (blockq's float path): every stage serves it (stage 0 passes
+    its kernel down), and the tokens are the unsharded engine's, solo and batched."""
+    exact = {"dtype": "float32", "quantization": "int4"}
+    solo1, batched1 = asyncio.run(_outputs(1, fmt=exact))
+    assert batched1 == solo1
+    solo2, batched2 = asyncio.run(_outputs(2, fmt=exact))
+    assert solo2 == solo1 and batched2 == solo1
 
 
 @pytest.mark.skipif(usable_cores() < 2, reason="one core: nothing for a lone pass to add")
@@ -245,6 +257,11 @@ def test_killed_stage_mid_stream_every_stream_completes_as_uninterrupted() -> No
         assert got == reference
         assert exit_within(piped, 15) == 1, piped.log_tail()
         assert "stage 1" in piped.log_tail()
+        # the gateway counts those resumes under the loss's own reason (SwitchboardPipelineStageLostStreams)
+        metrics = httpx.get(gw.url + "/metrics", timeout=10).text
+        resumed = [line for line in metrics.splitlines()
+                   if line.startswith('switchboard_router_resumes_total{reason="pipeline_stage_lost"}')]
+        assert resumed and float(resumed[0].split()[-1]) >= 1, metrics
 
 
 def test_a_lone_pipelined_shard_losing_a_stage_ends_each_stream_with_a_clear_error() -> None:

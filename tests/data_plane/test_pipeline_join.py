@@ -42,6 +42,24 @@ def _refused(port: int, token: str | None) -> tuple[str, float]:
     return out.decode(errors="replace").strip(), took
 
 
+def test_a_stage_started_before_stage_0_says_what_it_waits_for() -> None:
+    """No group at the address yet: the stage says so at once (not a silent wait) and keeps waiting."""
+    port = free_port()
+    proc = _stage(port, CLUSTER_TOKEN)
+    try:
+        deadline, seen = time.monotonic() + 60, b""
+        assert proc.stdout is not None
+        os.set_blocking(proc.stdout.fileno(), False)
+        while b"waiting for stage 0's pipeline group" not in seen:
+            assert time.monotonic() < deadline and proc.poll() is None, seen.decode(errors="replace")
+            seen += proc.stdout.read() or b""
+            time.sleep(0.2)
+        assert f"127.0.0.1:{port}".encode() in seen and b"stage 1" in seen and b"Traceback" not in seen
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 def test_a_stage_without_the_cluster_token_is_refused_at_once_and_the_real_one_joins(tmp_path) -> None:
     port = free_port()
     shard = Service(["shard", *INVARIANT_ARGS, "--threads", "1", "--max-model-len", "512",

@@ -281,7 +281,7 @@ def test_a_turn_sent_the_moment_the_last_one_completes_is_not_refused(stack: Sta
     ({"input": [{"type": "input_image", "image_url": "x"}]}, 400, "input[0].type"),
     ({"input": "x", "previous_response_id": "resp_nope"}, 400, "previous_response_id"),
     ({"input": "x", "conversation": "conv_nope"}, 404, "conversation_id"),
-    ({"input": "x", "previous_response_id": "resp_a", "conversation": "conv_b"}, 400, "previous_response_id"),
+    ({"input": "x", "previous_response_id": "resp_a", "conversation": "conv_b"}, 400, None),  # OpenAI: mutually_exclusive_parameters, param null
     ({"input": "word " * 3000, "max_output_tokens": 4}, 400, "input"),
     # the chat path's checks name the Responses body's fields (they named max_tokens, messages)
     ({"input": "word " * 3000, "max_output_tokens": 4, "truncation": "auto"}, 400, "input"),
@@ -319,13 +319,46 @@ def test_a_turn_sent_the_moment_the_last_one_completes_is_not_refused(stack: Sta
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"},
                                         "schemas": {}}}}, 400, "text.format.schemas"),
 ])
-def test_bad_requests_are_openai_errors(stack: Stack, body: dict, status: int, param: str) -> None:
+def test_bad_requests_are_openai_errors(stack: Stack, body: dict, status: int, param: str | None) -> None:
     r = httpx.post(stack.gateway.url + "/v1/responses", json={"model": MODEL, **body},
                    headers={"Authorization": f"Bearer {KEYS['plus']}"}, timeout=60)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
     assert "tool_call_id" not in err["message"]  # the Responses API's words, not the chat path's
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_empty_conversation_or_previous_response_id_is_a_400_not_a_turn_without_history(
+        stack: Stack, stream: bool) -> None:
+    """`conversation: ""` and `previous_response_id: ""` (an app's unset id) were taken for "none": a 200
+    whose model saw none of the history, and nothing stored in any conversation. OpenAI's 400 empty_string,
+    before the stream's first byte; for input_tokens.count too."""
+    client = stack.sdk()
+    for field, value, param in (("conversation", "", "conversation"), ("previous_response_id", "", "previous_response_id"),
+                                ("conversation", {"id": ""}, "conversation")):
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.responses.create(model=MODEL, input="What is my name?", max_output_tokens=4, stream=stream,
+                                    **{field: value})
+        assert bad.value.body["param"] == param, bad.value.body
+        assert bad.value.body["code"] == ("invalid_value" if isinstance(value, dict) else "empty_string")
+        with pytest.raises(openai.BadRequestError):
+            client.responses.input_tokens.count(model=MODEL, input="x", **{field: value})
+
+
+def test_conversation_with_previous_response_id_is_openais_mutually_exclusive_error(stack: Stack) -> None:
+    """It was a 400 invalid_value naming previous_response_id in words of our own; a client that reads
+    OpenAI's code (mutually_exclusive_parameters, param null) did not recognise it."""
+    client = stack.sdk()
+    prev = client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    conv = client.conversations.create()
+    for call in (client.responses.create, client.responses.input_tokens.count):
+        with pytest.raises(openai.BadRequestError) as bad:
+            call(model=MODEL, input="x", previous_response_id=prev.id, conversation=conv.id)
+        assert bad.value.body == {"message": "Mutually exclusive parameters. Ensure you are only providing one of: "
+                                  "'previous_response_id' or 'conversation'.", "type": "invalid_request_error",
+                                  "param": None, "code": "mutually_exclusive_parameters",
+                                  **{k: bad.value.body[k] for k in ("request_id", "trace_id")}}
 
 
 def test_conversations_and_compact_refuse_bad_bodies_with_openai_errors(stack: Stack) -> None:

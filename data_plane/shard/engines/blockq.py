@@ -47,9 +47,10 @@ from data_plane.shard.engines.quant_linear import int4_parts
 log = logging.getLogger(__name__)
 
 NATIVE = Path(__file__).with_name("native")
-SOURCES = (NATIVE / "blockq.c", NATIVE / "attend.c")
-"""The GEMM kernel and the fused decode/verify attention (attention.Native): one library."""
-HEADERS = (NATIVE / "activations.h",)
+SOURCES = (NATIVE / "blockq.c", NATIVE / "blockq_exact.c", NATIVE / "attend.c")
+"""The GEMM kernels (int8 activations; float32 activations, the exact mode) and the fused decode/verify
+attention (attention.Native): one library."""
+HEADERS = (NATIVE / "activations.h", NATIVE / "blockq_layout.h")
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-std=c11")
 NT, QK = 16, 32
 """Output columns per tile, weights per block along K (native/blockq.c's layout)."""
@@ -69,10 +70,11 @@ class Kernel:
 
     def __init__(self, lib: ctypes.CDLL, isa: int) -> None:
         self.lib, self.isa = lib, isa
-        self.gemm = lib.blockq_gemm
-        self.gemm.restype = ctypes.c_int
         i, p = ctypes.c_int, ctypes.c_void_p
-        self.gemm.argtypes = [i, i, p, i, i, p, i, i, p, p, i, i, p, ctypes.c_float]
+        self.gemm, self.gemm_exact = lib.blockq_gemm, lib.blockq_gemm_exact
+        for fn in (self.gemm, self.gemm_exact):
+            fn.restype = ctypes.c_int
+            fn.argtypes = [i, i, p, i, i, p, i, i, p, p, i, i, p, ctypes.c_float]
         self.rows = lib.blockq_rows
         self.rows.restype = ctypes.c_int
         self.rows.argtypes = [i, p, i, i, p, i, p, i]
@@ -147,19 +149,22 @@ def load() -> Kernel | None:
 
 
 def _self_check(kernel: Kernel) -> None:
-    """The CPU path gives the portable path's bits and the dequantized GEMM's values (small shapes)."""
+    """The CPU path gives the portable path's bits and the dequantized GEMM's values (small shapes), for
+    int8 activations and float32 ones (the exact mode: float32 rounding only)."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(32, 64, generator=g)
     x = torch.randn(3, 64, generator=g)
     for fmt in FORMATS:
-        lin = BlockLinear.from_dense(w, fmt, dtype=torch.float32, kernel=kernel)
-        y = lin(x)
-        ref = x @ lin.dequantize().T
-        if (y - ref).abs().max() > 0.05 * ref.abs().max():
-            raise KernelCheckFailed(f"{fmt}: off the dequantized GEMM")
-        lin.isa = ISAS["portable"]
-        if not torch.equal(y, lin(x)):
-            raise KernelCheckFailed(f"{fmt}: {kernel.isa_name} differs from the portable path")
+        for exact, tol in ((False, 0.05), (True, 1e-5)):
+            lin = BlockLinear.from_dense(w, fmt, dtype=torch.float32, kernel=kernel, exact=exact)
+            y = lin(x)
+            ref = x @ lin.dequantize().T
+            if (y - ref).abs().max() > tol * ref.abs().max():
+                raise KernelCheckFailed(f"{fmt}{' exact' if exact else ''}: off the dequantized GEMM")
+            lin.isa = ISAS["portable"]
+            if not torch.equal(y, lin(x)):
+                raise KernelCheckFailed(f"{fmt}{' exact' if exact else ''}: {kernel.isa_name} differs from the "
+                                        "portable path")
 
 
 def _check(n: int, k: int) -> None:
@@ -228,12 +233,13 @@ def quantize(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:
 
 
 class BlockLinear:
-    """y = x @ W.T (+ b) with W in the kernel's blocks; x float32 or bf16, [T, K] (or [..., K])."""
+    """y = x @ W.T (+ b) with W in the kernel's blocks; x float32 or bf16, [T, K] (or [..., K]). `exact`:
+    float32 activations meet the weights in float32 (native/blockq_exact.c) instead of int8 blocks."""
 
     packed = False
 
     def __init__(self, fmt: str, tiles: torch.Tensor, n: int, k: int, *, dtype: torch.dtype,
-                 bias: torch.Tensor | None = None, kernel: Kernel | None = None) -> None:
+                 bias: torch.Tensor | None = None, kernel: Kernel | None = None, exact: bool = False) -> None:
         _check(n, k)
         kern = kernel or load()
         if kern is None:
@@ -245,6 +251,8 @@ class BlockLinear:
         self.dtype = dtype
         self.bias = bias
         self.nbytes = tiles.numel()
+        self.exact = exact
+        self._gemm = kern.gemm_exact if exact else kern.gemm
 
     @classmethod
     def q4(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, **kw) -> BlockLinear:  # type: ignore[no-untyped-def]
@@ -276,7 +284,7 @@ class BlockLinear:
         if residual is not None:
             res = residual.reshape(m, self.out_features).to(rows.dtype).contiguous()
         bf16 = rows.dtype == torch.bfloat16
-        if m and self.kernel.gemm(self.code, self.isa, self.w.data_ptr(), self.out_features, self.in_features,
+        if m and self._gemm(self.code, self.isa, self.w.data_ptr(), self.out_features, self.in_features,
                                   rows.data_ptr(), bf16, m, None if res is None else res.data_ptr(),
                                   y.data_ptr(), bf16, torch.get_num_threads(),
                                   None if norm is None else norm.data_ptr(), eps):

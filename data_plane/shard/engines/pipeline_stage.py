@@ -50,6 +50,7 @@ def joined(join: str, rank: int, bind: str, threads: int | None) -> list[str]:
         raise SystemExit(f"switchboard stage: {CLUSTER_TOKEN_ENV} is not set: a stage joining a pipeline group must "
                          "prove the cluster's token (the cluster_token of stage 0's credentials)")
     host, _, port = join.rpartition(":")
+    _await_group(host, int(port), rank, STORE_WAIT_S)
     try:
         store = GroupStore.connect(host, int(port), token, STORE_WAIT_S)
         args: list[str] = json.loads(store.get(f"spec/{rank}"))
@@ -57,6 +58,35 @@ def joined(join: str, rank: int, bind: str, threads: int | None) -> list[str]:
         raise SystemExit(f"switchboard stage: refused by the group at {join}: {exc}") from None
     args += ["--host", host, "--bind", bind]
     return args + (["--threads", str(threads)] if threads else [])
+
+
+def _await_group(host: str, port: int, rank: int, wait_s: float, every_s: float = 30.0) -> None:
+    """Until stage 0's group store at host:port takes a connection: a stage started first says what it
+    waits for (at once, then every `every_s` seconds) instead of sitting silent, and gives up after
+    `wait_s` with one line saying which command starts stage 0."""
+    import socket
+
+    t0 = last = time.monotonic()
+    said = False
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=2.0).close()
+            if said:
+                print(f"switchboard stage: the group at {host}:{port} answered after {time.monotonic() - t0:.0f} s",
+                      file=sys.stderr, flush=True)
+            return
+        except OSError:
+            pass
+        now = time.monotonic()
+        if now - t0 >= wait_s:
+            raise SystemExit(f"switchboard stage: no pipeline group at {host}:{port} after {wait_s:.0f} s: start "
+                             f"stage 0 first (`switchboard shard --pipeline-parallel-size N --pipeline-host {host} "
+                             f"--pipeline-port {port} --pipeline-remote-stages {rank}`)")
+        if not said or now - last >= every_s:
+            print(f"switchboard stage: waiting for stage 0's pipeline group at {host}:{port} to join as stage {rank} "
+                  f"({now - t0:.0f} s; giving up after {wait_s:.0f} s)", file=sys.stderr, flush=True)
+            said, last = True, now
+        time.sleep(0.5)
 
 
 def join_parser() -> argparse.ArgumentParser:
@@ -86,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bind", default="127.0.0.1", help="this stage's own address for the group (where its links listen)")
     ap.add_argument("--model", default="", help="the shard's --model ('' = the default model)")
     ap.add_argument("--quantization", default="none", help="the weight format stage 0 resolved")
-    ap.add_argument("--quantization-kernel", default="torch", choices=["blockq", "torch"],
+    ap.add_argument("--quantization-kernel", default="torch", choices=["blockq", "blockq_exact", "torch"],
                     help="what computes stage 0's quantized projections")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-num-seqs", type=int, default=16)

@@ -46,7 +46,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from data_plane.common.errors import InvalidRequest, Overloaded
+from data_plane.common.errors import InvalidRequest, Overloaded, PipelineStageLost
 from data_plane.shard.engines.base import (
     FINISH_ABORT,
     EngineStats,
@@ -215,7 +215,7 @@ class TorchEngine:
         gateway resumes on another shard), then the shard leaves membership and exits (on_dead)."""
         if self.dead is None:
             self.dead = RuntimeError(f"pipeline stage {stage} lost: {why}")
-        self._fail_open("a pipeline stage of the shard failed")
+        self._fail_open("a pipeline stage of the shard failed", PipelineStageLost)
         if self.on_dead is not None:
             self.on_dead()
 
@@ -357,7 +357,8 @@ class TorchEngine:
             if self._queue is not None:  # a pipeline's passes in flight come back before it is closed
                 self._queue.drain()
         except BaseException as exc:  # a dead engine fails every request, loudly, and the shard goes
-            if self.pipeline is not None and isinstance(exc, ConnectionError):
+            stage_gone = self.pipeline is not None and isinstance(exc, ConnectionError)
+            if stage_gone:
                 # A stage that died or froze (kill -9, OOM, a cut link) ends its link here, often before the
                 # monitor's own line: an expected event, one line, no traceback (runbook: PipelineStageDown).
                 log.error("engine stopped: %s; the shard fails its streams and exits (a pipeline stage is gone)",
@@ -366,16 +367,19 @@ class TorchEngine:
                 log.exception("engine scheduler died")
             with self._lock:  # generate() checks under it too: no request slips in after the snapshot
                 self.dead = exc
-            self._fail_open("the shard's engine failed")
+            if stage_gone:
+                self._fail_open("a pipeline stage of the shard failed", PipelineStageLost)
+            else:
+                self._fail_open("the shard's engine failed")
             if self.on_dead is not None:  # leave membership and exit, to be restarted (group_exit.py)
                 self.on_dead()
 
-    def _fail_open(self, message: str) -> None:
+    def _fail_open(self, message: str, error: type[Overloaded] = Overloaded) -> None:
         """End every open stream with a retryable error (any thread): the gateway resumes it elsewhere."""
         with self._lock:
             seqs = list(self._by_id.values())
         for seq in seqs:
-            seq.sink(Overloaded(message, retry_after=1))
+            seq.sink(error(message, retry_after=1))
 
     def _cached_prefix(self, seq: SeqState) -> int:
         """Prompt tokens the prefix cache holds for `seq` (leaving at least one to compute)."""

@@ -21,8 +21,16 @@ kernel auto (``--quantization-kernel``; the plan's ``kernel``)
     the Q8_0 blocks as they are. Its cost: int8 activations break more near-ties (`switchboard bench
     quality`: bf16 +1.45 % perplexity, float32 +0.27 %, against torch int4's +0.79 % in bf16; with the
     Q8_0 table bf16 read +0.69 %; llama.cpp's greedy text on the same GGUF is what it gives).
-  - the exact mode (float32 or float16 asked for with an explicit quantized format) and machines where it
-    did not build (no C compiler) -> torch's weight-only kernels (below).
+  - the exact mode (float32 asked for with an explicit quantized format, or ``blockq_exact`` by name) ->
+    blockq's float path (``blockq_exact_<path>``, native/blockq_exact.c): the same blocks, float32
+    activations, each weight's integer met in a float32 FMA, and int4 models keep the GGUF's Q8_0 table as
+    it is. It computes float32 dense's own weights (the GGUF's blocks dequantized) in float32: `switchboard
+    bench quality --formats float32:int4` 2026-12-04 (AMD EPYC Zen 4): perplexity +0.00 %, greedy tokens
+    identical on 12 of 12 prompts x 32 tokens, 92.1 MiB read a step (0.359x bf16), 0.297x resident. Its
+    cost is compute: a decode step (1 thread, under load, in-process A/B) 28 ms at batch 1 and 184 ms at
+    16 against 13.5 / 68 ms for float32 on blockq's int8 activations and 99 / 228 ms for dense float32.
+  - float16 with an explicit format, and machines where blockq did not build (no C compiler) -> torch's
+    weight-only kernels (below).
 
 dtype auto
   - blockq takes either activation dtype at the same speed: it follows the CPU as dense weights do (below).
@@ -43,16 +51,16 @@ dtype auto
     (float32's top-1 minus top-2 logit 0.01-0.17, against a median of 1.33 over all steps). An earlier
     58 % for "float32 activations" kept the per-row int8 table, which alone (float32 dense, only the
     table requantized) agreed on 75 %: it was the table, not the Q4_1 blocks. So auto keeps bf16 for
-    quantized weights; ``--dtype float32 --quantization int4`` is the exact, batch-invariant and slow
-    mode (tests/data_plane/test_quant_engine.py).
+    quantized weights; ``--dtype float32 --quantization int4`` is the exact and batch-invariant mode, on
+    blockq's float path where it builds (above; tests/data_plane/test_quant_engine.py).
   - else a CPU with native bf16 (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo, and oneDNN agrees)
     -> bfloat16 (``native_bf16``): a decode step's GEMMs 7.8 ms against 26.6 fp32 (batch 1).
   - else float32 (``no_native_bf16``): on an AVX2-only EPYC one GEMM was 1.7x (batch 1) to 6.1x
     (batch 16) slower in bf16 than fp32 (docs/BENCHMARKS.md).
 quantization auto
   - float32 or float16 asked for explicitly -> none (``dense_activations``): the numerics asked for
-    (blockq would round the activations to int8; torch's int4 kernel with float32 activations is an
-    exact but slow loop). float32 is batch-invariant dense and on blockq alike; ``--quantization int4
+    (blockq would round the activations to int8; its exact path and torch's int4 kernel are asked for
+    with an explicit format); ``blockq_exact`` by name -> what the GGUF ships (its blocks, exactly). float32 is batch-invariant dense and on blockq alike; ``--quantization int4
     --quantization-kernel blockq`` is the fast batch-invariant choice (3-5x dense float32 at 1-4
     streams, 1 thread, 2026-12-03: tests/support/formats.py), chosen by name, not by auto.
   - a GGUF whose projections are Q4_0/Q4_1 -> int4 (``gguf_q4``): its blocks served as they are. The
@@ -100,7 +108,7 @@ from data_plane.shard.engines.quant_linear import Int4Linear, Int8Embedding, Int
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
-KERNEL_CHOICES = ("auto", "blockq", "torch")
+KERNEL_CHOICES = ("auto", "blockq", "blockq_exact", "torch")
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
@@ -109,6 +117,7 @@ class DtypeReason(str, Enum):
     NATIVE_BF16 = "native_bf16"
     NO_NATIVE_BF16 = "no_native_bf16"
     QUANTIZED_KERNEL = "quantized_kernel"
+    EXACT_KERNEL = "exact_kernel"
 
 
 class QuantReason(str, Enum):
@@ -166,12 +175,18 @@ class WeightPlan:
     quantization: str
     quantization_reason: QuantReason
     kernel: str = "torch"
-    """What computes the projections: ``torch`` (dense GEMMs, or torch's weight-only int4/int8 kernels)
-    or ``blockq_<path>`` (blockq.py: int8 activations x block-quantized weights)."""
+    """What computes the projections: ``torch`` (dense GEMMs, or torch's weight-only int4/int8 kernels),
+    ``blockq_<path>`` (blockq.py: int8 activations x block-quantized weights) or ``blockq_exact_<path>``
+    (float32 activations x the same blocks: the exact mode)."""
 
     @property
     def blockq(self) -> bool:
         return self.kernel.startswith("blockq")
+
+    @property
+    def exact(self) -> bool:
+        """blockq with float32 activations (native/blockq_exact.c): float32 dense's numerics on the blocks."""
+        return self.kernel.startswith("blockq_exact")
 
     def describe(self) -> str:
         return (f"{self.dtype} ({self.dtype_reason.value}), weights {self.quantization} "
@@ -181,15 +196,19 @@ class WeightPlan:
 def resolve_plan(dtype: str, quantization: str, *, source: str, caps: CpuCaps, kernel: str = "auto") -> WeightPlan:
     """The served dtype and weight format (the policy in the module docstring). `source` is what the
     model's projections ship as: ``q4`` (GGUF Q4_0/Q4_1), ``q8`` (GGUF Q8_0) or ``dense``. `kernel`: what
-    computes quantized projections (auto | blockq | torch); blockq where it did not load is torch."""
+    computes quantized projections (auto | blockq | blockq_exact | torch); blockq where it did not load is torch."""
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}")
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}")
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"quantization kernel must be one of {', '.join(KERNEL_CHOICES)}")
+    if kernel == "blockq_exact" and dtype not in ("auto", "float32"):
+        raise ValueError("quantization kernel blockq_exact takes float32 activations (--dtype float32 or auto)")
     if quantization != "auto":
         quant, q_reason = quantization, QuantReason.REQUESTED
+    elif kernel == "blockq_exact" and source in ("q4", "q8"):
+        quant, q_reason = ("int4", QuantReason.GGUF_Q4) if source == "q4" else ("int8", QuantReason.GGUF_Q8)
     elif dtype in ("float32", "float16"):
         quant, q_reason = "none", QuantReason.DENSE_ACTIVATIONS
     elif source == "q4":
@@ -198,13 +217,19 @@ def resolve_plan(dtype: str, quantization: str, *, source: str, caps: CpuCaps, k
         quant, q_reason = "int8", QuantReason.GGUF_Q8
     else:
         quant, q_reason = "none", QuantReason.DENSE_MODEL
-    # blockq serves quantized weights wherever it loaded, except the exact mode: float32 (or float16)
-    # asked for together with a quantized format keeps torch's kernels, which dequantize the GGUF's
-    # blocks exactly (int8 activations would round them).
-    exact = dtype in ("float32", "float16") and quantization != "auto" and kernel == "auto"
-    kernel = f"blockq_{caps.blockq}" if quant != "none" and caps.blockq and kernel != "torch" and not exact else "torch"
+    # blockq serves quantized weights wherever it loaded. The exact mode (float32 asked for together with a
+    # quantized format, or blockq_exact by name) keeps float32 activations on it (blockq_exact.c); where
+    # blockq did not load, and for float16, torch's kernels, which dequantize the GGUF's blocks exactly.
+    exact = (kernel == "blockq_exact" or (dtype == "float32" and quantization != "auto" and kernel == "auto"))
+    if quant == "none" or not caps.blockq or kernel == "torch" or (dtype == "float16" and kernel == "auto"
+                                                                    and quantization != "auto"):
+        kernel = "torch"
+    else:
+        kernel = f"blockq_exact_{caps.blockq}" if exact else f"blockq_{caps.blockq}"
     if dtype != "auto":
         return WeightPlan(dtype, DtypeReason.REQUESTED, quant, q_reason, kernel)
+    if exact:  # blockq_exact by name: float32 activations, on torch's exact kernels where blockq did not load
+        return WeightPlan("float32", DtypeReason.EXACT_KERNEL, quant, q_reason, kernel)
     if quant != "none" and kernel == "torch":
         return WeightPlan("bfloat16", DtypeReason.QUANTIZED_KERNEL, quant, q_reason)
     if caps.native_bf16:
@@ -248,8 +273,10 @@ class WeightBuilder:
         """What was built, e.g. ``int4[q4_1]+int8[q8_0]`` or ``dense``: the prefix cache's seed part."""
         if not self._origins:
             return "dense"
-        # blockq rounds activations to int8: other numerics than torch's kernels, so other KV.
-        return f"{self.plan.quantization}{'a8' if self.plan.blockq else ''}[{','.join(sorted(self._origins))}]"
+        # blockq rounds activations to int8 (a8), its exact path keeps them float32 (a32): other numerics
+        # than torch's kernels and than each other, so other KV.
+        acts = "a32" if self.plan.exact else "a8" if self.plan.blockq else ""
+        return f"{self.plan.quantization}{acts}[{','.join(sorted(self._origins))}]"
 
     def _dense(self, name: str) -> torch.Tensor:
         if self._gguf is not None and name in self._gguf:
@@ -282,11 +309,12 @@ class WeightBuilder:
             self._origins.update(self._gguf[n].kind.lower() for n in names)
             q4, scale, zero = (torch.cat(p) for p in zip(*parts))
             if self.plan.blockq:  # w = (q - 8) * scale + zero = q * scale + (zero - 8 * scale): Q4_1's d, m
-                return BlockLinear.q4(q4, scale, zero - 8 * scale, dtype=self.dtype, bias=b)
+                return BlockLinear.q4(q4, scale, zero - 8 * scale, dtype=self.dtype, bias=b, exact=self.plan.exact)
             return Int4Linear(q4, scale, zero, dtype=self.dtype, bias=b)
         w = torch.cat([self._dense(n) for n in names])
         if q in ("int4", "int8") and self.plan.blockq:
-            return BlockLinear.from_dense(w, "q4" if q == "int4" else "q8", dtype=self.dtype, bias=b)
+            return BlockLinear.from_dense(w, "q4" if q == "int4" else "q8", dtype=self.dtype, bias=b,
+                                          exact=self.plan.exact)
         if q == "int4":
             return Int4Linear.from_dense(w, dtype=self.dtype, bias=b)
         if q == "int8":
@@ -335,20 +363,23 @@ class WeightBuilder:
         """The embedding / LM head table in blockq's blocks. int8 models: Q8 per 32, the GGUF's Q8_0 blocks
         as they are. int4 models: 6 bits per 32 (q6, from those blocks or the dense table), as llama.cpp's
         int4 mixes keep their output table at 6 bits: 0.81 bytes a weight against 1.06, which brings the
-        default model to 0.33x of bf16's bytes; quality: `switchboard bench quality` (module docstring)."""
+        default model to 0.33x of bf16's bytes; quality: `switchboard bench quality` (module docstring).
+        The exact mode keeps the GGUF's Q8_0 table as it is for int4 models too (its logits decide greedy
+        tokens: float32 dense's, on the GGUF's own weights)."""
         blocks = None
         if self._gguf is not None and name in self._gguf and (blocks := self._gguf[name].q8_blocks()) is not None:
             self._origins.add(self._gguf[name].kind.lower())
-        if self.plan.quantization != "int4":
-            return BlockLinear.q8(*blocks, dtype=self.dtype) if blocks else BlockLinear.from_dense(
-                self._dense(name), "q8", dtype=self.dtype)
+        if self.plan.quantization != "int4" or self.plan.exact:
+            if blocks:
+                return BlockLinear.q8(*blocks, dtype=self.dtype, exact=self.plan.exact)
+            return BlockLinear.from_dense(self._dense(name), "q8", dtype=self.dtype, exact=self.plan.exact)
         self._origins.add("q6")
         if blocks is not None:
             q, d = blocks
             w = (q.float().view(q.shape[0], -1, 32) * d.unsqueeze(-1)).view(q.shape)
         else:
             w = self._dense(name)
-        return BlockLinear.from_dense(w, "q6", dtype=self.dtype)
+        return BlockLinear.from_dense(w, "q6", dtype=self.dtype, exact=self.plan.exact)
 
     def _int8(self, name: str) -> Int8Linear:
         """A per-channel int8 table: as prepared (data_plane/shard/engines/prepared_weights.py) or quantized now."""

@@ -1,0 +1,76 @@
+"""How a client's JSON schema is rewritten before it becomes a grammar (data_plane/structured.py builds
+the grammar's source from what these return).
+
+    closed({"type": "object", "properties": {"a": {"type": "integer"}}})
+    # {"type": "object", "properties": {"a": {"type": "integer", "minimum": -(2**53 - 1), ...}},
+    #  "additionalProperties": False}
+    hoist(parameters, "t0_", defs)     # the schema, to nest in the tool-call envelope; its $defs into `defs`
+
+Both walk the schema recursively: `structured.check_output_fields` refuses one nested deeper than the
+grammar compiler takes (`structured.MAX_SCHEMA_DEPTH`) before either runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SAFE_INTEGER = 2**53 - 1
+"""JSON's portable integer range (+-): the bounds an unbounded ``integer`` gets."""
+
+
+def hoist(schema: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """`schema` to be nested in the envelope: its `$defs`/`definitions` move to the root's `defs` under
+    `prefix` and its local refs are rewritten to match: "#/$defs/X..." and "#/definitions/X..." to the
+    moved definition, "#" and any other pointer ("#/properties/a", as zod-to-json-schema writes a schema
+    used twice) into a copy of the schema itself, kept in `defs` as `prefix`root (left as sent, such a
+    pointer named a place in the envelope, and a schema served alone was refused there)."""
+    schema = dict(schema)
+    own = {**schema.pop("definitions", {}), **schema.pop("$defs", {})}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: walk(v) for k, v in node.items()}
+            ref = out.get("$ref")
+            if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+                moved = next((head for head in ("#/$defs/", "#/definitions/") if ref.startswith(head)), None)
+                if moved is not None:
+                    out["$ref"] = "#/$defs/" + prefix + ref[len(moved):]
+                else:
+                    out["$ref"] = f"#/$defs/{prefix}root" + ref[1:]
+                    defs.setdefault(f"{prefix}root", None)
+            return out
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    body = walk(schema)
+    for name, sub in own.items():
+        defs[prefix + name] = walk(sub)
+    if f"{prefix}root" in defs and defs[f"{prefix}root"] is None:
+        defs[f"{prefix}root"] = body
+    return body
+
+
+def closed(schema: Any, in_all_of: bool = False) -> Any:
+    """`schema` with every object that lists `properties` and says nothing of `additionalProperties` closed
+    (``additionalProperties: false``, as OpenAI's strict mode requires of every object): a model then
+    writes the listed keys, not keys of its own. Say ``additionalProperties: true`` to allow extra keys.
+    Members of an ``allOf`` are left open (closing them would contradict each other). An unbounded
+    ``integer`` gets JSON's portable range (+-(2**53 - 1), 16 digits), so a small model cannot write digits
+    until the token limit."""
+    if isinstance(schema, list):
+        return [closed(v, in_all_of) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v, k == "allOf") if k in ("allOf", "anyOf", "oneOf", "items", "prefixItems") else
+           {n: closed(d) for n, d in v.items()} if k in ("properties", "$defs", "definitions") and isinstance(v, dict)
+           else v for k, v in schema.items()}
+    if ("properties" in out and "additionalProperties" not in out and "patternProperties" not in out
+            and not in_all_of):
+        out["additionalProperties"] = False
+    if out.get("type") == "integer":
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -SAFE_INTEGER
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INTEGER
+    return out
