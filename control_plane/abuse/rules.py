@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from control_plane.abuse.model import AbuseConfig, Finding, Rule, Subject
+from data_plane.common.disconnect import CLIENT_DISCONNECTED
 from data_plane.ledger.store import KeyActivity
 
 BLOCKED_CODE = "content_policy_violation"
@@ -29,11 +30,12 @@ BLOCKED_CODE = "content_policy_violation"
 SESSION_404_CODE = "session_not_found"
 NOT_THE_CLIENTS = frozenset({
     "", "overloaded", "no_healthy_backend", "upstream_error", "upstream_timeout", "internal_error",
-    "cache_unavailable", "not_ready", "client_closed_request", "rate_limit_exceeded", "abuse_throttled",
+    "cache_unavailable", "not_ready", CLIENT_DISCONNECTED, "rate_limit_exceeded", "abuse_throttled",
     "abuse_blocked", "address_banned", BLOCKED_CODE, SESSION_404_CODE,
 })
-"""Codes the `errors` rule does not count: answered, the platform's own failures, limits already
-applied, and what other rules count."""
+"""Codes the `errors` rule does not count: answered, the platform's own failures, a client that left
+before its answer (a user's "stop": the gateway's own constant, so the ledger's code and this list
+cannot drift apart again), limits already applied, and what other rules count."""
 REJECTED_CODES = frozenset({"abuse_throttled", "abuse_blocked"})
 """Requests the gateways refused under an abuse action: a key that keeps trying is keeping at it."""
 

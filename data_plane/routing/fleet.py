@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 
 from data_plane.membership.hashring import DEFAULT_VNODES, stable_hash
-from data_plane.membership.view import Member
+from data_plane.membership.view import Member, routing_key
 
 _FULL_REBUILD_FRACTION = 0.25
 """A change touching more than this share of the nodes rebuilds the ring instead of patching it."""
@@ -170,7 +170,11 @@ class ShardFleet:
             return False
         self._last = members
         fresh = {m.id: m for m in members}
-        if fresh == self.by_id:
+        # Heartbeat times are no change: every shard's moves between two listings, so comparing the
+        # members whole rebuilt the rings (and logged "routing view") each time any other member's
+        # meta changed, e.g. a cache node's kv_bytes every 10 s under load.
+        if fresh.keys() == self.by_id.keys() and all(routing_key(m) == routing_key(self.by_id[i])
+                                                     for i, m in fresh.items()):
             return False
         self.by_id = fresh
         self.ordered = tuple(sorted(fresh.values(), key=lambda m: m.id))

@@ -26,8 +26,12 @@ from pathlib import Path
 from typing import Any, Self
 
 import httpx
+import openai
 import pytest
 
+from control_plane.abuse.model import AbuseConfig, Rule
+from control_plane.abuse.rules import evaluate
+from data_plane.common.disconnect import CLIENT_DISCONNECTED
 from data_plane.ledger.store import COLUMNS, open_ledger_store
 from tests.support.cluster import ADMIN_TOKEN, Cluster
 
@@ -330,6 +334,33 @@ def test_an_address_with_repeated_bad_keys_is_banned_then_unbanned(cluster: Clus
         time.sleep(0.5)
     assert resp.status_code == 200, resp.text
     assert 'switchboard_gateway_auth_failures_total{reason="invalid"}' in httpx.get(cluster.gateway.url + "/metrics").text
+
+
+def test_a_client_that_stops_its_streams_is_not_counted_among_its_errors(cluster: Cluster) -> None:
+    """A chat UI's "stop" button: the gateway records each as 499 client_disconnected, which the
+    `errors` rule (other 4xx) must not count. It listed a code nothing writes ("client_closed_request"),
+    so in the soak a well-behaved key earned an `errors` flag from its users' stops alone."""
+    client = openai.OpenAI(base_url=cluster.gateway.url + "/v1", api_key=cluster.keys["plus2"], max_retries=0)
+    start = time.time()
+    for i in range(3):
+        stream = client.chat.completions.create(model="synthetic", max_tokens=500, stream=True,
+                                                messages=[{"role": "user", "content": f"a long story {i}"}])
+        next(iter(stream))
+        stream.close()  # the user pressed stop
+    store = open_ledger_store(f"sqlite:///{cluster.folder / 'usage.db'}")  # type: ignore[attr-defined]
+    try:
+        deadline = time.monotonic() + 20
+        while True:  # the gateway writes its records in batches
+            rows = [r for r in store.activity(start, time.time() + 1) if r.key_id == _key_id(cluster.keys["plus2"])]
+            if sum(r.requests for r in rows) >= 3:
+                break
+            assert time.monotonic() < deadline, rows
+            time.sleep(0.2)
+    finally:
+        store.close()
+    assert [(r.error_code, r.requests) for r in rows] == [(CLIENT_DISCONNECTED, 3)], rows  # what the gateway writes
+    found = evaluate(AbuseConfig(errors=1, burst_min_requests=10**6), rows, [], {})
+    assert [f for f in found if f.rule is Rule.ERRORS] == [], found
 
 
 def test_the_rules_file_is_read(cluster: Cluster, tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import pytest
 
 from data_plane.membership.embedded import HttpMembership, RegistrationAgent
 from data_plane.membership.view import Member, StaticMembership
+from data_plane.routing.fleet import ShardFleet
 from tests.support.cluster import open_control_plane, unique_id
 from tests.support.procs import ROOT as REPO
 from tests.support.procs import Service, free_port
@@ -94,6 +95,43 @@ async def test_http_membership_sees_members_come_and_go(control_plane: Service) 
         await eventually_async(lambda: member.id not in ids(view.members("shard")), timeout_s=1.0)
         assert len(changes) > quiet_since
         await view.aclose()
+
+
+async def test_a_cache_nodes_meta_change_is_no_change_to_the_routers_shard_fleet(control_plane: Service) -> None:
+    """A cache node announces its KV bytes in its meta every 10 s under load; the view then lists
+    the shards afresh, with newer heartbeat times. The router's fleet took that for a shard change:
+    in the soak of `switchboard up` the gateway rebuilt its rings and logged "routing view: 2 shards
+    (change N)" every few seconds with the same two shards throughout."""
+    shard = Member(unique_id("shard"), "shard", "http://127.0.0.1:8101", meta={"zone": "local"})
+    cache = Member(unique_id("cache"), "cache", "http://127.0.0.1:8201")
+    async with httpx.AsyncClient() as http:
+        view = HttpMembership(control_plane.url, http, wait_s=30.0)
+        agents = [RegistrationAgent(control_plane.url, m, http, ttl_s=0.6) for m in (shard, cache)]
+
+        def ours() -> list[Member]:  # other tests' members share the registry
+            return [m for m in view.members("shard") if m.id == shard.id]
+
+        await view.start()
+        try:
+            for agent in agents:
+                await agent.start()
+            await eventually_async(lambda: ours() and any(m.id == cache.id for m in view.members("cache")),
+                                   timeout_s=10.0, what="both members seen")
+            fleet = ShardFleet()
+            assert fleet.sync(ours()) and fleet.changes == 1
+            beats = {ours()[0].last_heartbeat}
+            for mib in range(1, 4):
+                agents[1].set_meta(kv_bytes=str(mib << 20))
+                await eventually_async(lambda: any(m.meta.get("kv_bytes") == str(mib << 20)  # noqa: B023
+                                                   for m in view.members("cache")), timeout_s=10.0)
+                beats.add(ours()[0].last_heartbeat)
+                assert not fleet.sync(ours()), (mib, fleet.changes)
+            assert len(beats) > 1  # the shard's listing did move on meanwhile
+            assert fleet.changes == 1
+        finally:
+            for agent in agents:
+                await agent.aclose()
+            await view.aclose()
 
 
 async def test_killed_member_leaves_within_its_ttl(control_plane: Service) -> None:

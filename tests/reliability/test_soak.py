@@ -23,7 +23,14 @@ killed with -9 (the launcher restarts it). Asserted over the run:
   within its capacity;
 - latency drift: the p95 of plain chats in the last window (10 min, or a fifth of a shorter run)
   is within ``DRIFT_RATIO`` x the first window's p95 + ``DRIFT_SLACK_S`` (requests within 30 s of
-  the kill left out).
+  the kill left out);
+- what else a leak shows as, per process after warm-up (the same samples): open fds grow by at most
+  ``FD_BOUND``, threads by ``THREAD_BOUND``, and its /metrics series by ``SERIES_BOUND_RATIO`` (a label
+  fed per request or per session would add one a request);
+- the books agree: the gateway's request and token counters equal the usage ledger's rows and sums;
+- the logs say what changed: "routing view" only for shard changes (the kill and the restart; it
+  was logged each time a cache node announced its KV bytes, every 10 s under load), and the logs
+  grow by at most ``LOG_BYTES_PER_REQUEST`` a request.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import json
 import os
 import random
 import signal
+import sqlite3
 import statistics
 import threading
 import time
@@ -42,6 +50,7 @@ import httpx
 import pytest
 
 from tests.reliability.common import report
+from tests.support.metrics import samples as metric_samples
 from tests.support.procs import free_port, start_up, wait_up
 
 pytestmark = pytest.mark.slow
@@ -53,6 +62,66 @@ RSS_BOUND_RATIO = 0.15
 DRIFT_RATIO = 1.5
 DRIFT_SLACK_S = 1.0
 SAMPLE_EVERY_S = 5.0
+FD_BOUND = 32
+THREAD_BOUND = 8
+SERIES_BOUND_RATIO = 1.25
+ROUTING_VIEW_LINES = 8
+"""The kill and the restart are a few changes each (gone, critical, back); 35 min of the soak before
+the fix logged 6 a minute."""
+LOG_BYTES_PER_REQUEST = 1024
+
+
+def _fds_threads(pid: int) -> tuple[int, int] | None:
+    try:
+        threads = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                       if line.startswith("Threads:"))
+        return len(os.listdir(f"/proc/{pid}/fd")), threads
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _series(port: int | None) -> int | None:
+    """How many samples the process's /metrics holds (its series)."""
+    if port is None:
+        return None
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None
+    return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+
+
+def _books(gateway: str, db: Path) -> dict[str, tuple[float, float]]:
+    """{requests, prompt, completion}: (the gateway's counters, the usage ledger's rows or sums)."""
+    text = httpx.get(gateway + "/metrics", timeout=10).text
+    counted = {"requests": sum(v for _, v in metric_samples(text, "switchboard_gateway_requests_total")),
+               **{kind: sum(v for labels, v in metric_samples(text, "switchboard_gateway_tokens_total")
+                            if labels.get("kind") == kind) for kind in ("prompt", "completion")}}
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        rows, prompt, completion = conn.execute(
+            "SELECT COUNT(*), SUM(prompt_tokens), SUM(completion_tokens) FROM usage_records").fetchone()
+    return {"requests": (counted["requests"], rows), "prompt": (counted["prompt"], prompt or 0),
+            "completion": (counted["completion"], completion or 0)}
+
+
+def _lift_rate_limits(control_plane: str, admin_token: str) -> None:
+    """Every tier's RPM and TPM out of the mix's way, through the admin API as an operator would:
+    on an idle host the mix's 3 threads pass the plus tier's 600 RPM and got 429s (a flaky failure
+    that said nothing about endurance). Waits until the gateways were told (the state index)."""
+    headers = {"Authorization": f"Bearer {admin_token}"}
+    tiers = httpx.get(control_plane + "/admin/v1/tiers", headers=headers, timeout=10).json()["tiers"]
+    lifted = {name: {**tier, "rpm": 10**6, "tpm": 10**9} for name, tier in tiers.items()}
+    httpx.put(control_plane + "/admin/v1/tiers", headers=headers, json={"tiers": lifted}, timeout=10).raise_for_status()
+    time.sleep(3)  # the gateways follow /v1/state with a blocking query: well within this
+
+
+def _growth(samples_: list[tuple[float, float]], after: float) -> float | None:
+    """Median of the last third after `after` minus the median of the first third (noise-proof)."""
+    values = [v for t, v in samples_ if t >= after]
+    if len(values) < 3:
+        return None
+    third = max(1, len(values) // 3)
+    return statistics.median(values[-third:]) - statistics.median(values[:third])
 
 
 def _rss_mb(pid: int) -> float | None:
@@ -179,17 +248,19 @@ class Mix:
 
 
 def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
-    gw = free_port()
+    gw, cp = free_port(), free_port()
     # The mix sends a blocked prompt and a bad body from the dev keys every few seconds, on purpose:
     # the abuse monitor would rightly restrict those keys (tests/control_plane/test_abuse_e2e.py),
     # so the soak raises its thresholds out of the way and measures endurance only.
     rules = tmp_path / "abuse.yaml"
     rules.write_text("burst_min_requests: 1000000\nblocked_prompts: 1000000\nerrors: 1000000\n")
-    proc = start_up(tmp_path, "--gateway-port", str(gw), "--control-plane-port", str(free_port()), "--no-console",
+    proc = start_up(tmp_path, "--gateway-port", str(gw), "--control-plane-port", str(cp), "--no-console",
                     "--shards", "2", "--cache-nodes", "1", "--max-num-seqs", "4", "--abuse-rules", str(rules))
     try:
         wait_up(proc, tmp_path, 600)
-        keys = json.loads((tmp_path / ".switchboard" / "credentials.json").read_text())["keys"]
+        credentials = json.loads((tmp_path / ".switchboard" / "credentials.json").read_text())
+        keys = credentials["keys"]
+        _lift_rate_limits(f"http://127.0.0.1:{cp}", credentials["admin_token"])
         mix = Mix(f"http://127.0.0.1:{gw}", keys)
         start = time.monotonic()
         until = start + SOAK_S
@@ -199,6 +270,11 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
         rss: dict[tuple[int, str], list[tuple[float, float]]] = {}
         stores: dict[tuple[int, str], list[tuple[float, float]]] = {}   # (t, the stores' high-water MB)
         over_capacity: dict[str, tuple[float, float]] = {}
+        fds: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        threads: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        metric_series: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        logs = tmp_path / ".switchboard" / "logs"
+        log_bytes: list[tuple[float, int, int]] = []  # (t, bytes of all logs, requests so far)
         killed_at = None
         while time.monotonic() < until:
             now = time.monotonic()
@@ -211,6 +287,14 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
                     series = stores.setdefault((pid, node), [])
                     series.append((now - start, max(held[0] / 2**20, series[-1][1] if series else 0.0)))
                     over_capacity.update({f"{node}:{g}": hc for g, hc in held[1].items() if hc[0] > hc[1]})
+                counts = _fds_threads(pid)
+                if counts is not None:
+                    fds.setdefault((pid, node), []).append((now - start, counts[0]))
+                    threads.setdefault((pid, node), []).append((now - start, counts[1]))
+                n_series = _series(port)
+                if n_series is not None:
+                    metric_series.setdefault((pid, node), []).append((now - start, n_series))
+            log_bytes.append((now - start, sum(f.stat().st_size for f in logs.iterdir()), len(mix.results)))
             if killed_at is None and now - start >= SOAK_S / 2:
                 shard = next(p for p, (n, _) in _children(proc.pid).items() if n.startswith("shard-"))
                 os.kill(shard, signal.SIGKILL)
@@ -219,6 +303,9 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
         for w in workers:
             w.join(180)
         assert proc.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
+        time.sleep(3)  # the ledger's last batch (written every second)
+        books = _books(f"http://127.0.0.1:{gw}", tmp_path / ".switchboard" / "usage.db")
+        routing_views = (logs / "gateway.log").read_text().count("routing view:")
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -252,6 +339,15 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
             raw_growth[name] = round(after_warmup[-1][1] - after_warmup[0][1], 1)
             store_growth[name] = round(filled, 1)
             growth[name] = round(raw_growth[name] - filled, 1)
+    leaks = {}
+    for kind, table, bound in (("fds", fds, FD_BOUND), ("threads", threads, THREAD_BOUND), ("series", metric_series, None)):
+        for (pid, node), samples_ in table.items():
+            grew = _growth(samples_, SOAK_S / 5) if samples_[0][0] <= SOAK_S / 5 else None
+            limit = bound if bound is not None else (SERIES_BOUND_RATIO - 1) * samples_[0][1]
+            if grew is not None and grew > limit:
+                leaks[f"{node}:{pid}:{kind}"] = (samples_[0][1], samples_[-1][1])
+    warm = next((b for b in log_bytes if b[0] >= SOAK_S / 5), log_bytes[0])
+    log_per_request = (log_bytes[-1][1] - warm[1]) / max(1, log_bytes[-1][2] - warm[2])
     over = {name: g for name, g in growth.items()
             if g > max(RSS_BOUND_MB, RSS_BOUND_RATIO * max(mb for (p, n), s in rss.items()
                                                           if f"{n}:{p}" == name for _, mb in s))}
@@ -260,6 +356,10 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
                "five_xx": len(five_xx), "sessions": len(sessions), "lost_sessions": len(lost),
                "p95_first_s": round(_p95(first), 3), "p95_last_s": round(_p95(last), 3), "window_s": window,
                "rss_growth_mb": growth, "rss_raw_growth_mb": raw_growth, "store_fill_mb": store_growth,
+               "fds": {f"{n}:{p}": (v[0][1], v[-1][1]) for (p, n), v in fds.items()},
+               "threads": {f"{n}:{p}": (v[0][1], v[-1][1]) for (p, n), v in threads.items()},
+               "series": {f"{n}:{p}": (v[0][1], v[-1][1]) for (p, n), v in metric_series.items()},
+               "books": books, "routing_view_lines": routing_views, "log_bytes_per_request": round(log_per_request),
                "rss_restarted_mb": restarted, "stores_over_capacity": over_capacity, "killed_shard_at_s": round(kill_t, 1),
                "statuses": {k: sorted({f"{r['status']}:{r['code']}" for r in results if r["kind"] == k})
                             for k in set(Mix.KINDS)}}
@@ -277,3 +377,7 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
     assert not over_capacity, f"a bounded store held more than its capacity: {over_capacity}"
     wrong = [r for r in results if r["kind"] not in ("bad_body", "blocked") and r["status"] != 200]
     assert not wrong, (figures, wrong[:5])
+    assert not leaks, f"fds, threads or /metrics series grew after warm-up: {leaks} ({figures})"
+    assert all(counted == kept for counted, kept in books.values()), f"metrics and the usage ledger disagree: {books}"
+    assert routing_views <= ROUTING_VIEW_LINES, f"'routing view' logged {routing_views} times for one kill"
+    assert log_per_request <= LOG_BYTES_PER_REQUEST, figures
