@@ -23,6 +23,7 @@ flagged for it, and a new key (usual 0) only past the floor.
 | ``blocked_prompts`` | key | prompts refused by the input filter >= ``blocked_prompts`` 5 (absolute: a refused prompt is never usual) | strict checks, block |
 | ``session_probing`` | key | ``session_not_found`` answers >= max(``session_404s`` 10, ``baseline_factor`` 10 x usual) (guessing other conversations' ids) | flag, throttle, block |
 | ``errors`` | key | other 4xx answers >= max(``errors`` 100, ``baseline_factor`` 10 x usual) | flag |
+| ``abandoned`` | key | requests its client left before the answer ended (``client_disconnected``) >= max(``abandoned`` 100, ``baseline_factor`` 10 x usual), and at least ``abandoned_share`` 0.5 of its requests: prompts sent for the prefill they cost, never read (a soak's abusive tenant: 62 % of all prefill on 18 % of the requests, mostly abandoned, and no rule saw it) | flag, throttle |
 | ``tenant_burst`` | tenant | all its keys' requests >= max(``tenant_burst_min_requests`` 3,000, ``burst_factor`` x the tenant's usual), or tokens (``tenant_burst_min_tokens`` 2,500,000): a burst spread over many keys, each below its own bar | flag |
 | ``tenant_session_probing`` | tenant | all its keys' ``session_not_found`` >= max(``tenant_session_404s`` 30, ``baseline_factor`` x usual): probing spread over keys | flag |
 | ``auth_failures`` | address | 401s from one source address >= ``auth_failures`` 10 (the address behind trusted proxies: the gateway's ``--trusted-proxies``) | ban |
@@ -83,6 +84,7 @@ class Rule(enum.Enum):
     BLOCKED_PROMPTS = "blocked_prompts"
     SESSION_PROBING = "session_probing"
     ERRORS = "errors"
+    ABANDONED = "abandoned"
     TENANT_BURST = "tenant_burst"
     TENANT_SESSION_PROBING = "tenant_session_probing"
     AUTH_FAILURES = "auth_failures"
@@ -103,6 +105,7 @@ LADDERS: dict[Rule, tuple[Response, ...]] = {
     Rule.BLOCKED_PROMPTS: (Response.STRICT, Response.BLOCK),
     Rule.SESSION_PROBING: (Response.FLAG, Response.THROTTLE, Response.BLOCK),
     Rule.ERRORS: (Response.FLAG,),
+    Rule.ABANDONED: (Response.FLAG, Response.THROTTLE),
     Rule.TENANT_BURST: (Response.FLAG,),
     Rule.TENANT_SESSION_PROBING: (Response.FLAG,),
     Rule.AUTH_FAILURES: (Response.BAN,),
@@ -141,6 +144,7 @@ class Finding:
                 Rule.TENANT_SESSION_PROBING: "requests for sessions that do not exist from all the tenant's keys "
                                              "(session id probing)",
                 Rule.ERRORS: "rejected requests (4xx)",
+                Rule.ABANDONED: "requests abandoned before their answer ended (most of the key's: prefill never read)",
                 Rule.AUTH_FAILURES: "failed authentications from this address"}[self.rule]
         usual = "" if self.rule in (Rule.BLOCKED_PROMPTS, Rule.AUTH_FAILURES) else f", usually {self.baseline:.3g}"
         return f"{self.observed:g} {what}{usual} (threshold {self.threshold:g})"
@@ -222,6 +226,11 @@ class AbuseConfig:
     """The floor of ``session_probing`` (its bar: this, or ``baseline_factor`` x the key's usual)."""
     errors: int = 100
     """The floor of ``errors`` (likewise)."""
+    abandoned: int = 100
+    """The floor of ``abandoned`` (likewise; 0: off)."""
+    abandoned_share: float = 0.5
+    """...which also needs this share of the key's requests in the window abandoned (a chat app whose users
+    press stop now and then stays far below it)."""
     baseline_factor: float = 10.0
     """How far past its usual count a key's session 404s or errors must go (the floors still apply)."""
     tenant_burst_min_requests: int = 3000

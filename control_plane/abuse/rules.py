@@ -48,6 +48,7 @@ class _Totals:
     blocked: int = 0
     session_404s: int = 0
     errors: int = 0
+    abandoned: int = 0
     rejected: int = 0
     first_at: float = math.inf
     """The first request's start (inf: unknown, taken as the start of the range)."""
@@ -60,6 +61,8 @@ class _Totals:
             self.blocked += row.requests
         elif row.error_code == SESSION_404_CODE:
             self.session_404s += row.requests
+        elif row.error_code == CLIENT_DISCONNECTED:
+            self.abandoned += row.requests
         elif row.error_code not in NOT_THE_CLIENTS:
             self.errors += row.requests
         if row.error_code in REJECTED_CODES:
@@ -85,6 +88,7 @@ class _Usual:
     tokens: float = 0.0
     session_404s: float = 0.0
     errors: float = 0.0
+    abandoned: float = 0.0
 
     @classmethod
     def of(cls, t: _Totals | None, config: AbuseConfig, baseline_end: float | None) -> _Usual:
@@ -94,7 +98,8 @@ class _Usual:
         if baseline_end is not None and math.isfinite(t.first_at):
             span = min(span, max(config.window_s, baseline_end - t.first_at))
         scale = config.window_s / span if span else 0.0
-        return cls(t.requests * scale, t.tokens * scale, t.session_404s * scale, t.errors * scale)
+        return cls(t.requests * scale, t.tokens * scale, t.session_404s * scale, t.errors * scale,
+                   t.abandoned * scale)
 
 
 def _bar(floor: float, factor: float, usual: float) -> float:
@@ -116,6 +121,9 @@ def _key_findings(config: AbuseConfig, key: str, t: _Totals, u: _Usual) -> list[
         bar = _bar(floor, config.baseline_factor, usual)
         if floor and observed >= bar:
             found.append(Finding(rule, key, observed, bar, t.tenant, usual))
+    bar = _bar(config.abandoned, config.baseline_factor, u.abandoned)
+    if config.abandoned and t.abandoned >= bar and t.abandoned >= config.abandoned_share * t.requests:
+        found.append(Finding(Rule.ABANDONED, key, t.abandoned, bar, t.tenant, u.abandoned))
     return found
 
 
@@ -174,7 +182,8 @@ def kept_at_it(config: AbuseConfig, f: Finding, tail: Mapping[str, _Totals]) -> 
         span = min(config.escalate_after_s, config.window_s)
         scale = config.window_s / span if span else 1.0
         return (t.tokens if f.tokens else t.requests) * scale >= f.threshold
-    counted = {Rule.BLOCKED_PROMPTS: t.blocked, Rule.SESSION_PROBING: t.session_404s}.get(f.rule, t.errors)
+    counted = {Rule.BLOCKED_PROMPTS: t.blocked, Rule.SESSION_PROBING: t.session_404s,
+               Rule.ABANDONED: t.abandoned}.get(f.rule, t.errors)
     return counted + t.rejected > 0
 
 

@@ -145,8 +145,10 @@ class SwitchboardSystem:
         self.weight_bytes = runner.weight_bytes
         self.resident_weight_bytes = runner.resident_weight_bytes
         self.dense_bf16_bytes = 2 * runner.weight_params
-        # what auto resolved to, in the report (+a8: blockq's int8 activations; an older tree's plan has no kernel)
-        self.dtype = f"{plan.dtype}/{plan.quantization}" + ("+a8" if getattr(plan, "blockq", False) else "")
+        # what auto resolved to, in the report (+a8: blockq's int8 activations, +a32: its exact path's float32
+        # ones; an older tree's plan has no kernel)
+        acts = "+a32" if getattr(plan, "exact", False) else "+a8" if getattr(plan, "blockq", False) else ""
+        self.dtype = f"{plan.dtype}/{plan.quantization}{acts}"
 
     async def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestResult]:
         return await closed_loop(prompts, concurrency, partial(self._one, max_tokens))

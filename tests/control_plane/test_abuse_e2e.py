@@ -361,6 +361,9 @@ def test_a_client_that_stops_its_streams_is_not_counted_among_its_errors(cluster
     assert [(r.error_code, r.requests) for r in rows] == [(CLIENT_DISCONNECTED, 3)], rows  # what the gateway writes
     found = evaluate(AbuseConfig(errors=1, burst_min_requests=10**6), rows, [], {})
     assert [f for f in found if f.rule is Rule.ERRORS] == [], found
+    # ...but a key that abandons most of what it asks for is what `abandoned` counts (floor 3 here: 100)
+    found = evaluate(AbuseConfig(abandoned=3, burst_min_requests=10**6), rows, [], {})
+    assert [(f.rule, f.observed) for f in found] == [(Rule.ABANDONED, 3)], found
 
 
 def test_the_rules_file_is_read(cluster: Cluster, tmp_path: Path) -> None:

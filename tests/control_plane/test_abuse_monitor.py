@@ -238,6 +238,21 @@ def test_rules_count_codes_not_text() -> None:
     assert found[0].reason == "3 prompts refused by the input filter (threshold 3)"
 
 
+def test_a_key_that_abandons_most_of_its_requests_is_flagged_and_a_chat_app_whose_users_press_stop_is_not() -> None:
+    """The soak's abusive tenant: long prompts, streams dropped after the first token, a few errors; the
+    polite one: many more requests, some stopped. Only the first is `abandoned` (count and share)."""
+    rows = [KeyActivity("rogue", "r", "client_disconnected", 150, 200_000), KeyActivity("rogue", "r", "", 40, 9_000),
+            KeyActivity("acme", "a", "client_disconnected", 150, 30_000), KeyActivity("acme", "a", "", 350, 90_000)]
+    found = evaluate(AbuseConfig(), rows, [], {})
+    assert [(f.rule, f.subject, f.observed) for f in found] == [(Rule.ABANDONED, "rogue", 150)]
+    assert found[0].reason.startswith("150 requests abandoned before their answer ended")
+    assert Rule.ABANDONED.ladder == (Response.FLAG, Response.THROTTLE)
+    # measured against the key's own usual count, as the other rules are: an app that always drops most
+    # of its streams (a prefetcher) at 150 a window is not flagged for 150 now
+    usual = [KeyActivity("rogue", "r", "client_disconnected", 150 * 288, 0, first_at=0.0)]
+    assert evaluate(AbuseConfig(), rows, usual, {}, baseline_end=86400.0) == []
+
+
 def test_config_from_a_file(tmp_path: Path) -> None:
     path = tmp_path / "abuse.yaml"
     path.write_text("window_s: 30\ndurations_s: {ban: 5}\n")
