@@ -27,8 +27,10 @@ kernel auto (``--quantization-kernel``; the plan's ``kernel``)
     it is. It computes float32 dense's own weights (the GGUF's blocks dequantized) in float32: `switchboard
     bench quality --formats float32:int4` 2026-12-04 (AMD EPYC Zen 4): perplexity +0.00 %, greedy tokens
     identical on 12 of 12 prompts x 32 tokens, 92.1 MiB read a step (0.359x bf16), 0.297x resident. Its
-    cost is compute: a decode step (1 thread, under load, in-process A/B) 28 ms at batch 1 and 184 ms at
-    16 against 13.5 / 68 ms for float32 on blockq's int8 activations and 99 / 228 ms for dense float32.
+    cost is compute (a float32 FMA per weight and row): `switchboard bench engine` (chat, 64 tokens, quiet,
+    2 threads) 89.0 / 217.8 tok/s at 1 / 16 streams against the default's 165.9 / 545.8; a decode step
+    (1 thread, under load, in-process A/B) 28 ms at batch 1 and 184 ms at 16 against 13.5 / 68 ms for
+    float32 on blockq's int8 activations and 99 / 228 ms for dense float32.
   - float16 with an explicit format, and machines where blockq did not build (no C compiler) -> torch's
     weight-only kernels (below).
 
