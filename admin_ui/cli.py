@@ -10,7 +10,8 @@
 Why: the runbook's steps (docs/runbook.md: drain the outlier, release a pin) were raw ``curl`` calls
 with a bearer token pasted by hand, and an operator without a browser on the console's network had
 no other way. Every command finds the control plane and its token as the console does
-(``--control-plane-url`` / ``SWITCHBOARD_CONTROL_PLANE_URL``; ``SWITCHBOARD_ADMIN_TOKEN``, else the
+(``--control-plane-url`` / ``SWITCHBOARD_CONTROL_PLANE_URL``, else the ``control_plane_url`` that
+``switchboard up`` records in its credentials file; ``SWITCHBOARD_ADMIN_TOKEN``, else the
 ``admin_token`` in ``--credentials-file``, which ``switchboard up`` writes) and goes through
 :class:`admin_ui.client.AdminClient`, so a failure is one line naming what to fix, never a traceback.
 
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     overrides = {k: v for k, v in (("control_plane_url", args.control_plane_url),
                                    ("credentials_file", args.credentials_file)) if v is not None}
     settings = ConsoleSettings(**overrides)
+    if "control_plane_url" not in settings.model_fields_set and (url := settings.credentials().get("control_plane_url")):
+        settings = ConsoleSettings(**overrides, control_plane_url=str(url))  # where `up` served, from its folder
     admin = AdminClient(settings.control_plane_url, settings.admin_token_value(), timeout_s=args.timeout_s)
     try:
         run(args, admin)

@@ -170,6 +170,20 @@ def prepare(state: Path) -> dict[str, Any]:
     return {**creds, "minted": minted, "admin_minted": admin_minted}
 
 
+def record_urls(state: Path, **urls: str) -> None:
+    """Where this `up` serves (``control_plane_url``, ``gateway_url``), added to its client credentials
+    file: `switchboard admin` run from the same folder then finds a control plane started on another port
+    (`up --control-plane-port`), as it finds the admin token there."""
+    path = state / "credentials.json"
+    with locked(path):
+        try:
+            creds = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        if isinstance(creds, dict):
+            write_client_credentials(path, {**creds, **urls})
+
+
 def key_id(key: str) -> str:
     """The key's public id, as gateway logs, `switchboard keys list` and the usage ledger show it."""
     return key_digest(key)[:KEY_ID_LENGTH]

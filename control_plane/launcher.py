@@ -39,7 +39,7 @@ import httpx
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from control_plane.dev_credentials import key_id, prepare
+from control_plane.dev_credentials import key_id, prepare, record_urls
 from control_plane.supervisor import Child, Stopped, Supervisor, wait_healthy
 from data_plane.common.cores import usable_cores
 from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV
@@ -323,6 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     if tls:
         for child in (cp, *caches, *shards, *gateways):
             _https(child)
+    record_urls(state, control_plane_url=cp.url, gateway_url=gateway.url)
     prometheus = prometheus_child(s, state, cp, shards) if s.prometheus else None
     console = console_child(s, state, cp, gateway, str(creds["admin_token"])) if s.console else None
     if tls and console is not None:

@@ -101,6 +101,28 @@ def test_the_token_is_found_in_ups_state_dir_as_switchboard_keys_finds_its_keys(
     assert ran.returncode == 0 and "shards    2/2 passing" in ran.stdout, ran.stderr
 
 
+def test_the_control_plane_url_is_found_in_ups_credentials_file(env, monkeypatch, tmp_path) -> None:
+    """`up --control-plane-port P` records where it serves beside the admin token; `switchboard admin` run
+    with nothing else set found the token there but still called port 8300 (the soak's operator)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "credentials.json").write_text(json.dumps({"keys": {}, "admin_token": ADMIN_TOKEN}))
+    from control_plane.dev_credentials import record_urls
+
+    record_urls(state, control_plane_url=env.control_plane.url, gateway_url="http://127.0.0.1:1")
+    assert json.loads((state / "credentials.json").read_text())["admin_token"] == ADMIN_TOKEN  # kept
+    for name in ("SWITCHBOARD_ADMIN_TOKEN", "SWITCHBOARD_CREDENTIALS_FILE", "SWITCHBOARD_CONTROL_PLANE_URL"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SWITCHBOARD_UP_STATE_DIR", str(state))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    ran = switchboard("admin", "status", timeout=60, cwd=tmp_path)
+    assert ran.returncode == 0 and "shards    2/2 passing" in ran.stdout, ran.stderr
+    # a URL given still wins over the file's
+    ran = switchboard("admin", "status", "--control-plane-url", f"http://127.0.0.1:{free_port()}", timeout=60,
+                      cwd=tmp_path)
+    assert ran.returncode == 1 and "check --control-plane-url" in ran.stderr, ran.stderr
+
+
 def test_output_into_a_closed_pipe_is_no_traceback(env) -> None:
     """`switchboard admin members | head -1`: the reader leaves before the writer ends."""
     read, write = os.pipe()

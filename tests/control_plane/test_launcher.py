@@ -45,6 +45,8 @@ def test_up_starts_platform_and_stops_cleanly(tmp_path: Path) -> None:
         assert stat.S_IMODE(creds_path.stat().st_mode) == 0o600
         creds = json.loads(creds_path.read_text())
         assert set(creds["keys"]) == {"free", "plus", "enterprise"} and creds["admin_token"]
+        # where it serves, for `switchboard admin` run from this folder (not on the default ports here)
+        assert (creds["control_plane_url"], creds["gateway_url"]) == (f"http://127.0.0.1:{cp}", f"http://127.0.0.1:{gw}")
         keys_yaml = (tmp_path / ".switchboard" / "keys.yaml").read_text()
         for key in creds["keys"].values():
             assert key in banner  # the run that made them shows them, once
