@@ -30,12 +30,14 @@ BLOCKED_CODE = "content_policy_violation"
 SESSION_404_CODE = "session_not_found"
 NOT_THE_CLIENTS = frozenset({
     "", "overloaded", "no_healthy_backend", "upstream_error", "upstream_timeout", "internal_error",
-    "cache_unavailable", "not_ready", CLIENT_DISCONNECTED, "rate_limit_exceeded", "abuse_throttled",
-    "abuse_blocked", "address_banned", BLOCKED_CODE, SESSION_404_CODE,
+    "cache_unavailable", "not_ready", "model_unavailable", "model_loading", "cache_backend_unavailable",
+    "grammar_compiler_busy", "pipeline_stage_lost", "rate_limit_exceeded", "abuse_throttled",
+    "abuse_blocked", "address_banned", BLOCKED_CODE, SESSION_404_CODE, CLIENT_DISCONNECTED,
 })
-"""Codes the `errors` rule does not count: answered, the platform's own failures, a client that left
+"""Codes the `errors` rule does not count: answered, the platform's own failures (every 5xx code the
+gateway and shards write: overloaded and its finer codes, an upstream's failure), a client that left
 before its answer (a user's "stop": the gateway's own constant, so the ledger's code and this list
-cannot drift apart again), limits already applied, and what other rules count."""
+cannot drift apart again; `abandoned` counts those), limits already applied, and what other rules count."""
 REJECTED_CODES = frozenset({"abuse_throttled", "abuse_blocked"})
 """Requests the gateways refused under an abuse action: a key that keeps trying is keeping at it."""
 

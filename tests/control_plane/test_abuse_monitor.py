@@ -232,9 +232,10 @@ def test_an_address_with_repeated_bad_keys_is_banned_then_unbanned() -> None:
 
 def test_rules_count_codes_not_text() -> None:
     rows = [KeyActivity("k", "acme", "content_policy_violation", 3, 0), KeyActivity("k", "acme", "", 2, 50),
-            KeyActivity("k", "acme", "overloaded", 20, 0)]
-    found = evaluate(CONFIG, rows, [], {})
-    assert [(f.rule, f.observed) for f in found] == [(Rule.BLOCKED_PROMPTS, 3)]  # 503s are not the client's errors
+            KeyActivity("k", "acme", "overloaded", 4, 0), KeyActivity("k", "acme", "model_loading", 4, 0),
+            KeyActivity("k", "acme", "grammar_compiler_busy", 4, 0), KeyActivity("k", "acme", "cache_backend_unavailable", 4, 0)]
+    found = evaluate(replace(CONFIG, errors=1), rows, [], {})
+    assert [(f.rule, f.observed) for f in found] == [(Rule.BLOCKED_PROMPTS, 3)]  # 5xx codes are not the client's errors
     assert found[0].reason == "3 prompts refused by the input filter (threshold 3)"
 
 
