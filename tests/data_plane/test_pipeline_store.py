@@ -46,19 +46,30 @@ def test_a_wrong_or_missing_token_reads_nothing_and_is_refused_at_once(group: Gr
     assert b"secret-finetune" not in raw.get("spec/1") and b"15:30" not in raw.get("spec/1")
 
 
+def _landed(writer: dist.TCPStore) -> None:
+    """A TCPStore client's set does not wait for the server: one round trip on the same connection
+    (answered in order) makes it visible to another client. Without it, on a loaded host, the reader
+    could look first (beat_count -1 after two beats, under the AVX2 emulation with a core held)."""
+    writer.check(["hb/1"])
+
+
 def test_a_forged_moved_or_replayed_value_does_not_count(group: GroupStore) -> None:
     raw = dist.TCPStore("127.0.0.1", _port(group), None, False, timeout=timedelta(seconds=5))
     stage = GroupStore.connect("127.0.0.1", _port(group), "s3cret", 10)
     assert group.beat_count(1) == -1
     stage.beat(1, 1)
     stage.beat(1, 2)
+    _landed(stage.store)
     assert group.beat_count(1) == 2
     recorded = raw.get("hb/1")
     raw.set("hb/1", b"\x00" * 40)  # forged by a process without the token: no beat
+    _landed(raw)
     assert group.beat_count(1) == 2
     stage.beat(1, 3)
+    _landed(stage.store)
     assert group.beat_count(1) == 3
     raw.set("hb/1", recorded)  # an old beat replayed: the counter does not move back or forward
+    _landed(raw)
     assert group.beat_count(1) == 3
     stage.set("links/2", "10.0.0.9:1")
     raw.set("links/1", raw.get("links/2"))  # a sealed value moved under another name does not open
