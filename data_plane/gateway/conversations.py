@@ -25,7 +25,7 @@ from data_plane.gateway.item_index import Home, fresh_items, index_items, resolv
 from data_plane.gateway.memory import Unseal, open_compaction
 from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S, record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, conversation_object, new_conversation
-from data_plane.gateway.responses import page, record_caller, unsealer
+from data_plane.gateway.responses import check_query_include, page, record_caller, unsealer
 from data_plane.gateway.responses_items import input_items, new_id, refuse_duplicates
 from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.runtime import Gateway, Runtime
@@ -164,6 +164,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
                          after: str | None = None) -> dict[str, Any]:
         with observed(gw.responses_metrics, Op.ITEMS_LIST, request):
             owner, replicas = caller(request)
+            check_query_include(request)
             record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
             return page(record.items, limit=limit, order=order, after=after)
 
@@ -171,6 +172,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
     async def add_items(conversation_id: str, request: Request) -> dict[str, Any]:
         with observed(gw.responses_metrics, Op.ITEMS_CREATE, request):
             owner, replicas = caller(request)
+            check_query_include(request)
             body = await _body(request, gw.settings.max_body_bytes)
             sent = _opened(_items(body), unsealer(runtime(), owner))
             if not sent:
@@ -190,6 +192,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
     async def get_item(conversation_id: str, item_id: str, request: Request) -> dict[str, Any]:
         with observed(gw.responses_metrics, Op.ITEM_RETRIEVE, request):
             owner, replicas = caller(request)
+            check_query_include(request)
             record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
             for item in record.items:
                 if item.get("id") == item_id:

@@ -51,6 +51,7 @@ from data_plane.gateway.response_store import ConversationStore, Kind, Record
 from data_plane.gateway.responses_background import Detach
 from data_plane.gateway.responses_items import (
     ResponsesRequest,
+    check_include,
     in_responses_terms,
     input_items,
     items_to_messages,
@@ -469,9 +470,16 @@ def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationS
                                after: str | None = None) -> dict[str, Any]:
         with observed(gw.responses_metrics, Op.INPUT_ITEMS, request):
             owner, replicas = caller(request)
+            check_query_include(request)
             record = await store().load(response_id, owner, replicas, Kind.RESPONSE)
             start, end = record.input_range
             return page(record.items[start:end], limit=limit, order=order, after=after)
+
+
+def check_query_include(request: Request) -> None:
+    """OpenAI's 400 for an `include` (the SDK's include[]=...) on an item route that names a value it does
+    not define, or one this server never makes, as on create and retrieve (it was ignored)."""
+    check_include(request.query_params.getlist("include") + request.query_params.getlist("include[]"))
 
 
 def page(items: list[dict[str, Any]], *, limit: int, order: str, after: str | None) -> dict[str, Any]:
