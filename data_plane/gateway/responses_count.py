@@ -9,8 +9,8 @@ as the shard's chat template renders them. It is counted by a shard (`Upstream.c
 `INPUT_TOKENS_PATH`), with the very code that encodes a prompt for generation
 (data_plane/shard/generation.py `prompt_ids`), on the shard the turn would go to; so it equals the
 `usage.input_tokens` that create reports. Nothing is generated, stored, rate-limited as tokens or
-written to the usage ledger. With `truncation: "auto"` the count is the whole conversation, before
-any older turns are dropped to fit the window.
+written to the usage ledger; it takes one request from the key's RPM. With `truncation: "auto"` the
+count is the whole conversation, before any older turns are dropped to fit the window.
 
 (`POST /v1/responses/{id}/cancel` is with the background responses it cancels:
 data_plane/gateway/responses_detached.py.)
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from data_plane.common.errors import InvalidRequest, ModelNotFound, UnsupportedParameter
 from data_plane.common.http_body import read_body
@@ -66,9 +67,12 @@ def mount_input_tokens(app: FastAPI, gw: Gateway, store: Callable[[], Conversati
     """The route on `app`; `store()` and `runtime()` once the lifespan opened them."""
 
     @app.post(RESPONSES_PATH + "/input_tokens")
-    async def input_tokens(request: Request) -> dict[str, Any]:
+    async def input_tokens(request: Request) -> JSONResponse:
         with observed(gw.responses_metrics, Op.INPUT_TOKENS, request) as span:
             principal, owner, replicas = record_principal(gw, request)  # the abuse guard first; 401s counted
+            # one request from the key's RPM (a shard encodes up to a whole body; it was unmetered: 200 counts
+            # in a row on a 60 RPM key), no tokens: nothing is generated
+            grant = await gw.limiter.admit(principal.key_id, gw.tier_gate.tier(principal, gw.policy()), 0)
             raw = await read_body(request, gw.settings.max_body_bytes)
             rreq = count_request(json_body(raw, request.headers.get("content-type")))
             new_items = input_items(rreq.input)
@@ -103,4 +107,4 @@ def mount_input_tokens(app: FastAPI, gw: Gateway, store: Callable[[], Conversati
             tokens = await rt.upstream.count(shard_req, route)
             span.set_attribute("gen_ai.usage.input_tokens", tokens)
             log.info("input tokens counted: %d (%d history items, %d new)", tokens, len(history), len(new_items))
-            return {"object": "response.input_tokens", "input_tokens": tokens}
+            return JSONResponse({"object": "response.input_tokens", "input_tokens": tokens}, headers=grant.headers)

@@ -7,7 +7,8 @@ gateway on loopback; no model is needed to store a conversation).
 whose in-memory store is one LRU shared by every tenant. They took nothing from the key's RPM/TPM: one
 free key stored ~45 conversations a second, up to 1 MiB each, and evicted every tenant's conversations
 and stored responses within seconds. Each now takes one request and its items' tokens, as a turn that
-sent them would.
+sent them would. So does `responses.input_tokens.count` (one request, no tokens): a shard encodes
+what it is sent, and 200 counts in a row passed a 60 RPM key.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import yaml
 from tests.support.cluster import cache_node
 from tests.support.procs import Service
 
-KEYS = {"free": "sk-convlim-free-0123456789", "plus": "sk-convlim-plus-0123456789"}
+KEYS = {"free": "sk-convlim-free-0123456789", "plus": "sk-convlim-plus-0123456789",
+        "free2": "sk-convlim-free2-0123456789"}
 TIERS = {"tiers": {
     "free": {"priority": 2, "rpm": 3, "tpm": 20000, "max_context_tokens": 2048, "max_output_tokens": 256,
              "replication": 1, "shed_order": 0},
@@ -36,7 +38,7 @@ HEADERS = [f"x-ratelimit-{what}-{kind}" for kind in ("requests", "tokens") for w
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     state: Path = tmp_path_factory.mktemp("conversation-limits")
     (state / "tiers.yaml").write_text(yaml.safe_dump(TIERS))
-    keys = ",".join(f"{key}:acme-{tier}:{tier}" for tier, key in KEYS.items())
+    keys = ",".join(f"{key}:acme-{name}:{name.rstrip('2')}" for name, key in KEYS.items())
     cache = cache_node().start()
     try:
         with Service(["shard", "--engine", "synthetic"]) as shard, \
@@ -75,3 +77,14 @@ def test_the_items_stored_take_from_the_keys_tpm(gateway: Service) -> None:
     with pytest.raises(openai.RateLimitError):
         client.conversations.items.create(conv.id, items=big)
     assert len(client.conversations.items.list(conv.id).data) == 2
+
+
+def test_counting_input_tokens_takes_a_request_from_the_keys_rpm(gateway: Service) -> None:
+    client = sdk(gateway, "free2")
+    for _ in range(3):
+        raw = client.responses.input_tokens.with_raw_response.count(model="synthetic", input="hello there")
+        assert raw.status_code == 200 and raw.parse().input_tokens > 0
+        assert raw.headers["x-ratelimit-limit-requests"] == "3" and all(h in raw.headers for h in HEADERS)
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.responses.input_tokens.count(model="synthetic", input="hello there")
+    assert int(refused.value.response.headers["retry-after"]) >= 1
