@@ -377,6 +377,16 @@ def nests_deeper(value: Any, limit: int) -> bool:
     return False
 
 
+def _beyond_recursion(text: str) -> bool:
+    try:
+        json.loads(text)
+    except RecursionError:
+        return True
+    except ValueError:
+        return False
+    return False
+
+
 def _depth_clash(response_format: ResponseFormat | None, structured: StructuredOutputs | None,
                  tools: list[ToolDef] | None) -> Clash | None:
     """A 400 for a schema nested deeper than MAX_SCHEMA_DEPTH, naming where the request holds it; checked
@@ -387,8 +397,10 @@ def _depth_clash(response_format: ResponseFormat | None, structured: StructuredO
         schemas.append(("response_format", response_format.json_schema.schema_))
     if structured is not None and isinstance(structured.json_, dict):
         schemas.append((STRUCTURED, structured.json_))
+    elif structured is not None and isinstance(structured.json_, str) and _beyond_recursion(structured.json_):
+        schemas.append((STRUCTURED, None))  # text too deep for json.loads itself: deeper than any limit
     for param, schema in schemas:
-        if nests_deeper(schema, MAX_SCHEMA_DEPTH):
+        if schema is None or nests_deeper(schema, MAX_SCHEMA_DEPTH):
             return Clash(param, f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} levels deep; at most "
                                 f"{MAX_SCHEMA_DEPTH} are accepted", "grammar_too_large")
     return None

@@ -451,8 +451,12 @@ def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationS
                 raise InvalidRequest(f"Unrecognized request argument supplied: {min(unknown)}", param=min(unknown),
                                      code="unsupported_parameter")
             items: list[dict[str, Any]] = []
-            if body.get("previous_response_id"):
-                items = (await store().previous(str(body["previous_response_id"]), owner, replicas)).items
+            previous = body.get("previous_response_id")
+            if previous is not None and (not isinstance(previous, str) or not previous):  # create's 400, not "none"
+                raise InvalidRequest("Invalid 'previous_response_id': expected a non-empty string.",
+                                     param="previous_response_id", code="empty_string" if previous == "" else "invalid_type")
+            if previous:
+                items = (await store().previous(previous, owner, replicas)).items
             items = items + await resolve_references(store(), input_items(body.get("input") or []), owner, replicas,
                                                      local=items)
             keep = body.get("keep_tokens", 256)

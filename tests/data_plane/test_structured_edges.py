@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from data_plane.schema_rewrite import hoist
 from tests.support.chat import assert_no_leak, sdk
 from tests.support.cluster import KEYS, gateway_before
 from tests.support.procs import CLUSTER_HEADERS, Service
@@ -105,6 +106,10 @@ def test_a_schema_sent_as_json_text_is_served_as_the_same_schema_sent_as_an_obje
     body = refusal(lambda: client.chat.completions.create(
         model=MODEL, messages=ask, max_tokens=5, extra_body={"structured_outputs": {"json": json.dumps(nested(300))}}))
     assert (body["param"], body["code"]) == ("structured_outputs", "grammar_too_large"), body
+    past_json = "[" * 5000 + "]" * 5000  # past json.loads' own recursion: a 400 invalid_grammar before
+    body = refusal(lambda: client.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=5, extra_body={"structured_outputs": {"json": past_json}}))
+    assert (body["param"], body["code"]) == ("structured_outputs", "grammar_too_large"), body
 
 
 def test_a_pointer_into_the_schema_itself_is_served_in_tool_parameters(gateway: Service) -> None:
@@ -130,6 +135,21 @@ def test_a_pointer_into_the_schema_itself_is_served_in_tool_parameters(gateway: 
         response_format={"type": "json_schema", "json_schema": {"name": "ab", "schema": twice}},
         tools=[{"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {}}}}])
     assert beside.choices[0].finish_reason in ("stop", "tool_calls", "length"), beside  # served, not a 400
+
+
+def test_a_definition_named_root_keeps_its_place_beside_a_pointer_into_the_schema() -> None:
+    """The schema's own copy (where "#/..." pointers go once nested in a tool's envelope) was kept under
+    `<prefix>root`, the name a definition of the schema's own called root moves to: the pointer then
+    landed in that definition (a valid schema refused, or with "$ref": "#" a wrong grammar)."""
+    defs: dict[str, Any] = {}
+    schema = {"$defs": {"root": {"type": "integer"}}, "type": "object",
+              "properties": {"a": {"type": "string"}, "b": {"$ref": "#/properties/a"}, "c": {"$ref": "#/$defs/root"},
+                             "d": {"$ref": "#"}}}
+    body = hoist(schema, "t0_", defs)
+    whole = body["properties"]["b"]["$ref"].split("/")[2]
+    assert defs[whole]["properties"]["a"] == {"type": "string"}, (body, defs)
+    assert body["properties"]["d"]["$ref"] == f"#/$defs/{whole}"
+    assert body["properties"]["c"]["$ref"] == "#/$defs/t0_root" and defs["t0_root"] == {"type": "integer"}
 
 
 def test_replies_carry_refusal_null_where_openais_spec_requires_it(gateway: Service, fp32_shard: Service) -> None:
