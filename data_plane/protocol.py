@@ -360,7 +360,7 @@ class ShardRequest(ChatCompletionRequest):
 
         req = ShardRequest(messages=[ChatMessage(role="user", content="hi")], max_tokens=16, stream=True)
         payload = json.dumps(req.wire()).encode()       # what goes on the wire
-        resumed = req.model_copy(update={"max_tokens": 8})   # a changed copy (data_plane/routing/upstream.py)
+        resumed = req.model_copy(update={"max_tokens": 8})   # a changed copy (data_plane/routing/resume.py)
 
     Built once per request by the gateway (data_plane/gateway/phases.py shard_request); the shard parses the wire
     form back as a ChatCompletionRequest. Only the fields that were given go on the wire."""

@@ -271,7 +271,7 @@ def envelope_text(content: str | None, tool_calls: list[dict[str, Any]] | None) 
 
 class SentOutput:
     """What a stream has sent of choice 0, written back as the text the model produced: a resumed request
-    (data_plane/routing/upstream.py) ends with it as the assistant message to continue, and a torch shard
+    (data_plane/routing/resume.py) ends with it as the assistant message to continue, and a torch shard
     advances the grammar over it (data_plane/shard/engines/grammar.py `CompiledGrammar.resumed`).
 
         sent = SentOutput.for_body(body)            # the envelope when the request has tools
