@@ -330,7 +330,8 @@ class ChatCompletionRequest(BaseModel):
     def plain_messages(self, tools_prompt: bool = True) -> list[dict[str, str]]:
         """Messages as role/content strings, ready for a chat template: an assistant message's tool calls
         are written as the tool envelope the model produced, a tool result as a user message naming the tool
-        (the default template has no tool role); with tools (and tool_choice not none) a system message describing them comes first."""
+        (the default template has no tool role); with tools a system message describing them comes first (with
+        tool_choice none too: the model sees the tools it may not call, data_plane/structured.py)."""
         out = []
         names: dict[str, str] = {}  # tool call id -> function name, from the assistant messages so far
         for m in self.messages:

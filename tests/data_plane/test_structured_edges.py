@@ -160,3 +160,27 @@ def test_replies_carry_refusal_null_where_openais_spec_requires_it(gateway: Serv
                               if line.startswith("data: {")]
                 scored = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0].get("logprobs")]
                 assert scored and all(lp["refusal"] is None for lp in scored), (url, ask, scored)
+
+
+def test_with_tool_choice_none_the_prompt_holds_the_tools_and_the_reply_calls_none(gateway: Service) -> None:
+    """OpenAI's `tool_choice: "none"`: the model sees the tools but calls none (vLLM renders them into the chat
+    template unless told --exclude-tools-when-tool-choice-none). The tools were left out of the prompt: the
+    prompt tokens of a request with tools and tool_choice none equalled those of one without tools. Now the
+    prompt holds them (more prompt tokens, the same count streamed), and the reply is text, never a call."""
+    client = sdk(gateway)
+    tools: list[Any] = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
+                                                          "parameters": {"type": "object", "properties": {
+                                                              "city": {"type": "string"}}, "required": ["city"]}}}]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw: dict[str, Any] = {"model": MODEL, "messages": ask, "max_tokens": 30, "temperature": 0}
+    bare = client.chat.completions.create(**kw)
+    withheld = client.chat.completions.create(**kw, tools=tools, tool_choice="none")
+    assert bare.usage and withheld.usage and withheld.usage.prompt_tokens > bare.usage.prompt_tokens + 20
+    reply = withheld.choices[0]
+    assert not reply.message.tool_calls and reply.finish_reason in ("stop", "length") and reply.message.content
+    assert not reply.message.content.lstrip().startswith("{"), reply.message.content
+    chunks = list(client.chat.completions.create(**kw, tools=tools, tool_choice="none", stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert not [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.message.content
+    assert chunks[-1].usage and chunks[-1].usage.prompt_tokens == withheld.usage.prompt_tokens
