@@ -184,3 +184,32 @@ def test_with_tool_choice_none_the_prompt_holds_the_tools_and_the_reply_calls_no
     assert not [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.message.content
     assert chunks[-1].usage and chunks[-1].usage.prompt_tokens == withheld.usage.prompt_tokens
+
+
+def test_finish_reason_at_the_token_limit_is_length_unless_the_reply_stopped_within_it(fp32_shard: Service) -> None:
+    """OpenAI: `length` when max_tokens was reached, `stop` at a natural stop point or a stop sequence; vLLM's
+    check_stop tests EOS and stop tokens before the limit. A reply that ends (EOS) within the limit is `stop`;
+    one exactly as long as the limit is `length` (EOS was never sampled: vLLM says the same), JSON that
+    closed on the last allowed token too; a stop string completed by the last allowed token is `stop`."""
+    def ask(max_tokens: int, **kw: Any) -> tuple[str, int, str]:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello in three words."}],
+                "temperature": 0, "max_tokens": max_tokens, **kw}
+        reply = httpx.post(fp32_shard.url + "/v1/chat/completions", headers=CLUSTER_HEADERS, json=body,
+                           timeout=120).json()
+        choice = reply["choices"][0]
+        return choice["finish_reason"], reply["usage"]["completion_tokens"], choice["message"]["content"]
+
+    schema = {"type": "json_schema", "json_schema": {"name": "g", "schema": {
+        "type": "object", "properties": {"greeting": {"type": "string", "maxLength": 20}}, "required": ["greeting"]}}}
+    for kw in ({}, {"response_format": schema}):
+        reason, k, text = ask(100, **kw)
+        assert reason == "stop" and k > 3, (kw, reason, k, text)
+        assert ask(k + 1, **kw) == ("stop", k, text)
+        assert ask(k, **kw) == ("length", k, text)  # all of it, but the limit came before EOS
+        assert ask(k - 1, **kw)[0] == "length"
+    first = httpx.post(fp32_shard.url + "/v1/chat/completions", headers=CLUSTER_HEADERS, timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Say hello in three words."}], "temperature": 0,
+        "max_tokens": 3, "logprobs": True}).json()["choices"][0]["logprobs"]["content"]
+    before, third = "".join(t["token"] for t in first[:2]), first[2]["token"]
+    if third not in before + third[:-1]:  # (else the stop string would end the reply before its last token)
+        assert ask(3, stop=[third]) == ("stop", 3, before)  # completed by the last allowed token: stop
