@@ -12,10 +12,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
-from tests.support.chat import assert_no_leak, sdk
+from tests.support.chat import assert_no_leak, refusal, sdk
 from tests.support.cluster import KEYS, gateway_before
 from tests.support.procs import CLUSTER_HEADERS, Service
 
@@ -35,14 +34,6 @@ def nested(objects: int) -> dict[str, Any]:
     for _ in range(objects):
         schema = {"type": "object", "properties": {"a": schema}, "required": ["a"], "additionalProperties": False}
     return schema
-
-
-def refusal(call: Any) -> dict[str, Any]:
-    with pytest.raises(openai.BadRequestError) as info:
-        call()
-    body = info.value.body
-    assert isinstance(body, dict)
-    return body
 
 
 def test_a_schema_nested_past_the_grammars_bound_is_a_400_not_a_500(gateway: Service, fp32_shard: Service) -> None:
