@@ -178,3 +178,6 @@ def test_the_input_tokens_count_with_truncation_auto_is_what_create_sends(cluste
         created = post(cluster, "/v1/responses", {**ask, **recall, "store": False, "temperature": 0})
         assert created.status_code == 200, created.text
         assert counted == created.json()["usage"]["input_tokens"] < whole / 2, (recall, counted, whole)
+    # a new message too long for any window: create's 400, but a count is never refused for its size
+    huge = {"input": "word " * 6000, "truncation": "auto"}
+    assert count(huge) == count({**huge, "truncation": "disabled"}) > 6000
