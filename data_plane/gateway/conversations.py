@@ -38,6 +38,7 @@ from data_plane.gateway.responses_items import input_items, new_id, refuse_dupli
 from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.request_checks import json_body
+from data_plane.tiers import Tier
 
 log = logging.getLogger(__name__)
 
@@ -114,12 +115,11 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
     def caller(request: Request) -> tuple[str, int]:
         return record_caller(gw, request)
 
-    async def charged(request: Request, principal: Any, items: list[dict[str, Any]]) -> dict[str, str]:
+    async def charged(principal: Any, tier: Tier, items: list[dict[str, Any]]) -> dict[str, str]:
         """One request and the items' tokens from the key's (and tier's) RPM/TPM, as a turn that sent them
         would take (429 + Retry-After); the `x-ratelimit-*` headers. Unmetered, one free key stored
         conversations at ~45/s, up to 1 MiB each, into the cache nodes' shared LRU: every tenant's
         conversations and stored responses were evicted within seconds."""
-        tier = gw.tier_gate.tier(principal, gw.policy())
         tokens = conversation_tokens(items, gw.counter) if items else 0
         return (await gw.limiter.admit(principal.key_id, tier, tokens)).headers
 
@@ -137,7 +137,8 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
     @app.post(CONVERSATIONS_PATH)
     async def create(request: Request) -> JSONResponse:
         with observed(gw.responses_metrics, Op.CONVERSATION_CREATE, request):
-            principal, owner, replicas = record_principal(gw, request)
+            principal, owner, tier = record_principal(gw, request)
+            replicas = tier.replication
             body = await _body(request, gw.settings.max_body_bytes)
             unknown = set(body) - {"items", "metadata"}
             if unknown:
@@ -146,7 +147,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
             sent = _opened(_items(body), unsealer(runtime(), owner))
             items = await resolve_references(store(), sent, owner, replicas, "items")
             record = new_conversation(new_id("conv"), items, metadata_value(body.get("metadata")))
-            headers = await charged(request, principal, items)
+            headers = await charged(principal, tier, items)
             await store().save(record, owner, replicas)
             await index_items(store(), fresh_items(items, body.get("items") or []), [Home(Kind.CONVERSATION, record.id)],
                               owner, replicas)
@@ -189,13 +190,14 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
     @app.post(CONVERSATIONS_PATH + "/{conversation_id}/items")
     async def add_items(conversation_id: str, request: Request) -> JSONResponse:
         with observed(gw.responses_metrics, Op.ITEMS_CREATE, request):
-            principal, owner, replicas = record_principal(gw, request)
+            principal, owner, tier = record_principal(gw, request)
+            replicas = tier.replication
             check_query_include(request)
             body = await _body(request, gw.settings.max_body_bytes)
             sent = _opened(_items(body), unsealer(runtime(), owner))
             if not sent:
                 raise InvalidRequest("items must hold at least one item", param="items")
-            headers = await charged(request, principal, sent)
+            headers = await charged(principal, tier, sent)
             async with editing(owner, conversation_id):
                 record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
                 items = await resolve_references(store(), sent, owner, replicas, "items", local=record.items)
