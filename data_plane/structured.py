@@ -397,6 +397,9 @@ def nests_deeper(value: Any, limit: int) -> bool:
     return False
 
 
+_TOO_DEEP = object()
+
+
 def _beyond_recursion(text: str) -> bool:
     try:
         json.loads(text)
@@ -418,9 +421,9 @@ def _depth_clash(response_format: ResponseFormat | None, structured: StructuredO
     if structured is not None and isinstance(structured.json_, dict):
         schemas.append((STRUCTURED, structured.json_))
     elif structured is not None and isinstance(structured.json_, str) and _beyond_recursion(structured.json_):
-        schemas.append((STRUCTURED, None))  # text too deep for json.loads itself: deeper than any limit
+        schemas.append((STRUCTURED, _TOO_DEEP))  # text too deep for json.loads itself: deeper than any limit
     for param, schema in schemas:
-        if schema is None or nests_deeper(schema, MAX_SCHEMA_DEPTH):
+        if schema is _TOO_DEEP or nests_deeper(schema, MAX_SCHEMA_DEPTH):
             return Clash(param, f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} levels deep; at most "
                                 f"{MAX_SCHEMA_DEPTH} are accepted", "grammar_too_large")
     return None
