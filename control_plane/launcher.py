@@ -12,7 +12,8 @@ keys file holds only the keys' digests; the keys themselves go to the operator's
 reported and restarted (with backoff); Ctrl-C or SIGTERM stops everything cleanly, at any moment of
 start-up too, and no child outlives the launcher (kill -9, a crash) by more than moments
 (control_plane/supervisor.py, data_plane/common/lifeline.py).
-Logs go to `.switchboard/logs/<process>.log`. Dispatched by `switchboard up` (control_plane/cli.py); the
+Logs go to `.switchboard/logs/<process>.log`, rotated at --log-max-bytes; one `up` per state dir at a time
+(control_plane/state_dir.py). Dispatched by `switchboard up` (control_plane/cli.py); the
 children and their supervision are control_plane/supervisor.py.
 
 With ``--autoscale`` the launcher starts no shard itself: the control plane's autoscaler (local
@@ -40,6 +41,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from control_plane.dev_credentials import key_id, prepare, record_urls
+from control_plane.state_dir import LogRotation, hold_state_dir
 from control_plane.supervisor import Child, Stopped, Supervisor, wait_healthy
 from data_plane.common.cores import usable_cores
 from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV
@@ -74,6 +76,9 @@ class UpSettings(BaseSettings):
     max_model_len: int = Field(2048, ge=16, description="Context window per shard.")
     state_dir: str = Field(".switchboard", description="Where credentials, logs, the usage ledger and the cache nodes' records (without --redis) go.")
     redis: str | None = Field(None, description="Redis URL for cache nodes (default: in memory).")
+    log_max_bytes: int = Field(50 * 2**20, ge=0, description=(
+        "Rotate a process's log in STATE_DIR/logs when it reaches this size (copy, then truncate; 0 = never)."))
+    log_backups: int = Field(3, ge=0, le=100, description="Rotated copies kept per log (<name>.log.1 is the newest).")
     prometheus: bool = Field(False, description="Also start Prometheus (when the binary exists) with the alert rules.")
     prometheus_port: int = Field(9090, ge=1, le=65535, description="Prometheus port (with --prometheus).")
     console: bool = Field(True, description="Start the admin console (Streamlit) on --console-port.")
@@ -307,6 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     state = Path(s.state_dir).resolve()
     state.mkdir(parents=True, exist_ok=True)
     os.chmod(state, 0o700)
+    lock = hold_state_dir(state)  # noqa: F841 (held while this process lives; one `up` per folder)
     if s.engine == "torch":
         from data_plane.model_store import ModelNotAvailable, resolve_model
 
@@ -335,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     if busy:
         raise SystemExit(f"switchboard up: already in use on {s.host}: {', '.join(busy)}. Another `switchboard up` "
                          f"may be running; stop it, or move this one with the flag(s) named.")
-    supervisor = Supervisor(order)
+    supervisor = Supervisor(order, LogRotation(s.log_max_bytes, s.log_backups), state / "logs")
     supervisor.guard()  # a stop signal from here on stops the children started so far
     try:
         print(f"[switchboard] starting control plane, {len(caches)} cache nodes, {len(shards)} shards, gateway...",

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from control_plane.state_dir import LogRotation
 from data_plane.common.lifeline import die_with_parent
 
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
@@ -125,8 +126,12 @@ class Stopped(BaseException):
 class Supervisor:
     """Restarts a child that died (with backoff) until SIGINT/SIGTERM, then stops them all in reverse order."""
 
-    def __init__(self, children: list[Child]) -> None:
+    def __init__(self, children: list[Child], log_rotation: LogRotation | None = None,
+                 log_dir: Path | None = None) -> None:
         self.children = children
+        self.log_rotation = log_rotation
+        """Caps the ``*.log`` files of `log_dir` (the children's, the autoscaled shards') as `run()` goes."""
+        self.log_dir = log_dir
         self.stopping = False
         self._running = False
         self._shutting_down = False
@@ -145,6 +150,7 @@ class Supervisor:
         try:
             while not self.stopping:
                 self._restart_dead()
+                self._rotate_logs()
                 time.sleep(0.5)
         finally:
             self.shutdown()
@@ -168,6 +174,10 @@ class Supervisor:
                 child.next_restart = 0.0
                 child.start()
                 print(f"[switchboard] {child.name} restarted (restart #{child.restarts})", flush=True)
+
+    def _rotate_logs(self) -> None:
+        if self.log_rotation is not None and self.log_dir is not None:
+            self.log_rotation.rotate_full(self.log_dir)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if self._shutting_down:  # a second signal while stopping: no more waiting
