@@ -40,6 +40,7 @@ import httpx
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from control_plane.admin.processes import FILE_NAME as PROCESSES
 from control_plane.dev_credentials import key_id, prepare, record_urls
 from control_plane.state_dir import LogRotation, hold_state_dir
 from control_plane.supervisor import Child, Stopped, Supervisor, wait_healthy
@@ -136,7 +137,8 @@ def plan(s: UpSettings, state: Path, admin_token: str,
     registry = f"http://{host}:{s.control_plane_port}"
     usage_db = s.usage_db or f"sqlite:///{state / 'usage.db'}"  # gateways write it, the control plane reads it
     cp = Child("control-plane", ["control-plane", "--host", host, "--port", str(s.control_plane_port),
-                                 "--state-dir", str(state / "control-plane"), "--usage-db", usage_db],
+                                 "--state-dir", str(state / "control-plane"), "--usage-db", usage_db,
+                                 "--processes-file", str(state / PROCESSES)],
                registry, logs / "control-plane.log", env={"SWITCHBOARD_ADMIN_TOKEN": admin_token, **member_env})
     if s.abuse_rules:
         cp.args += ["--abuse-rules", str(Path(s.abuse_rules).resolve())]
@@ -341,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     if busy:
         raise SystemExit(f"switchboard up: already in use on {s.host}: {', '.join(busy)}. Another `switchboard up` "
                          f"may be running; stop it, or move this one with the flag(s) named.")
-    supervisor = Supervisor(order, LogRotation(s.log_max_bytes, s.log_backups), state / "logs")
+    supervisor = Supervisor(order, LogRotation(s.log_max_bytes, s.log_backups), state / "logs", state / PROCESSES)
     supervisor.guard()  # a stop signal from here on stops the children started so far
     try:
         print(f"[switchboard] starting control plane, {len(caches)} cache nodes, {len(shards)} shards, gateway...",
