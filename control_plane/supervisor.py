@@ -157,11 +157,13 @@ class Supervisor:
         ``except BaseException: shutdown()`` runs), while `run()` they end the loop."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
+        if not self._running:
+            self.record()  # no longer the last run's table: its pids are gone
 
     def run(self) -> None:
         self.guard()
         self._running = True
-        self._write_table()
+        self.record()
         try:
             while not self.stopping:
                 self._restart_dead()
@@ -182,7 +184,7 @@ class Supervisor:
                 delay = RESTART_BACKOFF_S[min(child.crashes, len(RESTART_BACKOFF_S) - 1)]
                 child.crashes += 1
                 child.last_exit_code, child.last_exit_at = code, time.time()
-                self._write_table()
+                self.record()
                 print(f"[switchboard] {child.name} exited (code {code}); restarting in {delay:.0f} s "
                       f"(log: {child.log_path})", flush=True)
                 child.next_restart = now + delay
@@ -190,10 +192,12 @@ class Supervisor:
                 child.restarts += 1
                 child.next_restart = 0.0
                 child.start()
-                self._write_table()
+                self.record()
                 print(f"[switchboard] {child.name} restarted (restart #{child.restarts})", flush=True)
 
-    def _write_table(self) -> None:
+    def record(self) -> None:
+        """Write the process table now (each start, death and restart does; the launcher too, once
+        every child is healthy, before it prints the banner)."""
         if self.table is not None:
             try:
                 write_process_table(self.table, os.getpid(), [c.row() for c in self.children], time.time())
@@ -237,7 +241,7 @@ class Supervisor:
                 except subprocess.TimeoutExpired:
                     pass
         self._stopped = True
-        self._write_table()
+        self.record()
         print("[switchboard] stopped.", flush=True)
 
 
