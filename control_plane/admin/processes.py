@@ -87,7 +87,7 @@ class ProcessTable:
     def read(self) -> dict[str, Any]:
         try:
             body = json.loads(self.path.read_text())
-            processes = [p for p in body.get("processes") or [] if isinstance(p, dict)]
+            processes = [p for p in body.get("processes") or [] if isinstance(p, dict) and isinstance(p.get("name"), str)]
         except (OSError, ValueError, AttributeError):
             return {"supervisor": False, "launcher_pid": None, "updated_at": None, "processes": []}
         if self.metrics is not None:
