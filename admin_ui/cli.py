@@ -84,8 +84,11 @@ def main(argv: list[str] | None = None) -> None:
     overrides = {k: v for k, v in (("control_plane_url", args.control_plane_url),
                                    ("credentials_file", args.credentials_file)) if v is not None}
     settings = ConsoleSettings(**overrides)
-    if "control_plane_url" not in settings.model_fields_set and (url := settings.credentials().get("control_plane_url")):
-        settings = ConsoleSettings(**overrides, control_plane_url=str(url))  # where `up` served, from its folder
+    if ("control_plane_url" not in settings.model_fields_set and settings.admin_token is None
+            and (url := settings.credentials().get("control_plane_url"))):
+        # where `up` served, from its folder, with the token the same file holds: a token from the
+        # environment never goes to a URL that a file in the working folder named
+        settings = ConsoleSettings(**overrides, control_plane_url=str(url))
     admin = AdminClient(settings.control_plane_url, settings.admin_token_value(), timeout_s=args.timeout_s)
     try:
         run(args, admin)

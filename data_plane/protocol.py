@@ -330,7 +330,8 @@ class ChatCompletionRequest(BaseModel):
     def plain_messages(self, tools_prompt: bool = True) -> list[dict[str, str]]:
         """Messages as role/content strings, ready for a chat template: an assistant message's tool calls
         are written as the tool envelope the model produced, a tool result as a user message naming the tool
-        (the default template has no tool role); with tools (and tool_choice not none) a system message describing them comes first."""
+        (the default template has no tool role); with tools a system message describing them comes first (with
+        tool_choice none too: the model sees the tools it may not call, data_plane/structured.py)."""
         out = []
         names: dict[str, str] = {}  # tool call id -> function name, from the assistant messages so far
         for m in self.messages:
@@ -360,7 +361,7 @@ class ShardRequest(ChatCompletionRequest):
 
         req = ShardRequest(messages=[ChatMessage(role="user", content="hi")], max_tokens=16, stream=True)
         payload = json.dumps(req.wire()).encode()       # what goes on the wire
-        resumed = req.model_copy(update={"max_tokens": 8})   # a changed copy (data_plane/routing/upstream.py)
+        resumed = req.model_copy(update={"max_tokens": 8})   # a changed copy (data_plane/routing/resume.py)
 
     Built once per request by the gateway (data_plane/gateway/phases.py shard_request); the shard parses the wire
     form back as a ChatCompletionRequest. Only the fields that were given go on the wire."""

@@ -22,10 +22,14 @@ def hoist(schema: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[str
     """`schema` to be nested in the envelope: its `$defs`/`definitions` move to the root's `defs` under
     `prefix` and its local refs are rewritten to match: "#/$defs/X..." and "#/definitions/X..." to the
     moved definition, "#" and any other pointer ("#/properties/a", as zod-to-json-schema writes a schema
-    used twice) into a copy of the schema itself, kept in `defs` as `prefix`root (left as sent, such a
-    pointer named a place in the envelope, and a schema served alone was refused there)."""
+    used twice) into a copy of the schema itself, kept in `defs` as `prefix`root (`prefix`root_ where the
+    schema has a definition named root; left as sent, such a pointer named a place in the envelope, and a
+    schema served alone was refused there)."""
     schema = dict(schema)
     own = {**schema.pop("definitions", {}), **schema.pop("$defs", {})}
+    whole = prefix + "root"
+    while whole[len(prefix):] in own:  # a definition of the schema's own may be called root
+        whole += "_"
 
     def walk(node: Any) -> Any:
         if isinstance(node, dict):
@@ -36,8 +40,8 @@ def hoist(schema: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[str
                 if moved is not None:
                     out["$ref"] = "#/$defs/" + prefix + ref[len(moved):]
                 else:
-                    out["$ref"] = f"#/$defs/{prefix}root" + ref[1:]
-                    defs.setdefault(f"{prefix}root", None)
+                    out["$ref"] = f"#/$defs/{whole}" + ref[1:]
+                    defs.setdefault(whole, None)
             return out
         if isinstance(node, list):
             return [walk(v) for v in node]
@@ -46,8 +50,8 @@ def hoist(schema: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[str
     body = walk(schema)
     for name, sub in own.items():
         defs[prefix + name] = walk(sub)
-    if f"{prefix}root" in defs and defs[f"{prefix}root"] is None:
-        defs[f"{prefix}root"] = body
+    if whole in defs and defs[whole] is None:
+        defs[whole] = body
     return body
 
 

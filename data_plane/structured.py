@@ -23,9 +23,13 @@ grammar source the engine compiles: data_plane/shard/engines/grammar.py):
   response_format has nothing left to shape then, as with OpenAI);
   ``parallel_tool_calls: false`` allows one call. The tools and the envelope are described to the model
   in a system message (`tools_prompt`); data_plane/tool_calls.py parses the envelope back into OpenAI's
-  ``tool_calls`` (streamed as deltas). ``tool_choice: none`` leaves tools out entirely; when the
-  conversation already holds tool calls (a tool's result came back), the reply is the envelope's answer
-  alone (``ToolMode.ANSWER``), sent as plain content, so the model answers rather than copy a call as text.
+  ``tool_calls`` (streamed as deltas). With ``tool_choice: none`` the model still sees the tools, as
+  OpenAI's does (and vLLM's, unless ``--exclude-tools-when-tool-choice-none``), told that none may be
+  called now (`withheld_tools_prompt`), and calls none: the reply is the envelope's answer alone
+  (``ToolMode.ANSWER``), sent as plain content; so it is too when the conversation already holds tool
+  calls (a tool's result came back) and no tool is offered, so the model answers rather than copy a
+  call as text. A response_format or structured_outputs with ``tool_choice: none`` keeps its own
+  constraint (the tools described all the same).
 """
 
 from __future__ import annotations
@@ -199,7 +203,8 @@ class OutputPlan:
     constraint: Constraint | None
     tool_mode: ToolMode
     tools_prompt: str | None
-    """A system message describing the tools and the envelope (None without tools)."""
+    """A system message describing the tools and the envelope, or (tool_choice none) the tools none may call
+    (None without tools)."""
     json_response: bool = False
     """Auto tools with a response_format: the envelope's answer is a JSON value (its text is the content)."""
     param: str = "response_format"
@@ -238,17 +243,28 @@ def envelope_schema(tools: list[ToolDef], mode: ToolMode, parallel: bool,
     return {**root, "$defs": defs} if defs else root
 
 
+def _described(tools: list[ToolDef]) -> list[str]:
+    """One line per tool: its name, description and the JSON schema of its arguments."""
+    return [json.dumps({"name": t.function.name, "description": t.function.description or "",
+                        "parameters": t.function.parameters or {}}, ensure_ascii=False) for t in tools]
+
+
 def tools_prompt(tools: list[ToolDef], mode: ToolMode) -> str:
-    lines = ["You can call these tools (JSON schemas of their arguments):"]
-    for t in tools:
-        f = t.function
-        lines.append(json.dumps({"name": f.name, "description": f.description or "",
-                                 "parameters": f.parameters or {}}, ensure_ascii=False))
+    lines = ["You can call these tools (JSON schemas of their arguments):", *_described(tools)]
     lines.append('Answer with JSON only. To call tools: {"tool_calls": [{"name": "<tool name>", '
                  '"arguments": {<the arguments>}}]}.')
     if mode == ToolMode.AUTO:
         lines.append('To answer the user directly instead, or once a tool has returned what you need: '
                      '{"response": <your answer>}.')
+    return "\n".join(lines)
+
+
+def withheld_tools_prompt(tools: list[ToolDef], answer: bool) -> str:
+    """``tool_choice: none``: the tools described, none to be called now; `answer`: the reply is the
+    envelope's answer (ToolMode.ANSWER), else a response format shapes it."""
+    lines = ["These tools exist (JSON schemas of their arguments), but none may be called in this reply:",
+             *_described(tools)]
+    lines.append(ANSWER_PROMPT if answer else "Reply without calling any of them.")
     return "\n".join(lines)
 
 
@@ -268,6 +284,9 @@ def output_plan(response_format: ResponseFormat | None, structured: StructuredOu
     """The constraint and tool mode of a request (validated already: `check_output_fields`);
     `tool_history`: its messages hold tool calls (ToolMode.ANSWER when none may be called now)."""
     mode = tool_mode(tools, choice)
+    # tool_choice none: the tools are still described, as OpenAI's model and vLLM's chat template get them
+    withheld = tools if tools and choice == "none" else None
+    notice = withheld_tools_prompt(withheld, answer=False) if withheld else None
     if mode != ToolMode.NONE:
         assert tools is not None
         chosen = tools
@@ -285,23 +304,24 @@ def output_plan(response_format: ResponseFormat | None, structured: StructuredOu
     if structured is not None:
         if structured.json_ is not None:
             text = structured.json_ if isinstance(structured.json_, str) else json.dumps(closed(structured.json_))
-            return OutputPlan(Constraint("json_schema", text), mode, None, param=STRUCTURED)
+            return OutputPlan(Constraint("json_schema", text), mode, notice, param=STRUCTURED)
         if structured.regex is not None:
-            return OutputPlan(Constraint("regex", structured.regex), mode, None, param=STRUCTURED)
+            return OutputPlan(Constraint("regex", structured.regex), mode, notice, param=STRUCTURED)
         if structured.choice is not None:
-            return OutputPlan(Constraint("choice", json.dumps(structured.choice)), mode, None, param=STRUCTURED)
+            return OutputPlan(Constraint("choice", json.dumps(structured.choice)), mode, notice, param=STRUCTURED)
         if structured.grammar is not None:
-            return OutputPlan(Constraint("grammar", structured.grammar), mode, None, param=STRUCTURED)
-        return OutputPlan(Constraint("json_object", ANY_JSON_OBJECT), mode, None, param=STRUCTURED)
+            return OutputPlan(Constraint("grammar", structured.grammar), mode, notice, param=STRUCTURED)
+        return OutputPlan(Constraint("json_object", ANY_JSON_OBJECT), mode, notice, param=STRUCTURED)
     if response_format is None or response_format.type == "text":
-        if tool_history:
-            return OutputPlan(Constraint("tools", json.dumps(ANSWER_SCHEMA)), ToolMode.ANSWER, ANSWER_PROMPT,
+        if tool_history or withheld:
+            prompt = withheld_tools_prompt(withheld, answer=True) if withheld else ANSWER_PROMPT
+            return OutputPlan(Constraint("tools", json.dumps(ANSWER_SCHEMA)), ToolMode.ANSWER, prompt,
                               param="tools")
         return OutputPlan(None, mode, None)
     answer = response_schema(response_format)
     assert answer is not None
     kind = "json_object" if response_format.type == "json_object" else "json_schema"
-    return OutputPlan(Constraint(kind, json.dumps(answer)), mode, None)
+    return OutputPlan(Constraint(kind, json.dumps(answer)), mode, notice)
 
 
 def response_schema(response_format: ResponseFormat | None) -> dict[str, Any] | None:
@@ -377,6 +397,16 @@ def nests_deeper(value: Any, limit: int) -> bool:
     return False
 
 
+def _beyond_recursion(text: str) -> bool:
+    try:
+        json.loads(text)
+    except RecursionError:
+        return True
+    except ValueError:
+        return False
+    return False
+
+
 def _depth_clash(response_format: ResponseFormat | None, structured: StructuredOutputs | None,
                  tools: list[ToolDef] | None) -> Clash | None:
     """A 400 for a schema nested deeper than MAX_SCHEMA_DEPTH, naming where the request holds it; checked
@@ -387,8 +417,10 @@ def _depth_clash(response_format: ResponseFormat | None, structured: StructuredO
         schemas.append(("response_format", response_format.json_schema.schema_))
     if structured is not None and isinstance(structured.json_, dict):
         schemas.append((STRUCTURED, structured.json_))
+    elif structured is not None and isinstance(structured.json_, str) and _beyond_recursion(structured.json_):
+        schemas.append((STRUCTURED, None))  # text too deep for json.loads itself: deeper than any limit
     for param, schema in schemas:
-        if nests_deeper(schema, MAX_SCHEMA_DEPTH):
+        if schema is None or nests_deeper(schema, MAX_SCHEMA_DEPTH):
             return Clash(param, f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} levels deep; at most "
                                 f"{MAX_SCHEMA_DEPTH} are accepted", "grammar_too_large")
     return None

@@ -271,7 +271,7 @@ def envelope_text(content: str | None, tool_calls: list[dict[str, Any]] | None) 
 
 class SentOutput:
     """What a stream has sent of choice 0, written back as the text the model produced: a resumed request
-    (data_plane/routing/upstream.py) ends with it as the assistant message to continue, and a torch shard
+    (data_plane/routing/resume.py) ends with it as the assistant message to continue, and a torch shard
     advances the grammar over it (data_plane/shard/engines/grammar.py `CompiledGrammar.resumed`).
 
         sent = SentOutput.for_body(body)            # the envelope when the request has tools
@@ -295,7 +295,7 @@ class SentOutput:
         answer_json = isinstance(rf, dict) and rf.get("type") in ("json_object", "json_schema")
         if not body.get("tools") or choice == "none":  # ToolMode.ANSWER (data_plane/structured.py) or free text
             answer = not answer_json and not body.get("structured_outputs")
-            return cls(answer and holds_tool_calls(body.get("messages") or []))
+            return cls(answer and (bool(body.get("tools")) or holds_tool_calls(body.get("messages") or [])))
         auto = choice in (None, "auto") or (isinstance(choice, dict) and choice.get("type") == "allowed_tools"
                                             and (choice.get("allowed_tools") or {}).get("mode") == "auto")
         return cls(True, answer_json and auto)

@@ -45,11 +45,11 @@ class Snapshot:
             with contextlib.suppress(OSError):
                 stale.unlink()
         try:
-            with self.path.open(encoding="utf-8") as f:
+            with self.path.open("rb") as f:  # bytes: json.loads decodes each line, a bad one is skipped
                 records, bad = _parse(f, now)
         except FileNotFoundError:
             return []
-        except (OSError, UnicodeDecodeError) as exc:
+        except OSError as exc:
             log.warning("cache snapshot %s unreadable (%s): starting empty", self.path, type(exc).__name__)
             return []
         if bad:
@@ -84,7 +84,7 @@ class Snapshot:
         return count
 
 
-def _parse(lines: Iterator[str], now: float) -> tuple[list[tuple[Transcript, float]], int]:
+def _parse(lines: Iterator[bytes], now: float) -> tuple[list[tuple[Transcript, float]], int]:
     records: list[tuple[Transcript, float]] = []
     bad = 0
     for line in lines:

@@ -58,7 +58,7 @@ from data_plane.gateway.cluster_state import (
     SPAN_ATTRIBUTE,
     Effects,
 )
-from data_plane.gateway.context import Window, fit_window, prompt_budget, trim_step
+from data_plane.gateway.context import TEMPLATE_SLACK_TOKENS, Window, fit_window, prompt_room, trim_step
 from data_plane.gateway.exchange import Exchange
 from data_plane.gateway.phases import (
     DEADLINE_FIRST_TOKEN_TIMEOUTS,
@@ -83,11 +83,6 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 NEW_SESSION = "new"
-DEFAULT_REPLY_RESERVE = 256
-"""Reply tokens reserved when a request sets no max_tokens."""
-TEMPLATE_SLACK_TOKENS = 32
-"""Headroom for chat-template tokens the per-message count cannot see (e.g. a default system
-prompt the template inserts), so the shard never refuses what the gateway admitted."""
 
 
 class ChatHandler:
@@ -400,9 +395,8 @@ class ChatHandler:
         # Without max_tokens, reserve a modest reply while fitting the window, then let the reply
         # use the room the prompt leaves, up to the tier's cap (as vLLM does).
         max_tokens, tools_tokens = checked.max_tokens, checked.tools_tokens
-        reserve = max_tokens if req.output_limit else min(max_tokens, DEFAULT_REPLY_RESERVE, context // 2)
-        budget = prompt_budget(context, reserve, TEMPLATE_SLACK_TOKENS, tools_tokens, self.field("max_tokens", req))
-        most = budget if req.output_limit else budget + reserve - 1
+        budget, most = prompt_room(context, max_tokens, bool(req.output_limit), tools_tokens,
+                                   self.field("max_tokens", req))
         # The step comes from the context, never from max_tokens: a step that varied would move the cut.
         step = trim_step(context, settings.context_trim_step)
         try:

@@ -125,6 +125,24 @@ def prompt_budget(context: int, reserve: int, slack: int, tools_tokens: int, lim
                                 f"context", param=limit_param)
 
 
+DEFAULT_REPLY_RESERVE = 256
+"""Reply tokens reserved when a request sets no max_tokens."""
+TEMPLATE_SLACK_TOKENS = 32
+"""Headroom for chat-template tokens the per-message count cannot see (e.g. a default system
+prompt the template inserts), so the shard never refuses what the gateway admitted."""
+
+
+def prompt_room(context: int, max_tokens: int, output_limit: bool, tools_tokens: int,
+                limit_param: str) -> tuple[int, int]:
+    """(budget, most): the prompt's tokens in a `context`-token window beside the reply's reserve (its
+    `max_tokens` when the request set an `output_limit`, else a modest reply: the reply then gets the room
+    the prompt leaves, as vLLM serves it), and the most it may take (beside a one-token reply when the request
+    set no limit; the budget otherwise). A 400 as `prompt_budget`'s when there is no room."""
+    reserve = max_tokens if output_limit else min(max_tokens, DEFAULT_REPLY_RESERVE, context // 2)
+    budget = prompt_budget(context, reserve, TEMPLATE_SLACK_TOKENS, tools_tokens, limit_param)
+    return budget, budget if output_limit else budget + reserve - 1
+
+
 def trim_step(context: int, share: float) -> int:
     """The step in tokens for a `context`-token window (0: the exact sliding window)."""
     return max(0, int(context * share))

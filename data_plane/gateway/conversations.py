@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from data_plane.common.errors import InvalidRequest, NotFound
 from data_plane.common.http_body import read_body
@@ -25,11 +26,19 @@ from data_plane.gateway.item_index import Home, fresh_items, index_items, resolv
 from data_plane.gateway.memory import Unseal, open_compaction
 from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S, record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, conversation_object, new_conversation
-from data_plane.gateway.responses import page, record_caller, unsealer
+from data_plane.gateway.responses import (
+    check_query_include,
+    conversation_tokens,
+    page,
+    record_caller,
+    record_principal,
+    unsealer,
+)
 from data_plane.gateway.responses_items import input_items, new_id, refuse_duplicates
 from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.request_checks import json_body
+from data_plane.tiers import Tier
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +115,14 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
     def caller(request: Request) -> tuple[str, int]:
         return record_caller(gw, request)
 
+    async def charged(principal: Any, tier: Tier, items: list[dict[str, Any]]) -> dict[str, str]:
+        """One request and the items' tokens from the key's (and tier's) RPM/TPM, as a turn that sent them
+        would take (429 + Retry-After); the `x-ratelimit-*` headers. Unmetered, one free key stored
+        conversations at ~45/s, up to 1 MiB each, into the cache nodes' shared LRU: every tenant's
+        conversations and stored responses were evicted within seconds."""
+        tokens = conversation_tokens(items, gw.counter) if items else 0
+        return (await gw.limiter.admit(principal.key_id, tier, tokens)).headers
+
     @contextlib.asynccontextmanager
     async def editing(owner: str, conversation_id: str) -> AsyncIterator[None]:
         """Hold the conversation's write lock (shared with responses in it, keyed the same way:
@@ -118,9 +135,10 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
             gw.record_locks.release(key)
 
     @app.post(CONVERSATIONS_PATH)
-    async def create(request: Request) -> dict[str, Any]:
+    async def create(request: Request) -> JSONResponse:
         with observed(gw.responses_metrics, Op.CONVERSATION_CREATE, request):
-            owner, replicas = caller(request)
+            principal, owner, tier = record_principal(gw, request)
+            replicas = tier.replication
             body = await _body(request, gw.settings.max_body_bytes)
             unknown = set(body) - {"items", "metadata"}
             if unknown:
@@ -129,11 +147,12 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
             sent = _opened(_items(body), unsealer(runtime(), owner))
             items = await resolve_references(store(), sent, owner, replicas, "items")
             record = new_conversation(new_id("conv"), items, metadata_value(body.get("metadata")))
+            headers = await charged(principal, tier, items)
             await store().save(record, owner, replicas)
             await index_items(store(), fresh_items(items, body.get("items") or []), [Home(Kind.CONVERSATION, record.id)],
                               owner, replicas)
             log.info("conversation created with %d item(s)", len(items))
-            return conversation_object(record)
+            return JSONResponse(conversation_object(record), headers=headers)
 
     @app.get(CONVERSATIONS_PATH + "/{conversation_id}")
     async def retrieve(conversation_id: str, request: Request) -> dict[str, Any]:
@@ -164,17 +183,21 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
                          after: str | None = None) -> dict[str, Any]:
         with observed(gw.responses_metrics, Op.ITEMS_LIST, request):
             owner, replicas = caller(request)
+            check_query_include(request)
             record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
             return page(record.items, limit=limit, order=order, after=after)
 
     @app.post(CONVERSATIONS_PATH + "/{conversation_id}/items")
-    async def add_items(conversation_id: str, request: Request) -> dict[str, Any]:
+    async def add_items(conversation_id: str, request: Request) -> JSONResponse:
         with observed(gw.responses_metrics, Op.ITEMS_CREATE, request):
-            owner, replicas = caller(request)
+            principal, owner, tier = record_principal(gw, request)
+            replicas = tier.replication
+            check_query_include(request)
             body = await _body(request, gw.settings.max_body_bytes)
             sent = _opened(_items(body), unsealer(runtime(), owner))
             if not sent:
                 raise InvalidRequest("items must hold at least one item", param="items")
+            headers = await charged(principal, tier, sent)
             async with editing(owner, conversation_id):
                 record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
                 items = await resolve_references(store(), sent, owner, replicas, "items", local=record.items)
@@ -183,13 +206,14 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
                 await store().save(record, owner, replicas)
             await index_items(store(), fresh_items(items, body.get("items") or []),
                               [Home(Kind.CONVERSATION, conversation_id)], owner, replicas)
-            return {"object": "list", "data": items, "first_id": items[0]["id"], "last_id": items[-1]["id"],
-                    "has_more": False}
+            return JSONResponse({"object": "list", "data": items, "first_id": items[0]["id"],
+                                 "last_id": items[-1]["id"], "has_more": False}, headers=headers)
 
     @app.get(CONVERSATIONS_PATH + "/{conversation_id}/items/{item_id}")
     async def get_item(conversation_id: str, item_id: str, request: Request) -> dict[str, Any]:
         with observed(gw.responses_metrics, Op.ITEM_RETRIEVE, request):
             owner, replicas = caller(request)
+            check_query_include(request)
             record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
             for item in record.items:
                 if item.get("id") == item_id:

@@ -153,6 +153,24 @@ def fit_with_recall(prompt: Sequence[dict[str, Any]], memory: Sequence[dict[str,
     return Window(messages, window.prompt_tokens + found.tokens, window.dropped, window.cut_moved), found
 
 
+def fit_turn(prompt: Sequence[dict[str, Any]], memory: Sequence[dict[str, Any]], counter: TokenCounter, budget: int,
+             step: int, truncation: str | None, with_recall: bool) -> tuple[Window, Recall | None]:
+    """A Responses turn's prompt within `budget` tokens, as its `truncation` asks: "auto" drops the oldest
+    turns (the sliding window, `fit_with_recall` unless `with_recall` is off); otherwise the whole conversation
+    or a 400 context_length_exceeded naming `input`. Used alike by `POST /v1/responses` and its input_tokens
+    count (data_plane/gateway/responses_count.py), so a count is what the create sends."""
+    if truncation != "auto":
+        total = counter.prompt_tokens(prompt)
+        if total > budget:
+            raise ContextLengthExceeded(
+                f"the conversation is {total} tokens, over the {budget} this request leaves for input; "
+                "set truncation to 'auto' to drop (and recall) earlier turns", param="input")
+        return Window(list(prompt), total, 0), None
+    if not with_recall:
+        return fit_window(prompt, counter, budget, step), None
+    return fit_with_recall(prompt, memory, counter, budget, step)
+
+
 def _relevant_sentences(turn: Turn, wanted: set[str]) -> str:
     """The turn's sentences that share a term with the query (the whole turn if none does)."""
     lines = []

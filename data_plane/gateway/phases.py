@@ -95,7 +95,7 @@ def merge_history(history: list[dict[str, str]], messages: list[dict[str, str]])
 
 def shard_request(checked: Checked, caller: Caller, window: Window, max_tokens: int, *, request_id: str,
                   deadline: float, session_id: str | None, kv_ttl_s: float) -> ShardRequest:
-    """The one request sent to a shard (a resume sends a changed copy, data_plane/routing/upstream.py):
+    """The one request sent to a shard (a resume sends a changed copy, data_plane/routing/resume.py):
     the fitted window, the output cap, the tier's priority, the tenant's prefix-cache scope, and the
     client's sampling and output fields as given."""
     req = checked.req

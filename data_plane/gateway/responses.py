@@ -43,14 +43,15 @@ from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, Swit
 from data_plane.common.http_body import read_body
 from data_plane.gateway.auth import key_digest
 from data_plane.gateway.chat import ChatHandler, Opened
-from data_plane.gateway.context import Window, fit_window
+from data_plane.gateway.context import Window
 from data_plane.gateway.item_index import Home, fresh_items, index_items, resolve_references
-from data_plane.gateway.memory import Compaction, compact, fit_with_recall, open_compaction
+from data_plane.gateway.memory import Compaction, compact, fit_turn, open_compaction
 from data_plane.gateway.record_locks import record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, Record
 from data_plane.gateway.responses_background import Detach
 from data_plane.gateway.responses_items import (
     ResponsesRequest,
+    check_include,
     in_responses_terms,
     input_items,
     items_to_messages,
@@ -193,16 +194,8 @@ class ResponsesHandler(ChatHandler):
     def _fit(self, prompt: list[dict[str, str]], budget: int, step: int) -> Window:
         rreq = self.rreq
         assert rreq is not None
-        if rreq.truncation != "auto":
-            total = self.gw.counter.prompt_tokens(prompt)
-            if total > budget:
-                raise ContextLengthExceeded(
-                    f"the conversation is {total} tokens, over the {budget} this request leaves for input; "
-                    "set truncation to 'auto' to drop (and recall) earlier turns", param="input")
-            return Window(list(prompt), total, 0)
-        if not rreq.context_recall:
-            return fit_window(prompt, self.gw.counter, budget, step)
-        window, found = fit_with_recall(prompt, self.memory, self.gw.counter, budget, step)
+        window, found = fit_turn(prompt, self.memory, self.gw.counter, budget, step, rreq.truncation,
+                                 rreq.context_recall)
         if found is None:
             return window
         metrics = self.gw.memory_metrics
@@ -412,15 +405,15 @@ def record_caller(gw: Gateway, request: Request) -> tuple[str, int]:
     """Who owns the stored records a request reads or edits (its key's digest) and how many copies
     its tier keeps, after the abuse guard (bans, blocked keys and throttles; 401s counted): the
     stored-response and Conversations routes."""
-    _, owner, replicas = record_principal(gw, request)
-    return owner, replicas
+    _, owner, tier = record_principal(gw, request)
+    return owner, tier.replication
 
 
-def record_principal(gw: Gateway, request: Request) -> tuple[Any, str, int]:
-    """`record_caller` with the principal itself (its tenant scopes the prefix cache)."""
+def record_principal(gw: Gateway, request: Request) -> tuple[Any, str, Tier]:
+    """`record_caller` with the principal itself (its tenant scopes the prefix cache) and its tier."""
     principal, tier = gw.caller(request)  # a key whose tier was removed: 403 (tier_gate.py)
     token = (request.headers.get("authorization") or "").partition(" ")[2].strip()
-    return principal, key_digest(token), tier.replication
+    return principal, key_digest(token), tier
 
 
 def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore],
@@ -451,8 +444,12 @@ def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationS
                 raise InvalidRequest(f"Unrecognized request argument supplied: {min(unknown)}", param=min(unknown),
                                      code="unsupported_parameter")
             items: list[dict[str, Any]] = []
-            if body.get("previous_response_id"):
-                items = (await store().previous(str(body["previous_response_id"]), owner, replicas)).items
+            previous = body.get("previous_response_id")
+            if previous is not None and (not isinstance(previous, str) or not previous):  # create's 400, not "none"
+                raise InvalidRequest("Invalid 'previous_response_id': expected a non-empty string.",
+                                     param="previous_response_id", code="empty_string" if previous == "" else "invalid_type")
+            if previous:
+                items = (await store().previous(previous, owner, replicas)).items
             items = items + await resolve_references(store(), input_items(body.get("input") or []), owner, replicas,
                                                      local=items)
             keep = body.get("keep_tokens", 256)
@@ -469,9 +466,16 @@ def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationS
                                after: str | None = None) -> dict[str, Any]:
         with observed(gw.responses_metrics, Op.INPUT_ITEMS, request):
             owner, replicas = caller(request)
+            check_query_include(request)
             record = await store().load(response_id, owner, replicas, Kind.RESPONSE)
             start, end = record.input_range
             return page(record.items[start:end], limit=limit, order=order, after=after)
+
+
+def check_query_include(request: Request) -> None:
+    """OpenAI's 400 for an `include` (the SDK's include[]=...) on an item route that names a value it does
+    not define, or one this server never makes, as on create and retrieve (it was ignored)."""
+    check_include(request.query_params.getlist("include") + request.query_params.getlist("include[]"))
 
 
 def page(items: list[dict[str, Any]], *, limit: int, order: str, after: str | None) -> dict[str, Any]:

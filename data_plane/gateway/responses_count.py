@@ -9,8 +9,16 @@ as the shard's chat template renders them. It is counted by a shard (`Upstream.c
 `INPUT_TOKENS_PATH`), with the very code that encodes a prompt for generation
 (data_plane/shard/generation.py `prompt_ids`), on the shard the turn would go to; so it equals the
 `usage.input_tokens` that create reports. Nothing is generated, stored, rate-limited as tokens or
-written to the usage ledger. With `truncation: "auto"` the count is the whole conversation, before
-any older turns are dropped to fit the window.
+written to the usage ledger; it takes one request from the key's RPM.
+
+With `truncation: "auto"` the count is of what create would send: OpenAI's count is "the exact number of
+tokens the model receives", and with auto a conversation past the context window loses its oldest turns
+(and, ours, gets the most relevant of them recalled: `context_recall`) before the model sees it. The window
+is the one create fits at degradation level 0 (the key's tier's context, no max_output_tokens: the count
+takes none), data_plane/gateway/memory.py `fit_turn`; a transient level-1 shrink is not counted, so a count
+does not change with the load. Without truncation, or when even the newest message alone does not fit (a
+create would be a 400 context_length_exceeded), the count is the whole conversation: a count is never
+refused for its size.
 
 (`POST /v1/responses/{id}/cancel` is with the background responses it cancels:
 data_plane/gateway/responses_detached.py.)
@@ -23,11 +31,13 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
-from data_plane.common.errors import InvalidRequest, ModelNotFound, UnsupportedParameter
+from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, UnsupportedParameter
 from data_plane.common.http_body import read_body
+from data_plane.gateway.context import prompt_room, trim_step
 from data_plane.gateway.item_index import resolve_references
-from data_plane.gateway.memory import open_compaction
+from data_plane.gateway.memory import fit_turn, open_compaction
 from data_plane.gateway.phases import FORWARDED, cache_salt
 from data_plane.gateway.response_store import ConversationStore, Kind
 from data_plane.gateway.responses import RESPONSES_PATH, record_principal, unsealer
@@ -37,16 +47,18 @@ from data_plane.gateway.responses_items import (
 )
 from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.runtime import Gateway, Runtime
-from data_plane.protocol import ChatMessage, ShardRequest
+from data_plane.protocol import ChatCompletionRequest, ChatMessage, ShardRequest
 from data_plane.request_checks import json_body, validated
+from data_plane.tiers import Tier
 
 log = logging.getLogger(__name__)
 
 COUNT_FIELDS = frozenset((
     "model", "input", "instructions", "tools", "text", "previous_response_id", "conversation", "reasoning",
-    "tool_choice", "parallel_tool_calls", "truncation", "personality",
+    "tool_choice", "parallel_tool_calls", "truncation", "personality", "context_recall",
 ))
-"""The body `client.responses.input_tokens.count` sends (openai-python's input_token_count_params)."""
+"""The body `client.responses.input_tokens.count` sends (openai-python's input_token_count_params), and
+create's `context_recall` (ours: it changes what truncation "auto" sends)."""
 
 
 def count_request(body: dict[str, Any]) -> ResponsesRequest:
@@ -61,14 +73,39 @@ def count_request(body: dict[str, Any]) -> ResponsesRequest:
     return rreq
 
 
+def fitted(gw: Gateway, tier: Tier, model_context: int, rreq: ResponsesRequest, chat: ChatCompletionRequest,
+           messages: list[dict[str, str]], memory: list[dict[str, str]]) -> list[dict[str, str]]:
+    """`messages` as create would send them with truncation "auto" (the module docstring): the window its
+    phases fit (data_plane/gateway/chat.py `_prepare`: the reply's reserve, then the most the prompt may take),
+    or all of them when none fits."""
+    context = min(tier.max_context_tokens, model_context)
+    plan = chat.output_plan()
+    tools = gw.counter.prompt_tokens([{"role": "system", "content": plan.tools_prompt}]) if plan.tools_prompt else 0
+    try:
+        budget, most = prompt_room(context, tier.max_output_tokens, False, tools, "max_output_tokens")
+    except ContextLengthExceeded:
+        return messages
+    step = trim_step(context, gw.settings.context_trim_step)
+    for room in sorted({budget, most}):
+        try:
+            return fit_turn(messages, memory, gw.counter, room, step, "auto", rreq.context_recall)[0].messages
+        except ContextLengthExceeded:
+            continue
+    return messages
+
+
 def mount_input_tokens(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore],
                                   runtime: Callable[[], Runtime]) -> None:
     """The route on `app`; `store()` and `runtime()` once the lifespan opened them."""
 
     @app.post(RESPONSES_PATH + "/input_tokens")
-    async def input_tokens(request: Request) -> dict[str, Any]:
+    async def input_tokens(request: Request) -> JSONResponse:
         with observed(gw.responses_metrics, Op.INPUT_TOKENS, request) as span:
-            principal, owner, replicas = record_principal(gw, request)  # the abuse guard first; 401s counted
+            principal, owner, tier = record_principal(gw, request)  # the abuse guard first; 401s counted
+            replicas = tier.replication
+            # one request from the key's RPM (a shard encodes up to a whole body; it was unmetered: 200 counts
+            # in a row on a 60 RPM key), no tokens: nothing is generated
+            grant = await gw.limiter.admit(principal.key_id, tier, 0)
             raw = await read_body(request, gw.settings.max_body_bytes)
             rreq = count_request(json_body(raw, request.headers.get("content-type")))
             new_items = input_items(rreq.input)
@@ -85,7 +122,14 @@ def mount_input_tokens(app: FastAPI, gw: Gateway, store: Callable[[], Conversati
                 history, route = record.items, record.route
             new_items = await resolve_references(store(), new_items, owner, replicas, local=history)
             unseal = unsealer(rt, owner)
-            chat, earlier = rreq.turn_request(history, new_items, lambda encrypted: open_compaction(encrypted, unseal)[1])
+            memory: list[dict[str, str]] = []  # the turns compaction items hold: recall's candidates, as create's
+
+            def summary(encrypted: str) -> str:
+                turns, text = open_compaction(encrypted, unseal)
+                memory.extend(turns)
+                return text
+
+            chat, earlier = rreq.turn_request(history, new_items, summary)
             if len(chat.messages) - earlier > gw.settings.max_messages:
                 raise InvalidRequest(f"at most {gw.settings.max_messages} messages are allowed per request",
                                      param="input")
@@ -97,10 +141,12 @@ def mount_input_tokens(app: FastAPI, gw: Gateway, store: Callable[[], Conversati
             fields: dict[str, Any] = {name: value for name, value in chat if name in FORWARDED and value is not None}
             if chat.model:
                 fields["model"] = model
-            shard_req = ShardRequest(
-                messages=[ChatMessage.model_validate(m) for m in chat.plain_messages(tools_prompt=False)],
-                cache_salt=cache_salt(principal.tenant), **fields)
+            messages = chat.plain_messages(tools_prompt=False)
+            if rreq.truncation == "auto":
+                messages = fitted(gw, tier, models[model], rreq, chat, messages, memory)
+            shard_req = ShardRequest(messages=[ChatMessage.model_validate(m) for m in messages],
+                                     cache_salt=cache_salt(principal.tenant), **fields)
             tokens = await rt.upstream.count(shard_req, route)
             span.set_attribute("gen_ai.usage.input_tokens", tokens)
             log.info("input tokens counted: %d (%d history items, %d new)", tokens, len(history), len(new_items))
-            return {"object": "response.input_tokens", "input_tokens": tokens}
+            return JSONResponse({"object": "response.input_tokens", "input_tokens": tokens}, headers=grant.headers)

@@ -98,23 +98,22 @@ class ResponsesRequest(BaseModel):
     top_logprobs: WholeNumber | None = Field(default=None, ge=0, le=20)
     background: bool | None = None
     """Run it in the gateway, apart from this connection (data_plane/gateway/responses_background.py)."""
-    # Accepted only at their neutral value (see check_supported).
-    reasoning: dict[str, Any] | None = None
-    max_tool_calls: WholeNumber | None = None
-    prompt: Any = None
+    reasoning: dict[str, Any] | None = None  # a no-op as chat's reasoning_effort (the Response says effort null)
+    max_tool_calls: WholeNumber | None = Field(default=None, ge=0)  # a no-op: it counts built-in tools' calls
+    prompt: Any = None  # accepted only at its neutral value (see check_supported)
     stop: Any = None
     """Not a Responses field; guidellm sends `"stop": null` beside `ignore_eos`, as vLLM accepts."""
 
     _metadata = field_validator("metadata")(check_metadata)
 
     def check_supported(self) -> None:
-        neutral: dict[str, tuple[Any, ...]] = {"prompt": (None,), "max_tool_calls": (None,), "stop": (None,)}
-        for name, values in neutral.items():
-            if getattr(self, name) not in values:
+        for name in ("prompt", "stop"):
+            if getattr(self, name) is not None:
                 raise UnsupportedParameter(f"Unsupported parameter: {name!r} is not supported with this model.", param=name)
         check_include(self.include or [])
-        if self.reasoning and any(v is not None for v in self.reasoning.values()):
-            raise UnsupportedParameter("reasoning is not supported by this model", param="reasoning")
+        for key in set(self.reasoning or {}) - {"effort", "summary", "generate_summary"}:
+            raise InvalidRequest(f"Unrecognized request argument supplied: reasoning.{key}", param=f"reasoning.{key}",
+                                 code="unsupported_parameter")
         if self.previous_response_id and self.conversation:
             raise InvalidRequest("Mutually exclusive parameters. Ensure you are only providing one of: "
                                  "'previous_response_id' or 'conversation'.", code="mutually_exclusive_parameters")
@@ -288,9 +287,6 @@ def parse_responses_request(raw: bytes, content_type: str | None) -> ResponsesRe
     return req
 
 
-# -- items ------------------------------------------------------------------------------------
-
-
 def input_items(value: str | list[dict[str, Any]], param: str = "input") -> list[dict[str, Any]]:
     """`input` as stored items (each with an id and a status), validated; 400 naming the bad item. An
     ``item_reference`` stays as one, for `resolve_references` (data_plane/gateway/item_index.py) to replace."""
@@ -369,6 +365,9 @@ def _text_parts(content: Any, role: str, at: str) -> list[dict[str, Any]]:
         ptype = part.get("type") if isinstance(part, dict) else None
         if ptype in TEXT_PARTS and not isinstance(part.get("text"), str):
             raise InvalidRequest(f"{at}[{j}].text must be a string", param=f"{at}[{j}].text")
+        if ptype == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
+            parts.append({"type": "refusal", "refusal": part["refusal"]})  # an output message's other part
+            continue  # (OpenAI's replies carry them): replayed as the turn's text, as the chat path does
         if ptype not in TEXT_PARTS:
             raise UnsupportedParameter(f"content part type {ptype!r} is not supported; only text parts are",
                                        param=f"{at}[{j}]")
@@ -389,7 +388,7 @@ def items_to_messages(items: list[dict[str, Any]], open_compaction: Any = None) 
         kind = item["type"]
         if kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
-            out.append({"role": role, "content": "".join(p["text"] for p in item["content"])})
+            out.append({"role": role, "content": "".join(p.get("text", p.get("refusal", "")) for p in item["content"])})
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}

@@ -85,7 +85,7 @@ Piece = tuple[int, dict[str, Any]]
 
 
 class EventSource(Protocol):
-    """What a Completion reads: a shard's resumable stream (data_plane/routing/upstream.py), or a
+    """What a Completion reads: a shard's resumable stream (data_plane/routing/resume.py), or a
     cached reply replayed (data_plane/gateway/response_cache.py)."""
 
     member: Member

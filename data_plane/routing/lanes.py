@@ -30,7 +30,7 @@ from typing import Protocol
 from data_plane.common.errors import SwitchboardError, UpstreamError, UpstreamTimeout
 from data_plane.membership.view import Member
 from data_plane.protocol import ChatMessage, ShardRequest
-from data_plane.routing.events import Delta, Event, Finish, ToolCallDelta, UsageEvent, unresumed
+from data_plane.routing.events import Delta, Event, Finish, ToolCallDelta, UsageEvent, client_error, unresumed
 from data_plane.routing.failures import FailureReason
 from data_plane.routing.router import Router
 from data_plane.tool_calls import SentOutput
@@ -194,8 +194,10 @@ class ChoiceLanes:
         stream = self._lanes.pop(index)
         del self._tasks[index]
         resumable = isinstance(exc, (UpstreamError, UpstreamTimeout))  # the shard's failure, as for n = 1
-        if not resumable or index in self.progress.finished:
+        if not resumable:
             raise exc
+        if index in self.progress.finished:  # its choice was whole: the client reads the code it always did
+            raise client_error(exc) if isinstance(exc, SwitchboardError) else exc
         if self.resumes_left <= 0:
             raise unresumed(exc) if isinstance(exc, SwitchboardError) else exc
         self.resumes_left -= 1

@@ -6,7 +6,7 @@
     exit.finish()                          # exits with status 1 if it was triggered
 
 The engine has already failed every open stream with an error event (the gateway resumes each on
-another shard: data_plane/routing/upstream.py). `trigger` then deregisters at once, not a TTL
+another shard: data_plane/routing/resume.py). `trigger` then deregisters at once, not a TTL
 later, lingers `linger_s` (the shard's --pipeline-exit-linger-s: /metrics still answers, so a
 scrape sees `switchboard_shard_pipeline_stage_up` 0 and the stage-gone alert fires), and sends the process SIGTERM: uvicorn's graceful shutdown runs the lifespan's cleanup, whose
 last step, `finish`, exits with status 1 so the supervisor or the actuator replaces the whole group

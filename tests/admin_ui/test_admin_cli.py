@@ -3,10 +3,12 @@ from a shell, and one clear line with exit code 1 for each way they can fail."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -121,6 +123,38 @@ def test_the_control_plane_url_is_found_in_ups_credentials_file(env, monkeypatch
     ran = switchboard("admin", "status", "--control-plane-url", f"http://127.0.0.1:{free_port()}", timeout=60,
                       cwd=tmp_path)
     assert ran.returncode == 1 and "check --control-plane-url" in ran.stderr, ran.stderr
+
+
+def test_an_admin_token_from_the_environment_never_goes_to_a_url_a_file_named(tmp_path, monkeypatch) -> None:
+    """A credentials.json in the working folder named a control_plane_url, and the operator's own
+    SWITCHBOARD_ADMIN_TOKEN went there (a folder someone else wrote points the token at their host).
+    The file's URL is used with the file's token only."""
+    seen: list[str | None] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(500)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        (tmp_path / ".switchboard").mkdir()
+        (tmp_path / ".switchboard" / "credentials.json").write_text(
+            json.dumps({"control_plane_url": f"http://127.0.0.1:{server.server_port}"}))
+        monkeypatch.chdir(tmp_path)
+        for name in ("SWITCHBOARD_UP_STATE_DIR", "SWITCHBOARD_CONTROL_PLANE_URL", "SWITCHBOARD_CREDENTIALS_FILE"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("SWITCHBOARD_ADMIN_TOKEN", "sb-admin-OPERATORS-OWN")
+        with pytest.raises(SystemExit):
+            main(["status", "--timeout-s", "2"])
+    finally:
+        server.shutdown()
+    assert seen == [], seen
 
 
 def test_output_into_a_closed_pipe_is_no_traceback(env) -> None:

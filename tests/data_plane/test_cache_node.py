@@ -282,6 +282,26 @@ async def test_memory_storage_expired_record_does_not_block_a_lower_version() ->
     assert (await store.put(Transcript("s", "o", (), 1, 2.0), ttl_s=1)).stored
 
 
+async def test_one_bad_byte_in_a_snapshot_costs_its_record_not_the_file(tmp_path: Path) -> None:
+    """A byte that is not UTF-8 (a flipped bit, a line cut inside a character) made the whole file
+    unreadable: the node started empty, and its next write replaced the file with an empty one."""
+    path = tmp_path / "cache-0.jsonl"
+    store = MemoryStorage(1 << 20, snapshot=Snapshot(path))
+    await store.start()
+    for i in range(3):
+        await store.put(Transcript(f"sess{i}", "owner", ({"role": "sealed", "content": f"sb1.k1.n.c{i}"},), 1,
+                                   time.time()), ttl_s=3600)
+    await store.aclose()
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(b"c2")] = 0xFF
+    path.write_bytes(bytes(raw))
+    again = MemoryStorage(1 << 20, snapshot=Snapshot(path))
+    await again.start()
+    kept = [s for s in ("sess0", "sess1", "sess2") if await again.get(s) is not None]
+    await again.aclose()
+    assert kept == ["sess0", "sess1"], kept
+
+
 async def test_memory_storage_snapshot_keeps_live_records_in_lru_order(tmp_path: Path) -> None:
     """What `switchboard up`'s cache nodes keep across a restart: the unexpired records, least recent
     first (so LRU eviction after the restart drops what it would have before), and a torn line skipped."""

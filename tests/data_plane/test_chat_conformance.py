@@ -17,7 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.support.chat import sdk
+from tests.support.chat import refusal, sdk
 from tests.support.cluster import KEYS, gateway_before
 from tests.support.metrics import metric
 from tests.support.procs import CLUSTER_HEADERS, Service
@@ -34,14 +34,6 @@ OPEN_PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxL
 def gateway(fp32_shard: Service, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     with gateway_before(fp32_shard, tmp_path_factory.mktemp("chat-conformance")) as gw:
         yield gw
-
-
-def refusal(call: Any) -> dict[str, Any]:
-    with pytest.raises(openai.BadRequestError) as info:
-        call()
-    body = info.value.body
-    assert isinstance(body, dict)
-    return body
 
 
 def strict_format(schema: dict[str, Any]) -> dict[str, Any]:

@@ -156,3 +156,28 @@ def test_a_compaction_item_another_key_made_is_refused_when_added_not_at_every_l
     conv = post(cluster, "/v1/conversations", {"items": [compaction]}).json()["id"]
     turn = post(cluster, "/v1/responses", {"input": p.question, "conversation": conv, "max_output_tokens": 2})
     assert "Summary of the earlier conversation:" in sent_prompt(cluster, turn)
+
+
+def test_the_input_tokens_count_with_truncation_auto_is_what_create_sends(cluster: Cluster) -> None:
+    """OpenAI's input_tokens count is "the exact number of tokens the model receives", and it takes
+    `truncation`. With truncation "auto" and a conversation past the window, ours counted the whole
+    conversation (several times the context) while create sent the window. Now the count is create's
+    `usage.input_tokens`, with recall or without; with truncation disabled it is still the whole."""
+    p = generate(4, 120)
+    conv = conversation(cluster, p)
+    ask = {"input": p.question, "conversation": conv, "truncation": "auto"}
+
+    def count(body: dict) -> int:
+        r = post(cluster, "/v1/responses/input_tokens", body)
+        assert r.status_code == 200, r.text
+        return r.json()["input_tokens"]
+
+    whole = count({**ask, "truncation": "disabled"})
+    for recall in ({}, {"context_recall": False}):  # recall on (the default), then the plain window
+        counted = count({**ask, **recall})
+        created = post(cluster, "/v1/responses", {**ask, **recall, "store": False, "temperature": 0})
+        assert created.status_code == 200, created.text
+        assert counted == created.json()["usage"]["input_tokens"] < whole / 2, (recall, counted, whole)
+    # a new message too long for any window: create's 400, but a count is never refused for its size
+    huge = {"input": "word " * 6000, "truncation": "auto"}
+    assert count(huge) == count({**huge, "truncation": "disabled"}) > 6000

@@ -158,4 +158,15 @@ def test_every_code_the_gateway_can_answer_with_is_a_label_value() -> None:
     files = [f for src in CODE_SOURCES for f in ([root / src] if src.endswith(".py") else (root / src).rglob("*.py"))]
     written = {m for f in files for m in re.findall(r'\bcode\s*=\s*"([a-z_]+)"', f.read_text(encoding="utf-8"))}
     assert {"invalid_json", "rate_limit_exceeded", "session_not_found", "abuse_blocked"} <= written  # it read them
-    assert written - {c.value for c in RequestCode} == set()
+    assert {c for c in written if request_code(c) is RequestCode.OTHER} == set()
+
+
+def test_every_grammar_code_is_a_label_value() -> None:
+    """The structured-output codes a shard sends (its compiler's failures) and the gateway's own schema
+    checks write (positional in a Clash): counted as themselves, not as other."""
+    from data_plane.shard.choices import _GRAMMAR_CODES
+
+    root = Path(__file__).resolve().parents[2]
+    clashes = set(re.findall(r'Clash\([^)]*"([a-z_]+)"\)', (root / "data_plane/structured.py").read_text()))
+    assert "grammar_too_large" in clashes  # it read them
+    assert {request_code(c) for c in {*_GRAMMAR_CODES.values(), *clashes}} <= set(RequestCode) - {RequestCode.OTHER}

@@ -364,7 +364,8 @@ def test_conversation_with_previous_response_id_is_openais_mutually_exclusive_er
 def test_conversations_and_compact_refuse_bad_bodies_with_openai_errors(stack: Stack) -> None:
     """Regression: these routes read raw JSON themselves; `items: "x"` made an empty conversation,
     21 items went in at once, a non-string item id was stored, and deep nesting, a lone surrogate or
-    `input: 5` were 500s; a text/plain body was taken as JSON."""
+    `input: 5` were 500s; a text/plain body was taken as JSON; compact took previous_response_id "" for
+    none (a 200 compacting the input alone, where create answers 400)."""
     url, auth = stack.gateway.url + "/v1", {"Authorization": f"Bearer {KEYS['plus']}"}
     json_h = {**auth, "content-type": "application/json"}
     item = {"type": "message", "role": "user", "content": "x"}
@@ -379,6 +380,8 @@ def test_conversations_and_compact_refuse_bad_bodies_with_openai_errors(stack: S
         ("/responses", b'{"input":"x","instructions":"\\ud800"}', 400, None),
         ("/responses/compact", {"input": 5}, 400, "input"),
         ("/responses/compact", {"input": "x", "keep_tokens": True}, 400, "keep_tokens"),
+        ("/responses/compact", {"input": "x", "previous_response_id": ""}, 400, "previous_response_id"),
+        ("/responses/compact", {"input": "x", "previous_response_id": 5}, 400, "previous_response_id"),
     ]:
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
         r = httpx.post(url + path, content=raw, headers=json_h, timeout=30)

@@ -116,6 +116,68 @@ def test_logprobs_through_the_sdk_and_the_agents_sdk(gateway: Service) -> None:
     assert message.content[0].logprobs and result.final_output == message.content[0].text
 
 
+def test_a_history_recorded_at_openai_with_a_refusal_part_replays(gateway: Service) -> None:
+    """An assistant message whose content holds a `refusal` part (OpenAI's output messages carry them,
+    and apps replay `response.output` as the next input) was a 400 "content part type 'refusal' is not
+    supported", though the chat path replays refusals: it is the turn's text, and stays a refusal part."""
+    sdk = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=120)
+    refused = {"type": "message", "role": "assistant", "status": "completed", "id": "msg_refused",
+               "content": [{"type": "refusal", "refusal": "I can't help with that."}]}
+    history = [{"role": "user", "content": "Tell me a secret."}, refused, {"role": "user", "content": "Say hi."}]
+    done = sdk.responses.create(model=MODEL, input=history, max_output_tokens=2)
+    (_, replayed, _) = sdk.responses.input_items.list(done.id, order="asc").data
+    assert replayed.type == "message" and replayed.role == "assistant"
+    assert [(p.type, p.refusal) for p in replayed.content] == [("refusal", "I can't help with that.")]
+    count = sdk.responses.input_tokens.count(model=MODEL, input=history).input_tokens
+    alone = sdk.responses.input_tokens.count(model=MODEL, input=[history[0], history[2]]).input_tokens
+    assert count > alone + 5  # the model saw the refusal's words
+    conv = sdk.conversations.create(items=[history[0], {**refused, "id": "msg_refused_2"}])
+    assert sdk.conversations.items.retrieve("msg_refused_2", conversation_id=conv.id).content[0].type == "refusal"
+    with pytest.raises(openai.BadRequestError):  # a user's refusal part is still no part OpenAI defines
+        sdk.responses.create(model=MODEL, input=[{"role": "user", "content": [refused["content"][0]]}])
+
+
+def test_reasoning_and_max_tool_calls_are_accepted_as_the_chat_paths_no_ops(gateway: Service) -> None:
+    """`reasoning` (LangChain's `reasoning_effort` with use_responses_api, the Agents SDK's
+    ModelSettings(reasoning=...), even `effort: "none"`) and `max_tool_calls` were a 400 on the Responses
+    API while the chat path takes `reasoning_effort` as a no-op; `max_tool_calls` counts calls of OpenAI's
+    built-in tools, which this server has none of. Unknown `reasoning` fields stay a 400."""
+    sdk = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=120)
+    for reasoning in ({"effort": "low"}, {"effort": "none"}, {"effort": "high", "summary": "auto"}):
+        done = sdk.responses.create(model=MODEL, input="Say hi.", max_output_tokens=2, reasoning=reasoning,
+                                    max_tool_calls=2)
+        assert done.reasoning is not None and done.reasoning.effort is None  # nothing reasoned
+        assert done.max_tool_calls == 2 and done.output_text
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk.responses.create(model=MODEL, input="x", reasoning={"efort": "low"})
+    assert bad.value.body["param"] == "reasoning.efort"
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk.responses.create(model=MODEL, input="x", max_tool_calls=-1)
+    assert bad.value.body["param"] == "max_tool_calls"
+
+
+def test_include_on_the_item_routes_is_checked_as_on_create_and_retrieve(gateway: Service) -> None:
+    """`include` on input_items.list and the conversation item routes was ignored whatever it named
+    (a typo passed silently), while create and retrieve answer OpenAI's 400 naming the value."""
+    sdk = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=120)
+    done = sdk.responses.create(model=MODEL, input="Say hi.", max_output_tokens=2)
+    conv = sdk.conversations.create(items=[{"role": "user", "content": "hi"}])
+    item = sdk.conversations.items.list(conv.id).data[0].id
+    good = ["message.output_text.logprobs"]
+    assert sdk.responses.input_items.list(done.id, include=good).data
+    assert sdk.conversations.items.list(conv.id, include=good).data
+    assert sdk.conversations.items.retrieve(item, conversation_id=conv.id, include=good).id == item
+    calls = [lambda inc: sdk.responses.input_items.list(done.id, include=inc),
+             lambda inc: sdk.conversations.items.list(conv.id, include=inc),
+             lambda inc: sdk.conversations.items.retrieve(item, conversation_id=conv.id, include=inc),
+             lambda inc: sdk.conversations.items.create(conv.id, items=[{"role": "user", "content": "x"}], include=inc)]
+    for call in calls:
+        with pytest.raises(openai.BadRequestError) as bad:
+            call(["message.output_text.logprob"])
+        assert bad.value.body["param"] == "include[0]" and bad.value.code == "invalid_value"
+    assert len(sdk.conversations.items.list(conv.id).data) == 1  # the refused create added nothing
+
+
 def platform_id(litellm_id: str) -> str:
     """The platform's response id inside the one LiteLLM hands back: LiteLLM wraps it as
     "resp_" + base64("litellm:custom_llm_provider:openai;model_id:...;response_id:<ours>") and unwraps

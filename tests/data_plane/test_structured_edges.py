@@ -12,10 +12,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
-from tests.support.chat import assert_no_leak, sdk
+from data_plane.schema_rewrite import hoist
+from tests.support.chat import assert_no_leak, refusal, sdk
 from tests.support.cluster import KEYS, gateway_before
 from tests.support.procs import CLUSTER_HEADERS, Service
 
@@ -35,14 +35,6 @@ def nested(objects: int) -> dict[str, Any]:
     for _ in range(objects):
         schema = {"type": "object", "properties": {"a": schema}, "required": ["a"], "additionalProperties": False}
     return schema
-
-
-def refusal(call: Any) -> dict[str, Any]:
-    with pytest.raises(openai.BadRequestError) as info:
-        call()
-    body = info.value.body
-    assert isinstance(body, dict)
-    return body
 
 
 def test_a_schema_nested_past_the_grammars_bound_is_a_400_not_a_500(gateway: Service, fp32_shard: Service) -> None:
@@ -105,6 +97,10 @@ def test_a_schema_sent_as_json_text_is_served_as_the_same_schema_sent_as_an_obje
     body = refusal(lambda: client.chat.completions.create(
         model=MODEL, messages=ask, max_tokens=5, extra_body={"structured_outputs": {"json": json.dumps(nested(300))}}))
     assert (body["param"], body["code"]) == ("structured_outputs", "grammar_too_large"), body
+    past_json = "[" * 5000 + "]" * 5000  # past json.loads' own recursion: a 400 invalid_grammar before
+    body = refusal(lambda: client.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=5, extra_body={"structured_outputs": {"json": past_json}}))
+    assert (body["param"], body["code"]) == ("structured_outputs", "grammar_too_large"), body
 
 
 def test_a_pointer_into_the_schema_itself_is_served_in_tool_parameters(gateway: Service) -> None:
@@ -130,6 +126,21 @@ def test_a_pointer_into_the_schema_itself_is_served_in_tool_parameters(gateway: 
         response_format={"type": "json_schema", "json_schema": {"name": "ab", "schema": twice}},
         tools=[{"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {}}}}])
     assert beside.choices[0].finish_reason in ("stop", "tool_calls", "length"), beside  # served, not a 400
+
+
+def test_a_definition_named_root_keeps_its_place_beside_a_pointer_into_the_schema() -> None:
+    """The schema's own copy (where "#/..." pointers go once nested in a tool's envelope) was kept under
+    `<prefix>root`, the name a definition of the schema's own called root moves to: the pointer then
+    landed in that definition (a valid schema refused, or with "$ref": "#" a wrong grammar)."""
+    defs: dict[str, Any] = {}
+    schema = {"$defs": {"root": {"type": "integer"}}, "type": "object",
+              "properties": {"a": {"type": "string"}, "b": {"$ref": "#/properties/a"}, "c": {"$ref": "#/$defs/root"},
+                             "d": {"$ref": "#"}}}
+    body = hoist(schema, "t0_", defs)
+    whole = body["properties"]["b"]["$ref"].split("/")[2]
+    assert defs[whole]["properties"]["a"] == {"type": "string"}, (body, defs)
+    assert body["properties"]["d"]["$ref"] == f"#/$defs/{whole}"
+    assert body["properties"]["c"]["$ref"] == "#/$defs/t0_root" and defs["t0_root"] == {"type": "integer"}
 
 
 def test_replies_carry_refusal_null_where_openais_spec_requires_it(gateway: Service, fp32_shard: Service) -> None:
@@ -160,3 +171,56 @@ def test_replies_carry_refusal_null_where_openais_spec_requires_it(gateway: Serv
                               if line.startswith("data: {")]
                 scored = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0].get("logprobs")]
                 assert scored and all(lp["refusal"] is None for lp in scored), (url, ask, scored)
+
+
+def test_with_tool_choice_none_the_prompt_holds_the_tools_and_the_reply_calls_none(gateway: Service) -> None:
+    """OpenAI's `tool_choice: "none"`: the model sees the tools but calls none (vLLM renders them into the chat
+    template unless told --exclude-tools-when-tool-choice-none). The tools were left out of the prompt: the
+    prompt tokens of a request with tools and tool_choice none equalled those of one without tools. Now the
+    prompt holds them (more prompt tokens, the same count streamed), and the reply is text, never a call."""
+    client = sdk(gateway)
+    tools: list[Any] = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
+                                                          "parameters": {"type": "object", "properties": {
+                                                              "city": {"type": "string"}}, "required": ["city"]}}}]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw: dict[str, Any] = {"model": MODEL, "messages": ask, "max_tokens": 30, "temperature": 0}
+    bare = client.chat.completions.create(**kw)
+    withheld = client.chat.completions.create(**kw, tools=tools, tool_choice="none")
+    assert bare.usage and withheld.usage and withheld.usage.prompt_tokens > bare.usage.prompt_tokens + 20
+    reply = withheld.choices[0]
+    assert not reply.message.tool_calls and reply.finish_reason in ("stop", "length") and reply.message.content
+    assert not reply.message.content.lstrip().startswith("{"), reply.message.content
+    chunks = list(client.chat.completions.create(**kw, tools=tools, tool_choice="none", stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert not [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.message.content
+    assert chunks[-1].usage and chunks[-1].usage.prompt_tokens == withheld.usage.prompt_tokens
+
+
+def test_finish_reason_at_the_token_limit_is_length_unless_the_reply_stopped_within_it(fp32_shard: Service) -> None:
+    """OpenAI: `length` when max_tokens was reached, `stop` at a natural stop point or a stop sequence; vLLM's
+    check_stop tests EOS and stop tokens before the limit. A reply that ends (EOS) within the limit is `stop`;
+    one exactly as long as the limit is `length` (EOS was never sampled: vLLM says the same), JSON that
+    closed on the last allowed token too; a stop string completed by the last allowed token is `stop`."""
+    def ask(max_tokens: int, **kw: Any) -> tuple[str, int, str]:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello in three words."}],
+                "temperature": 0, "max_tokens": max_tokens, **kw}
+        reply = httpx.post(fp32_shard.url + "/v1/chat/completions", headers=CLUSTER_HEADERS, json=body,
+                           timeout=120).json()
+        choice = reply["choices"][0]
+        return choice["finish_reason"], reply["usage"]["completion_tokens"], choice["message"]["content"]
+
+    schema = {"type": "json_schema", "json_schema": {"name": "g", "schema": {
+        "type": "object", "properties": {"greeting": {"type": "string", "maxLength": 20}}, "required": ["greeting"]}}}
+    for kw in ({}, {"response_format": schema}):
+        reason, k, text = ask(100, **kw)
+        assert reason == "stop" and k > 3, (kw, reason, k, text)
+        assert ask(k + 1, **kw) == ("stop", k, text)
+        assert ask(k, **kw) == ("length", k, text)  # all of it, but the limit came before EOS
+        assert ask(k - 1, **kw)[0] == "length"
+    first = httpx.post(fp32_shard.url + "/v1/chat/completions", headers=CLUSTER_HEADERS, timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Say hello in three words."}], "temperature": 0,
+        "max_tokens": 3, "logprobs": True}).json()["choices"][0]["logprobs"]["content"]
+    before, third = "".join(t["token"] for t in first[:2]), first[2]["token"]
+    if third not in before + third[:-1]:  # (else the stop string would end the reply before its last token)
+        assert ask(3, stop=[third]) == ("stop", 3, before)  # completed by the last allowed token: stop

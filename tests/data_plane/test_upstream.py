@@ -421,3 +421,15 @@ async def test_a_stage_loss_is_counted_under_its_reason_and_the_client_reads_the
     with pytest.raises(SwitchboardError) as after:
         await drain(await up.open_resumable(BODY, session_id=None))
     assert after.value.code == "overloaded"
+
+    # n = 2: a resumed choice whole before the loss read the shard's own code (a 502 pipeline_stage_lost)
+    pool = Pool(Response(200, [[choice(0, "a", 1), choice(1, "b", 1)], HopDisconnected("reset")]),
+                Response(200, [[token("c", 1)], [FINISH], [_stage_lost_event()]]),
+                Response(200, [[token("d", 1)], [FINISH]]))
+    up, _ = upstream(pool)
+    stream = await up.open_resumable(ShardRequest.model_validate({**BODY.wire(), "n": 2, "max_tokens": 10}),
+                                     session_id=None)
+    with pytest.raises(SwitchboardError) as lane:
+        await asyncio.wait_for(drain(stream), 10)
+    stream.close()
+    assert lane.value.code == "overloaded", lane.value.code

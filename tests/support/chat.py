@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from tests.support.cluster import KEYS
 
@@ -65,6 +66,16 @@ def assert_openai_error(resp: httpx.Response, status: int | Iterable[int], code:
         assert int(resp.headers["retry-after"]) >= 1, dict(resp.headers)
     assert_no_leak(resp.text)
     return err
+
+
+def refusal(call: Callable[..., Any]) -> dict[str, Any]:
+    """The error object of the 400 the openai SDK must raise for `call()` (its BadRequestError's `body`):
+    ``refusal(lambda: client.chat.completions.create(...))["param"]``."""
+    with pytest.raises(openai.BadRequestError) as info:
+        call()
+    body = info.value.body
+    assert isinstance(body, dict)
+    return body
 
 
 def assert_no_leak(text: str) -> None:

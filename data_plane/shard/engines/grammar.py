@@ -130,7 +130,7 @@ class CompiledGrammar:
 
     def resumed(self, text: str) -> CompiledGrammar:
         """This grammar with its matchers already past `text`: output a failed shard sent before a stream
-        resumed here (data_plane/routing/upstream.py), so the continuation continues the grammar. The text
+        resumed here (data_plane/routing/resume.py), so the continuation continues the grammar. The text
         is tokenized afresh: llguidance's lexer works on bytes, so any tokenization of the same text
         leads to the same state. GrammarError ("resume_rejected") when the grammar does not allow it."""
         if not text:

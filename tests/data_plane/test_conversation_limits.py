@@ -1,0 +1,90 @@
+"""The Conversations API's writes under the key's rate limits (a synthetic shard, a cache node and a
+gateway on loopback; no model is needed to store a conversation).
+
+    .venv/bin/python -m pytest tests/data_plane/test_conversation_limits.py -q     # ~15 s
+
+`conversations.create` and `conversations.items.create` store what they are sent in the cache nodes,
+whose in-memory store is one LRU shared by every tenant. They took nothing from the key's RPM/TPM: one
+free key stored ~45 conversations a second, up to 1 MiB each, and evicted every tenant's conversations
+and stored responses within seconds. Each now takes one request and its items' tokens, as a turn that
+sent them would. So does `responses.input_tokens.count` (one request, no tokens): a shard encodes
+what it is sent, and 200 counts in a row passed a 60 RPM key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+
+from tests.support.cluster import cache_node
+from tests.support.procs import Service
+
+KEYS = {"free": "sk-convlim-free-0123456789", "plus": "sk-convlim-plus-0123456789",
+        "free2": "sk-convlim-free2-0123456789"}
+TIERS = {"tiers": {
+    "free": {"priority": 2, "rpm": 3, "tpm": 20000, "max_context_tokens": 2048, "max_output_tokens": 256,
+             "replication": 1, "shed_order": 0},
+    "plus": {"priority": 1, "rpm": 600, "tpm": 600, "max_context_tokens": 2048, "max_output_tokens": 256,
+             "replication": 1, "shed_order": 1},
+}}
+HEADERS = [f"x-ratelimit-{what}-{kind}" for kind in ("requests", "tokens") for what in ("limit", "remaining", "reset")]
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    state: Path = tmp_path_factory.mktemp("conversation-limits")
+    (state / "tiers.yaml").write_text(yaml.safe_dump(TIERS))
+    keys = ",".join(f"{key}:acme-{name}:{name.rstrip('2')}" for name, key in KEYS.items())
+    cache = cache_node().start()
+    try:
+        with Service(["shard", "--engine", "synthetic"]) as shard, \
+                Service(["gateway", "--shard-urls", shard.url, "--cache-urls", cache.url, "--tokenizer", "whitespace",
+                         "--model-name", "synthetic", "--tiers-file", str(state / "tiers.yaml"),
+                         "--state-dir", str(state), "--usage-db", "off"],
+                        env={"SWITCHBOARD_GATEWAY_API_KEYS": keys}) as gw:
+            yield gw
+    finally:
+        cache.stop()
+
+
+def sdk(gateway: Service, tier: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEYS[tier], max_retries=0, timeout=30)
+
+
+def test_creating_conversations_takes_from_the_keys_rpm(gateway: Service) -> None:
+    client = sdk(gateway, "free")
+    for _ in range(3):
+        raw = client.conversations.with_raw_response.create(items=[{"role": "user", "content": "hi"}])
+        assert raw.status_code == 200 and all(h in raw.headers for h in HEADERS), raw.headers
+        assert raw.headers["x-ratelimit-limit-requests"] == "3"
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.conversations.create(items=[{"role": "user", "content": "hi"}])
+    assert refused.value.code == "rate_limit_exceeded" and int(refused.value.response.headers["retry-after"]) >= 1
+
+
+def test_the_items_stored_take_from_the_keys_tpm(gateway: Service) -> None:
+    client = sdk(gateway, "plus")
+    conv = client.conversations.create(items=[{"role": "user", "content": "word " * 100}])
+    raw = client.conversations.items.with_raw_response.create(conv.id, items=[{"role": "user", "content": "hi"}])
+    assert raw.status_code == 200 and int(raw.headers["x-ratelimit-remaining-tokens"]) < 600 - 100
+    big = [{"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "word " * 400}]
+    with pytest.raises(openai.RateLimitError):  # more than the key's whole TPM: never stored
+        client.conversations.create(items=big)
+    with pytest.raises(openai.RateLimitError):
+        client.conversations.items.create(conv.id, items=big)
+    assert len(client.conversations.items.list(conv.id).data) == 2
+
+
+def test_counting_input_tokens_takes_a_request_from_the_keys_rpm(gateway: Service) -> None:
+    client = sdk(gateway, "free2")
+    for _ in range(3):
+        raw = client.responses.input_tokens.with_raw_response.count(model="synthetic", input="hello there")
+        assert raw.status_code == 200 and raw.parse().input_tokens > 0
+        assert raw.headers["x-ratelimit-limit-requests"] == "3" and all(h in raw.headers for h in HEADERS)
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.responses.input_tokens.count(model="synthetic", input="hello there")
+    assert int(refused.value.response.headers["retry-after"]) >= 1
