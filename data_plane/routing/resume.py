@@ -34,7 +34,7 @@ from data_plane.tool_calls import SentOutput
 
 
 class FirstStream(ShardStream, Protocol):
-    """The stream a resumable one starts from: data_plane/routing/upstream.py `ShardStream` (not imported: it
+    """The stream a resumable one starts from: data_plane/routing/shard_stream.py `ShardStream` (not imported: it
     imports this)."""
 
     attempts: int
