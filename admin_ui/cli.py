@@ -2,6 +2,7 @@
 
     switchboard admin status                       # members, degradation level, firing alerts
     switchboard admin members --json               # GET /admin/v1/members, as JSON
+    switchboard admin processes                    # what `up` supervises: pids, up since, restarts, last exit
     switchboard admin drain shard-1                # stop routing to a member (in-flight work finishes)
     switchboard admin undrain shard-1
     switchboard admin degrade 3 --reason "incident 4711"   # pin a degradation level
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -59,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("status", parents=[common], help="members, degradation level and firing alerts at a glance")
     sub.add_parser("members", parents=[common], help="every registered process and its status")
+    sub.add_parser("processes", parents=[common],
+                   help="the processes `switchboard up` supervises: pid, up since, restarts, last exit")
     for name, what in (("drain", "stop routing new requests to a member"), ("undrain", "put a member back")):
         p = sub.add_parser(name, parents=[common], help=what)
         p.add_argument("member", help="member id, as `switchboard admin members` lists it (e.g. shard-1)")
@@ -111,13 +115,15 @@ def main(argv: list[str] | None = None) -> None:
 def run(args: argparse.Namespace, admin: AdminClient) -> None:
     actions: dict[str, Callable[[], Any]] = {
         "members": admin.members,
+        "processes": admin.processes,
         "drain": lambda: admin.drain(args.member),
         "undrain": lambda: admin.undrain(args.member),
         "degrade": lambda: admin.release_degradation() if args.release
         else admin.pin_degradation(args.level, args.reason),
     }
     if args.command == "status":
-        body = {"members": admin.members(), "degradation": admin.degradation(), "alerts": _alerts(admin)}
+        body = {"members": admin.members(), "degradation": admin.degradation(), "alerts": _alerts(admin),
+                "processes": _processes(admin)}
         print(json.dumps(body, indent=2) if args.json else format_status(body))
         return
     body = actions[args.command]()
@@ -125,6 +131,9 @@ def run(args: argparse.Namespace, admin: AdminClient) -> None:
         print(json.dumps(body, indent=2))
     elif args.command == "members":
         print(format_members(body.get("members") or []))
+    elif args.command == "processes":
+        print(format_processes(body) if body.get("supervisor") else
+              "no process table: this control plane was not started by `switchboard up`")
     elif args.command == "degrade":
         print(f"degradation level {body.get('level')} ({body.get('name', '')}): "
               + (str(body.get("reason", "")) if body.get("pinned") else "automatic (the pin is released)"))
@@ -137,6 +146,51 @@ def _alerts(admin: AdminClient) -> dict[str, Any] | None:
         return admin.alerts()
     except NotAvailable:
         return None
+
+
+def _processes(admin: AdminClient) -> dict[str, Any] | None:
+    try:
+        return admin.processes()
+    except NotAvailable:  # a control plane from before the process table
+        return None
+
+
+def _exit(code: object) -> str:
+    if not isinstance(code, int):
+        return "-"
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+def format_processes(body: dict[str, Any], now: float | None = None) -> str:
+    """One line per process `up` supervises: pid, how long up, restarts, how and when it last died."""
+    now = time.time() if now is None else now
+
+    def ago(t: object) -> str:
+        if not isinstance(t, int | float) or not t:
+            return "-"
+        return f"{time.strftime('%H:%M:%S', time.localtime(t))} ({_age(now - t)} ago)"
+
+    rows = [("PROCESS", "PID", "STATE", "UP SINCE", "RESTARTS", "LAST EXIT")]
+    for p in body.get("processes") or []:
+        last = p.get("last_exit_at")
+        rows.append((str(p.get("name")), str(p.get("pid") or "-"), "running" if p.get("running") else "down",
+                     ago(p.get("started_at")) if p.get("running") else "-", str(p.get("restarts", 0)),
+                     f"{_exit(p.get('last_exit_code'))} at {ago(last)}" if last else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1] for r in rows)
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
 
 
 def format_members(members: list[dict[str, Any]], now: float | None = None) -> str:
@@ -169,6 +223,12 @@ def format_status(body: dict[str, Any], now: float | None = None) -> str:
         firing = [a for a in alerts.get("alerts") or [] if a.get("state") == "firing"]
         names = ", ".join(str(a.get("name")) for a in firing)
         lines.append(f"{'alerts':<9} {len(firing)} firing" + (f": {names}" if names else ""))
+    table = body.get("processes")
+    restarted = [p for p in (table or {}).get("processes") or [] if p.get("restarts") or not p.get("running")]
+    if table and table.get("supervisor"):
+        lines.append(f"{'restarts':<9} " + (", ".join(f"{p.get('name')} x{p.get('restarts')}" + ("" if p.get("running") else " (down)")
+                                                     for p in restarted)
+                                           + "  (`switchboard admin processes`)" if restarted else "none"))
     return "\n".join(lines) + "\n\n" + format_members(members, now)
 
 

@@ -174,6 +174,10 @@ class AdminClient:
     def alerts(self) -> dict[str, Any]:
         return self._call("GET", "/alerts")
 
+    def processes(self) -> dict[str, Any]:
+        """``GET /admin/v1/processes``: what `switchboard up` supervises (pids, starts, restarts, exits)."""
+        return self._call("GET", "/processes")
+
     # -- abuse monitor -------------------------------------------------------------------------
     def abuse(self) -> dict[str, Any]:
         """``GET /admin/v1/abuse``: actions in force, ended ones, events, thresholds."""

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from control_plane.abuse import build_abuse
 from control_plane.admin.api import AdminContext, bearer_guard, build_admin_router
+from control_plane.admin.processes import ProcessTable
 from control_plane.admin.usage import build_usage_router
 from control_plane.degradation import DegradationController, DegradationMetrics, ladder_config
 from control_plane.policy_store import open_store
@@ -88,6 +89,8 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
                          prometheus_url=getattr(settings, "prometheus", None),
                          alertmanager_url=settings.alertmanager, state_index=state_index)
     admin.autoscaler = autoscaler
+    if settings.processes_file is not None:  # run by `switchboard up`: its supervisor's table
+        admin.processes = ProcessTable(settings.processes_file, metrics_registry)
     cluster_token = settings.cluster_token.get_secret_value() if settings.cluster_token else None
     admin.hop_headers = cluster_headers(cluster_token)
     usage_db = settings.usage_db or default_usage_db(".switchboard")

@@ -12,7 +12,8 @@ keys file holds only the keys' digests; the keys themselves go to the operator's
 reported and restarted (with backoff); Ctrl-C or SIGTERM stops everything cleanly, at any moment of
 start-up too, and no child outlives the launcher (kill -9, a crash) by more than moments
 (control_plane/supervisor.py, data_plane/common/lifeline.py).
-Logs go to `.switchboard/logs/<process>.log`. Dispatched by `switchboard up` (control_plane/cli.py); the
+Logs go to `.switchboard/logs/<process>.log`, rotated at --log-max-bytes; one `up` per state dir at a time
+(control_plane/state_dir.py). Dispatched by `switchboard up` (control_plane/cli.py); the
 children and their supervision are control_plane/supervisor.py.
 
 With ``--autoscale`` the launcher starts no shard itself: the control plane's autoscaler (local
@@ -39,7 +40,9 @@ import httpx
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from control_plane.admin.processes import FILE_NAME as PROCESSES
 from control_plane.dev_credentials import key_id, prepare, record_urls
+from control_plane.state_dir import LogRotation, hold_state_dir
 from control_plane.supervisor import Child, Stopped, Supervisor, wait_healthy
 from data_plane.common.cores import usable_cores
 from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV
@@ -74,6 +77,9 @@ class UpSettings(BaseSettings):
     max_model_len: int = Field(2048, ge=16, description="Context window per shard.")
     state_dir: str = Field(".switchboard", description="Where credentials, logs, the usage ledger and the cache nodes' records (without --redis) go.")
     redis: str | None = Field(None, description="Redis URL for cache nodes (default: in memory).")
+    log_max_bytes: int = Field(50 * 2**20, ge=0, description=(
+        "Rotate a process's log in STATE_DIR/logs when it reaches this size (copy, then truncate; 0 = never)."))
+    log_backups: int = Field(3, ge=0, le=100, description="Rotated copies kept per log (<name>.log.1 is the newest).")
     prometheus: bool = Field(False, description="Also start Prometheus (when the binary exists) with the alert rules.")
     prometheus_port: int = Field(9090, ge=1, le=65535, description="Prometheus port (with --prometheus).")
     console: bool = Field(True, description="Start the admin console (Streamlit) on --console-port.")
@@ -131,7 +137,8 @@ def plan(s: UpSettings, state: Path, admin_token: str,
     registry = f"http://{host}:{s.control_plane_port}"
     usage_db = s.usage_db or f"sqlite:///{state / 'usage.db'}"  # gateways write it, the control plane reads it
     cp = Child("control-plane", ["control-plane", "--host", host, "--port", str(s.control_plane_port),
-                                 "--state-dir", str(state / "control-plane"), "--usage-db", usage_db],
+                                 "--state-dir", str(state / "control-plane"), "--usage-db", usage_db,
+                                 "--processes-file", str(state / PROCESSES)],
                registry, logs / "control-plane.log", env={"SWITCHBOARD_ADMIN_TOKEN": admin_token, **member_env})
     if s.abuse_rules:
         cp.args += ["--abuse-rules", str(Path(s.abuse_rules).resolve())]
@@ -307,6 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     state = Path(s.state_dir).resolve()
     state.mkdir(parents=True, exist_ok=True)
     os.chmod(state, 0o700)
+    lock = hold_state_dir(state)  # noqa: F841 (held while this process lives; one `up` per folder)
     if s.engine == "torch":
         from data_plane.model_store import ModelNotAvailable, resolve_model
 
@@ -335,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     if busy:
         raise SystemExit(f"switchboard up: already in use on {s.host}: {', '.join(busy)}. Another `switchboard up` "
                          f"may be running; stop it, or move this one with the flag(s) named.")
-    supervisor = Supervisor(order)
+    supervisor = Supervisor(order, LogRotation(s.log_max_bytes, s.log_backups), state / "logs", state / PROCESSES)
     supervisor.guard()  # a stop signal from here on stops the children started so far
     try:
         print(f"[switchboard] starting control plane, {len(caches)} cache nodes, {len(shards)} shards, gateway...",
@@ -369,6 +377,7 @@ def main(argv: list[str] | None = None) -> None:
         raise
     try:
         stages = _pipeline_stages(cp, creds["admin_token"], shards) if s.pipeline_parallel_size > 1 else {}
+        supervisor.record()
         _banner(s, creds, cp, caches, shards, gateways, state, stages)
         supervisor.run()  # until a stop signal
     except Stopped:  # between the start-up and run()

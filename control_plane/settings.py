@@ -87,6 +87,9 @@ class ControlPlaneSettings(BaseSettings):
     """Directory where the tier policy, the degradation level and the operator's drains are persisted
     (JSON, written atomically), and the abuse monitor's actions (sealed), restored from at start;
     without one they live in memory only."""
+    processes_file: Path | None = None
+    """The process table `switchboard up`'s supervisor writes (STATE_DIR/processes.json: pids, starts,
+    restarts, exits), served at /admin/v1/processes and as switchboard_up_process_* metrics; unset: none."""
     state_keys_file: InputPath | None = None
     """Keys that seal the abuse monitor's state in the state dir (the session keys file's format: the
     first seals, every listed one opens); default: a key derived from the cluster token."""

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import httpx
 
+from control_plane.admin.processes import write_process_table
+from control_plane.state_dir import LogRotation
 from data_plane.common.lifeline import die_with_parent
 
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
@@ -58,9 +60,14 @@ class Child:
     crashes: int = 0
     """Deaths in a row, each within RESTART_STABLE_S of its start: the backoff step."""
     started_at: float = 0.0
+    started_wall: float = 0.0
+    last_exit_code: int | None = None
+    """How its last run ended (a negative code: the signal that killed it), None before any death."""
+    last_exit_at: float | None = None
 
     def start(self) -> None:
         self.started_at = time.monotonic()
+        self.started_wall = time.time()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.command or [sys.executable, "-m", "control_plane.cli", *self.args],
@@ -69,6 +76,12 @@ class Child:
                 # and if we cannot (kill -9, a crash), the kernel does; the launcher has one thread
                 preexec_fn=die_with_parent(),  # noqa: PLW1509
             )
+
+    def row(self) -> dict[str, object]:
+        """Its line of the process table (control_plane/admin/processes.py)."""
+        return {"name": self.name, "pid": self.proc.pid if self.proc else None, "url": self.url,
+                "log": str(self.log_path), "running": self.alive(), "started_at": self.started_wall or None,
+                "restarts": self.restarts, "last_exit_code": self.last_exit_code, "last_exit_at": self.last_exit_at}
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -125,8 +138,14 @@ class Stopped(BaseException):
 class Supervisor:
     """Restarts a child that died (with backoff) until SIGINT/SIGTERM, then stops them all in reverse order."""
 
-    def __init__(self, children: list[Child]) -> None:
+    def __init__(self, children: list[Child], log_rotation: LogRotation | None = None,
+                 log_dir: Path | None = None, table: Path | None = None) -> None:
         self.children = children
+        self.table = table
+        """Where each start, death and restart is recorded for operators (STATE_DIR/processes.json)."""
+        self.log_rotation = log_rotation
+        """Caps the ``*.log`` files of `log_dir` (the children's, the autoscaled shards') as `run()` goes."""
+        self.log_dir = log_dir
         self.stopping = False
         self._running = False
         self._shutting_down = False
@@ -138,13 +157,17 @@ class Supervisor:
         ``except BaseException: shutdown()`` runs), while `run()` they end the loop."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
+        if not self._running:
+            self.record()  # no longer the last run's table: its pids are gone
 
     def run(self) -> None:
         self.guard()
         self._running = True
+        self.record()
         try:
             while not self.stopping:
                 self._restart_dead()
+                self._rotate_logs()
                 time.sleep(0.5)
         finally:
             self.shutdown()
@@ -160,6 +183,8 @@ class Supervisor:
                     child.crashes = 0
                 delay = RESTART_BACKOFF_S[min(child.crashes, len(RESTART_BACKOFF_S) - 1)]
                 child.crashes += 1
+                child.last_exit_code, child.last_exit_at = code, time.time()
+                self.record()
                 print(f"[switchboard] {child.name} exited (code {code}); restarting in {delay:.0f} s "
                       f"(log: {child.log_path})", flush=True)
                 child.next_restart = now + delay
@@ -167,7 +192,21 @@ class Supervisor:
                 child.restarts += 1
                 child.next_restart = 0.0
                 child.start()
+                self.record()
                 print(f"[switchboard] {child.name} restarted (restart #{child.restarts})", flush=True)
+
+    def record(self) -> None:
+        """Write the process table now (each start, death and restart does; the launcher too, once
+        every child is healthy, before it prints the banner)."""
+        if self.table is not None:
+            try:
+                write_process_table(self.table, os.getpid(), [c.row() for c in self.children], time.time())
+            except OSError as exc:  # a full disk must not stop the supervision
+                print(f"[switchboard] could not write {self.table}: {exc}", flush=True)
+
+    def _rotate_logs(self) -> None:
+        if self.log_rotation is not None and self.log_dir is not None:
+            self.log_rotation.rotate_full(self.log_dir)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if self._shutting_down:  # a second signal while stopping: no more waiting
@@ -202,6 +241,7 @@ class Supervisor:
                 except subprocess.TimeoutExpired:
                     pass
         self._stopped = True
+        self.record()
         print("[switchboard] stopped.", flush=True)
 
 

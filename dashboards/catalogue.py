@@ -121,6 +121,7 @@ def _cache_node(registry: CollectorRegistry) -> list[object]:
 def _control_plane(registry: CollectorRegistry) -> list[object]:
     from control_plane.abuse.monitor import AbuseMetrics
     from control_plane.abuse.persist import AbuseStateMetrics
+    from control_plane.admin.processes import ProcessMetrics
     from control_plane.degradation import DegradationMetrics
     from control_plane.registry.embedded import RegistryMetrics
     from control_plane.scaling.loop import AutoscalerMetrics
@@ -129,7 +130,7 @@ def _control_plane(registry: CollectorRegistry) -> list[object]:
 
     return [RegistryMetrics(registry, DEFAULT_SERVICES), DegradationMetrics(registry), AutoscalerMetrics(registry),
             ZoneMetrics(registry), AbuseMetrics(registry), AbuseStateMetrics(registry),
-            SlowClientMetrics(registry, "control_plane")]
+            SlowClientMetrics(registry, "control_plane"), ProcessMetrics(registry)]
 
 
 PROCESSES: dict[str, Callable[[CollectorRegistry], list[object]]] = {

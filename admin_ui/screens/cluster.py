@@ -11,7 +11,7 @@ import time
 import streamlit as st
 
 from admin_ui import ui
-from admin_ui.views.cluster import members_frame, stages_frame, status_counts
+from admin_ui.views.cluster import members_frame, processes_frame, stages_frame, status_counts
 from admin_ui.views.read import items
 from admin_ui.views.signals import split_signals
 
@@ -24,6 +24,20 @@ def _drain(member_id: str, drain: bool) -> None:
         ui.act(f"Drain {member_id}", lambda: c.admin.drain(member_id))
     else:
         ui.act(f"Undrain {member_id}", lambda: c.admin.undrain(member_id))
+
+
+def _processes(c: ui.Console) -> None:
+    """The table of what `switchboard up` supervises, when the control plane runs under it."""
+    procs = processes_frame(ui.fetch("Processes", c.admin.processes, quiet_unavailable=True), now=time.time())
+    if not procs.empty:
+        st.subheader("Processes (switchboard up)", divider="gray")
+        st.caption("What `switchboard up` supervises: a process that died is restarted with backoff; its restarts "
+                   "and last exit stay here until `up` stops (`switchboard admin processes`).")
+        st.dataframe(ui.colour_words(procs, ["status"]), hide_index=True, width="stretch", key="processes",
+                     column_config={"process": "Process", "pid": st.column_config.NumberColumn("PID", format="%d"),
+                                    "status": "State", "up_s": st.column_config.NumberColumn("Up for", format="%.0f s"),
+                                    "restarts": st.column_config.NumberColumn("Restarts", format="%d"),
+                                    "last_exit": "Last exit", "log": "Log"})
 
 
 COLUMNS = {
@@ -64,6 +78,7 @@ def body(c: ui.Console) -> None:
         st.info("The registry restarted recently: members are still re-registering.", icon=":material/hourglass_top:")
     if not member_list:
         st.warning("No members registered. Start shards, cache nodes and a gateway (`switchboard up`).", icon=":material/search_off:")
+        _processes(c)  # after an outage of everything, what died and how is what the operator came for
         return
 
     frame = members_frame(member_list, latest, now=time.time())
@@ -93,6 +108,8 @@ def body(c: ui.Console) -> None:
         st.dataframe(ui.colour_words(stages, ["status"]), hide_index=True, width="stretch", key="pipeline-stages",
                      column_config={"member": "Shard", "status": "Health", "stage": "Stage", "host": "Host",
                                     "layers": "Layers", "role": "Holds"})
+
+    _processes(c)
 
     shards = [m for m in member_list if m.get("service") == "shard"]
     if shards:

@@ -3,12 +3,14 @@
     frame = members_frame(admin.members()["members"], latest, now=time.time())
     counts = status_counts(members)       # {service: {status: n}}
     stages = stages_frame(members)        # a pipelined shard's stages: host and layers of each
+    procs = processes_frame(admin.processes(), now=time.time())   # what `switchboard up` restarted, when, why
 
 Called by admin_ui/screens/cluster.py and overview.py. Pure functions, no Streamlit.
 """
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -102,3 +104,23 @@ def _parse_stages(value: str) -> list[tuple[int, str, str]]:
             out.append((int(stage), host, layers))
     return out
 
+
+
+def processes_frame(table: Mapping[str, Any] | None, *, now: float) -> pd.DataFrame:
+    """What `switchboard up` supervises (``GET /admin/v1/processes``): per process its pid, state, how long
+    its current run has lasted, its restarts and how and when it last died (empty when not under `up`)."""
+    rows = []
+    for p in items(table or {}, "processes"):
+        if not isinstance(p, Mapping):
+            continue
+        started, died, code = num(p.get("started_at")), num(p.get("last_exit_at")), p.get("last_exit_code")
+        exit_text = ""
+        if died is not None and isinstance(code, int):
+            how = (signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}") \
+                if code < 0 else f"exit code {code}"
+            exit_text = f"{how}, {max(0.0, now - died):.0f} s ago"
+        running = bool(p.get("running"))
+        rows.append({"process": p.get("name", "?"), "pid": p.get("pid"), "status": "running" if running else "down",
+                     "up_s": max(0.0, now - started) if running and started else None,
+                     "restarts": int(num(p.get("restarts")) or 0), "last_exit": exit_text, "log": p.get("log") or ""})
+    return pd.DataFrame(rows, columns=["process", "pid", "status", "up_s", "restarts", "last_exit", "log"])

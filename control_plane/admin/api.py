@@ -27,6 +27,7 @@ Every error is OpenAI-shaped (``{"error": {...}}``); 401 without the right token
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol
@@ -36,6 +37,7 @@ from fastapi import APIRouter, Body, Depends, Path, Query
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from control_plane.admin.alerting import builtin_alerts, fetch_alerts
+from control_plane.admin.processes import ProcessTable
 from control_plane.admin.traces import assemble_traces, collect_spans, is_housekeeping
 from control_plane.degradation import DegradationController, signals_dict
 from control_plane.ladder import Actor, Verdict
@@ -97,6 +99,8 @@ class AdminContext:
     alertmanager_url: str | None = None
     """With it, ``/alerts`` lists Alertmanager's active, unsilenced alerts (preferred)."""
     state_index: StateIndex | None = None
+    processes: ProcessTable | None = None
+    """`switchboard up`'s process table (control_plane/admin/processes.py), when this runs under it."""
     hop_headers: dict[str, str] = field(default_factory=dict)
     """The cluster token members' ``/debug/spans`` require (data_plane/common/hop_auth.py cluster_headers)."""
     """The ``/v1/state`` index, reported by ``/tiers`` so an operator can see the push went out."""
@@ -239,6 +243,25 @@ class AlertModel(_Open):
     active_at: float | None = Field(default=None, description="unix seconds")
 
 
+class ProcessModel(_Open):
+    name: str
+    pid: int | None
+    url: str | None = None
+    log: str | None = None
+    running: bool
+    started_at: float | None = Field(default=None, description="unix seconds: its current run's start")
+    restarts: int = Field(description="restarts by `switchboard up` since the launcher started")
+    last_exit_code: int | None = Field(default=None, description="negative: the signal that killed it (-9 SIGKILL)")
+    last_exit_at: float | None = Field(default=None, description="unix seconds")
+
+
+class ProcessesResponse(BaseModel):
+    supervisor: bool = Field(description="false: not run by `switchboard up` (no process table)")
+    launcher_pid: int | None
+    updated_at: float | None
+    processes: list[ProcessModel]
+
+
 class AlertsResponse(BaseModel):
     source: str = Field(description="alertmanager | prometheus | builtin")
     alerts: list[AlertModel]
@@ -265,6 +288,13 @@ def build_admin_router(ctx: AdminContext) -> APIRouter:
                  summary="Resume routing to a member (or clear an absent one's drain)")
     async def undrain(member_id: str = member_id_path) -> dict[str, Any]:
         return ctx.registry.set_draining(member_id, False)
+
+    @router.get("/processes", response_model=ProcessesResponse,
+                summary="The processes `switchboard up` supervises: pids, starts, restarts, last exits")
+    async def processes() -> dict[str, Any]:
+        if ctx.processes is None:
+            return {"supervisor": False, "launcher_pid": None, "updated_at": None, "processes": []}
+        return await asyncio.to_thread(ctx.processes.read)
 
     @router.get("/signals", response_model=SignalsResponse, summary="Latest signals and a short history")
     async def signals() -> dict[str, Any]:

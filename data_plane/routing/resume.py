@@ -34,8 +34,8 @@ from data_plane.tool_calls import SentOutput
 
 
 class FirstStream(ShardStream, Protocol):
-    """The stream a resumable one starts from: data_plane/routing/upstream.py `ShardStream` (not imported: it
-    imports this)."""
+    """The stream a resumable one starts from: data_plane/routing/shard_stream.py `ShardStream`, as
+    this protocol sees it."""
 
     attempts: int
     """Shards tried before it produced its first token."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import NoReturn, TypeVar
@@ -48,13 +48,13 @@ from data_plane.routing.events import Delta, Event, Finish, ToolCallDelta, Usage
 from data_plane.routing.failures import FailureReason
 from data_plane.routing.hop_client import (
     HopConnectError,
-    HopDisconnected,
     HopError,
     HopTimeout,
 )
 from data_plane.routing.resume import ResumableStream
 from data_plane.routing.retry import Retryable, with_retries
 from data_plane.routing.router import Router
+from data_plane.routing.shard_stream import ShardStream, loss_grace
 from data_plane.routing.transport import ShardResponse, ShardTransport
 
 log = logging.getLogger(__name__)
@@ -87,83 +87,6 @@ class UpstreamConfig:
     """Mid-stream failovers per request: the stream continues on another shard."""
 
 
-class ShardStream:
-    """An open, supervised stream from one shard; iterate `batches()` for the events after the
-    first batch: every event that has arrived, at once."""
-
-    def __init__(self, member: Member, response: ShardResponse, first: list[Event], leases: ExitStack,
-                 router: Router, idle_timeout_s: float, attempts: int) -> None:
-        self.member = member
-        self.attempts = attempts
-        self._response = response
-        self._pending = first
-        self._leases = leases
-        self._router = router
-        self._idle = idle_timeout_s
-        self._closed = False
-        self._lost = False
-        self.failure: FailureReason | None = None
-        """Why the stream broke mid-way (None while it has not)."""
-        self.on_close: Callable[[ShardStream], None] | None = None
-
-    def lose(self) -> None:
-        """The shard left membership (critical or gone) mid-stream: fail the stream now, so it
-        resumes elsewhere instead of waiting for silence."""
-        if not self._closed and not self._lost:
-            self._lost = True
-            self._response.fail(HopDisconnected("the shard left membership"))
-
-    async def batches(self) -> AsyncIterator[list[Event]]:
-        if self._pending:
-            first, self._pending = self._pending, []
-            yield first
-        try:
-            while True:
-                try:
-                    lines = await self._response.lines(self._idle)
-                except HopTimeout:
-                    self._fail(FailureReason.STREAM_IDLE)
-                    raise UpstreamTimeout(f"the shard stopped streaming for {self._idle:g} s") from None
-                except HopError as exc:
-                    if self._lost:
-                        self._fail(FailureReason.MEMBERSHIP_LOST)
-                        raise UpstreamError("the shard left membership mid-stream") from None
-                    self._fail(FailureReason.STREAM_BROKEN)
-                    raise UpstreamError(f"the shard's stream broke: {exc}") from None
-                if not lines:
-                    return
-                events: list[Event] = []
-                for line in lines:
-                    event = wire.parse_line(line)
-                    if isinstance(event, SwitchboardError):
-                        self.failure = FailureReason.for_stream_error(event.code)  # not held against the shard
-                        if events:
-                            yield events
-                        raise event
-                    if event is not None:
-                        events.append(event)
-                if events:
-                    yield events
-        finally:
-            self.close()
-
-    def _fail(self, reason: FailureReason) -> None:
-        self.failure = reason
-        self._router.report_failure(self.member, reason)
-
-    def close(self) -> None:
-        """Idempotent. A stream not read to its end drops the connection: the shard aborts."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._response.close()
-        finally:
-            self._leases.close()
-            if self.on_close is not None:
-                self.on_close(self)
-
-
 class Upstream:
     def __init__(self, router: Router, pool: ShardTransport, config: UpstreamConfig,
                  headers: Mapping[str, str] | None = None) -> None:
@@ -177,12 +100,11 @@ class Upstream:
 
     def drop_lost(self, statuses: Mapping[str, str]) -> None:
         """Subscribed to a membership view that knows every member's status (shard id -> status):
-        a stream whose shard is now critical or gone fails over at once (a drained shard keeps its
-        streams: it is finishing them)."""
+        a stream whose shard is now critical or gone fails over unless the shard goes on sending
+        (ShardStream.lose; a drained shard keeps its streams: it is finishing them)."""
         for stream in list(self._live):
             if statuses.get(stream.member.id, "critical") == "critical":
-                log.warning("shard %s left membership mid-stream; resuming elsewhere", stream.member.id)
-                stream.lose()
+                stream.lose(loss_grace(stream.member.meta.get(KEEPALIVE_META)))
 
     async def open(self, request: ShardRequest, session_id: str | None,
                    exclude: set[str] | None = None) -> ShardStream:

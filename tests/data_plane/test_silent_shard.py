@@ -119,6 +119,28 @@ def test_a_shard_that_leaves_membership_mid_stream_is_resumed_without_waiting_fo
                 shard.proc.send_signal(signal.SIGCONT)  # type: ignore[attr-defined]
 
 
+def test_a_shard_that_leaves_membership_but_keeps_streaming_keeps_its_stream() -> None:
+    """A heartbeat late by 100 ms on a busy host made a shard critical for a moment while it kept
+    streaming; its streams were failed at once, and with no other shard to resume on (the others critical
+    or loading too) the client got "the shard left membership mid-stream" from a healthy shard. Now a
+    stream fails over only if its shard also stops sending (data_plane/routing/shard_stream.py)."""
+    with Cluster(shards=1, caches=1, token_delay_ms=60) as c:
+        sdk = openai.OpenAI(base_url=c.gateway.url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=60)
+        msgs = [{"role": "user", "content": "a long story about a shard"}]
+        reference = sdk.chat.completions.create(model="synthetic", max_tokens=40, messages=msgs)
+        [shard] = [m["id"] for m in httpx.get(c.registry + "/v1/registry/members").json()["members"]
+                   if m["service"] == "shard"]
+        text = []
+        for i, chunk in enumerate(sdk.chat.completions.create(model="synthetic", max_tokens=40, stream=True,
+                                                              messages=msgs)):
+            if i == 3:  # gone from membership (as after a missed TTL) while its stream flows
+                httpx.delete(f"{c.registry}/v1/registry/members/{shard}", headers=CLUSTER_HEADERS, timeout=5)
+            if chunk.choices:
+                text.append(chunk.choices[0].delta.content or "")
+        assert "".join(text) == reference.choices[0].message.content
+        assert metric(c.gateway.url, "switchboard_router_upstream_failures_total", reason="membership_lost") == 0
+
+
 def test_silent_shard_before_the_first_token_is_retried_elsewhere() -> None:
     with Cluster(shards=2, caches=1, token_delay_ms=1) as c:
         assert c.shards[0].proc is not None
