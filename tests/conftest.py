@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+
+from data_plane.common.cores import SPIN_COUNT
+
+# As `switchboard` sets it for its processes (data_plane/common/cores.py), before a test loads torch and
+# libgomp with it: the in-process engines of the test workers spun ~6 ms at each region's end, on cores
+# that the other worker and the shards needed (a quality test that takes 3 s alone took 384 s in a loaded CI).
+os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
 
 import pytest
 

@@ -69,7 +69,8 @@ async def test_local_actuator_starts_drains_and_stops_real_shards(tmp_path: Path
                 assert await actuator.current() == 1
 
                 # a request in flight on the shard being removed finishes before it stops
-                stream = asyncio.create_task(_stream(http, second["url"], max_tokens=40))  # ~1.6 s
+                # ~8 s: it outlasts the checks below on a loaded CI (at 40 tokens, ~1.6 s, it had ended before them)
+                stream = asyncio.create_task(_stream(http, second["url"], max_tokens=200))
                 await eventually_async(lambda: _health(second["url"]).get("running") == 1, 5, 0.1,
                                        what="request running")
                 await actuator.scale_to(0, "test: low load")

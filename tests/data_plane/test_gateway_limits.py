@@ -85,7 +85,7 @@ def tiers_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def one(tiers_file: Path) -> Iterator[Service]:
     """One gateway with one in-flight slot; a full synthetic answer (16 tokens) takes about 1 s."""
     with Service(["shard", "--engine", "synthetic", "--synthetic-token-delay-ms", "60"]) as shard, \
-            gateway(shard.url, tiers_file, "--max-inflight", "1", "--queue-timeouts", "free=0.4",
+            gateway(shard.url, tiers_file, "--max-inflight", "1", "--queue-timeouts", "free=1.5",
                     env=keys_env(list(KEYS))) as gw:
         yield gw
 
@@ -152,7 +152,11 @@ async def test_admission_serves_enterprise_first_and_sheds_free_past_its_deadlin
     order: list[str] = []
 
     async def call(client: httpx.AsyncClient, name: str) -> httpx.Response:
-        body = {"model": "synthetic", "messages": [{"role": "user", "content": f"{name} question"}], "max_tokens": 16}
+        # the holder keeps the one slot ~7.7 s, past free2's 1.5 s deadline and what the checks take under a
+        # loaded CI (with 16 tokens and a 0.4 s deadline, free2 was shed before a scrape saw it queued)
+        tokens = 128 if name == "enterprise-hold" else 16
+        body = {"model": "synthetic", "messages": [{"role": "user", "content": f"{name} question"}],
+                "max_tokens": tokens}
         r = await client.post(one.url + "/v1/chat/completions", json=body,
                               headers={"Authorization": f"Bearer {KEYS[name.split('-')[0]]}"})
         order.append(name)
@@ -168,7 +172,7 @@ async def test_admission_serves_enterprise_first_and_sheds_free_past_its_deadlin
         bulk = [asyncio.create_task(call(client, f"bulk-{i}")) for i in range(2)]
         await eventually_async(lambda: depth("bulk") == 2, 10, what="both bulk requests queued")
         free = asyncio.create_task(call(client, "free2"))
-        await eventually_async(lambda: depth("free") == 1, 0.4, what="free2 queued (before its 0.4 s deadline)")
+        await eventually_async(lambda: depth("free") == 1, 1.5, what="free2 queued (before its 1.5 s deadline)")
         ent = asyncio.create_task(call(client, "enterprise-late"))
         shed = await free
         assert shed.status_code == 503 and shed.json()["error"]["code"] == "overloaded", shed.text
