@@ -36,6 +36,12 @@ NEEDS_AUTOSCALER = "switchboard_autoscaler_"
 an autoscaler here would start and stop shards of its own. They must still parse; the test asserts
 the control plane really exports none of them, so this exemption lapses loudly if that changes."""
 
+NEEDS_UP = "switchboard_up_process_"
+"""`switchboard up`'s supervisor table (control_plane/admin/processes.py) is served by a control plane that
+`up` started; the test Cluster starts its processes itself, without a table. The series are checked on a
+real `up` in tests/control_plane/test_up_processes.py; the test asserts the Cluster's control plane really
+exports none, so this exemption lapses loudly if that changes."""
+
 NEEDS_PREFIX_LOOKUPS = "vllm:prefix_cache_hits_total"
 """The hit-rate panel divides by prompt tokens looked up in the prefix cache, and the synthetic engine
 the test Cluster runs keeps no KV (it never looks up): 0 / 0 is NaN there. The torch engine's lookups
@@ -147,6 +153,7 @@ def check_queries_and_alert(cluster: Cluster, prometheus: Prometheus) -> None:
     control_metrics = httpx.get(cluster.control_plane.url + "/metrics", timeout=5.0).text
     assert NEEDS_AUTOSCALER not in control_metrics, "the control plane runs an autoscaler: drop NEEDS_AUTOSCALER"
     assert "switchboard_degradation_level " in control_metrics  # exported with the autoscaler off
+    assert NEEDS_UP not in control_metrics, "the Cluster's control plane serves up's process table: drop NEEDS_UP"
     assert prometheus.value("sum(vllm:prefix_cache_queries_total)") == 0, "drop NEEDS_PREFIX_LOOKUPS"
     assert not prometheus.value("sum(vllm:spec_decode_num_drafts_total)") > 0, "drop NEEDS_SPECULATION"
     assert not prometheus.query(NEEDS_TORCH_THREADS)["data"]["result"], "drop NEEDS_TORCH_THREADS"
@@ -161,7 +168,7 @@ def check_queries_and_alert(cluster: Cluster, prometheus: Prometheus) -> None:
         if answer.get("status") != "success":
             problems.append(f"{where}: {answer.get('errorType')}: {answer.get('error')}\n    {expr}")
             continue
-        if fname not in MUST_HAVE_DATA or any(n in expr for n in (NEEDS_AUTOSCALER, NEEDS_PREFIX_LOOKUPS,
+        if fname not in MUST_HAVE_DATA or any(n in expr for n in (NEEDS_AUTOSCALER, NEEDS_UP, NEEDS_PREFIX_LOOKUPS,
                                                                   NEEDS_SPECULATION, NEEDS_TORCH_THREADS,
                                                                   NEEDS_PIPELINE, *NEEDS_GRAMMAR)):
             continue
