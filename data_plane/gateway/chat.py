@@ -72,6 +72,7 @@ from data_plane.gateway.phases import (
 from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S, lost_race, record_key
 from data_plane.gateway.response_cache import CachedReply, Decision, ReplayStream, cache_key, cache_policy
 from data_plane.gateway.response_store import META_ROLE
+from data_plane.gateway.revocation import RevocableSource, Stage
 from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.gateway.safety.pipeline import SafetyPolicy, raise_if_blocked
 from data_plane.gateway.stream import Completion, EventSource
@@ -325,11 +326,13 @@ class ChatHandler:
     async def _prepare_and_open(self) -> Opened:
         """The request's phases, in order; each returns what the next ones read (data_plane/gateway/phases.py)."""
         caller = self._authenticate()
-        checked = await self._validate(caller)
-        policy = await self._budget(caller, checked)
-        prepared = await self._prepare(caller, checked)
-        stream = await self._route(caller, checked, prepared)
-        return self._opened(checked, policy, stream)
+        hold = self.x.hold = self.gw.inflight.hold(self.owner, self.request_id)  # revocation.py: its key revoked
+        with hold.interruptible(Stage.OPENING):
+            checked = await self._validate(caller)
+            policy = await self._budget(caller, checked)
+            prepared = await self._prepare(caller, checked)
+            stream = await self._route(caller, checked, prepared)
+        return self._opened(checked, policy, RevocableSource(stream, hold))
 
     def _authenticate(self) -> Caller:
         """The key (a banned address never reaches the keys), its tier, and the abuse measures on it."""

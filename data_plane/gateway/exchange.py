@@ -5,8 +5,8 @@
     x.admitted(await admission.acquire(...))  # the in-flight slot, and the in-flight gauge up
     ...
     x.close(200, "ok")                        # the request's Outcome built, counted and recorded (the
-                                              # ledger), gauge down, slot freed, grant settled, span
-                                              # ended: once, whoever calls
+                                              # ledger), gauge down, slot freed, grant settled, its key's
+                                              # hold released, span ended: once, whoever calls
 
 ChatHandler (data_plane/gateway/chat.py) creates it; Completion (data_plane/gateway/stream.py)
 records timings and usage on it and closes it before the stream's last write. A second `close` is a
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from opentelemetry import trace
 
@@ -27,6 +28,13 @@ from data_plane.gateway.admission import Ticket
 from data_plane.gateway.metrics import GatewayMetrics, request_code
 from data_plane.gateway.ratelimit.limiter import Grant, RateLimiter
 from data_plane.protocol import Usage
+
+
+class Hold(Protocol):
+    """Something the request holds until it ends: its place among its key's requests in flight
+    (data_plane/gateway/revocation.py InFlight)."""
+
+    def release(self) -> None: ...
 
 
 class Exchange:
@@ -60,6 +68,8 @@ class Exchange:
         self.usage: Usage | None = None
         """As the stream last reported it (data_plane/gateway/stream.py Completion)."""
         self.tool_calls = 0
+        self.hold: Hold | None = None
+        """The request's place among its key's requests in flight (a revocation ends it; released at close)."""
         self._limiter = limiter
         self._on_record = on_record
         self._inflight = False
@@ -109,6 +119,8 @@ class Exchange:
         if self._closed:
             return None
         self._closed = True
+        if self.hold is not None:
+            self.hold.release()
         outcome = None
         if status is not None:
             outcome = self.outcome(status, code)

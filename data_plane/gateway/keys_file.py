@@ -10,7 +10,8 @@ Why: the key store was built once, at start. A key removed from the file (a leak
 left, an abuse confirmed) went on authenticating until every gateway was restarted, and nothing said
 so. The file is stat-ed every second (modification time, size, inode: an editor's rename counts); a
 changed file is parsed and validated whole before it replaces the keys in force, so a half-written or
-invalid file never locks everyone out: it is logged and the previous keys stay.
+invalid file never locks everyone out: it is logged and the previous keys stay. Keys that a new version
+lacks also end the requests they have in flight (data_plane/gateway/revocation.py, via `Gateway.put_keys`).
 """
 
 from __future__ import annotations

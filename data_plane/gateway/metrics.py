@@ -142,3 +142,7 @@ class GatewayMetrics:
             ["event"], registry=registry)
         for event in HOP_EVENTS:
             self.hop_connections.labels(event)
+        self.revoked = Counter("switchboard_gateway_requests_revoked",
+                               "Requests ended because their API key was revoked (or its tenant removed) while they "
+                               "ran, by stage: opening (before the reply began: 401) | replying (mid-reply: an SSE "
+                               "error event, or 401 before a JSON body).", ["stage"], registry=registry)

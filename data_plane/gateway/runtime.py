@@ -41,6 +41,7 @@ from data_plane.gateway.ratelimit.limiter import RateLimiter, RateLimitMetrics, 
 from data_plane.gateway.record_locks import RecordLocks
 from data_plane.gateway.response_cache import ResponseCache, ResponseCacheMetrics
 from data_plane.gateway.responses_metrics import ResponsesMetrics
+from data_plane.gateway.revocation import InFlightKeys
 from data_plane.gateway.safety.pipeline import SafetyMetrics, SafetyPolicies
 from data_plane.gateway.settings import GatewaySettings
 from data_plane.gateway.tier_gate import TierGate
@@ -81,6 +82,9 @@ class Gateway:
     """Refuses a key whose tier the policy in force lacks (data_plane/gateway/tier_gate.py)."""
     policy: Callable[[], TierPolicy] = field(init=False)
     """The tier policy in force: the control plane's hot one once `open_runtime` watches it, else `tiers`."""
+    inflight: InFlightKeys = field(init=False)
+    """Generation requests in flight by key digest: a key gone from the keys in force ends its own
+    (data_plane/gateway/revocation.py)."""
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -97,6 +101,12 @@ class Gateway:
         self.record_locks = RecordLocks()
         self.tier_gate = TierGate(self.registry)
         self.policy = lambda: self.tiers
+        self.inflight = InFlightKeys(self.metrics.revoked)
+
+    def put_keys(self, keys: KeyStore) -> None:
+        """Put `keys` in force (the keys file reloaded); requests of a key they lack end now."""
+        old, self.keys = self.keys, keys
+        self.inflight.reloaded(old, keys)
 
     def caller(self, request: Any) -> tuple[Principal, Tier]:
         """The principal of a request to a route other than a generation's, after the abuse guard (bans,
@@ -170,7 +180,7 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
         stack.push_async_callback(gw.guard.aclose)
     if settings.keys_file:  # a key removed from the file stops working within a second (keys_file.py)
         reload = KeysFileReload(settings.keys_file, lambda: checked_keys(settings, gw.tiers),
-                                lambda keys: setattr(gw, "keys", keys))
+                                gw.put_keys)
         reload.start()
         stack.push_async_callback(reload.aclose)
     if settings.trusted_proxies:
