@@ -147,7 +147,8 @@ def test_reasoning_and_max_tool_calls_are_accepted_as_the_chat_paths_no_ops(gate
         done = sdk.responses.create(model=MODEL, input="Say hi.", max_output_tokens=2, reasoning=reasoning,
                                     max_tool_calls=2)
         assert done.reasoning is not None and done.reasoning.effort is None  # nothing reasoned
-        assert done.max_tool_calls == 2 and done.output_text
+        # served (2 tokens sampled; they may be whitespace, so output_text may be empty: CI saw one)
+        assert done.max_tool_calls == 2 and done.usage is not None and done.usage.output_tokens > 0
     with pytest.raises(openai.BadRequestError) as bad:
         sdk.responses.create(model=MODEL, input="x", reasoning={"efort": "low"})
     assert bad.value.body["param"] == "reasoning.efort"
