@@ -19,12 +19,12 @@ path) holds an `InFlight` under its key's digest while it runs. When a reload pu
 lack a digest (the key revoked, its tenant removed), each of its holds is revoked: a request awaiting
 something interruptible (its body, the rate limiter, the admission queue, a shard's first token, the next
 tokens) has its task cancelled, and the cancellation is turned into :class:`KeyRevoked` (401
-``invalid_api_key``) right there; a request doing anything else (writing to the client, saving a turn)
-meets the revocation at its next interruptible wait. So the chat path's own error handling answers it:
-a 401 before the reply's first byte, an SSE error event and ``[DONE]`` after it (the Responses API's
-``error`` and ``response.failed``; a background response stored ``failed``); the shard stream is closed,
-which aborts the generation at the shard's next step; the usage generated so far is what the Exchange
-records in the ledger. The cancellation lands only inside an interruptible wait, never in the client's
+``invalid_api_key``) right there; a request doing anything else (writing to a slow client, saving a
+turn) has its shard stream closed at once and meets the revocation at its next interruptible wait. So the
+chat path's own error handling answers it: a 401 before the reply's first byte, an SSE error event and
+``[DONE]`` after it (the Responses API's ``error`` and ``response.failed``; a background response stored
+``failed``); the shard stream is closed, which aborts the generation at the shard's next step; the usage
+generated so far is what the Exchange records in the ledger. The cancellation lands only inside an interruptible wait, never in the client's
 socket write, so a revocation is never mistaken for a client that left.
 
 Counted in ``switchboard_gateway_requests_revoked_total{stage}`` and logged with the request id and the
@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 
 from prometheus_client import Counter
@@ -82,6 +82,9 @@ class InFlight:
         self._cancelled = False
         """This hold cancelled the task and the cancellation has not been turned into KeyRevoked yet."""
         self._blocks = {stage: _Interruptible(self, stage) for stage in Stage}
+        self.upstream: Callable[[], None] | None = None
+        """Closes the reply's shard stream (set by RevocableSource): a revocation that finds the request
+        busy elsewhere (a slow client's socket) still stops the shard's work at once."""
 
     def interruptible(self, stage: Stage) -> _Interruptible:
         """A ``with`` block that a revocation ends at once with KeyRevoked (also raised on entry when the key
@@ -97,6 +100,8 @@ class InFlight:
         if self._armed and task is not None and not task.done():
             self._cancelled = True
             task.cancel()
+        elif self.upstream is not None:
+            self.upstream()  # synchronous; the request ends at its next wait for tokens
 
     def release(self) -> None:
         """The request ended (idempotent)."""
@@ -192,6 +197,7 @@ class RevocableSource:
         self._inner = inner
         self._hold = hold
         self.member: Member = inner.member
+        hold.upstream = inner.close
 
     async def batches(self) -> AsyncIterator[list[Event]]:
         batches = aiter(self._inner.batches())

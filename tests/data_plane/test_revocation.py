@@ -112,8 +112,9 @@ async def test_a_revoked_reply_stops_between_tokens() -> None:
         try:
             async for _ in source.batches():
                 got += 1
-                if got == 3:
+                if got == 3:  # busy with the batch (writing to a slow client): not cancelled, but
                     inflight.reloaded(BOTH, ONLY_B)
+                    assert inner.closed  # the shard's work stops at once
         finally:
             source.close()
 
