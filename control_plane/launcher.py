@@ -348,14 +348,14 @@ def main(argv: list[str] | None = None) -> None:
     try:
         print(f"[switchboard] starting control plane, {len(caches)} cache nodes, {len(shards)} shards, gateway...",
               flush=True)
-        cp.start()
+        supervisor.start(cp)  # each start is in the process table at once (pid, running) as in `run()`
         wait_healthy([cp], 30, "control plane")
         for c in caches + shards:
-            c.start()
+            supervisor.start(c)
         wait_healthy(caches, 30, "cache nodes")
         wait_healthy(shards, 300, "loading the model")
         for g in gateways:
-            g.start()
+            supervisor.start(g)
         wait_healthy(gateways, 120, "gateway")
         if s.autoscale:
             print(f"[switchboard] the autoscaler starts {s.min_replicas} shard(s) (up to {s.max_replicas})...",
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
             _wait_routable(gateway.url, len(shards), 15)
         extras = [c for c in (prometheus, console) if c is not None]
         for child in extras:
-            child.start()
+            supervisor.start(child)
         wait_healthy(extras, 90, "prometheus / console")
     except Stopped as stop:
         supervisor.shutdown()

@@ -81,16 +81,24 @@ class LogRotation:
 
     def rotate(self, log: Path) -> None:
         """``log`` -> ``log.1`` (by copy, then truncated in place), ``log.1`` -> ``log.2``, ...; the
-        copies past `backups` removed."""
-        for n in range(self.backups, 0, -1):
-            older = log.with_name(f"{log.name}.{n}")
-            if n == self.backups:
-                older.unlink(missing_ok=True)
-            elif older.exists():
-                older.rename(log.with_name(f"{log.name}.{n + 1}"))
+        copies past `backups` removed. The copy goes to a temporary file first: a copy that fails (a full
+        disk) shifted nothing (the backups were shifted first and each retry pushed a partial copy down,
+        until every backup was one), and the log is left as it is for the next pass."""
         if self.backups:
-            with open(log, "rb") as src, open(log.with_name(f"{log.name}.1"), "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
+            fresh = log.with_name(f"{log.name}.1.tmp")
+            try:
+                with open(log, "rb") as src, open(fresh, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+            except OSError:
+                fresh.unlink(missing_ok=True)
+                raise
+            for n in range(self.backups, 0, -1):
+                older = log.with_name(f"{log.name}.{n}")
+                if n == self.backups:
+                    older.unlink(missing_ok=True)
+                elif older.exists():
+                    older.rename(log.with_name(f"{log.name}.{n + 1}"))
+            fresh.rename(log.with_name(f"{log.name}.1"))
         os.truncate(log, 0)
 
 

@@ -160,6 +160,12 @@ class Supervisor:
         if not self._running:
             self.record()  # no longer the last run's table: its pids are gone
 
+    def start(self, child: Child) -> None:
+        """Start `child` during start-up and record it: the table said it was down, pid none, until the
+        banner (minutes while a model loads), so SwitchboardProcessNotRunning paged on a slow start."""
+        child.start()
+        self.record()
+
     def run(self) -> None:
         self.guard()
         self._running = True

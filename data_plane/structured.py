@@ -25,9 +25,10 @@ grammar source the engine compiles: data_plane/shard/engines/grammar.py):
   in a system message (`tools_prompt`); data_plane/tool_calls.py parses the envelope back into OpenAI's
   ``tool_calls`` (streamed as deltas). With ``tool_choice: none`` the model still sees the tools, as
   OpenAI's does (and vLLM's, unless ``--exclude-tools-when-tool-choice-none``), told that none may be
-  called now (`withheld_tools_prompt`), and calls none: the reply is the envelope's answer alone
-  (``ToolMode.ANSWER``), sent as plain content; so it is too when the conversation already holds tool
-  calls (a tool's result came back) and no tool is offered, so the model answers rather than copy a
+  called now (`withheld_tools_prompt`), and calls none: its reply is free text, unconstrained (an engine
+  without grammars serves it, as it did before the tools were described). When the conversation already
+  holds tool calls (a tool's result came back) and no tool may be called, the reply is the envelope's
+  answer alone (``ToolMode.ANSWER``), sent as plain content, so the model answers rather than copy a
   call as text. A response_format or structured_outputs with ``tool_choice: none`` keeps its own
   constraint (the tools described all the same).
 """
@@ -313,11 +314,11 @@ def output_plan(response_format: ResponseFormat | None, structured: StructuredOu
             return OutputPlan(Constraint("grammar", structured.grammar), mode, notice, param=STRUCTURED)
         return OutputPlan(Constraint("json_object", ANY_JSON_OBJECT), mode, notice, param=STRUCTURED)
     if response_format is None or response_format.type == "text":
-        if tool_history or withheld:
+        if tool_history:
             prompt = withheld_tools_prompt(withheld, answer=True) if withheld else ANSWER_PROMPT
             return OutputPlan(Constraint("tools", json.dumps(ANSWER_SCHEMA)), ToolMode.ANSWER, prompt,
                               param="tools")
-        return OutputPlan(None, mode, None)
+        return OutputPlan(None, mode, notice)  # tool_choice none: free text (any engine serves it)
     answer = response_schema(response_format)
     assert answer is not None
     kind = "json_object" if response_format.type == "json_object" else "json_schema"
@@ -406,7 +407,7 @@ def _beyond_recursion(text: str) -> bool:
     except RecursionError:
         return True
     except ValueError:
-        return False
+        pass
     return False
 
 

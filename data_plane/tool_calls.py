@@ -295,7 +295,7 @@ class SentOutput:
         answer_json = isinstance(rf, dict) and rf.get("type") in ("json_object", "json_schema")
         if not body.get("tools") or choice == "none":  # ToolMode.ANSWER (data_plane/structured.py) or free text
             answer = not answer_json and not body.get("structured_outputs")
-            return cls(answer and (bool(body.get("tools")) or holds_tool_calls(body.get("messages") or [])))
+            return cls(answer and holds_tool_calls(body.get("messages") or []))
         auto = choice in (None, "auto") or (isinstance(choice, dict) and choice.get("type") == "allowed_tools"
                                             and (choice.get("allowed_tools") or {}).get("mode") == "auto")
         return cls(True, answer_json and auto)

@@ -116,11 +116,18 @@ def processes_frame(table: Mapping[str, Any] | None, *, now: float) -> pd.DataFr
         started, died, code = num(p.get("started_at")), num(p.get("last_exit_at")), p.get("last_exit_code")
         exit_text = ""
         if died is not None and isinstance(code, int):
-            how = (signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}") \
-                if code < 0 else f"exit code {code}"
+            how = _signal_name(-code) if code < 0 else f"exit code {code}"
             exit_text = f"{how}, {max(0.0, now - died):.0f} s ago"
         running = bool(p.get("running"))
         rows.append({"process": p.get("name", "?"), "pid": p.get("pid"), "status": "running" if running else "down",
                      "up_s": max(0.0, now - started) if running and started else None,
                      "restarts": int(num(p.get("restarts")) or 0), "last_exit": exit_text, "log": p.get("log") or ""})
     return pd.DataFrame(rows, columns=["process", "pid", "status", "up_s", "restarts", "last_exit", "log"])
+
+
+def _signal_name(number: int) -> str:
+    """SIGKILL for 9; "signal 40" for a number without a name (a real-time signal: valid, but no Signals member)."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

@@ -39,7 +39,7 @@ class ProcessMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.restarts = Gauge("switchboard_up_process_restarts",
                               "Times `switchboard up` restarted this process since the launcher started "
-                              "(a gauge read from its table: alert on delta(...[10m]) > 0).",
+                              "(a gauge read from its table, 0 again when up restarts: alert on increase(), which reads that as a reset).",
                               ["process"], registry=registry)
         self.running = Gauge("switchboard_up_process_running",
                              "1 while the supervisor's child is running, 0 while it waits to be restarted.",

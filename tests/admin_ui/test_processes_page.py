@@ -28,3 +28,14 @@ def test_cluster_page_shows_restarts_and_last_exits_from_ups_process_table(bare_
         assert rows["cache-0"]["restarts"] == 2 and rows["cache-0"]["last_exit"].startswith("SIGKILL, 3")
         assert rows["cache-0"]["status"] == "running" and rows["cache-0"]["pid"] == 111
         assert rows["shard-0"]["status"] == "down" and rows["shard-0"]["last_exit"].startswith("exit code 1, ")
+
+
+def test_a_process_killed_by_a_realtime_signal_is_shown_not_a_crash() -> None:
+    """signal.valid_signals() holds the real-time signals (SIGRTMIN+n), which have no Signals member:
+    the page raised ValueError for a process killed by one."""
+    from admin_ui.views.cluster import processes_frame
+
+    now = time.time()
+    frame = processes_frame({"processes": [{"name": "shard-0", "pid": 1, "running": False, "restarts": 1,
+                                            "last_exit_code": -40, "last_exit_at": now - 2}]}, now=now)
+    assert list(frame["last_exit"]) == ["signal 40, 2 s ago"]

@@ -61,3 +61,22 @@ def test_backoff_grows_in_a_crash_loop_and_starts_over_after_a_stable_run(
         child.stop(signal.SIGKILL)
         if child.proc is not None:
             child.proc.wait(5)
+
+
+def test_the_process_table_shows_each_child_running_from_its_start(tmp_path: Path) -> None:
+    """During `up`'s start-up (minutes while a model loads) the table said every child was down, pid none:
+    it was written before any start and next before the banner (SwitchboardProcessNotRunning paged)."""
+    import json
+
+    (tmp_path / "logs").mkdir()
+    kids = [Child(n, [], "http://127.0.0.1:1", tmp_path / "logs" / f"{n}.log", command=["sleep", "30"])
+            for n in ("control-plane", "shard-0")]
+    sup = Supervisor(kids, None, tmp_path / "logs", tmp_path / "processes.json")
+    sup.guard()
+    try:
+        for k in kids:
+            sup.start(k)
+        rows = json.loads((tmp_path / "processes.json").read_text())["processes"]
+        assert [(r["pid"], r["running"]) for r in rows] == [(k.proc.pid, True) for k in kids if k.proc], rows
+    finally:
+        sup.shutdown()

@@ -88,3 +88,25 @@ def test_logs_are_rotated_at_their_cap_while_the_process_keeps_writing(tmp_path:
         child.stop(signal.SIGKILL)
         if child.proc is not None:
             child.proc.wait(5)
+
+
+def test_a_failed_copy_keeps_the_older_backups(tmp_path: Path) -> None:
+    """The backups were shifted before the copy: a copy that failed (a full disk; here RLIMIT_FSIZE) left a
+    partial .1 and the log untruncated, and each later pass (every 0.5 s) shifted again, until every backup
+    was a partial copy of the current log."""
+    script = f"""
+import resource, signal
+from pathlib import Path
+from control_plane.state_dir import LogRotation
+d = Path({str(tmp_path)!r})
+for n in (1, 2, 3):
+    (d / f"a.log.{{n}}").write_text(f"history {{n}}\\n")
+(d / "a.log").write_bytes(b"current line\\n" * 20000)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+for _ in range(3):
+    LogRotation(200_000, 3).rotate_full(d)
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    assert [(tmp_path / f"a.log.{n}").read_text() for n in (1, 2, 3)] == [f"history {n}\n" for n in (1, 2, 3)]
+    assert (tmp_path / "a.log").stat().st_size == 20000 * 13 and not list(tmp_path.glob("*.tmp"))

@@ -83,6 +83,23 @@ def test_openai_sdk_non_stream_stream_and_async(cluster: Cluster) -> None:
     assert asyncio.run(many()) == ["length"] * 12
 
 
+def test_tool_choice_none_is_served_by_an_engine_without_grammars(cluster: Cluster) -> None:
+    """Tools sent with tool_choice "none" (an app's final-answer turn) need no grammar: the synthetic engine
+    (as vLLM's adapter) served them, until describing the tools came with an answer constraint, a 400
+    "this shard's engine does not support structured outputs" there. Tools the model may call stay a 400."""
+    sdk = client(cluster)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    msgs = [{"role": "user", "content": "weather in paris"}]
+    out = sdk.chat.completions.create(model="synthetic", messages=msgs, max_tokens=5, tools=tools,  # type: ignore[arg-type]
+                                      tool_choice="none")
+    assert out.choices[0].message.content and not out.choices[0].message.tool_calls
+    bare = sdk.chat.completions.create(model="synthetic", messages=msgs, max_tokens=5)
+    assert out.usage and bare.usage and out.usage.prompt_tokens > bare.usage.prompt_tokens  # the tools described
+    with pytest.raises(openai.BadRequestError):
+        sdk.chat.completions.create(model="synthetic", messages=msgs, max_tokens=5, tools=tools)  # type: ignore[arg-type]
+
+
 def test_auth_required(cluster: Cluster) -> None:
     body = {"messages": [{"role": "user", "content": "x"}]}
     for key in (None, "sk-wrong"):
