@@ -377,7 +377,6 @@ def main(argv: list[str] | None = None) -> None:
         raise
     try:
         stages = _pipeline_stages(cp, creds["admin_token"], shards) if s.pipeline_parallel_size > 1 else {}
-        supervisor.record()
         _banner(s, creds, cp, caches, shards, gateways, state, stages)
         supervisor.run()  # until a stop signal
     except Stopped:  # between the start-up and run()

@@ -161,8 +161,9 @@ class Supervisor:
             self.record()  # no longer the last run's table: its pids are gone
 
     def start(self, child: Child) -> None:
-        """Start `child` during start-up and record it: the table said it was down, pid none, until the
-        banner (minutes while a model loads), so SwitchboardProcessNotRunning paged on a slow start."""
+        """Start `child` (at start-up and each restart) and record it at once: at start-up the table said
+        it was down, pid none, until the banner (minutes while a model loads), so
+        SwitchboardProcessNotRunning paged on a slow start."""
         child.start()
         self.record()
 
@@ -197,13 +198,11 @@ class Supervisor:
             elif now >= child.next_restart:
                 child.restarts += 1
                 child.next_restart = 0.0
-                child.start()
-                self.record()
+                self.start(child)
                 print(f"[switchboard] {child.name} restarted (restart #{child.restarts})", flush=True)
 
     def record(self) -> None:
-        """Write the process table now (each start, death and restart does; the launcher too, once
-        every child is healthy, before it prints the banner)."""
+        """Write the process table now (each start, death and restart does, and `run()` as it begins)."""
         if self.table is not None:
             try:
                 write_process_table(self.table, os.getpid(), [c.row() for c in self.children], time.time())
