@@ -23,11 +23,11 @@ between the copy and the truncation is lost.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import shutil
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -62,6 +62,10 @@ class LogRotation:
     """A log that reaches this many bytes is rotated (0: never)."""
     backups: int
     """Rotated copies kept (``x.log.1`` is the newest); 0 truncates without a copy."""
+    retry_s: float = 60.0
+    """After a rotation failed (a full disk), that log is left alone this long: the loop runs every 0.5 s,
+    and each try wrote a partial copy up to the disk's last free byte."""
+    _failed: dict[Path, float] = field(default_factory=dict, compare=False, repr=False)
 
     def rotate_full(self, folder: Path) -> list[Path]:
         """Rotate every ``*.log`` in `folder` that reached `max_bytes`; the logs rotated."""
@@ -73,10 +77,14 @@ class LogRotation:
                 full = log.stat().st_size >= self.max_bytes
             except OSError:  # gone between the glob and the stat
                 continue
-            if full:
-                with contextlib.suppress(OSError):
+            if full and time.monotonic() >= self._failed.get(log, 0.0):
+                try:
                     self.rotate(log)
-                    rotated.append(log)
+                except OSError:
+                    self._failed[log] = time.monotonic() + self.retry_s
+                    continue
+                self._failed.pop(log, None)
+                rotated.append(log)
         return rotated
 
     def rotate(self, log: Path) -> None:

@@ -104,9 +104,14 @@ for n in (1, 2, 3):
 (d / "a.log").write_bytes(b"current line\\n" * 20000)
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+rotation = LogRotation(200_000, 3)
 for _ in range(3):
-    LogRotation(200_000, 3).rotate_full(d)
+    assert rotation.rotate_full(d) == []
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))  # room again
+assert rotation.rotate_full(d) == []  # a failed log is left alone for retry_s: no copy every 0.5 s
 """
     subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
     assert [(tmp_path / f"a.log.{n}").read_text() for n in (1, 2, 3)] == [f"history {n}\n" for n in (1, 2, 3)]
     assert (tmp_path / "a.log").stat().st_size == 20000 * 13 and not list(tmp_path.glob("*.tmp"))
+    assert LogRotation(200_000, 3).rotate_full(tmp_path) == [tmp_path / "a.log"]  # past the wait: rotated
+    assert (tmp_path / "a.log.1").stat().st_size == 20000 * 13 and (tmp_path / "a.log.2").read_text() == "history 1\n"
