@@ -52,7 +52,8 @@ sent spells the content, but for a token only partly released (" Fils" after "le
     assert choice.message.content.encode().startswith(b"".join(bytes(e.bytes) for e in entries)) and entries
     assert BLOCKED not in "".join(e.token for e in entries) + choice.message.content
 
-    text, streamed, finish = "", [], None
+    text, finish = "", None
+    streamed: list[Any] = []
     for chunk in client.chat.completions.create(**ask, stream=True):
         if chunk.choices:
             text += chunk.choices[0].delta.content or ""
