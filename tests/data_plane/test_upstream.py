@@ -464,3 +464,21 @@ async def test_a_token_sent_with_its_finish_reason_is_kept_as_vllm_sends_the_las
     assert await drain(await up.open(BODY, session_id=None)) == [
         ToolCallDelta(0, "call_a", "f", '{"a":"x'), ToolCallDelta(0, None, None, '"}'),
         ToolCallDelta(1, "call_b", "f", "{}"), Finish("tool_calls")]
+
+
+async def test_a_clients_continuation_resumes_as_one_assistant_message_with_the_text_after_it() -> None:
+    """The client asked to continue its final assistant message (vLLM's continue_final_message): a resume
+    continues that same message with the text sent since, never a second assistant message after it."""
+    pool = Pool(Response(200, [[token(" Par", 1)], HopDisconnected("reset")]),
+                Response(200, [[token("is.", 1)], [FINISH], [USAGE]]))
+    up, _ = upstream(pool)
+    body = ShardRequest.model_validate({
+        "messages": [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "It is"}],
+        "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 10, "stream": True})
+    events = await drain(await up.open_resumable(body, session_id=None))
+    assert "".join(e.text for e in events if isinstance(e, Delta)) == " Paris."
+    (_, first), (_, resumed) = pool.posts
+    assert first["messages"][-1] == {"role": "assistant", "content": "It is"} and first["continue_final_message"]
+    assert resumed["messages"] == [{"role": "user", "content": "Capital of France?"},
+                                   {"role": "assistant", "content": "It is Par"}]
+    assert resumed["continue_final_message"] is True and resumed["add_generation_prompt"] is False
