@@ -45,6 +45,12 @@ _TIMEOUT_BODY = json.dumps({"error": {"message": "the request did not arrive in 
                                       "code": "request_timeout"}}).encode()
 _TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
                 b"content-length: " + str(len(_TIMEOUT_BODY)).encode() + b"\r\n\r\n" + _TIMEOUT_BODY)
+_TOO_LARGE_BODY = json.dumps({"error": {"message": "the request's headers are too large",
+                                        "type": "invalid_request_error", "param": None,
+                                        "code": "request_header_fields_too_large"}}).encode()
+_TOO_LARGE_431 = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                  b"connection: close\r\ncontent-length: " + str(len(_TOO_LARGE_BODY)).encode() + b"\r\n\r\n"
+                  + _TOO_LARGE_BODY)
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
@@ -62,6 +68,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._timers: dict[SlowClient, asyncio.TimerHandle] = {}
+        self._head_bytes = 0
+        """Bytes received since the current request's head began (counted while `_in_head`)."""
+        self._in_head = True
         if self.limits.send_buffer_bytes:
             sock = transport.get_extra_info("socket")
             if sock is not None:
@@ -74,11 +83,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         self._disarm(SlowClient.HEADERS)
         self._arm(SlowClient.BODY, self.limits.body_s)
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
+        self._in_head, self._head_bytes = True, 0  # the next request's head (keep-alive) starts here
         self._disarm(SlowClient.BODY)
         super().on_message_complete()
 
@@ -122,6 +133,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         if reason is SlowClient.HEADERS or (reason is SlowClient.BODY and not self._response_started()):
             self.transport.write(_TIMEOUT_408)
+        self._linger()
+
+    def _linger(self) -> None:
         # A lingering close (nginx's lingering_close): the client is still sending, and closing now
         # would answer its next bytes with a reset that can destroy the 408 before it is read.
         self._lingering = True
@@ -135,7 +149,21 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if getattr(self, "_lingering", False):
             return  # cut: what still arrives is dropped
+        if self._in_head:
+            self._head_bytes += len(data)
         super().data_received(data)
+        # the head may have ended inside this chunk (its body's first bytes counted with it): only a head
+        # still unfinished past the bound is refused; httptools would keep it whole however large
+        if self._in_head and self.limits.max_head_bytes and self._head_bytes > self.limits.max_head_bytes \
+                and not self.transport.is_closing():
+            for reason in (SlowClient.FIRST_REQUEST, SlowClient.HEADERS):
+                self._disarm(reason)
+            if self.on_cut is not None:
+                self.on_cut(SlowClient.HEAD_TOO_LARGE)
+            log.info("closing a connection whose request head passed %d bytes from %s", self.limits.max_head_bytes,
+                     self.client)
+            self.transport.write(_TOO_LARGE_431)
+            self._linger()
 
     def _response_started(self) -> bool:
         cycle = self.cycle
