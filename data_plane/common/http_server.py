@@ -69,8 +69,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self._timers: dict[SlowClient, asyncio.TimerHandle] = {}
         self._head_bytes = 0
-        """Bytes received since the current request's head began (counted while `_in_head`)."""
+        """Bytes of the reads in a row that stayed within a head or a trailer section (`_unbounded`)."""
         self._in_head = True
+        self._chunk_open = False
+        """A chunk's size line was read and none of its data yet: the last chunk's trailers come now."""
+        self._progress = 0
+        """Body pieces and messages completed: a read that moved it was not all head or trailers."""
         if self.limits.send_buffer_bytes:
             sock = transport.get_extra_info("socket")
             if sock is not None:
@@ -88,8 +92,20 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._arm(SlowClient.BODY, self.limits.body_s)
         super().on_headers_complete()
 
+    def on_chunk_header(self) -> None:
+        self._chunk_open = True
+
+    def on_chunk_complete(self) -> None:
+        self._chunk_open = False
+
+    def on_body(self, body: bytes) -> None:
+        self._chunk_open = False
+        self._progress += 1
+        super().on_body(body)
+
     def on_message_complete(self) -> None:
-        self._in_head, self._head_bytes = True, 0  # the next request's head (keep-alive) starts here
+        self._in_head, self._chunk_open = True, False  # the next request's head (keep-alive) starts here
+        self._progress += 1
         self._disarm(SlowClient.BODY)
         super().on_message_complete()
 
@@ -149,12 +165,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if getattr(self, "_lingering", False):
             return  # cut: what still arrives is dropped
-        if self._in_head:
-            self._head_bytes += len(data)
+        before, progress = self._unbounded(), self._progress
         super().data_received(data)
-        # the head may have ended inside this chunk (its body's first bytes counted with it): only a head
-        # still unfinished past the bound is refused; httptools would keep it whole however large
-        if self._in_head and self.limits.max_head_bytes and self._head_bytes > self.limits.max_head_bytes \
+        # httptools keeps a head, and a chunked body's trailers, whole however large: the reads that began
+        # and ended inside one without a byte of body (those holding the end of a body or of a message,
+        # one read at most each time, are not counted: a legal head or trailers just after a body is never
+        # taken for a large one) add up, and past the bound the connection is refused
+        if before and self._unbounded() and progress == self._progress:
+            self._head_bytes += len(data)
+        else:
+            self._head_bytes = 0
+        if self.limits.max_head_bytes and self._head_bytes > self.limits.max_head_bytes \
                 and not self.transport.is_closing():
             for reason in (SlowClient.FIRST_REQUEST, SlowClient.HEADERS):
                 self._disarm(reason)
@@ -164,6 +185,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                      self.client)
             self.transport.write(_TOO_LARGE_431)
             self._linger()
+
+    def _unbounded(self) -> bool:
+        """In a request head, or in a chunked body's trailer section (or a chunk's size line)."""
+        return self._in_head or self._chunk_open
 
     def _response_started(self) -> bool:
         cycle = self.cycle

@@ -13,7 +13,7 @@ them on the connection, before and beside the application):
 | ``headers`` | trickles its request head (a byte at a time) | ``headers_s`` from its first byte | 408, closed |
 | ``body`` | sends a body that never finishes (however slowly it trickles) | ``body_s`` from the end of the head | 408 (when no response started), closed |
 | ``stalled_reader`` | stops reading a response (a stream) | ``write_stall_s`` with the server's writes blocked | connection aborted |
-| ``head_too_large`` | sends a request head (request line and headers) past a size | ``max_head_bytes`` | 431, closed |
+| ``head_too_large`` | sends a request head (request line and headers), or a chunked body's trailers, past a size | ``max_head_bytes`` | 431, closed |
 
 httptools keeps a head however large (uvicorn's h11 protocol stops at 16 KiB; httptools has no bound):
 before ``max_head_bytes``, one connection sent 200 MB of headers within ``headers_s`` and the gateway's

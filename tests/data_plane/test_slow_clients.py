@@ -249,3 +249,39 @@ def test_a_request_head_past_the_bound_gets_431_before_it_costs_memory(cluster: 
 def test_the_head_bound_comes_from_the_environment() -> None:
     assert HttpLimits.from_env({ENV_MAX_HEAD_BYTES: "1024"}).max_head_bytes == 1024
     assert HttpLimits().max_head_bytes == 64 * 1024
+
+
+def test_trailers_past_the_bound_get_431_and_a_body_in_tiny_chunks_still_passes(cluster: Cluster) -> None:
+    """A chunked body's trailers are kept by httptools as its head is: 200 MB of them after a one-byte
+    body, before the key was even looked at, grew the gateway by 200 MB. They count as a head; a body
+    sent a byte per chunk (all framing, no trailers) is not refused for it."""
+    url = cluster.gateway.url
+    before = _cut(url, "head_too_large")
+    sock = _connect(url)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                 b"Content-Type: application/json\r\n\r\n1\r\n{\r\n0\r\n")
+    line = b"X-Trailer: " + b"a" * 8000 + b"\r\n"
+    sent, answer = 0, b""
+    sock.settimeout(5)
+    try:
+        while sent < 16 * 1024 * 1024:
+            sock.sendall(line)
+            sent += len(line)
+    except OSError:
+        pass
+    try:
+        while chunk := sock.recv(65536):
+            answer += chunk
+    except OSError:
+        pass
+    sock.close()
+    assert b"HTTP/1.1 431 " in answer, (sent, answer[:400])  # after the 401 the gateway gave the head alone
+    assert _cut(url, "head_too_large") == before + 1
+    body = json.dumps({"messages": [{"role": "user", "content": "x" * 20000}], "max_tokens": 2}).encode()
+    sock = _connect(url)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                 b"Content-Type: application/json\r\nAuthorization: Bearer sk-test-plus-0123456789\r\n\r\n")
+    sock.sendall(b"".join(b"1\r\n" + body[i:i + 1] + b"\r\n" for i in range(len(body))) + b"0\r\n\r\n")
+    sock.settimeout(10)
+    assert sock.recv(64).startswith(b"HTTP/1.1 200 ")
+    sock.close()
