@@ -179,3 +179,32 @@ def test_mid_stream_failover_real_model_float32_equals_uninterrupted() -> None:
         assert [f for _, f in got] == [f for _, f in reference]
         assert [t for t, _ in got] == [t for t, _ in reference]
         assert metric(gw.url, "switchboard_router_resumes_total") >= 1
+
+
+def test_a_stream_the_gateways_shutdown_outlasts_ends_with_an_error_event_not_a_cut() -> None:
+    """The gateway stopped (SIGTERM: `switchboard up` restarting it, a deploy, Ctrl-C) while a stream ran past
+    its 5 s shutdown grace: uvicorn cancelled the request, the client got a connection cut mid-chunk
+    (httpx RemoteProtocolError "incomplete chunked read", no error event, no [DONE]), the gateway logged a
+    traceback per stream and counted each as the client's disconnect. Now the stream ends in words."""
+    synthetic = ("--engine", "synthetic", "--synthetic-token-delay-ms", "1000")  # its 16 tokens: 16 s
+    with static_shards(synthetic, gateway_args=["--tokenizer", "whitespace", "--model-name", "synthetic"]) as (_, gw):
+        body = {"model": "synthetic", "messages": [{"role": "user", "content": "a long story"}],
+                "max_tokens": 100, "stream": True}
+        events: list[str] = []
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {KEYS['plus']}"}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line)
+                    break
+            gw.terminate()
+            t0 = time.monotonic()
+            events.extend(line for line in lines if line.startswith("data: "))  # raised on a cut before the fix
+        took = time.monotonic() - t0
+        gw.stop()
+        assert events[-1] == "data: [DONE]", (took, len(events), events[-3:])
+        assert '"code":"server_shutting_down"' in events[-2], events[-2]
+        assert 3 < took < 10, f"the stream ended {took:.1f} s after SIGTERM (the grace is 5 s)"
+        assert "Traceback" not in gw.log_tail(20_000), gw.log_tail()
