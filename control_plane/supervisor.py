@@ -104,6 +104,8 @@ class Child:
         if self.alive():
             assert self.proc is not None
             self.proc.send_signal(sig)
+            if sig != signal.SIGKILL:  # a stopped (SIGSTOP) child handles its SIGTERM only once continued
+                self.proc.send_signal(signal.SIGCONT)
 
 
 def wait_healthy(children: list[Child], timeout: float, what: str) -> None:

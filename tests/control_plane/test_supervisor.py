@@ -129,3 +129,29 @@ def test_a_hung_child_is_killed_and_restarted_one_still_loading_is_left_alone(
             child.stop(signal.SIGKILL)
             if child.proc is not None:
                 child.proc.wait(5)
+
+
+def test_a_stopped_child_still_stops_gracefully(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`up` stopped with a child frozen (SIGSTOP, `kill -STOP` by an operator, a debugger) waited the whole
+    10 s for it and then SIGKILLed it: its SIGTERM stayed pending while it was stopped, so its shutdown (a
+    cache node's last snapshot, a member's deregistration) never ran. It is continued after the SIGTERM now,
+    as systemd does."""
+    monkeypatch.setattr(supervisor, "STOP_WAIT_S", 5.0)
+    ready = tmp_path / "ready"
+    graceful = ("import pathlib, signal, sys, time\n"
+                "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+                f"pathlib.Path({str(ready)!r}).touch()\n"
+                "time.sleep(60)\n")
+    child = Child("cache-0", [], "http://127.0.0.1:9", tmp_path / "cache-0.log", command=[sys.executable, "-c", graceful])
+    sup = Supervisor([child])
+    child.start()
+    deadline = time.monotonic() + 10
+    while not ready.exists():
+        assert time.monotonic() < deadline, "the child did not start"
+        time.sleep(0.02)
+    assert child.proc is not None
+    child.proc.send_signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    sup.shutdown()
+    assert child.proc.returncode == 0, "killed, not stopped: its SIGTERM handler never ran"
+    assert time.monotonic() - t0 < 3
