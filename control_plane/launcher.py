@@ -481,7 +481,8 @@ def _key_lines(creds: dict, state: Path) -> list[str]:
     """The dev keys in full on the run that made them (shown once); their key ids on later runs."""
     keys: dict[str, str] = creds["keys"]
     if not keys:  # the dev keys were revoked (`switchboard keys revoke`), or credentials.json was lost
-        return ["  API keys: no dev key is left in the keys file: `switchboard keys create --tenant dev --tier plus`"]
+        return [("  API keys: no dev key of the keys file is known here (revoked, or credentials.json lost; see the "
+                 "log above): `switchboard keys create --tenant dev --tier plus`")]
     if creds.get("minted"):
         return ["  API keys (dev, one per tier; shown here once, kept in credentials.json below):",
                 *[f"    {t:<11} {k}" for t, k in keys.items()]]
