@@ -322,7 +322,10 @@ def main(argv: list[str] | None = None) -> None:
             resolve_model(s.model)  # converts the GGUF once, before shards race to do it
         except ModelNotAvailable as exc:
             raise SystemExit(f"switchboard up: {exc}") from None
-    creds = prepare(state)
+    try:
+        creds = prepare(state)
+    except ValueError as exc:  # the keys file (the truth of who may call) does not parse: refuse, in words
+        raise SystemExit(f"switchboard up: {exc}") from None
     tls = s.tls or TlsConfig.from_env().enabled  # --tls, or certificates given (--tls-cert/--tls-key)
     if s.tls and not TlsConfig.from_env().enabled:  # every child inherits it: listen, and verify peers with the CA
         os.environ.update(make_dev_pki(state / "tls", tuple(dict.fromkeys((s.host, "127.0.0.1", "localhost")))).env())
