@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sqlite3
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -208,3 +210,30 @@ def test_a_stream_the_gateways_shutdown_outlasts_ends_with_an_error_event_not_a_
         assert '"code":"server_shutting_down"' in events[-2], events[-2]
         assert 3 < took < 10, f"the stream ended {took:.1f} s after SIGTERM (the grace is 5 s)"
         assert "Traceback" not in gw.log_tail(20_000), gw.log_tail()
+
+
+def test_a_responses_stream_the_shutdown_cuts_is_stored_failed_and_still_in_the_usage_ledger(tmp_path: Path) -> None:
+    """The same stop with a Responses stream: it stored its `failed` response first, and by then the
+    gateway's lifespan shutdown (which uvicorn runs right after the cancel) had closed the usage ledger and
+    removed its spool folder: "could not spool the record", the request missing from usage (billing)."""
+    db = tmp_path / "usage.db"
+    with Cluster(shards=1, caches=1, token_delay_ms=1000,  # its 16 tokens: 16 s, past the 5 s grace
+                 gateway_args=["--usage-db", f"sqlite:///{db}", "--state-dir", str(tmp_path)]) as c:
+        body = {"model": "synthetic", "input": "a long story", "max_output_tokens": 100, "stream": True}
+        events: list[str] = []
+        with httpx.stream("POST", c.gateway.url + "/v1/responses", json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {KEYS['plus']}"}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("event: response.output_text.delta"):
+                    break
+            c.gateway.terminate()
+            events.extend(line for line in lines if line.startswith("data: "))
+        c.gateway.stop()
+        assert '"code":"server_shutting_down"' in events[-2] and '"type":"response.failed"' in events[-1], events[-2:]
+        log = c.gateway.log_tail(50_000)
+        assert "could not spool" not in log and "Traceback" not in log, log
+        with sqlite3.connect(db) as conn:
+            rows = conn.execute("SELECT tier, status FROM usage_records").fetchall()
+        assert rows == [("plus", 200)], rows
