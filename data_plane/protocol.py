@@ -490,10 +490,11 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
 def parse_chat_request(raw: bytes, content_type: str | None, session: str | None = None) -> ChatCompletionRequest:
-    """Decode and validate a chat-completions body; every failure is a 4xx SwitchboardError. `session`:
-    the X-Session-Id header (the body's `session_id` counts too): a session it continues may hold the
-    calls the request's tool messages answer."""
+    """Decode and validate a chat-completions body (4xx SwitchboardError). `session`: X-Session-Id (or the body's
+    `session_id`): it may hold the calls tool messages answer; it keeps whole turns: no continue_final_message."""
     req = validated(ChatCompletionRequest, json_body(raw, content_type))
     session = session or req.session_id
+    if session and req.continue_final_message:
+        raise InvalidRequest("continue_final_message cannot be used with a session", param="continue_final_message")
     req.check_supported(continues=bool(session) and session != "new")
     return req

@@ -45,6 +45,12 @@ _TIMEOUT_BODY = json.dumps({"error": {"message": "the request did not arrive in 
                                       "code": "request_timeout"}}).encode()
 _TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
                 b"content-length: " + str(len(_TIMEOUT_BODY)).encode() + b"\r\n\r\n" + _TIMEOUT_BODY)
+_TOO_LARGE_BODY = json.dumps({"error": {"message": "the request's headers are too large",
+                                        "type": "invalid_request_error", "param": None,
+                                        "code": "request_header_fields_too_large"}}).encode()
+_TOO_LARGE_431 = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                  b"connection: close\r\ncontent-length: " + str(len(_TOO_LARGE_BODY)).encode() + b"\r\n\r\n"
+                  + _TOO_LARGE_BODY)
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
@@ -62,6 +68,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._timers: dict[SlowClient, asyncio.TimerHandle] = {}
+        self._head_bytes = 0
+        """Bytes of the reads in a row that stayed within a head or a trailer section (`_unbounded`)."""
+        self._in_head = True
+        self._chunk_open = False
+        """A chunk's size line was read and none of its data yet: the last chunk's trailers come now."""
+        self._progress = 0
+        """Body pieces and messages completed: a read that moved it was not all head or trailers."""
         if self.limits.send_buffer_bytes:
             sock = transport.get_extra_info("socket")
             if sock is not None:
@@ -74,11 +87,25 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         self._disarm(SlowClient.HEADERS)
         self._arm(SlowClient.BODY, self.limits.body_s)
         super().on_headers_complete()
 
+    def on_chunk_header(self) -> None:
+        self._chunk_open = True
+
+    def on_chunk_complete(self) -> None:
+        self._chunk_open = False
+
+    def on_body(self, body: bytes) -> None:
+        self._chunk_open = False
+        self._progress += 1
+        super().on_body(body)
+
     def on_message_complete(self) -> None:
+        self._in_head, self._chunk_open = True, False  # the next request's head (keep-alive) starts here
+        self._progress += 1
         self._disarm(SlowClient.BODY)
         super().on_message_complete()
 
@@ -122,6 +149,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         if reason is SlowClient.HEADERS or (reason is SlowClient.BODY and not self._response_started()):
             self.transport.write(_TIMEOUT_408)
+        self._linger()
+
+    def _linger(self) -> None:
         # A lingering close (nginx's lingering_close): the client is still sending, and closing now
         # would answer its next bytes with a reset that can destroy the 408 before it is read.
         self._lingering = True
@@ -135,7 +165,30 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if getattr(self, "_lingering", False):
             return  # cut: what still arrives is dropped
+        before, progress = self._unbounded(), self._progress
         super().data_received(data)
+        # httptools keeps a head, and a chunked body's trailers, whole however large: the reads that began
+        # and ended inside one without a byte of body (those holding the end of a body or of a message,
+        # one read at most each time, are not counted: a legal head or trailers just after a body is never
+        # taken for a large one) add up, and past the bound the connection is refused
+        if before and self._unbounded() and progress == self._progress:
+            self._head_bytes += len(data)
+        else:
+            self._head_bytes = 0
+        if self.limits.max_head_bytes and self._head_bytes > self.limits.max_head_bytes \
+                and not self.transport.is_closing():
+            for reason in (SlowClient.FIRST_REQUEST, SlowClient.HEADERS):
+                self._disarm(reason)
+            if self.on_cut is not None:
+                self.on_cut(SlowClient.HEAD_TOO_LARGE)
+            log.info("closing a connection whose request head passed %d bytes from %s", self.limits.max_head_bytes,
+                     self.client)
+            self.transport.write(_TOO_LARGE_431)
+            self._linger()
+
+    def _unbounded(self) -> bool:
+        """In a request head, or in a chunked body's trailer section (or a chunk's size line)."""
+        return self._in_head or self._chunk_open
 
     def _response_started(self) -> bool:
         cycle = self.cycle

@@ -13,6 +13,11 @@ them on the connection, before and beside the application):
 | ``headers`` | trickles its request head (a byte at a time) | ``headers_s`` from its first byte | 408, closed |
 | ``body`` | sends a body that never finishes (however slowly it trickles) | ``body_s`` from the end of the head | 408 (when no response started), closed |
 | ``stalled_reader`` | stops reading a response (a stream) | ``write_stall_s`` with the server's writes blocked | connection aborted |
+| ``head_too_large`` | sends a request head (request line and headers), or a chunked body's trailers, past a size | ``max_head_bytes`` | 431, closed |
+
+httptools keeps a head however large (uvicorn's h11 protocol stops at 16 KiB; httptools has no bound):
+before ``max_head_bytes``, one connection sent 200 MB of headers within ``headers_s`` and the gateway's
+memory grew by as much, with no API key (many such: the process killed for memory, every tenant down).
 
 The application's own body reader (data_plane/common/http_body.py) answers 408 sooner to a body
 that stops arriving altogether (30 s between chunks); the protocol's ``body_s`` bounds the body
@@ -37,6 +42,7 @@ ENV_FIRST_REQUEST_S = "SWITCHBOARD_HTTP_FIRST_REQUEST_TIMEOUT_S"
 ENV_HEADERS_S = "SWITCHBOARD_HTTP_HEADERS_TIMEOUT_S"
 ENV_BODY_S = "SWITCHBOARD_HTTP_BODY_TIMEOUT_S"
 ENV_WRITE_STALL_S = "SWITCHBOARD_HTTP_WRITE_STALL_TIMEOUT_S"
+ENV_MAX_HEAD_BYTES = "SWITCHBOARD_HTTP_MAX_HEAD_BYTES"
 ENV_SEND_BUFFER_BYTES = "SWITCHBOARD_HTTP_SEND_BUFFER_BYTES"
 """Kernel send buffer per accepted connection (SO_SNDBUF); 0 = the kernel's autotuning (default).
 A smaller one finds a reader that stopped sooner (the kernel otherwise absorbs ~1.7 MB on loopback)."""
@@ -49,6 +55,7 @@ class SlowClient(enum.Enum):
     HEADERS = "headers"
     BODY = "body"
     STALLED_READER = "stalled_reader"
+    HEAD_TOO_LARGE = "head_too_large"
 
 
 @dataclass(frozen=True)
@@ -65,13 +72,15 @@ class HttpLimits:
     """A response whose writes stay blocked (the client reads nothing) this long is cut."""
     send_buffer_bytes: int = 0
     """SO_SNDBUF per connection; 0 = the kernel's."""
+    max_head_bytes: int = 64 * 1024
+    """The largest request head (request line and headers) read (Envoy: 60 KiB; nginx: 4 lines of 8 KiB)."""
 
     def __post_init__(self) -> None:
         for name in ("first_request_s", "headers_s", "body_s", "write_stall_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        if self.send_buffer_bytes < 0:
-            raise ValueError("send_buffer_bytes must be >= 0")
+        if self.send_buffer_bytes < 0 or self.max_head_bytes < 0:
+            raise ValueError("send_buffer_bytes and max_head_bytes must be >= 0")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> HttpLimits:
@@ -84,7 +93,8 @@ class HttpLimits:
 
         return cls(first_request_s=num(ENV_FIRST_REQUEST_S, d.first_request_s), headers_s=num(ENV_HEADERS_S, d.headers_s),
                    body_s=num(ENV_BODY_S, d.body_s), write_stall_s=num(ENV_WRITE_STALL_S, d.write_stall_s),
-                   send_buffer_bytes=int(num(ENV_SEND_BUFFER_BYTES, d.send_buffer_bytes)))
+                   send_buffer_bytes=int(num(ENV_SEND_BUFFER_BYTES, d.send_buffer_bytes)),
+                   max_head_bytes=int(num(ENV_MAX_HEAD_BYTES, d.max_head_bytes)))
 
 
 PROCESSES = ("gateway", "shard", "cache", "control_plane")
@@ -98,7 +108,7 @@ class SlowClientMetrics:
         if process not in PROCESSES:
             raise ValueError(f"process must be one of {PROCESSES}")
         self.cut = Counter(f"switchboard_{process}_slow_clients", "Connections cut by a slow-client bound, by reason "
-                           "(first_request, headers, body, stalled_reader).", ["reason"], registry=registry)
+                           "(first_request, headers, body, stalled_reader, head_too_large).", ["reason"], registry=registry)
         for reason in SlowClient:
             self.cut.labels(reason.value)
 
@@ -110,6 +120,7 @@ __all__ = [
     "ENV_BODY_S",
     "ENV_FIRST_REQUEST_S",
     "ENV_HEADERS_S",
+    "ENV_MAX_HEAD_BYTES",
     "ENV_SEND_BUFFER_BYTES",
     "ENV_WRITE_STALL_S",
     "PROCESSES",

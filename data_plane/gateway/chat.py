@@ -462,7 +462,10 @@ class ChatHandler:
         else:
             self.session_id = validate_session_id(header)
             await self.hold(self.session_id, "session_id")
-            transcript = await sessions.load(self.session_id, self.owner, tier.replication)
+            try:
+                transcript = await sessions.load(self.session_id, self.owner, tier.replication)
+            except NotFound:  # another key's: the same 404 as a missing one, or its words say the id exists
+                transcript = None
         if transcript is None and header != NEW_SESSION:
             # Ids are minted by the gateway (unguessable), so an unknown one expired, was lost with
             # its cache replicas, or never existed: say so rather than silently starting over.

@@ -62,6 +62,8 @@ class RequestCode(enum.StrEnum):
     INVALID_JSON_SCHEMA = "invalid_json_schema"
     INVALID_FUNCTION_PARAMETERS = "invalid_function_parameters"
     REQUEST_TIMEOUT = "request_timeout"
+    REQUEST_HEADER_FIELDS_TOO_LARGE = "request_header_fields_too_large"
+    """A request head past SWITCHBOARD_HTTP_MAX_HEAD_BYTES, refused by the protocol (data_plane/common/http_server.py)."""
     PAYLOAD_TOO_LARGE = "payload_too_large"
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
     RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"

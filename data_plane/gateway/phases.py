@@ -104,6 +104,8 @@ def shard_request(checked: Checked, caller: Caller, window: Window, max_tokens: 
         fields.update(session_id=session_id, kv_replicas=caller.tier.replication, kv_ttl_s=kv_ttl_s)
     if req.model:
         fields["model"] = checked.model
+    if req.continue_final_message:  # vLLM's: the final (assistant) message is continued, not answered
+        fields.update(continue_final_message=True, add_generation_prompt=False)
     if fields.get("top_p") == 0:  # the nucleus of the one most likely token, as vLLM takes it (it refuses top_p 0)
         fields.pop("top_p")
         fields["top_k"] = 1

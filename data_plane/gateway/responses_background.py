@@ -104,6 +104,8 @@ class Run:
         self.error: SwitchboardError | None = None
         """An HTTP error after it was accepted (shed, no shard): the run failed with it."""
         self.task: asyncio.Task[None] | None = None
+        self.followers = 0
+        """Streams following it now (GET ?stream=true: data_plane/gateway/responses_detached.py)."""
         self._raw: bytes | None = raw
         self._max_bytes = max_bytes
         self._metrics = metrics

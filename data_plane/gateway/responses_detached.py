@@ -28,7 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from data_plane.cache.model import VersionConflict
 from data_plane.common.disconnect import DisconnectWatch
-from data_plane.common.errors import InvalidRequest, NotFound, SwitchboardError, render
+from data_plane.common.errors import InvalidRequest, NotFound, RateLimited, SwitchboardError, render
 from data_plane.gateway.chat import Opened
 from data_plane.gateway.phases import Caller, Checked, Prepared
 from data_plane.gateway.response_store import ConversationStore, Kind, Record
@@ -57,6 +57,10 @@ covers that write)."""
 CANCEL_WAIT_S = 10.0
 """How long a cancel waits for the run to store what it came to."""
 CANCEL_POLL_S = 2.0
+MAX_FOLLOWERS = 4
+"""Streams that may follow one run at once (a client and its reconnect, with room to spare); beyond, 429.
+Unbounded, one key held 300 streams on one run (none metered: not a generation), and a few runs of a
+tenant's could hold every connection the gateway has for `--background-max-s`."""
 """How often a run reads its record for a cancel sent to another gateway (one cache read)."""
 NOT_BACKGROUND = "Only responses created with background=true can be cancelled; this response was not."
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
@@ -311,8 +315,17 @@ async def serve_background(gw: Gateway, rt: Runtime, store: ConversationStore, r
         await JSONResponse(run.response, headers=headers)(scope, receive, send)
 
 
-async def follow(run: Run, after: int, scope: Scope, receive: Receive, send: Send, headers: dict[str, str]) -> None:
-    """`run`'s events after `after` as SSE, until it ends or the client leaves (the run goes on)."""
+async def follow(run: Run, after: int, scope: Scope, receive: Receive, send: Send, headers: dict[str, str],
+                 body_unread: bool = False) -> None:
+    """`run`'s events after `after` as SSE, until it ends or the client leaves (the run goes on);
+    `body_unread`: the request's body is read first (a retrieve's GET), so the watch's message is the
+    disconnect. Unread, the (empty) body was the message it got, and a stream whose client left was
+    noticed only when its run ended."""
+    while body_unread:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        body_unread = bool(message.get("more_body"))
     watch = DisconnectWatch(receive)
     watch.start()
     try:
@@ -368,10 +381,14 @@ def mount_background(app: FastAPI, gw: Gateway, store: Any, runs: Any) -> None:
                                      "stream", param="stream")
             after = -1 if starting_after is None else starting_after
             run.check_after(after)
+            if run.followers >= MAX_FOLLOWERS:
+                runs().metrics.resumes.labels("busy").inc()
+                raise RateLimited(f"{MAX_FOLLOWERS} streams already follow this response; close one, or retry "
+                                  "later", param="stream", retry_after=1)
             span.set_attribute("switchboard.background.starting_after", after)
             runs().metrics.resumes.labels("ok").inc()
-        holder = StreamResponse(run, after, {"X-Request-Id": request.state.request_id})
-        return holder
+        run.followers += 1  # given back when the stream ends, however it ends
+        return StreamResponse(run, after, {"X-Request-Id": request.state.request_id})
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel(response_id: str, request: Request) -> dict[str, Any]:
@@ -413,4 +430,7 @@ class StreamResponse(Response):
         self._run, self._after, self._extra = run, after, headers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await follow(self._run, self._after, scope, receive, send, self._extra)
+        try:
+            await follow(self._run, self._after, scope, receive, send, self._extra, body_unread=True)
+        finally:
+            self._run.followers -= 1

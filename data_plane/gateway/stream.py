@@ -68,6 +68,25 @@ class _Choice:
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
     has_logprobs: bool = False
+    held_logprobs: list[Any] = field(default_factory=list)
+    """Logprobs entries whose token is not yet wholly inside the text the filter released (each names its
+    token, so sending it before its text would send what the filter holds, or later blocks)."""
+    released_bytes: int = 0
+    covered_bytes: int = 0
+
+    def release_logprobs(self, safe: str, everything: bool = False) -> list[Any]:
+        """The held entries that `safe`, just released, completes (every one when `everything`: the text
+        ended unblocked); each entry goes out once its token's bytes are within the released text."""
+        self.released_bytes += len(safe.encode())
+        out: list[Any] = []
+        while self.held_logprobs:
+            size = _token_bytes(self.held_logprobs[0])
+            if not everything and self.covered_bytes + size > self.released_bytes:
+                break
+            self.covered_bytes += size
+            out.append(self.held_logprobs.pop(0))
+        self.logprobs.extend(out)
+        return out
 
     def message(self) -> dict[str, Any]:
         if not self.calls:
@@ -160,15 +179,11 @@ class Completion:
                 self._usage_so_far(event.index, event.usage)
             if event.logprobs:
                 c.has_logprobs = True
-                c.logprobs.extend(event.logprobs)
+                c.held_logprobs.extend(event.logprobs)
             safe = c.filter.feed(event.text) if event.text else ""
             if safe:
                 c.text.append(safe)
-            if safe or event.logprobs:
-                delta: dict[str, Any] = {"content": safe} if safe else {}
-                if event.logprobs:
-                    delta["logprobs"] = {"content": list(event.logprobs), "refusal": None}
-                out.append((event.index, delta))
+            out.extend(_piece(event.index, safe, c.release_logprobs(safe)))
         elif isinstance(event, ToolCallDelta):
             c = self.choice(event.index)
             if event.call >= len(c.calls):
@@ -211,7 +226,7 @@ class Completion:
             tail = c.filter.finish()
             if tail:
                 c.text.append(tail)
-                out.append((index, {"content": tail}))
+            out.extend(_piece(index, tail, c.release_logprobs(tail, everything=True)))
             for k, call in enumerate(c.calls):
                 rest = call.filter.finish()
                 if rest:
@@ -394,6 +409,25 @@ async def _quiet(coro: Any) -> None:
         await coro
     except Exception:  # bookkeeping after a failure must not raise over it
         log.debug("post-failure bookkeeping failed", exc_info=True)
+
+
+def _token_bytes(entry: Any) -> int:
+    """How many bytes of text a logprobs entry's token stands for (its `bytes`, else its token's)."""
+    raw = entry.get("bytes") if isinstance(entry, dict) else None
+    if isinstance(raw, list):
+        return len(raw)
+    token = entry.get("token") if isinstance(entry, dict) else None
+    return len(token.encode()) if isinstance(token, str) else 0
+
+
+def _piece(index: int, text: str, logprobs: list[Any]) -> list[Piece]:
+    """A choice's released text and the logprobs entries it completes, as a delta (none when both are empty)."""
+    if not text and not logprobs:
+        return []
+    delta: dict[str, Any] = {"content": text} if text else {}
+    if logprobs:
+        delta["logprobs"] = {"content": logprobs, "refusal": None}
+    return [(index, delta)]
 
 
 def _json(value: Any) -> bytes:

@@ -1,11 +1,12 @@
 """What a shard's SSE stream says, parsed: the events :class:`~data_plane.routing.upstream.Upstream`
 hands the gateway.
 
-    event = parse_line(b'data: {"choices": [{"delta": {"content": "Hi"}}]}')   # Delta("Hi")
-    isinstance(event, SwitchboardError)       # the shard's error event, as one of ours
-    raise unresumed(event)                    # once no shard could continue the stream
+    events = parse_line(b'data: {"choices": [{"delta": {"content": "Hi"}}]}')  # [Delta("Hi")]
+    isinstance(events, SwitchboardError)      # the shard's error event, as one of ours
+    raise unresumed(events)                   # once no shard could continue the stream
 
-Role chunks, comments and ``[DONE]`` parse to None.
+Role chunks, comments and ``[DONE]`` parse to no event. A chunk may hold several: vLLM (and other
+OpenAI-compatible servers) send a choice's last token in the chunk that carries its finish_reason.
 """
 
 from __future__ import annotations
@@ -57,13 +58,17 @@ class UsageEvent:
 Event = Delta | ToolCallDelta | Finish | UsageEvent
 
 
-def parse_line(line: bytes) -> Event | SwitchboardError | None:
-    """One SSE line from a shard -> an event, an error, or None (role chunk, comment, [DONE])."""
+def parse_line(line: bytes) -> list[Event] | SwitchboardError:
+    """One SSE line from a shard -> its events (none for a role chunk, a comment, [DONE]) or an error.
+
+    A choice's text (and logprobs), tool-call fragments and finish come out in that order, whichever of
+    them the chunk holds: a finish_reason beside content was read as the finish alone, so a vLLM shard's
+    last token (which vLLM sends with the finish) never reached the client."""
     if not line.startswith(b"data:"):
-        return None
+        return []
     data = line[5:].strip()
     if data == b"[DONE]":
-        return None
+        return []
     try:
         body = json.loads(data)
     except ValueError:
@@ -74,31 +79,30 @@ def parse_line(line: bytes) -> Event | SwitchboardError | None:
         return from_openai_body(502, body)
     choices = body.get("choices") or []
     usage = body.get("usage")
-    if choices:
-        choice = choices[0]
+    if not choices:
+        if usage:
+            details = usage.get("prompt_tokens_details")
+            cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+            return [UsageEvent(int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)), cached)]
+        return []
+    events: list[Event] = []
+    for choice in choices:
         index = int(choice.get("index") or 0)
-        if choice.get("finish_reason"):
-            return Finish(choice["finish_reason"], index)
         delta = choice.get("delta") or {}
-        calls = delta.get("tool_calls")
-        if calls:
-            call = calls[0]
-            fn = call.get("function") or {}
-            return ToolCallDelta(int(call.get("index") or 0), call.get("id"), fn.get("name"),
-                                 fn.get("arguments") or "", index)
         content = delta.get("content")
         logprobs = tuple((choice.get("logprobs") or {}).get("content") or ())
         if content or logprobs:
             so_far = None
             if usage:
                 so_far = (int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
-            return Delta(content or "", so_far, index, logprobs)
-        return None
-    if usage:
-        details = usage.get("prompt_tokens_details")
-        cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
-        return UsageEvent(int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)), cached)
-    return None
+            events.append(Delta(content or "", so_far, index, logprobs))
+        for call in delta.get("tool_calls") or ():
+            fn = call.get("function") or {}
+            events.append(ToolCallDelta(int(call.get("index") or 0), call.get("id"), fn.get("name"),
+                                        fn.get("arguments") or "", index))
+        if choice.get("finish_reason"):
+            events.append(Finish(choice["finish_reason"], index))
+    return events
 
 
 __all__ = ["Delta", "Event", "Finish", "ToolCallDelta", "UsageEvent", "client_error", "parse_line", "unresumed"]

@@ -106,6 +106,16 @@ class Progress:
         return UsageEvent(prompt, sum(self.tokens.values()), min(self.cached_tokens, prompt))
 
 
+def continued(request: ShardRequest, text: str) -> list[ChatMessage]:
+    """The messages that go on with `request`'s reply after `text` (already sent): the final assistant message
+    with `text` after it when the request itself continues that message (continue_final_message), else
+    `text` as a new assistant message."""
+    if request.continue_final_message:
+        last = request.messages[-1]
+        return [*request.messages[:-1], last.model_copy(update={"content": last.text() + text})]
+    return [*request.messages, ChatMessage(role="assistant", content=text)]
+
+
 class ChoiceLanes:
     """The continuation of a ``n`` > 1 stream, one lane per unfinished choice (see the module docstring)."""
 
@@ -131,10 +141,10 @@ class ChoiceLanes:
         remaining = (self._request.max_tokens or 0) - p.base[index]
         if remaining <= 0:
             return False
-        so_far = ChatMessage(role="assistant", content=p.output(index, self._body).text())
         seed, rid = self._request.seed, self._request.request_id
         request = self._request.model_copy(update={  # choice i's seed is seed + i (data_plane/shard/generation.py)
-            "n": 1, "messages": [*self._request.messages, so_far], "continue_final_message": True,
+            "n": 1, "messages": continued(self._request, p.output(index, self._body).text()),
+            "continue_final_message": True,
             "add_generation_prompt": False, "max_tokens": remaining, "seed": None if seed is None else seed + index,
             # its own id: two choices may continue on one shard, which refuses a second request of one id
             "request_id": None if rid is None else f"{rid[:120]}-lane{index}"})

@@ -25,11 +25,11 @@ from dataclasses import replace
 from typing import Protocol
 
 from data_plane.common.errors import SwitchboardError, UpstreamError, UpstreamTimeout
-from data_plane.protocol import ChatMessage, ShardRequest
+from data_plane.protocol import ShardRequest
 from data_plane.routing import events as wire
 from data_plane.routing.events import Delta, Event, Finish, ToolCallDelta, UsageEvent
 from data_plane.routing.failures import FailureReason
-from data_plane.routing.lanes import ChoiceLanes, Progress, ShardStream, Upstream
+from data_plane.routing.lanes import ChoiceLanes, Progress, ShardStream, Upstream, continued
 from data_plane.tool_calls import SentOutput
 
 
@@ -122,9 +122,8 @@ class ResumableStream:
                 if remaining <= 0:
                     yield [Finish("length")]
                     return
-                so_far = ChatMessage(role="assistant", content=self._sent.text())
                 request = self._request.model_copy(update={  # a copy: the original is never changed
-                    "messages": [*self._request.messages, so_far], "continue_final_message": True,
+                    "messages": continued(self._request, self._sent.text()), "continue_final_message": True,
                     "add_generation_prompt": False, "max_tokens": remaining})
                 try:
                     self._stream = await self._upstream.open(request, self._session_id, exclude=tried)

@@ -110,14 +110,13 @@ class ShardStream:
                     return
                 events: list[Event] = []
                 for line in lines:
-                    event = wire.parse_line(line)
-                    if isinstance(event, SwitchboardError):
-                        self.failure = FailureReason.for_stream_error(event.code)  # not held against the shard
+                    parsed = wire.parse_line(line)
+                    if isinstance(parsed, SwitchboardError):
+                        self.failure = FailureReason.for_stream_error(parsed.code)  # not held against the shard
                         if events:
                             yield events
-                        raise event
-                    if event is not None:
-                        events.append(event)
+                        raise parsed
+                    events.extend(parsed)
                 if events:
                     yield events
         finally:

@@ -268,12 +268,11 @@ class Upstream:
                                 UpstreamError("a shard closed the stream before any token"))
             token = False
             for line in lines:
-                event = wire.parse_line(line)
-                if isinstance(event, SwitchboardError):
-                    raise Retryable(FailureReason.for_stream_error(event.code, False), wire.client_error(event))
-                if event is not None:
-                    first.append(event)
-                    token = token or isinstance(event, (Delta, ToolCallDelta, Finish))
+                parsed = wire.parse_line(line)
+                if isinstance(parsed, SwitchboardError):
+                    raise Retryable(FailureReason.for_stream_error(parsed.code, False), wire.client_error(parsed))
+                first.extend(parsed)
+                token = token or any(isinstance(e, (Delta, ToolCallDelta, Finish)) for e in parsed)
             if token:
                 return first
 

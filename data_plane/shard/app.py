@@ -304,6 +304,8 @@ class _Run:
         self.req = req
         self.choices = choices
         self.finals: dict[int, GenerationOutput] = {}
+        self.latest: dict[int, GenerationOutput] = {}
+        """Each choice's last output (its tokens so far): what a request that ends unfinished generated."""
         self.span = span
         self.t0 = t0
         self.completion_id = new_completion_id()
@@ -325,6 +327,8 @@ class _Run:
 
     def _finish(self, last: GenerationOutput | None, error: str | None = None) -> None:
         span = self.span
+        if last is not None and len(self.finals) < len(self.choices):  # aborted or failed: every choice's tokens
+            last = dataclasses.replace(last, completion_tokens=sum(o.completion_tokens for o in self.latest.values()))
         if last is not None:
             self.state.metrics.observe_finished(last, time.monotonic() - self.t0, self.external_tokens,
                                                 self.req.params.max_tokens)
@@ -378,7 +382,7 @@ class _Run:
                 self.choices[index].feed(out)
                 if (kept := await self._stopped(index, out)) is None:
                     continue
-                out = kept
+                out = self.latest[index] = kept
                 last = (self._final(index, out) if out.finish_reason is not None else None) or out
         except asyncio.CancelledError:
             self._finish(last, CLIENT_DISCONNECTED)
@@ -432,7 +436,7 @@ class _Run:
                     yield event(chunk_body(**common, delta=delta, usage=so_far, index=index, logprobs=logprobs))
                 if (kept := await self._stopped(index, out)) is None:
                     continue
-                last = out = kept
+                last = out = self.latest[index] = kept
                 if out.finish_reason is not None:
                     if index not in opened:  # nothing was released: the choice still opens, then ends
                         opened.add(index)

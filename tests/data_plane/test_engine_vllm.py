@@ -28,6 +28,46 @@ def test_vllm_command_passes_parallelism_through() -> None:
     assert "--tensor-parallel-size 4" in joined and "--pipeline-parallel-size 2" in joined
 
 
+def test_vllm_is_started_with_the_cluster_token_as_its_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM was started without an API key: with the cluster token set (every shard requires it), anyone
+    who reached vLLM's port could generate on the GPU. The sidecar now starts it with VLLM_API_KEY = the
+    token, in its environment (not its command line, which `ps` shows)."""
+    import subprocess
+    import sys
+    import types
+
+    from fastapi.testclient import TestClient
+
+    import data_plane.model_store
+    from data_plane.shard.engines import vllm_engine
+
+    started: list[dict] = []
+
+    class FakeVLLM:
+        def __init__(self, cmd: list[str], **kwargs: object) -> None:
+            started.append({"cmd": cmd, **kwargs})
+
+        def poll(self) -> None:
+            return None
+
+        def terminate(self) -> None:
+            pass
+
+        def wait(self, timeout: float | None = None) -> int:
+            return 0
+
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setattr(data_plane.model_store, "resolve_model", lambda model: "/models/m")
+    monkeypatch.setattr(subprocess, "Popen", FakeVLLM)
+    monkeypatch.setenv("SWITCHBOARD_CLUSTER_TOKEN", "the-cluster-token")
+    with TestClient(vllm_engine.create_sidecar(ShardSettings(engine="vllm"))):
+        pass
+    assert len(started) == 1
+    assert (started[0].get("env") or {}).get("VLLM_API_KEY") == "the-cluster-token"
+    assert "the-cluster-token" not in " ".join(started[0]["cmd"])
+    assert "VLLM_API_KEY" not in vllm_engine.vllm_env({"PATH": "/bin"})  # no token, no key (a dev machine)
+
+
 def _cuda() -> bool:
     try:
         import torch

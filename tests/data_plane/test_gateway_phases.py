@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from data_plane.common.errors import InvalidRequest
 from data_plane.gateway.abuse import Measures
 from data_plane.gateway.auth import Principal
 from data_plane.gateway.context import Window
 from data_plane.gateway.phases import Caller, Checked, merge_history, shard_request
-from data_plane.protocol import ChatCompletionRequest, ShardRequest
+from data_plane.protocol import ChatCompletionRequest, ShardRequest, parse_chat_request
 from data_plane.tiers import TierPolicy
 
 TIERS = TierPolicy.default()
@@ -62,3 +65,23 @@ def test_new_system_messages_replace_the_stored_ones_in_front() -> None:
     new = [{"role": "user", "content": "c"}, {"role": "system", "content": "new"}]
     assert merge_history(history, new) == [{"role": "system", "content": "new"}, {"role": "user", "content": "a"},
                                            {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+
+
+def test_a_clients_continuation_reaches_the_shard_and_is_refused_with_a_session() -> None:
+    """continue_final_message (vLLM's) was accepted and then dropped: the shard answered the partial
+    assistant message with a new turn. It is sent on; with a session (whose transcript keeps whole turns)
+    it is a 400 naming it."""
+    body = {"messages": [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "It is"}],
+            "continue_final_message": True, "add_generation_prompt": False}
+    checked = _checked(body)
+    request = shard_request(checked, _caller(), Window(checked.messages, 9, 0), 8, request_id="r3", deadline=1.0,
+                            session_id=None, kv_ttl_s=60.0)
+    wire = request.wire()
+    assert wire["continue_final_message"] is True and wire["add_generation_prompt"] is False
+    assert wire["messages"][-1] == {"role": "assistant", "content": "It is"}
+    raw = json.dumps(body).encode()
+    assert parse_chat_request(raw, "application/json").continue_final_message
+    for session in ("new", "sess_abc"):
+        with pytest.raises(InvalidRequest) as err:
+            parse_chat_request(raw, "application/json", session)
+        assert err.value.param == "continue_final_message"

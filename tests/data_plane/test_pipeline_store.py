@@ -26,6 +26,28 @@ def _port(store: GroupStore) -> int:
     return int(store.where.rpartition(":")[2])
 
 
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp{,6} spell them) of the sockets listening on `port`."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, _, hex_port = local.rpartition(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    found.add(address)
+    return found
+
+
+def test_the_store_listens_on_its_host_alone(group: GroupStore) -> None:
+    """torch's TCPStore server listens on every interface (`*`) whatever host it is given: a pipeline
+    shard's store on 127.0.0.1 was reachable from the network (keys deleted or overwritten, a stage's
+    heartbeat among them, by anyone). It listens on 127.0.0.1 only, and still serves there."""
+    assert _listening_addresses(_port(group)) == {"0100007F"}  # 127.0.0.1, nothing on 0.0.0.0 or ::
+    group.set("spec/1", SPEC)
+    assert GroupStore.connect("127.0.0.1", _port(group), "s3cret", 10).get("spec/1").decode() == SPEC
+
+
 def test_a_stage_with_the_token_reads_what_stage_zero_wrote(group: GroupStore) -> None:
     group.set("spec/1", SPEC)
     stage = GroupStore.connect("127.0.0.1", _port(group), "s3cret", 10)

@@ -14,6 +14,7 @@ The real model's background response (same text as the foreground one) is in tes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -176,6 +177,40 @@ def test_tenant_cap_is_a_429_with_retry_after(cluster: Cluster) -> None:
         assert client.responses.cancel(rid).status == "cancelled"
     again = client.responses.create(model=MODEL, input="x", background=True, max_output_tokens=2)
     eventually(lambda: status(cluster, again.id) == "incomplete", 30, what="a slot again once cancelled")
+
+
+def test_streams_following_one_run_are_bounded(cluster: Cluster) -> None:
+    """Unbounded, one key held 300 streams on one run (GETs: no rate limit or admission meters them), so
+    a tenant's few runs could take every connection of the gateway for --background-max-s; and a stream
+    whose client left held its place until the run ended."""
+    from data_plane.gateway.responses_detached import MAX_FOLLOWERS
+
+    rid = sdk(cluster).responses.create(model=MODEL, input="long", background=True, max_output_tokens=LONG).id
+    url, auth = f"{cluster.gateway.url}/v1/responses/{rid}", {"Authorization": f"Bearer {KEYS['plus']}"}
+    with httpx.Client(timeout=30) as http:
+        held = [http.send(http.build_request("GET", url, params={"stream": "true"}, headers=auth), stream=True)
+                for _ in range(MAX_FOLLOWERS)]
+        try:
+            assert [r.status_code for r in held] == [200] * MAX_FOLLOWERS
+            over = http.get(url, params={"stream": "true"}, headers=auth)
+            assert over.status_code == 429 and over.json()["error"]["param"] == "stream", over.text
+            assert int(over.headers["retry-after"]) >= 1
+            assert http.get(url, headers=auth).status_code == 200  # polling is not a stream
+            held.pop().close()  # a stream that ends gives its place back (once the gateway sees it leave)
+
+            def another() -> bool:
+                r = http.send(http.build_request("GET", url, params={"stream": "true"}, headers=auth), stream=True)
+                held.append(r)
+                return r.status_code == 200
+
+            # at once, not when the run ends (8 s): a follower's disconnect went unnoticed until then (its
+            # empty GET body was the message the watch took for the client's)
+            eventually(another, 3, interval_s=0.2, what="a place once a stream closed")
+        finally:
+            for r in held:
+                r.close()
+    with contextlib.suppress(openai.BadRequestError):  # not to hold the tenant's cap for the next test
+        sdk(cluster).responses.cancel(rid)
 
 
 def test_a_run_past_its_limit_fails_and_a_killed_gateway_leaves_no_run_in_progress(cluster: Cluster) -> None:

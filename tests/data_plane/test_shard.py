@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 
@@ -152,6 +153,33 @@ def test_client_disconnect_aborts_and_frees_slot(fp32_shard: Service) -> None:
     while httpx.get(fp32_shard.url + "/health").json()["running"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert httpx.get(fp32_shard.url + "/health").json()["running"] == 0
+
+
+def test_a_client_that_leaves_several_choices_is_counted_for_every_choices_tokens(fp32_shard: Service) -> None:
+    """An n=3 stream left mid-way counted one choice's tokens in vllm:generation_tokens_total (and in
+    vllm:request_generation_tokens): the last output seen, not the request's; a finished request summed its
+    choices. Now an aborted one does too."""
+    generated_before = metric(fp32_shard.url, "vllm:generation_tokens_total")
+    body = {"messages": [{"role": "user", "content": PROMPTS[3]}], "max_tokens": 400, "stream": True, "n": 3,
+            "temperature": 0.8, "seed": 1, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    seen: dict[int, int] = {}
+    with httpx.stream("POST", fp32_shard.url + "/v1/chat/completions", json=body, headers=CLUSTER_HEADERS,
+                      timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk["choices"]:  # continuous usage: the choice's own tokens so far
+                seen[choice["index"]] = max(seen.get(choice["index"], 0), chunk["usage"]["completion_tokens"])
+            if len(seen) == 3 and min(seen.values()) >= 4:
+                break  # walk away mid-stream
+    deadline = time.monotonic() + 10
+    while httpx.get(fp32_shard.url + "/health").json()["running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    generated = metric(fp32_shard.url, "vllm:generation_tokens_total") - generated_before
+    assert generated >= sum(seen.values()), (generated, seen)
 
 
 def test_a_client_that_leaves_before_the_first_token_is_counted_as_an_abort(fp32_shard: Service) -> None:

@@ -23,6 +23,7 @@ import pytest
 from data_plane.common.slow_clients import (
     ENV_BODY_S,
     ENV_HEADERS_S,
+    ENV_MAX_HEAD_BYTES,
     ENV_SEND_BUFFER_BYTES,
     ENV_WRITE_STALL_S,
     HttpLimits,
@@ -212,3 +213,75 @@ def test_a_reader_that_never_reads_its_stream_is_cut_and_its_worker_freed() -> N
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_a_request_head_past_the_bound_gets_431_before_it_costs_memory(cluster: Cluster) -> None:
+    """httptools keeps a request head whole however large (no bound, unlike h11's 16 KiB): one
+    connection with no API key sent 200 MB of headers within the head timeout and the gateway's memory
+    grew by as much. Past max_head_bytes (64 KiB) the connection gets a 431 and is closed, counted as
+    head_too_large; a large but legal head (five 8 KiB headers) still passes."""
+    url = cluster.gateway.url
+    before = _cut(url, "head_too_large")
+    sock = _connect(url)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    line = b"X-Pad: " + b"a" * 8000 + b"\r\n"
+    sent, answer = 0, b""
+    sock.settimeout(5)
+    try:
+        while sent < 16 * 1024 * 1024:  # without the bound all of it is read, and kept (then a 408)
+            sock.sendall(line)
+            sent += len(line)
+    except OSError:  # refused and closed (what arrives meanwhile is dropped, not kept)
+        pass
+    try:
+        while chunk := sock.recv(65536):
+            answer += chunk
+    except OSError:
+        pass
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 431 "), (sent, answer[:200])
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_header_fields_too_large"
+    assert _cut(url, "head_too_large") == before + 1
+    ok = httpx.get(url + "/health", headers={f"x-pad-{i}": "b" * 8000 for i in range(5)})
+    assert ok.status_code == 200, ok.text
+
+
+def test_the_head_bound_comes_from_the_environment() -> None:
+    assert HttpLimits.from_env({ENV_MAX_HEAD_BYTES: "1024"}).max_head_bytes == 1024
+    assert HttpLimits().max_head_bytes == 64 * 1024
+
+
+def test_trailers_past_the_bound_get_431_and_a_body_in_tiny_chunks_still_passes(cluster: Cluster) -> None:
+    """A chunked body's trailers are kept by httptools as its head is: 200 MB of them after a one-byte
+    body, before the key was even looked at, grew the gateway by 200 MB. They count as a head; a body
+    sent a byte per chunk (all framing, no trailers) is not refused for it."""
+    url = cluster.gateway.url
+    before = _cut(url, "head_too_large")
+    sock = _connect(url)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                 b"Content-Type: application/json\r\n\r\n1\r\n{\r\n0\r\n")
+    line = b"X-Trailer: " + b"a" * 8000 + b"\r\n"
+    sent, answer = 0, b""
+    sock.settimeout(5)
+    try:
+        while sent < 16 * 1024 * 1024:
+            sock.sendall(line)
+            sent += len(line)
+    except OSError:
+        pass
+    try:
+        while chunk := sock.recv(65536):
+            answer += chunk
+    except OSError:
+        pass
+    sock.close()
+    assert b"HTTP/1.1 431 " in answer, (sent, answer[:400])  # after the 401 the gateway gave the head alone
+    assert _cut(url, "head_too_large") == before + 1
+    body = json.dumps({"messages": [{"role": "user", "content": "x" * 20000}], "max_tokens": 2}).encode()
+    sock = _connect(url)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                 b"Content-Type: application/json\r\nAuthorization: Bearer sk-test-plus-0123456789\r\n\r\n")
+    sock.sendall(b"".join(b"1\r\n" + body[i:i + 1] + b"\r\n" for i in range(len(body))) + b"0\r\n\r\n")
+    sock.settimeout(10)
+    assert sock.recv(64).startswith(b"HTTP/1.1 200 ")
+    sock.close()

@@ -24,7 +24,7 @@ from data_plane.protocol import ShardRequest
 from data_plane.routing.failures import CircuitState, FailureReason
 from data_plane.routing.hop_client import HopConnectError, HopDisconnected
 from data_plane.routing.router import Router, RouterMetrics
-from data_plane.routing.upstream import Delta, Finish, Upstream, UpstreamConfig, UsageEvent
+from data_plane.routing.upstream import Delta, Finish, ToolCallDelta, Upstream, UpstreamConfig, UsageEvent
 from tests.support.clock import FakeClock
 
 
@@ -433,3 +433,52 @@ async def test_a_stage_loss_is_counted_under_its_reason_and_the_client_reads_the
         await asyncio.wait_for(drain(stream), 10)
     stream.close()
     assert lane.value.code == "overloaded", lane.value.code
+
+
+async def test_a_token_sent_with_its_finish_reason_is_kept_as_vllm_sends_the_last_one() -> None:
+    """vLLM (and other OpenAI-compatible servers standing as shards) send a choice's last token in the chunk
+    that carries its finish_reason, with its logprobs; that chunk was read as the finish alone, so a vLLM
+    shard's every reply lost its last token ("Paris." came back "Paris"), streamed or not, and a one-token
+    reply came back empty. A tool call's last fragment beside the finish, and several calls in one delta,
+    are kept the same way."""
+    lp = {"token": ".", "logprob": -0.1, "bytes": [46], "top_logprobs": []}
+    last = {"choices": [{"index": 0, "delta": {"content": "."}, "logprobs": {"content": [lp]},
+                         "finish_reason": "stop", "stop_reason": None}]}
+    pool = Pool(Response(200, [[token("Paris")], [b"data: " + json.dumps(last).encode()], [USAGE]]))
+    up, _ = upstream(pool)
+    events = await drain(await up.open(BODY, session_id=None))
+    assert events == [Delta("Paris"), Delta(".", None, 0, (lp,)), Finish("stop"), UsageEvent(7, 3, 0)]
+
+    only = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Yes"}, "finish_reason": "length"}]}
+    pool = Pool(Response(200, [[b"data: " + json.dumps(only).encode()], [USAGE]]))
+    up, _ = upstream(pool)
+    assert await drain(await up.open(BODY, session_id=None)) == [Delta("Yes"), Finish("length"), UsageEvent(7, 3, 0)]
+
+    calls = {"choices": [{"index": 0, "finish_reason": "tool_calls", "delta": {"tool_calls": [
+        {"index": 0, "function": {"arguments": '"}'}},
+        {"index": 1, "id": "call_b", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}}]}
+    opening = {"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": "call_a", "type": "function", "function": {"name": "f", "arguments": '{"a":"x'}}]}}]}
+    pool = Pool(Response(200, [[b"data: " + json.dumps(opening).encode()], [b"data: " + json.dumps(calls).encode()]]))
+    up, _ = upstream(pool)
+    assert await drain(await up.open(BODY, session_id=None)) == [
+        ToolCallDelta(0, "call_a", "f", '{"a":"x'), ToolCallDelta(0, None, None, '"}'),
+        ToolCallDelta(1, "call_b", "f", "{}"), Finish("tool_calls")]
+
+
+async def test_a_clients_continuation_resumes_as_one_assistant_message_with_the_text_after_it() -> None:
+    """The client asked to continue its final assistant message (vLLM's continue_final_message): a resume
+    continues that same message with the text sent since, never a second assistant message after it."""
+    pool = Pool(Response(200, [[token(" Par", 1)], HopDisconnected("reset")]),
+                Response(200, [[token("is.", 1)], [FINISH], [USAGE]]))
+    up, _ = upstream(pool)
+    body = ShardRequest.model_validate({
+        "messages": [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "It is"}],
+        "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 10, "stream": True})
+    events = await drain(await up.open_resumable(body, session_id=None))
+    assert "".join(e.text for e in events if isinstance(e, Delta)) == " Paris."
+    (_, first), (_, resumed) = pool.posts
+    assert first["messages"][-1] == {"role": "assistant", "content": "It is"} and first["continue_final_message"]
+    assert resumed["messages"] == [{"role": "user", "content": "Capital of France?"},
+                                   {"role": "assistant", "content": "It is Par"}]
+    assert resumed["continue_final_message"] is True and resumed["add_generation_prompt"] is False

@@ -300,6 +300,26 @@ def test_another_key_can_neither_read_nor_write_a_session(cluster: Cluster) -> N
     assert again.json()["usage"]["prompt_tokens"] == baseline + 3 + 1 + len(reply.split()), again.json()
 
 
+def test_another_keys_session_reads_exactly_as_a_missing_one(cluster: Cluster) -> None:
+    """An existence oracle: another key's session id was a 404 "session '<id>' not found", a missing id
+    the same code with "...: it expired, was lost, or never existed; ...", so any key could tell an id
+    that exists from one that does not. Both now say the same, streamed or not, by header or body."""
+    sid = chat(cluster.gateway.url, "plus", "my secret", headers={"X-Session-Id": "new"},
+               max_tokens=2).headers["x-session-id"]
+    missing = sid[:-6] + ("0" * 6 if not sid.endswith("0" * 6) else "1" * 6)
+    for stream in (False, True):
+        for how in ("header", "body"):
+            seen = []
+            for target in (sid, missing):
+                kw = {"headers": {"X-Session-Id": target}} if how == "header" else {"session_id": target}
+                r = chat(cluster.gateway.url, "enterprise", "hi", stream=stream, **kw)
+                assert_openai_error(r, 404, "session_not_found")
+                error = r.json()["error"]
+                seen.append({**error, "message": error["message"].replace(target, "<id>"),
+                             "request_id": None, "trace_id": None})
+            assert seen[0] == seen[1], (stream, how, seen)
+
+
 # -- what is never recorded ----------------------------------------------------------------------
 
 

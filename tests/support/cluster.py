@@ -135,13 +135,13 @@ def cache_node(*args: str, log_dir: Path | None = None, port: int | None = None)
 
 
 @contextmanager
-def gateway_before(shard: Service, state: Path, keys: str | None = None) -> Iterator[Service]:
+def gateway_before(shard: Service, state: Path, keys: str | None = None, args: Sequence[str] = ()) -> Iterator[Service]:
     """A started gateway in front of `shard` alone, with a cache node of its own (its state in `state`; the
-    `plus` key unless `keys`, as SWITCHBOARD_GATEWAY_API_KEYS reads them). For tests of the API, not of
-    failover: a 60 s silence timeout, and start-up allowed minutes on a loaded host."""
+    `plus` key unless `keys`, as SWITCHBOARD_GATEWAY_API_KEYS reads them; `args`: more gateway flags). For
+    tests of the API, not of failover: a 60 s silence timeout, and start-up allowed minutes on a loaded host."""
     cache = cache_node().start()
     gw = Service(["gateway", "--shard-urls", shard.url, "--cache-urls", cache.url, "--state-dir", str(state),
-                  "--usage-db", "off", "--silence-timeout-s", "60"],
+                  "--usage-db", "off", "--silence-timeout-s", "60", *args],
                  env={"SWITCHBOARD_GATEWAY_API_KEYS": keys or f"{KEYS['plus']}:acme:plus"}, ready_timeout=240)
     try:
         with gw:

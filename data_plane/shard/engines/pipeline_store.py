@@ -35,6 +35,7 @@ refuses stages from other hosts then (pipeline.py).
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -75,7 +76,14 @@ class GroupStore:
         """Stage 0: the store's server, and a fresh group nonce published in it."""
         import torch.distributed as dist
 
-        store = dist.TCPStore(host, port, world, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        # torch's server listens on every interface whatever `host` says (on `*`: a pipeline shard on
+        # 127.0.0.1 had its store reachable from the network, for anyone to delete or overwrite keys, a
+        # stage's heartbeat among them): it is handed a socket bound to `host` alone, which it then owns
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        listener = socket.create_server((host, port), family=family, backlog=socket.SOMAXCONN)
+        port = listener.getsockname()[1]
+        store = dist.TCPStore(host, port, world, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+                              master_listen_fd=listener.detach())
         nonce = os.urandom(GROUP_NONCE_BYTES)
         store.set(GROUP_KEY, nonce.hex())
         return cls(store, group_key(token, nonce), f"{host}:{port}")

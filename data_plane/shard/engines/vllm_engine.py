@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -88,6 +89,20 @@ def vllm_command(settings: ShardSettings, model_path: str, served_name: str, por
     ]
 
 
+def vllm_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """vLLM's environment: this process's, with the cluster token as its API key (``VLLM_API_KEY``: vLLM
+    then answers 401 on /v1/* without ``Authorization: Bearer <token>``, which the gateway sends every
+    shard), as our own shards require it. Without it, anyone who reached vLLM's port generated on the
+    GPU. In the environment, not on the command line (``ps`` shows that)."""
+    from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV
+
+    env = dict(os.environ if environ is None else environ)
+    token = env.get(CLUSTER_TOKEN_ENV)
+    if token:
+        env["VLLM_API_KEY"] = token
+    return env
+
+
 def create_sidecar(settings: ShardSettings) -> FastAPI:
     from data_plane.membership.factory import membership_from_url
     from data_plane.membership.view import Member
@@ -107,7 +122,8 @@ def create_sidecar(settings: ShardSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # the lifespan runs on the event loop's (main) thread; vLLM dies with this sidecar, however it ends
-        proc = subprocess.Popen(cmd, preexec_fn=die_with_parent())  # noqa: PLW1509, ASYNC220 -- once, at start-up
+        proc = subprocess.Popen(cmd, env=vllm_env(),  # noqa: ASYNC220 -- once, at start-up
+                                preexec_fn=die_with_parent())  # noqa: PLW1509
         http = httpx.AsyncClient(timeout=5.0)
         agent = None
         registry = settings.membership or settings.registry_url
