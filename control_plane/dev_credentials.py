@@ -26,9 +26,11 @@ operator's own and is left alone (``switchboard keys list`` flags it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import time
 from pathlib import Path
@@ -43,6 +45,8 @@ log = logging.getLogger(__name__)
 
 TIERS = ("free", "plus", "enterprise")
 """One dev key per tier of the built-in policy."""
+KEY_PATTERN = re.compile(r"sk-sb-[A-Za-z0-9_-]{43}")
+"""A dev key as `generate_key` makes it (32 random bytes, URL-safe base64), for reading a damaged file."""
 HEADER = ("# Gateway API keys (switchboard keys create / list / revoke): SHA-256 digests only.\n"
           "# The dev keys `switchboard up` made are in credentials.json beside this file (a client credential).\n")
 
@@ -141,11 +145,24 @@ def dev_keys(path: Path, remembered: dict[str, str], tiers: tuple[str, ...] = TI
 
 
 def _remembered(path: Path) -> dict[str, str]:
-    """The keys the last credentials file held (``{}`` when there is none or it does not parse)."""
+    """The keys the last credentials file held (``{}`` when there is none). One that does not parse (a
+    disk that filled, a hand edit) is moved aside to ``credentials.json.corrupt`` and the dev keys are read
+    out of its text: `dev_keys` takes only those the keys file lists. It used to be read as no keys and
+    written over, and the keys file holds digests only: the dev keys were gone for good, and the banner
+    said none was left in the keys file, which still accepted all three."""
     try:
-        keys = json.loads(path.read_text()).get("keys")
-    except (OSError, ValueError, AttributeError):
+        text = path.read_text()
+    except OSError:
         return {}
+    try:
+        keys = json.loads(text).get("keys")
+    except (ValueError, AttributeError):
+        aside = path.with_name(path.name + ".corrupt")
+        with contextlib.suppress(OSError):
+            os.replace(path, aside)  # mode 600 kept: it may hold the keys and the admin token
+        found = {f"salvaged-{i}": key for i, key in enumerate(dict.fromkeys(KEY_PATTERN.findall(text)))}
+        log.warning("%s did not parse (moved to %s); %d dev key(s) read out of it", path, aside, len(found))
+        return found
     return {str(t): str(k) for t, k in keys.items()} if isinstance(keys, dict) else {}
 
 

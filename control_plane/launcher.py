@@ -322,7 +322,10 @@ def main(argv: list[str] | None = None) -> None:
             resolve_model(s.model)  # converts the GGUF once, before shards race to do it
         except ModelNotAvailable as exc:
             raise SystemExit(f"switchboard up: {exc}") from None
-    creds = prepare(state)
+    try:
+        creds = prepare(state)
+    except ValueError as exc:  # the keys file (the truth of who may call) does not parse: refuse, in words
+        raise SystemExit(f"switchboard up: {exc}") from None
     tls = s.tls or TlsConfig.from_env().enabled  # --tls, or certificates given (--tls-cert/--tls-key)
     if s.tls and not TlsConfig.from_env().enabled:  # every child inherits it: listen, and verify peers with the CA
         os.environ.update(make_dev_pki(state / "tls", tuple(dict.fromkeys((s.host, "127.0.0.1", "localhost")))).env())
@@ -481,7 +484,8 @@ def _key_lines(creds: dict, state: Path) -> list[str]:
     """The dev keys in full on the run that made them (shown once); their key ids on later runs."""
     keys: dict[str, str] = creds["keys"]
     if not keys:  # the dev keys were revoked (`switchboard keys revoke`), or credentials.json was lost
-        return ["  API keys: no dev key is left in the keys file: `switchboard keys create --tenant dev --tier plus`"]
+        return [("  API keys: no dev key of the keys file is known here (revoked, or credentials.json lost; see the "
+                 "log above): `switchboard keys create --tenant dev --tier plus`")]
     if creds.get("minted"):
         return ["  API keys (dev, one per tier; shown here once, kept in credentials.json below):",
                 *[f"    {t:<11} {k}" for t, k in keys.items()]]

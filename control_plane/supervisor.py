@@ -40,6 +40,16 @@ RESTART_STABLE_S = 60.0
 for crash loops. Counted over its lifetime instead, a gateway killed for the fifth time in a day (each
 time after hours of service) stayed down 30 s, the whole chat API with it (systemd and Kubernetes reset
 their backoff the same way)."""
+LIVENESS_PERIOD_S = 5.0
+"""Seconds between two liveness probes of a running child (its health path, any HTTP answer counts)."""
+LIVENESS_PROBE_TIMEOUT_S = 1.0
+"""Seconds one probe waits for an answer."""
+LIVENESS_TIMEOUT_S = 30.0
+"""A child that answered once since its start and then nothing for this long is hung (a deadlock, a
+SIGSTOP, a host that stopped scheduling it): it is killed, and restarted as a dead one is. Without it, a
+frozen shard or cache node stayed frozen for good: out of membership (so `switchboard admin status` said
+"shards 1/1 passing" of the 2 started, the process table "running"), its free-tier sessions answered 404
+until someone found it and killed it by hand (Kubernetes' liveness probe, systemd's watchdog)."""
 
 
 @dataclass
@@ -64,9 +74,13 @@ class Child:
     last_exit_code: int | None = None
     """How its last run ended (a negative code: the signal that killed it), None before any death."""
     last_exit_at: float | None = None
+    answered_at: float = 0.0
+    """When its health path last answered (monotonic; 0.0: not since its start, so not yet probed for liveness)."""
+    next_probe: float = 0.0
 
     def start(self) -> None:
         self.started_at = time.monotonic()
+        self.answered_at = self.next_probe = 0.0
         self.started_wall = time.time()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -90,6 +104,8 @@ class Child:
         if self.alive():
             assert self.proc is not None
             self.proc.send_signal(sig)
+            if sig != signal.SIGKILL:  # a stopped (SIGSTOP) child handles its SIGTERM only once continued
+                self.proc.send_signal(signal.SIGCONT)
 
 
 def wait_healthy(children: list[Child], timeout: float, what: str) -> None:
@@ -174,6 +190,7 @@ class Supervisor:
         try:
             while not self.stopping:
                 self._restart_dead()
+                self._kill_hung()
                 self._rotate_logs()
                 time.sleep(0.5)
         finally:
@@ -200,6 +217,25 @@ class Supervisor:
                 child.next_restart = 0.0
                 self.start(child)
                 print(f"[switchboard] {child.name} restarted (restart #{child.restarts})", flush=True)
+
+    def _kill_hung(self) -> None:
+        """Probe each running child's health path every LIVENESS_PERIOD_S; SIGKILL one that answered once
+        and then nothing for LIVENESS_TIMEOUT_S (`_restart_dead` restarts it). Any HTTP status is an answer:
+        a gateway with no shard left says 503 and is alive. Before its first answer a child is loading
+        (a model, minutes): that is start-up, not a hang."""
+        for child in self.children:
+            now = time.monotonic()
+            if self.stopping or not child.alive() or now < child.next_probe:
+                continue
+            child.next_probe = now + LIVENESS_PERIOD_S
+            try:
+                httpx.get(child.url + child.health, timeout=LIVENESS_PROBE_TIMEOUT_S)
+                child.answered_at = time.monotonic()
+            except httpx.HTTPError:
+                if child.answered_at and now - child.answered_at >= LIVENESS_TIMEOUT_S:
+                    print(f"[switchboard] {child.name} has not answered {child.health} for "
+                          f"{now - child.answered_at:.0f} s (hung); killing it (log: {child.log_path})", flush=True)
+                    child.stop(signal.SIGKILL)
 
     def record(self) -> None:
         """Write the process table now (each start, death and restart does, and `run()` as it begins)."""
@@ -250,4 +286,4 @@ class Supervisor:
         print("[switchboard] stopped.", flush=True)
 
 
-__all__ = ["RESTART_BACKOFF_S", "STOP_SIGNALS", "Child", "Stopped", "Supervisor", "tail", "wait_healthy"]
+__all__ = ["LIVENESS_TIMEOUT_S", "RESTART_BACKOFF_S", "STOP_SIGNALS", "Child", "Stopped", "Supervisor", "tail", "wait_healthy"]

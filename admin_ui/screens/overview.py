@@ -10,7 +10,7 @@ import streamlit as st
 
 from admin_ui import ui
 from admin_ui.views.alerts import alert_rows
-from admin_ui.views.cluster import members_frame, status_counts
+from admin_ui.views.cluster import idle_caption, members_frame, status_counts
 from admin_ui.views.read import items, num
 from admin_ui.views.signals import overview_tiles, split_signals
 from admin_ui.views.tiers import tier_history_frame
@@ -48,9 +48,9 @@ def body(c: ui.Console) -> None:
         frame = members_frame([m for m in member_list if m.get("service") == "shard"], latest, now=0)
         if frame.empty:
             st.caption("No shards registered.")
-        elif not frame[["running", "waiting"]].fillna(0).to_numpy().any():
+        elif (idle := idle_caption(frame)) is not None:
             # all zero: Vega draws an empty plot with one tick labelled "0.000000"; say it in words
-            st.caption(f"All {len(frame)} shard{'s' if len(frame) > 1 else ''} idle: nothing running or waiting.")
+            st.caption(idle)
         else:
             chart = frame.set_index("member")[["running", "waiting"]].fillna(0)
             st.bar_chart(chart, horizontal=True, stack=True, y_label="", x_label="requests", height=220,

@@ -66,6 +66,21 @@ def members_frame(members: Sequence[Mapping[str, Any]], latest: Mapping[str, Any
     return frame.reset_index(drop=True)
 
 
+def idle_caption(shards: pd.DataFrame) -> str | None:
+    """What the Overview says in words when no shard of `shards` (a `members_frame`) runs or waits for
+    anything (an all-zero bar chart drew an empty plot); None when one does. A shard that is not passing is
+    named as such, not counted idle: with one of two frozen it said "All 2 shards idle"."""
+    if shards[["running", "waiting"]].fillna(0).to_numpy().any():
+        return None
+    down = shards[shards["status"] != "passing"]
+    if down.empty:
+        return f"All {len(shards)} shard{'s' if len(shards) > 1 else ''} idle: nothing running or waiting."
+    up = len(shards) - len(down)
+    named = ", ".join(f"{m} ({st})" for m, st in zip(down["member"], down["status"], strict=True))
+    said = f"{up} passing shard{'s' if up != 1 else ''} idle: nothing running or waiting" if up else "No shard passing"
+    return f"{said}; not passing: {named}."
+
+
 def status_counts(members: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
     """``{service: {status: n}}``."""
     out: dict[str, dict[str, int]] = {}

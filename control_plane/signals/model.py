@@ -58,6 +58,12 @@ QUANTILE = 0.95
 REJECTED_STATUSES = frozenset({"429", "503"})
 SHED_CODES = ("overloaded",)
 """Error codes of deliberate load shedding, left out of the error rate."""
+STORE_DOWN_CODES = ("cache_unavailable", "cache_backend_unavailable")
+"""5xx codes that say a session store is down (a cache node, Redis), not that the fleet is overloaded:
+left out of the error rate the ladder and the autoscaler read, since shedding load cannot bring a store
+back. Counted, a Redis outage (every session turn a 503) took the ladder to its top level and shed the
+whole free tier, sessionless requests included. The SLO's error budget (alerts/) still counts them."""
+NOT_OVERLOAD_CODES = SHED_CODES + STORE_DOWN_CODES
 
 # metric names (sample names, as exposed)
 M_RUNNING = "vllm:num_requests_running"

@@ -40,6 +40,7 @@ from control_plane.signals.model import (
     M_SHARD_TOKENS,
     M_SHARD_TTFT,
     M_WAITING,
+    NOT_OVERLOAD_CODES,
     QUANTILE,
     REJECTED_STATUSES,
     SHED_CODES,
@@ -177,7 +178,7 @@ class ScrapeSignals:
             # Deliberate shedding (503 `overloaded` from admission or the ladder) is the remedy, not
             # a failure: counting it would let shedding keep the ladder raised by itself.
             errors = self._rate(window_sources, M_GW_REQUESTS, lambda d: d.get("status", "").startswith("5")
-                                and d.get("code") not in SHED_CODES)
+                                and d.get("code") not in NOT_OVERLOAD_CODES)
             error_rate = (errors or 0.0) / total if total > 0 else None
             shed = self._rate(window_sources, M_GW_REQUESTS, lambda d: d.get("status") == "503"
                               and d.get("code") in SHED_CODES) or 0.0

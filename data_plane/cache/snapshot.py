@@ -12,7 +12,8 @@ same state dir survived. The records are sealed by the gateways (data_plane/comm
 file holds what Redis would: ciphertext under ids. It is mode 600 all the same.
 
 Each line is ``{"record": <Transcript.to_wire()>, "expires_at": <unix seconds>}``. A line that does
-not parse is skipped (and counted in the log), never fatal: a node starts with what it can read.
+not parse is skipped (and counted in the log), never fatal: a node starts with what it can read, and
+the damaged file is kept beside it as ``<name>.corrupt`` before anything rewrites it.
 Blocking file I/O: the storage calls both methods through ``asyncio.to_thread``.
 """
 
@@ -22,8 +23,9 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from data_plane.cache.model import Transcript
@@ -50,11 +52,23 @@ class Snapshot:
         except FileNotFoundError:
             return []
         except OSError as exc:
-            log.warning("cache snapshot %s unreadable (%s): starting empty", self.path, type(exc).__name__)
+            log.warning("cache snapshot %s unreadable (%s): starting empty; moved to %s", self.path,
+                        type(exc).__name__, self._aside(os.replace))
             return []
         if bad:
-            log.warning("cache snapshot %s: %d malformed lines skipped", self.path, bad)
+            log.warning("cache snapshot %s: %d malformed lines skipped, %d records kept; the file as it was "
+                        "is copied to %s", self.path, bad, len(records), self._aside(shutil.copy2))
         return records
+
+    def _aside(self, how: Callable[[Path, Path], object]) -> Path:
+        """Keep the damaged file as ``<name>.corrupt`` (the node's next write replaces the file): what did
+        not parse may still be recovered by hand, as the control plane keeps its state files."""
+        aside = self.path.with_name(self.path.name + ".corrupt")
+        try:
+            how(self.path, aside)
+        except OSError as exc:
+            log.warning("cache snapshot %s: could not keep it as %s (%s)", self.path, aside, type(exc).__name__)
+        return aside
 
     def write(self, entries: Iterable[tuple[Transcript, float]]) -> int:
         """Replace the file with `entries` so that a crash leaves the old file or the new one; returns

@@ -26,7 +26,8 @@ The tree::
     ├── UnsupportedMediaType              415 invalid_request_error / unsupported_media_type
     ├── RateLimited                       429 rate_limit_error / rate_limit_exceeded (Retry-After)
     ├── Overloaded                        503 server_error / overloaded (Retry-After)
-    │   └── NoHealthyBackend              503 ... / no_healthy_backend
+    │   ├── NoHealthyBackend              503 ... / no_healthy_backend
+    │   └── ShuttingDown                  503 ... / server_shutting_down
     ├── UpstreamError                     502 server_error / upstream_error
     └── UpstreamTimeout                   504 server_error / upstream_timeout
 
@@ -167,6 +168,13 @@ class Overloaded(SwitchboardError):
 
 class NoHealthyBackend(Overloaded):
     code = "no_healthy_backend"
+
+
+class ShuttingDown(Overloaded):
+    """The gateway stopped (a restart, a deploy, Ctrl-C) past its shutdown grace with this stream still
+    running: the stream ends with this error event and ``[DONE]`` instead of a cut connection."""
+
+    code = "server_shutting_down"
 
 
 class PipelineStageLost(Overloaded):

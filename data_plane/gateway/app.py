@@ -15,6 +15,7 @@ request's path is data_plane/gateway/chat.py; its response stream is data_plane/
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -73,6 +74,9 @@ def build_gateway(settings: GatewaySettings, registry: CollectorRegistry | None 
         settings.tokenizer)
     return Gateway(settings, keys, tiers, safety, counter, registry or CollectorRegistry())
 
+SETTLE_S = 3.0
+"""Seconds the shutdown waits for cancelled requests to record their ends (`GatewayApp.settle`)."""
+
 
 def create_app(gw: Gateway) -> GatewayApp:
     holder: GatewayApp  # assigned below, before the lifespan or any route can run
@@ -89,6 +93,7 @@ def create_app(gw: Gateway) -> GatewayApp:
             stack.push_async_callback(holder.background.aclose)  # first: runs store their end while nodes are up
             try:
                 yield
+                await holder.settle(SETTLE_S)
             finally:
                 holder.runtime = None
 
@@ -187,6 +192,17 @@ class GatewayApp:
         self.store: ConversationStore | None = None
         self.background: BackgroundRuns | None = None
         """Set for as long as the lifespan runs (from start-up to shutdown): the one check for it is `started`."""
+        self._serving: set[asyncio.Task[Any]] = set()
+        """The chat and Responses requests under way (their tasks), for `settle`."""
+
+    async def settle(self, timeout: float) -> None:
+        """At shutdown, before the runtime closes: wait (up to `timeout`) for the requests uvicorn has just
+        cancelled past its grace to end their streams and record their ends. The lifespan's shutdown runs
+        right after the cancel, so a Responses stream that first stored its `failed` response found the
+        ledger's spool folder gone ("could not spool the record": the request missing from usage)."""
+        pending = {t for t in self._serving if not t.done()}
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
 
     def started(self) -> Runtime:
         """The runtime, or 503 while the process starts or stops."""
@@ -217,12 +233,18 @@ class GatewayApp:
                 return
             handler = (StoredChatHandler(self.gw, runtime, request, self.conversations()) if path == CHAT_PATH else
                        ResponsesHandler(self.gw, runtime, request, self.conversations()))
+            task = asyncio.current_task()
+            if task is not None:
+                self._serving.add(task)
             try:
                 await handler.serve(scope, receive, send)
             except Detach as detach:  # background: true (data_plane/gateway/responses_detached.py)
                 assert isinstance(handler, ResponsesHandler)
                 await serve_background(self.gw, runtime, self.conversations(), self.runs(), handler, detach.raw,
                                        scope, receive, send)
+            finally:
+                if task is not None:
+                    self._serving.discard(task)
         else:
             await self.api(scope, receive, send)
 

@@ -25,7 +25,7 @@ from opentelemetry import trace
 from starlette.types import Send
 
 from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, CLIENT_DISCONNECTED
-from data_plane.common.errors import as_error
+from data_plane.common.errors import ShuttingDown, as_error
 from data_plane.common.outcome import OK
 from data_plane.gateway.exchange import Exchange
 from data_plane.gateway.safety.filters import Verdict
@@ -374,8 +374,16 @@ class Completion:
             if include_usage:
                 out.append(_event(chunk_body(**common, usage=self.usage, empty_choices=True)))
         except asyncio.CancelledError:
-            error = CLIENT_DISCONNECTED
-            raise
+            if x.client_gone:
+                error = CLIENT_DISCONNECTED
+                raise
+            # Nobody left: the server cancelled us, uvicorn past the shutdown grace (a restart, a deploy,
+            # Ctrl-C). The connection is still open: end the stream in words. The cancel is not raised
+            # again: the response is whole, and uvicorn would log it as the app's traceback.
+            stopping = ShuttingDown("the gateway is shutting down and could not finish this stream within its "
+                                    "shutdown grace; retry the request")
+            error, message = stopping.code or "error", stopping.message
+            out.append(_event(stopping.body(x.request_id, x.trace_id)))
         except Exception as exc:  # noqa: BLE001 -- a bug must still end the stream properly, not cut it off
             failure = as_error(exc, f"request {x.request_id} mid-stream")
             if failure is exc:

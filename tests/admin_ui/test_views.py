@@ -7,7 +7,7 @@ import math
 import pandas as pd
 
 from admin_ui.views.alerts import alert_rows
-from admin_ui.views.cluster import members_frame
+from admin_ui.views.cluster import idle_caption, members_frame
 from admin_ui.views.signals import SignalsView, overview_tiles, split_signals
 from admin_ui.views.tiers import frame_problems, local_policy_problems, policy_from_frame, tiers_frame
 from admin_ui.views.traces import traces_frame, waterfall_frames
@@ -140,3 +140,20 @@ def test_a_pipelined_shards_stages_hosts_and_layers():
     assert list(frame["layers"]) == ["0..9", "10..19", "20..29"]
     assert "3 pipeline stages" in members_frame(members, None, now=1.0).set_index("member").loc["shard-pp", "detail"]
     assert stages_frame(members[1:2]).empty
+
+
+def test_the_overview_names_a_shard_that_is_down_instead_of_calling_it_idle() -> None:
+    """With one of two shards frozen (critical, no load figures) the Overview said "All 2 shards idle"."""
+    members = [{"id": "shard-0", "service": "shard", "status": "critical"},
+               {"id": "shard-1", "service": "shard", "status": "passing"}]
+    latest = {"shards": [{"member_id": "shard-1", "running": 0, "waiting": 0}]}
+    assert idle_caption(members_frame(members, latest, now=1.0)) == (
+        "1 passing shard idle: nothing running or waiting; not passing: shard-0 (critical).")
+    members[0]["status"] = "passing"
+    assert idle_caption(members_frame(members, latest, now=1.0)) == "All 2 shards idle: nothing running or waiting."
+    busy = {"shards": [{"member_id": "shard-1", "running": 2, "waiting": 0}]}
+    assert idle_caption(members_frame(members, busy, now=1.0)) is None
+    for m in members:
+        m["status"] = "critical"
+    assert idle_caption(members_frame(members, None, now=1.0)) == (
+        "No shard passing; not passing: shard-0 (critical), shard-1 (critical).")

@@ -118,3 +118,22 @@ def test_the_banner_shows_the_keys_and_admin_token_once_then_only_where_they_are
     assert not any(key in shown for key in first["keys"].values()) and first["admin_token"] not in shown
     assert all(f"key id {key_id(key)}" in shown for key in first["keys"].values())
     assert "Bearer $KEY" in shown and str(tmp_path / "credentials.json") in shown
+
+
+def test_a_damaged_credentials_file_is_kept_and_its_keys_read_out_of_it(tmp_path: Path) -> None:
+    """credentials.json cut short (a full disk, a crash of an editor) was read as "no keys" and written over
+    with ``"keys": {}``: the keys file holds digests only, so the three dev keys it still accepted were gone for
+    good, and the banner said no dev key was left in the keys file."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    first = prepare(state)
+    path = state / "credentials.json"
+    damaged = path.read_bytes()[: len(path.read_bytes()) // 2]  # the keys come first: all three still in it
+    path.write_bytes(damaged)
+    again = prepare(state)
+    assert again["keys"] == first["keys"] and again["minted"] is False
+    assert json.loads(path.read_text())["keys"] == first["keys"]
+    aside = state / "credentials.json.corrupt"
+    assert aside.read_bytes() == damaged and stat.S_IMODE(aside.stat().st_mode) == 0o600
+    path.write_text('{"keys": {"plus": "sk-sb-')  # nothing left to read: no key, and never one the file lacks
+    assert prepare(state)["keys"] == {}

@@ -304,3 +304,34 @@ async def test_a_shards_prefix_cache_hit_rate_and_bytes_over_the_window() -> Non
         second = (await source.read()).shards[0]
     assert first.prefix_hit_rate is None and first.prefix_cache_bytes == 1048576
     assert second.prefix_hit_rate == pytest.approx(1500 / 2000)
+
+
+async def test_a_session_store_outage_is_not_read_as_overload() -> None:
+    """Every session turn a 503 `cache_unavailable` while a cache node (or Redis: `cache_backend_unavailable`)
+    was down counted in the error rate the ladder reads: above 10 % under pressure it raised the level to 3
+    and shed the whole free tier, sessionless requests included, though shedding cannot bring a store back.
+    A shard failing requests (`upstream_error`) still counts."""
+    clock = FakeClock(0.0)
+    counts = {"ok": 100.0, "cache_unavailable": 0.0, "cache_backend_unavailable": 0.0, "upstream_error": 0.0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.port == 9000:
+            return httpx.Response(200, text="".join(
+                f'switchboard_gateway_requests_total{{code="{code}",status="{200 if code == "ok" else 503 if "cache" in code else 502}",'
+                f'tier="free"}} {n}\n' for code, n in counts.items()))
+        return httpx.Response(200, text='vllm:num_requests_running{model_name="m"} 2\n'
+                                        'vllm:num_requests_waiting{model_name="m"} 0\n')
+
+    members = [Member("shard-a", "shard", "http://127.0.0.1:9001"), Member("gw", "gateway", "http://127.0.0.1:9000")]
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        source = ScrapeSignals(lambda s: [m for m in members if m.service == s], http, window_s=10,
+                               min_interval_s=0, clock=clock)
+        await source.read()
+        clock.now = 5.0
+        counts.update(ok=150.0, cache_unavailable=30.0, cache_backend_unavailable=20.0)
+        store_down = await source.read()
+        clock.now = 10.0
+        counts.update(ok=200.0, upstream_error=50.0)
+        shard_failing = await source.read()
+    assert store_down.error_rate == 0.0
+    assert shard_failing.error_rate == pytest.approx(50 / 200)

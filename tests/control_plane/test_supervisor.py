@@ -8,12 +8,15 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 
 from control_plane import supervisor
 from control_plane.supervisor import Child, Supervisor
+from tests.support.procs import free_port
 
 BACKOFF = (0.05, 0.1, 0.2, 0.4)
 STABLE_S = 1.0
@@ -80,3 +83,75 @@ def test_the_process_table_shows_each_child_running_from_its_start(tmp_path: Pat
         assert [(r["pid"], r["running"]) for r in rows] == [(k.proc.pid, True) for k in kids if k.proc], rows
     finally:
         sup.shutdown()
+
+
+def _supervise_until(sup: Supervisor, done: Callable[[], bool], timeout: float = 10.0) -> None:
+    """What `Supervisor.run()` does each pass (without its signal handlers), until `done()`."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "the supervisor did not get there"
+        sup._restart_dead()
+        sup._kill_hung()
+        time.sleep(0.05)
+
+
+def test_a_hung_child_is_killed_and_restarted_one_still_loading_is_left_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGSTOPped (or deadlocked) shard or cache node stayed frozen for good: the supervisor only noticed
+    deaths, so it left membership ("shards 1/1 passing" of the 2 started), the process table said
+    "running", and the free-tier sessions on a frozen cache node answered 404 until someone killed it."""
+    monkeypatch.setattr(supervisor, "RESTART_BACKOFF_S", (0.05,))
+    monkeypatch.setattr(supervisor, "LIVENESS_PERIOD_S", 0.1)
+    monkeypatch.setattr(supervisor, "LIVENESS_PROBE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(supervisor, "LIVENESS_TIMEOUT_S", 1.0)
+    port = free_port()
+    server = Child("cache-0", [], f"http://127.0.0.1:{port}", tmp_path / "cache-0.log",  # any answer (a 404) is alive
+                   command=[sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"])
+    loading = Child("shard-0", [], f"http://127.0.0.1:{free_port()}", tmp_path / "shard-0.log",  # never answers yet
+                    command=[sys.executable, "-c", "import time; time.sleep(60)"])
+    sup = Supervisor([server, loading])
+    for child in (server, loading):
+        child.start()
+    try:
+        _supervise_until(sup, lambda: server.answered_at > 0.0)
+        time.sleep(1.5)
+        _supervise_until(sup, lambda: time.monotonic() - server.answered_at > 1.5, timeout=3)  # answering: kept
+        assert server.restarts == 0 and server.alive()
+        assert server.proc is not None
+        frozen = server.proc
+        frozen.send_signal(signal.SIGSTOP)
+        _supervise_until(sup, lambda: server.restarts == 1 and server.answered_at > 0.0)
+        assert frozen.poll() == -signal.SIGKILL and server.last_exit_code == -signal.SIGKILL
+        assert httpx.get(server.url + "/health", timeout=2).status_code == 404  # the new one serves
+        assert loading.alive() and loading.restarts == 0, "a child that never answered was killed as hung"
+    finally:
+        for child in (server, loading):
+            child.stop(signal.SIGKILL)
+            if child.proc is not None:
+                child.proc.wait(5)
+
+
+def test_a_stopped_child_still_stops_gracefully(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`up` stopped with a child frozen (SIGSTOP, `kill -STOP` by an operator, a debugger) waited the whole
+    10 s for it and then SIGKILLed it: its SIGTERM stayed pending while it was stopped, so its shutdown (a
+    cache node's last snapshot, a member's deregistration) never ran. It is continued after the SIGTERM now,
+    as systemd does."""
+    monkeypatch.setattr(supervisor, "STOP_WAIT_S", 5.0)
+    ready = tmp_path / "ready"
+    graceful = ("import pathlib, signal, sys, time\n"
+                "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+                f"pathlib.Path({str(ready)!r}).touch()\n"
+                "time.sleep(60)\n")
+    child = Child("cache-0", [], "http://127.0.0.1:9", tmp_path / "cache-0.log", command=[sys.executable, "-c", graceful])
+    sup = Supervisor([child])
+    child.start()
+    deadline = time.monotonic() + 10
+    while not ready.exists():
+        assert time.monotonic() < deadline, "the child did not start"
+        time.sleep(0.02)
+    assert child.proc is not None
+    child.proc.send_signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    sup.shutdown()
+    assert child.proc.returncode == 0, "killed, not stopped: its SIGTERM handler never ran"
+    assert time.monotonic() - t0 < 3

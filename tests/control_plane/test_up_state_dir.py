@@ -115,3 +115,19 @@ assert rotation.rotate_full(d) == []  # a failed log is left alone for retry_s: 
     assert (tmp_path / "a.log").stat().st_size == 20000 * 13 and not list(tmp_path.glob("*.tmp"))
     assert LogRotation(200_000, 3).rotate_full(tmp_path) == [tmp_path / "a.log"]  # past the wait: rotated
     assert (tmp_path / "a.log.1").stat().st_size == 20000 * 13 and (tmp_path / "a.log.2").read_text() == "history 1\n"
+
+
+def test_a_damaged_keys_file_is_refused_in_one_line_before_anything_starts(tmp_path: Path) -> None:
+    """keys.yaml cut short (a full disk, a bad edit): `up` refused it, rightly (it is the truth of who may call),
+    but with a 20-line Python traceback."""
+    state = tmp_path / ".switchboard"
+    state.mkdir()
+    (state / "keys.yaml").write_text("keys:\n- key_sha256: " + "ab" * 32 + "\n  tenant: dev\n")  # its tier cut off
+    (state / "keys.yaml").chmod(0o600)
+    up = subprocess.run([sys.executable, "-m", "control_plane.cli", "up", *_up_args(free_port(), free_port())],
+                        check=False, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert up.returncode == 1, up.stdout + up.stderr
+    assert "Traceback" not in up.stderr, up.stderr
+    assert up.stderr.strip().splitlines() == [
+        f"switchboard up: invalid API keys in {state / 'keys.yaml'}: keys.0.tier: Field required"], up.stderr
+    assert "starting control plane" not in up.stdout

@@ -300,6 +300,10 @@ async def test_one_bad_byte_in_a_snapshot_costs_its_record_not_the_file(tmp_path
     kept = [s for s in ("sess0", "sess1", "sess2") if await again.get(s) is not None]
     await again.aclose()
     assert kept == ["sess0", "sess1"], kept
+    # the damaged file is kept as it was (its next write, here the stop's, dropped sess2 for good)
+    aside = path.with_name(path.name + ".corrupt")
+    assert aside.read_bytes() == bytes(raw), "the damaged snapshot was overwritten, sess2 unrecoverable"
+    assert aside.stat().st_mode & 0o777 == 0o600
 
 
 async def test_memory_storage_snapshot_keeps_live_records_in_lru_order(tmp_path: Path) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sqlite3
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -179,3 +181,59 @@ def test_mid_stream_failover_real_model_float32_equals_uninterrupted() -> None:
         assert [f for _, f in got] == [f for _, f in reference]
         assert [t for t, _ in got] == [t for t, _ in reference]
         assert metric(gw.url, "switchboard_router_resumes_total") >= 1
+
+
+def test_a_stream_the_gateways_shutdown_outlasts_ends_with_an_error_event_not_a_cut() -> None:
+    """The gateway stopped (SIGTERM: `switchboard up` restarting it, a deploy, Ctrl-C) while a stream ran past
+    its 5 s shutdown grace: uvicorn cancelled the request, the client got a connection cut mid-chunk
+    (httpx RemoteProtocolError "incomplete chunked read", no error event, no [DONE]), the gateway logged a
+    traceback per stream and counted each as the client's disconnect. Now the stream ends in words."""
+    synthetic = ("--engine", "synthetic", "--synthetic-token-delay-ms", "1000")  # its 16 tokens: 16 s
+    with static_shards(synthetic, gateway_args=["--tokenizer", "whitespace", "--model-name", "synthetic"]) as (_, gw):
+        body = {"model": "synthetic", "messages": [{"role": "user", "content": "a long story"}],
+                "max_tokens": 100, "stream": True}
+        events: list[str] = []
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {KEYS['plus']}"}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line)
+                    break
+            gw.terminate()
+            t0 = time.monotonic()
+            events.extend(line for line in lines if line.startswith("data: "))  # raised on a cut before the fix
+        took = time.monotonic() - t0
+        gw.stop()
+        assert events[-1] == "data: [DONE]", (took, len(events), events[-3:])
+        assert '"code":"server_shutting_down"' in events[-2], events[-2]
+        assert 3 < took < 10, f"the stream ended {took:.1f} s after SIGTERM (the grace is 5 s)"
+        assert "Traceback" not in gw.log_tail(20_000), gw.log_tail()
+
+
+def test_a_responses_stream_the_shutdown_cuts_is_stored_failed_and_still_in_the_usage_ledger(tmp_path: Path) -> None:
+    """The same stop with a Responses stream: it stored its `failed` response first, and by then the
+    gateway's lifespan shutdown (which uvicorn runs right after the cancel) had closed the usage ledger and
+    removed its spool folder: "could not spool the record", the request missing from usage (billing)."""
+    db = tmp_path / "usage.db"
+    with Cluster(shards=1, caches=1, token_delay_ms=1000,  # its 16 tokens: 16 s, past the 5 s grace
+                 gateway_args=["--usage-db", f"sqlite:///{db}", "--state-dir", str(tmp_path)]) as c:
+        body = {"model": "synthetic", "input": "a long story", "max_output_tokens": 100, "stream": True}
+        events: list[str] = []
+        with httpx.stream("POST", c.gateway.url + "/v1/responses", json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {KEYS['plus']}"}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("event: response.output_text.delta"):
+                    break
+            c.gateway.terminate()
+            events.extend(line for line in lines if line.startswith("data: "))
+        c.gateway.stop()
+        assert '"code":"server_shutting_down"' in events[-2] and '"type":"response.failed"' in events[-1], events[-2:]
+        log = c.gateway.log_tail(50_000)
+        assert "could not spool" not in log and "Traceback" not in log, log
+        with sqlite3.connect(db) as conn:
+            rows = conn.execute("SELECT tier, status FROM usage_records").fetchall()
+        assert rows == [("plus", 200)], rows
