@@ -59,7 +59,7 @@ from opentelemetry import propagate, trace
 from prometheus_client import CollectorRegistry
 
 from data_plane.cache.client_metrics import SessionStoreMetrics
-from data_plane.cache.client_values import Placement, WriteResult, json_or_none, newest_last
+from data_plane.cache.client_values import Departures, Placement, WriteResult, json_or_none, newest_last
 from data_plane.cache.model import MAX_RECORD_BYTES, TOMBSTONE_VERSION, Transcript, VersionConflict, validate_session_id
 from data_plane.common.crypto import SealError, TranscriptSealer
 from data_plane.common.errors import NotFound, Overloaded, from_openai_body
@@ -120,6 +120,7 @@ class SessionStore:
         self._vnodes, self._service, self._prefix = vnodes, service, prefix
         self.metrics = SessionStoreMetrics(registry if registry is not None else CollectorRegistry())
         self._placement = Placement()
+        self._departures = Departures()
         self._repairs: set[asyncio.Task[None]] = set()
         self._suspects: OrderedDict[str, None] = OrderedDict()
         """Sessions whose last save here missed a replica (bounded, oldest forgotten first)."""
@@ -131,8 +132,9 @@ class SessionStore:
 
     # -- public API -------------------------------------------------------------------------
 
-    async def load(self, session_id: str, owner: str, replicas: int) -> Transcript | None:
-        """The transcript of `session_id` if `owner` holds it; None for a new session."""
+    async def load(self, session_id: str, owner: str, replicas: int, expected: bool = False) -> Transcript | None:
+        """The transcript of `session_id` if `owner` holds it; None for a new session. `expected`: the id was
+        handed out (a client continues it), so a miss while a node that held it is lately away is a 503."""
         validate_session_id(session_id)
         with self._op("load", "cache.get_context") as (outcome, span):
             targets = self.replicas_for(session_id, replicas)
@@ -152,6 +154,11 @@ class SessionStore:
             if found is None:
                 if not answered:
                     raise Overloaded("no cache replica answered", code="cache_unavailable", retry_after=1)
+                if expected and self._departures.may_hold(session_id, replicas, self._placement, self._vnodes,
+                                                          self._zone):
+                    outcome.result = "away"
+                    raise Overloaded("the cache node holding this record is away (restarting?); retry shortly",
+                                     code="cache_unavailable", retry_after=2)
                 outcome.result = "miss"
                 return None
             if self._may_lag(found):  # a replica not asked may hold a newer version, or the record's tombstone
@@ -268,6 +275,7 @@ class SessionStore:
         key = tuple((m.id, m.url, m.zone) for m in members)
         if key != self._placement.key:
             added = {m.id for m in members} - set(self._placement.by_id)
+            self._departures.changed(self._placement, {m.id for m in members})
             if added and self._placement.key:  # a node (or a zone) joined or came back
                 self._schedule_placement_repair(added)
             self._placement = Placement(

@@ -14,7 +14,8 @@ from data_plane.cache.model import SECONDS_BUCKETS
 class SessionStoreMetrics:
     """The session store's metrics, registered in `registry`.
 
-    ``result`` is one of: load hit|miss|deleted|denied|error (deleted: a tombstone); save ok|partial|stale|error;
+    ``result`` is one of: load hit|miss|away|deleted|denied|error (deleted: a tombstone; away: a miss while a
+    node that held it is lately gone, answered 503); save ok|partial|stale|error;
     repair ok|stale|error; delete ok|error.
     """
 

@@ -1,5 +1,6 @@
 """The small values the gateway's session store (data_plane/cache/client.py) keeps and passes between
-its methods: one replica write's result, the placement it computed, its bounded LRU of session ids.
+its methods: one replica write's result, the placement it computed, the nodes that left it lately, its
+bounded LRU of session ids.
 
     placement = Placement(key, HashRing(ids), by_id, zone_of)
     newest_last(recent, "sess-1", 2, cap=10_000)
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from data_plane.membership.hashring import HashRing
+from data_plane.membership.placement import replicas_across_zones
 
 if TYPE_CHECKING:
     from data_plane.membership.view import Member
@@ -47,6 +49,40 @@ class Placement:
     zone_of: dict[str, str] = field(default_factory=dict)
     since: float = field(default_factory=time.time)
     """Wall-clock time this preference order took effect here."""
+
+
+DEPARTED_GRACE_S = 30.0
+"""How long after a cache node left the placement a miss on a record it may have held is the store being
+unavailable (503 ``cache_unavailable``, Retry-After), not the record's absence (404): a restarted node is
+back with its snapshot within seconds. (Seen: a free session's only node killed -9 answered 404, "start a
+new conversation", for ~2 s, then the session again; a node gone for good costs its records this long
+later.)"""
+
+
+@dataclass
+class Departures:
+    """Cache nodes that left the placement lately: id -> (monotonic time it left, its zone)."""
+
+    left: dict[str, tuple[float, str]] = field(default_factory=dict)
+
+    def changed(self, before: Placement, now_ids: set[str]) -> None:
+        """The placement goes from `before` to the nodes `now_ids`: who left is remembered, who came back is not."""
+        at = time.monotonic()
+        for node in set(before.by_id) - now_ids:
+            self.left[node] = (at, before.zone_of.get(node, ""))
+        for node in now_ids & set(self.left):
+            del self.left[node]
+
+    def may_hold(self, record_id: str, replicas: int, placement: Placement, vnodes: int, zone: str) -> bool:
+        """Whether a node that left within DEPARTED_GRACE_S was one of `record_id`'s replicas then."""
+        oldest = time.monotonic() - DEPARTED_GRACE_S
+        self.left = {node: v for node, v in self.left.items() if v[0] >= oldest}
+        if not self.left:
+            return False
+        zone_of = {**placement.zone_of, **{node: z for node, (_, z) in self.left.items()}}
+        ring = HashRing([*placement.by_id, *self.left], vnodes)  # as it was: only on a miss in the grace
+        return any(node in self.left for node in replicas_across_zones(ring.walk(record_id), max(1, replicas),
+                                                                       zone_of, local=zone))
 
 
 def json_or_none(raw: bytes) -> Any:

@@ -463,7 +463,7 @@ class ChatHandler:
             self.session_id = validate_session_id(header)
             await self.hold(self.session_id, "session_id")
             try:
-                transcript = await sessions.load(self.session_id, self.owner, tier.replication)
+                transcript = await sessions.load(self.session_id, self.owner, tier.replication, expected=True)
             except NotFound:  # another key's: the same 404 as a missing one, or its words say the id exists
                 transcript = None
         if transcript is None and header != NEW_SESSION:

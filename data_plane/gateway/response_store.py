@@ -125,7 +125,8 @@ class ConversationStore:
     async def load(self, record_id: str, owner: str, replicas: int, kind: Kind) -> Record:
         try:
             validate_session_id(record_id)
-            transcript = await self.sessions.load(record_id, owner, replicas)
+            transcript = await self.sessions.load(record_id, owner, replicas,  # an index may not exist yet
+                                                  expected=kind not in (Kind.CHAT_INDEX, Kind.ITEM_INDEX))
         except SwitchboardError as exc:
             if exc.status in (400, 404):
                 raise not_found(kind, record_id) from None

@@ -328,3 +328,40 @@ async def test_a_replica_down_during_a_delete_is_compared_on_the_next_read(
             assert stored_version(node, sid) == TOMBSTONE_VERSION
     finally:
         node.stop()
+
+
+class _Changing(StaticMembership):
+    """Membership whose members a test sets (a node leaving and coming back)."""
+
+    def set(self, members: list[Member]) -> None:
+        self._members = tuple(members)
+
+
+async def test_a_miss_while_its_node_is_away_is_unavailable_not_a_verdict(
+        trio: list[Service], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A free session lives on one node. Killed -9 and restarted, that node is back with its snapshot
+    within seconds, but meanwhile its sessions placed on the others answered 404, "start a new
+    conversation". A miss on a record the client was handed (`expected`) is now a 503 with Retry-After
+    while a node that held it left less than DEPARTED_GRACE_S ago; other misses stay 404s at once."""
+    registry = CollectorRegistry()
+    everyone = members(trio)
+    membership = _Changing(everyone)
+    async with HopPool() as http:
+        store = SessionStore(membership, http, registry=registry, timeout_s=0.5)
+        await store.save("sess-away", "key-a", MESSAGES, version=1, replicas=1, ttl_s=60)
+        (home,) = store.replicas_for("sess-away", 1)
+        elsewhere = next(f"sess-{i}" for i in range(100) if store.replicas_for(f"sess-{i}", 1)[0].id != home.id)
+        membership.set([m for m in everyone if m.id != home.id])  # it left membership
+        with pytest.raises(Overloaded) as err:
+            await store.load("sess-away", "key-a", replicas=1, expected=True)
+        assert err.value.code == "cache_unavailable" and err.value.retry_after == 2
+        assert await store.load("sess-away", "key-a", replicas=1) is None  # a plain lookup: a miss
+        assert await store.load(elsewhere, "key-a", replicas=1, expected=True) is None  # never on that node
+        assert ops(registry, "load", "away") == 1
+        membership.set(everyone)  # back, with its records
+        got = await store.load("sess-away", "key-a", replicas=1, expected=True)
+        assert got is not None and list(got.messages) == MESSAGES
+        membership.set([m for m in everyone if m.id != home.id])  # gone for good: a verdict after the grace
+        monkeypatch.setattr("data_plane.cache.client_values.DEPARTED_GRACE_S", 0.0)
+        assert await store.load("sess-away", "key-a", replicas=1, expected=True) is None
+        await store.aclose()

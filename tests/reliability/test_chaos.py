@@ -119,7 +119,8 @@ def test_control_plane_killed_data_plane_keeps_serving_and_state_comes_back(tmp_
 def test_free_session_whose_only_replica_dies_is_never_a_500(tmp_path: Path) -> None:
     """Free tier keeps one copy of a transcript. Kill the node that holds it: the user must get a
     clear answer, never a 500: 503 `cache_unavailable` + Retry-After while the dead node is still
-    listed, then 404 `session_not_found` (start again with `X-Session-Id: new`)."""
+    listed and for DEPARTED_GRACE_S after it left (a restarted node would bring it back), then 404
+    `session_not_found` (start again with `X-Session-Id: new`)."""
     with Cluster(shards=1, caches=2, token_delay_ms=1) as c:
         first = chat(c.gateway.url, "free", "remember the word kumquat", headers={"X-Session-Id": "new"})
         assert first.status_code == 200, first.text
