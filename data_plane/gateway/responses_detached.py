@@ -57,11 +57,11 @@ covers that write)."""
 CANCEL_WAIT_S = 10.0
 """How long a cancel waits for the run to store what it came to."""
 CANCEL_POLL_S = 2.0
+"""How often a run reads its record for a cancel sent to another gateway (one cache read)."""
 MAX_FOLLOWERS = 4
 """Streams that may follow one run at once (a client and its reconnect, with room to spare); beyond, 429.
 Unbounded, one key held 300 streams on one run (none metered: not a generation), and a few runs of a
 tenant's could hold every connection the gateway has for `--background-max-s`."""
-"""How often a run reads its record for a cancel sent to another gateway (one cache read)."""
 NOT_BACKGROUND = "Only responses created with background=true can be cancelled; this response was not."
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 

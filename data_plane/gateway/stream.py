@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -68,23 +69,40 @@ class _Choice:
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
     has_logprobs: bool = False
-    held_logprobs: list[Any] = field(default_factory=list)
-    """Logprobs entries whose token is not yet wholly inside the text the filter released (each names its
-    token, so sending it before its text would send what the filter holds, or later blocks)."""
-    released_bytes: int = 0
-    covered_bytes: int = 0
+    held_logprobs: deque[tuple[int, list[Any]]] = field(default_factory=deque)
+    """Logprobs entries not yet sent, each batch with how much of the text fed to the filter it stands for:
+    an entry names its token, so sending it before its text would send what the filter holds, or later
+    blocks. A batch goes out once the filter released that much (what it releases is a prefix of what it
+    was fed): counted in the shard's own pairing of text and tokens, not in the tokens' bytes, which need
+    not add up to the text (a tool envelope's escapes, `\\n`, are two bytes of one character)."""
+    waiting_logprobs: list[Any] = field(default_factory=list)
+    """Entries of deltas that brought no text yet (a partial UTF-8 character, an escape, text a stop string
+    holds at the shard): they stand for the next text that comes."""
+    fed_chars: int = 0
+    released_chars: int = 0
+
+    def hold_logprobs(self, text: str, entries: tuple[Any, ...]) -> None:
+        """A delta's `text` (about to be fed to the filter) and its logprobs `entries`."""
+        self.waiting_logprobs.extend(entries)
+        if text:
+            self.fed_chars += len(text)
+            if self.waiting_logprobs:
+                self.held_logprobs.append((self.fed_chars, self.waiting_logprobs))
+                self.waiting_logprobs = []
 
     def release_logprobs(self, safe: str, everything: bool = False) -> list[Any]:
         """The held entries that `safe`, just released, completes (every one when `everything`: the text
-        ended unblocked); each entry goes out once its token's bytes are within the released text."""
-        self.released_bytes += len(safe.encode())
+        ended unblocked)."""
+        self.released_chars += len(safe)
+        held = self.held_logprobs
+        if not held and not (everything and self.waiting_logprobs):
+            return []
         out: list[Any] = []
-        while self.held_logprobs:
-            size = _token_bytes(self.held_logprobs[0])
-            if not everything and self.covered_bytes + size > self.released_bytes:
-                break
-            self.covered_bytes += size
-            out.append(self.held_logprobs.pop(0))
+        while held and (everything or held[0][0] <= self.released_chars):
+            out.extend(held.popleft()[1])
+        if everything:
+            out.extend(self.waiting_logprobs)
+            self.waiting_logprobs = []
         self.logprobs.extend(out)
         return out
 
@@ -179,7 +197,7 @@ class Completion:
                 self._usage_so_far(event.index, event.usage)
             if event.logprobs:
                 c.has_logprobs = True
-                c.held_logprobs.extend(event.logprobs)
+            c.hold_logprobs(event.text, event.logprobs)
             safe = c.filter.feed(event.text) if event.text else ""
             if safe:
                 c.text.append(safe)
@@ -409,15 +427,6 @@ async def _quiet(coro: Any) -> None:
         await coro
     except Exception:  # bookkeeping after a failure must not raise over it
         log.debug("post-failure bookkeeping failed", exc_info=True)
-
-
-def _token_bytes(entry: Any) -> int:
-    """How many bytes of text a logprobs entry's token stands for (its `bytes`, else its token's)."""
-    raw = entry.get("bytes") if isinstance(entry, dict) else None
-    if isinstance(raw, list):
-        return len(raw)
-    token = entry.get("token") if isinstance(entry, dict) else None
-    return len(token.encode()) if isinstance(token, str) else 0
 
 
 def _piece(index: int, text: str, logprobs: list[Any]) -> list[Piece]:

@@ -285,3 +285,73 @@ def test_trailers_past_the_bound_get_431_and_a_body_in_tiny_chunks_still_passes(
     sock.settimeout(10)
     assert sock.recv(64).startswith(b"HTTP/1.1 200 ")
     sock.close()
+
+
+async def _count_body(scope: Any, receive: Any, send: Any) -> None:
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(str(len(body))))]})
+    await send({"type": "http.response.body", "body": str(len(body)).encode()})
+
+
+def test_a_head_past_the_bound_sent_in_one_write_gets_431_too() -> None:
+    """Only reads that began and ended inside a head were counted, and the read that completed it never
+    was: a 100 KB head sent in one write arrived in one or two reads and got a 200 (past 64 KiB, up to
+    64 KiB + one read, 256 KiB). What httptools hands over (the target, each header) counts now; a 60 KB
+    head still passes, in one write or trickled, and a connection's next head is bounded alone."""
+    import threading
+
+    import uvicorn
+    from prometheus_client import CollectorRegistry
+
+    from data_plane.common.http_server import free_port, guarded_protocol
+
+    registry = CollectorRegistry()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(_count_body, host="127.0.0.1", port=port, lifespan="off", log_config=None,
+                                           http=guarded_protocol(HttpLimits(), registry)))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+
+    def head(size: int) -> bytes:
+        return b"GET / HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-Pad-%04d: %s\r\n" % (i, b"a" * 1000)
+                                                         for i in range(size // 1013)) + b"\r\n"
+
+    def answers(data: bytes, piece: int | None = None) -> list[bytes]:
+        sock = _connect(f"http://127.0.0.1:{port}")
+        for i in range(0, len(data), piece or len(data)):
+            sock.sendall(data[i:i + (piece or len(data))])
+        sock.settimeout(2)
+        got = b""
+        try:
+            while chunk := sock.recv(65536):
+                got += chunk
+        except OSError:
+            pass
+        sock.close()
+        return [line.split(b" ")[1] for line in got.split(b"HTTP/1.1 ")[1:] for line in [b"HTTP/1.1 " + line]]
+
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert answers(head(100_000)) == [b"431"]
+        assert registry.get_sample_value("switchboard_gateway_slow_clients_total", {"reason": "head_too_large"}) == 1
+        assert answers(head(60_000)) == [b"200"]
+        assert answers(head(60_000), piece=1024) == [b"200"]
+        sock = _connect(f"http://127.0.0.1:{port}")  # keep-alive: the next request's head is bounded alone
+        sock.settimeout(5)
+        for _ in range(2):
+            sock.sendall(head(60_000))
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        sock.sendall(head(100_000))
+        assert sock.recv(65536).startswith(b"HTTP/1.1 431 ")
+        sock.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
