@@ -494,7 +494,7 @@ def parse_chat_request(raw: bytes, content_type: str | None, session: str | None
     `session_id`): it may hold the calls tool messages answer; it keeps whole turns: no continue_final_message."""
     req = validated(ChatCompletionRequest, json_body(raw, content_type))
     session = session or req.session_id
-    if session and req.continue_final_message:
-        raise InvalidRequest("continue_final_message cannot be used with a session", param="continue_final_message")
+    if req.continue_final_message and (session or req.tools):  # (the tools' reply is an envelope, not its text)
+        raise InvalidRequest("continue_final_message cannot be used with a session or tools", param="continue_final_message")
     req.check_supported(continues=bool(session) and session != "new")
     return req

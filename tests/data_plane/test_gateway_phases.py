@@ -85,3 +85,9 @@ def test_a_clients_continuation_reaches_the_shard_and_is_refused_with_a_session(
         with pytest.raises(InvalidRequest) as err:
             parse_chat_request(raw, "application/json", session)
         assert err.value.param == "continue_final_message"
+    # with tools the reply is the tool envelope, which the client's text is not: a 400 that says so, not the
+    # grammar's "the output already sent does not follow the schema"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(InvalidRequest, match="or tools") as err:
+        parse_chat_request(json.dumps({**body, "tools": tools}).encode(), "application/json")
+    assert err.value.param == "continue_final_message"
