@@ -48,8 +48,9 @@ def build_usage_router(store: LedgerStore | None, token: SecretStr | None) -> AP
         key: str | None = Query(None, max_length=64, description="a key id (its short SHA-256 digest)"),
         tier: str | None = Query(None, max_length=64),
         model: str | None = Query(None, max_length=256),
-        start: float | None = Query(None, description="unix seconds, inclusive (default: 7 days ago)"),
-        end: float | None = Query(None, description="unix seconds, exclusive (default: now)"),
+        start: float | None = Query(None, allow_inf_nan=False,  # nan passed the checks below: a 500
+                                    description="unix seconds, inclusive (default: 7 days ago)"),
+        end: float | None = Query(None, allow_inf_nan=False, description="unix seconds, exclusive (default: now)"),
         group_by: str = Query("day", pattern="^(hour|day|none)$", description="time bucket"),
         by: str = Query("tenant,tier", description="comma-separated: " + ", ".join(GROUP_FIELDS)),
         format: str = Query("json", pattern="^(json|csv)$"),

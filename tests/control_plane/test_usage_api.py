@@ -67,6 +67,15 @@ def test_usage_groups_filters_and_totals(usage_cp: tuple[Service, float]) -> Non
     assert get(group_by="week").status_code in (400, 422)
 
 
+def test_a_time_that_is_not_a_number_is_a_400(usage_cp: tuple[Service, float]) -> None:
+    # start=nan passed every check (nan >= end is false) and the JSON answer could not hold it: a 500
+    cp, _today = usage_cp
+    for params in ({"start": "nan"}, {"start": "-inf"}, {"end": "nan"}, {"start": "0", "end": "inf"}):
+        r = httpx.get(cp.url + "/admin/v1/usage", params=params, headers=AUTH)
+        assert r.status_code == 400, (params, r.status_code, r.text)
+        assert r.json()["error"]["param"] in ("start", "end")
+
+
 def test_usage_as_csv(usage_cp: tuple[Service, float]) -> None:
     cp, _today = usage_cp
     r = httpx.get(cp.url + "/admin/v1/usage", params={"format": "csv", "group_by": "day"}, headers=AUTH)
