@@ -20,10 +20,11 @@ ui.header("Usage", "One record per request from the usage ledger (GET /admin/v1/
 ANY = "any"
 RANGES = {"last 24 hours": 86400, "last 7 days": 7 * 86400, "last 30 days": 30 * 86400}
 TOKENS = ["prompt_tokens", "completion_tokens", "cached_tokens"]
+# The records table's headers: the tiles' words, not the ledger's column names. (A comment: Streamlit's
+# magic draws a bare string under a constant on the page.)
 RECORD_COLUMNS = {"time": "When (UTC)", "tenant": "Tenant", "tier": "Tier", "requests": "Requests", "errors": "Errors",
                   "prompt_tokens": "Prompt tokens", "completion_tokens": "Completion tokens",
                   "cached_tokens": "Cached tokens"}
-"""The records table's headers: the tiles' words, not the ledger's column names."""
 
 f0, f1, f2, f3, f4 = st.columns([1.2, 1, 1, 1, 1])
 f0.selectbox("Range", list(RANGES), index=1, key="usage_range")
