@@ -61,13 +61,13 @@ def body(c: ui.Console) -> None:
     st.subheader("Recent events", divider="gray")
     events = event_rows(payload.get("events", [])[:50])
     if events:
-        st.dataframe(pd.DataFrame(events), hide_index=True, width="stretch")
+        st.dataframe(pd.DataFrame(events), hide_index=True, placeholder="—", width="stretch")
     else:
         st.caption("No rule has fired since the control plane started.")
     ended = ended_rows(payload.get("ended", [])[:50])
     if ended:
         st.subheader("Ended", divider="gray")
-        st.dataframe(pd.DataFrame(ended), hide_index=True, width="stretch")
+        st.dataframe(pd.DataFrame(ended), hide_index=True, placeholder="—", width="stretch")
     with st.expander("Thresholds"):
         st.json(payload.get("config", {}))
 

@@ -87,7 +87,7 @@ def body(c: ui.Console) -> None:
     if not firing:
         st.success("Nothing is firing.", icon=":material/check_circle:")
     else:
-        st.dataframe(ui.colour_words(_frame(firing), ["severity"]), hide_index=True, width="stretch",
+        st.dataframe(ui.colour_words(_frame(firing), ["severity"]), hide_index=True, placeholder="—", width="stretch",
                      column_config={"summary": st.column_config.TextColumn("Summary", width="large")})
     st.subheader("Recently resolved", divider="gray")
     if not recent:
@@ -97,7 +97,7 @@ def body(c: ui.Console) -> None:
         st.caption("Nothing seen to stop firing while this page was open. Alerts that fired and cleared with "
                    "the page closed are not listed: Prometheus / Alertmanager keep that history.")
     else:
-        st.dataframe(_frame(recent, resolved=True), hide_index=True, width="stretch")
+        st.dataframe(_frame(recent, resolved=True), hide_index=True, placeholder="—", width="stretch")
 
 
 body()

@@ -33,7 +33,7 @@ def _processes(c: ui.Console) -> None:
         st.subheader("Processes (switchboard up)", divider="gray")
         st.caption("What `switchboard up` supervises: a process that died is restarted with backoff; its restarts "
                    "and last exit stay here until `up` stops (`switchboard admin processes`).")
-        st.dataframe(ui.colour_words(procs, ["status"]), hide_index=True, width="stretch", key="processes",
+        st.dataframe(ui.colour_words(procs, ["status"]), hide_index=True, placeholder="—", width="stretch", key="processes",
                      column_config={"process": "Process", "pid": st.column_config.NumberColumn("PID", format="%d"),
                                     "status": "State", "up_s": st.column_config.NumberColumn("Up for", format="%.0f s"),
                                     "restarts": st.column_config.NumberColumn("Restarts", format="%d"),
@@ -105,7 +105,7 @@ def body(c: ui.Console) -> None:
         st.subheader("Pipeline stages", divider="gray")
         st.caption("Shards split over stage processes (--pipeline-parallel-size): each stage's host and layers. "
                    "Losing one moves the shard's streams elsewhere and restarts the whole group (docs/SHARDING.md).")
-        st.dataframe(ui.colour_words(stages, ["status"]), hide_index=True, width="stretch", key="pipeline-stages",
+        st.dataframe(ui.colour_words(stages, ["status"]), hide_index=True, placeholder="—", width="stretch", key="pipeline-stages",
                      column_config={"member": "Shard", "status": "Health", "stage": "Stage", "host": "Host",
                                     "layers": "Layers", "role": "Holds"})
 

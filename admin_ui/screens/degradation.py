@@ -75,7 +75,7 @@ def body(c: ui.Console) -> None:
         y=alt.Y("level:Q", title="level", scale=alt.Scale(domain=[0, 4]), axis=alt.Axis(tickCount=5)),
     ).properties(height=160)
     st.altair_chart(chart, width="stretch")
-    st.dataframe(ui.colour_words(frame.iloc[::-1], ["actor"]), hide_index=True, width="stretch", column_config={
+    st.dataframe(ui.colour_words(frame.iloc[::-1], ["actor"]), hide_index=True, placeholder="—", width="stretch", column_config={
         "time": st.column_config.DatetimeColumn("When", format="HH:mm:ss"),
         "change": st.column_config.TextColumn("Change", width="small"),
         "level": None,

@@ -73,7 +73,7 @@ def body(c: ui.Console) -> None:
     if not traces:
         st.info("No traces match. Send some traffic (e.g. from the Playground) or loosen the filters.", icon=":material/search:")
     else:
-        st.dataframe(ui.colour_words(traces_frame(traces), ["status"]), hide_index=True, width="stretch",
+        st.dataframe(ui.colour_words(traces_frame(traces), ["status"]), hide_index=True, placeholder="—", width="stretch",
                      height=min(36 + 35 * len(traces), 360), column_config={
             "time": st.column_config.DatetimeColumn("When", format="HH:mm:ss.SSS"),
             "status": st.column_config.TextColumn("Status", width="medium"),  # "ok (1 leg failed)"

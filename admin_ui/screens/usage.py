@@ -88,7 +88,7 @@ def body(c: ui.Console) -> None:
         st.altair_chart(_chart(frame, "tier"), width="stretch")
     st.subheader("Records by bucket", divider="gray")
     shown = frame.assign(time=frame["time"].dt.strftime("%Y-%m-%d %H:%M"))
-    st.dataframe(shown[["time", "tenant", "tier", "requests", "errors", *TOKENS]].iloc[::-1], hide_index=True,
+    st.dataframe(shown[["time", "tenant", "tier", "requests", "errors", *TOKENS]].iloc[::-1], hide_index=True, placeholder="—",
                  width="stretch", column_config=RECORD_COLUMNS)
     csv = ui.fetch("Usage CSV", lambda: c.admin.usage_csv(**filters))
     if csv is not None:

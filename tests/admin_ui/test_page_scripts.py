@@ -36,3 +36,18 @@ def test_the_check_sees_a_stray_string(tmp_path: Path) -> None:
     script = tmp_path / "page.py"
     script.write_text('"""Module docstring: not drawn."""\nX = 1\n"""drawn by magic"""\n')
     assert stray_strings(script) == ["line 3: 'drawn by magic'"]
+
+
+def tables_without_placeholder(path: Path) -> list[int]:
+    """Lines of ``st.dataframe(...)`` calls that do not say what a missing value reads as."""
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "dataframe"
+            and not any(k.arg == "placeholder" for k in node.keywords)]
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_every_table_says_what_a_missing_value_reads_as(path: Path) -> None:
+    """st.dataframe draws a missing value as the word "None" unless told otherwise: the Cluster page's
+    processes table read "Up for: None" for a process that was down (the members table above it said "—")."""
+    assert not tables_without_placeholder(path), f"{path.name}: st.dataframe without placeholder= at lines " \
+                                                 f"{tables_without_placeholder(path)}"
