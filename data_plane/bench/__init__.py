@@ -19,6 +19,10 @@ Subcommand modules are imported lazily, so `bench serve` never imports torch.
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 from data_plane.common.settings_cli import dispatch
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -39,5 +43,31 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+OUTPUT_FLAGS = ("--json", "--png")
+"""Flags of the subcommands that name a file written when the run ends."""
+
+
+def unwritable_output(argv: list[str]) -> str | None:
+    """Why an output file in `argv` could not be written (checked before a run that may take minutes,
+    whose numbers were lost to a traceback at the end), or None."""
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag not in OUTPUT_FLAGS or (not eq and i + 1 >= len(argv)):
+            continue  # argparse says what is missing
+        path = Path(value if eq else argv[i + 1]).expanduser()
+        folder = path.parent
+        if path.is_dir():
+            return f"{flag} {path}: is a folder; name a file"
+        if not folder.is_dir():
+            return f"{flag} {path}: there is no folder {folder} to write it in"
+        if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            return f"{flag} {path}: not writable"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
-    dispatch("switchboard bench", SUBCOMMANDS, argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in SUBCOMMANDS and (why := unwritable_output(args[1:])):
+        print(f"switchboard bench {args[0]}: {why} (nothing was run)", file=sys.stderr)
+        raise SystemExit(2)
+    dispatch("switchboard bench", SUBCOMMANDS, args)

@@ -115,6 +115,22 @@ def test_bench_serve_refused_or_unreachable_is_one_line_and_exit_1() -> None:
     assert "cannot reach" in nothing.stderr and "check --url" in nothing.stderr
 
 
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_run(tmp_path: Path) -> None:
+    """`--json` in a folder that does not exist was found only at the end: the run's numbers were lost to
+    a FileNotFoundError traceback, after minutes of benchmarking."""
+    missing = tmp_path / "no-such-folder" / "out.json"
+    for argv in (("serve", "--url", "http://127.0.0.1:9", "--json", str(missing)),
+                 ("serve", "--url", "http://127.0.0.1:9", f"--json={missing}"),
+                 ("serve", "--url", "http://127.0.0.1:9", "--json", str(tmp_path)),
+                 ("tuner", "--json", str(missing))):
+        out = switchboard("bench", *argv, "--max-tokens", "4", timeout=60) if argv[0] == "serve" else \
+            switchboard("bench", *argv, timeout=60)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.strip().startswith(f"switchboard bench {argv[0]}: --json "), out.stderr
+        assert "nothing was run" in out.stderr and "cannot reach" not in out.stderr
+    assert not missing.parent.exists()
+
+
 def test_bench_serve_against_a_synthetic_shard(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "serve.json"
     with Service(["shard", "--engine", "synthetic"]) as shard:
