@@ -24,17 +24,14 @@ stops them on exit. The decisions are in the console's Autoscaler page and ``/ad
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
 import shlex
-import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 import httpx
 from pydantic import Field, field_validator
@@ -42,6 +39,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from control_plane.admin.processes import FILE_NAME as PROCESSES
 from control_plane.dev_credentials import key_id, prepare, record_urls
+from control_plane.ports import busy_ports, shared_ports
 from control_plane.state_dir import LogRotation, hold_state_dir
 from control_plane.supervisor import Child, Stopped, Supervisor, wait_healthy
 from data_plane.common.cores import usable_cores
@@ -191,44 +189,6 @@ def plan(s: UpSettings, state: Path, admin_token: str,
     return cp, caches, shards, gateways
 
 
-PORT_FLAGS = (("control-plane", "--control-plane-port"), ("gateway", "--gateway-port"), ("console", "--console-port"),
-              ("prometheus", "--prometheus-port"), ("shard-", "--shard-base-port"), ("cache-", "--cache-base-port"))
-"""Child name prefix -> the flag that moves its port."""
-
-
-def busy_ports(children: list[Child], host: str) -> list[str]:
-    """The children whose port something else already holds, as "gateway port 8000 (--gateway-port)".
-
-    Why before anything starts: a child that cannot bind exits only after its start-up, and by then
-    whatever holds the port (often another `switchboard up`) has answered its health check. The
-    launcher then printed "Switchboard is up" with the other platform's URL beside this one's keys
-    (every request a 401), and restarted the gateway forever."""
-    busy = []
-    for child in children:
-        port = urlsplit(child.url).port
-        if port is not None and _port_taken(host, port):
-            flag = next((f for prefix, f in PORT_FLAGS if child.name.startswith(prefix)), "")
-            busy.append(f"{child.name} port {port}" + (f" ({flag})" if flag else ""))
-    return busy
-
-
-def _port_taken(host: str, port: int) -> bool:
-    """Whether something holds `port` on `host`. Only "in use" counts: a host that does not resolve,
-    or an address this machine lacks (localhost's ::1 without IPv6), is left to the child's own
-    start-up error rather than reported as a busy port."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    except OSError:
-        return False
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is free
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            return exc.errno == errno.EADDRINUSE
-    return False
-
-
 def local_max_shards(s: UpSettings, threads: int, cores: int | None = None) -> int:
     """Shards (pipeline groups) the local actuator may run: as many stage processes of `threads`
     threads as the cores hold, divided into groups of `pipeline_parallel_size` (at least min_replicas)."""
@@ -342,6 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     if prometheus is not None:
         cp.args += ["--prometheus", prometheus.url]
     order = [cp, *caches, *shards, *gateways] + [c for c in (prometheus, console) if c is not None]
+    if clash := shared_ports(order):
+        raise SystemExit(f"switchboard up: {'; '.join(clash)}: give each its own port")
     busy = busy_ports(order, s.host)
     if busy:
         raise SystemExit(f"switchboard up: already in use on {s.host}: {', '.join(busy)}. Another `switchboard up` "

@@ -159,6 +159,27 @@ def test_up_on_a_port_another_process_holds_says_so_and_starts_nothing(tmp_path:
     assert not list((tmp_path / "state" / "logs").glob("*.log"))  # no child was started
 
 
+def test_up_giving_two_of_its_processes_one_port_says_so_and_starts_nothing(tmp_path: Path) -> None:
+    """`--gateway-port` equal to `--control-plane-port` started: the gateway's health check reached the
+    control plane, up printed "Switchboard is up" with the control plane's URL as the chat API, and the
+    gateway (which could not bind) was restarted forever. A zone's gateway (--gateway-port +1) on the
+    console's port did the same."""
+    port = free_port()
+    common = ("up", "--engine", "synthetic", "--shards", "1", "--cache-nodes", "1")
+    same = switchboard(*common, "--no-console", "--gateway-port", str(port), "--control-plane-port", str(port),
+                       "--state-dir", str(tmp_path / "a"), timeout=60)
+    zoned = switchboard(*common, "--shards", "2", "--cache-nodes", "2", "--zones", "a,b", "--gateway-port", str(port),
+                        "--console-port", str(port + 1), "--control-plane-port", str(free_port()),
+                        "--state-dir", str(tmp_path / "b"), timeout=60)
+    for out, state in ((same, "a"), (zoned, "b")):
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stdout + out.stderr
+        assert "Switchboard is up" not in out.stdout and "starting control plane" not in out.stdout
+        assert not list((tmp_path / state / "logs").glob("*.log"))  # no child was started
+    assert same.stderr.strip() == (f"switchboard up: control-plane and gateway on port {port} (--control-plane-port, "
+                                   "--gateway-port): give each its own port")
+    assert f"gateway-b and console on port {port + 1} (--gateway-port, --console-port)" in zoned.stderr
+
+
 def test_up_autoscale_lets_the_control_plane_start_and_stop_the_shards(tmp_path: Path) -> None:
     """`switchboard up --autoscale`: no shard of its own; the autoscaler starts --min-replicas shards
     (local actuator, same engine flags), chat works, and Ctrl-C stops the autoscaler's shards too."""
@@ -196,7 +217,7 @@ def test_up_autoscale_lets_the_control_plane_start_and_stop_the_shards(tmp_path:
 def test_the_port_check_counts_only_a_port_in_use() -> None:
     """Review: `--host` that does not resolve was a traceback, and an address this machine lacks
     (localhost's ::1 without IPv6) read as "port in use". Those are the children's own errors to give."""
-    from control_plane.launcher import _port_taken
+    from control_plane.ports import _port_taken
 
     with socket.create_server(("127.0.0.1", 0)) as held:
         assert _port_taken("127.0.0.1", held.getsockname()[1])
