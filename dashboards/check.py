@@ -235,14 +235,29 @@ def report(boards: Sequence[BoardResult]) -> str:
     return "\n".join(lines)
 
 
+def _duration(value: str) -> str:
+    try:
+        seconds(value)
+    except ValueError as exc:  # found only while querying, as the Prometheus URL's fault
+        raise argparse.ArgumentTypeError(f"{exc} (e.g. 90s, 15m, 1h30m)") from None
+    return value
+
+
+def _variable(value: str) -> tuple[str, str]:
+    name, eq, val = value.partition("=")
+    if not eq or not name:  # was dropped unsaid
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {value!r}")
+    return name, val
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="switchboard dashboards check",
                                      description="Which panels of Grafana dashboards show data in a Prometheus.")
     parser.add_argument("--dir", type=Path, default=DASHBOARD_DIR, help="folder of dashboard JSON (default: ours)")
     parser.add_argument("--prometheus", required=True, metavar="URL", help="e.g. http://127.0.0.1:9090")
-    parser.add_argument("--range", default="15m", dest="window", help="the time range shown (default: 15m)")
-    parser.add_argument("--rate-interval", default="1m", help="$__rate_interval and $__interval (default: 1m)")
-    parser.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
+    parser.add_argument("--range", default="15m", dest="window", type=_duration, help="the time range shown (default: 15m)")
+    parser.add_argument("--rate-interval", default="1m", type=_duration, help="$__rate_interval and $__interval (default: 1m)")
+    parser.add_argument("--var", action="append", default=[], metavar="NAME=VALUE", type=_variable,
                         help="a template variable's value (repeatable); unset query variables are .*")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     return parser
@@ -250,7 +265,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    overrides = dict(v.split("=", 1) for v in args.var if "=" in v)
+    overrides = dict(args.var)
     if not sorted(args.dir.glob("*.json")):
         raise SystemExit(f"switchboard dashboards check: no dashboards (*.json) in {args.dir}")
     try:

@@ -46,3 +46,18 @@ def test_durations() -> None:
     assert seconds("1h30m") == 5400 and seconds("90s") == 90
     with pytest.raises(ValueError):
         seconds("soon")
+
+
+@pytest.mark.parametrize("flag, value, said", [("--range", "xyz", "not a duration"),
+                                               ("--rate-interval", "1 minute", "not a duration"),
+                                               ("--var", "model_name", "NAME=VALUE")])
+def test_a_bad_argument_is_a_usage_error_before_any_query(flag: str, value: str, said: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """`--range xyz` was found only while querying, and said so as the Prometheus URL's fault
+    ("http://...: ValueError: not a duration"), exit 1; `--var model_name` (no =) was dropped unsaid."""
+    from dashboards.check import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--prometheus", "http://127.0.0.1:9", flag, value])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument {flag}" in err and said in err and "127.0.0.1:9" not in err, err
