@@ -13,6 +13,8 @@ import pandas as pd
 import streamlit as st
 
 from admin_ui import ui
+from admin_ui.client import ConsoleError
+from admin_ui.views.tiers import tier_filter_choices
 
 ui.header("Usage", "One record per request from the usage ledger (GET /admin/v1/usage): tokens and requests by "
                    "tenant and tier. Records reach the database in batches, about a second after the request.")
@@ -26,10 +28,20 @@ RECORD_COLUMNS = {"time": "When (UTC)", "tenant": "Tenant", "tier": "Tier", "req
                   "prompt_tokens": "Prompt tokens", "completion_tokens": "Completion tokens",
                   "cached_tokens": "Cached tokens"}
 
+
+
+def _policy() -> dict | None:
+    """The tier policy in force, for the Tier filter (None when it cannot be read: the page says why below)."""
+    try:
+        return ui.console().admin.tiers()
+    except ConsoleError:
+        return None
+
+
 f0, f1, f2, f3, f4 = st.columns([1.2, 1, 1, 1, 1])
 f0.selectbox("Range", list(RANGES), index=1, key="usage_range")
 f1.selectbox("Bucket", ["hour", "day"], key="usage_bucket")
-f2.selectbox("Tier", [ANY, "free", "plus", "enterprise"], key="usage_tier")
+f2.selectbox("Tier", tier_filter_choices(_policy(), st.session_state.get("usage_tier"), ANY), key="usage_tier")
 f3.text_input("Tenant", key="usage_tenant", placeholder="any")
 f4.text_input("Key id", key="usage_key", placeholder="any", help="A key's short SHA-256 digest, as in the ledger.")
 
@@ -88,8 +100,8 @@ def body(c: ui.Console) -> None:
         st.altair_chart(_chart(frame, "tier"), width="stretch")
     st.subheader("Records by bucket", divider="gray")
     shown = frame.assign(time=frame["time"].dt.strftime("%Y-%m-%d %H:%M"))
-    st.dataframe(shown[["time", "tenant", "tier", "requests", "errors", *TOKENS]].iloc[::-1], hide_index=True, placeholder="—",
-                 width="stretch", column_config=RECORD_COLUMNS)
+    st.dataframe(shown[["time", "tenant", "tier", "requests", "errors", *TOKENS]].iloc[::-1], hide_index=True,
+                 placeholder="—", width="stretch", column_config=RECORD_COLUMNS)
     csv = ui.fetch("Usage CSV", lambda: c.admin.usage_csv(**filters))
     if csv is not None:
         st.download_button("Download CSV", csv, file_name="switchboard-usage.csv", mime="text/csv",

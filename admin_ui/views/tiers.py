@@ -120,3 +120,14 @@ def tier_history_frame(history: Sequence[Mapping[str, Any]], key: str) -> pd.Dat
             if num(v) is not None:
                 rows.append({"time": pd.Timestamp(t, unit="s", tz="UTC"), "tier": tier, "value": num(v)})
     return pd.DataFrame(rows, columns=["time", "tier", "value"])
+
+
+BUILTIN_TIERS = ("free", "plus", "enterprise")
+
+
+def tier_filter_choices(policy: Mapping[str, Any] | None, chosen: str | None, any_: str = "any") -> list[str]:
+    """The Usage page's Tier filter: the tiers of the policy in force (an operator's own too; the built-in
+    three when it cannot be read), "unknown" (the ledger's tier for a request refused before its key was
+    known), and the one chosen before, kept after its tier left the policy."""
+    names = list(mapping(mapping(policy).get("tiers"))) or list(BUILTIN_TIERS)
+    return list(dict.fromkeys([any_, *names, "unknown", *([chosen] if chosen else [])]))

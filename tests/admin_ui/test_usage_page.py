@@ -38,3 +38,15 @@ def test_usage_page_shows_the_ledger_per_tenant_and_tier_with_a_csv(console, clu
     assert {"acme", "bigco", "(no valid key)"} <= tenants and "" not in tenants
     csv = admin.get("/admin/v1/usage", params={"format": "csv", "by": "tenant,tier"}).text
     assert csv.splitlines()[0].startswith("start,end,start_unix,end_unix,tenant,tier,requests")
+
+
+def test_the_tier_filter_offers_the_policys_tiers_and_unknown(console, admin):
+    """The Tier filter was a fixed free/plus/enterprise: an operator's own tier (PUT /admin/v1/tiers) could
+    not be chosen, nor "unknown", the ledger's tier for requests refused before their key was known."""
+    from admin_ui.views.tiers import tier_filter_choices
+
+    assert tier_filter_choices({"tiers": {"free": {}, "gold": {}}}, "any") == ["any", "free", "gold", "unknown"]
+    assert tier_filter_choices(None, "gone") == ["any", "free", "plus", "enterprise", "unknown", "gone"]
+    at = console.page("usage")
+    policy = list(admin.get("/admin/v1/tiers").json()["tiers"])
+    assert at.selectbox(key="usage_tier").options == ["any", *policy, "unknown"]
