@@ -47,10 +47,13 @@ def load_keys(settings: GatewaySettings) -> KeyStore:
     return KeyStore.merged(*stores)
 
 
-def checked_keys(settings: GatewaySettings, tiers: TierPolicy) -> KeyStore:
-    """:func:`load_keys`, every key's tier known to the tier policy (else ValueError)."""
+def checked_keys(settings: GatewaySettings, tiers: TierPolicy, *more: TierPolicy | None) -> KeyStore:
+    """:func:`load_keys`, every key's tier known to one of the tier policies (else ValueError): the
+    gateway's own and, on a reload, the one in force. Checked against the gateway's own only, a key of a
+    tier added on the control plane (the console's tier editor) kept the whole file from loading: every
+    later revocation went unapplied."""
     keys = load_keys(settings)
-    keys.validate_tiers(tiers.names())
+    keys.validate_tiers({name for policy in (tiers, *more) if policy is not None for name in policy.names()})
     return keys
 
 

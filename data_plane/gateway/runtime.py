@@ -179,7 +179,7 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
                                cluster_headers(cluster_token_from_env()))
         stack.push_async_callback(gw.guard.aclose)
     if settings.keys_file:  # a key removed from the file stops working within a second (keys_file.py)
-        reload = KeysFileReload(settings.keys_file, lambda: checked_keys(settings, gw.tiers),
+        reload = KeysFileReload(settings.keys_file, lambda: checked_keys(settings, gw.tiers, gw.policy()),
                                 gw.put_keys)
         reload.start()
         stack.push_async_callback(reload.aclose)

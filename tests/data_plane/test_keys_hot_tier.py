@@ -1,0 +1,70 @@
+"""A tier added to the control plane's hot policy (the console's tier editor, PUT /admin/v1/tiers) and a
+key made for it in the gateway's keys file: the gateway serves it, later edits of the file still apply,
+and a restarted gateway starts.
+
+Why: the keys file's reload checked every key's tier against the policy the gateway *started* with. A key
+of the new tier made the whole file "not loaded": every later revocation silently stayed unapplied (the
+revoked key answered 200), and the next gateway start refused ("API keys name unknown tiers"), a
+crash loop under `switchboard up`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from data_plane.gateway.auth import generate_key, key_digest
+from tests.support.cluster import ADMIN_TOKEN
+from tests.support.procs import Service
+from tests.support.waits import eventually
+
+
+def keys_yaml(keys: dict[str, str]) -> str:
+    """A keys file of digests: {key: tier}, one tenant per tier."""
+    lines = ["keys:"]
+    for key, tier in keys.items():
+        lines += [f"- key_sha256: {key_digest(key)}", f"  tenant: t-{tier}", f"  tier: {tier}"]
+    return "\n".join(lines) + "\n"
+
+
+def test_a_key_of_a_tier_added_on_the_control_plane(tmp_path: Path) -> None:
+    plus, gold = generate_key(), generate_key()
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text(keys_yaml({plus: "plus"}))
+    cp = Service(["control-plane", "--admin-token", ADMIN_TOKEN, "--warmup", "0", "--state-dir", str(tmp_path)])
+    services = [cp]
+    try:
+        cp.start()
+        gateway_args = ["gateway", "--registry-url", cp.url, "--tokenizer", "whitespace", "--model-name", "synthetic",
+                        "--keys-file", str(keys_file)]
+        shard = Service(["shard", "--engine", "synthetic", "--registry-url", cp.url, "--node-id", "shard-0"])
+        gateway = Service(gateway_args)
+        services += [shard, gateway]
+        shard.start()
+        gateway.start()
+        admin = httpx.Client(base_url=cp.url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
+        tiers = admin.get("/admin/v1/tiers").json()["tiers"]
+        assert admin.put("/admin/v1/tiers", json={"tiers": {**tiers, "gold": {**tiers["plus"], "shed_order": 3}}}
+                         ).status_code == 200
+
+        def chat(key: str) -> int:
+            return httpx.post(gateway.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                              json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                              timeout=10).status_code
+
+        eventually(lambda: "gold" in gateway.log_tail(20_000), 5.0)  # the gateway has the new policy
+        keys_file.write_text(keys_yaml({plus: "plus", gold: "gold"}))
+        eventually(lambda: chat(gold) == 200, 5.0)
+        keys_file.write_text(keys_yaml({gold: "gold"}))  # revoke plus: it must stop working
+        eventually(lambda: chat(plus) == 401, 5.0)
+
+        gateway.stop()  # a restart: the keys file names 'gold', which only the control plane's policy has
+        gateway = Service(gateway_args)
+        services[-1] = gateway
+        gateway.start()
+        eventually(lambda: chat(gold) == 200, 5.0)
+        assert chat(plus) == 401
+    finally:
+        for svc in reversed(services):
+            svc.stop()
