@@ -247,6 +247,7 @@ def in_responses_terms(exc: SwitchboardError) -> SwitchboardError:
         if message.startswith(exc.param + ":"):  # a validation error: "<param>: <what is wrong>"
             message = renamed + message[len(exc.param):]
         exc.message, exc.param = message, renamed
+    exc.message = re.sub(r"\bmax_tokens\b", "max_output_tokens", exc.message)  # whatever param: "lower max_tokens"
     return exc
 
 

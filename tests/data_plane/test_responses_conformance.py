@@ -8,11 +8,23 @@ from __future__ import annotations
 import httpx
 
 from tests.data_plane import test_responses_api
-from tests.data_plane.test_responses_api import Stack
+from tests.data_plane.test_responses_api import MODEL, Stack
 from tests.support.cluster import KEYS
 
 stack = test_responses_api.stack
 """That module's stack (the fixture), for this module's own instance."""
+
+def test_a_context_error_names_max_output_tokens_not_the_chat_fields(stack: Stack) -> None:
+    """With truncation "auto", a message too long for the window was refused in the chat path's words:
+    "...only N fit with this max_tokens; shorten the message or lower max_tokens", a field the
+    Responses body has not (its param already said input)."""
+    r = httpx.post(stack.gateway.url + "/v1/responses", timeout=60, headers={"Authorization": f"Bearer {KEYS['plus']}"},
+                   json={"model": MODEL, "input": "word " * 3000, "max_output_tokens": 4, "truncation": "auto"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "input" and err["code"] == "context_length_exceeded"
+    assert "max_tokens" not in err["message"] and "max_output_tokens" in err["message"], err
+
 
 def test_an_update_with_an_unknown_field_names_it(stack: Stack) -> None:
     """`POST /v1/conversations/{id}` with a field beside `metadata` answered "metadata is required"
