@@ -6,6 +6,8 @@ openai SDK."""
 from __future__ import annotations
 
 import httpx
+import openai
+import pytest
 
 from tests.data_plane import test_responses_api
 from tests.data_plane.test_responses_api import MODEL, Stack
@@ -13,6 +15,45 @@ from tests.support.cluster import KEYS
 
 stack = test_responses_api.stack
 """That module's stack (the fixture), for this module's own instance."""
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def test_a_call_left_without_its_output_is_openais_400(stack: Stack) -> None:
+    """A chain (or conversation) whose last response is a function call, continued with a new message
+    only, was a 200: the model saw the call with no result and answered as if it had one, where OpenAI
+    answers 400 "No tool output found for function call <call_id>." (param input), streamed or not, and
+    so does its input-token count; with the output the turn goes on."""
+    client = stack.sdk()
+    ask = {"model": MODEL, "tools": [WEATHER], "parallel_tool_calls": False, "temperature": 0}
+    first = client.responses.create(input="What is the weather in Paris?", tool_choice="required",
+                                    max_output_tokens=40, **ask)
+    (call,) = [o for o in first.output if o.type == "function_call"]
+    conv = client.conversations.create(items=[{"role": "user", "content": "Weather in Paris?"},
+                                              {"type": "function_call", "call_id": call.call_id,
+                                               "name": call.name, "arguments": call.arguments}])
+    inline = [{"role": "user", "content": "Weather in Paris?"},
+              {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+              {"role": "user", "content": "And in Rome?"}]
+    for where in ({"previous_response_id": first.id, "input": "And in Rome?"},
+                  {"conversation": conv.id, "input": "And in Rome?"}, {"input": inline}):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as bad:
+                client.responses.create(max_output_tokens=4, stream=stream, **ask, **where)
+            body = bad.value.body
+            assert body["message"] == f"No tool output found for function call {call.call_id}.", body
+            assert body["param"] == "input" and body["type"] == "invalid_request_error"
+        with pytest.raises(openai.BadRequestError):
+            client.responses.input_tokens.count(model=MODEL, **where)
+    answered = [{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}]
+    after = client.responses.create(previous_response_id=first.id, input=answered, tool_choice="none",
+                                    max_output_tokens=24, **ask)
+    assert after.status in ("completed", "incomplete") and after.output_text
+    assert client.responses.create(conversation=conv.id, input=answered, tool_choice="none", max_output_tokens=24,
+                                   **ask).output_text
+    assert len(client.conversations.items.list(conv.id, limit=100).data) == 4  # the refused turns left nothing
+
 
 def test_a_context_error_names_max_output_tokens_not_the_chat_fields(stack: Stack) -> None:
     """With truncation "auto", a message too long for the window was refused in the chat path's words:
