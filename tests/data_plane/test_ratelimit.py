@@ -47,7 +47,9 @@ async def make_backend(request: pytest.FixtureRequest) -> AsyncIterator[Callable
         else:
             server: RedisServer = request.getfixturevalue("redis_server")
             server.flush()
-            backend = RedisBackend(server.url, clock=clock)
+            # the algorithm is under test, not the fail-fast timeout (0.5 s): a loaded CI host took longer
+            # than that to connect to the local redis-server once (BackendUnavailable in the test's setup)
+            backend = RedisBackend(server.url, clock=clock, timeout_s=10.0)
         made.append(backend)
         return backend
 
