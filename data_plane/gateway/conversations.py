@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from data_plane.common.errors import InvalidRequest, NotFound
+from data_plane.common.errors import InvalidRequest, NotFound, UnsupportedParameter
 from data_plane.common.http_body import read_body
 from data_plane.gateway.item_index import Home, fresh_items, index_items, resolve_references
 from data_plane.gateway.memory import Unseal, open_compaction
@@ -103,7 +103,10 @@ async def metadata_update(request: Request, limit: int) -> dict[str, str]:
     """An update's body (at most `limit` bytes): `metadata` and nothing else (a conversation's, a stored chat
     completion's)."""
     body = await _body(request, limit)
-    if set(body) != {"metadata"}:
+    unknown = sorted(set(body) - {"metadata"})
+    if unknown:  # the field the client sent, as create's 400 names it (it said "metadata is required")
+        raise UnsupportedParameter(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
+    if "metadata" not in body:
         raise InvalidRequest("metadata is required (and the only field that can be updated)", param="metadata")
     return metadata_value(body["metadata"]) or {}
 

@@ -15,7 +15,6 @@ supports; what it rejects comes back as the same 400 naming the Responses field.
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import time
@@ -25,6 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_plane.common.errors import InvalidRequest, SwitchboardError, UnsupportedParameter
+from data_plane.gateway.responses_calls import call_status, check_call_outputs
 from data_plane.protocol import ChatCompletionRequest
 from data_plane.request_checks import WholeNumber, check_metadata, json_body, validated
 
@@ -247,6 +247,7 @@ def in_responses_terms(exc: SwitchboardError) -> SwitchboardError:
         if message.startswith(exc.param + ":"):  # a validation error: "<param>: <what is wrong>"
             message = renamed + message[len(exc.param):]
         exc.message, exc.param = message, renamed
+    exc.message = re.sub(r"\bmax_tokens\b", "max_output_tokens", exc.message)  # whatever param: "lower max_tokens"
     return exc
 
 
@@ -401,31 +402,6 @@ def items_to_messages(items: list[dict[str, Any]], open_compaction: Any = None) 
         elif kind == "compaction" and open_compaction is not None:
             out.append({"role": "system", "content": open_compaction(item["encrypted_content"])})
     return out
-
-
-def check_call_outputs(items: list[dict[str, Any]]) -> None:
-    """OpenAI's 400 for a function_call_output that answers no function_call before it, in its words
-    (the chat path's check would name tool messages and tool_call_id, which a Responses client never sent)."""
-    called: set[str] = set()
-    for item in items:
-        if item["type"] == "function_call":
-            called.add(item["call_id"])
-        elif item["type"] == "function_call_output" and item["call_id"] not in called:
-            raise InvalidRequest(f"No tool call found for function call output with call_id {item['call_id']}.",
-                                 param="input")
-
-
-def call_status(arguments: str, status: str) -> str:
-    """A function_call item's status: "incomplete" when the reply was cut (`status`) inside this
-    call's arguments (they are no whole JSON value), so an app does not run a call with half its
-    arguments; calls the model finished before the cut are "completed"."""
-    if status == "completed":
-        return status
-    try:
-        json.loads(arguments)
-    except ValueError:
-        return "incomplete"
-    return "completed"
 
 
 def text_logprobs(entries: list[dict[str, Any]] | None, *, with_bytes: bool = True) -> list[dict[str, Any]]:

@@ -29,7 +29,8 @@ from typing import Any
 
 from starlette.types import Message, Send
 
-from data_plane.gateway.responses_items import _part, call_status, text_logprobs
+from data_plane.gateway.responses_calls import call_status
+from data_plane.gateway.responses_items import _part, text_logprobs
 
 
 def call_item_id(call_id: str) -> str:

@@ -1,0 +1,82 @@
+"""The Responses and Conversations APIs where an app built on OpenAI's would notice a difference: a
+function call left without its output, the words of a chat-path error, an update's unknown field. The
+real model, two cache nodes and a gateway on loopback (test_responses_api.py's stack), driven by the
+openai SDK."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.data_plane import test_responses_api
+from tests.data_plane.test_responses_api import MODEL, Stack
+from tests.support.cluster import KEYS
+
+stack = test_responses_api.stack
+"""That module's stack (the fixture), for this module's own instance."""
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def test_a_call_left_without_its_output_is_openais_400(stack: Stack) -> None:
+    """A chain (or conversation) whose last response is a function call, continued with a new message
+    only, was a 200: the model saw the call with no result and answered as if it had one, where OpenAI
+    answers 400 "No tool output found for function call <call_id>." (param input), streamed or not, and
+    so does its input-token count; with the output the turn goes on."""
+    client = stack.sdk()
+    ask = {"model": MODEL, "tools": [WEATHER], "parallel_tool_calls": False, "temperature": 0}
+    first = client.responses.create(input="What is the weather in Paris?", tool_choice="required",
+                                    max_output_tokens=40, **ask)
+    (call,) = [o for o in first.output if o.type == "function_call"]
+    conv = client.conversations.create(items=[{"role": "user", "content": "Weather in Paris?"},
+                                              {"type": "function_call", "call_id": call.call_id,
+                                               "name": call.name, "arguments": call.arguments}])
+    inline = [{"role": "user", "content": "Weather in Paris?"},
+              {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+              {"role": "user", "content": "And in Rome?"}]
+    for where in ({"previous_response_id": first.id, "input": "And in Rome?"},
+                  {"conversation": conv.id, "input": "And in Rome?"}, {"input": inline}):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as bad:
+                client.responses.create(max_output_tokens=4, stream=stream, **ask, **where)
+            body = bad.value.body
+            assert body["message"] == f"No tool output found for function call {call.call_id}.", body
+            assert body["param"] == "input" and body["type"] == "invalid_request_error"
+        with pytest.raises(openai.BadRequestError):
+            client.responses.input_tokens.count(model=MODEL, **where)
+    answered = [{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}]
+    after = client.responses.create(previous_response_id=first.id, input=answered, tool_choice="none",
+                                    max_output_tokens=24, **ask)
+    assert after.status in ("completed", "incomplete") and after.output_text
+    assert client.responses.create(conversation=conv.id, input=answered, tool_choice="none", max_output_tokens=24,
+                                   **ask).output_text
+    assert len(client.conversations.items.list(conv.id, limit=100).data) == 4  # the refused turns left nothing
+
+
+def test_a_context_error_names_max_output_tokens_not_the_chat_fields(stack: Stack) -> None:
+    """With truncation "auto", a message too long for the window was refused in the chat path's words:
+    "...only N fit with this max_tokens; shorten the message or lower max_tokens", a field the
+    Responses body has not (its param already said input)."""
+    r = httpx.post(stack.gateway.url + "/v1/responses", timeout=60, headers={"Authorization": f"Bearer {KEYS['plus']}"},
+                   json={"model": MODEL, "input": "word " * 3000, "max_output_tokens": 4, "truncation": "auto"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "input" and err["code"] == "context_length_exceeded"
+    assert "max_tokens" not in err["message"] and "max_output_tokens" in err["message"], err
+
+
+def test_an_update_with_an_unknown_field_names_it(stack: Stack) -> None:
+    """`POST /v1/conversations/{id}` with a field beside `metadata` answered "metadata is required"
+    naming metadata, which was there; it names the field now, as create does (a stored chat completion's
+    update shares the check)."""
+    client = stack.sdk()
+    conv = client.conversations.create(metadata={"a": "1"})
+    url, auth = f"{stack.gateway.url}/v1/conversations/{conv.id}", {"Authorization": f"Bearer {KEYS['plus']}"}
+    r = httpx.post(url, json={"metadata": {"a": "2"}, "title": "x"}, headers=auth, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "title" and r.json()["error"]["code"] == "unsupported_parameter"
+    r = httpx.post(url, json={}, headers=auth, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "metadata", r.text
+    assert client.conversations.retrieve(conv.id).metadata == {"a": "1"}
