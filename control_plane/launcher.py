@@ -149,6 +149,9 @@ def plan(s: UpSettings, state: Path, admin_token: str,
                     "--shard-log-dir", str(logs), "--shard-args", shlex.join(_shard_flags(s, scaled_threads, state))]
         if s.engine == "torch":  # a torch shard past the cores slows the others (the synthetic one uses none)
             cp.args += ["--local-max-shards", str(local_max_shards(s, scaled_threads))]
+    elif {"min_replicas", "max_replicas"} & s.model_fields_set:  # they size the autoscaler alone: said, not ignored
+        raise SystemExit("switchboard up: --min-replicas/--max-replicas size the autoscaler: add --autoscale, "
+                         "or give a fixed number of shards with --shards")
     caches = []
     for i in range(max(s.cache_nodes, len(zones))):
         port = s.cache_base_port + i if s.cache_base_port else free_port(host)

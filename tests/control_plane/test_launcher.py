@@ -180,6 +180,15 @@ def test_up_giving_two_of_its_processes_one_port_says_so_and_starts_nothing(tmp_
     assert f"gateway-b and console on port {port + 1} (--gateway-port, --console-port)" in zoned.stderr
 
 
+def test_up_with_replica_bounds_but_no_autoscale_says_so_and_starts_nothing(tmp_path: Path) -> None:
+    """`--min-replicas 3` without `--autoscale` was accepted and did nothing (one shard started)."""
+    out = switchboard("up", "--engine", "synthetic", "--no-console", "--min-replicas", "3",
+                      "--state-dir", str(tmp_path / "s"), timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stdout + out.stderr
+    assert "add --autoscale" in out.stderr and "Switchboard is up" not in out.stdout
+    assert not list((tmp_path / "s" / "logs").glob("*.log"))  # no child was started
+
+
 def test_up_autoscale_lets_the_control_plane_start_and_stop_the_shards(tmp_path: Path) -> None:
     """`switchboard up --autoscale`: no shard of its own; the autoscaler starts --min-replicas shards
     (local actuator, same engine flags), chat works, and Ctrl-C stops the autoscaler's shards too."""
