@@ -286,4 +286,4 @@ class Supervisor:
         print("[switchboard] stopped.", flush=True)
 
 
-__all__ = ["LIVENESS_TIMEOUT_S", "RESTART_BACKOFF_S", "STOP_SIGNALS", "Child", "Stopped", "Supervisor", "tail", "wait_healthy"]
+__all__ = ["LIVENESS_PROBE_TIMEOUT_S", "LIVENESS_TIMEOUT_S", "RESTART_BACKOFF_S", "STOP_SIGNALS", "Child", "Stopped", "Supervisor", "tail", "wait_healthy"]

@@ -260,6 +260,13 @@ return {1, ARGV[2]}
 """
 
 
+READY_TIMEOUT_S = 0.5
+"""Seconds a Redis-backed node's `/health` waits for Redis's PING before it answers 503. Its client waits
+up to 2 s (socket_timeout) for a command, so a stalled Redis (a partition that drops packets, a long
+fork) made `/health` take 2 s: past `switchboard up`'s liveness probe (1 s, control_plane/supervisor.py),
+which after 30 s SIGKILLed every cache node as hung though each was up and saying why."""
+
+
 class RedisStorage:
     """One Redis string per session (JSON, expiring with PX); Redis does TTL and memory eviction.
 
@@ -288,11 +295,12 @@ class RedisStorage:
         await self._redis.aclose()
 
     async def ready(self) -> bool:
+        """Whether Redis answers a PING within READY_TIMEOUT_S (`/health`'s answer)."""
         from redis.exceptions import RedisError
 
         try:
-            return bool(await self._redis.ping())
-        except (RedisError, OSError):
+            return bool(await asyncio.wait_for(self._redis.ping(), READY_TIMEOUT_S))
+        except (RedisError, OSError, TimeoutError):
             return False
 
     def stats(self) -> StorageStats:

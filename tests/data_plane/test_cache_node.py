@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import threading
 import time
 import uuid
@@ -18,6 +19,7 @@ from typing import ClassVar
 import httpx
 import pytest
 
+from control_plane.supervisor import LIVENESS_PROBE_TIMEOUT_S
 from data_plane.cache.model import Transcript
 from data_plane.cache.node import parse_settings
 from data_plane.cache.snapshot import Snapshot
@@ -462,3 +464,31 @@ def test_registers_as_cache_and_deregisters_on_shutdown(tmp_path: Path) -> None:
         assert _RegistryStub.calls[-1][:2] == ("DELETE", "/v1/registry/members/cache-reg-1")
     finally:
         server.shutdown()
+
+
+def test_a_stalled_redis_is_a_prompt_503(tmp_path: Path, client: httpx.Client) -> None:
+    """A Redis that accepts connections and answers nothing (a partition dropping packets, a long fork)
+    made /health take the client's whole 2 s socket timeout: past `switchboard up`'s 1 s liveness probe,
+    so after 30 s every cache node was SIGKILLed as hung though it was up and saying why. /health answers
+    503 within READY_TIMEOUT_S instead."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)  # the kernel completes the handshakes; nobody reads or answers
+    proc = cache_node("--redis", f"redis://127.0.0.1:{silent.getsockname()[1]}/0", log_dir=tmp_path).start(wait=False)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            try:
+                client.get(f"{proc.url}/health")
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and proc.proc is not None and proc.proc.poll() is None, proc.log_tail()
+                time.sleep(0.05)
+        for _ in range(2):
+            began = time.monotonic()
+            health = client.get(f"{proc.url}/health")
+            assert health.status_code == 503 and health.json()["status"] == "unavailable"
+            assert time.monotonic() - began < LIVENESS_PROBE_TIMEOUT_S, "slower than up's liveness probe waits"
+    finally:
+        proc.stop()
+        silent.close()
