@@ -77,10 +77,12 @@ class Child:
     answered_at: float = 0.0
     """When its health path last answered (monotonic; 0.0: not since its start, so not yet probed for liveness)."""
     next_probe: float = 0.0
+    failing_since: float = 0.0
+    """When the probes after its last answer began to fail (monotonic; 0.0: the last one was answered)."""
 
     def start(self) -> None:
         self.started_at = time.monotonic()
-        self.answered_at = self.next_probe = 0.0
+        self.answered_at = self.next_probe = self.failing_since = 0.0
         self.started_wall = time.time()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -220,9 +222,9 @@ class Supervisor:
 
     def _kill_hung(self) -> None:
         """Probe each running child's health path every LIVENESS_PERIOD_S; SIGKILL one that answered once
-        and then nothing for LIVENESS_TIMEOUT_S (`_restart_dead` restarts it). Any HTTP status is an answer:
-        a gateway with no shard left says 503 and is alive. Before its first answer a child is loading
-        (a model, minutes): that is start-up, not a hang."""
+        and then no probe for LIVENESS_TIMEOUT_S (`_restart_dead` restarts it). Any HTTP status is an
+        answer: a gateway with no shard left says 503 and is alive. Before its first answer a child is
+        loading (a model, minutes): that is start-up, not a hang."""
         for child in self.children:
             now = time.monotonic()
             if self.stopping or not child.alive() or now < child.next_probe:
@@ -230,9 +232,14 @@ class Supervisor:
             child.next_probe = now + LIVENESS_PERIOD_S
             try:
                 httpx.get(child.url + child.health, timeout=LIVENESS_PROBE_TIMEOUT_S)
-                child.answered_at = time.monotonic()
+                child.answered_at, child.failing_since = time.monotonic(), 0.0
             except httpx.HTTPError:
-                if child.answered_at and now - child.answered_at >= LIVENESS_TIMEOUT_S:
+                if not child.answered_at:
+                    continue
+                # Counted from the first probe that failed, not from the last answer: after a pause of up
+                # itself (Ctrl-Z, a stalled host, a slow pass), one slow answer is not 30 s of silence.
+                child.failing_since = child.failing_since or now
+                if now - child.failing_since >= LIVENESS_TIMEOUT_S:
                     print(f"[switchboard] {child.name} has not answered {child.health} for "
                           f"{now - child.answered_at:.0f} s (hung); killing it (log: {child.log_path})", flush=True)
                     child.stop(signal.SIGKILL)

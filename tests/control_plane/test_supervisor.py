@@ -155,3 +155,34 @@ def test_a_stopped_child_still_stops_gracefully(tmp_path: Path, monkeypatch: pyt
     sup.shutdown()
     assert child.proc.returncode == 0, "killed, not stopped: its SIGTERM handler never ran"
     assert time.monotonic() - t0 < 3
+
+
+def test_one_slow_answer_after_up_itself_paused_is_not_a_hang(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 30 s were counted from the child's last answer, so when `up` itself had not run for that long
+    (Ctrl-Z then fg, a stalled host, a long pass of the loop), the first probe after it that missed its
+    1 s (a gateway busy for a moment) SIGKILLed a child that had failed one probe: every stream it served
+    cut. A hang is now LIVENESS_TIMEOUT_S of failed probes."""
+    monkeypatch.setattr(supervisor, "LIVENESS_PERIOD_S", 0.1)
+    monkeypatch.setattr(supervisor, "LIVENESS_PROBE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(supervisor, "LIVENESS_TIMEOUT_S", 1.0)
+    port = free_port()
+    gateway = Child("gateway", [], f"http://127.0.0.1:{port}", tmp_path / "gateway.log",
+                    command=[sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"])
+    sup = Supervisor([gateway])
+    gateway.start()
+    try:
+        _supervise_until(sup, lambda: gateway.answered_at > 0.0)
+        assert gateway.proc is not None
+        gateway.answered_at -= 60.0  # up was stopped for a minute; the child went on serving
+        gateway.next_probe = 0.0
+        gateway.proc.send_signal(signal.SIGSTOP)  # and is slow for the one probe up makes as it resumes
+        sup._kill_hung()
+        gateway.proc.send_signal(signal.SIGCONT)
+        assert gateway.alive(), "one failed probe after up's own pause killed the child"
+        _supervise_until(sup, lambda: time.monotonic() - gateway.answered_at < 0.5)
+        assert gateway.alive() and gateway.restarts == 0
+    finally:
+        gateway.stop(signal.SIGKILL)
+        if gateway.proc is not None:
+            gateway.proc.wait(5)
