@@ -365,3 +365,35 @@ async def test_a_miss_while_its_node_is_away_is_unavailable_not_a_verdict(
         monkeypatch.setattr("data_plane.cache.client_values.DEPARTED_GRACE_S", 0.0)
         assert await store.load("sess-away", "key-a", replicas=1, expected=True) is None
         await store.aclose()
+
+
+def test_the_ring_as_it_was_is_built_once_per_departure_not_per_miss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every continued session a departed node held misses for DEPARTED_GRACE_S, and each miss built the
+    ring "as it was" again (128 vnodes a node: 1-3 ms of the gateway's event loop per request, at the
+    moment a node's sessions all come back at once). It is built once per (placement, departures)."""
+    from data_plane.cache import client_values
+    from data_plane.membership.hashring import HashRing
+
+    nodes = [Member(id=f"cache-{i}", service="cache", url=f"http://127.0.0.1:{9000 + i}") for i in range(4)]
+    before = client_values.Placement(tuple((m.id, m.url, m.zone) for m in nodes),
+                                     HashRing(m.id for m in nodes), {m.id: m for m in nodes},
+                                     zone_of={m.id: m.zone for m in nodes})
+    after = client_values.Placement(tuple((m.id, m.url, m.zone) for m in nodes[1:]),
+                                    HashRing(m.id for m in nodes[1:]), {m.id: m for m in nodes[1:]},
+                                    zone_of={m.id: m.zone for m in nodes[1:]})
+    departures = client_values.Departures()
+    departures.changed(before, set(after.by_id))
+    built: list[int] = []
+    real = client_values.HashRing
+
+    def counting(*args: object, **kwargs: object) -> HashRing:
+        built.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(client_values, "HashRing", counting)
+    verdicts = [departures.may_hold(f"sess-{i}", 1, after, 128, "local") for i in range(200)]
+    held = [f"sess-{i}" for i in range(200)
+            if client_values.replicas_across_zones(before.ring.walk(f"sess-{i}"), 1, before.zone_of,
+                                                   local="local") == ["cache-0"]]
+    assert [f"sess-{i}" for i, v in enumerate(verdicts) if v] == held and held  # the same answers
+    assert len(built) == 1, f"the ring was built {len(built)} times for 200 misses"
