@@ -38,7 +38,7 @@ from data_plane.common.telemetry import (
 from data_plane.gateway.chat_store import StoredChatHandler, mount_chat_store
 from data_plane.gateway.context import TokenCounter
 from data_plane.gateway.conversations import mount_conversations
-from data_plane.gateway.keys_file import checked_keys, load_keys
+from data_plane.gateway.keys_file import checked_keys, hot_keys
 from data_plane.gateway.response_store import ConversationStore
 from data_plane.gateway.responses import RESPONSES_PATH, ResponsesHandler, mount_responses
 from data_plane.gateway.responses_background import BackgroundMetrics, BackgroundRuns, Detach
@@ -69,11 +69,7 @@ def build_gateway(settings: GatewaySettings, registry: CollectorRegistry | None 
     tiers = TierPolicy.from_yaml(settings.tiers_file) if settings.tiers_file else TierPolicy.default()
     safety = SafetyPolicies.from_yaml(settings.safety_file) if settings.safety_file else SafetyPolicies.default()
     if settings.control_plane_url or settings.registry_url:  # its hot policy may name tiers ours lacks:
-        keys = load_keys(settings)  # such a key is refused (403 tier_removed) until that policy arrives
-        unknown = {p.tier for p in keys.principals()} - set(tiers.names())
-        if unknown:  # refusing to start here was a crash loop after a tier was added on the console
-            log.warning("API keys name tiers not in this gateway's policy (%s): served once the control "
-                        "plane's tier policy names them", ", ".join(sorted(unknown)))
+        keys = hot_keys(settings, lambda: tiers)  # refusing to start was a crash loop after a tier was added
     else:
         keys = checked_keys(settings, tiers)
     safety.validate_names(t.safety for t in (tiers.get(n) for n in tiers.names()))

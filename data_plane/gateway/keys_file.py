@@ -3,6 +3,7 @@ keys file changes, so revoking a key (the runbook: remove it from the keys file)
 
     keys = load_keys(settings)                                   # at start: SystemExit without any key
     reload = KeysFileReload(settings.keys_file, lambda: checked_keys(settings, tiers), swap)
+    reload = KeysFileReload(settings.keys_file, lambda: hot_keys(settings, policy), swap)  # a control plane's
     reload.start()                                               # checks the file every RELOAD_S
     await reload.aclose()
 
@@ -47,13 +48,25 @@ def load_keys(settings: GatewaySettings) -> KeyStore:
     return KeyStore.merged(*stores)
 
 
-def checked_keys(settings: GatewaySettings, tiers: TierPolicy, *more: TierPolicy | None) -> KeyStore:
-    """:func:`load_keys`, every key's tier known to one of the tier policies (else ValueError): the
-    gateway's own and, on a reload, the one in force. Checked against the gateway's own only, a key of a
-    tier added on the control plane (the console's tier editor) kept the whole file from loading: every
-    later revocation went unapplied."""
+def checked_keys(settings: GatewaySettings, tiers: TierPolicy) -> KeyStore:
+    """:func:`load_keys`, every key's tier known to the tier policy (else ValueError): a gateway without
+    a control plane, whose tiers are its own for good (a tier named wrong is a bad edit)."""
     keys = load_keys(settings)
-    keys.validate_tiers({name for policy in (tiers, *more) if policy is not None for name in policy.names()})
+    keys.validate_tiers(tiers.names())
+    return keys
+
+
+def hot_keys(settings: GatewaySettings, policy: Callable[[], TierPolicy]) -> KeyStore:
+    """:func:`load_keys` for a gateway with a control plane, whose tiers come and go there (the console's
+    tier editor, PUT /admin/v1/tiers): a key of a tier the `policy` in force lacks is loaded and logged,
+    and refused when used (403 tier_removed). Checked instead, the whole file was refused while one of its
+    keys named a tier the policy lacked: one added on the console and not yet seen here, one removed
+    there, the control plane unreachable; meanwhile every revocation (a key removed) went unapplied."""
+    keys = load_keys(settings)
+    unknown = {p.tier for p in keys.principals()} - set(policy().names())
+    if unknown:
+        log.warning("API keys name tiers not in the tier policy in force (%s): refused (403 tier_removed) "
+                    "until a policy names them", ", ".join(sorted(unknown)))
     return keys
 
 
@@ -103,4 +116,4 @@ class KeysFileReload:
         self._task = None
 
 
-__all__ = ["RELOAD_S", "KeysFileReload", "checked_keys", "load_keys"]
+__all__ = ["RELOAD_S", "KeysFileReload", "checked_keys", "hot_keys", "load_keys"]

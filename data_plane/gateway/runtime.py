@@ -34,7 +34,7 @@ from data_plane.gateway.auth import KeyStore, Principal
 from data_plane.gateway.client_address import ClientAddress
 from data_plane.gateway.cluster_state import ClusterStateView, HttpClusterState, StaticClusterState
 from data_plane.gateway.context import TokenCounter
-from data_plane.gateway.keys_file import KeysFileReload, checked_keys
+from data_plane.gateway.keys_file import KeysFileReload, checked_keys, hot_keys
 from data_plane.gateway.memory import MemoryMetrics
 from data_plane.gateway.metrics import GatewayMetrics
 from data_plane.gateway.ratelimit.limiter import RateLimiter, RateLimitMetrics, build_limiter
@@ -179,8 +179,9 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
                                cluster_headers(cluster_token_from_env()))
         stack.push_async_callback(gw.guard.aclose)
     if settings.keys_file:  # a key removed from the file stops working within a second (keys_file.py)
-        reload = KeysFileReload(settings.keys_file, lambda: checked_keys(settings, gw.tiers, gw.policy()),
-                                gw.put_keys)
+        hot = settings.control_plane_url or settings.registry_url  # its tiers come and go: hot_keys
+        reload = KeysFileReload(settings.keys_file, (lambda: hot_keys(settings, gw.policy)) if hot else
+                                (lambda: checked_keys(settings, gw.tiers)), gw.put_keys)
         reload.start()
         stack.push_async_callback(reload.aclose)
     if settings.trusted_proxies:

@@ -68,3 +68,40 @@ def test_a_key_of_a_tier_added_on_the_control_plane(tmp_path: Path) -> None:
     finally:
         for svc in reversed(services):
             svc.stop()
+
+
+def test_a_revocation_applies_while_a_key_names_a_tier_removed_on_the_control_plane(tmp_path: Path) -> None:
+    """The reload was checked against the gateway's own tiers and the policy in force: once a tier was
+    removed on the console (or before a restarted gateway saw the control plane's policy), a key of it
+    left in the file made every later version of the file 'not loaded', so a key removed from it (a
+    revocation) went on answering. Such a key is refused when used (403 tier_removed), the rest applies."""
+    plus, gold = generate_key(), generate_key()
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text(keys_yaml({plus: "plus"}))
+    cp = Service(["control-plane", "--admin-token", ADMIN_TOKEN, "--warmup", "0", "--state-dir", str(tmp_path)])
+    services = [cp]
+    try:
+        cp.start()
+        gateway = Service(["gateway", "--registry-url", cp.url, "--tokenizer", "whitespace", "--model-name",
+                           "synthetic", "--keys-file", str(keys_file)])
+        services.append(gateway)
+        gateway.start()
+        admin = httpx.Client(base_url=cp.url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
+        tiers = admin.get("/admin/v1/tiers").json()["tiers"]
+
+        def models(key: str) -> int:
+            return httpx.get(gateway.url + "/v1/models", headers={"Authorization": f"Bearer {key}"},
+                             timeout=10).status_code
+
+        assert admin.put("/admin/v1/tiers", json={"tiers": {**tiers, "gold": {**tiers["plus"], "shed_order": 3}}}
+                         ).status_code == 200
+        keys_file.write_text(keys_yaml({plus: "plus", gold: "gold"}))
+        eventually(lambda: models(gold) == 200, 5.0)
+        assert admin.put("/admin/v1/tiers", json={"tiers": tiers}).status_code == 200  # gold removed
+        eventually(lambda: models(gold) == 403, 5.0)
+        keys_file.write_text(keys_yaml({gold: "gold"}))  # revoke plus: it must stop working
+        eventually(lambda: models(plus) == 401, 5.0)
+        assert models(gold) == 403
+    finally:
+        for svc in reversed(services):
+            svc.stop()
