@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=[common], help=what)
         p.add_argument("member", help="member id, as `switchboard admin members` lists it (e.g. shard-1)")
     p = sub.add_parser("degrade", parents=[common], help="pin a degradation level, or --release the pin")
+    parser.set_defaults(degrade_parser=p)  # its own usage line in its errors
     p.add_argument("level", nargs="?", type=int, choices=range(5), help="0 normal ... 4 enterprise only")
     p.add_argument("--reason", default="", help="why (kept in the level's history; required with a level)")
     p.add_argument("--release", action="store_true", help="release the operator's pin")
@@ -78,9 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "degrade":
         if args.release == (args.level is not None):
-            parser.error("degrade takes a LEVEL (with --reason) or --release")
+            args.degrade_parser.error("takes a LEVEL (with --reason) or --release")
         if args.level is not None and not args.reason.strip():
-            parser.error("degrade LEVEL needs --reason (it is kept in the history)")
+            args.degrade_parser.error("a LEVEL needs --reason (it is kept in the history)")
     overrides = {k: v for k, v in (("control_plane_url", args.control_plane_url),
                                    ("credentials_file", args.credentials_file)) if v is not None}
     settings = ConsoleSettings(**overrides)

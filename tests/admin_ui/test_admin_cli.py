@@ -69,6 +69,9 @@ def test_failures_are_one_line_and_exit_1(env, monkeypatch, capsys) -> None:
     assert code == 1 and "cannot reach the control plane" in err and "--control-plane-url" in err
     code, _, err = run(capsys, "degrade", "3")  # a pin without a reason is a usage error
     assert code == 2 and "needs --reason" in err
+    assert "usage: switchboard admin degrade" in err  # the subcommand's usage, not `admin COMMAND ...`
+    code, _, err = run(capsys, "degrade")
+    assert code == 2 and "takes a LEVEL" in err and "usage: switchboard admin degrade" in err
 
 
 def test_it_is_a_switchboard_subcommand() -> None:
