@@ -302,9 +302,7 @@ class ChatCompletionRequest(BaseModel):
         if clash is not None:
             raise InvalidRequest(clash.message, param=clash.param, code=clash.code)
         if self.stream_options is not None and not self.stream:
-            raise InvalidRequest(
-                "stream_options is only allowed when stream is true", param="stream_options"
-            )
+            raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
         if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
             raise InvalidRequest(
                 "continue_final_message needs add_generation_prompt=false and a final assistant message",
@@ -489,12 +487,14 @@ def opening_deltas(first: dict[str, Any]) -> list[dict[str, Any]]:
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
-def parse_chat_request(raw: bytes, content_type: str | None, session: str | None = None) -> ChatCompletionRequest:
+def parse_chat_request(raw: bytes, content_type: str | None, session: str | None = None, *,
+                       client: bool = True) -> ChatCompletionRequest:
     """Decode and validate a chat-completions body (4xx SwitchboardError). `session`: X-Session-Id (or the body's
-    `session_id`): it may hold the calls tool messages answer; it keeps whole turns: no continue_final_message."""
+    `session_id`): it may hold the calls tool messages answer; it keeps whole turns: no continue_final_message
+    from a `client` (a shard's resumes continue with sessions and tools: data_plane/routing/resume.py)."""
     req = validated(ChatCompletionRequest, json_body(raw, content_type))
     session = session or req.session_id
-    if req.continue_final_message and (session or req.tools):  # (the tools' reply is an envelope, not its text)
+    if client and req.continue_final_message and (session or req.tools):  # (the tools' reply is an envelope, not its text)
         raise InvalidRequest("continue_final_message cannot be used with a session or tools", param="continue_final_message")
     req.check_supported(continues=bool(session) and session != "new")
     return req

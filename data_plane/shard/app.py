@@ -41,7 +41,7 @@ from opentelemetry.propagate import extract
 from prometheus_client import CollectorRegistry
 
 from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, CLIENT_DISCONNECTED, DisconnectWatch
-from data_plane.common.errors import ModelNotFound, Overloaded, SwitchboardError, install_error_handlers
+from data_plane.common.errors import InvalidRequest, ModelNotFound, Overloaded, SwitchboardError, install_error_handlers
 from data_plane.common.hop_auth import cluster_headers, cluster_token_from_env, guarded, require_cluster_token
 from data_plane.common.http_body import read_body
 from data_plane.common.http_metrics import install_http_metrics
@@ -205,7 +205,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
     async def serving(request: Request) -> ChatCompletionRequest:
         """The request's body, once the model is loaded and is the one it names (503 / 404 otherwise)."""
         raw = await read_body(request, settings.max_body_bytes)
-        req = parse_chat_request(raw, request.headers.get("content-type"))
+        req = parse_chat_request(raw, request.headers.get("content-type"), client=False)  # the gateway's hop
         if state.load_error:
             raise Overloaded(f"this shard has no model: {state.load_error}", retry_after=30, code="model_unavailable")
         if not state.ready:
@@ -213,6 +213,8 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
         if req.model and req.model != engine.model_name:
             raise ModelNotFound(f"the model {req.model!r} does not exist; this shard serves "
                                 f"{engine.model_name!r}", param="model")
+        if req.continue_final_message and req.tools and not req.stream:  # its call began in the text already sent
+            raise InvalidRequest("a continued tool envelope is served streamed only (a resume)", param="stream")
         return req
 
     hop = [Depends(require_cluster_token(cluster_token_from_env(), "the shard's chat API"))]

@@ -308,3 +308,26 @@ def test_missing_model_is_a_clear_error() -> None:
         assert r.status_code == 503 and r.headers.get("retry-after")
     finally:
         svc.stop()
+
+
+def test_a_resume_with_tools_and_a_session_is_served_not_refused_as_a_clients_would_be(fp32_shard: Service) -> None:
+    """A resume is the gateway's request continuing the text already sent (continue_final_message) with the
+    request's tools and session: the shard serves it. The gateway refuses that combination from a client;
+    applied at the shard too, every resumed tool call and session stream ended in the 400."""
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    so_far = '{"tool_calls":[{"name":"weather","arguments":{"city":"'  # as SentOutput writes the envelope
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": so_far}],
+            "continue_final_message": True, "add_generation_prompt": False, "tools": tools, "tool_choice": "required",
+            "session_id": "sess_resume-test", "max_tokens": 24, "temperature": 0, "stream": True}
+    r = httpx.post(fp32_shard.url + "/v1/chat/completions", json=body, headers=CLUSTER_HEADERS, timeout=120)
+    assert r.status_code == 200, r.text
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert not any("error" in c for c in chunks), r.text
+    first = "".join(t["function"].get("arguments") or "" for c in chunks for ch in c.get("choices", [])
+                    for t in ch["delta"].get("tool_calls") or [] if t["index"] == 0)
+    assert first.startswith("Paris"), r.text  # the call's arguments go on where the text sent stopped
+    # not streamed, the call's opening is in text this reply does not hold: a 400 that says so, not a 500
+    r = httpx.post(fp32_shard.url + "/v1/chat/completions", json={**body, "stream": False}, headers=CLUSTER_HEADERS,
+                   timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream", r.text
