@@ -42,22 +42,11 @@ from starlette.types import Receive, Scope, Send
 
 from data_plane.cache.model import validate_session_id
 from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, CLIENT_DISCONNECTED, DisconnectWatch
-from data_plane.common.errors import (
-    ContextLengthExceeded,
-    InvalidRequest,
-    ModelNotFound,
-    NotFound,
-    as_error,
-    render,
-)
+from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, NotFound, as_error, render
 from data_plane.common.http_body import read_body
 from data_plane.common.outcome import OK, Outcome
 from data_plane.gateway.auth import Principal, key_digest
-from data_plane.gateway.cluster_state import (
-    DEGRADED_HEADER,
-    SPAN_ATTRIBUTE,
-    Effects,
-)
+from data_plane.gateway.cluster_state import DEGRADED_HEADER, SPAN_ATTRIBUTE, Effects
 from data_plane.gateway.context import TEMPLATE_SLACK_TOKENS, Window, fit_window, prompt_room, trim_step
 from data_plane.gateway.exchange import Exchange
 from data_plane.gateway.phases import (
@@ -66,6 +55,7 @@ from data_plane.gateway.phases import (
     Checked,
     Opened,
     Prepared,
+    keep_first_turn,
     merge_history,
     shard_request,
 )
@@ -195,6 +185,7 @@ class ChatHandler:
             otel_context.detach(token)
             x.close(None)  # a no-op unless the server cancelled the request
             self.let_go()
+            await keep_first_turn(self)  # a new session's id went out, its first turn unsaved
 
     async def hold(self, record_id: str, param: str) -> None:
         """Lock the stored conversation this request will rewrite, until its turn is saved (or the
@@ -497,4 +488,5 @@ class ChatHandler:
         with lost_race("session_id"):  # another gateway's turn on this version came first: a 400, not a lost turn
             await self.rt.sessions.save(self.session_id, self.owner, transcript, self.session_version + 1,
                                         self.tier.replication, ttl_s=self.gw.settings.session_ttl_s, only_newer=True)
+        self.session_version += 1
         self.let_go()

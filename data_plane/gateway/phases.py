@@ -12,6 +12,7 @@ Each is frozen: a phase reads what the earlier ones decided and cannot change it
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,8 @@ from data_plane.gateway.context import Window
 from data_plane.gateway.stream import Completion, EventSource
 from data_plane.protocol import ChatCompletionRequest, ChatMessage, ShardRequest
 from data_plane.tiers import Tier, TierPolicy
+
+log = logging.getLogger(__name__)
 
 FORWARDED = frozenset((
     "temperature", "top_p", "top_k", "stop", "seed", "min_p", "n", "presence_penalty", "frequency_penalty",
@@ -119,3 +122,25 @@ def cache_salt(tenant: str) -> str:
     """The prefix-cache scope of a tenant's requests: KV is reused within a tenant only (no timing side
     channel across tenants); the shard's token-exact transcripts are kept per scope too."""
     return f"tenant:{tenant}"
+
+
+
+async def keep_first_turn(handler: Any) -> None:
+    """Keep a new chat session (`session_version` 0: no turn saved) whose first turn ended unsaved
+    after its id went out in the stream's headers (the client stopped the reply; an error after the
+    first byte), with that turn's system messages only. A later turn that ends so leaves its session
+    as it was (never a question without its answer, never half an answer); the first one leaves it
+    existing, with the app's system prompt, so the id the client holds keeps working: it was a 404
+    session_not_found on the next turn. Never raises: the request is over either way.
+    `handler` is the request's data_plane/gateway/chat.ChatHandler."""
+    h, opened = handler, handler.opened
+    if (h.OPERATION != "chat" or h.session_version or not h.session_id or h.tier is None or opened is None
+            or opened.include_usage is None):
+        return
+    kept = [m for m in h.new_messages if m["role"] == "system"]
+    try:
+        await h.rt.sessions.save(h.session_id, h.owner, kept, 1, h.tier.replication,
+                                 ttl_s=h.gw.settings.session_ttl_s, only_newer=True)
+    except Exception as exc:  # noqa: BLE001 -- the next turn on the id then says 404, as before
+        log.warning("request %s: new session not kept after its first turn ended unsaved: %s",
+                    h.request_id, type(exc).__name__)
