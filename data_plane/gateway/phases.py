@@ -124,7 +124,6 @@ def cache_salt(tenant: str) -> str:
     return f"tenant:{tenant}"
 
 
-
 async def keep_first_turn(handler: Any) -> None:
     """Keep a new chat session (`session_version` 0: no turn saved) whose first turn ended unsaved
     after its id went out in the stream's headers (the client stopped the reply; an error after the
