@@ -10,6 +10,8 @@ crash loop under `switchboard up`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -28,14 +30,33 @@ def keys_yaml(keys: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_a_key_of_a_tier_added_on_the_control_plane(tmp_path: Path) -> None:
-    plus, gold = generate_key(), generate_key()
-    keys_file = tmp_path / "keys.yaml"
-    keys_file.write_text(keys_yaml({plus: "plus"}))
+@contextlib.contextmanager
+def control_plane(tmp_path: Path) -> Iterator[tuple[Service, httpx.Client, list[Service]]]:
+    """A real control plane, its admin client, and the list of services stopped at the end (append yours)."""
     cp = Service(["control-plane", "--admin-token", ADMIN_TOKEN, "--warmup", "0", "--state-dir", str(tmp_path)])
     services = [cp]
     try:
         cp.start()
+        with httpx.Client(base_url=cp.url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10) as admin:
+            yield cp, admin, services
+    finally:
+        for svc in reversed(services):
+            svc.stop()
+
+
+def add_gold(admin: httpx.Client) -> dict:
+    """Add tier 'gold' (plus's limits) to the control plane's policy; the policy as it was."""
+    tiers: dict = admin.get("/admin/v1/tiers").json()["tiers"]
+    assert admin.put("/admin/v1/tiers", json={"tiers": {**tiers, "gold": {**tiers["plus"], "shed_order": 3}}}
+                     ).status_code == 200
+    return tiers
+
+
+def test_a_key_of_a_tier_added_on_the_control_plane(tmp_path: Path) -> None:
+    plus, gold = generate_key(), generate_key()
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text(keys_yaml({plus: "plus"}))
+    with control_plane(tmp_path) as (cp, admin, services):
         gateway_args = ["gateway", "--registry-url", cp.url, "--tokenizer", "whitespace", "--model-name", "synthetic",
                         "--keys-file", str(keys_file)]
         shard = Service(["shard", "--engine", "synthetic", "--registry-url", cp.url, "--node-id", "shard-0"])
@@ -43,10 +64,7 @@ def test_a_key_of_a_tier_added_on_the_control_plane(tmp_path: Path) -> None:
         services += [shard, gateway]
         shard.start()
         gateway.start()
-        admin = httpx.Client(base_url=cp.url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
-        tiers = admin.get("/admin/v1/tiers").json()["tiers"]
-        assert admin.put("/admin/v1/tiers", json={"tiers": {**tiers, "gold": {**tiers["plus"], "shed_order": 3}}}
-                         ).status_code == 200
+        add_gold(admin)
 
         def chat(key: str) -> int:
             return httpx.post(gateway.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
@@ -65,9 +83,6 @@ def test_a_key_of_a_tier_added_on_the_control_plane(tmp_path: Path) -> None:
         gateway.start()
         eventually(lambda: chat(gold) == 200, 5.0)
         assert chat(plus) == 401
-    finally:
-        for svc in reversed(services):
-            svc.stop()
 
 
 def test_a_revocation_applies_while_a_key_names_a_tier_removed_on_the_control_plane(tmp_path: Path) -> None:
@@ -78,23 +93,17 @@ def test_a_revocation_applies_while_a_key_names_a_tier_removed_on_the_control_pl
     plus, gold = generate_key(), generate_key()
     keys_file = tmp_path / "keys.yaml"
     keys_file.write_text(keys_yaml({plus: "plus"}))
-    cp = Service(["control-plane", "--admin-token", ADMIN_TOKEN, "--warmup", "0", "--state-dir", str(tmp_path)])
-    services = [cp]
-    try:
-        cp.start()
+    with control_plane(tmp_path) as (cp, admin, services):
         gateway = Service(["gateway", "--registry-url", cp.url, "--tokenizer", "whitespace", "--model-name",
                            "synthetic", "--keys-file", str(keys_file)])
         services.append(gateway)
         gateway.start()
-        admin = httpx.Client(base_url=cp.url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
-        tiers = admin.get("/admin/v1/tiers").json()["tiers"]
 
         def models(key: str) -> int:
             return httpx.get(gateway.url + "/v1/models", headers={"Authorization": f"Bearer {key}"},
                              timeout=10).status_code
 
-        assert admin.put("/admin/v1/tiers", json={"tiers": {**tiers, "gold": {**tiers["plus"], "shed_order": 3}}}
-                         ).status_code == 200
+        tiers = add_gold(admin)
         keys_file.write_text(keys_yaml({plus: "plus", gold: "gold"}))
         eventually(lambda: models(gold) == 200, 5.0)
         assert admin.put("/admin/v1/tiers", json={"tiers": tiers}).status_code == 200  # gold removed
@@ -102,6 +111,3 @@ def test_a_revocation_applies_while_a_key_names_a_tier_removed_on_the_control_pl
         keys_file.write_text(keys_yaml({gold: "gold"}))  # revoke plus: it must stop working
         eventually(lambda: models(plus) == 401, 5.0)
         assert models(gold) == 403
-    finally:
-        for svc in reversed(services):
-            svc.stop()

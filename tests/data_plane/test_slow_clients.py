@@ -83,6 +83,26 @@ def _read_until_closed(sock: socket.socket, timeout: float) -> tuple[bytes, floa
     return data, time.monotonic() - t0
 
 
+def _flood(sock: socket.socket, line: bytes) -> tuple[int, bytes]:
+    """Send `line` over and over (up to 16 MiB: without the bound all of it is read, and kept, then a 408)
+    until the server refuses and closes; (bytes sent, what it answered), the socket closed."""
+    sent, answer = 0, b""
+    sock.settimeout(5)
+    try:
+        while sent < 16 * 1024 * 1024:
+            sock.sendall(line)
+            sent += len(line)
+    except OSError:  # refused and closed (what arrives meanwhile is dropped, not kept)
+        pass
+    try:
+        while chunk := sock.recv(65536):
+            answer += chunk
+    except OSError:
+        pass
+    sock.close()
+    return sent, answer
+
+
 def test_limits_come_from_the_environment() -> None:
     limits = HttpLimits.from_env({ENV_HEADERS_S: "3", ENV_SEND_BUFFER_BYTES: "8192"})
     assert limits.headers_s == 3 and limits.send_buffer_bytes == 8192 and limits.body_s == HttpLimits().body_s
@@ -225,20 +245,7 @@ def test_a_request_head_past_the_bound_gets_431_before_it_costs_memory(cluster: 
     sock = _connect(url)
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
     line = b"X-Pad: " + b"a" * 8000 + b"\r\n"
-    sent, answer = 0, b""
-    sock.settimeout(5)
-    try:
-        while sent < 16 * 1024 * 1024:  # without the bound all of it is read, and kept (then a 408)
-            sock.sendall(line)
-            sent += len(line)
-    except OSError:  # refused and closed (what arrives meanwhile is dropped, not kept)
-        pass
-    try:
-        while chunk := sock.recv(65536):
-            answer += chunk
-    except OSError:
-        pass
-    sock.close()
+    sent, answer = _flood(sock, line)
     assert answer.startswith(b"HTTP/1.1 431 "), (sent, answer[:200])
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_header_fields_too_large"
     assert _cut(url, "head_too_large") == before + 1
@@ -261,20 +268,7 @@ def test_trailers_past_the_bound_get_431_and_a_body_in_tiny_chunks_still_passes(
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
                  b"Content-Type: application/json\r\n\r\n1\r\n{\r\n0\r\n")
     line = b"X-Trailer: " + b"a" * 8000 + b"\r\n"
-    sent, answer = 0, b""
-    sock.settimeout(5)
-    try:
-        while sent < 16 * 1024 * 1024:
-            sock.sendall(line)
-            sent += len(line)
-    except OSError:
-        pass
-    try:
-        while chunk := sock.recv(65536):
-            answer += chunk
-    except OSError:
-        pass
-    sock.close()
+    sent, answer = _flood(sock, line)
     assert b"HTTP/1.1 431 " in answer, (sent, answer[:400])  # after the 401 the gateway gave the head alone
     assert _cut(url, "head_too_large") == before + 1
     body = json.dumps({"messages": [{"role": "user", "content": "x" * 20000}], "max_tokens": 2}).encode()
