@@ -1,0 +1,95 @@
+"""Chat Completions as an application sees it, third round (tool-call history, structured outputs, the
+SDK's parameters): each test is a place where the gateway answered otherwise than OpenAI's API does, found
+by driving it with the openai SDK. Real processes: the session's fp32 shard, a cache node and a gateway.
+
+    PYTHONPATH=$PWD .venv/bin/python -m pytest tests/data_plane/test_chat_app_contract.py -q
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from tests.support.chat import sdk
+from tests.support.cluster import gateway_before
+from tests.support.procs import Service
+
+MODEL = "SmolLM2-135M-Instruct"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ASK = {"role": "user", "content": "What is the weather in Paris and in Rome?"}
+UNANSWERED = "An assistant message with 'tool_calls' must be followed by tool messages responding to each 'tool_call_id'."
+
+
+def _call(i: int, city: str) -> dict[str, Any]:
+    return {"id": f"call_{i}", "type": "function",
+            "function": {"name": "get_weather", "arguments": f'{{"city": "{city}"}}'}}
+
+
+def _result(i: int, text: str = "Sunny") -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": f"call_{i}", "content": text}
+
+
+@pytest.fixture(scope="module")
+def gateway(fp32_shard: Service, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    with gateway_before(fp32_shard, tmp_path_factory.mktemp("chat-app-contract")) as gw:
+        yield gw
+
+
+def _refused(client: Any, messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, **extra)
+    body: dict[str, Any] = bad.value.body  # type: ignore[assignment]
+    return body
+
+
+@pytest.mark.parametrize(("tail", "missing"), [
+    ([{"role": "user", "content": "And?"}], "call_1, call_2"),           # the results never sent
+    ([_result(1)], "call_2"),                                              # one of two answered
+    ([], "call_1, call_2"),                                                # the calls end the history
+    ([{"role": "user", "content": "x"}, _result(1), _result(2)], "call_1, call_2"),  # a message between
+], ids=["no-results", "one-of-two", "trailing-calls", "user-between"])
+def test_tool_calls_without_their_results_are_a_400_as_openai_answers_them(gateway: Service, tail: list[Any],
+                                                                            missing: str) -> None:
+    """OpenAI refuses a history whose assistant tool calls are not each answered by the tool messages right
+    after it; the gateway served it (the model saw a call with no result, and an app tested here broke on
+    OpenAI). Streamed or not, with tools or without; an answered history is still served."""
+    client = sdk(gateway)
+    history = [ASK, {"role": "assistant", "content": None, "tool_calls": [_call(1, "Paris"), _call(2, "Rome")]}, *tail]
+    for extra in ({}, {"tools": [WEATHER]}, {"stream": True}):
+        body = _refused(client, history, **extra)
+        assert body["message"] == f"{UNANSWERED} The following tool_call_ids did not have response messages: {missing}"
+        assert body["param"] == "messages.1.role" and body["type"] == "invalid_request_error"
+    answered = [ASK, history[1], _result(1), _result(2, "Rainy")]
+    reply = client.chat.completions.create(model=MODEL, messages=answered, max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content
+
+
+def test_a_sessions_tool_calls_must_be_answered_before_it_goes_on(gateway: Service) -> None:
+    """With X-Session-Id the calls are in the transcript, so the check counts the request's leading tool
+    messages against the last turn's calls: a user message instead of the result was served (the call left
+    unanswered in the history from then on). The refused turn leaves the session as it was."""
+    client = sdk(gateway)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER],
+        tool_choice="required", parallel_tool_calls=False, max_tokens=40, temperature=0,
+        extra_headers={"X-Session-Id": "new"})
+    session, call = raw.headers["x-session-id"], raw.parse().choices[0].message.tool_calls[0]
+    headers = {"X-Session-Id": session}
+    body = _refused(client, [{"role": "user", "content": "Never mind."}], extra_headers=headers)
+    assert body["message"].startswith(UNANSWERED) and "get_weather" in body["message"], body
+    assert body["param"] == "messages"
+    body = _refused(client, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "x"}],
+                    extra_headers=headers, stream=True)
+    assert body["message"].startswith(UNANSWERED)
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"}], max_tokens=30,
+        temperature=0, extra_headers=headers).choices[0]
+    assert answer.finish_reason in ("stop", "length") and answer.message.content
+    after = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Thanks!"}],
+                                           max_tokens=8, temperature=0, extra_headers=headers)
+    assert after.choices[0].message.content  # the calls answered, the session goes on
+
