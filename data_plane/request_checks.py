@@ -121,7 +121,8 @@ def openai_words(param: str, error: Any, kinds: set[Any] | None = None) -> tuple
     """OpenAI's message and code for a pydantic error at `param` that OpenAI words its own way: a number out
     of its range ("Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 2.5
     instead.", decimal_above_max_value; integer_... for an integer field), a string or a list too long, an
-    empty string or list that needs content, a value not among a field's ("Invalid value: 'xml'. Supported values are:
+    empty string or list that needs content, a required field left out ("Missing required parameter:
+    'messages'.", missing_required_parameter), a value not among a field's ("Invalid value: 'xml'. Supported values are:
     'text', 'json_object', and 'json_schema'."), a value of the wrong type ("Invalid type for 'n': expected an
     integer, but got a string instead.", invalid_type; `kinds`: the error types at `param`, one per member of
     a union), a validator's own OpenAI words (a PydanticCustomError of type "openai", its
@@ -131,6 +132,8 @@ def openai_words(param: str, error: Any, kinds: set[Any] | None = None) -> tuple
         expected = sorted({_TYPES[k] for k in kinds or {kind} if k in _TYPES})
         wanted = expected[0] if len(expected) == 1 else f"one of {', '.join(expected[:-1])} or {expected[-1]}"
         return f"Invalid type for '{param}': expected {wanted}, but got {json_type(value)} instead.", "invalid_type"
+    if kind == "missing":
+        return f"Missing required parameter: '{param}'.", "missing_required_parameter"
     if kind == "openai":  # a validator's message in OpenAI's words already: PydanticCustomError("openai", ...)
         return str(error.get("msg")), str(ctx.get("code", "invalid_value"))
     if kind in _BOUNDS:

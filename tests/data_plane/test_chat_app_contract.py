@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
 from tests.support.chat import sdk
-from tests.support.cluster import gateway_before
+from tests.support.cluster import KEYS, gateway_before
 from tests.support.procs import Service
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -93,3 +94,24 @@ def test_a_sessions_tool_calls_must_be_answered_before_it_goes_on(gateway: Servi
                                            max_tokens=8, temperature=0, extra_headers=headers)
     assert after.choices[0].message.content  # the calls answered, the session goes on
 
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({}, "messages"),
+    ({"messages": [{"content": "Hi"}]}, "messages.0.role"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice.function"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+], ids=["messages", "role", "function-name", "tool-choice-function", "json-schema"])
+def test_a_required_field_left_out_is_openais_missing_required_parameter(gateway: Service, body: dict[str, Any],
+                                                                          param: str) -> None:
+    """A required field left out was pydantic's words with code invalid_value ("tools.0.function.name: Field
+    required", "response_format: Value error, response_format of type json_schema needs a json_schema
+    object"); OpenAI answers "Missing required parameter: 'messages'." with code missing_required_parameter,
+    which clients match on."""
+    body = {"model": MODEL, "max_tokens": 4, **({"messages": [{"role": "user", "content": "Hi"}], **body} if body else {})}
+    r = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEYS['plus']}"},
+                   timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"] == f"Missing required parameter: '{param}'.", err
+    assert err["code"] == "missing_required_parameter" and param.startswith(err["param"])
