@@ -115,3 +115,43 @@ def test_a_required_field_left_out_is_openais_missing_required_parameter(gateway
     err = r.json()["error"]
     assert err["message"] == f"Missing required parameter: '{param}'.", err
     assert err["code"] == "missing_required_parameter" and param.startswith(err["param"])
+
+
+def _schema_of(a: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "loop", "schema": {
+        "type": "object", "properties": {"z": {"type": "integer"}, "a": a}, "required": ["z", "a"],
+        "additionalProperties": False, "$defs": defs}}}
+
+
+ENDLESS = _schema_of({"$ref": "#/$defs/A"}, {"A": {"type": "object", "properties": {"x": {"$ref": "#/$defs/A"}},
+                                                   "required": ["x"], "additionalProperties": False}})
+"""Every output recurses forever ({"x": {"x": ...}}): llguidance's parser stops at its item limit."""
+CYCLE = _schema_of({"$ref": "#/$defs/A"}, {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}})
+"""A $ref cycle under a property: nothing can follow `"a":` (the grammar's mask allows only EOS there)."""
+
+
+@pytest.mark.parametrize("response_format", [ENDLESS, CYCLE], ids=["endless-recursion", "ref-cycle"])
+def test_a_schema_with_no_whole_output_is_a_400_and_the_shard_serves_on(gateway: Service, fp32_shard: Service,
+                                                                        response_format: dict[str, Any]) -> None:
+    """A schema whose grammar stops part-way through every output: with ENDLESS the matcher rejected a draft
+    the jump-forward had planned, an AssertionError on the scheduler thread killed the shard's engine (every
+    stream on it failed, the shard exited: one request of any key took a shard down), and the client got a
+    502; with CYCLE the reply was `{"z":1,"a":` with finish_reason "stop". Now the request fails alone with
+    a 400 invalid_grammar (an error event once the stream began), and the shard serves the next request."""
+    client = sdk(gateway)
+    ask = [{"role": "user", "content": "Give me JSON."}]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=ask, response_format=response_format, max_tokens=40,
+                                       temperature=0)
+    err: dict[str, Any] = bad.value.body  # type: ignore[assignment]
+    assert err["code"] == "invalid_grammar" and err["param"] == "response_format", err
+    assert err["message"].startswith("the JSON schema cannot be followed to a complete output"), err
+    with pytest.raises(openai.APIError) as streamed:
+        for _ in client.chat.completions.create(model=MODEL, messages=ask, response_format=response_format,
+                                                max_tokens=40, temperature=0, stream=True):
+            pass
+    assert "cannot be followed to a complete output" in str(streamed.value)
+    assert httpx.get(fp32_shard.url + "/health", timeout=10).status_code == 200
+    after = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=8, temperature=0,
+                                           response_format={"type": "json_object"})
+    assert after.choices[0].message.content
