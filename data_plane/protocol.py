@@ -150,6 +150,8 @@ _NEUTRAL: dict[str, Any] = {
 MAX_N = 8
 SYSTEM_FINGERPRINT = "fp_switchboard_1"
 """OpenAI's backend-configuration marker: changes when the serving stack changes what a seed produces."""
+SERVICE_TIER = "default"
+"""The tier a reply says served it (OpenAI's `service_tier`): whatever was asked, all are served alike here."""
 MAX_TOP_LOGPROBS = 20
 INPUT_TOKENS_PATH = "/v1/chat/completions/input_tokens"
 """A shard's count of a chat request's prompt tokens (the same body; nothing generated)."""
@@ -426,14 +428,9 @@ def completion_body(
         "created": created or int(time.time()),
         "model": model,
         "system_fingerprint": SYSTEM_FINGERPRINT,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        ],
+        "service_tier": SERVICE_TIER,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}, "logprobs": None,
+                     "finish_reason": finish_reason}],
         "usage": usage.wire(),
     }
 
@@ -460,6 +457,7 @@ def chunk_body(
         "created": created,
         "model": model,
         "system_fingerprint": SYSTEM_FINGERPRINT,
+        "service_tier": SERVICE_TIER,
         "choices": []
         if empty_choices
         else [{"index": index, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish_reason}],

@@ -155,3 +155,16 @@ def test_a_schema_with_no_whole_output_is_a_400_and_the_shard_serves_on(gateway:
     after = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=8, temperature=0,
                                            response_format={"type": "json_object"})
     assert after.choices[0].message.content
+
+
+def test_replies_say_the_service_tier_that_served_them(gateway: Service) -> None:
+    """OpenAI's completions and chunks carry `service_tier` (the tier that processed the request, "default"
+    whatever `auto`, `flex` or `priority` asked); ours had none, so the SDK read None where an app reads the
+    tier it was billed at (the Responses API said "default" already)."""
+    client = sdk(gateway)
+    ask = [{"role": "user", "content": "Hi"}]
+    for asked in ({}, {"service_tier": "auto"}, {"service_tier": "flex"}):
+        assert client.chat.completions.create(model=MODEL, messages=ask, max_tokens=2, **asked).service_tier == "default"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ask, max_tokens=2, stream=True,
+                                                 stream_options={"include_usage": True}, service_tier="priority"))
+    assert chunks and all(c.service_tier == "default" for c in chunks)
