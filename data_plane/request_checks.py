@@ -106,7 +106,8 @@ def validated(model: type[M], body: dict[str, Any]) -> M:
         words = openai_words(param, first, kinds) if param else None
         if words is not None:
             raise InvalidRequest(words[0], param=param, code=words[1]) from None
-        raise InvalidRequest(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param) from None
+        said = str(first.get("msg")).removeprefix("Value error, ")  # a validator's own words, without pydantic's
+        raise InvalidRequest(f"{param}: {said}" if param else said, param=param) from None
 
 
 _BOUNDS = {"less_than_equal": ("le", "<=", "above", "max"), "less_than": ("lt", "<", "above", "max"),

@@ -168,3 +168,19 @@ def test_replies_say_the_service_tier_that_served_them(gateway: Service) -> None
     chunks = list(client.chat.completions.create(model=MODEL, messages=ask, max_tokens=2, stream=True,
                                                  stream_options={"include_usage": True}, service_tier="priority"))
     assert chunks and all(c.service_tier == "default" for c in chunks)
+
+
+@pytest.mark.parametrize(("fields", "param", "words"), [
+    ({"stop": ""}, "stop", "stop sequences must be non-empty"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}, "store": True}, "metadata", "at most 16 pairs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "needs exactly one of"),
+], ids=["stop", "metadata", "structured_outputs"])
+def test_a_refused_value_is_worded_without_pydantics_prefix(gateway: Service, fields: dict[str, Any], param: str,
+                                                            words: str) -> None:
+    """A value one of our validators refuses read "stop: Value error, stop sequences must be non-empty":
+    pydantic's label for the exception class, in front of the client. The message is the validator's own."""
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk(gateway).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                             extra_body=fields)
+    err: dict[str, Any] = bad.value.body  # type: ignore[assignment]
+    assert err["param"] == param and words in err["message"] and "Value error" not in err["message"], err
