@@ -43,7 +43,7 @@ from control_plane.ports import busy_ports, shared_ports
 from control_plane.state_dir import LogRotation, hold_state_dir
 from control_plane.supervisor import Child, Stopped, Supervisor, wait_healthy
 from data_plane.common.cores import usable_cores
-from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV
+from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV, METRICS_TOKEN_ENV
 from data_plane.common.http_server import free_port
 from data_plane.common.settings_cli import InputFile, parse_settings
 from data_plane.common.tls import TlsConfig, make_dev_pki
@@ -124,11 +124,13 @@ class UpSettings(BaseSettings):
         return v
 
 
-def plan(s: UpSettings, state: Path, admin_token: str,
-         cluster_token: str) -> tuple[Child, list[Child], list[Child], list[Child]]:
+def plan(s: UpSettings, state: Path, admin_token: str, cluster_token: str,
+         metrics_token: str | None = None) -> tuple[Child, list[Child], list[Child], list[Child]]:
     """The children to start: control plane, cache nodes, shards, gateways (one per zone)."""
     zones = s.zones or [DEFAULT_ZONE]
     member_env = {CLUSTER_TOKEN_ENV: cluster_token}  # registering in the control plane needs it
+    if metrics_token:  # every /metrics also opens to it: the token `--prometheus` scrapes with
+        member_env[METRICS_TOKEN_ENV] = metrics_token
     logs = state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     host = s.host
@@ -235,7 +237,11 @@ def prometheus_child(s: UpSettings, state: Path, cp: Child, shards: Sequence[Chi
     shard that lost a pipeline stage leaves membership at once, so the next refresh could drop it before
     any scrape saw its `switchboard_shard_pipeline_stage_up` 0 (SwitchboardPipelineStageDown never fired
     in two of two kill -9 trials). Their ports are fixed across restarts; autoscaled shards still come
-    from SD."""
+    from SD.
+
+    Every job presents the metrics token (every /metrics is guarded): read from `state/metrics_token`
+    (mode 600, made by dev_credentials.prepare) as its `credentials_file`, so prometheus.yml holds a
+    path, not the token."""
     import shutil
 
     import yaml
@@ -259,6 +265,8 @@ def prometheus_child(s: UpSettings, state: Path, cp: Child, shards: Sequence[Chi
                                                     "refresh_interval": f"{SCRAPE_INTERVAL_S}s"}]}
             for service, job in SCRAPE_JOBS.items()],
     }
+    for job in config["scrape_configs"]:
+        job["authorization"] = {"type": "Bearer", "credentials_file": str(state / "metrics_token")}
     ca = os.environ.get("SSL_CERT_FILE")
     if cp.url.startswith("https://") and ca:  # --tls: scrape and discover over https, verified with our CA
         for job in config["scrape_configs"]:
@@ -292,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     tls = s.tls or TlsConfig.from_env().enabled  # --tls, or certificates given (--tls-cert/--tls-key)
     if s.tls and not TlsConfig.from_env().enabled:  # every child inherits it: listen, and verify peers with the CA
         os.environ.update(make_dev_pki(state / "tls", tuple(dict.fromkeys((s.host, "127.0.0.1", "localhost")))).env())
-    cp, caches, shards, gateways = plan(s, state, str(creds["admin_token"]), str(creds["cluster_token"]))
+    cp, caches, shards, gateways = plan(s, state, str(creds["admin_token"]), str(creds["cluster_token"]),
+                                        str(creds["metrics_token"]))
     gateway = gateways[0]
     if tls:
         for child in (cp, *caches, *shards, *gateways):

@@ -11,7 +11,6 @@ import json
 import math
 from pathlib import Path
 
-import httpx
 import pytest
 
 from data_plane import bench
@@ -19,6 +18,7 @@ from data_plane.bench.common import RequestResult, closed_loop, finish, percenti
 from data_plane.bench.serve import compute_metrics, parse_goodput
 from tests.support.bench import ENGINE_ROW_KEYS, needs_model
 from tests.support.cluster import Cluster
+from tests.support.metrics import scrape
 from tests.support.procs import CLUSTER_TOKEN, Service, switchboard
 
 SERVE_KEYS = {
@@ -155,7 +155,7 @@ def test_bench_serve_compares_gateway_and_shard_in_one_run(tmp_path: Path,
                     "--compare-url", c.shards[0].url + "/v1", "--compare-api-key", CLUSTER_TOKEN,
                     "--num-prompts", "3", "--max-tokens", "12",
                     "--rounds", "2", "--json", str(out)])
-        metrics = httpx.get(c.gateway.url + "/metrics").text
+        metrics = scrape(c.gateway.url)
     printed = capsys.readouterr().out
     assert "A / B (same run):" in printed and "ttft_p50" in printed
     result = json.loads(out.read_text())

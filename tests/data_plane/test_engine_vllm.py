@@ -8,6 +8,7 @@ import pytest
 
 from data_plane.shard.engines.vllm_engine import vllm_command
 from data_plane.shard.settings import ShardSettings
+from tests.support.metrics import scrape
 
 
 def test_vllm_command_carries_shard_settings() -> None:
@@ -91,7 +92,7 @@ def test_vllm_shard_serves_chat_on_gpu() -> None:
             "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Capital of France?"}],
             "max_tokens": 16, "temperature": 0, "priority": 0})
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
-        assert "vllm:num_requests_running" in httpx.get(shard.url + "/metrics").text
+        assert "vllm:num_requests_running" in scrape(shard.url)
 
 
 def _gpus() -> int:
