@@ -429,6 +429,7 @@ def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: 
         (f"  saved to {state / 'credentials.json'} (mode 600, a client credential: the gateway's keys file holds "
         "digests only)"),
         f"  logs in {state / 'logs'}",
+        f"  /metrics of every process:    Authorization: Bearer $(cat {state / 'metrics_token'})",
         "",
         "Try it:",
         f"  KEY=$(python3 -c \"import json; print(json.load(open('{state / 'credentials.json'}'))['keys']"

@@ -57,8 +57,9 @@ def test_up_prometheus_scrapes_every_guarded_process(tmp_path: Path) -> None:
         return result
 
     try:
-        wait_up(proc, tmp_path, timeout=120)
+        banner = wait_up(proc, tmp_path, timeout=120)
         state = tmp_path / ".switchboard"
+        assert f"Authorization: Bearer $(cat {state.resolve() / 'metrics_token'})" in banner, banner
         creds = json.loads((state / "credentials.json").read_text())
         gateway = f"http://127.0.0.1:{gw}"
         assert_openai_error(httpx.get(gateway + "/metrics"), 401, "invalid_metrics_token")

@@ -76,6 +76,29 @@ def test_finish_prints_the_summary_and_writes_nan_free_json(tmp_path: Path,
     assert json.loads(capsys.readouterr().out.split("logs in")[0]) == {"only": 1}
 
 
+async def test_bench_tiers_reads_the_guarded_gateway_capacity_with_the_ups_metrics_token(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench tiers --keys-file .switchboard/credentials.json` reads the gateway's /metrics (guarded) with the
+    metrics token beside the keys; a keys YAML falls back to this environment's tokens."""
+    import httpx
+
+    from data_plane.bench.tiers import gateway_capacity, load_scrape_headers
+
+    def gateway(request: httpx.Request) -> httpx.Response:
+        if request.headers.get("authorization") != "Bearer sb-metrics-x":
+            return httpx.Response(401, json={"error": {"code": "invalid_metrics_token"}})
+        return httpx.Response(200, text="switchboard_admission_capacity 8.0\n")
+
+    creds = tmp_path / "credentials.json"
+    creds.write_text(json.dumps({"keys": {"plus": "sk-1"}, "metrics_token": "sb-metrics-x"}))
+    monkeypatch.delenv("SWITCHBOARD_METRICS_TOKEN", raising=False)
+    monkeypatch.setenv("SWITCHBOARD_CLUSTER_TOKEN", "sb-cluster-y")
+    assert load_scrape_headers(str(tmp_path / "keys.yaml")) == {"authorization": "Bearer sb-cluster-y"}
+    async with httpx.AsyncClient(transport=httpx.MockTransport(gateway)) as client:
+        assert await gateway_capacity(client, "http://gw", load_scrape_headers(str(creds))) == 8
+        assert await gateway_capacity(client, "http://gw") is None
+
+
 def test_help_and_unknown_subcommands() -> None:
     for sub in ("engine", "serve"):
         out = switchboard("bench", sub, "--help", timeout=30)
