@@ -5,8 +5,8 @@ admin token on the control plane's ``/admin/v1``.
     headers = cluster_headers(token)                    # {"authorization": "Bearer ..."} or {}
     check = require_cluster_token(token, "cache node")  # a FastAPI dependency: 401 without it
     app.add_route("/debug/spans", guarded(recent_spans_endpoint, token))
-    app.add_route("/metrics", guarded_metrics(metrics_view, token))   # + SWITCHBOARD_METRICS_TOKEN
-    headers = scrape_headers(token)                     # what a scraper presents: the metrics token, else this
+    app.add_route("/metrics", guarded_metrics(view, token, metrics_token_from_env()))  # either opens it
+    headers = scrape_headers(token, metrics_token)      # what a scraper presents: the metrics token, else the cluster's
     admin = RequireBearer(admin_token, "the admin API", closed_without_token="...")  # closed when unset
 
 `RequireBearer` is the one mechanism (constant-time compare, OpenAI-shaped 401 with
