@@ -45,6 +45,7 @@ from typing import Protocol
 
 import streamlit as st
 from streamlit.logger import get_logger
+from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from admin_ui.settings import ENV_ADMIN_TOKEN, ConsoleSettings
 
@@ -111,8 +112,6 @@ GATE = Gate()
 
 
 def _session_id() -> str:
-    from streamlit.runtime.scriptrunner import get_script_run_ctx
-
     ctx = get_script_run_ctx()
     return ctx.session_id[:8] if ctx is not None else "-"
 
