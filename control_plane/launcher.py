@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shlex
 import time
 from collections.abc import Sequence
@@ -46,7 +47,7 @@ from data_plane.common.cores import usable_cores
 from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV, METRICS_TOKEN_ENV
 from data_plane.common.http_server import free_port
 from data_plane.common.settings_cli import InputFile, parse_settings
-from data_plane.common.tls import TlsConfig, make_dev_pki
+from data_plane.common.tls import TlsConfig, is_loopback, make_dev_pki
 from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
 
 
@@ -215,12 +216,20 @@ def _shard_flags(s: UpSettings, threads: int, state: Path) -> list[str]:
     return args + (["--model", s.model] if s.model else [])
 
 
-def console_child(s: UpSettings, state: Path, cp: Child, gateway: Child, admin_token: str) -> Child:
+def console_child(s: UpSettings, state: Path, cp: Child, gateway: Child, admin_token: str,
+                  login_code: str = "") -> Child:
+    """The console, with the admin token and this run's one-time login code in its environment
+    (admin_ui/login.py: the banner prints the link ``/?token=CODE``; neither is ever in argv)."""
     return Child("console", ["console", "--host", s.host, "--port", str(s.console_port), "--control-plane-url",
                              cp.url, "--gateway-url", gateway.url, "--credentials-file",
                              str(state / "credentials.json"), "--keys-file", str(state / "keys.yaml")],
                  f"http://{s.host}:{s.console_port}", state / "logs" / "console.log",
-                 env={"SWITCHBOARD_ADMIN_TOKEN": admin_token}, health="/_stcore/health")
+                 env={"SWITCHBOARD_ADMIN_TOKEN": admin_token, LOGIN_CODE_ENV: login_code or secrets.token_urlsafe(32)},
+                 health="/_stcore/health")
+
+
+LOGIN_CODE_ENV = "SWITCHBOARD_CONSOLE_LOGIN_CODE"
+"""admin_ui.settings.ENV_LOGIN_CODE (named here: `up` imports nothing of the console)."""
 
 
 ALERTS_DIR = Path(__file__).resolve().parent.parent / "alerts"
@@ -298,6 +307,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:  # the keys file (the truth of who may call) does not parse: refuse, in words
         raise SystemExit(f"switchboard up: {exc}") from None
     tls = s.tls or TlsConfig.from_env().enabled  # --tls, or certificates given (--tls-cert/--tls-key)
+    if s.console and not tls and not is_loopback(s.host):
+        raise SystemExit(f"switchboard up: --host {s.host} is not a loopback address, and the admin console would take "
+                         f"the admin token over plain HTTP there (admin_ui/launch.py). Add --tls, or --no-console "
+                         f"(then run `switchboard console` where you decide how it is reached).")
     if s.tls and not TlsConfig.from_env().enabled:  # every child inherits it: listen, and verify peers with the CA
         os.environ.update(make_dev_pki(state / "tls", tuple(dict.fromkeys((s.host, "127.0.0.1", "localhost")))).env())
     cp, caches, shards, gateways = plan(s, state, str(creds["admin_token"]), str(creds["cluster_token"]),
@@ -311,6 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     console = console_child(s, state, cp, gateway, str(creds["admin_token"])) if s.console else None
     if tls and console is not None:
         _https(console)
+    console_login = f"{console.url}/?token={console.env[LOGIN_CODE_ENV]}" if console is not None else None
     if prometheus is not None:
         cp.args += ["--prometheus", prometheus.url]
     order = [cp, *caches, *shards, *gateways] + [c for c in (prometheus, console) if c is not None]
@@ -354,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
         raise
     try:
         stages = _pipeline_stages(cp, creds["admin_token"], shards) if s.pipeline_parallel_size > 1 else {}
-        _banner(s, creds, cp, caches, shards, gateways, state, stages)
+        _banner(s, creds, cp, caches, shards, gateways, state, stages, console_login)
         supervisor.run()  # until a stop signal
     except Stopped:  # between the start-up and run()
         pass
@@ -400,8 +414,10 @@ def _pipeline_stages(cp: Child, admin_token: str, shards: list[Child], timeout: 
 
 
 def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: list[Child],
-            gateways: list[Child], state: Path, stages: dict[str, str] | None = None) -> None:
-    """What `up` prints once everything is healthy; `stages`: each pipelined shard's stages (stage@host:layers)."""
+            gateways: list[Child], state: Path, stages: dict[str, str] | None = None,
+            console_login: str | None = None) -> None:
+    """What `up` prints once everything is healthy; `stages`: each pipelined shard's stages (stage@host:layers);
+    `console_login`: the console's one-time login link (printed here, on the terminal: never in a log)."""
     stages = stages or {}
     keys = creds["keys"]
     tier = "plus" if "plus" in keys else next(iter(keys), None)
@@ -415,7 +431,7 @@ def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: 
         f"  chat API (OpenAI-compatible)  {gateway.url}/v1" + (f"   (zone {zones[0]})" if s.zones else ""),
         *[f"  chat API, zone {zone:<14}  {g.url}/v1" for zone, g in zip(zones[1:], gateways[1:])],
         f"  control plane / admin API     {cp.url}   (admin token below)",
-        *([f"  admin console                 http://{s.host}:{s.console_port}"] if s.console else []),
+        *_console_lines(s, console_login),
         *[f"  {c.name:<28}  {c.url}" + (f"   (zone {c.args[c.args.index('--zone') + 1]})" if s.zones else "")
           + (f"   stages {stages[c.name].replace(',', ' ')}  (stage@host:layers)" if c.name in stages else "")
           for c in shards + caches],
@@ -445,6 +461,15 @@ def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: 
         "",
     ]
     print("\n".join(lines), flush=True)
+
+
+def _console_lines(s: UpSettings, login: str | None) -> list[str]:
+    if not s.console:
+        return []
+    if not login:
+        return [f"  admin console                 http://{s.host}:{s.console_port}"]
+    return [f"  admin console                 {login}",
+            f"  {'':<28}  (one-time login link: logs one browser in, once; then log in with the admin token)"]
 
 
 def _admin_line(creds: dict) -> str:
