@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -52,8 +53,17 @@ def test_up_starts_platform_and_stops_cleanly(tmp_path: Path) -> None:
             assert key in banner  # the run that made them shows them, once
             assert key not in keys_yaml and key_digest(key) in keys_yaml  # the server's store: digests only
         assert f"http://127.0.0.1:{gw}/v1" in banner and "curl" in banner
-        assert f"http://127.0.0.1:{console}" in banner
         assert httpx.get(f"http://127.0.0.1:{console}/_stcore/health").text == "ok"
+        # the console's one-time login link: in the banner (the terminal), in the console's environment,
+        # never in any process's argv (ps) nor in any log
+        [code] = re.findall(rf"http://127\.0\.0\.1:{console}/\?token=([A-Za-z0-9_-]+)", banner)
+        console_pids = [p for p in _children(proc.pid) if "streamlit" in _cmdline(p)]
+        assert len(console_pids) == 1
+        assert f"SWITCHBOARD_CONSOLE_LOGIN_CODE={code}".encode() in Path(f"/proc/{console_pids[0]}/environ").read_bytes()
+        for pid in [proc.pid, *_children(proc.pid)]:
+            assert code not in _cmdline(pid) and creds["admin_token"] not in _cmdline(pid), _cmdline(pid)
+        for log in (tmp_path / ".switchboard" / "logs").glob("*.log"):
+            assert code.encode() not in log.read_bytes(), log
 
         # Members joined with the generated cluster token; without it nobody can join.
         assert creds["cluster_token"].startswith("sb-cluster-")
@@ -178,6 +188,15 @@ def test_up_giving_two_of_its_processes_one_port_says_so_and_starts_nothing(tmp_
     assert same.stderr.strip() == (f"switchboard up: control-plane and gateway on port {port} (--control-plane-port, "
                                    "--gateway-port): give each its own port")
     assert f"gateway-b and console on port {port + 1} (--gateway-port, --console-port)" in zoned.stderr
+
+
+def test_up_on_a_network_address_without_tls_refuses_to_serve_the_console_there(tmp_path: Path) -> None:
+    """`--host 0.0.0.0` put the console, and the admin token typed into its login, on the network over
+    plain HTTP."""
+    out = switchboard("up", "--engine", "synthetic", "--host", "0.0.0.0", "--state-dir", str(tmp_path / "s"),
+                      "--shards", "1", "--cache-nodes", "1")
+    assert out.returncode != 0 and "not a loopback address" in out.stderr and "--tls" in out.stderr, out
+    assert "starting control plane" not in out.stdout
 
 
 def test_up_with_replica_bounds_but_no_autoscale_says_so_and_starts_nothing(tmp_path: Path) -> None:
