@@ -7,6 +7,7 @@ by driving it with the openai SDK. Real processes: the session's fp32 shard, a c
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -184,3 +185,44 @@ def test_a_refused_value_is_worded_without_pydantics_prefix(gateway: Service, fi
                                              extra_body=fields)
     err: dict[str, Any] = bad.value.body  # type: ignore[assignment]
     assert err["param"] == param and words in err["message"] and "Value error" not in err["message"], err
+
+
+def _with_format(fmt: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {"u": {"type": "string", "format": fmt, "maxLength": 20}}, "required": ["u"],
+            "additionalProperties": False}
+
+
+def test_a_format_the_grammar_does_not_know_is_an_annotation_unless_strict(gateway: Service) -> None:
+    """JSON Schema reads `format` as an annotation, and OpenAI serves a non-strict schema whatever its formats:
+    here one the grammar compiler does not know (pydantic's SecretStr "password", Path "path", bytes "binary",
+    an MCP tool's "uri-reference") was a 400 "Unknown format", so an instructor model with such a field could
+    not be served. It is now a plain string. Strict mode takes OpenAI's nine formats only, in OpenAI's words
+    ("'uri' is not a valid format"): a strict schema with "uri" was served, and failed on OpenAI."""
+    client = sdk(gateway)
+    ask = [{"role": "user", "content": "Give me JSON with a path."}]
+    for fmt in ("password", "path", "binary", "uri-reference"):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=ask, max_tokens=40, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "f", "schema": _with_format(fmt)}})
+        assert isinstance(json.loads(reply.choices[0].message.content or "")["u"], str)
+        call = client.chat.completions.create(
+            model=MODEL, messages=ask, max_tokens=40, temperature=0, tool_choice="required",
+            tools=[{"type": "function", "function": {"name": "save", "parameters": _with_format(fmt)}}])
+        assert isinstance(json.loads(call.choices[0].message.tool_calls[0].function.arguments)["u"], str)
+    for fields, param, code, prefix in (
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "f", "strict": True,
+                                                                         "schema": _with_format("uri")}}},
+             "response_format", "invalid_json_schema", "Invalid schema for response_format 'f': "),
+            ({"tools": [{"type": "function", "function": {"name": "save", "strict": True,
+                                                           "parameters": _with_format("password")}}]},
+             "tools.0.function.parameters", "invalid_function_parameters", "Invalid schema for function 'save': ")):
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4, **fields)
+        err: dict[str, Any] = bad.value.body  # type: ignore[assignment]
+        fmt = "uri" if param == "response_format" else "password"
+        assert err["message"] == f"{prefix}In context=('properties', 'u'), '{fmt}' is not a valid format.", err
+        assert (err["param"], err["code"]) == (param, code)
+    date = client.chat.completions.create(  # one of the nine, strict: served and enforced
+        model=MODEL, messages=ask, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "f", "strict": True, "schema": _with_format("date")}})
+    assert date.choices[0].finish_reason == "stop"
