@@ -216,14 +216,21 @@ def _shard_flags(s: UpSettings, threads: int, state: Path) -> list[str]:
     return args + (["--model", s.model] if s.model else [])
 
 
+def console_host(s: UpSettings, tls: bool) -> str:
+    """Where the console listens: `--host`, except a network address without TLS, where the admin token
+    typed into its login would cross the network in plain text (admin_ui/launch.py refuses that): loopback."""
+    return s.host if tls or is_loopback(s.host) else "127.0.0.1"
+
+
 def console_child(s: UpSettings, state: Path, cp: Child, gateway: Child, admin_token: str,
-                  login_code: str = "") -> Child:
+                  login_code: str = "", host: str | None = None) -> Child:
     """The console, with the admin token and this run's one-time login code in its environment
     (admin_ui/login.py: the banner prints the link ``/?token=CODE``; neither is ever in argv)."""
-    return Child("console", ["console", "--host", s.host, "--port", str(s.console_port), "--control-plane-url",
+    host = host or s.host
+    return Child("console", ["console", "--host", host, "--port", str(s.console_port), "--control-plane-url",
                              cp.url, "--gateway-url", gateway.url, "--credentials-file",
                              str(state / "credentials.json"), "--keys-file", str(state / "keys.yaml")],
-                 f"http://{s.host}:{s.console_port}", state / "logs" / "console.log",
+                 f"http://{host}:{s.console_port}", state / "logs" / "console.log",
                  env={"SWITCHBOARD_ADMIN_TOKEN": admin_token, LOGIN_CODE_ENV: login_code or secrets.token_urlsafe(32)},
                  health="/_stcore/health")
 
@@ -307,10 +314,6 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:  # the keys file (the truth of who may call) does not parse: refuse, in words
         raise SystemExit(f"switchboard up: {exc}") from None
     tls = s.tls or TlsConfig.from_env().enabled  # --tls, or certificates given (--tls-cert/--tls-key)
-    if s.console and not tls and not is_loopback(s.host):
-        raise SystemExit(f"switchboard up: --host {s.host} is not a loopback address, and the admin console would take "
-                         f"the admin token over plain HTTP there (admin_ui/launch.py). Add --tls, or --no-console "
-                         f"(then run `switchboard console` where you decide how it is reached).")
     if s.tls and not TlsConfig.from_env().enabled:  # every child inherits it: listen, and verify peers with the CA
         os.environ.update(make_dev_pki(state / "tls", tuple(dict.fromkeys((s.host, "127.0.0.1", "localhost")))).env())
     cp, caches, shards, gateways = plan(s, state, str(creds["admin_token"]), str(creds["cluster_token"]),
@@ -321,7 +324,8 @@ def main(argv: list[str] | None = None) -> None:
             _https(child)
     record_urls(state, control_plane_url=cp.url, gateway_url=gateway.url)
     prometheus = prometheus_child(s, state, cp, shards) if s.prometheus else None
-    console = console_child(s, state, cp, gateway, str(creds["admin_token"])) if s.console else None
+    console = (console_child(s, state, cp, gateway, str(creds["admin_token"]), host=console_host(s, tls))
+               if s.console else None)
     if tls and console is not None:
         _https(console)
     console_login = f"{console.url}/?token={console.env[LOGIN_CODE_ENV]}" if console is not None else None
@@ -466,9 +470,12 @@ def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: 
 def _console_lines(s: UpSettings, login: str | None) -> list[str]:
     if not s.console:
         return []
+    host = console_host(s, s.tls or TlsConfig.from_env().enabled)
+    where = [] if host == s.host else [(f"  {'':<28}  (loopback only: --host {s.host} without --tls would send the "
+                                        "admin token in plain text; add --tls to serve it there)")]
     if not login:
-        return [f"  admin console                 http://{s.host}:{s.console_port}"]
-    return [f"  admin console                 {login}",
+        return [f"  admin console                 http://{host}:{s.console_port}", *where]
+    return [f"  admin console                 {login}", *where,
             f"  {'':<28}  (one-time login link: logs one browser in, once; then log in with the admin token)"]
 
 

@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from control_plane.launcher import UpSettings, _console_lines, console_host
 from data_plane.gateway.auth import key_digest
 from tests.support.procs import free_port, start_up, stop_up, switchboard, wait_up
 from tests.support.prometheus import PROMETHEUS
@@ -190,13 +191,16 @@ def test_up_giving_two_of_its_processes_one_port_says_so_and_starts_nothing(tmp_
     assert f"gateway-b and console on port {port + 1} (--gateway-port, --console-port)" in zoned.stderr
 
 
-def test_up_on_a_network_address_without_tls_refuses_to_serve_the_console_there(tmp_path: Path) -> None:
+def test_up_on_a_network_address_without_tls_keeps_the_console_on_loopback() -> None:
     """`--host 0.0.0.0` put the console, and the admin token typed into its login, on the network over
-    plain HTTP."""
-    out = switchboard("up", "--engine", "synthetic", "--host", "0.0.0.0", "--state-dir", str(tmp_path / "s"),
-                      "--shards", "1", "--cache-nodes", "1")
-    assert out.returncode != 0 and "not a loopback address" in out.stderr and "--tls" in out.stderr, out
-    assert "starting control plane" not in out.stdout
+    plain HTTP. The chat API still goes where --host says; the console stays on loopback unless TLS is on."""
+    network = UpSettings(host="0.0.0.0")
+    assert console_host(network, tls=False) == "127.0.0.1"
+    assert console_host(network, tls=True) == "0.0.0.0"
+    assert console_host(UpSettings(host="127.0.0.1"), tls=False) == "127.0.0.1"
+    lines = "\n".join(_console_lines(network, "http://127.0.0.1:8501/?token=x"))
+    assert "loopback only" in lines and "--tls" in lines
+    assert "loopback only" not in "\n".join(_console_lines(UpSettings(), "http://127.0.0.1:8501/?token=x"))
 
 
 def test_up_with_replica_bounds_but_no_autoscale_says_so_and_starts_nothing(tmp_path: Path) -> None:
