@@ -226,7 +226,10 @@ class ResponsesHandler(ChatHandler):
                               response_usage(self.opened.completion.usage.wire()), incomplete)
 
     async def respond_body(self, opened: Opened) -> dict[str, Any]:
-        body = await opened.completion.collect(opened.stream)
+        try:  # a shard's 400 after the first token (a schema with no whole output) names the Responses field too
+            body = await opened.completion.collect(opened.stream)
+        except SwitchboardError as exc:
+            raise in_responses_terms(exc) from None
         if self.response is not None:
             return self.response
         choice = body["choices"][0]

@@ -226,3 +226,14 @@ def test_a_format_the_grammar_does_not_know_is_an_annotation_unless_strict(gatew
         model=MODEL, messages=ask, max_tokens=40, temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "f", "strict": True, "schema": _with_format("date")}})
     assert date.choices[0].finish_reason == "stop"
+
+
+def test_a_schema_with_no_whole_output_names_the_responses_field(gateway: Service) -> None:
+    """Through the Responses API the same 400 named `response_format`, a field a Responses client never sent
+    (the shard's error came after the first token, past the renaming of the errors raised before it)."""
+    fmt = ENDLESS["json_schema"]
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk(gateway).responses.create(model=MODEL, input="Give me JSON.", max_output_tokens=40, temperature=0,
+                                      text={"format": {"type": "json_schema", "name": fmt["name"], "schema": fmt["schema"]}})
+    err: dict[str, Any] = bad.value.body  # type: ignore[assignment]
+    assert (err["param"], err["code"]) == ("text.format", "invalid_grammar"), err
