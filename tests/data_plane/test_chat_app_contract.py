@@ -196,8 +196,8 @@ def test_a_format_the_grammar_does_not_know_is_an_annotation_unless_strict(gatew
     """JSON Schema reads `format` as an annotation, and OpenAI serves a non-strict schema whatever its formats:
     here one the grammar compiler does not know (pydantic's SecretStr "password", Path "path", bytes "binary",
     an MCP tool's "uri-reference") was a 400 "Unknown format", so an instructor model with such a field could
-    not be served. It is now a plain string. Strict mode takes OpenAI's nine formats only, in OpenAI's words
-    ("'uri' is not a valid format"): a strict schema with "uri" was served, and failed on OpenAI."""
+    not be served. It is now a plain string. Strict mode takes OpenAI's nine formats and "uri" (enforced by the
+    grammar), and refuses another in OpenAI's words ("'uri-reference' is not a valid format")."""
     client = sdk(gateway)
     ask = [{"role": "user", "content": "Give me JSON with a path."}]
     for fmt in ("password", "path", "binary", "uri-reference"):
@@ -211,7 +211,7 @@ def test_a_format_the_grammar_does_not_know_is_an_annotation_unless_strict(gatew
         assert isinstance(json.loads(call.choices[0].message.tool_calls[0].function.arguments)["u"], str)
     for fields, param, code, prefix in (
             ({"response_format": {"type": "json_schema", "json_schema": {"name": "f", "strict": True,
-                                                                         "schema": _with_format("uri")}}},
+                                                                         "schema": _with_format("uri-reference")}}},
              "response_format", "invalid_json_schema", "Invalid schema for response_format 'f': "),
             ({"tools": [{"type": "function", "function": {"name": "save", "strict": True,
                                                            "parameters": _with_format("password")}}]},
@@ -219,13 +219,14 @@ def test_a_format_the_grammar_does_not_know_is_an_annotation_unless_strict(gatew
         with pytest.raises(openai.BadRequestError) as bad:
             client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4, **fields)
         err: dict[str, Any] = bad.value.body  # type: ignore[assignment]
-        fmt = "uri" if param == "response_format" else "password"
+        fmt = "uri-reference" if param == "response_format" else "password"
         assert err["message"] == f"{prefix}In context=('properties', 'u'), '{fmt}' is not a valid format.", err
         assert (err["param"], err["code"]) == (param, code)
-    date = client.chat.completions.create(  # one of the nine, strict: served and enforced
-        model=MODEL, messages=ask, max_tokens=40, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "f", "strict": True, "schema": _with_format("date")}})
-    assert date.choices[0].finish_reason == "stop"
+    for fmt in ("date", "uri"):  # one of OpenAI's nine, and pydantic's AnyUrl: strict, served and enforced
+        ok = client.chat.completions.create(
+            model=MODEL, messages=ask, max_tokens=40, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "f", "strict": True, "schema": _with_format(fmt)}})
+        assert ok.choices[0].finish_reason == "stop", fmt
 
 
 def test_a_schema_with_no_whole_output_names_the_responses_field(gateway: Service) -> None:
