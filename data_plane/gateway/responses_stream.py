@@ -111,7 +111,8 @@ class ResponseEvents:
             if choice.get("finish_reason"):
                 self._finish_reason = choice["finish_reason"]
 
-    def _text_delta(self, text: str) -> None:
+    def _open_message(self) -> int:
+        """The text output item's index, announced (``output_item.added``, ``content_part.added``) the first time."""
         if self._message_index is None:
             self._message_index = len(self._items)
             item = {"type": "message", "id": self._message_id, "status": "in_progress", "role": "assistant",
@@ -120,6 +121,10 @@ class ResponseEvents:
             self._event("response.output_item.added", output_index=self._message_index, item=item)
             self._event("response.content_part.added", item_id=self._message_id, output_index=self._message_index,
                         content_index=0, part=_part("output_text", ""))
+        return self._message_index
+
+    def _text_delta(self, text: str) -> None:
+        self._open_message()
         self._text.append(text)
         logprobs, self._pending = self._pending, []
         self._logprobs += logprobs
@@ -177,6 +182,8 @@ class ResponseEvents:
         if self._failed:
             return
         status = "completed" if self._finish_reason in (None, "stop", "tool_calls") else "incomplete"
+        if not self._items:  # no text and no call (a call cut inside its envelope, an empty reply): the response
+            self._open_message()  # holds an empty message (output_items), so the stream announces one too
         for index in range(len(self._items)):
             if index not in self._done:
                 self._item_done(index, status)

@@ -80,3 +80,28 @@ def test_an_update_with_an_unknown_field_names_it(stack: Stack) -> None:
     r = httpx.post(url, json={}, headers=auth, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "metadata", r.text
     assert client.conversations.retrieve(conv.id).metadata == {"a": "1"}
+
+
+def test_a_reply_cut_before_any_text_or_call_is_announced_in_the_stream(stack: Stack) -> None:
+    """A required call cut by max_output_tokens inside its envelope (no name yet, no text) is an incomplete
+    response holding one empty message, streamed or not; the stream sent no event for that message, so its
+    final output named an item no `output_item.added`/`.done` had (a client building the output from the
+    events had none, one reading the final response had one)."""
+    client = stack.sdk()
+    ask = {"model": MODEL, "input": "What is the weather in Paris?", "tools": [WEATHER], "tool_choice": "required",
+           "max_output_tokens": 5, "temperature": 0}
+    plain = client.responses.create(**ask)
+    assert plain.status == "incomplete" and [o.type for o in plain.output] == ["message"]
+    with client.responses.create(stream=True, **ask) as stream:
+        events = list(stream)
+    final = events[-1]
+    assert final.type == "response.incomplete" and final.response.incomplete_details.reason == "max_output_tokens"
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [e.item.id for e in events if e.type == "response.output_item.added"] == [i.id for i in done]
+    assert done == final.response.output and done[0].type == "message" and done[0].status == "incomplete"
+    assert [e.type for e in events][2:-1] == ["response.output_item.added", "response.content_part.added",
+                                            "response.output_text.done", "response.content_part.done",
+                                            "response.output_item.done"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert client.responses.retrieve(final.response.id).output == done
+
