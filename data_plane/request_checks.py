@@ -40,6 +40,24 @@ def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
     return value
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+"""OpenAI's values of `reasoning.effort` (Responses) and `reasoning_effort` (chat): a no-op here, still checked."""
+
+
+def check_one_of(value: Any, options: Sequence[str], param: str) -> None:
+    """OpenAI's 400 for a field that takes one of `options` (None: the field left out): "Invalid value:
+    'ultra'. Supported values are: 'low', 'medium', and 'high'." naming `param` (a value of another type:
+    its invalid_type)."""
+    if value is None or value in options:
+        return
+    if not isinstance(value, str):
+        raise InvalidRequest(f"Invalid type for '{param}': expected a string, but got {json_type(value)} instead.",
+                             param=param, code="invalid_type")
+    shown = ", ".join(f"'{o}'" for o in options[:-1]) + f", and '{options[-1]}'"
+    raise InvalidRequest(f"Invalid value: '{value[:64]}'. Supported values are: {shown}.", param=param,
+                         code="invalid_value")
+
+
 def json_type(value: Any) -> str:
     """A value's JSON type as OpenAI's type errors name it ("an object", "null")."""
     if value is None:

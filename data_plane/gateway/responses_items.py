@@ -26,13 +26,17 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from data_plane.common.errors import InvalidRequest, SwitchboardError, UnsupportedParameter
 from data_plane.gateway.responses_calls import call_status, check_call_outputs
 from data_plane.protocol import ChatCompletionRequest
-from data_plane.request_checks import WholeNumber, check_metadata, json_body, validated
+from data_plane.request_checks import REASONING_EFFORTS, WholeNumber, check_metadata, check_one_of, json_body, validated
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 INCLUDABLE = ("code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
               "message.input_image.image_url", LOGPROBS_INCLUDE, "reasoning.encrypted_content",
               "web_search_call.action.sources", "web_search_call.results")
 """OpenAI's `include` values (any other is its 400 "Invalid value")."""
+SUMMARIES = ("auto", "concise", "detailed")
+"""OpenAI's values of `reasoning.summary`."""
+ITEM_STATUSES = ("in_progress", "completed", "incomplete")
+"""OpenAI's values of an input item's `status` (stored as completed: the item is whole once sent)."""
 SUPPORTED_ITEM_TYPES = ("message", "function_call", "function_call_output", "compaction", "item_reference")
 TEXT_PARTS = ("input_text", "output_text", "text")
 FORMAT_FIELDS = {"text": {"type"}, "json_object": {"type"},
@@ -114,6 +118,8 @@ class ResponsesRequest(BaseModel):
         for key in set(self.reasoning or {}) - {"effort", "summary", "generate_summary"}:
             raise InvalidRequest(f"Unrecognized request argument supplied: reasoning.{key}", param=f"reasoning.{key}",
                                  code="unsupported_parameter")
+        for key, options in (("effort", REASONING_EFFORTS), ("summary", SUMMARIES), ("generate_summary", SUMMARIES)):
+            check_one_of((self.reasoning or {}).get(key), options, f"reasoning.{key}")  # no-ops, still OpenAI's values
         if self.previous_response_id and self.conversation:
             raise InvalidRequest("Mutually exclusive parameters. Ensure you are only providing one of: "
                                  "'previous_response_id' or 'conversation'.", code="mutually_exclusive_parameters")
@@ -307,6 +313,7 @@ def input_items(value: str | list[dict[str, Any]], param: str = "input") -> list
         kind = raw.get("type", "item_reference" if set(raw) == {"id"} else "message")
         if kind not in SUPPORTED_ITEM_TYPES:
             raise UnsupportedParameter(f"input item type {kind!r} is not supported", param=f"{where}.type")
+        check_one_of(raw.get("status"), ITEM_STATUSES, f"{where}.status")
         if kind == "message":
             role = raw.get("role")
             if role not in ("user", "system", "developer", "assistant"):

@@ -105,3 +105,34 @@ def test_a_reply_cut_before_any_text_or_call_is_announced_in_the_stream(stack: S
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert client.responses.retrieve(final.response.id).output == done
 
+
+def test_reasoning_values_and_item_statuses_are_openais(stack: Stack) -> None:
+    """`reasoning.effort` (and `summary`), the chat path's `reasoning_effort`, and an input item's `status`
+    took any value (a typo such as "hihg" went unnoticed) where OpenAI answers 400 naming the field and its
+    values; they are no-ops here, still checked. OpenAI's own values are served."""
+    client = stack.sdk()
+    bad = [({"reasoning": {"effort": "ultra"}}, "reasoning.effort"),
+           ({"reasoning": {"summary": "verbose"}}, "reasoning.summary"),
+           ({"reasoning": {"effort": 3}}, "reasoning.effort"),
+           ({"input": [{"type": "message", "role": "user", "content": "Hi", "status": "done"}]}, "input[0].status"),
+           ({"input": [{"role": "user", "content": "Hi"},
+                       {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}", "status": "x"},
+                       {"type": "function_call_output", "call_id": "c1", "output": "1"}]}, "input[1].status")]
+    for body, param in bad:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(**{"model": MODEL, "input": "Hi", "max_output_tokens": 1, **body})
+        assert refused.value.body["param"] == param, refused.value.body
+        assert refused.value.body["code"] in ("invalid_value", "invalid_type")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL, input="Hi", reasoning={"effort": "hihg"}, max_output_tokens=1)
+    assert refused.value.body["message"] == ("Invalid value: 'hihg'. Supported values are: 'none', 'minimal', 'low', "
+                                             "'medium', 'high', and 'xhigh'.")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                       reasoning_effort="ultra")  # type: ignore[arg-type]
+    assert refused.value.body["param"] == "reasoning_effort" and refused.value.body["code"] == "invalid_value"
+    served = client.responses.create(model=MODEL, max_output_tokens=1, reasoning={"effort": "xhigh", "summary": "auto"},
+                                     input=[{"type": "message", "role": "user", "content": "Hi", "status": "completed"}])
+    assert served.usage is not None and served.usage.output_tokens == 1
+    assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                          reasoning_effort="minimal").usage.completion_tokens == 1
