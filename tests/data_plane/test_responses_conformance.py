@@ -136,3 +136,27 @@ def test_reasoning_values_and_item_statuses_are_openais(stack: Stack) -> None:
     assert served.usage is not None and served.usage.output_tokens == 1
     assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
                                           reasoning_effort="minimal").usage.completion_tokens == 1
+
+
+def test_compact_takes_the_fields_openais_does(stack: Stack) -> None:
+    """`client.responses.compact(..., prompt_cache_key=...)` (and safety_identifier, service_tier,
+    prompt_cache_retention, prompt_cache_options: fields of OpenAI's compact body, no-ops here as on create) was a
+    400 "Unrecognized request argument supplied"; an unknown field and a bad value are still 400s naming them."""
+    client = stack.sdk()
+    items = [{"role": "user", "content": "word " * 120}, {"role": "assistant", "content": "ok " * 60},
+             {"role": "user", "content": "And now?"}]
+    raw = client.responses.with_raw_response.compact(model=MODEL, input=items, prompt_cache_key="k-1",  # type: ignore[arg-type]
+                                                     safety_identifier="user-7", service_tier="auto",
+                                                     prompt_cache_retention="24h",
+                                                     extra_body={"prompt_cache_options": {}, "keep_tokens": 16})
+    done = raw.parse()
+    assert done.object == "response.compaction" and done.output[0].type == "compaction"
+    assert done.safety_identifier == "user-7" and done.service_tier == "default"
+    follow = client.responses.create(model=MODEL, max_output_tokens=2, input=raw.http_response.json()["output"])
+    assert follow.usage is not None and follow.usage.output_tokens > 0
+    for body, param in (({"title": "x"}, "title"), ({"prompt_cache_key": 5}, "prompt_cache_key"),
+                        ({"service_tier": "turbo"}, "service_tier"), ({"prompt_cache_retention": "1y"},
+                                                                      "prompt_cache_retention")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.compact(model=MODEL, input="x", extra_body=body)
+        assert refused.value.body["param"] == param, refused.value.body
