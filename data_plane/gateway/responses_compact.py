@@ -44,7 +44,7 @@ class CompactRequest(BaseModel):
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = Field(default=None, max_length=256)
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    service_tier: Literal["auto", "default", "fast", "flex", "priority"] | None = None
 
 
 def mount_compact(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore],

@@ -462,7 +462,7 @@ def test_an_unserved_route_is_a_404_naming_it_as_openai_does(gateway: Service, f
     ({"stop": 5}, "stop", "invalid_type",
      "Invalid type for 'stop': expected one of a string or an array, but got an integer instead."),
     ({"service_tier": "gold"}, "service_tier", "invalid_value",
-     "Invalid value: 'gold'. Supported values are: 'auto', 'default', 'flex', 'scale', and 'priority'."),
+     "Invalid value: 'gold'. Supported values are: 'auto', 'default', 'flex', 'scale', 'priority', and 'fast'."),
     ({"response_format": {"type": "xml"}}, "response_format.type", "invalid_value",
      "Invalid value: 'xml'. Supported values are: 'text', 'json_object', and 'json_schema'."),
 ])
@@ -472,7 +472,7 @@ def test_a_value_out_of_its_range_is_worded_as_openai_words_it(gateway: Service,
     "temperature: Input should be less than or equal to 2" (pydantic's words; "at most 4 stop sequences") with
     code invalid_value, a value not among a field's "service_tier: Input should be 'auto', ... or 'priority'";
     OpenAI says "Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 2.5
-    instead." with its own code, and "Invalid value: 'gold'. Supported values are: ..., and 'priority'."
+    instead." with its own code, and "Invalid value: 'gold'. Supported values are: ..., and 'fast'."
     (request_checks.openai_words); a value of the wrong type "temperature: Input should be a valid number",
     where OpenAI says "Invalid type for 'temperature': expected a decimal, but got a string instead."
     (invalid_type). Now those, the Responses API's fields too."""

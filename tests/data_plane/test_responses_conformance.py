@@ -160,3 +160,26 @@ def test_compact_takes_the_fields_openais_does(stack: Stack) -> None:
         with pytest.raises(openai.BadRequestError) as refused:
             client.responses.compact(model=MODEL, input="x", extra_body=body)
         assert refused.value.body["param"] == param, refused.value.body
+
+
+def test_service_tiers_and_cache_retention_are_openais_values(stack: Stack) -> None:
+    """OpenAI's service tiers now include "fast" (chat, Responses, compact) and "ultrafast" (Responses): they were
+    400s here, where every tier is served at this server's one, "default". prompt_cache_retention took any string
+    where OpenAI takes "in_memory" or "24h" (a 400 otherwise, naming it)."""
+    client = stack.sdk()
+    for tier in ("fast", "ultrafast"):
+        done = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, service_tier=tier)
+        assert done.service_tier == "default"
+    assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                          service_tier="fast").choices
+    assert client.responses.compact(model=MODEL, input="Hi", service_tier="fast").object == "response.compaction"
+    kept = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, prompt_cache_retention="in_memory")
+    assert kept.prompt_cache_retention == "in_memory"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL, input="Hi", max_output_tokens=1,
+                                prompt_cache_retention="forever")  # type: ignore[arg-type]
+    assert refused.value.body["param"] == "prompt_cache_retention" and refused.value.body["code"] == "invalid_value"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                       prompt_cache_retention="forever")  # type: ignore[arg-type]
+    assert refused.value.body["param"] == "prompt_cache_retention"
