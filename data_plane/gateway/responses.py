@@ -102,6 +102,8 @@ class ResponsesHandler(ChatHandler):
         self.response: dict[str, Any] | None = None
         self.unfinished: dict[str, Any] | None = None
         """The response of a stream that ended without its reply (failed, or the client left)."""
+        self.announced = 0
+        """Events sent before the stream began (a background run's, once it was accepted)."""
         self.memory: list[dict[str, str]] = []
         """Earlier turns held by compaction items of this conversation: recall's candidates."""
         self.x.span.set_attribute("switchboard.response_id", self.response_id)
@@ -234,7 +236,8 @@ class ResponsesHandler(ChatHandler):
     async def respond_stream(self, opened: Opened, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
         opened.completion.on_failure = self._save_unfinished
         events = ResponseEvents(send, start=lambda: self._response("in_progress", [], None),
-                                finish=self._final, fail=self._unfinished, message_id=self.message_id)
+                                finish=self._final, fail=self._unfinished, message_id=self.message_id,
+                                announced=self.announced)
         await opened.completion.stream_to(events.send, opened.stream, True, headers)
 
     def _output(self, status: str, message: dict[str, Any] | None = None) -> list[dict[str, Any]]:

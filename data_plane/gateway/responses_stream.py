@@ -43,16 +43,18 @@ class ResponseEvents:
 
     def __init__(self, send: Send, *, start: Callable[[], dict[str, Any]],
                  finish: Callable[[str | None, list[dict[str, Any]]], dict[str, Any]],
-                 fail: Callable[[str, str], dict[str, Any]], message_id: str) -> None:
+                 fail: Callable[[str, str], dict[str, Any]], message_id: str, announced: int = 0) -> None:
         """`start()`: the response object while in progress; `finish(finish_reason, output)`: the
         final one (as stored); `fail(code, message)`: the failed one (as stored); `message_id`: the
-        id of the text output item."""
+        id of the text output item; `announced`: how many events were sent before this stream began (a
+        background run's ``response.created`` and ``response.queued``): numbering goes on after them, and
+        ``response.created`` is not sent again."""
         self._send = send
         self._start = start
         self._finish = finish
         self._fail = fail
         self._message_id = message_id
-        self._seq = 0
+        self._seq = announced
         self._out: list[bytes] = []
         self._text: list[str] = []
         self._message_index: int | None = None
@@ -78,7 +80,8 @@ class ResponseEvents:
         if message["type"] == "http.response.start":
             await self._send(message)
             response = self._start()
-            self._event("response.created", response=response)
+            if not self._seq:
+                self._event("response.created", response=response)
             self._event("response.in_progress", response=response)
             return
         for block in message.get("body", b"").split(b"\n\n"):

@@ -183,3 +183,22 @@ def test_service_tiers_and_cache_retention_are_openais_values(stack: Stack) -> N
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
                                        prompt_cache_retention="forever")  # type: ignore[arg-type]
     assert refused.value.body["param"] == "prompt_cache_retention"
+
+
+def test_a_background_stream_names_its_response_as_soon_as_it_is_queued(stack: Stack) -> None:
+    """`background=True, stream=True`: OpenAI's stream opens with ``response.created`` and ``response.queued``
+    (status queued), then ``response.in_progress`` once the run starts. Its first event was sent only once the
+    shard began (status in_progress, no ``response.queued``): a run waiting for a slot told its client nothing,
+    not even the id it needs to resume or cancel it if the connection drops."""
+    client = stack.sdk()
+    with client.responses.stream(model=MODEL, input="Say hi.", max_output_tokens=6, background=True) as stream:
+        events = list(stream)
+    assert [(e.type, getattr(e, "response", None) and e.response.status) for e in events[:3]] == [
+        ("response.created", "queued"), ("response.queued", "queued"), ("response.in_progress", "in_progress")]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    rid = events[0].response.id
+    with client.responses.retrieve(rid, stream=True, starting_after=1) as resumed:
+        again = list(resumed)
+    assert [e.sequence_number for e in again] == [e.sequence_number for e in events[2:]]
+    assert client.responses.retrieve(rid).output_text == events[-1].response.output_text
