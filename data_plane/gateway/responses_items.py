@@ -266,7 +266,7 @@ def _responses_param(param: str | None) -> str | None:
     # a Responses function tool (and a named choice) is flat: no `function` level
     param = re.sub(r"^(tools\.\d+|tool_choice)\.function(?=\.|$)", r"\1", param)
     head, dot, rest = param.partition(".")
-    return CHAT_TO_RESPONSES.get(head, head) + dot + rest
+    return re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", CHAT_TO_RESPONSES.get(head, head) + dot + rest)  # tools[0].name
 
 
 def check_include(values: list[str]) -> None:
@@ -289,7 +289,10 @@ def text_settings(text: dict[str, Any] | None) -> dict[str, Any]:
 
 def parse_responses_request(raw: bytes, content_type: str | None) -> ResponsesRequest:
     """Decode and validate a Responses body; every failure is a 4xx SwitchboardError."""
-    req = validated(ResponsesRequest, json_body(raw, content_type))  # strict: "stream": "no" is a 400
+    try:
+        req = validated(ResponsesRequest, json_body(raw, content_type))  # strict: "stream": "no" is a 400
+    except SwitchboardError as exc:  # OpenAI's indexes: context_management[0].type, not context_management.0.type
+        raise in_responses_terms(exc) from None
     req.check_supported()
     return req
 

@@ -73,7 +73,7 @@ def test_a_strict_schema_strict_mode_refuses_is_a_400_as_openai_answers_it(gatew
     assert (body["code"], body["param"]) == ("invalid_json_schema", "text.format")
     flat_tool = {"type": "function", **tool["function"]}
     body = refusal(lambda: client.responses.create(model=MODEL, input="Hi", max_output_tokens=5, tools=[flat_tool]))
-    assert body["param"] == "tools.0.parameters"
+    assert body["param"] == "tools[0].parameters"  # (OpenAI's notation on the Responses API)
     # not strict: served, the grammar closing the object (as before)
     loose = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, response_format={
         "type": "json_schema", "json_schema": {"name": "person", "schema": OPEN_PERSON}})
@@ -273,7 +273,7 @@ def test_names_and_schemas_openai_takes_are_still_served(gateway: Service) -> No
     body = refusal(lambda: client.responses.create(model=MODEL, input="Hi", max_output_tokens=5, tools=[
         {"type": "function", "name": "weather.get", "parameters": {"type": "object", "properties": {}}}]))
     assert (body["param"], body["message"]) == (
-        "tools.0.name", f"Invalid 'tools.0.name': string does not match pattern. {PATTERN}")
+        "tools[0].name", f"Invalid 'tools[0].name': string does not match pattern. {PATTERN}")
 
 
 def test_a_tool_schema_the_grammar_refuses_is_named_in_the_clients_terms(gateway: Service) -> None:
@@ -296,7 +296,7 @@ def test_a_tool_schema_the_grammar_refuses_is_named_in_the_clients_terms(gateway
     flat = [{"type": "function", **t["function"]} for t in tools]
     body = refusal(lambda: client.responses.create(model=MODEL, input="Hi", max_output_tokens=5, tools=flat[1:],
                                                    tool_choice="required"))
-    assert body["param"] == "tools.0.parameters" and "'pick'" in body["message"], body
+    assert body["param"] == "tools[0].parameters" and "'pick'" in body["message"], body
     # the property not required: `{}` satisfies the schema, and is served
     optional = {k: v for k, v in impossible.items() if k != "required"}
     reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=20, temperature=0,

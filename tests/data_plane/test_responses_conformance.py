@@ -202,3 +202,21 @@ def test_a_background_stream_names_its_response_as_soon_as_it_is_queued(stack: S
         again = list(resumed)
     assert [e.sequence_number for e in again] == [e.sequence_number for e in events[2:]]
     assert client.responses.retrieve(rid).output_text == events[-1].response.output_text
+
+
+def test_an_error_in_a_list_names_its_index_as_openai_does(stack: Stack) -> None:
+    """The Responses API names an item of a list `tools[0].name`, as OpenAI does and as its own input errors did
+    (`input[1].status`); errors from the checks it shares with the chat path said `tools.0.name`, and its body's
+    `context_management.0.type`: two notations in one API."""
+    auth = {"Authorization": f"Bearer {KEYS['plus']}"}
+    loose = {"type": "object", "properties": {"a": {"type": "string"}}}
+    for body, param in (({"tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name"),
+                        ({"tools": [WEATHER, {"type": "function", "parameters": loose}]}, "tools[1].name"),
+                        ({"tools": [{"type": "function", "name": "f", "strict": True, "parameters": loose}]},
+                         "tools[0].parameters"),
+                        ({"context_management": [{"type": "bogus"}]}, "context_management[0].type")):
+        for path in ("/v1/responses", "/v1/responses/input_tokens")[:1 if "context_management" in body else 2]:
+            r = httpx.post(stack.gateway.url + path, json={"model": MODEL, "input": "x", **body}, headers=auth,
+                           timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+            assert ".0." not in r.json()["error"]["message"] and ".1." not in r.json()["error"]["message"], r.text
