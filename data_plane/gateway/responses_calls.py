@@ -1,7 +1,8 @@
-"""The rules a Responses request's function-call items follow: each `function_call_output` answers a
-`function_call` before it, each call is answered (OpenAI's 400s, in its words), and a call the output
-limit cut is "incomplete".
+"""The rules a Responses request's function tools and function-call items follow: a tool's fields are
+OpenAI's, each `function_call_output` answers a `function_call` before it, each call is answered
+(OpenAI's 400s, in its words), and a call the output limit cut is "incomplete".
 
+    chat_function(tool, 0)                # {"name": ..., "parameters": ...}; 400 for a field it has not
     check_call_outputs(history + new)     # 400 "No tool output found for function call call_1."
     call_status('{"city":"Pa', "incomplete")  # "incomplete": no app should run it
 """
@@ -11,7 +12,27 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from data_plane.common.errors import InvalidRequest
+from data_plane.common.errors import InvalidRequest, UnsupportedParameter
+
+FUNCTION_FIELDS = ("name", "description", "parameters", "strict")
+"""A Responses function tool's fields the chat path takes (beside `type`)."""
+NEUTRAL_FIELDS: dict[str, tuple[Any, ...]] = {"defer_loading": (None, False), "allowed_callers": (None, ["direct"])}
+"""OpenAI's tool-search and programmatic-calling fields: accepted at the value that changes nothing here."""
+
+
+def chat_function(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    """Function tool `i` as the chat path's `function`: a field OpenAI's function tool has not is a 400 naming it
+    (as the chat path's own tools are), not a setting dropped while the Response echoes it; `output_schema`
+    (what the function returns) is a no-op, the tool-search and programmatic fields are served at their neutral
+    values only."""
+    for key, value in tool.items():
+        if key in NEUTRAL_FIELDS and value not in NEUTRAL_FIELDS[key]:
+            raise UnsupportedParameter(f"Unsupported parameter: 'tools[{i}].{key}' is not supported with this "
+                                       "model.", param=f"tools[{i}].{key}")
+        if key not in (*FUNCTION_FIELDS, *NEUTRAL_FIELDS, "type", "output_schema"):
+            raise UnsupportedParameter(f"Unrecognized request argument supplied: tools[{i}].{key}",
+                                       param=f"tools[{i}].{key}")
+    return {k: v for k, v in tool.items() if k in FUNCTION_FIELDS}
 
 
 def check_call_outputs(items: list[dict[str, Any]]) -> None:

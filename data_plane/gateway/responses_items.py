@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_plane.common.errors import InvalidRequest, SwitchboardError, UnsupportedParameter
-from data_plane.gateway.responses_calls import call_status, check_call_outputs
+from data_plane.gateway.responses_calls import call_status, chat_function, check_call_outputs
 from data_plane.protocol import ChatCompletionRequest
 from data_plane.request_checks import REASONING_EFFORTS, WholeNumber, check_metadata, check_one_of, json_body, validated
 
@@ -176,8 +176,7 @@ class ResponsesRequest(BaseModel):
             if tool.get("type") != "function":
                 raise UnsupportedParameter(f"tool type {tool.get('type')!r} is not supported; only 'function'",
                                            param=f"tools[{i}].type")
-            fn = {k: v for k, v in tool.items() if k in ("name", "description", "parameters", "strict")}
-            out.append({"type": "function", "function": fn})
+            out.append({"type": "function", "function": chat_function(tool, i)})
         return out
 
     def chat_tool_choice(self) -> Any:

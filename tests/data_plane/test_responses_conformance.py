@@ -220,3 +220,22 @@ def test_an_error_in_a_list_names_its_index_as_openai_does(stack: Stack) -> None
                            timeout=60)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
             assert ".0." not in r.json()["error"]["message"] and ".1." not in r.json()["error"]["message"], r.text
+
+
+def test_a_function_tool_field_openai_has_not_is_a_400_not_dropped(stack: Stack) -> None:
+    """A Responses function tool's unknown field (a typo such as `paramters`, which left the tool without its
+    schema) was dropped while the Response echoed it as if honoured; the chat path's tools answer 400 for one.
+    OpenAI's own fields are served: output_schema (a no-op) and the tool-search and programmatic-calling
+    fields at the values that change nothing here; other values are 400s naming them."""
+    client = stack.sdk()
+    for extra, param, code in (({"paramters": {"type": "object"}}, "tools[0].paramters", "unsupported_parameter"),
+                               ({"defer_loading": True}, "tools[0].defer_loading", "unsupported_parameter"),
+                               ({"allowed_callers": ["programmatic"]}, "tools[0].allowed_callers",
+                                "unsupported_parameter")):
+        for call in (client.responses.create, client.responses.input_tokens.count):
+            with pytest.raises(openai.BadRequestError) as refused:
+                call(model=MODEL, input="Hi", tools=[{**WEATHER, **extra}])  # type: ignore[operator]
+            assert (refused.value.body["param"], refused.value.body["code"]) == (param, code), refused.value.body
+    neutral = {**WEATHER, "defer_loading": False, "allowed_callers": ["direct"], "output_schema": {"type": "string"}}
+    done = client.responses.create(model=MODEL, input="Hi", tools=[neutral], max_output_tokens=1)
+    assert done.usage is not None and done.usage.output_tokens == 1
