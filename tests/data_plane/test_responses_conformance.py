@@ -239,3 +239,28 @@ def test_a_function_tool_field_openai_has_not_is_a_400_not_dropped(stack: Stack)
     neutral = {**WEATHER, "defer_loading": False, "allowed_callers": ["direct"], "output_schema": {"type": "string"}}
     done = client.responses.create(model=MODEL, input="Hi", tools=[neutral], max_output_tokens=1)
     assert done.usage is not None and done.usage.output_tokens == 1
+
+
+def test_metadata_past_its_bounds_is_worded_alike_on_every_route(stack: Stack) -> None:
+    """`metadata` past OpenAI's bounds (16 pairs, keys of 64 and values of 512 characters) was refused in pydantic's
+    words on create and chat ("metadata: Value error, at most 16 pairs, ...") and in other words on the
+    Conversations routes, each with code invalid_value; now OpenAI's ("Invalid 'metadata': too many properties.
+    Expected an object with at most 16 properties, but got an object with 17 properties instead.", its code)."""
+    client = stack.sdk()
+    conv = client.conversations.create()
+    routes = [lambda m: client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, metadata=m),
+              lambda m: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                       max_tokens=1, metadata=m),
+              lambda m: client.conversations.create(metadata=m),
+              lambda m: client.conversations.update(conv.id, metadata=m)]
+    for metadata, code, words in (({f"k{i}": "v" for i in range(17)}, "object_above_max_properties",
+                                   "but got an object with 17 properties instead."),
+                                  ({"k" * 65: "v"}, "string_above_max_length", "a key with length 65 instead."),
+                                  ({"k": "v" * 513}, "string_above_max_length", "a string with length 513 instead.")):
+        for route in routes:
+            with pytest.raises(openai.BadRequestError) as refused:
+                route(metadata)
+            body = refused.value.body
+            assert (body["param"], body["code"]) == ("metadata", code), body
+            assert body["message"].startswith("Invalid 'metadata': ") and body["message"].endswith(words), body
+    assert client.conversations.update(conv.id, metadata={f"k{i}": "v" * 512 for i in range(16)}).metadata
