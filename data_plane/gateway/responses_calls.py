@@ -19,6 +19,9 @@ FUNCTION_FIELDS = ("name", "description", "parameters", "strict")
 NEUTRAL_FIELDS: dict[str, tuple[Any, ...]] = {"defer_loading": (None, False), "allowed_callers": (None, ["direct"])}
 """OpenAI's tool-search and programmatic-calling fields: accepted at the value that changes nothing here."""
 
+CHOICE_FIELDS = {"function": ("type", "name"), "allowed_tools": ("type", "mode", "tools")}
+"""The fields of OpenAI's function and allowed_tools choices (an allowed tool's: a function choice's)."""
+
 
 def chat_function(tool: dict[str, Any], i: int) -> dict[str, Any]:
     """Function tool `i` as the chat path's `function`: a field OpenAI's function tool has not is a 400 naming it
@@ -33,6 +36,22 @@ def chat_function(tool: dict[str, Any], i: int) -> dict[str, Any]:
             raise UnsupportedParameter(f"Unrecognized request argument supplied: tools[{i}].{key}",
                                        param=f"tools[{i}].{key}")
     return {k: v for k, v in tool.items() if k in FUNCTION_FIELDS}
+
+
+def check_choice_fields(choice: Any) -> None:
+    """A 400 naming a field a function or allowed_tools `tool_choice` (or one of its tools) has not: it was
+    dropped while the Response echoed it (the chat path's choice answers 400 for one)."""
+    if not isinstance(choice, dict) or choice.get("type") not in CHOICE_FIELDS:
+        return
+    entries = [("tool_choice", choice, CHOICE_FIELDS[choice["type"]])]
+    tools = choice.get("tools") if choice["type"] == "allowed_tools" else None
+    entries += [(f"tool_choice.tools[{i}]", t, CHOICE_FIELDS["function"]) for i, t in enumerate(tools or [])
+                if isinstance(tools, list) and isinstance(t, dict) and t.get("type") == "function"]  # (others: 400)
+    for where, entry, fields in entries:
+        for key in entry:
+            if key not in fields:
+                raise UnsupportedParameter(f"Unrecognized request argument supplied: {where}.{key}",
+                                           param=f"{where}.{key}")
 
 
 def check_call_outputs(items: list[dict[str, Any]]) -> None:

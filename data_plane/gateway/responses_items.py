@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_plane.common.errors import InvalidRequest, SwitchboardError, UnsupportedParameter
-from data_plane.gateway.responses_calls import call_status, chat_function, check_call_outputs
+from data_plane.gateway.responses_calls import call_status, chat_function, check_call_outputs, check_choice_fields
 from data_plane.protocol import ChatCompletionRequest
 from data_plane.request_checks import REASONING_EFFORTS, WholeNumber, check_metadata, check_one_of, json_body, validated
 
@@ -183,6 +183,7 @@ class ResponsesRequest(BaseModel):
         """The Responses form of a choice in chat's: a function is named at the top level there, and an
         `allowed_tools` choice holds its mode and tools beside its type (function tools only here)."""
         choice = self.tool_choice
+        check_choice_fields(choice)
         if isinstance(choice, dict) and choice.get("type") == "function":
             return {"type": "function", "function": {"name": choice.get("name")}}
         if isinstance(choice, dict) and choice.get("type") == "allowed_tools":

@@ -264,3 +264,24 @@ def test_metadata_past_its_bounds_is_worded_alike_on_every_route(stack: Stack) -
             assert (body["param"], body["code"]) == ("metadata", code), body
             assert body["message"].startswith("Invalid 'metadata': ") and body["message"].endswith(words), body
     assert client.conversations.update(conv.id, metadata={f"k{i}": "v" * 512 for i in range(16)}).metadata
+
+
+def test_a_tool_choice_field_openai_has_not_is_a_400_not_dropped(stack: Stack) -> None:
+    """A function or allowed_tools `tool_choice` with a field OpenAI's has not (`{"type": "function", "nmae":
+    ...}` beside its name, an allowed tool's `function` level copied from chat) was served with the field dropped;
+    now the chat path's 400, naming it."""
+    client = stack.sdk()
+    for choice, param in (({"type": "function", "name": "get_weather", "strict": True}, "tool_choice.strict"),
+                          ({"type": "allowed_tools", "mode": "auto", "tools": [
+                              {"type": "function", "name": "get_weather", "function": {"name": "get_weather"}}]},
+                           "tool_choice.tools[0].function"),
+                          ({"type": "allowed_tools", "mode": "auto", "tools": [], "parallel": False},
+                           "tool_choice.parallel")):
+        for call in (client.responses.create, client.responses.input_tokens.count):
+            with pytest.raises(openai.BadRequestError) as refused:
+                call(model=MODEL, input="Hi", tools=[WEATHER], tool_choice=choice)  # type: ignore[operator]
+            assert (refused.value.body["param"], refused.value.body["code"]) == (param, "unsupported_parameter")
+    done = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER], max_output_tokens=30,
+                                   tool_choice={"type": "allowed_tools", "mode": "required",
+                                                "tools": [{"type": "function", "name": "get_weather"}]})
+    assert done.output[0].type == "function_call"
