@@ -176,7 +176,7 @@ class ChatCompletionRequest(BaseModel):
     user: str | None = Field(default=None, max_length=256)
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
     # Structured outputs and tools (shapes and the constraint they make: data_plane/structured.py).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -201,7 +201,7 @@ class ChatCompletionRequest(BaseModel):
     # Fields the official SDK sends, accepted deliberately (README "Structured outputs, tools, sampling"):
     prompt_cache_key: str | None = Field(default=None, max_length=1024)
     """A no-op: our prefix cache finds shared prefixes by content (and routing by session)."""
-    prompt_cache_retention: str | None = Field(default=None, max_length=64)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     """A no-op: retention is the prefix cache's LRU."""
     prompt_cache_options: Any = None
     """A no-op (as above)."""
@@ -209,7 +209,7 @@ class ChatCompletionRequest(BaseModel):
     """Recorded nowhere (it would be a user id in our logs); accepted so SDK calls work."""
     verbosity: Literal["low", "medium", "high"] | None = None
     """A no-op: the model has no verbosity control."""
-    reasoning_effort: str | None = Field(default=None, max_length=32)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     """A no-op: the model does not reason."""
     moderation: Any = None
     """A no-op: the gateway's safety filters always apply."""
