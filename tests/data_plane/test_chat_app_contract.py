@@ -173,7 +173,7 @@ def test_replies_say_the_service_tier_that_served_them(gateway: Service) -> None
 
 @pytest.mark.parametrize(("fields", "param", "words"), [
     ({"stop": ""}, "stop", "stop sequences must be non-empty"),
-    ({"metadata": {f"k{i}": "v" for i in range(17)}, "store": True}, "metadata", "at most 16 pairs"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}, "store": True}, "metadata", "at most 16 properties"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "needs exactly one of"),
 ], ids=["stop", "metadata", "structured_outputs"])
 def test_a_refused_value_is_worded_without_pydantics_prefix(gateway: Service, fields: dict[str, Any], param: str,
