@@ -3,8 +3,11 @@
     switchboard console --port 8501 --control-plane-url http://127.0.0.1:8300
     streamlit run admin_ui/app.py -- --control-plane-url http://127.0.0.1:8300   # the same, by hand
 
-One page per concern (``admin_ui/screens/``); every page reads only the control plane's admin API
-through :mod:`admin_ui.client`, refreshes itself, and says when the control plane is unreachable.
+Nothing renders before the browser session has logged in (admin_ui/login.py): the admin token in a
+password field, or the one-time login link ``/?token=...`` that `switchboard up` and `switchboard
+console` print. One page per concern (``admin_ui/screens/``); every page reads only the control
+plane's admin API through :mod:`admin_ui.client`, refreshes itself, and says when the control plane
+is unreachable.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from admin_ui import ui
+from admin_ui import login, ui
 
 HERE = Path(__file__).parent
 
@@ -40,16 +43,23 @@ h1 { padding-top: 0.2rem; }
 
 def main() -> None:
     st.set_page_config(page_title="Switchboard console", page_icon=":material/hub:", layout="wide")
-    pages = [st.Page(str(HERE / f), title=t, icon=i, url_path=u, default=(u == "overview")) for f, t, i, u in PAGES]
-    nav = st.navigation(pages, position="sidebar")
-    st.session_state["_page"] = nav.url_path  # whose actions' outcomes ui.show_flash shows
-    st.markdown(CSS, unsafe_allow_html=True)
     c = ui.console()
+    allowed = login.gate(c)
+    pages = [st.Page(str(HERE / f), title=t, icon=i, url_path=u, default=(u == "overview")) for f, t, i, u in PAGES]
+    # Resolved either way, so a deep link (/cluster) lands on its page after the login; shown and run
+    # only for a session that has logged in.
+    nav = st.navigation(pages, position="sidebar" if allowed else "hidden")
+    st.markdown(CSS, unsafe_allow_html=True)
+    if not allowed:
+        login.form(c)
+        return
+    st.session_state["_page"] = nav.url_path  # whose actions' outcomes ui.show_flash shows
     with st.sidebar:
         st.markdown("### :material/hub: Switchboard")
         st.caption(f"Control plane: `{c.settings.control_plane_url}`")
         st.toggle("Auto-refresh", value=True, key="auto_refresh",
                   help=f"Re-read the live parts of each page every {c.settings.refresh_s:g} s.")
+        login.logout_button()
     nav.run()
 
 

@@ -6,8 +6,13 @@ tests/admin_ui/test_browser.py reuses its Chromium launcher.
     python -m admin_ui.screenshot --url http://127.0.0.1:8501 --out docs/img
     python -m admin_ui.screenshot --url http://127.0.0.1:8501 --pages overview,cluster --width 1600
 
-    with Chromium() as browser:                       # headless, on a free loopback debugging port
+    with Chromium(token=admin_token) as browser:      # headless, on a free loopback debugging port
         browser.capture("http://127.0.0.1:8501/cluster", Path("cluster.png"), expect=["Cluster"])
+
+The console asks every new browser session to log in (admin_ui/login.py), and each navigation is a
+new session: given the admin token, `capture` types it into the login form whenever that form comes
+up (the deep link, /cluster or /traces?trace=..., is kept through the login). The command line reads
+the token as the console does (SWITCHBOARD_ADMIN_TOKEN, else the credentials file of `switchboard up`).
 
 Chromium's own ``--screenshot`` often captures a Streamlit page before it has rendered (it exits
 after ~2 s), so this drives the browser over the DevTools protocol instead: navigate, wait until
@@ -75,6 +80,8 @@ _READY_JS = """
   return "ready";
 })()
 """
+_LOGIN_FORM_JS = "document.querySelector('input[type=password][aria-label=\"Admin token\"]')"
+"""The console's login form's token field (admin_ui/login.py)."""
 _HEIGHT_JS = """
 (() => {
   const main = document.querySelector('[data-testid="stMain"]') || document.querySelector('section.main');
@@ -103,11 +110,14 @@ def _free_port() -> int:
 class Chromium:
     """A headless Chromium and one page, driven over the DevTools protocol (sync, one socket)."""
 
-    def __init__(self, binary: str | None = None, *, width: int = 1440, height: int = 900) -> None:
+    def __init__(self, binary: str | None = None, *, width: int = 1440, height: int = 900,
+                 token: str | None = None) -> None:
         found = binary or find_chromium()
         if found is None:
             raise FileNotFoundError("no chromium binary found (apt-get install chromium)")
         self.binary: str = found
+        self.token = token
+        """The admin token typed into the console's login form when it comes up (None: left there)."""
         self.width, self.height = width, height
         self._ids = itertools.count(1)
         self._proc: subprocess.Popen[bytes] | None = None
@@ -203,8 +213,27 @@ class Chromium:
         """Load `url`, wait for it, and save a PNG of the whole content to `path`."""
         self._viewport(self.height)
         self.call("Page.navigate", url=url)
+        if self.token is not None:
+            self.log_in(self.token, expect, timeout)
         self.wait_ready(expect, timeout)
         return self.snapshot(path, expect=expect, timeout=timeout, full_page=full_page, max_height=max_height)
+
+    def log_in(self, token: str, expect: list[str], timeout: float = 45.0) -> None:
+        """Type `token` into the console's login form once it shows (done at once if the page shows
+        `expect` instead), submit it, and wait until the form is gone."""
+        deadline = time.monotonic() + timeout
+        while not self.evaluate(f"!!{_LOGIN_FORM_JS}"):
+            if self.evaluate(_READY_JS % json.dumps(expect)) == "ready" or time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
+        self.evaluate(f"{_LOGIN_FORM_JS}.focus()")
+        self.call("Input.insertText", text=token)
+        self.evaluate("[...document.querySelectorAll('button')].find(b => b.innerText.trim().endsWith('Log in')).click()")
+        while self.evaluate(f"!!{_LOGIN_FORM_JS}"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"still on the login page after {timeout:.0f} s: "
+                                   f"{str(self.evaluate('document.body.innerText'))[:300]}")
+            time.sleep(0.2)
 
     def snapshot(self, path: Path, *, expect: list[str], timeout: float = 45.0, full_page: bool = True,
                  max_height: int = 4000) -> Path:
@@ -252,10 +281,12 @@ def click_label(browser: Chromium, text: str, timeout: float = 30.0) -> None:
 
 
 def capture_pages(base_url: str, out: Path, pages: list[str], *, width: int = 1440,
-                  query: dict[str, dict[str, str]] | None = None, expect: dict[str, list[str]] | None = None) -> list[Path]:
-    """Screenshot each page (url path) of the console at `base_url` to ``out/console-<page>.png``."""
+                  query: dict[str, dict[str, str]] | None = None, expect: dict[str, list[str]] | None = None,
+                  token: str | None = None) -> list[Path]:
+    """Screenshot each page (url path) of the console at `base_url` to ``out/console-<page>.png``,
+    logging in with `token` (the admin token) where the console asks."""
     written = []
-    with Chromium(width=width) as browser:
+    with Chromium(width=width, token=token) as browser:
         for page in pages:
             suffix = ("?" + "&".join(f"{k}={v}" for k, v in (query or {}).get(page, {}).items())
                       if query and page in query else "")
@@ -273,8 +304,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="docs/img", help="folder for console-<page>.png")
     parser.add_argument("--pages", default=",".join(PAGES), help="comma-separated url paths")
     parser.add_argument("--width", type=int, default=1440)
+    parser.add_argument("--credentials-file", default=None,
+                        help="where the admin token is when SWITCHBOARD_ADMIN_TOKEN is unset (default: as the console)")
     args = parser.parse_args(argv)
-    for path in capture_pages(args.url, Path(args.out), [p for p in args.pages.split(",") if p], width=args.width):
+    from admin_ui.settings import ConsoleSettings
+
+    settings = ConsoleSettings(**({"credentials_file": args.credentials_file} if args.credentials_file else {}))
+    token = settings.admin_token_value()
+    if token is None:
+        raise SystemExit("python -m admin_ui.screenshot: no admin token to log in with: set SWITCHBOARD_ADMIN_TOKEN "
+                         "or pass --credentials-file")
+    for path in capture_pages(args.url, Path(args.out), [p for p in args.pages.split(",") if p], width=args.width,
+                              token=token):
         print(path)
 
 

@@ -36,6 +36,9 @@ ENV_KEYS_FILE = "SWITCHBOARD_CONSOLE_KEYS_FILE"
 """The gateways' keys file (``switchboard up``'s ``keys.yaml``), read for which dev keys are still live."""
 ENV_REFRESH_S = "SWITCHBOARD_CONSOLE_REFRESH_S"
 """Seconds between automatic refreshes of the live parts of each page."""
+ENV_LOGIN_CODE = "SWITCHBOARD_CONSOLE_LOGIN_CODE"
+"""The one-time login link's code (``/?token=CODE``), minted per start by ``switchboard console`` or
+``switchboard up`` (admin_ui/login.py); environment only, never a flag."""
 
 DEFAULT_CREDENTIALS_FILE = "$SWITCHBOARD_UP_STATE_DIR/credentials.json, else .switchboard/credentials.json"
 """Where the credentials are looked for by default (said in --help): where `switchboard keys` finds its keys file."""
@@ -51,8 +54,8 @@ class ConsoleSettings(BaseSettings):
                                       frozen=True, use_attribute_docstrings=True)
     FLAG_ALIASES: ClassVar[dict[str, str]] = {"--refresh": "refresh_s"}
     """Deprecated flag spellings."""
-    ENV_ONLY: ClassVar[frozenset[str]] = frozenset({"admin_token"})
-    """Never a flag: the token stays out of ``ps``."""
+    ENV_ONLY: ClassVar[frozenset[str]] = frozenset({"admin_token", "login_code"})
+    """Never a flag: the secrets stay out of ``ps``."""
 
     control_plane_url: str = Field(
         default="http://127.0.0.1:8300", validation_alias=AliasChoices("control_plane_url", ENV_CONTROL_PLANE_URL)
@@ -78,7 +81,17 @@ class ConsoleSettings(BaseSettings):
     port: int = Field(default=8501, ge=1, le=65535)
     """Port the console serves on (read by `switchboard console`, which starts Streamlit)."""
     host: str = Field(default="127.0.0.1")
-    """Address the console binds."""
+    """Address the console binds. Anything but loopback needs TLS (SWITCHBOARD_TLS_CERT/KEY) or
+    --allow-insecure-http: the login form takes the admin token."""
+    allow_insecure_http: bool = False
+    """Serve a non-loopback --host over plain HTTP (only behind a proxy that terminates TLS): the admin
+    token typed into the login form then crosses the network in clear text. Warned about at start."""
+    session_ttl_s: float = Field(default=12 * 3600.0, ge=60.0, le=30 * 86400.0)
+    """Seconds a login lasts; a browser session is logged out after this long, and at once when the
+    admin token the console reads changes."""
+    login_code: SecretStr | None = Field(default=None, validation_alias=AliasChoices("login_code", ENV_LOGIN_CODE))
+    """The one-time login link's code (admin_ui/login.py): minted per start by `switchboard console`
+    or `switchboard up`, handed down in the environment."""
 
     @classmethod
     def from_argv(cls, argv: list[str] | None = None) -> ConsoleSettings:

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import altair as alt
 import streamlit as st
 
+from admin_ui import login
 from admin_ui.client import (
     AdminClient,
     ConsoleError,
@@ -171,6 +172,8 @@ def live(name: str) -> Callable[[Callable[[Console], None]], Callable[[], None]]
 
         @st.fragment(run_every=every)
         def region() -> None:
+            if not login.logged_in(c):  # expired or logged out meanwhile: a fragment's rerun skips app.py
+                st.rerun(scope="app")
             if not c.admin.health():
                 unreachable_banner(c)
                 return

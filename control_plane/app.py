@@ -40,7 +40,7 @@ from control_plane.signals.source import build_signal_source
 from control_plane.state_api import StateIndex, build_state_router, cluster_state_body
 from control_plane.zones import ZoneMetrics, ZoneWatch, build_zones_router
 from data_plane.common.errors import install_error_handlers
-from data_plane.common.hop_auth import cluster_headers, guarded
+from data_plane.common.hop_auth import cluster_headers, guarded, guarded_metrics
 from data_plane.common.http_body import BodyLimit
 from data_plane.common.http_server import serve
 from data_plane.common.settings_cli import parse_settings as cli_settings
@@ -145,7 +145,8 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
     async def health() -> JSONResponse:
         return JSONResponse({"status": "ok"})
 
-    app.add_route("/metrics", metrics_endpoint(metrics_registry))
+    metrics_token = settings.metrics_token.get_secret_value() if settings.metrics_token else None
+    app.add_route("/metrics", guarded_metrics(metrics_endpoint(metrics_registry), cluster_token, metrics_token))
     app.add_route("/debug/spans", guarded(recent_spans_endpoint, cluster_token))
 
     @app.get("/v1/sd/prometheus")

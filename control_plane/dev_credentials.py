@@ -182,6 +182,8 @@ def prepare(state: Path) -> dict[str, Any]:
             "keys": keys, "admin_token": secret(state / "admin_token", "sb-admin-"),
             # what a shard or cache node started by hand needs to join (SWITCHBOARD_CLUSTER_TOKEN)
             "cluster_token": secret(state / "cluster_token", "sb-cluster-"),
+            # /metrics only (SWITCHBOARD_METRICS_TOKEN): what `--prometheus` scrapes with, or your own Prometheus
+            "metrics_token": secret(state / "metrics_token", "sb-metrics-"),
             "session_keys_file": str(session_keys(state / "session_keys"))}
         write_client_credentials(path, creds)
     return {**creds, "minted": minted, "admin_minted": admin_minted}

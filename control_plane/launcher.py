@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shlex
 import time
 from collections.abc import Sequence
@@ -43,10 +44,10 @@ from control_plane.ports import busy_ports, shared_ports
 from control_plane.state_dir import LogRotation, hold_state_dir
 from control_plane.supervisor import Child, Stopped, Supervisor, wait_healthy
 from data_plane.common.cores import usable_cores
-from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV
+from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV, METRICS_TOKEN_ENV
 from data_plane.common.http_server import free_port
 from data_plane.common.settings_cli import InputFile, parse_settings
-from data_plane.common.tls import TlsConfig, make_dev_pki
+from data_plane.common.tls import TlsConfig, is_loopback, make_dev_pki
 from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
 
 
@@ -124,11 +125,13 @@ class UpSettings(BaseSettings):
         return v
 
 
-def plan(s: UpSettings, state: Path, admin_token: str,
-         cluster_token: str) -> tuple[Child, list[Child], list[Child], list[Child]]:
+def plan(s: UpSettings, state: Path, admin_token: str, cluster_token: str,
+         metrics_token: str | None = None) -> tuple[Child, list[Child], list[Child], list[Child]]:
     """The children to start: control plane, cache nodes, shards, gateways (one per zone)."""
     zones = s.zones or [DEFAULT_ZONE]
     member_env = {CLUSTER_TOKEN_ENV: cluster_token}  # registering in the control plane needs it
+    if metrics_token:  # every /metrics also opens to it: the token `--prometheus` scrapes with
+        member_env[METRICS_TOKEN_ENV] = metrics_token
     logs = state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     host = s.host
@@ -213,12 +216,27 @@ def _shard_flags(s: UpSettings, threads: int, state: Path) -> list[str]:
     return args + (["--model", s.model] if s.model else [])
 
 
-def console_child(s: UpSettings, state: Path, cp: Child, gateway: Child, admin_token: str) -> Child:
-    return Child("console", ["console", "--host", s.host, "--port", str(s.console_port), "--control-plane-url",
+def console_host(s: UpSettings, tls: bool) -> str:
+    """Where the console listens: `--host`, except a network address without TLS, where the admin token
+    typed into its login would cross the network in plain text (admin_ui/launch.py refuses that): loopback."""
+    return s.host if tls or is_loopback(s.host) else "127.0.0.1"
+
+
+def console_child(s: UpSettings, state: Path, cp: Child, gateway: Child, admin_token: str,
+                  login_code: str = "", host: str | None = None) -> Child:
+    """The console, with the admin token and this run's one-time login code in its environment
+    (admin_ui/login.py: the banner prints the link ``/?token=CODE``; neither is ever in argv)."""
+    host = host or s.host
+    return Child("console", ["console", "--host", host, "--port", str(s.console_port), "--control-plane-url",
                              cp.url, "--gateway-url", gateway.url, "--credentials-file",
                              str(state / "credentials.json"), "--keys-file", str(state / "keys.yaml")],
-                 f"http://{s.host}:{s.console_port}", state / "logs" / "console.log",
-                 env={"SWITCHBOARD_ADMIN_TOKEN": admin_token}, health="/_stcore/health")
+                 f"http://{host}:{s.console_port}", state / "logs" / "console.log",
+                 env={"SWITCHBOARD_ADMIN_TOKEN": admin_token, LOGIN_CODE_ENV: login_code or secrets.token_urlsafe(32)},
+                 health="/_stcore/health")
+
+
+LOGIN_CODE_ENV = "SWITCHBOARD_CONSOLE_LOGIN_CODE"
+"""admin_ui.settings.ENV_LOGIN_CODE (named here: `up` imports nothing of the console)."""
 
 
 ALERTS_DIR = Path(__file__).resolve().parent.parent / "alerts"
@@ -235,7 +253,11 @@ def prometheus_child(s: UpSettings, state: Path, cp: Child, shards: Sequence[Chi
     shard that lost a pipeline stage leaves membership at once, so the next refresh could drop it before
     any scrape saw its `switchboard_shard_pipeline_stage_up` 0 (SwitchboardPipelineStageDown never fired
     in two of two kill -9 trials). Their ports are fixed across restarts; autoscaled shards still come
-    from SD."""
+    from SD.
+
+    Every job presents the metrics token (every /metrics is guarded): read from `state/metrics_token`
+    (mode 600, made by dev_credentials.prepare) as its `credentials_file`, so prometheus.yml holds a
+    path, not the token."""
     import shutil
 
     import yaml
@@ -259,6 +281,8 @@ def prometheus_child(s: UpSettings, state: Path, cp: Child, shards: Sequence[Chi
                                                     "refresh_interval": f"{SCRAPE_INTERVAL_S}s"}]}
             for service, job in SCRAPE_JOBS.items()],
     }
+    for job in config["scrape_configs"]:
+        job["authorization"] = {"type": "Bearer", "credentials_file": str(state / "metrics_token")}
     ca = os.environ.get("SSL_CERT_FILE")
     if cp.url.startswith("https://") and ca:  # --tls: scrape and discover over https, verified with our CA
         for job in config["scrape_configs"]:
@@ -292,16 +316,19 @@ def main(argv: list[str] | None = None) -> None:
     tls = s.tls or TlsConfig.from_env().enabled  # --tls, or certificates given (--tls-cert/--tls-key)
     if s.tls and not TlsConfig.from_env().enabled:  # every child inherits it: listen, and verify peers with the CA
         os.environ.update(make_dev_pki(state / "tls", tuple(dict.fromkeys((s.host, "127.0.0.1", "localhost")))).env())
-    cp, caches, shards, gateways = plan(s, state, str(creds["admin_token"]), str(creds["cluster_token"]))
+    cp, caches, shards, gateways = plan(s, state, str(creds["admin_token"]), str(creds["cluster_token"]),
+                                        str(creds["metrics_token"]))
     gateway = gateways[0]
     if tls:
         for child in (cp, *caches, *shards, *gateways):
             _https(child)
     record_urls(state, control_plane_url=cp.url, gateway_url=gateway.url)
     prometheus = prometheus_child(s, state, cp, shards) if s.prometheus else None
-    console = console_child(s, state, cp, gateway, str(creds["admin_token"])) if s.console else None
+    console = (console_child(s, state, cp, gateway, str(creds["admin_token"]), host=console_host(s, tls))
+               if s.console else None)
     if tls and console is not None:
         _https(console)
+    console_login = f"{console.url}/?token={console.env[LOGIN_CODE_ENV]}" if console is not None else None
     if prometheus is not None:
         cp.args += ["--prometheus", prometheus.url]
     order = [cp, *caches, *shards, *gateways] + [c for c in (prometheus, console) if c is not None]
@@ -345,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
         raise
     try:
         stages = _pipeline_stages(cp, creds["admin_token"], shards) if s.pipeline_parallel_size > 1 else {}
-        _banner(s, creds, cp, caches, shards, gateways, state, stages)
+        _banner(s, creds, cp, caches, shards, gateways, state, stages, console_login)
         supervisor.run()  # until a stop signal
     except Stopped:  # between the start-up and run()
         pass
@@ -391,8 +418,10 @@ def _pipeline_stages(cp: Child, admin_token: str, shards: list[Child], timeout: 
 
 
 def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: list[Child],
-            gateways: list[Child], state: Path, stages: dict[str, str] | None = None) -> None:
-    """What `up` prints once everything is healthy; `stages`: each pipelined shard's stages (stage@host:layers)."""
+            gateways: list[Child], state: Path, stages: dict[str, str] | None = None,
+            console_login: str | None = None) -> None:
+    """What `up` prints once everything is healthy; `stages`: each pipelined shard's stages (stage@host:layers);
+    `console_login`: the console's one-time login link (printed here, on the terminal: never in a log)."""
     stages = stages or {}
     keys = creds["keys"]
     tier = "plus" if "plus" in keys else next(iter(keys), None)
@@ -406,7 +435,7 @@ def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: 
         f"  chat API (OpenAI-compatible)  {gateway.url}/v1" + (f"   (zone {zones[0]})" if s.zones else ""),
         *[f"  chat API, zone {zone:<14}  {g.url}/v1" for zone, g in zip(zones[1:], gateways[1:])],
         f"  control plane / admin API     {cp.url}   (admin token below)",
-        *([f"  admin console                 http://{s.host}:{s.console_port}"] if s.console else []),
+        *_console_lines(s, console_login),
         *[f"  {c.name:<28}  {c.url}" + (f"   (zone {c.args[c.args.index('--zone') + 1]})" if s.zones else "")
           + (f"   stages {stages[c.name].replace(',', ' ')}  (stage@host:layers)" if c.name in stages else "")
           for c in shards + caches],
@@ -420,6 +449,7 @@ def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: 
         (f"  saved to {state / 'credentials.json'} (mode 600, a client credential: the gateway's keys file holds "
         "digests only)"),
         f"  logs in {state / 'logs'}",
+        f"  /metrics of every process:    Authorization: Bearer $(cat {state / 'metrics_token'})",
         "",
         "Try it:",
         f"  KEY=$(python3 -c \"import json; print(json.load(open('{state / 'credentials.json'}'))['keys']"
@@ -435,6 +465,18 @@ def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: 
         "",
     ]
     print("\n".join(lines), flush=True)
+
+
+def _console_lines(s: UpSettings, login: str | None) -> list[str]:
+    if not s.console:
+        return []
+    host = console_host(s, s.tls or TlsConfig.from_env().enabled)
+    where = [] if host == s.host else [(f"  {'':<28}  (loopback only: --host {s.host} without --tls would send the "
+                                        "admin token in plain text; add --tls to serve it there)")]
+    if not login:
+        return [f"  admin console                 http://{host}:{s.console_port}", *where]
+    return [f"  admin console                 {login}", *where,
+            f"  {'':<28}  (one-time login link: logs one browser in, once; then log in with the admin token)"]
 
 
 def _admin_line(creds: dict) -> str:

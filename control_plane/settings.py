@@ -19,7 +19,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from control_plane.registry.consul import CONSUL_URL_PATTERN
 from control_plane.slo import TTFT_SLO_S
-from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV
+from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV, METRICS_TOKEN_ENV
 from data_plane.common.settings_cli import InputPath
 
 ENV_PREFIX = "SWITCHBOARD_CONTROL_PLANE_"
@@ -63,6 +63,11 @@ class ControlPlaneSettings(BaseSettings):
     """Bearer token members present to register or deregister in the embedded registry (a member
     is sent user prompts, so joining is not for everyone). Unset: anyone who can reach the port
     may register, which is logged as a warning at start (`switchboard up` always sets one)."""
+    metrics_token: SecretStr | None = Field(
+        default=None, validation_alias=AliasChoices("metrics_token", METRICS_TOKEN_ENV)
+    )
+    """Read-only token for ``/metrics`` (the cluster token opens it too): what Prometheus is given, and
+    what the embedded signal reader presents to members when set (else the cluster token)."""
     services: Annotated[tuple[str, ...], NoDecode] = DEFAULT_SERVICES
     """Service names members may register under, comma-separated in env/flags (they become metric
     labels, so the set is closed)."""

@@ -16,7 +16,7 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,7 +106,8 @@ class ScrapeSignals:
         source = ScrapeSignals.from_registry(app.state.registry, http, window_s=30)
         signals = await source.read()
 
-    `members(service)` lists members of a service in any status (``Member.status`` says which).
+    `members(service)` lists members of a service in any status (``Member.status`` says which);
+    `headers` go with every scrape (``scrape_headers(cluster_token, metrics_token)``: /metrics is guarded).
     Reads closer together than `min_interval_s` share one scrape, so the autoscaler and the
     degradation controller can both read on their own ticks.
     """
@@ -121,11 +122,13 @@ class ScrapeSignals:
         min_interval_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         if window_s <= 0:
             raise ValueError("window_s must be > 0")
         self._members = members
         self._http = http
+        self._headers = dict(headers or {})  # members' /metrics take the metrics or the cluster token
         self.window_s = window_s
         self._timeout_s = scrape_timeout_s
         self._min_interval_s = min_interval_s
@@ -235,7 +238,7 @@ class ScrapeSignals:
         if h is None or h.url != member.url:
             h = self._history[member.id] = _History(member.url)
         try:
-            resp = await self._http.get(member.url + "/metrics", timeout=self._timeout_s)
+            resp = await self._http.get(member.url + "/metrics", timeout=self._timeout_s, headers=self._headers)
             resp.raise_for_status()
             samples = parse_exposition(resp.text)
         except (httpx.HTTPError, ValueError) as exc:

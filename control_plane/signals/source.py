@@ -16,6 +16,7 @@ import httpx
 from control_plane.signals.model import SignalSource
 from control_plane.signals.prometheus import PrometheusSignals
 from control_plane.signals.scrape import ScrapeSignals
+from data_plane.common.hop_auth import scrape_headers
 
 if TYPE_CHECKING:
     from control_plane.settings import ControlPlaneSettings
@@ -27,4 +28,10 @@ def build_signal_source(settings: ControlPlaneSettings, registry: Any, http: htt
     prometheus = getattr(settings, "prometheus", None)
     if prometheus:
         return PrometheusSignals(prometheus, http, window_s=window_s)
-    return ScrapeSignals.from_registry(registry, http, window_s=window_s)
+
+    def secret(name: str) -> str | None:
+        value = getattr(settings, name, None)
+        return value.get_secret_value() if value else None
+
+    return ScrapeSignals.from_registry(registry, http, window_s=window_s,
+                                       headers=scrape_headers(secret("cluster_token"), secret("metrics_token")))

@@ -56,6 +56,7 @@ from data_plane.bench.multiturn_turns import (
     warm_up,
 )
 from data_plane.bench.overhead import Proc, switchboard_cmd
+from data_plane.common.hop_auth import cluster_token_from_env, metrics_token_from_env, scrape_headers
 from data_plane.common.http_server import free_port
 
 __all__ = ["BENCH_KEY", "BLOCK", "SYSTEM_PROMPT", "Turn", "conversation", "main", "stream_turn", "turn_rows",
@@ -88,11 +89,16 @@ async def throughput(http: httpx.AsyncClient, url: str, args: argparse.Namespace
             "cached_tokens": sum(t.cached_tokens for t in ok), "prompt_tokens": sum(t.prompt_tokens for t in ok)}
 
 
+def _scrape_headers() -> dict[str, str]:
+    """The processes started here inherit this environment's tokens: /metrics takes them."""
+    return scrape_headers(cluster_token_from_env(), metrics_token_from_env())
+
+
 def shard_sums(url: str) -> dict[str, float]:
     """The shard's TTFT and prefill-time histogram sums and counts (its own view, without the
     gateway's hops and output hold-back)."""
     out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(url + "/metrics", timeout=10, headers=_scrape_headers()).text.splitlines():
         for name in ("vllm:time_to_first_token_seconds", "vllm:request_prefill_time_seconds"):
             for part in ("_sum", "_count"):
                 if line.startswith(name + part + "{"):

@@ -33,6 +33,7 @@ import httpx
 
 from data_plane.bench.multiturn_turns import BENCH_KEY, conversation, turn_rows, warm_up
 from data_plane.bench.overhead import Proc, switchboard_cmd
+from data_plane.common.hop_auth import cluster_headers
 from data_plane.common.http_server import free_port
 
 FAILOVER_SYSTEMS = {"failover": "on", "failover-off": "off"}
@@ -87,7 +88,7 @@ def _admin(stack: FailoverStack, member: str, action: str) -> None:
 
 
 def _routable_shards(stack: FailoverStack) -> float:
-    for line in httpx.get(stack.gateway.url + "/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(stack.gateway.url + "/metrics", timeout=10, headers=cluster_headers(CLUSTER_TOKEN)).text.splitlines():
         if line.startswith('switchboard_gateway_members{service="shard"}'):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
@@ -104,7 +105,7 @@ async def _until(check: Any, timeout: float, what: str) -> None:
 def _scrape(url: str, prefix: str) -> float:
     total = 0.0
     try:
-        text = httpx.get(url + "/metrics", timeout=10).text
+        text = httpx.get(url + "/metrics", timeout=10, headers=cluster_headers(CLUSTER_TOKEN)).text
     except httpx.HTTPError:
         return float("nan")
     for line in text.splitlines():

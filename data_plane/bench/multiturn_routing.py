@@ -45,6 +45,7 @@ from data_plane.bench.multiturn import (
     user_message,
 )
 from data_plane.bench.overhead import Proc, switchboard_cmd
+from data_plane.common.hop_auth import cluster_headers
 from data_plane.common.http_server import free_port
 
 ROUTING_SYSTEMS = ("affinity", "kv_aware")
@@ -111,7 +112,7 @@ class RoutingStack:
 
     def served(self, i: int) -> float:
         total = 0.0
-        for line in httpx.get(self.shards[i].url + "/metrics", timeout=10).text.splitlines():
+        for line in httpx.get(self.shards[i].url + "/metrics", timeout=10, headers=cluster_headers(self.token)).text.splitlines():
             if line.startswith("vllm:request_success_total{"):
                 total += float(line.rsplit(" ", 1)[1])
         return total

@@ -37,12 +37,18 @@ import httpx
 from data_plane.bench.common import finish, fmt, format_table, machine_info, percentile
 from data_plane.bench.multiturn_turns import user_message
 from data_plane.bench.overhead import Proc, switchboard_cmd
+from data_plane.common.hop_auth import cluster_token_from_env, metrics_token_from_env, scrape_headers
 from data_plane.common.http_server import free_port
 
 BENCH_KEY = "sk-bench-response-cache-0123456789"
 HIT_P50_TARGET_MS = 5.0
 SHARD_WORK = {"requests": "vllm:request_success_total", "generation_tokens": "vllm:generation_tokens_total",
               "prompt_tokens": "vllm:prompt_tokens_total"}
+
+
+def _scrape_headers() -> dict[str, str]:
+    """The processes started here inherit this environment's tokens: /metrics takes them."""
+    return scrape_headers(cluster_token_from_env(), metrics_token_from_env())
 
 
 def workload(n: int, repeat_share: float, seed: int = 7) -> list[int]:
@@ -62,7 +68,7 @@ def workload(n: int, repeat_share: float, seed: int = 7) -> list[int]:
 def scrape(url: str, names: dict[str, str]) -> dict[str, float]:
     got = dict.fromkeys(names, 0.0)
     wanted = {v: k for k, v in names.items()}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(url + "/metrics", timeout=10, headers=_scrape_headers()).text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in wanted:
             got[wanted[name]] += float(line.rsplit(" ", 1)[1])
@@ -73,7 +79,7 @@ def lookups(gateway_url: str) -> dict[str, float]:
     """The gateway's lookup outcomes by result, and the hits' lookup time (sum, count) by source
     as `hit_seconds_sum:<source>` / `hit_seconds_count:<source>`."""
     out: dict[str, float] = {}
-    for line in httpx.get(gateway_url + "/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(gateway_url + "/metrics", timeout=10, headers=_scrape_headers()).text.splitlines():
         if line.startswith("switchboard_response_cache_lookups_total{"):
             result = line.split('result="', 1)[1].split('"', 1)[0]
             out[result] = out.get(result, 0.0) + float(line.rsplit(" ", 1)[1])

@@ -42,6 +42,7 @@ import yaml
 
 from data_plane.bench.common import PROMPTS, fmt, format_table, percentile, write_json
 from data_plane.bench.serve import Endpoint, discover_model
+from data_plane.common.hop_auth import cluster_token_from_env, metrics_token_from_env, scrape_headers
 
 DEFAULT_MIX = "free=0.6,plus=0.3,enterprise=0.1"
 
@@ -151,9 +152,20 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, key: str, tier: st
     return out
 
 
-async def gateway_capacity(client: httpx.AsyncClient, base: str) -> int | None:
+def load_scrape_headers(path: str) -> dict[str, str]:
+    """What reads the gateway's /metrics (guarded): credentials.json's metrics token (`switchboard up`
+    writes it), else this environment's SWITCHBOARD_METRICS_TOKEN / SWITCHBOARD_CLUSTER_TOKEN."""
     try:
-        text = (await client.get(base + "/metrics")).text
+        data = json.loads(Path(path).read_text()) if path.endswith(".json") else {}
+    except (OSError, ValueError):
+        data = {}
+    token = data.get("metrics_token") if isinstance(data, dict) else None
+    return scrape_headers(cluster_token_from_env(), str(token) if token else metrics_token_from_env())
+
+
+async def gateway_capacity(client: httpx.AsyncClient, base: str, headers: dict[str, str] | None = None) -> int | None:
+    try:
+        text = (await client.get(base + "/metrics", headers=headers)).text
     except httpx.HTTPError:
         return None
     for line in text.splitlines():
@@ -226,7 +238,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"switchboard bench tiers: the baseline failed: {[o.status for o in baseline]}")
         base_ttft = [o.ttft_ms for o in base_ok]
         e2e_s = sum((o.finished or o.submitted) - o.submitted for o in base_ok) / len(base_ok)
-        capacity = await gateway_capacity(client, endpoint.base)
+        capacity = await gateway_capacity(client, endpoint.base, load_scrape_headers(args.keys_file))
         print(f"[bench tiers] baseline TTFT p50 {percentile(base_ttft, 50):.0f} ms, p95 "
               f"{percentile(base_ttft, 95):.0f} ms, e2e {e2e_s:.2f} s; "
               f"gateway capacity {capacity or 'unknown'}",

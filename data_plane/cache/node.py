@@ -54,7 +54,13 @@ from data_plane.cache.model import SECONDS_BUCKETS, Transcript, VersionConflict,
 from data_plane.cache.snapshot import Snapshot
 from data_plane.cache.storage import ManagedStorage, MemoryStorage, RedisStorage
 from data_plane.common.errors import NotFound, SwitchboardError, install_error_handlers
-from data_plane.common.hop_auth import cluster_token_from_env, guarded, require_cluster_token
+from data_plane.common.hop_auth import (
+    cluster_token_from_env,
+    guarded,
+    guarded_metrics,
+    metrics_token_from_env,
+    require_cluster_token,
+)
 from data_plane.common.http_body import read_json_body
 from data_plane.common.http_server import serve
 from data_plane.common.settings_cli import parse_settings as cli_settings
@@ -322,7 +328,7 @@ def create_app(
 
     app = FastAPI(title="Switchboard cache node", lifespan=lifespan, **fastapi_options())
     install_error_handlers(app)
-    app.add_route("/metrics", metrics_endpoint(registry))
+    app.add_route("/metrics", guarded_metrics(metrics_endpoint(registry), cluster_token, metrics_token_from_env()))
     app.add_route("/debug/spans", guarded(recent_spans_endpoint, cluster_token,
                                           on_refused=lambda _: metrics.refused.labels("debug_spans").inc()))
     hop = [Depends(require_cluster_token(cluster_token, "the cache node's session API",

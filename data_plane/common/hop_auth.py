@@ -5,6 +5,8 @@ admin token on the control plane's ``/admin/v1``.
     headers = cluster_headers(token)                    # {"authorization": "Bearer ..."} or {}
     check = require_cluster_token(token, "cache node")  # a FastAPI dependency: 401 without it
     app.add_route("/debug/spans", guarded(recent_spans_endpoint, token))
+    app.add_route("/metrics", guarded_metrics(view, token, metrics_token_from_env()))  # either opens it
+    headers = scrape_headers(token, metrics_token)      # what a scraper presents: the metrics token, else the cluster's
     admin = RequireBearer(admin_token, "the admin API", closed_without_token="...")  # closed when unset
 
 `RequireBearer` is the one mechanism (constant-time compare, OpenAI-shaped 401 with
@@ -16,6 +18,14 @@ chat API (generation and token counts: the gateway's `Upstream` presents it), a 
 `/v1/sessions/*`, and `/debug/spans` on every process (spans carry ids and timings an outsider
 has no business reading). With no token configured a process runs open (and says so at start),
 as a single-machine dev setup without `switchboard up` would. Comparison is constant-time.
+
+`/metrics` on every process takes the cluster token or the metrics token (SWITCHBOARD_METRICS_TOKEN),
+a read-only credential for Prometheus: it opens `/metrics` and nothing else, so a scraper's config that
+leaks cannot call a shard (prompts), read a cache node (transcripts) or join the registry. The gateway's
+series name tenants and their token volumes (switchboard_admission_tenant_service_tokens), and it serves
+them on the public chat port; the other processes' are guarded the same way, one rule for every
+scrape target (a series added later with a private label is covered already). Open only when neither
+token is set.
 """
 
 from __future__ import annotations
@@ -34,6 +44,9 @@ from data_plane.common.errors import AuthenticationError
 log = logging.getLogger(__name__)
 
 CLUSTER_TOKEN_ENV = "SWITCHBOARD_CLUSTER_TOKEN"
+"""The token every process of a cluster shares (internal hops, registration, /debug/spans, /metrics)."""
+METRICS_TOKEN_ENV = "SWITCHBOARD_METRICS_TOKEN"
+"""A token that opens /metrics only: give it to Prometheus instead of the cluster token (optional)."""
 
 
 def cluster_token_from_env() -> str | None:
@@ -41,26 +54,45 @@ def cluster_token_from_env() -> str | None:
     return os.environ.get(CLUSTER_TOKEN_ENV) or None
 
 
+def metrics_token_from_env() -> str | None:
+    """The read-only metrics token (None when unset: /metrics then takes the cluster token alone)."""
+    return os.environ.get(METRICS_TOKEN_ENV) or None
+
+
 def cluster_headers(token: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"} if token else {}
 
 
-def bearer_matches(authorization: str | None, expected: bytes) -> bool:
-    """Whether an Authorization header value is ``Bearer <expected>`` (constant time)."""
+def scrape_headers(cluster_token: str | None, metrics_token: str | None = None) -> dict[str, str]:
+    """What a scraper sends to /metrics: the metrics token when it has one (least privilege), else the
+    cluster token; {} when neither is set (the processes then run open too)."""
+    return cluster_headers(metrics_token or cluster_token)
+
+
+def bearer_matches(authorization: str | None, expected: bytes | tuple[bytes, ...]) -> bool:
+    """Whether an Authorization header value is ``Bearer <expected>`` (or any one of several; constant
+    time: every candidate is compared)."""
     scheme, _, presented = (authorization or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), expected)
+    if scheme.lower() != "bearer":
+        return False
+    given = presented.strip().encode()
+    matched = False
+    for token in (expected,) if isinstance(expected, bytes) else expected:
+        matched |= hmac.compare_digest(given, token)
+    return matched
 
 
 class RequireBearer:
     """A FastAPI dependency (``Depends(RequireBearer(...))``, async: no thread per request) that
-    lets a request through only with ``Authorization: Bearer <token>``; `check` is the same test
-    for plain Starlette endpoints. Without a token: open, or refused with `closed_without_token`
-    as the message when one is given."""
+    lets a request through only with ``Authorization: Bearer <token>`` (any one of a tuple of tokens);
+    `check` is the same test for plain Starlette endpoints. Without a token: open, or refused with
+    `closed_without_token` as the message when one is given."""
 
-    def __init__(self, token: str | None, what: str, *, refused: str | None = None, code: str | None = None,
-                 closed_without_token: str | None = None,
+    def __init__(self, token: str | None | tuple[str | None, ...], what: str, *, refused: str | None = None,
+                 code: str | None = None, closed_without_token: str | None = None,
                  on_refused: Callable[[Request], None] | None = None) -> None:
-        self._expected = token.encode() if token else None
+        tokens = tuple(t.encode() for t in (token if isinstance(token, tuple) else (token,)) if t)
+        self._expected = tokens or None
         self._what = what
         self._refused = refused or f"{what} needs a bearer token: send 'Authorization: Bearer <token>'"
         self._code = code
@@ -96,8 +128,21 @@ def require_cluster_token(token: str | None, what: str,
 def guarded(endpoint: Callable[[Request], Awaitable[Response]], token: str | None, what: str = "/debug/spans",
             on_refused: Callable[[Request], None] | None = None) -> Callable[[Request], Awaitable[Response]]:
     """A Starlette route endpoint that answers 401 (OpenAI-shaped) without the cluster token."""
-    guard = require_cluster_token(token, what, on_refused)
+    return _wrapped(endpoint, require_cluster_token(token, what, on_refused))
 
+
+def guarded_metrics(endpoint: Callable[[Request], Awaitable[Response]], cluster_token: str | None,
+                    metrics_token: str | None, on_refused: Callable[[Request], None] | None = None) -> Callable[[Request], Awaitable[Response]]:
+    """`/metrics` behind the metrics token or the cluster token (either opens it): a 401 in the shape
+    `guarded` answers, with no series, for anyone else; open when neither token is set."""
+    guard = RequireBearer((metrics_token, cluster_token), "/metrics", code="invalid_metrics_token",
+                          on_refused=on_refused, refused="/metrics needs the metrics or the cluster token: send "
+                          f"'Authorization: Bearer <{METRICS_TOKEN_ENV} or {CLUSTER_TOKEN_ENV}>'")
+    return _wrapped(endpoint, guard)
+
+
+def _wrapped(endpoint: Callable[[Request], Awaitable[Response]],
+             guard: RequireBearer) -> Callable[[Request], Awaitable[Response]]:
     async def wrapped(request: Request) -> Any:
         try:
             guard.check(request)

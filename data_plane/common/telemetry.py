@@ -4,7 +4,7 @@ Entry points call :func:`configure_process` once; components only use the OpenTe
 API (``trace.get_tracer(__name__)``) and metric objects handed to them.
 
     configure_process("switchboard-shard")
-    app.add_route("/metrics", metrics_endpoint(registry))
+    app.add_route("/metrics", guarded_metrics(metrics_endpoint(registry), cluster_token, metrics_token))  # hop_auth
 
 Spans are recorded by the lean tracer of data_plane/common/tracing.py (the OTel API, a fraction of
 the SDK's cost per span). They always go to an in-memory ring (:data:`RECENT_SPANS`) served at

@@ -37,6 +37,21 @@ TLS_FLAGS = {"--tls-cert": TLS_CERT_ENV, "--tls-key": TLS_KEY_ENV, "--ca-bundle"
 """Flags every `switchboard` subcommand accepts (taken off its argv by `take_tls_flags`)."""
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a listener on `host` (an address or a name) is reachable from this machine only: every
+    address the name resolves to is loopback. A name that does not resolve counts as reachable."""
+    name = host.strip("[]")
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        pass
+    try:
+        found = {str(info[4][0]) for info in socket.getaddrinfo(name, None)}
+    except OSError:
+        return False
+    return bool(found) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in found)
+
+
 def take_tls_flags(argv: list[str]) -> list[str]:
     """Remove the TLS flags from `argv` (``--tls-cert P`` or ``--tls-cert=P``), put them in the
     environment (where every process reads them and its children inherit them); the rest is returned."""

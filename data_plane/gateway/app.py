@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry
 from starlette.types import Receive, Scope, Send
 
 from data_plane.common.errors import ModelNotFound, Overloaded, install_error_handlers, render
-from data_plane.common.hop_auth import cluster_token_from_env, guarded
+from data_plane.common.hop_auth import cluster_token_from_env, guarded, guarded_metrics, metrics_token_from_env
 from data_plane.common.telemetry import (
     configure_process,
     fastapi_options,
@@ -115,7 +115,8 @@ def create_app(gw: Gateway) -> GatewayApp:
                 gw.metrics.membership_members.labels(service).set(len(rt.membership.members(service)))
         return await scrape(request)
 
-    app.add_route("/metrics", metrics_view)
+    # its series name tenants and their token volumes, on the public chat port: Prometheus's token only
+    app.add_route("/metrics", guarded_metrics(metrics_view, cluster_token_from_env(), metrics_token_from_env()))
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -42,7 +42,14 @@ from prometheus_client import CollectorRegistry
 
 from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, CLIENT_DISCONNECTED, DisconnectWatch
 from data_plane.common.errors import InvalidRequest, ModelNotFound, Overloaded, SwitchboardError, install_error_handlers
-from data_plane.common.hop_auth import cluster_headers, cluster_token_from_env, guarded, require_cluster_token
+from data_plane.common.hop_auth import (
+    cluster_headers,
+    cluster_token_from_env,
+    guarded,
+    guarded_metrics,
+    metrics_token_from_env,
+    require_cluster_token,
+)
 from data_plane.common.http_body import read_body
 from data_plane.common.http_metrics import install_http_metrics
 from data_plane.common.keepalive import KEEPALIVE_COMMENT, KEEPALIVE_HEADER, KEEPALIVE_META, with_keepalives
@@ -177,7 +184,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
             metrics.observe_engine(engine, settings.kv_block_size, settings.dtype)
         return await metrics_endpoint(registry)(request)
 
-    app.add_route("/metrics", metrics_view)
+    app.add_route("/metrics", guarded_metrics(metrics_view, cluster_token_from_env(), metrics_token_from_env()))
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -6,6 +6,10 @@
 #
 # cluster_token is SWITCHBOARD_CLUSTER_TOKEN, which every task below holds: the hops between
 # gateways, shards and cache nodes carry it, and a pipeline stage proves it before it joins a group.
+# Every task's /metrics takes it too (the gateway's series name tenants and their token volumes):
+# Prometheus scrapes with `authorization: {type: Bearer, credentials_file: ...}` (alerts/prometheus.example.yml).
+# To give Prometheus a token that opens /metrics and nothing else, add metrics_token to the variable and
+# SWITCHBOARD_METRICS_TOKEN={{ .metrics_token }} beside SWITCHBOARD_CLUSTER_TOKEN in each task's template.
 #
 # Every client node runs a Consul agent on its own address (:8500), as Nomad's Consul
 # integration expects. Groups:

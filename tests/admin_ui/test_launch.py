@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 from admin_ui import launch
 from admin_ui.settings import ConsoleSettings
 
@@ -79,3 +82,61 @@ def test_the_playground_page_lists_a_revoked_dev_key_no_more(monkeypatch, tmp_pa
     assert at.selectbox(key="pg_tier").options == [f"plus tier  (key id {key_digest(keys['plus'])[:12]})",
                                                    "custom key…"]
     assert not any("sk-sb-" in option for option in at.selectbox(key="pg_tier").options)
+
+
+def test_only_loopback_or_tls_is_served_unless_told_and_then_warned():
+    """`--host 0.0.0.0` served the console (and, with the login, the admin token typed into it) over
+    plain HTTP to the whole network, without a word."""
+    import pytest
+
+    from data_plane.common.tls import is_loopback
+
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.1.2.3", "192.0.2.7", "no-such-host.invalid"))
+    assert launch.exposure(ConsoleSettings(host="127.0.0.1"), tls=False) is None
+    assert launch.exposure(ConsoleSettings(host="0.0.0.0"), tls=True) is None
+    with pytest.raises(SystemExit, match="not a loopback address.*--allow-insecure-http"):
+        launch.exposure(ConsoleSettings(host="0.0.0.0"), tls=False)
+    warning = launch.exposure(ConsoleSettings(host="0.0.0.0", allow_insecure_http=True), tls=False)
+    assert warning and warning.startswith("WARNING") and "clear text" in warning
+    assert launch.login_url(ConsoleSettings(host="0.0.0.0", port=8502), "abc", tls=True) == \
+        "https://127.0.0.1:8502/?token=abc"
+    assert launch.login_url(ConsoleSettings(host="::1"), "abc", tls=False) == "http://[::1]:8501/?token=abc"
+
+
+def test_switchboard_console_on_a_network_address_without_tls_refuses_to_start():
+    from tests.support.procs import free_port, switchboard
+
+    out = switchboard("console", "--host", "0.0.0.0", "--port", str(free_port()), timeout=60)
+    assert out.returncode != 0 and "not a loopback address" in out.stderr, out
+    assert "streamlit" not in out.stdout.lower()
+
+
+def test_off_a_terminal_no_login_link_is_printed_and_the_code_is_not_in_argv(tmp_path):
+    """The link is a live login until used: printed to a terminal only (never to a log), and the code
+    reaches Streamlit in the environment."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.procs import ROOT, free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")}
+    proc = subprocess.Popen([sys.executable, "-m", "admin_ui.launch", "--port", str(free_port()), "--host", "0.0.0.0",
+                             "--allow-insecure-http", "--credentials-file", str(tmp_path / "none.json")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stderr.readline().startswith("WARNING: switchboard console: serving on 0.0.0.0 over plain HTTP")
+        first = proc.stdout.readline()
+        assert "log in with the admin token" in first and "token=" not in first
+        for _ in range(200):  # once it is Streamlit, its environment holds a code and its argv does not
+            if b"streamlit" in Path(f"/proc/{proc.pid}/cmdline").read_bytes():
+                break
+            time.sleep(0.05)
+        environ = Path(f"/proc/{proc.pid}/environ").read_bytes()
+        code = dict(v.split(b"=", 1) for v in environ.split(b"\0") if b"=" in v)[b"SWITCHBOARD_CONSOLE_LOGIN_CODE"]
+        assert len(code) >= 40 and code not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+    finally:
+        proc.terminate()
+        proc.wait(15)

@@ -49,9 +49,11 @@ def test_a_wrong_token_in_the_credentials_file_names_that_file(console, cluster,
     console.credentials.write_text(json.dumps({"keys": {}, "admin_token": "sb-admin-stale"}))
     [error] = [e.value for e in console.page("cluster").error]
     assert "Admin token refused" in error and str(console.credentials) in error
-    console.credentials.write_text(json.dumps({"keys": {}}))
-    [error] = [e.value for e in console.page("overview").error]
-    assert "has no token" in error and str(console.credentials) in error
+    console.credentials.write_text(json.dumps({"keys": {}}))  # no token at all: nobody can log in, and it says why
+    at = console.page("overview", log_in=False)
+    [error] = [e.value for e in at.error]
+    assert "has no admin token" in error and str(console.credentials) in error
+    assert not at.text_input and not at.metric
 
 
 def test_missing_endpoints_say_not_available(console, cluster):

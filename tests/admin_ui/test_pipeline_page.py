@@ -53,7 +53,7 @@ def test_cluster_page_shows_a_pipelined_shards_stages_and_hosts(monkeypatch, tmp
             credentials.write_text(json.dumps({"keys": {}, "admin_token": ADMIN_TOKEN}))
             target = out / "console-cluster-pipeline.png"
             target.parent.mkdir(parents=True, exist_ok=True)
-            with console_service(cp.url, "http://127.0.0.1:1", credentials) as ui, Chromium() as browser:
+            with console_service(cp.url, "http://127.0.0.1:1", credentials) as ui, Chromium(token=ADMIN_TOKEN) as browser:
                 # a first draw takes ~50 s on this loaded 2-core host: a generous bound
                 browser.capture(ui.url + "/cluster", target, expect=["Cluster", "Updated ", "Pipeline stages"],
                                 timeout=240)

@@ -107,7 +107,7 @@ def test_playground_in_chromium_shows_the_json_and_the_tool_call(tmp_path, torch
     credentials.write_text(json.dumps({"keys": {"plus": torch_cluster.keys["plus"]}, "admin_token": ADMIN_TOKEN}))
     # generous waits: a loaded 2-core machine renders and answers slowly
     with console_service(torch_cluster.control_plane.url, torch_cluster.gateway.url, credentials) as console, \
-            Chromium() as browser:
+            Chromium(token=ADMIN_TOKEN) as browser:
         browser.capture(console.url + "/playground", tmp_path / "empty.png", expect=["Playground", "Output"],
                         timeout=120)
         click_label(browser, "JSON schema")

@@ -34,6 +34,7 @@ from control_plane.abuse.rules import evaluate
 from data_plane.common.disconnect import CLIENT_DISCONNECTED
 from data_plane.ledger.store import COLUMNS, open_ledger_store
 from tests.support.cluster import ADMIN_TOKEN, Cluster
+from tests.support.metrics import scrape
 
 WINDOW_S = 12
 RULES = f"""
@@ -184,9 +185,9 @@ def test_a_burst_is_flagged_then_throttled_the_normal_key_beside_it_is_not_and_a
     assert not any(a["subject"] == _key_id(normal) for a in _actions(cluster))
     events = httpx.get(cluster.control_plane.url + "/admin/v1/abuse", headers=ADMIN).json()["events"]
     assert [e["response"] for e in events if e["subject"] == _key_id(bursty)][-1] == "flag"  # newest first
-    gw_metrics = httpx.get(cluster.gateway.url + "/metrics").text
+    gw_metrics = scrape(cluster.gateway.url)
     assert 'switchboard_gateway_abuse_rejections_total{outcome="throttled"}' in gw_metrics
-    cp_metrics = httpx.get(cluster.control_plane.url + "/metrics").text
+    cp_metrics = scrape(cluster.control_plane.url)
     assert 'switchboard_abuse_events_total{response="flag",rule="burst"} 1.0' in cp_metrics
 
     # the operator lifts it: the key is served again within seconds
@@ -247,7 +248,7 @@ def test_behind_a_trusted_proxy_the_ban_lands_on_the_forwarded_address(cluster: 
     # a client that is not a trusted proxy cannot put itself (or anyone) under that address
     spoofed = _chat(cluster, good, **{"X-Forwarded-For": banned})
     assert spoofed.status_code == 200, spoofed.text
-    metrics = httpx.get(cluster.gateway.url + "/metrics").text
+    metrics = scrape(cluster.gateway.url)
     assert 'switchboard_gateway_client_address_total{source="untrusted"}' in metrics
     assert 'switchboard_gateway_client_address_total{source="forwarded"}' in metrics
 
@@ -287,7 +288,7 @@ def test_the_actions_survive_a_control_plane_restart(cluster: Cluster) -> None:
                              json={} if method == "POST" else None, timeout=30)
         assert resp.status_code == 429 and resp.json()["error"]["code"] == "abuse_blocked", (path, resp.text)
         assert resp.headers.get("retry-after"), path
-    metrics = httpx.get(cluster.gateway.url + "/metrics").text
+    metrics = scrape(cluster.gateway.url)
     blocks = next(line for line in metrics.splitlines() if line.startswith('switchboard_gateway_abuse_actions{response="block"}'))
     assert float(blocks.rsplit(" ", 1)[1]) >= 1, blocks
 
@@ -333,7 +334,7 @@ def test_an_address_with_repeated_bad_keys_is_banned_then_unbanned(cluster: Clus
         assert time.monotonic() < deadline, _actions(cluster)
         time.sleep(0.5)
     assert resp.status_code == 200, resp.text
-    assert 'switchboard_gateway_auth_failures_total{reason="invalid"}' in httpx.get(cluster.gateway.url + "/metrics").text
+    assert 'switchboard_gateway_auth_failures_total{reason="invalid"}' in scrape(cluster.gateway.url)
 
 
 def test_a_client_that_stops_its_streams_is_not_counted_among_its_errors(cluster: Cluster) -> None:

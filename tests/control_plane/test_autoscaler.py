@@ -17,6 +17,7 @@ from control_plane.scaling.simulate import ShardModel, fleet_signals, load_trace
 from control_plane.signals.model import Signals
 from tests.support.clock import FakeClock
 from tests.support.cluster import ADMIN_TOKEN, KEYS, api_keys_env
+from tests.support.metrics import scrape
 from tests.support.procs import ROOT, Service
 from tests.support.waits import eventually
 
@@ -389,7 +390,7 @@ def test_end_to_end_scales_out_under_a_load_ramp_and_back_in_after(tmp_path) -> 
             eventually(lambda: len(_shards(cp)) == 1, 20, 0.25, what="drained shards gone from the registry",
                        detail=lambda: _context(cp))
         actual = 'switchboard_autoscaler_actual_replicas{service="shard"} 1.0'
-        eventually(lambda: actual in httpx.get(cp.url + "/metrics").text, 5, 0.25,
+        eventually(lambda: actual in scrape(cp.url), 5, 0.25,
                    what="actual replicas gauge at 1", detail=lambda: _context(cp))
         log = _decisions(cp)
         print(_fmt(log))

@@ -160,3 +160,33 @@ def test_the_python_build_is_kubectls_own(variant: str) -> None:
         return yaml.safe_load(re.sub(r"(switchboard-pipeline-group)-[a-z0-9]{10}", r"\1", text))
 
     assert unhashed(theirs) == unhashed(build(KUBE / variant) if variant else build(KUBE))
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v or "base")
+def test_every_process_that_serves_metrics_holds_the_metrics_token(variant: str) -> None:
+    """Every /metrics is guarded: Prometheus holds the metrics token (prometheus.example.yml), so a process
+    without it in its environment would answer its scrapes 401 (it would still take the cluster token)."""
+    objs = build(KUBE / variant) if variant else build(KUBE)
+    workloads = [o for o in objs + (_group_objects() if variant == "pipeline-nodes" else []) if pod_spec(o)]
+    assert workloads
+    for w in workloads:
+        for c in (pod_spec(w) or {})["containers"]:
+            refs = {e["name"]: (e.get("valueFrom") or {}).get("secretKeyRef") for e in c.get("env", [])}
+            if "SWITCHBOARD_CLUSTER_TOKEN" in refs:
+                ref = refs.get("SWITCHBOARD_METRICS_TOKEN")
+                assert ref == {"name": "switchboard-secrets", "key": "metrics-token", "optional": True}, (_key(w), ref)
+
+
+def test_the_example_scrape_config_presents_the_metrics_token_under_the_rules_job_names() -> None:
+    from dashboards.catalogue import JOBS
+
+    config = yaml.safe_load((KUBE / "prometheus.example.yml").read_text())
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert set(jobs) == set(JOBS.values())
+    for job in jobs.values():
+        assert job["authorization"] == {"type": "Bearer", "credentials_file": "/etc/prometheus/switchboard/metrics-token"}
+    promtool = shutil.which("promtool")
+    if promtool:  # Debian's prometheus; --syntax-only: the credentials file is a mount of the Prometheus pod
+        done = subprocess.run([promtool, "check", "config", "--syntax-only", str(KUBE / "prometheus.example.yml")],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -16,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from control_plane.launcher import UpSettings, _console_lines, console_host
 from data_plane.gateway.auth import key_digest
 from tests.support.procs import free_port, start_up, stop_up, switchboard, wait_up
 from tests.support.prometheus import PROMETHEUS
@@ -52,8 +54,17 @@ def test_up_starts_platform_and_stops_cleanly(tmp_path: Path) -> None:
             assert key in banner  # the run that made them shows them, once
             assert key not in keys_yaml and key_digest(key) in keys_yaml  # the server's store: digests only
         assert f"http://127.0.0.1:{gw}/v1" in banner and "curl" in banner
-        assert f"http://127.0.0.1:{console}" in banner
         assert httpx.get(f"http://127.0.0.1:{console}/_stcore/health").text == "ok"
+        # the console's one-time login link: in the banner (the terminal), in the console's environment,
+        # never in any process's argv (ps) nor in any log
+        [code] = re.findall(rf"http://127\.0\.0\.1:{console}/\?token=([A-Za-z0-9_-]+)", banner)
+        console_pids = [p for p in _children(proc.pid) if "streamlit" in _cmdline(p)]
+        assert len(console_pids) == 1
+        assert f"SWITCHBOARD_CONSOLE_LOGIN_CODE={code}".encode() in Path(f"/proc/{console_pids[0]}/environ").read_bytes()
+        for pid in [proc.pid, *_children(proc.pid)]:
+            assert code not in _cmdline(pid) and creds["admin_token"] not in _cmdline(pid), _cmdline(pid)
+        for log in (tmp_path / ".switchboard" / "logs").glob("*.log"):
+            assert code.encode() not in log.read_bytes(), log
 
         # Members joined with the generated cluster token; without it nobody can join.
         assert creds["cluster_token"].startswith("sb-cluster-")
@@ -178,6 +189,18 @@ def test_up_giving_two_of_its_processes_one_port_says_so_and_starts_nothing(tmp_
     assert same.stderr.strip() == (f"switchboard up: control-plane and gateway on port {port} (--control-plane-port, "
                                    "--gateway-port): give each its own port")
     assert f"gateway-b and console on port {port + 1} (--gateway-port, --console-port)" in zoned.stderr
+
+
+def test_up_on_a_network_address_without_tls_keeps_the_console_on_loopback() -> None:
+    """`--host 0.0.0.0` put the console, and the admin token typed into its login, on the network over
+    plain HTTP. The chat API still goes where --host says; the console stays on loopback unless TLS is on."""
+    network = UpSettings(host="0.0.0.0")
+    assert console_host(network, tls=False) == "127.0.0.1"
+    assert console_host(network, tls=True) == "0.0.0.0"
+    assert console_host(UpSettings(host="127.0.0.1"), tls=False) == "127.0.0.1"
+    lines = "\n".join(_console_lines(network, "http://127.0.0.1:8501/?token=x"))
+    assert "loopback only" in lines and "--tls" in lines
+    assert "loopback only" not in "\n".join(_console_lines(UpSettings(), "http://127.0.0.1:8501/?token=x"))
 
 
 def test_up_with_replica_bounds_but_no_autoscale_says_so_and_starts_nothing(tmp_path: Path) -> None:

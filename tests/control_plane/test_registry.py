@@ -317,7 +317,8 @@ async def test_joining_needs_the_cluster_token(tmp_path: pathlib.Path) -> None:
             assert [m["id"] for m in members] == [member_id]
 
             assert_openai_error(await http.delete(f"/v1/registry/members/{member_id}"), 401)
-            text = (await http.get("/metrics")).text
+            assert_openai_error(await http.get("/metrics"), 401)  # /metrics is guarded by the same token
+            text = (await http.get("/metrics", headers={"authorization": "Bearer s3cret-cluster"})).text
             assert metric_in(text, "switchboard_membership_refused_total", method="PUT") == 5
             assert metric_in(text, "switchboard_membership_refused_total", method="DELETE") == 1
             await agent.aclose()  # deregisters with the token

@@ -22,7 +22,7 @@ from control_plane.signals.scrape import ScrapeSignals
 from data_plane.membership.view import Member
 from tests.support.clock import FakeClock
 from tests.support.cluster import Cluster
-from tests.support.procs import free_port
+from tests.support.procs import METRICS_HEADERS, free_port
 from tests.support.prometheus import PROMETHEUS, Prometheus
 
 # -- math ----------------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ async def test_scrape_signals_from_a_live_cluster(cluster: Cluster) -> None:
     async with httpx.AsyncClient() as http:
         members = _RegistryMembers(cluster.registry, http)
         await members.refresh()
-        source = ScrapeSignals(members, http, window_s=20, min_interval_s=0)
+        source = ScrapeSignals(members, http, window_s=20, min_interval_s=0, headers=METRICS_HEADERS)
         idle = await source.read()
         load = asyncio.create_task(_chat_load(cluster, http, 40))
         await asyncio.sleep(0.3)
@@ -304,6 +304,27 @@ async def test_a_shards_prefix_cache_hit_rate_and_bytes_over_the_window() -> Non
         second = (await source.read()).shards[0]
     assert first.prefix_hit_rate is None and first.prefix_cache_bytes == 1048576
     assert second.prefix_hit_rate == pytest.approx(1500 / 2000)
+
+
+async def test_scrapes_present_the_token_members_guard_metrics_with() -> None:
+    """Every /metrics answers 401 without the metrics (or cluster) token: the reader sends the headers it
+    is built with (control_plane/signals/source.py: the metrics token, else the cluster token)."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.headers.get("authorization") != "Bearer metrics-t":
+            return httpx.Response(401, json={"error": {"code": "invalid_metrics_token"}})
+        return httpx.Response(200, text='vllm:num_requests_running{model_name="m"} 1\n'
+                                        'vllm:num_requests_waiting{model_name="m"} 0\n'
+                                        'vllm:kv_cache_usage_perc{model_name="m"} 0\n'
+                                        'switchboard_shard_max_num_seqs{model_name="m"} 4\n')
+
+    members = [Member("shard-a", "shard", "http://127.0.0.1:9001")]
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        def source(headers: dict[str, str] | None) -> ScrapeSignals:
+            return ScrapeSignals(lambda s: members, http, min_interval_s=0, headers=headers)
+        refused = (await source(None).read()).shards[0]
+        read = (await source({"authorization": "Bearer metrics-t"}).read()).shards[0]
+    assert refused.error and "401" in refused.error and refused.stale
+    assert read.error is None and read.running == 1.0
 
 
 async def test_a_session_store_outage_is_not_read_as_overload() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from tests.support.metrics import scrape, up_headers
 from tests.support.procs import free_port, start_up, stop_up, switchboard, wait_up
 
 
@@ -61,7 +62,7 @@ def test_admin_status_and_metrics_show_which_process_restarted_when_and_how(tmp_
         os.kill(rows["control-plane"]["pid"], signal.SIGKILL)  # its own restart, seen once it is back
         assert _restarted(cp, token, "control-plane", rows["control-plane"]["pid"])["restarts"] == 1
 
-        metrics = httpx.get(f"http://127.0.0.1:{cp}/metrics", timeout=5).text
+        metrics = scrape(f"http://127.0.0.1:{cp}", up_headers(tmp_path / ".switchboard"))
         assert 'switchboard_up_process_restarts{process="cache-0"} 1.0' in metrics
         assert 'switchboard_up_process_restarts{process="shard-0"} 0.0' in metrics
         assert 'switchboard_up_process_running{process="gateway"} 1.0' in metrics

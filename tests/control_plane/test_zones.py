@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from control_plane.zones import ZoneMetrics, ZoneWatch, count_by_zone
 from tests.support.cluster import ADMIN_TOKEN
+from tests.support.metrics import scrape
 from tests.support.procs import Service
 from tests.support.waits import eventually
 
@@ -110,7 +111,7 @@ def test_control_plane_reports_a_real_zone_going_down() -> None:
             down = _zones(cp, bool)
             print(f"zone a seen down {took:.2f} s after its shard was killed")
             assert down["events"][-1]["zone"] == "a" and down["events"][-1]["state"] == "down"
-            metrics = httpx.get(cp.url + "/metrics").text
+            metrics = scrape(cp.url)
             assert 'switchboard_zone_up{zone="a"} 0.0' in metrics and 'switchboard_zone_up{zone="b"} 1.0' in metrics
             assert httpx.get(cp.url + "/admin/v1/zones").status_code == 401
         finally:

@@ -11,7 +11,6 @@ import json
 import math
 from pathlib import Path
 
-import httpx
 import pytest
 
 from data_plane import bench
@@ -19,6 +18,7 @@ from data_plane.bench.common import RequestResult, closed_loop, finish, percenti
 from data_plane.bench.serve import compute_metrics, parse_goodput
 from tests.support.bench import ENGINE_ROW_KEYS, needs_model
 from tests.support.cluster import Cluster
+from tests.support.metrics import scrape
 from tests.support.procs import CLUSTER_TOKEN, Service, switchboard
 
 SERVE_KEYS = {
@@ -74,6 +74,29 @@ def test_finish_prints_the_summary_and_writes_nan_free_json(tmp_path: Path,
     assert json.loads((tmp_path / "out.json").read_text()) == {"summary": {"hit_rate": 0.5}, "rows": [{"ttft": None}]}
     finish(result, tmp_path, None, summary={"only": 1})  # an explicit summary; no file without --json
     assert json.loads(capsys.readouterr().out.split("logs in")[0]) == {"only": 1}
+
+
+async def test_bench_tiers_reads_the_guarded_gateway_capacity_with_the_ups_metrics_token(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench tiers --keys-file .switchboard/credentials.json` reads the gateway's /metrics (guarded) with the
+    metrics token beside the keys; a keys YAML falls back to this environment's tokens."""
+    import httpx
+
+    from data_plane.bench.tiers import gateway_capacity, load_scrape_headers
+
+    def gateway(request: httpx.Request) -> httpx.Response:
+        if request.headers.get("authorization") != "Bearer sb-metrics-x":
+            return httpx.Response(401, json={"error": {"code": "invalid_metrics_token"}})
+        return httpx.Response(200, text="switchboard_admission_capacity 8.0\n")
+
+    creds = tmp_path / "credentials.json"
+    creds.write_text(json.dumps({"keys": {"plus": "sk-1"}, "metrics_token": "sb-metrics-x"}))
+    monkeypatch.delenv("SWITCHBOARD_METRICS_TOKEN", raising=False)
+    monkeypatch.setenv("SWITCHBOARD_CLUSTER_TOKEN", "sb-cluster-y")
+    assert load_scrape_headers(str(tmp_path / "keys.yaml")) == {"authorization": "Bearer sb-cluster-y"}
+    async with httpx.AsyncClient(transport=httpx.MockTransport(gateway)) as client:
+        assert await gateway_capacity(client, "http://gw", load_scrape_headers(str(creds))) == 8
+        assert await gateway_capacity(client, "http://gw") is None
 
 
 def test_help_and_unknown_subcommands() -> None:
@@ -155,7 +178,7 @@ def test_bench_serve_compares_gateway_and_shard_in_one_run(tmp_path: Path,
                     "--compare-url", c.shards[0].url + "/v1", "--compare-api-key", CLUSTER_TOKEN,
                     "--num-prompts", "3", "--max-tokens", "12",
                     "--rounds", "2", "--json", str(out)])
-        metrics = httpx.get(c.gateway.url + "/metrics").text
+        metrics = scrape(c.gateway.url)
     printed = capsys.readouterr().out
     assert "A / B (same run):" in printed and "ttft_p50" in printed
     result = json.loads(out.read_text())

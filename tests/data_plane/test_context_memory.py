@@ -15,6 +15,7 @@ import pytest
 
 from data_plane.bench.memory import Planted, generate
 from tests.support.cluster import KEYS, Cluster
+from tests.support.metrics import scrape
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def test_recall_brings_back_a_fact_from_before_the_window_and_only_this_conversa
     assert fact(a) not in window_only
     r = post(cluster, "/v1/responses", {**ask, "conversation": conv_a, "truncation": "disabled"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    metrics = httpx.get(cluster.gateway.url + "/metrics").text
+    metrics = scrape(cluster.gateway.url)
     assert 'switchboard_context_recall_total{result="recalled"}' in metrics
 
 
@@ -112,7 +113,7 @@ def test_context_management_compacts_a_conversation_off_the_request_path(cluster
     sent = sent_prompt(cluster, post(cluster, "/v1/responses", {"input": p.question, "conversation": conv,
                                                                 "truncation": "auto", "max_output_tokens": 4}))
     assert fact(p) in sent
-    metrics = httpx.get(cluster.gateway.url + "/metrics").text
+    metrics = scrape(cluster.gateway.url)
     done = [line for line in metrics.splitlines() if line.startswith('switchboard_context_compactions_total{trigger="threshold"}')]
     assert float(done[0].rsplit(" ", 1)[1]) >= 1  # the conversation, and the stored response
 

@@ -17,6 +17,7 @@ import pytest
 
 from data_plane.tiers import TierPolicy
 from tests.support.cluster import ADMIN_TOKEN, KEYS, api_keys_env
+from tests.support.metrics import scrape
 from tests.support.procs import CLUSTER_HEADERS, Service
 from tests.support.waits import eventually
 
@@ -193,9 +194,9 @@ def test_a_tier_deleted_from_the_hot_policy_refuses_its_keys_everywhere(stack: S
         assert "'plus'" in error["message"] and KEYS["plus"] not in error["message"]
     for tier in ("free", "enterprise"):
         assert stack.chat(tier).status_code == 200
-    scrape = httpx.get(stack.gateway.url + "/metrics", timeout=5.0).text
-    assert 'switchboard_gateway_tier_refusals_total{tier="plus"}' in scrape
-    assert 'code="tier_removed"' in scrape and 'status="403"' in scrape
+    text = scrape(stack.gateway.url)
+    assert 'switchboard_gateway_tier_refusals_total{tier="plus"}' in text
+    assert 'code="tier_removed"' in text and 'status="403"' in text
     log = stack.gateway.log_tail(200_000)
     assert "its tier 'plus' is not in the tier policy in force" in log and KEYS["plus"] not in log
 

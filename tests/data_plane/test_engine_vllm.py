@@ -8,6 +8,7 @@ import pytest
 
 from data_plane.shard.engines.vllm_engine import vllm_command
 from data_plane.shard.settings import ShardSettings
+from tests.support.metrics import scrape
 
 
 def test_vllm_command_carries_shard_settings() -> None:
@@ -68,6 +69,43 @@ def test_vllm_is_started_with_the_cluster_token_as_its_api_key(monkeypatch: pyte
     assert "VLLM_API_KEY" not in vllm_engine.vllm_env({"PATH": "/bin"})  # no token, no key (a dev machine)
 
 
+def test_the_sidecars_metrics_relay_needs_the_metrics_or_the_cluster_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sidecar relays vLLM's /metrics on the shard port: guarded as every process's /metrics is."""
+    import subprocess
+    import sys
+    import types
+
+    from fastapi.testclient import TestClient
+
+    import data_plane.model_store
+    from data_plane.shard.engines import vllm_engine
+
+    class FakeVLLM:
+        def __init__(self, cmd: list[str], **kwargs: object) -> None:
+            pass
+
+        def poll(self) -> None:
+            return None
+
+        def terminate(self) -> None:
+            pass
+
+        def wait(self, timeout: float | None = None) -> int:
+            return 0
+
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setattr(data_plane.model_store, "resolve_model", lambda model: "/models/m")
+    monkeypatch.setattr(subprocess, "Popen", FakeVLLM)
+    monkeypatch.setenv("SWITCHBOARD_CLUSTER_TOKEN", "the-cluster-token")
+    monkeypatch.setenv("SWITCHBOARD_METRICS_TOKEN", "the-metrics-token")
+    with TestClient(vllm_engine.create_sidecar(ShardSettings(engine="vllm"))) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            refused = client.get("/metrics", headers=headers)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_metrics_token"
+        for token in ("the-metrics-token", "the-cluster-token"):  # past the guard: vLLM (not running) is asked
+            assert client.get("/metrics", headers={"Authorization": f"Bearer {token}"}).status_code == 503
+
+
 def _cuda() -> bool:
     try:
         import torch
@@ -91,7 +129,7 @@ def test_vllm_shard_serves_chat_on_gpu() -> None:
             "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Capital of France?"}],
             "max_tokens": 16, "temperature": 0, "priority": 0})
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
-        assert "vllm:num_requests_running" in httpx.get(shard.url + "/metrics").text
+        assert "vllm:num_requests_running" in scrape(shard.url)
 
 
 def _gpus() -> int:

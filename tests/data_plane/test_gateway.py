@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from tests.support.cluster import KEYS, Cluster
+from tests.support.metrics import scrape
 from tests.support.procs import CLUSTER_TOKEN, Service, free_port
 
 
@@ -149,7 +150,7 @@ def test_sliding_window_keeps_system_prompt(cluster: Cluster) -> None:
         assert r.status_code == 200, r.text
         # Free tier: 2048-token context minus max_tokens; older turns are dropped to fit.
         assert r.json()["usage"]["prompt_tokens"] <= 2048 - 2
-    metrics = httpx.get(cluster.gateway.url + "/metrics").text
+    metrics = scrape(cluster.gateway.url)
     assert 'switchboard_gateway_context_dropped_messages_total{tier="free"}' in metrics
 
 
@@ -168,7 +169,7 @@ def test_output_filter_never_sends_blocked_word(cluster: Cluster) -> None:
         assert "charlie" not in out.choices[0].message.content
     assert blocked > 0, "no synthetic answer contained the test word; the test proves nothing"
     assert 'switchboard_safety_verdicts_total{category="test_word",stage="output",verdict="block"}' in \
-        httpx.get(cluster.gateway.url + "/metrics").text
+        scrape(cluster.gateway.url)
 
 
 def test_benign_reply_streams_as_it_is_generated_through_the_default_filter(cluster: Cluster) -> None:

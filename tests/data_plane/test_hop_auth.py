@@ -1,6 +1,7 @@
 """The cluster token on internal hops: a shard's chat API, cache-node session routes and every
 process's /debug/spans refuse a caller without it (real processes, started with SWITCHBOARD_CLUSTER_TOKEN as
-`switchboard up` starts them), and the gateway's own hops present it.
+`switchboard up` starts them), and the gateway's own hops present it. Every process's /metrics takes it
+or the read-only metrics token (SWITCHBOARD_METRICS_TOKEN), which opens nothing else.
 
     .venv/bin/python -m pytest tests/data_plane/test_hop_auth.py -q
 """
@@ -14,11 +15,14 @@ import pytest
 
 from tests.support.chat import assert_openai_error, chat
 from tests.support.cluster import KEYS, Cluster, api_keys_env
-from tests.support.metrics import metric
-from tests.support.procs import CLUSTER_TOKEN, Service
+from tests.support.metrics import metric, metric_in, scrape
+from tests.support.procs import CLUSTER_TOKEN, METRICS_HEADERS, METRICS_TOKEN, Service
+from tests.support.waits import eventually
 
 GOOD = {"Authorization": f"Bearer {CLUSTER_TOKEN}"}
 BAD = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": CLUSTER_TOKEN}, {"Authorization": f"Basic {CLUSTER_TOKEN}"}]
+BAD_FOR_METRICS = [*BAD, {"Authorization": METRICS_TOKEN}, {"Authorization": f"Bearer {METRICS_TOKEN}x"},
+                   {"Authorization": f"Bearer {CLUSTER_TOKEN[:-1]}"}]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +41,7 @@ def test_a_cache_node_read_or_write_without_the_cluster_token_is_401(cluster: Cl
             assert r.json()["error"]["code"] == "invalid_cluster_token"
     assert metric(node, "switchboard_cache_refused_total", route="sessions") == before + 3 * len(BAD)
     assert httpx.get(node + "/v1/sessions/sess_x", headers=GOOD).status_code == 404
-    assert httpx.get(node + "/health").status_code == 200  # health and metrics stay open
+    assert httpx.get(node + "/health").status_code == 200  # health stays open (probes)
 
 
 def test_debug_spans_need_the_cluster_token_on_every_process(cluster: Cluster) -> None:
@@ -71,7 +75,7 @@ def test_a_shards_chat_api_without_the_cluster_token_is_401(cluster: Cluster) ->
             assert_openai_error(r, 401, "invalid_cluster_token")
             assert r.headers["www-authenticate"] == "Bearer"
         assert httpx.post(shard + path, json=body, headers=GOOD, timeout=30).status_code == 200, path
-    assert httpx.get(shard + "/health").status_code == 200  # health and metrics stay open
+    assert httpx.get(shard + "/health").status_code == 200  # health stays open (probes)
 
 
 def test_a_gateway_with_another_token_is_a_5xx_never_the_clients_401(cluster: Cluster) -> None:
@@ -84,3 +88,65 @@ def test_a_gateway_with_another_token_is_a_5xx_never_the_clients_401(cluster: Cl
         err = assert_openai_error(r, 502, "upstream_error")
         assert "cluster token" in err["message"]
         assert metric(gw.url, "switchboard_router_upstream_failures_total", reason="refused") >= 1
+
+
+def test_the_gateways_metrics_name_tenants_only_to_a_caller_with_a_token(cluster: Cluster) -> None:
+    """The gateway serves /metrics on its public chat port, and its series name tenants and their token
+    volumes (switchboard_admission_tenant_service_tokens): anyone who could reach the chat API read which
+    tenants exist and how much they use. Without the metrics or the cluster token: a 401 in the shape of
+    every other guarded route, and not one series."""
+    assert chat(cluster.gateway.url, "enterprise", "hello", max_tokens=4).status_code == 200
+    gw = cluster.gateway.url
+    for headers in BAD_FOR_METRICS:
+        r = httpx.get(gw + "/metrics", headers=headers)
+        err = assert_openai_error(r, 401, "invalid_metrics_token")
+        assert "SWITCHBOARD_METRICS_TOKEN" in err["message"] and r.headers["www-authenticate"] == "Bearer"
+        assert "switchboard_" not in r.text and "bigco" not in r.text and "acme" not in r.text, r.text
+    for token in (METRICS_TOKEN, CLUSTER_TOKEN):  # either opens it
+        text = scrape(gw, {"Authorization": f"Bearer {token}"})
+        assert metric_in(text, "switchboard_admission_tenant_service_tokens", tier="enterprise", tenant="bigco") > 0
+    assert "switchboard_gateway_requests_total" in httpx.get(gw + "/metrics", headers=METRICS_HEADERS).text
+
+
+def test_every_processes_metrics_need_the_metrics_or_the_cluster_token(cluster: Cluster) -> None:
+    """One rule for every scrape target: shards, cache nodes and the control plane guard /metrics as the
+    gateway does (their series are traffic volumes, membership, abuse actions; a label added later is
+    covered already); /health stays open for probes and load balancers."""
+    for svc in [*cluster.shards, *cluster.caches, cluster.control_plane]:
+        for headers in BAD_FOR_METRICS:
+            r = httpx.get(svc.url + "/metrics", headers=headers)
+            assert_openai_error(r, 401, "invalid_metrics_token")
+            assert "switchboard_" not in r.text and "vllm:" not in r.text and "process_" not in r.text
+        for token in (METRICS_TOKEN, CLUSTER_TOKEN):
+            assert "process_cpu_seconds_total" in scrape(svc.url, {"Authorization": f"Bearer {token}"})
+        assert httpx.get(svc.url + "/health").status_code == 200
+
+
+def test_the_metrics_token_opens_metrics_and_nothing_else(cluster: Cluster) -> None:
+    """What Prometheus holds cannot generate on a shard (prompts), read a cache node's transcripts, read
+    spans or join the registry: a leaked scrape config is a leak of metrics, not of the cluster."""
+    shard, node, cp = cluster.shards[0].url, cluster.caches[0].url, cluster.control_plane.url
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    assert_openai_error(httpx.post(shard + "/v1/chat/completions", json=body, headers=METRICS_HEADERS, timeout=30),
+                        401, "invalid_cluster_token")
+    assert_openai_error(httpx.get(node + "/v1/sessions/sess_x", headers=METRICS_HEADERS), 401, "invalid_cluster_token")
+    for svc in [cluster.gateway, *cluster.shards, *cluster.caches, cluster.control_plane]:
+        assert httpx.get(svc.url + "/debug/spans", headers=METRICS_HEADERS).status_code == 401
+    member = {"service": "shard", "url": "http://127.0.0.1:9"}
+    assert_openai_error(httpx.put(cp + "/v1/registry/members/intruder", json=member, headers=METRICS_HEADERS), 401,
+                        "invalid_cluster_token")
+
+
+def test_the_control_planes_scraper_reads_the_guarded_members(cluster: Cluster) -> None:
+    """The embedded signal reader (control_plane/signals/scrape.py) presents the token: the admin API's
+    live signals have every shard's engine gauges, none a scrape error."""
+    admin = {"Authorization": "Bearer test-admin-token"}
+
+    def shards() -> list[dict]:
+        latest = httpx.get(cluster.control_plane.url + "/admin/v1/signals", headers=admin, timeout=10).json()["latest"]
+        return list((latest or {}).get("shards") or [])
+
+    def read() -> bool:
+        seen = shards()
+        return len(seen) == len(cluster.shards) and all(s["error"] is None and s["max_num_seqs"] for s in seen)
+    eventually(read, 20, 0.2, what="signals from every shard", detail=lambda: str(shards()))

@@ -20,7 +20,7 @@ from data_plane.routing.hop_client import (
     HopProtocolError,
     HopTimeout,
 )
-from tests.support.procs import CLUSTER_HEADERS, Service, free_port
+from tests.support.procs import CLUSTER_HEADERS, METRICS_HEADERS, Service, free_port
 
 CHAT = "/v1/chat/completions"
 pytestmark = pytest.mark.asyncio(loop_scope="session")  # the pool fixture's loop is the tests' loop
@@ -99,7 +99,7 @@ async def test_closing_early_drops_the_connection_and_the_shard_aborts(shard: Se
     assert pool.idle_connections() == 0  # half-read: never reused
     # the shard notices the disconnect and aborts the generation
     for _ in range(100):
-        metrics = (await _get(shard.url + "/metrics")).decode()
+        metrics = (await _get(shard.url + "/metrics", METRICS_HEADERS)).decode()
         if 'finished_reason="abort"' in metrics:
             break
         await asyncio.sleep(0.05)
@@ -107,11 +107,11 @@ async def test_closing_early_drops_the_connection_and_the_shard_aborts(shard: Se
         pytest.fail("the shard never recorded the aborted request")
 
 
-async def _get(url: str) -> bytes:
+async def _get(url: str, headers: dict[str, str] | None = None) -> bytes:
     import httpx
 
     async with httpx.AsyncClient() as client:
-        return (await client.get(url)).content
+        return (await client.get(url, headers=headers)).content
 
 
 async def test_connect_refused_is_a_connect_error(pool: HopPool, events: list[str]) -> None:

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 from data_plane.membership.view import Member, StaticMembership
 from data_plane.routing.kv_routing import KVIndex
 from data_plane.routing.router import Router, RouterMetrics
+from tests.support.metrics import scrape
 
 
 class Fleet:
@@ -96,7 +97,7 @@ def test_a_gateway_routes_session_turns_to_their_kv() -> None:
             assert r.status_code == 200, r.text
             headers["x-session-id"] = r.headers["x-session-id"]
             served.append(sum(metric(s.url, "vllm:request_success_total") for s in c.shards[:1]))
-        text = httpx.get(c.gateway.url + "/metrics").text
+        text = scrape(c.gateway.url)
         assert metric(c.gateway.url, "switchboard_router_kv_decisions_total", outcome="ring") == 1, text
         assert metric(c.gateway.url, "switchboard_router_kv_decisions_total", outcome="holder") == 3
         assert served in ([0, 0, 0, 0], [1, 2, 3, 4])   # every turn on the same shard

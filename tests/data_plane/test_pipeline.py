@@ -11,7 +11,6 @@ import signal
 import time
 from itertools import pairwise
 
-import httpx
 import pytest
 
 from data_plane.common.cores import usable_cores
@@ -20,6 +19,7 @@ from data_plane.shard.engines.pipeline import PassTiming, head_layers, split_lay
 from data_plane.shard.engines.torch_config import StepListener
 from data_plane.shard.engines.torch_engine import EngineConfig, TorchEngine
 from tests.support.formats import BLOCKQ, INVARIANT, INVARIANT_ARGS
+from tests.support.metrics import scrape
 from tests.support.pipeline import exit_within, stage_pids
 from tests.support.procs import Service
 
@@ -216,7 +216,7 @@ def test_frozen_stage_is_detected_in_about_a_second_and_the_shard_exits() -> Non
                      "--max-model-len", "512"], ready_timeout=240)
     shard.start()
     try:
-        metrics = httpx.get(shard.url + "/metrics").text
+        metrics = scrape(shard.url)
         assert 'switchboard_shard_pipeline_stage_up{model_name="SmolLM2-135M-Instruct",stage="1"} 1.0' in metrics
         (stage,) = stage_pids(shard)
         t0 = time.monotonic()
@@ -258,7 +258,7 @@ def test_killed_stage_mid_stream_every_stream_completes_as_uninterrupted() -> No
         assert exit_within(piped, 15) == 1, piped.log_tail()
         assert "stage 1" in piped.log_tail()
         # the gateway counts those resumes under the loss's own reason (SwitchboardPipelineStageLostStreams)
-        metrics = httpx.get(gw.url + "/metrics", timeout=10).text
+        metrics = scrape(gw.url, timeout=10)
         resumed = [line for line in metrics.splitlines()
                    if line.startswith('switchboard_router_resumes_total{reason="pipeline_stage_lost"}')]
         assert resumed and float(resumed[0].split()[-1]) >= 1, metrics

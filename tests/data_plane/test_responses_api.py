@@ -16,7 +16,7 @@ import pytest
 
 from data_plane.cache.model import TOMBSTONE_VERSION
 from tests.support.cluster import KEYS, cache_node, stored_session
-from tests.support.metrics import metric
+from tests.support.metrics import metric, scrape
 from tests.support.procs import Service
 from tests.support.waits import eventually
 
@@ -488,7 +488,7 @@ def test_response_cache_answers_one_tenant_never_another(stack: Stack) -> None:
     assert rows[again.headers["x-request-id"]][0] == "response-cache"
     assert rows[again.headers["x-request-id"]][2] == rows[again.headers["x-request-id"]][1]
     assert rows[first.headers["x-request-id"]][0] != "response-cache"
-    metrics = httpx.get(stack.gateway.url + "/metrics").text
+    metrics = scrape(stack.gateway.url)
     assert 'switchboard_response_cache_lookups_total{api="chat",result="hit"} 4.0' in metrics
     assert 'switchboard_response_cache_lookup_seconds_count{api="chat",result="hit",source="local"} 4.0' in metrics
 

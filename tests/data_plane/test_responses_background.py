@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from tests.support.cluster import KEYS, Cluster
-from tests.support.metrics import metric
+from tests.support.metrics import metric, scrape
 from tests.support.procs import Service
 from tests.support.waits import eventually
 
@@ -274,5 +274,5 @@ def test_metrics_and_log_have_no_prompt(cluster: Cluster) -> None:
                10, what="counted")
     log = cluster.gateway.log_tail(200_000)
     assert f"background response {r.id} ended incomplete" in log and secret not in log
-    raw = httpx.get(cluster.gateway.url + "/metrics").text
+    raw = scrape(cluster.gateway.url)
     assert "switchboard_background_event_bytes" in raw and json.dumps(secret) not in raw

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.metrics import metric
+from tests.support.metrics import metric, scrape
 from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, Service
 
 PROMPTS = [
@@ -279,7 +279,7 @@ def test_oversize_body_413(fp32_shard: Service) -> None:
 
 def test_metrics_use_vllm_names(fp32_shard: Service) -> None:
     chat(fp32_shard.url, PROMPTS[4], max_tokens=4)
-    text = httpx.get(fp32_shard.url + "/metrics").text
+    text = scrape(fp32_shard.url)
     for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
                  "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",

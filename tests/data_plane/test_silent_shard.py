@@ -16,12 +16,12 @@ import pytest
 
 from data_plane.common.keepalive import KEEPALIVE_COMMENT, silence_for, with_keepalives
 from tests.support.cluster import KEYS, Cluster
-from tests.support.metrics import metric
+from tests.support.metrics import metric, scrape
 from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN
 
 
 def _running(url: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=2).text.splitlines():
+    for line in scrape(url, timeout=2).splitlines():
         if line.startswith("vllm:num_requests_running{"):
             return float(line.rsplit(" ", 1)[1])
     return 0.0

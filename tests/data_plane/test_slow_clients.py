@@ -30,6 +30,7 @@ from data_plane.common.slow_clients import (
     HttpLimits,
 )
 from tests.support.cluster import Cluster
+from tests.support.metrics import scrape
 
 LIMITS = {ENV_HEADERS_S: "1.5", ENV_BODY_S: "2", ENV_WRITE_STALL_S: "1.5", ENV_SEND_BUFFER_BYTES: "4096"}
 
@@ -44,7 +45,7 @@ def cluster() -> Iterator[Cluster]:
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(url + "/metrics").text
+    text = scrape(url)
     want = ",".join(f'{k}="{v}"' for k, v in labels.items())
     total = 0.0
     for line in text.splitlines():

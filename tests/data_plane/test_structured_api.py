@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 import yaml
@@ -23,6 +22,7 @@ from pydantic import BaseModel, Field
 from tests.support.cluster import KEYS, Cluster
 from tests.support.formats import INVARIANT_ARGS
 from tests.support.guidellm import run_guidellm
+from tests.support.metrics import scrape
 from tests.support.schemas import GetWeather, Person
 
 BLOCKED = "nukeville"
@@ -366,7 +366,7 @@ def test_guidellm_fixed_length_benchmark(cluster: Cluster, tmp_path: Path) -> No
 
 def test_gateway_metrics_and_ledger_kinds(cluster: Cluster) -> None:
     shard = cluster.shards[0].url
-    text = httpx.get(shard + "/metrics").text
+    text = scrape(shard)
     assert 'switchboard_shard_structured_requests_total{kind="tools"' in text
     assert "switchboard_shard_grammar_compile_seconds_bucket" in text
     assert 'outcome="unsupported"' in text

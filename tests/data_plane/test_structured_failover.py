@@ -17,7 +17,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.support.cluster import FP32_SHARD, KEYS, static_shards
-from tests.support.metrics import metric
+from tests.support.metrics import metric, scrape
 from tests.support.procs import Service
 
 
@@ -48,7 +48,7 @@ def cluster() -> Iterator[tuple[list[Service], Service]]:
 
 def _running(shard: Service) -> float:
     try:
-        text = httpx.get(shard.url + "/metrics", timeout=5).text
+        text = scrape(shard.url, timeout=5)
     except httpx.HTTPError:
         return 0.0
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -70,7 +70,7 @@ def _grammar_resumes(shards: list[Service]) -> float:
     total = 0.0
     for s in shards:
         if s.proc is not None and s.proc.poll() is None:
-            total += sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(s.url + "/metrics").text.splitlines()
+            total += sum(float(line.rsplit(" ", 1)[1]) for line in scrape(s.url).splitlines()
                          if line.startswith("switchboard_shard_grammar_resumes_total") and 'outcome="resumed"' in line)
     return total
 

@@ -22,6 +22,7 @@ import pytest
 
 from tests.observability.exprs import NEEDS_PIPELINE, dashboard_exprs, fast_rules, rule_exprs, substitute
 from tests.support.cluster import Cluster
+from tests.support.metrics import scrape
 from tests.support.procs import CLUSTER_HEADERS
 from tests.support.prometheus import PROMETHEUS, Prometheus, watched
 from tests.support.waits import eventually
@@ -121,7 +122,7 @@ def shard_requests(cluster: Cluster) -> float:
     """Requests the shards' engines finished so far, read from the shards themselves."""
     found = 0.0
     for shard in cluster.shards:
-        for line in httpx.get(shard.url + "/metrics", timeout=5.0).text.splitlines():
+        for line in scrape(shard.url, timeout=5.0).splitlines():
             if line.startswith("vllm:e2e_request_latency_seconds_count"):
                 found += float(line.rsplit(" ", 1)[1])
     return found
@@ -150,7 +151,7 @@ def check_queries_and_alert(cluster: Cluster, prometheus: Prometheus) -> None:
                what="all 6 targets up")
     time.sleep(1.5)  # one more scrape of every target after the last request
 
-    control_metrics = httpx.get(cluster.control_plane.url + "/metrics", timeout=5.0).text
+    control_metrics = scrape(cluster.control_plane.url, timeout=5.0)
     assert NEEDS_AUTOSCALER not in control_metrics, "the control plane runs an autoscaler: drop NEEDS_AUTOSCALER"
     assert "switchboard_degradation_level " in control_metrics  # exported with the autoscaler off
     assert NEEDS_UP not in control_metrics, "the Cluster's control plane serves up's process table: drop NEEDS_UP"

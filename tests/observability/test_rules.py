@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -20,9 +21,9 @@ TEST_FILES = sorted((ALERTS_DIR / "tests").glob("*.yaml"))
 ALERTS = {rule["alert"]: rule for path in RULE_FILES for rule in rules(path) if "alert" in rule}
 
 
-def promtool(*args: str) -> None:
+def promtool(*args: str, cwd: Path = ALERTS_DIR) -> None:
     assert PROMTOOL is not None
-    done = subprocess.run([PROMTOOL, *args], cwd=ALERTS_DIR, capture_output=True, text=True, timeout=120,
+    done = subprocess.run([PROMTOOL, *args], cwd=cwd, capture_output=True, text=True, timeout=120,
                           check=False)
     assert done.returncode == 0, f"promtool {' '.join(args)}:\n{done.stdout}\n{done.stderr}"
 
@@ -38,8 +39,19 @@ def test_promtool_unit_tests() -> None:
 
 
 @needs_promtool
-def test_example_prometheus_config() -> None:
-    promtool("check", "config", "prometheus.example.yml")
+def test_example_prometheus_config(tmp_path: Path) -> None:
+    """promtool checks that the credentials file exists: an operator's copy, beside its token file."""
+    for path in (ALERTS_DIR / "prometheus.example.yml", *RULE_FILES):
+        shutil.copy(path, tmp_path / path.name)
+    (tmp_path / "switchboard-metrics-token").write_text("sb-metrics-example\n")
+    promtool("check", "config", "prometheus.example.yml", cwd=tmp_path)
+
+
+def test_example_prometheus_config_presents_the_metrics_token() -> None:
+    """Every Switchboard /metrics is guarded: a job without credentials scrapes 401s (`up` 0)."""
+    config = yaml.safe_load((ALERTS_DIR / "prometheus.example.yml").read_text())
+    for job in config["scrape_configs"]:
+        assert job["authorization"] == {"type": "Bearer", "credentials_file": "switchboard-metrics-token"}, job
 
 
 def test_example_prometheus_config_loads_every_rule_file() -> None:

@@ -23,6 +23,7 @@ import pytest
 from data_plane.common.crypto import SEALED_ROLE
 from tests.support.chat import chat
 from tests.support.cluster import KEYS, Cluster
+from tests.support.metrics import scrape
 from tests.support.procs import CLUSTER_TOKEN
 
 HOP = {"Authorization": f"Bearer {CLUSTER_TOKEN}"}
@@ -102,7 +103,7 @@ def test_a_record_moved_to_another_session_id_does_not_open(sealed_cluster: Clus
     assert canary not in r.text
     ok = chat(c.gateway.url, "enterprise", "still mine?", headers={"X-Session-Id": victim}, max_tokens=8)
     assert ok.status_code == 200  # the original is untouched
-    failed = sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(c.gateway.url + "/metrics").text.splitlines()
+    failed = sum(float(line.rsplit(" ", 1)[1]) for line in scrape(c.gateway.url).splitlines()
                  if line.startswith('switchboard_session_crypto_total{op="open",result="failed"}'))
     assert failed >= 1
 

@@ -31,7 +31,7 @@ from tests.reliability.netns import Hosts
 from tests.support.chat import chat
 from tests.support.cluster import ADMIN_TOKEN, KEYS, api_keys_env
 from tests.support.metrics import metric
-from tests.support.procs import Service
+from tests.support.procs import METRICS_HEADERS, Service
 from tests.support.waits import eventually
 
 HOSTS = Hosts(f"sb{os.getpid() % 100000}", [1, 2])
@@ -122,7 +122,7 @@ def test_a_cut_host_leaves_routing_and_rejoins_when_its_link_returns(hosts: None
 
                 async def watch() -> None:
                     while not left and time.monotonic() - t_cut < 10:
-                        if (await http.get(gw.url + "/metrics")).text.count(
+                        if (await http.get(gw.url + "/metrics", headers=METRICS_HEADERS)).text.count(
                             'switchboard_gateway_members{service="shard"} 1.0'
                         ):
                             left.append(time.monotonic() - t_cut)

@@ -26,7 +26,7 @@ import pytest
 from tests.reliability.common import all_services, report, rss_kb
 from tests.support.chat import assert_openai_error, chat
 from tests.support.cluster import ADMIN_TOKEN, KEYS, Cluster, api_keys_env
-from tests.support.metrics import metric
+from tests.support.metrics import metric, scrape
 from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, STATE_DIR, Service
 from tests.support.waits import eventually
 
@@ -378,7 +378,7 @@ def test_prompts_and_completions_never_reach_logs_metrics_or_spans(cluster: Clus
     for svc in all_services(cluster):
         name = svc.args[3]
         haystacks[f"{name}:{svc.port} log"] = svc.log_path.read_text(errors="replace")
-        haystacks[f"{name}:{svc.port} /metrics"] = httpx.get(svc.url + "/metrics").text
+        haystacks[f"{name}:{svc.port} /metrics"] = scrape(svc.url)
         haystacks[f"{name}:{svc.port} /debug/spans"] = json.dumps(spans(svc))
     traces = httpx.get(cluster.control_plane.url + "/admin/v1/traces", params={"limit": 200, "internal": "true"},
                        headers=admin)

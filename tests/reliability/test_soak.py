@@ -51,6 +51,7 @@ import pytest
 
 from tests.reliability.common import report
 from tests.support.metrics import samples as metric_samples
+from tests.support.metrics import scrape, up_headers
 from tests.support.procs import free_port, start_up, wait_up
 
 pytestmark = pytest.mark.slow
@@ -80,20 +81,20 @@ def _fds_threads(pid: int) -> tuple[int, int] | None:
         return None
 
 
-def _series(port: int | None) -> int | None:
+def _series(port: int | None, headers: dict[str, str]) -> int | None:
     """How many samples the process's /metrics holds (its series)."""
     if port is None:
         return None
     try:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        text = scrape(f"http://127.0.0.1:{port}", headers, timeout=5)
     except httpx.HTTPError:
         return None
     return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
 
 
-def _books(gateway: str, db: Path) -> dict[str, tuple[float, float]]:
+def _books(gateway: str, db: Path, headers: dict[str, str]) -> dict[str, tuple[float, float]]:
     """{requests, prompt, completion}: (the gateway's counters, the usage ledger's rows or sums)."""
-    text = httpx.get(gateway + "/metrics", timeout=10).text
+    text = scrape(gateway, headers, timeout=10)
     counted = {"requests": sum(v for _, v in metric_samples(text, "switchboard_gateway_requests_total")),
                **{kind: sum(v for labels, v in metric_samples(text, "switchboard_gateway_tokens_total")
                             if labels.get("kind") == kind) for kind in ("prompt", "completion")}}
@@ -141,13 +142,13 @@ CAPACITY_GAUGES = {"switchboard_shard_prefix_cache_bytes": "switchboard_shard_pr
                    "switchboard_cache_kv_bytes": "switchboard_cache_kv_capacity_bytes"}
 
 
-def _store_bytes(node: str, port: int | None) -> tuple[float, dict[str, tuple[float, float]]] | None:
+def _store_bytes(node: str, port: int | None, headers: dict[str, str]) -> tuple[float, dict[str, tuple[float, float]]] | None:
     """(bytes held by the node's bounded stores, {gauge: (held, capacity)}) from its /metrics."""
     gauges = next((g for role, g in STORE_GAUGES.items() if node.startswith(role)), ())
     if not gauges or port is None:
         return None
     try:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        text = scrape(f"http://127.0.0.1:{port}", headers, timeout=5)
     except httpx.HTTPError:
         return None
     values: dict[str, float] = {}
@@ -260,6 +261,7 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
         wait_up(proc, tmp_path, 600)
         credentials = json.loads((tmp_path / ".switchboard" / "credentials.json").read_text())
         keys = credentials["keys"]
+        scraper = up_headers(tmp_path / ".switchboard")
         _lift_rate_limits(f"http://127.0.0.1:{cp}", credentials["admin_token"])
         mix = Mix(f"http://127.0.0.1:{gw}", keys)
         start = time.monotonic()
@@ -282,7 +284,7 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
                 mb = _rss_mb(pid)
                 if mb is not None:
                     rss.setdefault((pid, node), []).append((now - start, mb))
-                held = _store_bytes(node, port)
+                held = _store_bytes(node, port, scraper)
                 if held is not None:
                     series = stores.setdefault((pid, node), [])
                     series.append((now - start, max(held[0] / 2**20, series[-1][1] if series else 0.0)))
@@ -291,7 +293,7 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
                 if counts is not None:
                     fds.setdefault((pid, node), []).append((now - start, counts[0]))
                     threads.setdefault((pid, node), []).append((now - start, counts[1]))
-                n_series = _series(port)
+                n_series = _series(port, scraper)
                 if n_series is not None:
                     metric_series.setdefault((pid, node), []).append((now - start, n_series))
             log_bytes.append((now - start, sum(f.stat().st_size for f in logs.iterdir()), len(mix.results)))
@@ -304,7 +306,7 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
             w.join(180)
         assert proc.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
         time.sleep(3)  # the ledger's last batch (written every second)
-        books = _books(f"http://127.0.0.1:{gw}", tmp_path / ".switchboard" / "usage.db")
+        books = _books(f"http://127.0.0.1:{gw}", tmp_path / ".switchboard" / "usage.db", scraper)
         routing_views = (logs / "gateway.log").read_text().count("routing view:")
     finally:
         proc.send_signal(signal.SIGTERM)

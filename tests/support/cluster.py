@@ -19,6 +19,7 @@ from typing import Self
 import httpx
 
 from tests.support.formats import INVARIANT_ARGS
+from tests.support.metrics import scrape
 from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, Service, free_port, stop_all
 
 KEYS = {
@@ -72,7 +73,7 @@ class Cluster:
     def wait_members(self, shards: int, caches: int, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            text = httpx.get(self.gateway.url + "/metrics").text
+            text = scrape(self.gateway.url)
             seen = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                     if line.startswith("switchboard_gateway_members{")}
             if seen.get("shard") == shards and seen.get("cache") == caches:

@@ -2,7 +2,7 @@
 
     runner = ConsoleRunner(monkeypatch, tmp_path)
     runner.point_at(cluster.control_plane.url, gateway_url=cluster.gateway.url, keys={...})
-    at = runner.page("cluster")                 # main script run, then the page; no exception raised
+    at = runner.page("cluster")                 # main script run, log in, then the page; no exception raised
     assert "shards 2/2 passing" in texts(at)
     require(admin, "/admin/v1/signals")         # the endpoint a page reads answers 200 (else: fail)
 
@@ -21,6 +21,8 @@ import pytest
 pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest
 
+from admin_ui import login
+from admin_ui.settings import ConsoleSettings
 from tests.support.cluster import ADMIN_TOKEN
 from tests.support.procs import ROOT
 
@@ -37,6 +39,7 @@ class ConsoleRunner:
         self.credentials = tmp_path / "credentials.json"
         monkeypatch.setenv("SWITCHBOARD_CREDENTIALS_FILE", str(self.credentials))
         monkeypatch.delenv("SWITCHBOARD_ADMIN_TOKEN", raising=False)
+        monkeypatch.setattr(login, "GATE", login.Gate())  # no failed login of another test counts here
 
     def point_at(self, control_plane_url: str, *, token: str | None = ADMIN_TOKEN, gateway_url: str | None = None,
                  keys: dict[str, str] | None = None) -> None:
@@ -46,13 +49,26 @@ class ConsoleRunner:
             self.monkeypatch.setenv("SWITCHBOARD_ADMIN_TOKEN", token)
         self.credentials.write_text(json.dumps({"keys": keys or {}}))
 
-    def page(self, name: str, *, timeout: float = 30) -> AppTest:
+    def page(self, name: str, *, timeout: float = 30, log_in: bool = True) -> AppTest:
+        """Run the console, log in with the token it reads (unless `log_in` is False), open page `name`."""
         at = AppTest.from_file(APP, default_timeout=timeout)
         at.run()
+        if log_in:
+            token = ConsoleSettings().admin_token_value()
+            assert token, "the console under test has no admin token to log in with"
+            login_with(at, token)
+            assert not [w for w in at.text_input if w.key == "login-token"], f"still on the login page: {texts(at)}"
         if name != "overview":
             at.switch_page(f"screens/{name}.py").run()
         assert not at.exception, [e.value for e in at.exception]
         return at
+
+
+def login_with(at: AppTest, token: str) -> AppTest:
+    """Type `token` into the login form and submit it (the console's login page must be showing)."""
+    at.text_input(key="login-token").input(token)
+    at.button(key="login-submit").click().run()
+    return at
 
 
 def texts(at: AppTest) -> str:

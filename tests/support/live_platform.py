@@ -121,14 +121,14 @@ class LivePlatform:
 SHOT_PAGES = ["overview", "cluster", "tiers", "autoscaler", "degradation", "alerts"]
 
 
-def screenshot_tour(console_url: str, out: Path) -> list[Path]:
-    """Screenshots of the main pages, then a Playground chat and its trace's waterfall.
+def screenshot_tour(console_url: str, out: Path, token: str = ADMIN_TOKEN) -> list[Path]:
+    """Screenshots of the main pages, then a Playground chat and its trace's waterfall, logged in with `token`.
 
     Writes ``out/console-<page>.png``; returns the paths."""
     from admin_ui.screenshot import Chromium, capture_pages, send_chat
 
-    written = capture_pages(console_url, out, SHOT_PAGES)
-    with Chromium() as browser:
+    written = capture_pages(console_url, out, SHOT_PAGES, token=token)
+    with Chromium(token=token) as browser:
         browser.capture(console_url + "/playground", out / ".playground-empty.png", expect=["Playground"])
         (out / ".playground-empty.png").unlink()
         trace_id = send_chat(browser, "What does Switchboard do?")

@@ -35,6 +35,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_TOKEN = "test-cluster-token"
 CLUSTER_HEADERS = {"Authorization": f"Bearer {CLUSTER_TOKEN}"}
 """What a test sends to a spawned member's internal routes (/debug/spans, a cache node's sessions)."""
+METRICS_TOKEN = "test-metrics-token"
+METRICS_HEADERS = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+"""What a test scrapes a spawned process's /metrics with (tests/support/metrics.py `scrape`, and the
+test Prometheus): the read-only token, as a production Prometheus would hold it."""
 
 
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
@@ -133,8 +137,8 @@ def free_port_pair() -> int:
 class Service:
     """`python -m MODULE ARGS --port P` (MODULE: the `switchboard` CLI unless given) as a child process.
 
-    It gets the cluster token unless `isolated` (then it also drops the pytest process's
-    SWITCHBOARD_* variables: a registry in the open mode). Restart one on the same port by building
+    It gets the cluster token and the metrics token unless `isolated` (then it also drops the pytest
+    process's SWITCHBOARD_* variables: a registry in the open mode, /metrics open). Restart one on the same port by building
     a new Service with `port=old.port`.
     """
 
@@ -150,7 +154,7 @@ class Service:
         if isolated:
             base = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")}
         else:
-            base = {**os.environ, "SWITCHBOARD_CLUSTER_TOKEN": CLUSTER_TOKEN}
+            base = {**os.environ, "SWITCHBOARD_CLUSTER_TOKEN": CLUSTER_TOKEN, "SWITCHBOARD_METRICS_TOKEN": METRICS_TOKEN}
         if WORKER:  # the gateway's and the control plane's default ledger, per worker (flags still win)
             base.setdefault("SWITCHBOARD_GATEWAY_STATE_DIR", str(STATE_DIR))
             base.setdefault("SWITCHBOARD_CONTROL_PLANE_USAGE_DB", f"sqlite:///{STATE_DIR / 'usage.db'}")

@@ -6,7 +6,9 @@
 
     with watched(Cluster(...), tmp_path, rule_files) as prometheus: ...   # a whole cluster, by job
 
-It scrapes (and evaluates rules) every second. Tests skip when :data:`PROMETHEUS` is None. Used by
+It scrapes (and evaluates rules) every second, presenting the metrics token the test processes hold
+(every /metrics is guarded) from a credentials file beside its config, as `switchboard up --prometheus`
+does. Tests skip when :data:`PROMETHEUS` is None. Used by
 tests/observability/test_live.py, test_vllm_dashboards.py and tests/control_plane/test_signals.py.
 """
 
@@ -25,7 +27,7 @@ import yaml
 
 from dashboards.catalogue import JOBS
 from tests.support.cluster import Cluster
-from tests.support.procs import free_port
+from tests.support.procs import METRICS_TOKEN, free_port
 from tests.support.waits import eventually
 
 PROMETHEUS = shutil.which("prometheus")
@@ -39,10 +41,14 @@ class Prometheus:
                  scrape_timeout: str = "1s") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        token = workdir / "metrics-token"
+        token.write_text(METRICS_TOKEN)
+        token.chmod(0o600)
+        auth = {"type": "Bearer", "credentials_file": str(token)}
         config = {
             "global": {"scrape_interval": "1s", "scrape_timeout": scrape_timeout, "evaluation_interval": "1s"},
             "rule_files": [str(p) for p in rule_files or []],
-            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": targets}]}
+            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": targets}], "authorization": auth}
                                for job, targets in scrape.items()],
         }
         self.config = workdir / "prometheus.yml"

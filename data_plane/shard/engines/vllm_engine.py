@@ -26,7 +26,9 @@ from typing import Protocol
 import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
 
+from data_plane.common.hop_auth import cluster_token_from_env, guarded_metrics, metrics_token_from_env
 from data_plane.common.http_server import free_port, serve
 from data_plane.common.lifeline import die_with_parent
 from data_plane.common.telemetry import fastapi_options
@@ -179,8 +181,7 @@ def create_sidecar(settings: ShardSettings) -> FastAPI:
             return JSONResponse({"status": "ok", "engine": "vllm", "upstream": vllm_url})
         return JSONResponse({"status": "loading", "engine": "vllm"}, status_code=503)
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
         async with httpx.AsyncClient(timeout=5.0) as client:
             try:
                 r = await client.get(vllm_url + "/metrics")
@@ -188,6 +189,7 @@ def create_sidecar(settings: ShardSettings) -> FastAPI:
                 return Response("# vLLM unreachable\n", status_code=503, media_type="text/plain")
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
 
+    app.add_route("/metrics", guarded_metrics(metrics, cluster_token_from_env(), metrics_token_from_env()))
     return app
 
 

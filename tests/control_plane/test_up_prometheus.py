@@ -1,0 +1,80 @@
+"""`switchboard up --prometheus` scrapes processes whose /metrics are guarded: its Prometheus presents the
+metrics token from a credentials file (mode 600, in the state dir), never the token written into
+prometheus.yml; every job's targets are up, and the gateway's tenant series reach it."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from control_plane.dev_credentials import prepare
+from control_plane.launcher import SCRAPE_JOBS, UpSettings, prometheus_child
+from control_plane.supervisor import Child
+from tests.support.chat import assert_openai_error
+from tests.support.metrics import metric_in, scrape, up_headers
+from tests.support.procs import free_port, start_up, stop_up, wait_up
+from tests.support.prometheus import PROMETHEUS
+from tests.support.waits import eventually
+
+needs_prometheus = pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (apt-get install prometheus)")
+
+
+@needs_prometheus
+def test_the_prometheus_config_names_a_credentials_file_never_the_token(tmp_path: Path) -> None:
+    creds = prepare(tmp_path)
+    cp = Child("control-plane", [], "http://127.0.0.1:8300", tmp_path / "cp.log")
+    child = prometheus_child(UpSettings(), tmp_path, cp)
+    assert child is not None
+    text = (tmp_path / "prometheus" / "prometheus.yml").read_text()
+    config = yaml.safe_load(text)
+    jobs = config["scrape_configs"]
+    assert {j["job_name"] for j in jobs} == {"switchboard-control-plane", *SCRAPE_JOBS.values()}
+    for job in jobs:
+        assert job["authorization"] == {"type": "Bearer", "credentials_file": str(tmp_path / "metrics_token")}, job
+    token_file = tmp_path / "metrics_token"
+    assert token_file.read_text().strip() == creds["metrics_token"]
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    for secret in ("metrics_token", "cluster_token", "admin_token"):
+        assert creds[secret] not in text
+
+
+@needs_prometheus
+def test_up_prometheus_scrapes_every_guarded_process(tmp_path: Path) -> None:
+    gw, cp, prom = free_port(), free_port(), free_port()
+    proc = start_up(tmp_path, "--engine", "synthetic", "--shards", "1", "--cache-nodes", "1", "--no-console",
+                    "--prometheus", "--prometheus-port", str(prom), "--gateway-port", str(gw),
+                    "--control-plane-port", str(cp))
+    api = f"http://127.0.0.1:{prom}/api/v1/query"
+
+    def query(expr: str) -> list[dict]:
+        result: list[dict] = httpx.get(api, params={"query": expr}, timeout=5).json()["data"]["result"]
+        return result
+
+    try:
+        banner = wait_up(proc, tmp_path, timeout=120)
+        state = tmp_path / ".switchboard"
+        assert f"Authorization: Bearer $(cat {state.resolve() / 'metrics_token'})" in banner, banner
+        creds = json.loads((state / "credentials.json").read_text())
+        gateway = f"http://127.0.0.1:{gw}"
+        assert_openai_error(httpx.get(gateway + "/metrics"), 401, "invalid_metrics_token")
+        client = openai.OpenAI(base_url=gateway + "/v1", api_key=creds["keys"]["plus"], max_retries=0)
+        client.chat.completions.create(model="synthetic", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert metric_in(scrape(gateway, up_headers(state)), "switchboard_admission_tenant_service_tokens") > 0
+
+        jobs = {"switchboard-control-plane", *SCRAPE_JOBS.values()}
+
+        def all_up() -> bool:
+            up = {r["metric"]["job"]: float(r["value"][1]) for r in query("up")}
+            return set(up) >= jobs and all(up[j] == 1 for j in jobs)
+        eventually(all_up, 60, 0.5, what="every job's targets up (scraped with the metrics token)",
+                   detail=lambda: json.dumps(query("up")))
+        eventually(lambda: query("switchboard_admission_tenant_service_tokens > 0"), 30, 0.5,
+                   what="the gateway's tenant series in Prometheus")
+    finally:
+        stop_up(proc)
