@@ -17,6 +17,7 @@ from tests.support.blackhole import BlackholeProxy
 from tests.support.chat import assert_openai_error, stream_all
 from tests.support.cluster import FP32_SHARD, KEYS, Cluster, static_shards, stored_session
 from tests.support.metrics import metric
+from tests.support.waits import eventually
 
 TTL_S = 3.0
 """The killed-shard test's membership TTL (its comment says why not the 0.8 s default)."""
@@ -275,3 +276,8 @@ def test_a_cache_node_partitioned_from_the_gateway_only_is_skipped_not_waited_fo
                      headers={"X-Session-Id": sid})
                 time.sleep(0.3)
             assert metric(c.gateway.url, "switchboard_session_store_node_ejections_total") >= 1
+            # the replicas converge: the node that missed the partition's writes gets the session back
+            post(c, {"messages": [{"role": "user", "content": "last"}], "max_tokens": 3}, headers={"X-Session-Id": sid})
+            latest = stored_session(c.caches[0].url, sid)["version"]  # type: ignore[index]
+            eventually(lambda: (stored_session(c.caches[1].url, sid) or {}).get("version") == latest, 10,
+                       what="the partitioned replica repaired")
