@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from data_plane.routing.failures import Circuit, CircuitState
-from data_plane.routing.hop_client import HopConnectError, HopError, HopPool, HopResponse
+from data_plane.routing.hop_client import HopConnectError, HopError, HopLocalError, HopPool, HopResponse
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,8 @@ class CircuitHops:
             raise SkippedNode(f"{base_url}: skipped while its breaker is open")
         try:
             resp = await self.pool.request(method, base_url, path, body, headers=headers, timeout=timeout)
+        except HopLocalError:
+            raise  # this gateway's own shortage (EMFILE): not the node's failure
         except HopError:
             self.circuits.failed(base_url)
             raise

@@ -396,3 +396,42 @@ def test_more_idle_connections_than_open_files_get_503_not_emfile() -> None:
         assert _metric(c.gateway.url, "switchboard_router_ejections_total") == 0
         assert _metric(c.gateway.url, "switchboard_session_store_ops_total", result="error") == 0
         assert _metric(c.gateway.url, "switchboard_gateway_open_connections") < 10
+
+
+def test_a_gateway_out_of_file_descriptors_blames_no_shard() -> None:
+    """With the connection bound turned off (SWITCHBOARD_HTTP_MAX_CONNECTIONS past the open-file limit), a
+    flood takes every descriptor of a gateway under `prlimit --nofile=256`; its requests already inside then
+    cannot open a connection to a shard (EMFILE): that was counted as the shard's failure and retried, and
+    the shard, healthy, was ejected for the gateway's own fault. It is a 503 overloaded now, nothing ejected."""
+    if shutil.which("prlimit") is None:
+        pytest.skip("needs prlimit (util-linux)")
+    c = Cluster(shards=2, caches=1)
+    c.gateway.args = ["prlimit", "--nofile=256:256", *c.gateway.args]
+    c.gateway.env["SWITCHBOARD_HTTP_MAX_CONNECTIONS"] = "100000"
+    with c:
+        clients = [httpx.Client(base_url=c.gateway.url, timeout=15,
+                                headers={"Authorization": f"Bearer {c.keys['plus']}"}) for _ in range(8)]
+        for client in clients:
+            assert client.get("/health").status_code == 200  # each holds its connection open
+        flood = []
+        try:
+            for _ in range(400):
+                flood.append(_connect(c.gateway.url))
+            time.sleep(1.0)  # the gateway accepts until it is out of descriptors
+
+            async def burst() -> list[int]:
+                def one(client: httpx.Client) -> int:
+                    return client.post("/v1/chat/completions", json={
+                        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).status_code
+                return list(await asyncio.gather(*(asyncio.to_thread(one, cl) for cl in clients)))
+
+            statuses = asyncio.run(burst())
+            assert set(statuses) <= {200, 503}, statuses
+        finally:
+            for sock in flood:
+                sock.close()
+            for client in clients:
+                client.close()
+        time.sleep(0.5)
+        assert _metric(c.gateway.url, "switchboard_router_ejections_total") == 0
+        assert _metric(c.gateway.url, "switchboard_router_upstream_failures_total") == 0
