@@ -80,7 +80,7 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
     members = consul or registry  # what the admin API and the signals read
     zones = ZoneWatch(members, ZoneMetrics(metrics_registry))
     autoscaler = build_autoscaler(settings, metrics_registry)  # None unless --autoscale
-    store = open_store(settings)
+    store = open_store(settings, metrics_registry)
     state_index = StateIndex(max_wait_s=settings.max_wait_s)
     store.subscribe(state_index.bump)
     ladder = DegradationController(store, None, config=ladder_config(settings),

@@ -16,7 +16,9 @@ Files in the state dir (JSON, each replaced atomically: write a temp file, fsync
 At start a valid ``tiers.json`` wins over the ``initial`` policy (a ``--tiers-file`` or the
 built-in default): what an operator set through the admin API is what was in force. A file
 that cannot be read or parsed is logged and ignored, never fatal; it is moved aside to
-``*.corrupt`` so the next save does not silently overwrite the evidence.
+``*.corrupt`` so the next save does not silently overwrite the evidence. A file that cannot be
+written (a full or read-only disk) does not stop the change: it is in force in memory (gateways get it),
+the failure is logged and counted (:class:`StateWriteMetrics`), and the next change writes the file whole.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from control_plane.json_files import write_json_atomic
 from control_plane.ladder import LevelChange
@@ -85,6 +89,27 @@ class DegradationRecord:
         )
 
 
+class StateWriteMetrics:
+    """``switchboard_control_plane_state_writes_total{file,result}`` and ``..._state_unsaved`` (files whose
+    last write failed: what a restart of the control plane would lose)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.writes = Counter("switchboard_control_plane_state_writes_total", "Writes of the control plane's state "
+                              "files (file tiers|degradation) by result (ok|error: a full or read-only disk).",
+                              ["file", "result"], registry=registry)
+        self.unsaved = Gauge("switchboard_control_plane_state_unsaved", "State files whose last write failed: the "
+                             "change is in force, but a restart of the control plane would lose it.", registry=registry)
+        self._failing: set[str] = set()
+        for name in (TIERS_FILE, DEGRADATION_FILE):
+            for result in ("ok", "error"):
+                self.writes.labels(name.removesuffix(".json"), result)
+
+    def record(self, name: str, ok: bool) -> None:
+        self.writes.labels(name.removesuffix(".json"), "ok" if ok else "error").inc()
+        (self._failing.discard if ok else self._failing.add)(name)
+        self.unsaved.set(len(self._failing))
+
+
 class PolicyStore:
     """Tier policy + degradation record, in memory, mirrored to `state_dir` when one is given.
 
@@ -100,8 +125,11 @@ class PolicyStore:
         initial: TierPolicy | None = None,
         initial_source: str = "default",
         clock: Callable[[], float] = time.time,
+        on_write: Callable[[str, bool], None] | None = None,
     ) -> None:
         self.state_dir = state_dir
+        self.on_write = on_write or (lambda name, ok: None)
+        """Hears of every write of a state file (its name, whether it was saved)."""
         self._clock = clock
         self._subscribers: list[Callable[[], None]] = []
         self._tiers = initial or TierPolicy.default()
@@ -132,25 +160,32 @@ class PolicyStore:
     def set_tiers(self, policy: TierPolicy, *, actor: str = "admin") -> None:
         """Put `policy` in force and persist it (the caller validated it: it is a TierPolicy)."""
         now = self._clock()
-        if self.state_dir is not None:
-            write_json_atomic(
-                self.state_dir / TIERS_FILE,
-                {"version": FORMAT_VERSION, "updated_at": now, "updated_by": actor, **policy.to_dict()},
-            )
+        self._persist(TIERS_FILE, {"version": FORMAT_VERSION, "updated_at": now, "updated_by": actor,
+                                   **policy.to_dict()})
         changed = policy != self._tiers
         self._tiers, self.tiers_source, self.tiers_updated_at = policy, actor, now
         log.info("tier policy %s by %s: %s", "updated" if changed else "re-applied", actor, ", ".join(policy.names()))
         self._notify()
 
     def save_degradation(self, record: DegradationRecord) -> None:
-        if self.state_dir is not None:
-            write_json_atomic(
-                self.state_dir / DEGRADATION_FILE, {"version": FORMAT_VERSION, **record.to_dict()}
-            )
+        self._persist(DEGRADATION_FILE, {"version": FORMAT_VERSION, **record.to_dict()})
         self._degradation = record
         self._notify()
 
     # -- internals -------------------------------------------------------------------------
+
+    def _persist(self, name: str, data: Mapping[str, Any]) -> None:
+        """Write one state file whole; a failure is logged and reported, never raised: the change goes on."""
+        if self.state_dir is None:
+            return
+        try:
+            write_json_atomic(self.state_dir / name, data)
+        except OSError as exc:
+            log.error("cannot save %s (%s): the change is in force, but a restart of the control plane would lose "
+                      "it; the next change writes the file again", self.state_dir / name, exc)
+            self.on_write(name, False)
+            return
+        self.on_write(name, True)
 
     def _notify(self) -> None:
         for callback in list(self._subscribers):
@@ -203,10 +238,12 @@ def _tiers_from_file(data: Mapping[str, Any]) -> tuple[TierPolicy, float]:
     return TierPolicy.from_dict({"tiers": data.get("tiers")}), float(data.get("updated_at") or 0.0)
 
 
-def open_store(settings: ControlPlaneSettings) -> PolicyStore:
+def open_store(settings: ControlPlaneSettings, registry: CollectorRegistry | None = None) -> PolicyStore:
     """The store :class:`~control_plane.settings.ControlPlaneSettings` ask for: ``state_dir`` to
-    persist in, ``tiers_file`` (YAML) as the policy when the state dir holds none."""
+    persist in, ``tiers_file`` (YAML) as the policy when the state dir holds none; its writes counted in
+    `registry`."""
+    on_write = StateWriteMetrics(registry).record if registry is not None else None
     if settings.tiers_file is not None:
         return PolicyStore(settings.state_dir, initial=TierPolicy.from_yaml(Path(settings.tiers_file)),
-                           initial_source="file")
-    return PolicyStore(settings.state_dir)
+                           initial_source="file", on_write=on_write)
+    return PolicyStore(settings.state_dir, on_write=on_write)

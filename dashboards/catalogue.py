@@ -123,6 +123,7 @@ def _control_plane(registry: CollectorRegistry) -> list[object]:
     from control_plane.abuse.persist import AbuseStateMetrics
     from control_plane.admin.processes import ProcessMetrics
     from control_plane.degradation import DegradationMetrics
+    from control_plane.policy_store import StateWriteMetrics
     from control_plane.registry.embedded import RegistryMetrics
     from control_plane.scaling.loop import AutoscalerMetrics
     from control_plane.settings import DEFAULT_SERVICES
@@ -130,7 +131,7 @@ def _control_plane(registry: CollectorRegistry) -> list[object]:
 
     return [RegistryMetrics(registry, DEFAULT_SERVICES), DegradationMetrics(registry), AutoscalerMetrics(registry),
             ZoneMetrics(registry), AbuseMetrics(registry), AbuseStateMetrics(registry),
-            SlowClientMetrics(registry, "control_plane"), ProcessMetrics(registry)]
+            SlowClientMetrics(registry, "control_plane"), ProcessMetrics(registry), StateWriteMetrics(registry)]
 
 
 PROCESSES: dict[str, Callable[[CollectorRegistry], list[object]]] = {

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import propagate, trace
 from prometheus_client import CollectorRegistry
 
+from data_plane.cache.client_circuits import CircuitHops, NodeCircuits, SkippedNode
 from data_plane.cache.client_metrics import SessionStoreMetrics
 from data_plane.cache.client_values import Departures, Placement, WriteResult, json_or_none, newest_last
 from data_plane.cache.model import MAX_RECORD_BYTES, TOMBSTONE_VERSION, Transcript, VersionConflict, validate_session_id
@@ -116,9 +117,10 @@ class SessionStore:
         """This gateway's zone: replicas go one per zone (data_plane/membership/placement.py), reads ask ours first."""
         self._auth = dict(headers or {})
         """Sent on every call: the cluster token cache nodes require (data_plane/common/hop_auth.py)."""
-        self._membership, self._http, self._timeout_s = membership, http, timeout_s
-        self._vnodes, self._service, self._prefix = vnodes, service, prefix
         self.metrics = SessionStoreMetrics(registry if registry is not None else CollectorRegistry())
+        self._http = CircuitHops(http, NodeCircuits(self.metrics.node_circuit))  # a node this gateway cannot reach
+        self._membership, self._timeout_s = membership, timeout_s
+        self._vnodes, self._service, self._prefix = vnodes, service, prefix
         self._placement = Placement()
         self._departures = Departures()
         self._repairs: set[asyncio.Task[None]] = set()
@@ -387,7 +389,8 @@ class SessionStore:
                 transcript = replace(transcript, messages=tuple(opened))
             return "hit", transcript
         except (HopError, ValueError) as exc:
-            log.warning("cache node %s unreachable for GET: %s", member.id, type(exc).__name__)
+            if not isinstance(exc, SkippedNode):  # that one is logged when its breaker opens
+                log.warning("cache node %s unreachable for GET: %s", member.id, type(exc).__name__)
             return "error", None
 
     async def _put(
@@ -411,7 +414,8 @@ class SessionStore:
                                             headers=self._headers(), timeout=self._timeout_s)
             raw = await resp.read(self._deadline())
         except HopError as exc:
-            log.warning("cache node %s unreachable for PUT: %s", member.id, type(exc).__name__)
+            if not isinstance(exc, SkippedNode):
+                log.warning("cache node %s unreachable for PUT: %s", member.id, type(exc).__name__)
             return WriteResult("error")
         if resp.status == 200:
             return WriteResult("ok", 200)

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.cache.model import SECONDS_BUCKETS
 
@@ -38,3 +38,19 @@ class SessionStoreMetrics:
             buckets=SECONDS_BUCKETS,
             registry=registry,
         )
+        self.nodes_skipped = Gauge(
+            "switchboard_session_store_nodes_skipped",
+            "Cache nodes this gateway skips now: their breaker opened after calls failed in a row (a partition "
+            "between this gateway and a node membership still says passing); one call probes each after a hold.",
+            registry=registry,
+        )
+        self.node_ejections = Counter(
+            "switchboard_session_store_node_ejections_total",
+            "Times a cache node's breaker opened in this gateway (calls to it failed in a row, or its probe did).",
+            registry=registry,
+        )
+
+    def node_circuit(self, open_count: int, opened: bool) -> None:
+        self.nodes_skipped.set(open_count)
+        if opened:
+            self.node_ejections.inc()

@@ -169,7 +169,7 @@ def build_storage(settings: CacheNodeSettings, metrics: CacheNodeMetrics) -> Man
         return RedisStorage(settings.redis, prefix)
     snapshot = Snapshot(settings.snapshot_file) if settings.snapshot_file else None
     return MemoryStorage(settings.max_bytes, on_evict=metrics.evicted, snapshot=snapshot,
-                         snapshot_interval_s=settings.snapshot_interval_s)
+                         snapshot_interval_s=settings.snapshot_interval_s, on_snapshot=metrics.snapshot_written)
 
 
 # -- metrics --------------------------------------------------------------------------------
@@ -226,6 +226,23 @@ class CacheNodeMetrics:
         )
         for route in ("sessions", "debug_spans"):
             self.refused.labels(route)
+        self.snapshot_writes = Counter(
+            "switchboard_cache_snapshot_writes_total",
+            "Writes of the in-memory node's --snapshot-file by result (ok|error: a full or read-only disk).",
+            ["result"],
+            registry=registry,
+        )
+        for result in ("ok", "error"):
+            self.snapshot_writes.labels(result)
+        self.snapshot_failing = Gauge(
+            "switchboard_cache_snapshot_failing",
+            "1 while the last write of --snapshot-file failed: records changed since are in memory only.",
+            registry=registry,
+        )
+
+    def snapshot_written(self, ok: bool) -> None:
+        self.snapshot_writes.labels("ok" if ok else "error").inc()
+        self.snapshot_failing.set(0 if ok else 1)
 
     def evicted(self, reason: str, count: int) -> None:
         self.evictions.labels(reason).inc(count)

@@ -86,7 +86,8 @@ class MemoryStorage:
     """Records in an OrderedDict kept in LRU order, bounded by `max_bytes` and expired by TTL.
 
     Expired records vanish on read and from a sweeper task (``cache-node-ttl-sweeper``) that
-    pops a heap of expiry times; `on_evict(reason, count)` hears of every eviction.
+    pops a heap of expiry times; `on_evict(reason, count)` hears of every eviction, `on_snapshot(ok)`
+    of every snapshot write (a full or read-only disk: the node keeps serving from memory, and says so).
 
     With a `snapshot`, ``start`` loads the records it holds and a task (``cache-node-snapshot``)
     rewrites it every `snapshot_interval_s` when a record was stored or deleted since, and ``aclose``
@@ -104,6 +105,7 @@ class MemoryStorage:
         sweep_interval_s: float = 0.5,
         snapshot: Snapshot | None = None,
         snapshot_interval_s: float = 10.0,
+        on_snapshot: Callable[[bool], None] | None = None,
     ) -> None:
         self.max_bytes = max_bytes
         self._on_evict = on_evict or (lambda reason, n: None)
@@ -118,6 +120,8 @@ class MemoryStorage:
         self._snapshotter: asyncio.Task[None] | None = None
         self._writing: asyncio.Future[int] | None = None
         self._changed = False
+        self._on_snapshot = on_snapshot or (lambda ok: None)
+        self._snapshot_failing = False
 
     async def start(self) -> None:
         if self._snapshot is not None:
@@ -150,7 +154,15 @@ class MemoryStorage:
             await asyncio.shield(self._writing)  # a stop waits for it in aclose rather than racing it
         except OSError as exc:
             self._changed = True
-            log.warning("cache snapshot %s not written: %s", self._snapshot.path, exc)
+            self._snapshot_failing = True
+            self._on_snapshot(False)
+            log.warning("cache snapshot %s not written: %s; the records are served from memory, and a restart "
+                        "would lose what changed since the last write", self._snapshot.path, exc)
+            return
+        self._on_snapshot(True)
+        if self._snapshot_failing:
+            self._snapshot_failing = False
+            log.warning("cache snapshot %s written again", self._snapshot.path)
 
     async def ready(self) -> bool:
         return True

@@ -8,7 +8,8 @@ of the gateway, shard, vLLM sidecar, cache node and control plane.
 The protocol (`GuardedHttpProtocol`) is uvicorn's httptools protocol plus the slow-client bounds
 (data_plane/common/slow_clients.py: the table of what each stops, and the SWITCHBOARD_HTTP_*
 variables): a deadline for a new connection's first request, for a request head (headers trickled a
-byte at a time), for a body that never finishes, and for a response the client stops reading.
+byte at a time), for a body that never finishes, and for a response the client stops reading; and
+a bound on the connections open at once, below the open-file limit (a 503 beyond, never EMFILE).
 Each cut is counted in ``switchboard_<process>_slow_clients_total{reason}`` of the registry given to
 `serve()` and logged (never the request's content).
 
@@ -25,13 +26,19 @@ import json
 import logging
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import uvicorn
 from prometheus_client import CollectorRegistry
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from data_plane.common.slow_clients import HttpLimits, SlowClient, SlowClientMetrics
+from data_plane.common.slow_clients import (
+    HttpLimits,
+    SlowClient,
+    SlowClientMetrics,
+    connection_ceiling,
+    raise_fd_limit,
+)
 from data_plane.common.tls import TlsConfig
 
 log = logging.getLogger(__name__)
@@ -48,6 +55,12 @@ _TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json
 _TOO_LARGE_BODY = json.dumps({"error": {"message": "the request's headers are too large",
                                         "type": "invalid_request_error", "param": None,
                                         "code": "request_header_fields_too_large"}}).encode()
+_BUSY_BODY = json.dumps({"error": {"message": "the server holds as many connections as it can; retry shortly",
+                                   "type": "server_error", "param": None, "code": "overloaded"}}).encode()
+_BUSY_503 = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+             b"connection: close\r\ncontent-length: " + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY)
+BUSY_LINGER_S = 0.5
+"""A refused connection's lingering close: shorter than a 408's, its descriptor is wanted back."""
 _TOO_LARGE_431 = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
                   b"connection: close\r\ncontent-length: " + str(len(_TOO_LARGE_BODY)).encode() + b"\r\n\r\n"
                   + _TOO_LARGE_BODY)
@@ -64,6 +77,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     limits = HttpLimits()
     on_cut: Callable[[SlowClient], None] | None = None
     """Counts a cut connection (set by `serve()` from the process's metrics registry)."""
+    max_connections = 0
+    """Connections open at once beyond which a new one is answered 503 (0: no bound)."""
+    connection_ceiling = 0
+    """Beyond it a refused connection is closed at once, without a lingering close (0: never)."""
+    open_connections: ClassVar[list[int]] = [0]
+    """Connections open now, one cell per server (`guarded_protocol` gives each its own)."""
+    on_open: Callable[[int], None] | None = None
 
     @property
     def first_request_timeout_s(self) -> float:
@@ -82,11 +102,27 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._message_head = 0
         """Bytes of the message's request line target, headers and trailers handed over so far (`_count`)."""
         self._too_large = False
+        self._opened(1)
+        if self.max_connections and self.open_connections[0] > self.max_connections:
+            if self.on_cut is not None:
+                self.on_cut(SlowClient.TOO_MANY_CONNECTIONS)
+            self.transport.write(_BUSY_503)
+            if self.connection_ceiling and self.open_connections[0] > self.connection_ceiling:
+                self._lingering = True
+                self.transport.close()  # a burst: the descriptors are needed back now
+            else:
+                self._linger(BUSY_LINGER_S)
+            return
         if self.limits.send_buffer_bytes:
             sock = transport.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer_bytes)
         self._arm(SlowClient.FIRST_REQUEST, self.first_request_timeout_s)
+
+    def _opened(self, delta: int) -> None:
+        self.open_connections[0] += delta
+        if self.on_open is not None:
+            self.on_open(self.open_connections[0])
 
     def on_message_begin(self) -> None:
         self._disarm(SlowClient.FIRST_REQUEST)
@@ -146,6 +182,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         for timer in getattr(self, "_timers", {}).values():
             timer.cancel()
         self._timers = {}
+        self._opened(-1)
         super().connection_lost(exc)
 
     def _arm(self, reason: SlowClient, after_s: float) -> None:
@@ -176,7 +213,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.transport.write(_TIMEOUT_408)
         self._linger()
 
-    def _linger(self) -> None:
+    def _linger(self, after_s: float = LINGER_S) -> None:
         # A lingering close (nginx's lingering_close): the client is still sending, and closing now
         # would answer its next bytes with a reset that can destroy the 408 before it is read.
         self._lingering = True
@@ -185,7 +222,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.cycle.message_event.set()
         if self.transport.can_write_eof():
             self.transport.write_eof()
-        self.loop.call_later(LINGER_S, self.transport.close)
+        self.loop.call_later(after_s, self.transport.close)
 
     def data_received(self, data: bytes) -> None:
         if getattr(self, "_lingering", False):
@@ -240,9 +277,16 @@ class _Server(uvicorn.Server):
 
 def guarded_protocol(limits: HttpLimits, registry: CollectorRegistry | None = None,
                      process: str = "gateway") -> type[GuardedHttpProtocol]:
-    """The protocol class for one server: its limits, and its cuts counted in `registry`."""
+    """The protocol class for one server: its limits, its connections bounded and counted, and its cuts
+    counted in `registry`."""
     metrics = SlowClientMetrics(registry, process) if registry is not None else None
-    attrs: dict[str, Any] = {"limits": limits, "on_cut": metrics.record if metrics is not None else None}
+    bound = limits.connections()
+    ceiling = connection_ceiling(bound)
+    if metrics is not None:
+        metrics.bound.set(bound)
+    attrs: dict[str, Any] = {"limits": limits, "on_cut": metrics.record if metrics is not None else None,
+                             "max_connections": bound, "connection_ceiling": ceiling, "open_connections": [0],
+                             "on_open": metrics.open.set if metrics is not None else None}
     return type("GuardedHttpProtocol", (GuardedHttpProtocol,), attrs)
 
 
@@ -255,6 +299,9 @@ def serve(app: Any, *, host: str, port: int, graceful_s: int = 5, access_log: bo
     TLS from the environment (data_plane/common/tls.py); slow-client bounds from the environment too,
     their cuts counted in `registry` (the one the app's /metrics shows)."""
     hooks = (on_shutdown,) if callable(on_shutdown) else tuple(on_shutdown)
+    before, after = raise_fd_limit()
+    if after != before:
+        log.info("open files: soft limit raised from %d to %d (the hard limit)", before, after)
     protocol = guarded_protocol(HttpLimits.from_env(), registry, process)
     # proxy_headers off: uvicorn's default believes X-Forwarded-For from 127.0.0.1, so any local client
     # could name its own address; the gateway's --trusted-proxies decides (data_plane/gateway/client_address.py)

@@ -16,6 +16,10 @@ request). The flusher closes the current segment, inserts its records in one tra
 `ON CONFLICT (request_id) DO NOTHING`, then deletes the file; a crash between the insert and the
 delete replays the segment at the next start, and the duplicates are skipped. A database that is
 down only grows the spool (`switchboard_ledger_spool_records`); writes retry with backoff.
+A spool that refuses a record (a full or read-only disk) loses nothing either: the record is held in
+memory (`switchboard_ledger_held_records`, at most `held_max`, oldest dropped beyond, counted `dropped`),
+put back in the spool at the next flush once the disk takes it, or written straight to the database
+when the database lives elsewhere; a write cut short leaves no torn line in the segment.
 No prompt or completion text is part of a record.
 """
 
@@ -23,12 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
@@ -43,6 +49,8 @@ from data_plane.ledger.store import COLUMNS, LedgerStore, UsageQuery
 log = logging.getLogger(__name__)
 
 RETRY_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+HELD_MAX = 100_000
+"""Records held in memory while the spool's disk refuses them (~300 bytes each: ~30 MB at most)."""
 PRUNE_INTERVAL_S = 3600.0
 
 
@@ -102,18 +110,23 @@ class LedgerMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.records = Counter("switchboard_ledger_records_total",
                                "Usage records by outcome: spooled (on the request path), written (new in the "
-                               "database), duplicate (already there: a replayed spool), spool_error (not "
-                               "spooled: lost).", ["outcome"], registry=registry)
+                               "database), duplicate (already there: a replayed spool), spool_error (the spool's "
+                               "disk refused it: held in memory), dropped (lost: the memory hold was full).",
+                               ["outcome"], registry=registry)
         self.write_failures = Counter("switchboard_ledger_write_failures_total",
                                       "Batch writes to the usage database that failed (retried later).",
                                       registry=registry)
         self.spool_records = Gauge("switchboard_ledger_spool_records",
                                    "Usage records spooled on local disk and not yet in the database.",
                                    registry=registry)
+        self.held_records = Gauge("switchboard_ledger_held_records",
+                                  "Usage records held in memory because the spool's disk refused them (full, "
+                                  "read-only); lost if the gateway dies before the disk or database takes them.",
+                                  registry=registry)
         self.batch = Histogram("switchboard_ledger_write_seconds", "Time to write one batch to the usage database.",
                                buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
                                registry=registry)
-        for outcome in ("spooled", "written", "duplicate", "spool_error"):
+        for outcome in ("spooled", "written", "duplicate", "spool_error", "dropped"):
             self.records.labels(outcome)
 
 
@@ -173,11 +186,16 @@ class Spool:
         return sorted(p for p in self.folder.glob("*.jsonl") if p != self._path)
 
     def append(self, line: bytes) -> None:
-        """One record, one write: complete in the page cache when this returns."""
+        """One record, one write: complete in the page cache when this returns, or OSError and nothing
+        written (a write a full disk cut short is taken back: a torn line would also take the next
+        record with it, as the two would read as one bad line)."""
         if self._fd is None:
             self._path = self.folder / f"{time.time_ns():020d}-{os.getpid()}.jsonl"
             self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        os.write(self._fd, line)
+        written = os.write(self._fd, line)
+        if written < len(line):
+            os.ftruncate(self._fd, os.fstat(self._fd).st_size - written)
+            raise OSError(errno.ENOSPC, f"short write to the usage spool ({written} of {len(line)} bytes)")
         self._count += 1
 
     def rotate(self) -> Path | None:
@@ -209,14 +227,17 @@ SPOOL_DEFAULTS = {"output_kind": "text", "tool_calls": 0}
 """Columns added after a spool was written (an older gateway's records): their defaults."""
 
 
+def _row(item: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(item[c] if c in item else SPOOL_DEFAULTS[c] for c in COLUMNS)
+
+
 def read_segment(path: Path) -> list[tuple[Any, ...]]:
     """The records of a segment as rows; a torn last line (a crash mid-write) is skipped."""
     rows = []
     with open(path, "rb") as f:
         for line in f:
             try:
-                item = json.loads(line)
-                rows.append(tuple(item[c] if c in item else SPOOL_DEFAULTS[c] for c in COLUMNS))
+                rows.append(_row(json.loads(line)))
             except (ValueError, KeyError):
                 log.warning("usage spool %s: skipping an unreadable line", path.name)
     return rows
@@ -226,7 +247,7 @@ class UsageLedger:
     """Spools records on the request path; a background task (`ledger-flush`) writes them."""
 
     def __init__(self, store: LedgerStore, spool: Spool, metrics: LedgerMetrics, *, gateway: str,
-                 flush_interval_s: float = 1.0, retention_days: float = 0.0) -> None:
+                 flush_interval_s: float = 1.0, retention_days: float = 0.0, held_max: int = HELD_MAX) -> None:
         self.store = store
         self.spool = spool
         self.metrics = metrics
@@ -241,6 +262,8 @@ class UsageLedger:
         self._pruned_at: float | None = None  # first prune right after the first successful flush
         self._pending = 0
         self._migrated = False
+        self._held: deque[bytes] = deque()  # records the spool refused, oldest first
+        self._held_max = held_max
 
     async def start(self) -> None:
         """Count what a previous run left in the spool, and start the flusher (which migrates the
@@ -257,16 +280,58 @@ class UsageLedger:
         self.record(record_for(outcome, self.gateway))
 
     def record(self, rec: UsageRecord) -> None:
-        """Spool one record (never raises: a failure is logged and counted)."""
+        """Spool one record (never raises: a failure holds it in memory, logged once and counted)."""
+        line = json.dumps(rec.__dict__, separators=(",", ":")).encode() + b"\n"
         try:
-            self.spool.append(json.dumps(rec.__dict__, separators=(",", ":")).encode() + b"\n")
-        except Exception:
-            self.metrics.records.labels("spool_error").inc()
-            log.exception("usage ledger: could not spool the record of request %s", rec.request_id)
-            return
+            if self._held:  # the disk refused the last one: the flusher retries it, not every request
+                raise OSError(errno.ENOSPC, "the spool refused an earlier record")
+            self._spool(line)
+        except Exception as exc:  # noqa: BLE001 -- the request path never fails for its record
+            self._hold(line, exc)
+
+    def _spool(self, line: bytes) -> None:
+        self.spool.append(line)
         self.metrics.records.labels("spooled").inc()
         self._pending += 1
         self.metrics.spool_records.set(self._pending)
+
+    def _hold(self, line: bytes, exc: Exception) -> None:
+        if not self._held:
+            log.warning("usage ledger: the spool in %s refused a record (%s: %s); records are held in memory "
+                        "(up to %d) until the disk or the database takes them", self.spool.folder,
+                        type(exc).__name__, exc, self._held_max)
+        self.metrics.records.labels("spool_error").inc()
+        if len(self._held) >= self._held_max:
+            self._held.popleft()
+            self.metrics.records.labels("dropped").inc()
+        self._held.append(line)
+        self.metrics.held_records.set(len(self._held))
+
+    async def _release_held(self) -> None:
+        """Put held records back in the spool; what it still refuses goes straight to the database."""
+        if not self._held:
+            return
+        try:
+            while self._held:
+                self._spool(self._held[0])
+                self._held.popleft()
+        except OSError:
+            lines = list(self._held)
+            try:
+                total = await self._in_thread(lambda: self._write_rows(lines))
+            except Exception:  # noqa: BLE001 -- held until the next flush
+                self.metrics.held_records.set(len(self._held))
+                return
+            for _ in lines:
+                self._held.popleft()
+            self.metrics.records.labels("written").inc(total)
+        self.metrics.held_records.set(0)
+        log.warning("usage ledger: the records held in memory are saved; the spool in %s takes records again",
+                    self.spool.folder)
+
+    def _write_rows(self, lines: list[bytes]) -> int:
+        self._ensure_schema()
+        return int(self.store.insert_many([_row(json.loads(line)) for line in lines]))
 
     async def _in_thread(self, fn: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
@@ -274,6 +339,7 @@ class UsageLedger:
     async def flush(self) -> bool:
         """Write every spooled record now; False if the database refused (they stay spooled)."""
         async with self._lock:
+            await self._release_held()
             self.spool.rotate()
             for path in self.spool.segments():
                 started = time.monotonic()
@@ -350,6 +416,9 @@ class UsageLedger:
         self._task = None
         with contextlib.suppress(Exception):
             await self.flush()
+        if self._held:
+            log.error("usage ledger: %d records held in memory are lost at shutdown: neither the spool in %s nor "
+                      "the database took them", len(self._held), self.spool.folder)
         self.spool.close()
         await self._in_thread(self.store.close)
         self._executor.shutdown(wait=True)

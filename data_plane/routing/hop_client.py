@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import ssl
 import time
 from collections.abc import Callable
@@ -54,6 +55,14 @@ class HopError(Exception):
 
 class HopConnectError(HopError):
     """The TCP connection could not be made (refused, unreachable, timed out)."""
+
+
+class HopLocalError(HopError):
+    """This process could not open the connection (out of file descriptors, socket buffers or memory):
+    not the peer's failure, so it must not count against it (a shard ejected, a cache node skipped)."""
+
+
+LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 class HopDisconnected(HopError):
@@ -403,6 +412,8 @@ class HopPool:
             raise HopConnectError(f"TLS with {host}:{port} failed: {exc.reason or exc}") from None
         except OSError as exc:
             self._on_event("connect_error")
+            if exc.errno in LOCAL_ERRNOS:
+                raise HopLocalError(f"cannot open a connection to {host}:{port} here: {exc.strerror or exc}") from None
             raise HopConnectError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
         return conn
 

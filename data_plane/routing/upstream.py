@@ -34,6 +34,7 @@ from opentelemetry.propagate import inject
 
 from data_plane.common.errors import (
     NoHealthyBackend,
+    Overloaded,
     SwitchboardError,
     UpstreamError,
     UpstreamTimeout,
@@ -49,6 +50,7 @@ from data_plane.routing.failures import FailureReason
 from data_plane.routing.hop_client import (
     HopConnectError,
     HopError,
+    HopLocalError,
     HopTimeout,
 )
 from data_plane.routing.resume import ResumableStream
@@ -171,6 +173,8 @@ class Upstream:
                 await self._refuse(member, response, leases)
             raw = await response.read(asyncio.get_running_loop().time() + timeout)
             tokens = int(json.loads(raw)["input_tokens"])
+        except HopLocalError as exc:
+            raise Overloaded(f"the gateway cannot open a connection now ({exc}); retry shortly", retry_after=1) from None
         except HopConnectError:
             raise Retryable(FailureReason.CONNECT, NoHealthyBackend("could not connect to a shard",
                                                                     retry_after=2)) from None
@@ -229,6 +233,8 @@ class Upstream:
         timeout = min(cfg.headers_timeout_s, cfg.first_token_timeout_s, silence or cfg.headers_timeout_s)
         try:
             return await self.pool.post(member.url, CHAT_PATH, payload, headers, timeout=timeout)
+        except HopLocalError as exc:  # this gateway's own shortage (EMFILE): no shard is to blame, none retried
+            raise Overloaded(f"the gateway cannot open a connection now ({exc}); retry shortly", retry_after=1) from None
         except HopConnectError:
             raise Retryable(FailureReason.CONNECT,
                             NoHealthyBackend("could not connect to a shard", retry_after=2)) from None

@@ -22,6 +22,7 @@ from control_plane.admin.traces import assemble_traces
 from data_plane.tiers import TierPolicy
 from tests.support.chat import assert_openai_error
 from tests.support.cluster import ADMIN_TOKEN, open_control_plane
+from tests.support.disk import small_disk
 from tests.support.metrics import metric_in
 from tests.support.procs import Service
 from tests.support.waits import eventually_async
@@ -342,3 +343,34 @@ async def test_restart_restores_pinned_level_and_tiers(tmp_path: Path) -> None:
             assert (await http.get("/v1/state")).json()["degradation"]["pinned"] is True
     finally:
         proc.stop()
+
+
+def test_a_full_state_disk_keeps_the_ladder_and_the_tiers_moving(tmp_path: Path) -> None:
+    """The control plane's state dir on a disk that fills up (a tmpfs, for real): saving degradation.json
+    raised, so an operator's pin was a 500 and an automatic change of level never happened (the ladder
+    could neither shed under overload nor come back down), and a tier change was a 500. The change is in
+    force in memory (gateways get it), the failed save is logged and counted, and saved again once the
+    disk has room (the next change writes the file whole)."""
+    with small_disk(tmp_path / "state", size="256k") as disk:
+        proc = open_control_plane("--warmup", "0", "--state-dir", str(disk.path), log_path=tmp_path / "cp.log").start()
+        try:
+            with httpx.Client(base_url=proc.url, headers=AUTH, timeout=10) as http:
+                assert http.put("/admin/v1/degradation", json={"level": 1, "reason": "before"}).status_code == 200
+                disk.fill()
+                r = http.put("/admin/v1/degradation", json={"level": 3, "reason": "disk full"})
+                assert r.status_code == 200, r.text
+                assert http.get("/v1/state").json()["degradation"]["level"] == 3
+                policy = TierPolicy.default().to_dict()
+                policy["tiers"]["free"]["rpm"] = 7
+                assert http.put("/admin/v1/tiers", json=policy).status_code == 200
+                assert http.get("/v1/state").json()["tiers"]["tiers"]["free"]["rpm"] == 7
+                text = http.get("/metrics").text
+                assert metric_in(text, "switchboard_control_plane_state_writes_total", result="error") == 2
+                assert metric_in(text, "switchboard_control_plane_state_unsaved") == 2
+                assert json.loads((disk.path / "degradation.json").read_text())["level"] == 1  # the old file whole
+                disk.free()
+                assert http.put("/admin/v1/degradation", json={"level": 2, "reason": "room again"}).status_code == 200
+                assert json.loads((disk.path / "degradation.json").read_text())["level"] == 2
+                assert metric_in(http.get("/metrics").text, "switchboard_control_plane_state_unsaved") == 1  # tiers
+        finally:
+            proc.stop()

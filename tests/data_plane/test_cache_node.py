@@ -27,6 +27,7 @@ from data_plane.cache.storage import MemoryStorage, encode_record
 from tests.support.chat import assert_openai_error
 from tests.support.clock import FakeClock
 from tests.support.cluster import cache_node, start_cache_nodes
+from tests.support.disk import small_disk
 from tests.support.metrics import metric_in, series
 from tests.support.procs import Service, free_port
 from tests.support.redis import RedisServer
@@ -370,6 +371,35 @@ def test_memory_records_survive_a_restart_and_a_crash_with_a_snapshot_file(tmp_p
         assert client.get(f"{third.url}/v1/sessions/{dropped}").status_code == 404
     finally:
         third.stop()
+
+
+def test_a_snapshot_disk_that_fills_up_is_reported_and_the_old_file_kept(tmp_path: Path, client: httpx.Client) -> None:
+    """The snapshot's disk fills up (a tmpfs, for real): the node keeps serving from memory, says so in a
+    metric an alert reads (it was a log line only), keeps the last good file whole, and writes again
+    once there is room."""
+    with small_disk(tmp_path / "disk", size="256k") as disk:
+        path = disk.path / "cache-0.jsonl"
+        (node,) = start_cache_nodes(1, "--snapshot-file", str(path), "--snapshot-interval-s", "0.2",
+                                    log_dir=tmp_path)
+        try:
+            first, second = sid(), sid()
+            assert client.put(f"{node.url}/v1/sessions/{first}", json=record(version=1)).status_code == 200
+            eventually(lambda: path.exists() and first in path.read_text(), 10, what="the first snapshot")
+            good = path.read_bytes()
+            disk.fill()
+            assert client.put(f"{node.url}/v1/sessions/{second}", json=record(version=1)).status_code == 200
+            eventually(lambda: metric_in(httpx.get(node.url + "/metrics").text,
+                                         "switchboard_cache_snapshot_failing") == 1, 10, what="the failure reported")
+            text = httpx.get(node.url + "/metrics").text
+            assert metric_in(text, "switchboard_cache_snapshot_writes_total", result="error") >= 1
+            assert path.read_bytes() == good
+            assert client.get(f"{node.url}/v1/sessions/{second}").json()["version"] == 1  # served from memory
+            disk.free()
+            eventually(lambda: second in path.read_text(), 10, what="the snapshot written again")
+            eventually(lambda: metric_in(httpx.get(node.url + "/metrics").text,
+                                         "switchboard_cache_snapshot_failing") == 0, 10, what="the failure cleared")
+        finally:
+            node.stop()
 
 
 # -- Redis backend specifics ----------------------------------------------------------------

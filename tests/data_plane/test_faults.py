@@ -13,9 +13,11 @@ import httpx
 import openai
 import pytest
 
+from tests.support.blackhole import BlackholeProxy
 from tests.support.chat import assert_openai_error, stream_all
 from tests.support.cluster import FP32_SHARD, KEYS, Cluster, static_shards, stored_session
 from tests.support.metrics import metric
+from tests.support.waits import eventually
 
 TTL_S = 3.0
 """The killed-shard test's membership TTL (its comment says why not the 0.8 s default)."""
@@ -237,3 +239,45 @@ def test_a_responses_stream_the_shutdown_cuts_is_stored_failed_and_still_in_the_
         with sqlite3.connect(db) as conn:
             rows = conn.execute("SELECT tier, status FROM usage_records").fetchall()
         assert rows == [("plus", 200)], rows
+
+
+def test_a_cache_node_partitioned_from_the_gateway_only_is_skipped_not_waited_for() -> None:
+    """A cache node the gateway cannot reach while its heartbeats still reach the registry (a partition
+    between the two, here a proxy in front of the node that stops forwarding: the node's advertised URL):
+    membership says passing, so every read asked it and every save waited for it, each until the store's
+    timeout: each turn of a paid session took over a second more (~5 s with a real network's timeouts) for
+    as long as the partition lasted. After two failed calls the node is skipped (its replica counted as
+    missed), probed after a hold, and used again once the link heals; the session loses nothing."""
+    c = Cluster(shards=1, caches=2)
+    with BlackholeProxy(c.caches[1].port) as proxy:
+        c.caches[1].args += ["--advertise-url", proxy.url]
+        with c:
+            sid = post(c, {"messages": [{"role": "user", "content": "remember pineapple"}], "max_tokens": 3},
+                       headers={"X-Session-Id": "new"}).headers["x-session-id"]
+            proxy.cut()
+            took, prompts = [], []
+            for i in range(10):
+                began = time.monotonic()
+                body = {"messages": [{"role": "user", "content": f"turn {i}"}], "max_tokens": 3, "stream": i % 2 == 1}
+                r = post(c, body, headers={"X-Session-Id": sid})
+                took.append(time.monotonic() - began)
+                assert r.status_code == 200, r.text
+                if i % 2 == 0:
+                    prompts.append(r.json()["usage"]["prompt_tokens"])
+            assert prompts == sorted(prompts) and len(set(prompts)) == len(prompts)  # the history grows
+            assert sum(t > 0.8 for t in took) <= 3, took  # the first failures, and a probe
+            assert metric(c.gateway.url, "switchboard_session_store_nodes_skipped") == 1
+            assert metric(c.gateway.url, "switchboard_gateway_members", service="cache") == 2  # still passing
+            proxy.heal()
+            deadline = time.monotonic() + 20
+            while metric(c.gateway.url, "switchboard_session_store_nodes_skipped") != 0:
+                assert time.monotonic() < deadline, "the healed node never came back into use"
+                post(c, {"messages": [{"role": "user", "content": "and now"}], "max_tokens": 3},
+                     headers={"X-Session-Id": sid})
+                time.sleep(0.3)
+            assert metric(c.gateway.url, "switchboard_session_store_node_ejections_total") >= 1
+            # the replicas converge: the node that missed the partition's writes gets the session back
+            post(c, {"messages": [{"role": "user", "content": "last"}], "max_tokens": 3}, headers={"X-Session-Id": sid})
+            latest = stored_session(c.caches[0].url, sid)["version"]  # type: ignore[index]
+            eventually(lambda: (stored_session(c.caches[1].url, sid) or {}).get("version") == latest, 10,
+                       what="the partitioned replica repaired")

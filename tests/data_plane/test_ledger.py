@@ -23,7 +23,9 @@ from prometheus_client import CollectorRegistry
 from data_plane.ledger.store import MIGRATIONS, UsageQuery, open_ledger_store
 from data_plane.ledger.writer import LedgerMetrics, Spool, UsageLedger, read_segment
 from tests.support.cluster import ADMIN_TOKEN, KEYS, Cluster, api_keys_env
+from tests.support.disk import SmallDisk, small_disk
 from tests.support.ledger import usage_record
+from tests.support.metrics import metric
 from tests.support.postgres import PostgresServer
 from tests.support.procs import Service
 
@@ -397,3 +399,54 @@ def test_kill_9_under_load_loses_no_acknowledged_record(tmp_path: Path) -> None:
     missing = set(acked) - stored
     print(f"LEDGER kill -9: {len(acked)} acknowledged, {len(stored)} stored, {len(missing)} missing")
     assert not missing, f"{len(missing)} of {len(acked)} acknowledged requests have no record"
+
+
+def test_a_full_spool_disk_loses_no_usage_record(tmp_path: Path) -> None:
+    """The gateway's spool on a disk that fills up (a tmpfs, for real) while the database lives elsewhere:
+    every request the clients saw is in the ledger, none lost (they were counted `spool_error` and gone);
+    no torn line is left in a segment; the held records are reported, and the spool takes records again
+    once the disk has room."""
+    db = f"sqlite:///{tmp_path / 'usage.db'}"
+    with small_disk(tmp_path / "spool", size="256k") as disk, Cluster(shards=1, caches=1, gateway_args=[
+            "--usage-db", db, "--usage-flush-interval-s", "0.2", "--usage-spool-dir", str(tmp_path / "spool" / "gw"),
+            "--state-dir", str(tmp_path)]) as c:
+        seen = _traffic(c.gateway.url)
+        assert _wait_totals(db, seen["requests"])["requests"] == seen["requests"]
+        disk.fill()
+        for stream in (False, True) * 4:
+            _client_usage(c.gateway.url, "plus", stream=stream)
+        assert metric(c.gateway.url, "switchboard_ledger_records_total", outcome="spool_error") > 0
+        assert _wait_totals(db, seen["requests"] + 8)["requests"] == seen["requests"] + 8  # straight to the db
+        assert metric(c.gateway.url, "switchboard_ledger_held_records") == 0
+        for segment in (tmp_path / "spool" / "gw").glob("*.jsonl"):
+            assert all(json.loads(line) for line in segment.read_bytes().splitlines())
+        disk.free()
+        for stream in (False, True):
+            _client_usage(c.gateway.url, "plus", stream=stream)
+        assert _wait_totals(db, seen["requests"] + 10)["requests"] == seen["requests"] + 10
+        assert metric(c.gateway.url, "switchboard_ledger_records_total", outcome="dropped") == 0
+
+
+def test_records_the_disk_refuses_wait_in_memory_for_it(tmp_path: Path) -> None:
+    """Spool and SQLite database on one full disk: the records are held in memory (counted, at most
+    `held_max`, the oldest dropped beyond), and all reach the database once the disk has room."""
+    async def run(disk: SmallDisk) -> None:
+        registry = CollectorRegistry()
+        ledger = UsageLedger(open_ledger_store(f"sqlite:///{disk.path / 'usage.db'}"), Spool(disk.path / "s"),
+                             LedgerMetrics(registry), gateway="gw", held_max=5)
+        await ledger.start()
+        ledger.record(usage_record(0))
+        assert await ledger.flush()
+        disk.fill()
+        for i in range(1, 8):
+            ledger.record(usage_record(i))
+        assert registry.get_sample_value("switchboard_ledger_held_records") == 5
+        assert registry.get_sample_value("switchboard_ledger_records_total", {"outcome": "dropped"}) == 2
+        disk.free()
+        assert await ledger.flush()
+        assert registry.get_sample_value("switchboard_ledger_held_records") == 0
+        assert (await ledger.usage(UsageQuery()))["totals"]["requests"] == 6  # 0 and 3..7
+        await ledger.aclose()
+
+    with small_disk(tmp_path / "disk", size="512k") as disk:
+        asyncio.run(run(disk))

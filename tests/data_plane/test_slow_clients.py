@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -350,3 +351,87 @@ def test_a_head_past_the_bound_sent_in_one_write_gets_431_too() -> None:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_more_idle_connections_than_open_files_get_503_not_emfile() -> None:
+    """A gateway whose open-file limit is 256 (soft and hard, as `prlimit` or a unit's LimitNOFILE sets it)
+    and 300 idle connections held open: it took every descriptor (the listener's accept then failed with
+    EMFILE: clients were disconnected without an answer; on `switchboard up` its hops failed too: 503 "no cache
+    replica answered", a shard ejected for the gateway's own fault). Now the connections past its bound
+    get a 503 with Retry-After at once, counted, nothing is ejected, and once the flood leaves it serves."""
+    if shutil.which("prlimit") is None:
+        pytest.skip("needs prlimit (util-linux)")
+    c = Cluster(shards=1, caches=2)
+    c.gateway.args = ["prlimit", "--nofile=256:256", *c.gateway.args]
+    with c:
+        from openai import APIStatusError, OpenAI
+
+        client = OpenAI(base_url=c.gateway.url + "/v1", api_key=c.keys["plus"], max_retries=0, timeout=15.0)
+        bound = _metric(c.gateway.url, "switchboard_gateway_max_connections")
+        assert 16 <= bound < 256
+        flood = [_connect(c.gateway.url) for _ in range(300)]
+        try:
+            answers = []
+            for stream in (False, True, False, True):
+                started = time.monotonic()
+                try:
+                    reply = client.chat.completions.create(model="synthetic", stream=stream, max_tokens=4,
+                                                           messages=[{"role": "user", "content": "hi"}])
+                    if stream:
+                        list(reply)  # type: ignore[arg-type]
+                    answers.append(200)
+                except APIStatusError as exc:
+                    assert exc.status_code == 503 and exc.response.headers.get("retry-after"), exc
+                    assert exc.body["code"] == "overloaded"  # type: ignore[index]
+                    answers.append(503)
+                assert time.monotonic() - started < 5
+            assert 503 in answers
+        finally:
+            for sock in flood:
+                sock.close()
+        time.sleep(0.5)
+        assert _cut(c.gateway.url, "too_many_connections") >= 300 - bound
+        assert client.chat.completions.create(model="synthetic", max_tokens=4, extra_headers={"X-Session-Id": "new"},
+                                              messages=[{"role": "user", "content": "hi"}]).choices
+        assert _metric(c.gateway.url, "switchboard_router_ejections_total") == 0
+        assert _metric(c.gateway.url, "switchboard_session_store_ops_total", result="error") == 0
+        assert _metric(c.gateway.url, "switchboard_gateway_open_connections") < 10
+
+
+def test_a_gateway_out_of_file_descriptors_blames_no_shard() -> None:
+    """With the connection bound turned off (SWITCHBOARD_HTTP_MAX_CONNECTIONS past the open-file limit), a
+    flood takes every descriptor of a gateway under `prlimit --nofile=256`; its requests already inside then
+    cannot open a connection to a shard (EMFILE): that was counted as the shard's failure and retried, and
+    the shard, healthy, was ejected for the gateway's own fault. It is a 503 overloaded now, nothing ejected."""
+    if shutil.which("prlimit") is None:
+        pytest.skip("needs prlimit (util-linux)")
+    c = Cluster(shards=2, caches=1)
+    c.gateway.args = ["prlimit", "--nofile=256:256", *c.gateway.args]
+    c.gateway.env["SWITCHBOARD_HTTP_MAX_CONNECTIONS"] = "100000"
+    with c:
+        clients = [httpx.Client(base_url=c.gateway.url, timeout=15,
+                                headers={"Authorization": f"Bearer {c.keys['plus']}"}) for _ in range(8)]
+        for client in clients:
+            assert client.get("/health").status_code == 200  # each holds its connection open
+        flood = []
+        try:
+            for _ in range(400):
+                flood.append(_connect(c.gateway.url))
+            time.sleep(1.0)  # the gateway accepts until it is out of descriptors
+
+            async def burst() -> list[int]:
+                def one(client: httpx.Client) -> int:
+                    return client.post("/v1/chat/completions", json={
+                        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).status_code
+                return list(await asyncio.gather(*(asyncio.to_thread(one, cl) for cl in clients)))
+
+            statuses = asyncio.run(burst())
+            assert set(statuses) <= {200, 503}, statuses
+        finally:
+            for sock in flood:
+                sock.close()
+            for client in clients:
+                client.close()
+        time.sleep(0.5)
+        assert _metric(c.gateway.url, "switchboard_router_ejections_total") == 0
+        assert _metric(c.gateway.url, "switchboard_router_upstream_failures_total") == 0
