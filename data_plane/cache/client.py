@@ -278,6 +278,7 @@ class SessionStore:
         if key != self._placement.key:
             added = {m.id for m in members} - set(self._placement.by_id)
             self._departures.changed(self._placement, {m.id for m in members})
+            self._http.circuits.membership_changed({m.url for m in members if m.id in added}, {m.url for m in members})
             if added and self._placement.key:  # a node (or a zone) joined or came back
                 self._schedule_placement_repair(added)
             self._placement = Placement(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from data_plane.routing.failures import Circuit, CircuitState
 from data_plane.routing.hop_client import HopConnectError, HopError, HopLocalError, HopPool, HopResponse
@@ -79,6 +79,19 @@ class NodeCircuits:
             log.warning("cache node %s failed %d calls in a row from this gateway: skipped for %.0f s, then probed",
                         node, circuit.failures, hold)
             self._on_change(self.open_count(), True)
+
+    def membership_changed(self, joined: Collection[str], present: Collection[str]) -> None:
+        """The nodes membership lists changed: the breakers of nodes that (re)joined are forgotten (a node
+        restarted is used at once: skipped for what was left of its hold, up to MAX_HOLD_S, a free session
+        kept on it alone answered 503 and the repair of its records on rejoining was skipped), and so are
+        those of nodes no longer listed (nothing would ever probe them: the skipped-nodes gauge, and the
+        alert on it, stayed up for good, and the table grew with every node that left after failing)."""
+        was = self.open_count()
+        for node in list(self._circuits):
+            if node in joined or node not in present:
+                del self._circuits[node]
+        if self.open_count() != was:
+            self._on_change(self.open_count(), False)
 
     def open_count(self) -> int:
         return sum(1 for c in self._circuits.values() if c.state is not CircuitState.CLOSED)

@@ -400,3 +400,60 @@ def test_the_ring_as_it_was_is_built_once_per_departure_not_per_miss(monkeypatch
                                                    local="local") == ["cache-0"]]
     assert [f"sess-{i}" for i, v in enumerate(verdicts) if v] == held and held  # the same answers
     assert len(built) == 1, f"the ring was built {len(built)} times for 200 misses"
+
+
+def skipped(registry: CollectorRegistry) -> float | None:
+    return registry.get_sample_value("switchboard_session_store_nodes_skipped")
+
+
+async def test_a_cache_node_that_rejoins_membership_is_used_at_once_not_after_its_breaker_hold(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache node killed -9 fails a gateway's calls, so its breaker opens (client_circuits.py) with a hold
+    that doubles up to 10 s while the node stays down. Restarted, it rejoins membership, but the gateway
+    skipped it for what was left of the hold: a free session placed on it answered 503 "no cache replica
+    answered" (here a save: no replica acknowledged it) and the placement repair of its rejoining was skipped
+    too. Membership's word that it is back now forgets the breaker. A node that leaves membership after
+    failing is forgotten as well: nothing would ever probe it, and the skipped-nodes gauge (and the
+    SwitchboardCacheNodeUnreachableFromGateway alert on it) stayed up for good."""
+    from data_plane.cache import client_circuits
+
+    monkeypatch.setattr(client_circuits, "HOLD_S", 60.0)  # a long hold: what the node's downtime grew it to
+    monkeypatch.setattr(client_circuits, "MAX_HOLD_S", 60.0)
+    nodes = start_cache_nodes(2, log_dir=tmp_path)
+    everyone = members(nodes)
+    membership = _Changing(everyone)
+    registry = CollectorRegistry()
+    try:
+        async with HopPool() as http:
+            store = SessionStore(membership, http, registry=registry, timeout_s=0.5)
+            home, other = nodes
+            sid = next(f"free-{i}" for i in range(200) if store.replicas_for(f"free-{i}", 1)[0].url == home.url)
+            home.kill()
+            for _ in range(2):  # its calls fail: the breaker opens
+                with pytest.raises(Overloaded):
+                    await store.save(sid, "key-a", MESSAGES, version=1, replicas=1, ttl_s=60)
+            assert skipped(registry) == 1
+            membership.set([m for m in everyone if m.url != home.url])  # its TTL ran out: it left
+            assert store.replicas_for(sid, 1)[0].url == other.url
+            restarted = cache_node(log_dir=tmp_path, port=home.port).start()
+            nodes.append(restarted)
+            membership.set(everyone)  # registered again
+            assert await store.save(sid, "key-a", MESSAGES, version=1, replicas=1, ttl_s=60) == 1
+            got = await store.load(sid, "key-a", replicas=1, expected=True)
+            assert got is not None and list(got.messages) == MESSAGES
+            assert skipped(registry) == 0
+
+            gone = dead_member("cache-gone")  # fails, then leaves membership for good
+            membership.set([*everyone, gone])
+            sid = next(f"gone-{i}" for i in range(200) if store.replicas_for(f"gone-{i}", 1)[0].id == gone.id)
+            for _ in range(2):
+                with pytest.raises(Overloaded):
+                    await store.save(sid, "key-a", MESSAGES, version=1, replicas=1, ttl_s=60)
+            assert skipped(registry) == 1
+            membership.set(everyone)
+            store.on_membership_change()
+            assert skipped(registry) == 0
+            await store.aclose()
+    finally:
+        for n in nodes:
+            n.stop()
