@@ -209,7 +209,7 @@ class ChatCompletionRequest(BaseModel):
     """Recorded nowhere (it would be a user id in our logs); accepted so SDK calls work."""
     verbosity: Literal["low", "medium", "high"] | None = None
     """A no-op: the model has no verbosity control."""
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     """A no-op: the model does not reason."""
     moderation: Any = None
     """A no-op: the gateway's safety filters always apply."""

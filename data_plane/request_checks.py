@@ -58,7 +58,7 @@ def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
     return value
 
 
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 """OpenAI's values of `reasoning.effort` (Responses) and `reasoning_effort` (chat): a no-op here, still checked."""
 
 

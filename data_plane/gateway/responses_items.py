@@ -26,7 +26,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from data_plane.common.errors import InvalidRequest, SwitchboardError, UnsupportedParameter
 from data_plane.gateway.responses_calls import call_status, chat_function, check_call_outputs, check_choice_fields
 from data_plane.protocol import ChatCompletionRequest
-from data_plane.request_checks import REASONING_EFFORTS, WholeNumber, check_metadata, check_one_of, json_body, validated
+from data_plane.request_checks import (
+    REASONING_EFFORTS,
+    WholeNumber,
+    check_metadata,
+    check_one_of,
+    json_body,
+    json_type,
+    validated,
+)
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 INCLUDABLE = ("code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
@@ -35,6 +43,7 @@ INCLUDABLE = ("code_interpreter_call.outputs", "computer_call_output.output.imag
 """OpenAI's `include` values (any other is its 400 "Invalid value")."""
 SUMMARIES = ("auto", "concise", "detailed")
 """OpenAI's values of `reasoning.summary`."""
+REASONING_CONTEXTS = ("auto", "current_turn", "all_turns")  # `reasoning.context`'s (as `mode`, a no-op here)
 ITEM_STATUSES = ("in_progress", "completed", "incomplete")
 """OpenAI's values of an input item's `status` (stored as completed: the item is whole once sent)."""
 SUPPORTED_ITEM_TYPES = ("message", "function_call", "function_call_output", "compaction", "item_reference")
@@ -115,11 +124,16 @@ class ResponsesRequest(BaseModel):
             if getattr(self, name) is not None:
                 raise UnsupportedParameter(f"Unsupported parameter: {name!r} is not supported with this model.", param=name)
         check_include(self.include or [])
-        for key in set(self.reasoning or {}) - {"effort", "summary", "generate_summary"}:
+        reasoning = self.reasoning or {}
+        for key in set(reasoning) - {"effort", "summary", "generate_summary", "context", "mode"}:
             raise InvalidRequest(f"Unrecognized request argument supplied: reasoning.{key}", param=f"reasoning.{key}",
                                  code="unsupported_parameter")
-        for key, options in (("effort", REASONING_EFFORTS), ("summary", SUMMARIES), ("generate_summary", SUMMARIES)):
-            check_one_of((self.reasoning or {}).get(key), options, f"reasoning.{key}")  # no-ops, still OpenAI's values
+        for key, options in (("effort", REASONING_EFFORTS), ("summary", SUMMARIES), ("generate_summary", SUMMARIES),
+                             ("context", REASONING_CONTEXTS)):
+            check_one_of(reasoning.get(key), options, f"reasoning.{key}")  # no-ops, still OpenAI's values
+        if reasoning.get("mode") is not None and not isinstance(reasoning["mode"], str):  # any name: "standard", "pro"
+            raise InvalidRequest(f"Invalid type for 'reasoning.mode': expected a string, but got "
+                                 f"{json_type(reasoning['mode'])} instead.", param="reasoning.mode", code="invalid_type")
         if self.previous_response_id and self.conversation:
             raise InvalidRequest("Mutually exclusive parameters. Ensure you are only providing one of: "
                                  "'previous_response_id' or 'conversation'.", code="mutually_exclusive_parameters")

@@ -126,7 +126,7 @@ def test_reasoning_values_and_item_statuses_are_openais(stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model=MODEL, input="Hi", reasoning={"effort": "hihg"}, max_output_tokens=1)
     assert refused.value.body["message"] == ("Invalid value: 'hihg'. Supported values are: 'none', 'minimal', 'low', "
-                                             "'medium', 'high', and 'xhigh'.")
+                                             "'medium', 'high', 'xhigh', and 'max'.")
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
                                        reasoning_effort="ultra")  # type: ignore[arg-type]
@@ -136,6 +136,22 @@ def test_reasoning_values_and_item_statuses_are_openais(stack: Stack) -> None:
     assert served.usage is not None and served.usage.output_tokens == 1
     assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
                                           reasoning_effort="minimal").usage.completion_tokens == 1
+
+
+def test_the_sdks_own_reasoning_values_are_served(stack: Stack) -> None:
+    """The openai SDK's `Reasoning` takes effort "max", `context` and `mode`, and chat's `reasoning_effort` "max":
+    since the values were checked (no-ops, still OpenAI's), "max" was a 400 "Invalid value" on both paths (it
+    was served before), and `reasoning.context` / `reasoning.mode` a 400 "Unrecognized request argument"."""
+    client = stack.sdk()
+    served = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1,
+                                     reasoning={"effort": "max", "context": "all_turns", "mode": "standard"})
+    assert served.usage is not None and served.usage.output_tokens == 1
+    assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                          reasoning_effort="max").usage.completion_tokens == 1
+    for reasoning, param in (({"context": "everything"}, "reasoning.context"), ({"mode": 3}, "reasoning.mode")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, reasoning=reasoning)  # type: ignore[arg-type]
+        assert refused.value.body["param"] == param, refused.value.body
 
 
 def test_compact_takes_the_fields_openais_does(stack: Stack) -> None:
