@@ -264,6 +264,7 @@ class UsageLedger:
         self._migrated = False
         self._held: deque[bytes] = deque()  # records the spool refused, oldest first
         self._held_max = held_max
+        self._writing = 0  # held records being written straight to the database now (`_release_held`)
 
     async def start(self) -> None:
         """Count what a previous run left in the spool, and start the flusher (which migrates the
@@ -283,7 +284,7 @@ class UsageLedger:
         """Spool one record (never raises: a failure holds it in memory, logged once and counted)."""
         line = json.dumps(rec.__dict__, separators=(",", ":")).encode() + b"\n"
         try:
-            if self._held:  # the disk refused the last one: the flusher retries it, not every request
+            if self._held or self._writing:  # the disk refused the last one: the flusher retries it, not every request
                 raise OSError(errno.ENOSPC, "the spool refused an earlier record")
             self._spool(line)
         except Exception as exc:  # noqa: BLE001 -- the request path never fails for its record
@@ -296,7 +297,7 @@ class UsageLedger:
         self.metrics.spool_records.set(self._pending)
 
     def _hold(self, line: bytes, exc: Exception) -> None:
-        if not self._held:
+        if not self._held and not self._writing:
             log.warning("usage ledger: the spool in %s refused a record (%s: %s); records are held in memory "
                         "(up to %d) until the disk or the database takes them", self.spool.folder,
                         type(exc).__name__, exc, self._held_max)
@@ -305,10 +306,12 @@ class UsageLedger:
             self._held.popleft()
             self.metrics.records.labels("dropped").inc()
         self._held.append(line)
-        self.metrics.held_records.set(len(self._held))
+        self.metrics.held_records.set(len(self._held) + self._writing)
 
     async def _release_held(self) -> None:
-        """Put held records back in the spool; what it still refuses goes straight to the database."""
+        """Put held records back in the spool; what it still refuses goes straight to the database, taken out
+        of the hold while that write runs (records held meanwhile wait behind them, and a full hold drops the
+        oldest of those, never one being written: they were pushed out, and newer ones taken off in their place)."""
         if not self._held:
             return
         try:
@@ -317,15 +320,23 @@ class UsageLedger:
                 self._held.popleft()
         except OSError:
             lines = list(self._held)
+            self._held.clear()
+            self._writing = len(lines)
             try:
                 total = await self._in_thread(lambda: self._write_rows(lines))
-            except Exception:  # noqa: BLE001 -- held until the next flush
-                self.metrics.held_records.set(len(self._held))
+            except Exception:  # noqa: BLE001 -- held until the next flush, ahead of the records held meanwhile
+                self._held.extendleft(reversed(lines))
+                while len(self._held) > self._held_max:
+                    self._held.popleft()
+                    self.metrics.records.labels("dropped").inc()
                 return
-            for _ in lines:
-                self._held.popleft()
+            finally:
+                self._writing = 0
+                self.metrics.held_records.set(len(self._held))
             self.metrics.records.labels("written").inc(total)
-        self.metrics.held_records.set(0)
+        self.metrics.held_records.set(len(self._held))
+        if self._held:  # records held while the database wrote the others: the next flush
+            return
         log.warning("usage ledger: the records held in memory are saved; the spool in %s takes records again",
                     self.spool.folder)
 

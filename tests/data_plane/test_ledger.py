@@ -450,3 +450,48 @@ def test_records_the_disk_refuses_wait_in_memory_for_it(tmp_path: Path) -> None:
 
     with small_disk(tmp_path / "disk", size="512k") as disk:
         asyncio.run(run(disk))
+
+
+def test_records_held_while_the_held_ones_go_to_the_database_are_not_lost(tmp_path: Path) -> None:
+    """The spool's disk is full, the database lives elsewhere: a flush writes the held records straight to the
+    database, in a thread. Records held while that write ran were appended behind them and, the hold full,
+    pushed the oldest (being written) out, counted `dropped`; once the write was done as many records were
+    taken off the front of the hold as were written: the newer ones, never written nor counted (lost), and
+    the held-records gauge read 0 with records still held. The batch is now out of the hold while it is written."""
+
+    async def run(disk: SmallDisk) -> None:
+        registry = CollectorRegistry()
+        ledger = UsageLedger(open_ledger_store(f"sqlite:///{tmp_path / 'usage.db'}"), Spool(disk.path / "s"),
+                             LedgerMetrics(registry), gateway="gw", held_max=5)
+        await ledger.start()
+        ledger.record(usage_record(0))
+        assert await ledger.flush()
+        disk.fill()
+        for i in range(1, 6):  # the hold is full
+            ledger.record(usage_record(i))
+        entered, go = threading.Event(), threading.Event()
+        insert_many = ledger.store.insert_many
+
+        def slow_insert(rows: Any) -> int:  # the database write takes its time
+            entered.set()
+            go.wait(10)
+            return insert_many(rows)
+
+        ledger.store.insert_many = slow_insert  # type: ignore[method-assign]
+        flushing = asyncio.ensure_future(ledger.flush())
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+        for i in range(6, 9):  # requests go on meanwhile
+            ledger.record(usage_record(i))
+        go.set()
+        await flushing
+        ledger.store.insert_many = insert_many  # type: ignore[method-assign]
+        assert registry.get_sample_value("switchboard_ledger_held_records") == 3
+        assert registry.get_sample_value("switchboard_ledger_records_total", {"outcome": "dropped"}) == 0
+        disk.free()
+        assert await ledger.flush()
+        assert registry.get_sample_value("switchboard_ledger_held_records") == 0
+        assert (await ledger.usage(UsageQuery()))["totals"]["requests"] == 9
+        await ledger.aclose()
+
+    with small_disk(tmp_path / "disk", size="512k") as disk:
+        asyncio.run(run(disk))
