@@ -235,9 +235,7 @@ def console_child(s: UpSettings, state: Path, cp: Child, gateway: Child, admin_t
                  health="/_stcore/health")
 
 
-LOGIN_CODE_ENV = "SWITCHBOARD_CONSOLE_LOGIN_CODE"
-"""admin_ui.settings.ENV_LOGIN_CODE (named here: `up` imports nothing of the console)."""
-
+LOGIN_CODE_ENV = "SWITCHBOARD_CONSOLE_LOGIN_CODE"  # admin_ui.settings.ENV_LOGIN_CODE (`up` imports no console)
 
 ALERTS_DIR = Path(__file__).resolve().parent.parent / "alerts"
 SCRAPE_JOBS = {"gateway": "switchboard-gateway", "shard": "switchboard-shard", "cache": "switchboard-cache"}
@@ -363,6 +361,8 @@ def main(argv: list[str] | None = None) -> None:
         extras = [c for c in (prometheus, console) if c is not None]
         for child in extras:
             supervisor.start(child)
+        if console is not None:  # a restart gets a code nobody saw: the supervisor reuses the env, and a
+            console.env[LOGIN_CODE_ENV] = secrets.token_urlsafe(32)  # restarted console forgets spent ones
         wait_healthy(extras, 90, "prometheus / console")
     except Stopped as stop:
         supervisor.shutdown()
