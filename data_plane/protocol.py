@@ -150,6 +150,8 @@ _NEUTRAL: dict[str, Any] = {
 MAX_N = 8
 SYSTEM_FINGERPRINT = "fp_switchboard_1"
 """OpenAI's backend-configuration marker: changes when the serving stack changes what a seed produces."""
+SERVICE_TIER = "default"
+"""The tier a reply says served it (OpenAI's `service_tier`): whatever was asked, all are served alike here."""
 MAX_TOP_LOGPROBS = 20
 INPUT_TOKENS_PATH = "/v1/chat/completions/input_tokens"
 """A shard's count of a chat request's prompt tokens (the same body; nothing generated)."""
@@ -174,7 +176,7 @@ class ChatCompletionRequest(BaseModel):
     user: str | None = Field(default=None, max_length=256)
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
     # Structured outputs and tools (shapes and the constraint they make: data_plane/structured.py).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -199,7 +201,7 @@ class ChatCompletionRequest(BaseModel):
     # Fields the official SDK sends, accepted deliberately (README "Structured outputs, tools, sampling"):
     prompt_cache_key: str | None = Field(default=None, max_length=1024)
     """A no-op: our prefix cache finds shared prefixes by content (and routing by session)."""
-    prompt_cache_retention: str | None = Field(default=None, max_length=64)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     """A no-op: retention is the prefix cache's LRU."""
     prompt_cache_options: Any = None
     """A no-op (as above)."""
@@ -207,7 +209,7 @@ class ChatCompletionRequest(BaseModel):
     """Recorded nowhere (it would be a user id in our logs); accepted so SDK calls work."""
     verbosity: Literal["low", "medium", "high"] | None = None
     """A no-op: the model has no verbosity control."""
-    reasoning_effort: str | None = Field(default=None, max_length=32)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     """A no-op: the model does not reason."""
     moderation: Any = None
     """A no-op: the gateway's safety filters always apply."""
@@ -426,14 +428,9 @@ def completion_body(
         "created": created or int(time.time()),
         "model": model,
         "system_fingerprint": SYSTEM_FINGERPRINT,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        ],
+        "service_tier": SERVICE_TIER,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}, "logprobs": None,
+                     "finish_reason": finish_reason}],
         "usage": usage.wire(),
     }
 
@@ -460,6 +457,7 @@ def chunk_body(
         "created": created,
         "model": model,
         "system_fingerprint": SYSTEM_FINGERPRINT,
+        "service_tier": SERVICE_TIER,
         "choices": []
         if empty_choices
         else [{"index": index, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish_reason}],

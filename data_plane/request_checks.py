@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ValidationError
+from pydantic_core import PydanticCustomError
 
 from data_plane.common.errors import InvalidRequest, UnsupportedMediaType, UnsupportedParameter
 
@@ -30,14 +31,49 @@ def _whole(value: Any) -> Any:
 WholeNumber = Annotated[int, BeforeValidator(_whole)]
 
 
+def metadata_bounds(value: dict[str, str]) -> tuple[str, str] | None:
+    """OpenAI's 400 (message, code) for string pairs past its bounds on `metadata` (16 pairs, keys <= 64 and
+    values <= 512 characters), None within them: it is stored with a response or a conversation, so
+    unbounded metadata would be unbounded storage per request."""
+    if len(value) > MAX_METADATA_PAIRS:
+        said = (f"too many properties. Expected an object with at most {MAX_METADATA_PAIRS} properties, but got an "
+                f"object with {len(value)} properties instead.")
+        return f"Invalid 'metadata': {said}", "object_above_max_properties"
+    for key, text in value.items():
+        if len(key) > 64:
+            said = f"key too long. Expected keys of at most 64 characters, but got a key with length {len(key)} instead."
+            return f"Invalid 'metadata': {said}", "string_above_max_length"
+        if len(text) > 512:
+            said = (f"string too long. Expected a string with maximum length 512, but got a string with length "
+                    f"{len(text)} instead.")
+            return f"Invalid 'metadata': {said}", "string_above_max_length"
+    return None
+
+
 def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
-    """OpenAI's bounds on `metadata` (16 pairs, keys <= 64 and values <= 512 characters): it is
-    stored with a response, so unbounded metadata would be unbounded storage per request."""
-    if value is not None and (len(value) > MAX_METADATA_PAIRS
-                              or any(len(k) > 64 or len(v) > 512 for k, v in value.items())):
-        raise ValueError(f"at most {MAX_METADATA_PAIRS} pairs, keys of at most 64 and values of at most 512 "
-                         "characters")
+    """`metadata_bounds` as a field validator (the chat and Responses bodies): OpenAI's words, not pydantic's."""
+    problem = metadata_bounds(value) if value is not None else None
+    if problem is not None:  # (no client text in the message: pydantic formats it with the context)
+        raise PydanticCustomError("openai", problem[0], {"code": problem[1]})
     return value
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+"""OpenAI's values of `reasoning.effort` (Responses) and `reasoning_effort` (chat): a no-op here, still checked."""
+
+
+def check_one_of(value: Any, options: Sequence[str], param: str) -> None:
+    """OpenAI's 400 for a field that takes one of `options` (None: the field left out): "Invalid value:
+    'ultra'. Supported values are: 'low', 'medium', and 'high'." naming `param` (a value of another type:
+    its invalid_type)."""
+    if value is None or value in options:
+        return
+    if not isinstance(value, str):
+        raise InvalidRequest(f"Invalid type for '{param}': expected a string, but got {json_type(value)} instead.",
+                             param=param, code="invalid_type")
+    shown = ", ".join(f"'{o}'" for o in options[:-1]) + f", and '{options[-1]}'"
+    raise InvalidRequest(f"Invalid value: '{value[:64]}'. Supported values are: {shown}.", param=param,
+                         code="invalid_value")
 
 
 def json_type(value: Any) -> str:
@@ -106,7 +142,8 @@ def validated(model: type[M], body: dict[str, Any]) -> M:
         words = openai_words(param, first, kinds) if param else None
         if words is not None:
             raise InvalidRequest(words[0], param=param, code=words[1]) from None
-        raise InvalidRequest(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param) from None
+        said = str(first.get("msg")).removeprefix("Value error, ")  # a validator's own words, without pydantic's
+        raise InvalidRequest(f"{param}: {said}" if param else said, param=param) from None
 
 
 _BOUNDS = {"less_than_equal": ("le", "<=", "above", "max"), "less_than": ("lt", "<", "above", "max"),
@@ -121,7 +158,8 @@ def openai_words(param: str, error: Any, kinds: set[Any] | None = None) -> tuple
     """OpenAI's message and code for a pydantic error at `param` that OpenAI words its own way: a number out
     of its range ("Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 2.5
     instead.", decimal_above_max_value; integer_... for an integer field), a string or a list too long, an
-    empty string or list that needs content, a value not among a field's ("Invalid value: 'xml'. Supported values are:
+    empty string or list that needs content, a required field left out ("Missing required parameter:
+    'messages'.", missing_required_parameter), a value not among a field's ("Invalid value: 'xml'. Supported values are:
     'text', 'json_object', and 'json_schema'."), a value of the wrong type ("Invalid type for 'n': expected an
     integer, but got a string instead.", invalid_type; `kinds`: the error types at `param`, one per member of
     a union), a validator's own OpenAI words (a PydanticCustomError of type "openai", its
@@ -131,6 +169,8 @@ def openai_words(param: str, error: Any, kinds: set[Any] | None = None) -> tuple
         expected = sorted({_TYPES[k] for k in kinds or {kind} if k in _TYPES})
         wanted = expected[0] if len(expected) == 1 else f"one of {', '.join(expected[:-1])} or {expected[-1]}"
         return f"Invalid type for '{param}': expected {wanted}, but got {json_type(value)} instead.", "invalid_type"
+    if kind == "missing":
+        return f"Missing required parameter: '{param}'.", "missing_required_parameter"
     if kind == "openai":  # a validator's message in OpenAI's words already: PydanticCustomError("openai", ...)
         return str(error.get("msg")), str(ctx.get("code", "invalid_value"))
     if kind in _BOUNDS:

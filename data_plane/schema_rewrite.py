@@ -16,6 +16,9 @@ from typing import Any
 
 SAFE_INTEGER = 2**53 - 1
 """JSON's portable integer range (+-): the bounds an unbounded ``integer`` gets."""
+GRAMMAR_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"})
+"""The string formats the grammar compiler (llguidance) enforces. Any other is an annotation, as JSON Schema
+reads a format by default: dropped, the string served as a plain one (strict mode allows OpenAI's nine only)."""
 
 
 def hoist(schema: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
@@ -61,7 +64,8 @@ def closed(schema: Any, in_all_of: bool = False) -> Any:
     writes the listed keys, not keys of its own. Say ``additionalProperties: true`` to allow extra keys.
     Members of an ``allOf`` are left open (closing them would contradict each other). An unbounded
     ``integer`` gets JSON's portable range (+-(2**53 - 1), 16 digits), so a small model cannot write digits
-    until the token limit."""
+    until the token limit. A `format` the grammar does not know (pydantic's "password", "path", "binary", an MCP
+    tool's "uri-reference") is dropped: it was a 400 "Unknown format" where OpenAI serves the schema."""
     if isinstance(schema, list):
         return [closed(v, in_all_of) for v in schema]
     if not isinstance(schema, dict):
@@ -72,6 +76,8 @@ def closed(schema: Any, in_all_of: bool = False) -> Any:
     if ("properties" in out and "additionalProperties" not in out and "patternProperties" not in out
             and not in_all_of):
         out["additionalProperties"] = False
+    if isinstance(out.get("format"), str) and out["format"] not in GRAMMAR_FORMATS:
+        del out["format"]
     if out.get("type") == "integer":
         if "minimum" not in out and "exclusiveMinimum" not in out:
             out["minimum"] = -SAFE_INTEGER

@@ -5,7 +5,8 @@
 
 A ``response_format`` ``json_schema`` or a function tool with ``strict: true`` promises the client that
 the schema as sent is the contract (OpenAI: "Supported schemas" of the Structured Outputs guide): every
-object says ``additionalProperties: false`` and lists every key of its ``properties`` in ``required``.
+object says ``additionalProperties: false`` and lists every key of its ``properties`` in ``required``, and a
+string's ``format`` is one strict mode supports (`STRICT_FORMATS`).
 OpenAI answers a schema that breaks either rule with a 400 before generating anything, in the words
 used here (so a client's error handling, and a developer's search for the message, work the same).
 Without ``strict`` the grammar still enforces the schema, objects closed (`schema_rewrite.closed`).
@@ -19,6 +20,11 @@ from __future__ import annotations
 
 from typing import Any
 
+STRICT_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",
+                            "uri"})
+"""The string formats strict mode takes: OpenAI's nine, and "uri" (pydantic's AnyUrl/HttpUrl), which the grammar
+enforces too (OpenAI refuses it; refusing a format we can keep would only break apps here). Another is a 400 in
+OpenAI's words ("'uri-reference' is not a valid format")."""
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 
@@ -51,6 +57,8 @@ def strict_schema_problem(schema: Any, path: tuple[str | int, ...] = ()) -> str 
         return None
     if not path and (problem := object_root_problem(schema)) is not None:
         return problem
+    if isinstance(schema.get("format"), str) and schema["format"] not in STRICT_FORMATS:
+        return f"In context={path!r}, '{schema['format']}' is not a valid format."
     if _is_object(schema):
         if schema.get("additionalProperties") is not False:
             return f"In context={path!r}, 'additionalProperties' is required to be supplied and to be false."

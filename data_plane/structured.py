@@ -11,8 +11,7 @@ grammar source the engine compiles: data_plane/shard/engines/grammar.py):
 - ``response_format`` ``json_object`` -> any JSON object; ``json_schema`` -> its schema (strict or not:
   both are enforced by the grammar; keywords the grammar engine cannot enforce are a 400 naming them; a
   strict schema that breaks strict mode's rules is a 400 as OpenAI gives it: data_plane/strict_schema.py).
-- vLLM's ``structured_outputs`` extension: exactly one of ``json``, ``regex``, ``choice``, ``grammar``
-  (Lark or GBNF), ``json_object``.
+- vLLM's ``structured_outputs`` extension: one of ``json``, ``regex``, ``choice``, ``grammar`` (Lark or GBNF), ``json_object``.
 - ``tools`` with ``tool_choice`` ``auto`` / ``required`` / a named function: the generic JSON envelope
   (llama.cpp's approach for models without a tool template, which ours is), forced by grammar::
 
@@ -20,8 +19,7 @@ grammar source the engine compiles: data_plane/shard/engines/grammar.py):
       {"response": "<text for the user>"}                       # auto only
 
   ``required`` and a named choice allow only ``tool_calls`` (a named one: that function, one call; a
-  response_format has nothing left to shape then, as with OpenAI);
-  ``parallel_tool_calls: false`` allows one call. The tools and the envelope are described to the model
+  response_format has nothing left to shape then, as with OpenAI); ``parallel_tool_calls: false`` allows one call. The tools and the envelope are described to the model
   in a system message (`tools_prompt`); data_plane/tool_calls.py parses the envelope back into OpenAI's
   ``tool_calls`` (streamed as deltas). With ``tool_choice: none`` the model still sees the tools, as
   OpenAI's does (and vLLM's, unless ``--exclude-tools-when-tool-choice-none``), told that none may be
@@ -43,6 +41,7 @@ from enum import Enum
 from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from data_plane.schema_rewrite import closed, hoist
 from data_plane.strict_schema import object_root_problem, strict_schema_problem
@@ -114,7 +113,8 @@ class ResponseFormat(BaseModel):
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format of type json_schema needs a json_schema object")
+            raise PydanticCustomError("openai", "Missing required parameter: 'response_format.json_schema'.",
+                                      {"code": "missing_required_parameter"})
         return self
 
 

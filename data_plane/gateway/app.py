@@ -42,6 +42,7 @@ from data_plane.gateway.keys_file import checked_keys, hot_keys
 from data_plane.gateway.response_store import ConversationStore
 from data_plane.gateway.responses import RESPONSES_PATH, ResponsesHandler, mount_responses
 from data_plane.gateway.responses_background import BackgroundMetrics, BackgroundRuns, Detach
+from data_plane.gateway.responses_compact import mount_compact
 from data_plane.gateway.responses_count import mount_input_tokens
 from data_plane.gateway.responses_detached import mount_background, serve_background
 from data_plane.gateway.runtime import Gateway, Runtime, open_runtime
@@ -144,7 +145,8 @@ def create_app(gw: Gateway) -> GatewayApp:
 
     app.add_api_route("/v1/usage", usage_route(lambda r: gw.caller(r)[0], gw.ledger),
                       methods=["GET"])
-    mount_responses(app, gw, lambda: holder.conversations(), lambda: holder.started())
+    mount_responses(app, gw, lambda: holder.conversations())
+    mount_compact(app, gw, lambda: holder.conversations(), lambda: holder.started())
     mount_input_tokens(app, gw, lambda: holder.conversations(), lambda: holder.started())
     mount_background(app, gw, lambda: holder.conversations(), lambda: holder.runs())
     mount_conversations(app, gw, lambda: holder.conversations(), lambda: holder.started())

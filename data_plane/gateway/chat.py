@@ -66,6 +66,7 @@ from data_plane.gateway.revocation import RevocableSource, Stage
 from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.gateway.safety.pipeline import SafetyPolicy, raise_if_blocked
 from data_plane.gateway.stream import Completion, EventSource
+from data_plane.gateway.tool_results import check_answered, check_session_answered
 from data_plane.protocol import ChatCompletionRequest, parse_chat_request
 from data_plane.structured import json_word_clash
 from data_plane.tiers import Tier
@@ -217,6 +218,7 @@ class ChatHandler:
         without saying "json", as OpenAI refuses it, unless the session's transcript may say it)."""
         session = self.request.headers.get("x-session-id")
         req = parse_chat_request(raw, self.request.headers.get("content-type"), session)
+        check_answered(req.messages)  # the gateway's alone: a shard's resume continues an unanswered call
         clash = json_word_clash(req.response_format, (m.text() for m in req.messages))
         if clash is not None and (session or req.session_id or NEW_SESSION) == NEW_SESSION:
             raise InvalidRequest(clash.message, param=clash.param)
@@ -227,7 +229,9 @@ class ChatHandler:
         """The prompt: `messages` after the conversation they continue (an X-Session-Id session)."""
         session_header = self.request.headers.get("x-session-id") or req.session_id
         if session_header:
-            return await self._load_session(session_header, messages, tier)
+            prompt = await self._load_session(session_header, messages, tier)
+            check_session_answered(self.history, req.messages)
+            return prompt
         return messages
 
     async def _cached(self, req: ChatCompletionRequest, body: dict[str, Any], prompt: list[dict[str, str]],

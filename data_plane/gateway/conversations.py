@@ -37,13 +37,12 @@ from data_plane.gateway.responses import (
 from data_plane.gateway.responses_items import input_items, new_id, refuse_duplicates
 from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.runtime import Gateway, Runtime
-from data_plane.request_checks import json_body
+from data_plane.request_checks import json_body, json_type, metadata_bounds
 from data_plane.tiers import Tier
 
 log = logging.getLogger(__name__)
 
 CONVERSATIONS_PATH = "/v1/conversations"
-MAX_METADATA = 16
 MAX_ITEMS_AT_ONCE = 20
 """OpenAI's limit on the items one create or items.create call adds."""
 
@@ -83,10 +82,16 @@ def metadata_value(value: Any) -> dict[str, str] | None:
     """A request's `metadata` as OpenAI bounds it (also for stored chat completions' updates)."""
     if value is None:
         return None
-    if not isinstance(value, dict) or len(value) > MAX_METADATA or not all(
-            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in value.items()):
-        raise InvalidRequest("metadata: at most 16 string pairs (keys <= 64, values <= 512 characters)",
-                             param="metadata")
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"Invalid type for 'metadata': expected an object, but got {json_type(value)} instead.",
+                             param="metadata", code="invalid_type")
+    for key, text in value.items():
+        if not isinstance(text, str):
+            raise InvalidRequest(f"Invalid type for 'metadata.{key[:64]}': expected a string, but got "
+                                 f"{json_type(text)} instead.", param="metadata", code="invalid_type")
+    problem = metadata_bounds(value)
+    if problem is not None:  # the chat and Responses bodies' words (request_checks.py)
+        raise InvalidRequest(problem[0], param="metadata", code=problem[1])
     return value
 
 

@@ -40,7 +40,6 @@ from starlette.types import Send
 from data_plane.common.crypto import SealError
 from data_plane.common.disconnect import CLIENT_DISCONNECTED
 from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, SwitchboardError
-from data_plane.common.http_body import read_body
 from data_plane.gateway.auth import key_digest
 from data_plane.gateway.chat import ChatHandler, Opened
 from data_plane.gateway.context import Window
@@ -66,7 +65,6 @@ from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.responses_stream import ResponseEvents, call_item_id
 from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.protocol import ChatCompletionRequest
-from data_plane.request_checks import json_body
 from data_plane.structured import json_word_clash
 from data_plane.tiers import Tier
 
@@ -104,6 +102,8 @@ class ResponsesHandler(ChatHandler):
         self.response: dict[str, Any] | None = None
         self.unfinished: dict[str, Any] | None = None
         """The response of a stream that ended without its reply (failed, or the client left)."""
+        self.announced = 0
+        """Events sent before the stream began (a background run's, once it was accepted)."""
         self.memory: list[dict[str, str]] = []
         """Earlier turns held by compaction items of this conversation: recall's candidates."""
         self.x.span.set_attribute("switchboard.response_id", self.response_id)
@@ -226,7 +226,10 @@ class ResponsesHandler(ChatHandler):
                               response_usage(self.opened.completion.usage.wire()), incomplete)
 
     async def respond_body(self, opened: Opened) -> dict[str, Any]:
-        body = await opened.completion.collect(opened.stream)
+        try:  # a shard's 400 after the first token (a schema with no whole output) names the Responses field too
+            body = await opened.completion.collect(opened.stream)
+        except SwitchboardError as exc:
+            raise in_responses_terms(exc) from None
         if self.response is not None:
             return self.response
         choice = body["choices"][0]
@@ -236,7 +239,8 @@ class ResponsesHandler(ChatHandler):
     async def respond_stream(self, opened: Opened, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
         opened.completion.on_failure = self._save_unfinished
         events = ResponseEvents(send, start=lambda: self._response("in_progress", [], None),
-                                finish=self._final, fail=self._unfinished, message_id=self.message_id)
+                                finish=self._final, fail=self._unfinished, message_id=self.message_id,
+                                announced=self.announced)
         await opened.completion.stream_to(events.send, opened.stream, True, headers)
 
     def _output(self, status: str, message: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -416,10 +420,9 @@ def record_principal(gw: Gateway, request: Request) -> tuple[Any, str, Tier]:
     return principal, key_digest(token), tier
 
 
-def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore],
-                    runtime: Callable[[], Runtime]) -> None:
-    """DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items and POST /v1/responses/compact
-    on `app` (GET and cancel: data_plane/gateway/responses_detached.py); `store()` and `runtime()` once the lifespan opened them."""
+def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore]) -> None:
+    """DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items on `app` (GET and cancel:
+    data_plane/gateway/responses_detached.py; compact: responses_compact.py); `store()` once the lifespan opened it."""
 
     def caller(request: Request) -> tuple[str, int]:
         return record_caller(gw, request)
@@ -431,35 +434,6 @@ def mount_responses(app: FastAPI, gw: Gateway, store: Callable[[], ConversationS
             await store().delete(response_id, owner, replicas, Kind.RESPONSE)
             log.info("response deleted from every cache node")
             return {"id": response_id, "object": "response.deleted", "deleted": True}
-
-    @app.post(RESPONSES_PATH + "/compact")
-    async def compact_route(request: Request) -> dict[str, Any]:
-        """Fold a conversation (input items, after previous_response_id's) into a compaction item
-        and the newest turns; pass them as the next request's input."""
-        with observed(gw.responses_metrics, Op.COMPACT, request):
-            owner, replicas = caller(request)
-            body = json_body(await read_body(request, gw.settings.max_body_bytes), request.headers.get("content-type"))
-            unknown = set(body) - {"model", "input", "previous_response_id", "instructions", "keep_tokens"}
-            if unknown:
-                raise InvalidRequest(f"Unrecognized request argument supplied: {min(unknown)}", param=min(unknown),
-                                     code="unsupported_parameter")
-            items: list[dict[str, Any]] = []
-            previous = body.get("previous_response_id")
-            if previous is not None and (not isinstance(previous, str) or not previous):  # create's 400, not "none"
-                raise InvalidRequest("Invalid 'previous_response_id': expected a non-empty string.",
-                                     param="previous_response_id", code="empty_string" if previous == "" else "invalid_type")
-            if previous:
-                items = (await store().previous(previous, owner, replicas)).items
-            items = items + await resolve_references(store(), input_items(body.get("input") or []), owner, replicas,
-                                                     local=items)
-            keep = body.get("keep_tokens", 256)
-            if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
-                raise InvalidRequest("keep_tokens must be a non-negative integer", param="keep_tokens")
-            done = compact_items(gw, runtime(), items, owner, keep, "endpoint")
-            output = [done.item, *done.kept] if done is not None else items
-            tokens = conversation_tokens(items, gw.counter)
-            return {"id": new_id("resp"), "object": "response.compaction", "created_at": int(time.time()),
-                    "output": output, "usage": response_usage({"prompt_tokens": tokens, "completion_tokens": 0})}
 
     @app.get(RESPONSES_PATH + "/{response_id}/input_items")
     async def input_items_list(response_id: str, request: Request, limit: int = 20, order: str = "desc",

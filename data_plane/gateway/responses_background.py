@@ -11,7 +11,9 @@ A background response is an ordinary Responses request (data_plane/gateway/respo
 resumable shard stream, usage, ledger, key binding) run by a task of this gateway instead of the
 client's connection (data_plane/gateway/responses_detached.py): the connection only waits until the
 request passed its checks (a 4xx or 429 is still answered at once), then returns the stored
-``queued`` response, or, with ``stream: true``, follows the run's events. A `Run` here is the task,
+``queued`` response, or, with ``stream: true``, follows the run's events (``response.created`` and
+``response.queued`` with the queued response as soon as it is accepted, so the client has its id while it
+waits for a slot; ``response.in_progress`` and the rest once it runs). A `Run` here is the task,
 its events (``sequence_number`` = index; held up to ``--background-event-bytes``, oldest dropped)
 and the latest response object; `BackgroundRuns` keeps them (at most ``--background-held``, finished
 ones dropped first and after ``--background-keep-s``) and counts each tenant's unfinished ones
@@ -54,8 +56,8 @@ STOP_MESSAGES = {
 }
 EXPIRED_MESSAGE = ("the gateway running this background response stopped before it finished "
                    "(it was not seen again before its deadline); create it again")
-_SNAPSHOT_EVENTS = (b"event: response.created\n", b"event: response.in_progress\n", b"event: response.completed\n",
-                    b"event: response.incomplete\n", b"event: response.failed\n")
+_SNAPSHOT_EVENTS = (b"event: response.created\n", b"event: response.queued\n", b"event: response.in_progress\n",
+                    b"event: response.completed\n", b"event: response.incomplete\n", b"event: response.failed\n")
 
 
 class Detach(BaseException):
@@ -175,9 +177,11 @@ class Run:
             self._metrics.held_bytes.dec(freed)
             self.first_seq += dropped
 
-    def send_event(self, event: bytes) -> None:
-        """Add one event of the gateway's own (a run that ended without its stream telling why)."""
-        self._append(event)
+    def tell(self, kind: str, **fields: Any) -> None:
+        """Add one event of the gateway's own, numbered next: the ``queued`` response once accepted, or the end
+        of a run that ended without its stream telling why."""
+        body = json.dumps({"type": kind, "sequence_number": self.next_seq, **fields}, ensure_ascii=False)
+        self._append(f"event: {kind}\ndata: {body}\n\n".encode())
         self._notify()
 
     def _notify(self) -> None:

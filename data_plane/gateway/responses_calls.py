@@ -1,7 +1,8 @@
-"""The rules a Responses request's function-call items follow: each `function_call_output` answers a
-`function_call` before it, each call is answered (OpenAI's 400s, in its words), and a call the output
-limit cut is "incomplete".
+"""The rules a Responses request's function tools and function-call items follow: a tool's fields are
+OpenAI's, each `function_call_output` answers a `function_call` before it, each call is answered
+(OpenAI's 400s, in its words), and a call the output limit cut is "incomplete".
 
+    chat_function(tool, 0)                # {"name": ..., "parameters": ...}; 400 for a field it has not
     check_call_outputs(history + new)     # 400 "No tool output found for function call call_1."
     call_status('{"city":"Pa', "incomplete")  # "incomplete": no app should run it
 """
@@ -11,7 +12,46 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from data_plane.common.errors import InvalidRequest
+from data_plane.common.errors import InvalidRequest, UnsupportedParameter
+
+FUNCTION_FIELDS = ("name", "description", "parameters", "strict")
+"""A Responses function tool's fields the chat path takes (beside `type`)."""
+NEUTRAL_FIELDS: dict[str, tuple[Any, ...]] = {"defer_loading": (None, False), "allowed_callers": (None, ["direct"])}
+"""OpenAI's tool-search and programmatic-calling fields: accepted at the value that changes nothing here."""
+
+CHOICE_FIELDS = {"function": ("type", "name"), "allowed_tools": ("type", "mode", "tools")}
+"""The fields of OpenAI's function and allowed_tools choices (an allowed tool's: a function choice's)."""
+
+
+def chat_function(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    """Function tool `i` as the chat path's `function`: a field OpenAI's function tool has not is a 400 naming it
+    (as the chat path's own tools are), not a setting dropped while the Response echoes it; `output_schema`
+    (what the function returns) is a no-op, the tool-search and programmatic fields are served at their neutral
+    values only."""
+    for key, value in tool.items():
+        if key in NEUTRAL_FIELDS and value not in NEUTRAL_FIELDS[key]:
+            raise UnsupportedParameter(f"Unsupported parameter: 'tools[{i}].{key}' is not supported with this "
+                                       "model.", param=f"tools[{i}].{key}")
+        if key not in (*FUNCTION_FIELDS, *NEUTRAL_FIELDS, "type", "output_schema"):
+            raise UnsupportedParameter(f"Unrecognized request argument supplied: tools[{i}].{key}",
+                                       param=f"tools[{i}].{key}")
+    return {k: v for k, v in tool.items() if k in FUNCTION_FIELDS}
+
+
+def check_choice_fields(choice: Any) -> None:
+    """A 400 naming a field a function or allowed_tools `tool_choice` (or one of its tools) has not: it was
+    dropped while the Response echoed it (the chat path's choice answers 400 for one)."""
+    if not isinstance(choice, dict) or choice.get("type") not in CHOICE_FIELDS:
+        return
+    entries = [("tool_choice", choice, CHOICE_FIELDS[choice["type"]])]
+    tools = choice.get("tools") if choice["type"] == "allowed_tools" else None
+    entries += [(f"tool_choice.tools[{i}]", t, CHOICE_FIELDS["function"]) for i, t in enumerate(tools or [])
+                if isinstance(tools, list) and isinstance(t, dict) and t.get("type") == "function"]  # (others: 400)
+    for where, entry, fields in entries:
+        for key in entry:
+            if key not in fields:
+                raise UnsupportedParameter(f"Unrecognized request argument supplied: {where}.{key}",
+                                           param=f"{where}.{key}")
 
 
 def check_call_outputs(items: list[dict[str, Any]]) -> None:

@@ -15,7 +15,6 @@ stores every state it reaches under one id, each write a higher version than the
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -153,6 +152,9 @@ class BackgroundHandler(ResponsesHandler):
         queued = self._response("queued", [], None)
         await self.store_state(queued)
         self.run.accept(queued)
+        self.run.tell("response.created", response=queued)  # a stream following it has its id at once
+        self.run.tell("response.queued", response=queued)  # (OpenAI's order: created, queued, in_progress)
+        self.announced = self.run.next_seq
         log.info("request %s: background response accepted (%d history items)", self.request_id,
                  len(self.history_items))
         return await super()._route(caller, checked, prepared)
@@ -264,10 +266,8 @@ async def settle(handler: BackgroundHandler, run: Run) -> dict[str, Any] | None:
 
 def _tell(run: Run, response: dict[str, Any]) -> None:
     err = response.get("error") or {}
-    for kind, fields in (("error", {"code": err.get("code"), "message": err.get("message"), "param": None}),
-                         ("response.failed", {"response": response})):
-        body = json.dumps({"type": kind, "sequence_number": run.next_seq, **fields}, ensure_ascii=False)
-        run.send_event(f"event: {kind}\ndata: {body}\n\n".encode())
+    run.tell("error", code=err.get("code"), message=err.get("message"), param=None)
+    run.tell("response.failed", response=response)
 
 
 async def serve_background(gw: Gateway, rt: Runtime, store: ConversationStore, runs: BackgroundRuns,

@@ -24,15 +24,19 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_plane.common.errors import InvalidRequest, SwitchboardError, UnsupportedParameter
-from data_plane.gateway.responses_calls import call_status, check_call_outputs
+from data_plane.gateway.responses_calls import call_status, chat_function, check_call_outputs, check_choice_fields
 from data_plane.protocol import ChatCompletionRequest
-from data_plane.request_checks import WholeNumber, check_metadata, json_body, validated
+from data_plane.request_checks import REASONING_EFFORTS, WholeNumber, check_metadata, check_one_of, json_body, validated
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 INCLUDABLE = ("code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
               "message.input_image.image_url", LOGPROBS_INCLUDE, "reasoning.encrypted_content",
               "web_search_call.action.sources", "web_search_call.results")
 """OpenAI's `include` values (any other is its 400 "Invalid value")."""
+SUMMARIES = ("auto", "concise", "detailed")
+"""OpenAI's values of `reasoning.summary`."""
+ITEM_STATUSES = ("in_progress", "completed", "incomplete")
+"""OpenAI's values of an input item's `status` (stored as completed: the item is whole once sent)."""
 SUPPORTED_ITEM_TYPES = ("message", "function_call", "function_call_output", "compaction", "item_reference")
 TEXT_PARTS = ("input_text", "output_text", "text")
 FORMAT_FIELDS = {"text": {"type"}, "json_object": {"type"},
@@ -87,10 +91,10 @@ class ResponsesRequest(BaseModel):
     user: str | None = Field(default=None, max_length=256)
     safety_identifier: str | None = Field(default=None, max_length=256)
     prompt_cache_key: str | None = Field(default=None, max_length=256)
-    prompt_cache_retention: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: dict[str, Any] | None = None  # no-ops, as on the chat path (the Agents SDK sends this
     moderation: dict[str, Any] | None = None  # one from ModelSettings); the gateway's safety filters always apply
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"] | None = None
     """Accepted (OpenAI's values); every request runs at this server's one processing tier, "default"."""
     include: list[str] | None = None
     """Only ``message.output_text.logprobs`` (the chat path's logprobs on the output text); any
@@ -114,6 +118,8 @@ class ResponsesRequest(BaseModel):
         for key in set(self.reasoning or {}) - {"effort", "summary", "generate_summary"}:
             raise InvalidRequest(f"Unrecognized request argument supplied: reasoning.{key}", param=f"reasoning.{key}",
                                  code="unsupported_parameter")
+        for key, options in (("effort", REASONING_EFFORTS), ("summary", SUMMARIES), ("generate_summary", SUMMARIES)):
+            check_one_of((self.reasoning or {}).get(key), options, f"reasoning.{key}")  # no-ops, still OpenAI's values
         if self.previous_response_id and self.conversation:
             raise InvalidRequest("Mutually exclusive parameters. Ensure you are only providing one of: "
                                  "'previous_response_id' or 'conversation'.", code="mutually_exclusive_parameters")
@@ -170,14 +176,14 @@ class ResponsesRequest(BaseModel):
             if tool.get("type") != "function":
                 raise UnsupportedParameter(f"tool type {tool.get('type')!r} is not supported; only 'function'",
                                            param=f"tools[{i}].type")
-            fn = {k: v for k, v in tool.items() if k in ("name", "description", "parameters", "strict")}
-            out.append({"type": "function", "function": fn})
+            out.append({"type": "function", "function": chat_function(tool, i)})
         return out
 
     def chat_tool_choice(self) -> Any:
         """The Responses form of a choice in chat's: a function is named at the top level there, and an
         `allowed_tools` choice holds its mode and tools beside its type (function tools only here)."""
         choice = self.tool_choice
+        check_choice_fields(choice)
         if isinstance(choice, dict) and choice.get("type") == "function":
             return {"type": "function", "function": {"name": choice.get("name")}}
         if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
@@ -260,7 +266,7 @@ def _responses_param(param: str | None) -> str | None:
     # a Responses function tool (and a named choice) is flat: no `function` level
     param = re.sub(r"^(tools\.\d+|tool_choice)\.function(?=\.|$)", r"\1", param)
     head, dot, rest = param.partition(".")
-    return CHAT_TO_RESPONSES.get(head, head) + dot + rest
+    return re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", CHAT_TO_RESPONSES.get(head, head) + dot + rest)  # tools[0].name
 
 
 def check_include(values: list[str]) -> None:
@@ -283,7 +289,10 @@ def text_settings(text: dict[str, Any] | None) -> dict[str, Any]:
 
 def parse_responses_request(raw: bytes, content_type: str | None) -> ResponsesRequest:
     """Decode and validate a Responses body; every failure is a 4xx SwitchboardError."""
-    req = validated(ResponsesRequest, json_body(raw, content_type))  # strict: "stream": "no" is a 400
+    try:
+        req = validated(ResponsesRequest, json_body(raw, content_type))  # strict: "stream": "no" is a 400
+    except SwitchboardError as exc:  # OpenAI's indexes: context_management[0].type, not context_management.0.type
+        raise in_responses_terms(exc) from None
     req.check_supported()
     return req
 
@@ -307,6 +316,7 @@ def input_items(value: str | list[dict[str, Any]], param: str = "input") -> list
         kind = raw.get("type", "item_reference" if set(raw) == {"id"} else "message")
         if kind not in SUPPORTED_ITEM_TYPES:
             raise UnsupportedParameter(f"input item type {kind!r} is not supported", param=f"{where}.type")
+        check_one_of(raw.get("status"), ITEM_STATUSES, f"{where}.status")
         if kind == "message":
             role = raw.get("role")
             if role not in ("user", "system", "developer", "assistant"):

@@ -43,16 +43,18 @@ class ResponseEvents:
 
     def __init__(self, send: Send, *, start: Callable[[], dict[str, Any]],
                  finish: Callable[[str | None, list[dict[str, Any]]], dict[str, Any]],
-                 fail: Callable[[str, str], dict[str, Any]], message_id: str) -> None:
+                 fail: Callable[[str, str], dict[str, Any]], message_id: str, announced: int = 0) -> None:
         """`start()`: the response object while in progress; `finish(finish_reason, output)`: the
         final one (as stored); `fail(code, message)`: the failed one (as stored); `message_id`: the
-        id of the text output item."""
+        id of the text output item; `announced`: how many events were sent before this stream began (a
+        background run's ``response.created`` and ``response.queued``): numbering goes on after them, and
+        ``response.created`` is not sent again."""
         self._send = send
         self._start = start
         self._finish = finish
         self._fail = fail
         self._message_id = message_id
-        self._seq = 0
+        self._seq = announced
         self._out: list[bytes] = []
         self._text: list[str] = []
         self._message_index: int | None = None
@@ -78,7 +80,8 @@ class ResponseEvents:
         if message["type"] == "http.response.start":
             await self._send(message)
             response = self._start()
-            self._event("response.created", response=response)
+            if not self._seq:
+                self._event("response.created", response=response)
             self._event("response.in_progress", response=response)
             return
         for block in message.get("body", b"").split(b"\n\n"):
@@ -111,7 +114,8 @@ class ResponseEvents:
             if choice.get("finish_reason"):
                 self._finish_reason = choice["finish_reason"]
 
-    def _text_delta(self, text: str) -> None:
+    def _open_message(self) -> int:
+        """The text output item's index, announced (``output_item.added``, ``content_part.added``) the first time."""
         if self._message_index is None:
             self._message_index = len(self._items)
             item = {"type": "message", "id": self._message_id, "status": "in_progress", "role": "assistant",
@@ -120,6 +124,10 @@ class ResponseEvents:
             self._event("response.output_item.added", output_index=self._message_index, item=item)
             self._event("response.content_part.added", item_id=self._message_id, output_index=self._message_index,
                         content_index=0, part=_part("output_text", ""))
+        return self._message_index
+
+    def _text_delta(self, text: str) -> None:
+        self._open_message()
         self._text.append(text)
         logprobs, self._pending = self._pending, []
         self._logprobs += logprobs
@@ -177,6 +185,8 @@ class ResponseEvents:
         if self._failed:
             return
         status = "completed" if self._finish_reason in (None, "stop", "tool_calls") else "incomplete"
+        if not self._items:  # no text and no call (a call cut inside its envelope, an empty reply): the response
+            self._open_message()  # holds an empty message (output_items), so the stream announces one too
         for index in range(len(self._items)):
             if index not in self._done:
                 self._item_done(index, status)

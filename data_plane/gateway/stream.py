@@ -34,6 +34,7 @@ from data_plane.gateway.safety.pipeline import ALLOW, OutputStreamFilter, Safety
 from data_plane.membership.view import Member
 from data_plane.protocol import (
     ROLE_DELTA,
+    SERVICE_TIER,
     SYSTEM_FINGERPRINT,
     PromptTokensDetails,
     Usage,
@@ -164,7 +165,7 @@ class Completion:
         incomplete) under the id its first event gave the client; the chat path sets none."""
         # A content chunk is the same JSON but for the text: built once, the text spliced in.
         head = _json({"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
-                      "model": model, "system_fingerprint": SYSTEM_FINGERPRINT})
+                      "model": model, "system_fingerprint": SYSTEM_FINGERPRINT, "service_tier": SERVICE_TIER})
         self._content_prefix = b"data: " + head[:-1] + b',"choices":[{"index":0,"delta":{"content":'
         self._content_suffix = b'},"logprobs":null,"finish_reason":null}]}\n\n'
 

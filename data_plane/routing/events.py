@@ -15,7 +15,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from data_plane.common.errors import Overloaded, PipelineStageLost, SwitchboardError, UpstreamError, from_openai_body
+from data_plane.common.errors import (
+    InvalidRequest,
+    Overloaded,
+    PipelineStageLost,
+    SwitchboardError,
+    UpstreamError,
+    from_openai_body,
+)
 
 
 @dataclass(frozen=True)
@@ -75,8 +82,10 @@ def parse_line(line: bytes) -> list[Event] | SwitchboardError:
         return UpstreamError("a shard sent a malformed stream event")
     if not isinstance(body, dict):
         return UpstreamError("a shard sent a malformed stream event")
-    if "error" in body:
-        return from_openai_body(502, body)
+    if "error" in body:  # the shard's word on the client's request (a grammar it cannot follow) stays a 400:
+        # rebuilt as 502 it was resumed on another shard, to fail the same way, and the client read server_error
+        client = isinstance(body["error"], dict) and body["error"].get("type") == InvalidRequest.type
+        return from_openai_body(400 if client else 502, body)
     choices = body.get("choices") or []
     usage = body.get("usage")
     if not choices:

@@ -73,7 +73,7 @@ def test_a_strict_schema_strict_mode_refuses_is_a_400_as_openai_answers_it(gatew
     assert (body["code"], body["param"]) == ("invalid_json_schema", "text.format")
     flat_tool = {"type": "function", **tool["function"]}
     body = refusal(lambda: client.responses.create(model=MODEL, input="Hi", max_output_tokens=5, tools=[flat_tool]))
-    assert body["param"] == "tools.0.parameters"
+    assert body["param"] == "tools[0].parameters"  # (OpenAI's notation on the Responses API)
     # not strict: served, the grammar closing the object (as before)
     loose = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, response_format={
         "type": "json_schema", "json_schema": {"name": "person", "schema": OPEN_PERSON}})
@@ -273,7 +273,7 @@ def test_names_and_schemas_openai_takes_are_still_served(gateway: Service) -> No
     body = refusal(lambda: client.responses.create(model=MODEL, input="Hi", max_output_tokens=5, tools=[
         {"type": "function", "name": "weather.get", "parameters": {"type": "object", "properties": {}}}]))
     assert (body["param"], body["message"]) == (
-        "tools.0.name", f"Invalid 'tools.0.name': string does not match pattern. {PATTERN}")
+        "tools[0].name", f"Invalid 'tools[0].name': string does not match pattern. {PATTERN}")
 
 
 def test_a_tool_schema_the_grammar_refuses_is_named_in_the_clients_terms(gateway: Service) -> None:
@@ -296,7 +296,7 @@ def test_a_tool_schema_the_grammar_refuses_is_named_in_the_clients_terms(gateway
     flat = [{"type": "function", **t["function"]} for t in tools]
     body = refusal(lambda: client.responses.create(model=MODEL, input="Hi", max_output_tokens=5, tools=flat[1:],
                                                    tool_choice="required"))
-    assert body["param"] == "tools.0.parameters" and "'pick'" in body["message"], body
+    assert body["param"] == "tools[0].parameters" and "'pick'" in body["message"], body
     # the property not required: `{}` satisfies the schema, and is served
     optional = {k: v for k, v in impossible.items() if k != "required"}
     reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=20, temperature=0,
@@ -462,7 +462,7 @@ def test_an_unserved_route_is_a_404_naming_it_as_openai_does(gateway: Service, f
     ({"stop": 5}, "stop", "invalid_type",
      "Invalid type for 'stop': expected one of a string or an array, but got an integer instead."),
     ({"service_tier": "gold"}, "service_tier", "invalid_value",
-     "Invalid value: 'gold'. Supported values are: 'auto', 'default', 'flex', 'scale', and 'priority'."),
+     "Invalid value: 'gold'. Supported values are: 'auto', 'default', 'flex', 'scale', 'priority', and 'fast'."),
     ({"response_format": {"type": "xml"}}, "response_format.type", "invalid_value",
      "Invalid value: 'xml'. Supported values are: 'text', 'json_object', and 'json_schema'."),
 ])
@@ -472,7 +472,7 @@ def test_a_value_out_of_its_range_is_worded_as_openai_words_it(gateway: Service,
     "temperature: Input should be less than or equal to 2" (pydantic's words; "at most 4 stop sequences") with
     code invalid_value, a value not among a field's "service_tier: Input should be 'auto', ... or 'priority'";
     OpenAI says "Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 2.5
-    instead." with its own code, and "Invalid value: 'gold'. Supported values are: ..., and 'priority'."
+    instead." with its own code, and "Invalid value: 'gold'. Supported values are: ..., and 'fast'."
     (request_checks.openai_words); a value of the wrong type "temperature: Input should be a valid number",
     where OpenAI says "Invalid type for 'temperature': expected a decimal, but got a string instead."
     (invalid_type). Now those, the Responses API's fields too."""

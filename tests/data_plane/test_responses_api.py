@@ -302,8 +302,8 @@ def test_a_turn_sent_the_moment_the_last_one_completes_is_not_refused(stack: Sta
                                         "strict": "yes"}}}, 400, "text.format.strict"),
     ({"input": "x", "text": {"format": "json"}}, 400, "text.format"),  # was a 500
     ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, 400, "input"),
-    # a Responses function tool is flat: the param named the chat path's `tools.0.function.name`
-    ({"input": "x", "tools": [{"type": "function", "name": "bad name!"}]}, 400, "tools.0.name"),
+    # a Responses function tool is flat: the param named the chat path's `tools.0.function.name` (OpenAI: tools[0].name)
+    ({"input": "x", "tools": [{"type": "function", "name": "bad name!"}]}, 400, "tools[0].name"),
     # a schema the shard's grammar refuses: it named the chat path's `response_format`
     ({"input": "x", "max_output_tokens": 4, "text": {"format": {"type": "json_schema", "name": "x", "schema": {
         "type": "object", "properties": {"a": {"type": "string", "pattern": "["}}}}}}, 400, "text.format"),

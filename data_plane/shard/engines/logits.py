@@ -27,8 +27,10 @@ from typing import Any
 
 import torch
 
+from data_plane.common.errors import InvalidRequest
 from data_plane.shard.engines import token_masks
 from data_plane.shard.engines.base import SamplingParams, TokenLogprob, TopLogprob
+from data_plane.shard.engines.grammar import GrammarKind
 from data_plane.shard.engines.token_masks import MaskListener
 
 log = logging.getLogger(__name__)
@@ -113,10 +115,23 @@ class RequestLogits:
         if self.seen is not None and 0 <= token < self.vocab:
             self.seen[token] = True
         m = self.matcher
-        if (m is not None and self.error is None and not m.is_stopped()
-                and (not m.consume_token(token) or m.is_error())):
+        if m is not None and self.error is None and (m.is_error() or (
+                not m.is_stopped() and (not m.consume_token(token) or m.is_error()))):
             self.error = m.get_error() or "token rejected"
-            log.warning("grammar matcher error after token %d: %s", token, self.error)
+            log.warning("grammar matcher error after token %d: %s", token, _first_line(self.error))
+
+    def failure(self) -> InvalidRequest | None:
+        """The 400 this sequence ends with once its grammar stopped short of a whole output (`error`): a
+        parser limit, or a dead end (a $ref cycle inside the schema: the mask then allows only EOS). It was
+        served on, unconstrained, or ended "stop" with the JSON cut (`{"a":`)."""
+        if self.error is None:
+            return None
+        kind = self.params.grammar.kind if self.params.grammar is not None else GrammarKind.JSON_SCHEMA
+        return InvalidRequest(
+            f"{kind.noun} cannot be followed to a complete output (the grammar "
+            f"engine stopped after {self.generated} tokens: {_first_line(self.error)}); a schema whose every output "
+            "recurses forever (a required property that refers back to its own object, a $ref cycle) has none",
+            param=_PARAMS.get(kind, "response_format"), code="invalid_grammar")
 
     @property
     def constrains(self) -> bool:
@@ -157,7 +172,8 @@ class RequestLogits:
         bitmask = self.take_mask()
         if bitmask is None:
             t0 = time.monotonic()
-            bitmask = token_masks.walk(self.matcher, draft, self.mask_vocab)
+            bitmask, failed = token_masks.walk(self.matcher, draft, self.mask_vocab)
+            self.error = self.error or failed
             if self.listener is not None:
                 self.listener.on_grammar_mask(len(draft) + 1, time.monotonic() - t0)
         token_masks.apply(rows, bitmask)
@@ -166,6 +182,9 @@ class RequestLogits:
         """The verify step kept `tokens` (the accepted drafts, then the model's token): the matcher, past
         all `drafted` tokens since `mask_draft`, is rolled back to the accepted ones and takes the last."""
         accepted = len(tokens) - 1
+        if self.error is not None:  # the walk stopped on a draft token: the sequence fails (`failure`)
+            self.generated += len(tokens)
+            return
         self.matcher.rollback(drafted - accepted)
         self.generated += accepted
         self.accept(tokens[-1])
@@ -187,6 +206,15 @@ class RequestLogits:
             row[self.seen] = torch.where(sel > 0, sel / rp, sel * rp)
         if self.counts is not None:
             row -= (p.frequency_penalty * self.counts + p.presence_penalty * (self.counts > 0).float()).to(row.dtype)
+
+
+def _first_line(error: str) -> str:
+    return error.strip().splitlines()[0][:200] if error.strip() else error
+
+
+_PARAMS = {GrammarKind.TOOLS: "tools", GrammarKind.REGEX: "structured_outputs", GrammarKind.CHOICE: "structured_outputs",
+           GrammarKind.GRAMMAR: "structured_outputs"}
+"""The request field a grammar kind comes from (a JSON schema or object: response_format)."""
 
 
 def process_batch(logits: torch.Tensor, procs: Sequence[RequestLogits | None]) -> None:

@@ -45,6 +45,7 @@ class Masked(Protocol):
     mask_vocab: int
     pending: Future[None] | None
     ready: torch.Tensor | None
+    error: str | None
 
 
 def allocate(rows: int, vocab: int) -> torch.Tensor:
@@ -69,15 +70,18 @@ def apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         logits[:, width:] = float("-inf")
 
 
-def walk(matcher: Any, draft: Sequence[int], vocab: int) -> torch.Tensor:
+def walk(matcher: Any, draft: Sequence[int], vocab: int) -> tuple[torch.Tensor, str | None]:
     """[len(draft) + 1, words]: row j, what `matcher` allows after draft[:j]; the matcher is left past
-    the draft (AssertionError if it rejects a draft token: drafts are checked before they are planned)."""
+    the draft. Drafts are checked before they are planned, but a parser limit can still stop the matcher
+    on one (llguidance's "Too many items" on a schema whose every output recurses forever): the walk ends
+    there with the matcher's error (the rows after it allow every token; the sequence fails, `RequestLogits`).
+    It was an AssertionError on the scheduler thread: one client's schema killed the shard's engine."""
     bitmask = allocate(len(draft) + 1, vocab)
     for j in range(len(draft) + 1):
         fill(matcher, bitmask, j)
         if j < len(draft) and not matcher.consume_token(draft[j]):
-            raise AssertionError("a checked draft token was rejected")
-    return bitmask
+            return bitmask, matcher.get_error() or "a checked draft token was rejected"
+    return bitmask, None
 
 
 class MaskPrefetch:
@@ -116,7 +120,8 @@ class MaskPrefetch:
         rows = len(plain)
         for p, d in work:
             if d:
-                p.ready = walk(p.matcher, d, p.mask_vocab)
+                p.ready, failed = walk(p.matcher, d, p.mask_vocab)
+                p.error = p.error or failed
                 rows += len(d) + 1
         if self.listener is not None:
             self.listener.on_grammar_mask(rows, time.monotonic() - t0)

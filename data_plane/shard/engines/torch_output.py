@@ -83,6 +83,10 @@ class OutputProcessor:
         self.listener.on_iteration_tokens(plan.num_tokens)
         for row, tokens in zip(plan.rows, result.tokens):
             seq = row.seq
+            failure = seq.req.processor.failure() if seq.req.processor is not None else None
+            if failure is not None:  # its grammar stopped short of a whole output: this step's tokens go too
+                self.fail(seq, failure)
+                continue
             if row.draft and seq.spec is not None:
                 seq.spec.record(len(row.draft), len(tokens) - 1, row.match_n)
                 self.listener.on_spec_draft(len(row.draft), len(tokens) - 1)
@@ -138,6 +142,12 @@ class OutputProcessor:
         while keep < len(ids) and len(self.decode_ids(ids[:keep])) < len(kept):
             keep += 1
         del pending[keep:]
+
+    def fail(self, seq: SeqState, error: Exception) -> None:
+        """End `seq` with `error` (its stream raises it: a 4xx before the first byte, an error event after),
+        freed as an abort is."""
+        seq.sink(error)
+        self.finish(seq, FINISH_ABORT)
 
     def finish(self, seq: SeqState, reason: str, delta: str = "") -> None:
         if reason != FINISH_ABORT:

@@ -1,0 +1,77 @@
+"""OpenAI's rule that a tool call is answered before the conversation goes on, checked by the gateway:
+
+    check_answered(req.messages)                     # the request's own calls (param messages.<i>.role)
+    check_session_answered(stored, req.messages)     # the calls of a session's last turn (X-Session-Id)
+
+An assistant message with `tool_calls` must be followed by `tool` messages answering each call's id before
+any other message; OpenAI refuses anything else with a 400 ("An assistant message with 'tool_calls' must be
+followed by tool messages responding to each 'tool_call_id'. The following tool_call_ids did not have
+response messages: call_..."). Served anyway, an app tested here broke on OpenAI, and the model saw a call
+with no result and answered as if it had one.
+
+With a server-side session the app sends only the new messages, so the calls of the session's last turn are
+in its transcript (as the tool envelope, without their ids: the ids were minted for the reply) and their
+results are the request's first messages: counted against the envelope's calls. The gateway checks the
+merged history here; a shard never does (it gets plain messages, and a resume continues an unanswered call).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from data_plane.common.errors import InvalidRequest
+from data_plane.protocol import ChatMessage
+from data_plane.tool_calls import CALLS_PREFIX
+
+_RULE = ("An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+         "'tool_call_id'.")
+
+
+def check_answered(messages: Sequence[ChatMessage]) -> None:
+    """400 when an assistant message's tool calls are not all answered by the tool messages right after it."""
+    for i, m in enumerate(messages):
+        if m.role != "assistant" or not m.tool_calls:
+            continue
+        missing = [c["id"] for c in m.tool_calls]  # (shape checked by ChatCompletionRequest.check_supported)
+        for after in messages[i + 1:]:
+            if after.role != "tool":
+                break
+            if after.tool_call_id in missing:
+                missing.remove(after.tool_call_id)
+        if missing:
+            raise InvalidRequest(f"{_RULE} The following tool_call_ids did not have response messages: "
+                                 f"{', '.join(missing)}", param=f"messages.{i}.role")
+
+
+def check_session_answered(stored: Sequence[dict[str, str]], messages: Sequence[ChatMessage]) -> None:
+    """400 when a session's last turn called tools and the request does not open with a tool message for
+    each call (system and developer messages aside: they replace the stored ones, ahead of the history)."""
+    turns = [m for m in stored if m.get("role") != "system"]
+    names = _called(turns[-1]) if turns and turns[-1].get("role") == "assistant" else []
+    if not names:
+        return
+    new = [m for m in messages if m.role not in ("system", "developer")]
+    answered = 0
+    while answered < len(new) and new[answered].role == "tool":
+        answered += 1
+    if answered < len(names):
+        raise InvalidRequest(
+            f"{_RULE} The session's last assistant message called {len(names)} tool(s) "
+            f"({', '.join(names)}) and {answered} tool message(s) answer them: send one tool message per call, "
+            f"first, with the tool_call_id the reply gave it.", param="messages")
+
+
+def _called(message: dict[str, str]) -> list[str]:
+    """The functions a stored assistant turn called (its tool envelope), in order; none for text."""
+    content = message.get("content") or ""
+    if not content.startswith(CALLS_PREFIX):
+        return []
+    try:
+        calls: Any = json.loads(content)["tool_calls"]
+    except (ValueError, KeyError, TypeError):  # a reply cut by its token limit: not a whole envelope
+        return []
+    if not isinstance(calls, list):
+        return []
+    return [str(c.get("name", "")) if isinstance(c, dict) else "" for c in calls]

@@ -1,0 +1,240 @@
+"""Chat Completions as an application sees it, third round (tool-call history, structured outputs, the
+SDK's parameters): each test is a place where the gateway answered otherwise than OpenAI's API does, found
+by driving it with the openai SDK. Real processes: the session's fp32 shard, a cache node and a gateway.
+
+    PYTHONPATH=$PWD .venv/bin/python -m pytest tests/data_plane/test_chat_app_contract.py -q
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.support.chat import sdk
+from tests.support.cluster import KEYS, gateway_before
+from tests.support.procs import Service
+
+MODEL = "SmolLM2-135M-Instruct"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ASK = {"role": "user", "content": "What is the weather in Paris and in Rome?"}
+UNANSWERED = "An assistant message with 'tool_calls' must be followed by tool messages responding to each 'tool_call_id'."
+
+
+def _call(i: int, city: str) -> dict[str, Any]:
+    return {"id": f"call_{i}", "type": "function",
+            "function": {"name": "get_weather", "arguments": f'{{"city": "{city}"}}'}}
+
+
+def _result(i: int, text: str = "Sunny") -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": f"call_{i}", "content": text}
+
+
+@pytest.fixture(scope="module")
+def gateway(fp32_shard: Service, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    with gateway_before(fp32_shard, tmp_path_factory.mktemp("chat-app-contract")) as gw:
+        yield gw
+
+
+def _refused(client: Any, messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, **extra)
+    body: dict[str, Any] = bad.value.body  # type: ignore[assignment]
+    return body
+
+
+@pytest.mark.parametrize(("tail", "missing"), [
+    ([{"role": "user", "content": "And?"}], "call_1, call_2"),           # the results never sent
+    ([_result(1)], "call_2"),                                              # one of two answered
+    ([], "call_1, call_2"),                                                # the calls end the history
+    ([{"role": "user", "content": "x"}, _result(1), _result(2)], "call_1, call_2"),  # a message between
+], ids=["no-results", "one-of-two", "trailing-calls", "user-between"])
+def test_tool_calls_without_their_results_are_a_400_as_openai_answers_them(gateway: Service, tail: list[Any],
+                                                                            missing: str) -> None:
+    """OpenAI refuses a history whose assistant tool calls are not each answered by the tool messages right
+    after it; the gateway served it (the model saw a call with no result, and an app tested here broke on
+    OpenAI). Streamed or not, with tools or without; an answered history is still served."""
+    client = sdk(gateway)
+    history = [ASK, {"role": "assistant", "content": None, "tool_calls": [_call(1, "Paris"), _call(2, "Rome")]}, *tail]
+    for extra in ({}, {"tools": [WEATHER]}, {"stream": True}):
+        body = _refused(client, history, **extra)
+        assert body["message"] == f"{UNANSWERED} The following tool_call_ids did not have response messages: {missing}"
+        assert body["param"] == "messages.1.role" and body["type"] == "invalid_request_error"
+    answered = [ASK, history[1], _result(1), _result(2, "Rainy")]
+    reply = client.chat.completions.create(model=MODEL, messages=answered, max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content
+
+
+def test_a_sessions_tool_calls_must_be_answered_before_it_goes_on(gateway: Service) -> None:
+    """With X-Session-Id the calls are in the transcript, so the check counts the request's leading tool
+    messages against the last turn's calls: a user message instead of the result was served (the call left
+    unanswered in the history from then on). The refused turn leaves the session as it was."""
+    client = sdk(gateway)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER],
+        tool_choice="required", parallel_tool_calls=False, max_tokens=40, temperature=0,
+        extra_headers={"X-Session-Id": "new"})
+    session, call = raw.headers["x-session-id"], raw.parse().choices[0].message.tool_calls[0]
+    headers = {"X-Session-Id": session}
+    body = _refused(client, [{"role": "user", "content": "Never mind."}], extra_headers=headers)
+    assert body["message"].startswith(UNANSWERED) and "get_weather" in body["message"], body
+    assert body["param"] == "messages"
+    body = _refused(client, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "x"}],
+                    extra_headers=headers, stream=True)
+    assert body["message"].startswith(UNANSWERED)
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"}], max_tokens=30,
+        temperature=0, extra_headers=headers).choices[0]
+    assert answer.finish_reason in ("stop", "length") and answer.message.content
+    after = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Thanks!"}],
+                                           max_tokens=8, temperature=0, extra_headers=headers)
+    assert after.choices[0].message.content  # the calls answered, the session goes on
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({}, "messages"),
+    ({"messages": [{"content": "Hi"}]}, "messages.0.role"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice.function"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+], ids=["messages", "role", "function-name", "tool-choice-function", "json-schema"])
+def test_a_required_field_left_out_is_openais_missing_required_parameter(gateway: Service, body: dict[str, Any],
+                                                                          param: str) -> None:
+    """A required field left out was pydantic's words with code invalid_value ("tools.0.function.name: Field
+    required", "response_format: Value error, response_format of type json_schema needs a json_schema
+    object"); OpenAI answers "Missing required parameter: 'messages'." with code missing_required_parameter,
+    which clients match on."""
+    body = {"model": MODEL, "max_tokens": 4, **({"messages": [{"role": "user", "content": "Hi"}], **body} if body else {})}
+    r = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEYS['plus']}"},
+                   timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"] == f"Missing required parameter: '{param}'.", err
+    assert err["code"] == "missing_required_parameter" and param.startswith(err["param"])
+
+
+def _schema_of(a: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "loop", "schema": {
+        "type": "object", "properties": {"z": {"type": "integer"}, "a": a}, "required": ["z", "a"],
+        "additionalProperties": False, "$defs": defs}}}
+
+
+ENDLESS = _schema_of({"$ref": "#/$defs/A"}, {"A": {"type": "object", "properties": {"x": {"$ref": "#/$defs/A"}},
+                                                   "required": ["x"], "additionalProperties": False}})
+"""Every output recurses forever ({"x": {"x": ...}}): llguidance's parser stops at its item limit."""
+CYCLE = _schema_of({"$ref": "#/$defs/A"}, {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}})
+"""A $ref cycle under a property: nothing can follow `"a":` (the grammar's mask allows only EOS there)."""
+
+
+@pytest.mark.parametrize("response_format", [ENDLESS, CYCLE], ids=["endless-recursion", "ref-cycle"])
+def test_a_schema_with_no_whole_output_is_a_400_and_the_shard_serves_on(gateway: Service, fp32_shard: Service,
+                                                                        response_format: dict[str, Any]) -> None:
+    """A schema whose grammar stops part-way through every output: with ENDLESS the matcher rejected a draft
+    the jump-forward had planned, an AssertionError on the scheduler thread killed the shard's engine (every
+    stream on it failed, the shard exited: one request of any key took a shard down), and the client got a
+    502; with CYCLE the reply was `{"z":1,"a":` with finish_reason "stop". Now the request fails alone with
+    a 400 invalid_grammar (an error event once the stream began), and the shard serves the next request."""
+    client = sdk(gateway)
+    ask = [{"role": "user", "content": "Give me JSON."}]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=ask, response_format=response_format, max_tokens=40,
+                                       temperature=0)
+    err: dict[str, Any] = bad.value.body  # type: ignore[assignment]
+    assert err["code"] == "invalid_grammar" and err["param"] == "response_format", err
+    assert err["message"].startswith("the JSON schema cannot be followed to a complete output"), err
+    with pytest.raises(openai.APIError) as streamed:
+        for _ in client.chat.completions.create(model=MODEL, messages=ask, response_format=response_format,
+                                                max_tokens=40, temperature=0, stream=True):
+            pass
+    assert "cannot be followed to a complete output" in str(streamed.value)
+    assert httpx.get(fp32_shard.url + "/health", timeout=10).status_code == 200
+    after = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=8, temperature=0,
+                                           response_format={"type": "json_object"})
+    assert after.choices[0].message.content
+
+
+def test_replies_say_the_service_tier_that_served_them(gateway: Service) -> None:
+    """OpenAI's completions and chunks carry `service_tier` (the tier that processed the request, "default"
+    whatever `auto`, `flex` or `priority` asked); ours had none, so the SDK read None where an app reads the
+    tier it was billed at (the Responses API said "default" already)."""
+    client = sdk(gateway)
+    ask = [{"role": "user", "content": "Hi"}]
+    for asked in ({}, {"service_tier": "auto"}, {"service_tier": "flex"}):
+        assert client.chat.completions.create(model=MODEL, messages=ask, max_tokens=2, **asked).service_tier == "default"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ask, max_tokens=2, stream=True,
+                                                 stream_options={"include_usage": True}, service_tier="priority"))
+    assert chunks and all(c.service_tier == "default" for c in chunks)
+
+
+@pytest.mark.parametrize(("fields", "param", "words"), [
+    ({"stop": ""}, "stop", "stop sequences must be non-empty"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}, "store": True}, "metadata", "at most 16 pairs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "needs exactly one of"),
+], ids=["stop", "metadata", "structured_outputs"])
+def test_a_refused_value_is_worded_without_pydantics_prefix(gateway: Service, fields: dict[str, Any], param: str,
+                                                            words: str) -> None:
+    """A value one of our validators refuses read "stop: Value error, stop sequences must be non-empty":
+    pydantic's label for the exception class, in front of the client. The message is the validator's own."""
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk(gateway).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                             extra_body=fields)
+    err: dict[str, Any] = bad.value.body  # type: ignore[assignment]
+    assert err["param"] == param and words in err["message"] and "Value error" not in err["message"], err
+
+
+def _with_format(fmt: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {"u": {"type": "string", "format": fmt, "maxLength": 20}}, "required": ["u"],
+            "additionalProperties": False}
+
+
+def test_a_format_the_grammar_does_not_know_is_an_annotation_unless_strict(gateway: Service) -> None:
+    """JSON Schema reads `format` as an annotation, and OpenAI serves a non-strict schema whatever its formats:
+    here one the grammar compiler does not know (pydantic's SecretStr "password", Path "path", bytes "binary",
+    an MCP tool's "uri-reference") was a 400 "Unknown format", so an instructor model with such a field could
+    not be served. It is now a plain string. Strict mode takes OpenAI's nine formats and "uri" (enforced by the
+    grammar), and refuses another in OpenAI's words ("'uri-reference' is not a valid format")."""
+    client = sdk(gateway)
+    ask = [{"role": "user", "content": "Give me JSON with a path."}]
+    for fmt in ("password", "path", "binary", "uri-reference"):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=ask, max_tokens=40, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "f", "schema": _with_format(fmt)}})
+        assert isinstance(json.loads(reply.choices[0].message.content or "")["u"], str)
+        call = client.chat.completions.create(
+            model=MODEL, messages=ask, max_tokens=40, temperature=0, tool_choice="required",
+            tools=[{"type": "function", "function": {"name": "save", "parameters": _with_format(fmt)}}])
+        assert isinstance(json.loads(call.choices[0].message.tool_calls[0].function.arguments)["u"], str)
+    for fields, param, code, prefix in (
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "f", "strict": True,
+                                                                         "schema": _with_format("uri-reference")}}},
+             "response_format", "invalid_json_schema", "Invalid schema for response_format 'f': "),
+            ({"tools": [{"type": "function", "function": {"name": "save", "strict": True,
+                                                           "parameters": _with_format("password")}}]},
+             "tools.0.function.parameters", "invalid_function_parameters", "Invalid schema for function 'save': ")):
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4, **fields)
+        err: dict[str, Any] = bad.value.body  # type: ignore[assignment]
+        fmt = "uri-reference" if param == "response_format" else "password"
+        assert err["message"] == f"{prefix}In context=('properties', 'u'), '{fmt}' is not a valid format.", err
+        assert (err["param"], err["code"]) == (param, code)
+    for fmt in ("date", "uri"):  # one of OpenAI's nine, and pydantic's AnyUrl: strict, served and enforced
+        ok = client.chat.completions.create(
+            model=MODEL, messages=ask, max_tokens=40, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "f", "strict": True, "schema": _with_format(fmt)}})
+        assert ok.choices[0].finish_reason == "stop", fmt
+
+
+def test_a_schema_with_no_whole_output_names_the_responses_field(gateway: Service) -> None:
+    """Through the Responses API the same 400 named `response_format`, a field a Responses client never sent
+    (the shard's error came after the first token, past the renaming of the errors raised before it)."""
+    fmt = ENDLESS["json_schema"]
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk(gateway).responses.create(model=MODEL, input="Give me JSON.", max_output_tokens=40, temperature=0,
+                                      text={"format": {"type": "json_schema", "name": fmt["name"], "schema": fmt["schema"]}})
+    err: dict[str, Any] = bad.value.body  # type: ignore[assignment]
+    assert (err["param"], err["code"]) == ("text.format", "invalid_grammar"), err
