@@ -121,7 +121,10 @@ def fetch(what: str, call: Callable[[], T], *, quiet_unavailable: bool = False,
 
 
 def act(what: str, call: Callable[[], Any]) -> bool:
-    """Run one state-changing call and leave a flash message for the next render."""
+    """Run one state-changing call and leave a flash message for the next render; nothing for a session
+    that is no longer logged in (a button's on_click runs before app.py's gate: admin_ui/login.py)."""
+    if not login.logged_in(console()):
+        return False
     try:
         call()
     except ConsoleError as exc:

@@ -217,8 +217,8 @@ def _shard_flags(s: UpSettings, threads: int, state: Path) -> list[str]:
 
 
 def console_host(s: UpSettings, tls: bool) -> str:
-    """Where the console listens: `--host`, except a network address without TLS, where the admin token
-    typed into its login would cross the network in plain text (admin_ui/launch.py refuses that): loopback."""
+    """Where the console listens (and Prometheus, as tls=False: no auth, and it serves the tenants' series): `--host`,
+    except a network address without TLS, where the admin token typed into its login would cross it: loopback."""
     return s.host if tls or is_loopback(s.host) else "127.0.0.1"
 
 
@@ -235,9 +235,7 @@ def console_child(s: UpSettings, state: Path, cp: Child, gateway: Child, admin_t
                  health="/_stcore/health")
 
 
-LOGIN_CODE_ENV = "SWITCHBOARD_CONSOLE_LOGIN_CODE"
-"""admin_ui.settings.ENV_LOGIN_CODE (named here: `up` imports nothing of the console)."""
-
+LOGIN_CODE_ENV = "SWITCHBOARD_CONSOLE_LOGIN_CODE"  # admin_ui.settings.ENV_LOGIN_CODE (`up` imports no console)
 
 ALERTS_DIR = Path(__file__).resolve().parent.parent / "alerts"
 SCRAPE_JOBS = {"gateway": "switchboard-gateway", "shard": "switchboard-shard", "cache": "switchboard-cache"}
@@ -290,10 +288,10 @@ def prometheus_child(s: UpSettings, state: Path, cp: Child, shards: Sequence[Chi
             for sd in job.get("http_sd_configs", []):
                 sd["tls_config"] = {"ca_file": ca}
     (folder / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
-    url = f"http://{s.host}:{s.prometheus_port}"
+    url = f"http://{console_host(s, False)}:{s.prometheus_port}"  # never on the network: it has no auth, no TLS
     return Child("prometheus", [], url, state / "logs" / "prometheus.log", health="/-/ready", command=[
         binary, f"--config.file={folder / 'prometheus.yml'}", f"--storage.tsdb.path={folder / 'data'}",
-        f"--web.listen-address={s.host}:{s.prometheus_port}", "--storage.tsdb.retention.time=2d"])
+        f"--web.listen-address={url.split('://', 1)[1]}", "--storage.tsdb.retention.time=2d"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -363,6 +361,8 @@ def main(argv: list[str] | None = None) -> None:
         extras = [c for c in (prometheus, console) if c is not None]
         for child in extras:
             supervisor.start(child)
+        if console is not None:  # a restart gets a code nobody saw: the supervisor reuses the env, and a
+            console.env[LOGIN_CODE_ENV] = secrets.token_urlsafe(32)  # restarted console forgets spent ones
         wait_healthy(extras, 90, "prometheus / console")
     except Stopped as stop:
         supervisor.shutdown()
@@ -441,7 +441,7 @@ def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: 
           for c in shards + caches],
         *([f"  shards                        autoscaled, {s.min_replicas}..{s.max_replicas} (console: Autoscaler)"]
           if s.autoscale else []),
-        *([f"  prometheus                    {s.host}:{s.prometheus_port}  (alerts: /alerts)"]
+        *([f"  prometheus                    {console_host(s, False)}:{s.prometheus_port}  (alerts: /alerts)"]
           if s.prometheus else []),
         "",
         *_key_lines(creds, state),

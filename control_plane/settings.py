@@ -66,8 +66,8 @@ class ControlPlaneSettings(BaseSettings):
     metrics_token: SecretStr | None = Field(
         default=None, validation_alias=AliasChoices("metrics_token", METRICS_TOKEN_ENV)
     )
-    """Read-only token for ``/metrics`` (the cluster token opens it too): what Prometheus is given, and
-    what the embedded signal reader presents to members when set (else the cluster token)."""
+    """Read-only token for ``/metrics`` (the cluster token opens it too): what Prometheus is given. The
+    embedded signal reader presents the cluster token (every member accepts it), this one only without it."""
     services: Annotated[tuple[str, ...], NoDecode] = DEFAULT_SERVICES
     """Service names members may register under, comma-separated in env/flags (they become metric
     labels, so the set is closed)."""

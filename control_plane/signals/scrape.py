@@ -107,7 +107,7 @@ class ScrapeSignals:
         signals = await source.read()
 
     `members(service)` lists members of a service in any status (``Member.status`` says which);
-    `headers` go with every scrape (``scrape_headers(cluster_token, metrics_token)``: /metrics is guarded).
+    `headers` go with every scrape (/metrics is guarded: signals/source.py sends the cluster token).
     Reads closer together than `min_interval_s` share one scrape, so the autoscaler and the
     degradation controller can both read on their own ticks.
     """

@@ -16,7 +16,7 @@ import httpx
 from control_plane.signals.model import SignalSource
 from control_plane.signals.prometheus import PrometheusSignals
 from control_plane.signals.scrape import ScrapeSignals
-from data_plane.common.hop_auth import scrape_headers
+from data_plane.common.hop_auth import cluster_headers
 
 if TYPE_CHECKING:
     from control_plane.settings import ControlPlaneSettings
@@ -33,5 +33,8 @@ def build_signal_source(settings: ControlPlaneSettings, registry: Any, http: htt
         value = getattr(settings, name, None)
         return value.get_secret_value() if value else None
 
-    return ScrapeSignals.from_registry(registry, http, window_s=window_s,
-                                       headers=scrape_headers(secret("cluster_token"), secret("metrics_token")))
+    # The cluster token first: every member accepts it, while the metrics token opens only the /metrics of
+    # members started with the same one (a shard added by hand with SWITCHBOARD_CLUSTER_TOKEN alone, a pod
+    # started before the Secret had metrics-token answered 401: the shard stale, the signals incomplete).
+    token = secret("cluster_token") or secret("metrics_token")
+    return ScrapeSignals.from_registry(registry, http, window_s=window_s, headers=cluster_headers(token))

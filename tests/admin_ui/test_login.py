@@ -157,3 +157,19 @@ def test_logout_rotation_and_expiry_end_the_session(console, monkeypatch):
     at.run()  # past the default 12 h
     shows_nothing_of_the_cluster(at)
     assert "the session expired" in texts(at)
+
+
+def test_a_control_clicked_after_the_session_ended_does_nothing(console, admin):
+    """A button's on_click callback (Drain, Pin level, Lift, ...) runs before the script, so before
+    app.py's gate: a page left open past its login (expired, or the admin token rotated, with
+    auto-refresh off) still drained a shard on the next click, and only then showed the login form."""
+    at = console.page("cluster")
+    assert at.button(key="drain-shard-0")
+    at.session_state[login.SESSION_KEY] = {**at.session_state[login.SESSION_KEY], "at": time.time() - 13 * 3600}
+    try:
+        at.button(key="drain-shard-0").click().run()
+        shows_nothing_of_the_cluster(at)
+        member = next(m for m in admin.get("/admin/v1/members").json()["members"] if m["id"] == "shard-0")
+        assert not member["draining"], member
+    finally:
+        admin.post("/admin/v1/members/shard-0/undrain")

@@ -168,3 +168,49 @@ def test_a_rotated_admin_token_logs_an_open_page_out_on_its_next_refresh(termina
         finally:
             terminal_console.credentials.write_text(json.dumps({"keys": {}, "admin_token": ADMIN_TOKEN}))
     assert "console logout" in terminal_console.text() and "the admin token changed" in terminal_console.text()
+
+
+def test_a_used_login_link_stays_spent_when_up_restarts_the_console(tmp_path):
+    """`switchboard up` handed the console its code in the environment once, and its supervisor restarts a
+    console that dies with that same environment: the restarted console had forgotten which codes were
+    spent, and the link in the banner (the scrollback, the browser's history) logged anyone in again."""
+    from tests.support.procs import start_up, stop_up, wait_up
+
+    console = free_port()
+    proc = start_up(tmp_path, "--engine", "synthetic", "--shards", "1", "--gateway-port", str(free_port()),
+                    "--control-plane-port", str(free_port()), "--console-port", str(console))
+    try:
+        found = LINK.search(wait_up(proc, tmp_path))
+        assert found, (tmp_path / "up.log").read_text()
+        link = found.group(1)
+        with Chromium() as browser:
+            browser.capture(link, tmp_path / "first.png", expect=["Overview", "Updated "])
+        table = tmp_path / ".switchboard" / "processes.json"
+
+        def console_pid() -> int | None:
+            rows = json.loads(table.read_text())["processes"]
+            return next((r.get("pid") for r in rows if r["name"] == "console" and r.get("running")), None)
+
+        first = console_pid()
+        assert first
+        os.kill(first, 9)
+        deadline = time.monotonic() + 60
+        while not ((pid := console_pid()) and pid != first and _healthy(f"http://127.0.0.1:{console}")):
+            assert time.monotonic() < deadline, table.read_text()
+            time.sleep(0.3)
+        with Chromium() as browser:
+            browser.call("Page.navigate", url=link)
+            deadline = time.monotonic() + 45
+            while not any(w in (shown := main_text(browser)) for w in ("Admin token", "Log out")):
+                assert time.monotonic() < deadline, shown
+                time.sleep(0.3)
+            assert "Admin token" in shown and "Log out" not in shown, shown  # the login form, not the console
+    finally:
+        stop_up(proc)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/_stcore/health", timeout=1).text == "ok"
+    except httpx.HTTPError:
+        return False

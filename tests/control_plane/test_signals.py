@@ -22,8 +22,9 @@ from control_plane.signals.scrape import ScrapeSignals
 from data_plane.membership.view import Member
 from tests.support.clock import FakeClock
 from tests.support.cluster import Cluster
-from tests.support.procs import METRICS_HEADERS, free_port
+from tests.support.procs import METRICS_HEADERS, Service, free_port
 from tests.support.prometheus import PROMETHEUS, Prometheus
+from tests.support.waits import eventually
 
 # -- math ----------------------------------------------------------------------------------------
 
@@ -308,7 +309,7 @@ async def test_a_shards_prefix_cache_hit_rate_and_bytes_over_the_window() -> Non
 
 async def test_scrapes_present_the_token_members_guard_metrics_with() -> None:
     """Every /metrics answers 401 without the metrics (or cluster) token: the reader sends the headers it
-    is built with (control_plane/signals/source.py: the metrics token, else the cluster token)."""
+    is built with (control_plane/signals/source.py: the cluster token, else the metrics token)."""
     def handler(request: httpx.Request) -> httpx.Response:
         if request.headers.get("authorization") != "Bearer metrics-t":
             return httpx.Response(401, json={"error": {"code": "invalid_metrics_token"}})
@@ -356,3 +357,24 @@ async def test_a_session_store_outage_is_not_read_as_overload() -> None:
         shard_failing = await source.read()
     assert store_down.error_rate == 0.0
     assert shard_failing.error_rate == pytest.approx(50 / 200)
+
+
+def test_a_member_holding_only_the_cluster_token_is_read(tmp_path: Path) -> None:
+    """A shard added by hand as the README says (SWITCHBOARD_CLUSTER_TOKEN only) joins a control plane that
+    also holds the metrics token, as `switchboard up`'s does. The signal reader presented the metrics token,
+    which that shard does not know: its /metrics answered 401, the shard was stale and the signals
+    incomplete, so the autoscaler and the ladder were blind to it. The control plane holds the cluster
+    token every member accepts: it reads with that one."""
+    admin = {"Authorization": "Bearer signals-test-admin"}
+    with Service(["control-plane", "--admin-token", "signals-test-admin", "--degradation-interval", "0.3"]) as cp, \
+            Service(["shard", "--engine", "synthetic", "--registry-url", cp.url, "--node-id", "by-hand"],
+                    env={"SWITCHBOARD_METRICS_TOKEN": ""}) as shard:
+        def read() -> dict | None:
+            latest = httpx.get(cp.url + "/admin/v1/signals", headers=admin, timeout=5).json()["latest"]
+            shards = {s["member_id"]: s for s in (latest or {}).get("shards", [])}
+            return shards.get("by-hand")
+
+        eventually(lambda: (read() or {}).get("running") is not None, 20, 0.2, what="the shard's gauges read",
+                   detail=lambda: f"{read()}\n{shard.log_tail()}")
+        seen = read() or {}
+        assert seen["error"] is None and not seen["stale"] and seen["running"] == 0, seen

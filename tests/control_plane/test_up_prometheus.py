@@ -78,3 +78,43 @@ def test_up_prometheus_scrapes_every_guarded_process(tmp_path: Path) -> None:
                    what="the gateway's tenant series in Prometheus")
     finally:
         stop_up(proc)
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp* writes them) of the sockets listening on `port`."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in list(f)[1:]:
+                local, state = row.split()[1], row.split()[3]
+                address, _, hex_port = local.rpartition(":")
+                if state == "0A" and int(hex_port, 16) == port:
+                    found.add(address)
+    return found
+
+
+@needs_prometheus
+def test_up_on_a_network_address_keeps_prometheus_on_loopback(tmp_path: Path) -> None:
+    """`up --host 0.0.0.0 --prometheus` put Prometheus on every interface, without auth or TLS: its query API
+    served every series the guarded /metrics keep to token holders (the gateway's tenants and their token
+    volumes) to anyone on the network. It listens on loopback, where the control plane reads it."""
+    gw, cp, prom = free_port(), free_port(), free_port()
+    proc = start_up(tmp_path, "--host", "0.0.0.0", "--engine", "synthetic", "--shards", "1", "--cache-nodes", "1",
+                    "--no-console", "--prometheus", "--prometheus-port", str(prom), "--gateway-port", str(gw),
+                    "--control-plane-port", str(cp))
+    try:
+        banner = wait_up(proc, tmp_path, timeout=120)
+        assert f"prometheus                    127.0.0.1:{prom}" in banner, banner
+        assert _listening(prom) == {"0100007F"}, _listening(prom)  # 127.0.0.1, nothing else
+        assert _listening(gw) == {"00000000"}  # the chat API still where --host says
+        creds = json.loads((tmp_path / ".switchboard" / "credentials.json").read_text())
+        admin = {"Authorization": f"Bearer {creds['admin_token']}"}
+
+        def read() -> dict:
+            latest: dict = httpx.get(f"http://127.0.0.1:{cp}/admin/v1/signals", headers=admin,
+                                     timeout=5).json()["latest"] or {}
+            return latest
+        eventually(lambda: read().get("source") == "prometheus" and read().get("shards"), 60, 0.5,
+                   what="the control plane reads its signals from Prometheus", detail=lambda: json.dumps(read()))
+    finally:
+        stop_up(proc)
