@@ -89,7 +89,7 @@ _CODES = {c.value: c for c in RequestCode}
 _CODES.update(dict.fromkeys((f"{number}_{side}_value" for number in ("integer", "decimal")
                              for side in ("above_max", "below_min")), RequestCode.INVALID_VALUE))
 _CODES.update(dict.fromkeys(("invalid_type", "string_above_max_length", "array_above_max_length", "empty_array",
-                             "empty_string"),
+                             "empty_string", "object_above_max_properties"),
                             RequestCode.INVALID_VALUE))
 """OpenAI's finer codes for a value the request checks refuse (data_plane/request_checks.py openai_words):
 counted as invalid_value, as they were before they had words of their own."""

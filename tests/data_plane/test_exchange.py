@@ -161,6 +161,18 @@ def test_every_code_the_gateway_can_answer_with_is_a_label_value() -> None:
     assert {c for c in written if request_code(c) is RequestCode.OTHER} == set()
 
 
+def test_every_code_the_request_checks_word_is_a_label_value() -> None:
+    """The codes OpenAI's words for a refused value carry (request_checks.openai_words, metadata_bounds: returned
+    beside the message, or a PydanticCustomError's context) are counted as invalid_value or as themselves, not
+    as other: metadata with 17 pairs, invalid_value before it had OpenAI's words, was counted as other."""
+    root = Path(__file__).resolve().parents[2]
+    text = "\n".join((root / f).read_text(encoding="utf-8") for f in ("data_plane/request_checks.py",
+                                                                      "data_plane/structured.py"))
+    written = set(re.findall(r', "([a-z_]+)"\n', text)) | set(re.findall(r'"code": "([a-z_]+)"', text))
+    assert {"object_above_max_properties", "missing_required_parameter", "empty_string"} <= written  # it read them
+    assert {c for c in written if request_code(c) is RequestCode.OTHER} == set()
+
+
 def test_every_grammar_code_is_a_label_value() -> None:
     """The structured-output codes a shard sends (its compiler's failures) and the gateway's own schema
     checks write (positional in a Clash): counted as themselves, not as other."""
