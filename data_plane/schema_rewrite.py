@@ -58,6 +58,19 @@ def hoist(schema: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[str
     return body
 
 
+def annotated_formats(schema: Any) -> Any:
+    """`schema` without the string formats the grammar does not know, wherever they sit (`closed` drops them
+    only where it recurses: a dict's values, ``additionalProperties``, kept "Unknown format: path", a 400)."""
+    if isinstance(schema, list):
+        return [annotated_formats(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in ("enum", "const", "default", "examples") else annotated_formats(v) for k, v in schema.items()}
+    if isinstance(out.get("format"), str) and out["format"] not in GRAMMAR_FORMATS:
+        del out["format"]
+    return out
+
+
 def closed(schema: Any, in_all_of: bool = False) -> Any:
     """`schema` with every object that lists `properties` and says nothing of `additionalProperties` closed
     (``additionalProperties: false``, as OpenAI's strict mode requires of every object): a model then
@@ -78,6 +91,8 @@ def closed(schema: Any, in_all_of: bool = False) -> Any:
         out["additionalProperties"] = False
     if isinstance(out.get("format"), str) and out["format"] not in GRAMMAR_FORMATS:
         del out["format"]
+    if isinstance(out.get("additionalProperties"), dict):  # a dict's values (pydantic's dict[str, Path]): their
+        out["additionalProperties"] = annotated_formats(out["additionalProperties"])  # formats only, left open
     if out.get("type") == "integer":
         if "minimum" not in out and "exclusiveMinimum" not in out:
             out["minimum"] = -SAFE_INTEGER

@@ -229,6 +229,26 @@ def test_a_format_the_grammar_does_not_know_is_an_annotation_unless_strict(gatew
         assert ok.choices[0].finish_reason == "stop", fmt
 
 
+def test_a_format_the_grammar_does_not_know_is_an_annotation_in_a_dicts_values_too(gateway: Service) -> None:
+    """pydantic's dict[str, Path] (dict[str, SecretStr], dict[str, bytes]) puts the format in the object's
+    `additionalProperties`, where the rewrite did not look: still the 400 "Unknown format: path" for a
+    non-strict schema, response_format or a tool's parameters (OpenAI serves it)."""
+    client = sdk(gateway)
+    ask = [{"role": "user", "content": "Give me JSON with paths."}]
+    schema = {"type": "object", "required": ["paths"], "properties": {
+        "paths": {"type": "object", "additionalProperties": {"type": "string", "format": "path"}},
+        "secrets": {"type": "object", "additionalProperties": {"anyOf": [{"type": "string", "format": "password"},
+                                                                         {"type": "null"}]}}}}
+    reply = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=40, temperature=0,
+                                           response_format={"type": "json_schema", "json_schema": {"name": "p",
+                                                                                                   "schema": schema}})
+    assert reply.choices[0].message.content
+    call = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=40, temperature=0,
+                                          tool_choice="required",
+                                          tools=[{"type": "function", "function": {"name": "save", "parameters": schema}}])
+    assert call.choices[0].message.tool_calls
+
+
 def test_a_schema_with_no_whole_output_names_the_responses_field(gateway: Service) -> None:
     """Through the Responses API the same 400 named `response_format`, a field a Responses client never sent
     (the shard's error came after the first token, past the renaming of the errors raised before it)."""
