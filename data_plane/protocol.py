@@ -201,7 +201,7 @@ class ChatCompletionRequest(BaseModel):
     # Fields the official SDK sends, accepted deliberately (README "Structured outputs, tools, sampling"):
     prompt_cache_key: str | None = Field(default=None, max_length=1024)
     """A no-op: our prefix cache finds shared prefixes by content (and routing by session)."""
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
     """A no-op: retention is the prefix cache's LRU."""
     prompt_cache_options: Any = None
     """A no-op (as above)."""

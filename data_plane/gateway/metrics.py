@@ -39,6 +39,8 @@ class RequestCode(enum.StrEnum):
     INVALID_SESSION_ID = "invalid_session_id"
     INVALID_API_KEY = "invalid_api_key"
     INVALID_CLUSTER_TOKEN = "invalid_cluster_token"
+    INVALID_METRICS_TOKEN = "invalid_metrics_token"
+    """A /metrics scrape without the metrics or the cluster token (data_plane/common/hop_auth.py)."""
     PERMISSION_DENIED = "permission_denied"
     TIER_REMOVED = "tier_removed"
     """The key's tier is not in the hot tier policy (data_plane/gateway/tier_gate.py)."""

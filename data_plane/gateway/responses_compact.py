@@ -41,7 +41,7 @@ class CompactRequest(BaseModel):
     instructions: str | None = None
     keep_tokens: WholeNumber = Field(default=256, ge=0)
     prompt_cache_key: str | None = Field(default=None, max_length=256)
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
     prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = Field(default=None, max_length=256)
     service_tier: Literal["auto", "default", "fast", "flex", "priority"] | None = None

@@ -100,7 +100,7 @@ class ResponsesRequest(BaseModel):
     user: str | None = Field(default=None, max_length=256)
     safety_identifier: str | None = Field(default=None, max_length=256)
     prompt_cache_key: str | None = Field(default=None, max_length=256)
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
     prompt_cache_options: dict[str, Any] | None = None  # no-ops, as on the chat path (the Agents SDK sends this
     moderation: dict[str, Any] | None = None  # one from ModelSettings); the gateway's safety filters always apply
     service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"] | None = None

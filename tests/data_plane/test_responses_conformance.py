@@ -181,7 +181,7 @@ def test_compact_takes_the_fields_openais_does(stack: Stack) -> None:
 def test_service_tiers_and_cache_retention_are_openais_values(stack: Stack) -> None:
     """OpenAI's service tiers now include "fast" (chat, Responses, compact) and "ultrafast" (Responses): they were
     400s here, where every tier is served at this server's one, "default". prompt_cache_retention took any string
-    where OpenAI takes "in_memory" or "24h" (a 400 otherwise, naming it)."""
+    where OpenAI takes "in_memory" or "24h" (a 400 otherwise, naming it); "in-memory", which older SDKs sent, too."""
     client = stack.sdk()
     for tier in ("fast", "ultrafast"):
         done = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, service_tier=tier)
@@ -191,6 +191,9 @@ def test_service_tiers_and_cache_retention_are_openais_values(stack: Stack) -> N
     assert client.responses.compact(model=MODEL, input="Hi", service_tier="fast").object == "response.compaction"
     kept = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, prompt_cache_retention="in_memory")
     assert kept.prompt_cache_retention == "in_memory"
+    older = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1,  # openai-python before f9d2d13
+                                    prompt_cache_retention="in-memory")  # type: ignore[arg-type]
+    assert older.status in ("completed", "incomplete")
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model=MODEL, input="Hi", max_output_tokens=1,
                                 prompt_cache_retention="forever")  # type: ignore[arg-type]
