@@ -247,11 +247,12 @@ SCRAPE_INTERVAL_S = 5
 def prometheus_child(s: UpSettings, state: Path, cp: Child, shards: Sequence[Child] = ()) -> Child | None:
     """A Prometheus that discovers members through the control plane (HTTP SD), with our rules.
 
-    The shards started here are scraped as static targets instead: HTTP SD lists members only, and a
-    shard that lost a pipeline stage leaves membership at once, so the next refresh could drop it before
-    any scrape saw its `switchboard_shard_pipeline_stage_up` 0 (SwitchboardPipelineStageDown never fired
-    in two of two kill -9 trials). Their ports are fixed across restarts; autoscaled shards still come
-    from SD.
+    The shards started here are also static targets: HTTP SD lists members only, and a shard that lost a
+    pipeline stage leaves membership at once, so the next refresh could drop it before any scrape saw its
+    `switchboard_shard_pipeline_stage_up` 0 (SwitchboardPipelineStageDown never fired in two of two kill -9
+    trials). Their ports are fixed across restarts. Every other shard (autoscaled, or added by hand with
+    the cluster token, as the README shows) comes from SD in the same job; a shard in both is one target
+    (Prometheus keeps one per label set).
 
     Every job presents the metrics token (every /metrics is guarded): read from `state/metrics_token`
     (mode 600, made by dev_credentials.prepare) as its `credentials_file`, so prometheus.yml holds a
@@ -272,11 +273,11 @@ def prometheus_child(s: UpSettings, state: Path, cp: Child, shards: Sequence[Chi
         "rule_files": [str(p) for p in sorted(ALERTS_DIR.glob("*.rules.yaml"))],
         "scrape_configs": [{"job_name": "switchboard-control-plane", "static_configs": [
             {"targets": [cp.url.split("://", 1)[1]]}]}] + [
-            {"job_name": job, "static_configs": [{"targets": [c.url.split("://", 1)[1] for c in shards],
-                                                  "labels": {"switchboard_service": service}}]}
-            if service == "shard" and shards else
-            {"job_name": job, "http_sd_configs": [{"url": f"{cp.url}/v1/sd/prometheus?service={service}",
-                                                    "refresh_interval": f"{SCRAPE_INTERVAL_S}s"}]}
+            {"job_name": job, **({"static_configs": [{"targets": [c.url.split("://", 1)[1] for c in shards],
+                                                      "labels": {"switchboard_service": service}}]}
+                                 if service == "shard" and shards else {}),
+             "http_sd_configs": [{"url": f"{cp.url}/v1/sd/prometheus?service={service}",
+                                  "refresh_interval": f"{SCRAPE_INTERVAL_S}s"}]}
             for service, job in SCRAPE_JOBS.items()],
     }
     for job in config["scrape_configs"]:

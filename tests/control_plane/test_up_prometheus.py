@@ -18,7 +18,7 @@ from control_plane.launcher import SCRAPE_JOBS, UpSettings, prometheus_child
 from control_plane.supervisor import Child
 from tests.support.chat import assert_openai_error
 from tests.support.metrics import metric_in, scrape, up_headers
-from tests.support.procs import free_port, start_up, stop_up, wait_up
+from tests.support.procs import Service, free_port, start_up, stop_up, wait_up
 from tests.support.prometheus import PROMETHEUS
 from tests.support.waits import eventually
 
@@ -76,6 +76,16 @@ def test_up_prometheus_scrapes_every_guarded_process(tmp_path: Path) -> None:
                    detail=lambda: json.dumps(query("up")))
         eventually(lambda: query("switchboard_admission_tenant_service_tokens > 0"), 30, 0.5,
                    what="the gateway's tenant series in Prometheus")
+
+        # A shard added by hand as the README shows (both tokens from credentials.json) is scraped too: the
+        # shard job listed only the shards `up` started, so Prometheus (and the control plane's signals,
+        # read from it) never saw this one.
+        env = {"SWITCHBOARD_CLUSTER_TOKEN": creds["cluster_token"], "SWITCHBOARD_METRICS_TOKEN": creds["metrics_token"]}
+        with Service(["shard", "--engine", "synthetic", "--registry-url", f"http://127.0.0.1:{cp}"],
+                     env=env, isolated=True).start() as extra:
+            instance = extra.url.split("://", 1)[1]
+            eventually(lambda: query(f'up{{job="switchboard-shard",instance="{instance}"}} == 1'), 60, 0.5,
+                       what="the hand-added shard scraped by up's Prometheus", detail=lambda: json.dumps(query("up")))
     finally:
         stop_up(proc)
 
