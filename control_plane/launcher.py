@@ -56,10 +56,11 @@ class UpSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SWITCHBOARD_UP_")
 
-    host: str = Field("127.0.0.1", description="Address every process binds.")
+    host: str = Field("127.0.0.1", description="Address the processes bind; not the console's without --tls, "
+                      "nor Prometheus' ever: those stay on 127.0.0.1 (the login carries the admin token).")
     gateway_port: int = Field(8000, ge=1, le=65535, description="Chat API port.")
     control_plane_port: int = Field(8300, ge=1, le=65535, description="Control plane / registry port.")
-    console_port: int = Field(8501, ge=1, le=65535, description="Admin console port (when the console exists).")
+    console_port: int = Field(8501, ge=1, le=65535, description="Admin console port (on 127.0.0.1 unless --tls; see --host).")
     shards: int = Field(2, ge=0, le=64, description="Inference shards to start.")
     cache_nodes: int = Field(2, ge=1, le=64, description="Cache nodes to start.")
     shard_base_port: int = Field(0, ge=0, le=65535, description="First shard port (0 = free ports).")
@@ -79,7 +80,8 @@ class UpSettings(BaseSettings):
     log_max_bytes: int = Field(50 * 2**20, ge=0, description=(
         "Rotate a process's log in STATE_DIR/logs when it reaches this size (copy, then truncate; 0 = never)."))
     log_backups: int = Field(3, ge=0, le=100, description="Rotated copies kept per log (<name>.log.1 is the newest).")
-    prometheus: bool = Field(False, description="Also start Prometheus (when the binary exists) with the alert rules.")
+    prometheus: bool = Field(False, description="Also start Prometheus (when the binary exists) with the alert "
+                             "rules, on 127.0.0.1 (no auth), scraping with STATE_DIR/metrics_token.")
     prometheus_port: int = Field(9090, ge=1, le=65535, description="Prometheus port (with --prometheus).")
     console: bool = Field(True, description="Start the admin console (Streamlit) on --console-port.")
     autoscale: bool = Field(False, description="Let the control plane's autoscaler start and stop the shards.")
@@ -247,12 +249,10 @@ SCRAPE_INTERVAL_S = 5
 def prometheus_child(s: UpSettings, state: Path, cp: Child, shards: Sequence[Child] = ()) -> Child | None:
     """A Prometheus that discovers members through the control plane (HTTP SD), with our rules.
 
-    The shards started here are also static targets: HTTP SD lists members only, and a shard that lost a
+    The shards started here are static targets too: HTTP SD lists members only, and a shard that lost a
     pipeline stage leaves membership at once, so the next refresh could drop it before any scrape saw its
     `switchboard_shard_pipeline_stage_up` 0 (SwitchboardPipelineStageDown never fired in two of two kill -9
-    trials). Their ports are fixed across restarts. Every other shard (autoscaled, or added by hand with
-    the cluster token, as the README shows) comes from SD in the same job; a shard in both is one target
-    (Prometheus keeps one per label set).
+    trials). Other shards (autoscaled, added by hand) come from SD; one in both is one target.
 
     Every job presents the metrics token (every /metrics is guarded): read from `state/metrics_token`
     (mode 600, made by dev_credentials.prepare) as its `credentials_file`, so prometheus.yml holds a
@@ -273,11 +273,10 @@ def prometheus_child(s: UpSettings, state: Path, cp: Child, shards: Sequence[Chi
         "rule_files": [str(p) for p in sorted(ALERTS_DIR.glob("*.rules.yaml"))],
         "scrape_configs": [{"job_name": "switchboard-control-plane", "static_configs": [
             {"targets": [cp.url.split("://", 1)[1]]}]}] + [
-            {"job_name": job, **({"static_configs": [{"targets": [c.url.split("://", 1)[1] for c in shards],
-                                                      "labels": {"switchboard_service": service}}]}
-                                 if service == "shard" and shards else {}),
-             "http_sd_configs": [{"url": f"{cp.url}/v1/sd/prometheus?service={service}",
-                                  "refresh_interval": f"{SCRAPE_INTERVAL_S}s"}]}
+            {"job_name": job, "static_configs": [{"targets": [c.url.split("://", 1)[1] for c in shards],
+                                                  "labels": {"switchboard_service": service}}] if service == "shard"
+             else [], "http_sd_configs": [{"url": f"{cp.url}/v1/sd/prometheus?service={service}",
+                                           "refresh_interval": f"{SCRAPE_INTERVAL_S}s"}]}
             for service, job in SCRAPE_JOBS.items()],
     }
     for job in config["scrape_configs"]:

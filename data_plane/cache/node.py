@@ -55,6 +55,7 @@ from data_plane.cache.snapshot import Snapshot
 from data_plane.cache.storage import ManagedStorage, MemoryStorage, RedisStorage
 from data_plane.common.errors import NotFound, SwitchboardError, install_error_handlers
 from data_plane.common.hop_auth import (
+    TOKENS_HELP,
     cluster_token_from_env,
     guarded,
     guarded_metrics,
@@ -445,7 +446,7 @@ async def _register(
 def parse_settings(argv: list[str] | None) -> CacheNodeSettings:
     """Flags, then ``SWITCHBOARD_CACHE_*``, then defaults (data_plane/common/settings_cli.py)."""
     return cli_settings(CacheNodeSettings, argv, prog="switchboard cache-node",
-                        description="Run one cache node (session transcripts and KV blocks).")
+                        description=f"Run one cache node (session transcripts and KV blocks). {TOKENS_HELP}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -47,6 +47,12 @@ CLUSTER_TOKEN_ENV = "SWITCHBOARD_CLUSTER_TOKEN"
 """The token every process of a cluster shares (internal hops, registration, /debug/spans, /metrics)."""
 METRICS_TOKEN_ENV = "SWITCHBOARD_METRICS_TOKEN"
 """A token that opens /metrics only: give it to Prometheus instead of the cluster token (optional)."""
+TOKENS_HELP = (f"Tokens come from the environment only: {CLUSTER_TOKEN_ENV}, the cluster's shared secret "
+               f"(joining the registry, the hops between processes, /debug/spans), and {METRICS_TOKEN_ENV}, "
+               "which opens /metrics and nothing else (Prometheus' credential). /metrics answers 401 to a "
+               "caller without 'Authorization: Bearer <either>'; with neither set the process runs open. "
+               "`switchboard up` makes both (STATE_DIR/credentials.json).")
+"""The part of `switchboard gateway|shard|cache-node --help` that says where their tokens come from."""
 
 
 def cluster_token_from_env() -> str | None:

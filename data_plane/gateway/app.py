@@ -28,7 +28,13 @@ from prometheus_client import CollectorRegistry
 from starlette.types import Receive, Scope, Send
 
 from data_plane.common.errors import ModelNotFound, Overloaded, install_error_handlers, render
-from data_plane.common.hop_auth import cluster_token_from_env, guarded, guarded_metrics, metrics_token_from_env
+from data_plane.common.hop_auth import (
+    TOKENS_HELP,
+    cluster_token_from_env,
+    guarded,
+    guarded_metrics,
+    metrics_token_from_env,
+)
 from data_plane.common.telemetry import (
     configure_process,
     fastapi_options,
@@ -259,7 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     from data_plane.common.http_server import serve
     from data_plane.common.settings_cli import parse_settings
 
-    settings = parse_settings(GatewaySettings, argv, prog="switchboard gateway")
+    settings = parse_settings(GatewaySettings, argv, prog="switchboard gateway",
+                              description=f"The chat gateway. {TOKENS_HELP}")
     configure_process("switchboard-gateway")
     try:  # a keys, tier or safety file that does not parse or does not fit: one line, not a traceback
         gw = build_gateway(settings)

@@ -43,6 +43,7 @@ from prometheus_client import CollectorRegistry
 from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, CLIENT_DISCONNECTED, DisconnectWatch
 from data_plane.common.errors import InvalidRequest, ModelNotFound, Overloaded, SwitchboardError, install_error_handlers
 from data_plane.common.hop_auth import (
+    TOKENS_HELP,
     cluster_headers,
     cluster_token_from_env,
     guarded,
@@ -473,7 +474,8 @@ def main(argv: list[str] | None = None) -> None:
     from data_plane.common.http_server import serve
     from data_plane.common.settings_cli import parse_settings
 
-    settings = parse_settings(ShardSettings, argv, prog="switchboard shard")
+    settings = parse_settings(ShardSettings, argv, prog="switchboard shard",
+                              description=f"An inference shard. {TOKENS_HELP}")
     configure_process("switchboard-shard")
     if settings.engine == "vllm":
         from data_plane.shard.engines.vllm_engine import run_sidecar  # lazy: vllm is a GPU-only extra
