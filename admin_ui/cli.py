@@ -51,7 +51,8 @@ def _seconds(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--control-plane-url", default=None,
-                        help="the control plane (env SWITCHBOARD_CONTROL_PLANE_URL; default http://127.0.0.1:8300)")
+                        help="the control plane (env SWITCHBOARD_CONTROL_PLANE_URL; default: the one `switchboard up` "
+                             "recorded in the credentials file, with that file's token; else http://127.0.0.1:8300)")
     common.add_argument("--credentials-file", default=None,
                         help=f"where the admin token is when {ENV_ADMIN_TOKEN} is unset "
                              f"(env SWITCHBOARD_CREDENTIALS_FILE; default {DEFAULT_CREDENTIALS_FILE})")
