@@ -35,6 +35,7 @@ from data_plane.bench.multiturn import (
     stream_turn,
     turn_rows,
 )
+from data_plane.common.hop_auth import cluster_headers, cluster_token_from_env
 
 PARTS = ("gateway TTFT", "gateway before routing", "hop to the shard", "shard queue", "shard copy-in + prefill",
          "prefill done -> first token at the gateway", "gateway hold-back")
@@ -55,12 +56,20 @@ def run_system(system: str, args: argparse.Namespace, logs: Path) -> dict[str, A
 
         load0 = os.getloadavg()[0]
         convs = asyncio.run(drive())
-        spans = (httpx.get(stack.gateway.url + "/debug/spans", timeout=30).json()
-                 + httpx.get(stack.shard.url + "/debug/spans", timeout=30).json())
+        spans = recent_spans(stack.gateway.url) + recent_spans(stack.shard.url)
     finally:
         stack.stop()
     turns = [t for conv in convs for t in conv]
     return {"rows": turn_rows(system, turns), "spans": spans, "load": [load0, os.getloadavg()[0]]}
+
+
+def recent_spans(url: str) -> list[dict[str, Any]]:
+    """A process's ``/debug/spans``, with the cluster token the processes started here inherited (without
+    it, a shell that exported SWITCHBOARD_CLUSTER_TOKEN got a 401 body, and the bench a TypeError)."""
+    r = httpx.get(url + "/debug/spans", timeout=30, headers=cluster_headers(cluster_token_from_env()))
+    r.raise_for_status()
+    spans: list[dict[str, Any]] = r.json()
+    return spans
 
 
 def breakdown(spans: list[dict[str, Any]], min_prompt: int) -> list[dict[str, float]]:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from data_plane.bench.ttft_breakdown import PARTS, breakdown
+import httpx
+import pytest
+
+from data_plane.bench.ttft_breakdown import PARTS, breakdown, recent_spans
+from tests.support.procs import CLUSTER_TOKEN, Service
 
 
 def span(trace: str, name: str, start_ms: float, end_ms: float, attributes: dict | None = None,
@@ -29,3 +33,13 @@ def test_the_parts_of_one_request_add_up() -> None:
     assert round(row["shard queue"], 3) == 30 and round(row["shard copy-in + prefill"], 3) == 200
     assert round(row["prefill done -> first token at the gateway"], 3) == 24
     assert round(row["gateway TTFT"], 3) == 262 and round(row["gateway hold-back"], 3) == 1
+
+
+def test_the_spans_are_read_with_the_cluster_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench's processes inherit the shell's SWITCHBOARD_CLUSTER_TOKEN (exported as the README's pipeline
+    example does): their /debug/spans then need it, and the bench read them without it (a 401 body, then a
+    TypeError adding two dicts)."""
+    monkeypatch.setenv("SWITCHBOARD_CLUSTER_TOKEN", CLUSTER_TOKEN)
+    with Service(["shard", "--engine", "synthetic"]).start() as shard:  # it holds CLUSTER_TOKEN
+        assert httpx.get(shard.url + "/debug/spans").status_code == 401
+        assert isinstance(recent_spans(shard.url), list)
