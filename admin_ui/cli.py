@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import ssl
 import sys
 import time
 from collections.abc import Callable
@@ -86,12 +87,18 @@ def main(argv: list[str] | None = None) -> None:
     overrides = {k: v for k, v in (("control_plane_url", args.control_plane_url),
                                    ("credentials_file", args.credentials_file)) if v is not None}
     settings = ConsoleSettings(**overrides)
+    verify: ssl.SSLContext | bool = True
     if ("control_plane_url" not in settings.model_fields_set and settings.admin_token is None
             and (url := settings.credentials().get("control_plane_url"))):
         # where `up` served, from its folder, with the token the same file holds: a token from the
         # environment never goes to a URL that a file in the working folder named
         settings = ConsoleSettings(**overrides, control_plane_url=str(url))
-    admin = AdminClient(settings.control_plane_url, settings.admin_token_value(), timeout_s=args.timeout_s)
+        ca = Path(settings.credentials_file).parent / "tls" / "ca.pem"  # `up --tls`'s CA, beside that file
+        if str(url).startswith("https://") and ca.is_file():
+            verify = ssl.create_default_context()  # the usual roots (SSL_CERT_FILE, --ca-bundle) and up's CA
+            verify.load_verify_locations(cafile=str(ca))
+    admin = AdminClient(settings.control_plane_url, settings.admin_token_value(), timeout_s=args.timeout_s,
+                        verify=verify)
     try:
         run(args, admin)
     except Unauthorized as exc:
@@ -105,7 +112,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{PROG}: the control plane at {settings.control_plane_url} refused the admin token "
                          f"({exc.message}); token {source}") from None
     except Unreachable as exc:
-        raise SystemExit(f"{PROG}: {exc.message}; check --control-plane-url") from None
+        tls = " and, for https, --ca-bundle (the CA that signed its certificate)" if (
+            settings.control_plane_url.startswith("https://")) else ""
+        raise SystemExit(f"{PROG}: {exc.message}; check --control-plane-url{tls}") from None
     except NotAvailable as exc:
         raise SystemExit(f"{PROG}: {exc.message}") from None
     except ConsoleError as exc:

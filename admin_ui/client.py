@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import ssl
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,10 +91,11 @@ class AdminClient:
     """Typed calls to ``/admin/v1`` with the admin bearer token; thread-safe (one httpx.Client)."""
 
     def __init__(self, base_url: str, token: str | None, *, timeout_s: float = 3.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+                 transport: httpx.BaseTransport | None = None, verify: ssl.SSLContext | bool = True) -> None:
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport)
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport,
+                                  verify=verify)
         self.has_token = bool(token)
 
     def close(self) -> None:

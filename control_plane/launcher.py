@@ -425,9 +425,8 @@ def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: 
     stages = stages or {}
     keys = creds["keys"]
     tier = "plus" if "plus" in keys else next(iter(keys), None)
-    gateway = gateways[0]
-    zones = s.zones or [DEFAULT_ZONE]
-    model = "synthetic" if s.engine == "synthetic" else None
+    gateway, zones, model = gateways[0], s.zones or [DEFAULT_ZONE], "synthetic" if s.engine == "synthetic" else None
+    ca = f" --cacert {os.environ['SSL_CERT_FILE']}" if gateway.url.startswith("https") and "SSL_CERT_FILE" in os.environ else ""
     lines = [
         "",
         "Switchboard is up.",
@@ -449,12 +448,12 @@ def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: 
         (f"  saved to {state / 'credentials.json'} (mode 600, a client credential: the gateway's keys file holds "
         "digests only)"),
         f"  logs in {state / 'logs'}",
-        f"  /metrics of every process:    Authorization: Bearer $(cat {state / 'metrics_token'})",
+        f"  /metrics of every process:    curl{ca} -H \"Authorization: Bearer $(cat {state / 'metrics_token'})\" {gateway.url}/metrics",
         "",
         "Try it:",
         f"  KEY=$(python3 -c \"import json; print(json.load(open('{state / 'credentials.json'}'))['keys']"
         f"['{tier}'])\")" if tier else "  KEY=...   # `switchboard keys create --tenant dev --tier plus` prints one",
-        f"  curl -s {gateway.url}/v1/chat/completions \\",
+        f"  curl -s{ca} {gateway.url}/v1/chat/completions \\",
         "    -H \"Authorization: Bearer $KEY\" \\",
         "    -H 'Content-Type: application/json' \\",
         "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import ssl
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -121,7 +122,7 @@ def test_switchboard_up_tls_runs_the_platform_on_tls(tmp_path: Path) -> None:
     import json
     import signal
 
-    from tests.support.procs import free_port, start_up, stop_up, wait_up
+    from tests.support.procs import free_port, start_up, stop_up, switchboard, wait_up
 
     gw, cp = free_port(), free_port()
     log_path = tmp_path / "up.log"
@@ -143,6 +144,18 @@ def test_switchboard_up_tls_runs_the_platform_on_tls(tmp_path: Path) -> None:
         members = httpx.get(f"https://127.0.0.1:{cp}/v1/registry/members", verify=ca).json()["members"]
         assert {m["service"] for m in members} == {"shard", "cache", "gateway"}
         assert all(m["url"].startswith("https://") for m in members)
+
+        # What the banner says to paste works as pasted: its curls named no CA (curl: exit 60), and
+        # `switchboard admin` reached the https control plane it found in credentials.json without up's CA.
+        banner = log_path.read_text()
+        try_it = banner.split("Try it:", 1)[1].split("Ctrl-C", 1)[0]
+        pasted = subprocess.run(["bash", "-c", try_it], check=False, capture_output=True, text=True, timeout=60)
+        assert pasted.returncode == 0 and json.loads(pasted.stdout)["choices"], (try_it, pasted)
+        metrics = banner.split("/metrics of every process:", 1)[1].splitlines()[0]
+        scraped = subprocess.run(["bash", "-c", metrics], check=False, capture_output=True, text=True, timeout=60)
+        assert scraped.returncode == 0 and "switchboard_" in scraped.stdout, (metrics, scraped.stderr)
+        status = switchboard("admin", "status", cwd=tmp_path, timeout=60)
+        assert status.returncode == 0 and "passing" in status.stdout, status.stderr
     finally:
         stop_up(proc, signal.SIGTERM)
 
