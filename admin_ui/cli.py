@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> None:
         settings = ConsoleSettings(**overrides, control_plane_url=str(url))
         ca = Path(settings.credentials_file).parent / "tls" / "ca.pem"  # `up --tls`'s CA, beside that file
         if str(url).startswith("https://") and ca.is_file():
-            verify = ssl.create_default_context()  # the usual roots (SSL_CERT_FILE, --ca-bundle) and up's CA
-            verify.load_verify_locations(cafile=str(ca))
+            verify = ssl.create_default_context(cafile=str(ca))  # up's CA first: another CA of the same name
+            verify.load_default_certs()  # (SSL_CERT_FILE, --ca-bundle) loaded before it was tried instead
     admin = AdminClient(settings.control_plane_url, settings.admin_token_value(), timeout_s=args.timeout_s,
                         verify=verify)
     try:
