@@ -171,7 +171,8 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
     cluster: ClusterStateView = StaticClusterState()
     if settings.control_plane_url or settings.registry_url:
         watched = HttpClusterState(settings.control_plane_url or settings.registry_url or "", http,
-                                   validate=lambda p: gw.safety.validate_names(p[n].safety for n in p))
+                                   validate=lambda p: gw.safety.validate_names(p[n].safety for n in p),
+                                   on_state_change=gw.metrics.control_plane_state_changes.inc)
         await watched.start()
         stack.push_async_callback(watched.aclose)
         cluster = watched
