@@ -58,8 +58,9 @@ class RouterMetrics:
         # at 0 from the start: an alert's increase() sees the first loss (a series born at 1 shows none)
         self.resumes.labels(FailureReason.PIPELINE_STAGE_LOST)
         self.ejections = Counter("switchboard_router_ejections", "Shards ejected from routing after failures, by "
-                                 "reason: consecutive (eject_after failures in a row) or failure_percentage "
-                                 "(too many of its calls in the outlier window failed).", ["reason"],
+                                 "reason: consecutive (eject_after failures in a row), failure_percentage "
+                                 "(too many of its calls in the outlier window failed) or probe (its probe "
+                                 "after an ejection failed).", ["reason"],
                                  registry=registry)
         for why in EJECTION_REASONS:
             self.ejections.labels(why)
@@ -94,7 +95,7 @@ POLICIES: dict[str, Callable[[float, random.Random], Policy]] = {
 }
 
 _NOTHING: frozenset[str] = frozenset()
-EJECTION_REASONS = ("consecutive", "failure_percentage")
+EJECTION_REASONS = ("consecutive", "failure_percentage", "probe")
 
 
 class Router:
@@ -282,7 +283,9 @@ class Router:
         circuit = self._circuits.setdefault(member.id, Circuit())
         circuit.failures += 1
         outlier = reason in COUNTED and self.outliers.record(member.id, True, self.clock())
-        if circuit.failures >= self.eject_after or circuit.state is CircuitState.HALF_OPEN:
+        if circuit.state is CircuitState.HALF_OPEN:
+            self._transition(member.id, circuit, CircuitState.OPEN, reason, "probe")
+        elif circuit.failures >= self.eject_after:
             self._transition(member.id, circuit, CircuitState.OPEN, reason)
         elif outlier and circuit.state is CircuitState.CLOSED and self._may_eject_outlier():
             self._transition(member.id, circuit, CircuitState.OPEN, reason, "failure_percentage")
@@ -308,7 +311,9 @@ class Router:
             circuit.transition_to(state, now=now, hold_s=hold)
             self.outliers.forget(member_id)  # judged anew once back
             self.metrics.ejections.labels(why).inc()
-            if why == "failure_percentage":
+            if why == "probe":
+                log.warning("ejecting shard %s again for %.1f s: its probe failed (%s)", member_id, hold, reason)
+            elif why == "failure_percentage":
                 log.warning("ejecting shard %s for %.1f s: %d of its %d calls in the last %.0f s failed "
                             "(%.0f%%, threshold %.0f%%; last: %s)", member_id, hold, failures, calls,
                             self.outliers.config.window_s, 100.0 * failures / max(1, calls),

@@ -102,7 +102,8 @@ def test_a_failed_probe_ejects_again_for_twice_as_long_capped_at_max_eject_s() -
         holds.append(clock.now - start)
         r.report_failure(a, FailureReason.CONNECT)  # the probe fails
     assert holds == [5.0, 10.0, 12.0]
-    assert sample(registry, "switchboard_router_ejections_total", reason="consecutive") == 4
+    assert sample(registry, "switchboard_router_ejections_total", reason="consecutive") == 1
+    assert sample(registry, "switchboard_router_ejections_total", reason="probe") == 3
 
 
 # -- bounded loads --------------------------------------------------------------------------
