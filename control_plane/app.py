@@ -37,7 +37,7 @@ from control_plane.scaling.actuators.local import LocalActuator
 from control_plane.scaling.loop import build_autoscaler
 from control_plane.settings import ENV_ADMIN_TOKEN, ControlPlaneSettings
 from control_plane.signals.source import build_signal_source
-from control_plane.state_api import StateIndex, build_state_router, cluster_state_body
+from control_plane.state_api import StateIndex, build_state_router, cluster_state_body, load_state_id
 from control_plane.zones import ZoneMetrics, ZoneWatch, build_zones_router
 from data_plane.common.errors import install_error_handlers
 from data_plane.common.hop_auth import cluster_headers, guarded, guarded_metrics
@@ -81,7 +81,7 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
     zones = ZoneWatch(members, ZoneMetrics(metrics_registry))
     autoscaler = build_autoscaler(settings, metrics_registry)  # None unless --autoscale
     store = open_store(settings, metrics_registry)
-    state_index = StateIndex(max_wait_s=settings.max_wait_s)
+    state_index = StateIndex(max_wait_s=settings.max_wait_s, state_id=load_state_id(settings.state_dir))
     store.subscribe(state_index.bump)
     ladder = DegradationController(store, None, config=ladder_config(settings),
                                    metrics=DegradationMetrics(metrics_registry))

@@ -11,7 +11,7 @@ Mounted by the control plane (control_plane/app.py) as ``GET /v1/state``; every 
                                     answers at once when the current index differs from N,
                                     otherwise when it changes or after S seconds.
 
-    {"index": 7, "instance_id": "9f0c...",
+    {"index": 7, "instance_id": "9f0c...", "state_id": "4be1...",
      "degradation": {"level": 3, "reason": "...", "pinned": true, "since": 1700000000.0,
                      "retry_after_s": 30},
      "tiers": {"tiers": {"free": {...}, "plus": {...}, "enterprise": {...}}}, "tiers_source": "admin"}
@@ -19,6 +19,12 @@ Mounted by the control plane (control_plane/app.py) as ``GET /v1/state``; every 
 ``tiers`` is null while the control plane holds only the built-in default policy (no
 ``--tiers-file``, nothing PUT through the admin API): each gateway then keeps its own
 ``--tiers-file`` or default. Once the control plane has a policy of its own, it wins everywhere.
+
+``state_id`` names the state itself: a random id written once into the state dir (``state_id.json``) and
+read back by every later control plane on that dir, so it stays across restarts; null without a state
+dir. A control plane started by mistake on another state dir answers with another id, and every gateway
+logs an ERROR and counts it (data_plane/gateway/cluster_state.py) instead of adopting the reset pin,
+tiers and abuse actions with a mere "initial".
 
 The index starts at 1 in each control-plane process, so a reader that last saw a larger
 index (the control plane restarted) is answered at once, as is ``index=0``. Unauthenticated,
@@ -29,23 +35,58 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import math
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from control_plane.json_files import write_json_atomic
+
+log = logging.getLogger(__name__)
+
 INDEX_HEADER = "X-State-Index"
+STATE_ID_FILE = "state_id.json"
+
+
+def load_state_id(state_dir: Path | None) -> str | None:
+    """The state dir's id: read from ``state_id.json``, or made and written there the first time (None
+    without a state dir, or when it can be neither read nor written: logged)."""
+    if state_dir is None:
+        return None
+    path = state_dir / STATE_ID_FILE
+    try:
+        state_id = json.loads(path.read_text(encoding="utf-8"))["state_id"]
+        if isinstance(state_id, str) and state_id:
+            return state_id
+        log.error("%s holds no state id; writing a new one (gateways will report a state change)", path)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.error("cannot read %s (%s); writing a new state id (gateways will report a state change)", path, exc)
+    state_id = uuid.uuid4().hex
+    try:
+        write_json_atomic(path, {"state_id": state_id})
+    except OSError as exc:
+        log.error("cannot write %s (%s): this control plane serves without a state id", path, exc)
+        return None
+    log.info("new state dir %s: state id %s", state_dir, state_id)
+    return state_id
 
 
 class StateIndex:
     """A change counter with blocking waits; one per control-plane process."""
 
-    def __init__(self, max_wait_s: float = 60.0) -> None:
+    def __init__(self, max_wait_s: float = 60.0, state_id: str | None = None) -> None:
         self.instance_id = uuid.uuid4().hex
+        self.state_id = state_id
+        """The state dir's id (:func:`load_state_id`): the same across restarts on the same dir."""
         self._index = 1
         self._max_wait_s = max_wait_s
         self._changed = asyncio.Event()
@@ -94,6 +135,8 @@ class ClusterStateBody(BaseModel):
 
     index: int = Field(description="Change index; pass it back as ?index= to wait for the next change")
     instance_id: str = Field(description="Changes when the control plane restarts")
+    state_id: str | None = Field(None, description="The id of the control plane's state dir: the same across "
+                                 "restarts on it, another one for another dir; null without a state dir")
     degradation: DegradationState
     tiers: dict[str, Any] | None = Field(description="The tier policy, as TierPolicy.to_dict(); null while the "
                                          "control plane has only the built-in default (gateways keep their own)")
@@ -106,6 +149,7 @@ def cluster_state_body(index: StateIndex, store: Any, retry_after_s: float) -> d
     return {
         "index": index.index,
         "instance_id": index.instance_id,
+        "state_id": index.state_id,
         "degradation": {
             "level": record.level,
             "reason": record.reason,

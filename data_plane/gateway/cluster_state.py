@@ -16,6 +16,13 @@ The watch mirrors :class:`data_plane.membership.embedded.HttpMembership`: blocki
 backoff while the control plane is unreachable, and the last state seen stays in force
 meanwhile (``reachable`` is False). Talks HTTP only: the data plane never imports the control plane.
 
+The control plane's ``state_id`` (the id of its state dir, the same across its restarts) is watched too:
+when it changes after the first read (a control plane started with another state dir by mistake, whose
+degradation pin, tier edits and abuse actions are not the ones in force before), the gateway still adopts
+the new state (the control plane is the authority) but logs an ERROR and calls `on_state_change`
+(``switchboard_gateway_control_plane_state_changes_total``, alert SwitchboardControlPlaneStateChanged).
+A first id after none (a control plane that had no state dir, or an older one) is no change.
+
 The ladder's effects, per request (the level is read once, when the request starts)::
 
     >= 1  the prompt window shrinks to half of min(tier, model) context (older turns dropped first)
@@ -112,11 +119,15 @@ class HttpClusterState(BlockingWatcher):
         *,
         wait_s: float = 5.0,
         validate: Callable[[TierPolicy], None] | None = None,
+        on_state_change: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(url.rstrip("/") + "/v1/state", http, wait_s, "cluster-state-watch")
         self._validate = validate
+        self._on_state_change = on_state_change
         self._state = ClusterState()
         self._tiers_raw: Any = None
+        self.state_id: str | None = None
+        """The control plane's state id last read (None: none yet, or it has none)."""
 
     def current(self) -> ClusterState:
         return self._state
@@ -130,13 +141,31 @@ class HttpClusterState(BlockingWatcher):
             new_index = int(body["index"])
             degradation = Degradation.from_dict(body["degradation"])
             tiers_raw = body.get("tiers")
+            state_id = body.get("state_id")
+            if state_id is not None and not isinstance(state_id, str):
+                raise ValueError(f"state_id is {type(state_id).__name__}, not a string")
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
             self._unreachable(exc, f"keeping degradation level {self._state.degradation.level} and the last "
                                    "tier policy")
             return False
         self._synced(new_index)
+        self._check_state_id(state_id, degradation)
         self._apply(new_index, degradation, tiers_raw)
         return True
+
+    def _check_state_id(self, state_id: str | None, degradation: Degradation) -> None:
+        old = self.state_id
+        self.state_id = state_id
+        if old is None or state_id == old:
+            if old is None and state_id is not None:
+                log.info("following the control plane's state %s", state_id)
+            return
+        log.error("the control plane at %s now serves another state (state id %s, was %s): it was started with "
+                  "another state dir, or its state dir was replaced; its degradation level %d%s, tier policy "
+                  "and abuse actions replace the ones in force (runbook: SwitchboardControlPlaneStateChanged)",
+                  self._url, state_id, old, degradation.level, " (pinned)" if degradation.pinned else "")
+        if self._on_state_change is not None:
+            self._on_state_change()
 
     def _apply(self, index: int, degradation: Degradation, tiers_raw: Any) -> None:
         old = self._state

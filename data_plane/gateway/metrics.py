@@ -141,6 +141,11 @@ class GatewayMetrics:
                                           registry=registry)
         self.membership_members = Gauge("switchboard_gateway_members", "Routable members seen by this gateway.",
                                         ["service"], registry=registry)
+        self.control_plane_state_changes = Counter(
+            "switchboard_gateway_control_plane_state_changes",
+            "Times the control plane this gateway follows began serving another state (its state id changed: "
+            "started with another state dir), its pin, tiers and abuse actions replacing the ones in force.",
+            registry=registry)
         self.hop_connections = Counter(
             "switchboard_gateway_hop_connections",
             "Connections to shards and cache nodes by event: opened, reused (keep-alive), stale_retry "

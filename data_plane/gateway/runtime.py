@@ -51,6 +51,7 @@ from data_plane.membership.embedded import HttpMembership
 from data_plane.membership.factory import membership_from_url
 from data_plane.membership.view import Member, MembershipView, StaticMembership
 from data_plane.routing.hop_client import HOP_EVENTS, HopPool
+from data_plane.routing.outliers import OutlierConfig
 from data_plane.routing.router import Router, RouterMetrics
 from data_plane.routing.upstream import Upstream, UpstreamConfig
 from data_plane.tiers import Tier, TierPolicy
@@ -170,7 +171,8 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
     cluster: ClusterStateView = StaticClusterState()
     if settings.control_plane_url or settings.registry_url:
         watched = HttpClusterState(settings.control_plane_url or settings.registry_url or "", http,
-                                   validate=lambda p: gw.safety.validate_names(p[n].safety for n in p))
+                                   validate=lambda p: gw.safety.validate_names(p[n].safety for n in p),
+                                   on_state_change=gw.metrics.control_plane_state_changes.inc)
         await watched.start()
         stack.push_async_callback(watched.aclose)
         cluster = watched
@@ -189,7 +191,11 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
                  ", ".join(map(str, settings.trusted_proxies)))
     router = Router(membership, gw.router_metrics, policy=settings.routing_policy,
                     epsilon=settings.bounded_load_epsilon, eject_after=settings.eject_after,
-                    eject_s=settings.eject_s, zone=settings.zone, zone_slack=settings.zone_spill_slack)
+                    eject_s=settings.eject_s, zone=settings.zone, zone_slack=settings.zone_spill_slack,
+                    outliers=OutlierConfig(threshold=settings.outlier_failure_percent,
+                                           request_volume=settings.outlier_request_volume,
+                                           window_s=settings.outlier_window_s,
+                                           max_ejection_percent=settings.outlier_max_ejection_percent))
     hop_events = {event: gw.metrics.hop_connections.labels(event) for event in HOP_EVENTS}
     pool = HopPool(connect_timeout_s=settings.connect_timeout_s, on_event=lambda event: hop_events[event].inc())
     stack.push_async_callback(pool.aclose)

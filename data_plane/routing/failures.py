@@ -17,8 +17,9 @@ A shard's health is a :class:`Circuit` (Envoy-style outlier detection, SGLang's 
       |                                             +----------------(the probe fails)------------+
       +------------------------------------------------(the probe succeeds)------------------------+
 
-The hold doubles with each opening (capped by the router); a failure reported while OPEN (a stream
-started before the ejection) re-opens it.
+CLOSED also goes to OPEN when the shard's failure percentage over a sliding window passes its threshold
+(data_plane/routing/outliers.py). The hold doubles with each opening (capped by the router); a failure
+reported while OPEN (a stream started before the ejection) re-opens it.
 """
 
 from __future__ import annotations

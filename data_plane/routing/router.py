@@ -15,7 +15,10 @@ expected cached tokens against load, with session affinity as the case where the
 
 Health is passive, Envoy-style outlier detection, one :class:`~data_plane.routing.failures.Circuit`
 per shard with recent failures: ``eject_after`` consecutive failures open it (the shard is ejected)
-for ``eject_s`` (doubling on repeat, capped); when that expires the next decision sends the shard a
+for ``eject_s`` (doubling on repeat, capped), and so does a failure percentage past its threshold over
+a sliding window with a minimum request volume, as long as the max ejection percent leaves shards in
+routing (data_plane/routing/outliers.py: a lossy link fails every other call, so its failures are
+never consecutive); when that expires the next decision sends the shard a
 single probe (half-open); success closes the circuit, failure opens it again. Every failure, retry
 and state change is a metric (reasons from :class:`~data_plane.routing.failures.FailureReason`,
 bounded), a span event on the current span and a log line.
@@ -38,6 +41,7 @@ from data_plane.membership.view import Member, MembershipView
 from data_plane.routing.failures import Circuit, CircuitState, FailureReason
 from data_plane.routing.fleet import Scope, ShardFleet
 from data_plane.routing.kv_routing import KVAwarePolicy, KVReports
+from data_plane.routing.outliers import COUNTED, FailurePercentage, OutlierConfig
 from data_plane.routing.policies import AffinityPolicy, LeastLoadedPolicy, Policy
 
 log = logging.getLogger(__name__)
@@ -53,8 +57,13 @@ class RouterMetrics:
                                ["reason"], registry=registry)
         # at 0 from the start: an alert's increase() sees the first loss (a series born at 1 shows none)
         self.resumes.labels(FailureReason.PIPELINE_STAGE_LOST)
-        self.ejections = Counter("switchboard_router_ejections", "Shards ejected from routing after failures.",
+        self.ejections = Counter("switchboard_router_ejections", "Shards ejected from routing after failures, by "
+                                 "reason: consecutive (eject_after failures in a row), failure_percentage "
+                                 "(too many of its calls in the outlier window failed) or probe (its probe "
+                                 "after an ejection failed).", ["reason"],
                                  registry=registry)
+        for why in EJECTION_REASONS:
+            self.ejections.labels(why)
         self.failures = Counter("switchboard_router_upstream_failures", "Failed shard calls by reason.",
                                 ["reason"], registry=registry)
         self.failures.labels(FailureReason.PIPELINE_STAGE_LOST)  # as resumes': a stage lost before the first token
@@ -86,6 +95,7 @@ POLICIES: dict[str, Callable[[float, random.Random], Policy]] = {
 }
 
 _NOTHING: frozenset[str] = frozenset()
+EJECTION_REASONS = ("consecutive", "failure_percentage", "probe")
 
 
 class Router:
@@ -103,13 +113,15 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         zone: str | None = None,
         zone_slack: float = 0.25,
+        outliers: OutlierConfig | None = None,
     ) -> None:
         """`zone`: this router's zone; it then prefers shards announcing the same zone and spills
         to other zones only when its own has none healthy or is loaded past `zone_slack`
         (data_plane/membership/placement.py: :func:`spills`). None: zones are ignored.
 
         A view with ``subscribe`` (the registry and Consul watchers, StaticMembership) is read
-        once per change; one without is asked per decision and compared with the last list."""
+        once per change; one without is asked per decision and compared with the last list.
+        `outliers`: failure-percentage ejection (data_plane/routing/outliers.py; threshold 0: off)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; choose from {sorted(POLICIES)}")
         self.membership = membership
@@ -122,6 +134,7 @@ class Router:
         self.zone = zone
         self.zone_slack = zone_slack
         self._circuits: dict[str, Circuit] = {}
+        self.outliers = FailurePercentage(outliers or OutlierConfig())
         """Shards with recent failures; a shard without an entry is CLOSED."""
         self.fleet = ShardFleet()
         """The incremental view every decision reads (data_plane/routing/fleet.py)."""
@@ -153,6 +166,7 @@ class Router:
             if fleet.sync(self.membership.members(SHARD_SERVICE)):
                 for gone in [mid for mid in self._circuits if mid not in fleet.by_id]:
                     del self._circuits[gone]
+                self.outliers.keep_only(fleet.by_id)
                 log.info("routing view: %d shards (change %d)", len(fleet), fleet.changes)
         return fleet
 
@@ -257,6 +271,8 @@ class Router:
     # -- health -----------------------------------------------------------------------------
 
     def report_success(self, member: Member) -> None:
+        if self.outliers.enabled:
+            self.outliers.record(member.id, False, self.clock())
         circuit = self._circuits.get(member.id)
         if circuit is not None:
             self._transition(member.id, circuit, CircuitState.CLOSED)
@@ -266,24 +282,46 @@ class Router:
         self.metrics.failures.labels(reason).inc()
         circuit = self._circuits.setdefault(member.id, Circuit())
         circuit.failures += 1
-        if circuit.failures >= self.eject_after or circuit.state is CircuitState.HALF_OPEN:
+        outlier = reason in COUNTED and self.outliers.record(member.id, True, self.clock())
+        if circuit.state is CircuitState.HALF_OPEN:
+            self._transition(member.id, circuit, CircuitState.OPEN, reason, "probe")
+        elif circuit.failures >= self.eject_after:
             self._transition(member.id, circuit, CircuitState.OPEN, reason)
+        elif outlier and circuit.state is CircuitState.CLOSED and self._may_eject_outlier():
+            self._transition(member.id, circuit, CircuitState.OPEN, reason, "failure_percentage")
+
+    def _may_eject_outlier(self) -> bool:
+        fleet = self._refresh()
+        out = sum(1 for mid, c in self._circuits.items() if c.state is not CircuitState.CLOSED and mid in fleet.by_id)
+        return self.outliers.may_eject(len(fleet), out)
 
     def circuit_state(self, member_id: str) -> CircuitState:
         circuit = self._circuits.get(member_id)
         return CircuitState.CLOSED if circuit is None else circuit.state
 
     def _transition(self, member_id: str, circuit: Circuit, state: CircuitState,
-                    reason: FailureReason | None = None) -> None:
-        """Every circuit change, with its log line, span event and metric."""
+                    reason: FailureReason | None = None, why: str = "consecutive") -> None:
+        """Every circuit change, with its log line, span event and metric (`why`: an ejection's cause,
+        one of :data:`EJECTION_REASONS`)."""
         span = trace.get_current_span()
         if state is CircuitState.OPEN:
             hold = min(self.max_eject_s, self.eject_s * 2 ** circuit.openings)
-            circuit.transition_to(state, now=self.clock(), hold_s=hold)
-            self.metrics.ejections.inc()
-            log.warning("ejecting shard %s for %.1f s after %d consecutive failures (last: %s)",
-                        member_id, hold, circuit.failures, reason)
-            span.add_event("router.eject", {"shard": member_id, "reason": str(reason), "hold_s": hold})
+            now = self.clock()
+            calls, failures = self.outliers.rate(member_id, now)
+            circuit.transition_to(state, now=now, hold_s=hold)
+            self.outliers.forget(member_id)  # judged anew once back
+            self.metrics.ejections.labels(why).inc()
+            if why == "probe":
+                log.warning("ejecting shard %s again for %.1f s: its probe failed (%s)", member_id, hold, reason)
+            elif why == "failure_percentage":
+                log.warning("ejecting shard %s for %.1f s: %d of its %d calls in the last %.0f s failed "
+                            "(%.0f%%, threshold %.0f%%; last: %s)", member_id, hold, failures, calls,
+                            self.outliers.config.window_s, 100.0 * failures / max(1, calls),
+                            self.outliers.config.threshold, reason)
+            else:
+                log.warning("ejecting shard %s for %.1f s after %d consecutive failures (last: %s)",
+                            member_id, hold, circuit.failures, reason)
+            span.add_event("router.eject", {"shard": member_id, "reason": str(reason), "cause": why, "hold_s": hold})
         elif state is CircuitState.HALF_OPEN:
             circuit.transition_to(state)
             log.info("probing ejected shard %s (half-open)", member_id)

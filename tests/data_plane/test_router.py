@@ -53,7 +53,7 @@ def test_a_shard_is_ejected_after_eject_after_consecutive_failures_only() -> Non
     assert not r.is_ejected("a")
     r.report_failure(a, FailureReason.TIMEOUT)
     assert r.is_ejected("a") and picks(r) == {"b"}
-    assert sample(registry, "switchboard_router_ejections_total") == 1
+    assert sample(registry, "switchboard_router_ejections_total", reason="consecutive") == 1
     assert sample(registry, "switchboard_router_upstream_failures_total", reason="connect") == 4
     assert sample(registry, "switchboard_router_shards", state="ejected") == 1
     assert sample(registry, "switchboard_router_shards", state="healthy") == 1
@@ -102,7 +102,8 @@ def test_a_failed_probe_ejects_again_for_twice_as_long_capped_at_max_eject_s() -
         holds.append(clock.now - start)
         r.report_failure(a, FailureReason.CONNECT)  # the probe fails
     assert holds == [5.0, 10.0, 12.0]
-    assert sample(registry, "switchboard_router_ejections_total") == 4
+    assert sample(registry, "switchboard_router_ejections_total", reason="consecutive") == 1
+    assert sample(registry, "switchboard_router_ejections_total", reason="probe") == 3
 
 
 # -- bounded loads --------------------------------------------------------------------------
