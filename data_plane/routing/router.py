@@ -283,12 +283,23 @@ class Router:
         circuit = self._circuits.setdefault(member.id, Circuit())
         circuit.failures += 1
         outlier = reason in COUNTED and self.outliers.record(member.id, True, self.clock())
-        if circuit.state is CircuitState.HALF_OPEN:
+        if circuit.state is CircuitState.OPEN:
+            # A call routed before the ejection (nothing is routed to an OPEN shard): the same outage, so the
+            # hold restarts from now at its length, not doubled. The streams one blip broke all fail
+            # together, and each doubled it (3 then 6, 12, 24 s after six) for a shard healthy again.
+            self._extend(member.id, circuit)
+        elif circuit.state is CircuitState.HALF_OPEN:
             self._transition(member.id, circuit, CircuitState.OPEN, reason, "probe")
         elif circuit.failures >= self.eject_after:
             self._transition(member.id, circuit, CircuitState.OPEN, reason)
         elif outlier and circuit.state is CircuitState.CLOSED and self._may_eject_outlier():
             self._transition(member.id, circuit, CircuitState.OPEN, reason, "failure_percentage")
+
+    def _extend(self, member_id: str, circuit: Circuit) -> None:
+        """An OPEN circuit's hold restarted from now, at the length it was opened with (no new ejection)."""
+        hold = min(self.max_eject_s, self.eject_s * 2 ** max(0, circuit.openings - 1))
+        circuit.open_until = max(circuit.open_until, self.clock() + hold)
+        self.outliers.forget(member_id)
 
     def _may_eject_outlier(self) -> bool:
         fleet = self._refresh()
