@@ -19,7 +19,8 @@ A shard's health is a :class:`Circuit` (Envoy-style outlier detection, SGLang's 
 
 CLOSED also goes to OPEN when the shard's failure percentage over a sliding window passes its threshold
 (data_plane/routing/outliers.py). The hold doubles with each opening (capped by the router); a failure
-reported while OPEN (a call routed before the ejection) restarts the hold at its length, not doubled.
+reported while OPEN (a call routed before the ejection) restarts the hold at its length, not doubled; a
+success reported while OPEN (the same) changes nothing: only the probe brings the shard back.
 """
 
 from __future__ import annotations

@@ -271,9 +271,13 @@ class Router:
     # -- health -----------------------------------------------------------------------------
 
     def report_success(self, member: Member) -> None:
+        circuit = self._circuits.get(member.id)
+        if circuit is not None and circuit.state is CircuitState.OPEN:
+            # A call routed before the ejection: only the probe after the hold brings the shard back. Closing
+            # here ended a failure-percentage ejection within milliseconds under concurrent traffic.
+            return
         if self.outliers.enabled:
             self.outliers.record(member.id, False, self.clock())
-        circuit = self._circuits.get(member.id)
         if circuit is not None:
             self._transition(member.id, circuit, CircuitState.CLOSED)
 

@@ -73,3 +73,25 @@ def test_streams_broken_by_one_blip_eject_their_shard_once_not_for_a_doubled_hol
                 t.join(timeout=60)
     assert outcomes == ["ok"] * STREAMS, outcomes  # every broken stream resumed on shard-0
     assert back < 10, back
+
+
+def test_a_call_routed_before_the_ejection_that_succeeds_after_it_does_not_end_the_ejection() -> None:
+    """A lossy link (every other connection reset) and six clients: when shard-1 was ejected, calls routed to
+    it just before were still in flight, and the first of them to succeed closed its circuit at once (a success
+    while ejected counted as a passed probe), so the ejection lasted milliseconds and requests went on paying
+    a failed attempt over the lossy link. Now only the probe after the hold brings it back."""
+    from tests.data_plane.test_lossy_link import lossy_cluster
+
+    with lossy_cluster() as (c, proxy):
+        with steady_traffic(c.gateway.url, clients=6) as done:
+            eventually(lambda: len(done) >= 10, 30, what="traffic flowing")
+            proxy.flaky(every=2)
+            eventually(lambda: metric(c.gateway.url, "switchboard_router_ejections_total") >= 1, 30,
+                       what="shard-1 ejected", interval_s=0.01)
+            seen = proxy.requests
+            time.sleep(2.0)  # within its 3 s hold
+            sent = proxy.requests - seen
+            proxy.heal()
+        statuses = [status for _, status in done]
+    assert sent <= 6, f"{sent} requests reached shard-1 during its ejection\n" + c.gateway.log_tail(3000)
+    assert set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
