@@ -29,18 +29,13 @@ def test_vllm_command_passes_parallelism_through() -> None:
     assert "--tensor-parallel-size 4" in joined and "--pipeline-parallel-size 2" in joined
 
 
-def test_vllm_is_started_with_the_cluster_token_as_its_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM was started without an API key: with the cluster token set (every shard requires it), anyone
-    who reached vLLM's port could generate on the GPU. The sidecar now starts it with VLLM_API_KEY = the
-    token, in its environment (not its command line, which `ps` shows)."""
+def _fake_vllm(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """A sidecar's vLLM stand-in (no GPU here): each start's command and keyword arguments, recorded."""
     import subprocess
     import sys
     import types
 
-    from fastapi.testclient import TestClient
-
     import data_plane.model_store
-    from data_plane.shard.engines import vllm_engine
 
     started: list[dict] = []
 
@@ -61,6 +56,18 @@ def test_vllm_is_started_with_the_cluster_token_as_its_api_key(monkeypatch: pyte
     monkeypatch.setattr(data_plane.model_store, "resolve_model", lambda model: "/models/m")
     monkeypatch.setattr(subprocess, "Popen", FakeVLLM)
     monkeypatch.setenv("SWITCHBOARD_CLUSTER_TOKEN", "the-cluster-token")
+    return started
+
+
+def test_vllm_is_started_with_the_cluster_token_as_its_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM was started without an API key: with the cluster token set (every shard requires it), anyone
+    who reached vLLM's port could generate on the GPU. The sidecar now starts it with VLLM_API_KEY = the
+    token, in its environment (not its command line, which `ps` shows)."""
+    from fastapi.testclient import TestClient
+
+    from data_plane.shard.engines import vllm_engine
+
+    started = _fake_vllm(monkeypatch)
     with TestClient(vllm_engine.create_sidecar(ShardSettings(engine="vllm"))):
         pass
     assert len(started) == 1
@@ -71,32 +78,11 @@ def test_vllm_is_started_with_the_cluster_token_as_its_api_key(monkeypatch: pyte
 
 def test_the_sidecars_metrics_relay_needs_the_metrics_or_the_cluster_token(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sidecar relays vLLM's /metrics on the shard port: guarded as every process's /metrics is."""
-    import subprocess
-    import sys
-    import types
-
     from fastapi.testclient import TestClient
 
-    import data_plane.model_store
     from data_plane.shard.engines import vllm_engine
 
-    class FakeVLLM:
-        def __init__(self, cmd: list[str], **kwargs: object) -> None:
-            pass
-
-        def poll(self) -> None:
-            return None
-
-        def terminate(self) -> None:
-            pass
-
-        def wait(self, timeout: float | None = None) -> int:
-            return 0
-
-    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
-    monkeypatch.setattr(data_plane.model_store, "resolve_model", lambda model: "/models/m")
-    monkeypatch.setattr(subprocess, "Popen", FakeVLLM)
-    monkeypatch.setenv("SWITCHBOARD_CLUSTER_TOKEN", "the-cluster-token")
+    _fake_vllm(monkeypatch)
     monkeypatch.setenv("SWITCHBOARD_METRICS_TOKEN", "the-metrics-token")
     with TestClient(vllm_engine.create_sidecar(ShardSettings(engine="vllm"))) as client:
         for headers in ({}, {"Authorization": "Bearer wrong"}):

@@ -427,17 +427,24 @@ def test_a_full_spool_disk_loses_no_usage_record(tmp_path: Path) -> None:
         assert metric(c.gateway.url, "switchboard_ledger_records_total", outcome="dropped") == 0
 
 
+async def _ledger_on_a_full_disk(disk: SmallDisk, db: Path) -> tuple[UsageLedger, CollectorRegistry]:
+    """A started ledger (a hold of 5 records) spooling on `disk`, its database at `db`: one record written,
+    then the disk filled."""
+    registry = CollectorRegistry()
+    ledger = UsageLedger(open_ledger_store(f"sqlite:///{db}"), Spool(disk.path / "s"), LedgerMetrics(registry),
+                         gateway="gw", held_max=5)
+    await ledger.start()
+    ledger.record(usage_record(0))
+    assert await ledger.flush()
+    disk.fill()
+    return ledger, registry
+
+
 def test_records_the_disk_refuses_wait_in_memory_for_it(tmp_path: Path) -> None:
     """Spool and SQLite database on one full disk: the records are held in memory (counted, at most
     `held_max`, the oldest dropped beyond), and all reach the database once the disk has room."""
     async def run(disk: SmallDisk) -> None:
-        registry = CollectorRegistry()
-        ledger = UsageLedger(open_ledger_store(f"sqlite:///{disk.path / 'usage.db'}"), Spool(disk.path / "s"),
-                             LedgerMetrics(registry), gateway="gw", held_max=5)
-        await ledger.start()
-        ledger.record(usage_record(0))
-        assert await ledger.flush()
-        disk.fill()
+        ledger, registry = await _ledger_on_a_full_disk(disk, disk.path / "usage.db")
         for i in range(1, 8):
             ledger.record(usage_record(i))
         assert registry.get_sample_value("switchboard_ledger_held_records") == 5
@@ -460,13 +467,7 @@ def test_records_held_while_the_held_ones_go_to_the_database_are_not_lost(tmp_pa
     the held-records gauge read 0 with records still held. The batch is now out of the hold while it is written."""
 
     async def run(disk: SmallDisk) -> None:
-        registry = CollectorRegistry()
-        ledger = UsageLedger(open_ledger_store(f"sqlite:///{tmp_path / 'usage.db'}"), Spool(disk.path / "s"),
-                             LedgerMetrics(registry), gateway="gw", held_max=5)
-        await ledger.start()
-        ledger.record(usage_record(0))
-        assert await ledger.flush()
-        disk.fill()
+        ledger, registry = await _ledger_on_a_full_disk(disk, tmp_path / "usage.db")
         for i in range(1, 6):  # the hold is full
             ledger.record(usage_record(i))
         entered, go = threading.Event(), threading.Event()
