@@ -12,7 +12,9 @@ error or a timeout, each costing its request 2.5-3 s before the retry elsewhere,
 between reset the consecutive count, so it was never ejected (RELIABILITY.md, B22).
 
 Only failures that are the shard's (or its link's) fault count, :data:`COUNTED`: connect errors,
-timeouts, 5xx, broken or silent streams. Not a 429 (the shard's backpressure: load, not a fault), not
+timeouts, 5xx but 503, broken or silent streams. Not a 503 or a 429: a shard answers 503 ``overloaded``
+when its queue is full (its backpressure: load, not a fault; ejecting a hot shard of an overloaded fleet
+by percentage would pile its load on the rest; consecutive 503s still eject, as before). Not
 a 401 cluster-token refusal (a configuration error, consecutive ejection handles it), not a shard
 leaving membership; a request's own error (4xx) is the shard answering, a success here, and the
 gateway's own EMFILE never reaches the router (B21). Outcomes are counted per shard in a sliding window
@@ -33,7 +35,7 @@ BUCKETS = 10
 
 COUNTED = frozenset({
     FailureReason.CONNECT, FailureReason.TIMEOUT, FailureReason.STATUS_500, FailureReason.STATUS_502,
-    FailureReason.STATUS_503, FailureReason.STATUS_504, FailureReason.STATUS_5XX, FailureReason.SILENT,
+    FailureReason.STATUS_504, FailureReason.STATUS_5XX, FailureReason.SILENT,
     FailureReason.FIRST_TOKEN_TIMEOUT, FailureReason.EMPTY_STREAM, FailureReason.STREAM_ERROR_BEFORE_FIRST_TOKEN,
     FailureReason.TRANSPORT, FailureReason.STREAM_IDLE, FailureReason.STREAM_BROKEN,
     FailureReason.PIPELINE_STAGE_LOST,

@@ -74,7 +74,7 @@ def test_sparse_failures_and_old_failures_do_not_eject() -> None:
     assert not r2.is_ejected("a")
 
 
-@pytest.mark.parametrize("reason", [FailureReason.STATUS_429, FailureReason.MEMBERSHIP_LOST,
+@pytest.mark.parametrize("reason", [FailureReason.STATUS_429, FailureReason.STATUS_503, FailureReason.MEMBERSHIP_LOST,
                                     FailureReason.REFUSED])
 def test_backpressure_and_non_link_failures_are_not_held_against_the_percentage(reason: FailureReason) -> None:
     a, b = shard("a"), shard("b")
