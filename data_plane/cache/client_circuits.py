@@ -64,8 +64,11 @@ class NodeCircuits:
         return True
 
     def succeeded(self, node: str) -> None:
-        circuit = self._circuits.pop(node, None)
-        if circuit is not None and circuit.state is not CircuitState.CLOSED:
+        circuit = self._circuits.get(node)
+        if circuit is None or circuit.ignores_success():
+            return
+        del self._circuits[node]
+        if circuit.state is not CircuitState.CLOSED:
             log.warning("cache node %s answers again: back in use", node)
             self._on_change(self.open_count(), False)
 

@@ -116,6 +116,11 @@ class Circuit:
     open_until: float = 0.0
     """Clock time at which an OPEN circuit may be probed."""
 
+    def ignores_success(self) -> bool:
+        """A success reported while OPEN came from a call routed before the ejection: only the probe after the
+        hold closes the circuit (closing on it ended ejections within milliseconds under concurrent traffic)."""
+        return self.state is CircuitState.OPEN
+
     def probe_due(self, now: float) -> bool:
         return self.state is CircuitState.OPEN and now >= self.open_until
 

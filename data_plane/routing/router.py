@@ -272,9 +272,7 @@ class Router:
 
     def report_success(self, member: Member) -> None:
         circuit = self._circuits.get(member.id)
-        if circuit is not None and circuit.state is CircuitState.OPEN:
-            # A call routed before the ejection: only the probe after the hold brings the shard back. Closing
-            # here ended a failure-percentage ejection within milliseconds under concurrent traffic.
+        if circuit is not None and circuit.ignores_success():
             return
         if self.outliers.enabled:
             self.outliers.record(member.id, False, self.clock())

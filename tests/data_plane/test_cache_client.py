@@ -457,3 +457,23 @@ async def test_a_cache_node_that_rejoins_membership_is_used_at_once_not_after_it
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_a_node_breaker_stays_open_when_a_call_sent_before_it_opened_succeeds() -> None:
+    """A call to a cache node sent before its breaker opened, succeeding after, closed the breaker: a flaky node
+    was back in use at once, as the router's ejections were (review3). Only the probe after the hold closes it."""
+    from data_plane.cache.client_circuits import NodeCircuits
+
+    now = [0.0]
+    changes: list[tuple[int, bool]] = []
+    circuits = NodeCircuits(lambda count, opened: changes.append((count, opened)), eject_after=2, hold_s=2.0,
+                            clock=lambda: now[0])
+    circuits.failed("n1")
+    circuits.failed("n1")
+    assert not circuits.allow("n1") and changes == [(1, True)]
+    circuits.succeeded("n1")  # the late success of a call sent before the breaker opened
+    assert not circuits.allow("n1") and circuits.open_count() == 1 and changes == [(1, True)]
+    now[0] = 2.5
+    assert circuits.allow("n1")  # the one probe after the hold...
+    circuits.succeeded("n1")  # ...answers: back in use
+    assert circuits.allow("n1") and circuits.open_count() == 0 and changes[-1] == (0, False)
