@@ -269,6 +269,20 @@ def envelope_text(content: str | None, tool_calls: list[dict[str, Any]] | None) 
     return json.dumps({"tool_calls": calls}, ensure_ascii=False, separators=(",", ":"))
 
 
+def envelope_calls(content: str | None) -> list[str]:
+    """The functions an envelope (`envelope_text`) called, in order; none for text, an answer, or an envelope
+    cut short (a reply stopped by its token limit is not a whole one)."""
+    if not content or not content.startswith(CALLS_PREFIX):
+        return []
+    try:
+        calls: Any = json.loads(content)["tool_calls"]
+    except (ValueError, KeyError, TypeError):
+        return []
+    if not isinstance(calls, list):
+        return []
+    return [str(c.get("name", "")) if isinstance(c, dict) else "" for c in calls]
+
+
 class SentOutput:
     """What a stream has sent of choice 0, written back as the text the model produced: a resumed request
     (data_plane/routing/resume.py) ends with it as the assistant message to continue, and a torch shard

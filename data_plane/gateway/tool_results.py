@@ -17,13 +17,11 @@ merged history here; a shard never does (it gets plain messages, and a resume co
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from typing import Any
 
 from data_plane.common.errors import InvalidRequest
 from data_plane.protocol import ChatMessage
-from data_plane.tool_calls import CALLS_PREFIX
+from data_plane.tool_calls import envelope_calls
 
 _RULE = ("An assistant message with 'tool_calls' must be followed by tool messages responding to each "
          "'tool_call_id'.")
@@ -49,7 +47,7 @@ def check_session_answered(stored: Sequence[dict[str, str]], messages: Sequence[
     """400 when a session's last turn called tools and the request does not open with a tool message for
     each call (system and developer messages aside: they replace the stored ones, ahead of the history)."""
     turns = [m for m in stored if m.get("role") != "system"]
-    names = _called(turns[-1]) if turns and turns[-1].get("role") == "assistant" else []
+    names = envelope_calls(turns[-1].get("content")) if turns and turns[-1].get("role") == "assistant" else []
     if not names:
         return
     new = [m for m in messages if m.role not in ("system", "developer")]
@@ -61,17 +59,3 @@ def check_session_answered(stored: Sequence[dict[str, str]], messages: Sequence[
             f"{_RULE} The session's last assistant message called {len(names)} tool(s) "
             f"({', '.join(names)}) and {answered} tool message(s) answer them: send one tool message per call, "
             f"first, with the tool_call_id the reply gave it.", param="messages")
-
-
-def _called(message: dict[str, str]) -> list[str]:
-    """The functions a stored assistant turn called (its tool envelope), in order; none for text."""
-    content = message.get("content") or ""
-    if not content.startswith(CALLS_PREFIX):
-        return []
-    try:
-        calls: Any = json.loads(content)["tool_calls"]
-    except (ValueError, KeyError, TypeError):  # a reply cut by its token limit: not a whole envelope
-        return []
-    if not isinstance(calls, list):
-        return []
-    return [str(c.get("name", "")) if isinstance(c, dict) else "" for c in calls]
