@@ -120,6 +120,7 @@ def create_app(gw: Gateway) -> GatewayApp:
             gw.metrics.membership_reachable.set(1 if getattr(rt.membership, "reachable", True) else 0)
             for service in ("shard", "cache"):
                 gw.metrics.membership_members.labels(service).set(len(rt.membership.members(service)))
+            rt.admission.fair_share.flush()  # the charges the publish throttle held back
         return await scrape(request)
 
     # its series name tenants and their token volumes, on the public chat port: Prometheus's token only

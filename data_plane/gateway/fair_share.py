@@ -26,7 +26,9 @@ lifting it when it returns).
 
 Metric (bounded): ``switchboard_admission_tenant_service_tokens{tier, tenant}``, the tokens served
 since start to the ``top_n`` tenants of each tier with the most service, the rest summed as
-``tenant="other"``; refreshed at most once per ``publish_interval_s``.
+``tenant="other"``; refreshed at most once per ``publish_interval_s`` while charges come in, and on
+every scrape (:meth:`FairShare.flush`, called by the gateway's ``/metrics``), so the last charges of a
+burst are never held back.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ class FairShare:
         """Priority level -> counter of the tenant charged last there."""
         self._published: set[tuple[str, str]] = set()
         self._published_at = -float("inf")
+        self._dirty = False
+        """A charge the throttle has not published yet."""
 
     def counter(self, tier: str, tenant: str) -> float:
         t = self._tenants.get((tier, tenant))
@@ -109,6 +113,11 @@ class FairShare:
         self._last_served[t.priority] = t.counter
         self._publish()
 
+    def flush(self) -> None:
+        """Publish what the throttle held back (a scrape calls it: the gauge then shows every charge)."""
+        if self._dirty:
+            self._publish(force=True)
+
     def pick(self, keys: Iterable[tuple[str, str]]) -> tuple[str, str]:
         """The ``(tier, tenant)`` of `keys` with the least service (the first of equals)."""
         return min(keys, key=lambda key: self.counter(*key))
@@ -127,8 +136,10 @@ class FairShare:
             return
         now = self._clock()
         if not force and now - self._published_at < self._publish_interval_s:
+            self._dirty = True
             return
         self._published_at = now
+        self._dirty = False
         by_tier: dict[str, list[tuple[float, str]]] = {}
         for (tier, tenant), t in self._tenants.items():
             by_tier.setdefault(tier, []).append((t.served, tenant))

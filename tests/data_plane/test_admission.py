@@ -256,3 +256,30 @@ def test_the_service_metric_is_bounded_to_the_top_n_and_other() -> None:
     tenants = {s.labels["tenant"]: s.value for m in registry.collect() for s in m.samples
                if m.name == "switchboard_admission_tenant_service_tokens"}
     assert tenants == {"t9": 1000, "t8": 900, "t7": 800, "other": sum(100 * (i + 1) for i in range(7))}
+
+
+def test_a_charge_the_publish_throttle_held_back_shows_on_the_next_scrape() -> None:
+    """The gauge is refreshed at most once per interval while charges come in: the last charges of a
+    burst (a tenant's one request right after another's) showed on no scrape until the next charge,
+    however long that took (CI read a tenant's 0 seconds after its request). flush(), which the
+    gateway's /metrics calls, publishes them."""
+    from data_plane.gateway.fair_share import FairShare
+
+    registry = CollectorRegistry()
+    now = [0.0]
+    share = FairShare(AdmissionMetrics(registry).tenant_service, publish_interval_s=60.0, clock=lambda: now[0])
+
+    def served(tenant: str) -> float | None:
+        return registry.get_sample_value("switchboard_admission_tenant_service_tokens",
+                                         {"tier": "plus", "tenant": tenant})
+
+    share.arrive("plus", "acme", 2)
+    share.charge("plus", "acme", 14)
+    share.arrive("plus", "bigco", 2)
+    now[0] = 0.5
+    share.charge("plus", "bigco", 30)
+    assert served("acme") == 14 and served("bigco") is None  # throttled
+    share.flush()
+    assert served("bigco") == 30
+    share.flush()  # nothing new: no work, same values
+    assert served("acme") == 14 and served("bigco") == 30
