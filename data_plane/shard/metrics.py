@@ -220,9 +220,10 @@ class ShardMetrics:
         # The served dtype and weight format, and why (data_plane/shard/engines/weight_source.py: enums).
         self.weights_info = Gauge(
             "switchboard_shard_weights_info", "1 for the dtype and weight format served, with the reason each was "
-            "chosen (dtype_reason: requested | native_bf16 | no_native_bf16 | quantized_kernel | exact_kernel; quantization_reason: "
+            "chosen (dtype_reason: requested | native_bf16 | no_native_bf16 | quantized_kernel | exact_kernel | agreement; "
+            "quantization_reason: "
             "requested | gguf_q4 | gguf_q8 | dense_model | dense_activations; kernel: torch | blockq_avx512_vnni | "
-            "blockq_avx2 | blockq_portable | blockq_exact_<the same paths>).",
+            "blockq_avx2 | blockq_portable | blockq_int8_<the same paths> | blockq_exact_<the same paths>).",
             [*m, "dtype", "dtype_reason", "quantization", "quantization_reason", "kernel"], registry=registry)
         self.weight_bytes = Gauge("switchboard_shard_weight_bytes", "Bytes of model weights a decode step reads.", m,
                                   registry=registry)

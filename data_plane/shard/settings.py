@@ -39,10 +39,11 @@ class ShardSettings(BaseSettings):
     quantization: Literal["auto", "none", "int8", "int4"] = Field(
         "auto", description="Weight format: auto (a GGUF's Q4 blocks as int4, Q8_0 as int8, a dense model as is), "
         "none, int8 (per channel) or int4 (groups of 32).")
-    quantization_kernel: Literal["auto", "blockq", "blockq_exact", "torch"] = Field(
-        "auto", description="What computes quantized projections: auto (blockq, int8 activations x the weight "
-        "blocks, where its C kernel builds; blockq_exact, float32 activations x the same blocks, for an explicit "
-        "float32 quantized format), blockq, blockq_exact or torch.")
+    quantization_kernel: Literal["auto", "blockq", "blockq_int8", "blockq_exact", "torch"] = Field(
+        "auto", description="What computes quantized projections: auto (blockq, two int8 planes of activations x "
+        "the weight blocks, float32 dense's greedy tokens, where its C kernel builds; blockq_exact, float32 "
+        "activations x the same blocks, for an explicit float32 quantized format), blockq, blockq_int8 (one int8 "
+        "plane: llama.cpp's numerics, fewer integer products), blockq_exact or torch.")
     max_num_seqs: int = Field(16, ge=1, le=256, description="Sequences decoded together (KV slots).")
     max_model_len: int = Field(2048, ge=16, le=131072, description="Context window (prompt + output).")
     prefill_chunk: int = Field(256, ge=1, le=8192, description="Prompt tokens prefilled per scheduler step.")

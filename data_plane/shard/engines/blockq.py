@@ -75,6 +75,7 @@ class Kernel:
         for fn in (self.gemm, self.gemm_exact):
             fn.restype = ctypes.c_int
             fn.argtypes = [i, i, p, i, i, p, i, i, p, p, i, i, p, ctypes.c_float]
+        self.gemm.argtypes = [*self.gemm.argtypes, i]  # planes: 1 or 2 int8 planes of activations
         self.rows = lib.blockq_rows
         self.rows.restype = ctypes.c_int
         self.rows.argtypes = [i, p, i, i, p, i, p, i]
@@ -150,21 +151,21 @@ def load() -> Kernel | None:
 
 def _self_check(kernel: Kernel) -> None:
     """The CPU path gives the portable path's bits and the dequantized GEMM's values (small shapes), for
-    int8 activations and float32 ones (the exact mode: float32 rounding only)."""
+    int8 activations (one plane, two planes) and float32 ones (the exact mode: float32 rounding only)."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(32, 64, generator=g)
     x = torch.randn(3, 64, generator=g)
     for fmt in FORMATS:
-        for exact, tol in ((False, 0.05), (True, 1e-5)):
-            lin = BlockLinear.from_dense(w, fmt, dtype=torch.float32, kernel=kernel, exact=exact)
+        for exact, planes, tol in ((False, 1, 0.05), (False, 2, 1e-3), (True, 1, 1e-5)):
+            lin = BlockLinear.from_dense(w, fmt, dtype=torch.float32, kernel=kernel, exact=exact, planes=planes)
             y = lin(x)
             ref = x @ lin.dequantize().T
+            what = f"{fmt}{' exact' if exact else f' {planes} plane(s)'}"
             if (y - ref).abs().max() > tol * ref.abs().max():
-                raise KernelCheckFailed(f"{fmt}{' exact' if exact else ''}: off the dequantized GEMM")
+                raise KernelCheckFailed(f"{what}: off the dequantized GEMM")
             lin.isa = ISAS["portable"]
             if not torch.equal(y, lin(x)):
-                raise KernelCheckFailed(f"{fmt}{' exact' if exact else ''}: {kernel.isa_name} differs from the "
-                                        "portable path")
+                raise KernelCheckFailed(f"{what}: {kernel.isa_name} differs from the portable path")
 
 
 def _check(n: int, k: int) -> None:
@@ -234,13 +235,19 @@ def quantize(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:
 
 class BlockLinear:
     """y = x @ W.T (+ b) with W in the kernel's blocks; x float32 or bf16, [T, K] (or [..., K]). `exact`:
-    float32 activations meet the weights in float32 (native/blockq_exact.c) instead of int8 blocks."""
+    float32 activations meet the weights in float32 (native/blockq_exact.c) instead of int8 blocks. `planes`:
+    the int8 activations' planes, 1 (llama.cpp's Q8 activations, ~8 bits a block) or 2 (the block's
+    residual in a second int8 plane, ~16 bits: float32 dense's greedy tokens survive its near-ties, for twice
+    the integer dot products over the same weight bytes; native/blockq.c)."""
 
     packed = False
 
     def __init__(self, fmt: str, tiles: torch.Tensor, n: int, k: int, *, dtype: torch.dtype,
-                 bias: torch.Tensor | None = None, kernel: Kernel | None = None, exact: bool = False) -> None:
+                 bias: torch.Tensor | None = None, kernel: Kernel | None = None, exact: bool = False,
+                 planes: int = 1) -> None:
         _check(n, k)
+        if planes not in (1, 2):
+            raise ValueError(f"blockq takes 1 or 2 int8 planes of activations, not {planes}")
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"blockq takes float32 or bfloat16 activations, not {dtype}")
         kern = kernel or load()
@@ -254,7 +261,9 @@ class BlockLinear:
         self.bias = bias
         self.nbytes = tiles.numel()
         self.exact = exact
+        self.planes = 1 if exact else planes
         self._gemm = kern.gemm_exact if exact else kern.gemm
+        self._planes = () if exact else (self.planes,)  # blockq_gemm's last argument (the float path has none)
 
     @classmethod
     def q4(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, **kw) -> BlockLinear:  # type: ignore[no-untyped-def]
@@ -291,7 +300,7 @@ class BlockLinear:
         if m and self._gemm(self.code, self.isa, self.w.data_ptr(), self.out_features, self.in_features,
                                   rows.data_ptr(), bf16, m, None if res is None else res.data_ptr(),
                                   y.data_ptr(), bf16, torch.get_num_threads(),
-                                  None if norm is None else norm.data_ptr(), eps):
+                                  None if norm is None else norm.data_ptr(), eps, *self._planes):
             raise RuntimeError("blockq_gemm failed")
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bind", default="127.0.0.1", help="this stage's own address for the group (where its links listen)")
     ap.add_argument("--model", default="", help="the shard's --model ('' = the default model)")
     ap.add_argument("--quantization", default="none", help="the weight format stage 0 resolved")
-    ap.add_argument("--quantization-kernel", default="torch", choices=["blockq", "blockq_exact", "torch"],
+    ap.add_argument("--quantization-kernel", default="torch", choices=["blockq", "blockq_int8", "blockq_exact", "torch"],
                     help="what computes stage 0's quantized projections")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-num-seqs", type=int, default=16)
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     # Explicit dtype and format: the same plan stage 0 resolved, so the stages' numerics agree.
     plan = resolve_plan(args.dtype, args.quantization, source=source.kind, caps=CpuCaps.detect(),
                         kernel=args.quantization_kernel)
-    if args.quantization_kernel != "torch" and not plan.kernel.startswith(args.quantization_kernel + "_"):
+    if plan.kernel_choice != args.quantization_kernel:
         # blockq did not build here (no C compiler): torch's kernels would give other numerics than stage 0's
         raise SystemExit(f"switchboard stage: stage 0 serves {args.quantization_kernel}, which this host cannot "
                          f"build (it would serve {plan.kernel}): install a C compiler (cc) here")

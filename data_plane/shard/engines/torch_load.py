@@ -183,7 +183,7 @@ def start_pipeline(config: EngineConfig, model: LoadedModel, prefix: SlotPrefix 
 
     assert model.layer_ranges is not None, "start_pipeline() for a one-process model"
     spec = PipelineSpec(model=config.model or "", dtype=model.plan.dtype, quantization=model.plan.quantization,
-                        kernel="blockq_exact" if model.plan.exact else "blockq" if model.plan.blockq else "torch",
+                        kernel=model.plan.kernel_choice,
                         max_num_seqs=config.max_num_seqs, max_len=model.max_model_len,
                         ranges=tuple(model.layer_ranges), timeout_s=config.pipeline_stage_timeout_s,
                         threads=model.threads, alone_threads=model.alone.most if model.alone else 0,

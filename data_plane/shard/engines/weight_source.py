@@ -97,7 +97,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -110,7 +110,7 @@ from data_plane.shard.engines.quant_linear import Int4Linear, Int8Embedding, Int
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
-KERNEL_CHOICES = ("auto", "blockq", "blockq_exact", "torch")
+KERNEL_CHOICES = ("auto", "blockq", "blockq_int8", "blockq_exact", "torch")
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
@@ -120,6 +120,7 @@ class DtypeReason(str, Enum):
     NO_NATIVE_BF16 = "no_native_bf16"
     QUANTIZED_KERNEL = "quantized_kernel"
     EXACT_KERNEL = "exact_kernel"
+    AGREEMENT = "agreement"
 
 
 class QuantReason(str, Enum):
@@ -178,12 +179,31 @@ class WeightPlan:
     quantization_reason: QuantReason
     kernel: str = "torch"
     """What computes the projections: ``torch`` (dense GEMMs, or torch's weight-only int4/int8 kernels),
-    ``blockq_<path>`` (blockq.py: int8 activations x block-quantized weights) or ``blockq_exact_<path>``
-    (float32 activations x the same blocks: the exact mode)."""
+    ``blockq_<path>`` (blockq.py: two int8 planes of activations x block-quantized weights),
+    ``blockq_int8_<path>`` (one int8 plane: llama.cpp's numerics) or ``blockq_exact_<path>`` (float32
+    activations x the same blocks: the exact mode)."""
 
     @property
     def blockq(self) -> bool:
         return self.kernel.startswith("blockq")
+
+    @property
+    def planes(self) -> int:
+        """blockq's int8 planes of activations: 1 (``blockq_int8``) or 2 (``blockq``); 1 elsewhere (unused)."""
+        return 2 if self.blockq and not self.exact and not self.kernel.startswith("blockq_int8") else 1
+
+    @property
+    def kernel_choice(self) -> str:
+        """The ``--quantization-kernel`` that names this plan's kernel (what a pipeline stage is told)."""
+        if not self.blockq:
+            return "torch"
+        return "blockq_exact" if self.exact else "blockq" if self.planes == 2 else "blockq_int8"
+
+    @property
+    def float32_table(self) -> bool:
+        """An int4 model's table stays the GGUF's Q8_0 blocks (not q6): the modes that aim at float32
+        dense's greedy tokens (the exact mode, two planes; q6 alone moved them, module docstring)."""
+        return self.exact or self.planes == 2
 
     @property
     def exact(self) -> bool:
@@ -225,12 +245,17 @@ def resolve_plan(dtype: str, quantization: str, *, source: str, caps: CpuCaps, k
     exact = (kernel == "blockq_exact" or (dtype == "float32" and quantization != "auto" and kernel == "auto"))
     if quant == "none" or not caps.blockq or kernel == "torch" or dtype == "float16":
         kernel = "torch"  # blockq takes float32 or bf16 activations only
+    elif exact:
+        kernel = f"blockq_exact_{caps.blockq}"
     else:
-        kernel = f"blockq_exact_{caps.blockq}" if exact else f"blockq_{caps.blockq}"
+        kernel = f"blockq_int8_{caps.blockq}" if kernel == "blockq_int8" else f"blockq_{caps.blockq}"
     if dtype != "auto":
         return WeightPlan(dtype, DtypeReason.REQUESTED, quant, q_reason, kernel)
     if exact:  # blockq_exact by name: float32 activations, on torch's exact kernels where blockq did not load
         return WeightPlan("float32", DtypeReason.EXACT_KERNEL, quant, q_reason, kernel)
+    if kernel.startswith("blockq_") and not kernel.startswith("blockq_int8"):
+        # two planes: float32 dense's greedy tokens (bf16 activations elsewhere would break its near-ties)
+        return WeightPlan("float32", DtypeReason.AGREEMENT, quant, q_reason, kernel)
     if quant != "none" and kernel == "torch":
         return WeightPlan("bfloat16", DtypeReason.QUANTIZED_KERNEL, quant, q_reason)
     if caps.native_bf16:
@@ -276,7 +301,7 @@ class WeightBuilder:
             return "dense"
         # blockq rounds activations to int8 (a8), its exact path keeps them float32 (a32): other numerics
         # than torch's kernels and than each other, so other KV.
-        acts = "a32" if self.plan.exact else "a8" if self.plan.blockq else ""
+        acts = "a32" if self.plan.exact else f"a8x{self.plan.planes}" if self.plan.blockq else ""
         return f"{self.plan.quantization}{acts}[{','.join(sorted(self._origins))}]"
 
     def _dense(self, name: str) -> torch.Tensor:
@@ -310,12 +335,13 @@ class WeightBuilder:
             self._origins.update(self._gguf[n].kind.lower() for n in names)
             q4, scale, zero = (torch.cat(p) for p in zip(*parts))
             if self.plan.blockq:  # w = (q - 8) * scale + zero = q * scale + (zero - 8 * scale): Q4_1's d, m
-                return BlockLinear.q4(q4, scale, zero - 8 * scale, dtype=self.dtype, bias=b, exact=self.plan.exact)
+                return BlockLinear.q4(q4, scale, zero - 8 * scale, dtype=self.dtype, bias=b, exact=self.plan.exact,
+                                      planes=self.plan.planes)
             return Int4Linear(q4, scale, zero, dtype=self.dtype, bias=b)
         w = torch.cat([self._dense(n) for n in names])
         if q in ("int4", "int8") and self.plan.blockq:
             return BlockLinear.from_dense(w, "q4" if q == "int4" else "q8", dtype=self.dtype, bias=b,
-                                          exact=self.plan.exact)
+                                          exact=self.plan.exact, planes=self.plan.planes)
         if q == "int4":
             return Int4Linear.from_dense(w, dtype=self.dtype, bias=b)
         if q == "int8":
@@ -370,17 +396,18 @@ class WeightBuilder:
         blocks = None
         if self._gguf is not None and name in self._gguf and (blocks := self._gguf[name].q8_blocks()) is not None:
             self._origins.add(self._gguf[name].kind.lower())
-        if self.plan.quantization != "int4" or self.plan.exact:
+        kw: dict[str, Any] = {"dtype": self.dtype, "exact": self.plan.exact, "planes": self.plan.planes}
+        if self.plan.quantization != "int4" or self.plan.float32_table:
             if blocks:
-                return BlockLinear.q8(*blocks, dtype=self.dtype, exact=self.plan.exact)
-            return BlockLinear.from_dense(self._dense(name), "q8", dtype=self.dtype, exact=self.plan.exact)
+                return BlockLinear.q8(*blocks, **kw)
+            return BlockLinear.from_dense(self._dense(name), "q8", **kw)
         self._origins.add("q6")
         if blocks is not None:
             q, d = blocks
             w = (q.float().view(q.shape[0], -1, 32) * d.unsqueeze(-1)).view(q.shape)
         else:
             w = self._dense(name)
-        return BlockLinear.from_dense(w, "q6", dtype=self.dtype, exact=self.plan.exact)
+        return BlockLinear.from_dense(w, "q6", **kw)
 
     def _int8(self, name: str) -> Int8Linear:
         """A per-channel int8 table: as prepared (data_plane/shard/engines/prepared_weights.py) or quantized now."""
