@@ -265,7 +265,8 @@ def test_prepared_file_builds_the_same_layers_as_the_gguf(tmp_path: object) -> N
     assert set(g.kinds()) == set(whole.kinds()) and g.kinds()["Q4_1"] == 2 * 7, g.kinds()
     cfg.num_hidden_layers = 2
     path = write_prepared(g, Path(str(tmp_path)) / "prepared.safetensors")
-    for kernel in ("torch", "blockq"):  # blockq builds its table from the Q8_0 table's own blocks (file v2)
+    labels = {"torch": "int4[q4_1,q8_0]", "blockq_int8": "int4a8x1[q4_1,q6,q8_0]", "blockq": "int4a8x2[q4_1,q8_0]"}
+    for kernel in labels:  # blockq builds its table from the Q8_0 table's own blocks (file v2)
         plan = resolve_plan("bfloat16", "int4", source="q4", caps=CpuCaps.detect(), kernel=kernel)
         logits = []
         for source in (g, PreparedWeights.open(path)):
@@ -273,6 +274,6 @@ def test_prepared_file_builds_the_same_layers_as_the_gguf(tmp_path: object) -> N
                 model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
             runner = LlamaRunner(model, dtype=torch.bfloat16, max_num_seqs=1, max_len=64,
                                  weights=WeightBuilder(plan, gguf=source))
-            assert runner.weight_format == ("int4a8[q4_1,q6,q8_0]" if plan.blockq else "int4[q4_1,q8_0]")
+            assert runner.weight_format == labels[plan.kernel_choice]
             logits.append(runner.prefill(0, list(range(200, 230)), 0))
         assert torch.equal(logits[0], logits[1]), kernel
