@@ -11,7 +11,13 @@
 `resolve_plan` is pure (capabilities passed in) and is the whole policy:
 
 kernel auto (``--quantization-kernel``; the plan's ``kernel``)
-  - quantized weights -> blockq (blockq.py: a C kernel built at first use; int8 activations per 32 x the
+  - quantized weights -> blockq with two int8 planes of activations (``blockq_<path>``: each block of 32 and
+    its rounding residual, ~16 bits) and float32 activations around it (dtype reason ``agreement``) and the
+    GGUF's Q8_0 table: float32 dense's greedy tokens on 12 of 12 of `switchboard bench quality`'s prompts x 32
+    tokens, perplexity +0.00 % (Intel Xeon, 2026-12-05; one plane: 3 of 12, and no choice of projections kept in
+    float32 reached 11: docs/BENCHMARKS.md). Its cost: twice one plane's integer dot products (unbenchmarked).
+    ``blockq_int8`` by name is one plane, llama.cpp's numerics, as measured below (its dtype follows the CPU).
+  - one plane (blockq.py: a C kernel built at first use; int8 activations per 32 x the
     weight blocks, integer dot products, llama.cpp's numerics) wherever it loaded, on the best path the
     CPU runs (``blockq_avx512_vnni`` / ``blockq_avx2`` / ``blockq_portable``). Measured on an Intel Xeon
     (avx512_vnni, 2 threads, one 576 -> 1536 projection): 12 / 25 / 76 us at 1 / 4 / 16 rows against
