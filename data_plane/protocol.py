@@ -23,7 +23,7 @@ from pydantic_core import PydanticCustomError
 
 from data_plane.common.errors import InvalidRequest, UnsupportedParameter
 from data_plane.legacy_functions import FunctionCall, FunctionChoice, as_tools
-from data_plane.request_checks import WholeNumber, check_metadata, json_body, json_type, validated
+from data_plane.request_checks import CacheBreakpoint, WholeNumber, check_metadata, json_body, json_type, validated
 from data_plane.structured import (
     FunctionDef,
     OutputPlan,
@@ -36,8 +36,7 @@ from data_plane.structured import (
 )
 from data_plane.tool_calls import envelope_text, holds_tool_calls
 
-Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
-"""`function`: the deprecated tool result (data_plane/legacy_functions.py turns it into a `tool` one)."""
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: data_plane/legacy_functions.py
 
 MAX_STOP_SEQUENCES = 4
 TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key (the engine checks it against its vocabulary)
@@ -57,6 +56,7 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: CacheBreakpoint | None = None  # a no-op (request_checks.py)
 
     @field_validator("text")
     @classmethod

@@ -277,3 +277,24 @@ def test_a_streamed_response_that_fails_on_its_schema_says_invalid_grammar(gatew
     assert "cannot be followed to a complete output" in failed.error.message
     stored = client.responses.retrieve(failed.id)
     assert stored.status == "failed" and stored.error is not None and stored.error.code == "invalid_grammar", stored
+
+
+def test_a_text_part_with_a_prompt_cache_breakpoint_is_served(gateway: Service) -> None:
+    """The openai SDK types `prompt_cache_breakpoint` on a text content part (the end of a prefix to cache); chat
+    completions answered it with a 400 "Unrecognized request argument supplied: messages.0.content.0.prompt_cache_
+    breakpoint" while the Responses API's input_text took it and the request-level `prompt_cache_options` was a
+    no-op. Now it is one too (the prefix cache matches by content), served as the same text; a malformed one is
+    still a 400 naming it."""
+    client = sdk(gateway)
+    part: dict[str, Any] = {"type": "text", "text": "You answer in one word.",
+                            "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "30m"}}
+    system = {"role": "system", "content": [part]}
+    marked = client.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": "Hi"}],
+                                            max_tokens=6, temperature=0)
+    plain = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, messages=[
+        {"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Hi"}])
+    assert marked.choices[0].message.content == plain.choices[0].message.content
+    assert marked.usage.prompt_tokens == plain.usage.prompt_tokens
+    bad = {"role": "system", "content": [{**part, "prompt_cache_breakpoint": {"mode": "implicit"}}]}
+    body = _refused(client, [bad, {"role": "user", "content": "Hi"}])
+    assert body["param"] == "messages.0.content.0.prompt_cache_breakpoint", body
