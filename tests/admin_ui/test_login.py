@@ -13,6 +13,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from admin_ui import login
+from tests.support.clock import FakeClock
 from tests.support.cluster import ADMIN_TOKEN
 from tests.support.console import APP, PAGES, login_with, texts
 
@@ -71,6 +72,10 @@ def test_without_a_login_every_page_is_the_login_form_only(console, page):
 
 
 def test_a_wrong_token_is_refused_with_a_growing_wait_and_logged_without_the_token(console, login_log):
+    """The waits run on a fake clock that only the test moves: on the real one, each check raced the time
+    an AppTest run takes (a loaded machine's run after the first failure took over half its 1 s wait, and
+    read "try again in 0 s"; one more and the right token was let in "too soon")."""
+    clock = login.GATE.clock = FakeClock(1000.0)  # login.GATE is this test's own (tests/support/console.py)
     at = console.page("overview", log_in=False)
     login_with(at, "sb-admin-wrong-guess")
     shows_nothing_of_the_cluster(at)
@@ -78,13 +83,13 @@ def test_a_wrong_token_is_refused_with_a_growing_wait_and_logged_without_the_tok
     login_with(at, ADMIN_TOKEN)  # the right one, too soon: not even compared
     shows_nothing_of_the_cluster(at)
     assert "try again in 1 s" in at.error[0].value
-    time.sleep(1.1)
+    clock.advance(1.1)
     login_with(at, "sb-admin-second-guess")
     assert "taken in 2 s" in at.error[0].value  # doubled
-    time.sleep(1.1)
+    clock.advance(1.1)
     login_with(at, ADMIN_TOKEN)
     assert "try again in 1 s" in at.error[0].value  # the second wait is not over yet
-    time.sleep(1.0)
+    clock.advance(1.0)
     login_with(at, ADMIN_TOKEN)
     assert not on_login_page(at) and at.title[0].value == "Overview"
     assert "Control plane" in texts(at)

@@ -10,7 +10,6 @@ tests/data_plane/test_responses_api.py's.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -26,12 +25,14 @@ AUTH = {"Authorization": f"Bearer {KEYS['plus']}"}
 
 
 async def test_a_second_generation_is_refused_at_once() -> None:
+    """At once: on the coroutine's first step, before it suspends (it was a 0.5 s wall-clock bound, which a
+    loaded machine's scheduler may pass without the lock waiting at all)."""
     locks = RecordLocks()
     await locks.acquire("k/conv", wait_s=5.0, generation=True)
-    t0 = time.monotonic()
+    second = locks.acquire("k/conv", wait_s=5.0, generation=True)
     with pytest.raises(InvalidRequest) as e:
-        await locks.acquire("k/conv", wait_s=5.0, generation=True)
-    assert e.value.code == "conversation_locked" and time.monotonic() - t0 < 0.5
+        second.send(None)  # one step: a wait would suspend here (and return) instead of raising
+    assert e.value.code == "conversation_locked"
     locks.release("k/conv")
     assert len(locks) == 0
 
