@@ -22,8 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from data_plane.common.errors import InvalidRequest, UnsupportedParameter
-from data_plane.request_checks import WholeNumber, check_metadata, json_body, json_type, validated
+from data_plane.legacy_functions import FunctionCall, FunctionChoice, as_tools
+from data_plane.request_checks import CacheBreakpoint, WholeNumber, check_metadata, json_body, json_type, validated
 from data_plane.structured import (
+    FunctionDef,
     OutputPlan,
     ResponseFormat,
     StructuredOutputs,
@@ -34,7 +36,7 @@ from data_plane.structured import (
 )
 from data_plane.tool_calls import envelope_text, holds_tool_calls
 
-Role = Literal["system", "developer", "user", "assistant", "tool"]
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: data_plane/legacy_functions.py
 
 MAX_STOP_SEQUENCES = 4
 TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key (the engine checks it against its vocabulary)
@@ -54,6 +56,7 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: CacheBreakpoint | None = None  # a no-op (request_checks.py)
 
     @field_validator("text")
     @classmethod
@@ -72,9 +75,9 @@ class ChatMessage(BaseModel):
     """An assistant message's refusal, as OpenAI's replies carry it (null when it answered): replayed
     history stays valid; a refusal with no content is the turn's text."""
     audio: None = None
-    function_call: None = None
-    """OpenAI's assistant message fields this server never produces, accepted as null (an app that
-    replays OpenAI's message objects sends them): anything else is a 400."""
+    """OpenAI's field this server never produces, accepted as null (replayed replies hold it); else a 400."""
+    function_call: FunctionCall | None = None
+    """The deprecated form of one tool call (data_plane/legacy_functions.py)."""
     annotations: list[dict[str, Any]] | None = None
     """An OpenAI reply's url citations (`"annotations": []` on every message it sends; the openai SDK's
     `message.model_dump()` writes them as null): replayed history carries them. Not part of the prompt."""
@@ -140,8 +143,6 @@ class StreamOptions(BaseModel):
 
 # Parameters OpenAI defines that we accept only at their neutral value.
 _NEUTRAL: dict[str, Any] = {
-    "functions": (None, []),
-    "function_call": (None, "none"),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
@@ -213,9 +214,9 @@ class ChatCompletionRequest(BaseModel):
     """A no-op: the model does not reason."""
     moderation: Any = None
     """A no-op: the gateway's safety filters always apply."""
+    functions: list[FunctionDef] | None = None  # the deprecated tools and tool_choice: data_plane/legacy_functions.py
+    function_call: FunctionChoice | None = None
     # Accepted only at neutral values (see check_supported).
-    functions: list[Any] | None = None
-    function_call: Any = None
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
@@ -477,7 +478,7 @@ def opening_deltas(first: dict[str, Any]) -> list[dict[str, Any]]:
     [...]}``: a stream helper (the openai SDK's ``ChatCompletionStreamState``) then assembles content
     None, as the non-streamed message has it; it assembled "" from the ``content: ""`` a text reply opens
     with (`ROLE_DELTA`, a delta of its own before the first text)."""
-    if "tool_calls" in first:
+    if "tool_calls" in first or "function_call" in first:
         return [{"role": "assistant", "content": None, **first}]
     return [dict(ROLE_DELTA), first]
 
@@ -492,7 +493,8 @@ def parse_chat_request(raw: bytes, content_type: str | None, session: str | None
     from a `client` (a shard's resumes continue with sessions and tools: data_plane/routing/resume.py)."""
     req = validated(ChatCompletionRequest, json_body(raw, content_type))
     session = session or req.session_id
+    req = as_tools(req, continues := bool(session) and session != "new")  # deprecated function calling: tools
     if client and req.continue_final_message and (session or req.tools):  # (the tools' reply is an envelope, not its text)
         raise InvalidRequest("continue_final_message cannot be used with a session or tools", param="continue_final_message")
-    req.check_supported(continues=bool(session) and session != "new")
+    req.check_supported(continues=continues)
     return req

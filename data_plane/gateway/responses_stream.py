@@ -29,8 +29,9 @@ from typing import Any
 
 from starlette.types import Message, Send
 
+from data_plane.common.errors import SwitchboardError
 from data_plane.gateway.responses_calls import call_status
-from data_plane.gateway.responses_items import _part, text_logprobs
+from data_plane.gateway.responses_items import _part, in_responses_terms, text_logprobs
 
 
 def call_item_id(call_id: str) -> str:
@@ -99,9 +100,10 @@ class ResponseEvents:
         chunk = json.loads(data)
         if "error" in chunk:
             self._failed = True
-            err = chunk["error"]
-            self._event("error", code=err.get("code"), message=err.get("message", ""), param=err.get("param"))
-            self._event("response.failed", response=self._fail(err.get("code") or "error", err.get("message", "")))
+            err = chunk["error"]  # named in the Responses body's terms (text.format, not response_format)
+            said = in_responses_terms(SwitchboardError(err.get("message", ""), param=err.get("param")))
+            self._event("error", code=err.get("code"), message=said.message, param=said.param)
+            self._event("response.failed", response=self._fail(err.get("code") or "error", said.message))
             return
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
