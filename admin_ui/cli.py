@@ -34,6 +34,7 @@ from typing import Any
 
 from admin_ui.client import AdminClient, ConsoleError, NotAvailable, Unauthorized, Unreachable
 from admin_ui.settings import DEFAULT_CREDENTIALS_FILE, ENV_ADMIN_TOKEN, ConsoleSettings
+from data_plane.common.tls import add_tls_flags
 
 PROG = "switchboard admin"
 
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                              f"(env SWITCHBOARD_CREDENTIALS_FILE; default {DEFAULT_CREDENTIALS_FILE})")
     common.add_argument("--timeout-s", type=_seconds, default=5.0, help="timeout of one call (default 5)")
     common.add_argument("--json", action="store_true", help="print the control plane's answer as JSON")
+    add_tls_flags(common, ("--ca-bundle",))  # a client: the CA of an https control plane
     parser = argparse.ArgumentParser(prog=PROG, description="Operator actions over the control plane's admin API.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("status", parents=[common], help="members, degradation level and firing alerts at a glance")

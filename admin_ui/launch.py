@@ -13,7 +13,7 @@ one-time login link printed here (``http://127.0.0.1:8501/?token=CODE``), as Jup
 token URL. CODE is minted per start and handed to Streamlit in the environment
 (SWITCHBOARD_CONSOLE_LOGIN_CODE, never argv); the link is printed only when stdout is a terminal (a
 log file would keep a live login), and not at all when `switchboard up` minted the code (it prints
-the link in its own banner; this process's output is its console.log).
+the link in its own banner, on a terminal only; this process's output is its console.log).
 
 A non-loopback ``--host`` is refused unless the console serves TLS (SWITCHBOARD_TLS_CERT/KEY, as
 every other process; `switchboard up --tls`) or ``--allow-insecure-http`` says a TLS-terminating

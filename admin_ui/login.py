@@ -16,7 +16,8 @@ Two ways in:
 - **The admin token**, pasted in a password field, compared (``hmac.compare_digest``) with the one
   the console reads (re-read on every run: a rotated token is heard at once).
 - **A one-time login link** ``http://host:port/?token=CODE``, as Jupyter prints one: ``switchboard
-  console`` (on a terminal) and ``switchboard up`` (in its banner) print it. CODE is not the admin
+  console`` and ``switchboard up`` (in its banner) print it, on a terminal only (``up`` otherwise writes
+  it to ``STATE/console_login``, mode 600: control_plane/up_banner.py). CODE is not the admin
   token but a random code minted per start and handed to Streamlit in the environment (never in
   argv, so never in ``ps``); it logs one browser session in *once*, and the console takes it out of
   the address bar at once. A link left in scrollback or in the browser's history is worth nothing

@@ -14,7 +14,8 @@
 Each subcommand's module owns its flags (`main(argv)`); they are imported lazily so that
 `switchboard cache-node` never pays for importing torch. Every subcommand also takes
 `--tls-cert FILE --tls-key FILE --ca-bundle FILE` (TLS on its listeners, peers verified with the
-bundle: data_plane/common/tls.py).
+bundle: data_plane/common/tls.py), listed in the --help of those where TLS applies (the servers, `up`,
+`console`; `admin`: --ca-bundle).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@
     switchboard up --autoscale --min-replicas 1 --max-replicas 3   # the control plane starts the shards
 
 Starts every process as a child on loopback, waits for each to be healthy, prints the URLs,
-one dev API key per tier and the admin token (each in full only on the run that made it). The gateway's
+one dev API key per tier and the admin token (each in full only on the run that made it, and only to a
+terminal: `up > up.log` gets where they are instead, control_plane/up_banner.py). The gateway's
 keys file holds only the keys' digests; the keys themselves go to the operator's client credentials file
 `.switchboard/credentials.json` (mode 600, control_plane/dev_credentials.py). A child that dies is
 reported and restarted (with backoff); Ctrl-C or SIGTERM stops everything cleanly, at any moment of
@@ -14,7 +15,7 @@ start-up too, and no child outlives the launcher (kill -9, a crash) by more than
 (control_plane/supervisor.py, data_plane/common/lifeline.py).
 Logs go to `.switchboard/logs/<process>.log`, rotated at --log-max-bytes; one `up` per state dir at a time
 (control_plane/state_dir.py). Dispatched by `switchboard up` (control_plane/cli.py); the
-children and their supervision are control_plane/supervisor.py.
+children and their supervision are control_plane/supervisor.py; its flags control_plane/up_settings.py.
 
 With ``--autoscale`` the launcher starts no shard itself: the control plane's autoscaler (local
 actuator) starts ``--min-replicas`` shards with the same engine flags, scales out to
@@ -24,107 +25,30 @@ stops them on exit. The decisions are in the console's Autoscaler page and ``/ad
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import secrets
 import shlex
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from control_plane.admin.processes import FILE_NAME as PROCESSES
-from control_plane.dev_credentials import key_id, prepare, record_urls
+from control_plane.dev_credentials import prepare, record_urls
 from control_plane.ports import busy_ports, shared_ports
 from control_plane.state_dir import LogRotation, hold_state_dir
 from control_plane.supervisor import Child, Stopped, Supervisor, wait_healthy
+from control_plane.up_banner import banner, console_host, forget_login_link
+from control_plane.up_settings import UpSettings
 from data_plane.common.cores import usable_cores
 from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV, METRICS_TOKEN_ENV
 from data_plane.common.http_server import free_port
-from data_plane.common.settings_cli import InputFile, parse_settings
-from data_plane.common.tls import TlsConfig, is_loopback, make_dev_pki
-from data_plane.membership.placement import DEFAULT_ZONE, ZONE_PATTERN
-
-
-class UpSettings(BaseSettings):
-    """Start the whole Switchboard platform on this machine."""
-
-    model_config = SettingsConfigDict(env_prefix="SWITCHBOARD_UP_")
-
-    host: str = Field("127.0.0.1", description="Address the processes bind; not the console's without --tls, "
-                      "nor Prometheus' ever: those stay on 127.0.0.1 (the login carries the admin token).")
-    gateway_port: int = Field(8000, ge=1, le=65535, description="Chat API port.")
-    control_plane_port: int = Field(8300, ge=1, le=65535, description="Control plane / registry port.")
-    console_port: int = Field(8501, ge=1, le=65535, description="Admin console port (on 127.0.0.1 unless --tls; see --host).")
-    shards: int = Field(2, ge=0, le=64, description="Inference shards to start.")
-    cache_nodes: int = Field(2, ge=1, le=64, description="Cache nodes to start.")
-    shard_base_port: int = Field(0, ge=0, le=65535, description="First shard port (0 = free ports).")
-    cache_base_port: int = Field(0, ge=0, le=65535, description="First cache-node port (0 = free ports).")
-    engine: Literal["torch", "synthetic", "vllm"] = Field("torch", description="Shard engine.")
-    model: str | None = Field(None, description="Local HF folder or GGUF (default SmolLM2-135M-Instruct).")
-    dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
-        "auto", description="Shard activations dtype (auto: the fastest on this CPU).")
-    quantization: Literal["auto", "none", "int8", "int4"] = Field(
-        "auto", description="Shard weight format (auto: a GGUF's Q4 blocks as int4).")
-    max_num_seqs: int = Field(16, ge=1, le=256, description="Batch slots per shard.")
-    pipeline_parallel_size: int = Field(1, ge=1, le=64, description=(
-        "Stage processes per shard (a replica is a whole pipeline group: data_plane/shard/engines/pipeline.py)."))
-    max_model_len: int = Field(2048, ge=16, description="Context window per shard.")
-    state_dir: str = Field(".switchboard", description="Where credentials, logs, the usage ledger and the cache nodes' records (without --redis) go.")
-    redis: str | None = Field(None, description="Redis URL for cache nodes (default: in memory).")
-    log_max_bytes: int = Field(50 * 2**20, ge=0, description=(
-        "Rotate a process's log in STATE_DIR/logs when it reaches this size (copy, then truncate; 0 = never)."))
-    log_backups: int = Field(3, ge=0, le=100, description="Rotated copies kept per log (<name>.log.1 is the newest).")
-    prometheus: bool = Field(False, description="Also start Prometheus (when the binary exists) with the alert "
-                             "rules, on 127.0.0.1 (no auth), scraping with STATE_DIR/metrics_token.")
-    prometheus_port: int = Field(9090, ge=1, le=65535, description="Prometheus port (with --prometheus).")
-    console: bool = Field(True, description="Start the admin console (Streamlit) on --console-port.")
-    autoscale: bool = Field(False, description="Let the control plane's autoscaler start and stop the shards.")
-    min_replicas: int = Field(1, ge=1, le=64, description="With --autoscale: fewest shards.")
-    max_replicas: int = Field(4, ge=1, le=64, description="With --autoscale: most shards.")
-    usage_db: str | None = Field(None, description="Usage ledger database for gateways and control plane (default: sqlite in --state-dir; postgresql://... to share).")
-    abuse_rules: InputFile | None = Field(None, description="YAML of abuse-monitor thresholds for the control plane "
-                                    "(control_plane/abuse/model.py; default: built-in).")
-    trusted_proxies: str | None = Field(None, description="CIDRs of load balancers in front of the gateways: "
-                                        "only from them is X-Forwarded-For believed (the gateway's --trusted-proxies).")
-    response_cache: bool = Field(False, description="Gateways answer identical deterministic requests of a tenant "
-                                 "from the cache nodes (opt-in).")
-    tls: bool = Field(False, description="Run every listener and hop on TLS with a local CA and certificate made in STATE_DIR/tls.")
-    zones: list[str] = Field(default_factory=list, description=(
-        "Zones to spread the processes over, e.g. a,b: shards and cache nodes round-robin (at least one of each "
-        "per zone), one gateway per zone on --gateway-port, +1, ... (default: one zone, 'local')."))
-
-    @field_validator("trusted_proxies")
-    @classmethod
-    def _networks(cls, v: str | None) -> str | None:
-        if v:
-            import ipaddress
-
-            for net in v.split(","):
-                ipaddress.ip_network(net.strip(), strict=False)  # ValueError: "... does not appear to be ..."
-        return v
-
-    @field_validator("zones", mode="before")
-    @classmethod
-    def _zone_list(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            v = json.loads(v) if v.startswith("[") else [z.strip() for z in v.split(",") if z.strip()]
-        return v
-
-    @field_validator("zones")
-    @classmethod
-    def _zone_names(cls, v: list[str]) -> list[str]:
-        bad = [z for z in v if not re.match(ZONE_PATTERN, z)]
-        if bad:
-            raise ValueError(f"zone names must match {ZONE_PATTERN}: {bad}")
-        if len(set(v)) != len(v):
-            raise ValueError(f"zones listed twice: {v}")
-        return v
+from data_plane.common.settings_cli import parse_settings
+from data_plane.common.tls import TlsConfig, make_dev_pki
+from data_plane.membership.placement import DEFAULT_ZONE
 
 
 def plan(s: UpSettings, state: Path, admin_token: str, cluster_token: str,
@@ -218,12 +142,6 @@ def _shard_flags(s: UpSettings, threads: int, state: Path) -> list[str]:
     return args + (["--model", s.model] if s.model else [])
 
 
-def console_host(s: UpSettings, tls: bool) -> str:
-    """Where the console listens (and Prometheus, as tls=False: no auth, and it serves the tenants' series): `--host`,
-    except a network address without TLS, where the admin token typed into its login would cross it: loopback."""
-    return s.host if tls or is_loopback(s.host) else "127.0.0.1"
-
-
 def console_child(s: UpSettings, state: Path, cp: Child, gateway: Child, admin_token: str,
                   login_code: str = "", host: str | None = None) -> Child:
     """The console, with the admin token and this run's one-time login code in its environment
@@ -300,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     state.mkdir(parents=True, exist_ok=True)
     os.chmod(state, 0o700)
     lock = hold_state_dir(state)  # noqa: F841 (held while this process lives; one `up` per folder)
+    forget_login_link(state)  # an earlier run's: dead (its console is gone)
     if s.engine == "torch":
         from data_plane.model_store import ModelNotAvailable, resolve_model
 
@@ -372,12 +291,14 @@ def main(argv: list[str] | None = None) -> None:
         raise
     try:
         stages = _pipeline_stages(cp, creds["admin_token"], shards) if s.pipeline_parallel_size > 1 else {}
-        _banner(s, creds, cp, caches, shards, gateways, state, stages, console_login)
+        # secrets (keys, admin token, login link) only to a terminal: control_plane/up_banner.py
+        banner(s, creds, cp, caches, shards, gateways, state, stages, console_login, tty=sys.stdout.isatty())
         supervisor.run()  # until a stop signal
     except Stopped:  # between the start-up and run()
         pass
     finally:
         supervisor.shutdown()  # however it ended (a crash too); the children die with us regardless
+        forget_login_link(state)
 
 
 def _https(child: Child) -> None:
@@ -415,85 +336,3 @@ def _pipeline_stages(cp: Child, admin_token: str, shards: list[Child], timeout: 
                  if m.get("id") in names and "pipeline_stages" in (m.get("meta") or {})}
         time.sleep(0.2)
     return found
-
-
-def _banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: list[Child],
-            gateways: list[Child], state: Path, stages: dict[str, str] | None = None,
-            console_login: str | None = None) -> None:
-    """What `up` prints once everything is healthy; `stages`: each pipelined shard's stages (stage@host:layers);
-    `console_login`: the console's one-time login link (printed here, on the terminal: never in a log)."""
-    stages = stages or {}
-    keys = creds["keys"]
-    tier = "plus" if "plus" in keys else next(iter(keys), None)
-    gateway, zones, model = gateways[0], s.zones or [DEFAULT_ZONE], "synthetic" if s.engine == "synthetic" else None
-    ca = f" --cacert {os.environ['SSL_CERT_FILE']}" if gateway.url.startswith("https") and "SSL_CERT_FILE" in os.environ else ""
-    lines = [
-        "",
-        "Switchboard is up.",
-        "",
-        f"  chat API (OpenAI-compatible)  {gateway.url}/v1" + (f"   (zone {zones[0]})" if s.zones else ""),
-        *[f"  chat API, zone {zone:<14}  {g.url}/v1" for zone, g in zip(zones[1:], gateways[1:])],
-        f"  control plane / admin API     {cp.url}   (admin token below)",
-        *_console_lines(s, console_login),
-        *[f"  {c.name:<28}  {c.url}" + (f"   (zone {c.args[c.args.index('--zone') + 1]})" if s.zones else "")
-          + (f"   stages {stages[c.name].replace(',', ' ')}  (stage@host:layers)" if c.name in stages else "")
-          for c in shards + caches],
-        *([f"  shards                        autoscaled, {s.min_replicas}..{s.max_replicas} (console: Autoscaler)"]
-          if s.autoscale else []),
-        *([f"  prometheus                    {console_host(s, False)}:{s.prometheus_port}  (alerts: /alerts)"]
-          if s.prometheus else []),
-        "",
-        *_key_lines(creds, state),
-        _admin_line(creds),
-        (f"  saved to {state / 'credentials.json'} (mode 600, a client credential: the gateway's keys file holds "
-        "digests only)"),
-        f"  logs in {state / 'logs'}",
-        f"  /metrics of every process:    curl{ca} -H \"Authorization: Bearer $(cat {state / 'metrics_token'})\" {gateway.url}/metrics",
-        "",
-        "Try it:",
-        f"  KEY=$(python3 -c \"import json; print(json.load(open('{state / 'credentials.json'}'))['keys']"
-        f"['{tier}'])\")" if tier else "  KEY=...   # `switchboard keys create --tenant dev --tier plus` prints one",
-        f"  curl -s{ca} {gateway.url}/v1/chat/completions \\",
-        "    -H \"Authorization: Bearer $KEY\" \\",
-        "    -H 'Content-Type: application/json' \\",
-        "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], "
-        "\"max_tokens\": 64}'" if not model else
-        "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"hello\"}]}'",
-        "",
-        "Ctrl-C stops everything.",
-        "",
-    ]
-    print("\n".join(lines), flush=True)
-
-
-def _console_lines(s: UpSettings, login: str | None) -> list[str]:
-    if not s.console:
-        return []
-    host = console_host(s, s.tls or TlsConfig.from_env().enabled)
-    where = [] if host == s.host else [(f"  {'':<28}  (loopback only: --host {s.host} without --tls would send the "
-                                        "admin token in plain text; add --tls to serve it there)")]
-    if not login:
-        return [f"  admin console                 http://{host}:{s.console_port}", *where]
-    return [f"  admin console                 {login}", *where,
-            f"  {'':<28}  (one-time login link: logs one browser in, once; then log in with the admin token)"]
-
-
-def _admin_line(creds: dict) -> str:
-    """The admin token in full on the run that made it (shown once, like the dev keys): the most powerful
-    secret of the platform does not go to every later run's scrollback and CI log."""
-    if creds.get("admin_minted"):
-        return f"  admin token: {creds['admin_token']}   (shown here once, kept in credentials.json below)"
-    return "  admin token: in credentials.json below (`switchboard admin` and the console read it there)"
-
-
-def _key_lines(creds: dict, state: Path) -> list[str]:
-    """The dev keys in full on the run that made them (shown once); their key ids on later runs."""
-    keys: dict[str, str] = creds["keys"]
-    if not keys:  # the dev keys were revoked (`switchboard keys revoke`), or credentials.json was lost
-        return [("  API keys: no dev key of the keys file is known here (revoked, or credentials.json lost; see the "
-                 "log above): `switchboard keys create --tenant dev --tier plus`")]
-    if creds.get("minted"):
-        return ["  API keys (dev, one per tier; shown here once, kept in credentials.json below):",
-                *[f"    {t:<11} {k}" for t, k in keys.items()]]
-    return ["  API keys (dev, one per tier; the keys are in credentials.json below):",
-            *[f"    {t:<11} key id {key_id(k)}" for t, k in keys.items()]]

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 from pydantic_core import PydanticCustomError
 
 from data_plane.common.errors import InvalidRequest, UnsupportedMediaType, UnsupportedParameter
@@ -29,6 +29,16 @@ def _whole(value: Any) -> Any:
 
 
 WholeNumber = Annotated[int, BeforeValidator(_whole)]
+
+
+class CacheBreakpoint(BaseModel):
+    """OpenAI's `prompt_cache_breakpoint` on a text content part (the end of a prefix to cache), as the openai
+    SDK types it. Accepted as a no-op, as `prompt_cache_options` is: the prefix cache finds shared prefixes by
+    content, whatever the request marks."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["explicit"]
+    ttl: Literal["30m", "12h"] | None = None
 
 
 def metadata_bounds(value: dict[str, str]) -> tuple[str, str] | None:

@@ -5,6 +5,7 @@ classes; deprecated spellings still parse into the same field."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -56,6 +57,36 @@ def test_help_says_where_the_tokens_come_from(command: str) -> None:
     shown = " ".join(switchboard(command, "--help").stdout.split())
     assert "SWITCHBOARD_CLUSTER_TOKEN" in shown and "SWITCHBOARD_METRICS_TOKEN" in shown, shown[:600]
     assert "/metrics answers 401" in shown
+
+
+@pytest.mark.parametrize(("command", "flags"), [
+    *[(c, ("--tls-cert", "--tls-key", "--ca-bundle")) for c in ("gateway", "shard", "cache-node", "control-plane",
+                                                               "up", "console")],
+    ("admin status", ("--ca-bundle",)),
+])
+def test_help_lists_the_tls_flags(command: str, flags: tuple[str, ...]) -> None:
+    """`--tls-cert/--tls-key/--ca-bundle` worked on every subcommand (control_plane/cli.py takes them off argv)
+    but no `--help` named them: an operator found TLS only in the README."""
+    from data_plane.common.tls import TLS_FLAGS
+
+    shown = " ".join(switchboard(*command.split(), "--help").stdout.split())
+    for flag in flags:
+        assert f"{flag} FILE" in shown and f"[env {TLS_FLAGS[flag]}]" in shown, (flag, shown[-900:])
+
+
+def test_a_tls_flag_given_to_a_subcommands_own_parser_sets_its_variable(tmp_path, monkeypatch) -> None:
+    """The flags in a subcommand's parser (its --help) work there too, as `switchboard` would take them:
+    into the environment, never into the settings."""
+    from data_plane.cache.node import CacheNodeSettings
+    from data_plane.common.settings_cli import parse_settings
+
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    settings = parse_settings(CacheNodeSettings, ["--ca-bundle", str(ca), "--port", "8299"], prog="switchboard cache-node")
+    assert settings.port == 8299 and os.environ["SSL_CERT_FILE"] == str(ca.resolve())
+    with pytest.raises(SystemExit):
+        parse_settings(CacheNodeSettings, ["--tls-cert", str(tmp_path / "missing.pem")], prog="switchboard cache-node")
 
 
 def test_the_command_list_names_what_each_command_has() -> None:

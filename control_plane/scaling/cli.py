@@ -45,6 +45,8 @@ class SimulateSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SWITCHBOARD_SIMULATE_", use_attribute_docstrings=True)
     FLAG_ALIASES: ClassVar[dict[str, str]] = {"--json": "json_out"}
     """Deprecated flag spellings (data_plane/common/settings_cli.py)."""
+    TLS: ClassVar[bool] = False
+    """An offline replay: no TLS flags in its --help."""
 
     trace: str
     """CSV or JSON: time_s, and arrival_rate or waiting."""

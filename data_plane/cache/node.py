@@ -19,10 +19,10 @@ HTTP API (errors in the OpenAI shape)::
     GET    /health             200 ready, 503 when the backend is unreachable
     GET    /metrics            Prometheus; GET /debug/spans recent spans
 
-With a cluster token (``SWITCHBOARD_CLUSTER_TOKEN``, as ``switchboard up`` sets), ``/v1/sessions/*``
-and ``/debug/spans`` need ``Authorization: Bearer <token>`` (401 otherwise, counted in
-``switchboard_cache_refused_total``); without one the node runs open and warns at start. What it
-stores is sealed by the gateway (data_plane/common/crypto.py): the node never sees plaintext.
+With a cluster token (``SWITCHBOARD_CLUSTER_TOKEN``, as ``switchboard up`` sets), ``/v1/sessions/*``,
+``/v1/response-cache/*``, ``/v1/kv/*`` and ``/debug/spans`` need ``Authorization: Bearer <token>`` (401
+otherwise, counted in ``switchboard_cache_refused_total{route}``); without one the node runs open and
+warns at start. What it stores is sealed by the gateway (data_plane/common/crypto.py): the node never sees plaintext.
 
 Placement, replication and read-repair are the client's job (:mod:`data_plane.cache.client`);
 a node only stores what it is given. Transcript contents are never logged.
@@ -182,6 +182,10 @@ RESULTS = {
     "reply_get": ("hit", "miss", "error"),
     "reply_put": ("stored", "stale", "error"),
 }
+REFUSED_ROUTES = {"sessions": "session API", "response_cache": "response cache API", "kv": "KV block API",
+                  "debug_spans": "/debug/spans"}
+"""``switchboard_cache_refused_total``'s route label (each guarded API apart: a refused KV fetch, e.g. a shard
+without the token, was counted as `sessions`) and the words its 401 names it by."""
 
 
 class CacheNodeMetrics:
@@ -221,11 +225,11 @@ class CacheNodeMetrics:
             self.evictions.labels(reason)
         self.refused = Counter(
             "switchboard_cache_refused_total",
-            "Requests refused for a missing or wrong cluster token, by route (sessions|debug_spans).",
+            "Requests refused for a missing or wrong cluster token, by route (sessions|response_cache|kv|debug_spans).",
             ["route"],
             registry=registry,
         )
-        for route in ("sessions", "debug_spans"):
+        for route in REFUSED_ROUTES:
             self.refused.labels(route)
         self.snapshot_writes = Counter(
             "switchboard_cache_snapshot_writes_total",
@@ -332,12 +336,14 @@ def create_app(
     app.add_route("/metrics", guarded_metrics(metrics_endpoint(registry), cluster_token, metrics_token_from_env()))
     app.add_route("/debug/spans", guarded(recent_spans_endpoint, cluster_token,
                                           on_refused=lambda _: metrics.refused.labels("debug_spans").inc()))
-    hop = [Depends(require_cluster_token(cluster_token, "the cache node's session API",
-                                         lambda _: metrics.refused.labels("sessions").inc()))]
+    def hop(route: str) -> list[Any]:  # the cluster-token check of one API, its refusals counted under its route
+        return [Depends(require_cluster_token(cluster_token, f"the cache node's {REFUSED_ROUTES[route]}",
+                                              lambda _: metrics.refused.labels(route).inc()))]
+
     if cluster_token is None:
         log.warning("no cluster token (SWITCHBOARD_CLUSTER_TOKEN): anyone who reaches this port can read and "
                     "write session records (they are sealed by the gateway, but can be deleted)")
-    kv = mount_kv(app, settings, hop, node_id, registry)  # KV blocks: data_plane/cache/kv_routes.py
+    kv = mount_kv(app, settings, hop("kv"), node_id, registry)  # KV blocks: data_plane/cache/kv_routes.py
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -345,10 +351,10 @@ def create_app(
         body = {"status": "ok" if ready else "unavailable", "node_id": node_id, "backend": store.backend}
         return JSONResponse(body, status_code=200 if ready else 503)
 
-    _mount_records(app, "/v1/sessions", store, settings.ttl_s, hop, metrics, node_id, settings.max_body_bytes,
+    _mount_records(app, "/v1/sessions", store, settings.ttl_s, hop("sessions"), metrics, node_id, settings.max_body_bytes,
                    on_delete=kv.store.drop_session)  # a session's KV blocks go with it
     # The response cache (data_plane/gateway/response_cache.py): sealed replies, its own byte budget
-    _mount_records(app, "/v1/response-cache", replies, settings.response_cache_ttl_s, hop, metrics, node_id,
+    _mount_records(app, "/v1/response-cache", replies, settings.response_cache_ttl_s, hop("response_cache"), metrics, node_id,
                    settings.max_body_bytes, op_prefix="reply_")
 
     return app

@@ -5,6 +5,7 @@ settings/CLI mechanism of every process (gateway, shard, cache node, control pla
         model_config = SettingsConfigDict(env_prefix="SWITCHBOARD_SHARD_", use_attribute_docstrings=True)
         FLAG_ALIASES: ClassVar[dict[str, str]] = {"--registry": "registry_url"}   # deprecated spellings
         ENV_ONLY: ClassVar[frozenset[str]] = frozenset({"admin_token"})          # secrets: no flag (ps)
+        TLS: ClassVar[bool] = False          # no --tls-cert/--tls-key/--ca-bundle in its --help (default: listed)
         port: int = Field(8101, ge=1, le=65535)
         \"\"\"TCP port to listen on.\"\"\"                                    # the flag's help text
         peers: CommaList[AnyHttpUrl] = []                                   # "--peers http://a,http://b"
@@ -36,6 +37,7 @@ from typing import Annotated, Any, TypeVar
 from pydantic import AfterValidator, AliasChoices, BeforeValidator, ValidationError
 from pydantic_settings import BaseSettings, NoDecode
 
+from data_plane.common.tls import add_tls_flags
 from data_plane.common.yaml_source import is_inline
 
 S = TypeVar("S", bound=BaseSettings)
@@ -148,7 +150,9 @@ class _Deprecated(argparse.Action):
 def build_parser(cls: type[BaseSettings], prog: str, description: str | None = None) -> argparse.ArgumentParser:
     """The argparse parser of `cls`: one flag per field (help from its description), plus the
     deprecated spellings in ``cls.FLAG_ALIASES`` (``{"--old-flag": "field_name"}``); the fields in
-    ``cls.ENV_ONLY`` (secrets that must stay out of ``ps``) get none."""
+    ``cls.ENV_ONLY`` (secrets that must stay out of ``ps``) get none; and the TLS flags every `switchboard`
+    command takes (data_plane/common/tls.py), unless ``cls.TLS`` is False (a command that neither serves nor
+    calls anything)."""
     parser = argparse.ArgumentParser(prog=prog, description=description or (cls.__doc__ or "").strip())
     env_only: frozenset[str] = getattr(cls, "ENV_ONLY", frozenset())
     for name, field in cls.model_fields.items():
@@ -176,6 +180,8 @@ def build_parser(cls: type[BaseSettings], prog: str, description: str | None = N
         else:
             parser.add_argument(old, dest=name, action=_Deprecated, canonical=canonical, default=None,
                                 type=base if base in (int, float) else str, help=f"deprecated spelling of {canonical}")
+    if getattr(cls, "TLS", True):
+        add_tls_flags(parser)
     return parser
 
 

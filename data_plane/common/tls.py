@@ -17,6 +17,7 @@ host name, valid 90 days, keys mode 600.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import ipaddress
 import os
@@ -35,6 +36,13 @@ CA_BUNDLE_ENV = "SSL_CERT_FILE"
 
 TLS_FLAGS = {"--tls-cert": TLS_CERT_ENV, "--tls-key": TLS_KEY_ENV, "--ca-bundle": CA_BUNDLE_ENV}
 """Flags every `switchboard` subcommand accepts (taken off its argv by `take_tls_flags`)."""
+TLS_FLAG_HELP = {
+    "--tls-cert": "PEM certificate (chain) this process's listeners present; with --tls-key they serve HTTPS, "
+                  "and the URL it registers is https://",
+    "--tls-key": "the PEM private key of --tls-cert",
+    "--ca-bundle": "PEM CA bundle that peers' certificates are verified with (members, the control plane)",
+}
+"""The flags' help text (`add_tls_flags`)."""
 
 
 def is_loopback(host: str) -> bool:
@@ -60,16 +68,37 @@ def take_tls_flags(argv: list[str]) -> list[str]:
     for arg in args:
         name, eq, value = arg.partition("=")
         if name in TLS_FLAGS:
-            if not eq:
-                value = next(args, "")
-            if not value:
-                raise SystemExit(f"{name} needs a file")
-            if not Path(value).is_file():
-                raise SystemExit(f"{name}: no such file {value!r}")
-            os.environ[TLS_FLAGS[name]] = str(Path(value).resolve())
+            _set_tls_file(name, value if eq else next(args, ""))
         else:
             rest.append(arg)
     return rest
+
+
+def _set_tls_file(flag: str, value: str) -> None:
+    if not value:
+        raise SystemExit(f"{flag} needs a file")
+    if not Path(value).is_file():
+        raise SystemExit(f"{flag}: no such file {value!r}")
+    os.environ[TLS_FLAGS[flag]] = str(Path(value).resolve())
+
+
+class _TlsFile(argparse.Action):
+    """A TLS flag met by a subcommand's own parser (`switchboard` takes them off argv before, so this runs
+    only when the module is called directly): the same effect, the environment, and nothing in the result."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        _set_tls_file(str(option_string), str(values))
+
+
+def add_tls_flags(parser: argparse.ArgumentParser, flags: tuple[str, ...] = tuple(TLS_FLAGS)) -> None:
+    """List the TLS flags in `parser`'s --help (their own group, with their environment variables), and
+    accept them there too; they never appear in the parsed namespace (default SUPPRESS)."""
+    group = parser.add_argument_group("TLS", "Accepted by every `switchboard` command and inherited by the processes "
+                                      "it starts; the same as the environment variables named.")
+    for flag in flags:
+        group.add_argument(flag, metavar="FILE", action=_TlsFile, default=argparse.SUPPRESS,
+                           help=f"{TLS_FLAG_HELP[flag]} [env {TLS_FLAGS[flag]}]")
 
 
 @dataclass(frozen=True)

@@ -437,7 +437,7 @@ class ChatHandler:
         x, req = self.x, checked.req
         x.model, x.shard = checked.model, stream.member.id
         completion = Completion(x, checked.model, policy.output_stream, self.gw.safety_metrics, self._completed,
-                                logprobs=bool(req.logprobs))
+                                logprobs=bool(req.logprobs), legacy=bool(req.functions))
         headers = {"X-Request-Id": self.request_id, **(x.grant.headers if x.grant else {})}
         if self.cache_header:
             headers["X-Cache"] = self.cache_header

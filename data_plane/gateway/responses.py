@@ -48,16 +48,13 @@ from data_plane.gateway.memory import Compaction, compact, fit_turn, open_compac
 from data_plane.gateway.record_locks import record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, Record
 from data_plane.gateway.responses_background import Detach
+from data_plane.gateway.responses_input import input_items, items_to_messages, new_id, refuse_duplicates
 from data_plane.gateway.responses_items import (
     ResponsesRequest,
     check_include,
     in_responses_terms,
-    input_items,
-    items_to_messages,
-    new_id,
     output_items,
     parse_responses_request,
-    refuse_duplicates,
     response_object,
     response_usage,
 )
@@ -75,9 +72,9 @@ RESPONSES_PATH = "/v1/responses"
 COMPACTION_SCOPE = "responses-compaction"
 """What compaction items are sealed for (with the key's digest): they open for that key only."""
 INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
-RESPONSE_ERROR_CODES = ("server_error", "rate_limit_exceeded", "invalid_prompt")
-"""The codes of OpenAI's ResponseError this server can mean; a failed response names any other as server_error
-(the stream's ``error`` event keeps the precise one)."""
+RESPONSE_ERROR_CODES = ("server_error", "rate_limit_exceeded", "invalid_prompt", "invalid_grammar")
+"""The codes a failed response's error names (OpenAI's ResponseError's, and `invalid_grammar`: a schema with no whole
+output is the client's error, as its 400 says); any other is named server_error (the stream's ``error`` event keeps it)."""
 RESPONSES_FIELDS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
                     "messages": "input"}
 

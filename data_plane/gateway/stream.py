@@ -31,6 +31,7 @@ from data_plane.common.outcome import OK
 from data_plane.gateway.exchange import Exchange
 from data_plane.gateway.safety.filters import Verdict
 from data_plane.gateway.safety.pipeline import ALLOW, OutputStreamFilter, SafetyMetrics
+from data_plane.legacy_functions import legacy_delta, legacy_finish, legacy_message
 from data_plane.membership.view import Member
 from data_plane.protocol import (
     ROLE_DELTA,
@@ -140,8 +141,10 @@ class Completion:
 
     def __init__(self, exchange: Exchange, model: str, new_filter: Callable[[], OutputStreamFilter],
                  safety_metrics: SafetyMetrics, save_turn: Callable[[str], Awaitable[None]],
-                 logprobs: bool = False) -> None:
+                 logprobs: bool = False, legacy: bool = False) -> None:
         self.x = exchange
+        self.legacy = legacy
+        """The request gave the deprecated `functions`: its calls go out as `function_call` (data_plane/legacy_functions.py)."""
         self.with_logprobs = logprobs
         """The request asked for logprobs: every choice's body has a `logprobs` object, its `content` empty
         for a reply of no text (a stop string at its first token, EOS, tool calls), as a shard answers it
@@ -346,10 +349,11 @@ class Completion:
         body = completion_body(completion_id=self.completion_id, model=self.model, text="",
                                finish_reason=None, usage=self.usage, created=self.created)
         # `refusal` is never set here, but OpenAI's spec requires it (null) in a reply's message and logprobs
-        body["choices"] = [{"index": i, "message": {**c.message(), "refusal": None},
+        message, finish = (legacy_message, legacy_finish) if self.legacy else (_same, _same)
+        body["choices"] = [{"index": i, "message": {**message(c.message()), "refusal": None},
                             "logprobs": {"content": c.logprobs, "refusal": None}
                             if c.has_logprobs or self.with_logprobs else None,
-                            "finish_reason": c.finish_reason} for i, c in sorted(self.choices.items())]
+                            "finish_reason": finish(c.finish_reason)} for i, c in sorted(self.choices.items())]
         return body
 
     def _chunk(self, common: dict[str, Any], piece: Piece, content_suffix: bytes) -> bytes:
@@ -377,18 +381,18 @@ class Completion:
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             async for pieces in self._batches(stream):
                 for index, delta in pieces:
-                    deltas = [delta]
+                    deltas = [legacy_delta(delta) if self.legacy else delta]
                     if index not in self._opened:
                         self._opened.add(index)
-                        deltas = opening_deltas(delta)
+                        deltas = opening_deltas(deltas[0])
                     out.extend(self._chunk(common, (index, d), content_suffix) for d in deltas)
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                 out = []
             for index, c in sorted(self.choices.items()):
                 if index not in self._opened:  # a choice that released nothing still opens, then ends
                     out.append(_event(chunk_body(**common, delta=dict(ROLE_DELTA), index=index)))
-                out.append(_event(chunk_body(**common, delta={}, finish_reason=c.finish_reason or "stop",
-                                             index=index)))
+                finish = legacy_finish(c.finish_reason) if self.legacy else c.finish_reason
+                out.append(_event(chunk_body(**common, delta={}, finish_reason=finish or "stop", index=index)))
             await self._finish(None)
             if include_usage:
                 out.append(_event(chunk_body(**common, usage=self.usage, empty_choices=True)))
@@ -438,6 +442,10 @@ def _piece(index: int, text: str, logprobs: list[Any]) -> list[Piece]:
     if logprobs:
         delta["logprobs"] = {"content": logprobs, "refusal": None}
     return [(index, delta)]
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _json(value: Any) -> bytes:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from data_plane.common.errors import InvalidRequest
+from data_plane.legacy_functions import LEGACY_CALL_ID
 from data_plane.protocol import ChatMessage
 from data_plane.tool_calls import envelope_calls
 
@@ -32,7 +33,8 @@ def check_answered(messages: Sequence[ChatMessage]) -> None:
     for i, m in enumerate(messages):
         if m.role != "assistant" or not m.tool_calls:
             continue
-        missing = [c["id"] for c in m.tool_calls]  # (shape checked by ChatCompletionRequest.check_supported)
+        # (shape checked by ChatCompletionRequest.check_supported; a deprecated function_call need not be answered)
+        missing = [c["id"] for c in m.tool_calls if not c["id"].startswith(LEGACY_CALL_ID)]
         for after in messages[i + 1:]:
             if after.role != "tool":
                 break

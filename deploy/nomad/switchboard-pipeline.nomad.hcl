@@ -6,9 +6,9 @@
 # stage 0 registers as one more `switchboard-shard` in Consul.
 #
 # Its tasks read the cluster token from the `switchboard` job's variable (nomad/jobs/switchboard,
-# cluster_token; see switchboard.nomad.hcl). A job reads only its own nomad/jobs/<job> path by
-# default, so with ACLs on give this job (and each switchboard-pp-<i> the autoscaler registers) a
-# policy that reads it:
+# cluster_token; and metrics_token when it is there; see switchboard.nomad.hcl). A job reads only
+# its own nomad/jobs/<job> path by default, so with ACLs on give this job (and each switchboard-pp-<i>
+# the autoscaler registers) a policy that reads it:
 #
 #   nomad acl policy apply -namespace default -job switchboard-pp-a switchboard-cluster-token policy.hcl
 #   # policy.hcl: namespace "default" { variables { path "nomad/jobs/switchboard" { capabilities = ["read"] } } }
@@ -137,6 +137,7 @@ job "switchboard-pp-a" {
         error_on_missing_key = true # no cluster_token in the variable: the task does not start (never a "<no value>" token)
         data        = <<-EOT
           {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_CLUSTER_TOKEN={{ .cluster_token }}{{ end }}
+          {{ with nomadVar "nomad/jobs/switchboard" }}{{ range $k, $v := . }}{{ if eq $k "metrics_token" }}SWITCHBOARD_METRICS_TOKEN={{ $v }}{{ end }}{{ end }}{{ end }}
         EOT
       }
 
@@ -181,6 +182,7 @@ job "switchboard-pp-a" {
         error_on_missing_key = true # no cluster_token in the variable: the task does not start (never a "<no value>" token)
         data        = <<-EOT
           {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_CLUSTER_TOKEN={{ .cluster_token }}{{ end }}
+          {{ with nomadVar "nomad/jobs/switchboard" }}{{ range $k, $v := . }}{{ if eq $k "metrics_token" }}SWITCHBOARD_METRICS_TOKEN={{ $v }}{{ end }}{{ end }}{{ end }}
         EOT
       }
 

@@ -2,14 +2,19 @@
 #
 #   nomad job run -var image=registry.example.com/switchboard:0.1.0 deploy/nomad/switchboard.nomad.hcl
 #   nomad var put nomad/jobs/switchboard admin_token=$(openssl rand -hex 32) \
-#       cluster_token=$(openssl rand -hex 32) api_keys='sk-...:acme:plus,...'
+#       cluster_token=$(openssl rand -hex 32) metrics_token=$(openssl rand -hex 32) \
+#       api_keys='sk-...:acme:plus,...'
 #
 # cluster_token is SWITCHBOARD_CLUSTER_TOKEN, which every task below holds: the hops between
 # gateways, shards and cache nodes carry it, and a pipeline stage proves it before it joins a group.
 # Every task's /metrics takes it too (the gateway's series name tenants and their token volumes):
 # Prometheus scrapes with `authorization: {type: Bearer, credentials_file: ...}` (alerts/prometheus.example.yml).
-# To give Prometheus a token that opens /metrics and nothing else, add metrics_token to the variable and
-# SWITCHBOARD_METRICS_TOKEN={{ .metrics_token }} beside SWITCHBOARD_CLUSTER_TOKEN in each task's template.
+# metrics_token is SWITCHBOARD_METRICS_TOKEN, which every task below also gets (as Kubernetes' optional
+# `metrics-token` Secret key): it opens /metrics and nothing else, so it is the token to give Prometheus.
+# Optional: a variable without it starts every task (no "<no value>": the template ranges over the
+# variable's keys instead of reading a missing one), and /metrics then takes the cluster token alone.
+# Adding it later (`nomad var put` of the path with every key again, metrics_token added) re-renders the
+# templates, which restarts the tasks (the templates' default change_mode).
 #
 # Every client node runs a Consul agent on its own address (:8500), as Nomad's Consul
 # integration expects. Groups:
@@ -132,6 +137,7 @@ job "switchboard" {
         data        = <<-EOT
           {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_ADMIN_TOKEN={{ .admin_token }}{{ end }}
           {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_CLUSTER_TOKEN={{ .cluster_token }}{{ end }}
+          {{ with nomadVar "nomad/jobs/switchboard" }}{{ range $k, $v := . }}{{ if eq $k "metrics_token" }}SWITCHBOARD_METRICS_TOKEN={{ $v }}{{ end }}{{ end }}{{ end }}
         EOT
       }
 
@@ -194,6 +200,7 @@ job "switchboard" {
         data        = <<-EOT
           {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_GATEWAY_API_KEYS={{ .api_keys }}{{ end }}
           {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_CLUSTER_TOKEN={{ .cluster_token }}{{ end }}
+          {{ with nomadVar "nomad/jobs/switchboard" }}{{ range $k, $v := . }}{{ if eq $k "metrics_token" }}SWITCHBOARD_METRICS_TOKEN={{ $v }}{{ end }}{{ end }}{{ end }}
         EOT
       }
 
@@ -239,6 +246,7 @@ job "switchboard" {
         error_on_missing_key = true # no cluster_token in the variable: the task does not start (never a "<no value>" token)
         data        = <<-EOT
           {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_CLUSTER_TOKEN={{ .cluster_token }}{{ end }}
+          {{ with nomadVar "nomad/jobs/switchboard" }}{{ range $k, $v := . }}{{ if eq $k "metrics_token" }}SWITCHBOARD_METRICS_TOKEN={{ $v }}{{ end }}{{ end }}{{ end }}
         EOT
       }
 
@@ -321,6 +329,7 @@ job "switchboard" {
         error_on_missing_key = true # no cluster_token in the variable: the task does not start (never a "<no value>" token)
         data        = <<-EOT
           {{ with nomadVar "nomad/jobs/switchboard" }}SWITCHBOARD_CLUSTER_TOKEN={{ .cluster_token }}{{ end }}
+          {{ with nomadVar "nomad/jobs/switchboard" }}{{ range $k, $v := . }}{{ if eq $k "metrics_token" }}SWITCHBOARD_METRICS_TOKEN={{ $v }}{{ end }}{{ end }}{{ end }}
         EOT
       }
 

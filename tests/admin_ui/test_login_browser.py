@@ -180,7 +180,8 @@ def test_a_used_login_link_stays_spent_when_up_restarts_the_console(tmp_path):
     proc = start_up(tmp_path, "--engine", "synthetic", "--shards", "1", "--gateway-port", str(free_port()),
                     "--control-plane-port", str(free_port()), "--console-port", str(console))
     try:
-        found = LINK.search(wait_up(proc, tmp_path))
+        wait_up(proc, tmp_path)  # its stdout is a file: the link is in a mode-600 file, not in up.log
+        found = LINK.search((tmp_path / ".switchboard" / "console_login").read_text())
         assert found, (tmp_path / "up.log").read_text()
         link = found.group(1)
         with Chromium() as browser:

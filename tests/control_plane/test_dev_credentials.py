@@ -103,21 +103,52 @@ def test_dev_keys_alone_never_returns_a_key_it_did_not_make_or_remember(tmp_path
 
 def test_the_banner_shows_the_keys_and_admin_token_once_then_only_where_they_are(tmp_path: Path, capsys) -> None:
     from control_plane.dev_credentials import key_id
-    from control_plane.launcher import UpSettings, _banner
+    from control_plane.launcher import UpSettings
     from control_plane.supervisor import Child
+    from control_plane.up_banner import banner
 
     cp, gw = (Child(n, [], f"http://127.0.0.1:{p}", tmp_path / f"{n}.log") for n, p in (("cp", 1), ("gw", 2)))
     settings = UpSettings.model_validate({"console": False})
     first = prepare(tmp_path)
-    _banner(settings, first, cp, [], [], [gw], tmp_path)
+    banner(settings, first, cp, [], [], [gw], tmp_path, tty=True)
     shown = capsys.readouterr().out
     assert all(key in shown for key in first["keys"].values()) and "shown here once" in shown
     assert first["admin_token"] in shown  # the admin token too, on the run that made it only
-    _banner(settings, prepare(tmp_path), cp, [], [], [gw], tmp_path)
+    banner(settings, prepare(tmp_path), cp, [], [], [gw], tmp_path, tty=True)
     shown = capsys.readouterr().out
     assert not any(key in shown for key in first["keys"].values()) and first["admin_token"] not in shown
     assert all(f"key id {key_id(key)}" in shown for key in first["keys"].values())
     assert "Bearer $KEY" in shown and str(tmp_path / "credentials.json") in shown
+
+
+def test_up_prints_no_secret_when_its_output_is_not_a_terminal(tmp_path: Path, capsys) -> None:
+    """`switchboard up > up.log` wrote the dev keys and admin token it made, and the console's live login link,
+    into up.log (mode 644 under umask 022: readable by every local user). Off a terminal the banner is the same
+    but names where each secret is: credentials.json, and a mode-600 file for the login link."""
+    import stat
+
+    from control_plane.dev_credentials import key_id
+    from control_plane.launcher import UpSettings
+    from control_plane.supervisor import Child
+    from control_plane.up_banner import banner
+
+    cp, gw = (Child(n, [], f"http://127.0.0.1:{p}", tmp_path / f"{n}.log") for n, p in (("cp", 1), ("gw", 2)))
+    first = prepare(tmp_path)
+    link = "http://127.0.0.1:8501/?token=the-one-time-code"
+    banner(UpSettings(), first, cp, [], [], [gw], tmp_path, console_login=link, tty=False)
+    shown = capsys.readouterr().out
+    secrets = [*first["keys"].values(), first["admin_token"], "the-one-time-code"]
+    assert not [s for s in secrets if s in shown], shown
+    assert all(f"key id {key_id(key)}" in shown for key in first["keys"].values())
+    assert "admin token: made now, in credentials.json below" in shown
+    login = tmp_path / "console_login"
+    assert "admin console                 http://127.0.0.1:8501\n" in shown and f"`cat {login}`" in shown
+    assert login.read_text() == link + "\n" and stat.S_IMODE(login.stat().st_mode) == 0o600
+    # the same run on a terminal: the secrets, in full (and no file)
+    login.unlink()
+    banner(UpSettings(), first, cp, [], [], [gw], tmp_path, console_login=link, tty=True)
+    shown = capsys.readouterr().out
+    assert all(s in shown for s in secrets) and not login.exists()
 
 
 def test_a_damaged_credentials_file_is_kept_and_its_keys_read_out_of_it(tmp_path: Path) -> None:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import signal
 import socket
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,7 +19,9 @@ import httpx
 import openai
 import pytest
 
-from control_plane.launcher import UpSettings, _console_lines, console_host
+from control_plane.dev_credentials import key_id
+from control_plane.launcher import UpSettings
+from control_plane.up_banner import console_host, console_lines
 from data_plane.gateway.auth import key_digest
 from tests.support.procs import free_port, start_up, stop_up, switchboard, wait_up
 from tests.support.prometheus import PROMETHEUS
@@ -51,13 +55,20 @@ def test_up_starts_platform_and_stops_cleanly(tmp_path: Path) -> None:
         assert (creds["control_plane_url"], creds["gateway_url"]) == (f"http://127.0.0.1:{cp}", f"http://127.0.0.1:{gw}")
         keys_yaml = (tmp_path / ".switchboard" / "keys.yaml").read_text()
         for key in creds["keys"].values():
-            assert key in banner  # the run that made them shows them, once
+            # the run that made them shows them once, on a terminal only: up.log (mode 644) gets where they are
+            assert key not in banner and f"key id {key_id(key)}" in banner
             assert key not in keys_yaml and key_digest(key) in keys_yaml  # the server's store: digests only
+        assert creds["admin_token"] not in banner and "admin token: made now, in credentials.json" in banner
         assert f"http://127.0.0.1:{gw}/v1" in banner and "curl" in banner
         assert httpx.get(f"http://127.0.0.1:{console}/_stcore/health").text == "ok"
-        # the console's one-time login link: in the banner (the terminal), in the console's environment,
-        # never in any process's argv (ps) nor in any log
-        [code] = re.findall(rf"http://127\.0\.0\.1:{console}/\?token=([A-Za-z0-9_-]+)", banner)
+        # the console's one-time login link: not in up.log (stdout is no terminal) but in a mode-600 file the
+        # banner names; in the console's environment; never in any process's argv (ps) nor in any log
+        assert "?token=" not in banner
+        login_file = tmp_path / ".switchboard" / "console_login"
+        assert f"`cat {login_file}` (mode 600" in banner
+        assert stat.S_IMODE(login_file.stat().st_mode) == 0o600
+        [code] = re.findall(rf"^http://127\.0\.0\.1:{console}/\?token=([A-Za-z0-9_-]+)$", login_file.read_text(),
+                            re.MULTILINE)
         console_pids = [p for p in _children(proc.pid) if "streamlit" in _cmdline(p)]
         assert len(console_pids) == 1
         assert f"SWITCHBOARD_CONSOLE_LOGIN_CODE={code}".encode() in Path(f"/proc/{console_pids[0]}/environ").read_bytes()
@@ -103,9 +114,41 @@ def test_up_starts_platform_and_stops_cleanly(tmp_path: Path) -> None:
         alive = [p for p in children if Path(f"/proc/{p}").exists() and "zombie" not in
                  Path(f"/proc/{p}/status").read_text().lower()]
         assert not alive, [(p, _cmdline(p)) for p in alive]
+        assert not login_file.exists()  # its link died with its console
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_up_on_a_terminal_prints_the_secrets_it_made_and_the_login_link(tmp_path: Path) -> None:
+    """On a terminal (a pty here) the banner shows, once, the dev keys and admin token it made and the
+    console's live login link; no login link file is written (the terminal is where it goes)."""
+    import pty
+
+    console = free_port()
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "control_plane.cli", "up", "--engine", "synthetic", "--shards", "1", "--cache-nodes",
+         "1", "--gateway-port", str(free_port()), "--control-plane-port", str(free_port()), "--console-port",
+         str(console)], cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=follower, stderr=follower,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    os.close(follower)
+    shown = b""
+    try:
+        deadline = time.monotonic() + 90
+        while b"Ctrl-C stops everything" not in shown:
+            assert proc.poll() is None and time.monotonic() < deadline, shown.decode(errors="replace")
+            ready, _, _ = select.select([leader], [], [], 0.5)
+            if ready:
+                shown += os.read(leader, 65536)
+        text = shown.decode()
+        creds = json.loads((tmp_path / ".switchboard" / "credentials.json").read_text())
+        assert all(key in text for key in creds["keys"].values()) and creds["admin_token"] in text
+        assert re.search(rf"http://127\.0\.0\.1:{console}/\?token=[A-Za-z0-9_-]+", text), text
+        assert not (tmp_path / ".switchboard" / "console_login").exists()
+    finally:
+        stop_up(proc)
+        os.close(leader)
 
 
 def test_up_with_pipelines_prints_each_shards_stages_and_hosts(tmp_path: Path) -> None:
@@ -198,9 +241,9 @@ def test_up_on_a_network_address_without_tls_keeps_the_console_on_loopback() -> 
     assert console_host(network, tls=False) == "127.0.0.1"
     assert console_host(network, tls=True) == "0.0.0.0"
     assert console_host(UpSettings(host="127.0.0.1"), tls=False) == "127.0.0.1"
-    lines = "\n".join(_console_lines(network, "http://127.0.0.1:8501/?token=x"))
+    lines = "\n".join(console_lines(network, "http://127.0.0.1:8501/?token=x"))
     assert "loopback only" in lines and "--tls" in lines
-    assert "loopback only" not in "\n".join(_console_lines(UpSettings(), "http://127.0.0.1:8501/?token=x"))
+    assert "loopback only" not in "\n".join(console_lines(UpSettings(), "http://127.0.0.1:8501/?token=x"))
 
 
 def test_up_with_replica_bounds_but_no_autoscale_says_so_and_starts_nothing(tmp_path: Path) -> None:

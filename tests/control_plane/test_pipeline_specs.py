@@ -247,3 +247,37 @@ def test_every_process_in_the_specs_holds_the_cluster_token_from_a_secret() -> N
         blocks = re.findall(r"template \{(.*?)\n\s*\}", path.read_text(), re.DOTALL)
         cluster = [b for b in blocks if ".cluster_token" in b]
         assert cluster and all(re.search(r"error_on_missing_key\s*=\s*true", b) for b in cluster), path.name
+
+
+OPTIONAL_METRICS_TOKEN = re.compile(
+    r'\{\{ with nomadVar "nomad/jobs/switchboard" \}\}\{\{ range \$k, \$v := \. \}\}\{\{ if eq \$k "metrics_token" \}\}'
+    r"SWITCHBOARD_METRICS_TOKEN=\{\{ \$v \}\}\{\{ end \}\}\{\{ end \}\}\{\{ end \}\}")
+"""The Nomad template line of an optional key: ranging over the variable's items reads no missing key, so
+error_on_missing_key (there for the cluster token) does not stop a task whose variable lacks it, and the
+line renders empty then (consul-template: nomadVar gives a map of its items)."""
+
+
+def test_every_process_in_the_specs_gets_the_optional_metrics_token() -> None:
+    """Kubernetes read the Secret's optional `metrics-token` into SWITCHBOARD_METRICS_TOKEN in every container;
+    the Nomad jobs had no metrics_token at all (a comment said to add it by hand to each task), so Prometheus
+    could scrape a Nomad install only with the cluster token, which also joins the registry and calls shards."""
+    for path in [*(DEPLOY / "kubernetes" / "base").glob("*.yaml"), DEPLOY / "kubernetes" / "pipeline-nodes" / "group.yaml"]:
+        for doc in yaml.safe_load_all(path.read_text()):
+            spec = ((doc or {}).get("spec") or {}).get("template", {}).get("spec", {})
+            for c in spec.get("containers", []):
+                env = {e["name"]: e for e in c.get("env", [])}
+                assert env.get("SWITCHBOARD_METRICS_TOKEN", {}).get("valueFrom") == {"secretKeyRef": {
+                    "name": "switchboard-secrets", "key": "metrics-token", "optional": True}}, (path.name, c["name"])
+    for path in (DEPLOY / "nomad").glob("*.nomad.hcl"):
+        text = path.read_text()
+        tasks = re.split(r'\n\s*task "', text)[1:]
+        for task in tasks:
+            blocks = re.findall(r"template \{(.*?)\n\s*\}", task, re.DOTALL)
+            holding = [b for b in blocks if "SWITCHBOARD_CLUSTER_TOKEN=" in b]
+            assert holding, (path.name, task.split('"', 1)[0])
+            # beside the cluster token, in the same env template, read the optional way
+            assert all(OPTIONAL_METRICS_TOKEN.search(b) for b in holding), (path.name, task.split('"', 1)[0])
+        # never `.metrics_token`: under error_on_missing_key a variable without the key would stop the task
+        assert not re.search(r"\{\{[^}]*\.metrics_token", text), path.name
+    header = (DEPLOY / "nomad" / "switchboard.nomad.hcl").read_text().split("variable ", 1)[0]
+    assert "metrics_token=$(openssl rand -hex 32)" in header

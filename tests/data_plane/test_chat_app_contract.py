@@ -258,3 +258,43 @@ def test_a_schema_with_no_whole_output_names_the_responses_field(gateway: Servic
                                       text={"format": {"type": "json_schema", "name": fmt["name"], "schema": fmt["schema"]}})
     err: dict[str, Any] = bad.value.body  # type: ignore[assignment]
     assert (err["param"], err["code"]) == ("text.format", "invalid_grammar"), err
+
+
+def test_a_streamed_response_that_fails_on_its_schema_says_invalid_grammar(gateway: Service) -> None:
+    """Streamed, the same schema's failure ended with `response.failed` carrying `server_error` (and the `error`
+    event named `response_format`): the client's schema is no server error. Now both say `invalid_grammar`, the
+    `error` event naming `text.format` as the non-streamed 400 does, and the stored response keeps the code."""
+    fmt = ENDLESS["json_schema"]
+    client = sdk(gateway)
+    events = list(client.responses.create(model=MODEL, input="Give me JSON.", max_output_tokens=40, temperature=0,
+                                          stream=True, text={"format": {"type": "json_schema", "name": fmt["name"],
+                                                                        "schema": fmt["schema"]}}))
+    (error,) = [e for e in events if e.type == "error"]
+    assert (error.code, error.param) == ("invalid_grammar", "text.format"), error
+    assert events[-1].type == "response.failed", [e.type for e in events]
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error is not None and failed.error.code == "invalid_grammar", failed
+    assert "cannot be followed to a complete output" in failed.error.message
+    stored = client.responses.retrieve(failed.id)
+    assert stored.status == "failed" and stored.error is not None and stored.error.code == "invalid_grammar", stored
+
+
+def test_a_text_part_with_a_prompt_cache_breakpoint_is_served(gateway: Service) -> None:
+    """The openai SDK types `prompt_cache_breakpoint` on a text content part (the end of a prefix to cache); chat
+    completions answered it with a 400 "Unrecognized request argument supplied: messages.0.content.0.prompt_cache_
+    breakpoint" while the Responses API's input_text took it and the request-level `prompt_cache_options` was a
+    no-op. Now it is one too (the prefix cache matches by content), served as the same text; a malformed one is
+    still a 400 naming it."""
+    client = sdk(gateway)
+    part: dict[str, Any] = {"type": "text", "text": "You answer in one word.",
+                            "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "30m"}}
+    system = {"role": "system", "content": [part]}
+    marked = client.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": "Hi"}],
+                                            max_tokens=6, temperature=0)
+    plain = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, messages=[
+        {"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Hi"}])
+    assert marked.choices[0].message.content == plain.choices[0].message.content
+    assert marked.usage.prompt_tokens == plain.usage.prompt_tokens
+    bad = {"role": "system", "content": [{**part, "prompt_cache_breakpoint": {"mode": "implicit"}}]}
+    body = _refused(client, [bad, {"role": "user", "content": "Hi"}])
+    assert body["param"] == "messages.0.content.0.prompt_cache_breakpoint", body

@@ -44,6 +44,22 @@ def test_a_cache_node_read_or_write_without_the_cluster_token_is_401(cluster: Cl
     assert httpx.get(node + "/health").status_code == 200  # health stays open (probes)
 
 
+def test_a_cache_nodes_refusals_are_counted_under_the_route_refused(cluster: Cluster) -> None:
+    """Every guarded API of a cache node counted its refusals as route="sessions": a shard fetching KV blocks
+    without the token, or a gateway's response cache, showed as refused session reads."""
+    node = cluster.caches[0].url
+    calls = {"sessions": ("GET", "/v1/sessions/sess_x", None),
+             "response_cache": ("GET", "/v1/response-cache/rc_x", None),
+             "kv": ("POST", "/v1/kv/fetch", {"hashes": []}),
+             "debug_spans": ("GET", "/debug/spans", None)}
+    for route, (method, path, body) in calls.items():
+        before = {r: metric(node, "switchboard_cache_refused_total", route=r) for r in calls}
+        r = httpx.request(method, node + path, json=body, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_cluster_token", (path, r.text)
+        after = {r: metric(node, "switchboard_cache_refused_total", route=r) for r in calls}
+        assert after == {**before, route: before[route] + 1}, (path, before, after)
+
+
 def test_debug_spans_need_the_cluster_token_on_every_process(cluster: Cluster) -> None:
     for svc in [cluster.gateway, *cluster.shards, *cluster.caches, cluster.control_plane]:
         for headers in BAD:

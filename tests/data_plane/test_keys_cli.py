@@ -182,14 +182,15 @@ def test_concurrent_creates_all_land(keys_file: Path) -> None:
 def test_up_says_so_when_every_dev_key_was_revoked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """After `switchboard keys revoke` of the dev keys, `switchboard up` finds no live dev key: its banner says how to make one instead of failing on an empty dict."""
     from control_plane.dev_credentials import dev_keys
-    from control_plane.launcher import UpSettings, _banner
+    from control_plane.launcher import UpSettings
     from control_plane.supervisor import Child
+    from control_plane.up_banner import banner
 
     (tmp_path / "keys.yaml").write_text("keys: [{key_sha256: " + "ab" * 32 + ", tenant: t, tier: free}]\n")
     keys, minted = dev_keys(tmp_path / "keys.yaml", {})
     assert keys == {} and not minted
     cp, gw = (Child(n, [], f"http://127.0.0.1:{p}", tmp_path / f"{n}.log") for n, p in (("cp", 1), ("gw", 2)))
-    _banner(UpSettings.model_validate({"console": False}), {"keys": keys, "admin_token": "t"}, cp, [], [], [gw], tmp_path)
+    banner(UpSettings.model_validate({"console": False}), {"keys": keys, "admin_token": "t"}, cp, [], [], [gw], tmp_path)
     shown = capsys.readouterr().out
     assert "switchboard keys create --tenant dev --tier plus" in shown and "Bearer $KEY" in shown
 

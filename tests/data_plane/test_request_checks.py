@@ -12,7 +12,8 @@ import threading
 import pytest
 
 from data_plane.common.errors import SwitchboardError
-from data_plane.gateway.responses_items import input_items, parse_responses_request
+from data_plane.gateway.responses_input import input_items
+from data_plane.gateway.responses_items import parse_responses_request
 from data_plane.protocol import parse_chat_request
 
 
@@ -63,8 +64,9 @@ def test_an_input_item_id_of_null_is_no_id() -> None:
 def test_replayed_openai_assistant_messages_and_the_sdks_stream_options_are_accepted() -> None:
     """An app that replays OpenAI's message objects sends `refusal`, `audio` and `function_call` as
     null, and the current openai SDK may send `stream_options.include_obfuscation`: all were 400s
-    (extra fields forbidden). A refusal with no content is that turn's text; a non-null audio or
-    function_call is still refused, naming the field."""
+    (extra fields forbidden). A refusal with no content is that turn's text; a non-null audio, or a
+    function_call that is not the deprecated call's `{name, arguments}` (served as a tool call:
+    tests/data_plane/test_chat_legacy_functions.py), is still refused, naming the field."""
     body = {"model": "m", "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False},
             "messages": [{"role": "user", "content": "Help me."},
                          {"role": "assistant", "content": None, "refusal": "I can't help with that.",
@@ -72,11 +74,12 @@ def test_replayed_openai_assistant_messages_and_the_sdks_stream_options_are_acce
                          {"role": "user", "content": "Then say hi."}]}
     req = parse_chat_request(json.dumps(body).encode(), "application/json")
     assert [m.text() for m in req.messages] == ["Help me.", "I can't help with that.", "Then say hi."]
-    for field, value in (("audio", {"id": "audio_1"}), ("function_call", {"name": "f", "arguments": "{}"})):
+    for field, value, param in (("audio", {"id": "audio_1"}, "audio"), ("function_call", {"name": "f"}, "function_call.arguments"),
+                                ("function_call", "f", "function_call")):
         bad = {**body, "messages": [{"role": "assistant", "content": "x", field: value}, body["messages"][2]]}
         with pytest.raises(SwitchboardError) as e:
             parse_chat_request(json.dumps(bad).encode(), "application/json")
-        assert e.value.status == 400 and e.value.param == f"messages.0.{field}"
+        assert e.value.status == 400 and e.value.param == f"messages.0.{param}", e.value.param
 
 
 def test_replayed_sdk_message_objects_with_annotations_and_parsed_are_accepted() -> None:
