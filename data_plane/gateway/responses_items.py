@@ -395,9 +395,10 @@ def response_usage(chat_usage: dict[str, Any] | None) -> dict[str, Any]:
 
 def response_object(resp_id: str, req: ResponsesRequest, model: str, *, status: str, output: list[dict[str, Any]],
                     usage: dict[str, Any] | None, created_at: float | None = None,
-                    incomplete: str | None = None) -> dict[str, Any]:
+                    incomplete: str | None = None, items: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The Response object (OpenAI's shape) for POST, GET and the stream's events: the request's settings
-    echoed, `completed_at` once it is completed, `service_tier` the one it ran at."""
+    echoed, `completed_at` once it is completed, `service_tier` the one it ran at. `items`: the input as
+    stored (input_items: a reasoning item sent without an id has the one it is stored under), else `req.input`."""
     conversation = req.conversation_id
     return {
         "id": resp_id, "object": "response", "created_at": int(created_at or time.time()), "status": status,
@@ -416,7 +417,7 @@ def response_object(resp_id: str, req: ResponsesRequest, model: str, *, status: 
         "safety_identifier": req.safety_identifier, "service_tier": "default",
         "access_programs": req.access_programs.model_dump(exclude_none=True) or None if req.access_programs else None,
         "image": {"context_compression": "disabled"} if req.image else None,  # the effective policy: no images
-        **withheld_reasoning(req.input),
+        **withheld_reasoning(req.input if items is None else items),
     }
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from data_plane.common.errors import SwitchboardError
 from data_plane.gateway.responses_input import input_items
-from data_plane.gateway.responses_items import parse_responses_request
+from data_plane.gateway.responses_items import parse_responses_request, withheld_reasoning
 from data_plane.protocol import parse_chat_request
 
 
@@ -59,6 +59,19 @@ def test_an_input_item_id_of_null_is_no_id() -> None:
     with pytest.raises(SwitchboardError) as e:
         input_items([{**items[0], "id": 5}])
     assert e.value.status == 400 and e.value.param == "input[0].id"
+
+
+def test_a_reasoning_item_without_an_id_gets_one_and_is_named_by_it_as_withheld() -> None:
+    """Codex and the Agents SDK (`reasoning_item_id_policy="omit"`) send reasoning items without an id, as
+    OpenAI's Responses API takes them: a 400 "Missing required parameter: 'input[0].id'" here. Given an `rs_`
+    id of ours (null is none too), which `input_transformations` names; one sent with an id keeps it."""
+    raw = [{"type": "reasoning", "summary": [], "encrypted_content": "gAAAA"},
+           {"type": "reasoning", "id": None, "summary": [{"type": "summary_text", "text": "t"}]},
+           {"type": "reasoning", "id": "rs_kept", "summary": []}]
+    out = input_items(raw)
+    assert [i["id"][:3] for i in out] == ["rs_"] * 3 and out[2]["id"] == "rs_kept" and out[0]["id"] != out[1]["id"]
+    assert out[0]["encrypted_content"] == "gAAAA"
+    assert [t["id"] for t in withheld_reasoning(out)["input_transformations"]] == [i["id"] for i in out]
 
 
 def test_replayed_openai_assistant_messages_and_the_sdks_stream_options_are_accepted() -> None:

@@ -65,7 +65,6 @@ def test_a_reasoning_item_in_the_history_is_accepted_and_withheld_from_the_model
     assert client.responses.create(model=MODEL, conversation=conv.id, input="Again?", max_output_tokens=2).usage
 
     bad = [({"id": "rs_3"}, "input[1].summary", "missing_required_parameter"),
-           ({"summary": []}, "input[1].id", "missing_required_parameter"),
            ({"id": "rs_3", "summary": [{"type": "text", "text": "x"}]}, "input[1].summary[0]", None),
            ({"id": "rs_3", "summary": "x"}, "input[1].summary", None),
            ({"id": "rs_3", "summary": [], "content": [{"type": "summary_text", "text": "x"}]}, "input[1].content[0]", None),
@@ -81,6 +80,37 @@ def test_a_reasoning_item_in_the_history_is_accepted_and_withheld_from_the_model
 
 SDK_CHECKED = (3, 63, 0)
 """The openai release whose Responses create params were all checked here."""
+
+
+def test_a_reasoning_item_without_an_id_is_accepted_and_stored_under_one_of_ours(stack: Stack) -> None:
+    """OpenAI's Responses API takes a reasoning item without its id: Codex never sends one, nor does the
+    Agents SDK with `RunConfig(reasoning_item_id_policy="omit")` (its documented cure for OpenAI's "provided
+    without its required following item" 400), nor the AI SDK with `store: false`. Each was a 400
+    "Missing required parameter: 'input[1].id'" here. Served now, withheld from the model like any reasoning
+    item; stored (and listed, and named in `input_transformations`) under an `rs_` id of ours, the way a
+    message sent without an id is; a conversation takes one too."""
+    from agents import Agent
+    from agents.items import ReasoningItem
+    from agents.run_internal.items import run_item_to_input_item
+
+    client = stack.sdk()
+    sent = ResponseReasoningItem(id="rs_openai", type="reasoning", encrypted_content="gAAAA-opaque",
+                                 summary=[Summary(type="summary_text", text="The user greets; greet back.")])
+    idless = run_item_to_input_item(ReasoningItem(agent=Agent(name="a"), raw_item=sent), "omit")
+    assert isinstance(idless, dict) and "id" not in idless  # what the Agents SDK sends
+    user, reply = {"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi! How can I help?"}
+    follow = {"role": "user", "content": "Say hello again."}
+    served = client.responses.create(model=MODEL, input=[user, idless, reply, follow], max_output_tokens=2)  # type: ignore[list-item]
+    assert served.usage is not None
+    assert served.usage.input_tokens == client.responses.input_tokens.count(
+        model=MODEL, input=[user, reply, follow]).input_tokens  # type: ignore[list-item]
+    stored = [i for i in client.responses.input_items.list(served.id, order="asc").data if i.type == "reasoning"]
+    assert len(stored) == 1 and stored[0].id.startswith("rs_") and stored[0].id != "rs_openai"
+    assert [(t.id, t.reason) for t in served.input_transformations or []] == [(stored[0].id, "model_mismatch")]
+    assert client.responses.retrieve(served.id).input_transformations == served.input_transformations
+    conv = client.conversations.create(items=[user, idless, reply])  # type: ignore[list-item]
+    listed = client.conversations.items.list(conv.id, order="asc").data
+    assert listed[1].type == "reasoning" and listed[1].id.startswith("rs_")
 
 
 def test_every_field_of_the_sdks_create_body_is_a_field_here() -> None:
