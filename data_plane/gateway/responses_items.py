@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from data_plane.common.errors import InvalidRequest, SwitchboardError, UnsupportedParameter
+from data_plane.common.errors import InvalidRequest, PermissionDenied, SwitchboardError, UnsupportedParameter
 from data_plane.gateway.responses_calls import call_status, chat_function, check_call_outputs, check_choice_fields
 from data_plane.gateway.responses_input import content_part, items_to_messages, new_id
 from data_plane.protocol import ChatCompletionRequest
@@ -166,9 +166,9 @@ class ResponsesRequest(BaseModel):
         """`access_programs`, `background_options` and `image` at the values this server serves (the classes'
         docstrings); a 400 naming the field for one it cannot honour, or one OpenAI refuses."""
         cyber = self.access_programs.cyber if self.access_programs else None
-        if cyber not in (None, "standard"):
-            raise UnsupportedParameter(f"access_programs.cyber {cyber!r} is not available with this model; only "
-                                       "'standard'.", param="access_programs.cyber")
+        if cyber not in (None, "standard"):  # OpenAI's: "Requests that require unavailable Daybreak access return 403"
+            raise PermissionDenied(f"access_programs.cyber {cyber!r} is not available with this model; only "
+                                   "'standard'.", param="access_programs.cyber")
         check_image(self.image)
         window = self.background_options.completion_window if self.background_options else None
         if window in ("2h", "8h"):  # OpenAI's: a discounted window needs background, Standard processing, no stream

@@ -74,6 +74,17 @@ def test_a_reasoning_item_without_an_id_gets_one_and_is_named_by_it_as_withheld(
     assert [t["id"] for t in withheld_reasoning(out)["input_transformations"]] == [i["id"] for i in out]
 
 
+def test_a_daybreak_access_program_is_openais_403() -> None:
+    """The openai SDK's `access_programs.cyber`: "Requests that require unavailable Daybreak access return 403"
+    (a PermissionDeniedError to the SDK); it was a 400 unsupported_parameter here. Standard is served."""
+    for program in ("daybreak_blue", "daybreak_red"):
+        with pytest.raises(SwitchboardError) as e:
+            parse_responses_request(json.dumps({"model": "m", "input": "Hi", "access_programs": {"cyber": program}})
+                                    .encode(), "application/json")
+        assert (e.value.status, e.value.code, e.value.param) == (403, "permission_denied", "access_programs.cyber")
+    parse_responses_request(b'{"model": "m", "input": "Hi", "access_programs": {"cyber": "standard"}}', None)
+
+
 def test_replayed_openai_assistant_messages_and_the_sdks_stream_options_are_accepted() -> None:
     """An app that replays OpenAI's message objects sends `refusal`, `audio` and `function_call` as
     null, and the current openai SDK may send `stream_options.include_obfuscation`: all were 400s
