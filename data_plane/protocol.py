@@ -206,9 +206,11 @@ class ChatCompletionRequest(BaseModel):
             if m.content is None and m.role != "assistant":  # OpenAI: only an assistant's may be null
                 raise InvalidRequest(f"messages.{i}.content: a {m.role} message needs content",
                                      param=f"messages.{i}.content")
-            # OpenAI's 400 for every role since 2026-08 (langchain-ai/langchainjs#11416); an assistant's is served
-            # here as null, deliberately: LangChain and n8n histories carry tool-call-only turns so, served before
-            if m.content == [] and m.role != "assistant":
+            # OpenAI's 400 for every role since 2026-08 (langchain-ai/langchainjs#11416). Served here, deliberately,
+            # where real clients send one and it was served before: an assistant's (LangChain and n8n write a
+            # tool-call-only turn so), as null; a tool's (LangChain's ToolMessage of a tool that returned an
+            # empty list, a search with no hits), as an empty result
+            if m.content == [] and m.role not in ("assistant", "tool"):
                 raise InvalidRequest(f"Invalid 'messages.{i}.content': empty array. Expected an array with minimum "
                                      "length 1, but got an empty array instead.", param=f"messages.{i}.content",
                                      code="empty_array")

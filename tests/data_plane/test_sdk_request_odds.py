@@ -20,6 +20,7 @@ from openai.types.responses.response_reasoning_item import Summary
 from data_plane.gateway.responses_items import ResponsesRequest
 from tests.data_plane import test_responses_api
 from tests.data_plane.test_responses_api import MODEL, Stack
+from tests.support.cluster import KEYS
 from tests.support.waits import eventually
 
 stack = test_responses_api.stack
@@ -189,6 +190,32 @@ def test_a_chat_message_with_an_empty_content_array_is_openais_400(stack: Stack)
     reply = client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
         {"role": "user", "content": "Hi"}, {"role": "assistant", "content": []}, {"role": "user", "content": "Hi"}])
     assert reply.usage is not None and reply.usage.completion_tokens == 1
+
+
+def test_langchains_empty_tool_result_is_still_served(stack: Stack) -> None:
+    """A LangChain tool that returns an empty list (a search with no hits) becomes `ToolMessage(content=[])`,
+    which langchain-openai sends as `{"role": "tool", "content": []}`: served until the empty-array check
+    made it a 400 empty_array, failing the agent's next step. Served again, as an empty result (as an
+    assistant's empty array is), through ChatOpenAI itself; a user's empty array is still OpenAI's 400."""
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def search(query: str) -> list[str]:
+        """Search the notes."""
+        return []
+
+    call = {"type": "tool_call", "id": "call_1", "name": "search", "args": {"query": "kiwi"}}
+    result = search.invoke(call)
+    assert isinstance(result, ToolMessage) and result.content == []  # what LangChain makes of it
+    llm = ChatOpenAI(base_url=stack.gateway.url + "/v1", api_key=KEYS["plus"], model=MODEL, temperature=0,  # type: ignore[arg-type]
+                     max_tokens=4, max_retries=0).bind_tools([search])
+    reply = llm.invoke([HumanMessage("Find my notes on kiwi."), AIMessage(content="", tool_calls=[call]), result])
+    assert isinstance(reply, AIMessage) and reply.usage_metadata and reply.usage_metadata["output_tokens"] >= 1
+    body = _refused(stack.sdk().chat.completions.create, model=MODEL, max_tokens=1,
+                    messages=[{"role": "user", "content": []}])
+    assert body["code"] == "empty_array" and body["param"] == "messages.0.content", body
 
 
 def test_a_custom_tool_call_in_the_history_is_a_400_naming_its_type(stack: Stack) -> None:
