@@ -74,6 +74,16 @@ def test_a_reasoning_item_without_an_id_gets_one_and_is_named_by_it_as_withheld(
     assert [t["id"] for t in withheld_reasoning(out)["input_transformations"]] == [i["id"] for i in out]
 
 
+def test_an_input_of_only_reasoning_items_is_a_400_that_says_so() -> None:
+    """Reasoning items are withheld from this model: an input of nothing else left the chat request no message,
+    and the 400 said "Invalid 'input': empty array", of an input that held items. It says why now."""
+    req = parse_responses_request(b'{"model": "m", "input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}',
+                                  None)
+    with pytest.raises(SwitchboardError) as e:
+        req.turn_request([], input_items(req.input), str)
+    assert (e.value.status, e.value.param) == (400, "input") and "only reasoning items" in e.value.message
+
+
 def test_a_daybreak_access_program_is_openais_403() -> None:
     """The openai SDK's `access_programs.cyber`: "Requests that require unavailable Daybreak access return 403"
     (a PermissionDeniedError to the SDK); it was a 400 unsupported_parameter here. Standard is served."""
