@@ -230,7 +230,8 @@ class ChatHandler:
         session_header = self.request.headers.get("x-session-id") or req.session_id
         if session_header:
             prompt = await self._load_session(session_header, messages, tier)
-            check_session_answered(self.history, req.messages)
+            if not req.functions:  # a deprecated function_call need not be answered: data_plane/legacy_functions.py
+                check_session_answered(self.history, req.messages)
             return prompt
         return messages
 
