@@ -11,7 +11,10 @@ The request side (OpenAI still takes every one of these, and the openai SDK type
 {name, arguments}`` is one tool call (its id minted here: the legacy form has none), and a ``role:
 "function"`` message (``name``, ``content``) the tool message answering the latest such call of that name.
 A function message that answers no call is the same text a tool result renders as (or, with a session
-whose transcript holds the call, a tool message: data_plane/gateway/tool_results.py counts it).
+whose transcript holds the call, a tool message: data_plane/gateway/tool_results.py counts it). A legacy
+call need not be answered, in a session's last turn either (a request with ``functions`` skips that check:
+data_plane/gateway/chat.py); and only an assistant message may hold a ``function_call`` (OpenAI's 400).
+A stored completion keeps the messages as sent (data_plane/gateway/chat_store.py), not these.
 
 The reply side, only when the request gave ``functions`` (as OpenAI answers it): one call at most per
 choice (``parallel_tool_calls`` false), as ``message.function_call`` (no ``tool_calls``), streamed as
@@ -78,6 +81,9 @@ def _messages(messages: list[Any], continues: bool) -> list[Any]:
     out: list[Any] = []
     open_calls: list[tuple[str, str]] = []  # (id, name) of the legacy calls not answered yet
     for i, m in enumerate(messages):
+        if m.function_call is not None and m.role != "assistant":  # as OpenAI's 400 says it
+            raise InvalidRequest("Invalid parameter: only messages with role 'assistant' can have a function call.",
+                                 param=f"messages.{i}.function_call")
         if m.role == "assistant" and m.function_call is not None:
             if m.tool_calls:
                 raise InvalidRequest("an assistant message has function_call or tool_calls, not both",
