@@ -4,6 +4,7 @@
     message = legacy_message(message)                # a reply's tool call -> message.function_call
     delta = legacy_delta(delta)                      # the same, streamed
     reason = legacy_finish(reason)                   # "tool_calls" -> "function_call"
+    check_supported(req, continues)                  # req.check_supported, its 400s naming functions / function_call
 
 The request side (OpenAI still takes every one of these, and the openai SDK types them):
 ``functions: [{name, description, parameters}]`` is ``tools`` of type function; ``function_call``
@@ -24,11 +25,12 @@ A request in the current form (``tools``), even with function messages in its hi
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
-from data_plane.common.errors import InvalidRequest
+from data_plane.common.errors import InvalidRequest, SwitchboardError
 from data_plane.structured import NamedFunction, NamedToolChoice, ToolDef
 
 Request = TypeVar("Request", bound=BaseModel)
@@ -74,6 +76,30 @@ def as_tools(request: Request, continues: bool = False) -> Request:
     if any(m.role == "function" or m.function_call is not None for m in req.messages):
         update["messages"] = _messages(req.messages, continues)
     return request.model_copy(update=update) if update else request
+
+
+def check_supported(request: Request, continues: bool) -> None:
+    """`request.check_supported(continues=...)`; a request that gave `functions` has its 400 name the fields it
+    sent (``functions.0.name``, ``function_call``), not the tools they became (``tools.0.function.name``)."""
+    req: Any = request
+    try:
+        req.check_supported(continues=continues)
+    except SwitchboardError as exc:
+        if req.functions and exc.param:
+            _in_legacy_terms(exc)
+        raise
+
+
+def _in_legacy_terms(exc: SwitchboardError) -> None:
+    param = str(exc.param)
+    renamed = re.sub(r"^tools\.(\d+)\.function(?=\.|$)", r"functions.\1", param)
+    renamed = re.sub(r"^tool_choice(\.function)?(?=\.|$)", "function_call", renamed)
+    if renamed == param:
+        return
+    message = exc.message.replace(param, renamed)
+    if param.startswith("tool_choice"):  # "tool_choice names 'x', which is not among the tools"
+        message = re.sub(r"\btools\b", "functions", re.sub(r"\btool_choice\b", "function_call", message))
+    exc.message, exc.param = message, renamed
 
 
 def _messages(messages: list[Any], continues: bool) -> list[Any]:

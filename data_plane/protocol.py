@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from data_plane.common.errors import InvalidRequest, UnsupportedParameter
-from data_plane.legacy_functions import FunctionCall, FunctionChoice, as_tools
+from data_plane.legacy_functions import FunctionCall, FunctionChoice, as_tools, check_supported
 from data_plane.request_checks import CacheBreakpoint, WholeNumber, check_metadata, json_body, json_type, validated
 from data_plane.structured import (
     FunctionDef,
@@ -496,5 +496,5 @@ def parse_chat_request(raw: bytes, content_type: str | None, session: str | None
     req = as_tools(req, continues := bool(session) and session != "new")  # deprecated function calling: tools
     if client and req.continue_final_message and (session or req.tools):  # (the tools' reply is an envelope, not its text)
         raise InvalidRequest("continue_final_message cannot be used with a session or tools", param="continue_final_message")
-    req.check_supported(continues=continues)
+    check_supported(req, continues)  # (its 400s in the legacy fields' terms when the body gave those)
     return req

@@ -98,16 +98,21 @@ def test_functions_get_a_function_call_reply(gateway: Service) -> None:
     ({"function_call": "auto"}, "function_call"),
     ({"function_call": {"name": "get_weather"}}, "function_call"),
     ({"functions": [GET_WEATHER], "tools": [{"type": "function", "function": GET_WEATHER}]}, "functions"),
-    ({"functions": [GET_WEATHER], "function_call": {"name": "get_time"}}, "tool_choice"),
+    ({"functions": [GET_WEATHER], "function_call": {"name": "get_time"}}, "function_call"),
+    ({"functions": [{**GET_WEATHER, "name": "get weather!"}]}, "functions.0.name"),
     ({"functions": [{"description": "no name"}]}, "functions.0.name"),
     ({"messages": [{**ASK, "function_call": {"name": "get_weather", "arguments": "{}"}}]}, "messages.0.function_call"),
-], ids=["choice-without-functions", "named-without-functions", "functions-and-tools", "unknown-name", "no-name",
-        "user-message-with-a-call"])
+], ids=["choice-without-functions", "named-without-functions", "functions-and-tools", "unknown-name",
+        "invalid-name", "no-name", "user-message-with-a-call"])
 def test_legacy_fields_that_cannot_be_served_are_400s(gateway: Service, extra: dict[str, Any], param: str) -> None:
+    """A 400 of a legacy request names its fields: an unknown or invalid function name said `tool_choice` and
+    `tools.0.function.name`, fields of the form the body did not use (data_plane/legacy_functions.check_supported)."""
     with pytest.raises(openai.BadRequestError) as bad:
         sdk(gateway).chat.completions.create(**{"model": MODEL, "messages": [ASK], "max_tokens": 4, **extra})
     body: dict[str, Any] = bad.value.body  # type: ignore[assignment]
     assert body["param"] == param and body["type"] == "invalid_request_error", body
+    # named as the body named it: the checks' own terms (tools.0.function.name, tool_choice) were never sent
+    assert "tool" not in body["message"] or "tools" in extra, body
 
 
 def test_a_stored_completion_keeps_the_legacy_messages_as_sent(gateway: Service) -> None:
