@@ -1,4 +1,5 @@
-"""OpenAI chat-completions wire schemas, shared by the shard and the gateway.
+"""OpenAI chat-completions wire schemas, shared by the shard and the gateway (a request's messages:
+data_plane/chat_messages.py).
 
     req = ChatCompletionRequest.model_validate(body)   # 400 on unknown / bad fields
     req.check_supported()                              # 400 naming an unsupported param
@@ -21,9 +22,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
+from data_plane.chat_messages import ChatMessage, tool_call_list, valid_unicode
 from data_plane.common.errors import InvalidRequest, UnsupportedParameter
-from data_plane.legacy_functions import FunctionCall, FunctionChoice, as_tools, check_supported
-from data_plane.request_checks import CacheBreakpoint, WholeNumber, check_metadata, json_body, json_type, validated
+from data_plane.legacy_functions import FunctionChoice, as_tools, check_supported
+from data_plane.request_checks import WholeNumber, check_metadata, json_body, validated
 from data_plane.structured import (
     FunctionDef,
     OutputPlan,
@@ -36,99 +38,9 @@ from data_plane.structured import (
 )
 from data_plane.tool_calls import envelope_text, holds_tool_calls
 
-Role = Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: data_plane/legacy_functions.py
-
 MAX_STOP_SEQUENCES = 4
 TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key (the engine checks it against its vocabulary)
 MAX_STOP_LENGTH = 256
-
-
-def _valid_unicode(value: str) -> str:
-    """JSON can carry lone surrogates ("\\ud800") that no tokenizer or UTF-8 encoder accepts."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("text contains invalid Unicode (a lone surrogate)") from None
-    return value
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
-    prompt_cache_breakpoint: CacheBreakpoint | None = None  # a no-op (request_checks.py)
-
-    @field_validator("text")
-    @classmethod
-    def _text_unicode(cls, v: str) -> str:
-        return _valid_unicode(v)
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Role
-    content: str | list[TextPart | dict[str, Any]] | None = None
-    name: str | None = Field(default=None, max_length=256)
-    tool_calls: Any = None
-    tool_call_id: str | None = None
-    refusal: str | None = None
-    """An assistant message's refusal, as OpenAI's replies carry it (null when it answered): replayed
-    history stays valid; a refusal with no content is the turn's text."""
-    audio: None = None
-    """OpenAI's field this server never produces, accepted as null (replayed replies hold it); else a 400."""
-    function_call: FunctionCall | None = None
-    """The deprecated form of one tool call (data_plane/legacy_functions.py)."""
-    annotations: list[dict[str, Any]] | None = None
-    """An OpenAI reply's url citations (`"annotations": []` on every message it sends; the openai SDK's
-    `message.model_dump()` writes them as null): replayed history carries them. Not part of the prompt."""
-    parsed: Any = None
-    """What the openai SDK's `parse` helpers add to a message they return (the content, parsed): an app that
-    appends that message object to its history sends it. The content is what the prompt is made of."""
-
-    @field_validator("content")
-    @classmethod
-    def _content_unicode(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            _valid_unicode(v)
-        elif isinstance(v, list):
-            for part in v:
-                for key in ("text", "refusal"):
-                    if isinstance(part, dict) and isinstance(part.get(key), str):
-                        _valid_unicode(part[key])
-        return v
-
-    def text(self, where: str = "messages") -> str:
-        """The message's text; a 400 for a content part that is not text (`where`: the message's path,
-        ``messages.<i>``, for its param: the request's checks call this first, with it)."""
-        if self.content is None:
-            return self.refusal or ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for j, part in enumerate(self.content):
-            at = f"{where}.content.{j}"
-            if isinstance(part, TextPart):
-                parts.append(part.text)
-            elif self.role == "assistant" and isinstance(part, dict) and part.get("type") == "refusal":
-                # OpenAI's assistant content may hold refusal parts ({"type": "refusal", "refusal": "..."}):
-                # a history recorded there replays here, the refusal as the turn's text (as `refusal` is)
-                if not isinstance(part.get("refusal"), str) or set(part) != {"type", "refusal"}:
-                    raise InvalidRequest("a 'refusal' content part needs 'refusal', a string, and nothing else",
-                                         param=f"{at}.refusal")
-                parts.append(part["refusal"])  # its Unicode checked with the content (_content_unicode)
-            elif isinstance(part, dict) and part.get("type") == "text":  # one TextPart refused: say why
-                if not isinstance(part.get("text"), str):
-                    raise InvalidRequest("a 'text' content part needs 'text', a string", param=f"{at}.text")
-                extra = f"{at}.{min(set(part) - {'type', 'text'})}"
-                raise UnsupportedParameter(f"Unrecognized request argument supplied: {extra}", param=extra)
-            else:
-                kind = part.get("type", "unknown") if isinstance(part, dict) else "unknown"
-                raise UnsupportedParameter(
-                    f"content part type {kind!r} is not supported; only 'text' parts are (and 'refusal' in an"
-                    " assistant message)",
-                    param=at,
-                )
-        return "".join(parts)
 
 
 class StreamOptions(BaseModel):
@@ -247,7 +159,7 @@ class ChatCompletionRequest(BaseModel):
         if len(stops) > MAX_STOP_SEQUENCES:  # OpenAI's words: request_checks.openai_words
             raise PydanticCustomError("too_long", "too many stop sequences", {"max_length": MAX_STOP_SEQUENCES})
         for s in stops:
-            _valid_unicode(s)
+            valid_unicode(s)
             if not s:
                 raise ValueError("stop sequences must be non-empty")
             if len(s) > MAX_STOP_LENGTH:
@@ -294,9 +206,13 @@ class ChatCompletionRequest(BaseModel):
             if m.content is None and m.role != "assistant":  # OpenAI: only an assistant's may be null
                 raise InvalidRequest(f"messages.{i}.content: a {m.role} message needs content",
                                      param=f"messages.{i}.content")
+            if m.content == [] and m.role != "assistant":  # OpenAI's 400 (an assistant's may be empty, as null)
+                raise InvalidRequest(f"Invalid 'messages.{i}.content': empty array. Expected an array with minimum "
+                                     "length 1, but got an empty array instead.", param=f"messages.{i}.content",
+                                     code="empty_array")
             m.text(f"messages.{i}")  # its content parts, checked here where the message's index is known
             if m.role == "assistant" and m.tool_calls:
-                called.update(c["id"] for c in _tool_call_list(m.tool_calls, f"messages.{i}"))
+                called.update(c["id"] for c in tool_call_list(m.tool_calls, f"messages.{i}"))
             elif m.role == "tool" and (not m.tool_call_id or (m.tool_call_id not in called and not continues)):
                 raise InvalidRequest("messages with role 'tool' must answer a preceding assistant message's "
                                      "tool_calls (tool_call_id)", param="messages")
@@ -339,7 +255,7 @@ class ChatCompletionRequest(BaseModel):
             role = "system" if m.role == "developer" else m.role
             content = m.text()
             if role == "assistant" and m.tool_calls:
-                content = envelope_text(content or None, _tool_call_list(m.tool_calls))
+                content = envelope_text(content or None, tool_call_list(m.tool_calls))
             elif role == "tool":  # the template has no tool role: the result comes back as the user's turn
                 role = "user"
                 name = names.get(m.tool_call_id or "")  # (unknown: a call in a session's transcript)
@@ -372,27 +288,6 @@ class ShardRequest(ChatCompletionRequest):
     def wire(self) -> dict[str, Any]:
         """The JSON body: every field that was set and is not None (nested models by their wire names)."""
         return self.model_dump(include=set(self.model_fields_set), exclude_none=True, by_alias=True)
-
-
-def _tool_call_list(value: Any, where: str = "messages") -> list[dict[str, Any]]:
-    """An assistant message's `tool_calls` as OpenAI takes them: objects with an `id` and a `function`
-    whose `name` and `arguments` are strings (`where`: the message's path, for the 400). Arguments sent as
-    a JSON object, or a function as a bare name, were a 500 where the history was written back."""
-    if not isinstance(value, list) or not all(isinstance(c, dict) for c in value):
-        raise InvalidRequest("an assistant message's tool_calls must be a list of objects",
-                             param=f"{where}.tool_calls")
-    for j, call in enumerate(value):
-        fn = call.get("function")
-        fields: list[tuple[str, Any]] = [("id", call.get("id")), ("function", fn)]
-        if isinstance(fn, dict):
-            fields += [("function.name", fn.get("name")), ("function.arguments", fn.get("arguments"))]
-        for name, field in fields:
-            expected = "an object" if name == "function" else "a string"
-            if not (isinstance(field, dict) if name == "function" else isinstance(field, str)):
-                param = f"{where}.tool_calls.{j}.{name}"
-                raise InvalidRequest(f"Invalid type for '{param}': expected {expected}, but got "
-                                     f"{json_type(field)} instead.", param=param)
-    return value
 
 
 class PromptTokensDetails(BaseModel):

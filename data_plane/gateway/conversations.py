@@ -34,7 +34,7 @@ from data_plane.gateway.responses import (
     record_principal,
     unsealer,
 )
-from data_plane.gateway.responses_items import input_items, new_id, refuse_duplicates
+from data_plane.gateway.responses_input import input_items, new_id, refuse_duplicates
 from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.request_checks import json_body, json_type, metadata_bounds

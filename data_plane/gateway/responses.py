@@ -48,16 +48,13 @@ from data_plane.gateway.memory import Compaction, compact, fit_turn, open_compac
 from data_plane.gateway.record_locks import record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, Record
 from data_plane.gateway.responses_background import Detach
+from data_plane.gateway.responses_input import input_items, items_to_messages, new_id, refuse_duplicates
 from data_plane.gateway.responses_items import (
     ResponsesRequest,
     check_include,
     in_responses_terms,
-    input_items,
-    items_to_messages,
-    new_id,
     output_items,
     parse_responses_request,
-    refuse_duplicates,
     response_object,
     response_usage,
 )

@@ -24,7 +24,8 @@ from data_plane.common.http_body import read_body
 from data_plane.gateway.item_index import resolve_references
 from data_plane.gateway.response_store import ConversationStore
 from data_plane.gateway.responses import RESPONSES_PATH, compact_items, conversation_tokens, record_caller
-from data_plane.gateway.responses_items import input_items, new_id, response_usage
+from data_plane.gateway.responses_input import input_items, new_id
+from data_plane.gateway.responses_items import ImageOptions, check_image, response_usage
 from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.request_checks import WholeNumber, json_body, validated
@@ -45,6 +46,7 @@ class CompactRequest(BaseModel):
     prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = Field(default=None, max_length=256)
     service_tier: Literal["auto", "default", "fast", "flex", "priority"] | None = None
+    image: ImageOptions | None = None
 
 
 def mount_compact(app: FastAPI, gw: Gateway, store: Callable[[], ConversationStore],
@@ -59,6 +61,7 @@ def mount_compact(app: FastAPI, gw: Gateway, store: Callable[[], ConversationSto
             owner, replicas = record_caller(gw, request)
             raw = json_body(await read_body(request, gw.settings.max_body_bytes), request.headers.get("content-type"))
             body = validated(CompactRequest, raw)
+            check_image(body.image)
             items: list[dict[str, Any]] = []
             if body.previous_response_id:
                 items = (await store().previous(body.previous_response_id, owner, replicas)).items

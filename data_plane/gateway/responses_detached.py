@@ -41,7 +41,8 @@ from data_plane.gateway.responses_background import (
     Run,
     expired,
 )
-from data_plane.gateway.responses_items import ResponsesRequest, check_include, new_id, response_usage
+from data_plane.gateway.responses_input import new_id
+from data_plane.gateway.responses_items import ResponsesRequest, check_include, response_usage
 from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.gateway.stream import EventSource

@@ -2,8 +2,7 @@
 
     req = parse_responses_request(raw, content_type)     # 400 on unknown / unsupported fields
     chat = req.chat_request(history_len=0)                # a ChatCompletionRequest (same checks as chat)
-    items = input_items(req.input)                        # input as items, each with an id
-    messages = items_to_messages(items)                   # the chat messages they stand for
+    items = input_items(req.input)                        # input as items (data_plane/gateway/responses_input.py)
     body = response_object(resp_id, req, output, usage)   # what POST/GET /v1/responses return
 
 The Responses API is a translation layer over the chat request path (data_plane/gateway/chat.py):
@@ -16,7 +15,6 @@ supports; what it rejects comes back as the same 400 naming the Responses field.
 from __future__ import annotations
 
 import re
-import secrets
 import time
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -25,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_plane.common.errors import InvalidRequest, SwitchboardError, UnsupportedParameter
 from data_plane.gateway.responses_calls import call_status, chat_function, check_call_outputs, check_choice_fields
+from data_plane.gateway.responses_input import content_part, items_to_messages, new_id
 from data_plane.protocol import ChatCompletionRequest
 from data_plane.request_checks import (
     REASONING_EFFORTS,
@@ -44,24 +43,43 @@ INCLUDABLE = ("code_interpreter_call.outputs", "computer_call_output.output.imag
 SUMMARIES = ("auto", "concise", "detailed")
 """OpenAI's values of `reasoning.summary`."""
 REASONING_CONTEXTS = ("auto", "current_turn", "all_turns")  # `reasoning.context`'s (as `mode`, a no-op here)
-ITEM_STATUSES = ("in_progress", "completed", "incomplete")
-"""OpenAI's values of an input item's `status` (stored as completed: the item is whole once sent)."""
-SUPPORTED_ITEM_TYPES = ("message", "function_call", "function_call_output", "compaction", "item_reference")
-TEXT_PARTS = ("input_text", "output_text", "text")
 FORMAT_FIELDS = {"text": {"type"}, "json_object": {"type"},
                  "json_schema": {"type", "name", "schema", "strict", "description"}}
 """The fields of each `text.format` type (OpenAI's); another type is the chat path's 400."""
-
-
-def new_id(prefix: str) -> str:
-    """An unguessable id in OpenAI's style (`resp_...`, `msg_...`, `conv_...`): valid as a session id."""
-    return f"{prefix}_{secrets.token_hex(24)}"
 
 
 class ContextManagement(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["compaction"]
     compact_threshold: WholeNumber | None = Field(default=None, ge=64)
+
+
+class AccessPrograms(BaseModel):
+    """OpenAI's domain access programs: only Standard here (the Daybreak programs need a model that has them)."""
+    model_config = ConfigDict(extra="forbid")
+    cyber: Literal["standard", "daybreak_blue", "daybreak_red"] | None = None
+
+
+class BackgroundOptions(BaseModel):
+    """How a background response runs: every one here starts as soon as it can, so any completion window is
+    met (a discounted window changes no price here); `continuation_id` (related requests) is a no-op."""
+    model_config = ConfigDict(extra="forbid")
+    completion_window: Literal["soonest", "2h", "8h"] | None = None
+    continuation_id: str | None = Field(default=None, min_length=1, max_length=256)
+
+
+class ImageOptions(BaseModel):
+    """Request-level image options: this model reads text only, so no image is ever compressed."""
+    model_config = ConfigDict(extra="forbid")
+    context_compression: Literal["auto", "enabled", "disabled"] | None = None
+
+
+def check_image(image: ImageOptions | None) -> None:
+    """A 400 for `image.context_compression` "enabled": it requires compression support this model lacks."""
+    if image is not None and image.context_compression == "enabled":
+        raise UnsupportedParameter("image.context_compression 'enabled' requires image context compression, which "
+                                   "this model does not support (it takes no images); use 'auto' or 'disabled'.",
+                                   param="image.context_compression")
 
 
 class ResponsesRequest(BaseModel):
@@ -111,6 +129,9 @@ class ResponsesRequest(BaseModel):
     top_logprobs: WholeNumber | None = Field(default=None, ge=0, le=20)
     background: bool | None = None
     """Run it in the gateway, apart from this connection (data_plane/gateway/responses_background.py)."""
+    background_options: BackgroundOptions | None = None
+    access_programs: AccessPrograms | None = None
+    image: ImageOptions | None = None
     reasoning: dict[str, Any] | None = None  # a no-op as chat's reasoning_effort (the Response says effort null)
     max_tool_calls: WholeNumber | None = Field(default=None, ge=0)  # a no-op: it counts built-in tools' calls
     prompt: Any = None  # accepted only at its neutral value (see check_supported)
@@ -139,6 +160,24 @@ class ResponsesRequest(BaseModel):
                                  "'previous_response_id' or 'conversation'.", code="mutually_exclusive_parameters")
         if self.stream_options and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+        self._check_options()
+
+    def _check_options(self) -> None:
+        """`access_programs`, `background_options` and `image` at the values this server serves (the classes'
+        docstrings); a 400 naming the field for one it cannot honour, or one OpenAI refuses."""
+        cyber = self.access_programs.cyber if self.access_programs else None
+        if cyber not in (None, "standard"):
+            raise UnsupportedParameter(f"access_programs.cyber {cyber!r} is not available with this model; only "
+                                       "'standard'.", param="access_programs.cyber")
+        check_image(self.image)
+        window = self.background_options.completion_window if self.background_options else None
+        if window in ("2h", "8h"):  # OpenAI's: a discounted window needs background, Standard processing, no stream
+            needs = ("background: true" if not self.background else "stream false or omitted" if self.stream
+                     else "Standard processing (service_tier 'auto' or 'default')"
+                     if self.service_tier not in (None, "auto", "default") else None)
+            if needs:
+                raise InvalidRequest(f"background_options.completion_window {window!r} requires {needs}.",
+                                     param="background_options.completion_window", code="invalid_value")
 
     @property
     def with_logprobs(self) -> bool:
@@ -311,123 +350,6 @@ def parse_responses_request(raw: bytes, content_type: str | None) -> ResponsesRe
     return req
 
 
-def input_items(value: str | list[dict[str, Any]], param: str = "input") -> list[dict[str, Any]]:
-    """`input` as stored items (each with an id and a status), validated; 400 naming the bad item. An
-    ``item_reference`` stays as one, for `resolve_references` (data_plane/gateway/item_index.py) to replace."""
-    if isinstance(value, str):
-        value = [{"type": "message", "role": "user", "content": value}] if value else []
-    if not isinstance(value, list):  # routes that read raw JSON (compact, conversations) pass anything
-        raise InvalidRequest(f"{param} must be a string or an array of items", param=param)
-    out = []
-    for i, raw in enumerate(value):
-        where = f"{param}[{i}]"
-        if not isinstance(raw, dict):
-            raise InvalidRequest(f"{where} must be an object", param=where)
-        if raw.get("id") is not None and not isinstance(raw["id"], str):  # stored, listed, used as cursors
-            # (null is the SDK's "no id": its input item types declare `id: Optional[str]`)
-            raise InvalidRequest(f"{where}.id must be a string", param=f"{where}.id")
-        # the SDK's ItemReference may leave out its type: an item that is nothing but an id is one
-        kind = raw.get("type", "item_reference" if set(raw) == {"id"} else "message")
-        if kind not in SUPPORTED_ITEM_TYPES:
-            raise UnsupportedParameter(f"input item type {kind!r} is not supported", param=f"{where}.type")
-        check_one_of(raw.get("status"), ITEM_STATUSES, f"{where}.status")
-        if kind == "message":
-            role = raw.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise InvalidRequest(f"{where}.role must be user, system, developer or assistant", param=f"{where}.role")
-            parts = _text_parts(raw.get("content"), role, f"{where}.content")
-            out.append({"type": "message", "id": raw.get("id") or new_id("msg"), "status": "completed",
-                        "role": role, "content": parts})
-        elif kind == "function_call":
-            for key in ("call_id", "name", "arguments"):
-                if not isinstance(raw.get(key), str):
-                    raise InvalidRequest(f"{where}.{key} must be a string", param=f"{where}.{key}")
-            out.append({"type": "function_call", "id": raw.get("id") or new_id("fc"), "status": "completed",
-                        "call_id": raw["call_id"], "name": raw["name"], "arguments": raw["arguments"]})
-        elif kind == "item_reference":  # a stored item, resolved by the caller (data_plane/gateway/item_index.py)
-            if not isinstance(raw.get("id"), str) or not raw["id"]:
-                raise InvalidRequest(f"{where}.id must be a string", param=f"{where}.id")
-            out.append({"type": "item_reference", "id": raw["id"]})
-        elif kind == "function_call_output":
-            output = raw.get("output")
-            if isinstance(output, list):  # content parts: text only (an image's would vanish from the prompt)
-                output = "".join(p["text"] for p in _text_parts(output, "tool", f"{where}.output"))
-            if not isinstance(raw.get("call_id"), str) or not isinstance(output, str):
-                raise InvalidRequest(f"{where} needs call_id and output strings", param=where)
-            out.append({"type": "function_call_output", "id": raw.get("id") or new_id("fco"),
-                        "status": "completed", "call_id": raw["call_id"], "output": output})
-        else:  # compaction: an item this server made (data_plane/gateway/memory.py)
-            if not isinstance(raw.get("encrypted_content"), str):
-                raise InvalidRequest(f"{where}.encrypted_content must be a string", param=where)
-            out.append({"type": "compaction", "id": raw.get("id") or new_id("cmp"),
-                        "encrypted_content": raw["encrypted_content"]})
-    refuse_duplicates(out, param)
-    return out
-
-
-def refuse_duplicates(items: list[dict[str, Any]], param: str, earlier: list[dict[str, Any]] | None = None) -> None:
-    """OpenAI's 400 for an item id given twice, in `items` or already among `earlier` (the conversation or
-    chain they join): ids are the cursors of item lists (`after`) and what item routes name, so a repeated
-    one made a conversation's pages loop forever (`after` found its first copy) and a delete drop both."""
-    seen = {item.get("id") for item in earlier or ()}
-    for item in items:
-        if item["id"] in seen:
-            raise InvalidRequest(f"Duplicate item found with id {item['id']}. Remove duplicate items from your "
-                                 "input and try again.", param=param)
-        seen.add(item["id"])
-
-
-def _text_parts(content: Any, role: str, at: str) -> list[dict[str, Any]]:
-    """A message's `content` (or a function_call_output's `output`) as text parts; a 400 naming `at`
-    (``input[0].content``), or its part, when it is not text."""
-    kind = "output_text" if role == "assistant" else "input_text"
-    if isinstance(content, str):
-        return [_part(kind, content)]
-    if not isinstance(content, list):
-        raise InvalidRequest(f"{at} must be a string or a list of parts", param=at)
-    parts = []
-    for j, part in enumerate(content):
-        ptype = part.get("type") if isinstance(part, dict) else None
-        if ptype in TEXT_PARTS and not isinstance(part.get("text"), str):
-            raise InvalidRequest(f"{at}[{j}].text must be a string", param=f"{at}[{j}].text")
-        if ptype == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
-            parts.append({"type": "refusal", "refusal": part["refusal"]})  # an output message's other part
-            continue  # (OpenAI's replies carry them): replayed as the turn's text, as the chat path does
-        if ptype not in TEXT_PARTS:
-            raise UnsupportedParameter(f"content part type {ptype!r} is not supported; only text parts are",
-                                       param=f"{at}[{j}]")
-        parts.append(_part(kind, part["text"]))
-    return parts
-
-
-def _part(kind: str, text: str) -> dict[str, Any]:
-    return {"type": kind, "text": text, "annotations": [], "logprobs": []} if kind == "output_text" else {
-        "type": kind, "text": text}
-
-
-def items_to_messages(items: list[dict[str, Any]], open_compaction: Any = None) -> list[dict[str, Any]]:
-    """The chat messages `items` stand for (function calls as assistant tool_calls, their outputs as
-    tool messages; a compaction item as the summary it holds, opened by `open_compaction`)."""
-    out: list[dict[str, Any]] = []
-    for item in items:
-        kind = item["type"]
-        if kind == "message":
-            role = "system" if item["role"] == "developer" else item["role"]
-            out.append({"role": role, "content": "".join(p.get("text", p.get("refusal", "")) for p in item["content"])})
-        elif kind == "function_call":
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
-                out[-1]["tool_calls"].append(call)  # parallel calls are one assistant message
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
-        elif kind == "compaction" and open_compaction is not None:
-            out.append({"role": "system", "content": open_compaction(item["encrypted_content"])})
-    return out
-
-
 def text_logprobs(entries: list[dict[str, Any]] | None, *, with_bytes: bool = True) -> list[dict[str, Any]]:
     """The chat path's logprobs entries as the Responses API's: `output_text.logprobs` has the chat
     shape (token, bytes, logprob, top_logprobs); the stream's text delta/done events have no bytes
@@ -453,7 +375,7 @@ def output_items(message: dict[str, Any], status: str = "completed",
                       "arguments": fn.get("arguments", "")})
     text = message.get("content")
     if text or not items:
-        part = _part("output_text", text or "")
+        part = content_part("output_text", text or "")
         part["logprobs"] = text_logprobs(logprobs)
         items.append({"type": "message", "id": new_id("msg"), "status": status, "role": "assistant",
                       "content": [part]})
@@ -492,7 +414,19 @@ def response_object(resp_id: str, req: ResponsesRequest, model: str, *, status: 
         "conversation": {"id": conversation} if conversation else None, "max_tool_calls": req.max_tool_calls,
         "prompt_cache_key": req.prompt_cache_key, "prompt_cache_retention": req.prompt_cache_retention,
         "safety_identifier": req.safety_identifier, "service_tier": "default",
+        "access_programs": req.access_programs.model_dump(exclude_none=True) or None if req.access_programs else None,
+        "image": {"context_compression": "disabled"} if req.image else None,  # the effective policy: no images
+        **withheld_reasoning(req.input),
     }
+
+
+def withheld_reasoning(value: str | list[dict[str, Any]]) -> dict[str, Any]:
+    """The Response's `input_transformations` for the request's reasoning items (OpenAI's: each reasoning input
+    withheld from the model, in input order; this model does not reason, so every one is), or nothing."""
+    removed = [{"id": item.get("id"), "type": "reasoning", "action": "removed", "reason": "model_mismatch"}
+               for item in value if isinstance(item, dict) and item.get("type") == "reasoning"] \
+        if isinstance(value, list) else []
+    return {"input_transformations": removed} if removed else {}
 
 
 def output_text(output: list[dict[str, Any]]) -> str:

@@ -31,7 +31,8 @@ from starlette.types import Message, Send
 
 from data_plane.common.errors import SwitchboardError
 from data_plane.gateway.responses_calls import call_status
-from data_plane.gateway.responses_items import _part, in_responses_terms, text_logprobs
+from data_plane.gateway.responses_input import content_part
+from data_plane.gateway.responses_items import in_responses_terms, text_logprobs
 
 
 def call_item_id(call_id: str) -> str:
@@ -125,7 +126,7 @@ class ResponseEvents:
             self._items.append(item)
             self._event("response.output_item.added", output_index=self._message_index, item=item)
             self._event("response.content_part.added", item_id=self._message_id, output_index=self._message_index,
-                        content_index=0, part=_part("output_text", ""))
+                        content_index=0, part=content_part("output_text", ""))
         return self._message_index
 
     def _text_delta(self, text: str) -> None:
@@ -167,7 +168,7 @@ class ResponseEvents:
         item = self._items[index]
         if item["type"] == "message":
             text = "".join(self._text)
-            part = _part("output_text", text)
+            part = content_part("output_text", text)
             logprobs = self._logprobs + self._pending
             part["logprobs"] = text_logprobs(logprobs)
             self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,

@@ -12,7 +12,8 @@ import threading
 import pytest
 
 from data_plane.common.errors import SwitchboardError
-from data_plane.gateway.responses_items import input_items, parse_responses_request
+from data_plane.gateway.responses_input import input_items
+from data_plane.gateway.responses_items import parse_responses_request
 from data_plane.protocol import parse_chat_request
 
 
