@@ -5,6 +5,7 @@
     delta = legacy_delta(delta)                      # the same, streamed
     reason = legacy_finish(reason)                   # "tool_calls" -> "function_call"
     check_supported(req, continues)                  # req.check_supported, its 400s naming functions / function_call
+    with legacy_terms(req): ...                      # any SwitchboardError inside, named so too (a shard's 400)
 
 The request side (OpenAI still takes every one of these, and the openai SDK types them):
 ``functions: [{name, description, parameters}]`` is ``tools`` of type function; ``function_call``
@@ -26,7 +27,9 @@ A request in the current form (``tools``), even with function messages in its hi
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, TypeVar
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict
 
@@ -79,13 +82,20 @@ def as_tools(request: Request, continues: bool = False) -> Request:
 
 
 def check_supported(request: Request, continues: bool) -> None:
-    """`request.check_supported(continues=...)`; a request that gave `functions` has its 400 name the fields it
-    sent (``functions.0.name``, ``function_call``), not the tools they became (``tools.0.function.name``)."""
-    req: Any = request
+    """`request.check_supported(continues=...)`, its 400 in the legacy fields' terms (`legacy_terms`)."""
+    with legacy_terms(request):
+        cast(Any, request).check_supported(continues=continues)
+
+
+@contextmanager
+def legacy_terms(request: BaseModel) -> Iterator[None]:
+    """A SwitchboardError raised inside, for a request that gave `functions`, names the fields it sent
+    (``functions.0.name``, ``function_call``), not the tools they became (``tools.0.function.name``): the
+    gateway's checks, and a shard's 400 (a function's schema its grammar refuses)."""
     try:
-        req.check_supported(continues=continues)
+        yield
     except SwitchboardError as exc:
-        if req.functions and exc.param:
+        if getattr(request, "functions", None) and exc.param:
             _in_legacy_terms(exc)
         raise
 

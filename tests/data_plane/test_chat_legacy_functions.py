@@ -100,10 +100,12 @@ def test_functions_get_a_function_call_reply(gateway: Service) -> None:
     ({"functions": [GET_WEATHER], "tools": [{"type": "function", "function": GET_WEATHER}]}, "functions"),
     ({"functions": [GET_WEATHER], "function_call": {"name": "get_time"}}, "function_call"),
     ({"functions": [{**GET_WEATHER, "name": "get weather!"}]}, "functions.0.name"),
+    ({"functions": [{"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "strin"}}}}]},
+     "functions.0.parameters"),
     ({"functions": [{"description": "no name"}]}, "functions.0.name"),
     ({"messages": [{**ASK, "function_call": {"name": "get_weather", "arguments": "{}"}}]}, "messages.0.function_call"),
 ], ids=["choice-without-functions", "named-without-functions", "functions-and-tools", "unknown-name",
-        "invalid-name", "no-name", "user-message-with-a-call"])
+        "invalid-name", "invalid-schema", "no-name", "user-message-with-a-call"])
 def test_legacy_fields_that_cannot_be_served_are_400s(gateway: Service, extra: dict[str, Any], param: str) -> None:
     """A 400 of a legacy request names its fields: an unknown or invalid function name said `tool_choice` and
     `tools.0.function.name`, fields of the form the body did not use (data_plane/legacy_functions.check_supported)."""
