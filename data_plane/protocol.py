@@ -258,7 +258,8 @@ class ChatCompletionRequest(BaseModel):
                 content = envelope_text(content or None, tool_call_list(m.tool_calls))
             elif role == "tool":  # the template has no tool role: the result comes back as the user's turn
                 role = "user"
-                name = names.get(m.tool_call_id or "")  # (unknown: a call in a session's transcript)
+                # (a call in a session's transcript: unknown, or the name a legacy function message gave)
+                name = names.get(m.tool_call_id or "") or m.name
                 content = f"The tool {name} returned: {content}" if name else f"The tool returned: {content}"
             if m.role == "assistant" and m.tool_calls:
                 names.update({c.get("id", ""): (c.get("function") or {}).get("name", "") for c in m.tool_calls
