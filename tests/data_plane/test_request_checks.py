@@ -149,6 +149,15 @@ def test_a_tool_result_may_answer_a_call_in_the_session_it_continues() -> None:
         assert e.value.status == 400 and e.value.param == "messages"
 
 
+def test_a_function_result_continuing_a_session_names_its_function() -> None:
+    """A legacy `role: "function"` message continuing a session (its call in the transcript) was read as "The tool
+    returned: Sunny", its function's name dropped, though the same result with its call in the request reads
+    "The tool get_weather returned: Sunny" (data_plane/legacy_functions.py)."""
+    body = {"model": "m", "messages": [{"role": "function", "name": "get_weather", "content": "Sunny"}]}
+    req = parse_chat_request(json.dumps(body).encode(), "application/json", "sess_abc")
+    assert req.plain_messages() == [{"role": "user", "content": "The tool get_weather returned: Sunny"}]
+
+
 def test_an_assistant_refusal_part_replays_as_its_text_and_elsewhere_is_a_400() -> None:
     """History recorded on OpenAI may carry assistant content parts of type "refusal" (the SDK's
     ChatCompletionContentPartRefusalParam): they were a 400 "content part type 'refusal' is not supported"."""
