@@ -4,6 +4,8 @@
     message = legacy_message(message)                # a reply's tool call -> message.function_call
     delta = legacy_delta(delta)                      # the same, streamed
     reason = legacy_finish(reason)                   # "tool_calls" -> "function_call"
+    check_supported(req, continues)                  # req.check_supported, its 400s naming functions / function_call
+    with legacy_terms(req): ...                      # any SwitchboardError inside, named so too (a shard's 400)
 
 The request side (OpenAI still takes every one of these, and the openai SDK types them):
 ``functions: [{name, description, parameters}]`` is ``tools`` of type function; ``function_call``
@@ -11,7 +13,10 @@ The request side (OpenAI still takes every one of these, and the openai SDK type
 {name, arguments}`` is one tool call (its id minted here: the legacy form has none), and a ``role:
 "function"`` message (``name``, ``content``) the tool message answering the latest such call of that name.
 A function message that answers no call is the same text a tool result renders as (or, with a session
-whose transcript holds the call, a tool message: data_plane/gateway/tool_results.py counts it).
+whose transcript holds the call, a tool message: data_plane/gateway/tool_results.py counts it). A legacy
+call need not be answered, in a session's last turn either (a request with ``functions`` skips that check:
+data_plane/gateway/chat.py); and only an assistant message may hold a ``function_call`` (OpenAI's 400).
+A stored completion keeps the messages as sent (data_plane/gateway/chat_store.py), not these.
 
 The reply side, only when the request gave ``functions`` (as OpenAI answers it): one call at most per
 choice (``parallel_tool_calls`` false), as ``message.function_call`` (no ``tool_calls``), streamed as
@@ -21,11 +26,14 @@ A request in the current form (``tools``), even with function messages in its hi
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict
 
-from data_plane.common.errors import InvalidRequest
+from data_plane.common.errors import InvalidRequest, SwitchboardError
 from data_plane.structured import NamedFunction, NamedToolChoice, ToolDef
 
 Request = TypeVar("Request", bound=BaseModel)
@@ -73,11 +81,45 @@ def as_tools(request: Request, continues: bool = False) -> Request:
     return request.model_copy(update=update) if update else request
 
 
+def check_supported(request: Request, continues: bool) -> None:
+    """`request.check_supported(continues=...)`, its 400 in the legacy fields' terms (`legacy_terms`)."""
+    with legacy_terms(request):
+        cast(Any, request).check_supported(continues=continues)
+
+
+@contextmanager
+def legacy_terms(request: BaseModel) -> Iterator[None]:
+    """A SwitchboardError raised inside, for a request that gave `functions`, names the fields it sent
+    (``functions.0.name``, ``function_call``), not the tools they became (``tools.0.function.name``): the
+    gateway's checks, and a shard's 400 (a function's schema its grammar refuses)."""
+    try:
+        yield
+    except SwitchboardError as exc:
+        if getattr(request, "functions", None) and exc.param:
+            _in_legacy_terms(exc)
+        raise
+
+
+def _in_legacy_terms(exc: SwitchboardError) -> None:
+    param = str(exc.param)
+    renamed = re.sub(r"^tools\.(\d+)\.function(?=\.|$)", r"functions.\1", param)
+    renamed = re.sub(r"^tool_choice(\.function)?(?=\.|$)", "function_call", renamed)
+    if renamed == param:
+        return
+    message = exc.message.replace(param, renamed)
+    if param.startswith("tool_choice"):  # "tool_choice names 'x', which is not among the tools"
+        message = re.sub(r"\btools\b", "functions", re.sub(r"\btool_choice\b", "function_call", message))
+    exc.message, exc.param = message, renamed
+
+
 def _messages(messages: list[Any], continues: bool) -> list[Any]:
     """The messages (protocol.ChatMessage) with the legacy calls and results as tool calls and tool messages."""
     out: list[Any] = []
     open_calls: list[tuple[str, str]] = []  # (id, name) of the legacy calls not answered yet
     for i, m in enumerate(messages):
+        if m.function_call is not None and m.role != "assistant":  # as OpenAI's 400 says it
+            raise InvalidRequest("Invalid parameter: only messages with role 'assistant' can have a function call.",
+                                 param=f"messages.{i}.function_call")
         if m.role == "assistant" and m.function_call is not None:
             if m.tool_calls:
                 raise InvalidRequest("an assistant message has function_call or tool_calls, not both",

@@ -24,7 +24,7 @@ from pydantic_core import PydanticCustomError
 
 from data_plane.chat_messages import ChatMessage, tool_call_list, valid_unicode
 from data_plane.common.errors import InvalidRequest, UnsupportedParameter
-from data_plane.legacy_functions import FunctionChoice, as_tools
+from data_plane.legacy_functions import FunctionChoice, as_tools, check_supported
 from data_plane.request_checks import WholeNumber, check_metadata, json_body, validated
 from data_plane.structured import (
     FunctionDef,
@@ -206,7 +206,11 @@ class ChatCompletionRequest(BaseModel):
             if m.content is None and m.role != "assistant":  # OpenAI: only an assistant's may be null
                 raise InvalidRequest(f"messages.{i}.content: a {m.role} message needs content",
                                      param=f"messages.{i}.content")
-            if m.content == [] and m.role != "assistant":  # OpenAI's 400 (an assistant's may be empty, as null)
+            # OpenAI's 400 for every role since 2026-08 (langchain-ai/langchainjs#11416). Served here, deliberately,
+            # where real clients send one and it was served before: an assistant's (LangChain and n8n write a
+            # tool-call-only turn so), as null; a tool's (LangChain's ToolMessage of a tool that returned an
+            # empty list, a search with no hits), as an empty result
+            if m.content == [] and m.role not in ("assistant", "tool"):
                 raise InvalidRequest(f"Invalid 'messages.{i}.content': empty array. Expected an array with minimum "
                                      "length 1, but got an empty array instead.", param=f"messages.{i}.content",
                                      code="empty_array")
@@ -258,7 +262,8 @@ class ChatCompletionRequest(BaseModel):
                 content = envelope_text(content or None, tool_call_list(m.tool_calls))
             elif role == "tool":  # the template has no tool role: the result comes back as the user's turn
                 role = "user"
-                name = names.get(m.tool_call_id or "")  # (unknown: a call in a session's transcript)
+                # (a call in a session's transcript: unknown, or the name a legacy function message gave)
+                name = names.get(m.tool_call_id or "") or m.name
                 content = f"The tool {name} returned: {content}" if name else f"The tool returned: {content}"
             if m.role == "assistant" and m.tool_calls:
                 names.update({c.get("id", ""): (c.get("function") or {}).get("name", "") for c in m.tool_calls
@@ -391,5 +396,5 @@ def parse_chat_request(raw: bytes, content_type: str | None, session: str | None
     req = as_tools(req, continues := bool(session) and session != "new")  # deprecated function calling: tools
     if client and req.continue_final_message and (session or req.tools):  # (the tools' reply is an envelope, not its text)
         raise InvalidRequest("continue_final_message cannot be used with a session or tools", param="continue_final_message")
-    req.check_supported(continues=continues)
+    check_supported(req, continues)  # (its 400s in the legacy fields' terms when the body gave those)
     return req

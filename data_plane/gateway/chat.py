@@ -67,6 +67,7 @@ from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.gateway.safety.pipeline import SafetyPolicy, raise_if_blocked
 from data_plane.gateway.stream import Completion, EventSource
 from data_plane.gateway.tool_results import check_answered, check_session_answered
+from data_plane.legacy_functions import legacy_terms
 from data_plane.protocol import ChatCompletionRequest, parse_chat_request
 from data_plane.structured import json_word_clash
 from data_plane.tiers import Tier
@@ -230,7 +231,8 @@ class ChatHandler:
         session_header = self.request.headers.get("x-session-id") or req.session_id
         if session_header:
             prompt = await self._load_session(session_header, messages, tier)
-            check_session_answered(self.history, req.messages)
+            if not req.functions:  # a deprecated function_call need not be answered: data_plane/legacy_functions.py
+                check_session_answered(self.history, req.messages)
             return prompt
         return messages
 
@@ -326,7 +328,8 @@ class ChatHandler:
             checked = await self._validate(caller)
             policy = await self._budget(caller, checked)
             prepared = await self._prepare(caller, checked)
-            stream = await self._route(caller, checked, prepared)
+            with legacy_terms(checked.req):  # a shard's 400 names the deprecated fields the body gave
+                stream = await self._route(caller, checked, prepared)
         return self._opened(checked, policy, RevocableSource(stream, hold))
 
     def _authenticate(self) -> Caller:

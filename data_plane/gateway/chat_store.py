@@ -41,6 +41,7 @@ from data_plane.gateway.responses import page
 from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.protocol import ChatCompletionRequest, ChatMessage
+from data_plane.request_checks import json_body, validated
 from data_plane.routing.upstream import CHAT_PATH
 
 log = logging.getLogger(__name__)
@@ -81,11 +82,16 @@ class StoredChatHandler(ChatHandler):
         super().__init__(gw, rt, request)
         self.store = store
         self.stored_request: ChatCompletionRequest | None = None
+        self.sent_messages: list[ChatMessage] = []
+        """The request's messages as the client sent them (what `messages.list` gives back)."""
 
     async def parse(self, raw: bytes) -> ChatCompletionRequest:
         req = await super().parse(raw)
         if req.store:
             self.stored_request = req
+            # as sent: the parsed request's are rewritten (legacy function calls as tool calls, a function
+            # result of no call as a user message: data_plane/legacy_functions.py), and OpenAI keeps the sent ones
+            self.sent_messages = validated(ChatCompletionRequest, json_body(raw, None)).messages
         return req
 
     async def save_turn(self, reply: str) -> None:
@@ -97,7 +103,7 @@ class StoredChatHandler(ChatHandler):
         status = 200
         try:
             completion = {**opened.completion.body(), "metadata": dict(req.metadata or {})}
-            record = Record(completion["id"], Kind.CHAT_COMPLETION, stored_messages(completion["id"], req.messages),
+            record = Record(completion["id"], Kind.CHAT_COMPLETION, stored_messages(completion["id"], self.sent_messages),
                             completion["id"], response=completion)
             owner = tenant_owner(principal.tenant)
             await self.store.save(record, owner, tier.replication)

@@ -212,7 +212,7 @@ class ResponsesHandler(ChatHandler):
         assert self.rreq is not None
         model = self.opened.completion.model if self.opened is not None else self.rreq.model
         return response_object(self.response_id, self.rreq, model, status=status, output=output, usage=usage,
-                               created_at=self.created_at, incomplete=incomplete)
+                               created_at=self.created_at, incomplete=incomplete, items=self.new_items)
 
     def _final(self, finish_reason: str | None, output: list[dict[str, Any]]) -> dict[str, Any]:
         if self.response is not None:

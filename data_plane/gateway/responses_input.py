@@ -92,15 +92,14 @@ def input_items(value: str | list[dict[str, Any]], param: str = "input") -> list
 
 def _reasoning_item(raw: dict[str, Any], where: str) -> dict[str, Any]:
     """A reasoning item as OpenAI's reasoning models write it (in a history replayed here), checked as its
-    shape says: an id, a `summary` list of summary_text parts, optionally `content` (reasoning_text parts),
+    shape says: a `summary` list of summary_text parts, optionally an id, `content` (reasoning_text parts),
     `encrypted_content` and `status`."""
     for key in sorted(set(raw) - REASONING_FIELDS):
         raise InvalidRequest(f"Unrecognized request argument supplied: {where}.{key}", param=f"{where}.{key}",
                              code="unsupported_parameter")
-    if not isinstance(raw.get("id"), str) or not raw["id"]:
-        raise InvalidRequest(f"Missing required parameter: '{where}.id'.", param=f"{where}.id",
-                             code="missing_required_parameter")
-    item: dict[str, Any] = {"type": "reasoning", "id": raw["id"], "status": "completed"}
+    # no id: OpenAI's Responses API takes one without (Codex never sends it, the Agents SDK's
+    # `reasoning_item_id_policy="omit"` strips it): stored under an id of ours, as a message without one is
+    item: dict[str, Any] = {"type": "reasoning", "id": raw.get("id") or new_id("rs"), "status": "completed"}
     for key, part_type, required in (("summary", "summary_text", True), ("content", "reasoning_text", False)):
         parts = raw.get(key)
         if parts is None and not required:

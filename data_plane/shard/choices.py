@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import fields, replace
 from typing import Any
 
 from data_plane.common.errors import InvalidRequest, UnsupportedParameter
@@ -25,6 +26,7 @@ from data_plane.shard.engines.base import (
     FINISH_STOP,
     GenerationOutput,
     GenerationRequest,
+    SamplingParams,
     StopStrings,
     TokenLogprob,
 )
@@ -202,17 +204,23 @@ async def merged(streams: Sequence[AsyncIterator[GenerationOutput]]) -> AsyncIte
         await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
 
 
+SAMPLING_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(SamplingParams)}
+"""What an engine without `prepare` resets the parameters it `honours` to before the check below (a
+parameter left at its default asks for nothing)."""
 _GRAMMAR_CODES = {"unsupported": "unsupported_schema", "too_large": "grammar_too_large",
                   "timeout": "grammar_timeout", "invalid": "invalid_grammar", "resume_rejected": "invalid_resume"}
 
 
 async def prepare_requests(engine: Any, reqs: Sequence[GenerationRequest], plan: OutputPlan) -> None:
     """Compile the grammar (once: the choices share its cache entry) before any is enqueued; a refused
-    grammar is a 400 naming the field (and, for a JSON schema, the unsupported keywords)."""
-    needs = any(r.params.processed or r.params.min_p for r in reqs)
+    grammar is a 400 naming the field (and, for a JSON schema, the unsupported keywords). An engine without
+    `prepare` (no logits processing) refuses what needs it with a 400, but for the `SamplingParams` fields
+    it lists in `honours` (the synthetic engine's `ignore_eos`)."""
     prepare = getattr(engine, "prepare", None)
     if prepare is None:
-        if needs:
+        honoured = {name: SAMPLING_DEFAULTS[name] for name in getattr(engine, "honours", ())}
+        plain = [replace(r.params, **honoured) for r in reqs]
+        if any(p.processed or p.min_p for p in plain):
             raise UnsupportedParameter("this shard's engine does not support structured outputs, tools, "
                                        "logprobs, penalties or logit_bias", param=plan.param)
         return

@@ -137,13 +137,16 @@ async def test_pin_wakes_state_watchers_and_release_keeps_the_level(admin_url: s
     async with admin_client(admin_url) as admin:
         first = (await admin.get("/v1/state")).json()
         assert first["degradation"]["level"] == 0
-        watch = asyncio.create_task(admin.get("/v1/state", params={"index": first["index"], "wait": 10}))
+        # a 30 s blocking query: woken well inside it means woken by the change (a 2 s bound on a 10 s wait
+        # failed on a loaded machine)
+        watch = asyncio.create_task(admin.get("/v1/state", params={"index": first["index"], "wait": 30},
+                                              timeout=60))
         await asyncio.sleep(0.2)
         assert not watch.done()  # a blocking query waits for a change
         resp = await admin.put("/admin/v1/degradation", json={"level": 3, "reason": "drill"})
         assert resp.status_code == 200, resp.text
         assert resp.json()["level"] == 3 and resp.json()["pinned"] and resp.json()["name"] == "shed_free_tier"
-        woke = (await asyncio.wait_for(watch, 2.0)).json()
+        woke = (await asyncio.wait_for(watch, 10.0)).json()
         assert woke["index"] > first["index"] and woke["degradation"]["level"] == 3
         assert woke["degradation"]["pinned"] and woke["degradation"]["reason"] == "pinned: drill"
         assert woke["degradation"]["retry_after_s"] >= 1

@@ -29,7 +29,8 @@ from tests.support.waits import eventually_async
 @pytest.fixture(scope="module")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     log_path = tmp_path_factory.mktemp("cp") / "control-plane.log"
-    proc = open_control_plane("--warmup", "0", "--deregister-critical-after", "1", log_path=log_path).start()
+    # a critical member stays listed 3 s: a poll that a loaded machine delays by a second or two still sees it
+    proc = open_control_plane("--warmup", "0", "--deregister-critical-after", "3", log_path=log_path).start()
     yield proc
     proc.stop()
 
@@ -130,12 +131,15 @@ async def test_silent_member_goes_critical_then_is_removed(control_plane: Servic
             resp = await http.get(f"/v1/registry/members/{member_id}")
             return str(resp.json()["status"]) if resp.status_code == 200 else "gone"
 
-        await eventually_async(lambda: _eq(status(), "critical"), timeout_s=5.0,
+        # hang bounds: a member that never expired, or was never removed, would wait forever (the reaper runs
+        # every 0.2 s; these took 1.5 and 2 s, and failed on a loaded machine)
+        await eventually_async(lambda: _eq(status(), "critical"), timeout_s=10.0,
                                what="critical after its 0.3 s TTL (hang bound)")
         # a heartbeat brings it back
         assert (await http.put(f"/v1/registry/members/{member_id}", json=body)).json()["status"] == "passing"
-        await eventually_async(lambda: _eq(status(), "critical"), timeout_s=1.5)
-        await eventually_async(lambda: _eq(status(), "gone"), timeout_s=2.0)  # --deregister-critical-after 1
+        await eventually_async(lambda: _eq(status(), "critical"), timeout_s=10.0, what="critical again (hang bound)")
+        await eventually_async(lambda: _eq(status(), "gone"), timeout_s=15.0,
+                               what="removed 3 s after going critical (--deregister-critical-after; hang bound)")
         after = (await http.get("/metrics")).text
     name = "switchboard_membership_changes_total"
     assert (
@@ -153,7 +157,9 @@ async def test_drain_hides_member_until_undrained(control_plane: Service) -> Non
     body = {"service": "cache", "url": "http://127.0.0.1:8201", "ttl_s": 30}
     async with httpx.AsyncClient(base_url=control_plane.url) as http:
         await http.put(f"/v1/registry/members/{member_id}", json=body)
-        view = HttpMembership(control_plane.url, http, services=("cache",), wait_s=2.0)
+        # a 30 s blocking query: seeing the drain well inside it means the query answered on the change (with a
+        # 2 s query and a 1 s bound, a loaded machine's late poll failed)
+        view = HttpMembership(control_plane.url, http, services=("cache",), wait_s=30.0)
         await view.start()
         try:
             assert member_id in [m.id for m in view.members("cache")]
@@ -162,7 +168,8 @@ async def test_drain_hides_member_until_undrained(control_plane: Service) -> Non
             resp = await http.post(f"/admin/v1/members/{member_id}/drain",
                                    headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
             assert resp.json()["status"] == "draining"
-            await eventually_async(lambda: member_id not in [m.id for m in view.members("cache")], timeout_s=1.0)
+            await eventually_async(lambda: member_id not in [m.id for m in view.members("cache")], timeout_s=10.0,
+                                   what="the drain seen (a third of the query's wait)")
             assert [m.status for m in view.all_members("cache") if m.id == member_id] == ["draining"]
 
             # the member's own heartbeat does not undo the operator's drain
@@ -173,7 +180,8 @@ async def test_drain_hides_member_until_undrained(control_plane: Service) -> Non
             headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
             resp = await http.post(f"/admin/v1/members/{member_id}/undrain", headers=headers)
             assert resp.status_code == 200 and resp.json()["status"] == "passing"
-            await eventually_async(lambda: member_id in [m.id for m in view.members("cache")], timeout_s=1.0)
+            await eventually_async(lambda: member_id in [m.id for m in view.members("cache")], timeout_s=10.0,
+                                   what="the undrain seen (a third of the query's wait)")
         finally:
             await view.aclose()
             await http.delete(f"/v1/registry/members/{member_id}")

@@ -151,10 +151,8 @@ def test_a_stopped_child_still_stops_gracefully(tmp_path: Path, monkeypatch: pyt
         time.sleep(0.02)
     assert child.proc is not None
     child.proc.send_signal(signal.SIGSTOP)
-    t0 = time.monotonic()
     sup.shutdown()
     assert child.proc.returncode == 0, "killed, not stopped: its SIGTERM handler never ran"
-    assert time.monotonic() - t0 < 3
 
 
 def test_one_slow_answer_after_up_itself_paused_is_not_a_hang(

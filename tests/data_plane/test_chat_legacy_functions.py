@@ -98,11 +98,51 @@ def test_functions_get_a_function_call_reply(gateway: Service) -> None:
     ({"function_call": "auto"}, "function_call"),
     ({"function_call": {"name": "get_weather"}}, "function_call"),
     ({"functions": [GET_WEATHER], "tools": [{"type": "function", "function": GET_WEATHER}]}, "functions"),
-    ({"functions": [GET_WEATHER], "function_call": {"name": "get_time"}}, "tool_choice"),
+    ({"functions": [GET_WEATHER], "function_call": {"name": "get_time"}}, "function_call"),
+    ({"functions": [{**GET_WEATHER, "name": "get weather!"}]}, "functions.0.name"),
+    ({"functions": [{"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "strin"}}}}]},
+     "functions.0.parameters"),
     ({"functions": [{"description": "no name"}]}, "functions.0.name"),
-], ids=["choice-without-functions", "named-without-functions", "functions-and-tools", "unknown-name", "no-name"])
+    ({"messages": [{**ASK, "function_call": {"name": "get_weather", "arguments": "{}"}}]}, "messages.0.function_call"),
+], ids=["choice-without-functions", "named-without-functions", "functions-and-tools", "unknown-name",
+        "invalid-name", "invalid-schema", "no-name", "user-message-with-a-call"])
 def test_legacy_fields_that_cannot_be_served_are_400s(gateway: Service, extra: dict[str, Any], param: str) -> None:
+    """A 400 of a legacy request names its fields: an unknown or invalid function name said `tool_choice` and
+    `tools.0.function.name`, fields of the form the body did not use (data_plane/legacy_functions.check_supported)."""
     with pytest.raises(openai.BadRequestError) as bad:
-        sdk(gateway).chat.completions.create(model=MODEL, messages=[ASK], max_tokens=4, **extra)
+        sdk(gateway).chat.completions.create(**{"model": MODEL, "messages": [ASK], "max_tokens": 4, **extra})
     body: dict[str, Any] = bad.value.body  # type: ignore[assignment]
     assert body["param"] == param and body["type"] == "invalid_request_error", body
+    # named as the body named it: the checks' own terms (tools.0.function.name, tool_choice) were never sent
+    assert "tool" not in body["message"] or "tools" in extra, body
+
+
+def test_a_stored_completion_keeps_the_legacy_messages_as_sent(gateway: Service) -> None:
+    """`store: true` kept the messages as the gateway rewrote them: `messages.list` gave the assistant's
+    `function_call` back as `tool_calls` with an id the client never sent, the function message as role "tool",
+    and a function result of no call as a *user* message "The tool lookup returned: ..." (OpenAI keeps them as sent)."""
+    client = sdk(gateway)
+    orphan = {"role": "function", "name": "lookup", "content": "42"}
+    sent: list[dict[str, Any]] = [ASK, CALLED, RESULT, orphan]
+    reply = client.chat.completions.create(model=MODEL, messages=sent, max_tokens=2, store=True, functions=[GET_WEATHER])
+    stored = [m.model_dump(exclude_none=True) for m in client.chat.completions.messages.list(reply.id)]
+    kept = [{k: v for k, v in m.items() if k in ("role", "content", "name", "function_call", "tool_calls")}
+            for m in stored]
+    assert kept == [{k: v for k, v in m.items() if v is not None} for m in sent], stored
+
+
+def test_a_sessions_legacy_call_need_not_be_answered(gateway: Service) -> None:
+    """A session whose last turn was a legacy `function_call` reply, continued with a user message (the app
+    dropped the call), was a 400 "An assistant message with 'tool_calls' must be followed by tool messages ...
+    with the tool_call_id the reply gave it" (the legacy reply gave none), though the same history sent whole is
+    served: OpenAI never asked for a function call's result. A function message answers it, as before."""
+    client = sdk(gateway)
+    args: dict[str, Any] = {"model": MODEL, "max_tokens": 40, "temperature": 0, "functions": [GET_WEATHER]}
+    for follow in ({"role": "user", "content": "Never mind, tell me a joke."}, RESULT):
+        first = client.chat.completions.with_raw_response.create(
+            **args, messages=[ASK], function_call={"name": "get_weather"}, extra_headers={"X-Session-Id": "new"})
+        assert first.parse().choices[0].message.function_call is not None
+        session = first.headers["x-session-id"]
+        again = client.chat.completions.create(**args, messages=[follow], function_call="none",
+                                               extra_headers={"X-Session-Id": session}).choices[0]
+        assert again.message.content and again.message.function_call is None, again

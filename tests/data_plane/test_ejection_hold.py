@@ -82,16 +82,21 @@ def test_a_call_routed_before_the_ejection_that_succeeds_after_it_does_not_end_t
     a failed attempt over the lossy link. Now only the probe after the hold brings it back."""
     from tests.data_plane.test_lossy_link import lossy_cluster
 
-    with lossy_cluster() as (c, proxy):
+    # a 60 s hold, never waited for: the watch below is inside it however late a loaded machine's scrape spots
+    # the ejection (with a 3 s hold, a late sight plus a 2 s sleep ran past it, into the probe and re-ejections)
+    with lossy_cluster(eject_s=60) as (c, proxy):
         with steady_traffic(c.gateway.url, clients=6) as done:
             eventually(lambda: len(done) >= 10, 30, what="traffic flowing")
             proxy.flaky(every=2)
             eventually(lambda: metric(c.gateway.url, "switchboard_router_ejections_total") >= 1, 30,
                        what="shard-1 ejected", interval_s=0.01)
-            seen = proxy.requests
-            time.sleep(2.0)  # within its 3 s hold
+            seen, served = proxy.requests, len(done)
+            eventually(lambda: len(done) - served >= 30, 60, what="30 answers while shard-1 is out")
             sent = proxy.requests - seen
+            still_out = (metric(c.gateway.url, "switchboard_router_shards", state="ejected"),
+                         metric(c.gateway.url, "switchboard_router_ejections_total"))
             proxy.heal()
         statuses = [status for _, status in done]
     assert sent <= 6, f"{sent} requests reached shard-1 during its ejection\n" + c.gateway.log_tail(3000)
+    assert still_out == (1, 1), "a late success ended the ejection (out, ejections)\n" + c.gateway.log_tail(3000)
     assert set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}

@@ -101,6 +101,23 @@ def test_tool_choice_none_is_served_by_an_engine_without_grammars(cluster: Clust
         sdk.chat.completions.create(model="synthetic", messages=msgs, max_tokens=5, tools=tools)  # type: ignore[arg-type]
 
 
+def test_ignore_eos_runs_a_synthetic_answer_to_max_tokens(cluster: Cluster) -> None:
+    """vLLM's `ignore_eos` (benchmarks and tests fix output lengths with it): the synthetic engine ends every
+    answer after 16 tokens, and its shard refused `ignore_eos` with a 400 unsupported_parameter, so a test that
+    needed a request to hold a slot for long had no way to ask. It runs to max_tokens now, as on the torch
+    engine and vLLM; what needs a logits processor (min_tokens here) is still a 400 there."""
+    sdk = client(cluster)
+    msgs = [{"role": "user", "content": "count for me"}]
+    plain = sdk.chat.completions.create(model="synthetic", messages=msgs, max_tokens=40)
+    assert plain.usage and plain.usage.completion_tokens == 16 and plain.choices[0].finish_reason == "stop"
+    long = sdk.chat.completions.create(model="synthetic", messages=msgs, max_tokens=40, extra_body={"ignore_eos": True})
+    assert long.usage and long.usage.completion_tokens == 40 and long.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.chat.completions.create(model="synthetic", messages=msgs, max_tokens=40,
+                                    extra_body={"ignore_eos": True, "min_tokens": 20})
+    assert info.value.code == "unsupported_parameter"
+
+
 def test_auth_required(cluster: Cluster) -> None:
     body = {"messages": [{"role": "user", "content": "x"}]}
     for key in (None, "sk-wrong"):

@@ -83,9 +83,10 @@ def tiers_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def one(tiers_file: Path) -> Iterator[Service]:
-    """One gateway with one in-flight slot; a full synthetic answer (16 tokens) takes about 1 s."""
+    """One gateway with one in-flight slot; a full synthetic answer (16 tokens) takes about 1 s. Bulk waits up to
+    60 s in the admission queue (its tier's default is 5 s): behind the admission test's 7.7 s holder."""
     with Service(["shard", "--engine", "synthetic", "--synthetic-token-delay-ms", "60"]) as shard, \
-            gateway(shard.url, tiers_file, "--max-inflight", "1", "--queue-timeouts", "free=1.5",
+            gateway(shard.url, tiers_file, "--max-inflight", "1", "--queue-timeouts", "free=1.5,bulk=60",
                     env=keys_env(list(KEYS))) as gw:
         yield gw
 
@@ -152,11 +153,13 @@ async def test_admission_serves_enterprise_first_and_sheds_free_past_its_deadlin
     order: list[str] = []
 
     async def call(client: httpx.AsyncClient, name: str) -> httpx.Response:
-        # the holder keeps the one slot ~7.7 s, past free2's 1.5 s deadline and what the checks take under a
-        # loaded CI (with 16 tokens and a 0.4 s deadline, free2 was shed before a scrape saw it queued)
-        tokens = 128 if name == "enterprise-hold" else 16
+        # the holder keeps the one slot ~7.7 s (128 tokens at 60 ms), past free2's 1.5 s deadline and what the
+        # checks take under a loaded CI (with 16 tokens and a 0.4 s deadline, free2 was shed before a scrape saw
+        # it queued). It sends ignore_eos: the synthetic engine ends every answer after 16 tokens (~1 s) else,
+        # and enterprise-late, sent after three scrapes, could find the slot free and be served after the bulk.
+        hold = name == "enterprise-hold"
         body = {"model": "synthetic", "messages": [{"role": "user", "content": f"{name} question"}],
-                "max_tokens": tokens}
+                "max_tokens": 128 if hold else 16, "ignore_eos": hold}
         r = await client.post(one.url + "/v1/chat/completions", json=body,
                               headers={"Authorization": f"Bearer {KEYS[name.split('-')[0]]}"})
         order.append(name)

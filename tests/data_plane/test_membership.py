@@ -92,7 +92,8 @@ async def test_http_membership_sees_members_come_and_go(control_plane: Service) 
             assert len(changes) == quiet_since
         finally:
             await agent.aclose()
-        await eventually_async(lambda: member.id not in ids(view.members("shard")), timeout_s=1.0)
+        await eventually_async(lambda: member.id not in ids(view.members("shard")), timeout_s=10.0,
+                               what="the member's leave seen (hang bound, a third of the query's wait)")
         assert len(changes) > quiet_since
         await view.aclose()
 

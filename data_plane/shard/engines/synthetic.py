@@ -4,7 +4,8 @@
 
 It tokenizes by whitespace and answers with words derived from the prompt, so every
 layer above the engine (gateway, router, cache, SSE) can be measured without the model's
-cost. It is never a default.
+cost. An answer ends after 16 tokens, or runs to max_tokens with `ignore_eos` (vLLM's meaning; a
+test that needs a long request sends it). It is never a default.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ DEFAULT_ANSWER_TOKENS = 16
 
 class SyntheticEngine:
     model_name = "synthetic"
+    honours = ("ignore_eos",)
+    """Sampling parameters beyond the plain ones this engine serves without a logits processor (the shard
+    refuses the others, data_plane/shard/choices.py): `ignore_eos` answers run to max_tokens, as vLLM's do."""
 
     def __init__(self, max_model_len: int = 2048, token_delay_s: float = 0.0, max_num_seqs: int = 256,
                  listener: Any = None) -> None:
@@ -91,7 +95,9 @@ class SyntheticEngine:
         seed = hashlib.blake2b(bytes(str(req.prompt_ids[: cut + 1]), "ascii"), digest_size=4).digest()[0]
         done = len(req.prompt_ids) - cut - 1
         seed += done
-        n = min(max_tokens, max(0, DEFAULT_ANSWER_TOKENS - done))
+        # An answer ends by itself after DEFAULT_ANSWER_TOKENS (its "EOS"); with ignore_eos it runs to
+        # max_tokens (stop strings still end it), as on the torch engine and vLLM.
+        n = max_tokens if req.params.ignore_eos else min(max_tokens, max(0, DEFAULT_ANSWER_TOKENS - done))
         if n == 0:
             yield self._final(req, "", FINISH_STOP, 0, t0, time.monotonic())
             return
