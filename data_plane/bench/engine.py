@@ -244,7 +244,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="torch dtype for switchboard and naive (default auto: the shard's per-CPU choice)")
     p.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default="auto",
                    help="switchboard's weight format (default auto: the GGUF's Q4 blocks as int4); naive stays dense")
-    p.add_argument("--quantization-kernel", choices=["auto", "blockq", "blockq_int8", "blockq_exact", "torch"], default="auto",
+    p.add_argument("--quantization-kernel", choices=["auto", "blockq", "blockq_x2", "blockq_exact", "torch"], default="auto",
                    help="what computes switchboard's quantized projections (default auto: blockq where it builds)")
     p.add_argument("--systems", default="switchboard,naive,llamacpp,llamacpp-lookup",
                    help=f"comma-separated, from {', '.join(SYSTEMS)} (default all)")

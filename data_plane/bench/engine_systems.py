@@ -60,7 +60,7 @@ class BenchConfig:
     quantization: str = "auto"
     """switchboard's weight format (--quantization: auto, none, int8, int4); naive HF always runs dense."""
     quantization_kernel: str = "auto"
-    """switchboard's kernel for quantized projections (--quantization-kernel: auto, blockq, blockq_int8, blockq_exact, torch)."""
+    """switchboard's kernel for quantized projections (--quantization-kernel: auto, blockq, blockq_x2, blockq_exact, torch)."""
 
     @property
     def max_model_len(self) -> int:
@@ -145,10 +145,10 @@ class SwitchboardSystem:
         self.weight_bytes = runner.weight_bytes
         self.resident_weight_bytes = runner.resident_weight_bytes
         self.dense_bf16_bytes = 2 * runner.weight_params
-        # what auto resolved to, in the report (+a8: blockq's int8 activations, +a32: its exact path's float32
-        # ones; an older tree's plan has no kernel)
-        acts = ("+a32" if getattr(plan, "exact", False) else f"+a8x{getattr(plan, 'planes', 1)}"
-                if getattr(plan, "blockq", False) else "")
+        # what auto resolved to, in the report (+a8: blockq's int8 activations, +a8x2: in two planes, +a32: its
+        # exact path's float32 ones; an older tree's plan has no kernel, nor planes)
+        acts = ("+a32" if getattr(plan, "exact", False) else "+a8x2" if getattr(plan, "planes", 1) == 2
+                else "+a8" if getattr(plan, "blockq", False) else "")
         self.dtype = f"{plan.dtype}/{plan.quantization}{acts}"
 
     async def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestResult]:

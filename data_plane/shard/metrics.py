@@ -223,7 +223,7 @@ class ShardMetrics:
             "chosen (dtype_reason: requested | native_bf16 | no_native_bf16 | quantized_kernel | exact_kernel | agreement; "
             "quantization_reason: "
             "requested | gguf_q4 | gguf_q8 | dense_model | dense_activations; kernel: torch | blockq_avx512_vnni | "
-            "blockq_avx2 | blockq_portable | blockq_int8_<the same paths> | blockq_exact_<the same paths>).",
+            "blockq_avx2 | blockq_portable | blockq_x2_<the same paths> | blockq_exact_<the same paths>).",
             [*m, "dtype", "dtype_reason", "quantization", "quantization_reason", "kernel"], registry=registry)
         self.weight_bytes = Gauge("switchboard_shard_weight_bytes", "Bytes of model weights a decode step reads.", m,
                                   registry=registry)

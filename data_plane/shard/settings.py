@@ -39,11 +39,12 @@ class ShardSettings(BaseSettings):
     quantization: Literal["auto", "none", "int8", "int4"] = Field(
         "auto", description="Weight format: auto (a GGUF's Q4 blocks as int4, Q8_0 as int8, a dense model as is), "
         "none, int8 (per channel) or int4 (groups of 32).")
-    quantization_kernel: Literal["auto", "blockq", "blockq_int8", "blockq_exact", "torch"] = Field(
-        "auto", description="What computes quantized projections: auto (blockq, two int8 planes of activations x "
-        "the weight blocks, float32 dense's greedy tokens, where its C kernel builds; blockq_exact, float32 "
-        "activations x the same blocks, for an explicit float32 quantized format), blockq, blockq_int8 (one int8 "
-        "plane: llama.cpp's numerics, fewer integer products), blockq_exact or torch.")
+    quantization_kernel: Literal["auto", "blockq", "blockq_x2", "blockq_exact", "torch"] = Field(
+        "auto", description="What computes quantized projections: auto (blockq, int8 activations x the weight "
+        "blocks, where its C kernel builds; blockq_exact, float32 activations x the same blocks, for an explicit "
+        "float32 quantized format), blockq, blockq_x2 (two int8 planes of activations, float32 activations and "
+        "the GGUF's Q8_0 table: float32 dense's greedy tokens, at 0.64-0.84x blockq's tok/s), blockq_exact or "
+        "torch.")
     max_num_seqs: int = Field(16, ge=1, le=256, description="Sequences decoded together (KV slots).")
     max_model_len: int = Field(2048, ge=16, le=131072, description="Context window (prompt + output).")
     prefill_chunk: int = Field(256, ge=1, le=8192, description="Prompt tokens prefilled per scheduler step.")

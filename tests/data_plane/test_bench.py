@@ -210,7 +210,7 @@ def test_bench_engine_tiny(tmp_path: Path) -> None:
 
     caps = CpuCaps.detect()
     plan = resolve_plan("auto", "auto", source=model_source(None).kind, caps=caps)
-    served = {"switchboard": f"{plan.dtype}/{plan.quantization}" + (f"+a8x{plan.planes}" if plan.blockq else ""),
+    served = {"switchboard": f"{plan.dtype}/{plan.quantization}" + ("+a8" if plan.blockq else ""),
               "naive": resolve_plan("auto", "none", source="dense", caps=caps).dtype}
     assert "MiB read/step" in run.stdout and f"CPU: {caps.summary()}" in run.stdout
     for name, row in rows.items():

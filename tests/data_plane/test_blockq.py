@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from data_plane.shard.engines import blockq
-from data_plane.shard.engines.weight_source import CpuCaps, DtypeReason, resolve_plan
+from data_plane.shard.engines.weight_source import CpuCaps, DtypeReason, QuantReason, resolve_plan
 
 kernel = blockq.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler here: blockq is not built")
@@ -115,20 +115,33 @@ def test_policy_blockq_where_it_loads_and_its_exact_path_for_the_exact_mode() ->
     native = CpuCaps("AVX512", frozenset({"avx512_bf16"}), blockq="avx512_vnni")
     avx2 = CpuCaps("AVX2", frozenset({"avx2"}), onednn_bf16=False, blockq="avx2")
     none = CpuCaps("AVX2", frozenset({"avx2"}), onednn_bf16=False)
-    # the default: two int8 planes with float32 activations whatever the CPU (float32 dense's greedy tokens;
-    # bf16 activations elsewhere broke them on half the bench's prompts)
+    # the default: one int8 plane (llama.cpp's numerics), the table at 6 bits, the dtype by the CPU (two
+    # planes cost 0.84x / 0.64x its tok/s at 1 / 16 streams: opt-in, below)
     plan = resolve_plan("auto", "auto", source="q4", caps=native)
-    assert (plan.dtype, plan.dtype_reason, plan.quantization, plan.kernel) == (
-        "float32", DtypeReason.AGREEMENT, "int4", "blockq_avx512_vnni")
-    assert (plan.planes, plan.kernel_choice, plan.float32_table) == (2, "blockq", True)
+    assert (plan.dtype, plan.quantization, plan.kernel) == ("bfloat16", "int4", "blockq_avx512_vnni")
+    assert (plan.planes, plan.kernel_choice, plan.float32_table) == (1, "blockq", False)
+    assert resolve_plan("auto", "auto", source="q4", caps=native, kernel="blockq") == plan
+    # no native bf16: blockq takes float32 activations as fast, so auto follows the CPU
     plan = resolve_plan("auto", "auto", source="q4", caps=avx2)
-    assert (plan.dtype, plan.dtype_reason, plan.kernel) == ("float32", DtypeReason.AGREEMENT, "blockq_avx2")
-    # one plane (llama.cpp's numerics) by name: auto follows the CPU, the table at 6 bits
-    plan = resolve_plan("auto", "auto", source="q4", caps=native, kernel="blockq_int8")
-    assert (plan.dtype, plan.kernel, plan.planes, plan.float32_table) == (
-        "bfloat16", "blockq_int8_avx512_vnni", 1, False)
-    plan = resolve_plan("auto", "auto", source="q4", caps=avx2, kernel="blockq_int8")
-    assert (plan.dtype, plan.dtype_reason, plan.kernel_choice) == ("float32", DtypeReason.NO_NATIVE_BF16, "blockq_int8")
+    assert (plan.dtype, plan.dtype_reason, plan.kernel) == ("float32", DtypeReason.NO_NATIVE_BF16, "blockq_avx2")
+    # two planes by name: float32 activations whatever the CPU (dtype reason agreement), the GGUF's Q8_0
+    # table, what the GGUF ships even with float32 asked for; bf16 only asked for; never float16
+    for caps in (native, avx2):
+        plan = resolve_plan("auto", "auto", source="q4", caps=caps, kernel="blockq_x2")
+        assert (plan.dtype, plan.dtype_reason, plan.quantization, plan.kernel) == (
+            "float32", DtypeReason.AGREEMENT, "int4", f"blockq_x2_{caps.blockq}")
+        assert (plan.planes, plan.kernel_choice, plan.float32_table, plan.exact) == (2, "blockq_x2", True, False)
+    plan = resolve_plan("float32", "auto", source="q8", caps=native, kernel="blockq_x2")
+    assert (plan.quantization, plan.quantization_reason, plan.kernel) == ("int8", QuantReason.GGUF_Q8,
+                                                                          "blockq_x2_avx512_vnni")
+    plan = resolve_plan("bfloat16", "int4", source="q4", caps=avx2, kernel="blockq_x2")
+    assert (plan.dtype, plan.dtype_reason, plan.planes) == ("bfloat16", DtypeReason.REQUESTED, 2)
+    with pytest.raises(ValueError, match="blockq_x2"):
+        resolve_plan("float16", "int4", source="q4", caps=native, kernel="blockq_x2")
+    with pytest.raises(ValueError, match="must be one of"):
+        resolve_plan("auto", "auto", source="q4", caps=native, kernel="blockq_int8")
+    # where blockq did not build, two planes by name are torch's kernels (a pipeline stage refuses that)
+    assert resolve_plan("auto", "auto", source="q4", caps=none, kernel="blockq_x2").kernel_choice == "torch"
     # torch's weight-only kernels need bf16 activations to be fast
     plan = resolve_plan("auto", "auto", source="q4", caps=none)
     assert (plan.dtype, plan.dtype_reason, plan.kernel) == ("bfloat16", DtypeReason.QUANTIZED_KERNEL, "torch")

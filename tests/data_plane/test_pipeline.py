@@ -158,13 +158,16 @@ def test_two_and_three_stages_greedy_identical_to_unsharded_solo_and_batched() -
 
 
 @pytest.mark.skipif(not BLOCKQ, reason="no C compiler here: blockq is not built")
-def test_the_exact_mode_through_two_stages_gives_the_unsharded_exact_tokens() -> None:
-    """--dtype float32 --quantization int4 (blockq's float path): every stage serves it (stage 0 passes
-    its kernel down), and the tokens are the unsharded engine's, solo and batched."""
-    exact = {"dtype": "float32", "quantization": "int4"}
-    solo1, batched1 = asyncio.run(_outputs(1, fmt=exact))
+@pytest.mark.parametrize("fmt", [{"dtype": "float32", "quantization": "int4"}, {"quantization_kernel": "blockq_x2"}],
+                         ids=["exact", "blockq_x2"])
+def test_the_exact_mode_through_two_stages_gives_the_unsharded_exact_tokens(fmt: dict[str, str]) -> None:
+    """--dtype float32 --quantization int4 (blockq's float path), and blockq's two int8 planes
+    (--quantization-kernel blockq_x2, float32 around them): every stage serves it (stage 0 passes its kernel
+    down; a stage that knew only one plane would refuse blockq_x2, or serve one), and the tokens are the
+    unsharded engine's, solo and batched."""
+    solo1, batched1 = asyncio.run(_outputs(1, fmt=fmt))
     assert batched1 == solo1
-    solo2, batched2 = asyncio.run(_outputs(2, fmt=exact))
+    solo2, batched2 = asyncio.run(_outputs(2, fmt=fmt))
     assert solo2 == solo1 and batched2 == solo1
 
 

@@ -7,10 +7,9 @@ Why not float32 dense: the tests that need a sequence's tokens not to depend on 
 batched, speculation on = off, N stages = 1, a resumed stream = an unbroken one) need a batch-invariant
 format, not float32's numerics. blockq (data_plane/shard/engines/blockq.py) computes a row's logits
 bit-identically whatever the batch, the thread count or the CPU path, like float32 dense, and reads
-92 MiB of weights a token against dense float32's 513 MiB (since 2026-12-05 with two int8 planes of
-activations, float32 dense's greedy tokens on the quality bench; with one plane, 87 MiB, the engine tests'
-workload, a 30-token prompt and 24 greedy tokens, took 0.3 s against 1.6 s at one stream and 0.8 s against
-2.7 s at four, one thread, on an AMD EPYC with avx512_vnni and on its AVX2 path alike, 2026-12-03). Where blockq cannot be
+87 MiB of weights a token against dense float32's 513 MiB: the engine tests' workload (a 30-token
+prompt, 24 greedy tokens) took 0.3 s against 1.6 s at one stream and 0.8 s against 2.7 s at four, one
+thread, on an AMD EPYC with avx512_vnni and on its AVX2 path alike (2026-12-03). Where blockq cannot be
 built here (no C compiler) `--quantization int4` would fall back to torch's exact int4 loop, several
 times slower than dense: these tests then keep float32 dense. Tests of float32 dense itself (its
 exactness against transformers, its memory) name their flags themselves.

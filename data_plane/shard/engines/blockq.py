@@ -26,9 +26,9 @@ of them per call. Every path computes the same integers and the same float opera
 order, so output is bit-identical across paths, thread counts and batch compositions: a row's
 logits do not depend on the other rows (the batch invariance fp32 dense has; tests hold both).
 Numerics: the activations' int8 rounding (relative ~0.4 % per block) is what llama.cpp serves with; it
-breaks float32 dense's greedy near-ties on most prompts. With ``planes=2`` each block's residual goes into a
-second int8 plane (~16 bits in all, twice the integer dot products over the same unpacked weights): float32's
-greedy tokens (`switchboard bench quality` measures both against float32).
+breaks float32 dense's greedy near-ties on most prompts. With ``planes=2`` (``--quantization-kernel blockq_x2``)
+each block's residual goes into a second int8 plane (~16 bits in all, twice the integer dot products over the
+same unpacked weights): float32's greedy tokens (`switchboard bench quality` measures both against float32).
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bind", default="127.0.0.1", help="this stage's own address for the group (where its links listen)")
     ap.add_argument("--model", default="", help="the shard's --model ('' = the default model)")
     ap.add_argument("--quantization", default="none", help="the weight format stage 0 resolved")
-    ap.add_argument("--quantization-kernel", default="torch", choices=["blockq", "blockq_int8", "blockq_exact", "torch"],
+    ap.add_argument("--quantization-kernel", default="torch", choices=["blockq", "blockq_x2", "blockq_exact", "torch"],
                     help="what computes stage 0's quantized projections")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-num-seqs", type=int, default=16)

@@ -11,13 +11,7 @@
 `resolve_plan` is pure (capabilities passed in) and is the whole policy:
 
 kernel auto (``--quantization-kernel``; the plan's ``kernel``)
-  - quantized weights -> blockq with two int8 planes of activations (``blockq_<path>``: each block of 32 and
-    its rounding residual, ~16 bits) and float32 activations around it (dtype reason ``agreement``) and the
-    GGUF's Q8_0 table: float32 dense's greedy tokens on 12 of 12 of `switchboard bench quality`'s prompts x 32
-    tokens, perplexity +0.00 % (Intel Xeon, 2026-12-05; one plane: 3 of 12, and no choice of projections kept in
-    float32 reached 11: docs/BENCHMARKS.md). Its cost: twice one plane's integer dot products (unbenchmarked).
-    ``blockq_int8`` by name is one plane, llama.cpp's numerics, as measured below (its dtype follows the CPU).
-  - one plane (blockq.py: a C kernel built at first use; int8 activations per 32 x the
+  - quantized weights -> blockq (blockq.py: a C kernel built at first use; int8 activations per 32 x the
     weight blocks, integer dot products, llama.cpp's numerics) wherever it loaded, on the best path the
     CPU runs (``blockq_avx512_vnni`` / ``blockq_avx2`` / ``blockq_portable``). Measured on an Intel Xeon
     (avx512_vnni, 2 threads, one 576 -> 1536 projection): 12 / 25 / 76 us at 1 / 4 / 16 rows against
@@ -27,6 +21,15 @@ kernel auto (``--quantization-kernel``; the plan's ``kernel``)
     the Q8_0 blocks as they are. Its cost: int8 activations break more near-ties (`switchboard bench
     quality`: bf16 +1.45 % perplexity, float32 +0.27 %, against torch int4's +0.79 % in bf16; with the
     Q8_0 table bf16 read +0.69 %; llama.cpp's greedy text on the same GGUF is what it gives).
+  - ``blockq_x2`` by name (never auto) -> blockq with two int8 planes of activations (``blockq_x2_<path>``:
+    each block of 32 and its rounding residual, ~16 bits, met by the same unpacked weights), float32
+    activations around it (dtype reason ``agreement``; bf16 rounding elsewhere broke half the prompts) and
+    the GGUF's Q8_0 table (the 6-bit table alone broke 4 of 12): float32 dense's greedy tokens on 12 of 12 of
+    `switchboard bench quality`'s prompts x 32 tokens, perplexity +0.00 % (Intel Xeon, 2026-12-05; one plane
+    3 of 12, and no choice of projections kept in float32 reached 11: docs/BENCHMARKS.md). Its cost (`switchboard
+    bench engine`, chat, 64 tokens, quiet, 2 cores): 85.2 / 299.9 tok/s at 1 / 16 streams against the default's
+    101.3 / 471.8 (0.84x / 0.64x; TTFT p50 75.0 against 47.7 ms at 1 stream): twice the integer dot
+    products, 5 MiB more read a token (the Q8_0 table), float32 activations and KV. So auto stays one plane.
   - the exact mode (float32 asked for with an explicit quantized format, or ``blockq_exact`` by name) ->
     blockq's float path (``blockq_exact_<path>``, native/blockq_exact.c): the same blocks, float32
     activations, each weight's integer met in a float32 FMA, and int4 models keep the GGUF's Q8_0 table as
@@ -41,7 +44,8 @@ kernel auto (``--quantization-kernel``; the plan's ``kernel``)
     weight-only kernels (below).
 
 dtype auto
-  - blockq takes either activation dtype at the same speed: it follows the CPU as dense weights do (below).
+  - blockq takes either activation dtype at the same speed: it follows the CPU as dense weights do (below);
+    ``blockq_x2`` -> float32 (``agreement``): what its greedy tokens were measured with (above).
   - a quantized format on torch's kernels -> bfloat16 (``quantized_kernel``): they are only fast
     with bf16 activations (float32: 169 / 75 ms against 27 ms dense for a decode step's GEMMs here).
     Measured again 2026-12-02 (AMD EPYC Zen 4, avx512_bf16, 1 thread, under load, A/B in one run):
@@ -68,7 +72,7 @@ dtype auto
 quantization auto
   - float32 or float16 asked for explicitly -> none (``dense_activations``): the numerics asked for
     (blockq would round the activations to int8; its exact path and torch's int4 kernel are asked for
-    with an explicit format); ``blockq_exact`` by name -> what the GGUF ships (its blocks, exactly). float32 is batch-invariant dense and on blockq alike; ``--quantization int4
+    with an explicit format); ``blockq_exact`` or ``blockq_x2`` by name -> what the GGUF ships (its blocks). float32 is batch-invariant dense and on blockq alike; ``--quantization int4
     --quantization-kernel blockq`` is the fast batch-invariant choice (3-5x dense float32 at 1-4
     streams, 1 thread, 2026-12-03: tests/support/formats.py), chosen by name, not by auto.
   - a GGUF whose projections are Q4_0/Q4_1 -> int4 (``gguf_q4``): its blocks served as they are. The
@@ -116,7 +120,7 @@ from data_plane.shard.engines.quant_linear import Int4Linear, Int8Embedding, Int
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
-KERNEL_CHOICES = ("auto", "blockq", "blockq_int8", "blockq_exact", "torch")
+KERNEL_CHOICES = ("auto", "blockq", "blockq_x2", "blockq_exact", "torch")
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
@@ -185,9 +189,9 @@ class WeightPlan:
     quantization_reason: QuantReason
     kernel: str = "torch"
     """What computes the projections: ``torch`` (dense GEMMs, or torch's weight-only int4/int8 kernels),
-    ``blockq_<path>`` (blockq.py: two int8 planes of activations x block-quantized weights),
-    ``blockq_int8_<path>`` (one int8 plane: llama.cpp's numerics) or ``blockq_exact_<path>`` (float32
-    activations x the same blocks: the exact mode)."""
+    ``blockq_<path>`` (blockq.py: int8 activations x block-quantized weights, llama.cpp's numerics),
+    ``blockq_x2_<path>`` (two int8 planes of activations: float32 dense's greedy tokens) or
+    ``blockq_exact_<path>`` (float32 activations x the same blocks: the exact mode)."""
 
     @property
     def blockq(self) -> bool:
@@ -195,15 +199,15 @@ class WeightPlan:
 
     @property
     def planes(self) -> int:
-        """blockq's int8 planes of activations: 1 (``blockq_int8``) or 2 (``blockq``); 1 elsewhere (unused)."""
-        return 2 if self.blockq and not self.exact and not self.kernel.startswith("blockq_int8") else 1
+        """blockq's int8 planes of activations: 2 (``blockq_x2``), else 1 (unused off blockq's int8 path)."""
+        return 2 if self.kernel.startswith("blockq_x2_") else 1
 
     @property
     def kernel_choice(self) -> str:
         """The ``--quantization-kernel`` that names this plan's kernel (what a pipeline stage is told)."""
         if not self.blockq:
             return "torch"
-        return "blockq_exact" if self.exact else "blockq" if self.planes == 2 else "blockq_int8"
+        return "blockq_exact" if self.exact else "blockq_x2" if self.planes == 2 else "blockq"
 
     @property
     def float32_table(self) -> bool:
@@ -224,7 +228,8 @@ class WeightPlan:
 def resolve_plan(dtype: str, quantization: str, *, source: str, caps: CpuCaps, kernel: str = "auto") -> WeightPlan:
     """The served dtype and weight format (the policy in the module docstring). `source` is what the
     model's projections ship as: ``q4`` (GGUF Q4_0/Q4_1), ``q8`` (GGUF Q8_0) or ``dense``. `kernel`: what
-    computes quantized projections (auto | blockq | blockq_exact | torch); blockq where it did not load is torch."""
+    computes quantized projections (auto | blockq | blockq_x2 | blockq_exact | torch); blockq where it did not load
+    is torch."""
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}")
     if quantization not in QUANTIZATION_CHOICES:
@@ -233,9 +238,12 @@ def resolve_plan(dtype: str, quantization: str, *, source: str, caps: CpuCaps, k
         raise ValueError(f"quantization kernel must be one of {', '.join(KERNEL_CHOICES)}")
     if kernel == "blockq_exact" and dtype not in ("auto", "float32"):
         raise ValueError("quantization kernel blockq_exact takes float32 activations (--dtype float32 or auto)")
+    if kernel == "blockq_x2" and dtype == "float16":
+        raise ValueError("quantization kernel blockq_x2 takes float32 or bfloat16 activations (--dtype float32, "
+                         "bfloat16 or auto)")
     if quantization != "auto":
         quant, q_reason = quantization, QuantReason.REQUESTED
-    elif kernel == "blockq_exact" and source in ("q4", "q8"):
+    elif kernel in ("blockq_exact", "blockq_x2") and source in ("q4", "q8"):
         quant, q_reason = ("int4", QuantReason.GGUF_Q4) if source == "q4" else ("int8", QuantReason.GGUF_Q8)
     elif dtype in ("float32", "float16"):
         quant, q_reason = "none", QuantReason.DENSE_ACTIVATIONS
@@ -254,12 +262,12 @@ def resolve_plan(dtype: str, quantization: str, *, source: str, caps: CpuCaps, k
     elif exact:
         kernel = f"blockq_exact_{caps.blockq}"
     else:
-        kernel = f"blockq_int8_{caps.blockq}" if kernel == "blockq_int8" else f"blockq_{caps.blockq}"
+        kernel = f"blockq_x2_{caps.blockq}" if kernel == "blockq_x2" else f"blockq_{caps.blockq}"
     if dtype != "auto":
         return WeightPlan(dtype, DtypeReason.REQUESTED, quant, q_reason, kernel)
     if exact:  # blockq_exact by name: float32 activations, on torch's exact kernels where blockq did not load
         return WeightPlan("float32", DtypeReason.EXACT_KERNEL, quant, q_reason, kernel)
-    if kernel.startswith("blockq_") and not kernel.startswith("blockq_int8"):
+    if kernel.startswith("blockq_x2_"):
         # two planes: float32 dense's greedy tokens (bf16 activations elsewhere would break its near-ties)
         return WeightPlan("float32", DtypeReason.AGREEMENT, quant, q_reason, kernel)
     if quant != "none" and kernel == "torch":
@@ -305,9 +313,10 @@ class WeightBuilder:
         """What was built, e.g. ``int4[q4_1]+int8[q8_0]`` or ``dense``: the prefix cache's seed part."""
         if not self._origins:
             return "dense"
-        # blockq rounds activations to int8 (a8), its exact path keeps them float32 (a32): other numerics
-        # than torch's kernels and than each other, so other KV.
-        acts = "a32" if self.plan.exact else f"a8x{self.plan.planes}" if self.plan.blockq else ""
+        # blockq rounds activations to int8 (a8; a8x2 in two planes), its exact path keeps them float32 (a32):
+        # other numerics than torch's kernels and than each other, so other KV.
+        acts = ("a32" if self.plan.exact else "a8x2" if self.plan.planes == 2 else "a8" if self.plan.blockq
+                else "")
         return f"{self.plan.quantization}{acts}[{','.join(sorted(self._origins))}]"
 
     def _dense(self, name: str) -> torch.Tensor:
