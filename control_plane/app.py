@@ -59,9 +59,10 @@ SERVICE_NAME = "switchboard-control-plane"
 MAX_BODY_BYTES = 8 << 20
 """The largest request body the control plane reads (413 beyond, before any token check): its largest are a
 tier policy and a gateway's report of failed authentications (at most 4,096 addresses), well under 1 MiB."""
-REFUSED_ROUTES = ("debug_spans", "metrics")
-"""``switchboard_control_plane_refused_total``'s route label (data_plane/common/hop_auth.py RefusalMetrics);
-refused registry writes are switchboard_membership_refused_total{method}, admin API 401s are not counted."""
+REFUSED_ROUTES = ("abuse", "debug_spans", "metrics")
+"""``switchboard_control_plane_refused_total``'s route label (data_plane/common/hop_auth.py RefusalMetrics):
+``abuse`` is the gateways' hop to the abuse state (/v1/abuse/state, /v1/abuse/reports); refused registry
+writes are switchboard_membership_refused_total{method}, admin API 401s are not counted."""
 
 
 def create_app(settings: ControlPlaneSettings) -> FastAPI:
@@ -98,7 +99,9 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
     admin.hop_headers = cluster_headers(cluster_token)
     usage_db = settings.usage_db or default_usage_db(".switchboard")
     usage_store = None if usage_db == "off" else open_ledger_store(usage_db)  # connects on first read
-    abuse, abuse_routes = build_abuse(settings, usage_store, metrics_registry, cluster_token)
+    refusals = RefusalMetrics(metrics_registry, "control_plane", REFUSED_ROUTES)  # every route at 0
+    abuse, abuse_routes = build_abuse(settings, usage_store, metrics_registry, cluster_token,
+                                      on_refused=refusals.on("abuse"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -149,7 +152,6 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
         return JSONResponse({"status": "ok"})
 
     metrics_token = settings.metrics_token.get_secret_value() if settings.metrics_token else None
-    refusals = RefusalMetrics(metrics_registry, "control_plane", REFUSED_ROUTES)  # every route at 0
     app.add_route("/metrics", guarded_metrics(metrics_endpoint(metrics_registry), cluster_token, metrics_token,
                                               refusals=refusals))
     app.add_route("/debug/spans", guarded(recent_spans_endpoint, cluster_token, refusals=refusals))

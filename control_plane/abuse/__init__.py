@@ -10,9 +10,10 @@ actions in data_plane/gateway/abuse.py; the console's Abuse page shows them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from prometheus_client import CollectorRegistry
 
 from control_plane.abuse.api import build_abuse_router
@@ -22,15 +23,16 @@ from control_plane.abuse.persist import open_state_file
 
 
 def build_abuse(settings: Any, usage_store: ActivitySource | None, registry: CollectorRegistry,
-                cluster_token: str | None) -> tuple[AbuseMonitor, APIRouter]:
+                cluster_token: str | None, on_refused: Callable[[Request], None] | None = None,
+                ) -> tuple[AbuseMonitor, APIRouter]:
     """The monitor (over the usage ledger, thresholds from ``--abuse-rules``, its state sealed in
-    ``--state-dir``) and its routes."""
+    ``--state-dir``) and its routes; `on_refused` counts the members' calls refused for the cluster token."""
     rules = getattr(settings, "abuse_rules", None)
     config = AbuseConfig.from_file(rules) if rules else AbuseConfig()
     store = open_state_file(settings.state_dir, keys_file=getattr(settings, "state_keys_file", None),
                             cluster_token=cluster_token, registry=registry)
     monitor = AbuseMonitor(config, usage_store, AbuseMetrics(registry), store=store)
-    return monitor, build_abuse_router(monitor, settings.admin_token, cluster_token)
+    return monitor, build_abuse_router(monitor, settings.admin_token, cluster_token, on_refused)
 
 
 __all__ = ["build_abuse"]

@@ -15,10 +15,11 @@ control_plane/abuse/monitor.py AbuseMetrics).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, SecretStr
 
@@ -39,9 +40,12 @@ class LiftBody(BaseModel):
     by: str = Field("operator", max_length=128, description="who lifts it (shown in the history)")
 
 
-def build_abuse_router(monitor: AbuseMonitor, admin_token: SecretStr | None, cluster_token: str | None) -> APIRouter:
+def build_abuse_router(monitor: AbuseMonitor, admin_token: SecretStr | None, cluster_token: str | None,
+                       on_refused: Callable[[Request], None] | None = None) -> APIRouter:
+    """The gateways' routes (the cluster token; refusals to `on_refused`: the control plane's
+    switchboard_control_plane_refused_total{route="abuse"}) and the admin API's."""
     router = APIRouter(tags=["abuse"])
-    members = [Depends(require_cluster_token(cluster_token, "the abuse state"))]
+    members = [Depends(require_cluster_token(cluster_token, "the abuse state", on_refused))]
     admin = [Depends(bearer_guard(admin_token))]
 
     @router.get("/v1/abuse/state", dependencies=members, summary="Abuse actions in force (blocking query)")

@@ -68,6 +68,7 @@ REFUSALS: dict[str, tuple[str, dict[str, tuple[str, str, Any]]]] = {"gateway": (
                 "debug_spans": ("GET", "/debug/spans", None), "metrics": ("GET", "/metrics", None)}),
             "cache": ("switchboard_cache_refused_total", {"metrics": ("GET", "/metrics", None)}),
             "control_plane": ("switchboard_control_plane_refused_total", {
+                "abuse": ("GET", "/v1/abuse/state", None),  # the gateways' hop: refused uncounted before
                 "debug_spans": ("GET", "/debug/spans", None), "metrics": ("GET", "/metrics", None)})}
 
 
