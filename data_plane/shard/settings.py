@@ -33,8 +33,9 @@ class ShardSettings(BaseSettings):
     engine: Literal["torch", "synthetic", "vllm"] = Field("torch", description="Engine: torch | synthetic | vllm.")
     model: str | None = Field(None, description="Local HF model folder or GGUF file (default SmolLM2-135M).")
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
-        "auto", description="Activations dtype: auto (bfloat16 where the CPU has native bf16 or the weights are "
-        "quantized, else float32; said in the ready line), bfloat16, float16 or float32 (batch-invariant)."
+        "auto", description="Activations dtype: auto (float32 for --quantization-kernel blockq_x2 or blockq_exact; "
+        "else bfloat16 where the CPU has native bf16 or the weights are quantized, else float32; said in the ready "
+        "line), bfloat16, float16 or float32 (batch-invariant)."
     )
     quantization: Literal["auto", "none", "int8", "int4"] = Field(
         "auto", description="Weight format: auto (a GGUF's Q4 blocks as int4, Q8_0 as int8, a dense model as is), "
@@ -42,9 +43,10 @@ class ShardSettings(BaseSettings):
     quantization_kernel: Literal["auto", "blockq", "blockq_x2", "blockq_exact", "torch"] = Field(
         "auto", description="What computes quantized projections: auto (blockq, int8 activations x the weight "
         "blocks, where its C kernel builds; blockq_exact, float32 activations x the same blocks, for an explicit "
-        "float32 quantized format), blockq, blockq_x2 (two int8 planes of activations, float32 activations and "
-        "the GGUF's Q8_0 table: float32 dense's greedy tokens, at 0.64-0.84x blockq's tok/s), blockq_exact or "
-        "torch.")
+        "float32 quantized format), blockq, blockq_x2 (two int8 planes of activations "
+        "and the GGUF's Q8_0 table; float32 activations around them with --dtype auto, bfloat16 only if asked "
+        "for: float32 dense's greedy tokens on `switchboard bench quality`'s prompts, at 0.64-0.84x blockq's "
+        "tok/s), blockq_exact or torch.")
     max_num_seqs: int = Field(16, ge=1, le=256, description="Sequences decoded together (KV slots).")
     max_model_len: int = Field(2048, ge=16, le=131072, description="Context window (prompt + output).")
     prefill_chunk: int = Field(256, ge=1, le=8192, description="Prompt tokens prefilled per scheduler step.")

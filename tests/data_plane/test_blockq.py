@@ -111,6 +111,22 @@ def test_shapes_the_tiles_cannot_hold_are_refused() -> None:
         blockq.BlockLinear.from_dense(torch.randn(20, 64), "q4", dtype=torch.float32)
 
 
+def test_shard_help_says_what_dtype_blockq_x2_serves() -> None:
+    """`switchboard shard --help` said blockq_x2 meant "float32 activations" and --dtype auto meant bfloat16
+    on a native-bf16 CPU: blockq_x2 takes float32 from --dtype auto (whatever the CPU) and keeps bfloat16
+    when asked for it."""
+    from data_plane.shard.settings import ShardSettings
+
+    native = CpuCaps("AVX512", frozenset({"avx512_bf16"}), blockq="avx512_vnni")
+    assert resolve_plan("auto", "auto", source="q4", caps=native, kernel="blockq_x2").dtype == "float32"
+    assert resolve_plan("bfloat16", "auto", source="q4", caps=native, kernel="blockq_x2").dtype == "bfloat16"
+    kernel_help = ShardSettings.model_fields["quantization_kernel"].description or ""
+    x2 = kernel_help[kernel_help.index("blockq_x2"):kernel_help.index("blockq_exact or torch")]
+    assert "with --dtype auto" in x2 and "bfloat16" in x2, x2
+    dtype_help = ShardSettings.model_fields["dtype"].description or ""
+    assert "blockq_x2" in dtype_help.split("else bfloat16")[0], dtype_help
+
+
 def test_policy_blockq_where_it_loads_and_its_exact_path_for_the_exact_mode() -> None:
     native = CpuCaps("AVX512", frozenset({"avx512_bf16"}), blockq="avx512_vnni")
     avx2 = CpuCaps("AVX2", frozenset({"avx2"}), onednn_bf16=False, blockq="avx2")
