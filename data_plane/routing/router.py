@@ -22,6 +22,11 @@ never consecutive); when that expires the next decision sends the shard a
 single probe (half-open); success closes the circuit, failure opens it again. Every failure, retry
 and state change is a metric (reasons from :class:`~data_plane.routing.failures.FailureReason`,
 bounded), a span event on the current span and a log line.
+
+A shard that is slow but fails nothing is handled by latency (data_plane/routing/latency.py, on by
+default): ``router.observe_latency(shard, seconds)`` after each first token feeds a peak-EWMA; power of
+two choices compares latency x (outstanding + 1), and a session's turn leaves a shard that is a clear
+latency outlier for the policy's choice without it (``switchboard_router_latency_spills_total``).
 """
 
 from __future__ import annotations
@@ -271,8 +276,8 @@ class Router:
 
     def observe_latency(self, member: Member, seconds: float) -> None:
         """`member` took `seconds` from the request to its first token (the upstream calls this)."""
-        if self.latency is None:
-            return
+        if self.latency is None or member.id not in self._refresh().by_id:
+            return  # a stream that outlived its shard's membership: nothing to route by any more
         self.latency.observe(member.id, seconds)
         now = self.clock()
         if now - self._gauged_at >= self.latency.config.refresh_s:

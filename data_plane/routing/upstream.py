@@ -66,8 +66,6 @@ T = TypeVar("T")
 CHAT_PATH = "/v1/chat/completions"
 REQUEST_NOT_SHARD_CODES = frozenset({"duplicate_request_id", "grammar_compiler_busy"})
 """Shard errors caused by the request itself (or by its grammars' flood): never counted against the shard."""
-SLOW_FAILURES = frozenset({FailureReason.TIMEOUT, FailureReason.FIRST_TOKEN_TIMEOUT, FailureReason.SILENT})
-"""Failures that are a shard's slowness too: the time they took counts toward its latency estimate."""
 
 
 @dataclass(frozen=True)
@@ -209,12 +207,6 @@ class Upstream:
                 silence = silence_for(response.header(KEEPALIVE_HEADER.encode()), cfg.silence_timeout_s)
             chain = await self._headers(member, response, leases)
             first = await self._first_token(response, first_token_by, silence)
-        except Retryable as failure:
-            if failure.reason in SLOW_FAILURES:  # a lower bound of its latency, counted as one
-                self.router.observe_latency(member, asyncio.get_running_loop().time() - sent_at)
-            _close(response)
-            leases.close()
-            raise
         except HopError as exc:  # HopConnectError / HopTimeout are mapped in their stage
             _close(response)
             leases.close()
@@ -223,6 +215,8 @@ class Upstream:
             _close(response)
             leases.close()
             raise
+        # Successes only: failures (timeouts included) are ejection's to judge (outliers.py); counted here
+        # too, a link stalling every other call drew so little traffic it never reached the outlier volume.
         self.router.observe_latency(member, asyncio.get_running_loop().time() - sent_at)
         self.router.report_success(member)
         if chain is not None:  # only once it streams: a shard that failed first holds no KV of it

@@ -236,3 +236,11 @@ def test_both_session_policies_spill_a_slow_holder(policy: str) -> None:
     clock.advance(1.0)
     r.observe_latency(a, 2.0)
     assert r.pick(sess).id != "a"
+
+
+def test_a_sample_from_a_shard_out_of_membership_is_not_kept() -> None:
+    a, b = shard("a"), shard("b")
+    r, _, registry, _ = router(a, b)
+    r.observe_latency(shard("gone"), 2.0)  # a stream that outlived its shard's membership
+    assert r.latency is not None and r.latency.estimate("gone") is None
+    assert sample(registry, "switchboard_router_shard_latency_seconds", shard="gone") is None
