@@ -40,7 +40,7 @@ from control_plane.signals.source import build_signal_source
 from control_plane.state_api import StateIndex, build_state_router, cluster_state_body, load_state_id
 from control_plane.zones import ZoneMetrics, ZoneWatch, build_zones_router
 from data_plane.common.errors import install_error_handlers
-from data_plane.common.hop_auth import cluster_headers, guarded, guarded_metrics
+from data_plane.common.hop_auth import RefusalMetrics, cluster_headers, guarded, guarded_metrics
 from data_plane.common.http_body import BodyLimit
 from data_plane.common.http_server import serve
 from data_plane.common.settings_cli import parse_settings as cli_settings
@@ -59,6 +59,9 @@ SERVICE_NAME = "switchboard-control-plane"
 MAX_BODY_BYTES = 8 << 20
 """The largest request body the control plane reads (413 beyond, before any token check): its largest are a
 tier policy and a gateway's report of failed authentications (at most 4,096 addresses), well under 1 MiB."""
+REFUSED_ROUTES = ("debug_spans", "metrics")
+"""``switchboard_control_plane_refused_total``'s route label (data_plane/common/hop_auth.py RefusalMetrics);
+refused registry writes are switchboard_membership_refused_total{method}, admin API 401s are not counted."""
 
 
 def create_app(settings: ControlPlaneSettings) -> FastAPI:
@@ -146,8 +149,10 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
         return JSONResponse({"status": "ok"})
 
     metrics_token = settings.metrics_token.get_secret_value() if settings.metrics_token else None
-    app.add_route("/metrics", guarded_metrics(metrics_endpoint(metrics_registry), cluster_token, metrics_token))
-    app.add_route("/debug/spans", guarded(recent_spans_endpoint, cluster_token))
+    refusals = RefusalMetrics(metrics_registry, "control_plane", REFUSED_ROUTES)  # every route at 0
+    app.add_route("/metrics", guarded_metrics(metrics_endpoint(metrics_registry), cluster_token, metrics_token,
+                                              refusals=refusals))
+    app.add_route("/debug/spans", guarded(recent_spans_endpoint, cluster_token, refusals=refusals))
 
     @app.get("/v1/sd/prometheus")
     async def prometheus_sd(service: str) -> JSONResponse:

@@ -30,7 +30,7 @@ import secrets
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from control_plane.dev_credentials import prepare, record_urls
 from control_plane.ports import busy_ports, shared_ports
 from control_plane.state_dir import LogRotation, hold_state_dir
 from control_plane.supervisor import Child, Stopped, Supervisor, wait_healthy
-from control_plane.up_banner import banner, console_host, forget_login_link
+from control_plane.up_banner import banner, console_host, forget_login_link, new_console_login
 from control_plane.up_settings import UpSettings
 from data_plane.common.cores import usable_cores
 from data_plane.common.hop_auth import CLUSTER_TOKEN_ENV, METRICS_TOKEN_ENV
@@ -157,6 +157,17 @@ def console_child(s: UpSettings, state: Path, cp: Child, gateway: Child, admin_t
 
 LOGIN_CODE_ENV = "SWITCHBOARD_CONSOLE_LOGIN_CODE"  # admin_ui.settings.ENV_LOGIN_CODE (`up` imports no console)
 
+
+def relink_console(state: Path, tty: bool) -> Callable[[Child], None]:
+    """The supervisor's hook before a restart: a restarted console forgets which codes were spent, so it gets a
+    fresh one (the banner's link would log anyone in again), and its link goes where the banner's went (the
+    terminal, or STATE/console_login): the restart left the operator with no working link otherwise."""
+    def before_restart(child: Child) -> None:
+        if child.name == "console":
+            child.env[LOGIN_CODE_ENV] = secrets.token_urlsafe(32)
+            new_console_login(state, f"{child.url}/?token={child.env[LOGIN_CODE_ENV]}", tty)
+    return before_restart
+
 ALERTS_DIR = Path(__file__).resolve().parent.parent / "alerts"
 SCRAPE_JOBS = {"gateway": "switchboard-gateway", "shard": "switchboard-shard", "cache": "switchboard-cache"}
 """Job names the alert rules and dashboards assume (dashboards/catalogue.py JOBS)."""
@@ -255,7 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     if busy:
         raise SystemExit(f"switchboard up: already in use on {s.host}: {', '.join(busy)}. Another `switchboard up` "
                          f"may be running; stop it, or move this one with the flag(s) named.")
-    supervisor = Supervisor(order, LogRotation(s.log_max_bytes, s.log_backups), state / "logs", state / PROCESSES)
+    supervisor = Supervisor(order, LogRotation(s.log_max_bytes, s.log_backups), state / "logs", state / PROCESSES,
+                            before_restart=relink_console(state, sys.stdout.isatty()))
     supervisor.guard()  # a stop signal from here on stops the children started so far
     try:
         print(f"[switchboard] starting control plane, {len(caches)} cache nodes, {len(shards)} shards, gateway...",
@@ -280,8 +292,6 @@ def main(argv: list[str] | None = None) -> None:
         extras = [c for c in (prometheus, console) if c is not None]
         for child in extras:
             supervisor.start(child)
-        if console is not None:  # a restart gets a code nobody saw: the supervisor reuses the env, and a
-            console.env[LOGIN_CODE_ENV] = secrets.token_urlsafe(32)  # restarted console forgets spent ones
         wait_healthy(extras, 90, "prometheus / console")
     except Stopped as stop:
         supervisor.shutdown()

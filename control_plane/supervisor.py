@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,8 +158,13 @@ class Supervisor:
     """Restarts a child that died (with backoff) until SIGINT/SIGTERM, then stops them all in reverse order."""
 
     def __init__(self, children: list[Child], log_rotation: LogRotation | None = None,
-                 log_dir: Path | None = None, table: Path | None = None) -> None:
+                 log_dir: Path | None = None, table: Path | None = None,
+                 before_restart: Callable[[Child], None] | None = None) -> None:
         self.children = children
+        self.before_restart = before_restart
+        """Called with a child about to be restarted (not at its first start), e.g. to give the console a fresh
+        login code and hand its new link to the operator (control_plane/launcher.py); an error is printed,
+        and the child restarted regardless."""
         self.table = table
         """Where each start, death and restart is recorded for operators (STATE_DIR/processes.json)."""
         self.log_rotation = log_rotation
@@ -217,6 +223,11 @@ class Supervisor:
             elif now >= child.next_restart:
                 child.restarts += 1
                 child.next_restart = 0.0
+                if self.before_restart is not None:
+                    try:
+                        self.before_restart(child)
+                    except OSError as exc:  # e.g. a full disk: it must not stop the supervision of every child
+                        print(f"[switchboard] {child.name}: before its restart: {exc!r}", flush=True)
                 self.start(child)
                 print(f"[switchboard] {child.name} restarted (restart #{child.restarts})", flush=True)
 

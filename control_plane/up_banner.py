@@ -8,7 +8,8 @@ full only when stdout is a TTY, as `switchboard console` prints its link (admin_
 up.log`, a CI job's output or ``nohup`` would otherwise keep them in a file anyone may read (umask
 022: mode 644). Elsewhere the banner is the same but says where each secret is: the keys and the admin
 token in ``credentials.json`` (mode 600), the login link in ``STATE/console_login`` (mode 600, written
-here for that run, removed when `up` starts and stops: a link of an earlier run is dead anyway).
+here for that run, removed when `up` starts and stops: a link of an earlier run is dead anyway). A console
+that `up` restarts gets a fresh code, and its link reaches the operator the same way (`new_console_login`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,19 @@ def forget_login_link(state: Path) -> None:
     """Remove the login link file: an earlier run's link (or this run's, once it stops) logs nobody in."""
     with contextlib.suppress(OSError):
         (state / LOGIN_LINK_FILE).unlink()
+
+
+def new_console_login(state: Path, link: str, tty: bool) -> None:
+    """A restarted console's fresh one-time login link, to the operator the way the banner gave the first one:
+    in full on a terminal, else rewritten into ``state/console_login`` (mode 600). The earlier link is dead:
+    the restarted console knows only its new code."""
+    if tty:
+        print(f"[switchboard] console restarted: its new one-time login link is {link} (the earlier one no "
+              "longer works; or log in with the admin token)", flush=True)
+        return
+    path = save_login_link(state, link)
+    print(f"[switchboard] console restarted: its new one-time login link is in {path} (mode 600; {NOT_A_TERMINAL}; "
+          "the earlier one no longer works)", flush=True)
 
 
 def banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: list[Child],
@@ -150,4 +164,5 @@ def key_lines(creds: dict, tty: bool = True) -> list[str]:
             *[f"    {t:<11} key id {key_id(k)}" for t, k in keys.items()]]
 
 
-__all__ = ["LOGIN_LINK_FILE", "banner", "console_host", "console_lines", "forget_login_link", "save_login_link"]
+__all__ = ["LOGIN_LINK_FILE", "banner", "console_host", "console_lines", "forget_login_link", "new_console_login",
+           "save_login_link"]

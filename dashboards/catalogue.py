@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
+from data_plane.common.hop_auth import RefusalMetrics
 from data_plane.common.http_metrics import HttpMetrics
 from data_plane.common.slow_clients import SlowClientMetrics
 
@@ -80,11 +81,11 @@ class Metric:
 
 def _shard(registry: CollectorRegistry) -> list[object]:
     from data_plane.shard.kv_reports import KVReportMetrics
-    from data_plane.shard.metrics import ShardMetrics
+    from data_plane.shard.metrics import REFUSED_ROUTES, ShardMetrics
 
     metrics = ShardMetrics(registry, model_name="catalogue")
     return [metrics, metrics.spec, metrics.kv_tier, metrics.grammar, KVReportMetrics(registry, "catalogue"),
-            SlowClientMetrics(registry, "shard"), HttpMetrics(registry)]
+            SlowClientMetrics(registry, "shard"), HttpMetrics(registry), RefusalMetrics(registry, "shard", REFUSED_ROUTES)]
 
 
 def _gateway(registry: CollectorRegistry) -> list[object]:
@@ -94,7 +95,7 @@ def _gateway(registry: CollectorRegistry) -> list[object]:
     from data_plane.gateway.abuse import AbuseGuardMetrics
     from data_plane.gateway.admission import AdmissionMetrics
     from data_plane.gateway.memory import MemoryMetrics
-    from data_plane.gateway.metrics import GatewayMetrics
+    from data_plane.gateway.metrics import REFUSED_ROUTES, GatewayMetrics
     from data_plane.gateway.ratelimit.limiter import RateLimitMetrics
     from data_plane.gateway.response_cache import ResponseCacheMetrics
     from data_plane.gateway.responses_background import BackgroundMetrics
@@ -108,20 +109,22 @@ def _gateway(registry: CollectorRegistry) -> list[object]:
             SessionStoreMetrics(registry), RateLimitMetrics(registry), AdmissionMetrics(registry),
             LedgerMetrics(registry), SealMetrics(registry), AbuseGuardMetrics(registry), SlowClientMetrics(registry, "gateway"),
             ResponseCacheMetrics(registry), MemoryMetrics(registry), ResponsesMetrics(registry), TierGate(registry),
-            BackgroundMetrics(registry)]
+            BackgroundMetrics(registry), RefusalMetrics(registry, "gateway", REFUSED_ROUTES)]
 
 
 def _cache_node(registry: CollectorRegistry) -> list[object]:
     from data_plane.cache.kv_routes import KVNodeMetrics
     from data_plane.cache.node import CacheNodeMetrics
 
-    return [CacheNodeMetrics(registry), KVNodeMetrics(registry), SlowClientMetrics(registry, "cache")]
+    metrics = CacheNodeMetrics(registry)
+    return [metrics, metrics.refusals, KVNodeMetrics(registry), SlowClientMetrics(registry, "cache")]
 
 
 def _control_plane(registry: CollectorRegistry) -> list[object]:
     from control_plane.abuse.monitor import AbuseMetrics
     from control_plane.abuse.persist import AbuseStateMetrics
     from control_plane.admin.processes import ProcessMetrics
+    from control_plane.app import REFUSED_ROUTES
     from control_plane.degradation import DegradationMetrics
     from control_plane.policy_store import StateWriteMetrics
     from control_plane.registry.embedded import RegistryMetrics
@@ -131,7 +134,8 @@ def _control_plane(registry: CollectorRegistry) -> list[object]:
 
     return [RegistryMetrics(registry, DEFAULT_SERVICES), DegradationMetrics(registry), AutoscalerMetrics(registry),
             ZoneMetrics(registry), AbuseMetrics(registry), AbuseStateMetrics(registry),
-            SlowClientMetrics(registry, "control_plane"), ProcessMetrics(registry), StateWriteMetrics(registry)]
+            SlowClientMetrics(registry, "control_plane"), ProcessMetrics(registry), StateWriteMetrics(registry),
+            RefusalMetrics(registry, "control_plane", REFUSED_ROUTES)]
 
 
 PROCESSES: dict[str, Callable[[CollectorRegistry], list[object]]] = {

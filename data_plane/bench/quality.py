@@ -61,7 +61,7 @@ PROMPTS = [
     "Write one sentence about autumn.",
 ]
 DEFAULT_FORMATS = ("auto:auto,bfloat16:none,bfloat16:int8:torch,bfloat16:int4:torch,bfloat16:int4:blockq,"
-                   "float32:int4:blockq,float32:int4")
+                   "float32:int4:blockq,auto:auto:blockq_x2,float32:int4")
 
 
 def _runner(path: Any, gguf: Any, source: str, spec: str, max_seqs: int, max_len: int) -> tuple[Any, Any]:

@@ -56,6 +56,7 @@ from data_plane.cache.storage import ManagedStorage, MemoryStorage, RedisStorage
 from data_plane.common.errors import NotFound, SwitchboardError, install_error_handlers
 from data_plane.common.hop_auth import (
     TOKENS_HELP,
+    RefusalMetrics,
     cluster_token_from_env,
     guarded,
     guarded_metrics,
@@ -185,7 +186,8 @@ RESULTS = {
 REFUSED_ROUTES = {"sessions": "session API", "response_cache": "response cache API", "kv": "KV block API",
                   "debug_spans": "/debug/spans"}
 """``switchboard_cache_refused_total``'s route label (each guarded API apart: a refused KV fetch, e.g. a shard
-without the token, was counted as `sessions`) and the words its 401 names it by."""
+without the token, was counted as `sessions`) and the words its 401 names it by; ``metrics`` besides
+(/metrics refused: a scraper with neither the metrics nor the cluster token)."""
 
 
 class CacheNodeMetrics:
@@ -223,14 +225,7 @@ class CacheNodeMetrics:
                 self.requests.labels(op, result)
         for reason in ("ttl", "lru"):
             self.evictions.labels(reason)
-        self.refused = Counter(
-            "switchboard_cache_refused_total",
-            "Requests refused for a missing or wrong cluster token, by route (sessions|response_cache|kv|debug_spans).",
-            ["route"],
-            registry=registry,
-        )
-        for route in REFUSED_ROUTES:
-            self.refused.labels(route)
+        self.refusals = RefusalMetrics(registry, "cache", (*REFUSED_ROUTES, "metrics"))  # /metrics too
         self.snapshot_writes = Counter(
             "switchboard_cache_snapshot_writes_total",
             "Writes of the in-memory node's --snapshot-file by result (ok|error: a full or read-only disk).",
@@ -333,12 +328,12 @@ def create_app(
 
     app = FastAPI(title="Switchboard cache node", lifespan=lifespan, **fastapi_options())
     install_error_handlers(app)
-    app.add_route("/metrics", guarded_metrics(metrics_endpoint(registry), cluster_token, metrics_token_from_env()))
-    app.add_route("/debug/spans", guarded(recent_spans_endpoint, cluster_token,
-                                          on_refused=lambda _: metrics.refused.labels("debug_spans").inc()))
+    app.add_route("/metrics", guarded_metrics(metrics_endpoint(registry), cluster_token, metrics_token_from_env(),
+                                              refusals=metrics.refusals))
+    app.add_route("/debug/spans", guarded(recent_spans_endpoint, cluster_token, refusals=metrics.refusals))
     def hop(route: str) -> list[Any]:  # the cluster-token check of one API, its refusals counted under its route
         return [Depends(require_cluster_token(cluster_token, f"the cache node's {REFUSED_ROUTES[route]}",
-                                              lambda _: metrics.refused.labels(route).inc()))]
+                                              metrics.refusals.on(route)))]
 
     if cluster_token is None:
         log.warning("no cluster token (SWITCHBOARD_CLUSTER_TOKEN): anyone who reaches this port can read and "

@@ -8,10 +8,16 @@ admin token on the control plane's ``/admin/v1``.
     app.add_route("/metrics", guarded_metrics(view, token, metrics_token_from_env()))  # either opens it
     headers = scrape_headers(token, metrics_token)      # what a scraper presents: the metrics token, else the cluster's
     admin = RequireBearer(admin_token, "the admin API", closed_without_token="...")  # closed when unset
+    refusals = RefusalMetrics(registry, "shard", ("chat", "debug_spans", "metrics"))  # every route at 0
+    app.add_route("/metrics", guarded_metrics(view, token, metrics_token, refusals=refusals))  # counted as "metrics"
+    check = require_cluster_token(token, "the shard's chat API", refusals.on("chat"))
 
 `RequireBearer` is the one mechanism (constant-time compare, OpenAI-shaped 401 with
 ``WWW-Authenticate: Bearer``, a warning with the caller's address, an `on_refused` hook for a
-counter); `require_cluster_token` is it for the cluster token, open without one.
+counter); `require_cluster_token` is it for the cluster token, open without one. Every refusal of a
+token guard is counted in its process's `switchboard_<process>_refused_total{route}` (`RefusalMetrics`:
+`guarded` counts under ``debug_spans``, `guarded_metrics` under ``metrics``); a user's bad API key on the
+gateway is not a token guard's refusal (it is switchboard_gateway_requests_total{code}).
 
 What needs it: registering in the embedded registry (control_plane/registry/embedded.py), a shard's
 chat API (generation and token counts: the gateway's `Upstream` presents it), a cache node's
@@ -36,6 +42,7 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -53,6 +60,36 @@ TOKENS_HELP = (f"Tokens come from the environment only: {CLUSTER_TOKEN_ENV}, the
                "caller without 'Authorization: Bearer <either>'; with neither set the process runs open. "
                "`switchboard up` makes both (STATE_DIR/credentials.json).")
 """The part of `switchboard gateway|shard|cache-node --help` that says where their tokens come from."""
+
+
+class RefusalMetrics:
+    """``switchboard_<process>_refused_total{route}``: requests a token guard of `process` refused (a missing or
+    wrong cluster or metrics token), by route; every route in `routes` (a fixed set) exists at 0 from start-up.
+
+        refusals = RefusalMetrics(registry, "gateway", ("debug_spans", "metrics"))
+        guarded(recent_spans_endpoint, token, refusals=refusals)   # refusals counted under "debug_spans"
+        require_cluster_token(token, "the shard's chat API", refusals.on("chat"))
+    """
+
+    def __init__(self, registry: CollectorRegistry, process: str, routes: tuple[str, ...]) -> None:
+        self.routes = routes
+        self.refused = Counter(f"switchboard_{process}_refused_total",
+                               "Requests refused for a missing or wrong cluster (or metrics) token, by route "
+                               f"({'|'.join(routes)}).", ["route"], registry=registry)
+        for route in routes:
+            self.refused.labels(route)
+
+    def on(self, route: str) -> Callable[[Request], None]:
+        """An `on_refused` hook counting under `route` (one of `routes`: the label set stays bounded)."""
+        if route not in self.routes:
+            raise ValueError(f"{route!r} is not one of this counter's routes {self.routes}")
+        child = self.refused.labels(route)
+        return lambda _request: child.inc()
+
+
+def _hook(on_refused: Callable[[Request], None] | None, refusals: RefusalMetrics | None,
+          route: str) -> Callable[[Request], None] | None:
+    return on_refused if refusals is None else refusals.on(route)
 
 
 def cluster_token_from_env() -> str | None:
@@ -132,17 +169,21 @@ def require_cluster_token(token: str | None, what: str,
 
 
 def guarded(endpoint: Callable[[Request], Awaitable[Response]], token: str | None, what: str = "/debug/spans",
-            on_refused: Callable[[Request], None] | None = None) -> Callable[[Request], Awaitable[Response]]:
-    """A Starlette route endpoint that answers 401 (OpenAI-shaped) without the cluster token."""
-    return _wrapped(endpoint, require_cluster_token(token, what, on_refused))
+            on_refused: Callable[[Request], None] | None = None, *, refusals: RefusalMetrics | None = None,
+            route: str = "debug_spans") -> Callable[[Request], Awaitable[Response]]:
+    """A Starlette route endpoint that answers 401 (OpenAI-shaped) without the cluster token; refusals
+    counted in `refusals` under `route` when given."""
+    return _wrapped(endpoint, require_cluster_token(token, what, _hook(on_refused, refusals, route)))
 
 
 def guarded_metrics(endpoint: Callable[[Request], Awaitable[Response]], cluster_token: str | None,
-                    metrics_token: str | None, on_refused: Callable[[Request], None] | None = None) -> Callable[[Request], Awaitable[Response]]:
+                    metrics_token: str | None, on_refused: Callable[[Request], None] | None = None, *,
+                    refusals: RefusalMetrics | None = None) -> Callable[[Request], Awaitable[Response]]:
     """`/metrics` behind the metrics token or the cluster token (either opens it): a 401 in the shape
-    `guarded` answers, with no series, for anyone else; open when neither token is set."""
+    `guarded` answers, with no series, for anyone else (counted in `refusals` under ``metrics``); open
+    when neither token is set."""
     guard = RequireBearer((metrics_token, cluster_token), "/metrics", code="invalid_metrics_token",
-                          on_refused=on_refused, refused="/metrics needs the metrics or the cluster token: send "
+                          on_refused=_hook(on_refused, refusals, "metrics"), refused="/metrics needs the metrics or the cluster token: send "
                           f"'Authorization: Bearer <{METRICS_TOKEN_ENV} or {CLUSTER_TOKEN_ENV}>'")
     return _wrapped(endpoint, guard)
 

@@ -30,6 +30,7 @@ from starlette.types import Receive, Scope, Send
 from data_plane.common.errors import ModelNotFound, Overloaded, install_error_handlers, render
 from data_plane.common.hop_auth import (
     TOKENS_HELP,
+    RefusalMetrics,
     cluster_token_from_env,
     guarded,
     guarded_metrics,
@@ -45,6 +46,7 @@ from data_plane.gateway.chat_store import StoredChatHandler, mount_chat_store
 from data_plane.gateway.context import TokenCounter
 from data_plane.gateway.conversations import mount_conversations
 from data_plane.gateway.keys_file import checked_keys, hot_keys
+from data_plane.gateway.metrics import REFUSED_ROUTES
 from data_plane.gateway.response_store import ConversationStore
 from data_plane.gateway.responses import RESPONSES_PATH, ResponsesHandler, mount_responses
 from data_plane.gateway.responses_background import BackgroundMetrics, BackgroundRuns, Detach
@@ -111,7 +113,8 @@ def create_app(gw: Gateway) -> GatewayApp:
                   description="OpenAI-compatible chat completions with server-side sessions.")
     install_error_handlers(app)
     background_metrics = BackgroundMetrics(gw.registry)
-    app.add_route("/debug/spans", guarded(recent_spans_endpoint, cluster_token_from_env()))
+    refusals = RefusalMetrics(gw.registry, "gateway", REFUSED_ROUTES)  # token refusals, every route at 0
+    app.add_route("/debug/spans", guarded(recent_spans_endpoint, cluster_token_from_env(), refusals=refusals))
     scrape = metrics_endpoint(gw.registry)
 
     async def metrics_view(request: Request) -> Response:
@@ -124,7 +127,8 @@ def create_app(gw: Gateway) -> GatewayApp:
         return await scrape(request)
 
     # its series name tenants and their token volumes, on the public chat port: Prometheus's token only
-    app.add_route("/metrics", guarded_metrics(metrics_view, cluster_token_from_env(), metrics_token_from_env()))
+    app.add_route("/metrics", guarded_metrics(metrics_view, cluster_token_from_env(), metrics_token_from_env(),
+                                              refusals=refusals))
 
     @app.get("/health")
     async def health() -> JSONResponse:

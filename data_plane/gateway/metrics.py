@@ -103,6 +103,11 @@ def request_code(code: str) -> RequestCode:
     return _CODES.get(code, RequestCode.OTHER)
 
 
+REFUSED_ROUTES = ("debug_spans", "metrics")
+"""``switchboard_gateway_refused_total``'s route label: the gateway's token-guarded routes (data_plane/common/
+hop_auth.py RefusalMetrics). A bad API key on the chat API is a user's 401, counted in
+switchboard_gateway_requests_total{code="invalid_api_key"}, not here."""
+
 HOLDBACK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 

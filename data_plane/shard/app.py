@@ -44,6 +44,7 @@ from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, CLIENT_DISCONNECT
 from data_plane.common.errors import InvalidRequest, ModelNotFound, Overloaded, SwitchboardError, install_error_handlers
 from data_plane.common.hop_auth import (
     TOKENS_HELP,
+    RefusalMetrics,
     cluster_headers,
     cluster_token_from_env,
     guarded,
@@ -78,7 +79,7 @@ from data_plane.shard.group_exit import GroupExit
 from data_plane.shard.kv_reports import KVReportMetrics, KVReports
 from data_plane.shard.kv_seal import KVSealer, kv_keyring
 from data_plane.shard.kv_tier import KVTier, start_kv_tier
-from data_plane.shard.metrics import ShardMetrics
+from data_plane.shard.metrics import REFUSED_ROUTES, ShardMetrics
 from data_plane.shard.settings import ShardSettings
 from data_plane.shard.stage_view import record_stage_spans, stage_meta, stage_ranges
 
@@ -178,14 +179,16 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
     app = FastAPI(title="Switchboard shard", version="0.1.0", lifespan=lifespan, **fastapi_options())
     install_error_handlers(app)
     install_http_metrics(app, registry)
-    app.add_route("/debug/spans", guarded(recent_spans_endpoint, cluster_token_from_env()))
+    refusals = RefusalMetrics(registry, "shard", REFUSED_ROUTES)  # token refusals, every route at 0
+    app.add_route("/debug/spans", guarded(recent_spans_endpoint, cluster_token_from_env(), refusals=refusals))
 
     async def metrics_view(request: Request) -> Response:
         if state.ready:
             metrics.observe_engine(engine, settings.kv_block_size, settings.dtype)
         return await metrics_endpoint(registry)(request)
 
-    app.add_route("/metrics", guarded_metrics(metrics_view, cluster_token_from_env(), metrics_token_from_env()))
+    app.add_route("/metrics", guarded_metrics(metrics_view, cluster_token_from_env(), metrics_token_from_env(),
+                                              refusals=refusals))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -225,7 +228,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
             raise InvalidRequest("a continued tool envelope is served streamed only (a resume)", param="stream")
         return req
 
-    hop = [Depends(require_cluster_token(cluster_token_from_env(), "the shard's chat API"))]
+    hop = [Depends(require_cluster_token(cluster_token_from_env(), "the shard's chat API", refusals.on("chat")))]
 
     @app.post(INPUT_TOKENS_PATH, dependencies=hop)
     async def input_tokens(request: Request) -> dict[str, Any]:

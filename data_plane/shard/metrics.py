@@ -48,6 +48,9 @@ SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 WAITING_REASONS = ("capacity",)
 """Why requests wait: for a batch slot. vLLM's ``deferred`` (waiting on a KV transfer) does not happen
 here: a shard fetches KV from the cache nodes before it queues the request."""
+REFUSED_ROUTES = ("chat", "debug_spans", "metrics")
+"""``switchboard_shard_refused_total``'s route label (data_plane/common/hop_auth.py RefusalMetrics): the chat
+API (completions and input token counts) without the cluster token, /debug/spans, /metrics."""
 
 
 def finished_reason(reason: str | None) -> str:

@@ -206,6 +206,12 @@ def test_a_used_login_link_stays_spent_when_up_restarts_the_console(tmp_path):
                 assert time.monotonic() < deadline, shown
                 time.sleep(0.3)
             assert "Admin token" in shown and "Log out" not in shown, shown  # the login form, not the console
+        # and the restarted console's own link reached the operator where the first one did (it was told none)
+        fresh = LINK.search((tmp_path / ".switchboard" / "console_login").read_text())
+        assert fresh and fresh.group(1) != link, (tmp_path / "up.log").read_text()
+        assert fresh.group(2) not in (tmp_path / "up.log").read_text()
+        with Chromium() as browser:
+            browser.capture(fresh.group(1), tmp_path / "relinked.png", expect=["Overview", "Updated "])
     finally:
         stop_up(proc)
 

@@ -184,3 +184,46 @@ def test_one_slow_answer_after_up_itself_paused_is_not_a_hang(
         gateway.stop(signal.SIGKILL)
         if gateway.proc is not None:
             gateway.proc.wait(5)
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_a_restarted_console_gets_a_fresh_login_link_to_the_operator(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tty: bool) -> None:
+    """`up` wrote the console's login link to STATE/console_login (or printed it); a console its supervisor
+    restarted got a fresh code nobody was told: the file held a dead link and no link logged anyone in."""
+    from control_plane.launcher import LOGIN_CODE_ENV, relink_console
+    from control_plane.up_banner import LOGIN_LINK_FILE, save_login_link
+
+    monkeypatch.setattr(supervisor, "RESTART_BACKOFF_S", (0.01,))
+    script = f"import os, time; print(os.environ[{LOGIN_CODE_ENV!r}], flush=True); time.sleep(60)"
+    child = Child("console", [], "http://127.0.0.1:8501", tmp_path / "console.log",
+                  env={LOGIN_CODE_ENV: "first-code"}, command=[sys.executable, "-c", script])
+    sup = Supervisor([child], before_restart=relink_console(tmp_path, tty))
+    if not tty:
+        save_login_link(tmp_path, "http://127.0.0.1:8501/?token=first-code")  # as the banner left it
+    def printed(n: int) -> list[str]:  # the codes each run of the console got, as it printed them
+        deadline = time.monotonic() + 10
+        while len(found := child.log_path.read_text().split()) < n:
+            assert time.monotonic() < deadline, found
+            time.sleep(0.02)
+        return found
+
+    child.start()
+    try:
+        printed(1)
+        _death_noticed(sup, child)
+        _restarted(sup, child)
+        codes = printed(2)
+        assert codes[0] == "first-code" and codes[1] != "first-code"  # a spent code stays spent
+        link = f"http://127.0.0.1:8501/?token={codes[1]}"  # what the restarted console accepts
+        out = capsys.readouterr().out
+        if tty:
+            assert link in out and not (tmp_path / LOGIN_LINK_FILE).exists()
+        else:
+            assert codes[1] not in out and str(tmp_path / LOGIN_LINK_FILE) in out  # never in up.log
+            assert (tmp_path / LOGIN_LINK_FILE).read_text() == link + "\n"
+            assert (tmp_path / LOGIN_LINK_FILE).stat().st_mode & 0o777 == 0o600
+    finally:
+        child.stop(signal.SIGKILL)
+        if child.proc is not None:
+            child.proc.wait(5)

@@ -9,13 +9,14 @@ or the read-only metrics token (SWITCHBOARD_METRICS_TOKEN), which opens nothing 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 
 from tests.support.chat import assert_openai_error, chat
 from tests.support.cluster import KEYS, Cluster, api_keys_env
-from tests.support.metrics import metric, metric_in, scrape
+from tests.support.metrics import metric, metric_in, scrape, series
 from tests.support.procs import CLUSTER_TOKEN, METRICS_HEADERS, METRICS_TOKEN, Service
 from tests.support.waits import eventually
 
@@ -58,6 +59,44 @@ def test_a_cache_nodes_refusals_are_counted_under_the_route_refused(cluster: Clu
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_cluster_token", (path, r.text)
         after = {r: metric(node, "switchboard_cache_refused_total", route=r) for r in calls}
         assert after == {**before, route: before[route] + 1}, (path, before, after)
+
+
+REFUSALS: dict[str, tuple[str, dict[str, tuple[str, str, Any]]]] = {"gateway": ("switchboard_gateway_refused_total", {"debug_spans": ("GET", "/debug/spans", None),
+                                                              "metrics": ("GET", "/metrics", None)}),
+            "shard": ("switchboard_shard_refused_total", {
+                "chat": ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                "debug_spans": ("GET", "/debug/spans", None), "metrics": ("GET", "/metrics", None)}),
+            "cache": ("switchboard_cache_refused_total", {"metrics": ("GET", "/metrics", None)}),
+            "control_plane": ("switchboard_control_plane_refused_total", {
+                "debug_spans": ("GET", "/debug/spans", None), "metrics": ("GET", "/metrics", None)})}
+
+
+def test_every_token_refusal_is_counted_on_the_process_that_refused_it(cluster: Cluster) -> None:
+    """A shard's chat API called without the cluster token answered 401 and no counter moved; /metrics
+    refused a scraper (401 invalid_metrics_token) uncounted on every process, as was the gateway's
+    /debug/spans: a member or a Prometheus with the wrong token was visible only in the logs. Each is
+    counted under its route, every route's series there at 0 before the first refusal."""
+    procs = {"gateway": cluster.gateway, "shard": cluster.shards[0], "cache": cluster.caches[0],
+             "control_plane": cluster.control_plane}
+    for proc, (name, calls) in REFUSALS.items():
+        url = procs[proc].url
+        text = scrape(url)
+        assert all(series(text, name, route=r) for r in calls), (name, [r for r in calls if not series(text, name, route=r)])
+        for route, (method, path, body) in calls.items():
+            before = {r: metric(url, name, route=r) for r in calls}
+            r = httpx.request(method, url + path, json=body, headers={"Authorization": "Bearer wrong"}, timeout=30)
+            assert r.status_code == 401, (proc, path, r.text)
+            after = {r: metric(url, name, route=r) for r in calls}
+            assert after == {**before, route: before[route] + 1}, (proc, path, before, after)
+
+
+def test_a_bad_api_key_is_a_requests_code_not_a_token_refusal(cluster: Cluster) -> None:
+    """The gateway's user-facing 401s are counted once, in switchboard_gateway_requests_total{code}."""
+    gw = cluster.gateway.url
+    before = metric(gw, "switchboard_gateway_refused_total")
+    r = chat(gw, "plus", "hello", max_tokens=2, key="sk-not-a-key-0123456789")
+    assert_openai_error(r, 401, "invalid_api_key")
+    assert metric(gw, "switchboard_gateway_refused_total") == before
 
 
 def test_debug_spans_need_the_cluster_token_on_every_process(cluster: Cluster) -> None:
