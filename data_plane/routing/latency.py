@@ -51,7 +51,9 @@ class LatencyConfig:
     """Time constant of the peak-EWMA: how fast an estimate forgets a slow sample (Linkerd/Finagle: 10 s)."""
     spill_factor: float = 3.0
     """A session leaves its shard when that shard's estimate is above this many times the median of the
-    others (0: sessions never leave for latency)."""
+    others (0: sessions never leave for latency). The gateway's `--latency-spill-factor` defaults to 0: time to
+    first token includes prefill, so a shard that holds the long-prompt sessions looks slow as well, and moving
+    them costs their KV locality; an operator whose prompts are short turns it on."""
     spill_floor_s: float = 1.0
     """... and above this many seconds (fast fleets' jitter never moves sessions)."""
     min_slow_samples: int = 2

@@ -19,7 +19,7 @@ from tests.support.metrics import metric
 from tests.support.procs import Service
 from tests.support.waits import eventually
 
-GATEWAY_ARGS = ["--latency-spill-floor-s", "0.3", "--silence-timeout-s", "10", "--routing-policy", "affinity"]
+GATEWAY_ARGS = ["--latency-spill-factor", "3", "--latency-spill-floor-s", "0.3", "--silence-timeout-s", "10", "--routing-policy", "affinity"]
 """A lower floor than the default 1 s, so a stop of 0.7 s per cycle (under the shards' 0.8 s membership TTL)
 makes a clear outlier; silence well above the stop, so the stopped shard is slow, never failed (no ejection
 is involved). Affinity: a session returns to its ring shard once that is fast (under kv_aware it stays
