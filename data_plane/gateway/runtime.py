@@ -51,6 +51,7 @@ from data_plane.membership.embedded import HttpMembership
 from data_plane.membership.factory import membership_from_url
 from data_plane.membership.view import Member, MembershipView, StaticMembership
 from data_plane.routing.hop_client import HOP_EVENTS, HopPool
+from data_plane.routing.latency import LatencyConfig
 from data_plane.routing.outliers import OutlierConfig
 from data_plane.routing.router import Router, RouterMetrics
 from data_plane.routing.upstream import Upstream, UpstreamConfig
@@ -195,7 +196,12 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
                     outliers=OutlierConfig(threshold=settings.outlier_failure_percent,
                                            request_volume=settings.outlier_request_volume,
                                            window_s=settings.outlier_window_s,
-                                           max_ejection_percent=settings.outlier_max_ejection_percent))
+                                           max_ejection_percent=settings.outlier_max_ejection_percent),
+                    latency=LatencyConfig(enabled=settings.latency_aware, decay_s=settings.latency_decay_s,
+                                          spill_factor=settings.latency_spill_factor,
+                                          spill_floor_s=settings.latency_spill_floor_s,
+                                          min_slow_samples=settings.latency_spill_min_samples,
+                                          slow_window_s=settings.latency_slow_window_s))
     hop_events = {event: gw.metrics.hop_connections.labels(event) for event in HOP_EVENTS}
     pool = HopPool(connect_timeout_s=settings.connect_timeout_s, on_event=lambda event: hop_events[event].inc())
     stack.push_async_callback(pool.aclose)

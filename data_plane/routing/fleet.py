@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -156,6 +156,9 @@ class ShardFleet:
         self.total_load = 0
         self.changes = 0
         """Membership changes applied (each updates the rings once)."""
+        self.cost: Callable[[str, int], float] | None = None
+        """(shard id, outstanding) -> what power of two choices compares (routing/latency.py: latency x
+        (outstanding + 1)); None: outstanding requests alone."""
         self._last: Sequence[Member] | None = None
 
     def __len__(self) -> int:
@@ -295,11 +298,16 @@ class Scope:
                 continue
             picked.append(m)
             if len(picked) == 2:
-                a, b = picked
-                return a if self.load(a.id) <= self.load(b.id) else b
+                return self._cheaper(*picked)
         ok = [m for m in members if m.id not in skip]
         a, b = rng.sample(ok, 2)
-        return a if self.load(a.id) <= self.load(b.id) else b
+        return self._cheaper(a, b)
+
+    def _cheaper(self, a: Member, b: Member) -> Member:
+        cost = self.fleet.cost
+        if cost is None:
+            return a if self.load(a.id) <= self.load(b.id) else b
+        return a if cost(a.id, self.load(a.id)) <= cost(b.id, self.load(b.id)) else b
 
     def _least_loaded(self) -> Member:
         ok = [m for m in self.members if m.id not in self.skip]

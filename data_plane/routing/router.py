@@ -22,6 +22,11 @@ never consecutive); when that expires the next decision sends the shard a
 single probe (half-open); success closes the circuit, failure opens it again. Every failure, retry
 and state change is a metric (reasons from :class:`~data_plane.routing.failures.FailureReason`,
 bounded), a span event on the current span and a log line.
+
+A shard that is slow but fails nothing is handled by latency (data_plane/routing/latency.py, on by
+default): ``router.observe_latency(shard, seconds)`` after each first token feeds a peak-EWMA; power of
+two choices compares latency x (outstanding + 1), and a session's turn leaves a shard that is a clear
+latency outlier for the policy's choice without it (``switchboard_router_latency_spills_total``).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from data_plane.membership.view import Member, MembershipView
 from data_plane.routing.failures import Circuit, CircuitState, FailureReason
 from data_plane.routing.fleet import Scope, ShardFleet
 from data_plane.routing.kv_routing import KVAwarePolicy, KVReports
+from data_plane.routing.latency import LatencyConfig, ShardLatency, Slowness
 from data_plane.routing.outliers import COUNTED, FailurePercentage, OutlierConfig
 from data_plane.routing.policies import AffinityPolicy, LeastLoadedPolicy, Policy
 
@@ -86,6 +92,18 @@ class RouterMetrics:
             "Routing decisions where the healthy shards span zones, by locality: local (own zone), spill "
             "(own zone too loaded: all zones), remote (no healthy shard in the own zone).", ["locality"],
             registry=registry)
+        self.latency_spills = Counter(
+            "switchboard_router_latency_spills",
+            "Session turns sent away from their shard because it was a latency outlier (its time-to-first-token "
+            "estimate far above the other shards'), by reason: outlier (routed elsewhere) or no_alternative "
+            "(no other shard in routing: served there as before).", ["reason"], registry=registry)
+        for why in LATENCY_SPILL_REASONS:
+            self.latency_spills.labels(why)
+        self.shard_latency = Gauge(
+            "switchboard_router_shard_latency_seconds",
+            "This router's peak-EWMA estimate of each shard's time to first token (label: shard id, removed "
+            f"when the shard leaves membership; the first {MAX_LATENCY_SERIES} shards only).", ["shard"],
+            registry=registry)
 
 
 POLICIES: dict[str, Callable[[float, random.Random], Policy]] = {
@@ -96,6 +114,9 @@ POLICIES: dict[str, Callable[[float, random.Random], Policy]] = {
 
 _NOTHING: frozenset[str] = frozenset()
 EJECTION_REASONS = ("consecutive", "failure_percentage", "probe")
+LATENCY_SPILL_REASONS = ("outlier", "no_alternative")
+MAX_LATENCY_SERIES = 256
+"""Shards with a latency gauge series per router (bounded: a 10,000-shard fleet gets no 10,000 series)."""
 
 
 class Router:
@@ -114,6 +135,7 @@ class Router:
         zone: str | None = None,
         zone_slack: float = 0.25,
         outliers: OutlierConfig | None = None,
+        latency: LatencyConfig | None = None,
     ) -> None:
         """`zone`: this router's zone; it then prefers shards announcing the same zone and spills
         to other zones only when its own has none healthy or is loaded past `zone_slack`
@@ -121,7 +143,8 @@ class Router:
 
         A view with ``subscribe`` (the registry and Consul watchers, StaticMembership) is read
         once per change; one without is asked per decision and compared with the last list.
-        `outliers`: failure-percentage ejection (data_plane/routing/outliers.py; threshold 0: off)."""
+        `outliers`: failure-percentage ejection (data_plane/routing/outliers.py; threshold 0: off).
+        `latency`: latency-aware choice (data_plane/routing/latency.py; enabled=False: off)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; choose from {sorted(POLICIES)}")
         self.membership = membership
@@ -138,6 +161,15 @@ class Router:
         """Shards with recent failures; a shard without an entry is CLOSED."""
         self.fleet = ShardFleet()
         """The incremental view every decision reads (data_plane/routing/fleet.py)."""
+        latency = latency or LatencyConfig()
+        self.latency: ShardLatency | None = ShardLatency(latency, clock) if latency.enabled else None
+        """Per-shard time-to-first-token estimates (None: latency-aware routing off)."""
+        if self.latency is not None:
+            self.fleet.cost = self.latency.cost
+        self._slow: set[str] = set()
+        """Shards whose sessions are being sent elsewhere (logged on entry and exit, not per request)."""
+        self._gauged: set[str] = set()
+        self._gauged_at = -1e18
         self._stale = True
         subscribe = getattr(membership, "subscribe", None)
         self._subscribed = subscribe is not None
@@ -167,6 +199,12 @@ class Router:
                 for gone in [mid for mid in self._circuits if mid not in fleet.by_id]:
                     del self._circuits[gone]
                 self.outliers.keep_only(fleet.by_id)
+                if self.latency is not None:
+                    self.latency.keep_only(fleet.by_id)
+                    self._slow.intersection_update(fleet.by_id)
+                    for gone in [sid for sid in self._gauged if sid not in fleet.by_id]:
+                        self._gauged.discard(gone)
+                        self.metrics.shard_latency.remove(gone)
                 log.info("routing view: %d shards (change %d)", len(fleet), fleet.changes)
         return fleet
 
@@ -192,6 +230,8 @@ class Router:
             skip = skip | {mid for mid in exclude if mid in fleet.by_id}
         scope = self._zone_scope(fleet, skip) if self.zone is not None else fleet.scope(skip)
         chosen = self.policy.choose(scope, session_id)
+        if session_id and self.latency is not None:
+            chosen = self._avoid_slow(fleet, scope, skip, chosen, session_id)
         self._decided[self.policy.name if session_id else "least_loaded"].inc()
         outcome = getattr(self.policy, "last_outcome", None)
         if session_id and outcome is not None:
@@ -199,6 +239,53 @@ class Router:
             trace.get_current_span().set_attribute("switchboard.router.expected_cached_tokens",
                                                    getattr(self.policy, "last_expected_cached", 0))
         return chosen
+
+    def _avoid_slow(self, fleet: ShardFleet, scope: Scope, skip: frozenset[str] | set[str], chosen: Member,
+                    session_id: str) -> Member:
+        """`chosen` for a session, unless it is a latency outlier: then the policy's choice without it, as the
+        bounded-load spill does (the session's transcript and KV come from the cache tier there)."""
+        assert self.latency is not None
+        slow = self.latency.outlier(chosen.id)
+        if slow is None:
+            if chosen.id in self._slow:
+                self._slow.discard(chosen.id)
+                log.info("shard %s is no latency outlier any more; its sessions stay on it", chosen.id)
+            return chosen
+        without = set(skip) | {chosen.id}
+        other = fleet.scope(without, scope.zone)
+        if other.n <= 0 and scope.zone is not None:
+            other = fleet.scope(without)
+        if other.n <= 0:
+            self._latency_spill(chosen, slow, None)
+            return chosen
+        spilled = self.policy.choose(other, session_id)
+        self._latency_spill(chosen, slow, spilled)
+        return spilled
+
+    def _latency_spill(self, slow_shard: Member, slow: Slowness, to: Member | None) -> None:
+        why = "outlier" if to is not None else "no_alternative"
+        self.metrics.latency_spills.labels(why).inc()
+        trace.get_current_span().add_event("router.latency_spill", {
+            "shard": slow_shard.id, "to": to.id if to is not None else "", "reason": why,
+            "estimate_s": round(slow.estimate_s, 3), "median_s": round(slow.median_s, 3)})
+        if slow_shard.id not in self._slow:
+            self._slow.add(slow_shard.id)
+            log.warning("shard %s is a latency outlier (time to first token ~%.2f s, other shards' median "
+                        "%.2f s): its sessions go to other shards until it is fast again", slow_shard.id,
+                        slow.estimate_s, slow.median_s)
+
+    def observe_latency(self, member: Member, seconds: float) -> None:
+        """`member` took `seconds` from the request to its first token (the upstream calls this)."""
+        if self.latency is None or member.id not in self._refresh().by_id:
+            return  # a stream that outlived its shard's membership: nothing to route by any more
+        self.latency.observe(member.id, seconds)
+        now = self.clock()
+        if now - self._gauged_at >= self.latency.config.refresh_s:
+            self._gauged_at = now
+            for sid, est in self.latency.snapshot().items():
+                if sid in self._gauged or len(self._gauged) < MAX_LATENCY_SERIES:
+                    self._gauged.add(sid)
+                    self.metrics.shard_latency.labels(sid).set(est)
 
     def _unhealthy(self, exclude: set[str] | frozenset[str]) -> tuple[frozenset[str] | set[str], str | None]:
         """Shards out of routing (circuit open or half-open), and the one to probe.

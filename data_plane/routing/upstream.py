@@ -197,7 +197,8 @@ class Upstream:
         leases.enter_context(self.router.lease(member))
         span = trace.get_current_span()
         span.set_attribute("switchboard.shard", member.id)
-        first_token_by = asyncio.get_running_loop().time() + cfg.first_token_timeout_s
+        sent_at = asyncio.get_running_loop().time()
+        first_token_by = sent_at + cfg.first_token_timeout_s
         silence = silence_for(member.meta.get(KEEPALIVE_META), cfg.silence_timeout_s)
         response: ShardResponse | None = None
         try:
@@ -214,6 +215,9 @@ class Upstream:
             _close(response)
             leases.close()
             raise
+        # Successes only: failures (timeouts included) are ejection's to judge (outliers.py); counted here
+        # too, a link stalling every other call drew so little traffic it never reached the outlier volume.
+        self.router.observe_latency(member, asyncio.get_running_loop().time() - sent_at)
         self.router.report_success(member)
         if chain is not None:  # only once it streams: a shard that failed first holds no KV of it
             self.router.observe_kv(session_id, member.id, chain[1], chain[0])

@@ -23,7 +23,7 @@ from data_plane.membership.view import Member, StaticMembership
 from data_plane.protocol import ShardRequest
 from data_plane.routing.failures import CircuitState, FailureReason
 from data_plane.routing.hop_client import HopConnectError, HopDisconnected
-from data_plane.routing.router import EJECTION_REASONS, Router, RouterMetrics
+from data_plane.routing.router import EJECTION_REASONS, LATENCY_SPILL_REASONS, Router, RouterMetrics
 from data_plane.routing.upstream import Delta, Finish, ToolCallDelta, Upstream, UpstreamConfig, UsageEvent
 from tests.support.clock import FakeClock
 
@@ -251,7 +251,8 @@ async def test_failure_labels_stay_bounded_whatever_the_shard_answers() -> None:
     assert count(registry, "switchboard_router_upstream_failures_total", reason="status_5xx") == 1
     assert count(registry, "switchboard_router_resumes_total", reason="stream_error") == 1
     labels = {s.labels.get("reason") for m in registry.collect() for s in m.samples if "reason" in s.labels}
-    assert labels <= {r.value for r in FailureReason} | set(EJECTION_REASONS)  # ejections: why it was ejected
+    # ejections: why it was ejected; latency spills: why a session left its shard
+    assert labels <= {r.value for r in FailureReason} | set(EJECTION_REASONS) | set(LATENCY_SPILL_REASONS)
 
 
 def test_a_shard_circuit_goes_closed_open_half_open_closed() -> None:
