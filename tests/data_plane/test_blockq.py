@@ -156,8 +156,12 @@ def test_policy_blockq_where_it_loads_and_its_exact_path_for_the_exact_mode() ->
         resolve_plan("float16", "int4", source="q4", caps=native, kernel="blockq_x2")
     with pytest.raises(ValueError, match="must be one of"):
         resolve_plan("auto", "auto", source="q4", caps=native, kernel="blockq_int8")
-    # where blockq did not build, two planes by name are torch's kernels (a pipeline stage refuses that)
-    assert resolve_plan("auto", "auto", source="q4", caps=none, kernel="blockq_x2").kernel_choice == "torch"
+    # where blockq did not build, two planes by name are torch's kernels (a pipeline stage refuses that) with
+    # float32 activations, the exact mode: the greedy tokens asked for (it served bf16 on torch's fast kernels)
+    plan = resolve_plan("auto", "auto", source="q4", caps=none, kernel="blockq_x2")
+    assert (plan.kernel_choice, plan.dtype, plan.dtype_reason, plan.quantization) == (
+        "torch", "float32", DtypeReason.EXACT_KERNEL, "int4")
+    assert resolve_plan("bfloat16", "auto", source="q4", caps=none, kernel="blockq_x2").dtype == "bfloat16"
     # torch's weight-only kernels need bf16 activations to be fast
     plan = resolve_plan("auto", "auto", source="q4", caps=none)
     assert (plan.dtype, plan.dtype_reason, plan.kernel) == ("bfloat16", DtypeReason.QUANTIZED_KERNEL, "torch")

@@ -256,7 +256,10 @@ def resolve_plan(dtype: str, quantization: str, *, source: str, caps: CpuCaps, k
     # blockq serves quantized weights wherever it loaded. The exact mode (float32 asked for together with a
     # quantized format, or blockq_exact by name) keeps float32 activations on it (blockq_exact.c); where
     # blockq did not load, and for float16, torch's kernels, which dequantize the GGUF's blocks exactly.
-    exact = (kernel == "blockq_exact" or (dtype == "float32" and quantization != "auto" and kernel == "auto"))
+    exact = (kernel == "blockq_exact" or (dtype == "float32" and quantization != "auto" and kernel == "auto")
+             # two planes by name where blockq did not build: what they are for (float32 dense's greedy tokens)
+             # is torch's exact kernels with float32 activations, not its fast bf16 ones
+             or (kernel == "blockq_x2" and not caps.blockq and dtype in ("auto", "float32")))
     if quant == "none" or not caps.blockq or kernel == "torch" or dtype == "float16":
         kernel = "torch"  # blockq takes float32 or bf16 activations only
     elif exact:
