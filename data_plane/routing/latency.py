@@ -13,10 +13,13 @@ sessions: first tokens up to 18 s late while the other shards idled.
 
 The estimate is Finagle's / Linkerd's peak-EWMA: a sample slower than the estimate replaces it at once;
 a faster one is blended in with weight ``1 - exp(-dt / decay_s)`` (dt: time since the last sample), so
-the estimate falls back over about ``decay_s`` of fast answers. Read, it decays toward 0 with the time
-since the last sample (Linkerd's ``PeakEwma``): a shard nobody sends to any more looks cheaper and
-cheaper until it gets a request again, which measures it anew. That is the probe of a shard routing
-avoids; no timer is involved.
+the estimate falls back over about ``decay_s`` of fast answers. Read, an estimate above the fleet's
+median decays toward that median with the time since its last sample: a shard nobody sends to any more
+comes to cost what an unmeasured shard costs, gets requests again by its outstanding count, and so is
+measured anew. That is the probe of a shard routing avoids; no timer is involved. Not toward 0 as in
+Linkerd's ``PeakEwma``: there two equally fast shards idle for a minute came out of it e^(dt/decay_s)
+apart (dt: between their last samples), and the whole next burst, up to a first token, went to the one
+measured longer ago. An estimate at or below the median keeps its value (it is cheap, so it is measured).
 
 Sessionless requests compare ``estimate x (outstanding + 1)`` of two random shards (Linkerd's cost);
 an unmeasured shard counts as the fleet's median, so a new shard gets its share at once. Sessions keep
@@ -97,6 +100,8 @@ class ShardLatency:
         self._snap_at = -math.inf
         self._snap_values: list[float] = []
         self._snap_of: dict[str, float] = {}
+        self._snap_median: float | None = None
+        """The median of the last snapshot: what an estimate decays toward while unmeasured."""
 
     def __len__(self) -> int:
         return len(self._est)
@@ -118,18 +123,24 @@ class ShardLatency:
                 e.slow.append(now)
 
     def estimate(self, shard_id: str, now: float | None = None) -> float | None:
-        """Seconds now (decayed toward 0 since the last sample); None for a shard never measured."""
+        """Seconds now (above the fleet median: decayed toward it since the last sample); None for a shard
+        never measured."""
         e = self._est.get(shard_id)
         if e is None:
             return None
+        floor = self._snap_median
+        if floor is None or e.value <= floor:
+            return e.value
         t = self.clock() if now is None else now
-        return e.value * math.exp(-max(0.0, t - e.stamp) / self.config.decay_s)
+        return floor + (e.value - floor) * math.exp(-max(0.0, t - e.stamp) / self.config.decay_s)
 
     def cost(self, shard_id: str, outstanding: int) -> float:
         """Linkerd's ``estimate x (outstanding + 1)``; an unmeasured shard counts as the fleet's median."""
-        est = self.estimate(shard_id)
+        now = self.clock()
+        self._refresh(now)
+        est = self.estimate(shard_id, now)
         if est is None:
-            est = self.median()
+            est = 1.0 if self._snap_median is None else self._snap_median
         return est * (outstanding + 1)
 
     def median(self) -> float:
@@ -185,6 +196,8 @@ class ShardLatency:
         self._expire(now)
         self._snap_of = {sid: self.estimate(sid, now) or 0.0 for sid in self._est if sid not in self._departed}
         self._snap_values = sorted(self._snap_of.values())
+        values, n = self._snap_values, len(self._snap_values)
+        self._snap_median = None if n == 0 else values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2.0
 
     def _median(self, without: str | None, now: float) -> float | None:
         """The median of the snapshot's estimates, leaving out `without`'s (None when none is left)."""

@@ -77,12 +77,36 @@ def test_a_slow_sample_raises_the_estimate_at_once_and_fast_ones_bring_it_down_o
     assert lat.estimate("a") == pytest.approx(0.1, rel=0.01)
 
 
-def test_read_without_samples_the_estimate_decays_toward_zero_so_an_avoided_shard_is_tried_again() -> None:
+def test_read_without_samples_a_slow_estimate_decays_toward_the_median_so_an_avoided_shard_is_tried_again() -> None:
     clock = FakeClock(0.0)
     lat = ShardLatency(LatencyConfig(decay_s=10.0), clock)
-    lat.observe("a", 8.0)
+    for mid, s in (("b", 0.2), ("c", 0.2), ("a", 8.0)):
+        lat.observe(mid, s)
+    assert lat.median() == pytest.approx(0.2)
     clock.advance(10.0)
-    assert lat.estimate("a") == pytest.approx(8.0 / 2.718281828, rel=1e-3)
+    assert lat.estimate("a") == pytest.approx(0.2 + 7.8 / 2.718281828, rel=1e-3)
+    assert lat.estimate("b") == pytest.approx(0.2)  # at the median: kept, never below it
+    clock.advance(100.0)
+    assert lat.estimate("a") == pytest.approx(0.2, rel=1e-3)
+
+
+def test_equally_fast_shards_idle_for_a_minute_share_the_next_burst() -> None:
+    """Decayed toward 0 (Linkerd's read), the shard measured 30 s earlier came out of a quiet minute
+    e^3 cheaper than the other, and a burst of 20 requests all went to it before any first token."""
+    a, b = shard("a"), shard("b")
+    r, clock, _, _ = router(a, b)
+    r.observe_latency(a, 0.2)
+    clock.advance(30.0)
+    r.observe_latency(b, 0.2)
+    clock.advance(60.0)
+    leases = []
+    for _ in range(20):  # concurrent: each holds its lease, no first token yet
+        lease = r.lease(r.pick(None))
+        lease.__enter__()
+        leases.append(lease)
+    assert sorted(r.fleet.loads.get(m, 0) for m in ("a", "b")) == [10, 10]
+    for lease in leases:
+        lease.__exit__(None, None, None)
 
 
 def test_an_unmeasured_shard_costs_the_fleet_median_and_cost_grows_with_outstanding() -> None:
@@ -105,7 +129,7 @@ def test_a_shard_that_left_leaves_the_median_at_once_and_is_forgotten_after_forg
     assert lat.keep_only({"a"}) == ["b"] and lat.median() == pytest.approx(0.1)
     clock.advance(5.0)
     lat.keep_only({"a", "b"})  # back (a slow shard's heartbeats lapsed): still known as slow
-    assert lat.estimate("b") == pytest.approx(3.0 * 2.718281828 ** -0.5, rel=1e-3)
+    assert lat.estimate("b") == pytest.approx(0.1 + 2.9 * 2.718281828 ** -0.5, rel=1e-3)  # toward a's median
     lat.keep_only({"a"})
     clock.advance(61.0)
     lat.median()
