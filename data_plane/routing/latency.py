@@ -13,13 +13,14 @@ sessions: first tokens up to 18 s late while the other shards idled.
 
 The estimate is Finagle's / Linkerd's peak-EWMA: a sample slower than the estimate replaces it at once;
 a faster one is blended in with weight ``1 - exp(-dt / decay_s)`` (dt: time since the last sample), so
-the estimate falls back over about ``decay_s`` of fast answers. Read, an estimate above the fleet's
-median decays toward that median with the time since its last sample: a shard nobody sends to any more
-comes to cost what an unmeasured shard costs, gets requests again by its outstanding count, and so is
-measured anew. That is the probe of a shard routing avoids; no timer is involved. Not toward 0 as in
-Linkerd's ``PeakEwma``: there two equally fast shards idle for a minute came out of it e^(dt/decay_s)
-apart (dt: between their last samples), and the whole next burst, up to a first token, went to the one
-measured longer ago. An estimate at or below the median keeps its value (it is cheap, so it is measured).
+the estimate falls back over about ``decay_s`` of fast answers. Read, it decays with the time since its
+last sample toward :data:`DECAY_FLOOR` x the lower of its own value and the median of the other shards'
+last measured values: a shard nobody
+sends to any more comes to look cheaper than the shards in use, gets a request again, and so is measured
+anew. That is the probe of a shard routing avoids; no timer is involved. Not toward 0 as in Linkerd's
+``PeakEwma``: there two equally fast shards idle for a minute came out of it e^(dt/decay_s) apart in cost
+(dt: between their last samples), and the whole next burst, up to a first token, went to the one measured
+longer ago; with the floor they stay within 1 / DECAY_FLOOR of each other.
 
 Sessionless requests compare ``estimate x (outstanding + 1)`` of two random shards (Linkerd's cost);
 an unmeasured shard counts as the fleet's median, so a new shard gets its share at once. Sessions keep
@@ -41,6 +42,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Container
 from dataclasses import dataclass
+
+DECAY_FLOOR = 0.5
+"""An estimate read without samples decays toward this fraction of min(its value, the median of the other
+shards' last measured values), not toward 0."""
 
 MAX_DEPARTED = 1024
 """Most estimates kept for shards out of membership (the oldest departures forgotten first beyond)."""
@@ -101,7 +106,8 @@ class ShardLatency:
         self._snap_values: list[float] = []
         self._snap_of: dict[str, float] = {}
         self._snap_median: float | None = None
-        """The median of the last snapshot: what an estimate decays toward while unmeasured."""
+        self._floors: dict[str, float] = {}
+        """What each estimate decays toward, as of the last snapshot (module docstring)."""
 
     def __len__(self) -> int:
         return len(self._est)
@@ -123,14 +129,14 @@ class ShardLatency:
                 e.slow.append(now)
 
     def estimate(self, shard_id: str, now: float | None = None) -> float | None:
-        """Seconds now (above the fleet median: decayed toward it since the last sample); None for a shard
+        """Seconds now (decayed since the last sample toward its floor: module docstring); None for a shard
         never measured."""
         e = self._est.get(shard_id)
         if e is None:
             return None
-        floor = self._snap_median
-        if floor is None or e.value <= floor:
-            return e.value
+        floor = self._floors.get(shard_id)
+        if floor is None or floor > e.value:  # measured since the snapshot, or faster than then
+            floor = DECAY_FLOOR * e.value
         t = self.clock() if now is None else now
         return floor + (e.value - floor) * math.exp(-max(0.0, t - e.stamp) / self.config.decay_s)
 
@@ -194,10 +200,17 @@ class ShardLatency:
             return
         self._snap_at = now
         self._expire(now)
-        self._snap_of = {sid: self.estimate(sid, now) or 0.0 for sid in self._est if sid not in self._departed}
+        live = [sid for sid in self._est if sid not in self._departed]
+        raw = sorted(self._est[sid].value for sid in live)  # last measured, undecayed: no feedback loop
+        floors = {}
+        for sid in live:
+            value = self._est[sid].value
+            others = _median_of(raw, bisect.bisect_left(raw, value))
+            floors[sid] = DECAY_FLOOR * (value if others is None else min(value, others))
+        self._floors = floors
+        self._snap_of = {sid: self.estimate(sid, now) or 0.0 for sid in live}
         self._snap_values = sorted(self._snap_of.values())
-        values, n = self._snap_values, len(self._snap_values)
-        self._snap_median = None if n == 0 else values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2.0
+        self._snap_median = _median_of(self._snap_values, -1)
 
     def _median(self, without: str | None, now: float) -> float | None:
         """The median of the snapshot's estimates, leaving out `without`'s (None when none is left)."""
@@ -206,12 +219,17 @@ class ShardLatency:
         skip = -1
         if without is not None and without in self._snap_of:
             skip = bisect.bisect_left(values, self._snap_of[without])
-        n = len(values) - (skip >= 0)
-        if n <= 0:
-            return None
+        return _median_of(values, skip)
 
-        def at(k: int) -> float:
-            return values[k + 1 if 0 <= skip <= k else k]
 
-        mid = n // 2
-        return at(mid) if n % 2 else (at(mid - 1) + at(mid)) / 2.0
+def _median_of(values: list[float], skip: int) -> float | None:
+    """The median of sorted `values` leaving out index `skip` (-1: none); None when none is left."""
+    n = len(values) - (skip >= 0)
+    if n <= 0:
+        return None
+
+    def at(k: int) -> float:
+        return values[k + 1 if 0 <= skip <= k else k]
+
+    mid = n // 2
+    return at(mid) if n % 2 else (at(mid - 1) + at(mid)) / 2.0

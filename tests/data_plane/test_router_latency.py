@@ -77,17 +77,33 @@ def test_a_slow_sample_raises_the_estimate_at_once_and_fast_ones_bring_it_down_o
     assert lat.estimate("a") == pytest.approx(0.1, rel=0.01)
 
 
-def test_read_without_samples_a_slow_estimate_decays_toward_the_median_so_an_avoided_shard_is_tried_again() -> None:
+def test_read_without_samples_an_estimate_decays_toward_half_the_median_so_an_avoided_shard_is_tried_again() -> None:
     clock = FakeClock(0.0)
     lat = ShardLatency(LatencyConfig(decay_s=10.0), clock)
     for mid, s in (("b", 0.2), ("c", 0.2), ("a", 8.0)):
         lat.observe(mid, s)
     assert lat.median() == pytest.approx(0.2)
     clock.advance(10.0)
-    assert lat.estimate("a") == pytest.approx(0.2 + 7.8 / 2.718281828, rel=1e-3)
-    assert lat.estimate("b") == pytest.approx(0.2)  # at the median: kept, never below it
+    assert lat.estimate("a") == pytest.approx(0.1 + 7.9 / 2.718281828, rel=1e-3)  # toward half the median
+    assert lat.estimate("b") == pytest.approx(0.1 + 0.1 / 2.718281828, rel=1e-3)  # toward half its own
     clock.advance(100.0)
-    assert lat.estimate("a") == pytest.approx(0.2, rel=1e-3)
+    assert lat.estimate("a") == pytest.approx(0.1, rel=1e-2) and lat.estimate("b") == pytest.approx(0.1, rel=1e-2)
+
+
+def test_one_request_at_a_time_still_probes_a_shard_that_was_slow() -> None:
+    """Sequential traffic (both shards at 0 outstanding at every decision): the formerly slow shard's
+    estimate must come to undercut the one in use, or it never gets a sessionless request again."""
+    a, b = shard("a"), shard("b")
+    r, clock, _, _ = router(a, b)
+    warm(r, clock, {"a": 0.2, "b": 0.2})
+    r.observe_latency(a, 5.0)
+    picks = []
+    for _ in range(120):
+        clock.advance(1.0)
+        m = r.pick(None)
+        picks.append(m.id)
+        r.observe_latency(m, 0.2)
+    assert picks[:20] == ["b"] * 20 and "a" in picks
 
 
 def test_equally_fast_shards_idle_for_a_minute_share_the_next_burst() -> None:
@@ -129,7 +145,7 @@ def test_a_shard_that_left_leaves_the_median_at_once_and_is_forgotten_after_forg
     assert lat.keep_only({"a"}) == ["b"] and lat.median() == pytest.approx(0.1)
     clock.advance(5.0)
     lat.keep_only({"a", "b"})  # back (a slow shard's heartbeats lapsed): still known as slow
-    assert lat.estimate("b") == pytest.approx(0.1 + 2.9 * 2.718281828 ** -0.5, rel=1e-3)  # toward a's median
+    assert lat.estimate("b") == pytest.approx(1.5 + 1.5 * 2.718281828 ** -0.5, rel=1e-3)  # toward half its own
     lat.keep_only({"a"})
     clock.advance(61.0)
     lat.median()
