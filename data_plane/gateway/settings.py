@@ -60,7 +60,7 @@ class GatewaySettings(BaseSettings):
     outlier_request_volume: int = Field(20, ge=1, description="Calls a shard needs in the outlier window before its failure percentage is judged.")
     outlier_window_s: float = Field(30.0, gt=0, le=3600, description="The sliding window of the failure-percentage outlier detection.")
     outlier_max_ejection_percent: float = Field(50.0, gt=0, le=100, description="Most shards (percent, at least one) the failure percentage ejects at once; never the last in routing.")
-    latency_aware: bool = Field(True, description="Weigh shards by a peak-EWMA of their time to first token: sessionless requests compare latency x (outstanding + 1) of two shards, and sessions leave a shard that is a clear latency outlier (--no-latency-aware: outstanding requests alone, as before).")
+    latency_aware: bool = Field(True, description="Weigh shards by a peak-EWMA of their time to first token: sessionless requests compare latency x (outstanding + 1) of two shards, and, with --latency-spill-factor set, sessions leave a shard that is a clear latency outlier (--no-latency-aware: outstanding requests alone, as before).")
     latency_decay_s: float = Field(10.0, gt=0, le=600, description="Time constant of the latency estimate: how fast it forgets a slow first token.")
     latency_spill_factor: float = Field(0.0, ge=0, le=1000, description="Sessions leave a shard whose latency estimate is above this many times the other shards' median (0, the default: never; 3 is a start). Opt-in: time to first token includes prefill, so a shard holding long-prompt sessions looks slow too.")
     latency_spill_floor_s: float = Field(1.0, ge=0, le=600, description="... and above this many seconds.")
