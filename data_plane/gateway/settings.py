@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AnyHttpUrl, Field, IPvAnyNetwork, PositiveFloat, PositiveInt
+from pydantic import AnyHttpUrl, Field, IPvAnyNetwork, PositiveFloat, PositiveInt, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from data_plane.common.settings_cli import CommaList, InputFile, InputFileOrYaml, TierMap
@@ -62,7 +62,7 @@ class GatewaySettings(BaseSettings):
     outlier_max_ejection_percent: float = Field(50.0, gt=0, le=100, description="Most shards (percent, at least one) the failure percentage ejects at once; never the last in routing.")
     latency_aware: bool = Field(True, description="Weigh shards by a peak-EWMA of their time to first token: sessionless requests compare latency x (outstanding + 1) of two shards, and, with --latency-spill-factor set, sessions leave a shard that is a clear latency outlier (--no-latency-aware: outstanding requests alone, as before).")
     latency_decay_s: float = Field(10.0, gt=0, le=600, description="Time constant of the latency estimate: how fast it forgets a slow first token.")
-    latency_spill_factor: float = Field(0.0, ge=0, le=1000, description="Sessions leave a shard whose latency estimate is above this many times the other shards' median (0, the default: never; 3 is a start). Opt-in: time to first token includes prefill, so a shard holding long-prompt sessions looks slow too.")
+    latency_spill_factor: float = Field(0.0, ge=0, le=1000, description="Sessions leave a shard whose latency estimate is above this many times the other shards' median (0, the default: never; else above 1, 3 is a start). Opt-in: time to first token includes prefill, so a shard holding long-prompt sessions looks slow too.")
     latency_spill_floor_s: float = Field(1.0, ge=0, le=600, description="... and above this many seconds.")
     latency_spill_min_samples: int = Field(2, ge=1, le=100, description="... and that answered that slowly this many times within --latency-slow-window-s (one long prefill moves no sessions).")
     latency_slow_window_s: float = Field(30.0, gt=0, le=3600, description="Window of those slow answers.")
@@ -99,3 +99,13 @@ class GatewaySettings(BaseSettings):
     background_event_bytes: int = Field(4 << 20, ge=4096, le=1 << 30, description="Bytes of streamed events held per background response; beyond, the oldest are dropped (a resume before them is a 400).")
     background_held: int = Field(256, ge=1, le=100_000, description="Background responses whose events this gateway holds at once (finished ones are dropped first, oldest first).")
     usage_retention_days: float = Field(90.0, ge=0, description="Usage records older than this are deleted (0 = keep forever).")
+
+    @field_validator("latency_spill_factor")
+    @classmethod
+    def _spill_factor_above_one(cls, factor: float) -> float:
+        """At or below 1 a shard faster than the others' median was an 'outlier' too: with two shards both
+        were, and every session's turn moved it to the other one (losing its KV locality each time)."""
+        if 0 < factor <= 1:
+            raise ValueError(f"0 (sessions never leave for latency) or above 1, e.g. 3, not {factor:g}: at or "
+                             "below 1 a shard no slower than the others' median counts as an outlier")
+        return factor

@@ -284,3 +284,24 @@ def test_a_sample_from_a_shard_out_of_membership_is_not_kept() -> None:
     r.observe_latency(shard("gone"), 2.0)  # a stream that outlived its shard's membership
     assert r.latency is not None and r.latency.estimate("gone") is None
     assert sample(registry, "switchboard_router_shard_latency_seconds", shard="gone") is None
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0])
+def test_the_gateway_refuses_a_spill_factor_that_makes_a_fast_shard_an_outlier(factor: float) -> None:
+    """At 0.5 the faster of two shards (1.5 s against 2.0 s) was an outlier as well as the slower one, so every
+    session's turn left its shard for the other: the gateway's --latency-spill-factor takes 0 or above 1."""
+    from pydantic import ValidationError
+
+    from data_plane.gateway.settings import GatewaySettings
+
+    clock = FakeClock()
+    latency = ShardLatency(LatencyConfig(spill_factor=0.5, refresh_s=0.0), clock=clock)
+    for _ in range(3):
+        latency.observe("a", 1.5)
+        latency.observe("b", 2.0)
+        clock.advance(0.01)
+    assert latency.outlier("a") is not None and latency.outlier("b") is not None  # the ping-pong
+    with pytest.raises(ValidationError, match="above 1"):
+        GatewaySettings(latency_spill_factor=factor)
+    assert GatewaySettings(latency_spill_factor=0).latency_spill_factor == 0
+    assert GatewaySettings(latency_spill_factor=1.5).latency_spill_factor == 1.5
