@@ -78,6 +78,22 @@ def _runner(path: Any, gguf: Any, source: str, spec: str, max_seqs: int, max_len
     return runner, plan
 
 
+def check_formats(formats: list[str], model: str | None) -> None:
+    """Every format resolved as the shard would resolve it, before anything loads: a ValueError names the first
+    that a shard would refuse (a typo found after the two reference runs cost minutes and printed a traceback)."""
+    from data_plane.model_store import model_source
+    from data_plane.shard.engines.weight_source import CpuCaps, resolve_plan
+
+    caps, kind = CpuCaps.detect(), model_source(model).kind
+    for spec in formats:
+        dtype, _, rest = spec.partition(":")
+        quant, _, kernel = rest.partition(":")
+        try:
+            resolve_plan(dtype or "auto", quant or "auto", source=kind, caps=caps, kernel=kernel or "auto")
+        except ValueError as e:
+            raise ValueError(f"{spec!r}: {e}") from None
+
+
 def perplexity(runner: Any, ids: list[int]) -> float:
     """exp(mean NLL) of ids[1:], each token scored by a decode step after the ones before it (slot 0)."""
     import torch
@@ -190,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="switchboard bench quality",
                                 description="Perplexity and greedy agreement against float32, per dtype/weight format.")
     p.add_argument("--formats", default=DEFAULT_FORMATS,
-                   help=f"comma-separated DTYPE:QUANTIZATION (default {DEFAULT_FORMATS}; float32:none and "
+                   help=f"comma-separated DTYPE:QUANTIZATION[:KERNEL] (default {DEFAULT_FORMATS}; float32:none and "
                         "bfloat16:none always run)")
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"chat prompts (default {len(PROMPTS)})")
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens compared per prompt (default 32)")
@@ -198,9 +214,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="HF model folder or GGUF (default SmolLM2-135M-Instruct)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
+    if args.prompts < 1 or args.tokens < 1:
+        p.error("--prompts and --tokens take 1 or more")
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    try:
+        check_formats(formats, args.model)
+    except ValueError as e:
+        p.error(f"--formats {e}")
     info = machine_info()
-    rows = measure([f.strip() for f in args.formats.split(",") if f.strip()], args.prompts, args.tokens,
-                   args.model, args.threads)
+    rows = measure(formats, args.prompts, args.tokens, args.model, args.threads)
     print(f"machine: {info.get('cpu_model')} | flags {' '.join(info.get('cpu_flags') or []) or '-'}")
     print(format_table(
         ["format", "served as", "weights", "MiB read/step", "x bf16", "MiB resident", "x bf16", "perplexity",
