@@ -170,3 +170,13 @@ def test_a_policy_flag_still_takes_inline_yaml(tmp_path) -> None:
     ran = switchboard("gateway", "--tiers-file", "tiers: {free: {priority: x}}", "--keys-file",
                       str(_keys_file(tmp_path)), "--port", "1", timeout=60)
     assert ran.returncode == 1 and "invalid tier policy: tiers.free.priority" in ran.stderr, ran.stderr[-2000:]
+
+
+@pytest.mark.parametrize("command", ["shard", "up"])
+def test_the_model_help_names_the_default_model_served(command: str) -> None:
+    """The shard's --model help said SmolLM2-135M while it served (and `up` named) SmolLM2-135M-Instruct."""
+    from data_plane.model_store import default_gguf
+
+    served = default_gguf().name.split(".")[0]  # SmolLM2-135M-Instruct.Q4_1.gguf
+    description = _settings_classes()[command].model_fields["model"].description
+    assert f"(default {served})" in description

@@ -31,7 +31,7 @@ class ShardSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address to bind.")
     port: int = Field(8101, ge=0, le=65535, description="TCP port to listen on.")
     engine: Literal["torch", "synthetic", "vllm"] = Field("torch", description="Engine: torch | synthetic | vllm.")
-    model: str | None = Field(None, description="Local HF model folder or GGUF file (default SmolLM2-135M).")
+    model: str | None = Field(None, description="Local HF model folder or GGUF file (default SmolLM2-135M-Instruct).")
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
         "auto", description="Activations dtype: auto (float32 for --quantization-kernel blockq_x2 or blockq_exact; "
         "else bfloat16 where the CPU has native bf16 or the weights are quantized, else float32; said in the ready "
