@@ -124,6 +124,14 @@ class LedgerStore(Protocol):
     def close(self) -> None: ...
 
 
+def table_missing(exc: BaseException) -> bool:
+    """`exc` says the ledger's table is not there yet (SQLite's "no such table", PostgreSQL's SQLSTATE 42P01):
+    a reader (the control plane) before the first gateway migrated the database."""
+    if isinstance(exc, sqlite3.OperationalError):
+        return "no such table" in str(exc)
+    return getattr(exc, "sqlstate", None) == "42P01" or getattr(exc, "pgcode", None) == "42P01"
+
+
 class _SqlStore:
     """The dialect-independent part: migrations, idempotent inserts, grouped reads, retention."""
 
@@ -267,7 +275,12 @@ class _SqlStore:
                         params)
             return rows, cur.fetchone()
 
-        rows, total = self._run(run)
+        try:
+            rows, total = self._run(run)
+        except Exception as exc:
+            if not table_missing(exc):
+                raise
+            rows, total = [], (None, None, *([0] * len(SUMS)))  # not migrated yet: nothing recorded
         out = []
         for row in reversed(rows):
             if row[0] is None:
@@ -292,8 +305,14 @@ class _SqlStore:
             cur.execute(self._sql(sql), [start, end])
             return list(cur.fetchall())
 
+        try:
+            rows = self._run(run)
+        except Exception as exc:
+            if not table_missing(exc):
+                raise
+            rows = []  # no gateway has written (migrated) the ledger yet: no activity, not an error
         return [KeyActivity(str(k), str(t), str(c), int(n or 0), int(tok or 0), None if first is None else float(first))
-                for k, t, c, n, tok, first in self._run(run)]
+                for k, t, c, n, tok, first in rows]
 
 
 class SqliteStore(_SqlStore):

@@ -496,3 +496,19 @@ def test_records_held_while_the_held_ones_go_to_the_database_are_not_lost(tmp_pa
 
     with small_disk(tmp_path / "disk", size="512k") as disk:
         asyncio.run(run(disk))
+
+
+def test_a_reader_before_any_gateway_migrated_the_ledger_sees_no_usage_not_an_error(tmp_path: Path) -> None:
+    """The control plane reads the ledger (abuse monitor, admin usage API) from its first second, before
+    the first gateway created the table: every fresh `switchboard up` logged "abuse monitor: cannot read the
+    usage ledger (OperationalError: no such table: usage_records)" and counted an evaluation error. No table
+    yet is no usage; other errors still raise."""
+    store = open_ledger_store(str(tmp_path / "usage.db"))
+    try:
+        assert store.activity(0.0, time.time()) == []
+        got = store.usage(UsageQuery(group_by=("tenant",)))
+        assert got["rows"] == [] and got["totals"]["requests"] == 0
+        with pytest.raises(ValueError):
+            store.usage(UsageQuery(group_by=("prompt",)))
+    finally:
+        store.close()
