@@ -123,7 +123,7 @@ class ShardLatency:
             w = math.exp(-max(0.0, now - e.stamp) / cfg.decay_s)
             e.value = seconds if seconds > e.value * w else e.value * w + seconds * (1.0 - w)
             e.stamp = now
-        if seconds > cfg.spill_floor_s:
+        if cfg.spill_factor > 0 and seconds > cfg.spill_floor_s:  # slow samples matter to session spills only
             others = self._median(shard_id, now)
             if others is not None and seconds > cfg.spill_factor * others:
                 e.slow.append(now)
