@@ -57,6 +57,8 @@ async def read_json_body(request: Any, limit: int, timeout_s: float = BODY_TIMEO
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise InvalidRequest("request body is not valid JSON", code="invalid_json") from None
+    except RecursionError:  # a body nested past the parser's stack was a 500 on the cache node
+        raise InvalidRequest("request body is nested too deeply", code="invalid_json") from None
 
 
 class BodyLimit:
