@@ -10,6 +10,7 @@ only ValueError answered 500 (and, outside the chat route, reset the keep-alive 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 
@@ -22,7 +23,7 @@ DEEP = "[" * 100_000 + "]" * 100_000
 """200 KB of text no Python JSON parser can read (under the 1 MiB body bound)."""
 
 
-def _post(c: Cluster, path: str, body: dict) -> httpx.Response:
+def _post(c: Cluster, path: str, body: dict[str, Any]) -> httpx.Response:
     auth = {"Authorization": f"Bearer {KEYS['plus']}"}
     return httpx.post(c.gateway.url + path, json=body, headers=auth, timeout=60)
 
@@ -46,10 +47,13 @@ def test_deeply_nested_tool_call_arguments_in_history_are_no_500(cluster: Cluste
     items = [{"type": "message", "role": "user", "content": "x"},
              {"type": "function_call", "call_id": "c1", "name": "f", "arguments": DEEP},
              {"type": "function_call_output", "call_id": "c1", "output": "ok"}]
-    for path, body in [("/v1/responses", {"model": "synthetic", "input": items, "max_output_tokens": 4}),
-                       ("/v1/responses/input_tokens", {"model": "synthetic", "input": items}),
-                       ("/v1/responses/compact", {"model": "synthetic", "input": items}),
-                       ("/v1/conversations", {"items": items})]:
+    routes: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/responses", {"model": "synthetic", "input": items, "max_output_tokens": 4}),
+        ("/v1/responses/input_tokens", {"model": "synthetic", "input": items}),
+        ("/v1/responses/compact", {"model": "synthetic", "input": items}),
+        ("/v1/conversations", {"items": items}),
+    ]
+    for path, body in routes:
         _answered(_post(cluster, path, body))
     assert metric(cluster.gateway.url, "switchboard_router_upstream_failures_total") == before
     assert chat(cluster.gateway.url, "enterprise").status_code == 200
