@@ -39,7 +39,7 @@ from starlette.types import Send
 
 from data_plane.common.crypto import SealError
 from data_plane.common.disconnect import CLIENT_DISCONNECTED
-from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, SwitchboardError
+from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, SwitchboardError, clipped
 from data_plane.gateway.auth import key_digest
 from data_plane.gateway.chat import ChatHandler, Opened
 from data_plane.gateway.context import Window
@@ -459,7 +459,7 @@ def page(items: list[dict[str, Any]], *, limit: int, order: str, after: str | No
     if after is not None:
         ids = [i.get("id") for i in ordered]
         if after not in ids:
-            raise InvalidRequest(f"no item with id {after!r}", param="after")
+            raise InvalidRequest(f"no item with id {clipped(after)!r}", param="after")
         ordered = ordered[ids.index(after) + 1:]
     data = ordered[:limit]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
