@@ -46,15 +46,21 @@ async def read_body(request: Any, limit: int, timeout_s: float = BODY_TIMEOUT_S)
     return b"".join(chunks)
 
 
+def _not_json(constant: str) -> Any:
+    """NaN and Infinity, which Python's parser takes and JSON has not: a record stored with an
+    `updated_at` of Infinity was a 500 on its PUT and on every GET after (no JSON encoder writes it)."""
+    raise ValueError(f"{constant} is not JSON")
+
+
 async def read_json_body(request: Any, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> Any:
     """The request's JSON body (any JSON value): 415 for a non-JSON content type, then as
-    `read_body`, then 400 when it does not parse."""
+    `read_body`, then 400 when it does not parse (NaN and Infinity included)."""
     ctype = request.headers.get("content-type", "")
     if ctype and "json" not in ctype.lower():
         raise UnsupportedMediaType("request body must be application/json")
     raw = await read_body(request, limit, timeout_s)
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=_not_json)
     except (ValueError, UnicodeDecodeError):
         raise InvalidRequest("request body is not valid JSON", code="invalid_json") from None
     except RecursionError:  # a body nested past the parser's stack was a 500 on the cache node

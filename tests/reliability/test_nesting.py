@@ -1,5 +1,6 @@
 """JSON nested past Python's parser, where the body-level depth check does not look: inside a string
-(a tool call's `arguments` in a client's history), and in the cache nodes' record APIs.
+(a tool call's `arguments` in a client's history), and in the cache nodes' record APIs; and the
+NaN/Infinity that parser takes though they are not JSON.
 
     .venv/bin/python -m pytest tests/reliability/test_nesting.py -q
 
@@ -70,3 +71,15 @@ def test_cache_node_refuses_a_body_nested_too_deeply_with_a_400(cluster: Cluster
             assert_openai_error(r, 400, "invalid_json")
     ok = {"owner": "o", "version": 1, "messages": [{"role": "user", "content": json.dumps([[1]])}]}
     assert httpx.put(node + "/v1/sessions/sess_nesting", json=ok, headers=CLUSTER_HEADERS).status_code == 200
+
+
+def test_cache_node_refuses_nan_and_infinity_so_no_record_is_poisoned(cluster: Cluster) -> None:
+    """Python's parser takes NaN and Infinity; no JSON encoder writes them back. A record PUT with an
+    `updated_at` of Infinity was stored (and its PUT answered 500), and every GET of it after was a 500."""
+    node = cluster.caches[0].url
+    headers = {**CLUSTER_HEADERS, "content-type": "application/json"}
+    for constant in ("Infinity", "NaN", "-Infinity"):
+        body = '{"owner": "o", "version": 1, "messages": [], "updated_at": ' + constant + "}"
+        r = httpx.put(node + "/v1/sessions/sess_constant", content=body.encode(), headers=headers, timeout=30)
+        assert_openai_error(r, 400, "invalid_json")
+        assert_openai_error(httpx.get(node + "/v1/sessions/sess_constant", headers=CLUSTER_HEADERS), 404)
