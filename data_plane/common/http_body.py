@@ -54,17 +54,22 @@ def _not_json(constant: str) -> Any:
 
 async def read_json_body(request: Any, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> Any:
     """The request's JSON body (any JSON value): 415 for a non-JSON content type, then as
-    `read_body`, then 400 when it does not parse (NaN and Infinity included)."""
+    `read_body`, then 400 when it does not parse (NaN and Infinity included) or holds a lone surrogate."""
     ctype = request.headers.get("content-type", "")
     if ctype and "json" not in ctype.lower():
         raise UnsupportedMediaType("request body must be application/json")
     raw = await read_body(request, limit, timeout_s)
     try:
-        return json.loads(raw, parse_constant=_not_json)
+        body = json.loads(raw, parse_constant=_not_json)
+        # JSON may escape a lone surrogate ("\ud800"), which no UTF-8 encoder takes: the node's store was a 500
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest("request body contains invalid Unicode (a lone surrogate)", code="invalid_json") from None
     except (ValueError, UnicodeDecodeError):
         raise InvalidRequest("request body is not valid JSON", code="invalid_json") from None
     except RecursionError:  # a body nested past the parser's stack was a 500 on the cache node
         raise InvalidRequest("request body is nested too deeply", code="invalid_json") from None
+    return body
 
 
 class BodyLimit:

@@ -83,3 +83,13 @@ def test_cache_node_refuses_nan_and_infinity_so_no_record_is_poisoned(cluster: C
         r = httpx.put(node + "/v1/sessions/sess_constant", content=body.encode(), headers=headers, timeout=30)
         assert_openai_error(r, 400, "invalid_json")
         assert_openai_error(httpx.get(node + "/v1/sessions/sess_constant", headers=CLUSTER_HEADERS), 404)
+
+
+def test_cache_node_refuses_a_lone_surrogate_with_a_400(cluster: Cluster) -> None:
+    """JSON may escape a lone surrogate; no UTF-8 encoder takes it: the node's store raised, a 500 (and a
+    reset keep-alive connection)."""
+    body = b'{"owner": "o", "version": 1, "messages": [{"role": "user", "content": "\\udfff"}]}'
+    headers = {**CLUSTER_HEADERS, "content-type": "application/json"}
+    for path in ("/v1/sessions/sess_surrogate", "/v1/response-cache/sess_surrogate"):
+        r = httpx.put(cluster.caches[0].url + path, content=body, headers=headers, timeout=30)
+        assert_openai_error(r, 400, "invalid_json")
