@@ -26,7 +26,11 @@ BODY_TIMEOUT_S = 30.0
 
 async def read_body(request: Any, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
     """Read a Starlette request body: 413 past `limit` bytes (never buffering more), 408 when the
-    client stalls for `timeout_s`."""
+    client stalls for `timeout_s`; 415 for a compressed body (no route decodes one: a gzip body was read as
+    bytes, and answered "not valid UTF-8")."""
+    coding = request.headers.get("content-encoding", "").strip().lower()
+    if coding and coding != "identity":
+        raise UnsupportedMediaType(f"Content-Encoding {coding[:32]!r} is not supported: send the body uncompressed")
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
