@@ -15,7 +15,7 @@ Listing needs what a key-value store lacks: one index record per tenant (kind CH
 created, model, metadata of each, oldest first, at most MAX_LISTED, entries past the TTL pruned),
 rewritten under the record lock (data_plane/gateway/record_locks.py) when a completion is stored,
 updated or deleted. A completion that dropped out of the index is still retrievable by id. A deleted
-one leaves a tombstone (id and created only, at most MAX_TOMBSTONES) that is never listed but keeps
+one leaves a tombstone (its id, created and model, at most MAX_TOMBSTONES) that is never listed but keeps
 its place for an `after` cursor: the openai SDK pages on with `after=<last id of the page>`, so an app
 that deletes what it lists (`for c in client.chat.completions.list(): ...delete(c.id)`) sends the id
 it just deleted, and so does one whose cursor's metadata changed since under a `metadata[...]` filter.
@@ -143,9 +143,10 @@ async def edit_index(gw: Gateway, store: ConversationStore, owner: str, replicas
     try:
         index = await load_index(store, owner, replicas)
         entries = list(index.items)
-        if remove is not None:  # its place stays, as a tombstone, for a cursor (see the module's docstring)
-            entries = [{"id": e["id"], "created": e["created"], "deleted": True} if e["id"] == remove else e
-                       for e in entries]
+        if remove is not None:  # its place stays, as a tombstone, for a cursor (see the module's docstring);
+            # no metadata (the caller's data goes with the record), but an entry's shape all the same, so
+            # a gateway of the previous version lists past it (its record is gone: left out of the page)
+            entries = [{**e, "metadata": {}, "deleted": True} if e["id"] == remove else e for e in entries]
         elif add is not None:  # an update replaces its entry in place: the list's order never moves
             entries = [add if e["id"] == add["id"] else e for e in entries]
             if add not in entries:
