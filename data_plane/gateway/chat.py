@@ -228,7 +228,11 @@ class ChatHandler:
     async def context(self, req: ChatCompletionRequest, messages: list[dict[str, str]],
                       tier: Tier) -> list[dict[str, str]]:
         """The prompt: `messages` after the conversation they continue (an X-Session-Id session)."""
-        session_header = self.request.headers.get("x-session-id") or req.session_id
+        header, body = self.request.headers.get("x-session-id"), req.session_id
+        if header and body and header != body:  # which one was meant: starting over would lose the other
+            raise InvalidRequest("the X-Session-Id header and the body's session_id name different sessions; "
+                                 "send one of them", param="session_id")
+        session_header = header or body
         if session_header:
             prompt = await self._load_session(session_header, messages, tier)
             if not req.functions:  # a deprecated function_call need not be answered: data_plane/legacy_functions.py

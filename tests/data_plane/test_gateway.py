@@ -160,6 +160,14 @@ def test_session_replays_context_and_is_bound_to_its_key(cluster: Cluster) -> No
         r = post(cluster, {"messages": [{"role": "user", "content": "hi"}]}, key=KEYS[other],
                  headers={"X-Session-Id": sid})
         assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+    # The body's session_id continues it too; a header naming another session is a 400, not a silent
+    # new conversation (the header won, the body's session was left behind)
+    again = {"messages": [{"role": "user", "content": "once more"}], "max_tokens": 2}
+    assert post(cluster, {**again, "session_id": sid}).status_code == 200
+    assert post(cluster, {**again, "session_id": sid}, headers={"X-Session-Id": sid}).status_code == 200
+    r = post(cluster, {**again, "session_id": sid}, headers={"X-Session-Id": "new"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "session_id", r.text
+    assert "x-session-id" not in r.headers
 
 
 def test_sliding_window_keeps_system_prompt(cluster: Cluster) -> None:
