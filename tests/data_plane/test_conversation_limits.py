@@ -8,7 +8,8 @@ whose in-memory store is one LRU shared by every tenant. They took nothing from 
 free key stored ~45 conversations a second, up to 1 MiB each, and evicted every tenant's conversations
 and stored responses within seconds. Each now takes one request and its items' tokens, as a turn that
 sent them would. So does `responses.input_tokens.count` (one request, no tokens): a shard encodes
-what it is sent, and 200 counts in a row passed a 60 RPM key.
+what it is sent, and 200 counts in a row passed a 60 RPM key. A turn of a conversation takes what can
+reach the shard, at most the context window, not the whole history its window slides over.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from tests.support.cluster import cache_node
 from tests.support.procs import Service
 
 KEYS = {"free": "sk-convlim-free-0123456789", "plus": "sk-convlim-plus-0123456789",
-        "free2": "sk-convlim-free2-0123456789"}
+        "free2": "sk-convlim-free2-0123456789", "long": "sk-convlim-long-0123456789"}
 TIERS = {"tiers": {
     "free": {"priority": 2, "rpm": 3, "tpm": 20000, "max_context_tokens": 2048, "max_output_tokens": 256,
              "replication": 1, "shed_order": 0},
     "plus": {"priority": 1, "rpm": 600, "tpm": 600, "max_context_tokens": 2048, "max_output_tokens": 256,
              "replication": 1, "shed_order": 1},
+    "long": {"priority": 1, "rpm": 600, "tpm": 3000, "max_context_tokens": 512, "max_output_tokens": 64,
+             "replication": 1, "shed_order": 2},
 }}
 HEADERS = [f"x-ratelimit-{what}-{kind}" for kind in ("requests", "tokens") for what in ("limit", "remaining", "reset")]
 
@@ -88,3 +91,19 @@ def test_counting_input_tokens_takes_a_request_from_the_keys_rpm(gateway: Servic
     with pytest.raises(openai.RateLimitError) as refused:
         client.responses.input_tokens.count(model="synthetic", input="hello there")
     assert int(refused.value.response.headers["retry-after"]) >= 1
+
+
+def test_a_turn_of_a_long_conversation_reserves_at_most_the_context_window(gateway: Service) -> None:
+    """With truncation "auto" a turn sends the window, not the history, so the key's TPM is asked for no more
+    than the context: the whole history was reserved, and a free key's conversation past ~20k tokens was
+    "Request too large ... needs 21224 tokens but the limit is 20000" on every turn, for good (QA)."""
+    client = sdk(gateway, "long")  # TPM 3000, a 512-token context
+    turn = [{"role": "user", "content": "word " * 1000}, {"role": "assistant", "content": "ok"}]
+    conv = client.conversations.create(items=turn)
+    client.conversations.items.create(conv.id, items=turn)  # ~2000 of the key's 3000 tokens gone
+    raw = client.responses.with_raw_response.create(model="synthetic", input="hi", conversation=conv.id,
+                                                    truncation="auto", max_output_tokens=16)
+    reply = raw.parse()
+    assert raw.status_code == 200 and reply.status in ("completed", "incomplete"), raw.text
+    assert reply.usage is not None and reply.usage.input_tokens <= 512
+    assert len(client.conversations.items.list(conv.id, limit=100).data) == 6
