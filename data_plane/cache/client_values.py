@@ -49,8 +49,8 @@ def refused_write(rejected: WriteResult) -> SwitchboardError:
     if rejected.status != 413:
         return err
     return InvalidRequest(f"This conversation has grown too large to store another turn ({err.message}): start a "
-                          "new conversation, or shorten this one (compact it, or delete items from it).",
-                          code="record_too_large")
+                          "new one (POST /v1/responses/compact can shorten its history to carry over), or delete "
+                          "items from this one.", code="record_too_large")
 
 
 @dataclass
