@@ -146,3 +146,20 @@ def test_a_conversation_past_what_a_cache_node_holds_is_a_400_that_says_so(
         error = next(e for e in events if e.type == "error")
         assert error.code == "record_too_large" and events[-1].type == "response.failed"
         assert client.conversations.retrieve(conv.id).id == conv.id  # what was stored stays
+
+
+def test_counting_a_conversation_longer_than_a_shard_reads_counts_it(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A count sends the whole untruncated conversation to a shard; past the shard's --max-body-bytes it was the
+    shard's 413 "request body exceeds 1048576 bytes" for a 50-byte request (QA: a 4 MB conversation). The
+    gateway's tokenizer counts it then, as it counts create's window."""
+    with Service(["shard", "--engine", "synthetic", "--max-body-bytes", "4096"]) as small, \
+            gateway_on(small, tmp_path_factory.mktemp("count-large")) as gw:
+        client = sdk(gw, "roomy")
+        turn = [{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok"}]
+        conv = client.conversations.create(items=turn)
+        counted = client.responses.input_tokens.count(model="synthetic", input="hi", conversation=conv.id)
+        assert 300 < counted.input_tokens < 400  # by the shard: the body fits
+        client.conversations.items.create(conv.id, items=turn * 3)
+        raw = client.responses.input_tokens.with_raw_response.count(model="synthetic", input="hi", conversation=conv.id)
+        assert raw.status_code == 200, raw.text
+        assert 4 * 300 < raw.parse().input_tokens < 4 * 400
