@@ -8,7 +8,7 @@ whose in-memory store is one LRU shared by every tenant. They took nothing from 
 free key stored ~45 conversations a second, up to 1 MiB each, and evicted every tenant's conversations
 and stored responses within seconds. Each now takes one request and its items' tokens, as a turn that
 sent them would. So does `responses.input_tokens.count` (one request, no tokens): a shard encodes
-what it is sent, and 200 counts in a row passed a 60 RPM key. A turn of a conversation takes what can
+what it is sent, and 200 counts in a row passed a 60 RPM key; and `responses.compact`. A turn of a conversation takes what can
 reach the shard, at most the context window, not the whole history its window slides over.
 """
 
@@ -27,7 +27,7 @@ from tests.support.procs import Service
 
 KEYS = {"free": "sk-convlim-free-0123456789", "plus": "sk-convlim-plus-0123456789",
         "free2": "sk-convlim-free2-0123456789", "long": "sk-convlim-long-0123456789",
-        "roomy": "sk-convlim-roomy-0123456789"}
+        "roomy": "sk-convlim-roomy-0123456789", "free3": "sk-convlim-free3-0123456789"}
 TIERS = {"tiers": {
     "free": {"priority": 2, "rpm": 3, "tpm": 20000, "max_context_tokens": 2048, "max_output_tokens": 256,
              "replication": 1, "shed_order": 0},
@@ -51,7 +51,7 @@ def shard() -> Iterator[Service]:
 def gateway_on(shard: Service, state: Path, *cache_args: str) -> Iterator[Service]:
     """A gateway in front of `shard`, with a cache node of its own started with `cache_args`."""
     (state / "tiers.yaml").write_text(yaml.safe_dump(TIERS))
-    keys = ",".join(f"{key}:acme-{name}:{name.rstrip('2')}" for name, key in KEYS.items())
+    keys = ",".join(f"{key}:acme-{name}:{name.rstrip('0123456789')}" for name, key in KEYS.items())
     cache = cache_node(*cache_args).start()
     try:
         with Service(["gateway", "--shard-urls", shard.url, "--cache-urls", cache.url, "--tokenizer", "whitespace",
@@ -105,6 +105,18 @@ def test_counting_input_tokens_takes_a_request_from_the_keys_rpm(gateway: Servic
         assert raw.headers["x-ratelimit-limit-requests"] == "3" and all(h in raw.headers for h in HEADERS)
     with pytest.raises(openai.RateLimitError) as refused:
         client.responses.input_tokens.count(model="synthetic", input="hello there")
+    assert int(refused.value.response.headers["retry-after"]) >= 1
+
+
+def test_compacting_takes_a_request_from_the_keys_rpm(gateway: Service) -> None:
+    client = sdk(gateway, "free3")
+    items = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi"}]
+    for _ in range(3):
+        raw = client.responses.with_raw_response.compact(model="synthetic", input=items)
+        assert raw.status_code == 200 and raw.parse().output, raw.text
+        assert raw.headers["x-ratelimit-limit-requests"] == "3" and all(h in raw.headers for h in HEADERS)
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.responses.compact(model="synthetic", input=items)
     assert int(refused.value.response.headers["retry-after"]) >= 1
 
 
