@@ -14,7 +14,10 @@ is a 404, like a missing one), as OpenAI's stored completions belong to a projec
 Listing needs what a key-value store lacks: one index record per tenant (kind CHAT_INDEX: id,
 created, model, metadata of each, oldest first, at most MAX_LISTED, entries past the TTL pruned),
 rewritten under the record lock (data_plane/gateway/record_locks.py) when a completion is stored,
-updated or deleted. A completion that dropped out of the index is still retrievable by id.
+updated or deleted. A completion that dropped out of the index is still retrievable by id. The index
+remembers where its last deleted entries stood, so a list's `after` naming one deleted since (a loop that
+deletes what it lists, `for c in client.chat.completions.list(): client.chat.completions.delete(c.id)`) goes
+on from there: it was a 400 "no item with id" after the first page.
 
 Storing is part of the reply (awaited before the last bytes, so a retrieve right after the create
 finds it), but a failure to store is logged and counted, never turned into a failed completion: the
@@ -37,7 +40,7 @@ from data_plane.gateway.chat import ChatHandler
 from data_plane.gateway.conversations import metadata_update
 from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S, record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, Record
-from data_plane.gateway.responses import page
+from data_plane.gateway.responses import deleted_before, page
 from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.protocol import ChatCompletionRequest, ChatMessage
@@ -137,6 +140,8 @@ async def edit_index(gw: Gateway, store: ConversationStore, owner: str, replicas
         index = await load_index(store, owner, replicas)
         entries = list(index.items)
         if remove is not None:
+            if any(e["id"] == remove for e in entries):  # a list's cursor may still name it (responses.page)
+                deleted_before(index.conversation.setdefault("deleted", {}), entries, remove)
             entries = [e for e in entries if e["id"] != remove]
         elif add is not None:  # an update replaces its entry in place: the list's order never moves
             entries = [add if e["id"] == add["id"] else e for e in entries]
@@ -192,7 +197,12 @@ def mount_chat_store(app: FastAPI, gw: Gateway, store: Callable[[], Conversation
             index = await load_index(store(), owner, replicas)
             entries = [e for e in index.items if (model is None or e["model"] == model)
                        and all(e["metadata"].get(k) == v for k, v in wanted.items())]
-            listed = page(entries, limit=limit, order=order, after=after)
+            kept, gone, previous = {e["id"] for e in entries}, dict(index.conversation.get("deleted") or {}), None
+            for entry in index.items:  # a cursor the filters leave out is passed over as a deleted one is
+                if entry["id"] not in kept:
+                    gone[entry["id"]] = previous
+                previous = entry["id"]
+            listed = page(entries, limit=limit, order=order, after=after, gone=gone)
             found = await asyncio.gather(*(load(e["id"], owner, replicas) for e in listed["data"]),
                                          return_exceptions=True)
             for got in found:  # a record gone meanwhile is left out; a cache failure is the answer
