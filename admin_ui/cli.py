@@ -179,6 +179,13 @@ def _exit(code: object) -> str:
     return f"code {code}"
 
 
+def _why(process: dict[str, Any]) -> str:
+    """The supervisor's reason, in parentheses, when it killed the process itself (a hang): a bare SIGKILL
+    reads as the OOM killer's or a person's."""
+    reason = process.get("last_exit_reason")
+    return f" ({reason})" if isinstance(reason, str) and reason else ""
+
+
 def format_processes(body: dict[str, Any], now: float | None = None) -> str:
     """One line per process `up` supervises: pid, how long up, restarts, how and when it last died."""
     now = time.time() if now is None else now
@@ -193,7 +200,7 @@ def format_processes(body: dict[str, Any], now: float | None = None) -> str:
         last = p.get("last_exit_at")
         rows.append((str(p.get("name")), str(p.get("pid") or "-"), "running" if p.get("running") else "down",
                      ago(p.get("started_at")) if p.get("running") else "-", str(p.get("restarts", 0)),
-                     f"{_exit(p.get('last_exit_code'))} at {ago(last)}" if last else "-"))
+                     f"{_exit(p.get('last_exit_code'))}{_why(p)} at {ago(last)}" if last else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1] for r in rows)
 

@@ -165,7 +165,7 @@ class DegradationController:
         self._source = source
         self._metrics = metrics
         self._clock = clock or Clock()
-        # dwell restarts at (re)start: a restored level is held at least one dwell time
+        # dwell restarts at (re)start: a restored level that readings do not find calm is held a dwell time
         self._changed_at = self._clock.monotonic()
         self._calm_since: float | None = None
         self._cause: tuple[Cause, ...] = ()
@@ -175,6 +175,11 @@ class DegradationController:
         self._latest: Signals | None = None
         self._read_failing = False
         self._task: asyncio.Task[None] | None = None
+        record = store.degradation
+        self._restored = record.level if record.level > Level.NORMAL and not record.pinned else None
+        """An automatic level restored from the store, not yet confirmed by a reading of this process: held
+        while readings are hot or in between (a control plane restarted mid-overload keeps shedding), dropped
+        at the first calm one (a fresh start after an overload must not shed an idle fleet for dwell x level)."""
         self._publish_metrics()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -275,6 +280,8 @@ class DegradationController:
         elif (assessment.verdict is Verdict.HOT and record.level < max(Level)
               and held >= self._raise_dwell(assessment, signals)):
             outcome, target = Outcome.RAISE, Level(record.level + 1)
+        elif assessment.verdict is Verdict.CALM and self._restored is not None and record.level == self._restored:
+            outcome, target = Outcome.LOWER, Level.NORMAL
         elif (
             assessment.verdict is Verdict.CALM
             and record.level > Level.NORMAL
@@ -282,11 +289,18 @@ class DegradationController:
             and self._calm_for() >= dwell
         ):
             outcome, target = Outcome.LOWER, Level(record.level - 1)
+        if assessment.verdict is not Verdict.INCOMPLETE:
+            restored, self._restored = self._restored, None
+        else:
+            restored = None
         if self._metrics is not None:
             self._metrics.evaluations.labels(outcome).inc()
         if target == record.level:
             return None
-        if outcome is Outcome.LOWER:
+        if outcome is Outcome.LOWER and restored is not None:
+            reason = (f"level {int(restored)} restored at start, calm at the first reading (nothing to shed): "
+                      + "; ".join(assessment.reasons))
+        elif outcome is Outcome.LOWER:
             reason = f"calm for {self._calm_for():.0f}s: " + "; ".join(assessment.reasons)
         else:
             reason = "; ".join(assessment.reasons)
@@ -306,6 +320,7 @@ class DegradationController:
         ValueError for a level outside 0..4."""
         target = Level.parse(level)
         self._cause = (Cause.OPERATOR,)
+        self._restored = None
         return self._change(target, f"pinned: {reason}", actor=Actor.OPERATOR, pinned=True, signals=self._latest)
 
     def release(self, reason: str = "released") -> LevelChange | None:

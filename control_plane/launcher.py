@@ -50,6 +50,11 @@ from data_plane.common.settings_cli import parse_settings
 from data_plane.common.tls import TlsConfig, make_dev_pki
 from data_plane.membership.placement import DEFAULT_ZONE
 
+RESUME_WAIT_S = 30
+"""The gateways' --resume-wait-s under `up`: a stream whose lone shard (or pipeline group) died mid-way waits
+this long for the supervisor to bring it back (1 s backoff, then a model load: 16 s from the kill on a busy
+2-core host) and finishes there, instead of ending with an error (a standalone gateway waits 0 s)."""
+
 
 def plan(s: UpSettings, state: Path, admin_token: str, cluster_token: str,
          metrics_token: str | None = None) -> tuple[Child, list[Child], list[Child], list[Child]]:
@@ -108,7 +113,7 @@ def plan(s: UpSettings, state: Path, admin_token: str, cluster_token: str,
                    "--keys-file", str(state / "keys.yaml"), "--max-model-len", str(s.max_model_len),
                    "--state-dir", str(state / name), "--usage-db", usage_db,
                    "--session-keys-file", str(state / "session_keys"), "--node-id", f"{name}-{port}",
-                   "--zone", zone]
+                   "--zone", zone, "--resume-wait-s", str(RESUME_WAIT_S)]
         if s.response_cache:
             gw_args.append("--response-cache")
         if s.trusted_proxies:

@@ -75,6 +75,11 @@ class Child:
     last_exit_code: int | None = None
     """How its last run ended (a negative code: the signal that killed it), None before any death."""
     last_exit_at: float | None = None
+    last_exit_reason: str | None = None
+    """Why the supervisor itself killed its last run ("hung: ..."), None when it died on its own: a SIGKILL
+    from the liveness check must not read as the OOM killer's or an operator's kill -9."""
+    kill_reason: str | None = None
+    """Set when the supervisor kills the current run (a hang), moved to `last_exit_reason` at its death."""
     answered_at: float = 0.0
     """When its health path last answered (monotonic; 0.0: not since its start, so not yet probed for liveness)."""
     next_probe: float = 0.0
@@ -84,6 +89,7 @@ class Child:
     def start(self) -> None:
         self.started_at = time.monotonic()
         self.answered_at = self.next_probe = self.failing_since = 0.0
+        self.kill_reason = None
         self.started_wall = time.time()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -98,7 +104,8 @@ class Child:
         """Its line of the process table (control_plane/admin/processes.py)."""
         return {"name": self.name, "pid": self.proc.pid if self.proc else None, "url": self.url,
                 "log": str(self.log_path), "running": self.alive(), "started_at": self.started_wall or None,
-                "restarts": self.restarts, "last_exit_code": self.last_exit_code, "last_exit_at": self.last_exit_at}
+                "restarts": self.restarts, "last_exit_code": self.last_exit_code, "last_exit_at": self.last_exit_at,
+                "last_exit_reason": self.last_exit_reason}
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -216,8 +223,10 @@ class Supervisor:
                 delay = RESTART_BACKOFF_S[min(child.crashes, len(RESTART_BACKOFF_S) - 1)]
                 child.crashes += 1
                 child.last_exit_code, child.last_exit_at = code, time.time()
+                child.last_exit_reason, child.kill_reason = child.kill_reason, None
                 self.record()
-                print(f"[switchboard] {child.name} exited (code {code}); restarting in {delay:.0f} s "
+                why = f", {child.last_exit_reason}" if child.last_exit_reason else ""
+                print(f"[switchboard] {child.name} exited (code {code}{why}); restarting in {delay:.0f} s "
                       f"(log: {child.log_path})", flush=True)
                 child.next_restart = now + delay
             elif now >= child.next_restart:
@@ -251,8 +260,10 @@ class Supervisor:
                 # itself (Ctrl-Z, a stalled host, a slow pass), one slow answer is not 30 s of silence.
                 child.failing_since = child.failing_since or now
                 if now - child.failing_since >= LIVENESS_TIMEOUT_S:
+                    silent = now - child.answered_at
                     print(f"[switchboard] {child.name} has not answered {child.health} for "
-                          f"{now - child.answered_at:.0f} s (hung); killing it (log: {child.log_path})", flush=True)
+                          f"{silent:.0f} s (hung); killing it (log: {child.log_path})", flush=True)
+                    child.kill_reason = f"hung: killed by up after {silent:.0f} s without an answer on {child.health}"
                     child.stop(signal.SIGKILL)
 
     def record(self) -> None:

@@ -132,6 +132,8 @@ def processes_frame(table: Mapping[str, Any] | None, *, now: float) -> pd.DataFr
         exit_text = ""
         if died is not None and isinstance(code, int):
             how = _signal_name(-code) if code < 0 else f"exit code {code}"
+            reason = p.get("last_exit_reason")
+            how += f" ({reason})" if isinstance(reason, str) and reason else ""
             exit_text = f"{how}, {max(0.0, now - died):.0f} s ago"
         running = bool(p.get("running"))
         rows.append({"process": p.get("name", "?"), "pid": p.get("pid"), "status": "running" if running else "down",

@@ -253,6 +253,8 @@ class ProcessModel(_Open):
     restarts: int = Field(description="restarts by `switchboard up` since the launcher started")
     last_exit_code: int | None = Field(default=None, description="negative: the signal that killed it (-9 SIGKILL)")
     last_exit_at: float | None = Field(default=None, description="unix seconds")
+    last_exit_reason: str | None = Field(
+        default=None, description="why `up` killed its last run itself (a hang), null when it died on its own")
 
 
 class ProcessesResponse(BaseModel):

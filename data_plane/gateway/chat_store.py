@@ -14,10 +14,11 @@ is a 404, like a missing one), as OpenAI's stored completions belong to a projec
 Listing needs what a key-value store lacks: one index record per tenant (kind CHAT_INDEX: id,
 created, model, metadata of each, oldest first, at most MAX_LISTED, entries past the TTL pruned),
 rewritten under the record lock (data_plane/gateway/record_locks.py) when a completion is stored,
-updated or deleted. A completion that dropped out of the index is still retrievable by id. The index
-remembers where its last deleted entries stood, so a list's `after` naming one deleted since (a loop that
-deletes what it lists, `for c in client.chat.completions.list(): client.chat.completions.delete(c.id)`) goes
-on from there: it was a 400 "no item with id" after the first page.
+updated or deleted. A completion that dropped out of the index is still retrievable by id. A deleted
+one leaves a tombstone (its id, created and model, at most MAX_TOMBSTONES) that is never listed but keeps
+its place for an `after` cursor: the openai SDK pages on with `after=<last id of the page>`, so an app
+that deletes what it lists (`for c in client.chat.completions.list(): ...delete(c.id)`) sends the id
+it just deleted, and so does one whose cursor's metadata changed since under a `metadata[...]` filter.
 
 Storing is part of the reply (awaited before the last bytes, so a retrieve right after the create
 finds it), but a failure to store is logged and counted, never turned into a failed completion: the
@@ -40,7 +41,7 @@ from data_plane.gateway.chat import ChatHandler
 from data_plane.gateway.conversations import metadata_update
 from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S, record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, Record
-from data_plane.gateway.responses import deleted_before, page
+from data_plane.gateway.responses import page
 from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.protocol import ChatCompletionRequest, ChatMessage
@@ -51,6 +52,9 @@ log = logging.getLogger(__name__)
 
 MAX_LISTED = 10_000
 """Completions one tenant's list holds (the newest); the index record is rewritten on every store."""
+
+MAX_TOMBSTONES = 1_000
+"""Deleted completions whose place in the list one tenant's index keeps (the newest), for `after` cursors."""
 
 
 def tenant_owner(tenant: str) -> str:
@@ -139,16 +143,19 @@ async def edit_index(gw: Gateway, store: ConversationStore, owner: str, replicas
     try:
         index = await load_index(store, owner, replicas)
         entries = list(index.items)
-        if remove is not None:
-            if any(e["id"] == remove for e in entries):  # a list's cursor may still name it (responses.page)
-                deleted_before(index.conversation.setdefault("deleted", {}), entries, remove)
-            entries = [e for e in entries if e["id"] != remove]
+        if remove is not None:  # its place stays, as a tombstone, for a cursor (see the module's docstring);
+            # no metadata (the caller's data goes with the record), but an entry's shape all the same, so
+            # a gateway of the previous version lists past it (its record is gone: left out of the page)
+            entries = [{**e, "metadata": {}, "deleted": True} if e["id"] == remove else e for e in entries]
         elif add is not None:  # an update replaces its entry in place: the list's order never moves
             entries = [add if e["id"] == add["id"] else e for e in entries]
             if add not in entries:
                 entries.append(add)
                 entries.sort(key=lambda e: e["created"])  # stable: same-second stores keep their order
-        index.items = entries[-MAX_LISTED:]
+        live = [e for e in entries if not e.get("deleted")][-MAX_LISTED:]
+        dead = [e for e in entries if e.get("deleted")][-MAX_TOMBSTONES:]
+        kept = {e["id"] for e in live + dead}
+        index.items = [e for e in entries if e["id"] in kept]
         await store.save(index, owner, replicas)
     finally:
         gw.record_locks.release(key)
@@ -163,6 +170,21 @@ async def load_index(store: ConversationStore, owner: str, replicas: int) -> Rec
     oldest = time.time() - store.ttl_s
     index.items = [e for e in index.items if e["created"] >= oldest]
     return index
+
+
+def past_cursor(entries: list[dict[str, Any]], index: list[dict[str, Any]], order: str,
+                after: str | None) -> list[dict[str, Any]]:
+    """The listed `entries` (oldest first) that come after the cursor `after` in `order`, the cursor placed
+    by the whole index (`index`, oldest first): a completion deleted since, or filtered out by its
+    metadata now, still marks where the previous page ended. An id the index never held is a 400."""
+    if after is None or order not in ("asc", "desc"):  # (a bad order is page()'s 400)
+        return entries
+    ids = [e["id"] for e in index]
+    if after not in ids:
+        raise InvalidRequest(f"no item with id {after!r}", param="after")
+    at = ids.index(after)
+    later = set(ids[at + 1:] if order == "asc" else ids[:at])
+    return [e for e in entries if e["id"] in later]
 
 
 def metadata_filter(request: Request) -> dict[str, str]:
@@ -195,14 +217,9 @@ def mount_chat_store(app: FastAPI, gw: Gateway, store: Callable[[], Conversation
             owner, replicas = caller(request)
             wanted = metadata_filter(request)
             index = await load_index(store(), owner, replicas)
-            entries = [e for e in index.items if (model is None or e["model"] == model)
+            entries = [e for e in index.items if not e.get("deleted") and (model is None or e["model"] == model)
                        and all(e["metadata"].get(k) == v for k, v in wanted.items())]
-            kept, gone, previous = {e["id"] for e in entries}, dict(index.conversation.get("deleted") or {}), None
-            for entry in index.items:  # a cursor the filters leave out is passed over as a deleted one is
-                if entry["id"] not in kept:
-                    gone[entry["id"]] = previous
-                previous = entry["id"]
-            listed = page(entries, limit=limit, order=order, after=after, gone=gone)
+            listed = page(past_cursor(entries, index.items, order, after), limit=limit, order=order, after=None)
             found = await asyncio.gather(*(load(e["id"], owner, replicas) for e in listed["data"]),
                                          return_exceptions=True)
             for got in found:  # a record gone meanwhile is left out; a cache failure is the answer

@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from data_plane.common.yaml_source import load_yaml
 from data_plane.gateway.auth import KEY_ID_LENGTH, LABEL_PATTERN, NAME_PATTERN, generate_key, key_digest
 from data_plane.gateway.keys_edit import append_entry, locked, read_keys_file, remove_entries, write_atomic
 from data_plane.tiers import TierPolicy
@@ -41,6 +42,11 @@ PROG = "switchboard keys"
 UP_STATE_DIR = ".switchboard"
 """`switchboard up`'s default --state-dir (control_plane/launcher.py UpSettings; a test holds them equal)."""
 KEYS_FILE_ENV = "SWITCHBOARD_GATEWAY_KEYS_FILE"
+UP_TIERS_FILE = Path("control-plane") / "tiers.json"
+"""Where `switchboard up`'s control plane keeps the tier policy an operator edits (the console, PUT
+/admin/v1/tiers), relative to up's state dir: the launcher's `--state-dir STATE/control-plane` and
+control_plane/policy_store.py's TIERS_FILE (a test holds them equal). What `create` checks --tier against
+for a keys file in that state dir: the gateways `up` runs follow that policy, not the built-in one."""
 MIN_PREFIX = 6
 """Shortest digest prefix `revoke --digest` takes: a shorter one matches the wrong key too easily."""
 _HEX = re.compile(r"^[0-9a-f]+$")
@@ -93,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a label for operators (who or what the key is for); the gateway ignores it")
     p.add_argument("--tiers-file", default=None, help=(
         "the gateways' tier policy, a file or inline YAML, to check --tier against (env "
-        "SWITCHBOARD_GATEWAY_TIERS_FILE; default: the built-in free/plus/enterprise)"))
+        "SWITCHBOARD_GATEWAY_TIERS_FILE; default: the policy `switchboard up`'s control plane keeps beside the "
+        "keys file, as edited in the console, else the built-in free/plus/enterprise)"))
     p = sub.add_parser("list", parents=[common], help="the keys in the file (never a key itself)",
                        description="Every entry of the keys file: its key id (the first hex digits of the key's "
                                    "SHA-256, as gateway logs and the usage ledger show it), tenant, tier and name. "
@@ -123,18 +130,32 @@ def _digest(entry: dict[str, Any]) -> str:
     return str(sha).lower() if sha is not None else key_digest(str(entry.get("key", "")))
 
 
-def _tiers(source: str | None) -> tuple[list[str], str]:
+def _policy(source: str | Path) -> TierPolicy:
+    """A tier policy file (or inline YAML); the control plane's own state file too, whose bookkeeping
+    beside ``tiers`` (``updated_at``, ``version``, ...) is not part of the policy."""
+    data = load_yaml(source)
+    if isinstance(data, dict) and "tiers" in data:
+        data = {"tiers": data["tiers"]}
+    return TierPolicy.from_dict(data)
+
+
+def _tiers(source: str | None, keys_file: Path) -> tuple[list[str], str]:
     source = source or os.environ.get("SWITCHBOARD_GATEWAY_TIERS_FILE") or None
+    label, where = "--tiers-file", f"tier policy {source}"
     if source is None:
-        return TierPolicy.default().names(), "the built-in policy; pass --tiers-file if the gateways use another"
+        live = keys_file.parent / UP_TIERS_FILE
+        if not live.is_file():
+            return TierPolicy.default().names(), "the built-in policy; pass --tiers-file if the gateways use another"
+        source = label = str(live)
+        where = f"the tier policy of `switchboard up`'s control plane, {live}"
     try:
-        return TierPolicy.from_yaml(source).names(), f"tier policy {source}"
+        return _policy(source).names(), where
     except (OSError, ValueError) as exc:
-        _fail(2, f"--tiers-file: {exc}")
+        _fail(2, f"{label}: {exc}")
 
 
 def create(args: argparse.Namespace, path: Path) -> None:
-    names, where = _tiers(args.tiers_file)
+    names, where = _tiers(args.tiers_file, path)
     if args.tier not in names:
         _fail(2, f"unknown tier {args.tier!r}; known tiers: {', '.join(sorted(names))} ({where})")
     key = generate_key("sk-sb-")

@@ -208,7 +208,7 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
     upstream = Upstream(router, pool, UpstreamConfig(
         connect_timeout_s=settings.connect_timeout_s, first_token_timeout_s=settings.first_token_timeout_s,
         idle_timeout_s=settings.idle_timeout_s, silence_timeout_s=settings.silence_timeout_s,
-        retries=settings.retries, resumes=settings.resumes), headers=cluster_headers(cluster_token_from_env()))
+        retries=settings.retries, resumes=settings.resumes, resume_wait_s=settings.resume_wait_s), headers=cluster_headers(cluster_token_from_env()))
     keys = Keyring.from_settings(keys_file=settings.session_keys_file, keys_env=settings.session_keys,
                                  cluster_token=cluster_token_from_env())
     log.info("session transcripts are encrypted at rest (AES-256-GCM, key %s, %s)", keys.current, keys.source)

@@ -54,6 +54,9 @@ class GatewaySettings(BaseSettings):
         "A shard that announces SSE keep-alives and sends nothing for this long has failed: retry or resume elsewhere."))
     retries: int = Field(1, ge=0, le=3, description="Retries on another shard before the first token.")
     resumes: int = Field(2, ge=0, le=5, description="Mid-stream failovers per request (resume on another shard).")
+    resume_wait_s: float = Field(0.0, ge=0, le=600, description=(
+        "How long a stream that broke mid-way waits for a shard to continue on when no other is left (a lone shard "
+        "or pipeline group restarting; `switchboard up` sets 30). 0: it ends with an error at once."))
     eject_after: int = Field(3, ge=1, description="Consecutive failures that eject a shard.")
     eject_s: float = Field(5.0, gt=0, description="First ejection's duration (doubles on repeat).")
     outlier_failure_percent: float = Field(40.0, ge=0, le=100, description="Eject a shard when this percentage of its calls in the outlier window failed by its (or its link's) fault, even with successes in between (0: off).")

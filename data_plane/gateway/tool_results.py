@@ -11,8 +11,12 @@ with no result and answered as if it had one.
 
 With a server-side session the app sends only the new messages, so the calls of the session's last turn are
 in its transcript (as the tool envelope, without their ids: the ids were minted for the reply) and their
-results are the request's first messages: counted against the envelope's calls. The gateway checks the
-merged history here; a shard never does (it gets plain messages, and a resume continues an unanswered call).
+results are the request's first messages: counted against the envelope's calls. The other way round too:
+tool messages that answer more calls than the last turn made (any, after a plain reply: a result sent twice,
+say a retry of a turn that had gone through) or, later in the request, none of its own assistant messages'
+calls, are OpenAI's 400 for a tool message that answers nothing (they were served: the model read a result
+of no call, and the session kept it). The gateway checks the merged history here; a shard never does (it gets
+plain messages, and a resume continues an unanswered call).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from data_plane.tool_calls import envelope_calls
 
 _RULE = ("An assistant message with 'tool_calls' must be followed by tool messages responding to each "
          "'tool_call_id'.")
+_ORPHAN = "messages with role 'tool' must answer a preceding assistant message's tool_calls (tool_call_id)"
 
 
 def check_answered(messages: Sequence[ChatMessage]) -> None:
@@ -50,8 +55,6 @@ def check_session_answered(stored: Sequence[dict[str, str]], messages: Sequence[
     each call (system and developer messages aside: they replace the stored ones, ahead of the history)."""
     turns = [m for m in stored if m.get("role") != "system"]
     names = envelope_calls(turns[-1].get("content")) if turns and turns[-1].get("role") == "assistant" else []
-    if not names:
-        return
     new = [m for m in messages if m.role not in ("system", "developer")]
     answered = 0
     while answered < len(new) and new[answered].role == "tool":
@@ -61,3 +64,27 @@ def check_session_answered(stored: Sequence[dict[str, str]], messages: Sequence[
             f"{_RULE} The session's last assistant message called {len(names)} tool(s) "
             f"({', '.join(names)}) and {answered} tool message(s) answer them: send one tool message per call, "
             f"first, with the tool_call_id the reply gave it.", param="messages")
+    check_session_results(len(names), new, answered)
+
+
+def check_session_results(calls: int, new: Sequence[ChatMessage], leading: int) -> None:
+    """400 when tool messages answer no call: the first `leading` of the request's `new` messages (system and
+    developer messages aside) answer the session's last turn, which made `calls` calls (their ids are not in
+    the transcript, so different ids are counted: one result sent twice still passes); a later one answers
+    a call of an assistant message before it in the request (parse_chat_request leaves both to this check
+    when a session continues). A deprecated function result (turned into a tool message whose id is
+    `call_<its name>`, data_plane/legacy_functions.py) is let through, as without a session."""
+    def legacy(m: ChatMessage) -> bool:
+        return bool(m.name) and m.tool_call_id == f"call_{m.name}"
+
+    ids = {m.tool_call_id for m in new[:leading] if not legacy(m)}
+    if len(ids) > calls:
+        raise InvalidRequest(f"{_ORPHAN}. The session's last assistant message called {calls} tool(s), and "
+                             f"this request's first tool messages answer {len(ids)} different tool_call_id(s).",
+                             param="messages")
+    called: set[str] = set()
+    for m in new[leading:]:
+        if m.role == "assistant" and m.tool_calls:
+            called.update(c["id"] for c in m.tool_calls)
+        elif m.role == "tool" and m.tool_call_id not in called and not legacy(m):
+            raise InvalidRequest(_ORPHAN, param="messages")

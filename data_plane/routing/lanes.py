@@ -57,6 +57,8 @@ class Upstream(Protocol):
     async def open(self, request: ShardRequest, session_id: str | None,
                    exclude: set[str] | None = None) -> ShardStream: ...
 
+    async def reopen(self, request: ShardRequest, session_id: str | None, tried: set[str]) -> ShardStream: ...
+
 
 @dataclass
 class Progress:
@@ -148,7 +150,7 @@ class ChoiceLanes:
             "add_generation_prompt": False, "max_tokens": remaining, "seed": None if seed is None else seed + index,
             # its own id: two choices may continue on one shard, which refuses a second request of one id
             "request_id": None if rid is None else f"{rid[:120]}-lane{index}"})
-        stream = await self._upstream.open(request, self._session_id, exclude=self._tried)
+        stream = await self._upstream.reopen(request, self._session_id, self._tried)
         self._lanes[index] = stream
         self._tasks[index] = asyncio.ensure_future(self._pump(index, stream))
         return True

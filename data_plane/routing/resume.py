@@ -126,7 +126,7 @@ class ResumableStream:
                     "messages": continued(self._request, self._sent.text()), "continue_final_message": True,
                     "add_generation_prompt": False, "max_tokens": remaining})
                 try:
-                    self._stream = await self._upstream.open(request, self._session_id, exclude=tried)
+                    self._stream = await self._upstream.reopen(request, self._session_id, tried)
                 except SwitchboardError:
                     raise wire.unresumed(exc) from None
                 self.member = self._stream.member

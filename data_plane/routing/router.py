@@ -208,6 +208,10 @@ class Router:
                 log.info("routing view: %d shards (change %d)", len(fleet), fleet.changes)
         return fleet
 
+    def shard_ids(self) -> set[str]:
+        """The ids of the shards membership lists now (routable or not for the circuits)."""
+        return set(self._refresh().by_id)
+
     def pick(self, session_id: str | None, exclude: set[str] | frozenset[str] = _NOTHING) -> Member:
         fleet = self._refresh()
         skip, probe = self._unhealthy(exclude)

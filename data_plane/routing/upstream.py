@@ -87,6 +87,18 @@ class UpstreamConfig:
     """Extra attempts on other shards for failures before the first token."""
     resumes: int = 2
     """Mid-stream failovers per request: the stream continues on another shard."""
+    resume_wait_s: float = 0.0
+    """How long a stream that broke mid-way waits for a shard to continue on when none is left (the only
+    shard, or every other one out): its own shard counts again once it left membership and came back, as a
+    restarted process (`switchboard up` restarts a dead shard or pipeline group in seconds). 0: no wait, the
+    stream ends with the shard's failure at once."""
+
+
+RESUME_POLL_S = 0.25
+"""While a resume waits for a shard (`resume_wait_s`): how often it looks again."""
+RESUME_LEAVE_S = 3.0
+"""A resume waits past this only once a failed shard left membership (it died and may be restarted): one
+that stays registered (an engine error, a stream cut on a live link) is not coming back as a new process."""
 
 
 class Upstream:
@@ -114,6 +126,29 @@ class Upstream:
         once; a failure before the first token is held against its shard."""
         payload = json.dumps(request.wire(), ensure_ascii=False).encode()
         return await self._on_shards(session_id, exclude, lambda member, n: self._try(member, payload, n, session_id))
+
+    async def reopen(self, request: ShardRequest, session_id: str | None, tried: set[str]) -> ShardStream:
+        """`open` for a resume, on a shard not in `tried`. With none left, wait up to ``resume_wait_s`` for
+        one: a shard of `tried` that left membership meanwhile is dropped from it (a kill -9 or a lost pipeline
+        stage takes it out within a second; its return is a new process, its restart by `up`). With none of
+        them gone from membership after RESUME_LEAVE_S, nothing is restarting: the wait ends there."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        left = False
+        while True:
+            try:
+                return await self.open(request, session_id, exclude=tried)
+            except NoHealthyBackend:
+                waited = loop.time() + RESUME_POLL_S - start
+                if waited > self.config.resume_wait_s or (waited > RESUME_LEAVE_S and not left):
+                    raise
+                if waited <= RESUME_POLL_S:
+                    log.info("no other shard to resume a stream on: waiting up to %.0f s for one (a restart)",
+                             self.config.resume_wait_s)
+            await asyncio.sleep(RESUME_POLL_S)
+            listed = self.router.shard_ids()
+            left = left or not tried <= listed
+            tried.intersection_update(listed)
 
     async def _on_shards(self, session_id: str | None, exclude: set[str] | None,
                          one: Callable[[Member, int], Awaitable[T]]) -> T:

@@ -39,3 +39,21 @@ def test_a_process_killed_by_a_realtime_signal_is_shown_not_a_crash() -> None:
     frame = processes_frame({"processes": [{"name": "shard-0", "pid": 1, "running": False, "restarts": 1,
                                             "last_exit_code": -40, "last_exit_at": now - 2}]}, now=now)
     assert list(frame["last_exit"]) == ["signal 40, 2 s ago"]
+
+
+def test_a_process_up_killed_as_hung_says_so_on_the_page_and_in_admin_processes() -> None:
+    """A shard `up` killed for not answering its health path showed "SIGKILL" alone, as the OOM killer's or an
+    operator's kill -9 would: the reason the supervisor records is shown beside the signal."""
+    from admin_ui.cli import format_processes
+    from admin_ui.views.cluster import processes_frame
+
+    now = time.time()
+    reason = "hung: killed by up after 36 s without an answer on /health"
+    table = {"processes": [{"name": "shard-0", "pid": 7, "running": True, "started_at": now - 10, "restarts": 1,
+                            "last_exit_code": -9, "last_exit_at": now - 11, "last_exit_reason": reason},
+                           {"name": "cache-0", "pid": 8, "running": True, "started_at": now - 10, "restarts": 1,
+                            "last_exit_code": -9, "last_exit_at": now - 11, "last_exit_reason": None}]}
+    frame = processes_frame(table, now=now)
+    assert list(frame["last_exit"]) == [f"SIGKILL ({reason}), 11 s ago", "SIGKILL, 11 s ago"]
+    lines = format_processes(table, now=now).splitlines()
+    assert f"SIGKILL ({reason}) at " in lines[1] and "SIGKILL at " in lines[2], lines

@@ -345,14 +345,35 @@ def test_state_survives_a_restart(tmp_path: Any) -> None:
     assert ladder2.level == 3 and ladder2.pinned
     assert metric(registry2, "switchboard_degradation_level") == 3
     assert [e["to"] for e in ladder2.snapshot()["history"]] == [3]
-    # an automatic level is restored too, and held a full dwell after the restart
+    # an automatic level is restored too, and held while the readings after the restart are not calm
+    # (a control plane restarted mid-overload keeps shedding), then stepped down by the usual dwell
     ladder2.release("done")
     ladder3, _, _, clock3 = make(tmp_path, clock)
+    assert ladder3.observe(None) is None and ladder3.level == 3  # incomplete: confirms nothing
+    assert ladder3.observe(WARM) is None and ladder3.level == 3
     ladder3.observe(CALM)
     clock3.advance(29)
     assert ladder3.observe(CALM) is None and ladder3.level == 3
     clock3.advance(1)
     assert ladder3.observe(CALM).to == 2
+
+
+def test_a_restored_automatic_level_that_the_first_reading_finds_calm_is_dropped_at_once(tmp_path: Any) -> None:
+    """`up` stopped at level 3 after an overload and started again on an idle fleet: no shedding for
+    dwell x level (it shed the free tier for over a minute), the first calm reading ends it."""
+    ladder, _, _, clock = make(tmp_path)
+    ladder.pin(3, "overload")
+    ladder.release("auto")
+    restarted, _, registry, _ = make(tmp_path, clock)
+    assert restarted.level == 3
+    assert restarted.observe(None) is None and restarted.level == 3
+    event = restarted.observe(CALM)
+    assert event is not None and event.to == 0 and "restored at start" in event.reason
+    assert metric(registry, "switchboard_degradation_level") == 0
+    # a pinned level is the operator's: restored and held whatever the readings say
+    restarted.pin(2, "maintenance")
+    again, _, _, _ = make(tmp_path, clock)
+    assert again.observe(CALM) is None and again.level == 2 and again.pinned
 
 
 async def test_task_reads_the_source_and_survives_failures() -> None:

@@ -122,8 +122,15 @@ def test_a_hung_child_is_killed_and_restarted_one_still_loading_is_left_alone(
         frozen.send_signal(signal.SIGSTOP)
         _supervise_until(sup, lambda: server.restarts == 1 and server.answered_at > 0.0)
         assert frozen.poll() == -signal.SIGKILL and server.last_exit_code == -signal.SIGKILL
+        # said as such: a bare SIGKILL read as the OOM killer's or a person's kill -9 in `admin processes`
+        assert (server.last_exit_reason or "").startswith("hung: killed by up after "), server.last_exit_reason
+        assert server.row()["last_exit_reason"] == server.last_exit_reason
         assert httpx.get(server.url + "/health", timeout=2).status_code == 404  # the new one serves
         assert loading.alive() and loading.restarts == 0, "a child that never answered was killed as hung"
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGKILL)  # a death the supervisor did not cause carries no reason of its own
+        _supervise_until(sup, lambda: server.restarts == 2)
+        assert server.last_exit_code == -signal.SIGKILL and server.last_exit_reason is None
     finally:
         for child in (server, loading):
             child.stop(signal.SIGKILL)

@@ -96,6 +96,41 @@ def test_a_sessions_tool_calls_must_be_answered_before_it_goes_on(gateway: Servi
     assert after.choices[0].message.content  # the calls answered, the session goes on
 
 
+ORPHAN = "messages with role 'tool' must answer a preceding assistant message's tool_calls (tool_call_id)"
+
+
+def test_a_tool_result_that_answers_no_call_of_a_session_is_a_400(gateway: Service) -> None:
+    """The other way round: tool messages where the session's last turn made fewer calls (none, after a plain
+    reply: a result sent again, say by a retry of a turn that had gone through), or later in the request
+    with no call of its own before them, were served (the model read a result of nothing, and the session
+    kept it); OpenAI and the sessionless path refuse them. A deprecated function result still passes."""
+    client = sdk(gateway)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER],
+        tool_choice="required", parallel_tool_calls=False, max_tokens=40, temperature=0,
+        extra_headers={"X-Session-Id": "new"})
+    session, call = raw.headers["x-session-id"], raw.parse().choices[0].message.tool_calls[0]
+    headers = {"X-Session-Id": session}
+    result = {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"}
+    body = _refused(client, [result, {**result, "tool_call_id": "call_other"}], extra_headers=headers)
+    assert body["message"].startswith(ORPHAN) and "called 1 tool(s)" in body["message"], body
+    assert body["param"] == "messages"
+    client.chat.completions.create(model=MODEL, messages=[result], max_tokens=8, temperature=0, extra_headers=headers)
+    for extra in ({}, {"stream": True}, {"tools": [WEATHER]}):  # the same result again: the last turn called nothing
+        body = _refused(client, [result], extra_headers=headers, **extra)
+        assert body["message"].startswith(ORPHAN) and "called 0 tool(s)" in body["message"], body
+    body = _refused(client, [{"role": "user", "content": "And?"}, {**result, "tool_call_id": "call_zz"}],
+                    extra_headers=headers)
+    assert body["message"] == ORPHAN and body["param"] == "messages"
+    legacy = client.chat.completions.create(  # a function result of no call in sight: served, as without a session
+        model=MODEL, messages=[{"role": "function", "name": "get_weather", "content": "Rainy"}], max_tokens=8,
+        temperature=0, extra_headers=headers)
+    assert legacy.choices[0].finish_reason in ("stop", "length")
+    after = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Thanks!"}],
+                                           max_tokens=8, temperature=0, extra_headers=headers)
+    assert after.choices[0].message.content  # the refused turns left the session as it was
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({}, "messages"),
     ({"messages": [{"content": "Hi"}]}, "messages.0.role"),

@@ -140,3 +140,35 @@ def test_list_pages_and_filters(stack: Stack) -> None:
                    headers={"Authorization": f"Bearer {KEYS['plus']}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "metadata"
     assert httpx.get(stack.gateway.url + "/v1/chat/completions", timeout=30).status_code == 401
+
+
+def test_listing_pages_on_past_a_deleted_or_refiltered_cursor(stack: Stack) -> None:
+    """The SDK's auto-paging sends `after=<last id of the page>`: an app that deletes what it lists sends an
+    id it just deleted (that was a 400 "no item with id", so the loop stopped after the first page), and
+    one whose cursor's metadata changed under its filter an id the filter no longer lists."""
+    sdk = stack.sdk()
+    batch = tag()
+    made = [sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Say {i}."}],
+                                        max_tokens=2, temperature=0, store=True,
+                                        metadata={"batch": batch}).id for i in range(5)]
+    seen = []
+    for c in sdk.chat.completions.list(metadata={"batch": batch}, limit=2):
+        seen.append(c.id)
+        sdk.chat.completions.delete(c.id)
+    assert seen == made and sdk.chat.completions.list(metadata={"batch": batch}).data == []
+    desc = [c.id for c in sdk.chat.completions.list(metadata={"batch": batch}, limit=1, order="desc")]
+    assert desc == []  # tombstones are never listed
+    kept = [sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0, store=True,
+                                        metadata={"batch": batch}).id for _ in range(3)]
+    first = sdk.chat.completions.list(metadata={"batch": batch}, limit=1, order="desc")
+    assert [c.id for c in first.data] == kept[2:]
+    sdk.chat.completions.update(kept[2], metadata={"batch": "moved"})
+    rest = sdk.chat.completions.list(metadata={"batch": batch}, limit=5, order="desc", after=kept[2])
+    assert [c.id for c in rest.data] == kept[1::-1] and rest.has_more is False
+    # a cursor at a deleted completion, read in either order
+    sdk.chat.completions.delete(kept[1])
+    assert [c.id for c in sdk.chat.completions.list(metadata={"batch": batch}, after=kept[1], order="desc")] == [
+        kept[0]]
+    assert sdk.chat.completions.list(metadata={"batch": batch}, after=kept[1]).data == []
+    for cid in (kept[0], kept[2]):
+        sdk.chat.completions.delete(cid)

@@ -116,6 +116,12 @@ def test_ignore_eos_runs_a_synthetic_answer_to_max_tokens(cluster: Cluster) -> N
         sdk.chat.completions.create(model="synthetic", messages=msgs, max_tokens=40,
                                     extra_body={"ignore_eos": True, "min_tokens": 20})
     assert info.value.code == "unsupported_parameter"
+    # more than the output may hold is vLLM's 400, answered at the gateway whatever the engine (it was served)
+    for limit in ({"max_tokens": 10}, {"max_completion_tokens": 10}):
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk.chat.completions.create(model="synthetic", messages=msgs, **limit,  # type: ignore[call-overload]
+                                        extra_body={"min_tokens": 20})
+        assert info.value.param == "min_tokens" and "(10)" in info.value.message, info.value.message
 
 
 def test_auth_required(cluster: Cluster) -> None:

@@ -115,6 +115,36 @@ def test_an_unknown_tier_is_refused_in_one_line_and_a_tier_policy_widens_the_cho
     assert code == 0 and KeyStore.from_yaml(keys_file).authenticate(f"Bearer {out.strip()}").tier == "gold"
 
 
+def test_a_tier_added_in_the_console_under_up_takes_keys_with_no_flag(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Under `up`, a tier added through the console (PUT /admin/v1/tiers) is served by its gateways, but
+    `switchboard keys create --tier gold` refused it ("the built-in policy"), and the control plane's own
+    file as --tiers-file failed too ("updated_at: Extra inputs are not permitted"): no way to give it a key."""
+    from control_plane.launcher import UpSettings, plan
+    from control_plane.policy_store import TIERS_FILE, PolicyStore
+    from data_plane.gateway.keys_cli import UP_TIERS_FILE
+    from data_plane.tiers import Tier, TierPolicy
+
+    state = tmp_path / UP_STATE_DIR
+    cp, *_ = plan(UpSettings(), state, "admin", "cluster")
+    cp_state = Path(cp.args[cp.args.index("--state-dir") + 1])
+    assert cp_state / TIERS_FILE == state / UP_TIERS_FILE  # where `up`'s control plane keeps the policy
+    keys = state / "keys.yaml"
+    keys.write_text(DEV_FILE)
+    gold = Tier(name="gold", priority=1, rpm=10, tpm=1000, max_context_tokens=512, max_output_tokens=64,
+                replication=1, shed_order=1)
+    builtin = TierPolicy.default()
+    PolicyStore(cp_state).set_tiers(TierPolicy([*(builtin[n] for n in builtin), gold]))  # as PUT /tiers does
+    code, out, err = _run(capsys, "create", "--keys-file", str(keys), "--tenant", "acme", "--tier", "gold")
+    assert code == 0, err
+    assert KeyStore.from_yaml(keys).authenticate(f"Bearer {out.strip()}").tier == "gold"
+    code, out, err = _run(capsys, "create", "--keys-file", str(keys), "--tenant", "acme", "--tier", "silver")
+    assert code == 2 and "enterprise, free, gold, plus" in err and str(state / UP_TIERS_FILE) in err, err
+    code, out, err = _run(capsys, "create", "--keys-file", str(tmp_path / "other.yaml"), "--tenant", "acme",
+                          "--tier", "gold", "--tiers-file", str(state / UP_TIERS_FILE))  # the file as a flag too
+    assert code == 0, err
+
+
 def test_list_never_shows_a_key_even_one_stored_in_plaintext(keys_file: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _run(capsys, "list", "--keys-file", str(keys_file))

@@ -19,12 +19,20 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from data_plane.common.errors import NoHealthyBackend, SwitchboardError, UpstreamError
-from data_plane.membership.view import Member, StaticMembership
+from data_plane.membership.view import Member, StaticMembership, routable
 from data_plane.protocol import ShardRequest
 from data_plane.routing.failures import CircuitState, FailureReason
 from data_plane.routing.hop_client import HopConnectError, HopDisconnected
 from data_plane.routing.router import EJECTION_REASONS, LATENCY_SPILL_REASONS, Router, RouterMetrics
-from data_plane.routing.upstream import Delta, Finish, ToolCallDelta, Upstream, UpstreamConfig, UsageEvent
+from data_plane.routing.upstream import (
+    RESUME_LEAVE_S,
+    Delta,
+    Finish,
+    ToolCallDelta,
+    Upstream,
+    UpstreamConfig,
+    UsageEvent,
+)
 from tests.support.clock import FakeClock
 
 
@@ -236,6 +244,62 @@ async def test_resumes_stop_at_the_configured_number() -> None:
     with pytest.raises(UpstreamError):
         await drain(stream)
     assert len(pool.posts) == 3 and stream.resumes == 2
+
+
+class Restarting:
+    """A membership whose shards can leave and come back (a process killed, then restarted by `up`)."""
+
+    def __init__(self, members: list[Member]) -> None:
+        self.now = list(members)
+
+    def members(self, service: str) -> list[Member]:
+        return routable(self.now, service)
+
+
+async def test_a_lone_shard_dying_mid_stream_is_waited_for_and_the_stream_finishes_on_its_restart() -> None:
+    """`up --shards 1 --pipeline-parallel-size 2`, a stage killed mid-stream: the supervisor restarted the
+    group within seconds, but every open stream had already ended with upstream_error ("no other shard
+    could continue it"). With resume_wait_s the resume waits for a shard; the dead one counts again once it
+    left membership and came back (a new process)."""
+    shard = Member("s0", "shard", "http://s0")
+    membership = Restarting([shard])
+    pool = Pool(Response(200, [[token("Hel", 1)], HopDisconnected("reset")]),
+                Response(200, [[token("lo", 1)], [FINISH]]))
+    router = Router(membership, RouterMetrics(CollectorRegistry()), policy="least_loaded", rng=random.Random(3))
+    up = Upstream(router, pool, UpstreamConfig(resume_wait_s=10))
+
+    async def restart() -> None:
+        await asyncio.sleep(0.4)
+        membership.now = []        # the dead process's registration expires
+        await asyncio.sleep(0.6)
+        membership.now = [shard]   # its restart registers under the same id
+
+    restarting = asyncio.ensure_future(restart())
+    stream = await up.open_resumable(BODY, session_id=None)
+    events = await asyncio.wait_for(drain(stream), 10)
+    await restarting
+    assert "".join(e.text for e in events if isinstance(e, Delta)) == "Hello"
+    assert any(isinstance(e, Finish) for e in events) and stream.resumes == 1
+    assert len(pool.posts) == 2 and pool.posts[1][1]["messages"][-1]["content"] == "Hel"
+
+    # no shard back within the wait: the stream ends with the shard's failure, bounded by the wait
+    pool = Pool(Response(200, [[token("Hel", 1)], HopDisconnected("reset")]))
+    router = Router(Restarting([shard]), RouterMetrics(CollectorRegistry()), policy="least_loaded")
+    up = Upstream(router, pool, UpstreamConfig(resume_wait_s=0.8))
+    stream = await up.open_resumable(BODY, session_id=None)
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(UpstreamError):
+        await asyncio.wait_for(drain(stream), 10)
+    assert 0.5 <= asyncio.get_running_loop().time() - t0 < 5 and len(pool.posts) == 1
+    # a shard that stays registered (an engine error, a cut link) is no restart: the wait ends within seconds
+    pool = Pool(Response(200, [[token("Hel", 1)], [ERROR_EVENT]]))
+    router = Router(Restarting([shard]), RouterMetrics(CollectorRegistry()), policy="least_loaded")
+    up = Upstream(router, pool, UpstreamConfig(resume_wait_s=60))
+    stream = await up.open_resumable(BODY, session_id=None)
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(SwitchboardError):
+        await asyncio.wait_for(drain(stream), 30)
+    assert asyncio.get_running_loop().time() - t0 < RESUME_LEAVE_S + 2 and len(pool.posts) == 1
 
 
 async def test_failure_labels_stay_bounded_whatever_the_shard_answers() -> None:
