@@ -381,8 +381,9 @@ class ChatHandler:
         """The rate limit's grant for the estimated tokens (429), then the input screened by the tier's
         safety policy (400); returns the policy, whose output filter the reply passes through."""
         gw = self.gw
-        # Session history is not known yet: settlement charges it with the rest of the real usage.
-        estimate = gw.counter.prompt_tokens(checked.messages) + checked.tools_tokens + checked.max_tokens * checked.choices
+        # Session history is not known yet (settled with real usage); no prompt passes the context window whole
+        prompt = min(gw.counter.prompt_tokens(checked.messages), caller.tier.max_context_tokens, checked.model_context)
+        estimate = prompt + checked.tools_tokens + checked.max_tokens * checked.choices
         self.x.grant = await gw.limiter.admit(caller.principal.key_id, caller.tier, estimate)
         policy = gw.safety.get(caller.measures.safety(caller.tier.safety, gw.safety.names()))
         with tracer.start_as_current_span("safety.input"):
