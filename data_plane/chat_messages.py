@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from data_plane.common.errors import InvalidRequest, UnsupportedParameter
 from data_plane.legacy_functions import FunctionCall
@@ -50,7 +51,7 @@ class ChatMessage(BaseModel):
     refusal: str | None = None
     """An assistant message's refusal, as OpenAI's replies carry it (null when it answered): replayed
     history stays valid; a refusal with no content is the turn's text."""
-    audio: None = None
+    audio: Any = None
     """OpenAI's field this server never produces, accepted as null (replayed replies hold it); else a 400."""
     function_call: FunctionCall | None = None
     """The deprecated form of one tool call (data_plane/legacy_functions.py)."""
@@ -60,6 +61,15 @@ class ChatMessage(BaseModel):
     parsed: Any = None
     """What the openai SDK's `parse` helpers add to a message they return (the content, parsed): an app that
     appends that message object to its history sends it. The content is what the prompt is made of."""
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, v: Any) -> None:
+        if v is not None:  # pydantic's "Input should be None" said nothing a client could act on
+            raise PydanticCustomError("openai", "Audio is not supported by this model: a message's audio (an "
+                                      "audio reply's id) cannot be replayed; send its transcript as content "
+                                      "instead.", {"code": "unsupported_value"})
+        return v
 
     @field_validator("content")
     @classmethod

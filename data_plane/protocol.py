@@ -237,6 +237,13 @@ class ChatCompletionRequest(BaseModel):
                 "max_tokens and max_completion_tokens disagree; set one",
                 param="max_completion_tokens",
             )
+        if self.min_tokens and self.output_limit is not None and self.min_tokens > self.output_limit:
+            # vLLM's 400 too: a shard cannot both stop at max_tokens and generate min_tokens
+            raise InvalidRequest(
+                f"min_tokens ({self.min_tokens}) must be less than or equal to "
+                f"{'max_completion_tokens' if self.max_completion_tokens else 'max_tokens'} ({self.output_limit})",
+                param="min_tokens",
+            )
 
     @property
     def output_limit(self) -> int | None:

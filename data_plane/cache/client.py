@@ -60,10 +60,10 @@ from prometheus_client import CollectorRegistry
 
 from data_plane.cache.client_circuits import CircuitHops, NodeCircuits, SkippedNode
 from data_plane.cache.client_metrics import SessionStoreMetrics
-from data_plane.cache.client_values import Departures, Placement, WriteResult, json_or_none, newest_last
+from data_plane.cache.client_values import Departures, Placement, WriteResult, json_or_none, newest_last, refused_write
 from data_plane.cache.model import MAX_RECORD_BYTES, TOMBSTONE_VERSION, Transcript, VersionConflict, validate_session_id
 from data_plane.common.crypto import SealError, TranscriptSealer
-from data_plane.common.errors import NotFound, Overloaded, from_openai_body
+from data_plane.common.errors import NotFound, Overloaded
 from data_plane.membership.hashring import DEFAULT_VNODES, HashRing
 from data_plane.membership.placement import DEFAULT_ZONE, local_first, replicas_across_zones
 from data_plane.routing.hop_client import HopError, HopPool
@@ -223,7 +223,7 @@ class SessionStore:
                     )
                 rejected = [r for r in results if r.result == "rejected"]
                 if len(rejected) == len(results):
-                    raise from_openai_body(rejected[0].status or 400, rejected[0].body)
+                    raise refused_write(rejected[0])
                 raise Overloaded(
                     "no cache replica acknowledged the write", code="cache_unavailable", retry_after=1
                 )

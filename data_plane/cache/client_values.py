@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from data_plane.common.errors import InvalidRequest, SwitchboardError, from_openai_body
 from data_plane.membership.hashring import HashRing
 from data_plane.membership.placement import replicas_across_zones
 
@@ -37,6 +38,19 @@ class WriteResult:
     status: int | None = None
     body: Any = None
     stored_version: int | None = None
+
+
+def refused_write(rejected: WriteResult) -> SwitchboardError:
+    """The error of a write every replica refused, for the client. A node's 413 (the record past its
+    --max-body-bytes or its capacity) is about the stored record, which grows with every turn, not the
+    client's request: a 400 that says so. It passed through as the node's 413 "request body exceeds 4194304
+    bytes", which a client reads as its own (a 1 KB turn or item), on every later turn of the conversation."""
+    err = from_openai_body(rejected.status or 400, rejected.body)
+    if rejected.status != 413:
+        return err
+    return InvalidRequest(f"This conversation has grown too large to store another turn ({err.message}): start a "
+                          "new one (POST /v1/responses/compact can shorten its history to carry over), or delete "
+                          "items from this one.", code="record_too_large")
 
 
 @dataclass

@@ -228,7 +228,11 @@ class ChatHandler:
     async def context(self, req: ChatCompletionRequest, messages: list[dict[str, str]],
                       tier: Tier) -> list[dict[str, str]]:
         """The prompt: `messages` after the conversation they continue (an X-Session-Id session)."""
-        session_header = self.request.headers.get("x-session-id") or req.session_id
+        header, body = self.request.headers.get("x-session-id"), req.session_id
+        if header and body and header != body:  # which one was meant: starting over would lose the other
+            raise InvalidRequest("the X-Session-Id header and the body's session_id name different sessions; "
+                                 "send one of them", param="session_id")
+        session_header = header or body
         if session_header:
             prompt = await self._load_session(session_header, messages, tier)
             if not req.functions:  # a deprecated function_call need not be answered: data_plane/legacy_functions.py
@@ -377,8 +381,9 @@ class ChatHandler:
         """The rate limit's grant for the estimated tokens (429), then the input screened by the tier's
         safety policy (400); returns the policy, whose output filter the reply passes through."""
         gw = self.gw
-        # Session history is not known yet: settlement charges it with the rest of the real usage.
-        estimate = gw.counter.prompt_tokens(checked.messages) + checked.tools_tokens + checked.max_tokens * checked.choices
+        # Session history is not known yet (settled with real usage); no prompt passes the context window whole
+        prompt = min(gw.counter.prompt_tokens(checked.messages), caller.tier.max_context_tokens, checked.model_context)
+        estimate = prompt + checked.tools_tokens + checked.max_tokens * checked.choices
         self.x.grant = await gw.limiter.admit(caller.principal.key_id, caller.tier, estimate)
         policy = gw.safety.get(caller.measures.safety(caller.tier.safety, gw.safety.names()))
         with tracer.start_as_current_span("safety.input"):

@@ -29,6 +29,7 @@ from data_plane.gateway.response_store import ConversationStore, Kind, conversat
 from data_plane.gateway.responses import (
     check_query_include,
     conversation_tokens,
+    deleted_before,
     page,
     record_caller,
     record_principal,
@@ -193,7 +194,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
             owner, replicas = caller(request)
             check_query_include(request)
             record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
-            return page(record.items, limit=limit, order=order, after=after)
+            return page(record.items, limit=limit, order=order, after=after, gone=record.conversation.get("deleted"))
 
     @app.post(CONVERSATIONS_PATH + "/{conversation_id}/items")
     async def add_items(conversation_id: str, request: Request) -> JSONResponse:
@@ -237,6 +238,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
                 kept = [i for i in record.items if i.get("id") != item_id]
                 if len(kept) == len(record.items):
                     raise NotFound(f"Item with id '{clipped(item_id)}' not found.", param="item_id")
+                deleted_before(record.conversation.setdefault("deleted", {}), record.items, item_id)
                 record.items = kept
                 await store().save(record, owner, replicas)
             return conversation_object(record)

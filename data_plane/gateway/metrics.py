@@ -90,7 +90,7 @@ class RequestCode(enum.StrEnum):
 _CODES = {c.value: c for c in RequestCode}
 _CODES.update(dict.fromkeys((f"{number}_{side}_value" for number in ("integer", "decimal")
                              for side in ("above_max", "below_min")), RequestCode.INVALID_VALUE))
-_CODES.update(dict.fromkeys(("invalid_type", "string_above_max_length", "array_above_max_length", "empty_array",
+_CODES.update(dict.fromkeys(("invalid_type", "string_above_max_length", "array_above_max_length", "empty_array", "unsupported_value",
                              "empty_string", "object_above_max_properties"),
                             RequestCode.INVALID_VALUE))
 """OpenAI's finer codes for a value the request checks refuse (data_plane/request_checks.py openai_words):

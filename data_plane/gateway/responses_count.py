@@ -18,7 +18,9 @@ is the one create fits at degradation level 0 (the key's tier's context, no max_
 takes none), data_plane/gateway/memory.py `fit_turn`; a transient level-1 shrink is not counted, so a count
 does not change with the load. Without truncation, or when even the newest message alone does not fit (a
 create would be a 400 context_length_exceeded), the count is the whole conversation: a count is never
-refused for its size.
+refused for its size. A prompt more than a shard takes in one body (its --max-body-bytes, 1 MiB: a
+conversation of some 250k tokens, untruncated) is counted by the gateway's own tokenizer, the one that fits
+create's window: it was the shard's 413 "request body exceeds 1048576 bytes" for a 50-byte request.
 
 (`POST /v1/responses/{id}/cancel` is with the background responses it cancels:
 data_plane/gateway/responses_detached.py.)
@@ -33,7 +35,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, UnsupportedParameter
+from data_plane.common.errors import (
+    ContextLengthExceeded,
+    InvalidRequest,
+    ModelNotFound,
+    PayloadTooLarge,
+    UnsupportedParameter,
+)
 from data_plane.common.http_body import read_body
 from data_plane.gateway.context import prompt_room, trim_step
 from data_plane.gateway.item_index import resolve_references
@@ -71,14 +79,19 @@ def count_request(body: dict[str, Any]) -> ResponsesRequest:
     return rreq
 
 
+def tools_tokens(gw: Gateway, chat: ChatCompletionRequest) -> int:
+    """The tools' prompt (the shard renders it beside the messages), counted as the gateway's phases count it."""
+    plan = chat.output_plan()
+    return gw.counter.prompt_tokens([{"role": "system", "content": plan.tools_prompt}]) if plan.tools_prompt else 0
+
+
 def fitted(gw: Gateway, tier: Tier, model_context: int, rreq: ResponsesRequest, chat: ChatCompletionRequest,
            messages: list[dict[str, str]], memory: list[dict[str, str]]) -> list[dict[str, str]]:
     """`messages` as create would send them with truncation "auto" (the module docstring): the window its
     phases fit (data_plane/gateway/chat.py `_prepare`: the reply's reserve, then the most the prompt may take),
     or all of them when none fits."""
     context = min(tier.max_context_tokens, model_context)
-    plan = chat.output_plan()
-    tools = gw.counter.prompt_tokens([{"role": "system", "content": plan.tools_prompt}]) if plan.tools_prompt else 0
+    tools = tools_tokens(gw, chat)
     try:
         budget, most = prompt_room(context, tier.max_output_tokens, False, tools, "max_output_tokens")
     except ContextLengthExceeded:
@@ -144,7 +157,10 @@ def mount_input_tokens(app: FastAPI, gw: Gateway, store: Callable[[], Conversati
                 messages = fitted(gw, tier, models[model], rreq, chat, messages, memory)
             shard_req = ShardRequest(messages=[ChatMessage.model_validate(m) for m in messages],
                                      cache_salt=cache_salt(principal.tenant), **fields)
-            tokens = await rt.upstream.count(shard_req, route)
+            try:
+                tokens = await rt.upstream.count(shard_req, route)
+            except PayloadTooLarge:  # more than a shard reads in one body (the module docstring)
+                tokens = gw.counter.prompt_tokens(messages) + tools_tokens(gw, chat)
             span.set_attribute("gen_ai.usage.input_tokens", tokens)
             log.info("input tokens counted: %d (%d history items, %d new)", tokens, len(history), len(new_items))
             return JSONResponse({"object": "response.input_tokens", "input_tokens": tokens}, headers=grant.headers)

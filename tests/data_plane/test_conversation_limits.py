@@ -8,12 +8,14 @@ whose in-memory store is one LRU shared by every tenant. They took nothing from 
 free key stored ~45 conversations a second, up to 1 MiB each, and evicted every tenant's conversations
 and stored responses within seconds. Each now takes one request and its items' tokens, as a turn that
 sent them would. So does `responses.input_tokens.count` (one request, no tokens): a shard encodes
-what it is sent, and 200 counts in a row passed a 60 RPM key.
+what it is sent, and 200 counts in a row passed a 60 RPM key; and `responses.compact`. A turn of a conversation takes what can
+reach the shard, at most the context window, not the whole history its window slides over.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
@@ -24,31 +26,47 @@ from tests.support.cluster import cache_node
 from tests.support.procs import Service
 
 KEYS = {"free": "sk-convlim-free-0123456789", "plus": "sk-convlim-plus-0123456789",
-        "free2": "sk-convlim-free2-0123456789"}
+        "free2": "sk-convlim-free2-0123456789", "long": "sk-convlim-long-0123456789",
+        "roomy": "sk-convlim-roomy-0123456789", "free3": "sk-convlim-free3-0123456789"}
 TIERS = {"tiers": {
     "free": {"priority": 2, "rpm": 3, "tpm": 20000, "max_context_tokens": 2048, "max_output_tokens": 256,
              "replication": 1, "shed_order": 0},
     "plus": {"priority": 1, "rpm": 600, "tpm": 600, "max_context_tokens": 2048, "max_output_tokens": 256,
              "replication": 1, "shed_order": 1},
+    "long": {"priority": 1, "rpm": 600, "tpm": 3000, "max_context_tokens": 512, "max_output_tokens": 64,
+             "replication": 1, "shed_order": 2},
+    "roomy": {"priority": 1, "rpm": 600, "tpm": 1_000_000, "max_context_tokens": 2048, "max_output_tokens": 64,
+              "replication": 1, "shed_order": 3},
 }}
 HEADERS = [f"x-ratelimit-{what}-{kind}" for kind in ("requests", "tokens") for what in ("limit", "remaining", "reset")]
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    state: Path = tmp_path_factory.mktemp("conversation-limits")
+def shard() -> Iterator[Service]:
+    with Service(["shard", "--engine", "synthetic"]) as synthetic:
+        yield synthetic
+
+
+@contextmanager
+def gateway_on(shard: Service, state: Path, *cache_args: str) -> Iterator[Service]:
+    """A gateway in front of `shard`, with a cache node of its own started with `cache_args`."""
     (state / "tiers.yaml").write_text(yaml.safe_dump(TIERS))
-    keys = ",".join(f"{key}:acme-{name}:{name.rstrip('2')}" for name, key in KEYS.items())
-    cache = cache_node().start()
+    keys = ",".join(f"{key}:acme-{name}:{name.rstrip('0123456789')}" for name, key in KEYS.items())
+    cache = cache_node(*cache_args).start()
     try:
-        with Service(["shard", "--engine", "synthetic"]) as shard, \
-                Service(["gateway", "--shard-urls", shard.url, "--cache-urls", cache.url, "--tokenizer", "whitespace",
-                         "--model-name", "synthetic", "--tiers-file", str(state / "tiers.yaml"),
-                         "--state-dir", str(state), "--usage-db", "off"],
-                        env={"SWITCHBOARD_GATEWAY_API_KEYS": keys}) as gw:
+        with Service(["gateway", "--shard-urls", shard.url, "--cache-urls", cache.url, "--tokenizer", "whitespace",
+                      "--model-name", "synthetic", "--tiers-file", str(state / "tiers.yaml"),
+                      "--state-dir", str(state), "--usage-db", "off"],
+                     env={"SWITCHBOARD_GATEWAY_API_KEYS": keys}) as gw:
             yield gw
     finally:
         cache.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(shard: Service, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    with gateway_on(shard, tmp_path_factory.mktemp("conversation-limits")) as gw:
+        yield gw
 
 
 def sdk(gateway: Service, tier: str) -> openai.OpenAI:
@@ -88,3 +106,72 @@ def test_counting_input_tokens_takes_a_request_from_the_keys_rpm(gateway: Servic
     with pytest.raises(openai.RateLimitError) as refused:
         client.responses.input_tokens.count(model="synthetic", input="hello there")
     assert int(refused.value.response.headers["retry-after"]) >= 1
+
+
+def test_compacting_takes_a_request_from_the_keys_rpm(gateway: Service) -> None:
+    client = sdk(gateway, "free3")
+    items = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi"}]
+    for _ in range(3):
+        raw = client.responses.with_raw_response.compact(model="synthetic", input=items)
+        assert raw.status_code == 200 and raw.parse().output, raw.text
+        assert raw.headers["x-ratelimit-limit-requests"] == "3" and all(h in raw.headers for h in HEADERS)
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.responses.compact(model="synthetic", input=items)
+    assert int(refused.value.response.headers["retry-after"]) >= 1
+
+
+def test_a_turn_of_a_long_conversation_reserves_at_most_the_context_window(gateway: Service) -> None:
+    """With truncation "auto" a turn sends the window, not the history, so the key's TPM is asked for no more
+    than the context: the whole history was reserved, and a free key's conversation past ~20k tokens was
+    "Request too large ... needs 21224 tokens but the limit is 20000" on every turn, for good (QA)."""
+    client = sdk(gateway, "long")  # TPM 3000, a 512-token context
+    turn = [{"role": "user", "content": "word " * 1000}, {"role": "assistant", "content": "ok"}]
+    conv = client.conversations.create(items=turn)
+    client.conversations.items.create(conv.id, items=turn)  # ~2000 of the key's 3000 tokens gone
+    raw = client.responses.with_raw_response.create(model="synthetic", input="hi", conversation=conv.id,
+                                                    truncation="auto", max_output_tokens=16)
+    reply = raw.parse()
+    assert raw.status_code == 200 and reply.status in ("completed", "incomplete"), raw.text
+    assert reply.usage is not None and reply.usage.input_tokens <= 512
+    assert len(client.conversations.items.list(conv.id, limit=100).data) == 6
+
+
+def test_a_conversation_past_what_a_cache_node_holds_is_a_400_that_says_so(
+        shard: Service, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every turn rewrites the whole conversation; once its record passed a cache node's --max-body-bytes, each
+    items.create and each turn was the node's 413 "request body exceeds 4194304 bytes", which the client reads
+    as its own (QA: a 40 KB items.create, a 1-word turn after its whole generation)."""
+    with gateway_on(shard, tmp_path_factory.mktemp("small-store"), "--max-body-bytes", "16384") as gw:
+        client = sdk(gw, "roomy")
+        turn = [{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok"}]
+        conv = client.conversations.create(items=turn)
+        with pytest.raises(openai.BadRequestError) as full:
+            for _ in range(20):
+                client.conversations.items.create(conv.id, items=turn)
+        assert full.value.code == "record_too_large" and "too large to store" in full.value.message, full.value
+        with pytest.raises(openai.BadRequestError) as turn_refused:
+            client.responses.create(model="synthetic", input="hi", conversation=conv.id, max_output_tokens=4,
+                                    truncation="auto")
+        assert turn_refused.value.code == "record_too_large"
+        events = list(client.responses.create(model="synthetic", input="hi", conversation=conv.id,
+                                              max_output_tokens=4, truncation="auto", stream=True))
+        error = next(e for e in events if e.type == "error")
+        assert error.code == "record_too_large" and events[-1].type == "response.failed"
+        assert client.conversations.retrieve(conv.id).id == conv.id  # what was stored stays
+
+
+def test_counting_a_conversation_longer_than_a_shard_reads_counts_it(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A count sends the whole untruncated conversation to a shard; past the shard's --max-body-bytes it was the
+    shard's 413 "request body exceeds 1048576 bytes" for a 50-byte request (QA: a 4 MB conversation). The
+    gateway's tokenizer counts it then, as it counts create's window."""
+    with Service(["shard", "--engine", "synthetic", "--max-body-bytes", "4096"]) as small, \
+            gateway_on(small, tmp_path_factory.mktemp("count-large")) as gw:
+        client = sdk(gw, "roomy")
+        turn = [{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok"}]
+        conv = client.conversations.create(items=turn)
+        counted = client.responses.input_tokens.count(model="synthetic", input="hi", conversation=conv.id)
+        assert 300 < counted.input_tokens < 400  # by the shard: the body fits
+        client.conversations.items.create(conv.id, items=turn * 3)
+        raw = client.responses.input_tokens.with_raw_response.count(model="synthetic", input="hi", conversation=conv.id)
+        assert raw.status_code == 200, raw.text
+        assert 4 * 300 < raw.parse().input_tokens < 4 * 400

@@ -116,6 +116,12 @@ def test_ignore_eos_runs_a_synthetic_answer_to_max_tokens(cluster: Cluster) -> N
         sdk.chat.completions.create(model="synthetic", messages=msgs, max_tokens=40,
                                     extra_body={"ignore_eos": True, "min_tokens": 20})
     assert info.value.code == "unsupported_parameter"
+    # more than the output may hold is vLLM's 400, answered at the gateway whatever the engine (it was served)
+    for limit in ({"max_tokens": 10}, {"max_completion_tokens": 10}):
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk.chat.completions.create(model="synthetic", messages=msgs, **limit,  # type: ignore[call-overload]
+                                        extra_body={"min_tokens": 20})
+        assert info.value.param == "min_tokens" and "(10)" in info.value.message, info.value.message
 
 
 def test_auth_required(cluster: Cluster) -> None:
@@ -154,6 +160,14 @@ def test_session_replays_context_and_is_bound_to_its_key(cluster: Cluster) -> No
         r = post(cluster, {"messages": [{"role": "user", "content": "hi"}]}, key=KEYS[other],
                  headers={"X-Session-Id": sid})
         assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+    # The body's session_id continues it too; a header naming another session is a 400, not a silent
+    # new conversation (the header won, the body's session was left behind)
+    again = {"messages": [{"role": "user", "content": "once more"}], "max_tokens": 2}
+    assert post(cluster, {**again, "session_id": sid}).status_code == 200
+    assert post(cluster, {**again, "session_id": sid}, headers={"X-Session-Id": sid}).status_code == 200
+    r = post(cluster, {**again, "session_id": sid}, headers={"X-Session-Id": "new"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "session_id", r.text
+    assert "x-session-id" not in r.headers
 
 
 def test_sliding_window_keeps_system_prompt(cluster: Cluster) -> None:

@@ -256,3 +256,16 @@ def test_a_malformed_tool_call_in_history_is_a_400_naming_it(call, param, got) -
     body["messages"][1]["tool_calls"] = [good]
     replayed = parse_chat_request(json.dumps(body).encode(), "application/json").plain_messages()
     assert any(m["role"] == "assistant" and "get_weather" in m["content"] for m in replayed)
+
+
+def test_an_assistant_messages_audio_is_a_400_in_openais_words_and_null_is_served() -> None:
+    """An audio reply replayed (`audio: {"id": ...}`) read "messages.1.audio: Input should be None"."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"},
+                                       {"role": "assistant", "content": "x", "audio": {"id": "audio_1"}},
+                                       {"role": "user", "content": "more"}]}
+    with pytest.raises(SwitchboardError) as e:
+        parse_chat_request(json.dumps(body).encode(), "application/json")
+    assert e.value.status == 400 and e.value.param == "messages.1.audio" and e.value.code == "unsupported_value"
+    assert "Audio is not supported" in str(e.value) and "Input should be" not in str(e.value)
+    body["messages"][1]["audio"] = None
+    assert parse_chat_request(json.dumps(body).encode(), "application/json").messages[1].audio is None
