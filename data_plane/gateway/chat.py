@@ -91,9 +91,7 @@ class ChatHandler:
     """gen_ai.operation.name on the request's span."""
 
     def __init__(self, gw: Gateway, rt: Runtime, request: Request) -> None:
-        self.gw = gw
-        self.rt = rt
-        self.request = request
+        self.gw, self.rt, self.request = gw, rt, request
         t0 = time.monotonic()
         # Always our own id: it keys the request in the engine, so a client-chosen one could collide
         # (and a collision must never look like a shard failure). The client's id is kept on the span.
@@ -190,13 +188,13 @@ class ChatHandler:
             await keep_first_turn(self)  # a new session's id went out, its first turn unsaved
 
     async def hold(self, record_id: str, param: str) -> None:
-        """Lock the stored conversation this request will rewrite, until its turn is saved (or the
-        request ends without one): a second request on it meanwhile is a 400 ``conversation_locked``
-        instead of a lost turn (data_plane/gateway/record_locks.py). Keyed by the owner too: another
-        key never contends."""
+        """Lock the stored conversation this request will rewrite until its turn is saved or the request ends
+        (its client gone: the next turn waits for the end): meanwhile a second request on it is a 400
+        ``conversation_locked``, not a lost turn (data_plane/gateway/record_locks.py). Keyed by owner too."""
         key = record_key(self.owner, record_id)
         await self.gw.record_locks.acquire(key, wait_s=ITEM_EDIT_WAIT_S, param=param, generation=True)
         self.held.append(key)
+        self.x.disconnect.on_gone.append(lambda: self.gw.record_locks.winding_down(key))
 
     def let_go(self) -> None:
         """Release what `hold` took: once the turn is saved, before the reply's last bytes, so a client
@@ -219,6 +217,8 @@ class ChatHandler:
         without saying "json", as OpenAI refuses it, unless the session's transcript may say it)."""
         session = self.request.headers.get("x-session-id")
         req = parse_chat_request(raw, self.request.headers.get("content-type"), session)
+        if session and req.session_id and session != req.session_id:  # which was meant? a new one loses the other
+            raise InvalidRequest("X-Session-Id and the body's session_id name different sessions", param="session_id")
         check_answered(req.messages)  # the gateway's alone: a shard's resume continues an unanswered call
         clash = json_word_clash(req.response_format, (m.text() for m in req.messages))
         if clash is not None and (session or req.session_id or NEW_SESSION) == NEW_SESSION:
@@ -228,11 +228,7 @@ class ChatHandler:
     async def context(self, req: ChatCompletionRequest, messages: list[dict[str, str]],
                       tier: Tier) -> list[dict[str, str]]:
         """The prompt: `messages` after the conversation they continue (an X-Session-Id session)."""
-        header, body = self.request.headers.get("x-session-id"), req.session_id
-        if header and body and header != body:  # which one was meant: starting over would lose the other
-            raise InvalidRequest("the X-Session-Id header and the body's session_id name different sessions; "
-                                 "send one of them", param="session_id")
-        session_header = header or body
+        session_header = self.request.headers.get("x-session-id") or req.session_id
         if session_header:
             prompt = await self._load_session(session_header, messages, tier)
             if not req.functions:  # a deprecated function_call need not be answered: data_plane/legacy_functions.py
