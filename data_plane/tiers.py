@@ -177,7 +177,7 @@ class TierPolicy:
 def _check_tier(tier: Tier) -> None:
     if not isinstance(tier.name, str) or not re.fullmatch(TIER_NAME_PATTERN, tier.name):
         raise ValueError(
-            f"tier name {tier.name!r} is not valid: use 1-64 letters, digits, '_', '.', '-'"
+            f"tier name {str(tier.name)[:64]!r} is not valid: use 1-64 letters, digits, '_', '.', '-'"
         )
     fields = asdict(tier)
     del fields["name"]
