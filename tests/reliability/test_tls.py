@@ -178,3 +178,39 @@ def test_tls_flags_on_any_subcommand(tmp_path: Path, monkeypatch: pytest.MonkeyP
                       {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_TLS_")})
     with node:
         assert httpx.get(node.url + "/health").status_code == 200
+
+
+def test_switchboard_up_tls_autoscale_starts_shards_that_join(tmp_path: Path) -> None:
+    """Found running `switchboard up --tls --autoscale`: the autoscaler's shards were started with
+    `--registry-url http://…` against the https control plane and never registered ("registering …
+    failed (RemoteProtocolError)" in their logs); the platform served no chat at all. Their own URL
+    (what a drain polls for idleness) was http:// too."""
+    import json
+    import signal
+
+    from tests.support.procs import free_port, start_up, stop_up, wait_up
+    from tests.support.waits import eventually
+
+    gw, cp = free_port(), free_port()
+    proc = start_up(tmp_path, "--tls", "--autoscale", "--min-replicas", "1", "--max-replicas", "1", "--engine",
+                    "synthetic", "--cache-nodes", "1", "--no-console", "--gateway-port", str(gw),
+                    "--control-plane-port", str(cp))
+    try:
+        wait_up(proc, tmp_path)
+        state = tmp_path / ".switchboard"
+        creds = json.loads((state / "credentials.json").read_text())
+        ca = ssl.create_default_context(cafile=state / "tls" / "ca.pem")
+
+        def shards() -> list[dict]:
+            members = httpx.get(f"https://127.0.0.1:{cp}/v1/registry/members", verify=ca).json()["members"]
+            return [m for m in members if m["service"] == "shard" and m["status"] == "passing"]
+
+        eventually(lambda: len(shards()) == 1, timeout_s=60,
+                   detail=lambda: "\n".join(p.read_text()[-2000:] for p in (state / "logs").glob("shard-*.log")))
+        assert shards()[0]["url"].startswith("https://")
+        client = openai.OpenAI(base_url=f"https://127.0.0.1:{gw}/v1", api_key=creds["keys"]["plus"], max_retries=0,
+                               http_client=openai.DefaultHttpxClient(verify=ca))
+        reply = client.chat.completions.create(model="synthetic", messages=[{"role": "user", "content": "hi"}])
+        assert reply.choices[0].message.content
+    finally:
+        stop_up(proc, signal.SIGTERM)
