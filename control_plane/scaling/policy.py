@@ -259,6 +259,9 @@ class TargetTracking:
             return current, (f"settling: {' and '.join(lagging)} above target, but measured over a "
                              f"{s.window_s:.0f}s window that began before the fleet's last change ({since}); "
                              f"{figures}"), "settling"
+        if lagging and not pressure:  # the p95 is from load that has gone: no queue, batches not busy now
+            return current, (f"within band: {' and '.join(lagging)} above target, but no pressure now (no queue, "
+                             f"batches not busy); {figures}"), "steady"
         return current, f"within band: {figures}", "steady"
 
 

@@ -131,6 +131,9 @@ def test_a_high_p95_from_before_the_last_scaling_is_explained_not_called_within_
     assert "still starting" in p.decide(starting, current=2, now=11.0).reason
     calm = sig(2, running=8, waiting=2, ttft=0.2, queue=0.1, window_s=30.0)
     assert p.decide(calm, current=2, now=12.0).code == "steady"
+    gone = sig(2, running=1, waiting=0, ttft=2.5, queue=4.3, window_s=30.0)  # the burst is over, its p95 is not
+    d = p.decide(gone, current=2, now=60.0)
+    assert (d.action, d.code) == ("steady", "steady") and "but no pressure now" in d.reason
 
 
 def test_ttft_beyond_prefill_above_slo_scales_up_under_pressure() -> None:
