@@ -54,6 +54,20 @@ def test_a_shards_kv_reuse_and_bytes_in_the_cluster_table():
     assert never["prefix_hit_rate"] is None and never["prefix_cache_mib"] is None
 
 
+def test_prometheus_signals_name_a_shard_by_its_scrape_target_and_still_fill_its_row():
+    # under `up --prometheus` the signals name a shard by Prometheus' `instance` (host:port), not its
+    # member id: the Cluster table showed every shard's Running / Waiting / Batch load / KV cache empty
+    members = [{"id": "shard-0", "service": "shard", "status": "passing", "url": "http://127.0.0.1:9320", "meta": {}},
+               {"id": "gateway-1", "service": "gateway", "status": "passing", "url": "http://127.0.0.1:9310"}]
+    latest = {"shards": [{"member_id": "127.0.0.1:9320", "running": 2.0, "waiting": 1.0, "kv_usage": 0.25,
+                          "max_num_seqs": 4.0, "ttft_p95_s": 0.05, "prefix_hit_rate": 0.5}]}
+    rows = members_frame(members, latest, now=1.0).set_index("member")
+    shard = rows.loc["shard-0"]
+    assert (shard["running"], shard["waiting"], shard["utilisation"], shard["kv_usage"]) == (2.0, 1.0, 0.75, 0.25)
+    assert shard["ttft_p95_ms"] == 50.0 and shard["prefix_hit_rate"] == 0.5
+    assert pd.isna(rows.loc["gateway-1", "running"])
+
+
 def test_a_cache_nodes_kv_bytes_in_the_cluster_table():
     members = [{"id": "cache-0", "service": "cache", "status": "passing", "meta": {"kv_bytes": str(5 * 2**20)}},
                {"id": "cache-1", "service": "cache", "status": "passing", "meta": {}}]
