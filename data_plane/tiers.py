@@ -59,16 +59,22 @@ class Tier:
     """Name of the safety policy applied to this tier's requests and responses."""
 
 
+MAX_LIMIT = 2**53 - 1
+"""The largest rate or token limit a tier takes: every reader holds it exactly (a JSON number in a browser,
+an int64 column in the console's editor). A larger one was stored, then broke the console's tier editor
+with an OverflowError traceback on every load until the policy was fixed through the API."""
+
+
 class _TierSpec(BaseModel):
     """Validation for one tier (the dataclass stays a plain internal value)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     priority: int = Field(ge=0, le=1000)
-    rpm: int = Field(gt=0)
-    tpm: int = Field(gt=0)
-    max_context_tokens: int = Field(gt=0)
-    max_output_tokens: int = Field(gt=0)
+    rpm: int = Field(gt=0, le=MAX_LIMIT)
+    tpm: int = Field(gt=0, le=MAX_LIMIT)
+    max_context_tokens: int = Field(gt=0, le=MAX_LIMIT)
+    max_output_tokens: int = Field(gt=0, le=MAX_LIMIT)
     replication: int = Field(ge=1, le=5)
     shed_order: int = Field(ge=0, le=1000)
     safety: str = Field(default="default", min_length=1, max_length=64)
