@@ -235,7 +235,7 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
         agent = new_agent(Member(
             id=settings.node_id or f"gateway-{settings.host}-{settings.port}", service="gateway",
             url=f"{TlsConfig.from_env().scheme}://{settings.host}:{settings.port}",
-            meta={"zone": settings.zone}), 2.0)
+            meta=gateway_meta(settings.zone, gw.safety.names())), 2.0)
         await agent.start()
         stack.push_async_callback(agent.aclose)
     # Everything built so far lives as long as the process: move it out of the cyclic GC's
@@ -250,3 +250,15 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
                                 gw.reply_metrics, settings.response_cache_ttl_s, settings.response_cache_local_bytes)
         stack.push_async_callback(replies.aclose)
     return Runtime(settings, http, pool, membership, cluster, router, upstream, sessions, admission, replies, sealer)
+
+
+SAFETY_META = "safety_policies"
+"""The registry meta key a gateway lists its safety policies under (comma-separated), so the control plane
+refuses a tier policy naming one it lacks instead of storing a policy every gateway would refuse."""
+
+
+def gateway_meta(zone: str, safety_policies: list[str]) -> dict[str, str]:
+    """A gateway's registry meta: its zone and the safety policies a tier may name (left out past the
+    registry's value limit: the control plane then does not check names against this gateway)."""
+    listed = ",".join(safety_policies)
+    return {"zone": zone, **({SAFETY_META: listed} if len(listed) <= 1024 else {})}

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from control_plane.admin.traces import assemble_traces
+from data_plane.gateway.runtime import gateway_meta
 from data_plane.tiers import TierPolicy
 from tests.support.chat import assert_openai_error
 from tests.support.cluster import ADMIN_TOKEN, open_control_plane
@@ -206,6 +207,31 @@ async def test_put_tiers_validates_persists_and_reaches_the_state(admin_url: str
                                             headers={"content-type": "application/json"}), 400)
         after = (await admin.get("/admin/v1/tiers")).json()
         assert after["tiers"]["plus"]["max_output_tokens"] == 8 and after["state_index"] == body["state_index"]
+
+
+async def test_a_safety_policy_no_gateway_has_is_refused_not_stored(admin_url: str) -> None:
+    # a gateway refuses a whole tier policy naming a safety policy it lacks and keeps the previous one:
+    # the PUT said 200 (the console "saved") while no edit of it, rpm included, ever took effect
+    async with admin_client(admin_url) as admin:
+        for member_id, meta in (("gateway-safety", gateway_meta("local", ["default", "strict", "none"])),
+                                ("gateway-silent", {"zone": "local"})):  # an older gateway says nothing
+            resp = await admin.put(f"/v1/registry/members/{member_id}", json={
+                "service": "gateway", "url": "http://127.0.0.1:9", "ttl_s": 30, "meta": meta})
+            assert resp.status_code == 200, resp.text
+        try:
+            before = (await admin.get("/admin/v1/tiers")).json()
+            policy = TierPolicy.default().to_dict()
+            policy["tiers"]["free"].update(safety="no-such-policy", rpm=3)
+            err = assert_openai_error(await admin.put("/admin/v1/tiers", json=policy), 400)
+            assert err["code"] == "invalid_tier_policy" and err["param"] == "tiers"
+            assert "no-such-policy" in err["message"] and "gateway-safety" in err["message"]
+            assert (await admin.get("/admin/v1/tiers")).json()["state_index"] == before["state_index"]
+            policy["tiers"]["free"]["safety"] = "strict"
+            resp = await admin.put("/admin/v1/tiers", json=policy)
+            assert resp.status_code == 200 and resp.json()["tiers"]["free"]["safety"] == "strict", resp.text
+        finally:
+            for member_id in ("gateway-safety", "gateway-silent"):
+                await admin.delete(f"/v1/registry/members/{member_id}")
 
 
 async def test_signals_decisions_and_builtin_alerts(admin_url: str) -> None:
