@@ -164,6 +164,23 @@ def test_pin_without_a_reason_is_refused_in_the_ui(console, admin):
     assert (after["level"], after["pinned"]) == (before["level"], before["pinned"])
 
 
+def test_a_pin_that_works_replaces_the_refusal_before_it(console, admin):
+    """A refused pin (no reason) stayed on the page, red, for 20 s beside the pin that then worked."""
+    require(admin, "/admin/v1/degradation")
+    at = console.page("degradation")
+    try:
+        at.selectbox(key="pin_level").set_value(2)
+        at.button[0].click().run()  # no reason: refused
+        assert "Say why" in texts(at)
+        at.text_input(key="pin_reason").input("console test: after a refusal")
+        at.button[0].click().run()
+        assert admin.get("/admin/v1/degradation").json()["pinned"] is True
+        assert "Pin level 2: done." in texts(at) and "Say why" not in texts(at)
+    finally:
+        admin.put("/admin/v1/degradation", json={"level": 0, "reason": "test cleanup"})
+        admin.delete("/admin/v1/degradation")
+
+
 def test_tier_policy_save_shows_the_servers_error_and_saves_valid_edits(console, admin):
     require(admin, "/admin/v1/tiers")
     original = admin.get("/admin/v1/tiers").json()
