@@ -230,6 +230,19 @@ def test_playground_holds_a_conversation_through_the_responses_api(console):
     assert len(at.session_state["pg_history"]) == 4
 
 
+def test_the_traces_tier_filter_offers_a_tier_added_in_the_console(console, admin):
+    """The filter was a fixed free/plus/enterprise list: a tier the operator added could not be picked."""
+    require(admin, "/admin/v1/tiers")
+    original = admin.get("/admin/v1/tiers").json()
+    policy = {"tiers": dict(original["tiers"], gold=dict(original["tiers"]["plus"]))}
+    try:
+        assert admin.put("/admin/v1/tiers", json=policy).status_code == 200
+        at = console.page("traces")
+        assert {"any", "free", "plus", "enterprise", "gold"} <= set(at.selectbox(key="trace_tier").options)
+    finally:
+        admin.put("/admin/v1/tiers", json={"tiers": original["tiers"]})
+
+
 def test_playground_streams_a_chat_and_links_its_trace(console, admin):
     at = console.page("playground")
     at.selectbox(key="pg_tier").set_value("plus")
