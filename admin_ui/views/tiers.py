@@ -16,7 +16,6 @@ from typing import Any
 import pandas as pd
 
 from admin_ui.views.read import first, mapping, num
-from data_plane.tiers import MAX_LIMIT
 
 TIER_FIELDS = ("priority", "rpm", "tpm", "max_context_tokens", "max_output_tokens", "replication", "shed_order",
                "safety")
@@ -76,8 +75,6 @@ def local_policy_problems(policy: Mapping[str, Any]) -> list[str]:
             v = num(spec.get(f))
             if v is not None and v <= 0:
                 problems.append(f"{name}.{f} must be > 0 (got {spec.get(f)})")
-            elif v is not None and v > MAX_LIMIT:
-                problems.append(f"{name}.{f} must be at most {MAX_LIMIT} (got {spec.get(f)})")
         rep = num(spec.get("replication"))
         if rep is not None and not 1 <= rep <= 5:
             problems.append(f"{name}.replication must be 1..5 (got {spec.get('replication')})")

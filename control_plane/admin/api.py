@@ -48,7 +48,7 @@ from control_plane.state_api import StateIndex
 from data_plane.common.errors import InvalidRequest, SwitchboardError
 from data_plane.common.hop_auth import RequireBearer
 from data_plane.common.ladder import MAX_LEVEL, Level
-from data_plane.tiers import TierPolicy
+from data_plane.tiers import TierPolicy, unserved_safety
 
 log = logging.getLogger(__name__)
 
@@ -355,8 +355,10 @@ def build_admin_router(ctx: AdminContext) -> APIRouter:
             policy = TierPolicy.from_dict(body)
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="tiers", code="invalid_tier_policy") from None
-        if (lacking := _safety_lacking(policy, ctx.registry.snapshot("gateway")[1])) is not None:
-            raise InvalidRequest(f"invalid tier policy: {lacking}", param="tiers", code="invalid_tier_policy")
+        gateways = [(m["id"], m.get("meta") or {}) for m in ctx.registry.snapshot("gateway")[1]
+                    if m.get("status", "passing") == "passing"]
+        if (unserved := unserved_safety(policy, gateways)) is not None:  # a 200 they would all have refused
+            raise InvalidRequest(unserved, param="tiers", code="invalid_tier_policy")
         try:
             ctx.store.set_tiers(policy, actor="admin")
         except OSError as exc:
@@ -396,22 +398,6 @@ def build_admin_router(ctx: AdminContext) -> APIRouter:
         return {"source": source, "alerts": fetched, "error": error}
 
     return router
-
-
-def _safety_lacking(policy: TierPolicy, gateways: list[dict[str, Any]]) -> str | None:
-    """Why a registered gateway could not apply `policy`: a tier names a safety policy the gateway does
-    not have (listed in its meta, data_plane/gateway/runtime.py gateway_meta). Such a policy was stored and
-    reported saved while every gateway refused it whole and kept the previous one (its other edits too)."""
-    wanted = {policy[name].safety for name in policy}
-    for m in gateways:
-        listed = (m.get("meta") or {}).get("safety_policies")
-        if m.get("status") == "critical" or not listed:
-            continue  # gone, or a gateway that does not say: not asked
-        known = listed.split(",")
-        if missing := sorted(wanted - set(known)):
-            return (f"unknown safety policies {missing} (gateway {m.get('id')} has {', '.join(known)}; "
-                    "add them to its --safety-file first)")
-    return None
 
 
 def _tiers_body(ctx: AdminContext) -> dict[str, Any]:

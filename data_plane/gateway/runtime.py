@@ -55,7 +55,7 @@ from data_plane.routing.latency import LatencyConfig
 from data_plane.routing.outliers import OutlierConfig
 from data_plane.routing.router import Router, RouterMetrics
 from data_plane.routing.upstream import Upstream, UpstreamConfig
-from data_plane.tiers import Tier, TierPolicy
+from data_plane.tiers import SAFETY_META, Tier, TierPolicy
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,8 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
         agent = new_agent(Member(
             id=settings.node_id or f"gateway-{settings.host}-{settings.port}", service="gateway",
             url=f"{TlsConfig.from_env().scheme}://{settings.host}:{settings.port}",
-            meta=gateway_meta(settings.zone, gw.safety.names())), 2.0)
+            # the safety policies it serves: the control plane refuses a tier policy naming another (SAFETY_META)
+            meta={"zone": settings.zone, SAFETY_META: ",".join(gw.safety.names())}), 2.0)
         await agent.start()
         stack.push_async_callback(agent.aclose)
     # Everything built so far lives as long as the process: move it out of the cyclic GC's
@@ -250,15 +251,3 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
                                 gw.reply_metrics, settings.response_cache_ttl_s, settings.response_cache_local_bytes)
         stack.push_async_callback(replies.aclose)
     return Runtime(settings, http, pool, membership, cluster, router, upstream, sessions, admission, replies, sealer)
-
-
-SAFETY_META = "safety_policies"
-"""The registry meta key a gateway lists its safety policies under (comma-separated), so the control plane
-refuses a tier policy naming one it lacks instead of storing a policy every gateway would refuse."""
-
-
-def gateway_meta(zone: str, safety_policies: list[str]) -> dict[str, str]:
-    """A gateway's registry meta: its zone and the safety policies a tier may name (left out past the
-    registry's value limit: the control plane then does not check names against this gateway)."""
-    listed = ",".join(safety_policies)
-    return {"zone": zone, **({SAFETY_META: listed} if len(listed) <= 1024 else {})}

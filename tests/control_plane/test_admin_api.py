@@ -19,7 +19,6 @@ import httpx
 import pytest
 
 from control_plane.admin.traces import assemble_traces
-from data_plane.gateway.runtime import gateway_meta
 from data_plane.tiers import TierPolicy
 from tests.support.chat import assert_openai_error
 from tests.support.cluster import ADMIN_TOKEN, open_control_plane
@@ -209,29 +208,30 @@ async def test_put_tiers_validates_persists_and_reaches_the_state(admin_url: str
         assert after["tiers"]["plus"]["max_output_tokens"] == 8 and after["state_index"] == body["state_index"]
 
 
-async def test_a_safety_policy_no_gateway_has_is_refused_not_stored(admin_url: str) -> None:
-    # a gateway refuses a whole tier policy naming a safety policy it lacks and keeps the previous one:
-    # the PUT said 200 (the console "saved") while no edit of it, rpm included, ever took effect
+async def test_put_tiers_refuses_what_every_gateway_would_refuse(admin_url: str) -> None:
+    """QA: `safety: "10"` (no such policy on any gateway) and `rpm: 10**400` were a 200, then each gateway
+    logged a refusal and kept the old policy (or served a 429 "needs 10**400 tokens"): the operator saw success."""
     async with admin_client(admin_url) as admin:
-        for member_id, meta in (("gateway-safety", gateway_meta("local", ["default", "strict", "none"])),
-                                ("gateway-silent", {"zone": "local"})):  # an older gateway says nothing
-            resp = await admin.put(f"/v1/registry/members/{member_id}", json={
-                "service": "gateway", "url": "http://127.0.0.1:9", "ttl_s": 30, "meta": meta})
-            assert resp.status_code == 200, resp.text
+        resp = await admin.put("/v1/registry/members/gateway-safety", json={
+            "service": "gateway", "url": "http://127.0.0.1:9", "ttl_s": 30,
+            "meta": {"zone": "default", "safety_policies": "default,none"}})
+        assert resp.status_code == 200, resp.text
         try:
-            before = (await admin.get("/admin/v1/tiers")).json()
-            policy = TierPolicy.default().to_dict()
-            policy["tiers"]["free"].update(safety="no-such-policy", rpm=3)
-            err = assert_openai_error(await admin.put("/admin/v1/tiers", json=policy), 400)
-            assert err["code"] == "invalid_tier_policy" and err["param"] == "tiers"
-            assert "no-such-policy" in err["message"] and "gateway-safety" in err["message"]
-            assert (await admin.get("/admin/v1/tiers")).json()["state_index"] == before["state_index"]
-            policy["tiers"]["free"]["safety"] = "strict"
-            resp = await admin.put("/admin/v1/tiers", json=policy)
-            assert resp.status_code == 200 and resp.json()["tiers"]["free"]["safety"] == "strict", resp.text
+            unknown = TierPolicy.default().to_dict()
+            unknown["tiers"]["free"]["safety"] = "10"
+            err = assert_openai_error(await admin.put("/admin/v1/tiers", json=unknown), 400)
+            assert err["code"] == "invalid_tier_policy" and "'10'" in err["message"]
+            assert "gateway-safety" in err["message"], err
+            served = TierPolicy.default().to_dict()
+            served["tiers"]["free"]["safety"] = "none"
+            assert (await admin.put("/admin/v1/tiers", json=served)).status_code == 200
+            huge = TierPolicy.default().to_dict()
+            huge["tiers"]["free"]["rpm"] = 10**400
+            err = assert_openai_error(await admin.put("/admin/v1/tiers", json=huge), 400)
+            assert "tiers.free.rpm" in err["message"] and len(err["message"]) < 300
         finally:
-            for member_id in ("gateway-safety", "gateway-silent"):
-                await admin.delete(f"/v1/registry/members/{member_id}")
+            await admin.delete("/v1/registry/members/gateway-safety")
+            await admin.put("/admin/v1/tiers", json=TierPolicy.default().to_dict())
 
 
 async def test_signals_decisions_and_builtin_alerts(admin_url: str) -> None:
