@@ -446,7 +446,7 @@ def check_output_fields(response_format: ResponseFormat | None, structured: Stru
         return Clash("tool_choice", "tool_choice needs tools")
     if isinstance(choice, NamedToolChoice) and tools and choice.function.name not in {
             t.function.name for t in tools}:
-        return Clash("tool_choice", f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        return Clash("tool_choice", f"tool_choice names {choice.function.name[:128]!r}, which is not among the tools")
     if isinstance(choice, AllowedToolsChoice) and tools:
         unknown = sorted(choice.names() - {t.function.name for t in tools})
         if unknown:

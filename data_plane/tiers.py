@@ -65,10 +65,11 @@ class _TierSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     priority: int = Field(ge=0, le=1000)
-    rpm: int = Field(gt=0)
-    tpm: int = Field(gt=0)
-    max_context_tokens: int = Field(gt=0)
-    max_output_tokens: int = Field(gt=0)
+    # bounded: a limit of 10**400 was stored, and a request without max_tokens was then a 429 "needs 10**400 tokens"
+    rpm: int = Field(gt=0, le=1_000_000_000)
+    tpm: int = Field(gt=0, le=1_000_000_000_000)
+    max_context_tokens: int = Field(gt=0, le=100_000_000)
+    max_output_tokens: int = Field(gt=0, le=100_000_000)
     replication: int = Field(ge=1, le=5)
     shed_order: int = Field(ge=0, le=1000)
     safety: str = Field(default="default", min_length=1, max_length=64)
@@ -177,7 +178,7 @@ class TierPolicy:
 def _check_tier(tier: Tier) -> None:
     if not isinstance(tier.name, str) or not re.fullmatch(TIER_NAME_PATTERN, tier.name):
         raise ValueError(
-            f"tier name {tier.name!r} is not valid: use 1-64 letters, digits, '_', '.', '-'"
+            f"tier name {str(tier.name)[:64]!r} is not valid: use 1-64 letters, digits, '_', '.', '-'"
         )
     fields = asdict(tier)
     del fields["name"]
@@ -185,3 +186,22 @@ def _check_tier(tier: Tier) -> None:
         _TierSpec.model_validate(fields)
     except ValidationError as exc:
         raise ValueError(_validation_message(exc, f"tiers.{tier.name}")) from None
+
+
+SAFETY_META = "safety_policies"
+"""A gateway's registration metadata: the safety policies it serves, comma-separated (each gateway loads its
+own, data_plane/gateway/safety/pipeline.py); a gateway refuses a tier policy that names another."""
+
+
+def unserved_safety(policy: TierPolicy, gateways: Iterable[tuple[str, Mapping[str, str]]]) -> str | None:
+    """Why the gateways (id, registration metadata) would refuse `policy`: a tier's ``safety`` that one of them
+    does not serve; None when each serves them all (a gateway that does not say what it serves is not asked)."""
+    wanted = {policy[name].safety for name in policy}
+    for member_id, meta in gateways:
+        if SAFETY_META not in meta:
+            continue
+        served = set(filter(None, meta[SAFETY_META].split(",")))
+        if missing := sorted(wanted - served):
+            return (f"tier policy names safety policies {missing} that gateway {member_id} does not serve (it serves "
+                    f"{sorted(served)}): it would keep the policy in force instead")
+    return None

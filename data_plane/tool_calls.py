@@ -263,7 +263,7 @@ def envelope_text(content: str | None, tool_calls: list[dict[str, Any]] | None) 
         fn = call.get("function") or {}
         try:
             args = json.loads(fn.get("arguments") or "{}")
-        except ValueError:
+        except (ValueError, RecursionError):  # a client's history may hold any text (nested past the parser: a 500)
             args = fn.get("arguments")
         calls.append({"name": fn.get("name", ""), "arguments": args})
     return json.dumps({"tool_calls": calls}, ensure_ascii=False, separators=(",", ":"))

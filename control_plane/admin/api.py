@@ -48,7 +48,7 @@ from control_plane.state_api import StateIndex
 from data_plane.common.errors import InvalidRequest, SwitchboardError
 from data_plane.common.hop_auth import RequireBearer
 from data_plane.common.ladder import MAX_LEVEL, Level
-from data_plane.tiers import TierPolicy
+from data_plane.tiers import TierPolicy, unserved_safety
 
 log = logging.getLogger(__name__)
 
@@ -355,6 +355,10 @@ def build_admin_router(ctx: AdminContext) -> APIRouter:
             policy = TierPolicy.from_dict(body)
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="tiers", code="invalid_tier_policy") from None
+        gateways = [(m["id"], m.get("meta") or {}) for m in ctx.registry.snapshot("gateway")[1]
+                    if m.get("status", "passing") == "passing"]
+        if (unserved := unserved_safety(policy, gateways)) is not None:  # a 200 they would all have refused
+            raise InvalidRequest(unserved, param="tiers", code="invalid_tier_policy")
         try:
             ctx.store.set_tiers(policy, actor="admin")
         except OSError as exc:

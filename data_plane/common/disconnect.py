@@ -21,6 +21,7 @@ the gateway's chat path (data_plane/gateway/chat.py) and the shard's non-streami
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import Receive
@@ -39,6 +40,9 @@ class DisconnectWatch:
         self._watcher: asyncio.Future[Any] | None = None
         self.gone = False
         """True once the client disconnected (and the task was cancelled for it)."""
+        self.on_gone: list[Callable[[], None]] = []
+        """Called the moment the client is seen leaving, before the cancelled task winds down (which may
+        take a while: the shard's stream closed, the turn's bookkeeping)."""
 
     def start(self) -> None:
         """Watch from now on (call once the body is read; idempotent)."""
@@ -51,6 +55,8 @@ class DisconnectWatch:
                 return
             if watcher.result().get("type") == "http.disconnect":
                 self.gone = True
+                for callback in self.on_gone:
+                    callback()
                 task.cancel()
 
         self._watcher = asyncio.ensure_future(self._receive())

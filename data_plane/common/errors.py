@@ -54,6 +54,17 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 
+ECHO_CHARS = 128
+"""The most of a client's value an error message repeats: an id of ours is ~55 characters, and a 500 KB
+one (a conversation id, an item reference, a call_id: no schema bounds them) came back whole."""
+
+
+def clipped(value: object, limit: int = ECHO_CHARS) -> str:
+    """`value` as text to quote in an error message, cut past `limit` characters (marked with "...")."""
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class SwitchboardError(Exception):
     status: int = 500
     type: str = "server_error"

@@ -26,7 +26,11 @@ BODY_TIMEOUT_S = 30.0
 
 async def read_body(request: Any, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
     """Read a Starlette request body: 413 past `limit` bytes (never buffering more), 408 when the
-    client stalls for `timeout_s`."""
+    client stalls for `timeout_s`; 415 for a compressed body (no route decodes one: a gzip body was read as
+    bytes, and answered "not valid UTF-8")."""
+    coding = request.headers.get("content-encoding", "").strip().lower()
+    if coding and coding != "identity":
+        raise UnsupportedMediaType(f"Content-Encoding {coding[:32]!r} is not supported: send the body uncompressed")
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
@@ -46,17 +50,30 @@ async def read_body(request: Any, limit: int, timeout_s: float = BODY_TIMEOUT_S)
     return b"".join(chunks)
 
 
+def _not_json(constant: str) -> Any:
+    """NaN and Infinity, which Python's parser takes and JSON has not: a record stored with an
+    `updated_at` of Infinity was a 500 on its PUT and on every GET after (no JSON encoder writes it)."""
+    raise ValueError(f"{constant} is not JSON")
+
+
 async def read_json_body(request: Any, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> Any:
     """The request's JSON body (any JSON value): 415 for a non-JSON content type, then as
-    `read_body`, then 400 when it does not parse."""
+    `read_body`, then 400 when it does not parse (NaN and Infinity included) or holds a lone surrogate."""
     ctype = request.headers.get("content-type", "")
     if ctype and "json" not in ctype.lower():
         raise UnsupportedMediaType("request body must be application/json")
     raw = await read_body(request, limit, timeout_s)
     try:
-        return json.loads(raw)
+        body = json.loads(raw, parse_constant=_not_json)
+        # JSON may escape a lone surrogate ("\ud800"), which no UTF-8 encoder takes: the node's store was a 500
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest("request body contains invalid Unicode (a lone surrogate)", code="invalid_json") from None
     except (ValueError, UnicodeDecodeError):
         raise InvalidRequest("request body is not valid JSON", code="invalid_json") from None
+    except RecursionError:  # a body nested past the parser's stack was a 500 on the cache node
+        raise InvalidRequest("request body is nested too deeply", code="invalid_json") from None
+    return body
 
 
 class BodyLimit:

@@ -61,6 +61,10 @@ _BUSY_503 = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/jso
              b"connection: close\r\ncontent-length: " + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY)
 BUSY_LINGER_S = 0.5
 """A refused connection's lingering close: shorter than a 408's, its descriptor is wanted back."""
+_MALFORMED_BODY = json.dumps({"error": {"message": "Invalid HTTP request received.", "type": "invalid_request_error",
+                                        "param": None, "code": None}}).encode()
+_MALFORMED_400 = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                  b"content-length: " + str(len(_MALFORMED_BODY)).encode() + b"\r\n\r\n" + _MALFORMED_BODY)
 _TOO_LARGE_431 = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
                   b"connection: close\r\ncontent-length: " + str(len(_TOO_LARGE_BODY)).encode() + b"\r\n\r\n"
                   + _TOO_LARGE_BODY)
@@ -249,8 +253,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._linger()
 
     def send_400_response(self, msg: str) -> None:
-        if not self._too_large:  # else the parse was stopped by `_count`: data_received answers 431
-            super().send_400_response(msg)
+        """A request httptools cannot parse (a control character in a header value, a broken request line):
+        uvicorn answers text/plain; every other answer of ours, this one too, is OpenAI's JSON error."""
+        if self._too_large:  # the parse was stopped by `_count`: data_received answers 431
+            return
+        self.transport.write(_MALFORMED_400)
+        self.transport.close()
 
     def _unbounded(self) -> bool:
         """In a request head, or in a chunked body's trailer section (or a chunk's size line)."""

@@ -27,7 +27,7 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 from starlette.types import Receive, Scope, Send
 
-from data_plane.common.errors import ModelNotFound, Overloaded, install_error_handlers, render
+from data_plane.common.errors import ModelNotFound, Overloaded, clipped, install_error_handlers, render
 from data_plane.common.hop_auth import (
     TOKENS_HELP,
     RefusalMetrics,
@@ -150,7 +150,7 @@ def create_app(gw: Gateway) -> GatewayApp:
         gw.caller(request)  # bans, blocked keys, throttles and a removed tier apply; 401s counted
         found = holder.started().models()
         if model_id not in found:
-            raise ModelNotFound(f"the model {model_id!r} does not exist", param="model")
+            raise ModelNotFound(f"the model {clipped(model_id)!r} does not exist", param="model")
         return {"id": model_id, "object": "model", "created": 0, "owned_by": "switchboard",
                 "max_model_len": found[model_id]}
 

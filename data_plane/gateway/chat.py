@@ -188,13 +188,13 @@ class ChatHandler:
             await keep_first_turn(self)  # a new session's id went out, its first turn unsaved
 
     async def hold(self, record_id: str, param: str) -> None:
-        """Lock the stored conversation this request will rewrite, until its turn is saved (or the
-        request ends without one): a second request on it meanwhile is a 400 ``conversation_locked``
-        instead of a lost turn (data_plane/gateway/record_locks.py). Keyed by the owner too: another
-        key never contends."""
+        """Lock the stored conversation this request will rewrite until its turn is saved or the request ends
+        (its client gone: the next turn waits for the end): meanwhile a second request on it is a 400
+        ``conversation_locked``, not a lost turn (data_plane/gateway/record_locks.py). Keyed by owner too."""
         key = record_key(self.owner, record_id)
         await self.gw.record_locks.acquire(key, wait_s=ITEM_EDIT_WAIT_S, param=param, generation=True)
         self.held.append(key)
+        self.x.disconnect.on_gone.append(lambda: self.gw.record_locks.winding_down(key))
 
     def let_go(self) -> None:
         """Release what `hold` took: once the turn is saved, before the reply's last bytes, so a client

@@ -36,7 +36,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from data_plane.common.errors import InvalidRequest, NotFound, SwitchboardError
+from data_plane.common.errors import InvalidRequest, NotFound, SwitchboardError, clipped
 from data_plane.gateway.chat import ChatHandler
 from data_plane.gateway.conversations import metadata_update
 from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S, record_key
@@ -181,7 +181,7 @@ def past_cursor(entries: list[dict[str, Any]], index: list[dict[str, Any]], orde
         return entries
     ids = [e["id"] for e in index]
     if after not in ids:
-        raise InvalidRequest(f"no item with id {after!r}", param="after")
+        raise InvalidRequest(f"no item with id {clipped(after)!r}", param="after")
     at = ids.index(after)
     later = set(ids[at + 1:] if order == "asc" else ids[:at])
     return [e for e in entries if e["id"] in later]

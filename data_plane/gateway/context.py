@@ -85,11 +85,12 @@ def _model_encoder(folder: Path) -> Callable[[str], int]:
         from tokenizers import Tokenizer
 
         fast = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        fast.encode_special_tokens = True  # a text spelling "<|im_end|>" is its characters, as the shard encodes it
         return lambda text: len(fast.encode(text, add_special_tokens=False).ids)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(folder))
-    return lambda text: len(tok.encode(text, add_special_tokens=False))
+    return lambda text: len(tok.encode(text, add_special_tokens=False, split_special_tokens=True))
 
 
 @dataclass(frozen=True)

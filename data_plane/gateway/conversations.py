@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from data_plane.common.errors import InvalidRequest, NotFound, UnsupportedParameter
+from data_plane.common.errors import InvalidRequest, NotFound, UnsupportedParameter, clipped
 from data_plane.common.http_body import read_body
 from data_plane.gateway.item_index import Home, fresh_items, index_items, resolve_references
 from data_plane.gateway.memory import Unseal, open_compaction
@@ -227,7 +227,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
             for item in record.items:
                 if item.get("id") == item_id:
                     return item
-            raise NotFound(f"Item with id '{item_id}' not found.", param="item_id")
+            raise NotFound(f"Item with id '{clipped(item_id)}' not found.", param="item_id")
 
     @app.delete(CONVERSATIONS_PATH + "/{conversation_id}/items/{item_id}")
     async def delete_item(conversation_id: str, item_id: str, request: Request) -> dict[str, Any]:
@@ -237,7 +237,7 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
                 record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
                 kept = [i for i in record.items if i.get("id") != item_id]
                 if len(kept) == len(record.items):
-                    raise NotFound(f"Item with id '{item_id}' not found.", param="item_id")
+                    raise NotFound(f"Item with id '{clipped(item_id)}' not found.", param="item_id")
                 deleted_before(record.conversation.setdefault("deleted", {}), record.items, item_id)
                 record.items = kept
                 await store().save(record, owner, replicas)

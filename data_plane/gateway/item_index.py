@@ -33,7 +33,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from data_plane.common.errors import InvalidRequest, NotFound, SwitchboardError
+from data_plane.common.errors import InvalidRequest, NotFound, SwitchboardError, clipped
 from data_plane.gateway.response_store import ConversationStore, Kind, Record
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def index_id(owner: str, item_id: str) -> str:
 
 def unknown_item(item_id: str, param: str) -> NotFound:
     """OpenAI's 404 for an item reference it cannot resolve (never stored, deleted, another key's)."""
-    return NotFound(f"Item with id '{item_id}' not found. Items are not persisted when `store` is set to false. "
+    return NotFound(f"Item with id '{clipped(item_id)}' not found. Items are not persisted when `store` is set to false. "
                     "Try again with `store` set to true, or remove this item from your input.", param=param)
 
 

@@ -93,6 +93,12 @@ class RecordLocks:
             self._drop(record_id)
             raise
 
+    def winding_down(self, record_id: str) -> None:
+        """The generation holding `record_id` lost its client and is ending: the next turn waits for it
+        (up to its `wait_s`) instead of being refused for a turn its client abandoned (an app that stops a
+        stream and sends the next turn at once was refused for ~0.1-0.4 s while the first one wound down)."""
+        self._generating.discard(record_id)
+
     def release(self, record_id: str) -> None:
         self._generating.discard(record_id)
         lock = self._locks.get(record_id)

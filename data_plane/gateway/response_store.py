@@ -32,7 +32,7 @@ from typing import Any
 
 from data_plane.cache.client import SessionStore
 from data_plane.cache.model import TOMBSTONE_VERSION, VersionConflict, validate_session_id
-from data_plane.common.errors import InvalidRequest, NotFound, SwitchboardError
+from data_plane.common.errors import InvalidRequest, NotFound, SwitchboardError, clipped
 from data_plane.gateway.record_locks import locked_error
 
 META_ROLE = "x-responses"
@@ -93,7 +93,7 @@ class Record:
 def not_found(kind: Kind, record_id: str) -> NotFound:
     """OpenAI's 404 for a response, conversation or chat completion this caller cannot see."""
     name, param = _NAMES.get(kind, ("Chat completion", "completion_id"))
-    return NotFound(f"{name} with id '{record_id}' not found.", param=param, code="not_found")
+    return NotFound(f"{name} with id '{clipped(record_id)}' not found.", param=param, code="not_found")
 
 
 _NAMES = {Kind.RESPONSE: ("Response", "response_id"), Kind.CONVERSATION: ("Conversation", "conversation_id")}
@@ -147,7 +147,7 @@ class ConversationStore:
         try:
             return await self.load(response_id, owner, replicas, Kind.RESPONSE)
         except NotFound:
-            raise InvalidRequest(f"Previous response with id '{response_id}' not found.",
+            raise InvalidRequest(f"Previous response with id '{clipped(response_id)}' not found.",
                                  param="previous_response_id", code="previous_response_not_found") from None
 
     async def save(self, record: Record, owner: str, replicas: int) -> None:

@@ -39,7 +39,7 @@ from starlette.types import Send
 
 from data_plane.common.crypto import SealError
 from data_plane.common.disconnect import CLIENT_DISCONNECTED
-from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, SwitchboardError
+from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, SwitchboardError, clipped
 from data_plane.gateway.auth import key_digest
 from data_plane.gateway.chat import ChatHandler, Opened
 from data_plane.gateway.context import Window
@@ -468,7 +468,7 @@ def page(items: list[dict[str, Any]], *, limit: int, order: str, after: str | No
                 break
             cursor = gone[cursor]
         if cursor is not None and cursor not in ids:
-            raise InvalidRequest(f"no item with id {after!r}", param="after")
+            raise InvalidRequest(f"no item with id {clipped(after)!r}", param="after")
         at = ids.index(cursor) if cursor is not None else -1
         if cursor == after:  # the cursor itself is listed: the rest, past it, in this order
             ordered = ordered[at + 1:] if order == "asc" else ordered[:at][::-1]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from data_plane.common.errors import InvalidRequest, UnsupportedParameter
+from data_plane.common.errors import InvalidRequest, UnsupportedParameter, clipped
 
 FUNCTION_FIELDS = ("name", "description", "parameters", "strict")
 """A Responses function tool's fields the chat path takes (beside `type`)."""
@@ -67,7 +67,7 @@ def check_call_outputs(items: list[dict[str, Any]]) -> None:
             unanswered[item["call_id"]] = None
         elif item["type"] == "function_call_output":
             if item["call_id"] not in called:
-                raise InvalidRequest(f"No tool call found for function call output with call_id {item['call_id']}.",
+                raise InvalidRequest(f"No tool call found for function call output with call_id {clipped(item['call_id'])}.",
                                      param="input")
             unanswered.pop(item["call_id"], None)
     if unanswered:

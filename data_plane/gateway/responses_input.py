@@ -18,7 +18,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from data_plane.common.errors import InvalidRequest, UnsupportedParameter
+from data_plane.common.errors import InvalidRequest, UnsupportedParameter, clipped
 from data_plane.request_checks import check_one_of
 
 ITEM_STATUSES = ("in_progress", "completed", "incomplete")
@@ -129,7 +129,7 @@ def refuse_duplicates(items: list[dict[str, Any]], param: str, earlier: list[dic
     seen = {item.get("id") for item in earlier or ()}
     for item in items:
         if item["id"] in seen:
-            raise InvalidRequest(f"Duplicate item found with id {item['id']}. Remove duplicate items from your "
+            raise InvalidRequest(f"Duplicate item found with id {clipped(item['id'])}. Remove duplicate items from your "
                                  "input and try again.", param=param)
         seen.add(item["id"])
 

@@ -55,7 +55,7 @@ from data_plane.routing.latency import LatencyConfig
 from data_plane.routing.outliers import OutlierConfig
 from data_plane.routing.router import Router, RouterMetrics
 from data_plane.routing.upstream import Upstream, UpstreamConfig
-from data_plane.tiers import Tier, TierPolicy
+from data_plane.tiers import SAFETY_META, Tier, TierPolicy
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,8 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
         agent = new_agent(Member(
             id=settings.node_id or f"gateway-{settings.host}-{settings.port}", service="gateway",
             url=f"{TlsConfig.from_env().scheme}://{settings.host}:{settings.port}",
-            meta={"zone": settings.zone}), 2.0)
+            # the safety policies it serves: the control plane refuses a tier policy naming another (SAFETY_META)
+            meta={"zone": settings.zone, SAFETY_META: ",".join(gw.safety.names())}), 2.0)
         await agent.start()
         stack.push_async_callback(agent.aclose)
     # Everything built so far lives as long as the process: move it out of the cyclic GC's

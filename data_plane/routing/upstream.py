@@ -315,6 +315,8 @@ class Upstream:
             for line in lines:
                 parsed = wire.parse_line(line)
                 if isinstance(parsed, SwitchboardError):
+                    if parsed.status < 500:  # the request's own fault (a grammar no output completes), as a 4xx
+                        raise parsed  # status is in `_refuse`: no retry, no ejection (3 such requests ejected it)
                     raise Retryable(FailureReason.for_stream_error(parsed.code, False), wire.client_error(parsed))
                 first.extend(parsed)
                 token = token or any(isinstance(e, (Delta, ToolCallDelta, Finish)) for e in parsed)

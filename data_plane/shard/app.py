@@ -210,7 +210,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
     @app.get("/v1/models/{model_id}")
     async def model(model_id: str) -> dict[str, Any]:
         if model_id != engine.model_name:
-            raise ModelNotFound(f"the model {model_id!r} does not exist", param="model")
+            raise ModelNotFound(f"the model {model_id[:128]!r} does not exist", param="model")
         return _model_card(engine, state)
 
     async def serving(request: Request) -> ChatCompletionRequest:

@@ -208,6 +208,32 @@ async def test_put_tiers_validates_persists_and_reaches_the_state(admin_url: str
         assert after["tiers"]["plus"]["max_output_tokens"] == 8 and after["state_index"] == body["state_index"]
 
 
+async def test_put_tiers_refuses_what_every_gateway_would_refuse(admin_url: str) -> None:
+    """QA: `safety: "10"` (no such policy on any gateway) and `rpm: 10**400` were a 200, then each gateway
+    logged a refusal and kept the old policy (or served a 429 "needs 10**400 tokens"): the operator saw success."""
+    async with admin_client(admin_url) as admin:
+        resp = await admin.put("/v1/registry/members/gateway-safety", json={
+            "service": "gateway", "url": "http://127.0.0.1:9", "ttl_s": 30,
+            "meta": {"zone": "default", "safety_policies": "default,none"}})
+        assert resp.status_code == 200, resp.text
+        try:
+            unknown = TierPolicy.default().to_dict()
+            unknown["tiers"]["free"]["safety"] = "10"
+            err = assert_openai_error(await admin.put("/admin/v1/tiers", json=unknown), 400)
+            assert err["code"] == "invalid_tier_policy" and "'10'" in err["message"]
+            assert "gateway-safety" in err["message"], err
+            served = TierPolicy.default().to_dict()
+            served["tiers"]["free"]["safety"] = "none"
+            assert (await admin.put("/admin/v1/tiers", json=served)).status_code == 200
+            huge = TierPolicy.default().to_dict()
+            huge["tiers"]["free"]["rpm"] = 10**400
+            err = assert_openai_error(await admin.put("/admin/v1/tiers", json=huge), 400)
+            assert "tiers.free.rpm" in err["message"] and len(err["message"]) < 300
+        finally:
+            await admin.delete("/v1/registry/members/gateway-safety")
+            await admin.put("/admin/v1/tiers", json=TierPolicy.default().to_dict())
+
+
 async def test_signals_decisions_and_builtin_alerts(admin_url: str) -> None:
     async with admin_client(admin_url) as admin:
         async def has_signals() -> bool:

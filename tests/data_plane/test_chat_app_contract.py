@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.chat import sdk
 from tests.support.cluster import KEYS, gateway_before
-from tests.support.procs import Service
+from tests.support.procs import CLUSTER_HEADERS, Service
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -333,3 +333,26 @@ def test_a_text_part_with_a_prompt_cache_breakpoint_is_served(gateway: Service) 
     bad = {"role": "system", "content": [{**part, "prompt_cache_breakpoint": {"mode": "implicit"}}]}
     body = _refused(client, [bad, {"role": "user", "content": "Hi"}])
     assert body["param"] == "messages.0.content.0.prompt_cache_breakpoint", body
+
+
+def test_requests_whose_grammar_ends_short_never_eject_the_shard(gateway: Service) -> None:
+    """The shard refuses such a request with an error event before any token (its stream had begun): the
+    router took that event for the shard failing, retried the request elsewhere and counted the failure, so
+    3 of them from any key (a free one sending `structured_outputs: {"regex": "a{1000000}"}`) ejected the
+    shard, and every tenant got 503 no_healthy_backend. Now each is the client's 400 and nothing else."""
+    client = sdk(gateway)
+    ask = [{"role": "user", "content": "Give me JSON."}]
+    asks: list[dict[str, Any]] = [{"response_format": ENDLESS}, {"extra_body": {"structured_outputs": {
+        "regex": "a{1000000}"}}}]
+    for fields in asks * 2:
+        for stream in (False, True):
+            with pytest.raises(openai.APIError) as refused:
+                reply = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=8, temperature=0,
+                                                       stream=stream, **fields)
+                list(reply) if stream else None  # a stream's refusal is its error event
+            assert "cannot be followed to a complete output" in str(refused.value), refused.value
+    metrics = httpx.get(gateway.url + "/metrics", headers=CLUSTER_HEADERS, timeout=10).text
+    failures = [line for line in metrics.splitlines()
+                if line.startswith("switchboard_router_upstream_failures_total{") and not line.endswith(" 0.0")]
+    assert failures == [], failures
+    assert client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4).choices[0].message.content

@@ -119,7 +119,8 @@ TEXTS = ["hello world", "", "  leading and trailing  ", "Write a short story abo
 
 def test_the_default_models_counter_counts_as_its_transformers_tokenizer_does() -> None:
     """The gateway reads the default model's tokenizer.json with `tokenizers` (no transformers import at
-    start-up): every count equals AutoTokenizer's encode without special tokens."""
+    start-up): every count equals AutoTokenizer's encode without special tokens, a text that spells a control
+    token counted as its characters (the shard encodes it so: data_plane/shard/engines/chat_tokens.py)."""
     from transformers import AutoTokenizer
 
     from data_plane.model_store import resolve_model
@@ -127,8 +128,8 @@ def test_the_default_models_counter_counts_as_its_transformers_tokenizer_does() 
     counter = TokenCounter.for_model(None)
     reference = AutoTokenizer.from_pretrained(str(resolve_model(None)))
     got = [counter.count(t) for t in TEXTS]
-    assert got == [len(reference.encode(t, add_special_tokens=False)) for t in TEXTS]
-    assert got[0] == 2 and got[1] == 0 and got[5] == 5  # the chat markers are one token each
+    assert got == [len(reference.encode(t, add_special_tokens=False, split_special_tokens=True)) for t in TEXTS]
+    assert got[0] == 2 and got[1] == 0 and got[5] == 17  # the chat markers spelled in a text: 7 tokens each
 
 
 # -- the stepped window over a long chat --------------------------------------------------------

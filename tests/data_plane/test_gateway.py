@@ -17,7 +17,8 @@ import openai
 import pytest
 import yaml
 
-from tests.support.cluster import KEYS, Cluster
+from data_plane.tiers import TierPolicy
+from tests.support.cluster import ADMIN_TOKEN, KEYS, Cluster
 from tests.support.metrics import scrape
 from tests.support.procs import CLUSTER_TOKEN, Service, free_port
 
@@ -122,6 +123,19 @@ def test_ignore_eos_runs_a_synthetic_answer_to_max_tokens(cluster: Cluster) -> N
             sdk.chat.completions.create(model="synthetic", messages=msgs, **limit,  # type: ignore[call-overload]
                                         extra_body={"min_tokens": 20})
         assert info.value.param == "min_tokens" and "(10)" in info.value.message, info.value.message
+
+
+def test_the_control_plane_refuses_a_tier_policy_naming_a_safety_policy_no_gateway_serves(cluster: Cluster) -> None:
+    """A real gateway says which safety policies it serves in its registration; PUT /admin/v1/tiers naming
+    another is a 400 (it was a 200 the gateway then refused in its log, keeping the old policy)."""
+    [gateway] = [m for m in httpx.get(cluster.registry + "/v1/registry/members", timeout=5).json()["members"]
+                 if m["service"] == "gateway"]
+    assert set(gateway["meta"]["safety_policies"].split(",")) >= {"default", "none"}
+    policy = TierPolicy.default().to_dict()
+    policy["tiers"]["free"]["safety"] = "strict-but-absent"
+    r = httpx.put(cluster.registry + "/admin/v1/tiers", json=policy, timeout=5,
+                  headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert r.status_code == 400 and "strict-but-absent" in r.json()["error"]["message"], r.text
 
 
 def test_auth_required(cluster: Cluster) -> None:

@@ -54,6 +54,44 @@ async def test_a_generation_waits_for_a_compaction_or_an_edit_instead_of_being_r
     assert len(locks) == 0
 
 
+async def test_a_generation_whose_client_left_is_waited_for_not_refused() -> None:
+    """A client that stops a stream and sends its next turn at once: the abandoned turn still holds the lock
+    while it winds down (0.1-0.4 s through `up`), and the next turn was refused for it. Its DisconnectWatch
+    calls `winding_down` the moment the client is seen leaving: the next turn waits, then holds."""
+    from data_plane.common.disconnect import DisconnectWatch
+
+    locks = RecordLocks()
+    left = asyncio.Event()
+
+    async def receive() -> dict:
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    async def abandoned_turn() -> None:
+        watch = DisconnectWatch(receive)
+        await locks.acquire("k/conv", wait_s=5.0, generation=True)
+        watch.on_gone.append(lambda: locks.winding_down("k/conv"))
+        watch.start()
+        try:
+            await asyncio.sleep(60)  # generating
+        except asyncio.CancelledError:
+            assert watch.swallow()
+            await asyncio.sleep(0.2)  # winding down: the shard's stream closed, bookkeeping
+        finally:
+            locks.release("k/conv")
+
+    turn = asyncio.create_task(abandoned_turn())
+    await asyncio.sleep(0.05)
+    with pytest.raises(InvalidRequest):  # while its client is there: refused at once, as before
+        await locks.acquire("k/conv", wait_s=5.0, generation=True)
+    left.set()
+    await asyncio.sleep(0.01)
+    await locks.acquire("k/conv", wait_s=5.0, generation=True)  # the next turn: waits for the end, then holds
+    await turn
+    locks.release("k/conv")
+    assert len(locks) == 0
+
+
 async def test_an_edit_waits_its_limit_then_is_refused_and_leaves_nothing_behind() -> None:
     locks = RecordLocks()
     await locks.acquire("k/conv", wait_s=5.0, generation=True)

@@ -465,3 +465,15 @@ def test_a_gateway_out_of_file_descriptors_blames_no_shard() -> None:
         failures = _answered(lambda: (_metric(c.gateway.url, "switchboard_router_ejections_total"),
                                       _metric(c.gateway.url, "switchboard_router_upstream_failures_total")))
         assert failures == (0, 0), "(ejections, upstream failures)"
+
+
+def test_a_request_that_is_not_http_gets_an_openai_shaped_400(cluster: Cluster) -> None:
+    """httptools refuses a header value with a control character (an X-Session-Id holding DEL): uvicorn
+    answered that 400 in text/plain, the one answer not in OpenAI's shape (an SDK reports its raw text)."""
+    for head in (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Session-Id: a\x7fb\r\n\r\n", b"NOT HTTP AT ALL\r\n\r\n"):
+        sock = _connect(cluster.gateway.url)
+        sock.sendall(head)
+        answer, _ = _read_until_closed(sock, 10)
+        status, _, body = answer.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in status.lower(), answer
+        assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}, body

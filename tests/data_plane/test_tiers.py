@@ -94,6 +94,9 @@ def test_invalid_documents():
         TierPolicy.from_yaml("- just\n- a list\n")
     with pytest.raises(ValueError, match="not valid"):
         TierPolicy.from_dict({"tiers": {"bad name": FULL}})
+    with pytest.raises(ValueError, match="not valid") as long_name:  # the admin API's 400 quoted it whole
+        TierPolicy.from_dict({"tiers": {"n" * 100_000: FULL}})
+    assert len(str(long_name.value)) < 200
     with pytest.raises(FileNotFoundError):
         TierPolicy.from_yaml("/nonexistent/tiers.yaml")
 

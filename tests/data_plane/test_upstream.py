@@ -166,6 +166,17 @@ async def test_a_shards_4xx_is_the_requests_fault_passed_through_without_retry()
     assert count(registry, "switchboard_router_upstream_failures_total", reason="status_400") == 0
 
 
+async def test_a_4xx_error_event_before_the_first_token_is_the_requests_fault_too() -> None:
+    """A grammar no output completes is refused once the stream began: an invalid_request_error event."""
+    bad = {"error": {"message": "the regex cannot be followed", "type": "invalid_request_error", "code": "invalid_grammar"}}
+    pool = Pool(Response(200, [[b"data: " + json.dumps(bad).encode()]]), Response(200, [[token("never")]]))
+    up, registry = upstream(pool)
+    with pytest.raises(SwitchboardError) as raised:
+        await up.open(BODY, session_id=None)
+    assert raised.value.status == 400 and raised.value.code == "invalid_grammar" and len(pool.posts) == 1
+    assert count(registry, "switchboard_router_upstream_failures_total", reason="stream_error_before_first_token") == 0
+
+
 async def test_a_grammar_flood_is_the_requests_503_and_ejects_no_shard() -> None:
     """A shard whose grammar compiler is full (one tenant's distinct slow schemas) answers 503
     grammar_compiler_busy: the client gets it with Retry-After, and the shard stays in routing for

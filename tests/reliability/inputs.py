@@ -168,10 +168,10 @@ CASES: list[tuple[str, Any, dict[str, str], set[int]]] = [
     ("UTF-16 body", json.dumps({"messages": USER}).encode("utf-16"), {}, BAD),
     ("UTF-8 BOM", b"\xef\xbb\xbf" + _raw({"messages": USER, "max_tokens": 2}), {}, OK | BAD),
     (
-        "gzip body without decoding support",
+        "gzip body without decoding support (was a 400 'not valid UTF-8')",
         gzip.compress(_raw({"messages": USER})),
         {"content-encoding": "gzip"},
-        {400, 415},
+        {415},
     ),
     (
         "multipart form",

@@ -56,6 +56,7 @@ from data_plane.shard.engines.base import (
     check_lengths,
 )
 from data_plane.shard.engines.batch_queue import BatchQueue
+from data_plane.shard.engines.chat_tokens import encode_chat
 from data_plane.shard.engines.grammar import GrammarCompiler, GrammarError
 from data_plane.shard.engines.logits import RequestLogits
 from data_plane.shard.engines.model_files import LoadPhases
@@ -235,12 +236,9 @@ class TorchEngine:
     # -- API ---------------------------------------------------------------------------
 
     def encode_chat(self, messages: Sequence[dict[str, str]], continue_final: bool = False) -> list[int]:
-        ids = self._tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=not continue_final, continue_final_message=continue_final,
-            tokenize=True)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        """A message's text spelling a control token stays text (chat_tokens.py: it opened real turns)."""
+        return encode_chat(self._tokenizer, messages, add_generation_prompt=not continue_final,
+                           continue_final=continue_final)
 
     def restore_generated(self, messages: Sequence[dict[str, str]], ids: list[int], salt: str | None) -> list[int]:
         """`ids` with earlier replies this shard generated put back as the tokens it generated
