@@ -336,6 +336,9 @@ class Admission:
                     break
                 w = other
             self._take_out(w)
+            if w.future.done():  # cancelled (its client left): its task has not run yet to leave the queue
+                self.fair_share.leave(w.tier.name, w.tenant)  # what that task's handler would have done
+                continue
             w.future.set_result(self._start(w.tier.name, self._clock() - w.enqueued, w.tenant, w.tokens))
 
     def _release(self, ticket: Ticket, used_tokens: int | None) -> None:
@@ -370,6 +373,8 @@ class Admission:
     def _shed(self, w: _Waiter, reason: str, message: str) -> None:
         self._remove(w)
         self.fair_share.leave(w.tier.name, w.tenant)
+        if w.future.done():  # cancelled, its task not run yet: it is gone already, nothing to tell or count
+            return
         w.shed_reason = reason
         self.metrics.shed.labels(w.tier.name, reason).inc()
         log.debug("admission shed a %s request (%s) after %.2fs", w.tier.name, reason,

@@ -298,3 +298,21 @@ def test_the_port_check_counts_only_a_port_in_use() -> None:
         assert _port_taken("127.0.0.1", held.getsockname()[1])
     assert not _port_taken("no-such-host.invalid", 8000)
     assert not _port_taken("192.0.2.1", 8000)  # TEST-NET-1: never an address of this machine
+
+
+def test_up_passes_the_quantization_kernel_to_every_shard(tmp_path: Path) -> None:
+    """`up` had no --quantization-kernel: blockq_x2 (float32's greedy tokens, README) or blockq_exact needed a
+    shard run by hand. Now up's flag reaches its shards and the autoscaler's, as --dtype does."""
+    from control_plane.launcher import plan
+    from data_plane.common.settings_cli import parse_settings
+
+    s = parse_settings(UpSettings, ["--shards", "2", "--quantization-kernel", "blockq_x2"], prog="switchboard up")
+    _, _, shards, _ = plan(s, tmp_path, "admin", "cluster")
+    assert len(shards) == 2
+    for shard in shards:
+        i = shard.args.index("--quantization-kernel")
+        assert shard.args[i + 1] == "blockq_x2", shard.args
+    auto = parse_settings(UpSettings, ["--autoscale", "--quantization-kernel", "blockq_exact"], prog="switchboard up")
+    cp, _, none, _ = plan(auto, tmp_path, "admin", "cluster")
+    assert not none and "--quantization-kernel blockq_exact" in cp.args[cp.args.index("--shard-args") + 1]
+    assert UpSettings().quantization_kernel == "auto"  # the default stays the shard's own
