@@ -219,6 +219,9 @@ class Admission:
         with tracer.start_as_current_span("admission.queue") as span:
             loop = asyncio.get_running_loop()
             tiers = [policy.get(name) for name in policy.names()]
+            for t in tiers:  # every tier's depth from the first request on, at 0: a queue never formed read "No data"
+                if t.name not in self._depth:
+                    self._set_depth(t.name, 0)
             rank = len({t.priority for t in tiers if t.priority < tier.priority})
             self.fair_share.arrive(tier.name, tenant, tier.priority)
             if self.waiting == 0 and self._fits(rank, self._capacity_now(), tier.name, tenant):  # no queue

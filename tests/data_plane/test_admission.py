@@ -322,3 +322,13 @@ def test_a_charge_the_publish_throttle_held_back_shows_on_the_next_scrape() -> N
     assert served("bigco") == 30
     share.flush()  # nothing new: no work, same values
     assert served("acme") == 14 and served("bigco") == 30
+
+
+async def test_every_tiers_queue_depth_is_published_at_zero_from_the_first_request() -> None:
+    """The dashboard's "Admission queue depth by tier" read "No data" until a request had queued."""
+    adm, registry = admission(4)
+    assert registry.get_sample_value("switchboard_admission_queue_depth", {"tier": "free"}) is None
+    ticket = await adm.acquire(PLUS, POLICY)  # admitted at once: nothing ever queued
+    for name in POLICY.names():
+        assert registry.get_sample_value("switchboard_admission_queue_depth", {"tier": name}) == 0
+    ticket.release()
