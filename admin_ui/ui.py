@@ -120,18 +120,19 @@ def fetch(what: str, call: Callable[[], T], *, quiet_unavailable: bool = False,
     return None
 
 
-def act(what: str, call: Callable[[], Any]) -> bool:
+def act(what: str, call: Callable[[], Any], *, about: str | None = None) -> bool:
     """Run one state-changing call and leave a flash message for the next render; nothing for a session
-    that is no longer logged in (a button's on_click runs before app.py's gate: admin_ui/login.py)."""
+    that is no longer logged in (a button's on_click runs before app.py's gate: admin_ui/login.py).
+    `about`: what the outcome is about (see `flash`)."""
     if not login.logged_in(console()):
         return False
     try:
         call()
     except ConsoleError as exc:
         kind = "not available yet on this control plane" if isinstance(exc, NotAvailable) else exc.message
-        flash("error", f"{what} failed: {kind}")
+        flash("error", f"{what} failed: {kind}", about=about)
         return False
-    flash("success", f"{what}: done.")
+    flash("success", f"{what}: done.", about=about)
     return True
 
 
@@ -142,11 +143,15 @@ FLASH_KEEP = 3
 """The most outcomes shown at once (the latest)."""
 
 
-def flash(kind: str, message: str) -> None:
-    """Leave an action's outcome for its page: shown on every run of that page for FLASH_S."""
-    shown = st.session_state.setdefault("_flash", [])
-    shown.append((kind, message, st.session_state.get("_page"), time.time()))
-    del shown[:-FLASH_KEEP]
+def flash(kind: str, message: str, *, about: str | None = None) -> None:
+    """Leave an action's outcome for its page: shown on every run of that page for FLASH_S. An outcome
+    `about` something (the pin, one shard's drain, one abuse action) replaces the page's earlier one about
+    the same: a refused pin stayed red beside the pin that then worked, as if that had failed too."""
+    page = st.session_state.get("_page")
+    shown = [f for f in st.session_state.get("_flash", [])
+             if about is None or len(f) < 5 or (f[2], f[4]) != (page, about)]
+    shown.append((kind, message, page, time.time(), about))
+    st.session_state["_flash"] = shown[-FLASH_KEEP:]
 
 
 def show_flash() -> None:
@@ -154,7 +159,7 @@ def show_flash() -> None:
     now, page = time.time(), st.session_state.get("_page")
     kept = [f for f in st.session_state.get("_flash", []) if now - f[3] < FLASH_S]
     st.session_state["_flash"] = kept
-    for kind, message, where, _ in kept:
+    for kind, message, where, *_ in kept:
         if where == page:
             (st.success if kind == "success" else st.error)(
                 message, icon=":material/check_circle:" if kind == "success" else "⚠️")

@@ -139,6 +139,7 @@ def _shard_flags(s: UpSettings, threads: int, state: Path) -> list[str]:
     """Engine flags of every shard, started here or by the autoscaler; KV blocks are sealed with
     keys derived from the gateway's session keys file (data_plane/shard/kv_seal.py)."""
     args = ["--engine", s.engine, "--dtype", s.dtype, "--quantization", s.quantization,
+            "--quantization-kernel", s.quantization_kernel,
             "--max-num-seqs", str(s.max_num_seqs),
             "--max-model-len", str(s.max_model_len), "--threads", str(threads),
             "--kv-keys-file", str(state / "session_keys")]

@@ -39,6 +39,9 @@ class UpSettings(BaseSettings):
         "auto", description="Shard activations dtype (auto: the fastest on this CPU).")
     quantization: Literal["auto", "none", "int8", "int4"] = Field(
         "auto", description="Shard weight format (auto: a GGUF's Q4 blocks as int4).")
+    quantization_kernel: Literal["auto", "blockq", "blockq_x2", "blockq_exact", "torch"] = Field(
+        "auto", description="What computes the shards' quantized projections (the shard's --quantization-kernel; "
+                            "blockq_x2 keeps float32's greedy tokens).")
     max_num_seqs: int = Field(16, ge=1, le=256, description="Batch slots per shard.")
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description=(
         "Stage processes per shard (a replica is a whole pipeline group: data_plane/shard/engines/pipeline.py)."))

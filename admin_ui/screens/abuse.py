@@ -22,12 +22,12 @@ ui.header("Abuse", "Keys and addresses departing from their usual use (bursts pa
 
 def _lift(action_id: int) -> None:
     c = ui.console()
-    ui.act(f"Lift action {action_id}", lambda: c.admin.lift_abuse(action_id))
+    ui.act(f"Lift action {action_id}", lambda: c.admin.lift_abuse(action_id), about=f"abuse {action_id}")
 
 
 def _confirm(action_id: int) -> None:
     c = ui.console()
-    ui.act(f"Confirm action {action_id}", lambda: c.admin.confirm_abuse(action_id))
+    ui.act(f"Confirm action {action_id}", lambda: c.admin.confirm_abuse(action_id), about=f"abuse {action_id}")
 
 
 @ui.live("abuse")

@@ -21,9 +21,9 @@ ui.header("Cluster", "Every registered process. Shard load and KV usage come fro
 def _drain(member_id: str, drain: bool) -> None:
     c = ui.console()
     if drain:
-        ui.act(f"Drain {member_id}", lambda: c.admin.drain(member_id))
+        ui.act(f"Drain {member_id}", lambda: c.admin.drain(member_id), about=f"drain {member_id}")
     else:
-        ui.act(f"Undrain {member_id}", lambda: c.admin.undrain(member_id))
+        ui.act(f"Undrain {member_id}", lambda: c.admin.undrain(member_id), about=f"drain {member_id}")
 
 
 def _processes(c: ui.Console) -> None:

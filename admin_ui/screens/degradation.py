@@ -95,15 +95,15 @@ c = ui.console()
 def _pin() -> None:
     reason = str(st.session_state.get("pin_reason") or "").strip()
     if not reason:
-        ui.flash("error", "Say why you pin the level: the reason goes into the history.")
+        ui.flash("error", "Say why you pin the level: the reason goes into the history.", about="pin")
         return
     level = int(st.session_state["pin_level"])
-    if ui.act(f"Pin level {level}", lambda: c.admin.pin_degradation(level, reason)):
+    if ui.act(f"Pin level {level}", lambda: c.admin.pin_degradation(level, reason), about="pin"):
         st.session_state["pin_reason"] = ""
 
 
 def _release() -> None:
-    ui.act("Release the pin", c.admin.release_degradation)
+    ui.act("Release the pin", c.admin.release_degradation, about="pin")
 
 
 left, right = st.columns([3, 1])

@@ -73,7 +73,7 @@ def _status_strip(latest: dict, degradation: dict | None, members: list, alerts:
         parts.append(ui.badge(f"degradation L{level} {label}{pin}", ui.LEVEL_COLORS.get(level, "gray")))
     if alerts is not None:
         firing = [a for a in alert_rows(alerts) if a["state"] == "firing"]
-        parts.append(ui.badge(f"{len(firing)} alerts firing", "red" if firing else "green"))
+        parts.append(ui.badge(f"{len(firing)} alert{'' if len(firing) == 1 else 's'} firing", "red" if firing else "green"))
     if latest:
         parts.append(ui.badge("signals complete" if latest.get("complete", True) else "signals incomplete",
                               "green" if latest.get("complete", True) else "orange"))

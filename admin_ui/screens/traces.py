@@ -11,7 +11,9 @@ import pandas as pd
 import streamlit as st
 
 from admin_ui import ui
+from admin_ui.client import ConsoleError
 from admin_ui.views.read import fmt_ms, fmt_time, items
+from admin_ui.views.tiers import tier_filter_choices
 from admin_ui.views.traces import is_chat_trace, short_service, traces_frame, waterfall_frames
 
 ui.header("Traces", "Recent requests assembled from every process's spans (one trace per chat request).")
@@ -22,12 +24,23 @@ if wanted and st.session_state.get("_trace_from_url") != wanted:
     st.session_state["_trace_from_url"] = wanted
     st.session_state["trace_pick"] = wanted
 
+
+def _tier_choices() -> list[str]:
+    """The tiers of the policy in force (an operator's own too: a fixed free/plus/enterprise list could not
+    filter a tier added on Traffic & tiers), as the Usage page's filter."""
+    try:
+        policy = ui.console().admin.tiers()
+    except ConsoleError:
+        policy = None
+    return tier_filter_choices(policy, st.session_state.get("trace_tier"), ANY)
+
+
 CHAT, ALL = "chat requests", "everything"
 f0, f1, f2, f3, f4 = st.columns([1.2, 1, 1, 1, 1])
 f0.selectbox("Show", [CHAT, ALL], key="trace_kind",
              help="Chat requests: finished traces with a gateway.request span. Everything adds requests still "
                   "in flight (their spans so far) and the control plane's own work (admin calls, autoscaler ticks).")
-f1.selectbox("Tier", [ANY, "free", "plus", "enterprise"], key="trace_tier")
+f1.selectbox("Tier", _tier_choices(), key="trace_tier")
 f2.selectbox("Status", [ANY, "ok", "error"], key="trace_status")
 f3.number_input("Slower than (ms)", min_value=0, value=0, step=50, key="trace_min_ms")
 f4.number_input("Show at most", min_value=5, max_value=200, value=25, step=5, key="trace_limit")

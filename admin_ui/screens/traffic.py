@@ -140,7 +140,7 @@ else:
         st.session_state["tiers_loaded"] = answer
         st.session_state["tiers_editor_version"] = version + 1
         ui.flash("success", f"Tier policy saved ({', '.join(answer.get('tiers', {}))}); gateways pick it up within "
-                            "a second.")
+                            "a second.", about="tiers")
         st.rerun()
 
     if save:

@@ -26,7 +26,9 @@ def members_frame(members: Sequence[Mapping[str, Any]], latest: Mapping[str, Any
     rows = []
     for m in members:
         meta = mapping(m.get("meta"))
-        sig = mapping(by_id.get(str(m.get("id"))))
+        # the scrape reader names a shard by its member id; the Prometheus one (`up --prometheus`, the
+        # control plane's --prometheus) by its scrape target, host:port, which is the member's address
+        sig = mapping(by_id.get(str(m.get("id"))) or by_id.get(_address(m.get("url"))))
         running, waiting = num(sig.get("running")), num(sig.get("waiting"))
         slots = num(sig.get("max_num_seqs")) or num(meta.get("max_num_seqs"))
         load = None if running is None or waiting is None else running + waiting
@@ -64,6 +66,11 @@ def members_frame(members: Sequence[Mapping[str, Any]], latest: Mapping[str, Any
     if not frame.empty:
         frame = frame.sort_values(by=["service", "member"], key=lambda c: c.map(order) if c.name == "service" else c)
     return frame.reset_index(drop=True)
+
+
+def _address(url: object) -> str:
+    """``host:port`` of a member URL, as Prometheus names the target (its ``instance`` label)."""
+    return str(url or "").split("://", 1)[-1].rstrip("/")
 
 
 def idle_caption(shards: pd.DataFrame) -> str | None:

@@ -109,16 +109,18 @@ def tier_traffic_frame(latest: Mapping[str, Any], policy_tiers: Iterable[str] = 
 
 
 def tier_history_frame(history: Sequence[Mapping[str, Any]], key: str) -> pd.DataFrame:
-    """Long frame (time, tier, value) of one per-tier map over the history, for a stacked chart."""
-    rows = []
+    """Long frame (time, tier, value) of one per-tier map over the history, for a stacked chart. A reading
+    that lacks a tier seen elsewhere in the history counts it 0 (a reader leaves out a tier with nothing in
+    the window): the rejections chart began at the first rejection, beside a requests chart spanning the
+    whole history, and its line stopped at the last rejection rate instead of falling back to 0."""
+    readings: list[tuple[float, Mapping[str, Any]]] = []
     for h in history:
-        t = num(first(h, "at", "ts"))
-        per = h.get(key)
-        if t is None or not isinstance(per, Mapping):
-            continue
-        for tier, v in per.items():
-            if num(v) is not None:
-                rows.append({"time": pd.Timestamp(t, unit="s", tz="UTC"), "tier": tier, "value": num(v)})
+        t, per = num(first(h, "at", "ts")), h.get(key)
+        if t is not None and isinstance(per, Mapping):
+            readings.append((t, per))
+    tiers = list(dict.fromkeys(str(tier) for _, per in readings for tier, v in per.items() if num(v) is not None))
+    rows = [{"time": pd.Timestamp(t, unit="s", tz="UTC"), "tier": tier, "value": num(per.get(tier)) or 0.0}
+            for t, per in readings for tier in tiers]
     return pd.DataFrame(rows, columns=["time", "tier", "value"])
 
 

@@ -179,7 +179,7 @@ class DegradationResponse(BaseModel):
 
 
 class PinRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "3" is not a level (the tier policy is strict too)
 
     level: int = Field(ge=0, le=MAX_LEVEL, description="level to hold until released")
     reason: str = Field(min_length=1, max_length=500, description="why (kept in the history)")

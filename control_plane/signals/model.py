@@ -105,7 +105,7 @@ class ShardSignal:
     """The member's registry status: passing | draining | critical."""
     url: str = ""
     prefix_hit_rate: float | None = None
-    """Prompt tokens found in its prefix cache / looked up, over the window (scrape reader only);
+    """Prompt tokens found in its prefix cache / looked up, over the window (either reader);
     None without lookups."""
     prefix_cache_bytes: float | None = None
     """KV bytes its prefix cache holds (None: not exported, e.g. another engine)."""

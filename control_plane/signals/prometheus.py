@@ -21,8 +21,12 @@ from control_plane.signals.model import (
     M_GW_WAIT,
     M_KV,
     M_MAX_SEQS,
+    M_PREFIX_BYTES,
+    M_PREFIX_HITS,
+    M_PREFIX_QUERIES,
     M_RUNNING,
     M_SHARD_E2E,
+    M_SHARD_ITL,
     M_SHARD_PREFILL,
     M_SHARD_QUEUE,
     M_SHARD_TOKENS,
@@ -108,6 +112,14 @@ class PrometheusSignals:
             "gw_ttft": f"histogram_quantile({QUANTILE}, sum by (le) (rate({M_GW_TTFT}{{{gw}}}[{w}])))",
             "all_shard_ttft": f"histogram_quantile({QUANTILE}, "
             f"sum by (le) (rate({M_SHARD_TTFT}{{{sh}}}[{w}])))",
+            # the medians the Overview shows beside the p95 (the scrape reader's ttft_p50_s / tpot_s)
+            "gw_ttft_p50": f"histogram_quantile(0.5, sum by (le) (rate({M_GW_TTFT}{{{gw}}}[{w}])))",
+            "all_shard_ttft_p50": f"histogram_quantile(0.5, sum by (le) (rate({M_SHARD_TTFT}{{{sh}}}[{w}])))",
+            "tpot": f"histogram_quantile(0.5, sum by (le) (rate({M_SHARD_ITL}{{{sh}}}[{w}])))",
+            # per shard: prompt tokens found in the prefix cache / looked up (NaN, so None, without lookups)
+            "prefix_hit_rate": f"sum by ({by}) (increase({M_PREFIX_HITS}{{{sh}}}[{w}])) / "
+            f"sum by ({by}) (increase({M_PREFIX_QUERIES}{{{sh}}}[{w}]))",
+            "prefix_bytes": f"sum by ({by}) ({M_PREFIX_BYTES}{{{sh}}})",
             "demand": f"sum by (tier) (rate({M_GW_REQUESTS}{{{gw}}}[{w}]))",
             "rejected": f'sum by (tier) (rate({M_GW_REQUESTS}{{{gw},status=~"429|503"}}[{w}]))',
             "errors": f'sum(rate({M_GW_REQUESTS}{{{gw},status=~"5..",code!~"{"|".join(NOT_OVERLOAD_CODES)}"}}[{w}]))',
@@ -132,7 +144,8 @@ class PrometheusSignals:
         def per_member(name: str) -> dict[str, float]:
             return {labels.get(by, ""): value for labels, value in results[name]}
 
-        values = {k: per_member(k) for k in ("running", "waiting", "kv", "max_seqs", "age", "shard_ttft")}
+        values = {k: per_member(k) for k in ("running", "waiting", "kv", "max_seqs", "age", "shard_ttft",
+                                             "prefix_hit_rate", "prefix_bytes")}
         blind = {m: set(per_member(f"blind:{m}")) for m in OVERLOAD_HISTOGRAMS}
         shards = []
         for labels, up in sorted(results["up"], key=lambda r: r[0].get(by, "")):
@@ -158,6 +171,8 @@ class PrometheusSignals:
                     error=error,
                     stale=error is not None,
                     url=member,
+                    prefix_hit_rate=_finite(values["prefix_hit_rate"].get(member)),
+                    prefix_cache_bytes=values["prefix_bytes"].get(member),
                 )
             )
         missing = [
@@ -173,6 +188,7 @@ class PrometheusSignals:
         ttft_key, tokens_key = (
             ("gw_ttft", "gw_tokens") if has_gateways else ("all_shard_ttft", "shard_tokens")
         )
+        p50_key = "gw_ttft_p50" if has_gateways else "all_shard_ttft_p50"
         return aggregate(
             at=self._wall(),
             shards=shards,
@@ -190,6 +206,8 @@ class PrometheusSignals:
             shard_queue_p95_s=_first(results["shard_queue"]),
             prefill_p95_s=_first(results["prefill"]),
             shard_ttft_p95_s=_first(results["all_shard_ttft"]),
+            ttft_p50_s=_first(results[p50_key]),
+            tpot_s=_first(results["tpot"]),
         )
 
     def _unreachable(self, why: str) -> Signals:

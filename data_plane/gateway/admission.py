@@ -219,6 +219,9 @@ class Admission:
         with tracer.start_as_current_span("admission.queue") as span:
             loop = asyncio.get_running_loop()
             tiers = [policy.get(name) for name in policy.names()]
+            for t in tiers:  # every tier's depth from the first request on, at 0: a queue never formed read "No data"
+                if t.name not in self._depth:
+                    self._set_depth(t.name, 0)
             rank = len({t.priority for t in tiers if t.priority < tier.priority})
             self.fair_share.arrive(tier.name, tenant, tier.priority)
             if self.waiting == 0 and self._fits(rank, self._capacity_now(), tier.name, tenant):  # no queue
@@ -336,6 +339,9 @@ class Admission:
                     break
                 w = other
             self._take_out(w)
+            if w.future.done():  # cancelled (its client left): its task has not run yet to leave the queue
+                self.fair_share.leave(w.tier.name, w.tenant)  # what that task's handler would have done
+                continue
             w.future.set_result(self._start(w.tier.name, self._clock() - w.enqueued, w.tenant, w.tokens))
 
     def _release(self, ticket: Ticket, used_tokens: int | None) -> None:
@@ -370,6 +376,8 @@ class Admission:
     def _shed(self, w: _Waiter, reason: str, message: str) -> None:
         self._remove(w)
         self.fair_share.leave(w.tier.name, w.tenant)
+        if w.future.done():  # cancelled, its task not run yet: it is gone already, nothing to tell or count
+            return
         w.shed_reason = reason
         self.metrics.shed.labels(w.tier.name, reason).inc()
         log.debug("admission shed a %s request (%s) after %.2fs", w.tier.name, reason,

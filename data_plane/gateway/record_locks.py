@@ -12,7 +12,8 @@ last of two equal versions, so one turn (its input and the model's reply) vanish
 clients were told 200. OpenAI refuses the second request instead: 400 ``conversation_locked``,
 "Another process is currently operating on this conversation. Please retry in a few seconds."
 That is what this lock gives: a response in a conversation holds it from the load to the save (so
-for the whole generation) and a second one is refused at once; the conversation's item edits (add,
+for the whole generation) and a second one is refused (after a quarter second's grace: the first one's
+client may have just left, and then the second waits for its end); the conversation's item edits (add,
 delete, metadata) and its background compaction hold it for milliseconds, and a turn or an edit
 waits a few seconds for them; an edit is refused only when a generation holds the lock longer.
 
@@ -34,6 +35,11 @@ from data_plane.common.errors import InvalidRequest
 
 ITEM_EDIT_WAIT_S = 5.0
 """How long an item edit waits for another write on its conversation before it is refused."""
+GENERATION_GRACE_S = 0.25
+"""How long a turn looks again before it is refused for another generation: a client that gave up on its
+last turn (a timeout, a stop button) and sends the next at once reaches the lock ~1 ms before this process
+has read the first connection's close (then `winding_down`), and was refused for its own abandoned turn."""
+GRACE_POLL_S = 0.01
 
 
 def record_key(owner: str, record_id: str) -> str:
@@ -74,13 +80,18 @@ class RecordLocks:
     async def acquire(self, record_id: str, *, wait_s: float, param: str = "conversation",
                       generation: bool = False) -> None:
         """Hold `record_id`'s lock, waiting at most `wait_s` (0: only if free now); else 400
-        ``conversation_locked``. A `generation` (a turn that will rewrite the record) is refused at
-        once while another generation holds it, and waits `wait_s` only for the short holders: an
+        ``conversation_locked``. A `generation` (a turn that will rewrite the record) is refused while
+        another generation holds it (after GENERATION_GRACE_S), and waits `wait_s` only for the short holders: an
         item edit, or the background compaction that may start the moment a turn is saved (a
         client that sends its next turn on reading the last one's end must not be refused for it)."""
         lock = self._locks.setdefault(record_id, asyncio.Lock())
         self._users[record_id] = self._users.get(record_id, 0) + 1
         try:
+            if lock.locked() and wait_s > 0 and generation and record_id in self._generating:
+                for _ in range(round(GENERATION_GRACE_S / GRACE_POLL_S)):  # its client may have just left
+                    await asyncio.sleep(GRACE_POLL_S)
+                    if not (lock.locked() and record_id in self._generating):
+                        break
             if lock.locked() and (wait_s <= 0 or (generation and record_id in self._generating)):
                 raise locked_error(param)
             await asyncio.wait_for(lock.acquire(), timeout=wait_s if wait_s > 0 else None)

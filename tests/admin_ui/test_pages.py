@@ -164,6 +164,23 @@ def test_pin_without_a_reason_is_refused_in_the_ui(console, admin):
     assert (after["level"], after["pinned"]) == (before["level"], before["pinned"])
 
 
+def test_a_pin_that_works_replaces_the_refusal_before_it(console, admin):
+    """A refused pin (no reason) stayed on the page, red, for 20 s beside the pin that then worked."""
+    require(admin, "/admin/v1/degradation")
+    at = console.page("degradation")
+    try:
+        at.selectbox(key="pin_level").set_value(2)
+        at.button[0].click().run()  # no reason: refused
+        assert "Say why" in texts(at)
+        at.text_input(key="pin_reason").input("console test: after a refusal")
+        at.button[0].click().run()
+        assert admin.get("/admin/v1/degradation").json()["pinned"] is True
+        assert "Pin level 2: done." in texts(at) and "Say why" not in texts(at)
+    finally:
+        admin.put("/admin/v1/degradation", json={"level": 0, "reason": "test cleanup"})
+        admin.delete("/admin/v1/degradation")
+
+
 def test_tier_policy_save_shows_the_servers_error_and_saves_valid_edits(console, admin):
     require(admin, "/admin/v1/tiers")
     original = admin.get("/admin/v1/tiers").json()
@@ -211,6 +228,19 @@ def test_playground_holds_a_conversation_through_the_responses_api(console):
     assert not at.exception and at.session_state["pg_response_id"] != first
     assert {m.label: m.value for m in at.metric}["HTTP status"] == "200"
     assert len(at.session_state["pg_history"]) == 4
+
+
+def test_the_traces_tier_filter_offers_a_tier_added_in_the_console(console, admin):
+    """The filter was a fixed free/plus/enterprise list: a tier the operator added could not be picked."""
+    require(admin, "/admin/v1/tiers")
+    original = admin.get("/admin/v1/tiers").json()
+    policy = {"tiers": dict(original["tiers"], gold=dict(original["tiers"]["plus"]))}
+    try:
+        assert admin.put("/admin/v1/tiers", json=policy).status_code == 200
+        at = console.page("traces")
+        assert {"any", "free", "plus", "enterprise", "gold"} <= set(at.selectbox(key="trace_tier").options)
+    finally:
+        admin.put("/admin/v1/tiers", json={"tiers": original["tiers"]})
 
 
 def test_playground_streams_a_chat_and_links_its_trace(console, admin):

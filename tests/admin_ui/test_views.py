@@ -9,7 +9,13 @@ import pandas as pd
 from admin_ui.views.alerts import alert_rows
 from admin_ui.views.cluster import idle_caption, members_frame
 from admin_ui.views.signals import SignalsView, overview_tiles, split_signals
-from admin_ui.views.tiers import frame_problems, local_policy_problems, policy_from_frame, tiers_frame
+from admin_ui.views.tiers import (
+    frame_problems,
+    local_policy_problems,
+    policy_from_frame,
+    tier_history_frame,
+    tiers_frame,
+)
 from admin_ui.views.traces import traces_frame, waterfall_frames
 
 POLICY = {"tiers": {
@@ -52,6 +58,30 @@ def test_a_shards_kv_reuse_and_bytes_in_the_cluster_table():
     assert row["prefix_hit_rate"] == 0.85 and row["prefix_cache_mib"] == 3.0
     never = members_frame(members, {"shards": [{"member_id": "shard-0"}]}, now=1.0).iloc[0]
     assert never["prefix_hit_rate"] is None and never["prefix_cache_mib"] is None
+
+
+def test_prometheus_signals_name_a_shard_by_its_scrape_target_and_still_fill_its_row():
+    # under `up --prometheus` the signals name a shard by Prometheus' `instance` (host:port), not its
+    # member id: the Cluster table showed every shard's Running / Waiting / Batch load / KV cache empty
+    members = [{"id": "shard-0", "service": "shard", "status": "passing", "url": "http://127.0.0.1:9320", "meta": {}},
+               {"id": "gateway-1", "service": "gateway", "status": "passing", "url": "http://127.0.0.1:9310"}]
+    latest = {"shards": [{"member_id": "127.0.0.1:9320", "running": 2.0, "waiting": 1.0, "kv_usage": 0.25,
+                          "max_num_seqs": 4.0, "ttft_p95_s": 0.05, "prefix_hit_rate": 0.5}]}
+    rows = members_frame(members, latest, now=1.0).set_index("member")
+    shard = rows.loc["shard-0"]
+    assert (shard["running"], shard["waiting"], shard["utilisation"], shard["kv_usage"]) == (2.0, 1.0, 0.75, 0.25)
+    assert shard["ttft_p95_ms"] == 50.0 and shard["prefix_hit_rate"] == 0.5
+    assert pd.isna(rows.loc["gateway-1", "running"])
+
+
+def test_a_tier_missing_from_a_reading_counts_zero_in_the_history_charts():
+    # the rejections chart started at the first rejection (beside a requests chart over the whole history)
+    # and its line ended at the last rejection rate, as if rejections went on
+    history = [{"at": 1.0, "rejections_by_tier": {}}, {"at": 2.0, "rejections_by_tier": {"free": 4.0}},
+               {"at": 3.0, "rejections_by_tier": {}}, {"at": 4.0}]
+    frame = tier_history_frame(history, "rejections_by_tier")
+    assert list(frame["value"]) == [0.0, 4.0, 0.0] and set(frame["tier"]) == {"free"}
+    assert tier_history_frame([{"at": 1.0, "rejections_by_tier": {}}], "rejections_by_tier").empty
 
 
 def test_a_cache_nodes_kv_bytes_in_the_cluster_table():

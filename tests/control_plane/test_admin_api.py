@@ -170,7 +170,8 @@ async def test_pin_wakes_state_watchers_and_release_keeps_the_level(admin_url: s
 async def test_pin_validation(admin_url: str) -> None:
     async with admin_client(admin_url) as admin:
         for body in ({"level": 5, "reason": "x"}, {"level": 2}, {"level": 1, "reason": ""}, {"level": "high"},
-                     {"level": 1, "reason": "x", "extra": 1}):
+                     {"level": 1, "reason": "x", "extra": 1}, {"level": "3", "reason": "x"},
+                     {"level": 2.0, "reason": "x"}, {"level": True, "reason": "x"}):
             err = assert_openai_error(await admin.put("/admin/v1/degradation", json=body), 400)
             assert err["type"] == "invalid_request_error"
         assert (await admin.get("/admin/v1/degradation")).json()["level"] == 0

@@ -314,3 +314,21 @@ def test_the_banner_says_when_this_host_holds_fewer_shards_than_max_replicas(tmp
         banner(settings, {"keys": {}, "admin_token": "t"}, cp, [], [], [gw], tmp_path, tty=False)
         line = next(x for x in capsys.readouterr().out.splitlines() if "autoscaled, 1..3" in x)
         assert ("this host holds 2 (--local-max-shards" in line) is said, line
+
+
+def test_up_passes_the_quantization_kernel_to_every_shard(tmp_path: Path) -> None:
+    """`up` had no --quantization-kernel: blockq_x2 (float32's greedy tokens, README) or blockq_exact needed a
+    shard run by hand. Now up's flag reaches its shards and the autoscaler's, as --dtype does."""
+    from control_plane.launcher import plan
+    from data_plane.common.settings_cli import parse_settings
+
+    s = parse_settings(UpSettings, ["--shards", "2", "--quantization-kernel", "blockq_x2"], prog="switchboard up")
+    _, _, shards, _ = plan(s, tmp_path, "admin", "cluster")
+    assert len(shards) == 2
+    for shard in shards:
+        i = shard.args.index("--quantization-kernel")
+        assert shard.args[i + 1] == "blockq_x2", shard.args
+    auto = parse_settings(UpSettings, ["--autoscale", "--quantization-kernel", "blockq_exact"], prog="switchboard up")
+    cp, _, none, _ = plan(auto, tmp_path, "admin", "cluster")
+    assert not none and "--quantization-kernel blockq_exact" in cp.args[cp.args.index("--shard-args") + 1]
+    assert UpSettings().quantization_kernel == "auto"  # the default stays the shard's own

@@ -250,8 +250,11 @@ async def test_prometheus_signals_match_the_scrape_ones(cluster: Cluster) -> Non
                 assert s.waiting_per_shard == 0.0 and s.capacity_per_shard == 16 and s.error_rate == 0.0
                 assert {sh.member_id for sh in s.shards} == set(shard_targets)
                 assert s.batch_usage is not None
+                # the Overview's TTFT p50 and TPOT tiles and the Cluster table's "KV kept": they said
+                # "no data" under `up --prometheus` while the scrape reader filled them
+                assert all(sh.prefix_cache_bytes is not None for sh in s.shards), s.shards
                 for name in ("admission_wait_p95_s", "shard_queue_p95_s", "prefill_p95_s", "shard_ttft_p95_s",
-                             "queue_time_p95_s", "ttft_excess_p95_s"):
+                             "queue_time_p95_s", "ttft_excess_p95_s", "ttft_p50_s", "tpot_s"):
                     value = getattr(s, name)
                     assert value is not None and value >= 0, name
 

@@ -139,6 +139,45 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_a_cancelled_grant_frees_i
     assert adm.inflight == 0
 
 
+async def test_a_release_right_after_a_waiter_is_cancelled_skips_it_and_serves_the_next() -> None:
+    """QA (the real model, 22 streams then every client gone): a waiter's future is cancelled at once by
+    `task.cancel()`, but the waiter leaves the queue only when its task runs again. A release in between
+    admitted it anyway: `set_result` on the cancelled future raised InvalidStateError out of the *releasing*
+    request's close ("unhandled error" in the gateway log, that request's response broken) and left the
+    waiters behind it queued though a slot was free. Now the gone waiter is skipped and the next one gets
+    the slot."""
+    adm, registry = admission(1)
+    held = await adm.acquire(PLUS, POLICY)
+    gone = asyncio.create_task(adm.acquire(FREE, POLICY))
+    await settle()
+    after = asyncio.create_task(adm.acquire(FREE, POLICY))
+    await settle()
+    gone.cancel()  # its future is cancelled now; its task has not run yet
+    held.release()  # raised InvalidStateError before the fix
+    ticket = await asyncio.wait_for(after, 5)
+    await settle()
+    assert gone.cancelled() and adm.inflight == 1 and adm.waiting == 0
+    assert registry.get_sample_value("switchboard_admission_queue_depth", {"tier": "free"}) == 0
+    ticket.release()
+    assert adm.inflight == 0
+
+
+async def test_a_full_queue_never_sheds_a_waiter_already_cancelled_onto_the_newcomer() -> None:
+    """The same window on the shed path: a newcomer that filled the queue picked the cancelled waiter as its
+    victim, and `set_exception` on its future raised InvalidStateError out of the newcomer's own acquire."""
+    adm, _ = admission(1, queue_size=1)
+    held = await adm.acquire(PLUS, POLICY)
+    gone = asyncio.create_task(adm.acquire(FREE, POLICY))
+    await settle()
+    newcomer = asyncio.create_task(adm.acquire(PLUS, POLICY))  # runs before `gone` sees its cancel
+    gone.cancel()
+    await settle()
+    assert gone.cancelled() and not newcomer.done() and adm.waiting == 1
+    held.release()
+    (await asyncio.wait_for(newcomer, 5)).release()
+    assert adm.inflight == 0 and adm.waiting == 0
+
+
 async def test_a_ticket_dropped_unreleased_frees_its_slot_when_collected() -> None:
     adm, _ = admission(1)
     ticket: Ticket | None = await adm.acquire(FREE, POLICY)
@@ -283,3 +322,13 @@ def test_a_charge_the_publish_throttle_held_back_shows_on_the_next_scrape() -> N
     assert served("bigco") == 30
     share.flush()  # nothing new: no work, same values
     assert served("acme") == 14 and served("bigco") == 30
+
+
+async def test_every_tiers_queue_depth_is_published_at_zero_from_the_first_request() -> None:
+    """The dashboard's "Admission queue depth by tier" read "No data" until a request had queued."""
+    adm, registry = admission(4)
+    assert registry.get_sample_value("switchboard_admission_queue_depth", {"tier": "free"}) is None
+    ticket = await adm.acquire(PLUS, POLICY)  # admitted at once: nothing ever queued
+    for name in POLICY.names():
+        assert registry.get_sample_value("switchboard_admission_queue_depth", {"tier": name}) == 0
+    ticket.release()

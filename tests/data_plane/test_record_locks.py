@@ -24,15 +24,28 @@ from tests.support.procs import Service
 AUTH = {"Authorization": f"Bearer {KEYS['plus']}"}
 
 
-async def test_a_second_generation_is_refused_at_once() -> None:
-    """At once: on the coroutine's first step, before it suspends (it was a 0.5 s wall-clock bound, which a
-    loaded machine's scheduler may pass without the lock waiting at all)."""
+async def test_a_second_generation_is_refused_after_the_grace_not_its_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused after GENERATION_GRACE_S (it looks again in case the first one's client just left), never
+    after the 5 s an edit may wait: counted in the grace's polls, not wall-clock (a loaded machine's
+    scheduler may pass any bound)."""
+    from data_plane.gateway import record_locks
+
     locks = RecordLocks()
     await locks.acquire("k/conv", wait_s=5.0, generation=True)
-    second = locks.acquire("k/conv", wait_s=5.0, generation=True)
+    polls = 0
+    real_sleep = asyncio.sleep
+
+    async def counted(delay: float) -> None:
+        nonlocal polls
+        polls += 1
+        await real_sleep(0)
+
+    monkeypatch.setattr(asyncio, "sleep", counted)
     with pytest.raises(InvalidRequest) as e:
-        second.send(None)  # one step: a wait would suspend here (and return) instead of raising
+        await locks.acquire("k/conv", wait_s=5.0, generation=True)
+    monkeypatch.undo()
     assert e.value.code == "conversation_locked"
+    assert polls == round(record_locks.GENERATION_GRACE_S / record_locks.GRACE_POLL_S)
     locks.release("k/conv")
     assert len(locks) == 0
 

@@ -77,6 +77,9 @@ def test_custom_policy_from_yaml_keeps_order_and_safety():
         (dict(FULL, rpm=1.5), "rpm"),
         ({k: v for k, v in FULL.items() if k != "tpm"}, "tpm"),
         (dict(FULL, burst=3), "burst"),
+        # past what a browser or the console's int64 editor holds: stored, it broke the tier editor
+        (dict(FULL, rpm=10**30), "rpm"),
+        (dict(FULL, tpm=2**53), "tpm"),
     ],
 )
 def test_invalid_field_named_with_tier(tier, field):
