@@ -97,6 +97,21 @@ def test_plain_http_is_refused_on_every_listener(tls_cluster: dict) -> None:
         assert r.status_code != 200, name
 
 
+def test_bench_serve_without_the_ca_says_to_pass_it(tls_cluster: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found against `switchboard up --tls`: `switchboard bench serve --url https://…` without the CA said
+    only "CERTIFICATE_VERIFY_FAILED …; check --url", though the URL was right and the CA was missing."""
+    from tests.support.procs import switchboard
+
+    monkeypatch.delenv(CA_BUNDLE_ENV, raising=False)
+    args = ("bench", "serve", "--url", tls_cluster["gateway"].url, "--api-key", KEYS["plus"], "--num-prompts", "1",
+            "--max-tokens", "2")
+    out = switchboard(*args, timeout=60)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert "pass --ca-bundle" in out.stderr, out.stderr
+    ok = switchboard(*args, "--ca-bundle", str(tls_cluster["pki"].ca), timeout=120)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
 def test_the_hop_client_refuses_a_peer_the_ca_did_not_sign(tls_cluster: dict, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     other = make_dev_pki(tmp_path / "other")  # a different CA
