@@ -14,6 +14,7 @@ tenants).
 
 from __future__ import annotations
 
+import enum
 import re
 import time
 import uuid
@@ -43,11 +44,27 @@ TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key (the engine checks it 
 MAX_STOP_LENGTH = 256
 
 
+class UsageChunks(enum.IntEnum):
+    """Which chunks of a stream carry usage."""
+
+    NONE = 0
+    FINAL = 1
+    """`include_usage`: a last chunk with the whole usage (every other chunk's ``usage`` null)."""
+    EVERY = 2
+    """vLLM's `continuous_usage_stats` (with `include_usage`, as vLLM reads it): every chunk carries the
+    usage so far too."""
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False
     """vLLM's extension: usage (so far) on every chunk; the gateway uses it to resume streams."""
+
+    def usage_chunks(self) -> UsageChunks:
+        if not self.include_usage:
+            return UsageChunks.NONE
+        return UsageChunks.EVERY if self.continuous_usage_stats else UsageChunks.FINAL
     include_obfuscation: bool | None = None
     """OpenAI's padding of stream chunks against size side channels (the openai SDK sends it): accepted;
     chunks here are not padded, whatever it says (None: not sent, and not passed on to the shard)."""

@@ -290,25 +290,28 @@ def name_request(request: Request, span: Any) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     """Map every exception a service can raise onto the OpenAI error shape, once."""
 
+    def named(request: Request, error: SwitchboardError) -> JSONResponse:
+        """`error` rendered; a request no route named (FastAPI refused a parameter before the route ran, or
+        a route that does not name its requests: the admin API's) gets a request id and a trace of its own,
+        as every other error does."""
+        if getattr(request.state, "request_id", None) is not None:
+            return render(error, request)
+        with tracer.start_as_current_span("http.request.invalid") as span:
+            name_request(request, span)
+            span.set_attribute("url.path", request.url.path)
+            span.set_attribute("error.type", error.code or "error")
+            return render(error, request)
+
     @app.exception_handler(SwitchboardError)
     async def _sb(request: Request, exc: SwitchboardError) -> JSONResponse:
-        return render(exc, request)
+        return named(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
         kind = (exc.errors() or [{}])[0].get("type", "")
         code = "unsupported_parameter" if kind == "extra_forbidden" else "invalid_value"
-        error = InvalidRequest(message, param=param, code=code)
-        if getattr(request.state, "request_id", None) is not None:
-            return render(error, request)
-        # FastAPI refused a query or path parameter before the route (which names the request) ran: the
-        # error still gets a request id and a trace of its own, as every other error does
-        with tracer.start_as_current_span("http.request.invalid") as span:
-            name_request(request, span)
-            span.set_attribute("url.path", request.url.path)
-            span.set_attribute("error.type", error.code or "invalid_value")
-            return render(error, request)
+        return named(request, InvalidRequest(message, param=param, code=code))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -68,7 +68,7 @@ from data_plane.gateway.safety.pipeline import SafetyPolicy, raise_if_blocked
 from data_plane.gateway.stream import Completion, EventSource
 from data_plane.gateway.tool_results import check_answered, check_session_answered
 from data_plane.legacy_functions import legacy_terms
-from data_plane.protocol import ChatCompletionRequest, parse_chat_request
+from data_plane.protocol import ChatCompletionRequest, UsageChunks, parse_chat_request
 from data_plane.structured import json_word_clash
 from data_plane.tiers import Tier
 
@@ -447,7 +447,7 @@ class ChatHandler:
             headers["X-Cache"] = self.cache_header
         if self.session_id:
             headers["X-Session-Id"] = self.session_id
-        include_usage = bool(req.stream_options and req.stream_options.include_usage) if req.stream else None
+        include_usage = (req.stream_options.usage_chunks() if req.stream_options else UsageChunks.NONE) if req.stream else None
         return Opened(stream, completion, headers, include_usage)
 
     async def _load_session(self, header: str, messages: list[dict[str, str]], tier: Tier) -> list[dict[str, str]]:

@@ -20,7 +20,7 @@ from data_plane.gateway.abuse import Measures
 from data_plane.gateway.auth import Principal
 from data_plane.gateway.context import Window
 from data_plane.gateway.stream import Completion, EventSource
-from data_plane.protocol import ChatCompletionRequest, ChatMessage, ShardRequest
+from data_plane.protocol import ChatCompletionRequest, ChatMessage, ShardRequest, UsageChunks
 from data_plane.tiers import Tier, TierPolicy
 
 log = logging.getLogger(__name__)
@@ -73,8 +73,8 @@ class Opened:
     stream: EventSource
     completion: Completion
     headers: dict[str, str]
-    include_usage: bool | None
-    """None: answer with one JSON body; else stream SSE (with a usage chunk when True)."""
+    include_usage: UsageChunks | bool | None
+    """None: answer with one JSON body; else stream SSE (with usage chunks: UsageChunks; True is FINAL)."""
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from data_plane.protocol import (
     SYSTEM_FINGERPRINT,
     PromptTokensDetails,
     Usage,
+    UsageChunks,
     chunk_body,
     completion_body,
     new_completion_id,
@@ -364,7 +365,7 @@ class Completion:
         logprobs = delta.pop("logprobs", None)
         return _event(chunk_body(**common, delta=delta, index=index, logprobs=logprobs))
 
-    async def stream_to(self, send: Send, stream: EventSource, include_usage: bool,
+    async def stream_to(self, send: Send, stream: EventSource, include_usage: UsageChunks | bool,
                         headers: list[tuple[bytes, bytes]]) -> None:
         """The completion as SSE, straight onto the ASGI `send`: one write per batch of tokens,
         each choice opened with its first piece (`opening_deltas`: ``content: null`` beside a first tool
@@ -372,14 +373,18 @@ class Completion:
         x = self.x
         span = x.span
         common: dict[str, Any] = {"completion_id": self.completion_id, "model": self.model, "created": self.created,
-                                  "include_usage": include_usage}
+                                  "include_usage": bool(include_usage)}
         content_suffix = self._content_suffix[:-3] + b',"usage":null}\n\n' if include_usage else self._content_suffix
+        every = include_usage == UsageChunks.EVERY  # vLLM's continuous_usage_stats: the usage so far on each chunk
         error: str | None = None
         message = "the client disconnected"
         out: list[bytes] = []
         try:
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             async for pieces in self._batches(stream):
+                if every:
+                    common["usage"] = self.usage
+                    content_suffix = self._content_suffix[:-3] + b',"usage":' + _json(self.usage.wire()) + b'}\n\n'
                 for index, delta in pieces:
                     deltas = [legacy_delta(delta) if self.legacy else delta]
                     if index not in self._opened:
@@ -395,6 +400,7 @@ class Completion:
                 out.append(_event(chunk_body(**common, delta={}, finish_reason=finish or "stop", index=index)))
             await self._finish(None)
             if include_usage:
+                common.pop("usage", None)
                 out.append(_event(chunk_body(**common, usage=self.usage, empty_choices=True)))
         except asyncio.CancelledError:
             if x.client_gone:

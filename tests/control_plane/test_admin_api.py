@@ -167,6 +167,15 @@ async def test_pin_wakes_state_watchers_and_release_keeps_the_level(admin_url: s
         assert state["degradation"] == {**state["degradation"], "level": 3, "pinned": False}
 
 
+async def test_a_route_errors_own_404_carries_the_request_and_trace_ids(admin_url: str) -> None:
+    """Every error names its request (body and headers); an unknown member's drain did not (QA)."""
+    async with admin_client(admin_url) as admin:
+        resp = await admin.post("/admin/v1/members/nope/drain")
+        err = assert_openai_error(resp, 404)
+        assert len(err["request_id"]) == 32 and len(err["trace_id"]) == 32, err
+        assert resp.headers["x-request-id"] == err["request_id"]
+
+
 async def test_pin_validation(admin_url: str) -> None:
     async with admin_client(admin_url) as admin:
         for body in ({"level": 5, "reason": "x"}, {"level": 2}, {"level": 1, "reason": ""}, {"level": "high"},

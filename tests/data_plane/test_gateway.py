@@ -138,6 +138,27 @@ def test_the_control_plane_refuses_a_tier_policy_naming_a_safety_policy_no_gatew
     assert r.status_code == 400 and "strict-but-absent" in r.json()["error"]["message"], r.text
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(cluster: Cluster) -> None:
+    """vLLM's stream_options.continuous_usage_stats (with include_usage, as vLLM reads it) was accepted and
+    ignored: usage came only in the last chunk."""
+    def chunks(options: dict) -> list[dict]:
+        r = post(cluster, {"messages": [{"role": "user", "content": "count for me"}], "max_tokens": 12,
+                           "stream": True, "stream_options": options})
+        assert r.status_code == 200, r.text
+        return [json.loads(line[6:]) for line in r.text.splitlines()
+                if line.startswith("data: ") and line != "data: [DONE]"]
+
+    every = chunks({"include_usage": True, "continuous_usage_stats": True})
+    assert all(c["usage"] is not None for c in every), every
+    so_far = [c["usage"]["completion_tokens"] for c in every]
+    assert so_far == sorted(so_far) and so_far[-1] > so_far[0]
+    assert every[-1]["choices"] == [] and every[-1]["usage"]["total_tokens"] == (
+        every[-1]["usage"]["prompt_tokens"] + every[-1]["usage"]["completion_tokens"])
+    final = chunks({"include_usage": True})
+    assert all(c["usage"] is None for c in final[:-1]) and final[-1]["usage"]["completion_tokens"] == so_far[-1]
+    assert all("usage" not in c for c in chunks({"continuous_usage_stats": True}))
+
+
 def test_auth_required(cluster: Cluster) -> None:
     body = {"messages": [{"role": "user", "content": "x"}]}
     for key in (None, "sk-wrong"):
