@@ -3,6 +3,7 @@
     switchboard admin status                       # members, degradation level, firing alerts
     switchboard admin members --json               # GET /admin/v1/members, as JSON
     switchboard admin processes                    # what `up` supervises: pids, up since, restarts, last exit
+    switchboard admin decisions [--all]            # the autoscaler's decisions with their reasons (scalings)
     switchboard admin drain shard-1                # stop routing to a member (in-flight work finishes)
     switchboard admin undrain shard-1
     switchboard admin degrade 3 --reason "incident 4711"   # pin a degradation level
@@ -50,6 +51,17 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _limit(text: str) -> int:
+    """How many decisions: 1 to 1000, as GET /admin/v1/decisions takes."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"must be 1 to 1000, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--control-plane-url", default=None,
@@ -67,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("members", parents=[common], help="every registered process and its status")
     sub.add_parser("processes", parents=[common],
                    help="the processes `switchboard up` supervises: pid, up since, restarts, last exit")
+    p = sub.add_parser("decisions", parents=[common],
+                       help="the autoscaler's decision log, oldest first: each scaling (and the latest tick) and why")
+    p.add_argument("--limit", type=_limit, default=100, metavar="N",
+                   help="the last N decisions the control plane kept (1 to 1000; default 100)")
+    p.add_argument("--all", action="store_true", help="every tick, the holds and steadies too")
     for name, what in (("drain", "stop routing new requests to a member"), ("undrain", "put a member back")):
         p = sub.add_parser(name, parents=[common], help=what)
         p.add_argument("member", help="member id, as `switchboard admin members` lists it (e.g. shard-1)")
@@ -129,6 +146,7 @@ def run(args: argparse.Namespace, admin: AdminClient) -> None:
     actions: dict[str, Callable[[], Any]] = {
         "members": admin.members,
         "processes": admin.processes,
+        "decisions": lambda: admin.decisions(args.limit),
         "drain": lambda: admin.drain(args.member),
         "undrain": lambda: admin.undrain(args.member),
         "degrade": lambda: admin.release_degradation() if args.release
@@ -147,6 +165,9 @@ def run(args: argparse.Namespace, admin: AdminClient) -> None:
     elif args.command == "processes":
         print(format_processes(body) if body.get("supervisor") else
               "no process table: this control plane was not started by `switchboard up`")
+    elif args.command == "decisions":
+        print(format_decisions(body, every_tick=args.all) if body.get("autoscaler") else
+              "no autoscaler: this control plane was started without --autoscale")
     elif args.command == "degrade":
         print(f"degradation level {body.get('level')} ({body.get('name', '')}): "
               + (str(body.get("reason", "")) if body.get("pinned") else "automatic (the pin is released)"))
@@ -222,6 +243,29 @@ def format_members(members: list[dict[str, Any]], now: float | None = None) -> s
         age = f"{max(0.0, now - float(beat)):.1f} s ago" if isinstance(beat, int | float) else "-"
         rows.append((str(m.get("id")), str(m.get("service")), str(m.get("zone") or "-"), str(m.get("status")),
                      age, str(m.get("url"))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1] for r in rows)
+
+
+def format_decisions(body: dict[str, Any], *, every_tick: bool = False) -> str:
+    """One line per decision, oldest first: when (and how many ticks it repeated), action, replicas, code,
+    outcome, then its reason. Without `every_tick`, the holds and steadies are left out but the latest
+    decision, as the console's Autoscaler page does."""
+    decisions = list(body.get("decisions") or [])
+    shown = decisions if every_tick else [d for d in decisions[:-1] if d.get("action") not in ("hold", "steady")]
+    if not every_tick and decisions:
+        shown.append(decisions[-1])
+    rows = [("TIME", "ACTION", "REPLICAS", "CODE", "OUTCOME", "REASON")]
+    for d in shown:
+        at, last = d.get("at"), d.get("last_at")
+        when = time.strftime("%H:%M:%S", time.localtime(at)) if isinstance(at, int | float) else "-"
+        if isinstance(last, int | float) and isinstance(at, int | float) and int(d.get("repeats") or 1) > 1:
+            when += f"-{time.strftime('%H:%M:%S', time.localtime(last))} x{d.get('repeats')}"
+        frm, to = d.get("from"), d.get("to")
+        rows.append((when, str(d.get("action", "?")), f"{frm}" if frm == to else f"{frm} -> {to}",
+                     str(d.get("code") or "-"), str(d.get("outcome") or "-"), str(d.get("reason", ""))))
+    if len(rows) == 1:
+        return "no decisions yet"
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1] for r in rows)
 

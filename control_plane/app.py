@@ -82,7 +82,8 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
     if settings.membership:
         consul = ConsulMembers(settings.membership, settings.services, token=token_from_env())
     members = consul or registry  # what the admin API and the signals read
-    zones = ZoneWatch(members, ZoneMetrics(metrics_registry))
+    zones = ZoneWatch(members, ZoneMetrics(metrics_registry),
+                      expected=tuple(z.strip() for z in settings.shard_zones.split(",") if z.strip()))
     autoscaler = build_autoscaler(settings, metrics_registry)  # None unless --autoscale
     store = open_store(settings, metrics_registry)
     state_index = StateIndex(max_wait_s=settings.max_wait_s, state_id=load_state_id(settings.state_dir))

@@ -81,6 +81,8 @@ def plan(s: UpSettings, state: Path, admin_token: str, cluster_token: str,
         scaled_threads = max(1, usable_cores() // (s.max_replicas * s.pipeline_parallel_size))
         cp.args += ["--autoscale", "--min-replicas", str(s.min_replicas), "--max-replicas", str(s.max_replicas),
                     "--shard-log-dir", str(logs), "--shard-args", shlex.join(_shard_flags(s, scaled_threads, state))]
+        if s.zones:  # its first shards start before any zone's member is seen: they go into these, not `local`
+            cp.args += ["--shard-zones", ",".join(zones)]
         if s.engine == "torch":  # a torch shard past the cores slows the others (the synthetic one uses none)
             cp.args += ["--local-max-shards", str(local_max_shards(s, scaled_threads))]
     elif {"min_replicas", "max_replicas"} & s.model_fields_set:  # they size the autoscaler alone: said, not ignored

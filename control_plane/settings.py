@@ -153,6 +153,10 @@ class ControlPlaneSettings(BaseSettings):
     """Local actuator: where the shards it starts write their logs."""
     drain_timeout_s: float = Field(default=30.0, ge=0.0, le=3600.0)
     """Local actuator: longest wait for a drained shard to finish its requests before SIGTERM."""
+    shard_zones: str = ""
+    """Local actuator: the zones (comma-separated) new shards go into from the start, before any member
+    of them registers; `switchboard up --zones a,b --autoscale` sets it. Without it the first shards,
+    started before the zones' cache nodes and gateways are seen, join the default zone."""
     local_max_shards: int = Field(default=0, ge=0, le=4096)
     """Local actuator: most shard processes this host runs (0 = no cap); set it to cores / --threads, as
     a shard beyond the cores slows every shard instead of adding capacity. A scale-out past it is

@@ -71,6 +71,15 @@ def new_console_login(state: Path, link: str, tty: bool) -> None:
           "the earlier one no longer works)", flush=True)
 
 
+def _host_cap(s: UpSettings, cp: Child) -> str:
+    """The local actuator's cap when it is below --max-replicas (torch shards past the cores: launcher.py
+    local_max_shards), so the operator hears it at start, not first from a `capped` scale-out."""
+    if "--local-max-shards" not in cp.args:
+        return ""
+    cap = int(cp.args[cp.args.index("--local-max-shards") + 1])
+    return f"; this host holds {cap} (--local-max-shards: its cores / threads per shard)" if cap < s.max_replicas else ""
+
+
 def banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: list[Child],
            gateways: list[Child], state: Path, stages: dict[str, str] | None = None,
            console_login: str | None = None, *, tty: bool | None = None) -> None:
@@ -95,8 +104,8 @@ def banner(s: UpSettings, creds: dict, cp: Child, caches: list[Child], shards: l
         *[f"  {c.name:<28}  {c.url}" + (f"   (zone {c.args[c.args.index('--zone') + 1]})" if s.zones else "")
           + (f"   stages {stages[c.name].replace(',', ' ')}  (stage@host:layers)" if c.name in stages else "")
           for c in shards + caches],
-        *([f"  shards                        autoscaled, {s.min_replicas}..{s.max_replicas} (console: Autoscaler)"]
-          if s.autoscale else []),
+        *([f"  shards                        autoscaled, {s.min_replicas}..{s.max_replicas} (console: Autoscaler)"
+           + _host_cap(s, cp)] if s.autoscale else []),
         *([f"  prometheus                    {console_host(s, False)}:{s.prometheus_port}  (alerts: /alerts)"]
           if s.prometheus else []),
         "",

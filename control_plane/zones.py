@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 SERVICES = ("shard", "cache", "gateway")
 MAX_EVENTS = 200
+PICK_PENDING_S = 120.0
+"""How long a zone picked for a new shard counts that shard before it registers (a slow model load)."""
 
 
 class MemberSnapshot(Protocol):
@@ -75,7 +77,7 @@ class ZoneWatch:
     """Owns one background task (``zone-watch``); see the module docstring."""
 
     def __init__(self, members: MemberSnapshot, metrics: ZoneMetrics | None = None, *, interval_s: float = 1.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, expected: tuple[str, ...] = ()) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be > 0")
         self._members = members
@@ -93,6 +95,10 @@ class ZoneWatch:
         self._lost: dict[str, int] = {}
         """zone -> shards lost by accident since it was last up."""
         self._reactions: set[asyncio.Task[Any]] = set()
+        self._expected = expected
+        """Zones new shards may go into before any of their members is seen (--shard-zones)."""
+        self._picks: dict[str, list[tuple[float, int]]] = {}
+        """zone -> (when, its passing shards then) of each zone_for_new_shard answer lately."""
 
     async def start(self) -> None:
         self.tick()
@@ -104,11 +110,31 @@ class ZoneWatch:
         self._on_down.append(callback)
 
     def zone_for_new_shard(self) -> str | None:
-        """Where a new shard should go: the named zone that is up with the fewest passing shards (ties
-        by name); None while no named zone is up (the default zone needs no ``--zone``)."""
-        up = [(per.get("shard", 0), zone) for zone, per in self._counts.items()
-              if self._state.get(zone) == "up" and zone != DEFAULT_ZONE]
-        return min(up)[1] if up else None
+        """Where a new shard should go: the live named zone with the fewest shards, counting the ones
+        picked here lately that have not registered yet (ties by name); None while no named zone is
+        live (the default zone needs no ``--zone``). Live: up, or never had a shard (or drained) but
+        has a passing cache node or gateway, or is one of ``expected`` (``--shard-zones``): `up --zones a,b
+        --autoscale` starts with zones of caches and gateways only (or none seen yet), and its shards must go
+        into them. A zone that is down is not chosen."""
+        now = self._clock()
+        fill: list[tuple[int, str]] = []
+        counts = {**{z: {} for z in self._expected}, **self._counts}
+        for zone, per in counts.items():
+            state = self._state.get(zone, "no_shards")
+            alive = state == "up" or (state in ("no_shards", "drained") and (
+                zone in self._expected or per.get("cache", 0) + per.get("gateway", 0) > 0))
+            if zone == DEFAULT_ZONE or not alive:
+                continue
+            shards = per.get("shard", 0)
+            self._picks[zone] = [(at, base) for at, base in self._picks.get(zone, []) if now - at < PICK_PENDING_S]
+            picks = [base for _, base in self._picks[zone]]
+            pending = max(0, len(picks) - max(0, shards - min(picks))) if picks else 0
+            fill.append((shards + pending, zone))
+        if not fill:
+            return None
+        zone = min(fill)[1]
+        self._picks.setdefault(zone, []).append((now, counts[zone].get("shard", 0)))
+        return zone
 
     async def aclose(self) -> None:
         await stop_tasks(self._task, *self._reactions)

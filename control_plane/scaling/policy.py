@@ -251,6 +251,17 @@ class TargetTracking:
             want = max(fits, cfg.min_replicas)
             if want < current:
                 return want, f"low load: {figures}", "low_load"
+        lagging = [name for name, value, limit in (("queue p95", queue, queue_target), ("TTFT beyond prefill p95", excess, slo))
+                   if value is not None and value > limit * (1 + cfg.tolerance)]
+        if lagging and pressure and not fresh:  # not "within band": the figures say otherwise, and why they wait
+            since = ("asked-for shards still starting" if self._settled_at is None
+                     else f"{max(0.0, s.window_s - (now - self._settled_at)):.0f}s to go")
+            return current, (f"settling: {' and '.join(lagging)} above target, but measured over a "
+                             f"{s.window_s:.0f}s window that began before the fleet's last change ({since}); "
+                             f"{figures}"), "settling"
+        if lagging and not pressure:  # the p95 is from load that has gone: no queue, batches not busy now
+            return current, (f"within band: {' and '.join(lagging)} above target, but no pressure now (no queue, "
+                             f"batches not busy); {figures}"), "steady"
         return current, f"within band: {figures}", "steady"
 
 

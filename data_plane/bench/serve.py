@@ -263,7 +263,10 @@ async def discover_model(client: httpx.AsyncClient, endpoint: Endpoint) -> str:
     try:
         resp = await client.get(url, headers=endpoint.headers)
     except httpx.HTTPError as exc:
-        raise BenchError(f"cannot reach {url} ({type(exc).__name__}: {exc}); check --url") from None
+        tls = ("; its certificate is not one this machine trusts: pass --ca-bundle (or SSL_CERT_FILE) with the CA "
+               "that signed it (`switchboard up --tls`: STATE_DIR/tls/ca.pem)") if "CERTIFICATE_VERIFY_FAILED" in str(
+            exc) else ""
+        raise BenchError(f"cannot reach {url} ({type(exc).__name__}: {exc}); check --url{tls}") from None
     if resp.status_code >= 400:
         hint = "; check --api-key" if resp.status_code in (401, 403) else ""
         raise BenchError(f"{url} answered {resp.status_code}: {_why(resp)}{hint}")

@@ -79,6 +79,7 @@ class RequestCode(enum.StrEnum):
     CACHE_BACKEND_UNAVAILABLE = "cache_backend_unavailable"
     RECORD_TOO_LARGE = "record_too_large"
     USAGE_DISABLED = "usage_disabled"
+    USAGE_DB_UNAVAILABLE = "usage_db_unavailable"
     MODEL_UNAVAILABLE = "model_unavailable"
     MODEL_LOADING = "model_loading"
     UPSTREAM_ERROR = "upstream_error"

@@ -15,6 +15,7 @@ A key sees only its own records (filtered by its digest, never by a parameter it
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,13 +25,15 @@ from fastapi import Query, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
-from data_plane.common.errors import InvalidRequest, NotFound
+from data_plane.common.errors import InvalidRequest, NotFound, Overloaded
 from data_plane.ledger.store import UsageQuery, default_usage_db, open_ledger_store
 from data_plane.ledger.writer import UsageLedger, open_ledger
 
 if TYPE_CHECKING:
     from data_plane.gateway.auth import Principal
     from data_plane.gateway.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
 
 BUCKET_WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
 """OpenAI's bucket_width values -> seconds."""
@@ -89,8 +92,13 @@ def usage_route(authenticate: Callable[[Request], Principal], ledger: UsageLedge
         start = float(start_time) if start_time is not None else end - width * DEFAULT_BUCKETS[bucket_width]
         if start >= end:
             raise InvalidRequest("start_time must be before end_time", param="start_time")
-        result = await ledger.usage(UsageQuery(start=start, end=end, key_id=principal.key_id, bucket_s=width,
-                                                  group_by=groups))
+        try:
+            result = await ledger.usage(UsageQuery(start=start, end=end, key_id=principal.key_id, bucket_s=width,
+                                                      group_by=groups))
+        except Exception as exc:  # the database down or unreachable: the key's records stay spooled
+            log.warning("usage ledger read failed: %s: %s", type(exc).__name__, exc)
+            raise Overloaded("the usage database is unreachable", code="usage_db_unavailable",
+                             retry_after=5) from exc
         return JSONResponse(openai_usage_page(result, width, groups))
 
     return usage

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from admin_ui.cli import main
+from admin_ui.cli import format_decisions, main
 from tests.support.cluster import ADMIN_TOKEN
 from tests.support.procs import ROOT, free_port, switchboard
 
@@ -170,3 +170,28 @@ def test_output_into_a_closed_pipe_is_no_traceback(env) -> None:
     finally:
         os.close(write)
     assert ran.returncode == 1 and ran.stderr == ""
+
+
+def test_decisions_show_the_autoscalers_reasons_from_a_shell(env, capsys) -> None:
+    """Found running `switchboard up --autoscale`: the decision log was only on the console's Autoscaler
+    page and raw GET /admin/v1/decisions; `switchboard admin` had no way to ask why it scaled."""
+    code, out, _ = run(capsys, "decisions")
+    assert code == 0 and "no autoscaler" in out  # the package's cluster runs without one
+    body = {"autoscaler": True, "decisions": [
+        {"at": 100.0, "last_at": 100.0, "repeats": 1, "action": "scale_up", "code": "bounds", "from": 0, "to": 1,
+         "reason": "below min_replicas (0 < 1)", "outcome": "started 1"},
+        {"at": 105.0, "last_at": 160.0, "repeats": 12, "action": "steady", "code": "steady", "from": 1, "to": 1,
+         "reason": "within band: waiting/shard 0.0", "outcome": "-"},
+        {"at": 161.0, "last_at": 161.0, "repeats": 1, "action": "scale_up", "code": "queue_time", "from": 1, "to": 3,
+         "reason": "queue time p95 above target: queue p95 4.77s (target 1s)", "outcome": "started 2"},
+        {"at": 166.0, "last_at": 181.0, "repeats": 4, "action": "hold", "code": "at_max", "from": 3, "to": 3,
+         "reason": "queue time p95 above target; at max_replicas (3)", "outcome": "-"},
+    ]}
+    lines = format_decisions(body).splitlines()
+    assert lines[0].split() == ["TIME", "ACTION", "REPLICAS", "CODE", "OUTCOME", "REASON"]
+    assert len(lines) == 4 and "within band" not in format_decisions(body)  # scalings and the latest tick
+    assert "1 -> 3" in lines[2] and "queue p95 4.77s" in lines[2] and lines[3].rstrip().endswith("(3)")
+    assert "x4" in lines[3] and "x12" in format_decisions(body, every_tick=True)
+    assert format_decisions({"autoscaler": True, "decisions": []}) == "no decisions yet"
+    code, _, err = run(capsys, "decisions", "--limit", "0")
+    assert code == 2 and "1 to 1000" in err

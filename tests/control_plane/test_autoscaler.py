@@ -117,6 +117,25 @@ def test_queue_time_above_target_scales_up_only_once_the_window_is_about_the_cur
     assert "queue p95 2.00s" in d.reason
 
 
+def test_a_high_p95_from_before_the_last_scaling_is_explained_not_called_within_band() -> None:
+    """Found with `switchboard up --autoscale`: right after a scale-out to max, the decision log said
+    "within band: ... queue p95 6.63s (target 1s)" for 30 s, a reason its own figures contradict. The
+    p95 window predates the fleet's change, so the policy waits; the log now says that."""
+    p = TargetTracking(CFG)
+    queued = sig(2, running=8, waiting=2, ttft=2.5, queue=2.0, window_s=30.0)
+    d = p.decide(queued, current=2, now=0.0)
+    assert (d.action, d.code) == ("steady", "settling")
+    assert d.reason.startswith("settling: queue p95") and "above target" in d.reason and "30s to go" in d.reason
+    assert "20s to go" in p.decide(queued, current=2, now=10.0).reason
+    starting = sig(1, running=4, waiting=1, ttft=2.5, queue=2.0, window_s=30.0)
+    assert "still starting" in p.decide(starting, current=2, now=11.0).reason
+    calm = sig(2, running=8, waiting=2, ttft=0.2, queue=0.1, window_s=30.0)
+    assert p.decide(calm, current=2, now=12.0).code == "steady"
+    gone = sig(2, running=1, waiting=0, ttft=2.5, queue=4.3, window_s=30.0)  # the burst is over, its p95 is not
+    d = p.decide(gone, current=2, now=60.0)
+    assert (d.action, d.code) == ("steady", "steady") and "but no pressure now" in d.reason
+
+
 def test_ttft_beyond_prefill_above_slo_scales_up_under_pressure() -> None:
     p = TargetTracking(CFG)
     busy_batches = sig(2, running=7, waiting=0, ttft=2.5, prefill=0.3, window_s=30.0)  # 88 % full

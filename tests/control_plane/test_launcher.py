@@ -300,6 +300,22 @@ def test_the_port_check_counts_only_a_port_in_use() -> None:
     assert not _port_taken("192.0.2.1", 8000)  # TEST-NET-1: never an address of this machine
 
 
+def test_the_banner_says_when_this_host_holds_fewer_shards_than_max_replicas(tmp_path: Path, capsys) -> None:
+    """Found with `switchboard up --autoscale --max-replicas 3` (torch, 2 cores): the banner said
+    "autoscaled, 1..3" and the first anyone heard of the host's cap of 2 was a scale-out recorded as
+    `capped: this host holds 2 shards`."""
+    from control_plane.supervisor import Child
+    from control_plane.up_banner import banner
+
+    settings = UpSettings.model_validate({"console": False, "autoscale": True, "max_replicas": 3})
+    gw = Child("gw", [], "http://127.0.0.1:2", tmp_path / "gw.log")
+    for cap, said in ((["--local-max-shards", "2"], True), (["--local-max-shards", "3"], False), ([], False)):
+        cp = Child("cp", ["--autoscale", *cap], "http://127.0.0.1:1", tmp_path / "cp.log")
+        banner(settings, {"keys": {}, "admin_token": "t"}, cp, [], [], [gw], tmp_path, tty=False)
+        line = next(x for x in capsys.readouterr().out.splitlines() if "autoscaled, 1..3" in x)
+        assert ("this host holds 2 (--local-max-shards" in line) is said, line
+
+
 def test_up_passes_the_quantization_kernel_to_every_shard(tmp_path: Path) -> None:
     """`up` had no --quantization-kernel: blockq_x2 (float32's greedy tokens, README) or blockq_exact needed a
     shard run by hand. Now up's flag reaches its shards and the autoscaler's, as --dtype does."""

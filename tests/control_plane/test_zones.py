@@ -139,6 +139,38 @@ def test_zone_for_new_shards_is_the_least_filled_live_zone() -> None:
     assert solo.zone_for_new_shard() is None  # one default zone: shards need no --zone
 
 
+def test_autoscaled_shards_go_into_zones_that_have_only_caches_and_gateways_yet_spread_over_them() -> None:
+    """Found with `switchboard up --zones a,b --autoscale --min-replicas 2`: zones a and b had cache nodes and
+    gateways but no shard ("no_shards"), so no zone was "up", every autoscaled shard started in the default
+    zone `local` (with no gateway or cache), and zones a and b never got one: each gateway always spilled,
+    and a zone outage could not happen. Two shards asked for in one tick went to the same zone, too."""
+    listing, now = Listing(), [100.0]
+    watch = ZoneWatch(listing, clock=lambda: now[0])
+    listing.members = [member("c-a", "cache", "a"), member("c-b", "cache", "b"), member("g-a", "gateway", "a"),
+                       member("g-b", "gateway", "b")]
+    watch.tick()
+    assert [watch.zone_for_new_shard(), watch.zone_for_new_shard()] == ["a", "b"]  # one tick, two shards
+    listing.members += [member("s-a", "shard", "a")]  # a's registered, b's still loading
+    watch.tick()
+    assert watch.zone_for_new_shard() == "a"  # b: 0 passing + 1 on its way
+    now[0] += 200  # what was picked and never registered stops counting
+    watch.tick()
+    assert watch.zone_for_new_shard() == "b"
+    listing.members = [m for m in listing.members if m["id"] != "s-a"]  # a lost its shard by accident: down
+    watch.tick()
+    assert {z["zone"]: z["state"] for z in watch.zones()}["a"] == "down"
+    assert {watch.zone_for_new_shard() for _ in range(3)} == {"b"}
+    empty = ZoneWatch(Listing())
+    empty._members.members = [member("c", "cache", "a", status="critical")]  # type: ignore[attr-defined]
+    empty.tick()
+    assert empty.zone_for_new_shard() is None  # nothing alive in a: nowhere named to go
+    # `up` starts the control plane, whose autoscaler starts --min-replicas shards at once, before any
+    # cache node or gateway registered: the zones it was given (--shard-zones) take them
+    early = ZoneWatch(Listing(), expected=("a", "b"))
+    early.tick()
+    assert [early.zone_for_new_shard() for _ in range(3)] == ["a", "b", "a"]
+
+
 def test_autoscaler_replaces_a_lost_zone_in_the_surviving_one(tmp_path) -> None:
     """Real control plane, local actuator: zone a's shard dies -> a replacement starts in zone b."""
     with Service(["control-plane", "--admin-token", ADMIN_TOKEN, "--autoscale", "--min-replicas", "1",

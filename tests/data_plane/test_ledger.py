@@ -512,3 +512,16 @@ def test_a_reader_before_any_gateway_migrated_the_ledger_sees_no_usage_not_an_er
             store.usage(UsageQuery(group_by=("prompt",)))
     finally:
         store.close()
+
+
+def test_a_usage_read_while_the_database_is_down_is_a_503_not_a_500() -> None:
+    """Found with `switchboard up --usage-db postgresql://…`: PostgreSQL stopped, chat kept working (its
+    records spooled) but the key's GET /v1/usage was a 500 `internal_error` with a traceback in the log;
+    the control plane's /admin/v1/usage already said 503 `usage_db_unavailable`."""
+    with Service(["gateway", "--cache-urls", "http://127.0.0.1:1", "--usage-db", "postgresql://nobody@127.0.0.1:1/none"],
+                 env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()}) as gw:
+        r = httpx.get(gw.url + "/v1/usage", headers={"Authorization": f"Bearer {KEYS['plus']}"}, timeout=30)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "usage_db_unavailable" and r.json()["error"]["type"] == "server_error"
+        assert r.headers["retry-after"] == "5"
+        assert "Traceback" not in gw.log_tail(50_000)

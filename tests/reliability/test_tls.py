@@ -97,6 +97,21 @@ def test_plain_http_is_refused_on_every_listener(tls_cluster: dict) -> None:
         assert r.status_code != 200, name
 
 
+def test_bench_serve_without_the_ca_says_to_pass_it(tls_cluster: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found against `switchboard up --tls`: `switchboard bench serve --url https://…` without the CA said
+    only "CERTIFICATE_VERIFY_FAILED …; check --url", though the URL was right and the CA was missing."""
+    from tests.support.procs import switchboard
+
+    monkeypatch.delenv(CA_BUNDLE_ENV, raising=False)
+    args = ("bench", "serve", "--url", tls_cluster["gateway"].url, "--api-key", KEYS["plus"], "--num-prompts", "1",
+            "--max-tokens", "2")
+    out = switchboard(*args, timeout=60)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert "pass --ca-bundle" in out.stderr, out.stderr
+    ok = switchboard(*args, "--ca-bundle", str(tls_cluster["pki"].ca), timeout=120)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
 def test_the_hop_client_refuses_a_peer_the_ca_did_not_sign(tls_cluster: dict, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     other = make_dev_pki(tmp_path / "other")  # a different CA
@@ -178,3 +193,39 @@ def test_tls_flags_on_any_subcommand(tmp_path: Path, monkeypatch: pytest.MonkeyP
                       {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_TLS_")})
     with node:
         assert httpx.get(node.url + "/health").status_code == 200
+
+
+def test_switchboard_up_tls_autoscale_starts_shards_that_join(tmp_path: Path) -> None:
+    """Found running `switchboard up --tls --autoscale`: the autoscaler's shards were started with
+    `--registry-url http://…` against the https control plane and never registered ("registering …
+    failed (RemoteProtocolError)" in their logs); the platform served no chat at all. Their own URL
+    (what a drain polls for idleness) was http:// too."""
+    import json
+    import signal
+
+    from tests.support.procs import free_port, start_up, stop_up, wait_up
+    from tests.support.waits import eventually
+
+    gw, cp = free_port(), free_port()
+    proc = start_up(tmp_path, "--tls", "--autoscale", "--min-replicas", "1", "--max-replicas", "1", "--engine",
+                    "synthetic", "--cache-nodes", "1", "--no-console", "--gateway-port", str(gw),
+                    "--control-plane-port", str(cp))
+    try:
+        wait_up(proc, tmp_path)
+        state = tmp_path / ".switchboard"
+        creds = json.loads((state / "credentials.json").read_text())
+        ca = ssl.create_default_context(cafile=state / "tls" / "ca.pem")
+
+        def shards() -> list[dict]:
+            members = httpx.get(f"https://127.0.0.1:{cp}/v1/registry/members", verify=ca).json()["members"]
+            return [m for m in members if m["service"] == "shard" and m["status"] == "passing"]
+
+        eventually(lambda: len(shards()) == 1, timeout_s=60,
+                   detail=lambda: "\n".join(p.read_text()[-2000:] for p in (state / "logs").glob("shard-*.log")))
+        assert shards()[0]["url"].startswith("https://")
+        client = openai.OpenAI(base_url=f"https://127.0.0.1:{gw}/v1", api_key=creds["keys"]["plus"], max_retries=0,
+                               http_client=openai.DefaultHttpxClient(verify=ca))
+        reply = client.chat.completions.create(model="synthetic", messages=[{"role": "user", "content": "hi"}])
+        assert reply.choices[0].message.content
+    finally:
+        stop_up(proc, signal.SIGTERM)

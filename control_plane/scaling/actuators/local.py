@@ -37,6 +37,7 @@ from control_plane.scaling.actuators import ActuatorCapped, ActuatorError
 from data_plane.common.http_server import free_port
 from data_plane.common.lifeline import die_with_parent
 from data_plane.common.tasks import stop_tasks
+from data_plane.common.tls import TlsConfig
 
 if TYPE_CHECKING:
     from control_plane.settings import ControlPlaneSettings
@@ -94,7 +95,7 @@ class LocalActuator:
     def from_settings(cls, settings: ControlPlaneSettings, http: httpx.AsyncClient) -> LocalActuator:
         host = settings.host if settings.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         return cls(
-            f"http://{host}:{settings.port}",
+            f"{TlsConfig.from_env().scheme}://{host}:{settings.port}",  # `up --tls`: the control plane is https
             http,
             shard_args=shlex.split(settings.shard_args or ""),
             host=host,
@@ -157,7 +158,7 @@ class LocalActuator:
     async def _start(self, reason: str) -> _Shard:
         port = free_port(self._host)
         member_id = f"shard-local-{port}"
-        url = f"http://{self._host}:{port}"
+        url = f"{TlsConfig.from_env().scheme}://{self._host}:{port}"  # it inherits our TLS environment
         self._log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self._log_dir / f"{member_id}.log"
         args = [
