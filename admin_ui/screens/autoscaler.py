@@ -14,8 +14,9 @@ from admin_ui.views.decisions import decisions_frame, replicas_frame
 from admin_ui.views.read import fmt_seconds, items, num
 from admin_ui.views.signals import SignalsView, split_signals
 
-ui.header("Autoscaler", "Target tracking on waiting requests per shard and TTFT p95 against the SLO. "
-                        "Fast up, slow down; never acts on incomplete signals.")
+ui.header("Autoscaler", "Target tracking on waiting requests per shard, queue time p95 and TTFT beyond prefill "
+                        "p95 against the SLO, only under pressure. Fast up, slow down; never acts on incomplete "
+                        "signals.")
 
 
 def _replicas_chart(frame) -> alt.LayerChart:
