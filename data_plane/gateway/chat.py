@@ -410,7 +410,7 @@ class ChatHandler:
         if window.dropped:
             gw.metrics.context_dropped.labels(tier.name).inc(window.dropped)
             gw.metrics.context_slides.labels(tier.name, "moved" if window.cut_moved else "kept").inc()
-        self.x.span.set_attribute("switchboard.context.dropped_messages", window.dropped)
+        self.x.dropped_context(window.dropped)
         self.x.span.set_attribute("switchboard.context.cut_moved", window.cut_moved)
         if settings.log_prompts:
             log.info("request %s prompt=%r", self.request_id, window.messages)
@@ -442,7 +442,7 @@ class ChatHandler:
         x.model, x.shard = checked.model, stream.member.id
         completion = Completion(x, checked.model, policy.output_stream, self.gw.safety_metrics, self._completed,
                                 logprobs=bool(req.logprobs), legacy=bool(req.functions))
-        headers = {"X-Request-Id": self.request_id, **(x.grant.headers if x.grant else {})}
+        headers = x.headers()
         if self.cache_header:
             headers["X-Cache"] = self.cache_header
         if self.session_id:

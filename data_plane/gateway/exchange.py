@@ -37,6 +37,11 @@ class Hold(Protocol):
     def release(self) -> None: ...
 
 
+CONTEXT_DROPPED_HEADER = "x-switchboard-context-dropped"
+"""On a reply whose prompt left older messages out to fit the context window (the sliding window, stateless
+requests too): how many. OpenAI would have answered such a request 400 context_length_exceeded."""
+
+
 class Exchange:
     """A request's slot, rate-limit grant, in-flight gauge, metrics and span; see the module docstring."""
 
@@ -57,6 +62,8 @@ class Exchange:
         """Monotonic time the first content left for the client (after the output filter)."""
         self.used_tokens: int | None = None
         """Real usage once the shard reported it (settles the rate limit and the fair share)."""
+        self.context_dropped = 0
+        """Messages the sliding window left out of the prompt (CONTEXT_DROPPED_HEADER tells the client)."""
         # what the Outcome reports, set by the phase that learns it
         self.level = level
         self.key_id = ""
@@ -87,6 +94,15 @@ class Exchange:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def dropped_context(self, messages: int) -> None:
+        self.context_dropped = messages
+        self.span.set_attribute("switchboard.context.dropped_messages", messages)
+
+    def headers(self) -> dict[str, str]:
+        """The reply's own headers: its id, the rate limit's, and how many older messages the window left out."""
+        dropped = {CONTEXT_DROPPED_HEADER: str(self.context_dropped)} if self.context_dropped else {}
+        return {"X-Request-Id": self.request_id, **(self.grant.headers if self.grant else {}), **dropped}
 
     def admitted(self, ticket: Ticket) -> None:
         """Hold an in-flight slot (the in-flight gauge counts it until `close`)."""

@@ -159,6 +159,25 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(cluster: Clu
     assert all("usage" not in c for c in chunks({"continuous_usage_stats": True}))
 
 
+def test_a_reply_whose_window_left_messages_out_says_how_many(cluster: Cluster) -> None:
+    """A stateless history longer than the window is fitted by leaving its oldest turns out, with a 200: the
+    reply now says so (x-switchboard-context-dropped), where it was silent."""
+    long_turn = "word " * 600
+    history = [{"role": "system", "content": "be brief"}]
+    for _ in range(4):
+        history += [{"role": "user", "content": long_turn}, {"role": "assistant", "content": "ok"}]
+    r = post(cluster, {"messages": [*history, {"role": "user", "content": "and now?"}], "max_tokens": 2},
+             key=KEYS["free"])
+    assert r.status_code == 200, r.text
+    assert int(r.headers["x-switchboard-context-dropped"]) >= 2 and r.json()["usage"]["prompt_tokens"] <= 2048
+    short = post(cluster, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, key=KEYS["free"])
+    assert short.status_code == 200 and "x-switchboard-context-dropped" not in short.headers
+    with client(cluster).chat.completions.with_streaming_response.create(
+            model="synthetic", messages=[*history, {"role": "user", "content": "and now?"}], max_tokens=2,
+            stream=True, extra_headers={"Authorization": f"Bearer {KEYS['free']}"}) as streamed:
+        assert int(streamed.headers["x-switchboard-context-dropped"]) >= 2
+
+
 def test_auth_required(cluster: Cluster) -> None:
     body = {"messages": [{"role": "user", "content": "x"}]}
     for key in (None, "sk-wrong"):
