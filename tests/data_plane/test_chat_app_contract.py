@@ -70,17 +70,21 @@ def test_tool_calls_without_their_results_are_a_400_as_openai_answers_them(gatew
     assert reply.choices[0].message.content
 
 
+def _session_with_a_call(client: Any) -> tuple[dict[str, str], Any]:
+    """A new session whose first turn made one forced get_weather call: its headers and the call."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER],
+        tool_choice="required", parallel_tool_calls=False, max_tokens=40, temperature=0,
+        extra_headers={"X-Session-Id": "new"})
+    return {"X-Session-Id": raw.headers["x-session-id"]}, raw.parse().choices[0].message.tool_calls[0]
+
+
 def test_a_sessions_tool_calls_must_be_answered_before_it_goes_on(gateway: Service) -> None:
     """With X-Session-Id the calls are in the transcript, so the check counts the request's leading tool
     messages against the last turn's calls: a user message instead of the result was served (the call left
     unanswered in the history from then on). The refused turn leaves the session as it was."""
     client = sdk(gateway)
-    raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER],
-        tool_choice="required", parallel_tool_calls=False, max_tokens=40, temperature=0,
-        extra_headers={"X-Session-Id": "new"})
-    session, call = raw.headers["x-session-id"], raw.parse().choices[0].message.tool_calls[0]
-    headers = {"X-Session-Id": session}
+    headers, call = _session_with_a_call(client)
     body = _refused(client, [{"role": "user", "content": "Never mind."}], extra_headers=headers)
     assert body["message"].startswith(UNANSWERED) and "get_weather" in body["message"], body
     assert body["param"] == "messages"
@@ -105,12 +109,7 @@ def test_a_tool_result_that_answers_no_call_of_a_session_is_a_400(gateway: Servi
     with no call of its own before them, were served (the model read a result of nothing, and the session
     kept it); OpenAI and the sessionless path refuse them. A deprecated function result still passes."""
     client = sdk(gateway)
-    raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER],
-        tool_choice="required", parallel_tool_calls=False, max_tokens=40, temperature=0,
-        extra_headers={"X-Session-Id": "new"})
-    session, call = raw.headers["x-session-id"], raw.parse().choices[0].message.tool_calls[0]
-    headers = {"X-Session-Id": session}
+    headers, call = _session_with_a_call(client)
     result = {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"}
     body = _refused(client, [result, {**result, "tool_call_id": "call_other"}], extra_headers=headers)
     assert body["message"].startswith(ORPHAN) and "called 1 tool(s)" in body["message"], body
