@@ -13,6 +13,7 @@ tokenizer already cut the text at each of them, so the runs between them encode 
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -26,8 +27,7 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict[str, str]], *, add_gener
                 continue_final: bool) -> list[int]:
     """`messages` through the tokenizer's chat template, as token ids (see the module docstring)."""
     texts = [m.get("content") for m in messages]
-    added = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
-    spelled = re.compile("|".join(re.escape(a) for a in added)) if added else None
+    spelled = _control_spellings(tokenizer)
     if spelled is None or not any(isinstance(t, str) and spelled.search(t) for t in texts) or any(
             isinstance(t, str) and (_OPEN in t or _CLOSE in t) for t in texts):
         return _ids(tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
@@ -56,6 +56,13 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict[str, str]], *, add_gener
         run += text[last:]
     run += rendered[pos:]
     return ids + (tokenizer.encode(run, add_special_tokens=False) if run else [])
+
+
+@functools.lru_cache(maxsize=4)
+def _control_spellings(tokenizer: Any) -> re.Pattern[str] | None:
+    """The tokenizer's added tokens as one pattern, longest first; built once per tokenizer, not per request."""
+    added = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
+    return re.compile("|".join(re.escape(a) for a in added)) if added else None
 
 
 def _ids(out: Any) -> list[int]:
