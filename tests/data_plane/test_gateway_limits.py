@@ -146,7 +146,19 @@ def test_a_request_larger_than_the_tpm_limit_is_refused(one: Service) -> None:
     r = chat(one.url, KEYS["plus"], max_tokens=1000)
     assert r.status_code == 429 and "Request too large" in r.json()["error"]["message"]
     assert r.headers["retry-after"] == "60" and r.headers["x-ratelimit-limit-tokens"] == "600"
+    assert r.headers["x-should-retry"] == "false"  # it never fits: retrying it only waits
     assert metric(one.url, "switchboard_ratelimit_rejections_total", tier="plus", kind="tokens") >= 1
+
+
+def test_the_sdk_does_not_retry_a_request_larger_than_the_tpm_limit(one: Service) -> None:
+    """With its default retries the SDK waited Retry-After (60 s) twice and sent the same refused request three
+    times; the gateway now tells it not to retry: one request, raised at once."""
+    before = metric(one.url, "switchboard_ratelimit_rejections_total", tier="plus", kind="tokens") or 0
+    sdk = openai.OpenAI(base_url=one.url + "/v1", api_key=KEYS["plus"], timeout=30)  # default max_retries (2)
+    with pytest.raises(openai.RateLimitError) as info:
+        sdk.chat.completions.create(model="synthetic", messages=[{"role": "user", "content": "hi"}], max_tokens=1000)
+    assert "Request too large" in info.value.message
+    assert metric(one.url, "switchboard_ratelimit_rejections_total", tier="plus", kind="tokens") == before + 1
 
 
 async def test_admission_serves_enterprise_first_and_sheds_free_past_its_deadline(one: Service) -> None:

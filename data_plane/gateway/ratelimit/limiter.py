@@ -15,6 +15,10 @@ itself failed before any generation (shed by admission, no shard: a 5xx) also ge
 back (``settle(..., refund_request=True)``): a client that honours ``Retry-After`` through an
 overload is not then refused with 429s for the retries it was told to make.
 
+A request that needs more than a whole minute's allowance (``max_tokens`` plus the prompt above the
+TPM) can never fit: it is refused at once with 429 "Request too large" (as OpenAI does) and
+``x-should-retry: false``, so the openai SDKs raise it instead of retrying it after ``Retry-After``.
+
 The algorithm is a token bucket (equivalently GCRA): a bucket of ``limit`` per minute
 refills continuously at ``limit``/60 s and holds at most ``limit``, so any interval of *t*
 seconds admits at most ``limit * (1 + t/60)`` units, and a burst of exactly ``limit`` from a
@@ -69,6 +73,8 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 KINDS = ("requests", "tokens")
+NO_RETRY_HEADER = "x-should-retry"
+"""Set to ``false`` on a request that can never fit its limit (the openai SDKs' own retry switch)."""
 
 
 class RateLimitMetrics:
@@ -172,10 +178,14 @@ class RateLimiter:
         self.metrics.rejections.labels(tier.name, b.kind).inc()
         span.set_attribute("switchboard.ratelimit.kind", b.kind)
         whose = "this API key" if b.scope.startswith("key:") else f"the {tier.name} tier (all keys together)"
+        extra: dict[str, str] = {}
         if s.retry_us < 0:
             wait_us = b.period_us
             message = (f"Request too large for {whose}: it needs {b.cost} {b.kind} but the limit is "
                        f"{b.limit} {b.kind} per minute. Shorten the prompt or lower max_tokens.")
+            # Retrying the same request can never succeed: the openai SDKs obey this header before the status,
+            # so they raise at once; without it they waited out Retry-After twice (2 minutes) for the same 429.
+            extra[NO_RETRY_HEADER] = "false"
         else:
             wait_us = s.retry_us
             message = (f"Rate limit reached for {b.kind} per minute on {whose} ({tier.name} tier): limit "
@@ -183,7 +193,7 @@ class RateLimiter:
                        f"Please try again in {format_reset(wait_us)}.")
         retry_s = max(1, math.ceil(wait_us / 1_000_000))
         return RateLimited(message, retry_after=retry_s,
-                           headers={**headers, "retry-after-ms": str(max(1, -(-wait_us // 1000)))})
+                           headers={**headers, "retry-after-ms": str(max(1, -(-wait_us // 1000))), **extra})
 
     async def _take(self, buckets: list[Bucket]) -> tuple[list[BucketState], Backend]:
         if self.fallback is None:
