@@ -67,7 +67,7 @@ from data_plane.gateway.ratelimit.buckets import (
     LocalBackend,
     RedisBackend,
 )
-from data_plane.tiers import Tier
+from data_plane.tiers import Tier, TierPolicy
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -90,7 +90,25 @@ class RateLimitMetrics:
         self.backend_errors = Counter(
             "switchboard_ratelimit_backend_errors",
             "Limiter backend calls that failed, by operation (take|adjust).", ["op"], registry=registry)
+        self.limit = Gauge(
+            "switchboard_ratelimit_limit",
+            "The per-minute limits this gateway enforces now, from the tier policy in force (a PUT /admin/v1/tiers "
+            "shows here once the gateway applied it): by tier, kind (requests|tokens) and scope (key: each API key "
+            "of the tier; tier: all its keys together, --tier-rpm/--tier-tpm).",
+            ["tier", "kind", "scope"], registry=registry)
         self.backend_up.set(1)
+
+    def show_policy(self, policy: TierPolicy, tier_rpm: Mapping[str, int] | None = None,
+                    tier_tpm: Mapping[str, int] | None = None) -> None:
+        """Put the limits of `policy` (and the per-tier aggregates) in the `limit` gauge; a tier no longer
+        in the policy leaves it."""
+        self.limit.clear()
+        for tier in map(policy.get, policy.names()):
+            self.limit.labels(tier.name, "requests", "key").set(tier.rpm)
+            self.limit.labels(tier.name, "tokens", "key").set(tier.tpm)
+        for kind, aggregate in (("requests", tier_rpm or {}), ("tokens", tier_tpm or {})):
+            for name, value in aggregate.items():
+                self.limit.labels(name, kind, "tier").set(value)
 
 
 # -- the limiter the gateway uses -----------------------------------------------------------
@@ -140,6 +158,10 @@ class RateLimiter:
         self._clock = clock
         self._down_until = 0.0
         self._pending: set[asyncio.Task[None]] = set()
+
+    def show_policy(self, policy: TierPolicy) -> None:
+        """The tier policy in force changed (or was first read): show its limits in /metrics."""
+        self.metrics.show_policy(policy, self.tier_rpm, self.tier_tpm)
 
     def buckets(self, key_id: str, tier: Tier, tokens: int) -> list[Bucket]:
         out = [Bucket(f"key:{key_id}", "requests", tier.rpm, 1),
