@@ -172,9 +172,10 @@ class RateLimiter:
             out.append(Bucket(f"tier:{tier.name}", "tokens", self.tier_tpm[tier.name], tokens))
         return out
 
-    async def admit(self, key_id: str, tier: Tier, tokens: int) -> Grant:
+    async def admit(self, key_id: str, tier: Tier, tokens: int, too_large_hint: str = "") -> Grant:
         """Take one request and `tokens` from every bucket of this key and tier, or raise
-        :class:`RateLimited` (429, ``Retry-After``) carrying the same ``x-ratelimit-*`` headers."""
+        :class:`RateLimited` (429, ``Retry-After``) carrying the same ``x-ratelimit-*`` headers
+        (`too_large_hint` ends the message when `tokens` can never fit)."""
         tokens = max(0, int(tokens))
         with tracer.start_as_current_span("ratelimit") as span:
             buckets = self.buckets(key_id, tier, tokens)
@@ -190,10 +191,10 @@ class RateLimiter:
                 return Grant(headers, tokens, [b for b in buckets if b.kind == "tokens"], backend,
                              request_buckets=[b for b in buckets if b.kind == "requests"])
             span.set_attribute("switchboard.ratelimit.allowed", False)
-            raise self._refusal(tier, buckets, states, headers, span)
+            raise self._refusal(tier, buckets, states, headers, span, too_large_hint)
 
     def _refusal(self, tier: Tier, buckets: list[Bucket], states: list[BucketState], headers: dict[str, str],
-                 span: trace.Span) -> RateLimited:
+                 span: trace.Span, too_large_hint: str = "") -> RateLimited:
         refused = [(b, s) for b, s in zip(buckets, states) if not s.allowed]
         # The binding limit is the one that keeps the request out longest (never = longest of all).
         b, s = max(refused, key=lambda bs: math.inf if bs[1].retry_us < 0 else bs[1].retry_us)
@@ -204,7 +205,8 @@ class RateLimiter:
         if s.retry_us < 0:
             wait_us = b.period_us
             message = (f"Request too large for {whose}: it needs {b.cost} {b.kind} but the limit is "
-                       f"{b.limit} {b.kind} per minute. Shorten the prompt or lower max_tokens.")
+                       f"{b.limit} {b.kind} per minute. Shorten the prompt or lower max_tokens."
+                       + (f" {too_large_hint}" if too_large_hint and b.kind == "tokens" else ""))
             # Retrying the same request can never succeed: the openai SDKs obey this header before the status,
             # so they raise at once; without it they waited out Retry-After twice (2 minutes) for the same 429.
             extra[NO_RETRY_HEADER] = "false"
