@@ -82,6 +82,12 @@ class UsageQuery:
     key_id: str | None = None
     tier: str | None = None
     model: str | None = None
+    models: tuple[str, ...] = ()
+    """Only these models (any of them); () = every model."""
+    model_requests_only: bool = False
+    """Only requests a model answered (a shard's stream, or the response cache's replay, opened) and the server
+    did not fail (status < 500): what OpenAI's usage API counts as `num_model_requests`. Requests refused before
+    any model (a 400, a 429) and server failures (billed nothing) stay out."""
     bucket_s: int | None = None
     """Bucket width in seconds (3600 = hour, 86400 = day, UTC-aligned); None: one bucket for the range."""
     group_by: tuple[str, ...] = ()
@@ -250,6 +256,11 @@ class _SqlStore:
             if value is not None:
                 where.append(f"{column} = %s")
                 params.append(value)
+        if query.models:
+            where.append(f"model IN ({', '.join(['%s'] * len(query.models))})")
+            params.extend(query.models)
+        if query.model_requests_only:
+            where.append("shard <> '' AND status < 500")
         if query.start is not None:
             where.append("started_at >= %s")
             params.append(query.start)
