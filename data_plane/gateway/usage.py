@@ -67,6 +67,8 @@ GROUPS = ("model", "api_key_id", "batch", "service_tier", "api_source")
 """What group_by may name here; OpenAI's project_id and user_id are refused (no projects or users)."""
 UNSUPPORTED_GROUPS = ("project_id", "user_id")
 PAGE_PREFIX = "page_"
+MAX_TIME = 253402300799
+"""The last second of the year 9999: the largest time (or number) a parameter may give."""
 DISABLED = "off"
 
 
@@ -129,14 +131,15 @@ def _int(params: QueryParams, name: str) -> int | None:
     value = _one(params, name)
     if value is None:
         return None
-    try:
-        number = int(value)
-    except ValueError:
-        raise InvalidRequest(f"{name} must be an integer (unix seconds for times), not {value[:40]!r}",
-                             param=name) from None
-    if number < 0:
+    digits = value.removeprefix("-")
+    if not (digits.isascii() and digits.isdigit()):
+        raise InvalidRequest(f"{name} must be an integer (unix seconds for times), not {value[:40]!r}", param=name)
+    if value.startswith("-"):
         raise InvalidRequest(f"{name} must not be negative", param=name)
-    return number
+    digits = digits.lstrip("0") or "0"
+    if len(digits) > 12 or int(digits) > MAX_TIME:  # (int() of thousands of digits is slow)
+        raise InvalidRequest(f"{name} must be at most {MAX_TIME}", param=name)
+    return int(digits)
 
 
 def _bool(params: QueryParams, name: str) -> bool | None:
@@ -154,7 +157,12 @@ def _cursor(page: str) -> int:
         if not page.startswith(PAGE_PREFIX):
             raise ValueError(page)
         text = page[len(PAGE_PREFIX):]
-        return int(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode())
+        if len(text) > 24:
+            raise ValueError(page)
+        cursor = int(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode())
+        if not 0 <= cursor <= MAX_TIME:
+            raise ValueError(page)
+        return cursor
     except (ValueError, binascii.Error, UnicodeDecodeError):
         raise InvalidRequest("page is not a cursor this API gave: pass the previous response's next_page",
                              param="page") from None

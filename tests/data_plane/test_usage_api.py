@@ -169,6 +169,10 @@ def test_a_key_never_sees_another_keys_usage(usage_gw: Service) -> None:
     ({"start_time": D, "end_time": D}, "start_time"), ({"start_time": "yesterday"}, "start_time"),
     ({"start_time": D, "page": "page_bm9wZQ"}, "page"), ({"start_time": D, "page": "whatever"}, "page"),
     ({"start_time": D, "bucket_width": "1h", "page": "page_" + "MTIz"}, "page"), ({"batch": "maybe"}, "batch"),
+    # a time no float holds was a 500 (OverflowError)
+    ({"start_time": "1" + "0" * 400}, "start_time"), ({"end_time": "9" * 30}, "end_time"),
+    ({"start_time": "-5"}, "start_time"), ({"start_time": "１２"}, "start_time"),
+    ({"page": "page_" + "MTAwMDAwMDAwMDAwMDAwMDAwMDAwMA"}, "page"),
 ])
 def test_what_cannot_be_honoured_is_a_400(usage_gw: Service, params: dict[str, Any], param: str) -> None:
     r = _get(usage_gw, {"start_time": D, **params})
