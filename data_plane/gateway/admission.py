@@ -30,7 +30,8 @@ keeps enterprise time-to-first-token near its unloaded value under saturation: t
 does not preempt, so a request that finds every batch slot taken waits for one to finish,
 however high its priority; with the reserve a slot is usually free for it.
 
-Shedding, with 503 ``overloaded`` and ``Retry-After``:
+Shedding, with 503 ``overloaded`` and ``Retry-After`` (when a slot for the request's tier is likely free,
+estimated from the hold times of the slots: data_plane/gateway/slot_wait.py):
 
 - ``deadline``: a waiter still queued at its tier's deadline. The deadline is
   ``queue_timeout_s`` for the tier shed first and grows with each later shed level
@@ -59,6 +60,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.common.errors import Overloaded
 from data_plane.gateway.fair_share import FairShare
+from data_plane.gateway.slot_wait import SlotHolds
 from data_plane.tiers import Tier, TierPolicy
 
 log = logging.getLogger(__name__)
@@ -105,8 +107,10 @@ class AdmissionConfig:
     """Deadline in the queue for the tier shed first; the k-th shed level waits k times as long."""
     queue_timeouts: Mapping[str, float] = field(default_factory=dict)
     """Per-tier deadlines that override the rule above."""
-    retry_after_s: float = 2.0
-    """Retry-After sent with a shed request."""
+    retry_after_min_s: float = 1.0
+    """Least Retry-After sent with a shed request (the estimate when nothing holds the slots long)."""
+    retry_after_max_s: float = 60.0
+    """Most Retry-After sent with a shed request (the openai SDKs honour at most 60 s)."""
     tenant_top_n: int = 20
     """Tenants per tier with their own series in the fair-share service metric (>= 1); the rest are `other`."""
     tenant_headroom: int = 1
@@ -123,6 +127,8 @@ class AdmissionConfig:
             raise ValueError("admission: queue_size >= 0, queue timeouts > 0 and tenant_top_n >= 1")
         if self.tenant_headroom < 0 or self.tenant_window_s <= 0:
             raise ValueError("admission: tenant_headroom >= 0 and tenant_window_s > 0")
+        if not 0 < self.retry_after_min_s <= self.retry_after_max_s:
+            raise ValueError("admission: 0 < retry_after_min_s <= retry_after_max_s")
 
 
 def shard_capacity(slots: Iterable[str | None], config: AdmissionConfig) -> int | None:
@@ -140,15 +146,17 @@ class Ticket:
     (more calls are no-ops), with the tokens it really used (prompt + output) when known, so the
     tenant's fair-share counter is settled. A ticket dropped unreleased frees its slot when collected."""
 
-    __slots__ = ("_admission", "_loop", "_released", "charged", "slots", "tenant", "tier")
+    __slots__ = ("_admission", "_loop", "_released", "charged", "hold_id", "slots", "tenant", "tier")
 
-    def __init__(self, admission: Admission, tier: str, tenant: str = "", charged: int = 0, slots: int = 1) -> None:
+    def __init__(self, admission: Admission, tier: str, tenant: str = "", charged: int = 0, slots: int = 1,
+                 hold_id: int = -1) -> None:
         self.tier = tier
         self.tenant = tenant
         self.charged = charged
         """Tokens charged to the tenant at admission (the estimate)."""
         self.slots = slots
         """Batch slots held (the request's choices, at most its tier's cap)."""
+        self.hold_id = hold_id
         self._admission = admission
         self._released = False
         self._loop = asyncio.get_running_loop()
@@ -206,6 +214,8 @@ class Admission:
         self._tenant_inflight: dict[tuple[str, str], int] = defaultdict(int)
         self._recent: dict[str, OrderedDict[str, float]] = defaultdict(OrderedDict)
         """tier -> tenant -> when its last request was admitted (oldest first; pruned past the window)."""
+        self.holds = SlotHolds(config.retry_after_min_s, config.retry_after_max_s)
+        """The slots held and for how long they are held: the shed requests' Retry-After."""
 
     @property
     def inflight(self) -> int:
@@ -323,7 +333,9 @@ class Admission:
         self.metrics.inflight.set(self._inflight)
         self.metrics.wait.labels(tier).observe(waited_s)
         self.fair_share.charge(tier, tenant, tokens)
-        return Ticket(self, tier, tenant, tokens, slots)
+        hold_id = next(self._seq)
+        self.holds.start(hold_id, self._clock(), slots)
+        return Ticket(self, tier, tenant, tokens, slots, hold_id)
 
     def _next(self) -> _Waiter | None:
         """The waiter to admit next: the best priority level with waiters, then the least-served
@@ -364,6 +376,7 @@ class Admission:
 
     def _release(self, ticket: Ticket, used_tokens: int | None) -> None:
         self._inflight -= ticket.slots
+        self.holds.end(ticket.hold_id, self._clock())
         key = (ticket.tier, ticket.tenant)
         self._tenant_inflight[key] -= ticket.slots
         if not self._tenant_inflight[key]:
@@ -400,7 +413,18 @@ class Admission:
         self.metrics.shed.labels(w.tier.name, reason).inc()
         log.debug("admission shed a %s request (%s) after %.2fs", w.tier.name, reason,
                   self._clock() - w.enqueued)
-        w.future.set_exception(Overloaded(message, retry_after=self.config.retry_after_s))
+        w.future.set_exception(Overloaded(message, retry_after=self.retry_after_s(w)))
+
+    def retry_after_s(self, w: _Waiter) -> float:
+        """When a slot for shed `w` is likely free: the slots that must free before a retry of it starts (those
+        in flight past its tier's cap, plus those of the waiters of its priority or better that go first)."""
+        capacity = self._capacity()
+        if capacity is None:
+            return self.config.retry_after_min_s
+        cap = self.cap(w.rank, capacity)
+        ahead = sum(min(x.slots, cap) for priority, level in self._queues.items() if priority <= w.tier.priority
+                    for waiters in level.values() for x in waiters)
+        return self.holds.wait_s(self._inflight + ahead + min(w.slots, cap) - cap, self._clock())
 
     def _expire(self, w: _Waiter) -> None:
         if not w.gone:

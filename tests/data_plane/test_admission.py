@@ -120,11 +120,68 @@ async def test_a_waiter_past_its_deadline_is_shed_with_503_and_retry_after() -> 
     with pytest.raises(Overloaded) as info:
         await adm.acquire(FREE, POLICY)
     err = info.value
-    assert err.status == 503 and err.code == "overloaded" and err.response_headers()["Retry-After"] == "2"
+    assert err.status == 503 and err.code == "overloaded"
+    assert err.response_headers()["Retry-After"] == "1"  # the slot held ~0.05 s so far: a short wait
     assert registry.get_sample_value("switchboard_admission_shed_total", {"tier": "free", "reason": "deadline"}) == 1
     assert adm.waiting == 0
     held.release()
     assert adm.inflight == 0
+
+
+async def test_retry_after_estimates_when_a_slot_frees_from_the_hold_times() -> None:
+    """Retry-After was a fixed 2 s: in a burst whose requests held every slot ~23 s, a client retrying after 2 s
+    queued and was shed again, and the openai SDK gave up after its retries (~21 s) with the slots still busy."""
+    now = {"t": 0.0}
+    adm = Admission(AdmissionMetrics(CollectorRegistry()), AdmissionConfig(reserve=0.0, queue_size=1),
+                    capacity=lambda: 2, clock=lambda: now["t"])
+
+    async def shed_after_a_queued_one() -> tuple[float, asyncio.Task[Ticket]]:
+        queued = asyncio.create_task(adm.acquire(FREE, POLICY, tenant="a"))
+        await settle()
+        with pytest.raises(Overloaded) as info:  # the queue (1) is full: the newcomer is shed
+            await adm.acquire(FREE, POLICY, tenant="a")
+        return float(info.value.response_headers()["Retry-After"]), queued
+
+    burst = [await adm.acquire(ENT, POLICY) for _ in range(2)]
+    now["t"] = 5.0
+    retry, queued = await shed_after_a_queued_one()
+    # no hold completed yet: both slots taken 5 s ago, each assumed to last as long again; the shed one needs
+    # both to free (the queued one goes first)
+    assert retry == 5
+    now["t"] = 23.0
+    for t in burst:
+        t.release()
+    ticket = await queued
+    now["t"] = 46.0
+    ticket.release()  # three 23 s holds are the history now
+    burst = [await adm.acquire(ENT, POLICY) for _ in range(2)]
+    now["t"] = 51.0
+    retry, queued = await shed_after_a_queued_one()
+    assert retry == 18  # 23 s holds, 5 s in: 18 s left
+    now["t"] = 200.0  # far past the history: the ages say they last as long again, at most 60 s
+    with pytest.raises(Overloaded) as info:
+        await adm.acquire(FREE, POLICY, tenant="b")
+    assert info.value.response_headers()["Retry-After"] == "60"
+    for t in burst:
+        t.release()
+    (await queued).release()
+    quick = await adm.acquire(ENT, POLICY)  # a short request while another is queued: a short wait
+    other = await adm.acquire(ENT, POLICY)
+    now["t"] = 200.5
+    quick.release()
+    other.release()
+    for _ in range(20):  # the history turns short
+        t = await adm.acquire(ENT, POLICY)
+        now["t"] += 0.3
+        t.release()
+    held = [await adm.acquire(ENT, POLICY) for _ in range(2)]
+    now["t"] += 0.1
+    retry, queued = await shed_after_a_queued_one()
+    assert retry == 1
+    for t in held:
+        t.release()
+    (await queued).release()
+    assert adm.inflight == 0 and adm.waiting == 0
 
 
 def test_deadlines_grow_along_the_shed_order() -> None:
