@@ -35,6 +35,7 @@ KEYS = {
     "bulk": "sk-lim-bulk-0123456789",       # priority 2 like free, but a large rpm: queue ordering
     "plus": "sk-lim-plus-0123456789",       # tpm 600
     "plus2": "sk-lim-plus2-0123456789",
+    "plus3": "sk-lim-plus3-0123456789",
     "enterprise": "sk-lim-ent-0123456789",
 }
 TIERS = {"tiers": {
@@ -52,7 +53,7 @@ RESET = re.compile(r"^(\d+h)?(\d+m)?\d+(\.\d+)?(ms|s)$")
 
 
 def keys_env(names: list[str]) -> dict[str, str]:
-    tier = {"free2": "free", "plus2": "plus"}
+    tier = {"free2": "free", "plus2": "plus", "plus3": "plus"}
     return {"SWITCHBOARD_GATEWAY_API_KEYS": ",".join(f"{KEYS[n]}:acme:{tier.get(n, n)}" for n in names)}
 
 
@@ -152,14 +153,25 @@ def test_a_request_larger_than_the_tpm_limit_is_refused(one: Service) -> None:
     assert metric(one.url, "switchboard_ratelimit_rejections_total", tier="plus", kind="tokens") >= 1
 
 
-def test_a_request_without_max_tokens_refused_as_too_large_says_the_tiers_cap_was_counted(one: Service) -> None:
-    """plus: TPM 600, output cap 1024. "hi" without max_tokens was refused as needing 1035 tokens, and told to
-    "lower max_tokens", which it never set."""
+def test_a_request_without_max_tokens_gets_a_default_cap_that_fits_the_tpm(one: Service) -> None:
+    """plus: TPM 600, output cap 1024. A request without max_tokens was counted with the whole cap, so "hi" needed
+    1035 tokens and every such request of the tier was refused as too large, forever. Its default cap is now
+    what the minute's tokens leave after the prompt, and the reply stops there (finish_reason "length")."""
     r = chat(one.url, KEYS["plus"], max_tokens=None)
-    assert r.status_code == 429 and r.headers["x-should-retry"] == "false"
-    message = r.json()["error"]["message"]
-    assert "Request too large" in message and "sets no max_tokens" in message and "cap of 1024" in message
-    assert "sets no max_tokens" not in chat(one.url, KEYS["plus"], max_tokens=1000).json()["error"]["message"]
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "stop"  # the synthetic answer (16 tokens) fits the room
+    words = 581  # the room left: 600 - (581 + 9) = 10 tokens
+    body = {"model": "synthetic", "messages": [{"role": "user", "content": " ".join(["word"] * words)}],
+            "ignore_eos": True}  # without it the synthetic engine ends every answer after 16 tokens
+    long = httpx.post(one.url + "/v1/chat/completions", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {KEYS['plus3']}"})
+    assert long.status_code == 200, long.text
+    assert long.json()["choices"][0]["finish_reason"] == "length"
+    assert long.json()["usage"]["completion_tokens"] == 600 - estimate(body["messages"][0]["content"], 0) == 10
+    assert 0 <= int(long.headers["x-ratelimit-remaining-tokens"]) <= 1  # the estimate took the whole minute
+    big = chat(one.url, KEYS["plus2"], max_tokens=None, content=" ".join(["word"] * 600))  # the prompt alone
+    assert big.status_code == 429 and "prompt leaves no room" in big.json()["error"]["message"]
+    assert "prompt leaves no room" not in chat(one.url, KEYS["plus"], max_tokens=1000).json()["error"]["message"]
 
 
 def test_the_sdk_does_not_retry_a_request_larger_than_the_tpm_limit(one: Service) -> None:
