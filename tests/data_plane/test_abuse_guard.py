@@ -30,7 +30,7 @@ def test_a_throttled_key_retrying_at_retry_after_is_served_not_refused_again() -
     clock.now += 0.6
     with pytest.raises(RateLimited) as info:
         guard.admit(who)
-    assert info.value.code == "abuse_throttled"
+    assert info.value.code == "abuse_throttled" and info.value.type == "rate_limit_error"  # not an RPM/TPM limit
     wait = int(info.value.response_headers()["Retry-After"])
     assert wait == 60  # 59.4 s, rounded up
     clock.now += wait

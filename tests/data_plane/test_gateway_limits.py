@@ -112,7 +112,8 @@ def test_over_the_rpm_limit_is_429_with_retry_after_before_any_shard_work(one: S
         assert chat(one.url, KEYS["free"], max_tokens=1).status_code == 200
     r = chat(one.url, KEYS["free"], max_tokens=1)
     assert r.status_code == 429
-    assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "rate_limit_exceeded"
+    # OpenAI's body: {"type": "requests", "code": "rate_limit_exceeded"} (it was type rate_limit_error)
+    assert r.json()["error"]["type"] == "requests" and r.json()["error"]["code"] == "rate_limit_exceeded"
     assert 1 <= int(r.headers["retry-after"]) <= 20  # 3/min: a request back every 20 s
     assert r.headers["x-ratelimit-remaining-requests"] == "0" and all(h in r.headers for h in HEADERS)
     streamed = chat(one.url, KEYS["free"], stream=True)  # refused before the first SSE byte
@@ -148,6 +149,7 @@ def test_tokens_are_estimated_then_settled_with_real_usage(one: Service) -> None
 def test_a_request_larger_than_the_tpm_limit_is_refused(one: Service) -> None:
     r = chat(one.url, KEYS["plus"], max_tokens=1000)
     assert r.status_code == 429 and "Request too large" in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "tokens"  # the limit it does not fit, as OpenAI names it
     assert r.headers["retry-after"] == "60" and r.headers["x-ratelimit-limit-tokens"] == "600"
     assert r.headers["x-should-retry"] == "false"  # it never fits: retrying it only waits
     assert metric(one.url, "switchboard_ratelimit_rejections_total", tier="plus", kind="tokens") >= 1
@@ -161,13 +163,13 @@ def test_a_request_without_max_tokens_gets_a_default_cap_that_fits_the_tpm(one: 
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] == "stop"  # the synthetic answer (16 tokens) fits the room
     words = 581  # the room left: 600 - (581 + 9) = 10 tokens
-    body = {"model": "synthetic", "messages": [{"role": "user", "content": " ".join(["word"] * words)}],
-            "ignore_eos": True}  # without it the synthetic engine ends every answer after 16 tokens
+    content = " ".join(["word"] * words)
+    body = {"model": "synthetic", "messages": [{"role": "user", "content": content}], "ignore_eos": True}  # without it the synthetic engine ends every answer after 16 tokens
     long = httpx.post(one.url + "/v1/chat/completions", json=body, timeout=30,
                       headers={"Authorization": f"Bearer {KEYS['plus3']}"})
     assert long.status_code == 200, long.text
     assert long.json()["choices"][0]["finish_reason"] == "length"
-    assert long.json()["usage"]["completion_tokens"] == 600 - estimate(body["messages"][0]["content"], 0) == 10
+    assert long.json()["usage"]["completion_tokens"] == 600 - estimate(content, 0) == 10
     assert 0 <= int(long.headers["x-ratelimit-remaining-tokens"]) <= 1  # the estimate took the whole minute
     big = chat(one.url, KEYS["plus2"], max_tokens=None, content=" ".join(["word"] * 600))  # the prompt alone
     assert big.status_code == 429 and "prompt leaves no room" in big.json()["error"]["message"]

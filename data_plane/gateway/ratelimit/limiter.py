@@ -223,7 +223,7 @@ class RateLimiter:
                        f"{b.limit}, remaining {s.remaining}, requested {b.cost}. "
                        f"Please try again in {format_reset(wait_us)}.")
         retry_s = max(1, math.ceil(wait_us / 1_000_000))
-        return RateLimited(message, retry_after=retry_s,
+        return RateLimited(message, limit=b.kind, retry_after=retry_s,
                            headers={**headers, "retry-after-ms": str(max(1, -(-wait_us // 1000))), **extra})
 
     async def _take(self, buckets: list[Bucket]) -> tuple[list[BucketState], Backend]:
