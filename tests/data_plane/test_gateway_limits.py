@@ -224,7 +224,10 @@ async def test_admission_serves_enterprise_first_and_sheds_free_past_its_deadlin
         ent = asyncio.create_task(call(client, "enterprise-late"))
         shed = await free
         assert shed.status_code == 503 and shed.json()["error"]["code"] == "overloaded", shed.text
-        assert int(shed.headers["retry-after"]) >= 1 and "x-ratelimit-remaining-requests" in shed.headers
+        assert "x-ratelimit-remaining-requests" in shed.headers
+        # When a free slot is likely (it was always 2 s): the holder, in flight for >= free2's 1.5 s wait and so
+        # held >= 3 s, then a slot each for the two bulk requests queued ahead of a retry
+        assert 4 <= int(shed.headers["retry-after"]) <= 60, shed.headers
         results = await asyncio.gather(holder, *bulk, ent)
     # The shed request was given back to free2's 3 RPM (it used to count): a retry is its first request.
     retry = chat(one.url, KEYS["free2"], max_tokens=1)
