@@ -162,6 +162,11 @@ def test_a_request_without_max_tokens_gets_a_default_cap_that_fits_the_tpm(one: 
     r = chat(one.url, KEYS["plus"], max_tokens=None)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] == "stop"  # the synthetic answer (16 tokens) fits the room
+    # Such a request reserves the whole minute until it is settled: the next one waits for the refill of what the
+    # last one used (429, retry-after-ms under a second), which the SDK waits out. The Responses API too.
+    time.sleep(0.3)  # settlement runs in its own task right after the response
+    sdk = openai.OpenAI(base_url=one.url + "/v1", api_key=KEYS["plus"], timeout=30)  # default max_retries (2)
+    assert sdk.responses.create(model="synthetic", input="hi", store=False).status == "completed"
     words = 581  # the room left: 600 - (581 + 9) = 10 tokens
     content = " ".join(["word"] * words)
     body = {"model": "synthetic", "messages": [{"role": "user", "content": content}], "ignore_eos": True}  # without it the synthetic engine ends every answer after 16 tokens
