@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from data_plane.common.errors import Overloaded
 from data_plane.gateway.admission import Admission, AdmissionConfig, AdmissionMetrics, Ticket, shard_capacity
+from data_plane.gateway.slot_wait import SlotHolds
 from data_plane.tiers import TierPolicy
 
 POLICY = TierPolicy.default()
@@ -182,6 +183,21 @@ async def test_retry_after_estimates_when_a_slot_frees_from_the_hold_times() -> 
         t.release()
     (await queued).release()
     assert adm.inflight == 0 and adm.waiting == 0
+
+
+def test_slot_holds_count_slots_per_request_and_rounds_past_the_slots_in_flight() -> None:
+    holds = SlotHolds(min_s=1.0, max_s=60.0)
+    assert holds.wait_s(3, now=0.0) == 1.0  # nothing in flight: the least
+    for i in range(3):  # three 10 s holds: the history
+        holds.start(i, 0.0, 1)
+        holds.end(i, 10.0)
+    holds.start(10, 10.0, 2)  # two slots (n=2), taken at 10 s
+    holds.start(11, 14.0, 1)
+    # at 16 s: mean age (6*2 + 2) / 3 = 4.67, so the hold is the history's 10 s; the n=2 request frees two
+    # slots at 20 s, the other one at 24 s; the fourth slot needed is one more hold after the first
+    assert [holds.wait_s(k, now=16.0) for k in (1, 2, 3, 4)] == [4.0, 4.0, 8.0, 14.0]
+    holds.end(10, 16.0)  # held 6 s: the average moves to 0.8 * 10 + 0.2 * 6 = 9.2 s
+    assert holds.wait_s(1, now=16.0) == pytest.approx(7.2)
 
 
 def test_deadlines_grow_along_the_shed_order() -> None:
