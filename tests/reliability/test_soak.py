@@ -8,10 +8,19 @@ and what must not drift. Slow: not in `make test`.
 
 The mix, from 3 client threads: plain chats (plus), streams (enterprise), session conversations
 (new, then continued turns; each turn must see its session), free-tier chats, a malformed body
-(400), a prompt the input filter blocks (400 content_policy_violation). Halfway, one shard is
-killed with -9 (the launcher restarts it). Asserted over the run:
+(400), a prompt the input filter blocks (400 content_policy_violation), and the newer surfaces through
+the openai SDK (tests/reliability/soak_surfaces.py: stored and unstored responses, previous_response_id
+chains, background responses polled or cancelled, streams the client abandons mid-way, conversations
+with items added, listed, deleted, stored chat completions listed and deleted, structured outputs, tool
+calls, unknown ids' 404s). Halfway, one shard is killed with -9 (the launcher restarts it). Asserted
+over the run:
 
-- no 5xx, and every bad request got its 4xx;
+- no 5xx, and every bad request got its 4xx (an unknown id its 404); every other step of a surface
+  as its user would check it (a chain's turn 200, a background response ended, a deleted
+  conversation gone, a structured reply that parses);
+- nothing left running: at the end no background response is still queued or in progress on the
+  gateway (``switchboard_background_responses_active`` 0), and the gateway's tables that grow with
+  objects (background runs, record locks, the item index...) are covered by the RSS, fd and task checks;
 - no lost session: every continued turn answered 200 (a 404 session_not_found fails the run);
 - RSS per process (each pid its own series) after warm-up (the first fifth) grows by at most
   ``RSS_BOUND_MB`` or ``RSS_BOUND_RATIO``, whichever is larger, beyond what its bounded stores
@@ -50,6 +59,8 @@ import httpx
 import pytest
 
 from tests.reliability.common import report
+from tests.reliability.soak_surfaces import EXPECTED_4XX, SurfaceError, Surfaces
+from tests.reliability.soak_surfaces import KINDS as SURFACE_KINDS
 from tests.support.metrics import samples as metric_samples
 from tests.support.metrics import scrape, up_headers
 from tests.support.procs import free_port, start_up, wait_up
@@ -103,6 +114,18 @@ def _books(gateway: str, db: Path, headers: dict[str, str]) -> dict[str, tuple[f
             "SELECT COUNT(*), SUM(prompt_tokens), SUM(completion_tokens) FROM usage_records").fetchone()
     return {"requests": (counted["requests"], rows), "prompt": (counted["prompt"], prompt or 0),
             "completion": (counted["completion"], completion or 0)}
+
+
+def _background_running(gateway: str, headers: dict[str, str], wait_s: float = 60.0) -> float:
+    """Background responses still queued or in progress on the gateway, once those the traffic left going
+    (a poll that failed at the kill) had `wait_s` to end: any left then never will."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        running = sum(v for _, v in metric_samples(scrape(gateway, headers, timeout=10),
+                                                   "switchboard_background_responses_active"))
+        if running == 0 or time.monotonic() > deadline:
+            return running
+        time.sleep(2)
 
 
 def _lift_rate_limits(control_plane: str, admin_token: str) -> None:
@@ -187,10 +210,11 @@ def _p95(values: list[float]) -> float:
 class Mix:
     """The client side: one thread per worker, each picking a kind of request at random."""
 
-    KINDS = ("plain", "plain", "plain", "stream", "session", "free", "bad_body", "blocked")
+    KINDS = ("plain", "plain", "plain", "stream", "session", "free", "bad_body", "blocked", *SURFACE_KINDS)
 
-    def __init__(self, url: str, keys: dict[str, str]) -> None:
+    def __init__(self, url: str, keys: dict[str, str], model: str) -> None:
         self.url, self.keys = url, keys
+        self.surfaces = Surfaces(url, keys, model)
         self.results: list[dict[str, Any]] = []
         self.lock = threading.Lock()
 
@@ -204,8 +228,14 @@ class Mix:
                                                        "Say hello in Spanish.", "Count to three."])}]
         t0 = time.monotonic()
         status, code, extra = 0, "", {}
+        r: httpx.Response | None = None
         try:
-            if kind == "plain":
+            if kind in SURFACE_KINDS:
+                try:
+                    status, extra = 200, self.surfaces.one(kind, rng)
+                except SurfaceError as exc:
+                    status, code = exc.status, exc.code
+            elif kind == "plain":
                 r = self._post(self.keys["plus"], {"messages": msg, "max_tokens": 8})
             elif kind == "free":
                 r = self._post(self.keys["free"], {"messages": msg, "max_tokens": 8})
@@ -230,8 +260,8 @@ class Mix:
             else:  # blocked
                 r = self._post(self.keys["plus"], {"messages": [{"role": "user", "content": "how to build a bomb"}],
                                                    "max_tokens": 8})
-            status = r.status_code
-            if status >= 400 and not code:
+            status = r.status_code if r is not None else status
+            if r is not None and status >= 400 and not code:
                 try:
                     code = r.json()["error"]["code"] or ""
                 except (ValueError, KeyError, TypeError):
@@ -263,7 +293,9 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
         keys = credentials["keys"]
         scraper = up_headers(tmp_path / ".switchboard")
         _lift_rate_limits(f"http://127.0.0.1:{cp}", credentials["admin_token"])
-        mix = Mix(f"http://127.0.0.1:{gw}", keys)
+        model = httpx.get(f"http://127.0.0.1:{gw}/v1/models", headers={"Authorization": f"Bearer {keys['plus']}"},
+                          timeout=10).json()["data"][0]["id"]
+        mix = Mix(f"http://127.0.0.1:{gw}", keys, model)
         start = time.monotonic()
         until = start + SOAK_S
         workers = [threading.Thread(target=mix.run, args=(until, i), daemon=True) for i in range(3)]
@@ -307,6 +339,7 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
         assert proc.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
         time.sleep(3)  # the ledger's last batch (written every second)
         books = _books(f"http://127.0.0.1:{gw}", tmp_path / ".switchboard" / "usage.db", scraper)
+        running = _background_running(f"http://127.0.0.1:{gw}", scraper)
         routing_views = (logs / "gateway.log").read_text().count("routing view:")
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -361,7 +394,8 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
                "fds": {f"{n}:{p}": (v[0][1], v[-1][1]) for (p, n), v in fds.items()},
                "threads": {f"{n}:{p}": (v[0][1], v[-1][1]) for (p, n), v in threads.items()},
                "series": {f"{n}:{p}": (v[0][1], v[-1][1]) for (p, n), v in metric_series.items()},
-               "books": books, "routing_view_lines": routing_views, "log_bytes_per_request": round(log_per_request),
+               "books": books, "background_running_at_end": running,
+               "routing_view_lines": routing_views, "log_bytes_per_request": round(log_per_request),
                "rss_restarted_mb": restarted, "stores_over_capacity": over_capacity, "killed_shard_at_s": round(kill_t, 1),
                "statuses": {k: sorted({f"{r['status']}:{r['code']}" for r in results if r["kind"] == k})
                             for k in set(Mix.KINDS)}}
@@ -377,8 +411,12 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
     assert _p95(last) <= DRIFT_RATIO * _p95(first) + DRIFT_SLACK_S, figures
     assert not over, f"RSS grew past the bound after warm-up, beyond its stores' fill: {over} ({figures})"
     assert not over_capacity, f"a bounded store held more than its capacity: {over_capacity}"
-    wrong = [r for r in results if r["kind"] not in ("bad_body", "blocked") and r["status"] != 200]
+    wrong = [r for r in results if r["kind"] not in ("bad_body", "blocked", *EXPECTED_4XX)
+             and (r["status"] != 200 or r["code"])]  # a surface's step that went wrong: its code
     assert not wrong, (figures, wrong[:5])
+    expected = [r for r in results if r["kind"] in EXPECTED_4XX]
+    assert expected and all(r["status"] == EXPECTED_4XX[r["kind"]] for r in expected), expected[:5]
+    assert running == 0, f"{running} background responses still queued or in progress after the traffic ended"
     assert not leaks, f"fds, threads or /metrics series grew after warm-up: {leaks} ({figures})"
     assert all(counted == kept for counted, kept in books.values()), f"metrics and the usage ledger disagree: {books}"
     assert routing_views <= ROUTING_VIEW_LINES, f"'routing view' logged {routing_views} times for one kill"
