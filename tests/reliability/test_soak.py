@@ -34,8 +34,9 @@ over the run:
   is within ``DRIFT_RATIO`` x the first window's p95 + ``DRIFT_SLACK_S`` (requests within 30 s of
   the kill left out);
 - what else a leak shows as, per process after warm-up (the same samples): open fds grow by at most
-  ``FD_BOUND``, threads by ``THREAD_BOUND``, and its /metrics series by ``SERIES_BOUND_RATIO`` (a label
-  fed per request or per session would add one a request);
+  ``FD_BOUND``, threads by ``THREAD_BOUND``, asyncio tasks not done (``switchboard_<process>_asyncio_tasks``)
+  by ``TASK_BOUND``, and its /metrics series by ``SERIES_BOUND_RATIO`` (a label fed per request or per
+  session would add one a request);
 - the books agree: the gateway's request and token counters equal the usage ledger's rows and sums;
 - the logs say what changed: "routing view" only for shard changes (the kill and the restart; it
   was logged each time a cache node announced its KV bytes, every 10 s under load), and the logs
@@ -76,6 +77,10 @@ DRIFT_SLACK_S = 1.0
 SAMPLE_EVERY_S = 5.0
 FD_BOUND = 32
 THREAD_BOUND = 8
+TASK_BOUND = 64
+"""asyncio tasks not done per process (the median of the last third after warm-up over the first's): the
+mix has 3 threads and at most 8 background runs per tenant in flight; a task leaked per request adds
+hundreds."""
 SERIES_BOUND_RATIO = 1.25
 ROUTING_VIEW_LINES = 8
 """The kill and the restart are a few changes each (gone, critical, back); 35 min of the soak before
@@ -92,15 +97,19 @@ def _fds_threads(pid: int) -> tuple[int, int] | None:
         return None
 
 
-def _series(port: int | None, headers: dict[str, str]) -> int | None:
-    """How many samples the process's /metrics holds (its series)."""
+def _series(port: int | None, headers: dict[str, str]) -> tuple[int, float | None] | None:
+    """How many samples the process's /metrics holds (its series), and its asyncio tasks not done
+    (``switchboard_<process>_asyncio_tasks``)."""
     if port is None:
         return None
     try:
         text = scrape(f"http://127.0.0.1:{port}", headers, timeout=5)
     except httpx.HTTPError:
         return None
-    return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+    tasks = next((float(line.rsplit(" ", 1)[1]) for line in lines
+                  if line.startswith("switchboard_") and line.split(" ", 1)[0].endswith("_asyncio_tasks")), None)
+    return len(lines), tasks
 
 
 def _books(gateway: str, db: Path, headers: dict[str, str]) -> dict[str, tuple[float, float]]:
@@ -307,6 +316,7 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
         fds: dict[tuple[int, str], list[tuple[float, float]]] = {}
         threads: dict[tuple[int, str], list[tuple[float, float]]] = {}
         metric_series: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        tasks: dict[tuple[int, str], list[tuple[float, float]]] = {}
         logs = tmp_path / ".switchboard" / "logs"
         log_bytes: list[tuple[float, int, int]] = []  # (t, bytes of all logs, requests so far)
         killed_at = None
@@ -325,9 +335,11 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
                 if counts is not None:
                     fds.setdefault((pid, node), []).append((now - start, counts[0]))
                     threads.setdefault((pid, node), []).append((now - start, counts[1]))
-                n_series = _series(port, scraper)
-                if n_series is not None:
-                    metric_series.setdefault((pid, node), []).append((now - start, n_series))
+                scraped = _series(port, scraper)
+                if scraped is not None:
+                    metric_series.setdefault((pid, node), []).append((now - start, scraped[0]))
+                    if scraped[1] is not None:
+                        tasks.setdefault((pid, node), []).append((now - start, scraped[1]))
             log_bytes.append((now - start, sum(f.stat().st_size for f in logs.iterdir()), len(mix.results)))
             if killed_at is None and now - start >= SOAK_S / 2:
                 shard = next(p for p, (n, _) in _children(proc.pid).items() if n.startswith("shard-"))
@@ -375,7 +387,8 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
             store_growth[name] = round(filled, 1)
             growth[name] = round(raw_growth[name] - filled, 1)
     leaks = {}
-    for kind, table, bound in (("fds", fds, FD_BOUND), ("threads", threads, THREAD_BOUND), ("series", metric_series, None)):
+    for kind, table, bound in (("fds", fds, FD_BOUND), ("threads", threads, THREAD_BOUND), ("tasks", tasks, TASK_BOUND),
+                               ("series", metric_series, None)):
         for (pid, node), samples_ in table.items():
             grew = _growth(samples_, SOAK_S / 5) if samples_[0][0] <= SOAK_S / 5 else None
             limit = bound if bound is not None else (SERIES_BOUND_RATIO - 1) * samples_[0][1]
@@ -393,6 +406,7 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
                "rss_growth_mb": growth, "rss_raw_growth_mb": raw_growth, "store_fill_mb": store_growth,
                "fds": {f"{n}:{p}": (v[0][1], v[-1][1]) for (p, n), v in fds.items()},
                "threads": {f"{n}:{p}": (v[0][1], v[-1][1]) for (p, n), v in threads.items()},
+               "asyncio_tasks": {f"{n}:{p}": (v[0][1], v[-1][1]) for (p, n), v in tasks.items()},
                "series": {f"{n}:{p}": (v[0][1], v[-1][1]) for (p, n), v in metric_series.items()},
                "books": books, "background_running_at_end": running,
                "routing_view_lines": routing_views, "log_bytes_per_request": round(log_per_request),
