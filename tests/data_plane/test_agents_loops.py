@@ -3,7 +3,8 @@ triage agent hands off to a weather agent whose function tool runs once (functio
 function_call_output -> the answer), streamed and not, on a server-side chain, with an output type, and
 every body and stream event the gateway sent checked against the openai SDK's own types (what a typed
 client or proxy validates). A chain whose previous response is gone is OpenAI's 400
-`previous_response_not_found`, the code clients read to start the chain again with the whole history.
+`previous_response_not_found`, the code clients read to start the chain again with the whole history; a
+run that stops on its tool leaves the call open and the next turn sends its output.
 What test_clients_compat.py, test_structured_api.py and test_responses_*.py cover is not repeated here.
 
     PYTHONPATH=$PWD .venv/bin/python -m pytest tests/data_plane/test_agents_loops.py -q   # ~1 min (real model)
@@ -204,3 +205,56 @@ def test_a_previous_response_that_is_gone_is_openais_400_and_the_app_starts_agai
 
     again = asyncio.run(chat_on(deleted.id))
     assert again.final_output and again.last_response_id
+
+
+def test_a_run_that_stops_on_its_tool_leaves_the_call_open_and_the_next_turn_answers_it(gateway: Service) -> None:
+    """`tool_use_behavior="stop_on_first_tool"` on a server-side conversation (or chain): the run ends on the
+    tool's result, which the SDK never sends up (it only delivers items with a model call), so the conversation
+    holds a function_call without its output and a next run with only a new message is OpenAI's 400 "No tool
+    output found for function call ..." (the same at OpenAI: openai-agents-python#1061; not ours to change).
+    The app goes on by sending the outputs the first run made: at the head of the next run's input, or added
+    to the conversation with `conversations.items.create` (streamed too); the refused turn left nothing."""
+    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=120)
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        return f"Sunny in {city}"
+
+    agent = Agent(name="weather", instructions="Use the tool.", tools=[get_weather],
+                  model=OpenAIResponsesModel(MODEL, client), tool_use_behavior="stop_on_first_tool",
+                  model_settings=ModelSettings(temperature=0, max_tokens=40, tool_choice="required",
+                                               parallel_tool_calls=False))
+
+    def outputs(result: Any) -> list[Any]:
+        return [item.raw_item for item in result.new_items if item.type == "tool_call_output_item"]
+
+    async def run() -> None:
+        conv = (await client.conversations.create()).id
+        first = await Runner.run(agent, "What is the weather in Paris?", conversation_id=conv, max_turns=2)
+        assert first.final_output == "Sunny in Paris"
+        with pytest.raises(openai.BadRequestError) as refused:
+            await Runner.run(agent, "And in Rome?", conversation_id=conv, max_turns=2)
+        (call,) = [i for i in first.new_items if i.type == "tool_call_item"]
+        assert refused.value.body["message"] == (  # type: ignore[index]
+            f"No tool output found for function call {call.raw_item.call_id}.")  # type: ignore[union-attr]
+        second = await Runner.run(agent, [*outputs(first), {"role": "user", "content": "And in Rome?"}],
+                                  conversation_id=conv, max_turns=2)
+        await client.conversations.items.create(conv, items=outputs(second))
+        third = Runner.run_streamed(agent, "And in Oslo?", conversation_id=conv, max_turns=2)
+        async for _ in third.stream_events():
+            pass
+        items = (await client.conversations.items.list(conv, order="asc", limit=100)).data
+        assert [i.type for i in items] == [*["message", "function_call", "function_call_output"] * 2, "message",
+                                          "function_call"], items
+        assert [second.final_output, third.final_output] == ["Sunny in Rome", "Sunny in Oslo"]
+
+        chained = await Runner.run(agent, "What is the weather in Paris?", auto_previous_response_id=True,
+                                   max_turns=2)
+        with pytest.raises(openai.BadRequestError):
+            await Runner.run(agent, "And in Rome?", previous_response_id=chained.last_response_id, max_turns=2)
+        again = await Runner.run(agent, [*outputs(chained), {"role": "user", "content": "And in Rome?"}],
+                                 previous_response_id=chained.last_response_id, max_turns=2)
+        assert again.final_output == "Sunny in Rome"
+
+    asyncio.run(run())
