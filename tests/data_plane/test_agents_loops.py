@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -258,3 +259,81 @@ def test_a_run_that_stops_on_its_tool_leaves_the_call_open_and_the_next_turn_ans
         assert again.final_output == "Sunny in Rome"
 
     asyncio.run(run())
+
+
+def test_the_websocket_mode_serves_agents_and_the_sdks_connection(gateway: Service) -> None:
+    """OpenAI's WebSocket mode on /v1/responses (the Agents SDK's `responses_websocket_session`, the openai SDK's
+    `responses.connect()`): the upgrade was refused with uvicorn's bare 403 (the SDK: "server rejected WebSocket
+    connection: HTTP 403"), so an agent on that transport could not start. Each `response.create` frame is the
+    streamed POST: a tool loop runs, streamed too, on a chain; a refusal is an `error` frame with OpenAI's error
+    and its status, and the socket goes on; a bad key is the 401 on the upgrade; a socket closed mid-stream
+    aborts it as a client that leaves (stored `incomplete`, `client_disconnected`)."""
+    from agents import responses_websocket_session
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    context: dict[str, list[str]] = {"calls": []}
+
+    def not_yet_called(ctx: RunContextWrapper[Any], agent: Any) -> bool:
+        return not ctx.context["calls"]
+
+    @function_tool(is_enabled=not_yet_called)
+    def get_weather(ctx: RunContextWrapper[Any], city: str) -> str:
+        """Get the current weather in a city."""
+        ctx.context["calls"].append(city)
+        return f"Sunny in {city}"
+
+    agent = Agent(name="weather", instructions="Use the tool, then answer.", tools=[get_weather], model=MODEL,
+                  model_settings=ModelSettings(temperature=0, max_tokens=60, tool_choice="required",
+                                               parallel_tool_calls=False))
+
+    async def agents() -> list[Any]:
+        async with responses_websocket_session(api_key=KEYS["plus"], base_url=gateway.url + "/v1") as ws:
+            ran = await ws.run(agent, "What is the weather in Paris?", context=context, max_turns=3)
+            context["calls"].clear()
+            streamed = ws.run_streamed(agent, "What is the weather in Rome?", context=context, max_turns=3,
+                                       auto_previous_response_id=True)
+            names = [e.name async for e in streamed.stream_events() if e.type == "run_item_stream_event"]
+            assert names == ["tool_called", "tool_output", "message_output_created"], names
+            return [ran, streamed]
+
+    ran, streamed = asyncio.run(agents())
+    assert [type(i).__name__ for i in ran.new_items] == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
+    assert ran.final_output and streamed.final_output and context["calls"] == ["Rome"]
+
+    with sdk(gateway).responses.connect() as conn:
+        conn.response.create(model="no-such-model", input="Say hi.")
+        refused = conn.recv()
+        assert refused.type == "error" and refused.status == 404, refused  # type: ignore[union-attr]
+        assert refused.error.code == "model_not_found" and refused.error.param == "model", refused  # type: ignore[union-attr]
+        conn.response.create(model=MODEL, input="Say hi.", max_output_tokens=8, temperature=0)
+        kinds = []
+        for event in conn:
+            kinds.append(event.type)
+            if event.type in ("response.completed", "response.incomplete", "error"):
+                break
+        assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] in (
+            "response.completed", "response.incomplete"), kinds
+
+    url = gateway.url.replace("http://", "ws://") + "/v1/responses"
+    with pytest.raises(InvalidStatus) as bad:
+        connect(url, additional_headers={"Authorization": "Bearer sk-not-a-key"}, open_timeout=30)
+    assert bad.value.response.status_code == 401  # with the body a POST gets
+    assert json.loads(bad.value.response.body or b"{}")["error"]["type"] == "authentication_error"
+
+    with connect(url, additional_headers={"Authorization": f"Bearer {KEYS['plus']}"}, open_timeout=30) as ws:
+        ws.send(json.dumps({"type": "response.create", "model": MODEL, "input": "Tell me a long story.",
+                            "max_output_tokens": 400, "temperature": 0}))
+        created = json.loads(ws.recv(timeout=120))
+        assert created["type"] == "response.created", created
+        while json.loads(ws.recv(timeout=120))["type"] != "response.output_text.delta":
+            pass
+    stored: dict[str, Any] = {}
+    for _ in range(120):
+        stored = httpx.get(f"{gateway.url}/v1/responses/{created['response']['id']}", timeout=30,
+                           headers={"Authorization": f"Bearer {KEYS['plus']}"}).json()
+        if stored.get("status") not in (None, "in_progress"):
+            break
+        time.sleep(0.5)
+    assert stored["status"] == "incomplete", stored
+    assert stored["incomplete_details"] == {"reason": "client_disconnected"}, stored
