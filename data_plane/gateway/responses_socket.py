@@ -13,7 +13,12 @@ its events goes back as one text frame. A refusal is one `error` frame, `{"type"
 "error": {...}}` with OpenAI's error object, and the socket stays open for the next frame. One response at
 a time per socket, in the order sent (the SDKs send one and read it to its end); the socket closing aborts
 the one under way, as a client leaving a stream does. The handshake checks the key as any route does: a
-bad one is the 401 (or 403, 429) with its OpenAI body, on the HTTP answer to the upgrade."""
+bad one is the 401 (or 403, 429) with its OpenAI body, on the HTTP answer to the upgrade.
+
+As OpenAI's, the mode works with `store: false`: the socket keeps its last unstored response's context (the
+items it was given and its output), so the next frame's `previous_response_id` naming it goes on from
+there (the frame is sent with that context ahead of its input); nothing of it is stored. `background` is
+a 400 here, as OpenAI's ("not supported over WebSocket"); `stream` is implicit."""
 
 from __future__ import annotations
 
@@ -54,6 +59,40 @@ def error_frame(status: int, body: bytes) -> str:
     return json.dumps({"type": "error", "status": status, "error": error})
 
 
+TERMINAL = (b'"response.completed"', b'"response.incomplete"')
+
+
+class Chain:
+    """The socket's last `store: false` response (OpenAI's connection-local state): its id and the items a
+    frame chained on it starts from (what it was given, then its output)."""
+
+    def __init__(self) -> None:
+        self.last_id: str | None = None
+        self.items: list[Any] = []
+
+    def expand(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`body` with its `previous_response_id` replaced by that context, when it names the last response."""
+        if self.last_id is None or body.get("previous_response_id") != self.last_id:
+            return body
+        body = {k: v for k, v in body.items() if k != "previous_response_id"}
+        body["input"] = [*self.items, *as_items(body.get("input"))]
+        return body
+
+    def keep(self, sent: dict[str, Any], response: dict[str, Any] | None) -> None:
+        """After a frame: remember an unstored response's context (a stored one chains the usual way)."""
+        if response is None or response.get("store", True) or not isinstance(response.get("id"), str):
+            return
+        self.last_id = response["id"]
+        self.items = [*as_items(sent.get("input")), *(response.get("output") or [])]
+
+
+def as_items(given: Any) -> list[Any]:
+    """A create's `input` as a list of items (a string is one user message)."""
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}]
+    return list(given) if isinstance(given, list) else []
+
+
 class Exchange:
     """One frame's request, as the Responses handler sees an HTTP client: the body once, then nothing until
     the socket closes (a disconnect: the stream aborts), and its SSE events relayed as text frames."""
@@ -65,6 +104,8 @@ class Exchange:
         self.status = 0
         self._pending = b""
         self._error: list[bytes] = []
+        self.response: dict[str, Any] | None = None
+        """The terminal event's Response (completed or incomplete), for the socket's `store: false` chain."""
 
     async def receive(self) -> Message:
         if self._raw is not None:
@@ -87,6 +128,8 @@ class Exchange:
         for block in blocks:
             for line in block.split(b"\n"):
                 if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    if any(kind in line[:64] for kind in TERMINAL):
+                        self.response = json.loads(line[6:]).get("response")
                     await self._relay(line[6:].decode("utf-8"))
 
 
@@ -124,6 +167,7 @@ async def serve_socket(app: ASGIApp, caller: Callable[[Request], Any], scope: Sc
             closed.set()
 
     reader = asyncio.create_task(read())
+    chain = Chain()
     try:
         while (message := await frames.get()) is not None:
             raw = message.get("bytes") or (message.get("text") or "").encode("utf-8")
@@ -131,14 +175,17 @@ async def serve_socket(app: ASGIApp, caller: Callable[[Request], Any], scope: Sc
             if isinstance(body, SwitchboardError):
                 await relay(error_frame(body.status, json.dumps(body.body(None, None)).encode()))
                 continue
-            exchange = Exchange(body, relay, closed)
+            body = chain.expand(body)
+            exchange = Exchange(json.dumps(body).encode(), relay, closed)
             await app(dict(post, state=dict(post["state"])), exchange.receive, exchange.send)
+            chain.keep(body, exchange.response)
     finally:
         reader.cancel()
 
 
-def frame_body(raw: bytes) -> bytes | SwitchboardError:
-    """A `response.create` frame as the POST's body (`stream: true`), or the 400 for another frame."""
+def frame_body(raw: bytes) -> dict[str, Any] | SwitchboardError:
+    """A `response.create` frame as the POST's body (`stream: true`), or the 400 for another frame (or for
+    `background`, which OpenAI's WebSocket mode does not take)."""
     try:
         frame = json.loads(raw)
     except ValueError:
@@ -146,9 +193,11 @@ def frame_body(raw: bytes) -> bytes | SwitchboardError:
     if not isinstance(frame, dict) or frame.get("type") != FRAME_TYPE:
         kind = frame.get("type") if isinstance(frame, dict) else None
         return InvalidRequest(f"unsupported frame type {str(kind)[:64]!r}: send {FRAME_TYPE!r}", param="type")
+    if frame.get("background"):
+        return InvalidRequest("background is not supported over WebSocket", param="background")
     body = {k: v for k, v in frame.items() if k != "type"}
     body["stream"] = True
-    return json.dumps(body).encode()
+    return body
 
 
 async def deny(exc: SwitchboardError, scope: Scope, send: Send) -> None:

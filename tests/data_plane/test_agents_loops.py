@@ -266,7 +266,8 @@ def test_the_websocket_mode_serves_agents_and_the_sdks_connection(gateway: Servi
     `responses.connect()`): the upgrade was refused with uvicorn's bare 403 (the SDK: "server rejected WebSocket
     connection: HTTP 403"), so an agent on that transport could not start. Each `response.create` frame is the
     streamed POST: a tool loop runs, streamed too, on a chain; a refusal is an `error` frame with OpenAI's error
-    and its status, and the socket goes on; a bad key is the 401 on the upgrade; a socket closed mid-stream
+    and its status, and the socket goes on; `store: false` chains on the socket's last response, as in OpenAI's
+    mode; a bad key is the 401 on the upgrade; a socket closed mid-stream
     aborts it as a client that leaves (stored `incomplete`, `client_disconnected`)."""
     from agents import responses_websocket_session
     from websockets.exceptions import InvalidStatus
@@ -302,18 +303,26 @@ def test_the_websocket_mode_serves_agents_and_the_sdks_connection(gateway: Servi
     assert ran.final_output and streamed.final_output and context["calls"] == ["Rome"]
 
     with sdk(gateway).responses.connect() as conn:
-        conn.response.create(model="no-such-model", input="Say hi.")
-        refused = conn.recv()
-        assert refused.type == "error" and refused.status == 404, refused  # type: ignore[union-attr]
-        assert refused.error.code == "model_not_found" and refused.error.param == "model", refused  # type: ignore[union-attr]
-        conn.response.create(model=MODEL, input="Say hi.", max_output_tokens=8, temperature=0)
-        kinds = []
-        for event in conn:
-            kinds.append(event.type)
-            if event.type in ("response.completed", "response.incomplete", "error"):
-                break
-        assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] in (
-            "response.completed", "response.incomplete"), kinds
+        def create(**body: Any) -> Any:
+            """One frame, read to its end: the terminal event (or the error frame)."""
+            conn.response.create(**{"model": MODEL, "input": "Say hi.", "max_output_tokens": 8, "temperature": 0,
+                                    **body})
+            kinds = []
+            for event in conn:
+                kinds.append(event.type)
+                if event.type in ("response.completed", "response.incomplete", "error"):
+                    assert event.type == "error" or kinds[:2] == ["response.created", "response.in_progress"], kinds
+                    return event
+            raise AssertionError(kinds)
+
+        refused = create(model="no-such-model")
+        assert refused.type == "error" and refused.status == 404, refused
+        assert refused.error.code == "model_not_found" and refused.error.param == "model", refused
+        assert create(background=True).error.param == "background"  # (OpenAI's: not over a WebSocket)
+        first = create(input="My name is Zed.", store=False).response  # and the socket went on
+        chained = create(input="And my name?", previous_response_id=first.id, store=False)  # the socket's own
+        assert chained.type != "error" and chained.response.usage.input_tokens > first.usage.input_tokens, chained
+        assert create(previous_response_id=first.id).error.code == "previous_response_not_found"  # not the last
 
     url = gateway.url.replace("http://", "ws://") + "/v1/responses"
     with pytest.raises(InvalidStatus) as bad:
