@@ -362,6 +362,10 @@ class Completion:
             return self._content_prefix + _json(delta["content"]) + content_suffix
         delta = dict(delta)
         logprobs = delta.pop("logprobs", None)
+        if logprobs is None and "role" in delta and self.with_logprobs:
+            # each choice opens with its logprobs object, as OpenAI's: the SDK's stream helper builds the final
+            # completion's from the chunks, and a reply of no text (tool calls, a stop string first) had None
+            logprobs = {"content": [], "refusal": None}
         return _event(chunk_body(**common, delta=delta, index=index, logprobs=logprobs))
 
     async def stream_to(self, send: Send, stream: EventSource, include_usage: UsageChunks | bool,

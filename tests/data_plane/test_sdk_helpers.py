@@ -1,5 +1,5 @@
 """The openai SDK's higher-level helpers against a real gateway and the real model, as an app developer
-calls them from the SDK's docs: `chat.completions.stream()` and its events with `n` > 1, ... Where they
+calls them from the SDK's docs: `chat.completions.stream()` with `n` > 1 and with logprobs. Where they
 broke, the server was at fault; each test names what the helper met. What `test_clients_compat.py` and
 `test_structured_api.py` cover already is not repeated here.
 
@@ -66,3 +66,29 @@ def test_n_choices_open_in_index_order_so_the_stream_helper_assembles_each(gatew
         assert [(c.index, c.message.content) for c in final.choices] == list(texts.items()), seed
         assert all(c.finish_reason in ("stop", "length") for c in final.choices)
         assert sorted(done) == sorted(t for t in texts.values() if t), seed  # the helper's events for text
+
+
+def test_a_streamed_reply_of_no_text_has_the_logprobs_object_the_plain_one_has(gateway: Service) -> None:
+    """Asked for logprobs, a reply without text (a stop string at its first token, tool calls) has
+    `logprobs: {"content": [], "refusal": null}` (docs/STRUCTURED.md), but streamed no chunk carried any:
+    the SDK's stream helper, which builds the final completion from the chunks, gave `logprobs` None, and
+    `final.choices[0].logprobs.content` raised AttributeError where the same request unstreamed worked.
+    Each choice now opens with its (empty) logprobs object, as OpenAI's streams do."""
+    client = sdk(gateway)
+    ask: Any = [{"role": "user", "content": "Say hi."}]
+    first = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4, temperature=0).choices[0]
+    stop = (first.message.content or "?")[0]  # the greedy reply's first character: a reply of no text
+    tool: Any = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}}}
+    for ask_more in ({"stop": [stop]}, {"tools": [tool], "tool_choice": "required", "parallel_tool_calls": False}):
+        fields: Any = {"model": MODEL, "messages": ask, "max_tokens": 40, "temperature": 0, "logprobs": True,
+                       **ask_more}
+        plain = client.chat.completions.create(**fields).choices[0]
+        with client.chat.completions.stream(**fields) as stream:
+            kinds = [e.type for e in stream]
+            final = stream.get_final_completion().choices[0]
+        assert not plain.message.content and final.message.content == plain.message.content, ask_more
+        assert plain.logprobs is not None and plain.logprobs.content == [], ask_more
+        assert final.logprobs is not None and final.logprobs.content == [], (ask_more, final.logprobs)
+        assert "logprobs.content.done" in kinds, kinds
