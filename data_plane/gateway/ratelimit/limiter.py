@@ -176,9 +176,6 @@ class RateLimiter:
             wait_us = b.period_us
             message = (f"Request too large for {whose}: it needs {b.cost} {b.kind} but the limit is "
                        f"{b.limit} {b.kind} per minute. Shorten the prompt or lower max_tokens.")
-            # the same request is refused however long the client waits: the openai SDK (and Stainless
-            # clients) retry a 429 after Retry-After, 60 s here, twice by default: 2 minutes to the same 429
-            headers = {**headers, "x-should-retry": "false"}
         else:
             wait_us = s.retry_us
             message = (f"Rate limit reached for {b.kind} per minute on {whose} ({tier.name} tier): limit "
