@@ -380,7 +380,7 @@ class ChatHandler:
         # Session history is not known yet (settled with real usage); no prompt passes the context window whole
         prompt = min(gw.counter.prompt_tokens(checked.messages), caller.tier.max_context_tokens, checked.model_context)
         estimate = prompt + checked.tools_tokens + checked.max_tokens * checked.choices
-        self.x.grant = await gw.limiter.admit(caller.principal.key_id, caller.tier, estimate)
+        self.x.grant = await gw.limiter.admit(caller.principal.key_id, caller.tier, estimate, checked.output_hint)
         policy = gw.safety.get(caller.measures.safety(caller.tier.safety, gw.safety.names()))
         with tracer.start_as_current_span("safety.input"):
             verdict = policy.check_input(m["content"] for m in checked.messages if m["role"] in ("user", "system"))
@@ -427,7 +427,7 @@ class ChatHandler:
         stream: EventSource | None = await self._cached(checked.req, prepared.request.wire(), prepared.prompt, tenant)
         if stream is None:
             tokens = window.prompt_tokens + checked.tools_tokens + prepared.max_tokens * checked.choices
-            x.admitted(await rt.admission.acquire(tier, caller.tiers, tenant=tenant, tokens=tokens))
+            x.admitted(await rt.admission.acquire(tier, caller.tiers, tenant=tenant, tokens=tokens, slots=checked.choices))
             with tracer.start_as_current_span("router.route") as route_span:
                 shard = await rt.upstream.open_resumable(prepared.request, self.session_id)
                 route_span.set_attribute("switchboard.shard", shard.member.id)
