@@ -167,6 +167,11 @@ class ConversationStore:
                 raise locked_error("conversation") from None
             raise
 
+    def check_fits(self, record: Record, owner: str, replicas: int) -> None:
+        """400 ``record_too_large`` at once when no cache node of `record` would store it (a turn's record with
+        its input, before its reply: data_plane/cache/client_values.py RecordLimits), not after its generation."""
+        self.sessions.check_fits(record.id, owner, [record.to_message()], replicas)
+
     async def delete(self, record_id: str, owner: str, replicas: int, kind: Kind) -> None:
         await self.load(record_id, owner, replicas, kind)  # 404 unless it is this key's and of this kind
         await self.sessions.delete(record_id, owner, replicas)

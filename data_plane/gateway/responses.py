@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -39,11 +40,12 @@ from starlette.types import Send
 
 from data_plane.common.crypto import SealError
 from data_plane.common.disconnect import CLIENT_DISCONNECTED
-from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, SwitchboardError, clipped
+from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, SwitchboardError
 from data_plane.gateway.auth import key_digest
 from data_plane.gateway.chat import ChatHandler, Opened
 from data_plane.gateway.context import Window
 from data_plane.gateway.item_index import Home, fresh_items, index_items, resolve_references
+from data_plane.gateway.item_pages import page
 from data_plane.gateway.memory import Compaction, compact, fit_turn, open_compaction
 from data_plane.gateway.record_locks import record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, Record
@@ -143,11 +145,23 @@ class ResponsesHandler(ChatHandler):
         self.new_items = await resolve_references(self.store, self.new_items, self.owner, self.tier.replication,
                                                   local=self.history_items)
         refuse_duplicates(self.new_items, "input", self.history_items)
+        self._check_fits(rreq)
         req, self.history_messages = rreq.turn_request(self.history_items, self.new_items, self._open_compaction)
         clash = json_word_clash(req.response_format, (m.text() for m in req.messages[bool(rreq.instructions):]), True)
         if clash is not None:  # the input's messages must say "json" (the instructions do not count)
             raise InvalidRequest(clash.message, param=clash.param)
         return req
+
+    def _check_fits(self, rreq: ResponsesRequest) -> None:
+        """The records this turn rewrites (its conversation, its stored response), with its input and before its
+        reply: one a cache node is known to refuse is the 400 now, not after a whole generation."""
+        assert self.tier is not None
+        items = self.history_items + self.new_items
+        if self.conversation is not None:
+            self.store.check_fits(replace(self.conversation, items=items), self.owner, self.tier.replication)
+        if rreq.store is not False:
+            self.store.check_fits(Record(self.response_id, Kind.RESPONSE, items, self.route), self.owner,
+                                  self.tier.replication)
 
     def go_background(self, rreq: ResponsesRequest, raw: bytes) -> None:
         """``background: true``: hand the request to the app, which runs it apart from this connection
@@ -447,49 +461,3 @@ def check_query_include(request: Request) -> None:
     """OpenAI's 400 for an `include` (the SDK's include[]=...) on an item route that names a value it does
     not define, or one this server never makes, as on create and retrieve (it was ignored)."""
     check_include(request.query_params.getlist("include") + request.query_params.getlist("include[]"))
-
-
-def page(items: list[dict[str, Any]], *, limit: int, order: str, after: str | None,
-         gone: dict[str, str | None] | None = None) -> dict[str, Any]:
-    """OpenAI's cursor list: `order` asc|desc, `after` an item id, at most `limit` (1-100). `gone`: the
-    items deleted from `items`, each with the id before it then (None: it was first), so an `after` that
-    names one still finds its place (see `deleted_before`)."""
-    if not 1 <= limit <= 100:
-        raise InvalidRequest("limit must be between 1 and 100", param="limit")
-    if order not in ("asc", "desc"):
-        raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
-    ordered = list(items)
-    if after is not None:
-        ids = [i.get("id") for i in ordered]
-        gone = gone or {}
-        cursor: str | None = after
-        for _ in range(len(gone)):  # a deleted item: the place of the one before it (bounded: no cycle loops)
-            if cursor is None or cursor in ids or cursor not in gone:
-                break
-            cursor = gone[cursor]
-        if cursor is not None and cursor not in ids:
-            raise InvalidRequest(f"no item with id {clipped(after)!r}", param="after")
-        at = ids.index(cursor) if cursor is not None else -1
-        if cursor == after:  # the cursor itself is listed: the rest, past it, in this order
-            ordered = ordered[at + 1:] if order == "asc" else ordered[:at][::-1]
-        else:  # a deleted cursor stood right after `at`
-            ordered = ordered[at + 1:] if order == "asc" else ordered[:at + 1][::-1]
-    elif order == "desc":
-        ordered.reverse()
-    data = ordered[:limit]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": len(ordered) > limit}
-
-
-MAX_GONE = 256
-"""Deleted items a conversation remembers the place of (a cursor naming an older one is the 400)."""
-
-
-def deleted_before(gone: dict[str, str | None], items: list[dict[str, Any]], item_id: str) -> None:
-    """Remember, in `gone`, the place of `item_id` as it is deleted from `items` (the id before it): a client
-    that deletes the items it pages through (`for item in ...items.list(): ...items.delete(item.id)`) sends
-    the last one deleted as the next page's `after`, which was a 400 "no item with id" half way."""
-    at = next(i for i, item in enumerate(items) if item.get("id") == item_id)
-    gone[item_id] = items[at - 1].get("id") if at else None
-    for old in list(gone)[:-MAX_GONE]:
-        del gone[old]
