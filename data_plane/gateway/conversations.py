@@ -29,11 +29,10 @@ from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S, record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, conversation_object, new_conversation
 from data_plane.gateway.responses import (
     check_query_include,
-    conversation_tokens,
     record_caller,
     record_principal,
-    unsealer,
 )
+from data_plane.gateway.responses_compaction import conversation_tokens, unsealer
 from data_plane.gateway.responses_input import input_items, new_id, refuse_duplicates
 from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.runtime import Gateway, Runtime

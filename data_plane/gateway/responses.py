@@ -38,7 +38,7 @@ from fastapi import FastAPI, Request
 from opentelemetry import trace
 from starlette.types import Send
 
-from data_plane.common.crypto import SealError
+from data_plane.cache.model import TOMBSTONE_VERSION, VersionConflict
 from data_plane.common.disconnect import CLIENT_DISCONNECTED
 from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, SwitchboardError
 from data_plane.gateway.auth import key_digest
@@ -46,11 +46,11 @@ from data_plane.gateway.chat import ChatHandler, Opened
 from data_plane.gateway.context import Window
 from data_plane.gateway.item_index import Home, fresh_items, index_items, resolve_references
 from data_plane.gateway.item_pages import page
-from data_plane.gateway.memory import Compaction, compact, fit_turn, open_compaction
-from data_plane.gateway.record_locks import record_key
+from data_plane.gateway.memory import fit_turn, open_compaction
 from data_plane.gateway.response_store import ConversationStore, Kind, Record
 from data_plane.gateway.responses_background import Detach
-from data_plane.gateway.responses_input import input_items, items_to_messages, new_id, refuse_duplicates
+from data_plane.gateway.responses_compaction import compact_record, conversation_tokens, unsealer
+from data_plane.gateway.responses_input import input_items, new_id, refuse_duplicates
 from data_plane.gateway.responses_items import (
     ResponsesRequest,
     check_include,
@@ -71,12 +71,13 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 RESPONSES_PATH = "/v1/responses"
-COMPACTION_SCOPE = "responses-compaction"
-"""What compaction items are sealed for (with the key's digest): they open for that key only."""
 INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
 RESPONSE_ERROR_CODES = ("server_error", "rate_limit_exceeded", "invalid_prompt", "invalid_grammar")
 """The codes a failed response's error names (OpenAI's ResponseError's, and `invalid_grammar`: a schema with no whole
 output is the client's error, as its 400 says); any other is named server_error (the stream's ``error`` event keeps it)."""
+STREAM_DEADLINE_GRACE_S = 60.0
+"""Past --background-max-s, how much longer a streamed response stored ``in_progress`` may stay so before a
+reader calls it failed (its gateway is gone)."""
 RESPONSES_FIELDS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
                     "messages": "input"}
 
@@ -103,6 +104,8 @@ class ResponsesHandler(ChatHandler):
         """The response of a stream that ended without its reply (failed, or the client left)."""
         self.announced = 0
         """Events sent before the stream began (a background run's, once it was accepted)."""
+        self.stored_version = 0
+        """The version of this response's record stored so far (its ``in_progress`` one, while it streams)."""
         self.memory: list[dict[str, str]] = []
         """Earlier turns held by compaction items of this conversation: recall's candidates."""
         self.x.span.set_attribute("switchboard.response_id", self.response_id)
@@ -249,10 +252,47 @@ class ResponsesHandler(ChatHandler):
 
     async def respond_stream(self, opened: Opened, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
         opened.completion.on_failure = self._save_unfinished
+        await self._store_in_progress()
         events = ResponseEvents(send, start=lambda: self._response("in_progress", [], None),
                                 finish=self._final, fail=self._unfinished, message_id=self.message_id,
                                 announced=self.announced)
         await opened.completion.stream_to(events.send, opened.stream, True, headers)
+
+    async def _store_in_progress(self) -> None:
+        """A stored streamed response is retrievable from its ``response.created`` on, ``in_progress`` (OpenAI's; it
+        was a 404 until the end), with a deadline past which a reader calls it failed (its gateway died mid-stream,
+        responses_background.py `expired`). Best effort: the end is stored as ever."""
+        rreq = self.rreq
+        assert rreq is not None and self.tier is not None
+        if rreq.store is False:
+            return
+        deadline = time.time() + self.gw.settings.background_max_s + STREAM_DEADLINE_GRACE_S
+        record = self._response_record(self.history_items + self.new_items, self._response("in_progress", [], None), deadline)
+        try:
+            await self.store.save(record, self.owner, self.tier.replication)
+        except SwitchboardError as exc:
+            log.info("request %s: in-progress response not stored (%s)", self.request_id, exc.code)
+            return
+        self.stored_version = record.version
+
+    def _response_record(self, items: list[dict[str, Any]], response: dict[str, Any], deadline: float = 0.0) -> Record:
+        """This response's record: `items` (the chain so far, its input in place), the next version of it."""
+        start = len(self.history_items)
+        return Record(self.response_id, Kind.RESPONSE, items, self.route, self.stored_version, response=response,
+                      input_range=(start, start + len(self.new_items)), deadline=deadline)
+
+    async def _save_response(self, record: Record) -> bool:
+        """Store the response's final record; False when it was deleted meanwhile (while it streamed: the delete
+        stands, and the stream ends as it would have)."""
+        assert self.tier is not None
+        try:
+            await self.store.save(record, self.owner, self.tier.replication)
+        except VersionConflict as exc:
+            if self.stored_version and exc.stored_version >= TOMBSTONE_VERSION:
+                log.info("request %s: response deleted while it streamed; its end is not stored", self.request_id)
+                return False
+            raise
+        return True
 
     def _output(self, status: str, message: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """Choice 0 (or `message`) as output items, with the ids the stream announced."""
@@ -290,10 +330,8 @@ class ResponsesHandler(ChatHandler):
         assert rreq is not None and self.tier is not None
         if rreq.store is False:
             return
-        start = len(self.history_items)
-        record = Record(self.response_id, Kind.RESPONSE, self.history_items + self.new_items, self.route,
-                        response=response, input_range=(start, start + len(self.new_items)))
-        await self.store.save(record, self.owner, self.tier.replication)
+        if not await self._save_response(self._response_record(self.history_items + self.new_items, response)):
+            return
         await self._index(fresh_items(self.new_items, rreq.input), [Home(Kind.RESPONSE, self.response_id)])
         log.info("request %s: response stored as %s (%s)", self.request_id, response["status"], code)
 
@@ -315,11 +353,9 @@ class ResponsesHandler(ChatHandler):
             await self.store.save(self.conversation, self.owner, replicas)
             saved.append(self.conversation)
         if rreq.store is not False:
-            start = len(self.history_items)
-            record = Record(self.response_id, Kind.RESPONSE, items, self.route, response=self.response,
-                            input_range=(start, start + len(self.new_items)))
-            await self.store.save(record, self.owner, replicas)
-            saved.append(record)
+            record = self._response_record(items, self.response)
+            if await self._save_response(record):
+                saved.append(record)
         self.let_go()  # the conversation is written: its next turn may start
         await self._index(fresh_items(self.new_items, rreq.input) + output, [Home(r.kind, r.id) for r in saved])
         threshold = next((c.compact_threshold for c in rreq.context_management or () if c.compact_threshold), None)
@@ -334,86 +370,6 @@ class ResponsesHandler(ChatHandler):
         at once resolves (best effort: a failure is logged, the stored turn stands)."""
         assert self.tier is not None
         await index_items(self.store, items, homes, self.owner, self.tier.replication)
-
-
-def unsealer(rt: Runtime, owner: str) -> Callable[[str], list[dict[str, str]]]:
-    """Opens compaction items this key made (400 for anything else: another key's, or tampered)."""
-    def unseal(encrypted: str) -> list[dict[str, str]]:
-        if rt.sealer is None:
-            raise InvalidRequest("compaction items need session encryption", param="input")
-        try:
-            return rt.sealer.open(COMPACTION_SCOPE, owner, [{"role": "sealed", "content": encrypted}])
-        except SealError:
-            raise InvalidRequest("a compaction item's encrypted_content does not open for this API key",
-                                 param="input", code="invalid_encrypted_content") from None
-    return unseal
-
-
-def sealer_for(rt: Runtime, owner: str) -> Callable[[list[dict[str, str]]], str]:
-    def seal(content: list[dict[str, str]]) -> str:
-        if rt.sealer is None:
-            raise InvalidRequest("compaction items need session encryption", param="input")
-        return rt.sealer.seal(COMPACTION_SCOPE, owner, content)[0]["content"]
-    return seal
-
-
-def plain(items: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """`items` as the chat path's plain messages (tool calls as the model's envelope, results as user
-    turns naming the tool); compaction items as empty system messages."""
-    messages = items_to_messages(items, lambda e: "")
-    if not messages:
-        return []
-    return ChatCompletionRequest.model_validate({"messages": messages}).plain_messages(tools_prompt=False)
-
-
-def conversation_tokens(items: list[dict[str, Any]], counter: Any) -> int:
-    return int(counter.prompt_tokens(plain(items)))
-
-
-def compact_items(gw: Gateway, rt: Runtime, items: list[dict[str, Any]], owner: str, keep_tokens: int,
-                  trigger: str) -> Compaction | None:
-    done = compact(items, keep_tokens, gw.counter, seal=sealer_for(rt, owner), unseal=unsealer(rt, owner),
-                   to_messages=plain, item_id=new_id("cmp"))
-    if done is not None:
-        gw.memory_metrics.compactions.labels(trigger).inc()
-        gw.memory_metrics.compacted_tokens.inc(done.tokens)
-        span = trace.get_current_span()
-        span.add_event("context.compaction", {"switchboard.compaction.items": done.compacted,
-                                              "switchboard.compaction.tokens": done.tokens,
-                                              "switchboard.compaction.trigger": trigger})
-        log.info("compaction (%s): %d item(s), %d tokens folded into one item", trigger, done.compacted, done.tokens)
-    return done
-
-
-async def compact_record(gw: Gateway, rt: Runtime, store: ConversationStore, record: Record, owner: str,
-                         replicas: int, threshold: int) -> None:
-    """`context_management` compaction, off the request path: the stored record's older turns become
-    one compaction item once the conversation passes `threshold` tokens."""
-    with tracer.start_as_current_span("responses.compaction"):
-        lock = record_key(owner, record.id)
-        try:  # the conversation's write lock (record_locks.py): a turn under way would be overwritten
-            await gw.record_locks.acquire(lock, wait_s=0.0)
-        except SwitchboardError:
-            log.info("background compaction skipped: a turn is under way")
-            return
-        try:
-            current = await store.load(record.id, owner, replicas, record.kind)
-            if current.version != record.version:  # a newer turn was saved meanwhile: compact it next time
-                log.info("background compaction skipped: the record changed")
-                return
-            done = compact_items(gw, rt, record.items, owner, threshold // 2, "threshold")
-            if done is None:
-                return
-            start, end = record.input_range
-            folded = done.compacted
-            record.items = [done.item, *done.kept]
-            if record.kind is Kind.RESPONSE:  # the input range moves with the items (or goes, if folded)
-                record.input_range = (start - folded + 1, end - folded + 1) if start >= folded else (0, 0)
-            await store.save(record, owner, replicas)
-        except SwitchboardError as exc:  # the nodes failed (or the record is gone): next time
-            log.info("background compaction skipped: %s", exc.code)
-        finally:
-            gw.record_locks.release(lock)
 
 
 def record_caller(gw: Gateway, request: Request) -> tuple[str, int]:

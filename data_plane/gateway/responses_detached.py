@@ -160,9 +160,9 @@ class BackgroundHandler(ResponsesHandler):
                  len(self.history_items))
         return await super()._route(caller, checked, prepared)
 
-    async def respond_stream(self, opened: Opened, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+    async def _store_in_progress(self) -> None:
+        """Stored ``queued`` already (any poll finds it): ``in_progress`` off the stream's path."""
         self.store.later(self.store_state(self._response("in_progress", [], None)), name="background-progress")
-        await super().respond_stream(opened, send, headers)
 
     async def store_state(self, response: dict[str, Any]) -> None:
         rreq = self.rreq
