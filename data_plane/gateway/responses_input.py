@@ -29,7 +29,7 @@ REASONING_FIELDS = {"type", "id", "summary", "content", "encrypted_content", "st
 ITEM_FIELDS = {
     "message": {"type", "id", "role", "content", "status", "phase"},
     "function_call": {"type", "id", "call_id", "name", "arguments", "status", "namespace", "caller", "async",
-                      "created_by"},
+                      "async_", "created_by"},
     "function_call_output": {"type", "id", "call_id", "output", "status", "namespace", "caller", "name", "created_by"},
     "compaction": {"type", "id", "encrypted_content", "created_by"},
     "item_reference": {"type", "id"},
@@ -37,8 +37,9 @@ ITEM_FIELDS = {
 }
 """Each item type's fields, as the openai SDK types them: its input params (EasyInputMessageParam, Message,
 ResponseOutputMessageParam, ResponseFunctionToolCallParam, FunctionCallOutput, ...) and the output items a
-client replays as input (a Response's `output`, a conversation's listed items: `created_by`). Those this
-server ignores (`status`, `phase`, `namespace`, `caller`...) pass; any other key is OpenAI's 400
+client replays as input (a Response's `output`, a conversation's listed items: `created_by`; `async_`, the
+Python name `model_dump()` gives `async`). Those this server ignores (`status`, `phase`, `namespace`...) pass;
+any other key is OpenAI's 400
 ``unknown_parameter`` naming it: it was dropped without a word (a misspelt `call_id` went unnoticed)."""
 PART_FIELDS = {
     "input_text": {"type", "text", "prompt_cache_breakpoint"},

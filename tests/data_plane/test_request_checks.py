@@ -289,7 +289,7 @@ def _sdk_fields(kind: str) -> set[str]:
             keys |= fields
     for union in (ResponseOutputItem, ConversationItem):
         for model in get_args(get_args(union)[0]):
-            fields_by_alias = {f.alias or k for k, f in getattr(model, "model_fields", {}).items()}
+            fields_by_alias = {name for k, f in getattr(model, "model_fields", {}).items() for name in (f.alias or k, k)}
             if getattr(model, "model_fields", {}).get("type") is not None and \
                     kind in str(model.model_fields["type"].annotation).split("'"):
                 keys |= fields_by_alias
@@ -299,7 +299,8 @@ def _sdk_fields(kind: str) -> set[str]:
 def test_unknown_keys_of_an_input_item_are_openais_400_and_every_sdk_field_passes() -> None:
     """An input item's (or content part's) unknown key was dropped without a word (a misspelt `call_id` went
     unnoticed); OpenAI answers 400 ``unknown_parameter`` "Unknown parameter: 'input[0].foo'.". Every field the
-    SDK's item types define still passes, those this server ignores too (`status`, `phase`, `namespace`...)."""
+    SDK's item types define still passes, those this server ignores too (`status`, `phase`, `namespace`...), and
+    its output items as `model_dump()` gives them (`async_`: an app that replays `r.output` that way worked)."""
     from data_plane.gateway.responses_input import ITEM_FIELDS
     for kind in ("message", "function_call", "function_call_output", "reasoning", "compaction", "item_reference"):
         sdk = _sdk_fields(kind)
@@ -315,6 +316,12 @@ def test_unknown_keys_of_an_input_item_are_openais_400_and_every_sdk_field_passe
                 {"type": "function_call_output", "id": "fco_1", "call_id": "call_1", "output": "sunny",
                  "status": "completed", "namespace": None, "caller": None, "name": None, "created_by": None}]
     assert [i["type"] for i in input_items(replayed)] == ["message", "message", "function_call", "function_call_output"]
+    from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage, ResponseOutputText
+    output = [ResponseOutputMessage(id="msg_2", type="message", role="assistant", status="completed",
+                                    content=[ResponseOutputText(type="output_text", text="ok", annotations=[])]),
+              ResponseFunctionToolCall(type="function_call", id="fc_2", call_id="call_2", name="f", arguments="{}")]
+    for dumped in ([o.model_dump() for o in output], [o.model_dump(by_alias=True) for o in output]):  # replayed whole
+        assert [i["type"] for i in input_items(dumped)] == ["message", "function_call"]
     for where, bad in (("input[0].foo", [{"role": "user", "content": "hi", "foo": 1}]),
                        ("input[1].callid", [replayed[2], {**replayed[3], "callid": "call_1"}]),
                        ("input[0].content[0].cache", [{"role": "user", "content": [{"type": "input_text", "text": "x",
