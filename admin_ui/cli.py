@@ -8,6 +8,8 @@
     switchboard admin undrain shard-1
     switchboard admin degrade 3 --reason "incident 4711"   # pin a degradation level
     switchboard admin degrade --release                     # let the automatic rule decide again
+    switchboard admin tiers                        # the tier policy in force: limits per tier
+    switchboard admin tiers free rpm=30 tpm=10000  # change a tier's fields (gateways apply it within ~1 s)
 
 Why: the runbook's steps (docs/runbook.md: drain the outlier, release a pin) were raw ``curl`` calls
 with a bearer token pasted by hand, and an operator without a browser on the console's network had
@@ -92,7 +94,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("level", nargs="?", type=int, choices=range(5), help="0 normal ... 4 enterprise only")
     p.add_argument("--reason", default="", help="why (kept in the level's history; required with a level)")
     p.add_argument("--release", action="store_true", help="release the operator's pin")
+    p = sub.add_parser("tiers", parents=[common],
+                       help="the tier policy in force, or change one tier's limits: tiers TIER FIELD=VALUE ...")
+    parser.set_defaults(tiers_parser=p)
+    p.add_argument("tier", nargs="?", help="the tier to change (as `switchboard admin tiers` lists it)")
+    p.add_argument("changes", nargs="*", metavar="FIELD=VALUE",
+                   help=f"new values: {', '.join(TIER_FIELDS)} (whole numbers) or safety=POLICY")
     return parser
+
+
+TIER_FIELDS = ("priority", "rpm", "tpm", "max_context_tokens", "max_output_tokens", "replication", "shed_order")
+"""A tier's numeric fields (data_plane/tiers.py Tier), in the order the table shows them."""
+
+
+def _tier_changes(parser: argparse.ArgumentParser, changes: list[str]) -> dict[str, Any]:
+    """FIELD=VALUE words as the fields of a tier, or a usage error naming the bad one."""
+    out: dict[str, Any] = {}
+    for change in changes:
+        name, eq, value = change.partition("=")
+        if not eq or name not in (*TIER_FIELDS, "safety"):
+            parser.error(f"{change!r} is not FIELD=VALUE with FIELD one of {', '.join(TIER_FIELDS)}, safety")
+        if name == "safety":
+            out[name] = value
+            continue
+        try:
+            out[name] = int(value)
+        except ValueError:
+            parser.error(f"{name} must be a whole number, got {value!r}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -103,6 +132,10 @@ def main(argv: list[str] | None = None) -> None:
             args.degrade_parser.error("takes a LEVEL (with --reason) or --release")
         if args.level is not None and not args.reason.strip():
             args.degrade_parser.error("a LEVEL needs --reason (it is kept in the history)")
+    if args.command == "tiers":
+        if args.tier is not None and not args.changes:
+            args.tiers_parser.error(f"say what to change in {args.tier!r}: FIELD=VALUE (e.g. rpm=60)")
+        args.tier_changes = _tier_changes(args.tiers_parser, args.changes)
     overrides = {k: v for k, v in (("control_plane_url", args.control_plane_url),
                                    ("credentials_file", args.credentials_file)) if v is not None}
     settings = ConsoleSettings(**overrides)
@@ -152,6 +185,10 @@ def run(args: argparse.Namespace, admin: AdminClient) -> None:
         "degrade": lambda: admin.release_degradation() if args.release
         else admin.pin_degradation(args.level, args.reason),
     }
+    if args.command == "tiers":
+        body = set_tier(admin, args.tier, args.tier_changes) if args.tier is not None else admin.tiers()
+        print(json.dumps(body, indent=2) if args.json else format_tiers(body))
+        return
     if args.command == "status":
         body = {"members": admin.members(), "degradation": admin.degradation(), "alerts": _alerts(admin),
                 "processes": _processes(admin)}
@@ -173,6 +210,30 @@ def run(args: argparse.Namespace, admin: AdminClient) -> None:
               + (str(body.get("reason", "")) if body.get("pinned") else "automatic (the pin is released)"))
     else:
         print(f"{body.get('id', args.member)}: {body.get('status')}")
+
+
+def set_tier(admin: AdminClient, name: str, changes: dict[str, Any]) -> dict[str, Any]:
+    """The policy in force with `changes` made to tier `name`, put back (the control plane validates it)."""
+    tiers = dict(admin.tiers().get("tiers") or {})
+    if name not in tiers:
+        raise SystemExit(f"{PROG}: there is no tier {name!r} (the tiers are {', '.join(tiers) or 'none'}); add one "
+                         "on the console's Traffic & tiers page or with PUT /admin/v1/tiers")
+    tiers[name] = {**tiers[name], **changes}
+    return admin.put_tiers({"tiers": tiers})
+
+
+def format_tiers(body: dict[str, Any]) -> str:
+    """One line per tier: its priority, limits, replicas, shed order and safety policy; then where the policy
+    came from."""
+    rows: list[tuple[str, ...]] = [
+        ("TIER", "PRIORITY", "RPM", "TPM", "MAX CONTEXT", "MAX OUTPUT", "REPLICAS", "SHED ORDER", "SAFETY")]
+    for name, t in (body.get("tiers") or {}).items():
+        rows.append((str(name), *(str(t.get(f, "-")) for f in TIER_FIELDS), str(t.get("safety", "-"))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    table = "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1] for r in rows)
+    at = body.get("updated_at")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) if isinstance(at, int | float) else "-"
+    return f"{table}\n\nsource: {body.get('source', '-')}, updated {when}"
 
 
 def _alerts(admin: AdminClient) -> dict[str, Any] | None:

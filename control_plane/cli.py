@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("data_plane.model_cli", "model tools: prepare (convert the default model once)"),
     "dashboards": ("dashboards.cli", "Grafana dashboards: push, check (which panels fill)"),
     "console": ("admin_ui.launch", "run the admin console (Streamlit; log in with the admin token or its one-time link)"),
-    "admin": ("admin_ui.cli", "operator actions over the admin API: status, members, processes, drain/undrain, degrade"),
+    "admin": ("admin_ui.cli", "operator actions over the admin API: status, members, processes, drain/undrain, degrade, tiers"),
     "keys": ("data_plane.gateway.keys_cli", "gateway API keys: create (stores only its digest), list, revoke"),
     "autoscale": ("control_plane.scaling.cli", "autoscaling tools: simulate (replay a load trace; PNG)"),
 }

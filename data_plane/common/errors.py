@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import uuid
 from typing import Any
 
@@ -102,8 +103,8 @@ class SwitchboardError(Exception):
 
     def response_headers(self) -> dict[str, str]:
         headers = dict(self.headers)
-        if self.retry_after is not None:
-            headers["Retry-After"] = str(max(1, round(self.retry_after)))
+        if self.retry_after is not None:  # rounded up: a client retrying at Retry-After must not be early
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after - 1e-9)))
         return headers
 
 

@@ -380,7 +380,7 @@ class ChatHandler:
         # Session history is not known yet (settled with real usage); no prompt passes the context window whole
         prompt = min(gw.counter.prompt_tokens(checked.messages), caller.tier.max_context_tokens, checked.model_context)
         estimate = prompt + checked.tools_tokens + checked.max_tokens * checked.choices
-        self.x.grant = await gw.limiter.admit(caller.principal.key_id, caller.tier, estimate)
+        self.x.grant = await gw.limiter.admit(caller.principal.key_id, caller.tier, estimate, checked.output_hint)
         policy = gw.safety.get(caller.measures.safety(caller.tier.safety, gw.safety.names()))
         with tracer.start_as_current_span("safety.input"):
             verdict = policy.check_input(m["content"] for m in checked.messages if m["role"] in ("user", "system"))

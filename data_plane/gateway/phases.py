@@ -64,6 +64,15 @@ class Checked:
     def choices(self) -> int:
         return self.req.n or 1
 
+    @property
+    def output_hint(self) -> str:
+        """What a refusal as too large for the TPM adds when the request set no max_tokens: the tier's cap
+        was counted ("it needs 1034 tokens" for "hi" read as a bug)."""
+        if self.req.output_limit:
+            return ""
+        return (f"The request sets no max_tokens, so the tier's cap of {self.max_tokens} output tokens was counted: "
+                "set max_tokens to what the reply needs.")
+
 
 @dataclass
 class Opened:

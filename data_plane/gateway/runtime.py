@@ -103,6 +103,7 @@ class Gateway:
         self.record_locks = RecordLocks()
         self.tier_gate = TierGate(self.registry)
         self.policy = lambda: self.tiers
+        self.limiter.show_policy(self.tiers)
         self.inflight = InFlightKeys(self.metrics.revoked)
 
     def put_keys(self, keys: KeyStore) -> None:
@@ -178,6 +179,8 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
         stack.push_async_callback(watched.aclose)
         cluster = watched
         gw.policy = lambda: watched.current().tiers or gw.tiers
+        gw.limiter.show_policy(gw.policy())
+        watched.subscribe(lambda: gw.limiter.show_policy(gw.policy()))  # an operator's PUT /tiers, in /metrics
         await gw.guard.connect(settings.control_plane_url or settings.registry_url or "", http,
                                cluster_headers(cluster_token_from_env()))
         stack.push_async_callback(gw.guard.aclose)

@@ -195,3 +195,28 @@ def test_decisions_show_the_autoscalers_reasons_from_a_shell(env, capsys) -> Non
     assert format_decisions({"autoscaler": True, "decisions": []}) == "no decisions yet"
     code, _, err = run(capsys, "decisions", "--limit", "0")
     assert code == 2 and "1 to 1000" in err
+
+
+def test_an_operator_reads_and_changes_a_tiers_limits_from_a_shell(env, admin, capsys) -> None:
+    """Changing a tier's limits took a hand-written curl of the whole policy (or the console): the runbook's
+    "raise the tier's limits" had no command. `tiers` shows the policy; `tiers TIER FIELD=VALUE` changes it."""
+    before = admin.get("/admin/v1/tiers").json()
+    code, out, _ = run(capsys, "tiers")
+    assert code == 0 and out.splitlines()[0].split()[:4] == ["TIER", "PRIORITY", "RPM", "TPM"]
+    free = before["tiers"]["free"]
+    assert any(line.split()[:4] == ["free", str(free["priority"]), str(free["rpm"]), str(free["tpm"])]
+               for line in out.splitlines())
+    try:
+        code, out, _ = run(capsys, "tiers", "free", "rpm=7", "tpm=7000", "--json")
+        assert code == 0 and json.loads(out)["tiers"]["free"]["rpm"] == 7
+        now = admin.get("/admin/v1/tiers").json()["tiers"]
+        assert now["free"] == {**free, "rpm": 7, "tpm": 7000} and now["plus"] == before["tiers"]["plus"]
+        code, _, err = run(capsys, "tiers", "gold", "rpm=1")
+        assert code == 1 and "no tier 'gold'" in err
+        code, _, err = run(capsys, "tiers", "free", "rpm=0")  # the control plane's own validation, one line
+        assert code == 1 and "answered 400" in err and admin.get("/admin/v1/tiers").json()["tiers"]["free"]["rpm"] == 7
+        with pytest.raises(SystemExit) as info:
+            main(["tiers", "free", "rpm=many"])
+        assert info.value.code == 2
+    finally:
+        assert admin.put("/admin/v1/tiers", json={"tiers": before["tiers"]}).status_code == 200

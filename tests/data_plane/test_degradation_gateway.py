@@ -17,7 +17,7 @@ import pytest
 
 from data_plane.tiers import TierPolicy
 from tests.support.cluster import ADMIN_TOKEN, KEYS, api_keys_env
-from tests.support.metrics import scrape
+from tests.support.metrics import metric_in, scrape
 from tests.support.procs import CLUSTER_HEADERS, Service
 from tests.support.waits import eventually
 
@@ -169,6 +169,28 @@ def test_tier_policy_is_hot_reloaded(stack: Stack) -> None:
     bad = stack.admin.put("/admin/v1/tiers", json={"tiers": {"plus": {"priority": 1}}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tiers"
     assert stack.chat("plus", max_tokens=8).status_code == 400  # the valid policy stays in force
+
+
+def test_an_operators_rate_limit_change_is_in_the_next_response_and_in_the_gateways_metrics(stack: Stack) -> None:
+    """The limits a gateway enforced were nowhere in its /metrics: an operator could not see that a PUT had
+    reached it (or that a gateway refused the new policy and kept the old one)."""
+    before = {"tiers": stack.admin.get("/admin/v1/tiers").json()["tiers"]}
+
+    def limit(tier: str, kind: str) -> float:
+        return metric_in(scrape(stack.gateway.url), "switchboard_ratelimit_limit", tier=tier, kind=kind, scope="key")
+
+    assert limit("plus", "requests") == before["tiers"]["plus"]["rpm"]
+    assert limit("free", "tokens") == before["tiers"]["free"]["tpm"]
+    policy = {"tiers": {name: dict(t) for name, t in before["tiers"].items()}}
+    policy["tiers"]["plus"].update(rpm=7, tpm=7_000)
+    del policy["tiers"]["free"]
+    assert stack.admin.put("/admin/v1/tiers", json=policy).status_code == 200
+    eventually(lambda: limit("plus", "requests") == 7, PROPAGATION_S)
+    assert limit("plus", "tokens") == 7_000 and limit("free", "requests") == 0  # a deleted tier leaves
+    r = stack.chat("plus", max_tokens=1)
+    assert r.status_code == 200 and r.headers["x-ratelimit-limit-requests"] == "7", r.headers
+    assert stack.admin.put("/admin/v1/tiers", json=before).status_code == 200
+    eventually(lambda: limit("plus", "requests") == before["tiers"]["plus"]["rpm"], PROPAGATION_S)
 
 
 def test_a_tier_deleted_from_the_hot_policy_refuses_its_keys_everywhere(stack: Stack) -> None:

@@ -61,10 +61,12 @@ def gateway(shard_url: str, tiers_file: Path, *extra: str, env: dict[str, str]) 
                     "--tiers-file", str(tiers_file), *extra], env=env)
 
 
-def chat(url: str, key: str, *, max_tokens: int = 4, content: str = "hi", stream: bool = False,
+def chat(url: str, key: str, *, max_tokens: int | None = 4, content: str = "hi", stream: bool = False,
          timeout: float = 30) -> httpx.Response:
     body = {"model": "synthetic", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "stream": stream}
+    if max_tokens is None:
+        del body["max_tokens"]
     return httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
                       timeout=timeout)
 
@@ -146,7 +148,29 @@ def test_a_request_larger_than_the_tpm_limit_is_refused(one: Service) -> None:
     r = chat(one.url, KEYS["plus"], max_tokens=1000)
     assert r.status_code == 429 and "Request too large" in r.json()["error"]["message"]
     assert r.headers["retry-after"] == "60" and r.headers["x-ratelimit-limit-tokens"] == "600"
+    assert r.headers["x-should-retry"] == "false"  # it never fits: retrying it only waits
     assert metric(one.url, "switchboard_ratelimit_rejections_total", tier="plus", kind="tokens") >= 1
+
+
+def test_a_request_without_max_tokens_refused_as_too_large_says_the_tiers_cap_was_counted(one: Service) -> None:
+    """plus: TPM 600, output cap 1024. "hi" without max_tokens was refused as needing 1035 tokens, and told to
+    "lower max_tokens", which it never set."""
+    r = chat(one.url, KEYS["plus"], max_tokens=None)
+    assert r.status_code == 429 and r.headers["x-should-retry"] == "false"
+    message = r.json()["error"]["message"]
+    assert "Request too large" in message and "sets no max_tokens" in message and "cap of 1024" in message
+    assert "sets no max_tokens" not in chat(one.url, KEYS["plus"], max_tokens=1000).json()["error"]["message"]
+
+
+def test_the_sdk_does_not_retry_a_request_larger_than_the_tpm_limit(one: Service) -> None:
+    """With its default retries the SDK waited Retry-After (60 s) twice and sent the same refused request three
+    times; the gateway now tells it not to retry: one request, raised at once."""
+    before = metric(one.url, "switchboard_ratelimit_rejections_total", tier="plus", kind="tokens") or 0
+    sdk = openai.OpenAI(base_url=one.url + "/v1", api_key=KEYS["plus"], timeout=30)  # default max_retries (2)
+    with pytest.raises(openai.RateLimitError) as info:
+        sdk.chat.completions.create(model="synthetic", messages=[{"role": "user", "content": "hi"}], max_tokens=1000)
+    assert "Request too large" in info.value.message
+    assert metric(one.url, "switchboard_ratelimit_rejections_total", tier="plus", kind="tokens") == before + 1
 
 
 async def test_admission_serves_enterprise_first_and_sheds_free_past_its_deadline(one: Service) -> None:

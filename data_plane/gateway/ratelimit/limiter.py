@@ -15,6 +15,10 @@ itself failed before any generation (shed by admission, no shard: a 5xx) also ge
 back (``settle(..., refund_request=True)``): a client that honours ``Retry-After`` through an
 overload is not then refused with 429s for the retries it was told to make.
 
+A request that needs more than a whole minute's allowance (``max_tokens`` plus the prompt above the
+TPM) can never fit: it is refused at once with 429 "Request too large" (as OpenAI does) and
+``x-should-retry: false``, so the openai SDKs raise it instead of retrying it after ``Retry-After``.
+
 The algorithm is a token bucket (equivalently GCRA): a bucket of ``limit`` per minute
 refills continuously at ``limit``/60 s and holds at most ``limit``, so any interval of *t*
 seconds admits at most ``limit * (1 + t/60)`` units, and a burst of exactly ``limit`` from a
@@ -63,12 +67,14 @@ from data_plane.gateway.ratelimit.buckets import (
     LocalBackend,
     RedisBackend,
 )
-from data_plane.tiers import Tier
+from data_plane.tiers import Tier, TierPolicy
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 KINDS = ("requests", "tokens")
+NO_RETRY_HEADER = "x-should-retry"
+"""Set to ``false`` on a request that can never fit its limit (the openai SDKs' own retry switch)."""
 
 
 class RateLimitMetrics:
@@ -84,7 +90,25 @@ class RateLimitMetrics:
         self.backend_errors = Counter(
             "switchboard_ratelimit_backend_errors",
             "Limiter backend calls that failed, by operation (take|adjust).", ["op"], registry=registry)
+        self.limit = Gauge(
+            "switchboard_ratelimit_limit",
+            "The per-minute limits this gateway enforces now, from the tier policy in force (a PUT /admin/v1/tiers "
+            "shows here once the gateway applied it): by tier, kind (requests|tokens) and scope (key: each API key "
+            "of the tier; tier: all its keys together, --tier-rpm/--tier-tpm).",
+            ["tier", "kind", "scope"], registry=registry)
         self.backend_up.set(1)
+
+    def show_policy(self, policy: TierPolicy, tier_rpm: Mapping[str, int] | None = None,
+                    tier_tpm: Mapping[str, int] | None = None) -> None:
+        """Put the limits of `policy` (and the per-tier aggregates) in the `limit` gauge; a tier no longer
+        in the policy leaves it."""
+        self.limit.clear()
+        for tier in map(policy.get, policy.names()):
+            self.limit.labels(tier.name, "requests", "key").set(tier.rpm)
+            self.limit.labels(tier.name, "tokens", "key").set(tier.tpm)
+        for kind, aggregate in (("requests", tier_rpm or {}), ("tokens", tier_tpm or {})):
+            for name, value in aggregate.items():
+                self.limit.labels(name, kind, "tier").set(value)
 
 
 # -- the limiter the gateway uses -----------------------------------------------------------
@@ -135,6 +159,10 @@ class RateLimiter:
         self._down_until = 0.0
         self._pending: set[asyncio.Task[None]] = set()
 
+    def show_policy(self, policy: TierPolicy) -> None:
+        """The tier policy in force changed (or was first read): show its limits in /metrics."""
+        self.metrics.show_policy(policy, self.tier_rpm, self.tier_tpm)
+
     def buckets(self, key_id: str, tier: Tier, tokens: int) -> list[Bucket]:
         out = [Bucket(f"key:{key_id}", "requests", tier.rpm, 1),
                Bucket(f"key:{key_id}", "tokens", tier.tpm, tokens)]
@@ -144,9 +172,10 @@ class RateLimiter:
             out.append(Bucket(f"tier:{tier.name}", "tokens", self.tier_tpm[tier.name], tokens))
         return out
 
-    async def admit(self, key_id: str, tier: Tier, tokens: int) -> Grant:
+    async def admit(self, key_id: str, tier: Tier, tokens: int, too_large_hint: str = "") -> Grant:
         """Take one request and `tokens` from every bucket of this key and tier, or raise
-        :class:`RateLimited` (429, ``Retry-After``) carrying the same ``x-ratelimit-*`` headers."""
+        :class:`RateLimited` (429, ``Retry-After``) carrying the same ``x-ratelimit-*`` headers
+        (`too_large_hint` ends the message when `tokens` can never fit)."""
         tokens = max(0, int(tokens))
         with tracer.start_as_current_span("ratelimit") as span:
             buckets = self.buckets(key_id, tier, tokens)
@@ -162,20 +191,25 @@ class RateLimiter:
                 return Grant(headers, tokens, [b for b in buckets if b.kind == "tokens"], backend,
                              request_buckets=[b for b in buckets if b.kind == "requests"])
             span.set_attribute("switchboard.ratelimit.allowed", False)
-            raise self._refusal(tier, buckets, states, headers, span)
+            raise self._refusal(tier, buckets, states, headers, span, too_large_hint)
 
     def _refusal(self, tier: Tier, buckets: list[Bucket], states: list[BucketState], headers: dict[str, str],
-                 span: trace.Span) -> RateLimited:
+                 span: trace.Span, too_large_hint: str = "") -> RateLimited:
         refused = [(b, s) for b, s in zip(buckets, states) if not s.allowed]
         # The binding limit is the one that keeps the request out longest (never = longest of all).
         b, s = max(refused, key=lambda bs: math.inf if bs[1].retry_us < 0 else bs[1].retry_us)
         self.metrics.rejections.labels(tier.name, b.kind).inc()
         span.set_attribute("switchboard.ratelimit.kind", b.kind)
         whose = "this API key" if b.scope.startswith("key:") else f"the {tier.name} tier (all keys together)"
+        extra: dict[str, str] = {}
         if s.retry_us < 0:
             wait_us = b.period_us
             message = (f"Request too large for {whose}: it needs {b.cost} {b.kind} but the limit is "
-                       f"{b.limit} {b.kind} per minute. Shorten the prompt or lower max_tokens.")
+                       f"{b.limit} {b.kind} per minute. Shorten the prompt or lower max_tokens."
+                       + (f" {too_large_hint}" if too_large_hint and b.kind == "tokens" else ""))
+            # Retrying the same request can never succeed: the openai SDKs obey this header before the status,
+            # so they raise at once; without it they waited out Retry-After twice (2 minutes) for the same 429.
+            extra[NO_RETRY_HEADER] = "false"
         else:
             wait_us = s.retry_us
             message = (f"Rate limit reached for {b.kind} per minute on {whose} ({tier.name} tier): limit "
@@ -183,7 +217,7 @@ class RateLimiter:
                        f"Please try again in {format_reset(wait_us)}.")
         retry_s = max(1, math.ceil(wait_us / 1_000_000))
         return RateLimited(message, retry_after=retry_s,
-                           headers={**headers, "retry-after-ms": str(max(1, -(-wait_us // 1000)))})
+                           headers={**headers, "retry-after-ms": str(max(1, -(-wait_us // 1000))), **extra})
 
     async def _take(self, buckets: list[Bucket]) -> tuple[list[BucketState], Backend]:
         if self.fallback is None:
