@@ -51,7 +51,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -404,11 +404,11 @@ class SessionStore:
                 log.warning("cache node %s unreachable for GET: %s", member.id, type(exc).__name__)
             return "error", None
 
-    def check_fits(self, session_id: str, owner: str, messages: Sequence[Mapping[str, str]], replicas: int) -> None:
-        """400 ``record_too_large`` now if no replica of `session_id` would store `messages` (client_values.py)."""
-        t = Transcript(session_id, owner, tuple(messages), 1, updated_at=time.time())
-        self._limits.check(self.replicas_for(session_id, replicas), sum(len(m["content"].encode()) for m in messages),
-                           lambda: len(put_body(self._sealer, t, None)))
+    def check_fits(self, session_id: str, owner: str, messages: Callable[[], Sequence[Mapping[str, str]]], replicas: int,
+                   rough: int) -> None:
+        """400 ``record_too_large`` now if no replica of `session_id` would store `messages()` (client_values.py)."""
+        self._limits.check(self.replicas_for(session_id, replicas), rough, lambda: len(put_body(
+            self._sealer, Transcript(session_id, owner, tuple(messages()), 1, updated_at=time.time()), None)))
 
     async def _put(
         self, member: Member, t: Transcript, ttl_s: float | None, *, keep_updated_at: bool, only_newer: bool = False

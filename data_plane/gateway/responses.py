@@ -28,6 +28,7 @@ the client never learnt its id.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -96,6 +97,8 @@ class ResponsesHandler(ChatHandler):
         self.rreq: ResponsesRequest | None = None
         self.new_items: list[dict[str, Any]] = []
         self.history_items: list[dict[str, Any]] = []
+        self.history_bytes = 0
+        """The UTF-8 length of the record the history was loaded from (the size check's bound)."""
         self.conversation: Record | None = None
         self.route = self.response_id
         self.instructions = 0
@@ -160,11 +163,12 @@ class ResponsesHandler(ChatHandler):
         reply: one a cache node is known to refuse is the 400 now, not after a whole generation."""
         assert self.tier is not None
         items = self.history_items + self.new_items
+        rough = self.history_bytes + len(json.dumps(self.new_items, ensure_ascii=False).encode())
         if self.conversation is not None:
-            self.store.check_fits(replace(self.conversation, items=items), self.owner, self.tier.replication)
+            self.store.check_fits(replace(self.conversation, items=items), self.owner, self.tier.replication, rough)
         if rreq.store is not False:
             self.store.check_fits(Record(self.response_id, Kind.RESPONSE, items, self.route), self.owner,
-                                  self.tier.replication)
+                                  self.tier.replication, rough)
 
     def go_background(self, rreq: ResponsesRequest, raw: bytes) -> None:
         """``background: true``: hand the request to the app, which runs it apart from this connection
@@ -182,11 +186,12 @@ class ResponsesHandler(ChatHandler):
         conv_id = rreq.conversation_id
         if rreq.previous_response_id:
             previous = await self.store.previous(rreq.previous_response_id, self.owner, tier.replication)
-            self.history_items, self.route = previous.items, previous.route
+            self.history_items, self.route, self.history_bytes = previous.items, previous.route, previous.stored_bytes
         elif conv_id:
             await self.hold(conv_id, "conversation")
             self.conversation = await self.store.load(conv_id, self.owner, tier.replication, Kind.CONVERSATION)
             self.history_items, self.route = self.conversation.items, self.conversation.route
+            self.history_bytes = self.conversation.stored_bytes
         if self.history_items or rreq.store is not False or self.conversation is not None:
             # the chain's session: kv_aware routing and the KV blocks kept on its cache nodes
             self.session_id = self.route
