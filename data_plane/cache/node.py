@@ -1,4 +1,4 @@
-"""A cache node: keeps whole session transcripts, in memory (TTL + LRU by bytes) or in Redis.
+"""A cache node: keeps whole session transcripts, in memory (TTL + LRU by bytes, fair between owners) or in Redis.
 
     switchboard cache-node --port 8201                                  # in-memory, 256 MiB
     switchboard cache-node --port 8202 --redis redis://127.0.0.1:6379/0 --registry-url http://127.0.0.1:8300
@@ -113,7 +113,8 @@ class CacheNodeSettings(BaseSettings):
     registration_ttl_s: float = Field(0.8, gt=0.1, le=300)
     """TTL of the membership health check."""
     max_bytes: int = Field(256 * MiB, ge=1024, le=1 << 40)
-    """In-memory backend: total bytes of stored records before LRU eviction."""
+    """In-memory backend: total bytes of stored records before eviction (the least recently used record of
+    the owner holding the most: one API key filling the node evicts its own records, data_plane/cache/storage.py)."""
     snapshot_file: Path | None = None
     """In-memory backend: a file that keeps the records across restarts (read at start, rewritten every
     ``--snapshot-interval-s`` when one changed, and at shutdown; `switchboard up` sets it in its state dir)."""

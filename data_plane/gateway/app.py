@@ -154,8 +154,9 @@ def create_app(gw: Gateway) -> GatewayApp:
         return {"id": model_id, "object": "model", "created": 0, "owned_by": "switchboard",
                 "max_model_len": found[model_id]}
 
-    app.add_api_route("/v1/usage", usage_route(lambda r: gw.caller(r)[0], gw.ledger),
-                      methods=["GET"])
+    usage = usage_route(lambda r: gw.caller(r)[0], gw.ledger)
+    app.add_api_route("/v1/usage", usage, methods=["GET"])
+    app.add_api_route("/v1/organization/usage/completions", usage, methods=["GET"])  # the openai SDK's path
     mount_responses(app, gw, lambda: holder.conversations())
     mount_compact(app, gw, lambda: holder.conversations(), lambda: holder.started())
     mount_input_tokens(app, gw, lambda: holder.conversations(), lambda: holder.started())

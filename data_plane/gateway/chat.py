@@ -427,7 +427,7 @@ class ChatHandler:
         stream: EventSource | None = await self._cached(checked.req, prepared.request.wire(), prepared.prompt, tenant)
         if stream is None:
             tokens = window.prompt_tokens + checked.tools_tokens + prepared.max_tokens * checked.choices
-            x.admitted(await rt.admission.acquire(tier, caller.tiers, tenant=tenant, tokens=tokens))
+            x.admitted(await rt.admission.acquire(tier, caller.tiers, tenant=tenant, tokens=tokens, slots=checked.choices))
             with tracer.start_as_current_span("router.route") as route_span:
                 shard = await rt.upstream.open_resumable(prepared.request, self.session_id)
                 route_span.set_attribute("switchboard.shard", shard.member.id)

@@ -199,7 +199,7 @@ class Completion:
         if isinstance(event, Delta):
             c = self.choice(event.index)
             if event.usage is not None and not self._final_usage:
-                self._usage_so_far(event.index, event.usage)
+                self._usage_so_far(event.index, event.usage, event.cached_tokens)
             if event.logprobs:
                 c.has_logprobs = True
             c.hold_logprobs(event.text, event.logprobs)
@@ -231,15 +231,21 @@ class Completion:
                                prompt_tokens_details=cached)
             self.x.usage = self.usage
 
-    def _usage_so_far(self, index: int, so_far: tuple[int, int]) -> None:
+    def _usage_so_far(self, index: int, so_far: tuple[int, int], cached: int | None) -> None:
         """The shard's running count (continuous usage stats: every chunk carries it) until its final
         usage arrives. A stream that ends without one (the client left, the shard died past its resumes)
         is then recorded, billed and rate-limited for the prompt it prefilled and the tokens it produced,
-        not as 0: otherwise disconnecting just before the end would make any reply free."""
+        not as 0: otherwise disconnecting just before the end would make any reply free. Its prefix-cache
+        hit too (`cached`, the first shard's: a resumed stream's prompt also holds the output so far); it
+        was recorded 0, a cached prompt billed as computed."""
         self._choice_tokens[index] = so_far[1]
         prompt = max(so_far[0], self.usage.prompt_tokens)
         completion = sum(self._choice_tokens.values())
-        self.usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        known = self.usage.prompt_tokens_details
+        if known is None and cached is not None:
+            known = PromptTokensDetails(cached_tokens=min(cached, prompt))
+        self.usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                           prompt_tokens_details=known)
         self.x.usage = self.usage
 
     def _tails(self) -> list[Piece]:

@@ -78,6 +78,42 @@ async def test_lower_tiers_leave_a_reserve_for_higher_ones() -> None:
     assert adm.inflight == 0
 
 
+async def test_a_request_holds_a_slot_per_choice_so_n_cannot_fill_the_reserve() -> None:
+    """A free key's requests with n=8 were each counted as one slot while the shard decoded eight sequences:
+    three of them held 24 of 16 batch slots, and an enterprise request waited ~10 s for its first token."""
+    adm, registry = admission(16)  # free may fill 12 of 16
+    first = await adm.acquire(FREE, POLICY, tenant="a", slots=8)
+    assert adm.inflight == 8 and registry.get_sample_value("switchboard_admission_inflight") == 8
+    second = asyncio.create_task(adm.acquire(FREE, POLICY, tenant="a", slots=8))
+    await settle()
+    assert not second.done()  # 8 + 8 > free's 12
+    one = await adm.acquire(FREE, POLICY, tenant="b")  # the least served tenant, and one slot fits
+    ent = [await adm.acquire(ENT, POLICY, slots=2) for _ in range(3)]  # the reserve is there for enterprise
+    assert adm.inflight == 15 and not second.done()
+    for t in ent:
+        t.release()
+    one.release()
+    await settle()
+    assert not second.done()  # 8 in flight: 8 more would pass free's 12
+    first.release()
+    held = await second
+    assert adm.inflight == 8
+    held.release()
+    assert adm.inflight == 0 and adm.waiting == 0
+
+
+async def test_a_request_asking_more_slots_than_its_tier_may_fill_takes_all_of_it() -> None:
+    adm, _ = admission(4)  # free may fill 3
+    big = await adm.acquire(FREE, POLICY, slots=8)
+    assert adm.inflight == 3  # at most the tier's cap, so it never waits for slots that cannot exist
+    blocked = asyncio.create_task(adm.acquire(FREE, POLICY))
+    await settle()
+    assert not blocked.done()
+    big.release()
+    (await blocked).release()
+    assert adm.inflight == 0
+
+
 async def test_a_waiter_past_its_deadline_is_shed_with_503_and_retry_after() -> None:
     adm, registry = admission(1, queue_timeouts={"free": 0.05})
     held = await adm.acquire(ENT, POLICY)
