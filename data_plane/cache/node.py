@@ -50,10 +50,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from data_plane.cache.kv_routes import KVNode, announce_kv_bytes, mount_kv
-from data_plane.cache.model import SECONDS_BUCKETS, Transcript, VersionConflict, validate_session_id
+from data_plane.cache.model import (
+    LIMIT_HEADER,
+    LIMIT_META,
+    SECONDS_BUCKETS,
+    Transcript,
+    VersionConflict,
+    validate_session_id,
+)
 from data_plane.cache.snapshot import Snapshot
 from data_plane.cache.storage import ManagedStorage, MemoryStorage, RedisStorage
-from data_plane.common.errors import NotFound, SwitchboardError, install_error_handlers
+from data_plane.common.errors import NotFound, PayloadTooLarge, SwitchboardError, install_error_handlers
 from data_plane.common.hop_auth import (
     TOKENS_HELP,
     RefusalMetrics,
@@ -378,7 +385,11 @@ def _mount_records(app: FastAPI, prefix: str, store: ManagedStorage, default_ttl
     async def put_session(session_id: str, request: Request) -> JSONResponse:
         with metrics.track(op_prefix + "put", request, node_id) as op:
             validate_session_id(session_id)
-            raw = await read_json_body(request, max_body_bytes)
+            try:
+                raw = await read_json_body(request, max_body_bytes)
+            except PayloadTooLarge as exc:  # the limit, for the gateway to refuse a record this large before it
+                exc.headers[LIMIT_HEADER] = str(max_body_bytes)  # generates one (data_plane/cache/client_values.py)
+                raise
             try:
                 body = PutSessionBody.model_validate(raw)
             except ValidationError as exc:
@@ -430,7 +441,7 @@ async def _register(
 
     http = httpx.AsyncClient(timeout=httpx.Timeout(2.0))
     stack.push_async_callback(http.aclose)
-    meta = {"backend": store.backend, "zone": settings.zone}
+    meta = {"backend": store.backend, "zone": settings.zone, LIMIT_META: str(settings.max_body_bytes)}
     if store.backend == "memory":
         meta["max_bytes"] = str(settings.max_bytes)
     member = Member(id=settings.member_id, service="cache", url=settings.url, meta=meta)

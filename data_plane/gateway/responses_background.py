@@ -54,7 +54,7 @@ STOP_MESSAGES = {
     SHUTDOWN: "the gateway shut down before this background response finished; create it again",
     TIMED_OUT: "the background response ran past this gateway's limit (--background-max-s)",
 }
-EXPIRED_MESSAGE = ("the gateway running this background response stopped before it finished "
+EXPIRED_MESSAGE = ("the gateway running this response stopped before it finished "
                    "(it was not seen again before its deadline); create it again")
 _SNAPSHOT_EVENTS = (b"event: response.created\n", b"event: response.queued\n", b"event: response.in_progress\n",
                     b"event: response.completed\n", b"event: response.incomplete\n", b"event: response.failed\n")

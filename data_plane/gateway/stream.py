@@ -34,16 +34,15 @@ from data_plane.gateway.safety.pipeline import ALLOW, OutputStreamFilter, Safety
 from data_plane.legacy_functions import legacy_delta, legacy_finish, legacy_message
 from data_plane.membership.view import Member
 from data_plane.protocol import (
-    ROLE_DELTA,
     SERVICE_TIER,
     SYSTEM_FINGERPRINT,
+    Openings,
     PromptTokensDetails,
     Usage,
     UsageChunks,
     chunk_body,
     completion_body,
     new_completion_id,
-    opening_deltas,
 )
 from data_plane.routing.upstream import Delta, Event, Finish, ToolCallDelta, UsageEvent
 from data_plane.tool_calls import envelope_text
@@ -155,8 +154,8 @@ class Completion:
         self.model = model
         self.new_filter = new_filter
         self.choices: dict[int, _Choice] = {}
-        self._opened: set[int] = set()
-        """Choices whose stream was opened (their role sent: `opening_deltas`)."""
+        self._openings = Openings()
+        """Which choices the stream opened (their role sent), in index order."""
         self.completion_id = new_completion_id()
         self.created = int(time.time())
         self.usage = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
@@ -369,13 +368,18 @@ class Completion:
             return self._content_prefix + _json(delta["content"]) + content_suffix
         delta = dict(delta)
         logprobs = delta.pop("logprobs", None)
+        if logprobs is None and "role" in delta and self.with_logprobs:
+            # each choice opens with its logprobs object, as OpenAI's: the SDK's stream helper builds the final
+            # completion's from the chunks, and a reply of no text (tool calls, a stop string first) had None
+            logprobs = {"content": [], "refusal": None}
         return _event(chunk_body(**common, delta=delta, index=index, logprobs=logprobs))
 
     async def stream_to(self, send: Send, stream: EventSource, include_usage: UsageChunks | bool,
                         headers: list[tuple[bytes, bytes]]) -> None:
         """The completion as SSE, straight onto the ASGI `send`: one write per batch of tokens,
         each choice opened with its first piece (`opening_deltas`: ``content: null`` beside a first tool
-        call, ``content: ""`` before text), the finish, usage and `[DONE]` with the last."""
+        call, ``content: ""`` before text; in index order: `Openings`), the finish, usage and `[DONE]` with
+        the last."""
         x = self.x
         span = x.span
         common: dict[str, Any] = {"completion_id": self.completion_id, "model": self.model, "created": self.created,
@@ -392,16 +396,12 @@ class Completion:
                     common["usage"] = self.usage
                     content_suffix = self._content_suffix[:-3] + b',"usage":' + _json(self.usage.wire()) + b'}\n\n'
                 for index, delta in pieces:
-                    deltas = [legacy_delta(delta) if self.legacy else delta]
-                    if index not in self._opened:
-                        self._opened.add(index)
-                        deltas = opening_deltas(deltas[0])
-                    out.extend(self._chunk(common, (index, d), content_suffix) for d in deltas)
+                    sent = self._openings.deltas(index, legacy_delta(delta) if self.legacy else delta)
+                    out.extend(self._chunk(common, piece, content_suffix) for piece in sent)
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                 out = []
-            for index, c in sorted(self.choices.items()):
-                if index not in self._opened:  # a choice that released nothing still opens, then ends
-                    out.append(_event(chunk_body(**common, delta=dict(ROLE_DELTA), index=index)))
+            for index, c in sorted(self.choices.items()):  # a choice that released nothing still opens
+                out.extend(self._chunk(common, piece, content_suffix) for piece in self._openings.ending(index))
                 finish = legacy_finish(c.finish_reason) if self.legacy else c.finish_reason
                 out.append(_event(chunk_body(**common, delta={}, finish_reason=finish or "stop", index=index)))
             await self._finish(None)
