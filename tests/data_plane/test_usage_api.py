@@ -9,7 +9,6 @@ PostgreSQL cases start a throwaway server (tests/support/postgres.py) and skip w
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -220,7 +219,8 @@ def test_a_stored_response_the_cache_could_not_keep_is_not_billed(tmp_path: Path
     """A Responses create (store: true) whose cache node was down when its turn was stored: the client got
     503 cache_unavailable and no output, but the ledger charged the tokens the shard produced (the gateway's
     token counter did not count them), and /v1/usage showed them. Now its record says 503 cache_unavailable
-    with no tokens, as the counters do; the streamed one, whose output the client read, stays billed."""
+    with no tokens, as the counters do. A streamed one is stored in_progress before its first event, so with
+    no cache node it is refused the same way before it generates."""
     db = tmp_path / "usage.db"
     with Cluster(shards=1, caches=1, gateway_args=["--usage-db", f"sqlite:///{db}", "--usage-flush-interval-s", "0.2",
                                                    "--state-dir", str(tmp_path)]) as c:
@@ -232,19 +232,15 @@ def test_a_stored_response_the_cache_could_not_keep_is_not_billed(tmp_path: Path
         assert failed.status_code == 503 and failed.json()["error"]["code"] == "cache_unavailable"
         streamed = httpx.post(c.gateway.url + "/v1/responses", json={**body, "stream": True}, headers=headers,
                               timeout=30)
-        assert streamed.status_code == 200 and "response.failed" in streamed.text
-        used = next(json.loads(line[6:])["response"]["usage"] for line in streamed.text.splitlines()
-                    if line.startswith("data: ") and '"response.failed"' in line)
+        assert streamed.status_code == 503 and streamed.json()["error"]["code"] == "cache_unavailable", streamed.text
         rows = _rows(db, failed.headers["x-request-id"], streamed.headers["x-request-id"])
         assert rows[failed.headers["x-request-id"]][:5] == (503, "cache_unavailable", 0, 0, 0)
-        assert rows[streamed.headers["x-request-id"]][:5] == (200, "cache_unavailable", used["input_tokens"], 0,
-                                                              used["output_tokens"])
+        assert rows[streamed.headers["x-request-id"]][:5] == (503, "cache_unavailable", 0, 0, 0)
         served = sum(metric(c.gateway.url, "switchboard_gateway_tokens_total", tier="plus", kind=k)
                      for k in ("prompt", "completion"))
-        assert served == sum(r[2] + r[4] for r in rows.values())
+        assert served == 0
         results = _results(_page(c.gateway, {"start_time": int(time.time()) - 600}))
-        assert [(x["num_model_requests"], x["input_tokens"], x["output_tokens"]) for x in results] == [
-            (1, used["input_tokens"], used["output_tokens"])]
+        assert [(x["num_model_requests"], x["input_tokens"], x["output_tokens"]) for x in results] == []
 
 
 def test_a_client_that_leaves_is_recorded_with_its_prefix_cache_hit(fp32_shard: Service, tmp_path: Path) -> None:
