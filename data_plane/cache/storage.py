@@ -233,7 +233,7 @@ class MemoryStorage:
         heapq.heappush(self._expiries, (expires_at, record.session_id))
         evicted = 0
         while self._bytes > self.max_bytes:
-            self._remove(self._evictee())
+            self._remove(self._evictee(keep=record.session_id))
             evicted += 1
         if evicted:
             self._on_evict("lru", evicted)
@@ -244,14 +244,26 @@ class MemoryStorage:
             self._largest = [(-o.bytes, n) for n, o in self._owners.items()]
             heapq.heapify(self._largest)
 
-    def _evictee(self) -> str:
-        """The least recently used record of the owner holding the most bytes."""
-        while True:
-            held, name = self._largest[0]
-            owner = self._owners.get(name)
-            if owner is not None and owner.bytes == -held:
-                return next(iter(owner.ids))
-            heapq.heappop(self._largest)
+    def _evictee(self, keep: str) -> str:
+        """The least recently used record of the owner holding the most bytes, never `keep` (the record being
+        stored: an owner whose one record it is may hold the most, and the write must not answer stored for a
+        record already gone; the next largest owner makes the room, as put() refuses a record past max_bytes)."""
+        skipped: tuple[int, str] | None = None
+        try:
+            while self._largest:
+                held, name = self._largest[0]
+                owner = self._owners.get(name)
+                if owner is None or owner.bytes != -held:
+                    heapq.heappop(self._largest)
+                    continue
+                oldest = next(iter(owner.ids))
+                if oldest != keep:
+                    return oldest
+                skipped = heapq.heappop(self._largest)  # `keep` is its owner's only record
+            return keep  # alone and past max_bytes: a snapshot restored under a lower --max-bytes
+        finally:
+            if skipped is not None:
+                heapq.heappush(self._largest, skipped)
 
     def sweep(self) -> int:
         """Drop every expired record now; returns how many."""

@@ -575,3 +575,21 @@ def test_a_stalled_redis_is_a_prompt_503(tmp_path: Path, client: httpx.Client) -
     finally:
         proc.stop()
         silent.close()
+
+
+async def test_memory_storage_never_evicts_the_record_it_was_just_given() -> None:
+    """A new owner whose first record is larger than any other owner's holds the most at once: its record was
+    the one evicted, and the PUT still answered stored (a turn's conversation gone the moment it was saved)."""
+    def rec(s: str, size: int = 500) -> Transcript:  # the owner is the id's first letter
+        return Transcript(s, s[0], ({"role": "user", "content": "q" * size},), 1, 0.0)
+
+    store = MemoryStorage(5 * len(encode_record(rec("a1"))))
+    for s in ("a1", "b1", "c1", "d1", "e1"):  # full, one small record an owner
+        await store.put(rec(s), ttl_s=100)
+    assert (await store.put(rec("z1", size=1200), ttl_s=100)).stored
+    assert await store.get("z1") is not None  # room made from the others, least recent first
+    assert await store.get("a1") is None and await store.get("e1") is not None
+    assert store.stats().bytes <= store.max_bytes
+    small = MemoryStorage(100)  # a record past the store's size, as a snapshot restored under a lower limit
+    small._insert(rec("y1"), len(encode_record(rec("y1"))), 100.0)
+    assert small.stats().entries == 0
