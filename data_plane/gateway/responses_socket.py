@@ -11,8 +11,9 @@ Each `response.create` frame is served as `POST /v1/responses` with `stream: tru
 (key, limits, conversations and chains, usage and the ledger: nothing is served differently), and each of
 its events goes back as one text frame. A refusal is one `error` frame, `{"type": "error", "status": 400,
 "error": {...}}` with OpenAI's error object, and the socket stays open for the next frame. One response at
-a time per socket, in the order sent (the SDKs send one and read it to its end); the socket closing aborts
-the one under way, as a client leaving a stream does. The handshake checks the key as any route does: a
+a time per socket, in the order sent (the SDKs send one and read it to its end; past `MAX_QUEUED_FRAMES`
+sent ahead, the socket is closed, 1008); the socket closing aborts the one under way, as a client leaving a
+stream does, and serves none of the frames still waiting. The handshake checks the key as any route does: a
 bad one is the 401 (or 403, 429) with its OpenAI body, on the HTTP answer to the upgrade.
 
 As OpenAI's, the mode works with `store: false`: the socket keeps its last unstored response's context (the
@@ -23,6 +24,7 @@ a 400 here, as OpenAI's ("not supported over WebSocket"); `stream` is implicit."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -60,6 +62,10 @@ def error_frame(status: int, body: bytes) -> str:
 
 
 TERMINAL = (b'"response.completed"', b'"response.incomplete"')
+MAX_QUEUED_FRAMES = 4
+"""Frames a socket may send ahead of the response being served; one more closes it (1008). The SDKs send one
+and read it to its end; unbounded, the frames a client sent while a long response streamed (each up to the
+server's 16 MiB WebSocket message) were all held in memory, and each served after it."""
 
 
 class Chain:
@@ -150,13 +156,17 @@ async def serve_socket(app: ASGIApp, caller: Callable[[Request], Any], scope: Sc
     closed = asyncio.Event()
 
     async def read() -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "websocket.disconnect":
-                closed.set()
-                await frames.put(None)
-                return
-            await frames.put(message)
+        while (message := await receive())["type"] != "websocket.disconnect":
+            if frames.qsize() >= MAX_QUEUED_FRAMES:
+                closed.set()  # the response under way aborts, as on a disconnect
+                with contextlib.suppress(OSError, RuntimeError):
+                    await send({"type": "websocket.close", "code": 1008, "reason": (
+                        f"more than {MAX_QUEUED_FRAMES} frames sent ahead: send {FRAME_TYPE} and read "
+                        "its response to its end")})
+                break
+            frames.put_nowait(message)
+        closed.set()
+        frames.put_nowait(None)
 
     async def relay(text: str) -> None:
         if closed.is_set():
@@ -169,7 +179,7 @@ async def serve_socket(app: ASGIApp, caller: Callable[[Request], Any], scope: Sc
     reader = asyncio.create_task(read())
     chain = Chain()
     try:
-        while (message := await frames.get()) is not None:
+        while (message := await frames.get()) is not None and not closed.is_set():  # none served once closed
             raw = message.get("bytes") or (message.get("text") or "").encode("utf-8")
             body = frame_body(raw)
             if isinstance(body, SwitchboardError):
