@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from data_plane.common.errors import InvalidRequest, SwitchboardError, render
+from data_plane.common.tasks import stop_tasks
 from data_plane.gateway.responses import RESPONSES_PATH
 
 FRAME_TYPE = "response.create"
@@ -176,7 +177,7 @@ async def serve_socket(app: ASGIApp, caller: Callable[[Request], Any], scope: Sc
         except (OSError, RuntimeError):  # the client went: the exchange's receive now says so
             closed.set()
 
-    reader = asyncio.create_task(read())
+    reader = asyncio.create_task(read(), name="responses-socket-reader")
     chain = Chain()
     try:
         while (message := await frames.get()) is not None and not closed.is_set():  # none served once closed
@@ -190,7 +191,7 @@ async def serve_socket(app: ASGIApp, caller: Callable[[Request], Any], scope: Sc
             await app(dict(post, state=dict(post["state"])), exchange.receive, exchange.send)
             chain.keep(body, exchange.response)
     finally:
-        reader.cancel()
+        await stop_tasks(reader)
 
 
 def frame_body(raw: bytes) -> dict[str, Any] | SwitchboardError:

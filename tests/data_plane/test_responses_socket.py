@@ -44,6 +44,7 @@ async def test_frames_sent_ahead_past_the_bound_close_the_socket_and_abort_the_r
     assert served == ["0"]
     assert sent[0] == {"type": "websocket.accept"}
     assert [m["code"] for m in sent if m["type"] == "websocket.close"] == [1008], sent
+    assert not [t for t in asyncio.all_tasks() if t.get_name() == "responses-socket-reader"]  # ended, not left
 
 
 async def test_frames_left_when_the_client_goes_are_not_served() -> None:
