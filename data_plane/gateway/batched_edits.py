@@ -42,7 +42,7 @@ class BatchedEdits:
 
     def __len__(self) -> int:
         """Records with a rewrite running or waiting (0 when idle: nothing is kept per record)."""
-        return len(self._running)
+        return len(self._running.keys() | self._waiting.keys())
 
     async def apply(self, key: str, edit: Any, write: Write) -> None:
         """Apply `edit` to the record `key` by `write`, with whatever other edits of it are waiting."""

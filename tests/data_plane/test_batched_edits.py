@@ -103,3 +103,18 @@ def test_a_caller_that_leaves_does_not_cancel_its_batchs_write() -> None:
         assert [e["id"] for e in index.items] == ["chatcmpl-0", "chatcmpl-1"]
 
     asyncio.run(main())
+
+
+async def test_a_record_counts_from_its_first_edit_until_its_rewrite_ends() -> None:
+    """len() counted only rewrites whose task had started: a record with a batch waiting read as idle."""
+    edits = BatchedEdits()
+    wrote = asyncio.Event()
+
+    async def write(batch: list[Any]) -> None:
+        wrote.set()
+
+    applying = asyncio.create_task(edits.apply("r", 1, write))
+    await asyncio.sleep(0)  # the edit is in its batch; the batch's rewrite has not started
+    assert len(edits) == 1 and not wrote.is_set()
+    await applying
+    assert len(edits) == 0
