@@ -407,6 +407,47 @@ def opening_deltas(first: dict[str, Any]) -> list[dict[str, Any]]:
     return [dict(ROLE_DELTA), first]
 
 
+class Openings:
+    """A stream's choices opened in index order. The openai SDK's stream helper (`ChatCompletionStreamState`,
+    behind `client.chat.completions.stream()`) keeps its snapshot's choices in a list and reads a chunk's
+    `index` as a position in it: with `n` > 1, a choice whose first delta came before a lower one's (that
+    one's first text held back by a stop string's prefix or the output filter, or nothing until its end)
+    made it raise IndexError, or add the choice's text to another's. Now a choice opens with the role alone
+    when a higher one opens first (its content is then whatever it sends first: text, or none beside a tool
+    call, as `opening_deltas` gives them), and with `content: ""` at its end if it sent nothing."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        """Choices 0 .. count-1 are open."""
+        self.bare: set[int] = set()
+        """Choices opened ahead of their first delta that have sent no content since."""
+
+    def deltas(self, index: int, delta: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
+        """The (choice index, delta) pairs that send choice `index`'s next `delta`."""
+        if index >= self.count:
+            return self._below(index) + [(index, d) for d in opening_deltas(delta)]
+        if delta.keys() & {"content", "tool_calls", "function_call"}:
+            self.bare.discard(index)
+        return [(index, delta)]
+
+    def ending(self, index: int) -> list[tuple[int, dict[str, Any]]]:
+        """The (choice index, delta) pairs to send before choice `index`'s finish: a choice that sent
+        nothing still opens, with the `""` a text reply opens with."""
+        if index >= self.count:
+            return self._below(index) + [(index, dict(ROLE_DELTA))]
+        if index in self.bare:
+            self.bare.discard(index)
+            return [(index, {"content": ""})]
+        return []
+
+    def _below(self, index: int) -> list[tuple[int, dict[str, Any]]]:
+        """Opens choice `index` and, role only, every lower one not open yet."""
+        ahead = range(self.count, index)
+        self.bare.update(ahead)
+        self.count = index + 1
+        return [(j, {"role": "assistant"}) for j in ahead]
+
+
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 

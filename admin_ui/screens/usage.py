@@ -90,6 +90,9 @@ def body(c: ui.Console) -> None:
         st.info("No usage recorded in this range. Send some traffic (e.g. from the Playground) or widen the range.",
                 icon=":material/receipt_long:")
         return
+    if payload.get("truncated"):
+        st.warning("Only the newest buckets are shown: the range has more rows than one answer holds (the totals "
+                   "above cover all of it). Narrow the range, or pick day buckets.", icon=":material/warning:")
     frame = usage_frame(rows)
     left, right = st.columns(2)
     with left:

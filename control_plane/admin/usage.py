@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 BUCKETS = {"hour": 3600, "day": 86400, "none": None}
 DEFAULT_RANGE_S = 7 * 86400
+TRUNCATED_HEADER = "X-Switchboard-Truncated"
+"""On a CSV answer: "true" when `limit` left the oldest rows out (the JSON answer says `truncated`)."""
 
 
 def build_usage_router(store: LedgerStore | None, token: SecretStr | None) -> APIRouter:
@@ -79,9 +81,10 @@ def build_usage_router(store: LedgerStore | None, token: SecretStr | None) -> AP
                 log.warning("usage ledger read failed: %s: %s", type(exc).__name__, exc)
                 raise Overloaded("the usage database is unreachable", code="usage_db_unavailable",
                                  retry_after=5) from exc
-        if format == "csv":
+        if format == "csv":  # rows cut by `limit` (the oldest left out; totals whole) are said in a header
             return Response(usage_csv(result["rows"], fields), media_type="text/csv; charset=utf-8",
-                            headers={"Content-Disposition": 'attachment; filename="switchboard-usage.csv"'})
+                            headers={"Content-Disposition": 'attachment; filename="switchboard-usage.csv"',
+                                     TRUNCATED_HEADER: str(result["truncated"]).lower()})
         return JSONResponse({"bucket": group_by, "by": list(fields), "start": begin, "end": stop, **result})
 
     return router

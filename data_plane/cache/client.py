@@ -51,16 +51,25 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from opentelemetry import propagate, trace
 from prometheus_client import CollectorRegistry
 
 from data_plane.cache.client_circuits import CircuitHops, NodeCircuits, SkippedNode
 from data_plane.cache.client_metrics import SessionStoreMetrics
-from data_plane.cache.client_values import Departures, Placement, WriteResult, json_or_none, newest_last, refused_write
+from data_plane.cache.client_values import (
+    Departures,
+    Placement,
+    RecordLimits,
+    WriteResult,
+    json_or_none,
+    newest_last,
+    put_body,
+    refused_write,
+)
 from data_plane.cache.model import MAX_RECORD_BYTES, TOMBSTONE_VERSION, Transcript, VersionConflict, validate_session_id
 from data_plane.common.crypto import SealError, TranscriptSealer
 from data_plane.common.errors import NotFound, Overloaded
@@ -131,6 +140,7 @@ class SessionStore:
         self._rejoined: set[str] = set()
         """Node ids added to the placement whose background repair has not run yet."""
         self._placement_repair: asyncio.Task[None] | None = None
+        self._limits = RecordLimits()
 
     # -- public API -------------------------------------------------------------------------
 
@@ -394,24 +404,18 @@ class SessionStore:
                 log.warning("cache node %s unreachable for GET: %s", member.id, type(exc).__name__)
             return "error", None
 
+    def check_fits(self, session_id: str, owner: str, messages: Callable[[], Sequence[Mapping[str, str]]], replicas: int,
+                   rough: int) -> None:
+        """400 ``record_too_large`` now if no replica of `session_id` would store `messages()` (client_values.py)."""
+        self._limits.check(self.replicas_for(session_id, replicas), rough, lambda: len(put_body(
+            self._sealer, Transcript(session_id, owner, tuple(messages()), 1, updated_at=time.time()), None)))
+
     async def _put(
         self, member: Member, t: Transcript, ttl_s: float | None, *, keep_updated_at: bool, only_newer: bool = False
     ) -> WriteResult:
-        messages = (self._sealer.seal(t.session_id, t.owner, t.messages) if self._sealer is not None
-                    else [dict(m) for m in t.messages])
-        body: dict[str, Any] = {
-            "owner": t.owner,
-            "messages": messages,
-            "version": t.version,
-            "ttl_s": ttl_s,
-        }
-        if keep_updated_at:
-            body["updated_at"] = t.updated_at
-        if only_newer:
-            body["only_newer"] = True
+        body = put_body(self._sealer, t, ttl_s, keep_updated_at=keep_updated_at, only_newer=only_newer)
         try:
-            resp = await self._http.request("PUT", member.url, self._path(t.session_id),
-                                            json.dumps(body, ensure_ascii=False).encode(),
+            resp = await self._http.request("PUT", member.url, self._path(t.session_id), body,
                                             headers=self._headers(), timeout=self._timeout_s)
             raw = await resp.read(self._deadline())
         except HopError as exc:
@@ -426,6 +430,8 @@ class SessionStore:
             if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
                 stored = payload["error"].get("stored_version")
             return WriteResult("stale", 409, payload, stored if isinstance(stored, int) else None)
+        if resp.status == 413:  # past its limit: a later record this large is refused before it is generated
+            self._limits.refused(member.id, len(body), resp)
         if 400 <= resp.status < 500:
             return WriteResult("rejected", resp.status, payload)
         log.warning("cache node %s answered PUT with %d", member.id, resp.status)

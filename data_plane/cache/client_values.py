@@ -11,15 +11,20 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from data_plane.cache.model import LIMIT_HEADER, LIMIT_META
 from data_plane.common.errors import InvalidRequest, SwitchboardError, from_openai_body
 from data_plane.membership.hashring import HashRing
 from data_plane.membership.placement import replicas_across_zones
 
 if TYPE_CHECKING:
+    from data_plane.cache.model import Transcript
+    from data_plane.common.crypto import TranscriptSealer
     from data_plane.membership.view import Member
+    from data_plane.routing.hop_client import HopResponse
 
 
 def newest_last(entries: OrderedDict[str, Any], key: str, value: Any, cap: int) -> None:
@@ -48,9 +53,62 @@ def refused_write(rejected: WriteResult) -> SwitchboardError:
     err = from_openai_body(rejected.status or 400, rejected.body)
     if rejected.status != 413:
         return err
-    return InvalidRequest(f"This conversation has grown too large to store another turn ({err.message}): start a "
+    return too_large(err.message)
+
+
+def too_large(why: str) -> InvalidRequest:
+    return InvalidRequest(f"This conversation has grown too large to store another turn ({why}): start a "
                           "new one (POST /v1/responses/compact can shorten its history to carry over), or delete "
                           "items from this one.", code="record_too_large")
+
+
+def put_body(sealer: TranscriptSealer | None, t: Transcript, ttl_s: float | None, *, keep_updated_at: bool = False,
+             only_newer: bool = False) -> bytes:
+    """A record write's PUT body (`t` sealed, unless `sealer` is None): what a node's --max-body-bytes bounds."""
+    messages = sealer.seal(t.session_id, t.owner, t.messages) if sealer is not None else [dict(m) for m in t.messages]
+    body: dict[str, Any] = {"owner": t.owner, "messages": messages, "version": t.version, "ttl_s": ttl_s}
+    if keep_updated_at:
+        body["updated_at"] = t.updated_at
+    if only_newer:
+        body["only_newer"] = True
+    return json.dumps(body, ensure_ascii=False).encode()
+
+
+class RecordLimits:
+    """The largest record write each cache node is known to take: its advertised `LIMIT_META`, else what its
+    last 413 said (a node listed by URL advertises nothing; forgotten after `LEARNED_S`, as a restart may raise
+    it), so a turn whose record cannot be stored is refused before it generates (`check`), not after."""
+
+    LEARNED_S = 300.0
+
+    def __init__(self) -> None:
+        self._refused: dict[str, tuple[int, float]] = {}
+        """Node id -> (the largest PUT body it takes, when it said so): one entry a node, bounded by the cluster."""
+
+    def refused(self, member_id: str, size: int, resp: HopResponse) -> None:
+        """A node's 413 to a `size`-byte write (`resp`: its LIMIT_HEADER says what it takes at most)."""
+        said = resp.header(LIMIT_HEADER.lower().encode())
+        self._refused[member_id] = (int(said) if said is not None and said.isdigit() else size - 1, time.monotonic())
+
+    def limit(self, member: Member) -> int | None:
+        advertised = member.meta.get(LIMIT_META, "")
+        if advertised.isdigit():
+            return int(advertised)
+        limit, when = self._refused.get(member.id, (0, 0.0))
+        return limit if when and time.monotonic() - when < self.LEARNED_S else None
+
+    def check(self, targets: list[Member], rough: int, size: Callable[[], int]) -> None:
+        """record_too_large when every one of `targets` is known to refuse a write of `size()` bytes (computed
+        only near a limit: `rough`, the record's UTF-8 length, is at least half of any body it makes)."""
+        limits = [self.limit(m) for m in targets]
+        if not limits or None in limits:
+            return  # a node whose limit is unknown may take it: the write says
+        most = max(limit for limit in limits if limit is not None)
+        if 2 * rough + 4096 <= most:
+            return
+        needed = size()
+        if needed > most:
+            raise too_large(f"its record would be {needed} bytes, over the {most} a cache node stores")
 
 
 @dataclass

@@ -67,7 +67,12 @@ class _Session:
 
 
 class MemoryKVStore:
-    """Blocks in an OrderedDict in LRU order, bounded by `max_bytes`; sessions expire by TTL."""
+    """Blocks in an OrderedDict in LRU order, bounded by `max_bytes`; sessions expire by TTL, or go with
+    their last block: a session whose blocks the LRU took (or that linked none) is forgotten at once.
+    Kept until its TTL (`--session-ttl-s`, a day by default), such a session held nothing the byte budget
+    counts: once the budget was full, each new session's entry (and its expiry) stayed a day after the LRU
+    had taken its blocks, so the node's memory grew with the sessions written, past `--kv-max-bytes`,
+    and `switchboard_cache_kv_sessions` counted sessions that had no block left."""
 
     backend = "memory"
 
@@ -132,7 +137,11 @@ class MemoryKVStore:
                 s = self._sessions.get(sid)
                 if s is not None:
                     s.hashes.pop(h, None)
+                    if not s.hashes:  # links nothing now: forgotten (the class docstring)
+                        del self._sessions[sid]
             evicted += 1
+        if not sess.hashes:
+            self._sessions.pop(session_id, None)
         if evicted:
             self._on_evict(EVICT_LRU, evicted)
         return stored

@@ -53,6 +53,10 @@ class VersionConflict(SwitchboardError):
         return out
 
 
+LIMIT_META = "max_body_bytes"
+"""A cache node's membership meta: the largest record write (its PUT body, in bytes) it takes (--max-body-bytes)."""
+LIMIT_HEADER = "X-Max-Body-Bytes"
+"""The same, on a node's 413 to a record write past it (a node listed by URL has no meta to read)."""
 TOMBSTONE_VERSION = 2**53 - 1
 """The version of a deleted record's tombstone (the highest a node accepts): as nodes keep the highest
 version, no older copy (a replica that was down during the delete, a late read-repair) can be

@@ -1,4 +1,4 @@
-"""A cache node: keeps whole session transcripts, in memory (TTL + LRU by bytes) or in Redis.
+"""A cache node: keeps whole session transcripts, in memory (TTL + LRU by bytes, fair between owners) or in Redis.
 
     switchboard cache-node --port 8201                                  # in-memory, 256 MiB
     switchboard cache-node --port 8202 --redis redis://127.0.0.1:6379/0 --registry-url http://127.0.0.1:8300
@@ -50,10 +50,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from data_plane.cache.kv_routes import KVNode, announce_kv_bytes, mount_kv
-from data_plane.cache.model import SECONDS_BUCKETS, Transcript, VersionConflict, validate_session_id
+from data_plane.cache.model import (
+    LIMIT_HEADER,
+    LIMIT_META,
+    SECONDS_BUCKETS,
+    Transcript,
+    VersionConflict,
+    validate_session_id,
+)
 from data_plane.cache.snapshot import Snapshot
 from data_plane.cache.storage import ManagedStorage, MemoryStorage, RedisStorage
-from data_plane.common.errors import NotFound, SwitchboardError, install_error_handlers
+from data_plane.common.errors import NotFound, PayloadTooLarge, SwitchboardError, install_error_handlers
 from data_plane.common.hop_auth import (
     TOKENS_HELP,
     RefusalMetrics,
@@ -106,7 +113,8 @@ class CacheNodeSettings(BaseSettings):
     registration_ttl_s: float = Field(0.8, gt=0.1, le=300)
     """TTL of the membership health check."""
     max_bytes: int = Field(256 * MiB, ge=1024, le=1 << 40)
-    """In-memory backend: total bytes of stored records before LRU eviction."""
+    """In-memory backend: total bytes of stored records before eviction (the least recently used record of
+    the owner holding the most: one API key filling the node evicts its own records, data_plane/cache/storage.py)."""
     snapshot_file: Path | None = None
     """In-memory backend: a file that keeps the records across restarts (read at start, rewritten every
     ``--snapshot-interval-s`` when one changed, and at shutdown; `switchboard up` sets it in its state dir)."""
@@ -377,7 +385,11 @@ def _mount_records(app: FastAPI, prefix: str, store: ManagedStorage, default_ttl
     async def put_session(session_id: str, request: Request) -> JSONResponse:
         with metrics.track(op_prefix + "put", request, node_id) as op:
             validate_session_id(session_id)
-            raw = await read_json_body(request, max_body_bytes)
+            try:
+                raw = await read_json_body(request, max_body_bytes)
+            except PayloadTooLarge as exc:  # the limit, for the gateway to refuse a record this large before it
+                exc.headers[LIMIT_HEADER] = str(max_body_bytes)  # generates one (data_plane/cache/client_values.py)
+                raise
             try:
                 body = PutSessionBody.model_validate(raw)
             except ValidationError as exc:
@@ -429,7 +441,7 @@ async def _register(
 
     http = httpx.AsyncClient(timeout=httpx.Timeout(2.0))
     stack.push_async_callback(http.aclose)
-    meta = {"backend": store.backend, "zone": settings.zone}
+    meta = {"backend": store.backend, "zone": settings.zone, LIMIT_META: str(settings.max_body_bytes)}
     if store.backend == "memory":
         meta["max_bytes"] = str(settings.max_bytes)
     member = Member(id=settings.member_id, service="cache", url=settings.url, meta=meta)

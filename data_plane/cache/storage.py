@@ -1,4 +1,4 @@
-"""Where a cache node keeps transcripts: in process memory (LRU by bytes, TTL) or in Redis.
+"""Where a cache node keeps transcripts: in process memory (bytes bounded, fair between owners, TTL) or in Redis.
 
 Built and owned by the cache node (data_plane/cache/node.py) from its storage settings; nothing
 else reads or writes it.
@@ -25,7 +25,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from data_plane.cache.model import Transcript
@@ -76,6 +76,15 @@ def encode_record(record: Transcript) -> bytes:
 
 
 @dataclass
+class _Owner:
+    """One owner's records in the memory store (an API key's, or a tenant's stored chat completions)."""
+
+    bytes: int = 0
+    ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    """Its records' ids, least recently used first."""
+
+
+@dataclass
 class _Entry:
     record: Transcript
     size: int
@@ -84,6 +93,13 @@ class _Entry:
 
 class MemoryStorage:
     """Records in an OrderedDict kept in LRU order, bounded by `max_bytes` and expired by TTL.
+
+    Past `max_bytes`, the least recently used record *of the owner holding the most bytes* goes (max-min
+    fairness between owners: the record's ``owner``, an API key's digest or a tenant's). A global LRU let
+    one key push every other tenant's records out: one free key storing ~1.1 MB per request (a chat
+    completion with `store: true`, or a Responses turn, whose messages beyond the context window cost it
+    ~40 tokens) at its 60 requests a minute replaced the default 256 MiB within about four minutes. Now
+    such a key, once it holds the most, evicts its own records; an owner below it loses none.
 
     Expired records vanish on read and from a sweeper task (``cache-node-ttl-sweeper``) that
     pops a heap of expiry times; `on_evict(reason, count)` hears of every eviction, `on_snapshot(ok)`
@@ -113,6 +129,10 @@ class MemoryStorage:
         self._sweep_interval_s = sweep_interval_s
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._bytes = 0
+        self._owners: dict[str, _Owner] = {}
+        self._largest: list[tuple[int, str]] = []
+        """A max-heap of (-bytes, owner), pushed at every change of an owner's bytes; entries that no longer
+        match the owner's bytes are dropped when met (`_evictee`) or by a rebuild (`_rank`)."""
         self._expiries: list[tuple[float, str]] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._snapshot = snapshot
@@ -175,6 +195,7 @@ class MemoryStorage:
         if entry is None:
             return None
         self._entries.move_to_end(session_id)
+        self._owners[entry.record.owner].ids.move_to_end(session_id)
         return entry.record
 
     async def put(self, record: Transcript, ttl_s: float, *, only_newer: bool = False) -> PutOutcome:
@@ -201,17 +222,36 @@ class MemoryStorage:
         return True
 
     def _insert(self, record: Transcript, size: int, expires_at: float) -> None:
-        """Keep `record` as the most recently used, evicting the least recent ones past `max_bytes`."""
+        """Keep `record` as the most recently used, evicting past `max_bytes` the least recent records of
+        the owner that holds the most (see the class docstring)."""
         self._entries[record.session_id] = _Entry(record, size, expires_at)
         self._bytes += size
+        owner = self._owners.setdefault(record.owner, _Owner())
+        owner.ids[record.session_id] = None
+        owner.bytes += size
+        self._rank(record.owner, owner)
         heapq.heappush(self._expiries, (expires_at, record.session_id))
         evicted = 0
         while self._bytes > self.max_bytes:
-            oldest = next(iter(self._entries))
-            self._remove(oldest)
+            self._remove(self._evictee())
             evicted += 1
         if evicted:
             self._on_evict("lru", evicted)
+
+    def _rank(self, name: str, owner: _Owner) -> None:
+        heapq.heappush(self._largest, (-owner.bytes, name))
+        if len(self._largest) > 2 * len(self._owners) + 1024:  # superseded entries linger
+            self._largest = [(-o.bytes, n) for n, o in self._owners.items()]
+            heapq.heapify(self._largest)
+
+    def _evictee(self) -> str:
+        """The least recently used record of the owner holding the most bytes."""
+        while True:
+            held, name = self._largest[0]
+            owner = self._owners.get(name)
+            if owner is not None and owner.bytes == -held:
+                return next(iter(owner.ids))
+            heapq.heappop(self._largest)
 
     def sweep(self) -> int:
         """Drop every expired record now; returns how many."""
@@ -240,6 +280,14 @@ class MemoryStorage:
     def _remove(self, session_id: str) -> None:
         entry = self._entries.pop(session_id)
         self._bytes -= entry.size
+        name = entry.record.owner
+        owner = self._owners[name]
+        del owner.ids[session_id]
+        owner.bytes -= entry.size
+        if owner.ids:
+            self._rank(name, owner)
+        else:
+            del self._owners[name]
 
     async def _sweep_loop(self) -> None:
         while True:

@@ -24,7 +24,8 @@ The tree::
     ├── RequestTimeout                    408 invalid_request_error / request_timeout
     ├── PayloadTooLarge                   413 invalid_request_error / payload_too_large
     ├── UnsupportedMediaType              415 invalid_request_error / unsupported_media_type
-    ├── RateLimited                       429 rate_limit_error / rate_limit_exceeded (Retry-After)
+    ├── RateLimited                       429 rate_limit_error / rate_limit_exceeded (Retry-After);
+    │                                         RPM/TPM: type requests / tokens, as OpenAI's
     ├── Overloaded                        503 server_error / overloaded (Retry-After)
     │   ├── NoHealthyBackend              503 ... / no_healthy_backend
     │   └── ShuttingDown                  503 ... / server_shutting_down
@@ -167,9 +168,18 @@ class UnsupportedMediaType(SwitchboardError):
 
 
 class RateLimited(SwitchboardError):
+    """`limit` ("requests" or "tokens") for an RPM or TPM refusal: OpenAI's body names the limit hit in `type`
+    (``{"type": "tokens", "code": "rate_limit_exceeded"}``); other 429s (abuse, background) keep
+    ``rate_limit_error``. The openai SDKs map a 429 by its status, so `type` is for the client to read."""
+
     status = 429
     type = "rate_limit_error"
     code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, limit: str | None = None, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        if limit is not None:
+            self.type = limit
 
 
 class Overloaded(SwitchboardError):

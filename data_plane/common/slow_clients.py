@@ -34,13 +34,15 @@ that keeps arriving too slowly to finish. A closed or aborted connection reaches
 as a client disconnect, so the gateway aborts the generation and frees its admission slot, and the
 shard its sequence (the same path as a client that hangs up).
 
-Counted in ``switchboard_<process>_slow_clients_total{reason}``.
+Counted in ``switchboard_<process>_slow_clients_total{reason}``; beside it, the process's
+``switchboard_<process>_asyncio_tasks`` (tasks not done at the scrape, for leak checks: the soak).
 
 Environment (each a named constant; 0 switches a bound off, not recommended): see ``ENV_*``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import os
 import resource
@@ -173,9 +175,22 @@ class SlowClientMetrics:
         self.bound = Gauge(f"switchboard_{process}_max_connections", "Client connections held at most (beyond: 503; "
                            "from the open-file limit unless SWITCHBOARD_HTTP_MAX_CONNECTIONS sets it).",
                            registry=registry)
+        self.tasks = Gauge(f"switchboard_{process}_asyncio_tasks", "asyncio tasks not yet done in the process's event "
+                           "loop, at the scrape (a task started per request or per object and never ended shows as "
+                           "growth; the soak bounds it).", registry=registry)
+        self.tasks.set_function(running_tasks)
 
     def record(self, reason: SlowClient) -> None:
         self.cut.labels(reason.value).inc()
+
+
+def running_tasks() -> float:
+    """The event loop's tasks not done yet, counted where /metrics is served (every process's route is
+    async: its event loop's thread); NaN when read off that thread."""
+    try:
+        return float(len(asyncio.all_tasks()))
+    except RuntimeError:  # no running loop in this thread
+        return float("nan")
 
 
 __all__ = [
@@ -193,4 +208,5 @@ __all__ = [
     "connection_bound",
     "connection_ceiling",
     "raise_fd_limit",
+    "running_tasks",
 ]

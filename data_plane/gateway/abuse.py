@@ -2,7 +2,7 @@
 
     guard = AbuseGuard(AbuseGuardMetrics(registry), ClientAddress(settings.trusted_proxies))
     await guard.connect(control_plane_url, http, headers)   # watch /v1/abuse/state, report every 2 s
-    principal = guard.authenticate(keys, request, span)     # 403 for a banned address, before the key lookup
+    principal = guard.authenticate(keys, request, span)     # 401; 403 for a banned address's bad keys
     measures = guard.admit(principal, tier)                 # 429 blocked / throttled; else what to tighten
     max_tokens = measures.max_tokens(max_tokens)            # strict: a lower output cap
     policy = safety.get(measures.safety(tier.safety, safety.names()))   # strict: the strict input filter
@@ -13,7 +13,8 @@ new one is in force here within about a second of the monitor's decision; each c
 and is dropped at it even if the control plane is unreachable. Without a control plane the guard
 allows everything and still counts failures. Answers: a blocked key 429 ``abuse_blocked`` and a
 throttled one past its ``throttle_rpm`` 429 ``abuse_throttled``, both with Retry-After and a message
-saying why and what to do; a banned address 403 ``address_banned`` with Retry-After. Authentication
+saying why and what to do; a banned address's requests without a valid key 403 ``address_banned``
+with Retry-After (its valid keys are served: whoever shares an address keeps the service). Authentication
 failures are counted per source address here (bounded) and posted to the control plane; the
 address is the TCP peer's, or X-Forwarded-For's when the peer is one of ``--trusted-proxies``
 (data_plane/gateway/client_address.py). The metrics carry reasons only, never a key or an address.
@@ -196,24 +197,27 @@ class AbuseGuard:
         return self._resolve.of(peer, request.headers.getlist(FORWARDED_FOR))
 
     def authenticate(self, keys: _Keys, request: _Request, span: Any = None) -> Any:
-        """The principal of `request`; 403 for a banned address (the key is not looked up), and
-        every 401 counted against the request's client address."""
+        """The principal of `request`; every 401 counted against the request's client address, and
+        403 for a banned address's requests without a valid key. A valid key is served from a banned
+        address: the ban answers guessing, and whoever shares the address (a NAT, a proxy the gateway
+        does not trust, every client of `switchboard up` on loopback) must not lose the service to ten
+        bad keys sent by someone holding none."""
         address, source = self.client_address(request)
         self._metrics.addresses.labels(source.value).inc()
         if span is not None:
             span.set_attribute("switchboard.client_address.source", source.value)
-        ban = self._in_force(self._addresses, address)
-        if ban is not None:
-            self._metrics.rejections.labels(Outcome.BANNED.value).inc()
-            raise PermissionDenied(
-                f"requests from this address are refused for a while after repeated invalid API keys ({ban.reason}); "
-                "every request from it is refused until the time in Retry-After has passed, even with a valid "
-                "key (an operator can lift the ban on the console's Abuse page)", code="address_banned",
-                retry_after=self._retry_after(ban))
         header = request.headers.get("authorization")
         try:
             return keys.authenticate(header)
         except AuthenticationError:
+            ban = self._in_force(self._addresses, address)
+            if ban is not None:  # not counted again: the ban's own failures keep it
+                self._metrics.rejections.labels(Outcome.BANNED.value).inc()
+                raise PermissionDenied(
+                    f"requests without a valid API key from this address are refused for a while after repeated "
+                    f"invalid API keys ({ban.reason}) until the time in Retry-After has passed (an operator can "
+                    "lift the ban on the console's Abuse page)", code="address_banned",
+                    retry_after=self._retry_after(ban)) from None
             self._metrics.auth_failures.labels("missing" if not header else "invalid").inc()
             if address:
                 if address in self._failures or len(self._failures) < MAX_ADDRESSES:

@@ -1,7 +1,7 @@
 """Priority admission: a bounded number of requests in flight to shards; the rest wait by tier.
 
     admission = Admission(AdmissionMetrics(registry), AdmissionConfig(), capacity=lambda: 32)
-    ticket = await admission.acquire(tier, policy, tenant="acme", tokens=prompt + max_tokens)
+    ticket = await admission.acquire(tier, policy, tenant="acme", tokens=prompt + max_tokens, slots=n)
     try:                                      # (waits its turn; Overloaded (503 + Retry-After) if shed)
         ...                                   # call a shard, stream the answer
     finally:
@@ -10,7 +10,11 @@
 Capacity is the number of requests this gateway lets in flight to shards at once: a flag,
 or by default the batch slots its shards announce (membership meta ``max_num_seqs``) times
 ``inflight_per_slot``. With no shard known it is unbounded, so the router answers at once
-(no_healthy_backend) instead of requests waiting for nothing.
+(no_healthy_backend) instead of requests waiting for nothing. A request takes one slot per choice it
+asks for (``n``): a shard decodes each choice as its own sequence in its batch. Counted as one, a
+free key's three ``n: 8`` requests held 24 sequences on a 16-slot shard, past the reserve left for the
+tiers above, and an enterprise request waited ~10 s for its first token (0.2 s unloaded). A request
+asking more slots than its tier may fill takes the whole of it (it starts once nothing is in flight).
 
 Order. Waiters are served by tier priority (lower first); within one priority level, by fair
 share between tenants (data_plane/gateway/fair_share.py: the tenant with the least recent service, counted
@@ -26,7 +30,8 @@ keeps enterprise time-to-first-token near its unloaded value under saturation: t
 does not preempt, so a request that finds every batch slot taken waits for one to finish,
 however high its priority; with the reserve a slot is usually free for it.
 
-Shedding, with 503 ``overloaded`` and ``Retry-After``:
+Shedding, with 503 ``overloaded`` and ``Retry-After`` (when a slot for the request's tier is likely free,
+estimated from the hold times of the slots: data_plane/gateway/slot_wait.py):
 
 - ``deadline``: a waiter still queued at its tier's deadline. The deadline is
   ``queue_timeout_s`` for the tier shed first and grows with each later shed level
@@ -55,6 +60,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.common.errors import Overloaded
 from data_plane.gateway.fair_share import FairShare
+from data_plane.gateway.slot_wait import SlotHolds
 from data_plane.tiers import Tier, TierPolicy
 
 log = logging.getLogger(__name__)
@@ -76,9 +82,10 @@ class AdmissionMetrics:
                             "Requests shed by admission (503), by reason (deadline|queue_full).",
                             ["tier", "reason"], registry=registry)
         self.inflight = Gauge("switchboard_admission_inflight",
-                              "Requests this gateway has in flight to shards.", registry=registry)
+                              "Batch slots this gateway's requests hold on shards (a request holds one "
+                              "per choice, n).", registry=registry)
         self.capacity = Gauge("switchboard_admission_capacity",
-                              "Requests this gateway lets in flight to shards at once "
+                              "Batch slots this gateway lets its requests hold on shards at once "
                               "(-1: unbounded, no shard known).", registry=registry)
         self.tenant_service = Gauge("switchboard_admission_tenant_service_tokens",
                                     "Tokens (prompt + output) served per tenant since the gateway started, as "
@@ -100,8 +107,10 @@ class AdmissionConfig:
     """Deadline in the queue for the tier shed first; the k-th shed level waits k times as long."""
     queue_timeouts: Mapping[str, float] = field(default_factory=dict)
     """Per-tier deadlines that override the rule above."""
-    retry_after_s: float = 2.0
-    """Retry-After sent with a shed request."""
+    retry_after_min_s: float = 1.0
+    """Least Retry-After sent with a shed request (the estimate when nothing holds the slots long)."""
+    retry_after_max_s: float = 60.0
+    """Most Retry-After sent with a shed request (the openai SDKs honour at most 60 s)."""
     tenant_top_n: int = 20
     """Tenants per tier with their own series in the fair-share service metric (>= 1); the rest are `other`."""
     tenant_headroom: int = 1
@@ -118,6 +127,8 @@ class AdmissionConfig:
             raise ValueError("admission: queue_size >= 0, queue timeouts > 0 and tenant_top_n >= 1")
         if self.tenant_headroom < 0 or self.tenant_window_s <= 0:
             raise ValueError("admission: tenant_headroom >= 0 and tenant_window_s > 0")
+        if not 0 < self.retry_after_min_s <= self.retry_after_max_s:
+            raise ValueError("admission: 0 < retry_after_min_s <= retry_after_max_s")
 
 
 def shard_capacity(slots: Iterable[str | None], config: AdmissionConfig) -> int | None:
@@ -135,13 +146,17 @@ class Ticket:
     (more calls are no-ops), with the tokens it really used (prompt + output) when known, so the
     tenant's fair-share counter is settled. A ticket dropped unreleased frees its slot when collected."""
 
-    __slots__ = ("_admission", "_loop", "_released", "charged", "tenant", "tier")
+    __slots__ = ("_admission", "_loop", "_released", "charged", "hold_id", "slots", "tenant", "tier")
 
-    def __init__(self, admission: Admission, tier: str, tenant: str = "", charged: int = 0) -> None:
+    def __init__(self, admission: Admission, tier: str, tenant: str = "", charged: int = 0, slots: int = 1,
+                 hold_id: int = -1) -> None:
         self.tier = tier
         self.tenant = tenant
         self.charged = charged
         """Tokens charged to the tenant at admission (the estimate)."""
+        self.slots = slots
+        """Batch slots held (the request's choices, at most its tier's cap)."""
+        self.hold_id = hold_id
         self._admission = admission
         self._released = False
         self._loop = asyncio.get_running_loop()
@@ -169,6 +184,8 @@ class _Waiter:
     future: asyncio.Future[Ticket]
     tenant: str = ""
     tokens: int = 0
+    slots: int = 1
+    """Batch slots the request asks for: its choices (n)."""
     gone: bool = False
     """Admitted, shed or cancelled: no longer in the queue."""
     shed_reason: str | None = None
@@ -197,6 +214,8 @@ class Admission:
         self._tenant_inflight: dict[tuple[str, str], int] = defaultdict(int)
         self._recent: dict[str, OrderedDict[str, float]] = defaultdict(OrderedDict)
         """tier -> tenant -> when its last request was admitted (oldest first; pruned past the window)."""
+        self.holds = SlotHolds(config.retry_after_min_s, config.retry_after_max_s)
+        """The slots held and for how long they are held: the shed requests' Retry-After."""
 
     @property
     def inflight(self) -> int:
@@ -209,9 +228,10 @@ class Admission:
     def capacity(self) -> int | None:
         return self._capacity()
 
-    async def acquire(self, tier: Tier, policy: TierPolicy, *, tenant: str = "", tokens: int = 0) -> Ticket:
-        """Wait for a slot in priority order, fair share between tenants within a level; raise
-        :class:`Overloaded` when shed.
+    async def acquire(self, tier: Tier, policy: TierPolicy, *, tenant: str = "", tokens: int = 0,
+                      slots: int = 1) -> Ticket:
+        """Wait for `slots` slots (the request's choices, n) in priority order, fair share between tenants
+        within a level; raise :class:`Overloaded` when shed.
 
         `policy` is the tier policy in force for this request: it places `tier` among the others.
         `tokens` (the prompt plus the output reserved) is charged to `tenant` when admitted and
@@ -224,11 +244,13 @@ class Admission:
                     self._set_depth(t.name, 0)
             rank = len({t.priority for t in tiers if t.priority < tier.priority})
             self.fair_share.arrive(tier.name, tenant, tier.priority)
-            if self.waiting == 0 and self._fits(rank, self._capacity_now(), tier.name, tenant):  # no queue
+            slots = max(1, slots)
+            capacity = self._capacity_now()
+            if self.waiting == 0 and self._fits(rank, capacity, tier.name, tenant, slots):  # no queue
                 span.set_attributes({"switchboard.admission.queue_depth": 0,
                                      "switchboard.admission.outcome": "admitted", "switchboard.admission.wait_s": 0.0})
-                return self._start(tier.name, 0.0, tenant, tokens)
-            w = _Waiter(tier, rank, next(self._seq), self._clock(), loop.create_future(), tenant, tokens)
+                return self._start(tier.name, 0.0, tenant, tokens, self._held(rank, capacity, slots))
+            w = _Waiter(tier, rank, next(self._seq), self._clock(), loop.create_future(), tenant, tokens, slots)
             span.set_attribute("switchboard.admission.queue_depth", self.waiting)
             self._queues.setdefault(tier.priority, {}).setdefault(w.key, deque()).append(w)
             self._set_depth(tier.name, +1)
@@ -276,13 +298,18 @@ class Admission:
         self.metrics.capacity.set(-1 if capacity is None else capacity)
         return capacity
 
-    def _fits(self, rank: int, capacity: int | None, tier: str, tenant: str) -> bool:
+    def _fits(self, rank: int, capacity: int | None, tier: str, tenant: str, slots: int = 1) -> bool:
         if capacity is None:
             return True
         cap = self.cap(rank, capacity)
         if self._keeps_headroom(tier, tenant):
             cap = max(1, cap - self.config.tenant_headroom)
-        return self._inflight < cap
+        return self._inflight + min(slots, cap) <= cap
+
+    def _held(self, rank: int, capacity: int | None, slots: int) -> int:
+        """The slots an admitted request holds: its choices, at most its tier's cap (a request asking for
+        more than the tier may fill holds all of it, so it never waits for slots that cannot exist)."""
+        return slots if capacity is None else min(slots, self.cap(rank, capacity))
 
     def _keeps_headroom(self, tier: str, tenant: str) -> bool:
         """Whether `tenant` must leave its tier's last slots free: it has a request in flight, and
@@ -297,16 +324,18 @@ class Admission:
             recent.popitem(last=False)
         return any(other != tenant for other in reversed(recent))  # at most two looked at
 
-    def _start(self, tier: str, waited_s: float, tenant: str, tokens: int) -> Ticket:
-        self._inflight += 1
-        self._tenant_inflight[(tier, tenant)] += 1
+    def _start(self, tier: str, waited_s: float, tenant: str, tokens: int, slots: int = 1) -> Ticket:
+        self._inflight += slots
+        self._tenant_inflight[(tier, tenant)] += slots
         recent = self._recent[tier]
         recent[tenant] = self._clock()
         recent.move_to_end(tenant)
         self.metrics.inflight.set(self._inflight)
         self.metrics.wait.labels(tier).observe(waited_s)
         self.fair_share.charge(tier, tenant, tokens)
-        return Ticket(self, tier, tenant, tokens)
+        hold_id = next(self._seq)
+        self.holds.start(hold_id, self._clock(), slots)
+        return Ticket(self, tier, tenant, tokens, slots, hold_id)
 
     def _next(self) -> _Waiter | None:
         """The waiter to admit next: the best priority level with waiters, then the least-served
@@ -333,21 +362,23 @@ class Admission:
         while (w := self._next()) is not None:
             # Caps only grow with priority, so when the best waiter cannot start, none can; the one
             # exception is the tenant headroom, which another tenant of the same level may use.
-            if not self._fits(w.rank, capacity, w.tier.name, w.tenant):
+            if not self._fits(w.rank, capacity, w.tier.name, w.tenant, w.slots):
                 other = self._idle_tenant_waiter(w)
-                if other is None or not self._fits(other.rank, capacity, other.tier.name, other.tenant):
+                if other is None or not self._fits(other.rank, capacity, other.tier.name, other.tenant, other.slots):
                     break
                 w = other
             self._take_out(w)
             if w.future.done():  # cancelled (its client left): its task has not run yet to leave the queue
                 self.fair_share.leave(w.tier.name, w.tenant)  # what that task's handler would have done
                 continue
-            w.future.set_result(self._start(w.tier.name, self._clock() - w.enqueued, w.tenant, w.tokens))
+            w.future.set_result(self._start(w.tier.name, self._clock() - w.enqueued, w.tenant, w.tokens,
+                                            self._held(w.rank, capacity, w.slots)))
 
     def _release(self, ticket: Ticket, used_tokens: int | None) -> None:
-        self._inflight -= 1
+        self._inflight -= ticket.slots
+        self.holds.end(ticket.hold_id, self._clock())
         key = (ticket.tier, ticket.tenant)
-        self._tenant_inflight[key] -= 1
+        self._tenant_inflight[key] -= ticket.slots
         if not self._tenant_inflight[key]:
             del self._tenant_inflight[key]
         self.metrics.inflight.set(self._inflight)
@@ -382,7 +413,18 @@ class Admission:
         self.metrics.shed.labels(w.tier.name, reason).inc()
         log.debug("admission shed a %s request (%s) after %.2fs", w.tier.name, reason,
                   self._clock() - w.enqueued)
-        w.future.set_exception(Overloaded(message, retry_after=self.config.retry_after_s))
+        w.future.set_exception(Overloaded(message, retry_after=self.retry_after_s(w)))
+
+    def retry_after_s(self, w: _Waiter) -> float:
+        """When a slot for shed `w` is likely free: the slots that must free before a retry of it starts (those
+        in flight past its tier's cap, plus those of the waiters of its priority or better that go first)."""
+        capacity = self._capacity()
+        if capacity is None:
+            return self.config.retry_after_min_s
+        cap = self.cap(w.rank, capacity)
+        ahead = sum(min(x.slots, cap) for priority, level in self._queues.items() if priority <= w.tier.priority
+                    for waiters in level.values() for x in waiters)
+        return self.holds.wait_s(self._inflight + ahead + min(w.slots, cap) - cap, self._clock())
 
     def _expire(self, w: _Waiter) -> None:
         if not w.gone:

@@ -53,6 +53,7 @@ from data_plane.gateway.responses_background import BackgroundMetrics, Backgroun
 from data_plane.gateway.responses_compact import mount_compact
 from data_plane.gateway.responses_count import mount_input_tokens
 from data_plane.gateway.responses_detached import mount_background, serve_background
+from data_plane.gateway.responses_socket import serve_socket
 from data_plane.gateway.runtime import Gateway, Runtime, open_runtime
 from data_plane.gateway.safety.pipeline import SafetyPolicies
 from data_plane.gateway.settings import GatewaySettings
@@ -154,8 +155,9 @@ def create_app(gw: Gateway) -> GatewayApp:
         return {"id": model_id, "object": "model", "created": 0, "owned_by": "switchboard",
                 "max_model_len": found[model_id]}
 
-    app.add_api_route("/v1/usage", usage_route(lambda r: gw.caller(r)[0], gw.ledger),
-                      methods=["GET"])
+    usage = usage_route(lambda r: gw.caller(r)[0], gw.ledger)
+    app.add_api_route("/v1/usage", usage, methods=["GET"])
+    app.add_api_route("/v1/organization/usage/completions", usage, methods=["GET"])  # the openai SDK's path
     mount_responses(app, gw, lambda: holder.conversations())
     mount_compact(app, gw, lambda: holder.conversations(), lambda: holder.started())
     mount_input_tokens(app, gw, lambda: holder.conversations(), lambda: holder.started())
@@ -240,6 +242,9 @@ class GatewayApp:
         return self.background
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and scope["path"] == RESPONSES_PATH:  # OpenAI's WebSocket mode
+            await serve_socket(self, self.gw.caller, scope, receive, send)
+            return
         path = scope["path"] if scope["type"] == "http" and scope["method"] == "POST" else ""
         if path in (CHAT_PATH, RESPONSES_PATH):
             request = Request(scope, receive)

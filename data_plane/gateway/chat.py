@@ -1,8 +1,8 @@
 """One chat request through the gateway: `ChatHandler` (see data_plane/gateway/app.py for the app).
 
 Per request, five phases, each a method returning a frozen value the next ones read
-(data_plane/gateway/phases.py): `_authenticate` -> Caller, `_validate` -> Checked, `_budget` (the rate
-limit and input safety) -> the safety policy, `_prepare` -> Prepared (the window and the one ShardRequest),
+(data_plane/gateway/phases.py): `_authenticate` -> Caller, `_validate` -> Checked, `_budget` (the rate limit,
+input safety) -> Checked (its default output cap fitted to the TPM) and the safety policy, `_prepare` -> Prepared,
 `_route` -> the reply's stream. In order (each a span under `gateway.request`): authenticate the key -> tier;
 read and validate the body (413/415/400); enforce the tier's output cap and message count;
 `ratelimit` takes one request and the estimated tokens from the key's and tier's RPM/TPM
@@ -325,7 +325,7 @@ class ChatHandler:
         hold = self.x.hold = self.gw.inflight.hold(self.owner, self.request_id)  # revocation.py: its key revoked
         with hold.interruptible(Stage.OPENING):
             checked = await self._validate(caller)
-            policy = await self._budget(caller, checked)
+            checked, policy = await self._budget(caller, checked)
             prepared = await self._prepare(caller, checked)
             with legacy_terms(checked.req):  # a shard's 400 names the deprecated fields the body gave
                 stream = await self._route(caller, checked, prepared)
@@ -372,12 +372,12 @@ class ChatHandler:
         return Checked(req, model, models[model], caller.measures.max_tokens(self.effects.max_tokens(max_tokens)),
                        messages, tools_tokens)
 
-    async def _budget(self, caller: Caller, checked: Checked) -> SafetyPolicy:
-        """The rate limit's grant for the estimated tokens (429), then the input screened by the tier's
-        safety policy (400); returns the policy, whose output filter the reply passes through."""
+    async def _budget(self, caller: Caller, checked: Checked) -> tuple[Checked, SafetyPolicy]:
+        """The default output cap fitted to the TPM; the grant for the estimated tokens (429); the input screened (400)."""
         gw = self.gw
         # Session history is not known yet (settled with real usage); no prompt passes the context window whole
         prompt = min(gw.counter.prompt_tokens(checked.messages), caller.tier.max_context_tokens, checked.model_context)
+        checked = checked.within_tpm(gw.limiter.token_allowance(caller.tier), prompt)
         estimate = prompt + checked.tools_tokens + checked.max_tokens * checked.choices
         self.x.grant = await gw.limiter.admit(caller.principal.key_id, caller.tier, estimate, checked.output_hint)
         policy = gw.safety.get(caller.measures.safety(caller.tier.safety, gw.safety.names()))
@@ -385,7 +385,7 @@ class ChatHandler:
             verdict = policy.check_input(m["content"] for m in checked.messages if m["role"] in ("user", "system"))
             gw.safety_metrics.record("input", verdict)
             raise_if_blocked(verdict)
-        return policy
+        return checked, policy
 
     async def _prepare(self, caller: Caller, checked: Checked) -> Prepared:
         """The prompt with its conversation, fitted into the context (the sliding window), and the one
@@ -426,7 +426,7 @@ class ChatHandler:
         stream: EventSource | None = await self._cached(checked.req, prepared.request.wire(), prepared.prompt, tenant)
         if stream is None:
             tokens = window.prompt_tokens + checked.tools_tokens + prepared.max_tokens * checked.choices
-            x.admitted(await rt.admission.acquire(tier, caller.tiers, tenant=tenant, tokens=tokens))
+            x.admitted(await rt.admission.acquire(tier, caller.tiers, tenant=tenant, tokens=tokens, slots=checked.choices))
             with tracer.start_as_current_span("router.route") as route_span:
                 shard = await rt.upstream.open_resumable(prepared.request, self.session_id)
                 route_span.set_attribute("switchboard.shard", shard.member.id)

@@ -39,9 +39,9 @@ from fastapi import FastAPI, Request
 from data_plane.common.errors import InvalidRequest, NotFound, SwitchboardError, clipped
 from data_plane.gateway.chat import ChatHandler
 from data_plane.gateway.conversations import metadata_update
+from data_plane.gateway.item_pages import page
 from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S, record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, Record
-from data_plane.gateway.responses import page
 from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.runtime import Gateway, Runtime
 from data_plane.protocol import ChatCompletionRequest, ChatMessage

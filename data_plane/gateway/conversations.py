@@ -23,18 +23,16 @@ from fastapi.responses import JSONResponse
 from data_plane.common.errors import InvalidRequest, NotFound, UnsupportedParameter, clipped
 from data_plane.common.http_body import read_body
 from data_plane.gateway.item_index import Home, fresh_items, index_items, resolve_references
+from data_plane.gateway.item_pages import deleted_before, page
 from data_plane.gateway.memory import Unseal, open_compaction
 from data_plane.gateway.record_locks import ITEM_EDIT_WAIT_S, record_key
 from data_plane.gateway.response_store import ConversationStore, Kind, conversation_object, new_conversation
 from data_plane.gateway.responses import (
     check_query_include,
-    conversation_tokens,
-    deleted_before,
-    page,
     record_caller,
     record_principal,
-    unsealer,
 )
+from data_plane.gateway.responses_compaction import conversation_tokens, unsealer
 from data_plane.gateway.responses_input import input_items, new_id, refuse_duplicates
 from data_plane.gateway.responses_metrics import Op, observed
 from data_plane.gateway.runtime import Gateway, Runtime
@@ -128,7 +126,9 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
         """One request and the items' tokens from the key's (and tier's) RPM/TPM, as a turn that sent them
         would take (429 + Retry-After); the `x-ratelimit-*` headers. Unmetered, one free key stored
         conversations at ~45/s, up to 1 MiB each, into the cache nodes' shared LRU: every tenant's
-        conversations and stored responses were evicted within seconds."""
+        conversations and stored responses were evicted within seconds. Every write takes it (a metadata
+        update and an item delete too, no tokens: each rewrites the whole record on every replica, and
+        unmetered a key could rewrite a 4 MiB conversation as fast as the gateway answered)."""
         tokens = conversation_tokens(items, gw.counter) if items else 0
         return (await gw.limiter.admit(principal.key_id, tier, tokens)).headers
 
@@ -170,15 +170,17 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
             return conversation_object(await store().load(conversation_id, owner, replicas, Kind.CONVERSATION))
 
     @app.post(CONVERSATIONS_PATH + "/{conversation_id}")
-    async def update(conversation_id: str, request: Request) -> dict[str, Any]:
+    async def update(conversation_id: str, request: Request) -> JSONResponse:
         with observed(gw.responses_metrics, Op.CONVERSATION_UPDATE, request):
-            owner, replicas = caller(request)
+            principal, owner, tier = record_principal(gw, request)
+            replicas = tier.replication
+            headers = await charged(principal, tier, [])  # a write, as items.create's: one request of the RPM
             metadata = await metadata_update(request, gw.settings.max_body_bytes)
             async with editing(owner, conversation_id):
                 record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
                 record.conversation["metadata"] = metadata
                 await store().save(record, owner, replicas)
-            return conversation_object(record)
+            return JSONResponse(conversation_object(record), headers=headers)
 
     @app.delete(CONVERSATIONS_PATH + "/{conversation_id}")
     async def delete(conversation_id: str, request: Request) -> dict[str, Any]:
@@ -230,9 +232,11 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
             raise NotFound(f"Item with id '{clipped(item_id)}' not found.", param="item_id")
 
     @app.delete(CONVERSATIONS_PATH + "/{conversation_id}/items/{item_id}")
-    async def delete_item(conversation_id: str, item_id: str, request: Request) -> dict[str, Any]:
+    async def delete_item(conversation_id: str, item_id: str, request: Request) -> JSONResponse:
         with observed(gw.responses_metrics, Op.ITEM_DELETE, request):
-            owner, replicas = caller(request)
+            principal, owner, tier = record_principal(gw, request)
+            replicas = tier.replication
+            headers = await charged(principal, tier, [])  # a write: one request of the RPM
             async with editing(owner, conversation_id):
                 record = await store().load(conversation_id, owner, replicas, Kind.CONVERSATION)
                 kept = [i for i in record.items if i.get("id") != item_id]
@@ -241,4 +245,4 @@ def mount_conversations(app: FastAPI, gw: Gateway, store: Callable[[], Conversat
                 deleted_before(record.conversation.setdefault("deleted", {}), record.items, item_id)
                 record.items = kept
                 await store().save(record, owner, replicas)
-            return conversation_object(record)
+            return JSONResponse(conversation_object(record), headers=headers)

@@ -128,8 +128,11 @@ class Exchange:
         self._inflight = True
 
     def outcome(self, status: int, code: str = OK) -> Outcome:
-        """What the request came to, ending now with `status` and `code`."""
-        usage = self.usage
+        """What the request came to, ending now with `status` and `code`. A request answered with a 5xx
+        (the server failed it: the client got an error, no output) uses no tokens, whatever a shard produced
+        first: OpenAI bills no failed request, and the gateway's token counters (`switchboard_gateway_tokens`)
+        never counted them. A stream is answered 200 once it opened: what it sent is billed, as its usage said."""
+        usage = self.usage if status < 500 else None
         details = usage.prompt_tokens_details if usage is not None else None
         first = self.first_token_at
         return Outcome(

@@ -60,6 +60,8 @@ class RequestCode(enum.StrEnum):
     GRAMMAR_TIMEOUT = "grammar_timeout"
     INVALID_GRAMMAR = "invalid_grammar"
     UNSUPPORTED_SCHEMA = "unsupported_schema"
+    UNKNOWN_PARAMETER = "unknown_parameter"
+    """A key an input item or content part does not define (data_plane/gateway/responses_input.py)."""
     INVALID_RESUME = "invalid_resume"
     INVALID_JSON_SCHEMA = "invalid_json_schema"
     INVALID_FUNCTION_PARAMETERS = "invalid_function_parameters"

@@ -3,7 +3,8 @@ pure steps between them: the shard request built once, the system/history merge 
 
     caller = handler._authenticate()                 # Caller: principal, tier, tier policy, abuse measures
     checked = await handler._validate(caller)        # Checked: the request, model, output cap, messages
-    policy = await handler._budget(caller, checked)  # the rate-limit grant taken; the input screened
+    checked, policy = await handler._budget(caller, checked)  # the default output cap fitted to the TPM;
+                                                     # the rate-limit grant taken; the input screened
     prepared = await handler._prepare(caller, checked)   # Prepared: the window and the ShardRequest
     stream = await handler._route(caller, checked, prepared)  # response cache, or admission + a shard
 
@@ -13,7 +14,7 @@ Each is frozen: a phase reads what the earlier ones decided and cannot change it
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from data_plane.gateway.abuse import Measures
@@ -64,14 +65,24 @@ class Checked:
     def choices(self) -> int:
         return self.req.n or 1
 
+    def within_tpm(self, tpm: int, prompt_tokens: int) -> Checked:
+        """Without max_tokens, the default output cap (the tier's) lowered to what a minute's tokens (`tpm`,
+        the tightest limit on the key) leave after the prompt, the tools and the choices: counted whole, a
+        tier whose TPM is below its output cap (plus: cap 1024, tpm 600) refused every such request as
+        "too large", forever. The reply stops there with finish_reason "length". A max_tokens the client
+        set is kept: that request is refused as too large, as it asked."""
+        if self.req.output_limit:
+            return self
+        room = (tpm - prompt_tokens - self.tools_tokens) // self.choices
+        return replace(self, max_tokens=room) if 0 < room < self.max_tokens else self
+
     @property
     def output_hint(self) -> str:
-        """What a refusal as too large for the TPM adds when the request set no max_tokens: the tier's cap
-        was counted ("it needs 1034 tokens" for "hi" read as a bug)."""
+        """What a refusal as too large for the TPM adds when the request set no max_tokens: its reply was
+        already capped to the room the limit leaves, so the prompt itself is what does not fit."""
         if self.req.output_limit:
             return ""
-        return (f"The request sets no max_tokens, so the tier's cap of {self.max_tokens} output tokens was counted: "
-                "set max_tokens to what the reply needs.")
+        return "The request sets no max_tokens, and its prompt leaves no room for a reply within that limit."
 
 
 @dataclass

@@ -72,6 +72,8 @@ class Record:
     deadline: float = 0.0
     """A background response stored unfinished (queued, in_progress): the wall-clock time by which its
     gateway ends it; past it, a reader knows that gateway is gone (data_plane/gateway/responses_background.py)."""
+    stored_bytes: int = 0
+    """The UTF-8 length of the record as it was loaded (not stored): what bounds the size of its next write."""
 
     def to_message(self) -> dict[str, str]:
         body: dict[str, Any] = {"kind": self.kind.value, "items": self.items, "route": self.route, "response": self.response,
@@ -87,7 +89,8 @@ class Record:
         body = json.loads(messages[0]["content"])
         start, end = body.get("input_range") or (0, 0)
         return cls(record_id, Kind(body["kind"]), body["items"], body["route"], version, body.get("response"),
-                   (start, end), body.get("conversation") or {}, float(body.get("deadline") or 0.0))
+                   (start, end), body.get("conversation") or {}, float(body.get("deadline") or 0.0),
+                   len(messages[0]["content"].encode()))
 
 
 def not_found(kind: Kind, record_id: str) -> NotFound:
@@ -166,6 +169,12 @@ class ConversationStore:
             if conversation:
                 raise locked_error("conversation") from None
             raise
+
+    def check_fits(self, record: Record, owner: str, replicas: int, rough: int) -> None:
+        """400 ``record_too_large`` at once when no cache node of `record` would store it (a turn's record with
+        its input, before its reply: data_plane/cache/client_values.py RecordLimits), not after its generation.
+        `rough`: at least its UTF-8 length (the record as loaded and what is added): it is encoded only near a limit."""
+        self.sessions.check_fits(record.id, owner, lambda: [record.to_message()], replicas, rough)
 
     async def delete(self, record_id: str, owner: str, replicas: int, kind: Kind) -> None:
         await self.load(record_id, owner, replicas, kind)  # 404 unless it is this key's and of this kind

@@ -28,27 +28,30 @@ the client never learnt its id.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
 from opentelemetry import trace
 from starlette.types import Send
 
-from data_plane.common.crypto import SealError
+from data_plane.cache.model import TOMBSTONE_VERSION, VersionConflict
 from data_plane.common.disconnect import CLIENT_DISCONNECTED
-from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, SwitchboardError, clipped
+from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, SwitchboardError
 from data_plane.gateway.auth import key_digest
 from data_plane.gateway.chat import ChatHandler, Opened
 from data_plane.gateway.context import Window
 from data_plane.gateway.item_index import Home, fresh_items, index_items, resolve_references
-from data_plane.gateway.memory import Compaction, compact, fit_turn, open_compaction
-from data_plane.gateway.record_locks import record_key
+from data_plane.gateway.item_pages import page
+from data_plane.gateway.memory import fit_turn, open_compaction
 from data_plane.gateway.response_store import ConversationStore, Kind, Record
 from data_plane.gateway.responses_background import Detach
-from data_plane.gateway.responses_input import input_items, items_to_messages, new_id, refuse_duplicates
+from data_plane.gateway.responses_compaction import compact_record, conversation_tokens, unsealer
+from data_plane.gateway.responses_input import input_items, new_id, refuse_duplicates
 from data_plane.gateway.responses_items import (
     ResponsesRequest,
     check_include,
@@ -69,12 +72,13 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 RESPONSES_PATH = "/v1/responses"
-COMPACTION_SCOPE = "responses-compaction"
-"""What compaction items are sealed for (with the key's digest): they open for that key only."""
 INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
 RESPONSE_ERROR_CODES = ("server_error", "rate_limit_exceeded", "invalid_prompt", "invalid_grammar")
 """The codes a failed response's error names (OpenAI's ResponseError's, and `invalid_grammar`: a schema with no whole
 output is the client's error, as its 400 says); any other is named server_error (the stream's ``error`` event keeps it)."""
+STREAM_DEADLINE_GRACE_S = 60.0
+"""Past --background-max-s, how much longer a streamed response stored ``in_progress`` may stay so before a
+reader calls it failed (its gateway is gone)."""
 RESPONSES_FIELDS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
                     "messages": "input"}
 
@@ -93,6 +97,8 @@ class ResponsesHandler(ChatHandler):
         self.rreq: ResponsesRequest | None = None
         self.new_items: list[dict[str, Any]] = []
         self.history_items: list[dict[str, Any]] = []
+        self.history_bytes = 0
+        """The UTF-8 length of the record the history was loaded from (the size check's bound)."""
         self.conversation: Record | None = None
         self.route = self.response_id
         self.instructions = 0
@@ -101,6 +107,8 @@ class ResponsesHandler(ChatHandler):
         """The response of a stream that ended without its reply (failed, or the client left)."""
         self.announced = 0
         """Events sent before the stream began (a background run's, once it was accepted)."""
+        self.stored_version = 0
+        """The version of this response's record stored so far (its ``in_progress`` one, while it streams)."""
         self.memory: list[dict[str, str]] = []
         """Earlier turns held by compaction items of this conversation: recall's candidates."""
         self.x.span.set_attribute("switchboard.response_id", self.response_id)
@@ -143,11 +151,24 @@ class ResponsesHandler(ChatHandler):
         self.new_items = await resolve_references(self.store, self.new_items, self.owner, self.tier.replication,
                                                   local=self.history_items)
         refuse_duplicates(self.new_items, "input", self.history_items)
+        self._check_fits(rreq)
         req, self.history_messages = rreq.turn_request(self.history_items, self.new_items, self._open_compaction)
         clash = json_word_clash(req.response_format, (m.text() for m in req.messages[bool(rreq.instructions):]), True)
         if clash is not None:  # the input's messages must say "json" (the instructions do not count)
             raise InvalidRequest(clash.message, param=clash.param)
         return req
+
+    def _check_fits(self, rreq: ResponsesRequest) -> None:
+        """The records this turn rewrites (its conversation, its stored response), with its input and before its
+        reply: one a cache node is known to refuse is the 400 now, not after a whole generation."""
+        assert self.tier is not None
+        items = self.history_items + self.new_items
+        rough = self.history_bytes + len(json.dumps(self.new_items, ensure_ascii=False).encode())
+        if self.conversation is not None:
+            self.store.check_fits(replace(self.conversation, items=items), self.owner, self.tier.replication, rough)
+        if rreq.store is not False:
+            self.store.check_fits(Record(self.response_id, Kind.RESPONSE, items, self.route), self.owner,
+                                  self.tier.replication, rough)
 
     def go_background(self, rreq: ResponsesRequest, raw: bytes) -> None:
         """``background: true``: hand the request to the app, which runs it apart from this connection
@@ -165,11 +186,12 @@ class ResponsesHandler(ChatHandler):
         conv_id = rreq.conversation_id
         if rreq.previous_response_id:
             previous = await self.store.previous(rreq.previous_response_id, self.owner, tier.replication)
-            self.history_items, self.route = previous.items, previous.route
+            self.history_items, self.route, self.history_bytes = previous.items, previous.route, previous.stored_bytes
         elif conv_id:
             await self.hold(conv_id, "conversation")
             self.conversation = await self.store.load(conv_id, self.owner, tier.replication, Kind.CONVERSATION)
             self.history_items, self.route = self.conversation.items, self.conversation.route
+            self.history_bytes = self.conversation.stored_bytes
         if self.history_items or rreq.store is not False or self.conversation is not None:
             # the chain's session: kv_aware routing and the KV blocks kept on its cache nodes
             self.session_id = self.route
@@ -235,10 +257,47 @@ class ResponsesHandler(ChatHandler):
 
     async def respond_stream(self, opened: Opened, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
         opened.completion.on_failure = self._save_unfinished
+        await self._store_in_progress()
         events = ResponseEvents(send, start=lambda: self._response("in_progress", [], None),
                                 finish=self._final, fail=self._unfinished, message_id=self.message_id,
                                 announced=self.announced)
         await opened.completion.stream_to(events.send, opened.stream, True, headers)
+
+    async def _store_in_progress(self) -> None:
+        """A stored streamed response is retrievable from its ``response.created`` on, ``in_progress`` (OpenAI's; it
+        was a 404 until the end), with a deadline past which a reader calls it failed (its gateway died mid-stream,
+        responses_background.py `expired`). Best effort: the end is stored as ever."""
+        rreq = self.rreq
+        assert rreq is not None and self.tier is not None
+        if rreq.store is False:
+            return
+        deadline = time.time() + self.gw.settings.background_max_s + STREAM_DEADLINE_GRACE_S
+        record = self._response_record(self.history_items + self.new_items, self._response("in_progress", [], None), deadline)
+        try:
+            await self.store.save(record, self.owner, self.tier.replication)
+        except SwitchboardError as exc:
+            log.info("request %s: in-progress response not stored (%s)", self.request_id, exc.code)
+            return
+        self.stored_version = record.version
+
+    def _response_record(self, items: list[dict[str, Any]], response: dict[str, Any], deadline: float = 0.0) -> Record:
+        """This response's record: `items` (the chain so far, its input in place), the next version of it."""
+        start = len(self.history_items)
+        return Record(self.response_id, Kind.RESPONSE, items, self.route, self.stored_version, response=response,
+                      input_range=(start, start + len(self.new_items)), deadline=deadline)
+
+    async def _save_response(self, record: Record) -> bool:
+        """Store the response's final record; False when it was deleted meanwhile (while it streamed: the delete
+        stands, and the stream ends as it would have)."""
+        assert self.tier is not None
+        try:
+            await self.store.save(record, self.owner, self.tier.replication)
+        except VersionConflict as exc:
+            if self.stored_version and exc.stored_version >= TOMBSTONE_VERSION:
+                log.info("request %s: response deleted while it streamed; its end is not stored", self.request_id)
+                return False
+            raise
+        return True
 
     def _output(self, status: str, message: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """Choice 0 (or `message`) as output items, with the ids the stream announced."""
@@ -276,10 +335,8 @@ class ResponsesHandler(ChatHandler):
         assert rreq is not None and self.tier is not None
         if rreq.store is False:
             return
-        start = len(self.history_items)
-        record = Record(self.response_id, Kind.RESPONSE, self.history_items + self.new_items, self.route,
-                        response=response, input_range=(start, start + len(self.new_items)))
-        await self.store.save(record, self.owner, self.tier.replication)
+        if not await self._save_response(self._response_record(self.history_items + self.new_items, response)):
+            return
         await self._index(fresh_items(self.new_items, rreq.input), [Home(Kind.RESPONSE, self.response_id)])
         log.info("request %s: response stored as %s (%s)", self.request_id, response["status"], code)
 
@@ -301,11 +358,9 @@ class ResponsesHandler(ChatHandler):
             await self.store.save(self.conversation, self.owner, replicas)
             saved.append(self.conversation)
         if rreq.store is not False:
-            start = len(self.history_items)
-            record = Record(self.response_id, Kind.RESPONSE, items, self.route, response=self.response,
-                            input_range=(start, start + len(self.new_items)))
-            await self.store.save(record, self.owner, replicas)
-            saved.append(record)
+            record = self._response_record(items, self.response)
+            if await self._save_response(record):
+                saved.append(record)
         self.let_go()  # the conversation is written: its next turn may start
         await self._index(fresh_items(self.new_items, rreq.input) + output, [Home(r.kind, r.id) for r in saved])
         threshold = next((c.compact_threshold for c in rreq.context_management or () if c.compact_threshold), None)
@@ -320,86 +375,6 @@ class ResponsesHandler(ChatHandler):
         at once resolves (best effort: a failure is logged, the stored turn stands)."""
         assert self.tier is not None
         await index_items(self.store, items, homes, self.owner, self.tier.replication)
-
-
-def unsealer(rt: Runtime, owner: str) -> Callable[[str], list[dict[str, str]]]:
-    """Opens compaction items this key made (400 for anything else: another key's, or tampered)."""
-    def unseal(encrypted: str) -> list[dict[str, str]]:
-        if rt.sealer is None:
-            raise InvalidRequest("compaction items need session encryption", param="input")
-        try:
-            return rt.sealer.open(COMPACTION_SCOPE, owner, [{"role": "sealed", "content": encrypted}])
-        except SealError:
-            raise InvalidRequest("a compaction item's encrypted_content does not open for this API key",
-                                 param="input", code="invalid_encrypted_content") from None
-    return unseal
-
-
-def sealer_for(rt: Runtime, owner: str) -> Callable[[list[dict[str, str]]], str]:
-    def seal(content: list[dict[str, str]]) -> str:
-        if rt.sealer is None:
-            raise InvalidRequest("compaction items need session encryption", param="input")
-        return rt.sealer.seal(COMPACTION_SCOPE, owner, content)[0]["content"]
-    return seal
-
-
-def plain(items: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """`items` as the chat path's plain messages (tool calls as the model's envelope, results as user
-    turns naming the tool); compaction items as empty system messages."""
-    messages = items_to_messages(items, lambda e: "")
-    if not messages:
-        return []
-    return ChatCompletionRequest.model_validate({"messages": messages}).plain_messages(tools_prompt=False)
-
-
-def conversation_tokens(items: list[dict[str, Any]], counter: Any) -> int:
-    return int(counter.prompt_tokens(plain(items)))
-
-
-def compact_items(gw: Gateway, rt: Runtime, items: list[dict[str, Any]], owner: str, keep_tokens: int,
-                  trigger: str) -> Compaction | None:
-    done = compact(items, keep_tokens, gw.counter, seal=sealer_for(rt, owner), unseal=unsealer(rt, owner),
-                   to_messages=plain, item_id=new_id("cmp"))
-    if done is not None:
-        gw.memory_metrics.compactions.labels(trigger).inc()
-        gw.memory_metrics.compacted_tokens.inc(done.tokens)
-        span = trace.get_current_span()
-        span.add_event("context.compaction", {"switchboard.compaction.items": done.compacted,
-                                              "switchboard.compaction.tokens": done.tokens,
-                                              "switchboard.compaction.trigger": trigger})
-        log.info("compaction (%s): %d item(s), %d tokens folded into one item", trigger, done.compacted, done.tokens)
-    return done
-
-
-async def compact_record(gw: Gateway, rt: Runtime, store: ConversationStore, record: Record, owner: str,
-                         replicas: int, threshold: int) -> None:
-    """`context_management` compaction, off the request path: the stored record's older turns become
-    one compaction item once the conversation passes `threshold` tokens."""
-    with tracer.start_as_current_span("responses.compaction"):
-        lock = record_key(owner, record.id)
-        try:  # the conversation's write lock (record_locks.py): a turn under way would be overwritten
-            await gw.record_locks.acquire(lock, wait_s=0.0)
-        except SwitchboardError:
-            log.info("background compaction skipped: a turn is under way")
-            return
-        try:
-            current = await store.load(record.id, owner, replicas, record.kind)
-            if current.version != record.version:  # a newer turn was saved meanwhile: compact it next time
-                log.info("background compaction skipped: the record changed")
-                return
-            done = compact_items(gw, rt, record.items, owner, threshold // 2, "threshold")
-            if done is None:
-                return
-            start, end = record.input_range
-            folded = done.compacted
-            record.items = [done.item, *done.kept]
-            if record.kind is Kind.RESPONSE:  # the input range moves with the items (or goes, if folded)
-                record.input_range = (start - folded + 1, end - folded + 1) if start >= folded else (0, 0)
-            await store.save(record, owner, replicas)
-        except SwitchboardError as exc:  # the nodes failed (or the record is gone): next time
-            log.info("background compaction skipped: %s", exc.code)
-        finally:
-            gw.record_locks.release(lock)
 
 
 def record_caller(gw: Gateway, request: Request) -> tuple[str, int]:
@@ -447,49 +422,3 @@ def check_query_include(request: Request) -> None:
     """OpenAI's 400 for an `include` (the SDK's include[]=...) on an item route that names a value it does
     not define, or one this server never makes, as on create and retrieve (it was ignored)."""
     check_include(request.query_params.getlist("include") + request.query_params.getlist("include[]"))
-
-
-def page(items: list[dict[str, Any]], *, limit: int, order: str, after: str | None,
-         gone: dict[str, str | None] | None = None) -> dict[str, Any]:
-    """OpenAI's cursor list: `order` asc|desc, `after` an item id, at most `limit` (1-100). `gone`: the
-    items deleted from `items`, each with the id before it then (None: it was first), so an `after` that
-    names one still finds its place (see `deleted_before`)."""
-    if not 1 <= limit <= 100:
-        raise InvalidRequest("limit must be between 1 and 100", param="limit")
-    if order not in ("asc", "desc"):
-        raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
-    ordered = list(items)
-    if after is not None:
-        ids = [i.get("id") for i in ordered]
-        gone = gone or {}
-        cursor: str | None = after
-        for _ in range(len(gone)):  # a deleted item: the place of the one before it (bounded: no cycle loops)
-            if cursor is None or cursor in ids or cursor not in gone:
-                break
-            cursor = gone[cursor]
-        if cursor is not None and cursor not in ids:
-            raise InvalidRequest(f"no item with id {clipped(after)!r}", param="after")
-        at = ids.index(cursor) if cursor is not None else -1
-        if cursor == after:  # the cursor itself is listed: the rest, past it, in this order
-            ordered = ordered[at + 1:] if order == "asc" else ordered[:at][::-1]
-        else:  # a deleted cursor stood right after `at`
-            ordered = ordered[at + 1:] if order == "asc" else ordered[:at + 1][::-1]
-    elif order == "desc":
-        ordered.reverse()
-    data = ordered[:limit]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": len(ordered) > limit}
-
-
-MAX_GONE = 256
-"""Deleted items a conversation remembers the place of (a cursor naming an older one is the 400)."""
-
-
-def deleted_before(gone: dict[str, str | None], items: list[dict[str, Any]], item_id: str) -> None:
-    """Remember, in `gone`, the place of `item_id` as it is deleted from `items` (the id before it): a client
-    that deletes the items it pages through (`for item in ...items.list(): ...items.delete(item.id)`) sends
-    the last one deleted as the next page's `after`, which was a 400 "no item with id" half way."""
-    at = next(i for i, item in enumerate(items) if item.get("id") == item_id)
-    gone[item_id] = items[at - 1].get("id") if at else None
-    for old in list(gone)[:-MAX_GONE]:
-        del gone[old]

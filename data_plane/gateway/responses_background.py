@@ -57,7 +57,7 @@ STOP_MESSAGES = {
 STOPPED_AS = {SHUTDOWN: (503, "server_shutting_down")}
 """How a run the server stopped is counted and billed (status, code): not as a client that left (a cancel
 is the client's own doing, and stays 499 ``client_disconnected``)."""
-EXPIRED_MESSAGE = ("the gateway running this background response stopped before it finished "
+EXPIRED_MESSAGE = ("the gateway running this response stopped before it finished "
                    "(it was not seen again before its deadline); create it again")
 _SNAPSHOT_EVENTS = (b"event: response.created\n", b"event: response.queued\n", b"event: response.in_progress\n",
                     b"event: response.completed\n", b"event: response.incomplete\n", b"event: response.failed\n")

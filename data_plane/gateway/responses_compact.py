@@ -26,7 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from data_plane.common.http_body import read_body
 from data_plane.gateway.item_index import resolve_references
 from data_plane.gateway.response_store import ConversationStore
-from data_plane.gateway.responses import RESPONSES_PATH, compact_items, conversation_tokens, record_principal
+from data_plane.gateway.responses import RESPONSES_PATH, record_principal
+from data_plane.gateway.responses_compaction import compact_items, conversation_tokens
 from data_plane.gateway.responses_input import input_items, new_id
 from data_plane.gateway.responses_items import ImageOptions, check_image, response_usage
 from data_plane.gateway.responses_metrics import Op, observed

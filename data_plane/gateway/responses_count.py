@@ -48,7 +48,8 @@ from data_plane.gateway.item_index import resolve_references
 from data_plane.gateway.memory import fit_turn, open_compaction
 from data_plane.gateway.phases import FORWARDED, cache_salt
 from data_plane.gateway.response_store import ConversationStore, Kind
-from data_plane.gateway.responses import RESPONSES_PATH, record_principal, unsealer
+from data_plane.gateway.responses import RESPONSES_PATH, record_principal
+from data_plane.gateway.responses_compaction import unsealer
 from data_plane.gateway.responses_input import input_items
 from data_plane.gateway.responses_items import ResponsesRequest
 from data_plane.gateway.responses_metrics import Op, observed

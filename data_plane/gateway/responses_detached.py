@@ -63,6 +63,8 @@ MAX_FOLLOWERS = 4
 """Streams that may follow one run at once (a client and its reconnect, with room to spare); beyond, 429.
 Unbounded, one key held 300 streams on one run (none metered: not a generation), and a few runs of a
 tenant's could hold every connection the gateway has for `--background-max-s`."""
+UNTOLD = ("failed", "cancelled")
+"""How a stopped run ends without its stream saying so (the chat path's stream just stops): `settle` tells it."""
 NOT_BACKGROUND = "Only responses created with background=true can be cancelled; this response was not."
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
@@ -162,9 +164,9 @@ class BackgroundHandler(ResponsesHandler):
                  len(self.history_items))
         return await super()._route(caller, checked, prepared)
 
-    async def respond_stream(self, opened: Opened, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+    async def _store_in_progress(self) -> None:
+        """Stored ``queued`` already (any poll finds it): ``in_progress`` off the stream's path."""
         self.store.later(self.store_state(self._response("in_progress", [], None)), name="background-progress")
-        await super().respond_stream(opened, send, headers)
 
     async def store_state(self, response: dict[str, Any]) -> None:
         rreq = self.rreq
@@ -252,7 +254,7 @@ async def settle(handler: BackgroundHandler, run: Run) -> dict[str, Any] | None:
     and stored here, and a stream following it is told (``error`` + ``response.failed``)."""
     last = handler.pinned.last
     if last is not None and last.get("status") in TERMINAL:
-        if last["status"] == "failed" and run.stop_reason is not None:
+        if last["status"] in UNTOLD and run.stop_reason is not None:
             _tell(run, last)  # stopped mid-stream: the stream ended without its events
         return last
     if handler.rreq is None or handler.tier is None or last is None:
@@ -262,14 +264,19 @@ async def settle(handler: BackgroundHandler, run: Run) -> dict[str, Any] | None:
         await handler.store_state(response)
     except Exception:  # noqa: BLE001 -- the nodes failed too: the record expires at its deadline
         log.warning("background response %s: could not store its end (%s)", run.id, response["status"])
-    if response["status"] == "failed":
+    if response["status"] in UNTOLD:
         _tell(run, response)
     return response
 
 
 def _tell(run: Run, response: dict[str, Any]) -> None:
-    err = response.get("error") or {}
-    run.tell("error", code=err.get("code"), message=err.get("message"), param=None)
+    """The end of a stopped run to a stream following it: a failure's ``error`` then ``response.failed``; a
+    cancelled run's ``response.failed`` with status ``cancelled`` (the Responses stream has no event of its own
+    for it; the SDK's `responses.stream`, the Agents SDK and every client that waits for completed, failed or
+    incomplete end there. Untold, the stream just stopped after its last delta)."""
+    if response["status"] == "failed":
+        err = response.get("error") or {}
+        run.tell("error", code=err.get("code"), message=err.get("message"), param=None)
     run.tell("response.failed", response=response)
 
 

@@ -26,6 +26,27 @@ ITEM_STATUSES = ("in_progress", "completed", "incomplete")
 SUPPORTED_ITEM_TYPES = ("message", "function_call", "function_call_output", "compaction", "item_reference", "reasoning")
 REASONING_FIELDS = {"type", "id", "summary", "content", "encrypted_content", "status"}
 """A reasoning item's fields (the openai SDK's ResponseReasoningItemParam); another is a 400 naming it."""
+ITEM_FIELDS = {
+    "message": {"type", "id", "role", "content", "status", "phase"},
+    "function_call": {"type", "id", "call_id", "name", "arguments", "status", "namespace", "caller", "async",
+                      "async_", "created_by"},
+    "function_call_output": {"type", "id", "call_id", "output", "status", "namespace", "caller", "name", "created_by"},
+    "compaction": {"type", "id", "encrypted_content", "created_by"},
+    "item_reference": {"type", "id"},
+    "reasoning": REASONING_FIELDS,
+}
+"""Each item type's fields, as the openai SDK types them: its input params (EasyInputMessageParam, Message,
+ResponseOutputMessageParam, ResponseFunctionToolCallParam, FunctionCallOutput, ...) and the output items a
+client replays as input (a Response's `output`, a conversation's listed items: `created_by`; `async_`, the
+Python name `model_dump()` gives `async`). Those this server ignores (`status`, `phase`, `namespace`...) pass;
+any other key is OpenAI's 400
+``unknown_parameter`` naming it: it was dropped without a word (a misspelt `call_id` went unnoticed)."""
+PART_FIELDS = {
+    "input_text": {"type", "text", "prompt_cache_breakpoint"},
+    "output_text": {"type", "text", "annotations", "logprobs"},
+    "refusal": {"type", "refusal"},
+}
+"""A text content part's fields (ResponseInputTextParam, ResponseOutputTextParam, ResponseOutputRefusalParam)."""
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -53,6 +74,7 @@ def input_items(value: str | list[dict[str, Any]], param: str = "input") -> list
         kind = raw.get("type", "item_reference" if set(raw) == {"id"} else "message")
         if kind not in SUPPORTED_ITEM_TYPES:
             raise UnsupportedParameter(f"input item type {kind!r} is not supported", param=f"{where}.type")
+        refuse_unknown(raw, ITEM_FIELDS[kind], where)
         check_one_of(raw.get("status"), ITEM_STATUSES, f"{where}.status")
         if kind == "message":
             role = raw.get("role")
@@ -93,10 +115,7 @@ def input_items(value: str | list[dict[str, Any]], param: str = "input") -> list
 def _reasoning_item(raw: dict[str, Any], where: str) -> dict[str, Any]:
     """A reasoning item as OpenAI's reasoning models write it (in a history replayed here), checked as its
     shape says: a `summary` list of summary_text parts, optionally an id, `content` (reasoning_text parts),
-    `encrypted_content` and `status`."""
-    for key in sorted(set(raw) - REASONING_FIELDS):
-        raise InvalidRequest(f"Unrecognized request argument supplied: {where}.{key}", param=f"{where}.{key}",
-                             code="unsupported_parameter")
+    `encrypted_content` and `status` (another key: `refuse_unknown`)."""
     # no id: OpenAI's Responses API takes one without (Codex never sends it, the Agents SDK's
     # `reasoning_item_id_policy="omit"` strips it): stored under an id of ours, as a message without one is
     item: dict[str, Any] = {"type": "reasoning", "id": raw.get("id") or new_id("rs"), "status": "completed"}
@@ -120,6 +139,14 @@ def _reasoning_item(raw: dict[str, Any], where: str) -> dict[str, Any]:
             raise InvalidRequest(f"{where}.encrypted_content must be a string", param=f"{where}.encrypted_content")
         item["encrypted_content"] = raw["encrypted_content"]
     return item
+
+
+def refuse_unknown(raw: dict[str, Any], known: set[str], where: str) -> None:
+    """OpenAI's 400 for a key `raw` (an item, a content part) does not define: "Unknown parameter:
+    'input[0].foo'.", code ``unknown_parameter``, `param` the key's path."""
+    for key in sorted(set(raw) - known, key=str):
+        raise InvalidRequest(f"Unknown parameter: '{where}.{clipped(str(key))}'.", param=f"{where}.{clipped(str(key))}",
+                             code="unknown_parameter")
 
 
 def refuse_duplicates(items: list[dict[str, Any]], param: str, earlier: list[dict[str, Any]] | None = None) -> None:
@@ -147,6 +174,8 @@ def _text_parts(content: Any, role: str, at: str) -> list[dict[str, Any]]:
         ptype = part.get("type") if isinstance(part, dict) else None
         if ptype in TEXT_PARTS and not isinstance(part.get("text"), str):
             raise InvalidRequest(f"{at}[{j}].text must be a string", param=f"{at}[{j}].text")
+        if ptype in PART_FIELDS:
+            refuse_unknown(part, PART_FIELDS[ptype], f"{at}[{j}]")
         if ptype == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
             parts.append({"type": "refusal", "refusal": part["refusal"]})  # an output message's other part
             continue  # (OpenAI's replies carry them): replayed as the turn's text, as the chat path does

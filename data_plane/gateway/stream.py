@@ -33,16 +33,15 @@ from data_plane.gateway.safety.pipeline import ALLOW, OutputStreamFilter, Safety
 from data_plane.legacy_functions import legacy_delta, legacy_finish, legacy_message
 from data_plane.membership.view import Member
 from data_plane.protocol import (
-    ROLE_DELTA,
     SERVICE_TIER,
     SYSTEM_FINGERPRINT,
+    Openings,
     PromptTokensDetails,
     Usage,
     UsageChunks,
     chunk_body,
     completion_body,
     new_completion_id,
-    opening_deltas,
 )
 from data_plane.routing.upstream import Delta, Event, Finish, ToolCallDelta, UsageEvent
 from data_plane.tool_calls import envelope_text
@@ -154,8 +153,8 @@ class Completion:
         self.model = model
         self.new_filter = new_filter
         self.choices: dict[int, _Choice] = {}
-        self._opened: set[int] = set()
-        """Choices whose stream was opened (their role sent: `opening_deltas`)."""
+        self._openings = Openings()
+        """Which choices the stream opened (their role sent), in index order."""
         self.completion_id = new_completion_id()
         self.created = int(time.time())
         self.usage = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
@@ -198,7 +197,7 @@ class Completion:
         if isinstance(event, Delta):
             c = self.choice(event.index)
             if event.usage is not None and not self._final_usage:
-                self._usage_so_far(event.index, event.usage)
+                self._usage_so_far(event.index, event.usage, event.cached_tokens)
             if event.logprobs:
                 c.has_logprobs = True
             c.hold_logprobs(event.text, event.logprobs)
@@ -230,15 +229,21 @@ class Completion:
                                prompt_tokens_details=cached)
             self.x.usage = self.usage
 
-    def _usage_so_far(self, index: int, so_far: tuple[int, int]) -> None:
+    def _usage_so_far(self, index: int, so_far: tuple[int, int], cached: int | None) -> None:
         """The shard's running count (continuous usage stats: every chunk carries it) until its final
         usage arrives. A stream that ends without one (the client left, the shard died past its resumes)
         is then recorded, billed and rate-limited for the prompt it prefilled and the tokens it produced,
-        not as 0: otherwise disconnecting just before the end would make any reply free."""
+        not as 0: otherwise disconnecting just before the end would make any reply free. Its prefix-cache
+        hit too (`cached`, the first shard's: a resumed stream's prompt also holds the output so far); it
+        was recorded 0, a cached prompt billed as computed."""
         self._choice_tokens[index] = so_far[1]
         prompt = max(so_far[0], self.usage.prompt_tokens)
         completion = sum(self._choice_tokens.values())
-        self.usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        known = self.usage.prompt_tokens_details
+        if known is None and cached is not None:
+            known = PromptTokensDetails(cached_tokens=min(cached, prompt))
+        self.usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                           prompt_tokens_details=known)
         self.x.usage = self.usage
 
     def _tails(self) -> list[Piece]:
@@ -362,13 +367,18 @@ class Completion:
             return self._content_prefix + _json(delta["content"]) + content_suffix
         delta = dict(delta)
         logprobs = delta.pop("logprobs", None)
+        if logprobs is None and "role" in delta and self.with_logprobs:
+            # each choice opens with its logprobs object, as OpenAI's: the SDK's stream helper builds the final
+            # completion's from the chunks, and a reply of no text (tool calls, a stop string first) had None
+            logprobs = {"content": [], "refusal": None}
         return _event(chunk_body(**common, delta=delta, index=index, logprobs=logprobs))
 
     async def stream_to(self, send: Send, stream: EventSource, include_usage: UsageChunks | bool,
                         headers: list[tuple[bytes, bytes]]) -> None:
         """The completion as SSE, straight onto the ASGI `send`: one write per batch of tokens,
         each choice opened with its first piece (`opening_deltas`: ``content: null`` beside a first tool
-        call, ``content: ""`` before text), the finish, usage and `[DONE]` with the last."""
+        call, ``content: ""`` before text; in index order: `Openings`), the finish, usage and `[DONE]` with
+        the last."""
         x = self.x
         span = x.span
         common: dict[str, Any] = {"completion_id": self.completion_id, "model": self.model, "created": self.created,
@@ -386,16 +396,12 @@ class Completion:
                     common["usage"] = self.usage
                     content_suffix = self._content_suffix[:-3] + b',"usage":' + _json(self.usage.wire()) + b'}\n\n'
                 for index, delta in pieces:
-                    deltas = [legacy_delta(delta) if self.legacy else delta]
-                    if index not in self._opened:
-                        self._opened.add(index)
-                        deltas = opening_deltas(deltas[0])
-                    out.extend(self._chunk(common, (index, d), content_suffix) for d in deltas)
+                    sent = self._openings.deltas(index, legacy_delta(delta) if self.legacy else delta)
+                    out.extend(self._chunk(common, piece, content_suffix) for piece in sent)
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                 out = []
-            for index, c in sorted(self.choices.items()):
-                if index not in self._opened:  # a choice that released nothing still opens, then ends
-                    out.append(_event(chunk_body(**common, delta=dict(ROLE_DELTA), index=index)))
+            for index, c in sorted(self.choices.items()):  # a choice that released nothing still opens
+                out.extend(self._chunk(common, piece, content_suffix) for piece in self._openings.ending(index))
                 finish = legacy_finish(c.finish_reason) if self.legacy else c.finish_reason
                 out.append(_event(chunk_body(**common, delta={}, finish_reason=finish or "stop", index=index)))
             await self._finish(None)

@@ -82,12 +82,19 @@ class UsageQuery:
     key_id: str | None = None
     tier: str | None = None
     model: str | None = None
+    models: tuple[str, ...] = ()
+    """Only these models (any of them); () = every model."""
+    model_requests_only: bool = False
+    """Only requests a model answered (a shard's stream, or the response cache's replay, opened) and the server
+    did not fail (status < 500): what OpenAI's usage API counts as `num_model_requests`. Requests refused before
+    any model (a 400, a 429) and server failures (billed nothing) stay out."""
     bucket_s: int | None = None
     """Bucket width in seconds (3600 = hour, 86400 = day, UTC-aligned); None: one bucket for the range."""
     group_by: tuple[str, ...] = ()
     """Any of GROUP_FIELDS."""
     limit: int = 10000
-    """Most rows returned (newest buckets kept)."""
+    """Most rows returned: the newest buckets, whole (a bucket the limit would cut is left out), and the result
+    says `truncated` (the totals still cover the whole range)."""
 
 
 SUMS = ("requests", "errors", "prompt_tokens", "cached_tokens", "completion_tokens")
@@ -238,8 +245,8 @@ class _SqlStore:
     # -- reads ----------------------------------------------------------------------------------
 
     def usage(self, query: UsageQuery) -> dict[str, Any]:
-        """{"rows": [{"start", "end", <group fields>, requests, errors, *_tokens}], "totals": {...}}
-        with rows oldest first."""
+        """{"rows": [{"start", "end", <group fields>, requests, errors, *_tokens}], "totals": {...},
+        "truncated": bool} with rows oldest first."""
         for name in query.group_by:
             if name not in GROUP_FIELDS:
                 raise ValueError(f"cannot group by {name!r}; choose from {', '.join(GROUP_FIELDS)}")
@@ -250,6 +257,11 @@ class _SqlStore:
             if value is not None:
                 where.append(f"{column} = %s")
                 params.append(value)
+        if query.models:
+            where.append(f"model IN ({', '.join(['%s'] * len(query.models))})")
+            params.extend(query.models)
+        if query.model_requests_only:
+            where.append("shard <> '' AND status < 500")
         if query.start is not None:
             where.append("started_at >= %s")
             params.append(query.start)
@@ -265,7 +277,7 @@ class _SqlStore:
         group = ([bucket] if width else []) + keys
         select = f"SELECT {bucket}, MAX(started_at), {', '.join(keys) + ', ' if keys else ''}{sums} FROM usage_records"
         sql = select + clause + (f" GROUP BY {', '.join(group)}" if group else "")
-        sql += (f" ORDER BY 1 DESC LIMIT {int(query.limit)}" if group else "")
+        sql += (f" ORDER BY 1 DESC LIMIT {int(query.limit) + 1}" if group else "")  # one more: was it cut?
 
         def run(conn: Any) -> tuple[list[Any], list[Any]]:
             cur = conn.cursor()
@@ -281,6 +293,10 @@ class _SqlStore:
             if not table_missing(exc):
                 raise
             rows, total = [], (None, None, *([0] * len(SUMS)))  # not migrated yet: nothing recorded
+        truncated = len(rows) > query.limit
+        if truncated:  # the oldest bucket kept may have lost some of its groups to the limit: all of it goes
+            cut = rows[query.limit][0]
+            rows = [r for r in rows[:query.limit] if r[0] != cut]
         out = []
         for row in reversed(rows):
             if row[0] is None:
@@ -291,7 +307,7 @@ class _SqlStore:
             item.update(zip(SUMS, (int(v or 0) for v in row[2 + len(keys):])))
             out.append(item)
         totals = dict(zip(SUMS, (int(v or 0) for v in total[2:])))
-        return {"rows": out, "totals": totals}
+        return {"rows": out, "totals": totals, "truncated": truncated}
 
     def activity(self, start: float, end: float) -> list[KeyActivity]:
         """Per key and error code, the requests and tokens started in [start, end): what the abuse

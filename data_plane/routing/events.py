@@ -34,6 +34,9 @@ class Delta:
     """The choice (``n``)."""
     logprobs: tuple[Any, ...] = ()
     """OpenAI logprobs ``content`` entries of this chunk, as the shard sent them."""
+    cached_tokens: int | None = None
+    """Prompt tokens the shard served from its prefix cache, when its continuous usage says (known once it
+    prefilled): a stream that ends without its final usage (the client left) still records its cache hit."""
 
 
 @dataclass(frozen=True)
@@ -88,11 +91,11 @@ def parse_line(line: bytes) -> list[Event] | SwitchboardError:
         return from_openai_body(400 if client else 502, body)
     choices = body.get("choices") or []
     usage = body.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else None
     if not choices:
         if usage:
-            details = usage.get("prompt_tokens_details")
-            cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
-            return [UsageEvent(int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)), cached)]
+            return [UsageEvent(int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)), cached or 0)]
         return []
     events: list[Event] = []
     for choice in choices:
@@ -104,7 +107,7 @@ def parse_line(line: bytes) -> list[Event] | SwitchboardError:
             so_far = None
             if usage:
                 so_far = (int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
-            events.append(Delta(content or "", so_far, index, logprobs))
+            events.append(Delta(content or "", so_far, index, logprobs, cached if so_far else None))
         for call in delta.get("tool_calls") or ():
             fn = call.get("function") or {}
             events.append(ToolCallDelta(int(call.get("index") or 0), call.get("id"), fn.get("name"),

@@ -61,14 +61,13 @@ from data_plane.common.tls import TlsConfig
 from data_plane.membership.factory import membership_from_url
 from data_plane.protocol import (
     INPUT_TOKENS_PATH,
-    ROLE_DELTA,
     ChatCompletionRequest,
+    Openings,
     PromptTokensDetails,
     Usage,
     chunk_body,
     completion_body,
     new_completion_id,
-    opening_deltas,
     parse_chat_request,
 )
 from data_plane.shard.choices import Choice, choice_streams, describe, merged, prepare_requests, token_bytes
@@ -430,7 +429,7 @@ class _Run:
         common: dict[str, Any] = {"completion_id": self.completion_id, "model": model, "created": self.created,
                                   "include_usage": include_usage}
         error = None
-        opened: set[int] = set()  # choices whose role was sent (with their first delta: `opening_deltas`)
+        openings = Openings()  # which choices were opened (their role sent), in index order
         try:
             stream = with_keepalives(outputs, keepalive_s) if keepalive_s else outputs
             async for item in stream:
@@ -442,19 +441,16 @@ class _Run:
                 so_far = _usage(out) if continuous_usage else None
                 for delta in choice.feed(out):
                     logprobs = delta.pop("logprobs", None)
-                    if index not in opened:
-                        opened.add(index)
-                        *role, delta = opening_deltas(delta)
-                        for d in role:
-                            yield event(chunk_body(**common, delta=d, usage=so_far, index=index))
+                    *opening, (_, delta) = openings.deltas(index, delta)
+                    for i, d in opening:
+                        yield event(chunk_body(**common, delta=d, usage=so_far, index=i))
                     yield event(chunk_body(**common, delta=delta, usage=so_far, index=index, logprobs=logprobs))
                 if (kept := await self._stopped(index, out)) is None:
                     continue
                 last = out = self.latest[index] = kept
                 if out.finish_reason is not None:
-                    if index not in opened:  # nothing was released: the choice still opens, then ends
-                        opened.add(index)
-                        yield event(chunk_body(**common, delta=dict(ROLE_DELTA), index=index))
+                    for i, d in openings.ending(index):  # nothing was released: the choice still opens
+                        yield event(chunk_body(**common, delta=d, index=i))
                     yield event(chunk_body(**common, delta={}, finish_reason=choice.finish(out.finish_reason),
                                            index=index))
                     done = self._final(index, out)

@@ -91,3 +91,23 @@ def test_a_ledger_no_gateway_wrote_yet_reads_empty(tmp_path: Path) -> None:
                   f"sqlite:///{tmp_path / 'fresh.db'}"]) as cp:
         r = httpx.get(cp.url + "/admin/v1/usage", headers=AUTH)
         assert r.status_code == 200 and r.json()["totals"]["requests"] == 0
+
+
+def test_rows_the_limit_cuts_are_said_and_never_half_a_bucket(usage_cp: tuple[Service, float]) -> None:
+    """`limit` kept the newest rows and dropped the rest without a word (the totals, whole, disagreed with the
+    rows; a month of hourly rows per key past 10,000 lost its first days in the CSV an operator bills from),
+    and a bucket it cut through lost some of its groups. Now the answer says `truncated` (the CSV in a header)
+    and a bucket is kept whole or not at all."""
+    cp, today = usage_cp
+    get = lambda **p: httpx.get(cp.url + "/admin/v1/usage", params={"group_by": "day", **p}, headers=AUTH)
+    whole = get(limit=3).json()
+    assert whole["truncated"] is False and len(whole["rows"]) == 3
+    newest = get(limit=2).json()
+    assert newest["truncated"] is True and newest["totals"] == whole["totals"]
+    assert [(r["start"], r["tier"]) for r in newest["rows"]] in ([(today, "plus"), (today, "free")],
+                                                                 [(today, "free"), (today, "plus")])
+    cut = get(limit=1).json()  # today's two groups do not fit in one row: today is left out, not halved
+    assert cut["truncated"] is True and cut["rows"] == []
+    csv_answer = get(limit=2, format="csv")
+    assert csv_answer.headers["x-switchboard-truncated"] == "true"
+    assert get(limit=3, format="csv").headers["x-switchboard-truncated"] == "false"

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from data_plane.common.errors import Overloaded
 from data_plane.gateway.admission import Admission, AdmissionConfig, AdmissionMetrics, Ticket, shard_capacity
+from data_plane.gateway.slot_wait import SlotHolds
 from data_plane.tiers import TierPolicy
 
 POLICY = TierPolicy.default()
@@ -78,17 +79,125 @@ async def test_lower_tiers_leave_a_reserve_for_higher_ones() -> None:
     assert adm.inflight == 0
 
 
+async def test_a_request_holds_a_slot_per_choice_so_n_cannot_fill_the_reserve() -> None:
+    """A free key's requests with n=8 were each counted as one slot while the shard decoded eight sequences:
+    three of them held 24 of 16 batch slots, and an enterprise request waited ~10 s for its first token."""
+    adm, registry = admission(16)  # free may fill 12 of 16
+    first = await adm.acquire(FREE, POLICY, tenant="a", slots=8)
+    assert adm.inflight == 8 and registry.get_sample_value("switchboard_admission_inflight") == 8
+    second = asyncio.create_task(adm.acquire(FREE, POLICY, tenant="a", slots=8))
+    await settle()
+    assert not second.done()  # 8 + 8 > free's 12
+    one = await adm.acquire(FREE, POLICY, tenant="b")  # the least served tenant, and one slot fits
+    ent = [await adm.acquire(ENT, POLICY, slots=2) for _ in range(3)]  # the reserve is there for enterprise
+    assert adm.inflight == 15 and not second.done()
+    for t in ent:
+        t.release()
+    one.release()
+    await settle()
+    assert not second.done()  # 8 in flight: 8 more would pass free's 12
+    first.release()
+    held = await second
+    assert adm.inflight == 8
+    held.release()
+    assert adm.inflight == 0 and adm.waiting == 0
+
+
+async def test_a_request_asking_more_slots_than_its_tier_may_fill_takes_all_of_it() -> None:
+    adm, _ = admission(4)  # free may fill 3
+    big = await adm.acquire(FREE, POLICY, slots=8)
+    assert adm.inflight == 3  # at most the tier's cap, so it never waits for slots that cannot exist
+    blocked = asyncio.create_task(adm.acquire(FREE, POLICY))
+    await settle()
+    assert not blocked.done()
+    big.release()
+    (await blocked).release()
+    assert adm.inflight == 0
+
+
 async def test_a_waiter_past_its_deadline_is_shed_with_503_and_retry_after() -> None:
     adm, registry = admission(1, queue_timeouts={"free": 0.05})
     held = await adm.acquire(ENT, POLICY)
     with pytest.raises(Overloaded) as info:
         await adm.acquire(FREE, POLICY)
     err = info.value
-    assert err.status == 503 and err.code == "overloaded" and err.response_headers()["Retry-After"] == "2"
+    assert err.status == 503 and err.code == "overloaded"
+    assert err.response_headers()["Retry-After"] == "1"  # the slot held ~0.05 s so far: a short wait
     assert registry.get_sample_value("switchboard_admission_shed_total", {"tier": "free", "reason": "deadline"}) == 1
     assert adm.waiting == 0
     held.release()
     assert adm.inflight == 0
+
+
+async def test_retry_after_estimates_when_a_slot_frees_from_the_hold_times() -> None:
+    """Retry-After was a fixed 2 s: in a burst whose requests held every slot ~23 s, a client retrying after 2 s
+    queued and was shed again, and the openai SDK gave up after its retries (~21 s) with the slots still busy."""
+    now = {"t": 0.0}
+    adm = Admission(AdmissionMetrics(CollectorRegistry()), AdmissionConfig(reserve=0.0, queue_size=1),
+                    capacity=lambda: 2, clock=lambda: now["t"])
+
+    async def shed_after_a_queued_one() -> tuple[float, asyncio.Task[Ticket]]:
+        queued = asyncio.create_task(adm.acquire(FREE, POLICY, tenant="a"))
+        await settle()
+        with pytest.raises(Overloaded) as info:  # the queue (1) is full: the newcomer is shed
+            await adm.acquire(FREE, POLICY, tenant="a")
+        return float(info.value.response_headers()["Retry-After"]), queued
+
+    burst = [await adm.acquire(ENT, POLICY) for _ in range(2)]
+    now["t"] = 5.0
+    retry, queued = await shed_after_a_queued_one()
+    # no hold completed yet: both slots taken 5 s ago, each assumed to last as long again; the shed one needs
+    # both to free (the queued one goes first)
+    assert retry == 5
+    now["t"] = 23.0
+    for t in burst:
+        t.release()
+    ticket = await queued
+    now["t"] = 46.0
+    ticket.release()  # three 23 s holds are the history now
+    burst = [await adm.acquire(ENT, POLICY) for _ in range(2)]
+    now["t"] = 51.0
+    retry, queued = await shed_after_a_queued_one()
+    assert retry == 18  # 23 s holds, 5 s in: 18 s left
+    now["t"] = 200.0  # far past the history: the ages say they last as long again, at most 60 s
+    with pytest.raises(Overloaded) as info:
+        await adm.acquire(FREE, POLICY, tenant="b")
+    assert info.value.response_headers()["Retry-After"] == "60"
+    for t in burst:
+        t.release()
+    (await queued).release()
+    quick = await adm.acquire(ENT, POLICY)  # a short request while another is queued: a short wait
+    other = await adm.acquire(ENT, POLICY)
+    now["t"] = 200.5
+    quick.release()
+    other.release()
+    for _ in range(20):  # the history turns short
+        t = await adm.acquire(ENT, POLICY)
+        now["t"] += 0.3
+        t.release()
+    held = [await adm.acquire(ENT, POLICY) for _ in range(2)]
+    now["t"] += 0.1
+    retry, queued = await shed_after_a_queued_one()
+    assert retry == 1
+    for t in held:
+        t.release()
+    (await queued).release()
+    assert adm.inflight == 0 and adm.waiting == 0
+
+
+def test_slot_holds_count_slots_per_request_and_rounds_past_the_slots_in_flight() -> None:
+    holds = SlotHolds(min_s=1.0, max_s=60.0)
+    assert holds.wait_s(3, now=0.0) == 1.0  # nothing in flight: the least
+    for i in range(3):  # three 10 s holds: the history
+        holds.start(i, 0.0, 1)
+        holds.end(i, 10.0)
+    holds.start(10, 10.0, 2)  # two slots (n=2), taken at 10 s
+    holds.start(11, 14.0, 1)
+    # at 16 s: mean age (6*2 + 2) / 3 = 4.67, so the hold is the history's 10 s; the n=2 request frees two
+    # slots at 20 s, the other one at 24 s; the fourth slot needed is one more hold after the first
+    assert [holds.wait_s(k, now=16.0) for k in (1, 2, 3, 4)] == [4.0, 4.0, 8.0, 14.0]
+    holds.end(10, 16.0)  # held 6 s: the average moves to 0.8 * 10 + 0.2 * 6 = 9.2 s
+    assert holds.wait_s(1, now=16.0) == pytest.approx(7.2)
 
 
 def test_deadlines_grow_along_the_shed_order() -> None:

@@ -261,6 +261,52 @@ def test_lru_eviction_by_bytes(tmp_path: Path, client: httpx.Client) -> None:
         small.stop()
 
 
+def test_one_owner_filling_the_store_evicts_its_own_records_not_another_tenants(tmp_path: Path,
+                                                                               client: httpx.Client) -> None:
+    """One free key storing ~1.1 MB per request (chat completions with `store: true`, Responses turns: the
+    messages past the context window cost it ~40 tokens) at 60 requests a minute pushed every other tenant's
+    sessions, conversations and stored responses out of a 256 MiB node within minutes (a global LRU)."""
+    (small,) = start_cache_nodes(1, "--max-bytes", "8192", log_dir=tmp_path)
+    try:
+        def put(session_id: str, owner: str) -> None:
+            body = record(owner=owner, n=1)
+            body["messages"] = [{"role": "user", "content": "y" * 800}]
+            assert client.put(f"{small.url}/v1/sessions/{session_id}", json=body).status_code == 200
+
+        victims = [f"victim-{i}" for i in range(2)]
+        for s in victims:
+            put(s, "victim-key")
+        flood = [f"flood-{i}" for i in range(40)]
+        for s in flood:
+            put(s, "attacker-key")
+        assert all(client.get(f"{small.url}/v1/sessions/{s}").status_code == 200 for s in victims)
+        kept = [s for s in flood if client.get(f"{small.url}/v1/sessions/{s}").status_code == 200]
+        assert kept and kept == flood[-len(kept):]  # the flood's own oldest went, newest first kept
+        put("victim-2", "victim-key")  # the victim writes again: room is made from the largest holder
+        assert all(client.get(f"{small.url}/v1/sessions/{s}").status_code == 200 for s in [*victims, "victim-2"])
+        assert metric_in(client.get(f"{small.url}/metrics").text, "switchboard_cache_bytes") <= 8192
+    finally:
+        small.stop()
+
+
+async def test_memory_storage_evicts_the_largest_owners_least_recent_record() -> None:
+    def rec(s: str) -> Transcript:  # the owner is the id's first letter
+        return Transcript(s, s[0], ({"role": "user", "content": "q" * 500},), 1, 0.0)
+
+    store = MemoryStorage(5 * len(encode_record(rec("a1"))))
+    for s in ("a1", "a2", "b1", "b2", "b3"):  # full; a's records are the least recent of all
+        await store.put(rec(s), ttl_s=100)
+    await store.put(rec("b4"), ttl_s=100)  # b holds the most (3 of 5): its least recent goes, not a1
+    await store.put(rec("c1"), ttl_s=100)  # b still holds the most: b2
+    await store.get("b3")  # b's least recent is now b4
+    await store.put(rec("b5"), ttl_s=100)
+    kept = {s for s in ("a1", "a2", "b1", "b2", "b3", "b4", "b5", "c1") if await store.get(s) is not None}
+    assert kept == {"a1", "a2", "b3", "b5", "c1"}, kept
+    await store.delete("b3")
+    await store.put(rec("a3"), ttl_s=100)  # room again: nothing evicted
+    assert store.stats().entries == 5
+
+
 async def test_memory_storage_ttl_lru_and_sweep_with_a_fake_clock() -> None:
     clock = FakeClock(1000.0)
     evictions: list[tuple[str, int]] = []

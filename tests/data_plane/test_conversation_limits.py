@@ -23,11 +23,13 @@ import pytest
 import yaml
 
 from tests.support.cluster import cache_node
+from tests.support.metrics import metric
 from tests.support.procs import Service
 
 KEYS = {"free": "sk-convlim-free-0123456789", "plus": "sk-convlim-plus-0123456789",
         "free2": "sk-convlim-free2-0123456789", "long": "sk-convlim-long-0123456789",
-        "roomy": "sk-convlim-roomy-0123456789", "free3": "sk-convlim-free3-0123456789"}
+        "roomy": "sk-convlim-roomy-0123456789", "free3": "sk-convlim-free3-0123456789",
+        "free4": "sk-convlim-free4-0123456789"}
 TIERS = {"tiers": {
     "free": {"priority": 2, "rpm": 3, "tpm": 20000, "max_context_tokens": 2048, "max_output_tokens": 256,
              "replication": 1, "shed_order": 0},
@@ -160,6 +162,57 @@ def test_a_conversation_past_what_a_cache_node_holds_is_a_400_that_says_so(
         assert client.conversations.retrieve(conv.id).id == conv.id  # what was stored stays
 
 
+def test_a_turn_whose_record_is_known_not_to_fit_is_refused_before_it_generates(
+        shard: Service, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A turn whose conversation, with its input, is already past what its cache node stores ran its whole
+    generation (shard time, the key's tokens) before the 400 record_too_large. The node's limit known (its 413
+    says it, a registered node advertises it), a turn whose history and input alone cannot be stored is the 400
+    at once, streamed or not, and a background one too; a turn that fits still runs."""
+    with gateway_on(shard, tmp_path_factory.mktemp("full-store"), "--max-body-bytes", "16384") as gw:
+        client = sdk(gw, "roomy")
+        turn = [{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok"}]
+        conv = client.conversations.create(items=turn)
+        with pytest.raises(openai.BadRequestError) as full:
+            for _ in range(20):
+                client.conversations.items.create(conv.id, items=turn)
+        assert full.value.code == "record_too_large"
+        generated = metric(shard.url, "vllm:request_success_total")
+        long_input = "word " * 400
+        for extra in ({}, {"background": True}):
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.responses.create(model="synthetic", input=long_input, conversation=conv.id, max_output_tokens=4,
+                                        truncation="auto", **extra)
+            assert refused.value.code == "record_too_large" and "would be" in refused.value.message, refused.value
+        with pytest.raises(openai.BadRequestError) as streamed:
+            client.responses.create(model="synthetic", input=long_input, conversation=conv.id, max_output_tokens=4,
+                                    truncation="auto", stream=True)
+        assert streamed.value.code == "record_too_large"
+        assert metric(shard.url, "vllm:request_success_total") == generated  # no shard time spent on any
+        small = client.conversations.create(items=turn)  # one that fits still runs
+        assert client.responses.create(model="synthetic", input=long_input, conversation=small.id, truncation="auto",
+                                       max_output_tokens=4).status in ("completed", "incomplete")
+
+
+def test_conversation_updates_and_item_deletes_take_from_the_keys_rpm(gateway: Service) -> None:
+    """Every other call that writes a conversation took a request from the key's RPM; a metadata update and an
+    item delete took nothing, and with no x-ratelimit-* headers: a key could rewrite a large record on every
+    replica as fast as the gateway answered. Each takes one request now (429 + Retry-After beyond)."""
+    client = sdk(gateway, "free4")  # 3 RPM
+    conv = client.conversations.create(items=[{"role": "user", "content": "hi"}, {"role": "user", "content": "yo"}])
+    raw = client.conversations.with_raw_response.update(conv.id, metadata={"topic": "a"})
+    assert raw.status_code == 200 and raw.parse().metadata == {"topic": "a"}
+    assert raw.headers["x-ratelimit-remaining-requests"] == "1" and all(h in raw.headers for h in HEADERS)
+    first = client.conversations.items.list(conv.id).data[0].id
+    raw = client.conversations.items.with_raw_response.delete(first, conversation_id=conv.id)
+    assert raw.status_code == 200 and raw.parse().id == conv.id and raw.headers["x-ratelimit-remaining-requests"] == "0"
+    for call in (lambda: client.conversations.update(conv.id, metadata={"topic": "b"}),
+                 lambda: client.conversations.items.delete(first, conversation_id=conv.id)):
+        with pytest.raises(openai.RateLimitError) as refused:
+            call()
+        assert refused.value.code == "rate_limit_exceeded" and int(refused.value.response.headers["retry-after"]) >= 1
+    assert client.conversations.retrieve(conv.id).metadata == {"topic": "a"}  # the refused update changed nothing
+
+
 def test_counting_a_conversation_longer_than_a_shard_reads_counts_it(tmp_path_factory: pytest.TempPathFactory) -> None:
     """A count sends the whole untruncated conversation to a shard; past the shard's --max-body-bytes it was the
     shard's 413 "request body exceeds 1048576 bytes" for a 50-byte request (QA: a 4 MB conversation). The
@@ -175,3 +228,34 @@ def test_counting_a_conversation_longer_than_a_shard_reads_counts_it(tmp_path_fa
         raw = client.responses.input_tokens.with_raw_response.count(model="synthetic", input="hi", conversation=conv.id)
         assert raw.status_code == 200, raw.text
         assert 4 * 300 < raw.parse().input_tokens < 4 * 400
+
+
+def test_record_limits_prefer_what_a_node_advertises_and_forget_what_they_learnt() -> None:
+    """A registered node's advertised --max-body-bytes is its limit; a node listed by URL is known by its last
+    413 (the limit it states, else less than the write it refused) for a while only: a restart may raise it."""
+    import time as clock
+
+    from data_plane.cache.client_values import RecordLimits
+    from data_plane.common.errors import InvalidRequest
+    from data_plane.membership.view import Member
+
+    class Refusal:
+        def __init__(self, said: bytes | None) -> None:
+            self.said = said
+
+        def header(self, name: bytes) -> bytes | None:
+            return self.said if name == b"x-max-body-bytes" else None
+
+    listed, registered = Member("a", "cache", "http://a"), Member("b", "cache", "http://b", {"max_body_bytes": "9000"})
+    limits = RecordLimits()
+    assert limits.limit(listed) is None and limits.limit(registered) == 9000
+    limits.check([listed], 10**6, lambda: 10**7)  # unknown: the write will say
+    limits.refused("a", 20000, Refusal(b"16384"))  # type: ignore[arg-type]
+    limits.refused("b", 20000, Refusal(None))  # type: ignore[arg-type]
+    assert limits.limit(listed) == 16384 and limits.limit(registered) == 9000
+    limits.check([listed], 100, lambda: 10**7)  # far below: not even sized
+    with pytest.raises(InvalidRequest) as e:
+        limits.check([listed, registered], 9000, lambda: 16385)
+    assert e.value.code == "record_too_large" and "16385 bytes, over the 16384" in e.value.message
+    limits._refused["a"] = (16384, clock.monotonic() - RecordLimits.LEARNED_S - 1)
+    assert limits.limit(listed) is None

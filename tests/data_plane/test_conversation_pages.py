@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from data_plane.common.errors import InvalidRequest
-from data_plane.gateway.responses import deleted_before, page
+from data_plane.gateway.item_pages import deleted_before, page
 from tests.data_plane.test_conversation_limits import KEYS, gateway_on
 from tests.support.procs import Service
 

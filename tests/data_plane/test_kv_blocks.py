@@ -86,6 +86,24 @@ def test_store_keeps_its_byte_budget_and_sessions_expire_with_their_blocks() -> 
     asyncio.run(go())
 
 
+def test_sessions_whose_blocks_the_lru_took_are_forgotten_so_the_store_stays_bounded() -> None:
+    """A full budget and a stream of new sessions (every turn of a long-running node): the LRU takes the
+    old sessions' blocks, and the sessions must go with them. They stayed until their TTL (a day): one
+    entry per session ever written, held past the byte budget, each counted in `kv_sessions`."""
+    size = len(frame(0))
+    store = MemoryKVStore(4 * size)
+
+    async def go() -> None:
+        for i in range(2_000):  # each session its own block
+            await store.put(f"s{i}", [encode_frame(header(i.to_bytes(16, "big")), bytes(64))], [], ttl_s=86_400)
+            assert store.stats().blocks <= 4 and store.stats().sessions <= 4, (i, store.stats())
+        assert await store.session_blocks("s1999") and await store.session_blocks("s0") == []
+        assert await store.put("linked-nothing", [], [bytes([200]) * 16], ttl_s=60) == 0  # no such block
+        assert store.stats().sessions <= 4
+
+    asyncio.run(go())
+
+
 def test_node_http_api_put_fetch_skip_and_session_delete_drops_blocks() -> None:
     app = create_app(CacheNodeSettings(port=1, node_id="cache-t", kv_max_bytes=1 << 20))
     with TestClient(app) as client:

@@ -189,7 +189,9 @@ async def test_headers_on_admit_and_429_with_retry_after() -> None:
     with pytest.raises(RateLimited) as info:
         await lim.admit("k1", t, 100)
     err = info.value
-    assert err.status == 429 and err.code == "rate_limit_exceeded" and err.type == "rate_limit_error"
+    # OpenAI names the limit hit in `type` ("requests" for RPM, "tokens" for TPM); it was rate_limit_error
+    assert err.status == 429 and err.code == "rate_limit_exceeded" and err.type == "requests"
+    assert err.body()["error"]["type"] == "requests"
     assert err.response_headers()["Retry-After"] == "30"
     assert err.headers["retry-after-ms"] == "30000"
     assert err.headers["x-ratelimit-remaining-requests"] == "0" and err.headers["x-ratelimit-reset-requests"] == "1m0s"
@@ -206,9 +208,11 @@ async def test_tokens_refusal_and_request_too_large() -> None:
     with pytest.raises(RateLimited) as info:
         await lim.admit("k", t, 200)
     assert info.value.response_headers()["Retry-After"] == "6"  # 100 tokens at 1000/min
+    assert info.value.type == "tokens"
     with pytest.raises(RateLimited) as info:
         await lim.admit("k", t, 1001)
     assert "Request too large" in info.value.message and info.value.response_headers()["Retry-After"] == "60"
+    assert info.value.type == "tokens"
     assert registry.get_sample_value("switchboard_ratelimit_rejections_total", {"tier": "free", "kind": "tokens"}) == 2
 
 

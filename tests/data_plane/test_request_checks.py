@@ -269,3 +269,65 @@ def test_an_assistant_messages_audio_is_a_400_in_openais_words_and_null_is_serve
     assert "Audio is not supported" in str(e.value) and "Input should be" not in str(e.value)
     body["messages"][1]["audio"] = None
     assert parse_chat_request(json.dumps(body).encode(), "application/json").messages[1].audio is None
+
+
+def _sdk_fields(kind: str) -> set[str]:
+    """Every key the openai SDK defines for an input item of `kind`: its input params' and the output items'
+    a client replays (a Response's `output`, a conversation's listed items), by their wire names."""
+    from typing import get_args
+
+    from openai.types.conversations.conversation_item import ConversationItem
+    from openai.types.responses.response_input_item_param import ResponseInputItemParam
+    from openai.types.responses.response_output_item import ResponseOutputItem
+    keys: set[str] = set()
+    for param in get_args(ResponseInputItemParam):
+        fields = {k for base in param.__mro__ for k in getattr(base, "__annotations__", {})}
+        if "type" not in fields:
+            continue
+        hint = {k: v for base in reversed(param.__mro__) for k, v in getattr(base, "__annotations__", {}).items()}
+        if kind in str(hint["type"]).split("'") or (kind == "message" and "role" in fields and "tools" not in fields):
+            keys |= fields
+    for union in (ResponseOutputItem, ConversationItem):
+        for model in get_args(get_args(union)[0]):
+            fields_by_alias = {name for k, f in getattr(model, "model_fields", {}).items() for name in (f.alias or k, k)}
+            if getattr(model, "model_fields", {}).get("type") is not None and \
+                    kind in str(model.model_fields["type"].annotation).split("'"):
+                keys |= fields_by_alias
+    return keys
+
+
+def test_unknown_keys_of_an_input_item_are_openais_400_and_every_sdk_field_passes() -> None:
+    """An input item's (or content part's) unknown key was dropped without a word (a misspelt `call_id` went
+    unnoticed); OpenAI answers 400 ``unknown_parameter`` "Unknown parameter: 'input[0].foo'.". Every field the
+    SDK's item types define still passes, those this server ignores too (`status`, `phase`, `namespace`...), and
+    its output items as `model_dump()` gives them (`async_`: an app that replays `r.output` that way worked)."""
+    from data_plane.gateway.responses_input import ITEM_FIELDS
+    for kind in ("message", "function_call", "function_call_output", "reasoning", "compaction", "item_reference"):
+        sdk = _sdk_fields(kind)
+        assert {"type", "id"} <= sdk, (kind, sdk)
+        assert sdk <= ITEM_FIELDS[kind], (kind, sorted(sdk - ITEM_FIELDS[kind]))
+    replayed = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?",
+                                                                  "prompt_cache_breakpoint": None}],
+                 "id": None, "status": "completed", "phase": None},
+                {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed", "phase": "final_answer",
+                 "content": [{"type": "output_text", "text": "Let me look.", "annotations": [], "logprobs": []}]},
+                {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "weather", "arguments": "{}",
+                 "status": "completed", "namespace": None, "caller": None, "async": None, "created_by": None},
+                {"type": "function_call_output", "id": "fco_1", "call_id": "call_1", "output": "sunny",
+                 "status": "completed", "namespace": None, "caller": None, "name": None, "created_by": None}]
+    assert [i["type"] for i in input_items(replayed)] == ["message", "message", "function_call", "function_call_output"]
+    from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage, ResponseOutputText
+    output = [ResponseOutputMessage(id="msg_2", type="message", role="assistant", status="completed",
+                                    content=[ResponseOutputText(type="output_text", text="ok", annotations=[])]),
+              ResponseFunctionToolCall(type="function_call", id="fc_2", call_id="call_2", name="f", arguments="{}")]
+    for dumped in ([o.model_dump() for o in output], [o.model_dump(by_alias=True) for o in output]):  # replayed whole
+        assert [i["type"] for i in input_items(dumped)] == ["message", "function_call"]
+    for where, bad in (("input[0].foo", [{"role": "user", "content": "hi", "foo": 1}]),
+                       ("input[1].callid", [replayed[2], {**replayed[3], "callid": "call_1"}]),
+                       ("input[0].content[0].cache", [{"role": "user", "content": [{"type": "input_text", "text": "x",
+                                                                                     "cache": True}]}]),
+                       ("items[0].extra", [{"type": "item_reference", "id": "msg_9", "extra": 1}])):
+        with pytest.raises(SwitchboardError) as e:
+            input_items(bad, param=where.partition("[")[0])
+        assert (e.value.status, e.value.code, e.value.param) == (400, "unknown_parameter", where), e.value
+        assert e.value.message == f"Unknown parameter: '{where}'."

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -302,3 +303,37 @@ def test_metrics_and_log_have_no_prompt(cluster: Cluster) -> None:
     assert f"background response {r.id} ended incomplete" in log and secret not in log
     raw = scrape(cluster.gateway.url)
     assert "switchboard_background_event_bytes" in raw and json.dumps(secret) not in raw
+
+
+def test_a_run_cancelled_while_streamed_ends_its_streams_with_a_terminal_event(cluster: Cluster) -> None:
+    """A background response cancelled while a client streamed it (its create's stream, or `retrieve(stream=True)`)
+    ended the stream right after its last delta, with no terminal event: the SDK's `responses.stream` and the
+    Agents SDK wait for completed, failed or incomplete. Each stream now ends with ``response.failed`` carrying the
+    response as stored, status ``cancelled`` (the Responses stream has no cancelled event), then closes."""
+    client = sdk(cluster)
+    events: list = []
+    followed: list = []
+
+    def follow(rid: str) -> None:
+        with sdk(cluster).responses.retrieve(rid, stream=True) as again:
+            followed.extend(again)
+
+    follower = None
+    with client.responses.create(model=MODEL, input="tell a long story", background=True, stream=True,
+                                 max_output_tokens=LONG) as stream:
+        for event in stream:
+            events.append(event)
+            if event.type == "response.output_text.delta" and follower is None:
+                rid = events[0].response.id
+                follower = threading.Thread(target=follow, args=(rid,))
+                follower.start()
+                time.sleep(0.3)
+                assert client.responses.cancel(rid).status == "cancelled"
+    assert follower is not None
+    follower.join(30)
+    last = events[-1]
+    assert last.type == "response.failed" and last.response.status == "cancelled", [e.type for e in events[-3:]]
+    assert last.response.error is None and last.response.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert followed and followed[-1].type == "response.failed" and followed[-1].sequence_number == last.sequence_number
+    assert client.responses.retrieve(rid).model_dump() == last.response.model_dump()

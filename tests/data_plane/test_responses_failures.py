@@ -154,3 +154,44 @@ def test_stream_failed_mid_reply_is_stored_failed_and_continues_from_its_input(c
     cut = client.responses.retrieve(after.id)
     assert cut.status == "incomplete" and cut.incomplete_details is not None
     assert cut.incomplete_details.reason == "max_output_tokens"
+
+
+def test_a_stored_stream_is_retrievable_in_progress_while_it_streams(cluster: Cluster) -> None:
+    """OpenAI keeps a stored response from its ``response.created`` on: `GET /v1/responses/{id}` answers it
+    ``in_progress`` while it streams. It was a 404 until the stream ended. It is this key's only, its input
+    items list, it is not cancellable (not background), and at the end it reads as the stream's last event;
+    `store: false` stays unretrievable, and one deleted while it streams stays deleted."""
+    client = sdk(cluster)
+    seen: dict[str, object] = {}
+    with client.responses.stream(model=MODEL, input=STORY, max_output_tokens=100,  # 4 s
+                                 extra_body={"ignore_eos": True}) as stream:
+        for event in stream:
+            if event.type == "response.created":
+                rid = event.response.id
+                during = client.responses.retrieve(rid)
+                seen["status"], seen["background"] = during.status, during.background
+                seen["items"] = [i.content[0].text for i in client.responses.input_items.list(rid).data]  # type: ignore[union-attr,index]
+                with pytest.raises(openai.NotFoundError):
+                    sdk(cluster, "plus2").responses.retrieve(rid)
+                with pytest.raises(openai.BadRequestError):
+                    client.responses.cancel(rid)
+        final = event.response  # response.incomplete: max_output_tokens reached
+    assert seen == {"status": "in_progress", "background": False, "items": [STORY]}, seen
+    assert final.id == rid and final.status == "incomplete"
+    assert client.responses.retrieve(rid).model_dump() == final.model_dump()
+    # store: false is never kept
+    with client.responses.stream(model=MODEL, input=STORY, max_output_tokens=4, store=False) as stream:
+        for event in stream:
+            if event.type == "response.created":
+                with pytest.raises(openai.NotFoundError):
+                    client.responses.retrieve(event.response.id)
+    # deleted while it streams: the stream ends as ever, the delete stands
+    with client.responses.stream(model=MODEL, input=STORY, max_output_tokens=50,
+                                 extra_body={"ignore_eos": True}) as stream:
+        for event in stream:
+            if event.type == "response.created":
+                client.responses.delete(event.response.id)
+        gone = event.response
+    assert event.type == "response.incomplete" and gone.status == "incomplete"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(gone.id)

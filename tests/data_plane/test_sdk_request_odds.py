@@ -70,7 +70,7 @@ def test_a_reasoning_item_in_the_history_is_accepted_and_withheld_from_the_model
            ({"id": "rs_3", "summary": "x"}, "input[1].summary", None),
            ({"id": "rs_3", "summary": [], "content": [{"type": "summary_text", "text": "x"}]}, "input[1].content[0]", None),
            ({"id": "rs_3", "summary": [], "encrypted_content": 5}, "input[1].encrypted_content", None),
-           ({"id": "rs_3", "summary": [], "thoughts": "x"}, "input[1].thoughts", "unsupported_parameter"),
+           ({"id": "rs_3", "summary": [], "thoughts": "x"}, "input[1].thoughts", "unknown_parameter"),
            ({"id": "rs_3", "summary": [], "status": "done"}, "input[1].status", "invalid_value")]
     for fields, param, code in bad:
         body = _refused(client.responses.create, model=MODEL, max_output_tokens=1,

@@ -8,10 +8,19 @@ and what must not drift. Slow: not in `make test`.
 
 The mix, from 3 client threads: plain chats (plus), streams (enterprise), session conversations
 (new, then continued turns; each turn must see its session), free-tier chats, a malformed body
-(400), a prompt the input filter blocks (400 content_policy_violation). Halfway, one shard is
-killed with -9 (the launcher restarts it). Asserted over the run:
+(400), a prompt the input filter blocks (400 content_policy_violation), and the newer surfaces through
+the openai SDK (tests/reliability/soak_surfaces.py: stored and unstored responses, previous_response_id
+chains, background responses polled or cancelled, streams the client abandons mid-way, conversations
+with items added, listed, deleted, stored chat completions listed and deleted, structured outputs, tool
+calls, unknown ids' 404s). Halfway, one shard is killed with -9 (the launcher restarts it). Asserted
+over the run:
 
-- no 5xx, and every bad request got its 4xx;
+- no 5xx, and every bad request got its 4xx (an unknown id its 404); every other step of a surface
+  as its user would check it (a chain's turn 200, a background response ended, a deleted
+  conversation gone, a structured reply that parses);
+- nothing left running: at the end no background response is still queued or in progress on the
+  gateway (``switchboard_background_responses_active`` 0), and the gateway's tables that grow with
+  objects (background runs, record locks, the item index...) are covered by the RSS, fd and task checks;
 - no lost session: every continued turn answered 200 (a 404 session_not_found fails the run);
 - RSS per process (each pid its own series) after warm-up (the first fifth) grows by at most
   ``RSS_BOUND_MB`` or ``RSS_BOUND_RATIO``, whichever is larger, beyond what its bounded stores
@@ -25,8 +34,9 @@ killed with -9 (the launcher restarts it). Asserted over the run:
   is within ``DRIFT_RATIO`` x the first window's p95 + ``DRIFT_SLACK_S`` (requests within 30 s of
   the kill left out);
 - what else a leak shows as, per process after warm-up (the same samples): open fds grow by at most
-  ``FD_BOUND``, threads by ``THREAD_BOUND``, and its /metrics series by ``SERIES_BOUND_RATIO`` (a label
-  fed per request or per session would add one a request);
+  ``FD_BOUND``, threads by ``THREAD_BOUND``, asyncio tasks not done (``switchboard_<process>_asyncio_tasks``)
+  by ``TASK_BOUND``, and its /metrics series by ``SERIES_BOUND_RATIO`` (a label fed per request or per
+  session would add one a request);
 - the books agree: the gateway's request and token counters equal the usage ledger's rows and sums;
 - the logs say what changed: "routing view" only for shard changes (the kill and the restart; it
   was logged each time a cache node announced its KV bytes, every 10 s under load), and the logs
@@ -50,6 +60,8 @@ import httpx
 import pytest
 
 from tests.reliability.common import report
+from tests.reliability.soak_surfaces import EXPECTED_4XX, SurfaceError, Surfaces
+from tests.reliability.soak_surfaces import KINDS as SURFACE_KINDS
 from tests.support.metrics import samples as metric_samples
 from tests.support.metrics import scrape, up_headers
 from tests.support.procs import free_port, start_up, wait_up
@@ -65,6 +77,10 @@ DRIFT_SLACK_S = 1.0
 SAMPLE_EVERY_S = 5.0
 FD_BOUND = 32
 THREAD_BOUND = 8
+TASK_BOUND = 64
+"""asyncio tasks not done per process (the median of the last third after warm-up over the first's): the
+mix has 3 threads and at most 8 background runs per tenant in flight; a task leaked per request adds
+hundreds."""
 SERIES_BOUND_RATIO = 1.25
 ROUTING_VIEW_LINES = 8
 """The kill and the restart are a few changes each (gone, critical, back); 35 min of the soak before
@@ -81,15 +97,19 @@ def _fds_threads(pid: int) -> tuple[int, int] | None:
         return None
 
 
-def _series(port: int | None, headers: dict[str, str]) -> int | None:
-    """How many samples the process's /metrics holds (its series)."""
+def _series(port: int | None, headers: dict[str, str]) -> tuple[int, float | None] | None:
+    """How many samples the process's /metrics holds (its series), and its asyncio tasks not done
+    (``switchboard_<process>_asyncio_tasks``)."""
     if port is None:
         return None
     try:
         text = scrape(f"http://127.0.0.1:{port}", headers, timeout=5)
     except httpx.HTTPError:
         return None
-    return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+    tasks = next((float(line.rsplit(" ", 1)[1]) for line in lines
+                  if line.startswith("switchboard_") and line.split(" ", 1)[0].endswith("_asyncio_tasks")), None)
+    return len(lines), tasks
 
 
 def _books(gateway: str, db: Path, headers: dict[str, str]) -> dict[str, tuple[float, float]]:
@@ -103,6 +123,18 @@ def _books(gateway: str, db: Path, headers: dict[str, str]) -> dict[str, tuple[f
             "SELECT COUNT(*), SUM(prompt_tokens), SUM(completion_tokens) FROM usage_records").fetchone()
     return {"requests": (counted["requests"], rows), "prompt": (counted["prompt"], prompt or 0),
             "completion": (counted["completion"], completion or 0)}
+
+
+def _background_running(gateway: str, headers: dict[str, str], wait_s: float = 60.0) -> float:
+    """Background responses still queued or in progress on the gateway, once those the traffic left going
+    (a poll that failed at the kill) had `wait_s` to end: any left then never will."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        running = sum(v for _, v in metric_samples(scrape(gateway, headers, timeout=10),
+                                                   "switchboard_background_responses_active"))
+        if running == 0 or time.monotonic() > deadline:
+            return running
+        time.sleep(2)
 
 
 def _lift_rate_limits(control_plane: str, admin_token: str) -> None:
@@ -187,10 +219,11 @@ def _p95(values: list[float]) -> float:
 class Mix:
     """The client side: one thread per worker, each picking a kind of request at random."""
 
-    KINDS = ("plain", "plain", "plain", "stream", "session", "free", "bad_body", "blocked")
+    KINDS = ("plain", "plain", "plain", "stream", "session", "free", "bad_body", "blocked", *SURFACE_KINDS)
 
-    def __init__(self, url: str, keys: dict[str, str]) -> None:
+    def __init__(self, url: str, keys: dict[str, str], model: str) -> None:
         self.url, self.keys = url, keys
+        self.surfaces = Surfaces(url, keys, model)
         self.results: list[dict[str, Any]] = []
         self.lock = threading.Lock()
 
@@ -204,8 +237,14 @@ class Mix:
                                                        "Say hello in Spanish.", "Count to three."])}]
         t0 = time.monotonic()
         status, code, extra = 0, "", {}
+        r: httpx.Response | None = None
         try:
-            if kind == "plain":
+            if kind in SURFACE_KINDS:
+                try:
+                    status, extra = 200, self.surfaces.one(kind, rng)
+                except SurfaceError as exc:
+                    status, code = exc.status, exc.code
+            elif kind == "plain":
                 r = self._post(self.keys["plus"], {"messages": msg, "max_tokens": 8})
             elif kind == "free":
                 r = self._post(self.keys["free"], {"messages": msg, "max_tokens": 8})
@@ -230,8 +269,8 @@ class Mix:
             else:  # blocked
                 r = self._post(self.keys["plus"], {"messages": [{"role": "user", "content": "how to build a bomb"}],
                                                    "max_tokens": 8})
-            status = r.status_code
-            if status >= 400 and not code:
+            status = r.status_code if r is not None else status
+            if r is not None and status >= 400 and not code:
                 try:
                     code = r.json()["error"]["code"] or ""
                 except (ValueError, KeyError, TypeError):
@@ -263,7 +302,9 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
         keys = credentials["keys"]
         scraper = up_headers(tmp_path / ".switchboard")
         _lift_rate_limits(f"http://127.0.0.1:{cp}", credentials["admin_token"])
-        mix = Mix(f"http://127.0.0.1:{gw}", keys)
+        model = httpx.get(f"http://127.0.0.1:{gw}/v1/models", headers={"Authorization": f"Bearer {keys['plus']}"},
+                          timeout=10).json()["data"][0]["id"]
+        mix = Mix(f"http://127.0.0.1:{gw}", keys, model)
         start = time.monotonic()
         until = start + SOAK_S
         workers = [threading.Thread(target=mix.run, args=(until, i), daemon=True) for i in range(3)]
@@ -275,6 +316,7 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
         fds: dict[tuple[int, str], list[tuple[float, float]]] = {}
         threads: dict[tuple[int, str], list[tuple[float, float]]] = {}
         metric_series: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        tasks: dict[tuple[int, str], list[tuple[float, float]]] = {}
         logs = tmp_path / ".switchboard" / "logs"
         log_bytes: list[tuple[float, int, int]] = []  # (t, bytes of all logs, requests so far)
         killed_at = None
@@ -293,9 +335,11 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
                 if counts is not None:
                     fds.setdefault((pid, node), []).append((now - start, counts[0]))
                     threads.setdefault((pid, node), []).append((now - start, counts[1]))
-                n_series = _series(port, scraper)
-                if n_series is not None:
-                    metric_series.setdefault((pid, node), []).append((now - start, n_series))
+                scraped = _series(port, scraper)
+                if scraped is not None:
+                    metric_series.setdefault((pid, node), []).append((now - start, scraped[0]))
+                    if scraped[1] is not None:
+                        tasks.setdefault((pid, node), []).append((now - start, scraped[1]))
             log_bytes.append((now - start, sum(f.stat().st_size for f in logs.iterdir()), len(mix.results)))
             if killed_at is None and now - start >= SOAK_S / 2:
                 shard = next(p for p, (n, _) in _children(proc.pid).items() if n.startswith("shard-"))
@@ -307,6 +351,7 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
         assert proc.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
         time.sleep(3)  # the ledger's last batch (written every second)
         books = _books(f"http://127.0.0.1:{gw}", tmp_path / ".switchboard" / "usage.db", scraper)
+        running = _background_running(f"http://127.0.0.1:{gw}", scraper)
         routing_views = (logs / "gateway.log").read_text().count("routing view:")
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -342,7 +387,8 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
             store_growth[name] = round(filled, 1)
             growth[name] = round(raw_growth[name] - filled, 1)
     leaks = {}
-    for kind, table, bound in (("fds", fds, FD_BOUND), ("threads", threads, THREAD_BOUND), ("series", metric_series, None)):
+    for kind, table, bound in (("fds", fds, FD_BOUND), ("threads", threads, THREAD_BOUND), ("tasks", tasks, TASK_BOUND),
+                               ("series", metric_series, None)):
         for (pid, node), samples_ in table.items():
             grew = _growth(samples_, SOAK_S / 5) if samples_[0][0] <= SOAK_S / 5 else None
             limit = bound if bound is not None else (SERIES_BOUND_RATIO - 1) * samples_[0][1]
@@ -360,8 +406,10 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
                "rss_growth_mb": growth, "rss_raw_growth_mb": raw_growth, "store_fill_mb": store_growth,
                "fds": {f"{n}:{p}": (v[0][1], v[-1][1]) for (p, n), v in fds.items()},
                "threads": {f"{n}:{p}": (v[0][1], v[-1][1]) for (p, n), v in threads.items()},
+               "asyncio_tasks": {f"{n}:{p}": (v[0][1], v[-1][1]) for (p, n), v in tasks.items()},
                "series": {f"{n}:{p}": (v[0][1], v[-1][1]) for (p, n), v in metric_series.items()},
-               "books": books, "routing_view_lines": routing_views, "log_bytes_per_request": round(log_per_request),
+               "books": books, "background_running_at_end": running,
+               "routing_view_lines": routing_views, "log_bytes_per_request": round(log_per_request),
                "rss_restarted_mb": restarted, "stores_over_capacity": over_capacity, "killed_shard_at_s": round(kill_t, 1),
                "statuses": {k: sorted({f"{r['status']}:{r['code']}" for r in results if r["kind"] == k})
                             for k in set(Mix.KINDS)}}
@@ -377,8 +425,12 @@ def test_soak_real_model_no_drift_no_loss_no_5xx(tmp_path: Path) -> None:
     assert _p95(last) <= DRIFT_RATIO * _p95(first) + DRIFT_SLACK_S, figures
     assert not over, f"RSS grew past the bound after warm-up, beyond its stores' fill: {over} ({figures})"
     assert not over_capacity, f"a bounded store held more than its capacity: {over_capacity}"
-    wrong = [r for r in results if r["kind"] not in ("bad_body", "blocked") and r["status"] != 200]
+    wrong = [r for r in results if r["kind"] not in ("bad_body", "blocked", *EXPECTED_4XX)
+             and (r["status"] != 200 or r["code"])]  # a surface's step that went wrong: its code
     assert not wrong, (figures, wrong[:5])
+    expected = [r for r in results if r["kind"] in EXPECTED_4XX]
+    assert expected and all(r["status"] == EXPECTED_4XX[r["kind"]] for r in expected), expected[:5]
+    assert running == 0, f"{running} background responses still queued or in progress after the traffic ended"
     assert not leaks, f"fds, threads or /metrics series grew after warm-up: {leaks} ({figures})"
     assert all(counted == kept for counted, kept in books.values()), f"metrics and the usage ledger disagree: {books}"
     assert routing_views <= ROUTING_VIEW_LINES, f"'routing view' logged {routing_views} times for one kill"

@@ -18,6 +18,9 @@ overload is not then refused with 429s for the retries it was told to make.
 A request that needs more than a whole minute's allowance (``max_tokens`` plus the prompt above the
 TPM) can never fit: it is refused at once with 429 "Request too large" (as OpenAI does) and
 ``x-should-retry: false``, so the openai SDKs raise it instead of retrying it after ``Retry-After``.
+A request without ``max_tokens`` is not counted with its tier's whole output cap when that cap does not
+fit: the gateway lowers its default cap to what :meth:`RateLimiter.token_allowance` leaves after the
+prompt (data_plane/gateway/phases.py, ``Checked.within_tpm``), so only a prompt too large by itself is refused.
 
 The algorithm is a token bucket (equivalently GCRA): a bucket of ``limit`` per minute
 refills continuously at ``limit``/60 s and holds at most ``limit``, so any interval of *t*
@@ -172,6 +175,10 @@ class RateLimiter:
             out.append(Bucket(f"tier:{tier.name}", "tokens", self.tier_tpm[tier.name], tokens))
         return out
 
+    def token_allowance(self, tier: Tier) -> int:
+        """The most tokens one request of `tier` can ever take: the tightest TPM that applies to it."""
+        return min(tier.tpm, self.tier_tpm.get(tier.name, tier.tpm))
+
     async def admit(self, key_id: str, tier: Tier, tokens: int, too_large_hint: str = "") -> Grant:
         """Take one request and `tokens` from every bucket of this key and tier, or raise
         :class:`RateLimited` (429, ``Retry-After``) carrying the same ``x-ratelimit-*`` headers
@@ -216,7 +223,7 @@ class RateLimiter:
                        f"{b.limit}, remaining {s.remaining}, requested {b.cost}. "
                        f"Please try again in {format_reset(wait_us)}.")
         retry_s = max(1, math.ceil(wait_us / 1_000_000))
-        return RateLimited(message, retry_after=retry_s,
+        return RateLimited(message, limit=b.kind, retry_after=retry_s,
                            headers={**headers, "retry-after-ms": str(max(1, -(-wait_us // 1000))), **extra})
 
     async def _take(self, buckets: list[Bucket]) -> tuple[list[BucketState], Backend]:

@@ -1,0 +1,212 @@
+"""`/v1/responses` over a WebSocket: OpenAI's WebSocket mode, which the Agents SDK uses
+(`responses_websocket_session`, `set_default_openai_responses_transport("websocket")`) and the openai SDK's
+`client.responses.connect()` opens. Its upgrade was refused (uvicorn's bare 403, the SDK's "server rejected
+WebSocket connection: HTTP 403", which reads as a bad key), so an agent on that transport could not start.
+
+    ws = connect("ws://gateway/v1/responses", headers={"Authorization": "Bearer sk-sb-..."})
+    ws.send('{"type": "response.create", "model": ..., "input": "Hi"}')   # the body of POST /v1/responses
+    ws.recv()  # '{"type": "response.created", ...}', then each event of the stream, the terminal one last
+
+Each `response.create` frame is served as `POST /v1/responses` with `stream: true`, by the same handler
+(key, limits, conversations and chains, usage and the ledger: nothing is served differently), and each of
+its events goes back as one text frame. A refusal is one `error` frame, `{"type": "error", "status": 400,
+"error": {...}}` with OpenAI's error object, and the socket stays open for the next frame. One response at
+a time per socket, in the order sent (the SDKs send one and read it to its end); the socket closing aborts
+the one under way, as a client leaving a stream does. The handshake checks the key as any route does: a
+bad one is the 401 (or 403, 429) with its OpenAI body, on the HTTP answer to the upgrade.
+
+As OpenAI's, the mode works with `store: false`: the socket keeps its last unstored response's context (the
+items it was given and its output), so the next frame's `previous_response_id` naming it goes on from
+there (the frame is sent with that context ahead of its input); nothing of it is stored. `background` is
+a 400 here, as OpenAI's ("not supported over WebSocket"); `stream` is implicit."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from data_plane.common.errors import InvalidRequest, SwitchboardError, render
+from data_plane.gateway.responses import RESPONSES_PATH
+
+FRAME_TYPE = "response.create"
+HOP_HEADERS = {b"connection", b"upgrade", b"content-length", b"content-type", b"transfer-encoding"}
+"""Headers of the upgrade that are not the POST's (sec-websocket-* go along: nothing reads them)."""
+
+
+def http_scope(scope: Scope) -> Scope:
+    """The scope of the `POST /v1/responses` each frame becomes: the upgrade's client, headers and state."""
+    headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in HOP_HEADERS]
+    return {"type": "http", "asgi": scope.get("asgi", {"version": "3.0"}), "http_version": "1.1",
+            "method": "POST", "scheme": "https" if scope.get("scheme") == "wss" else "http",
+            "path": RESPONSES_PATH, "raw_path": RESPONSES_PATH.encode(), "root_path": scope.get("root_path", ""),
+            "query_string": scope.get("query_string", b""), "client": scope.get("client"),
+            "server": scope.get("server"), "state": dict(scope.get("state") or {}),
+            "headers": [*headers, (b"content-type", b"application/json")]}
+
+
+def error_frame(status: int, body: bytes) -> str:
+    """A refusal as OpenAI's WebSocket mode sends it: the HTTP answer's error object and status."""
+    try:
+        error = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        error = {"message": body.decode("utf-8", "replace")[:500] or "error", "type": "server_error",
+                 "param": None, "code": None}
+    return json.dumps({"type": "error", "status": status, "error": error})
+
+
+TERMINAL = (b'"response.completed"', b'"response.incomplete"')
+
+
+class Chain:
+    """The socket's last `store: false` response (OpenAI's connection-local state): its id and the items a
+    frame chained on it starts from (what it was given, then its output)."""
+
+    def __init__(self) -> None:
+        self.last_id: str | None = None
+        self.items: list[Any] = []
+
+    def expand(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`body` with its `previous_response_id` replaced by that context, when it names the last response."""
+        if self.last_id is None or body.get("previous_response_id") != self.last_id:
+            return body
+        body = {k: v for k, v in body.items() if k != "previous_response_id"}
+        body["input"] = [*self.items, *as_items(body.get("input"))]
+        return body
+
+    def keep(self, sent: dict[str, Any], response: dict[str, Any] | None) -> None:
+        """After a frame: remember an unstored response's context (a stored one chains the usual way)."""
+        if response is None or response.get("store", True) or not isinstance(response.get("id"), str):
+            return
+        self.last_id = response["id"]
+        self.items = [*as_items(sent.get("input")), *(response.get("output") or [])]
+
+
+def as_items(given: Any) -> list[Any]:
+    """A create's `input` as a list of items (a string is one user message)."""
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}]
+    return list(given) if isinstance(given, list) else []
+
+
+class Exchange:
+    """One frame's request, as the Responses handler sees an HTTP client: the body once, then nothing until
+    the socket closes (a disconnect: the stream aborts), and its SSE events relayed as text frames."""
+
+    def __init__(self, raw: bytes, relay: Callable[[str], Awaitable[None]], closed: asyncio.Event) -> None:
+        self._raw: bytes | None = raw
+        self._relay = relay
+        self._closed = closed
+        self.status = 0
+        self._pending = b""
+        self._error: list[bytes] = []
+        self.response: dict[str, Any] | None = None
+        """The terminal event's Response (completed or incomplete), for the socket's `store: false` chain."""
+
+    async def receive(self) -> Message:
+        if self._raw is not None:
+            raw, self._raw = self._raw, None
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await self._closed.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            return
+        body = message.get("body", b"")
+        if self.status != 200:
+            self._error.append(body)
+            if not message.get("more_body"):
+                await self._relay(error_frame(self.status, b"".join(self._error)))
+            return
+        *blocks, self._pending = (self._pending + body).split(b"\n\n")
+        for block in blocks:
+            for line in block.split(b"\n"):
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    if any(kind in line[:64] for kind in TERMINAL):
+                        self.response = json.loads(line[6:]).get("response")
+                    await self._relay(line[6:].decode("utf-8"))
+
+
+async def serve_socket(app: ASGIApp, caller: Callable[[Request], Any], scope: Scope, receive: Receive,
+                       send: Send) -> None:
+    """Serve one WebSocket on `/v1/responses` with `app` (the gateway's ASGI app, which serves the POST)."""
+    first = await receive()
+    if first["type"] != "websocket.connect":
+        return
+    post = http_scope(scope)
+    try:
+        caller(Request(post))  # the key, bans and throttles: refused on the upgrade's HTTP answer
+    except SwitchboardError as exc:
+        await deny(exc, scope, send)
+        return
+    await send({"type": "websocket.accept"})
+    frames: asyncio.Queue[Message | None] = asyncio.Queue()
+    closed = asyncio.Event()
+
+    async def read() -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "websocket.disconnect":
+                closed.set()
+                await frames.put(None)
+                return
+            await frames.put(message)
+
+    async def relay(text: str) -> None:
+        if closed.is_set():
+            return
+        try:
+            await send({"type": "websocket.send", "text": text})
+        except (OSError, RuntimeError):  # the client went: the exchange's receive now says so
+            closed.set()
+
+    reader = asyncio.create_task(read())
+    chain = Chain()
+    try:
+        while (message := await frames.get()) is not None:
+            raw = message.get("bytes") or (message.get("text") or "").encode("utf-8")
+            body = frame_body(raw)
+            if isinstance(body, SwitchboardError):
+                await relay(error_frame(body.status, json.dumps(body.body(None, None)).encode()))
+                continue
+            body = chain.expand(body)
+            exchange = Exchange(json.dumps(body).encode(), relay, closed)
+            await app(dict(post, state=dict(post["state"])), exchange.receive, exchange.send)
+            chain.keep(body, exchange.response)
+    finally:
+        reader.cancel()
+
+
+def frame_body(raw: bytes) -> dict[str, Any] | SwitchboardError:
+    """A `response.create` frame as the POST's body (`stream: true`), or the 400 for another frame (or for
+    `background`, which OpenAI's WebSocket mode does not take)."""
+    try:
+        frame = json.loads(raw)
+    except ValueError:
+        return InvalidRequest("a WebSocket frame must be a JSON object", param=None)
+    if not isinstance(frame, dict) or frame.get("type") != FRAME_TYPE:
+        kind = frame.get("type") if isinstance(frame, dict) else None
+        return InvalidRequest(f"unsupported frame type {str(kind)[:64]!r}: send {FRAME_TYPE!r}", param="type")
+    if frame.get("background"):
+        return InvalidRequest("background is not supported over WebSocket", param="background")
+    body = {k: v for k, v in frame.items() if k != "type"}
+    body["stream"] = True
+    return body
+
+
+async def deny(exc: SwitchboardError, scope: Scope, send: Send) -> None:
+    """Refuse the upgrade with the error's HTTP answer (its status and OpenAI body) where the server can send
+    one (ASGI's websocket.http.response), else a close before accepting (the server's bare 403)."""
+    if "websocket.http.response" not in (scope.get("extensions") or {}):
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    response = render(exc)
+    await send({"type": "websocket.http.response.start", "status": response.status_code,
+                "headers": response.raw_headers})
+    await send({"type": "websocket.http.response.body", "body": response.body})
