@@ -285,10 +285,11 @@ def test_a_run_its_gateways_shutdown_stops_is_billed_as_the_shutdown_not_a_clien
         eventually(lambda: client.responses.retrieve(r.id).status == "in_progress", 20, what="in progress")
     finally:
         gw.stop()  # SIGTERM
-    assert sdk(cluster).responses.retrieve(r.id).status == "failed"
+    got = sdk(cluster).responses.retrieve(r.id)
+    assert got.status == "failed", got
     with sqlite3.connect(db) as conn:
-        rows = conn.execute("SELECT status, error_code FROM usage_records WHERE completion_tokens > 0").fetchall()
-    assert rows == [(503, "server_shutting_down")], rows
+        rows = conn.execute("SELECT status, error_code, completion_tokens FROM usage_records").fetchall()
+    assert [(status, code) for status, code, _ in rows] == [(503, "server_shutting_down")], rows
     log = gw.log_tail(50_000)
     assert "client disconnected" not in log and "server shutting down; generation aborted" in log, log
 
