@@ -274,7 +274,8 @@ def test_a_run_its_gateways_shutdown_stops_is_billed_as_the_shutdown_not_a_clien
     """The run above, stopped by its gateway's SIGTERM (a restart of `switchboard up`, a deploy): the response
     said so ("the gateway shut down"), but the usage ledger, the request metrics and the log had it as the
     client's doing (499 ``client_disconnected``, "client disconnected; generation aborted"): the run reads its
-    stop as a disconnect of its (absent) client. It is the shutdown's 503 ``server_shutting_down`` now."""
+    stop as a disconnect of its (absent) client. It is ``server_shutting_down`` now, what it produced billed as
+    a stream the shutdown cut is (200: its create was answered, its record keeps the output)."""
     db = tmp_path / "usage.db"
     gw = Service(["gateway", "--registry-url", cluster.registry, "--tokenizer", "whitespace", "--model-name", MODEL,
                   "--usage-db", f"sqlite:///{db}", "--state-dir", str(tmp_path)], env=cluster.gateway.env).start()
@@ -289,7 +290,8 @@ def test_a_run_its_gateways_shutdown_stops_is_billed_as_the_shutdown_not_a_clien
     assert got.status == "failed", got
     with sqlite3.connect(db) as conn:
         rows = conn.execute("SELECT status, error_code, completion_tokens FROM usage_records").fetchall()
-    assert [(status, code) for status, code, _ in rows] == [(503, "server_shutting_down")], rows
+    stored = sdk(cluster).responses.retrieve(r.id).usage
+    assert stored is not None and rows == [(200, "server_shutting_down", stored.output_tokens)], (rows, stored)
     log = gw.log_tail(50_000)
     assert "client disconnected" not in log and "server shutting down; generation aborted" in log, log
 
