@@ -135,30 +135,38 @@ def index_entry(completion: dict[str, Any]) -> dict[str, Any]:
 
 async def edit_index(gw: Gateway, store: ConversationStore, owner: str, replicas: int, *,
                      add: dict[str, Any] | None = None, remove: str | None = None) -> None:
-    """Add, replace (same id) or remove one entry of the owner's index, under its record lock (another
-    store of the same tenant waits; two gateways at once can still race: record_locks.py)."""
+    """Add, replace (same id) or remove one entry of the owner's index. Edits that meet are applied by one
+    rewrite, under its record lock (data_plane/gateway/batched_edits.py: a rewrite of a full index takes
+    ~0.25 s, one per store made a tenant's concurrent stores wait in line, then fail to store); two
+    gateways at once can still race (record_locks.py)."""
     rid = index_id(owner)
-    key = record_key(owner, rid)
-    await gw.record_locks.acquire(key, wait_s=ITEM_EDIT_WAIT_S, param="completion_id")
-    try:
-        index = await load_index(store, owner, replicas)
-        entries = list(index.items)
-        if remove is not None:  # its place stays, as a tombstone, for a cursor (see the module's docstring);
-            # no metadata (the caller's data goes with the record), but an entry's shape all the same, so
-            # a gateway of the previous version lists past it (its record is gone: left out of the page)
-            entries = [{**e, "metadata": {}, "deleted": True} if e["id"] == remove else e for e in entries]
-        elif add is not None:  # an update replaces its entry in place: the list's order never moves
-            entries = [add if e["id"] == add["id"] else e for e in entries]
-            if add not in entries:
-                entries.append(add)
-                entries.sort(key=lambda e: e["created"])  # stable: same-second stores keep their order
-        live = [e for e in entries if not e.get("deleted")][-MAX_LISTED:]
-        dead = [e for e in entries if e.get("deleted")][-MAX_TOMBSTONES:]
-        kept = {e["id"] for e in live + dead}
-        index.items = [e for e in entries if e["id"] in kept]
-        await store.save(index, owner, replicas)
-    finally:
-        gw.record_locks.release(key)
+
+    async def write(edits: list[tuple[dict[str, Any] | None, str | None, int]]) -> None:
+        key = record_key(owner, rid)
+        copies = max(n for _, _, n in edits)
+        await gw.record_locks.acquire(key, wait_s=ITEM_EDIT_WAIT_S, param="completion_id")
+        try:
+            index = await load_index(store, owner, copies)
+            entries = list(index.items)
+            for added, removed, _ in edits:
+                if removed is not None:  # its place stays, as a tombstone, for a cursor (see the module's
+                    # docstring); no metadata (the caller's data goes with the record), but an entry's shape
+                    # all the same, so a gateway of the previous version lists past it (its record is gone)
+                    entries = [{**e, "metadata": {}, "deleted": True} if e["id"] == removed else e for e in entries]
+                elif added is not None:  # an update replaces its entry in place: the list's order never moves
+                    entries = [added if e["id"] == added["id"] else e for e in entries]
+                    if added not in entries:
+                        entries.append(added)
+            entries.sort(key=lambda e: e["created"])  # stable: same-second stores keep their order
+            live = [e for e in entries if not e.get("deleted")][-MAX_LISTED:]
+            dead = [e for e in entries if e.get("deleted")][-MAX_TOMBSTONES:]
+            kept = {e["id"] for e in live + dead}
+            index.items = [e for e in entries if e["id"] in kept]
+            await store.save(index, owner, copies)
+        finally:
+            gw.record_locks.release(key)
+
+    await gw.index_edits.apply(rid, (add, remove, replicas), write)
 
 
 async def load_index(store: ConversationStore, owner: str, replicas: int) -> Record:

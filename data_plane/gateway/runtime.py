@@ -31,6 +31,7 @@ from data_plane.common.tls import TlsConfig
 from data_plane.gateway.abuse import AbuseGuard, AbuseGuardMetrics
 from data_plane.gateway.admission import Admission, AdmissionConfig, AdmissionMetrics, shard_capacity
 from data_plane.gateway.auth import KeyStore, Principal
+from data_plane.gateway.batched_edits import BatchedEdits
 from data_plane.gateway.client_address import ClientAddress
 from data_plane.gateway.cluster_state import ClusterStateView, HttpClusterState, StaticClusterState
 from data_plane.gateway.context import TokenCounter
@@ -80,6 +81,8 @@ class Gateway:
     """The control plane's abuse actions, applied per request (data_plane/gateway/abuse.py)."""
     record_locks: RecordLocks = field(init=False)
     """One writer at a time per conversation / session (data_plane/gateway/record_locks.py)."""
+    index_edits: BatchedEdits = field(init=False)
+    """Concurrent edits of one index record, applied by one rewrite (data_plane/gateway/batched_edits.py)."""
     tier_gate: TierGate = field(init=False)
     """Refuses a key whose tier the policy in force lacks (data_plane/gateway/tier_gate.py)."""
     policy: Callable[[], TierPolicy] = field(init=False)
@@ -101,6 +104,7 @@ class Gateway:
         self.ledger = ledger_from_settings(s, self.registry)
         self.guard = AbuseGuard(AbuseGuardMetrics(self.registry), ClientAddress(s.trusted_proxies))
         self.record_locks = RecordLocks()
+        self.index_edits = BatchedEdits()
         self.tier_gate = TierGate(self.registry)
         self.policy = lambda: self.tiers
         self.limiter.show_policy(self.tiers)
