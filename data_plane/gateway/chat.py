@@ -41,7 +41,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from data_plane.cache.model import validate_session_id
-from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, CLIENT_DISCONNECTED, DisconnectWatch
+from data_plane.common.disconnect import DisconnectWatch
 from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, NotFound, as_error, render
 from data_plane.common.http_body import read_body
 from data_plane.common.outcome import OK, Outcome
@@ -304,9 +304,8 @@ class ChatHandler:
         return self.fit(prompt, tries[-1], step)
 
     def _client_left(self) -> None:
-        self.x.span.set_attribute("error.type", CLIENT_DISCONNECTED)
-        log.info("request %s: client disconnected; generation aborted", self.request_id)
-        self.x.close(CLIENT_CLOSED_STATUS, CLIENT_DISCONNECTED)
+        code = self.x.close_gone()  # "client disconnected", or why the server stopped a background run
+        log.info("request %s: %s; generation aborted", self.request_id, code.replace("_", " "))
 
     def _headers(self, base: dict[str, str], extra: dict[str, str]) -> list[tuple[bytes, bytes]]:
         headers = {**base, **extra}

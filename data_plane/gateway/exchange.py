@@ -22,7 +22,7 @@ from typing import Protocol
 
 from opentelemetry import trace
 
-from data_plane.common.disconnect import DisconnectWatch
+from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, CLIENT_DISCONNECTED, DisconnectWatch
 from data_plane.common.outcome import OK, Outcome
 from data_plane.gateway.admission import Ticket
 from data_plane.gateway.metrics import GatewayMetrics, request_code
@@ -77,6 +77,10 @@ class Exchange:
         self.tool_calls = 0
         self.hold: Hold | None = None
         """The request's place among its key's requests in flight (a revocation ends it; released at close)."""
+        self.stopped_as: Callable[[], tuple[int, str] | None] = lambda: None
+        """Why the server, not the client, ended a request whose receiving end left (a background run its
+        gateway's shutdown or time limit stopped, data_plane/gateway/responses_detached.py): its status and
+        code, or None (the client left)."""
         self._limiter = limiter
         self._on_record = on_record
         self._inflight = False
@@ -90,6 +94,19 @@ class Exchange:
     @property
     def client_gone(self) -> bool:
         return self.disconnect.gone
+
+    @property
+    def gone_as(self) -> tuple[int, str]:
+        """The status and code of a request whose receiving end left: 499 ``client_disconnected``, unless
+        the server stopped it (`stopped_as`), which is counted, billed and logged as what it was."""
+        return self.stopped_as() or (CLIENT_CLOSED_STATUS, CLIENT_DISCONNECTED)
+
+    def close_gone(self) -> str:
+        """`close` a request whose receiving end left, as `gone_as` says; returns its code."""
+        status, code = self.gone_as
+        self.span.set_attribute("error.type", code)
+        self.close(status, code)
+        return code
 
     @property
     def closed(self) -> bool:

@@ -75,7 +75,8 @@ class RequestCode(enum.StrEnum):
     NOT_READY = "not_ready"
     NO_HEALTHY_BACKEND = "no_healthy_backend"
     SERVER_SHUTTING_DOWN = "server_shutting_down"
-    """A stream the gateway's shutdown cut past its grace (data_plane/gateway/stream.py)."""
+    """A stream the gateway's shutdown cut past its grace (data_plane/gateway/stream.py), or a background
+    response it stopped (data_plane/gateway/responses_background.py STOPPED_AS)."""
     PIPELINE_STAGE_LOST = "pipeline_stage_lost"
     CACHE_UNAVAILABLE = "cache_unavailable"
     CACHE_BACKEND_UNAVAILABLE = "cache_backend_unavailable"

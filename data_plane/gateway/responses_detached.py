@@ -36,6 +36,7 @@ from data_plane.gateway.responses_background import (
     CANCELLED,
     EXPIRED_MESSAGE,
     STOP_MESSAGES,
+    STOPPED_AS,
     TERMINAL,
     BackgroundRuns,
     Run,
@@ -137,6 +138,7 @@ class BackgroundHandler(ResponsesHandler):
         self.deadline = deadline
         self.x.span.set_attribute("switchboard.response_id", run.id)
         self.x.span.set_attribute("switchboard.background", True)
+        self.x.stopped_as = lambda: STOPPED_AS.get(run.stop_reason or "")
 
     def recorded(self, status: int) -> None:
         self.gw.responses_metrics.count(Op.BACKGROUND, status)

@@ -25,7 +25,6 @@ from typing import Any, Protocol
 from opentelemetry import trace
 from starlette.types import Send
 
-from data_plane.common.disconnect import CLIENT_CLOSED_STATUS, CLIENT_DISCONNECTED
 from data_plane.common.errors import ShuttingDown, as_error
 from data_plane.common.outcome import OK
 from data_plane.gateway.exchange import Exchange
@@ -343,7 +342,7 @@ class Completion:
             await self._finish(None)
         except asyncio.CancelledError:
             if self.x.client_gone:
-                await _quiet(self._finish(CLIENT_DISCONNECTED))
+                await _quiet(self._finish(self.x.gone_as[1]))
             raise
         finally:
             stream.close()  # idempotent; here for a cancellation before the first batch
@@ -387,6 +386,7 @@ class Completion:
         content_suffix = self._content_suffix[:-3] + b',"usage":null}\n\n' if include_usage else self._content_suffix
         every = include_usage == UsageChunks.EVERY  # vLLM's continuous_usage_stats: the usage so far on each chunk
         error: str | None = None
+        gone_status: int | None = None  # the receiving end left: 499, or a status the server stopped it with
         message = "the client disconnected"
         out: list[bytes] = []
         try:
@@ -410,7 +410,7 @@ class Completion:
                 out.append(_event(chunk_body(**common, usage=self.usage, empty_choices=True)))
         except asyncio.CancelledError:
             if x.client_gone:
-                error = CLIENT_DISCONNECTED
+                gone_status, error = x.gone_as
                 raise
             # Nobody left: the server cancelled us, uvicorn past the shutdown grace (a restart, a deploy,
             # Ctrl-C). The connection is still open: end the stream in words. The cancel is not raised
@@ -433,7 +433,7 @@ class Completion:
                     await _quiet(self.on_failure(error, message))
                 span.set_attribute("error.type", error)
                 span.set_status(trace.Status(trace.StatusCode.ERROR, error))
-            x.close(CLIENT_CLOSED_STATUS if error == CLIENT_DISCONNECTED else 200, OK if error is None else error)
+            x.close(gone_status or 200, OK if error is None else error)
         out.append(b"data: [DONE]\n\n")
         x.disconnect.stop()
         await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})

@@ -202,6 +202,7 @@ class HeartbeatAgent:
         self._registered = False
         self._failing = False
         self._task: asyncio.Task[None] | None = None
+        self._leaving: asyncio.Task[None] | None = None
 
     @property
     def member(self) -> Member:
@@ -225,11 +226,23 @@ class HeartbeatAgent:
         raise NotImplementedError
 
     async def start(self) -> None:
+        self._leaving = None
         await self.heartbeat()
         self._task = asyncio.create_task(self._run(), name=f"{self.backend}-registration:{self._member.id}")
 
+    def leave_now(self) -> None:
+        """Begin `aclose` without waiting (a SIGTERM hook: out of routing while the grace finishes the
+        running requests); a later `aclose` waits for it instead of deregistering twice."""
+        if self._leaving is None:
+            self._leaving = asyncio.get_running_loop().create_task(self._leave(), name=f"leave:{self._member.id}")
+
     async def aclose(self) -> None:
         """Stop heartbeating and deregister (best effort, short timeout)."""
+        self.leave_now()
+        if self._leaving is not None:
+            await asyncio.shield(self._leaving)
+
+    async def _leave(self) -> None:
         if self._task is None:
             return
         await stop_tasks(self._task)

@@ -58,6 +58,9 @@ class Registrar(Protocol):
 
     async def aclose(self) -> None: ...
 
+    def leave_now(self) -> None:
+        """Begin deregistering without waiting (a SIGTERM hook); `aclose` then waits for it."""
+
     def set_meta(self, **meta: str) -> None: ...
 
     @property

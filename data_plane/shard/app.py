@@ -161,6 +161,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
 
         loader = asyncio.create_task(load(), name="shard-model-load")
         app.state.shard = state
+        app.state.leave_membership = lambda: agent.leave_now() if agent is not None else None
         try:
             yield
         finally:
@@ -482,7 +483,9 @@ def main(argv: list[str] | None = None) -> None:
         run_sidecar(settings)
         return
     registry = CollectorRegistry()
-    serve(create_app(settings, registry), host=settings.host, port=settings.port, registry=registry, process="shard")
+    app = create_app(settings, registry)  # SIGTERM: out of membership at once, running streams get the grace
+    serve(app, host=settings.host, port=settings.port, registry=registry, process="shard",
+          on_shutdown=lambda: getattr(app.state, "leave_membership", lambda: None)())
 
 
 if __name__ == "__main__":

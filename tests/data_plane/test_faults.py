@@ -281,3 +281,34 @@ def test_a_cache_node_partitioned_from_the_gateway_only_is_skipped_not_waited_fo
             latest = stored_session(c.caches[0].url, sid)["version"]  # type: ignore[index]
             eventually(lambda: (stored_session(c.caches[1].url, sid) or {}).get("version") == latest, 10,
                        what="the partitioned replica repaired")
+
+
+def test_a_stopped_shard_leaves_membership_at_once_and_its_stream_still_finishes() -> None:
+    """An operator's SIGTERM of a shard (a restart, a deploy, `switchboard up` replacing it): its listener
+    closed at once, but it stayed registered and passing for its whole 5 s shutdown grace while it finished
+    its streams, and left only after: gateways went on sending it new requests and resumes (each a refused
+    connect, a retry, an ejection warning; a stream broken elsewhere could be resumed onto it and fail), and
+    `switchboard admin members` and switchboard_gateway_members counted it. It leaves membership as the grace
+    begins now; the stream it was running still ends whole (finished on it, or resumed on the other shard)."""
+    with Cluster(shards=2, caches=1, token_delay_ms=500) as c:  # its 16 tokens: 8 s, past the grace
+        body = {"model": "synthetic", "messages": [{"role": "user", "content": "a long story"}],
+                "max_tokens": 100, "stream": True}
+        events: list[str] = []
+        with httpx.stream("POST", c.gateway.url + "/v1/chat/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {KEYS['plus']}"}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line)
+                    break
+            [busy] = [s for s in c.shards if metric(s.url, "vllm:num_requests_running") == 1]
+            busy.terminate()
+            stopped = time.monotonic()
+            c.wait_members(shards=1, caches=1, timeout=3.5)  # before the fix: the grace's 5 s, then the leave
+            left_after = time.monotonic() - stopped
+            events.extend(line for line in lines if line.startswith("data: "))
+        busy.stop()
+        assert left_after < 3.5, left_after
+        assert events[-1] == "data: [DONE]" and '"finish_reason":"stop"' in events[-2], events[-3:]
+        assert not any('"error"' in e for e in events), events

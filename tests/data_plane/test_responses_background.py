@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -265,6 +267,33 @@ def test_a_gateway_that_shuts_down_stores_its_runs_failed(cluster: Cluster) -> N
     got = sdk(cluster).responses.retrieve(r.id)  # at once, from the other gateway: no deadline to wait for
     assert got.status == "failed" and got.error is not None and "shut down" in got.error.message, got
     assert got.output_text, "the output it had is kept"
+
+
+def test_a_run_its_gateways_shutdown_stops_is_billed_as_the_shutdown_not_a_client_disconnect(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """The run above, stopped by its gateway's SIGTERM (a restart of `switchboard up`, a deploy): the response
+    said so ("the gateway shut down"), but the usage ledger, the request metrics and the log had it as the
+    client's doing (499 ``client_disconnected``, "client disconnected; generation aborted"): the run reads its
+    stop as a disconnect of its (absent) client. It is ``server_shutting_down`` now, what it produced billed as
+    a stream the shutdown cut is (200: its create was answered, its record keeps the output)."""
+    db = tmp_path / "usage.db"
+    gw = Service(["gateway", "--registry-url", cluster.registry, "--tokenizer", "whitespace", "--model-name", MODEL,
+                  "--usage-db", f"sqlite:///{db}", "--state-dir", str(tmp_path)], env=cluster.gateway.env).start()
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=60)
+    try:
+        eventually(lambda: client.models.list().data, 30, what="the gateway sees the shard")
+        r = client.responses.create(model=MODEL, input="long", background=True, max_output_tokens=LONG)
+        eventually(lambda: client.responses.retrieve(r.id).status == "in_progress", 20, what="in progress")
+    finally:
+        gw.stop()  # SIGTERM
+    got = sdk(cluster).responses.retrieve(r.id)
+    assert got.status == "failed", got
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT status, error_code, completion_tokens FROM usage_records").fetchall()
+    stored = sdk(cluster).responses.retrieve(r.id).usage
+    assert stored is not None and rows == [(200, "server_shutting_down", stored.output_tokens)], (rows, stored)
+    log = gw.log_tail(50_000)
+    assert "client disconnected" not in log and "server shutting down; generation aborted" in log, log
 
 
 def test_metrics_and_log_have_no_prompt(cluster: Cluster) -> None:
