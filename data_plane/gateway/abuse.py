@@ -210,20 +210,20 @@ class AbuseGuard:
         try:
             return keys.authenticate(header)
         except AuthenticationError:
+            self._metrics.auth_failures.labels("missing" if not header else "invalid").inc()
+            if address:  # counted during a ban too: an address that keeps guessing stays banned
+                if address in self._failures or len(self._failures) < MAX_ADDRESSES:
+                    self._failures[address] += 1
+                else:
+                    self._metrics.dropped.inc()
             ban = self._in_force(self._addresses, address)
-            if ban is not None:  # not counted again: the ban's own failures keep it
+            if ban is not None:
                 self._metrics.rejections.labels(Outcome.BANNED.value).inc()
                 raise PermissionDenied(
                     f"requests without a valid API key from this address are refused for a while after repeated "
                     f"invalid API keys ({ban.reason}) until the time in Retry-After has passed (an operator can "
                     "lift the ban on the console's Abuse page)", code="address_banned",
                     retry_after=self._retry_after(ban)) from None
-            self._metrics.auth_failures.labels("missing" if not header else "invalid").inc()
-            if address:
-                if address in self._failures or len(self._failures) < MAX_ADDRESSES:
-                    self._failures[address] += 1
-                else:
-                    self._metrics.dropped.inc()
             raise
 
     def caller(self, keys: _Keys, request: _Request) -> Any:

@@ -67,8 +67,8 @@ def test_a_banned_address_still_serves_its_valid_keys_and_refuses_its_bad_ones()
     with pytest.raises(PermissionDenied) as info:
         guard.authenticate(_Keys(), _Request("Bearer sk-guess"))
     assert info.value.code == "address_banned" and int(info.value.response_headers()["Retry-After"]) == 600
-    assert not guard._failures  # a refused guess is not counted again: the ban's own failures keep it
+    assert guard._failures == {"127.0.0.1": 1}  # counted: an address that keeps guessing stays banned
     clock.now = 1_601.0  # the ban over: a bad key is a plain 401, counted
     with pytest.raises(AuthenticationError):
         guard.authenticate(_Keys(), _Request("Bearer sk-guess"))
-    assert guard._failures == {"127.0.0.1": 1}
+    assert guard._failures == {"127.0.0.1": 2}
