@@ -201,8 +201,8 @@ def parse_usage_query(params: QueryParams, key_id: str, now: float) -> UsagePage
         start = float(start_time)
     elif cursor is not None:
         start = float(cursor)
-    else:  # the `limit` buckets that end with the one holding `end`
-        start = float((math.ceil(end / width) - limit) * width)
+    else:  # the `limit` buckets that end with the one holding `end` (none before the epoch)
+        start = float(max(0, (math.ceil(end / width) - limit) * width))
     if start >= end:
         raise InvalidRequest("start_time must be before end_time" if end_time is not None
                              else "start_time is in the future", param="start_time")

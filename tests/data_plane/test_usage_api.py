@@ -282,3 +282,9 @@ def test_a_client_that_leaves_is_recorded_with_its_prefix_cache_hit(fp32_shard: 
     assert (status, code) == (499, "client_disconnected")
     assert prompt == whole["prompt_tokens"] and cached == hit, row
     assert 3 <= completion < 120
+
+
+def test_no_bucket_starts_before_the_epoch(usage_gw: Service) -> None:
+    """With no start_time, the `limit` buckets ending with `end_time`: end_time=10 gave buckets from -518400."""
+    page = _page(usage_gw, {"end_time": 10, "bucket_width": "1d"})
+    assert [b["start_time"] for b in page["data"]] == [0], page["data"]
