@@ -54,10 +54,11 @@ STOP_MESSAGES = {
     SHUTDOWN: "the gateway shut down before this background response finished; create it again",
     TIMED_OUT: "the background response ran past this gateway's limit (--background-max-s)",
 }
-STOPPED_AS = {SHUTDOWN: (200, "server_shutting_down")}
+STOPPED_AS = {SHUTDOWN: (200, "server_shutting_down"), TIMED_OUT: (200, "request_timeout")}
 """How a run the server stopped is counted and billed (status, code): as a stream the shutdown cut (its create
 was answered 200 and its record keeps what it produced, billed as that stream's is), not as a client that left
-(a cancel is the client's own doing, and stays 499 ``client_disconnected``)."""
+(a cancel is the client's own doing, and stays 499 ``client_disconnected``); a run stopped at
+--background-max-s is ``request_timeout`` the same way."""
 EXPIRED_MESSAGE = ("the gateway running this response stopped before it finished "
                    "(it was not seen again before its deadline); create it again")
 _SNAPSHOT_EVENTS = (b"event: response.created\n", b"event: response.queued\n", b"event: response.in_progress\n",

@@ -226,6 +226,11 @@ def test_a_run_past_its_limit_fails_and_a_killed_gateway_leaves_no_run_in_progre
                    what="stopped at --background-max-s")
         err = client.responses.retrieve(r.id).error
         assert err is not None and err.code == "server_error" and "limit" in err.message
+        # counted as the limit that stopped it (it was 499 client_disconnected: the run's stop read as its
+        # absent client leaving), what it produced billed as a stream cut at a limit is
+        eventually(lambda: metric(gw.url, "switchboard_gateway_requests_total", code="request_timeout") == 1, 10,
+                   what="counted as request_timeout")
+        assert metric(gw.url, "switchboard_gateway_requests_total", code="client_disconnected") == 0
         # a cancel sent to another gateway (this one; the first runs it): the record says so, and the
         # running gateway stops the run and stores the output it had
         runner = sdk(cluster)
