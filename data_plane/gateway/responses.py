@@ -28,6 +28,7 @@ the client never learnt its id.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -42,6 +43,7 @@ from starlette.types import Send
 from data_plane.cache.model import TOMBSTONE_VERSION, VersionConflict
 from data_plane.common.disconnect import CLIENT_DISCONNECTED
 from data_plane.common.errors import ContextLengthExceeded, InvalidRequest, SwitchboardError
+from data_plane.common.tasks import stop_tasks
 from data_plane.gateway.auth import key_digest
 from data_plane.gateway.chat import ChatHandler, Opened
 from data_plane.gateway.context import Window
@@ -77,8 +79,8 @@ RESPONSE_ERROR_CODES = ("server_error", "rate_limit_exceeded", "invalid_prompt",
 """The codes a failed response's error names (OpenAI's ResponseError's, and `invalid_grammar`: a schema with no whole
 output is the client's error, as its 400 says); any other is named server_error (the stream's ``error`` event keeps it)."""
 STREAM_DEADLINE_GRACE_S = 60.0
-"""Past --background-max-s, how much longer a streamed response stored ``in_progress`` may stay so before a
-reader calls it failed (its gateway is gone)."""
+"""Past --background-max-s (or that long, if shorter: a background record's grace), how much longer a streamed
+response stored ``in_progress`` may stay so before a reader calls it failed (its gateway is gone)."""
 RESPONSES_FIELDS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
                     "messages": "input"}
 
@@ -109,6 +111,10 @@ class ResponsesHandler(ChatHandler):
         """Events sent before the stream began (a background run's, once it was accepted)."""
         self.stored_version = 0
         """The version of this response's record stored so far (its ``in_progress`` one, while it streams)."""
+        self.record_lock = asyncio.Lock()
+        """Held by each write of this response's record while it streams: a renewal never lands after its end."""
+        self.record_final = False
+        """Its end is stored (or being stored): no renewal may write ``in_progress`` again."""
         self.memory: list[dict[str, str]] = []
         """Earlier turns held by compaction items of this conversation: recall's candidates."""
         self.x.span.set_attribute("switchboard.response_id", self.response_id)
@@ -261,7 +267,39 @@ class ResponsesHandler(ChatHandler):
         events = ResponseEvents(send, start=lambda: self._response("in_progress", [], None),
                                 finish=self._final, fail=self._unfinished, message_id=self.message_id,
                                 announced=self.announced)
-        await opened.completion.stream_to(events.send, opened.stream, True, headers)
+        renewal = asyncio.get_running_loop().create_task(self._renew_in_progress()) if self.stored_version else None
+        try:
+            await opened.completion.stream_to(events.send, opened.stream, True, headers)
+        finally:
+            await stop_tasks(renewal)
+
+    def _deadline_span(self) -> float:
+        max_s = self.gw.settings.background_max_s
+        return max_s + min(STREAM_DEADLINE_GRACE_S, max_s)
+
+    async def _renew_in_progress(self) -> None:
+        """While the stream runs, its ``in_progress`` record's deadline is moved on every half span: a stream that
+        outlived it (a long generation, a slow client) was stored failed by the next reader while it still
+        streamed (retrieve said failed, and counted a 500). Only a dead gateway's record now expires."""
+        assert self.tier is not None
+        while True:
+            await asyncio.sleep(self._deadline_span() / 2)
+            async with self.record_lock:
+                if self.record_final:
+                    return
+                record = self._response_record(self.history_items + self.new_items,
+                                               self._response("in_progress", [], None),
+                                               time.time() + self._deadline_span())
+                try:
+                    await self.store.save(record, self.owner, self.tier.replication)
+                except VersionConflict as exc:
+                    if exc.stored_version >= TOMBSTONE_VERSION:
+                        return  # deleted while it streams: the delete stands
+                    record.version = exc.stored_version  # a reader's write: the next renewal goes over it
+                except SwitchboardError as exc:
+                    log.info("request %s: in-progress deadline not renewed (%s)", self.request_id, exc.code)
+                    continue
+                self.stored_version = record.version
 
     async def _store_in_progress(self) -> None:
         """A stored streamed response is retrievable from its ``response.created`` on, ``in_progress`` (OpenAI's; it
@@ -271,7 +309,7 @@ class ResponsesHandler(ChatHandler):
         assert rreq is not None and self.tier is not None
         if rreq.store is False:
             return
-        deadline = time.time() + self.gw.settings.background_max_s + STREAM_DEADLINE_GRACE_S
+        deadline = time.time() + self._deadline_span()
         record = self._response_record(self.history_items + self.new_items, self._response("in_progress", [], None), deadline)
         try:
             await self.store.save(record, self.owner, self.tier.replication)
@@ -288,16 +326,33 @@ class ResponsesHandler(ChatHandler):
 
     async def _save_response(self, record: Record) -> bool:
         """Store the response's final record; False when it was deleted meanwhile (while it streamed: the delete
-        stands, and the stream ends as it would have)."""
+        stands, and the stream ends as it would have). A newer version that is not a delete is a reader's
+        ``failed`` (the stream outlived its ``in_progress`` record's deadline, responses_detached.py `current`):
+        the stream's end is what the client got, so it is written over it (it raised, and a reply the client had
+        whole stayed stored failed)."""
         assert self.tier is not None
-        try:
-            await self.store.save(record, self.owner, self.tier.replication)
-        except VersionConflict as exc:
-            if self.stored_version and exc.stored_version >= TOMBSTONE_VERSION:
-                log.info("request %s: response deleted while it streamed; its end is not stored", self.request_id)
-                return False
-            raise
-        return True
+        async with self.record_lock:
+            self.record_final = True
+            record.version = max(record.version, self.stored_version)
+            return await self._save_final(record)
+
+    async def _save_final(self, record: Record) -> bool:
+        assert self.tier is not None
+        for _ in range(3):
+            try:
+                await self.store.save(record, self.owner, self.tier.replication)
+                return True
+            except VersionConflict as exc:
+                if not self.stored_version:
+                    raise
+                if exc.stored_version >= TOMBSTONE_VERSION:
+                    log.info("request %s: response deleted while it streamed; its end is not stored", self.request_id)
+                    return False
+                log.info("request %s: response stored again while it streamed (v%d); its end is written over it",
+                         self.request_id, exc.stored_version)
+                record.version = exc.stored_version
+        raise VersionConflict("the response's record kept changing while its end was stored", param=None,
+                              stored_version=record.version)
 
     def _output(self, status: str, message: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """Choice 0 (or `message`) as output items, with the ids the stream announced."""

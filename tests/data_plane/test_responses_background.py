@@ -345,3 +345,42 @@ def test_a_run_cancelled_while_streamed_ends_its_streams_with_a_terminal_event(c
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert followed and followed[-1].type == "response.failed" and followed[-1].sequence_number == last.sequence_number
     assert client.responses.retrieve(rid).model_dump() == last.response.model_dump()
+
+
+def test_a_stream_that_outlives_its_in_progress_deadline_stays_in_progress_and_a_dead_ones_expires(
+        cluster: Cluster) -> None:
+    """A stored foreground stream is ``in_progress`` with a deadline past which a reader calls it failed (its gateway
+    died). One still streaming past it was stored failed by the next reader (retrieve said failed mid-stream, a 500
+    counted): its gateway now moves the deadline on while it streams. And the deadline's grace was a fixed 60 s past
+    --background-max-s (a background record's is at most --background-max-s): a dead gateway's stream now expires
+    as its background runs do."""
+    max_s = 2  # its record's deadline: 4 s ahead; the synthetic reply takes 8 s
+    gw = short_lived(cluster, max_s=max_s).start()
+    try:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=60)
+        eventually(lambda: client.models.list().data, 30, what="the second gateway sees the shard")
+        types: list[str] = []
+        mid_stream = None
+        with client.responses.create(model=MODEL, input="long", stream=True, max_output_tokens=LONG) as stream:
+            for event in stream:
+                types.append(event.type)
+                if event.type == "response.created":
+                    rid, started = event.response.id, time.monotonic()
+                elif mid_stream is None and time.monotonic() - started > 2 * max_s + 1.5:
+                    mid_stream = status(cluster, rid)  # the other gateway (no run of it there), past the first deadline
+        assert mid_stream == "in_progress", mid_stream
+        assert types[-1] == "response.completed", types[-3:]
+        got = sdk(cluster).responses.retrieve(rid)
+        assert got.status == "completed" and got.error is None and got.output_text, got
+        # kill -9 the gateway mid-stream: its record reads failed once the deadline passed, not a minute later
+        with contextlib.suppress(openai.APIError, httpx.HTTPError), \
+                client.responses.create(model=MODEL, input="long", stream=True, max_output_tokens=LONG) as stream:
+            for event in stream:
+                if event.type == "response.created":
+                    rid = event.response.id
+                    killed_at = time.monotonic()
+                    gw.kill()
+    finally:
+        gw.stop()
+    eventually(lambda: status(cluster, rid) == "failed", 2 * max_s + 10, what="expired at its deadline")
+    assert time.monotonic() - killed_at <= 2 * max_s + 10
