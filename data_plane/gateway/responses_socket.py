@@ -9,8 +9,9 @@ WebSocket connection: HTTP 403", which reads as a bad key), so an agent on that 
 
 Each `response.create` frame is served as `POST /v1/responses` with `stream: true`, by the same handler
 (key, limits, conversations and chains, usage and the ledger: nothing is served differently), and each of
-its events goes back as one text frame. A refusal is one `error` frame, `{"type": "error", "status": 400,
-"error": {...}}` with OpenAI's error object, and the socket stays open for the next frame. One response at
+its events goes back as one text frame. A refusal is one `error` frame, `{"type": "error", "status": 429,
+"error": {..., "headers": {"retry-after": "1", ...}}}` with OpenAI's error object and the HTTP answer's headers
+(the openai SDK's ResponseWsError), and the socket stays open for the next frame. One response at
 a time per socket, in the order sent (the SDKs send one and read it to its end; past `MAX_QUEUED_FRAMES`
 sent ahead, the socket is closed, 1008); the socket closing aborts the one under way, as a client leaving a
 stream does, and serves none of the frames still waiting. The handshake checks the key as any route does: a
@@ -52,13 +53,24 @@ def http_scope(scope: Scope) -> Scope:
             "headers": [*headers, (b"content-type", b"application/json")]}
 
 
-def error_frame(status: int, body: bytes) -> str:
-    """A refusal as OpenAI's WebSocket mode sends it: the HTTP answer's error object and status."""
+ERROR_HEADERS_LEFT_OUT = {b"content-length", b"content-type"}
+"""The HTTP answer's headers an error frame does not carry (they describe the body, which is the frame)."""
+
+
+def error_frame(status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> str:
+    """A refusal as OpenAI's WebSocket mode sends it: the HTTP answer's error object and status, and its headers
+    as the error's ``headers`` (the openai SDK's ResponseWsError: "the response headers that were emitted with the
+    error"). Without them a 429 over the socket lost Retry-After, retry-after-ms, x-should-retry and the
+    x-ratelimit-* headers, and the client could not tell when to send its frame again."""
     try:
         error = json.loads(body)["error"]
     except (ValueError, KeyError, TypeError):
         error = {"message": body.decode("utf-8", "replace")[:500] or "error", "type": "server_error",
                  "param": None, "code": None}
+    kept = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers or ()
+            if k.lower() not in ERROR_HEADERS_LEFT_OUT}
+    if kept and isinstance(error, dict):
+        error = {**error, "headers": kept}
     return json.dumps({"type": "error", "status": status, "error": error})
 
 
@@ -109,6 +121,7 @@ class Exchange:
         self._relay = relay
         self._closed = closed
         self.status = 0
+        self._headers: list[tuple[bytes, bytes]] = []
         self._pending = b""
         self._error: list[bytes] = []
         self.response: dict[str, Any] | None = None
@@ -124,12 +137,13 @@ class Exchange:
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.status = message["status"]
+            self._headers = list(message.get("headers") or [])
             return
         body = message.get("body", b"")
         if self.status != 200:
             self._error.append(body)
             if not message.get("more_body"):
-                await self._relay(error_frame(self.status, b"".join(self._error)))
+                await self._relay(error_frame(self.status, b"".join(self._error), self._headers))
             return
         *blocks, self._pending = (self._pending + body).split(b"\n\n")
         for block in blocks:
