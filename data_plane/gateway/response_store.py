@@ -146,12 +146,18 @@ class ConversationStore:
         found." (unknown, deleted, `store: false`, another key's, or out of this zone). Not the 404 that
         GET /v1/responses/{id} is: clients that chain turns read that code to start the chain again with the
         whole history (pydantic-ai's `openai_previous_response_id="auto"`, Codex's bridges), and the 404
-        left them with a dead chain."""
+        left them with a dead chain. One still queued or in progress is a 400 on `previous_response_id` too
+        (`unfinished`)."""
         try:
-            return await self.load(response_id, owner, replicas, Kind.RESPONSE)
+            record = await self.load(response_id, owner, replicas, Kind.RESPONSE)
         except NotFound:
             raise InvalidRequest(f"Previous response with id '{clipped(response_id)}' not found.",
                                  param="previous_response_id", code="previous_response_not_found") from None
+        if unfinished(record):
+            raise InvalidRequest(f"Previous response with id '{clipped(response_id)}' is still "
+                                 f"{str((record.response or {}).get('status')).replace('_', ' ')}: wait for it to complete, then send this request "
+                                 "again.", param="previous_response_id")
+        return record
 
     async def save(self, record: Record, owner: str, replicas: int) -> None:
         """Write `record` as its next version. A conversation deleted since it was loaded (its tombstone
@@ -190,3 +196,12 @@ def conversation_object(record: Record) -> dict[str, Any]:
     c = record.conversation
     return {"id": record.id, "object": "conversation", "created_at": c.get("created_at", 0),
             "metadata": c.get("metadata") or {}}
+
+
+def unfinished(record: Record) -> bool:
+    """A response still ``queued`` or ``in_progress`` (a background run, a stream) whose deadline has not passed:
+    its record holds its input and none of its output yet. A `previous_response_id` naming it went on from that
+    input, silently leaving out the reply it was still making; it is a 400 now (no word from OpenAI on it: the
+    safe answer). Past its deadline its gateway is gone and it reads as failed: a chain goes on from its input."""
+    status = (record.response or {}).get("status")
+    return status in ("queued", "in_progress") and not (record.deadline and time.time() > record.deadline)

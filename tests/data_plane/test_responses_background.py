@@ -384,3 +384,28 @@ def test_a_stream_that_outlives_its_in_progress_deadline_stays_in_progress_and_a
         gw.stop()
     eventually(lambda: status(cluster, rid) == "failed", 2 * max_s + 10, what="expired at its deadline")
     assert time.monotonic() - killed_at <= 2 * max_s + 10
+
+
+def test_a_previous_response_still_running_is_a_400_not_a_chain_without_its_reply(cluster: Cluster) -> None:
+    """A `previous_response_id` naming a response still queued or in progress (a background run, a stored stream)
+    went on from its input alone, silently leaving out the reply it had not finished: now OpenAI's 400 on that
+    parameter, saying to wait for it; once it completed, the same request chains from it."""
+    client = sdk(cluster)
+    running = client.responses.create(model=MODEL, input="long", background=True, max_output_tokens=6)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL, input="and then?", previous_response_id=running.id, max_output_tokens=2)
+    body = refused.value.body
+    assert isinstance(body, dict) and body["param"] == "previous_response_id", body
+    assert body["type"] == "invalid_request_error" and body["code"] == "invalid_value", body
+    assert "is still queued" in body["message"] or "is still in progress" in body["message"], body
+    # a stored stream is in_progress from its response.created on
+    with client.responses.create(model=MODEL, input="long", stream=True, max_output_tokens=4) as stream:
+        for event in stream:
+            if event.type == "response.created":
+                with pytest.raises(openai.BadRequestError) as refused:
+                    client.responses.create(model=MODEL, input="and then?", previous_response_id=event.response.id,
+                                            max_output_tokens=2)
+                assert "is still in progress" in str(refused.value), refused.value
+    eventually(lambda: status(cluster, running.id) == "incomplete", 40, what="the background response done")
+    nxt = client.responses.create(model=MODEL, input="and then?", previous_response_id=running.id, max_output_tokens=2)
+    assert nxt.status in ("completed", "incomplete")
