@@ -255,10 +255,34 @@ def test_behind_a_trusted_proxy_the_ban_lands_on_the_forwarded_address(cluster: 
     assert 'switchboard_gateway_client_address_total{source="forwarded"}' in metrics
 
 
+def _confirmed_probing_action(c: Cluster, key: str) -> dict[str, Any]:
+    """`key`'s session_probing action, confirmed by an operator: probes until there is one (already
+    there after the session-probing test on this cluster), then confirms it, again if it climbed a
+    step meanwhile (a confirmation names the action's id, and each step is a new id)."""
+    deadline = time.monotonic() + 60
+    while True:
+        current = next((a for a in _actions(c) if a["subject"] == _key_id(key) and a["rule"] == "session_probing"),
+                       None)
+        if current is not None and current["review"] == "confirmed":
+            return current
+        if current is None:
+            resp = _chat(c, key, "resume", **{"X-Session-Id": "sess-" + uuid.uuid4().hex})
+            assert resp.status_code in (404, 429), resp.text
+        else:
+            httpx.post(c.control_plane.url + f"/admin/v1/abuse/actions/{current['id']}/confirm", headers=ADMIN)
+        assert time.monotonic() < deadline, _actions(c)
+        time.sleep(0.2)
+
+
 def test_the_actions_survive_a_control_plane_restart(cluster: Cluster) -> None:
-    """After the session-probing test: its key's action is confirmed (held 24 h); the key keeps
-    probing (refused once throttled) until the action has climbed to a block."""
+    """The prober key's session-probing action is confirmed (held 24 h); the key keeps probing
+    (refused once throttled) until the action has climbed to a block, which keeps the confirmation.
+
+    The action is confirmed here, not taken from the session-probing test before: under
+    ``pytest -n 2`` (``--dist load``) the module's tests are spread over two workers, each with its
+    own cluster, and on this one no operator had confirmed anything (the block came out pending)."""
     key = cluster.keys["enterprise"]
+    _confirmed_probing_action(cluster, key)
     deadline = time.monotonic() + 60
     while (resp := _chat(cluster, key, "resume", **{"X-Session-Id": "sess-" + uuid.uuid4().hex})).status_code != 429 \
             or resp.json()["error"]["code"] != "abuse_blocked":
