@@ -332,7 +332,7 @@ class ChatHandler:
         return self._opened(checked, policy, RevocableSource(stream, hold))
 
     def _authenticate(self) -> Caller:
-        """The key (a banned address never reaches the keys), its tier, and the abuse measures on it."""
+        """The key (a banned address: its bad keys 403, its valid ones served), its tier, its abuse measures."""
         gw, x = self.gw, self.x
         principal = self.principal = gw.guard.authenticate(gw.keys, self.request, x.span)
         x.key_id, x.tenant = principal.key_id, principal.tenant
