@@ -170,6 +170,10 @@ class ChatHandler:
                 self.request.state.trace_id = x.trace_id
                 if x.grant is not None:
                     error.headers = {**x.grant.headers, **error.headers}
+                elif error.status in (429, 503) and self.principal is not None and self.tier is not None:
+                    # shed by the ladder or held by abuse before the limiter: its standing, no quota taken
+                    peeked = await self.gw.limiter.peek(self.principal.key_id, self.tier)
+                    error.headers = {**peeked, **error.headers}
                 x.close(error.status, error.code or "error")
                 response = self._degraded(render(error, self.request))
             x.disconnect.stop()
