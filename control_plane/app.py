@@ -172,7 +172,7 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
                         "register as a shard and be sent user prompts", settings.port)
         app.include_router(build_router(registry, cluster_token))
     app.include_router(build_state_router(state_index, lambda: cluster_state_body(
-        state_index, store, retry_after_s=ladder.config.lower_dwell_s)))
+        state_index, store, retry_after_s=ladder.retry_after_s())))
     app.include_router(build_admin_router(admin))
     app.include_router(build_zones_router(zones, [Depends(bearer_guard(settings.admin_token))]))
     app.include_router(build_usage_router(usage_store, settings.admin_token))

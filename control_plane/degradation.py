@@ -347,6 +347,12 @@ class DegradationController:
             return max(self.config.raise_dwell_s, signals.window_s)
         return self.config.raise_dwell_s
 
+    def retry_after_s(self) -> float:
+        """What the gateways send as Retry-After with a request the ladder sheds: the calm this level needs
+        before it can step down (the dwell of the cause that raised it: a gauge's or a pin's is shorter than
+        a windowed figure's), not one fixed figure for every cause."""
+        return self._lower_dwell()
+
     def _lower_dwell(self) -> float:
         return self.config.lower_dwell_for(self._cause)
 

@@ -47,12 +47,13 @@ def body(c: ui.Console) -> None:
     st.subheader("In force", divider="orange" if actions else "green")
     if not actions:
         st.success("Nothing flagged: every key and address is within its usual use.", icon=":material/check_circle:")
-    for row in action_rows(actions, time.time()):
+    for row in action_rows(actions, time.time(), payload.get("config")):
         with st.container(border=True):
             left, right = st.columns([5, 1])
             left.markdown(f"**{row['response'].upper()}** · {row['subject']} · tenant {row['tenant']} · "
                           f"*{row['rule']}* · review: **{row['review']}**")
             left.caption(f"{row['why']} · since {row['since']} · expires {row['expires']}")
+            left.caption(f"Gateways: {row['effect']}")
             right.button("Lift", key=f"lift-{row['id']}", icon=":material/undo:", on_click=_lift, args=(row["id"],))
             if row["review"] == "pending":
                 right.button("Confirm", key=f"confirm-{row['id']}", icon=":material/verified:", on_click=_confirm,

@@ -74,7 +74,8 @@ def body(c: ui.Console) -> None:
     filters = {"start": now - RANGES[st.session_state.get("usage_range", "last 7 days")], "end": now,
                "group_by": st.session_state.get("usage_bucket", "hour"), "by": "tenant,tier",
                "tier": None if tier == ANY else tier, "tenant": (st.session_state.get("usage_tenant") or "").strip(),
-               "key": (st.session_state.get("usage_key") or "").strip()}
+               "key": (st.session_state.get("usage_key") or "").strip(),
+               "limit": st.session_state.get("usage_row_limit")}  # unset: the API's own (10,000 rows)
     payload = ui.fetch("Usage", lambda: c.admin.usage(**filters))
     if payload is None:
         return
@@ -86,6 +87,11 @@ def body(c: ui.Console) -> None:
     cols[3].metric("Cached tokens", f"{totals.get('cached_tokens', 0):,}", border=True)
     cols[4].metric("Completion tokens", f"{totals.get('completion_tokens', 0):,}", border=True)
     rows = payload.get("rows") or []
+    if not rows and payload.get("truncated"):  # the API keeps whole buckets: the newest alone was over the limit
+        st.warning("No rows shown: the newest bucket alone has more rows than one answer holds (the totals above "
+                   "cover the whole range). Filter by tier, tenant or key id, or pick hour buckets.",
+                   icon=":material/warning:")
+        return
     if not rows:
         st.info("No usage recorded in this range. Send some traffic (e.g. from the Playground) or widen the range.",
                 icon=":material/receipt_long:")

@@ -67,7 +67,8 @@ class Response(enum.Enum):
     BLOCK = "block"
     """Every request: 429 + Retry-After with a clear message."""
     BAN = "ban"
-    """An address: 403 + Retry-After before the key is even looked up."""
+    """An address: its requests without a valid key 403 + Retry-After (its bad keys still counted); a valid key
+    from it is served."""
 
     @property
     def rank(self) -> int:

@@ -24,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import socket
+import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -269,6 +271,39 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         return cycle is not None and bool(cycle.response_started)
 
 
+class ShutdownClock:
+    """When this process's server began to stop and its grace: tells a request the server itself cancelled
+    past the grace (uvicorn cancels every task still running then) from one whose client left."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None
+        self.grace_s = math.inf
+
+    def begin(self, grace_s: float | None) -> None:
+        self.started = time.monotonic()
+        self.grace_s = math.inf if grace_s is None else float(grace_s)
+
+    def past_grace(self) -> bool:
+        return self.started is not None and time.monotonic() - self.started >= self.grace_s
+
+
+SHUTDOWN = ShutdownClock()
+"""This process's: `serve` starts it as shutdown begins (one server per process)."""
+SHUTDOWN_CUT = "shutdown_cut"
+"""The reason (span error.type) of a request the process's own shutdown cancelled past the grace."""
+
+
+class _ShutdownCutFilter(logging.Filter):
+    """Drops uvicorn's "Exception in ASGI application" traceback for a request cancelled because it outlived
+    the shutdown grace: uvicorn has already said once how many it cancelled, and the app logs each one as one
+    line with its reason (a shard's stream: data_plane/shard/app.py). The cancellation itself is untouched
+    (the task ends cancelled, the connection is cut, so a gateway still sees the break and resumes)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, asyncio.CancelledError) and SHUTDOWN.past_grace())
+
+
 class _Server(uvicorn.Server):
     """uvicorn, plus hooks run the moment shutdown starts (before in-flight requests are waited
     for): e.g. a registry answering its blocking queries at once instead of after their wait."""
@@ -278,6 +313,8 @@ class _Server(uvicorn.Server):
         self._on_shutdown = on_shutdown
 
     async def shutdown(self, sockets: Any = None) -> None:
+        # uvicorn waits the grace after a 0.1 s pause, then cancels: past_grace() is true by then
+        SHUTDOWN.begin(self.config.timeout_graceful_shutdown)
         for hook in self._on_shutdown:
             hook()
         await super().shutdown(sockets)
@@ -316,6 +353,9 @@ def serve(app: Any, *, host: str, port: int, graceful_s: int = 5, access_log: bo
     config = uvicorn.Config(app, host=host, port=port, http=protocol, lifespan="on", proxy_headers=False,
                             access_log=access_log, log_config=None, timeout_graceful_shutdown=graceful_s,
                             **TlsConfig.from_env().uvicorn_kwargs())
+    uvicorn_errors = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _ShutdownCutFilter) for f in uvicorn_errors.filters):
+        uvicorn_errors.addFilter(_ShutdownCutFilter())
     _Server(config, hooks).run()
 
 

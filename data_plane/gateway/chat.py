@@ -168,8 +168,10 @@ class ChatHandler:
                 span.set_attribute("error.type", error.code or "error")
                 span.set_status(trace.Status(trace.StatusCode.ERROR, error.code or "error"))
                 self.request.state.trace_id = x.trace_id
-                if x.grant is not None:
+                if x.grant is not None:  # else shed by the ladder or held by abuse before the limiter: a peek, no quota
                     error.headers = {**x.grant.headers, **error.headers}
+                elif error.status in (429, 503) and self.principal is not None and self.tier is not None:
+                    error.headers = {**await self.gw.limiter.peek(self.principal.key_id, self.tier), **error.headers}
                 x.close(error.status, error.code or "error")
                 response = self._degraded(render(error, self.request))
             x.disconnect.stop()
@@ -332,7 +334,7 @@ class ChatHandler:
         return self._opened(checked, policy, RevocableSource(stream, hold))
 
     def _authenticate(self) -> Caller:
-        """The key (a banned address never reaches the keys), its tier, and the abuse measures on it."""
+        """The key (a banned address: its bad keys 403, its valid ones served), its tier, its abuse measures."""
         gw, x = self.gw, self.x
         principal = self.principal = gw.guard.authenticate(gw.keys, self.request, x.span)
         x.key_id, x.tenant = principal.key_id, principal.tenant
@@ -388,8 +390,7 @@ class ChatHandler:
         return checked, policy
 
     async def _prepare(self, caller: Caller, checked: Checked) -> Prepared:
-        """The prompt with its conversation, fitted into the context (the sliding window), and the one
-        request a shard will get."""
+        """The prompt with its conversation, fitted into the context (sliding window); the one request a shard gets."""
         gw, settings, tier, req = self.gw, self.gw.settings, caller.tier, checked.req
         prompt = await self.context(req, checked.messages, tier)
         context = min(tier.max_context_tokens, checked.model_context)

@@ -54,6 +54,7 @@ from data_plane.common.hop_auth import (
 )
 from data_plane.common.http_body import read_body
 from data_plane.common.http_metrics import install_http_metrics
+from data_plane.common.http_server import SHUTDOWN, SHUTDOWN_CUT, serve
 from data_plane.common.keepalive import KEEPALIVE_COMMENT, KEEPALIVE_HEADER, KEEPALIVE_META, with_keepalives
 from data_plane.common.kv_report import SINCE_HEADER
 from data_plane.common.telemetry import configure_process, fastapi_options, metrics_endpoint, recent_spans_endpoint
@@ -375,6 +376,14 @@ class _Run:
             span.set_status(trace.Status(trace.StatusCode.ERROR, error))
         span.end()
 
+    def _cancelled(self, what: str) -> str:
+        """Why a running request was cancelled: its client left, or this shard's shutdown outlived its grace."""
+        if not SHUTDOWN.past_grace():
+            return CLIENT_DISCONNECTED
+        self.state.metrics.shutdown_cuts.inc()  # one line, not uvicorn's traceback (data_plane/common/http_server.py)
+        log.info("request %s: %s cut by shutdown after the grace; the gateway resumes it", self.req.request_id, what)
+        return SHUTDOWN_CUT
+
     def _final(self, index: int, out: GenerationOutput) -> GenerationOutput | None:
         """Record choice `index`'s final output; once every choice ended, the request's (usage summed)."""
         self.finals[index] = out
@@ -398,8 +407,8 @@ class _Run:
                 out = self.latest[index] = kept
                 last = (self._final(index, out) if out.finish_reason is not None else None) or out
         except asyncio.CancelledError:
-            self._finish(last, CLIENT_DISCONNECTED)
-            if not watch.swallow():  # the server is shutting down
+            self._finish(last, CLIENT_DISCONNECTED if (left := watch.swallow()) else self._cancelled("request"))
+            if not left:  # the server is shutting down
                 raise
             log.info("request %s: client disconnected, aborted", self.req.request_id)
             return None
@@ -462,16 +471,15 @@ class _Run:
             error = exc.code or "error"
             yield event(exc.body(self.req.request_id))
         except asyncio.CancelledError:
-            error = CLIENT_DISCONNECTED
-            log.info("request %s: client disconnected mid-stream, aborted", self.req.request_id)
-            raise
+            if (error := self._cancelled("stream")) == CLIENT_DISCONNECTED:
+                log.info("request %s: client disconnected mid-stream, aborted", self.req.request_id)
+            raise  # past the grace too: the connection is cut, so the gateway sees the break and resumes
         finally:
             self._finish(last, error)
         yield b"data: [DONE]\n\n"
 
 
 def main(argv: list[str] | None = None) -> None:
-    from data_plane.common.http_server import serve
     from data_plane.common.settings_cli import parse_settings
 
     settings = parse_settings(ShardSettings, argv, prog="switchboard shard",

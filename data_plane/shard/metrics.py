@@ -91,6 +91,9 @@ class ShardMetrics:
                                          registry=registry)
         self.request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                        m + ["finished_reason"], registry=registry)
+        self.shutdown_cuts = Counter(
+            "switchboard_shard_shutdown_cuts", "Requests this shard's own shutdown cut because they outlived its "
+            "grace (not a client leaving); the gateway resumes a cut stream on another shard.", registry=registry)
         self.waiting_by_reason = Gauge("vllm:num_requests_waiting_by_reason",
                                        "Requests waiting, by reason (capacity: for a batch slot).",
                                        m + ["reason"], registry=registry)

@@ -28,6 +28,9 @@ def test_abuse_page_shows_a_ban_and_lifts_it(console, cluster, admin):
     assert not at.error, [e.value for e in at.error]
     page = texts(at)
     assert f"address {ADDRESS}" in page and "BAN" in page and "failed authentications" in page
+    # what the ban does, as the gateways do it now: only requests without a valid key are refused
+    assert "without a valid API key from this address: 403 address_banned" in page
+    assert "its valid keys are served" in page
     tiles = {m.label: m.value for m in at.metric}
     assert int(tiles["Ban"]) >= 1 and int(tiles["Awaiting review"]) >= 1
     at.button(key=f"lift-{action['id']}").click().run()

@@ -50,3 +50,26 @@ def test_the_tier_filter_offers_the_policys_tiers_and_unknown(console, admin):
     at = console.page("usage")
     policy = list(admin.get("/admin/v1/tiers").json()["tiers"])
     assert at.selectbox(key="usage_tier").options == ["any", *policy, "unknown"]
+
+
+def test_a_newest_bucket_over_the_row_limit_is_not_called_empty(console, cluster, admin):
+    """The API keeps whole buckets: when the newest one alone has more rows than `limit`, it answers no rows,
+    `truncated` and the whole range's totals. The page said "No usage recorded in this range" under tiles
+    counting the requests (the truncation warning came after that early return)."""
+    require(admin, "/admin/v1/usage")
+    for key in ("sk-not-a-key", cluster.keys["plus"]):  # two groups (no tenant/unknown, a tenant/plus) this hour
+        httpx.post(cluster.gateway.url + "/v1/chat/completions", timeout=30, headers={"Authorization": f"Bearer {key}"},
+                   json={"messages": [{"role": "user", "content": "count me"}], "max_tokens": 4})
+    params = {"group_by": "hour", "by": "tenant,tier", "limit": 1}
+    deadline = time.monotonic() + 10
+    while (body := admin.get("/admin/v1/usage", params=params).json())["rows"] or not body["truncated"]:
+        assert time.monotonic() < deadline, body
+        time.sleep(0.3)
+    at = console.page("usage", log_in=True)
+    at.session_state["usage_row_limit"] = 1
+    at.run()
+    assert not at.error, [e.value for e in at.error]
+    page = texts(at)
+    assert "No usage recorded" not in page
+    assert any("the newest bucket alone has more rows than one answer holds" in w.value for w in at.warning)
+    assert int({m.label: m.value for m in at.metric}["Requests"].replace(",", "")) >= 2

@@ -6,6 +6,7 @@ import math
 
 import pandas as pd
 
+from admin_ui.views.abuse import RESPONSES, action_rows
 from admin_ui.views.alerts import alert_rows
 from admin_ui.views.cluster import idle_caption, members_frame
 from admin_ui.views.signals import SignalsView, overview_tiles, split_signals
@@ -187,3 +188,17 @@ def test_the_overview_names_a_shard_that_is_down_instead_of_calling_it_idle() ->
         m["status"] = "critical"
     assert idle_caption(members_frame(members, None, now=1.0)) == (
         "No shard passing; not passing: shard-0 (critical), shard-1 (critical).")
+
+
+def test_abuse_rows_say_what_the_gateways_do_a_ban_serves_valid_keys():
+    # The page named a ban without saying what it does, and the code's own description was out of date
+    # ("403 before the key is even looked up"): a ban refuses only requests without a valid key.
+    actions = [{"id": i, "response": r, "subject_kind": "key", "subject": f"s{i}", "tenant": "t", "rule": "burst",
+                "reason": "why", "created_at": 0.0, "expires_at": 60.0, "review": "pending"}
+               for i, r in enumerate(RESPONSES)]
+    rows = {r["response"]: r for r in action_rows(actions, 0.0, {"throttle_rpm": 6, "strict_max_output_tokens": 128})}
+    ban = rows["ban"]["effect"]
+    assert "without a valid API key" in ban and "valid keys are served" in ban and "403 address_banned" in ban
+    assert "6 requests a minute" in rows["throttle"]["effect"] and "128 tokens" in rows["strict"]["effect"]
+    assert "429 abuse_blocked" in rows["block"]["effect"] and "untouched" in rows["flag"]["effect"]
+    assert "?" in action_rows(actions[2:3], 0.0)[0]["effect"]  # a payload without its config: unknown, not made up

@@ -90,6 +90,9 @@ def assert_shed(resp: httpx.Response, level: int) -> None:
     assert resp.json()["error"]["code"] == "overloaded" and resp.json()["error"]["type"] == "server_error"
     assert int(resp.headers["Retry-After"]) >= 1
     assert resp.headers["x-switchboard-degraded"] == str(level)
+    # the x-ratelimit-* headers every response carries, read without taking quota (the ladder sheds first)
+    assert {f"x-ratelimit-{w}-{k}" for w in ("limit", "remaining", "reset") for k in ("requests", "tokens")} \
+        <= set(resp.headers), dict(resp.headers)
 
 
 def test_normal_service_has_no_degraded_header(stack: Stack) -> None:
@@ -115,6 +118,10 @@ def test_level_3_sheds_free_and_level_4_keeps_only_enterprise(stack: Stack) -> N
 
     stack.pin(4)
     assert_shed(stack.chat("free"), 4)
+    before = stack.chat("free").headers["x-ratelimit-remaining-requests"]
+    for _ in range(3):
+        assert_shed(shed := stack.chat("free"), 4)
+    assert int(shed.headers["x-ratelimit-remaining-requests"]) >= int(before)  # sheds cost no quota
     assert_shed(stack.chat("plus"), 4)
     resp = stack.chat("enterprise")
     assert resp.status_code == 200 and resp.headers["x-switchboard-degraded"] == "4"

@@ -312,3 +312,9 @@ def test_a_stopped_shard_leaves_membership_at_once_and_its_stream_still_finishes
         assert left_after < 3.5, left_after
         assert events[-1] == "data: [DONE]" and '"finish_reason":"stop"' in events[-2], events[-3:]
         assert not any('"error"' in e for e in events), events
+        # the stream outlived the grace: one line with the right reason, not uvicorn's traceback per stream next to
+        # "client disconnected mid-stream" (the gateway resumed it, as the events above show)
+        shard_log = busy.log_path.read_text(errors="replace")
+        assert "stream cut by shutdown after the grace; the gateway resumes it" in shard_log, shard_log[-3000:]
+        assert "Exception in ASGI application" not in shard_log and "Traceback" not in shard_log, shard_log[-3000:]
+        assert "client disconnected" not in shard_log, shard_log[-3000:]

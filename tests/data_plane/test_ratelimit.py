@@ -176,6 +176,35 @@ async def test_redis_shares_one_exact_limit_between_clients(redis_server: RedisS
 # -- the limiter ---------------------------------------------------------------------------
 
 
+async def test_peek_says_how_buckets_stand_and_takes_nothing(make_backend) -> None:
+    """A request shed before the limiter (the degradation ladder) gets its key's standing in its headers
+    without paying for it: a peek stores nothing, not even a re-based limit."""
+    clock = micro_clock()
+    backend = make_backend(clock)
+    req, tok = Bucket("key:k", "requests", 10, 1), Bucket("key:k", "tokens", 100, 30)
+    assert all(s.allowed for s in await backend.take([req, tok]))
+    for _ in range(3):
+        peeked = await backend.peek([Bucket("key:k", "requests", 10, 0), Bucket("key:k", "tokens", 100, 0)])
+        assert [(s.allowed, s.remaining) for s in peeked] == [(True, 9), (True, 70)]
+        assert peeked[0].reset_us == 6 * S and peeked[1].reset_us == 18 * S
+    assert (await backend.peek([Bucket("key:k", "requests", 3, 0)]))[0].remaining == 2  # another limit: seen,
+    assert (await backend.take([req]))[0].remaining == 8                                # not stored
+    assert (await backend.peek([Bucket("key:new", "requests", 10, 0)]))[0].remaining == 10
+
+
+async def test_limiter_peek_headers_take_no_quota() -> None:
+    lim, _ = limiter(LocalBackend(micro_clock()))
+    t = tier(rpm=2, tpm=1000)
+    assert (await lim.peek("k", t))["x-ratelimit-remaining-requests"] == "2"
+    await lim.admit("k", t, 100)
+    for _ in range(5):
+        assert await lim.peek("k", t) == {
+            "x-ratelimit-limit-requests": "2", "x-ratelimit-remaining-requests": "1",
+            "x-ratelimit-reset-requests": "30s", "x-ratelimit-limit-tokens": "1000",
+            "x-ratelimit-remaining-tokens": "900", "x-ratelimit-reset-tokens": "6s"}
+    await lim.admit("k", t, 100)  # the second request still fits: the peeks took nothing
+
+
 async def test_headers_on_admit_and_429_with_retry_after() -> None:
     clock = micro_clock()
     lim, registry = limiter(LocalBackend(clock))

@@ -477,3 +477,28 @@ def test_a_request_that_is_not_http_gets_an_openai_shaped_400(cluster: Cluster) 
         status, _, body = answer.partition(b"\r\n\r\n")
         assert status.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in status.lower(), answer
         assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}, body
+
+
+def test_uvicorns_traceback_for_a_request_cut_past_the_shutdown_grace_is_dropped_and_nothing_else() -> None:
+    """A request cancelled by uvicorn because it outlived the grace is logged by the app as one line with its
+    reason (a shard: "stream cut by shutdown ..."); uvicorn's traceback for it is dropped. Before the grace, and
+    any other exception, the traceback stays."""
+    import logging
+
+    from data_plane.common.http_server import SHUTDOWN, _ShutdownCutFilter
+
+    def record(exc: BaseException) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, "Exception in ASGI application\n",
+                                 None, (type(exc), exc, None))
+
+    cut = asyncio.CancelledError("Task cancelled, timeout graceful shutdown exceeded")
+    keep = _ShutdownCutFilter()
+    assert SHUTDOWN.started is None  # this test process never served
+    try:
+        assert keep.filter(record(cut)) and keep.filter(record(RuntimeError("boom")))  # not stopping
+        SHUTDOWN.begin(60)
+        assert keep.filter(record(cut))  # stopping, within the grace: a cancel then is not the grace's
+        SHUTDOWN.begin(0)
+        assert not keep.filter(record(cut)) and keep.filter(record(RuntimeError("boom")))
+    finally:
+        SHUTDOWN.started = None

@@ -65,6 +65,10 @@ class Backend(Protocol):
         """Add each bucket's cost (negative: a refund) now, unconditionally."""
         ...
 
+    async def peek(self, buckets: Sequence[Bucket]) -> list[BucketState]:
+        """How each bucket stands now, as `take` would say for a cost of 0; stores nothing."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -147,6 +151,10 @@ class LocalBackend:
     async def adjust(self, buckets: Sequence[Bucket]) -> None:
         self.adjust_now(buckets)
 
+    async def peek(self, buckets: Sequence[Bucket]) -> list[BucketState]:
+        now = self._clock()
+        return decide([self._state.get(b.key) for b in buckets], now, buckets)[0]  # new states dropped
+
     def adjust_now(self, buckets: Sequence[Bucket]) -> None:
         now = self._clock()
         for b in buckets:
@@ -178,7 +186,7 @@ _LUA = """
 -- KEYS: bucket keys, each a hash {f = fill in units x period_us, t = as of, unix us, l = the limit it was
 -- stored under (absent before it was kept: taken as the current one); a fill stored under another limit
 -- is held to this limit's capacity, as _fill_at does.
--- ARGV[1]: 'take' | 'adjust'; ARGV[2]: now in us ('' = this server's clock); then per bucket:
+-- ARGV[1]: 'take' | 'adjust' | 'peek' (as 'take', storing nothing); ARGV[2]: now in us ('' = this server's clock); then per bucket:
 -- limit, period_us, cost. 'take' returns per bucket: allowed (1/0), remaining, reset_us,
 -- retry_us (-1: never fits). Lua numbers are doubles: every value here is an integer below
 -- 2^53 and every division is corrected to the exact integer quotient.
@@ -212,7 +220,7 @@ local function fill_at(key, limit, period)
   if elapsed > 0 then
     if elapsed >= period + cdiv(fill, was) then fill = 0 else fill = math.max(0, fill - elapsed * was) end
   end
-  if was ~= limit then  -- re-stored under the new limit now, so it refills at the new pace from here
+  if was ~= limit and ARGV[1] ~= 'peek' then  -- re-stored under the new limit now, so it refills at the new pace from here
     fill = math.min(fill, limit * period)
     store(key, fill, limit)
   end
@@ -248,9 +256,11 @@ end
 local out = {}
 for i = 1, n do
   local fill = fills[i]
-  if ok then
+  if ok and ARGV[1] ~= 'peek' then
     fill = after[i]
     store(KEYS[i], fill, lim[i])
+  elseif ok then
+    fill = after[i]
   end
   out[#out + 1] = allowed[i]
   out[#out + 1] = math.max(0, math.min(lim[i], idiv(lim[i] * per[i] - fill, per[i])))
@@ -299,6 +309,11 @@ class RedisBackend:
 
     async def adjust(self, buckets: Sequence[Bucket]) -> None:
         await self._call("adjust", buckets)
+
+    async def peek(self, buckets: Sequence[Bucket]) -> list[BucketState]:
+        raw = await self._call("peek", buckets)
+        return [BucketState(bool(raw[i]), int(raw[i + 1]), int(raw[i + 2]), int(raw[i + 3]))
+                for i in range(0, len(raw), 4)]
 
     async def aclose(self) -> None:
         await self._redis.aclose()

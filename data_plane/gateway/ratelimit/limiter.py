@@ -92,7 +92,7 @@ class RateLimitMetrics:
             registry=registry)
         self.backend_errors = Counter(
             "switchboard_ratelimit_backend_errors",
-            "Limiter backend calls that failed, by operation (take|adjust).", ["op"], registry=registry)
+            "Limiter backend calls that failed, by operation (take|adjust|peek).", ["op"], registry=registry)
         self.limit = Gauge(
             "switchboard_ratelimit_limit",
             "The per-minute limits this gateway enforces now, from the tier policy in force (a PUT /admin/v1/tiers "
@@ -199,6 +199,22 @@ class RateLimiter:
                              request_buckets=[b for b in buckets if b.kind == "requests"])
             span.set_attribute("switchboard.ratelimit.allowed", False)
             raise self._refusal(tier, buckets, states, headers, span, too_large_hint)
+
+    async def peek(self, key_id: str, tier: Tier) -> dict[str, str]:
+        """The ``x-ratelimit-*`` headers of this key and tier as they stand, taking nothing: for a response
+        refused before the limiter (the degradation ladder's 503s), which must cost no quota. Empty when
+        no backend answers (the headers are then left out, the refusal is not delayed or failed)."""
+        buckets = [Bucket(b.scope, b.kind, b.limit, 0, b.period_us) for b in self.buckets(key_id, tier, 0)]
+        backend = self.backend
+        if self.fallback is not None and self._clock() < self._down_until:
+            backend = self.fallback
+        try:
+            return _headers(buckets, await backend.peek(buckets))
+        except BackendUnavailable as exc:
+            if self.fallback is None or backend is self.fallback:
+                return {}
+            self._mark_down("peek", exc)
+            return _headers(buckets, await self.fallback.peek(buckets))
 
     def _refusal(self, tier: Tier, buckets: list[Bucket], states: list[BucketState], headers: dict[str, str],
                  span: trace.Span, too_large_hint: str = "") -> RateLimited:
