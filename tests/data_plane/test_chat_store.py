@@ -172,3 +172,23 @@ def test_listing_pages_on_past_a_deleted_or_refiltered_cursor(stack: Stack) -> N
     assert sdk.chat.completions.list(metadata={"batch": batch}, after=kept[1]).data == []
     for cid in (kept[0], kept[2]):
         sdk.chat.completions.delete(cid)
+
+
+def test_concurrent_stores_and_deletes_of_one_tenant_are_all_listed_then_all_gone(stack: Stack) -> None:
+    """The index edits of one tenant that meet share one rewrite (data_plane/gateway/batched_edits.py; the
+    rewrite counts are tests/data_plane/test_batched_edits.py's): through the real gateway and cache nodes,
+    12 stores at once are all listed, and 12 deletes at once leave none."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    sdk, batch = stack.sdk(), tag()
+
+    def store(i: int) -> str:
+        return sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Say {i}."}],
+                                           max_tokens=2, temperature=0, store=True,
+                                           metadata={"batch": batch}).id
+
+    with ThreadPoolExecutor(12) as pool:
+        made = set(pool.map(store, range(12)))
+        assert {c.id for c in sdk.chat.completions.list(metadata={"batch": batch}, limit=100)} == made
+        list(pool.map(lambda cid: sdk.chat.completions.delete(cid), made))
+    assert list(sdk.chat.completions.list(metadata={"batch": batch}, limit=100)) == []
