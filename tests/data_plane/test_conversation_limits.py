@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -138,6 +139,19 @@ def test_a_turn_of_a_long_conversation_reserves_at_most_the_context_window(gatew
     assert len(client.conversations.items.list(conv.id, limit=100).data) == 6
 
 
+
+TURN: list[Any] = [{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok"}]
+
+
+def _filled_conversation(client: openai.OpenAI) -> tuple[Any, openai.BadRequestError]:
+    """A conversation grown by 300-word turns (TURN) until its cache node refuses the next: it and that 400."""
+    conv = client.conversations.create(items=TURN)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError) as full:
+        for _ in range(20):
+            client.conversations.items.create(conv.id, items=TURN)  # type: ignore[arg-type]
+    assert full.value.code == "record_too_large", full.value
+    return conv, full.value
+
 def test_a_conversation_past_what_a_cache_node_holds_is_a_400_that_says_so(
         shard: Service, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Every turn rewrites the whole conversation; once its record passed a cache node's --max-body-bytes, each
@@ -145,12 +159,8 @@ def test_a_conversation_past_what_a_cache_node_holds_is_a_400_that_says_so(
     as its own (QA: a 40 KB items.create, a 1-word turn after its whole generation)."""
     with gateway_on(shard, tmp_path_factory.mktemp("small-store"), "--max-body-bytes", "16384") as gw:
         client = sdk(gw, "roomy")
-        turn = [{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok"}]
-        conv = client.conversations.create(items=turn)
-        with pytest.raises(openai.BadRequestError) as full:
-            for _ in range(20):
-                client.conversations.items.create(conv.id, items=turn)
-        assert full.value.code == "record_too_large" and "too large to store" in full.value.message, full.value
+        conv, full = _filled_conversation(client)
+        assert "too large to store" in full.message, full
         with pytest.raises(openai.BadRequestError) as turn_refused:
             client.responses.create(model="synthetic", input="hi", conversation=conv.id, max_output_tokens=4,
                                     truncation="auto")
@@ -170,12 +180,7 @@ def test_a_turn_whose_record_is_known_not_to_fit_is_refused_before_it_generates(
     at once, streamed or not, and a background one too; a turn that fits still runs."""
     with gateway_on(shard, tmp_path_factory.mktemp("full-store"), "--max-body-bytes", "16384") as gw:
         client = sdk(gw, "roomy")
-        turn = [{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok"}]
-        conv = client.conversations.create(items=turn)
-        with pytest.raises(openai.BadRequestError) as full:
-            for _ in range(20):
-                client.conversations.items.create(conv.id, items=turn)
-        assert full.value.code == "record_too_large"
+        conv, _ = _filled_conversation(client)
         generated = metric(shard.url, "vllm:request_success_total")
         long_input = "word " * 400
         for extra in ({}, {"background": True}):
@@ -188,7 +193,7 @@ def test_a_turn_whose_record_is_known_not_to_fit_is_refused_before_it_generates(
                                     truncation="auto", stream=True)
         assert streamed.value.code == "record_too_large"
         assert metric(shard.url, "vllm:request_success_total") == generated  # no shard time spent on any
-        small = client.conversations.create(items=turn)  # one that fits still runs
+        small = client.conversations.create(items=TURN)  # one that fits still runs
         assert client.responses.create(model="synthetic", input=long_input, conversation=small.id, truncation="auto",
                                        max_output_tokens=4).status in ("completed", "incomplete")
 
