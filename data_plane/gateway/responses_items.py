@@ -305,6 +305,9 @@ def in_responses_terms(exc: SwitchboardError, chat: bool = True) -> SwitchboardE
         except SwitchboardError as exc:
             raise in_responses_terms(exc) from None
     """
+    if getattr(exc, "_responses_terms", False):  # already named so (the body's errors pass through here twice)
+        return exc
+    exc._responses_terms = True  # type: ignore[attr-defined]
     renamed = _responses_param(exc.param, chat)
     if exc.param and renamed and renamed != exc.param:
         message = exc.message.replace(repr(exc.param), repr(renamed))
