@@ -120,6 +120,11 @@ class GatewayMetrics:
         self.requests = Counter("switchboard_gateway_requests", "Chat requests by tier, HTTP status and code (bounded: "
                                 "RequestCode; an unknown code is other).",
                                 ["tier", "status", "code"], registry=registry)
+        self.endpoint_requests = Counter(
+            "switchboard_gateway_endpoint_requests",
+            "Requests of the APIs served over the chat path beside chat completions, by endpoint (completions: "
+            "POST /v1/completions), HTTP status and code (bounded as switchboard_gateway_requests_total's, where each "
+            "is counted too).", ["endpoint", "status", "code"], registry=registry)
         self.ttft = Histogram("switchboard_gateway_ttft_seconds",
                               "Time to first token as the client sees it: request received to the first content "
                               "byte written (after the output filter).", ["tier"], buckets=LATENCY_BUCKETS,

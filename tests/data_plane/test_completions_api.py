@@ -1,0 +1,107 @@
+"""`POST /v1/completions`, the legacy Completions API (it answered 404): the openai SDK's
+`client.completions.create`, streamed and not, a raw prompt (no chat template) as text or token ids,
+several prompts, n, stop, logprobs in the legacy format, echo, and OpenAI-shaped 400s naming the param.
+Real processes: the session's fp32 shard (greedy output is batch-invariant), a cache node and a gateway.
+
+    PYTHONPATH=$PWD .venv/bin/python -m pytest tests/data_plane/test_completions_api.py -q
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.support.chat import refusal, sdk
+from tests.support.cluster import KEYS, gateway_before
+from tests.support.metrics import metric
+from tests.support.procs import Service
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def gateway(fp32_shard: Service, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    with gateway_before(fp32_shard, tmp_path_factory.mktemp("completions")) as gw:
+        yield gw
+
+
+def test_a_prompt_is_completed_as_it_is_streamed_or_not(gateway: Service) -> None:
+    """The SDK's completions.create is served: a text_completion whose text continues the prompt itself (its
+    few prompt tokens: no chat template around it), the same text streamed, the usage on the last chunk."""
+    client = sdk(gateway)
+    done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert done.object == "text_completion" and done.id.startswith("cmpl-") and done.model == MODEL
+    (choice,) = done.choices
+    assert choice.index == 0 and choice.text and choice.finish_reason in ("length", "stop")
+    assert choice.logprobs is None
+    assert done.usage is not None and 3 <= done.usage.prompt_tokens <= 8  # a chat template would add ~30
+    assert done.usage.completion_tokens <= 8
+    assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
+
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert all(c.object == "text_completion" for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        choice.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.total_tokens == done.usage.total_tokens
+
+    ids = client.completions.create(model=MODEL, prompt=[504, 3575, 282, 4649, 314], max_tokens=2, temperature=0)
+    assert ids.usage is not None and ids.usage.prompt_tokens == 5  # token ids, exactly
+
+
+def test_several_prompts_n_echo_stop_and_logprobs(gateway: Service) -> None:
+    """A list of prompts with n: choices prompt_index * n + i; echo puts each prompt before its text; a stop
+    string ends the text before it; logprobs are the legacy lists, one entry per token of the text."""
+    client = sdk(gateway)
+    prompts = [PROMPT, "One, two, three,"]
+    done = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=6, temperature=0, echo=True)
+    assert [c.index for c in done.choices] == [0, 1, 2, 3]
+    texts = [c.text for c in done.choices]
+    assert texts[0].startswith(PROMPT) and texts[2].startswith(prompts[1])
+    assert texts[0] == texts[1] and texts[2] == texts[3] and texts[0] != texts[2]  # greedy: each prompt's own
+    assert done.usage is not None and done.usage.completion_tokens <= 4 * 6
+
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+    word = plain.split()[1] if len(plain.split()) > 1 else plain.split()[0]
+    stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stop=[word])
+    assert stopped.choices[0].text == plain[: plain.index(word)] and stopped.choices[0].finish_reason == "stop"
+
+    lp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    logprobs = lp.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens and "".join(logprobs.tokens) == lp.choices[0].text
+    assert logprobs.token_logprobs is not None and len(logprobs.token_logprobs) == len(logprobs.tokens)
+    assert logprobs.top_logprobs is not None and all(2 <= len(t) <= 3 for t in logprobs.top_logprobs)
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
+                                              stream=True))
+    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens or []]
+    assert tokens == logprobs.tokens
+
+
+def test_bad_requests_are_openai_shaped_400s_naming_the_param(gateway: Service) -> None:
+    client = sdk(gateway)
+    cases = [({"suffix": "x"}, "suffix"), ({"best_of": 3, "n": 2}, "best_of"), ({"logprobs": 6}, "logprobs"),
+             ({"echo": True, "logprobs": 1}, "echo"), ({"extra_body": {"bogus": 1}}, "bogus"),
+             ({"temperature": 3}, "temperature"), ({"stop": [""]}, "stop")]
+    for fields, param in cases:
+        body = refusal(lambda f=fields: client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, **f))
+        assert body["param"] == param and body["type"] == "invalid_request_error", body
+    body = refusal(lambda: client.completions.create(model=MODEL, prompt=[1] * 3000, max_tokens=2))
+    assert (body["code"], body["param"]) == ("context_length_exceeded", "prompt"), body
+    body = refusal(lambda: client.completions.create(model=MODEL, prompt=[], max_tokens=2))
+    assert body["param"] == "prompt", body
+    # the shard's raw-prompt fields are the gateway's: a chat client cannot set them
+    r = httpx.post(gateway.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEYS['plus']}"},
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "raw_prompt": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "raw_prompt"
+    r = httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=60)
+    assert r.status_code == 401
+    assert metric(gateway.url, "switchboard_gateway_endpoint_requests_total", endpoint="completions",
+                  status="400") >= len(cases) + 2
+    assert metric(gateway.url, "switchboard_gateway_endpoint_requests_total", endpoint="completions",
+                  status="200") >= 0
