@@ -25,8 +25,11 @@ from data_plane.request_checks import WholeNumber, json_body, validated
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for the legacy endpoint (the chat path's default is the tier's cap)."""
 MAX_LOGPROBS = 5
-MAX_PROMPTS = 16
-"""Prompts in one request (each one is `n` generations, admitted and billed together)."""
+MAX_PROMPTS = 32
+"""Prompts in one request (each one is `n` generations, admitted and billed together): LangChain's `OpenAI`
+sends up to 20 in one request (its batch_size)."""
+MAX_COMPLETIONS = 64
+"""n x prompts: the generations of one request."""
 
 
 class CompletionRequest(BaseModel):
@@ -125,6 +128,8 @@ def prompts_of(value: str | list[Any]) -> list[Prompt]:
         where = "prompt" if len(out) == 1 else f"prompt.{i}"
         if p.ids is None:
             valid_unicode(p.text)
+        elif any(i < 0 for i in p.ids):
+            raise InvalidRequest(f"{where}: token ids are 0 or above", param=where)
         if not p.text and not p.ids:
             raise InvalidRequest(f"{where} must not be empty", param=where)
     return out
@@ -146,8 +151,9 @@ def parse_completion_request(raw: bytes, content_type: str | None) -> LegacyRequ
     prompts = prompts_of(legacy.prompt)
     if legacy.echo and any(p.ids is not None for p in prompts):
         raise InvalidRequest("echo with a token-id prompt is not supported: send the prompt as text", param="echo")
-    if n * len(prompts) > MAX_N:
-        raise InvalidRequest(f"n x prompts is {n * len(prompts)}, above the {MAX_N} completions allowed per request",
+    total = n * len(prompts)
+    if total > MAX_COMPLETIONS:
+        raise InvalidRequest(f"n x prompts is {total}, above the {MAX_COMPLETIONS} completions allowed per request",
                              param="n")
     fields = {name: getattr(legacy, name) for name in (
         "model", "temperature", "top_p", "stream", "stream_options", "stop", "presence_penalty", "frequency_penalty",
@@ -158,9 +164,11 @@ def parse_completion_request(raw: bytes, content_type: str | None) -> LegacyRequ
     try:
         chat = ChatCompletionRequest(
             messages=[ChatMessage(role="user", content=p.text) for p in prompts], max_tokens=legacy.max_tokens,
-            n=n * len(prompts) if n * len(prompts) > 1 else None, raw_prompt=True, continue_final_message=True,
-            add_generation_prompt=False, prompt_token_ids=prompts[0].ids if len(prompts) == 1 else None, **fields)
+            n=legacy.n, raw_prompt=True, continue_final_message=True, add_generation_prompt=False,
+            prompt_token_ids=prompts[0].ids if len(prompts) == 1 else None, **fields)
     except ValidationError:  # the fields were checked above as the chat request checks them: the prompt's size
         raise InvalidRequest("prompt is too large", param="prompt") from None
+    if len(prompts) > 1:  # every prompt's choices: what is budgeted and admitted (each shard request has its n)
+        chat = chat.model_copy(update={"n": total})
     chat.check_supported()
     return LegacyRequest(prompts, n, bool(legacy.echo), legacy.logprobs, chat)

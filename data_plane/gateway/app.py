@@ -42,6 +42,7 @@ from data_plane.common.telemetry import (
     metrics_endpoint,
     recent_spans_endpoint,
 )
+from data_plane.completions_request import CompletionRequest
 from data_plane.gateway.chat import ChatHandler
 from data_plane.gateway.chat_store import StoredChatHandler, mount_chat_store
 from data_plane.gateway.completions import COMPLETIONS_PATH, CompletionsHandler
@@ -75,6 +76,9 @@ CHAT_OPENAPI: dict[str, Any] = {
          "description": "'new' starts a server-side session; its id comes back in this header"},
     ],
 }
+
+COMPLETIONS_OPENAPI: dict[str, Any] = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "$ref": "#/components/schemas/CompletionRequest"}}}}}
 
 
 def build_gateway(settings: GatewaySettings, registry: CollectorRegistry | None = None) -> Gateway:
@@ -171,7 +175,7 @@ def create_app(gw: Gateway) -> GatewayApp:
     async def responses(request: Request) -> Response:  # pragma: no cover - GatewayApp serves this path
         raise RuntimeError("POST /v1/responses is served by GatewayApp")
 
-    @app.post(COMPLETIONS_PATH)
+    @app.post(COMPLETIONS_PATH, openapi_extra=COMPLETIONS_OPENAPI)
     async def completions(request: Request) -> Response:  # pragma: no cover - GatewayApp serves this path
         raise RuntimeError("POST /v1/completions is served by GatewayApp")
 
@@ -185,17 +189,18 @@ def create_app(gw: Gateway) -> GatewayApp:
 
 
 def _describe_chat_body(app: FastAPI) -> None:
-    """/openapi.json: the chat route's body is read by hand (for 413/408/415 control), so its
-    schema is added here, from the same pydantic model that validates it."""
+    """/openapi.json: the chat and completions routes' bodies are read by hand (for 413/408/415 control), so their
+    schemas are added here, from the same pydantic models that validate them."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = generate()
-            body = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            components.update(body.pop("$defs", {}))
-            components["ChatCompletionRequest"] = body
+            for model in (ChatCompletionRequest, CompletionRequest):
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
             app.openapi_schema = schema
         return app.openapi_schema
 

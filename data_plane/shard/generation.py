@@ -78,10 +78,11 @@ def raw_prompt_ids(req: ChatCompletionRequest, messages: list[dict[str, str]], e
     if encode is None:
         raise InvalidRequest("this shard's engine serves chat completions only", param="prompt")
     ids = list(req.prompt_token_ids or [])
-    vocab = getattr(engine, "vocab_size", None)
-    if vocab and any(i >= vocab for i in ids):
-        bad = next(i for i in ids if i >= vocab)
-        raise InvalidRequest(f"prompt token id {bad} is out of vocabulary (0..{vocab - 1})", param="prompt")
+    vocab = getattr(engine, "vocab_size", None)  # a negative id, or one past it, killed the engine (an index error)
+    bad = next((i for i in ids if i < 0 or (vocab and i >= vocab)), None)
+    if bad is not None:
+        span = f"0..{vocab - 1}" if vocab else "0 or above"
+        raise InvalidRequest(f"prompt token id {bad} is out of vocabulary ({span})", param="prompt")
     text = "".join(m["content"] for m in messages)
     return ids + (encode(text, not ids) if text else [])
 

@@ -93,8 +93,10 @@ def test_bad_requests_are_openai_shaped_400s_naming_the_param(gateway: Service) 
         assert body["param"] == param and body["type"] == "invalid_request_error", body
     body = refusal(lambda: client.completions.create(model=MODEL, prompt=[1] * 3000, max_tokens=2))
     assert (body["code"], body["param"]) == ("context_length_exceeded", "prompt"), body
-    body = refusal(lambda: client.completions.create(model=MODEL, prompt=[], max_tokens=2))
-    assert body["param"] == "prompt", body
+    for prompt in ([], [5, -1], [[5], [-1]], [5, 10**9]):  # a negative id killed the engine, the shard with it
+        body = refusal(lambda p=prompt: client.completions.create(model=MODEL, prompt=p, max_tokens=2))
+        assert body["param"] in ("prompt", "prompt.1"), body
+    assert client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=1).choices[0].finish_reason
     # the shard's raw-prompt fields are the gateway's: a chat client cannot set them
     r = httpx.post(gateway.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEYS['plus']}"},
                    json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "raw_prompt": True}, timeout=60)
@@ -105,3 +107,18 @@ def test_bad_requests_are_openai_shaped_400s_naming_the_param(gateway: Service) 
                   status="400") >= len(cases) + 2
     assert metric(gateway.url, "switchboard_gateway_endpoint_requests_total", endpoint="completions",
                   status="200") >= 0
+
+
+def test_langchains_openai_llm_invokes_and_batches(gateway: Service) -> None:
+    """LangChain's `OpenAI` LLM (completions, not chat): one prompt, and a batch of ten in one request (its
+    batch_size is 20: more prompts than one request's n allows, each with its own choice)."""
+    from langchain_openai import OpenAI
+
+    llm = OpenAI(model=MODEL, base_url=gateway.url + "/v1", api_key=KEYS["plus"], max_tokens=4,  # type: ignore[arg-type]
+                 temperature=0, max_retries=0, timeout=120)
+    one = llm.invoke(PROMPT)
+    assert one == sdk(gateway).completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
+    prompts = [f"{i} + {i} =" for i in range(10)]
+    out = llm.generate(prompts)
+    assert len(out.generations) == 10 and out.generations[0][0].text and all(len(g) == 1 for g in out.generations)
+    assert out.generations[3][0].text == llm.invoke(prompts[3])

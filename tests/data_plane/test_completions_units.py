@@ -46,10 +46,11 @@ def test_a_raw_prompt_is_encoded_as_it_is_and_a_resume_continues_its_text() -> N
     resumed = tokens.model_copy(update={"messages": continued(tokens, " a time")})
     assert prompt_ids(_on_shard(resumed), engine)[1] == [7, 8, 9, *engine.encode_text("a time")]
 
-    engine.vocab_size = 100  # type: ignore[attr-defined]
-    with pytest.raises(InvalidRequest) as bad:
-        prompt_ids(_on_shard(tokens.model_copy(update={"prompt_token_ids": [1, 100]})), engine)
-    assert bad.value.param == "prompt"
+    for ids in ([1, -1], [1, 100]):  # a negative id killed a torch engine (an index error in its step)
+        engine.vocab_size = 100  # type: ignore[attr-defined]
+        with pytest.raises(InvalidRequest) as bad:
+            prompt_ids(_on_shard(tokens.model_copy(update={"prompt_token_ids": ids})), engine)
+        assert bad.value.param == "prompt"
 
 
 def test_the_stream_is_reshaped_across_split_writes() -> None:
