@@ -122,3 +122,13 @@ def test_langchains_openai_llm_invokes_and_batches(gateway: Service) -> None:
     out = llm.generate(prompts)
     assert len(out.generations) == 10 and out.generations[0][0].text and all(len(g) == 1 for g in out.generations)
     assert out.generations[3][0].text == llm.invoke(prompts[3])
+
+
+def test_a_prompt_that_fills_the_context_beside_max_tokens_is_served(gateway: Service) -> None:
+    """No chat template: a prompt of the context less max_tokens (less one) is served, one more token is the
+    400 naming the prompt (the shard's 2048-token context)."""
+    client = sdk(gateway)
+    done = client.completions.create(model=MODEL, prompt=[5] * (2048 - 2 - 1), max_tokens=2, temperature=0)
+    assert done.usage is not None and done.usage.prompt_tokens == 2045
+    body = refusal(lambda: client.completions.create(model=MODEL, prompt=[5] * 2046, max_tokens=2))
+    assert (body["code"], body["param"]) == ("context_length_exceeded", "prompt"), body
