@@ -29,6 +29,7 @@ from data_plane.gateway.completions_wire import LegacyShape
 from data_plane.gateway.context import TEMPLATE_SLACK_TOKENS, Window
 from data_plane.gateway.metrics import request_code
 from data_plane.gateway.phases import Caller, Checked, Opened, Prepared
+from data_plane.gateway.safety.pipeline import SafetyPolicy
 from data_plane.gateway.stream import EventSource
 from data_plane.membership.view import Member
 from data_plane.protocol import ChatCompletionRequest
@@ -72,6 +73,15 @@ class CompletionsHandler(ChatHandler):
                                         "fit in this model's context beside max_tokens; shorten the prompt or lower "
                                         "max_tokens", param="prompt")
         return Window(prompt, tokens, 0)
+
+    async def _budget(self, caller: Caller, checked: Checked) -> tuple[Checked, SafetyPolicy]:
+        """The chat path's, with a token-id prompt's ids in the rate limit's estimate (the messages hold no text
+        for them): counted as tokens outside the window are, then left out again (`fit` counts them)."""
+        ids = sum(len(p.ids or ()) for p in self.legacy.prompts) if self.legacy else 0
+        if not ids:
+            return await super()._budget(caller, checked)
+        budgeted, policy = await super()._budget(caller, replace(checked, tools_tokens=checked.tools_tokens + ids))
+        return replace(budgeted, tools_tokens=checked.tools_tokens), policy
 
     async def _prepare(self, caller: Caller, checked: Checked) -> Prepared:
         legacy = self.legacy

@@ -8,6 +8,7 @@ Real processes: the session's fp32 shard (greedy output is batch-invariant), a c
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -132,3 +133,13 @@ def test_a_prompt_that_fills_the_context_beside_max_tokens_is_served(gateway: Se
     assert done.usage is not None and done.usage.prompt_tokens == 2045
     body = refusal(lambda: client.completions.create(model=MODEL, prompt=[5] * 2046, max_tokens=2))
     assert (body["code"], body["param"]) == ("context_length_exceeded", "prompt"), body
+
+
+def test_a_token_id_prompt_is_in_the_rate_limits_estimate(gateway: Service) -> None:
+    """The TPM estimate counted a token-id prompt as an empty message (~10 tokens): its ids are counted."""
+    time.sleep(2)  # the plus tier's 200k TPM refills ~3.3k tokens a second: the bucket is full again
+    raw = httpx.post(gateway.url + "/v1/completions", headers={"Authorization": f"Bearer {KEYS['plus']}"},
+                     json={"model": MODEL, "prompt": [5] * 1500, "max_tokens": 2}, timeout=120)
+    assert raw.status_code == 200, raw.text
+    taken = int(raw.headers["x-ratelimit-limit-tokens"]) - int(raw.headers["x-ratelimit-remaining-tokens"])
+    assert taken >= 1500 + 2, raw.headers
