@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -143,3 +144,21 @@ def test_a_token_id_prompt_is_in_the_rate_limits_estimate(gateway: Service) -> N
     assert raw.status_code == 200, raw.text
     taken = int(raw.headers["x-ratelimit-limit-tokens"]) - int(raw.headers["x-ratelimit-remaining-tokens"])
     assert taken >= 1500 + 2, raw.headers
+
+
+def test_a_deterministic_completion_is_answered_from_the_response_cache(fp32_shard: Service,
+                                                                         tmp_path: Path) -> None:
+    """With --response-cache, a repeated temperature-0 completion is a HIT with the same text (echo applied to the
+    cached reply as to a fresh one), counted under api="text_completion"; a chat request of the same words misses."""
+    with gateway_before(fp32_shard, tmp_path, args=["--response-cache"]) as gw:
+        headers = {"Authorization": f"Bearer {KEYS['plus']}"}
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+        first = httpx.post(gw.url + "/v1/completions", headers=headers, json=body, timeout=120)
+        again = httpx.post(gw.url + "/v1/completions", headers=headers, json={**body, "echo": True}, timeout=120)
+        assert (first.headers["x-cache"], again.headers["x-cache"]) == ("MISS", "HIT")
+        assert again.json()["choices"][0]["text"] == PROMPT + first.json()["choices"][0]["text"]
+        assert again.json()["object"] == "text_completion"
+        chat = httpx.post(gw.url + "/v1/chat/completions", headers=headers, timeout=120, json={
+            "model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4, "temperature": 0})
+        assert chat.headers["x-cache"] == "MISS"
+        assert metric(gw.url, "switchboard_response_cache_lookups_total", api="text_completion", result="hit") == 1
