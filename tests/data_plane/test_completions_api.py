@@ -19,6 +19,7 @@ from tests.support.chat import refusal, sdk
 from tests.support.cluster import KEYS, gateway_before
 from tests.support.metrics import metric
 from tests.support.procs import Service
+from tests.support.waits import eventually
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
@@ -149,8 +150,11 @@ def test_a_token_id_prompt_is_in_the_rate_limits_estimate(gateway: Service) -> N
 def test_a_deterministic_completion_is_answered_from_the_response_cache(fp32_shard: Service,
                                                                          tmp_path: Path) -> None:
     """With --response-cache, a repeated temperature-0 completion is a HIT with the same text (echo applied to the
-    cached reply as to a fresh one), counted under api="text_completion"; a chat request of the same words misses."""
-    with gateway_before(fp32_shard, tmp_path, args=["--response-cache"]) as gw:
+    cached reply as to a fresh one), counted under api="text_completion"; a chat request of the same words misses.
+    Each request is a row of the usage ledger, as the key's GET /v1/usage sums them."""
+    db = f"sqlite:///{tmp_path / 'usage.db'}"
+    with gateway_before(fp32_shard, tmp_path, args=["--response-cache", "--usage-db", db,
+                                                    "--usage-flush-interval-s", "0.2"]) as gw:
         headers = {"Authorization": f"Bearer {KEYS['plus']}"}
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
         first = httpx.post(gw.url + "/v1/completions", headers=headers, json=body, timeout=120)
@@ -162,3 +166,11 @@ def test_a_deterministic_completion_is_answered_from_the_response_cache(fp32_sha
             "model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4, "temperature": 0})
         assert chat.headers["x-cache"] == "MISS"
         assert metric(gw.url, "switchboard_response_cache_lookups_total", api="text_completion", result="hit") == 1
+        billed = sum(r.json()["usage"]["completion_tokens"] for r in (first, again, chat))
+
+        def ledger() -> bool:
+            page = httpx.get(gw.url + "/v1/usage", params={"bucket_width": "1h"}, headers=headers, timeout=30).json()
+            rows = [x for b in page["data"] for x in b["results"]]
+            return sum(x["num_model_requests"] for x in rows) == 3 and sum(x["output_tokens"] for x in rows) == billed
+
+        eventually(ledger, timeout_s=30, what="the three requests' ledger rows")
