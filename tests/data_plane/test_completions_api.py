@@ -8,9 +8,12 @@ Real processes: the session's fp32 shard (greedy output is batch-invariant), a c
 
 from __future__ import annotations
 
+import json
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -18,7 +21,7 @@ import pytest
 from tests.support.chat import refusal, sdk
 from tests.support.cluster import KEYS, gateway_before
 from tests.support.metrics import metric
-from tests.support.procs import Service
+from tests.support.procs import CLUSTER_HEADERS, Service
 from tests.support.waits import eventually
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -174,3 +177,26 @@ def test_a_deterministic_completion_is_answered_from_the_response_cache(fp32_sha
             return sum(x["num_model_requests"] for x in rows) == 3 and sum(x["output_tokens"] for x in rows) == billed
 
         eventually(ledger, timeout_s=30, what="the three requests' ledger rows")
+
+
+def test_a_completion_is_traced_across_the_gateway_and_the_shard_without_its_prompt(gateway: Service,
+                                                                                   fp32_shard: Service) -> None:
+    trace_id = uuid.uuid4().hex
+    secret = "Zanzibar-7731 is the passphrase and"
+    r = httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": secret, "max_tokens": 2},
+                   headers={"Authorization": f"Bearer {KEYS['plus']}",
+                            "traceparent": f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"}, timeout=120)
+    assert r.status_code == 200, r.text
+
+    def spans(url: str) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = httpx.get(url + "/debug/spans", params={"trace_id": trace_id},
+                                                headers=CLUSTER_HEADERS, timeout=30).json()
+        return found
+
+    eventually(lambda: any(s["name"] == "shard.generate" for s in spans(fp32_shard.url)), timeout_s=30)
+    both = spans(gateway.url) + spans(fp32_shard.url)
+    names = {s["name"]: s for s in both}
+    assert {"gateway.request", "router.route", "admission.queue", "shard.generate"} <= set(names), sorted(names)
+    assert names["gateway.request"]["attributes"]["gen_ai.operation.name"] == "text_completion"
+    assert names["shard.generate"]["attributes"]["gen_ai.operation.name"] == "text_completion"
+    assert "Zanzibar" not in json.dumps(both)
