@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -34,6 +34,7 @@ from data_plane.gateway.stream import EventSource
 from data_plane.membership.view import Member
 from data_plane.protocol import ChatCompletionRequest
 from data_plane.routing.events import Delta, Event, Finish, ToolCallDelta, UsageEvent
+from data_plane.routing.resume import ResumableStream
 from data_plane.tiers import Tier
 
 tracer = trace.get_tracer(__name__)
@@ -105,18 +106,12 @@ class CompletionsHandler(ChatHandler):
         tenant = caller.principal.tenant
         tokens = sum(p.window.prompt_tokens + p.max_tokens * (self.legacy.n if self.legacy else 1) for p in self._parts)
         x.admitted(await rt.admission.acquire(tier, caller.tiers, tenant=tenant, tokens=tokens, slots=checked.choices))
-        streams: list[EventSource] = []
-        try:
-            with tracer.start_as_current_span("router.route") as route_span:
-                for p in self._parts:
-                    shard = await rt.upstream.open_resumable(p.request, None)
-                    rt.router.observe_kv(None, shard.member.id, p.window.prompt_tokens)
-                    streams.append(shard)
-                route_span.set_attribute("switchboard.shard", streams[0].member.id)
-        except BaseException:
-            for s in streams:
-                s.close()
-            raise
+        with tracer.start_as_current_span("router.route") as route_span:
+            streams = await _open_all([rt.upstream.open_resumable(p.request, None) for p in self._parts])
+            for p, shard in zip(self._parts, streams, strict=True):
+                rt.router.observe_kv(None, shard.member.id, p.window.prompt_tokens)  # kv_aware routing
+            route_span.set_attribute("switchboard.shard", streams[0].member.id)
+            route_span.set_attribute("switchboard.prompts", len(streams))
         x.first_token_at = time.monotonic()
         return Prompts(streams, self.legacy.n if self.legacy else 1)
 
@@ -133,11 +128,36 @@ class CompletionsHandler(ChatHandler):
         await super().respond_stream(opened, self._shape().send(send), headers)
 
 
+async def _open_all(opening: list[Coroutine[Any, Any, ResumableStream]]) -> list[ResumableStream]:
+    """Every prompt's shard stream, opened at once (each waits for its first token); when one fails, or the
+    request is cancelled meanwhile, the ones that opened are closed (their shards abort) and it is raised."""
+    tasks = [asyncio.ensure_future(c) for c in opening]
+    try:
+        await asyncio.wait(tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks)
+        _close_opened(tasks)
+        raise
+    failed = next((t.exception() for t in tasks if t.exception() is not None), None)
+    if failed is not None:
+        _close_opened(tasks)
+        raise failed
+    return [t.result() for t in tasks]
+
+
+def _close_opened(tasks: Sequence[asyncio.Future[ResumableStream]]) -> None:
+    for t in tasks:
+        if t.done() and not t.cancelled() and t.exception() is None:
+            t.result().close()
+
+
 class Prompts:
     """Several prompts' shard streams as one (an EventSource): prompt k's choice i is choice k * n + i, the
     usage is their sum once every stream gave its own."""
 
-    def __init__(self, streams: list[EventSource], n: int) -> None:
+    def __init__(self, streams: Sequence[EventSource], n: int) -> None:
         self.streams = streams
         self.n = n
         self.member: Member = streams[0].member

@@ -16,7 +16,7 @@ import pytest
 
 from data_plane.chat_messages import ChatMessage
 from data_plane.common.errors import InvalidRequest
-from data_plane.gateway.completions import Prompts
+from data_plane.gateway.completions import Prompts, _open_all
 from data_plane.gateway.completions_wire import LegacyShape
 from data_plane.protocol import ShardRequest, parse_chat_request
 from data_plane.routing.events import Delta, Event, Finish, UsageEvent
@@ -111,3 +111,18 @@ def test_several_prompts_streams_are_one_with_their_choices_indexed_per_prompt()
     assert events[-1] == UsageEvent(7, 3, 1)
     merged.close()
     assert a.closed and b.closed
+
+
+def test_when_one_prompts_stream_fails_to_open_the_others_are_closed() -> None:
+    opened = _Source([])
+
+    async def ok() -> Any:
+        return opened
+
+    async def refused() -> Any:
+        await asyncio.sleep(0.01)
+        raise InvalidRequest("prompt token id 7 is out of vocabulary", param="prompt")
+
+    with pytest.raises(InvalidRequest):
+        asyncio.run(_open_all([ok(), refused()]))
+    assert opened.closed, "the stream that opened was closed: its shard aborts, not generating for nobody"
