@@ -41,6 +41,7 @@ tracer = trace.get_tracer(__name__)
 
 COMPLETIONS_PATH = "/v1/completions"
 
+
 class CompletionsHandler(ChatHandler):
     """One legacy completions request (see the module docstring)."""
 
@@ -49,6 +50,8 @@ class CompletionsHandler(ChatHandler):
     legacy: LegacyRequest | None = None
     _prompt_ids: list[int] | None = None
     """The token ids of the prompt being fitted (`fit`), when it came as ids."""
+    _parts: list[Prepared]
+    """Each prompt's window and shard request (`_prepare`), in prompt order."""
 
     def _record(self, outcome: Outcome) -> None:
         super()._record(outcome)  # the ledger's row and switchboard_gateway_requests_total, as every chat request's

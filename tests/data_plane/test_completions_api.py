@@ -109,6 +109,9 @@ def test_bad_requests_are_openai_shaped_400s_naming_the_param(gateway: Service) 
     assert r.status_code == 400 and r.json()["error"]["param"] == "raw_prompt"
     r = httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=60)
     assert r.status_code == 401
+    r = httpx.post(gateway.url + "/v1/completions", headers={"Authorization": f"Bearer {KEYS['plus']}"},
+                   json={"model": MODEL, "prompt": "x" * (2 << 20)}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
     assert metric(gateway.url, "switchboard_gateway_endpoint_requests_total", endpoint="completions",
                   status="400") >= len(cases) + 2
     assert metric(gateway.url, "switchboard_gateway_endpoint_requests_total", endpoint="completions",
