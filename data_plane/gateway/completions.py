@@ -164,18 +164,19 @@ class Prompts:
         self.streams = streams
         self.n = n
         self.member: Member = streams[0].member
+        self._pumps: list[asyncio.Task[None]] = []
 
-    async def _pump(self, k: int, queue: asyncio.Queue[tuple[int, list[Event] | BaseException | None]]) -> None:
+    async def _pump(self, k: int, queue: asyncio.Queue[tuple[int, list[Event] | Exception | None]]) -> None:
         try:
             async for events in self.streams[k].batches():
                 await queue.put((k, events))
             await queue.put((k, None))
-        except BaseException as exc:  # noqa: BLE001 -- handed to the reader, which raises it
+        except Exception as exc:  # noqa: BLE001 -- handed to the reader, which raises it
             await queue.put((k, exc))
 
     async def batches(self) -> AsyncIterator[list[Event]]:
-        queue: asyncio.Queue[tuple[int, list[Event] | BaseException | None]] = asyncio.Queue()
-        tasks = [asyncio.create_task(self._pump(k, queue)) for k in range(len(self.streams))]
+        queue: asyncio.Queue[tuple[int, list[Event] | Exception | None]] = asyncio.Queue()
+        tasks = self._pumps = [asyncio.create_task(self._pump(k, queue)) for k in range(len(self.streams))]
         usage = [UsageEvent(0, 0)] * len(self.streams)
         running = len(tasks)
         try:
@@ -184,7 +185,7 @@ class Prompts:
                 if item is None:
                     running -= 1
                     continue
-                if isinstance(item, BaseException):
+                if isinstance(item, Exception):
                     raise item
                 out: list[Event] = []
                 for event in item:
@@ -201,5 +202,8 @@ class Prompts:
                 t.cancel()
 
     def close(self) -> None:
+        """Synchronous, as a shard stream's: every stream closed (its shard aborts), the readers stopped."""
         for s in self.streams:
             s.close()
+        for t in self._pumps:
+            t.cancel()

@@ -126,3 +126,29 @@ def test_when_one_prompts_stream_fails_to_open_the_others_are_closed() -> None:
     with pytest.raises(InvalidRequest):
         asyncio.run(_open_all([ok(), refused()]))
     assert opened.closed, "the stream that opened was closed: its shard aborts, not generating for nobody"
+
+
+def test_a_failed_prompt_stream_fails_the_whole_and_close_stops_every_reader() -> None:
+    class Broken(_Source):
+        async def batches(self) -> AsyncIterator[list[Event]]:
+            yield [Delta("x")]
+            raise InvalidRequest("the shard went away", param=None)
+
+    class Endless(_Source):
+        async def batches(self) -> AsyncIterator[list[Event]]:
+            while True:
+                await asyncio.sleep(0.01)
+                yield [Delta("y")]
+
+    async def run() -> Prompts:
+        merged = Prompts([Broken([]), Endless([])], 1)  # type: ignore[list-item]
+        with pytest.raises(InvalidRequest):
+            async for _ in merged.batches():
+                pass
+        merged.close()
+        await asyncio.sleep(0.05)
+        assert all(t.done() for t in merged._pumps)
+        return merged
+
+    merged = asyncio.run(run())
+    assert all(s.closed for s in merged.streams)  # type: ignore[attr-defined]
