@@ -241,6 +241,19 @@ def test_incoming_traceparent_is_continued(node: Service, client: httpx.Client) 
     assert up == parent
 
 
+def test_a_refused_put_leaves_its_transcript_out_of_the_spans(node: Service, client: httpx.Client) -> None:
+    """A put that does not validate was recorded on its span as pydantic's error, whose words carry the
+    whole body: the transcript's text sat in /debug/spans (and went to any OTLP collector)."""
+    canary = f"canary-{uuid.uuid4().hex}"
+    session = sid()
+    refused = client.put(f"{node.url}/v1/sessions/{session}",
+                         json={"owner": 5, "messages": [{"role": "user", "content": canary}]})
+    assert_openai_error(refused, 400)
+    spans = client.get(f"{node.url}/debug/spans").json()
+    assert any(session in json.dumps(s) for s in spans)  # the put was traced
+    assert canary not in json.dumps(spans)
+
+
 def test_a_request_refused_before_its_route_stays_in_the_callers_trace(node: Service, client: httpx.Client) -> None:
     """FastAPI refuses the query before the route opens its span: the error's own span continues the
     caller's traceparent (it was a root, a trace the caller's never led to, named in the error body)."""
