@@ -276,7 +276,8 @@ class KVTier:
         queued = time.perf_counter()
         async with self._fetch_gate:  # one at a time: the first resumes (prefills) while the next arrives
             started = time.perf_counter()
-            with trace.use_span(span, end_on_exit=False):  # the nodes' kv_fetch spans join the turn's trace
+            # the turn's span current: the nodes' kv_fetch spans join its trace (it is not current here)
+            with trace.use_span(span, record_exception=False, set_status_on_exception=False):
                 got = await self.remote.fetch(ref.session_id, ref.replicas, hashes[:usable], skip=local)
             if got is not None:
                 scopes = self._scopes(usable, req.cache_salt, req.public_prefix_tokens)
