@@ -245,6 +245,26 @@ async def test_a_resumable_stream_continues_on_another_shard_with_the_text_so_fa
     assert count(registry, "switchboard_router_resumes_total", reason="stream_broken") == 1
 
 
+async def test_a_resumed_streams_cached_tokens_never_exceed_the_requests_prompt() -> None:
+    """The continuation's prompt holds the output sent before the break, and the shard's prefix cache can hit
+    all of it: 9 cached on a continuation of a 7-token prompt was reported as is (QA: `cached_tokens` 48 beside
+    `prompt_tokens` 46 after a shard was frozen mid-stream, in the client's usage and the ledger)."""
+    resumed_usage = b'data: {"usage": {"prompt_tokens": 9, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 9}}}'
+    pool = Pool(Response(200, [[token("Hel", 1)], [token("lo", 2)], HopDisconnected("reset")]),
+                Response(200, [[token(" there", 1)], [FINISH], [resumed_usage]]))
+    up, _ = upstream(pool)
+    events = await drain(await up.open_resumable(BODY, session_id=None))
+    assert events[-1] == UsageEvent(7, 3, 7)
+    # the first shard said what it served from its cache of the request's own prompt: that is kept
+    first = json.loads(token("Hel", 1)[6:])
+    first["usage"]["prompt_tokens_details"] = {"cached_tokens": 4}
+    pool = Pool(Response(200, [[b"data: " + json.dumps(first).encode()], [token("lo", 2)], HopDisconnected("reset")]),
+                Response(200, [[token(" there", 1)], [FINISH], [resumed_usage]]))
+    up, _ = upstream(pool)
+    events = await drain(await up.open_resumable(BODY, session_id=None))
+    assert events[-1] == UsageEvent(7, 3, 4)
+
+
 async def test_resumes_stop_at_the_configured_number() -> None:
     def broken(text: str) -> Response:
         return Response(200, [[token(text, 1)], HopDisconnected("reset")])
