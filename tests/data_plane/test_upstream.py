@@ -333,6 +333,46 @@ async def test_a_lone_shard_dying_mid_stream_is_waited_for_and_the_stream_finish
     assert asyncio.get_running_loop().time() - t0 < RESUME_LEAVE_S + 2 and len(pool.posts) == 1
 
 
+async def test_a_lone_shard_lost_before_the_first_token_is_waited_for_too() -> None:
+    """QA through `up --shards 1`: the shard SIGSTOPped (or killed) while a request was queued or prefilling
+    answered the client 504 "sent nothing ... for 2 s" (502/503 when killed), while a stream one token further
+    on waited for the shard and finished. Nothing was sent yet, so with resume_wait_s the request waits as a
+    resume does; a live shard's own failure (a 503) is answered at once, as before."""
+    shard = Member("s0", "shard", "http://s0")
+    membership = Restarting([shard])
+    pool = Pool(HopConnectError("refused"), Response(200, [[token("Hi", 1)], [FINISH]]))
+    router = Router(membership, RouterMetrics(CollectorRegistry()), policy="least_loaded", rng=random.Random(3))
+    up = Upstream(router, pool, UpstreamConfig(resume_wait_s=10))
+
+    async def restart() -> None:
+        await asyncio.sleep(0.4)
+        membership.now = []        # the dead process's registration expires
+        await asyncio.sleep(0.6)
+        membership.now = [shard]   # its restart registers under the same id
+
+    restarting = asyncio.ensure_future(restart())
+    stream = await asyncio.wait_for(up.open_resumable(BODY, session_id=None), 10)
+    events = await asyncio.wait_for(drain(stream), 10)
+    await restarting
+    assert "".join(e.text for e in events if isinstance(e, Delta)) == "Hi" and len(pool.posts) == 2
+    assert pool.posts[1][1]["messages"] == BODY.wire()["messages"]  # the request as it was: nothing to continue
+
+    busy = b'{"error": {"message": "busy", "type": "server_error", "code": "overloaded"}}'
+    up = Upstream(Router(Restarting([shard]), RouterMetrics(CollectorRegistry()), policy="least_loaded"),
+                  Pool(Response(503, body=busy)), UpstreamConfig(resume_wait_s=60))
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(SwitchboardError):
+        await up.open_resumable(BODY, session_id=None)
+    assert asyncio.get_running_loop().time() - t0 < 1.0
+    # a shard that stays registered is not restarting: its failure comes back within seconds, not the wait
+    up = Upstream(Router(Restarting([shard]), RouterMetrics(CollectorRegistry()), policy="least_loaded"),
+                  Pool(HopConnectError("refused")), UpstreamConfig(resume_wait_s=60))
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(NoHealthyBackend, match="could not connect"):
+        await up.open_resumable(BODY, session_id=None)
+    assert asyncio.get_running_loop().time() - t0 < 5.0
+
+
 async def test_failure_labels_stay_bounded_whatever_the_shard_answers() -> None:
     """A remote status or error code never becomes a label: 507 is status_5xx, a mid-stream error
     event with the shard's own code resumes as stream_error."""
