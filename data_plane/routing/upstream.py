@@ -22,6 +22,7 @@ consumer asks, so a burst of tokens is one wake-up here and one write to the cli
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -116,6 +117,7 @@ class Upstream:
         self.headers = dict(headers or {})
         """Sent on every call to a shard: the cluster token (`cluster_headers`), which shards require."""
         self._live: set[ShardStream] = set()
+        self._reopens = itertools.count(1)
         """Open streams, so a membership change can fail those whose shard left."""
 
     def drop_lost(self, statuses: Mapping[str, str]) -> None:
@@ -142,6 +144,9 @@ class Upstream:
         loop = asyncio.get_running_loop()
         start = loop.time()
         left = False
+        if request.request_id is not None:  # the shard may still hold the failed attempt under the request's id (a
+            # frozen shard that runs again reads the new request before the old one's close: duplicate_request_id)
+            request = request.model_copy(update={"request_id": f"{request.request_id[:100]}-retry{next(self._reopens)}"})
         while True:
             try:
                 return await self.open(request, session_id, exclude=tried)

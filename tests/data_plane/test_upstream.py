@@ -351,11 +351,14 @@ async def test_a_lone_shard_lost_before_the_first_token_is_waited_for_too() -> N
         membership.now = [shard]   # its restart registers under the same id
 
     restarting = asyncio.ensure_future(restart())
-    stream = await asyncio.wait_for(up.open_resumable(BODY, session_id=None), 10)
+    body = BODY.model_copy(update={"request_id": "r1"})
+    stream = await asyncio.wait_for(up.open_resumable(body, session_id=None), 10)
     events = await asyncio.wait_for(drain(stream), 10)
     await restarting
     assert "".join(e.text for e in events if isinstance(e, Delta)) == "Hi" and len(pool.posts) == 2
     assert pool.posts[1][1]["messages"] == BODY.wire()["messages"]  # the request as it was: nothing to continue
+    # under another id: a frozen shard that runs again may still hold the first attempt (duplicate_request_id)
+    assert pool.posts[0][1]["request_id"] == "r1" and pool.posts[1][1]["request_id"].startswith("r1-retry")
 
     busy = b'{"error": {"message": "busy", "type": "server_error", "code": "overloaded"}}'
     up = Upstream(Router(Restarting([shard]), RouterMetrics(CollectorRegistry()), policy="least_loaded"),
@@ -476,7 +479,7 @@ async def test_several_choices_resume_each_from_its_own_text() -> None:
     (_, resumed) = pool.posts[1]
     assert len(pool.posts) == 2 and resumed["n"] == 1 and resumed["max_tokens"] == 9
     assert resumed["messages"][-1] == {"role": "assistant", "content": "Hello"} and resumed["continue_final_message"]
-    assert resumed["request_id"] == "r1-lane0"  # its own id: another choice may continue on the same shard
+    assert resumed["request_id"].startswith("r1-lane0-retry")  # its own id: another choice may continue on the same shard
     assert events[-1] == UsageEvent(7, (1 + 3) + 2, 0)  # choice 0: 1 then 3 on the second shard; choice 1: 2
     assert [e.usage for e in events if isinstance(e, Delta) and e.index == 0] == [(7, 1), (7, 2)]
     assert count(registry, "switchboard_router_resumes_total", reason="stream_broken") == 1
