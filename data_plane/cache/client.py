@@ -45,14 +45,13 @@ The wire contract both sides share (:class:`Transcript`, :data:`SESSION_ID_PATTE
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from opentelemetry import propagate, trace
@@ -93,11 +92,6 @@ CLOCK_SLACK_S = 5.0
 treated as possibly written under the old placement."""
 AUDIT_SHARE = 0.05
 """Share of reads that check the replicas they did not need to ask, whatever the above says."""
-
-
-@dataclass
-class _Outcome:
-    result: str = "error"
 
 
 class SessionStore:
@@ -148,7 +142,7 @@ class SessionStore:
         """The transcript of `session_id` if `owner` holds it; None for a new session. `expected`: the id was
         handed out (a client continues it), so a miss while a node that held it is lately away is a 503."""
         validate_session_id(session_id)
-        with self._op("load", "cache.get_context") as (outcome, span):
+        with self.metrics.op("load", "cache.get_context") as (outcome, span):
             targets = self.replicas_for(session_id, replicas)
             missing: list[Member] = []
             answered = False
@@ -203,7 +197,7 @@ class SessionStore:
         """Write the whole transcript to every replica at once (`only_newer`: the first that answers
         first, see the module docstring); returns how many acknowledged."""
         validate_session_id(session_id)
-        with self._op("save", "cache.append") as (outcome, span):
+        with self.metrics.op("save", "cache.append") as (outcome, span):
             targets = self.replicas_for(session_id, replicas)
             transcript = Transcript(session_id, owner, tuple(messages), version, updated_at=time.time())
             first: list[WriteResult] = []
@@ -250,7 +244,7 @@ class SessionStore:
         if found is None:
             raise NotFound(f"session {session_id!r} not found", param="session_id", code="session_not_found")
         await self.drain()  # a read-repair that load started must not write it back afterwards
-        with self._op("delete", "cache.delete") as (outcome, span):
+        with self.metrics.op("delete", "cache.delete") as (outcome, span):
             members = self._membership.members(self._service)
             held = sum(await asyncio.gather(*(self._delete_one(m, session_id) for m in members)))
             tombstone = Transcript(session_id, owner, (), TOMBSTONE_VERSION, updated_at=time.time())
@@ -354,18 +348,6 @@ class SessionStore:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- internals --------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _op(self, op: str, span_name: str) -> Iterator[tuple[_Outcome, trace.Span]]:
-        outcome = _Outcome()
-        started = time.perf_counter()
-        with tracer.start_as_current_span(span_name) as span:
-            try:
-                yield outcome, span
-            finally:
-                span.set_attribute("switchboard.cache.result", outcome.result)
-                self.metrics.ops.labels(op, outcome.result).inc()
-                self.metrics.seconds.labels(op).observe(time.perf_counter() - started)
 
     def _path(self, session_id: str) -> str:
         return f"{self._prefix}/{session_id}"  # the id is validated: URL-safe characters only
