@@ -64,6 +64,7 @@ from data_plane.cache.client_values import (
     Placement,
     RecordLimits,
     WriteResult,
+    handoffs,
     json_or_none,
     newest_last,
     put_body,
@@ -124,7 +125,7 @@ class SessionStore:
         self._http = CircuitHops(http, NodeCircuits(self.metrics.node_circuit))  # a node this gateway cannot reach
         self._membership, self._timeout_s = membership, timeout_s
         self._vnodes, self._service, self._prefix = vnodes, service, prefix
-        self._placement = Placement()
+        self._placement = self._previous = Placement()
         self._departures = Departures()
         self._repairs: set[asyncio.Task[None]] = set()
         self._suspects: OrderedDict[str, None] = OrderedDict()
@@ -157,6 +158,13 @@ class SessionStore:
                     answered = True
                     missing.append(member)
             span.set_attribute("switchboard.session.replicas_missing", len(missing))
+            extra = handoffs(self._previous, self._placement, session_id, replicas, self._zone, targets)
+            if found is None and extra:  # written while a node that joined since was away: on the one before it
+                for member in extra:
+                    kind, found = await self._fetch(member, session_id)
+                    answered = answered or kind != "error"
+                    if found is not None:
+                        break
             if found is None:
                 if not answered:
                     raise Overloaded("no cache replica answered", code="cache_unavailable", retry_after=1)
@@ -168,8 +176,8 @@ class SessionStore:
                 outcome.result = "miss"
                 return None
             if self._may_lag(found):  # a replica not asked may hold a newer version, or the record's tombstone
-                found, stale = await self._newest(member, found, targets[asked:])
-                missing += stale
+                found, stale = await self._newest(member, found, targets[asked:] + extra)
+                missing += [m for m in stale if m not in extra]  # the handoff's copy is left to its TTL
             if found.owner != owner and not found.deleted:
                 outcome.result = "denied"  # and nothing repaired on another key's behalf
                 raise NotFound(
@@ -281,6 +289,7 @@ class SessionStore:
         key = tuple((m.id, m.url, m.zone) for m in members)
         if key != self._placement.key:
             added = {m.id for m in members} - set(self._placement.by_id)
+            self._previous = self._placement
             self._departures.changed(self._placement, {m.id for m in members})
             self._http.circuits.membership_changed({m.url for m in members if m.id in added}, {m.url for m in members})
             if added and self._placement.key:  # a node (or a zone) joined or came back
@@ -322,6 +331,7 @@ class SessionStore:
                     return
                 fresh = [m for m in targets if m.id in added]  # noqa: B023 -- `one` is awaited in this pass
                 sources = [m for m in targets if m.id not in added]  # noqa: B023
+                sources += handoffs(self._previous, self._placement, session_id, replicas, self._zone, targets)
                 if not fresh or not sources:
                     return
                 async with gate:  # noqa: B023
