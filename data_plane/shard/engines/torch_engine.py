@@ -306,8 +306,8 @@ class TorchEngine:
         draws = None
         if not req.params.greedy:  # a resumed stream samples on from the position after the text already sent
             draws = Draws(req.params.seed, offset=made)
-        seq = SeqState(req=req, max_tokens=max_tokens, sink=sink, stream=TextStream(self._decode_ids, req.params.stop),
-                       draws=draws)
+        stream = TextStream(self._decode_ids, req.params.stop, max(0, req.params.min_tokens - made))  # made: sent
+        seq = SeqState(req=req, max_tokens=max_tokens, sink=sink, stream=stream, draws=draws)
         if self.prefix is not None:
             seq.block_hashes = self.prefix.hashes(req.prompt_ids, req.cache_salt, req.public_prefix_tokens)
         with self._lock:
