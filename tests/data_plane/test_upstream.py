@@ -506,6 +506,23 @@ async def test_several_choices_resume_each_from_its_own_text() -> None:
     stream.close()
 
 
+async def test_a_choice_seeded_near_the_int64_limit_resumes() -> None:
+    """Choice i of n samples with seed + i; a request seeded 2**63 - 1 sent its choice 1's lane seed 2**63,
+    which the shard refuses (400: seed is an int64), so the choice could not continue. The lane's seed is
+    wrapped into int64, the same seed modulo 2**64 (what the shard's draws mix: torch_sampling._mix)."""
+    pool = Pool(Response(200, [[choice(0, "Hi", 1), choice(0, "", 1, "stop"), choice(1, "Hello", 1)],
+                               HopDisconnected("reset")]),
+                Response(200, [[token(" there", 1)], [FINISH], [USAGE]]))
+    up, _ = upstream(pool)
+    stream = await up.open_resumable(ShardRequest.model_validate({**BODY.wire(), "n": 2, "max_tokens": 10,
+                                                                  "seed": 2**63 - 1}), session_id=None)
+    await drain(stream)
+    (_, resumed) = pool.posts[1]
+    assert resumed["messages"][-1]["content"] == "Hello"
+    assert resumed["seed"] == -(2**63) and (resumed["seed"] - 2**63) % 2**64 == 0
+    ShardRequest.model_validate(resumed)  # what the shard validates: in range
+
+
 # -- counting a prompt (POST /v1/responses/input_tokens): no stream, the same retry rules ------------
 
 
