@@ -70,6 +70,13 @@ class UpSettings(BaseSettings):
         "Zones to spread the processes over, e.g. a,b: shards and cache nodes round-robin (at least one of each "
         "per zone), one gateway per zone on --gateway-port, +1, ... (default: one zone, 'local')."))
 
+    @field_validator("usage_db")
+    @classmethod
+    def _usage_db(cls, v: str | None) -> str | None:
+        from data_plane.ledger.store import check_usage_db
+
+        return check_usage_db(v)
+
     @field_validator("trusted_proxies")
     @classmethod
     def _networks(cls, v: str | None) -> str | None:
