@@ -217,7 +217,12 @@ def run(args: argparse.Namespace, admin: AdminClient) -> None:
         print(f"degradation level {body.get('level')} ({body.get('name', '')}): "
               + (str(body.get("reason", "")) if body.get("pinned") else "automatic (the pin is released)"))
     else:
-        print(f"{body.get('id', args.member)}: {body.get('status')}")
+        member = body.get("id", args.member)
+        print(f"{member}: {body.get('status')}")
+        if args.command == "drain" and body.get("status") == "draining":
+            print(f"{PROG}: {member} stays drained until `{PROG} undrain {member}` or until it stops cleanly "
+                  "(SIGTERM, `switchboard up` stopped): then it deregisters and comes back undrained; a crash or a "
+                  "kill -9 keeps the drain", file=sys.stderr)
 
 
 def set_tier(admin: AdminClient, name: str, changes: dict[str, Any]) -> dict[str, Any]:

@@ -43,8 +43,9 @@ def test_status_drain_undrain_and_a_pin(env, admin, capsys) -> None:
     shard = env.shards[0]
     member = next(m["id"] for m in admin.get("/admin/v1/members").json()["members"] if m["url"] == shard.url)
     try:
-        code, out, _ = run(capsys, "drain", member)
+        code, out, err = run(capsys, "drain", member)
         assert (code, out.strip()) == (0, f"{member}: draining")
+        assert "comes back undrained" in err and "kill -9 keeps the drain" in err  # when it ends by itself
         assert next(m for m in admin.get("/admin/v1/members").json()["members"] if m["id"] == member)["draining"]
         code, out, _ = run(capsys, "status")
         assert "shards    1/2 passing (1 draining)" in out
