@@ -253,8 +253,16 @@ def _matches(args: argparse.Namespace, entries: list[dict[str, Any]]) -> set[int
     return {i for i, d in enumerate(digests) if d in hits}
 
 
+def _existing(path: Path) -> Path:
+    """`path` if the keys file is there: its lock file beside it cannot be made in a missing folder, and
+    that error named a hidden lock file instead of the keys file."""
+    if not path.exists():
+        _fail(1, f"no keys file at {path} (run `switchboard up` there first, or pass --keys-file)")
+    return path
+
+
 def revoke(args: argparse.Namespace, path: Path) -> None:
-    with locked(path):
+    with locked(_existing(path)):
         text, entries = _read(path)
         gone = _matches(args, entries)
         _write(path, remove_entries(text, gone))
@@ -269,7 +277,7 @@ def set_tier(args: argparse.Namespace, path: Path) -> None:
     names, where = _tiers(args.tiers_file, path)
     if args.new_tier not in names:
         _fail(2, f"unknown tier {args.new_tier!r}; known tiers: {', '.join(sorted(names))} ({where})")
-    with locked(path):
+    with locked(_existing(path)):
         text, entries = _read(path)
         moved = _matches(args, entries)
         _write(path, set_fields(text, {i: {"tier": args.new_tier} for i in moved}))
