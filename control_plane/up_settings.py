@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from data_plane.cache.model import REDIS_URL_PATTERN
 from data_plane.common.settings_cli import InputFile
 from data_plane.membership.placement import ZONE_PATTERN
 
@@ -47,7 +48,8 @@ class UpSettings(BaseSettings):
         "Stage processes per shard (a replica is a whole pipeline group: data_plane/shard/engines/pipeline.py)."))
     max_model_len: int = Field(2048, ge=16, description="Context window per shard.")
     state_dir: str = Field(".switchboard", description="Where credentials, logs, the usage ledger and the cache nodes' records (without --redis) go.")
-    redis: str | None = Field(None, description="Redis URL for cache nodes (default: in memory).")
+    redis: str | None = Field(None, pattern=REDIS_URL_PATTERN,
+                              description="Redis URL for cache nodes (default: in memory).")
     log_max_bytes: int = Field(50 * 2**20, ge=0, description=(
         "Rotate a process's log in STATE_DIR/logs when it reaches this size (copy, then truncate; 0 = never)."))
     log_backups: int = Field(3, ge=0, le=100, description="Rotated copies kept per log (<name>.log.1 is the newest).")

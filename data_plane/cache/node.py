@@ -53,6 +53,7 @@ from data_plane.cache.kv_routes import KVNode, announce_kv_bytes, mount_kv
 from data_plane.cache.model import (
     LIMIT_HEADER,
     LIMIT_META,
+    REDIS_URL_PATTERN,
     SECONDS_BUCKETS,
     Transcript,
     VersionConflict,
@@ -102,7 +103,7 @@ class CacheNodeSettings(BaseSettings):
     """Address to bind."""
     port: int = Field(8201, ge=1, le=65535)
     """Port to bind."""
-    redis: str | None = None
+    redis: str | None = Field(None, pattern=REDIS_URL_PATTERN)
     """``redis://`` URL: store transcripts in Redis instead of process memory."""
     redis_prefix: str | None = None
     """Redis key prefix (default ``switchboard:<node_id>:session:``, so nodes may share a Redis)."""

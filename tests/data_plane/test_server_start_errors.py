@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.support.cluster import ADMIN_TOKEN, open_control_plane
-from tests.support.procs import ROOT
+from tests.support.procs import ROOT, free_port
 
 
 @pytest.mark.parametrize(("command", "args"), [
@@ -53,3 +53,18 @@ def test_a_state_dir_that_cannot_be_made_is_one_line(command: str, tmp_path) -> 
     assert ran.returncode == 1 and "Traceback" not in ran.stderr, ran.stderr
     assert ran.stderr.strip().splitlines()[-1].startswith(f"switchboard {command}: {tmp_path / 'afile'}/"), ran.stderr
     assert ran.stderr.strip().endswith(": Not a directory"), ran.stderr
+
+
+@pytest.mark.parametrize("command", ["up", "cache-node"])
+def test_a_redis_url_redis_py_cannot_read_is_one_line(command: str, tmp_path) -> None:
+    """`up --redis localhost:6379` (no scheme) started everything, then showed the cache node's 20-line
+    traceback from redis-py's from_url and stopped."""
+    safe = ["--engine", "synthetic", "--no-console", "--shards", "1", "--cache-nodes", "1", "--gateway-port",
+            str(free_port()), "--control-plane-port", str(free_port())] if command == "up" else []  # were it to start
+    ran = subprocess.run([sys.executable, "-m", "control_plane.cli", command, "--redis", "localhost:6379", *safe],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert ran.returncode == 2 and "Traceback" not in ran.stderr, ran.stderr
+    assert ran.stderr.strip().splitlines() == [
+        f"switchboard {command}: --redis: String should match pattern '^(redis|rediss|unix)://'"], ran.stderr
+    assert "starting control plane" not in ran.stdout and not list(tmp_path.iterdir())
