@@ -171,7 +171,12 @@ def main(argv: list[str] | None = None) -> None:
     except Unreachable as exc:
         tls = " and, for https, --ca-bundle (the CA that signed its certificate)" if (
             settings.control_plane_url.startswith("https://")) else ""
-        raise SystemExit(f"{PROG}: {exc.message}; check --control-plane-url{tls}") from None
+        unused = settings.credentials().get("control_plane_url") if (
+            settings.admin_token is not None and "control_plane_url" not in settings.model_fields_set) else None
+        why = (f" ({ENV_ADMIN_TOKEN} is set, so the control plane {unused} that {settings.credentials_file} names "
+               f"is not used: an environment token never goes to a URL a file names; pass it as --control-plane-url "
+               f"or unset {ENV_ADMIN_TOKEN})") if unused and unused != settings.control_plane_url else ""
+        raise SystemExit(f"{PROG}: {exc.message}; check --control-plane-url{tls}{why}") from None
     except NotAvailable as exc:
         raise SystemExit(f"{PROG}: {exc.message}") from None
     except ConsoleError as exc:
