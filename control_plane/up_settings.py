@@ -15,8 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from data_plane.cache.model import REDIS_URL_PATTERN
-from data_plane.common.settings_cli import InputFile
+from data_plane.common.settings_cli import REDIS_URL_PATTERN, InputFile
 from data_plane.membership.placement import ZONE_PATTERN
 
 

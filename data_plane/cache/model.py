@@ -22,8 +22,6 @@ SESSION_ID_PATTERN = r"[A-Za-z0-9_.:-]{1,128}"
 _SESSION_ID_RE = re.compile(SESSION_ID_PATTERN)
 MAX_RECORD_BYTES = 256 * 1024 * 1024
 """The largest session record a cache node may hold (its --max-body-bytes ceiling)."""
-REDIS_URL_PATTERN = r"^(redis|rediss|unix)://"
-"""What redis-py's from_url takes (a cache node's --redis, `up --redis`): another value was a traceback at start."""
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 

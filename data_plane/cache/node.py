@@ -53,7 +53,6 @@ from data_plane.cache.kv_routes import KVNode, announce_kv_bytes, mount_kv
 from data_plane.cache.model import (
     LIMIT_HEADER,
     LIMIT_META,
-    REDIS_URL_PATTERN,
     SECONDS_BUCKETS,
     Transcript,
     VersionConflict,
@@ -73,6 +72,7 @@ from data_plane.common.hop_auth import (
 )
 from data_plane.common.http_body import read_json_body
 from data_plane.common.http_server import serve
+from data_plane.common.settings_cli import REDIS_URL_PATTERN
 from data_plane.common.settings_cli import parse_settings as cli_settings
 from data_plane.common.tasks import stop_tasks
 from data_plane.common.telemetry import (

@@ -369,12 +369,15 @@ def listen_socket(host: str, port: int, process: str = "gateway") -> socket.sock
     """The bound listening socket uvicorn would make (its Config.bind_socket), or exit in one line naming the
     address: a port already in use was uvicorn's ERROR line among the startup's, after the lifespan had loaded
     the model and registered the member, and exit code 3."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock: socket.socket | None = None
     try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:  # socket.gaierror too: a host that does not resolve
+        if sock is not None:
+            sock.close()
         held = " (another process holds it: stop it, or give this one another --port)" if (
             exc.errno == errno.EADDRINUSE) else ""
         raise SystemExit(f"switchboard {COMMANDS.get(process, process)}: cannot listen on {host}:{port}: "
