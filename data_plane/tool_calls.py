@@ -52,6 +52,34 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
+_HEX = "0123456789abcdefABCDEF"
+_LOW_ESCAPE = ("\\", "u", "dD", "cdefCDEF", _HEX, _HEX)
+"""The shape of an escaped low surrogate, character by character: `\\uDC00` to `\\uDFFF`."""
+
+
+def _unicode_escape(buf: str, i: int) -> tuple[str, int]:
+    """The character the `\\uXXXX` escape at `buf[i]` stands for and the characters it takes (0: wait for
+    more text). JSON's grammar admits any four hex digits, and so may vLLM's grammar backends (a torch
+    shard's llguidance grammar writes no surrogate escape), so a model may write half a surrogate pair: as
+    a UTF-8 decoder does with broken bytes, that half is U+FFFD. Kept, a lone surrogate was no text at
+    all (the shard's SSE line could not be encoded), and a half followed by other text raised."""
+    digits = buf[i + 2 : i + 6]
+    if not all(c in _HEX for c in digits):  # not an escape a JSON grammar writes: keep the text readable
+        return "\ufffd", 2
+    cp = int(digits, 16)
+    if 0xDC00 <= cp < 0xE000:
+        return "\ufffd", 6
+    if not 0xD800 <= cp < 0xDC00:
+        return chr(cp), 6
+    tail = buf[i + 6 : i + 12]
+    if any(c not in allowed for c, allowed in zip(tail, _LOW_ESCAPE, strict=False)):
+        return "\ufffd", 6  # the next text is no low surrogate: this half stands alone
+    if len(tail) < len(_LOW_ESCAPE):
+        return "", 0
+    low = int(buf[i + 8 : i + 12], 16)
+    return chr(0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00)), 12
+
+
 class _Value:
     """Tracks a raw JSON value's end (depth, strings) character by character."""
 
@@ -146,16 +174,11 @@ class EnvelopeParser:
             if code == "u":
                 if i + 6 > len(buf):
                     break
-                cp = int(buf[i + 2 : i + 6], 16)
-                if 0xD800 <= cp < 0xDC00:  # a surrogate pair: wait for its second half
-                    if i + 12 > len(buf):
-                        break
-                    low = int(buf[i + 8 : i + 12], 16)
-                    text.append(chr(0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00)))
-                    i += 12
-                    continue
-                text.append(chr(cp))
-                i += 6
+                char, used = _unicode_escape(buf, i)
+                if not used:  # a high surrogate whose second half may still come
+                    break
+                text.append(char)
+                i += used
                 continue
             text.append(_ESCAPES.get(code, code))
             i += 2

@@ -60,7 +60,13 @@ from data_plane.cache.model import (
 )
 from data_plane.cache.snapshot import Snapshot
 from data_plane.cache.storage import ManagedStorage, MemoryStorage, RedisStorage
-from data_plane.common.errors import NotFound, PayloadTooLarge, SwitchboardError, install_error_handlers
+from data_plane.common.errors import (
+    NotFound,
+    PayloadTooLarge,
+    SwitchboardError,
+    install_error_handlers,
+    name_request,
+)
 from data_plane.common.hop_auth import (
     TOKENS_HELP,
     RefusalMetrics,
@@ -284,6 +290,7 @@ class CacheNodeMetrics:
             try:
                 yield outcome
             except SwitchboardError as exc:
+                name_request(request, span)  # its error names this span's trace (the caller's), not one of its own
                 span.set_attribute("http.response.status_code", exc.status)
                 if exc.status >= 500:
                     span.set_status(trace.StatusCode.ERROR, exc.code or "")

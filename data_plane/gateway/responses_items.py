@@ -297,27 +297,49 @@ class ResponsesRequest(BaseModel):
 CHAT_TO_RESPONSES = {"response_format": "text.format", "max_tokens": "max_output_tokens", "messages": "input"}
 
 
-def in_responses_terms(exc: SwitchboardError) -> SwitchboardError:
+def in_responses_terms(exc: SwitchboardError, chat: bool = True) -> SwitchboardError:
     """`exc` (a chat request's error: the gateway's checks, or the shard's, such as a schema its grammar
     cannot compile) naming the Responses body's field, in its `param` and its message; others unchanged.
+    With `chat` False `exc` is about the Responses body itself: its names stay, only indexes are OpenAI's.
 
         except SwitchboardError as exc:
             raise in_responses_terms(exc) from None
     """
-    renamed = _responses_param(exc.param)
+    if getattr(exc, "_responses_terms", False):  # already named so (the body's errors pass through here twice)
+        return exc
+    exc._responses_terms = True  # type: ignore[attr-defined]
+    renamed = _responses_param(exc.param, chat)
     if exc.param and renamed and renamed != exc.param:
         message = exc.message.replace(repr(exc.param), repr(renamed))
         if message.startswith(exc.param + ":"):  # a validation error: "<param>: <what is wrong>"
             message = renamed + message[len(exc.param):]
         exc.message, exc.param = message, renamed
-    exc.message = re.sub(r"\bmax_tokens\b", "max_output_tokens", exc.message)  # whatever param: "lower max_tokens"
+    if chat:
+        exc.message = re.sub(r"\bmax_tokens\b", "max_output_tokens", exc.message)  # "lower max_tokens"
     return exc
 
 
-def _responses_param(param: str | None) -> str | None:
-    """A chat request's parameter name as the Responses API calls it."""
+CHAT_FIELDS = {**CHAT_TO_RESPONSES, "max_completion_tokens": "max_output_tokens"}
+"""Chat Completions fields an app moving to the Responses API may still send, and their Responses names."""
+
+
+def _body_error(exc: SwitchboardError) -> SwitchboardError:
+    """A Responses body's own validation error, in its own names (a chat field sent here, `max_tokens`, was
+    reported as its Responses twin, `max_output_tokens`, being unrecognized), saying what a chat field is
+    called here."""
+    exc = in_responses_terms(exc, chat=False)
+    if exc.param in CHAT_FIELDS and exc.message.startswith("Unrecognized request argument"):
+        exc.message += f" (a Chat Completions field: the Responses API's is '{CHAT_FIELDS[exc.param]}')"
+    return exc
+
+
+def _responses_param(param: str | None, chat: bool = True) -> str | None:
+    """A chat request's parameter name as the Responses API calls it (`chat` False: a Responses body's
+    own name, with OpenAI's indexes)."""
     if param is None:
         return None
+    if not chat:
+        return re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", param)
     if param.startswith("response_format.json_schema."):  # text.format is flat: no json_schema level
         return "text.format." + param.removeprefix("response_format.json_schema.")
     # a Responses function tool (and a named choice) is flat: no `function` level
@@ -349,7 +371,7 @@ def parse_responses_request(raw: bytes, content_type: str | None) -> ResponsesRe
     try:
         req = validated(ResponsesRequest, json_body(raw, content_type))  # strict: "stream": "no" is a 400
     except SwitchboardError as exc:  # OpenAI's indexes: context_management[0].type, not context_management.0.type
-        raise in_responses_terms(exc) from None
+        raise _body_error(exc) from None
     req.check_supported()
     return req
 

@@ -331,3 +331,26 @@ def test_unknown_keys_of_an_input_item_are_openais_400_and_every_sdk_field_passe
             input_items(bad, param=where.partition("[")[0])
         assert (e.value.status, e.value.code, e.value.param) == (400, "unknown_parameter", where), e.value
         assert e.value.message == f"Unknown parameter: '{where}'."
+
+
+@pytest.mark.parametrize("field,value,theirs", [
+    ("max_tokens", 5, "max_output_tokens"), ("max_completion_tokens", 5, "max_output_tokens"),
+    ("messages", [{"role": "user", "content": "hi"}], "input"), ("response_format", {"type": "json_object"}, "text"),
+])
+def test_a_chat_field_sent_to_responses_is_named_as_sent(field: str, value: object, theirs: str) -> None:
+    """An app moving from Chat Completions sends `max_tokens` to /v1/responses: the 400 said
+    "Unrecognized request argument supplied: max_output_tokens" (param max_output_tokens), naming the very
+    field the app should use as the one not supported (`messages` named `input`, `response_format`
+    `text.format`): the body's own error went through the renaming meant for the chat path's errors."""
+    body = {"model": "m", "input": "hi", field: value}
+    with pytest.raises(SwitchboardError) as info:
+        parse_responses_request(json.dumps(body).encode(), "application/json")
+    assert (info.value.status, info.value.param, info.value.code) == (400, field, "unsupported_parameter")
+    assert info.value.message.startswith(f"Unrecognized request argument supplied: {field} ")
+    assert f"'{theirs}" in info.value.message, info.value.message
+
+
+def test_a_responses_body_error_keeps_openais_indexes() -> None:
+    with pytest.raises(SwitchboardError) as info:
+        parse_responses_request(b'{"model": "m", "input": "hi", "context_management": [{"type": 7}]}', None)
+    assert info.value.param == "context_management[0].type", info.value.param

@@ -304,3 +304,18 @@ def test_a_tool_choice_field_openai_has_not_is_a_400_not_dropped(stack: Stack) -
                                    tool_choice={"type": "allowed_tools", "mode": "required",
                                                 "tools": [{"type": "function", "name": "get_weather"}]})
     assert done.output[0].type == "function_call"
+
+
+def test_a_chat_field_sent_to_responses_is_refused_by_its_own_name(stack: Stack) -> None:
+    """An app moving from Chat Completions sends `max_tokens`: the 400 said "Unrecognized request argument
+    supplied: max_output_tokens" (param max_output_tokens), the field to use named as the one not supported;
+    `messages` was param `input`, `response_format` param `text.format`. The body's own error was renamed as
+    a chat path's error is, on the way out of the handler."""
+    client = stack.sdk()
+    for field, value, theirs in (("max_tokens", 5, "max_output_tokens"), ("messages", [], "input"),
+                                 ("response_format", {"type": "json_object"}, "text.format")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model=MODEL, input="Hi", extra_body={field: value})
+        assert (refused.value.body["param"], refused.value.body["code"]) == (field, "unsupported_parameter")
+        message = refused.value.body["message"]
+        assert message.startswith(f"Unrecognized request argument supplied: {field} ") and f"'{theirs}'" in message

@@ -73,3 +73,33 @@ def test_check_lengths() -> None:
         check_lengths(100, None, 100)
     with pytest.raises(InvalidRequest):
         check_lengths(0, 5, 100)
+
+
+def word_decode(ids: list[int]) -> str:
+    return "".join(WORDS[i] for i in ids)
+
+
+WORDS = [" is", " Lee", ",", " and", " I", "'m", " a", " stud", "ent", " e", "e", " x"]
+
+
+def words(ids: list[int], stop: tuple[str, ...], min_tokens: int) -> tuple[str, bool]:
+    ts = TextStream(word_decode, stop, min_tokens)
+    out = ""
+    for i in ids:
+        out += ts.push(i)
+        if ts.stopped:
+            return out, True
+    return out + ts.flush(), False
+
+
+def test_stop_strings_count_only_past_min_tokens_as_in_vllm() -> None:
+    """vLLM's detokenizer checks stop strings only once a reply has more than `min_tokens` tokens
+    (tests/detokenizer/test_min_tokens.py there: stop "e", min_tokens 5 -> " is Lee, and I'm a stud");
+    a stop string ended the reply at its first token here, whatever `min_tokens` asked for."""
+    sentence = list(range(9))  # " is Lee, and I'm a student"
+    assert words(sentence, ("e",), 0) == (" is L", True)
+    assert words(sentence, ("e",), 5) == (" is Lee, and I'm a stud", True)
+    assert words(sentence, ("e",), 9) == (" is Lee, and I'm a student", False)
+    # a stop string that the first token past min_tokens completes counts, and none is ever half sent
+    assert words([11, 9, 10, 0], ("ee",), 2) == (" x ", True)
+    assert words([11, 9, 10, 0], ("ee",), 3) == (" x ee is", False)

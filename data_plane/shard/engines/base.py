@@ -252,16 +252,24 @@ class StopStrings:
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self.text = ""
         self._emitted = 0
+        self._floor = 0
+        """How much of the text came before the stop strings were `armed`: a match must end past it."""
         self.stopped = False
 
-    def feed(self, piece: str) -> str:
+    def feed(self, piece: str, armed: bool = True) -> str:
+        """With `armed` False (a reply still short of its `min_tokens`) no stop string ends the text, as in
+        vLLM, whose detokenizer checks them only past `min_tokens`; a tail that may become one is held."""
         if self.stopped:
             return ""
         self.text += piece
         if not self.stop:
             return self._take(len(self.text))
+        if not armed:
+            self._floor = len(self.text)
+            return self._take(len(self.text) - self._held_back())
         search_from = max(0, self._emitted - self._max_stop)
-        cut = min((i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0), default=-1)
+        cut = min((i for i in (self.text.find(s, max(search_from, self._floor - len(s) + 1)) for s in self.stop)
+                   if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
             self.text = self.text[:cut]
@@ -302,9 +310,11 @@ class TextStream:
         tail = ts.flush()              # at the end: whatever was held back
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self._decode = decode
         self._stops = StopStrings(stop)
+        self._min_tokens = min_tokens
+        """The stop strings count only once the reply has more tokens than this (vLLM's `min_tokens`)."""
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -319,7 +329,7 @@ class TextStream:
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        return self._stops.feed(full[len(prefix) :])
+        return self._stops.feed(full[len(prefix) :], armed=len(self._ids) > self._min_tokens)
 
     def flush(self) -> str:
         return self._stops.flush()

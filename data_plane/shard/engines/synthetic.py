@@ -101,7 +101,7 @@ class SyntheticEngine:
         if n == 0:
             yield self._final(req, "", FINISH_STOP, 0, t0, time.monotonic())
             return
-        stream = TextStream(self._decode, req.params.stop)
+        stream = TextStream(self._decode, req.params.stop, req.params.min_tokens)
         first = None
         self._running += 1
         if self.listener is not None:

@@ -304,8 +304,8 @@ class TorchEngine:
         if not req.params.greedy:  # a resumed stream samples on from the position after the text already sent
             resumed = len(self._tokenizer.encode(req.resumed_text, add_special_tokens=False)) if req.resumed_text else 0
             draws = Draws(req.params.seed, offset=resumed)
-        seq = SeqState(req=req, max_tokens=max_tokens, sink=sink, stream=TextStream(self._decode_ids, req.params.stop),
-                       draws=draws)
+        stream = TextStream(self._decode_ids, req.params.stop, req.params.min_tokens)
+        seq = SeqState(req=req, max_tokens=max_tokens, sink=sink, stream=stream, draws=draws)
         if self.prefix is not None:
             seq.block_hashes = self.prefix.hashes(req.prompt_ids, req.cache_salt, req.public_prefix_tokens)
         with self._lock:
