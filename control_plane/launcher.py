@@ -184,13 +184,16 @@ SCRAPE_INTERVAL_S = 5
 """`--prometheus`'s scrape and evaluation interval; pipelined shards linger a second longer than it."""
 
 
-def prometheus_child(s: UpSettings, state: Path, cp: Child, shards: Sequence[Child] = ()) -> Child | None:
+def prometheus_child(s: UpSettings, state: Path, cp: Child, shards: Sequence[Child] = (),
+                     caches: Sequence[Child] = (), gateways: Sequence[Child] = ()) -> Child | None:
     """A Prometheus that discovers members through the control plane (HTTP SD), with our rules.
 
-    The shards started here are static targets too: HTTP SD lists members only, and a shard that lost a
-    pipeline stage leaves membership at once, so the next refresh could drop it before any scrape saw its
-    `switchboard_shard_pipeline_stage_up` 0 (SwitchboardPipelineStageDown never fired in two of two kill -9
-    trials). Other shards (autoscaled, added by hand) come from SD; one in both is one target.
+    The shards, cache nodes and gateways started here are static targets too: HTTP SD lists live members
+    only, so one that died or hung left the targets at the next refresh (5 s) and its `up` series with it:
+    SwitchboardCacheNodeDown and SwitchboardGatewayDown (`up == 0` for minutes) could never fire, and a
+    shard that lost a pipeline stage left before any scrape saw its `switchboard_shard_pipeline_stage_up`
+    0 (SwitchboardPipelineStageDown never fired in two of two kill -9 trials). Other members (autoscaled,
+    added by hand) come from SD; one in both is one target.
 
     Every job presents the metrics token (every /metrics is guarded): read from `state/metrics_token`
     (mode 600, made by dev_credentials.prepare) as its `credentials_file`, so prometheus.yml holds a
@@ -206,15 +209,17 @@ def prometheus_child(s: UpSettings, state: Path, cp: Child, shards: Sequence[Chi
         return None
     folder = state / "prometheus"
     (folder / "data").mkdir(parents=True, exist_ok=True)
+    started = {"shard": shards, "cache": caches, "gateway": gateways}
     config: dict[str, Any] = {
         "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s", "evaluation_interval": f"{SCRAPE_INTERVAL_S}s"},
         "rule_files": [str(p) for p in sorted(ALERTS_DIR.glob("*.rules.yaml"))],
         "scrape_configs": [{"job_name": "switchboard-control-plane", "static_configs": [
             {"targets": [cp.url.split("://", 1)[1]]}]}] + [
-            {"job_name": job, "static_configs": [{"targets": [c.url.split("://", 1)[1] for c in shards],
-                                                  "labels": {"switchboard_service": service}}] if service == "shard"
-             else [], "http_sd_configs": [{"url": f"{cp.url}/v1/sd/prometheus?service={service}",
-                                           "refresh_interval": f"{SCRAPE_INTERVAL_S}s"}]}
+            {"job_name": job, "static_configs": [{"targets": [c.url.split("://", 1)[1] for c in started[service]],
+                                                  "labels": {"switchboard_service": service}}]
+             if started[service] else [],
+             "http_sd_configs": [{"url": f"{cp.url}/v1/sd/prometheus?service={service}",
+                                  "refresh_interval": f"{SCRAPE_INTERVAL_S}s"}]}
             for service, job in SCRAPE_JOBS.items()],
     }
     for job in config["scrape_configs"]:
@@ -235,10 +240,16 @@ def prometheus_child(s: UpSettings, state: Path, cp: Child, shards: Sequence[Chi
 def main(argv: list[str] | None = None) -> None:
     s = parse_settings(UpSettings, argv, prog="switchboard up")
     state = Path(s.state_dir).resolve()
-    state.mkdir(parents=True, exist_ok=True)
-    os.chmod(state, 0o700)
-    lock = hold_state_dir(state)  # noqa: F841 (held while this process lives; one `up` per folder)
-    forget_login_link(state)  # an earlier run's: dead (its console is gone)
+    try:
+        state.mkdir(parents=True, exist_ok=True)
+        os.chmod(state, 0o700)
+        lock = hold_state_dir(state)  # noqa: F841 (held while this process lives; one `up` per folder)
+        forget_login_link(state)  # an earlier run's: dead (its console is gone)
+    except OSError as exc:  # a file in the way, a read-only disk, another user's folder: one line
+        why = "a file, not a folder" if isinstance(exc, FileExistsError) and state.is_file() else exc.strerror or exc
+        raise SystemExit(f"switchboard up: cannot use --state-dir {state}: {why}"
+                         f"{f' ({exc.filename})' if exc.filename and str(exc.filename) != str(state) else ''}; "
+                         "give a folder this user can write") from None
     if s.engine == "torch":
         from data_plane.model_store import ModelNotAvailable, resolve_model
 
@@ -250,6 +261,9 @@ def main(argv: list[str] | None = None) -> None:
         creds = prepare(state)
     except ValueError as exc:  # the keys file (the truth of who may call) does not parse: refuse, in words
         raise SystemExit(f"switchboard up: {exc}") from None
+    except OSError as exc:  # a credentials or keys file this user cannot write
+        raise SystemExit(f"switchboard up: cannot write in --state-dir {state}: {exc.strerror or exc}"
+                         f"{f' ({exc.filename})' if exc.filename else ''}") from None
     tls = s.tls or TlsConfig.from_env().enabled  # --tls, or certificates given (--tls-cert/--tls-key)
     if s.tls and not TlsConfig.from_env().enabled:  # every child inherits it: listen, and verify peers with the CA
         os.environ.update(make_dev_pki(state / "tls", tuple(dict.fromkeys((s.host, "127.0.0.1", "localhost")))).env())
@@ -260,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         for child in (cp, *caches, *shards, *gateways):
             _https(child)
     record_urls(state, control_plane_url=cp.url, gateway_url=gateway.url)
-    prometheus = prometheus_child(s, state, cp, shards) if s.prometheus else None
+    prometheus = prometheus_child(s, state, cp, shards, caches, gateways) if s.prometheus else None
     console = (console_child(s, state, cp, gateway, str(creds["admin_token"]), host=console_host(s, tls))
                if s.console else None)
     if tls and console is not None:

@@ -188,11 +188,13 @@ class Registry:
         self._changed = asyncio.Event()
         self._closed = False
         self._reaper: asyncio.Task[None] | None = None
+        self._last_tick = self._clock.monotonic()
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._reaper = asyncio.create_task(every(self._reap_interval_s, self.reap, "registry reaper", log),
+        self._last_tick = self._clock.monotonic()
+        self._reaper = asyncio.create_task(every(self._reap_interval_s, self._tick, "registry reaper", log),
                                            name="registry-reaper")
 
     def close_waiters(self) -> None:
@@ -306,6 +308,25 @@ class Registry:
             log.info("member %s (%s) %s", member_id, entry.service, event)
             self._bump(entry.service, event)
         return entry.to_dict()
+
+    def _tick(self) -> None:
+        """The reaper's tick: time this process did not run (stopped, its host paused, its loop blocked) is
+        not counted against members, then `reap`. When it runs again, the reaper's timer is due before the
+        heartbeats queued meanwhile are read: every member would read critical at once (seen: the control
+        plane SIGSTOPped 37 s marked every shard, cache node and gateway critical and its zone DOWN), and
+        the first zone-down or scaling decision would act on a fleet that never stopped."""
+        now = self._clock.monotonic()
+        asleep = now - self._last_tick - self._reap_interval_s
+        self._last_tick = now
+        if asleep > self._reap_interval_s:
+            for entry in self._entries.values():
+                entry.deadline += asleep
+                if entry.critical_since is not None:
+                    entry.critical_since += asleep
+            log.log(logging.WARNING if asleep >= 1.0 else logging.DEBUG,
+                    "the registry did not run for %.1f s (process stopped, host paused or loop blocked): "
+                    "members' TTLs count from now", asleep)
+        self.reap()
 
     def reap(self) -> None:
         """Expire members past their TTL and remove long-critical ones (called by the reaper)."""

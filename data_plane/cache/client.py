@@ -45,14 +45,13 @@ The wire contract both sides share (:class:`Transcript`, :data:`SESSION_ID_PATTE
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from opentelemetry import propagate, trace
@@ -65,6 +64,7 @@ from data_plane.cache.client_values import (
     Placement,
     RecordLimits,
     WriteResult,
+    handoffs,
     json_or_none,
     newest_last,
     put_body,
@@ -93,11 +93,6 @@ CLOCK_SLACK_S = 5.0
 treated as possibly written under the old placement."""
 AUDIT_SHARE = 0.05
 """Share of reads that check the replicas they did not need to ask, whatever the above says."""
-
-
-@dataclass
-class _Outcome:
-    result: str = "error"
 
 
 class SessionStore:
@@ -130,7 +125,7 @@ class SessionStore:
         self._http = CircuitHops(http, NodeCircuits(self.metrics.node_circuit))  # a node this gateway cannot reach
         self._membership, self._timeout_s = membership, timeout_s
         self._vnodes, self._service, self._prefix = vnodes, service, prefix
-        self._placement = Placement()
+        self._placement = self._previous = Placement()
         self._departures = Departures()
         self._repairs: set[asyncio.Task[None]] = set()
         self._suspects: OrderedDict[str, None] = OrderedDict()
@@ -148,7 +143,7 @@ class SessionStore:
         """The transcript of `session_id` if `owner` holds it; None for a new session. `expected`: the id was
         handed out (a client continues it), so a miss while a node that held it is lately away is a 503."""
         validate_session_id(session_id)
-        with self._op("load", "cache.get_context") as (outcome, span):
+        with self.metrics.op("load", "cache.get_context") as (outcome, span):
             targets = self.replicas_for(session_id, replicas)
             missing: list[Member] = []
             answered = False
@@ -163,6 +158,13 @@ class SessionStore:
                     answered = True
                     missing.append(member)
             span.set_attribute("switchboard.session.replicas_missing", len(missing))
+            extra = handoffs(self._previous, self._placement, session_id, replicas, self._zone, targets)
+            if found is None and extra:  # written while a node that joined since was away: on the one before it
+                for member in extra:
+                    kind, found = await self._fetch(member, session_id)
+                    answered = answered or kind != "error"
+                    if found is not None:
+                        break
             if found is None:
                 if not answered:
                     raise Overloaded("no cache replica answered", code="cache_unavailable", retry_after=1)
@@ -174,8 +176,8 @@ class SessionStore:
                 outcome.result = "miss"
                 return None
             if self._may_lag(found):  # a replica not asked may hold a newer version, or the record's tombstone
-                found, stale = await self._newest(member, found, targets[asked:])
-                missing += stale
+                found, stale = await self._newest(member, found, targets[asked:] + extra)
+                missing += [m for m in stale if m not in extra]  # the handoff's copy is left to its TTL
             if found.owner != owner and not found.deleted:
                 outcome.result = "denied"  # and nothing repaired on another key's behalf
                 raise NotFound(
@@ -203,7 +205,7 @@ class SessionStore:
         """Write the whole transcript to every replica at once (`only_newer`: the first that answers
         first, see the module docstring); returns how many acknowledged."""
         validate_session_id(session_id)
-        with self._op("save", "cache.append") as (outcome, span):
+        with self.metrics.op("save", "cache.append") as (outcome, span):
             targets = self.replicas_for(session_id, replicas)
             transcript = Transcript(session_id, owner, tuple(messages), version, updated_at=time.time())
             first: list[WriteResult] = []
@@ -250,7 +252,7 @@ class SessionStore:
         if found is None:
             raise NotFound(f"session {session_id!r} not found", param="session_id", code="session_not_found")
         await self.drain()  # a read-repair that load started must not write it back afterwards
-        with self._op("delete", "cache.delete") as (outcome, span):
+        with self.metrics.op("delete", "cache.delete") as (outcome, span):
             members = self._membership.members(self._service)
             held = sum(await asyncio.gather(*(self._delete_one(m, session_id) for m in members)))
             tombstone = Transcript(session_id, owner, (), TOMBSTONE_VERSION, updated_at=time.time())
@@ -287,6 +289,7 @@ class SessionStore:
         key = tuple((m.id, m.url, m.zone) for m in members)
         if key != self._placement.key:
             added = {m.id for m in members} - set(self._placement.by_id)
+            self._previous = self._placement
             self._departures.changed(self._placement, {m.id for m in members})
             self._http.circuits.membership_changed({m.url for m in members if m.id in added}, {m.url for m in members})
             if added and self._placement.key:  # a node (or a zone) joined or came back
@@ -328,6 +331,7 @@ class SessionStore:
                     return
                 fresh = [m for m in targets if m.id in added]  # noqa: B023 -- `one` is awaited in this pass
                 sources = [m for m in targets if m.id not in added]  # noqa: B023
+                sources += handoffs(self._previous, self._placement, session_id, replicas, self._zone, targets)
                 if not fresh or not sources:
                     return
                 async with gate:  # noqa: B023
@@ -354,18 +358,6 @@ class SessionStore:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- internals --------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _op(self, op: str, span_name: str) -> Iterator[tuple[_Outcome, trace.Span]]:
-        outcome = _Outcome()
-        started = time.perf_counter()
-        with tracer.start_as_current_span(span_name) as span:
-            try:
-                yield outcome, span
-            finally:
-                span.set_attribute("switchboard.cache.result", outcome.result)
-                self.metrics.ops.labels(op, outcome.result).inc()
-                self.metrics.seconds.labels(op).observe(time.perf_counter() - started)
 
     def _path(self, session_id: str) -> str:
         return f"{self._prefix}/{session_id}"  # the id is validated: URL-safe characters only

@@ -6,9 +6,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.cache.model import SECONDS_BUCKETS
+
+tracer = trace.get_tracer("data_plane.cache.client")
+
+
+@dataclass
+class Outcome:
+    """What one store operation came to (its ``result`` label), set by the operation before it returns."""
+
+    result: str = "error"
 
 
 class SessionStoreMetrics:
@@ -54,3 +69,16 @@ class SessionStoreMetrics:
         self.nodes_skipped.set(open_count)
         if opened:
             self.node_ejections.inc()
+
+    @contextlib.contextmanager
+    def op(self, op: str, span_name: str) -> Iterator[tuple[Outcome, trace.Span]]:
+        """One store operation: its span, then its outcome counted and its time observed."""
+        outcome = Outcome()
+        started = time.perf_counter()
+        with tracer.start_as_current_span(span_name) as span:
+            try:
+                yield outcome, span
+            finally:
+                span.set_attribute("switchboard.cache.result", outcome.result)
+                self.ops.labels(op, outcome.result).inc()
+                self.seconds.labels(op).observe(time.perf_counter() - started)

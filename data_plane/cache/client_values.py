@@ -123,6 +123,19 @@ class Placement:
     """Wall-clock time this preference order took effect here."""
 
 
+def handoffs(previous: Placement, now: Placement, record_id: str, replicas: int, zone: str,
+             targets: list[Member]) -> list[Member]:
+    """The members that were `record_id`'s replicas under the `previous` placement and are not now: a node that
+    joined (came back) took their place, and what was written while it was away sits on them. (Seen: a free
+    conversation's turn written while its node was stopped went to the next node; when it came back, its old
+    copy was read and the turn was gone, with nothing logged.)"""
+    if not previous.key:
+        return []
+    ids = replicas_across_zones(previous.ring.walk(record_id), max(1, replicas), previous.zone_of, local=zone)
+    current = {m.id for m in targets}
+    return [now.by_id[i] for i in ids if i in now.by_id and i not in current]
+
+
 DEPARTED_GRACE_S = 30.0
 """How long after a cache node left the placement a miss on a record it may have held is the store being
 unavailable (503 ``cache_unavailable``, Retry-After), not the record's absence (404): a restarted node is

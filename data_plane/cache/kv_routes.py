@@ -28,7 +28,7 @@ from typing import Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from data_plane.cache.kv_store import (
@@ -128,16 +128,18 @@ def mount_kv(app: FastAPI, settings: Any, hop: list[Any], node_id: str, registry
     kv = store if store is not None else build_kv_store(settings, metrics)
     metrics.watch(kv)
 
-    def span(op: str) -> Any:
-        return tracer.start_as_current_span(f"cache_node.kv_{op}", attributes={
-            "switchboard.cache.op": f"kv_{op}", "switchboard.cache.node_id": node_id})
+    def span(op: str, request: Request) -> Any:
+        """The op's server span, in the shard's trace when it sent one (a turn's KV fetch)."""
+        return tracer.start_as_current_span(f"cache_node.kv_{op}", context=propagate.extract(request.headers),
+                                            kind=trace.SpanKind.SERVER, attributes={
+                                                "switchboard.cache.op": f"kv_{op}", "switchboard.cache.node_id": node_id})
 
     @app.put("/v1/kv/sessions/{session_id}", dependencies=hop)
     async def put_kv(session_id: str, request: Request,
                      ttl_s: float | None = Query(None, gt=0, le=30 * 24 * 3600.0)) -> JSONResponse:
         validate_session_id(session_id)
         raw = await read_body(request, settings.kv_max_body_bytes)
-        with span("put") as s:
+        with span("put", request) as s:
             try:
                 links, frames = decode_put(raw)
             except KVWireError as exc:
@@ -154,7 +156,7 @@ def mount_kv(app: FastAPI, settings: Any, hop: list[Any], node_id: str, registry
     async def fetch_kv(request: Request, skip: int = Query(0, ge=0, le=MAX_FETCH_BLOCKS)) -> Response:
         raw = await read_body(request, MAX_FETCH_BLOCKS * HASH_BYTES)
         started = time.perf_counter()
-        with span("fetch") as s:
+        with span("fetch", request) as s:
             try:
                 hashes = split_hashes(raw)
             except KVWireError as exc:

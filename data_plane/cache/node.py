@@ -60,7 +60,13 @@ from data_plane.cache.model import (
 )
 from data_plane.cache.snapshot import Snapshot
 from data_plane.cache.storage import ManagedStorage, MemoryStorage, RedisStorage
-from data_plane.common.errors import NotFound, PayloadTooLarge, SwitchboardError, install_error_handlers
+from data_plane.common.errors import (
+    NotFound,
+    PayloadTooLarge,
+    SwitchboardError,
+    install_error_handlers,
+    name_request,
+)
 from data_plane.common.hop_auth import (
     TOKENS_HELP,
     RefusalMetrics,
@@ -72,6 +78,7 @@ from data_plane.common.hop_auth import (
 )
 from data_plane.common.http_body import read_json_body
 from data_plane.common.http_server import serve
+from data_plane.common.settings_cli import REDIS_URL_PATTERN
 from data_plane.common.settings_cli import parse_settings as cli_settings
 from data_plane.common.tasks import stop_tasks
 from data_plane.common.telemetry import (
@@ -102,7 +109,7 @@ class CacheNodeSettings(BaseSettings):
     """Address to bind."""
     port: int = Field(8201, ge=1, le=65535)
     """Port to bind."""
-    redis: str | None = None
+    redis: str | None = Field(None, pattern=REDIS_URL_PATTERN)
     """``redis://`` URL: store transcripts in Redis instead of process memory."""
     redis_prefix: str | None = None
     """Redis key prefix (default ``switchboard:<node_id>:session:``, so nodes may share a Redis)."""
@@ -283,6 +290,7 @@ class CacheNodeMetrics:
             try:
                 yield outcome
             except SwitchboardError as exc:
+                name_request(request, span)  # its error names this span's trace (the caller's), not one of its own
                 span.set_attribute("http.response.status_code", exc.status)
                 if exc.status >= 500:
                     span.set_status(trace.StatusCode.ERROR, exc.code or "")

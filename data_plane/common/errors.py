@@ -49,7 +49,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -307,7 +307,9 @@ def install_error_handlers(app: FastAPI) -> None:
         as every other error does."""
         if getattr(request.state, "request_id", None) is not None:
             return render(error, request)
-        with tracer.start_as_current_span("http.request.invalid") as span:
+        # in the caller's trace when it sent one (a hop's traceparent, a client's): a root of its own
+        # each time was a trace per refused hop that nothing led to, and an error body naming it
+        with tracer.start_as_current_span("http.request.invalid", context=propagate.extract(request.headers)) as span:
             name_request(request, span)
             span.set_attribute("url.path", request.url.path)
             span.set_attribute("error.type", error.code or "error")

@@ -124,12 +124,12 @@ class LeanSpan(trace.Span):
 
     def record_exception(self, exception: BaseException, attributes: Mapping[str, Any] | None = None,
                          timestamp: int | None = None, escaped: bool = False) -> None:
-        event = {
-            "exception.type": type(exception).__qualname__,
-            "exception.message": str(exception),
-            "exception.stacktrace": "".join(traceback.format_exception(exception)),
-            "exception.escaped": str(escaped),
-        }
+        event = {"exception.type": type(exception).__qualname__, "exception.escaped": str(escaped)}
+        if refused_input(exception):  # its words quote the request: its code says what went wrong
+            event["error.type"] = str(getattr(exception, "code", None) or type(exception).__name__)
+        else:
+            event["exception.message"] = str(exception)
+            event["exception.stacktrace"] = "".join(traceback.format_exception(exception))
         event.update(attributes or {})
         self.add_event("exception", event, timestamp)
 
@@ -144,6 +144,20 @@ class LeanSpan(trace.Span):
 
     def __repr__(self) -> str:
         return f"LeanSpan({self.name!r}, trace_id={self._context.trace_id:032x})"
+
+
+def refused_input(exc: BaseException) -> bool:
+    """An error that refuses what a client sent (a 4xx, a body that does not validate): its message quotes
+    the input (OpenAI's "Invalid value: 'X'", a schema's type, a regex; pydantic's errors carry the whole
+    body, a cache node's put the transcript), so a span records its type and code, never its words; the
+    client was told them."""
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+    from starlette.exceptions import HTTPException
+
+    status = getattr(exc, "status", None)
+    return (isinstance(status, int) and status < 500) or isinstance(exc, (ValidationError, RequestValidationError)) \
+        or (isinstance(exc, HTTPException) and exc.status_code < 500)
 
 
 class _CurrentSpan:
@@ -169,7 +183,8 @@ class _CurrentSpan:
                 if self._record:
                     self.span.record_exception(exc)
                 if self._set_status:
-                    self.span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+                    self.span.set_status(Status(StatusCode.ERROR, type(exc).__name__ if refused_input(exc)
+                                                else f"{type(exc).__name__}: {exc}"))
         finally:
             context_api.detach(self._token)  # type: ignore[arg-type]
             if self._end:

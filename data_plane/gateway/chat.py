@@ -398,7 +398,7 @@ class ChatHandler:
         # use the room the prompt leaves, up to the tier's cap (as vLLM does).
         max_tokens, tools_tokens = checked.max_tokens, checked.tools_tokens
         budget, most = prompt_room(context, max_tokens, bool(req.output_limit), tools_tokens,
-                                   self.field("max_tokens", req))
+                                   self.field("max_tokens", req), gw.counter.slack)
         # The step comes from the context, never from max_tokens: a step that varied would move the cut.
         step = trim_step(context, settings.context_trim_step)
         try:

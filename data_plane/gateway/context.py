@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from data_plane.common.errors import ContextLengthExceeded
 
@@ -33,16 +34,31 @@ REPLY_PRIMER_TOKENS = 3
 
 
 class TokenCounter:
-    def __init__(self, encode: Callable[[str], int], cache_size: int = 50_000) -> None:
+    def __init__(self, encode: Callable[[str], int], cache_size: int = 50_000, *, implicit_system: int = 0,
+                 exact: bool = False) -> None:
+        """`implicit_system`: the tokens the chat template adds to a chat that has no system message (its
+        default system prompt); `exact`: those counts were checked against the template's own rendering
+        (`template_overhead`), so nothing need be set aside for template tokens the count cannot see."""
         self._encode = encode
         self._cache: OrderedDict[str, int] = OrderedDict()
         self._cache_size = cache_size
+        self.implicit_system = implicit_system
+        self.message_overhead, self.primer = MESSAGE_OVERHEAD_TOKENS, REPLY_PRIMER_TOKENS
+        self.slack = 0 if exact else TEMPLATE_SLACK_TOKENS
+        """Tokens a prompt's budget sets aside for template tokens the count cannot see."""
 
     @classmethod
     def for_model(cls, model: str | None) -> TokenCounter:
         from data_plane.model_store import resolve_model
 
-        return cls(_model_encoder(resolve_model(model)))
+        folder = resolve_model(model)
+        encode, raw = _model_encoder(folder)
+        counter = cls(encode)
+        frame = template_frame(folder, counter.count, raw)
+        if frame is not None:  # the template's own numbers, checked: nothing set aside
+            counter.message_overhead, counter.primer, counter.implicit_system = frame
+            counter.slack = 0
+        return counter
 
     @classmethod
     def whitespace(cls) -> TokenCounter:
@@ -61,10 +77,73 @@ class TokenCounter:
         return n
 
     def message_tokens(self, message: dict[str, str]) -> int:
-        return self.count(message["content"]) + self.count(message["role"]) + MESSAGE_OVERHEAD_TOKENS
+        return self.count(message["content"]) + self.count(message["role"]) + self.message_overhead
+
+    def frame_tokens(self, messages: Sequence[dict[str, str]]) -> int:
+        """The prompt's tokens beyond its messages': the reply's primer, and the template's default system
+        prompt when the chat has no system message (system messages are never dropped, so a window's frame
+        is its conversation's)."""
+        implicit = 0 if any(m["role"] == "system" for m in messages) else self.implicit_system
+        return self.primer + implicit
 
     def prompt_tokens(self, messages: Sequence[dict[str, str]]) -> int:
-        return sum(self.message_tokens(m) for m in messages) + REPLY_PRIMER_TOKENS
+        return sum(self.message_tokens(m) for m in messages) + self.frame_tokens(messages)
+
+
+def template_frame(folder: Path, count: Callable[[str], int], raw: Callable[[str], int]) -> tuple[int, int, int] | None:
+    """The model's chat template in tokens: (each message's tokens beyond its role and content, the reply's
+    primer, the default system prompt it adds to a chat with none), solved from renderings of three probe
+    chats and checked on two more; `raw` counts a rendered prompt (its control tokens as control tokens).
+    SmolLM2's: (4, 4, 21). None when there is no template, it does not render here, or a check fails (the
+    counter then keeps its generic constants and the gateway its slack)."""
+    template, config = _chat_template(folder)
+    if template is None:
+        return None
+
+    def special(name: str) -> str:
+        value = config.get(name)
+        return str(value.get("content", "")) if isinstance(value, dict) else str(value or "")
+
+    s, u, a = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"},
+               {"role": "assistant", "content": "Hi! How can I help?"})
+    try:
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        compiled = env.from_string(template)
+
+        def rendered(*messages: dict[str, str]) -> int:
+            return raw(compiled.render(messages=list(messages), add_generation_prompt=True,
+                                       bos_token=special("bos_token"), eos_token=special("eos_token")))
+
+        def own(*messages: dict[str, str]) -> int:
+            return sum(count(m["content"]) + count(m["role"]) for m in messages)
+
+        overhead = rendered(s, u) - rendered(s) - own(u)
+        primer = rendered(s) - own(s) - overhead
+        implicit = rendered(u) - own(u) - overhead - primer
+        checks = ((rendered(s, u, a, u), own(s, u, a, u) + 4 * overhead + primer),
+                  (rendered(u, a, u), own(u, a, u) + 3 * overhead + primer + implicit))
+    except (ImportError, TemplateError, TypeError, ValueError):
+        return None
+    if min(overhead, primer, implicit) < 0 or any(got != want for got, want in checks):
+        return None
+    return overhead, primer, implicit
+
+
+def _chat_template(folder: Path) -> tuple[str | None, dict[str, Any]]:
+    """The model's chat template (chat_template.jinja, else tokenizer_config.json's, its default if named) and
+    tokenizer_config.json."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    source = folder / "chat_template.jinja"
+    template = source.read_text(encoding="utf-8") if source.exists() else config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return (template if isinstance(template, str) else None), config
 
 
 FAST_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
@@ -72,11 +151,13 @@ FAST_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFas
 (the shard's model_files.py loads the same set directly)."""
 
 
-def _model_encoder(folder: Path) -> Callable[[str], int]:
-    """Tokens in a text, without special tokens added, as the model's tokenizer counts them. A plain
-    fast tokenizer is read straight from tokenizer.json with `tokenizers`: importing transformers
-    made a gateway's start-up seconds slower (~25 s on a loaded 2-core host, against ~1 s), for the
-    same counts (tests/data_plane/test_context_window.py). Any other tokenizer: transformers' AutoTokenizer."""
+def _model_encoder(folder: Path) -> tuple[Callable[[str], int], Callable[[str], int]]:
+    """Tokens in a text, without special tokens added, as the model's tokenizer counts them (a text spelling
+    "<|im_end|>" is its characters, as the shard encodes a message); and tokens in a rendered prompt, whose
+    control tokens are control tokens (`template_overhead`'s check). A plain fast tokenizer is read straight
+    from tokenizer.json with `tokenizers`: importing transformers made a gateway's start-up seconds slower
+    (~25 s on a loaded 2-core host, against ~1 s), for the same counts (tests/data_plane/test_context_window.py).
+    Any other tokenizer: transformers' AutoTokenizer."""
     try:
         config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -85,12 +166,15 @@ def _model_encoder(folder: Path) -> Callable[[str], int]:
         from tokenizers import Tokenizer
 
         fast = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        fast.encode_special_tokens = True  # a text spelling "<|im_end|>" is its characters, as the shard encodes it
-        return lambda text: len(fast.encode(text, add_special_tokens=False).ids)
+        fast.encode_special_tokens = True
+        rendered = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        return (lambda text: len(fast.encode(text, add_special_tokens=False).ids),
+                lambda text: len(rendered.encode(text, add_special_tokens=False).ids))
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(folder))
-    return lambda text: len(tok.encode(text, add_special_tokens=False, split_special_tokens=True))
+    return (lambda text: len(tok.encode(text, add_special_tokens=False, split_special_tokens=True)),
+            lambda text: len(tok.encode(text, add_special_tokens=False)))
 
 
 @dataclass(frozen=True)
@@ -134,13 +218,13 @@ prompt the template inserts), so the shard never refuses what the gateway admitt
 
 
 def prompt_room(context: int, max_tokens: int, output_limit: bool, tools_tokens: int,
-                limit_param: str) -> tuple[int, int]:
+                limit_param: str, slack: int = TEMPLATE_SLACK_TOKENS) -> tuple[int, int]:
     """(budget, most): the prompt's tokens in a `context`-token window beside the reply's reserve (its
     `max_tokens` when the request set an `output_limit`, else a modest reply: the reply then gets the room
     the prompt leaves, as vLLM serves it), and the most it may take (beside a one-token reply when the request
     set no limit; the budget otherwise). A 400 as `prompt_budget`'s when there is no room."""
     reserve = max_tokens if output_limit else min(max_tokens, DEFAULT_REPLY_RESERVE, context // 2)
-    budget = prompt_budget(context, reserve, TEMPLATE_SLACK_TOKENS, tools_tokens, limit_param)
+    budget = prompt_budget(context, reserve, slack, tools_tokens, limit_param)
     return budget, budget if output_limit else budget + reserve - 1
 
 
@@ -161,19 +245,22 @@ def fit_window(messages: Sequence[dict[str, str]], counter: TokenCounter, budget
     any gateway. `step` must not depend on the request's max_tokens (a step that varies moves the
     cut); 0 drops just enough, the cut moving nearly every turn."""
     sizes = [counter.message_tokens(m) for m in messages]
+    frame = counter.frame_tokens(messages)
+    budget -= frame - REPLY_PRIMER_TOKENS  # the template's default system prompt: never dropped, like a system message
     # A step past half the budget (a large max_tokens, a shrunk context under degradation) would make
     # "drop every old turn" the only candidate: half the budget at most.
     step = min(step, max(1, budget // 2)) if step > 0 else 0
     gone = _dropped(messages, sizes, budget, step)
     if gone is None:
-        left = sum(sizes) + REPLY_PRIMER_TOKENS - sum(sizes[i] for i in _droppable(messages))
+        left = sum(sizes) + frame - sum(sizes[i] for i in _droppable(messages))
         raise ContextLengthExceeded(
             f"the conversation needs {left} prompt tokens even after dropping older turns, "
-            f"but only {budget} fit with this max_tokens; shorten the message or lower max_tokens",
+            f"but only {budget + frame - REPLY_PRIMER_TOKENS} fit with this max_tokens; shorten the message or "
+            f"lower max_tokens",
             param="messages",
         )
     kept = [m for i, m in enumerate(messages) if i not in gone]
-    total = sum(sizes) + REPLY_PRIMER_TOKENS - sum(sizes[i] for i in gone)
+    total = sum(sizes) + frame - sum(sizes[i] for i in gone)
     moved = bool(gone) and _dropped_before(messages, sizes, budget, step) != gone
     return Window(kept, total, len(gone), moved)
 

@@ -94,7 +94,8 @@ def fitted(gw: Gateway, tier: Tier, model_context: int, rreq: ResponsesRequest, 
     context = min(tier.max_context_tokens, model_context)
     tools = tools_tokens(gw, chat)
     try:
-        budget, most = prompt_room(context, tier.max_output_tokens, False, tools, "max_output_tokens")
+        budget, most = prompt_room(context, tier.max_output_tokens, False, tools, "max_output_tokens",
+                                   gw.counter.slack)
     except ContextLengthExceeded:
         return messages
     step = trim_step(context, gw.settings.context_trim_step)

@@ -167,6 +167,8 @@ class ResponseEvents:
         is incomplete)."""
         item = self._items[index]
         if item["type"] == "message":
+            if self._pending:  # tokens with no text of their own (half a character at the cut): their logprobs
+                self._text_delta("")  # go out in a delta too, so the deltas add up to the done event's
             text = "".join(self._text)
             part = content_part("output_text", text)
             logprobs = self._logprobs + self._pending

@@ -147,7 +147,7 @@ class ChoiceLanes:
         request = self._request.model_copy(update={  # choice i's seed is seed + i (data_plane/shard/generation.py)
             "n": 1, "messages": continued(self._request, p.output(index, self._body).text()),
             "continue_final_message": True,
-            "add_generation_prompt": False, "max_tokens": remaining, "seed": None if seed is None else seed + index,
+            "add_generation_prompt": False, "max_tokens": remaining, "seed": None if seed is None else _int64(seed + index),
             # its own id: two choices may continue on one shard, which refuses a second request of one id
             "request_id": None if rid is None else f"{rid[:120]}-lane{index}"})
         stream = await self._upstream.reopen(request, self._session_id, self._tried)
@@ -230,3 +230,10 @@ class ChoiceLanes:
                 stream.close()
         self._tasks.clear()
         self._lanes.clear()
+
+
+def _int64(seed: int) -> int:
+    """`seed` wrapped into the shard's int64 range: the seed + i of a choice of a request seeded near 2**63 - 1
+    was refused (400) by the shard its lane continued on. Draws mix a seed modulo 2**64
+    (torch_sampling._mix), so the wrapped seed draws what the first shard's seed + i drew."""
+    return (seed + 2**63) % 2**64 - 2**63

@@ -22,6 +22,7 @@ consumer asks, so a burst of tokens is one wake-up here and one write to the cli
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -88,12 +89,18 @@ class UpstreamConfig:
     resumes: int = 2
     """Mid-stream failovers per request: the stream continues on another shard."""
     resume_wait_s: float = 0.0
-    """How long a stream that broke mid-way waits for a shard to continue on when none is left (the only
+    """How long a stream that broke mid-way (or a request whose shard was lost before its first token, SHARD_GONE)
+    waits for a shard to continue on when none is left (the only
     shard, or every other one out): its own shard counts again once it left membership and came back, as a
     restarted process (`switchboard up` restarts a dead shard or pipeline group in seconds). 0: no wait, the
     stream ends with the shard's failure at once."""
 
 
+SHARD_GONE = frozenset({FailureReason.CONNECT, FailureReason.TIMEOUT, FailureReason.SILENT, FailureReason.TRANSPORT,
+                        FailureReason.EMPTY_STREAM, FailureReason.PIPELINE_STAGE_LOST})
+"""Failures before the first token that a shard killed, frozen or losing a stage gives: with no other shard, the
+request waits for one as a resume does (`resume_wait_s`), not a 5xx, a 429 or an error event, which a live
+shard sends."""
 RESUME_POLL_S = 0.25
 """While a resume waits for a shard (`resume_wait_s`): how often it looks again."""
 RESUME_LEAVE_S = 3.0
@@ -110,6 +117,7 @@ class Upstream:
         self.headers = dict(headers or {})
         """Sent on every call to a shard: the cluster token (`cluster_headers`), which shards require."""
         self._live: set[ShardStream] = set()
+        self._reopens = itertools.count(1)
         """Open streams, so a membership change can fail those whose shard left."""
 
     def drop_lost(self, statuses: Mapping[str, str]) -> None:
@@ -121,11 +129,12 @@ class Upstream:
                 stream.lose(loss_grace(stream.member.meta.get(KEEPALIVE_META)))
 
     async def open(self, request: ShardRequest, session_id: str | None,
-                   exclude: set[str] | None = None) -> ShardStream:
+                   exclude: set[str] | None = None, failures: list[Retryable] | None = None) -> ShardStream:
         """A stream from the first shard to produce a token: up to 1 + ``retries`` shards, each tried
-        once; a failure before the first token is held against its shard."""
+        once; a failure before the first token is held against its shard (and added to `failures`)."""
         payload = json.dumps(request.wire(), ensure_ascii=False).encode()
-        return await self._on_shards(session_id, exclude, lambda member, n: self._try(member, payload, n, session_id))
+        return await self._on_shards(session_id, exclude, lambda member, n: self._try(member, payload, n, session_id),
+                                     failures)
 
     async def reopen(self, request: ShardRequest, session_id: str | None, tried: set[str]) -> ShardStream:
         """`open` for a resume, on a shard not in `tried`. With none left, wait up to ``resume_wait_s`` for
@@ -135,6 +144,9 @@ class Upstream:
         loop = asyncio.get_running_loop()
         start = loop.time()
         left = False
+        if request.request_id is not None:  # the shard may still hold the failed attempt under the request's id (a
+            # frozen shard that runs again reads the new request before the old one's close: duplicate_request_id)
+            request = request.model_copy(update={"request_id": f"{request.request_id[:100]}-retry{next(self._reopens)}"})
         while True:
             try:
                 return await self.open(request, session_id, exclude=tried)
@@ -151,12 +163,12 @@ class Upstream:
             tried.intersection_update(listed)
 
     async def _on_shards(self, session_id: str | None, exclude: set[str] | None,
-                         one: Callable[[Member, int], Awaitable[T]]) -> T:
+                         one: Callable[[Member, int], Awaitable[T]], failed: list[Retryable] | None = None) -> T:
         """`one(member, attempt)` on up to 1 + ``retries`` shards the router picks, each tried once: a
-        :class:`Retryable` failure is held against its shard and the next is tried; when no other shard
-        is left, the last real failure is raised (not "no healthy backend")."""
+        :class:`Retryable` failure is held against its shard (and added to `failed`) and the next is tried;
+        when no other shard is left, the last real failure is raised (not "no healthy backend")."""
         tried = set(exclude or ())
-        failed: list[Retryable] = []
+        failed = [] if failed is None else failed
 
         async def attempt(n: int) -> T:
             try:
@@ -185,7 +197,18 @@ class Upstream:
         that asks for usage on every chunk is sent)."""
         usage = StreamOptions(include_usage=True, continuous_usage_stats=True)
         request = request.model_copy(update={"stream_options": usage})
-        return ResumableStream(self, request, session_id, await self.open(request, session_id), self.config.resumes)
+        failures: list[Retryable] = []
+        try:
+            first = await self.open(request, session_id, failures=failures)
+        except SwitchboardError:
+            gone = {f.member.id for f in failures if f.member is not None and f.reason in SHARD_GONE}
+            if not (self.config.resume_wait_s and gone):
+                raise
+            try:  # nothing was sent yet: wait for a shard as a resume would (a lone shard restarting)
+                first = await self.reopen(request, session_id, gone)
+            except NoHealthyBackend:
+                raise failures[-1].error from None
+        return ResumableStream(self, request, session_id, first, self.config.resumes)
 
     async def count(self, request: ShardRequest, session_id: str | None) -> int:
         """The prompt tokens `request` would have (a shard's INPUT_TOKENS_PATH: nothing generated), on

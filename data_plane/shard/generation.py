@@ -25,10 +25,14 @@ def generation_requests(req: ChatCompletionRequest, engine: Engine, request_id: 
                          public_prefixes: list[str] | tuple[str, ...], plan: OutputPlan) -> list[GenerationRequest]:
     """One engine request per choice (`n`): the same prompt, seeds `seed + i`."""
     messages, ids = prompt_ids(req, engine)
-    grammar, resumed = None, ""
+    # A continued final message (the gateway's mid-stream resume sends the text already sent so) is output
+    # already made: a grammar continues after it, and a seeded sample draws on from the position after it
+    # (torch_sampling.Draws), so a resumed stream gives the unbroken stream's text. It was set only under a
+    # grammar, and a plain seeded stream resumed on another shard started its draws over.
+    resumed = messages[-1]["content"] if req.continue_final_message else ""
+    grammar = None
     if plan.constraint is not None:
         grammar = GrammarSpec(GrammarKind(plan.constraint.kind), plan.constraint.text)
-        resumed = messages[-1]["content"] if req.continue_final_message else ""  # the grammar continues it
     params = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import httpx
+from opentelemetry import propagate
 
 from data_plane.kv_wire import CONTENT_TYPE, encode_put
 from data_plane.membership.hashring import DEFAULT_VNODES, HashRing
@@ -134,6 +135,13 @@ class KVRemote:
         ids = replicas_across_zones(self._ring.walk(session_id), max(1, replicas), self._zone_of, local=self._zone)
         return [self._by_id[i] for i in local_first(ids, self._zone_of, self._zone)]
 
+    @staticmethod
+    def _traced(headers: dict[str, str]) -> dict[str, str]:
+        """`headers` with the current trace's `traceparent`: a turn's fetch shows on the cache node in the
+        turn's trace (it was a root of its own there); an offload, outside any request, has none to send."""
+        propagate.inject(headers)
+        return headers
+
     async def store(self, session_id: str, replicas: int, links: list[bytes], frames: list[bytes | bytearray],
                     ttl_s: float | None) -> int:
         """PUT the frames (and links to blocks already there) on every replica; returns acks."""
@@ -141,10 +149,12 @@ class KVRemote:
         body = encode_put(links, frames)
         params = {"ttl_s": f"{ttl_s:g}"} if ttl_s else None
 
+        headers = self._traced({**self._headers, "content-type": CONTENT_TYPE})
+
         async def one(member: Member) -> bool:
             try:
                 r = await self._http.put(f"{member.url}/v1/kv/sessions/{session_id}", content=body, params=params,
-                                         headers={**self._headers, "content-type": CONTENT_TYPE},
+                                         headers=headers,
                                          timeout=self._timeout_s * 4)
             except httpx.HTTPError as exc:
                 log.warning("cache node %s unreachable for a KV store: %s", member.id, type(exc).__name__)
@@ -160,14 +170,14 @@ class KVRemote:
         the shard has locally are not sent). Replicas are asked local zone first; one that answers
         with fewer blocks than another might have is followed by the next. None: nobody answered."""
         best: Fetched | None = None
+        headers = self._traced({**self._headers, "content-type": CONTENT_TYPE})
         for member in self.replicas_for(session_id, replicas):
             if self._suspect_until.get(member.id, 0.0) > time.monotonic():
                 continue
             started = time.perf_counter()
             try:
                 status, headers, body = await post_raw(
-                    member.url, f"/v1/kv/fetch?skip={skip}", b"".join(hashes),
-                    {**self._headers, "content-type": CONTENT_TYPE}, self._timeout_s)
+                    member.url, f"/v1/kv/fetch?skip={skip}", b"".join(hashes), headers, self._timeout_s)
             except (OSError, TimeoutError, RawHTTPError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
                     ssl.SSLError) as exc:
                 log.warning("cache node %s unreachable for a KV fetch: %s (skipped for %.0f s)", member.id,

@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from opentelemetry import trace
+
 from data_plane.kv_wire import (
     REJECT_SEALED,
     BlockHeader,
@@ -274,7 +276,9 @@ class KVTier:
         queued = time.perf_counter()
         async with self._fetch_gate:  # one at a time: the first resumes (prefills) while the next arrives
             started = time.perf_counter()
-            got = await self.remote.fetch(ref.session_id, ref.replicas, hashes[:usable], skip=local)
+            # the turn's span current: the nodes' kv_fetch spans join its trace (it is not current here)
+            with trace.use_span(span, record_exception=False, set_status_on_exception=False):
+                got = await self.remote.fetch(ref.session_id, ref.replicas, hashes[:usable], skip=local)
             if got is not None:
                 scopes = self._scopes(usable, req.cache_salt, req.public_prefix_tokens)
                 kv, used, reason = await asyncio.to_thread(self._verify, got.body,

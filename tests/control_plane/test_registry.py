@@ -364,3 +364,37 @@ async def test_an_absent_members_drain_mark_can_be_cleared(tmp_path: pathlib.Pat
             assert (await http.post("/admin/v1/members/shard-never/undrain", headers=admin)).status_code == 404
     finally:
         cp.kill()
+
+
+async def test_a_stopped_control_plane_does_not_expire_its_members_when_it_runs_again(tmp_path: pathlib.Path) -> None:
+    """QA: the control plane SIGSTOPped 37 s marked every shard, cache node and gateway critical when it ran
+    again (its reaper ran before the heartbeats queued meanwhile were read) and called its zone DOWN. Time it
+    did not run is not counted against its members; one that stays silent afterwards still expires."""
+    proc = await asyncio.to_thread(open_control_plane("--warmup", "0", log_path=tmp_path / "cp.log").start)
+    try:
+        async with httpx.AsyncClient(base_url=proc.url, timeout=10) as http:
+            member = Member(unique_id(), "shard", "http://127.0.0.1:8103")
+            agent = RegistrationAgent(proc.url, member, http, ttl_s=0.6)
+            await agent.start()
+            silent = unique_id()
+            await http.put(f"/v1/registry/members/{silent}",
+                           json={"service": "shard", "url": "http://127.0.0.1:8104", "ttl_s": 0.6})
+            assert proc.proc is not None
+            proc.proc.send_signal(signal.SIGSTOP)
+            try:
+                await asyncio.sleep(2.0)  # > 3 TTLs: heartbeats queue up (or time out) meanwhile
+            finally:
+                proc.proc.send_signal(signal.SIGCONT)
+            await asyncio.sleep(0.3)  # the reaper's overdue tick, then the heartbeats
+            text = (await http.get("/metrics")).text
+            assert metric_in(text, "switchboard_membership_changes_total", service="shard", event="expired") == 0
+            assert (await http.get(f"/v1/registry/members/{member.id}")).json()["status"] == "passing"
+
+            async def silent_expired() -> bool:
+                return bool((await http.get(f"/v1/registry/members/{silent}")).json()["status"] == "critical")
+
+            await eventually_async(silent_expired, timeout_s=10.0, what="the silent member expires (hang bound)")
+            await agent.aclose()
+    finally:
+        proc.kill()
+    assert "did not run for" in proc.log_tail()

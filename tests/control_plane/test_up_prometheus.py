@@ -45,6 +45,27 @@ def test_the_prometheus_config_names_a_credentials_file_never_the_token(tmp_path
 
 
 @needs_prometheus
+def test_the_members_up_started_stay_targets_when_they_leave_membership(tmp_path: Path) -> None:
+    """HTTP SD lists live members only: a cache node or gateway that died or hung left the targets at the next
+    refresh, its `up` series with it, so SwitchboardCacheNodeDown / SwitchboardGatewayDown (`up == 0` for
+    minutes) could never fire under `up --prometheus` (a SIGSTOPped cache node: no target 5 s later). What `up`
+    started is a static target of its job as well; SD still adds the rest (autoscaled, added by hand)."""
+    prepare(tmp_path)
+    cp = Child("control-plane", [], "http://127.0.0.1:8300", tmp_path / "cp.log")
+    started = {"shard": [Child("shard-0", [], "http://127.0.0.1:8101", tmp_path / "s.log")],
+               "cache": [Child(f"cache-{i}", [], f"http://127.0.0.1:820{i}", tmp_path / "c.log") for i in range(2)],
+               "gateway": [Child("gateway", [], "http://127.0.0.1:8000", tmp_path / "g.log")]}
+    assert prometheus_child(UpSettings(), tmp_path, cp, started["shard"], started["cache"], started["gateway"])
+    jobs = {j["job_name"]: j for j in yaml.safe_load((tmp_path / "prometheus" / "prometheus.yml").read_text())[
+        "scrape_configs"]}
+    for service, job in SCRAPE_JOBS.items():
+        (static,) = jobs[job]["static_configs"]
+        assert static == {"targets": [c.url.removeprefix("http://") for c in started[service]],
+                          "labels": {"switchboard_service": service}}, job
+        assert jobs[job]["http_sd_configs"][0]["url"] == f"{cp.url}/v1/sd/prometheus?service={service}"
+
+
+@needs_prometheus
 def test_up_prometheus_scrapes_every_guarded_process(tmp_path: Path) -> None:
     gw, cp, prom = free_port(), free_port(), free_port()
     proc = start_up(tmp_path, "--engine", "synthetic", "--shards", "1", "--cache-nodes", "1", "--no-console",

@@ -477,3 +477,29 @@ def test_a_node_breaker_stays_open_when_a_call_sent_before_it_opened_succeeds() 
     assert circuits.allow("n1")  # the one probe after the hold...
     circuits.succeeded("n1")  # ...answers: back in use
     assert circuits.allow("n1") and circuits.open_count() == 0 and changes[-1] == (0, False)
+
+
+async def test_what_a_one_copy_record_got_while_its_node_was_away_is_read_when_it_comes_back(
+    trio: list[Service],
+) -> None:
+    """QA: a free conversation's turn written while its only node was stopped went to the next node on the ring;
+    when the node came back its old copy was read, and the turn was gone (no error, nothing logged). A record
+    created meanwhile read as missing. Both are read from where they were written, then repaired onto the node."""
+    everyone = members(trio)
+    view = ChangingView(everyone)
+    async with HopPool() as http:
+        store = SessionStore(view, http, registry=CollectorRegistry())
+        home = store.replicas_for("turned", 1)[0]
+        assert await store.save("turned", "key-a", MESSAGES[:1], version=1, replicas=1, ttl_s=60) == 1
+        new = next(f"new-{i}" for i in range(100) if store.replicas_for(f"new-{i}", 1)[0] == home)
+        view.now = [m for m in everyone if m != home]  # its node stops: the next one takes its records
+        assert await store.save("turned", "key-a", MESSAGES, version=2, replicas=1, ttl_s=60) == 1
+        assert await store.save(new, "key-a", MESSAGES, version=1, replicas=1, ttl_s=60) == 1
+        view.now = everyone  # it comes back with its old copy of "turned" and none of the new one
+        got = await store.load("turned", "key-a", replicas=1)
+        assert got is not None and got.version == 2 and list(got.messages) == MESSAGES
+        got = await store.load(new, "key-a", replicas=1)
+        assert got is not None and list(got.messages) == MESSAGES
+        await store.drain()
+        assert stored_version(next(n for n in trio if f"cache-{n.port}" == home.id), "turned") == 2
+        assert home.id in holders(trio, new)

@@ -220,7 +220,15 @@ def test_metrics_follow_requests(node: Service, client: httpx.Client) -> None:
 def test_incoming_traceparent_is_continued(node: Service, client: httpx.Client) -> None:
     trace_id, parent = uuid.uuid4().hex, uuid.uuid4().hex[:16]
     headers = {"traceparent": f"00-{trace_id}-{parent}-01"}
-    client.get(f"{node.url}/v1/sessions/{sid()}", headers=headers)
+    missing = sid()
+    miss = client.get(f"{node.url}/v1/sessions/{missing}", headers=headers)
+    assert_openai_error(miss, 404, "session_not_found")
+    # The miss's error names the caller's trace; it opened no trace of its own (a root span per miss,
+    # `http.request.invalid`, that no gateway trace led to).
+    assert miss.json()["error"]["trace_id"] == miss.headers["x-trace-id"] == trace_id
+    strays = [s for s in client.get(f"{node.url}/debug/spans").json()
+              if missing in json.dumps(s) and s["trace_id"] != trace_id]
+    assert not strays, strays
     spans = {
         s["span_id"]: s for s in client.get(f"{node.url}/debug/spans", params={"trace_id": trace_id}).json()
     }
@@ -231,6 +239,31 @@ def test_incoming_traceparent_is_continued(node: Service, client: httpx.Client) 
     while up in spans:
         up = spans[up]["parent_span_id"]
     assert up == parent
+
+
+def test_a_refused_put_leaves_its_transcript_out_of_the_spans(node: Service, client: httpx.Client) -> None:
+    """A put that does not validate was recorded on its span as pydantic's error, whose words carry the
+    whole body: the transcript's text sat in /debug/spans (and went to any OTLP collector)."""
+    canary = f"canary-{uuid.uuid4().hex}"
+    session = sid()
+    refused = client.put(f"{node.url}/v1/sessions/{session}",
+                         json={"owner": 5, "messages": [{"role": "user", "content": canary}]})
+    assert_openai_error(refused, 400)
+    spans = client.get(f"{node.url}/debug/spans").json()
+    assert any(session in json.dumps(s) for s in spans)  # the put was traced
+    assert canary not in json.dumps(spans)
+
+
+def test_a_request_refused_before_its_route_stays_in_the_callers_trace(node: Service, client: httpx.Client) -> None:
+    """FastAPI refuses the query before the route opens its span: the error's own span continues the
+    caller's traceparent (it was a root, a trace the caller's never led to, named in the error body)."""
+    trace_id, parent = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    refused = client.put(f"{node.url}/v1/kv/sessions/{sid()}", params={"ttl_s": "-1"}, content=b"x",
+                         headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+    assert_openai_error(refused, 400)
+    assert refused.json()["error"]["trace_id"] == trace_id
+    (span,) = client.get(f"{node.url}/debug/spans", params={"trace_id": trace_id}).json()
+    assert span["name"] == "http.request.invalid" and span["parent_span_id"] == parent
 
 
 # -- in-memory backend specifics ------------------------------------------------------------

@@ -20,9 +20,11 @@ from data_plane.common.errors import ContextLengthExceeded
 from data_plane.gateway.context import (
     MESSAGE_OVERHEAD_TOKENS,
     REPLY_PRIMER_TOKENS,
+    TEMPLATE_SLACK_TOKENS,
     TokenCounter,
     Window,
     fit_window,
+    prompt_room,
     trim_step,
 )
 from data_plane.gateway.memory import RECALL_BUDGET_TOKENS, fit_with_recall
@@ -130,6 +132,46 @@ def test_the_default_models_counter_counts_as_its_transformers_tokenizer_does() 
     got = [counter.count(t) for t in TEXTS]
     assert got == [len(reference.encode(t, add_special_tokens=False, split_special_tokens=True)) for t in TEXTS]
     assert got[0] == 2 and got[1] == 0 and got[5] == 17  # the chat markers spelled in a text: 7 tokens each
+
+
+CHATS = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "user", "content": "naïve café, 東京 🚀"}, {"role": "assistant", "content": "Sure.\n\nHere:"},
+     {"role": "user", "content": "def f(x):\n    return x"}],
+    [{"role": "system", "content": "A"}, {"role": "system", "content": "B"}, {"role": "user", "content": "x " * 50},
+     {"role": "assistant", "content": "y"}, {"role": "user", "content": "The harbour town kept its lighthouse lit."}],
+]
+
+
+def test_the_default_models_prompt_count_is_the_shards_so_nothing_is_set_aside() -> None:
+    """The gateway solves the chat template's own numbers (tokens around a message, the reply's primer, the
+    default system prompt SmolLM2 adds to a chat without one) from renderings of it, so its prompt count is
+    the shard's `usage.prompt_tokens` (the template rendered and tokenized whole), and no slack is kept: an
+    app that asks for max_tokens = context - prompt_tokens is served (it was refused by 32 tokens' slack,
+    and a chat without a system message was counted 21 tokens short)."""
+    from transformers import AutoTokenizer
+
+    from data_plane.model_store import resolve_model
+
+    counter = TokenCounter.for_model(None)
+    reference = AutoTokenizer.from_pretrained(str(resolve_model(None)))
+    for chat in CHATS:
+        rendered = reference.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert counter.prompt_tokens(chat) == len(rendered), chat
+    assert (counter.message_overhead, counter.primer, counter.implicit_system, counter.slack) == (4, 4, 21, 0)
+    assert TokenCounter.whitespace().slack == TEMPLATE_SLACK_TOKENS  # no template to check against: the slack stays
+
+
+def test_a_chat_that_fills_the_context_exactly_fits_and_one_token_more_is_refused() -> None:
+    counter = TokenCounter.for_model(None)
+    chat = CHATS[0]
+    used = counter.prompt_tokens(chat)
+    budget, _ = prompt_room(2048, 2048 - used, True, 0, "max_tokens", counter.slack)
+    assert fit_window(chat, counter, budget).prompt_tokens == used == 31
+    budget, _ = prompt_room(2048, 2048 - used + 1, True, 0, "max_tokens", counter.slack)
+    with pytest.raises(ContextLengthExceeded):
+        fit_window(chat, counter, budget)
 
 
 # -- the stepped window over a long chat --------------------------------------------------------

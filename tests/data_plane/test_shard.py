@@ -116,6 +116,33 @@ def test_stop_strings_and_seeded_sampling(fp32_shard: Service) -> None:
     assert len(texts) > 1, "different seeds should sample differently"
 
 
+@pytest.mark.parametrize("kw", [{"temperature": 0.9, "top_k": 20, "seed": 42, "ignore_eos": True},
+                                {"temperature": 0, "frequency_penalty": 1.5, "presence_penalty": 0.5, "ignore_eos": True},
+                                {"temperature": 0, "min_tokens": 16}],
+                         ids=["seeded", "penalties", "min_tokens"])
+def test_a_resumed_stream_gives_the_unbroken_text(fp32_shard: Service, kw: dict) -> None:
+    """The gateway resumes a stream on another shard as the text already sent, continued
+    (`continue_final_message`, data_plane/routing/resume.py). That text is output already made: a seeded
+    sample's draws go on from the position after it, and frequency/presence penalties count its tokens,
+    so the client gets the unbroken stream's text. The shard counted it only under a grammar: a plain
+    seeded stream started its draws over ("...coastline,\nAbe a world"), penalties forgot it, and
+    min_tokens banned EOS for as many tokens again."""
+    ask = [{"role": "user", "content": PROMPTS[4 if "min_tokens" in kw else 1]}]
+
+    def post(messages: list[dict], **extra: object) -> dict:
+        r = httpx.post(fp32_shard.url + "/v1/chat/completions", headers=CLUSTER_HEADERS, timeout=120,
+                       json={"messages": messages, **kw, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    whole = post(ask, max_tokens=24, logprobs=True)
+    sent = "".join(t["token"] for t in whole["logprobs"]["content"][:8])
+    rest = post([*ask, {"role": "assistant", "content": sent}], max_tokens=16, continue_final_message=True,
+                add_generation_prompt=False)
+    assert sent + rest["message"]["content"] == whole["message"]["content"]
+    assert rest["finish_reason"] == whole["finish_reason"] == ("stop" if "min_tokens" in kw else "length")
+
+
 def test_length_finish_and_usage(fp32_shard: Service) -> None:
     out = chat(fp32_shard.url, PROMPTS[3], max_tokens=5)
     assert out["choices"][0]["finish_reason"] == "length"

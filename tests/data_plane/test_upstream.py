@@ -245,6 +245,26 @@ async def test_a_resumable_stream_continues_on_another_shard_with_the_text_so_fa
     assert count(registry, "switchboard_router_resumes_total", reason="stream_broken") == 1
 
 
+async def test_a_resumed_streams_cached_tokens_never_exceed_the_requests_prompt() -> None:
+    """The continuation's prompt holds the output sent before the break, and the shard's prefix cache can hit
+    all of it: 9 cached on a continuation of a 7-token prompt was reported as is (QA: `cached_tokens` 48 beside
+    `prompt_tokens` 46 after a shard was frozen mid-stream, in the client's usage and the ledger)."""
+    resumed_usage = b'data: {"usage": {"prompt_tokens": 9, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 9}}}'
+    pool = Pool(Response(200, [[token("Hel", 1)], [token("lo", 2)], HopDisconnected("reset")]),
+                Response(200, [[token(" there", 1)], [FINISH], [resumed_usage]]))
+    up, _ = upstream(pool)
+    events = await drain(await up.open_resumable(BODY, session_id=None))
+    assert events[-1] == UsageEvent(7, 3, 7)
+    # the first shard said what it served from its cache of the request's own prompt: that is kept
+    first = json.loads(token("Hel", 1)[6:])
+    first["usage"]["prompt_tokens_details"] = {"cached_tokens": 4}
+    pool = Pool(Response(200, [[b"data: " + json.dumps(first).encode()], [token("lo", 2)], HopDisconnected("reset")]),
+                Response(200, [[token(" there", 1)], [FINISH], [resumed_usage]]))
+    up, _ = upstream(pool)
+    events = await drain(await up.open_resumable(BODY, session_id=None))
+    assert events[-1] == UsageEvent(7, 3, 4)
+
+
 async def test_resumes_stop_at_the_configured_number() -> None:
     def broken(text: str) -> Response:
         return Response(200, [[token(text, 1)], HopDisconnected("reset")])
@@ -311,6 +331,49 @@ async def test_a_lone_shard_dying_mid_stream_is_waited_for_and_the_stream_finish
     with pytest.raises(SwitchboardError):
         await asyncio.wait_for(drain(stream), 30)
     assert asyncio.get_running_loop().time() - t0 < RESUME_LEAVE_S + 2 and len(pool.posts) == 1
+
+
+async def test_a_lone_shard_lost_before_the_first_token_is_waited_for_too() -> None:
+    """QA through `up --shards 1`: the shard SIGSTOPped (or killed) while a request was queued or prefilling
+    answered the client 504 "sent nothing ... for 2 s" (502/503 when killed), while a stream one token further
+    on waited for the shard and finished. Nothing was sent yet, so with resume_wait_s the request waits as a
+    resume does; a live shard's own failure (a 503) is answered at once, as before."""
+    shard = Member("s0", "shard", "http://s0")
+    membership = Restarting([shard])
+    pool = Pool(HopConnectError("refused"), Response(200, [[token("Hi", 1)], [FINISH]]))
+    router = Router(membership, RouterMetrics(CollectorRegistry()), policy="least_loaded", rng=random.Random(3))
+    up = Upstream(router, pool, UpstreamConfig(resume_wait_s=10))
+
+    async def restart() -> None:
+        await asyncio.sleep(0.4)
+        membership.now = []        # the dead process's registration expires
+        await asyncio.sleep(0.6)
+        membership.now = [shard]   # its restart registers under the same id
+
+    restarting = asyncio.ensure_future(restart())
+    body = BODY.model_copy(update={"request_id": "r1"})
+    stream = await asyncio.wait_for(up.open_resumable(body, session_id=None), 10)
+    events = await asyncio.wait_for(drain(stream), 10)
+    await restarting
+    assert "".join(e.text for e in events if isinstance(e, Delta)) == "Hi" and len(pool.posts) == 2
+    assert pool.posts[1][1]["messages"] == BODY.wire()["messages"]  # the request as it was: nothing to continue
+    # under another id: a frozen shard that runs again may still hold the first attempt (duplicate_request_id)
+    assert pool.posts[0][1]["request_id"] == "r1" and pool.posts[1][1]["request_id"].startswith("r1-retry")
+
+    busy = b'{"error": {"message": "busy", "type": "server_error", "code": "overloaded"}}'
+    up = Upstream(Router(Restarting([shard]), RouterMetrics(CollectorRegistry()), policy="least_loaded"),
+                  Pool(Response(503, body=busy)), UpstreamConfig(resume_wait_s=60))
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(SwitchboardError):
+        await up.open_resumable(BODY, session_id=None)
+    assert asyncio.get_running_loop().time() - t0 < 1.0
+    # a shard that stays registered is not restarting: its failure comes back within seconds, not the wait
+    up = Upstream(Router(Restarting([shard]), RouterMetrics(CollectorRegistry()), policy="least_loaded"),
+                  Pool(HopConnectError("refused")), UpstreamConfig(resume_wait_s=60))
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(NoHealthyBackend, match="could not connect"):
+        await up.open_resumable(BODY, session_id=None)
+    assert asyncio.get_running_loop().time() - t0 < 5.0
 
 
 async def test_failure_labels_stay_bounded_whatever_the_shard_answers() -> None:
@@ -416,7 +479,7 @@ async def test_several_choices_resume_each_from_its_own_text() -> None:
     (_, resumed) = pool.posts[1]
     assert len(pool.posts) == 2 and resumed["n"] == 1 and resumed["max_tokens"] == 9
     assert resumed["messages"][-1] == {"role": "assistant", "content": "Hello"} and resumed["continue_final_message"]
-    assert resumed["request_id"] == "r1-lane0"  # its own id: another choice may continue on the same shard
+    assert resumed["request_id"].startswith("r1-lane0-retry")  # its own id: another choice may continue on the same shard
     assert events[-1] == UsageEvent(7, (1 + 3) + 2, 0)  # choice 0: 1 then 3 on the second shard; choice 1: 2
     assert [e.usage for e in events if isinstance(e, Delta) and e.index == 0] == [(7, 1), (7, 2)]
     assert count(registry, "switchboard_router_resumes_total", reason="stream_broken") == 1
@@ -441,6 +504,23 @@ async def test_several_choices_resume_each_from_its_own_text() -> None:
         await asyncio.wait_for(drain(stream), 10)
     assert "engine died" in raised.value.message
     stream.close()
+
+
+async def test_a_choice_seeded_near_the_int64_limit_resumes() -> None:
+    """Choice i of n samples with seed + i; a request seeded 2**63 - 1 sent its choice 1's lane seed 2**63,
+    which the shard refuses (400: seed is an int64), so the choice could not continue. The lane's seed is
+    wrapped into int64, the same seed modulo 2**64 (what the shard's draws mix: torch_sampling._mix)."""
+    pool = Pool(Response(200, [[choice(0, "Hi", 1), choice(0, "", 1, "stop"), choice(1, "Hello", 1)],
+                               HopDisconnected("reset")]),
+                Response(200, [[token(" there", 1)], [FINISH], [USAGE]]))
+    up, _ = upstream(pool)
+    stream = await up.open_resumable(ShardRequest.model_validate({**BODY.wire(), "n": 2, "max_tokens": 10,
+                                                                  "seed": 2**63 - 1}), session_id=None)
+    await drain(stream)
+    (_, resumed) = pool.posts[1]
+    assert resumed["messages"][-1]["content"] == "Hello"
+    assert resumed["seed"] == -(2**63) and (resumed["seed"] - 2**63) % 2**64 == 0
+    ShardRequest.model_validate(resumed)  # what the shard validates: in range
 
 
 # -- counting a prompt (POST /v1/responses/input_tokens): no stream, the same retry rules ------------

@@ -123,3 +123,59 @@ def test_the_checker_catches_what_it_should() -> None:
     assert "no label 'tier'" in " ".join(check_expr("t", 'vllm:num_requests_running{tier="free"}', known))
     assert "groups by 'shard'" in " ".join(check_expr("t", "sum by (shard) (switchboard_cache_bytes)", known))
     assert "not a metric" in " ".join(check_expr("t", 'histogram_quantile(0.9, rate(switchboard_x_bucket[1m]))', known))
+
+
+TIME_UNITS = {"s", "ms", "µs", "ns", "dtdurations", "dtdurationms"}
+BYTE_RATE_UNITS = {"Bps", "binBps", "decBps"}
+RATIO_UNITS = {"percentunit", "percent"}
+
+
+def target_unit(panel: dict, target: dict) -> str:
+    """The unit Grafana shows `target` in: the panel's, or an override's that matches the target."""
+    unit: str = panel.get("fieldConfig", {}).get("defaults", {}).get("unit", "")
+    legend = re.sub(r"\{\{\s*\w+\s*\}\}", "x", target.get("legendFormat", ""))
+    for override in panel.get("fieldConfig", {}).get("overrides", []):
+        kind, option = override["matcher"]["id"], override["matcher"].get("options", "")
+        if (kind == "byFrameRefID" and option == target["refId"]) or (kind == "byName" and option == legend) \
+                or (kind == "byRegexp" and re.fullmatch(option, legend)):
+            unit = next((p["value"] for p in override["properties"] if p["id"] == "unit"), unit)
+    return unit
+
+
+def unit_problems(where: str, panel: dict, target: dict) -> list[str]:
+    unit, expr, legend = target_unit(panel, target), target["expr"], target.get("legendFormat", "")
+    problems = []
+    if unit in TIME_UNITS and "_seconds" not in expr:
+        problems.append(f"{where}: shown in {unit!r} but selects no _seconds series ({legend!r})")
+    if re.search(r"\b(rate|increase|irate)\([^()]*bytes[^()]*\)", expr) and " / " not in expr \
+            and unit not in BYTE_RATE_UNITS:
+        problems.append(f"{where}: a byte rate shown in {unit!r}, not bytes/s ({legend!r})")
+    if re.search(r"\b(hit rate|ratio|share)\b", legend) and unit not in RATIO_UNITS:
+        problems.append(f"{where}: a ratio shown in {unit!r}, not percent ({legend!r})")
+    return problems
+
+
+def test_every_target_is_shown_in_its_own_unit() -> None:
+    """A panel with two kinds of series gives the second its unit (an override): the ledger's failures / s
+    read as milliseconds beside the write p95, the cache nodes' KV bytes / s as a bare count beside
+    evictions / s, the response cache's hit rate as 0.75 beside lookups / s."""
+    problems = [p for fname, board in BOARDS.items() for panel in panels(board)
+                for target in panel.get("targets", [])
+                for p in unit_problems(f"{fname}: {panel['title']} [{target['refId']}]", panel, target)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_unit_check_catches_what_it_should() -> None:
+    def panel(unit: str, expr: str, legend: str, overrides: list | None = None) -> list[str]:
+        p = {"fieldConfig": {"defaults": {"unit": unit}, "overrides": overrides or []}}
+        return unit_problems("t", p, {"refId": "B", "expr": expr, "legendFormat": legend})
+    failures = "sum(rate(switchboard_ledger_write_failures_total[5m]))"
+    assert panel("s", failures, "failures / s")
+    assert not panel("s", failures, "failures / s", [{"matcher": {"id": "byFrameRefID", "options": "B"},
+                                                      "properties": [{"id": "unit", "value": "ops"}]}])
+    assert not panel("s", "histogram_quantile(0.95, sum by (le) (rate(x_seconds_bucket[5m])))", "p95")
+    assert panel("short", "sum by (d) (rate(switchboard_cache_kv_transfer_bytes_total[5m]))", "bytes {{d}}")
+    assert not panel("short", "sum(rate(a_total[5m])) / sum(rate(b_total[5m]))", "hit rate",
+                     [{"matcher": {"id": "byRegexp", "options": "hit.*"}, "properties": [{"id": "unit",
+                                                                                         "value": "percentunit"}]}])
+    assert panel("short", "sum(rate(a_total[5m])) / sum(rate(b_total[5m]))", "hit rate")

@@ -94,3 +94,36 @@ def test_sampler_variables_are_honoured() -> None:
     assert 1700 < recorded < 2300
     assert Sampler.from_env({}) == Sampler(1.0, True)
     assert Sampler.from_env({"OTEL_TRACES_SAMPLER": "bogus"}) == Sampler(1.0, True)
+
+
+def test_a_refused_request_is_recorded_by_its_code_not_its_words() -> None:
+    """A client error's message quotes what the client sent (a schema's type, a regex, pydantic's whole
+    body): a span recorded it as `exception.message`/`stacktrace` and in its status, so a canary in a
+    refused structured-output regex reached the gateway's router.route span, and a transcript a cache node
+    refused reached its cache_node.put span (and any OTLP collector). A server error keeps its words."""
+    from pydantic import BaseModel, ValidationError
+
+    from data_plane.common.errors import InvalidRequest
+
+    class Body(BaseModel):
+        owner: str
+
+    canary = "CANARY-4f2a"
+    ended: list[LeanSpan] = []
+    tracer = LeanTracerProvider(ended.append, Sampler(1.0, True)).get_tracer("t")
+    try:
+        Body.model_validate({"owner": 5, "messages": [{"content": canary}]})
+    except ValidationError as exc:
+        invalid_body: Exception = exc
+    for refused in (InvalidRequest(f"the regex is not valid: {canary}(", code="invalid_regex"), invalid_body):
+        with pytest.raises(type(refused)), tracer.start_as_current_span("router.route"):
+            raise refused
+    with pytest.raises(RuntimeError), tracer.start_as_current_span("shard.generate"):
+        raise RuntimeError(f"engine failed at {canary}")
+    refused_regex, refused_body, failed = ended
+    for span in (refused_regex, refused_body):
+        (event,) = span.events
+        assert canary not in repr(event.attributes) + repr(span.status), span
+        assert event.attributes["exception.type"] in ("InvalidRequest", "ValidationError")
+    assert refused_regex.events[0].attributes["error.type"] == "invalid_regex"
+    assert canary in failed.events[0].attributes["exception.message"]  # a 5xx's words are the operator's to read

@@ -176,9 +176,49 @@ class Native:
         return out
 
 
+class Mixed:
+    """A prompt's pass that carries one-token rows when the native kernel serves only batched passes (bf16
+    on blockq): each one-token row (a decoding sequence's) through `Native`, as its decode steps go,
+    the chunks through the torch path (rotary embedding, KV write, `PerSequence`), as their prompt passes
+    go. A row's numerics then do not depend on what shares its pass: the decoding sequences' tokens went
+    through SDPA whenever a prompt joined their step, which moved their logits by bf16 rounding, so a
+    seeded text or a greedy reply changed with the load (choice 0 of n > 1, its siblings' prompts beside it)."""
+
+    def __init__(self, r: RopeHeads, kernel: Kernel, slots: Sequence[int], lens: Sequence[int],
+                 starts: Sequence[int], slot_of: torch.Tensor, pos: torch.Tensor, kv_rows: torch.Tensor) -> None:
+        self.r = r
+        self.one = torch.tensor([n == 1 for n in lens for _ in range(n)])
+        self.rest = ~self.one
+        self.native = Native(r, kernel, slot_of[self.one], pos[self.one])
+        chunks = [(s, n, p) for s, n, p in zip(slots, lens, starts) if n > 1]
+        self.attend = PerSequence(r, [c[0] for c in chunks], [c[1] for c in chunks], [c[2] for c in chunks])
+        self.cos, self.sin = r.rope_tables(pos[self.rest])
+        self.kv_rows = kv_rows.view(len(pos), r.num_kv_heads)[self.rest].reshape(-1)  # the chunks' KV rows
+
+    def __call__(self, qkv: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        """As `Native.__call__`: `qkv` [rows, ...] unroped -> [rows, heads * head_dim]; KV written."""
+        r, d = self.r, self.r.head_dim
+        out = torch.empty(len(self.one), r.q_size, dtype=r.dtype)
+        out[self.one] = self.native(qkv[self.one], kc, vc)
+        q, k, v = r.rope(qkv[self.rest], self.cos, self.sin)
+        kc.view(-1, d).index_copy_(0, self.kv_rows, k.reshape(-1, d))  # as LlamaRunner._write_kv
+        vc.view(-1, d).index_copy_(0, self.kv_rows, v.reshape(-1, d))
+        out[self.rest] = self.attend(q, kc, vc)
+        return out
+
+
 class NativeHeads(Heads, Protocol):
     """What the native path reads besides `Heads` (LlamaRunner has it): the rotary tables and cache length."""
 
     cos: torch.Tensor
     sin_signed: torch.Tensor
     max_len: int
+
+
+class RopeHeads(NativeHeads, Protocol):
+    """What `Mixed` reads besides `NativeHeads`: the torch path's rotary embedding (LlamaRunner has it)."""
+
+    def rope_tables(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rope(self, qkv: torch.Tensor, cos: torch.Tensor,
+             sin_signed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...

@@ -107,7 +107,8 @@ class GenerationRequest:
     """`params.grammar` compiled (the engine's `prepare` sets it, off the scheduler thread)."""
     resumed_text: str = ""
     """A resumed stream's output already sent (the prompt ends with it, `continue_final_message`): the
-    grammar's matcher consumes it before the first step, so the continuation continues the grammar."""
+    grammar's matcher consumes it before the first step, so the continuation continues the grammar, and a
+    seeded sample's draws go on from the position after it (torch_sampling.Draws)."""
     processor: Any = None  # a logits.RequestLogits (that module imports this one)
     """Per-request logits state the engine builds at enqueue when params need it (engines/logits.py)."""
     trace: Any = None

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import torch
 
 from data_plane.shard.engines import blockq
-from data_plane.shard.engines.attention import Native, PerSequence, SlotBatched
+from data_plane.shard.engines.attention import Mixed, Native, PerSequence, SlotBatched
 from data_plane.shard.engines.blockq import BlockLinear
 from data_plane.shard.engines.model_files import (
     Weightless,
@@ -196,8 +196,10 @@ class LlamaRunner:
         # resumed stream, a jump-forward run of forced tokens, a draft's rows all give the unbroken text).
         # It is also the faster prompt path there: 1,024 tokens 2.7-3.2 s against 4.1-6.8 s for the torch
         # path's explicit matmul-softmax-matmul, 64-512 tokens the same (1 thread, AMD EPYC Zen 4, under
-        # load, 2026-12-03). bf16 keeps torch's fused SDPA for prompts: bf16 formats are not batch-invariant
-        # anyway, and for long prompts SDPA held its own (1,024 tokens 1.6-2.8 s against 2.0-3.2 s, 2 threads).
+        # load, 2026-12-03). bf16 keeps torch's fused SDPA for prompts: for long prompts it held its own (1,024
+        # tokens 1.6-2.8 s against 2.0-3.2 s, 2 threads; native prompts were 4x slower at 2,000 tokens on the
+        # Xeon, 2026-12-05); one-token rows go native in every pass (attention.Mixed), so a decoding
+        # sequence's tokens do not depend on a prompt joining its step.
         self.native_prompts = self.native is not None and dtype == torch.float32
         self.hidden_size = int(cfg.hidden_size)
         tied = bool(getattr(cfg, "tie_word_embeddings", False)) or not weights.has("lm_head.weight")
@@ -350,6 +352,15 @@ class LlamaRunner:
             return lin.normed(x, w, self.eps)
         return lin(self._rms(x, w))
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The head over final hidden states x [rows, H], float32 [rows, vocab]. A blockq head writes its
+        float32 sums as they are: rounded to bf16 first, this model's logits moved in steps of 0.125 (~20 in
+        magnitude), so near-ties became exact ties (greedy, top_p and min_p then picked among equals, and
+        top_logprobs listed them in arbitrary order)."""
+        if isinstance(self.lm_head, BlockLinear):
+            return self.lm_head.normed(x, self.norm, self.eps, out=torch.float32)
+        return self._normed(self.lm_head, x, self.norm).float()
+
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         gu = self._normed(layer.gate_up, x, layer.ln_post)
         g, u = gu.split_with_sizes(self._gate_up, -1)
@@ -358,7 +369,12 @@ class LlamaRunner:
     def _qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor,
              sin_signed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, heads, D] and k [T, kv_heads, D] with rotary embedding applied (both in one op chain), v [T, kv_heads, D]."""
-        qkv = self._normed(layer.qkv, x, layer.ln_in).view(x.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        return self.rope(self._normed(layer.qkv, x, layer.ln_in), cos, sin_signed)
+
+    def rope(self, qkv: torch.Tensor, cos: torch.Tensor,
+              sin_signed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_qkv` from the projection's output (attention.Mixed has it for its prompt rows)."""
+        qkv = qkv.view(qkv.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         # One dispatch for both views (slicing took one each); split_with_sizes, not Tensor.split: that
         # is a Python wrapper in torch (~a third of the split's cost, 90 calls a decode step).
         qk, v = qkv.split_with_sizes(self._qk_v, 1)
@@ -383,7 +399,7 @@ class LlamaRunner:
             return self.collect(self.submit(items, logits, batched=batched))
         slots, lens, starts, ids, wanted = _unpack(items, logits)
         x = self.run_layers(self.embed[ids], slots, lens, starts, batched)  # [T, H]
-        return self._normed(self.lm_head, select_rows(x, lens, wanted), self.norm).float()
+        return self.logits(select_rows(x, lens, wanted))
 
     @torch.inference_mode()
     def submit(self, items: Sequence[tuple[int, Sequence[int], int]], logits: Sequence[int] | None = None,
@@ -414,7 +430,7 @@ class LlamaRunner:
         work on the next); passes are collected in the order submitted."""
         down = self.downstream
         assert down is not None
-        return torch.cat([self._normed(self.lm_head, down.collect(t), self.norm).float() for t in tickets])
+        return torch.cat([self.logits(down.collect(t)) for t in tickets])
 
     def run_layers(self, x: torch.Tensor, slots: Sequence[int], lens: Sequence[int], starts: Sequence[int],
                    batched: bool) -> torch.Tensor:
@@ -428,8 +444,12 @@ class LlamaRunner:
         # index_copy_ there is several times cheaper than advanced-index assignment.
         kv_rows = (((slot_of * self.num_kv_heads).unsqueeze(1) + torch.arange(self.num_kv_heads)) * self.max_len
                    + pos.unsqueeze(1)).reshape(-1)
-        if self.native is not None and (batched or self.native_prompts):  # rope, KV write, attention: one call a layer
-            native = Native(self, self.native, slot_of, pos)
+        # bf16 on blockq: a prompt's pass carrying one-token rows (decoding sequences') sends those native, as
+        # their decode steps go (attention.Mixed); a pass of one-token rows alone is a prompt's, as before
+        mixed = self.native is not None and not (batched or self.native_prompts) and 1 in lens and max(lens) > 1
+        if self.native is not None and (batched or self.native_prompts or mixed):  # one call a layer
+            native: Native | Mixed = (Mixed(self, self.native, slots, lens, starts, slot_of, pos, kv_rows) if mixed
+                                      else Native(self, self.native, slot_of, pos))
             for i, layer in enumerate(self.layers):
                 qkv = self._normed(layer.qkv, x, layer.ln_in)
                 x = self._mlp(layer, layer.o.add(native(qkv, self.k_cache[i], self.v_cache[i]), x))

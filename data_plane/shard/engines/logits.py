@@ -1,6 +1,6 @@
 """Per-request logits processing in the batched step: grammar masks, penalties, bias, EOS bans, logprobs.
 
-    proc = RequestLogits.build(params, compiled_grammar, eos_ids, prompt_ids, vocab, listener)  # None: plain
+    proc = RequestLogits.build(params, compiled_grammar, eos_ids, prompt_ids, vocab, listener, made)  # None: plain
     tokens = sample(logits, params, generators, [proc, None, ...])   # torch_sampling: process, sample, accept
 
 `process_batch` runs once per step over the rows that have a processor (the others are untouched,
@@ -40,20 +40,24 @@ class RequestLogits:
     """One sequence's processing state (see the module docstring). Built only for requests that need it."""
 
     def __init__(self, params: SamplingParams, matcher: Any, eos_ids: Sequence[int], prompt_ids: Sequence[int],
-                 vocab: int, listener: MaskListener | None = None, mask_vocab: int = 0) -> None:
+                 vocab: int, listener: MaskListener | None = None, mask_vocab: int = 0, made: int = 0) -> None:
         self.params = params
         self.matcher = matcher
         self.mask_vocab = mask_vocab or vocab
         self.eos_ids = sorted(eos_ids)
         self.vocab = vocab
         self.listener = listener
-        self.generated = 0
+        self.generated = made
+        """Output tokens so far: a resumed stream's `made` (the prompt's last tokens) count, for min_tokens."""
         self.logprobs: list[TokenLogprob] = []
         """Entries not yet handed out (`drain`)."""
         self.counts: torch.Tensor | None = None
         self.seen: torch.Tensor | None = None
         if params.frequency_penalty or params.presence_penalty:
             self.counts = torch.zeros(vocab, dtype=torch.float32)
+            if made:  # output already sent before a resume: penalized as an unbroken stream's output is
+                ids = torch.tensor([t for t in prompt_ids[len(prompt_ids) - made:] if 0 <= t < vocab], dtype=torch.long)
+                self.counts.index_add_(0, ids, torch.ones(len(ids)))
         if params.repetition_penalty != 1.0:
             self.seen = torch.zeros(vocab, dtype=torch.bool)
             ids = torch.tensor([t for t in prompt_ids if 0 <= t < vocab], dtype=torch.long)
@@ -69,13 +73,14 @@ class RequestLogits:
 
     @classmethod
     def build(cls, params: SamplingParams, grammar: Any, eos_ids: Sequence[int], prompt_ids: Sequence[int],
-              vocab: int, listener: MaskListener | None = None) -> RequestLogits | None:
-        """A processor when `params` or a compiled grammar asks for any processing, else None."""
+              vocab: int, listener: MaskListener | None = None, made: int = 0) -> RequestLogits | None:
+        """A processor when `params` or a compiled grammar asks for any processing, else None; `made`: a
+        resumed stream's output tokens already sent (the last of `prompt_ids`)."""
         if grammar is None and not params.processed:
             return None
         if grammar is None:
-            return cls(params, None, eos_ids, prompt_ids, vocab, listener)
-        return cls(params, grammar.matcher(), eos_ids, prompt_ids, vocab, listener, grammar.vocab_size)
+            return cls(params, None, eos_ids, prompt_ids, vocab, listener, made=made)
+        return cls(params, grammar.matcher(), eos_ids, prompt_ids, vocab, listener, grammar.vocab_size, made)
 
     # -- per step ----------------------------------------------------------------------------
 

@@ -297,8 +297,11 @@ class TorchEngine:
             raise InvalidRequest("a constrained request was not prepared (its grammar is not compiled)")
         queue: asyncio.Queue[GenerationOutput | BaseException] = asyncio.Queue()
         loop = self._loop or asyncio.get_running_loop()
+        # a resumed stream's output already sent (the prompt ends with it): counted as output, as unbroken
+        made = len(self._tokenizer.encode(req.resumed_text, add_special_tokens=False)) if req.resumed_text else 0
+        made = min(made, len(req.prompt_ids))
         proc = req.processor = RequestLogits.build(req.params, req.grammar, sorted(self._eos), req.prompt_ids,
-                                                   self.vocab_size, self.listener)
+                                                   self.vocab_size, self.listener, made)
 
         def sink(out: GenerationOutput | BaseException) -> None:
             if proc is not None and req.params.logprobs and isinstance(out, GenerationOutput):
@@ -307,9 +310,8 @@ class TorchEngine:
 
         draws = None
         if not req.params.greedy:  # a resumed stream samples on from the position after the text already sent
-            resumed = len(self._tokenizer.encode(req.resumed_text, add_special_tokens=False)) if req.resumed_text else 0
-            draws = Draws(req.params.seed, offset=resumed)
-        stream = TextStream(self._decode_ids, req.params.stop, req.params.min_tokens)
+            draws = Draws(req.params.seed, offset=made)
+        stream = TextStream(self._decode_ids, req.params.stop, max(0, req.params.min_tokens - made))  # made: sent
         seq = SeqState(req=req, max_tokens=max_tokens, sink=sink, stream=stream, draws=draws)
         if self.prefix is not None:
             seq.block_hashes = self.prefix.hashes(req.prompt_ids, req.cache_salt, req.public_prefix_tokens)

@@ -1,0 +1,56 @@
+"""A turn's KV fetch from the cache nodes is one trace with the turn: the shard's KVRemote sends the current
+trace's `traceparent` and the cache node's `cache_node.kv_*` span continues it. Both were missing: every fetch
+was a root trace of its own on the node, nothing in the turn's trace led to it. A real cache node; the
+shard side is the KVRemote the shard runs, called inside a span as KVTier.prepare calls it."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from opentelemetry import context, trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+from data_plane.kv_wire import HASH_BYTES, BlockHeader, encode_frame
+from data_plane.membership.view import Member, StaticMembership
+from data_plane.shard.kv_remote import KVRemote
+from tests.support.cluster import start_cache_nodes
+from tests.support.procs import Service
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[Service]:
+    (proc,) = start_cache_nodes(1)
+    yield proc
+    proc.stop()
+
+
+def _in_a_span(trace_id: int, span_id: int) -> object:
+    """Attach a sampled span context, as the shard's `shard.generate` is current around the fetch."""
+    ctx = SpanContext(trace_id, span_id, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    return context.attach(trace.set_span_in_context(NonRecordingSpan(ctx)))
+
+
+def test_a_kv_fetch_and_store_continue_the_callers_trace(node: Service) -> None:
+    trace_id, span_id = uuid.uuid4().int, uuid.uuid4().int >> 64
+    session = f"s-{uuid.uuid4().hex}"
+    block = bytes(range(HASH_BYTES))
+    frame = encode_frame(BlockHeader(block, "m", "float32", "kv", (1,)), b"kvkv")
+
+    async def run() -> None:
+        token = _in_a_span(trace_id, span_id)
+        try:
+            async with httpx.AsyncClient() as http:
+                remote = KVRemote(StaticMembership([Member("cache-0", "cache", node.url)]), http)
+                assert await remote.store(session, 1, [], [frame], None) == 1
+                assert await remote.fetch(session, 1, [block], skip=0) is not None
+        finally:
+            context.detach(token)  # type: ignore[arg-type]
+
+    asyncio.run(run())
+    spans = httpx.get(f"{node.url}/debug/spans", params={"trace_id": format(trace_id, "032x")}, timeout=5).json()
+    ops = {s["name"]: s["parent_span_id"] for s in spans}
+    assert ops == {"cache_node.kv_put": format(span_id, "016x"), "cache_node.kv_fetch": format(span_id, "016x")}, spans
