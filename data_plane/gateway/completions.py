@@ -26,7 +26,7 @@ from data_plane.common.outcome import Outcome
 from data_plane.completions_request import LegacyRequest, parse_completion_request
 from data_plane.gateway.chat import ChatHandler
 from data_plane.gateway.completions_wire import LegacyShape
-from data_plane.gateway.context import TEMPLATE_SLACK_TOKENS, Window
+from data_plane.gateway.context import Window
 from data_plane.gateway.metrics import request_code
 from data_plane.gateway.phases import Caller, Checked, Opened, Prepared
 from data_plane.gateway.safety.pipeline import SafetyPolicy
@@ -70,13 +70,16 @@ class CompletionsHandler(ChatHandler):
 
     def fit(self, prompt: list[dict[str, str]], budget: int, step: int) -> Window:
         """The prompt whole (one prompt is never cut), or a 400 context_length_exceeded naming it. Counted as the
-        shard encodes it, no template: the budget's slack for one is the prompt's (less a token for a BOS)."""
-        tokens = len(self._prompt_ids or ()) + sum(self.gw.counter.count(m["content"]) for m in prompt if m["content"])
-        if tokens > budget + TEMPLATE_SLACK_TOKENS - 1:
-            raise ContextLengthExceeded(f"the prompt has {tokens} tokens, but only {budget + TEMPLATE_SLACK_TOKENS - 1} "
-                                        "fit in this model's context beside max_tokens; shorten the prompt or lower "
-                                        "max_tokens", param="prompt")
-        return Window(prompt, tokens, 0)
+        shard encodes it, no template: the budget's slack for one is the prompt's, less a token for the BOS a
+        tokenizer may put before a text prompt (token ids go as they are)."""
+        ids = len(self._prompt_ids or ())
+        text = sum(self.gw.counter.count(m["content"]) for m in prompt if m["content"])
+        room = budget + self.gw.counter.slack - (1 if text else 0)
+        if ids + text > room:
+            raise ContextLengthExceeded(f"the prompt has {ids + text} tokens, but only {room} fit in this model's "
+                                        "context beside max_tokens; shorten the prompt or lower max_tokens",
+                                        param="prompt")
+        return Window(prompt, ids + text, 0)
 
     async def _budget(self, caller: Caller, checked: Checked) -> tuple[Checked, SafetyPolicy]:
         """The chat path's, with a token-id prompt's ids in the rate limit's estimate (the messages hold no text

@@ -125,6 +125,7 @@ class GatewayMetrics:
             "Requests of the APIs served over the chat path beside chat completions, by endpoint (completions: "
             "POST /v1/completions), HTTP status and code (bounded as switchboard_gateway_requests_total's, where each "
             "is counted too).", ["endpoint", "status", "code"], registry=registry)
+        self.endpoint_requests.labels("completions", "200", RequestCode.OK.value)  # 0 from the start, not missing
         self.ttft = Histogram("switchboard_gateway_ttft_seconds",
                               "Time to first token as the client sees it: request received to the first content "
                               "byte written (after the output filter).", ["tier"], buckets=LATENCY_BUCKETS,

@@ -134,12 +134,18 @@ def test_langchains_openai_llm_invokes_and_batches(gateway: Service) -> None:
 
 
 def test_a_prompt_that_fills_the_context_beside_max_tokens_is_served(gateway: Service) -> None:
-    """No chat template: a prompt of the context less max_tokens (less one) is served, one more token is the
-    400 naming the prompt (the shard's 2048-token context)."""
+    """No chat template: a prompt of token ids that fills the context beside max_tokens is served, one more
+    token is the gateway's 400 naming the prompt (the shard's 2048-token context); a text prompt, one token
+    short of that (a BOS a tokenizer may add), likewise."""
     client = sdk(gateway)
-    done = client.completions.create(model=MODEL, prompt=[5] * (2048 - 2 - 1), max_tokens=2, temperature=0)
+    done = client.completions.create(model=MODEL, prompt=[5] * (2048 - 2), max_tokens=2, temperature=0)
+    assert done.usage is not None and done.usage.prompt_tokens == 2046
+    body = refusal(lambda: client.completions.create(model=MODEL, prompt=[5] * 2047, max_tokens=2))
+    assert (body["code"], body["param"]) == ("context_length_exceeded", "prompt"), body
+    text = " a" * 2045  # 2045 tokens
+    done = client.completions.create(model=MODEL, prompt=text, max_tokens=2, temperature=0)
     assert done.usage is not None and done.usage.prompt_tokens == 2045
-    body = refusal(lambda: client.completions.create(model=MODEL, prompt=[5] * 2046, max_tokens=2))
+    body = refusal(lambda: client.completions.create(model=MODEL, prompt=text + " a", max_tokens=2))
     assert (body["code"], body["param"]) == ("context_length_exceeded", "prompt"), body
 
 
