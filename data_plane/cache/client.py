@@ -45,19 +45,18 @@ The wire contract both sides share (:class:`Transcript`, :data:`SESSION_ID_PATTE
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
-from data_plane.cache.client_circuits import CircuitHops, NodeCircuits, SkippedNode
+from data_plane.cache.client_calls import NodeCalls
+from data_plane.cache.client_circuits import CircuitHops, NodeCircuits
 from data_plane.cache.client_metrics import SessionStoreMetrics
 from data_plane.cache.client_values import (
     Departures,
@@ -65,17 +64,16 @@ from data_plane.cache.client_values import (
     RecordLimits,
     WriteResult,
     handoffs,
-    json_or_none,
     newest_last,
     put_body,
     refused_write,
 )
-from data_plane.cache.model import MAX_RECORD_BYTES, TOMBSTONE_VERSION, Transcript, VersionConflict, validate_session_id
-from data_plane.common.crypto import SealError, TranscriptSealer
+from data_plane.cache.model import TOMBSTONE_VERSION, Transcript, VersionConflict, validate_session_id
+from data_plane.common.crypto import TranscriptSealer
 from data_plane.common.errors import NotFound, Overloaded
 from data_plane.membership.hashring import DEFAULT_VNODES, HashRing
 from data_plane.membership.placement import DEFAULT_ZONE, local_first, replicas_across_zones
-from data_plane.routing.hop_client import HopError, HopPool
+from data_plane.routing.hop_client import HopPool
 
 if TYPE_CHECKING:
     from data_plane.membership.view import Member, MembershipView
@@ -95,7 +93,7 @@ AUDIT_SHARE = 0.05
 """Share of reads that check the replicas they did not need to ask, whatever the above says."""
 
 
-class SessionStore:
+class SessionStore(NodeCalls):
     """Places, replicates and reads session transcripts on the healthy cache nodes."""
 
     def __init__(
@@ -359,87 +357,11 @@ class SessionStore:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _path(self, session_id: str) -> str:
-        return f"{self._prefix}/{session_id}"  # the id is validated: URL-safe characters only
-
-    def _headers(self) -> dict[str, str]:
-        headers: dict[str, str] = dict(self._auth)
-        propagate.inject(headers)
-        return headers
-
-    async def _fetch(self, member: Member, session_id: str) -> tuple[str, Transcript | None]:
-        """('hit', t) | ('miss', None) | ('unreadable', None) | ('error', None); never raises for
-        a node's failure. Unreadable: a sealed record that does not open for this session and owner
-        (moved, tampered, or an unknown key): to the caller it does not exist."""
-        try:
-            resp = await self._http.request("GET", member.url, self._path(session_id), headers=self._headers(),
-                                            timeout=self._timeout_s)
-            raw = await resp.read(self._deadline(), limit=MAX_RECORD_BYTES)
-            if resp.status == 404:
-                return "miss", None
-            if resp.status != 200:
-                log.warning("cache node %s answered GET with %d", member.id, resp.status)
-                return "error", None
-            transcript = Transcript.from_wire(json.loads(raw))
-            if transcript.session_id != session_id:
-                raise ValueError("cache node returned another session")
-            if self._sealer is not None:
-                try:
-                    opened = self._sealer.open(session_id, transcript.owner, transcript.messages)
-                except SealError as exc:
-                    log.warning("cache node %s holds an unreadable record for a session: %s", member.id, exc)
-                    return "unreadable", None
-                transcript = replace(transcript, messages=tuple(opened))
-            return "hit", transcript
-        except (HopError, ValueError) as exc:
-            if not isinstance(exc, SkippedNode):  # that one is logged when its breaker opens
-                log.warning("cache node %s unreachable for GET: %s", member.id, type(exc).__name__)
-            return "error", None
-
     def check_fits(self, session_id: str, owner: str, messages: Callable[[], Sequence[Mapping[str, str]]], replicas: int,
                    rough: int) -> None:
         """400 ``record_too_large`` now if no replica of `session_id` would store `messages()` (client_values.py)."""
         self._limits.check(self.replicas_for(session_id, replicas), rough, lambda: len(put_body(
             self._sealer, Transcript(session_id, owner, tuple(messages()), 1, updated_at=time.time()), None)))
-
-    async def _put(
-        self, member: Member, t: Transcript, ttl_s: float | None, *, keep_updated_at: bool, only_newer: bool = False
-    ) -> WriteResult:
-        body = put_body(self._sealer, t, ttl_s, keep_updated_at=keep_updated_at, only_newer=only_newer)
-        try:
-            resp = await self._http.request("PUT", member.url, self._path(t.session_id), body,
-                                            headers=self._headers(), timeout=self._timeout_s)
-            raw = await resp.read(self._deadline())
-        except HopError as exc:
-            if not isinstance(exc, SkippedNode):
-                log.warning("cache node %s unreachable for PUT: %s", member.id, type(exc).__name__)
-            return WriteResult("error")
-        if resp.status == 200:
-            return WriteResult("ok", 200)
-        payload = json_or_none(raw)
-        if resp.status == 409:
-            stored = None
-            if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
-                stored = payload["error"].get("stored_version")
-            return WriteResult("stale", 409, payload, stored if isinstance(stored, int) else None)
-        if resp.status == 413:  # past its limit: a later record this large is refused before it is generated
-            self._limits.refused(member.id, len(body), resp)
-        if 400 <= resp.status < 500:
-            return WriteResult("rejected", resp.status, payload)
-        log.warning("cache node %s answered PUT with %d", member.id, resp.status)
-        return WriteResult("error", resp.status, payload)
-
-    async def _delete_one(self, member: Member, session_id: str) -> bool:
-        try:
-            resp = await self._http.request("DELETE", member.url, self._path(session_id), headers=self._headers(),
-                                            timeout=self._timeout_s)
-            body = json_or_none(await resp.read(self._deadline()))
-        except HopError:
-            return False
-        return resp.status == 200 and isinstance(body, dict) and bool(body.get("deleted"))
-
-    def _deadline(self) -> float:
-        return asyncio.get_running_loop().time() + self._timeout_s
 
     def _may_lag(self, found: Transcript) -> bool:
         """Whether replicas not asked during a read may lack `found`. Every save writes all current
