@@ -345,10 +345,10 @@ class SessionStore(NodeCalls):
             added, self._rejoined = self._rejoined, set()
             sessions = list(self._recent.items())
             gate = asyncio.Semaphore(REPAIR_CONCURRENCY)
-            written = 0
+            written = moving = 0
 
             async def one(session_id: str, replicas: int) -> None:
-                nonlocal written
+                nonlocal written, moving
                 try:
                     targets = self.replicas_for(session_id, replicas)
                 except Overloaded:
@@ -357,14 +357,16 @@ class SessionStore(NodeCalls):
                     return
                 extra = handoffs(self._previous, self._placement, session_id, replicas, self._zone, targets)
                 async with gate:  # noqa: B023
-                    written += await self._settle(session_id, replicas, targets, extra)
+                    repaired, removing = await self._settle(session_id, replicas, targets, extra)
+                    written, moving = written + repaired, moving + removing
 
             with tracer.start_as_current_span("cache.placement_repair") as span:
                 await asyncio.gather(*(one(sid, n) for sid, n in sessions))
                 span.set_attribute("switchboard.session.repair_candidates", len(sessions))
                 span.set_attribute("switchboard.session.repaired", written)
-            log.info("background repair after %s joined: %d session(s) checked, %d replica(s) written",
-                     ", ".join(sorted(added)), len(sessions), written)
+            log.info("background repair after %s joined: %d session(s) checked, %d replica(s) written, %d copy(ies) "
+                     "to remove from nodes that stood in meanwhile", ", ".join(sorted(added)), len(sessions), written,
+                     moving)
 
     async def aclose(self) -> None:
         """Cancel pending read-repairs (they are best-effort)."""
@@ -401,15 +403,16 @@ class SessionStore(NodeCalls):
         lacking = [m for m, (kind, _) in zip(rest, fetched, strict=True) if kind in ("miss", "unreadable")]
         return newest, behind + lacking, copies
 
-    async def _settle(self, session_id: str, replicas: int, targets: list[Member], extra: list[Member]) -> int:
+    async def _settle(self, session_id: str, replicas: int, targets: list[Member], extra: list[Member],
+                      ) -> tuple[int, int]:
         """A joiner's background repair of one record: the newest of the copies its replicas (`targets`) and the
         nodes that held it before (`extra`) hold is written to the replicas without it, then the copies on
-        `extra` are removed (`_repair`). Returns how many replicas were written."""
+        `extra` are removed (`_repair`). Returns how many replicas were written and copies are to be removed."""
         asked = targets + extra
         fetched = await asyncio.gather(*(self._fetch(m, session_id) for m in asked))
         copies = [(m, t) for m, (_, t) in zip(asked, fetched, strict=True) if t is not None]
         if not copies:
-            return 0
+            return 0, 0
         newest = max((t for _, t in copies), key=lambda t: t.version)
         behind = [m for m, (kind, t) in zip(targets, fetched[:len(targets)], strict=True)
                   if kind in ("miss", "unreadable") or (t is not None and t.version < newest.version)]
@@ -424,13 +427,13 @@ class SessionStore(NodeCalls):
         task.add_done_callback(self._repairs.discard)
 
     async def _repair(self, transcript: Transcript, behind: list[Member], moved: list[tuple[Member, int]],
-                      replicas: int) -> int:
+                      replicas: int) -> tuple[int, int]:
         """Write `transcript` to the replicas that lack it or hold an older version (nodes keep the
         highest version, so a newer save that lands meanwhile is never overwritten); once every replica holds
         it, remove the copies `moved` names (node, version seen) from nodes that held it while a replica was
         away. Left there, such a copy was read again when that replica next went away: the conversation went
         back to it, and a turn written on it then lost to the replica's newer version when it came back.
-        Returns how many replicas were written."""
+        Returns how many replicas were written, and how many copies are to be removed."""
         with tracer.start_as_current_span("cache.read_repair") as span:
             results = await asyncio.gather(*(self._repair_one(m, transcript) for m in behind))
             span.set_attribute("switchboard.session.repair_candidates", len(behind))
@@ -442,7 +445,8 @@ class SessionStore(NodeCalls):
             self._removals.add(task)
             task.add_done_callback(self._removals.discard)
             task.add_done_callback(lambda _: self._removing.discard(key))
-        return sum(r == "ok" for r in results)
+            return sum(r == "ok" for r in results), len(moved)
+        return sum(r == "ok" for r in results), 0
 
     async def _remove_moved(self, session_id: str, moved: list[tuple[Member, int]], replicas: int) -> None:
         """Remove the copies `moved` names, each only while its node holds the version seen (a write that landed
