@@ -386,6 +386,8 @@ def test_router_route_holds_the_shard_call_it_parents(cluster: Cluster, stream: 
 
     time.sleep(0.3)
     (route,) = spans(cluster.gateway.url, "router.route")
+    (request,) = spans(cluster.gateway.url, "gateway.request")
+    assert request["start_ns"] <= route["start_ns"] and route["end_ns"] <= request["end_ns"], (request, route)
     (generate,) = [s for shard in cluster.shards for s in spans(shard.url, "shard.generate")]
     assert generate["parent_span_id"] == route["span_id"]
     assert route["start_ns"] <= generate["start_ns"] and generate["end_ns"] <= route["end_ns"], (route, generate)
