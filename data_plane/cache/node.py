@@ -80,6 +80,7 @@ from data_plane.common.hop_auth import (
 )
 from data_plane.common.http_body import read_json_body
 from data_plane.common.http_server import serve
+from data_plane.common.settings_cli import REDIS_URL_PATTERN
 from data_plane.common.settings_cli import parse_settings as cli_settings
 from data_plane.common.tasks import stop_tasks
 from data_plane.common.telemetry import (
@@ -110,7 +111,7 @@ class CacheNodeSettings(BaseSettings):
     """Address to bind."""
     port: int = Field(8201, ge=1, le=65535)
     """Port to bind."""
-    redis: str | None = None
+    redis: str | None = Field(None, pattern=REDIS_URL_PATTERN)
     """``redis://`` URL: store transcripts in Redis instead of process memory."""
     redis_prefix: str | None = None
     """Redis key prefix (default ``switchboard:<node_id>:session:``, so nodes may share a Redis)."""
