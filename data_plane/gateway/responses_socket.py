@@ -34,8 +34,10 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from data_plane.common.errors import InvalidRequest, SwitchboardError, render
+from data_plane.common.http_body import strict_loads
 from data_plane.common.tasks import stop_tasks
 from data_plane.gateway.responses import RESPONSES_PATH
+from data_plane.request_checks import check_unicode
 
 FRAME_TYPE = "response.create"
 HOP_HEADERS = {b"connection", b"upgrade", b"content-length", b"content-type", b"transfer-encoding"}
@@ -212,9 +214,14 @@ def frame_body(raw: bytes) -> dict[str, Any] | SwitchboardError:
     """A `response.create` frame as the POST's body (`stream: true`), or the 400 for another frame (or for
     `background`, which OpenAI's WebSocket mode does not take)."""
     try:
-        frame = json.loads(raw)
-    except ValueError:
-        return InvalidRequest("a WebSocket frame must be a JSON object", param=None)
+        frame = strict_loads(raw)
+        check_unicode(frame)  # and that it encodes again: the frame is re-sent as the POST's body
+    except InvalidRequest as exc:
+        return exc
+    except RecursionError:  # a frame nested past the parser's stack ended the socket with a traceback
+        return InvalidRequest("a WebSocket frame is nested too deeply", param=None, code="invalid_json")
+    except ValueError as exc:  # not JSON, or NaN/Infinity/1e400, which no encoder writes back
+        return InvalidRequest(f"a WebSocket frame must be a JSON object: {str(exc)[:128]}", param=None, code="invalid_json")
     if not isinstance(frame, dict) or frame.get("type") != FRAME_TYPE:
         kind = frame.get("type") if isinstance(frame, dict) else None
         return InvalidRequest(f"unsupported frame type {str(kind)[:64]!r}: send {FRAME_TYPE!r}", param="type")
