@@ -33,7 +33,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from data_plane.common.errors import InvalidRequest, SwitchboardError, render
+from data_plane.common.errors import InvalidRequest, RateLimited, SwitchboardError, render
 from data_plane.common.http_body import strict_loads
 from data_plane.common.tasks import stop_tasks
 from data_plane.gateway.responses import RESPONSES_PATH
@@ -156,18 +156,64 @@ class Exchange:
                     await self._relay(line[6:].decode("utf-8"))
 
 
+class OpenSockets:
+    """The sockets each API key holds open on this gateway: at most its tier's RPM at once. Without a bound one
+    free key opened sockets as fast as it could and left them idle (no frame, so no request charged), each held
+    for ever: 150 in a second, and the gateway's connection bound (15,000 by default) would follow, after which
+    every tenant's requests were 503 ``overloaded``. A key cannot start more responses a minute than its RPM,
+    so more sockets than that would sit idle."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, int] = {}
+
+    def take(self, key_id: str, limit: int) -> SwitchboardError | None:
+        """Count one more socket of `key_id`, or the 429 for one past `limit`."""
+        held = self._open.get(key_id, 0)
+        if held >= limit:
+            return RateLimited(f"this API key holds {held} open WebSockets, its tier's limit: close one, or send "
+                               "its requests on the sockets it has", retry_after=1)
+        self._open[key_id] = held + 1
+        return None
+
+    def give(self, key_id: str) -> None:
+        held = self._open.pop(key_id, 1) - 1
+        if held > 0:
+            self._open[key_id] = held
+
+
+SOCKETS = OpenSockets()
+"""This gateway process's open sockets, by key."""
+
+
+def _holder(caller: Any) -> tuple[str, int] | None:
+    """(key id, its tier's RPM) of what the gateway's `caller` returned, None for anything else."""
+    principal, tier = caller if isinstance(caller, tuple) and len(caller) == 2 else (None, None)
+    key_id, rpm = getattr(principal, "key_id", None), getattr(tier, "rpm", None)
+    return (key_id, rpm) if isinstance(key_id, str) and isinstance(rpm, int) else None
+
+
 async def serve_socket(app: ASGIApp, caller: Callable[[Request], Any], scope: Scope, receive: Receive,
-                       send: Send) -> None:
+                       send: Send, sockets: OpenSockets = SOCKETS) -> None:
     """Serve one WebSocket on `/v1/responses` with `app` (the gateway's ASGI app, which serves the POST)."""
     first = await receive()
     if first["type"] != "websocket.connect":
         return
     post = http_scope(scope)
     try:
-        caller(Request(post))  # the key, bans and throttles: refused on the upgrade's HTTP answer
+        holder = _holder(caller(Request(post)))  # the key, bans and throttles: refused on the upgrade's HTTP answer
+        if holder is not None and (refused := sockets.take(*holder)) is not None:
+            raise refused
     except SwitchboardError as exc:
         await deny(exc, scope, send)
         return
+    try:
+        await _serve_frames(app, post, receive, send)
+    finally:
+        if holder is not None:
+            sockets.give(holder[0])
+
+
+async def _serve_frames(app: ASGIApp, post: Scope, receive: Receive, send: Send) -> None:
     await send({"type": "websocket.accept"})
     frames: asyncio.Queue[Message | None] = asyncio.Queue()
     closed = asyncio.Event()
