@@ -10,6 +10,8 @@
     switchboard admin degrade --release                     # let the automatic rule decide again
     switchboard admin tiers                        # the tier policy in force: limits per tier
     switchboard admin tiers free rpm=30 tpm=10000  # change a tier's fields (gateways apply it within ~1 s)
+    switchboard admin usage --since 24h --bucket hour   # the usage ledger per tenant and tier (--csv, --json)
+    switchboard admin abuse [--events 20]          # abuse actions in force; `abuse lift ID`, `abuse confirm ID`
 
 Why: the runbook's steps (docs/runbook.md: drain the outlier, release a pin) were raw ``curl`` calls
 with a bearer token pasted by hand, and an operator without a browser on the console's network had
@@ -35,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from admin_ui import cli_reports
 from admin_ui.client import AdminClient, ConsoleError, NotAvailable, Unauthorized, Unreachable
 from admin_ui.settings import DEFAULT_CREDENTIALS_FILE, ENV_ADMIN_TOKEN, ConsoleSettings
 from data_plane.common.tls import add_tls_flags
@@ -100,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("tier", nargs="?", help="the tier to change (as `switchboard admin tiers` lists it)")
     p.add_argument("changes", nargs="*", metavar="FIELD=VALUE",
                    help=f"new values: {', '.join(TIER_FIELDS)} (whole numbers) or safety=POLICY")
+    cli_reports.add_parsers(sub, common)
     return parser
 
 
@@ -136,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.tier is not None and not args.changes:
             args.tiers_parser.error(f"say what to change in {args.tier!r}: FIELD=VALUE (e.g. rpm=60)")
         args.tier_changes = _tier_changes(args.tiers_parser, args.changes)
+    cli_reports.check(args)
     overrides = {k: v for k, v in (("control_plane_url", args.control_plane_url),
                                    ("credentials_file", args.credentials_file)) if v is not None}
     settings = ConsoleSettings(**overrides)
@@ -166,7 +171,12 @@ def main(argv: list[str] | None = None) -> None:
     except Unreachable as exc:
         tls = " and, for https, --ca-bundle (the CA that signed its certificate)" if (
             settings.control_plane_url.startswith("https://")) else ""
-        raise SystemExit(f"{PROG}: {exc.message}; check --control-plane-url{tls}") from None
+        unused = settings.credentials().get("control_plane_url") if (
+            settings.admin_token is not None and "control_plane_url" not in settings.model_fields_set) else None
+        why = (f" ({ENV_ADMIN_TOKEN} is set, so the control plane {unused} that {settings.credentials_file} names "
+               f"is not used: an environment token never goes to a URL a file names; pass it as --control-plane-url "
+               f"or unset {ENV_ADMIN_TOKEN})") if unused and unused != settings.control_plane_url else ""
+        raise SystemExit(f"{PROG}: {exc.message}; check --control-plane-url{tls}{why}") from None
     except NotAvailable as exc:
         raise SystemExit(f"{PROG}: {exc.message}") from None
     except ConsoleError as exc:
@@ -185,6 +195,9 @@ def run(args: argparse.Namespace, admin: AdminClient) -> None:
         "degrade": lambda: admin.release_degradation() if args.release
         else admin.pin_degradation(args.level, args.reason),
     }
+    if args.command in ("usage", "abuse"):
+        print((cli_reports.run_usage if args.command == "usage" else cli_reports.run_abuse)(args, admin))
+        return
     if args.command == "tiers":
         body = set_tier(admin, args.tier, args.tier_changes) if args.tier is not None else admin.tiers()
         print(json.dumps(body, indent=2) if args.json else format_tiers(body))
@@ -209,7 +222,12 @@ def run(args: argparse.Namespace, admin: AdminClient) -> None:
         print(f"degradation level {body.get('level')} ({body.get('name', '')}): "
               + (str(body.get("reason", "")) if body.get("pinned") else "automatic (the pin is released)"))
     else:
-        print(f"{body.get('id', args.member)}: {body.get('status')}")
+        member = body.get("id", args.member)
+        print(f"{member}: {body.get('status')}")
+        if args.command == "drain" and body.get("status") == "draining":
+            print(f"{PROG}: {member} stays drained until `{PROG} undrain {member}` or until it stops cleanly "
+                  "(SIGTERM, `switchboard up` stopped): then it deregisters and comes back undrained; a crash or a "
+                  "kill -9 keeps the drain", file=sys.stderr)
 
 
 def set_tier(admin: AdminClient, name: str, changes: dict[str, Any]) -> dict[str, Any]:

@@ -181,9 +181,10 @@ class AdminClient:
         return self._call("GET", "/processes")
 
     # -- abuse monitor -------------------------------------------------------------------------
-    def abuse(self) -> dict[str, Any]:
-        """``GET /admin/v1/abuse``: actions in force, ended ones, events, thresholds."""
-        return self._call("GET", "/abuse")
+    def abuse(self, events: int | None = None) -> dict[str, Any]:
+        """``GET /admin/v1/abuse``: actions in force, ended ones, the latest `events` events (the API's
+        default: 200), thresholds."""
+        return self._call("GET", "/abuse", params={"events": events})
 
     def lift_abuse(self, action_id: int, by: str = "console") -> dict[str, Any]:
         return self._call("POST", f"/abuse/actions/{int(action_id)}/lift", json_body={"by": by})

@@ -194,6 +194,9 @@ def main(argv: list[str] | None = None) -> None:
         app = create_app(settings)
     except ValueError as exc:
         raise SystemExit(f"switchboard control-plane: {exc}") from None
+    except OSError as exc:  # --state-dir under a file, on a read-only disk, another user's folder
+        raise SystemExit(f"switchboard control-plane: {exc.filename or settings.state_dir}: "
+                         f"{exc.strerror or exc}") from None
     if settings.admin_token is None:
         log.warning("no admin token configured; /admin/v1 answers 401 (set %s)", ENV_ADMIN_TOKEN)
     log.info("control plane on http://%s:%d", settings.host, settings.port)

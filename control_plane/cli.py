@@ -33,8 +33,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("data_plane.model_cli", "model tools: prepare (convert the default model once)"),
     "dashboards": ("dashboards.cli", "Grafana dashboards: push, check (which panels fill)"),
     "console": ("admin_ui.launch", "run the admin console (Streamlit; log in with the admin token or its one-time link)"),
-    "admin": ("admin_ui.cli", "operator actions over the admin API: status, members, processes, drain/undrain, degrade, tiers"),
-    "keys": ("data_plane.gateway.keys_cli", "gateway API keys: create (stores only its digest), list, revoke"),
+    "admin": ("admin_ui.cli", "operator actions over the admin API: status, members, processes, drain/undrain, degrade, tiers, usage, abuse"),
+    "keys": ("data_plane.gateway.keys_cli", "gateway API keys: create (stores only its digest), list, set-tier, revoke"),
     "autoscale": ("control_plane.scaling.cli", "autoscaling tools: simulate (replay a load trace; PNG)"),
 }
 

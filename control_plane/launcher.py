@@ -240,10 +240,16 @@ def prometheus_child(s: UpSettings, state: Path, cp: Child, shards: Sequence[Chi
 def main(argv: list[str] | None = None) -> None:
     s = parse_settings(UpSettings, argv, prog="switchboard up")
     state = Path(s.state_dir).resolve()
-    state.mkdir(parents=True, exist_ok=True)
-    os.chmod(state, 0o700)
-    lock = hold_state_dir(state)  # noqa: F841 (held while this process lives; one `up` per folder)
-    forget_login_link(state)  # an earlier run's: dead (its console is gone)
+    try:
+        state.mkdir(parents=True, exist_ok=True)
+        os.chmod(state, 0o700)
+        lock = hold_state_dir(state)  # noqa: F841 (held while this process lives; one `up` per folder)
+        forget_login_link(state)  # an earlier run's: dead (its console is gone)
+    except OSError as exc:  # a file in the way, a read-only disk, another user's folder: one line
+        why = "a file, not a folder" if isinstance(exc, FileExistsError) and state.is_file() else exc.strerror or exc
+        raise SystemExit(f"switchboard up: cannot use --state-dir {state}: {why}"
+                         f"{f' ({exc.filename})' if exc.filename and str(exc.filename) != str(state) else ''}; "
+                         "give a folder this user can write") from None
     if s.engine == "torch":
         from data_plane.model_store import ModelNotAvailable, resolve_model
 
@@ -255,6 +261,9 @@ def main(argv: list[str] | None = None) -> None:
         creds = prepare(state)
     except ValueError as exc:  # the keys file (the truth of who may call) does not parse: refuse, in words
         raise SystemExit(f"switchboard up: {exc}") from None
+    except OSError as exc:  # a credentials or keys file this user cannot write
+        raise SystemExit(f"switchboard up: cannot write in --state-dir {state}: {exc.strerror or exc}"
+                         f"{f' ({exc.filename})' if exc.filename else ''}") from None
     tls = s.tls or TlsConfig.from_env().enabled  # --tls, or certificates given (--tls-cert/--tls-key)
     if s.tls and not TlsConfig.from_env().enabled:  # every child inherits it: listen, and verify peers with the CA
         os.environ.update(make_dev_pki(state / "tls", tuple(dict.fromkeys((s.host, "127.0.0.1", "localhost")))).env())

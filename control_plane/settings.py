@@ -189,6 +189,13 @@ class ControlPlaneSettings(BaseSettings):
     StatefulSet and headless Service (Kubernetes), or the group's job file, HCL or JSON (Nomad). Its
     name is <prefix>-<id> (switchboard-pp-a); the groups are named <prefix>-0, <prefix>-1, ..."""
 
+    @field_validator("usage_db")
+    @classmethod
+    def _usage_db(cls, v: str | None) -> str | None:
+        from data_plane.ledger.store import check_usage_db
+
+        return check_usage_db(v)
+
     @model_validator(mode="after")
     def _check_replicas(self) -> ControlPlaneSettings:
         if self.min_replicas > self.max_replicas:

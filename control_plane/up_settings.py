@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from data_plane.common.settings_cli import InputFile
+from data_plane.common.settings_cli import REDIS_URL_PATTERN, InputFile
 from data_plane.membership.placement import ZONE_PATTERN
 
 
@@ -47,7 +47,8 @@ class UpSettings(BaseSettings):
         "Stage processes per shard (a replica is a whole pipeline group: data_plane/shard/engines/pipeline.py)."))
     max_model_len: int = Field(2048, ge=16, description="Context window per shard.")
     state_dir: str = Field(".switchboard", description="Where credentials, logs, the usage ledger and the cache nodes' records (without --redis) go.")
-    redis: str | None = Field(None, description="Redis URL for cache nodes (default: in memory).")
+    redis: str | None = Field(None, pattern=REDIS_URL_PATTERN,
+                              description="Redis URL for cache nodes (default: in memory).")
     log_max_bytes: int = Field(50 * 2**20, ge=0, description=(
         "Rotate a process's log in STATE_DIR/logs when it reaches this size (copy, then truncate; 0 = never)."))
     log_backups: int = Field(3, ge=0, le=100, description="Rotated copies kept per log (<name>.log.1 is the newest).")
@@ -69,6 +70,13 @@ class UpSettings(BaseSettings):
     zones: list[str] = Field(default_factory=list, description=(
         "Zones to spread the processes over, e.g. a,b: shards and cache nodes round-robin (at least one of each "
         "per zone), one gateway per zone on --gateway-port, +1, ... (default: one zone, 'local')."))
+
+    @field_validator("usage_db")
+    @classmethod
+    def _usage_db(cls, v: str | None) -> str | None:
+        from data_plane.ledger.store import check_usage_db
+
+        return check_usage_db(v)
 
     @field_validator("trusted_proxies")
     @classmethod

@@ -22,6 +22,7 @@ A body that stops arriving altogether is answered sooner by the application (408
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import math
@@ -356,7 +357,33 @@ def serve(app: Any, *, host: str, port: int, graceful_s: int = 5, access_log: bo
     uvicorn_errors = logging.getLogger("uvicorn.error")
     if not any(isinstance(f, _ShutdownCutFilter) for f in uvicorn_errors.filters):
         uvicorn_errors.addFilter(_ShutdownCutFilter())
-    _Server(config, hooks).run()
+    sock = listen_socket(host, port, process)  # before the lifespan: no model load, no registration, then a bind error
+    _Server(config, hooks).run(sockets=[sock])
+
+
+COMMANDS = {"cache": "cache-node", "control_plane": "control-plane"}
+"""`process` -> the `switchboard` subcommand that runs it, for the one line a bind failure prints."""
+
+
+def listen_socket(host: str, port: int, process: str = "gateway") -> socket.socket:
+    """The bound listening socket uvicorn would make (its Config.bind_socket), or exit in one line naming the
+    address: a port already in use was uvicorn's ERROR line among the startup's, after the lifespan had loaded
+    the model and registered the member, and exit code 3."""
+    sock: socket.socket | None = None
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:  # socket.gaierror too: a host that does not resolve
+        if sock is not None:
+            sock.close()
+        held = " (another process holds it: stop it, or give this one another --port)" if (
+            exc.errno == errno.EADDRINUSE) else ""
+        raise SystemExit(f"switchboard {COMMANDS.get(process, process)}: cannot listen on {host}:{port}: "
+                         f"{exc.strerror or exc}{held}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def free_port(host: str = "127.0.0.1") -> int:

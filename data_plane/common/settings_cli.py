@@ -43,6 +43,9 @@ from data_plane.common.yaml_source import is_inline
 S = TypeVar("S", bound=BaseSettings)
 T = TypeVar("T")
 
+REDIS_URL_PATTERN = r"^(redis|rediss|unix)://"
+"""What redis-py's from_url takes (a cache node's --redis, `up --redis`): another value was a traceback at start."""
+
 
 def split_commas(value: object) -> object:
     """``"a, b,,c"`` -> ``["a", "b", "c"]``; anything else unchanged (lists, JSON from code)."""

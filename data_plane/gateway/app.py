@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> None:
         gw = build_gateway(settings)
     except ValueError as exc:
         raise SystemExit(f"switchboard gateway: {exc}") from None
+    except OSError as exc:  # --state-dir under a file, on a read-only disk, another user's folder
+        raise SystemExit(f"switchboard gateway: {exc.filename or settings.state_dir}: {exc.strerror or exc}") from None
     serve(create_app(gw), host=settings.host, port=settings.port, registry=gw.registry)
 
 

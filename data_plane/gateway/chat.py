@@ -428,11 +428,8 @@ class ChatHandler:
         if stream is None:
             tokens = window.prompt_tokens + checked.tools_tokens + prepared.max_tokens * checked.choices
             x.admitted(await rt.admission.acquire(tier, caller.tiers, tenant=tenant, tokens=tokens, slots=checked.choices))
-            with tracer.start_as_current_span("router.route") as route_span:
-                shard = await rt.upstream.open_resumable(prepared.request, self.session_id)
-                route_span.set_attribute("switchboard.shard", shard.member.id)
-                route_span.set_attribute("switchboard.attempts", shard.attempts)
-                rt.router.observe_kv(self.session_id, shard.member.id, window.prompt_tokens)  # kv_aware routing
+            shard = await rt.upstream.open_resumable(prepared.request, self.session_id)  # its router.route span
+            rt.router.observe_kv(self.session_id, shard.member.id, window.prompt_tokens)  # kv_aware routing
             stream = shard
         x.first_token_at = time.monotonic()  # from the shard; the client's TTFT is observed in Completion
         return stream

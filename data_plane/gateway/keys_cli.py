@@ -1,4 +1,4 @@
-"""`switchboard keys`: issue, list and revoke the gateway's API keys without editing YAML by hand.
+"""`switchboard keys`: issue, list, re-tier and revoke the gateway's API keys without editing YAML by hand.
 
     switchboard keys create --tenant acme --tier plus --name ci-bot   # prints the new key once
     switchboard keys list                                             # KEY ID, TENANT, TIER, NAME
@@ -6,6 +6,7 @@
     switchboard keys revoke --digest 3f0a1b2c                         # a key id (digest prefix) from `list`
     switchboard keys revoke --tenant acme                             # every key of a tenant
     printf %s "$KEY" | switchboard keys revoke --key -                # the key itself, kept out of `ps`
+    switchboard keys set-tier --digest 3f0a1b2c --tier enterprise     # the same key, another tier's limits
 
 Why: operators edited the keys file by hand and computed each key's SHA-256 themselves, so keys went
 into the file in plaintext and a typo surfaced only as a gateway log line. `create` stores only the
@@ -35,7 +36,14 @@ from typing import Any, NoReturn
 
 from data_plane.common.yaml_source import load_yaml
 from data_plane.gateway.auth import KEY_ID_LENGTH, LABEL_PATTERN, NAME_PATTERN, generate_key, key_digest
-from data_plane.gateway.keys_edit import append_entry, locked, read_keys_file, remove_entries, write_atomic
+from data_plane.gateway.keys_edit import (
+    append_entry,
+    locked,
+    read_keys_file,
+    remove_entries,
+    set_fields,
+    write_atomic,
+)
 from data_plane.tiers import TierPolicy
 
 PROG = "switchboard keys"
@@ -109,11 +117,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("revoke", parents=[common], help="remove keys from the file (gateways refuse them at once)",
                        description="Remove the matching entries from the keys file; running gateways refuse the "
                                    "keys (401) within about a second.")
+    _which(p, name_rule)
+    p = sub.add_parser("set-tier", parents=[common], help="move keys to another tier (gateways apply it at once)",
+                       description="Change the tier of the matching entries in the keys file, in place (the key "
+                                   "stays the same); running gateways apply the new tier's limits within about a "
+                                   "second. The usage ledger records each request under the tier it was served in.")
+    _which(p, name_rule)
+    p.add_argument("--tier", required=True, dest="new_tier", type=_name("tier", NAME_PATTERN, name_rule),
+                   help="the new tier; must be in the tier policy")
+    p.add_argument("--tiers-file", default=None, help="the tier policy to check --tier against (as for create)")
+    return parser
+
+
+def _which(p: argparse.ArgumentParser, name_rule: str) -> None:
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--digest", help=f"a key id from `{PROG} list` (a SHA-256 hex prefix, {MIN_PREFIX}+ digits)")
     which.add_argument("--key", help="the key itself ('-': read it from stdin, to keep it out of ps and history)")
     which.add_argument("--tenant", type=_name("tenant", NAME_PATTERN, name_rule), help="every key of this tenant")
-    return parser
 
 
 def _read(path: Path) -> tuple[str, list[dict[str, Any]]]:
@@ -233,8 +253,16 @@ def _matches(args: argparse.Namespace, entries: list[dict[str, Any]]) -> set[int
     return {i for i, d in enumerate(digests) if d in hits}
 
 
+def _existing(path: Path) -> Path:
+    """`path` if the keys file is there: its lock file beside it cannot be made in a missing folder, and
+    that error named a hidden lock file instead of the keys file."""
+    if not path.exists():
+        _fail(1, f"no keys file at {path} (run `switchboard up` there first, or pass --keys-file)")
+    return path
+
+
 def revoke(args: argparse.Namespace, path: Path) -> None:
-    with locked(path):
+    with locked(_existing(path)):
         text, entries = _read(path)
         gone = _matches(args, entries)
         _write(path, remove_entries(text, gone))
@@ -245,11 +273,25 @@ def revoke(args: argparse.Namespace, path: Path) -> None:
           "refuse the key(s) within about a second", file=sys.stderr)
 
 
+def set_tier(args: argparse.Namespace, path: Path) -> None:
+    names, where = _tiers(args.tiers_file, path)
+    if args.new_tier not in names:
+        _fail(2, f"unknown tier {args.new_tier!r}; known tiers: {', '.join(sorted(names))} ({where})")
+    with locked(_existing(path)):
+        text, entries = _read(path)
+        moved = _matches(args, entries)
+        _write(path, set_fields(text, {i: {"tier": args.new_tier} for i in moved}))
+    for r in (rows(entries)[i] for i in sorted(moved)):
+        print(f"{r['key_id']}  tenant {r['tenant']}  tier {r['tier']} -> {args.new_tier}")
+    print(f"{PROG}: changed {len(moved)} entr{'y' if len(moved) == 1 else 'ies'} in {path}; running gateways "
+          "apply the new tier within about a second", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     path = args.keys_file or default_keys_file()
     try:
-        {"create": create, "list": list_keys, "revoke": revoke}[args.command](args, path)
+        {"create": create, "list": list_keys, "revoke": revoke, "set-tier": set_tier}[args.command](args, path)
     except OSError as exc:  # a read-only folder, a file owned by another user: one line, not a traceback
         _fail(1, f"{exc.filename or path}: {exc.strerror or exc}")
 

@@ -8,6 +8,7 @@ Used by `switchboard keys` (data_plane/gateway/keys_cli.py); the gateway reads t
         text, entries = read_keys_file(path)         # entries: the `keys` list, validated
         write_atomic(path, append_entry(text, {"key_sha256": d, "tenant": "acme", "tier": "plus"}))
         write_atomic(path, remove_entries(text, {0, 3}))
+        write_atomic(path, set_fields(text, {2: {"tier": "enterprise"}}))
 
 Why text edits: PyYAML cannot write comments back, and a keys file carries them (who a key is for,
 when it was issued). An edit is made on the text, guided by the node positions PyYAML's composer
@@ -194,6 +195,27 @@ def _edited_remove(text: str, indexes: set[int]) -> str:
     return "".join(line for n, line in enumerate(lines) if n not in drop)
 
 
+def _edited_fields(text: str, changes: dict[int, dict[str, str]]) -> str:
+    """`text` with plain-scalar fields of some entries given new values, in place (comments kept)."""
+    _, seq = _compose(text)
+    if not isinstance(seq, yaml.SequenceNode) or seq.flow_style:
+        raise _Unsupported
+    spans: list[tuple[int, int, str]] = []
+    for i, fields in changes.items():
+        item = seq.value[i]
+        if not isinstance(item, yaml.MappingNode):
+            raise _Unsupported
+        found = {k.value: v for k, v in item.value if isinstance(k, yaml.ScalarNode)}
+        for name, value in fields.items():
+            node = found.get(name)
+            if not isinstance(node, yaml.ScalarNode) or node.style is not None:
+                raise _Unsupported  # absent, or quoted/block: the file is written from the data
+            spans.append((node.start_mark.index, node.end_mark.index, value))
+    for start, end, value in sorted(spans, reverse=True):
+        text = text[:start] + value + text[end:]
+    return text
+
+
 def _checked(edit: Any, text: str, expected: list[Any]) -> str:
     """`edit()`'s text if it parses to exactly `expected` entries; else the file written from the data."""
     try:
@@ -217,4 +239,12 @@ def remove_entries(text: str, indexes: set[int]) -> str:
     return _checked(lambda: _edited_remove(text, indexes), text, expected)
 
 
-__all__ = ["append_entry", "lock_path", "locked", "read_keys_file", "remove_entries", "write_atomic"]
+def set_fields(text: str, changes: dict[int, dict[str, str]]) -> str:
+    """`text` with the entries at the given positions changed (``{3: {"tier": "plus"}}``), every other field
+    and entry as it was."""
+    expected = [{**e, **changes[i]} if i in changes else e for i, e in enumerate(_load_entries(text))]
+    return _checked(lambda: _edited_fields(text, changes), text, expected)
+
+
+__all__ = ["append_entry", "lock_path", "locked", "read_keys_file", "remove_entries", "set_fields",
+           "write_atomic"]

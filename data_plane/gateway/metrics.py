@@ -12,6 +12,7 @@ shards and cache nodes may pass through); any other code (a remote server's own)
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -166,3 +167,9 @@ class GatewayMetrics:
                                "Requests ended because their API key was revoked (or its tenant removed) while they "
                                "ran, by stage: opening (before the reply began: 401) | replying (mid-reply: an SSE "
                                "error event, or 401 before a JSON body).", ["stage"], registry=registry)
+
+    def show_tiers(self, tiers: Iterable[str]) -> None:
+        """Each tier's series of events a calm system may never see, at 0 from the start: a panel of an idle
+        fleet reads 0, not "No data", and increase() sees the first event."""
+        for tier in tiers:
+            self.context_dropped.labels(tier)

@@ -103,6 +103,13 @@ class GatewaySettings(BaseSettings):
     background_held: int = Field(256, ge=1, le=100_000, description="Background responses whose events this gateway holds at once (finished ones are dropped first, oldest first).")
     usage_retention_days: float = Field(90.0, ge=0, description="Usage records older than this are deleted (0 = keep forever).")
 
+    @field_validator("usage_db")
+    @classmethod
+    def _usage_db(cls, v: str | None) -> str | None:
+        from data_plane.ledger.store import check_usage_db
+
+        return check_usage_db(v)
+
     @field_validator("latency_spill_factor")
     @classmethod
     def _spill_factor_above_one(cls, factor: float) -> float:

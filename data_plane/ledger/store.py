@@ -382,6 +382,18 @@ def open_ledger_store(url: str) -> LedgerStore:
     return SqliteStore(url, Path(path))
 
 
+def check_usage_db(url: str | None) -> str | None:
+    """`url` if :func:`open_ledger_store` reads it as meant (settings' validator): a URL of another scheme
+    (``bogus://``, ``mysql://``, ``sqlite://x`` with two slashes) was taken for a relative file path, and
+    every process wrote a SQLite file named after it in its working folder."""
+    if url is None or url == "off" or "://" not in url:
+        return url
+    if url.startswith(("postgresql://", "postgres://", "sqlite:///")):
+        return url
+    raise ValueError(f"unsupported database URL {url.split('://', 1)[0]}://...: give sqlite:///PATH, "
+                     "postgresql://USER@HOST/DB, a file path, or off")
+
+
 def default_usage_db(state_dir: str | Path) -> str:
     """The embedded default: a SQLite file in the state dir (the control plane reads the same URL)."""
     return f"sqlite:///{Path(state_dir) / 'usage.db'}"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import encodings.idna  # noqa: F401 -- imported now: _target's "idna" codec loaded lazily needs a free descriptor (EMFILE)
 import errno
 import ssl
 import time

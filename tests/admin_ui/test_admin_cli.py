@@ -43,8 +43,9 @@ def test_status_drain_undrain_and_a_pin(env, admin, capsys) -> None:
     shard = env.shards[0]
     member = next(m["id"] for m in admin.get("/admin/v1/members").json()["members"] if m["url"] == shard.url)
     try:
-        code, out, _ = run(capsys, "drain", member)
+        code, out, err = run(capsys, "drain", member)
         assert (code, out.strip()) == (0, f"{member}: draining")
+        assert "comes back undrained" in err and "kill -9 keeps the drain" in err  # when it ends by itself
         assert next(m for m in admin.get("/admin/v1/members").json()["members"] if m["id"] == member)["draining"]
         code, out, _ = run(capsys, "status")
         assert "shards    1/2 passing (1 draining)" in out
@@ -153,11 +154,15 @@ def test_an_admin_token_from_the_environment_never_goes_to_a_url_a_file_named(tm
         for name in ("SWITCHBOARD_UP_STATE_DIR", "SWITCHBOARD_CONTROL_PLANE_URL", "SWITCHBOARD_CREDENTIALS_FILE"):
             monkeypatch.delenv(name, raising=False)
         monkeypatch.setenv("SWITCHBOARD_ADMIN_TOKEN", "sb-admin-OPERATORS-OWN")
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit) as exited:
             main(["status", "--timeout-s", "2"])
     finally:
         server.shutdown()
     assert seen == [], seen
+    # and it says why it did not go there: the operator ran `up --control-plane-port P` and sees "cannot reach
+    # 127.0.0.1:8300" with the token they exported
+    assert f"SWITCHBOARD_ADMIN_TOKEN is set, so the control plane http://127.0.0.1:{server.server_port} that " in str(
+        exited.value.code)
 
 
 def test_output_into_a_closed_pipe_is_no_traceback(env) -> None:

@@ -131,3 +131,17 @@ def test_a_damaged_keys_file_is_refused_in_one_line_before_anything_starts(tmp_p
     assert up.stderr.strip().splitlines() == [
         f"switchboard up: invalid API keys in {state / 'keys.yaml'}: keys.0.tier: Field required"], up.stderr
     assert "starting control plane" not in up.stdout
+
+
+def test_a_state_dir_that_cannot_be_made_is_refused_in_one_line(tmp_path: Path) -> None:
+    """`up --state-dir` under a file (or a read-only disk, another user's folder) ended in a Python traceback
+    from mkdir; a file named as the state dir too."""
+    (tmp_path / "afile").write_text("")
+    for state, why in ((tmp_path / "afile" / "state", "Not a directory"), (tmp_path / "afile", "a file, not a folder")):
+        up = subprocess.run([sys.executable, "-m", "control_plane.cli", "up", "--state-dir", str(state),
+                             *_up_args(free_port(), free_port())],
+                            check=False, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert up.returncode == 1 and "Traceback" not in up.stderr, up.stderr
+        assert up.stderr.strip().splitlines() == [
+            f"switchboard up: cannot use --state-dir {state}: {why}; give a folder this user can write"], up.stderr
+        assert "starting control plane" not in up.stdout

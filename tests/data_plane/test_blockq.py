@@ -242,6 +242,22 @@ def test_native_attention_is_as_close_to_float32_as_the_torch_path_and_rows_stan
     assert torch.equal(alone[0], decode[0])
 
 
+def test_a_bf16_runners_logits_are_the_heads_float32_sums_not_bf16_steps(runner) -> None:  # type: ignore[no-untyped-def]
+    """With bf16 activations the blockq head still writes float32 logits: the kernel's sums as they are,
+    which rounded to bf16 are exactly the bf16 output. Rounded first, this model's logits (~20 in magnitude)
+    moved in steps of 0.125: near-ties became exact ties (greedy, top_p and min_p picked among equals and
+    top_logprobs listed them in arbitrary order)."""
+    with torch.inference_mode():
+        logits = runner.prefill(0, list(range(300, 340)), 0)
+        hidden = torch.randn(3, runner.lm_head.in_features, dtype=torch.bfloat16)
+        sums = runner.lm_head.normed(hidden, runner.norm, runner.eps, out=torch.float32)
+        rounded = runner.lm_head.normed(hidden, runner.norm, runner.eps)
+    assert logits.dtype == torch.float32
+    assert not torch.equal(logits, logits.bfloat16().float())  # off bf16's grid
+    assert len(set(logits.topk(20).values.tolist())) == 20  # no exact ties among the top
+    assert torch.equal(sums.bfloat16(), rounded)
+
+
 def test_float32_on_blockq_gives_a_token_the_same_bits_whichever_pass_carried_it() -> None:
     """float32 on blockq sends prompts through attention.Native too (llama_runner.native_prompts), so a
     position's logits are bit-identical whether its token came in a prompt, a chunk of one, a decode step

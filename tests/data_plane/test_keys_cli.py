@@ -186,6 +186,11 @@ def test_without_a_keys_file_the_default_one_is_named_and_nothing_is_created(tmp
     got = _cli("keys", "create", "--tenant", "acme", "--tier", "plus", cwd=tmp_path)
     assert got.returncode == 1 and f"no keys file at {UP_STATE_DIR}/keys.yaml" in got.stderr and got.stdout == ""
     assert not (tmp_path / UP_STATE_DIR).exists()
+    for edit in (("revoke", "--digest", "abcdef"), ("set-tier", "--digest", "abcdef", "--tier", "plus")):
+        got = _cli("keys", *edit, cwd=tmp_path)  # named the hidden lock file: ".switchboard/.keys.yaml.lock: No such"
+        assert got.returncode == 1 and got.stderr.strip() == (
+            f"switchboard keys: no keys file at {UP_STATE_DIR}/keys.yaml (run `switchboard up` there first, or pass "
+            "--keys-file)"), got.stderr
     shown = " ".join(_cli("keys", "create", "--help", cwd=tmp_path).stdout.split())
     assert "keys.yaml in `switchboard up`'s state dir" in shown and f"from here: {UP_STATE_DIR}/keys.yaml" in shown
 

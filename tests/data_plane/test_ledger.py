@@ -525,3 +525,24 @@ def test_a_usage_read_while_the_database_is_down_is_a_503_not_a_500() -> None:
         assert r.json()["error"]["code"] == "usage_db_unavailable" and r.json()["error"]["type"] == "server_error"
         assert r.headers["retry-after"] == "5"
         assert "Traceback" not in gw.log_tail(50_000)
+
+
+def test_a_database_url_of_another_scheme_is_refused_in_one_line(tmp_path: Path) -> None:
+    """`--usage-db bogus://` (or a typo: `postgresq://…`, `sqlite://x`) was taken for a relative file path:
+    `up` said it was up, and each process wrote a SQLite file named `bogus:` in its working folder."""
+    import subprocess
+    import sys
+
+    for command in ("up", "gateway", "control-plane"):
+        ran = subprocess.run([sys.executable, "-m", "control_plane.cli", command, "--usage-db", "postgresq://db/usage"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+        assert ran.returncode == 2 and "Traceback" not in ran.stderr, ran.stderr
+        assert ran.stderr.strip().splitlines() == [(
+            f"switchboard {command}: --usage-db: unsupported database URL postgresq://...: give sqlite:///PATH, "
+            "postgresql://USER@HOST/DB, a file path, or off")], ran.stderr
+    assert not list(tmp_path.iterdir())
+    from data_plane.ledger.store import check_usage_db
+
+    for fine in (None, "off", "usage.db", "sqlite:////abs/usage.db", "postgres://u@h/db", "postgresql://u@h/db"):
+        assert check_usage_db(fine) == fine

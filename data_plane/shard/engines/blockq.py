@@ -287,21 +287,21 @@ class BlockLinear:
         return getattr(cls, fmt)(*quantize(w, fmt), **kw)
 
     def _run(self, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor | None = None,
-             eps: float = 0.0) -> torch.Tensor:
+             eps: float = 0.0, out: torch.dtype | None = None) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if rows.dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"blockq takes float32 or bfloat16 activations, not {rows.dtype}")
         if not rows.is_contiguous():
             rows = rows.contiguous()
         m = rows.shape[0]
-        y = torch.empty(m, self.out_features, dtype=rows.dtype)
+        y = torch.empty(m, self.out_features, dtype=out or rows.dtype)
         res = None
         if residual is not None:
-            res = residual.reshape(m, self.out_features).to(rows.dtype).contiguous()
+            res = residual.reshape(m, self.out_features).to(y.dtype).contiguous()
         bf16 = rows.dtype == torch.bfloat16
         if m and self._gemm(self.code, self.isa, self.w.data_ptr(), self.out_features, self.in_features,
                                   rows.data_ptr(), bf16, m, None if res is None else res.data_ptr(),
-                                  y.data_ptr(), bf16, torch.get_num_threads(),
+                                  y.data_ptr(), y.dtype == torch.bfloat16, torch.get_num_threads(),
                                   None if norm is None else norm.data_ptr(), eps, *self._planes):
             raise RuntimeError("blockq_gemm failed")
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
@@ -310,10 +310,11 @@ class BlockLinear:
         y = self._run(x, None)
         return y if self.bias is None else y + self.bias
 
-    def normed(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    def normed(self, x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.dtype | None = None) -> torch.Tensor:
         """(x * w / sqrt(mean(x^2) + eps)) @ W.T (+ b): the RMSNorm before a projection, in the kernel
-        (float32, never rounded to the activation dtype). `w` in x's dtype, contiguous."""
-        y = self._run(x, None, w, eps)
+        (float32, never rounded to the activation dtype). `w` in x's dtype, contiguous. `out`: the output's
+        dtype (default x's; float32 keeps the kernel's sums as they are: the head's logits)."""
+        y = self._run(x, None, w, eps, out)
         return y if self.bias is None else y + self.bias
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

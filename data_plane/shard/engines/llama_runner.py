@@ -352,6 +352,15 @@ class LlamaRunner:
             return lin.normed(x, w, self.eps)
         return lin(self._rms(x, w))
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The head over final hidden states x [rows, H], float32 [rows, vocab]. A blockq head writes its
+        float32 sums as they are: rounded to bf16 first, this model's logits moved in steps of 0.125 (~20 in
+        magnitude), so near-ties became exact ties (greedy, top_p and min_p then picked among equals, and
+        top_logprobs listed them in arbitrary order)."""
+        if isinstance(self.lm_head, BlockLinear):
+            return self.lm_head.normed(x, self.norm, self.eps, out=torch.float32)
+        return self._normed(self.lm_head, x, self.norm).float()
+
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         gu = self._normed(layer.gate_up, x, layer.ln_post)
         g, u = gu.split_with_sizes(self._gate_up, -1)
@@ -390,7 +399,7 @@ class LlamaRunner:
             return self.collect(self.submit(items, logits, batched=batched))
         slots, lens, starts, ids, wanted = _unpack(items, logits)
         x = self.run_layers(self.embed[ids], slots, lens, starts, batched)  # [T, H]
-        return self._normed(self.lm_head, select_rows(x, lens, wanted), self.norm).float()
+        return self.logits(select_rows(x, lens, wanted))
 
     @torch.inference_mode()
     def submit(self, items: Sequence[tuple[int, Sequence[int], int]], logits: Sequence[int] | None = None,
@@ -421,7 +430,7 @@ class LlamaRunner:
         work on the next); passes are collected in the order submitted."""
         down = self.downstream
         assert down is not None
-        return torch.cat([self._normed(self.lm_head, down.collect(t), self.norm).float() for t in tickets])
+        return torch.cat([self.logits(down.collect(t)) for t in tickets])
 
     def run_layers(self, x: torch.Tensor, slots: Sequence[int], lens: Sequence[int], starts: Sequence[int],
                    batched: bool) -> torch.Tensor:
