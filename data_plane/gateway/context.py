@@ -19,6 +19,7 @@ chat-template form, cached per message, so replaying a long session costs one to
 from __future__ import annotations
 
 import json
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,15 +34,23 @@ REPLY_PRIMER_TOKENS = 3
 """`<|im_start|>assistant\\n` that starts the reply."""
 
 
+CACHE_BYTES = 64 << 20
+"""What the counts' cache may hold of the texts it is keyed by (`sys.getsizeof`), beside its entry bound. With
+the entry bound alone (50,000) one free key sending a distinct ~1 MB message a second (a 400: it does not fit)
+grew the gateway by ~1.4 MB a request, towards ~50 GB; the least recently counted texts now go first."""
+
+
 class TokenCounter:
     def __init__(self, encode: Callable[[str], int], cache_size: int = 50_000, *, implicit_system: int = 0,
-                 exact: bool = False) -> None:
+                 exact: bool = False, cache_bytes: int = CACHE_BYTES) -> None:
         """`implicit_system`: the tokens the chat template adds to a chat that has no system message (its
         default system prompt); `exact`: those counts were checked against the template's own rendering
         (`template_overhead`), so nothing need be set aside for template tokens the count cannot see."""
         self._encode = encode
         self._cache: OrderedDict[str, int] = OrderedDict()
         self._cache_size = cache_size
+        self._cache_bytes = cache_bytes
+        self._cached_bytes = 0
         self.implicit_system = implicit_system
         self.message_overhead, self.primer = MESSAGE_OVERHEAD_TOKENS, REPLY_PRIMER_TOKENS
         self.slack = 0 if exact else TEMPLATE_SLACK_TOKENS
@@ -71,9 +80,13 @@ class TokenCounter:
             self._cache.move_to_end(text)
             return hit
         n = self._encode(text)
+        size = sys.getsizeof(text)
+        if size > self._cache_bytes // 8:  # counted again if it comes back: kept, it would push out 1/8 of the cache
+            return n
         self._cache[text] = n
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
+        self._cached_bytes += size
+        while len(self._cache) > self._cache_size or self._cached_bytes > self._cache_bytes:
+            self._cached_bytes -= sys.getsizeof(self._cache.popitem(last=False)[0])
         return n
 
     def message_tokens(self, message: dict[str, str]) -> int:

@@ -362,3 +362,26 @@ def test_a_conversation_that_fits_keeps_its_assistant_greeting_and_a_cut_one_nev
     budget = counter.prompt_tokens(two_systems) - 1  # one token over: the first user turn goes, then its reply
     cut = fit_window(two_systems, counter, budget=budget)
     assert [m["role"] for m in cut.messages[:3]] == ["system", "system", "user"], cut.messages
+
+
+def test_the_counts_cache_holds_a_bounded_number_of_bytes_whatever_the_texts() -> None:
+    """The cache of counts was bounded by entries only (50,000), and keyed by the texts themselves: one free key
+    sending a distinct ~1 MB message a second (each a 400, it cannot fit) grew the gateway by over 1 MB a request.
+    It now holds at most CACHE_BYTES of texts (the least recently counted go first), and still caches."""
+    import sys
+    import tracemalloc
+
+    from data_plane.gateway.context import CACHE_BYTES
+
+    counter = TokenCounter.whitespace()
+    tracemalloc.start()
+    try:
+        for i in range(120):  # 120 MB of distinct texts, each dropped by its sender
+            assert counter.count(f"{i} " + "x" * 1_000_000) == 2
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held < CACHE_BYTES + (8 << 20), held
+    text = "a b c"
+    assert counter.count(text) == 3 and text in counter._cache  # short texts are still kept
+    assert sys.getsizeof(text) < CACHE_BYTES
