@@ -378,6 +378,7 @@ class ChatHandler:
         """The default output cap fitted to the TPM; the grant for the estimated tokens (429); the input screened (400)."""
         gw = self.gw
         # Session history is not known yet (settled with real usage); no prompt passes the context window whole
+        await gw.counter.warm(checked.messages)  # long texts counted off the event loop
         prompt = min(gw.counter.prompt_tokens(checked.messages), caller.tier.max_context_tokens, checked.model_context)
         checked = checked.within_tpm(gw.limiter.token_allowance(caller.tier), prompt)
         estimate = prompt + checked.tools_tokens + checked.max_tokens * checked.choices
@@ -393,6 +394,7 @@ class ChatHandler:
         """The prompt with its conversation, fitted into the context (sliding window); the one request a shard gets."""
         gw, settings, tier, req = self.gw, self.gw.settings, caller.tier, checked.req
         prompt = await self.context(req, checked.messages, tier)
+        await gw.counter.warm(prompt)  # the history's long texts too
         context = min(tier.max_context_tokens, checked.model_context)
         # Without max_tokens, reserve a modest reply while fitting the window, then let the reply
         # use the room the prompt leaves, up to the tier's cap (as vLLM does).
