@@ -29,7 +29,7 @@ from data_plane.gateway.completions_wire import LegacyShape
 from data_plane.gateway.context import Window
 from data_plane.gateway.metrics import request_code
 from data_plane.gateway.phases import Caller, Checked, Opened, Prepared
-from data_plane.gateway.safety.pipeline import SafetyPolicy
+from data_plane.gateway.safety.pipeline import SafetyPolicy, raise_if_blocked
 from data_plane.gateway.stream import EventSource
 from data_plane.membership.view import Member
 from data_plane.protocol import ChatCompletionRequest
@@ -88,6 +88,12 @@ class CompletionsHandler(ChatHandler):
         if not ids:
             return await super()._budget(caller, checked)
         budgeted, policy = await super()._budget(caller, replace(checked, tools_tokens=checked.tools_tokens + ids))
+        decode = self.gw.counter.decode
+        if self.legacy and decode is not None:  # the input filters read what the ids spell, as they read a text
+            with tracer.start_as_current_span("safety.input"):
+                verdict = policy.check_input(decode(p.ids) for p in self.legacy.prompts if p.ids)
+                self.gw.safety_metrics.record("input", verdict)
+                raise_if_blocked(verdict, param="prompt")
         return replace(budgeted, tools_tokens=checked.tools_tokens), policy
 
     async def _prepare(self, caller: Caller, checked: Checked) -> Prepared:

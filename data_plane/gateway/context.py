@@ -63,6 +63,9 @@ class TokenCounter:
         self.message_overhead, self.primer = MESSAGE_OVERHEAD_TOKENS, REPLY_PRIMER_TOKENS
         self.slack = 0 if exact else TEMPLATE_SLACK_TOKENS
         """Tokens a prompt's budget sets aside for template tokens the count cannot see."""
+        self.decode: Callable[[list[int]], str] | None = None
+        """Token ids as the text they spell (the model's tokenizer; None for the synthetic engine's words): what
+        the input filters read of a legacy completion's token-id prompt."""
         self._ceiling, self._token_bytes = ceiling, token_bytes
         """A text whose UTF-8 bytes over the longest token's (`token_bytes`) exceed `ceiling` (the model's own
         context) holds more tokens than any window of the model: that lower bound is its count, unencoded (no
@@ -73,8 +76,9 @@ class TokenCounter:
         from data_plane.model_store import resolve_model
 
         folder = resolve_model(model)
-        encode, raw, token_bytes = _model_encoder(folder)
+        encode, raw, token_bytes, decode = _model_encoder(folder)
         counter = cls(encode, ceiling=_model_context(folder), token_bytes=token_bytes)
+        counter.decode = decode
         frame = template_frame(folder, counter.count, raw)
         if frame is not None:  # the template's own numbers, checked: nothing set aside
             counter.message_overhead, counter.primer, counter.implicit_system = frame
@@ -195,10 +199,11 @@ FAST_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFas
 (the shard's model_files.py loads the same set directly)."""
 
 
-def _model_encoder(folder: Path) -> tuple[Callable[[str], int], Callable[[str], int], int]:
+def _model_encoder(folder: Path) -> tuple[Callable[[str], int], Callable[[str], int], int,
+                                          Callable[[list[int]], str]]:
     """Tokens in a text, without special tokens added, as the model's tokenizer counts them (a text spelling
     "<|im_end|>" is its characters, as the shard encodes a message); and tokens in a rendered prompt, whose
-    control tokens are control tokens (`template_frame`'s check); and `_longest_token_bytes`. A plain fast tokenizer is read straight
+    control tokens are control tokens (`template_frame`'s check); `_longest_token_bytes`; ids to text. A plain fast tokenizer is read straight
     from tokenizer.json with `tokenizers`: importing transformers made a gateway's start-up seconds slower
     (~25 s on a loaded 2-core host, against ~1 s), for the same counts (tests/data_plane/test_context_window.py).
     Any other tokenizer: transformers' AutoTokenizer."""
@@ -216,12 +221,14 @@ def _model_encoder(folder: Path) -> tuple[Callable[[str], int], Callable[[str], 
         # beside the event loop
         return (lambda text: len(fast.encode_batch([text], add_special_tokens=False)[0].ids),
                 lambda text: len(rendered.encode(text, add_special_tokens=False).ids),
-                _longest_token_bytes(fast.get_vocab(), type(fast.decoder).__name__ == "ByteLevel"))
+                _longest_token_bytes(fast.get_vocab(), type(fast.decoder).__name__ == "ByteLevel"),
+                lambda ids: fast.decode(ids, skip_special_tokens=False))
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(folder))
     return (lambda text: len(tok.encode(text, add_special_tokens=False, split_special_tokens=True)),
-            lambda text: len(tok.encode(text, add_special_tokens=False)), _longest_token_bytes(tok.get_vocab()))
+            lambda text: len(tok.encode(text, add_special_tokens=False)), _longest_token_bytes(tok.get_vocab()),
+            lambda ids: str(tok.decode(ids, skip_special_tokens=False)))
 
 
 def _longest_token_bytes(vocab: dict[str, int], byte_level: bool = False) -> int:

@@ -118,6 +118,23 @@ def test_bad_requests_are_openai_shaped_400s_naming_the_param(gateway: Service) 
                   status="200") >= 0
 
 
+def test_a_token_id_prompt_is_screened_by_the_input_filters_as_its_text_is(gateway: Service) -> None:
+    """The input filters read what a token-id prompt spells (the gateway decodes it with the model's tokenizer):
+    sent as ids, a card number the default policy refuses as text went to the shard unscreened."""
+    from tokenizers import Tokenizer
+
+    from data_plane.model_store import resolve_model
+
+    client = sdk(gateway)
+    text = "Charge my card 4111 1111 1111 1111 please"
+    ids = Tokenizer.from_file(str(resolve_model(None) / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    as_text = refusal(lambda: client.completions.create(model=MODEL, prompt=text, max_tokens=2))
+    as_ids = refusal(lambda: client.completions.create(model=MODEL, prompt=ids, max_tokens=2))
+    assert as_ids["code"] == as_text["code"] and as_ids["param"] == "prompt", (as_ids, as_text)
+    harmless = client.completions.create(model=MODEL, prompt=ids[:3], max_tokens=1)  # ids pass when their text does
+    assert harmless.choices[0].finish_reason
+
+
 def test_langchains_openai_llm_invokes_and_batches(gateway: Service) -> None:
     """LangChain's `OpenAI` LLM (completions, not chat): one prompt, and a batch of ten in one request (its
     batch_size is 20: more prompts than one request's n allows, each with its own choice)."""
