@@ -48,7 +48,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from data_plane.cache.client import SessionStore
 from data_plane.common.errors import SwitchboardError
 from data_plane.membership.view import Member
-from data_plane.routing.upstream import Delta, Event, Finish, UsageEvent
+from data_plane.routing.upstream import Delta, Event, Fingerprint, Finish, UsageEvent
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,9 @@ class CachedReply:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    system_fingerprint: str | None = None
+    """The fingerprint of the shard that made it (data_plane/shard/engines/fingerprint.py): a replay says what
+    made the text it replays, not what serves now (None: an entry stored before it was kept)."""
 
 
 def cache_policy(temperature: float | None, seed: int | None, uncacheable: Any, cache_field: Mapping[str, Any] | None,
@@ -289,7 +292,7 @@ class ReplayStream:
 
     async def batches(self) -> AsyncIterator[list[Event]]:
         r = self.reply
-        yield [Delta(r.text), Finish(r.finish_reason),
+        yield [*([Fingerprint(r.system_fingerprint)] if r.system_fingerprint else []), Delta(r.text), Finish(r.finish_reason),
                UsageEvent(r.prompt_tokens, r.completion_tokens, cached_tokens=r.prompt_tokens)]
 
     def close(self) -> None:
