@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry
 
-from data_plane.gateway.response_cache import CachedReply, ReplayStream
+from data_plane.gateway.response_cache import REPLY_ROLE, CachedReply, ReplayStream, _reply
 from data_plane.gateway.safety.filters import RuleSet
 from data_plane.gateway.safety.stream import OutputStreamFilter
 from data_plane.gateway.stream import Completion
@@ -39,7 +39,9 @@ from data_plane.shard.settings import ShardSettings
 from tests.data_plane.test_upstream import BODY, FINISH, Pool, Response, drain, token
 from tests.support.cluster import KEYS, api_keys_env
 from tests.support.http_stub import serve_app
+from tests.support.metrics import metric
 from tests.support.procs import Service
+from tests.support.waits import eventually
 
 BF16_INT4 = Numerics(engine="torch", model="SmolLM2-135M-Instruct", digest="0123456789abcdef", dtype="bfloat16",
                      quantization="int4", kernel="blockq_avx2", weights="int4a8[q4_1,q6,q8_0]",
@@ -190,14 +192,17 @@ def test_a_cached_reply_replays_the_fingerprint_it_was_made_with() -> None:
     assert json.loads(json.dumps(made.__dict__)) == {**made.__dict__}
     old = CachedReply(**json.loads('{"text": "four", "finish_reason": "stop", "prompt_tokens": 3, "completion_tokens": 1}'))
     assert not any(isinstance(e, Fingerprint) for e in asyncio.run(events(old)))  # stored before: none to say
+    later = {**made.__dict__, "a_later_field": 1}  # what a later gateway may store: read, not a lookup error
+    assert _reply([{"role": REPLY_ROLE, "content": json.dumps(later)}]) == made
 
 
 # -- a real gateway in front of scripted shards ------------------------------------------------------------
 
 
 def scripted_shard(fp: str, seen: list[dict[str, Any]]) -> FastAPI:
-    """A shard that says `fp`: a first request's stream breaks after "Hello" (the gateway resumes it
-    elsewhere); a continuation (`continue_final_message`) ends with " world"; `n` = 2 answers both choices."""
+    """A shard that says `fp` and answers "Hello world": a request that says "break" has its stream cut after
+    "Hello" (the gateway resumes it elsewhere), its continuation (`continue_final_message`) ends with " world";
+    `n` = 2 answers both choices."""
     app = FastAPI()
 
     @app.get("/health")
@@ -226,10 +231,12 @@ def scripted_shard(fp: str, seen: list[dict[str, Any]]) -> FastAPI:
             elif n > 1:
                 for i in range(n):
                     yield event({"content": f"choice {i}"}, i) + event({}, i, "stop")
-            else:
+            elif "break" in json.dumps(body["messages"]):
                 yield event({"content": "Hello"})
                 await asyncio.sleep(0.05)
                 raise RuntimeError("the scripted shard breaks its stream")  # the connection is cut
+            else:
+                yield event({"content": "Hello"}) + event({"content": " world"}, done=2) + event({}, finish="stop")
             yield b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}\n\n'
             yield b"data: [DONE]\n\n"
 
@@ -243,7 +250,7 @@ def scripted() -> Iterator[tuple[Service, dict[str, str], list[dict[str, Any]]]]
     seen: list[dict[str, Any]] = []
     with serve_app(scripted_shard("fp_shard_a", seen)) as a, serve_app(scripted_shard("fp_shard_b", seen)) as b:
         gw = Service(["gateway", "--shard-urls", f"{a},{b}", "--cache-urls", "http://127.0.0.1:1",
-                      "--tokenizer", "whitespace", "--model-name", "synthetic", "--no-response-cache"],
+                      "--tokenizer", "whitespace", "--model-name", "synthetic", "--response-cache"],
                      env={"SWITCHBOARD_GATEWAY_API_KEYS": api_keys_env()})
         with gw:
             yield gw, {a: "fp_shard_a", b: "fp_shard_b"}, seen
@@ -253,7 +260,7 @@ def sdk(gw: Service) -> openai.OpenAI:
     return openai.OpenAI(base_url=gw.url + "/v1", api_key=KEYS["plus"], max_retries=0)
 
 
-ASK: Any = [{"role": "user", "content": "say hello"}]
+ASK: Any = [{"role": "user", "content": "say hello, then break"}]
 
 
 def test_a_stream_resumed_on_a_shard_of_another_format_says_the_new_fingerprint_from_then_on(scripted) -> None:
@@ -283,3 +290,22 @@ def test_several_choices_carry_their_shards_fingerprint(scripted) -> None:
     assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.content) == [0, 1]
     done = sdk(gw).chat.completions.create(model="synthetic", messages=ASK, max_tokens=8, n=2)
     assert done.system_fingerprint in ("fp_shard_a", "fp_shard_b")
+
+
+def test_a_response_cache_hit_says_the_fingerprint_of_the_shard_that_made_it(scripted) -> None:
+    """A deterministic request's reply is kept in the gateway's response cache and replayed to the next
+    identical one: the replay says what made its text (it said the constant, as every reply did)."""
+    gw, _, _ = scripted
+    ask = [{"role": "user", "content": "say hello, cached"}]
+    made = sdk(gw).chat.completions.create(model="synthetic", messages=ask, max_tokens=8, temperature=0)
+    hits = metric(gw.url, "switchboard_response_cache_lookups_total", result="hit")
+    replies: list[Any] = []
+
+    def hit() -> bool:  # the write is made off the request path: the next identical request may miss
+        replies.append(sdk(gw).chat.completions.create(model="synthetic", messages=ask, max_tokens=8, temperature=0))
+        return metric(gw.url, "switchboard_response_cache_lookups_total", result="hit") > hits
+
+    eventually(hit, 20)
+    replayed = replies[-1]
+    assert replayed.choices[0].message.content == made.choices[0].message.content == "Hello world"
+    assert replayed.system_fingerprint == made.system_fingerprint and made.system_fingerprint.startswith("fp_shard_")
