@@ -5,8 +5,9 @@ hands the gateway.
     isinstance(events, SwitchboardError)      # the shard's error event, as one of ours
     raise unresumed(events)                   # once no shard could continue the stream
 
-Comments and ``[DONE]`` parse to no event, a role chunk to its `Fingerprint` only (none when it has none). A chunk may hold several: vLLM (and other
-OpenAI-compatible servers) send a choice's last token in the chunk that carries its finish_reason.
+Comments and ``[DONE]`` parse to no event, a role chunk to its `Fingerprint` only (none when it has none).
+A chunk may hold several: vLLM (and other OpenAI-compatible servers) send a choice's last token in the chunk
+that carries its finish_reason.
 """
 
 from __future__ import annotations
