@@ -164,6 +164,11 @@ class ChatCompletionRequest(BaseModel):
     # vLLM-compatible continuation: the last (assistant) message is continued, not answered.
     continue_final_message: bool = False
     add_generation_prompt: bool = True
+    # The legacy Completions API's raw prompt (data_plane/gateway/completions.py), from the gateway only:
+    raw_prompt: bool = False
+    """The messages' text is the prompt as it is, no chat template (continued as one text on a resume)."""
+    prompt_token_ids: list[WholeNumber] | None = Field(default=None, max_length=1_000_000)
+    """A prompt given as token ids: these, then the messages' text (a resume's output so far)."""
 
     @field_validator("stop")
     @classmethod
@@ -241,7 +246,8 @@ class ChatCompletionRequest(BaseModel):
             raise InvalidRequest(clash.message, param=clash.param, code=clash.code)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
-        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
+        if self.continue_final_message and (self.add_generation_prompt or (
+                self.messages[-1].role != "assistant" and not self.raw_prompt)):
             raise InvalidRequest(
                 "continue_final_message needs add_generation_prompt=false and a final assistant message",
                 param="continue_final_message",
@@ -465,4 +471,7 @@ def parse_chat_request(raw: bytes, content_type: str | None, session: str | None
     if client and req.continue_final_message and (session or req.tools):  # (the tools' reply is an envelope, not its text)
         raise InvalidRequest("continue_final_message cannot be used with a session or tools", param="continue_final_message")
     check_supported(req, continues)  # (its 400s in the legacy fields' terms when the body gave those)
+    if client and (req.raw_prompt or req.prompt_token_ids is not None):  # the gateway's, for POST /v1/completions
+        name = "raw_prompt" if req.raw_prompt else "prompt_token_ids"
+        raise UnsupportedParameter(f"Unrecognized request argument supplied: {name}", param=name)
     return req

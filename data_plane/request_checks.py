@@ -18,6 +18,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 from pydantic_core import PydanticCustomError
 
 from data_plane.common.errors import InvalidRequest, UnsupportedMediaType, UnsupportedParameter
+from data_plane.common.http_body import strict_loads
 
 MAX_METADATA_PAIRS = 16
 
@@ -109,8 +110,8 @@ def check_unicode(body: Any) -> None:
 
 def json_body(raw: bytes, content_type: str | None) -> dict[str, Any]:
     """A request body as the JSON object every public route takes: 415 for another content type,
-    400 ``invalid_json`` for bytes that are not UTF-8, not JSON, nested too deeply, not an object,
-    or holding a lone surrogate."""
+    400 ``invalid_json`` for bytes that are not UTF-8, not JSON (NaN, Infinity and 1e400 included: nothing
+    could encode them again), nested too deeply, not an object, or holding a lone surrogate."""
     ctype = (content_type or "").split(";")[0].strip().lower()
     if ctype and ctype != "application/json" and not ctype.endswith("+json"):
         raise UnsupportedMediaType(f"Content-Type must be application/json, not {ctype!r}")
@@ -119,7 +120,7 @@ def json_body(raw: bytes, content_type: str | None) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise InvalidRequest("request body is not valid UTF-8", code="invalid_json") from None
     try:
-        body = json.loads(text)
+        body = strict_loads(text)
     except RecursionError:
         raise InvalidRequest("request body is nested too deeply", code="invalid_json") from None
     except ValueError as exc:

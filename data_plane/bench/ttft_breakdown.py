@@ -87,9 +87,11 @@ def breakdown(spans: list[dict[str, Any]], min_prompt: int) -> list[dict[str, fl
             continue
         queue, prefill = events["queue"]["duration_s"], events["prefill"]["duration_s"]
         done_ns = sh["start_ns"] + 1e9 * (queue + prefill)
+        # router.route lasts as long as the stream; its first_token event is when the gateway had the token
+        first_ns = next((e["time_ns"] for e in r["events"] if e["name"] == "first_token"), r["end_ns"])
         out.append(dict(zip(PARTS, (
             1000 * g["attributes"].get("switchboard.gateway.ttft_s", 0.0), (r["start_ns"] - g["start_ns"]) / 1e6,
-            (sh["start_ns"] - r["start_ns"]) / 1e6, 1000 * queue, 1000 * prefill, (r["end_ns"] - done_ns) / 1e6,
+            (sh["start_ns"] - r["start_ns"]) / 1e6, 1000 * queue, 1000 * prefill, (first_ns - done_ns) / 1e6,
             1000 * g["attributes"].get("switchboard.gateway.holdback_s", 0.0)))))
     return out
 

@@ -25,6 +25,11 @@ a free session in the gateway's own zone), and reads ask the local zone's copy f
   :class:`~data_plane.common.errors.NotFound` (``session_not_found``), exactly like a missing one would
   be to that caller; a tombstone (a deleted record, see ``delete``) reads as missing. If no node
   answered at all, the store is unavailable, not empty.
+- A record written while one of its replicas was away sits on the node that stood in for it: until the
+  next placement change, reads that miss or may lag ask it too (its handoff), and once the newest copy is
+  back on every current replica the stand-in's copy is removed (only the version seen there,
+  ``HANDOFF_SETTLE_S`` after the change; ``switchboard_session_moved_copies_total``). Left, it was served
+  when that replica went away again: the conversation went back to it.
 - ``save`` writes the whole transcript to every replica at once and returns how many
   acknowledged. Nodes keep the highest version (last writer by version wins); when every replica
   already holds a newer version the write raises :class:`VersionConflict`. A turn (``only_newer``)
@@ -45,19 +50,18 @@ The wire contract both sides share (:class:`Transcript`, :data:`SESSION_ID_PATTE
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
-from data_plane.cache.client_circuits import CircuitHops, NodeCircuits, SkippedNode
+from data_plane.cache.client_calls import NodeCalls
+from data_plane.cache.client_circuits import CircuitHops, NodeCircuits
 from data_plane.cache.client_metrics import SessionStoreMetrics
 from data_plane.cache.client_values import (
     Departures,
@@ -65,17 +69,16 @@ from data_plane.cache.client_values import (
     RecordLimits,
     WriteResult,
     handoffs,
-    json_or_none,
     newest_last,
     put_body,
     refused_write,
 )
-from data_plane.cache.model import MAX_RECORD_BYTES, TOMBSTONE_VERSION, Transcript, VersionConflict, validate_session_id
-from data_plane.common.crypto import SealError, TranscriptSealer
+from data_plane.cache.model import TOMBSTONE_VERSION, Transcript, VersionConflict, validate_session_id
+from data_plane.common.crypto import TranscriptSealer
 from data_plane.common.errors import NotFound, Overloaded
 from data_plane.membership.hashring import DEFAULT_VNODES, HashRing
 from data_plane.membership.placement import DEFAULT_ZONE, local_first, replicas_across_zones
-from data_plane.routing.hop_client import HopError, HopPool
+from data_plane.routing.hop_client import HopPool
 
 if TYPE_CHECKING:
     from data_plane.membership.view import Member, MembershipView
@@ -93,9 +96,14 @@ CLOCK_SLACK_S = 5.0
 treated as possibly written under the old placement."""
 AUDIT_SHARE = 0.05
 """Share of reads that check the replicas they did not need to ask, whatever the above says."""
+HANDOFF_SETTLE_S = 10.0
+"""How long after a placement change a copy of a record on a node that is no longer its replica stays, once the
+record is back on its replicas: a gateway whose membership view lags may still read and write it there."""
+SETTLED = ("ok", "stale")
+"""Repair results after which a replica holds the record's newest version (or a newer one)."""
 
 
-class SessionStore:
+class SessionStore(NodeCalls):
     """Places, replicates and reads session transcripts on the healthy cache nodes."""
 
     def __init__(
@@ -127,14 +135,17 @@ class SessionStore:
         self._vnodes, self._service, self._prefix = vnodes, service, prefix
         self._placement = self._previous = Placement()
         self._departures = Departures()
-        self._repairs: set[asyncio.Task[None]] = set()
+        self._repairs: set[asyncio.Task[Any]] = set()
+        self._removals: set[asyncio.Task[None]] = set()
+        """Removals of copies left on nodes that held a record while its replica was away (HANDOFF_SETTLE_S)."""
+        self._removing: set[tuple[str, frozenset[tuple[str, int]]]] = set()  # what those remove (record, copies)
         self._suspects: OrderedDict[str, None] = OrderedDict()
         """Sessions whose last save here missed a replica (bounded, oldest forgotten first)."""
         self._recent: OrderedDict[str, int] = OrderedDict()
         """Sessions saved here lately -> their replica count: what a node that joins is repaired with."""
         self._rejoined: set[str] = set()
         """Node ids added to the placement whose background repair has not run yet."""
-        self._placement_repair: asyncio.Task[None] | None = None
+        self._placement_repair: asyncio.Task[Any] | None = None
         self._limits = RecordLimits()
 
     # -- public API -------------------------------------------------------------------------
@@ -148,9 +159,10 @@ class SessionStore:
             missing: list[Member] = []
             answered = False
             found: Transcript | None = None
-            asked = 0
+            asked, kinds = 0, dict[str, str]()
             for asked, member in enumerate(targets, 1):
                 kind, transcript = await self._fetch(member, session_id)
+                kinds[member.id] = kind
                 if kind == "hit":
                     found = transcript
                     break
@@ -159,11 +171,13 @@ class SessionStore:
                     missing.append(member)
             span.set_attribute("switchboard.session.replicas_missing", len(missing))
             extra = handoffs(self._previous, self._placement, session_id, replicas, self._zone, targets)
+            moved: list[tuple[Member, int]] = []  # copies on `extra`: removed once the record is back on `targets`
             if found is None and extra:  # written while a node that joined since was away: on the one before it
                 for member in extra:
                     kind, found = await self._fetch(member, session_id)
                     answered = answered or kind != "error"
                     if found is not None:
+                        moved.append((member, found.version))
                         break
             if found is None:
                 if not answered:
@@ -176,15 +190,21 @@ class SessionStore:
                 outcome.result = "miss"
                 return None
             if self._may_lag(found):  # a replica not asked may hold a newer version, or the record's tombstone
-                found, stale = await self._newest(member, found, targets[asked:] + extra)
-                missing += [m for m in stale if m not in extra]  # the handoff's copy is left to its TTL
+                rest = [m for m in targets[asked:] + extra if m != member]  # `member`: where `found` is from
+                found, stale, copies = await self._newest(member, found, rest)
+                missing += [m for m in stale if m not in extra]
+                kinds.update({m.id: "hit" for m, _ in copies if m in targets})
+                kinds.update({m.id: "miss" for m in stale if m in targets})  # unreadable too: repaired like one
+                moved = [(m, t.version) for m, t in copies if m in extra]
+            if any(kinds.get(m.id, "error") == "error" for m in targets):
+                moved = []  # a replica's copy is unknown: the handoff's may be the newest one left
             if found.owner != owner and not found.deleted:
                 outcome.result = "denied"  # and nothing repaired on another key's behalf
                 raise NotFound(
                     f"session {session_id!r} not found", param="session_id", code="session_not_found"
                 )
-            if missing:
-                self._start_repair(found, missing)  # a tombstone too: it spreads over the old copies
+            if missing or moved:
+                self._start_repair(found, missing, moved, replicas)  # a tombstone too: it spreads over old copies
             if found.deleted:
                 outcome.result = "deleted"
                 span.set_attribute("switchboard.session.tombstone", True)
@@ -248,10 +268,10 @@ class SessionStore:
         holds an older version, which cannot be written over it nor win a read that compares replicas
         (after a placement change or a missed write), and gets it by read-repair or the background
         repair of joining nodes. NotFound unless `owner` holds it. Returns the nodes that held it."""
-        found = await self.load(session_id, owner, replicas)
-        if found is None:
+        found = await self.load(session_id, owner, replicas, expected=True)  # its node away: 503, not a 404 that
+        if found is None:  # the record then outlives when it comes back
             raise NotFound(f"session {session_id!r} not found", param="session_id", code="session_not_found")
-        await self.drain()  # a read-repair that load started must not write it back afterwards
+        await self._drain(self._repairs)  # a read-repair that load started must not write it back afterwards
         with self.metrics.op("delete", "cache.delete") as (outcome, span):
             members = self._membership.members(self._service)
             held = sum(await asyncio.gather(*(self._delete_one(m, session_id) for m in members)))
@@ -301,9 +321,13 @@ class SessionStore:
         return self._placement
 
     async def drain(self) -> None:
-        """Wait for every read-repair (and background placement repair) started so far."""
-        while self._repairs:
-            await asyncio.gather(*list(self._repairs), return_exceptions=True)
+        """Wait for every read-repair, background placement repair and removal of moved copies started so far."""
+        await self._drain(self._repairs, self._removals)
+
+    @staticmethod
+    async def _drain(*tasks: set[asyncio.Task[Any]]) -> None:
+        while any(tasks):
+            await asyncio.gather(*(t for group in tasks for t in list(group)), return_exceptions=True)
 
     def _schedule_placement_repair(self, added: set[str]) -> None:
         """Give nodes that joined the sessions saved here lately that now place a replica on them: read
@@ -321,125 +345,43 @@ class SessionStore:
             added, self._rejoined = self._rejoined, set()
             sessions = list(self._recent.items())
             gate = asyncio.Semaphore(REPAIR_CONCURRENCY)
-            written = 0
+            written = moving = 0
 
             async def one(session_id: str, replicas: int) -> None:
-                nonlocal written
+                nonlocal written, moving
                 try:
                     targets = self.replicas_for(session_id, replicas)
                 except Overloaded:
                     return
-                fresh = [m for m in targets if m.id in added]  # noqa: B023 -- `one` is awaited in this pass
-                sources = [m for m in targets if m.id not in added]  # noqa: B023
-                sources += handoffs(self._previous, self._placement, session_id, replicas, self._zone, targets)
-                if not fresh or not sources:
+                if not any(m.id in added for m in targets):  # noqa: B023 -- `one` is awaited in this pass
                     return
+                extra = handoffs(self._previous, self._placement, session_id, replicas, self._zone, targets)
                 async with gate:  # noqa: B023
-                    for source in sources:
-                        kind, transcript = await self._fetch(source, session_id)
-                        if kind == "hit" and transcript is not None:
-                            done = await asyncio.gather(*(self._repair_one(m, transcript, checked=False)
-                                                          for m in fresh))
-                            written += sum(done)
-                            return
+                    repaired, removing = await self._settle(session_id, replicas, targets, extra)
+                    written, moving = written + repaired, moving + removing
 
             with tracer.start_as_current_span("cache.placement_repair") as span:
                 await asyncio.gather(*(one(sid, n) for sid, n in sessions))
                 span.set_attribute("switchboard.session.repair_candidates", len(sessions))
                 span.set_attribute("switchboard.session.repaired", written)
-            log.info("background repair after %s joined: %d session(s) checked, %d replica(s) written",
-                     ", ".join(sorted(added)), len(sessions), written)
+            log.info("background repair after %s joined: %d session(s) checked, %d replica(s) written, %d copy(ies) "
+                     "to remove from nodes that stood in meanwhile", ", ".join(sorted(added)), len(sessions), written,
+                     moving)
 
     async def aclose(self) -> None:
         """Cancel pending read-repairs (they are best-effort)."""
-        tasks = list(self._repairs)
+        tasks = [*self._repairs, *self._removals]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- internals --------------------------------------------------------------------------
 
-    def _path(self, session_id: str) -> str:
-        return f"{self._prefix}/{session_id}"  # the id is validated: URL-safe characters only
-
-    def _headers(self) -> dict[str, str]:
-        headers: dict[str, str] = dict(self._auth)
-        propagate.inject(headers)
-        return headers
-
-    async def _fetch(self, member: Member, session_id: str) -> tuple[str, Transcript | None]:
-        """('hit', t) | ('miss', None) | ('unreadable', None) | ('error', None); never raises for
-        a node's failure. Unreadable: a sealed record that does not open for this session and owner
-        (moved, tampered, or an unknown key): to the caller it does not exist."""
-        try:
-            resp = await self._http.request("GET", member.url, self._path(session_id), headers=self._headers(),
-                                            timeout=self._timeout_s)
-            raw = await resp.read(self._deadline(), limit=MAX_RECORD_BYTES)
-            if resp.status == 404:
-                return "miss", None
-            if resp.status != 200:
-                log.warning("cache node %s answered GET with %d", member.id, resp.status)
-                return "error", None
-            transcript = Transcript.from_wire(json.loads(raw))
-            if transcript.session_id != session_id:
-                raise ValueError("cache node returned another session")
-            if self._sealer is not None:
-                try:
-                    opened = self._sealer.open(session_id, transcript.owner, transcript.messages)
-                except SealError as exc:
-                    log.warning("cache node %s holds an unreadable record for a session: %s", member.id, exc)
-                    return "unreadable", None
-                transcript = replace(transcript, messages=tuple(opened))
-            return "hit", transcript
-        except (HopError, ValueError) as exc:
-            if not isinstance(exc, SkippedNode):  # that one is logged when its breaker opens
-                log.warning("cache node %s unreachable for GET: %s", member.id, type(exc).__name__)
-            return "error", None
-
     def check_fits(self, session_id: str, owner: str, messages: Callable[[], Sequence[Mapping[str, str]]], replicas: int,
                    rough: int) -> None:
         """400 ``record_too_large`` now if no replica of `session_id` would store `messages()` (client_values.py)."""
         self._limits.check(self.replicas_for(session_id, replicas), rough, lambda: len(put_body(
             self._sealer, Transcript(session_id, owner, tuple(messages()), 1, updated_at=time.time()), None)))
-
-    async def _put(
-        self, member: Member, t: Transcript, ttl_s: float | None, *, keep_updated_at: bool, only_newer: bool = False
-    ) -> WriteResult:
-        body = put_body(self._sealer, t, ttl_s, keep_updated_at=keep_updated_at, only_newer=only_newer)
-        try:
-            resp = await self._http.request("PUT", member.url, self._path(t.session_id), body,
-                                            headers=self._headers(), timeout=self._timeout_s)
-            raw = await resp.read(self._deadline())
-        except HopError as exc:
-            if not isinstance(exc, SkippedNode):
-                log.warning("cache node %s unreachable for PUT: %s", member.id, type(exc).__name__)
-            return WriteResult("error")
-        if resp.status == 200:
-            return WriteResult("ok", 200)
-        payload = json_or_none(raw)
-        if resp.status == 409:
-            stored = None
-            if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
-                stored = payload["error"].get("stored_version")
-            return WriteResult("stale", 409, payload, stored if isinstance(stored, int) else None)
-        if resp.status == 413:  # past its limit: a later record this large is refused before it is generated
-            self._limits.refused(member.id, len(body), resp)
-        if 400 <= resp.status < 500:
-            return WriteResult("rejected", resp.status, payload)
-        log.warning("cache node %s answered PUT with %d", member.id, resp.status)
-        return WriteResult("error", resp.status, payload)
-
-    async def _delete_one(self, member: Member, session_id: str) -> bool:
-        try:
-            resp = await self._http.request("DELETE", member.url, self._path(session_id), headers=self._headers(),
-                                            timeout=self._timeout_s)
-            body = json_or_none(await resp.read(self._deadline()))
-        except HopError:
-            return False
-        return resp.status == 200 and isinstance(body, dict) and bool(body.get("deleted"))
-
-    def _deadline(self) -> float:
-        return asyncio.get_running_loop().time() + self._timeout_s
 
     def _may_lag(self, found: Transcript) -> bool:
         """Whether replicas not asked during a read may lack `found`. Every save writes all current
@@ -450,36 +392,84 @@ class SessionStore:
         return (found.updated_at < self._placement.since + CLOCK_SLACK_S
                 or found.session_id in self._suspects or random.random() < AUDIT_SHARE)
 
-    async def _newest(self, first: Member, found: Transcript, rest: list[Member]) -> tuple[Transcript, list[Member]]:
-        """The newest of `found` (from `first`) and the copies `rest` hold, and the members that lack it
-        or hold an older version (to repair)."""
+    async def _newest(self, first: Member, found: Transcript, rest: list[Member],
+                      ) -> tuple[Transcript, list[Member], list[tuple[Member, Transcript]]]:
+        """The newest of `found` (from `first`) and the copies `rest` hold, the members that lack it
+        or hold an older version (to repair), and every copy seen."""
         fetched = await asyncio.gather(*(self._fetch(m, found.session_id) for m in rest))
         copies = [(first, found), *((m, t) for m, (_, t) in zip(rest, fetched, strict=True) if t is not None)]
         newest = max((t for _, t in copies), key=lambda t: t.version)
         behind = [m for m, t in copies if t.version < newest.version]
-        return newest, behind + [m for m, (kind, _) in zip(rest, fetched, strict=True) if kind in ("miss", "unreadable")]
+        lacking = [m for m, (kind, _) in zip(rest, fetched, strict=True) if kind in ("miss", "unreadable")]
+        return newest, behind + lacking, copies
 
-    def _start_repair(self, transcript: Transcript, behind: list[Member]) -> None:
-        task = asyncio.create_task(self._repair(transcript, behind), name="session-read-repair")
+    async def _settle(self, session_id: str, replicas: int, targets: list[Member], extra: list[Member],
+                      ) -> tuple[int, int]:
+        """A joiner's background repair of one record: the newest of the copies its replicas (`targets`) and the
+        nodes that held it before (`extra`) hold is written to the replicas without it, then the copies on
+        `extra` are removed (`_repair`). Returns how many replicas were written and copies are to be removed."""
+        asked = targets + extra
+        fetched = await asyncio.gather(*(self._fetch(m, session_id) for m in asked))
+        copies = [(m, t) for m, (_, t) in zip(asked, fetched, strict=True) if t is not None]
+        if not copies:
+            return 0, 0
+        newest = max((t for _, t in copies), key=lambda t: t.version)
+        behind = [m for m, (kind, t) in zip(targets, fetched[:len(targets)], strict=True)
+                  if kind in ("miss", "unreadable") or (t is not None and t.version < newest.version)]
+        known = all(kind != "error" for kind, _ in fetched[:len(targets)])
+        moved = [(m, t.version) for m, t in copies if m in extra] if known else []
+        return await self._repair(newest, behind, moved, replicas)
+
+    def _start_repair(self, transcript: Transcript, behind: list[Member], moved: list[tuple[Member, int]],
+                      replicas: int) -> None:
+        task = asyncio.create_task(self._repair(transcript, behind, moved, replicas), name="session-read-repair")
         self._repairs.add(task)
         task.add_done_callback(self._repairs.discard)
 
-    async def _repair(self, transcript: Transcript, behind: list[Member]) -> None:
+    async def _repair(self, transcript: Transcript, behind: list[Member], moved: list[tuple[Member, int]],
+                      replicas: int) -> tuple[int, int]:
         """Write `transcript` to the replicas that lack it or hold an older version (nodes keep the
-        highest version, so a newer save that lands meanwhile is never overwritten)."""
+        highest version, so a newer save that lands meanwhile is never overwritten); once every replica holds
+        it, remove the copies `moved` names (node, version seen) from nodes that held it while a replica was
+        away. Left there, such a copy was read again when that replica next went away: the conversation went
+        back to it, and a turn written on it then lost to the replica's newer version when it came back.
+        Returns how many replicas were written, and how many copies are to be removed."""
         with tracer.start_as_current_span("cache.read_repair") as span:
-            await asyncio.gather(*(self._repair_one(m, transcript, checked=True) for m in behind))
+            results = await asyncio.gather(*(self._repair_one(m, transcript) for m in behind))
             span.set_attribute("switchboard.session.repair_candidates", len(behind))
+            span.set_attribute("switchboard.session.moved_copies", len(moved))
+        key = (transcript.session_id, frozenset((m.id, v) for m, v in moved))
+        if moved and all(r in SETTLED for r in results) and key not in self._removing:  # else the moved copy may
+            self._removing.add(key)  # be the newest one left (or its removal is already due: reads meanwhile)
+            task = asyncio.create_task(self._remove_moved(key[0], moved, replicas), name="session-moved-copy-removal")
+            self._removals.add(task)
+            task.add_done_callback(self._removals.discard)
+            task.add_done_callback(lambda _: self._removing.discard(key))
+            return sum(r == "ok" for r in results), len(moved)
+        return sum(r == "ok" for r in results), 0
 
-    async def _repair_one(self, member: Member, transcript: Transcript, *, checked: bool) -> bool:
-        """Write `transcript` to `member` unless it holds it already; True if it was written."""
-        if not checked:
-            kind, current = await self._fetch(member, transcript.session_id)
-            if kind == "error" or (current is not None and current.version >= transcript.version):
-                return False
+    async def _remove_moved(self, session_id: str, moved: list[tuple[Member, int]], replicas: int) -> None:
+        """Remove the copies `moved` names, each only while its node holds the version seen (a write that landed
+        there since stays), after HANDOFF_SETTLE_S and only from nodes that are still not its replicas."""
+        await asyncio.sleep(max(0.0, self._placement.since + HANDOFF_SETTLE_S - time.time()))
+        try:
+            now = {m.id for m in self.replicas_for(session_id, replicas)}
+        except Overloaded:
+            return
+        moved = [(m, v) for m, v in moved if m.id not in now]  # a replica again (it left once more): it serves
+        results = await asyncio.gather(*(self._remove_copy(m, session_id, v) for m, v in moved))
+        for (member, version), result in zip(moved, results, strict=True):
+            self.metrics.moved_copies.labels(result).inc()
+            if result in ("kept", "error"):
+                log.info("copy of a record moved back to its replicas left on %s (%s, version %s seen)",
+                         member.id, result, "tombstone" if version == TOMBSTONE_VERSION else version)
+
+    async def _repair_one(self, member: Member, transcript: Transcript) -> str:
+        """Write `transcript` to `member` (nodes keep the highest version): ok | stale (it holds a newer one) |
+        error | expired (its TTL is over)."""
         ttl = transcript.ttl_left(time.time())
         if ttl is not None and ttl <= 0:
-            return False
+            return "expired"
         r = await self._put(member, transcript, ttl, keep_updated_at=True)
         result = r.result if r.result in ("ok", "stale") else "error"
         self.metrics.ops.labels("repair", result).inc()
@@ -487,5 +477,5 @@ class SessionStore:
             self.metrics.repairs.inc()
         else:
             log.info("read-repair onto %s: %s", member.id, result)
-        return result == "ok"
+        return result
 

@@ -31,7 +31,8 @@ class SessionStoreMetrics:
 
     ``result`` is one of: load hit|miss|away|deleted|denied|error (deleted: a tombstone; away: a miss while a
     node that held it is lately gone, answered 503); save ok|partial|stale|error;
-    repair ok|stale|error; delete ok|error.
+    repair ok|stale|error; delete ok|error. Repairs that bring a record back from a node that held it while a
+    replica was away count as repairs; that node's copy is then removed (``moved_copies``).
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -46,6 +47,16 @@ class SessionStoreMetrics:
             "Transcripts written back to a replica that was missing them (read-repair).",
             registry=registry,
         )
+        self.moved_copies = Counter(
+            "switchboard_session_moved_copies_total",
+            "Copies of a record on a cache node that held it while one of its replicas was away, once the record "
+            "was back on its replicas: removed; kept (the node holds another version now: a write since, left "
+            "alone); gone (already); error. Left, such a copy was read again when that replica next went away.",
+            ["result"],
+            registry=registry,
+        )
+        for result in ("removed", "kept", "gone", "error"):
+            self.moved_copies.labels(result)
         self.seconds = Histogram(
             "switchboard_session_store_seconds",
             "Session store operation latency, all replicas included.",

@@ -13,7 +13,8 @@ HTTP API (errors in the OpenAI shape)::
                                200 stored; 409 session_version_conflict (+ "stored_version") when the
                                stored version is higher (or equal, with only_newer: a turn's write):
                                whole records, last writer by version wins
-    DELETE /v1/sessions/{id}   200 {"session_id","deleted": bool}
+    DELETE /v1/sessions/{id}   200 {"session_id","deleted": bool}; ``?if_version=N``: only if it holds version N
+                               (else "stored_version": what it holds, kept)
     GET|PUT|DELETE /v1/response-cache/{id}   the same for cached replies (the gateway's response
                                cache), in memory with their own byte budget and TTL
     GET    /health             200 ready, 503 when the backend is unreachable
@@ -61,6 +62,7 @@ from data_plane.cache.model import (
 from data_plane.cache.snapshot import Snapshot
 from data_plane.cache.storage import ManagedStorage, MemoryStorage, RedisStorage
 from data_plane.common.errors import (
+    InvalidRequest,
     NotFound,
     PayloadTooLarge,
     SwitchboardError,
@@ -434,11 +436,16 @@ def _mount_records(app: FastAPI, prefix: str, store: ManagedStorage, default_ttl
     async def delete_session(session_id: str, request: Request) -> JSONResponse:
         with metrics.track(op_prefix + "delete", request, node_id) as op:
             validate_session_id(session_id)
-            deleted = await store.delete(session_id)
-            if on_delete is not None:
+            if_version = request.query_params.get("if_version")  # only that copy: one moved back to its node
+            if if_version is not None and not (if_version.isdigit() and int(if_version) < 2**53):
+                raise InvalidRequest("if_version must be a record version", param="if_version")
+            deleted = await store.delete(session_id, if_version=None if if_version is None else int(if_version))
+            if on_delete is not None and if_version is None:  # a moved copy's KV blocks are not the session's end
                 await on_delete(session_id)
             op.result = "hit" if deleted else "miss"
-            return JSONResponse({"session_id": session_id, "deleted": deleted})
+            kept = None if deleted or if_version is None else await store.get(session_id)
+            return JSONResponse({"session_id": session_id, "deleted": deleted,
+                                 **({"stored_version": kept.version} if kept is not None else {})})
 
 
 async def _register(

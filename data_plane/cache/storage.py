@@ -57,7 +57,7 @@ class Storage(Protocol):
 
     async def get(self, session_id: str) -> Transcript | None: ...
     async def put(self, record: Transcript, ttl_s: float, *, only_newer: bool = False) -> PutOutcome: ...
-    async def delete(self, session_id: str) -> bool: ...
+    async def delete(self, session_id: str, *, if_version: int | None = None) -> bool: ...
 
 
 class ManagedStorage(Storage, Protocol):
@@ -214,8 +214,10 @@ class MemoryStorage:
         self._changed = True
         return PutOutcome(True, record.version)
 
-    async def delete(self, session_id: str) -> bool:
-        if self._live(session_id) is None:
+    async def delete(self, session_id: str, *, if_version: int | None = None) -> bool:
+        """Remove the record (`if_version`: only while it is that version); whether one was removed."""
+        entry = self._live(session_id)
+        if entry is None or (if_version is not None and entry.record.version != if_version):
             return False
         self._remove(session_id)
         self._changed = True
@@ -331,6 +333,17 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
 return {1, ARGV[2]}
 """
 
+# Remove the record only while it holds version ARGV[1] (a copy moved back to its home node; a write since stays).
+_DELETE_IF_VERSION = """
+local cur = redis.call('GET', KEYS[1])
+if not cur then return 0 end
+local ok, rec = pcall(cjson.decode, cur)
+if ok and type(rec) == 'table' and tonumber(rec['version']) == tonumber(ARGV[1]) then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
 
 READY_TIMEOUT_S = 0.5
 """Seconds a Redis-backed node's `/health` waits for Redis's PING before it answers 503. Its client waits
@@ -354,6 +367,7 @@ class RedisStorage:
 
         self._redis = aioredis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=1.0)
         self._put_script = self._redis.register_script(_PUT_IF_NOT_OLDER)
+        self._delete_script = self._redis.register_script(_DELETE_IF_VERSION)
         self._prefix = prefix
         self._stats_interval_s = stats_interval_s
         self._stats = StorageStats(0, 0)
@@ -392,9 +406,11 @@ class RedisStorage:
             )
         return PutOutcome(bool(int(stored)), int(version))
 
-    async def delete(self, session_id: str) -> bool:
+    async def delete(self, session_id: str, *, if_version: int | None = None) -> bool:
         with _redis_errors():
-            return bool(await self._redis.delete(self._prefix + session_id))
+            if if_version is None:
+                return bool(await self._redis.delete(self._prefix + session_id))
+            return bool(await self._delete_script(keys=[self._prefix + session_id], args=[if_version]))
 
     async def refresh_stats(self) -> StorageStats:
         entries = size = 0

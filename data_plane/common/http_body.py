@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -56,15 +57,30 @@ def _not_json(constant: str) -> Any:
     raise ValueError(f"{constant} is not JSON")
 
 
+def _finite(text: str) -> float:
+    """A JSON number as a float, refused past a double's range: Python reads 1e400 as inf, which no JSON
+    encoder writes back (a tool schema's ``"default": 1e400`` was echoed in a response object: a 500)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:32]} is out of range")
+    return value
+
+
+def strict_loads(raw: bytes | str) -> Any:
+    """`json.loads` for what a client sends: ValueError for NaN, Infinity and numbers past a double's range
+    (everything parsed here must encode again), RecursionError past the parser's depth."""
+    return json.loads(raw, parse_constant=_not_json, parse_float=_finite)
+
+
 async def read_json_body(request: Any, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> Any:
     """The request's JSON body (any JSON value): 415 for a non-JSON content type, then as
-    `read_body`, then 400 when it does not parse (NaN and Infinity included) or holds a lone surrogate."""
+    `read_body`, then 400 when it does not parse (NaN, Infinity and 1e400 included) or holds a lone surrogate."""
     ctype = request.headers.get("content-type", "")
     if ctype and "json" not in ctype.lower():
         raise UnsupportedMediaType("request body must be application/json")
     raw = await read_body(request, limit, timeout_s)
     try:
-        body = json.loads(raw, parse_constant=_not_json)
+        body = strict_loads(raw)
         # JSON may escape a lone surrogate ("\ud800"), which no UTF-8 encoder takes: the node's store was a 500
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:

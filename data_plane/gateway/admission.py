@@ -68,6 +68,8 @@ tracer = trace.get_tracer(__name__)
 
 DEFAULT_SLOTS_PER_SHARD = 16
 """Batch slots assumed for a shard that does not announce ``max_num_seqs``."""
+SHED_REASONS = ("deadline", "queue_full")
+"""switchboard_admission_shed_total's reason label: `_expire` and `_shed_one`."""
 WAIT_BUCKETS = (0.0, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 
 
@@ -91,6 +93,14 @@ class AdmissionMetrics:
                                     "Tokens (prompt + output) served per tenant since the gateway started, as "
                                     "counted for fair share: the top N tenants of each tier, the rest as "
                                     "tenant=\"other\".", ["tier", "tenant"], registry=registry)
+
+    def show_tiers(self, tiers: Iterable[str]) -> None:
+        """Each tier's queue depth and shed counters at 0 from the start (gateway runtime's show_policy): a
+        panel of an idle fleet reads 0, not "No data"."""
+        for tier in tiers:
+            self.queue_depth.labels(tier)
+            for reason in SHED_REASONS:
+                self.shed.labels(tier, reason)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,10 @@ from data_plane.common.telemetry import (
     metrics_endpoint,
     recent_spans_endpoint,
 )
+from data_plane.completions_request import CompletionRequest
+from data_plane.gateway.chat import ChatHandler
 from data_plane.gateway.chat_store import StoredChatHandler, mount_chat_store
+from data_plane.gateway.completions import COMPLETIONS_PATH, CompletionsHandler
 from data_plane.gateway.context import TokenCounter
 from data_plane.gateway.conversations import mount_conversations
 from data_plane.gateway.keys_file import checked_keys, hot_keys
@@ -73,6 +76,9 @@ CHAT_OPENAPI: dict[str, Any] = {
          "description": "'new' starts a server-side session; its id comes back in this header"},
     ],
 }
+
+COMPLETIONS_OPENAPI: dict[str, Any] = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "$ref": "#/components/schemas/CompletionRequest"}}}}}
 
 
 def build_gateway(settings: GatewaySettings, registry: CollectorRegistry | None = None) -> Gateway:
@@ -169,6 +175,10 @@ def create_app(gw: Gateway) -> GatewayApp:
     async def responses(request: Request) -> Response:  # pragma: no cover - GatewayApp serves this path
         raise RuntimeError("POST /v1/responses is served by GatewayApp")
 
+    @app.post(COMPLETIONS_PATH, openapi_extra=COMPLETIONS_OPENAPI)
+    async def completions(request: Request) -> Response:  # pragma: no cover - GatewayApp serves this path
+        raise RuntimeError("POST /v1/completions is served by GatewayApp")
+
     @app.post(CHAT_PATH, openapi_extra=CHAT_OPENAPI)
     async def chat(request: Request) -> Response:  # pragma: no cover - GatewayApp serves this path
         raise RuntimeError("POST /v1/chat/completions is served by GatewayApp")
@@ -179,17 +189,18 @@ def create_app(gw: Gateway) -> GatewayApp:
 
 
 def _describe_chat_body(app: FastAPI) -> None:
-    """/openapi.json: the chat route's body is read by hand (for 413/408/415 control), so its
-    schema is added here, from the same pydantic model that validates it."""
+    """/openapi.json: the chat and completions routes' bodies are read by hand (for 413/408/415 control), so their
+    schemas are added here, from the same pydantic models that validate them."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = generate()
-            body = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            components.update(body.pop("$defs", {}))
-            components["ChatCompletionRequest"] = body
+            for model in (ChatCompletionRequest, CompletionRequest):
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -246,15 +257,20 @@ class GatewayApp:
             await serve_socket(self, self.gw.caller, scope, receive, send)
             return
         path = scope["path"] if scope["type"] == "http" and scope["method"] == "POST" else ""
-        if path in (CHAT_PATH, RESPONSES_PATH):
+        if path in (CHAT_PATH, RESPONSES_PATH, COMPLETIONS_PATH):
             request = Request(scope, receive)
             try:
                 runtime = self.started()
             except Overloaded as exc:
                 await render(exc, request)(scope, receive, send)
                 return
-            handler = (StoredChatHandler(self.gw, runtime, request, self.conversations()) if path == CHAT_PATH else
-                       ResponsesHandler(self.gw, runtime, request, self.conversations()))
+            handler: ChatHandler
+            if path == CHAT_PATH:
+                handler = StoredChatHandler(self.gw, runtime, request, self.conversations())
+            elif path == COMPLETIONS_PATH:  # the legacy Completions API (data_plane/gateway/completions.py)
+                handler = CompletionsHandler(self.gw, runtime, request)
+            else:
+                handler = ResponsesHandler(self.gw, runtime, request, self.conversations())
             task = asyncio.current_task()
             if task is not None:
                 self._serving.add(task)

@@ -378,6 +378,7 @@ class ChatHandler:
         """The default output cap fitted to the TPM; the grant for the estimated tokens (429); the input screened (400)."""
         gw = self.gw
         # Session history is not known yet (settled with real usage); no prompt passes the context window whole
+        await gw.counter.warm(checked.messages)  # long texts counted off the event loop
         prompt = min(gw.counter.prompt_tokens(checked.messages), caller.tier.max_context_tokens, checked.model_context)
         checked = checked.within_tpm(gw.limiter.token_allowance(caller.tier), prompt)
         estimate = prompt + checked.tools_tokens + checked.max_tokens * checked.choices
@@ -393,6 +394,7 @@ class ChatHandler:
         """The prompt with its conversation, fitted into the context (sliding window); the one request a shard gets."""
         gw, settings, tier, req = self.gw, self.gw.settings, caller.tier, checked.req
         prompt = await self.context(req, checked.messages, tier)
+        await gw.counter.warm(prompt)  # the history's long texts too
         context = min(tier.max_context_tokens, checked.model_context)
         # Without max_tokens, reserve a modest reply while fitting the window, then let the reply
         # use the room the prompt leaves, up to the tier's cap (as vLLM does).
@@ -428,11 +430,8 @@ class ChatHandler:
         if stream is None:
             tokens = window.prompt_tokens + checked.tools_tokens + prepared.max_tokens * checked.choices
             x.admitted(await rt.admission.acquire(tier, caller.tiers, tenant=tenant, tokens=tokens, slots=checked.choices))
-            with tracer.start_as_current_span("router.route") as route_span:
-                shard = await rt.upstream.open_resumable(prepared.request, self.session_id)
-                route_span.set_attribute("switchboard.shard", shard.member.id)
-                route_span.set_attribute("switchboard.attempts", shard.attempts)
-                rt.router.observe_kv(self.session_id, shard.member.id, window.prompt_tokens)  # kv_aware routing
+            shard = await rt.upstream.open_resumable(prepared.request, self.session_id)  # its router.route span
+            rt.router.observe_kv(self.session_id, shard.member.id, window.prompt_tokens)  # kv_aware routing
             stream = shard
         x.first_token_at = time.monotonic()  # from the shard; the client's TTFT is observed in Completion
         return stream

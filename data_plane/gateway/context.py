@@ -18,7 +18,9 @@ chat-template form, cached per message, so replaying a long session costs one to
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,27 +35,46 @@ REPLY_PRIMER_TOKENS = 3
 """`<|im_start|>assistant\\n` that starts the reply."""
 
 
+CACHE_BYTES = 64 << 20
+"""What the counts' cache may hold of the texts it is keyed by (`sys.getsizeof`), beside its entry bound. With
+the entry bound alone (50,000) one free key sending a distinct ~1 MB message a second (a 400: it does not fit)
+grew the gateway by ~1.4 MB a request, towards ~50 GB; the least recently counted texts now go first."""
+
+
+OFF_LOOP_CHARS = 16_384
+"""Texts at least this long are counted by `TokenCounter.warm` in a worker thread (the tokenizer lets go of the
+GIL there): ~1 MB took 0.6-1.2 s to count on the event loop, and a free key sending such messages (each a 400,
+under its RPM) held every tenant's requests behind it (enterprise p50 0.11 -> 3.08 s)."""
+
+
 class TokenCounter:
     def __init__(self, encode: Callable[[str], int], cache_size: int = 50_000, *, implicit_system: int = 0,
-                 exact: bool = False) -> None:
+                 exact: bool = False, cache_bytes: int = CACHE_BYTES, ceiling: int = 0,
+                 token_bytes: int = 0) -> None:
         """`implicit_system`: the tokens the chat template adds to a chat that has no system message (its
         default system prompt); `exact`: those counts were checked against the template's own rendering
         (`template_overhead`), so nothing need be set aside for template tokens the count cannot see."""
         self._encode = encode
         self._cache: OrderedDict[str, int] = OrderedDict()
         self._cache_size = cache_size
+        self._cache_bytes = cache_bytes
+        self._cached_bytes = 0
         self.implicit_system = implicit_system
         self.message_overhead, self.primer = MESSAGE_OVERHEAD_TOKENS, REPLY_PRIMER_TOKENS
         self.slack = 0 if exact else TEMPLATE_SLACK_TOKENS
         """Tokens a prompt's budget sets aside for template tokens the count cannot see."""
+        self._ceiling, self._token_bytes = ceiling, token_bytes
+        """A text whose UTF-8 bytes over the longest token's (`token_bytes`) exceed `ceiling` (the model's own
+        context) holds more tokens than any window of the model: that lower bound is its count, unencoded (no
+        window can keep it, so its exact size decides nothing). 0: every text is encoded."""
 
     @classmethod
     def for_model(cls, model: str | None) -> TokenCounter:
         from data_plane.model_store import resolve_model
 
         folder = resolve_model(model)
-        encode, raw = _model_encoder(folder)
-        counter = cls(encode)
+        encode, raw, token_bytes = _model_encoder(folder)
+        counter = cls(encode, ceiling=_model_context(folder), token_bytes=token_bytes)
         frame = template_frame(folder, counter.count, raw)
         if frame is not None:  # the template's own numbers, checked: nothing set aside
             counter.message_overhead, counter.primer, counter.implicit_system = frame
@@ -70,10 +91,33 @@ class TokenCounter:
         if hit is not None:
             self._cache.move_to_end(text)
             return hit
-        n = self._encode(text)
+        n = self._bound(text)
+        return self._remember(text, self._encode(text) if n is None else n)
+
+    async def warm(self, messages: Sequence[dict[str, str]]) -> None:
+        """Count the long texts of `messages` not counted yet in a worker thread, so the synchronous counts
+        after it (the budget, the window) find them cached and the event loop never waits on a tokenizer."""
+        for m in messages:
+            text = m["content"]
+            if len(text) >= OFF_LOOP_CHARS and text not in self._cache:
+                n = self._bound(text)
+                self._remember(text, await asyncio.to_thread(self._encode, text) if n is None else n)
+
+    def _bound(self, text: str) -> int | None:
+        """More tokens than the model's context, without encoding (`ceiling`); None: count it."""
+        if not self._ceiling or len(text) * 4 <= self._ceiling * self._token_bytes:
+            return None
+        least = len(text.encode("utf-8", "surrogatepass")) // self._token_bytes
+        return least if least > self._ceiling else None
+
+    def _remember(self, text: str, n: int) -> int:
+        size = sys.getsizeof(text)
+        if size > self._cache_bytes // 8:  # counted again if it comes back: kept, it would push out 1/8 of the cache
+            return n
         self._cache[text] = n
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
+        self._cached_bytes += size
+        while len(self._cache) > self._cache_size or self._cached_bytes > self._cache_bytes:
+            self._cached_bytes -= sys.getsizeof(self._cache.popitem(last=False)[0])
         return n
 
     def message_tokens(self, message: dict[str, str]) -> int:
@@ -151,10 +195,10 @@ FAST_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFas
 (the shard's model_files.py loads the same set directly)."""
 
 
-def _model_encoder(folder: Path) -> tuple[Callable[[str], int], Callable[[str], int]]:
+def _model_encoder(folder: Path) -> tuple[Callable[[str], int], Callable[[str], int], int]:
     """Tokens in a text, without special tokens added, as the model's tokenizer counts them (a text spelling
     "<|im_end|>" is its characters, as the shard encodes a message); and tokens in a rendered prompt, whose
-    control tokens are control tokens (`template_overhead`'s check). A plain fast tokenizer is read straight
+    control tokens are control tokens (`template_frame`'s check); and `_longest_token_bytes`. A plain fast tokenizer is read straight
     from tokenizer.json with `tokenizers`: importing transformers made a gateway's start-up seconds slower
     (~25 s on a loaded 2-core host, against ~1 s), for the same counts (tests/data_plane/test_context_window.py).
     Any other tokenizer: transformers' AutoTokenizer."""
@@ -168,13 +212,34 @@ def _model_encoder(folder: Path) -> tuple[Callable[[str], int], Callable[[str], 
         fast = Tokenizer.from_file(str(folder / "tokenizer.json"))
         fast.encode_special_tokens = True
         rendered = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        return (lambda text: len(fast.encode(text, add_special_tokens=False).ids),
-                lambda text: len(rendered.encode(text, add_special_tokens=False).ids))
+        # encode_batch: the tokenizer lets go of the GIL there (encode holds it), so `warm`'s thread runs
+        # beside the event loop
+        return (lambda text: len(fast.encode_batch([text], add_special_tokens=False)[0].ids),
+                lambda text: len(rendered.encode(text, add_special_tokens=False).ids),
+                _longest_token_bytes(fast.get_vocab(), type(fast.decoder).__name__ == "ByteLevel"))
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(folder))
     return (lambda text: len(tok.encode(text, add_special_tokens=False, split_special_tokens=True)),
-            lambda text: len(tok.encode(text, add_special_tokens=False)))
+            lambda text: len(tok.encode(text, add_special_tokens=False)), _longest_token_bytes(tok.get_vocab()))
+
+
+def _longest_token_bytes(vocab: dict[str, int], byte_level: bool = False) -> int:
+    """An upper bound on the input bytes one token covers: a byte-level BPE's vocabulary string spells each
+    input byte as one character (SmolLM2's longest: 81); any other, its string's UTF-8 length (a SentencePiece
+    string is the text itself, "▁" for a space: 3 bytes for 1, an over-estimate, which only weakens the bound)."""
+    size: Callable[[str], int] = len if byte_level else (lambda token: len(token.encode("utf-8", "surrogatepass")))
+    return max((size(token) for token in vocab), default=0) or 1
+
+
+def _model_context(folder: Path) -> int:
+    """The model's own context (config.json's max_position_embeddings), 0 when unknown."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return 0
+    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return value if isinstance(value, int) and value > 0 else 0
 
 
 @dataclass(frozen=True)

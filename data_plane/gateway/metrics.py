@@ -12,6 +12,7 @@ shards and cache nodes may pass through); any other code (a remote server's own)
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -120,6 +121,12 @@ class GatewayMetrics:
         self.requests = Counter("switchboard_gateway_requests", "Chat requests by tier, HTTP status and code (bounded: "
                                 "RequestCode; an unknown code is other).",
                                 ["tier", "status", "code"], registry=registry)
+        self.endpoint_requests = Counter(
+            "switchboard_gateway_endpoint_requests",
+            "Requests of the APIs served over the chat path beside chat completions, by endpoint (completions: "
+            "POST /v1/completions), HTTP status and code (bounded as switchboard_gateway_requests_total's, where each "
+            "is counted too).", ["endpoint", "status", "code"], registry=registry)
+        self.endpoint_requests.labels("completions", "200", RequestCode.OK.value)  # 0 from the start, not missing
         self.ttft = Histogram("switchboard_gateway_ttft_seconds",
                               "Time to first token as the client sees it: request received to the first content "
                               "byte written (after the output filter).", ["tier"], buckets=LATENCY_BUCKETS,
@@ -166,3 +173,9 @@ class GatewayMetrics:
                                "Requests ended because their API key was revoked (or its tenant removed) while they "
                                "ran, by stage: opening (before the reply began: 401) | replying (mid-reply: an SSE "
                                "error event, or 401 before a JSON body).", ["stage"], registry=registry)
+
+    def show_tiers(self, tiers: Iterable[str]) -> None:
+        """Each tier's series of events a calm system may never see, at 0 from the start: a panel of an idle
+        fleet reads 0, not "No data", and increase() sees the first event."""
+        for tier in tiers:
+            self.context_dropped.labels(tier)

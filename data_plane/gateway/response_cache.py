@@ -127,15 +127,19 @@ def cache_key(tenant: str, body: Mapping[str, Any], prompt: Any) -> str:
     return "rc_" + digest
 
 
+CACHED_APIS = ("chat", "responses", "text_completion")
+"""The `api` label: the OPERATION of the handler (chat.py, responses.py, completions.py: the legacy Completions API)."""
+
+
 class ResponseCacheMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.lookups = Counter("switchboard_response_cache_lookups_total",
-                               "Response cache outcomes per request by API (chat|responses) and result "
+                               "Response cache outcomes per request by API (chat|responses|text_completion) and result "
                                "(hit|miss|error|bypass|nondeterministic).", ["api", "result"], registry=registry)
         self.stores = Counter("switchboard_response_cache_stores_total",
                               "Replies written to the response cache by result (ok|too_large|error).", ["result"],
                               registry=registry)
-        for api in ("chat", "responses"):
+        for api in CACHED_APIS:
             for d in Decision:
                 self.lookups.labels(api, d.value)
         for result in ("ok", "too_large", "error"):
@@ -145,7 +149,7 @@ class ResponseCacheMetrics:
             "Time of a response cache lookup by API, result (hit|miss|error) and where it was answered "
             "(local: this gateway's copies; nodes: the cache nodes).", ["api", "result", "source"],
             buckets=LOOKUP_BUCKETS, registry=registry)
-        for api in ("chat", "responses"):
+        for api in CACHED_APIS:
             for result, source in (("hit", "local"), ("hit", "nodes"), ("miss", "nodes"), ("error", "nodes")):
                 self.lookup_seconds.labels(api, result, source)
         self.local_bytes = Gauge("switchboard_response_cache_local_bytes",

@@ -33,9 +33,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from data_plane.common.errors import InvalidRequest, SwitchboardError, render
+from data_plane.common.errors import InvalidRequest, RateLimited, SwitchboardError, render
+from data_plane.common.http_body import strict_loads
 from data_plane.common.tasks import stop_tasks
 from data_plane.gateway.responses import RESPONSES_PATH
+from data_plane.request_checks import check_unicode
 
 FRAME_TYPE = "response.create"
 HOP_HEADERS = {b"connection", b"upgrade", b"content-length", b"content-type", b"transfer-encoding"}
@@ -154,18 +156,64 @@ class Exchange:
                     await self._relay(line[6:].decode("utf-8"))
 
 
+class OpenSockets:
+    """The sockets each API key holds open on this gateway: at most its tier's RPM at once. Without a bound one
+    free key opened sockets as fast as it could and left them idle (no frame, so no request charged), each held
+    for ever: 150 in a second, and the gateway's connection bound (15,000 by default) would follow, after which
+    every tenant's requests were 503 ``overloaded``. A key cannot start more responses a minute than its RPM,
+    so more sockets than that would sit idle."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, int] = {}
+
+    def take(self, key_id: str, limit: int) -> SwitchboardError | None:
+        """Count one more socket of `key_id`, or the 429 for one past `limit`."""
+        held = self._open.get(key_id, 0)
+        if held >= limit:
+            return RateLimited(f"this API key holds {held} open WebSockets, its tier's limit: close one, or send "
+                               "its requests on the sockets it has", retry_after=1)
+        self._open[key_id] = held + 1
+        return None
+
+    def give(self, key_id: str) -> None:
+        held = self._open.pop(key_id, 1) - 1
+        if held > 0:
+            self._open[key_id] = held
+
+
+SOCKETS = OpenSockets()
+"""This gateway process's open sockets, by key."""
+
+
+def _holder(caller: Any) -> tuple[str, int] | None:
+    """(key id, its tier's RPM) of what the gateway's `caller` returned, None for anything else."""
+    principal, tier = caller if isinstance(caller, tuple) and len(caller) == 2 else (None, None)
+    key_id, rpm = getattr(principal, "key_id", None), getattr(tier, "rpm", None)
+    return (key_id, rpm) if isinstance(key_id, str) and isinstance(rpm, int) else None
+
+
 async def serve_socket(app: ASGIApp, caller: Callable[[Request], Any], scope: Scope, receive: Receive,
-                       send: Send) -> None:
+                       send: Send, sockets: OpenSockets = SOCKETS) -> None:
     """Serve one WebSocket on `/v1/responses` with `app` (the gateway's ASGI app, which serves the POST)."""
     first = await receive()
     if first["type"] != "websocket.connect":
         return
     post = http_scope(scope)
     try:
-        caller(Request(post))  # the key, bans and throttles: refused on the upgrade's HTTP answer
+        holder = _holder(caller(Request(post)))  # the key, bans and throttles: refused on the upgrade's HTTP answer
+        if holder is not None and (refused := sockets.take(*holder)) is not None:
+            raise refused
     except SwitchboardError as exc:
         await deny(exc, scope, send)
         return
+    try:
+        await _serve_frames(app, post, receive, send)
+    finally:
+        if holder is not None:
+            sockets.give(holder[0])
+
+
+async def _serve_frames(app: ASGIApp, post: Scope, receive: Receive, send: Send) -> None:
     await send({"type": "websocket.accept"})
     frames: asyncio.Queue[Message | None] = asyncio.Queue()
     closed = asyncio.Event()
@@ -212,9 +260,14 @@ def frame_body(raw: bytes) -> dict[str, Any] | SwitchboardError:
     """A `response.create` frame as the POST's body (`stream: true`), or the 400 for another frame (or for
     `background`, which OpenAI's WebSocket mode does not take)."""
     try:
-        frame = json.loads(raw)
-    except ValueError:
-        return InvalidRequest("a WebSocket frame must be a JSON object", param=None)
+        frame = strict_loads(raw)
+        check_unicode(frame)  # and that it encodes again: the frame is re-sent as the POST's body
+    except InvalidRequest as exc:
+        return exc
+    except RecursionError:  # a frame nested past the parser's stack ended the socket with a traceback
+        return InvalidRequest("a WebSocket frame is nested too deeply", param=None, code="invalid_json")
+    except ValueError as exc:  # not JSON, or NaN/Infinity/1e400, which no encoder writes back
+        return InvalidRequest(f"a WebSocket frame must be a JSON object: {str(exc)[:128]}", param=None, code="invalid_json")
     if not isinstance(frame, dict) or frame.get("type") != FRAME_TYPE:
         kind = frame.get("type") if isinstance(frame, dict) else None
         return InvalidRequest(f"unsupported frame type {str(kind)[:64]!r}: send {FRAME_TYPE!r}", param="type")

@@ -73,6 +73,7 @@ class Gateway:
     registry: CollectorRegistry
     metrics: GatewayMetrics = field(init=False)
     safety_metrics: SafetyMetrics = field(init=False)
+    admission_metrics: AdmissionMetrics = field(init=False)
     router_metrics: RouterMetrics = field(init=False)
     limiter: RateLimiter = field(init=False)
     ledger: UsageLedger | None = field(init=False)
@@ -95,6 +96,8 @@ class Gateway:
         s = self.settings
         self.metrics = GatewayMetrics(self.registry)
         self.safety_metrics = SafetyMetrics(self.registry)
+        self.safety_metrics.show(self.safety)
+        self.admission_metrics = AdmissionMetrics(self.registry)
         self.router_metrics = RouterMetrics(self.registry)
         self.reply_metrics = ResponseCacheMetrics(self.registry)
         self.memory_metrics = MemoryMetrics(self.registry)
@@ -107,8 +110,15 @@ class Gateway:
         self.index_edits = BatchedEdits()
         self.tier_gate = TierGate(self.registry)
         self.policy = lambda: self.tiers
-        self.limiter.show_policy(self.tiers)
+        self.show_policy(self.tiers)
         self.inflight = InFlightKeys(self.metrics.revoked)
+
+    def show_policy(self, policy: TierPolicy) -> None:
+        """The tier policy in force changed (or was first read): its limits in /metrics, and each tier's
+        counters at 0 from the start, so a panel of a calm system reads 0, not "No data"."""
+        self.limiter.show_policy(policy)
+        self.metrics.show_tiers(policy.names())
+        self.admission_metrics.show_tiers(policy.names())
 
     def put_keys(self, keys: KeyStore) -> None:
         """Put `keys` in force (the keys file reloaded); requests of a key they lack end now."""
@@ -183,8 +193,8 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
         stack.push_async_callback(watched.aclose)
         cluster = watched
         gw.policy = lambda: watched.current().tiers or gw.tiers
-        gw.limiter.show_policy(gw.policy())
-        watched.subscribe(lambda: gw.limiter.show_policy(gw.policy()))  # an operator's PUT /tiers, in /metrics
+        gw.show_policy(gw.policy())
+        watched.subscribe(lambda: gw.show_policy(gw.policy()))  # an operator's PUT /tiers, in /metrics
         await gw.guard.connect(settings.control_plane_url or settings.registry_url or "", http,
                                cluster_headers(cluster_token_from_env()))
         stack.push_async_callback(gw.guard.aclose)
@@ -233,7 +243,7 @@ async def open_runtime(gw: Gateway, stack: contextlib.AsyncExitStack) -> Runtime
                              queue_timeout_s=settings.queue_timeout_s, queue_timeouts=settings.queue_timeouts,
                              tenant_headroom=settings.admission_tenant_headroom,
                              tenant_window_s=settings.admission_tenant_window_s)
-    admission = Admission(AdmissionMetrics(gw.registry), config, capacity=lambda: shard_capacity(
+    admission = Admission(gw.admission_metrics, config, capacity=lambda: shard_capacity(
         [m.meta.get("max_num_seqs") for m in router.shards()], config))
     if gw.ledger is not None:
         await gw.ledger.start()

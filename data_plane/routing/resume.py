@@ -24,6 +24,9 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Protocol
 
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
 from data_plane.common.errors import SwitchboardError, UpstreamError, UpstreamTimeout
 from data_plane.protocol import ShardRequest
 from data_plane.routing import events as wire
@@ -49,8 +52,11 @@ class ResumableStream:
     """
 
     def __init__(self, upstream: Upstream, request: ShardRequest, session_id: str | None,
-                 first: FirstStream, resumes: int) -> None:
-        """`first`: the request's open stream (`Upstream.open`); `resumes`: the most mid-stream failovers."""
+                 first: FirstStream, resumes: int, span: trace.Span | None = None) -> None:
+        """`first`: the request's open stream (`Upstream.open`); `resumes`: the most mid-stream failovers;
+        `span`: the request's router.route, ended with the stream (its resumed shard calls are its children)."""
+        self._span = span or trace.INVALID_SPAN
+        self._span_open = True
         self._upstream = upstream
         self._resumes = resumes
         self._request = request
@@ -71,6 +77,17 @@ class ResumableStream:
         self._completion = 0
 
     async def batches(self) -> AsyncIterator[list[Event]]:
+        try:
+            async for out in self._batches():
+                yield out
+        except Exception as exc:  # the stream's own failure, as the client sees it (no words: they may quote it)
+            self._span.set_attribute("error.type", getattr(exc, "code", None) or type(exc).__name__)
+            self._span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            raise
+        finally:
+            self._end_span()
+
+    async def _batches(self) -> AsyncIterator[list[Event]]:
         tried: set[str] = set()
         while True:
             finished = False
@@ -135,12 +152,20 @@ class ResumableStream:
                     "messages": continued(self._request, self._sent.text()), "continue_final_message": True,
                     "add_generation_prompt": False, "max_tokens": remaining})
                 try:
-                    self._stream = await self._upstream.reopen(request, self._session_id, tried)
+                    with trace.use_span(self._span, end_on_exit=False, record_exception=False,
+                                        set_status_on_exception=False):  # the resumed shard.generate: a child
+                        self._stream = await self._upstream.reopen(request, self._session_id, tried)
                 except SwitchboardError:
                     raise wire.unresumed(exc) from None
                 self.member = self._stream.member
 
+    def _end_span(self) -> None:
+        if self._span_open:
+            self._span_open = False
+            self._span.end()
+
     def close(self) -> None:
+        self._end_span()  # a stream left before its end (a client gone, a blocked reply) ends here
         self._stream.close()
         if self._lanes is not None:
             self._lanes.close()

@@ -59,6 +59,8 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.retries = Counter("switchboard_router_retries", "Requests retried on another shard.", ["reason"],
                                registry=registry)
+        for reason in RETRY_REASONS:  # at 0 from the start: a calm fleet's panel reads 0, not "No data"
+            self.retries.labels(reason)
         self.resumes = Counter("switchboard_router_resumes", "Streams resumed on another shard mid-way.",
                                ["reason"], registry=registry)
         # at 0 from the start: an alert's increase() sees the first loss (a series born at 1 shows none)
@@ -113,6 +115,9 @@ POLICIES: dict[str, Callable[[float, random.Random], Policy]] = {
 }
 
 _NOTHING: frozenset[str] = frozenset()
+RETRY_REASONS = tuple(FailureReason)[:list(FailureReason).index(FailureReason.STREAM_IDLE)] + (
+    FailureReason.PIPELINE_STAGE_LOST,)
+"""The reasons a call fails before its first token, so the request is retried elsewhere (failures.py)."""
 EJECTION_REASONS = ("consecutive", "failure_percentage", "probe")
 LATENCY_SPILL_REASONS = ("outlier", "no_alternative")
 MAX_LATENCY_SERIES = 256

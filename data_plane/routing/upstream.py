@@ -61,6 +61,7 @@ from data_plane.routing.shard_stream import ShardStream, loss_grace
 from data_plane.routing.transport import ShardResponse, ShardTransport
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
 T = TypeVar("T")
 
 
@@ -197,18 +198,34 @@ class Upstream:
         that asks for usage on every chunk is sent)."""
         usage = StreamOptions(include_usage=True, continuous_usage_stats=True)
         request = request.model_copy(update={"stream_options": usage})
+        # router.route is the shard call as a whole, as an HTTP client span is: it ends with the stream
+        # (ResumableStream), so the shard.generate spans under it end inside it; `first_token` marks the
+        # moment the stream opened with its first token in hand
+        span: trace.Span | None = None
+        try:
+            with tracer.start_as_current_span("router.route", end_on_exit=False) as span:
+                first = await self._open_first(request, session_id)
+                span.set_attributes({"switchboard.shard": first.member.id, "switchboard.attempts": first.attempts})
+                span.add_event("first_token")
+        except BaseException:
+            if span is not None:
+                span.end()  # the error recorded by the context manager's exit
+            raise
+        return ResumableStream(self, request, session_id, first, self.config.resumes, span)
+
+    async def _open_first(self, request: ShardRequest, session_id: str | None) -> ShardStream:
+        """`open`; when every shard tried was gone (a lone shard restarting), waits for one as a resume would."""
         failures: list[Retryable] = []
         try:
-            first = await self.open(request, session_id, failures=failures)
+            return await self.open(request, session_id, failures=failures)
         except SwitchboardError:
             gone = {f.member.id for f in failures if f.member is not None and f.reason in SHARD_GONE}
             if not (self.config.resume_wait_s and gone):
                 raise
-            try:  # nothing was sent yet: wait for a shard as a resume would (a lone shard restarting)
-                first = await self.reopen(request, session_id, gone)
+            try:  # nothing was sent yet
+                return await self.reopen(request, session_id, gone)
             except NoHealthyBackend:
                 raise failures[-1].error from None
-        return ResumableStream(self, request, session_id, first, self.config.resumes)
 
     async def count(self, request: ShardRequest, session_id: str | None) -> int:
         """The prompt tokens `request` would have (a shard's INPUT_TOKENS_PATH: nothing generated), on

@@ -246,7 +246,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
         request_id = req.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
         request.state.request_id = request_id
         span = tracer.start_span("shard.generate", context=ctx, attributes={
-            "gen_ai.operation.name": "chat",
+            "gen_ai.operation.name": "text_completion" if req.raw_prompt else "chat",
             "gen_ai.system": "switchboard",
             "gen_ai.request.model": engine.model_name,
             "gen_ai.request.max_tokens": req.output_limit or 0,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from data_plane.common.errors import InvalidRequest
 from data_plane.protocol import ChatCompletionRequest
 from data_plane.shard.engines.base import Engine, GenerationRequest, SamplingParams
 from data_plane.shard.engines.grammar import GrammarKind, GrammarSpec
@@ -65,11 +66,29 @@ def prompt_ids(req: ChatCompletionRequest, engine: Engine) -> tuple[list[dict[st
     token ids, as generated from: also what `POST /v1/chat/completions/input_tokens` counts, so a
     count is the `prompt_tokens` the same request is billed."""
     messages = req.plain_messages()
+    if req.raw_prompt:  # the legacy Completions API's: no chat template
+        return messages, raw_prompt_ids(req, messages, engine)
     ids = engine.encode_chat(messages, continue_final=req.continue_final_message)
     restore = getattr(engine, "restore_generated", None)  # token-exact transcripts (data_plane/shard/kv_transcript.py)
     if restore is not None:
         ids = restore(messages, ids, req.cache_salt)
     return messages, ids
+
+
+def raw_prompt_ids(req: ChatCompletionRequest, messages: list[dict[str, str]], engine: Engine) -> list[int]:
+    """A raw prompt's ids: its token ids (each checked against the vocabulary), then its text encoded as it is
+    (a resume's output so far follows the prompt in it)."""
+    encode = getattr(engine, "encode_text", None)
+    if encode is None:
+        raise InvalidRequest("this shard's engine serves chat completions only", param="prompt")
+    ids = list(req.prompt_token_ids or [])
+    vocab = getattr(engine, "vocab_size", None)  # a negative id, or one past it, killed the engine (an index error)
+    bad = next((i for i in ids if i < 0 or (vocab and i >= vocab)), None)
+    if bad is not None:
+        span = f"0..{vocab - 1}" if vocab else "0 or above"
+        raise InvalidRequest(f"prompt token id {bad} is out of vocabulary ({span})", param="prompt")
+    text = "".join(m["content"] for m in messages)
+    return ids + (encode(text, not ids) if text else [])
 
 
 def public_tokens(messages: list[dict[str, str]], ids: list[int], engine: Engine,

@@ -30,10 +30,11 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 
 from data_plane.kv_wire import (
     REJECT_SEALED,
@@ -101,8 +102,9 @@ class _Export:
 class KVTier:
     def __init__(self, remote: KVRemote, metrics: KVTierMetrics, policy: FetchPolicy | None = None, *,
                  max_pending_bytes: int = 256 << 20, max_concurrent_fetches: int = 1,
-                 sealer: KVSealer | None = None) -> None:
+                 sealer: KVSealer | None = None, tracer: trace.Tracer | None = None) -> None:
         self.remote = remote
+        self.tracer = tracer or trace.get_tracer(__name__)
         self.sealer = sealer
         """Seals frames before they leave and opens fetched ones (None: plaintext frames, --kv-seal off)."""
         self.metrics = metrics
@@ -194,6 +196,15 @@ class KVTier:
                 self._pending_bytes -= job.kv.numel() * job.kv.element_size()
 
     async def _offload(self, job: _Export) -> None:
+        """Stores `job` in a trace of its own (background work after the turn: OpenTelemetry's guidance), its
+        span linked to the turn's; the cache nodes' kv_put spans are its children."""
+        origin = job.ref.origin
+        links = [trace.Link(origin)] if origin is not None and origin.is_valid else None
+        with self.tracer.start_as_current_span("shard.kv_offload", context=Context(), links=links,
+                                               attributes={"switchboard.kv.blocks": len(job.hashes) - job.first}):
+            await self._store(job)
+
+    async def _store(self, job: _Export) -> None:
         m, name = self.metrics, self.metrics.model_name
         new = job.hashes[job.first:]
         frames = await asyncio.to_thread(self._frames, new, job.kv,
@@ -250,6 +261,7 @@ class KVTier:
         p, ref = self.prefix, req.kv_session
         if p is None or ref is None:
             return 0
+        req.kv_session = ref = replace(ref, origin=span.get_span_context())  # its offload's span links here
         m, name, bs = self.metrics, self.metrics.model_name, p.block_size
         hashes = p.hashes(req.prompt_ids, req.cache_salt, req.public_prefix_tokens)
         usable = (len(req.prompt_ids) - 1) // bs

@@ -185,8 +185,4 @@ def test_the_example_scrape_config_presents_the_metrics_token_under_the_rules_jo
     assert set(jobs) == set(JOBS.values())
     for job in jobs.values():
         assert job["authorization"] == {"type": "Bearer", "credentials_file": "/etc/prometheus/switchboard/metrics-token"}
-    promtool = shutil.which("promtool")
-    if promtool:  # Debian's prometheus; --syntax-only: the credentials file is a mount of the Prometheus pod
-        done = subprocess.run([promtool, "check", "config", "--syntax-only", str(KUBE / "prometheus.example.yml")],
-                              capture_output=True, text=True, timeout=60, check=False)
-        assert done.returncode == 0, done.stdout + done.stderr
+    # promtool checks it in tests/observability/test_kubernetes_prometheus.py (Debian's lacks Kubernetes SD)

@@ -18,7 +18,7 @@ def span(trace: str, name: str, start_ms: float, end_ms: float, attributes: dict
 def test_the_parts_of_one_request_add_up() -> None:
     spans = [
         span("t1", "gateway.request", 0, 900, {"switchboard.gateway.ttft_s": 0.262, "switchboard.gateway.holdback_s": 0.001}),
-        span("t1", "router.route", 5, 261),
+        span("t1", "router.route", 5, 850, events=[{"name": "first_token", "time_ns": 261_000_000, "attributes": {}}]),
         span("t1", "shard.generate", 7, 800, {"gen_ai.usage.input_tokens": 1500},
              [{"name": "queue", "attributes": {"duration_s": 0.030}},
               {"name": "prefill", "attributes": {"duration_s": 0.200}}]),

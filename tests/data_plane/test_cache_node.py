@@ -139,6 +139,28 @@ def test_delete(node: Service, client: httpx.Client) -> None:
     assert client.delete(url).json()["deleted"] is False
 
 
+def test_a_delete_with_if_version_removes_only_that_version(node: Service, client: httpx.Client) -> None:
+    """What the gateway sends to remove a copy left on a node that held a record while its replica was away
+    (data_plane/cache/client.py): only the version it saw there, never a write that landed since; a tombstone's
+    version (2**53 - 1) too, which Redis' Lua reads as a double."""
+    from data_plane.cache.model import TOMBSTONE_VERSION
+
+    url = f"{node.url}/v1/sessions/{sid()}"
+    assert client.put(url, json=record(version=3)).status_code == 200
+    assert client.delete(url, params={"if_version": 2}).json() == {"session_id": url.rsplit("/", 1)[1],
+                                                                   "deleted": False, "stored_version": 3}
+    assert client.get(url).json()["version"] == 3
+    assert client.delete(url, params={"if_version": 3}).json()["deleted"] is True
+    assert client.get(url).status_code == 404
+    assert client.delete(url, params={"if_version": 3}).json() == {"session_id": url.rsplit("/", 1)[1],
+                                                                   "deleted": False}
+    assert client.put(url, json=record(version=TOMBSTONE_VERSION, n=0)).status_code == 200
+    assert client.delete(url, params={"if_version": TOMBSTONE_VERSION - 1}).json()["deleted"] is False
+    assert client.delete(url, params={"if_version": TOMBSTONE_VERSION}).json()["deleted"] is True
+    for bad in ("-1", "x", str(2**53), ""):
+        assert_openai_error(client.delete(url, params={"if_version": bad}), 400, "invalid_value")
+
+
 @pytest.mark.parametrize("bad", ["a%20b", "x" * 129, "a/b", "%C3%A9t%C3%A9", "semi;colon", "%00"])
 def test_bad_session_ids_are_400(node: Service, client: httpx.Client, bad: str) -> None:
     url = f"{node.url}/v1/sessions/{bad}"

@@ -422,7 +422,7 @@ def test_a_prompt_that_fits_the_context_is_served_without_max_tokens(gateway: Se
 
 
 def test_an_unserved_route_is_a_404_naming_it_as_openai_does(gateway: Service, fp32_shard: Service) -> None:
-    """A route this server does not serve (embeddings, the legacy completions, a typo) answered 404 "Not
+    """A route this server does not serve (embeddings, the legacy edits, a typo) answered 404 "Not
     Found", which told a client nothing; OpenAI answers "Invalid URL (POST /v1/embeddings)". Now those words,
     on the gateway and a shard alike; the SDK raises NotFoundError. An unknown model id stays model_not_found."""
     client = sdk(gateway)
@@ -430,7 +430,7 @@ def test_an_unserved_route_is_a_404_naming_it_as_openai_does(gateway: Service, f
         client.embeddings.create(model=MODEL, input="hi")
     assert info.value.body["message"] == "Invalid URL (POST /v1/embeddings)", info.value.body
     for url in (gateway.url, fp32_shard.url):
-        for method, path in (("POST", "/v1/completions"), ("GET", "/v1/nope")):
+        for method, path in (("POST", "/v1/edits"), ("GET", "/v1/nope")):  # (/v1/completions: test_completions_api.py)
             r = httpx.request(method, url + path, headers={"Authorization": f"Bearer {KEYS['plus']}"})
             assert r.status_code == 404 and r.json()["error"]["message"] == f"Invalid URL ({method} {path})", r.text
     with pytest.raises(openai.NotFoundError) as info:

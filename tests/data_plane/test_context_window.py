@@ -10,7 +10,9 @@ cut stays put for runs of turns (the prefix cache's hits) where the exact window
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from collections.abc import Sequence
 from itertools import pairwise
 
@@ -362,3 +364,80 @@ def test_a_conversation_that_fits_keeps_its_assistant_greeting_and_a_cut_one_nev
     budget = counter.prompt_tokens(two_systems) - 1  # one token over: the first user turn goes, then its reply
     cut = fit_window(two_systems, counter, budget=budget)
     assert [m["role"] for m in cut.messages[:3]] == ["system", "system", "user"], cut.messages
+
+
+def test_the_counts_cache_holds_a_bounded_number_of_bytes_whatever_the_texts() -> None:
+    """The cache of counts was bounded by entries only (50,000), and keyed by the texts themselves: one free key
+    sending a distinct ~1 MB message a second (each a 400, it cannot fit) grew the gateway by over 1 MB a request.
+    It now holds at most CACHE_BYTES of texts (the least recently counted go first), and still caches."""
+    import sys
+    import tracemalloc
+
+    from data_plane.gateway.context import CACHE_BYTES
+
+    counter = TokenCounter.whitespace()
+    tracemalloc.start()
+    try:
+        for i in range(120):  # 120 MB of distinct texts, each dropped by its sender
+            assert counter.count(f"{i} " + "x" * 1_000_000) == 2
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held < CACHE_BYTES + (8 << 20), held
+    text = "a b c"
+    assert counter.count(text) == 3 and text in counter._cache  # short texts are still kept
+    assert sys.getsizeof(text) < CACHE_BYTES
+
+
+def test_a_text_longer_than_any_window_is_bounded_not_encoded() -> None:
+    """A text whose bytes over the longest token's exceed the model's context holds more tokens than any window:
+    that lower bound is its count, and the tokenizer never sees it (a ~1 MB message took 0.6-1.2 s to encode)."""
+    seen: list[int] = []
+
+    def encode(text: str) -> int:
+        seen.append(len(text))
+        return len(text)
+
+    counter = TokenCounter(encode, ceiling=100, token_bytes=4)
+    assert counter.count("x" * 1000) == 250 and seen == []  # 1000 bytes hold at least 250 tokens > 100
+    assert counter.count("é" * 300) == 150 and seen == []  # bytes, not characters
+    assert counter.count("x" * 400) == 400 and seen == [400]  # 100 tokens at least: it may fit, so it is encoded
+    real = TokenCounter.for_model(None)
+    assert real.count("é" * 500_000) == 1_000_000 // 81 > 8192  # SmolLM2: 8,192 positions, 81 bytes a token at most
+
+
+def test_long_texts_are_counted_off_the_event_loop() -> None:
+    """`warm` counts a long text in a worker thread, so the event loop keeps serving other requests meanwhile
+    (the tokenizer's encode_batch lets go of the GIL); the synchronous count after it is a cache hit."""
+    calls: list[str] = []
+
+    def slow(text: str) -> int:
+        calls.append(text[:1])
+        time.sleep(0.6)  # a tokenizer busy outside the GIL
+        return len(text.split())
+
+    counter = TokenCounter(slow)
+    long_text = "word " * 5_000
+
+    async def scenario() -> tuple[int, float]:
+        ticks = 0
+        done = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not done.is_set():
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        started = time.monotonic()
+        await counter.warm([{"role": "user", "content": long_text}, {"role": "user", "content": "short"}])
+        took = time.monotonic() - started
+        done.set()
+        await task
+        return ticks, took
+
+    ticks, took = asyncio.run(scenario())
+    assert took >= 0.6 and ticks >= 10  # the loop ran while the text was counted (blocked: 0 or 1 tick)
+    assert calls == ["w"]  # the short text is left to the synchronous count
+    assert counter.count(long_text) == 5_000 and calls == ["w"]  # a cache hit

@@ -369,6 +369,32 @@ def test_traceparent_continues_across_gateway_and_shard(cluster: Cluster) -> Non
     assert generate[0]["parent_span_id"] == route["span_id"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_router_route_holds_the_shard_call_it_parents(cluster: Cluster, stream: bool) -> None:
+    """router.route ended when the first token arrived, so its child shard.generate ran past it (142 ms
+    against 271 ms): a trace viewer drew the parent shorter than its child. It is the shard call as a whole
+    now (an HTTP client span lasts until its body is read), its first_token event marks the first token."""
+    trace_id = "1af7651916cd43dd8448eb211c80319d" if stream else "2af7651916cd43dd8448eb211c80319e"
+    r = post(cluster, {"messages": [{"role": "user", "content": "trace me"}], "max_tokens": 24, "stream": stream,
+                       "ignore_eos": True}, headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"})
+    assert r.status_code == 200, r.text
+    auth = {"Authorization": f"Bearer {CLUSTER_TOKEN}"}
+
+    def spans(url: str, name: str) -> list[dict]:
+        found = httpx.get(url + "/debug/spans", params={"trace_id": trace_id}, headers=auth).json()
+        return [s for s in found if s["name"] == name]
+
+    time.sleep(0.3)
+    (route,) = spans(cluster.gateway.url, "router.route")
+    (request,) = spans(cluster.gateway.url, "gateway.request")
+    assert request["start_ns"] <= route["start_ns"] and route["end_ns"] <= request["end_ns"], (request, route)
+    (generate,) = [s for shard in cluster.shards for s in spans(shard.url, "shard.generate")]
+    assert generate["parent_span_id"] == route["span_id"]
+    assert route["start_ns"] <= generate["start_ns"] and generate["end_ns"] <= route["end_ns"], (route, generate)
+    (first,) = [e for e in route["events"] if e["name"] == "first_token"]
+    assert generate["start_ns"] < first["time_ns"] < generate["end_ns"]
+
+
 def test_real_model_through_gateway(fp32_shard: Service) -> None:
     gw = Service(["gateway", "--shard-urls", fp32_shard.url, "--cache-urls", "http://127.0.0.1:1"],
                  env={"SWITCHBOARD_GATEWAY_API_KEYS": f"{KEYS['plus']}:acme:plus"})

@@ -54,3 +54,54 @@ def test_a_kv_fetch_and_store_continue_the_callers_trace(node: Service) -> None:
     spans = httpx.get(f"{node.url}/debug/spans", params={"trace_id": format(trace_id, "032x")}, timeout=5).json()
     ops = {s["name"]: s["parent_span_id"] for s in spans}
     assert ops == {"cache_node.kv_put": format(span_id, "016x"), "cache_node.kv_fetch": format(span_id, "016x")}, spans
+
+
+def test_a_turns_kv_offload_is_a_trace_of_its_own_linked_to_the_turn(node: Service) -> None:
+    """The offload after a turn is background work: it started traces with nothing leading back to the turn
+    (each cache node's kv_put a root of its own). Its shard.kv_offload span now starts its own trace, linked
+    to the turn's shard.generate (KVTier.prepare keeps that span's context on the session ref), and the
+    node's kv_put continues it."""
+    import torch
+
+    from data_plane.common.tracing import LeanSpan, LeanTracerProvider, Sampler
+    from data_plane.shard.engines.base import KVSessionRef
+    from data_plane.shard.kv_tier import _Export
+    from tests.support.kv import SHAPE, kv_tier
+
+    turn = SpanContext(uuid.uuid4().int, uuid.uuid4().int >> 64, is_remote=False,
+                       trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    ended: list[LeanSpan] = []
+    tier = kv_tier()
+    tier.tracer = LeanTracerProvider(ended.append, Sampler(1.0, True)).get_tracer("t")
+    hashes = [bytes([i]) * HASH_BYTES for i in range(2)]
+    job = _Export(KVSessionRef(f"s-{uuid.uuid4().hex}", 1, None, turn), hashes, 0, torch.zeros(2, *SHAPE))
+
+    async def run() -> None:
+        async with httpx.AsyncClient() as http:
+            tier.remote = KVRemote(StaticMembership([Member("cache-0", "cache", node.url)]), http)
+            await tier._offload(job)
+
+    asyncio.run(run())
+    (offload,) = [s for s in ended if s.name == "shard.kv_offload"]
+    own = offload.get_span_context()
+    assert own.trace_id != turn.trace_id and offload.parent is None
+    assert [link.context.span_id for link in offload.links] == [turn.span_id]
+    assert offload.attributes["switchboard.kv.blocks"] == 2
+    spans = httpx.get(f"{node.url}/debug/spans", params={"trace_id": format(own.trace_id, "032x")}, timeout=5).json()
+    assert [(s["name"], s["parent_span_id"]) for s in spans] == [("cache_node.kv_put", format(own.span_id, "016x"))]
+
+
+def test_prepare_keeps_the_turns_span_for_its_offload() -> None:
+    from types import SimpleNamespace
+
+    from data_plane.shard.engines.base import GenerationRequest, KVSessionRef, SamplingParams
+    from tests.support.kv import kv_tier
+
+    tier = kv_tier()
+    tier.prefix.hashes = lambda *args: []  # type: ignore[union-attr,method-assign]  # nothing to fetch: prepare returns early
+    tier.prefix.cache = SimpleNamespace(probe=lambda hashes, usable: 0)  # type: ignore[union-attr]
+    turn = SpanContext(uuid.uuid4().int, uuid.uuid4().int >> 64, is_remote=False,
+                       trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    req = GenerationRequest("r-1", [1], SamplingParams(), kv_session=KVSessionRef("s-1"))
+    assert asyncio.run(tier.prepare(req, NonRecordingSpan(turn))) == 0
+    assert req.kv_session is not None and req.kv_session.origin == turn

@@ -64,3 +64,34 @@ async def test_frames_left_when_the_client_goes_are_not_served() -> None:
 
     await asyncio.wait_for(serve_socket(app, lambda request: None, SCOPE, incoming.get, send), timeout=5)
     assert served == ["0"]
+
+
+async def test_a_frame_the_parser_cannot_take_is_an_error_frame_and_the_socket_serves_on() -> None:
+    """A frame nested past the parser's stack (100k arrays) raised RecursionError out of the frame loop: the socket
+    ended with no close frame and a traceback in the log. NaN and 1e400, which Python's parser takes and no encoder
+    writes back, went on into the POST. Each is now a 400 error frame, and the next frame is served."""
+    deep = '{"type": "response.create", "input": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    incoming: asyncio.Queue[Message] = asyncio.Queue()
+    for message in [{"type": "websocket.connect"}, {"type": "websocket.receive", "text": deep},
+                    {"type": "websocket.receive", "text": '{"type": "response.create", "input": "a", "top_p": NaN}'},
+                    {"type": "websocket.receive", "bytes": b'{"type": "response.create", "input": "a", "top_p": 1e400}'},
+                    frame("after")]:
+        incoming.put_nowait(message)
+    sent: list[Message] = []
+    served: list[Any] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def app(scope: Scope, receive: Receive, send_http: Send) -> None:
+        served.append(json.loads((await receive())["body"])["input"])
+        await send_http({"type": "http.response.start", "status": 200, "headers": []})
+        await send_http({"type": "http.response.body", "body": b'data: {"type": "response.completed"}\n\n'})
+        incoming.put_nowait({"type": "websocket.disconnect"})
+
+    await asyncio.wait_for(serve_socket(app, lambda request: None, SCOPE, incoming.get, send), timeout=30)
+    assert served == ["after"]
+    errors = [json.loads(m["text"]) for m in sent if m["type"] == "websocket.send" and '"error"' in m["text"][:20]]
+    assert [(e["status"], e["error"]["code"]) for e in errors] == [(400, "invalid_json")] * 3, errors
+    assert "nested too deeply" in errors[0]["error"]["message"]
+    assert "NaN" in errors[1]["error"]["message"] and "out of range" in errors[2]["error"]["message"]

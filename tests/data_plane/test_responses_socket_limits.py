@@ -19,11 +19,15 @@ TIERS = {"tiers": {"free": {"priority": 2, "rpm": 1, "tpm": 20000, "max_context_
                             "max_output_tokens": 256, "replication": 1, "shed_order": 0}}}
 
 
+def _tiers_file(folder: Path) -> Path:
+    (folder / "tiers.yaml").write_text(yaml.safe_dump(TIERS))
+    return folder / "tiers.yaml"
+
+
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     """One gateway whose key may send one request a minute."""
-    path: Path = tmp_path_factory.mktemp("ws-limits") / "tiers.yaml"
-    path.write_text(yaml.safe_dump(TIERS))
+    path = _tiers_file(tmp_path_factory.mktemp("ws-limits"))
     with Service(["shard", "--engine", "synthetic", "--synthetic-token-delay-ms", "0"]) as shard, \
             Service(["gateway", "--shard-urls", shard.url, "--tokenizer", "whitespace", "--model-name", "synthetic",
                      "--tiers-file", str(path)], env={"SWITCHBOARD_GATEWAY_API_KEYS": f"{KEY}:acme:free"}) as gw:
@@ -49,3 +53,31 @@ def test_a_429_frame_carries_the_retry_headers(gateway: Service) -> None:
     assert float(headers["retry-after"]) > 0 and float(headers["retry-after-ms"]) > 0, headers
     assert headers["x-ratelimit-limit-requests"] == "1" and headers["x-ratelimit-remaining-requests"] == "0", headers
     assert "content-length" not in headers and "content-type" not in headers
+
+
+def test_a_key_holds_at_most_its_rpm_in_open_sockets(tmp_path: Path) -> None:
+    """Sockets cost nothing until a frame is sent: one free key opened 150 in a second and left them idle, each held
+    for ever, towards the gateway's connection bound (then 503 for every tenant). A key now holds at most its tier's
+    RPM at once (1 here): the next upgrade is a 429 in OpenAI's shape, and a closed socket frees its place."""
+    import time
+
+    from websockets.exceptions import InvalidStatus
+
+    with Service(["shard", "--engine", "synthetic", "--synthetic-token-delay-ms", "0"]) as shard, \
+            Service(["gateway", "--shard-urls", shard.url, "--tokenizer", "whitespace", "--model-name", "synthetic",
+                     "--tiers-file", str(_tiers_file(tmp_path))], env={"SWITCHBOARD_GATEWAY_API_KEYS": f"{KEY}:acme:free"}) as gw:
+        url = gw.url.replace("http://", "ws://") + "/v1/responses"
+        auth = {"Authorization": f"Bearer {KEY}"}
+        with connect(url, additional_headers=auth, open_timeout=30):
+            with pytest.raises(InvalidStatus) as refused:
+                connect(url, additional_headers=auth, open_timeout=30)
+            assert refused.value.response.status_code == 429
+            assert json.loads(refused.value.response.body or b"")["error"]["code"] == "rate_limit_exceeded"
+        deadline = time.monotonic() + 10
+        while True:  # the gateway sees the close a moment later
+            try:
+                with connect(url, additional_headers=auth, open_timeout=30):
+                    break
+            except InvalidStatus:
+                assert time.monotonic() < deadline, "a closed socket did not free its place"
+                time.sleep(0.1)

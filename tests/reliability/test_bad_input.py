@@ -177,7 +177,7 @@ def test_wrong_methods_and_paths_are_openai_errors(cluster: Cluster) -> None:
         ("PUT", "/v1/chat/completions", 405),  # GET lists stored completions (chat_store.py)
         ("PATCH", "/v1/chat/completions/chatcmpl-x", 405),
         ("PUT", "/v1/models", 405),
-        ("GET", "/v1/completions", 404),
+        ("GET", "/v1/completions", 405),  # POST is the legacy Completions API (completions.py)
         ("POST", "/v1/../admin/v1/tiers", 404),
         ("GET", "/v1/embeddings", 404),
     ]:

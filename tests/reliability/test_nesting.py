@@ -93,3 +93,27 @@ def test_cache_node_refuses_a_lone_surrogate_with_a_400(cluster: Cluster) -> Non
     for path in ("/v1/sessions/sess_surrogate", "/v1/response-cache/sess_surrogate"):
         r = httpx.put(cluster.caches[0].url + path, content=body, headers=headers, timeout=30)
         assert_openai_error(r, 400, "invalid_json")
+
+
+def test_numbers_no_encoder_writes_back_are_a_400_on_the_public_routes(cluster: Cluster) -> None:
+    """NaN, Infinity and 1e400 (which Python's parser reads as inf) were taken in a request body. A Responses
+    request whose tool schema held one generated, was billed, and then answered 500: the response object echoes
+    its tools, and no JSON encoder writes them. Each is now refused as the JSON it is not, before anything runs."""
+    auth = {"Authorization": f"Bearer {KEYS['plus']}", "content-type": "application/json"}
+    for number in ("NaN", "Infinity", "-Infinity", "1e400", "-1E+999"):
+        tool = ('{"type": "function", "name": "f", "strict": false, "parameters": {"type": "object", '
+                '"properties": {"a": {"type": "number", "default": ' + number + "}}}}")
+        bodies = {"/v1/responses": '{"model": "synthetic", "input": "hi", "max_output_tokens": 2, "tool_choice": "none", '
+                                   '"tools": [' + tool + "]}",
+                  "/v1/chat/completions": '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+                                          '"temperature": ' + number + "}",
+                  "/v1/conversations": '{"metadata": {}, "items": [], "x": ' + number + "}"}
+        for path, body in bodies.items():
+            r = httpx.post(cluster.gateway.url + path, content=body.encode(), headers=auth, timeout=60)
+            assert_openai_error(r, 400, "invalid_json")
+    node = cluster.caches[0].url
+    body = b'{"owner": "o", "version": 1, "messages": [], "updated_at": 1e400}'
+    r = httpx.put(node + "/v1/sessions/sess_overflow", content=body, headers={**CLUSTER_HEADERS,
+                  "content-type": "application/json"}, timeout=30)
+    assert_openai_error(r, 400, "invalid_json")
+    assert_openai_error(httpx.get(node + "/v1/sessions/sess_overflow", headers=CLUSTER_HEADERS), 404)

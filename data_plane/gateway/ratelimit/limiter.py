@@ -76,6 +76,8 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 KINDS = ("requests", "tokens")
+BACKEND_OPS = ("take", "adjust", "peek")
+"""switchboard_ratelimit_backend_errors_total's op label: the Backend calls `_mark_down` counts."""
 NO_RETRY_HEADER = "x-should-retry"
 """Set to ``false`` on a request that can never fit its limit (the openai SDKs' own retry switch)."""
 
@@ -100,6 +102,8 @@ class RateLimitMetrics:
             "of the tier; tier: all its keys together, --tier-rpm/--tier-tpm).",
             ["tier", "kind", "scope"], registry=registry)
         self.backend_up.set(1)
+        for op in BACKEND_OPS:  # at 0 from the start: a calm system's panel reads 0, not "No data"
+            self.backend_errors.labels(op)
 
     def show_policy(self, policy: TierPolicy, tier_rpm: Mapping[str, int] | None = None,
                     tier_tpm: Mapping[str, int] | None = None) -> None:
@@ -107,6 +111,8 @@ class RateLimitMetrics:
         in the policy leaves it."""
         self.limit.clear()
         for tier in map(policy.get, policy.names()):
+            for kind in KINDS:  # at 0 from the start: a tier never refused reads 0, not "No data"
+                self.rejections.labels(tier.name, kind)
             self.limit.labels(tier.name, "requests", "key").set(tier.rpm)
             self.limit.labels(tier.name, "tokens", "key").set(tier.tpm)
         for kind, aggregate in (("requests", tier_rpm or {}), ("tokens", tier_tpm or {})):

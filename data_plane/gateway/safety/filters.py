@@ -73,6 +73,11 @@ class Filter(Protocol):
         match = self.find(text)
         return match.verdict if match is not None else ALLOW
 
+    def categories(self) -> list[str]:
+        """The categories its blocks can name, for their metric series at 0 from the start; a filter whose
+        categories are not known in advance names none."""
+        return []
+
 
 @runtime_checkable
 class PrefixAware(Protocol):
@@ -208,6 +213,9 @@ class PiiFilter(Filter):
             raise ValueError("a pii filter needs at least one of cards, emails, phones")
         self._detectors = detectors
         self._patterns = [p for p, _, _ in detectors]
+
+    def categories(self) -> list[str]:
+        return ["pii"]
 
     def find(self, text: str, pos: int = 0) -> Match | None:
         best: Match | None = None

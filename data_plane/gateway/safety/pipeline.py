@@ -289,6 +289,16 @@ class SafetyMetrics:
             registry=registry,
         )
 
+    def show(self, policies: SafetyPolicies) -> None:
+        """The series a calm system may never see at 0 from the start, so a panel reads 0, not "No data": each
+        stage's allowed verdicts and the blocks of every category the policies' filters name."""
+        for stage in self.STAGES:
+            self.verdicts.labels(stage, "allow", "none")
+        for policy in map(policies.get, policies.names()):
+            for stage, filters in (("input", policy.input_filters), ("output", policy.output_filters)):
+                for category in {c for f in filters for c in f.categories()}:
+                    self.verdicts.labels(stage, "block", category)
+
     def record(self, stage: str, verdict: Verdict) -> None:
         if stage not in self.STAGES:
             raise ValueError(f"stage must be one of {self.STAGES}, got {stage!r}")

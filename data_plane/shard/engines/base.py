@@ -17,10 +17,13 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from data_plane.common.errors import ContextLengthExceeded, InvalidRequest
 from data_plane.shard.engines.grammar import CompiledGrammar, GrammarSpec
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import SpanContext
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -85,6 +88,9 @@ class KVSessionRef:
     session_id: str
     replicas: int = 1
     ttl_s: float | None = None
+    origin: SpanContext | None = None
+    """The turn's span (shard.generate): the offload of its blocks, background work in a trace of its own,
+    links to it."""
 
 
 @dataclass

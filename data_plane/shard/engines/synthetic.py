@@ -76,6 +76,10 @@ class SyntheticEngine:
             ids.append(self._id("<assistant>"))
         return ids
 
+    def encode_text(self, text: str, first: bool = True) -> list[int]:
+        """A raw prompt's text (the legacy Completions API): its words, no template."""
+        return [self._id(w) for w in text.split()]
+
     def _decode(self, ids: list[int]) -> str:
         return "".join(" " + self._words.get(i, "") for i in ids)
 

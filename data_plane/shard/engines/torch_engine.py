@@ -242,6 +242,11 @@ class TorchEngine:
         return encode_chat(self._tokenizer, messages, add_generation_prompt=not continue_final,
                            continue_final=continue_final)
 
+    def encode_text(self, text: str, first: bool = True) -> list[int]:
+        """A raw prompt's text as it is (the legacy Completions API), the tokenizer's special tokens first
+        when it adds any and the text is not after token ids (`first`), as vLLM encodes a prompt."""
+        return list(self._tokenizer.encode(text, add_special_tokens=first))
+
     def restore_generated(self, messages: Sequence[dict[str, str]], ids: list[int], salt: str | None) -> list[int]:
         """`ids` with earlier replies this shard generated put back as the tokens it generated
         (their re-tokenization may differ, which would end a prefix-cache hit there)."""
