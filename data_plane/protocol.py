@@ -78,8 +78,6 @@ _NEUTRAL: dict[str, Any] = {
     "web_search_options": (None,),
 }
 MAX_N = 8
-SYSTEM_FINGERPRINT = "fp_switchboard_1"
-"""OpenAI's backend-configuration marker: changes when the serving stack changes what a seed produces."""
 SERVICE_TIER = "default"
 """The tier a reply says served it (OpenAI's `service_tier`): whatever was asked, all are served alike here."""
 MAX_TOP_LOGPROBS = 20
@@ -351,14 +349,17 @@ def completion_body(
     text: str,
     finish_reason: str | None,
     usage: Usage,
+    fingerprint: str | None,
     created: int | None = None,
 ) -> dict[str, Any]:
+    """One chat.completion. `fingerprint`: the serving shard's `system_fingerprint`, what decides its
+    numerics (data_plane/shard/engines/fingerprint.py; None: no shard said)."""
     return {
         "id": completion_id,
         "object": "chat.completion",
         "created": created or int(time.time()),
         "model": model,
-        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "system_fingerprint": fingerprint,
         "service_tier": SERVICE_TIER,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}, "logprobs": None,
                      "finish_reason": finish_reason}],
@@ -371,6 +372,7 @@ def chunk_body(
     completion_id: str,
     model: str,
     created: int,
+    fingerprint: str | None,
     delta: dict[str, Any] | None = None,
     finish_reason: str | None = None,
     usage: Usage | None = None,
@@ -381,13 +383,14 @@ def chunk_body(
 ) -> dict[str, Any]:
     """One chat.completion.chunk. `include_usage` (the request's ``stream_options.include_usage``): the
     chunk carries ``usage``, null until the final usage chunk, as OpenAI sends it (the spec types it
-    nullable, not optional, and clients built from the spec read the key)."""
+    nullable, not optional, and clients built from the spec read the key). `fingerprint`: as in
+    `completion_body`."""
     body: dict[str, Any] = {
         "id": completion_id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "system_fingerprint": fingerprint,
         "service_tier": SERVICE_TIER,
         "choices": []
         if empty_choices

@@ -33,7 +33,9 @@ def members_frame(members: Sequence[Mapping[str, Any]], latest: Mapping[str, Any
         slots = num(sig.get("max_num_seqs")) or num(meta.get("max_num_seqs"))
         load = None if running is None or waiting is None else running + waiting
         util = None if load is None or not slots else min(load / slots, 1.0)
-        detail = ", ".join(f"{k}={meta[k]}" for k in ("model", "engine", "backend") if meta.get(k))
+        # fingerprint: what decides the shard's numerics (data_plane/shard/engines/fingerprint.py); one seed
+        # gives one text on the shards that share it
+        detail = ", ".join(f"{k}={meta[k]}" for k in ("model", "engine", "fingerprint", "backend") if meta.get(k))
         if num(meta.get("pipeline_parallel_size")) and num(meta.get("pipeline_parallel_size")) != 1:
             detail += f", {meta['pipeline_parallel_size']} pipeline stages"
         hb = num(m.get("last_heartbeat"))

@@ -275,7 +275,7 @@ class ChatHandler:
         c = opened.completion
         if c.finish_reason in ("stop", "length") and c.usage.completion_tokens:
             cache.put_later(self.cache_key, self.principal.tenant, CachedReply(
-                reply, c.finish_reason, c.usage.prompt_tokens, c.usage.completion_tokens))
+                reply, c.finish_reason, c.usage.prompt_tokens, c.usage.completion_tokens, c.fingerprint))
 
     def field(self, name: str, req: ChatCompletionRequest) -> str:
         """Chat field `name` as this request's body spells it, for an error's `param` (the output

@@ -32,6 +32,7 @@ key holds the tenant and the entry its owner, both checked. The lookup's time go
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import hashlib
 import json
@@ -48,7 +49,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from data_plane.cache.client import SessionStore
 from data_plane.common.errors import SwitchboardError
 from data_plane.membership.view import Member
-from data_plane.routing.upstream import Delta, Event, Finish, UsageEvent
+from data_plane.routing.upstream import Delta, Event, Fingerprint, Finish, UsageEvent
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ CACHE_MEMBER = Member(id="response-cache", service="cache", url="")
 VOLATILE = ("request_id", "deadline", "priority", "kv_replicas", "kv_ttl_s", "session_id")
 """Upstream body fields that do not change the reply."""
 MAX_ENTRY_BYTES = 256 * 1024
+ENTRY_FORMAT = 2
+"""In the key: an entry's fields. 2 added `system_fingerprint`, which a gateway of format 1 (it built its
+`CachedReply` from every stored field) could not read, so the two never share an entry."""
 LOCAL_BYTES = 16 * 1024 * 1024
 """Default byte budget of a gateway's own copies (`--response-cache-local-bytes`; 0: none)."""
 LOOKUP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -97,6 +101,9 @@ class CachedReply:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    system_fingerprint: str | None = None
+    """The fingerprint of the shard that made it (data_plane/shard/engines/fingerprint.py): a replay says what
+    made the text it replays, not what serves now (None: an entry stored before it was kept)."""
 
 
 def cache_policy(temperature: float | None, seed: int | None, uncacheable: Any, cache_field: Mapping[str, Any] | None,
@@ -114,7 +121,8 @@ def cache_policy(temperature: float | None, seed: int | None, uncacheable: Any, 
 
 def cache_key(tenant: str, body: Mapping[str, Any], prompt: Any) -> str:
     """The key of a request: its tenant, every upstream field that shapes the reply, and the whole prompt."""
-    material = {"tenant": tenant, "body": {k: v for k, v in body.items() if k not in VOLATILE}, "prompt": prompt}
+    material = {"tenant": tenant, "body": {k: v for k, v in body.items() if k not in VOLATILE}, "prompt": prompt,
+                "format": ENTRY_FORMAT}
     digest = hashlib.sha256(json.dumps(material, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
     return "rc_" + digest
 
@@ -279,7 +287,8 @@ class ResponseCache:
 def _reply(messages: Any) -> CachedReply | None:
     if len(messages) != 1 or messages[0]["role"] != REPLY_ROLE:
         return None
-    return CachedReply(**json.loads(messages[0]["content"]))
+    stored = json.loads(messages[0]["content"])
+    return CachedReply(**{f.name: stored[f.name] for f in dataclasses.fields(CachedReply) if f.name in stored})
 
 
 class ReplayStream:
@@ -293,7 +302,7 @@ class ReplayStream:
 
     async def batches(self) -> AsyncIterator[list[Event]]:
         r = self.reply
-        yield [Delta(r.text), Finish(r.finish_reason),
+        yield [*([Fingerprint(r.system_fingerprint)] if r.system_fingerprint else []), Delta(r.text), Finish(r.finish_reason),
                UsageEvent(r.prompt_tokens, r.completion_tokens, cached_tokens=r.prompt_tokens)]
 
     def close(self) -> None:

@@ -34,7 +34,6 @@ from data_plane.legacy_functions import legacy_delta, legacy_finish, legacy_mess
 from data_plane.membership.view import Member
 from data_plane.protocol import (
     SERVICE_TIER,
-    SYSTEM_FINGERPRINT,
     Openings,
     PromptTokensDetails,
     Usage,
@@ -43,7 +42,7 @@ from data_plane.protocol import (
     completion_body,
     new_completion_id,
 )
-from data_plane.routing.upstream import Delta, Event, Finish, ToolCallDelta, UsageEvent
+from data_plane.routing.upstream import Delta, Event, Fingerprint, Finish, ToolCallDelta, UsageEvent
 from data_plane.tool_calls import envelope_text
 
 log = logging.getLogger(__name__)
@@ -165,11 +164,20 @@ class Completion:
         """Called (code, message) when a stream that was answered (status 200 sent) ends without its
         reply: it failed, or the client left. The Responses API keeps such a response (failed or
         incomplete) under the id its first event gave the client; the chat path sets none."""
-        # A content chunk is the same JSON but for the text: built once, the text spliced in.
-        head = _json({"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
-                      "model": model, "system_fingerprint": SYSTEM_FINGERPRINT, "service_tier": SERVICE_TIER})
-        self._content_prefix = b"data: " + head[:-1] + b',"choices":[{"index":0,"delta":{"content":'
+        self.fingerprint: str | None = None
+        """The serving shard's `system_fingerprint` (its numerics, data_plane/shard/engines/fingerprint.py),
+        as its stream said it (a `Fingerprint` event): the chunks built here carry it, a resumed stream's
+        the new shard's from then on, and the body the last one (a stored completion keeps it)."""
+        self._content_prefix = b""
+        self._fingerprinted(None)
         self._content_suffix = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+
+    def _fingerprinted(self, fingerprint: str | None) -> None:
+        # A content chunk is the same JSON but for the text: built when the fingerprint is known, text spliced in.
+        self.fingerprint = fingerprint
+        head = _json({"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
+                      "model": self.model, "system_fingerprint": fingerprint, "service_tier": SERVICE_TIER})
+        self._content_prefix = b"data: " + head[:-1] + b',"choices":[{"index":0,"delta":{"content":'
 
     def choice(self, index: int) -> _Choice:
         c = self.choices.get(index)
@@ -221,6 +229,9 @@ class Completion:
         elif isinstance(event, Finish):
             c = self.choice(event.index)
             c.finish_reason = event.reason
+        elif isinstance(event, Fingerprint):
+            if event.value != self.fingerprint:
+                self._fingerprinted(event.value)
         elif isinstance(event, UsageEvent):
             self._final_usage = True
             cached = PromptTokensDetails(cached_tokens=event.cached_tokens)
@@ -352,7 +363,7 @@ class Completion:
         """The chat.completion object of what was released so far (every choice): the reply's JSON
         body, and what a stored completion keeps whether it was streamed or not."""
         body = completion_body(completion_id=self.completion_id, model=self.model, text="",
-                               finish_reason=None, usage=self.usage, created=self.created)
+                               finish_reason=None, usage=self.usage, created=self.created, fingerprint=self.fingerprint)
         # `refusal` is never set here, but OpenAI's spec requires it (null) in a reply's message and logprobs
         message, finish = (legacy_message, legacy_finish) if self.legacy else (_same, _same)
         body["choices"] = [{"index": i, "message": {**message(c.message()), "refusal": None},
@@ -382,7 +393,7 @@ class Completion:
         x = self.x
         span = x.span
         common: dict[str, Any] = {"completion_id": self.completion_id, "model": self.model, "created": self.created,
-                                  "include_usage": bool(include_usage)}
+                                  "include_usage": bool(include_usage), "fingerprint": self.fingerprint}
         content_suffix = self._content_suffix[:-3] + b',"usage":null}\n\n' if include_usage else self._content_suffix
         every = include_usage == UsageChunks.EVERY  # vLLM's continuous_usage_stats: the usage so far on each chunk
         error: str | None = None
@@ -392,6 +403,7 @@ class Completion:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             async for pieces in self._batches(stream):
+                common["fingerprint"] = self.fingerprint  # the shard's, once its stream said it (a resume: the new one's)
                 if every:
                     common["usage"] = self.usage
                     content_suffix = self._content_suffix[:-3] + b',"usage":' + _json(self.usage.wire()) + b'}\n\n'

@@ -5,8 +5,9 @@ hands the gateway.
     isinstance(events, SwitchboardError)      # the shard's error event, as one of ours
     raise unresumed(events)                   # once no shard could continue the stream
 
-Role chunks, comments and ``[DONE]`` parse to no event. A chunk may hold several: vLLM (and other
-OpenAI-compatible servers) send a choice's last token in the chunk that carries its finish_reason.
+Comments and ``[DONE]`` parse to no event, a role chunk to its `Fingerprint` only (none when it has none).
+A chunk may hold several: vLLM (and other OpenAI-compatible servers) send a choice's last token in the chunk
+that carries its finish_reason.
 """
 
 from __future__ import annotations
@@ -65,7 +66,17 @@ class UsageEvent:
     """Prompt tokens the shard served from its prefix cache (usage.prompt_tokens_details)."""
 
 
-Event = Delta | ToolCallDelta | Finish | UsageEvent
+@dataclass(frozen=True)
+class Fingerprint:
+    """The shard's `system_fingerprint` (what decides its numerics: data_plane/shard/engines/fingerprint.py),
+    read from a choice's opening chunk, so once per shard stream and choice: a resumed stream's next shard
+    says its own, and the chunks after it carry that one."""
+
+    value: str
+    index: int = 0
+
+
+Event = Delta | ToolCallDelta | Finish | UsageEvent | Fingerprint
 
 
 def parse_line(line: bytes) -> list[Event] | SwitchboardError:
@@ -101,6 +112,8 @@ def parse_line(line: bytes) -> list[Event] | SwitchboardError:
     for choice in choices:
         index = int(choice.get("index") or 0)
         delta = choice.get("delta") or {}
+        if "role" in delta and isinstance(fp := body.get("system_fingerprint"), str) and fp:
+            events.append(Fingerprint(fp, index))
         content = delta.get("content")
         logprobs = tuple((choice.get("logprobs") or {}).get("content") or ())
         if content or logprobs:
@@ -117,7 +130,7 @@ def parse_line(line: bytes) -> list[Event] | SwitchboardError:
     return events
 
 
-__all__ = ["Delta", "Event", "Finish", "ToolCallDelta", "UsageEvent", "client_error", "parse_line", "unresumed"]
+__all__ = ["Delta", "Event", "Fingerprint", "Finish", "ToolCallDelta", "UsageEvent", "client_error", "parse_line", "unresumed"]
 
 
 def client_error(exc: SwitchboardError) -> SwitchboardError:

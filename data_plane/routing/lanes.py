@@ -30,7 +30,16 @@ from typing import Protocol
 from data_plane.common.errors import SwitchboardError, UpstreamError, UpstreamTimeout
 from data_plane.membership.view import Member
 from data_plane.protocol import ChatMessage, ShardRequest
-from data_plane.routing.events import Delta, Event, Finish, ToolCallDelta, UsageEvent, client_error, unresumed
+from data_plane.routing.events import (
+    Delta,
+    Event,
+    Fingerprint,
+    Finish,
+    ToolCallDelta,
+    UsageEvent,
+    client_error,
+    unresumed,
+)
 from data_plane.routing.failures import FailureReason
 from data_plane.routing.router import Router
 from data_plane.tool_calls import SentOutput
@@ -95,6 +104,8 @@ class Progress:
             return replace(event, index=index)
         if isinstance(event, Finish):
             self.finished.add(index)
+            return replace(event, index=index)
+        if isinstance(event, Fingerprint):  # the shard of a lane (a continuation) may say another
             return replace(event, index=index)
         self.cached_tokens = self.cached_tokens or event.cached_tokens
         if self.prompt_tokens is None:

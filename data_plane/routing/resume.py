@@ -30,7 +30,7 @@ from opentelemetry.trace import Status, StatusCode
 from data_plane.common.errors import SwitchboardError, UpstreamError, UpstreamTimeout
 from data_plane.protocol import ShardRequest
 from data_plane.routing import events as wire
-from data_plane.routing.events import Delta, Event, Finish, ToolCallDelta, UsageEvent
+from data_plane.routing.events import Delta, Event, Fingerprint, Finish, ToolCallDelta, UsageEvent
 from data_plane.routing.failures import FailureReason
 from data_plane.routing.lanes import ChoiceLanes, Progress, ShardStream, Upstream, continued
 from data_plane.tool_calls import SentOutput
@@ -115,6 +115,8 @@ class ResumableStream:
                             out.append(event)
                         elif isinstance(event, Finish):
                             finished = True
+                            out.append(event)
+                        elif isinstance(event, Fingerprint):  # a resume's shard may say another: passed on
                             out.append(event)
                         elif isinstance(event, UsageEvent):
                             prompt = self._prompt_tokens if self._prompt_tokens is not None else event.prompt_tokens

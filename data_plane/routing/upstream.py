@@ -46,7 +46,7 @@ from data_plane.common.kv_report import CHAIN_HEADER, parse_chain
 from data_plane.membership.view import Member
 from data_plane.protocol import INPUT_TOKENS_PATH, ShardRequest, StreamOptions
 from data_plane.routing import events as wire
-from data_plane.routing.events import Delta, Event, Finish, ToolCallDelta, UsageEvent
+from data_plane.routing.events import Delta, Event, Fingerprint, Finish, ToolCallDelta, UsageEvent
 from data_plane.routing.failures import FailureReason
 from data_plane.routing.hop_client import (
     HopConnectError,
@@ -297,6 +297,8 @@ class Upstream:
         if chain is not None:  # only once it streams: a shard that failed first holds no KV of it
             self.router.observe_kv(session_id, member.id, chain[1], chain[0])
         span.set_attribute("switchboard.attempts", attempt)
+        if (fp := member.meta.get("fingerprint")) and not any(isinstance(e, Fingerprint) for e in first):
+            first.insert(0, Fingerprint(fp))  # a shard whose chunks do not say it (vLLM's): its registration does
         stream = ShardStream(member, response, first, leases, self.router, silence or cfg.idle_timeout_s, attempt)
         self._live.add(stream)
         stream.on_close = self._live.discard
@@ -399,5 +401,5 @@ def _close(response: ShardResponse | None) -> None:
         response.close()
 
 
-__all__ = ["CHAT_PATH", "Delta", "Event", "Finish", "ResumableStream", "ShardStream", "ToolCallDelta", "Upstream",
-           "UpstreamConfig", "UsageEvent"]
+__all__ = ["CHAT_PATH", "Delta", "Event", "Fingerprint", "Finish", "ResumableStream", "ShardStream", "ToolCallDelta",
+           "Upstream", "UpstreamConfig", "UsageEvent"]

@@ -64,8 +64,6 @@ from data_plane.protocol import (
     INPUT_TOKENS_PATH,
     ChatCompletionRequest,
     Openings,
-    PromptTokensDetails,
-    Usage,
     chunk_body,
     completion_body,
     new_completion_id,
@@ -80,6 +78,7 @@ from data_plane.shard.kv_reports import KVReportMetrics, KVReports
 from data_plane.shard.kv_seal import KVSealer, kv_keyring
 from data_plane.shard.kv_tier import KVTier, start_kv_tier
 from data_plane.shard.metrics import REFUSED_ROUTES, ShardMetrics
+from data_plane.shard.replies import model_card, usage_of
 from data_plane.shard.settings import ShardSettings
 from data_plane.shard.stage_view import record_stage_spans, stage_meta, stage_ranges
 
@@ -142,6 +141,7 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
                     service="shard",
                     url=url,
                     meta={"model": engine.model_name, "engine": settings.engine,
+                          "fingerprint": engine.system_fingerprint,
                           "max_num_seqs": str(settings.max_num_seqs), "pipeline_parallel_size": str(settings.pipeline_parallel_size),
                           "max_model_len": str(engine.max_model_len), "zone": settings.zone,
                           **stage_meta(engine, httpx.URL(url).host),
@@ -206,13 +206,13 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(engine, state)]}
+        return {"object": "list", "data": [model_card(engine, state.started)]}
 
     @app.get("/v1/models/{model_id}")
     async def model(model_id: str) -> dict[str, Any]:
         if model_id != engine.model_name:
             raise ModelNotFound(f"the model {model_id[:128]!r} does not exist", param="model")
-        return _model_card(engine, state)
+        return model_card(engine, state.started)
 
     async def serving(request: Request) -> ChatCompletionRequest:
         """The request's body, once the model is loaded and is the one it names (503 / 404 otherwise)."""
@@ -296,17 +296,6 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
         return JSONResponse(body, headers=headers)
 
     return app
-
-
-def _model_card(engine: Engine, state: ShardState) -> dict[str, Any]:
-    return {"id": engine.model_name, "object": "model", "created": state.started, "owned_by": "switchboard",
-            "max_model_len": engine.max_model_len}
-
-
-def _usage(out: GenerationOutput) -> Usage:
-    return Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                 total_tokens=out.prompt_tokens + out.completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.cached_tokens))
 
 
 class _Run:
@@ -419,9 +408,10 @@ class _Run:
             watch.stop()
         assert last is not None and len(self.finals) == len(self.choices)
         self._finish(last)
-        usage = _usage(last)
+        usage = usage_of(last)
         body = completion_body(completion_id=self.completion_id, model=self.state.engine.model_name, text="",
-                               finish_reason=None, usage=usage, created=self.created)
+                               finish_reason=None, usage=usage, created=self.created,
+                               fingerprint=self.state.engine.system_fingerprint)
         body["choices"] = [{"index": c.index, "message": {**c.message(), "refusal": None},
                             "logprobs": c.wire_logprobs(),
                             "finish_reason": c.finish(self.finals[c.index].finish_reason)} for c in self.choices]
@@ -436,7 +426,8 @@ class _Run:
             return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
         common: dict[str, Any] = {"completion_id": self.completion_id, "model": model, "created": self.created,
-                                  "include_usage": include_usage}
+                                  "include_usage": include_usage,
+                                  "fingerprint": self.state.engine.system_fingerprint}
         error = None
         openings = Openings()  # which choices were opened (their role sent), in index order
         try:
@@ -447,7 +438,7 @@ class _Run:
                     continue
                 index, out = item
                 choice = self.choices[index]
-                so_far = _usage(out) if continuous_usage else None
+                so_far = usage_of(out) if continuous_usage else None
                 for delta in choice.feed(out):
                     logprobs = delta.pop("logprobs", None)
                     *opening, (_, delta) = openings.deltas(index, delta)
@@ -466,7 +457,7 @@ class _Run:
                     if done is not None:
                         last = done
                         if include_usage:
-                            yield event(chunk_body(**common, usage=_usage(done), empty_choices=True))
+                            yield event(chunk_body(**common, usage=usage_of(done), empty_choices=True))
         except SwitchboardError as exc:
             error = exc.code or "error"
             yield event(exc.body(self.req.request_id))

@@ -202,3 +202,11 @@ def test_abuse_rows_say_what_the_gateways_do_a_ban_serves_valid_keys():
     assert "6 requests a minute" in rows["throttle"]["effect"] and "128 tokens" in rows["strict"]["effect"]
     assert "429 abuse_blocked" in rows["block"]["effect"] and "untouched" in rows["flag"]["effect"]
     assert "?" in action_rows(actions[2:3], 0.0)[0]["effect"]  # a payload without its config: unknown, not made up
+
+
+def test_a_shards_fingerprint_is_in_its_detail():
+    """Which numerics each shard serves (its `system_fingerprint`): shards of two formats tell apart."""
+    members = [{"id": f"shard-{i}", "service": "shard", "status": "passing",
+                "meta": {"model": "m", "engine": "torch", "fingerprint": fp}} for i, fp in enumerate(["fp_a", "fp_b"])]
+    detail = members_frame(members, None, now=1.0).set_index("member")["detail"]
+    assert detail["shard-0"] == "model=m, engine=torch, fingerprint=fp_a" and "fingerprint=fp_b" in detail["shard-1"]

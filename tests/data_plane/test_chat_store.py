@@ -15,6 +15,7 @@ from tests.data_plane import test_responses_api
 from tests.data_plane.test_responses_api import MODEL, Stack, assert_gone
 from tests.support.cluster import CLUSTER_HEADERS, KEYS, stored_session
 from tests.support.metrics import metric
+from tests.support.procs import Service
 
 stack = test_responses_api.stack
 """The module-scoped fixture: a gateway and two cache nodes of this module's own, the session's shard."""
@@ -192,3 +193,18 @@ def test_concurrent_stores_and_deletes_of_one_tenant_are_all_listed_then_all_gon
         assert {c.id for c in sdk.chat.completions.list(metadata={"batch": batch}, limit=100)} == made
         list(pool.map(lambda cid: sdk.chat.completions.delete(cid), made))
     assert list(sdk.chat.completions.list(metadata={"batch": batch}, limit=100)) == []
+
+
+def test_a_stored_completion_keeps_the_fingerprint_of_the_shard_that_made_it(stack: Stack, fp32_shard: Service) -> None:
+    """`system_fingerprint` is the serving shard's (its numerics: data_plane/shard/engines/fingerprint.py), streamed
+    or not, and a stored completion keeps the value it was made with (it was the constant "fp_switchboard_1")."""
+    card = httpx.get(fp32_shard.url + "/v1/models", headers=CLUSTER_HEADERS, timeout=30).json()["data"][0]
+    fp = card["system_fingerprint"]
+    assert fp.startswith("fp_") and fp != "fp_switchboard_1"
+    sdk = stack.sdk()
+    made = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, store=True)
+    assert made.system_fingerprint == fp == sdk.chat.completions.retrieve(made.id).system_fingerprint
+    chunks = list(sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, seed=3, stream=True,
+                                              store=True, stream_options={"include_usage": True}))
+    assert {c.system_fingerprint for c in chunks} == {fp}
+    assert sdk.chat.completions.retrieve(chunks[0].id).system_fingerprint == fp

@@ -39,7 +39,7 @@ def _shard_lines() -> list[bytes]:
                                completion_tokens=i + 1, logprobs=(TokenLogprob(i, -0.5),))
         for delta in choice.feed(out):
             logprobs = delta.pop("logprobs", None)
-            body = chunk_body(completion_id="c", model="m", created=0, delta=delta, logprobs=logprobs)
+            body = chunk_body(completion_id="c", model="m", created=0, fingerprint="fp_0", delta=delta, logprobs=logprobs)
             lines.append(b"data: " + json.dumps(body).encode())
     return lines
 

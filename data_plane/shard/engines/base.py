@@ -200,6 +200,8 @@ class Engine(Protocol):
 
     model_name: str
     max_model_len: int
+    system_fingerprint: str
+    """What decides this engine's numerics, named (fingerprint.py): every body and chunk says it."""
 
     def encode_chat(self, messages: Sequence[dict[str, str]], continue_final: bool = False) -> list[int]:
         """Chat template -> token ids; `continue_final` continues the last assistant message."""

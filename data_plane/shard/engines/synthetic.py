@@ -27,6 +27,7 @@ from data_plane.shard.engines.base import (
     TextStream,
     check_lengths,
 )
+from data_plane.shard.engines.fingerprint import Numerics
 
 _WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
 DEFAULT_ANSWER_TOKENS = 16
@@ -34,6 +35,8 @@ DEFAULT_ANSWER_TOKENS = 16
 
 class SyntheticEngine:
     model_name = "synthetic"
+    system_fingerprint = Numerics(engine="synthetic", model="synthetic").fingerprint()
+    """Its words are a hash of the prompt: one numerics whatever the settings (fingerprint.py)."""
     honours = ("ignore_eos",)
     """Sampling parameters beyond the plain ones this engine serves without a logits processor (the shard
     refuses the others, data_plane/shard/choices.py): `ignore_eos` answers run to max_tokens, as vLLM's do."""

@@ -90,6 +90,7 @@ class TorchEngine:
         self.config = config
         self.listener = listener or StepListener()
         self.model_name = "unloaded"
+        self.system_fingerprint = ""  # known once loaded (torch_load.py): fingerprint.py
         self.max_model_len = config.max_model_len
         self._runner: Any = None
         self._tokenizer: Any = None
@@ -184,6 +185,7 @@ class TorchEngine:
         self.weight_plan, self.thread_tuner = model.plan, model.thread_tuner
         self._runner, self._tokenizer, self._eos = model.runner, model.tokenizer, set(model.eos)
         self.model_name, self.vocab_size, self.max_model_len = model.name, model.vocab_size, model.max_model_len
+        self.system_fingerprint = model.fingerprint
         # llguidance's token table takes ~0.6 s to build: in the compiler's pool, while the shard serves.
         self.grammars = GrammarCompiler.lazy(lambda: llguidance_tokenizer(self._tokenizer), listener=self.listener)
         self.prefix = build_prefix(self.config, model, self.listener)

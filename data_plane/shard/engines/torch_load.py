@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from data_plane.common.cores import usable_cores
+from data_plane.shard.engines.fingerprint import Numerics, model_digest
 from data_plane.shard.engines.model_files import LoadPhases
 from data_plane.shard.engines.step_listener import StepListener
 from data_plane.shard.engines.torch_config import DTYPES, EngineConfig
@@ -80,6 +81,8 @@ class LoadedModel:
     """Each pipeline stage's layers (None: one process)."""
     started: float
     """time.monotonic() once threads were set, before the weights: the ready line's clock."""
+    fingerprint: str = ""
+    """The shard's `system_fingerprint`: what decides its numerics, named (fingerprint.py)."""
 
 
 def load_model(config: EngineConfig, listener: StepListener, phases: LoadPhases) -> LoadedModel:
@@ -91,7 +94,8 @@ def load_model(config: EngineConfig, listener: StepListener, phases: LoadPhases)
     from data_plane.shard.engines.weight_source import CpuCaps, DtypeReason, resolve_plan
 
     source = model_source(config.model)
-    plan = resolve_plan(config.dtype, config.quantization, source=source.kind, caps=CpuCaps.detect(),
+    caps = CpuCaps.detect()
+    plan = resolve_plan(config.dtype, config.quantization, source=source.kind, caps=caps,
                         kernel=config.quantization_kernel)
     # float32 asked for (or the exact kernel by name) is the batch-invariant mode: its numerics must not
     # depend on when a probe switches threads (float32 that auto chose, for a CPU without native bf16,
@@ -156,11 +160,15 @@ def load_model(config: EngineConfig, listener: StepListener, phases: LoadPhases)
     eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
+    name = served_name(config.model)
+    numerics = Numerics(engine="torch", model=name, digest=model_digest(path, source.gguf), dtype=plan.dtype,
+                        quantization=plan.quantization, kernel=plan.kernel, weights=runner.weight_format,
+                        packed=runner.packed, runtime=f"torch {torch.__version__} {caps.capability}")
     return LoadedModel(runner=runner, tokenizer=tokenizer, plan=plan, threads=threads, thread_tuner=tuner,
                        alone=alone,
-                       name=served_name(config.model), path=str(path), eos=frozenset(eos_ids),
+                       name=name, path=str(path), eos=frozenset(eos_ids),
                        vocab_size=int(hf_config.vocab_size), max_model_len=max_model_len, num_layers=num_layers,
-                       layer_ranges=ranges, started=started)
+                       layer_ranges=ranges, started=started, fingerprint=numerics.fingerprint())
 
 
 def build_prefix(config: EngineConfig, model: LoadedModel, listener: StepListener) -> SlotPrefix | None:
@@ -212,4 +220,4 @@ def ready_line(model: LoadedModel, config: EngineConfig, prefix: SlotPrefix | No
             f"{config.max_num_seqs} x {model.max_model_len} tokens; prefix cache "
             f"{prefix.cache.capacity_bytes / 2**20 if prefix else 0:.0f} MiB; {threads}; "
             f"{plan.describe()}: {runner.weight_format}, {runner.weight_bytes / 2**20:.0f} MiB"
-            f"{', oneDNN-packed' if runner.packed else ''}; {phases.describe()})")
+            f"{', oneDNN-packed' if runner.packed else ''}; fingerprint {model.fingerprint}; {phases.describe()})")

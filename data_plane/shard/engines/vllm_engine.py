@@ -32,6 +32,7 @@ from data_plane.common.hop_auth import cluster_token_from_env, guarded_metrics, 
 from data_plane.common.http_server import free_port, serve
 from data_plane.common.lifeline import die_with_parent
 from data_plane.common.telemetry import fastapi_options
+from data_plane.shard.engines.fingerprint import Numerics, model_digest
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,15 @@ def vllm_command(settings: ShardSettings, model_path: str, served_name: str, por
     ]
 
 
+def vllm_fingerprint(settings: ShardSettings, model_path: str, served_name: str, version: str) -> str:
+    """The `system_fingerprint` of this vLLM server (fingerprint.py): vLLM's chunks carry none of ours, so
+    the gateway reads it from the registration. Its kernels are vLLM's `version`'s, and how many GPUs
+    split a layer or the model changes the order of their sums."""
+    return Numerics(engine="vllm", model=served_name, digest=model_digest(model_path), dtype=settings.dtype,
+                    kernel=f"vllm-{version}.tp{settings.tensor_parallel_size}.pp{settings.pipeline_parallel_size}"
+                    ).fingerprint()
+
+
 def vllm_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """vLLM's environment: this process's, with the cluster token as its API key (``VLLM_API_KEY``: vLLM
     then answers 401 on /v1/* without ``Authorization: Bearer <token>``, which the gateway sends every
@@ -111,13 +121,15 @@ def create_sidecar(settings: ShardSettings) -> FastAPI:
     from data_plane.model_store import resolve_model, served_name
 
     try:
-        import vllm  # noqa: F401  (only to fail fast with a clear message)
+        import vllm  # to fail fast with a clear message; its version is in the fingerprint
     except ImportError:
         raise SystemExit("switchboard shard --engine vllm needs vLLM (CUDA only): "
                          "pip install 'switchboard[vllm]' on a GPU machine") from None
     port = free_port()
     name = served_name(settings.model)
-    cmd = vllm_command(settings, str(resolve_model(settings.model)), name, port)
+    path = str(resolve_model(settings.model))
+    cmd = vllm_command(settings, path, name, port)
+    fingerprint = vllm_fingerprint(settings, path, name, getattr(vllm, "__version__", "?"))
     vllm_url = f"http://127.0.0.1:{port}"
     state = {"healthy": False}
 
@@ -135,6 +147,7 @@ def create_sidecar(settings: ShardSettings) -> FastAPI:
                               "pipeline_parallel_size": str(settings.pipeline_parallel_size),
                               "tensor_parallel_size": str(settings.tensor_parallel_size),
                               "max_model_len": str(settings.max_model_len),
+                              "fingerprint": fingerprint,
                               "sidecar": f"http://{settings.host}:{settings.port}", "zone": settings.zone})
 
         async def watch() -> None:
