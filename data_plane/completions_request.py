@@ -7,7 +7,9 @@ The prompt is a string, a list of strings, a list of token ids or a list of list
 item one prompt: its choices are indexed prompt_index * n + i, as OpenAI's). `max_tokens` defaults to 16,
 `logprobs` is an int 0..5 (the legacy format), `echo` puts the prompt before each choice's text. What the
 served model cannot do is a 400 naming the field: `suffix` (no fill-in-the-middle), `best_of` other than
-`n`, as vLLM v1's, and `echo` with `logprobs` (the engine gives no prompt logprobs).
+`n`, as vLLM v1's. `echo` with `logprobs` asks the prompt's logprobs too (`prompt_logprobs` to the shard: the
+torch engine computes them); `max_tokens: 0` with `echo` returns the prompt alone (lm-eval-harness's
+loglikelihood requests), as vLLM serves it: one token is generated and left out.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class CompletionRequest(BaseModel):
     model: str = Field(default="", max_length=256)
     prompt: str | list[str] | list[WholeNumber] | list[list[WholeNumber]]
     suffix: str | None = None
-    max_tokens: WholeNumber | None = Field(default=DEFAULT_MAX_TOKENS, ge=1, le=1_000_000)
+    max_tokens: WholeNumber | None = Field(default=DEFAULT_MAX_TOKENS, ge=0, le=1_000_000)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     n: WholeNumber | None = Field(default=None, ge=1, le=MAX_N)
@@ -102,6 +104,9 @@ class LegacyRequest:
     chat: ChatCompletionRequest
     """Every prompt as a user message with `raw_prompt`, `n` their choices together (n x prompts): what the
     gateway budgets, admits and bills; each prompt goes to a shard as its own request (`for_prompt`)."""
+    echo_only: bool = False
+    """`max_tokens: 0` with `echo`: the reply is the prompt (and its logprobs) alone; the one token the shard
+    generates is left out of it."""
 
     def for_prompt(self, k: int) -> ChatCompletionRequest:
         """Prompt `k`'s own chat request (`n` choices)."""
@@ -145,12 +150,11 @@ def parse_completion_request(raw: bytes, content_type: str | None) -> LegacyRequ
     if legacy.best_of is not None and legacy.best_of != n:
         raise InvalidRequest(f"best_of ({legacy.best_of}) must equal n ({n}): only n completions are generated, "
                              "none are ranked", param="best_of")
-    if legacy.echo and legacy.logprobs is not None:
-        raise InvalidRequest("echo with logprobs needs the prompt's logprobs, which this engine does not compute",
-                             param="echo")
+    echo_only = legacy.max_tokens == 0
+    if echo_only and not legacy.echo:
+        raise InvalidRequest("max_tokens must be at least 1 (0 is allowed with echo: the prompt alone)",
+                             param="max_tokens")
     prompts = prompts_of(legacy.prompt)
-    if legacy.echo and any(p.ids is not None for p in prompts):
-        raise InvalidRequest("echo with a token-id prompt is not supported: send the prompt as text", param="echo")
     total = n * len(prompts)
     if total > MAX_COMPLETIONS:
         raise InvalidRequest(f"n x prompts is {total}, above the {MAX_COMPLETIONS} completions allowed per request",
@@ -161,9 +165,11 @@ def parse_completion_request(raw: bytes, content_type: str | None) -> LegacyRequ
         if getattr(legacy, name) is not None}
     if legacy.logprobs is not None:
         fields.update(logprobs=True, top_logprobs=legacy.logprobs)
+        if legacy.echo:  # the prompt's logprobs too, top-N each
+            fields.update(prompt_logprobs=legacy.logprobs)
     try:
         chat = ChatCompletionRequest(
-            messages=[ChatMessage(role="user", content=p.text) for p in prompts], max_tokens=legacy.max_tokens,
+            messages=[ChatMessage(role="user", content=p.text) for p in prompts], max_tokens=legacy.max_tokens or 1,
             n=legacy.n, raw_prompt=True, continue_final_message=True, add_generation_prompt=False,
             prompt_token_ids=prompts[0].ids if len(prompts) == 1 else None, **fields)
     except ValidationError:  # the fields were checked above as the chat request checks them: the prompt's size
@@ -171,4 +177,4 @@ def parse_completion_request(raw: bytes, content_type: str | None) -> LegacyRequ
     if len(prompts) > 1:  # every prompt's choices: what is budgeted and admitted (each shard request has its n)
         chat = chat.model_copy(update={"n": total})
     chat.check_supported()
-    return LegacyRequest(prompts, n, bool(legacy.echo), legacy.logprobs, chat)
+    return LegacyRequest(prompts, n, bool(legacy.echo), legacy.logprobs, chat, echo_only)

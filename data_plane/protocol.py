@@ -169,6 +169,9 @@ class ChatCompletionRequest(BaseModel):
     """The messages' text is the prompt as it is, no chat template (continued as one text on a resume)."""
     prompt_token_ids: list[WholeNumber] | None = Field(default=None, max_length=1_000_000)
     """A prompt given as token ids: these, then the messages' text (a resume's output so far)."""
+    prompt_logprobs: WholeNumber | None = Field(default=None, ge=0, le=5)
+    """The prompt tokens' logprobs and this many alternatives each (vLLM's; the legacy API's echo + logprobs):
+    sent back on each choice's first chunk as `logprobs.prompt` (data_plane/shard/engines/prompt_logprobs.py)."""
 
     @field_validator("stop")
     @classmethod
@@ -471,7 +474,9 @@ def parse_chat_request(raw: bytes, content_type: str | None, session: str | None
     if client and req.continue_final_message and (session or req.tools):  # (the tools' reply is an envelope, not its text)
         raise InvalidRequest("continue_final_message cannot be used with a session or tools", param="continue_final_message")
     check_supported(req, continues)  # (its 400s in the legacy fields' terms when the body gave those)
-    if client and (req.raw_prompt or req.prompt_token_ids is not None):  # the gateway's, for POST /v1/completions
-        name = "raw_prompt" if req.raw_prompt else "prompt_token_ids"
+    if client and (req.raw_prompt or req.prompt_token_ids is not None or req.prompt_logprobs is not None):
+        # the gateway's, for POST /v1/completions
+        name = ("raw_prompt" if req.raw_prompt else "prompt_token_ids" if req.prompt_token_ids is not None
+                else "prompt_logprobs")
         raise UnsupportedParameter(f"Unrecognized request argument supplied: {name}", param=name)
     return req

@@ -21,7 +21,7 @@ from typing import Any
 from opentelemetry import trace
 from starlette.types import Send
 
-from data_plane.common.errors import ContextLengthExceeded
+from data_plane.common.errors import ContextLengthExceeded, InvalidRequest
 from data_plane.common.outcome import Outcome
 from data_plane.completions_request import LegacyRequest, parse_completion_request
 from data_plane.gateway.chat import ChatHandler
@@ -52,6 +52,8 @@ class CompletionsHandler(ChatHandler):
     """The token ids of the prompt being fitted (`fit`), when it came as ids."""
     _parts: list[Prepared]
     """Each prompt's window and shard request (`_prepare`), in prompt order."""
+    _prompt_logprobs: dict[int, tuple[Any, ...]]
+    """Each choice's prompt logprobs as its shard sent them (echo with logprobs), by choice index (`Echoed`)."""
 
     def _record(self, outcome: Outcome) -> None:
         super()._record(outcome)  # the ledger's row and switchboard_gateway_requests_total, as every chat request's
@@ -62,6 +64,10 @@ class CompletionsHandler(ChatHandler):
 
     async def parse(self, raw: bytes) -> ChatCompletionRequest:
         self.legacy = parse_completion_request(raw, self.request.headers.get("content-type"))
+        self._prompt_logprobs = {}
+        if self.legacy.echo and self.gw.counter.decode is None and any(p.ids for p in self.legacy.prompts):
+            raise InvalidRequest("echo with a token-id prompt needs the model's tokenizer at the gateway: send the "
+                                 "prompt as text", param="echo")
         return self.legacy.chat
 
     async def context(self, req: ChatCompletionRequest, messages: list[dict[str, str]],
@@ -113,7 +119,7 @@ class CompletionsHandler(ChatHandler):
 
     async def _route(self, caller: Caller, checked: Checked, prepared: Prepared) -> EventSource:
         if len(self._parts) == 1:
-            return await super()._route(caller, checked, prepared)
+            return Echoed(await super()._route(caller, checked, prepared), self._prompt_logprobs)
         rt, x, tier = self.rt, self.x, caller.tier
         tenant = caller.principal.tenant
         tokens = sum(p.window.prompt_tokens + p.max_tokens * (self.legacy.n if self.legacy else 1) for p in self._parts)
@@ -125,13 +131,14 @@ class CompletionsHandler(ChatHandler):
             route_span.set_attribute("switchboard.shard", streams[0].member.id)
             route_span.set_attribute("switchboard.prompts", len(streams))
         x.first_token_at = time.monotonic()
-        return Prompts(streams, self.legacy.n if self.legacy else 1)
+        return Echoed(Prompts(streams, self.legacy.n if self.legacy else 1), self._prompt_logprobs)
 
     def _shape(self) -> LegacyShape:
         legacy = self.legacy
         assert legacy is not None
-        echo = [p.text for p in legacy.prompts] if legacy.echo else []
-        return LegacyShape(echo, legacy.n, legacy.logprobs)
+        decode = self.gw.counter.decode
+        echo = [decode(p.ids) if p.ids and decode is not None else p.text for p in legacy.prompts] if legacy.echo else []
+        return LegacyShape(echo, legacy.n, legacy.logprobs, self._prompt_logprobs, legacy.echo_only)
 
     async def respond_body(self, opened: Opened) -> dict[str, Any]:
         return self._shape().body(await super().respond_body(opened))
@@ -216,3 +223,30 @@ class Prompts:
             s.close()
         for t in self._pumps:
             t.cancel()
+
+
+class Echoed:
+    """An EventSource that keeps each choice's prompt logprobs (the first a shard sent it: a resumed stream's
+    shard computes them again, over the output so far too) for the reply's shape, and passes every event on."""
+
+    def __init__(self, source: EventSource, prompt_logprobs: dict[int, tuple[Any, ...]]) -> None:
+        self.source = source
+        self.prompt_logprobs = prompt_logprobs
+
+    @property
+    def member(self) -> Member:  # the stream's shard now (a resume moves it)
+        return self.source.member
+
+    @member.setter
+    def member(self, member: Member) -> None:
+        self.source.member = member
+
+    async def batches(self) -> AsyncIterator[list[Event]]:
+        async for events in self.source.batches():
+            for e in events:
+                if isinstance(e, Delta) and e.prompt_logprobs is not None:
+                    self.prompt_logprobs.setdefault(e.index, e.prompt_logprobs)
+            yield events
+
+    def close(self) -> None:
+        self.source.close()

@@ -130,7 +130,7 @@ def shard_request(checked: Checked, caller: Caller, window: Window, max_tokens: 
     if req.continue_final_message:  # vLLM's: the final (assistant) message is continued, not answered
         fields.update(continue_final_message=True, add_generation_prompt=False)
     if req.raw_prompt:  # the legacy Completions API's prompt, no chat template (data_plane/gateway/completions.py)
-        fields.update(raw_prompt=True, prompt_token_ids=req.prompt_token_ids)
+        fields.update(raw_prompt=True, prompt_token_ids=req.prompt_token_ids, prompt_logprobs=req.prompt_logprobs)
     if fields.get("top_p") == 0:  # the nucleus of the one most likely token, as vLLM takes it (it refuses top_p 0)
         fields.pop("top_p")
         fields["top_k"] = 1

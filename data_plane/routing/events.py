@@ -38,6 +38,9 @@ class Delta:
     cached_tokens: int | None = None
     """Prompt tokens the shard served from its prefix cache, when its continuous usage says (known once it
     prefilled): a stream that ends without its final usage (the client left) still records its cache hit."""
+    prompt_logprobs: tuple[Any, ...] | None = None
+    """The prompt tokens' entries (the first None), on a choice's first chunk when the request asked them
+    (`prompt_logprobs`: the legacy Completions API's echo + logprobs)."""
 
 
 @dataclass(frozen=True)
@@ -116,11 +119,13 @@ def parse_line(line: bytes) -> list[Event] | SwitchboardError:
             events.append(Fingerprint(fp, index))
         content = delta.get("content")
         logprobs = tuple((choice.get("logprobs") or {}).get("content") or ())
-        if content or logprobs:
+        prompt = (choice.get("logprobs") or {}).get("prompt")
+        if content or logprobs or prompt is not None:
             so_far = None
             if usage:
                 so_far = (int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
-            events.append(Delta(content or "", so_far, index, logprobs, cached if so_far else None))
+            events.append(Delta(content or "", so_far, index, logprobs, cached if so_far else None,
+                                None if prompt is None else tuple(prompt)))
         for call in delta.get("tool_calls") or ():
             fn = call.get("function") or {}
             events.append(ToolCallDelta(int(call.get("index") or 0), call.get("id"), fn.get("name"),

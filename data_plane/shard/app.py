@@ -278,8 +278,8 @@ def create_app(settings: ShardSettings, registry: CollectorRegistry | None = Non
             log.info("request %s prompt=%r", request_id, req.plain_messages())
         headers = {"X-Request-Id": request_id, **kv_reports.headers(gen_req, request.headers.get(SINCE_HEADER))}
         run = _Run(state, gen_req, span, time.monotonic(),
-                   [Choice(i, plan, token_bytes(engine) if req.logprobs else None, r.resumed_text, req.stop or ())
-                    for i, r in enumerate(gen_reqs)])
+                   [Choice(i, plan, token_bytes(engine) if req.logprobs else None, r.resumed_text, req.stop or (),
+                           r.prompt_ids[0] if r.prompt_ids else None) for i, r in enumerate(gen_reqs)])
         run.request_ids = [r.request_id for r in gen_reqs]
         run.external_tokens = external_tokens
         if req.stream:

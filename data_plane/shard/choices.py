@@ -41,8 +41,10 @@ FINISH_TOOL_CALLS = "tool_calls"
 
 class Choice:
     def __init__(self, index: int, plan: OutputPlan, token_bytes: Callable[[int], bytes] | None,
-                 resumed: str = "", stop: Sequence[str] = ()) -> None:
+                 resumed: str = "", stop: Sequence[str] = (), first_token: int | None = None) -> None:
+        """`first_token`: the prompt's first token (its prompt logprobs entry has a token and a null logprob)."""
         self.index = index
+        self.first_token = first_token
         self.plan = plan
         self.token_bytes = token_bytes
         self.parser = EnvelopeParser(plan.json_response) if plan.tool_mode != ToolMode.NONE else None
@@ -55,6 +57,8 @@ class Choice:
         self.events: list[Any] = []
         self.text: list[str] = []
         self.logprobs: list[dict[str, Any]] = []
+        self.prompt_logprobs: list[dict[str, Any] | None] | None = None
+        """With the request's prompt_logprobs: each prompt token's entry (the first None), sent on the first chunk."""
 
     def feed(self, out: GenerationOutput) -> list[dict[str, Any]]:
         """The chunk deltas for one engine output (the logprobs ride on the first, or on an empty delta)."""
@@ -77,10 +81,17 @@ class Choice:
         visible = visible and not self.stopped  # the token that completed a stop string is none of the content
         lps = [self._entry(e) for e in out.logprobs] if self.token_bytes is not None and visible else []
         self.logprobs.extend(lps)
-        if lps:
+        prompt = None
+        if out.prompt_logprobs is not None and self.token_bytes is not None:
+            prompt = self.prompt_logprobs = [self._entry(e) if e is not None else self._first()
+                                             for e in out.prompt_logprobs]
+        if lps or prompt is not None:
             if not deltas:
                 deltas.append({})
-            deltas[0] = {**deltas[0], "logprobs": {"content": lps, "refusal": None}}
+            wire: dict[str, Any] = {"content": lps, "refusal": None}
+            if prompt is not None:
+                wire["prompt"] = prompt
+            deltas[0] = {**deltas[0], "logprobs": wire}
         return deltas
 
     def _entry(self, e: TokenLogprob) -> dict[str, Any]:
@@ -91,6 +102,14 @@ class Choice:
             return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
         return {**one(e.token_id, e.logprob), "top_logprobs": [one(t.token_id, t.logprob) for t in e.top]}
+
+    def _first(self) -> dict[str, Any] | None:
+        """The prompt's first token's entry: nothing predicts it (logprob null, no alternatives)."""
+        if self.first_token is None or self.token_bytes is None:
+            return None
+        raw = self.token_bytes(self.first_token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": None, "bytes": list(raw),
+                "top_logprobs": []}
 
     @property
     def stopped(self) -> bool:
@@ -114,7 +133,12 @@ class Choice:
         return "stop" if self.plan.tool_mode == ToolMode.NAMED else FINISH_TOOL_CALLS
 
     def wire_logprobs(self) -> dict[str, Any] | None:
-        return {"content": self.logprobs, "refusal": None} if self.token_bytes is not None else None
+        if self.token_bytes is None:
+            return None
+        wire: dict[str, Any] = {"content": self.logprobs, "refusal": None}
+        if self.prompt_logprobs is not None:
+            wire["prompt"] = self.prompt_logprobs
+        return wire
 
 
 class ContentStop:

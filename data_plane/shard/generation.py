@@ -25,6 +25,9 @@ def generation_requests(req: ChatCompletionRequest, engine: Engine, request_id: 
                          public_prefixes: list[str] | tuple[str, ...], plan: OutputPlan) -> list[GenerationRequest]:
     """One engine request per choice (`n`): the same prompt, seeds `seed + i`."""
     messages, ids = prompt_ids(req, engine)
+    if req.prompt_logprobs is not None and not getattr(engine, "prompt_logprobs", False):
+        raise InvalidRequest("this shard's engine computes no prompt logprobs (echo with logprobs): the torch "
+                             "engine does", param="echo")
     # A continued final message (the gateway's mid-stream resume sends the text already sent so) is output
     # already made: a grammar continues after it, and a seeded sample draws on from the position after it
     # (torch_sampling.Draws), so a resumed stream gives the unbroken stream's text. It was set only under a
@@ -49,6 +52,7 @@ def generation_requests(req: ChatCompletionRequest, engine: Engine, request_id: 
         ignore_eos=bool(req.ignore_eos),
         logprobs=bool(req.logprobs),
         top_logprobs=req.top_logprobs or 0,
+        prompt_logprobs=req.prompt_logprobs,
         grammar=grammar,
     )
     public = public_tokens(messages, ids, engine, public_prefixes)

@@ -22,7 +22,7 @@ from data_plane.protocol import ShardRequest, parse_chat_request
 from data_plane.routing.events import Delta, Event, Finish, UsageEvent
 from data_plane.routing.lanes import continued
 from data_plane.shard.engines.synthetic import SyntheticEngine
-from data_plane.shard.generation import prompt_ids
+from data_plane.shard.generation import generation_requests, prompt_ids
 
 
 def _on_shard(request: ShardRequest) -> Any:
@@ -53,6 +53,17 @@ def test_a_raw_prompt_is_encoded_as_it_is_and_a_resume_continues_its_text() -> N
         assert bad.value.param == "prompt"
 
 
+def test_an_engine_without_prompt_logprobs_refuses_them() -> None:
+    """The synthetic engine computes none: echo with logprobs is a 400 naming echo, not a reply without them."""
+    request = ShardRequest(messages=[ChatMessage(role="user", content="once upon")], raw_prompt=True,
+                           continue_final_message=True, add_generation_prompt=False, max_tokens=4, stream=True,
+                           logprobs=True, top_logprobs=1, prompt_logprobs=1)
+    req = _on_shard(request)
+    with pytest.raises(InvalidRequest) as refused:
+        generation_requests(req, SyntheticEngine(), "r", (), req.output_plan())
+    assert refused.value.param == "echo"
+
+
 def test_the_stream_is_reshaped_across_split_writes() -> None:
     shape = LegacyShape(["Hi"], 1, 1)
     head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
@@ -80,6 +91,36 @@ def test_the_stream_is_reshaped_across_split_writes() -> None:
     assert chunks[1]["choices"][0]["logprobs"] == {"tokens": [" there"], "token_logprobs": [-0.5],
                                                    "top_logprobs": [{" there": -0.5}], "text_offset": [2]}
     assert chunks[2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_the_prompts_logprobs_go_on_the_first_chunk_that_can_carry_them() -> None:
+    """Echo with logprobs: the prompt's entries (offsets from 0, the first null) before the output's; when they
+    reach the gateway after the choice opened, on its next chunk. With echo_only (max_tokens 0) the generated
+    token is left out: its text, its entry, its usage."""
+    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    role = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+    lp = {"content": [{"token": " there", "logprob": -0.5, "bytes": [], "top_logprobs": []}]}
+    text = {**head, "choices": [{"index": 0, "delta": {"content": " there"}, "logprobs": lp, "finish_reason": None}]}
+    prompt = ({"token": "H", "logprob": None, "bytes": [], "top_logprobs": []},
+              {"token": "i", "logprob": -2.0, "bytes": [], "top_logprobs": [{"token": "o", "logprob": -1.0}]})
+    found: dict[int, tuple[Any, ...]] = {}
+    shape = LegacyShape(["Hi"], 1, 1, found)
+    assert shape.chunk(role)["choices"][0] == {"index": 0, "text": "Hi", "logprobs": None, "finish_reason": None}
+    found[0] = prompt
+    assert shape.chunk(text)["choices"][0]["logprobs"] == {
+        "tokens": ["H", "i", " there"], "token_logprobs": [None, -2.0, -0.5],
+        "top_logprobs": [None, {"o": -1.0, "i": -2.0}, {" there": -0.5}], "text_offset": [0, 1, 2]}
+    only = LegacyShape(["Hi"], 1, 1, {0: prompt}, echo_only=True)
+    first = only.chunk(role)["choices"][0]
+    assert first["text"] == "Hi" and first["logprobs"]["token_logprobs"] == [None, -2.0]
+    assert only.chunk(text) is None
+    done = {**head, "choices": [{"index": 0, "message": {"content": " there"}, "logprobs": lp,
+                                 "finish_reason": "stop"}], "usage": {"prompt_tokens": 2, "completion_tokens": 1,
+                                                                      "total_tokens": 3}}
+    body = LegacyShape(["Hi"], 1, 1, {0: prompt}, echo_only=True).body(done)
+    assert body["choices"][0]["text"] == "Hi" and body["choices"][0]["finish_reason"] == "length"
+    assert body["choices"][0]["logprobs"]["tokens"] == ["H", "i"]
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 0, "total_tokens": 2}
 
 
 class _Source:

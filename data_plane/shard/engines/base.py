@@ -64,6 +64,10 @@ class SamplingParams:
     """Report each output token's log-probability (GenerationOutput.logprobs)."""
     top_logprobs: int = 0
     """... and this many most likely alternatives, 0..20."""
+    prompt_logprobs: int | None = None
+    """Report each prompt token's log-probability and this many most likely alternatives (0..5; None: none):
+    GenerationOutput.prompt_logprobs (vLLM's `prompt_logprobs`; the legacy Completions API's echo + logprobs).
+    Such a request bypasses the prefix cache: a cached prefix has no logits, so its whole prompt is computed."""
     grammar: GrammarSpec | None = None
     """Constrained decoding: the output follows this grammar (data_plane/shard/engines/grammar.py)."""
 
@@ -178,6 +182,9 @@ class GenerationOutput:
     """... and how many of those the model accepted."""
     logprobs: tuple[TokenLogprob, ...] = ()
     """With params.logprobs: the tokens sampled since the previous output (their text may lag in `text`)."""
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    """With params.prompt_logprobs, on the first output only: one entry per prompt token, the first None (nothing
+    predicts it), each the model's raw distribution at that position (prompt_logprobs.py)."""
     stages: tuple[StageSpan, ...] = ()
     """Final output of a pipelined shard's request only: each stage's part (the shard's span per stage)."""
 

@@ -122,8 +122,12 @@ class ScheduledRow:
 
     @property
     def num_logits(self) -> int:
-        """Rows of logits the step needs from it: every verified position, else the last or none."""
-        return len(self.tokens) if self.kind is RowKind.VERIFY else int(self.samples)
+        """Rows of logits the step needs from it: every verified position, every prompt position of a request
+        asking prompt logprobs (prompt_logprobs.py), else the last or none."""
+        if self.kind is RowKind.VERIFY or (self.kind is RowKind.PREFILL
+                                           and self.seq.req.params.prompt_logprobs is not None):
+            return len(self.tokens)
+        return int(self.samples)
 
 
 @dataclass(frozen=True)

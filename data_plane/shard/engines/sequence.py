@@ -77,6 +77,7 @@ class SeqState:
     held: list[int] = field(default_factory=list)  # prefix-cache blocks referenced by this sequence
     spec: Any = None  # speculation.SeqSpec (torch_spec.py), when drafting is on
     spec_ctx: list[int] = field(default_factory=list)  # prompt + output, append-only, for the n-gram index
+    prompt_logprobs: list[Any] | None = None  # base.TokenLogprob | None per prompt token so far (prompt_logprobs.py)
 
     @property
     def request_id(self) -> str:

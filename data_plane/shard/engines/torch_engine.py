@@ -86,6 +86,9 @@ log = logging.getLogger(__name__)
 
 
 class TorchEngine:
+    prompt_logprobs = True
+    """Computes SamplingParams.prompt_logprobs (prompt_logprobs.py); other engines do not."""
+
     def __init__(self, config: EngineConfig, listener: StepListener | None = None) -> None:
         self.config = config
         self.listener = listener or StepListener()
@@ -308,6 +311,8 @@ class TorchEngine:
         def sink(out: GenerationOutput | BaseException) -> None:
             if proc is not None and req.params.logprobs and isinstance(out, GenerationOutput):
                 out = dataclasses.replace(out, logprobs=proc.drain())  # this output's tokens (scheduler thread)
+            if isinstance(out, GenerationOutput) and seq.prompt_logprobs is not None:  # the first output's
+                out, seq.prompt_logprobs = dataclasses.replace(out, prompt_logprobs=tuple(seq.prompt_logprobs)), None
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
         draws = None
@@ -389,8 +394,9 @@ class TorchEngine:
             seq.sink(error(message, retry_after=1))
 
     def _cached_prefix(self, seq: SeqState) -> int:
-        """Prompt tokens the prefix cache holds for `seq` (leaving at least one to compute)."""
-        if self.prefix is None or not seq.block_hashes:
+        """Prompt tokens the prefix cache holds for `seq` (leaving at least one to compute); none for a request
+        asking prompt logprobs (a cached prefix has no logits: prompt_logprobs.py)."""
+        if self.prefix is None or not seq.block_hashes or seq.req.params.prompt_logprobs is not None:
             return 0
         return self.prefix.cached_tokens(seq.block_hashes, len(seq.req.prompt_ids))
 

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from data_plane.shard.engines.prompt_logprobs import split_prompt_logits
 from data_plane.shard.engines.scheduler import SchedulerOutput
 from data_plane.shard.engines.sequence import SeqState
 from data_plane.shard.engines.token_masks import MaskPrefetch
@@ -128,6 +129,7 @@ class Executor:
         if plan.is_verify:
             tokens = [tuple(t) for t in Speculator.accept(logits, rows)]
         else:
+            logits = split_prompt_logits(rows, logits)  # a prompt-logprobs request's rows recorded, not sampled
             sampling = [r.seq for r in rows if r.samples]
             picked = iter(choose_tokens(logits, sampling)) if sampling else iter(())
             tokens = [(next(picked),) if r.samples else () for r in rows]
