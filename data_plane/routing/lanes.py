@@ -155,8 +155,10 @@ class ChoiceLanes:
         if remaining <= 0:
             return False
         seed, rid = self._request.seed, self._request.request_id
+        sent = p.output(index, self._body).text()
         request = self._request.model_copy(update={  # choice i's seed is seed + i (data_plane/shard/generation.py)
-            "n": 1, "messages": continued(self._request, p.output(index, self._body).text()),
+            "n": 1, "messages": continued(self._request, sent),
+            "prompt_logprobs": None if sent else self._request.prompt_logprobs,  # (came on its first chunk)
             "continue_final_message": True,
             "add_generation_prompt": False, "max_tokens": remaining, "seed": None if seed is None else _int64(seed + index),
             # its own id: two choices may continue on one shard, which refuses a second request of one id

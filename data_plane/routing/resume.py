@@ -148,9 +148,12 @@ class ResumableStream:
                 if remaining <= 0:
                     yield [Finish("length")]
                     return
+                sent = self._sent.text()
                 request = self._request.model_copy(update={  # a copy: the original is never changed
-                    "messages": continued(self._request, self._sent.text()), "continue_final_message": True,
-                    "add_generation_prompt": False, "max_tokens": remaining})
+                    "messages": continued(self._request, sent), "continue_final_message": True,
+                    "add_generation_prompt": False, "max_tokens": remaining,
+                    # the prompt's logprobs came on the first chunk: not asked again over the output so far
+                    "prompt_logprobs": None if sent else self._request.prompt_logprobs})
                 try:
                     with trace.use_span(self._span, end_on_exit=False, record_exception=False,
                                         set_status_on_exception=False):  # the resumed shard.generate: a child

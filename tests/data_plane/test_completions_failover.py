@@ -28,7 +28,8 @@ def running(shard: Service) -> float:
 
 @pytest.fixture(scope="module")
 def real() -> Iterator[tuple[list[Service], Service]]:
-    with static_shards(FP32_SHARD, FP32_SHARD, gateway_args=("--silence-timeout-s", "30"),
+    # three: a test kills the one serving, and the next resumes on one of the two left
+    with static_shards(FP32_SHARD, FP32_SHARD, FP32_SHARD, gateway_args=("--silence-timeout-s", "30"),
                        ready_timeout=240) as (shards, gw):
         yield shards, gw
 
@@ -59,3 +60,36 @@ def test_a_greedy_completion_resumed_after_its_shard_is_killed_equals_an_unbroke
     resumed, killed = stream(prompt, 8)
     assert killed and metric(gw.url, "switchboard_router_resumes_total") == before + 1
     assert resumed == whole and len(whole[0]) > 40, (whole, resumed)
+
+
+def test_an_echoed_loglikelihood_stream_resumed_lists_the_prompt_once(real: tuple[list[Service], Service]) -> None:
+    """Echo with logprobs, streamed, its shard killed after the prompt's logprobs came: the resumed shard is not
+    asked them again (its prompt holds the output so far), and the client's lists are an unbroken stream's."""
+    shards, gw = real
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEYS["plus"], max_retries=0, timeout=180)
+
+    def lists(kill_after: int | None) -> tuple[list[str], list[float | None], str, list[Service]]:
+        tokens: list[str] = []
+        values: list[float | None] = []
+        text, killed, chunks = "", [], 0
+        for chunk in client.completions.create(model="", prompt="The lighthouse keeper climbed the stairs and",
+                                               max_tokens=24, temperature=0, stream=True, echo=True, logprobs=1):
+            for choice in chunk.choices:
+                text += choice.text
+                if choice.logprobs:
+                    tokens += choice.logprobs.tokens or []
+                    values += choice.logprobs.token_logprobs or []
+                chunks += 1
+                if chunks == kill_after:
+                    serving = [s for s in shards if s.proc is not None and s.proc.poll() is None and running(s) > 0]
+                    for s in serving:
+                        s.kill()
+                    killed.extend(serving)
+        return tokens, values, text, killed
+
+    tokens, values, text, _ = lists(None)
+    assert values[0] is None and values.count(None) == 1 and "".join(tokens) == text
+    before = metric(gw.url, "switchboard_router_resumes_total")
+    again = lists(6)
+    assert again[3] and metric(gw.url, "switchboard_router_resumes_total") == before + 1
+    assert again[:3] == (tokens, pytest.approx(values, abs=1e-4), text)
