@@ -7,7 +7,8 @@ input safety, context check, admission, KV-aware routing, resumable shard stream
 metrics and spans. What differs: the body (data_plane/completions_request.py: the prompt goes to the shard as
 a raw prompt, no chat template), no sessions, and the reply's shape (data_plane/gateway/completions_wire.py).
 With several prompts each goes to a shard as its own request (its `n` choices), admitted together and merged
-into one stream whose choices are indexed prompt_index * n + i (`Prompts`).
+into one stream whose choices are indexed prompt_index * n + i (`Prompts`). With echo and logprobs each
+choice's prompt logprobs, sent by its shard on its first chunk, are kept for the reply's shape (`Echoed`).
 """
 
 from __future__ import annotations

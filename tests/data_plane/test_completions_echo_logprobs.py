@@ -33,20 +33,30 @@ def gateway(fp32_shard: Service, tmp_path_factory: pytest.TempPathFactory) -> It
         yield gw
 
 
+def _teacher_forced(eng: TorchEngine, text: str) -> tuple[list[int], list[float]]:
+    ids = eng.encode_text(text)
+    logits = eng._runner.forward([(1, ids, 0)], [len(ids)])
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return ids, lp[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1).tolist()
+
+
 @pytest.fixture(scope="module")
-def reference() -> Iterator[tuple[list[int], list[float]]]:
-    """TEXT's ids and each token's logprob after the ones before it, from one teacher-forced pass of the runner."""
+def engine() -> Iterator[TorchEngine]:
+    """The shard's model and format, in process: the reference's runner."""
     loop = asyncio.new_event_loop()
-    eng = TorchEngine(EngineConfig(**INVARIANT, max_num_seqs=2, max_model_len=256, threads=1))
+    eng = TorchEngine(EngineConfig(**INVARIANT, max_num_seqs=2, max_model_len=1024, threads=1))
     loop.run_until_complete(eng.start())
     try:
-        ids = eng.encode_text(TEXT)
-        logits = eng._runner.forward([(1, ids, 0)], [len(ids)])
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        yield ids, lp[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1).tolist()
+        yield eng
     finally:
         loop.run_until_complete(eng.aclose())
         loop.close()
+
+
+@pytest.fixture(scope="module")
+def reference(engine: TorchEngine) -> tuple[list[int], list[float]]:
+    """TEXT's ids and each token's logprob after the ones before it, from one teacher-forced pass of the runner."""
+    return _teacher_forced(engine, TEXT)
 
 
 def _loglikelihood(client: Any, prompt: Any, **more: Any) -> Any:
@@ -100,6 +110,35 @@ def test_echo_with_output_lists_the_prompt_then_the_output(gateway: Service,
     assert lp.token_logprobs[len(ids):] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
     assert lp.text_offset[len(ids):] == [len(TEXT) + o for o in plain.choices[0].logprobs.text_offset]
     assert both.usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_every_choice_of_several_prompts_lists_its_own_prompt(gateway: Service,
+                                                              reference: tuple[list[int], list[float]]) -> None:
+    _, want = reference
+    client = sdk(gateway)
+    other = "One, two, three, four,"
+    for stream in (False, True):
+        if stream:
+            got: dict[int, list[Any]] = {}
+            for chunk in _loglikelihood(client, [TEXT, other], n=2, stream=True):
+                for c in chunk.choices:
+                    got.setdefault(c.index, []).extend(c.logprobs.token_logprobs if c.logprobs else [])
+            values = [got[i] for i in range(4)]
+        else:
+            values = [c.logprobs.token_logprobs for c in _loglikelihood(client, [TEXT, other], n=2).choices]
+        assert values[0] == values[1] and values[2] == values[3] and len(values[2]) != len(values[0])
+        assert all(v[0] is None and None not in v[1:] for v in values)
+        assert values[0][1:] == pytest.approx(want, abs=1e-4)
+
+
+def test_a_prompt_of_several_prefill_chunks(gateway: Service, engine: TorchEngine) -> None:
+    """~700 tokens: the shard's prefill chunks (256) each give their rows, in blocks of 128 (prompt_logprobs.py)."""
+    text = " ".join(f"Item {i} is a {('red', 'blue', 'green')[i % 3]} box on shelf {i % 7}." for i in range(60))
+    ids, want = _teacher_forced(engine, text)
+    assert len(ids) > 600
+    lp = _loglikelihood(sdk(gateway), text).choices[0].logprobs
+    assert len(lp.token_logprobs) == len(ids) and lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
 
 
 def test_max_tokens_0_needs_echo_and_prompt_logprobs_are_the_gateways(gateway: Service) -> None:
