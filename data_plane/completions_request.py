@@ -32,6 +32,9 @@ MAX_PROMPTS = 32
 sends up to 20 in one request (its batch_size)."""
 MAX_COMPLETIONS = 64
 """n x prompts: the generations of one request."""
+MAX_TOKEN_ID = 2**31 - 1
+"""Past any vocabulary: a larger id (2**32 and up) overflowed the gateway's decode for the input filters, a 500
+(ids within it but past the model's vocabulary are the shard's 400)."""
 
 
 class CompletionRequest(BaseModel):
@@ -135,6 +138,8 @@ def prompts_of(value: str | list[Any]) -> list[Prompt]:
             valid_unicode(p.text)
         elif any(i < 0 for i in p.ids):
             raise InvalidRequest(f"{where}: token ids are 0 or above", param=where)
+        elif (big := next((i for i in p.ids if i > MAX_TOKEN_ID), None)) is not None:
+            raise InvalidRequest(f"{where}: token id {big} is out of vocabulary", param=where)
         if not p.text and not p.ids:
             raise InvalidRequest(f"{where} must not be empty", param=where)
     return out

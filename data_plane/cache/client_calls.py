@@ -121,7 +121,9 @@ class NodeCalls:
         its home node was away, once the record is back on its replicas): removed | kept (the node holds another
         version now: a write that landed since, left alone) | gone | error."""
         try:
-            resp = await self._http.request("DELETE", member.url, f"{self._path(session_id)}?if_version={version}",
+            # a path, not ?if_version=N: a node of before conditional deletes ignored the query and removed the
+            # record whatever its version; it refuses this path (400: kept, "error")
+            resp = await self._http.request("DELETE", member.url, f"{self._path(session_id)}/if-version/{version}",
                                             headers=self._headers(), timeout=self._timeout_s)
             body = json_or_none(await resp.read(self._deadline()))
         except HopError:

@@ -13,8 +13,8 @@ HTTP API (errors in the OpenAI shape)::
                                200 stored; 409 session_version_conflict (+ "stored_version") when the
                                stored version is higher (or equal, with only_newer: a turn's write):
                                whole records, last writer by version wins
-    DELETE /v1/sessions/{id}   200 {"session_id","deleted": bool}; ``?if_version=N``: only if it holds version N
-                               (else "stored_version": what it holds, kept)
+    DELETE /v1/sessions/{id}   200 {"session_id","deleted": bool}; ``/{id}/if-version/N`` (or ``?if_version=N``):
+                               only if it holds version N (else "stored_version": what it holds, kept)
     GET|PUT|DELETE /v1/response-cache/{id}   the same for cached replies (the gateway's response
                                cache), in memory with their own byte budget and TTL
     GET    /health             200 ready, 503 when the backend is unreachable
@@ -432,11 +432,20 @@ def _mount_records(app: FastAPI, prefix: str, store: ManagedStorage, default_ttl
                 }
             )
 
+    @app.delete(prefix + "/{session_id}/if-version/{version}", dependencies=hop)
+    async def delete_version(session_id: str, version: str, request: Request) -> JSONResponse:
+        """The gateway's conditional delete: a path a node of before it refuses (400, an invalid id) where it
+        ignored ``?if_version`` and removed whatever version it held, a write that landed since too."""
+        return await delete(session_id, request, version)
+
     @app.delete(prefix + "/{session_id:path}", dependencies=hop)
     async def delete_session(session_id: str, request: Request) -> JSONResponse:
+        return await delete(session_id, request, request.query_params.get("if_version"))
+
+    async def delete(session_id: str, request: Request, if_version: str | None) -> JSONResponse:
+        """Remove the record (`if_version`: only that copy, one moved back to its node)."""
         with metrics.track(op_prefix + "delete", request, node_id) as op:
             validate_session_id(session_id)
-            if_version = request.query_params.get("if_version")  # only that copy: one moved back to its node
             if if_version is not None and not (if_version.isdigit() and int(if_version) < 2**53):
                 raise InvalidRequest("if_version must be a record version", param="if_version")
             deleted = await store.delete(session_id, if_version=None if if_version is None else int(if_version))

@@ -371,7 +371,10 @@ def listen_socket(host: str, port: int, process: str = "gateway") -> socket.sock
     the model and registered the member, and exit code 3."""
     sock: socket.socket | None = None
     try:
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        # uvicorn's choice of family: IPv6 for an address with a colon, else IPv4. The resolver's first answer
+        # for "localhost" is ::1 on hosts with IPv6, which bound the server to ::1 alone (127.0.0.1 refused)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        family, _, _, _, address = socket.getaddrinfo(host, port, family=family, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)

@@ -34,7 +34,7 @@ from data_plane.gateway.safety.pipeline import SafetyPolicy, raise_if_blocked
 from data_plane.gateway.stream import EventSource
 from data_plane.membership.view import Member
 from data_plane.protocol import ChatCompletionRequest
-from data_plane.routing.events import Delta, Event, Finish, ToolCallDelta, UsageEvent
+from data_plane.routing.events import Delta, Event, Fingerprint, Finish, ToolCallDelta, UsageEvent
 from data_plane.routing.resume import ResumableStream
 from data_plane.tiers import Tier
 
@@ -195,6 +195,7 @@ class Prompts:
         queue: asyncio.Queue[tuple[int, list[Event] | Exception | None]] = asyncio.Queue()
         tasks = self._pumps = [asyncio.create_task(self._pump(k, queue)) for k in range(len(self.streams))]
         usage = [UsageEvent(0, 0)] * len(self.streams)
+        prompts = [0] * len(self.streams)
         running = len(tasks)
         try:
             while running:
@@ -208,8 +209,14 @@ class Prompts:
                 for event in item:
                     if isinstance(event, UsageEvent):
                         usage[k] = event
-                    elif isinstance(event, (Delta, ToolCallDelta, Finish)):
-                        out.append(replace(event, index=event.index + k * self.n))
+                    elif isinstance(event, Delta) and event.usage is not None:
+                        # a running count is the request's: every prompt's tokens so far, so a client that
+                        # leaves before the final usage is billed for all the prompts, not the largest one
+                        prompts[k] = event.usage[0]
+                        out.append(replace(event, index=event.index + k * self.n,
+                                           usage=(sum(prompts), event.usage[1])))
+                    elif isinstance(event, (Delta, ToolCallDelta, Finish, Fingerprint)):  # the fingerprint: the
+                        out.append(replace(event, index=event.index + k * self.n))  # body's system_fingerprint
                 if out:
                     yield out
             yield [UsageEvent(sum(u.prompt_tokens for u in usage), sum(u.completion_tokens for u in usage),

@@ -220,8 +220,8 @@ class Upstream:
             return await self.open(request, session_id, failures=failures)
         except SwitchboardError:
             gone = {f.member.id for f in failures if f.member is not None and f.reason in SHARD_GONE}
-            if not (self.config.resume_wait_s and gone):
-                raise
+            if not (self.config.resume_wait_s and gone) or any(f.reason not in SHARD_GONE for f in failures):
+                raise  # a live shard's own failure (a 503, a 429) beside a gone one: answered, not waited on
             try:  # nothing was sent yet
                 return await self.reopen(request, session_id, gone)
             except NoHealthyBackend:

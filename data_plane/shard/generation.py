@@ -32,7 +32,10 @@ def generation_requests(req: ChatCompletionRequest, engine: Engine, request_id: 
     # already made: a grammar continues after it, and a seeded sample draws on from the position after it
     # (torch_sampling.Draws), so a resumed stream gives the unbroken stream's text. It was set only under a
     # grammar, and a plain seeded stream resumed on another shard started its draws over.
-    resumed = messages[-1]["content"] if req.continue_final_message else ""
+    # A raw prompt (the legacy Completions API) is always a continued message, its text the client's prompt, not
+    # output: counted as made it ate into min_tokens and drew presence/frequency penalties. (Its resume, the
+    # prompt and the output as one text, so starts its draws over.)
+    resumed = messages[-1]["content"] if req.continue_final_message and not req.raw_prompt else ""
     grammar = None
     if plan.constraint is not None:
         grammar = GrammarSpec(GrammarKind(plan.constraint.kind), plan.constraint.text)

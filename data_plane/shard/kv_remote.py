@@ -170,14 +170,14 @@ class KVRemote:
         the shard has locally are not sent). Replicas are asked local zone first; one that answers
         with fewer blocks than another might have is followed by the next. None: nobody answered."""
         best: Fetched | None = None
-        headers = self._traced({**self._headers, "content-type": CONTENT_TYPE})
+        sent = self._traced({**self._headers, "content-type": CONTENT_TYPE})  # every replica's: the cluster token
         for member in self.replicas_for(session_id, replicas):
             if self._suspect_until.get(member.id, 0.0) > time.monotonic():
                 continue
             started = time.perf_counter()
             try:
                 status, headers, body = await post_raw(
-                    member.url, f"/v1/kv/fetch?skip={skip}", b"".join(hashes), headers, self._timeout_s)
+                    member.url, f"/v1/kv/fetch?skip={skip}", b"".join(hashes), sent, self._timeout_s)
             except (OSError, TimeoutError, RawHTTPError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
                     ssl.SSLError) as exc:
                 log.warning("cache node %s unreachable for a KV fetch: %s (skipped for %.0f s)", member.id,

@@ -197,3 +197,37 @@ async def test_a_delete_while_its_node_is_away_is_503_and_never_a_404_the_conver
         with pytest.raises(NotFound):
             await store.delete(sid, "key-a", replicas=1)
         await store.aclose()
+
+
+async def test_a_moved_copy_on_a_node_of_before_conditional_deletes_is_kept() -> None:
+    """Rolling upgrade: a cache node of before conditional deletes ignored ``?if_version=N`` and removed the record
+    whatever version it held, a turn written there since included, and said "deleted". The condition is in the
+    path now, which such a node refuses (400: an invalid session id), so the copy is kept ("error")."""
+    import asyncio
+    import json
+    import re
+
+    held = {"old-node-copy": 3}
+
+    async def old_node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        method, target, _ = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split(" ", 2)
+        session_id = target.split("?", 1)[0].removeprefix("/v1/sessions/")  # its route: {session_id:path}
+        if method == "DELETE" and re.fullmatch(r"[A-Za-z0-9._:-]{1,128}", session_id):
+            status, body = "200 OK", {"session_id": session_id, "deleted": held.pop(session_id, None) is not None}
+        else:
+            status, body = "400 Bad Request", {"error": {"message": "invalid session id", "code": "invalid_value"}}
+        raw = json.dumps(body).encode()
+        writer.write(f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(raw)}\r\n"
+                     f"\r\n".encode() + raw)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(old_node, "127.0.0.1", 0)
+    node = Member("cache-old", "cache", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        async with HopPool() as http:
+            store = SessionStore(ChangingView([node]), http, registry=CollectorRegistry())
+            assert await store._remove_copy(node, "old-node-copy", version=2) == "error"
+    finally:
+        server.close()
+    assert held == {"old-node-copy": 3}, "the version written there since was removed"

@@ -159,6 +159,12 @@ def test_a_delete_with_if_version_removes_only_that_version(node: Service, clien
     assert client.delete(url, params={"if_version": TOMBSTONE_VERSION}).json()["deleted"] is True
     for bad in ("-1", "x", str(2**53), ""):
         assert_openai_error(client.delete(url, params={"if_version": bad}), 400, "invalid_value")
+    # the gateway's form (a node of before it refuses the path, where it ignored the query and removed the record)
+    assert client.put(url, json=record(version=5)).status_code == 200
+    assert client.delete(f"{url}/if-version/4").json()["stored_version"] == 5
+    assert client.delete(f"{url}/if-version/5").json()["deleted"] is True
+    assert client.get(url).status_code == 404
+    assert_openai_error(client.delete(f"{url}/if-version/x"), 400, "invalid_value")
 
 
 @pytest.mark.parametrize("bad", ["a%20b", "x" * 129, "a/b", "%C3%A9t%C3%A9", "semi;colon", "%00"])

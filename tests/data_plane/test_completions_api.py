@@ -99,7 +99,9 @@ def test_bad_requests_are_openai_shaped_400s_naming_the_param(gateway: Service) 
         assert body["param"] == param and body["type"] == "invalid_request_error", body
     body = refusal(lambda: client.completions.create(model=MODEL, prompt=[1] * 3000, max_tokens=2))
     assert (body["code"], body["param"]) == ("context_length_exceeded", "prompt"), body
-    for prompt in ([], [5, -1], [[5], [-1]], [5, 10**9]):  # a negative id killed the engine, the shard with it
+    # a negative id killed the engine, the shard with it; one past 2**32 was a 500 (the gateway's decode for the
+    # input filters overflowed)
+    for prompt in ([], [5, -1], [[5], [-1]], [5, 10**9], [5, 2**32], [[5], [2**63]]):
         body = refusal(lambda p=prompt: client.completions.create(model=MODEL, prompt=p, max_tokens=2))
         assert body["param"] in ("prompt", "prompt.1"), body
     assert client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=1).choices[0].finish_reason

@@ -19,7 +19,7 @@ from data_plane.common.errors import InvalidRequest
 from data_plane.gateway.completions import Prompts, _open_all
 from data_plane.gateway.completions_wire import LegacyShape
 from data_plane.protocol import ShardRequest, parse_chat_request
-from data_plane.routing.events import Delta, Event, Finish, UsageEvent
+from data_plane.routing.events import Delta, Event, Fingerprint, Finish, UsageEvent
 from data_plane.routing.lanes import continued
 from data_plane.shard.engines.synthetic import SyntheticEngine
 from data_plane.shard.generation import generation_requests, prompt_ids
@@ -193,3 +193,19 @@ def test_a_failed_prompt_stream_fails_the_whole_and_close_stops_every_reader() -
 
     merged = asyncio.run(run())
     assert all(s.closed for s in merged.streams)  # type: ignore[attr-defined]
+
+
+def test_several_prompts_pass_on_the_fingerprint_and_a_running_count_of_every_prompt() -> None:
+    """A multi-prompt reply had system_fingerprint null (the merge dropped the shards' Fingerprint events), and a
+    client that left before the final usage was billed the largest prompt's tokens, not every prompt's."""
+    a = _Source([[Fingerprint("fp_a"), Delta("x", usage=(30, 1))], [Delta("y", usage=(30, 2))]])
+    b = _Source([[Fingerprint("fp_a"), Delta("z", usage=(40, 1))]])
+    merged = Prompts([a, b], 1)  # type: ignore[list-item]
+
+    async def run() -> list[Event]:
+        return [e async for batch in merged.batches() for e in batch]
+
+    events = asyncio.run(run())
+    assert [e.value for e in events if isinstance(e, Fingerprint)] == ["fp_a", "fp_a"]
+    running = [e.usage for e in events if isinstance(e, Delta)]
+    assert max(u[0] for u in running if u is not None) == 70

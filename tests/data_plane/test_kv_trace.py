@@ -105,3 +105,34 @@ def test_prepare_keeps_the_turns_span_for_its_offload() -> None:
     req = GenerationRequest("r-1", [1], SamplingParams(), kv_session=KVSessionRef("s-1"))
     assert asyncio.run(tier.prepare(req, NonRecordingSpan(turn))) == 0
     assert req.kv_session is not None and req.kv_session.origin == turn
+
+
+def test_a_kv_fetch_that_asks_the_next_replica_sends_it_the_cluster_token() -> None:
+    """A replica that answers with fewer blocks is followed by the next one; the loop read that answer into the
+    variable that held the request's headers, so the next replica was sent the first one's response headers (a
+    second content-length, no cluster token): refused, and the session's KV on it never fetched."""
+    seen: list[dict[str, str]] = []
+
+    async def node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")[1:]
+        headers = [line.partition(":") for line in head if line]
+        seen.append({k.strip().lower(): v.strip() for k, _, v in headers})
+        await reader.readexactly(int(seen[-1]["content-length"]))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\nx-kv-run: 0\r\n"
+                     b"content-length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def run() -> None:
+        servers = [await asyncio.start_server(node, "127.0.0.1", 0) for _ in range(2)]
+        members = [Member(f"cache-{i}", "cache", f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}")
+                   for i, s in enumerate(servers)]
+        async with httpx.AsyncClient() as http:
+            remote = KVRemote(StaticMembership(members), http, headers={"authorization": "Bearer cluster-token"})
+            assert await remote.fetch("s-1", 2, [bytes(HASH_BYTES)], skip=0) is not None
+        for s in servers:
+            s.close()
+
+    asyncio.run(run())
+    assert len(seen) == 2
+    assert all(h.get("authorization") == "Bearer cluster-token" and "x-kv-run" not in h for h in seen), seen

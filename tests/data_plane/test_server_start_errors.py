@@ -68,3 +68,26 @@ def test_a_redis_url_redis_py_cannot_read_is_one_line(command: str, tmp_path) ->
     assert ran.stderr.strip().splitlines() == [
         f"switchboard {command}: --redis: String should match pattern '^(redis|rediss|unix)://'"], ran.stderr
     assert "starting control plane" not in ran.stdout and not list(tmp_path.iterdir())
+
+
+def test_a_host_name_binds_ipv4_as_uvicorn_did(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Binding before the lifespan took the resolver's first address: "localhost" is ::1 first on hosts with IPv6,
+    so `--host localhost` listened on ::1 alone and clients of 127.0.0.1 were refused (uvicorn binds IPv4 for any
+    host without a colon)."""
+    from data_plane.common import http_server
+
+    resolve = socket.getaddrinfo
+
+    def ipv6_first(host: str, port: int, family: int = 0, type: int = 0, *rest: object) -> list[tuple]:
+        found = resolve(host, port, family, type)
+        if host == "localhost" and family in (0, socket.AF_UNSPEC):  # as glibc orders it with IPv6 configured
+            return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)), *found]
+        return found
+
+    monkeypatch.setattr(socket, "getaddrinfo", ipv6_first)
+    try:
+        sock = http_server.listen_socket("localhost", 0)
+    except SystemExit as exc:  # this host has no ::1 to bind
+        raise AssertionError(f"bound ::1, not 127.0.0.1: {exc}") from None
+    with sock:
+        assert sock.family == socket.AF_INET and sock.getsockname()[0] == "127.0.0.1"

@@ -50,3 +50,16 @@ def test_a_stop_string_counts_only_past_min_tokens(fp32_shard: Service) -> None:
     assert (choice["message"]["content"], choice["finish_reason"]) == (full[:cut], "stop"), full
     assert reply["usage"]["completion_tokens"] > 6
     assert _streamed(fp32_shard, stop=["1"], min_tokens=6) == full[:cut]
+
+
+def test_a_raw_prompts_text_is_not_output_already_made(fp32_shard: Service) -> None:
+    """The legacy Completions API's raw prompt is sent as a continued final message (so a resume continues it as
+    one text), and the shard took a continued message for output already sent: a prompt of 13 tokens counted
+    against `min_tokens` 6 (a stop string ended the reply at once) and its tokens were penalized as output by
+    presence/frequency penalties."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "1, 2, 3, 4, 5, 6, 7,"}], "raw_prompt": True,
+            "continue_final_message": True, "add_generation_prompt": False, "temperature": 0, "max_tokens": 20,
+            "stop": [","], "min_tokens": 6}
+    reply = httpx.post(fp32_shard.url + "/v1/chat/completions", headers=CLUSTER_HEADERS, json=body,
+                       timeout=120).json()
+    assert reply["usage"]["completion_tokens"] > 6, reply

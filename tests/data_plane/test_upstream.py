@@ -638,3 +638,16 @@ async def test_a_clients_continuation_resumes_as_one_assistant_message_with_the_
     assert resumed["messages"] == [{"role": "user", "content": "Capital of France?"},
                                    {"role": "assistant", "content": "It is Par"}]
     assert resumed["continue_final_message"] is True and resumed["add_generation_prompt"] is False
+
+
+async def test_a_live_shards_own_failure_beside_a_gone_one_is_answered_at_once() -> None:
+    """Two shards, one killed (connection refused) and one that answers 503 overloaded: the request waited for a
+    shard as if it were alone (resume_wait_s) and sent the overloaded shard the request again, held against it
+    twice, where a live shard's own failure is answered at once."""
+    busy = b'{"error": {"message": "busy", "type": "server_error", "code": "overloaded"}}'
+    pool = Pool(HopConnectError("refused"), Response(503, body=busy), Response(503, body=busy))
+    up, _ = upstream(pool, shards=2, resume_wait_s=60)
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(SwitchboardError):
+        await up.open_resumable(BODY, session_id=None)
+    assert len(pool.posts) == 2 and asyncio.get_running_loop().time() - t0 < 1.0
