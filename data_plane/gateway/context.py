@@ -48,21 +48,18 @@ under its RPM) held every tenant's requests behind it (enterprise p50 0.11 -> 3.
 
 
 class TokenCounter:
-    def __init__(self, encode: Callable[[str], int], cache_size: int = 50_000, *, implicit_system: int = 0,
-                 exact: bool = False, cache_bytes: int = CACHE_BYTES, ceiling: int = 0,
-                 token_bytes: int = 0) -> None:
-        """`implicit_system`: the tokens the chat template adds to a chat that has no system message (its
-        default system prompt); `exact`: those counts were checked against the template's own rendering
-        (`template_overhead`), so nothing need be set aside for template tokens the count cannot see."""
+    def __init__(self, encode: Callable[[str], int], cache_size: int = 50_000, *, cache_bytes: int = CACHE_BYTES,
+                 ceiling: int = 0, token_bytes: int = 0) -> None:
         self._encode = encode
         self._cache: OrderedDict[str, int] = OrderedDict()
         self._cache_size = cache_size
         self._cache_bytes = cache_bytes
         self._cached_bytes = 0
-        self.implicit_system = implicit_system
-        self.message_overhead, self.primer = MESSAGE_OVERHEAD_TOKENS, REPLY_PRIMER_TOKENS
-        self.slack = 0 if exact else TEMPLATE_SLACK_TOKENS
-        """Tokens a prompt's budget sets aside for template tokens the count cannot see."""
+        self.message_overhead, self.primer, self.implicit_system = MESSAGE_OVERHEAD_TOKENS, REPLY_PRIMER_TOKENS, 0
+        """The chat template in tokens: around each message, the reply's primer, the default system prompt it adds
+        to a chat without one (generic constants until `for_model` solves the model's own: `template_frame`)."""
+        self.slack = TEMPLATE_SLACK_TOKENS
+        """Tokens a prompt's budget sets aside for template tokens the count cannot see (0 once solved)."""
         self.decode: Callable[[list[int]], str] | None = None
         """Token ids as the text they spell (the model's tokenizer; None for the synthetic engine's words): what
         the input filters read of a legacy completion's token-id prompt."""
@@ -76,10 +73,11 @@ class TokenCounter:
         from data_plane.model_store import resolve_model
 
         folder = resolve_model(model)
-        encode, raw, token_bytes, decode = _model_encoder(folder)
-        counter = cls(encode, ceiling=_model_context(folder), token_bytes=token_bytes)
-        counter.decode = decode
-        frame = template_frame(folder, counter.count, raw)
+        config = _read_json(folder / "tokenizer_config.json")
+        tok = _model_tokenizer(folder, config)
+        counter = cls(tok.count, ceiling=_model_context(folder), token_bytes=tok.token_bytes)
+        counter.decode = tok.decode
+        frame = template_frame(_chat_template(folder, config), config, counter.count, tok.rendered)
         if frame is not None:  # the template's own numbers, checked: nothing set aside
             counter.message_overhead, counter.primer, counter.implicit_system = frame
             counter.slack = 0
@@ -138,13 +136,13 @@ class TokenCounter:
         return sum(self.message_tokens(m) for m in messages) + self.frame_tokens(messages)
 
 
-def template_frame(folder: Path, count: Callable[[str], int], raw: Callable[[str], int]) -> tuple[int, int, int] | None:
+def template_frame(template: str | None, config: dict[str, Any], count: Callable[[str], int],
+                   raw: Callable[[str], int]) -> tuple[int, int, int] | None:
     """The model's chat template in tokens: (each message's tokens beyond its role and content, the reply's
     primer, the default system prompt it adds to a chat with none), solved from renderings of three probe
     chats and checked on two more; `raw` counts a rendered prompt (its control tokens as control tokens).
     SmolLM2's: (4, 4, 21). None when there is no template, it does not render here, or a check fails (the
-    counter then keeps its generic constants and the gateway its slack)."""
-    template, config = _chat_template(folder)
+    counter then keeps its generic constants and the gateway its slack). `config`: tokenizer_config.json."""
     if template is None:
         return None
 
@@ -180,18 +178,22 @@ def template_frame(folder: Path, count: Callable[[str], int], raw: Callable[[str
     return overhead, primer, implicit
 
 
-def _chat_template(folder: Path) -> tuple[str | None, dict[str, Any]]:
-    """The model's chat template (chat_template.jinja, else tokenizer_config.json's, its default if named) and
-    tokenizer_config.json."""
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file's contents; {} when it is absent or not a JSON object."""
     try:
-        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        config = {}
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+    """The model's chat template: chat_template.jinja, else tokenizer_config.json's (`config`), its default if named."""
     source = folder / "chat_template.jinja"
     template = source.read_text(encoding="utf-8") if source.exists() else config.get("chat_template")
     if isinstance(template, list):  # named templates: the default one
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-    return (template if isinstance(template, str) else None), config
+    return template if isinstance(template, str) else None
 
 
 FAST_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
@@ -199,36 +201,48 @@ FAST_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFas
 (the shard's model_files.py loads the same set directly)."""
 
 
-def _model_encoder(folder: Path) -> tuple[Callable[[str], int], Callable[[str], int], int,
-                                          Callable[[list[int]], str]]:
-    """Tokens in a text, without special tokens added, as the model's tokenizer counts them (a text spelling
-    "<|im_end|>" is its characters, as the shard encodes a message); and tokens in a rendered prompt, whose
-    control tokens are control tokens (`template_frame`'s check); `_longest_token_bytes`; ids to text. A plain fast tokenizer is read straight
-    from tokenizer.json with `tokenizers`: importing transformers made a gateway's start-up seconds slower
-    (~25 s on a loaded 2-core host, against ~1 s), for the same counts (tests/data_plane/test_context_window.py).
-    Any other tokenizer: transformers' AutoTokenizer."""
-    try:
-        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        config = {}
+@dataclass(frozen=True)
+class _ModelTokenizer:
+    count: Callable[[str], int]
+    """Tokens in a message's text, no special tokens added, a text spelling "<|im_end|>" as its characters (as
+    the shard encodes a message)."""
+    rendered: Callable[[str], int]
+    """Tokens in a rendered prompt, its control tokens as control tokens (`template_frame`'s check, at start-up)."""
+    decode: Callable[[list[int]], str]
+    token_bytes: int
+    """`_longest_token_bytes`."""
+
+
+def _model_tokenizer(folder: Path, config: dict[str, Any]) -> _ModelTokenizer:
+    """The model's tokenizer (`config`: its tokenizer_config.json). A plain fast tokenizer is read straight from
+    tokenizer.json with `tokenizers`: importing transformers made a gateway's start-up seconds slower (~25 s on a
+    loaded 2-core host, against ~1 s), for the same counts (tests/data_plane/test_context_window.py). Any other
+    tokenizer: transformers' AutoTokenizer."""
     if config.get("tokenizer_class") in FAST_TOKENIZER_CLASSES and (folder / "tokenizer.json").exists():
         from tokenizers import Tokenizer
 
         fast = Tokenizer.from_file(str(folder / "tokenizer.json"))
         fast.encode_special_tokens = True
-        rendered = Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+        def rendered(text: str) -> int:  # start-up only, before the counter is shared with any thread
+            fast.encode_special_tokens = False
+            try:
+                return len(fast.encode(text, add_special_tokens=False).ids)
+            finally:
+                fast.encode_special_tokens = True
+
         # encode_batch: the tokenizer lets go of the GIL there (encode holds it), so `warm`'s thread runs
         # beside the event loop
-        return (lambda text: len(fast.encode_batch([text], add_special_tokens=False)[0].ids),
-                lambda text: len(rendered.encode(text, add_special_tokens=False).ids),
-                _longest_token_bytes(fast.get_vocab(), type(fast.decoder).__name__ == "ByteLevel"),
-                lambda ids: fast.decode(ids, skip_special_tokens=False))
+        return _ModelTokenizer(lambda text: len(fast.encode_batch([text], add_special_tokens=False)[0].ids),
+                               rendered, lambda ids: fast.decode(ids, skip_special_tokens=False),
+                               _longest_token_bytes(fast.get_vocab(), type(fast.decoder).__name__ == "ByteLevel"))
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(folder))
-    return (lambda text: len(tok.encode(text, add_special_tokens=False, split_special_tokens=True)),
-            lambda text: len(tok.encode(text, add_special_tokens=False)), _longest_token_bytes(tok.get_vocab()),
-            lambda ids: str(tok.decode(ids, skip_special_tokens=False)))
+    return _ModelTokenizer(lambda text: len(tok.encode(text, add_special_tokens=False, split_special_tokens=True)),
+                           lambda text: len(tok.encode(text, add_special_tokens=False)),
+                           lambda ids: str(tok.decode(ids, skip_special_tokens=False)),
+                           _longest_token_bytes(tok.get_vocab()))
 
 
 def _longest_token_bytes(vocab: dict[str, int], byte_level: bool = False) -> int:
@@ -241,11 +255,7 @@ def _longest_token_bytes(vocab: dict[str, int], byte_level: bool = False) -> int
 
 def _model_context(folder: Path) -> int:
     """The model's own context (config.json's max_position_embeddings), 0 when unknown."""
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return 0
-    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    value = _read_json(folder / "config.json").get("max_position_embeddings")
     return value if isinstance(value, int) and value > 0 else 0
 
 
