@@ -34,6 +34,14 @@ def real() -> Iterator[tuple[list[Service], Service]]:
         yield shards, gw
 
 
+def kill_serving(shards: list[Service]) -> list[Service]:
+    """kill -9 every shard with a request running: the stream's own."""
+    serving = [s for s in shards if s.proc is not None and s.proc.poll() is None and running(s) > 0]
+    for s in serving:
+        s.kill()
+    return serving
+
+
 def test_a_greedy_completion_resumed_after_its_shard_is_killed_equals_an_unbroken_one(
         real: tuple[list[Service], Service]) -> None:
     shards, gw = real
@@ -48,10 +56,7 @@ def test_a_greedy_completion_resumed_after_its_shard_is_killed_equals_an_unbroke
                 out[choice.index] = out.get(choice.index, "") + choice.text
                 chunks += 1
                 if chunks == kill_after:
-                    serving = [s for s in shards if s.proc is not None and s.proc.poll() is None and running(s) > 0]
-                    for s in serving:
-                        s.kill()
-                    killed.extend(serving)
+                    killed.extend(kill_serving(shards))
         return out, killed
 
     prompt = "The lighthouse keeper climbed the stairs and"
@@ -81,10 +86,7 @@ def test_an_echoed_loglikelihood_stream_resumed_lists_the_prompt_once(real: tupl
                     values += choice.logprobs.token_logprobs or []
                 chunks += 1
                 if chunks == kill_after:
-                    serving = [s for s in shards if s.proc is not None and s.proc.poll() is None and running(s) > 0]
-                    for s in serving:
-                        s.kill()
-                    killed.extend(serving)
+                    killed.extend(kill_serving(shards))
         return tokens, values, text, killed
 
     tokens, values, text, _ = lists(None)

@@ -287,6 +287,15 @@ class Restarting:
         return routable(self.now, service)
 
 
+async def restart(membership: Restarting, shard: Member) -> None:
+    """A lone shard's restart as membership sees it: its registration expires, then its new process registers
+    under the same id."""
+    await asyncio.sleep(0.4)
+    membership.now = []
+    await asyncio.sleep(0.6)
+    membership.now = [shard]
+
+
 async def test_a_lone_shard_dying_mid_stream_is_waited_for_and_the_stream_finishes_on_its_restart() -> None:
     """`up --shards 1 --pipeline-parallel-size 2`, a stage killed mid-stream: the supervisor restarted the
     group within seconds, but every open stream had already ended with upstream_error ("no other shard
@@ -299,13 +308,7 @@ async def test_a_lone_shard_dying_mid_stream_is_waited_for_and_the_stream_finish
     router = Router(membership, RouterMetrics(CollectorRegistry()), policy="least_loaded", rng=random.Random(3))
     up = Upstream(router, pool, UpstreamConfig(resume_wait_s=10))
 
-    async def restart() -> None:
-        await asyncio.sleep(0.4)
-        membership.now = []        # the dead process's registration expires
-        await asyncio.sleep(0.6)
-        membership.now = [shard]   # its restart registers under the same id
-
-    restarting = asyncio.ensure_future(restart())
+    restarting = asyncio.ensure_future(restart(membership, shard))
     stream = await up.open_resumable(BODY, session_id=None)
     events = await asyncio.wait_for(drain(stream), 10)
     await restarting
@@ -344,13 +347,7 @@ async def test_a_lone_shard_lost_before_the_first_token_is_waited_for_too() -> N
     router = Router(membership, RouterMetrics(CollectorRegistry()), policy="least_loaded", rng=random.Random(3))
     up = Upstream(router, pool, UpstreamConfig(resume_wait_s=10))
 
-    async def restart() -> None:
-        await asyncio.sleep(0.4)
-        membership.now = []        # the dead process's registration expires
-        await asyncio.sleep(0.6)
-        membership.now = [shard]   # its restart registers under the same id
-
-    restarting = asyncio.ensure_future(restart())
+    restarting = asyncio.ensure_future(restart(membership, shard))
     body = BODY.model_copy(update={"request_id": "r1"})
     stream = await asyncio.wait_for(up.open_resumable(body, session_id=None), 10)
     events = await asyncio.wait_for(drain(stream), 10)
